@@ -1,0 +1,1 @@
+//! criterion benches live in benches/
