@@ -1,1 +1,30 @@
-//! brigade-tensor
+//! Brigade's tensors: n-d arrays as shared storage plus a layout (shape, strides in
+//! elements, offset), on a [`Device`], with CPU kernels for everything the MLP and GPT
+//! models need.
+//!
+//! Views (transpose, permute, narrow, broadcast, reshape of contiguous data) cost no
+//! copy; ops return new tensors; a handful of in-place methods write through views,
+//! which is how gradients live inside flat DDP buckets. Compute is f32 (f64 for
+//! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
+//! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
+
+mod device;
+mod dtype;
+mod error;
+mod layout;
+mod ops;
+mod rng;
+mod storage;
+mod tensor;
+mod threads;
+
+pub use device::Device;
+pub use dtype::{DType, Element, Float};
+pub use error::{Result, TensorError};
+pub use layout::{broadcast_shape, contiguous_strides, Layout};
+pub use ops::gemm_threads_for;
+pub use ops::LayerNormSaved;
+pub use rng::Rng;
+pub use storage::{CpuStorage, Storage};
+pub use tensor::Tensor;
+pub use threads::{compute_threads, set_compute_threads};

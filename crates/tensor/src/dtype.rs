@@ -1,0 +1,176 @@
+//! Element types: which ones a tensor can store and which ones kernels compute in.
+
+use half::{bf16, f16};
+
+use crate::storage::CpuStorage;
+
+/// The element type of a tensor's storage.
+///
+/// Kernels compute in `F32` (and `F64`, used by the finite-difference gradient checker);
+/// `F16` and `BF16` are storage formats converted on the way in and out; `I64` and `U8`
+/// hold indices and tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    I64,
+    U8,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// True for the types kernels compute in (`F32`, `F64`).
+    pub fn is_compute(self) -> bool {
+        matches!(self, DType::F32 | DType::F64)
+    }
+
+    /// True for floating-point types.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::I64 | DType::U8)
+    }
+}
+
+/// A type that a CPU storage can hold.
+pub trait Element: Copy + Send + Sync + std::fmt::Debug + Default + 'static {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    /// Borrows the storage's elements if it holds this type.
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    /// Borrows the storage's elements mutably if it holds this type.
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+    /// Wraps a vector into a storage.
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    /// Converts to f64 (lossless for every supported type but large i64).
+    fn to_f64(self) -> f64;
+    /// Converts from f64, rounding as the type requires.
+    fn from_f64(x: f64) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $variant:ident, $to:expr, $from:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            fn to_f64(self) -> f64 {
+                ($to)(self)
+            }
+            fn from_f64(x: f64) -> Self {
+                ($from)(x)
+            }
+        }
+    };
+}
+
+element!(f32, F32, |x: f32| x as f64, |x: f64| x as f32);
+element!(f64, F64, |x: f64| x, |x: f64| x);
+element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
+element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
+element!(i64, I64, |x: i64| x as f64, |x: f64| x as i64);
+element!(u8, U8, |x: u8| x as f64, |x: f64| x as u8);
+
+/// A type kernels compute in: `f32` for training, `f64` for gradient checks.
+pub trait Float:
+    Element
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+    + std::ops::AddAssign
+    + std::ops::MulAssign
+    + std::iter::Sum
+{
+    const ZERO: Self;
+    const ONE: Self;
+    const NEG_INFINITY: Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn erf(self) -> Self;
+    fn abs(self) -> Self;
+    fn powf(self, p: Self) -> Self;
+    fn max(self, other: Self) -> Self;
+    fn from_usize(n: usize) -> Self {
+        Self::from_f64(n as f64)
+    }
+}
+
+impl Float for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+    fn abs(self) -> Self {
+        f32::abs(self)
+    }
+    fn powf(self, p: Self) -> Self {
+        f32::powf(self, p)
+    }
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+}
+
+impl Float for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+    fn abs(self) -> Self {
+        f64::abs(self)
+    }
+    fn powf(self, p: Self) -> Self {
+        f64::powf(self, p)
+    }
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+}
