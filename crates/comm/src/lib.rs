@@ -1,1 +1,31 @@
-//! brigade-comm
+//! brigade-comm: collectives for data-parallel training.
+//!
+//! - [`Communicator`]: one rank's asynchronous collectives (all-reduce, broadcast, all-gather,
+//!   reduce-scatter, barrier) on typed flat [`Buffer`]s, each returning a [`Work`] handle.
+//! - [`CommStream`]: the per-rank comm stream that runs collectives in issue order on a worker
+//!   thread over a synchronous [`Transport`]; a backend implements only the transport.
+//! - [`ThreadGroup`] / [`launch`]: the thread backend, `n` ranks as threads of one process.
+//! - [`SimulatedNetwork`]: makes any communicator as slow as a network of latency `alpha` and
+//!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
+//! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
+//!   Chrome trace JSON.
+//! - [`bench`]: the all-reduce bandwidth benchmark behind `brigade bench comm`.
+
+pub mod bench;
+mod buffer;
+mod communicator;
+mod error;
+mod sim;
+mod stream;
+mod thread;
+mod trace;
+mod work;
+
+pub use buffer::{Buffer, DType, ReduceOp};
+pub use communicator::Communicator;
+pub use error::CommError;
+pub use sim::{NetModel, SimulatedNetwork};
+pub use stream::{CommStream, Transport};
+pub use thread::{launch, launch_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT};
+pub use trace::{Event, Recorder, SpanGuard, SpanId, Stamp, Traced, Track};
+pub use work::{OpTiming, Promise, Work, WorkEvent};

@@ -1,0 +1,207 @@
+//! Typed flat buffers that collectives move, and the reduction operators.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+/// Element type of a [`Buffer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 16-bit IEEE float (reduced with f32 accumulation).
+    F16,
+    /// bfloat16 (reduced with f32 accumulation).
+    BF16,
+    /// Raw bytes: broadcast and all-gather only; reductions return [`crate::CommError::Unsupported`].
+    U8,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::U8 => "u8",
+        })
+    }
+}
+
+/// How a reduction combines the ranks' elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum over ranks, accumulated in f32 in rank order (rank 0 first).
+    Sum,
+    /// Sum (as above) divided by the world size.
+    Avg,
+    /// Element-wise maximum (`f32::max`: a NaN loses against a number).
+    Max,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+        })
+    }
+}
+
+/// A flat typed buffer handed to a collective by value and handed back by
+/// [`crate::Work::wait`]: the same `Vec`, never a copy, so the caller regains its allocation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Buffer {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f16 elements.
+    F16(Vec<f16>),
+    /// bf16 elements.
+    BF16(Vec<bf16>),
+    /// Bytes (e.g. serialized parameter signatures compared across ranks).
+    U8(Vec<u8>),
+}
+
+macro_rules! accessors {
+    ($variant:ident, $ty:ty, $as:ident, $into:ident) => {
+        #[doc = concat!("The elements, if this is a `", stringify!($variant), "` buffer.")]
+        pub fn $as(&self) -> Option<&[$ty]> {
+            match self {
+                Buffer::$variant(v) => Some(v),
+                _ => None,
+            }
+        }
+        #[doc = concat!("The `Vec`, if this is a `", stringify!($variant), "` buffer; otherwise the buffer back.")]
+        pub fn $into(self) -> Result<Vec<$ty>, Buffer> {
+            match self {
+                Buffer::$variant(v) => Ok(v),
+                other => Err(other),
+            }
+        }
+    };
+}
+
+impl Buffer {
+    /// A buffer of `len` zeros of type `dtype`.
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
+            DType::U8 => Buffer::U8(vec![0; len]),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::F32(v) => v.len(),
+            Buffer::F16(v) => v.len(),
+            Buffer::BF16(v) => v.len(),
+            Buffer::U8(v) => v.len(),
+        }
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::F16(_) => DType::F16,
+            Buffer::BF16(_) => DType::BF16,
+            Buffer::U8(_) => DType::U8,
+        }
+    }
+
+    /// Size of the elements in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.dtype().size_bytes()
+    }
+
+    /// Address of the first element (for checking that a collective handed back the same
+    /// allocation).
+    pub fn as_ptr(&self) -> *const u8 {
+        match self {
+            Buffer::F32(v) => v.as_ptr().cast(),
+            Buffer::F16(v) => v.as_ptr().cast(),
+            Buffer::BF16(v) => v.as_ptr().cast(),
+            Buffer::U8(v) => v.as_ptr(),
+        }
+    }
+
+    /// Raw mutable pointer to the first element, for backends that share the buffer with
+    /// peers for the duration of one collective.
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            Buffer::F32(v) => v.as_mut_ptr().cast(),
+            Buffer::F16(v) => v.as_mut_ptr().cast(),
+            Buffer::BF16(v) => v.as_mut_ptr().cast(),
+            Buffer::U8(v) => v.as_mut_ptr(),
+        }
+    }
+
+    /// Resizes to `len` elements, padding with zeros.
+    pub(crate) fn resize(&mut self, len: usize) {
+        match self {
+            Buffer::F32(v) => v.resize(len, 0.0),
+            Buffer::F16(v) => v.resize(len, f16::ZERO),
+            Buffer::BF16(v) => v.resize(len, bf16::ZERO),
+            Buffer::U8(v) => v.resize(len, 0),
+        }
+    }
+
+    /// Copies elements `src..src+count` to `dst..dst+count` (ranges may overlap).
+    pub(crate) fn copy_within(&mut self, src: usize, count: usize, dst: usize) {
+        match self {
+            Buffer::F32(v) => v.copy_within(src..src + count, dst),
+            Buffer::F16(v) => v.copy_within(src..src + count, dst),
+            Buffer::BF16(v) => v.copy_within(src..src + count, dst),
+            Buffer::U8(v) => v.copy_within(src..src + count, dst),
+        }
+    }
+
+    accessors!(F32, f32, as_f32, into_f32);
+    accessors!(F16, f16, as_f16, into_f16);
+    accessors!(BF16, bf16, as_bf16, into_bf16);
+    accessors!(U8, u8, as_u8, into_u8);
+}
+
+impl From<Vec<f32>> for Buffer {
+    fn from(v: Vec<f32>) -> Self {
+        Buffer::F32(v)
+    }
+}
+
+impl From<Vec<f16>> for Buffer {
+    fn from(v: Vec<f16>) -> Self {
+        Buffer::F16(v)
+    }
+}
+
+impl From<Vec<bf16>> for Buffer {
+    fn from(v: Vec<bf16>) -> Self {
+        Buffer::BF16(v)
+    }
+}
+
+impl From<Vec<u8>> for Buffer {
+    fn from(v: Vec<u8>) -> Self {
+        Buffer::U8(v)
+    }
+}

@@ -1,0 +1,103 @@
+//! Reduction kernels over the ranks' shared buffers: f32 accumulation, rank order.
+
+use half::{bf16, f16};
+
+use crate::ReduceOp;
+
+/// Elements per block: the f32 accumulator (8 KiB) and the blocks being read stay in L1.
+const BLOCK: usize = 2048;
+
+/// An element type reduced through an f32 accumulator.
+pub(crate) trait Element: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// Reduces elements `lo..hi` over the buffers `srcs` (one per rank, rank order) and writes the
+/// result to elements `lo..hi` of every buffer in `dsts`.
+///
+/// # Safety
+/// Every pointer must be valid for `hi` elements; during the call no other thread may read or
+/// write elements `lo..hi` of any of these buffers (the caller owns that range in all of them).
+pub(crate) unsafe fn reduce_range<E: Element>(
+    srcs: &[*mut E],
+    dsts: &[*mut E],
+    lo: usize,
+    hi: usize,
+    op: ReduceOp,
+) {
+    let mut acc = [0f32; BLOCK];
+    let world = srcs.len() as f32;
+    let mut start = lo;
+    while start < hi {
+        let n = BLOCK.min(hi - start);
+        let acc = &mut acc[..n];
+        // SAFETY: in bounds by the caller's contract; the range is owned by this thread.
+        let first = unsafe { std::slice::from_raw_parts(srcs[0].add(start), n) };
+        for (a, x) in acc.iter_mut().zip(first) {
+            *a = x.to_f32();
+        }
+        for &src in &srcs[1..] {
+            // SAFETY: as above.
+            let xs = unsafe { std::slice::from_raw_parts(src.add(start), n) };
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => {
+                    for (a, x) in acc.iter_mut().zip(xs) {
+                        *a += x.to_f32();
+                    }
+                }
+                ReduceOp::Max => {
+                    for (a, x) in acc.iter_mut().zip(xs) {
+                        *a = a.max(x.to_f32());
+                    }
+                }
+            }
+        }
+        if op == ReduceOp::Avg {
+            for a in acc.iter_mut() {
+                *a /= world;
+            }
+        }
+        for &dst in dsts {
+            // SAFETY: as above; `first`/`xs` are no longer used.
+            let out = unsafe { std::slice::from_raw_parts_mut(dst.add(start), n) };
+            for (o, a) in out.iter_mut().zip(acc.iter()) {
+                *o = E::from_f32(*a);
+            }
+        }
+        start += n;
+    }
+}

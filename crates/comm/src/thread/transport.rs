@@ -1,0 +1,198 @@
+//! The thread backend's transport: collectives over shared memory between the ranks' comm
+//! streams.
+//!
+//! # Slot protocol (the invariant behind the `unsafe`)
+//! Every collective is one *slot*, executed by every rank's stream in issue order:
+//! 1. **Exchange**: each rank publishes a descriptor with a raw pointer to its buffer and waits
+//!    for all others (`Rendezvous::exchange`). From here until step 3 the owning stream does not
+//!    touch its `Buffer` through Rust references: it is blocked in this function and uses only
+//!    the published pointers, like its peers.
+//! 2. **Move**: if all descriptors agree, rank `r` reads and writes only *its* element range
+//!    (chunk `r`) of the buffers (all-reduce, reduce-scatter, all-gather), or only its own
+//!    buffer (broadcast reads the root's buffer, which nobody writes). Ranges of different
+//!    ranks are disjoint, so there are no data races.
+//! 3. **Barrier**: nobody leaves the slot until every rank finished moving, so no buffer is
+//!    freed, resized or reused while a peer still holds its pointer. A rank that fails in the
+//!    middle (timeout, dead peer) never reaches step 2 for that slot, and an error at step 1
+//!    means some rank will never touch the pointers again.
+
+use half::{bf16, f16};
+
+use super::desc::{validate, OpDesc, OpKind, SharedPtr};
+use super::kernels::{reduce_range, Element};
+use super::rendezvous::Rendezvous;
+use crate::stream::Transport;
+use crate::{Buffer, CommError, DType, ReduceOp};
+use std::sync::Arc;
+
+/// Chunk boundaries are multiples of this many elements (at least one cache line).
+const CHUNK_ALIGN: usize = 32;
+
+/// One rank's end of a [`super::ThreadGroup`]: the [`Transport`] of the thread backend.
+pub struct ThreadTransport {
+    rank: usize,
+    shared: Arc<Rendezvous>,
+    slot: u64,
+}
+
+impl ThreadTransport {
+    pub(crate) fn new(rank: usize, shared: Arc<Rendezvous>) -> Self {
+        ThreadTransport { rank, shared, slot: 0 }
+    }
+
+    /// Runs one slot of the protocol on `buf` (none for a barrier) whose input had
+    /// `input_len` elements.
+    fn run_slot(
+        &mut self,
+        kind: OpKind,
+        buf: Option<&mut Buffer>,
+        input_len: usize,
+        tag: &str,
+    ) -> Result<(), CommError> {
+        let (dtype, ptr) = match buf {
+            Some(buf) => (Some(buf.dtype()), buf.as_mut_ptr()),
+            None => (None, std::ptr::null_mut()),
+        };
+        let desc = OpDesc {
+            slot: self.slot,
+            kind,
+            dtype,
+            len: input_len,
+            tag: tag.to_string(),
+            ptr: SharedPtr(ptr),
+        };
+        self.slot += 1;
+        let descs = self.shared.exchange(self.rank, desc)?;
+        let verdict = validate(&descs);
+        if verdict.is_ok() {
+            // SAFETY: step 2 of the slot protocol (module docs): all ranks agreed, every
+            // pointer is live until the barrier below, and this rank touches only its range.
+            unsafe { move_data(self.rank, &descs) };
+        }
+        self.shared.barrier(self.rank, tag)?;
+        verdict
+    }
+}
+
+/// Element range of rank `rank`'s chunk when `len` elements are split over `world` ranks.
+fn chunk(len: usize, world: usize, rank: usize) -> (usize, usize) {
+    let per = len.div_ceil(world).next_multiple_of(CHUNK_ALIGN);
+    ((rank * per).min(len), ((rank + 1) * per).min(len))
+}
+
+/// # Safety
+/// Step 2 of the slot protocol: `descs` agree and their pointers stay valid until every rank
+/// reached the closing barrier.
+unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
+    let world = descs.len();
+    let d = &descs[rank];
+    let Some(dtype) = d.dtype else { return };
+    let ptrs: Vec<*mut u8> = descs.iter().map(|d| d.ptr.0).collect();
+    let esize = dtype.size_bytes();
+    match d.kind {
+        OpKind::AllReduce(op) => {
+            let (lo, hi) = chunk(d.len, world, rank);
+            unsafe { reduce_typed(dtype, &ptrs, &ptrs, lo, hi, op) };
+        }
+        OpKind::ReduceScatter(op) => {
+            let per = d.len / world;
+            let (lo, hi) = (rank * per, (rank + 1) * per);
+            unsafe { reduce_typed(dtype, &ptrs, &ptrs[rank..rank + 1], lo, hi, op) };
+        }
+        OpKind::AllGather => {
+            // Each buffer holds world*len elements, the owner's input already at its place.
+            let seg = d.len * esize;
+            for (peer, &dst) in ptrs.iter().enumerate() {
+                if peer != rank && seg > 0 {
+                    // SAFETY: segment `rank` of every buffer belongs to this rank in this slot.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(ptrs[rank].add(rank * seg), dst.add(rank * seg), seg)
+                    };
+                }
+            }
+        }
+        OpKind::Broadcast { root } => {
+            if rank != root && d.len > 0 {
+                // SAFETY: the root's buffer is only read in this slot; ours only written by us.
+                unsafe { std::ptr::copy_nonoverlapping(ptrs[root], ptrs[rank], d.len * esize) };
+            }
+        }
+        OpKind::Barrier => {}
+    }
+}
+
+/// # Safety
+/// As [`reduce_range`], with `u8` pointers to buffers of element type `dtype`.
+unsafe fn reduce_typed(
+    dtype: DType,
+    srcs: &[*mut u8],
+    dsts: &[*mut u8],
+    lo: usize,
+    hi: usize,
+    op: ReduceOp,
+) {
+    unsafe fn typed<E: Element>(srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
+        let srcs: Vec<*mut E> = srcs.iter().map(|p| p.cast()).collect();
+        let dsts: Vec<*mut E> = dsts.iter().map(|p| p.cast()).collect();
+        unsafe { reduce_range(&srcs, &dsts, lo, hi, op) }
+    }
+    match dtype {
+        DType::F32 => unsafe { typed::<f32>(srcs, dsts, lo, hi, op) },
+        DType::F16 => unsafe { typed::<f16>(srcs, dsts, lo, hi, op) },
+        DType::BF16 => unsafe { typed::<bf16>(srcs, dsts, lo, hi, op) },
+        DType::U8 => unreachable!("validate rejects reductions on u8"),
+    }
+}
+
+impl Transport for ThreadTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world()
+    }
+
+    fn all_reduce(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
+        let len = buf.len();
+        self.run_slot(OpKind::AllReduce(op), Some(buf), len, tag)
+    }
+
+    fn broadcast(&mut self, buf: &mut Buffer, root: usize, tag: &str) -> Result<(), CommError> {
+        let len = buf.len();
+        self.run_slot(OpKind::Broadcast { root }, Some(buf), len, tag)
+    }
+
+    fn all_gather(&mut self, buf: &mut Buffer, tag: &str) -> Result<(), CommError> {
+        let len = buf.len();
+        let world = self.shared.world();
+        buf.resize(len * world);
+        if self.rank > 0 {
+            buf.copy_within(0, len, self.rank * len);
+        }
+        self.run_slot(OpKind::AllGather, Some(buf), len, tag)
+    }
+
+    fn reduce_scatter(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
+        let len = buf.len();
+        self.run_slot(OpKind::ReduceScatter(op), Some(&mut *buf), len, tag)?;
+        let per = len / self.shared.world();
+        buf.copy_within(self.rank * per, per, 0);
+        buf.resize(per);
+        Ok(())
+    }
+
+    fn barrier(&mut self, tag: &str) -> Result<(), CommError> {
+        self.run_slot(OpKind::Barrier, None, 0, tag)
+    }
+
+    fn close(&mut self, reason: &str) {
+        self.shared.mark_dead(self.rank, reason.to_string());
+    }
+}
+
+impl Drop for ThreadTransport {
+    fn drop(&mut self) {
+        self.shared.mark_dead(self.rank, format!("rank {}'s comm stream ended", self.rank));
+    }
+}

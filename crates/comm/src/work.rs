@@ -1,0 +1,253 @@
+//! Work handles: the asynchronous result of a collective, and the producer side that completes it.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::CommError;
+
+/// When a collective ran on the comm stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpTiming {
+    /// When the comm stream began executing it (after every earlier collective finished).
+    pub started: Instant,
+    /// When it completed (successfully or not).
+    pub finished: Instant,
+}
+
+impl OpTiming {
+    /// `finished - started`.
+    pub fn duration(&self) -> Duration {
+        self.finished.saturating_duration_since(self.started)
+    }
+}
+
+/// What an observer registered with [`Work::observe`] is told.
+#[derive(Debug, Clone, Copy)]
+pub enum WorkEvent<'a> {
+    /// The comm stream began executing the collective at this instant.
+    Started(Instant),
+    /// The collective completed at `at`; `error` is `Some` when it failed.
+    Finished {
+        /// Completion instant.
+        at: Instant,
+        /// The error, when it failed.
+        error: Option<&'a CommError>,
+    },
+}
+
+type Observer = Box<dyn FnMut(WorkEvent<'_>) + Send>;
+
+struct State<T> {
+    result: Option<Result<T, CommError>>,
+    completed: bool,
+    started: Option<Instant>,
+    finished: Option<Instant>,
+    observers: Vec<Observer>,
+}
+
+struct Shared<T> {
+    state: Mutex<State<T>>,
+    done: Condvar,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // Observers run under this lock; a panicking observer must not wedge every waiter.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Handle to a collective that was issued and runs on the comm stream. `wait` hands back the
+/// result (for buffer collectives, the caller's own `Vec`); it never blocks for longer than the
+/// timeout. Dropping a `Work` does not cancel the collective.
+pub struct Work<T> {
+    shared: Arc<Shared<T>>,
+    rank: usize,
+    tag: String,
+    timeout: Duration,
+}
+
+/// Producer side of a [`Work`]: the comm stream (or a wrapper) stamps the start and completes
+/// it. Dropping a `Promise` without completing it completes the work with
+/// [`CommError::Closed`], so no waiter can hang on a forgotten operation.
+pub struct Promise<T> {
+    shared: Arc<Shared<T>>,
+    rank: usize,
+    tag: String,
+    completed: bool,
+}
+
+impl<T> Work<T> {
+    /// A pending work handle for a collective `tag` on `rank` whose `wait` uses `timeout`,
+    /// with the promise that completes it. Backends and wrappers use this.
+    pub fn pending(rank: usize, tag: &str, timeout: Duration) -> (Work<T>, Promise<T>) {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                result: None,
+                completed: false,
+                started: None,
+                finished: None,
+                observers: Vec::new(),
+            }),
+            done: Condvar::new(),
+        });
+        let work = Work { shared: shared.clone(), rank, tag: tag.to_string(), timeout };
+        let promise = Promise { shared, rank, tag: tag.to_string(), completed: false };
+        (work, promise)
+    }
+
+    /// The rank that issued the collective.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The collective's tag.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Whether the collective has completed (successfully or not); never blocks for long.
+    pub fn is_completed(&self) -> bool {
+        self.shared.lock().completed
+    }
+
+    /// When it started and finished on the comm stream, once it has completed.
+    pub fn timing(&self) -> Option<OpTiming> {
+        let st = self.shared.lock();
+        match (st.completed, st.started, st.finished) {
+            (true, Some(started), Some(finished)) => Some(OpTiming { started, finished }),
+            _ => None,
+        }
+    }
+
+    /// Waits, at most the communicator's timeout, and returns the result.
+    pub fn wait(self) -> Result<T, CommError> {
+        let timeout = self.timeout;
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits at most `timeout` and returns the result; [`CommError::Timeout`] after that (the
+    /// collective itself goes on running on the stream).
+    pub fn wait_timeout(self, timeout: Duration) -> Result<T, CommError> {
+        self.wait_timed_timeout(timeout).map(|(value, _)| value)
+    }
+
+    /// Like [`Work::wait`], also returning when the collective started and finished.
+    pub fn wait_timed(self) -> Result<(T, OpTiming), CommError> {
+        let timeout = self.timeout;
+        self.wait_timed_timeout(timeout)
+    }
+
+    /// Like [`Work::wait_timeout`], also returning when the collective started and finished.
+    pub fn wait_timed_timeout(self, timeout: Duration) -> Result<(T, OpTiming), CommError> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut st = self.shared.lock();
+        loop {
+            if st.completed {
+                let timing = OpTiming {
+                    started: st.started.expect("completed work has a start"),
+                    finished: st.finished.expect("completed work has a finish"),
+                };
+                let result = st.result.take().expect("a Work's result is taken once");
+                return result.map(|value| (value, timing));
+            }
+            st = match deadline {
+                None => self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(CommError::Timeout {
+                            rank: self.rank,
+                            tag: self.tag.clone(),
+                            after: timeout,
+                        });
+                    }
+                    self.shared
+                        .done
+                        .wait_timeout(st, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Registers `observer` to be told when the collective starts and finishes on the comm
+    /// stream, without anyone calling `wait`. Events that already happened are replayed at once,
+    /// in order. Observers run on the comm stream's thread under the handle's lock: keep them
+    /// short and do not touch this `Work` from inside.
+    pub fn observe(&self, mut observer: impl FnMut(WorkEvent<'_>) + Send + 'static) {
+        let mut st = self.shared.lock();
+        if let Some(started) = st.started {
+            observer(WorkEvent::Started(started));
+        }
+        if st.completed {
+            let at = st.finished.expect("completed work has a finish");
+            let error = st.result.as_ref().and_then(|r| r.as_ref().err());
+            observer(WorkEvent::Finished { at, error });
+            return;
+        }
+        st.observers.push(Box::new(observer));
+    }
+}
+
+impl<T> Promise<T> {
+    /// Stamps the start now (the comm stream began executing the collective).
+    pub fn start(&self) {
+        self.start_at(Instant::now());
+    }
+
+    /// Stamps the start at `at` (wrappers that model a later start, e.g. a simulated link).
+    /// Only the first call counts.
+    pub fn start_at(&self, at: Instant) {
+        let mut st = self.shared.lock();
+        if st.started.is_some() {
+            return;
+        }
+        st.started = Some(at);
+        for observer in st.observers.iter_mut() {
+            observer(WorkEvent::Started(at));
+        }
+    }
+
+    /// Completes the work now with `result`, waking every waiter.
+    pub fn complete(mut self, result: Result<T, CommError>) {
+        self.finish(result);
+    }
+
+    fn finish(&mut self, result: Result<T, CommError>) {
+        self.completed = true;
+        let now = Instant::now();
+        let mut st = self.shared.lock();
+        let started = match st.started {
+            Some(started) => started,
+            None => {
+                st.started = Some(now);
+                for observer in st.observers.iter_mut() {
+                    observer(WorkEvent::Started(now));
+                }
+                now
+            }
+        };
+        let mut observers = std::mem::take(&mut st.observers);
+        st.finished = Some(now.max(started));
+        st.result = Some(result);
+        st.completed = true;
+        let at = st.finished.unwrap();
+        let error = st.result.as_ref().and_then(|r| r.as_ref().err());
+        for observer in observers.iter_mut() {
+            observer(WorkEvent::Finished { at, error });
+        }
+        drop(st);
+        self.shared.done.notify_all();
+    }
+}
+
+impl<T> Drop for Promise<T> {
+    fn drop(&mut self) {
+        if !self.completed {
+            let err = CommError::Closed { rank: self.rank, tag: self.tag.clone() };
+            self.finish(Err(err));
+        }
+    }
+}
