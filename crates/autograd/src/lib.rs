@@ -1,1 +1,25 @@
-//! brigade-autograd
+//! Brigade's autograd: define-by-run reverse mode over [`brigade_tensor::Tensor`].
+//!
+//! Every op on a [`Var`] computes its value and records, beside it, how to map its
+//! output gradient back to its inputs. [`Var::backward`] walks that record newest-first
+//! and, the moment a parameter has received its last contribution, announces it on the
+//! **gradient-ready bus** ([`GradBus`]) of its [`ParamStore`]: a DDP reducer listening
+//! there can start reducing that gradient while backward continues with earlier layers.
+//! A subscriber may also give a parameter the storage its gradient accumulates into
+//! ([`Var::set_grad_buffer`]), so that gradients can be views into one flat buffer.
+
+mod backward;
+mod bus;
+mod error;
+mod gradcheck;
+mod ops;
+pub mod optim;
+mod params;
+mod var;
+
+pub use bus::{GradBus, GradReady, GradSubscriber};
+pub use error::{AutogradError, Result};
+pub use gradcheck::{gradcheck, GradcheckReport};
+pub use optim::{AdamW, Optimizer, Sgd};
+pub use params::ParamStore;
+pub use var::{is_grad_enabled, no_grad, scope, Var};

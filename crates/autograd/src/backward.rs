@@ -1,0 +1,131 @@
+//! The reverse pass: walks the graph from an output back to the leaves, and announces
+//! each parameter on its bus the moment its last contribution has been added.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use brigade_tensor::Tensor;
+
+use crate::bus::GradSubscriber;
+use crate::{AutogradError, GradBus, GradReady, Result, Var};
+
+/// Every var reachable from `root` through vars that require grad, sorted newest first
+/// (a reverse topological order: inputs are always older than their outputs).
+fn reachable(root: &Var) -> Vec<Var> {
+    let mut seen = HashSet::new();
+    let mut stack = vec![root.clone()];
+    let mut out = vec![];
+    while let Some(v) = stack.pop() {
+        if !v.requires_grad() || !seen.insert(v.0.id) {
+            continue;
+        }
+        if let Some(node) = &v.0.node {
+            stack.extend(node.inputs.iter().cloned());
+        }
+        out.push(v);
+    }
+    out.sort_by(|a, b| b.0.id.cmp(&a.0.id));
+    out
+}
+
+impl Var {
+    /// Backward from a scalar output (gradient 1).
+    pub fn backward(&self) -> Result<()> {
+        let v = self.value();
+        if v.numel() != 1 {
+            return Err(AutogradError::NotScalar(v.shape().to_vec()));
+        }
+        self.backward_with(Tensor::ones(v.shape(), v.dtype()))
+    }
+
+    /// Backward from this output with the given seed gradient.
+    ///
+    /// Gradients accumulate into the leaves' `.grad` (adding to what previous backward
+    /// passes left, until zeroed). Each parameter is announced with
+    /// [`crate::GradSubscriber::grad_ready`] on its store's bus as soon as every
+    /// contribution it will receive in this pass has been added, not at the end.
+    pub fn backward_with(&self, seed: Tensor) -> Result<()> {
+        if !self.requires_grad() {
+            return Err(AutogradError::NoGraph);
+        }
+        let order = reachable(self);
+        // How many contributions each parameter will receive, and who listens.
+        let mut pending: HashMap<u64, usize> = HashMap::new();
+        let mut buses: Vec<GradBus> = vec![];
+        for v in &order {
+            if let Some(node) = &v.0.node {
+                for inp in &node.inputs {
+                    if let Some(p) = &inp.0.param {
+                        *pending.entry(inp.0.id).or_default() += 1;
+                        if !buses.iter().any(|b| b.same(&p.bus)) {
+                            buses.push(p.bus.clone());
+                        }
+                    }
+                }
+            }
+        }
+        let subscribers: Vec<Arc<dyn GradSubscriber>> = buses.iter().flat_map(|b| b.snapshot()).collect();
+        for s in &subscribers {
+            s.backward_started();
+        }
+        let announce = |p: &Var| -> Result<()> {
+            let info = p.0.param.as_ref().expect("announced vars are parameters");
+            for s in info.bus.snapshot() {
+                s.grad_ready(GradReady { index: info.index, name: &info.name })
+                    .map_err(|message| AutogradError::Subscriber { param: info.name.clone(), message })?;
+            }
+            Ok(())
+        };
+        // The output itself may be a parameter (a loss that is just a weight).
+        if self.0.node.is_none() {
+            self.accumulate_grad(&seed)?;
+            if self.0.param.is_some() {
+                announce(self)?;
+            }
+            return Ok(());
+        }
+        let mut grads: HashMap<u64, Tensor> = HashMap::new();
+        grads.insert(self.0.id, seed);
+        for v in &order {
+            let Some(node) = &v.0.node else { continue };
+            let g = grads.remove(&v.0.id);
+            let input_grads = match &g {
+                Some(g) => {
+                    for s in &subscribers {
+                        s.node_backward(node.scope.as_deref(), node.op);
+                    }
+                    (node.backward)(g)?
+                }
+                None => vec![None; node.inputs.len()],
+            };
+            for (inp, ig) in node.inputs.iter().zip(input_grads) {
+                if !inp.requires_grad() {
+                    continue;
+                }
+                if let Some(ig) = ig {
+                    if inp.0.node.is_some() {
+                        match grads.get_mut(&inp.0.id) {
+                            Some(acc) => *acc = acc.add(&ig)?,
+                            None => {
+                                grads.insert(inp.0.id, ig);
+                            }
+                        }
+                    } else {
+                        inp.accumulate_grad(&ig)?;
+                    }
+                }
+                if inp.0.param.is_some() {
+                    let left = pending.get_mut(&inp.0.id).expect("counted above");
+                    *left -= 1;
+                    if *left == 0 {
+                        announce(inp)?;
+                    }
+                }
+            }
+        }
+        for s in &subscribers {
+            s.backward_finished();
+        }
+        Ok(())
+    }
+}

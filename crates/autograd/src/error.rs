@@ -1,0 +1,32 @@
+//! The autograd crate's error type.
+
+use brigade_tensor::TensorError;
+
+/// What can go wrong while recording, differentiating or optimizing.
+#[derive(Debug, thiserror::Error)]
+pub enum AutogradError {
+    /// A tensor op failed (shape, dtype, range...).
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// `backward()` was called on a tensor that is not a single element, without a seed gradient.
+    #[error("backward: the output has shape {0:?}; call backward on a scalar or pass a gradient of that shape")]
+    NotScalar(Vec<usize>),
+    /// `backward()` on something that does not require grad.
+    #[error("backward: the output does not require grad (was it computed under no_grad, or from no parameter?)")]
+    NoGraph,
+    /// A gradient-ready subscriber (e.g. the DDP reducer) refused an announcement.
+    #[error("gradient-ready subscriber failed on parameter '{param}': {message}")]
+    Subscriber { param: String, message: String },
+    /// A gradient buffer that does not fit its parameter.
+    #[error("gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}")]
+    GradBuffer { param: String, expected: Vec<usize>, found: Vec<usize>, dtype: brigade_tensor::DType },
+    /// Optimizer state that does not match the parameters.
+    #[error("optimizer state: {0}")]
+    OptimizerState(String),
+    /// Anything else an argument got wrong.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Result alias for this crate.
+pub type Result<T> = std::result::Result<T, AutogradError>;

@@ -1,0 +1,224 @@
+//! Optimizers with PyTorch's semantics: SGD (momentum, weight decay) and AdamW.
+//!
+//! Both update parameters in place, skip parameters without a gradient, and expose
+//! their state as named tensors so that checkpoints can save and restore it exactly.
+
+use brigade_tensor::{DType, Tensor};
+
+use crate::{AutogradError, Result, Var};
+
+/// One optimizer over a fixed list of parameters.
+pub trait Optimizer: Send {
+    /// Applies one update from the parameters' current gradients.
+    fn step(&mut self) -> Result<()>;
+    /// The learning rate.
+    fn lr(&self) -> f64;
+    /// Changes the learning rate (schedules).
+    fn set_lr(&mut self, lr: f64);
+    /// The state as `(name, tensor)` pairs (`step` is stored as a 1-element f64 tensor).
+    fn state(&self) -> Result<Vec<(String, Tensor)>>;
+    /// Restores state produced by [`Optimizer::state`] for the same parameters.
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+}
+
+fn f32_of(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.to_vec::<f32>()?)
+}
+
+fn name_of(p: &Var, i: usize) -> String {
+    p.name().map(str::to_string).unwrap_or_else(|| format!("param{i}"))
+}
+
+fn find<'a>(state: &'a [(String, Tensor)], key: &str) -> Result<&'a Tensor> {
+    state
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, t)| t)
+        .ok_or_else(|| AutogradError::OptimizerState(format!("missing entry '{key}'")))
+}
+
+fn load_into(slot: &mut Tensor, t: &Tensor, key: &str) -> Result<()> {
+    if t.shape() != slot.shape() {
+        return Err(AutogradError::OptimizerState(format!("'{key}' has shape {:?}, expected {:?}", t.shape(), slot.shape())));
+    }
+    *slot = t.to_dtype(DType::F32)?.copy()?;
+    Ok(())
+}
+
+/// Stochastic gradient descent: `g += wd * p; buf = momentum * buf + g; p -= lr * buf`
+/// (the first step sets `buf = g`), as `torch.optim.SGD` with dampening 0.
+pub struct Sgd {
+    params: Vec<Var>,
+    lr: f64,
+    momentum: f64,
+    weight_decay: f64,
+    bufs: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    /// SGD over `params`.
+    pub fn new(params: Vec<Var>, lr: f64, momentum: f64, weight_decay: f64) -> Self {
+        let bufs = vec![None; params.len()];
+        Sgd { params, lr, momentum, weight_decay, bufs }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(g) = p.grad() else { continue };
+            let mut g = f32_of(&g)?;
+            let w = p.value();
+            let (lr, mom, wd) = (self.lr as f32, self.momentum as f32, self.weight_decay as f32);
+            if wd != 0.0 {
+                w.with_contiguous("sgd", |pv: &[f32]| {
+                    for (g, &p) in g.iter_mut().zip(pv) {
+                        *g += wd * p;
+                    }
+                })?;
+            }
+            if mom != 0.0 {
+                match &self.bufs[i] {
+                    None => self.bufs[i] = Some(Tensor::from_vec(g.clone(), w.shape())?),
+                    Some(b) => {
+                        b.with_slice_mut("sgd", |bv: &mut [f32]| {
+                            for (b, gi) in bv.iter_mut().zip(g.iter_mut()) {
+                                *b = mom * *b + *gi;
+                                *gi = *b;
+                            }
+                        })?;
+                    }
+                }
+            }
+            w.with_slice_mut("sgd", |pv: &mut [f32]| {
+                for (p, &g) in pv.iter_mut().zip(&g) {
+                    *p -= lr * g;
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = vec![];
+        for (i, (p, b)) in self.params.iter().zip(&self.bufs).enumerate() {
+            if let Some(b) = b {
+                out.push((format!("{}.momentum_buffer", name_of(p, i)), b.copy()?));
+            }
+        }
+        Ok(out)
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            let key = format!("{}.momentum_buffer", name_of(p, i));
+            self.bufs[i] = match find(state, &key) {
+                Ok(t) => {
+                    let mut slot = Tensor::zeros(&p.shape(), DType::F32);
+                    load_into(&mut slot, t, &key)?;
+                    Some(slot)
+                }
+                Err(_) => None,
+            };
+        }
+        Ok(())
+    }
+}
+
+/// AdamW (`torch.optim.AdamW`): decoupled weight decay `p *= 1 - lr*wd`, then Adam with
+/// bias correction. Defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+pub struct AdamW {
+    params: Vec<Var>,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    step: u64,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl AdamW {
+    /// AdamW over `params` with PyTorch's defaults for everything but the learning rate.
+    pub fn new(params: Vec<Var>, lr: f64) -> Self {
+        Self::with_options(params, lr, (0.9, 0.999), 1e-8, 0.01)
+    }
+
+    /// AdamW with every hyper-parameter given.
+    pub fn with_options(params: Vec<Var>, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
+        let m = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
+        let v = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
+        AdamW { params, lr, beta1: betas.0, beta2: betas.1, eps, weight_decay, step: 0, m, v }
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        self.step += 1;
+        let t = self.step as i32;
+        let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
+        let (one_m_b1, one_m_b2) = ((1.0 - self.beta1) as f32, (1.0 - self.beta2) as f32);
+        let bc1 = 1.0 - self.beta1.powi(t);
+        let bc2 = 1.0 - self.beta2.powi(t);
+        let step_size = (self.lr / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        let (eps, decay) = (self.eps as f32, (1.0 - self.lr * self.weight_decay) as f32);
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(g) = p.grad() else { continue };
+            let g = f32_of(&g)?;
+            let w = p.value();
+            self.m[i].with_slice_mut("adamw", |m: &mut [f32]| {
+                self.v[i].with_slice_mut("adamw", |v: &mut [f32]| {
+                    w.with_slice_mut("adamw", |pv: &mut [f32]| {
+                        for j in 0..pv.len() {
+                            pv[j] *= decay;
+                            m[j] = b1 * m[j] + one_m_b1 * g[j];
+                            v[j] = b2 * v[j] + one_m_b2 * g[j] * g[j];
+                            let denom = v[j].sqrt() / bc2_sqrt + eps;
+                            pv[j] -= step_size * m[j] / denom;
+                        }
+                    })
+                })
+            })???;
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = vec![("step".to_string(), Tensor::from_vec(vec![self.step as f64], &[1])?)];
+        for (i, p) in self.params.iter().enumerate() {
+            let n = name_of(p, i);
+            out.push((format!("{n}.exp_avg"), self.m[i].copy()?));
+            out.push((format!("{n}.exp_avg_sq"), self.v[i].copy()?));
+        }
+        Ok(out)
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        self.step = find(state, "step")?.item()? as u64;
+        for (i, p) in self.params.iter().enumerate() {
+            let n = name_of(p, i);
+            let (km, kv) = (format!("{n}.exp_avg"), format!("{n}.exp_avg_sq"));
+            load_into(&mut self.m[i], find(state, &km)?, &km)?;
+            load_into(&mut self.v[i], find(state, &kv)?, &kv)?;
+        }
+        Ok(())
+    }
+}

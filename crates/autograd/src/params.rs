@@ -1,0 +1,80 @@
+//! Parameters: named leaves with stable registration indices, sharing one gradient bus.
+
+use brigade_tensor::Tensor;
+
+use crate::{AutogradError, GradBus, Result, Var};
+
+/// What makes a leaf a parameter.
+#[derive(Clone)]
+pub(crate) struct ParamInfo {
+    pub(crate) index: usize,
+    pub(crate) name: String,
+    pub(crate) bus: GradBus,
+}
+
+/// The parameters of one model (one rank's replica), in registration order, with the
+/// bus their gradient-ready events go to.
+#[derive(Clone, Default)]
+pub struct ParamStore {
+    params: Vec<Var>,
+    bus: GradBus,
+}
+
+impl ParamStore {
+    /// An empty store with a fresh bus.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a parameter; names must be unique.
+    pub fn add(&mut self, name: impl Into<String>, value: Tensor) -> Result<Var> {
+        let name = name.into();
+        if self.get(&name).is_some() {
+            return Err(AutogradError::Invalid(format!("parameter '{name}' registered twice")));
+        }
+        let info = ParamInfo { index: self.params.len(), name, bus: self.bus.clone() };
+        let v = Var::new_inner(value, true, None, Some(info));
+        self.params.push(v.clone());
+        Ok(v)
+    }
+
+    /// All parameters in registration order.
+    pub fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    /// The parameter called `name`.
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.params.iter().find(|p| p.name() == Some(name))
+    }
+
+    /// Number of parameters.
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// True when no parameter is registered.
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+
+    /// Total number of scalar elements.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(|p| p.value().numel()).sum()
+    }
+
+    /// The bus that backward announces these parameters' gradients on.
+    pub fn bus(&self) -> &GradBus {
+        &self.bus
+    }
+
+    /// Zeroes every gradient in place (buffers stay where they are).
+    pub fn zero_grad(&self) -> Result<()> {
+        self.params.iter().try_for_each(Var::zero_grad)
+    }
+
+    /// `(name, value)` pairs in registration order.
+    pub fn named_values(&self) -> Vec<(String, Tensor)> {
+        self.params.iter().map(|p| (p.name().unwrap_or_default().to_string(), p.value())).collect()
+    }
+}

@@ -1,0 +1,226 @@
+//! `Var`: a tensor that remembers how it was made, so that gradients can flow back.
+
+use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use brigade_tensor::Tensor;
+
+use crate::params::ParamInfo;
+use crate::Result;
+
+/// The backward of one op: from the gradient of its output to one optional gradient per
+/// input (`None` where an input needs none).
+pub(crate) type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+
+/// The record of the op that produced a `Var`.
+pub(crate) struct Node {
+    pub(crate) op: &'static str,
+    pub(crate) scope: Option<Arc<str>>,
+    pub(crate) inputs: Vec<Var>,
+    pub(crate) backward: BackwardFn,
+}
+
+pub(crate) struct VarInner {
+    /// Creation order: a node's inputs always have smaller ids, so sorting by id
+    /// descending is a reverse topological order.
+    pub(crate) id: u64,
+    pub(crate) data: RwLock<Tensor>,
+    pub(crate) grad: Mutex<Option<Tensor>>,
+    pub(crate) requires_grad: bool,
+    pub(crate) node: Option<Node>,
+    pub(crate) param: Option<ParamInfo>,
+}
+
+/// A node of the autograd graph: a value plus, if it requires grad, the op that made
+/// it. Cheap to clone (shared). Leaves that require grad (parameters, inputs of a
+/// gradient check) accumulate their gradient in [`Var::grad`].
+#[derive(Clone)]
+pub struct Var(pub(crate) Arc<VarInner>);
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+    static SCOPE: RefCell<Vec<Arc<str>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` without recording a graph (evaluation, optimizer updates).
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let prev = GRAD_ENABLED.with(|g| g.replace(false));
+    let r = f();
+    GRAD_ENABLED.with(|g| g.set(prev));
+    r
+}
+
+/// True unless inside [`no_grad`].
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Runs `f` with `name` appended to the current module scope (`blocks.0` then `attn`
+/// gives `blocks.0.attn`). Ops record their scope, and backward reports it, so that a
+/// timeline can show the backward of each layer.
+pub fn scope<R>(name: &str, f: impl FnOnce() -> R) -> R {
+    SCOPE.with(|s| {
+        let mut s = s.borrow_mut();
+        let full: Arc<str> = match s.last() {
+            Some(p) => format!("{p}.{name}").into(),
+            None => name.into(),
+        };
+        s.push(full);
+    });
+    let r = f();
+    SCOPE.with(|s| s.borrow_mut().pop());
+    r
+}
+
+fn current_scope() -> Option<Arc<str>> {
+    SCOPE.with(|s| s.borrow().last().cloned())
+}
+
+impl std::fmt::Debug for Var {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.value();
+        match &self.0.param {
+            Some(p) => write!(f, "Param({}, {:?})", p.name, t.shape()),
+            None => write!(f, "Var({:?}, requires_grad={})", t.shape(), self.0.requires_grad),
+        }
+    }
+}
+
+impl Var {
+    pub(crate) fn new_inner(data: Tensor, requires_grad: bool, node: Option<Node>, param: Option<ParamInfo>) -> Var {
+        Var(Arc::new(VarInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            data: RwLock::new(data),
+            grad: Mutex::new(None),
+            requires_grad,
+            node,
+            param,
+        }))
+    }
+
+    /// A constant (no gradient).
+    pub fn constant(data: Tensor) -> Var {
+        Self::new_inner(data, false, None, None)
+    }
+
+    /// A leaf that accumulates a gradient but is not a registered parameter (e.g. an
+    /// input whose gradient a test wants).
+    pub fn leaf(data: Tensor) -> Var {
+        Self::new_inner(data, true, None, None)
+    }
+
+    /// The result of an op: records `backward` if grad is enabled and any input needs it.
+    pub(crate) fn from_op(
+        op: &'static str,
+        value: Tensor,
+        inputs: &[&Var],
+        backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    ) -> Var {
+        if !is_grad_enabled() || !inputs.iter().any(|v| v.requires_grad()) {
+            return Var::constant(value);
+        }
+        let node = Node {
+            op,
+            scope: current_scope(),
+            inputs: inputs.iter().map(|&v| v.clone()).collect(),
+            backward: Box::new(backward),
+        };
+        Self::new_inner(value, true, Some(node), None)
+    }
+
+    /// The current value (shares storage).
+    pub fn value(&self) -> Tensor {
+        self.0.data.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the value of a leaf (loading a checkpoint, broadcasting rank 0's
+    /// parameters). The shape must stay the same.
+    pub fn set_value(&self, t: Tensor) -> Result<()> {
+        let mut d = self.0.data.write().unwrap_or_else(|e| e.into_inner());
+        if d.shape() != t.shape() || d.dtype() != t.dtype() {
+            return Err(brigade_tensor::TensorError::ShapeMismatch { op: "set_value", lhs: d.shape().to_vec(), rhs: t.shape().to_vec() }.into());
+        }
+        *d = t;
+        Ok(())
+    }
+
+    /// Shape of the value.
+    pub fn shape(&self) -> Vec<usize> {
+        self.value().shape().to_vec()
+    }
+
+    /// True when gradients flow into or through this var.
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad
+    }
+
+    /// The accumulated gradient of a leaf (a view into a bucket when one was attached).
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Parameter name, if this is a registered parameter.
+    pub fn name(&self) -> Option<&str> {
+        self.0.param.as_ref().map(|p| p.name.as_str())
+    }
+
+    /// Registration index, if this is a registered parameter.
+    pub fn param_index(&self) -> Option<usize> {
+        self.0.param.as_ref().map(|p| p.index)
+    }
+
+    /// True when both handles are the same graph node.
+    pub fn same(&self, other: &Var) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// Makes `buffer` the storage this leaf's gradient accumulates into (for example a
+    /// view into a DDP bucket's flat buffer). Any gradient already accumulated is copied
+    /// over, so nothing is lost.
+    pub fn set_grad_buffer(&self, buffer: Tensor) -> Result<()> {
+        let v = self.value();
+        if buffer.shape() != v.shape() || buffer.dtype() != v.dtype() {
+            return Err(crate::AutogradError::GradBuffer {
+                param: self.name().unwrap_or("<leaf>").to_string(),
+                expected: v.shape().to_vec(),
+                found: buffer.shape().to_vec(),
+                dtype: v.dtype(),
+            });
+        }
+        let mut g = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
+        match g.as_ref() {
+            Some(old) => buffer.copy_from(old)?,
+            None => buffer.fill(0.0)?,
+        }
+        *g = Some(buffer);
+        Ok(())
+    }
+
+    /// Sets the accumulated gradient to zero, keeping its storage (and so any bucket
+    /// view) in place.
+    pub fn zero_grad(&self) -> Result<()> {
+        if let Some(g) = self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            g.fill(0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Adds `g` into this leaf's gradient: in place when a gradient (or buffer) exists,
+    /// otherwise as a fresh contiguous copy (never aliasing a tensor an op returned).
+    pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
+        let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_ref() {
+            Some(acc) => acc.add_assign(g)?,
+            None => *slot = Some(g.copy()?),
+        }
+        Ok(())
+    }
+
+    /// Detaches: the same value as a constant.
+    pub fn detach(&self) -> Var {
+        Var::constant(self.value())
+    }
+}
