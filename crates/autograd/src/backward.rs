@@ -64,15 +64,23 @@ impl Var {
                 }
             }
         }
-        let subscribers: Vec<Arc<dyn GradSubscriber>> = buses.iter().flat_map(|b| b.snapshot()).collect();
-        for s in &subscribers {
-            s.backward_started();
+        let mut subscribers: Vec<Arc<dyn GradSubscriber>> = vec![];
+        for bus in &buses {
+            let mut in_graph: Vec<usize> = order
+                .iter()
+                .filter_map(|v| v.0.param.as_ref().filter(|p| p.bus.same(bus)).map(|p| p.index))
+                .collect();
+            in_graph.sort_unstable();
+            for s in bus.snapshot() {
+                s.backward_started(&in_graph).map_err(|message| AutogradError::Subscriber { param: "<backward start>".into(), message })?;
+                subscribers.push(s);
+            }
         }
         let announce = |p: &Var| -> Result<()> {
             let info = p.0.param.as_ref().expect("announced vars are parameters");
             for s in info.bus.snapshot() {
                 s.grad_ready(GradReady { index: info.index, name: &info.name })
-                    .map_err(|message| AutogradError::Subscriber { param: info.name.clone(), message })?;
+                    .map_err(|message| AutogradError::Subscriber { param: format!("parameter '{}'", info.name), message })?;
             }
             Ok(())
         };
@@ -124,7 +132,7 @@ impl Var {
             }
         }
         for s in &subscribers {
-            s.backward_finished();
+            s.backward_finished().map_err(|message| AutogradError::Subscriber { param: "<backward end>".into(), message })?;
         }
         Ok(())
     }

@@ -15,16 +15,24 @@ pub struct GradReady<'a> {
 /// Receives backward events. Methods run on the backward thread, in the order the
 /// events happen, so they must be cheap (record, mark, hand off; never block long).
 pub trait GradSubscriber: Send + Sync {
-    /// Backward is about to run the first node.
-    fn backward_started(&self) {}
+    /// Backward is about to run its first node. `params_in_graph` lists (by registration
+    /// index) the parameters of this subscriber's store that will receive a gradient in
+    /// this pass; the others are unused by this pass's graph. An error aborts the pass.
+    fn backward_started(&self, _params_in_graph: &[usize]) -> Result<(), String> {
+        Ok(())
+    }
     /// The backward of one op is about to run; `scope` is the module path it was
     /// recorded under (e.g. `layers.1`), if any.
     fn node_backward(&self, _scope: Option<&str>, _op: &str) {}
     /// A parameter's gradient is final for this backward pass. An error aborts the
     /// backward pass and is returned from `backward()`.
     fn grad_ready(&self, ready: GradReady<'_>) -> Result<(), String>;
-    /// Backward ran its last node (after every `grad_ready`).
-    fn backward_finished(&self) {}
+    /// Backward ran its last node (after every `grad_ready`). A subscriber may finish
+    /// its own work here (the DDP reducer waits for its buckets); an error is returned
+    /// from `backward()`.
+    fn backward_finished(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A list of subscribers shared by all parameters of one [`crate::ParamStore`].

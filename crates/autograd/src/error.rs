@@ -15,7 +15,7 @@ pub enum AutogradError {
     #[error("backward: the output does not require grad (was it computed under no_grad, or from no parameter?)")]
     NoGraph,
     /// A gradient-ready subscriber (e.g. the DDP reducer) refused an announcement.
-    #[error("gradient-ready subscriber failed on parameter '{param}': {message}")]
+    #[error("gradient-ready subscriber failed at {param}: {message}")]
     Subscriber { param: String, message: String },
     /// A gradient buffer that does not fit its parameter.
     #[error("gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}")]
