@@ -115,7 +115,7 @@ impl<C: Communicator> SimulatedNetwork<C> {
                     *link_free = sim_finish;
                     promise.start_at(sim_start);
                     sleep_until(sim_finish);
-                    promise.complete(Ok(value));
+                    promise.complete_at(Ok(value), sim_finish);
                 }
                 Err(err) => promise.complete(Err(err)),
             }

@@ -212,12 +212,17 @@ impl<T> Promise<T> {
 
     /// Completes the work now with `result`, waking every waiter.
     pub fn complete(mut self, result: Result<T, CommError>) {
-        self.finish(result);
+        self.finish(result, Instant::now());
     }
 
-    fn finish(&mut self, result: Result<T, CommError>) {
+    /// Completes the work with `result`, stamping `at` as its finish (wrappers that model the
+    /// finish, e.g. a simulated link; `at` should not be in the future).
+    pub fn complete_at(mut self, result: Result<T, CommError>, at: Instant) {
+        self.finish(result, at);
+    }
+
+    fn finish(&mut self, result: Result<T, CommError>, now: Instant) {
         self.completed = true;
-        let now = Instant::now();
         let mut st = self.shared.lock();
         let started = match st.started {
             Some(started) => started,
@@ -247,7 +252,7 @@ impl<T> Drop for Promise<T> {
     fn drop(&mut self) {
         if !self.completed {
             let err = CommError::Closed { rank: self.rank, tag: self.tag.clone() };
-            self.finish(Err(err));
+            self.finish(Err(err), Instant::now());
         }
     }
 }

@@ -20,7 +20,9 @@ fn a_missing_peer_times_out_and_then_counts_as_dead() {
     let results = launch_with_timeout(2, timeout, |comm| {
         if comm.rank() == 0 {
             let t = Instant::now();
-            let err = comm.all_reduce(f32s(8, 1.0), ReduceOp::Sum, "bucket 7").wait().unwrap_err();
+            // Waiting longer than the group timeout: the stream's own wait must give up.
+            let work = comm.all_reduce(f32s(8, 1.0), ReduceOp::Sum, "bucket 7");
+            let err = work.wait_timeout(Duration::from_secs(10)).unwrap_err();
             let elapsed = t.elapsed();
             gate.wait();
             (Some(err), elapsed)

@@ -17,7 +17,10 @@ struct State {
     arrived: Vec<bool>,
     count: usize,
     generation: u64,
-    dead: Vec<Option<String>>,
+    /// Why each dead rank is dead, with the order of death (the first death is the cause
+    /// reported; later ones are usually its consequences).
+    dead: Vec<Option<(usize, String)>>,
+    deaths: usize,
     descs: Vec<Option<OpDesc>>,
 }
 
@@ -41,6 +44,7 @@ impl Rendezvous {
                 count: 0,
                 generation: 0,
                 dead: vec![None; world],
+                deaths: 0,
                 descs: vec![None; world],
             }),
             released: Condvar::new(),
@@ -60,7 +64,8 @@ impl Rendezvous {
     pub(crate) fn mark_dead(&self, rank: usize, reason: String) {
         let mut st = self.lock();
         if st.dead[rank].is_none() {
-            st.dead[rank] = Some(reason);
+            st.dead[rank] = Some((st.deaths, reason));
+            st.deaths += 1;
         }
         drop(st);
         self.released.notify_all();
@@ -129,10 +134,14 @@ impl Rendezvous {
                     (0..self.world).filter(|&r| !st.arrived[r]).collect();
                 // Giving up leaves the barrier count wrong for good: declare this rank dead so
                 // the peers fail promptly instead of timing out one by one.
-                st.dead[rank] = Some(format!(
-                    "it timed out after {:?} in collective `{tag}` waiting for ranks {missing:?}",
-                    self.timeout
-                ));
+                if st.dead[rank].is_none() {
+                    let reason = format!(
+                        "it timed out after {:?} in collective `{tag}` waiting for ranks {missing:?}",
+                        self.timeout
+                    );
+                    st.dead[rank] = Some((st.deaths, reason));
+                    st.deaths += 1;
+                }
                 drop(st);
                 self.released.notify_all();
                 return Err(CommError::Timeout { rank, tag: tag.to_string(), after: self.timeout });
@@ -143,11 +152,14 @@ impl Rendezvous {
 }
 
 fn first_dead(st: &State, tag: &str) -> Option<CommError> {
-    st.dead.iter().enumerate().find_map(|(rank, reason)| {
-        reason.as_ref().map(|reason| CommError::RankFailed {
+    st.dead
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, dead)| dead.as_ref().map(|(order, reason)| (order, rank, reason)))
+        .min()
+        .map(|(_, rank, reason)| CommError::RankFailed {
             rank,
             tag: tag.to_string(),
             reason: reason.clone(),
         })
-    })
 }
