@@ -1,12 +1,65 @@
 //! `brigade bench ...` subcommands.
 
-use clap::Subcommand;
+use brigade_comm::bench::{default_sizes, parse_size, run_comm_bench, CommBenchConfig};
+use clap::{Args, Subcommand, ValueEnum};
 
 /// What to benchmark.
 #[derive(Subcommand)]
-pub enum BenchCommand {}
+pub enum BenchCommand {
+    /// All-reduce bandwidth (algbw, busbw) against single-thread memcpy bandwidth.
+    Comm(CommArgs),
+}
+
+/// Communication backend to benchmark.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Backend {
+    /// Ranks as threads of this process, exchanging through shared memory.
+    Thread,
+}
+
+/// Options of `brigade bench comm`.
+#[derive(Args)]
+pub struct CommArgs {
+    /// Number of ranks.
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// Comma-separated buffer sizes (e.g. `1K,16M,64M`); default 1 KiB to 64 MiB by 4x.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub sizes: Option<Vec<usize>>,
+    /// Timed iterations per size (default: about 512 MiB of traffic per size, 5 to 1000).
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = Backend::Thread)]
+    pub backend: Backend,
+}
 
 /// Runs one benchmark subcommand.
 pub fn run(cmd: BenchCommand) -> Result<(), Box<dyn std::error::Error>> {
-    match cmd {}
+    match cmd {
+        BenchCommand::Comm(args) => bench_comm(args),
+    }
+}
+
+fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if args.world_size == 0 {
+        return Err("--world-size must be at least 1".into());
+    }
+    let Backend::Thread = args.backend;
+    let cfg = CommBenchConfig {
+        world_size: args.world_size,
+        sizes: args.sizes.unwrap_or_else(default_sizes),
+        iters: args.iters,
+        ..CommBenchConfig::default()
+    };
+    let report = run_comm_bench(&cfg)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_table());
+    }
+    Ok(())
 }

@@ -1,1 +1,182 @@
-//! bench placeholder
+//! All-reduce bandwidth benchmark (behind `brigade bench comm`), with the single-thread memcpy
+//! bandwidth of the same machine measured in the same run as the yardstick.
+//!
+//! Definitions follow nccl-tests: `algbw = bytes / time`, `busbw = algbw * 2(n-1)/n` for
+//! all-reduce over `n` ranks (the bandwidth each link would need in a ring).
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::{launch, Buffer, CommError, Communicator, ReduceOp};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct CommBenchConfig {
+    /// Ranks of the thread group.
+    pub world_size: usize,
+    /// Buffer sizes in bytes (f32 buffers: rounded down to a multiple of 4).
+    pub sizes: Vec<usize>,
+    /// Timed iterations per size; `None` picks `clamp(512 MiB / size, 5, 1000)`.
+    pub iters: Option<usize>,
+    /// Bytes copied by the memcpy yardstick.
+    pub memcpy_bytes: usize,
+}
+
+impl Default for CommBenchConfig {
+    fn default() -> Self {
+        CommBenchConfig {
+            world_size: 2,
+            sizes: default_sizes(),
+            iters: None,
+            memcpy_bytes: 256 << 20,
+        }
+    }
+}
+
+/// 1 KiB to 64 MiB, by factors of 4.
+pub fn default_sizes() -> Vec<usize> {
+    (0..9).map(|i| 1024usize << (2 * i)).collect()
+}
+
+/// One measured size.
+#[derive(Debug, Clone, Serialize)]
+pub struct AllReduceRow {
+    /// Buffer size in bytes.
+    pub bytes: usize,
+    /// Timed iterations.
+    pub iters: usize,
+    /// Mean time per all-reduce in seconds (rank 0's clock).
+    pub time_s: f64,
+    /// `bytes / time`, bytes per second.
+    pub algbw: f64,
+    /// `algbw * 2(n-1)/n`, bytes per second.
+    pub busbw: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct CommBenchReport {
+    /// Backend measured (`"thread"`).
+    pub backend: String,
+    /// Ranks.
+    pub world_size: usize,
+    /// Single-thread memcpy bandwidth in bytes per second (best of several copies).
+    pub memcpy_bw: f64,
+    /// Bytes per memcpy.
+    pub memcpy_bytes: usize,
+    /// One row per size.
+    pub rows: Vec<AllReduceRow>,
+}
+
+/// Single-thread memcpy bandwidth (bytes copied per second), best of `reps` copies of `bytes`.
+pub fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes]; // written, so its pages are mapped before timing
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&mut dst);
+    }
+    bytes as f64 / best
+}
+
+fn default_iters(bytes: usize) -> usize {
+    ((512usize << 20) / bytes.max(1)).clamp(5, 1000)
+}
+
+/// Times f32 sum all-reduces of each size on a thread group; returns rank 0's measurements.
+pub fn bench_all_reduce(cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, CommError> {
+    let world = cfg.world_size;
+    let results = launch(world, |comm| -> Result<Vec<AllReduceRow>, CommError> {
+        let mut rows = Vec::new();
+        for &bytes in &cfg.sizes {
+            let len = bytes / 4;
+            let iters = cfg.iters.unwrap_or_else(|| default_iters(bytes));
+            let mut buf = Buffer::F32(vec![0.5; len]);
+            for _ in 0..2 {
+                buf = comm.all_reduce(buf, ReduceOp::Sum, "warmup").wait()?;
+            }
+            comm.barrier("start").wait()?;
+            let t = Instant::now();
+            for _ in 0..iters {
+                buf = comm.all_reduce(buf, ReduceOp::Sum, "bench").wait()?;
+            }
+            let time_s = t.elapsed().as_secs_f64() / iters as f64;
+            let algbw = (len * 4) as f64 / time_s;
+            let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
+            rows.push(AllReduceRow { bytes: len * 4, iters, time_s, algbw, busbw });
+        }
+        Ok(rows)
+    });
+    results.into_iter().next().expect("at least one rank")?
+}
+
+/// Runs the memcpy yardstick and the all-reduce sizes.
+pub fn run_comm_bench(cfg: &CommBenchConfig) -> Result<CommBenchReport, CommError> {
+    let memcpy_bw = memcpy_bandwidth(cfg.memcpy_bytes, 5);
+    let rows = bench_all_reduce(cfg)?;
+    Ok(CommBenchReport {
+        backend: "thread".to_string(),
+        world_size: cfg.world_size,
+        memcpy_bw,
+        memcpy_bytes: cfg.memcpy_bytes,
+        rows,
+    })
+}
+
+/// Human-readable size: `1 KiB`, `16 MiB`, or bytes.
+pub fn format_bytes(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+impl CommBenchReport {
+    /// The report as a text table (GB/s = 1e9 bytes per second).
+    pub fn to_table(&self) -> String {
+        let gb = 1e9;
+        let mut s = format!(
+            "all_reduce (f32, sum), backend {}, world size {}\n\
+             single-thread memcpy ({}): {:.2} GB/s\n\n",
+            self.backend,
+            self.world_size,
+            format_bytes(self.memcpy_bytes),
+            self.memcpy_bw / gb
+        );
+        s += &format!(
+            "{:>10} {:>6} {:>12} {:>12} {:>12} {:>14}\n",
+            "size", "iters", "time (us)", "algbw GB/s", "busbw GB/s", "busbw/memcpy"
+        );
+        for r in &self.rows {
+            s += &format!(
+                "{:>10} {:>6} {:>12.1} {:>12.2} {:>12.2} {:>14.2}\n",
+                format_bytes(r.bytes),
+                r.iters,
+                r.time_s * 1e6,
+                r.algbw / gb,
+                r.busbw / gb,
+                r.busbw / self.memcpy_bw
+            );
+        }
+        s
+    }
+}
+
+/// Parses a size such as `4096`, `64K`, `16M`, `1G` (binary units; `KiB`/`MiB` also accepted).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (num, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        _ => (t, 0),
+    };
+    num.trim().parse::<usize>().map(|n| n << shift).map_err(|e| format!("bad size `{s}`: {e}"))
+}
