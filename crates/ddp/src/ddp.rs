@@ -1,0 +1,139 @@
+//! `DistributedDataParallel`: the user-facing wrapper.
+
+use std::sync::Arc;
+
+use brigade_autograd::{GradBus, GradSubscriber, ParamStore};
+use brigade_comm::Communicator;
+
+use crate::reducer::Reducer;
+use crate::signature::{broadcast_parameters, check_same_model};
+use crate::{DdpConfig, Result};
+
+/// One bucket as built: which parameters, how many bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketInfo {
+    /// Position in launch order.
+    pub index: usize,
+    /// Parameter names in the order their gradients sit in the flat buffer.
+    pub params: Vec<String>,
+    /// Size of the flat buffer.
+    pub bytes: usize,
+}
+
+/// Per-rank gradient memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// What one copy of every parameter's gradient takes (`sum(numel) * 4`).
+    pub gradient_bytes: usize,
+    /// What the bucket buffers take.
+    pub bucket_bytes: usize,
+    /// Gradient bytes held outside the buckets (0: every gradient is a view into one).
+    pub gradient_bytes_outside_buckets: usize,
+}
+
+impl MemoryReport {
+    /// Gradients plus buckets, counted once each storage.
+    pub fn total_bytes(&self) -> usize {
+        self.bucket_bytes + self.gradient_bytes_outside_buckets
+    }
+}
+
+/// Wraps one rank's model replica: gradients become views into flat buckets, and each
+/// bucket is all-reduced (averaged over ranks) on the comm stream as soon as backward
+/// has produced all of its gradients, while backward goes on with earlier layers.
+/// `backward()` returns once every bucket is reduced, so the optimizer step that follows
+/// sees the average gradient.
+///
+/// Construction is a collective: every rank must call it, with the same model.
+pub struct DistributedDataParallel {
+    reducer: Arc<Reducer>,
+    bus: GradBus,
+    subscriber: Arc<dyn GradSubscriber>,
+}
+
+impl DistributedDataParallel {
+    /// Checks that every rank holds the same parameters (names, shapes, dtypes),
+    /// broadcasts rank 0's values, builds the buckets and subscribes to the store's
+    /// gradient-ready bus.
+    pub fn new(store: &ParamStore, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Self> {
+        if !(cfg.bucket_cap_mb > 0.0 && cfg.first_bucket_cap_mb > 0.0) {
+            return Err(crate::DdpError::Config(format!(
+                "bucket caps must be positive, got bucket {} MiB, first bucket {} MiB",
+                cfg.bucket_cap_mb, cfg.first_bucket_cap_mb
+            )));
+        }
+        let params = store.params().to_vec();
+        check_same_model(&params, comm.as_ref())?;
+        if cfg.broadcast_parameters {
+            broadcast_parameters(&params, comm.as_ref())?;
+        }
+        let reducer = Arc::new(Reducer::new(params, comm, cfg)?);
+        let subscriber: Arc<dyn GradSubscriber> = reducer.clone();
+        store.bus().subscribe(subscriber.clone());
+        Ok(DistributedDataParallel { reducer, bus: store.bus().clone(), subscriber })
+    }
+
+    /// Runs `f` (forward and backward of microbatches) without communicating: gradients
+    /// accumulate locally in the bucket views. The first backward after it reduces the
+    /// accumulated sum. With k microbatches, scale each loss by 1/k for the mean.
+    pub fn no_sync<R>(&self, f: impl FnOnce() -> R) -> R {
+        /// Restores the previous mode even if `f` panics.
+        struct Restore<'a>(&'a Reducer, bool);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                self.0.lock().sync = self.1;
+            }
+        }
+        let prev = std::mem::replace(&mut self.reducer.lock().sync, false);
+        let _restore = Restore(&self.reducer, prev);
+        f()
+    }
+
+    /// The buckets in launch order.
+    pub fn buckets(&self) -> Vec<BucketInfo> {
+        let st = self.reducer.lock();
+        st.buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| BucketInfo {
+                index: i,
+                params: b.params.iter().map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string()).collect(),
+                bytes: b.bytes(),
+            })
+            .collect()
+    }
+
+    /// True once the buckets were rebuilt from the observed ready order.
+    pub fn buckets_rebuilt(&self) -> bool {
+        self.reducer.lock().rebuilt
+    }
+
+    /// The order (parameter names) in which gradients became ready in the last
+    /// synchronized backward.
+    pub fn last_ready_order(&self) -> Vec<String> {
+        let st = self.reducer.lock();
+        st.ready_order.iter().map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string()).collect()
+    }
+
+    /// Gradient memory on this rank: buckets are the only gradient storage.
+    pub fn memory(&self) -> MemoryReport {
+        let st = self.reducer.lock();
+        let gradient_bytes = self.reducer.params.iter().map(|p| p.value().numel() * 4).sum();
+        let bucket_bytes = st.buckets.iter().map(|b| b.bytes()).sum();
+        let outside = self
+            .reducer
+            .params
+            .iter()
+            .filter_map(|p| p.grad())
+            .filter(|g| !st.buckets.iter().any(|b| b.flat.shares_storage(g)))
+            .map(|g| g.numel() * 4)
+            .sum();
+        MemoryReport { gradient_bytes, bucket_bytes, gradient_bytes_outside_buckets: outside }
+    }
+}
+
+impl Drop for DistributedDataParallel {
+    fn drop(&mut self) {
+        self.bus.unsubscribe(&self.subscriber);
+    }
+}

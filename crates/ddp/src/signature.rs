@@ -1,0 +1,84 @@
+//! Construction-time agreement: every rank holds the same model, and starts from rank
+//! 0's parameter values.
+
+use brigade_autograd::Var;
+use brigade_comm::{Buffer, Communicator};
+use brigade_tensor::DType;
+
+use crate::{DdpError, Result};
+
+/// `name [shape] dtype` for each parameter, in registration order.
+fn entries(params: &[Var]) -> Vec<String> {
+    params
+        .iter()
+        .map(|p| {
+            let v = p.value();
+            format!("'{}' {:?} {:?}", p.name().unwrap_or("<unnamed>"), v.shape(), v.dtype())
+        })
+        .collect()
+}
+
+/// Exchanges every rank's parameter list and fails, on every rank alike, naming the
+/// first parameter where some rank differs from rank 0.
+pub(crate) fn check_same_model(params: &[Var], comm: &dyn Communicator) -> Result<()> {
+    let mine = entries(params).join("\n").into_bytes();
+    let len = Buffer::U8((mine.len() as u64).to_le_bytes().to_vec());
+    let Buffer::U8(lens) = comm.all_gather(len, "ddp.signature_len").wait()? else { unreachable!("u8 in, u8 out") };
+    let lens: Vec<usize> = lens.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize).collect();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let mut padded = mine;
+    padded.resize(max, 0);
+    let Buffer::U8(all) = comm.all_gather(Buffer::U8(padded), "ddp.signature").wait()? else { unreachable!("u8 in, u8 out") };
+    let lists: Vec<Vec<String>> = all
+        .chunks(max.max(1))
+        .zip(&lens)
+        .map(|(c, &l)| String::from_utf8_lossy(&c[..l.min(c.len())]).lines().map(str::to_string).collect())
+        .take(comm.world_size())
+        .collect();
+    let reference = &lists[0];
+    for (rank, list) in lists.iter().enumerate().skip(1) {
+        let n = reference.len().max(list.len());
+        for i in 0..n {
+            let (a, b) = (reference.get(i), list.get(i));
+            if a != b {
+                let none = || "no parameter".to_string();
+                return Err(DdpError::ModelMismatch {
+                    index: i,
+                    rank_a: 0,
+                    entry_a: a.cloned().unwrap_or_else(none),
+                    rank_b: rank,
+                    entry_b: b.cloned().unwrap_or_else(none),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Overwrites every rank's parameters with rank 0's (one broadcast of all of them).
+pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
+    for p in params {
+        if p.value().dtype() != DType::F32 {
+            return Err(DdpError::Config(format!(
+                "parameter '{}' is {:?}; DDP reduces f32 parameters",
+                p.name().unwrap_or("<unnamed>"),
+                p.value().dtype()
+            )));
+        }
+    }
+    let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
+    for p in params {
+        p.value().with_contiguous("broadcast_parameters", |s: &[f32]| flat.extend_from_slice(s))?;
+    }
+    let Buffer::F32(flat) = comm.broadcast(Buffer::F32(flat), 0, "ddp.broadcast_parameters").wait()? else {
+        unreachable!("f32 in, f32 out")
+    };
+    let mut offset = 0;
+    for p in params {
+        let v = p.value();
+        let n = v.numel();
+        v.with_slice_mut("broadcast_parameters", |d: &mut [f32]| d.copy_from_slice(&flat[offset..offset + n]))?;
+        offset += n;
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! Overlap, checked from the recorded event order (sequence numbers), not from timing.
+
+mod common;
+
+use std::sync::Arc;
+
+use brigade_comm::{launch, Communicator, Recorder, Track, Traced};
+use brigade_ddp::{DdpConfig, DistributedDataParallel};
+use brigade_tensor::set_compute_threads;
+use common::{data, rows, Mlp};
+
+// floats per layer: l0 16*32+32 = 544, l1 = l2 = 32*32+32 = 1056, l3 = 32*8+8 = 264
+const WIDTHS: [usize; 5] = [16, 32, 32, 32, 8];
+// bucket 0 = layers 3 and 2 = (264 + 1056) * 4 bytes; bucket 1 = layers 1 and 0
+const TWO_LAYERS_BYTES: f64 = ((264 + 1056) * 4) as f64;
+
+#[test]
+fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agrees() {
+    let world = 2;
+    let recorder = Recorder::new();
+    let (x, y) = data(world * 8 * 2, WIDTHS[0], WIDTHS[4], 5);
+    let buckets = launch(world, |comm| {
+        set_compute_threads(1);
+        let rank = comm.rank();
+        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let m = Mlp::new(&WIDTHS, 1);
+        let cfg = DdpConfig {
+            first_bucket_cap_mb: TWO_LAYERS_BYTES / (1024.0 * 1024.0),
+            bucket_cap_mb: 1.0,
+            recorder: Some(recorder.clone()),
+            ..DdpConfig::default()
+        };
+        let ddp = DistributedDataParallel::new(&m.store, comm, cfg).unwrap();
+        for step in 0..2 {
+            let (xb, yb) = rows(&x, &y, step * world * 8 + rank * 8, 8);
+            m.store.zero_grad().unwrap();
+            m.loss(&xb, &yb).backward().unwrap();
+        }
+        ddp.buckets()
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect::<Vec<_>>();
+
+    let names = |i: usize| buckets[0][i].params.clone();
+    assert_eq!(buckets[0].len(), 2, "{:?}", buckets[0]);
+    assert_eq!(names(0), ["layers.3.bias", "layers.3.weight", "layers.2.bias", "layers.2.weight"]);
+    assert_eq!(names(1), ["layers.1.bias", "layers.1.weight", "layers.0.bias", "layers.0.weight"]);
+
+    let events = recorder.events();
+    for rank in 0..world {
+        let tags: Vec<&str> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Comm && e.op == "all_reduce")
+            .map(|e| e.name.as_str())
+            .collect();
+        assert_eq!(tags, ["bucket0", "bucket1", "bucket0", "bucket1"], "rank {rank} bucket order");
+
+        let issued: Vec<u64> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Comm && e.name == "bucket0")
+            .map(|e| e.issued.unwrap().seq)
+            .collect();
+        let layer0: Vec<u64> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0")
+            .map(|e| e.start.unwrap().seq)
+            .collect();
+        let layer1: Vec<u64> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.1")
+            .map(|e| e.start.unwrap().seq)
+            .collect();
+        assert_eq!((issued.len(), layer0.len(), layer1.len()), (2, 2, 2));
+        for it in 0..2 {
+            assert!(issued[it] < layer1[it], "rank {rank} iteration {it}: bucket0 issued at {} after layers.1 backward began at {}", issued[it], layer1[it]);
+            assert!(issued[it] < layer0[it], "rank {rank} iteration {it}: bucket0 issued at {} after layers.0 backward began at {}", issued[it], layer0[it]);
+        }
+    }
+}
