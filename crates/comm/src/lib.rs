@@ -9,7 +9,9 @@
 //!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
 //! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
-//! - [`bench`]: the all-reduce bandwidth benchmark behind `brigade bench comm`.
+//! - [`bench`](mod@bench): the all-reduce bandwidth benchmark behind `brigade bench comm`.
+
+#![warn(missing_docs)]
 
 pub mod bench;
 mod buffer;
