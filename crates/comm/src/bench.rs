@@ -52,6 +52,11 @@ pub struct AllReduceRow {
     pub algbw: f64,
     /// `algbw * 2(n-1)/n`, bytes per second.
     pub busbw: f64,
+    /// Fastest single all-reduce in seconds.
+    pub best_s: f64,
+    /// Single-thread memcpy bandwidth (bytes per second) measured by rank 0 just before this
+    /// size, so that both see the same machine load.
+    pub memcpy_bw: f64,
 }
 
 /// The whole run.
@@ -61,7 +66,8 @@ pub struct CommBenchReport {
     pub backend: String,
     /// Ranks.
     pub world_size: usize,
-    /// Single-thread memcpy bandwidth in bytes per second (best of several copies).
+    /// Single-thread memcpy bandwidth in bytes per second (best of several copies), measured
+    /// before the all-reduces.
     pub memcpy_bw: f64,
     /// Bytes per memcpy.
     pub memcpy_bytes: usize,
@@ -99,15 +105,21 @@ pub fn bench_all_reduce(cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, Comm
             for _ in 0..2 {
                 buf = comm.all_reduce(buf, ReduceOp::Sum, "warmup").wait()?;
             }
+            // The other ranks park in this barrier while rank 0 copies.
+            let memcpy_bw =
+                if comm.rank() == 0 { memcpy_bandwidth(cfg.memcpy_bytes, 3) } else { 0.0 };
             comm.barrier("start").wait()?;
+            let mut best_s = f64::INFINITY;
             let t = Instant::now();
             for _ in 0..iters {
+                let t1 = Instant::now();
                 buf = comm.all_reduce(buf, ReduceOp::Sum, "bench").wait()?;
+                best_s = best_s.min(t1.elapsed().as_secs_f64());
             }
             let time_s = t.elapsed().as_secs_f64() / iters as f64;
             let algbw = (len * 4) as f64 / time_s;
             let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
-            rows.push(AllReduceRow { bytes: len * 4, iters, time_s, algbw, busbw });
+            rows.push(AllReduceRow { bytes: len * 4, iters, time_s, algbw, busbw, best_s, memcpy_bw });
         }
         Ok(rows)
     });
@@ -143,25 +155,39 @@ impl CommBenchReport {
         let gb = 1e9;
         let mut s = format!(
             "all_reduce (f32, sum), backend {}, world size {}\n\
-             single-thread memcpy ({}): {:.2} GB/s\n\n",
+             single-thread memcpy ({}): {:.2} GB/s before the run; per-size column `memcpy` is \
+             re-measured just before each size\n\
+             bandwidths in GB/s (1e9 B/s); busbw = algbw * 2(n-1)/n; `time` is the mean\n\n",
             self.backend,
             self.world_size,
             format_bytes(self.memcpy_bytes),
             self.memcpy_bw / gb
         );
         s += &format!(
-            "{:>10} {:>6} {:>12} {:>12} {:>12} {:>14}\n",
-            "size", "iters", "time (us)", "algbw GB/s", "busbw GB/s", "busbw/memcpy"
+            "{:>8} {:>5} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9}\n",
+            "size",
+            "iters",
+            "time us",
+            "best us",
+            "algbw",
+            "busbw",
+            "busbw best",
+            "memcpy",
+            "busbw/mc"
         );
         for r in &self.rows {
+            let factor = r.busbw / r.algbw;
             s += &format!(
-                "{:>10} {:>6} {:>12.1} {:>12.2} {:>12.2} {:>14.2}\n",
+                "{:>8} {:>5} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>11.2} {:>8.2} {:>9.2}\n",
                 format_bytes(r.bytes),
                 r.iters,
                 r.time_s * 1e6,
+                r.best_s * 1e6,
                 r.algbw / gb,
                 r.busbw / gb,
-                r.busbw / self.memcpy_bw
+                r.bytes as f64 / r.best_s * factor / gb,
+                r.memcpy_bw / gb,
+                r.busbw / r.memcpy_bw
             );
         }
         s
