@@ -1,0 +1,52 @@
+//! The models crate's error type.
+
+use std::path::PathBuf;
+
+use brigade_autograd::AutogradError;
+use brigade_tensor::TensorError;
+
+/// Everything that can go wrong building a model, running it, reading data or
+/// checkpoints. Messages name the file, tensor or parameter involved, expected versus
+/// found, and what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A tensor op failed (shape, dtype, range...).
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// Recording or differentiating the graph failed.
+    #[error(transparent)]
+    Autograd(#[from] AutogradError),
+    /// A model configuration that cannot be built.
+    #[error("invalid {model} config: {message}")]
+    Config { model: &'static str, message: String },
+    /// A batch of the wrong kind for this model (tokens given to the MLP, or the reverse).
+    #[error("{model} expects a {expected} batch, got a {found} batch; pair the model with its dataset")]
+    WrongBatch { model: &'static str, expected: &'static str, found: &'static str },
+    /// A batch whose tensors do not fit the model.
+    #[error("{model} batch: {message}")]
+    BadBatch { model: &'static str, message: String },
+    /// A token sequence longer than the learned positional embedding.
+    #[error("gpt: sequence of {found} tokens exceeds the model's context of {context}; use shorter rows or a config with a larger `context`")]
+    ContextTooLong { found: usize, context: usize },
+    /// A file that could not be read or written.
+    #[error("{path}: {message}")]
+    Io { path: PathBuf, message: String },
+    /// A file that is not valid safetensors (truncated, corrupt, unsupported dtype).
+    #[error("{path}: not a usable safetensors file: {message}")]
+    Corrupt { path: PathBuf, message: String },
+    /// A checkpoint whose tensors do not match the model's parameters.
+    #[error("checkpoint {path} does not match the model: {message}")]
+    CheckpointMismatch { path: PathBuf, message: String },
+    /// A dataset file or request that does not fit the model.
+    #[error("dataset {source_name}: {message}")]
+    Data { source_name: String, message: String },
+}
+
+impl ModelError {
+    pub(crate) fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
+        ModelError::Io { path: path.to_path_buf(), message: e.to_string() }
+    }
+}
+
+/// Result alias for this crate.
+pub type Result<T> = std::result::Result<T, ModelError>;
