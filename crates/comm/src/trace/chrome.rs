@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::{Recorder, Track};
+use super::{Event, Recorder, Track};
 
 /// Thread id of the compute track inside a rank's process.
 const COMPUTE_TID: u64 = 0;
@@ -19,56 +19,7 @@ impl Recorder {
     /// since the recorder was created); each collective also leaves an instant event on the
     /// compute track where it was issued. Unfinished spans are left out.
     pub fn to_chrome_trace(&self) -> Value {
-        let origin = self.origin();
-        let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
-        let events = self.events();
-        let mut out = Vec::new();
-        let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
-        ranks.sort_unstable();
-        ranks.dedup();
-        for rank in ranks {
-            out.push(json!({"ph": "M", "name": "process_name", "pid": rank, "tid": COMPUTE_TID,
-                            "args": {"name": format!("rank {rank}")}}));
-            out.push(json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": COMPUTE_TID,
-                            "args": {"sort_index": rank}}));
-            out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE_TID,
-                            "args": {"name": "compute"}}));
-            out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM_TID,
-                            "args": {"name": "comm stream"}}));
-        }
-        for e in &events {
-            let tid = match e.track {
-                Track::Compute => COMPUTE_TID,
-                Track::Comm => COMM_TID,
-            };
-            if let Some(issued) = e.issued {
-                out.push(json!({"ph": "i", "s": "t", "name": format!("issue {} `{}`", e.op, e.name),
-                                "cat": "comm", "pid": e.rank, "tid": COMPUTE_TID, "ts": us(issued.at),
-                                "args": {"bytes": e.bytes, "seq": issued.seq}}));
-            }
-            let (Some(start), Some(end)) = (e.start, e.end) else { continue };
-            let mut args = json!({"start_seq": start.seq, "end_seq": end.seq});
-            let name = match e.track {
-                Track::Compute => e.name.clone(),
-                Track::Comm => {
-                    args["op"] = json!(e.op);
-                    args["tag"] = json!(e.name);
-                    args["bytes"] = json!(e.bytes);
-                    if let Some(issued) = e.issued {
-                        args["queued_us"] = json!(us(start.at) - us(issued.at));
-                    }
-                    if let Some(err) = &e.error {
-                        args["error"] = json!(err);
-                    }
-                    format!("{} `{}`", e.op, e.name)
-                }
-            };
-            out.push(json!({"ph": "X", "name": name,
-                            "cat": if e.track == Track::Comm { "comm" } else { "compute" },
-                            "pid": e.rank, "tid": tid, "ts": us(start.at),
-                            "dur": (us(end.at) - us(start.at)).max(0.0), "args": args}));
-        }
-        json!({"traceEvents": out, "displayTimeUnit": "ms"})
+        chrome_trace(&self.events(), self.origin())
     }
 
     /// Writes [`Recorder::to_chrome_trace`] to `path` atomically: to a temporary file beside
@@ -89,4 +40,57 @@ impl Recorder {
         }
         result
     }
+}
+
+/// `events` (a subset of a recorder's, e.g. one training step) as a Chrome trace, times in
+/// microseconds since `origin`: the format of [`Recorder::to_chrome_trace`].
+pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
+    let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
+    let mut out = Vec::new();
+    let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    for rank in ranks {
+        out.push(json!({"ph": "M", "name": "process_name", "pid": rank, "tid": COMPUTE_TID,
+                        "args": {"name": format!("rank {rank}")}}));
+        out.push(json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": COMPUTE_TID,
+                        "args": {"sort_index": rank}}));
+        out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE_TID,
+                        "args": {"name": "compute"}}));
+        out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM_TID,
+                        "args": {"name": "comm stream"}}));
+    }
+    for e in events {
+        let tid = match e.track {
+            Track::Compute => COMPUTE_TID,
+            Track::Comm => COMM_TID,
+        };
+        if let Some(issued) = e.issued {
+            out.push(json!({"ph": "i", "s": "t", "name": format!("issue {} `{}`", e.op, e.name),
+                            "cat": "comm", "pid": e.rank, "tid": COMPUTE_TID, "ts": us(issued.at),
+                            "args": {"bytes": e.bytes, "seq": issued.seq}}));
+        }
+        let (Some(start), Some(end)) = (e.start, e.end) else { continue };
+        let mut args = json!({"start_seq": start.seq, "end_seq": end.seq});
+        let name = match e.track {
+            Track::Compute => e.name.clone(),
+            Track::Comm => {
+                args["op"] = json!(e.op);
+                args["tag"] = json!(e.name);
+                args["bytes"] = json!(e.bytes);
+                if let Some(issued) = e.issued {
+                    args["queued_us"] = json!(us(start.at) - us(issued.at));
+                }
+                if let Some(err) = &e.error {
+                    args["error"] = json!(err);
+                }
+                format!("{} `{}`", e.op, e.name)
+            }
+        };
+        out.push(json!({"ph": "X", "name": name,
+                        "cat": if e.track == Track::Comm { "comm" } else { "compute" },
+                        "pid": e.rank, "tid": tid, "ts": us(start.at),
+                        "dur": (us(end.at) - us(start.at)).max(0.0), "args": args}));
+    }
+    json!({"traceEvents": out, "displayTimeUnit": "ms"})
 }

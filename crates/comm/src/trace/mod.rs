@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+pub use chrome::chrome_trace;
 pub use traced::Traced;
 
 /// Which timeline of a rank an event belongs to.
