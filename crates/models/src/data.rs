@@ -69,7 +69,10 @@ impl Dataset {
                 *hj = (s + b1[j]).tanh();
             }
             let logit = |c: usize| hidden.iter().enumerate().map(|(j, &hj)| hj * w2[j * n_classes + c]).sum::<f64>();
-            let best = (0..n_classes).map(|c| (c, logit(c))).fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
+            let best =
+                (0..n_classes)
+                    .map(|c| (c, logit(c)))
+                    .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
             targets.push(best.0 as i64);
         }
         Ok(Dataset { name: format!("teacher(seed {seed})"), rows: Rows::Classify { inputs, targets, in_dim } })
@@ -91,7 +94,10 @@ impl Dataset {
     pub fn text(bytes: Vec<u8>, context: usize) -> Result<Dataset> {
         let row_len = context + 1;
         if context == 0 || bytes.len() < row_len {
-            return Err(data_err("text", format!("{} bytes cannot fill one row of context {context} + 1", bytes.len())));
+            return Err(data_err(
+                "text",
+                format!("{} bytes cannot fill one row of context {context} + 1", bytes.len()),
+            ));
         }
         let stride = (context / 2).max(1);
         let rows = (bytes.len() - row_len) / stride + 1;
@@ -141,7 +147,10 @@ impl Dataset {
             ModelKind::Gpt(cfg) => {
                 let tokens = get("tokens")?;
                 let row_len = cfg.context + 1;
-                if tokens.rank() != 2 || tokens.shape()[1] != row_len || !matches!(tokens.dtype(), DType::I64 | DType::U8) {
+                if tokens.rank() != 2
+                    || tokens.shape()[1] != row_len
+                    || !matches!(tokens.dtype(), DType::I64 | DType::U8)
+                {
                     return Err(err(format!(
                         "tensor 'tokens': expected I64 or U8 [N, {row_len}] (context {} + 1), found {:?} {:?}",
                         cfg.context,
@@ -159,7 +168,10 @@ impl Dataset {
                     TokenStore::I64(v) => v.iter().position(|&t| t < 0 || t >= vocab).map(|i| (i, v[i])),
                 };
                 if let Some((i, t)) = bad {
-                    return Err(err(format!("tensor 'tokens': row {} has token {t}, expected 0..{vocab}", i / row_len)));
+                    return Err(err(format!(
+                        "tensor 'tokens': row {} has token {t}, expected 0..{vocab}",
+                        i / row_len
+                    )));
                 }
                 Rows::Tokens { tokens: store, row_len, stride: row_len, rows: tokens.shape()[0] }
             }
@@ -205,7 +217,10 @@ impl Dataset {
                     x.extend_from_slice(&inputs[r * in_dim..(r + 1) * in_dim]);
                     y.push(targets[r]);
                 }
-                Batch::Classify { inputs: Tensor::from_vec(x, &[rows, *in_dim])?, targets: Tensor::from_vec(y, &[rows])? }
+                Batch::Classify {
+                    inputs: Tensor::from_vec(x, &[rows, *in_dim])?,
+                    targets: Tensor::from_vec(y, &[rows])?,
+                }
             }
             Rows::Tokens { tokens, row_len, stride, .. } => {
                 fn gather<T: brigade_tensor::Element>(

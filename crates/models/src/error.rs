@@ -18,28 +18,70 @@ pub enum ModelError {
     Autograd(#[from] AutogradError),
     /// A model configuration that cannot be built.
     #[error("invalid {model} config: {message}")]
-    Config { model: &'static str, message: String },
+    Config {
+        /// `"mlp"` or `"gpt"`.
+        model: &'static str,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
     /// A batch of the wrong kind for this model (tokens given to the MLP, or the reverse).
     #[error("{model} expects a {expected} batch, got a {found} batch; pair the model with its dataset")]
-    WrongBatch { model: &'static str, expected: &'static str, found: &'static str },
+    WrongBatch {
+        /// `"mlp"` or `"gpt"`.
+        model: &'static str,
+        /// The batch kind the model takes.
+        expected: &'static str,
+        /// The batch kind it was given.
+        found: &'static str,
+    },
     /// A batch whose tensors do not fit the model.
     #[error("{model} batch: {message}")]
-    BadBatch { model: &'static str, message: String },
+    BadBatch {
+        /// `"mlp"` or `"gpt"`.
+        model: &'static str,
+        /// Which tensor, expected versus found.
+        message: String,
+    },
     /// A token sequence longer than the learned positional embedding.
     #[error("gpt: sequence of {found} tokens exceeds the model's context of {context}; use shorter rows or a config with a larger `context`")]
-    ContextTooLong { found: usize, context: usize },
+    ContextTooLong {
+        /// Tokens per row given to the model.
+        found: usize,
+        /// The model's `context`.
+        context: usize,
+    },
     /// A file that could not be read or written.
     #[error("{path}: {message}")]
-    Io { path: PathBuf, message: String },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
     /// A file that is not valid safetensors (truncated, corrupt, unsupported dtype).
     #[error("{path}: not a usable safetensors file: {message}")]
-    Corrupt { path: PathBuf, message: String },
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A checkpoint whose tensors do not match the model's parameters.
     #[error("checkpoint {path} does not match the model: {message}")]
-    CheckpointMismatch { path: PathBuf, message: String },
+    CheckpointMismatch {
+        /// The checkpoint (`<memory>` for tensors passed directly).
+        path: PathBuf,
+        /// The first mismatch: a missing or unexpected name, or a shape, expected versus found.
+        message: String,
+    },
     /// A dataset file or request that does not fit the model.
     #[error("dataset {source_name}: {message}")]
-    Data { source_name: String, message: String },
+    Data {
+        /// The file or built-in generator.
+        source_name: String,
+        /// Which tensor or argument, expected versus found.
+        message: String,
+    },
 }
 
 impl ModelError {

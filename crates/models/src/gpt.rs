@@ -69,7 +69,7 @@ impl GptConfig {
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return err(format!("`{name}` must be positive"));
         }
-        if self.d_model % self.n_heads != 0 {
+        if self.d_model / self.n_heads * self.n_heads != self.d_model {
             return err(format!("n_heads {} does not divide d_model {}", self.n_heads, self.d_model));
         }
         if !self.dtype.is_compute() {
@@ -170,7 +170,10 @@ impl Gpt {
             });
         }
         if !matches!(tokens.dtype(), DType::I64 | DType::U8) {
-            return Err(ModelError::BadBatch { model: "gpt", message: format!("tokens are {:?}, expected I64 or U8", tokens.dtype()) });
+            return Err(ModelError::BadBatch {
+                model: "gpt",
+                message: format!("tokens are {:?}, expected I64 or U8", tokens.dtype()),
+            });
         }
         let (b, t) = (tokens.shape()[0], tokens.shape()[1]);
         if t > self.cfg.context {
@@ -226,7 +229,10 @@ impl Model for Gpt {
         if tokens.rank() != 2 || tokens.shape()[1] < 2 {
             return Err(ModelError::BadBatch {
                 model: "gpt",
-                message: format!("tokens have shape {:?}, expected [batch, context + 1] with at least 2 columns", tokens.shape()),
+                message: format!(
+                    "tokens have shape {:?}, expected [batch, context + 1] with at least 2 columns",
+                    tokens.shape()
+                ),
             });
         }
         let (b, n) = (tokens.shape()[0], tokens.shape()[1]);

@@ -11,6 +11,9 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::{ModelError, Result};
 
+/// Tensors with their names, as in a state dict (file order when read).
+pub type NamedTensors = Vec<(String, Tensor)>;
+
 fn to_st_dtype(d: DType) -> Dtype {
     match d {
         DType::F32 => Dtype::F32,
@@ -89,7 +92,10 @@ pub fn save_safetensors(
     let mut encoded = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         if !seen.insert(name.as_str()) {
-            return Err(ModelError::io(path, format!("tensor name '{name}' appears twice; names in a checkpoint must be unique")));
+            return Err(ModelError::io(
+                path,
+                format!("tensor name '{name}' appears twice; names in a checkpoint must be unique"),
+            ));
         }
         encoded.push((name.as_str(), to_st_dtype(t.dtype()), t.shape().to_vec(), tensor_bytes(t)?));
     }
@@ -117,19 +123,24 @@ pub fn save_safetensors(
     };
     if let Err(e) = write() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(ModelError::io(path, format!("could not write checkpoint: {e} (does the directory exist and is it writable?)")));
+        return Err(ModelError::io(
+            path,
+            format!("could not write checkpoint: {e} (does the directory exist and is it writable?)"),
+        ));
     }
     Ok(())
 }
 
 /// Reads every tensor of a safetensors file, in file order, with its string metadata
 /// (empty when the file has none). F32, F64, F16, BF16, I64 and U8 are supported.
-pub fn load_safetensors_with_metadata(path: impl AsRef<Path>) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+pub fn load_safetensors_with_metadata(path: impl AsRef<Path>) -> Result<(NamedTensors, HashMap<String, String>)> {
     let path = path.as_ref();
     let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
     let corrupt = |message: String| ModelError::Corrupt { path: path.to_path_buf(), message };
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(format!("{e:?} (truncated or not safetensors? re-save it)")))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("{e:?} (truncated or not safetensors? re-save it)")))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| corrupt(format!("{e:?} (truncated or not safetensors? re-save it)")))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| corrupt(format!("{e:?} (truncated or not safetensors? re-save it)")))?;
     let mut out = Vec::with_capacity(st.len());
     for name in meta.offset_keys() {
         let view = st.tensor(&name).map_err(|e| corrupt(format!("tensor '{name}': {e:?}")))?;
@@ -142,7 +153,7 @@ pub fn load_safetensors_with_metadata(path: impl AsRef<Path>) -> Result<(Vec<(St
 }
 
 /// Reads every tensor of a safetensors file, in file order.
-pub fn load_safetensors(path: impl AsRef<Path>) -> Result<Vec<(String, Tensor)>> {
+pub fn load_safetensors(path: impl AsRef<Path>) -> Result<NamedTensors> {
     Ok(load_safetensors_with_metadata(path)?.0)
 }
 
@@ -159,7 +170,9 @@ pub fn save_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
 pub fn load_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     load_params_from_tensors(store, &load_safetensors(path)?).map_err(|e| match e {
-        ModelError::CheckpointMismatch { message, .. } => ModelError::CheckpointMismatch { path: path.to_path_buf(), message },
+        ModelError::CheckpointMismatch { message, .. } => {
+            ModelError::CheckpointMismatch { path: path.to_path_buf(), message }
+        }
         e => e,
     })
 }
@@ -176,7 +189,11 @@ pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]
             return Err(mismatch(format!("missing parameter '{name}' (expected shape {:?})", want.shape())));
         };
         if t.shape() != want.shape() {
-            return Err(mismatch(format!("parameter '{name}': expected shape {:?}, found {:?}", want.shape(), t.shape())));
+            return Err(mismatch(format!(
+                "parameter '{name}': expected shape {:?}, found {:?}",
+                want.shape(),
+                t.shape()
+            )));
         }
         if !t.dtype().is_float() {
             return Err(mismatch(format!("parameter '{name}': found dtype {:?}, expected a float dtype", t.dtype())));
@@ -185,7 +202,10 @@ pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]
     }
     let known: HashSet<&str> = store.params().iter().filter_map(|p| p.name()).collect();
     if let Some((name, t)) = tensors.iter().find(|(n, _)| !known.contains(n.as_str())) {
-        return Err(mismatch(format!("unexpected tensor '{name}' of shape {:?}: the model has no such parameter", t.shape())));
+        return Err(mismatch(format!(
+            "unexpected tensor '{name}' of shape {:?}: the model has no such parameter",
+            t.shape()
+        )));
     }
     no_grad(|| -> Result<()> {
         for (dst, src) in plan {

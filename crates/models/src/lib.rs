@@ -8,6 +8,8 @@
 //! PyTorch modules described in [`mlp`] and [`gpt`], so state dicts move both ways
 //! through [`io`].
 
+#![warn(missing_docs)]
+
 mod corpus;
 pub mod data;
 mod error;
@@ -21,7 +23,10 @@ use brigade_tensor::Tensor;
 pub use data::Dataset;
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig};
-pub use io::{load_params, load_params_from_tensors, load_safetensors, load_safetensors_with_metadata, save_params, save_safetensors};
+pub use io::{
+    load_params, load_params_from_tensors, load_safetensors, load_safetensors_with_metadata, save_params,
+    save_safetensors, NamedTensors,
+};
 pub use mlp::{Mlp, MlpConfig};
 
 /// A trainable model as the CLI and the DDP tests drive it.

@@ -62,7 +62,8 @@ fn save_is_atomic_and_leaves_no_temporary_file() {
     save_params(m.params(), &path).unwrap();
     // overwrite an existing checkpoint
     save_params(m.params(), &path).unwrap();
-    let entries: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    let entries: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
     assert_eq!(entries, ["model.safetensors"]);
     // a directory that does not exist: an error naming the path, and nothing left behind
     let bad = dir.join("missing-dir").join("x.safetensors");
@@ -103,7 +104,8 @@ fn missing_and_corrupt_files_are_errors_naming_the_path() {
 fn params_load_into_a_differently_seeded_model() {
     let dir = tmpdir("params");
     let path = dir.join("gpt.safetensors");
-    let cfg = GptConfig { vocab: 16, d_model: 8, n_layers: 1, n_heads: 2, d_ff: 16, context: 4, ..GptConfig::default() };
+    let cfg =
+        GptConfig { vocab: 16, d_model: 8, n_layers: 1, n_heads: 2, d_ff: 16, context: 4, ..GptConfig::default() };
     let (a, b) = (Gpt::new(cfg.clone(), 1).unwrap(), Gpt::new(cfg, 2).unwrap());
     let tokens = Tensor::from_vec(vec![1i64, 2, 3, 4], &[1, 4]).unwrap();
     let la = a.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap();

@@ -17,7 +17,9 @@ fn reference_mlp_has_pytorch_names_shapes_and_count() {
     let want: Vec<(String, Vec<usize>)> = [(512, 2048), (2048, 2048), (2048, 2048), (2048, 10)]
         .iter()
         .enumerate()
-        .flat_map(|(i, &(inp, out))| [(format!("layers.{i}.weight"), vec![out, inp]), (format!("layers.{i}.bias"), vec![out])])
+        .flat_map(|(i, &(inp, out))| {
+            [(format!("layers.{i}.weight"), vec![out, inp]), (format!("layers.{i}.bias"), vec![out])]
+        })
         .collect();
     assert_eq!(names_and_shapes(&m), want);
     assert_eq!(m.params().numel(), 512 * 2048 + 2048 + 2 * (2048 * 2048 + 2048) + 2048 * 10 + 10);
@@ -37,7 +39,8 @@ fn reference_gpt_has_the_documented_names_shapes_and_count() {
     assert_eq!((cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.context), (256, 256, 4, 4, 1024, 128));
     let m = Gpt::new(cfg, 0).unwrap();
     let (v, d, f, c) = (256, 256, 1024, 128);
-    let mut want: Vec<(String, Vec<usize>)> = vec![("tok_emb.weight".into(), vec![v, d]), ("pos_emb.weight".into(), vec![c, d])];
+    let mut want: Vec<(String, Vec<usize>)> =
+        vec![("tok_emb.weight".into(), vec![v, d]), ("pos_emb.weight".into(), vec![c, d])];
     for i in 0..4 {
         let p = format!("blocks.{i}");
         for (n, s) in [
@@ -85,7 +88,8 @@ fn random_tokens(shape: &[usize], vocab: u64, seed: u64) -> Vec<i64> {
 
 #[test]
 fn gpt_is_causal_a_future_token_changes_no_earlier_logit() {
-    let cfg = GptConfig { vocab: 32, d_model: 16, n_layers: 2, n_heads: 4, d_ff: 32, context: 8, ..GptConfig::default() };
+    let cfg =
+        GptConfig { vocab: 32, d_model: 16, n_layers: 2, n_heads: 4, d_ff: 32, context: 8, ..GptConfig::default() };
     let m = Gpt::new(cfg, 3).unwrap();
     let mut toks = random_tokens(&[2, 8], 32, 1);
     let before = m.logits(&Tensor::from_vec(toks.clone(), &[2, 8]).unwrap()).unwrap().value().to_vec::<f32>().unwrap();
@@ -129,7 +133,8 @@ fn bad_inputs_are_clear_errors() {
     let mlp = Mlp::new(MlpConfig::new(vec![4, 3]), 1).unwrap();
     let e = mlp.loss(&long).unwrap_err();
     assert!(matches!(e, ModelError::WrongBatch { model: "mlp", .. }), "{e}");
-    let classify = Batch::Classify { inputs: Tensor::zeros(&[2, 5], DType::F32), targets: Tensor::zeros(&[2], DType::I64) };
+    let classify =
+        Batch::Classify { inputs: Tensor::zeros(&[2, 5], DType::F32), targets: Tensor::zeros(&[2], DType::I64) };
     assert!(mlp.loss(&classify).unwrap_err().to_string().contains("expected [batch, 4]"));
     assert!(matches!(gpt.loss(&classify).unwrap_err(), ModelError::WrongBatch { model: "gpt", .. }));
 
