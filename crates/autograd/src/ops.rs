@@ -134,13 +134,39 @@ impl Var {
         }))
     }
 
-    /// `x W^T + b` with PyTorch's layout: `W` is `[out, in]`, `b` is `[out]`.
+    /// `x W^T + b` with PyTorch's layout: `x` is `[.., in]`, `W` is `[out, in]`, `b` is
+    /// `[out]`. One fused op, so that the weight gradient `G^T X` comes out `[out, in]`
+    /// contiguous, exactly the layout of `W` (no transpose to gather).
     pub fn linear(&self, weight: &Var, bias: Option<&Var>) -> Result<Var> {
-        let y = self.matmul(&weight.t()?)?;
-        match bias {
-            Some(b) => y.add(b),
-            None => Ok(y),
+        let (x, w) = (self.value(), weight.value());
+        if w.rank() != 2 || x.rank() < 1 || x.shape()[x.rank() - 1] != w.shape()[1] {
+            return Err(TensorError::ShapeMismatch { op: "linear", lhs: x.shape().to_vec(), rhs: w.shape().to_vec() }.into());
         }
+        let (n_in, n_out) = (w.shape()[1], w.shape()[0]);
+        let rows = x.numel() / n_in.max(1);
+        let mut out_shape = x.shape().to_vec();
+        *out_shape.last_mut().expect("rank >= 1") = n_out;
+        let x2 = x.reshape(&[rows, n_in])?;
+        let mut y = x2.matmul(&w.t()?)?;
+        if let Some(b) = bias {
+            y = y.add(&b.value())?;
+        }
+        let y = y.reshape(&out_shape)?;
+        let x_shape = x.shape().to_vec();
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        let has_bias = bias.is_some();
+        Ok(Var::from_op("linear", y, &inputs, move |g| {
+            let g2 = g.reshape(&[rows, n_out])?;
+            // dX = G W, dW = G^T X, db = sum over rows of G
+            let gx = g2.matmul(&w)?.reshape(&x_shape)?;
+            let gw = g2.t()?.matmul(&x2)?;
+            let mut grads = vec![Some(gx), Some(gw)];
+            if has_bias {
+                grads.push(Some(g2.sum(&[0], false)?));
+            }
+            Ok(grads)
+        }))
     }
 
     /// Sum over `dims`.

@@ -174,21 +174,21 @@ impl Optimizer for AdamW {
         let (eps, decay) = (self.eps as f32, (1.0 - self.lr * self.weight_decay) as f32);
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = p.grad() else { continue };
-            let g = f32_of(&g)?;
             let w = p.value();
-            self.m[i].with_slice_mut("adamw", |m: &mut [f32]| {
-                self.v[i].with_slice_mut("adamw", |v: &mut [f32]| {
-                    w.with_slice_mut("adamw", |pv: &mut [f32]| {
-                        for j in 0..pv.len() {
-                            pv[j] *= decay;
-                            m[j] = b1 * m[j] + one_m_b1 * g[j];
-                            v[j] = b2 * v[j] + one_m_b2 * g[j] * g[j];
-                            let denom = v[j].sqrt() / bc2_sqrt + eps;
-                            pv[j] -= step_size * m[j] / denom;
-                        }
+            g.with_contiguous("adamw", |g: &[f32]| {
+                self.m[i].with_slice_mut("adamw", |m: &mut [f32]| {
+                    self.v[i].with_slice_mut("adamw", |v: &mut [f32]| {
+                        w.with_slice_mut("adamw", |pv: &mut [f32]| {
+                            for (((p, m), v), &g) in pv.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+                                *p *= decay;
+                                *m = b1 * *m + one_m_b1 * g;
+                                *v = b2 * *v + one_m_b2 * g * g;
+                                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
+                            }
+                        })
                     })
                 })
-            })???;
+            })????;
         }
         Ok(())
     }

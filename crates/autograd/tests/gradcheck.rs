@@ -57,6 +57,7 @@ fn matmul_plain_batched_and_transposed() {
     assert!(!at.is_contiguous());
     check(|v| v[0].matmul(&v[1]), &[at, randn(&[4, 2], 16)]);
     check(|v| v[0].linear(&v[1], Some(&v[2])), &[randn(&[2, 3, 4], 17), randn(&[5, 4], 18), randn(&[5], 19)]);
+    check(|v| v[0].linear(&v[1], None), &[randn(&[4, 3], 32).t().unwrap(), randn(&[2, 4], 33)]);
 }
 
 #[test]

@@ -4,7 +4,14 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod args;
 mod bench;
+mod error;
+mod mpi_backend;
+mod run;
+mod sweep;
+mod timeline;
+mod train;
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]
@@ -16,14 +23,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Micro-benchmarks (collectives, ...).
+    /// Train a model (N ranks as threads with --world-size, or under mpirun with --backend mpi).
+    Train(Box<train::TrainArgs>),
+    /// Step time, compute-only time and exposed communication for several bucket sizes.
+    Sweep(Box<sweep::SweepArgs>),
+    /// Micro-benchmarks (collectives, GEMM).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
+    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
+        Command::Train(t) => train::train(*t).map_err(Into::into),
+        Command::Sweep(s) => sweep::sweep(*s).map_err(Into::into),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

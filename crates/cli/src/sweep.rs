@@ -1,0 +1,183 @@
+//! `brigade sweep`: how much communication the backward pass hides, per bucket size.
+//!
+//! For each bucket cap: the DDP step time; the compute-only time (the same ranks and
+//! per-rank batch at once, with communication switched off, so that core and memory
+//! contention is in both figures); the comm time of the recorded step (sum of the
+//! buckets' all-reduce durations on rank 0's comm stream); the last bucket's all-reduce
+//! alone (what has nothing left to overlap with); exposed comm = step - compute-only;
+//! share hidden = 1 - exposed / comm.
+
+use std::path::PathBuf;
+
+use brigade_comm::Track;
+use clap::Args;
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::args::RunArgs;
+use crate::error::{write_atomic, CliError, Result};
+use crate::run::{run, RunOptions};
+use crate::timeline::{step_events, write_timeline};
+use crate::train::median_min;
+
+/// Options of `brigade sweep`.
+#[derive(Args, Clone, Debug)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Directory for sweep.csv, sweep.svg and one timeline per bucket size.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print the table as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One row of the sweep.
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepRow {
+    pub bucket_mb: f64,
+    pub buckets: usize,
+    pub step_ms: f64,
+    pub compute_only_ms: f64,
+    pub comm_ms: f64,
+    pub last_bucket_ms: f64,
+    pub exposed_comm_ms: f64,
+    pub hidden_share: f64,
+}
+
+fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
+    median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
+}
+
+/// Runs `brigade sweep`.
+pub fn sweep(s: SweepArgs) -> Result<()> {
+    s.run.validate()?;
+    if s.run.steps < 2 {
+        return Err(CliError::Usage("a sweep needs --steps >= 2 (the last step is the one recorded)".into()));
+    }
+    std::fs::create_dir_all(&s.out).map_err(|source| CliError::Io { path: s.out.display().to_string(), source })?;
+    let quiet = RunOptions { progress: false, ..RunOptions::default() };
+    let mut base = s.run.clone();
+    base.bucket_mb = vec![s.run.bucket_mb[0]];
+    let compute_only = run(&base, &RunOptions { compute_only: true, ..quiet.clone() })?;
+    let compute_ms = median_step(&s.run, &compute_only.step_ms);
+    let mut rows = vec![];
+    for &b in &s.run.bucket_mb {
+        let mut a = s.run.clone();
+        a.bucket_mb = vec![b];
+        a.first_bucket_mb = a.first_bucket_mb.min(b);
+        let report = run(&a, &RunOptions { record: true, ..quiet.clone() })?;
+        let rec = report.recorder.as_ref().expect("recording was on");
+        let last = a.steps - 1;
+        let events = step_events(rec, last);
+        let mut buckets: Vec<(String, f64)> = events
+            .iter()
+            .filter(|e| e.rank == 0 && e.track == Track::Comm && e.op == "all_reduce" && e.name.starts_with("bucket"))
+            .filter_map(|e| Some((e.name.clone(), e.end?.at.saturating_duration_since(e.start?.at).as_secs_f64() * 1e3)))
+            .collect();
+        buckets.sort_by_key(|(n, _)| n.trim_start_matches("bucket").parse::<usize>().unwrap_or(0));
+        let comm_ms: f64 = buckets.iter().map(|(_, d)| d).sum();
+        let step_ms = median_step(&a, &report.step_ms);
+        let exposed = (step_ms - compute_ms).max(0.0);
+        let row = SweepRow {
+            bucket_mb: b,
+            buckets: report.buckets.len(),
+            step_ms,
+            compute_only_ms: compute_ms,
+            comm_ms,
+            last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
+            exposed_comm_ms: exposed,
+            hidden_share: if comm_ms > 0.0 { (1.0 - exposed / comm_ms).clamp(0.0, 1.0) } else { 1.0 },
+        };
+        let title = format!("{:?} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms", a.model.model, a.world_size, row.step_ms, compute_ms);
+        write_timeline(&s.out.join(format!("timeline_{b}MiB.json")), &events, rec.origin(), &title)?;
+        rows.push(row);
+    }
+    let mut csv = String::from("bucket_mb,buckets,step_ms,compute_only_ms,comm_ms,last_bucket_ms,exposed_comm_ms,hidden_share\n");
+    for r in &rows {
+        csv.push_str(&format!(
+            "{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4}\n",
+            r.bucket_mb, r.buckets, r.step_ms, r.compute_only_ms, r.comm_ms, r.last_bucket_ms, r.exposed_comm_ms, r.hidden_share
+        ));
+    }
+    write_atomic(&s.out.join("sweep.csv"), csv.as_bytes())?;
+    draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
+    if s.json {
+        println!("{}", serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?);
+    } else {
+        println!(
+            "{:>10} {:>7} {:>9} {:>12} {:>9} {:>14} {:>12} {:>7}",
+            "bucket_MiB", "buckets", "step_ms", "compute_ms", "comm_ms", "last_bucket_ms", "exposed_ms", "hidden"
+        );
+        for r in &rows {
+            println!(
+                "{:>10} {:>7} {:>9.2} {:>12.2} {:>9.2} {:>14.2} {:>12.2} {:>6.0}%",
+                r.bucket_mb,
+                r.buckets,
+                r.step_ms,
+                r.compute_only_ms,
+                r.comm_ms,
+                r.last_bucket_ms,
+                r.exposed_comm_ms,
+                100.0 * r.hidden_share
+            );
+        }
+        println!("wrote {}", s.out.join("sweep.csv").display());
+    }
+    Ok(())
+}
+
+/// Step time, compute-only time and exposed comm against bucket size (log x axis).
+fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
+    let err = |m: String| CliError::Chart { path: path.display().to_string(), msg: m };
+    let xs: Vec<f64> = rows.iter().map(|r| r.bucket_mb).collect();
+    let (xmin, xmax) = (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(0.0, f64::max));
+    let ymax = rows.iter().map(|r| r.step_ms.max(r.comm_ms)).fold(0.0, f64::max) * 1.15 + 1e-3;
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let caption = format!(
+        "{:?}, world size {}, {} rows/rank, net {} Gb/s, {} us",
+        a.model.model,
+        a.world_size,
+        a.rows_per_rank(),
+        a.net_gbps.map(|g| g.to_string()).unwrap_or_else(|| "unlimited".into()),
+        a.net_latency_us
+    );
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, ("sans-serif", 18))
+        .margin(20)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d((xmin / 1.5..xmax * 1.5).log_scale(), 0.0..ymax)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("bucket cap (MiB, log scale)")
+        .y_desc("ms per step")
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    let series: [(&str, RGBColor, fn(&SweepRow) -> f64); 4] = [
+        ("step time", RGBColor(52, 152, 219), |r| r.step_ms),
+        ("compute only", RGBColor(39, 174, 96), |r| r.compute_only_ms),
+        ("exposed comm", RGBColor(231, 76, 60), |r| r.exposed_comm_ms),
+        ("total comm", RGBColor(230, 126, 34), |r| r.comm_ms),
+    ];
+    for (name, color, f) in series {
+        let pts: Vec<(f64, f64)> = rows.iter().map(|r| (r.bucket_mb, f(r))).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(|e| err(e.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! `--timeline FILE.json`: one training step per rank as a Chrome trace, and the same
+//! step drawn as a Gantt chart (`FILE.svg`): per rank a compute lane and a comm lane.
+
+use std::path::Path;
+use std::time::Instant;
+
+use brigade_comm::{chrome_trace, Event, Recorder, Track};
+use plotters::prelude::*;
+
+use crate::error::{write_atomic, CliError, Result};
+
+/// The events of `step` on every rank: the `step {step}` compute span and everything
+/// that rank issued or began while it lasted (sequence numbers, not clocks, decide).
+pub fn step_events(recorder: &Recorder, step: usize) -> Vec<Event> {
+    let events = recorder.events();
+    let marker = format!("step {step}");
+    let starts: Vec<(usize, u64)> = events
+        .iter()
+        .filter(|e| e.track == Track::Compute && e.name == marker)
+        .filter_map(|e| e.start.map(|s| (e.rank, s.seq)))
+        .collect();
+    let ends: Vec<(usize, u64)> = events
+        .iter()
+        .filter(|e| e.track == Track::Compute && e.name == marker)
+        .filter_map(|e| e.end.map(|s| (e.rank, s.seq)))
+        .collect();
+    events
+        .into_iter()
+        .filter(|e| {
+            let Some(first) = e.issued.or(e.start) else { return false };
+            let begin = starts.iter().find(|(r, _)| *r == e.rank).map(|(_, s)| *s);
+            let end = ends.iter().find(|(r, _)| *r == e.rank).map(|(_, s)| *s).unwrap_or(u64::MAX);
+            begin.is_some_and(|b| first.seq >= b && first.seq < end)
+        })
+        .collect()
+}
+
+/// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
+pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
+    let json = chrome_trace(events, origin);
+    let text = serde_json::to_string(&json).map_err(|e| CliError::Usage(format!("timeline JSON: {e}")))?;
+    write_atomic(path, text.as_bytes())?;
+    draw_gantt(&path.with_extension("svg"), events, title)
+}
+
+/// A compute span worth drawing: leaves only (not the enclosing `step N`).
+fn drawable(e: &Event) -> bool {
+    !(e.track == Track::Compute && e.name.starts_with("step "))
+}
+
+fn color_for(e: &Event) -> RGBColor {
+    match e.track {
+        Track::Comm => RGBColor(230, 126, 34),
+        Track::Compute if e.name == "forward" => RGBColor(52, 152, 219),
+        Track::Compute if e.name == "optimizer" => RGBColor(39, 174, 96),
+        Track::Compute if e.name.starts_with("wait") => RGBColor(160, 160, 160),
+        Track::Compute => {
+            // backward spans alternate two purples so adjacent layers stay apart
+            let n: usize = e.name.bytes().map(usize::from).sum();
+            if n % 2 == 0 { RGBColor(142, 68, 173) } else { RGBColor(187, 143, 206) }
+        }
+    }
+}
+
+/// Draws one lane pair per rank: compute (forward, backward per layer, optimizer) and
+/// the comm stream (each bucket's all-reduce), time in ms from the step's start.
+fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
+    let err = |msg: String| CliError::Chart { path: path.display().to_string(), msg };
+    let spans: Vec<&Event> = events.iter().filter(|e| e.start.is_some() && e.end.is_some() && drawable(e)).collect();
+    let Some(t0) = events.iter().filter_map(|e| e.issued.or(e.start)).map(|s| s.at).min() else {
+        return Err(err("no events were recorded for the timeline".into()));
+    };
+    let ms = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e3;
+    let t_end = spans.iter().map(|e| ms(e.end.expect("filtered").at)).fold(0.0, f64::max).max(1e-3);
+    let mut ranks: Vec<usize> = spans.iter().map(|e| e.rank).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let lanes = 2 * ranks.len().max(1);
+    // lane 0 is drawn at the top: rank 0 compute, rank 0 comm, rank 1 compute, ...
+    let lane_of = |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
+    let y_of = |lane: usize| (lanes - 1 - lane) as f64;
+    let height = 120 + 70 * lanes as u32;
+    let root = SVGBackend::new(path, (1400, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(150)
+        .build_cartesian_2d(0.0..t_end * 1.02, 0.0..lanes as f64)
+        .map_err(|e| err(e.to_string()))?;
+    let lane_label = |y: &f64| {
+        let lane = lanes - 1 - (*y as usize).min(lanes - 1);
+        let rank = ranks.get(lane / 2).copied().unwrap_or(0);
+        format!("rank {rank} {}", if lane % 2 == 0 { "compute" } else { "comm stream" })
+    };
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(lanes * 2 + 1)
+        .y_label_formatter(&|y| if (y.fract() - 0.5).abs() < 0.01 { lane_label(y) } else { String::new() })
+        .x_desc("ms since the step began")
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    for e in &spans {
+        let lane = y_of(lane_of(e));
+        let (a, b) = (ms(e.start.expect("filtered").at), ms(e.end.expect("filtered").at));
+        let c = color_for(e);
+        chart
+            .draw_series(std::iter::once(Rectangle::new([(a, lane + 0.15), (b.max(a + t_end * 1e-3), lane + 0.85)], c.filled())))
+            .map_err(|e| err(e.to_string()))?;
+        let label = match e.track {
+            Track::Comm => e.name.clone(),
+            Track::Compute => e.name.trim_start_matches("backward ").to_string(),
+        };
+        // label only spans wide enough to hold it
+        if (b - a) / t_end > 0.004 * label.len() as f64 {
+            chart
+                .draw_series(std::iter::once(Text::new(label, (a + t_end * 0.002, lane + 0.45), ("sans-serif", 11).into_font())))
+                .map_err(|e| err(e.to_string()))?;
+        }
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
