@@ -1,0 +1,236 @@
+//! What each rank says it is doing in a slot, as a fixed-size record all-gathered before every
+//! collective, and the checks that all ranks agree (the MPI twin of the thread backend's
+//! descriptors: same verdicts, same error messages).
+
+use std::fmt;
+
+use crate::{CommError, DType, ReduceOp};
+
+/// Bytes of one encoded descriptor.
+pub(crate) const DESC_BYTES: usize = 40;
+
+/// Which collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    AllReduce(ReduceOp),
+    Broadcast { root: usize },
+    AllGather,
+    ReduceScatter(ReduceOp),
+    Barrier,
+}
+
+/// One rank's description of the collective in the current slot. The tag travels as a hash
+/// and a length; the text is fetched only to report a mismatch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OpDesc {
+    pub(crate) slot: u64,
+    pub(crate) kind: OpKind,
+    pub(crate) dtype: Option<DType>,
+    /// Input length in elements.
+    pub(crate) len: u64,
+    pub(crate) tag_hash: u64,
+    pub(crate) tag_len: u32,
+}
+
+/// 64-bit FNV-1a: stable across processes and builds (unlike `DefaultHasher`'s promise).
+pub(crate) fn tag_hash(tag: &str) -> u64 {
+    tag.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn op_code(op: ReduceOp) -> u8 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Avg => 1,
+        ReduceOp::Max => 2,
+    }
+}
+
+fn op_from(code: u8) -> Option<ReduceOp> {
+    [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max]
+        .get(code as usize)
+        .copied()
+}
+
+fn dtype_code(dtype: Option<DType>) -> u8 {
+    match dtype {
+        None => 0,
+        Some(DType::F32) => 1,
+        Some(DType::F16) => 2,
+        Some(DType::BF16) => 3,
+        Some(DType::U8) => 4,
+    }
+}
+
+fn dtype_from(code: u8) -> Option<Option<DType>> {
+    [
+        None,
+        Some(DType::F32),
+        Some(DType::F16),
+        Some(DType::BF16),
+        Some(DType::U8),
+    ]
+    .get(code as usize)
+    .copied()
+}
+
+impl OpDesc {
+    pub(crate) fn new(slot: u64, kind: OpKind, dtype: Option<DType>, len: usize, tag: &str) -> Self {
+        OpDesc {
+            slot,
+            kind,
+            dtype,
+            len: len as u64,
+            tag_hash: tag_hash(tag),
+            tag_len: tag.len().min(u32::MAX as usize) as u32,
+        }
+    }
+
+    /// Layout: slot u64, len u64, tag hash u64, root u64, tag length u32, kind u8, op u8,
+    /// dtype u8, one zero byte; little-endian.
+    pub(crate) fn encode(&self) -> [u8; DESC_BYTES] {
+        let (kind, op, root) = match self.kind {
+            OpKind::AllReduce(op) => (0u8, op_code(op), 0u64),
+            OpKind::Broadcast { root } => (1, 0, root as u64),
+            OpKind::AllGather => (2, 0, 0),
+            OpKind::ReduceScatter(op) => (3, op_code(op), 0),
+            OpKind::Barrier => (4, 0, 0),
+        };
+        let mut out = [0u8; DESC_BYTES];
+        out[0..8].copy_from_slice(&self.slot.to_le_bytes());
+        out[8..16].copy_from_slice(&self.len.to_le_bytes());
+        out[16..24].copy_from_slice(&self.tag_hash.to_le_bytes());
+        out[24..32].copy_from_slice(&root.to_le_bytes());
+        out[32..36].copy_from_slice(&self.tag_len.to_le_bytes());
+        out[36] = kind;
+        out[37] = op;
+        out[38] = dtype_code(self.dtype);
+        out
+    }
+
+    /// Inverse of [`OpDesc::encode`]; `None` for bytes no rank of this build would send.
+    pub(crate) fn decode(b: &[u8]) -> Option<OpDesc> {
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+        let op = op_from(b[37]);
+        let kind = match b[36] {
+            0 => OpKind::AllReduce(op?),
+            1 => OpKind::Broadcast {
+                root: usize::try_from(u64_at(24)).ok()?,
+            },
+            2 => OpKind::AllGather,
+            3 => OpKind::ReduceScatter(op?),
+            4 => OpKind::Barrier,
+            _ => return None,
+        };
+        Some(OpDesc {
+            slot: u64_at(0),
+            kind,
+            dtype: dtype_from(b[38])?,
+            len: u64_at(8),
+            tag_hash: u64_at(16),
+            tag_len: u32::from_le_bytes(b[32..36].try_into().unwrap()),
+        })
+    }
+
+    fn same_collective(&self, other: &OpDesc) -> bool {
+        self.kind == other.kind
+            && self.dtype == other.dtype
+            && self.len == other.len
+            && self.tag_hash == other.tag_hash
+            && self.tag_len == other.tag_len
+    }
+
+    /// Formats like the thread backend's descriptors: `all_reduce(sum, 1024 x f32, tag `b0`)`.
+    pub(crate) fn describe(&self, tag: &str) -> String {
+        Described(self, tag).to_string()
+    }
+}
+
+struct Described<'a>(&'a OpDesc, &'a str);
+
+impl fmt::Display for Described<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Described(d, tag) = self;
+        let mut args = Vec::new();
+        let name = match d.kind {
+            OpKind::AllReduce(op) => {
+                args.push(op.to_string());
+                "all_reduce"
+            }
+            OpKind::Broadcast { root } => {
+                args.push(format!("root {root}"));
+                "broadcast"
+            }
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter(op) => {
+                args.push(op.to_string());
+                "reduce_scatter"
+            }
+            OpKind::Barrier => "barrier",
+        };
+        if let Some(dtype) = d.dtype {
+            args.push(format!("{} x {dtype}", d.len));
+        }
+        args.push(format!("tag `{tag}`"));
+        write!(f, "{name}({})", args.join(", "))
+    }
+}
+
+/// The first rank whose descriptor differs from rank 0's, if any. Every rank calls this on the
+/// same all-gathered descriptors, so every rank reaches the same verdict.
+pub(crate) fn first_mismatch(descs: &[OpDesc]) -> Option<usize> {
+    descs.iter().position(|d| !d.same_collective(&descs[0]))
+}
+
+/// Checks that the agreed collective can run (`tag` is this rank's, equal to everyone's).
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+pub(crate) fn validate(reference: &OpDesc, world: usize, tag: &str) -> Result<(), CommError> {
+    match reference.kind {
+        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if reference.dtype == Some(DType::U8) => Err(
+            CommError::Unsupported(format!("reduction on u8 buffers: {}", reference.describe(tag))),
+        ),
+        OpKind::ReduceScatter(_) if reference.len % world as u64 != 0 => Err(CommError::InvalidArgument(format!(
+            "{}: input length {} is not a multiple of the world size {world}",
+            reference.describe(tag),
+            reference.len
+        ))),
+        OpKind::Broadcast { root } if root >= world => Err(CommError::InvalidArgument(format!(
+            "{}: root {root} is not a rank of a group of {world}",
+            reference.describe(tag)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_round_trip_through_bytes() {
+        let kinds = [
+            OpKind::AllReduce(ReduceOp::Avg),
+            OpKind::Broadcast { root: 3 },
+            OpKind::AllGather,
+            OpKind::ReduceScatter(ReduceOp::Max),
+            OpKind::Barrier,
+        ];
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let d = OpDesc::new(i as u64 + 7, kind, Some(DType::BF16), 1 << 33, "bucket 3");
+            assert_eq!(OpDesc::decode(&d.encode()), Some(d));
+        }
+        let barrier = OpDesc::new(0, OpKind::Barrier, None, 0, "");
+        assert_eq!(OpDesc::decode(&barrier.encode()), Some(barrier));
+    }
+
+    #[test]
+    fn a_different_tag_or_length_is_a_mismatch() {
+        let a = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b0");
+        let tag = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b1");
+        let len = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 9, "b0");
+        assert_eq!(first_mismatch(&[a.clone(), a.clone()]), None);
+        assert_eq!(first_mismatch(&[a.clone(), a.clone(), tag]), Some(2));
+        assert_eq!(first_mismatch(&[a, len]), Some(1));
+    }
+}
