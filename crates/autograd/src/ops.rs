@@ -156,12 +156,14 @@ impl Var {
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         let has_bias = bias.is_some();
+        // The first layer's input needs no gradient: skip that GEMM.
+        let x_needs_grad = self.requires_grad();
         Ok(Var::from_op("linear", y, &inputs, move |g| {
             let g2 = g.reshape(&[rows, n_out])?;
             // dX = G W, dW = G^T X, db = sum over rows of G
-            let gx = g2.matmul(&w)?.reshape(&x_shape)?;
+            let gx = if x_needs_grad { Some(g2.matmul(&w)?.reshape(&x_shape)?) } else { None };
             let gw = g2.t()?.matmul(&x2)?;
-            let mut grads = vec![Some(gx), Some(gw)];
+            let mut grads = vec![gx, Some(gw)];
             if has_bias {
                 grads.push(Some(g2.sum(&[0], false)?));
             }
