@@ -46,6 +46,27 @@ pub struct SweepRow {
     pub hidden_share: f64,
 }
 
+/// Each bucket's all-reduce time in the recorded step, in launch order: from the moment
+/// the last rank started it on its comm stream (before that, the early ranks only wait
+/// for the late ones) until it finished on rank 0.
+fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(String, f64)> {
+    let mut tags: Vec<&str> = events
+        .iter()
+        .filter(|e| e.rank == 0 && e.track == Track::Comm && e.op == "all_reduce" && e.name.starts_with("bucket"))
+        .map(|e| e.name.as_str())
+        .collect();
+    tags.sort_by_key(|n| n.trim_start_matches("bucket").parse::<usize>().unwrap_or(0));
+    tags.dedup();
+    tags.into_iter()
+        .filter_map(|tag| {
+            let same = || events.iter().filter(move |e| e.track == Track::Comm && e.name == tag);
+            let joined = same().filter_map(|e| e.start).map(|s| s.at).max()?;
+            let end = same().find(|e| e.rank == 0)?.end?.at;
+            Some((tag.to_string(), end.saturating_duration_since(joined).as_secs_f64() * 1e3))
+        })
+        .collect()
+}
+
 fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
     median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
 }
@@ -71,12 +92,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         let rec = report.recorder.as_ref().expect("recording was on");
         let last = a.steps - 1;
         let events = step_events(rec, last);
-        let mut buckets: Vec<(String, f64)> = events
-            .iter()
-            .filter(|e| e.rank == 0 && e.track == Track::Comm && e.op == "all_reduce" && e.name.starts_with("bucket"))
-            .filter_map(|e| Some((e.name.clone(), e.end?.at.saturating_duration_since(e.start?.at).as_secs_f64() * 1e3)))
-            .collect();
-        buckets.sort_by_key(|(n, _)| n.trim_start_matches("bucket").parse::<usize>().unwrap_or(0));
+        let buckets = bucket_times(&events);
         let comm_ms: f64 = buckets.iter().map(|(_, d)| d).sum();
         let step_ms = median_step(&a, &report.step_ms);
         let exposed = (step_ms - compute_ms).max(0.0);
