@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use brigade_autograd::{AdamW, Optimizer, Sgd};
 use brigade_comm::{launch_with_timeout, Buffer, CommError, Communicator, NetModel, Recorder, ReduceOp, SimulatedNetwork, Traced};
-use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel};
+use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
 use brigade_models::{load_params, load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Dataset, Model, ModelKind};
 use brigade_tensor::{set_compute_threads, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -45,6 +45,8 @@ pub struct RunReport {
     pub step_ms: Vec<f64>,
     /// DDP buckets after the last step (empty when compute-only).
     pub buckets: Vec<BucketInfo>,
+    /// Rank 0's gradient memory (absent when compute-only).
+    pub memory: Option<MemoryReport>,
     /// The recorded events, when recording.
     pub recorder: Option<Recorder>,
     /// Rank 0's final parameters.
@@ -58,6 +60,7 @@ pub struct RankOut {
     global_losses: Vec<f64>,
     step_ms: Vec<f64>,
     buckets: Vec<BucketInfo>,
+    memory: Option<MemoryReport>,
     params: Vec<(String, Tensor)>,
 }
 
@@ -179,7 +182,7 @@ pub fn rank_main(
         bar
     });
     let (b, k) = (args.batch_size, args.accum);
-    let mut out = RankOut { first_step, local_losses: vec![], global_losses: vec![], step_ms: vec![], buckets: vec![], params: vec![] };
+    let mut out = RankOut { first_step, local_losses: vec![], global_losses: vec![], step_ms: vec![], buckets: vec![], memory: None, params: vec![] };
     let span = |name: &str| recorder.map(|r| r.begin(rank, name));
     let end = |id: Option<brigade_comm::SpanId>| {
         if let (Some(r), Some(id)) = (recorder, id) {
@@ -239,6 +242,7 @@ pub fn rank_main(
     };
     if let Some(ddp) = &ddp {
         out.buckets = ddp.buckets();
+        out.memory = Some(ddp.memory());
     }
     if rank == 0 {
         out.params = model.params().named_values();
@@ -323,6 +327,7 @@ pub fn collect(results: Vec<std::result::Result<Result<RankOut>, CommError>>, wo
         losses: first.global_losses,
         step_ms: first.step_ms,
         buckets: first.buckets,
+        memory: first.memory,
         recorder,
         params: first.params,
     })

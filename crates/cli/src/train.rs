@@ -102,7 +102,10 @@ pub fn train(t: TrainArgs) -> Result<()> {
             "first_loss": s.first_loss, "last_loss": s.last_loss,
             "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
             "samples_per_s": s.samples_per_s, "world_size": report.world_size,
-            "first_step": report.first_step, "buckets": report.buckets.len(), "flags": flags,
+            "first_step": report.first_step, "buckets": report.buckets.len(),
+            "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
+            "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
+            "flags": flags,
         });
         println!("{out}");
     } else {
@@ -123,6 +126,15 @@ pub fn train(t: TrainArgs) -> Result<()> {
             s.median_step_ms, s.min_step_ms, a.warmup
         );
         println!("throughput: {:.1} samples/s", s.samples_per_s);
+        if let Some(m) = report.memory {
+            let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+            println!(
+                "gradient memory per rank: {:.2} MiB in {} buckets (gradients + buckets: {:.2} MiB, one copy)",
+                mib(m.gradient_bytes),
+                report.buckets.len(),
+                mib(m.total_bytes())
+            );
+        }
     }
     Ok(())
 }
