@@ -15,6 +15,8 @@ pub enum BenchCommand {
 pub enum Backend {
     /// Ranks as threads of this process, exchanging through shared memory.
     Thread,
+    /// One rank per process under `mpirun` (build with `--features mpi`); rank 0 prints.
+    Mpi,
 }
 
 /// Options of `brigade bench comm`.
@@ -48,18 +50,38 @@ fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
     if args.world_size == 0 {
         return Err("--world-size must be at least 1".into());
     }
-    let Backend::Thread = args.backend;
     let cfg = CommBenchConfig {
         world_size: args.world_size,
         sizes: args.sizes.unwrap_or_else(default_sizes),
         iters: args.iters,
         ..CommBenchConfig::default()
     };
-    let report = run_comm_bench(&cfg)?;
+    let report = match args.backend {
+        Backend::Thread => run_comm_bench(&cfg)?,
+        Backend::Mpi => match mpi_bench(&cfg)? {
+            Some(report) => report,
+            None => return Ok(()), // not rank 0
+        },
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", report.to_table());
     }
     Ok(())
+}
+
+/// The MPI all-reduce benchmark over the processes of this `mpirun` job; `Some` on rank 0.
+#[cfg(feature = "mpi")]
+fn mpi_bench(cfg: &CommBenchConfig) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+    let world = brigade_comm::MpiWorld::init()?;
+    Ok(world.bench_all_reduce(cfg)?)
+}
+
+/// Without the `mpi` feature: how to get it.
+#[cfg(not(feature = "mpi"))]
+fn mpi_bench(_cfg: &CommBenchConfig) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+    Err("--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev \
+         libclang-dev), build with `cargo build --release --features mpi` and run under `mpirun -np N`"
+        .into())
 }

@@ -52,20 +52,26 @@ mod enabled {
     pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         let world = MpiWorld::init()?;
         let (rank, size) = (world.rank(), world.world_size());
-        if args.world_size != 1 && args.world_size != size {
-            // Same flags on every rank: every rank fails alike.
-            return Err(CliError::Usage(format!(
-                "--world-size {} but mpirun started {size} processes: drop --world-size (MPI's size is used) or pass -np {}",
-                args.world_size, args.world_size
-            )));
-        }
-        let mut args = args.clone();
-        args.world_size = size;
         let timeout = Duration::from_secs_f64(args.timeout_s);
         let comm = Arc::new(world.communicator(timeout)?);
-
-        let setup = prepare(&args, opts);
-        agree(&comm, rank, setup.as_ref().err().map(|e| e.to_string()))?;
+        let mut args = args.clone();
+        let setup = if args.world_size != 1 && args.world_size != size {
+            Err(CliError::Usage(format!(
+                "--world-size {} but mpirun started {size} processes: drop --world-size (MPI's size is used) or pass -np {}",
+                args.world_size, args.world_size
+            )))
+        } else {
+            args.world_size = size;
+            prepare(&args, opts)
+        };
+        if let Err(e) = agree(&comm, rank, setup.as_ref().err().map(|e| e.to_string())) {
+            // Every rank prints before any exits: mpirun ends the job at the first non-zero exit.
+            eprintln!("error: {e}");
+            let _ = comm.barrier("setup failed").wait();
+            drop(comm);
+            drop(world);
+            std::process::exit(1);
+        }
         let (kind, data) = setup.expect("agreed: every rank's setup succeeded");
 
         let threads = args.threads_per_rank.unwrap_or_else(|| default_threads(size));

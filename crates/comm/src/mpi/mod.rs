@@ -11,6 +11,7 @@
 //! Across machines nothing beyond MPI's host list is needed:
 //! `mpirun --host a,b -np 2 brigade train --backend mpi ...`.
 
+mod bench;
 mod desc;
 mod raw;
 mod transport;

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The MPI backend's tests (each test launches `mpirun` itself): transport collectives,
+# mismatch/timeout, and `brigade train --backend mpi` parity, overlap, setup errors, kill.
+# Needs: apt-get install -y openmpi-bin libopenmpi-dev libclang-dev
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v mpirun >/dev/null || { echo "mpirun not found: apt-get install -y openmpi-bin libopenmpi-dev libclang-dev" >&2; exit 1; }
+cargo test -p brigade-comm --features mpi --lib -- mpi::
+cargo test -p brigade-comm --features mpi --test mpi_collectives -- --test-threads=1
+cargo test -p brigade --features mpi --test mpi_train -- --test-threads=1
