@@ -15,6 +15,7 @@
 
 pub mod bench;
 mod buffer;
+mod collective;
 mod communicator;
 mod error;
 #[cfg(feature = "mpi")] mod mpi;

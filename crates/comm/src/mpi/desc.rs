@@ -2,22 +2,13 @@
 //! collective, and the checks that all ranks agree (the MPI twin of the thread backend's
 //! descriptors: same verdicts, same error messages).
 
-use std::fmt;
-
+pub(crate) use crate::collective::OpKind;
+use crate::collective::{check_runnable, describe};
 use crate::{CommError, DType, ReduceOp};
 
 /// Bytes of one encoded descriptor.
 pub(crate) const DESC_BYTES: usize = 40;
 
-/// Which collective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OpKind {
-    AllReduce(ReduceOp),
-    Broadcast { root: usize },
-    AllGather,
-    ReduceScatter(ReduceOp),
-    Barrier,
-}
 
 /// One rank's description of the collective in the current slot. The tag travels as a hash
 /// and a length; the text is fetched only to report a mismatch.
@@ -143,37 +134,7 @@ impl OpDesc {
 
     /// Formats like the thread backend's descriptors: `all_reduce(sum, 1024 x f32, tag `b0`)`.
     pub(crate) fn describe(&self, tag: &str) -> String {
-        Described(self, tag).to_string()
-    }
-}
-
-struct Described<'a>(&'a OpDesc, &'a str);
-
-impl fmt::Display for Described<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let Described(d, tag) = self;
-        let mut args = Vec::new();
-        let name = match d.kind {
-            OpKind::AllReduce(op) => {
-                args.push(op.to_string());
-                "all_reduce"
-            }
-            OpKind::Broadcast { root } => {
-                args.push(format!("root {root}"));
-                "broadcast"
-            }
-            OpKind::AllGather => "all_gather",
-            OpKind::ReduceScatter(op) => {
-                args.push(op.to_string());
-                "reduce_scatter"
-            }
-            OpKind::Barrier => "barrier",
-        };
-        if let Some(dtype) = d.dtype {
-            args.push(format!("{} x {dtype}", d.len));
-        }
-        args.push(format!("tag `{tag}`"));
-        write!(f, "{name}({})", args.join(", "))
+        describe(self.kind, self.dtype, self.len, tag)
     }
 }
 
@@ -184,23 +145,8 @@ pub(crate) fn first_mismatch(descs: &[OpDesc]) -> Option<usize> {
 }
 
 /// Checks that the agreed collective can run (`tag` is this rank's, equal to everyone's).
-#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
 pub(crate) fn validate(reference: &OpDesc, world: usize, tag: &str) -> Result<(), CommError> {
-    match reference.kind {
-        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if reference.dtype == Some(DType::U8) => Err(
-            CommError::Unsupported(format!("reduction on u8 buffers: {}", reference.describe(tag))),
-        ),
-        OpKind::ReduceScatter(_) if reference.len % world as u64 != 0 => Err(CommError::InvalidArgument(format!(
-            "{}: input length {} is not a multiple of the world size {world}",
-            reference.describe(tag),
-            reference.len
-        ))),
-        OpKind::Broadcast { root } if root >= world => Err(CommError::InvalidArgument(format!(
-            "{}: root {root} is not a rank of a group of {world}",
-            reference.describe(tag)
-        ))),
-        _ => Ok(()),
-    }
+    check_runnable(reference.kind, reference.dtype, reference.len, world, tag)
 }
 
 #[cfg(test)]

@@ -2,17 +2,9 @@
 
 use std::fmt;
 
-use crate::{CommError, DType, ReduceOp};
-
-/// Which collective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OpKind {
-    AllReduce(ReduceOp),
-    Broadcast { root: usize },
-    AllGather,
-    ReduceScatter(ReduceOp),
-    Barrier,
-}
+pub(crate) use crate::collective::OpKind;
+use crate::collective::{check_runnable, describe};
+use crate::{CommError, DType};
 
 /// Address of a rank's buffer, shared with the peers for the duration of one collective.
 #[derive(Debug, Clone, Copy)]
@@ -47,34 +39,12 @@ impl OpDesc {
 
 impl fmt::Display for OpDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut args = Vec::new();
-        let name = match self.kind {
-            OpKind::AllReduce(op) => {
-                args.push(op.to_string());
-                "all_reduce"
-            }
-            OpKind::Broadcast { root } => {
-                args.push(format!("root {root}"));
-                "broadcast"
-            }
-            OpKind::AllGather => "all_gather",
-            OpKind::ReduceScatter(op) => {
-                args.push(op.to_string());
-                "reduce_scatter"
-            }
-            OpKind::Barrier => "barrier",
-        };
-        if let Some(dtype) = self.dtype {
-            args.push(format!("{} x {dtype}", self.len));
-        }
-        args.push(format!("tag `{}`", self.tag));
-        write!(f, "{name}({})", args.join(", "))
+        f.write_str(&describe(self.kind, self.dtype, self.len as u64, &self.tag))
     }
 }
 
 /// Checks that every rank issued the same collective and that it can run. Every rank calls this
 /// on the same descriptors, so every rank reaches the same verdict.
-#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
 pub(crate) fn validate(descs: &[OpDesc]) -> Result<(), CommError> {
     let reference = &descs[0];
     if let Some((found_rank, found)) =
@@ -89,20 +59,5 @@ pub(crate) fn validate(descs: &[OpDesc]) -> Result<(), CommError> {
             found: found.to_string(),
         });
     }
-    let world = descs.len();
-    match reference.kind {
-        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if reference.dtype == Some(DType::U8) => {
-            Err(CommError::Unsupported(format!("reduction on u8 buffers: {reference}")))
-        }
-        OpKind::ReduceScatter(_) if reference.len % world != 0 => {
-            Err(CommError::InvalidArgument(format!(
-                "{reference}: input length {} is not a multiple of the world size {world}",
-                reference.len
-            )))
-        }
-        OpKind::Broadcast { root } if root >= world => Err(CommError::InvalidArgument(format!(
-            "{reference}: root {root} is not a rank of a group of {world}"
-        ))),
-        _ => Ok(()),
-    }
+    check_runnable(reference.kind, reference.dtype, reference.len as u64, descs.len(), &reference.tag)
 }
