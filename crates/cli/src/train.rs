@@ -64,7 +64,8 @@ pub struct Summary {
 pub fn summarize(args: &RunArgs, report: &RunReport) -> Summary {
     let timed = &report.step_ms[args.warmup.min(report.step_ms.len())..];
     let (median, min) = median_min(timed);
-    let global_batch = (args.world_size * args.rows_per_rank()) as f64;
+    // the report's world size: under MPI it comes from mpirun, not from --world-size
+    let global_batch = (report.world_size * args.rows_per_rank()) as f64;
     Summary {
         first_loss: report.losses.first().copied().unwrap_or(f64::NAN),
         last_loss: report.losses.last().copied().unwrap_or(f64::NAN),
