@@ -66,9 +66,11 @@ impl NetModel {
 
 type SimJob = Box<dyn FnOnce(&mut Instant) + Send>;
 
-/// Wraps a communicator so that each collective completes no sooner than its [`NetModel`] time
-/// after it starts on the (simulated) link: `sim_start = max(inner started, previous
-/// sim_finish)`, `sim_finish = max(inner finished, sim_start + model time)`. The returned
+/// Wraps a communicator so that each collective completes its [`NetModel`] time after it
+/// starts on the (simulated) link, which is when every rank has joined it and the previous
+/// collective has left the link: `sim_start = max(inner finished, previous sim_finish)`,
+/// `sim_finish = sim_start + model time`. Every rank of a collective therefore finishes at
+/// about the same time, however early it arrived, as on a real network. The returned
 /// [`Work`] reports `sim_start`/`sim_finish` as its timing. A helper thread per wrapper sleeps
 /// until `sim_finish` (no spinning), so the caller's compute keeps the core.
 pub struct SimulatedNetwork<C> {
@@ -110,8 +112,13 @@ impl<C: Communicator> SimulatedNetwork<C> {
             // The inner backend bounds its own waits, so this returns.
             match inner.wait_timed_timeout(Duration::MAX) {
                 Ok((value, timing)) => {
-                    let sim_start = timing.started.max(*link_free);
-                    let sim_finish = timing.finished.max(sim_start + model_time);
+                    // Data can flow only once every rank has joined, and the inner op's
+                    // finish is the first instant this rank knows they all have: a rank
+                    // that arrived early waits for the late one, then for the link.
+                    // (This counts the real transfer on top of the model's; in shared
+                    // memory it is far shorter than the simulated links.)
+                    let sim_start = timing.finished.max(*link_free);
+                    let sim_finish = sim_start + model_time;
                     *link_free = sim_finish;
                     promise.start_at(sim_start);
                     sleep_until(sim_finish);

@@ -45,6 +45,31 @@ fn all_reduce_takes_at_least_the_model_time_and_queues_on_the_link() {
     .for_each(|r| r.unwrap());
 }
 
+#[test]
+fn an_early_rank_waits_for_the_late_one_before_the_link_time_starts() {
+    let model = NetModel { latency: Duration::ZERO, bandwidth_bytes_per_s: 100e6 };
+    let n = 1 << 18; // 1 MiB of f32: 10.5 ms on the model link
+    let expected = model.all_reduce_time(4 * n, 2);
+    let late = Duration::from_millis(60);
+    let t0 = Instant::now();
+    let finished: Vec<Instant> = launch_with_timeout(2, TIMEOUT, |comm| {
+        let rank = comm.rank();
+        let sim = SimulatedNetwork::new(comm, model);
+        if rank == 1 {
+            std::thread::sleep(late);
+        }
+        let (_, timing) = sim.all_reduce(Buffer::F32(vec![1.0; n]), ReduceOp::Sum, "late").wait_timed().unwrap();
+        timing.finished
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    for (rank, f) in finished.iter().enumerate() {
+        // the transfer cannot begin before rank 1 has joined
+        assert!(f.duration_since(t0) >= late + expected, "rank {rank} finished after {:?}", f.duration_since(t0));
+    }
+}
+
 /// CPU time of this process (all threads), from /proc.
 #[cfg(target_os = "linux")]
 fn process_cpu_time() -> Duration {
