@@ -79,15 +79,15 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&s.out).map_err(|source| CliError::Io { path: s.out.display().to_string(), source })?;
     let quiet = RunOptions { progress: false, ..RunOptions::default() };
-    let mut base = s.run.clone();
-    base.bucket_mb = vec![s.run.bucket_mb[0]];
-    let compute_only = run(&base, &RunOptions { compute_only: true, ..quiet.clone() })?;
-    let compute_ms = median_step(&s.run, &compute_only.step_ms);
     let mut rows = vec![];
     for &b in &s.run.bucket_mb {
         let mut a = s.run.clone();
         a.bucket_mb = vec![b];
         a.first_bucket_mb = a.first_bucket_mb.min(b);
+        // The baseline runs right before each row: this machine's speed drifts over
+        // minutes, and the comparison must not.
+        let compute_only = run(&a, &RunOptions { compute_only: true, ..quiet.clone() })?;
+        let compute_ms = median_step(&a, &compute_only.step_ms);
         let report = run(&a, &RunOptions { record: true, ..quiet.clone() })?;
         let rec = report.recorder.as_ref().expect("recording was on");
         let last = a.steps - 1;
