@@ -8,8 +8,9 @@
 //! Rank 0 alone draws the progress bar and returns the report (so it alone prints and writes
 //! files); the other ranks finalize MPI and exit 0 once training succeeded.
 //!
-//! `--timeline` records rank 0's compute and comm tracks (process-local clocks cannot be mixed
-//! into one trace without an import API on `Recorder`).
+//! `--timeline`: every rank sends rank 0 its last step's events, with instants as offsets
+//! from the start of that step on its own clock; rank 0 lays them out from its own step
+//! start (the steps begin together, give or take the skew the trace itself shows).
 
 #[cfg(not(feature = "mpi"))]
 mod disabled {
@@ -38,12 +39,15 @@ mod enabled {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use brigade_comm::{Buffer, Communicator, MpiComm, MpiWorld, NetModel, Recorder, SimulatedNetwork, Traced};
+    use std::time::Instant;
+
+    use brigade_comm::{Buffer, Communicator, Event, MpiComm, MpiWorld, NetModel, Recorder, SimulatedNetwork, Stamp, Traced, Track};
     use brigade_models::{Dataset, ModelKind};
 
     use crate::args::RunArgs;
     use crate::error::{CliError, Result};
     use crate::run::{collect, load_data, rank_main, RunOptions, RunReport};
+    use crate::timeline::step_events;
 
     /// Bytes of a setup error message exchanged between ranks.
     const MESSAGE_BYTES: usize = 1024;
@@ -113,12 +117,94 @@ mod enabled {
                 world.abort(1);
             }
         };
+        let gathered = match &recorder {
+            Some(rec) if args.steps > 0 => match gather_last_step(&comm, rec, args.steps - 1) {
+                Ok(events) => Some(events),
+                Err(e) => {
+                    eprintln!("error: rank {rank} of {size}: gathering the timeline: {e}");
+                    world.abort(1);
+                }
+            },
+            _ => None,
+        };
         drop(comm);
         drop(world); // waits for the comm stream to end, then MPI_Finalize
         if rank != 0 {
             std::process::exit(0);
         }
-        collect(vec![Ok(Ok(out))], size, recorder)
+        let mut report = collect(vec![Ok(Ok(out))], size, recorder)?;
+        report.last_step_events = gathered;
+        Ok(report)
+    }
+
+    /// One event as offsets in seconds from the step's start (JSON).
+    fn encode(e: &Event, t0: Instant) -> serde_json::Value {
+        let off = |s: Option<Stamp>| s.map(|s| offset(s.at, t0));
+        serde_json::json!({
+            "rank": e.rank, "comm": e.track == Track::Comm, "name": e.name, "op": e.op,
+            "bytes": e.bytes, "issued": off(e.issued), "start": off(e.start), "end": off(e.end), "error": e.error,
+        })
+    }
+
+    /// Seconds from `t0` to `at`, negative when `at` came first.
+    fn offset(at: Instant, t0: Instant) -> f64 {
+        if at >= t0 {
+            (at - t0).as_secs_f64()
+        } else {
+            -(t0 - at).as_secs_f64()
+        }
+    }
+
+    fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<Event> {
+        let mut stamp = |k: &str| {
+            v[k].as_f64().map(|off| {
+                *seq += 1;
+                let at = if off >= 0.0 { t0 + Duration::from_secs_f64(off) } else { t0 - Duration::from_secs_f64(-off) };
+                Stamp { seq: *seq, at }
+            })
+        };
+        let (issued, start, end) = (stamp("issued"), stamp("start"), stamp("end"));
+        Some(Event {
+            id: 0,
+            rank: v["rank"].as_u64()? as usize,
+            track: if v["comm"].as_bool()? { Track::Comm } else { Track::Compute },
+            name: v["name"].as_str()?.to_string(),
+            op: v["op"].as_str()?.to_string(),
+            bytes: v["bytes"].as_u64()? as usize,
+            issued,
+            start,
+            end,
+            error: v["error"].as_str().map(str::to_string),
+        })
+    }
+
+    /// All ranks' events of `step`, laid out on rank 0's clock (every rank calls this).
+    fn gather_last_step(comm: &MpiComm, rec: &Recorder, step: usize) -> Result<Vec<Event>> {
+        let events = step_events(rec, step);
+        let marker = format!("step {step}");
+        let t0 = events
+            .iter()
+            .find(|e| e.track == Track::Compute && e.name == marker)
+            .and_then(|e| e.start)
+            .map(|s| s.at)
+            .unwrap_or_else(Instant::now);
+        let mine = serde_json::to_vec(&events.iter().map(|e| encode(e, t0)).collect::<Vec<_>>())
+            .map_err(|e| CliError::Usage(format!("timeline: {e}")))?;
+        let lens = comm.all_gather(Buffer::U8((mine.len() as u64).to_le_bytes().to_vec()), "timeline.len").wait()?;
+        let Buffer::U8(lens) = lens else { unreachable!("u8 in, u8 out") };
+        let lens: Vec<usize> = lens.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize).collect();
+        let max = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = mine;
+        padded.resize(max, b' ');
+        let Buffer::U8(all) = comm.all_gather(Buffer::U8(padded), "timeline").wait()? else { unreachable!("u8 in, u8 out") };
+        let mut seq = 0;
+        let mut out = vec![];
+        for (chunk, &len) in all.chunks(max.max(1)).zip(&lens) {
+            let list: Vec<serde_json::Value> =
+                serde_json::from_slice(&chunk[..len]).map_err(|e| CliError::Usage(format!("timeline from a peer: {e}")))?;
+            out.extend(list.iter().filter_map(|v| decode(v, t0, &mut seq)));
+        }
+        Ok(out)
     }
 
     /// What each rank must have before training: the model and the data (every file it reads

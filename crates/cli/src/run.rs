@@ -49,6 +49,9 @@ pub struct RunReport {
     pub memory: Option<MemoryReport>,
     /// The recorded events, when recording.
     pub recorder: Option<Recorder>,
+    /// The last step's events of every rank, when they were gathered from other processes
+    /// (MPI); `None` means: take them from `recorder`.
+    pub last_step_events: Option<Vec<brigade_comm::Event>>,
     /// Rank 0's final parameters.
     pub params: Vec<(String, Tensor)>,
 }
@@ -329,6 +332,7 @@ pub fn collect(results: Vec<std::result::Result<Result<RankOut>, CommError>>, wo
         buckets: first.buckets,
         memory: first.memory,
         recorder,
+        last_step_events: None,
         params: first.params,
     })
 }
