@@ -93,36 +93,41 @@ fn default_iters(bytes: usize) -> usize {
     ((512usize << 20) / bytes.max(1)).clamp(5, 1000)
 }
 
+/// One rank's part of the all-reduce benchmark (every rank calls it with the same `cfg`):
+/// f32 sum all-reduces of each size, after two warm-up runs; rank 0 measures memcpy just
+/// before each size while the others wait in a barrier. Returns this rank's timings.
+pub fn time_all_reduce(comm: &dyn Communicator, cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, CommError> {
+    let world = comm.world_size();
+    let mut rows = Vec::new();
+    for &bytes in &cfg.sizes {
+        let len = bytes / 4;
+        let iters = cfg.iters.unwrap_or_else(|| default_iters(bytes));
+        let mut buf = Buffer::F32(vec![0.5; len]);
+        for _ in 0..2 {
+            buf = comm.all_reduce(buf, ReduceOp::Sum, "warmup").wait()?;
+        }
+        // The other ranks park in this barrier while rank 0 copies.
+        let memcpy_bw =
+            if comm.rank() == 0 { memcpy_bandwidth(cfg.memcpy_bytes, 3) } else { 0.0 };
+        comm.barrier("start").wait()?;
+        let mut best_s = f64::INFINITY;
+        let t = Instant::now();
+        for _ in 0..iters {
+            let t1 = Instant::now();
+            buf = comm.all_reduce(buf, ReduceOp::Sum, "bench").wait()?;
+            best_s = best_s.min(t1.elapsed().as_secs_f64());
+        }
+        let time_s = t.elapsed().as_secs_f64() / iters as f64;
+        let algbw = (len * 4) as f64 / time_s;
+        let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
+        rows.push(AllReduceRow { bytes: len * 4, iters, time_s, algbw, busbw, best_s, memcpy_bw });
+    }
+    Ok(rows)
+}
+
 /// Times f32 sum all-reduces of each size on a thread group; returns rank 0's measurements.
 pub fn bench_all_reduce(cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, CommError> {
-    let world = cfg.world_size;
-    let results = launch(world, |comm| -> Result<Vec<AllReduceRow>, CommError> {
-        let mut rows = Vec::new();
-        for &bytes in &cfg.sizes {
-            let len = bytes / 4;
-            let iters = cfg.iters.unwrap_or_else(|| default_iters(bytes));
-            let mut buf = Buffer::F32(vec![0.5; len]);
-            for _ in 0..2 {
-                buf = comm.all_reduce(buf, ReduceOp::Sum, "warmup").wait()?;
-            }
-            // The other ranks park in this barrier while rank 0 copies.
-            let memcpy_bw =
-                if comm.rank() == 0 { memcpy_bandwidth(cfg.memcpy_bytes, 3) } else { 0.0 };
-            comm.barrier("start").wait()?;
-            let mut best_s = f64::INFINITY;
-            let t = Instant::now();
-            for _ in 0..iters {
-                let t1 = Instant::now();
-                buf = comm.all_reduce(buf, ReduceOp::Sum, "bench").wait()?;
-                best_s = best_s.min(t1.elapsed().as_secs_f64());
-            }
-            let time_s = t.elapsed().as_secs_f64() / iters as f64;
-            let algbw = (len * 4) as f64 / time_s;
-            let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
-            rows.push(AllReduceRow { bytes: len * 4, iters, time_s, algbw, busbw, best_s, memcpy_bw });
-        }
-        Ok(rows)
-    });
+    let results = launch(cfg.world_size, |comm| time_all_reduce(&comm, cfg));
     results.into_iter().next().expect("at least one rank")?
 }
 
