@@ -288,23 +288,13 @@ impl MpiTransport {
     ) -> Result<(), CommError> {
         let n = buf.len();
         let mpi_op = self.mpi_op(op);
-        self.send.clear();
+        stage_f32(&mut self.send, buf);
         let out: *mut f32 = match buf {
-            Buffer::F32(v) => {
-                self.send.extend_from_slice(v);
-                v.as_mut_ptr()
-            }
-            Buffer::F16(v) => {
-                self.send.extend(v.iter().map(|x| x.to_f32()));
+            Buffer::F32(v) => v.as_mut_ptr(),
+            _ => {
                 self.recv.resize(n, 0.0);
                 self.recv.as_mut_ptr()
             }
-            Buffer::BF16(v) => {
-                self.send.extend(v.iter().map(|x| x.to_f32()));
-                self.recv.resize(n, 0.0);
-                self.recv.as_mut_ptr()
-            }
-            Buffer::U8(_) => unreachable!("validate rejects reductions on u8"),
         };
         let send = self.send.as_ptr();
         let req = self.post("MPI_Iallreduce", |comm, req| unsafe {
@@ -338,13 +328,7 @@ impl MpiTransport {
     ) -> Result<(), CommError> {
         let chunk = buf.len() / self.world;
         let mpi_op = self.mpi_op(op);
-        self.send.clear();
-        match buf {
-            Buffer::F32(v) => self.send.extend_from_slice(v),
-            Buffer::F16(v) => self.send.extend(v.iter().map(|x| x.to_f32())),
-            Buffer::BF16(v) => self.send.extend(v.iter().map(|x| x.to_f32())),
-            Buffer::U8(_) => unreachable!("validate rejects reductions on u8"),
-        }
+        stage_f32(&mut self.send, buf);
         self.recv.resize(chunk, 0.0);
         let (send, recv) = (self.send.as_ptr(), self.recv.as_mut_ptr());
         let req = self.post("MPI_Ireduce_scatter_block", |comm, req| unsafe {
@@ -508,5 +492,17 @@ impl Drop for MpiTransport {
                 op.free();
             }
         }
+    }
+}
+
+/// Copies a reduction's input into `send` as f32 (f16/bf16 are reduced with f32
+/// accumulation).
+fn stage_f32(send: &mut Vec<f32>, buf: &Buffer) {
+    send.clear();
+    match buf {
+        Buffer::F32(v) => send.extend_from_slice(v),
+        Buffer::F16(v) => send.extend(v.iter().map(|x| x.to_f32())),
+        Buffer::BF16(v) => send.extend(v.iter().map(|x| x.to_f32())),
+        Buffer::U8(_) => unreachable!("validate rejects reductions on u8"),
     }
 }
