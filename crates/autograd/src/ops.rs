@@ -207,7 +207,7 @@ impl Var {
         let shape = x.shape().to_vec();
         Ok(Var::from_op("max", out, &[self], move |g| {
             // mask = (x == max); grad = g * mask / count(mask)
-            let mask = x.sub(&m)?.abs_is_zero()?;
+            let mask = zero_mask(&x.sub(&m)?)?;
             let count = mask.sum(&[dim], true)?;
             let g = g.reshape(m.shape())?;
             Ok(vec![Some(mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?)])
@@ -314,15 +314,9 @@ fn keep_shape(shape: &[usize], dims: &[usize]) -> Vec<usize> {
     shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect()
 }
 
-/// Small tensor helper used by `max_dim`'s backward.
-trait IsZero {
-    fn abs_is_zero(&self) -> brigade_tensor::Result<Tensor>;
-}
-
-impl IsZero for Tensor {
-    /// 1 where the element is exactly 0, else 0.
-    fn abs_is_zero(&self) -> brigade_tensor::Result<Tensor> {
-        let v = self.to_f64_vec()?;
-        Ok(Tensor::from_f64_vec(v.into_iter().map(|x| if x == 0.0 { 1.0 } else { 0.0 }).collect(), self.shape(), self.dtype()))
-    }
+/// 1 where the element is exactly 0, else 0 (`max_dim`'s backward: which elements were
+/// the maximum).
+fn zero_mask(t: &Tensor) -> brigade_tensor::Result<Tensor> {
+    let v = t.to_f64_vec()?;
+    Ok(Tensor::from_f64_vec(v.into_iter().map(|x| if x == 0.0 { 1.0 } else { 0.0 }).collect(), t.shape(), t.dtype()))
 }
