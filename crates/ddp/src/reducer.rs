@@ -42,8 +42,11 @@ pub(crate) struct Reducer {
     pub(crate) state: Mutex<State>,
 }
 
-fn param_bytes(params: &[Var]) -> Vec<usize> {
-    params.iter().map(|p| p.value().numel() * 4).collect()
+/// Buckets for `params` visited in `order`, with the configured caps (MiB to bytes).
+fn group_params(params: &[Var], order: &[usize], cfg: &DdpConfig) -> Vec<Vec<usize>> {
+    let bytes = |mib: f64| (mib * 1024.0 * 1024.0).max(1.0) as usize;
+    let sizes: Vec<usize> = params.iter().map(|p| p.value().numel() * 4).collect();
+    assign_buckets(&sizes, order, bytes(cfg.first_bucket_cap_mb), bytes(cfg.bucket_cap_mb))
 }
 
 /// Builds buckets for `groups` and points every parameter's gradient at its slice.
@@ -67,9 +70,8 @@ fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>
 
 impl Reducer {
     pub(crate) fn new(params: Vec<Var>, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Reducer> {
-        let mib = |x: f64| (x * 1024.0 * 1024.0).max(1.0) as usize;
         let order: Vec<usize> = (0..params.len()).rev().collect();
-        let groups = assign_buckets(&param_bytes(&params), &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb));
+        let groups = group_params(&params, &order, &cfg);
         let (buckets, bucket_of) = build_buckets(&params, groups)?;
         let n = params.len();
         Ok(Reducer {
@@ -172,8 +174,7 @@ impl Reducer {
         if seen.iter().any(|s| !s) {
             return Err(DdpError::Config("rank 0's ready order misses parameters".into()));
         }
-        let mib = |x: f64| (x * 1024.0 * 1024.0).max(1.0) as usize;
-        let groups = assign_buckets(&param_bytes(&self.params), &order, mib(self.cfg.first_bucket_cap_mb), mib(self.cfg.bucket_cap_mb));
+        let groups = group_params(&self.params, &order, &self.cfg);
         // set_grad_buffer copies each gradient (this step's reduced values) into its new slice.
         let (buckets, bucket_of) = build_buckets(&self.params, groups)?;
         st.buckets = buckets;
