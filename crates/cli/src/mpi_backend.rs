@@ -41,7 +41,7 @@ mod enabled {
 
     use std::time::Instant;
 
-    use brigade_comm::{Buffer, Communicator, Event, MpiComm, MpiWorld, NetModel, Recorder, SimulatedNetwork, Stamp, Traced, Track};
+    use brigade_comm::{all_gather_bytes, Buffer, Communicator, Event, MpiComm, MpiWorld, NetModel, Recorder, SimulatedNetwork, Stamp, Traced, Track};
     use brigade_models::{Dataset, ModelKind};
 
     use crate::args::RunArgs;
@@ -190,18 +190,11 @@ mod enabled {
             .unwrap_or_else(Instant::now);
         let mine = serde_json::to_vec(&events.iter().map(|e| encode(e, t0)).collect::<Vec<_>>())
             .map_err(|e| CliError::Usage(format!("timeline: {e}")))?;
-        let lens = comm.all_gather(Buffer::U8((mine.len() as u64).to_le_bytes().to_vec()), "timeline.len").wait()?;
-        let Buffer::U8(lens) = lens else { unreachable!("u8 in, u8 out") };
-        let lens: Vec<usize> = lens.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize).collect();
-        let max = lens.iter().copied().max().unwrap_or(0);
-        let mut padded = mine;
-        padded.resize(max, b' ');
-        let Buffer::U8(all) = comm.all_gather(Buffer::U8(padded), "timeline").wait()? else { unreachable!("u8 in, u8 out") };
         let mut seq = 0;
         let mut out = vec![];
-        for (chunk, &len) in all.chunks(max.max(1)).zip(&lens) {
+        for bytes in all_gather_bytes(comm, mine, "timeline")? {
             let list: Vec<serde_json::Value> =
-                serde_json::from_slice(&chunk[..len]).map_err(|e| CliError::Usage(format!("timeline from a peer: {e}")))?;
+                serde_json::from_slice(&bytes).map_err(|e| CliError::Usage(format!("timeline from a peer: {e}")))?;
             out.extend(list.iter().filter_map(|v| decode(v, t0, &mut seq)));
         }
         Ok(out)

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Buffer, ReduceOp, Work};
+use crate::{Buffer, CommError, ReduceOp, Work};
 
 /// One rank's view of a group of `world_size` ranks. Every collective is issued at once and
 /// returns a [`Work`] handle; collectives execute on this rank's comm stream in the order they
@@ -75,3 +75,22 @@ macro_rules! forward_communicator {
 
 forward_communicator!(Arc);
 forward_communicator!(Box);
+
+/// Gathers a byte string of any length from every rank (two all-gathers: the lengths,
+/// then the strings padded to the longest). Every rank gets every rank's bytes, in rank
+/// order. For metadata (parameter signatures, timelines), not for bulk data.
+pub fn all_gather_bytes(comm: &dyn Communicator, bytes: Vec<u8>, tag: &str) -> Result<Vec<Vec<u8>>, CommError> {
+    let len = Buffer::U8((bytes.len() as u64).to_le_bytes().to_vec());
+    let lens: Vec<usize> = match comm.all_gather(len, &format!("{tag}.len")).wait()? {
+        Buffer::U8(l) => l.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize).collect(),
+        other => return Err(CommError::Internal(format!("all_gather of u8 returned {}", other.dtype()))),
+    };
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let mut padded = bytes;
+    padded.resize(max, 0);
+    let all = match comm.all_gather(Buffer::U8(padded), tag).wait()? {
+        Buffer::U8(a) => a,
+        other => return Err(CommError::Internal(format!("all_gather of u8 returned {}", other.dtype()))),
+    };
+    Ok(lens.iter().enumerate().map(|(r, &l)| all[r * max..r * max + l].to_vec()).collect())
+}

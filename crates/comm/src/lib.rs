@@ -26,7 +26,7 @@ mod trace;
 mod work;
 
 pub use buffer::{Buffer, DType, ReduceOp};
-pub use communicator::Communicator;
+pub use communicator::{all_gather_bytes, Communicator};
 pub use error::CommError;
 #[cfg(feature = "mpi")] pub use mpi::{MpiComm, MpiTransport, MpiWorld};
 pub use sim::{NetModel, SimulatedNetwork};

@@ -2,7 +2,7 @@
 //! 0's parameter values.
 
 use brigade_autograd::Var;
-use brigade_comm::{Buffer, Communicator};
+use brigade_comm::{all_gather_bytes, Buffer, Communicator};
 use brigade_tensor::DType;
 
 use crate::{DdpError, Result};
@@ -22,18 +22,9 @@ fn entries(params: &[Var]) -> Vec<String> {
 /// first parameter where some rank differs from rank 0.
 pub(crate) fn check_same_model(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     let mine = entries(params).join("\n").into_bytes();
-    let len = Buffer::U8((mine.len() as u64).to_le_bytes().to_vec());
-    let Buffer::U8(lens) = comm.all_gather(len, "ddp.signature_len").wait()? else { unreachable!("u8 in, u8 out") };
-    let lens: Vec<usize> = lens.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize).collect();
-    let max = lens.iter().copied().max().unwrap_or(0);
-    let mut padded = mine;
-    padded.resize(max, 0);
-    let Buffer::U8(all) = comm.all_gather(Buffer::U8(padded), "ddp.signature").wait()? else { unreachable!("u8 in, u8 out") };
-    let lists: Vec<Vec<String>> = all
-        .chunks(max.max(1))
-        .zip(&lens)
-        .map(|(c, &l)| String::from_utf8_lossy(&c[..l.min(c.len())]).lines().map(str::to_string).collect())
-        .take(comm.world_size())
+    let lists: Vec<Vec<String>> = all_gather_bytes(comm, mine, "ddp.signature")?
+        .iter()
+        .map(|b| String::from_utf8_lossy(b).lines().map(str::to_string).collect())
         .collect();
     let reference = &lists[0];
     for (rank, list) in lists.iter().enumerate().skip(1) {
