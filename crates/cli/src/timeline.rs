@@ -113,8 +113,9 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
             Track::Comm => e.name.clone(),
             Track::Compute => e.name.trim_start_matches("backward ").to_string(),
         };
-        // label only spans wide enough to hold it
-        if (b - a) / t_end > 0.004 * label.len() as f64 {
+        // Every bucket is named (the comm lane is sparse, and the buckets are what a reader
+        // looks for); compute spans only when wide enough to hold the name.
+        if e.track == Track::Comm || (b - a) / t_end > 0.004 * label.len() as f64 {
             chart
                 .draw_series(std::iter::once(Text::new(label, (a + t_end * 0.002, lane + 0.45), ("sans-serif", 11).into_font())))
                 .map_err(|e| err(e.to_string()))?;
