@@ -8,14 +8,27 @@ use brigade_tensor::set_compute_threads;
 use criterion::{criterion_group, criterion_main, Criterion};
 
 fn bench(c: &mut Criterion) {
-    set_compute_threads(std::env::var("BRIGADE_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(2));
+    set_compute_threads(
+        std::env::var("BRIGADE_THREADS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2),
+    );
     let mut g = c.benchmark_group("train_step");
     g.sample_size(10);
     let mlp = MlpConfig::default();
     let gpt = GptConfig::default();
     let cases = [
-        (ModelKind::Mlp(mlp.clone()), Dataset::teacher(256, mlp.in_dim(), mlp.n_classes(), 0).unwrap(), 64),
-        (ModelKind::Gpt(gpt.clone()), Dataset::builtin_text(gpt.context, 0).unwrap(), 8),
+        (
+            ModelKind::Mlp(mlp.clone()),
+            Dataset::teacher(256, mlp.in_dim(), mlp.n_classes(), 0).unwrap(),
+            64,
+        ),
+        (
+            ModelKind::Gpt(gpt.clone()),
+            Dataset::builtin_text(gpt.context, 0).unwrap(),
+            8,
+        ),
     ];
     for (kind, data, batch) in cases {
         let model = kind.build(0).unwrap();

@@ -72,15 +72,25 @@ impl Var {
                 .collect();
             in_graph.sort_unstable();
             for s in bus.snapshot() {
-                s.backward_started(&in_graph).map_err(|message| AutogradError::Subscriber { param: "<backward start>".into(), message })?;
+                s.backward_started(&in_graph)
+                    .map_err(|message| AutogradError::Subscriber {
+                        param: "<backward start>".into(),
+                        message,
+                    })?;
                 subscribers.push(s);
             }
         }
         let announce = |p: &Var| -> Result<()> {
             let info = p.0.param.as_ref().expect("announced vars are parameters");
             for s in info.bus.snapshot() {
-                s.grad_ready(GradReady { index: info.index, name: &info.name })
-                    .map_err(|message| AutogradError::Subscriber { param: format!("parameter '{}'", info.name), message })?;
+                s.grad_ready(GradReady {
+                    index: info.index,
+                    name: &info.name,
+                })
+                .map_err(|message| AutogradError::Subscriber {
+                    param: format!("parameter '{}'", info.name),
+                    message,
+                })?;
             }
             Ok(())
         };
@@ -132,7 +142,10 @@ impl Var {
             }
         }
         for s in &subscribers {
-            s.backward_finished().map_err(|message| AutogradError::Subscriber { param: "<backward end>".into(), message })?;
+            s.backward_finished().map_err(|message| AutogradError::Subscriber {
+                param: "<backward end>".into(),
+                message,
+            })?;
         }
         Ok(())
     }

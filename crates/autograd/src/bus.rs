@@ -49,7 +49,10 @@ impl GradBus {
 
     /// Removes a subscriber (compared by pointer).
     pub fn unsubscribe(&self, s: &Arc<dyn GradSubscriber>) {
-        self.subscribers.write().unwrap_or_else(|e| e.into_inner()).retain(|x| !Arc::ptr_eq(x, s));
+        self.subscribers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|x| !Arc::ptr_eq(x, s));
     }
 
     pub(crate) fn snapshot(&self) -> Vec<Arc<dyn GradSubscriber>> {

@@ -19,7 +19,12 @@ pub enum AutogradError {
     Subscriber { param: String, message: String },
     /// A gradient buffer that does not fit its parameter.
     #[error("gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}")]
-    GradBuffer { param: String, expected: Vec<usize>, found: Vec<usize>, dtype: brigade_tensor::DType },
+    GradBuffer {
+        param: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+        dtype: brigade_tensor::DType,
+    },
     /// Optimizer state that does not match the parameters.
     #[error("optimizer state: {0}")]
     OptimizerState(String),

@@ -21,7 +21,10 @@ pub struct GradcheckReport {
 pub fn gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor], h: f64, tol: f64) -> Result<GradcheckReport> {
     for t in inputs {
         if t.dtype() != DType::F64 {
-            return Err(AutogradError::Invalid(format!("gradcheck needs f64 inputs, got {:?}", t.dtype())));
+            return Err(AutogradError::Invalid(format!(
+                "gradcheck needs f64 inputs, got {:?}",
+                t.dtype()
+            )));
         }
     }
     let vars: Vec<Var> = inputs.iter().map(|t| Var::leaf(t.clone())).collect();
@@ -31,7 +34,10 @@ pub fn gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor], h: f64, t
     let loss = |o: &Var| -> Result<f64> { Ok(o.value().mul(&r)?.sum_all()?.item()?) };
     let rv = Var::constant(r.clone());
     out.mul(&rv)?.sum_all()?.backward()?;
-    let mut report = GradcheckReport { worst: None, max_error: 0.0 };
+    let mut report = GradcheckReport {
+        worst: None,
+        max_error: 0.0,
+    };
     for (i, x) in inputs.iter().enumerate() {
         let analytic = match vars[i].grad() {
             Some(g) => g.to_vec::<f64>()?,

@@ -60,7 +60,9 @@ impl Var {
     /// `x * mul + add`.
     pub fn affine(&self, mul: f64, add: f64) -> Result<Var> {
         let out = self.value().affine(mul, add)?;
-        Ok(Var::from_op("affine", out, &[self], move |g| Ok(vec![Some(g.mul_scalar(mul)?)])))
+        Ok(Var::from_op("affine", out, &[self], move |g| {
+            Ok(vec![Some(g.mul_scalar(mul)?)])
+        }))
     }
 
     /// `x * s`.
@@ -99,19 +101,25 @@ impl Var {
         let y = self.value().sqrt()?;
         let yc = y.clone();
         // d sqrt x = g / (2 sqrt x)
-        Ok(Var::from_op("sqrt", y, &[self], move |g| Ok(vec![Some(g.div(&yc)?.mul_scalar(0.5)?)])))
+        Ok(Var::from_op("sqrt", y, &[self], move |g| {
+            Ok(vec![Some(g.div(&yc)?.mul_scalar(0.5)?)])
+        }))
     }
 
     /// `max(x, 0)`.
     pub fn relu(&self) -> Result<Var> {
         let x = self.value();
-        Ok(Var::from_op("relu", x.relu()?, &[self], move |g| Ok(vec![Some(x.relu_backward(g)?)])))
+        Ok(Var::from_op("relu", x.relu()?, &[self], move |g| {
+            Ok(vec![Some(x.relu_backward(g)?)])
+        }))
     }
 
     /// GELU, exact erf form.
     pub fn gelu(&self) -> Result<Var> {
         let x = self.value();
-        Ok(Var::from_op("gelu", x.gelu()?, &[self], move |g| Ok(vec![Some(x.gelu_backward(g)?)])))
+        Ok(Var::from_op("gelu", x.gelu()?, &[self], move |g| {
+            Ok(vec![Some(x.gelu_backward(g)?)])
+        }))
     }
 
     /// Matrix product over the last two dims (batch dims broadcast).
@@ -140,7 +148,12 @@ impl Var {
     pub fn linear(&self, weight: &Var, bias: Option<&Var>) -> Result<Var> {
         let (x, w) = (self.value(), weight.value());
         if w.rank() != 2 || x.rank() < 1 || x.shape()[x.rank() - 1] != w.shape()[1] {
-            return Err(TensorError::ShapeMismatch { op: "linear", lhs: x.shape().to_vec(), rhs: w.shape().to_vec() }.into());
+            return Err(TensorError::ShapeMismatch {
+                op: "linear",
+                lhs: x.shape().to_vec(),
+                rhs: w.shape().to_vec(),
+            }
+            .into());
         }
         let (n_in, n_out) = (w.shape()[1], w.shape()[0]);
         let rows = x.numel() / n_in.max(1);
@@ -161,7 +174,11 @@ impl Var {
         Ok(Var::from_op("linear", y, &inputs, move |g| {
             let g2 = g.reshape(&[rows, n_out])?;
             // dX = G W, dW = G^T X, db = sum over rows of G
-            let gx = if x_needs_grad { Some(g2.matmul(&w)?.reshape(&x_shape)?) } else { None };
+            let gx = if x_needs_grad {
+                Some(g2.matmul(&w)?.reshape(&x_shape)?)
+            } else {
+                None
+            };
             let gw = g2.t()?.matmul(&x2)?;
             let mut grads = vec![gx, Some(gw)];
             if has_bias {
@@ -177,7 +194,9 @@ impl Var {
         let out = x.sum(dims, keepdim)?;
         let shape = x.shape().to_vec();
         let kept = keep_shape(&shape, dims);
-        Ok(Var::from_op("sum", out, &[self], move |g| Ok(vec![Some(g.reshape(&kept)?.broadcast_to(&shape)?.contiguous()?)])))
+        Ok(Var::from_op("sum", out, &[self], move |g| {
+            Ok(vec![Some(g.reshape(&kept)?.broadcast_to(&shape)?.contiguous()?)])
+        }))
     }
 
     /// Sum of all elements (a 0-d var).
@@ -210,7 +229,9 @@ impl Var {
             let mask = zero_mask(&x.sub(&m)?)?;
             let count = mask.sum(&[dim], true)?;
             let g = g.reshape(m.shape())?;
-            Ok(vec![Some(mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?)])
+            Ok(vec![Some(
+                mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?,
+            )])
         }))
     }
 
@@ -218,14 +239,18 @@ impl Var {
     pub fn softmax(&self) -> Result<Var> {
         let y = self.value().softmax_last()?;
         let yc = y.clone();
-        Ok(Var::from_op("softmax", y, &[self], move |g| Ok(vec![Some(yc.softmax_backward(g)?)])))
+        Ok(Var::from_op("softmax", y, &[self], move |g| {
+            Ok(vec![Some(yc.softmax_backward(g)?)])
+        }))
     }
 
     /// Log-softmax over the last axis.
     pub fn log_softmax(&self) -> Result<Var> {
         let y = self.value().log_softmax_last()?;
         let yc = y.clone();
-        Ok(Var::from_op("log_softmax", y, &[self], move |g| Ok(vec![Some(yc.log_softmax_backward(g)?)])))
+        Ok(Var::from_op("log_softmax", y, &[self], move |g| {
+            Ok(vec![Some(yc.log_softmax_backward(g)?)])
+        }))
     }
 
     /// Layer norm over the last axis with affine parameters `[d]`.
@@ -243,14 +268,18 @@ impl Var {
         let w = self.value();
         let out = w.embedding(ids)?;
         let (ids, vocab) = (ids.clone(), w.shape()[0]);
-        Ok(Var::from_op("embedding", out, &[self], move |g| Ok(vec![Some(g.embedding_backward(&ids, vocab)?)])))
+        Ok(Var::from_op("embedding", out, &[self], move |g| {
+            Ok(vec![Some(g.embedding_backward(&ids, vocab)?)])
+        }))
     }
 
     /// Sets the future positions of `[.., T, S]` attention scores to -inf.
     pub fn causal_mask(&self) -> Result<Var> {
         let out = self.value().causal_fill(f64::NEG_INFINITY)?;
         // masked positions pass no gradient
-        Ok(Var::from_op("causal_mask", out, &[self], move |g| Ok(vec![Some(g.causal_fill(0.0)?)])))
+        Ok(Var::from_op("causal_mask", out, &[self], move |g| {
+            Ok(vec![Some(g.causal_fill(0.0)?)])
+        }))
     }
 
     /// Mean cross-entropy of `[n, c]` logits against `[n]` integer targets.
@@ -266,20 +295,28 @@ impl Var {
     pub fn reshape(&self, shape: &[usize]) -> Result<Var> {
         let x = self.value();
         let old = x.shape().to_vec();
-        Ok(Var::from_op("reshape", x.reshape(shape)?, &[self], move |g| Ok(vec![Some(g.reshape(&old)?)])))
+        Ok(Var::from_op("reshape", x.reshape(shape)?, &[self], move |g| {
+            Ok(vec![Some(g.reshape(&old)?)])
+        }))
     }
 
     /// Swaps two dims (a view).
     pub fn transpose(&self, a: usize, b: usize) -> Result<Var> {
         let out = self.value().transpose(a, b)?;
-        Ok(Var::from_op("transpose", out, &[self], move |g| Ok(vec![Some(g.transpose(a, b)?)])))
+        Ok(Var::from_op("transpose", out, &[self], move |g| {
+            Ok(vec![Some(g.transpose(a, b)?)])
+        }))
     }
 
     /// Swaps the last two dims (a view).
     pub fn t(&self) -> Result<Var> {
         let r = self.value().rank();
         if r < 2 {
-            return Err(TensorError::Invalid { op: "t", msg: format!("needs rank >= 2, got {:?}", self.shape()) }.into());
+            return Err(TensorError::Invalid {
+                op: "t",
+                msg: format!("needs rank >= 2, got {:?}", self.shape()),
+            }
+            .into());
         }
         self.transpose(r - 2, r - 1)
     }
@@ -288,7 +325,9 @@ impl Var {
     pub fn permute(&self, perm: &[usize]) -> Result<Var> {
         let out = self.value().permute(perm)?;
         let inv = inverse_perm(perm);
-        Ok(Var::from_op("permute", out, &[self], move |g| Ok(vec![Some(g.permute(&inv)?)])))
+        Ok(Var::from_op("permute", out, &[self], move |g| {
+            Ok(vec![Some(g.permute(&inv)?)])
+        }))
     }
 
     /// Elements `start..start+len` along `dim` (a view).
@@ -311,12 +350,20 @@ impl Var {
 
 /// `shape` with the reduced `dims` kept as size 1.
 fn keep_shape(shape: &[usize], dims: &[usize]) -> Vec<usize> {
-    shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect()
+    shape
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| if dims.contains(&i) { 1 } else { s })
+        .collect()
 }
 
 /// 1 where the element is exactly 0, else 0 (`max_dim`'s backward: which elements were
 /// the maximum).
 fn zero_mask(t: &Tensor) -> brigade_tensor::Result<Tensor> {
     let v = t.to_f64_vec()?;
-    Ok(Tensor::from_f64_vec(v.into_iter().map(|x| if x == 0.0 { 1.0 } else { 0.0 }).collect(), t.shape(), t.dtype()))
+    Ok(Tensor::from_f64_vec(
+        v.into_iter().map(|x| if x == 0.0 { 1.0 } else { 0.0 }).collect(),
+        t.shape(),
+        t.dtype(),
+    ))
 }

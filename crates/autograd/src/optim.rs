@@ -39,7 +39,11 @@ fn find<'a>(state: &'a [(String, Tensor)], key: &str) -> Result<&'a Tensor> {
 
 fn load_into(slot: &mut Tensor, t: &Tensor, key: &str) -> Result<()> {
     if t.shape() != slot.shape() {
-        return Err(AutogradError::OptimizerState(format!("'{key}' has shape {:?}, expected {:?}", t.shape(), slot.shape())));
+        return Err(AutogradError::OptimizerState(format!(
+            "'{key}' has shape {:?}, expected {:?}",
+            t.shape(),
+            slot.shape()
+        )));
     }
     *slot = t.to_dtype(DType::F32)?.copy()?;
     Ok(())
@@ -59,7 +63,13 @@ impl Sgd {
     /// SGD over `params`.
     pub fn new(params: Vec<Var>, lr: f64, momentum: f64, weight_decay: f64) -> Self {
         let bufs = vec![None; params.len()];
-        Sgd { params, lr, momentum, weight_decay, bufs }
+        Sgd {
+            params,
+            lr,
+            momentum,
+            weight_decay,
+            bufs,
+        }
     }
 }
 
@@ -157,7 +167,17 @@ impl AdamW {
     pub fn with_options(params: Vec<Var>, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
         let m = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
         let v = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
-        AdamW { params, lr, beta1: betas.0, beta2: betas.1, eps, weight_decay, step: 0, m, v }
+        AdamW {
+            params,
+            lr,
+            beta1: betas.0,
+            beta2: betas.1,
+            eps,
+            weight_decay,
+            step: 0,
+            m,
+            v,
+        }
     }
 }
 

@@ -32,7 +32,11 @@ impl ParamStore {
         if self.get(&name).is_some() {
             return Err(AutogradError::Invalid(format!("parameter '{name}' registered twice")));
         }
-        let info = ParamInfo { index: self.params.len(), name, bus: self.bus.clone() };
+        let info = ParamInfo {
+            index: self.params.len(),
+            name,
+            bus: self.bus.clone(),
+        };
         let v = Var::new_inner(value, true, None, Some(info));
         self.params.push(v.clone());
         Ok(v)
@@ -75,6 +79,9 @@ impl ParamStore {
 
     /// `(name, value)` pairs in registration order.
     pub fn named_values(&self) -> Vec<(String, Tensor)> {
-        self.params.iter().map(|p| (p.name().unwrap_or_default().to_string(), p.value())).collect()
+        self.params
+            .iter()
+            .map(|p| (p.name().unwrap_or_default().to_string(), p.value()))
+            .collect()
     }
 }

@@ -141,7 +141,12 @@ impl Var {
     pub fn set_value(&self, t: Tensor) -> Result<()> {
         let mut d = self.0.data.write().unwrap_or_else(|e| e.into_inner());
         if d.shape() != t.shape() || d.dtype() != t.dtype() {
-            return Err(brigade_tensor::TensorError::ShapeMismatch { op: "set_value", lhs: d.shape().to_vec(), rhs: t.shape().to_vec() }.into());
+            return Err(brigade_tensor::TensorError::ShapeMismatch {
+                op: "set_value",
+                lhs: d.shape().to_vec(),
+                rhs: t.shape().to_vec(),
+            }
+            .into());
         }
         *d = t;
         Ok(())

@@ -17,7 +17,10 @@ struct Log(Mutex<Vec<Event>>);
 
 impl GradSubscriber for Log {
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
-        self.0.lock().unwrap().push(Event::Node(scope.unwrap_or("").to_string()));
+        self.0
+            .lock()
+            .unwrap()
+            .push(Event::Node(scope.unwrap_or("").to_string()));
     }
     fn grad_ready(&self, ready: GradReady<'_>) -> Result<(), String> {
         self.0.lock().unwrap().push(Event::Ready(ready.name.to_string()));
@@ -31,8 +34,15 @@ fn mlp(store: &mut ParamStore, widths: &[usize], rng: &mut Rng) -> Vec<(Var, Var
         .windows(2)
         .enumerate()
         .map(|(i, w)| {
-            let weight = store.add(format!("layers.{i}.weight"), Tensor::randn(&[w[1], w[0]], 0.3, DType::F32, rng)).unwrap();
-            let bias = store.add(format!("layers.{i}.bias"), Tensor::randn(&[w[1]], 0.1, DType::F32, rng)).unwrap();
+            let weight = store
+                .add(
+                    format!("layers.{i}.weight"),
+                    Tensor::randn(&[w[1], w[0]], 0.3, DType::F32, rng),
+                )
+                .unwrap();
+            let bias = store
+                .add(format!("layers.{i}.bias"), Tensor::randn(&[w[1]], 0.1, DType::F32, rng))
+                .unwrap();
             (weight, bias)
         })
         .collect()
@@ -43,7 +53,11 @@ fn forward(layers: &[(Var, Var)], x: &Var) -> Var {
     for (i, (w, b)) in layers.iter().enumerate() {
         h = scope(&format!("layers.{i}"), || {
             let y = h.linear(w, Some(b))?;
-            if i + 1 < layers.len() { y.relu() } else { Ok(y) }
+            if i + 1 < layers.len() {
+                y.relu()
+            } else {
+                Ok(y)
+            }
         })
         .unwrap();
     }
@@ -59,24 +73,49 @@ fn last_layer_is_announced_first_and_before_earlier_layers_run_backward() {
     store.bus().subscribe(log.clone());
     let x = Var::constant(Tensor::randn(&[5, 6], 1.0, DType::F32, &mut rng));
     let targets = Tensor::from_vec(vec![0i64, 1, 2, 1, 0], &[5]).unwrap();
-    forward(&layers, &x).cross_entropy(&targets).unwrap().backward().unwrap();
+    forward(&layers, &x)
+        .cross_entropy(&targets)
+        .unwrap()
+        .backward()
+        .unwrap();
     let events = log.0.lock().unwrap().clone();
 
-    let ready: Vec<&str> = events.iter().filter_map(|e| if let Event::Ready(n) = e { Some(n.as_str()) } else { None }).collect();
+    let ready: Vec<&str> = events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Ready(n) = e {
+                Some(n.as_str())
+            } else {
+                None
+            }
+        })
+        .collect();
     assert_eq!(ready.len(), 8, "every parameter announced exactly once: {ready:?}");
-    assert!(ready[..2].iter().all(|n| n.starts_with("layers.3.")), "last layer first: {ready:?}");
+    assert!(
+        ready[..2].iter().all(|n| n.starts_with("layers.3.")),
+        "last layer first: {ready:?}"
+    );
     let layer_of = |n: &str| n.split('.').nth(1).unwrap().parse::<usize>().unwrap();
     let order: Vec<usize> = ready.iter().map(|n| layer_of(n)).collect();
-    assert!(order.windows(2).all(|w| w[0] >= w[1]), "announced in reverse layer order: {ready:?}");
+    assert!(
+        order.windows(2).all(|w| w[0] >= w[1]),
+        "announced in reverse layer order: {ready:?}"
+    );
 
     // Each layer's parameters are announced before any backward node of an earlier layer runs.
     for i in 1..4 {
-        let last_ready = events.iter().rposition(|e| matches!(e, Event::Ready(n) if layer_of(n) == i)).unwrap();
+        let last_ready = events
+            .iter()
+            .rposition(|e| matches!(e, Event::Ready(n) if layer_of(n) == i))
+            .unwrap();
         let first_earlier = events
             .iter()
             .position(|e| matches!(e, Event::Node(s) if s.starts_with("layers.") && layer_of(s) < i))
             .unwrap();
-        assert!(last_ready < first_earlier, "layer {i} announced at {last_ready}, earlier layer backward at {first_earlier}: {events:?}");
+        assert!(
+            last_ready < first_earlier,
+            "layer {i} announced at {last_ready}, earlier layer backward at {first_earlier}: {events:?}"
+        );
     }
 }
 
@@ -90,14 +129,22 @@ fn a_parameter_used_twice_is_announced_once_after_both_contributions() {
     let y = w.mul(&w).unwrap().add(&w).unwrap().sum_all().unwrap();
     y.backward().unwrap();
     assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), vec![7.0]);
-    let ready = log.0.lock().unwrap().iter().filter(|e| matches!(e, Event::Ready(_))).count();
+    let ready = log
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e, Event::Ready(_)))
+        .count();
     assert_eq!(ready, 1);
 }
 
 #[test]
 fn gradients_accumulate_into_an_attached_buffer_until_zeroed() {
     let mut store = ParamStore::new();
-    let w = store.add("w", Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap()).unwrap();
+    let w = store
+        .add("w", Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap())
+        .unwrap();
     let flat = Tensor::zeros(&[5], DType::F64);
     w.set_grad_buffer(flat.flat_view(3, &[2]).unwrap()).unwrap();
     // y = sum(w * [10, 20]) => dy/dw = [10, 20]
@@ -109,7 +156,10 @@ fn gradients_accumulate_into_an_attached_buffer_until_zeroed() {
     store.zero_grad().unwrap();
     assert_eq!(flat.to_vec::<f64>().unwrap(), vec![0.0; 5]);
     assert!(w.grad().unwrap().shares_storage(&flat), "zeroing keeps the buffer");
-    assert!(w.set_grad_buffer(Tensor::zeros(&[3], DType::F64)).is_err(), "a buffer of the wrong shape is refused");
+    assert!(
+        w.set_grad_buffer(Tensor::zeros(&[3], DType::F64)).is_err(),
+        "a buffer of the wrong shape is refused"
+    );
 }
 
 #[test]

@@ -41,7 +41,12 @@ fn unary_ops() {
     check(|v| v[0].gelu(), &[x.clone()]);
     check(|v| v[0].affine(-1.5, 0.25), &[x.clone()]);
     // relu away from the kink at 0
-    let away: Vec<f64> = x.to_vec::<f64>().unwrap().into_iter().map(|v| if v.abs() < 0.1 { v + 0.3 } else { v }).collect();
+    let away: Vec<f64> = x
+        .to_vec::<f64>()
+        .unwrap()
+        .into_iter()
+        .map(|v| if v.abs() < 0.1 { v + 0.3 } else { v })
+        .collect();
     check(|v| v[0].relu(), &[Tensor::from_vec(away, &[2, 5]).unwrap()]);
 }
 
@@ -56,8 +61,14 @@ fn matmul_plain_batched_and_transposed() {
     let at = randn(&[4, 3], 15).t().unwrap();
     assert!(!at.is_contiguous());
     check(|v| v[0].matmul(&v[1]), &[at, randn(&[4, 2], 16)]);
-    check(|v| v[0].linear(&v[1], Some(&v[2])), &[randn(&[2, 3, 4], 17), randn(&[5, 4], 18), randn(&[5], 19)]);
-    check(|v| v[0].linear(&v[1], None), &[randn(&[4, 3], 32).t().unwrap(), randn(&[2, 4], 33)]);
+    check(
+        |v| v[0].linear(&v[1], Some(&v[2])),
+        &[randn(&[2, 3, 4], 17), randn(&[5, 4], 18), randn(&[5], 19)],
+    );
+    check(
+        |v| v[0].linear(&v[1], None),
+        &[randn(&[4, 3], 32).t().unwrap(), randn(&[2, 4], 33)],
+    );
 }
 
 #[test]
@@ -79,7 +90,10 @@ fn softmax_family_and_layer_norm() {
     check(|v| v[0].log_softmax(), &[x.clone()]);
     // non-contiguous input to a last-axis op
     check(|v| v[0].softmax(), &[randn(&[5, 3], 22).t().unwrap()]);
-    check(|v| v[0].layer_norm(&v[1], &v[2], 1e-5), &[randn(&[2, 3, 6], 23), randn(&[6], 24), randn(&[6], 25)]);
+    check(
+        |v| v[0].layer_norm(&v[1], &v[2], 1e-5),
+        &[randn(&[2, 3, 6], 23), randn(&[6], 24), randn(&[6], 25)],
+    );
 }
 
 #[test]
@@ -110,6 +124,14 @@ fn a_wrong_gradient_is_caught() {
     // correct composition passes ...
     check(wrong, &[x.clone()]);
     // ... and comparing it against a different function's gradient fails
-    let r = gradcheck(|v: &[Var]| Ok(Var::constant(v[0].value().exp()?)).and_then(|c| c.add(&v[0].mul_scalar(0.0)?)), &[x], H, TOL);
-    assert!(r.is_err(), "a function whose graph drops the exp derivative must fail the check");
+    let r = gradcheck(
+        |v: &[Var]| Ok(Var::constant(v[0].value().exp()?)).and_then(|c| c.add(&v[0].mul_scalar(0.0)?)),
+        &[x],
+        H,
+        TOL,
+    );
+    assert!(
+        r.is_err(),
+        "a function whose graph drops the exp derivative must fail the check"
+    );
 }

@@ -33,7 +33,10 @@ fn sgd_with_momentum_and_weight_decay() {
     grad_step(&store, &p, &c, &mut opt);
     // g = [0.5 + 0.00949, 1 - 0.02098] = [0.50949, 0.97902]
     // buf = 0.9 [0.51, 0.98] + g = [0.96849, 1.86102]; p -= 0.1 buf
-    close(&p.value().to_vec::<f32>().unwrap(), &[0.949 - 0.096849, -2.098 - 0.186102]);
+    close(
+        &p.value().to_vec::<f32>().unwrap(),
+        &[0.949 - 0.096849, -2.098 - 0.186102],
+    );
 }
 
 #[test]

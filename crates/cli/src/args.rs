@@ -178,7 +178,10 @@ impl RunArgs {
             return bad("--timeout-s must be positive".into());
         }
         if self.warmup >= self.steps && self.steps > 0 {
-            return bad(format!("--warmup {} leaves no step of --steps {} to time", self.warmup, self.steps));
+            return bad(format!(
+                "--warmup {} leaves no step of --steps {} to time",
+                self.warmup, self.steps
+            ));
         }
         Ok(())
     }
@@ -187,7 +190,10 @@ impl RunArgs {
     pub fn bucket_cap(&self) -> Result<f64> {
         match self.bucket_mb.as_slice() {
             [b] => Ok(*b),
-            _ => Err(CliError::Usage(format!("--bucket-mb takes one value for a training run, got {:?} (a list is for `brigade sweep`)", self.bucket_mb))),
+            _ => Err(CliError::Usage(format!(
+                "--bucket-mb takes one value for a training run, got {:?} (a list is for `brigade sweep`)",
+                self.bucket_mb
+            ))),
         }
     }
 

@@ -73,15 +73,21 @@ fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 /// The MPI all-reduce benchmark over the processes of this `mpirun` job; `Some` on rank 0.
 #[cfg(feature = "mpi")]
-fn mpi_bench(cfg: &CommBenchConfig) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+fn mpi_bench(
+    cfg: &CommBenchConfig,
+) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
     let world = brigade_comm::MpiWorld::init()?;
     Ok(world.bench_all_reduce(cfg)?)
 }
 
 /// Without the `mpi` feature: how to get it.
 #[cfg(not(feature = "mpi"))]
-fn mpi_bench(_cfg: &CommBenchConfig) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
-    Err("--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev \
+fn mpi_bench(
+    _cfg: &CommBenchConfig,
+) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+    Err(
+        "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev \
          libclang-dev), build with `cargo build --release --features mpi` and run under `mpirun -np N`"
-        .into())
+            .into(),
+    )
 }

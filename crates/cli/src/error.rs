@@ -39,7 +39,10 @@ pub type Result<T> = std::result::Result<T, CliError>;
 /// Writes `bytes` to `path` atomically: a temporary file beside it, then a rename.
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let io = |source| CliError::Io { path: path.display().to_string(), source };
+    let io = |source| CliError::Io {
+        path: path.display().to_string(),
+        source,
+    };
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp{}", std::process::id()));
     let tmp = std::path::PathBuf::from(tmp);

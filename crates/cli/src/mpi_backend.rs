@@ -41,7 +41,10 @@ mod enabled {
 
     use std::time::Instant;
 
-    use brigade_comm::{all_gather_bytes, Buffer, Communicator, Event, MpiComm, MpiWorld, NetModel, Recorder, SimulatedNetwork, Stamp, Traced, Track};
+    use brigade_comm::{
+        all_gather_bytes, Buffer, Communicator, Event, MpiComm, MpiWorld, NetModel, Recorder, SimulatedNetwork, Stamp,
+        Traced, Track,
+    };
     use brigade_models::{Dataset, ModelKind};
 
     use crate::args::RunArgs;
@@ -159,7 +162,11 @@ mod enabled {
         let mut stamp = |k: &str| {
             v[k].as_f64().map(|off| {
                 *seq += 1;
-                let at = if off >= 0.0 { t0 + Duration::from_secs_f64(off) } else { t0 - Duration::from_secs_f64(-off) };
+                let at = if off >= 0.0 {
+                    t0 + Duration::from_secs_f64(off)
+                } else {
+                    t0 - Duration::from_secs_f64(-off)
+                };
                 Stamp { seq: *seq, at }
             })
         };
@@ -167,7 +174,11 @@ mod enabled {
         Some(Event {
             id: 0,
             rank: v["rank"].as_u64()? as usize,
-            track: if v["comm"].as_bool()? { Track::Comm } else { Track::Compute },
+            track: if v["comm"].as_bool()? {
+                Track::Comm
+            } else {
+                Track::Compute
+            },
             name: v["name"].as_str()?.to_string(),
             op: v["op"].as_str()?.to_string(),
             bytes: v["bytes"].as_u64()? as usize,

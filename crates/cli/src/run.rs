@@ -6,9 +6,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::{AdamW, Optimizer, Sgd};
-use brigade_comm::{launch_with_timeout, Buffer, CommError, Communicator, NetModel, Recorder, ReduceOp, SimulatedNetwork, Traced};
+use brigade_comm::{
+    launch_with_timeout, Buffer, CommError, Communicator, NetModel, Recorder, ReduceOp, SimulatedNetwork, Traced,
+};
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
-use brigade_models::{load_params, load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Dataset, Model, ModelKind};
+use brigade_models::{
+    load_params, load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Dataset, Model, ModelKind,
+};
 use brigade_tensor::{set_compute_threads, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -92,14 +96,32 @@ fn make_optimizer(args: &RunArgs, model: &dyn Model) -> Box<dyn Optimizer> {
     let params = model.params().params().to_vec();
     match args.optimizer {
         OptimizerName::Sgd => Box::new(Sgd::new(params, args.lr, args.momentum, args.weight_decay())),
-        OptimizerName::Adamw => Box::new(AdamW::with_options(params, args.lr, (0.9, 0.999), 1e-8, args.weight_decay())),
+        OptimizerName::Adamw => Box::new(AdamW::with_options(
+            params,
+            args.lr,
+            (0.9, 0.999),
+            1e-8,
+            args.weight_decay(),
+        )),
     }
 }
 
 const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
 
-fn save_checkpoint(path: &Path, args: &RunArgs, kind: &ModelKind, model: &dyn Model, opt: &dyn Optimizer, step: usize) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = model.params().named_values().into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
+fn save_checkpoint(
+    path: &Path,
+    args: &RunArgs,
+    kind: &ModelKind,
+    model: &dyn Model,
+    opt: &dyn Optimizer,
+    step: usize,
+) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = model
+        .params()
+        .named_values()
+        .into_iter()
+        .map(|(n, t)| (format!("model.{n}"), t))
+        .collect();
     tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     let meta = [
         ("format", CHECKPOINT_FORMAT.to_string()),
@@ -115,8 +137,17 @@ fn save_checkpoint(path: &Path, args: &RunArgs, kind: &ModelKind, model: &dyn Mo
 }
 
 /// Loads a checkpoint into the model and optimizer; returns the step to continue from.
-fn load_checkpoint(path: &Path, args: &RunArgs, kind: &ModelKind, model: &dyn Model, opt: &mut dyn Optimizer) -> Result<usize> {
-    let err = |msg: String| CliError::Checkpoint { path: path.display().to_string(), msg };
+fn load_checkpoint(
+    path: &Path,
+    args: &RunArgs,
+    kind: &ModelKind,
+    model: &dyn Model,
+    opt: &mut dyn Optimizer,
+) -> Result<usize> {
+    let err = |msg: String| CliError::Checkpoint {
+        path: path.display().to_string(),
+        msg,
+    };
     let (tensors, meta) = load_safetensors_with_metadata(path)?;
     if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
         return Err(err("not a brigade checkpoint (written by --checkpoint)".into()));
@@ -128,9 +159,15 @@ fn load_checkpoint(path: &Path, args: &RunArgs, kind: &ModelKind, model: &dyn Mo
             return Err(err(format!("it was written for {key} '{got}', this run uses '{want}'")));
         }
     }
-    let step: usize = meta.get("step").and_then(|s| s.parse().ok()).ok_or_else(|| err("no step recorded".into()))?;
+    let step: usize = meta
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| err("no step recorded".into()))?;
     let strip = |prefix: &str| -> Vec<(String, Tensor)> {
-        tensors.iter().filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t.clone()))).collect()
+        tensors
+            .iter()
+            .filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t.clone())))
+            .collect()
     };
     load_params_from_tensors(model.params(), &strip("model."))?;
     opt.load_state(&strip("optim."))?;
@@ -161,7 +198,10 @@ pub fn rank_main(
         None => 0,
     };
     if first_step > args.steps {
-        return Err(CliError::Usage(format!("the checkpoint is at step {first_step}, past --steps {}", args.steps)));
+        return Err(CliError::Usage(format!(
+            "the checkpoint is at step {first_step}, past --steps {}",
+            args.steps
+        )));
     }
     let ddp = match &comm {
         Some(c) => Some(DistributedDataParallel::new(
@@ -180,12 +220,21 @@ pub fn rank_main(
     let progress = (opts.progress && rank == 0).then(|| {
         let bar = ProgressBar::new((args.steps - first_step) as u64);
         bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | eta {eta}").unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | eta {eta}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar
     });
     let (b, k) = (args.batch_size, args.accum);
-    let mut out = RankOut { first_step, local_losses: vec![], global_losses: vec![], step_ms: vec![], buckets: vec![], memory: None, params: vec![] };
+    let mut out = RankOut {
+        first_step,
+        local_losses: vec![],
+        global_losses: vec![],
+        step_ms: vec![],
+        buckets: vec![],
+        memory: None,
+        params: vec![],
+    };
     let span = |name: &str| recorder.map(|r| r.begin(rank, name));
     let end = |id: Option<brigade_comm::SpanId>| {
         if let (Some(r), Some(id)) = (recorder, id) {
@@ -310,7 +359,11 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
 }
 
 /// Turns the ranks' results into rank 0's report, or the most telling error.
-pub fn collect(results: Vec<std::result::Result<Result<RankOut>, CommError>>, world: usize, recorder: Option<Recorder>) -> Result<RunReport> {
+pub fn collect(
+    results: Vec<std::result::Result<Result<RankOut>, CommError>>,
+    world: usize,
+    recorder: Option<Recorder>,
+) -> Result<RunReport> {
     let mut outs = vec![];
     let mut errors = vec![];
     for r in results {

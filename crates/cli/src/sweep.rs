@@ -62,7 +62,10 @@ fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(String, f64)> {
             let same = || events.iter().filter(move |e| e.track == Track::Comm && e.name == tag);
             let joined = same().filter_map(|e| e.start).map(|s| s.at).max()?;
             let end = same().find(|e| e.rank == 0)?.end?.at;
-            Some((tag.to_string(), end.saturating_duration_since(joined).as_secs_f64() * 1e3))
+            Some((
+                tag.to_string(),
+                end.saturating_duration_since(joined).as_secs_f64() * 1e3,
+            ))
         })
         .collect()
 }
@@ -75,10 +78,18 @@ fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
 pub fn sweep(s: SweepArgs) -> Result<()> {
     s.run.validate()?;
     if s.run.steps < 2 {
-        return Err(CliError::Usage("a sweep needs --steps >= 2 (the last step is the one recorded)".into()));
+        return Err(CliError::Usage(
+            "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
+        ));
     }
-    std::fs::create_dir_all(&s.out).map_err(|source| CliError::Io { path: s.out.display().to_string(), source })?;
-    let quiet = RunOptions { progress: false, ..RunOptions::default() };
+    std::fs::create_dir_all(&s.out).map_err(|source| CliError::Io {
+        path: s.out.display().to_string(),
+        source,
+    })?;
+    let quiet = RunOptions {
+        progress: false,
+        ..RunOptions::default()
+    };
     let mut rows = vec![];
     for &b in &s.run.bucket_mb {
         let mut a = s.run.clone();
@@ -86,9 +97,21 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         a.first_bucket_mb = a.first_bucket_mb.min(b);
         // The baseline runs right before each row: this machine's speed drifts over
         // minutes, and the comparison must not.
-        let compute_only = run(&a, &RunOptions { compute_only: true, ..quiet.clone() })?;
+        let compute_only = run(
+            &a,
+            &RunOptions {
+                compute_only: true,
+                ..quiet.clone()
+            },
+        )?;
         let compute_ms = median_step(&a, &compute_only.step_ms);
-        let report = run(&a, &RunOptions { record: true, ..quiet.clone() })?;
+        let report = run(
+            &a,
+            &RunOptions {
+                record: true,
+                ..quiet.clone()
+            },
+        )?;
         let rec = report.recorder.as_ref().expect("recording was on");
         let last = a.steps - 1;
         let events = step_events(rec, last);
@@ -104,23 +127,46 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             comm_ms,
             last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
             exposed_comm_ms: exposed,
-            hidden_share: if comm_ms > 0.0 { (1.0 - exposed / comm_ms).clamp(0.0, 1.0) } else { 1.0 },
+            hidden_share: if comm_ms > 0.0 {
+                (1.0 - exposed / comm_ms).clamp(0.0, 1.0)
+            } else {
+                1.0
+            },
         };
-        let title = format!("{:?} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms", a.model.model, a.world_size, row.step_ms, compute_ms);
-        write_timeline(&s.out.join(format!("timeline_{b}MiB.json")), &events, rec.origin(), &title)?;
+        let title = format!(
+            "{:?} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
+            a.model.model, a.world_size, row.step_ms, compute_ms
+        );
+        write_timeline(
+            &s.out.join(format!("timeline_{b}MiB.json")),
+            &events,
+            rec.origin(),
+            &title,
+        )?;
         rows.push(row);
     }
-    let mut csv = String::from("bucket_mb,buckets,step_ms,compute_only_ms,comm_ms,last_bucket_ms,exposed_comm_ms,hidden_share\n");
+    let mut csv =
+        String::from("bucket_mb,buckets,step_ms,compute_only_ms,comm_ms,last_bucket_ms,exposed_comm_ms,hidden_share\n");
     for r in &rows {
         csv.push_str(&format!(
             "{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4}\n",
-            r.bucket_mb, r.buckets, r.step_ms, r.compute_only_ms, r.comm_ms, r.last_bucket_ms, r.exposed_comm_ms, r.hidden_share
+            r.bucket_mb,
+            r.buckets,
+            r.step_ms,
+            r.compute_only_ms,
+            r.comm_ms,
+            r.last_bucket_ms,
+            r.exposed_comm_ms,
+            r.hidden_share
         ));
     }
     write_atomic(&s.out.join("sweep.csv"), csv.as_bytes())?;
     draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
     if s.json {
-        println!("{}", serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+        );
     } else {
         println!(
             "{:>10} {:>7} {:>9} {:>12} {:>9} {:>14} {:>12} {:>7}",
@@ -146,9 +192,15 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
 
 /// Step time, compute-only time and exposed comm against bucket size (log x axis).
 fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
-    let err = |m: String| CliError::Chart { path: path.display().to_string(), msg: m };
+    let err = |m: String| CliError::Chart {
+        path: path.display().to_string(),
+        msg: m,
+    };
     let xs: Vec<f64> = rows.iter().map(|r| r.bucket_mb).collect();
-    let (xmin, xmax) = (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(0.0, f64::max));
+    let (xmin, xmax) = (
+        xs.iter().copied().fold(f64::INFINITY, f64::min),
+        xs.iter().copied().fold(0.0, f64::max),
+    );
     let ymax = rows.iter().map(|r| r.step_ms.max(r.comm_ms)).fold(0.0, f64::max) * 1.15 + 1e-3;
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
@@ -186,7 +238,9 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
             .map_err(|e| err(e.to_string()))?
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(|e| err(e.to_string()))?;
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?;
     }
     chart
         .configure_series_labels()

@@ -27,9 +27,15 @@ pub fn step_events(recorder: &Recorder, step: usize) -> Vec<Event> {
     events
         .into_iter()
         .filter(|e| {
-            let Some(first) = e.issued.or(e.start) else { return false };
+            let Some(first) = e.issued.or(e.start) else {
+                return false;
+            };
             let begin = starts.iter().find(|(r, _)| *r == e.rank).map(|(_, s)| *s);
-            let end = ends.iter().find(|(r, _)| *r == e.rank).map(|(_, s)| *s).unwrap_or(u64::MAX);
+            let end = ends
+                .iter()
+                .find(|(r, _)| *r == e.rank)
+                .map(|(_, s)| *s)
+                .unwrap_or(u64::MAX);
             begin.is_some_and(|b| first.seq >= b && first.seq < end)
         })
         .collect()
@@ -57,7 +63,11 @@ fn color_for(e: &Event) -> RGBColor {
         Track::Compute => {
             // backward spans alternate two purples so adjacent layers stay apart
             let n: usize = e.name.bytes().map(usize::from).sum();
-            if n % 2 == 0 { RGBColor(142, 68, 173) } else { RGBColor(187, 143, 206) }
+            if n % 2 == 0 {
+                RGBColor(142, 68, 173)
+            } else {
+                RGBColor(187, 143, 206)
+            }
         }
     }
 }
@@ -65,19 +75,30 @@ fn color_for(e: &Event) -> RGBColor {
 /// Draws one lane pair per rank: compute (forward, backward per layer, optimizer) and
 /// the comm stream (each bucket's all-reduce), time in ms from the step's start.
 fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
-    let err = |msg: String| CliError::Chart { path: path.display().to_string(), msg };
-    let spans: Vec<&Event> = events.iter().filter(|e| e.start.is_some() && e.end.is_some() && drawable(e)).collect();
+    let err = |msg: String| CliError::Chart {
+        path: path.display().to_string(),
+        msg,
+    };
+    let spans: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.start.is_some() && e.end.is_some() && drawable(e))
+        .collect();
     let Some(t0) = events.iter().filter_map(|e| e.issued.or(e.start)).map(|s| s.at).min() else {
         return Err(err("no events were recorded for the timeline".into()));
     };
     let ms = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e3;
-    let t_end = spans.iter().map(|e| ms(e.end.expect("filtered").at)).fold(0.0, f64::max).max(1e-3);
+    let t_end = spans
+        .iter()
+        .map(|e| ms(e.end.expect("filtered").at))
+        .fold(0.0, f64::max)
+        .max(1e-3);
     let mut ranks: Vec<usize> = spans.iter().map(|e| e.rank).collect();
     ranks.sort_unstable();
     ranks.dedup();
     let lanes = 2 * ranks.len().max(1);
     // lane 0 is drawn at the top: rank 0 compute, rank 0 comm, rank 1 compute, ...
-    let lane_of = |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
+    let lane_of =
+        |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
     let y_of = |lane: usize| (lanes - 1 - lane) as f64;
     let height = 120 + 70 * lanes as u32;
     let root = SVGBackend::new(path, (1400, height)).into_drawing_area();
@@ -98,7 +119,13 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
         .configure_mesh()
         .disable_y_mesh()
         .y_labels(lanes * 2 + 1)
-        .y_label_formatter(&|y| if (y.fract() - 0.5).abs() < 0.01 { lane_label(y) } else { String::new() })
+        .y_label_formatter(&|y| {
+            if (y.fract() - 0.5).abs() < 0.01 {
+                lane_label(y)
+            } else {
+                String::new()
+            }
+        })
         .x_desc("ms since the step began")
         .draw()
         .map_err(|e| err(e.to_string()))?;
@@ -107,7 +134,10 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
         let (a, b) = (ms(e.start.expect("filtered").at), ms(e.end.expect("filtered").at));
         let c = color_for(e);
         chart
-            .draw_series(std::iter::once(Rectangle::new([(a, lane + 0.15), (b.max(a + t_end * 1e-3), lane + 0.85)], c.filled())))
+            .draw_series(std::iter::once(Rectangle::new(
+                [(a, lane + 0.15), (b.max(a + t_end * 1e-3), lane + 0.85)],
+                c.filled(),
+            )))
             .map_err(|e| err(e.to_string()))?;
         let label = match e.track {
             Track::Comm => e.name.clone(),
@@ -117,7 +147,11 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
         // looks for); compute spans only when wide enough to hold the name.
         if e.track == Track::Comm || (b - a) / t_end > 0.004 * label.len() as f64 {
             chart
-                .draw_series(std::iter::once(Text::new(label, (a + t_end * 0.002, lane + 0.45), ("sans-serif", 11).into_font())))
+                .draw_series(std::iter::once(Text::new(
+                    label,
+                    (a + t_end * 0.002, lane + 0.45),
+                    ("sans-serif", 11).into_font(),
+                )))
                 .map_err(|e| err(e.to_string()))?;
         }
     }

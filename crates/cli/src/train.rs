@@ -154,7 +154,11 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport) -> Result<()> {
     }
     if let (Some(path), Some(rec)) = (&t.timeline, &report.recorder) {
         let last = t.run.steps.saturating_sub(1);
-        let title = format!("step {last}: {} ranks, bucket cap {} MiB", report.world_size, t.run.bucket_cap()?);
+        let title = format!(
+            "step {last}: {} ranks, bucket cap {} MiB",
+            report.world_size,
+            t.run.bucket_cap()?
+        );
         let events = match &report.last_step_events {
             Some(events) => events.clone(),
             None => step_events(rec, last),

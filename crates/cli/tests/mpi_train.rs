@@ -20,7 +20,11 @@ fn mpirun(np: usize, args: &[&str]) -> Output {
 }
 
 fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -30,21 +34,44 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn losses(path: &Path) -> Vec<f64> {
-    std::fs::read_to_string(path).unwrap().lines().skip(1).map(|l| l.split_once(',').unwrap().1.parse().unwrap()).collect()
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split_once(',').unwrap().1.parse().unwrap())
+        .collect()
 }
 
 /// Trains `flags` with 2 threads and with 2 MPI processes; returns the largest loss and
 /// parameter differences (relative to max(1, |x|)).
 fn parity(name: &str, flags: &[&str]) -> (f64, f64) {
-    let files = |who: &str| (tmp(&format!("{name}-{who}.csv")), tmp(&format!("{name}-{who}.safetensors")));
+    let files = |who: &str| {
+        (
+            tmp(&format!("{name}-{who}.csv")),
+            tmp(&format!("{name}-{who}.safetensors")),
+        )
+    };
     let (tl, tp) = files("thread");
     let (ml, mp) = files("mpi");
     let run = |extra: &[&str], l: &Path, p: &Path| -> Vec<String> {
         let mut a: Vec<String> = flags.iter().chain(extra).map(|s| s.to_string()).collect();
-        a.extend(["--quiet", "--losses", l.to_str().unwrap(), "--save", p.to_str().unwrap()].map(String::from));
+        a.extend(
+            [
+                "--quiet",
+                "--losses",
+                l.to_str().unwrap(),
+                "--save",
+                p.to_str().unwrap(),
+            ]
+            .map(String::from),
+        );
         a
     };
-    let t = Command::new(BIN).arg("train").args(run(&["--world-size", "2"], &tl, &tp)).output().unwrap();
+    let t = Command::new(BIN)
+        .arg("train")
+        .args(run(&["--world-size", "2"], &tl, &tp))
+        .output()
+        .unwrap();
     assert!(t.status.success(), "threads: {}", text(&t));
     let mut margs = vec!["train".to_string()];
     margs.extend(run(&["--backend", "mpi"], &ml, &mp));
@@ -69,10 +96,37 @@ fn parity(name: &str, flags: &[&str]) -> (f64, f64) {
     (dl, dp)
 }
 
-const MLP: &[&str] = &["--model", "mlp", "--widths", "32,64,64,4", "--steps", "5", "--batch-size", "8", "--threads-per-rank", "1"];
+const MLP: &[&str] = &[
+    "--model",
+    "mlp",
+    "--widths",
+    "32,64,64,4",
+    "--steps",
+    "5",
+    "--batch-size",
+    "8",
+    "--threads-per-rank",
+    "1",
+];
 const GPT: &[&str] = &[
-    "--model", "gpt", "--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--context", "8", "--steps", "3",
-    "--batch-size", "2", "--threads-per-rank", "1",
+    "--model",
+    "gpt",
+    "--d-model",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--d-ff",
+    "32",
+    "--context",
+    "8",
+    "--steps",
+    "3",
+    "--batch-size",
+    "2",
+    "--threads-per-rank",
+    "1",
 ];
 
 #[test]
@@ -82,7 +136,10 @@ fn mpi_matches_threads_for_mlp_and_gpt_with_and_without_accumulation() {
             let mut f = flags.to_vec();
             f.extend(["--accum", accum]);
             let (dl, dp) = parity(&format!("{name}-accum{accum}"), &f);
-            assert!(dl <= 1e-6 && dp <= 1e-6, "{name} accum {accum}: losses {dl:e}, params {dp:e}");
+            assert!(
+                dl <= 1e-6 && dp <= 1e-6,
+                "{name} accum {accum}: losses {dl:e}, params {dp:e}"
+            );
         }
     }
 }
@@ -93,8 +150,24 @@ fn the_first_bucket_is_reduced_while_backward_still_runs() {
     let out = mpirun(
         2,
         &[
-            "train", "--backend", "mpi", "--model", "mlp", "--widths", "64,512,512,512,4", "--steps", "3", "--batch-size", "64",
-            "--bucket-mb", "0.5", "--first-bucket-mb", "0.5", "--quiet", "--timeline", tl.to_str().unwrap(),
+            "train",
+            "--backend",
+            "mpi",
+            "--model",
+            "mlp",
+            "--widths",
+            "64,512,512,512,4",
+            "--steps",
+            "3",
+            "--batch-size",
+            "64",
+            "--bucket-mb",
+            "0.5",
+            "--first-bucket-mb",
+            "0.5",
+            "--quiet",
+            "--timeline",
+            tl.to_str().unwrap(),
         ],
     );
     assert!(out.status.success(), "{}", text(&out));
@@ -103,10 +176,21 @@ fn the_first_bucket_is_reduced_while_backward_still_runs() {
     let spans: Vec<(String, f64, f64)> = events
         .iter()
         .filter(|e| e["ph"] == "X" && e["pid"] == 0)
-        .map(|e| (e["name"].as_str().unwrap().to_string(), e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_string(),
+                e["ts"].as_f64().unwrap(),
+                e["dur"].as_f64().unwrap(),
+            )
+        })
         .collect();
-    let (_, b0, _) = spans.iter().find(|(n, ..)| n.contains("bucket0")).expect("bucket 0 on the comm stream");
-    let overlapped = spans.iter().any(|(n, ts, dur)| n.starts_with("backward layers") && ts + dur > *b0 && *ts >= *b0 - 1.0);
+    let (_, b0, _) = spans
+        .iter()
+        .find(|(n, ..)| n.contains("bucket0"))
+        .expect("bucket 0 on the comm stream");
+    let overlapped = spans
+        .iter()
+        .any(|(n, ts, dur)| n.starts_with("backward layers") && ts + dur > *b0 && *ts >= *b0 - 1.0);
     assert!(overlapped, "no backward span after bucket 0 started: {spans:?}");
 }
 
@@ -114,16 +198,44 @@ fn the_first_bucket_is_reduced_while_backward_still_runs() {
 fn setup_errors_fail_every_rank_with_the_same_message() {
     let out = mpirun(2, &["train", "--backend", "mpi", "--world-size", "3", "--steps", "1"]);
     assert!(!out.status.success());
-    assert_eq!(text(&out).matches("--world-size 3 but mpirun started 2").count(), 2, "{}", text(&out));
+    assert_eq!(
+        text(&out).matches("--world-size 3 but mpirun started 2").count(),
+        2,
+        "{}",
+        text(&out)
+    );
     // A file missing on rank 1 only (MPMD launch: each rank gets its own flags).
     let init = tmp("init.safetensors");
     let made = Command::new(BIN)
-        .args(["train", "--model", "mlp", "--widths", "8,8,2", "--steps", "1", "--batch-size", "2", "--quiet"])
+        .args([
+            "train",
+            "--model",
+            "mlp",
+            "--widths",
+            "8,8,2",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--quiet",
+        ])
         .args(["--save", init.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(made.status.success(), "{}", text(&made));
-    let common = ["train", "--backend", "mpi", "--model", "mlp", "--widths", "8,8,2", "--steps", "2", "--batch-size", "2"];
+    let common = [
+        "train",
+        "--backend",
+        "mpi",
+        "--model",
+        "mlp",
+        "--widths",
+        "8,8,2",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+    ];
     let out = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "1", BIN])
         .args(common)
@@ -144,7 +256,19 @@ fn setup_errors_fail_every_rank_with_the_same_message() {
 fn killing_one_rank_ends_the_job_with_an_error_within_the_timeout() {
     let mut job = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN])
-        .args(["train", "--backend", "mpi", "--model", "mlp", "--widths", "32,64,4", "--steps", "100000000", "--batch-size", "8"])
+        .args([
+            "train",
+            "--backend",
+            "mpi",
+            "--model",
+            "mlp",
+            "--widths",
+            "32,64,4",
+            "--steps",
+            "100000000",
+            "--batch-size",
+            "8",
+        ])
         .args(["--quiet", "--timeout-s", "20"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -162,7 +286,11 @@ fn killing_one_rank_ends_the_job_with_an_error_within_the_timeout() {
     std::thread::sleep(Duration::from_millis(1000)); // well into training
     assert!(job.try_wait().unwrap().is_none(), "the job ended before the kill");
     let killed = Instant::now();
-    assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap()
+        .success());
     let status = loop {
         if let Some(status) = job.try_wait().unwrap() {
             break status;
@@ -182,14 +310,23 @@ fn killing_one_rank_ends_the_job_with_an_error_within_the_timeout() {
 /// The pid of the process of `rank` among the children of `parent`.
 fn find_rank(parent: u32, rank: usize) -> Option<u32> {
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
         if ppid != Some(parent) {
             continue;
         }
         let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if env.split(|&b| b == 0).any(|kv| kv == format!("OMPI_COMM_WORLD_RANK={rank}").as_bytes()) {
+        if env
+            .split(|&b| b == 0)
+            .any(|kv| kv == format!("OMPI_COMM_WORLD_RANK={rank}").as_bytes())
+        {
             return Some(pid);
         }
     }

@@ -107,8 +107,11 @@ pub fn time_all_reduce(comm: &dyn Communicator, cfg: &CommBenchConfig) -> Result
             buf = comm.all_reduce(buf, ReduceOp::Sum, "warmup").wait()?;
         }
         // The other ranks park in this barrier while rank 0 copies.
-        let memcpy_bw =
-            if comm.rank() == 0 { memcpy_bandwidth(cfg.memcpy_bytes, 3) } else { 0.0 };
+        let memcpy_bw = if comm.rank() == 0 {
+            memcpy_bandwidth(cfg.memcpy_bytes, 3)
+        } else {
+            0.0
+        };
         comm.barrier("start").wait()?;
         let mut best_s = f64::INFINITY;
         let t = Instant::now();
@@ -120,7 +123,15 @@ pub fn time_all_reduce(comm: &dyn Communicator, cfg: &CommBenchConfig) -> Result
         let time_s = t.elapsed().as_secs_f64() / iters as f64;
         let algbw = (len * 4) as f64 / time_s;
         let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
-        rows.push(AllReduceRow { bytes: len * 4, iters, time_s, algbw, busbw, best_s, memcpy_bw });
+        rows.push(AllReduceRow {
+            bytes: len * 4,
+            iters,
+            time_s,
+            algbw,
+            busbw,
+            best_s,
+            memcpy_bw,
+        });
     }
     Ok(rows)
 }
@@ -170,15 +181,7 @@ impl CommBenchReport {
         );
         s += &format!(
             "{:>8} {:>5} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9}\n",
-            "size",
-            "iters",
-            "time us",
-            "best us",
-            "algbw",
-            "busbw",
-            "busbw best",
-            "memcpy",
-            "busbw/mc"
+            "size", "iters", "time us", "best us", "algbw", "busbw", "busbw best", "memcpy", "busbw/mc"
         );
         for r in &self.rows {
             let factor = r.busbw / r.algbw;
@@ -209,5 +212,8 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         Some('G' | 'g') => (&t[..t.len() - 1], 30),
         _ => (t, 0),
     };
-    num.trim().parse::<usize>().map(|n| n << shift).map_err(|e| format!("bad size `{s}`: {e}"))
+    num.trim()
+        .parse::<usize>()
+        .map(|n| n << shift)
+        .map_err(|e| format!("bad size `{s}`: {e}"))
 }

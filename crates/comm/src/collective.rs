@@ -42,19 +42,26 @@ pub(crate) fn describe(kind: OpKind, dtype: Option<DType>, len: u64, tag: &str) 
 
 /// Checks that a collective all ranks agreed on can run in a group of `world` ranks.
 #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
-pub(crate) fn check_runnable(kind: OpKind, dtype: Option<DType>, len: u64, world: usize, tag: &str) -> Result<(), CommError> {
+pub(crate) fn check_runnable(
+    kind: OpKind,
+    dtype: Option<DType>,
+    len: u64,
+    world: usize,
+    tag: &str,
+) -> Result<(), CommError> {
     let described = || describe(kind, dtype, len, tag);
     match kind {
-        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if dtype == Some(DType::U8) => {
-            Err(CommError::Unsupported(format!("reduction on u8 buffers: {}", described())))
-        }
+        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if dtype == Some(DType::U8) => Err(CommError::Unsupported(
+            format!("reduction on u8 buffers: {}", described()),
+        )),
         OpKind::ReduceScatter(_) if len % world as u64 != 0 => Err(CommError::InvalidArgument(format!(
             "{}: input length {len} is not a multiple of the world size {world}",
             described()
         ))),
-        OpKind::Broadcast { root } if root >= world => {
-            Err(CommError::InvalidArgument(format!("{}: root {root} is not a rank of a group of {world}", described())))
-        }
+        OpKind::Broadcast { root } if root >= world => Err(CommError::InvalidArgument(format!(
+            "{}: root {root} is not a rank of a group of {world}",
+            described()
+        ))),
         _ => Ok(()),
     }
 }

@@ -82,15 +82,32 @@ forward_communicator!(Box);
 pub fn all_gather_bytes(comm: &dyn Communicator, bytes: Vec<u8>, tag: &str) -> Result<Vec<Vec<u8>>, CommError> {
     let len = Buffer::U8((bytes.len() as u64).to_le_bytes().to_vec());
     let lens: Vec<usize> = match comm.all_gather(len, &format!("{tag}.len")).wait()? {
-        Buffer::U8(l) => l.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize).collect(),
-        other => return Err(CommError::Internal(format!("all_gather of u8 returned {}", other.dtype()))),
+        Buffer::U8(l) => l
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect(),
+        other => {
+            return Err(CommError::Internal(format!(
+                "all_gather of u8 returned {}",
+                other.dtype()
+            )))
+        }
     };
     let max = lens.iter().copied().max().unwrap_or(0);
     let mut padded = bytes;
     padded.resize(max, 0);
     let all = match comm.all_gather(Buffer::U8(padded), tag).wait()? {
         Buffer::U8(a) => a,
-        other => return Err(CommError::Internal(format!("all_gather of u8 returned {}", other.dtype()))),
+        other => {
+            return Err(CommError::Internal(format!(
+                "all_gather of u8 returned {}",
+                other.dtype()
+            )))
+        }
     };
-    Ok(lens.iter().enumerate().map(|(r, &l)| all[r * max..r * max + l].to_vec()).collect())
+    Ok(lens
+        .iter()
+        .enumerate()
+        .map(|(r, &l)| all[r * max..r * max + l].to_vec())
+        .collect())
 }

@@ -18,7 +18,8 @@ mod buffer;
 mod collective;
 mod communicator;
 mod error;
-#[cfg(feature = "mpi")] mod mpi;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod sim;
 mod stream;
 mod thread;
@@ -28,7 +29,8 @@ mod work;
 pub use buffer::{Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, Communicator};
 pub use error::CommError;
-#[cfg(feature = "mpi")] pub use mpi::{MpiComm, MpiTransport, MpiWorld};
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiComm, MpiTransport, MpiWorld};
 pub use sim::{NetModel, SimulatedNetwork};
 pub use stream::{CommStream, Transport};
 pub use thread::{launch, launch_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT};

@@ -91,8 +91,18 @@ impl<T> Work<T> {
             }),
             done: Condvar::new(),
         });
-        let work = Work { shared: shared.clone(), rank, tag: tag.to_string(), timeout };
-        let promise = Promise { shared, rank, tag: tag.to_string(), completed: false };
+        let work = Work {
+            shared: shared.clone(),
+            rank,
+            tag: tag.to_string(),
+            timeout,
+        };
+        let promise = Promise {
+            shared,
+            rank,
+            tag: tag.to_string(),
+            completed: false,
+        };
         (work, promise)
     }
 
@@ -251,7 +261,10 @@ impl<T> Promise<T> {
 impl<T> Drop for Promise<T> {
     fn drop(&mut self) {
         if !self.completed {
-            let err = CommError::Closed { rank: self.rank, tag: self.tag.clone() };
+            let err = CommError::Closed {
+                rank: self.rank,
+                tag: self.tag.clone(),
+            };
             self.finish(Err(err), Instant::now());
         }
     }

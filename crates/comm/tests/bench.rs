@@ -15,7 +15,12 @@ fn sizes_parse_and_print_in_binary_units() {
 
 #[test]
 fn report_rows_follow_the_nccl_tests_definitions() {
-    let cfg = CommBenchConfig { world_size: 4, sizes: vec![4096, 1 << 16], iters: Some(3), memcpy_bytes: 1 << 20 };
+    let cfg = CommBenchConfig {
+        world_size: 4,
+        sizes: vec![4096, 1 << 16],
+        iters: Some(3),
+        memcpy_bytes: 1 << 20,
+    };
     let report = run_comm_bench(&cfg).unwrap();
     assert_eq!(report.rows.len(), 2);
     assert!(report.memcpy_bw > 0.0);

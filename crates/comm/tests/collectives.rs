@@ -12,7 +12,11 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 const SIZES: [usize; 4] = [0, 1, 1031, (1 << 20) + 3];
 
 fn all_ok<R>(results: Vec<Result<R, CommError>>) -> Vec<R> {
-    results.into_iter().enumerate().map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect()
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
 }
 
 #[test]
@@ -60,7 +64,11 @@ fn reduce_scatter_matches_serial_reference() {
                         let r = comm.rank();
                         let out = comm.reduce_scatter(inputs[r].clone(), op, "rs").wait().unwrap();
                         let want = from_f32(d, full[r * chunk..(r + 1) * chunk].to_vec());
-                        assert_same(&out, &want, &format!("world {world} rank {r} reduce_scatter {op} {d} chunk {chunk}"));
+                        assert_same(
+                            &out,
+                            &want,
+                            &format!("world {world} rank {r} reduce_scatter {op} {d} chunk {chunk}"),
+                        );
                     }));
                 }
             }
@@ -80,7 +88,11 @@ fn all_gather_and_broadcast_match_serial_reference() {
                     let what = format!("world {world} rank {r} {d} x {n}");
                     let out = comm.all_gather(inputs[r].clone(), "ag").wait().unwrap();
                     assert_same(&out, &gathered, &format!("{what} all_gather"));
-                    let roots: Vec<usize> = if n > 1000 { vec![world - 1] } else { (0..world).collect() };
+                    let roots: Vec<usize> = if n > 1000 {
+                        vec![world - 1]
+                    } else {
+                        (0..world).collect()
+                    };
                     for root in roots {
                         let out = comm.broadcast(inputs[r].clone(), root, "bc").wait().unwrap();
                         assert_same(&out, &inputs[root], &format!("{what} broadcast root {root}"));
@@ -103,7 +115,10 @@ fn barrier_waits_for_every_rank() {
                 }
                 arrived.fetch_add(1, Ordering::SeqCst);
                 comm.barrier(&format!("round {round}")).wait().unwrap();
-                assert!(arrived.load(Ordering::SeqCst) >= round * world, "left barrier {round} early");
+                assert!(
+                    arrived.load(Ordering::SeqCst) >= round * world,
+                    "left barrier {round} early"
+                );
             }
         }));
     }
@@ -116,9 +131,15 @@ fn half_precision_sums_accumulate_in_f32() {
     let world = 8;
     let results = all_ok(launch_with_timeout(world, TIMEOUT, |comm| {
         let x = if comm.rank() == 0 { 1.0 } else { 2f32.powi(-9) };
-        let bf = comm.all_reduce(from_f32(DType::BF16, vec![x]), ReduceOp::Sum, "bf16").wait().unwrap();
+        let bf = comm
+            .all_reduce(from_f32(DType::BF16, vec![x]), ReduceOp::Sum, "bf16")
+            .wait()
+            .unwrap();
         let y = if comm.rank() == 0 { 2048.0 } else { 0.5 };
-        let hf = comm.all_reduce(from_f32(DType::F16, vec![y]), ReduceOp::Sum, "f16").wait().unwrap();
+        let hf = comm
+            .all_reduce(from_f32(DType::F16, vec![y]), ReduceOp::Sum, "f16")
+            .wait()
+            .unwrap();
         (to_f32(&bf)[0], to_f32(&hf)[0])
     }));
     for (bf, hf) in results {
@@ -130,17 +151,35 @@ fn half_precision_sums_accumulate_in_f32() {
 #[test]
 fn reductions_on_bytes_are_unsupported_and_bad_arguments_are_rejected() {
     let results = all_ok(launch_with_timeout(3, TIMEOUT, |comm| {
-        let u8_err = comm.all_reduce(Buffer::U8(vec![1; 4]), ReduceOp::Sum, "bytes").wait().unwrap_err();
-        let rs_err = comm.reduce_scatter(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum, "rs4").wait().unwrap_err();
-        let bc_err = comm.broadcast(Buffer::F32(vec![1.0; 4]), 3, "root3").wait().unwrap_err();
+        let u8_err = comm
+            .all_reduce(Buffer::U8(vec![1; 4]), ReduceOp::Sum, "bytes")
+            .wait()
+            .unwrap_err();
+        let rs_err = comm
+            .reduce_scatter(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum, "rs4")
+            .wait()
+            .unwrap_err();
+        let bc_err = comm
+            .broadcast(Buffer::F32(vec![1.0; 4]), 3, "root3")
+            .wait()
+            .unwrap_err();
         // The group still works afterwards.
-        let ok = comm.all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum, "after").wait().unwrap();
+        let ok = comm
+            .all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum, "after")
+            .wait()
+            .unwrap();
         (u8_err, rs_err, bc_err, ok)
     }));
     for (u8_err, rs_err, bc_err, ok) in results {
         assert!(matches!(u8_err, CommError::Unsupported(_)), "{u8_err}");
-        assert!(matches!(rs_err, CommError::InvalidArgument(ref m) if m.contains("rs4")), "{rs_err}");
-        assert!(matches!(bc_err, CommError::InvalidArgument(ref m) if m.contains("root 3")), "{bc_err}");
+        assert!(
+            matches!(rs_err, CommError::InvalidArgument(ref m) if m.contains("rs4")),
+            "{rs_err}"
+        );
+        assert!(
+            matches!(bc_err, CommError::InvalidArgument(ref m) if m.contains("root 3")),
+            "{bc_err}"
+        );
         assert_eq!(ok, Buffer::F32(vec![3.0; 4]));
     }
 }

@@ -30,7 +30,10 @@ fn a_missing_peer_times_out_and_then_counts_as_dead() {
             // Rank 1 stays alive but issues nothing until rank 0 gave up.
             gate.wait();
             let t = Instant::now();
-            let err = comm.all_reduce(f32s(8, 1.0), ReduceOp::Sum, "bucket 7").wait().unwrap_err();
+            let err = comm
+                .all_reduce(f32s(8, 1.0), ReduceOp::Sum, "bucket 7")
+                .wait()
+                .unwrap_err();
             (Some(err), t.elapsed())
         }
     });
@@ -95,9 +98,16 @@ fn a_panicking_rank_fails_the_others_promptly() {
             continue;
         }
         let (first, later) = result.unwrap();
-        for (err, tag) in [(first.unwrap_err(), "bucket 0"), (later.unwrap_err(), "after the crash")] {
+        for (err, tag) in [
+            (first.unwrap_err(), "bucket 0"),
+            (later.unwrap_err(), "after the crash"),
+        ] {
             match &err {
-                CommError::RankFailed { rank: 2, tag: t, reason } => {
+                CommError::RankFailed {
+                    rank: 2,
+                    tag: t,
+                    reason,
+                } => {
                     assert_eq!(t, tag);
                     assert!(reason.contains("panicked"), "{reason}");
                     assert!(err.to_string().contains("rank 2"), "{err}");
@@ -168,7 +178,11 @@ fn mismatched_collectives_are_reported_not_mixed() {
         ),
         (
             |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x").wait().map(drop),
-            |c| c.all_reduce(Buffer::zeros(brigade_comm::DType::F16, 10), ReduceOp::Sum, "x").wait().map(drop),
+            |c| {
+                c.all_reduce(Buffer::zeros(brigade_comm::DType::F16, 10), ReduceOp::Sum, "x")
+                    .wait()
+                    .map(drop)
+            },
             "f16",
         ),
         (
@@ -187,7 +201,13 @@ fn mismatched_collectives_are_reported_not_mixed() {
         for r in results {
             let (err, ok) = r.unwrap();
             match &err {
-                CommError::Mismatch { expected_rank: 0, found_rank: 1, found, slot: 0, .. } => {
+                CommError::Mismatch {
+                    expected_rank: 0,
+                    found_rank: 1,
+                    found,
+                    slot: 0,
+                    ..
+                } => {
                     assert!(found.contains(found_text), "case {i}: {err}")
                 }
                 e => panic!("case {i}: expected a mismatch, got {e}"),

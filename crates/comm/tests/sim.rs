@@ -9,7 +9,10 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 
 #[test]
 fn model_times_follow_the_ring_formulas() {
-    let m = NetModel { latency: Duration::from_micros(10), bandwidth_bytes_per_s: 1e9 };
+    let m = NetModel {
+        latency: Duration::from_micros(10),
+        bandwidth_bytes_per_s: 1e9,
+    };
     // 2(p-1)a + 2(p-1)/p n/B with p = 4, n = 1e6: 60 us + 1.5 ms.
     assert_eq!(m.all_reduce_time(1_000_000, 4), Duration::from_micros(1560));
     assert_eq!(m.reduce_scatter_time(1_000_000, 4), Duration::from_micros(780));
@@ -21,7 +24,10 @@ fn model_times_follow_the_ring_formulas() {
 
 #[test]
 fn all_reduce_takes_at_least_the_model_time_and_queues_on_the_link() {
-    let model = NetModel { latency: Duration::from_millis(3), bandwidth_bytes_per_s: 100e6 };
+    let model = NetModel {
+        latency: Duration::from_millis(3),
+        bandwidth_bytes_per_s: 100e6,
+    };
     let n = 1 << 18; // 1 MiB of f32
     let expected = model.all_reduce_time(4 * n, 2); // 6 ms + 10.5 ms
     launch_with_timeout(2, TIMEOUT, |comm| {
@@ -32,10 +38,16 @@ fn all_reduce_takes_at_least_the_model_time_and_queues_on_the_link() {
         let (buf_a, ta) = a.wait_timed().unwrap();
         let (buf_b, tb) = b.wait_timed().unwrap();
         let wall = t.elapsed();
-        assert!(buf_a.as_f32().unwrap().iter().all(|&x| x == 2.0), "data must still move");
+        assert!(
+            buf_a.as_f32().unwrap().iter().all(|&x| x == 2.0),
+            "data must still move"
+        );
         assert!(buf_b.as_f32().unwrap().iter().all(|&x| x == 4.0));
         assert!(ta.duration() >= expected, "{:?} < model {expected:?}", ta.duration());
-        assert!(tb.started >= ta.finished, "the second collective must wait for the link");
+        assert!(
+            tb.started >= ta.finished,
+            "the second collective must wait for the link"
+        );
         assert!(tb.duration() >= expected);
         assert!(wall >= expected * 2, "two collectives took {wall:?}");
         // Not absurdly slower than the model either (generous slack for a loaded machine).
@@ -47,7 +59,10 @@ fn all_reduce_takes_at_least_the_model_time_and_queues_on_the_link() {
 
 #[test]
 fn an_early_rank_waits_for_the_late_one_before_the_link_time_starts() {
-    let model = NetModel { latency: Duration::ZERO, bandwidth_bytes_per_s: 100e6 };
+    let model = NetModel {
+        latency: Duration::ZERO,
+        bandwidth_bytes_per_s: 100e6,
+    };
     let n = 1 << 18; // 1 MiB of f32: 10.5 ms on the model link
     let expected = model.all_reduce_time(4 * n, 2);
     let late = Duration::from_millis(60);
@@ -58,7 +73,10 @@ fn an_early_rank_waits_for_the_late_one_before_the_link_time_starts() {
         if rank == 1 {
             std::thread::sleep(late);
         }
-        let (_, timing) = sim.all_reduce(Buffer::F32(vec![1.0; n]), ReduceOp::Sum, "late").wait_timed().unwrap();
+        let (_, timing) = sim
+            .all_reduce(Buffer::F32(vec![1.0; n]), ReduceOp::Sum, "late")
+            .wait_timed()
+            .unwrap();
         timing.finished
     })
     .into_iter()
@@ -66,7 +84,11 @@ fn an_early_rank_waits_for_the_late_one_before_the_link_time_starts() {
     .collect();
     for (rank, f) in finished.iter().enumerate() {
         // the transfer cannot begin before rank 1 has joined
-        assert!(f.duration_since(t0) >= late + expected, "rank {rank} finished after {:?}", f.duration_since(t0));
+        assert!(
+            f.duration_since(t0) >= late + expected,
+            "rank {rank} finished after {:?}",
+            f.duration_since(t0)
+        );
     }
 }
 
@@ -84,7 +106,10 @@ fn process_cpu_time() -> Duration {
 #[cfg(target_os = "linux")]
 #[test]
 fn the_simulated_wait_does_not_burn_a_core() {
-    let model = NetModel { latency: Duration::from_millis(200), bandwidth_bytes_per_s: 1e9 };
+    let model = NetModel {
+        latency: Duration::from_millis(200),
+        bandwidth_bytes_per_s: 1e9,
+    };
     let expected = model.all_reduce_time(4, 2); // 400 ms of pure latency
     let results = launch_with_timeout(2, TIMEOUT, |comm| {
         let sim = SimulatedNetwork::new(comm, model);
@@ -109,7 +134,10 @@ fn the_simulated_wait_does_not_burn_a_core() {
     let (wall, _, cpu0) = *results[0].as_ref().unwrap();
     assert!(wall >= expected);
     for r in &results {
-        assert!(r.as_ref().unwrap().1 > 100, "compute made no progress during the simulated wait");
+        assert!(
+            r.as_ref().unwrap().1 > 100,
+            "compute made no progress during the simulated wait"
+        );
     }
     // Two compute threads are busy for `wall`; a spinning simulated wait would add two more
     // cores' worth on top (more than the 2 cores of a small machine can give).

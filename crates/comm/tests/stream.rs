@@ -21,7 +21,10 @@ fn collectives_run_in_issue_order() {
         let mut works = works;
         let last = works.pop().unwrap();
         last.wait().unwrap();
-        assert!(works.iter().all(|w| w.is_completed()), "an earlier collective was still pending");
+        assert!(
+            works.iter().all(|w| w.is_completed()),
+            "an earlier collective was still pending"
+        );
         let timings: Vec<_> = works
             .into_iter()
             .enumerate()
@@ -32,7 +35,10 @@ fn collectives_run_in_issue_order() {
             })
             .collect();
         for pair in timings.windows(2) {
-            assert!(pair[1].started >= pair[0].finished, "collectives overlapped on the stream");
+            assert!(
+                pair[1].started >= pair[0].finished,
+                "collectives overlapped on the stream"
+            );
         }
     })
     .into_iter()
@@ -49,7 +55,11 @@ fn issuing_returns_at_once_and_the_caller_keeps_computing() {
         }
         let t = Instant::now();
         let work = comm.all_reduce(Buffer::F32(vec![1.0; 1 << 16]), ReduceOp::Sum, "bucket 0");
-        assert!(t.elapsed() < Duration::from_millis(50), "issue blocked for {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(50),
+            "issue blocked for {:?}",
+            t.elapsed()
+        );
         if comm.rank() == 0 {
             assert!(!work.is_completed(), "completed before rank 1 issued");
             assert!(work.timing().is_none());

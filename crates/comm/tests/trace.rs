@@ -15,7 +15,10 @@ fn wait_until(mut ready: impl FnMut() -> bool) {
 }
 
 fn find<'a>(events: &'a [Event], rank: usize, name: &str) -> &'a Event {
-    events.iter().find(|e| e.rank == rank && e.name == name).unwrap_or_else(|| panic!("no `{name}` on rank {rank}"))
+    events
+        .iter()
+        .find(|e| e.rank == rank && e.name == name)
+        .unwrap_or_else(|| panic!("no `{name}` on rank {rank}"))
 }
 
 #[test]
@@ -43,13 +46,19 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     for rank in 0..2 {
         let bucket = find(&events, rank, "bucket 0");
         let (issued, start, end) = (bucket.issued.unwrap(), bucket.start.unwrap(), bucket.end.unwrap());
-        assert_eq!((bucket.track, bucket.op.as_str(), bucket.bytes), (Track::Comm, "all_reduce", 4000));
+        assert_eq!(
+            (bucket.track, bucket.op.as_str(), bucket.bytes),
+            (Track::Comm, "all_reduce", 4000)
+        );
         assert!(issued.seq < start.seq && start.seq < end.seq);
         assert!(issued.at <= start.at && start.at <= end.at);
         let l1 = find(&events, rank, "backward layer 1");
         let l0 = find(&events, rank, "backward layer 0");
         assert_eq!(l0.track, Track::Compute);
-        assert!(l1.start.unwrap().seq < issued.seq, "layer 1 began before the bucket was issued");
+        assert!(
+            l1.start.unwrap().seq < issued.seq,
+            "layer 1 began before the bucket was issued"
+        );
         assert!(issued.seq < l1.end.unwrap().seq);
         assert!(l1.end.unwrap().seq < l0.start.unwrap().seq && l0.start.unwrap().seq < l0.end.unwrap().seq);
         let bad = find(&events, rank, "bucket 1");
@@ -79,7 +88,8 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     let trace = recorder.to_chrome_trace();
     let evs = trace["traceEvents"].as_array().unwrap();
     let named = |pid: u64, tid: u64, what: &str| {
-        evs.iter().any(|e| e["ph"] == "M" && e["pid"] == pid && e["tid"] == tid && e["args"]["name"] == what)
+        evs.iter()
+            .any(|e| e["ph"] == "M" && e["pid"] == pid && e["tid"] == tid && e["args"]["name"] == what)
     };
     assert!(named(0, 0, "rank 0") && named(1, 0, "rank 1"));
     assert!(named(0, 0, "compute") && named(0, 1, "comm stream") && named(1, 1, "comm stream"));
@@ -102,6 +112,10 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     assert_eq!(text, serde_json::to_string(&trace).unwrap());
     let back: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(back["traceEvents"].as_array().unwrap().len(), evs.len());
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "temporary file left behind");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "temporary file left behind"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,7 @@
 //! Buckets: which parameters' gradients share one flat buffer, and in what order.
 
-use brigade_comm::Work;
 use brigade_comm::Buffer;
+use brigade_comm::Work;
 use brigade_tensor::Tensor;
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
@@ -56,8 +56,14 @@ mod tests {
         let sizes = [100, 40, 40, 30, 10];
         let order = [4, 3, 2, 1, 0];
         // first cap 35: [4(10), 3(30)] closes at 40 >= 35; then cap 70: [2,1] = 80 closes; [0] rest
-        assert_eq!(assign_buckets(&sizes, &order, 35, 70), vec![vec![4, 3], vec![2, 1], vec![0]]);
+        assert_eq!(
+            assign_buckets(&sizes, &order, 35, 70),
+            vec![vec![4, 3], vec![2, 1], vec![0]]
+        );
         // a huge cap: everything in one bucket after the first
-        assert_eq!(assign_buckets(&sizes, &order, 1, 1 << 30), vec![vec![4], vec![3, 2, 1, 0]]);
+        assert_eq!(
+            assign_buckets(&sizes, &order, 1, 1 << 30),
+            vec![vec![4], vec![3, 2, 1, 0]]
+        );
     }
 }

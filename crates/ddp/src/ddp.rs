@@ -70,7 +70,11 @@ impl DistributedDataParallel {
         let reducer = Arc::new(Reducer::new(params, comm, cfg)?);
         let subscriber: Arc<dyn GradSubscriber> = reducer.clone();
         store.bus().subscribe(subscriber.clone());
-        Ok(DistributedDataParallel { reducer, bus: store.bus().clone(), subscriber })
+        Ok(DistributedDataParallel {
+            reducer,
+            bus: store.bus().clone(),
+            subscriber,
+        })
     }
 
     /// Runs `f` (forward and backward of microbatches) without communicating: gradients
@@ -97,7 +101,11 @@ impl DistributedDataParallel {
             .enumerate()
             .map(|(i, b)| BucketInfo {
                 index: i,
-                params: b.params.iter().map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string()).collect(),
+                params: b
+                    .params
+                    .iter()
+                    .map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string())
+                    .collect(),
                 bytes: b.bytes(),
             })
             .collect()
@@ -112,7 +120,10 @@ impl DistributedDataParallel {
     /// synchronized backward.
     pub fn last_ready_order(&self) -> Vec<String> {
         let st = self.reducer.lock();
-        st.ready_order.iter().map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string()).collect()
+        st.ready_order
+            .iter()
+            .map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string())
+            .collect()
     }
 
     /// Gradient memory on this rank: buckets are the only gradient storage.
@@ -128,7 +139,11 @@ impl DistributedDataParallel {
             .filter(|g| !st.buckets.iter().any(|b| b.flat.shares_storage(g)))
             .map(|g| g.numel() * 4)
             .sum();
-        MemoryReport { gradient_bytes, bucket_bytes, gradient_bytes_outside_buckets: outside }
+        MemoryReport {
+            gradient_bytes,
+            bucket_bytes,
+            gradient_bytes_outside_buckets: outside,
+        }
     }
 }
 

@@ -18,7 +18,13 @@ pub enum DdpError {
     Tensor(#[from] TensorError),
     /// The ranks hold different models.
     #[error("the ranks hold different models: rank {rank_a} has {entry_a}, rank {rank_b} has {entry_b} (parameter #{index}); every rank must build the same model")]
-    ModelMismatch { index: usize, rank_a: usize, entry_a: String, rank_b: usize, entry_b: String },
+    ModelMismatch {
+        index: usize,
+        rank_a: usize,
+        entry_a: String,
+        rank_b: usize,
+        entry_b: String,
+    },
     /// A configuration that cannot work.
     #[error("invalid DDP configuration: {0}")]
     Config(String),

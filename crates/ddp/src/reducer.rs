@@ -63,7 +63,12 @@ fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>
             offset += shape.iter().product::<usize>();
             bucket_of[p] = b;
         }
-        buckets.push(Bucket { pending: group.len(), params: group, flat, work: None });
+        buckets.push(Bucket {
+            pending: group.len(),
+            params: group,
+            flat,
+            work: None,
+        });
     }
     Ok((buckets, bucket_of))
 }
@@ -104,7 +109,10 @@ impl Reducer {
     /// `mark_variable_ready`: counts the parameter's bucket down and launches what is full.
     fn mark_ready(&self, st: &mut State, p: usize) -> std::result::Result<(), String> {
         if st.ready[p] {
-            return Err(format!("parameter '{}' was marked ready twice in one backward pass", self.name(p)));
+            return Err(format!(
+                "parameter '{}' was marked ready twice in one backward pass",
+                self.name(p)
+            ));
         }
         st.ready[p] = true;
         st.ready_order.push(p);
@@ -136,7 +144,10 @@ impl Reducer {
 
     /// Waits for every launched bucket and gives the buffers back to their views.
     fn wait_all(&self, st: &mut State) -> Result<()> {
-        let span = self.recorder.as_ref().map(|r| r.begin(self.comm.rank(), "wait for buckets"));
+        let span = self
+            .recorder
+            .as_ref()
+            .map(|r| r.begin(self.comm.rank(), "wait for buckets"));
         let mut first_err = None;
         for bucket in st.buckets.iter_mut() {
             if let Some(work) = bucket.work.take() {
@@ -162,13 +173,23 @@ impl Reducer {
     /// which gradients became ready on rank 0 (broadcast, so every rank agrees).
     fn rebuild(&self, st: &mut State) -> Result<()> {
         let bytes: Vec<u8> = st.ready_order.iter().flat_map(|&p| (p as u32).to_le_bytes()).collect();
-        let got = self.comm.broadcast(Buffer::U8(bytes), 0, "ddp.rebuild_buckets").wait()?;
-        let Buffer::U8(bytes) = got else { return Err(DdpError::Config("rebuild order came back as another dtype".into())) };
-        let order: Vec<usize> = bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
+        let got = self
+            .comm
+            .broadcast(Buffer::U8(bytes), 0, "ddp.rebuild_buckets")
+            .wait()?;
+        let Buffer::U8(bytes) = got else {
+            return Err(DdpError::Config("rebuild order came back as another dtype".into()));
+        };
+        let order: Vec<usize> = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
+            .collect();
         let mut seen = vec![false; self.params.len()];
         for &p in &order {
             if p >= seen.len() || std::mem::replace(&mut seen[p], true) {
-                return Err(DdpError::Config(format!("rank 0's ready order {order:?} is not a permutation of the parameters")));
+                return Err(DdpError::Config(format!(
+                    "rank 0's ready order {order:?} is not a permutation of the parameters"
+                )));
             }
         }
         if seen.iter().any(|s| !s) {
@@ -188,9 +209,11 @@ impl GradSubscriber for Reducer {
     fn backward_started(&self, in_graph: &[usize]) -> std::result::Result<(), String> {
         let mut st = self.lock();
         if st.in_backward {
-            return Err("a previous synchronized backward pass did not finish (it failed midway); \
+            return Err(
+                "a previous synchronized backward pass did not finish (it failed midway); \
                         its buckets are in an unknown state: rebuild the DistributedDataParallel wrapper"
-                .into());
+                    .into(),
+            );
         }
         if !st.sync {
             return Ok(());
@@ -259,10 +282,15 @@ impl GradSubscriber for Reducer {
         }
         st.in_backward = false;
         if st.next_launch < st.buckets.len() {
-            let missing: Vec<&str> = (0..self.params.len()).filter(|&p| !st.ready[p]).map(|p| self.name(p)).collect();
+            let missing: Vec<&str> = (0..self.params.len())
+                .filter(|&p| !st.ready[p])
+                .map(|p| self.name(p))
+                .collect();
             // Give back whatever was launched before reporting.
             let _ = self.wait_all(&mut st);
-            return Err(format!("backward finished but these parameters were never ready: {missing:?}"));
+            return Err(format!(
+                "backward finished but these parameters were never ready: {missing:?}"
+            ));
         }
         self.wait_all(&mut st).map_err(|e| e.to_string())?;
         if !st.rebuilt {

@@ -59,16 +59,22 @@ pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> R
     }
     let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
     for p in params {
-        p.value().with_contiguous("broadcast_parameters", |s: &[f32]| flat.extend_from_slice(s))?;
+        p.value()
+            .with_contiguous("broadcast_parameters", |s: &[f32]| flat.extend_from_slice(s))?;
     }
-    let Buffer::F32(flat) = comm.broadcast(Buffer::F32(flat), 0, "ddp.broadcast_parameters").wait()? else {
+    let Buffer::F32(flat) = comm
+        .broadcast(Buffer::F32(flat), 0, "ddp.broadcast_parameters")
+        .wait()?
+    else {
         unreachable!("f32 in, f32 out")
     };
     let mut offset = 0;
     for p in params {
         let v = p.value();
         let n = v.numel();
-        v.with_slice_mut("broadcast_parameters", |d: &mut [f32]| d.copy_from_slice(&flat[offset..offset + n]))?;
+        v.with_slice_mut("broadcast_parameters", |d: &mut [f32]| {
+            d.copy_from_slice(&flat[offset..offset + n])
+        })?;
         offset += n;
     }
     Ok(())

@@ -4,7 +4,7 @@ mod common;
 
 use std::sync::Arc;
 
-use brigade_comm::{launch, Communicator, Recorder, Track, Traced};
+use brigade_comm::{launch, Communicator, Recorder, Traced, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
 use common::{data, rows, Mlp};
@@ -46,8 +46,14 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
     assert_eq!(buckets[0].len(), 2, "{:?}", buckets[0]);
     // After the first iteration the buckets were rebuilt from the ready order: the fused
     // linear op hands out its weight's gradient, then its bias's.
-    assert_eq!(names(0), ["layers.3.weight", "layers.3.bias", "layers.2.weight", "layers.2.bias"]);
-    assert_eq!(names(1), ["layers.1.weight", "layers.1.bias", "layers.0.weight", "layers.0.bias"]);
+    assert_eq!(
+        names(0),
+        ["layers.3.weight", "layers.3.bias", "layers.2.weight", "layers.2.bias"]
+    );
+    assert_eq!(
+        names(1),
+        ["layers.1.weight", "layers.1.bias", "layers.0.weight", "layers.0.bias"]
+    );
 
     let events = recorder.events();
     for rank in 0..world {
@@ -56,7 +62,11 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
             .filter(|e| e.rank == rank && e.track == Track::Comm && e.op == "all_reduce")
             .map(|e| e.name.as_str())
             .collect();
-        assert_eq!(tags, ["bucket0", "bucket1", "bucket0", "bucket1"], "rank {rank} bucket order");
+        assert_eq!(
+            tags,
+            ["bucket0", "bucket1", "bucket0", "bucket1"],
+            "rank {rank} bucket order"
+        );
 
         let issued: Vec<u64> = events
             .iter()
@@ -75,8 +85,18 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
             .collect();
         assert_eq!((issued.len(), layer0.len(), layer1.len()), (2, 2, 2));
         for it in 0..2 {
-            assert!(issued[it] < layer1[it], "rank {rank} iteration {it}: bucket0 issued at {} after layers.1 backward began at {}", issued[it], layer1[it]);
-            assert!(issued[it] < layer0[it], "rank {rank} iteration {it}: bucket0 issued at {} after layers.0 backward began at {}", issued[it], layer0[it]);
+            assert!(
+                issued[it] < layer1[it],
+                "rank {rank} iteration {it}: bucket0 issued at {} after layers.1 backward began at {}",
+                issued[it],
+                layer1[it]
+            );
+            assert!(
+                issued[it] < layer0[it],
+                "rank {rank} iteration {it}: bucket0 issued at {} after layers.0 backward began at {}",
+                issued[it],
+                layer0[it]
+            );
         }
     }
 }

@@ -67,7 +67,11 @@ fn distributed(kind: &str, world: usize, per_rank: usize, cfg: DdpConfig) -> Vec
 
 fn small_buckets() -> DdpConfig {
     // ~2 KiB caps: several buckets for this model, so ordering and overlap are exercised
-    DdpConfig { bucket_cap_mb: 0.002, first_bucket_cap_mb: 0.001, ..DdpConfig::default() }
+    DdpConfig {
+        bucket_cap_mb: 0.002,
+        first_bucket_cap_mb: 0.001,
+        ..DdpConfig::default()
+    }
 }
 
 #[test]
@@ -84,7 +88,11 @@ fn two_and_four_ranks_match_one_process_with_sgd_and_adamw() {
             // the global loss is the mean over ranks of the local means (equal shards)
             for s in 0..STEPS {
                 let mean: f64 = ranks.iter().map(|(l, _)| l[s]).sum::<f64>() / world as f64;
-                assert!((mean - ref_losses[s]).abs() < 1e-5, "{kind} world {world} step {s}: {mean} vs {}", ref_losses[s]);
+                assert!(
+                    (mean - ref_losses[s]).abs() < 1e-5,
+                    "{kind} world {world} step {s}: {mean} vs {}",
+                    ref_losses[s]
+                );
             }
             // and training actually moved the parameters away from the start
             let start = Mlp::new(&WIDTHS, 42).values();
@@ -118,7 +126,11 @@ fn no_sync_accumulation_matches_the_larger_batch() {
                     step_loss += loss.value().item().unwrap();
                     loss.backward().unwrap();
                 };
-                if j + 1 < k { ddp.no_sync(&mut run) } else { run() }
+                if j + 1 < k {
+                    ddp.no_sync(&mut run)
+                } else {
+                    run()
+                }
             }
             losses.push(step_loss);
             opt.step().unwrap();

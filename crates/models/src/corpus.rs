@@ -178,8 +178,10 @@ mod tests {
         assert_ne!(a, super::english_like(4, 10_000));
         assert!(a.len() >= 10_000 && a.is_ascii());
         let text = String::from_utf8(a).unwrap();
-        let vocab: std::collections::HashSet<&str> =
-            text.split(|c: char| !c.is_ascii_alphabetic()).filter(|w| !w.is_empty()).collect();
+        let vocab: std::collections::HashSet<&str> = text
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .filter(|w| !w.is_empty())
+            .collect();
         assert!((150..700).contains(&vocab.len()), "{} distinct words", vocab.len());
         assert!(text.contains(". ") && text.contains("\n\n"));
     }

@@ -24,9 +24,18 @@ enum TokenStore {
 #[derive(Clone)]
 enum Rows {
     /// Row `r` is `inputs[r * in_dim..][..in_dim]` with label `targets[r]`.
-    Classify { inputs: Vec<f32>, targets: Vec<i64>, in_dim: usize },
+    Classify {
+        inputs: Vec<f32>,
+        targets: Vec<i64>,
+        in_dim: usize,
+    },
     /// Row `r` is `tokens[r * stride..][..row_len]`.
-    Tokens { tokens: TokenStore, row_len: usize, stride: usize, rows: usize },
+    Tokens {
+        tokens: TokenStore,
+        row_len: usize,
+        stride: usize,
+        rows: usize,
+    },
 }
 
 /// A dataset of fixed-size rows; [`Dataset::batch`] takes consecutive rows, wrapping
@@ -68,14 +77,26 @@ impl Dataset {
                 let s: f64 = x.iter().enumerate().map(|(i, &xi)| xi as f64 * w1[i * h + j]).sum();
                 *hj = (s + b1[j]).tanh();
             }
-            let logit = |c: usize| hidden.iter().enumerate().map(|(j, &hj)| hj * w2[j * n_classes + c]).sum::<f64>();
-            let best =
-                (0..n_classes)
-                    .map(|c| (c, logit(c)))
-                    .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
+            let logit = |c: usize| {
+                hidden
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &hj)| hj * w2[j * n_classes + c])
+                    .sum::<f64>()
+            };
+            let best = (0..n_classes)
+                .map(|c| (c, logit(c)))
+                .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
             targets.push(best.0 as i64);
         }
-        Ok(Dataset { name: format!("teacher(seed {seed})"), rows: Rows::Classify { inputs, targets, in_dim } })
+        Ok(Dataset {
+            name: format!("teacher(seed {seed})"),
+            rows: Rows::Classify {
+                inputs,
+                targets,
+                in_dim,
+            },
+        })
     }
 
     /// The built-in English-like corpus ([`BUILTIN_TEXT_BYTES`] bytes generated from
@@ -101,7 +122,15 @@ impl Dataset {
         }
         let stride = (context / 2).max(1);
         let rows = (bytes.len() - row_len) / stride + 1;
-        Ok(Dataset { name: "text".into(), rows: Rows::Tokens { tokens: TokenStore::U8(bytes), row_len, stride, rows } })
+        Ok(Dataset {
+            name: "text".into(),
+            rows: Rows::Tokens {
+                tokens: TokenStore::U8(bytes),
+                row_len,
+                stride,
+                rows,
+            },
+        })
     }
 
     /// Reads a dataset for `kind` from a safetensors file: for the MLP, `inputs` (F32
@@ -115,7 +144,10 @@ impl Dataset {
         let get = |name: &str| -> Result<&Tensor> {
             let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
             tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
-                err(format!("missing tensor '{name}' (a {} dataset needs it; the file has {names:?})", kind.name()))
+                err(format!(
+                    "missing tensor '{name}' (a {} dataset needs it; the file has {names:?})",
+                    kind.name()
+                ))
             })
         };
         let rows = match kind {
@@ -140,9 +172,15 @@ impl Dataset {
                 let targets = targets.to_vec::<i64>()?;
                 let classes = cfg.n_classes() as i64;
                 if let Some((i, t)) = targets.iter().enumerate().find(|(_, &t)| t < 0 || t >= classes) {
-                    return Err(err(format!("tensor 'targets': row {i} has label {t}, expected 0..{classes}")));
+                    return Err(err(format!(
+                        "tensor 'targets': row {i} has label {t}, expected 0..{classes}"
+                    )));
                 }
-                Rows::Classify { inputs: inputs.to_vec::<f32>()?, targets, in_dim }
+                Rows::Classify {
+                    inputs: inputs.to_vec::<f32>()?,
+                    targets,
+                    in_dim,
+                }
             }
             ModelKind::Gpt(cfg) => {
                 let tokens = get("tokens")?;
@@ -164,7 +202,10 @@ impl Dataset {
                 };
                 let vocab = cfg.vocab as i64;
                 let bad = match &store {
-                    TokenStore::U8(v) => v.iter().position(|&t| i64::from(t) >= vocab).map(|i| (i, i64::from(v[i]))),
+                    TokenStore::U8(v) => v
+                        .iter()
+                        .position(|&t| i64::from(t) >= vocab)
+                        .map(|i| (i, i64::from(v[i]))),
                     TokenStore::I64(v) => v.iter().position(|&t| t < 0 || t >= vocab).map(|i| (i, v[i])),
                 };
                 if let Some((i, t)) = bad {
@@ -173,10 +214,18 @@ impl Dataset {
                         i / row_len
                     )));
                 }
-                Rows::Tokens { tokens: store, row_len, stride: row_len, rows: tokens.shape()[0] }
+                Rows::Tokens {
+                    tokens: store,
+                    row_len,
+                    stride: row_len,
+                    rows: tokens.shape()[0],
+                }
             }
         };
-        let d = Dataset { name: source.clone(), rows };
+        let d = Dataset {
+            name: source.clone(),
+            rows,
+        };
         if d.is_empty() {
             return Err(err("the file holds no rows".into()));
         }
@@ -205,12 +254,19 @@ impl Dataset {
     /// batch may wrap around the end).
     pub fn batch(&self, start_row: usize, rows: usize) -> Result<Batch> {
         if rows == 0 || self.is_empty() {
-            return Err(data_err(&self.name, format!("cannot take {rows} rows from a dataset of {}", self.len())));
+            return Err(data_err(
+                &self.name,
+                format!("cannot take {rows} rows from a dataset of {}", self.len()),
+            ));
         }
         let n = self.len();
         let idx = (0..rows).map(|i| (start_row % n + i) % n);
         Ok(match &self.rows {
-            Rows::Classify { inputs, targets, in_dim } => {
+            Rows::Classify {
+                inputs,
+                targets,
+                in_dim,
+            } => {
                 let mut x = Vec::with_capacity(rows * in_dim);
                 let mut y = Vec::with_capacity(rows);
                 for r in idx {
@@ -222,7 +278,12 @@ impl Dataset {
                     targets: Tensor::from_vec(y, &[rows])?,
                 }
             }
-            Rows::Tokens { tokens, row_len, stride, .. } => {
+            Rows::Tokens {
+                tokens,
+                row_len,
+                stride,
+                ..
+            } => {
                 fn gather<T: brigade_tensor::Element>(
                     v: &[T],
                     idx: impl Iterator<Item = usize>,
@@ -247,5 +308,8 @@ impl Dataset {
 }
 
 fn data_err(source: &str, message: String) -> ModelError {
-    ModelError::Data { source_name: source.to_string(), message }
+    ModelError::Data {
+        source_name: source.to_string(),
+        message,
+    }
 }

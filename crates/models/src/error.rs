@@ -86,7 +86,10 @@ pub enum ModelError {
 
 impl ModelError {
     pub(crate) fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
-        ModelError::Io { path: path.to_path_buf(), message: e.to_string() }
+        ModelError::Io {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        }
     }
 }
 

@@ -45,7 +45,15 @@ pub struct GptConfig {
 impl Default for GptConfig {
     /// The reference: vocab 256, d 256, 4 layers, 4 heads, d_ff 1024, context 128, F32.
     fn default() -> Self {
-        GptConfig { vocab: 256, d_model: 256, n_layers: 4, n_heads: 4, d_ff: 1024, context: 128, dtype: DType::F32 }
+        GptConfig {
+            vocab: 256,
+            d_model: 256,
+            n_layers: 4,
+            n_heads: 4,
+            d_ff: 1024,
+            context: 128,
+            dtype: DType::F32,
+        }
     }
 }
 
@@ -70,10 +78,16 @@ impl GptConfig {
             return err(format!("`{name}` must be positive"));
         }
         if self.d_model / self.n_heads * self.n_heads != self.d_model {
-            return err(format!("n_heads {} does not divide d_model {}", self.n_heads, self.d_model));
+            return err(format!(
+                "n_heads {} does not divide d_model {}",
+                self.n_heads, self.d_model
+            ));
         }
         if !self.dtype.is_compute() {
-            return err(format!("dtype {:?} cannot be trained; use F32 (or F64 for gradient checks)", self.dtype));
+            return err(format!(
+                "dtype {:?} cannot be trained; use F32 (or F64 for gradient checks)",
+                self.dtype
+            ));
         }
         Ok(())
     }
@@ -120,11 +134,17 @@ impl Init<'_> {
     }
 
     fn linear(&mut self, prefix: &str, out: usize, inp: usize) -> Result<(Var, Var)> {
-        Ok((self.normal(&format!("{prefix}.weight"), &[out, inp])?, self.full(&format!("{prefix}.bias"), &[out], 0.0)?))
+        Ok((
+            self.normal(&format!("{prefix}.weight"), &[out, inp])?,
+            self.full(&format!("{prefix}.bias"), &[out], 0.0)?,
+        ))
     }
 
     fn layer_norm(&mut self, prefix: &str, d: usize) -> Result<(Var, Var)> {
-        Ok((self.full(&format!("{prefix}.weight"), &[d], 1.0)?, self.full(&format!("{prefix}.bias"), &[d], 0.0)?))
+        Ok((
+            self.full(&format!("{prefix}.weight"), &[d], 1.0)?,
+            self.full(&format!("{prefix}.bias"), &[d], 0.0)?,
+        ))
     }
 }
 
@@ -135,7 +155,11 @@ impl Gpt {
         cfg.validate()?;
         let (v, d, ff) = (cfg.vocab, cfg.d_model, cfg.d_ff);
         let mut store = ParamStore::new();
-        let mut init = Init { store: &mut store, rng: Rng::new(seed), dtype: cfg.dtype };
+        let mut init = Init {
+            store: &mut store,
+            rng: Rng::new(seed),
+            dtype: cfg.dtype,
+        };
         let tok_emb = init.normal("tok_emb.weight", &[v, d])?;
         let pos_emb = init.normal("pos_emb.weight", &[cfg.context, d])?;
         let mut blocks = Vec::with_capacity(cfg.n_layers);
@@ -152,7 +176,15 @@ impl Gpt {
         }
         let ln_f = init.layer_norm("ln_f", d)?;
         let head = init.normal("head.weight", &[v, d])?;
-        Ok(Gpt { cfg, store, tok_emb, pos_emb, blocks, ln_f, head })
+        Ok(Gpt {
+            cfg,
+            store,
+            tok_emb,
+            pos_emb,
+            blocks,
+            ln_f,
+            head,
+        })
     }
 
     /// The configuration it was built from.
@@ -166,7 +198,10 @@ impl Gpt {
         if tokens.rank() != 2 || tokens.shape()[1] == 0 {
             return Err(ModelError::BadBatch {
                 model: "gpt",
-                message: format!("tokens have shape {:?}, expected [batch, time] with time >= 1", tokens.shape()),
+                message: format!(
+                    "tokens have shape {:?}, expected [batch, time] with time >= 1",
+                    tokens.shape()
+                ),
             });
         }
         if !matches!(tokens.dtype(), DType::I64 | DType::U8) {
@@ -177,7 +212,10 @@ impl Gpt {
         }
         let (b, t) = (tokens.shape()[0], tokens.shape()[1]);
         if t > self.cfg.context {
-            return Err(ModelError::ContextTooLong { found: t, context: self.cfg.context });
+            return Err(ModelError::ContextTooLong {
+                found: t,
+                context: self.cfg.context,
+            });
         }
         let mut x = scope("embed", || -> Result<Var> {
             let tok = self.tok_emb.embedding(tokens)?;
@@ -207,7 +245,11 @@ impl Gpt {
         let qkv = h.linear(&blk.qkv.0, Some(&blk.qkv.1))?;
         let heads = |i: usize| -> Result<Var> {
             // [B, T, d] -> [B, T, H, hd] -> [B, H, T, hd]
-            Ok(qkv.narrow(2, i * d, d)?.contiguous()?.reshape(&[b, t, nh, hd])?.permute(&[0, 2, 1, 3])?)
+            Ok(qkv
+                .narrow(2, i * d, d)?
+                .contiguous()?
+                .reshape(&[b, t, nh, hd])?
+                .permute(&[0, 2, 1, 3])?)
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
@@ -224,7 +266,11 @@ impl Model for Gpt {
 
     fn loss(&self, batch: &Batch) -> Result<Var> {
         let Batch::Tokens { tokens } = batch else {
-            return Err(ModelError::WrongBatch { model: "gpt", expected: "tokens", found: batch.kind() });
+            return Err(ModelError::WrongBatch {
+                model: "gpt",
+                expected: "tokens",
+                found: batch.kind(),
+            });
         };
         if tokens.rank() != 2 || tokens.shape()[1] < 2 {
             return Err(ModelError::BadBatch {
@@ -237,10 +283,15 @@ impl Model for Gpt {
         }
         let (b, n) = (tokens.shape()[0], tokens.shape()[1]);
         let inputs = tokens.narrow(1, 0, n - 1)?.contiguous()?;
-        let targets = tokens.narrow(1, 1, n - 1)?.to_dtype(DType::I64)?.reshape(&[b * (n - 1)])?;
+        let targets = tokens
+            .narrow(1, 1, n - 1)?
+            .to_dtype(DType::I64)?
+            .reshape(&[b * (n - 1)])?;
         let logits = self.logits(&inputs)?;
         scope("head", || -> Result<Var> {
-            Ok(logits.reshape(&[b * (n - 1), self.cfg.vocab])?.cross_entropy(&targets)?)
+            Ok(logits
+                .reshape(&[b * (n - 1), self.cfg.vocab])?
+                .cross_entropy(&targets)?)
         })
     }
 

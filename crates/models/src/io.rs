@@ -65,7 +65,10 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 /// A tensor from little-endian bytes.
 fn tensor_from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
     fn go<T: Element, const N: usize>(bytes: &[u8], shape: &[usize], f: impl Fn([u8; N]) -> T) -> Result<Tensor> {
-        let v: Vec<T> = bytes.chunks_exact(N).map(|c| f(c.try_into().expect("chunk of N bytes"))).collect();
+        let v: Vec<T> = bytes
+            .chunks_exact(N)
+            .map(|c| f(c.try_into().expect("chunk of N bytes")))
+            .collect();
         Ok(Tensor::from_vec(v, shape)?)
     }
     match dtype {
@@ -97,7 +100,12 @@ pub fn save_safetensors(
                 format!("tensor name '{name}' appears twice; names in a checkpoint must be unique"),
             ));
         }
-        encoded.push((name.as_str(), to_st_dtype(t.dtype()), t.shape().to_vec(), tensor_bytes(t)?));
+        encoded.push((
+            name.as_str(),
+            to_st_dtype(t.dtype()),
+            t.shape().to_vec(),
+            tensor_bytes(t)?,
+        ));
     }
     let views = encoded
         .iter()
@@ -113,7 +121,9 @@ pub fn save_safetensors(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let file_name = path.file_name().ok_or_else(|| ModelError::io(path, "not a file path"))?;
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| ModelError::io(path, "not a file path"))?;
     let tmp = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
@@ -136,16 +146,24 @@ pub fn save_safetensors(
 pub fn load_safetensors_with_metadata(path: impl AsRef<Path>) -> Result<(NamedTensors, HashMap<String, String>)> {
     let path = path.as_ref();
     let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
-    let corrupt = |message: String| ModelError::Corrupt { path: path.to_path_buf(), message };
+    let corrupt = |message: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        message,
+    };
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| corrupt(format!("{e:?} (truncated or not safetensors? re-save it)")))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| corrupt(format!("{e:?} (truncated or not safetensors? re-save it)")))?;
     let mut out = Vec::with_capacity(st.len());
     for name in meta.offset_keys() {
-        let view = st.tensor(&name).map_err(|e| corrupt(format!("tensor '{name}': {e:?}")))?;
+        let view = st
+            .tensor(&name)
+            .map_err(|e| corrupt(format!("tensor '{name}': {e:?}")))?;
         let dtype = from_st_dtype(view.dtype()).ok_or_else(|| {
-            corrupt(format!("tensor '{name}' has dtype {:?}; supported are F32, F64, F16, BF16, I64, U8", view.dtype()))
+            corrupt(format!(
+                "tensor '{name}' has dtype {:?}; supported are F32, F64, F16, BF16, I64, U8",
+                view.dtype()
+            ))
         })?;
         out.push((name, tensor_from_bytes(dtype, view.shape(), view.data())?));
     }
@@ -170,23 +188,30 @@ pub fn save_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
 pub fn load_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     load_params_from_tensors(store, &load_safetensors(path)?).map_err(|e| match e {
-        ModelError::CheckpointMismatch { message, .. } => {
-            ModelError::CheckpointMismatch { path: path.to_path_buf(), message }
-        }
+        ModelError::CheckpointMismatch { message, .. } => ModelError::CheckpointMismatch {
+            path: path.to_path_buf(),
+            message,
+        },
         e => e,
     })
 }
 
 /// [`load_params`] from tensors already in memory (errors report the path as `<memory>`).
 pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]) -> Result<()> {
-    let mismatch = |message: String| ModelError::CheckpointMismatch { path: "<memory>".into(), message };
+    let mismatch = |message: String| ModelError::CheckpointMismatch {
+        path: "<memory>".into(),
+        message,
+    };
     let by_name: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let mut plan = Vec::with_capacity(store.len());
     for p in store.params() {
         let name = p.name().unwrap_or_default();
         let want = p.value();
         let Some(t) = by_name.get(name) else {
-            return Err(mismatch(format!("missing parameter '{name}' (expected shape {:?})", want.shape())));
+            return Err(mismatch(format!(
+                "missing parameter '{name}' (expected shape {:?})",
+                want.shape()
+            )));
         };
         if t.shape() != want.shape() {
             return Err(mismatch(format!(
@@ -196,7 +221,10 @@ pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]
             )));
         }
         if !t.dtype().is_float() {
-            return Err(mismatch(format!("parameter '{name}': found dtype {:?}, expected a float dtype", t.dtype())));
+            return Err(mismatch(format!(
+                "parameter '{name}': found dtype {:?}, expected a float dtype",
+                t.dtype()
+            )));
         }
         plan.push((want, *t));
     }

@@ -23,14 +23,20 @@ pub struct MlpConfig {
 impl Default for MlpConfig {
     /// The reference: `[512, 2048, 2048, 2048, 10]` in F32.
     fn default() -> Self {
-        MlpConfig { widths: vec![512, 2048, 2048, 2048, 10], dtype: DType::F32 }
+        MlpConfig {
+            widths: vec![512, 2048, 2048, 2048, 10],
+            dtype: DType::F32,
+        }
     }
 }
 
 impl MlpConfig {
     /// A config with these widths, in F32.
     pub fn new(widths: Vec<usize>) -> Self {
-        MlpConfig { widths, dtype: DType::F32 }
+        MlpConfig {
+            widths,
+            dtype: DType::F32,
+        }
     }
 
     /// Input width.
@@ -47,13 +53,19 @@ impl MlpConfig {
     pub fn validate(&self) -> Result<()> {
         let err = |message: String| Err(ModelError::Config { model: "mlp", message });
         if self.widths.len() < 2 {
-            return err(format!("widths {:?} need at least an input and an output width", self.widths));
+            return err(format!(
+                "widths {:?} need at least an input and an output width",
+                self.widths
+            ));
         }
         if self.widths.contains(&0) {
             return err(format!("widths {:?} must all be positive", self.widths));
         }
         if !self.dtype.is_compute() {
-            return err(format!("dtype {:?} cannot be trained; use F32 (or F64 for gradient checks)", self.dtype));
+            return err(format!(
+                "dtype {:?} cannot be trained; use F32 (or F64 for gradient checks)",
+                self.dtype
+            ));
         }
         Ok(())
     }
@@ -102,7 +114,11 @@ impl Mlp {
                 message: format!("inputs have shape {:?}, expected [batch, {in_dim}]", inputs.shape()),
             });
         }
-        let x = if inputs.dtype() == self.cfg.dtype { inputs.clone() } else { inputs.to_dtype(self.cfg.dtype)? };
+        let x = if inputs.dtype() == self.cfg.dtype {
+            inputs.clone()
+        } else {
+            inputs.to_dtype(self.cfg.dtype)?
+        };
         let mut h = Var::constant(x);
         let last = self.layers.len() - 1;
         for (i, (w, b)) in self.layers.iter().enumerate() {
@@ -122,7 +138,11 @@ impl Model for Mlp {
 
     fn loss(&self, batch: &Batch) -> Result<Var> {
         let Batch::Classify { inputs, targets } = batch else {
-            return Err(ModelError::WrongBatch { model: "mlp", expected: "classify", found: batch.kind() });
+            return Err(ModelError::WrongBatch {
+                model: "mlp",
+                expected: "classify",
+                found: batch.kind(),
+            });
         };
         let logits = self.logits(inputs)?;
         let last = self.layers.len() - 1;

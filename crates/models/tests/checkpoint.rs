@@ -32,7 +32,10 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
         ("b.f64".into(), base.clone()),
         ("c.f16".into(), base.to_dtype(DType::F16).unwrap()),
         ("d.bf16".into(), base.to_dtype(DType::BF16).unwrap()),
-        ("e.i64".into(), Tensor::from_vec(vec![-3i64, 0, 7, i64::MAX], &[2, 2]).unwrap()),
+        (
+            "e.i64".into(),
+            Tensor::from_vec(vec![-3i64, 0, 7, i64::MAX], &[2, 2]).unwrap(),
+        ),
         ("f.u8".into(), Tensor::from_vec(vec![0u8, 1, 255], &[3]).unwrap()),
         ("g.scalar".into(), Tensor::scalar(2.5, DType::F32)),
         // a non-contiguous view is written in row-major order
@@ -45,12 +48,18 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
     assert_eq!(got_meta, meta);
     let mut names: Vec<&str> = loaded.iter().map(|(n, _)| n.as_str()).collect();
     names.sort();
-    assert_eq!(names, ["a.f32", "b.f64", "c.f16", "d.bf16", "e.i64", "f.u8", "g.scalar", "h.view"]);
+    assert_eq!(
+        names,
+        ["a.f32", "b.f64", "c.f16", "d.bf16", "e.i64", "f.u8", "g.scalar", "h.view"]
+    );
     for (name, want) in &tensors {
         let got = &loaded.iter().find(|(n, _)| n == name).unwrap().1;
         assert_eq!((got.dtype(), got.shape()), (want.dtype(), want.shape()), "{name}");
         let (g, w) = (got.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
-        assert!(g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {g:?} vs {w:?}");
+        assert!(
+            g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: {g:?} vs {w:?}"
+        );
     }
 }
 
@@ -62,8 +71,10 @@ fn save_is_atomic_and_leaves_no_temporary_file() {
     save_params(m.params(), &path).unwrap();
     // overwrite an existing checkpoint
     save_params(m.params(), &path).unwrap();
-    let entries: Vec<String> =
-        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    let entries: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
     assert_eq!(entries, ["model.safetensors"]);
     // a directory that does not exist: an error naming the path, and nothing left behind
     let bad = dir.join("missing-dir").join("x.safetensors");
@@ -76,7 +87,12 @@ fn save_is_atomic_and_leaves_no_temporary_file() {
 fn duplicate_names_are_refused() {
     let dir = tmpdir("dup");
     let t = Tensor::zeros(&[2], DType::F32);
-    let e = save_safetensors(dir.join("d.safetensors"), &[("x".into(), t.clone()), ("x".into(), t)], None).unwrap_err();
+    let e = save_safetensors(
+        dir.join("d.safetensors"),
+        &[("x".into(), t.clone()), ("x".into(), t)],
+        None,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("'x' appears twice"), "{e}");
 }
 
@@ -85,27 +101,43 @@ fn missing_and_corrupt_files_are_errors_naming_the_path() {
     let dir = tmpdir("corrupt");
     let missing = dir.join("nope.safetensors");
     let e = load_safetensors(&missing).unwrap_err();
-    assert!(matches!(e, ModelError::Io { .. }) && e.to_string().contains("nope.safetensors"), "{e}");
+    assert!(
+        matches!(e, ModelError::Io { .. }) && e.to_string().contains("nope.safetensors"),
+        "{e}"
+    );
 
     let path = dir.join("cut.safetensors");
     save_params(mlp().params(), &path).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 7]).unwrap();
     let e = load_safetensors(&path).unwrap_err();
-    assert!(matches!(e, ModelError::Corrupt { .. }) && e.to_string().contains("cut.safetensors"), "{e}");
+    assert!(
+        matches!(e, ModelError::Corrupt { .. }) && e.to_string().contains("cut.safetensors"),
+        "{e}"
+    );
 
     let garbage = dir.join("garbage.safetensors");
     std::fs::write(&garbage, b"definitely not a checkpoint").unwrap();
     let e = load_params(mlp().params(), &garbage).unwrap_err();
-    assert!(matches!(e, ModelError::Corrupt { .. }) && e.to_string().contains("garbage.safetensors"), "{e}");
+    assert!(
+        matches!(e, ModelError::Corrupt { .. }) && e.to_string().contains("garbage.safetensors"),
+        "{e}"
+    );
 }
 
 #[test]
 fn params_load_into_a_differently_seeded_model() {
     let dir = tmpdir("params");
     let path = dir.join("gpt.safetensors");
-    let cfg =
-        GptConfig { vocab: 16, d_model: 8, n_layers: 1, n_heads: 2, d_ff: 16, context: 4, ..GptConfig::default() };
+    let cfg = GptConfig {
+        vocab: 16,
+        d_model: 8,
+        n_layers: 1,
+        n_heads: 2,
+        d_ff: 16,
+        context: 4,
+        ..GptConfig::default()
+    };
     let (a, b) = (Gpt::new(cfg.clone(), 1).unwrap(), Gpt::new(cfg, 2).unwrap());
     let tokens = Tensor::from_vec(vec![1i64, 2, 3, 4], &[1, 4]).unwrap();
     let la = a.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap();
@@ -120,8 +152,12 @@ fn half_precision_state_dicts_are_converted_to_the_param_dtype() {
     let dir = tmpdir("half");
     let path = dir.join("bf16.safetensors");
     let src = mlp();
-    let halves: Vec<(String, Tensor)> =
-        src.params().named_values().into_iter().map(|(n, t)| (n, t.to_dtype(DType::BF16).unwrap())).collect();
+    let halves: Vec<(String, Tensor)> = src
+        .params()
+        .named_values()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_dtype(DType::BF16).unwrap()))
+        .collect();
     save_safetensors(&path, &halves, None).unwrap();
     let dst = Mlp::new(MlpConfig::new(vec![6, 5, 3]), 99).unwrap();
     load_params(dst.params(), &path).unwrap();
@@ -137,9 +173,19 @@ fn mismatch(name: &str, tensors: Vec<(String, Tensor)>) -> String {
     let path = tmpdir(name).join("m.safetensors");
     save_safetensors(&path, &tensors, None).unwrap();
     let m = mlp();
-    let before = m.params().named_values().into_iter().map(|(_, t)| t.to_vec::<f32>().unwrap()).collect::<Vec<_>>();
+    let before = m
+        .params()
+        .named_values()
+        .into_iter()
+        .map(|(_, t)| t.to_vec::<f32>().unwrap())
+        .collect::<Vec<_>>();
     let e = load_params(m.params(), &path).unwrap_err();
-    let after = m.params().named_values().into_iter().map(|(_, t)| t.to_vec::<f32>().unwrap()).collect::<Vec<_>>();
+    let after = m
+        .params()
+        .named_values()
+        .into_iter()
+        .map(|(_, t)| t.to_vec::<f32>().unwrap())
+        .collect::<Vec<_>>();
     assert_eq!(before, after, "a failed load must not modify any parameter");
     assert!(matches!(e, ModelError::CheckpointMismatch { .. }), "{e}");
     let msg = e.to_string();
@@ -155,12 +201,18 @@ fn a_mismatched_checkpoint_names_the_first_mismatch() {
     t[1].1 = Tensor::zeros(&[4], DType::F32);
     t[2].1 = Tensor::zeros(&[5, 3], DType::F32);
     let e = mismatch("shape", t);
-    assert!(e.contains("'layers.0.bias'") && e.contains("expected shape [5], found [4]"), "{e}");
+    assert!(
+        e.contains("'layers.0.bias'") && e.contains("expected shape [5], found [4]"),
+        "{e}"
+    );
 
     // missing name
     let t: Vec<_> = good.iter().filter(|(n, _)| n != "layers.1.weight").cloned().collect();
     let e = mismatch("missing", t);
-    assert!(e.contains("missing parameter 'layers.1.weight'") && e.contains("[3, 5]"), "{e}");
+    assert!(
+        e.contains("missing parameter 'layers.1.weight'") && e.contains("[3, 5]"),
+        "{e}"
+    );
 
     // renamed: the model's name is missing first
     let mut t = good.clone();

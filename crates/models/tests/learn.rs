@@ -29,7 +29,15 @@ fn small_mlp() -> MlpConfig {
 }
 
 fn tiny_gpt() -> GptConfig {
-    GptConfig { vocab: 256, d_model: 32, n_layers: 2, n_heads: 2, d_ff: 128, context: 32, ..GptConfig::default() }
+    GptConfig {
+        vocab: 256,
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 2,
+        d_ff: 128,
+        context: 32,
+        ..GptConfig::default()
+    }
 }
 
 #[test]
@@ -53,7 +61,10 @@ fn gpt_learns_builtin_text_well_below_uniform() {
     let (first, last) = (losses[0], mean(&losses[losses.len() - 20..]));
     eprintln!("gpt: loss {first:.4} -> {last:.4} in {:?}", t0.elapsed());
     // Untrained, the loss sits near ln(256) = 5.55: every byte equally likely.
-    assert!((first - 256f32.ln()).abs() < 0.3, "initial loss {first} should be near ln(256)");
+    assert!(
+        (first - 256f32.ln()).abs() < 0.3,
+        "initial loss {first} should be near ln(256)"
+    );
     assert!(last < 2.5, "gpt loss fell only from {first} to {last}");
 }
 
@@ -62,12 +73,18 @@ fn same_seed_gives_the_same_loss_curve_bit_for_bit() {
     let data = Dataset::teacher(512, 32, 4, 3).unwrap();
     let run = |seed| train(&Mlp::new(small_mlp(), seed).unwrap(), &data, 32, 20, 3e-3);
     let (a, b) = (run(9), run(9));
-    assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert_eq!(
+        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
     assert_ne!(a, run(10), "a different seed should give a different curve");
 
     let text = Dataset::builtin_text(tiny_gpt().context, 1).unwrap();
     let run = |seed| train(&Gpt::new(tiny_gpt(), seed).unwrap(), &text, 4, 5, 3e-3);
     let (a, b) = (run(4), run(4));
-    assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert_eq!(
+        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
     assert_ne!(a, run(5));
 }

@@ -8,13 +8,26 @@ use crate::{DType, Device};
 pub enum TensorError {
     /// Two shapes that must agree do not.
     #[error("{op}: shape mismatch: {lhs:?} vs {rhs:?}")]
-    ShapeMismatch { op: &'static str, lhs: Vec<usize>, rhs: Vec<usize> },
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Vec<usize>,
+        rhs: Vec<usize>,
+    },
     /// Shapes that cannot be broadcast together.
     #[error("{op}: shapes {lhs:?} and {rhs:?} cannot be broadcast")]
-    Broadcast { op: &'static str, lhs: Vec<usize>, rhs: Vec<usize> },
+    Broadcast {
+        op: &'static str,
+        lhs: Vec<usize>,
+        rhs: Vec<usize>,
+    },
     /// A data length that does not match the number of elements of a shape.
     #[error("{op}: {len} elements do not fill shape {shape:?} ({numel} elements)")]
-    ElementCount { op: &'static str, len: usize, shape: Vec<usize>, numel: usize },
+    ElementCount {
+        op: &'static str,
+        len: usize,
+        shape: Vec<usize>,
+        numel: usize,
+    },
     /// A dimension index out of range.
     #[error("{op}: dimension {dim} out of range for a tensor of rank {rank}")]
     DimOutOfRange { op: &'static str, dim: usize, rank: usize },
@@ -23,7 +36,11 @@ pub enum TensorError {
     OutOfRange { op: &'static str, msg: String },
     /// An op that does not support this dtype.
     #[error("{op}: dtype {dtype:?} is not supported here{hint}")]
-    UnsupportedDType { op: &'static str, dtype: DType, hint: &'static str },
+    UnsupportedDType {
+        op: &'static str,
+        dtype: DType,
+        hint: &'static str,
+    },
     /// Two operands with different dtypes.
     #[error("{op}: dtype mismatch: {lhs:?} vs {rhs:?}")]
     DTypeMismatch { op: &'static str, lhs: DType, rhs: DType },

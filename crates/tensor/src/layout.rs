@@ -34,7 +34,11 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
         } else if da == 1 {
             db
         } else {
-            return Err(TensorError::Broadcast { op, lhs: a.to_vec(), rhs: b.to_vec() });
+            return Err(TensorError::Broadcast {
+                op,
+                lhs: a.to_vec(),
+                rhs: b.to_vec(),
+            });
         };
     }
     Ok(out)
@@ -43,7 +47,11 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
 impl Layout {
     /// A contiguous row-major layout starting at offset 0.
     pub fn contiguous(shape: &[usize]) -> Self {
-        Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 }
+        Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        }
     }
 
     /// A layout from its parts (checked by the caller against the storage length).
@@ -94,7 +102,14 @@ impl Layout {
         if self.numel() == 0 {
             return 0;
         }
-        self.offset + self.shape.iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum::<usize>() + 1
+        self.offset
+            + self
+                .shape
+                .iter()
+                .zip(&self.strides)
+                .map(|(&d, &s)| (d - 1) * s)
+                .sum::<usize>()
+            + 1
     }
 
     /// Swaps two dimensions.
@@ -102,7 +117,11 @@ impl Layout {
         let rank = self.rank();
         for d in [a, b] {
             if d >= rank {
-                return Err(TensorError::DimOutOfRange { op: "transpose", dim: d, rank });
+                return Err(TensorError::DimOutOfRange {
+                    op: "transpose",
+                    dim: d,
+                    rank,
+                });
             }
         }
         let mut l = self.clone();
@@ -116,11 +135,17 @@ impl Layout {
         let rank = self.rank();
         let mut seen = vec![false; rank];
         if perm.len() != rank {
-            return Err(TensorError::Invalid { op: "permute", msg: format!("permutation {perm:?} for rank {rank}") });
+            return Err(TensorError::Invalid {
+                op: "permute",
+                msg: format!("permutation {perm:?} for rank {rank}"),
+            });
         }
         for &p in perm {
             if p >= rank || seen[p] {
-                return Err(TensorError::Invalid { op: "permute", msg: format!("{perm:?} is not a permutation of 0..{rank}") });
+                return Err(TensorError::Invalid {
+                    op: "permute",
+                    msg: format!("{perm:?} is not a permutation of 0..{rank}"),
+                });
             }
             seen[p] = true;
         }
@@ -135,7 +160,11 @@ impl Layout {
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
         let rank = self.rank();
         if dim >= rank {
-            return Err(TensorError::DimOutOfRange { op: "narrow", dim, rank });
+            return Err(TensorError::DimOutOfRange {
+                op: "narrow",
+                dim,
+                rank,
+            });
         }
         if start + len > self.shape[dim] {
             return Err(TensorError::OutOfRange {
@@ -153,7 +182,11 @@ impl Layout {
 
     /// A view of this layout broadcast to `shape` (stride 0 on the broadcast dims).
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Layout> {
-        let err = || TensorError::Broadcast { op: "broadcast_to", lhs: self.shape.clone(), rhs: shape.to_vec() };
+        let err = || TensorError::Broadcast {
+            op: "broadcast_to",
+            lhs: self.shape.clone(),
+            rhs: shape.to_vec(),
+        };
         if shape.len() < self.rank() {
             return Err(err());
         }
@@ -169,7 +202,11 @@ impl Layout {
                 return Err(err());
             }
         }
-        Ok(Layout { shape: shape.to_vec(), strides, offset: self.offset })
+        Ok(Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        })
     }
 
     /// A layout of a different shape over the same elements, when the elements are
@@ -177,12 +214,24 @@ impl Layout {
     pub fn reshape(&self, shape: &[usize]) -> Result<Layout> {
         let numel: usize = shape.iter().product();
         if numel != self.numel() {
-            return Err(TensorError::ElementCount { op: "reshape", len: self.numel(), shape: shape.to_vec(), numel });
+            return Err(TensorError::ElementCount {
+                op: "reshape",
+                len: self.numel(),
+                shape: shape.to_vec(),
+                numel,
+            });
         }
         if !self.is_contiguous() {
-            return Err(TensorError::Invalid { op: "reshape", msg: "view is not contiguous".into() });
+            return Err(TensorError::Invalid {
+                op: "reshape",
+                msg: "view is not contiguous".into(),
+            });
         }
-        Ok(Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: self.offset })
+        Ok(Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: self.offset,
+        })
     }
 
     /// Calls `f(storage_index)` for every element in row-major order of this layout.

@@ -10,7 +10,9 @@ pub struct Rng {
 impl Rng {
     /// A generator from a seed.
     pub fn new(seed: u64) -> Self {
-        Rng { state: seed ^ 0x9E37_79B9_7F4A_7C15 }
+        Rng {
+            state: seed ^ 0x9E37_79B9_7F4A_7C15,
+        }
     }
 
     /// The next 64 random bits.

@@ -42,7 +42,12 @@ impl Tensor {
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
         let numel: usize = shape.iter().product();
         if data.len() != numel {
-            return Err(TensorError::ElementCount { op: "from_vec", len: data.len(), shape: shape.to_vec(), numel });
+            return Err(TensorError::ElementCount {
+                op: "from_vec",
+                len: data.len(),
+                shape: shape.to_vec(),
+                numel,
+            });
         }
         Ok(Self::from_storage(T::wrap(data), shape))
     }
@@ -112,7 +117,11 @@ impl Tensor {
 
     /// Size of dimension `d`.
     pub fn dim(&self, d: usize) -> Result<usize> {
-        self.shape().get(d).copied().ok_or(TensorError::DimOutOfRange { op: "dim", dim: d, rank: self.rank() })
+        self.shape().get(d).copied().ok_or(TensorError::DimOutOfRange {
+            op: "dim",
+            dim: d,
+            rank: self.rank(),
+        })
     }
 
     /// Number of dimensions.
@@ -156,10 +165,19 @@ impl Tensor {
         if layout.storage_extent() > len {
             return Err(TensorError::OutOfRange {
                 op: "view",
-                msg: format!("layout {:?} reaches element {} of a storage of {len}", layout, layout.storage_extent()),
+                msg: format!(
+                    "layout {:?} reaches element {} of a storage of {len}",
+                    layout,
+                    layout.storage_extent()
+                ),
             });
         }
-        Ok(Tensor { storage: self.storage.clone(), layout, dtype: self.dtype, device: self.device })
+        Ok(Tensor {
+            storage: self.storage.clone(),
+            layout,
+            dtype: self.dtype,
+            device: self.device,
+        })
     }
 
     fn storage_len(&self) -> usize {
@@ -179,7 +197,10 @@ impl Tensor {
     fn check_cpu(&self, op: &'static str) -> Result<()> {
         match self.device {
             Device::Cpu => Ok(()),
-            d => Err(TensorError::DeviceUnavailable { device: d, reason: format!("{op} has no kernel for this device") }),
+            d => Err(TensorError::DeviceUnavailable {
+                device: d,
+                reason: format!("{op} has no kernel for this device"),
+            }),
         }
     }
 
@@ -188,7 +209,11 @@ impl Tensor {
         self.check_cpu(op)?;
         let g = self.read_guard();
         let Storage::Cpu(s) = &*g;
-        let data = T::slice(s).ok_or(TensorError::DTypeMismatch { op, lhs: self.dtype, rhs: T::DTYPE })?;
+        let data = T::slice(s).ok_or(TensorError::DTypeMismatch {
+            op,
+            lhs: self.dtype,
+            rhs: T::DTYPE,
+        })?;
         if self.layout.storage_extent() > data.len() {
             return Err(TensorError::StorageLent { op });
         }
@@ -215,14 +240,21 @@ impl Tensor {
     pub fn with_slice_mut<T: Element, R>(&self, op: &'static str, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
         self.check_cpu(op)?;
         if !self.is_contiguous() {
-            return Err(TensorError::Invalid { op, msg: "in-place update needs a contiguous view".into() });
+            return Err(TensorError::Invalid {
+                op,
+                msg: "in-place update needs a contiguous view".into(),
+            });
         }
         let n = self.numel();
         let o = self.layout.offset();
         let mut g = self.write_guard();
         let Storage::Cpu(s) = &mut *g;
         let dtype = s.dtype();
-        let data = T::slice_mut(s).ok_or(TensorError::DTypeMismatch { op, lhs: dtype, rhs: T::DTYPE })?;
+        let data = T::slice_mut(s).ok_or(TensorError::DTypeMismatch {
+            op,
+            lhs: dtype,
+            rhs: T::DTYPE,
+        })?;
         if o + n > data.len() {
             return Err(TensorError::StorageLent { op });
         }
@@ -260,7 +292,10 @@ impl Tensor {
     /// The value of a one-element tensor.
     pub fn item(&self) -> Result<f64> {
         if self.numel() != 1 {
-            return Err(TensorError::Invalid { op: "item", msg: format!("tensor of shape {:?} is not a scalar", self.shape()) });
+            return Err(TensorError::Invalid {
+                op: "item",
+                msg: format!("tensor of shape {:?} is not a scalar", self.shape()),
+            });
         }
         Ok(self.to_f64_vec()?[0])
     }
@@ -322,7 +357,10 @@ impl Tensor {
     pub fn t(&self) -> Result<Tensor> {
         let r = self.rank();
         if r < 2 {
-            return Err(TensorError::Invalid { op: "t", msg: format!("needs rank >= 2, got {:?}", self.shape()) });
+            return Err(TensorError::Invalid {
+                op: "t",
+                msg: format!("needs rank >= 2, got {:?}", self.shape()),
+            });
         }
         self.transpose(r - 2, r - 1)
     }
@@ -346,7 +384,10 @@ impl Tensor {
     /// how a gradient becomes a slice of a flat bucket.
     pub fn flat_view(&self, offset: usize, shape: &[usize]) -> Result<Tensor> {
         if !self.is_contiguous() {
-            return Err(TensorError::Invalid { op: "flat_view", msg: "base tensor must be contiguous".into() });
+            return Err(TensorError::Invalid {
+                op: "flat_view",
+                msg: "base tensor must be contiguous".into(),
+            });
         }
         let layout = Layout::new(shape.to_vec(), contiguous_strides(shape), self.layout.offset() + offset);
         if layout.storage_extent() > self.layout.offset() + self.numel() {
@@ -376,12 +417,20 @@ impl Tensor {
     /// what the views need.
     pub fn restore_storage(&self, storage: CpuStorage) -> Result<()> {
         if storage.dtype() != self.dtype {
-            return Err(TensorError::DTypeMismatch { op: "restore_storage", lhs: self.dtype, rhs: storage.dtype() });
+            return Err(TensorError::DTypeMismatch {
+                op: "restore_storage",
+                lhs: self.dtype,
+                rhs: storage.dtype(),
+            });
         }
         if storage.len() < self.layout.storage_extent() {
             return Err(TensorError::OutOfRange {
                 op: "restore_storage",
-                msg: format!("{} elements returned, the view needs {}", storage.len(), self.layout.storage_extent()),
+                msg: format!(
+                    "{} elements returned, the view needs {}",
+                    storage.len(),
+                    self.layout.storage_extent()
+                ),
             });
         }
         let mut g = self.write_guard();

@@ -21,14 +21,19 @@ pub fn set_compute_threads(n: usize) {
     let pool = if n == 1 {
         None
     } else {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build().ok().map(Arc::new)
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .ok()
+            .map(Arc::new)
     };
     POOL.with(|p| *p.borrow_mut() = Some((n, pool)));
 }
 
 /// The number of compute threads kernels called from this thread use.
 pub fn compute_threads() -> usize {
-    POOL.with(|p| p.borrow().as_ref().map(|(n, _)| *n)).unwrap_or_else(rayon::current_num_threads)
+    POOL.with(|p| p.borrow().as_ref().map(|(n, _)| *n))
+        .unwrap_or_else(rayon::current_num_threads)
 }
 
 /// Runs `f` inside this thread's pool (or the global one).
@@ -49,7 +54,11 @@ pub(crate) fn par_chunks_mut<T: Send>(data: &mut [T], grain: usize, f: impl Fn(u
         return;
     }
     let chunk = grain.max(data.len().div_ceil(4 * t));
-    install(|| data.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c)));
+    install(|| {
+        data.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i * chunk, c))
+    });
 }
 
 /// Calls `f(row, row_slice)` for each `row_len`-sized row of `data`, in parallel when
@@ -67,10 +76,12 @@ pub(crate) fn par_rows_mut<T: Send>(data: &mut [T], row_len: usize, f: impl Fn(u
     }
     let rows_per_chunk = (data.len() / row_len).div_ceil(4 * t).max(1);
     install(|| {
-        data.par_chunks_mut(rows_per_chunk * row_len).enumerate().for_each(|(c, chunk)| {
-            for (i, r) in chunk.chunks_mut(row_len).enumerate() {
-                f(c * rows_per_chunk + i, r);
-            }
-        })
+        data.par_chunks_mut(rows_per_chunk * row_len)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (i, r) in chunk.chunks_mut(row_len).enumerate() {
+                    f(c * rows_per_chunk + i, r);
+                }
+            })
     });
 }

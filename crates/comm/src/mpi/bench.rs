@@ -15,7 +15,11 @@ impl MpiWorld {
         let comm = self.communicator(Duration::from_secs(120))?;
         let world = comm.world_size();
         let rank = comm.rank();
-        let memcpy_bw = if rank == 0 { memcpy_bandwidth(cfg.memcpy_bytes, 5) } else { 0.0 };
+        let memcpy_bw = if rank == 0 {
+            memcpy_bandwidth(cfg.memcpy_bytes, 5)
+        } else {
+            0.0
+        };
         let rows = time_all_reduce(&comm, cfg)?;
         Ok((rank == 0).then(|| CommBenchReport {
             backend: "mpi".to_string(),

@@ -9,7 +9,6 @@ use crate::{CommError, DType, ReduceOp};
 /// Bytes of one encoded descriptor.
 pub(crate) const DESC_BYTES: usize = 40;
 
-
 /// One rank's description of the collective in the current slot. The tag travels as a hash
 /// and a length; the text is fetched only to report a mismatch.
 #[derive(Debug, Clone, PartialEq, Eq)]

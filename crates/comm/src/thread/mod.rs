@@ -75,8 +75,9 @@ pub fn launch_with_timeout<R: Send>(
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
-                            CommError::Panicked { rank, message: panic_message(payload.as_ref()) }
+                        catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| CommError::Panicked {
+                            rank,
+                            message: panic_message(payload.as_ref()),
                         })
                     })
                     .expect("spawn rank thread")
@@ -87,7 +88,10 @@ pub fn launch_with_timeout<R: Send>(
             .enumerate()
             .map(|(rank, h)| {
                 h.join().unwrap_or_else(|payload| {
-                    Err(CommError::Panicked { rank, message: panic_message(payload.as_ref()) })
+                    Err(CommError::Panicked {
+                        rank,
+                        message: panic_message(payload.as_ref()),
+                    })
                 })
             })
             .collect()

@@ -76,7 +76,11 @@ impl Rendezvous {
     pub(crate) fn exchange(&self, rank: usize, desc: OpDesc) -> Result<Vec<OpDesc>, CommError> {
         let tag = desc.tag.clone();
         let st = self.arrive(rank, &tag, Some(desc))?;
-        Ok(st.descs.iter().map(|d| d.clone().expect("every rank published")).collect())
+        Ok(st
+            .descs
+            .iter()
+            .map(|d| d.clone().expect("every rank published"))
+            .collect())
     }
 
     /// Waits until every rank has arrived.
@@ -84,12 +88,7 @@ impl Rendezvous {
         self.arrive(rank, tag, None).map(drop)
     }
 
-    fn arrive(
-        &self,
-        rank: usize,
-        tag: &str,
-        desc: Option<OpDesc>,
-    ) -> Result<MutexGuard<'_, State>, CommError> {
+    fn arrive(&self, rank: usize, tag: &str, desc: Option<OpDesc>) -> Result<MutexGuard<'_, State>, CommError> {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.lock();
         if let Some(err) = first_dead(&st, tag) {
@@ -130,8 +129,7 @@ impl Rendezvous {
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<usize> =
-                    (0..self.world).filter(|&r| !st.arrived[r]).collect();
+                let missing: Vec<usize> = (0..self.world).filter(|&r| !st.arrived[r]).collect();
                 // Giving up leaves the barrier count wrong for good: declare this rank dead so
                 // the peers fail promptly instead of timing out one by one.
                 if st.dead[rank].is_none() {
@@ -144,9 +142,17 @@ impl Rendezvous {
                 }
                 drop(st);
                 self.released.notify_all();
-                return Err(CommError::Timeout { rank, tag: tag.to_string(), after: self.timeout });
+                return Err(CommError::Timeout {
+                    rank,
+                    tag: tag.to_string(),
+                    after: self.timeout,
+                });
             }
-            st = self.released.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self
+                .released
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 }

@@ -105,9 +105,7 @@ unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
             for (peer, &dst) in ptrs.iter().enumerate() {
                 if peer != rank && seg > 0 {
                     // SAFETY: segment `rank` of every buffer belongs to this rank in this slot.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(ptrs[rank].add(rank * seg), dst.add(rank * seg), seg)
-                    };
+                    unsafe { std::ptr::copy_nonoverlapping(ptrs[rank].add(rank * seg), dst.add(rank * seg), seg) };
                 }
             }
         }
@@ -123,14 +121,7 @@ unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
 
 /// # Safety
 /// As [`reduce_range`], with `u8` pointers to buffers of element type `dtype`.
-unsafe fn reduce_typed(
-    dtype: DType,
-    srcs: &[*mut u8],
-    dsts: &[*mut u8],
-    lo: usize,
-    hi: usize,
-    op: ReduceOp,
-) {
+unsafe fn reduce_typed(dtype: DType, srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
     unsafe fn typed<E: Element>(srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
         let srcs: Vec<*mut E> = srcs.iter().map(|p| p.cast()).collect();
         let dsts: Vec<*mut E> = dsts.iter().map(|p| p.cast()).collect();
@@ -193,6 +184,7 @@ impl Transport for ThreadTransport {
 
 impl Drop for ThreadTransport {
     fn drop(&mut self) {
-        self.shared.mark_dead(self.rank, format!("rank {}'s comm stream ended", self.rank));
+        self.shared
+            .mark_dead(self.rank, format!("rank {}'s comm stream ended", self.rank));
     }
 }

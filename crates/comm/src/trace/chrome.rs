@@ -51,12 +51,18 @@ pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
     ranks.sort_unstable();
     ranks.dedup();
     for rank in ranks {
-        out.push(json!({"ph": "M", "name": "process_name", "pid": rank, "tid": COMPUTE_TID,
-                        "args": {"name": format!("rank {rank}")}}));
-        out.push(json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": COMPUTE_TID,
-                        "args": {"sort_index": rank}}));
-        out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE_TID,
-                        "args": {"name": "compute"}}));
+        out.push(
+            json!({"ph": "M", "name": "process_name", "pid": rank, "tid": COMPUTE_TID,
+                        "args": {"name": format!("rank {rank}")}}),
+        );
+        out.push(
+            json!({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": COMPUTE_TID,
+                        "args": {"sort_index": rank}}),
+        );
+        out.push(
+            json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE_TID,
+                        "args": {"name": "compute"}}),
+        );
         out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM_TID,
                         "args": {"name": "comm stream"}}));
     }
@@ -66,11 +72,15 @@ pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
             Track::Comm => COMM_TID,
         };
         if let Some(issued) = e.issued {
-            out.push(json!({"ph": "i", "s": "t", "name": format!("issue {} `{}`", e.op, e.name),
+            out.push(
+                json!({"ph": "i", "s": "t", "name": format!("issue {} `{}`", e.op, e.name),
                             "cat": "comm", "pid": e.rank, "tid": COMPUTE_TID, "ts": us(issued.at),
-                            "args": {"bytes": e.bytes, "seq": issued.seq}}));
+                            "args": {"bytes": e.bytes, "seq": issued.seq}}),
+            );
         }
-        let (Some(start), Some(end)) = (e.start, e.end) else { continue };
+        let (Some(start), Some(end)) = (e.start, e.end) else {
+            continue;
+        };
         let mut args = json!({"start_seq": start.seq, "end_seq": end.seq});
         let name = match e.track {
             Track::Compute => e.name.clone(),

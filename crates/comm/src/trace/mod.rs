@@ -100,10 +100,20 @@ impl Recorder {
     /// Stamps `at` with the next sequence number. Callers hold the events lock, so sequence
     /// order and insertion order agree.
     fn stamp(&self, at: Instant) -> Stamp {
-        Stamp { seq: self.inner.seq.fetch_add(1, Ordering::Relaxed), at }
+        Stamp {
+            seq: self.inner.seq.fetch_add(1, Ordering::Relaxed),
+            at,
+        }
     }
 
-    fn push(&self, rank: usize, track: Track, name: &str, op: &str, bytes: usize) -> (MutexGuard<'_, Vec<Event>>, usize) {
+    fn push(
+        &self,
+        rank: usize,
+        track: Track,
+        name: &str,
+        op: &str,
+        bytes: usize,
+    ) -> (MutexGuard<'_, Vec<Event>>, usize) {
         let mut events = self.events_mut();
         let id = events.len();
         events.push(Event {
@@ -142,7 +152,10 @@ impl Recorder {
 
     /// Begins a compute span that ends when the guard is dropped.
     pub fn span(&self, rank: usize, name: &str) -> SpanGuard {
-        SpanGuard { recorder: self.clone(), id: self.begin(rank, name) }
+        SpanGuard {
+            recorder: self.clone(),
+            id: self.begin(rank, name),
+        }
     }
 
     /// Records a finished compute span after the fact (both instants get sequence numbers now).

@@ -20,8 +20,18 @@ impl Mlp {
             .enumerate()
             .map(|(i, w)| {
                 let s = 1.0 / (w[0] as f64).sqrt();
-                let weight = store.add(format!("layers.{i}.weight"), Tensor::rand_uniform(&[w[1], w[0]], -s, s, DType::F32, &mut rng)).unwrap();
-                let bias = store.add(format!("layers.{i}.bias"), Tensor::rand_uniform(&[w[1]], -s, s, DType::F32, &mut rng)).unwrap();
+                let weight = store
+                    .add(
+                        format!("layers.{i}.weight"),
+                        Tensor::rand_uniform(&[w[1], w[0]], -s, s, DType::F32, &mut rng),
+                    )
+                    .unwrap();
+                let bias = store
+                    .add(
+                        format!("layers.{i}.bias"),
+                        Tensor::rand_uniform(&[w[1]], -s, s, DType::F32, &mut rng),
+                    )
+                    .unwrap();
                 (weight, bias)
             })
             .collect();
@@ -33,7 +43,11 @@ impl Mlp {
         for (i, (w, b)) in self.layers.iter().enumerate() {
             h = scope(&format!("layers.{i}"), || {
                 let z = h.linear(w, Some(b))?;
-                if i + 1 < self.layers.len() { z.relu() } else { Ok(z) }
+                if i + 1 < self.layers.len() {
+                    z.relu()
+                } else {
+                    Ok(z)
+                }
             })
             .unwrap();
         }
@@ -41,7 +55,11 @@ impl Mlp {
     }
 
     pub fn values(&self) -> Vec<Vec<f32>> {
-        self.store.params().iter().map(|p| p.value().to_vec::<f32>().unwrap()).collect()
+        self.store
+            .params()
+            .iter()
+            .map(|p| p.value().to_vec::<f32>().unwrap())
+            .collect()
     }
 }
 
@@ -55,9 +73,15 @@ pub fn data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor) {
 
 /// Rows `start..start+len` of `(x, y)`.
 pub fn rows(x: &Tensor, y: &Tensor, start: usize, len: usize) -> (Tensor, Tensor) {
-    (x.narrow(0, start, len).unwrap().contiguous().unwrap(), y.narrow(0, start, len).unwrap().contiguous().unwrap())
+    (
+        x.narrow(0, start, len).unwrap().contiguous().unwrap(),
+        y.narrow(0, start, len).unwrap().contiguous().unwrap(),
+    )
 }
 
 pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
 }

@@ -30,7 +30,11 @@ pub(crate) fn binary<T: Float>(
     f: impl Fn(T, T) -> T + Sync + Send,
 ) -> Result<Tensor> {
     if a.dtype() != b.dtype() {
-        return Err(TensorError::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() });
+        return Err(TensorError::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
     }
     let shape = broadcast_shape(op, a.shape(), b.shape())?;
     let n: usize = shape.iter().product();
@@ -52,7 +56,10 @@ pub(crate) fn binary<T: Float>(
     let la = a.layout().broadcast_to(&shape)?;
     let lb = b.layout().broadcast_to(&shape)?;
     let inner = shape.last().copied().unwrap_or(1);
-    let (sa_in, sb_in) = (la.strides().last().copied().unwrap_or(0), lb.strides().last().copied().unwrap_or(0));
+    let (sa_in, sb_in) = (
+        la.strides().last().copied().unwrap_or(0),
+        lb.strides().last().copied().unwrap_or(0),
+    );
     a.with_storage(op, |da: &[T], _| {
         b.with_storage(op, |db: &[T], _| {
             par_rows_mut(&mut out, inner, |row, o| {
@@ -184,7 +191,10 @@ mod tests {
     fn ops_on_a_transposed_view_see_the_view() {
         let a = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
         let t = a.t().unwrap();
-        assert_eq!(t.mul_scalar(2.0).unwrap().to_vec::<f64>().unwrap(), vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]);
+        assert_eq!(
+            t.mul_scalar(2.0).unwrap().to_vec::<f64>().unwrap(),
+            vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]
+        );
     }
 
     #[test]

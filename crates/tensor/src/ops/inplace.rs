@@ -6,7 +6,11 @@ use crate::{DType, Element, Float, Result, Tensor, TensorError};
 fn accumulate<T: Float>(dst: &Tensor, src: &Tensor, scale: T) -> Result<()> {
     // `src` may share storage with `dst`: gather it first so no read lock is held
     // while the write lock is taken.
-    let src = if src.shares_storage(dst) { src.copy()? } else { src.clone() };
+    let src = if src.shares_storage(dst) {
+        src.copy()?
+    } else {
+        src.clone()
+    };
     src.with_contiguous("add_assign", |s: &[T]| {
         if dst.is_contiguous() {
             dst.with_slice_mut("add_assign", |d: &mut [T]| {
@@ -17,7 +21,11 @@ fn accumulate<T: Float>(dst: &Tensor, src: &Tensor, scale: T) -> Result<()> {
         } else {
             let mut g = dst.write_guard();
             let Storage::Cpu(st) = &mut *g;
-            let data = T::slice_mut(st).ok_or(TensorError::DTypeMismatch { op: "add_assign", lhs: dst.dtype(), rhs: T::DTYPE })?;
+            let data = T::slice_mut(st).ok_or(TensorError::DTypeMismatch {
+                op: "add_assign",
+                lhs: dst.dtype(),
+                rhs: T::DTYPE,
+            })?;
             if dst.layout().storage_extent() > data.len() {
                 return Err(TensorError::StorageLent { op: "add_assign" });
             }
@@ -40,10 +48,18 @@ impl Tensor {
     /// `self += scale * other` through this view (same shape and dtype).
     pub fn add_scaled_assign(&self, other: &Tensor, scale: f64) -> Result<()> {
         if self.shape() != other.shape() {
-            return Err(TensorError::ShapeMismatch { op: "add_assign", lhs: self.shape().to_vec(), rhs: other.shape().to_vec() });
+            return Err(TensorError::ShapeMismatch {
+                op: "add_assign",
+                lhs: self.shape().to_vec(),
+                rhs: other.shape().to_vec(),
+            });
         }
         if self.dtype() != other.dtype() {
-            return Err(TensorError::DTypeMismatch { op: "add_assign", lhs: self.dtype(), rhs: other.dtype() });
+            return Err(TensorError::DTypeMismatch {
+                op: "add_assign",
+                lhs: self.dtype(),
+                rhs: other.dtype(),
+            });
         }
         float_dispatch!("add_assign", self.dtype(), T => accumulate::<T>(self, other, T::from_f64(scale)))
     }
@@ -63,7 +79,11 @@ impl Tensor {
             }
             let mut g = t.write_guard();
             let Storage::Cpu(st) = &mut *g;
-            let data = T::slice_mut(st).ok_or(TensorError::DTypeMismatch { op: "fill", lhs: t.dtype(), rhs: T::DTYPE })?;
+            let data = T::slice_mut(st).ok_or(TensorError::DTypeMismatch {
+                op: "fill",
+                lhs: t.dtype(),
+                rhs: T::DTYPE,
+            })?;
             if t.layout().storage_extent() > data.len() {
                 return Err(TensorError::StorageLent { op: "fill" });
             }
@@ -92,7 +112,10 @@ mod tests {
         let x = Tensor::ones(&[2, 3], DType::F32);
         g.add_assign(&x).unwrap();
         g.add_assign(&x).unwrap();
-        assert_eq!(flat.to_vec::<f32>().unwrap(), vec![0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
+        assert_eq!(
+            flat.to_vec::<f32>().unwrap(),
+            vec![0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+        );
     }
 
     #[test]

@@ -48,7 +48,11 @@ unsafe fn gemm_one<T: Float>(
         std::ptr::write_bytes(dst, 0, m * n);
         return;
     }
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
     gemm::gemm(
         m,
         n,
@@ -75,16 +79,27 @@ unsafe fn gemm_one<T: Float>(
 fn matmul_impl<T: Float>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let op = "matmul";
     if a.dtype() != b.dtype() {
-        return Err(TensorError::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() });
+        return Err(TensorError::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
     }
     if a.rank() < 2 || b.rank() < 2 {
-        return Err(TensorError::Invalid { op, msg: format!("needs rank >= 2 operands, got {:?} x {:?}", a.shape(), b.shape()) });
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("needs rank >= 2 operands, got {:?} x {:?}", a.shape(), b.shape()),
+        });
     }
     let (ra, rb) = (a.rank(), b.rank());
     let (m, k) = (a.shape()[ra - 2], a.shape()[ra - 1]);
     let (k2, n) = (b.shape()[rb - 2], b.shape()[rb - 1]);
     if k != k2 {
-        return Err(TensorError::ShapeMismatch { op, lhs: a.shape().to_vec(), rhs: b.shape().to_vec() });
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: a.shape().to_vec(),
+            rhs: b.shape().to_vec(),
+        });
     }
     // A batched lhs times a plain matrix: fold the batch into the rows, one big GEMM.
     if rb == 2 && ra > 2 {
@@ -131,11 +146,27 @@ fn matmul_impl<T: Float>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 // `dst` is this batch's own m*n output block.
                 unsafe {
                     let (pa, pb) = (pa, pb);
-                    gemm_one::<T>(m, n, k, dst.as_mut_ptr(), pa.0.add(oa), a_rs, a_cs, pb.0.add(ob), b_rs, b_cs, t)
+                    gemm_one::<T>(
+                        m,
+                        n,
+                        k,
+                        dst.as_mut_ptr(),
+                        pa.0.add(oa),
+                        a_rs,
+                        a_cs,
+                        pb.0.add(ob),
+                        b_rs,
+                        b_cs,
+                        t,
+                    )
                 }
             };
             if nb >= threads && threads > 1 {
-                install(|| out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| run(i, dst, 1)));
+                install(|| {
+                    out.par_chunks_mut(m * n)
+                        .enumerate()
+                        .for_each(|(i, dst)| run(i, dst, 1))
+                });
             } else {
                 let t = gemm_threads_for(m, n, k);
                 for (i, dst) in out.chunks_mut(m * n).enumerate() {
@@ -176,7 +207,10 @@ mod tests {
         let b = Tensor::randn(&[4, 3], 1.0, DType::F64, &mut rng);
         let (av, bv) = (a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap());
         // b is [4,3]; b.t() is the [3,4] view: bt[p][j] = b[j][p]
-        let bt: Vec<f64> = (0..3).flat_map(|p| (0..4).map(move |j| (p, j))).map(|(p, j)| bv[j * 3 + p]).collect();
+        let bt: Vec<f64> = (0..3)
+            .flat_map(|p| (0..4).map(move |j| (p, j)))
+            .map(|(p, j)| bv[j * 3 + p])
+            .collect();
         let c = a.matmul(&b.t().unwrap()).unwrap();
         assert_eq!(c.shape(), &[2, 5, 4]);
         let got = c.to_vec::<f64>().unwrap();
@@ -191,7 +225,11 @@ mod tests {
         let y = Tensor::randn(&[3, 4, 2], 1.0, DType::F64, &mut rng);
         let z = x.transpose(1, 2).unwrap().matmul(&y).unwrap();
         assert_eq!(z.shape(), &[3, 6, 2]);
-        let (xv, yv, zv) = (x.to_vec::<f64>().unwrap(), y.to_vec::<f64>().unwrap(), z.to_vec::<f64>().unwrap());
+        let (xv, yv, zv) = (
+            x.to_vec::<f64>().unwrap(),
+            y.to_vec::<f64>().unwrap(),
+            z.to_vec::<f64>().unwrap(),
+        );
         for bi in 0..3 {
             for i in 0..6 {
                 for j in 0..2 {

@@ -25,7 +25,6 @@ macro_rules! float_dispatch {
     };
 }
 
-
 mod elementwise;
 mod inplace;
 mod matmul;

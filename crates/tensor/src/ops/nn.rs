@@ -9,13 +9,22 @@ pub(crate) fn indices(op: &'static str, ids: &Tensor, bound: usize) -> Result<Ve
     let v: Vec<i64> = match ids.dtype() {
         DType::I64 => ids.to_vec::<i64>()?,
         DType::U8 => ids.to_vec::<u8>()?.into_iter().map(i64::from).collect(),
-        d => return Err(TensorError::UnsupportedDType { op, dtype: d, hint: " (indices are I64 or U8)" }),
+        d => {
+            return Err(TensorError::UnsupportedDType {
+                op,
+                dtype: d,
+                hint: " (indices are I64 or U8)",
+            })
+        }
     };
     v.into_iter()
         .enumerate()
         .map(|(i, x)| {
             if x < 0 || x as usize >= bound {
-                Err(TensorError::OutOfRange { op, msg: format!("index {x} at position {i} is outside 0..{bound}") })
+                Err(TensorError::OutOfRange {
+                    op,
+                    msg: format!("index {x} at position {i} is outside 0..{bound}"),
+                })
             } else {
                 Ok(x as usize)
             }
@@ -24,7 +33,10 @@ pub(crate) fn indices(op: &'static str, ids: &Tensor, bound: usize) -> Result<Ve
 }
 
 fn last_dim(op: &'static str, x: &Tensor) -> Result<usize> {
-    x.shape().last().copied().ok_or(TensorError::Invalid { op, msg: "needs rank >= 1".into() })
+    x.shape().last().copied().ok_or(TensorError::Invalid {
+        op,
+        msg: "needs rank >= 1".into(),
+    })
 }
 
 fn softmax_rows<T: Float>(x: &Tensor, log: bool) -> Result<Tensor> {
@@ -34,7 +46,10 @@ fn softmax_rows<T: Float>(x: &Tensor, log: bool) -> Result<Tensor> {
     x.with_contiguous(op, |src: &[T]| {
         par_rows_mut(&mut out, d, |r, o| {
             let row = &src[r * d..(r + 1) * d];
-            let m = row.iter().copied().fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
+            let m = row
+                .iter()
+                .copied()
+                .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
             let mut sum = T::ZERO;
             for (o, &v) in o.iter_mut().zip(row) {
                 *o = (v - m).exp();
@@ -64,13 +79,19 @@ fn rows2<T: Float>(
     f: impl Fn(&[T], &[T], &mut [T]) + Sync + Send,
 ) -> Result<Tensor> {
     if y.shape() != g.shape() {
-        return Err(TensorError::ShapeMismatch { op, lhs: y.shape().to_vec(), rhs: g.shape().to_vec() });
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: y.shape().to_vec(),
+            rhs: g.shape().to_vec(),
+        });
     }
     let d = last_dim(op, y)?;
     let mut out = vec![T::ZERO; y.numel()];
     y.with_contiguous(op, |ys: &[T]| {
         g.with_contiguous(op, |gs: &[T]| {
-            par_rows_mut(&mut out, d, |r, o| f(&ys[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d], o))
+            par_rows_mut(&mut out, d, |r, o| {
+                f(&ys[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d], o)
+            })
         })
     })??;
     Tensor::from_vec(out, y.shape())
@@ -90,7 +111,11 @@ fn layer_norm_impl<T: Float>(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Re
     let d = last_dim(op, x)?;
     for p in [w, b] {
         if p.shape() != [d] {
-            return Err(TensorError::ShapeMismatch { op, lhs: x.shape().to_vec(), rhs: p.shape().to_vec() });
+            return Err(TensorError::ShapeMismatch {
+                op,
+                lhs: x.shape().to_vec(),
+                rhs: p.shape().to_vec(),
+            });
         }
     }
     let rows = x.numel() / d.max(1);
@@ -121,7 +146,10 @@ fn layer_norm_impl<T: Float>(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Re
     let rstd: Vec<T> = stats.iter().skip(1).step_by(2).copied().collect();
     Ok((
         Tensor::from_vec(out, x.shape())?,
-        LayerNormSaved { mean: Tensor::from_vec(mean, &[rows])?, rstd: Tensor::from_vec(rstd, &[rows])? },
+        LayerNormSaved {
+            mean: Tensor::from_vec(mean, &[rows])?,
+            rstd: Tensor::from_vec(rstd, &[rows])?,
+        },
     ))
 }
 
@@ -170,13 +198,20 @@ fn layer_norm_backward_impl<T: Float>(
             })
         })
     })?????;
-    Ok((Tensor::from_vec(dx, x.shape())?, Tensor::from_vec(dw, &[d])?, Tensor::from_vec(db, &[d])?))
+    Ok((
+        Tensor::from_vec(dx, x.shape())?,
+        Tensor::from_vec(dw, &[d])?,
+        Tensor::from_vec(db, &[d])?,
+    ))
 }
 
 fn embedding_impl<T: Float>(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let op = "embedding";
     if weight.rank() != 2 {
-        return Err(TensorError::Invalid { op, msg: format!("weight must be [vocab, dim], got {:?}", weight.shape()) });
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("weight must be [vocab, dim], got {:?}", weight.shape()),
+        });
     }
     let (v, d) = (weight.shape()[0], weight.shape()[1]);
     let idx = indices(op, ids, v)?;
@@ -194,7 +229,11 @@ fn embedding_backward_impl<T: Float>(ids: &Tensor, g: &Tensor, vocab: usize) -> 
     let d = last_dim(op, g)?;
     let idx = indices(op, ids, vocab)?;
     if idx.len() * d != g.numel() {
-        return Err(TensorError::ShapeMismatch { op, lhs: ids.shape().to_vec(), rhs: g.shape().to_vec() });
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: ids.shape().to_vec(),
+            rhs: g.shape().to_vec(),
+        });
     }
     let mut out = vec![T::ZERO; vocab * d];
     g.with_contiguous(op, |gs: &[T]| {
@@ -210,11 +249,17 @@ fn embedding_backward_impl<T: Float>(ids: &Tensor, g: &Tensor, vocab: usize) -> 
 fn causal_fill_impl<T: Float>(x: &Tensor, value: f64) -> Result<Tensor> {
     let op = "causal_mask";
     if x.rank() < 2 {
-        return Err(TensorError::Invalid { op, msg: format!("needs [.., T, S], got {:?}", x.shape()) });
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("needs [.., T, S], got {:?}", x.shape()),
+        });
     }
     let (t, s) = (x.shape()[x.rank() - 2], x.shape()[x.rank() - 1]);
     if t > s {
-        return Err(TensorError::Invalid { op, msg: format!("query length {t} exceeds key length {s}") });
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("query length {t} exceeds key length {s}"),
+        });
     }
     let v = T::from_f64(value);
     let mut out = x.contiguous()?.to_vec::<T>()?;
@@ -230,7 +275,11 @@ fn causal_fill_impl<T: Float>(x: &Tensor, value: f64) -> Result<Tensor> {
 fn cross_entropy_impl<T: Float>(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let op = "cross_entropy";
     if logits.rank() != 2 || targets.shape() != [logits.shape()[0]] {
-        return Err(TensorError::ShapeMismatch { op, lhs: logits.shape().to_vec(), rhs: targets.shape().to_vec() });
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: logits.shape().to_vec(),
+            rhs: targets.shape().to_vec(),
+        });
     }
     let (n, c) = (logits.shape()[0], logits.shape()[1]);
     let t = indices(op, targets, c)?;
@@ -239,7 +288,10 @@ fn cross_entropy_impl<T: Float>(logits: &Tensor, targets: &Tensor) -> Result<(Te
         let mut total = 0.0f64;
         for r in 0..n {
             let row = &ls[r * c..(r + 1) * c];
-            let m = row.iter().copied().fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
+            let m = row
+                .iter()
+                .copied()
+                .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
             let lse = row.iter().map(|&v| (v - m).exp()).sum::<T>().ln() + m;
             total += (lse - row[t[r]]).to_f64();
         }
@@ -300,7 +352,12 @@ impl Tensor {
     }
 
     /// Gradients `(dx, dweight, dbias)` of [`Tensor::layer_norm`], with `self = x`.
-    pub fn layer_norm_backward(&self, weight: &Tensor, saved: &LayerNormSaved, gy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    pub fn layer_norm_backward(
+        &self,
+        weight: &Tensor,
+        saved: &LayerNormSaved,
+        gy: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         float_dispatch!("layer_norm_backward", self.dtype(), T => layer_norm_backward_impl::<T>(self, weight, saved, gy))
     }
 
@@ -356,7 +413,9 @@ mod tests {
     #[test]
     fn layer_norm_rows_have_zero_mean_unit_variance() {
         let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, -1.0, 0.0, 5.0, 2.0], &[2, 4]).unwrap();
-        let (y, _) = x.layer_norm(&Tensor::ones(&[4], DType::F64), &Tensor::zeros(&[4], DType::F64), 0.0).unwrap();
+        let (y, _) = x
+            .layer_norm(&Tensor::ones(&[4], DType::F64), &Tensor::zeros(&[4], DType::F64), 0.0)
+            .unwrap();
         let y = y.to_vec::<f64>().unwrap();
         for r in y.chunks(4) {
             let m: f64 = r.iter().sum::<f64>() / 4.0;

@@ -108,7 +108,11 @@ impl Tensor {
         if self.shape() == shape {
             return Ok(self.clone());
         }
-        let err = || TensorError::Broadcast { op: "sum_to_shape", lhs: self.shape().to_vec(), rhs: shape.to_vec() };
+        let err = || TensorError::Broadcast {
+            op: "sum_to_shape",
+            lhs: self.shape().to_vec(),
+            rhs: shape.to_vec(),
+        };
         if shape.len() > self.rank() {
             return Err(err());
         }
@@ -122,7 +126,11 @@ impl Tensor {
                 return Err(err());
             }
         }
-        let summed = if dims.is_empty() { self.clone() } else { self.sum(&dims, true)? };
+        let summed = if dims.is_empty() {
+            self.clone()
+        } else {
+            self.sum(&dims, true)?
+        };
         summed.reshape(shape)
     }
 }
@@ -134,14 +142,25 @@ mod tests {
     #[test]
     fn sums_over_middle_and_leading_dims() {
         // x[i,j,k] = 100 i + 10 j + k over [2,3,2]
-        let v: Vec<f64> = (0..2).flat_map(|i| (0..3).flat_map(move |j| (0..2).map(move |k| (100 * i + 10 * j + k) as f64))).collect();
+        let v: Vec<f64> = (0..2)
+            .flat_map(|i| (0..3).flat_map(move |j| (0..2).map(move |k| (100 * i + 10 * j + k) as f64)))
+            .collect();
         let x = Tensor::from_vec(v, &[2, 3, 2]).unwrap();
         // sum over j: 3*100i + (0+10+20) + 3k
-        assert_eq!(x.sum(&[1], false).unwrap().to_vec::<f64>().unwrap(), vec![30.0, 33.0, 330.0, 333.0]);
+        assert_eq!(
+            x.sum(&[1], false).unwrap().to_vec::<f64>().unwrap(),
+            vec![30.0, 33.0, 330.0, 333.0]
+        );
         // sum over i: 100 + 2*(10j + k)
-        assert_eq!(x.sum(&[0], false).unwrap().to_vec::<f64>().unwrap(), vec![100.0, 102.0, 120.0, 122.0, 140.0, 142.0]);
+        assert_eq!(
+            x.sum(&[0], false).unwrap().to_vec::<f64>().unwrap(),
+            vec![100.0, 102.0, 120.0, 122.0, 140.0, 142.0]
+        );
         assert_eq!(x.max_dim(2, true).unwrap().shape(), &[2, 3, 1]);
         // sum over i and k: (0+100)*2 + 4*10j + (0+1)*2 = 202 + 40j
-        assert_eq!(x.sum_to_shape(&[3, 1]).unwrap().to_vec::<f64>().unwrap(), vec![202.0, 242.0, 282.0]);
+        assert_eq!(
+            x.sum_to_shape(&[3, 1]).unwrap().to_vec::<f64>().unwrap(),
+            vec![202.0, 242.0, 282.0]
+        );
     }
 }
