@@ -31,7 +31,7 @@ pub use communicator::{all_gather_bytes, Communicator};
 pub use error::CommError;
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiTransport, MpiWorld};
-pub use sim::{NetModel, SimulatedNetwork};
+pub use sim::{NetModel, SharedLink, SimulatedNetwork};
 pub use stream::{CommStream, Transport};
 pub use thread::{launch, launch_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT};
 pub use trace::{chrome_trace, Event, Recorder, SpanGuard, SpanId, Stamp, Traced, Track};

@@ -1,7 +1,8 @@
 //! Simulated network: makes any communicator as slow as links of latency `alpha` and bandwidth
 //! `B`, while the data still moves for real. The extra wait sleeps, so compute keeps the CPU.
 
-use std::sync::mpsc;
+use std::collections::VecDeque;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -64,15 +65,103 @@ impl NetModel {
     }
 }
 
-type SimJob = Box<dyn FnOnce(&mut Instant) + Send>;
+type SimJob = Box<dyn FnOnce(&mut LinkClock) + Send>;
+
+/// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
+/// (the `k`-th collective each rank issues through its [`SimulatedNetwork`]) starts on the link
+/// once every rank has joined it and the link is free, and finishes at the same instant on every
+/// rank. Create one per group and hand a clone to each rank's [`SimulatedNetwork::on_link`].
+///
+/// Without it (plain [`SimulatedNetwork::new`]) each rank keeps its own link clock, and ranks
+/// drift apart by scheduling noise: a collective can start on one rank's link while another's is
+/// still busy. Ranks in other processes (MPI) cannot share an `Instant`, so they keep their own
+/// clocks; the inner collective still lines them up at every call.
+#[derive(Clone)]
+pub struct SharedLink {
+    model: NetModel,
+    state: Arc<Mutex<SharedState>>,
+}
+
+struct SharedState {
+    /// When the link is free again (the last slot's finish).
+    free: Instant,
+    /// Slots decided by the first rank to reach them and not yet read by every other rank:
+    /// (collective index, start, finish, ranks still to read it).
+    slots: VecDeque<(u64, Instant, Instant, usize)>,
+}
+
+impl SharedLink {
+    /// A link of `model`, for every rank of one group.
+    pub fn new(model: NetModel) -> SharedLink {
+        SharedLink {
+            model,
+            state: Arc::new(Mutex::new(SharedState {
+                free: Instant::now(),
+                slots: VecDeque::new(),
+            })),
+        }
+    }
+
+    /// The link model.
+    pub fn model(&self) -> NetModel {
+        self.model
+    }
+
+    /// The start and finish of collective `k`, whose inner transfer finished at `joined` on the
+    /// calling rank (every rank has joined by then). The first rank to ask decides the slot:
+    /// `start = max(joined, link free)`, `finish = start + model_time`; the others read it.
+    fn slot(&self, k: u64, joined: Instant, model_time: Duration, world: usize) -> (Instant, Instant) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = st.slots.iter().position(|s| s.0 == k) {
+            let (_, start, finish, left) = &mut st.slots[i];
+            let out = (*start, *finish);
+            *left -= 1;
+            if *left == 0 {
+                st.slots.remove(i);
+            }
+            return out;
+        }
+        let start = joined.max(st.free);
+        let finish = start + model_time;
+        st.free = finish;
+        if world > 1 {
+            st.slots.push_back((k, start, finish, world - 1));
+        }
+        (start, finish)
+    }
+}
+
+/// The link a rank's simulated collectives run on: its own, or one shared with its group.
+enum LinkClock {
+    Own { free: Instant },
+    Shared { link: SharedLink, next: u64, world: usize },
+}
+
+impl LinkClock {
+    /// Start and finish of the rank's next collective.
+    fn next_slot(&mut self, joined: Instant, model_time: Duration) -> (Instant, Instant) {
+        match self {
+            LinkClock::Own { free } => {
+                let start = joined.max(*free);
+                *free = start + model_time;
+                (start, *free)
+            }
+            LinkClock::Shared { link, next, world } => {
+                let k = *next;
+                *next += 1;
+                link.slot(k, joined, model_time, *world)
+            }
+        }
+    }
+}
 
 /// Wraps a communicator so that each collective completes its [`NetModel`] time after it
 /// starts on the (simulated) link, which is when every rank has joined it and the previous
 /// collective has left the link: `sim_start = max(inner finished, previous sim_finish)`,
-/// `sim_finish = sim_start + model time`. Every rank of a collective therefore finishes at
-/// about the same time, however early it arrived, as on a real network. The returned
-/// [`Work`] reports `sim_start`/`sim_finish` as its timing. A helper thread per wrapper sleeps
-/// until `sim_finish` (no spinning), so the caller's compute keeps the core.
+/// `sim_finish = sim_start + model time`. On a [`SharedLink`] every rank of a collective gets
+/// the same start and finish; on a rank's own link (`new`) they agree up to scheduling noise.
+/// The returned [`Work`] reports `sim_start`/`sim_finish` as its timing. A helper thread per
+/// wrapper sleeps until `sim_finish` (no spinning), so the caller's compute keeps the core.
 pub struct SimulatedNetwork<C> {
     inner: C,
     model: NetModel,
@@ -80,15 +169,32 @@ pub struct SimulatedNetwork<C> {
 }
 
 impl<C: Communicator> SimulatedNetwork<C> {
-    /// Wraps `inner` with the link model `model`.
+    /// Wraps `inner` with the link model `model`, on a link of this rank's own.
     pub fn new(inner: C, model: NetModel) -> Self {
+        Self::with_clock(inner, model, LinkClock::Own { free: Instant::now() })
+    }
+
+    /// Wraps `inner` on `link`, the link every rank of the group shares (see [`SharedLink`]).
+    pub fn on_link(inner: C, link: &SharedLink) -> Self {
+        let world = inner.world_size();
+        Self::with_clock(
+            inner,
+            link.model,
+            LinkClock::Shared {
+                link: link.clone(),
+                next: 0,
+                world,
+            },
+        )
+    }
+
+    fn with_clock(inner: C, model: NetModel, mut clock: LinkClock) -> Self {
         let (tx, rx) = mpsc::channel::<SimJob>();
         thread::Builder::new()
             .name(format!("sim-net-{}", inner.rank()))
             .spawn(move || {
-                let mut link_free = Instant::now();
                 while let Ok(job) = rx.recv() {
-                    job(&mut link_free);
+                    job(&mut clock);
                 }
             })
             .expect("spawn simulated network thread");
@@ -108,7 +214,7 @@ impl<C: Communicator> SimulatedNetwork<C> {
     /// Delays `inner`'s completion to the model's finish time.
     fn delay<T: Send + 'static>(&self, inner: Work<T>, model_time: Duration) -> Work<T> {
         let (outer, promise) = Work::pending(inner.rank(), inner.tag(), self.inner.timeout());
-        let job: SimJob = Box::new(move |link_free: &mut Instant| {
+        let job: SimJob = Box::new(move |clock: &mut LinkClock| {
             // The inner backend bounds its own waits, so this returns.
             match inner.wait_timed_timeout(Duration::MAX) {
                 Ok((value, timing)) => {
@@ -117,9 +223,7 @@ impl<C: Communicator> SimulatedNetwork<C> {
                     // that arrived early waits for the late one, then for the link.
                     // (This counts the real transfer on top of the model's; in shared
                     // memory it is far shorter than the simulated links.)
-                    let sim_start = timing.finished.max(*link_free);
-                    let sim_finish = sim_start + model_time;
-                    *link_free = sim_finish;
+                    let (sim_start, sim_finish) = clock.next_slot(timing.finished, model_time);
                     promise.start_at(sim_start);
                     sleep_until(sim_finish);
                     promise.complete_at(Ok(value), sim_finish);
