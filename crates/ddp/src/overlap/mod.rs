@@ -1,0 +1,17 @@
+//! The overlap model: replay one recorded training step under other bucket caps and links.
+//!
+//! A [`StepProfile`] records, per rank, when each parameter's gradient became ready during
+//! backward, when backward's compute ended, and how long the optimizer took. [`replay`]
+//! re-runs only the communication of that step under another bucket cap (and, if asked,
+//! another link or world size): it groups the parameters into buckets as DDP would, launches
+//! them in strict bucket order on one comm stream shared by the group, costs each collective
+//! by a [`LinkCost`], and reports the predicted step time, the communication left exposed after
+//! backward, which buckets are exposed, and the lower bound for any cap (every byte leaving
+//! the moment it is ready). The compute is taken as recorded, which is what makes the answer
+//! independent of the noise of the minute: one recorded step answers every cap.
+
+mod profile;
+mod replay;
+
+pub use profile::{BucketProfile, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
+pub use replay::{replay, BucketOrder, LinkCost, ReplayBucket, ReplayConfig, ReplayResult};

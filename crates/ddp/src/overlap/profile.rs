@@ -1,0 +1,144 @@
+//! The step profile: what one recorded training step tells the overlap model.
+//!
+//! Schema (JSON through serde; `version` is [`PROFILE_VERSION`]); every time is in seconds from
+//! the start of that rank's step:
+//!
+//! ```text
+//! { "version": 1, "world_size": 2, "bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0,
+//!   "params": [ { "name": "layers.0.weight", "bytes": 1048576 }, ... ],   // registration order
+//!   "ranks": [ { "rank": 0,
+//!                "backward_start_s": 0.010, "backward_end_s": 0.031,   // compute only
+//!                "optimizer_start_s": 0.034, "optimizer_end_s": 0.036, "step_end_s": 0.036,
+//!                "grad_ready_s": [0.030, 0.029, ...],                  // per parameter
+//!                "buckets": [ { "params": [3, 2], "bytes": 4096, "ready_s": 0.021,
+//!                               "launch_s": 0.021, "start_s": 0.021, "finish_s": 0.024 } ] } ] }
+//! ```
+//!
+//! `backward_end_s` is when the last backward kernel finished, before the reducer waited for
+//! its buckets; the recorded buckets (what ran, under the recorded caps) let the model fit the
+//! link (`LinkCost::Measured`) and be checked against what happened.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the profile schema this build reads and writes.
+pub const PROFILE_VERSION: u32 = 1;
+
+/// One parameter of the model, in registration order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamProfile {
+    /// PyTorch-style name (`layers.0.weight`).
+    pub name: String,
+    /// Bytes of its gradient in a bucket.
+    pub bytes: usize,
+}
+
+/// One bucket's collective as it ran in the recorded step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketProfile {
+    /// Its parameters (registration indices), in bucket order.
+    pub params: Vec<usize>,
+    /// Bytes reduced.
+    pub bytes: usize,
+    /// When its last gradient became ready.
+    pub ready_s: f64,
+    /// When the reducer issued its collective (strict bucket order may delay it past `ready_s`).
+    pub launch_s: f64,
+    /// When it started on the link (every rank had joined and the link was free).
+    pub start_s: f64,
+    /// When it finished.
+    pub finish_s: f64,
+}
+
+/// One rank's view of the recorded step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankProfile {
+    /// The rank.
+    pub rank: usize,
+    /// When backward began.
+    pub backward_start_s: f64,
+    /// When backward's compute ended (before waiting for the buckets).
+    pub backward_end_s: f64,
+    /// When the optimizer step began.
+    pub optimizer_start_s: f64,
+    /// When the optimizer step ended.
+    pub optimizer_end_s: f64,
+    /// When the step ended.
+    pub step_end_s: f64,
+    /// When each parameter's gradient became final, by registration index.
+    pub grad_ready_s: Vec<f64>,
+    /// The buckets as they ran.
+    pub buckets: Vec<BucketProfile>,
+}
+
+/// One recorded step on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepProfile {
+    /// Schema version ([`PROFILE_VERSION`]).
+    pub version: u32,
+    /// Ranks in the recorded run.
+    pub world_size: usize,
+    /// The bucket cap the step ran with, in MiB.
+    pub bucket_cap_mb: f64,
+    /// The first bucket's cap the step ran with, in MiB.
+    pub first_bucket_cap_mb: f64,
+    /// The model's parameters in registration order.
+    pub params: Vec<ParamProfile>,
+    /// One entry per rank, in rank order.
+    pub ranks: Vec<RankProfile>,
+}
+
+impl StepProfile {
+    /// Checks what the replay relies on; the message names the first problem.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.version != PROFILE_VERSION {
+            return Err(format!(
+                "profile schema version {} (this build reads version {PROFILE_VERSION})",
+                self.version
+            ));
+        }
+        if self.ranks.is_empty() || self.ranks.len() != self.world_size {
+            return Err(format!(
+                "world_size {} but {} rank entries",
+                self.world_size,
+                self.ranks.len()
+            ));
+        }
+        if self.params.is_empty() {
+            return Err("no parameters".into());
+        }
+        for (i, r) in self.ranks.iter().enumerate() {
+            if r.rank != i {
+                return Err(format!("rank entry {i} says rank {}", r.rank));
+            }
+            if r.grad_ready_s.len() != self.params.len() {
+                return Err(format!(
+                    "rank {i}: {} ready times for {} parameters",
+                    r.grad_ready_s.len(),
+                    self.params.len()
+                ));
+            }
+            let times = [
+                r.backward_start_s,
+                r.backward_end_s,
+                r.optimizer_start_s,
+                r.optimizer_end_s,
+                r.step_end_s,
+            ];
+            if times.iter().chain(&r.grad_ready_s).any(|t| !t.is_finite() || *t < 0.0) {
+                return Err(format!("rank {i}: a time is negative or not finite"));
+            }
+            if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {
+                return Err(format!("rank {i}: a span ends before it starts"));
+            }
+            for b in &r.buckets {
+                if b.params.iter().any(|&p| p >= self.params.len()) {
+                    return Err(format!(
+                        "rank {i}: a bucket names a parameter past {}",
+                        self.params.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,266 @@
+//! Replaying a recorded step's communication under another bucket cap, link or world size.
+
+use brigade_comm::NetModel;
+use serde::Serialize;
+
+use super::StepProfile;
+use crate::assign_buckets;
+
+/// How a collective of `S` bytes over `n` ranks is costed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LinkCost {
+    /// The ring all-reduce over links of latency α and bandwidth B (what the simulated network
+    /// does): `2(n−1)·α + 2(n−1)/n · S/B`.
+    Ring(NetModel),
+    /// The same formula with α and B fitted (least squares) to the durations of the buckets the
+    /// profile recorded, so the replay answers for the link the run really had.
+    Measured,
+}
+
+/// The order in which parameters fill buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BucketOrder {
+    /// Rank 0's recorded ready order: what DDP uses once it has rebuilt its buckets after the
+    /// first iteration.
+    #[default]
+    Ready,
+    /// Reverse registration order: DDP's first iteration, or a run with rebuilding off.
+    Reverse,
+}
+
+/// What to replay.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplayConfig {
+    /// Cap of every bucket but the first, in MiB.
+    pub bucket_cap_mb: f64,
+    /// Cap of the first bucket, in MiB.
+    pub first_bucket_cap_mb: f64,
+    /// How collectives are costed.
+    pub link: LinkCost,
+    /// Ranks to cost the collectives for (default: the recorded world size). The compute is the
+    /// recorded ranks' (a larger group is assumed to compute like them).
+    pub world_size: Option<usize>,
+    /// Bucket order.
+    pub order: BucketOrder,
+}
+
+/// One bucket of the replayed step. Times in seconds from the step's start.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayBucket {
+    /// Its parameters (registration indices), in bucket order.
+    pub params: Vec<usize>,
+    /// Bytes reduced.
+    pub bytes: usize,
+    /// When its last gradient is ready on the last rank to have it.
+    pub ready_s: f64,
+    /// When the last rank issued it (strict bucket order: never before the previous bucket).
+    pub launch_s: f64,
+    /// When it starts on the link: every rank has issued it and the link is free.
+    pub start_s: f64,
+    /// When it finishes on every rank.
+    pub finish_s: f64,
+    /// The part of its transfer after backward's compute ended (what the step waits for).
+    pub exposed_s: f64,
+}
+
+/// The replayed step under one configuration. Times in seconds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayResult {
+    /// The bucket cap replayed, in MiB.
+    pub bucket_cap_mb: f64,
+    /// The first bucket's cap replayed, in MiB.
+    pub first_bucket_cap_mb: f64,
+    /// Ranks the collectives were costed for.
+    pub world_size: usize,
+    /// The buckets in launch order.
+    pub buckets: Vec<ReplayBucket>,
+    /// The step without communication: backward's compute, then the optimizer (slowest rank).
+    pub compute_step_s: f64,
+    /// The predicted step: the optimizer waits for the last bucket (slowest rank).
+    pub predicted_step_s: f64,
+    /// Sum of the buckets' link times.
+    pub comm_s: f64,
+    /// Communication left after the last rank's backward compute ended.
+    pub exposed_comm_s: f64,
+    /// The exposed communication if every byte could leave the moment its gradient was ready
+    /// (no buckets, no latency): no cap can do better.
+    pub lower_bound_exposed_s: f64,
+}
+
+/// Latency (s) and seconds per byte of the ring's links: `(α, 1/B)`.
+fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), String> {
+    match link {
+        LinkCost::Ring(m) => {
+            if !(m.bandwidth_bytes_per_s > 0.0 && m.bandwidth_bytes_per_s.is_finite()) {
+                return Err(format!(
+                    "link bandwidth must be positive and finite, got {} B/s",
+                    m.bandwidth_bytes_per_s
+                ));
+            }
+            Ok((m.latency.as_secs_f64(), 1.0 / m.bandwidth_bytes_per_s))
+        }
+        LinkCost::Measured => {
+            let n0 = profile.world_size;
+            if n0 < 2 {
+                return Err("a profile of one rank recorded no communication: there is no link to measure".into());
+            }
+            let pts: Vec<(f64, f64)> = profile.ranks[0]
+                .buckets
+                .iter()
+                .map(|b| (b.bytes as f64, (b.finish_s - b.start_s).max(0.0)))
+                .collect();
+            if pts.is_empty() {
+                return Err("the profile recorded no buckets: there is no link to measure".into());
+            }
+            let (a, b) = fit_line(&pts);
+            // duration = 2(n0-1)·α + 2(n0-1)/n0 · S/B
+            let q = (n0 - 1) as f64;
+            Ok((a / (2.0 * q), b * n0 as f64 / (2.0 * q)))
+        }
+    }
+}
+
+/// Least-squares `y = a + b·x` with `a, b ≥ 0` (through the origin when the sizes do not vary
+/// or the intercept comes out negative).
+fn fit_line(pts: &[(f64, f64)]) -> (f64, f64) {
+    let n = pts.len() as f64;
+    let (mx, my) = (
+        pts.iter().map(|p| p.0).sum::<f64>() / n,
+        pts.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx > 0.0 {
+        let b = sxy / sxx;
+        let a = my - b * mx;
+        if a >= 0.0 && b >= 0.0 {
+            return (a, b);
+        }
+    }
+    let xx: f64 = pts.iter().map(|p| p.0 * p.0).sum();
+    let xy: f64 = pts.iter().map(|p| p.0 * p.1).sum();
+    if xx > 0.0 {
+        (0.0, (xy / xx).max(0.0))
+    } else {
+        (my.max(0.0), 0.0)
+    }
+}
+
+/// Replays `profile`'s communication under `cfg` (see the module docs).
+pub fn replay(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayResult, String> {
+    profile.validate()?;
+    for (flag, v) in [
+        ("bucket cap", cfg.bucket_cap_mb),
+        ("first bucket cap", cfg.first_bucket_cap_mb),
+    ] {
+        if !(v > 0.0 && v.is_finite()) {
+            return Err(format!("the {flag} must be a positive number of MiB, got {v}"));
+        }
+    }
+    let n = cfg.world_size.unwrap_or(profile.world_size);
+    if n == 0 {
+        return Err("world size must be at least 1".into());
+    }
+    let (alpha, per_byte) = link_params(profile, cfg.link)?;
+    let q = n.saturating_sub(1) as f64;
+    let cost = |bytes: usize| {
+        if n < 2 {
+            0.0
+        } else {
+            2.0 * q * alpha + 2.0 * q / n as f64 * bytes as f64 * per_byte
+        }
+    };
+
+    let ranks = &profile.ranks;
+    let n_params = profile.params.len();
+    // A parameter is ready for the group once the last rank has it.
+    let ready_all: Vec<f64> = (0..n_params)
+        .map(|p| {
+            ranks
+                .iter()
+                .map(|r| r.grad_ready_s[p])
+                .fold(f64::NEG_INFINITY, f64::max)
+        })
+        .collect();
+    let order: Vec<usize> = match cfg.order {
+        BucketOrder::Reverse => (0..n_params).rev().collect(),
+        BucketOrder::Ready => {
+            let mut o: Vec<usize> = (0..n_params).rev().collect();
+            // stable: ties keep reverse registration order, as the reducer hears them
+            o.sort_by(|&a, &b| ranks[0].grad_ready_s[a].total_cmp(&ranks[0].grad_ready_s[b]));
+            o
+        }
+    };
+    let bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
+    let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
+    let groups = assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb));
+
+    // Each rank launches in strict bucket order; the link takes a bucket once every rank has
+    // launched it and the previous bucket has left.
+    let mut launched = vec![0.0f64; ranks.len()];
+    let mut link_free = 0.0f64;
+    let mut buckets = Vec::with_capacity(groups.len());
+    for group in groups {
+        let mut ready_max = f64::NEG_INFINITY;
+        let mut launch_max = f64::NEG_INFINITY;
+        for (r, rank) in ranks.iter().enumerate() {
+            let ready = group
+                .iter()
+                .map(|&p| rank.grad_ready_s[p])
+                .fold(f64::NEG_INFINITY, f64::max);
+            launched[r] = launched[r].max(ready);
+            ready_max = ready_max.max(ready);
+            launch_max = launch_max.max(launched[r]);
+        }
+        let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
+        let start = launch_max.max(link_free);
+        let finish = start + cost(b_bytes);
+        link_free = finish;
+        buckets.push(ReplayBucket {
+            params: group,
+            bytes: b_bytes,
+            ready_s: ready_max,
+            launch_s: launch_max,
+            start_s: start,
+            finish_s: finish,
+            exposed_s: 0.0,
+        });
+    }
+
+    let backward_end = ranks.iter().map(|r| r.backward_end_s).fold(f64::NEG_INFINITY, f64::max);
+    for b in &mut buckets {
+        b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
+    }
+    let last_finish = buckets.last().map_or(0.0, |b| b.finish_s);
+    let after_backward = |r: &super::RankProfile| {
+        (r.optimizer_end_s - r.optimizer_start_s) + (r.step_end_s - r.optimizer_end_s).max(0.0)
+    };
+    let compute_step = ranks
+        .iter()
+        .map(|r| r.backward_end_s + after_backward(r))
+        .fold(0.0, f64::max);
+    let predicted_step = ranks
+        .iter()
+        .map(|r| r.backward_end_s.max(last_finish) + after_backward(r))
+        .fold(0.0, f64::max);
+
+    // Lower bound: a fluid link that carries each byte from the moment its gradient is ready.
+    let fluid_rate = if n < 2 { 0.0 } else { 2.0 * q / n as f64 * per_byte };
+    let mut by_ready: Vec<usize> = (0..n_params).collect();
+    by_ready.sort_by(|&a, &b| ready_all[a].total_cmp(&ready_all[b]));
+    let drained = by_ready
+        .iter()
+        .fold(0.0f64, |t, &p| t.max(ready_all[p]) + bytes[p] as f64 * fluid_rate);
+
+    Ok(ReplayResult {
+        bucket_cap_mb: cfg.bucket_cap_mb,
+        first_bucket_cap_mb: cfg.first_bucket_cap_mb,
+        world_size: n,
+        comm_s: buckets.iter().map(|b| b.finish_s - b.start_s).sum(),
+        buckets,
+        compute_step_s: compute_step,
+        predicted_step_s: predicted_step,
+        exposed_comm_s: (last_finish - backward_end).max(0.0),
+        lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
+    })
+}

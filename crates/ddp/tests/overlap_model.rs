@@ -1,0 +1,283 @@
+//! The overlap model on hand-built profiles whose answer is known, derived in the comments.
+
+use std::time::Duration;
+
+use brigade_comm::NetModel;
+use brigade_ddp::overlap::{
+    replay, BucketOrder, BucketProfile, LinkCost, ParamProfile, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION,
+};
+
+const MIB: usize = 1 << 20;
+
+/// A link of 1 ms latency and 1 GiB/s: over 2 ranks an all-reduce of S bytes takes
+/// 2·1 ms + S / 2^30 s (2(n−1)/n = 1).
+fn link() -> NetModel {
+    NetModel {
+        latency: Duration::from_millis(1),
+        bandwidth_bytes_per_s: (1u64 << 30) as f64,
+    }
+}
+
+fn close(a: f64, b: f64, what: &str) {
+    close_to(a, b, 1e-9, what)
+}
+
+fn close_to(a: f64, b: f64, rel: f64, what: &str) {
+    assert!((a - b).abs() <= rel * b.abs().max(1e-3), "{what}: {a} vs {b}");
+}
+
+/// Two identical ranks: `params` as (bytes, ready time), backward compute ending at
+/// `backward_end`, then 1 ms of optimizer.
+fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
+    let rank = |r| RankProfile {
+        rank: r,
+        backward_start_s: 0.0,
+        backward_end_s: backward_end,
+        optimizer_start_s: backward_end,
+        optimizer_end_s: backward_end + 0.001,
+        step_end_s: backward_end + 0.001,
+        grad_ready_s: params.iter().map(|p| p.1).collect(),
+        buckets: vec![],
+    };
+    StepProfile {
+        version: PROFILE_VERSION,
+        world_size: 2,
+        bucket_cap_mb: 25.0,
+        first_bucket_cap_mb: 1.0,
+        params: params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| ParamProfile {
+                name: format!("p{i}"),
+                bytes: p.0,
+            })
+            .collect(),
+        ranks: vec![rank(0), rank(1)],
+    }
+}
+
+fn cfg(cap_mb: f64, first_mb: f64) -> ReplayConfig {
+    ReplayConfig {
+        bucket_cap_mb: cap_mb,
+        first_bucket_cap_mb: first_mb,
+        link: LinkCost::Ring(link()),
+        world_size: None,
+        order: BucketOrder::Ready,
+    }
+}
+
+#[test]
+fn one_bucket_ready_at_the_end_is_exposed_whole() {
+    // Both 1 MiB gradients are ready when backward ends (10 ms): one 2 MiB bucket starts then
+    // and takes 2 ms + 2 MiB / 1 GiB/s = 2 ms + 1.953125 ms, all of it exposed.
+    let p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let comm = 0.002 + 2.0 / 1024.0;
+    assert_eq!(r.buckets.len(), 1);
+    close(r.comm_s, comm, "comm");
+    close(r.exposed_comm_s, comm, "exposed");
+    close(r.buckets[0].exposed_s, comm, "bucket 0 exposed");
+    close(r.compute_step_s, 0.011, "compute-only step");
+    close(r.predicted_step_s, 0.011 + comm, "predicted step");
+}
+
+#[test]
+fn buckets_that_finish_before_backward_ends_are_hidden() {
+    // p1 (1 MiB) ready at 1 ms, p0 (1 MiB) at 4 ms, backward ends at 10 ms. With 1 MiB caps each
+    // is its own bucket (ready order: p1 first): bucket 0 runs 1..3.977 ms, bucket 1 runs
+    // 4..6.977 ms; both end before 10 ms, so nothing is exposed and the step is compute-only.
+    let p = profile(&[(MIB, 0.004), (MIB, 0.001)], 0.010);
+    let r = replay(&p, &cfg(1.0, 1.0)).unwrap();
+    assert_eq!(
+        r.buckets.iter().map(|b| b.params.clone()).collect::<Vec<_>>(),
+        vec![vec![1], vec![0]]
+    );
+    let one = 0.002 + 1.0 / 1024.0;
+    close(r.buckets[0].start_s, 0.001, "bucket 0 start");
+    close(r.buckets[1].finish_s, 0.004 + one, "bucket 1 finish");
+    assert_eq!(r.exposed_comm_s, 0.0);
+    assert!(r.buckets.iter().all(|b| b.exposed_s == 0.0));
+    close(r.predicted_step_s, r.compute_step_s, "predicted vs compute-only");
+}
+
+#[test]
+fn a_comm_bound_step_queues_buckets_on_the_link() {
+    // Four 64 MiB gradients ready at 1, 2, 3, 4 ms; each all-reduce takes 2 ms + 62.5 ms. The
+    // link is the bottleneck: buckets run back to back from 1 ms, the last ends at
+    // 1 ms + 4·64.5 ms = 259 ms; backward ended at 5 ms, so 254 ms are exposed.
+    let g = 64 * MIB;
+    let p = profile(&[(g, 0.004), (g, 0.003), (g, 0.002), (g, 0.001)], 0.005);
+    let r = replay(&p, &cfg(1.0, 1.0)).unwrap();
+    assert_eq!(r.buckets.len(), 4);
+    for w in r.buckets.windows(2) {
+        close(w[1].start_s, w[0].finish_s, "back to back");
+    }
+    close(r.exposed_comm_s, 0.001 + 4.0 * 0.0645 - 0.005, "exposed");
+    // the lower bound drains the same bytes without latency: 1 ms + 4·62.5 ms − 5 ms
+    close(r.lower_bound_exposed_s, 0.001 + 4.0 * 0.0625 - 0.005, "lower bound");
+}
+
+#[test]
+fn strict_bucket_order_holds_back_a_bucket_that_filled_first() {
+    // Reverse registration order makes p1 bucket 0 and p0 bucket 1. p0 is ready at 2 ms but
+    // p1 only at 9 ms: bucket 1 is full first yet cannot launch before bucket 0 (9 ms), as on
+    // every rank the collectives must be issued in the same order.
+    let p = profile(&[(MIB, 0.002), (MIB, 0.009)], 0.010);
+    let mut c = cfg(1.0, 1.0);
+    c.order = BucketOrder::Reverse;
+    let r = replay(&p, &c).unwrap();
+    assert_eq!(r.buckets[0].params, vec![1]);
+    assert_eq!(r.buckets[1].params, vec![0]);
+    close(r.buckets[1].ready_s, 0.002, "bucket 1 ready");
+    close(r.buckets[1].launch_s, 0.009, "bucket 1 launch waits for bucket 0");
+    let one = 0.002 + 1.0 / 1024.0;
+    close(
+        r.buckets[1].start_s,
+        0.009 + one,
+        "bucket 1 starts when bucket 0 leaves the link",
+    );
+    // In ready order the early gradient goes first and the late one is exposed alone.
+    let ready = replay(&p, &cfg(1.0, 1.0)).unwrap();
+    assert!(
+        ready.exposed_comm_s < r.exposed_comm_s,
+        "{} vs {}",
+        ready.exposed_comm_s,
+        r.exposed_comm_s
+    );
+}
+
+#[test]
+fn the_slowest_rank_decides_when_a_bucket_starts() {
+    // Rank 1 finishes p0 5 ms later than rank 0: the collective cannot start before it joins.
+    let mut p = profile(&[(MIB, 0.004)], 0.010);
+    p.ranks[1].grad_ready_s[0] = 0.009;
+    let r = replay(&p, &cfg(25.0, 1.0)).unwrap();
+    close(r.buckets[0].start_s, 0.009, "start");
+}
+
+#[test]
+fn the_lower_bound_never_exceeds_any_caps_exposed_comm() {
+    // Pseudo-random profiles (a fixed LCG): for every cap the bound holds.
+    let mut x = 12345u64;
+    let mut next = || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) as f64 / (1u64 << 31) as f64
+    };
+    for _ in 0..50 {
+        let params: Vec<(usize, f64)> = (0..12)
+            .map(|_| ((next() * 8.0 * MIB as f64) as usize, next() * 0.02))
+            .collect();
+        let p = profile(&params, 0.02 + next() * 0.005);
+        for cap in [0.25, 1.0, 5.0, 25.0, 100.0] {
+            let r = replay(&p, &cfg(cap, cap.min(1.0))).unwrap();
+            assert!(
+                r.lower_bound_exposed_s <= r.exposed_comm_s + 1e-12,
+                "cap {cap}: {} > {}",
+                r.lower_bound_exposed_s,
+                r.exposed_comm_s
+            );
+            assert!(r.predicted_step_s >= r.compute_step_s);
+        }
+    }
+}
+
+#[test]
+fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
+    // Buckets recorded on the 1 ms / 1 GiB/s link: fitting them gives back that link, so the
+    // replay agrees with the ring model of the true link at any cap.
+    let mut p = profile(&[(3 * MIB, 0.004), (MIB, 0.003), (MIB / 2, 0.002)], 0.010);
+    let m = link();
+    let recorded: Vec<BucketProfile> = [(vec![2], MIB / 2), (vec![1], MIB), (vec![0], 3 * MIB)]
+        .into_iter()
+        .map(|(params, bytes)| {
+            let d = m.all_reduce_time(bytes, 2).as_secs_f64();
+            BucketProfile {
+                params,
+                bytes,
+                ready_s: 0.0,
+                launch_s: 0.0,
+                start_s: 0.0,
+                finish_s: d,
+            }
+        })
+        .collect();
+    p.ranks[0].buckets = recorded;
+    for cap in [0.5, 2.0, 100.0] {
+        let truth = replay(&p, &cfg(cap, 1.0)).unwrap();
+        let measured = replay(
+            &p,
+            &ReplayConfig {
+                link: LinkCost::Measured,
+                ..cfg(cap, 1.0)
+            },
+        )
+        .unwrap();
+        // (the recorded durations are whole nanoseconds, hence 1e-6)
+        close_to(
+            measured.predicted_step_s,
+            truth.predicted_step_s,
+            1e-6,
+            &format!("cap {cap} step"),
+        );
+        close_to(
+            measured.exposed_comm_s,
+            truth.exposed_comm_s,
+            1e-6,
+            &format!("cap {cap} exposed"),
+        );
+    }
+}
+
+#[test]
+fn another_world_size_is_costed_by_the_ring_formula() {
+    // One 4 MiB bucket at the end of backward; over 8 ranks: 14·1 ms + 2·7/8 · 4 MiB / 1 GiB/s.
+    let p = profile(&[(4 * MIB, 0.010)], 0.010);
+    let r = replay(
+        &p,
+        &ReplayConfig {
+            world_size: Some(8),
+            ..cfg(25.0, 25.0)
+        },
+    )
+    .unwrap();
+    close(r.exposed_comm_s, 0.014 + 1.75 * 4.0 / 1024.0, "8 ranks");
+    let one = replay(
+        &p,
+        &ReplayConfig {
+            world_size: Some(1),
+            ..cfg(25.0, 25.0)
+        },
+    )
+    .unwrap();
+    assert_eq!(one.exposed_comm_s, 0.0);
+    close(one.predicted_step_s, one.compute_step_s, "one rank: no communication");
+}
+
+#[test]
+fn bad_profiles_and_configs_are_errors_that_say_what_is_wrong() {
+    let mut p = profile(&[(MIB, 0.004)], 0.010);
+    p.version = 99;
+    assert!(replay(&p, &cfg(25.0, 1.0)).unwrap_err().contains("version 99"));
+    let mut p = profile(&[(MIB, 0.004)], 0.010);
+    p.ranks[1].grad_ready_s.clear();
+    assert!(replay(&p, &cfg(25.0, 1.0)).unwrap_err().contains("rank 1"));
+    let p = profile(&[(MIB, 0.004)], 0.010);
+    assert!(replay(&p, &cfg(0.0, 1.0)).unwrap_err().contains("bucket cap"));
+    assert!(replay(
+        &p,
+        &ReplayConfig {
+            link: LinkCost::Measured,
+            ..cfg(25.0, 1.0)
+        }
+    )
+    .unwrap_err()
+    .contains("no buckets"));
+}
+
+#[test]
+fn profiles_round_trip_through_json() {
+    let p = profile(&[(MIB, 0.004), (16, 0.001)], 0.010);
+    let text = serde_json::to_string(&p).unwrap();
+    let back: StepProfile = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, p);
+}
