@@ -2,8 +2,8 @@
 //! object safety.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Duration;
 
 use brigade_comm::{launch_with_timeout, Buffer, Communicator, ReduceOp, Work, WorkEvent};
 
@@ -47,22 +47,21 @@ fn collectives_run_in_issue_order() {
 
 #[test]
 fn issuing_returns_at_once_and_the_caller_keeps_computing() {
+    // Rank 1 issues only after rank 0's issue has returned and rank 0 has checked its handle:
+    // an issue that blocked until the collective completed would never get there (and the
+    // test would fail with a timeout), whatever the machine's load. No clock involved.
     let issued = AtomicBool::new(false);
+    let gate = Barrier::new(2);
     launch_with_timeout(2, TIMEOUT, |comm| {
         if comm.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(150));
+            gate.wait();
             issued.store(true, Ordering::SeqCst);
         }
-        let t = Instant::now();
         let work = comm.all_reduce(Buffer::F32(vec![1.0; 1 << 16]), ReduceOp::Sum, "bucket 0");
-        assert!(
-            t.elapsed() < Duration::from_millis(50),
-            "issue blocked for {:?}",
-            t.elapsed()
-        );
         if comm.rank() == 0 {
             assert!(!work.is_completed(), "completed before rank 1 issued");
             assert!(work.timing().is_none());
+            gate.wait();
         }
         let buf = work.wait().unwrap();
         assert!(issued.load(Ordering::SeqCst));
