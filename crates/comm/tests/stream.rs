@@ -2,8 +2,8 @@
 //! object safety.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use brigade_comm::{launch_with_timeout, Buffer, Communicator, ReduceOp, Work, WorkEvent};
 
@@ -51,17 +51,22 @@ fn issuing_returns_at_once_and_the_caller_keeps_computing() {
     // an issue that blocked until the collective completed would never get there (and the
     // test would fail with a timeout), whatever the machine's load. No clock involved.
     let issued = AtomicBool::new(false);
-    let gate = Barrier::new(2);
+    let gate = AtomicBool::new(false);
     launch_with_timeout(2, TIMEOUT, |comm| {
         if comm.rank() == 1 {
-            gate.wait();
+            // (a deadline, not a barrier: if rank 0 fails first, this rank fails too, no hang)
+            let deadline = Instant::now() + TIMEOUT * 2;
+            while !gate.load(Ordering::SeqCst) {
+                assert!(Instant::now() < deadline, "rank 0 never got past its issue");
+                std::thread::sleep(Duration::from_millis(1));
+            }
             issued.store(true, Ordering::SeqCst);
         }
         let work = comm.all_reduce(Buffer::F32(vec![1.0; 1 << 16]), ReduceOp::Sum, "bucket 0");
         if comm.rank() == 0 {
             assert!(!work.is_completed(), "completed before rank 1 issued");
             assert!(work.timing().is_none());
-            gate.wait();
+            gate.store(true, Ordering::SeqCst);
         }
         let buf = work.wait().unwrap();
         assert!(issued.load(Ordering::SeqCst));
