@@ -231,18 +231,24 @@ fn timeout(world: &MpiWorld) {
         let t = Instant::now();
         let err = comm
             .barrier("lonely")
-            .wait_timeout(Duration::from_secs(10))
+            .wait_timeout(Duration::from_secs(30))
             .unwrap_err();
         let took = t.elapsed();
         assert!(matches!(err, CommError::Timeout { rank: 0, .. }), "{err}");
-        assert!(took >= short && took < short * 4, "timed out after {took:?}");
+        // At the transport's deadline, not at the end of the caller's 60 times longer wait (a
+        // bound that a loaded machine cannot break).
+        assert!(
+            took >= short && took < Duration::from_secs(15),
+            "timed out after {took:?}"
+        );
         // Broken for good, and says why, at once.
         let t = Instant::now();
         let err = comm
             .all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "next")
             .wait()
             .unwrap_err();
-        assert!(t.elapsed() < Duration::from_millis(100));
+        // At once: the error is `RankFailed`, checked below, not a second `Timeout` after `short`.
+        assert!(t.elapsed() < Duration::from_secs(15), "took {:?}", t.elapsed());
         match &err {
             CommError::RankFailed { rank: 0, reason, .. } => assert!(reason.contains("lonely"), "{err}"),
             other => panic!("expected RankFailed, got {other}"),
