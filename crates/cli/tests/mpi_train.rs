@@ -274,17 +274,29 @@ fn killing_one_rank_ends_the_job_with_an_error_within_the_timeout() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("mpirun");
-    // Find rank 1: a process started by this mpirun whose environment names rank 1.
+    // Read stderr as it comes (a full pipe would stall the job).
+    let mut stderr = job.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+        s
+    });
+    // Find both ranks: processes started by this mpirun whose environment names their rank.
     let start = Instant::now();
-    let victim = loop {
-        assert!(start.elapsed() < Duration::from_secs(20), "rank 1 never appeared");
-        if let Some(pid) = find_rank(job.id(), 1) {
-            break pid;
+    let (survivor, victim) = loop {
+        assert!(start.elapsed() < Duration::from_secs(20), "the ranks never appeared");
+        if let (Some(r0), Some(r1)) = (find_rank(job.id(), 0), find_rank(job.id(), 1)) {
+            break (r0, r1);
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     std::thread::sleep(Duration::from_millis(1000)); // well into training
     assert!(job.try_wait().unwrap().is_none(), "the job ended before the kill");
+    // (the check at the end can see a live rank 0: it is running now)
+    assert!(
+        alive(survivor),
+        "rank 0 (pid {survivor}) is not running before the kill"
+    );
     let killed = Instant::now();
     assert!(Command::new("kill")
         .args(["-9", &victim.to_string()])
@@ -302,9 +314,32 @@ fn killing_one_rank_ends_the_job_with_an_error_within_the_timeout() {
         std::thread::sleep(Duration::from_millis(20));
     };
     let took = killed.elapsed();
-    println!("rank 1 killed: mpirun exited with {status} after {took:?}");
-    assert!(!status.success());
-    assert!(find_rank(job.id(), 0).is_none(), "rank 0 outlived the job");
+    let stderr = reader.join().unwrap();
+    println!("rank 1 killed: mpirun exited with {status} after {took:?}; its stderr:\n{stderr}");
+    assert!(!status.success(), "{stderr}");
+    // The error names the dead rank (whoever noticed first: mpirun or rank 0).
+    assert!(
+        stderr.contains("rank 1 "),
+        "stderr does not name the killed rank 1:\n{stderr}"
+    );
+    // Rank 0 is gone too. Its pid was found while the job ran: once mpirun exits, rank 0 is
+    // no longer mpirun's child, so looking it up among mpirun's children finds nothing.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(survivor) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(survivor), "rank 0 (pid {survivor}) outlived the job");
+}
+
+/// Whether process `pid` exists and has not ended (a zombie has).
+fn alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next().map(str::to_string));
+    !matches!(state.as_deref(), None | Some("Z") | Some("X"))
 }
 
 /// The pid of the process of `rank` among the children of `parent`.
