@@ -8,6 +8,10 @@
 //! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
 //! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
 
+// The device contract; the CPU backend implements it in this commit series, the CUDA
+// backend (issue 9 part 2) next to it.
+#[allow(dead_code)]
+mod backend;
 mod device;
 mod dtype;
 mod error;
