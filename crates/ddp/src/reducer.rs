@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_autograd::{GradReady, GradSubscriber, Var};
 use brigade_comm::{Buffer, Communicator, Recorder, ReduceOp, SpanId};
-use brigade_tensor::{CpuStorage, DType, Tensor};
+use brigade_tensor::{DType, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
 use crate::{DdpConfig, DdpError, Result};
@@ -129,9 +129,8 @@ impl Reducer {
     /// Hands bucket `b`'s flat buffer to the comm stream (no copy) and issues its all-reduce.
     fn launch(&self, st: &mut State, b: usize) -> Result<()> {
         let bucket = &mut st.buckets[b];
-        let CpuStorage::F32(v) = bucket.flat.lend_storage()? else {
-            return Err(DdpError::Config("bucket buffers are f32".into()));
-        };
+        // The bucket's own vector on the CPU (no copy); a host-staged copy of device memory.
+        let v = bucket.flat.lend_storage()?.into_host_vec::<f32>()?;
         bucket.work = Some(self.comm.all_reduce(Buffer::F32(v), ReduceOp::Avg, &bucket_tag(b)));
         Ok(())
     }
@@ -152,7 +151,9 @@ impl Reducer {
         for bucket in st.buckets.iter_mut() {
             if let Some(work) = bucket.work.take() {
                 match work.wait() {
-                    Ok(Buffer::F32(v)) => bucket.flat.restore_storage(CpuStorage::F32(v))?,
+                    Ok(Buffer::F32(v)) => bucket
+                        .flat
+                        .restore_storage(Storage::from_host_vec(v, bucket.flat.device())?)?,
                     Ok(_) => return Err(DdpError::Config("all-reduce returned a buffer of another dtype".into())),
                     Err(e) => {
                         first_err.get_or_insert(e);

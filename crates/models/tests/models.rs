@@ -324,7 +324,8 @@ fn check_param_grads(model: &dyn Model, batch: &Batch) {
         let (value, grad) = (p.value(), p.grad().unwrap().to_vec::<f64>().unwrap());
         for _ in 0..4 {
             let j = rng.below(value.numel() as u64) as usize;
-            let nudge = |delta: f64| value.with_slice_mut("test", |v: &mut [f64]| v[j] += delta).unwrap();
+            let element = value.flat_view(j, &[]).unwrap();
+            let nudge = |delta: f64| element.add_assign(&Tensor::scalar(delta, DType::F64)).unwrap();
             nudge(h);
             let up = loss_at();
             nudge(-2.0 * h);

@@ -126,12 +126,15 @@ pub(crate) trait BackendDevice {
     type Storage: BackendStorage;
 
     /// The [`Device`] this handle serves.
+    #[allow(dead_code)] // read by the CUDA backend's device cache
     fn location(&self) -> Device;
 
     /// `n` zero-filled elements of `dtype` (any dtype).
     fn zeros(&self, dtype: DType, n: usize) -> Result<Self::Storage>;
 
-    /// Copy in: the same elements, on this device (any dtype).
+    /// Copy in: the same elements, on this device (any dtype). (The CPU moves host
+    /// vectors in without this copy.)
+    #[allow(dead_code)]
     fn storage_from_cpu(&self, data: &CpuStorage) -> Result<Self::Storage>;
 }
 
@@ -176,7 +179,7 @@ pub(crate) trait BackendStorage: Sized {
     /// contiguous of that shape.
     fn binary(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, op: BinaryOp) -> Result<Self>;
 
-    /// Reduces `dims` (sorted, distinct, each `< rank`, at least one) of the view (*any
+    /// Reduces `dims` (sorted, distinct, each `< rank`; empty: a copy) of the view (*any
     /// layout*); the output is contiguous over the kept dims in order (the front end
     /// reshapes for `keepdim`).
     fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self>;
@@ -256,6 +259,12 @@ pub(crate) trait BackendStorage: Sized {
 
     /// Sets every element of the view (*any layout*, any dtype) to `v` rounded to the dtype.
     fn fill(&mut self, layout: &Layout, v: f64) -> Result<()>;
+
+    /// `dst = src` through the view `layout` (*any layout*, no stride 0), bit for bit, any
+    /// dtype; `src` is contiguous of the same shape and dtype and a different storage.
+    /// (Added after the first version of this contract: `Tensor::copy_from` was
+    /// `fill(0)` then `+= src`, which turned `-0.0` into `0.0` and refused integers.)
+    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()>;
 
     /// `dst += scale * src` through the view `layout` (*any layout*, no stride 0); `src`
     /// is contiguous of the same shape and a different storage; `scale` is rounded to

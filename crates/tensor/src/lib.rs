@@ -8,10 +8,8 @@
 //! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
 //! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
 
-// The device contract; the CPU backend implements it in this commit series, the CUDA
-// backend (issue 9 part 2) next to it.
-#[allow(dead_code)]
 mod backend;
+mod cpu;
 mod device;
 mod dtype;
 mod error;
@@ -20,15 +18,16 @@ mod ops;
 mod rng;
 mod storage;
 mod tensor;
+pub mod testing;
 mod threads;
 
+pub use cpu::gemm_threads_for;
 pub use device::Device;
 pub use dtype::{DType, Element, Float};
 pub use error::{Result, TensorError};
 pub use layout::{broadcast_shape, contiguous_strides, Layout};
-pub use ops::gemm_threads_for;
-pub use ops::LayerNormSaved;
+pub use ops::{AdamWStep, LayerNormSaved, SgdStep};
 pub use rng::Rng;
-pub use storage::{CpuStorage, Storage};
+pub use storage::Storage;
 pub use tensor::Tensor;
 pub use threads::{compute_threads, set_compute_threads};
