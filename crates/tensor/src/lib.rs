@@ -1,6 +1,7 @@
 //! Brigade's tensors: n-d arrays as shared storage plus a layout (shape, strides in
-//! elements, offset), on a [`Device`], with CPU kernels for everything the MLP and GPT
-//! models need.
+//! elements, offset), on a [`Device`]. Every op checks its operands here (`ops/`) and runs
+//! on the backend that holds them, through one narrow device contract (`backend.rs`);
+//! the CPU backend (`cpu/`) has kernels for everything the MLP and GPT models need.
 //!
 //! Views (transpose, permute, narrow, broadcast, reshape of contiguous data) cost no
 //! copy; ops return new tensors; a handful of in-place methods write through views,
