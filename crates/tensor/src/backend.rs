@@ -28,6 +28,10 @@
 //! Adding a backend: a storage type implementing [`BackendStorage`], a device handle
 //! implementing [`BackendDevice`], one variant in `DeviceStorage`, and one arm in each
 //! dispatch macro of `storage.rs`.
+//!
+//! Changes since the first committed version (44b734f): `copy_from` was added (an exact
+//! copy through a view; `Tensor::copy_from` uses it), and `reduce` may get an empty
+//! `dims` (a plain copy: `sum` over no dims, or `sum_all` of a 0-d tensor).
 
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
