@@ -3,7 +3,7 @@
 //! Both update parameters in place, skip parameters without a gradient, and expose
 //! their state as named tensors so that checkpoints can save and restore it exactly.
 
-use brigade_tensor::{DType, Tensor};
+use brigade_tensor::{AdamWStep, DType, SgdStep, Tensor};
 
 use crate::{AutogradError, Result, Var};
 
@@ -19,10 +19,6 @@ pub trait Optimizer: Send {
     fn state(&self) -> Result<Vec<(String, Tensor)>>;
     /// Restores state produced by [`Optimizer::state`] for the same parameters.
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
-}
-
-fn f32_of(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.to_vec::<f32>()?)
 }
 
 fn name_of(p: &Var, i: usize) -> String {
@@ -75,36 +71,23 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
+        let with_momentum = self.momentum as f32 != 0.0;
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = p.grad() else { continue };
-            let mut g = f32_of(&g)?;
+            let g = g.to_dtype(DType::F32)?;
             let w = p.value();
-            let (lr, mom, wd) = (self.lr as f32, self.momentum as f32, self.weight_decay as f32);
-            if wd != 0.0 {
-                w.with_contiguous("sgd", |pv: &[f32]| {
-                    for (g, &p) in g.iter_mut().zip(pv) {
-                        *g += wd * p;
-                    }
-                })?;
+            let is_first_step = with_momentum && self.bufs[i].is_none();
+            if is_first_step {
+                self.bufs[i] = Some(w.zeros_like()?);
             }
-            if mom != 0.0 {
-                match &self.bufs[i] {
-                    None => self.bufs[i] = Some(Tensor::from_vec(g.clone(), w.shape())?),
-                    Some(b) => {
-                        b.with_slice_mut("sgd", |bv: &mut [f32]| {
-                            for (b, gi) in bv.iter_mut().zip(g.iter_mut()) {
-                                *b = mom * *b + *gi;
-                                *gi = *b;
-                            }
-                        })?;
-                    }
-                }
-            }
-            w.with_slice_mut("sgd", |pv: &mut [f32]| {
-                for (p, &g) in pv.iter_mut().zip(&g) {
-                    *p -= lr * g;
-                }
-            })?;
+            let buf = if with_momentum { self.bufs[i].as_ref() } else { None };
+            let hp = SgdStep {
+                lr: self.lr,
+                momentum: self.momentum,
+                weight_decay: self.weight_decay,
+                is_first_step,
+            };
+            w.sgd_step(&g, buf, hp)?;
         }
         Ok(())
     }
@@ -184,31 +167,16 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         self.step += 1;
-        let t = self.step as i32;
-        let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
-        let (one_m_b1, one_m_b2) = ((1.0 - self.beta1) as f32, (1.0 - self.beta2) as f32);
-        let bc1 = 1.0 - self.beta1.powi(t);
-        let bc2 = 1.0 - self.beta2.powi(t);
-        let step_size = (self.lr / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        let (eps, decay) = (self.eps as f32, (1.0 - self.lr * self.weight_decay) as f32);
+        let hp = AdamWStep {
+            lr: self.lr,
+            betas: (self.beta1, self.beta2),
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            step: self.step,
+        };
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = p.grad() else { continue };
-            let w = p.value();
-            g.with_contiguous("adamw", |g: &[f32]| {
-                self.m[i].with_slice_mut("adamw", |m: &mut [f32]| {
-                    self.v[i].with_slice_mut("adamw", |v: &mut [f32]| {
-                        w.with_slice_mut("adamw", |pv: &mut [f32]| {
-                            for (((p, m), v), &g) in pv.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-                                *p *= decay;
-                                *m = b1 * *m + one_m_b1 * g;
-                                *v = b2 * *v + one_m_b2 * g * g;
-                                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
-                            }
-                        })
-                    })
-                })
-            })????;
+            p.value().adamw_step(&g.contiguous()?, &self.m[i], &self.v[i], &hp)?;
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, Communicator, Recorder, ReduceOp, SpanId};
-use brigade_tensor::{CpuStorage, DType, Tensor};
+use brigade_tensor::{DType, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
 use crate::{DdpConfig, DdpError, Result};
@@ -139,13 +139,8 @@ impl Reducer {
     /// Hands bucket `b`'s flat buffer to the comm stream (no copy) and issues its all-reduce.
     fn launch(&self, st: &mut State, b: usize) -> Result<()> {
         let bucket = &mut st.buckets[b];
-        let CpuStorage::F32(v) = bucket.flat.lend_storage()? else {
-            return Err(DdpError::BufferDType {
-                what: bucket_tag(b),
-                expected: DType::F32,
-                found: "another dtype".into(),
-            });
-        };
+        // The bucket's own vector on the CPU (no copy); a host-staged copy of device memory.
+        let v = bucket.flat.lend_storage()?.into_host_vec::<f32>()?;
         bucket.work = Some(self.comm.all_reduce(Buffer::F32(v), ReduceOp::Avg, &bucket_tag(b)));
         Ok(())
     }
@@ -166,7 +161,9 @@ impl Reducer {
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             if let Some(work) = bucket.work.take() {
                 match work.wait() {
-                    Ok(Buffer::F32(v)) => bucket.flat.restore_storage(CpuStorage::F32(v))?,
+                    Ok(Buffer::F32(v)) => bucket
+                        .flat
+                        .restore_storage(Storage::from_host_vec(v, bucket.flat.device())?)?,
                     Ok(other) => {
                         let what = format!("all-reduce of {}", bucket_tag(b));
                         let found = other.dtype().to_string();

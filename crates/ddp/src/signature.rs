@@ -69,8 +69,7 @@ pub(crate) fn check_f32(params: &[Var]) -> Result<()> {
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
     for p in params {
-        p.value()
-            .with_contiguous("broadcast_parameters", |s: &[f32]| flat.extend_from_slice(s))?;
+        flat.extend(p.value().to_vec::<f32>()?);
     }
     let Buffer::F32(flat) = comm
         .broadcast(Buffer::F32(flat), 0, "ddp.broadcast_parameters")
@@ -82,9 +81,7 @@ pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> R
     for p in params {
         let v = p.value();
         let n = v.numel();
-        v.with_slice_mut("broadcast_parameters", |d: &mut [f32]| {
-            d.copy_from_slice(&flat[offset..offset + n])
-        })?;
+        v.copy_from(&brigade_tensor::Tensor::from_slice(&flat[offset..offset + n], v.shape())?.to_device(v.device())?)?;
         offset += n;
     }
     Ok(())

@@ -346,7 +346,8 @@ fn worst_param_grad_error(model: &dyn Model, batch: &Batch, rng: &mut Rng) -> (f
         let (value, grad) = (p.value(), p.grad().unwrap().to_vec::<f64>().unwrap());
         for _ in 0..4 {
             let j = rng.below(value.numel() as u64) as usize;
-            let nudge = |delta: f64| value.with_slice_mut("test", |v: &mut [f64]| v[j] += delta).unwrap();
+            let element = value.flat_view(j, &[]).unwrap();
+            let nudge = |delta: f64| element.add_assign(&Tensor::scalar(delta, DType::F64)).unwrap();
             nudge(h);
             let up = loss_at();
             nudge(-2.0 * h);
@@ -387,7 +388,9 @@ fn a_nan_gradient_fails_the_parameter_check() {
         .get("layers.1.bias")
         .unwrap()
         .value()
-        .with_slice_mut("test", |v: &mut [f64]| v[1] = f64::NAN)
+        .flat_view(1, &[])
+        .unwrap()
+        .copy_from(&Tensor::scalar(f64::NAN, DType::F64))
         .unwrap();
     let batch = Batch::Classify {
         inputs: Tensor::randn(&[4, 5], 1.0, DType::F32, &mut rng),

@@ -41,16 +41,23 @@ impl DType {
     }
 }
 
-/// A type that a CPU storage can hold.
+/// A type that a tensor can hold, and that host vectors moved in and out of tensors have.
 pub trait Element: Copy + Send + Sync + std::fmt::Debug + Default + 'static {
     /// The matching [`DType`].
     const DTYPE: DType;
-    /// Borrows the storage's elements if it holds this type.
+    /// Borrows the storage's elements if it holds this type (host storage is private to
+    /// this crate: other crates cannot name or reach a `CpuStorage`).
+    #[doc(hidden)]
     fn slice(s: &CpuStorage) -> Option<&[Self]>;
     /// Borrows the storage's elements mutably if it holds this type.
+    #[doc(hidden)]
     fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Wraps a vector into a storage.
+    #[doc(hidden)]
     fn wrap(v: Vec<Self>) -> CpuStorage;
+    /// Takes the vector out of a storage if it holds this type (no copy).
+    #[doc(hidden)]
+    fn unwrap(s: CpuStorage) -> Option<Vec<Self>>;
     /// Converts to f64 (lossless for every supported type but large i64).
     fn to_f64(self) -> f64;
     /// Converts from f64, rounding as the type requires.
@@ -75,6 +82,12 @@ macro_rules! element {
             }
             fn wrap(v: Vec<Self>) -> CpuStorage {
                 CpuStorage::$variant(v)
+            }
+            fn unwrap(s: CpuStorage) -> Option<Vec<Self>> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
             }
             fn to_f64(self) -> f64 {
                 ($to)(self)

@@ -45,7 +45,7 @@ pub enum TensorError {
     #[error("{op}: dtype mismatch: {lhs:?} vs {rhs:?}")]
     DTypeMismatch { op: &'static str, lhs: DType, rhs: DType },
     /// The requested device is not available in this build or on this machine.
-    #[error("device {device:?} is not available: {reason}")]
+    #[error("device {device} is not available: {reason}")]
     DeviceUnavailable { device: Device, reason: String },
     /// Two operands on different devices.
     #[error("{op}: device mismatch: {lhs:?} vs {rhs:?}")]

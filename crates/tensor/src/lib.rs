@@ -1,6 +1,7 @@
 //! Brigade's tensors: n-d arrays as shared storage plus a layout (shape, strides in
-//! elements, offset), on a [`Device`], with CPU kernels for everything the MLP and GPT
-//! models need.
+//! elements, offset), on a [`Device`]. Every op checks its operands here (`ops/`) and runs
+//! on the backend that holds them, through one narrow device contract (`backend.rs`);
+//! the CPU backend (`cpu/`) has kernels for everything the MLP and GPT models need.
 //!
 //! Views (transpose, permute, narrow, broadcast, reshape of contiguous data) cost no
 //! copy; ops return new tensors; a handful of in-place methods write through views,
@@ -8,6 +9,8 @@
 //! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
 //! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
 
+mod backend;
+mod cpu;
 mod device;
 mod dtype;
 mod error;
@@ -16,15 +19,16 @@ mod ops;
 mod rng;
 mod storage;
 mod tensor;
+pub mod testing;
 mod threads;
 
+pub use cpu::gemm_threads_for;
 pub use device::Device;
 pub use dtype::{DType, Element, Float};
 pub use error::{Result, TensorError};
 pub use layout::{broadcast_shape, contiguous_strides, Layout};
-pub use ops::gemm_threads_for;
-pub use ops::LayerNormSaved;
+pub use ops::{AdamWStep, LayerNormSaved, SgdStep};
 pub use rng::Rng;
-pub use storage::{CpuStorage, Storage};
+pub use storage::Storage;
 pub use tensor::Tensor;
 pub use threads::{compute_threads, set_compute_threads};

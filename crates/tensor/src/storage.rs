@@ -1,10 +1,14 @@
-//! Flat element buffers that tensors view through a [`crate::Layout`].
+//! Flat element buffers on some device, and the dispatch from an op to the backend that
+//! holds its operands.
 
 use half::{bf16, f16};
 
-use crate::DType;
+use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
+use crate::cpu::CpuDevice;
+use crate::{DType, Device, Element, Layout, Result, TensorError};
 
-/// A tensor's backing memory on the host: one flat vector of one element type.
+/// A tensor's backing memory on the host: one flat vector of one element type. Only this
+/// crate sees it (the CPU backend's storage); other crates copy explicitly.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CpuStorage {
     F32(Vec<f32>),
@@ -17,7 +21,7 @@ pub enum CpuStorage {
 
 impl CpuStorage {
     /// The element type.
-    pub fn dtype(&self) -> DType {
+    pub(crate) fn dtype(&self) -> DType {
         match self {
             CpuStorage::F32(_) => DType::F32,
             CpuStorage::F64(_) => DType::F64,
@@ -29,7 +33,7 @@ impl CpuStorage {
     }
 
     /// Number of elements.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             CpuStorage::F32(v) => v.len(),
             CpuStorage::F64(v) => v.len(),
@@ -40,41 +44,416 @@ impl CpuStorage {
         }
     }
 
+    /// A zero-filled storage.
+    pub(crate) fn zeros(dtype: DType, n: usize) -> Self {
+        Self::full(dtype, n, 0.0)
+    }
+
+    /// `n` copies of `v` converted to `dtype`.
+    pub(crate) fn full(dtype: DType, n: usize, v: f64) -> Self {
+        match dtype {
+            DType::F32 => CpuStorage::F32(vec![v as f32; n]),
+            DType::F64 => CpuStorage::F64(vec![v; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::from_f64(v); n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); n]),
+            DType::I64 => CpuStorage::I64(vec![v as i64; n]),
+            DType::U8 => CpuStorage::U8(vec![v as u8; n]),
+        }
+    }
+
+    /// `dtype` values from f64s (rounded as the type requires).
+    pub(crate) fn from_f64_vec(v: Vec<f64>, dtype: DType) -> Self {
+        match dtype {
+            DType::F64 => CpuStorage::F64(v),
+            DType::F32 => CpuStorage::F32(v.iter().map(|&x| x as f32).collect()),
+            DType::F16 => CpuStorage::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
+            DType::BF16 => CpuStorage::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+            DType::I64 => CpuStorage::I64(v.iter().map(|&x| x as i64).collect()),
+            DType::U8 => CpuStorage::U8(v.iter().map(|&x| x as u8).collect()),
+        }
+    }
+}
+
+/// Storage on one device: the enum every op dispatches on, one variant per backend. A
+/// CUDA variant (`Cuda(cuda::CudaStorage)`) slots in beside `Cpu` with one arm in
+/// `on_backend!`, `cpu`/`cpu_mut`'s twins, `zeros`, `from_cpu`, `to_host_vec` and
+/// `Storage::into_host_vec`.
+#[derive(Debug, Clone)]
+pub(crate) enum DeviceStorage {
+    /// Host memory, CPU kernels.
+    Cpu(CpuStorage),
+}
+
+impl From<CpuStorage> for DeviceStorage {
+    fn from(s: CpuStorage) -> Self {
+        DeviceStorage::Cpu(s)
+    }
+}
+
+/// Runs `$e` with `$x` bound to the backend storage inside `$s`, and `$other` /
+/// `$other_mut` bound to functions that take the same backend's storage out of another
+/// `DeviceStorage` operand (a `DeviceMismatch` error if it lives elsewhere).
+macro_rules! on_backend {
+    ($s:expr, $x:ident, $other:ident, $other_mut:ident => $e:expr) => {{
+        #[allow(unused_variables)]
+        match $s {
+            DeviceStorage::Cpu($x) => {
+                let ($other, $other_mut) = (DeviceStorage::cpu, DeviceStorage::cpu_mut);
+                $e
+            }
+        }
+    }};
+}
+
+fn mismatch(found: Device, want: Device) -> TensorError {
+    TensorError::DeviceMismatch {
+        op: "backend dispatch",
+        lhs: want,
+        rhs: found,
+    }
+}
+
+impl DeviceStorage {
+    /// The CPU storage of an operand that must live on the CPU.
+    #[allow(unreachable_patterns)]
+    fn cpu(&self) -> Result<&CpuStorage> {
+        match self {
+            DeviceStorage::Cpu(s) => Ok(s),
+            s => Err(mismatch(s.device(), Device::Cpu)),
+        }
+    }
+
+    /// The CPU storage of an operand that must live on the CPU, for writing.
+    #[allow(unreachable_patterns)]
+    fn cpu_mut(&mut self) -> Result<&mut CpuStorage> {
+        match self {
+            DeviceStorage::Cpu(s) => Ok(s),
+            s => Err(mismatch(s.device(), Device::Cpu)),
+        }
+    }
+
+    /// `n` zeros of `dtype` on `device`: the allocate half of the contract.
+    pub(crate) fn zeros(device: Device, dtype: DType, n: usize) -> Result<DeviceStorage> {
+        match device {
+            Device::Cpu => CpuDevice.zeros(dtype, n).map(Into::into),
+            d => Err(unavailable(d)),
+        }
+    }
+
+    /// Copy in: host data onto `device` (no copy for the CPU).
+    pub(crate) fn from_cpu(device: Device, data: CpuStorage) -> Result<DeviceStorage> {
+        match device {
+            Device::Cpu => Ok(DeviceStorage::Cpu(data)),
+            d => Err(unavailable(d)),
+        }
+    }
+
+    /// The device the memory lives on.
+    pub(crate) fn device(&self) -> Device {
+        on_backend!(self, s, other, other_mut => BackendStorage::device(s))
+    }
+
+    /// The element type.
+    pub(crate) fn dtype(&self) -> DType {
+        on_backend!(self, s, other, other_mut => BackendStorage::dtype(s))
+    }
+
+    /// Number of elements.
+    pub(crate) fn len(&self) -> usize {
+        on_backend!(self, s, other, other_mut => BackendStorage::len(s))
+    }
+
+    /// A zero-length storage of the same dtype and device.
+    pub(crate) fn empty_like(&self) -> DeviceStorage {
+        on_backend!(self, s, other, other_mut => s.empty_like().into())
+    }
+
+    /// The elements of the view, row-major, in host memory: one gather on the CPU, a
+    /// device-side gather and one copy out elsewhere.
+    pub(crate) fn to_host_vec<T: Element>(&self, layout: &Layout, op: &'static str) -> Result<Vec<T>> {
+        match self {
+            DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
+        }
+    }
+
+    /// Copy out of the whole storage into host memory.
+    pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
+        on_backend!(self, s, other, other_mut => s.to_cpu())
+    }
+
+    /// See [`BackendStorage::copy_strided`].
+    pub(crate) fn copy_strided(&self, layout: &Layout) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.copy_strided(layout).map(Into::into))
+    }
+
+    /// See [`BackendStorage::to_dtype`].
+    pub(crate) fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.to_dtype(layout, dtype).map(Into::into))
+    }
+
+    /// See [`BackendStorage::unary`].
+    pub(crate) fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.unary(layout, op).map(Into::into))
+    }
+
+    /// See [`BackendStorage::binary`].
+    pub(crate) fn binary(&self, l: &Layout, rhs: &DeviceStorage, rl: &Layout, op: BinaryOp) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.binary(l, other(rhs)?, rl, op).map(Into::into))
+    }
+
+    /// See [`BackendStorage::reduce`].
+    pub(crate) fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.reduce(layout, dims, op).map(Into::into))
+    }
+
+    /// See [`BackendStorage::matmul`].
+    pub(crate) fn matmul(&self, l: &Layout, rhs: &DeviceStorage, rl: &Layout) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.matmul(l, other(rhs)?, rl).map(Into::into))
+    }
+
+    /// See [`BackendStorage::softmax_last`].
+    pub(crate) fn softmax_last(&self, layout: &Layout, log: bool) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.softmax_last(layout, log).map(Into::into))
+    }
+
+    /// See [`BackendStorage::softmax_backward`].
+    pub(crate) fn softmax_backward(
+        &self,
+        l: &Layout,
+        g: &DeviceStorage,
+        gl: &Layout,
+        log: bool,
+    ) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.softmax_backward(l, other(g)?, gl, log).map(Into::into))
+    }
+
+    /// See [`BackendStorage::layer_norm`].
+    pub(crate) fn layer_norm(
+        &self,
+        l: &Layout,
+        w: (&DeviceStorage, &Layout),
+        b: (&DeviceStorage, &Layout),
+        eps: f64,
+    ) -> Result<(DeviceStorage, DeviceStorage, DeviceStorage)> {
+        on_backend!(self, s, other, other_mut => {
+            let (y, mean, rstd) = s.layer_norm(l, (other(w.0)?, w.1), (other(b.0)?, b.1), eps)?;
+            Ok((y.into(), mean.into(), rstd.into()))
+        })
+    }
+
+    /// See [`BackendStorage::layer_norm_backward`].
+    pub(crate) fn layer_norm_backward(
+        &self,
+        l: &Layout,
+        w: (&DeviceStorage, &Layout),
+        mean: (&DeviceStorage, &Layout),
+        rstd: (&DeviceStorage, &Layout),
+        gy: (&DeviceStorage, &Layout),
+    ) -> Result<(DeviceStorage, DeviceStorage, DeviceStorage)> {
+        on_backend!(self, s, other, other_mut => {
+            let (dx, dw, db) = s.layer_norm_backward(
+                l,
+                (other(w.0)?, w.1),
+                (other(mean.0)?, mean.1),
+                (other(rstd.0)?, rstd.1),
+                (other(gy.0)?, gy.1),
+            )?;
+            Ok((dx.into(), dw.into(), db.into()))
+        })
+    }
+
+    /// See [`BackendStorage::embedding`].
+    pub(crate) fn embedding(&self, l: &Layout, ids: (&DeviceStorage, &Layout)) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.embedding(l, (other(ids.0)?, ids.1)).map(Into::into))
+    }
+
+    /// See [`BackendStorage::embedding_backward`].
+    pub(crate) fn embedding_backward(
+        &self,
+        l: &Layout,
+        ids: (&DeviceStorage, &Layout),
+        vocab: usize,
+    ) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.embedding_backward(l, (other(ids.0)?, ids.1), vocab).map(Into::into))
+    }
+
+    /// See [`BackendStorage::causal_fill`].
+    pub(crate) fn causal_fill(&self, l: &Layout, value: f64) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.causal_fill(l, value).map(Into::into))
+    }
+
+    /// See [`BackendStorage::cross_entropy`].
+    pub(crate) fn cross_entropy(
+        &self,
+        l: &Layout,
+        targets: (&DeviceStorage, &Layout),
+    ) -> Result<(DeviceStorage, DeviceStorage)> {
+        on_backend!(self, s, other, other_mut => {
+            let (loss, probs) = s.cross_entropy(l, (other(targets.0)?, targets.1))?;
+            Ok((loss.into(), probs.into()))
+        })
+    }
+
+    /// See [`BackendStorage::cross_entropy_backward`].
+    pub(crate) fn cross_entropy_backward(
+        &self,
+        l: &Layout,
+        targets: (&DeviceStorage, &Layout),
+        g: f64,
+    ) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.cross_entropy_backward(l, (other(targets.0)?, targets.1), g).map(Into::into))
+    }
+
+    /// See [`BackendStorage::fill`].
+    pub(crate) fn fill(&mut self, l: &Layout, v: f64) -> Result<()> {
+        on_backend!(self, s, other, other_mut => s.fill(l, v))
+    }
+
+    /// See [`BackendStorage::copy_from`].
+    pub(crate) fn copy_from(&mut self, l: &Layout, src: (&DeviceStorage, &Layout)) -> Result<()> {
+        on_backend!(self, s, other, other_mut => s.copy_from(l, (other(src.0)?, src.1)))
+    }
+
+    /// See [`BackendStorage::add_scaled_assign`].
+    pub(crate) fn add_scaled_assign(&mut self, l: &Layout, src: (&DeviceStorage, &Layout), scale: f64) -> Result<()> {
+        on_backend!(self, s, other, other_mut => s.add_scaled_assign(l, (other(src.0)?, src.1), scale))
+    }
+
+    /// See [`BackendStorage::sgd_step`].
+    pub(crate) fn sgd_step(
+        &mut self,
+        l: &Layout,
+        grad: (&DeviceStorage, &Layout),
+        buf: Option<(&mut DeviceStorage, &Layout)>,
+        sc: &SgdScalars,
+    ) -> Result<()> {
+        on_backend!(self, s, other, other_mut => {
+            let buf = match buf {
+                Some((b, bl)) => Some((other_mut(b)?, bl)),
+                None => None,
+            };
+            s.sgd_step(l, (other(grad.0)?, grad.1), buf, sc)
+        })
+    }
+
+    /// See [`BackendStorage::adamw_step`].
+    pub(crate) fn adamw_step(
+        &mut self,
+        l: &Layout,
+        grad: (&DeviceStorage, &Layout),
+        m: (&mut DeviceStorage, &Layout),
+        v: (&mut DeviceStorage, &Layout),
+        sc: &AdamWScalars,
+    ) -> Result<()> {
+        on_backend!(self, s, other, other_mut => {
+            s.adamw_step(l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
+        })
+    }
+}
+
+/// The error for a device this build has no backend for.
+pub(crate) fn unavailable(device: Device) -> TensorError {
+    TensorError::DeviceUnavailable {
+        device,
+        reason: "this build has no CUDA backend yet; only the CPU is available".into(),
+    }
+}
+
+/// A tensor's memory on some device, as lent out by [`crate::Tensor::lend_storage`] and
+/// given back with [`crate::Tensor::restore_storage`]. Opaque: other crates move its
+/// elements to and from host vectors explicitly, without a copy when it lives on the CPU.
+#[derive(Debug)]
+pub struct Storage(pub(crate) DeviceStorage);
+
+impl Storage {
+    /// The device the memory lives on.
+    pub fn device(&self) -> Device {
+        self.0.device()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype()
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
     /// True when there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// A zero-filled storage.
-    pub fn zeros(dtype: DType, n: usize) -> Self {
-        match dtype {
-            DType::F32 => CpuStorage::F32(vec![0.0; n]),
-            DType::F64 => CpuStorage::F64(vec![0.0; n]),
-            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
-            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
-            DType::I64 => CpuStorage::I64(vec![0; n]),
-            DType::U8 => CpuStorage::U8(vec![0; n]),
+    /// The elements as a host vector: the storage's own vector on the CPU (no copy), a
+    /// copy out of device memory elsewhere (how a CUDA gradient bucket is staged through
+    /// the host for a CPU all-reduce). `T` must be the storage's dtype.
+    pub fn into_host_vec<T: Element>(self) -> Result<Vec<T>> {
+        let dtype = self.dtype();
+        let wrong = || TensorError::DTypeMismatch {
+            op: "into_host_vec",
+            lhs: dtype,
+            rhs: T::DTYPE,
+        };
+        match self.0 {
+            DeviceStorage::Cpu(s) => T::unwrap(s).ok_or_else(wrong),
         }
     }
 
-    /// An empty storage of the same type (what is left behind when the data is lent out).
-    pub(crate) fn empty_like(&self) -> Self {
-        Self::zeros(self.dtype(), 0)
+    /// A storage on `device` holding `data`: the vector itself on the CPU (no copy), a
+    /// copy into device memory elsewhere.
+    pub fn from_host_vec<T: Element>(data: Vec<T>, device: Device) -> Result<Storage> {
+        Ok(Storage(DeviceStorage::from_cpu(device, T::wrap(data))?))
     }
 }
 
-/// Storage on some device. Only the host variant exists in this build; a CUDA variant
-/// slots in beside it, and every kernel dispatches on this enum.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Storage {
-    Cpu(CpuStorage),
-}
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Device, Storage, Tensor, TensorError};
 
-impl Storage {
-    /// The device this storage lives on.
-    pub fn device(&self) -> crate::Device {
-        match self {
-            Storage::Cpu(_) => crate::Device::Cpu,
-        }
+    #[test]
+    fn a_lent_cpu_storage_moves_its_vector_out_and_back_without_a_copy() {
+        let flat = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap();
+        let before = match &*flat.read_guard_for_tests() {
+            super::DeviceStorage::Cpu(super::CpuStorage::F32(v)) => v.as_ptr(),
+            _ => unreachable!(),
+        };
+        let v = flat.lend_storage().unwrap().into_host_vec::<f32>().unwrap();
+        assert_eq!(v.as_ptr(), before, "the host vector is the storage's own");
+        let back = Storage::from_host_vec(v, Device::Cpu).unwrap();
+        flat.restore_storage(back).unwrap();
+        let after = match &*flat.read_guard_for_tests() {
+            super::DeviceStorage::Cpu(super::CpuStorage::F32(v)) => v.as_ptr(),
+            _ => unreachable!(),
+        };
+        assert_eq!(after, before);
+        assert_eq!(flat.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        let wrong = flat.lend_storage().unwrap();
+        assert!(matches!(
+            wrong.into_host_vec::<f64>(),
+            Err(TensorError::DTypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn an_unserved_device_is_one_typed_error_that_names_no_missing_flag() {
+        let e = Tensor::zeros(&[2], DType::F32).to_device(Device::Cuda(0)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TensorError::DeviceUnavailable {
+                    device: Device::Cuda(0),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.starts_with("device cuda:0 is not available") && !text.contains("--device"),
+            "{text}"
+        );
+        assert!(Tensor::zeros_on(&[2], DType::F32, Device::Cuda(1)).is_err());
     }
 }

@@ -3,19 +3,20 @@
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::layout::contiguous_strides;
-use crate::storage::{CpuStorage, Storage};
+use crate::storage::{CpuStorage, DeviceStorage, Storage};
 use crate::{DType, Device, Element, Layout, Result, Rng, TensorError};
 
 /// An n-d array: a reference-counted storage plus a [`Layout`] (shape, strides, offset).
 ///
 /// Cloning a tensor or taking a view (transpose, narrow, broadcast, reshape of a
 /// contiguous tensor) shares the storage; ops return new tensors. In-place methods
-/// (`add_assign`, `fill`, `copy_from`, `with_slice_mut`) write through the view into the
-/// shared storage: this is how a parameter's gradient can live inside a larger flat
-/// buffer (a DDP bucket).
+/// (`add_assign`, `fill`, `copy_from`, the fused optimizer steps) write through the view
+/// into the shared storage: this is how a parameter's gradient can live inside a larger
+/// flat buffer (a DDP bucket). The storage lives on the tensor's [`Device`]; other crates
+/// reach elements only by explicit copies (`to_vec`, `from_vec`, `to_device`).
 #[derive(Clone)]
 pub struct Tensor {
-    storage: Arc<RwLock<Storage>>,
+    storage: Arc<RwLock<DeviceStorage>>,
     layout: Layout,
     dtype: DType,
     device: Device,
@@ -28,13 +29,15 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Tensor {
-    fn from_storage(storage: CpuStorage, shape: &[usize]) -> Tensor {
-        let dtype = storage.dtype();
+    /// A contiguous tensor over `storage`, on the storage's device.
+    pub(crate) fn from_storage(storage: impl Into<DeviceStorage>, shape: &[usize]) -> Tensor {
+        let storage = storage.into();
+        let (dtype, device) = (storage.dtype(), storage.device());
         Tensor {
-            storage: Arc::new(RwLock::new(Storage::Cpu(storage))),
+            storage: Arc::new(RwLock::new(storage)),
             layout: Layout::contiguous(shape),
             dtype,
-            device: Device::Cpu,
+            device,
         }
     }
 
@@ -62,9 +65,22 @@ impl Tensor {
         Self::full(&[], v, dtype)
     }
 
-    /// A tensor of zeros.
+    /// A tensor of zeros (on the CPU).
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
         Self::from_storage(CpuStorage::zeros(dtype, shape.iter().product()), shape)
+    }
+
+    /// A tensor of zeros on `device`, allocated there.
+    pub fn zeros_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Ok(Self::from_storage(
+            DeviceStorage::zeros(device, dtype, shape.iter().product())?,
+            shape,
+        ))
+    }
+
+    /// Zeros of this tensor's shape, dtype and device.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Self::zeros_on(self.shape(), self.dtype, self.device)
     }
 
     /// A tensor of ones.
@@ -75,7 +91,7 @@ impl Tensor {
     /// A tensor filled with `v` (converted to `dtype`).
     pub fn full(shape: &[usize], v: f64, dtype: DType) -> Tensor {
         let n: usize = shape.iter().product();
-        Self::from_storage(fill_storage(dtype, n, v), shape)
+        Self::from_storage(CpuStorage::full(dtype, n, v), shape)
     }
 
     /// Standard-normal samples times `std`.
@@ -94,15 +110,7 @@ impl Tensor {
 
     /// A tensor of `dtype` from f64 values (rounded as the type requires).
     pub fn from_f64_vec(v: Vec<f64>, shape: &[usize], dtype: DType) -> Tensor {
-        let s = match dtype {
-            DType::F64 => CpuStorage::F64(v),
-            DType::F32 => CpuStorage::F32(v.iter().map(|&x| x as f32).collect()),
-            DType::F16 => CpuStorage::F16(v.iter().map(|&x| half::f16::from_f64(x)).collect()),
-            DType::BF16 => CpuStorage::BF16(v.iter().map(|&x| half::bf16::from_f64(x)).collect()),
-            DType::I64 => CpuStorage::I64(v.iter().map(|&x| x as i64).collect()),
-            DType::U8 => CpuStorage::U8(v.iter().map(|&x| x as u8).collect()),
-        };
-        Self::from_storage(s, shape)
+        Self::from_storage(CpuStorage::from_f64_vec(v, dtype), shape)
     }
 
     /// The dimensions.
@@ -159,6 +167,18 @@ impl Tensor {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
 
+    /// Identifies the storage this tensor views (equal for tensors that share it): with
+    /// [`Tensor::storage_numel`] and the layout's offset, enough to measure where a view lies
+    /// without reading its elements.
+    pub fn storage_id(&self) -> usize {
+        Arc::as_ptr(&self.storage) as *const () as usize
+    }
+
+    /// Elements in the whole storage this tensor views (not just the view).
+    pub fn storage_numel(&self) -> usize {
+        self.storage_len()
+    }
+
     /// A view of the same storage through another layout (checked against the storage).
     pub fn view_with_layout(&self, layout: Layout) -> Result<Tensor> {
         let len = self.storage_len();
@@ -181,97 +201,56 @@ impl Tensor {
     }
 
     fn storage_len(&self) -> usize {
-        match &*self.read_guard() {
-            Storage::Cpu(s) => s.len(),
-        }
+        self.read_guard().len()
     }
 
-    pub(crate) fn read_guard(&self) -> RwLockReadGuard<'_, Storage> {
+    fn read_guard(&self) -> RwLockReadGuard<'_, DeviceStorage> {
         self.storage.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn write_guard(&self) -> RwLockWriteGuard<'_, Storage> {
+    #[cfg(test)]
+    pub(crate) fn read_guard_for_tests(&self) -> RwLockReadGuard<'_, DeviceStorage> {
+        self.read_guard()
+    }
+
+    fn write_guard(&self) -> RwLockWriteGuard<'_, DeviceStorage> {
         self.storage.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn check_cpu(&self, op: &'static str) -> Result<()> {
-        match self.device {
-            Device::Cpu => Ok(()),
-            d => Err(TensorError::DeviceUnavailable {
-                device: d,
-                reason: format!("{op} has no kernel for this device"),
-            }),
-        }
-    }
-
-    /// Calls `f` with the whole storage slice and this view's layout.
-    pub fn with_storage<T: Element, R>(&self, op: &'static str, f: impl FnOnce(&[T], &Layout) -> R) -> Result<R> {
-        self.check_cpu(op)?;
+    /// The storage for reading through this view, or [`TensorError::StorageLent`] while
+    /// it is lent out.
+    pub(crate) fn storage(&self, op: &'static str) -> Result<RwLockReadGuard<'_, DeviceStorage>> {
         let g = self.read_guard();
-        let Storage::Cpu(s) = &*g;
-        let data = T::slice(s).ok_or(TensorError::DTypeMismatch {
-            op,
-            lhs: self.dtype,
-            rhs: T::DTYPE,
-        })?;
-        if self.layout.storage_extent() > data.len() {
+        if self.layout.storage_extent() > g.len() {
             return Err(TensorError::StorageLent { op });
         }
-        Ok(f(data, &self.layout))
+        Ok(g)
     }
 
-    /// Calls `f` with the elements in row-major order: borrowed when the view is
-    /// contiguous, gathered into a temporary otherwise.
-    pub fn with_contiguous<T: Element, R>(&self, op: &'static str, f: impl FnOnce(&[T]) -> R) -> Result<R> {
-        let n = self.numel();
+    /// The storage for writing through this view, or [`TensorError::StorageLent`] while
+    /// it is lent out.
+    pub(crate) fn storage_mut(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, DeviceStorage>> {
+        let g = self.write_guard();
+        if self.layout.storage_extent() > g.len() {
+            return Err(TensorError::StorageLent { op });
+        }
+        Ok(g)
+    }
+
+    /// This view made contiguous (a gather on its device when it is strided), for
+    /// kernels that read rows.
+    pub(crate) fn contiguous_for(&self, op: &'static str) -> Result<Tensor> {
         if self.is_contiguous() {
-            self.with_storage(op, |d: &[T], l| {
-                let o = l.offset();
-                f(&d[o..o + n])
-            })
-        } else {
-            let v = self.to_vec::<T>()?;
-            Ok(f(&v))
+            drop(self.storage(op)?);
+            return Ok(self.clone());
         }
-    }
-
-    /// Calls `f` with the view's elements as one mutable slice. The view must be
-    /// contiguous (a parameter, a gradient view into a bucket, an optimizer state).
-    pub fn with_slice_mut<T: Element, R>(&self, op: &'static str, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
-        self.check_cpu(op)?;
-        if !self.is_contiguous() {
-            return Err(TensorError::Invalid {
-                op,
-                msg: "in-place update needs a contiguous view".into(),
-            });
-        }
-        let n = self.numel();
-        let o = self.layout.offset();
-        let mut g = self.write_guard();
-        let Storage::Cpu(s) = &mut *g;
-        let dtype = s.dtype();
-        let data = T::slice_mut(s).ok_or(TensorError::DTypeMismatch {
-            op,
-            lhs: dtype,
-            rhs: T::DTYPE,
-        })?;
-        if o + n > data.len() {
-            return Err(TensorError::StorageLent { op });
-        }
-        Ok(f(&mut data[o..o + n]))
+        self.copy()
     }
 
     /// The elements in row-major order (type must match the dtype).
+    /// A copy out of device memory when the tensor lives on a GPU.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        self.with_storage("to_vec", |d: &[T], l| {
-            if l.is_contiguous() {
-                d[l.offset()..l.offset() + l.numel()].to_vec()
-            } else {
-                let mut v = Vec::with_capacity(l.numel());
-                l.for_each_offset(|o| v.push(d[o]));
-                v
-            }
-        })
+        self.storage("to_vec")?.to_host_vec::<T>(&self.layout, "to_vec")
     }
 
     /// The elements converted to f64, in row-major order, whatever the dtype.
@@ -305,19 +284,20 @@ impl Tensor {
         if dtype == self.dtype {
             return self.contiguous();
         }
-        let v = self.to_f64_vec()?;
-        Ok(Self::from_f64_vec(v, self.shape(), dtype))
+        let out = self.storage("to_dtype")?.to_dtype(&self.layout, dtype)?;
+        Ok(Self::from_storage(out, self.shape()))
     }
 
-    /// This tensor on `device`. Only the CPU is served by this build.
+    /// This tensor on `device`: the same tensor when it is already there, else a
+    /// contiguous copy (out of the source device, into the target one). A device this
+    /// build or machine cannot serve is a [`TensorError::DeviceUnavailable`].
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
-        match device {
-            Device::Cpu if self.device == Device::Cpu => Ok(self.clone()),
-            d => Err(TensorError::DeviceUnavailable {
-                device: d,
-                reason: "this build has no CUDA backend yet; use --device cpu".into(),
-            }),
+        if device == self.device {
+            return Ok(self.clone());
         }
+        let host = self.contiguous()?;
+        let host = host.storage("to_device")?.copy_strided(&host.layout)?.to_cpu()?;
+        Ok(Self::from_storage(DeviceStorage::from_cpu(device, host)?, self.shape()))
     }
 
     /// A contiguous tensor with the same elements (the same tensor if already contiguous).
@@ -330,14 +310,7 @@ impl Tensor {
 
     /// A contiguous copy that shares nothing with `self`.
     pub fn copy(&self) -> Result<Tensor> {
-        let s = match self.dtype {
-            DType::F32 => CpuStorage::F32(self.to_vec()?),
-            DType::F64 => CpuStorage::F64(self.to_vec()?),
-            DType::F16 => CpuStorage::F16(self.to_vec()?),
-            DType::BF16 => CpuStorage::BF16(self.to_vec()?),
-            DType::I64 => CpuStorage::I64(self.to_vec()?),
-            DType::U8 => CpuStorage::U8(self.to_vec()?),
-        };
+        let s = self.storage("copy")?.copy_strided(&self.layout)?;
         Ok(Self::from_storage(s, self.shape()))
     }
 
@@ -402,20 +375,24 @@ impl Tensor {
     /// Takes the storage out of this tensor (and every view of it), leaving an empty one
     /// behind until [`Tensor::restore_storage`]. Any access meanwhile is a
     /// [`TensorError::StorageLent`] error, never a read of stale data. This is how a
-    /// bucket hands its flat buffer to the comm stream without a copy.
-    pub fn lend_storage(&self) -> Result<CpuStorage> {
-        let mut g = self.write_guard();
-        let Storage::Cpu(s) = &mut *g;
-        if s.len() < self.layout.storage_extent() {
-            return Err(TensorError::StorageLent { op: "lend_storage" });
-        }
-        let empty = s.empty_like();
-        Ok(std::mem::replace(s, empty))
+    /// bucket hands its flat buffer to the comm stream without a copy (on the CPU,
+    /// [`Storage::into_host_vec`] then moves the vector out as it is).
+    pub fn lend_storage(&self) -> Result<Storage> {
+        let mut g = self.storage_mut("lend_storage")?;
+        let empty = g.empty_like();
+        Ok(Storage(std::mem::replace(&mut *g, empty)))
     }
 
-    /// Gives back storage taken with [`Tensor::lend_storage`]; type and length must match
-    /// what the views need.
-    pub fn restore_storage(&self, storage: CpuStorage) -> Result<()> {
+    /// Gives back storage taken with [`Tensor::lend_storage`]; device, type and length
+    /// must match what the views need.
+    pub fn restore_storage(&self, storage: Storage) -> Result<()> {
+        if storage.device() != self.device {
+            return Err(TensorError::DeviceMismatch {
+                op: "restore_storage",
+                lhs: self.device,
+                rhs: storage.device(),
+            });
+        }
         if storage.dtype() != self.dtype {
             return Err(TensorError::DTypeMismatch {
                 op: "restore_storage",
@@ -433,19 +410,7 @@ impl Tensor {
                 ),
             });
         }
-        let mut g = self.write_guard();
-        *g = Storage::Cpu(storage);
+        *self.write_guard() = storage.0;
         Ok(())
-    }
-}
-
-fn fill_storage(dtype: DType, n: usize, v: f64) -> CpuStorage {
-    match dtype {
-        DType::F32 => CpuStorage::F32(vec![v as f32; n]),
-        DType::F64 => CpuStorage::F64(vec![v; n]),
-        DType::F16 => CpuStorage::F16(vec![half::f16::from_f64(v); n]),
-        DType::BF16 => CpuStorage::BF16(vec![half::bf16::from_f64(v); n]),
-        DType::I64 => CpuStorage::I64(vec![v as i64; n]),
-        DType::U8 => CpuStorage::U8(vec![v as u8; n]),
     }
 }

@@ -1,106 +1,43 @@
 //! Elementwise maps: unary, scalar and broadcasting binary ops, activation derivatives.
 
+use super::{compute_dtype, same_device, same_dtype};
+use crate::backend::{BinaryOp, UnaryOp};
 use crate::layout::broadcast_shape;
-use crate::threads::{par_chunks_mut, par_rows_mut};
-use crate::{Element, Float, Result, Tensor, TensorError};
+use crate::{Result, Tensor};
 
-const GRAIN: usize = 16 * 1024;
-
-/// `1/sqrt(2*pi)`.
-const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
-
-fn unary<T: Float>(op: &'static str, x: &Tensor, f: impl Fn(T) -> T + Sync + Send) -> Result<Tensor> {
-    let mut out = vec![T::ZERO; x.numel()];
-    x.with_contiguous(op, |src: &[T]| {
-        par_chunks_mut(&mut out, GRAIN, |start, chunk| {
-            let len = chunk.len();
-            for (o, &s) in chunk.iter_mut().zip(&src[start..start + len]) {
-                *o = f(s);
-            }
-        })
-    })?;
-    Tensor::from_vec(out, x.shape())
+/// Applies `op` to each element (a strided view is gathered first).
+fn unary(name: &'static str, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
+    compute_dtype(name, x)?;
+    let x = x.contiguous_for(name)?;
+    let out = x.storage(name)?.unary(x.layout(), op)?;
+    Ok(Tensor::from_storage(out, x.shape()))
 }
 
-/// Applies `f(a, b)` elementwise after broadcasting `a` and `b` to a common shape.
-pub(crate) fn binary<T: Float>(
-    op: &'static str,
-    a: &Tensor,
-    b: &Tensor,
-    f: impl Fn(T, T) -> T + Sync + Send,
-) -> Result<Tensor> {
-    if a.dtype() != b.dtype() {
-        return Err(TensorError::DTypeMismatch {
-            op,
-            lhs: a.dtype(),
-            rhs: b.dtype(),
-        });
-    }
-    let shape = broadcast_shape(op, a.shape(), b.shape())?;
-    let n: usize = shape.iter().product();
-    let mut out = vec![T::ZERO; n];
-    if a.shape() == b.shape() && a.is_contiguous() && b.is_contiguous() {
-        a.with_contiguous(op, |sa: &[T]| {
-            b.with_contiguous(op, |sb: &[T]| {
-                par_chunks_mut(&mut out, GRAIN, |start, chunk| {
-                    let len = chunk.len();
-                    let (xa, xb) = (&sa[start..start + len], &sb[start..start + len]);
-                    for ((o, &x), &y) in chunk.iter_mut().zip(xa).zip(xb) {
-                        *o = f(x, y);
-                    }
-                })
-            })
-        })??;
-        return Tensor::from_vec(out, &shape);
-    }
-    let la = a.layout().broadcast_to(&shape)?;
-    let lb = b.layout().broadcast_to(&shape)?;
-    let inner = shape.last().copied().unwrap_or(1);
-    let (sa_in, sb_in) = (
-        la.strides().last().copied().unwrap_or(0),
-        lb.strides().last().copied().unwrap_or(0),
-    );
-    a.with_storage(op, |da: &[T], _| {
-        b.with_storage(op, |db: &[T], _| {
-            par_rows_mut(&mut out, inner, |row, o| {
-                let (mut ia, mut ib) = (la.row_offset(row), lb.row_offset(row));
-                for v in o.iter_mut() {
-                    *v = f(da[ia], db[ib]);
-                    ia += sa_in;
-                    ib += sb_in;
-                }
-            })
-        })
-    })??;
-    Tensor::from_vec(out, &shape)
-}
-
-fn gelu<T: Float>(x: T) -> T {
-    let half = T::from_f64(0.5);
-    half * x * (T::ONE + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf())
-}
-
-fn gelu_grad<T: Float>(x: T) -> T {
-    let half = T::from_f64(0.5);
-    let cdf = half * (T::ONE + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf());
-    let pdf = T::from_f64(INV_SQRT_2PI) * (-(x * x) * half).exp();
-    cdf + x * pdf
+/// Applies `op(a, b)` elementwise after broadcasting `a` and `b` to a common shape.
+fn binary(name: &'static str, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    compute_dtype(name, a)?;
+    same_dtype(name, a, b)?;
+    same_device(name, a, b)?;
+    let shape = broadcast_shape(name, a.shape(), b.shape())?;
+    let (la, lb) = (a.layout().broadcast_to(&shape)?, b.layout().broadcast_to(&shape)?);
+    let out = a.storage(name)?.binary(&la, &*b.storage(name)?, &lb, op)?;
+    Ok(Tensor::from_storage(out, &shape))
 }
 
 macro_rules! unary_op {
-    ($(#[$doc:meta])* $name:ident, |$x:ident| $e:expr) => {
+    ($(#[$doc:meta])* $name:ident, $op:expr) => {
         $(#[$doc])*
         pub fn $name(&self) -> Result<Tensor> {
-            float_dispatch!(stringify!($name), self.dtype(), T => unary::<T>(stringify!($name), self, |$x: T| $e))
+            unary(stringify!($name), self, $op)
         }
     };
 }
 
 macro_rules! binary_op {
-    ($(#[$doc:meta])* $name:ident, |$a:ident, $b:ident| $e:expr) => {
+    ($(#[$doc:meta])* $name:ident, $op:expr) => {
         $(#[$doc])*
         pub fn $name(&self, rhs: &Tensor) -> Result<Tensor> {
-            float_dispatch!(stringify!($name), self.dtype(), T => binary::<T>(stringify!($name), self, rhs, |$a: T, $b: T| $e))
+            binary(stringify!($name), self, rhs, $op)
         }
     };
 }
@@ -108,51 +45,48 @@ macro_rules! binary_op {
 impl Tensor {
     unary_op!(
         /// `-x`.
-        neg, |x| -x);
+        neg, UnaryOp::Neg);
     unary_op!(
         /// `e^x`.
-        exp, |x| x.exp());
+        exp, UnaryOp::Exp);
     unary_op!(
         /// Natural logarithm.
-        ln, |x| x.ln());
+        ln, UnaryOp::Ln);
     unary_op!(
         /// Square root.
-        sqrt, |x| x.sqrt());
+        sqrt, UnaryOp::Sqrt);
     unary_op!(
         /// `max(x, 0)`.
-        relu, |x| if x > T::ZERO { x } else { T::ZERO });
+        relu, UnaryOp::Relu);
     unary_op!(
         /// GELU, exact erf form: `0.5 x (1 + erf(x / sqrt 2))` (PyTorch's default).
-        gelu, |x| gelu(x));
+        gelu, UnaryOp::Gelu);
     unary_op!(
         /// `x^2`.
-        sqr, |x| x * x);
+        sqr, UnaryOp::Sqr);
 
     binary_op!(
         /// `a + b`, broadcasting.
-        add, |a, b| a + b);
+        add, BinaryOp::Add);
     binary_op!(
         /// `a - b`, broadcasting.
-        sub, |a, b| a - b);
+        sub, BinaryOp::Sub);
     binary_op!(
         /// `a * b`, broadcasting.
-        mul, |a, b| a * b);
+        mul, BinaryOp::Mul);
     binary_op!(
         /// `a / b`, broadcasting.
-        div, |a, b| a / b);
+        div, BinaryOp::Div);
     binary_op!(
         /// `g * (x > 0)` with `self = x` and `rhs = g`: the ReLU derivative applied to a gradient.
-        relu_backward, |x, g| if x > T::ZERO { g } else { T::ZERO });
+        relu_backward, BinaryOp::ReluBackward);
     binary_op!(
         /// `g * gelu'(x)` with `self = x` and `rhs = g`.
-        gelu_backward, |x, g| g * gelu_grad(x));
+        gelu_backward, BinaryOp::GeluBackward);
 
     /// `x * mul + add`, elementwise.
     pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
-        float_dispatch!("affine", self.dtype(), T => {
-            let (m, a) = (T::from_f64(mul), T::from_f64(add));
-            unary::<T>("affine", self, move |x: T| x * m + a)
-        })
+        unary("affine", self, UnaryOp::Affine { mul, add })
     }
 
     /// `x + s`.
@@ -167,39 +101,60 @@ impl Tensor {
 
     /// `x^p`.
     pub fn powf(&self, p: f64) -> Result<Tensor> {
-        float_dispatch!("powf", self.dtype(), T => {
-            let p = T::from_f64(p);
-            unary::<T>("powf", self, move |x: T| x.powf(p))
-        })
+        unary("powf", self, UnaryOp::Powf(p))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::{DType, Tensor};
+    use crate::{test_device, DType, Device, Tensor};
 
-    #[test]
-    fn broadcasting_add_of_a_row_and_a_column() {
-        let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3, 1]).unwrap();
-        let b = Tensor::from_vec(vec![10.0f32, 20.0], &[2]).unwrap();
-        let c = a.add(&b).unwrap();
-        assert_eq!(c.shape(), &[3, 2]);
-        assert_eq!(c.to_vec::<f32>().unwrap(), vec![11.0, 21.0, 12.0, 22.0, 13.0, 23.0]);
+    fn on(t: Tensor, d: Device) -> Tensor {
+        t.to_device(d).unwrap()
     }
 
-    #[test]
-    fn ops_on_a_transposed_view_see_the_view() {
-        let a = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+    fn broadcasting_add_of_a_row_and_a_column(d: Device) {
+        let a = on(Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3, 1]).unwrap(), d);
+        let b = on(Tensor::from_vec(vec![10.0f32, 20.0], &[2]).unwrap(), d);
+        let c = a.add(&b).unwrap();
+        assert_eq!((c.shape(), c.device()), (&[3usize, 2][..], d));
+        assert_eq!(c.to_vec::<f32>().unwrap(), vec![11.0, 21.0, 12.0, 22.0, 13.0, 23.0]);
+    }
+    test_device!(broadcasting_add_of_a_row_and_a_column);
+
+    fn ops_on_a_transposed_view_see_the_view(d: Device) {
+        let a = on(
+            Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap(),
+            d,
+        );
         let t = a.t().unwrap();
         assert_eq!(
             t.mul_scalar(2.0).unwrap().to_vec::<f64>().unwrap(),
             vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]
         );
+        // x - 2 x^T...: a binary op over two strided views, one of them transposed.
+        let s = t.sub(&t.mul_scalar(3.0).unwrap()).unwrap();
+        assert_eq!(s.to_vec::<f64>().unwrap(), vec![-2.0, -8.0, -4.0, -10.0, -6.0, -12.0]);
     }
+    test_device!(ops_on_a_transposed_view_see_the_view);
 
-    #[test]
-    fn integer_tensors_are_refused_by_float_kernels() {
-        let a = Tensor::zeros(&[2], DType::I64);
+    fn unary_maps_and_activation_derivatives(d: Device) {
+        let x = on(Tensor::from_vec(vec![-1.0f64, 0.5, 2.0], &[3]).unwrap(), d);
+        let got = |t: Tensor| t.to_vec::<f64>().unwrap();
+        assert_eq!(got(x.relu().unwrap()), vec![0.0, 0.5, 2.0]);
+        assert_eq!(got(x.affine(2.0, 1.0).unwrap()), vec![-1.0, 2.0, 5.0]);
+        assert_eq!(got(x.sqr().unwrap()), vec![1.0, 0.25, 4.0]);
+        // gelu(x) = x Phi(x); Phi(-1) = 0.158655253931457, Phi(2) = 0.977249868051821
+        let g = got(x.gelu().unwrap());
+        assert!((g[0] + 0.158_655_253_931_457).abs() < 1e-12 && (g[2] - 2.0 * 0.977_249_868_051_821).abs() < 1e-12);
+        let ones = on(Tensor::ones(&[3], DType::F64), d);
+        assert_eq!(got(x.relu_backward(&ones).unwrap()), vec![0.0, 1.0, 1.0]);
+    }
+    test_device!(unary_maps_and_activation_derivatives);
+
+    fn integer_tensors_are_refused_by_float_kernels(d: Device) {
+        let a = on(Tensor::zeros(&[2], DType::I64), d);
         assert!(a.exp().is_err());
     }
+    test_device!(integer_tensors_are_refused_by_float_kernels);
 }

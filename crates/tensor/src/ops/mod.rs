@@ -1,35 +1,54 @@
-//! CPU kernels. Each file is one family; every public op is a `Tensor` method.
-//!
-//! Kernels compute in f32 or f64 (chosen by the input's dtype); f16/bf16 tensors are
-//! converted with `to_dtype` first. Large inputs are split across this thread's compute
-//! threads (see [`crate::set_compute_threads`]).
-
-/// Runs `$body` with `$T` bound to the Rust type of a compute dtype.
-macro_rules! float_dispatch {
-    ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            $crate::DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            d => Err($crate::TensorError::UnsupportedDType {
-                op: $op,
-                dtype: d,
-                hint: " (kernels compute in f32/f64: convert with to_dtype first)",
-            }),
-        }
-    };
-}
+//! The device-independent front end of every op: each file is one family of `Tensor`
+//! methods that checks shapes and dtypes, prepares the views, and calls the backend
+//! holding the operands through the contract in [`crate::backend`].
 
 mod elementwise;
 mod inplace;
 mod matmul;
 mod nn;
+mod optim;
 mod reduce;
 
-pub use matmul::gemm_threads_for;
 pub use nn::LayerNormSaved;
+pub use optim::{AdamWStep, SgdStep};
+
+use crate::{Tensor, TensorError};
+
+/// Kernels compute in f32 or f64: anything else is refused with a hint.
+pub(crate) fn compute_dtype(op: &'static str, t: &Tensor) -> crate::Result<()> {
+    if t.dtype().is_compute() {
+        Ok(())
+    } else {
+        Err(TensorError::UnsupportedDType {
+            op,
+            dtype: t.dtype(),
+            hint: " (kernels compute in f32/f64: convert with to_dtype first)",
+        })
+    }
+}
+
+/// Operands of one op share a dtype.
+pub(crate) fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
+    if a.dtype() == b.dtype() {
+        Ok(())
+    } else {
+        Err(TensorError::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        })
+    }
+}
+
+/// Operands of one op live on one device.
+pub(crate) fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
+    if a.device() == b.device() {
+        Ok(())
+    } else {
+        Err(TensorError::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        })
+    }
+}

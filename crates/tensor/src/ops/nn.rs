@@ -1,11 +1,13 @@
-//! Neural-network kernels over the last axis: softmax, log-softmax, layer norm,
-//! embedding gather/scatter, causal mask, cross-entropy; each with its backward.
+//! Neural-network ops over the last axis: softmax, log-softmax, layer norm, embedding
+//! gather/scatter, causal mask, cross-entropy; each with its backward.
 
-use crate::threads::par_rows_mut;
-use crate::{DType, Float, Result, Tensor, TensorError};
+use super::{compute_dtype, same_device, same_dtype};
+use crate::{DType, Result, Tensor, TensorError};
 
-/// Reads an index tensor (I64 or U8) as `usize`s, each checked to be below `bound`.
-pub(crate) fn indices(op: &'static str, ids: &Tensor, bound: usize) -> Result<Vec<usize>> {
+/// Checks that an index tensor (I64 or U8) holds only values below `bound`. The values
+/// are read on the host (a small copy out for a device tensor), so that a bad id is one
+/// clear error on every device.
+pub(crate) fn check_indices(op: &'static str, ids: &Tensor, bound: usize) -> Result<()> {
     let v: Vec<i64> = match ids.dtype() {
         DType::I64 => ids.to_vec::<i64>()?,
         DType::U8 => ids.to_vec::<u8>()?.into_iter().map(i64::from).collect(),
@@ -17,19 +19,15 @@ pub(crate) fn indices(op: &'static str, ids: &Tensor, bound: usize) -> Result<Ve
             })
         }
     };
-    v.into_iter()
-        .enumerate()
-        .map(|(i, x)| {
-            if x < 0 || x as usize >= bound {
-                Err(TensorError::OutOfRange {
-                    op,
-                    msg: format!("index {x} at position {i} is outside 0..{bound}"),
-                })
-            } else {
-                Ok(x as usize)
-            }
-        })
-        .collect()
+    for (i, x) in v.into_iter().enumerate() {
+        if x < 0 || x as usize >= bound {
+            return Err(TensorError::OutOfRange {
+                op,
+                msg: format!("index {x} at position {i} is outside 0..{bound}"),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn last_dim(op: &'static str, x: &Tensor) -> Result<usize> {
@@ -39,45 +37,29 @@ fn last_dim(op: &'static str, x: &Tensor) -> Result<usize> {
     })
 }
 
-fn softmax_rows<T: Float>(x: &Tensor, log: bool) -> Result<Tensor> {
-    let op = if log { "log_softmax" } else { "softmax" };
-    let d = last_dim(op, x)?;
-    let mut out = vec![T::ZERO; x.numel()];
-    x.with_contiguous(op, |src: &[T]| {
-        par_rows_mut(&mut out, d, |r, o| {
-            let row = &src[r * d..(r + 1) * d];
-            let m = row
-                .iter()
-                .copied()
-                .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-            let mut sum = T::ZERO;
-            for (o, &v) in o.iter_mut().zip(row) {
-                *o = (v - m).exp();
-                sum += *o;
-            }
-            if log {
-                let lse = sum.ln() + m;
-                for (o, &v) in o.iter_mut().zip(row) {
-                    *o = v - lse;
-                }
-            } else {
-                let inv = T::ONE / sum;
-                for o in o.iter_mut() {
-                    *o *= inv;
-                }
-            }
-        })
-    })?;
-    Tensor::from_vec(out, x.shape())
+/// The operands of a row kernel: same dtype (a compute one), same device, contiguous.
+fn rows_operand(op: &'static str, x: &Tensor, other: &Tensor) -> Result<Tensor> {
+    same_dtype(op, x, other)?;
+    same_device(op, x, other)?;
+    other.contiguous_for(op)
 }
 
-/// Row-wise combination of an output `y` and its gradient `g` (same shape).
-fn rows2<T: Float>(
-    op: &'static str,
-    y: &Tensor,
-    g: &Tensor,
-    f: impl Fn(&[T], &[T], &mut [T]) + Sync + Send,
-) -> Result<Tensor> {
+fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
+    let op = if log { "log_softmax" } else { "softmax" };
+    compute_dtype(op, x)?;
+    last_dim(op, x)?;
+    let x = x.contiguous_for(op)?;
+    let out = x.storage(op)?.softmax_last(x.layout(), log)?;
+    Ok(Tensor::from_storage(out, x.shape()))
+}
+
+fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
+    let op = if log {
+        "log_softmax_backward"
+    } else {
+        "softmax_backward"
+    };
+    compute_dtype(op, y)?;
     if y.shape() != g.shape() {
         return Err(TensorError::ShapeMismatch {
             op,
@@ -85,16 +67,12 @@ fn rows2<T: Float>(
             rhs: g.shape().to_vec(),
         });
     }
-    let d = last_dim(op, y)?;
-    let mut out = vec![T::ZERO; y.numel()];
-    y.with_contiguous(op, |ys: &[T]| {
-        g.with_contiguous(op, |gs: &[T]| {
-            par_rows_mut(&mut out, d, |r, o| {
-                f(&ys[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d], o)
-            })
-        })
-    })??;
-    Tensor::from_vec(out, y.shape())
+    last_dim(op, y)?;
+    let (y, g) = (y.contiguous_for(op)?, rows_operand(op, y, g)?);
+    let out = y
+        .storage(op)?
+        .softmax_backward(y.layout(), &*g.storage(op)?, g.layout(), log)?;
+    Ok(Tensor::from_storage(out, y.shape()))
 }
 
 /// What the layer-norm forward saves for its backward.
@@ -106,8 +84,9 @@ pub struct LayerNormSaved {
     pub rstd: Tensor,
 }
 
-fn layer_norm_impl<T: Float>(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, LayerNormSaved)> {
+fn layer_norm_impl(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, LayerNormSaved)> {
     let op = "layer_norm";
+    compute_dtype(op, x)?;
     let d = last_dim(op, x)?;
     for p in [w, b] {
         if p.shape() != [d] {
@@ -119,94 +98,60 @@ fn layer_norm_impl<T: Float>(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Re
         }
     }
     let rows = x.numel() / d.max(1);
-    let mut out = vec![T::ZERO; x.numel()];
-    let mut stats = vec![T::ZERO; 2 * rows];
-    let eps = T::from_f64(eps);
-    let inv_d = T::ONE / T::from_usize(d);
-    x.with_contiguous(op, |xs: &[T]| {
-        w.with_contiguous(op, |ws: &[T]| {
-            b.with_contiguous(op, |bs: &[T]| {
-                par_rows_mut(&mut stats, 2, |r, st| {
-                    let row = &xs[r * d..(r + 1) * d];
-                    let mean = row.iter().copied().sum::<T>() * inv_d;
-                    let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<T>() * inv_d;
-                    st[0] = mean;
-                    st[1] = T::ONE / (var + eps).sqrt();
-                });
-                par_rows_mut(&mut out, d, |r, o| {
-                    let (mean, rstd) = (stats[2 * r], stats[2 * r + 1]);
-                    for (((o, &v), &wv), &bv) in o.iter_mut().zip(&xs[r * d..(r + 1) * d]).zip(ws).zip(bs) {
-                        *o = (v - mean) * rstd * wv + bv;
-                    }
-                })
-            })
-        })
-    })???;
-    let mean: Vec<T> = stats.iter().step_by(2).copied().collect();
-    let rstd: Vec<T> = stats.iter().skip(1).step_by(2).copied().collect();
+    let (w, b) = (rows_operand(op, x, w)?, rows_operand(op, x, b)?);
+    let x = x.contiguous_for(op)?;
+    let (sw, sb) = (w.storage(op)?, b.storage(op)?);
+    let (y, mean, rstd) = x
+        .storage(op)?
+        .layer_norm(x.layout(), (&sw, w.layout()), (&sb, b.layout()), eps)?;
     Ok((
-        Tensor::from_vec(out, x.shape())?,
+        Tensor::from_storage(y, x.shape()),
         LayerNormSaved {
-            mean: Tensor::from_vec(mean, &[rows])?,
-            rstd: Tensor::from_vec(rstd, &[rows])?,
+            mean: Tensor::from_storage(mean, &[rows]),
+            rstd: Tensor::from_storage(rstd, &[rows]),
         },
     ))
 }
 
-fn layer_norm_backward_impl<T: Float>(
+fn layer_norm_backward_impl(
     x: &Tensor,
     w: &Tensor,
     saved: &LayerNormSaved,
     gy: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "layer_norm_backward";
+    compute_dtype(op, x)?;
     let d = last_dim(op, x)?;
     let rows = x.numel() / d.max(1);
-    let mut dx = vec![T::ZERO; x.numel()];
-    let mut dw = vec![T::ZERO; d];
-    let mut db = vec![T::ZERO; d];
-    let inv_d = T::ONE / T::from_usize(d);
-    x.with_contiguous(op, |xs: &[T]| {
-        w.with_contiguous(op, |ws: &[T]| {
-            gy.with_contiguous(op, |gs: &[T]| {
-                saved.mean.with_contiguous(op, |ms: &[T]| {
-                    saved.rstd.with_contiguous(op, |rs: &[T]| {
-                        par_rows_mut(&mut dx, d, |r, o| {
-                            let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-                            let (mean, rstd) = (ms[r], rs[r]);
-                            let (mut s1, mut s2) = (T::ZERO, T::ZERO);
-                            for i in 0..d {
-                                let dxhat = gr[i] * ws[i];
-                                s1 += dxhat;
-                                s2 += dxhat * (xr[i] - mean) * rstd;
-                            }
-                            let (s1, s2) = (s1 * inv_d, s2 * inv_d);
-                            for i in 0..d {
-                                let xhat = (xr[i] - mean) * rstd;
-                                o[i] = rstd * (gr[i] * ws[i] - s1 - xhat * s2);
-                            }
-                        });
-                        for r in 0..rows {
-                            let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-                            for i in 0..d {
-                                dw[i] += gr[i] * (xr[i] - ms[r]) * rs[r];
-                                db[i] += gr[i];
-                            }
-                        }
-                    })
-                })
-            })
-        })
-    })?????;
+    if w.shape() != [d] || gy.shape() != x.shape() || saved.mean.shape() != [rows] || saved.rstd.shape() != [rows] {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: x.shape().to_vec(),
+            rhs: gy.shape().to_vec(),
+        });
+    }
+    let w = rows_operand(op, x, w)?;
+    let (mean, rstd) = (rows_operand(op, x, &saved.mean)?, rows_operand(op, x, &saved.rstd)?);
+    let gy = rows_operand(op, x, gy)?;
+    let x = x.contiguous_for(op)?;
+    let (sw, sm, sr, sg) = (w.storage(op)?, mean.storage(op)?, rstd.storage(op)?, gy.storage(op)?);
+    let (dx, dw, db) = x.storage(op)?.layer_norm_backward(
+        x.layout(),
+        (&sw, w.layout()),
+        (&sm, mean.layout()),
+        (&sr, rstd.layout()),
+        (&sg, gy.layout()),
+    )?;
     Ok((
-        Tensor::from_vec(dx, x.shape())?,
-        Tensor::from_vec(dw, &[d])?,
-        Tensor::from_vec(db, &[d])?,
+        Tensor::from_storage(dx, x.shape()),
+        Tensor::from_storage(dw, &[d]),
+        Tensor::from_storage(db, &[d]),
     ))
 }
 
-fn embedding_impl<T: Float>(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+fn embedding_impl(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let op = "embedding";
+    compute_dtype(op, weight)?;
     if weight.rank() != 2 {
         return Err(TensorError::Invalid {
             op,
@@ -214,40 +159,40 @@ fn embedding_impl<T: Float>(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
         });
     }
     let (v, d) = (weight.shape()[0], weight.shape()[1]);
-    let idx = indices(op, ids, v)?;
-    let mut out = vec![T::ZERO; idx.len() * d];
-    weight.with_contiguous(op, |ws: &[T]| {
-        par_rows_mut(&mut out, d, |r, o| o.copy_from_slice(&ws[idx[r] * d..(idx[r] + 1) * d]))
-    })?;
+    check_indices(op, ids, v)?;
+    same_device(op, weight, ids)?;
+    let w = weight.contiguous_for(op)?;
+    let out = w
+        .storage(op)?
+        .embedding(w.layout(), (&*ids.storage(op)?, ids.layout()))?;
     let mut shape = ids.shape().to_vec();
     shape.push(d);
-    Tensor::from_vec(out, &shape)
+    Ok(Tensor::from_storage(out, &shape))
 }
 
-fn embedding_backward_impl<T: Float>(ids: &Tensor, g: &Tensor, vocab: usize) -> Result<Tensor> {
+fn embedding_backward_impl(ids: &Tensor, g: &Tensor, vocab: usize) -> Result<Tensor> {
     let op = "embedding_backward";
+    compute_dtype(op, g)?;
     let d = last_dim(op, g)?;
-    let idx = indices(op, ids, vocab)?;
-    if idx.len() * d != g.numel() {
+    check_indices(op, ids, vocab)?;
+    if ids.numel() * d != g.numel() {
         return Err(TensorError::ShapeMismatch {
             op,
             lhs: ids.shape().to_vec(),
             rhs: g.shape().to_vec(),
         });
     }
-    let mut out = vec![T::ZERO; vocab * d];
-    g.with_contiguous(op, |gs: &[T]| {
-        for (r, &i) in idx.iter().enumerate() {
-            for (o, &v) in out[i * d..(i + 1) * d].iter_mut().zip(&gs[r * d..(r + 1) * d]) {
-                *o += v;
-            }
-        }
-    })?;
-    Tensor::from_vec(out, &[vocab, d])
+    same_device(op, g, ids)?;
+    let g = g.contiguous_for(op)?;
+    let out = g
+        .storage(op)?
+        .embedding_backward(g.layout(), (&*ids.storage(op)?, ids.layout()), vocab)?;
+    Ok(Tensor::from_storage(out, &[vocab, d]))
 }
 
-fn causal_fill_impl<T: Float>(x: &Tensor, value: f64) -> Result<Tensor> {
+fn causal_fill_impl(x: &Tensor, value: f64) -> Result<Tensor> {
     let op = "causal_mask";
+    compute_dtype(op, x)?;
     if x.rank() < 2 {
         return Err(TensorError::Invalid {
             op,
@@ -261,19 +206,14 @@ fn causal_fill_impl<T: Float>(x: &Tensor, value: f64) -> Result<Tensor> {
             msg: format!("query length {t} exceeds key length {s}"),
         });
     }
-    let v = T::from_f64(value);
-    let mut out = x.contiguous()?.to_vec::<T>()?;
-    par_rows_mut(&mut out, s, |r, o| {
-        let i = r % t;
-        for o in o.iter_mut().skip(i + (s - t) + 1) {
-            *o = v;
-        }
-    });
-    Tensor::from_vec(out, x.shape())
+    let x = x.contiguous_for(op)?;
+    let out = x.storage(op)?.causal_fill(x.layout(), value)?;
+    Ok(Tensor::from_storage(out, x.shape()))
 }
 
-fn cross_entropy_impl<T: Float>(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+fn cross_entropy_impl(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let op = "cross_entropy";
+    compute_dtype(op, logits)?;
     if logits.rank() != 2 || targets.shape() != [logits.shape()[0]] {
         return Err(TensorError::ShapeMismatch {
             op,
@@ -281,74 +221,58 @@ fn cross_entropy_impl<T: Float>(logits: &Tensor, targets: &Tensor) -> Result<(Te
             rhs: targets.shape().to_vec(),
         });
     }
-    let (n, c) = (logits.shape()[0], logits.shape()[1]);
-    let t = indices(op, targets, c)?;
-    let probs = softmax_rows::<T>(logits, false)?;
-    let loss = logits.with_contiguous(op, |ls: &[T]| {
-        let mut total = 0.0f64;
-        for r in 0..n {
-            let row = &ls[r * c..(r + 1) * c];
-            let m = row
-                .iter()
-                .copied()
-                .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-            let lse = row.iter().map(|&v| (v - m).exp()).sum::<T>().ln() + m;
-            total += (lse - row[t[r]]).to_f64();
-        }
-        total / n.max(1) as f64
-    })?;
-    Ok((Tensor::scalar(loss, T::DTYPE), probs))
+    check_indices(op, targets, logits.shape()[1])?;
+    same_device(op, logits, targets)?;
+    let x = logits.contiguous_for(op)?;
+    let (loss, probs) = x
+        .storage(op)?
+        .cross_entropy(x.layout(), (&*targets.storage(op)?, targets.layout()))?;
+    Ok((Tensor::from_storage(loss, &[]), Tensor::from_storage(probs, x.shape())))
 }
 
-fn cross_entropy_backward_impl<T: Float>(probs: &Tensor, targets: &Tensor, g: f64) -> Result<Tensor> {
+fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: f64) -> Result<Tensor> {
     let op = "cross_entropy_backward";
-    let (n, c) = (probs.shape()[0], probs.shape()[1]);
-    let t = indices(op, targets, c)?;
-    let scale = T::from_f64(g / n.max(1) as f64);
-    let mut out = probs.contiguous()?.to_vec::<T>()?;
-    par_rows_mut(&mut out, c, |r, o| {
-        o[t[r]] += -T::ONE;
-        for v in o.iter_mut() {
-            *v *= scale;
-        }
-    });
-    Tensor::from_vec(out, &[n, c])
+    compute_dtype(op, probs)?;
+    if probs.rank() != 2 || targets.shape() != [probs.shape()[0]] {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: probs.shape().to_vec(),
+            rhs: targets.shape().to_vec(),
+        });
+    }
+    check_indices(op, targets, probs.shape()[1])?;
+    same_device(op, probs, targets)?;
+    let p = probs.contiguous_for(op)?;
+    let out = p
+        .storage(op)?
+        .cross_entropy_backward(p.layout(), (&*targets.storage(op)?, targets.layout()), g)?;
+    Ok(Tensor::from_storage(out, p.shape()))
 }
 
 impl Tensor {
     /// Softmax over the last axis.
     pub fn softmax_last(&self) -> Result<Tensor> {
-        float_dispatch!("softmax", self.dtype(), T => softmax_rows::<T>(self, false))
+        softmax(self, false)
     }
 
     /// Log-softmax over the last axis.
     pub fn log_softmax_last(&self) -> Result<Tensor> {
-        float_dispatch!("log_softmax", self.dtype(), T => softmax_rows::<T>(self, true))
+        softmax(self, true)
     }
 
     /// Gradient of softmax: `y * (g - sum(g * y))` row-wise, with `self = y`.
     pub fn softmax_backward(&self, g: &Tensor) -> Result<Tensor> {
-        float_dispatch!("softmax_backward", self.dtype(), T => rows2::<T>("softmax_backward", self, g, |y, g, o| {
-            let dot: T = y.iter().zip(g).map(|(&a, &b)| a * b).sum();
-            for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
-                *o = y * (g - dot);
-            }
-        }))
+        softmax_backward(self, g, false)
     }
 
     /// Gradient of log-softmax: `g - exp(y) * sum(g)` row-wise, with `self = y`.
     pub fn log_softmax_backward(&self, g: &Tensor) -> Result<Tensor> {
-        float_dispatch!("log_softmax_backward", self.dtype(), T => rows2::<T>("log_softmax_backward", self, g, |y, g, o| {
-            let s: T = g.iter().copied().sum();
-            for ((o, &y), &g) in o.iter_mut().zip(y).zip(g) {
-                *o = g - y.exp() * s;
-            }
-        }))
+        softmax_backward(self, g, true)
     }
 
     /// Layer norm over the last axis with affine `weight` and `bias` (`[d]` each).
     pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<(Tensor, LayerNormSaved)> {
-        float_dispatch!("layer_norm", self.dtype(), T => layer_norm_impl::<T>(self, weight, bias, eps))
+        layer_norm_impl(self, weight, bias, eps)
     }
 
     /// Gradients `(dx, dweight, dbias)` of [`Tensor::layer_norm`], with `self = x`.
@@ -358,69 +282,109 @@ impl Tensor {
         saved: &LayerNormSaved,
         gy: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        float_dispatch!("layer_norm_backward", self.dtype(), T => layer_norm_backward_impl::<T>(self, weight, saved, gy))
+        layer_norm_backward_impl(self, weight, saved, gy)
     }
 
     /// Rows of `self` (`[vocab, d]`) picked by `ids` (I64 or U8): `[ids.., d]`.
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
-        float_dispatch!("embedding", self.dtype(), T => embedding_impl::<T>(self, ids))
+        embedding_impl(self, ids)
     }
 
     /// Scatter-add of `self` (`[ids.., d]`, a gradient) into a `[vocab, d]` table.
     pub fn embedding_backward(&self, ids: &Tensor, vocab: usize) -> Result<Tensor> {
-        float_dispatch!("embedding_backward", self.dtype(), T => embedding_backward_impl::<T>(ids, self, vocab))
+        embedding_backward_impl(ids, self, vocab)
     }
 
     /// Sets the future positions of `[.., T, S]` scores (key `j` after query `i`) to `value`.
     pub fn causal_fill(&self, value: f64) -> Result<Tensor> {
-        float_dispatch!("causal_mask", self.dtype(), T => causal_fill_impl::<T>(self, value))
+        causal_fill_impl(self, value)
     }
 
     /// Mean cross-entropy of `[n, c]` logits against `[n]` integer targets; also returns
     /// the softmax probabilities that the backward needs.
     pub fn cross_entropy(&self, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-        float_dispatch!("cross_entropy", self.dtype(), T => cross_entropy_impl::<T>(self, targets))
+        cross_entropy_impl(self, targets)
     }
 
     /// Gradient of [`Tensor::cross_entropy`] w.r.t. the logits, scaled by the upstream
     /// gradient `g`: `(probs - onehot(targets)) * g / n`, with `self = probs`.
     pub fn cross_entropy_backward(&self, targets: &Tensor, g: f64) -> Result<Tensor> {
-        float_dispatch!("cross_entropy_backward", self.dtype(), T => cross_entropy_backward_impl::<T>(self, targets, g))
+        cross_entropy_backward_impl(self, targets, g)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::{DType, Tensor};
+    use crate::{test_device, DType, Device, Tensor};
 
-    #[test]
-    fn cross_entropy_of_uniform_logits_is_log_c() {
-        let logits = Tensor::zeros(&[3, 4], DType::F64);
-        let t = Tensor::from_vec(vec![0i64, 3, 1], &[3]).unwrap();
-        let (loss, _) = logits.cross_entropy(&t).unwrap();
-        assert!((loss.item().unwrap() - 4f64.ln()).abs() < 1e-12);
-        let bad = Tensor::from_vec(vec![0i64, 4, 1], &[3]).unwrap();
-        assert!(logits.cross_entropy(&bad).is_err());
+    fn on(t: Tensor, d: Device) -> Tensor {
+        t.to_device(d).unwrap()
     }
 
-    #[test]
-    fn causal_fill_masks_the_strict_upper_triangle() {
-        let x = Tensor::zeros(&[3, 3], DType::F32);
+    fn cross_entropy_of_uniform_logits_is_log_c(d: Device) {
+        let logits = Tensor::zeros_on(&[3, 4], DType::F64, d).unwrap();
+        let t = on(Tensor::from_vec(vec![0i64, 3, 1], &[3]).unwrap(), d);
+        let (loss, probs) = logits.cross_entropy(&t).unwrap();
+        assert!((loss.item().unwrap() - 4f64.ln()).abs() < 1e-12);
+        assert_eq!(probs.to_vec::<f64>().unwrap(), vec![0.25; 12]);
+        // d/dlogits = (probs - onehot) / n: row 0 is (-0.75, 0.25, 0.25, 0.25) / 3
+        let g = probs.cross_entropy_backward(&t, 1.0).unwrap().to_vec::<f64>().unwrap();
+        assert!((g[0] + 0.25).abs() < 1e-15 && (g[1] - 0.25 / 3.0).abs() < 1e-15);
+        let bad = on(Tensor::from_vec(vec![0i64, 4, 1], &[3]).unwrap(), d);
+        assert!(logits.cross_entropy(&bad).is_err());
+    }
+    test_device!(cross_entropy_of_uniform_logits_is_log_c);
+
+    fn causal_fill_masks_the_strict_upper_triangle(d: Device) {
+        let x = Tensor::zeros_on(&[3, 3], DType::F32, d).unwrap();
         let y = x.causal_fill(9.0).unwrap().to_vec::<f32>().unwrap();
         assert_eq!(y, vec![0.0, 9.0, 9.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0]);
     }
+    test_device!(causal_fill_masks_the_strict_upper_triangle);
 
-    #[test]
-    fn layer_norm_rows_have_zero_mean_unit_variance() {
-        let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, -1.0, 0.0, 5.0, 2.0], &[2, 4]).unwrap();
-        let (y, _) = x
-            .layer_norm(&Tensor::ones(&[4], DType::F64), &Tensor::zeros(&[4], DType::F64), 0.0)
-            .unwrap();
+    fn layer_norm_rows_have_zero_mean_unit_variance(d: Device) {
+        let x = on(
+            Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, -1.0, 0.0, 5.0, 2.0], &[2, 4]).unwrap(),
+            d,
+        );
+        let (w, b) = (
+            on(Tensor::ones(&[4], DType::F64), d),
+            Tensor::zeros_on(&[4], DType::F64, d).unwrap(),
+        );
+        let (y, saved) = x.layer_norm(&w, &b, 0.0).unwrap();
         let y = y.to_vec::<f64>().unwrap();
         for r in y.chunks(4) {
             let m: f64 = r.iter().sum::<f64>() / 4.0;
             let v: f64 = r.iter().map(|a| (a - m) * (a - m)).sum::<f64>() / 4.0;
             assert!(m.abs() < 1e-12 && (v - 1.0).abs() < 1e-9);
         }
+        // rows 1..4 and -1,0,5,2 have means 2.5 and 1.5
+        assert_eq!(saved.mean.to_vec::<f64>().unwrap(), vec![2.5, 1.5]);
     }
+    test_device!(layer_norm_rows_have_zero_mean_unit_variance);
+
+    fn embedding_gathers_rows_and_its_backward_adds_them_up(d: Device) {
+        let w = on(
+            Tensor::from_vec(vec![0.0f32, 1.0, 10.0, 11.0, 20.0, 21.0], &[3, 2]).unwrap(),
+            d,
+        );
+        let ids = on(Tensor::from_vec(vec![2i64, 0, 2], &[3]).unwrap(), d);
+        assert_eq!(
+            w.embedding(&ids).unwrap().to_vec::<f32>().unwrap(),
+            vec![20.0, 21.0, 0.0, 1.0, 20.0, 21.0]
+        );
+        // row 2 is picked twice: its gradient is the sum of both rows of g
+        let g = on(
+            Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]).unwrap(),
+            d,
+        );
+        assert_eq!(
+            g.embedding_backward(&ids, 3).unwrap().to_vec::<f32>().unwrap(),
+            vec![3.0, 4.0, 0.0, 0.0, 6.0, 8.0]
+        );
+        assert!(w
+            .embedding(&on(Tensor::from_vec(vec![3i64], &[1]).unwrap(), d))
+            .is_err());
+    }
+    test_device!(embedding_gathers_rows_and_its_backward_adds_them_up);
 }

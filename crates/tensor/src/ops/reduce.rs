@@ -1,7 +1,8 @@
 //! Reductions over axes: sum, mean, max, and sum-to-shape (the backward of broadcasting).
 
-use crate::threads::par_rows_mut;
-use crate::{Float, Result, Tensor, TensorError};
+use super::compute_dtype;
+use crate::backend::ReduceOp;
+use crate::{Result, Tensor, TensorError};
 
 /// Normalises a list of dims: checked, sorted, deduplicated.
 fn check_dims(op: &'static str, dims: &[usize], rank: usize) -> Result<Vec<usize>> {
@@ -30,56 +31,17 @@ fn out_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
     out
 }
 
-/// Reduces `dims` of `x` with `row(&[T]) -> T` applied to each run of reduced elements.
-fn reduce_rows<T: Float>(
-    op: &'static str,
-    x: &Tensor,
-    dims: &[usize],
-    keepdim: bool,
-    row: impl Fn(&[T]) -> T + Sync + Send,
-) -> Result<Tensor> {
-    let dims = check_dims(op, dims, x.rank())?;
-    let kept: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
-    let perm: Vec<usize> = kept.iter().chain(dims.iter()).copied().collect();
-    let r: usize = dims.iter().map(|&d| x.shape()[d]).product();
-    let out_n: usize = kept.iter().map(|&d| x.shape()[d]).product();
-    let xp = x.permute(&perm)?;
-    let mut out = vec![T::ZERO; out_n];
-    xp.with_contiguous(op, |src: &[T]| {
-        par_rows_mut(&mut out, 1, |i, o| o[0] = row(&src[i * r..(i + 1) * r]));
-    })?;
-    Tensor::from_vec(out, &out_shape(x.shape(), &dims, keepdim))
-}
-
-/// Sum over leading dims of a contiguous tensor: adds rows, which vectorises.
-fn sum_leading<T: Float>(x: &Tensor, k: usize, keepdim: bool) -> Result<Tensor> {
-    let lead: usize = x.shape()[..k].iter().product();
-    let cols: usize = x.shape()[k..].iter().product();
-    let mut out = vec![T::ZERO; cols];
-    x.with_contiguous("sum", |src: &[T]| {
-        for r in 0..lead {
-            for (o, &v) in out.iter_mut().zip(&src[r * cols..(r + 1) * cols]) {
-                *o += v;
-            }
-        }
-    })?;
-    let dims: Vec<usize> = (0..k).collect();
-    Tensor::from_vec(out, &out_shape(x.shape(), &dims, keepdim))
-}
-
-fn sum_impl<T: Float>(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
-    let d = check_dims("sum", dims, x.rank())?;
-    let leading = !d.is_empty() && d.iter().enumerate().all(|(i, &v)| i == v) && d.len() < x.rank();
-    if leading && x.is_contiguous() {
-        return sum_leading::<T>(x, d.len(), keepdim);
-    }
-    reduce_rows::<T>("sum", x, &d, keepdim, |r| r.iter().copied().sum())
+fn reduce(name: &'static str, x: &Tensor, dims: &[usize], keepdim: bool, op: ReduceOp) -> Result<Tensor> {
+    compute_dtype(name, x)?;
+    let dims = check_dims(name, dims, x.rank())?;
+    let out = x.storage(name)?.reduce(x.layout(), &dims, op)?;
+    Ok(Tensor::from_storage(out, &out_shape(x.shape(), &dims, keepdim)))
 }
 
 impl Tensor {
     /// Sum over `dims` (all of them when empty would be ambiguous: use [`Tensor::sum_all`]).
     pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
-        float_dispatch!("sum", self.dtype(), T => sum_impl::<T>(self, dims, keepdim))
+        reduce("sum", self, dims, keepdim, ReduceOp::Sum)
     }
 
     /// Sum of every element, as a 0-d tensor.
@@ -97,9 +59,7 @@ impl Tensor {
 
     /// Maximum over one dimension.
     pub fn max_dim(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
-        float_dispatch!("max", self.dtype(), T => reduce_rows::<T>("max", self, &[dim], keepdim, |r| {
-            r.iter().copied().fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a })
-        }))
+        reduce("max", self, &[dim], keepdim, ReduceOp::Max)
     }
 
     /// Sums a (broadcast) tensor down to `shape`: the gradient of broadcasting `shape`
@@ -137,15 +97,14 @@ impl Tensor {
 
 #[cfg(test)]
 mod tests {
-    use crate::Tensor;
+    use crate::{test_device, Device, Tensor};
 
-    #[test]
-    fn sums_over_middle_and_leading_dims() {
+    fn sums_over_middle_and_leading_dims(d: Device) {
         // x[i,j,k] = 100 i + 10 j + k over [2,3,2]
         let v: Vec<f64> = (0..2)
             .flat_map(|i| (0..3).flat_map(move |j| (0..2).map(move |k| (100 * i + 10 * j + k) as f64)))
             .collect();
-        let x = Tensor::from_vec(v, &[2, 3, 2]).unwrap();
+        let x = Tensor::from_vec(v, &[2, 3, 2]).unwrap().to_device(d).unwrap();
         // sum over j: 3*100i + (0+10+20) + 3k
         assert_eq!(
             x.sum(&[1], false).unwrap().to_vec::<f64>().unwrap(),
@@ -156,11 +115,15 @@ mod tests {
             x.sum(&[0], false).unwrap().to_vec::<f64>().unwrap(),
             vec![100.0, 102.0, 120.0, 122.0, 140.0, 142.0]
         );
-        assert_eq!(x.max_dim(2, true).unwrap().shape(), &[2, 3, 1]);
+        // max over k: 100 i + 10 j + 1
+        let m = x.max_dim(2, true).unwrap();
+        assert_eq!(m.shape(), &[2, 3, 1]);
+        assert_eq!(m.to_vec::<f64>().unwrap(), vec![1.0, 11.0, 21.0, 101.0, 111.0, 121.0]);
         // sum over i and k: (0+100)*2 + 4*10j + (0+1)*2 = 202 + 40j
         assert_eq!(
             x.sum_to_shape(&[3, 1]).unwrap().to_vec::<f64>().unwrap(),
             vec![202.0, 242.0, 282.0]
         );
     }
+    test_device!(sums_over_middle_and_leading_dims);
 }

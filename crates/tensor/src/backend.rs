@@ -1,0 +1,312 @@
+//! The device contract: what a backend (`cpu/`, `cuda/`) provides so that every
+//! [`crate::Tensor`] op can run on its device.
+//!
+//! The front end (`Tensor` and `src/ops/`) owns everything device-independent: shape and
+//! dtype checks, broadcasting, views, index validation, errors that name the op. It then
+//! locks the storages, checks that none is lent out, and calls exactly one method of this
+//! contract on the backend that holds them (`storage.rs` dispatches on
+//! [`crate::storage::DeviceStorage`]). A backend therefore only allocates, copies in and
+//! out, and runs the kernels below, and it may rely on the preconditions each method
+//! states: they are checked before it is called.
+//!
+//! Conventions for every method:
+//! - Each storage comes with the [`Layout`] of the view being read or written (shape,
+//!   strides in elements, offset into the storage). Unless a method says *any layout*, the
+//!   front end passes a contiguous layout (row-major, no gaps) that may start at a
+//!   nonzero offset: a gradient is a view into a flat DDP bucket.
+//! - Outputs are fresh contiguous storages, offset 0, exactly the output's element
+//!   count, on the same device as the inputs, of the inputs' dtype unless stated.
+//! - Float kernels are called with `F32` or `F64` storages only (`DType::is_compute`);
+//!   all operands of one call share one dtype and one device.
+//! - The numbers are the CPU backend's (`src/cpu/`): the expressions written in these
+//!   docs, evaluated left to right in the storage's dtype, without fused multiply-add
+//!   unless the doc says "any order". A GPU backend matches them to rounding; the fused
+//!   optimizer steps are specified exactly so that a backend can match them bit for bit.
+//! - Errors are [`crate::TensorError`]s; a device fault is `DeviceUnavailable` naming
+//!   what failed, never a panic.
+//!
+//! Adding a backend: a storage type implementing [`BackendStorage`], a device handle
+//! implementing [`BackendDevice`], one variant in `DeviceStorage`, and one arm in each
+//! dispatch macro of `storage.rs`.
+//!
+//! Changes since the first committed version (44b734f): `copy_from` was added (an exact
+//! copy through a view; `Tensor::copy_from` uses it), and `reduce` may get an empty
+//! `dims` (a plain copy: `sum` over no dims, or `sum_all` of a 0-d tensor).
+
+use crate::storage::CpuStorage;
+use crate::{DType, Device, Layout, Result};
+
+/// Elementwise maps of one tensor (the front end's `neg`, `exp`, ... `affine`, `powf`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum UnaryOp {
+    /// `-x`.
+    Neg,
+    /// `e^x`.
+    Exp,
+    /// Natural logarithm.
+    Ln,
+    /// Square root.
+    Sqrt,
+    /// `x > 0 ? x : 0`.
+    Relu,
+    /// `0.5 * x * (1 + erf(x * FRAC_1_SQRT_2))`, constants rounded to the dtype.
+    Gelu,
+    /// `x * x`.
+    Sqr,
+    /// `x * mul + add`, with `mul` and `add` rounded to the dtype first.
+    Affine { mul: f64, add: f64 },
+    /// `powf(x, p)`, with `p` rounded to the dtype first.
+    Powf(f64),
+}
+
+/// Elementwise maps of two tensors broadcast to one shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BinaryOp {
+    /// `a + b`.
+    Add,
+    /// `a - b`.
+    Sub,
+    /// `a * b`.
+    Mul,
+    /// `a / b`.
+    Div,
+    /// `a > 0 ? b : 0` (`a = x`, `b = g`): the ReLU derivative applied to a gradient.
+    ReluBackward,
+    /// `b * gelu'(a)` with `gelu'(x) = cdf + x * pdf`,
+    /// `cdf = 0.5 * (1 + erf(x * FRAC_1_SQRT_2))`, `pdf = (1/sqrt(2 pi)) * exp(-(x * x) * 0.5)`.
+    GeluBackward,
+}
+
+/// Reductions over a set of dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReduceOp {
+    /// Sum (any order: the CPU adds rows when the reduced dims lead, else runs left to right).
+    Sum,
+    /// Maximum (`-inf` for an empty run; a NaN is skipped unless it comes first, as `b > a ? b : a`).
+    Max,
+}
+
+/// The f32 scalars of one fused SGD update, derived from the hyper-parameters by the
+/// front end (`Tensor::sgd_step`) so that every backend computes with the same bits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SgdScalars {
+    /// Learning rate, `lr as f32`.
+    pub lr: f32,
+    /// Momentum, `momentum as f32` (the buffer is used iff one is passed).
+    pub momentum: f32,
+    /// L2 weight decay, `weight_decay as f32`; skipped when exactly 0.
+    pub weight_decay: f32,
+    /// The buffer is set to the gradient instead of decayed into (PyTorch's first step).
+    pub is_first_step: bool,
+}
+
+/// The f32 scalars of one fused AdamW update, derived from the hyper-parameters and the
+/// step count by the front end (`Tensor::adamw_step`) exactly as `torch.optim.AdamW` does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct AdamWScalars {
+    /// `(1 - lr * weight_decay) as f32`: decoupled weight decay.
+    pub decay: f32,
+    /// `beta1 as f32`.
+    pub beta1: f32,
+    /// `(1 - beta1) as f32`.
+    pub one_minus_beta1: f32,
+    /// `beta2 as f32`.
+    pub beta2: f32,
+    /// `(1 - beta2) as f32`.
+    pub one_minus_beta2: f32,
+    /// `(lr / (1 - beta1^t)) as f32`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t) as f32`.
+    pub bias_correction2_sqrt: f32,
+    /// `eps as f32`.
+    pub eps: f32,
+}
+
+/// A device that can allocate storages and copy host data in: the `_alloc`/`_copyin`
+/// half of the contract (tinygrad's words). The CPU's is a unit struct; a CUDA device
+/// holds its context, stream, cuBLAS handle and compiled kernels.
+pub(crate) trait BackendDevice {
+    /// The storage type this device allocates.
+    type Storage: BackendStorage;
+
+    /// The [`Device`] this handle serves.
+    #[allow(dead_code)] // read by the CUDA backend's device cache
+    fn location(&self) -> Device;
+
+    /// `n` zero-filled elements of `dtype` (any dtype).
+    fn zeros(&self, dtype: DType, n: usize) -> Result<Self::Storage>;
+
+    /// Copy in: the same elements, on this device (any dtype). (The CPU moves host
+    /// vectors in without this copy.)
+    #[allow(dead_code)]
+    fn storage_from_cpu(&self, data: &CpuStorage) -> Result<Self::Storage>;
+}
+
+/// Memory on one device plus the kernels over it: the rest of the contract. Methods
+/// taking `&mut self` write through the given view in place; all others return new
+/// storage. Preconditions named in a method's doc are checked by the front end.
+pub(crate) trait BackendStorage: Sized {
+    /// The element type.
+    fn dtype(&self) -> DType;
+
+    /// The device the memory lives on.
+    fn device(&self) -> Device;
+
+    /// Number of elements.
+    fn len(&self) -> usize;
+
+    /// A zero-length storage of the same dtype and device: what stays behind in a tensor
+    /// whose storage is lent out (`Tensor::lend_storage`), so any access fails.
+    fn empty_like(&self) -> Self;
+
+    // ---- copy out and layout ----
+
+    /// Copy out: the whole storage (not just a view) into host memory.
+    fn to_cpu(&self) -> Result<CpuStorage>;
+
+    /// The elements of the view `layout` (*any layout*: transposed, narrowed, broadcast)
+    /// gathered row-major into a new contiguous storage. Behind `contiguous`, `copy`,
+    /// `reshape` of a strided view, and every kernel that needs contiguous input.
+    fn copy_strided(&self, layout: &Layout) -> Result<Self>;
+
+    /// The view (*any layout*) converted to `dtype` (any dtype to any dtype; floats round
+    /// to nearest even, float to integer truncates toward zero, as Rust's `as`).
+    fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self>;
+
+    // ---- elementwise and reductions ----
+
+    /// `op` applied to each element.
+    fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<Self>;
+
+    /// `op(a, b)` elementwise. `lhs` and `rhs` are *any layout* of one common shape (the
+    /// front end has broadcast them: broadcast dims have stride 0); the output is
+    /// contiguous of that shape.
+    fn binary(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, op: BinaryOp) -> Result<Self>;
+
+    /// Reduces `dims` (sorted, distinct, each `< rank`; empty: a copy) of the view (*any
+    /// layout*); the output is contiguous over the kept dims in order (the front end
+    /// reshapes for `keepdim`).
+    fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self>;
+
+    // ---- matrix products ----
+
+    /// Batched matrix product `[batch.., m, k] x [batch.., k, n] -> [batch.., m, n]`.
+    /// Both layouts have the same rank `>= 2` and the same batch dims, and are *any
+    /// layout*: row and column strides are arbitrary (a transposed operand has row stride
+    /// 1), a broadcast batch dim has stride 0. The output is contiguous
+    /// `[batch.., m, n]`; `m * n > 0` is guaranteed, `k == 0` gives zeros. The CPU
+    /// accumulates in the dtype through the `gemm` crate (any order); f32 must be true
+    /// f32 (no TF32).
+    fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
+
+    // ---- rows of the last axis (contiguous layouts, row length = last dim) ----
+
+    /// Softmax (or log-softmax when `log`) of each row: `m = max`, `e = exp(x - m)`,
+    /// `s = sum e`; softmax `e * (1 / s)`, log-softmax `x - (ln s + m)`.
+    fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self>;
+
+    /// Backward of [`BackendStorage::softmax_last`] from its output `y` (self) and the
+    /// gradient `g` (same shape): softmax `y * (g - sum(g * y))`, log-softmax
+    /// `g - exp(y) * sum(g)`, row-wise.
+    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self>;
+
+    /// Layer norm of each row of `x` (self, `[rows, d]` flattened) with `weight`, `bias`
+    /// (`[d]`): `mean = sum x * (1/d)`, `var = sum (x - mean)^2 * (1/d)`,
+    /// `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b`.
+    /// Returns `(y, mean [rows], rstd [rows])`.
+    fn layer_norm(
+        &self,
+        layout: &Layout,
+        weight: (&Self, &Layout),
+        bias: (&Self, &Layout),
+        eps: f64,
+    ) -> Result<(Self, Self, Self)>;
+
+    /// Gradients `(dx, dweight, dbias)` of [`BackendStorage::layer_norm`] from `x` (self),
+    /// `weight`, the saved `mean` and `rstd` (`[rows]`) and the output gradient `gy`.
+    fn layer_norm_backward(
+        &self,
+        layout: &Layout,
+        weight: (&Self, &Layout),
+        mean: (&Self, &Layout),
+        rstd: (&Self, &Layout),
+        gy: (&Self, &Layout),
+    ) -> Result<(Self, Self, Self)>;
+
+    /// Embedding gather: row `ids[i]` of the table `[vocab, d]` (self) for each id, giving
+    /// `[ids.numel(), d]`. `ids` is an `I64` or `U8` storage on the same device; every id
+    /// has been checked to be `< vocab`.
+    fn embedding(&self, layout: &Layout, ids: (&Self, &Layout)) -> Result<Self>;
+
+    /// Embedding backward: scatter-add of the gradient rows (self, `[ids.numel(), d]`)
+    /// into a zeroed `[vocab, d]` table (repeated ids add up, in any order). `ids` as for
+    /// [`BackendStorage::embedding`].
+    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self>;
+
+    /// Causal mask of `[.., t, s]` scores (`t <= s`): element `(i, j)` of each matrix
+    /// becomes `value` when `j > i + (s - t)`, else is copied.
+    fn causal_fill(&self, layout: &Layout, value: f64) -> Result<Self>;
+
+    /// Mean cross-entropy of `[n, c]` logits (self) against `n` targets (`I64`/`U8`,
+    /// checked `< c`). Returns `(loss, probs)`: `loss` is one element,
+    /// `sum_r (lse_r - x[r, t_r]) / max(n, 1)` with `lse = ln(sum exp(x - m)) + m`
+    /// per row, accumulated in f64 and rounded to the dtype; `probs` is the softmax of
+    /// each row, as [`BackendStorage::softmax_last`].
+    fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)>;
+
+    /// Gradient of [`BackendStorage::cross_entropy`] from `probs` (self, `[n, c]`):
+    /// `(probs - onehot(targets)) * scale` with `scale = g / max(n, 1)` rounded to the
+    /// dtype, computed as `o = probs; o[t] += -1; o *= scale`.
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self>;
+
+    // ---- in place ----
+
+    /// Sets every element of the view (*any layout*, any dtype) to `v` rounded to the dtype.
+    fn fill(&mut self, layout: &Layout, v: f64) -> Result<()>;
+
+    /// `dst = src` through the view `layout` (*any layout*, no stride 0), bit for bit, any
+    /// dtype; `src` is contiguous of the same shape and dtype and a different storage.
+    /// (Added after the first version of this contract: `Tensor::copy_from` was
+    /// `fill(0)` then `+= src`, which turned `-0.0` into `0.0` and refused integers.)
+    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()>;
+
+    /// `dst += scale * src` through the view `layout` (*any layout*, no stride 0); `src`
+    /// is contiguous of the same shape and a different storage; `scale` is rounded to
+    /// the dtype first.
+    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()>;
+
+    /// One fused SGD update of an f32 parameter (self) from its f32 gradient, in place on
+    /// the parameter and on the momentum buffer when one is passed (all contiguous, same
+    /// shape, distinct storages). Per element, in f32:
+    /// ```text
+    /// g = grad
+    /// if weight_decay != 0 { g = g + weight_decay * p }
+    /// if buffer given { b = is_first_step ? g : momentum * b + g;  g = b }
+    /// p = p - lr * g
+    /// ```
+    fn sgd_step(
+        &mut self,
+        layout: &Layout,
+        grad: (&Self, &Layout),
+        momentum_buffer: Option<(&mut Self, &Layout)>,
+        s: &SgdScalars,
+    ) -> Result<()>;
+
+    /// One fused AdamW update of an f32 parameter (self) from its f32 gradient, in place
+    /// on the parameter and its first and second moments `m`, `v` (all contiguous, same
+    /// shape, distinct storages). Per element, in f32, in exactly this order:
+    /// ```text
+    /// p = p * decay
+    /// m = beta1 * m + one_minus_beta1 * g
+    /// v = beta2 * v + (one_minus_beta2 * g) * g
+    /// p = p - (step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)
+    /// ```
+    fn adamw_step(
+        &mut self,
+        layout: &Layout,
+        grad: (&Self, &Layout),
+        m: (&mut Self, &Layout),
+        v: (&mut Self, &Layout),
+        s: &AdamWScalars,
+    ) -> Result<()>;
+}

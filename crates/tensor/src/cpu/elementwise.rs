@@ -1,0 +1,106 @@
+//! Elementwise maps on the CPU: unary, scalar and broadcasting binary ops, activation
+//! derivatives.
+
+use super::{float_kernel, same, view};
+use crate::backend::{BinaryOp, UnaryOp};
+use crate::storage::CpuStorage;
+use crate::threads::{par_chunks_mut, par_rows_mut};
+use crate::{Element, Float, Layout, Result};
+
+const GRAIN: usize = 16 * 1024;
+
+/// `1/sqrt(2*pi)`.
+const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+
+fn map<T: Float>(src: &[T], f: impl Fn(T) -> T + Sync + Send) -> CpuStorage {
+    let mut out = vec![T::ZERO; src.len()];
+    par_chunks_mut(&mut out, GRAIN, |start, chunk| {
+        let len = chunk.len();
+        for (o, &s) in chunk.iter_mut().zip(&src[start..start + len]) {
+            *o = f(s);
+        }
+    });
+    T::wrap(out)
+}
+
+fn gelu<T: Float>(x: T) -> T {
+    let half = T::from_f64(0.5);
+    half * x * (T::ONE + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf())
+}
+
+fn gelu_grad<T: Float>(x: T) -> T {
+    let half = T::from_f64(0.5);
+    let cdf = half * (T::ONE + (x * T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf());
+    let pdf = T::from_f64(INV_SQRT_2PI) * (-(x * x) * half).exp();
+    cdf + x * pdf
+}
+
+/// [`crate::backend::BackendStorage::unary`] on a contiguous view.
+pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorage> {
+    float_kernel!("unary", s, data: T => {
+        let src = view(data, l);
+        Ok(match op {
+            UnaryOp::Neg => map(src, |x: T| -x),
+            UnaryOp::Exp => map(src, |x: T| x.exp()),
+            UnaryOp::Ln => map(src, |x: T| x.ln()),
+            UnaryOp::Sqrt => map(src, |x: T| x.sqrt()),
+            UnaryOp::Relu => map(src, |x: T| if x > T::ZERO { x } else { T::ZERO }),
+            UnaryOp::Gelu => map(src, |x: T| gelu(x)),
+            UnaryOp::Sqr => map(src, |x: T| x * x),
+            UnaryOp::Affine { mul, add } => {
+                let (m, a) = (T::from_f64(mul), T::from_f64(add));
+                map(src, move |x: T| x * m + a)
+            }
+            UnaryOp::Powf(p) => {
+                let p = T::from_f64(p);
+                map(src, move |x: T| x.powf(p))
+            }
+        })
+    })
+}
+
+/// `f(a, b)` over two views broadcast to one shape, into a contiguous output.
+fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T, T) -> T + Sync + Send) -> CpuStorage {
+    let shape = la.shape();
+    let mut out = vec![T::ZERO; la.numel()];
+    if la.is_contiguous() && lb.is_contiguous() {
+        let (sa, sb) = (view(da, la), view(db, lb));
+        par_chunks_mut(&mut out, GRAIN, |start, chunk| {
+            let len = chunk.len();
+            let (xa, xb) = (&sa[start..start + len], &sb[start..start + len]);
+            for ((o, &x), &y) in chunk.iter_mut().zip(xa).zip(xb) {
+                *o = f(x, y);
+            }
+        });
+        return T::wrap(out);
+    }
+    let inner = shape.last().copied().unwrap_or(1);
+    let (sa_in, sb_in) = (
+        la.strides().last().copied().unwrap_or(0),
+        lb.strides().last().copied().unwrap_or(0),
+    );
+    par_rows_mut(&mut out, inner, |row, o| {
+        let (mut ia, mut ib) = (la.row_offset(row), lb.row_offset(row));
+        for v in o.iter_mut() {
+            *v = f(da[ia], db[ib]);
+            ia += sa_in;
+            ib += sb_in;
+        }
+    });
+    T::wrap(out)
+}
+
+/// [`crate::backend::BackendStorage::binary`]: any two layouts of one shape.
+pub(super) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, op: BinaryOp) -> Result<CpuStorage> {
+    float_kernel!("binary", a, da: T => {
+        let db = same::<T>("binary", b)?;
+        Ok(match op {
+            BinaryOp::Add => zip_with(da, la, db, lb, |a: T, b: T| a + b),
+            BinaryOp::Sub => zip_with(da, la, db, lb, |a: T, b: T| a - b),
+            BinaryOp::Mul => zip_with(da, la, db, lb, |a: T, b: T| a * b),
+            BinaryOp::Div => zip_with(da, la, db, lb, |a: T, b: T| a / b),
+            BinaryOp::ReluBackward => zip_with(da, la, db, lb, |x: T, g: T| if x > T::ZERO { g } else { T::ZERO }),
+            BinaryOp::GeluBackward => zip_with(da, la, db, lb, |x: T, g: T| g * gelu_grad(x)),
+        })
+    })
+}

@@ -1,0 +1,145 @@
+//! Matrix products on the CPU through the `gemm` crate (packed, SIMD, arbitrary strides: transposed
+//! views cost nothing).
+
+use rayon::prelude::*;
+
+use super::{float_kernel, same};
+use crate::storage::CpuStorage;
+use crate::threads::{compute_threads, install};
+use crate::{Element, Float, Layout, Result};
+
+/// Pointers into storages that the batch loop shares between threads; each output
+/// matrix is written by exactly one task, inputs are only read.
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*const T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// How many threads one GEMM of this size should use: small products are not worth
+/// the fork.
+pub fn gemm_threads_for(m: usize, n: usize, k: usize) -> usize {
+    let t = compute_threads();
+    if t > 1 && m * n * k >= 64 * 64 * 64 {
+        t
+    } else {
+        1
+    }
+}
+
+/// One `[m,k] x [k,n]` product into a contiguous `[m,n]` output.
+///
+/// # Safety
+/// `lhs`/`rhs` must address every element their shapes and strides name; `dst` must hold
+/// `m*n` writable elements that nothing else touches meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_one<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    lhs: *const T,
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: *const T,
+    rhs_rs: usize,
+    rhs_cs: usize,
+    threads: usize,
+) {
+    if k == 0 {
+        std::ptr::write_bytes(dst, 0, m * n);
+        return;
+    }
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        n as isize,
+        false,
+        lhs,
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        T::ZERO,
+        T::ONE,
+        false,
+        false,
+        false,
+        par,
+    );
+}
+
+/// [`crate::backend::BackendStorage::matmul`]: `[batch.., m, k] x [batch.., k, n]`, any
+/// strides, into a contiguous `[batch.., m, n]`.
+pub(super) fn matmul(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<CpuStorage> {
+    float_kernel!("matmul", a, da: T => {
+        let db = same::<T>("matmul", b)?;
+        Ok(T::wrap(matmul_impl::<T>(da, la, db, lb)))
+    })
+}
+
+fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T> {
+    let r = la.rank();
+    let (m, k, n) = (la.shape()[r - 2], la.shape()[r - 1], lb.shape()[r - 1]);
+    let nb: usize = la.shape()[..r - 2].iter().product();
+    let mut out = vec![T::ZERO; nb * m * n];
+    if m * n == 0 {
+        return out;
+    }
+    // Offset of batch `i` in a layout whose last two dims are the matrix.
+    let batch_offset = |l: &Layout, mut i: usize| {
+        let r = l.rank();
+        let mut o = l.offset();
+        for d in (0..r - 2).rev() {
+            o += (i % l.shape()[d]) * l.strides()[d];
+            i /= l.shape()[d];
+        }
+        o
+    };
+    let (sa, sb) = (la.strides(), lb.strides());
+    let (a_rs, a_cs, b_rs, b_cs) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 2], sb[sb.len() - 1]);
+    let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
+    let threads = compute_threads();
+    let run = |i: usize, dst: &mut [T], t: usize| {
+        let (oa, ob) = (batch_offset(la, i), batch_offset(lb, i));
+        // SAFETY: the front end checked both layouts against their storages, and `dst`
+        // is this batch's own m*n output block.
+        unsafe {
+            let (pa, pb) = (pa, pb);
+            gemm_one::<T>(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                pa.0.add(oa),
+                a_rs,
+                a_cs,
+                pb.0.add(ob),
+                b_rs,
+                b_cs,
+                t,
+            )
+        }
+    };
+    if nb >= threads && threads > 1 {
+        install(|| {
+            out.par_chunks_mut(m * n)
+                .enumerate()
+                .for_each(|(i, dst)| run(i, dst, 1))
+        });
+    } else {
+        let t = gemm_threads_for(m, n, k);
+        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+            install(|| run(i, dst, t));
+        }
+    }
+    out
+}

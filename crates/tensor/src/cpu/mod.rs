@@ -1,0 +1,262 @@
+//! The CPU backend: host vectors ([`CpuStorage`]) and the kernels of the device contract
+//! ([`crate::backend`]). GEMM goes through the `gemm` crate; large elementwise and row
+//! kernels split across the calling thread's compute pool ([`crate::set_compute_threads`]).
+//! Each file is one family of kernels.
+
+mod elementwise;
+mod inplace;
+mod matmul;
+mod nn;
+mod reduce;
+
+pub use matmul::gemm_threads_for;
+
+use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
+use crate::storage::CpuStorage;
+use crate::{DType, Device, Element, Layout, Result, TensorError};
+
+/// Runs `$body` with `$v` bound to the storage's elements and `$T` to their Rust type,
+/// for the types kernels compute in (f32, f64).
+macro_rules! float_kernel {
+    ($op:expr, $s:expr, $v:ident: $T:ident => $body:expr) => {
+        match $s {
+            $crate::storage::CpuStorage::F32($v) => {
+                type $T = f32;
+                $body
+            }
+            $crate::storage::CpuStorage::F64($v) => {
+                type $T = f64;
+                $body
+            }
+            s => Err($crate::TensorError::UnsupportedDType {
+                op: $op,
+                dtype: s.dtype(),
+                hint: " (kernels compute in f32/f64: convert with to_dtype first)",
+            }),
+        }
+    };
+}
+pub(crate) use float_kernel;
+
+/// The elements of an operand that must have the same type as the first one.
+pub(crate) fn same<'a, T: Element>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T]> {
+    T::slice(s).ok_or(TensorError::DTypeMismatch {
+        op,
+        lhs: T::DTYPE,
+        rhs: s.dtype(),
+    })
+}
+
+/// Mutable elements of an operand that must have the same type as the first one.
+pub(crate) fn same_mut<'a, T: Element>(op: &'static str, s: &'a mut CpuStorage) -> Result<&'a mut [T]> {
+    let dtype = s.dtype();
+    T::slice_mut(s).ok_or(TensorError::DTypeMismatch {
+        op,
+        lhs: T::DTYPE,
+        rhs: dtype,
+    })
+}
+
+/// The elements of a contiguous view.
+pub(crate) fn view<'a, T>(data: &'a [T], l: &Layout) -> &'a [T] {
+    &data[l.offset()..l.offset() + l.numel()]
+}
+
+/// The elements of any view, row-major, as a new vector (`T` must be the dtype).
+pub(crate) fn gather<T: Element>(s: &CpuStorage, l: &Layout, op: &'static str) -> Result<Vec<T>> {
+    let d = T::slice(s).ok_or(TensorError::DTypeMismatch {
+        op,
+        lhs: s.dtype(),
+        rhs: T::DTYPE,
+    })?;
+    if l.is_contiguous() {
+        Ok(view(d, l).to_vec())
+    } else {
+        let mut v = Vec::with_capacity(l.numel());
+        l.for_each_offset(|o| v.push(d[o]));
+        Ok(v)
+    }
+}
+
+/// Index operands (I64 or U8) as `usize`s; the front end has checked their range.
+pub(crate) fn indices(op: &'static str, ids: &CpuStorage, l: &Layout) -> Result<Vec<usize>> {
+    match ids {
+        CpuStorage::I64(_) => Ok(gather::<i64>(ids, l, op)?.into_iter().map(|x| x as usize).collect()),
+        CpuStorage::U8(_) => Ok(gather::<u8>(ids, l, op)?.into_iter().map(usize::from).collect()),
+        s => Err(TensorError::UnsupportedDType {
+            op,
+            dtype: s.dtype(),
+            hint: " (indices are I64 or U8)",
+        }),
+    }
+}
+
+/// The host as a device: allocation is a `Vec`, copying in is a clone.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CpuDevice;
+
+impl BackendDevice for CpuDevice {
+    type Storage = CpuStorage;
+
+    fn location(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn zeros(&self, dtype: DType, n: usize) -> Result<CpuStorage> {
+        Ok(CpuStorage::zeros(dtype, n))
+    }
+
+    fn storage_from_cpu(&self, data: &CpuStorage) -> Result<CpuStorage> {
+        Ok(data.clone())
+    }
+}
+
+impl BackendStorage for CpuStorage {
+    fn dtype(&self) -> DType {
+        CpuStorage::dtype(self)
+    }
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn len(&self) -> usize {
+        CpuStorage::len(self)
+    }
+
+    fn empty_like(&self) -> Self {
+        CpuStorage::zeros(self.dtype(), 0)
+    }
+
+    fn to_cpu(&self) -> Result<CpuStorage> {
+        Ok(self.clone())
+    }
+
+    fn copy_strided(&self, layout: &Layout) -> Result<Self> {
+        let op = "copy";
+        Ok(match self {
+            CpuStorage::F32(_) => CpuStorage::F32(gather(self, layout, op)?),
+            CpuStorage::F64(_) => CpuStorage::F64(gather(self, layout, op)?),
+            CpuStorage::F16(_) => CpuStorage::F16(gather(self, layout, op)?),
+            CpuStorage::BF16(_) => CpuStorage::BF16(gather(self, layout, op)?),
+            CpuStorage::I64(_) => CpuStorage::I64(gather(self, layout, op)?),
+            CpuStorage::U8(_) => CpuStorage::U8(gather(self, layout, op)?),
+        })
+    }
+
+    fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self> {
+        fn conv<T: Element>(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+            Ok(gather::<T>(s, l, "to_dtype")?
+                .into_iter()
+                .map(Element::to_f64)
+                .collect())
+        }
+        let v = match self {
+            CpuStorage::F32(_) => conv::<f32>(self, layout)?,
+            CpuStorage::F64(_) => conv::<f64>(self, layout)?,
+            CpuStorage::F16(_) => conv::<half::f16>(self, layout)?,
+            CpuStorage::BF16(_) => conv::<half::bf16>(self, layout)?,
+            CpuStorage::I64(_) => conv::<i64>(self, layout)?,
+            CpuStorage::U8(_) => conv::<u8>(self, layout)?,
+        };
+        Ok(CpuStorage::from_f64_vec(v, dtype))
+    }
+
+    fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<Self> {
+        elementwise::unary(self, layout, op)
+    }
+
+    fn binary(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, op: BinaryOp) -> Result<Self> {
+        elementwise::binary(self, lhs, rhs, rhs_layout, op)
+    }
+
+    fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self> {
+        reduce::reduce(self, layout, dims, op)
+    }
+
+    fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self> {
+        matmul::matmul(self, lhs, rhs, rhs_layout)
+    }
+
+    fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
+        nn::softmax_last(self, layout, log)
+    }
+
+    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
+        nn::softmax_backward(self, layout, g, g_layout, log)
+    }
+
+    fn layer_norm(
+        &self,
+        layout: &Layout,
+        weight: (&Self, &Layout),
+        bias: (&Self, &Layout),
+        eps: f64,
+    ) -> Result<(Self, Self, Self)> {
+        nn::layer_norm(self, layout, weight, bias, eps)
+    }
+
+    fn layer_norm_backward(
+        &self,
+        layout: &Layout,
+        weight: (&Self, &Layout),
+        mean: (&Self, &Layout),
+        rstd: (&Self, &Layout),
+        gy: (&Self, &Layout),
+    ) -> Result<(Self, Self, Self)> {
+        nn::layer_norm_backward(self, layout, weight, mean, rstd, gy)
+    }
+
+    fn embedding(&self, layout: &Layout, ids: (&Self, &Layout)) -> Result<Self> {
+        nn::embedding(self, layout, ids)
+    }
+
+    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
+        nn::embedding_backward(self, layout, ids, vocab)
+    }
+
+    fn causal_fill(&self, layout: &Layout, value: f64) -> Result<Self> {
+        nn::causal_fill(self, layout, value)
+    }
+
+    fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {
+        nn::cross_entropy(self, layout, targets)
+    }
+
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self> {
+        nn::cross_entropy_backward(self, layout, targets, g)
+    }
+
+    fn fill(&mut self, layout: &Layout, v: f64) -> Result<()> {
+        inplace::fill(self, layout, v)
+    }
+
+    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
+        inplace::copy_from(self, layout, src)
+    }
+
+    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
+        inplace::add_scaled_assign(self, layout, src, scale)
+    }
+
+    fn sgd_step(
+        &mut self,
+        layout: &Layout,
+        grad: (&Self, &Layout),
+        momentum_buffer: Option<(&mut Self, &Layout)>,
+        s: &SgdScalars,
+    ) -> Result<()> {
+        inplace::sgd_step(self, layout, grad, momentum_buffer, s)
+    }
+
+    fn adamw_step(
+        &mut self,
+        layout: &Layout,
+        grad: (&Self, &Layout),
+        m: (&mut Self, &Layout),
+        v: (&mut Self, &Layout),
+        s: &AdamWScalars,
+    ) -> Result<()> {
+        inplace::adamw_step(self, layout, grad, m, v, s)
+    }
+}

@@ -1,0 +1,61 @@
+//! Reductions over axes on the CPU: sum and max.
+
+use std::borrow::Cow;
+
+use super::{float_kernel, gather, same, view};
+use crate::backend::ReduceOp;
+use crate::storage::CpuStorage;
+use crate::threads::par_rows_mut;
+use crate::{Float, Layout, Result};
+
+/// Reduces `dims` of the view with `row(&[T]) -> T` applied to each run of reduced elements.
+fn reduce_rows<T: Float>(
+    s: &CpuStorage,
+    l: &Layout,
+    dims: &[usize],
+    row: impl Fn(&[T]) -> T + Sync + Send,
+) -> Result<CpuStorage> {
+    let kept: Vec<usize> = (0..l.rank()).filter(|d| !dims.contains(d)).collect();
+    let perm: Vec<usize> = kept.iter().chain(dims.iter()).copied().collect();
+    let r: usize = dims.iter().map(|&d| l.shape()[d]).product();
+    let out_n: usize = kept.iter().map(|&d| l.shape()[d]).product();
+    let lp = l.permute(&perm)?;
+    let src: Cow<'_, [T]> = if lp.is_contiguous() {
+        Cow::Borrowed(view(same::<T>("reduce", s)?, &lp))
+    } else {
+        Cow::Owned(gather::<T>(s, &lp, "reduce")?)
+    };
+    let mut out = vec![T::ZERO; out_n];
+    par_rows_mut(&mut out, 1, |i, o| o[0] = row(&src[i * r..(i + 1) * r]));
+    Ok(T::wrap(out))
+}
+
+/// Sum over the leading `k` dims of a contiguous view: adds rows, which vectorises.
+fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> CpuStorage {
+    let lead: usize = l.shape()[..k].iter().product();
+    let cols: usize = l.shape()[k..].iter().product();
+    let src = view(data, l);
+    let mut out = vec![T::ZERO; cols];
+    for r in 0..lead {
+        for (o, &v) in out.iter_mut().zip(&src[r * cols..(r + 1) * cols]) {
+            *o += v;
+        }
+    }
+    T::wrap(out)
+}
+
+/// [`crate::backend::BackendStorage::reduce`].
+pub(super) fn reduce(s: &CpuStorage, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<CpuStorage> {
+    float_kernel!("reduce", s, data: T => match op {
+        ReduceOp::Sum => {
+            let leading = !dims.is_empty() && dims.iter().enumerate().all(|(i, &v)| i == v) && dims.len() < l.rank();
+            if leading && l.is_contiguous() {
+                return Ok(sum_leading::<T>(data, l, dims.len()));
+            }
+            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().sum())
+        }
+        ReduceOp::Max => {
+            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a }))
+        }
+    })
+}

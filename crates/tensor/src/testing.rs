@@ -1,0 +1,41 @@
+//! Running one op test on every device the machine has: [`crate::test_device!`].
+
+use std::io::Write;
+
+use crate::{DType, Device, Result, Tensor};
+
+/// `device` if this build and machine can allocate on it, else the typed reason why not
+/// (a CUDA device without a CUDA backend, driver or GPU).
+pub fn device_if_available(device: Device) -> Result<Device> {
+    Tensor::zeros_on(&[1], DType::U8, device).map(|_| device)
+}
+
+/// Tells the person running the tests that `test` did not run and why, on the process's
+/// own stderr (not the test harness's captured output), so a skip is never a silent pass.
+pub fn report_skip(test: &str, why: &dyn std::fmt::Display) {
+    let _ = writeln!(std::io::stderr(), "{test} SKIPPED: {why}");
+}
+
+/// Defines one `#[test]` per device for a test function `fn name(device: Device)`: a
+/// module `name` with `cpu` (always runs) and `cuda` (runs on `cuda:0` when this build
+/// and machine have it, else reports on stderr that it skipped and why), as candle's
+/// `test_device!` does.
+#[macro_export]
+macro_rules! test_device {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$name($crate::Device::Cpu)
+            }
+
+            #[test]
+            fn cuda() {
+                match $crate::testing::device_if_available($crate::Device::Cuda(0)) {
+                    Ok(d) => super::$name(d),
+                    Err(why) => $crate::testing::report_skip(concat!(module_path!(), "::cuda"), &why),
+                }
+            }
+        }
+    };
+}
