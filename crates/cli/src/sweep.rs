@@ -99,7 +99,8 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
     crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
     for entry in std::fs::read_dir(out).map_err(io)? {
         let entry = entry.map_err(io)?;
-        if entry.file_name().to_str().is_some_and(written_by_a_sweep) && !entry.path().is_dir() {
+        // regular files only: a symbolic link stays, and the new output is written through it
+        if entry.file_name().to_str().is_some_and(written_by_a_sweep) && entry.file_type().map_err(io)?.is_file() {
             std::fs::remove_file(entry.path()).map_err(|source| CliError::Io {
                 path: entry.path().display().to_string(),
                 source,
@@ -116,6 +117,18 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         return Err(CliError::Usage(
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
+    }
+    if let Some(b) = s
+        .run
+        .bucket_mb
+        .iter()
+        .enumerate()
+        .find(|(i, b)| s.run.bucket_mb[..*i].contains(b))
+        .map(|(_, b)| b)
+    {
+        return Err(CliError::Usage(format!(
+            "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
+        )));
     }
     prepare_out(&s.out)?;
     let quiet = RunOptions {

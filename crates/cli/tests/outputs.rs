@@ -518,4 +518,11 @@ fn a_sweep_replaces_what_an_earlier_sweep_left_and_labels_every_bucket_cap() {
         texts.iter().any(|t| t.starts_with("mlp, world size 2")),
         "lowercase model name in the caption: {texts:?}"
     );
+    // one cap twice would write one timeline over the other
+    let e = fails(&cat(&[
+        &["sweep"],
+        &model,
+        &["--steps", "2", "--bucket-mb", "1,0.5,1", "--out", s(&out)],
+    ]));
+    assert!(e.contains("--bucket-mb lists 1 twice"), "{e}");
 }
