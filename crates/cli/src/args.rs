@@ -130,7 +130,7 @@ impl ModelArgs {
                 if self.context == 0 {
                     return bad("--context must be at least 1 (tokens the model reads per row)".into());
                 }
-                if self.d_model % self.heads != 0 {
+                if !self.d_model.is_multiple_of(self.heads) {
                     return bad(format!(
                         "--heads {} must divide --d-model {} (each head gets d_model / heads dimensions)",
                         self.heads, self.d_model

@@ -224,7 +224,10 @@ fn resuming_from_a_periodic_checkpoint_of_a_killed_run_is_bit_identical() {
     child.wait().unwrap();
     let (_, meta) = load_safetensors_with_metadata(&ck).unwrap();
     let k: usize = meta["step"].parse().unwrap();
-    assert!(k >= 2 && k % 2 == 0, "a periodic checkpoint is at a multiple of 2: {k}");
+    assert!(
+        k >= 2 && k.is_multiple_of(2),
+        "a periodic checkpoint is at a multiple of 2: {k}"
+    );
     let end = (k + 3).to_string();
     let (full_l, full_p) = run_variant(&d, &common, &["--steps", &end], "full");
     let (res_l, res_p) = run_variant(&d, &common, &["--steps", &end, "--resume", s(&ck)], "resumed");
