@@ -8,6 +8,36 @@ use clap::{Args, ValueEnum};
 
 use crate::error::{CliError, Result};
 
+/// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
+/// and metadata.
+pub fn flag_name(v: &impl ValueEnum) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}
+
+/// A number as a person writes it: `0.001`, `3.5`, `1e30`, `1e-7` (Rust's `{}` spells
+/// `1e30` with thirty zeros).
+pub fn compact(x: f64) -> String {
+    let a = x.abs();
+    if a != 0.0 && a.is_finite() && !(1e-4..1e6).contains(&a) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
+/// Largest `--timeout-s`: far beyond any wait worth having, far below what `Duration`
+/// and `Instant` hold.
+pub const MAX_TIMEOUT_S: f64 = 1e6;
+/// Range of `--net-gbps`: 1 Mb/s to 1 Pb/s keeps every simulated transfer time a
+/// representable duration.
+pub const NET_GBPS: (f64, f64) = (1e-3, 1e6);
+/// Largest `--net-latency-us` (10 s per message).
+pub const MAX_LATENCY_US: f64 = 1e7;
+/// Largest `--bucket-mb` / `--first-bucket-mb` (1 TiB).
+pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
+
 /// Which model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModelName {
@@ -20,7 +50,7 @@ pub enum ModelName {
 /// Which optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerName {
-    /// SGD with momentum (`--momentum`) and weight decay.
+    /// SGD with optional momentum (`--momentum`, default 0 as in `torch.optim.SGD`) and weight decay.
     Sgd,
     /// AdamW (betas 0.9/0.999, eps 1e-8, decoupled weight decay).
     Adamw,
@@ -62,6 +92,55 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// Checks the shape flags of the chosen model, naming the flag at fault.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CliError::Usage(m));
+        match self.model {
+            ModelName::Mlp => {
+                if self.widths.len() < 2 {
+                    return bad(format!(
+                        "--widths needs at least 2 widths (input and classes), got {:?}",
+                        self.widths
+                    ));
+                }
+                if let Some(i) = self.widths.iter().position(|&w| w == 0) {
+                    return bad(format!(
+                        "--widths: every width must be at least 1, width {i} is 0 in {:?}",
+                        self.widths
+                    ));
+                }
+                if *self.widths.last().expect("2 or more") < 2 {
+                    return bad(format!(
+                        "--widths: the last width is the number of classes and must be at least 2, got {:?}",
+                        self.widths
+                    ));
+                }
+            }
+            ModelName::Gpt => {
+                for (flag, v) in [
+                    ("--d-model", self.d_model),
+                    ("--layers", self.layers),
+                    ("--heads", self.heads),
+                    ("--d-ff", self.d_ff),
+                ] {
+                    if v == 0 {
+                        return bad(format!("{flag} must be at least 1"));
+                    }
+                }
+                if self.context == 0 {
+                    return bad("--context must be at least 1 (tokens the model reads per row)".into());
+                }
+                if !self.d_model.is_multiple_of(self.heads) {
+                    return bad(format!(
+                        "--heads {} must divide --d-model {} (each head gets d_model / heads dimensions)",
+                        self.heads, self.d_model
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The model configuration these flags describe.
     pub fn kind(&self) -> ModelKind {
         match self.model {
@@ -83,24 +162,24 @@ impl ModelArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Optimizer steps (a resumed run continues until this step).
+    /// Number of optimizer steps: the run ends at this step.
     #[arg(long, default_value_t = 100)]
     pub steps: usize,
     /// Rows per rank per microbatch.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = 1e-3)]
+    /// Learning rate (finite, > 0).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3)]
     pub lr: f64,
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerName::Adamw)]
     pub optimizer: OptimizerName,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
-    pub momentum: f64,
-    /// Weight decay (AdamW: decoupled; SGD: L2 added to the gradient). Default: 0.01 for
-    /// AdamW, 0 for SGD.
-    #[arg(long)]
+    /// SGD momentum, in [0, 1) (default 0, as `torch.optim.SGD`); an error with AdamW.
+    #[arg(long, allow_negative_numbers = true)]
+    pub momentum: Option<f64>,
+    /// Weight decay, finite and >= 0 (AdamW: decoupled; SGD: L2 added to the gradient).
+    /// Default: 0.01 for AdamW, 0 for SGD.
+    #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
     /// Seed of the initial parameters and of the built-in data.
     #[arg(long, default_value_t = 0)]
@@ -122,19 +201,20 @@ pub struct RunArgs {
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
     /// DDP bucket cap in MiB (`brigade sweep` takes a comma-separated list).
-    #[arg(long, value_delimiter = ',', default_value = "25")]
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_value = "25")]
     pub bucket_mb: Vec<f64>,
     /// DDP first-bucket cap in MiB.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub first_bucket_mb: f64,
     /// Microbatches per step: the first K-1 accumulate under no_sync, the K-th reduces.
     #[arg(long, default_value_t = 1)]
     pub accum: usize,
-    /// Simulated network bandwidth in gigabits per second (e.g. 10 for 10GbE).
-    #[arg(long)]
+    /// Simulated network bandwidth in gigabits per second (e.g. 10 for 10GbE), 0.001 to 1e6.
+    #[arg(long, allow_negative_numbers = true)]
     pub net_gbps: Option<f64>,
-    /// Simulated network latency per message in microseconds.
-    #[arg(long, default_value_t = 0.0)]
+    /// Simulated network latency per message in microseconds, 0 to 1e7; needs --net-gbps
+    /// (without a bandwidth there is no simulated network, and a latency is an error).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub net_latency_us: f64,
     /// Mark parameters that get no gradient as ready instead of failing.
     #[arg(long)]
@@ -142,15 +222,17 @@ pub struct RunArgs {
     /// Steps excluded from the timing summary.
     #[arg(long, default_value_t = 0)]
     pub warmup: usize,
-    /// Seconds any rank waits for the others before failing.
-    #[arg(long, default_value_t = 120.0)]
+    /// Seconds any rank waits for the others before failing (finite, > 0, at most 1e6).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
     pub timeout_s: f64,
 }
 
 impl RunArgs {
-    /// Checks values that clap cannot.
+    /// Checks values that clap cannot: every number finite and in range, flags that only
+    /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(CliError::Usage(m));
+        self.model.validate()?;
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
         }
@@ -158,24 +240,63 @@ impl RunArgs {
             return bad("--batch-size and --accum must be at least 1".into());
         }
         if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return bad(format!("--lr must be a positive number, got {}", self.lr));
+            return bad(format!("--lr must be a finite number > 0, got {}", self.lr));
         }
-        if self.bucket_mb.is_empty() || !(self.bucket_mb.iter().all(|&b| b > 0.0) && self.first_bucket_mb > 0.0) {
-            return bad("--bucket-mb and --first-bucket-mb must be positive".into());
-        }
-        if let Some(g) = self.net_gbps {
-            if !(g > 0.0 && g.is_finite()) {
-                return bad(format!("--net-gbps must be positive, got {g}"));
+        if let Some(wd) = self.weight_decay {
+            if !(wd >= 0.0 && wd.is_finite()) {
+                return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
             }
         }
-        if self.net_latency_us < 0.0 || !self.net_latency_us.is_finite() {
-            return bad("--net-latency-us must be >= 0".into());
+        if let Some(m) = self.momentum {
+            if self.optimizer != OptimizerName::Sgd {
+                return bad(format!(
+                    "--momentum is for --optimizer sgd; {} has its own betas (drop --momentum)",
+                    flag_name(&self.optimizer)
+                ));
+            }
+            if !(0.0..1.0).contains(&m) {
+                return bad(format!("--momentum must be in [0, 1), got {m}"));
+            }
+        }
+        let positive = |b: f64| b > 0.0 && b.is_finite() && b <= MAX_BUCKET_MB;
+        if self.bucket_mb.is_empty() || !(self.bucket_mb.iter().all(|&b| positive(b)) && positive(self.first_bucket_mb))
+        {
+            return bad(format!(
+                "--bucket-mb and --first-bucket-mb must be finite, > 0 and at most {MAX_BUCKET_MB}, got {:?} and {}",
+                self.bucket_mb, self.first_bucket_mb
+            ));
+        }
+        if let Some(g) = self.net_gbps {
+            if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
+                return bad(format!(
+                    "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
+                    compact(NET_GBPS.0),
+                    compact(NET_GBPS.1)
+                ));
+            }
+        }
+        if !(0.0..=MAX_LATENCY_US).contains(&self.net_latency_us) {
+            return bad(format!(
+                "--net-latency-us must be between 0 and {}, got {}",
+                compact(MAX_LATENCY_US),
+                self.net_latency_us
+            ));
+        }
+        if self.net_latency_us != 0.0 && self.net_gbps.is_none() {
+            return bad(format!(
+                "--net-latency-us {} needs --net-gbps: the simulated network is on only with a bandwidth",
+                self.net_latency_us
+            ));
         }
         if self.threads_per_rank == Some(0) {
             return bad("--threads-per-rank must be at least 1".into());
         }
-        if !(self.timeout_s > 0.0) {
-            return bad("--timeout-s must be positive".into());
+        if !(self.timeout_s > 0.0 && self.timeout_s <= MAX_TIMEOUT_S) {
+            return bad(format!(
+                "--timeout-s must be a number of seconds > 0 and at most {}, got {}",
+                compact(MAX_TIMEOUT_S),
+                self.timeout_s
+            ));
         }
         if self.warmup >= self.steps && self.steps > 0 {
             return bad(format!(
@@ -184,6 +305,11 @@ impl RunArgs {
             ));
         }
         Ok(())
+    }
+
+    /// SGD's momentum in effect (0 unless given, as in `torch.optim.SGD`).
+    pub fn momentum(&self) -> f64 {
+        self.momentum.unwrap_or(0.0)
     }
 
     /// The single bucket cap of a training run.

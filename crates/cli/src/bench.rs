@@ -25,10 +25,11 @@ pub struct CommArgs {
     /// Number of ranks.
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
-    /// Comma-separated buffer sizes (e.g. `1K,16M,64M`); default 1 KiB to 64 MiB by 4x.
+    /// Comma-separated buffer sizes (e.g. `1K,16M,64M`), each at least 4 bytes (one f32)
+    /// per rank, rounded down to whole f32s; default 1 KiB to 64 MiB by 4x.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     pub sizes: Option<Vec<usize>>,
-    /// Timed iterations per size (default: about 512 MiB of traffic per size, 5 to 1000).
+    /// Timed iterations per size, at least 1 (default: about 512 MiB of traffic per size, 5 to 1000).
     #[arg(long)]
     pub iters: Option<usize>,
     /// Print JSON instead of a table.
@@ -49,6 +50,17 @@ pub fn run(cmd: BenchCommand) -> Result<(), Box<dyn std::error::Error>> {
 fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
     if args.world_size == 0 {
         return Err("--world-size must be at least 1".into());
+    }
+    if args.iters == Some(0) {
+        return Err("--iters must be at least 1 (timed all-reduces per size)".into());
+    }
+    let least = 4 * args.world_size;
+    if let Some(small) = args.sizes.iter().flatten().find(|&&b| b < least) {
+        return Err(format!(
+            "--sizes: {small} B is too small to split among {} ranks; each size needs at least {least} B (one f32 per rank)",
+            args.world_size
+        )
+        .into());
     }
     let cfg = CommBenchConfig {
         world_size: args.world_size,

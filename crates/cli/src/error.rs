@@ -31,29 +31,21 @@ pub enum CliError {
     /// Rendering a chart.
     #[error("chart {path}: {msg}")]
     Chart { path: String, msg: String },
+    /// Outputs of a finished run that could not be written (each: flag, path, cause); the
+    /// others were written.
+    #[error("{} of the outputs could not be written (the others were): {}", .0.len(), .0.join("; "))]
+    Outputs(Vec<String>),
 }
 
 /// Result alias for the CLI.
 pub type Result<T> = std::result::Result<T, CliError>;
 
-/// Writes `bytes` to `path` atomically: a temporary file beside it, then a rename.
+/// Writes `bytes` to `path` atomically (see [`brigade_models::write_atomic`]: a unique
+/// temporary beside the target, synced, then renamed; a symbolic link keeps pointing at
+/// the file it names, which is what gets written).
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let io = |source| CliError::Io {
+    brigade_models::write_atomic(path, bytes).map_err(|source| CliError::Io {
         path: path.display().to_string(),
         source,
-    };
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    let tmp = std::path::PathBuf::from(tmp);
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(io)
+    })
 }

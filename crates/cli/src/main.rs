@@ -8,6 +8,7 @@ mod args;
 mod bench;
 mod error;
 mod mpi_backend;
+mod outputs;
 mod run;
 mod sweep;
 mod timeline;
@@ -27,13 +28,22 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Step time, compute-only time and exposed communication for several bucket sizes.
     Sweep(Box<sweep::SweepArgs>),
-    /// Micro-benchmarks (collectives, GEMM).
+    /// Micro-benchmarks (collectives: all-reduce bandwidth against memcpy).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // one line, like every other error (clap adds a usage block)
+            let text = e.render().to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("error: bad arguments"));
+            return ExitCode::from(2);
+        }
+    };
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Train(t) => train::train(*t).map_err(Into::into),
         Command::Sweep(s) => sweep::sweep(*s).map_err(Into::into),

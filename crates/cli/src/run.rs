@@ -95,7 +95,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind) -> Result<Dataset> {
 fn make_optimizer(args: &RunArgs, model: &dyn Model) -> Box<dyn Optimizer> {
     let params = model.params().params().to_vec();
     match args.optimizer {
-        OptimizerName::Sgd => Box::new(Sgd::new(params, args.lr, args.momentum, args.weight_decay())),
+        OptimizerName::Sgd => Box::new(Sgd::new(params, args.lr, args.momentum(), args.weight_decay())),
         OptimizerName::Adamw => Box::new(AdamW::with_options(
             params,
             args.lr,
@@ -112,6 +112,7 @@ fn save_checkpoint(
     path: &Path,
     args: &RunArgs,
     kind: &ModelKind,
+    data: &Dataset,
     model: &dyn Model,
     opt: &dyn Optimizer,
     step: usize,
@@ -128,6 +129,8 @@ fn save_checkpoint(
         ("step", step.to_string()),
         ("model", kind.name().to_string()),
         ("optimizer", format!("{:?}", args.optimizer).to_lowercase()),
+        ("seed", args.seed.to_string()),
+        ("data", data.fingerprint().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -141,6 +144,7 @@ fn load_checkpoint(
     path: &Path,
     args: &RunArgs,
     kind: &ModelKind,
+    data: &Dataset,
     model: &dyn Model,
     opt: &mut dyn Optimizer,
 ) -> Result<usize> {
@@ -159,6 +163,17 @@ fn load_checkpoint(
             return Err(err(format!("it was written for {key} '{got}', this run uses '{want}'")));
         }
     }
+    // the seed chooses the built-in data; the fingerprint tells any data apart (older
+    // checkpoints have neither)
+    let seed = args.seed.to_string();
+    for (key, flag, want) in [("seed", "--seed", seed.as_str()), ("data", "data", data.fingerprint())] {
+        if let Some(got) = meta.get(key).filter(|got| *got != want) {
+            return Err(err(format!(
+                "it was written with {flag} {got}, this run has {flag} {want}: resume with what it was written with"
+            )));
+        }
+    }
+    brigade_models::check_finite(path, &tensors)?;
     let step: usize = meta
         .get("step")
         .and_then(|s| s.parse().ok())
@@ -169,7 +184,7 @@ fn load_checkpoint(
             .filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t.clone())))
             .collect()
     };
-    load_params_from_tensors(model.params(), &strip("model."))?;
+    load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
     Ok(step)
 }
@@ -194,7 +209,7 @@ pub fn rank_main(
     }
     let mut opt = make_optimizer(args, model.as_ref());
     let first_step = match &opts.resume {
-        Some(path) => load_checkpoint(path, args, kind, model.as_ref(), opt.as_mut())?,
+        Some(path) => load_checkpoint(path, args, kind, data, model.as_ref(), opt.as_mut())?,
         None => 0,
     };
     if first_step > args.steps {
@@ -273,9 +288,15 @@ pub fn rank_main(
         if rank == 0 {
             if let Some(path) = &opts.checkpoint {
                 if done == args.steps || opts.checkpoint_every.is_some_and(|e| e > 0 && done % e == 0) {
-                    save_checkpoint(path, args, kind, model.as_ref(), opt.as_ref(), done)?;
+                    save_checkpoint(path, args, kind, data, model.as_ref(), opt.as_ref(), done)?;
                 }
             }
+        }
+    }
+    if let (0, Some(path)) = (args.steps - first_step, &opts.checkpoint) {
+        // no step run: the checkpoint asked for is the state the run starts from
+        if rank == 0 {
+            save_checkpoint(path, args, kind, data, model.as_ref(), opt.as_ref(), first_step)?;
         }
     }
     if let Some(bar) = progress {

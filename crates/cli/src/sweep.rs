@@ -14,7 +14,7 @@ use clap::Args;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::args::RunArgs;
+use crate::args::{compact, flag_name, RunArgs};
 use crate::error::{write_atomic, CliError, Result};
 use crate::run::{run, RunOptions};
 use crate::timeline::{step_events, write_timeline};
@@ -25,7 +25,10 @@ use crate::train::median_min;
 pub struct SweepArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// Directory for sweep.csv, sweep.svg and one timeline per bucket size.
+    /// Directory for sweep.csv, sweep.svg and one timeline per bucket size
+    /// (timeline_{B}MiB.json and .svg). Created if missing; what an earlier sweep wrote
+    /// there (those names) is removed first, so the directory holds this sweep alone;
+    /// other files are left alone.
     #[arg(long)]
     pub out: PathBuf,
     /// Print the table as JSON.
@@ -74,6 +77,39 @@ fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
     median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
 }
 
+/// Whether `name` is a file that `brigade sweep` writes into its `--out` directory.
+fn written_by_a_sweep(name: &str) -> bool {
+    let timeline = |ext: &str| {
+        name.strip_prefix("timeline_")
+            .and_then(|n| n.strip_suffix(ext))
+            .and_then(|n| n.strip_suffix("MiB"))
+            .is_some_and(|b| b.parse::<f64>().is_ok())
+    };
+    name == "sweep.csv" || name == "sweep.svg" || timeline(".json") || timeline(".svg")
+}
+
+/// Makes `--out` ready before any run: created, takes files, and emptied of what an
+/// earlier sweep wrote there (a stale timeline must not pass for this sweep's).
+fn prepare_out(out: &std::path::Path) -> Result<()> {
+    let io = |source| CliError::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
+    std::fs::create_dir_all(out).map_err(io)?;
+    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
+    for entry in std::fs::read_dir(out).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        // regular files only: a symbolic link stays, and the new output is written through it
+        if entry.file_name().to_str().is_some_and(written_by_a_sweep) && entry.file_type().map_err(io)?.is_file() {
+            std::fs::remove_file(entry.path()).map_err(|source| CliError::Io {
+                path: entry.path().display().to_string(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
     s.run.validate()?;
@@ -82,10 +118,19 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
     }
-    std::fs::create_dir_all(&s.out).map_err(|source| CliError::Io {
-        path: s.out.display().to_string(),
-        source,
-    })?;
+    if let Some(b) = s
+        .run
+        .bucket_mb
+        .iter()
+        .enumerate()
+        .find(|(i, b)| s.run.bucket_mb[..*i].contains(b))
+        .map(|(_, b)| b)
+    {
+        return Err(CliError::Usage(format!(
+            "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
+        )));
+    }
+    prepare_out(&s.out)?;
     let quiet = RunOptions {
         progress: false,
         ..RunOptions::default()
@@ -134,8 +179,11 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             },
         };
         let title = format!(
-            "{:?} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
-            a.model.model, a.world_size, row.step_ms, compute_ms
+            "{} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
+            flag_name(&a.model.model),
+            a.world_size,
+            row.step_ms,
+            compute_ms
         );
         write_timeline(
             &s.out.join(format!("timeline_{b}MiB.json")),
@@ -190,8 +238,15 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     Ok(())
 }
 
-/// Step time, compute-only time and exposed comm against bucket size (log x axis).
+/// Step time, compute-only time and exposed comm against bucket size (log x axis, one
+/// label at every bucket cap), written atomically.
 fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
+    let mut svg = String::new();
+    render_chart(&mut svg, path, rows, a)?;
+    write_atomic(path, svg.as_bytes())
+}
+
+fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
     let err = |m: String| CliError::Chart {
         path: path.display().to_string(),
         msg: m,
@@ -202,11 +257,11 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
         xs.iter().copied().fold(0.0, f64::max),
     );
     let ymax = rows.iter().map(|r| r.step_ms.max(r.comm_ms)).fold(0.0, f64::max) * 1.15 + 1e-3;
-    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let caption = format!(
-        "{:?}, world size {}, {} rows/rank, net {} Gb/s, {} us",
-        a.model.model,
+        "{}, world size {}, {} rows/rank, net {} Gb/s, {} us",
+        flag_name(&a.model.model),
         a.world_size,
         a.rows_per_rank(),
         a.net_gbps.map(|g| g.to_string()).unwrap_or_else(|| "unlimited".into()),
@@ -217,11 +272,15 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
         .margin(20)
         .x_label_area_size(45)
         .y_label_area_size(60)
-        .build_cartesian_2d((xmin / 1.5..xmax * 1.5).log_scale(), 0.0..ymax)
+        .build_cartesian_2d(
+            (xmin / 1.5..xmax * 1.5).log_scale().with_key_points(xs.clone()),
+            0.0..ymax,
+        )
         .map_err(|e| err(e.to_string()))?;
     chart
         .configure_mesh()
         .x_desc("bucket cap (MiB, log scale)")
+        .x_label_formatter(&|x| compact(*x))
         .y_desc("ms per step")
         .draw()
         .map_err(|e| err(e.to_string()))?;

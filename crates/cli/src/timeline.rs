@@ -72,6 +72,33 @@ fn color_for(e: &Event) -> RGBColor {
     }
 }
 
+/// What each colour of the chart means, in the order a step runs (the same colours as
+/// [`color_for`]).
+const LEGEND: [(&str, RGBColor); 6] = [
+    ("forward", RGBColor(52, 152, 219)),
+    ("backward, per layer", RGBColor(142, 68, 173)),
+    ("(next layer)", RGBColor(187, 143, 206)),
+    ("waiting", RGBColor(160, 160, 160)),
+    ("optimizer", RGBColor(39, 174, 96)),
+    ("all-reduce (comm stream)", RGBColor(230, 126, 34)),
+];
+
+/// Height in pixels of the legend strip under the chart.
+const LEGEND_HEIGHT: u32 = 30;
+
+/// One row of colour swatches with their meaning.
+fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, plotters::coord::Shift>) -> std::result::Result<(), String> {
+    let mut x = 170;
+    for (label, color) in LEGEND {
+        area.draw(&Rectangle::new([(x, 8), (x + 14, 22)], color.filled()))
+            .map_err(|e| e.to_string())?;
+        area.draw(&Text::new(label, (x + 19, 9), ("sans-serif", 13).into_font()))
+            .map_err(|e| e.to_string())?;
+        x += 40 + 7 * label.len() as i32;
+    }
+    Ok(())
+}
+
 /// Draws one lane pair per rank: compute (forward, backward per layer, optimizer) and
 /// the comm stream (each bucket's all-reduce), time in ms from the step's start.
 fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
@@ -100,10 +127,12 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
     let lane_of =
         |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
     let y_of = |lane: usize| (lanes - 1 - lane) as f64;
-    let height = 120 + 70 * lanes as u32;
+    let height = 120 + 70 * lanes as u32 + LEGEND_HEIGHT;
     let root = SVGBackend::new(path, (1400, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let mut chart = ChartBuilder::on(&root)
+    let (upper, legend) = root.split_vertically(height - LEGEND_HEIGHT);
+    draw_legend(&legend).map_err(err)?;
+    let mut chart = ChartBuilder::on(&upper)
         .caption(title, ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(40)

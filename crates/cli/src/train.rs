@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::json;
 
-use crate::args::RunArgs;
-use crate::error::{write_atomic, Result};
+use crate::args::{compact, flag_name, RunArgs};
+use crate::error::{write_atomic, CliError, Result};
+use crate::outputs::{check_outputs, write_all, Output, Write};
 use crate::run::{run, RunOptions, RunReport};
 use crate::timeline::{step_events, write_timeline};
 
@@ -15,22 +16,29 @@ use crate::timeline::{step_events, write_timeline};
 pub struct TrainArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// Write the final parameters here (safetensors, atomically).
+    /// Write the final parameters here (safetensors, atomically). Every output path is
+    /// checked before step 0 (its directory exists and takes files; no two outputs share a
+    /// file); a symbolic link is kept and its target written.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Write `step,loss` for every step run (global mean loss before the step's update).
+    /// Write `step,loss` for every step (global mean loss before the step's update). With
+    /// --resume, the rows before the resume step already in this file are kept, so the
+    /// file ends as the uninterrupted run's.
     #[arg(long)]
     pub losses: Option<PathBuf>,
-    /// Write a Chrome trace of the last step (and FILE.svg beside it).
+    /// Write a Chrome trace of the last step (and FILE.svg beside it); nothing when no step runs.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
-    /// Write parameters and optimizer state here at the end (and every --checkpoint-every steps).
+    /// Write parameters and optimizer state here at the end (and every --checkpoint-every
+    /// steps); also when no step runs.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
-    /// Checkpoint period in steps.
+    /// Checkpoint period in steps (at least 1; needs --checkpoint).
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
-    /// Continue from a checkpoint written by --checkpoint (until --steps).
+    /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
+    /// holds the parameters (so --init is an error), the --seed and the data's fingerprint
+    /// (a different seed or data is an error).
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// End with the summary as one JSON object on stdout.
@@ -51,7 +59,7 @@ pub fn median_min(v: &[f64]) -> (f64, f64) {
     (s[s.len() / 2], s[0])
 }
 
-/// The numbers a run ends with.
+/// The numbers a run ends with (NaN for what a run of no step cannot measure).
 pub struct Summary {
     pub first_loss: f64,
     pub last_loss: f64,
@@ -75,8 +83,90 @@ pub fn summarize(args: &RunArgs, report: &RunReport) -> Summary {
     }
 }
 
+impl TrainArgs {
+    /// Checks the flags before any work: numbers, combinations, and every output path.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CliError::Usage(m));
+        self.run.validate()?;
+        self.run.bucket_cap()?;
+        match (self.checkpoint_every, &self.checkpoint) {
+            (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
+            (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
+            _ => {}
+        }
+        if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
+            return bad(format!(
+                "--resume {} already holds the parameters; drop --init {} (or start afresh without --resume)",
+                resume.display(),
+                init.display()
+            ));
+        }
+        check_outputs(&self.outputs())
+    }
+
+    /// Every file this run writes, with the flag that asked for it.
+    pub fn outputs(&self) -> Vec<Output> {
+        let mut out = vec![];
+        for (flag, path) in [
+            ("--save", &self.save),
+            ("--losses", &self.losses),
+            ("--timeline", &self.timeline),
+        ] {
+            if let Some(p) = path {
+                out.push(Output::new(flag, p));
+            }
+        }
+        if let Some(p) = &self.timeline {
+            out.push(Output::new("--timeline (its chart)", &p.with_extension("svg")));
+        }
+        if let Some(p) = &self.checkpoint {
+            out.push(Output::new("--checkpoint", p));
+        }
+        out
+    }
+}
+
+/// The rows of an existing `--losses` file, by step (kept when a resumed run rewrites it).
+fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(source) => {
+            return Err(CliError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        }
+    };
+    let mut lines = text.lines();
+    let not_ours = || {
+        CliError::Usage(format!(
+            "--losses {}: the file exists but is not a `step,loss` file; a resumed run keeps its earlier rows, so move it away or pick another file",
+            path.display()
+        ))
+    };
+    if lines.next() != Some("step,loss") {
+        return Err(not_ours());
+    }
+    lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let step = l
+                .split_once(',')
+                .and_then(|(s, _)| s.parse().ok())
+                .ok_or_else(not_ours)?;
+            Ok((step, l.to_string()))
+        })
+        .collect()
+}
+
 /// Runs `brigade train`.
 pub fn train(t: TrainArgs) -> Result<()> {
+    t.validate()?;
+    let kept = match (&t.resume, &t.losses) {
+        (Some(_), Some(path)) => previous_losses(path)?,
+        _ => vec![],
+    };
     let opts = RunOptions {
         compute_only: false,
         record: t.timeline.is_some(),
@@ -86,84 +176,129 @@ pub fn train(t: TrainArgs) -> Result<()> {
         checkpoint_every: t.checkpoint_every,
     };
     let report = run(&t.run, &opts)?;
-    write_outputs(&t, &report)?;
-    let s = summarize(&t.run, &report);
+    let written = write_outputs(&t, &report, &kept);
+    print_summary(&t, &report)?;
+    written
+}
+
+/// The summary on stdout: a few lines, or one JSON object with --json.
+fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
+    let s = summarize(&t.run, report);
     let a = &t.run;
+    let ran = report.losses.len();
     if t.json {
         let flags = json!({
-            "model": format!("{:?}", a.model.model).to_lowercase(),
+            "model": flag_name(&a.model.model),
             "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
-            "optimizer": format!("{:?}", a.optimizer).to_lowercase(), "seed": a.seed,
-            "backend": format!("{:?}", a.backend).to_lowercase(),
+            "optimizer": flag_name(&a.optimizer), "seed": a.seed,
+            "backend": flag_name(&a.backend),
             "bucket_mb": a.bucket_cap()?, "first_bucket_mb": a.first_bucket_mb,
             "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
             "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
         });
+        // serde_json writes NaN as null: a run of no step has no loss or time to report
         let out = json!({
             "first_loss": s.first_loss, "last_loss": s.last_loss,
             "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
             "samples_per_s": s.samples_per_s, "world_size": report.world_size,
-            "first_step": report.first_step, "buckets": report.buckets.len(),
+            "first_step": report.first_step, "steps_run": ran, "buckets": report.buckets.len(),
             "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
             "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
             "flags": flags,
         });
         println!("{out}");
+        return Ok(());
+    }
+    println!(
+        "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
+        flag_name(&a.model.model),
+        report.world_size,
+        a.batch_size,
+        a.accum,
+        report.first_step,
+        a.steps,
+        flag_name(&a.optimizer),
+        compact(a.lr)
+    );
+    if ran == 0 {
+        println!(
+            "no step run: the run starts at step {} and --steps is {}",
+            report.first_step, a.steps
+        );
     } else {
-        println!(
-            "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {:?} lr {}",
-            format!("{:?}", a.model.model).to_lowercase(),
-            report.world_size,
-            a.batch_size,
-            a.accum,
-            report.first_step,
-            a.steps,
-            a.optimizer,
-            a.lr
-        );
         println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
-        println!(
-            "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
-            s.median_step_ms, s.min_step_ms, a.warmup
-        );
-        println!("throughput: {:.1} samples/s", s.samples_per_s);
-        if let Some(m) = report.memory {
-            let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        let timed = ran.saturating_sub(a.warmup);
+        if timed == 0 {
             println!(
-                "gradient memory per rank: {:.2} MiB in {} buckets (gradients + buckets: {:.2} MiB, one copy)",
-                mib(m.gradient_bytes),
-                report.buckets.len(),
-                mib(m.total_bytes())
+                "step time: none measured (all {ran} steps run are --warmup {})",
+                a.warmup
             );
+        } else {
+            println!(
+                "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
+                s.median_step_ms, s.min_step_ms, a.warmup
+            );
+            println!("throughput: {:.1} samples/s", s.samples_per_s);
         }
+    }
+    if let Some(m) = report.memory {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        let n = report.buckets.len();
+        println!(
+            "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
+            mib(m.gradient_bytes),
+            if n == 1 { "bucket" } else { "buckets" },
+            mib(m.total_bytes())
+        );
     }
     Ok(())
 }
 
-/// `--save`, `--losses`, `--timeline`, written from rank 0's view of the run.
-pub fn write_outputs(t: &TrainArgs, report: &RunReport) -> Result<()> {
+/// `--save`, `--losses`, `--timeline`, written from rank 0's view of the run, every one
+/// attempted even when another fails. `kept` are the rows of an existing `--losses` file:
+/// those before the first step run are written again (a resumed run).
+pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]) -> Result<()> {
+    let mut writes: Vec<Write<'_>> = vec![];
     if let Some(path) = &t.save {
-        brigade_models::save_safetensors(path, &report.params, None)?;
+        let write = move || Ok(brigade_models::save_safetensors(path, &report.params, None)?);
+        writes.push((Output::new("--save", path), Box::new(write)));
     }
     if let Some(path) = &t.losses {
-        let mut csv = String::from("step,loss\n");
-        for (i, l) in report.losses.iter().enumerate() {
-            csv.push_str(&format!("{},{:.9}\n", report.first_step + i, l));
-        }
-        write_atomic(path, csv.as_bytes())?;
+        let write = move || {
+            let mut csv = String::from("step,loss\n");
+            for (_, row) in kept.iter().filter(|(s, _)| *s < report.first_step) {
+                csv.push_str(row);
+                csv.push('\n');
+            }
+            for (i, l) in report.losses.iter().enumerate() {
+                csv.push_str(&format!("{},{:.9}\n", report.first_step + i, l));
+            }
+            write_atomic(path, csv.as_bytes())
+        };
+        writes.push((Output::new("--losses", path), Box::new(write)));
     }
     if let (Some(path), Some(rec)) = (&t.timeline, &report.recorder) {
-        let last = t.run.steps.saturating_sub(1);
-        let title = format!(
-            "step {last}: {} ranks, bucket cap {} MiB",
-            report.world_size,
-            t.run.bucket_cap()?
-        );
-        let events = match &report.last_step_events {
-            Some(events) => events.clone(),
-            None => step_events(rec, last),
-        };
-        write_timeline(path, &events, rec.origin(), &title)?;
+        if report.losses.is_empty() {
+            eprintln!(
+                "note: no step was run, so there is no timeline to write to {}",
+                path.display()
+            );
+        } else {
+            let write = move || {
+                let last = t.run.steps.saturating_sub(1);
+                let title = format!(
+                    "step {last}: {} ranks, bucket cap {} MiB",
+                    report.world_size,
+                    t.run.bucket_cap()?
+                );
+                let events = match &report.last_step_events {
+                    Some(events) => events.clone(),
+                    None => step_events(rec, last),
+                };
+                write_timeline(path, &events, rec.origin(), &title)
+            };
+            writes.push((Output::new("--timeline", path), Box::new(write)));
+        }
     }
-    Ok(())
+    write_all(writes)
 }

@@ -1,56 +1,13 @@
 //! `brigade train` end to end: parity of sharding and accumulation, resume, files,
 //! and clear errors for bad input.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-use brigade_models::{load_safetensors, save_safetensors};
-use brigade_tensor::{DType, Rng, Tensor};
-
-fn brigade(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_brigade"))
-        .args(args)
-        .output()
-        .expect("run brigade")
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = brigade(args);
-    assert!(
-        out.status.success(),
-        "brigade {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The error line of a run that must fail cleanly: non-zero exit, one `error:` line, no panic.
-fn fails(args: &[&str]) -> String {
-    let out = brigade(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "brigade {args:?} should fail");
-    assert!(!err.contains("panicked"), "a panic instead of an error: {err}");
-    assert!(err.starts_with("error: "), "{err}");
-    err
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-cli-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
-fn losses(path: &Path) -> Vec<(usize, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| {
-            let (s, v) = l.split_once(',').unwrap();
-            (s.parse().unwrap(), v.parse().unwrap())
-        })
-        .collect()
-}
+use brigade_models::{load_safetensors, load_safetensors_with_metadata};
+use common::{dir, fails, losses, mlp_data, ok, s, svg_texts, GPT, MLP};
 
 fn params(path: &Path) -> Vec<(String, Vec<f64>)> {
     load_safetensors(path)
@@ -81,43 +38,8 @@ fn assert_params_close(a: &Path, b: &Path, tol: f64, what: &str) {
     }
 }
 
-const MLP: &[&str] = &["--model", "mlp", "--widths", "16,32,32,4", "--lr", "0.05", "--quiet"];
-const GPT: &[&str] = &[
-    "--model",
-    "gpt",
-    "--d-model",
-    "32",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--d-ff",
-    "64",
-    "--context",
-    "16",
-    "--lr",
-    "0.003",
-    "--quiet",
-];
-
-/// A data file for the small MLP: 64 rows of 16 inputs, labelled by the largest of the
-/// first 4 inputs (learnable).
-fn mlp_data() -> PathBuf {
-    let path = tmp("mlp-data.safetensors");
-    let mut rng = Rng::new(9);
-    let x = Tensor::randn(&[64, 16], 1.0, DType::F32, &mut rng);
-    let xv = x.to_vec::<f32>().unwrap();
-    let labels: Vec<i64> = xv
-        .chunks(16)
-        .map(|r| (0..4).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
-        .collect();
-    let y = Tensor::from_vec(labels, &[64]).unwrap();
-    save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
-    path
-}
-
-fn run_variant(model: &[&str], extra: &[&str], tag: &str) -> (PathBuf, PathBuf) {
-    let (l, p) = (tmp(&format!("{tag}.csv")), tmp(&format!("{tag}.safetensors")));
+fn run_variant(dir: &Path, model: &[&str], extra: &[&str], tag: &str) -> (PathBuf, PathBuf) {
+    let (l, p) = (dir.join(format!("{tag}.csv")), dir.join(format!("{tag}.safetensors")));
     let mut args = vec!["train"];
     args.extend_from_slice(model);
     args.extend_from_slice(extra);
@@ -127,33 +49,38 @@ fn run_variant(model: &[&str], extra: &[&str], tag: &str) -> (PathBuf, PathBuf) 
 }
 
 /// `--world-size 2 --batch-size B` == `--world-size 1 --batch-size 2B` == `--batch-size B --accum 2`.
-fn sharding_and_accumulation_parity(model: &[&str], extra: &[&str], tag: &str) {
+fn sharding_and_accumulation_parity(dir: &Path, model: &[&str], extra: &[&str], tag: &str) {
     let mut base = vec!["--steps", "5", "--threads-per-rank", "1"];
     base.extend_from_slice(extra);
     fn with<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
         base.iter().chain(more).copied().collect()
     }
     let (l1, p1) = run_variant(
+        dir,
         model,
         &with(&base, &["--world-size", "1", "--batch-size", "8"]),
         &format!("{tag}-w1"),
     );
     let (l2, p2) = run_variant(
+        dir,
         model,
         &with(&base, &["--world-size", "2", "--batch-size", "4"]),
         &format!("{tag}-w2"),
     );
     let (la, pa) = run_variant(
+        dir,
         model,
         &with(&base, &["--world-size", "1", "--batch-size", "4", "--accum", "2"]),
         &format!("{tag}-acc"),
     );
     let (l4, p4) = run_variant(
+        dir,
         model,
         &with(&base, &["--world-size", "2", "--batch-size", "2", "--accum", "2"]),
         &format!("{tag}-w2acc"),
     );
     let (l8, p8) = run_variant(
+        dir,
         model,
         &with(&base, &["--world-size", "4", "--batch-size", "2"]),
         &format!("{tag}-w4"),
@@ -177,8 +104,9 @@ fn sharding_and_accumulation_parity(model: &[&str], extra: &[&str], tag: &str) {
 
 #[test]
 fn mlp_shards_and_microbatches_match_the_whole_batch() {
-    let data = mlp_data();
-    let init = tmp("mlp-init.safetensors");
+    let d = dir("mlp-parity");
+    let data = mlp_data(&d, None);
+    let init = d.join("mlp-init.safetensors");
     // an --init written by another seed: every variant starts from the same file
     ok(&[
         &["train"],
@@ -195,44 +123,124 @@ fn mlp_shards_and_microbatches_match_the_whole_batch() {
             "--optimizer",
             opt,
         ];
-        sharding_and_accumulation_parity(MLP, &extra, &format!("mlp-{opt}"));
+        sharding_and_accumulation_parity(&d, MLP, &extra, &format!("mlp-{opt}"));
     }
 }
 
 #[test]
 fn gpt_shards_and_microbatches_match_the_whole_batch() {
+    let d = dir("gpt-parity");
     for opt in ["sgd", "adamw"] {
-        sharding_and_accumulation_parity(GPT, &["--optimizer", opt], &format!("gpt-{opt}"));
+        sharding_and_accumulation_parity(&d, GPT, &["--optimizer", opt], &format!("gpt-{opt}"));
+    }
+}
+
+/// The bytes of a file.
+fn bytes(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn resuming_gives_the_uninterrupted_run_bit_for_bit_and_keeps_the_earlier_losses() {
+    let d = dir("resume");
+    for opt in ["sgd", "adamw"] {
+        let ck = d.join(format!("ck-{opt}.safetensors"));
+        let common: Vec<&str> = [MLP, &["--world-size", "2", "--batch-size", "4", "--optimizer", opt]].concat();
+        let (full_l, full_p) = run_variant(&d, &common, &["--steps", "6"], &format!("full-{opt}"));
+        // the same --losses file for both halves: the resumed run keeps the rows before step 3
+        let (res_l, res_p) = (
+            d.join(format!("resumed-{opt}.csv")),
+            d.join(format!("resumed-{opt}.safetensors")),
+        );
+        ok(&[
+            &["train"],
+            common.as_slice(),
+            &["--steps", "3", "--checkpoint", s(&ck), "--losses", s(&res_l)],
+        ]
+        .concat());
+        ok(&[
+            &["train"],
+            common.as_slice(),
+            &[
+                "--steps",
+                "6",
+                "--resume",
+                s(&ck),
+                "--losses",
+                s(&res_l),
+                "--save",
+                s(&res_p),
+            ],
+        ]
+        .concat());
+        assert_eq!(losses(&full_l).len(), 6);
+        // "exactly as if it had never stopped": the same bytes, not the same to a tolerance
+        assert_eq!(
+            String::from_utf8(bytes(&res_l)).unwrap(),
+            String::from_utf8(bytes(&full_l)).unwrap(),
+            "resume {opt}: losses"
+        );
+        assert!(
+            bytes(&res_p) == bytes(&full_p),
+            "resume {opt}: the parameters differ in some bit"
+        );
     }
 }
 
 #[test]
-fn resuming_gives_the_losses_of_an_uninterrupted_run() {
-    for opt in ["sgd", "adamw"] {
-        let ck = tmp(&format!("ck-{opt}.safetensors"));
-        let common: Vec<&str> = [MLP, &["--world-size", "2", "--batch-size", "4", "--optimizer", opt]].concat();
-        let (full_l, full_p) = run_variant(&common, &["--steps", "6"], &format!("full-{opt}"));
-        ok(&[
-            &["train"],
-            common.as_slice(),
-            &["--steps", "3", "--checkpoint", ck.to_str().unwrap()],
-        ]
-        .concat());
-        let (res_l, res_p) = run_variant(
-            &common,
-            &["--steps", "6", "--resume", ck.to_str().unwrap()],
-            &format!("resumed-{opt}"),
-        );
-        let full = losses(&full_l);
-        let resumed = losses(&res_l);
-        assert_eq!(
-            resumed.first().map(|s| s.0),
-            Some(3),
-            "the resumed run starts at step 3"
-        );
-        assert_close(&resumed, &full[3..], 1e-6, &format!("resume {opt}"));
-        assert_params_close(&res_p, &full_p, 1e-6, &format!("resume {opt}"));
+fn resuming_from_a_periodic_checkpoint_of_a_killed_run_is_bit_identical() {
+    let d = dir("periodic");
+    let ck = d.join("ck.safetensors");
+    let common: Vec<&str> = [MLP, &["--world-size", "2", "--batch-size", "4", "--optimizer", "adamw"]].concat();
+    // a run far too long to finish, killed as soon as its first periodic checkpoint exists:
+    // what it left is a checkpoint of some step k mid-run (atomic writes: never a torn one)
+    let mut child = Command::new(common::bin())
+        .args(
+            [
+                &["train"],
+                common.as_slice(),
+                &[
+                    "--steps",
+                    "100000000",
+                    "--checkpoint",
+                    s(&ck),
+                    "--checkpoint-every",
+                    "2",
+                ],
+            ]
+            .concat(),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while !ck.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "the long run ended on its own");
+        assert!(std::time::Instant::now() < deadline, "no checkpoint after 300 s");
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (_, meta) = load_safetensors_with_metadata(&ck).unwrap();
+    let k: usize = meta["step"].parse().unwrap();
+    assert!(
+        k >= 2 && k.is_multiple_of(2),
+        "a periodic checkpoint is at a multiple of 2: {k}"
+    );
+    let end = (k + 3).to_string();
+    let (full_l, full_p) = run_variant(&d, &common, &["--steps", &end], "full");
+    let (res_l, res_p) = run_variant(&d, &common, &["--steps", &end, "--resume", s(&ck)], "resumed");
+    let full = std::fs::read_to_string(&full_l).unwrap();
+    let resumed = std::fs::read_to_string(&res_l).unwrap();
+    let full_rows: Vec<&str> = full.lines().skip(1 + k).collect();
+    let resumed_rows: Vec<&str> = resumed.lines().skip(1).collect();
+    assert_eq!(resumed_rows.len(), 3, "{resumed}");
+    assert_eq!(resumed_rows, full_rows, "resumed from step {k}");
+    assert!(
+        bytes(&res_p) == bytes(&full_p),
+        "resumed from step {k}: the parameters differ in some bit"
+    );
 }
 
 #[test]
@@ -253,7 +261,7 @@ fn same_seed_same_losses_and_the_summary_json() {
 
 #[test]
 fn timeline_has_compute_and_comm_tracks_for_every_rank() {
-    let tl = tmp("tl.json");
+    let tl = dir("timeline").join("tl.json");
     ok(&[
         &["train"],
         MLP,
@@ -294,17 +302,28 @@ fn timeline_has_compute_and_comm_tracks_for_every_rank() {
     }
     let svg = std::fs::read_to_string(tl.with_extension("svg")).unwrap();
     assert!(svg.contains("<svg") && svg.contains("comm stream") && svg.contains("bucket0"));
+    // a legend says what each colour means
+    for (label, rgb) in [
+        ("forward", "#3498DB"),
+        ("backward, per layer", "#8E44AD"),
+        ("optimizer", "#27AE60"),
+        ("all-reduce (comm stream)", "#E67E22"),
+    ] {
+        assert!(svg_texts(&svg).iter().any(|t| t == label), "legend entry {label}");
+        assert!(svg.contains(rgb), "colour {rgb} of {label}");
+    }
 }
 
 #[test]
 fn bad_input_gets_one_clear_line() {
-    let missing = tmp("does-not-exist.safetensors");
-    let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", missing.to_str().unwrap()]].concat());
+    let d = dir("bad-input");
+    let missing = d.join("does-not-exist.safetensors");
+    let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", s(&missing)]].concat());
     assert!(e.contains("does-not-exist"), "{e}");
-    let e = fails(&[&["train"], MLP, &["--steps", "1", "--data", missing.to_str().unwrap()]].concat());
+    let e = fails(&[&["train"], MLP, &["--steps", "1", "--data", s(&missing)]].concat());
     assert!(e.contains("does-not-exist"), "{e}");
     // parameters of another architecture: the first mismatch is named
-    let other = tmp("other-init.safetensors");
+    let other = d.join("other-init.safetensors");
     ok(&[
         "train",
         "--model",
@@ -315,14 +334,15 @@ fn bad_input_gets_one_clear_line() {
         "0",
         "--quiet",
         "--save",
-        other.to_str().unwrap(),
+        s(&other),
     ]);
-    let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", other.to_str().unwrap()]].concat());
+    let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", s(&other)]].concat());
     assert!(e.contains("layers.0.weight"), "{e}");
-    let corrupt = tmp("corrupt.safetensors");
-    std::fs::write(&corrupt, b"definitely not safetensors").unwrap();
-    let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", corrupt.to_str().unwrap()]].concat());
-    assert!(e.contains("corrupt"), "{e}");
+    // the file name says nothing: the message itself must say what is wrong
+    let garbage = d.join("g.safetensors");
+    std::fs::write(&garbage, b"definitely not safetensors").unwrap();
+    let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", s(&garbage)]].concat());
+    assert!(e.contains("g.safetensors: not a usable safetensors file"), "{e}");
     fails(&[&["train"], MLP, &["--world-size", "0"]].concat());
     fails(&[&["train"], MLP, &["--bucket-mb", "1,2"]].concat());
     fails(&[&["train"], MLP, &["--lr", "-1"]].concat());
@@ -331,7 +351,7 @@ fn bad_input_gets_one_clear_line() {
             &["train"],
             MLP,
             &["--steps", "1", "--batch-size", "100", "--world-size", "1"],
-            &["--data", mlp_data().to_str().unwrap()],
+            &["--data", s(&mlp_data(&d, None))],
         ]
         .concat(),
     );
@@ -341,25 +361,18 @@ fn bad_input_gets_one_clear_line() {
         assert!(e.contains("--features mpi"), "{e}");
     }
     // a checkpoint for another optimizer
-    let ck = tmp("ck-sgd-only.safetensors");
+    let ck = d.join("ck-sgd-only.safetensors");
     ok(&[
         &["train"],
         MLP,
-        &[
-            "--steps",
-            "1",
-            "--optimizer",
-            "sgd",
-            "--checkpoint",
-            ck.to_str().unwrap(),
-        ],
+        &["--steps", "1", "--optimizer", "sgd", "--checkpoint", s(&ck)],
     ]
     .concat());
     let e = fails(
         &[
             &["train"],
             MLP,
-            &["--steps", "2", "--optimizer", "adamw", "--resume", ck.to_str().unwrap()],
+            &["--steps", "2", "--optimizer", "adamw", "--resume", s(&ck)],
         ]
         .concat(),
     );
@@ -368,7 +381,7 @@ fn bad_input_gets_one_clear_line() {
 
 #[test]
 fn sweep_writes_the_table_the_chart_and_a_timeline_per_bucket_size() {
-    let out = tmp("sweep");
+    let out = dir("sweep").join("out");
     let model: Vec<&str> = MLP.iter().copied().filter(|a| *a != "--quiet").collect();
     let stdout = ok(&[
         &["sweep"],

@@ -44,6 +44,8 @@ enum Rows {
 pub struct Dataset {
     name: String,
     rows: Rows,
+    /// [`Dataset::fingerprint`], computed once.
+    fingerprint: std::sync::OnceLock<String>,
 }
 
 impl std::fmt::Debug for Dataset {
@@ -96,6 +98,7 @@ impl Dataset {
                 targets,
                 in_dim,
             },
+            fingerprint: Default::default(),
         })
     }
 
@@ -130,6 +133,7 @@ impl Dataset {
                 stride,
                 rows,
             },
+            fingerprint: Default::default(),
         })
     }
 
@@ -169,6 +173,7 @@ impl Dataset {
                         targets.shape()
                     )));
                 }
+                crate::io::check_finite(path, &[("inputs".to_string(), inputs.clone())])?;
                 let targets = targets.to_vec::<i64>()?;
                 let classes = cfg.n_classes() as i64;
                 if let Some((i, t)) = targets.iter().enumerate().find(|(_, &t)| t < 0 || t >= classes) {
@@ -225,6 +230,7 @@ impl Dataset {
         let d = Dataset {
             name: source.clone(),
             rows,
+            fingerprint: Default::default(),
         };
         if d.is_empty() {
             return Err(err("the file holds no rows".into()));
@@ -243,6 +249,49 @@ impl Dataset {
     /// True when there are no rows.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// What identifies the rows: their count and a 64-bit FNV-1a hash of their contents,
+    /// e.g. `8192 rows, fnv1a 5f1c…`. A checkpoint stores it, so that a resumed run can
+    /// refuse data other than what it started on (another file, or another `--seed`).
+    pub fn fingerprint(&self) -> &str {
+        self.fingerprint.get_or_init(|| self.hash_rows())
+    }
+
+    fn hash_rows(&self) -> String {
+        const PRIME: u64 = 0x100_0000_01b3;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+            }
+        };
+        match &self.rows {
+            Rows::Classify {
+                inputs,
+                targets,
+                in_dim,
+            } => {
+                eat(&(*in_dim as u64).to_le_bytes());
+                inputs.iter().for_each(|x| eat(&x.to_bits().to_le_bytes()));
+                targets.iter().for_each(|t| eat(&t.to_le_bytes()));
+            }
+            Rows::Tokens {
+                tokens,
+                row_len,
+                stride,
+                rows,
+            } => {
+                for d in [*row_len, *stride, *rows] {
+                    eat(&(d as u64).to_le_bytes());
+                }
+                match tokens {
+                    TokenStore::U8(v) => eat(v),
+                    TokenStore::I64(v) => v.iter().for_each(|t| eat(&t.to_le_bytes())),
+                }
+            }
+        }
+        format!("{} rows, fnv1a {h:016x}", self.len())
     }
 
     /// Where the data came from, for logs.

@@ -74,6 +74,19 @@ pub enum ModelError {
         /// The first mismatch: a missing or unexpected name, or a shape, expected versus found.
         message: String,
     },
+    /// A NaN or an infinity in a file of parameters, optimizer state or training inputs: it
+    /// would train on (or save) NaN without a word.
+    #[error("{path}: tensor '{tensor}' holds {value} at index {index:?}; every value must be finite (fix or re-create the file)")]
+    NonFinite {
+        /// The file (`<memory>` for tensors passed directly).
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// The first non-finite element's multi-index.
+        index: Vec<usize>,
+        /// That element (NaN, inf or -inf).
+        value: f64,
+    },
     /// A dataset file or request that does not fit the model.
     #[error("dataset {source_name}: {message}")]
     Data {
@@ -85,6 +98,30 @@ pub enum ModelError {
 }
 
 impl ModelError {
+    /// The same error with `path` in place of `<memory>`: for tensors that were read from
+    /// `path` and then checked in memory (a checkpoint's model part).
+    pub fn at_path(self, path: &std::path::Path) -> Self {
+        let memory = |p: &PathBuf| p.as_os_str() == "<memory>";
+        match self {
+            ModelError::CheckpointMismatch { path: p, message } if memory(&p) => ModelError::CheckpointMismatch {
+                path: path.to_path_buf(),
+                message,
+            },
+            ModelError::NonFinite {
+                path: p,
+                tensor,
+                index,
+                value,
+            } if memory(&p) => ModelError::NonFinite {
+                path: path.to_path_buf(),
+                tensor,
+                index,
+                value,
+            },
+            e => e,
+        }
+    }
+
     pub(crate) fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
         ModelError::Io {
             path: path.to_path_buf(),

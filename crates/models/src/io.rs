@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use brigade_autograd::{no_grad, ParamStore};
 use brigade_tensor::{DType, Element, Tensor};
@@ -117,28 +117,100 @@ pub fn save_safetensors(
         .collect::<Result<Vec<_>>>()?;
     let buf = safetensors::serialize(views, metadata).map_err(|e| ModelError::io(path, e))?;
 
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| ModelError::io(path, "not a file path"))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&buf)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(ModelError::io(
+    write_atomic(path, &buf).map_err(|e| {
+        ModelError::io(
             path,
-            format!("could not write checkpoint: {e} (does the directory exist and is it writable?)"),
-        ));
+            format!("could not write: {e} (does the directory exist and is it writable?)"),
+        )
+    })
+}
+
+/// Numbers the temporary files of this process, so that two writes (from two threads,
+/// or of two targets) never share a temporary name.
+static TMP_COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The file a write of `path` lands in: `path` itself, or, when `path` is a symbolic
+/// link (or a chain of them), the file it points to, so that writing keeps the link.
+pub fn write_target(path: &Path) -> std::io::Result<PathBuf> {
+    let mut target = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&target) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let link = std::fs::read_link(&target)?;
+                target = match target.parent() {
+                    Some(dir) if link.is_relative() => dir.join(link),
+                    _ => link,
+                };
+            }
+            _ => return Ok(target),
+        }
     }
-    Ok(())
+    Err(std::io::Error::other(format!(
+        "{}: too many levels of symbolic links",
+        path.display()
+    )))
+}
+
+/// The prefix of every temporary file of a write of `target`: `.NAME.tmp-`, in the same
+/// directory, followed by the writer's process id and a per-process counter.
+fn tmp_prefix(target: &Path) -> std::io::Result<(PathBuf, String)> {
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = target
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file path"))?;
+    Ok((dir, format!(".{}.tmp-", name.to_string_lossy())))
+}
+
+/// Whether process `pid` is alive (Linux: `/proc/PID`; elsewhere, unknown counts as gone).
+fn process_alive(pid: u32) -> bool {
+    pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists()
+}
+
+/// Removes the temporary files of `target` that a killed writer left behind
+/// (`.NAME.tmp-PID` or `.NAME.tmp-PID-N` whose process is gone). Best effort.
+fn remove_stale_temporaries(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        let Ok(pid) = rest.split('-').next().unwrap_or_default().parse::<u32>() else {
+            continue;
+        };
+        if !process_alive(pid) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Writes `bytes` to `path` atomically: into a temporary file `.NAME.tmp-PID-N` in the
+/// target's directory, synced, then renamed over the target, so that a crash never leaves
+/// a half-written file under the real name. A symbolic link is kept: its target is
+/// written. Temporary files of the same target left by a killed run are removed first.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let target = write_target(path)?;
+    if target.is_dir() {
+        return Err(std::io::Error::other("is a directory"));
+    }
+    let (dir, prefix) = tmp_prefix(&target)?;
+    remove_stale_temporaries(&dir, &prefix);
+    let n = TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("{prefix}{}-{n}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &target)
+    };
+    let result = write();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }
 
 /// Reads every tensor of a safetensors file, in file order, with its string metadata
@@ -187,16 +259,47 @@ pub fn save_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
 /// place. Nothing is written unless everything matches.
 pub fn load_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    load_params_from_tensors(store, &load_safetensors(path)?).map_err(|e| match e {
-        ModelError::CheckpointMismatch { message, .. } => ModelError::CheckpointMismatch {
-            path: path.to_path_buf(),
-            message,
-        },
-        e => e,
-    })
+    load_params_from_tensors(store, &load_safetensors(path)?).map_err(|e| e.at_path(path))
 }
 
-/// [`load_params`] from tensors already in memory (errors report the path as `<memory>`).
+/// The multi-index and value of the first NaN or infinity of a float tensor, in
+/// row-major order; `None` when every element is finite (or the dtype is an integer).
+pub fn first_non_finite(t: &Tensor) -> Result<Option<(Vec<usize>, f64)>> {
+    if !t.dtype().is_float() {
+        return Ok(None);
+    }
+    let values = t.to_f64_vec()?;
+    let Some(flat) = values.iter().position(|v| !v.is_finite()) else {
+        return Ok(None);
+    };
+    let mut index = vec![0; t.shape().len()];
+    let mut rest = flat;
+    for (i, &dim) in t.shape().iter().enumerate().rev() {
+        index[i] = rest % dim.max(1);
+        rest /= dim.max(1);
+    }
+    Ok(Some((index, values[flat])))
+}
+
+/// Errors with [`ModelError::NonFinite`] (naming `path`, the tensor and the first index)
+/// unless every float in `tensors` is finite.
+pub fn check_finite(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    for (name, t) in tensors {
+        if let Some((index, value)) = first_non_finite(t)? {
+            return Err(ModelError::NonFinite {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                index,
+                value,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// [`load_params`] from tensors already in memory (errors report the path as `<memory>`;
+/// [`ModelError::at_path`] puts the file back). A NaN or infinity is refused like a
+/// mismatch: nothing is written.
 pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]) -> Result<()> {
     let mismatch = |message: String| ModelError::CheckpointMismatch {
         path: "<memory>".into(),
@@ -225,6 +328,14 @@ pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]
                 "parameter '{name}': found dtype {:?}, expected a float dtype",
                 t.dtype()
             )));
+        }
+        if let Some((index, value)) = first_non_finite(t)? {
+            return Err(ModelError::NonFinite {
+                path: "<memory>".into(),
+                tensor: name.to_string(),
+                index,
+                value,
+            });
         }
         plan.push((want, *t));
     }

@@ -24,8 +24,8 @@ pub use data::Dataset;
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig};
 pub use io::{
-    load_params, load_params_from_tensors, load_safetensors, load_safetensors_with_metadata, save_params,
-    save_safetensors, NamedTensors,
+    check_finite, load_params, load_params_from_tensors, load_safetensors, load_safetensors_with_metadata, save_params,
+    save_safetensors, write_atomic, NamedTensors,
 };
 pub use mlp::{Mlp, MlpConfig};
 

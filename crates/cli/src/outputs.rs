@@ -1,0 +1,149 @@
+//! The files a run writes: checked before step 0 (so a typo costs seconds, not a whole
+//! training), and written at the end all together, one failure never costing the others.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{CliError, Result};
+
+/// One output a run will write: the flag that asked for it and its path.
+#[derive(Clone, Debug)]
+pub struct Output {
+    /// `--save`, `--losses`, ... (for messages).
+    pub flag: String,
+    /// Where it goes.
+    pub path: PathBuf,
+}
+
+impl Output {
+    /// An output requested by `flag`.
+    pub fn new(flag: &str, path: &Path) -> Self {
+        Output {
+            flag: flag.to_string(),
+            path: path.to_path_buf(),
+        }
+    }
+}
+
+/// Where a write of `path` really lands, absolute: symbolic links followed, the directory
+/// resolved, so that two spellings of one file compare equal.
+fn landing(o: &Output) -> Result<PathBuf> {
+    let usage = |m: String| CliError::Usage(format!("{} {}: {m}", o.flag, o.path.display()));
+    let target = brigade_models::io::write_target(&o.path).map_err(|e| usage(e.to_string()))?;
+    if target.is_dir() {
+        return Err(usage("is a directory; give a file name".into()));
+    }
+    let name = target
+        .file_name()
+        .ok_or_else(|| usage("not a file name".into()))?
+        .to_owned();
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let dir = std::fs::canonicalize(&dir).map_err(|e| usage(format!("directory {}: {e}", dir.display())))?;
+    if !dir.is_dir() {
+        return Err(usage(format!("{} is not a directory", dir.display())));
+    }
+    Ok(dir.join(name))
+}
+
+/// Whether a file can be created in `dir`: creates and removes a probe file (permission
+/// bits do not tell: root ignores them, and `/proc` refuses regardless).
+fn writable(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(
+        ".brigade-probe-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::OpenOptions::new().write(true).create_new(true).open(&probe)?;
+    std::fs::remove_file(&probe)
+}
+
+/// Checks every output before any work: its directory exists and takes new files, it is
+/// not a directory, and no two outputs land on the same file. One line names the first
+/// problem.
+pub fn check_outputs(outputs: &[Output]) -> Result<()> {
+    let mut seen: Vec<(PathBuf, &Output)> = vec![];
+    for o in outputs {
+        let at = landing(o)?;
+        if let Some((_, first)) = seen.iter().find(|(p, _)| *p == at) {
+            return Err(CliError::Usage(format!(
+                "{} {} and {} {} are the same file {}: give each output its own path",
+                first.flag,
+                first.path.display(),
+                o.flag,
+                o.path.display(),
+                at.display()
+            )));
+        }
+        let dir = at.parent().expect("landing() returns dir/name");
+        writable(dir).map_err(|e| {
+            CliError::Usage(format!(
+                "{} {}: cannot create files in {}: {e}",
+                o.flag,
+                o.path.display(),
+                dir.display()
+            ))
+        })?;
+        seen.push((at, o));
+    }
+    Ok(())
+}
+
+/// One write of the end of a run.
+pub type Write<'a> = (Output, Box<dyn FnOnce() -> Result<()> + 'a>);
+
+/// Runs every write, even after one failed; then fails with one line naming every
+/// output that could not be written (flag, path, cause), if any.
+pub fn write_all(writes: Vec<Write<'_>>) -> Result<()> {
+    let mut failed = vec![];
+    for (o, write) in writes {
+        if let Err(e) = write() {
+            let cause = e.to_string().replace('\n', " ");
+            failed.push(format!("{} {}: {cause}", o.flag, o.path.display()));
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::Outputs(failed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("brigade-outputs-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_failed_write_does_not_stop_the_others_and_every_failure_is_named() {
+        let d = dir("write-all");
+        let (a, b, c) = (d.join("a.csv"), d.join("missing").join("b.json"), d.join("c.csv"));
+        let write =
+            |p: PathBuf| -> Box<dyn FnOnce() -> Result<()>> { Box::new(move || crate::error::write_atomic(&p, b"x")) };
+        let e = write_all(vec![
+            (Output::new("--losses", &a), write(a.clone())),
+            (Output::new("--timeline", &b), write(b.clone())),
+            (Output::new("--save", &c), write(c.clone())),
+            (
+                Output::new("--checkpoint", Path::new("/proc/x.ckpt")),
+                write(PathBuf::from("/proc/x.ckpt")),
+            ),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(a.exists() && c.exists(), "the writes after a failure still happen");
+        assert!(
+            e.contains("--timeline") && e.contains("b.json") && e.contains("--checkpoint /proc/x.ckpt"),
+            "{e}"
+        );
+        assert!(!e.contains("--losses") && !e.contains("--save"), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+}

@@ -1,0 +1,150 @@
+//! What every CLI test file needs: run the binary, expect success or one clean error line,
+//! and a fresh directory per test (tests of one binary run in parallel).
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use brigade_models::save_safetensors;
+use brigade_tensor::{DType, Rng, Tensor};
+
+/// The binary under test: this build's, or `$BRIGADE_BIN` (to run the suite against
+/// another build, e.g. to see a test fail without the fix it tests).
+pub fn bin() -> PathBuf {
+    std::env::var_os("BRIGADE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_brigade")))
+}
+
+/// Runs `brigade` with `args`.
+pub fn brigade(args: &[&str]) -> Output {
+    Command::new(bin()).args(args).output().expect("run brigade")
+}
+
+/// Stdout of a run that must succeed.
+pub fn ok(args: &[&str]) -> String {
+    let out = brigade(args);
+    assert!(
+        out.status.success(),
+        "brigade {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The error line of a run that must fail cleanly: non-zero exit, exactly one line on
+/// stderr starting with `error: `, no panic.
+pub fn fails(args: &[&str]) -> String {
+    let out = brigade(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "brigade {args:?} should fail; stdout:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!err.contains("panicked"), "a panic instead of an error: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "the error must be one line: {err}");
+    err
+}
+
+/// A fresh, empty directory for the test `name` (its own: no two tests share a file).
+pub fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("brigade-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A path as a flag value.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `args` joined into one argument list.
+pub fn cat<'a>(parts: &[&[&'a str]]) -> Vec<&'a str> {
+    parts.concat()
+}
+
+/// The small MLP every test trains.
+pub const MLP: &[&str] = &["--model", "mlp", "--widths", "16,32,32,4", "--lr", "0.05", "--quiet"];
+/// The small GPT.
+pub const GPT: &[&str] = &[
+    "--model",
+    "gpt",
+    "--d-model",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--d-ff",
+    "64",
+    "--context",
+    "16",
+    "--lr",
+    "0.003",
+    "--quiet",
+];
+
+/// A data file for the small MLP in `dir`: 64 rows of 16 inputs, labelled by the largest
+/// of the first 4 inputs (learnable); `nan_at` puts a NaN at that flat index.
+pub fn mlp_data(dir: &Path, nan_at: Option<usize>) -> PathBuf {
+    let path = dir.join(if nan_at.is_some() {
+        "mlp-data-nan.safetensors"
+    } else {
+        "mlp-data.safetensors"
+    });
+    let mut rng = Rng::new(9);
+    let x = Tensor::randn(&[64, 16], 1.0, DType::F32, &mut rng);
+    let mut xv = x.to_vec::<f32>().unwrap();
+    let labels: Vec<i64> = xv
+        .chunks(16)
+        .map(|r| (0..4).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
+        .collect();
+    if let Some(i) = nan_at {
+        xv[i] = f32::NAN;
+    }
+    let x = Tensor::from_vec(xv, &[64, 16]).unwrap();
+    let y = Tensor::from_vec(labels, &[64]).unwrap();
+    save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+    path
+}
+
+/// `(step, loss)` rows of a `--losses` file.
+pub fn losses(path: &Path) -> Vec<(usize, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let (s, v) = l.split_once(',').unwrap();
+            (s.parse().unwrap(), v.parse().unwrap())
+        })
+        .collect()
+}
+
+/// `base` without `flag` and its value (to give that flag another value).
+pub fn without<'a>(base: &[&'a str], flag: &str) -> Vec<&'a str> {
+    let mut out = vec![];
+    let mut skip = false;
+    for &a in base {
+        if skip {
+            skip = false;
+        } else if a == flag {
+            skip = true;
+        } else {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// The texts of an SVG's `<text>` elements, trimmed.
+pub fn svg_texts(svg: &str) -> Vec<String> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string()))
+        .collect()
+}
