@@ -227,7 +227,10 @@ impl<T: Send + 'static> Work<T> {
     /// the thread that completes this work. Collectives issued by `step` join the comm stream
     /// after everything issued before it: to keep the same order on every rank, issue nothing
     /// else meanwhile that could interleave (see the DDP hooks, which chain bucket after bucket).
-    pub fn and_then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<Work<U>, CommError> + Send + 'static) -> Work<U> {
+    pub fn and_then<U: Send + 'static>(
+        self,
+        step: impl FnOnce(T) -> Result<Work<U>, CommError> + Send + 'static,
+    ) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
         self.on_complete(move |result, timing| {
             promise.start_at(timing.started);

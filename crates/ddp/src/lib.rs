@@ -12,6 +12,7 @@
 mod bucket;
 mod ddp;
 mod error;
+pub mod hooks;
 pub mod overlap;
 mod reducer;
 mod signature;
