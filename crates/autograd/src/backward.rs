@@ -51,10 +51,11 @@ impl Var {
         let order = reachable(self);
         // How many contributions each parameter will receive, and who listens.
         let mut pending: HashMap<u64, usize> = HashMap::new();
+        // (parameters frozen with `set_requires_grad(false)` receive nothing)
         let mut buses: Vec<GradBus> = vec![];
         for v in &order {
             if let Some(node) = &v.0.node {
-                for inp in &node.inputs {
+                for inp in node.inputs.iter().filter(|i| i.requires_grad()) {
                     if let Some(p) = &inp.0.param {
                         *pending.entry(inp.0.id).or_default() += 1;
                         if !buses.iter().any(|b| b.same(&p.bus)) {
@@ -72,14 +73,32 @@ impl Var {
                 .collect();
             in_graph.sort_unstable();
             for s in bus.snapshot() {
-                s.backward_started(&in_graph)
-                    .map_err(|message| AutogradError::Subscriber {
+                subscribers.push(s.clone());
+                if let Err(source) = s.backward_started(&in_graph) {
+                    subscribers.iter().for_each(|s| s.backward_aborted());
+                    return Err(AutogradError::Subscriber {
                         param: "<backward start>".into(),
-                        message,
-                    })?;
-                subscribers.push(s);
+                        source,
+                    });
+                }
             }
         }
+        let result = self.run_nodes(seed, &order, pending, &subscribers);
+        if result.is_err() {
+            subscribers.iter().for_each(|s| s.backward_aborted());
+        }
+        result
+    }
+
+    /// Runs every node of `order` and announces each parameter when its `pending` count
+    /// reaches zero; then tells `subscribers` that backward finished.
+    fn run_nodes(
+        &self,
+        seed: Tensor,
+        order: &[Var],
+        mut pending: HashMap<u64, usize>,
+        subscribers: &[Arc<dyn GradSubscriber>],
+    ) -> Result<()> {
         let announce = |p: &Var| -> Result<()> {
             let info = p.0.param.as_ref().expect("announced vars are parameters");
             for s in info.bus.snapshot() {
@@ -87,9 +106,9 @@ impl Var {
                     index: info.index,
                     name: &info.name,
                 })
-                .map_err(|message| AutogradError::Subscriber {
+                .map_err(|source| AutogradError::Subscriber {
                     param: format!("parameter '{}'", info.name),
-                    message,
+                    source,
                 })?;
             }
             Ok(())
@@ -104,12 +123,12 @@ impl Var {
         }
         let mut grads: HashMap<u64, Tensor> = HashMap::new();
         grads.insert(self.0.id, seed);
-        for v in &order {
+        for v in order {
             let Some(node) = &v.0.node else { continue };
             let g = grads.remove(&v.0.id);
             let input_grads = match &g {
                 Some(g) => {
-                    for s in &subscribers {
+                    for s in subscribers {
                         s.node_backward(node.scope.as_deref(), node.op);
                     }
                     (node.backward)(g)?
@@ -141,10 +160,10 @@ impl Var {
                 }
             }
         }
-        for s in &subscribers {
-            s.backward_finished().map_err(|message| AutogradError::Subscriber {
+        for s in subscribers {
+            s.backward_finished().map_err(|source| AutogradError::Subscriber {
                 param: "<backward end>".into(),
-                message,
+                source,
             })?;
         }
         Ok(())

@@ -2,6 +2,8 @@
 
 use brigade_tensor::TensorError;
 
+use crate::bus::SubscriberError;
+
 /// What can go wrong while recording, differentiating or optimizing.
 #[derive(Debug, thiserror::Error)]
 pub enum AutogradError {
@@ -14,9 +16,22 @@ pub enum AutogradError {
     /// `backward()` on something that does not require grad.
     #[error("backward: the output does not require grad (was it computed under no_grad, or from no parameter?)")]
     NoGraph,
-    /// A gradient-ready subscriber (e.g. the DDP reducer) refused an announcement.
-    #[error("gradient-ready subscriber failed at {param}: {message}")]
-    Subscriber { param: String, message: String },
+    /// A gradient-ready subscriber (e.g. the DDP reducer) failed; `source` is its own error,
+    /// typed (downcast it, e.g. to `brigade_ddp::DdpError`).
+    #[error("gradient-ready subscriber failed at {param}: {source}")]
+    Subscriber {
+        /// Where backward was: `parameter 'NAME'`, `<backward start>` or `<backward end>`.
+        param: String,
+        /// The subscriber's error.
+        #[source]
+        source: SubscriberError,
+    },
+    /// `requires_grad` changed on a var that an op produced (only leaves can be frozen).
+    #[error("requires_grad can only be changed on leaves (parameters, inputs), not on the result of op '{op}'")]
+    NotALeaf {
+        /// The op that produced the var.
+        op: &'static str,
+    },
     /// A gradient buffer that does not fit its parameter.
     #[error("gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}")]
     GradBuffer {

@@ -9,8 +9,20 @@ use crate::{AutogradError, Result, Var};
 pub struct GradcheckReport {
     /// Which input, which element, analytic and numeric values.
     pub worst: Option<(usize, usize, f64, f64)>,
-    /// Largest `|analytic - numeric| / max(1, |numeric|)`.
+    /// Largest `|analytic - numeric| / max(1, |numeric|)`; infinite when some analytic or
+    /// numeric value is NaN or infinite.
     pub max_error: f64,
+}
+
+/// `|analytic - numeric| / max(1, |numeric|)`, and infinity when either value or the result
+/// is not finite: a NaN must fail a check, never vanish in a `max`.
+pub(crate) fn relative_error(analytic: f64, numeric: f64) -> f64 {
+    let err = (analytic - numeric).abs() / numeric.abs().max(1.0);
+    if err.is_finite() && analytic.is_finite() && numeric.is_finite() {
+        err
+    } else {
+        f64::INFINITY
+    }
 }
 
 /// Compares the gradients that backward computes for `f` at `inputs` (f64 tensors, may
@@ -62,12 +74,10 @@ pub fn gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor], h: f64, t
                 crate::no_grad(|| loss(&f(&xs)?))
             };
             let numeric = (eval(h)? - eval(-h)?) / (2.0 * h);
-            let err = (analytic[j] - numeric).abs() / numeric.abs().max(1.0);
-            if err > report.max_error || report.worst.is_none() {
-                report.max_error = err.max(report.max_error);
-                if err >= report.max_error {
-                    report.worst = Some((i, j, analytic[j], numeric));
-                }
+            let err = relative_error(analytic[j], numeric);
+            if report.worst.is_none() || err > report.max_error {
+                report.max_error = err;
+                report.worst = Some((i, j, analytic[j], numeric));
             }
         }
     }
@@ -79,4 +89,24 @@ pub fn gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor], h: f64, t
         )));
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relative_error;
+
+    #[test]
+    fn non_finite_values_are_an_infinite_error() {
+        assert_eq!(relative_error(3.0, 1.0), 2.0);
+        assert_eq!(relative_error(0.5, 0.25), 0.25);
+        for (a, n) in [
+            (f64::NAN, 1.0),
+            (1.0, f64::NAN),
+            (f64::INFINITY, 1.0),
+            (1.0, f64::NEG_INFINITY),
+            (f64::INFINITY, f64::INFINITY),
+        ] {
+            assert_eq!(relative_error(a, n), f64::INFINITY, "analytic {a}, numeric {n}");
+        }
+    }
 }

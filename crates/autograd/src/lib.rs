@@ -17,7 +17,7 @@ pub mod optim;
 mod params;
 mod var;
 
-pub use bus::{GradBus, GradReady, GradSubscriber};
+pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
 pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
 pub use optim::{AdamW, Optimizer, Sgd};

@@ -1,7 +1,7 @@
 //! `Var`: a tensor that remembers how it was made, so that gradients can flow back.
 
 use std::cell::{Cell, RefCell};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use brigade_tensor::Tensor;
@@ -27,7 +27,8 @@ pub(crate) struct VarInner {
     pub(crate) id: u64,
     pub(crate) data: RwLock<Tensor>,
     pub(crate) grad: Mutex<Option<Tensor>>,
-    pub(crate) requires_grad: bool,
+    /// Changeable on leaves only ([`Var::set_requires_grad`]): freezing a parameter.
+    pub(crate) requires_grad: AtomicBool,
     pub(crate) node: Option<Node>,
     pub(crate) param: Option<ParamInfo>,
 }
@@ -84,7 +85,7 @@ impl std::fmt::Debug for Var {
         let t = self.value();
         match &self.0.param {
             Some(p) => write!(f, "Param({}, {:?})", p.name, t.shape()),
-            None => write!(f, "Var({:?}, requires_grad={})", t.shape(), self.0.requires_grad),
+            None => write!(f, "Var({:?}, requires_grad={})", t.shape(), self.requires_grad()),
         }
     }
 }
@@ -95,7 +96,7 @@ impl Var {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             data: RwLock::new(data),
             grad: Mutex::new(None),
-            requires_grad,
+            requires_grad: AtomicBool::new(requires_grad),
             node,
             param,
         }))
@@ -159,7 +160,24 @@ impl Var {
 
     /// True when gradients flow into or through this var.
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// Freezes (`false`) or unfreezes (`true`) a leaf, as PyTorch's `p.requires_grad_(False)`:
+    /// ops recorded afterwards do not differentiate through it, backward computes and announces
+    /// no gradient for it, and freezing discards its accumulated gradient (`p.grad = None`), so
+    /// optimizers, which skip parameters without a gradient, leave it unchanged. Freeze before
+    /// wrapping the model in DDP: the buckets are built from the parameters that require grad
+    /// then. Fails on a var that an op produced.
+    pub fn set_requires_grad(&self, requires_grad: bool) -> Result<()> {
+        if let Some(node) = &self.0.node {
+            return Err(crate::AutogradError::NotALeaf { op: node.op });
+        }
+        self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
+        if !requires_grad {
+            *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        Ok(())
     }
 
     /// The accumulated gradient of a leaf (a view into a bucket when one was attached).

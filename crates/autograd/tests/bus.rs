@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use brigade_autograd::{no_grad, scope, GradReady, GradSubscriber, ParamStore, Var};
+use brigade_autograd::{no_grad, scope, AutogradError, GradReady, GradSubscriber, ParamStore, SubscriberError, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -22,7 +22,7 @@ impl GradSubscriber for Log {
             .unwrap()
             .push(Event::Node(scope.unwrap_or("").to_string()));
     }
-    fn grad_ready(&self, ready: GradReady<'_>) -> Result<(), String> {
+    fn grad_ready(&self, ready: GradReady<'_>) -> Result<(), SubscriberError> {
         self.0.lock().unwrap().push(Event::Ready(ready.name.to_string()));
         Ok(())
     }
@@ -175,8 +175,8 @@ fn no_grad_records_nothing() {
 fn a_failing_subscriber_aborts_backward_with_its_message() {
     struct Refuse;
     impl GradSubscriber for Refuse {
-        fn grad_ready(&self, r: GradReady<'_>) -> Result<(), String> {
-            Err(format!("cannot take {}", r.name))
+        fn grad_ready(&self, r: GradReady<'_>) -> Result<(), SubscriberError> {
+            Err(format!("cannot take {}", r.name).into())
         }
     }
     let mut store = ParamStore::new();
@@ -184,4 +184,104 @@ fn a_failing_subscriber_aborts_backward_with_its_message() {
     store.bus().subscribe(Arc::new(Refuse));
     let err = w.exp().unwrap().sum_all().unwrap().backward().unwrap_err().to_string();
     assert!(err.contains("cannot take w"), "{err}");
+}
+
+/// A subscriber's own error type, with a cause of its own.
+#[derive(Debug)]
+struct Refused {
+    param: String,
+    cause: std::io::Error,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "refused {}", self.param)
+    }
+}
+
+impl std::error::Error for Refused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.cause)
+    }
+}
+
+#[test]
+fn a_subscriber_error_crosses_the_bus_typed_with_its_source_chain() {
+    struct Typed;
+    impl GradSubscriber for Typed {
+        fn grad_ready(&self, r: GradReady<'_>) -> Result<(), SubscriberError> {
+            Err(Box::new(Refused {
+                param: r.name.to_string(),
+                cause: std::io::Error::other("link down"),
+            }))
+        }
+    }
+    let mut store = ParamStore::new();
+    let w = store.add("w", Tensor::ones(&[2], DType::F32)).unwrap();
+    store.bus().subscribe(Arc::new(Typed));
+    let err = w.exp().unwrap().sum_all().unwrap().backward().unwrap_err();
+    assert!(
+        matches!(&err, AutogradError::Subscriber { param, .. } if param == "parameter 'w'"),
+        "{err}"
+    );
+    let source = std::error::Error::source(&err).expect("the subscriber's error is the source");
+    let refused = source
+        .downcast_ref::<Refused>()
+        .expect("downcasts to the subscriber's type");
+    assert_eq!(refused.param, "w");
+    let cause = source
+        .source()
+        .expect("its own source is kept")
+        .downcast_ref::<std::io::Error>()
+        .unwrap();
+    assert_eq!(cause.to_string(), "link down");
+}
+
+#[test]
+fn a_frozen_parameter_gets_no_gradient_and_is_not_announced() {
+    let mut store = ParamStore::new();
+    let w = store
+        .add("w", Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap())
+        .unwrap();
+    let frozen = store
+        .add("frozen", Tensor::from_vec(vec![3.0f64, 4.0], &[2]).unwrap())
+        .unwrap();
+    let log = Arc::new(Log::default());
+    store.bus().subscribe(log.clone());
+    let loss = |w: &Var, f: &Var| w.mul(f).unwrap().sum_all().unwrap();
+    // a gradient from before the freeze is discarded by it (PyTorch users set p.grad = None)
+    loss(&w, &frozen).backward().unwrap();
+    assert!(frozen.grad().is_some());
+    frozen.set_requires_grad(false).unwrap();
+    assert!(!frozen.requires_grad() && frozen.grad().is_none());
+    log.0.lock().unwrap().clear();
+    store.zero_grad().unwrap();
+    // y = sum(w * f)  =>  dy/dw = f = [3, 4]; nothing for f
+    loss(&w, &frozen).backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), vec![3.0, 4.0]);
+    assert!(frozen.grad().is_none(), "a frozen parameter accumulates no gradient");
+    let ready: Vec<Event> = log
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e, Event::Ready(_)))
+        .cloned()
+        .collect();
+    assert_eq!(ready, [Event::Ready("w".into())]);
+    // a loss of frozen parameters only has no graph
+    assert!(matches!(
+        frozen.exp().unwrap().sum_all().unwrap().backward(),
+        Err(AutogradError::NoGraph)
+    ));
+    // unfreezing: gradients flow again
+    frozen.set_requires_grad(true).unwrap();
+    loss(&w, &frozen).backward().unwrap();
+    assert_eq!(frozen.grad().unwrap().to_vec::<f64>().unwrap(), vec![1.0, 2.0]);
+    // only leaves can be frozen
+    let y = w.exp().unwrap();
+    assert!(matches!(
+        y.set_requires_grad(false),
+        Err(AutogradError::NotALeaf { op: "exp" })
+    ));
 }

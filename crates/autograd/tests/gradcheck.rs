@@ -135,3 +135,20 @@ fn a_wrong_gradient_is_caught() {
         "a function whose graph drops the exp derivative must fail the check"
     );
 }
+
+#[test]
+fn a_nan_or_infinite_gradient_fails_the_check() {
+    // ln(x) at x < 0 is NaN, and so is its finite difference: the relative error is NaN,
+    // which a `max` would drop. It must fail instead.
+    let negative = Tensor::from_vec(vec![-1.0f64, -2.0, 0.5], &[3]).unwrap();
+    let e = gradcheck(|v| v[0].ln(), &[negative], H, TOL)
+        .expect_err("NaN gradients must fail the check")
+        .to_string();
+    assert!(e.contains("NaN") && e.contains("inf"), "{e}");
+    // sqrt at 0: the analytic gradient 1/(2 sqrt 0) is infinite.
+    let zero = Tensor::from_vec(vec![0.0f64, 1.0], &[2]).unwrap();
+    assert!(
+        gradcheck(|v| v[0].sqrt(), &[zero], H, TOL).is_err(),
+        "an infinite gradient must fail the check"
+    );
+}

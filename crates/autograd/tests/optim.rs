@@ -41,23 +41,97 @@ fn sgd_with_momentum_and_weight_decay() {
 
 #[test]
 fn adamw_two_steps_and_state_round_trip() {
-    let (store, p, c) = setup(&[1.0, -2.0], &[0.5, -1.0]);
+    let (store, p, c1) = setup(&[1.0, -2.0], &[0.5, -1.0]);
     let mut opt = AdamW::new(store.params().to_vec(), 0.1);
-    grad_step(&store, &p, &c, &mut opt);
+    grad_step(&store, &p, &c1, &mut opt);
     // step 1: p *= 1 - 0.1*0.01; m = 0.1 g, v = 0.001 g^2; mhat = g, vhat = g^2
     // p -= 0.1 * g / (|g| + 1e-8) = 0.1 sign(g)
     let p1 = [1.0 * 0.999 - 0.1, -2.0 * 0.999 + 0.1];
     close(&p.value().to_vec::<f32>().unwrap(), &p1);
     let saved = opt.state().unwrap();
-    grad_step(&store, &p, &c, &mut opt);
-    // step 2 with the same g: m = 0.19 g, v = 0.001999 g^2; mhat = g, vhat = g^2 again
-    let p2 = [p1[0] * 0.999 - 0.1, p1[1] * 0.999 + 0.1];
+    let after_step1 = p.value().to_vec::<f32>().unwrap();
+    // Step 2 with another gradient, so that the result depends on the state: with a constant
+    // gradient every AdamW update is lr * sign(g), whatever m, v and the step count hold.
+    let c2 = Var::constant(Tensor::from_slice(&[2.0f32, -0.25], &[2]).unwrap());
+    grad_step(&store, &p, &c2, &mut opt);
+    // g1 = [0.5, -1], g2 = [2, -0.25]
+    // m = 0.9 * 0.1 g1 + 0.1 g2 = [0.245, -0.115];  mhat = m / (1 - 0.9^2) = m / 0.19
+    // v = 0.999 * 0.001 g1^2 + 0.001 g2^2 = [0.00424975, 0.0010615];  vhat = v / 0.001999
+    // p2 = 0.999 p1 - 0.1 mhat / (sqrt(vhat) + 1e-8) = 0.999 p1 - [0.0884376, -0.0830598]
+    let p2 = [p1[0] * 0.999 - 0.088_437_65, p1[1] * 0.999 + 0.083_059_75];
     close(&p.value().to_vec::<f32>().unwrap(), &p2);
+    // (without the state, step 2 would move each element by 0.1 sign(g2) instead)
+    assert!((p2[0] - (p1[0] * 0.999 - 0.1)).abs() > 1e-2);
 
-    // restoring the state after step 1 into a fresh optimizer reproduces step 2
-    let (store2, q, c2) = setup(&p1, &[0.5, -1.0]);
+    // restoring the state after step 1 into a fresh optimizer reproduces step 2, bit for bit
+    let (store2, q, _) = setup(&after_step1, &[0.5, -1.0]);
     let mut opt2 = AdamW::new(store2.params().to_vec(), 0.1);
     opt2.load_state(&saved).unwrap();
     grad_step(&store2, &q, &c2, &mut opt2);
-    close(&q.value().to_vec::<f32>().unwrap(), &p2);
+    assert_eq!(q.value().to_vec::<f32>().unwrap(), p.value().to_vec::<f32>().unwrap());
+    let bits = |o: &dyn Optimizer| -> Vec<(String, Vec<u64>)> {
+        o.state()
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|x| x.to_bits()).collect()))
+            .collect()
+    };
+    assert_eq!(bits(&opt2), bits(&opt), "the restored optimizer's state after step 2");
+}
+
+/// Two parameters, one frozen: `loss = sum(p * c) + sum(f * c)`.
+fn frozen_setup() -> (ParamStore, Var, Var, Var) {
+    let mut store = ParamStore::new();
+    let p = store
+        .add("p", Tensor::from_slice(&[1.0f32, -2.0], &[2]).unwrap())
+        .unwrap();
+    let f = store
+        .add("f", Tensor::from_slice(&[3.0f32, 4.0], &[2]).unwrap())
+        .unwrap();
+    let c = Var::constant(Tensor::from_slice(&[0.5f32, -1.0], &[2]).unwrap());
+    (store, p, f, c)
+}
+
+#[test]
+fn optimizers_leave_a_frozen_parameter_unchanged() {
+    let make: [(&str, fn(Vec<Var>) -> Box<dyn Optimizer>); 2] = [
+        ("sgd", |ps| Box::new(Sgd::new(ps, 0.1, 0.9, 0.01))),
+        ("adamw", |ps| {
+            Box::new(AdamW::with_options(ps, 0.1, (0.9, 0.999), 1e-8, 0.1))
+        }),
+    ];
+    for (name, make) in make {
+        let (store, p, f, c) = frozen_setup();
+        let mut opt = make(store.params().to_vec());
+        let step = |opt: &mut Box<dyn Optimizer>| {
+            store.zero_grad().unwrap();
+            p.mul(&c)
+                .unwrap()
+                .add(&f.mul(&c).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            opt.step().unwrap();
+        };
+        // one step with both trainable, so that the frozen one has optimizer state (momentum,
+        // moments) that would move it again
+        step(&mut opt);
+        f.set_requires_grad(false).unwrap();
+        let (p_before, f_before) = (p.value().to_vec::<f32>().unwrap(), f.value().to_vec::<f32>().unwrap());
+        // weight decay and momentum would move it without a gradient if it were not skipped
+        step(&mut opt);
+        step(&mut opt);
+        assert_eq!(
+            f.value().to_vec::<f32>().unwrap(),
+            f_before,
+            "{name}: a frozen parameter moved"
+        );
+        assert_ne!(
+            p.value().to_vec::<f32>().unwrap(),
+            p_before,
+            "{name}: the trainable parameter must move"
+        );
+    }
 }

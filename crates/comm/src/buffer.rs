@@ -46,8 +46,19 @@ pub enum ReduceOp {
     Sum,
     /// Sum (as above) divided by the world size.
     Avg,
-    /// Element-wise maximum (`f32::max`: a NaN loses against a number).
+    /// Element-wise maximum; a NaN on any rank makes the result NaN, as `torch.max` and
+    /// `torch.distributed`'s `MAX` do (see [`nan_max`]), so a diverged rank is never hidden.
     Max,
+}
+
+/// The maximum of `a` and `b`, NaN when either is NaN (unlike `f32::max`, which drops it).
+/// Both backends reduce `Max` with this, so they agree whatever the order of the ranks.
+pub(crate) fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 impl fmt::Display for ReduceOp {

@@ -183,3 +183,29 @@ fn reductions_on_bytes_are_unsupported_and_bad_arguments_are_rejected() {
         assert_eq!(ok, Buffer::F32(vec![3.0; 4]));
     }
 }
+
+#[test]
+fn max_propagates_a_nan_from_any_rank_as_torch_max_does() {
+    // Element i is NaN on rank i % world only; element `world` is NaN nowhere. A NaN must win
+    // whichever rank holds it (f32::max would drop it, or keep it depending on the order).
+    for world in 1..=4 {
+        for d in DTYPES {
+            let len = world + 1;
+            let results = all_ok(launch_with_timeout(world, TIMEOUT, |comm| {
+                let rank = comm.rank();
+                let mut xs: Vec<f32> = (0..len).map(|i| value(rank, i, 7)).collect();
+                xs[rank] = f32::NAN;
+                to_f32(&comm.all_reduce(from_f32(d, xs), ReduceOp::Max, "nan").wait().unwrap())
+            }));
+            let finite_max = (0..world).map(|r| value(r, world, 7)).fold(f32::NEG_INFINITY, f32::max);
+            let finite_max = to_f32(&from_f32(d, vec![finite_max]))[0];
+            for (rank, out) in results.iter().enumerate() {
+                assert!(
+                    out[..world].iter().all(|x| x.is_nan()),
+                    "world {world} rank {rank} {d}: {out:?}"
+                );
+                assert_eq!(out[world], finite_max, "world {world} rank {rank} {d}: {out:?}");
+            }
+        }
+    }
+}

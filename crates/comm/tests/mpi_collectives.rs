@@ -127,11 +127,15 @@ fn collectives(world: &MpiWorld) {
             }
         }
     }
-    // A NaN loses against a number under Max, on any rank.
-    let mut v = vec![1.0f32; 5];
-    v[rank % 5] = f32::NAN;
+    // A NaN on any rank wins under Max, whatever the order of the operands (as torch.max,
+    // and as the thread backend): element r is NaN on rank r only, element n on no rank.
+    let mut v = vec![1.0f32; n + 1];
+    v[rank] = f32::NAN;
+    v[n] = rank as f32;
     let out = comm.all_reduce(Buffer::F32(v), ReduceOp::Max, "nan").wait().unwrap();
-    assert!(out.as_f32().unwrap().iter().all(|x| !x.is_nan() || n == 1), "{out:?}");
+    let out = out.as_f32().unwrap();
+    assert!(out[..n].iter().all(|x| x.is_nan()), "rank {rank}: {out:?}");
+    assert_eq!(out[n], (n - 1) as f32, "rank {rank}: {out:?}");
     for d in [DType::F32, DType::F16, DType::BF16, DType::U8] {
         for &len in &SIZES {
             salt += 1;

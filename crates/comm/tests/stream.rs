@@ -47,22 +47,26 @@ fn collectives_run_in_issue_order() {
 
 #[test]
 fn issuing_returns_at_once_and_the_caller_keeps_computing() {
+    // Rank 1 issues only after rank 0's issue has returned and rank 0 has checked its handle:
+    // an issue that blocked until the collective completed would never get there (and the
+    // test would fail with a timeout), whatever the machine's load. No clock involved.
     let issued = AtomicBool::new(false);
+    let gate = AtomicBool::new(false);
     launch_with_timeout(2, TIMEOUT, |comm| {
         if comm.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(150));
+            // (a deadline, not a barrier: if rank 0 fails first, this rank fails too, no hang)
+            let deadline = Instant::now() + TIMEOUT * 2;
+            while !gate.load(Ordering::SeqCst) {
+                assert!(Instant::now() < deadline, "rank 0 never got past its issue");
+                std::thread::sleep(Duration::from_millis(1));
+            }
             issued.store(true, Ordering::SeqCst);
         }
-        let t = Instant::now();
         let work = comm.all_reduce(Buffer::F32(vec![1.0; 1 << 16]), ReduceOp::Sum, "bucket 0");
-        assert!(
-            t.elapsed() < Duration::from_millis(50),
-            "issue blocked for {:?}",
-            t.elapsed()
-        );
         if comm.rank() == 0 {
             assert!(!work.is_completed(), "completed before rank 1 issued");
             assert!(work.timing().is_none());
+            gate.store(true, Ordering::SeqCst);
         }
         let buf = work.wait().unwrap();
         assert!(issued.load(Ordering::SeqCst));

@@ -1,7 +1,6 @@
 //! Buckets: which parameters' gradients share one flat buffer, and in what order.
 
-use brigade_comm::Buffer;
-use brigade_comm::Work;
+use brigade_comm::{Buffer, Work};
 use brigade_tensor::Tensor;
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
@@ -42,7 +41,7 @@ pub(crate) struct Bucket {
 impl Bucket {
     /// Bytes of the flat buffer.
     pub(crate) fn bytes(&self) -> usize {
-        self.flat.numel() * 4
+        self.flat.numel() * self.flat.dtype().size_in_bytes()
     }
 }
 

@@ -5,9 +5,10 @@ use std::sync::Arc;
 use brigade_autograd::{GradBus, GradSubscriber, ParamStore};
 use brigade_comm::Communicator;
 
+use crate::reducer::grad_bytes;
 use crate::reducer::Reducer;
-use crate::signature::{broadcast_parameters, check_same_model};
-use crate::{DdpConfig, Result};
+use crate::signature::{broadcast_parameters, check_f32, check_same_model};
+use crate::{DdpConfig, DdpError, Result};
 
 /// One bucket as built: which parameters, how many bytes.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,7 +24,7 @@ pub struct BucketInfo {
 /// Per-rank gradient memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryReport {
-    /// What one copy of every parameter's gradient takes (`sum(numel) * 4`).
+    /// What one copy of every trainable parameter's gradient takes (`sum(numel * dtype size)`).
     pub gradient_bytes: usize,
     /// What the bucket buffers take.
     pub bucket_bytes: usize,
@@ -52,18 +53,21 @@ pub struct DistributedDataParallel {
 }
 
 impl DistributedDataParallel {
-    /// Checks that every rank holds the same parameters (names, shapes, dtypes),
-    /// broadcasts rank 0's values, builds the buckets and subscribes to the store's
-    /// gradient-ready bus.
+    /// Checks that every rank holds the same parameters (names, shapes, dtypes, which ones
+    /// require grad), broadcasts rank 0's values, builds the buckets of the parameters that
+    /// require grad (frozen ones are left out: freeze before wrapping) and subscribes to the
+    /// store's gradient-ready bus.
     pub fn new(store: &ParamStore, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Self> {
-        if !(cfg.bucket_cap_mb > 0.0 && cfg.first_bucket_cap_mb > 0.0) {
-            return Err(crate::DdpError::Config(format!(
-                "bucket caps must be positive, got bucket {} MiB, first bucket {} MiB",
-                cfg.bucket_cap_mb, cfg.first_bucket_cap_mb
-            )));
+        let caps_ok = |mb: f64| mb > 0.0 && mb.is_finite();
+        if !(caps_ok(cfg.bucket_cap_mb) && caps_ok(cfg.first_bucket_cap_mb)) {
+            return Err(DdpError::BucketCap {
+                bucket_cap_mb: cfg.bucket_cap_mb,
+                first_bucket_cap_mb: cfg.first_bucket_cap_mb,
+            });
         }
         let params = store.params().to_vec();
         check_same_model(&params, comm.as_ref())?;
+        check_f32(&params)?;
         if cfg.broadcast_parameters {
             broadcast_parameters(&params, comm.as_ref())?;
         }
@@ -129,7 +133,13 @@ impl DistributedDataParallel {
     /// Gradient memory on this rank: buckets are the only gradient storage.
     pub fn memory(&self) -> MemoryReport {
         let st = self.reducer.lock();
-        let gradient_bytes = self.reducer.params.iter().map(|p| p.value().numel() * 4).sum();
+        let gradient_bytes = self
+            .reducer
+            .params
+            .iter()
+            .filter(|p| p.requires_grad())
+            .map(grad_bytes)
+            .sum();
         let bucket_bytes = st.buckets.iter().map(|b| b.bytes()).sum();
         let outside = self
             .reducer
@@ -137,7 +147,7 @@ impl DistributedDataParallel {
             .iter()
             .filter_map(|p| p.grad())
             .filter(|g| !st.buckets.iter().any(|b| b.flat.shares_storage(g)))
-            .map(|g| g.numel() * 4)
+            .map(|g| g.numel() * g.dtype().size_in_bytes())
             .sum();
         MemoryReport {
             gradient_bytes,

@@ -2,13 +2,14 @@
 
 use brigade_autograd::AutogradError;
 use brigade_comm::CommError;
-use brigade_tensor::TensorError;
+use brigade_tensor::{DType, TensorError};
 
 /// What can go wrong while wrapping a model or reducing its gradients.
 #[derive(Debug, thiserror::Error)]
 pub enum DdpError {
-    /// A collective failed (a dead rank, a timeout, a mismatch).
-    #[error(transparent)]
+    /// A collective failed (a dead rank, a timeout, a mismatch). The [`CommError`] is this
+    /// error's `source()`, so a caller walking the chain finds it.
+    #[error("{0}")]
     Comm(#[from] CommError),
     /// Recording or differentiating failed.
     #[error(transparent)]
@@ -19,15 +20,88 @@ pub enum DdpError {
     /// The ranks hold different models.
     #[error("the ranks hold different models: rank {rank_a} has {entry_a}, rank {rank_b} has {entry_b} (parameter #{index}); every rank must build the same model")]
     ModelMismatch {
+        /// Registration index of the first parameter that differs.
         index: usize,
+        /// The reference rank (0).
         rank_a: usize,
+        /// Its parameter (`'name' [shape] dtype`), or `no parameter`.
         entry_a: String,
+        /// The first rank that differs.
         rank_b: usize,
+        /// Its parameter.
         entry_b: String,
     },
-    /// A configuration that cannot work.
-    #[error("invalid DDP configuration: {0}")]
-    Config(String),
+    /// A bucket cap that is not a positive number of MiB.
+    #[error("invalid DDP configuration: bucket caps must be positive numbers of MiB, got bucket_cap_mb {bucket_cap_mb}, first_bucket_cap_mb {first_bucket_cap_mb}")]
+    BucketCap {
+        /// The configured cap of every bucket but the first.
+        bucket_cap_mb: f64,
+        /// The configured cap of the first bucket.
+        first_bucket_cap_mb: f64,
+    },
+    /// A parameter whose dtype DDP cannot reduce.
+    #[error("parameter '{param}' is {dtype:?}; DDP reduces f32 parameters")]
+    UnsupportedDType {
+        /// The parameter.
+        param: String,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// A bucket's storage, or a buffer a collective handed back, is not of the dtype the
+    /// reducer put there (a backend bug).
+    #[error("{what}: expected a {expected:?} buffer, found {found}")]
+    BufferDType {
+        /// Which buffer (`bucket3`, `ddp.rebuild_buckets`).
+        what: String,
+        /// The dtype the reducer gave.
+        expected: DType,
+        /// What it found.
+        found: String,
+    },
+    /// Rank 0's ready order, broadcast to rebuild the buckets, is not a permutation of the
+    /// parameters that require grad.
+    #[error("bucket rebuild: rank 0's ready order {order:?} is not a permutation of the {expected} parameters that require grad")]
+    RebuildOrder {
+        /// The order received (registration indices).
+        order: Vec<usize>,
+        /// How many parameters it should list.
+        expected: usize,
+    },
+    /// Parameters that take no part in this backward pass, without
+    /// `find_unused_parameters`.
+    #[error(
+        "rank {rank}: these parameters receive no gradient in this backward pass: {params:?}. \
+         Every parameter that requires grad must take part in the loss on every rank; freeze the others \
+         (requires_grad false) before wrapping the model, or construct DDP with \
+         find_unused_parameters = true (CLI: --find-unused-parameters) so that they are marked \
+         ready and reduced as they are"
+    )]
+    UnusedParameters {
+        /// This rank.
+        rank: usize,
+        /// The parameters' names.
+        params: Vec<String>,
+    },
+    /// Backward ended before some parameters were announced.
+    #[error("rank {rank}: backward finished but these parameters were never ready: {params:?}")]
+    NeverReady {
+        /// This rank.
+        rank: usize,
+        /// The parameters' names.
+        params: Vec<String>,
+    },
+    /// A parameter was announced twice in one backward pass (autograd must announce once).
+    #[error("parameter '{param}' was marked ready twice in one backward pass")]
+    ReadyTwice {
+        /// The parameter.
+        param: String,
+    },
+    /// A gradient was announced although no backward pass had started.
+    #[error("parameter '{param}' was announced outside a backward pass")]
+    ReadyOutsideBackward {
+        /// The parameter.
+        param: String,
+    },
 }
 
 /// Result alias for this crate.

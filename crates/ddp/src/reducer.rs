@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use brigade_autograd::{GradReady, GradSubscriber, Var};
+use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, Communicator, Recorder, ReduceOp, SpanId};
 use brigade_tensor::{CpuStorage, DType, Tensor};
 
@@ -36,16 +36,25 @@ pub(crate) struct State {
 
 pub(crate) struct Reducer {
     pub(crate) params: Vec<Var>,
+    /// Which parameters required grad at construction: only those are bucketed, expected
+    /// in every backward pass and reduced (frozen ones are left alone, as in PyTorch).
+    trainable: Vec<bool>,
     comm: Arc<dyn Communicator>,
     cfg: DdpConfig,
     recorder: Option<Recorder>,
     pub(crate) state: Mutex<State>,
 }
 
+/// Bytes of `p`'s gradient in a bucket (buckets hold the parameter's dtype).
+pub(crate) fn grad_bytes(p: &Var) -> usize {
+    let v = p.value();
+    v.numel() * v.dtype().size_in_bytes()
+}
+
 /// Buckets for `params` visited in `order`, with the configured caps (MiB to bytes).
 fn group_params(params: &[Var], order: &[usize], cfg: &DdpConfig) -> Vec<Vec<usize>> {
     let bytes = |mib: f64| (mib * 1024.0 * 1024.0).max(1.0) as usize;
-    let sizes: Vec<usize> = params.iter().map(|p| p.value().numel() * 4).collect();
+    let sizes: Vec<usize> = params.iter().map(grad_bytes).collect();
     assign_buckets(&sizes, order, bytes(cfg.first_bucket_cap_mb), bytes(cfg.bucket_cap_mb))
 }
 
@@ -75,13 +84,15 @@ fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>
 
 impl Reducer {
     pub(crate) fn new(params: Vec<Var>, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Reducer> {
-        let order: Vec<usize> = (0..params.len()).rev().collect();
+        let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
+        let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let groups = group_params(&params, &order, &cfg);
         let (buckets, bucket_of) = build_buckets(&params, groups)?;
         let n = params.len();
         Ok(Reducer {
             recorder: cfg.recorder.clone(),
             params,
+            trainable,
             comm,
             state: Mutex::new(State {
                 buckets,
@@ -107,12 +118,11 @@ impl Reducer {
     }
 
     /// `mark_variable_ready`: counts the parameter's bucket down and launches what is full.
-    fn mark_ready(&self, st: &mut State, p: usize) -> std::result::Result<(), String> {
+    fn mark_ready(&self, st: &mut State, p: usize) -> Result<()> {
         if st.ready[p] {
-            return Err(format!(
-                "parameter '{}' was marked ready twice in one backward pass",
-                self.name(p)
-            ));
+            return Err(DdpError::ReadyTwice {
+                param: self.name(p).to_string(),
+            });
         }
         st.ready[p] = true;
         st.ready_order.push(p);
@@ -120,7 +130,7 @@ impl Reducer {
         st.buckets[b].pending -= 1;
         // Launch strictly in bucket order: a later bucket that fills first waits its turn.
         while st.next_launch < st.buckets.len() && st.buckets[st.next_launch].pending == 0 {
-            self.launch(st, st.next_launch).map_err(|e| e.to_string())?;
+            self.launch(st, st.next_launch)?;
             st.next_launch += 1;
         }
         Ok(())
@@ -130,7 +140,11 @@ impl Reducer {
     fn launch(&self, st: &mut State, b: usize) -> Result<()> {
         let bucket = &mut st.buckets[b];
         let CpuStorage::F32(v) = bucket.flat.lend_storage()? else {
-            return Err(DdpError::Config("bucket buffers are f32".into()));
+            return Err(DdpError::BufferDType {
+                what: bucket_tag(b),
+                expected: DType::F32,
+                found: "another dtype".into(),
+            });
         };
         bucket.work = Some(self.comm.all_reduce(Buffer::F32(v), ReduceOp::Avg, &bucket_tag(b)));
         Ok(())
@@ -149,13 +163,21 @@ impl Reducer {
             .as_ref()
             .map(|r| r.begin(self.comm.rank(), "wait for buckets"));
         let mut first_err = None;
-        for bucket in st.buckets.iter_mut() {
+        for (b, bucket) in st.buckets.iter_mut().enumerate() {
             if let Some(work) = bucket.work.take() {
                 match work.wait() {
                     Ok(Buffer::F32(v)) => bucket.flat.restore_storage(CpuStorage::F32(v))?,
-                    Ok(_) => return Err(DdpError::Config("all-reduce returned a buffer of another dtype".into())),
+                    Ok(other) => {
+                        let what = format!("all-reduce of {}", bucket_tag(b));
+                        let found = other.dtype().to_string();
+                        first_err.get_or_insert(DdpError::BufferDType {
+                            what,
+                            expected: DType::F32,
+                            found,
+                        });
+                    }
                     Err(e) => {
-                        first_err.get_or_insert(e);
+                        first_err.get_or_insert(e.into());
                     }
                 }
             }
@@ -164,7 +186,7 @@ impl Reducer {
             r.end(s);
         }
         match first_err {
-            Some(e) => Err(e.into()),
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
@@ -178,22 +200,26 @@ impl Reducer {
             .broadcast(Buffer::U8(bytes), 0, "ddp.rebuild_buckets")
             .wait()?;
         let Buffer::U8(bytes) = got else {
-            return Err(DdpError::Config("rebuild order came back as another dtype".into()));
+            let found = got.dtype().to_string();
+            return Err(DdpError::BufferDType {
+                what: "ddp.rebuild_buckets".into(),
+                expected: DType::U8,
+                found,
+            });
         };
         let order: Vec<usize> = bytes
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
             .collect();
+        let expected = self.trainable.iter().filter(|&&t| t).count();
         let mut seen = vec![false; self.params.len()];
         for &p in &order {
-            if p >= seen.len() || std::mem::replace(&mut seen[p], true) {
-                return Err(DdpError::Config(format!(
-                    "rank 0's ready order {order:?} is not a permutation of the parameters"
-                )));
+            if p >= seen.len() || !self.trainable[p] || std::mem::replace(&mut seen[p], true) {
+                return Err(DdpError::RebuildOrder { order, expected });
             }
         }
-        if seen.iter().any(|s| !s) {
-            return Err(DdpError::Config("rank 0's ready order misses parameters".into()));
+        if order.len() != expected {
+            return Err(DdpError::RebuildOrder { order, expected });
         }
         let groups = group_params(&self.params, &order, &self.cfg);
         // set_grad_buffer copies each gradient (this step's reduced values) into its new slice.
@@ -205,15 +231,13 @@ impl Reducer {
     }
 }
 
-impl GradSubscriber for Reducer {
-    fn backward_started(&self, in_graph: &[usize]) -> std::result::Result<(), String> {
-        let mut st = self.lock();
+impl Reducer {
+    /// PyTorch's `prepare_for_backward`: resets the pass and marks unused parameters.
+    fn start_pass(&self, st: &mut State, in_graph: &[usize]) -> Result<()> {
         if st.in_backward {
-            return Err(
-                "a previous synchronized backward pass did not finish (it failed midway); \
-                        its buckets are in an unknown state: rebuild the DistributedDataParallel wrapper"
-                    .into(),
-            );
+            // A pass that failed without telling us (backward_aborted not called): take
+            // back what it launched before starting afresh.
+            self.abort_pass(st);
         }
         if !st.sync {
             return Ok(());
@@ -229,26 +253,65 @@ impl GradSubscriber for Reducer {
         for &p in in_graph {
             used[p] = true;
         }
-        let unused: Vec<usize> = (0..self.params.len()).filter(|&p| !used[p]).collect();
+        let unused: Vec<usize> = (0..self.params.len())
+            .filter(|&p| self.trainable[p] && !used[p])
+            .collect();
         if unused.is_empty() {
             return Ok(());
         }
         if !self.cfg.find_unused_parameters {
-            let names: Vec<&str> = unused.iter().map(|&p| self.name(p)).collect();
             st.in_backward = false;
-            return Err(format!(
-                "rank {}: these parameters receive no gradient in this backward pass: {names:?}. \
-                 Every parameter must take part in the loss on every rank, or construct DDP with \
-                 find_unused_parameters = true (CLI: --find-unused-parameters) so that they are marked \
-                 ready and reduced as they are",
-                self.comm.rank()
-            ));
+            let params = unused.iter().map(|&p| self.name(p).to_string()).collect();
+            return Err(DdpError::UnusedParameters {
+                rank: self.comm.rank(),
+                params,
+            });
         }
         // PyTorch's find_unused_parameters: mark them ready up front so no bucket waits on them.
         for p in unused {
-            self.mark_ready(&mut st, p)?;
+            self.mark_ready(st, p)?;
         }
         Ok(())
+    }
+
+    /// PyTorch's `finalize_backward`: waits for every bucket, then rebuilds them once.
+    fn finish_pass(&self, st: &mut State) -> Result<()> {
+        st.in_backward = false;
+        if st.next_launch < st.buckets.len() {
+            let params = (0..self.params.len())
+                .filter(|&p| self.trainable[p] && !st.ready[p])
+                .map(|p| self.name(p).to_string())
+                .collect();
+            // Give back whatever was launched before reporting.
+            let _ = self.wait_all(st);
+            return Err(DdpError::NeverReady {
+                rank: self.comm.rank(),
+                params,
+            });
+        }
+        self.wait_all(st)?;
+        if !st.rebuilt {
+            self.rebuild(st)?;
+        }
+        Ok(())
+    }
+
+    /// A pass that failed midway: waits for the buckets it launched so that every gradient
+    /// view has its storage back (their values are partial: zero them before the next
+    /// pass). The comm streams of the ranks stay in step only if every rank launched the
+    /// same buckets; otherwise the next collective fails on every rank as a mismatch.
+    fn abort_pass(&self, st: &mut State) {
+        if st.in_backward {
+            let _ = self.wait_all(st);
+            st.in_backward = false;
+        }
+    }
+}
+
+impl GradSubscriber for Reducer {
+    fn backward_started(&self, in_graph: &[usize]) -> std::result::Result<(), SubscriberError> {
+        let mut st = self.lock();
+        Ok(self.start_pass(&mut st, in_graph)?)
     }
 
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
@@ -263,39 +326,31 @@ impl GradSubscriber for Reducer {
         st.span = Some((name.to_string(), id));
     }
 
-    fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), String> {
+    fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError> {
         let mut st = self.lock();
         if !st.sync {
             return Ok(());
         }
         if !st.in_backward {
-            return Err("gradient announced outside a backward pass".into());
+            return Err(Box::new(DdpError::ReadyOutsideBackward {
+                param: ready.name.to_string(),
+            }));
         }
-        self.mark_ready(&mut st, ready.index)
+        Ok(self.mark_ready(&mut st, ready.index)?)
     }
 
-    fn backward_finished(&self) -> std::result::Result<(), String> {
+    fn backward_finished(&self) -> std::result::Result<(), SubscriberError> {
         let mut st = self.lock();
         self.end_span(&mut st);
         if !st.sync {
             return Ok(());
         }
-        st.in_backward = false;
-        if st.next_launch < st.buckets.len() {
-            let missing: Vec<&str> = (0..self.params.len())
-                .filter(|&p| !st.ready[p])
-                .map(|p| self.name(p))
-                .collect();
-            // Give back whatever was launched before reporting.
-            let _ = self.wait_all(&mut st);
-            return Err(format!(
-                "backward finished but these parameters were never ready: {missing:?}"
-            ));
-        }
-        self.wait_all(&mut st).map_err(|e| e.to_string())?;
-        if !st.rebuilt {
-            self.rebuild(&mut st).map_err(|e| e.to_string())?;
-        }
-        Ok(())
+        Ok(self.finish_pass(&mut st)?)
+    }
+
+    fn backward_aborted(&self) {
+        let mut st = self.lock();
+        self.end_span(&mut st);
+        self.abort_pass(&mut st);
     }
 }

@@ -7,13 +7,20 @@ use brigade_tensor::DType;
 
 use crate::{DdpError, Result};
 
-/// `name [shape] dtype` for each parameter, in registration order.
+/// `'name' [shape] dtype` for each parameter, in registration order, with `frozen` for
+/// those that do not require grad (the ranks must agree: frozen ones have no bucket).
 fn entries(params: &[Var]) -> Vec<String> {
     params
         .iter()
         .map(|p| {
             let v = p.value();
-            format!("'{}' {:?} {:?}", p.name().unwrap_or("<unnamed>"), v.shape(), v.dtype())
+            let frozen = if p.requires_grad() { "" } else { " frozen" };
+            format!(
+                "'{}' {:?} {:?}{frozen}",
+                p.name().unwrap_or("<unnamed>"),
+                v.shape(),
+                v.dtype()
+            )
         })
         .collect()
 }
@@ -46,17 +53,20 @@ pub(crate) fn check_same_model(params: &[Var], comm: &dyn Communicator) -> Resul
     Ok(())
 }
 
-/// Overwrites every rank's parameters with rank 0's (one broadcast of all of them).
-pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
-    for p in params {
-        if p.value().dtype() != DType::F32 {
-            return Err(DdpError::Config(format!(
-                "parameter '{}' is {:?}; DDP reduces f32 parameters",
-                p.name().unwrap_or("<unnamed>"),
-                p.value().dtype()
-            )));
-        }
+/// Fails naming the first parameter that is not f32 (the dtype of buckets and broadcasts).
+pub(crate) fn check_f32(params: &[Var]) -> Result<()> {
+    match params.iter().find(|p| p.value().dtype() != DType::F32) {
+        Some(p) => Err(DdpError::UnsupportedDType {
+            param: p.name().unwrap_or("<unnamed>").to_string(),
+            dtype: p.value().dtype(),
+        }),
+        None => Ok(()),
     }
+}
+
+/// Overwrites every rank's parameters with rank 0's (one broadcast of all of them; f32,
+/// checked by [`check_f32`]).
+pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
     for p in params {
         p.value()

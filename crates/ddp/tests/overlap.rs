@@ -3,7 +3,9 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use brigade_autograd::{GradReady, GradSubscriber, SubscriberError};
 use brigade_comm::{launch, Communicator, Recorder, Traced, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
@@ -14,8 +16,44 @@ const WIDTHS: [usize; 5] = [16, 32, 32, 32, 8];
 // bucket 0 = layers 3 and 2 = (264 + 1056) * 4 bytes; bucket 1 = layers 1 and 0
 const TWO_LAYERS_BYTES: f64 = ((264 + 1056) * 4) as f64;
 
+/// When `layers.1.weight` is announced (bucket 0 = layers 3 and 2 is already issued, layers
+/// 1 and 0 still have to run their backward), waits until this rank's comm stream has
+/// *started* bucket 0's transfer, as the recorder saw it. A reducer that issued its buckets
+/// only at the end of backward, or a stream that ran nothing until then, never gets there.
+struct AwaitBucket0Start {
+    recorder: Recorder,
+    rank: usize,
+    seen: std::sync::Mutex<usize>,
+}
+
+impl GradSubscriber for AwaitBucket0Start {
+    fn grad_ready(&self, r: GradReady<'_>) -> Result<(), SubscriberError> {
+        if r.name != "layers.1.weight" {
+            return Ok(());
+        }
+        let mut seen = self.seen.lock().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let started = self
+                .recorder
+                .events()
+                .iter()
+                .filter(|e| e.rank == self.rank && e.name == "bucket0" && e.start.is_some())
+                .count();
+            if started > *seen {
+                *seen = started;
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("bucket0's transfer did not start while backward was still running".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 #[test]
-fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agrees() {
+fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees() {
     let world = 2;
     let recorder = Recorder::new();
     let (x, y) = data(world * 8 * 2, WIDTHS[0], WIDTHS[4], 5);
@@ -31,6 +69,11 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
             ..DdpConfig::default()
         };
         let ddp = DistributedDataParallel::new(&m.store, comm, cfg).unwrap();
+        m.store.bus().subscribe(Arc::new(AwaitBucket0Start {
+            recorder: recorder.clone(),
+            rank,
+            seen: Default::default(),
+        }));
         for step in 0..2 {
             let (xb, yb) = rows(&x, &y, step * world * 8 + rank * 8, 8);
             m.store.zero_grad().unwrap();
@@ -68,11 +111,12 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
             "rank {rank} bucket order"
         );
 
-        let issued: Vec<u64> = events
+        let bucket0: Vec<_> = events
             .iter()
             .filter(|e| e.rank == rank && e.track == Track::Comm && e.name == "bucket0")
-            .map(|e| e.issued.unwrap().seq)
             .collect();
+        let issued: Vec<u64> = bucket0.iter().map(|e| e.issued.unwrap().seq).collect();
+        let started: Vec<u64> = bucket0.iter().map(|e| e.start.unwrap().seq).collect();
         let layer0: Vec<u64> = events
             .iter()
             .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0")
@@ -83,8 +127,31 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
             .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.1")
             .map(|e| e.start.unwrap().seq)
             .collect();
-        assert_eq!((issued.len(), layer0.len(), layer1.len()), (2, 2, 2));
+        // backward's last node ran inside the span of layers.0: its end is the end of backward
+        let layer0_end: Vec<u64> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0")
+            .map(|e| e.end.unwrap().seq)
+            .collect();
+        assert_eq!(
+            (issued.len(), layer0.len(), layer1.len(), layer0_end.len()),
+            (2, 2, 2, 2)
+        );
         for it in 0..2 {
+            // the transfer itself was under way before the first layer's backward began, so
+            // long before backward ended
+            assert!(
+                started[it] < layer0[it],
+                "rank {rank} iteration {it}: bucket0 started at {} after layers.0 backward began at {}",
+                started[it],
+                layer0[it]
+            );
+            assert!(
+                started[it] < layer0_end[it],
+                "rank {rank} iteration {it}: bucket0 started at {} after backward ended at {}",
+                started[it],
+                layer0_end[it]
+            );
             assert!(
                 issued[it] < layer1[it],
                 "rank {rank} iteration {it}: bucket0 issued at {} after layers.1 backward began at {}",

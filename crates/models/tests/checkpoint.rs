@@ -63,24 +63,122 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
     }
 }
 
+fn file_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    names.sort();
+    names
+}
+
 #[test]
-fn save_is_atomic_and_leaves_no_temporary_file() {
+fn save_leaves_no_temporary_file_and_names_a_missing_directory() {
     let dir = tmpdir("atomic");
     let path = dir.join("model.safetensors");
     let m = mlp();
     save_params(m.params(), &path).unwrap();
     // overwrite an existing checkpoint
     save_params(m.params(), &path).unwrap();
-    let entries: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into())
-        .collect();
-    assert_eq!(entries, ["model.safetensors"]);
+    assert_eq!(file_names(&dir), ["model.safetensors"]);
     // a directory that does not exist: an error naming the path, and nothing left behind
     let bad = dir.join("missing-dir").join("x.safetensors");
     let e = save_params(m.params(), &bad).unwrap_err().to_string();
     assert!(e.contains("missing-dir"), "{e}");
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    assert_eq!(file_names(&dir), ["model.safetensors"]);
+}
+
+/// Set in the child process of [`a_write_that_fails_midway_leaves_the_old_checkpoint_intact`].
+const FSIZE_CHILD: &str = "BRIGADE_TEST_FSIZE_CHILD";
+/// The file-size limit of that child: far below the size of the checkpoint it writes.
+const FSIZE_LIMIT: u64 = 4096;
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_write_that_fails_midway_leaves_the_old_checkpoint_intact() {
+    // An old checkpoint; then a child process whose file-size limit (RLIMIT_FSIZE, which binds
+    // root too, unlike file permissions) makes every write past 4 KiB fail with EFBIG saves a
+    // bigger model (17 KiB) to the same path. A save that wrote in place would have truncated
+    // the old file by then; an atomic one wrote a temporary file, whatever its name, and
+    // removes it.
+    let dir = tmpdir("midway");
+    let path = dir.join("model.safetensors");
+    save_params(mlp().params(), &path).unwrap();
+    let old = std::fs::read(&path).unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "save_under_a_file_size_limit",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(FSIZE_CHILD, &path)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("save failed as expected:"),
+        "the child: {text}"
+    );
+    assert!(text.contains("model.safetensors"), "the error names the path: {text}");
+    let now = std::fs::read(&path).unwrap();
+    assert!(
+        now == old,
+        "the old checkpoint must survive intact: {} bytes now, {} before",
+        now.len(),
+        old.len()
+    );
+    assert_eq!(
+        file_names(&dir),
+        ["model.safetensors"],
+        "no temporary file is left behind"
+    );
+    load_params(mlp().params(), &path).unwrap();
+}
+
+/// The child of [`a_write_that_fails_midway_leaves_the_old_checkpoint_intact`]; does nothing
+/// unless [`FSIZE_CHILD`] names the checkpoint to overwrite.
+#[cfg(target_os = "linux")]
+#[test]
+fn save_under_a_file_size_limit() {
+    let Some(path) = std::env::var_os(FSIZE_CHILD) else {
+        return;
+    };
+    #[repr(C)]
+    struct Rlimit {
+        cur: u64,
+        max: u64,
+    }
+    extern "C" {
+        fn setrlimit(resource: i32, limit: *const Rlimit) -> i32;
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
+    const RLIMIT_FSIZE: i32 = 1;
+    const SIGXFSZ: i32 = 25;
+    const SIG_IGN: usize = 1;
+    // SAFETY: plain libc calls on this process, with a valid rlimit; ignoring SIGXFSZ makes
+    // the oversized write fail with EFBIG instead of killing the process.
+    unsafe {
+        assert_ne!(signal(SIGXFSZ, SIG_IGN), usize::MAX, "signal(SIGXFSZ)");
+        assert_eq!(
+            setrlimit(
+                RLIMIT_FSIZE,
+                &Rlimit {
+                    cur: FSIZE_LIMIT,
+                    max: FSIZE_LIMIT
+                }
+            ),
+            0,
+            "setrlimit"
+        );
+    }
+    let bigger = Mlp::new(MlpConfig::new(vec![64, 64, 3]), 2).unwrap();
+    let e = save_params(bigger.params(), &path).expect_err("a write past the file-size limit must fail");
+    println!("save failed as expected: {e}");
 }
 
 #[test]

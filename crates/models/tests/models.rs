@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use brigade_autograd::{no_grad, GradReady, GradSubscriber};
+use brigade_autograd::{no_grad, GradReady, GradSubscriber, SubscriberError};
 use brigade_models::{load_params_from_tensors, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model, ModelError, ModelKind};
 use brigade_tensor::{DType, Rng, Tensor};
 
@@ -263,7 +263,7 @@ impl GradSubscriber for Scopes {
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
         self.0.lock().unwrap().push(scope.unwrap_or("<none>").to_string());
     }
-    fn grad_ready(&self, _: GradReady<'_>) -> Result<(), String> {
+    fn grad_ready(&self, _: GradReady<'_>) -> Result<(), SubscriberError> {
         Ok(())
     }
 }
@@ -303,18 +303,40 @@ fn every_backward_op_runs_under_one_of_the_layer_names_newest_first() {
     }
 }
 
-/// Checks backward's parameter gradients of `model` on `batch` against central
-/// differences at a few random elements of every parameter (f64 model).
-fn check_param_grads(model: &dyn Model, batch: &Batch) {
-    // move every parameter off its symmetric init (zero biases, unit LayerNorm)
-    let mut rng = Rng::new(17);
+/// Moves every parameter off its symmetric init (zero biases, unit LayerNorm).
+fn move_params(model: &dyn Model, rng: &mut Rng) {
     let moved: Vec<(String, Tensor)> = model
         .params()
         .named_values()
         .into_iter()
-        .map(|(n, t)| (n, Tensor::randn(t.shape(), 0.4, DType::F64, &mut rng)))
+        .map(|(n, t)| (n, Tensor::randn(t.shape(), 0.4, DType::F64, rng)))
         .collect();
     load_params_from_tensors(model.params(), &moved).unwrap();
+}
+
+/// `|analytic - numeric| / max(1, |numeric|)`, infinite when anything is not finite: a NaN
+/// must fail the check, not vanish in a comparison.
+fn relative_error(analytic: f64, numeric: f64) -> f64 {
+    let err = (analytic - numeric).abs() / numeric.abs().max(1.0);
+    if err.is_finite() {
+        err
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Checks backward's parameter gradients of `model` on `batch` against central
+/// differences at a few random elements of every parameter (f64 model).
+fn check_param_grads(model: &dyn Model, batch: &Batch) {
+    let mut rng = Rng::new(17);
+    move_params(model, &mut rng);
+    let (err, at) = worst_param_grad_error(model, batch, &mut rng);
+    assert!(err < 1e-6, "worst relative error {err:.3e} at {at}");
+}
+
+/// The worst relative error between backward's gradients and central differences at a few
+/// random elements of every parameter, and where it is.
+fn worst_param_grad_error(model: &dyn Model, batch: &Batch, rng: &mut Rng) -> (f64, String) {
     model.params().zero_grad().unwrap();
     model.loss(batch).unwrap().backward().unwrap();
     let loss_at = || no_grad(|| model.loss(batch).unwrap().value().item().unwrap());
@@ -331,8 +353,8 @@ fn check_param_grads(model: &dyn Model, batch: &Batch) {
             let down = loss_at();
             nudge(h);
             let numeric = (up - down) / (2.0 * h);
-            let err = (grad[j] - numeric).abs() / numeric.abs().max(1.0);
-            if err > worst.0 {
+            let err = relative_error(grad[j], numeric);
+            if err > worst.0 || worst.1.is_empty() {
                 worst = (
                     err,
                     format!(
@@ -344,7 +366,35 @@ fn check_param_grads(model: &dyn Model, batch: &Batch) {
             }
         }
     }
-    assert!(worst.0 < 1e-6, "worst relative error {:.3e} at {}", worst.0, worst.1);
+    worst
+}
+
+#[test]
+fn a_nan_gradient_fails_the_parameter_check() {
+    // One NaN in the output layer makes the loss, gradients and differences NaN: the check must
+    // report an infinite error, not the 0 of a comparison that is always false.
+    let m = Mlp::new(
+        MlpConfig {
+            widths: vec![5, 7, 3],
+            dtype: DType::F64,
+        },
+        5,
+    )
+    .unwrap();
+    let mut rng = Rng::new(17);
+    move_params(&m, &mut rng);
+    m.params()
+        .get("layers.1.bias")
+        .unwrap()
+        .value()
+        .with_slice_mut("test", |v: &mut [f64]| v[1] = f64::NAN)
+        .unwrap();
+    let batch = Batch::Classify {
+        inputs: Tensor::randn(&[4, 5], 1.0, DType::F32, &mut rng),
+        targets: Tensor::from_vec(vec![0i64, 1, 2, 1], &[4]).unwrap(),
+    };
+    let (err, at) = worst_param_grad_error(&m, &batch, &mut rng);
+    assert_eq!(err, f64::INFINITY, "at {at}");
 }
 
 #[test]

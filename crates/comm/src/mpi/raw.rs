@@ -1,10 +1,11 @@
 //! The thin layer over the MPI C API that the transport needs: checked calls, the datatypes of
-//! Brigade's buffers, the NaN-ignoring `max` operator, and a `Send` communicator handle.
+//! Brigade's buffers, the NaN-propagating `max` operator, and a `Send` communicator handle.
 
 use std::ffi::{c_int, c_void};
 
 use ::mpi::ffi;
 
+use crate::buffer::nan_max;
 use crate::{CommError, DType};
 
 /// Runs an MPI call and turns a non-success code into `CommError::Internal` naming the call,
@@ -67,8 +68,8 @@ pub(crate) fn sum_op() -> ffi::MPI_Op {
     unsafe { ffi::RSMPI_SUM }
 }
 
-/// Element-wise `f32::max` (a NaN loses against a number, as in the thread backend; MPI's
-/// built-in `MPI_MAX` keeps or drops NaNs depending on the order of its operands).
+/// Element-wise [`nan_max`] (a NaN on any rank wins, as in the thread backend; MPI's built-in
+/// `MPI_MAX` keeps or drops NaNs depending on the order of its operands).
 unsafe extern "C" fn max_f32(
     invec: *mut c_void,
     inoutvec: *mut c_void,
@@ -82,7 +83,7 @@ unsafe extern "C" fn max_f32(
         let xs = std::slice::from_raw_parts(invec as *const f32, n);
         let acc = std::slice::from_raw_parts_mut(inoutvec as *mut f32, n);
         for (a, x) in acc.iter_mut().zip(xs) {
-            *a = a.max(*x);
+            *a = nan_max(*a, *x);
         }
     }
 }
@@ -95,7 +96,7 @@ pub(crate) struct RawOp(pub(crate) ffi::MPI_Op);
 unsafe impl Send for RawOp {}
 
 impl RawOp {
-    /// The commutative `f32::max` operator.
+    /// The commutative [`nan_max`] operator.
     pub(crate) fn max_f32(rank: usize) -> Result<RawOp, CommError> {
         let mut op = sum_op(); // overwritten by the call
         mpi_check!(rank, "MPI_Op_create(max)", unsafe {

@@ -11,7 +11,7 @@
 //!    transport (MPI's in-place mode is not portable through the bindings): f32 reductions copy
 //!    the input once; f16/bf16 reductions convert to f32, reduce in f32, and convert back, so
 //!    they accumulate in f32 like the thread backend. `Avg` is an MPI sum divided by the world
-//!    size; `Max` is a user operator with `f32::max` semantics (NaN loses).
+//!    size; `Max` is a user operator that propagates NaN (`nan_max`, as the thread backend).
 //!
 //! # Progress and timeouts
 //! Open MPI advances a non-blocking collective only inside MPI calls, so the comm thread polls

@@ -2,6 +2,7 @@
 
 use half::{bf16, f16};
 
+use crate::buffer::nan_max;
 use crate::ReduceOp;
 
 /// Elements per block: the f32 accumulator (8 KiB) and the blocks being read stay in L1.
@@ -75,7 +76,7 @@ pub(crate) unsafe fn reduce_range<E: Element>(srcs: &[*mut E], dsts: &[*mut E], 
                 }
                 ReduceOp::Max => {
                     for (a, x) in acc.iter_mut().zip(xs) {
-                        *a = a.max(x.to_f32());
+                        *a = nan_max(*a, x.to_f32());
                     }
                 }
             }

@@ -60,6 +60,8 @@ pub fn reference_reduce(inputs: &[Buffer], op: ReduceOp) -> Buffer {
         for i in 0..len {
             out[i] = match op {
                 ReduceOp::Sum | ReduceOp::Avg => out[i] + v[i],
+                // NaN-propagating, as torch.max: a NaN on any rank wins
+                ReduceOp::Max if out[i].is_nan() || v[i].is_nan() => f32::NAN,
                 ReduceOp::Max => out[i].max(v[i]),
             };
         }
