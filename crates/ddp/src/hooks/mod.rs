@@ -61,7 +61,9 @@ pub struct GradBucket {
     pub is_last: bool,
 }
 
-/// A policy for reducing gradient buckets (see the module docs).
+/// A policy for reducing gradient buckets (see the module docs). A hook may keep state across
+/// iterations (PowerSGD's error feedback); that state is one rank's, so with ranks as threads
+/// give each rank its own hook, as each PyTorch process has its own.
 pub trait CommHook: Send + Sync {
     /// A short name for reports (`allreduce`, `fp16`, `powersgd:4`).
     fn name(&self) -> String;

@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use brigade_comm::{Buffer, Communicator, ReduceOp, Work};
+use brigade_comm::{Buffer, CommError, Communicator, ReduceOp, Work};
 use brigade_tensor::Rng;
 
 use super::{into_f32, CommHook, GradBucket};
@@ -89,6 +89,8 @@ struct Matrix {
 }
 
 struct State {
+    /// The rank this hook serves (its state is one rank's): set on first use.
+    rank: Option<usize>,
     iter: usize,
     rng: Rng,
     /// Per bucket: what compression dropped last time.
@@ -111,6 +113,7 @@ impl PowerSgdHook {
         cfg.validate()?;
         Ok(PowerSgdHook {
             state: Arc::new(Mutex::new(State {
+                rank: None,
                 iter: 0,
                 rng: Rng::new(cfg.seed),
                 error: HashMap::new(),
@@ -151,7 +154,19 @@ impl CommHook for PowerSgdHook {
 
     fn reduce(&self, comm: &Arc<dyn Communicator>, bucket: GradBucket) -> Work<Vec<f32>> {
         let (tail, tail_done) = Work::<()>::pending(comm.rank(), "powersgd order", comm.timeout());
-        let previous = lock(&self.state).tail.replace(tail);
+        let mut st = lock(&self.state);
+        if *st.rank.get_or_insert(comm.rank()) != comm.rank() {
+            let msg = format!(
+                "one PowerSgdHook was handed to ranks {} and {}: it holds one rank's state (error feedback, \
+                 Q, the order of its collectives), so create one hook per rank",
+                st.rank.unwrap_or_default(),
+                comm.rank()
+            );
+            return done(comm.as_ref(), &bucket_tag(bucket.index), ())
+                .then(move |()| Err(CommError::InvalidArgument(msg)));
+        }
+        let previous = st.tail.replace(tail);
+        drop(st);
         let start = previous.unwrap_or_else(|| done(comm.as_ref(), &bucket_tag(bucket.index), ()));
         let (state, cfg, comm) = (self.state.clone(), self.cfg, comm.clone());
         start
