@@ -320,14 +320,16 @@ fn bad_powersgd_settings_are_refused_with_the_reason() {
         ..Default::default()
     })
     .err()
-    .unwrap();
+    .unwrap()
+    .to_string();
     assert!(e.contains("at least 1"), "{e}");
     let e = PowerSgdHook::new(PowerSgdConfig {
         start_iter: 1,
         ..Default::default()
     })
     .err()
-    .unwrap();
+    .unwrap()
+    .to_string();
     assert!(e.contains("at least 2") && e.contains("rebuilds"), "{e}");
     assert!(PowerSgdHook::new(PowerSgdConfig {
         start_iter: 1,

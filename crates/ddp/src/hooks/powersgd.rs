@@ -22,7 +22,7 @@ use brigade_comm::{Buffer, CommError, Communicator, ReduceOp, Work};
 use brigade_tensor::Rng;
 
 use super::{into_f32, CommHook, GradBucket};
-use crate::bucket_tag;
+use crate::{bucket_tag, DdpError};
 
 /// PowerSGD's settings; defaults follow PyTorch's `PowerSGDState` except `start_iter`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,7 +58,14 @@ impl Default for PowerSgdConfig {
 
 impl PowerSgdConfig {
     /// Checks the settings; the message says what to change.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), DdpError> {
+        self.check().map_err(|reason| DdpError::HookConfig {
+            hook: "powersgd".into(),
+            reason,
+        })
+    }
+
+    fn check(&self) -> Result<(), String> {
         if self.rank == 0 {
             return Err("PowerSGD rank must be at least 1".into());
         }
@@ -109,7 +116,7 @@ pub struct PowerSgdHook {
 
 impl PowerSgdHook {
     /// A hook with `cfg` (checked).
-    pub fn new(cfg: PowerSgdConfig) -> Result<PowerSgdHook, String> {
+    pub fn new(cfg: PowerSgdConfig) -> Result<PowerSgdHook, DdpError> {
         cfg.validate()?;
         Ok(PowerSgdHook {
             state: Arc::new(Mutex::new(State {
