@@ -37,12 +37,16 @@ pub enum WorkEvent<'a> {
 
 type Observer = Box<dyn FnMut(WorkEvent<'_>) + Send>;
 
+/// What runs once a work completes, taking its result (see [`Work::then`]).
+type Continuation<T> = Box<dyn FnOnce(Result<T, CommError>, OpTiming) + Send>;
+
 struct State<T> {
     result: Option<Result<T, CommError>>,
     completed: bool,
     started: Option<Instant>,
     finished: Option<Instant>,
     observers: Vec<Observer>,
+    continuation: Option<Continuation<T>>,
 }
 
 struct Shared<T> {
@@ -88,6 +92,7 @@ impl<T> Work<T> {
                 started: None,
                 finished: None,
                 observers: Vec::new(),
+                continuation: None,
             }),
             done: Condvar::new(),
         });
@@ -201,6 +206,59 @@ impl<T> Work<T> {
     }
 }
 
+impl<T: Send + 'static> Work<T> {
+    /// Chains `step` after this work without blocking the caller (PyTorch's
+    /// `torch.futures.Future.then`): the returned work completes with `step(value)` once this one
+    /// succeeded, or with this one's error. `step` runs on the thread that completes this work
+    /// (the comm stream's), so keep it short: decompress, divide, copy. The chained work keeps
+    /// this one's start and tag; its finish is when `step` returned.
+    pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
+        let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
+        self.on_complete(move |result, timing| {
+            promise.start_at(timing.started);
+            promise.complete(result.and_then(step));
+        });
+        outer
+    }
+
+    /// Chains a second collective after this one (`torch.futures.Future.then` returning a
+    /// future): once this work succeeded, `step(value)` issues the next collective, and the
+    /// returned work completes with that one's result (or with the first error). `step` runs on
+    /// the thread that completes this work. Collectives issued by `step` join the comm stream
+    /// after everything issued before it: to keep the same order on every rank, issue nothing
+    /// else meanwhile that could interleave (see the DDP hooks, which chain bucket after bucket).
+    pub fn and_then<U: Send + 'static>(
+        self,
+        step: impl FnOnce(T) -> Result<Work<U>, CommError> + Send + 'static,
+    ) -> Work<U> {
+        let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
+        self.on_complete(move |result, timing| {
+            promise.start_at(timing.started);
+            match result.and_then(step) {
+                Ok(next) => next.on_complete(move |result, _| promise.complete(result)),
+                Err(e) => promise.complete(Err(e)),
+            }
+        });
+        outer
+    }
+
+    /// Runs `f` with the result once the work completes: at once, on this thread, if it has.
+    fn on_complete(self, f: impl FnOnce(Result<T, CommError>, OpTiming) + Send + 'static) {
+        let mut st = self.shared.lock();
+        if st.completed {
+            let timing = OpTiming {
+                started: st.started.expect("completed work has a start"),
+                finished: st.finished.expect("completed work has a finish"),
+            };
+            let result = st.result.take().expect("a Work's result is taken once");
+            drop(st);
+            f(result, timing);
+        } else {
+            st.continuation = Some(Box::new(f));
+        }
+    }
+}
+
 impl<T> Promise<T> {
     /// Stamps the start now (the comm stream began executing the collective).
     pub fn start(&self) {
@@ -253,8 +311,17 @@ impl<T> Promise<T> {
         for observer in observers.iter_mut() {
             observer(WorkEvent::Finished { at, error });
         }
+        let continuation = st.continuation.take();
+        let chained = continuation.map(|c| {
+            let timing = OpTiming { started, finished: at };
+            (c, st.result.take().expect("the result was just stored"), timing)
+        });
         drop(st);
         self.shared.done.notify_all();
+        // The continuation owns the result now; it runs outside the lock, on this thread.
+        if let Some((c, result, timing)) = chained {
+            c(result, timing);
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! Buckets: which parameters' gradients share one flat buffer, and in what order.
 
-use brigade_comm::{Buffer, Work};
+use brigade_comm::Work;
 use brigade_tensor::Tensor;
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
@@ -34,8 +34,8 @@ pub(crate) struct Bucket {
     pub(crate) flat: Tensor,
     /// Parameters not yet ready in the current synchronized backward.
     pub(crate) pending: usize,
-    /// The all-reduce in flight (the buffer is lent to the comm stream meanwhile).
-    pub(crate) work: Option<Work<Buffer>>,
+    /// The communication hook's reduction in flight (the buffer is lent to it meanwhile).
+    pub(crate) work: Option<Work<Vec<f32>>>,
 }
 
 impl Bucket {

@@ -90,6 +90,29 @@ pub enum DdpError {
         /// The parameters' names.
         params: Vec<String>,
     },
+    /// A step profile the overlap model cannot replay, or a replay setting out of range.
+    #[error("overlap model: {0}")]
+    Replay(String),
+    /// A communication hook's settings that cannot work.
+    #[error("{hook} hook: {reason}")]
+    HookConfig {
+        /// The hook (`powersgd`).
+        hook: String,
+        /// What is wrong and what to change.
+        reason: String,
+    },
+    /// A communication hook handed back a buffer of another length than its bucket.
+    #[error("communication hook '{hook}' returned {found} elements for bucket {bucket} of {expected}; a hook must return the bucket's new contents, element for element")]
+    HookResult {
+        /// The hook's name.
+        hook: String,
+        /// The bucket.
+        bucket: usize,
+        /// Elements in the bucket.
+        expected: usize,
+        /// Elements the hook returned.
+        found: usize,
+    },
     /// A parameter was announced twice in one backward pass (autograd must announce once).
     #[error("parameter '{param}' was marked ready twice in one backward pass")]
     ReadyTwice {

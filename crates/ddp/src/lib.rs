@@ -12,6 +12,7 @@
 mod bucket;
 mod ddp;
 mod error;
+pub mod hooks;
 pub mod overlap;
 mod reducer;
 mod signature;
@@ -21,7 +22,10 @@ pub use ddp::{BucketInfo, DistributedDataParallel, MemoryReport};
 pub use error::{DdpError, Result};
 pub use reducer::bucket_tag;
 
+use std::sync::Arc;
+
 use brigade_comm::Recorder;
+use hooks::{AllReduceHook, CommHook};
 
 /// How DDP buckets and reduces gradients. Defaults follow PyTorch.
 #[derive(Clone)]
@@ -40,6 +44,9 @@ pub struct DdpConfig {
     /// Where to record per-layer backward spans (and nothing else: wrap the communicator
     /// in [`brigade_comm::Traced`] for the comm track).
     pub recorder: Option<Recorder>,
+    /// How each full bucket is reduced (PyTorch's `register_comm_hook`); default: one
+    /// averaging all-reduce ([`hooks::AllReduceHook`]).
+    pub comm_hook: Arc<dyn CommHook>,
 }
 
 impl Default for DdpConfig {
@@ -51,6 +58,7 @@ impl Default for DdpConfig {
             rebuild_buckets: true,
             broadcast_parameters: true,
             recorder: None,
+            comm_hook: Arc::new(AllReduceHook),
         }
     }
 }

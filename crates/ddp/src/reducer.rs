@@ -9,10 +9,11 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
-use brigade_comm::{Buffer, Communicator, Recorder, ReduceOp, SpanId};
+use brigade_comm::{Buffer, Communicator, Recorder, SpanId};
 use brigade_tensor::{DType, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
+use crate::hooks::{BucketParam, GradBucket};
 use crate::{DdpConfig, DdpError, Result};
 
 /// Tag of bucket `i`'s all-reduce (shows up in traces and errors).
@@ -138,10 +139,33 @@ impl Reducer {
 
     /// Hands bucket `b`'s flat buffer to the comm stream (no copy) and issues its all-reduce.
     fn launch(&self, st: &mut State, b: usize) -> Result<()> {
+        let is_last = b + 1 == st.buckets.len();
         let bucket = &mut st.buckets[b];
         // The bucket's own vector on the CPU (no copy); a host-staged copy of device memory.
         let v = bucket.flat.lend_storage()?.into_host_vec::<f32>()?;
-        bucket.work = Some(self.comm.all_reduce(Buffer::F32(v), ReduceOp::Avg, &bucket_tag(b)));
+        let mut offset = 0;
+        let params = bucket
+            .params
+            .iter()
+            .map(|&p| {
+                let shape = self.params[p].shape();
+                let param = BucketParam {
+                    index: p,
+                    name: self.name(p).to_string(),
+                    offset,
+                    shape,
+                };
+                offset += param.len();
+                param
+            })
+            .collect();
+        let grad_bucket = GradBucket {
+            index: b,
+            buffer: v,
+            params,
+            is_last,
+        };
+        bucket.work = Some(self.cfg.comm_hook.reduce(&self.comm, grad_bucket));
         Ok(())
     }
 
@@ -161,16 +185,19 @@ impl Reducer {
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             if let Some(work) = bucket.work.take() {
                 match work.wait() {
-                    Ok(Buffer::F32(v)) => bucket
-                        .flat
-                        .restore_storage(Storage::from_host_vec(v, bucket.flat.device())?)?,
-                    Ok(other) => {
-                        let what = format!("all-reduce of {}", bucket_tag(b));
-                        let found = other.dtype().to_string();
-                        first_err.get_or_insert(DdpError::BufferDType {
-                            what,
-                            expected: DType::F32,
-                            found,
+                    Ok(v) if v.len() == bucket.flat.numel() => {
+                        let device = bucket.flat.device();
+                        bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
+                    }
+                    Ok(v) => {
+                        // Give the views storage back (zeros) before reporting the hook's mistake.
+                        let zeros = Storage::from_host_vec(vec![0.0f32; bucket.flat.numel()], bucket.flat.device())?;
+                        bucket.flat.restore_storage(zeros)?;
+                        first_err.get_or_insert(DdpError::HookResult {
+                            hook: self.cfg.comm_hook.name(),
+                            bucket: b,
+                            expected: bucket.flat.numel(),
+                            found: v.len(),
                         });
                     }
                     Err(e) => {

@@ -20,6 +20,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::DdpError;
+
 /// Version of the profile schema this build reads and writes.
 pub const PROFILE_VERSION: u32 = 1;
 
@@ -89,7 +91,11 @@ pub struct StepProfile {
 
 impl StepProfile {
     /// Checks what the replay relies on; the message names the first problem.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), DdpError> {
+        self.check().map_err(DdpError::Replay)
+    }
+
+    fn check(&self) -> Result<(), String> {
         if self.version != PROFILE_VERSION {
             return Err(format!(
                 "profile schema version {} (this build reads version {PROFILE_VERSION})",

@@ -4,7 +4,7 @@ use brigade_comm::NetModel;
 use serde::Serialize;
 
 use super::StepProfile;
-use crate::assign_buckets;
+use crate::{assign_buckets, DdpError};
 
 /// How a collective of `S` bytes over `n` ranks is costed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -147,8 +147,12 @@ fn fit_line(pts: &[(f64, f64)]) -> (f64, f64) {
 }
 
 /// Replays `profile`'s communication under `cfg` (see the module docs).
-pub fn replay(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayResult, String> {
+pub fn replay(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayResult, DdpError> {
     profile.validate()?;
+    replay_checked(profile, cfg).map_err(DdpError::Replay)
+}
+
+fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayResult, String> {
     for (flag, v) in [
         ("bucket cap", cfg.bucket_cap_mb),
         ("first bucket cap", cfg.first_bucket_cap_mb),
