@@ -140,11 +140,20 @@ impl Gpt {
         let mut p = Params::new(&mut store, &mut rng, cfg.dtype);
         let tok_emb = Embedding::new(&mut p.sub("tok_emb"), v, d, INIT_STD)?;
         let pos_emb = Embedding::new(&mut p.sub("pos_emb"), cfg.context, d, INIT_STD)?;
-        let blocks =
-            (0..cfg.n_layers).map(|i| Block::new(&mut p.sub(&format!("blocks.{i}")), &cfg)).collect::<Result<Vec<_>>>()?;
+        let blocks = (0..cfg.n_layers)
+            .map(|i| Block::new(&mut p.sub(&format!("blocks.{i}")), &cfg))
+            .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(&mut p.sub("ln_f"), d, LN_EPS)?;
         let head = Linear::new(&mut p.sub("head"), d, v, false, Init::Normal { std: INIT_STD })?;
-        Ok(Gpt { cfg, store, tok_emb, pos_emb, blocks, ln_f, head })
+        Ok(Gpt {
+            cfg,
+            store,
+            tok_emb,
+            pos_emb,
+            blocks,
+            ln_f,
+            head,
+        })
     }
 
     /// The configuration it was built from.
@@ -158,7 +167,10 @@ impl Gpt {
         if tokens.rank() != 2 || tokens.shape()[1] == 0 {
             return Err(ModelError::BadBatch {
                 model: "gpt",
-                message: format!("tokens have shape {:?}, expected [batch, time] with time >= 1", tokens.shape()),
+                message: format!(
+                    "tokens have shape {:?}, expected [batch, time] with time >= 1",
+                    tokens.shape()
+                ),
             });
         }
         if !matches!(tokens.dtype(), DType::I64 | DType::U8) {
@@ -169,7 +181,10 @@ impl Gpt {
         }
         let t = tokens.shape()[1];
         if t > self.cfg.context {
-            return Err(ModelError::ContextTooLong { found: t, context: self.cfg.context });
+            return Err(ModelError::ContextTooLong {
+                found: t,
+                context: self.cfg.context,
+            });
         }
         let mut x = scope("embed", || -> Result<Var> {
             let tok = self.tok_emb.forward(tokens)?;

@@ -34,13 +34,27 @@ pub struct Params<'a> {
 impl<'a> Params<'a> {
     /// Parameters of `dtype` registered in `store`, initial values drawn from `rng`.
     pub fn new(store: &'a mut ParamStore, rng: &'a mut Rng, dtype: DType) -> Params<'a> {
-        Params { store, rng, dtype, prefix: String::new() }
+        Params {
+            store,
+            rng,
+            dtype,
+            prefix: String::new(),
+        }
     }
 
     /// The same store under the prefix `name` (`blocks.0`, then `attn` gives `blocks.0.attn`).
     pub fn sub(&mut self, name: &str) -> Params<'_> {
-        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
-        Params { store: self.store, rng: self.rng, dtype: self.dtype, prefix }
+        let prefix = if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        };
+        Params {
+            store: self.store,
+            rng: self.rng,
+            dtype: self.dtype,
+            prefix,
+        }
     }
 
     /// The parameter dtype.
@@ -127,7 +141,14 @@ impl Linear {
             Init::TorchLinear => {
                 let bound = 1.0 / (inp as f64).sqrt();
                 let w = p.uniform("weight", &[out, inp], bound)?;
-                (w, if bias { Some(p.uniform("bias", &[out], bound)?) } else { None })
+                (
+                    w,
+                    if bias {
+                        Some(p.uniform("bias", &[out], bound)?)
+                    } else {
+                        None
+                    },
+                )
             }
             Init::Normal { std } => {
                 let w = p.normal("weight", &[out, inp], std)?;
@@ -152,7 +173,9 @@ pub struct Embedding {
 impl Embedding {
     /// Registers `weight`, drawn from `N(0, std²)`.
     pub fn new(p: &mut Params, num: usize, dim: usize, std: f64) -> Result<Embedding> {
-        Ok(Embedding { weight: p.normal("weight", &[num, dim], std)? })
+        Ok(Embedding {
+            weight: p.normal("weight", &[num, dim], std)?,
+        })
     }
 
     /// The rows of I64 or U8 `ids [..]`: `[.., dim]`.
@@ -177,7 +200,11 @@ impl LayerNorm {
 
     /// Registers `weight` (ones) and `bias` (zeros).
     pub fn new(p: &mut Params, d: usize, eps: f64) -> Result<LayerNorm> {
-        Ok(LayerNorm { weight: p.full("weight", &[d], 1.0)?, bias: p.full("bias", &[d], 0.0)?, eps })
+        Ok(LayerNorm {
+            weight: p.full("weight", &[d], 1.0)?,
+            bias: p.full("bias", &[d], 0.0)?,
+            eps,
+        })
     }
 
     /// Normalises `x [.., d]`.
@@ -195,7 +222,6 @@ pub struct CausalSelfAttention {
     pub proj: Linear,
     /// Number of heads (divides `d`).
     pub n_heads: usize,
-    d: usize,
 }
 
 impl CausalSelfAttention {
@@ -203,18 +229,22 @@ impl CausalSelfAttention {
     pub fn new(p: &mut Params, d: usize, n_heads: usize, init: Init) -> Result<CausalSelfAttention> {
         let qkv = Linear::new(&mut p.sub("qkv"), d, 3 * d, true, init)?;
         let proj = Linear::new(&mut p.sub("proj"), d, d, true, init)?;
-        Ok(CausalSelfAttention { qkv, proj, n_heads, d })
+        Ok(CausalSelfAttention { qkv, proj, n_heads })
     }
 
     /// `h [B, T, d] -> [B, T, d]`.
     pub fn forward(&self, h: &Var) -> Result<Var> {
         let shape = h.shape();
-        let (b, t, d, nh) = (shape[0], shape[1], self.d, self.n_heads);
+        let (b, t, d, nh) = (shape[0], shape[1], self.proj.weight.shape()[0], self.n_heads);
         let hd = d / nh;
         let qkv = self.qkv.forward(h)?;
         let heads = |i: usize| -> Result<Var> {
             // [B, T, d] -> [B, T, H, hd] -> [B, H, T, hd]
-            Ok(qkv.narrow(2, i * d, d)?.contiguous()?.reshape(&[b, t, nh, hd])?.permute(&[0, 2, 1, 3])?)
+            Ok(qkv
+                .narrow(2, i * d, d)?
+                .contiguous()?
+                .reshape(&[b, t, nh, hd])?
+                .permute(&[0, 2, 1, 3])?)
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;

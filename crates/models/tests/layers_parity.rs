@@ -29,18 +29,36 @@ fn mlp_losses() -> Vec<u64> {
 }
 
 fn gpt_losses() -> Vec<u64> {
-    let cfg = GptConfig { d_model: 32, n_layers: 2, n_heads: 4, d_ff: 64, context: 12, ..GptConfig::default() };
+    let cfg = GptConfig {
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 4,
+        d_ff: 64,
+        context: 12,
+        ..GptConfig::default()
+    };
     let g = Gpt::new(cfg, 5).unwrap();
     let tokens: Vec<i64> = (0..3 * 13).map(|i| (i * 37 % 256) as i64).collect();
-    train(&g, &Batch::Tokens { tokens: Tensor::from_vec(tokens, &[3, 13]).unwrap() })
+    train(
+        &g,
+        &Batch::Tokens {
+            tokens: Tensor::from_vec(tokens, &[3, 13]).unwrap(),
+        },
+    )
 }
 
 #[test]
 fn the_mlp_from_layers_trains_bit_for_bit_as_before() {
-    assert_eq!(mlp_losses(), [4610025053642293248, 4609987518312480768, 4609919370066395136]);
+    assert_eq!(
+        mlp_losses(),
+        [4610025053642293248, 4609987518312480768, 4609919370066395136]
+    );
 }
 
 #[test]
 fn the_gpt_from_layers_trains_bit_for_bit_as_before() {
-    assert_eq!(gpt_losses(), [4617935092226981888, 4617803804740419584, 4617678000316481536]);
+    assert_eq!(
+        gpt_losses(),
+        [4617935092226981888, 4617803804740419584, 4617678000316481536]
+    );
 }
