@@ -16,6 +16,7 @@
 use brigade_autograd::{scope, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
+use crate::nn::{Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params};
 use crate::{Batch, Model, ModelError, Result};
 
 /// LayerNorm epsilon (PyTorch's default).
@@ -93,59 +94,40 @@ impl GptConfig {
     }
 }
 
-/// One transformer block's parameters.
+/// One pre-LayerNorm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
 struct Block {
-    ln1: (Var, Var),
-    qkv: (Var, Var),
-    attn_proj: (Var, Var),
-    ln2: (Var, Var),
-    fc: (Var, Var),
-    mlp_proj: (Var, Var),
+    ln1: LayerNorm,
+    attn: CausalSelfAttention,
+    ln2: LayerNorm,
+    mlp: MlpBlock,
 }
 
-/// The GPT: its parameters and handles to them.
+impl Block {
+    fn new(p: &mut Params, cfg: &GptConfig) -> Result<Block> {
+        let (d, init) = (cfg.d_model, Init::Normal { std: INIT_STD });
+        Ok(Block {
+            ln1: LayerNorm::new(&mut p.sub("ln1"), d, LN_EPS)?,
+            attn: CausalSelfAttention::new(&mut p.sub("attn"), d, cfg.n_heads, init)?,
+            ln2: LayerNorm::new(&mut p.sub("ln2"), d, LN_EPS)?,
+            mlp: MlpBlock::new(&mut p.sub("mlp"), d, cfg.d_ff, Activation::Gelu, init)?,
+        })
+    }
+
+    fn forward(&self, x: &Var) -> Result<Var> {
+        let x = x.add(&self.attn.forward(&self.ln1.forward(x)?)?)?;
+        Ok(x.add(&self.mlp.forward(&self.ln2.forward(&x)?)?)?)
+    }
+}
+
+/// The GPT: its parameters and its layers.
 pub struct Gpt {
     cfg: GptConfig,
     store: ParamStore,
-    tok_emb: Var,
-    pos_emb: Var,
+    tok_emb: Embedding,
+    pos_emb: Embedding,
     blocks: Vec<Block>,
-    ln_f: (Var, Var),
-    head: Var,
-}
-
-/// Registers parameters in order, drawing GPT-2 initial values from one generator.
-struct Init<'a> {
-    store: &'a mut ParamStore,
-    rng: Rng,
-    dtype: DType,
-}
-
-impl Init<'_> {
-    /// A weight drawn from N(0, 0.02).
-    fn normal(&mut self, name: &str, shape: &[usize]) -> Result<Var> {
-        let t = Tensor::randn(shape, INIT_STD, self.dtype, &mut self.rng);
-        Ok(self.store.add(name, t)?)
-    }
-
-    /// A constant-filled parameter (biases 0, LayerNorm weight 1).
-    fn full(&mut self, name: &str, shape: &[usize], v: f64) -> Result<Var> {
-        Ok(self.store.add(name, Tensor::full(shape, v, self.dtype))?)
-    }
-
-    fn linear(&mut self, prefix: &str, out: usize, inp: usize) -> Result<(Var, Var)> {
-        Ok((
-            self.normal(&format!("{prefix}.weight"), &[out, inp])?,
-            self.full(&format!("{prefix}.bias"), &[out], 0.0)?,
-        ))
-    }
-
-    fn layer_norm(&mut self, prefix: &str, d: usize) -> Result<(Var, Var)> {
-        Ok((
-            self.full(&format!("{prefix}.weight"), &[d], 1.0)?,
-            self.full(&format!("{prefix}.bias"), &[d], 0.0)?,
-        ))
-    }
+    ln_f: LayerNorm,
+    head: Linear,
 }
 
 impl Gpt {
@@ -153,29 +135,16 @@ impl Gpt {
     /// and linear weights (drawn in registration order), zero biases, LayerNorm 1 and 0.
     pub fn new(cfg: GptConfig, seed: u64) -> Result<Gpt> {
         cfg.validate()?;
-        let (v, d, ff) = (cfg.vocab, cfg.d_model, cfg.d_ff);
-        let mut store = ParamStore::new();
-        let mut init = Init {
-            store: &mut store,
-            rng: Rng::new(seed),
-            dtype: cfg.dtype,
-        };
-        let tok_emb = init.normal("tok_emb.weight", &[v, d])?;
-        let pos_emb = init.normal("pos_emb.weight", &[cfg.context, d])?;
-        let mut blocks = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
-            let p = format!("blocks.{i}");
-            blocks.push(Block {
-                ln1: init.layer_norm(&format!("{p}.ln1"), d)?,
-                qkv: init.linear(&format!("{p}.attn.qkv"), 3 * d, d)?,
-                attn_proj: init.linear(&format!("{p}.attn.proj"), d, d)?,
-                ln2: init.layer_norm(&format!("{p}.ln2"), d)?,
-                fc: init.linear(&format!("{p}.mlp.fc"), ff, d)?,
-                mlp_proj: init.linear(&format!("{p}.mlp.proj"), d, ff)?,
-            });
-        }
-        let ln_f = init.layer_norm("ln_f", d)?;
-        let head = init.normal("head.weight", &[v, d])?;
+        let (v, d) = (cfg.vocab, cfg.d_model);
+        let (mut rng, mut store) = (Rng::new(seed), ParamStore::new());
+        let mut p = Params::new(&mut store, &mut rng, cfg.dtype);
+        let tok_emb = Embedding::new(&mut p.sub("tok_emb"), v, d, INIT_STD)?;
+        let pos_emb = Embedding::new(&mut p.sub("pos_emb"), cfg.context, d, INIT_STD)?;
+        let blocks = (0..cfg.n_layers)
+            .map(|i| Block::new(&mut p.sub(&format!("blocks.{i}")), &cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(&mut p.sub("ln_f"), d, LN_EPS)?;
+        let head = Linear::new(&mut p.sub("head"), d, v, false, Init::Normal { std: INIT_STD })?;
         Ok(Gpt {
             cfg,
             store,
@@ -210,7 +179,7 @@ impl Gpt {
                 message: format!("tokens are {:?}, expected I64 or U8", tokens.dtype()),
             });
         }
-        let (b, t) = (tokens.shape()[0], tokens.shape()[1]);
+        let t = tokens.shape()[1];
         if t > self.cfg.context {
             return Err(ModelError::ContextTooLong {
                 found: t,
@@ -218,44 +187,13 @@ impl Gpt {
             });
         }
         let mut x = scope("embed", || -> Result<Var> {
-            let tok = self.tok_emb.embedding(tokens)?;
-            Ok(tok.add(&self.pos_emb.narrow(0, 0, t)?)?)
+            let tok = self.tok_emb.forward(tokens)?;
+            Ok(tok.add(&self.pos_emb.weight.narrow(0, 0, t)?)?)
         })?;
         for (i, blk) in self.blocks.iter().enumerate() {
-            x = scope(&format!("blocks.{i}"), || self.block(blk, &x, b, t))?;
+            x = scope(&format!("blocks.{i}"), || blk.forward(&x))?;
         }
-        scope("head", || -> Result<Var> {
-            let h = x.layer_norm(&self.ln_f.0, &self.ln_f.1, LN_EPS)?;
-            Ok(h.linear(&self.head, None)?)
-        })
-    }
-
-    fn block(&self, blk: &Block, x: &Var, b: usize, t: usize) -> Result<Var> {
-        let h = x.layer_norm(&blk.ln1.0, &blk.ln1.1, LN_EPS)?;
-        let x = x.add(&self.attention(blk, &h, b, t)?)?;
-        let h = x.layer_norm(&blk.ln2.0, &blk.ln2.1, LN_EPS)?;
-        let h = h.linear(&blk.fc.0, Some(&blk.fc.1))?.gelu()?;
-        let h = h.linear(&blk.mlp_proj.0, Some(&blk.mlp_proj.1))?;
-        Ok(x.add(&h)?)
-    }
-
-    /// Causal multi-head self-attention of `h [B, T, d]`.
-    fn attention(&self, blk: &Block, h: &Var, b: usize, t: usize) -> Result<Var> {
-        let (d, nh, hd) = (self.cfg.d_model, self.cfg.n_heads, self.cfg.head_dim());
-        let qkv = h.linear(&blk.qkv.0, Some(&blk.qkv.1))?;
-        let heads = |i: usize| -> Result<Var> {
-            // [B, T, d] -> [B, T, H, hd] -> [B, H, T, hd]
-            Ok(qkv
-                .narrow(2, i * d, d)?
-                .contiguous()?
-                .reshape(&[b, t, nh, hd])?
-                .permute(&[0, 2, 1, 3])?)
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
-        let att = scores.causal_mask()?.softmax()?;
-        let y = att.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
-        Ok(y.linear(&blk.attn_proj.0, Some(&blk.attn_proj.1))?)
+        scope("head", || self.head.forward(&self.ln_f.forward(&x)?))
     }
 }
 

@@ -16,6 +16,7 @@ mod error;
 pub mod gpt;
 pub mod io;
 pub mod mlp;
+pub mod nn;
 
 use brigade_autograd::{ParamStore, Var};
 use brigade_tensor::Tensor;

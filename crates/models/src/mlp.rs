@@ -9,6 +9,7 @@
 use brigade_autograd::{scope, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
+use crate::nn::{Activation, Init, Linear, Params};
 use crate::{Batch, Model, ModelError, Result};
 
 /// Shape of the MLP.
@@ -71,11 +72,11 @@ impl MlpConfig {
     }
 }
 
-/// The MLP: its parameters and, per Linear layer, `(weight, bias)` handles.
+/// The MLP: its parameters and its Linear layers.
 pub struct Mlp {
     cfg: MlpConfig,
     store: ParamStore,
-    layers: Vec<(Var, Var)>,
+    layers: Vec<Linear>,
 }
 
 impl Mlp {
@@ -84,18 +85,14 @@ impl Mlp {
     /// `seed` in registration order.
     pub fn new(cfg: MlpConfig, seed: u64) -> Result<Mlp> {
         cfg.validate()?;
-        let mut rng = Rng::new(seed);
-        let mut store = ParamStore::new();
-        let mut layers = Vec::with_capacity(cfg.widths.len() - 1);
-        for (i, w) in cfg.widths.windows(2).enumerate() {
-            let (fan_in, fan_out) = (w[0], w[1]);
-            let bound = 1.0 / (fan_in as f64).sqrt();
-            let weight = Tensor::rand_uniform(&[fan_out, fan_in], -bound, bound, cfg.dtype, &mut rng);
-            let bias = Tensor::rand_uniform(&[fan_out], -bound, bound, cfg.dtype, &mut rng);
-            let weight = store.add(format!("layers.{i}.weight"), weight)?;
-            let bias = store.add(format!("layers.{i}.bias"), bias)?;
-            layers.push((weight, bias));
-        }
+        let (mut rng, mut store) = (Rng::new(seed), ParamStore::new());
+        let mut p = Params::new(&mut store, &mut rng, cfg.dtype);
+        let layers = cfg
+            .widths
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| Linear::new(&mut p.sub(&format!("layers.{i}")), w[0], w[1], true, Init::TorchLinear))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Mlp { cfg, store, layers })
     }
 
@@ -121,10 +118,14 @@ impl Mlp {
         };
         let mut h = Var::constant(x);
         let last = self.layers.len() - 1;
-        for (i, (w, b)) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers.iter().enumerate() {
             h = scope(&format!("layers.{i}"), || -> Result<Var> {
-                let y = h.linear(w, Some(b))?;
-                Ok(if i < last { y.relu()? } else { y })
+                let y = layer.forward(&h)?;
+                if i < last {
+                    Activation::Relu.apply(&y)
+                } else {
+                    Ok(y)
+                }
             })?;
         }
         Ok(h)
