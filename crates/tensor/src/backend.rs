@@ -47,7 +47,7 @@ pub(crate) enum UnaryOp {
     Ln,
     /// Square root.
     Sqrt,
-    /// `x > 0 ? x : 0`.
+    /// `x <= 0 ? 0 : x` (a NaN stays NaN, as in PyTorch).
     Relu,
     /// `0.5 * x * (1 + erf(x * FRAC_1_SQRT_2))`, constants rounded to the dtype.
     Gelu,

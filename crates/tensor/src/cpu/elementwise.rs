@@ -44,7 +44,8 @@ pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorag
             UnaryOp::Exp => map(src, |x: T| x.exp()),
             UnaryOp::Ln => map(src, |x: T| x.ln()),
             UnaryOp::Sqrt => map(src, |x: T| x.sqrt()),
-            UnaryOp::Relu => map(src, |x: T| if x > T::ZERO { x } else { T::ZERO }),
+            // NaN passes through, as in PyTorch (`x > 0 ? x : 0` would turn it into 0)
+            UnaryOp::Relu => map(src, |x: T| if x <= T::ZERO { T::ZERO } else { x }),
             UnaryOp::Gelu => map(src, |x: T| gelu(x)),
             UnaryOp::Sqr => map(src, |x: T| x * x),
             UnaryOp::Affine { mul, add } => {

@@ -149,6 +149,9 @@ mod tests {
         assert!((g[0] + 0.158_655_253_931_457).abs() < 1e-12 && (g[2] - 2.0 * 0.977_249_868_051_821).abs() < 1e-12);
         let ones = on(Tensor::ones(&[3], DType::F64), d);
         assert_eq!(got(x.relu_backward(&ones).unwrap()), vec![0.0, 1.0, 1.0]);
+        // a NaN is not lost (torch.relu(nan) is nan): a NaN weight must not vanish silently
+        let nan = on(Tensor::from_vec(vec![f64::NAN, -1.0], &[2]).unwrap(), d);
+        assert!(got(nan.relu().unwrap())[0].is_nan());
     }
     test_device!(unary_maps_and_activation_derivatives);
 
