@@ -3,10 +3,13 @@
 
 use std::path::PathBuf;
 
+use brigade_autograd::AdamW;
 use brigade_models::{GptConfig, MlpConfig, ModelKind};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use crate::error::{CliError, Result};
+pub use crate::launch::Backend;
 
 /// Which model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -22,17 +25,14 @@ pub enum ModelName {
 pub enum OptimizerName {
     /// SGD with momentum (`--momentum`) and weight decay.
     Sgd,
-    /// AdamW (betas 0.9/0.999, eps 1e-8, decoupled weight decay).
+    /// AdamW with PyTorch's defaults (betas, eps; decoupled weight decay).
     Adamw,
 }
 
-/// Which communication backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendName {
-    /// Ranks as threads of this process (`--world-size N`).
-    Thread,
-    /// One rank per process under `mpirun` (build with `--features mpi`).
-    Mpi,
+/// Parses `--backend` into the launcher's [`Backend`] (the one backend enum).
+pub fn backend_parser() -> impl TypedValueParser<Value = Backend> {
+    PossibleValuesParser::new(Backend::ALL.map(|(_, name, help)| PossibleValue::new(name).help(help)))
+        .map(|s| s.parse::<Backend>().expect("one of the possible values"))
 }
 
 /// The model and its shape.
@@ -98,8 +98,8 @@ pub struct RunArgs {
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
-    /// Weight decay (AdamW: decoupled; SGD: L2 added to the gradient). Default: 0.01 for
-    /// AdamW, 0 for SGD.
+    /// Weight decay (AdamW: decoupled; SGD: L2 added to the gradient). Default: PyTorch's
+    /// (AdamW 0.01, SGD 0).
     #[arg(long)]
     pub weight_decay: Option<f64>,
     /// Seed of the initial parameters and of the built-in data.
@@ -116,8 +116,8 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
     /// Communication backend.
-    #[arg(long, value_enum, default_value_t = BackendName::Thread)]
-    pub backend: BackendName,
+    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
+    pub backend: Backend,
     /// Compute threads per rank (default: the cores divided among the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
@@ -145,6 +145,10 @@ pub struct RunArgs {
     /// Seconds any rank waits for the others before failing.
     #[arg(long, default_value_t = 120.0)]
     pub timeout_s: f64,
+    /// Train on through non-finite losses and parameters (default: stop with an error naming
+    /// the step, keeping the last good checkpoint).
+    #[arg(long)]
+    pub allow_nonfinite: bool,
 }
 
 impl RunArgs {
@@ -205,7 +209,7 @@ impl RunArgs {
     /// The weight decay in effect.
     pub fn weight_decay(&self) -> f64 {
         self.weight_decay.unwrap_or(match self.optimizer {
-            OptimizerName::Adamw => 0.01,
+            OptimizerName::Adamw => AdamW::DEFAULT_WEIGHT_DECAY,
             OptimizerName::Sgd => 0.0,
         })
     }

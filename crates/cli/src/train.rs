@@ -6,9 +6,10 @@ use clap::Args;
 use serde_json::json;
 
 use crate::args::RunArgs;
+use crate::error::CliError;
 use crate::error::{write_atomic, Result};
 use crate::run::{run, RunOptions, RunReport};
-use crate::timeline::{step_events, write_timeline};
+use crate::timeline::write_timeline;
 
 /// Options of `brigade train`.
 #[derive(Args, Clone, Debug)]
@@ -84,6 +85,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
         resume: t.resume.clone(),
         checkpoint: t.checkpoint.clone(),
         checkpoint_every: t.checkpoint_every,
+        stop: Some(crate::signal::stop_on_signals()),
     };
     let report = run(&t.run, &opts)?;
     write_outputs(&t, &report)?;
@@ -137,6 +139,10 @@ pub fn train(t: TrainArgs) -> Result<()> {
             );
         }
     }
+    if report.interrupted {
+        let step = (report.first_step + report.losses.len()).saturating_sub(1);
+        return Err(CliError::Interrupted { step, steps: a.steps });
+    }
     Ok(())
 }
 
@@ -152,18 +158,14 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport) -> Result<()> {
         }
         write_atomic(path, csv.as_bytes())?;
     }
-    if let (Some(path), Some(rec)) = (&t.timeline, &report.recorder) {
-        let last = t.run.steps.saturating_sub(1);
+    if let (Some(path), Some(tl)) = (&t.timeline, &report.timeline) {
         let title = format!(
-            "step {last}: {} ranks, bucket cap {} MiB",
+            "step {}: {} ranks, bucket cap {} MiB",
+            tl.step,
             report.world_size,
             t.run.bucket_cap()?
         );
-        let events = match &report.last_step_events {
-            Some(events) => events.clone(),
-            None => step_events(rec, last),
-        };
-        write_timeline(path, &events, rec.origin(), &title)?;
+        write_timeline(path, &tl.events, tl.origin, &title)?;
     }
     Ok(())
 }

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_autograd::{GradReady, GradSubscriber, Var};
-use brigade_comm::{Buffer, Communicator, Recorder, ReduceOp, SpanId};
+use brigade_comm::{reducing_bucket, Buffer, Communicator, EventKind, Recorder, ReduceOp, SpanId};
 use brigade_tensor::{CpuStorage, DType, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
@@ -31,7 +31,7 @@ pub(crate) struct State {
     pub(crate) sync: bool,
     in_backward: bool,
     pub(crate) rebuilt: bool,
-    span: Option<(String, SpanId)>,
+    span: Option<(EventKind, SpanId)>,
 }
 
 pub(crate) struct Reducer {
@@ -132,7 +132,9 @@ impl Reducer {
         let CpuStorage::F32(v) = bucket.flat.lend_storage()? else {
             return Err(DdpError::Config("bucket buffers are f32".into()));
         };
-        bucket.work = Some(self.comm.all_reduce(Buffer::F32(v), ReduceOp::Avg, &bucket_tag(b)));
+        bucket.work = Some(reducing_bucket(b, || {
+            self.comm.all_reduce(Buffer::F32(v), ReduceOp::Avg, &bucket_tag(b))
+        }));
         Ok(())
     }
 
@@ -147,7 +149,7 @@ impl Reducer {
         let span = self
             .recorder
             .as_ref()
-            .map(|r| r.begin(self.comm.rank(), "wait for buckets"));
+            .map(|r| r.begin(self.comm.rank(), EventKind::WaitForBuckets));
         let mut first_err = None;
         for bucket in st.buckets.iter_mut() {
             if let Some(work) = bucket.work.take() {
@@ -254,13 +256,13 @@ impl GradSubscriber for Reducer {
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
         let Some(rec) = &self.recorder else { return };
         let mut st = self.lock();
-        let name = scope.unwrap_or("loss");
-        if st.span.as_ref().is_some_and(|(n, _)| n == name) {
+        let kind = EventKind::backward(scope);
+        if st.span.as_ref().is_some_and(|(k, _)| *k == kind) {
             return;
         }
         self.end_span(&mut st);
-        let id = rec.begin(self.comm.rank(), &format!("backward {name}"));
-        st.span = Some((name.to_string(), id));
+        let id = rec.begin(self.comm.rank(), kind.clone());
+        st.span = Some((kind, id));
     }
 
     fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), String> {

@@ -4,7 +4,7 @@ mod common;
 
 use std::sync::Arc;
 
-use brigade_comm::{launch, Communicator, Recorder, Traced, Track};
+use brigade_comm::{launch, Communicator, EventKind, Recorder, Traced, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
 use common::{data, rows, Mlp};
@@ -67,20 +67,30 @@ fn bucket0_is_issued_before_the_first_layer_runs_backward_and_bucket_order_agree
             ["bucket0", "bucket1", "bucket0", "bucket1"],
             "rank {rank} bucket order"
         );
+        let kinds: Vec<Option<usize>> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Comm && e.op == "all_reduce")
+            .map(|e| e.kind.bucket())
+            .collect();
+        assert_eq!(
+            kinds,
+            [Some(0), Some(1), Some(0), Some(1)],
+            "rank {rank}: the reducer records each bucket's kind"
+        );
 
         let issued: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.track == Track::Comm && e.name == "bucket0")
+            .filter(|e| e.rank == rank && e.kind == EventKind::Collective { bucket: Some(0) })
             .map(|e| e.issued.unwrap().seq)
             .collect();
         let layer0: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0")
+            .filter(|e| e.rank == rank && e.kind == EventKind::backward(Some("layers.0")))
             .map(|e| e.start.unwrap().seq)
             .collect();
         let layer1: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.1")
+            .filter(|e| e.rank == rank && e.kind == EventKind::backward(Some("layers.1")))
             .map(|e| e.start.unwrap().seq)
             .collect();
         assert_eq!((issued.len(), layer0.len(), layer1.len()), (2, 2, 2));

@@ -1,0 +1,79 @@
+//! Checkpoints: parameters and optimizer state with the step they were taken after, in one
+//! safetensors file (written atomically), and loading them back for `--resume`.
+
+use std::path::Path;
+
+use brigade_autograd::Optimizer;
+use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, ModelKind};
+use brigade_tensor::Tensor;
+
+use crate::error::{CliError, Result};
+
+const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
+
+/// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`; `optimizer` is
+/// the optimizer's name (a resume checks it).
+pub fn save_checkpoint(
+    path: &Path,
+    kind: &ModelKind,
+    optimizer: &str,
+    model: &dyn Model,
+    opt: &dyn Optimizer,
+    step: usize,
+) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = model
+        .params()
+        .named_values()
+        .into_iter()
+        .map(|(n, t)| (format!("model.{n}"), t))
+        .collect();
+    tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
+    let meta = [
+        ("format", CHECKPOINT_FORMAT.to_string()),
+        ("step", step.to_string()),
+        ("model", kind.name().to_string()),
+        ("optimizer", optimizer.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    save_safetensors(path, &tensors, Some(meta))?;
+    Ok(())
+}
+
+/// Loads a checkpoint into the model and optimizer; returns the step to continue from.
+pub fn load_checkpoint(
+    path: &Path,
+    kind: &ModelKind,
+    optimizer: &str,
+    model: &dyn Model,
+    opt: &mut dyn Optimizer,
+) -> Result<usize> {
+    let err = |msg: String| CliError::Checkpoint {
+        path: path.display().to_string(),
+        msg,
+    };
+    let (tensors, meta) = load_safetensors_with_metadata(path)?;
+    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
+        return Err(err("not a brigade checkpoint (written by --checkpoint)".into()));
+    }
+    for (key, want) in [("model", kind.name()), ("optimizer", optimizer)] {
+        let got = meta.get(key).cloned().unwrap_or_default();
+        if got != want {
+            return Err(err(format!("it was written for {key} '{got}', this run uses '{want}'")));
+        }
+    }
+    let step: usize = meta
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| err("no step recorded".into()))?;
+    let strip = |prefix: &str| -> Vec<(String, Tensor)> {
+        tensors
+            .iter()
+            .filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t.clone())))
+            .collect()
+    };
+    load_params_from_tensors(model.params(), &strip("model."))?;
+    opt.load_state(&strip("optim."))?;
+    Ok(step)
+}
