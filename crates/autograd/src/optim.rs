@@ -127,7 +127,7 @@ impl Optimizer for Sgd {
 }
 
 /// AdamW (`torch.optim.AdamW`): decoupled weight decay `p *= 1 - lr*wd`, then Adam with
-/// bias correction. Defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+/// bias correction. Defaults ([`AdamW::DEFAULT_BETAS`], ...): PyTorch's.
 pub struct AdamW {
     params: Vec<Var>,
     lr: f64,
@@ -141,9 +141,22 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// PyTorch's default `betas` (decay of the first and second moment estimates).
+    pub const DEFAULT_BETAS: (f64, f64) = (0.9, 0.999);
+    /// PyTorch's default `eps` (added to the denominator for stability).
+    pub const DEFAULT_EPS: f64 = 1e-8;
+    /// PyTorch's default decoupled weight decay.
+    pub const DEFAULT_WEIGHT_DECAY: f64 = 0.01;
+
     /// AdamW over `params` with PyTorch's defaults for everything but the learning rate.
     pub fn new(params: Vec<Var>, lr: f64) -> Self {
-        Self::with_options(params, lr, (0.9, 0.999), 1e-8, 0.01)
+        Self::with_options(
+            params,
+            lr,
+            Self::DEFAULT_BETAS,
+            Self::DEFAULT_EPS,
+            Self::DEFAULT_WEIGHT_DECAY,
+        )
     }
 
     /// AdamW with every hyper-parameter given.

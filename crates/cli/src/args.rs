@@ -3,10 +3,13 @@
 
 use std::path::PathBuf;
 
+use brigade_autograd::AdamW;
 use brigade_models::{GptConfig, MlpConfig, ModelKind};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use crate::error::{CliError, Result};
+pub use crate::launch::Backend;
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
 /// and metadata.
@@ -52,17 +55,14 @@ pub enum ModelName {
 pub enum OptimizerName {
     /// SGD with optional momentum (`--momentum`, default 0 as in `torch.optim.SGD`) and weight decay.
     Sgd,
-    /// AdamW (betas 0.9/0.999, eps 1e-8, decoupled weight decay).
+    /// AdamW with PyTorch's defaults (betas, eps; decoupled weight decay).
     Adamw,
 }
 
-/// Which communication backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendName {
-    /// Ranks as threads of this process (`--world-size N`).
-    Thread,
-    /// One rank per process under `mpirun` (build with `--features mpi`).
-    Mpi,
+/// Parses `--backend` into the launcher's [`Backend`] (the one backend enum).
+pub fn backend_parser() -> impl TypedValueParser<Value = Backend> {
+    PossibleValuesParser::new(Backend::ALL.map(|(_, name, help)| PossibleValue::new(name).help(help)))
+        .map(|s| s.parse::<Backend>().expect("one of the possible values"))
 }
 
 /// The model and its shape.
@@ -195,8 +195,8 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
     /// Communication backend.
-    #[arg(long, value_enum, default_value_t = BackendName::Thread)]
-    pub backend: BackendName,
+    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
+    pub backend: Backend,
     /// Compute threads per rank (default: the cores divided among the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
@@ -225,6 +225,10 @@ pub struct RunArgs {
     /// Seconds any rank waits for the others before failing (finite, > 0, at most 1e6).
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
     pub timeout_s: f64,
+    /// Train on through non-finite losses and parameters (default: stop with an error naming
+    /// the step, keeping the last good checkpoint).
+    #[arg(long)]
+    pub allow_nonfinite: bool,
 }
 
 impl RunArgs {
@@ -331,7 +335,7 @@ impl RunArgs {
     /// The weight decay in effect.
     pub fn weight_decay(&self) -> f64 {
         self.weight_decay.unwrap_or(match self.optimizer {
-            OptimizerName::Adamw => 0.01,
+            OptimizerName::Adamw => AdamW::DEFAULT_WEIGHT_DECAY,
             OptimizerName::Sgd => 0.0,
         })
     }

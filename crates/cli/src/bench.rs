@@ -1,22 +1,15 @@
 //! `brigade bench ...` subcommands.
 
 use brigade_comm::bench::{default_sizes, parse_size, run_comm_bench, CommBenchConfig};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, Subcommand};
+
+use crate::args::{backend_parser, Backend};
 
 /// What to benchmark.
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// All-reduce bandwidth (algbw, busbw) against single-thread memcpy bandwidth.
     Comm(CommArgs),
-}
-
-/// Communication backend to benchmark.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum Backend {
-    /// Ranks as threads of this process, exchanging through shared memory.
-    Thread,
-    /// One rank per process under `mpirun` (build with `--features mpi`); rank 0 prints.
-    Mpi,
 }
 
 /// Options of `brigade bench comm`.
@@ -35,8 +28,8 @@ pub struct CommArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Backend.
-    #[arg(long, value_enum, default_value_t = Backend::Thread)]
+    /// Backend (under MPI, rank 0 prints).
+    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
     pub backend: Backend,
 }
 

@@ -6,13 +6,17 @@ use clap::{Parser, Subcommand};
 
 mod args;
 mod bench;
+mod checkpoint;
 mod error;
-mod mpi_backend;
+mod launch;
 mod outputs;
 mod run;
+mod signal;
 mod sweep;
 mod timeline;
+mod trace_gather;
 mod train;
+mod trainer;
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]
@@ -53,7 +57,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(
+                e.downcast_ref::<error::CliError>()
+                    .map_or(1, error::CliError::exit_code),
+            )
         }
     }
 }

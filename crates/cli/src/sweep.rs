@@ -9,7 +9,6 @@
 
 use std::path::PathBuf;
 
-use brigade_comm::Track;
 use clap::Args;
 use plotters::prelude::*;
 use serde::Serialize;
@@ -17,7 +16,7 @@ use serde::Serialize;
 use crate::args::{compact, flag_name, RunArgs};
 use crate::error::{write_atomic, CliError, Result};
 use crate::run::{run, RunOptions};
-use crate::timeline::{step_events, write_timeline};
+use crate::timeline::write_timeline;
 use crate::train::median_min;
 
 /// Options of `brigade sweep`.
@@ -49,26 +48,24 @@ pub struct SweepRow {
     pub hidden_share: f64,
 }
 
-/// Each bucket's all-reduce time in the recorded step, in launch order: from the moment
+/// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
 /// the last rank started it on its comm stream (before that, the early ranks only wait
 /// for the late ones) until it finished on rank 0.
-fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(String, f64)> {
-    let mut tags: Vec<&str> = events
+fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
+    let mut buckets: Vec<usize> = events
         .iter()
-        .filter(|e| e.rank == 0 && e.track == Track::Comm && e.op == "all_reduce" && e.name.starts_with("bucket"))
-        .map(|e| e.name.as_str())
+        .filter(|e| e.rank == 0)
+        .filter_map(|e| e.kind.bucket())
         .collect();
-    tags.sort_by_key(|n| n.trim_start_matches("bucket").parse::<usize>().unwrap_or(0));
-    tags.dedup();
-    tags.into_iter()
-        .filter_map(|tag| {
-            let same = || events.iter().filter(move |e| e.track == Track::Comm && e.name == tag);
+    buckets.sort_unstable();
+    buckets.dedup();
+    buckets
+        .into_iter()
+        .filter_map(|b| {
+            let same = || events.iter().filter(move |e| e.kind.bucket() == Some(b));
             let joined = same().filter_map(|e| e.start).map(|s| s.at).max()?;
             let end = same().find(|e| e.rank == 0)?.end?.at;
-            Some((
-                tag.to_string(),
-                end.saturating_duration_since(joined).as_secs_f64() * 1e3,
-            ))
+            Some((b, end.saturating_duration_since(joined).as_secs_f64() * 1e3))
         })
         .collect()
 }
@@ -157,10 +154,8 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?;
-        let rec = report.recorder.as_ref().expect("recording was on");
-        let last = a.steps - 1;
-        let events = step_events(rec, last);
-        let buckets = bucket_times(&events);
+        let tl = report.timeline.as_ref().expect("recording was on and steps ran");
+        let buckets = bucket_times(&tl.events);
         let comm_ms: f64 = buckets.iter().map(|(_, d)| d).sum();
         let step_ms = median_step(&a, &report.step_ms);
         let exposed = (step_ms - compute_ms).max(0.0);
@@ -187,8 +182,8 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         );
         write_timeline(
             &s.out.join(format!("timeline_{b}MiB.json")),
-            &events,
-            rec.origin(),
+            &tl.events,
+            tl.origin,
             &title,
         )?;
         rows.push(row);
@@ -309,4 +304,42 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
         .map_err(|e| err(e.to_string()))?;
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use brigade_comm::{Event, EventKind, Recorder};
+
+    use super::bucket_times;
+
+    #[test]
+    fn bucket_times_take_the_reducers_buckets_by_kind_not_by_tag() {
+        let rec = Recorder::new();
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let comm = |rank: usize, tag: &str, bucket: Option<usize>, start: u64, end: u64| {
+            let id = rec.comm_issued(rank, "all_reduce", tag, 64, bucket);
+            rec.comm_started(id, ms(start));
+            rec.comm_finished(id, ms(end), None);
+        };
+        // Bucket 1 launches after bucket 0 and is tagged unlike "bucketN"; rank 1 joins bucket 0 late.
+        comm(0, "grads/1", Some(1), 10, 14);
+        comm(1, "grads/1", Some(1), 10, 14);
+        comm(0, "bucket0", Some(0), 0, 5);
+        comm(1, "bucket0", Some(0), 2, 5);
+        // Tagged like a bucket but no bucket: not counted.
+        comm(0, "bucket7", None, 20, 40);
+        comm(1, "bucket7", None, 20, 40);
+        rec.compute_span(0, EventKind::Other("bucket3".into()), ms(0), ms(50));
+        let events: Vec<Event> = rec.events();
+        let times = bucket_times(&events);
+        assert_eq!(times.iter().map(|(b, _)| *b).collect::<Vec<_>>(), [0, 1]);
+        assert!(
+            (times[0].1 - 3.0).abs() < 1e-6,
+            "from the last rank's start (2 ms) to rank 0's end (5 ms): {times:?}"
+        );
+        assert!((times[1].1 - 4.0).abs() < 1e-6, "{times:?}");
+    }
 }

@@ -4,42 +4,10 @@
 use std::path::Path;
 use std::time::Instant;
 
-use brigade_comm::{chrome_trace, Event, Recorder, Track};
+use brigade_comm::{chrome_trace, Event, EventKind, Track};
 use plotters::prelude::*;
 
 use crate::error::{write_atomic, CliError, Result};
-
-/// The events of `step` on every rank: the `step {step}` compute span and everything
-/// that rank issued or began while it lasted (sequence numbers, not clocks, decide).
-pub fn step_events(recorder: &Recorder, step: usize) -> Vec<Event> {
-    let events = recorder.events();
-    let marker = format!("step {step}");
-    let starts: Vec<(usize, u64)> = events
-        .iter()
-        .filter(|e| e.track == Track::Compute && e.name == marker)
-        .filter_map(|e| e.start.map(|s| (e.rank, s.seq)))
-        .collect();
-    let ends: Vec<(usize, u64)> = events
-        .iter()
-        .filter(|e| e.track == Track::Compute && e.name == marker)
-        .filter_map(|e| e.end.map(|s| (e.rank, s.seq)))
-        .collect();
-    events
-        .into_iter()
-        .filter(|e| {
-            let Some(first) = e.issued.or(e.start) else {
-                return false;
-            };
-            let begin = starts.iter().find(|(r, _)| *r == e.rank).map(|(_, s)| *s);
-            let end = ends
-                .iter()
-                .find(|(r, _)| *r == e.rank)
-                .map(|(_, s)| *s)
-                .unwrap_or(u64::MAX);
-            begin.is_some_and(|b| first.seq >= b && first.seq < end)
-        })
-        .collect()
-}
 
 /// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
 pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
@@ -49,26 +17,28 @@ pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &st
     draw_gantt(&path.with_extension("svg"), events, title)
 }
 
-/// A compute span worth drawing: leaves only (not the enclosing `step N`).
+/// A span worth drawing: leaves only (not the enclosing step).
 fn drawable(e: &Event) -> bool {
-    !(e.track == Track::Compute && e.name.starts_with("step "))
+    e.kind.step().is_none()
 }
 
+/// The chart colour of an event's kind.
 fn color_for(e: &Event) -> RGBColor {
-    match e.track {
-        Track::Comm => RGBColor(230, 126, 34),
-        Track::Compute if e.name == "forward" => RGBColor(52, 152, 219),
-        Track::Compute if e.name == "optimizer" => RGBColor(39, 174, 96),
-        Track::Compute if e.name.starts_with("wait") => RGBColor(160, 160, 160),
-        Track::Compute => {
+    match &e.kind {
+        EventKind::Collective { .. } => RGBColor(230, 126, 34),
+        EventKind::Forward => RGBColor(52, 152, 219),
+        EventKind::Optimizer => RGBColor(39, 174, 96),
+        EventKind::WaitForBuckets => RGBColor(160, 160, 160),
+        EventKind::Backward { scope } => {
             // backward spans alternate two purples so adjacent layers stay apart
-            let n: usize = e.name.bytes().map(usize::from).sum();
+            let n: usize = scope.as_deref().unwrap_or("").bytes().map(usize::from).sum();
             if n % 2 == 0 {
                 RGBColor(142, 68, 173)
             } else {
                 RGBColor(187, 143, 206)
             }
         }
+        EventKind::Step(_) | EventKind::Other(_) => RGBColor(120, 120, 120),
     }
 }
 
@@ -168,9 +138,9 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
                 c.filled(),
             )))
             .map_err(|e| err(e.to_string()))?;
-        let label = match e.track {
-            Track::Comm => e.name.clone(),
-            Track::Compute => e.name.trim_start_matches("backward ").to_string(),
+        let label = match &e.kind {
+            EventKind::Backward { scope } => scope.as_deref().unwrap_or("loss").to_string(),
+            _ => e.name.clone(),
         };
         // Every bucket is named (the comm lane is sparse, and the buckets are what a reader
         // looks for); compute spans only when wide enough to hold the name.

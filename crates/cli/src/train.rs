@@ -9,7 +9,7 @@ use crate::args::{compact, flag_name, RunArgs};
 use crate::error::{write_atomic, CliError, Result};
 use crate::outputs::{check_outputs, write_all, Output, Write};
 use crate::run::{run, RunOptions, RunReport};
-use crate::timeline::{step_events, write_timeline};
+use crate::timeline::write_timeline;
 
 /// Options of `brigade train`.
 #[derive(Args, Clone, Debug)]
@@ -174,11 +174,20 @@ pub fn train(t: TrainArgs) -> Result<()> {
         resume: t.resume.clone(),
         checkpoint: t.checkpoint.clone(),
         checkpoint_every: t.checkpoint_every,
+        stop: Some(crate::signal::stop_on_signals()),
     };
     let report = run(&t.run, &opts)?;
     let written = write_outputs(&t, &report, &kept);
     print_summary(&t, &report)?;
-    written
+    written?;
+    if report.interrupted {
+        let step = (report.first_step + report.losses.len()).saturating_sub(1);
+        return Err(CliError::Interrupted {
+            step,
+            steps: t.run.steps,
+        });
+    }
+    Ok(())
 }
 
 /// The summary on stdout: a few lines, or one JSON object with --json.
@@ -191,7 +200,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "model": flag_name(&a.model.model),
             "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
             "optimizer": flag_name(&a.optimizer), "seed": a.seed,
-            "backend": flag_name(&a.backend),
+            "backend": a.backend.name(),
             "bucket_mb": a.bucket_cap()?, "first_bucket_mb": a.first_bucket_mb,
             "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
             "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
@@ -277,27 +286,24 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
         };
         writes.push((Output::new("--losses", path), Box::new(write)));
     }
-    if let (Some(path), Some(rec)) = (&t.timeline, &report.recorder) {
-        if report.losses.is_empty() {
-            eprintln!(
+    if let Some(path) = &t.timeline {
+        match &report.timeline {
+            Some(tl) if !report.losses.is_empty() => {
+                let write = move || {
+                    let title = format!(
+                        "step {}: {} ranks, bucket cap {} MiB",
+                        tl.step,
+                        report.world_size,
+                        t.run.bucket_cap()?
+                    );
+                    write_timeline(path, &tl.events, tl.origin, &title)
+                };
+                writes.push((Output::new("--timeline", path), Box::new(write)));
+            }
+            _ => eprintln!(
                 "note: no step was run, so there is no timeline to write to {}",
                 path.display()
-            );
-        } else {
-            let write = move || {
-                let last = t.run.steps.saturating_sub(1);
-                let title = format!(
-                    "step {last}: {} ranks, bucket cap {} MiB",
-                    report.world_size,
-                    t.run.bucket_cap()?
-                );
-                let events = match &report.last_step_events {
-                    Some(events) => events.clone(),
-                    None => step_events(rec, last),
-                };
-                write_timeline(path, &events, rec.origin(), &title)
-            };
-            writes.push((Output::new("--timeline", path), Box::new(write)));
+            ),
         }
     }
     write_all(writes)

@@ -2,7 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use brigade_comm::{launch_with_timeout, Buffer, Communicator, Event, Recorder, ReduceOp, Traced, Track};
+use brigade_comm::{
+    launch_with_timeout, reducing_bucket, Buffer, Communicator, Event, EventKind, Recorder, ReduceOp, Traced, Track,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -27,11 +29,13 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     launch_with_timeout(2, TIMEOUT, |comm| {
         let rank = comm.rank();
         let comm = Traced::new(comm, recorder.clone());
-        let layer1 = recorder.begin(rank, "backward layer 1");
-        let work = comm.all_reduce(Buffer::F32(vec![1.0; 1000]), ReduceOp::Sum, "bucket 0");
+        let layer1 = recorder.begin(rank, EventKind::backward(Some("layer 1")));
+        let work = reducing_bucket(0, || {
+            comm.all_reduce(Buffer::F32(vec![1.0; 1000]), ReduceOp::Sum, "bucket 0")
+        });
         recorder.end(layer1);
         {
-            let _span = recorder.span(rank, "backward layer 0");
+            let _span = recorder.span(rank, EventKind::backward(Some("layer 0")));
         }
         // Never waited on: the recorder must still learn when it started and finished.
         drop(work);
@@ -50,6 +54,11 @@ fn traced_collectives_and_compute_spans_are_ordered() {
             (bucket.track, bucket.op.as_str(), bucket.bytes),
             (Track::Comm, "all_reduce", 4000)
         );
+        assert_eq!(
+            bucket.kind,
+            EventKind::Collective { bucket: Some(0) },
+            "issued inside reducing_bucket(0)"
+        );
         assert!(issued.seq < start.seq && start.seq < end.seq);
         assert!(issued.at <= start.at && start.at <= end.at);
         let l1 = find(&events, rank, "backward layer 1");
@@ -61,7 +70,18 @@ fn traced_collectives_and_compute_spans_are_ordered() {
         );
         assert!(issued.seq < l1.end.unwrap().seq);
         assert!(l1.end.unwrap().seq < l0.start.unwrap().seq && l0.start.unwrap().seq < l0.end.unwrap().seq);
+        assert_eq!(
+            l1.kind,
+            EventKind::Backward {
+                scope: Some("layer 1".into())
+            }
+        );
         let bad = find(&events, rank, "bucket 1");
+        assert_eq!(
+            bad.kind,
+            EventKind::Collective { bucket: None },
+            "issued outside any bucket scope"
+        );
         assert!(bad.error.as_deref().unwrap().contains("mismatch"), "{:?}", bad.error);
     }
     let mut seqs: Vec<u64> = events
@@ -80,9 +100,9 @@ fn traced_collectives_and_compute_spans_are_ordered() {
 fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     let recorder = Recorder::new();
     let t0 = Instant::now();
-    recorder.compute_span(0, "forward", t0, t0 + Duration::from_millis(2));
-    recorder.compute_span(1, "forward", t0, t0 + Duration::from_millis(3));
-    let c = recorder.comm_issued(1, "all_reduce", "bucket 0", 64);
+    recorder.compute_span(0, EventKind::Forward, t0, t0 + Duration::from_millis(2));
+    recorder.compute_span(1, EventKind::Forward, t0, t0 + Duration::from_millis(3));
+    let c = recorder.comm_issued(1, "all_reduce", "bucket 0", 64, Some(0));
     recorder.comm_started(c, t0 + Duration::from_millis(3));
     recorder.comm_finished(c, t0 + Duration::from_millis(5), None);
     let trace = recorder.to_chrome_trace();
@@ -98,9 +118,12 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     let comm = spans.iter().find(|e| e["cat"] == "comm").unwrap();
     assert_eq!((comm["pid"].as_u64(), comm["tid"].as_u64()), (Some(1), Some(1)));
     assert_eq!(comm["args"]["bytes"], 64);
+    assert_eq!(comm["name"], "all_reduce `bucket 0`", "the tag stays readable");
+    assert_eq!(comm["args"]["kind"], serde_json::json!({"Collective": {"bucket": 0}}));
     assert!((comm["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0, "{comm}");
     let fwd0 = spans.iter().find(|e| e["pid"] == 0).unwrap();
     assert_eq!(fwd0["tid"], 0);
+    assert_eq!(fwd0["name"], "forward");
     assert!((fwd0["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0);
     assert!(evs.iter().any(|e| e["ph"] == "i" && e["pid"] == 1 && e["tid"] == 0));
 
@@ -118,4 +141,30 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
         "temporary file left behind"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn step_events_select_each_ranks_step_by_kind() {
+    let recorder = Recorder::new();
+    // A span named like step 1 but of another kind, around step 0: not a step marker.
+    let fake = recorder.begin(0, EventKind::Other("step 1".into()));
+    for step in 0..2 {
+        for rank in 0..2 {
+            let s = recorder.begin(rank, EventKind::Step(step));
+            recorder.span(rank, EventKind::Forward);
+            let c = recorder.comm_issued(rank, "all_reduce", "bucket0", 4, Some(0));
+            recorder.comm_started(c, Instant::now());
+            recorder.comm_finished(c, Instant::now(), None);
+            recorder.end(s);
+        }
+        if step == 0 {
+            recorder.end(fake);
+        }
+    }
+    let events = recorder.step_events(1);
+    assert_eq!(events.len(), 6, "{events:#?}");
+    assert!(events.iter().all(|e| e.id >= 7 && e.id < 13), "{events:#?}");
+    assert_eq!(events.iter().filter(|e| e.kind.step() == Some(1)).count(), 2);
+    assert_eq!(events.iter().filter(|e| e.kind.bucket() == Some(0)).count(), 2);
+    assert!(recorder.step_events(2).is_empty());
 }

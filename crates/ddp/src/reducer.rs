@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
-use brigade_comm::{Buffer, Communicator, Recorder, SpanId};
+use brigade_comm::{reducing_bucket, Buffer, Communicator, EventKind, Recorder, SpanId};
 use brigade_tensor::{DType, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
@@ -32,7 +32,7 @@ pub(crate) struct State {
     pub(crate) sync: bool,
     in_backward: bool,
     pub(crate) rebuilt: bool,
-    span: Option<(String, SpanId)>,
+    span: Option<(EventKind, SpanId)>,
 }
 
 pub(crate) struct Reducer {
@@ -165,7 +165,10 @@ impl Reducer {
             params,
             is_last,
         };
-        bucket.work = Some(self.cfg.comm_hook.reduce(&self.comm, grad_bucket));
+        // Collectives the hook issues on this thread are traced as this bucket's.
+        bucket.work = Some(reducing_bucket(b, || {
+            self.cfg.comm_hook.reduce(&self.comm, grad_bucket)
+        }));
         Ok(())
     }
 
@@ -180,7 +183,7 @@ impl Reducer {
         let span = self
             .recorder
             .as_ref()
-            .map(|r| r.begin(self.comm.rank(), "wait for buckets"));
+            .map(|r| r.begin(self.comm.rank(), EventKind::WaitForBuckets));
         let mut first_err = None;
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             if let Some(work) = bucket.work.take() {
@@ -341,13 +344,13 @@ impl GradSubscriber for Reducer {
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
         let Some(rec) = &self.recorder else { return };
         let mut st = self.lock();
-        let name = scope.unwrap_or("loss");
-        if st.span.as_ref().is_some_and(|(n, _)| n == name) {
+        let kind = EventKind::backward(scope);
+        if st.span.as_ref().is_some_and(|(k, _)| *k == kind) {
             return;
         }
         self.end_span(&mut st);
-        let id = rec.begin(self.comm.rank(), &format!("backward {name}"));
-        st.span = Some((name.to_string(), id));
+        let id = rec.begin(self.comm.rank(), kind.clone());
+        st.span = Some((kind, id));
     }
 
     fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError};
-use brigade_comm::{launch, Communicator, Recorder, Traced, Track};
+use brigade_comm::{launch, Communicator, EventKind, Recorder, Traced, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
 use common::{data, rows, Mlp};
@@ -110,21 +110,31 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
             ["bucket0", "bucket1", "bucket0", "bucket1"],
             "rank {rank} bucket order"
         );
+        let kinds: Vec<Option<usize>> = events
+            .iter()
+            .filter(|e| e.rank == rank && e.track == Track::Comm && e.op == "all_reduce")
+            .map(|e| e.kind.bucket())
+            .collect();
+        assert_eq!(
+            kinds,
+            [Some(0), Some(1), Some(0), Some(1)],
+            "rank {rank}: the reducer records each bucket's kind"
+        );
 
         let bucket0: Vec<_> = events
             .iter()
-            .filter(|e| e.rank == rank && e.track == Track::Comm && e.name == "bucket0")
+            .filter(|e| e.rank == rank && e.kind == EventKind::Collective { bucket: Some(0) })
             .collect();
         let issued: Vec<u64> = bucket0.iter().map(|e| e.issued.unwrap().seq).collect();
         let started: Vec<u64> = bucket0.iter().map(|e| e.start.unwrap().seq).collect();
         let layer0: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0")
+            .filter(|e| e.rank == rank && e.kind == EventKind::backward(Some("layers.0")))
             .map(|e| e.start.unwrap().seq)
             .collect();
         let layer1: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.1")
+            .filter(|e| e.rank == rank && e.kind == EventKind::backward(Some("layers.1")))
             .map(|e| e.start.unwrap().seq)
             .collect();
         // backward's last node ran inside the span of layers.0: its end is the end of backward

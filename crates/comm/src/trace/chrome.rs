@@ -81,7 +81,7 @@ pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
         let (Some(start), Some(end)) = (e.start, e.end) else {
             continue;
         };
-        let mut args = json!({"start_seq": start.seq, "end_seq": end.seq});
+        let mut args = json!({"start_seq": start.seq, "end_seq": end.seq, "kind": e.kind});
         let name = match e.track {
             Track::Compute => e.name.clone(),
             Track::Comm => {

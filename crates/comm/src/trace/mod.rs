@@ -4,19 +4,27 @@
 //! ([`Stamp::seq`]) taken when the recorder learns of it, so tests can check the order of events
 //! exactly, without relying on clock resolution. [`Traced`] records every collective of a
 //! communicator; training code records compute spans itself.
+//!
+//! Every event has a typed [`EventKind`] (a step, a forward pass, backward through a scope, a
+//! DDP bucket's all-reduce, ...): readers select events by kind, never by parsing names. The
+//! name stays beside it for people (Chrome trace, charts).
 
 mod chrome;
 mod traced;
 
+use std::cell::Cell;
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
 
 pub use chrome::chrome_trace;
 pub use traced::Traced;
 
 /// Which timeline of a rank an event belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Track {
     /// The rank's compute thread (forward, backward, optimizer, ...).
     Compute,
@@ -34,6 +42,96 @@ pub struct Stamp {
     pub at: Instant,
 }
 
+/// What an event is, in the training loop's words (PyTorch's profiler uses the same:
+/// `ProfilerStep#N`, forward, backward, `Optimizer.step`, the DDP reducer's bucket all-reduces).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EventKind {
+    /// One whole training step (the enclosing compute span of everything the step did).
+    Step(usize),
+    /// A forward pass (one microbatch).
+    Forward,
+    /// Backward through the ops of one scope (e.g. `"layers.3"`); `None`: ops outside every
+    /// scope (the loss).
+    Backward {
+        /// The scope the ops were recorded under.
+        scope: Option<String>,
+    },
+    /// Waiting for the gradient buckets' all-reduces at the end of backward.
+    WaitForBuckets,
+    /// The optimizer's update.
+    Optimizer,
+    /// A collective on the comm stream; `bucket` is the DDP bucket it reduces, if it reduces one.
+    Collective {
+        /// The bucket's index (launch order), or `None` for any other collective.
+        bucket: Option<usize>,
+    },
+    /// Any other compute span, named by the caller.
+    Other(String),
+}
+
+impl EventKind {
+    /// Backward through the ops of `scope` (`None`: outside every scope).
+    pub fn backward(scope: Option<&str>) -> EventKind {
+        EventKind::Backward {
+            scope: scope.map(str::to_string),
+        }
+    }
+
+    /// The step this event encloses, if it is a [`EventKind::Step`].
+    pub fn step(&self) -> Option<usize> {
+        match self {
+            EventKind::Step(s) => Some(*s),
+            _ => None,
+        }
+    }
+
+    /// The DDP bucket this collective reduces, if it reduces one.
+    pub fn bucket(&self) -> Option<usize> {
+        match self {
+            EventKind::Collective { bucket } => *bucket,
+            _ => None,
+        }
+    }
+}
+
+/// The name shown in traces: `"step 3"`, `"forward"`, `"backward layers.0"`, `"backward loss"`,
+/// `"wait for buckets"`, `"optimizer"`; a collective shows as `"collective"` (its event's name
+/// is its tag).
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EventKind::Step(s) => write!(f, "step {s}"),
+            EventKind::Forward => f.write_str("forward"),
+            EventKind::Backward { scope } => write!(f, "backward {}", scope.as_deref().unwrap_or("loss")),
+            EventKind::WaitForBuckets => f.write_str("wait for buckets"),
+            EventKind::Optimizer => f.write_str("optimizer"),
+            EventKind::Collective { .. } => f.write_str("collective"),
+            EventKind::Other(name) => f.write_str(name),
+        }
+    }
+}
+
+thread_local! {
+    /// The bucket that collectives issued on this thread reduce (see [`reducing_bucket`]).
+    static BUCKET: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Runs `issue` with every collective it issues on this thread marked as reducing DDP bucket
+/// `bucket`: [`Traced`] records them as [`EventKind::Collective`] `{ bucket: Some(bucket) }`.
+/// (Like `torch.profiler.record_function`, a scope on the calling thread: collectives are
+/// issued on the caller's thread, whatever wrappers lie between it and the backend.)
+pub fn reducing_bucket<R>(bucket: usize, issue: impl FnOnce() -> R) -> R {
+    let outer = BUCKET.with(|b| b.replace(Some(bucket)));
+    let out = issue();
+    BUCKET.with(|b| b.set(outer));
+    out
+}
+
+/// The bucket set by an enclosing [`reducing_bucket`] on this thread.
+fn current_bucket() -> Option<usize> {
+    BUCKET.with(|b| b.get())
+}
+
 /// One span on a rank's timeline.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
@@ -43,7 +141,10 @@ pub struct Event {
     pub rank: usize,
     /// Compute or comm stream.
     pub track: Track,
-    /// For compute: the span's name (e.g. `"backward layer 3"`). For comm: the collective's tag.
+    /// What the event is: select events by this, not by name.
+    pub kind: EventKind,
+    /// For people: for compute, the kind's name (e.g. `"backward layers.3"`); for comm, the
+    /// collective's tag.
     pub name: String,
     /// For comm: the collective (`"all_reduce"`, ...); empty for compute.
     pub op: String,
@@ -110,7 +211,8 @@ impl Recorder {
         &self,
         rank: usize,
         track: Track,
-        name: &str,
+        kind: EventKind,
+        name: String,
         op: &str,
         bytes: usize,
     ) -> (MutexGuard<'_, Vec<Event>>, usize) {
@@ -120,7 +222,8 @@ impl Recorder {
             id,
             rank,
             track,
-            name: name.to_string(),
+            kind,
+            name,
             op: op.to_string(),
             bytes,
             issued: None,
@@ -136,9 +239,10 @@ impl Recorder {
         self.inner.origin
     }
 
-    /// Records, now, that compute span `name` of `rank` begins; end it with [`Recorder::end`].
-    pub fn begin(&self, rank: usize, name: &str) -> SpanId {
-        let (mut events, id) = self.push(rank, Track::Compute, name, "", 0);
+    /// Records, now, that a compute span of `kind` on `rank` begins; end it with [`Recorder::end`].
+    pub fn begin(&self, rank: usize, kind: EventKind) -> SpanId {
+        let name = kind.to_string();
+        let (mut events, id) = self.push(rank, Track::Compute, kind, name, "", 0);
         events[id].start = Some(self.stamp(Instant::now()));
         SpanId(id)
     }
@@ -151,25 +255,28 @@ impl Recorder {
     }
 
     /// Begins a compute span that ends when the guard is dropped.
-    pub fn span(&self, rank: usize, name: &str) -> SpanGuard {
+    pub fn span(&self, rank: usize, kind: EventKind) -> SpanGuard {
         SpanGuard {
             recorder: self.clone(),
-            id: self.begin(rank, name),
+            id: self.begin(rank, kind),
         }
     }
 
     /// Records a finished compute span after the fact (both instants get sequence numbers now).
-    pub fn compute_span(&self, rank: usize, name: &str, start: Instant, end: Instant) -> SpanId {
-        let (mut events, id) = self.push(rank, Track::Compute, name, "", 0);
+    pub fn compute_span(&self, rank: usize, kind: EventKind, start: Instant, end: Instant) -> SpanId {
+        let name = kind.to_string();
+        let (mut events, id) = self.push(rank, Track::Compute, kind, name, "", 0);
         events[id].start = Some(self.stamp(start));
         events[id].end = Some(self.stamp(end));
         SpanId(id)
     }
 
     /// Records, now, that `rank` issued collective `op` (e.g. `"all_reduce"`) tagged `tag` on
-    /// `bytes` bytes. Used by [`Traced`]; other wrappers may call it too.
-    pub fn comm_issued(&self, rank: usize, op: &str, tag: &str, bytes: usize) -> SpanId {
-        let (mut events, id) = self.push(rank, Track::Comm, tag, op, bytes);
+    /// `bytes` bytes, reducing DDP bucket `bucket` if any. Used by [`Traced`]; other wrappers
+    /// may call it too.
+    pub fn comm_issued(&self, rank: usize, op: &str, tag: &str, bytes: usize, bucket: Option<usize>) -> SpanId {
+        let kind = EventKind::Collective { bucket };
+        let (mut events, id) = self.push(rank, Track::Comm, kind, tag.to_string(), op, bytes);
         events[id].issued = Some(self.stamp(Instant::now()));
         SpanId(id)
     }
@@ -192,6 +299,29 @@ impl Recorder {
     /// A snapshot of every event so far, in recording order.
     pub fn events(&self) -> Vec<Event> {
         self.events_mut().clone()
+    }
+
+    /// The events of step `step` on every rank: each rank's [`EventKind::Step`] span and
+    /// everything that rank issued or began while it lasted (sequence numbers, not clocks,
+    /// decide). Empty when no rank recorded that step.
+    pub fn step_events(&self, step: usize) -> Vec<Event> {
+        let events = self.events();
+        let bounds: Vec<(usize, u64, u64)> = events
+            .iter()
+            .filter(|e| e.track == Track::Compute && e.kind == EventKind::Step(step))
+            .filter_map(|e| e.start.map(|s| (e.rank, s.seq, e.end.map_or(u64::MAX, |end| end.seq))))
+            .collect();
+        events
+            .into_iter()
+            .filter(|e| {
+                let Some(first) = e.issued.or(e.start) else {
+                    return false;
+                };
+                bounds
+                    .iter()
+                    .any(|&(r, begin, end)| r == e.rank && first.seq >= begin && first.seq < end)
+            })
+            .collect()
     }
 }
 

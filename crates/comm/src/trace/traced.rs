@@ -2,11 +2,12 @@
 
 use std::time::Duration;
 
-use super::{Recorder, SpanId};
+use super::{current_bucket, Recorder, SpanId};
 use crate::{Buffer, Communicator, ReduceOp, Work, WorkEvent};
 
 /// Wraps a communicator and records each collective: issued (when called), started and
-/// finished on the comm stream (when they happen, whether or not anyone waits).
+/// finished on the comm stream (when they happen, whether or not anyone waits). A collective
+/// issued inside [`super::reducing_bucket`] is recorded with its bucket.
 pub struct Traced<C> {
     inner: C,
     recorder: Recorder,
@@ -38,7 +39,8 @@ impl<C: Communicator> Traced<C> {
     }
 
     fn issue(&self, op: &str, tag: &str, bytes: usize) -> SpanId {
-        self.recorder.comm_issued(self.inner.rank(), op, tag, bytes)
+        self.recorder
+            .comm_issued(self.inner.rank(), op, tag, bytes, current_bucket())
     }
 }
 

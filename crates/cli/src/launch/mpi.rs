@@ -1,0 +1,147 @@
+//! The MPI backend: this process is one rank of an `mpirun` job; rank and world size come from
+//! MPI.
+//!
+//! Setup errors (a missing file, too little data) are agreed on by all ranks before the rank
+//! function runs, so every rank prints the same message, then the job exits 1. An error in the
+//! rank function ends the whole job at once (`MPI_Abort`), so that no rank waits for a dead
+//! peer until its timeout, except an error every rank reaches together
+//! ([`CliError::is_agreed`], e.g. a non-finite loss): rank 0 prints it and every rank exits 1.
+//! A killed process is noticed by `mpirun`, which ends the others. MPI is finalized before
+//! [`launch`] returns this rank's result.
+
+#[cfg(not(feature = "mpi"))]
+pub use disabled::launch;
+#[cfg(feature = "mpi")]
+pub use enabled::launch;
+
+#[cfg(not(feature = "mpi"))]
+mod disabled {
+    use super::super::{LaunchConfig, Launched, RankContext};
+    use crate::error::{CliError, Result};
+
+    /// Explains how to get a build with MPI.
+    pub fn launch<S: Sync, T: Send>(
+        _cfg: &LaunchConfig,
+        _setup: impl FnOnce(usize) -> Result<S>,
+        _rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
+    ) -> Result<Launched<T>> {
+        Err(CliError::Usage(
+            "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev libclang-dev) \
+             and build with `cargo build --release --features mpi`"
+                .into(),
+        ))
+    }
+}
+
+#[cfg(feature = "mpi")]
+mod enabled {
+    use std::sync::Arc;
+
+    use brigade_comm::{Buffer, Communicator, MpiComm, MpiWorld};
+
+    use super::super::{comm_stack, Backend, LaunchConfig, Launched, RankContext};
+    use crate::error::{CliError, Result};
+
+    /// Bytes of a setup error message exchanged between ranks.
+    const MESSAGE_BYTES: usize = 1024;
+
+    /// Runs `setup` and `rank_fn` on this process's rank of the MPI job (see the module docs).
+    pub fn launch<S: Sync, T: Send>(
+        cfg: &LaunchConfig,
+        setup: impl FnOnce(usize) -> Result<S>,
+        rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
+    ) -> Result<Launched<T>> {
+        let world = MpiWorld::init()?;
+        let (rank, size) = (world.rank(), world.world_size());
+        let base = Arc::new(world.communicator(cfg.timeout)?);
+        let shared = setup(size);
+        if let Err(e) = agree(&base, rank, shared.as_ref().err().map(|e| e.to_string())) {
+            // Every rank prints before any exits: mpirun ends the job at the first non-zero exit.
+            eprintln!("error: {e}");
+            exit_together(base, world, 1);
+        }
+        let shared = shared.expect("agreed: every rank's setup succeeded");
+        let control: Arc<dyn Communicator> = base.clone();
+        let ctx = RankContext {
+            rank,
+            world_size: size,
+            local_ranks: local_ranks(size),
+            comm: comm_stack(control.clone(), cfg.net, cfg.recorder.as_ref()),
+            control,
+            recorder: cfg.recorder.clone(),
+            backend: Backend::Mpi,
+        };
+        let out = match rank_fn(&ctx, &shared) {
+            Ok(out) => out,
+            Err(e) if e.is_agreed() => {
+                if rank == 0 {
+                    eprintln!("error: {e}");
+                }
+                drop(ctx);
+                exit_together(base, world, 1);
+            }
+            Err(e) => {
+                // The peers may be blocked in a collective this rank will never join.
+                eprintln!("error: rank {rank} of {size}: {e}");
+                world.abort(1);
+            }
+        };
+        drop(ctx);
+        drop(base);
+        drop(world); // waits for the comm stream to end, then MPI_Finalize
+        Ok(Launched {
+            world_size: size,
+            results: vec![(rank, out)],
+        })
+    }
+
+    /// Waits until every rank got here (so every rank printed), finalizes MPI and exits.
+    fn exit_together(comm: Arc<MpiComm>, world: MpiWorld, code: i32) -> ! {
+        let _ = comm.barrier("exit").wait();
+        drop(comm);
+        drop(world);
+        std::process::exit(code);
+    }
+
+    /// Ranks of this job on this host (OpenMPI tells each process).
+    fn local_ranks(size: usize) -> usize {
+        std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(size)
+    }
+
+    /// Every rank learns whether any rank failed its setup; then all fail with the first failing
+    /// rank's message, or all go on.
+    fn agree(comm: &MpiComm, rank: usize, error: Option<String>) -> Result<()> {
+        let mut msg = error.map(|e| format!("!{e}")).unwrap_or_default().into_bytes();
+        msg.truncate(MESSAGE_BYTES);
+        msg.resize(MESSAGE_BYTES, 0);
+        let all = comm.all_gather(Buffer::U8(msg), "setup status").wait()?;
+        let all = all.as_u8().expect("u8 in, u8 out");
+        let failed: Vec<(usize, String)> = all
+            .chunks(MESSAGE_BYTES)
+            .enumerate()
+            .filter(|(_, m)| m[0] == b'!')
+            .map(|(r, m)| (r, String::from_utf8_lossy(&m[1..]).trim_end_matches('\0').to_string()))
+            .collect();
+        let Some((first, message)) = failed.first() else {
+            return Ok(());
+        };
+        let others: Vec<usize> = failed.iter().skip(1).map(|(r, _)| *r).collect();
+        let also = if others.is_empty() {
+            String::new()
+        } else {
+            format!(" (ranks {others:?} failed too)")
+        };
+        let whose = if *first == rank {
+            "this rank".to_string()
+        } else {
+            format!("rank {first}")
+        };
+        Err(CliError::Usage(format!(
+            "setup failed on {whose} of {}: {message}{also}",
+            all.len() / MESSAGE_BYTES
+        )))
+    }
+}

@@ -1,0 +1,49 @@
+//! The thread backend: N ranks as threads of this process over one shared-memory group.
+
+use std::sync::Arc;
+
+use brigade_comm::{launch_with_timeout, Communicator};
+
+use super::{comm_stack, pick_error, Backend, LaunchConfig, Launched, RankContext};
+use crate::error::Result;
+
+/// Runs `setup` once, then `rank_fn` on `cfg.world_size` threads (see [`super::launch`]).
+pub fn launch<S: Sync, T: Send>(
+    cfg: &LaunchConfig,
+    setup: impl FnOnce(usize) -> Result<S>,
+    rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
+) -> Result<Launched<T>> {
+    let world = cfg.world_size;
+    let shared = setup(world)?;
+    let results = launch_with_timeout(world, cfg.timeout, |comm| {
+        let rank = comm.rank();
+        let base: Arc<dyn Communicator> = Arc::new(comm);
+        let ctx = RankContext {
+            rank,
+            world_size: world,
+            local_ranks: world,
+            comm: comm_stack(base.clone(), cfg.net, cfg.recorder.as_ref()),
+            control: base,
+            recorder: cfg.recorder.clone(),
+            backend: Backend::Thread,
+        };
+        rank_fn(&ctx, &shared)
+    });
+    let mut outs = vec![];
+    let mut errors = vec![];
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(out)) => outs.push((rank, out)),
+            Ok(Err(e)) => errors.push((rank, e)),
+            Err(e) => errors.push((rank, e.into())),
+        }
+    }
+    if errors.is_empty() {
+        return Ok(Launched {
+            world_size: world,
+            results: outs,
+        });
+    }
+    let (rank, e) = pick_error(errors);
+    Err(e.on_rank(rank, world))
+}

@@ -1,0 +1,398 @@
+//! One rank's training loop: [`Trainer::step`] runs one optimizer step (microbatches, DDP,
+//! the ranks' agreement on the loss and on stopping, the update); [`Trainer::run`] steps until
+//! `steps`, checkpointing on the way. Nothing here knows the command line: a [`TrainConfig`] is
+//! plain data.
+//!
+//! Every step ends with one small all-reduce of `[loss, non-finite, stop]` over the ranks, so
+//! that all ranks see the global mean loss of every step and stop together: at a non-finite
+//! loss (before that step's update, like PyTorch's anomaly detection), or after the step in
+//! which any rank was asked to stop (SIGINT/SIGTERM).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
+use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
+use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
+use brigade_models::{load_params, Dataset, Model, ModelKind};
+use brigade_tensor::{set_compute_threads, Tensor};
+
+use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
+use crate::error::{CliError, Result};
+use crate::launch::RankContext;
+
+/// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
+pub const STEP_STATUS_TAG: &str = "step status";
+
+/// Which optimizer, with every hyper-parameter.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    /// `torch.optim.SGD`: momentum, and weight decay added to the gradient.
+    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
+    /// `torch.optim.AdamW`.
+    AdamW {
+        lr: f64,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+    },
+}
+
+impl OptimizerConfig {
+    /// AdamW with PyTorch's defaults, except the learning rate and (when given) weight decay.
+    pub fn adamw(lr: f64, weight_decay: Option<f64>) -> Self {
+        OptimizerConfig::AdamW {
+            lr,
+            betas: AdamW::DEFAULT_BETAS,
+            eps: AdamW::DEFAULT_EPS,
+            weight_decay: weight_decay.unwrap_or(AdamW::DEFAULT_WEIGHT_DECAY),
+        }
+    }
+
+    /// The optimizer's name (`sgd`, `adamw`), as checkpoints record it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerConfig::Sgd { .. } => "sgd",
+            OptimizerConfig::AdamW { .. } => "adamw",
+        }
+    }
+
+    /// The optimizer over `params`.
+    pub fn build(&self, params: Vec<Var>) -> Box<dyn Optimizer> {
+        match *self {
+            OptimizerConfig::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => Box::new(Sgd::new(params, lr, momentum, weight_decay)),
+            OptimizerConfig::AdamW {
+                lr,
+                betas,
+                eps,
+                weight_decay,
+            } => Box::new(AdamW::with_options(params, lr, betas, eps, weight_decay)),
+        }
+    }
+}
+
+/// Everything one training run needs, the same on every rank.
+#[derive(Clone)]
+pub struct TrainConfig {
+    /// The model to build (from `seed`, or from `init`).
+    pub model: ModelKind,
+    /// Seed of the initial parameters.
+    pub seed: u64,
+    /// Initial parameters (safetensors, PyTorch state-dict names).
+    pub init: Option<PathBuf>,
+    /// Train until this step (a resumed run continues until it).
+    pub steps: usize,
+    /// Rows per rank per microbatch.
+    pub batch_size: usize,
+    /// Microbatches per step: the first `accum - 1` accumulate under `no_sync`.
+    pub accum: usize,
+    /// The optimizer.
+    pub optimizer: OptimizerConfig,
+    /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
+    /// compute-only baseline). Its recorder is the rank's.
+    pub ddp: Option<DdpConfig>,
+    /// Continue from this checkpoint.
+    pub resume: Option<PathBuf>,
+    /// Write a checkpoint here (rank 0) at the end, and every `checkpoint_every` steps.
+    pub checkpoint: Option<PathBuf>,
+    /// Checkpoint period in steps.
+    pub checkpoint_every: Option<usize>,
+    /// Train on through non-finite losses and parameters instead of stopping.
+    pub allow_nonfinite: bool,
+    /// Compute threads of each rank (default: the cores shared among the local ranks).
+    pub compute_threads: Option<usize>,
+    /// When set (e.g. by SIGINT), every rank stops after the current step.
+    pub stop: Option<&'static AtomicBool>,
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// The step's index.
+    pub step: usize,
+    /// Mean loss over the ranks, before the step's update.
+    pub loss: f64,
+    /// Wall time of the step on this rank, in milliseconds.
+    pub ms: f64,
+    /// A rank was asked to stop: this was the last step.
+    pub stop: bool,
+}
+
+/// What a rank's run produced.
+pub struct TrainOutcome {
+    /// First step run (non-zero after a resume).
+    pub first_step: usize,
+    /// Mean loss over the ranks of each step run.
+    pub losses: Vec<f64>,
+    /// This rank's wall time of each step run, in milliseconds.
+    pub step_ms: Vec<f64>,
+    /// Stopped before `steps` because a stop was requested.
+    pub interrupted: bool,
+    /// DDP buckets after the last step (empty without DDP).
+    pub buckets: Vec<BucketInfo>,
+    /// This rank's gradient memory (absent without DDP).
+    pub memory: Option<MemoryReport>,
+    /// The final parameters (rank 0 only; empty elsewhere).
+    pub params: Vec<(String, Tensor)>,
+}
+
+impl TrainOutcome {
+    /// The last step run, if any.
+    pub fn last_step(&self) -> Option<usize> {
+        (self.first_step + self.losses.len())
+            .checked_sub(1)
+            .filter(|_| !self.losses.is_empty())
+    }
+}
+
+/// What the ranks agreed on at the end of a step.
+struct StepStatus {
+    loss: f64,
+    nonfinite: bool,
+    stop: bool,
+}
+
+/// One rank's model, optimizer and DDP wrapper, and where the run stands.
+pub struct Trainer<'a> {
+    cfg: &'a TrainConfig,
+    data: &'a Dataset,
+    ctx: &'a RankContext,
+    model: Box<dyn Model>,
+    opt: Box<dyn Optimizer>,
+    ddp: Option<DistributedDataParallel>,
+    first_step: usize,
+    next_step: usize,
+    checkpointed: Option<usize>,
+}
+
+impl<'a> Trainer<'a> {
+    /// Builds the model (from the seed or `init`), the optimizer, resumes from the checkpoint
+    /// if asked, and wraps the model in DDP over the rank's communicator.
+    pub fn new(cfg: &'a TrainConfig, data: &'a Dataset, ctx: &'a RankContext) -> Result<Self> {
+        set_compute_threads(cfg.compute_threads.unwrap_or_else(|| ctx.default_compute_threads()));
+        let model = cfg.model.build(cfg.seed)?;
+        if let Some(init) = &cfg.init {
+            load_params(model.params(), init)?;
+        }
+        let mut opt = cfg.optimizer.build(model.params().params().to_vec());
+        let first_step = match &cfg.resume {
+            Some(path) => {
+                let id = CheckpointIdentity {
+                    kind: &cfg.model,
+                    optimizer: cfg.optimizer.name(),
+                    seed: cfg.seed,
+                    data,
+                };
+                load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?
+            }
+            None => 0,
+        };
+        if first_step > cfg.steps {
+            return Err(CliError::Usage(format!(
+                "the checkpoint is at step {first_step}, past --steps {}",
+                cfg.steps
+            )));
+        }
+        let ddp = match &cfg.ddp {
+            Some(d) => {
+                let d = DdpConfig {
+                    recorder: ctx.recorder.clone(),
+                    ..d.clone()
+                };
+                Some(DistributedDataParallel::new(model.params(), ctx.comm.clone(), d)?)
+            }
+            None => None,
+        };
+        Ok(Trainer {
+            cfg,
+            data,
+            ctx,
+            model,
+            opt,
+            ddp,
+            first_step,
+            next_step: first_step,
+            checkpointed: None,
+        })
+    }
+
+    /// The first step this trainer runs (non-zero after a resume).
+    pub fn first_step(&self) -> usize {
+        self.first_step
+    }
+
+    fn begin(&self, kind: EventKind) -> Option<SpanId> {
+        self.ctx.recorder.as_ref().map(|r| r.begin(self.ctx.rank, kind))
+    }
+
+    fn end(&self, span: Option<SpanId>) {
+        if let (Some(r), Some(id)) = (&self.ctx.recorder, span) {
+            r.end(id);
+        }
+    }
+
+    /// Runs one optimizer step on this rank's shard of the global batch. Fails with
+    /// [`CliError::NonFinite`] on every rank, before the update, when the mean loss is not
+    /// finite (unless `allow_nonfinite`).
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        let s = self.next_step;
+        let (rank, world) = (self.ctx.rank, self.ctx.world_size);
+        let (b, k) = (self.cfg.batch_size, self.cfg.accum);
+        let t0 = Instant::now();
+        let step_span = self.begin(EventKind::Step(s));
+        self.model.params().zero_grad()?;
+        let base = s * world * k * b + rank * k * b;
+        let mut local_loss = 0.0;
+        for j in 0..k {
+            let batch = self.data.batch(base + j * b, b)?;
+            let fwd = self.begin(EventKind::Forward);
+            let loss = self.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?;
+            self.end(fwd);
+            local_loss += loss.value().item()?;
+            match (&self.ddp, j + 1 < k) {
+                (Some(ddp), true) => ddp.no_sync(|| loss.backward())?,
+                _ => loss.backward()?,
+            }
+        }
+        let status = self.agree(local_loss)?;
+        if status.nonfinite && !self.cfg.allow_nonfinite {
+            self.end(step_span);
+            let what = if world == 1 {
+                "the loss".to_string()
+            } else {
+                format!("the loss (mean over {world} ranks)")
+            };
+            return Err(CliError::NonFinite {
+                step: s,
+                what,
+                value: status.loss,
+            });
+        }
+        let os = self.begin(EventKind::Optimizer);
+        self.opt.step()?;
+        self.end(os);
+        self.end(step_span);
+        self.next_step += 1;
+        Ok(StepOutcome {
+            step: s,
+            loss: status.loss,
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+            stop: status.stop,
+        })
+    }
+
+    /// The ranks' one all-reduce per step: mean loss, whether any rank's loss is not finite,
+    /// whether any rank was asked to stop.
+    fn agree(&self, local_loss: f64) -> Result<StepStatus> {
+        let stop = self.cfg.stop.is_some_and(|f| f.load(Ordering::SeqCst));
+        let nonfinite = !local_loss.is_finite();
+        if self.ctx.world_size == 1 {
+            return Ok(StepStatus {
+                loss: local_loss,
+                nonfinite,
+                stop,
+            });
+        }
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
+        let all = self
+            .ctx
+            .comm
+            .all_reduce(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)
+            .wait()?;
+        let Some(&[loss, nonfinite, stop]) = all.as_f32() else {
+            return Err(CliError::Usage(format!(
+                "the step status all-reduce returned {all:?}, expected 3 f32"
+            )));
+        };
+        let loss = f64::from(loss);
+        Ok(StepStatus {
+            loss,
+            nonfinite: nonfinite > 0.0 || !loss.is_finite(),
+            stop: stop > 0.0,
+        })
+    }
+
+    /// Writes the checkpoint (rank 0) of the state after the last step run. Unless
+    /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
+    /// never overwrites the last good checkpoint.
+    pub fn checkpoint(&mut self) -> Result<()> {
+        let Some(path) = &self.cfg.checkpoint else {
+            return Ok(());
+        };
+        if !self.cfg.allow_nonfinite {
+            // Every rank holds the same parameters under DDP, so every rank reaches the same verdict.
+            for (name, t) in self.model.params().named_values() {
+                if let Some(&v) = t.to_f64_vec()?.iter().find(|v| !v.is_finite()) {
+                    let what = format!("parameter '{name}' after the update");
+                    return Err(CliError::NonFinite {
+                        step: self.next_step.saturating_sub(1),
+                        what,
+                        value: v,
+                    });
+                }
+            }
+        }
+        if self.ctx.rank == 0 {
+            let id = CheckpointIdentity {
+                kind: &self.cfg.model,
+                optimizer: self.cfg.optimizer.name(),
+                seed: self.cfg.seed,
+                data: self.data,
+            };
+            save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
+        }
+        self.checkpointed = Some(self.next_step);
+        Ok(())
+    }
+
+    /// Steps until `steps` (or a stop request), checkpointing every `checkpoint_every` steps and
+    /// at the end; `on_step` sees every step (e.g. to draw progress).
+    pub fn run(mut self, mut on_step: impl FnMut(&StepOutcome)) -> Result<TrainOutcome> {
+        let (mut losses, mut step_ms, mut interrupted) = (vec![], vec![], false);
+        while self.next_step < self.cfg.steps {
+            let s = self.step()?;
+            losses.push(s.loss);
+            step_ms.push(s.ms);
+            on_step(&s);
+            if s.stop {
+                interrupted = self.next_step < self.cfg.steps;
+                break;
+            }
+            if self
+                .cfg
+                .checkpoint_every
+                .is_some_and(|e| e > 0 && self.next_step % e == 0)
+            {
+                self.checkpoint()?;
+            }
+        }
+        // The end (also of a run of zero steps, or an interrupted one) is always checkpointed.
+        if self.checkpointed != Some(self.next_step) {
+            self.checkpoint()?;
+        }
+        let (buckets, memory) = match &self.ddp {
+            Some(ddp) => (ddp.buckets(), Some(ddp.memory())),
+            None => (vec![], None),
+        };
+        let params = if self.ctx.rank == 0 {
+            self.model.params().named_values()
+        } else {
+            vec![]
+        };
+        Ok(TrainOutcome {
+            first_step: self.first_step,
+            losses,
+            step_ms,
+            interrupted,
+            buckets,
+            memory,
+            params,
+        })
+    }
+}
