@@ -6,8 +6,7 @@ use clap::Args;
 use serde_json::json;
 
 use crate::args::RunArgs;
-use crate::error::CliError;
-use crate::error::{write_atomic, Result};
+use crate::error::{write_atomic, CliError, Result};
 use crate::run::{run, RunOptions, RunReport};
 use crate::timeline::write_timeline;
 
