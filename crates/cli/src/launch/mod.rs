@@ -15,7 +15,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{CommError, Communicator, NetModel, Recorder, SimulatedNetwork, Traced};
+use brigade_comm::{CommError, Communicator, NetModel, Recorder, SharedLink, SimulatedNetwork, Traced};
 use brigade_ddp::DdpError;
 
 use crate::error::{CliError, Result};
@@ -148,15 +148,26 @@ pub fn launch<S: Sync, T: Send>(
     }
 }
 
+/// The simulated network under a rank's collectives.
+pub enum SimLink<'a> {
+    /// One link every rank of the group shares (ranks as threads): a collective starts and
+    /// finishes at the same instant on every rank, as on one real ring.
+    Shared(&'a SharedLink),
+    /// A link of this rank's own (ranks in other processes cannot share a clock).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    Own(NetModel),
+}
+
 /// The one place the communicator stack is built: `base` (a thread or MPI communicator), then
 /// the simulated network, then tracing outermost (so the trace shows what the caller saw).
 pub fn comm_stack(
     base: Arc<dyn Communicator>,
-    net: Option<NetModel>,
+    net: Option<SimLink<'_>>,
     recorder: Option<&Recorder>,
 ) -> Arc<dyn Communicator> {
     let c: Arc<dyn Communicator> = match net {
-        Some(model) => Arc::new(SimulatedNetwork::new(base, model)),
+        Some(SimLink::Shared(link)) => Arc::new(SimulatedNetwork::on_link(base, link)),
+        Some(SimLink::Own(model)) => Arc::new(SimulatedNetwork::new(base, model)),
         None => base,
     };
     match recorder {

@@ -39,7 +39,7 @@ mod enabled {
 
     use brigade_comm::{Buffer, Communicator, MpiComm, MpiWorld};
 
-    use super::super::{comm_stack, Backend, LaunchConfig, Launched, RankContext};
+    use super::super::{comm_stack, Backend, LaunchConfig, Launched, RankContext, SimLink};
     use crate::error::{CliError, Result};
 
     /// Bytes of a setup error message exchanged between ranks.
@@ -66,7 +66,7 @@ mod enabled {
             rank,
             world_size: size,
             local_ranks: local_ranks(size),
-            comm: comm_stack(control.clone(), cfg.net, cfg.recorder.as_ref()),
+            comm: comm_stack(control.clone(), cfg.net.map(SimLink::Own), cfg.recorder.as_ref()),
             control,
             recorder: cfg.recorder.clone(),
             backend: Backend::Mpi,

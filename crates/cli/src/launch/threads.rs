@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use brigade_comm::{launch_with_timeout, Communicator};
+use brigade_comm::{launch_with_timeout, Communicator, SharedLink};
 
-use super::{comm_stack, pick_error, Backend, LaunchConfig, Launched, RankContext};
+use super::{comm_stack, pick_error, Backend, LaunchConfig, Launched, RankContext, SimLink};
 use crate::error::Result;
 
 /// Runs `setup` once, then `rank_fn` on `cfg.world_size` threads (see [`super::launch`]).
@@ -15,6 +15,7 @@ pub fn launch<S: Sync, T: Send>(
 ) -> Result<Launched<T>> {
     let world = cfg.world_size;
     let shared = setup(world)?;
+    let link = cfg.net.map(SharedLink::new);
     let results = launch_with_timeout(world, cfg.timeout, |comm| {
         let rank = comm.rank();
         let base: Arc<dyn Communicator> = Arc::new(comm);
@@ -22,7 +23,7 @@ pub fn launch<S: Sync, T: Send>(
             rank,
             world_size: world,
             local_ranks: world,
-            comm: comm_stack(base.clone(), cfg.net, cfg.recorder.as_ref()),
+            comm: comm_stack(base.clone(), link.as_ref().map(SimLink::Shared), cfg.recorder.as_ref()),
             control: base,
             recorder: cfg.recorder.clone(),
             backend: Backend::Thread,
