@@ -10,6 +10,7 @@ use clap::{Args, ValueEnum};
 
 use crate::error::{CliError, Result};
 pub use crate::launch::Backend;
+use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
 /// and metadata.
@@ -229,6 +230,31 @@ pub struct RunArgs {
     /// the step, keeping the last good checkpoint).
     #[arg(long)]
     pub allow_nonfinite: bool,
+    /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),
+    /// `fp16` / `bf16` (divide, round to 16 bits, all-reduce half the bytes), `powersgd`
+    /// (low-rank, with error feedback and warm start).
+    #[arg(long, value_enum, default_value_t = CommHookName::Allreduce)]
+    pub comm_hook: CommHookName,
+    /// PowerSGD: rank of the approximation (>= 1).
+    #[arg(long, default_value_t = 1)]
+    pub powersgd_rank: usize,
+    /// PowerSGD: iterations of plain all-reduce before compression starts (>= 2: DDP rebuilds
+    /// its buckets after the first iteration).
+    #[arg(long, default_value_t = 10)]
+    pub powersgd_start_iter: usize,
+}
+
+/// `--comm-hook`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CommHookName {
+    /// One f32 all-reduce averaging the bucket (the default).
+    Allreduce,
+    /// Divide, round to fp16, all-reduce, widen.
+    Fp16,
+    /// Divide, round to bf16, all-reduce, widen.
+    Bf16,
+    /// PowerSGD (`--powersgd-rank`, `--powersgd-start-iter`).
+    Powersgd,
 }
 
 impl RunArgs {
@@ -308,7 +334,31 @@ impl RunArgs {
                 self.warmup, self.steps
             ));
         }
+        if self.comm_hook != CommHookName::Powersgd && (self.powersgd_rank != 1 || self.powersgd_start_iter != 10) {
+            return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
+        }
+        if let HookSpec::PowerSgd(cfg) = self.hook_spec() {
+            cfg.validate().map_err(|e| {
+                CliError::Usage(format!(
+                    "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
+                ))
+            })?;
+        }
         Ok(())
+    }
+
+    /// The communication hook these flags choose.
+    pub fn hook_spec(&self) -> HookSpec {
+        match self.comm_hook {
+            CommHookName::Allreduce => HookSpec::AllReduce,
+            CommHookName::Fp16 => HookSpec::Compress(HalfType::F16),
+            CommHookName::Bf16 => HookSpec::Compress(HalfType::BF16),
+            CommHookName::Powersgd => HookSpec::PowerSgd(PowerSgdConfig {
+                rank: self.powersgd_rank,
+                start_iter: self.powersgd_start_iter,
+                ..PowerSgdConfig::default()
+            }),
+        }
     }
 
     /// SGD's momentum in effect (0 unless given, as in `torch.optim.SGD`).

@@ -164,6 +164,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         checkpoint: opts.checkpoint.clone(),
         checkpoint_every: opts.checkpoint_every,
         allow_nonfinite: args.allow_nonfinite,
+        comm_hook: args.hook_spec(),
         compute_threads: args.threads_per_rank,
         stop: opts.stop,
     })

@@ -199,7 +199,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
         let flags = json!({
             "model": flag_name(&a.model.model),
             "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
-            "optimizer": flag_name(&a.optimizer), "seed": a.seed,
+            "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
             "backend": a.backend.name(),
             "bucket_mb": a.bucket_cap()?, "first_bucket_mb": a.first_bucket_mb,
             "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,

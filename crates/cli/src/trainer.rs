@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
 use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
+use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
 use brigade_models::{load_params, Dataset, Model, ModelKind};
 use brigade_tensor::{set_compute_threads, Tensor};
@@ -104,6 +105,8 @@ pub struct TrainConfig {
     pub checkpoint_every: Option<usize>,
     /// Train on through non-finite losses and parameters instead of stopping.
     pub allow_nonfinite: bool,
+    /// How DDP reduces each bucket; every rank builds its own hook from it.
+    pub comm_hook: HookSpec,
     /// Compute threads of each rank (default: the cores shared among the local ranks).
     pub compute_threads: Option<usize>,
     /// When set (e.g. by SIGINT), every rank stops after the current step.
@@ -202,6 +205,7 @@ impl<'a> Trainer<'a> {
             Some(d) => {
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
+                    comm_hook: cfg.comm_hook.build()?,
                     ..d.clone()
                 };
                 Some(DistributedDataParallel::new(model.params(), ctx.comm.clone(), d)?)

@@ -79,6 +79,28 @@ fn into_f32(b: Buffer) -> Result<Vec<f32>, CommError> {
         .map_err(|b| CommError::Unsupported(format!("expected an f32 buffer back, got {:?}", b.dtype())))
 }
 
+/// A built-in policy by name, to build one hook per rank from (a hook holds one rank's state).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HookSpec {
+    /// [`AllReduceHook`].
+    AllReduce,
+    /// [`CompressHook`] sending `half`.
+    Compress(HalfType),
+    /// [`PowerSgdHook`] with these settings.
+    PowerSgd(PowerSgdConfig),
+}
+
+impl HookSpec {
+    /// A new hook of this kind, for one rank.
+    pub fn build(&self) -> Result<Arc<dyn CommHook>, crate::DdpError> {
+        Ok(match *self {
+            HookSpec::AllReduce => Arc::new(AllReduceHook),
+            HookSpec::Compress(half) => Arc::new(CompressHook::new(half)),
+            HookSpec::PowerSgd(cfg) => Arc::new(PowerSgdHook::new(cfg)?),
+        })
+    }
+}
+
 /// The default policy: one all-reduce averaging the bucket over the ranks, in f32.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AllReduceHook;
