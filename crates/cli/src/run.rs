@@ -69,6 +69,11 @@ pub struct RunReport {
     pub params: Vec<(String, Tensor)>,
     /// Stopped before `--steps` by SIGINT/SIGTERM (after a finished step).
     pub interrupted: bool,
+    /// The error every rank agreed on that ended the run early (it diverged); the report
+    /// holds the steps before it, and the caller writes them before reporting it.
+    pub stopped: Option<CliError>,
+    /// Why rank 0 could not write the final checkpoint (the other outputs are still written).
+    pub checkpoint_error: Option<String>,
 }
 
 /// What one rank returns: its training outcome, and under MPI the recorded last step of
@@ -231,5 +236,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         timeline,
         params: train.params,
         interrupted: train.interrupted,
+        stopped: train.stopped,
+        checkpoint_error: train.checkpoint_error,
     })
 }

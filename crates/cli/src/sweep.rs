@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::args::{compact, flag_name, RunArgs};
 use crate::error::{write_atomic, CliError, Result};
-use crate::run::{run, RunOptions};
+use crate::run::{run, RunOptions, RunReport};
 use crate::timeline::write_timeline;
 use crate::train::median_min;
 
@@ -107,6 +107,14 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).
+fn finished(mut report: RunReport) -> Result<RunReport> {
+    match report.stopped.take() {
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
+}
+
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
     s.run.validate()?;
@@ -139,21 +147,21 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         a.first_bucket_mb = a.first_bucket_mb.min(b);
         // The baseline runs right before each row: this machine's speed drifts over
         // minutes, and the comparison must not.
-        let compute_only = run(
+        let compute_only = finished(run(
             &a,
             &RunOptions {
                 compute_only: true,
                 ..quiet.clone()
             },
-        )?;
+        )?)?;
         let compute_ms = median_step(&a, &compute_only.step_ms);
-        let report = run(
+        let report = finished(run(
             &a,
             &RunOptions {
                 record: true,
                 ..quiet.clone()
             },
-        )?;
+        )?)?;
         let tl = report.timeline.as_ref().expect("recording was on and steps ran");
         let buckets = bucket_times(&tl.events);
         let comm_ms: f64 = buckets.iter().map(|(_, d)| d).sum();

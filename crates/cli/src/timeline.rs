@@ -72,6 +72,14 @@ fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, plotters::coord::Shift
 /// Draws one lane pair per rank: compute (forward, backward per layer, optimizer) and
 /// the comm stream (each bucket's all-reduce), time in ms from the step's start.
 fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
+    // drawn into memory, then written atomically like every other output
+    let mut svg = String::new();
+    render_gantt(&mut svg, path, events, title)?;
+    write_atomic(path, svg.as_bytes())
+}
+
+/// The chart of [`draw_gantt`] as SVG text (`path` names it in errors).
+fn render_gantt(svg: &mut String, path: &Path, events: &[Event], title: &str) -> Result<()> {
     let err = |msg: String| CliError::Chart {
         path: path.display().to_string(),
         msg,
@@ -98,7 +106,7 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
         |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
     let y_of = |lane: usize| (lanes - 1 - lane) as f64;
     let height = 120 + 70 * lanes as u32 + LEGEND_HEIGHT;
-    let root = SVGBackend::new(path, (1400, height)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (1400, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let (upper, legend) = root.split_vertically(height - LEGEND_HEIGHT);
     draw_legend(&legend).map_err(err)?;

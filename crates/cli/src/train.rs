@@ -176,9 +176,24 @@ pub fn train(t: TrainArgs) -> Result<()> {
         checkpoint_every: t.checkpoint_every,
         stop: Some(crate::signal::stop_on_signals()),
     };
-    let report = run(&t.run, &opts)?;
-    let written = write_outputs(&t, &report, &kept);
+    let mut report = run(&t.run, &opts)?;
+    let stopped = report.stopped.take();
+    let mut written = write_outputs(&t, &report, &kept);
+    if let Some(failure) = report.checkpoint_error.take() {
+        written = match written {
+            Err(CliError::Outputs(mut failures)) => {
+                failures.push(failure);
+                Err(CliError::Outputs(failures))
+            }
+            Err(e) => Err(CliError::Outputs(vec![e.to_string(), failure])),
+            Ok(()) => Err(CliError::Outputs(vec![failure])),
+        };
+    }
     print_summary(&t, &report)?;
+    // a diverged run's finished steps are written above; then its error
+    if let Some(e) = stopped {
+        return Err(e);
+    }
     written?;
     if report.interrupted {
         let step = (report.first_step + report.losses.len()).saturating_sub(1);

@@ -136,6 +136,12 @@ pub struct TrainOutcome {
     pub step_ms: Vec<f64>,
     /// Stopped before `steps` because a stop was requested.
     pub interrupted: bool,
+    /// The error every rank agreed on that ended the run early (a non-finite loss or
+    /// parameters): the steps before it are kept, the last good checkpoint is not overwritten.
+    pub stopped: Option<CliError>,
+    /// Why the final checkpoint could not be written (rank 0), so that the run's other
+    /// outputs are still written and the failure is named beside theirs.
+    pub checkpoint_error: Option<String>,
     /// DDP buckets after the last step (empty without DDP).
     pub buckets: Vec<BucketInfo>,
     /// This rank's gradient memory (absent without DDP).
@@ -171,6 +177,9 @@ pub struct Trainer<'a> {
     first_step: usize,
     next_step: usize,
     checkpointed: Option<usize>,
+    /// This rank asks every rank to stop after the next step (rank 0 could not write a
+    /// periodic checkpoint).
+    stop_requested: bool,
 }
 
 impl<'a> Trainer<'a> {
@@ -222,6 +231,7 @@ impl<'a> Trainer<'a> {
             first_step,
             next_step: first_step,
             checkpointed: None,
+            stop_requested: false,
         })
     }
 
@@ -293,7 +303,7 @@ impl<'a> Trainer<'a> {
     /// The ranks' one all-reduce per step: mean loss, whether any rank's loss is not finite,
     /// whether any rank was asked to stop.
     fn agree(&self, local_loss: f64) -> Result<StepStatus> {
-        let stop = self.cfg.stop.is_some_and(|f| f.load(Ordering::SeqCst));
+        let stop = self.stop_requested || self.cfg.stop.is_some_and(|f| f.load(Ordering::SeqCst));
         let nonfinite = !local_loss.is_finite();
         if self.ctx.world_size == 1 {
             return Ok(StepStatus {
@@ -359,8 +369,16 @@ impl<'a> Trainer<'a> {
     /// at the end; `on_step` sees every step (e.g. to draw progress).
     pub fn run(mut self, mut on_step: impl FnMut(&StepOutcome)) -> Result<TrainOutcome> {
         let (mut losses, mut step_ms, mut interrupted) = (vec![], vec![], false);
+        let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
-            let s = self.step()?;
+            let s = match self.step() {
+                Ok(s) => s,
+                Err(e) if e.is_agreed() => {
+                    stopped = Some(e);
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
             losses.push(s.loss);
             step_ms.push(s.ms);
             on_step(&s);
@@ -373,12 +391,31 @@ impl<'a> Trainer<'a> {
                 .checkpoint_every
                 .is_some_and(|e| e > 0 && self.next_step % e == 0)
             {
-                self.checkpoint()?;
+                match self.checkpoint() {
+                    Ok(()) => {}
+                    Err(e) if e.is_agreed() => {
+                        stopped = Some(e);
+                        break;
+                    }
+                    // Rank 0 could not write it: every rank stops after the next step (they
+                    // agree on it then), and the outputs are written before the error.
+                    Err(e) => {
+                        checkpoint_error
+                            .get_or_insert(format!("--checkpoint (training stopped after the next step): {e}"));
+                        self.stop_requested = true;
+                    }
+                }
             }
         }
-        // The end (also of a run of zero steps, or an interrupted one) is always checkpointed.
-        if self.checkpointed != Some(self.next_step) {
-            self.checkpoint()?;
+        // The end (also of a run of zero steps, or an interrupted one) is always checkpointed,
+        // unless the run diverged (the last good checkpoint stays). A failed write there is
+        // reported with the other outputs, which are still written.
+        if stopped.is_none() && checkpoint_error.is_none() && self.checkpointed != Some(self.next_step) {
+            match self.checkpoint() {
+                Ok(()) => {}
+                Err(e) if e.is_agreed() => stopped = Some(e),
+                Err(e) => checkpoint_error = Some(format!("--checkpoint: {e}")),
+            }
         }
         let (buckets, memory) = match &self.ddp {
             Some(ddp) => (ddp.buckets(), Some(ddp.memory())),
@@ -394,6 +431,8 @@ impl<'a> Trainer<'a> {
             losses,
             step_ms,
             interrupted,
+            stopped,
+            checkpoint_error,
             buckets,
             memory,
             params,
