@@ -10,6 +10,7 @@ mod checkpoint;
 mod error;
 mod launch;
 mod outputs;
+mod predict;
 mod run;
 mod signal;
 mod sweep;
@@ -32,6 +33,9 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Step time, compute-only time and exposed communication for several bucket sizes.
     Sweep(Box<sweep::SweepArgs>),
+    /// Predict step time and exposed communication under other bucket caps, links or world
+    /// sizes from one recorded step (`brigade train --profile`), without running anything.
+    Predict(Box<predict::PredictArgs>),
     /// Micro-benchmarks (collectives: all-reduce bandwidth against memcpy).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Train(t) => train::train(*t).map_err(Into::into),
         Command::Sweep(s) => sweep::sweep(*s).map_err(Into::into),
+        Command::Predict(p) => predict::predict(*p).map_err(Into::into),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use brigade_comm::{Event, Recorder};
+use brigade_comm::{all_gather_bytes, Event, Recorder};
+use brigade_ddp::overlap::StepProfile;
 use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
 use brigade_models::{Dataset, ModelKind};
 use brigade_tensor::Tensor;
@@ -37,6 +38,8 @@ pub struct RunOptions {
     pub checkpoint_every: Option<usize>,
     /// Stop after the current step once this is set (see [`crate::signal`]).
     pub stop: Option<&'static AtomicBool>,
+    /// Record a step profile of the last synchronized step on every rank.
+    pub profile: bool,
 }
 
 /// One step of every rank, recorded.
@@ -74,6 +77,8 @@ pub struct RunReport {
     pub stopped: Option<CliError>,
     /// Why rank 0 could not write the final checkpoint (the other outputs are still written).
     pub checkpoint_error: Option<String>,
+    /// Every rank's profile of the last synchronized step (when profiling).
+    pub profile: Option<StepProfile>,
 }
 
 /// What one rank returns: its training outcome, and under MPI the recorded last step of
@@ -170,6 +175,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         checkpoint_every: opts.checkpoint_every,
         allow_nonfinite: args.allow_nonfinite,
         comm_hook: args.hook_spec(),
+        profile: opts.profile,
         compute_threads: args.threads_per_rank,
         stop: opts.stop,
     })
@@ -196,6 +202,17 @@ fn rank_main(ctx: &RankContext, cfg: &TrainConfig, data: &Dataset, progress: boo
         bar.finish_and_clear();
     }
     let train = train?;
+    let mut train = train;
+    if let Some(profile) = train.profile.as_mut() {
+        // every rank's entry, on every rank (rank 0 writes the file)
+        let mine = serde_json::to_vec(&profile.ranks[0]).map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
+        let all = all_gather_bytes(ctx.control.as_ref(), mine, "profile")?;
+        profile.ranks = all
+            .iter()
+            .map(|b| serde_json::from_slice(b))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| CliError::Usage(format!("step profile from a peer: {e}")))?;
+    }
     let gathered = match (&ctx.recorder, ctx.backend, train.last_step()) {
         (Some(rec), Backend::Mpi, Some(last)) => Some(gather_step_events(ctx.control.as_ref(), rec, last)?),
         _ => None,
@@ -238,5 +255,6 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         interrupted: train.interrupted,
         stopped: train.stopped,
         checkpoint_error: train.checkpoint_error,
+        profile: train.profile,
     })
 }

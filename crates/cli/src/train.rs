@@ -29,6 +29,11 @@ pub struct TrainArgs {
     /// Write a Chrome trace of the last step (and FILE.svg beside it); nothing when no step runs.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
+    /// Write the last step's profile (every rank's gradient-ready times, bucket launches and
+    /// link times, backward and optimizer spans; JSON, schema in `brigade_ddp::overlap`), for
+    /// `brigade predict`.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
     /// steps); also when no step runs.
     #[arg(long)]
@@ -111,6 +116,7 @@ impl TrainArgs {
             ("--save", &self.save),
             ("--losses", &self.losses),
             ("--timeline", &self.timeline),
+            ("--profile", &self.profile),
         ] {
             if let Some(p) = path {
                 out.push(Output::new(flag, p));
@@ -175,6 +181,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
         checkpoint: t.checkpoint.clone(),
         checkpoint_every: t.checkpoint_every,
         stop: Some(crate::signal::stop_on_signals()),
+        profile: t.profile.is_some(),
     };
     let mut report = run(&t.run, &opts)?;
     let stopped = report.stopped.take();
@@ -317,6 +324,22 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
             }
             _ => eprintln!(
                 "note: no step was run, so there is no timeline to write to {}",
+                path.display()
+            ),
+        }
+    }
+    if let Some(path) = &t.profile {
+        match &report.profile {
+            Some(profile) => {
+                let write = move || {
+                    let text = serde_json::to_string_pretty(profile)
+                        .map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
+                    write_atomic(path, text.as_bytes())
+                };
+                writes.push((Output::new("--profile", path), Box::new(write)));
+            }
+            None => eprintln!(
+                "note: no synchronized step was run (or no DDP), so there is no profile to write to {}",
                 path.display()
             ),
         }

@@ -15,6 +15,7 @@ use std::time::Instant;
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
 use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
 use brigade_ddp::hooks::HookSpec;
+use brigade_ddp::overlap::{ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
 use brigade_models::{load_params, Dataset, Model, ModelKind};
 use brigade_tensor::{set_compute_threads, Tensor};
@@ -111,6 +112,8 @@ pub struct TrainConfig {
     pub compute_threads: Option<usize>,
     /// When set (e.g. by SIGINT), every rank stops after the current step.
     pub stop: Option<&'static AtomicBool>,
+    /// Record a step profile of each synchronized step (the last one is kept).
+    pub profile: bool,
 }
 
 /// What one step did.
@@ -142,6 +145,8 @@ pub struct TrainOutcome {
     /// Why the final checkpoint could not be written (rank 0), so that the run's other
     /// outputs are still written and the failure is named beside theirs.
     pub checkpoint_error: Option<String>,
+    /// The last synchronized step's profile, this rank's entry only (when profiling).
+    pub profile: Option<StepProfile>,
     /// DDP buckets after the last step (empty without DDP).
     pub buckets: Vec<BucketInfo>,
     /// This rank's gradient memory (absent without DDP).
@@ -177,6 +182,8 @@ pub struct Trainer<'a> {
     first_step: usize,
     next_step: usize,
     checkpointed: Option<usize>,
+    /// The profile of the last synchronized step (this rank's entry only), when profiling.
+    profile: Option<StepProfile>,
     /// This rank asks every rank to stop after the next step (rank 0 could not write a
     /// periodic checkpoint).
     stop_requested: bool,
@@ -232,6 +239,7 @@ impl<'a> Trainer<'a> {
             next_step: first_step,
             checkpointed: None,
             stop_requested: false,
+            profile: None,
         })
     }
 
@@ -288,10 +296,44 @@ impl<'a> Trainer<'a> {
             });
         }
         let os = self.begin(EventKind::Optimizer);
+        let opt_start = Instant::now();
         self.opt.step()?;
+        let opt_end = Instant::now();
         self.end(os);
         self.end(step_span);
         self.next_step += 1;
+        if let (true, Some(ddp)) = (self.cfg.profile, &self.ddp) {
+            let pass = ddp.last_pass();
+            self.profile = RankProfile::from_pass(rank, t0, &pass, (opt_start, opt_end), Instant::now()).map(|r| {
+                let params = self
+                    .model
+                    .params()
+                    .params()
+                    .iter()
+                    .map(|p| {
+                        let v = p.value();
+                        let bytes = if p.requires_grad() {
+                            v.numel() * v.dtype().size_in_bytes()
+                        } else {
+                            0
+                        };
+                        ParamProfile {
+                            name: p.name().unwrap_or("<unnamed>").to_string(),
+                            bytes,
+                        }
+                    })
+                    .collect();
+                let d = self.cfg.ddp.as_ref().expect("profiling needs DDP");
+                StepProfile {
+                    version: PROFILE_VERSION,
+                    world_size: world,
+                    bucket_cap_mb: d.bucket_cap_mb,
+                    first_bucket_cap_mb: d.first_bucket_cap_mb,
+                    params,
+                    ranks: vec![r],
+                }
+            });
+        }
         Ok(StepOutcome {
             step: s,
             loss: status.loss,
@@ -433,6 +475,7 @@ impl<'a> Trainer<'a> {
             interrupted,
             stopped,
             checkpoint_error,
+            profile: self.profile.take(),
             buckets,
             memory,
             params,

@@ -65,7 +65,7 @@ fn a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_nothing_else() {
         d.join("losses.csv"),
         d.join("final.safetensors"),
     );
-    let mut child = Command::new(bin())
+    let child = Command::new(bin())
         .args(
             [
                 &["train"],

@@ -6,7 +6,7 @@ use brigade_autograd::{GradBus, GradSubscriber, ParamStore};
 use brigade_comm::Communicator;
 
 use crate::reducer::grad_bytes;
-use crate::reducer::Reducer;
+use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
 use crate::{DdpConfig, DdpError, Result};
 
@@ -113,6 +113,12 @@ impl DistributedDataParallel {
                 bytes: b.bytes(),
             })
             .collect()
+    }
+
+    /// When things happened in the last synchronized backward pass (ready times, bucket
+    /// launches and their time on the comm stream): what a step profile is made of.
+    pub fn last_pass(&self) -> PassTimes {
+        self.reducer.lock().pass.clone()
     }
 
     /// True once the buckets were rebuilt from the observed ready order.

@@ -20,7 +20,7 @@ mod signature;
 pub use bucket::assign_buckets;
 pub use ddp::{BucketInfo, DistributedDataParallel, MemoryReport};
 pub use error::{DdpError, Result};
-pub use reducer::bucket_tag;
+pub use reducer::{bucket_tag, PassBucket, PassTimes};
 
 use std::sync::Arc;
 

@@ -7,6 +7,7 @@
 //! `finalize_backward` is [`GradSubscriber::backward_finished`].
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{reducing_bucket, Buffer, Communicator, EventKind, Recorder, SpanId};
@@ -33,6 +34,36 @@ pub(crate) struct State {
     in_backward: bool,
     pub(crate) rebuilt: bool,
     span: Option<(EventKind, SpanId)>,
+    /// When things happened in the current (or last) synchronized pass.
+    pub(crate) pass: PassTimes,
+}
+
+/// When things happened in one synchronized backward pass, for step profiles
+/// ([`crate::overlap::RankProfile`]).
+#[derive(Debug, Clone, Default)]
+pub struct PassTimes {
+    /// When backward began.
+    pub started: Option<Instant>,
+    /// When backward's compute ended (before waiting for the buckets).
+    pub compute_end: Option<Instant>,
+    /// When each parameter's gradient became ready (registration order; `None`: frozen or not
+    /// announced).
+    pub grad_ready: Vec<Option<Instant>>,
+    /// The buckets in launch order.
+    pub buckets: Vec<PassBucket>,
+}
+
+/// One bucket of a [`PassTimes`].
+#[derive(Debug, Clone)]
+pub struct PassBucket {
+    /// Its parameters, in bucket order.
+    pub params: Vec<usize>,
+    /// Bytes reduced.
+    pub bytes: usize,
+    /// When its collective was issued.
+    pub launched: Instant,
+    /// When it ran on the comm stream (start, finish), once it completed.
+    pub ran: Option<(Instant, Instant)>,
 }
 
 pub(crate) struct Reducer {
@@ -105,6 +136,7 @@ impl Reducer {
                 in_backward: false,
                 rebuilt: !cfg.rebuild_buckets,
                 span: None,
+                pass: PassTimes::default(),
             }),
             cfg,
         })
@@ -127,6 +159,7 @@ impl Reducer {
         }
         st.ready[p] = true;
         st.ready_order.push(p);
+        st.pass.grad_ready[p] = Some(Instant::now());
         let b = st.bucket_of[p];
         st.buckets[b].pending -= 1;
         // Launch strictly in bucket order: a later bucket that fills first waits its turn.
@@ -166,9 +199,17 @@ impl Reducer {
             is_last,
         };
         // Collectives the hook issues on this thread are traced as this bucket's.
+        let launched = Instant::now();
         bucket.work = Some(reducing_bucket(b, || {
             self.cfg.comm_hook.reduce(&self.comm, grad_bucket)
         }));
+        let (params, bytes) = (bucket.params.clone(), bucket.bytes());
+        st.pass.buckets.push(PassBucket {
+            params,
+            bytes,
+            launched,
+            ran: None,
+        });
         Ok(())
     }
 
@@ -187,7 +228,13 @@ impl Reducer {
         let mut first_err = None;
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             if let Some(work) = bucket.work.take() {
-                match work.wait() {
+                let result = work.wait_timed().map(|(v, timing)| {
+                    if let Some(pb) = st.pass.buckets.get_mut(b) {
+                        pb.ran = Some((timing.started, timing.finished));
+                    }
+                    v
+                });
+                match result {
                     Ok(v) if v.len() == bucket.flat.numel() => {
                         let device = bucket.flat.device();
                         bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
@@ -273,6 +320,11 @@ impl Reducer {
         st.next_launch = 0;
         st.ready.iter_mut().for_each(|r| *r = false);
         st.ready_order.clear();
+        st.pass = PassTimes {
+            started: Some(Instant::now()),
+            grad_ready: vec![None; self.params.len()],
+            ..PassTimes::default()
+        };
         for b in st.buckets.iter_mut() {
             b.pending = b.params.len();
         }
@@ -304,6 +356,7 @@ impl Reducer {
     /// PyTorch's `finalize_backward`: waits for every bucket, then rebuilds them once.
     fn finish_pass(&self, st: &mut State) -> Result<()> {
         st.in_backward = false;
+        st.pass.compute_end = Some(Instant::now());
         if st.next_launch < st.buckets.len() {
             let params = (0..self.params.len())
                 .filter(|&p| self.trainable[p] && !st.ready[p])

@@ -20,7 +20,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::DdpError;
+use std::time::Instant;
+
+use crate::{DdpError, PassTimes};
 
 /// Version of the profile schema this build reads and writes.
 pub const PROFILE_VERSION: u32 = 1;
@@ -87,6 +89,49 @@ pub struct StepProfile {
     pub params: Vec<ParamProfile>,
     /// One entry per rank, in rank order.
     pub ranks: Vec<RankProfile>,
+}
+
+impl RankProfile {
+    /// One rank's profile of a step from DDP's [`PassTimes`] of its synchronized backward and
+    /// the training loop's instants, in seconds from `step_start`. `None` when the pass did
+    /// not run to its end.
+    pub fn from_pass(
+        rank: usize,
+        step_start: Instant,
+        pass: &PassTimes,
+        optimizer: (Instant, Instant),
+        step_end: Instant,
+    ) -> Option<RankProfile> {
+        let secs = |t: Instant| t.saturating_duration_since(step_start).as_secs_f64();
+        let (started, compute_end) = (pass.started?, pass.compute_end?);
+        let grad_ready_s: Vec<f64> = pass.grad_ready.iter().map(|t| secs(t.unwrap_or(started))).collect();
+        let buckets = pass
+            .buckets
+            .iter()
+            .map(|b| {
+                let launch_s = secs(b.launched);
+                let (start, finish) = b.ran.map_or((launch_s, launch_s), |(s, f)| (secs(s), secs(f)));
+                BucketProfile {
+                    params: b.params.clone(),
+                    bytes: b.bytes,
+                    ready_s: b.params.iter().map(|&p| grad_ready_s[p]).fold(0.0, f64::max),
+                    launch_s,
+                    start_s: start,
+                    finish_s: finish,
+                }
+            })
+            .collect();
+        Some(RankProfile {
+            rank,
+            backward_start_s: secs(started),
+            backward_end_s: secs(compute_end),
+            optimizer_start_s: secs(optimizer.0),
+            optimizer_end_s: secs(optimizer.1),
+            step_end_s: secs(step_end),
+            grad_ready_s,
+            buckets,
+        })
+    }
 }
 
 impl StepProfile {

@@ -1,0 +1,151 @@
+//! `brigade predict`: replay a recorded step (`brigade train --profile`) under other bucket
+//! caps, links and world sizes, without running anything (the overlap model,
+//! `brigade_ddp::overlap`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use brigade_comm::NetModel;
+use brigade_ddp::overlap::{replay, LinkCost, ReplayConfig, ReplayResult, StepProfile};
+use clap::Args;
+
+use crate::args::{compact, MAX_LATENCY_US, NET_GBPS};
+use crate::error::{CliError, Result};
+
+/// Options of `brigade predict`.
+#[derive(Args, Clone, Debug)]
+pub struct PredictArgs {
+    /// A step profile written by `brigade train --profile`.
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Bucket caps to predict, in MiB.
+    #[arg(long, value_delimiter = ',', default_value = "0.25,1,5,25,100")]
+    pub bucket_mb: Vec<f64>,
+    /// The first bucket's cap in MiB (default: 1, or the bucket cap when smaller).
+    #[arg(long)]
+    pub first_bucket_mb: Option<f64>,
+    /// A ring of links of this many gigabits per second (with --net-latency-us).
+    #[arg(long)]
+    pub net_gbps: Option<f64>,
+    /// Latency per message of those links, in microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub net_latency_us: f64,
+    /// The link the profiled run had, fitted from its recorded buckets (instead of --net-gbps).
+    #[arg(long)]
+    pub measured_link: bool,
+    /// Cost the collectives for this many ranks (default: the profile's).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Print the predictions as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl PredictArgs {
+    fn link(&self) -> Result<LinkCost> {
+        let bad = |m: String| Err(CliError::Usage(m));
+        match (self.net_gbps, self.measured_link) {
+            (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
+            (None, false) => {
+                bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into())
+            }
+            (None, true) => Ok(LinkCost::Measured),
+            (Some(g), false) => {
+                if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
+                    return bad(format!(
+                        "--net-gbps must be in {}..{}, got {g}",
+                        compact(NET_GBPS.0),
+                        compact(NET_GBPS.1)
+                    ));
+                }
+                if !(0.0..=MAX_LATENCY_US).contains(&self.net_latency_us) {
+                    return bad(format!(
+                        "--net-latency-us must be in 0..{}, got {}",
+                        compact(MAX_LATENCY_US),
+                        self.net_latency_us
+                    ));
+                }
+                Ok(LinkCost::Ring(NetModel {
+                    latency: Duration::from_secs_f64(self.net_latency_us * 1e-6),
+                    bandwidth_bytes_per_s: g * 1e9 / 8.0,
+                }))
+            }
+        }
+    }
+}
+
+/// Runs `brigade predict`.
+pub fn predict(a: PredictArgs) -> Result<()> {
+    let link = a.link()?;
+    if a.world_size == Some(0) {
+        return Err(CliError::Usage("--world-size must be at least 1".into()));
+    }
+    let text = std::fs::read_to_string(&a.profile).map_err(|source| CliError::Io {
+        path: a.profile.display().to_string(),
+        source,
+    })?;
+    let profile: StepProfile = serde_json::from_str(&text).map_err(|e| {
+        CliError::Usage(format!(
+            "{}: not a step profile (written by brigade train --profile): {e}",
+            a.profile.display()
+        ))
+    })?;
+    let mut rows = vec![];
+    for &cap in &a.bucket_mb {
+        let cfg = ReplayConfig {
+            bucket_cap_mb: cap,
+            first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(cap.min(1.0)),
+            link,
+            world_size: a.world_size,
+            order: Default::default(),
+        };
+        rows.push(replay(&profile, &cfg).map_err(|e| CliError::Usage(format!("{}: {e}", a.profile.display())))?);
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+        );
+    } else {
+        print_table(&profile, &rows);
+    }
+    Ok(())
+}
+
+fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
+    let ms = |s: f64| s * 1e3;
+    println!(
+        "profile: {} ranks, recorded at bucket cap {} MiB; predictions for {} ranks",
+        profile.world_size,
+        profile.bucket_cap_mb,
+        rows.first().map_or(profile.world_size, |r| r.world_size)
+    );
+    println!(
+        "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11} {:>13}  exposed buckets",
+        "bucket_MiB", "buckets", "step_ms", "compute_ms", "comm_ms", "exposed_ms", "lower_bound_ms"
+    );
+    for r in rows {
+        let exposed: Vec<String> = r
+            .buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.exposed_s > 0.0)
+            .map(|(i, b)| format!("{i} ({:.2} ms)", ms(b.exposed_s)))
+            .collect();
+        println!(
+            "{:>10} {:>7} {:>10.2} {:>12.2} {:>9.2} {:>11.2} {:>13.2}  {}",
+            r.bucket_cap_mb,
+            r.buckets.len(),
+            ms(r.predicted_step_s),
+            ms(r.compute_step_s),
+            ms(r.comm_s),
+            ms(r.exposed_comm_s),
+            ms(r.lower_bound_exposed_s),
+            if exposed.is_empty() {
+                "none".to_string()
+            } else {
+                exposed.join(", ")
+            }
+        );
+    }
+}
