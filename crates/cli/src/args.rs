@@ -42,6 +42,26 @@ pub const MAX_LATENCY_US: f64 = 1e7;
 /// Largest `--bucket-mb` / `--first-bucket-mb` (1 TiB).
 pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
 
+/// Checks `--net-gbps` and `--net-latency-us` (shared by `train`, `sweep` and `predict`).
+pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
+    if let Some(g) = gbps {
+        if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
+            return Err(CliError::Usage(format!(
+                "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
+                compact(NET_GBPS.0),
+                compact(NET_GBPS.1)
+            )));
+        }
+    }
+    if !(0.0..=MAX_LATENCY_US).contains(&latency_us) {
+        return Err(CliError::Usage(format!(
+            "--net-latency-us must be between 0 and {}, got {latency_us}",
+            compact(MAX_LATENCY_US)
+        )));
+    }
+    Ok(())
+}
+
 /// Which model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModelName {
@@ -296,22 +316,7 @@ impl RunArgs {
                 self.bucket_mb, self.first_bucket_mb
             ));
         }
-        if let Some(g) = self.net_gbps {
-            if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
-                return bad(format!(
-                    "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
-                    compact(NET_GBPS.0),
-                    compact(NET_GBPS.1)
-                ));
-            }
-        }
-        if !(0.0..=MAX_LATENCY_US).contains(&self.net_latency_us) {
-            return bad(format!(
-                "--net-latency-us must be between 0 and {}, got {}",
-                compact(MAX_LATENCY_US),
-                self.net_latency_us
-            ));
-        }
+        check_link(self.net_gbps, self.net_latency_us)?;
         if self.net_latency_us != 0.0 && self.net_gbps.is_none() {
             return bad(format!(
                 "--net-latency-us {} needs --net-gbps: the simulated network is on only with a bandwidth",

@@ -9,7 +9,7 @@ use brigade_comm::NetModel;
 use brigade_ddp::overlap::{replay, LinkCost, ReplayConfig, ReplayResult, StepProfile};
 use clap::Args;
 
-use crate::args::{compact, MAX_LATENCY_US, NET_GBPS};
+use crate::args::check_link;
 use crate::error::{CliError, Result};
 
 /// Options of `brigade predict`.
@@ -51,20 +51,7 @@ impl PredictArgs {
             }
             (None, true) => Ok(LinkCost::Measured),
             (Some(g), false) => {
-                if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
-                    return bad(format!(
-                        "--net-gbps must be in {}..{}, got {g}",
-                        compact(NET_GBPS.0),
-                        compact(NET_GBPS.1)
-                    ));
-                }
-                if !(0.0..=MAX_LATENCY_US).contains(&self.net_latency_us) {
-                    return bad(format!(
-                        "--net-latency-us must be in 0..{}, got {}",
-                        compact(MAX_LATENCY_US),
-                        self.net_latency_us
-                    ));
-                }
+                check_link(Some(g), self.net_latency_us)?;
                 Ok(LinkCost::Ring(NetModel {
                     latency: Duration::from_secs_f64(self.net_latency_us * 1e-6),
                     bandwidth_bytes_per_s: g * 1e9 / 8.0,

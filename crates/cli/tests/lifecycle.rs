@@ -2,6 +2,8 @@
 //! the last good checkpoint; SIGINT/SIGTERM stop after a step with every output written and
 //! exit 130; zero steps and a resume at the last step still checkpoint.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -55,15 +57,7 @@ fn checkpoint(path: &Path) -> (usize, Vec<f64>) {
 }
 
 fn loss_rows(path: &Path) -> Vec<(usize, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| {
-            let (s, v) = l.split_once(',').unwrap();
-            (s.parse().unwrap(), v.parse().unwrap())
-        })
-        .collect()
+    common::losses(path)
 }
 
 /// The one `error:` line of a failed run, checked to be one line with no panic.
