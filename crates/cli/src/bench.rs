@@ -10,6 +10,9 @@ use crate::args::{backend_parser, Backend};
 pub enum BenchCommand {
     /// All-reduce bandwidth (algbw, busbw) against single-thread memcpy bandwidth.
     Comm(CommArgs),
+    /// f32 GEMM: Brigade's matmul beside a direct call of the library under it (the `gemm`
+    /// crate on the CPU), and numpy's figure when given.
+    Gemm(crate::bench_gemm::GemmArgs),
 }
 
 /// Options of `brigade bench comm`.
@@ -37,6 +40,7 @@ pub struct CommArgs {
 pub fn run(cmd: BenchCommand) -> Result<(), Box<dyn std::error::Error>> {
     match cmd {
         BenchCommand::Comm(args) => bench_comm(args),
+        BenchCommand::Gemm(args) => crate::bench_gemm::bench_gemm(args).map_err(Into::into),
     }
 }
 

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod args;
 mod bench;
+mod bench_gemm;
 mod checkpoint;
 mod error;
 mod launch;
@@ -36,7 +37,7 @@ enum Command {
     /// Predict step time and exposed communication under other bucket caps, links or world
     /// sizes from one recorded step (`brigade train --profile`), without running anything.
     Predict(Box<predict::PredictArgs>),
-    /// Micro-benchmarks (collectives: all-reduce bandwidth against memcpy).
+    /// Micro-benchmarks: all-reduce bandwidth against memcpy; GEMM against the library under it.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }

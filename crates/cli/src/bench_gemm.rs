@@ -1,0 +1,201 @@
+//! `brigade bench gemm`: Brigade's f32 matmul beside a direct call of the library under it, on
+//! the same shapes in the same run (on the CPU the `gemm` crate; numpy's figure, from
+//! `../shared/tools/roofline.py`, printed beside it when given).
+
+use std::time::Instant;
+
+use brigade_tensor::{set_compute_threads, DType, Device, Rng, Tensor};
+use clap::Args;
+use serde::Serialize;
+
+use crate::error::{CliError, Result};
+
+/// Options of `brigade bench gemm`.
+#[derive(Args, Clone, Debug)]
+pub struct GemmArgs {
+    /// Shapes `MxKxN`, comma-separated (the MLP's own 64x2048x2048 among the defaults).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1024x1024x1024,2048x2048x2048,64x2048x2048"
+    )]
+    pub shapes: Vec<String>,
+    /// Compute threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Timed repetitions per shape (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// numpy's GFLOP/s for each shape (same order), measured in the same sitting.
+    #[arg(long, value_delimiter = ',')]
+    pub numpy_gflops: Option<Vec<f64>>,
+    /// `cpu`, or `cuda` / `cuda:N` (needs a GPU).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One shape's figures.
+#[derive(Debug, Serialize)]
+pub struct GemmRow {
+    /// `[m, k, n]`.
+    pub shape: [usize; 3],
+    /// Brigade's `Tensor::matmul`, GFLOP/s.
+    pub brigade_gflops: f64,
+    /// The library called directly, GFLOP/s.
+    pub direct_gflops: f64,
+    /// numpy's figure, when given.
+    pub numpy_gflops: Option<f64>,
+}
+
+fn parse_shape(s: &str) -> Result<[usize; 3]> {
+    let dims: Vec<usize> = s
+        .split('x')
+        .map(|d| d.trim().parse())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| CliError::Usage(format!("--shapes: '{s}' is not MxKxN (e.g. 1024x1024x1024)")))?;
+    match dims[..] {
+        [m, k, n] if m > 0 && k > 0 && n > 0 => Ok([m, k, n]),
+        _ => Err(CliError::Usage(format!(
+            "--shapes: '{s}' is not MxKxN with every size >= 1"
+        ))),
+    }
+}
+
+/// Median seconds of `reps` calls after one warm-up.
+fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[reps / 2])
+}
+
+/// Runs `brigade bench gemm`.
+pub fn bench_gemm(a: GemmArgs) -> Result<()> {
+    let shapes: Vec<[usize; 3]> = a.shapes.iter().map(|s| parse_shape(s)).collect::<Result<_>>()?;
+    if a.reps == 0 {
+        return Err(CliError::Usage("--reps must be at least 1".into()));
+    }
+    if let Some(np) = &a.numpy_gflops {
+        if np.len() != shapes.len() || np.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
+            return Err(CliError::Usage(format!(
+                "--numpy-gflops takes one positive figure per shape ({} shapes), got {np:?}",
+                shapes.len()
+            )));
+        }
+    }
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        d => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Device::Cuda(n),
+            None => {
+                return Err(CliError::Usage(format!(
+                    "--device must be cpu, cuda or cuda:N, got '{d}'"
+                )))
+            }
+        },
+    };
+    if device != Device::Cpu {
+        // the probe's error says what is missing; with a GPU, the comparison with cuBLAS is
+        // `scripts/gpu-check.sh` (tests/cuda_bench.rs)
+        Tensor::zeros(&[1], DType::F32).to_device(device)?;
+        return Err(CliError::Usage(format!(
+            "bench gemm --device {device}: the GPU comparison with direct cuBLAS runs in scripts/gpu-check.sh"
+        )));
+    }
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if threads == 0 {
+        return Err(CliError::Usage("--threads must be at least 1".into()));
+    }
+    set_compute_threads(threads);
+    let mut rng = Rng::new(0);
+    let mut rows = vec![];
+    for (i, &[m, k, n]) in shapes.iter().enumerate() {
+        let flops = 2.0 * (m * k * n) as f64;
+        let (x, y) = (
+            Tensor::randn(&[m, k], 1.0, DType::F32, &mut rng),
+            Tensor::randn(&[k, n], 1.0, DType::F32, &mut rng),
+        );
+        let brigade = median_secs(a.reps, || x.matmul(&y).map(|_| ()).map_err(Into::into))?;
+        let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
+        let mut out = vec![0f32; m * n];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| CliError::Usage(format!("a pool of {threads} threads: {e}")))?;
+        let direct = median_secs(a.reps, || {
+            pool.install(|| unsafe {
+                // SAFETY: row-major buffers of exactly m*k, k*n and m*n elements.
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    out.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    xv.as_ptr(),
+                    1,
+                    k as isize,
+                    yv.as_ptr(),
+                    1,
+                    n as isize,
+                    0.0f32,
+                    1.0f32,
+                    false,
+                    false,
+                    false,
+                    if threads > 1 {
+                        gemm::Parallelism::Rayon(threads)
+                    } else {
+                        gemm::Parallelism::None
+                    },
+                )
+            });
+            Ok(())
+        })?;
+        rows.push(GemmRow {
+            shape: [m, k, n],
+            brigade_gflops: flops / brigade / 1e9,
+            direct_gflops: flops / direct / 1e9,
+            numpy_gflops: a.numpy_gflops.as_ref().map(|g| g[i]),
+        });
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+        );
+        return Ok(());
+    }
+    println!("f32 GEMM on the CPU, {threads} threads, median of {} calls", a.reps);
+    println!(
+        "{:>18} {:>14} {:>17} {:>9} {:>13} {:>9}",
+        "m x k x n", "brigade GF/s", "gemm crate GF/s", "ratio", "numpy GF/s", "ratio"
+    );
+    for r in &rows {
+        let np = r.numpy_gflops.map_or(("-".to_string(), "-".to_string()), |g| {
+            (format!("{g:.1}"), format!("{:.2}", r.brigade_gflops / g))
+        });
+        println!(
+            "{:>18} {:>14.1} {:>17.1} {:>9.2} {:>13} {:>9}",
+            format!("{}x{}x{}", r.shape[0], r.shape[1], r.shape[2]),
+            r.brigade_gflops,
+            r.direct_gflops,
+            r.brigade_gflops / r.direct_gflops,
+            np.0,
+            np.1
+        );
+    }
+    Ok(())
+}
