@@ -8,6 +8,7 @@
 //! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
 //! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
 
+pub mod cuda;
 mod device;
 mod dtype;
 mod error;
