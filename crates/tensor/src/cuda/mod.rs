@@ -9,8 +9,17 @@
 //! pure parts (the cuBLAS argument mapping) are tested on the CPU. `scripts/gpu-check.sh`
 //! is the prepared first run on hardware.
 
+mod gemm;
 pub mod gemm_plan;
 pub mod nvrtc;
 pub mod probe;
 
 pub use probe::Unavailable;
+pub mod device;
+pub mod element;
+pub mod launch;
+mod ops;
+pub mod storage;
+
+pub use device::CudaDevice;
+pub use storage::CudaStorage;

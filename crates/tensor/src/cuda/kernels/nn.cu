@@ -166,13 +166,14 @@ __device__ void cross_entropy_rows_impl(const T* logits, const I* targets, T* pr
     }
 }
 
-// out[0] = sum(x) * scale, one block (the mean of the per-row losses).
+// out[0] = sum(x) / divisor accumulated in f64, one block: the mean of the per-row
+// losses, as the CPU accumulates it.
 template <typename T>
-__device__ void scaled_sum_impl(const T* x, T* out, u64 n, T scale) {
-    T acc = T(0);
-    for (u64 j = threadIdx.x; j < n; j += blockDim.x) acc += x[j];
-    acc = block_sum<T>(acc);
-    if (threadIdx.x == 0) out[0] = acc * scale;
+__device__ void mean_f64_impl(const T* x, T* out, u64 n, double divisor) {
+    double acc = 0.0;
+    for (u64 j = threadIdx.x; j < n; j += blockDim.x) acc += (double)x[j];
+    acc = block_sum<double>(acc);
+    if (threadIdx.x == 0) out[0] = (T)(acc / divisor);
 }
 
 // (probs - onehot(targets)) * scale; targets were checked by the forward.
@@ -208,7 +209,7 @@ __device__ void cross_entropy_backward_impl(const T* probs, const I* targets, T*
     extern "C" __global__ void causal_fill_##SUF(T* x, u64 n, u64 t, u64 s, T value) {                             \
         causal_fill_impl<T>(x, n, t, s, value);                                                                    \
     }                                                                                                              \
-    extern "C" __global__ void scaled_sum_##SUF(const T* x, T* out, u64 n, T scale) { scaled_sum_impl<T>(x, out, n, scale); }
+    extern "C" __global__ void mean_f64_##SUF(const T* x, T* out, u64 n, double divisor) { mean_f64_impl<T>(x, out, n, divisor); }
 
 #define NN_INDEXED(T, SUF, I, ISUF)                                                                                \
     extern "C" __global__ void embedding_##SUF##_##ISUF(const T* w, const I* ids, T* out, u64* bad, u64 n_ids,    \
