@@ -171,6 +171,30 @@ impl CudaStorage {
         }
     }
 
+    /// Copy in from a host slice of any element type (tests and staging).
+    pub fn from_host<T: CudaElement>(dev: &Arc<CudaDevice>, v: &[T]) -> Result<Self> {
+        if v.is_empty() {
+            return Ok(Self::empty(dev, T::DTYPE));
+        }
+        let s = dev
+            .stream()
+            .clone_htod(v)
+            .map_err(|e| fault(dev.location(), "copying host data to the device", e))?;
+        Ok(Self::from_slice(dev, s))
+    }
+
+    /// Copy out the whole storage as `T` (waits for the stream).
+    pub fn to_host<T: CudaElement>(&self) -> Result<Vec<T>> {
+        if self.len == 0 {
+            return Ok(Vec::new());
+        }
+        let d = self.data::<T>("to_host")?;
+        self.dev
+            .stream()
+            .clone_dtoh(d)
+            .map_err(|e| fault(self.device(), "copying device data to the host", e))
+    }
+
     /// Copy out: the whole storage into host memory (waits for the stream).
     pub fn to_cpu(&self) -> Result<CpuStorage> {
         fn down<T: CudaElement>(s: &CudaStorage) -> Result<Vec<T>> {
