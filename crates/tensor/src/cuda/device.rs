@@ -107,8 +107,8 @@ impl CudaDevice {
                     })?;
                     let m = self
                         .ctx
-                        .load_module(Ptx::from_src(compiled.ptx))
-                        .map_err(|e| fault(device, &format!("loading the PTX of {}", file.name), e))?;
+                        .load_module(Ptx::from_binary(compiled.cubin))
+                        .map_err(|e| fault(device, &format!("loading the CUBIN of {}", file.name), e))?;
                     modules.insert(file.name, m.clone());
                     m
                 }

@@ -1,10 +1,10 @@
 //! Brigade's CUDA C kernels and their compilation by NVRTC.
 //!
 //! The `.cu` files live beside this module and are embedded with `include_str!`; each is
-//! compiled on first use, for the architecture of the device that runs it (PTX from an
-//! NVRTC no newer than the driver), and cached per device by [`super::CudaDevice`]. NVRTC
-//! needs no GPU, so [`compile`] also runs on CPU-only machines: the test
-//! `crates/tensor/tests/cuda_nvrtc.rs` compiles every file for sm_80 and sm_90.
+//! compiled on first use to machine code for the architecture of the device that runs it,
+//! and cached per device by [`super::CudaDevice`]. NVRTC needs no GPU, so [`compile`] also
+//! runs on CPU-only machines: the test `crates/tensor/tests/cuda_nvrtc.rs` compiles every
+//! file for sm_80 and sm_90 with [`compile_strict`].
 
 use std::ffi::{c_char, CString};
 
@@ -103,13 +103,20 @@ pub fn compile_options(arch: &str) -> Vec<String> {
     ]
 }
 
-/// A compiled kernel file: its PTX text.
+/// A compiled kernel file: machine code (CUBIN) for one architecture, and NVRTC's log.
+///
+/// CUBIN rather than PTX: the driver loads it without JIT-compiling, so an NVRTC newer than
+/// the driver (CUDA minor-version compatibility) still works, where its PTX would be refused.
 #[derive(Debug, Clone)]
-pub struct CompiledPtx {
+pub struct CompiledKernels {
     /// The file it came from.
     pub file: KernelFile,
-    /// The PTX assembly.
-    pub ptx: String,
+    /// The architecture it was compiled for.
+    pub arch: String,
+    /// The CUBIN image.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log (empty when there was nothing to say; warnings otherwise).
+    pub log: String,
 }
 
 fn c_chars_to_string(v: &[c_char]) -> String {
@@ -128,9 +135,9 @@ impl Drop for Program {
     }
 }
 
-/// Compiles `file` (with [`COMMON`] prepended) for `arch` (e.g. `"sm_90"`). Any warning in
-/// NVRTC's log is a failure, so the kernels stay warning-free on every architecture.
-pub fn compile(file: KernelFile, arch: &str) -> Result<CompiledPtx, CompileFailure> {
+/// Compiles `file` (with [`COMMON`] prepended) to CUBIN for `arch` (e.g. `"sm_90"`).
+/// Warnings do not fail this call (the run-time path); [`compile_strict`] refuses them.
+pub fn compile(file: KernelFile, arch: &str) -> Result<CompiledKernels, CompileFailure> {
     if !probe::nvrtc_present() {
         return Err(Unavailable::Nvrtc.into());
     }
@@ -167,17 +174,34 @@ pub fn compile(file: KernelFile, arch: &str) -> Result<CompiledPtx, CompileFailu
             log,
         });
     }
-    if !log.is_empty() {
+    let mut size = 0usize;
+    // SAFETY: `prog` compiled successfully; `size` is a valid out-pointer.
+    unsafe { cudarc::nvrtc::sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+        .result()
+        .map_err(call("nvrtcGetCUBINSize"))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` holds exactly the size NVRTC reported.
+    unsafe { cudarc::nvrtc::sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut c_char) }
+        .result()
+        .map_err(call("nvrtcGetCUBIN"))?;
+    Ok(CompiledKernels {
+        file,
+        arch: arch.to_string(),
+        cubin,
+        log,
+    })
+}
+
+/// [`compile`], but any warning in NVRTC's log is a failure: what the kernel test uses, so
+/// the kernels stay warning-free on every architecture.
+pub fn compile_strict(file: KernelFile, arch: &str) -> Result<CompiledKernels, CompileFailure> {
+    let c = compile(file, arch)?;
+    if !c.log.is_empty() {
         return Err(CompileFailure::Warnings {
             file: file.name,
             arch: arch.to_string(),
-            log,
+            log: c.log,
         });
     }
-    // SAFETY: `prog` compiled successfully.
-    let ptx = unsafe { cudarc::nvrtc::result::get_ptx(prog.0) }.map_err(call("nvrtcGetPTX"))?;
-    Ok(CompiledPtx {
-        file,
-        ptx: c_chars_to_string(&ptx),
-    })
+    Ok(c)
 }
