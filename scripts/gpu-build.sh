@@ -30,7 +30,7 @@ PY
 rm "$CARRY/build.json"
 
 echo "== release brigade binary"
-cargo build --release -p brigade-cli
+cargo build --release -p brigade
 cp target/release/brigade "$CARRY/brigade"
 
 strip "$CARRY/brigade" "$CARRY"/tests/* 2>/dev/null || true

@@ -172,6 +172,28 @@ fn reductions_copies_and_casts_match_the_cpu() {
     let src = up(&dev, &Tensor::ones(&[2, 3], DType::F64));
     flat.add_scaled_assign(&view, (&src, &c(&[2, 3])), 2.0).unwrap();
     assert_eq!(host(&flat), vec![0.0, 0.0, 0.0, 0.0, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5]);
+    // copy through a transposed view, bit for bit (-0.0 stays -0.0), and an integer dtype
+    let mut dst = CudaStorage::zeros(&dev, DType::F64, 6).unwrap();
+    let src = CudaStorage::from_host(&dev, &[-0.0f64, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+    dst.copy_from(&c(&[3, 2]).transpose(0, 1).unwrap(), (&src, &c(&[2, 3])))
+        .unwrap();
+    let got = host(&dst);
+    assert_eq!(got, vec![-0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    assert!(got[0].is_sign_negative(), "-0.0 must survive the copy");
+    let mut ids = CudaStorage::zeros(&dev, DType::I64, 4).unwrap();
+    ids.copy_from(
+        &Layout::contiguous(&[4]).narrow(0, 1, 2).unwrap(),
+        (&up_ids(&dev, &[7, -9]), &c(&[2])),
+    )
+    .unwrap();
+    assert_eq!(ids.to_host::<i64>().unwrap(), vec![0, 7, -9, 0]);
+    // no dims to reduce: a copy of the view
+    assert_close(
+        "reduce over no dims",
+        &host(&g.reduce(&p, &[], false).unwrap()),
+        &x.permute(&[2, 0, 1]).unwrap().to_vec().unwrap(),
+        0.0,
+    );
 }
 
 #[test]

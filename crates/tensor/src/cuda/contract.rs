@@ -142,6 +142,10 @@ impl BackendStorage for CudaStorage {
         CudaStorage::fill(self, layout, v)
     }
 
+    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
+        CudaStorage::copy_from(self, layout, src)
+    }
+
     fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
         CudaStorage::add_scaled_assign(self, layout, src, scale)
     }

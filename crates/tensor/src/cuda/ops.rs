@@ -135,11 +135,14 @@ impl CudaStorage {
         })
     }
 
-    /// Sum (`max == false`) or maximum over `dims` (sorted, distinct) of the view (any
-    /// layout): the reduced dims are permuted last and gathered, then one block reduces
-    /// each row. The output is contiguous over the kept dims.
+    /// Sum (`max == false`) or maximum over `dims` (sorted, distinct; none: a copy) of the
+    /// view (any layout): the reduced dims are permuted last and gathered, then one block
+    /// reduces each row. The output is contiguous over the kept dims.
     pub fn reduce(&self, layout: &Layout, dims: &[usize], max: bool) -> Result<Self> {
         let op = if max { "max" } else { "sum" };
+        if dims.is_empty() {
+            return self.copy_strided(layout);
+        }
         let kept: Vec<usize> = (0..layout.rank()).filter(|d| !dims.contains(d)).collect();
         let perm: Vec<usize> = kept.iter().chain(dims).copied().collect();
         let rows: usize = kept.iter().map(|&d| layout.shape()[d]).product();

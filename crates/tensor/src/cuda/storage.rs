@@ -341,6 +341,54 @@ impl CudaStorage {
         }
     }
 
+    /// `self[view] = src` bit for bit (any dtype; `src` contiguous of the view's shape, another
+    /// storage).
+    pub fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
+        let op = "copy_from";
+        if src.0.dtype != self.dtype {
+            return Err(TensorError::DTypeMismatch {
+                op,
+                lhs: self.dtype,
+                rhs: src.0.dtype,
+            });
+        }
+        let n = layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_extent(op, layout)?;
+        src.0.check_extent(op, src.1)?;
+        let l = StridedLayout::of(op, layout)?;
+        let n64 = n as u64;
+        fn go<T: CudaElement>(
+            dst: &mut CudaStorage,
+            src: (&CudaStorage, &Layout),
+            l: &StridedLayout,
+            n64: &u64,
+        ) -> Result<()> {
+            let dev = dst.dev.clone();
+            let n = *n64 as usize;
+            let s = src.0.data::<T>("copy_from")?;
+            let s = s
+                .try_slice(src.1.offset()..src.1.offset() + n)
+                .ok_or(TensorError::OutOfRange {
+                    op: "copy_from",
+                    msg: format!("source view {:?} outside its storage", src.1.shape()),
+                })?;
+            let d = dst.data_mut::<T>("copy_from")?;
+            let name = format!("scatter_b{}", std::mem::size_of::<T>());
+            launch!(dev, COPY, name, for_elements(n), d, &s, l, n64)
+        }
+        match self.dtype {
+            DType::F32 => go::<f32>(self, src, &l, &n64),
+            DType::F64 => go::<f64>(self, src, &l, &n64),
+            DType::F16 => go::<f16>(self, src, &l, &n64),
+            DType::BF16 => go::<bf16>(self, src, &l, &n64),
+            DType::I64 => go::<i64>(self, src, &l, &n64),
+            DType::U8 => go::<u8>(self, src, &l, &n64),
+        }
+    }
+
     /// `self[view] += scale * src` (f32/f64; `src` contiguous of the view's shape, another
     /// storage).
     pub fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {

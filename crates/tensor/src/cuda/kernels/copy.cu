@@ -2,13 +2,17 @@
 // through a strided view (fill, scaled accumulate), and dtype conversions. Gathers and
 // fills move raw bits, so one kernel per element size serves every dtype.
 
-// out[i] = x[view(i)] for elements of 1, 2, 4 and 8 bytes.
+// out[i] = x[view(i)] (gather), dst[view(i)] = value (fill) and dst[view(i)] = src[i]
+// (scatter, bit for bit), for elements of 1, 2, 4 and 8 bytes.
 #define GATHER(bytes, T)                                                                  \
     extern "C" __global__ void gather_b##bytes(const T* x, T* out, StridedLayout lx, u64 n) { \
         GRID_STRIDE(i, n) out[i] = x[strided_offset(lx, i)];                              \
     }                                                                                     \
     extern "C" __global__ void fill_b##bytes(T* dst, StridedLayout ld, u64 n, T value) {  \
         GRID_STRIDE(i, n) dst[strided_offset(ld, i)] = value;                             \
+    }                                                                                     \
+    extern "C" __global__ void scatter_b##bytes(T* dst, const T* src, StridedLayout ld, u64 n) { \
+        GRID_STRIDE(i, n) dst[strided_offset(ld, i)] = src[i];                            \
     }
 
 GATHER(1, unsigned char)
