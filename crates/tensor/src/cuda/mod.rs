@@ -34,6 +34,6 @@ pub use storage::CudaStorage;
 // The device contract (`crate::backend`, from the device-seam branch) implemented by
 // forwarding to the wrappers above. It names `crate::backend`, which this branch does not
 // have yet: once device-seam is merged, drop the `cfg` to compile it in (it was
-// compile-checked against device-seam 44b734f in a scratch merge).
+// compile-checked against device-seam cedbcc1 in a scratch merge).
 #[cfg(any())]
 mod contract;
