@@ -38,7 +38,9 @@ run() {
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   if [ $rc -eq 0 ]; then say "PASS $name ($((SECONDS - t0)) s)"; else
-    say "FAIL $name: exit $rc after $((SECONDS - t0)) s (124: timed out); see $name.log"
+    local why="exit $rc"
+    [ $rc -eq 124 ] && why="timed out after ${limit} s"
+    say "FAIL $name: $why after $((SECONDS - t0)) s; see $name.log"
     FAILED=1
   fi
 }
@@ -69,11 +71,11 @@ for lib in libcublas.so libnvrtc.so libnccl.so; do
     FAILED=1
   fi
 done
-(nvidia-smi -L 2>&1 || echo "nvidia-smi: not available") | tee "$OUT/gpu.txt" | sed 's/^/gpu: /' >>"$SUMMARY"
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L >"$OUT/gpu.txt" 2>&1; else echo "nvidia-smi: not installed" >"$OUT/gpu.txt"; fi
+sed 's/^/gpu: /' "$OUT/gpu.txt" | tee -a "$SUMMARY"
 
 if [ "${1:-}" = "--dry-run" ]; then
   say "DRY RUN: stopping before the first step that needs a GPU"
-  cat "$SUMMARY"
   exit $FAILED
 fi
 
@@ -85,7 +87,10 @@ done
 
 # ---- GEMM: Brigade vs direct cuBLAS, 4096^3, f32 and bf16 (goal: >= 0.95x)
 BRIGADE_BENCH_OUT="$OUT/gemm_brigade.json" run bench-gemm 90 "$CARRY/tests/cuda_bench" --ignored --test-threads=1 gemm_4096
-[ -f "$OUT/gemm_brigade.json" ] && say "gemm (Brigade vs cuBLAS): $(cat "$OUT/gemm_brigade.json")"
+if [ -f "$OUT/gemm_brigade.json" ]; then say "gemm (Brigade vs cuBLAS): $(cat "$OUT/gemm_brigade.json")"; else
+  say "FAIL bench-gemm wrote no numbers"
+  FAILED=1
+fi
 
 # ---- PyTorch on the same GPU: the same GEMMs, and the GPT step of the issue
 cat >"$OUT/torch_side.py" <<'PY'

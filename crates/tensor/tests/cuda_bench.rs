@@ -35,6 +35,9 @@ fn time(dev: &CudaDevice, reps: usize, mut f: impl FnMut()) -> f64 {
 fn gemm_4096_brigade_vs_direct_cublas() {
     let dev = match CudaDevice::get(0) {
         Ok(d) => d,
+        Err(e) if std::env::var("BRIGADE_REQUIRE_CUDA").as_deref() == Ok("1") => {
+            panic!("gemm_4096_brigade_vs_direct_cublas: BRIGADE_REQUIRE_CUDA=1 but {e}")
+        }
         Err(e) => {
             let _ = writeln!(
                 std::io::stderr(),

@@ -37,3 +37,10 @@ pub use storage::CudaStorage;
 // compile-checked against device-seam cedbcc1 in a scratch merge).
 #[cfg(any())]
 mod contract;
+
+// Tensors share storage across rank threads: the CUDA types must be Send + Sync.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<CudaStorage>();
+    send_sync::<CudaDevice>();
+};
