@@ -31,11 +31,8 @@ pub use device::CudaDevice;
 pub use probe::Unavailable;
 pub use storage::CudaStorage;
 
-// The device contract (`crate::backend`, from the device-seam branch) implemented by
-// forwarding to the wrappers above. It names `crate::backend`, which this branch does not
-// have yet: once device-seam is merged, drop the `cfg` to compile it in (it was
-// compile-checked against device-seam cedbcc1 in a scratch merge).
-#[cfg(any())]
+// The device contract (`crate::backend`) implemented by forwarding to the wrappers above;
+// `crate::storage::DeviceStorage::Cuda` dispatches to it.
 mod contract;
 
 // Tensors share storage across rank threads: the CUDA types must be Send + Sync.
