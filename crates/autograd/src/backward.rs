@@ -69,12 +69,7 @@ impl Var {
         for bus in &buses {
             let mut in_graph: Vec<usize> = order
                 .iter()
-                .filter_map(|v| {
-                    v.0.param
-                        .as_ref()
-                        .filter(|p| p.bus.same(bus))
-                        .map(|p| p.index)
-                })
+                .filter_map(|v| v.0.param.as_ref().filter(|p| p.bus.same(bus)).map(|p| p.index))
                 .collect();
             in_graph.sort_unstable();
             for s in bus.snapshot() {
@@ -166,11 +161,10 @@ impl Var {
             }
         }
         for s in subscribers {
-            s.backward_finished()
-                .map_err(|source| AutogradError::Subscriber {
-                    param: "<backward end>".into(),
-                    source,
-                })?;
+            s.backward_finished().map_err(|source| AutogradError::Subscriber {
+                param: "<backward end>".into(),
+                source,
+            })?;
         }
         Ok(())
     }

@@ -55,10 +55,7 @@ pub struct GradBus {
 impl GradBus {
     /// Adds a subscriber; it sees every later backward pass.
     pub fn subscribe(&self, s: Arc<dyn GradSubscriber>) {
-        self.subscribers
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(s);
+        self.subscribers.write().unwrap_or_else(|e| e.into_inner()).push(s);
     }
 
     /// Removes a subscriber (compared by pointer).
@@ -70,10 +67,7 @@ impl GradBus {
     }
 
     pub(crate) fn snapshot(&self) -> Vec<Arc<dyn GradSubscriber>> {
-        self.subscribers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.subscribers.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// True when both handles are the same bus.

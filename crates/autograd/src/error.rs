@@ -33,9 +33,7 @@ pub enum AutogradError {
         op: &'static str,
     },
     /// A gradient buffer that does not fit its parameter.
-    #[error(
-        "gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}"
-    )]
+    #[error("gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}")]
     GradBuffer {
         param: String,
         expected: Vec<usize>,

@@ -30,12 +30,7 @@ pub(crate) fn relative_error(analytic: f64, numeric: f64) -> f64 {
 /// where `L = sum(f(x) * R)` for a fixed random `R` (so non-scalar outputs are checked
 /// in every direction at once). Returns an error naming the worst element when the
 /// relative error exceeds `tol`.
-pub fn gradcheck(
-    f: impl Fn(&[Var]) -> Result<Var>,
-    inputs: &[Tensor],
-    h: f64,
-    tol: f64,
-) -> Result<GradcheckReport> {
+pub fn gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor], h: f64, tol: f64) -> Result<GradcheckReport> {
     for t in inputs {
         if t.dtype() != DType::F64 {
             return Err(AutogradError::Invalid(format!(
@@ -111,11 +106,7 @@ mod tests {
             (1.0, f64::NEG_INFINITY),
             (f64::INFINITY, f64::INFINITY),
         ] {
-            assert_eq!(
-                relative_error(a, n),
-                f64::INFINITY,
-                "analytic {a}, numeric {n}"
-            );
+            assert_eq!(relative_error(a, n), f64::INFINITY, "analytic {a}, numeric {n}");
         }
     }
 }

@@ -27,19 +27,14 @@ impl Var {
         let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
         Ok(Var::from_op(op, out, &[self, rhs], move |g| {
             let (ga, gb) = bwd(&a, &b, g)?;
-            Ok(vec![
-                Some(ga.sum_to_shape(&sa)?),
-                Some(gb.sum_to_shape(&sb)?),
-            ])
+            Ok(vec![Some(ga.sum_to_shape(&sa)?), Some(gb.sum_to_shape(&sb)?)])
         }))
     }
 
     /// `a + b`, broadcasting.
     pub fn add(&self, rhs: &Var) -> Result<Var> {
         // d(a+b) = (g, g)
-        self.binary_broadcast(rhs, "add", Tensor::add, |_, _, g| {
-            Ok((g.clone(), g.clone()))
-        })
+        self.binary_broadcast(rhs, "add", Tensor::add, |_, _, g| Ok((g.clone(), g.clone())))
     }
 
     /// `a - b`, broadcasting.
@@ -51,9 +46,7 @@ impl Var {
     /// `a * b`, broadcasting.
     pub fn mul(&self, rhs: &Var) -> Result<Var> {
         // d(ab) = (g b, g a)
-        self.binary_broadcast(rhs, "mul", Tensor::mul, |a, b, g| {
-            Ok((g.mul(b)?, g.mul(a)?))
-        })
+        self.binary_broadcast(rhs, "mul", Tensor::mul, |a, b, g| Ok((g.mul(b)?, g.mul(a)?)))
     }
 
     /// `a / b`, broadcasting.
@@ -92,9 +85,7 @@ impl Var {
         let y = self.value().exp()?;
         let yc = y.clone();
         // d e^x = g e^x
-        Ok(Var::from_op("exp", y, &[self], move |g| {
-            Ok(vec![Some(g.mul(&yc)?)])
-        }))
+        Ok(Var::from_op("exp", y, &[self], move |g| Ok(vec![Some(g.mul(&yc)?)])))
     }
 
     /// Natural log.
@@ -102,9 +93,7 @@ impl Var {
         let x = self.value();
         let y = x.ln()?;
         // d ln x = g / x
-        Ok(Var::from_op("ln", y, &[self], move |g| {
-            Ok(vec![Some(g.div(&x)?)])
-        }))
+        Ok(Var::from_op("ln", y, &[self], move |g| Ok(vec![Some(g.div(&x)?)])))
     }
 
     /// Square root.
@@ -145,9 +134,7 @@ impl Var {
                 let k = a.shape()[a.rank() - 1];
                 let n = g.shape()[g.rank() - 1];
                 let rows = a.numel() / k.max(1);
-                a.reshape(&[rows, k])?
-                    .t()?
-                    .matmul(&g.reshape(&[rows, n])?)?
+                a.reshape(&[rows, k])?.t()?.matmul(&g.reshape(&[rows, n])?)?
             } else {
                 a.t()?.matmul(g)?.sum_to_shape(b.shape())?
             };
@@ -208,9 +195,7 @@ impl Var {
         let shape = x.shape().to_vec();
         let kept = keep_shape(&shape, dims);
         Ok(Var::from_op("sum", out, &[self], move |g| {
-            Ok(vec![Some(
-                g.reshape(&kept)?.broadcast_to(&shape)?.contiguous()?,
-            )])
+            Ok(vec![Some(g.reshape(&kept)?.broadcast_to(&shape)?.contiguous()?)])
         }))
     }
 
@@ -237,11 +222,7 @@ impl Var {
     pub fn max_dim(&self, dim: usize, keepdim: bool) -> Result<Var> {
         let x = self.value();
         let m = x.max_dim(dim, true)?;
-        let out = if keepdim {
-            m.clone()
-        } else {
-            x.max_dim(dim, false)?
-        };
+        let out = if keepdim { m.clone() } else { x.max_dim(dim, false)? };
         let shape = x.shape().to_vec();
         Ok(Var::from_op("max", out, &[self], move |g| {
             // mask = (x == max); grad = g * mask / count(mask)
@@ -249,9 +230,7 @@ impl Var {
             let count = mask.sum(&[dim], true)?;
             let g = g.reshape(m.shape())?;
             Ok(vec![Some(
-                mask.mul(&g.div(&count)?)?
-                    .broadcast_to(&shape)?
-                    .contiguous()?,
+                mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?,
             )])
         }))
     }
@@ -278,15 +257,10 @@ impl Var {
     pub fn layer_norm(&self, weight: &Var, bias: &Var, eps: f64) -> Result<Var> {
         let (x, w) = (self.value(), weight.value());
         let (y, saved) = x.layer_norm(&w, &bias.value(), eps)?;
-        Ok(Var::from_op(
-            "layer_norm",
-            y,
-            &[self, weight, bias],
-            move |g| {
-                let (dx, dw, db) = x.layer_norm_backward(&w, &saved, g)?;
-                Ok(vec![Some(dx), Some(dw), Some(db)])
-            },
-        ))
+        Ok(Var::from_op("layer_norm", y, &[self, weight, bias], move |g| {
+            let (dx, dw, db) = x.layer_norm_backward(&w, &saved, g)?;
+            Ok(vec![Some(dx), Some(dw), Some(db)])
+        }))
     }
 
     /// Rows of this `[vocab, d]` table picked by integer `ids`: `[ids.., d]`.
@@ -313,9 +287,7 @@ impl Var {
         let (loss, probs) = self.value().cross_entropy(targets)?;
         let targets = targets.clone();
         Ok(Var::from_op("cross_entropy", loss, &[self], move |g| {
-            Ok(vec![Some(
-                probs.cross_entropy_backward(&targets, g.item()?)?,
-            )])
+            Ok(vec![Some(probs.cross_entropy_backward(&targets, g.item()?)?)])
         }))
     }
 
@@ -323,12 +295,9 @@ impl Var {
     pub fn reshape(&self, shape: &[usize]) -> Result<Var> {
         let x = self.value();
         let old = x.shape().to_vec();
-        Ok(Var::from_op(
-            "reshape",
-            x.reshape(shape)?,
-            &[self],
-            move |g| Ok(vec![Some(g.reshape(&old)?)]),
-        ))
+        Ok(Var::from_op("reshape", x.reshape(shape)?, &[self], move |g| {
+            Ok(vec![Some(g.reshape(&old)?)])
+        }))
     }
 
     /// Swaps two dims (a view).
@@ -365,24 +334,17 @@ impl Var {
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Var> {
         let x = self.value();
         let (shape, dtype) = (x.shape().to_vec(), x.dtype());
-        Ok(Var::from_op(
-            "narrow",
-            x.narrow(dim, start, len)?,
-            &[self],
-            move |g| {
-                let full = Tensor::zeros(&shape, dtype);
-                full.narrow(dim, start, len)?.add_assign(g)?;
-                Ok(vec![Some(full)])
-            },
-        ))
+        Ok(Var::from_op("narrow", x.narrow(dim, start, len)?, &[self], move |g| {
+            let full = Tensor::zeros(&shape, dtype);
+            full.narrow(dim, start, len)?.add_assign(g)?;
+            Ok(vec![Some(full)])
+        }))
     }
 
     /// A contiguous copy (identity for gradients).
     pub fn contiguous(&self) -> Result<Var> {
         let out = self.value().contiguous()?;
-        Ok(Var::from_op("contiguous", out, &[self], |g| {
-            Ok(vec![Some(g.clone())])
-        }))
+        Ok(Var::from_op("contiguous", out, &[self], |g| Ok(vec![Some(g.clone())])))
     }
 }
 
@@ -400,9 +362,7 @@ fn keep_shape(shape: &[usize], dims: &[usize]) -> Vec<usize> {
 fn zero_mask(t: &Tensor) -> brigade_tensor::Result<Tensor> {
     let v = t.to_f64_vec()?;
     Ok(Tensor::from_f64_vec(
-        v.into_iter()
-            .map(|x| if x == 0.0 { 1.0 } else { 0.0 })
-            .collect(),
+        v.into_iter().map(|x| if x == 0.0 { 1.0 } else { 0.0 }).collect(),
         t.shape(),
         t.dtype(),
     ))

@@ -22,9 +22,7 @@ pub trait Optimizer: Send {
 }
 
 fn name_of(p: &Var, i: usize) -> String {
-    p.name()
-        .map(str::to_string)
-        .unwrap_or_else(|| format!("param{i}"))
+    p.name().map(str::to_string).unwrap_or_else(|| format!("param{i}"))
 }
 
 fn find<'a>(state: &'a [(String, Tensor)], key: &str) -> Result<&'a Tensor> {
@@ -82,11 +80,7 @@ impl Optimizer for Sgd {
             if is_first_step {
                 self.bufs[i] = Some(w.zeros_like()?);
             }
-            let buf = if with_momentum {
-                self.bufs[i].as_ref()
-            } else {
-                None
-            };
+            let buf = if with_momentum { self.bufs[i].as_ref() } else { None };
             let hp = SgdStep {
                 lr: self.lr,
                 momentum: self.momentum,
@@ -166,21 +160,9 @@ impl AdamW {
     }
 
     /// AdamW with every hyper-parameter given.
-    pub fn with_options(
-        params: Vec<Var>,
-        lr: f64,
-        betas: (f64, f64),
-        eps: f64,
-        weight_decay: f64,
-    ) -> Self {
-        let m = params
-            .iter()
-            .map(|p| Tensor::zeros(&p.shape(), DType::F32))
-            .collect();
-        let v = params
-            .iter()
-            .map(|p| Tensor::zeros(&p.shape(), DType::F32))
-            .collect();
+    pub fn with_options(params: Vec<Var>, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
+        let m = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
+        let v = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
         AdamW {
             params,
             lr,
@@ -207,8 +189,7 @@ impl Optimizer for AdamW {
         };
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = p.grad() else { continue };
-            p.value()
-                .adamw_step(&g.contiguous()?, &self.m[i], &self.v[i], &hp)?;
+            p.value().adamw_step(&g.contiguous()?, &self.m[i], &self.v[i], &hp)?;
         }
         Ok(())
     }
@@ -222,10 +203,7 @@ impl Optimizer for AdamW {
     }
 
     fn state(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut out = vec![(
-            "step".to_string(),
-            Tensor::from_vec(vec![self.step as f64], &[1])?,
-        )];
+        let mut out = vec![("step".to_string(), Tensor::from_vec(vec![self.step as f64], &[1])?)];
         for (i, p) in self.params.iter().enumerate() {
             let n = name_of(p, i);
             out.push((format!("{n}.exp_avg"), self.m[i].copy()?));

@@ -30,9 +30,7 @@ impl ParamStore {
     pub fn add(&mut self, name: impl Into<String>, value: Tensor) -> Result<Var> {
         let name = name.into();
         if self.get(&name).is_some() {
-            return Err(AutogradError::Invalid(format!(
-                "parameter '{name}' registered twice"
-            )));
+            return Err(AutogradError::Invalid(format!("parameter '{name}' registered twice")));
         }
         let info = ParamInfo {
             index: self.params.len(),

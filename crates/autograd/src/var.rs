@@ -85,23 +85,13 @@ impl std::fmt::Debug for Var {
         let t = self.value();
         match &self.0.param {
             Some(p) => write!(f, "Param({}, {:?})", p.name, t.shape()),
-            None => write!(
-                f,
-                "Var({:?}, requires_grad={})",
-                t.shape(),
-                self.requires_grad()
-            ),
+            None => write!(f, "Var({:?}, requires_grad={})", t.shape(), self.requires_grad()),
         }
     }
 }
 
 impl Var {
-    pub(crate) fn new_inner(
-        data: Tensor,
-        requires_grad: bool,
-        node: Option<Node>,
-        param: Option<ParamInfo>,
-    ) -> Var {
+    pub(crate) fn new_inner(data: Tensor, requires_grad: bool, node: Option<Node>, param: Option<ParamInfo>) -> Var {
         Var(Arc::new(VarInner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             data: RwLock::new(data),
@@ -144,11 +134,7 @@ impl Var {
 
     /// The current value (shares storage).
     pub fn value(&self) -> Tensor {
-        self.0
-            .data
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.0.data.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Replaces the value of a leaf (loading a checkpoint, broadcasting rank 0's
@@ -196,11 +182,7 @@ impl Var {
 
     /// The accumulated gradient of a leaf (a view into a bucket when one was attached).
     pub fn grad(&self) -> Option<Tensor> {
-        self.0
-            .grad
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Parameter name, if this is a registered parameter.
@@ -243,13 +225,7 @@ impl Var {
     /// Sets the accumulated gradient to zero, keeping its storage (and so any bucket
     /// view) in place.
     pub fn zero_grad(&self) -> Result<()> {
-        if let Some(g) = self
-            .0
-            .grad
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
+        if let Some(g) = self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             g.fill(0.0)?;
         }
         Ok(())

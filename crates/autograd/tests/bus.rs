@@ -3,9 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use brigade_autograd::{
-    no_grad, scope, AutogradError, GradReady, GradSubscriber, ParamStore, SubscriberError, Var,
-};
+use brigade_autograd::{no_grad, scope, AutogradError, GradReady, GradSubscriber, ParamStore, SubscriberError, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -25,10 +23,7 @@ impl GradSubscriber for Log {
             .push(Event::Node(scope.unwrap_or("").to_string()));
     }
     fn grad_ready(&self, ready: GradReady<'_>) -> Result<(), SubscriberError> {
-        self.0
-            .lock()
-            .unwrap()
-            .push(Event::Ready(ready.name.to_string()));
+        self.0.lock().unwrap().push(Event::Ready(ready.name.to_string()));
         Ok(())
     }
 }
@@ -46,10 +41,7 @@ fn mlp(store: &mut ParamStore, widths: &[usize], rng: &mut Rng) -> Vec<(Var, Var
                 )
                 .unwrap();
             let bias = store
-                .add(
-                    format!("layers.{i}.bias"),
-                    Tensor::randn(&[w[1]], 0.1, DType::F32, rng),
-                )
+                .add(format!("layers.{i}.bias"), Tensor::randn(&[w[1]], 0.1, DType::F32, rng))
                 .unwrap();
             (weight, bias)
         })
@@ -98,11 +90,7 @@ fn last_layer_is_announced_first_and_before_earlier_layers_run_backward() {
             }
         })
         .collect();
-    assert_eq!(
-        ready.len(),
-        8,
-        "every parameter announced exactly once: {ready:?}"
-    );
+    assert_eq!(ready.len(), 8, "every parameter announced exactly once: {ready:?}");
     assert!(
         ready[..2].iter().all(|n| n.starts_with("layers.3.")),
         "last layer first: {ready:?}"
@@ -122,9 +110,7 @@ fn last_layer_is_announced_first_and_before_earlier_layers_run_backward() {
             .unwrap();
         let first_earlier = events
             .iter()
-            .position(
-                |e| matches!(e, Event::Node(s) if s.starts_with("layers.") && layer_of(s) < i),
-            )
+            .position(|e| matches!(e, Event::Node(s) if s.starts_with("layers.") && layer_of(s) < i))
             .unwrap();
         assert!(
             last_ready < first_earlier,
@@ -136,9 +122,7 @@ fn last_layer_is_announced_first_and_before_earlier_layers_run_backward() {
 #[test]
 fn a_parameter_used_twice_is_announced_once_after_both_contributions() {
     let mut store = ParamStore::new();
-    let w = store
-        .add("w", Tensor::from_vec(vec![3.0f64], &[1]).unwrap())
-        .unwrap();
+    let w = store.add("w", Tensor::from_vec(vec![3.0f64], &[1]).unwrap()).unwrap();
     let log = Arc::new(Log::default());
     store.bus().subscribe(log.clone());
     // y = w*w + w  => dy/dw = 2w + 1 = 7
@@ -168,16 +152,10 @@ fn gradients_accumulate_into_an_attached_buffer_until_zeroed() {
     for _ in 0..2 {
         w.mul(&c).unwrap().sum_all().unwrap().backward().unwrap();
     }
-    assert_eq!(
-        flat.to_vec::<f64>().unwrap(),
-        vec![0.0, 0.0, 0.0, 20.0, 40.0]
-    );
+    assert_eq!(flat.to_vec::<f64>().unwrap(), vec![0.0, 0.0, 0.0, 20.0, 40.0]);
     store.zero_grad().unwrap();
     assert_eq!(flat.to_vec::<f64>().unwrap(), vec![0.0; 5]);
-    assert!(
-        w.grad().unwrap().shares_storage(&flat),
-        "zeroing keeps the buffer"
-    );
+    assert!(w.grad().unwrap().shares_storage(&flat), "zeroing keeps the buffer");
     assert!(
         w.set_grad_buffer(Tensor::zeros(&[3], DType::F64)).is_err(),
         "a buffer of the wrong shape is refused"
@@ -204,14 +182,7 @@ fn a_failing_subscriber_aborts_backward_with_its_message() {
     let mut store = ParamStore::new();
     let w = store.add("w", Tensor::ones(&[2], DType::F32)).unwrap();
     store.bus().subscribe(Arc::new(Refuse));
-    let err = w
-        .exp()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap_err()
-        .to_string();
+    let err = w.exp().unwrap().sum_all().unwrap().backward().unwrap_err().to_string();
     assert!(err.contains("cannot take w"), "{err}");
 }
 
@@ -288,10 +259,7 @@ fn a_frozen_parameter_gets_no_gradient_and_is_not_announced() {
     // y = sum(w * f)  =>  dy/dw = f = [3, 4]; nothing for f
     loss(&w, &frozen).backward().unwrap();
     assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), vec![3.0, 4.0]);
-    assert!(
-        frozen.grad().is_none(),
-        "a frozen parameter accumulates no gradient"
-    );
+    assert!(frozen.grad().is_none(), "a frozen parameter accumulates no gradient");
     let ready: Vec<Event> = log
         .0
         .lock()
@@ -309,10 +277,7 @@ fn a_frozen_parameter_gets_no_gradient_and_is_not_announced() {
     // unfreezing: gradients flow again
     frozen.set_requires_grad(true).unwrap();
     loss(&w, &frozen).backward().unwrap();
-    assert_eq!(
-        frozen.grad().unwrap().to_vec::<f64>().unwrap(),
-        vec![1.0, 2.0]
-    );
+    assert_eq!(frozen.grad().unwrap().to_vec::<f64>().unwrap(), vec![1.0, 2.0]);
     // only leaves can be frozen
     let y = w.exp().unwrap();
     assert!(matches!(

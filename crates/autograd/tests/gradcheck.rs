@@ -52,20 +52,11 @@ fn unary_ops() {
 
 #[test]
 fn matmul_plain_batched_and_transposed() {
-    check(
-        |v| v[0].matmul(&v[1]),
-        &[randn(&[3, 4], 9), randn(&[4, 5], 10)],
-    );
+    check(|v| v[0].matmul(&v[1]), &[randn(&[3, 4], 9), randn(&[4, 5], 10)]);
     // batched x batched
-    check(
-        |v| v[0].matmul(&v[1]),
-        &[randn(&[2, 3, 4], 11), randn(&[2, 4, 2], 12)],
-    );
+    check(|v| v[0].matmul(&v[1]), &[randn(&[2, 3, 4], 11), randn(&[2, 4, 2], 12)]);
     // batched x matrix (the linear-layer path that folds the batch into rows)
-    check(
-        |v| v[0].matmul(&v[1]),
-        &[randn(&[2, 3, 4], 13), randn(&[4, 5], 14)],
-    );
+    check(|v| v[0].matmul(&v[1]), &[randn(&[2, 3, 4], 13), randn(&[4, 5], 14)]);
     // non-contiguous inputs: a transposed view as the lhs, a transposed weight
     let at = randn(&[4, 3], 15).t().unwrap();
     assert!(!at.is_contiguous());
@@ -118,20 +109,11 @@ fn embedding_causal_mask_and_cross_entropy() {
 #[test]
 fn views_pass_gradients_back_to_the_right_elements() {
     let x = randn(&[2, 3, 4], 29);
-    check(
-        |v| v[0].reshape(&[6, 4])?.mul(&v[0].reshape(&[6, 4])?),
-        &[x.clone()],
-    );
+    check(|v| v[0].reshape(&[6, 4])?.mul(&v[0].reshape(&[6, 4])?), &[x.clone()]);
     check(|v| v[0].transpose(0, 2)?.exp(), &[x.clone()]);
     check(|v| v[0].permute(&[1, 2, 0])?.softmax(), &[x.clone()]);
-    check(
-        |v| v[0].narrow(2, 1, 2)?.sqrt(),
-        &[positive(&[2, 3, 4], 30)],
-    );
-    check(
-        |v| v[0].narrow(1, 1, 2)?.contiguous()?.sum(&[0], false),
-        &[x],
-    );
+    check(|v| v[0].narrow(2, 1, 2)?.sqrt(), &[positive(&[2, 3, 4], 30)]);
+    check(|v| v[0].narrow(1, 1, 2)?.contiguous()?.sum(&[0], false), &[x]);
 }
 
 #[test]
@@ -143,9 +125,7 @@ fn a_wrong_gradient_is_caught() {
     check(wrong, &[x.clone()]);
     // ... and comparing it against a different function's gradient fails
     let r = gradcheck(
-        |v: &[Var]| {
-            Ok(Var::constant(v[0].value().exp()?)).and_then(|c| c.add(&v[0].mul_scalar(0.0)?))
-        },
+        |v: &[Var]| Ok(Var::constant(v[0].value().exp()?)).and_then(|c| c.add(&v[0].mul_scalar(0.0)?)),
         &[x],
         H,
         TOL,

@@ -6,9 +6,7 @@ use brigade_tensor::Tensor;
 /// One parameter `p` with loss `sum(p * c)`, so that the gradient is exactly `c`.
 fn setup(p0: &[f32], c: &[f32]) -> (ParamStore, Var, Var) {
     let mut store = ParamStore::new();
-    let p = store
-        .add("p", Tensor::from_slice(p0, &[p0.len()]).unwrap())
-        .unwrap();
+    let p = store.add("p", Tensor::from_slice(p0, &[p0.len()]).unwrap()).unwrap();
     let c = Var::constant(Tensor::from_slice(c, &[c.len()]).unwrap());
     (store, p, c)
 }
@@ -70,31 +68,15 @@ fn adamw_two_steps_and_state_round_trip() {
     let mut opt2 = AdamW::new(store2.params().to_vec(), 0.1);
     opt2.load_state(&saved).unwrap();
     grad_step(&store2, &q, &c2, &mut opt2);
-    assert_eq!(
-        q.value().to_vec::<f32>().unwrap(),
-        p.value().to_vec::<f32>().unwrap()
-    );
+    assert_eq!(q.value().to_vec::<f32>().unwrap(), p.value().to_vec::<f32>().unwrap());
     let bits = |o: &dyn Optimizer| -> Vec<(String, Vec<u64>)> {
         o.state()
             .unwrap()
             .into_iter()
-            .map(|(n, t)| {
-                (
-                    n,
-                    t.to_f64_vec()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect(),
-                )
-            })
+            .map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|x| x.to_bits()).collect()))
             .collect()
     };
-    assert_eq!(
-        bits(&opt2),
-        bits(&opt),
-        "the restored optimizer's state after step 2"
-    );
+    assert_eq!(bits(&opt2), bits(&opt), "the restored optimizer's state after step 2");
 }
 
 /// Two parameters, one frozen: `loss = sum(p * c) + sum(f * c)`.
@@ -137,10 +119,7 @@ fn optimizers_leave_a_frozen_parameter_unchanged() {
         // moments) that would move it again
         step(&mut opt);
         f.set_requires_grad(false).unwrap();
-        let (p_before, f_before) = (
-            p.value().to_vec::<f32>().unwrap(),
-            f.value().to_vec::<f32>().unwrap(),
-        );
+        let (p_before, f_before) = (p.value().to_vec::<f32>().unwrap(), f.value().to_vec::<f32>().unwrap());
         // weight decay and momentum would move it without a gradient if it were not skipped
         step(&mut opt);
         step(&mut opt);

@@ -61,10 +61,8 @@ pub enum OptimizerName {
 
 /// Parses `--backend` into the launcher's [`Backend`] (the one backend enum).
 pub fn backend_parser() -> impl TypedValueParser<Value = Backend> {
-    PossibleValuesParser::new(
-        Backend::ALL.map(|(_, name, help)| PossibleValue::new(name).help(help)),
-    )
-    .map(|s| s.parse::<Backend>().expect("one of the possible values"))
+    PossibleValuesParser::new(Backend::ALL.map(|(_, name, help)| PossibleValue::new(name).help(help)))
+        .map(|s| s.parse::<Backend>().expect("one of the possible values"))
 }
 
 /// The model and its shape.
@@ -130,9 +128,7 @@ impl ModelArgs {
                     }
                 }
                 if self.context == 0 {
-                    return bad(
-                        "--context must be at least 1 (tokens the model reads per row)".into(),
-                    );
+                    return bad("--context must be at least 1 (tokens the model reads per row)".into());
                 }
                 if !self.d_model.is_multiple_of(self.heads) {
                     return bad(format!(
@@ -205,12 +201,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
     /// DDP bucket cap in MiB (`brigade sweep` takes a comma-separated list).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        value_delimiter = ',',
-        default_value = "25"
-    )]
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_value = "25")]
     pub bucket_mb: Vec<f64>,
     /// DDP first-bucket cap in MiB.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
@@ -257,9 +248,7 @@ impl RunArgs {
         }
         if let Some(wd) = self.weight_decay {
             if !(wd >= 0.0 && wd.is_finite()) {
-                return bad(format!(
-                    "--weight-decay must be a finite number >= 0, got {wd}"
-                ));
+                return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
             }
         }
         if let Some(m) = self.momentum {
@@ -274,8 +263,7 @@ impl RunArgs {
             }
         }
         let positive = |b: f64| b > 0.0 && b.is_finite() && b <= MAX_BUCKET_MB;
-        if self.bucket_mb.is_empty()
-            || !(self.bucket_mb.iter().all(|&b| positive(b)) && positive(self.first_bucket_mb))
+        if self.bucket_mb.is_empty() || !(self.bucket_mb.iter().all(|&b| positive(b)) && positive(self.first_bucket_mb))
         {
             return bad(format!(
                 "--bucket-mb and --first-bucket-mb must be finite, > 0 and at most {MAX_BUCKET_MB}, got {:?} and {}",

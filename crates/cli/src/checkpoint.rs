@@ -5,8 +5,7 @@ use std::path::Path;
 
 use brigade_autograd::Optimizer;
 use brigade_models::{
-    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Dataset, Model,
-    ModelKind,
+    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Dataset, Model, ModelKind,
 };
 use brigade_tensor::Tensor;
 
@@ -41,11 +40,7 @@ pub fn save_checkpoint(
         .into_iter()
         .map(|(n, t)| (format!("model.{n}"), t))
         .collect();
-    tensors.extend(
-        opt.state()?
-            .into_iter()
-            .map(|(n, t)| (format!("optim.{n}"), t)),
-    );
+    tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     let meta = [
         ("format", CHECKPOINT_FORMAT.to_string()),
         ("step", step.to_string()),
@@ -75,16 +70,12 @@ pub fn load_checkpoint(
     };
     let (tensors, meta) = load_safetensors_with_metadata(path)?;
     if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
-        return Err(err(
-            "not a brigade checkpoint (written by --checkpoint)".into()
-        ));
+        return Err(err("not a brigade checkpoint (written by --checkpoint)".into()));
     }
     for (key, want) in [("model", id.kind.name()), ("optimizer", id.optimizer)] {
         let got = meta.get(key).cloned().unwrap_or_default();
         if got != want {
-            return Err(err(format!(
-                "it was written for {key} '{got}', this run uses '{want}'"
-            )));
+            return Err(err(format!("it was written for {key} '{got}', this run uses '{want}'")));
         }
     }
     // the seed chooses the built-in data; the fingerprint tells any data apart (older

@@ -14,10 +14,7 @@ pub enum CliError {
     Usage(String),
     /// Reading or writing a file.
     #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(transparent)]
@@ -51,11 +48,7 @@ pub enum CliError {
         "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept; \
          lower --lr, or pass --allow-nonfinite to train on"
     )]
-    NonFinite {
-        step: usize,
-        what: String,
-        value: f64,
-    },
+    NonFinite { step: usize, what: String, value: f64 },
     /// SIGINT or SIGTERM stopped the run after a step (exit status 130).
     #[error("interrupted after step {step} of {steps}: the outputs hold every finished step")]
     Interrupted { step: usize, steps: usize },
@@ -64,10 +57,7 @@ pub enum CliError {
 impl CliError {
     /// Whether every rank reaches this error together (so it names no rank and needs no abort).
     pub fn is_agreed(&self) -> bool {
-        matches!(
-            self,
-            CliError::NonFinite { .. } | CliError::Interrupted { .. }
-        )
+        matches!(self, CliError::NonFinite { .. } | CliError::Interrupted { .. })
     }
 
     /// This error as rank `rank`'s of `world` (unchanged when it is agreed or the world is one rank).

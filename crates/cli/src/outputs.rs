@@ -40,8 +40,7 @@ fn landing(o: &Output) -> Result<PathBuf> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let dir = std::fs::canonicalize(&dir)
-        .map_err(|e| usage(format!("directory {}: {e}", dir.display())))?;
+    let dir = std::fs::canonicalize(&dir).map_err(|e| usage(format!("directory {}: {e}", dir.display())))?;
     if !dir.is_dir() {
         return Err(usage(format!("{} is not a directory", dir.display())));
     }
@@ -56,10 +55,7 @@ fn writable(dir: &Path) -> std::io::Result<()> {
         std::process::id(),
         std::thread::current().id()
     ));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)?;
+    std::fs::OpenOptions::new().write(true).create_new(true).open(&probe)?;
     std::fs::remove_file(&probe)
 }
 
@@ -128,14 +124,9 @@ mod tests {
     #[test]
     fn a_failed_write_does_not_stop_the_others_and_every_failure_is_named() {
         let d = dir("write-all");
-        let (a, b, c) = (
-            d.join("a.csv"),
-            d.join("missing").join("b.json"),
-            d.join("c.csv"),
-        );
-        let write = |p: PathBuf| -> Box<dyn FnOnce() -> Result<()>> {
-            Box::new(move || crate::error::write_atomic(&p, b"x"))
-        };
+        let (a, b, c) = (d.join("a.csv"), d.join("missing").join("b.json"), d.join("c.csv"));
+        let write =
+            |p: PathBuf| -> Box<dyn FnOnce() -> Result<()>> { Box::new(move || crate::error::write_atomic(&p, b"x")) };
         let e = write_all(vec![
             (Output::new("--losses", &a), write(a.clone())),
             (Output::new("--timeline", &b), write(b.clone())),
@@ -147,14 +138,9 @@ mod tests {
         ])
         .unwrap_err()
         .to_string();
+        assert!(a.exists() && c.exists(), "the writes after a failure still happen");
         assert!(
-            a.exists() && c.exists(),
-            "the writes after a failure still happen"
-        );
-        assert!(
-            e.contains("--timeline")
-                && e.contains("b.json")
-                && e.contains("--checkpoint /proc/x.ckpt"),
+            e.contains("--timeline") && e.contains("b.json") && e.contains("--checkpoint /proc/x.ckpt"),
             "{e}"
         );
         assert!(!e.contains("--losses") && !e.contains("--save"), "{e}");

@@ -170,12 +170,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
 }
 
 /// One rank: train, with a progress bar on rank 0; under MPI, gather the recorded last step.
-fn rank_main(
-    ctx: &RankContext,
-    cfg: &TrainConfig,
-    data: &Dataset,
-    progress: bool,
-) -> Result<RankOut> {
+fn rank_main(ctx: &RankContext, cfg: &TrainConfig, data: &Dataset, progress: bool) -> Result<RankOut> {
     let trainer = Trainer::new(cfg, data, ctx)?;
     let bar = (progress && ctx.rank == 0).then(|| {
         let bar = ProgressBar::new(cfg.steps.saturating_sub(trainer.first_step()) as u64);
@@ -187,10 +182,7 @@ fn rank_main(
     });
     let train = trainer.run(|s| {
         if let Some(bar) = &bar {
-            bar.set_message(format!(
-                "step {} loss {:.4} | {:.1} ms/step",
-                s.step, s.loss, s.ms
-            ));
+            bar.set_message(format!("step {} loss {:.4} | {:.1} ms/step", s.step, s.loss, s.ms));
             bar.inc(1);
         }
     });
@@ -199,9 +191,7 @@ fn rank_main(
     }
     let train = train?;
     let gathered = match (&ctx.recorder, ctx.backend, train.last_step()) {
-        (Some(rec), Backend::Mpi, Some(last)) => {
-            Some(gather_step_events(ctx.control.as_ref(), rec, last)?)
-        }
+        (Some(rec), Backend::Mpi, Some(last)) => Some(gather_step_events(ctx.control.as_ref(), rec, last)?),
         _ => None,
     };
     Ok(RankOut { train, gathered })

@@ -97,9 +97,7 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
     for entry in std::fs::read_dir(out).map_err(io)? {
         let entry = entry.map_err(io)?;
         // regular files only: a symbolic link stays, and the new output is written through it
-        if entry.file_name().to_str().is_some_and(written_by_a_sweep)
-            && entry.file_type().map_err(io)?.is_file()
-        {
+        if entry.file_name().to_str().is_some_and(written_by_a_sweep) && entry.file_type().map_err(io)?.is_file() {
             std::fs::remove_file(entry.path()).map_err(|source| CliError::Io {
                 path: entry.path().display().to_string(),
                 source,
@@ -156,10 +154,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?;
-        let tl = report
-            .timeline
-            .as_ref()
-            .expect("recording was on and steps ran");
+        let tl = report.timeline.as_ref().expect("recording was on and steps ran");
         let buckets = bucket_times(&tl.events);
         let comm_ms: f64 = buckets.iter().map(|(_, d)| d).sum();
         let step_ms = median_step(&a, &report.step_ms);
@@ -218,14 +213,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     } else {
         println!(
             "{:>10} {:>7} {:>9} {:>12} {:>9} {:>14} {:>12} {:>7}",
-            "bucket_MiB",
-            "buckets",
-            "step_ms",
-            "compute_ms",
-            "comm_ms",
-            "last_bucket_ms",
-            "exposed_ms",
-            "hidden"
+            "bucket_MiB", "buckets", "step_ms", "compute_ms", "comm_ms", "last_bucket_ms", "exposed_ms", "hidden"
         );
         for r in &rows {
             println!(
@@ -253,12 +241,7 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
     write_atomic(path, svg.as_bytes())
 }
 
-fn render_chart(
-    svg: &mut String,
-    path: &std::path::Path,
-    rows: &[SweepRow],
-    a: &RunArgs,
-) -> Result<()> {
+fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
     let err = |m: String| CliError::Chart {
         path: path.display().to_string(),
         msg: m,
@@ -268,12 +251,7 @@ fn render_chart(
         xs.iter().copied().fold(f64::INFINITY, f64::min),
         xs.iter().copied().fold(0.0, f64::max),
     );
-    let ymax = rows
-        .iter()
-        .map(|r| r.step_ms.max(r.comm_ms))
-        .fold(0.0, f64::max)
-        * 1.15
-        + 1e-3;
+    let ymax = rows.iter().map(|r| r.step_ms.max(r.comm_ms)).fold(0.0, f64::max) * 1.15 + 1e-3;
     let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let caption = format!(
@@ -281,9 +259,7 @@ fn render_chart(
         flag_name(&a.model.model),
         a.world_size,
         a.rows_per_rank(),
-        a.net_gbps
-            .map(|g| g.to_string())
-            .unwrap_or_else(|| "unlimited".into()),
+        a.net_gbps.map(|g| g.to_string()).unwrap_or_else(|| "unlimited".into()),
         a.net_latency_us
     );
     let mut chart = ChartBuilder::on(&root)
@@ -292,9 +268,7 @@ fn render_chart(
         .x_label_area_size(45)
         .y_label_area_size(60)
         .build_cartesian_2d(
-            (xmin / 1.5..xmax * 1.5)
-                .log_scale()
-                .with_key_points(xs.clone()),
+            (xmin / 1.5..xmax * 1.5).log_scale().with_key_points(xs.clone()),
             0.0..ymax,
         )
         .map_err(|e| err(e.to_string()))?;
@@ -317,9 +291,7 @@ fn render_chart(
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| err(e.to_string()))?
             .label(name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         chart
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
             .map_err(|e| err(e.to_string()))?;

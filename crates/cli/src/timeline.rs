@@ -12,8 +12,7 @@ use crate::error::{write_atomic, CliError, Result};
 /// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
 pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
     let json = chrome_trace(events, origin);
-    let text =
-        serde_json::to_string(&json).map_err(|e| CliError::Usage(format!("timeline JSON: {e}")))?;
+    let text = serde_json::to_string(&json).map_err(|e| CliError::Usage(format!("timeline JSON: {e}")))?;
     write_atomic(path, text.as_bytes())?;
     draw_gantt(&path.with_extension("svg"), events, title)
 }
@@ -32,12 +31,7 @@ fn color_for(e: &Event) -> RGBColor {
         EventKind::WaitForBuckets => RGBColor(160, 160, 160),
         EventKind::Backward { scope } => {
             // backward spans alternate two purples so adjacent layers stay apart
-            let n: usize = scope
-                .as_deref()
-                .unwrap_or("")
-                .bytes()
-                .map(usize::from)
-                .sum();
+            let n: usize = scope.as_deref().unwrap_or("").bytes().map(usize::from).sum();
             if n % 2 == 0 {
                 RGBColor(142, 68, 173)
             } else {
@@ -63,19 +57,13 @@ const LEGEND: [(&str, RGBColor); 6] = [
 const LEGEND_HEIGHT: u32 = 30;
 
 /// One row of colour swatches with their meaning.
-fn draw_legend<DB: DrawingBackend>(
-    area: &DrawingArea<DB, plotters::coord::Shift>,
-) -> std::result::Result<(), String> {
+fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, plotters::coord::Shift>) -> std::result::Result<(), String> {
     let mut x = 170;
     for (label, color) in LEGEND {
         area.draw(&Rectangle::new([(x, 8), (x + 14, 22)], color.filled()))
             .map_err(|e| e.to_string())?;
-        area.draw(&Text::new(
-            label,
-            (x + 19, 9),
-            ("sans-serif", 13).into_font(),
-        ))
-        .map_err(|e| e.to_string())?;
+        area.draw(&Text::new(label, (x + 19, 9), ("sans-serif", 13).into_font()))
+            .map_err(|e| e.to_string())?;
         x += 40 + 7 * label.len() as i32;
     }
     Ok(())
@@ -92,12 +80,7 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
         .iter()
         .filter(|e| e.start.is_some() && e.end.is_some() && drawable(e))
         .collect();
-    let Some(t0) = events
-        .iter()
-        .filter_map(|e| e.issued.or(e.start))
-        .map(|s| s.at)
-        .min()
-    else {
+    let Some(t0) = events.iter().filter_map(|e| e.issued.or(e.start)).map(|s| s.at).min() else {
         return Err(err("no events were recorded for the timeline".into()));
     };
     let ms = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e3;
@@ -111,10 +94,8 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
     ranks.dedup();
     let lanes = 2 * ranks.len().max(1);
     // lane 0 is drawn at the top: rank 0 compute, rank 0 comm, rank 1 compute, ...
-    let lane_of = |e: &Event| {
-        2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0)
-            + usize::from(e.track == Track::Comm)
-    };
+    let lane_of =
+        |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
     let y_of = |lane: usize| (lanes - 1 - lane) as f64;
     let height = 120 + 70 * lanes as u32 + LEGEND_HEIGHT;
     let root = SVGBackend::new(path, (1400, height)).into_drawing_area();
@@ -131,14 +112,7 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
     let lane_label = |y: &f64| {
         let lane = lanes - 1 - (*y as usize).min(lanes - 1);
         let rank = ranks.get(lane / 2).copied().unwrap_or(0);
-        format!(
-            "rank {rank} {}",
-            if lane % 2 == 0 {
-                "compute"
-            } else {
-                "comm stream"
-            }
-        )
+        format!("rank {rank} {}", if lane % 2 == 0 { "compute" } else { "comm stream" })
     };
     chart
         .configure_mesh()
@@ -156,10 +130,7 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
         .map_err(|e| err(e.to_string()))?;
     for e in &spans {
         let lane = y_of(lane_of(e));
-        let (a, b) = (
-            ms(e.start.expect("filtered").at),
-            ms(e.end.expect("filtered").at),
-        );
+        let (a, b) = (ms(e.start.expect("filtered").at), ms(e.end.expect("filtered").at));
         let c = color_for(e);
         chart
             .draw_series(std::iter::once(Rectangle::new(

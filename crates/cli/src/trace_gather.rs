@@ -57,11 +57,7 @@ fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<Event> {
 
 /// Every rank's events of `step` (from each rank's own `recorder`), laid out on this rank's
 /// clock; every rank must call it. `comm` should be the bare communicator (not traced).
-pub fn gather_step_events(
-    comm: &dyn Communicator,
-    recorder: &Recorder,
-    step: usize,
-) -> Result<Vec<Event>> {
+pub fn gather_step_events(comm: &dyn Communicator, recorder: &Recorder, step: usize) -> Result<Vec<Event>> {
     let events: Vec<Event> = recorder
         .step_events(step)
         .into_iter()
@@ -78,8 +74,8 @@ pub fn gather_step_events(
     let mut seq = 0;
     let mut out = vec![];
     for bytes in all_gather_bytes(comm, mine, "timeline")? {
-        let list: Vec<serde_json::Value> = serde_json::from_slice(&bytes)
-            .map_err(|e| CliError::Usage(format!("timeline from a peer: {e}")))?;
+        let list: Vec<serde_json::Value> =
+            serde_json::from_slice(&bytes).map_err(|e| CliError::Usage(format!("timeline from a peer: {e}")))?;
         out.extend(list.iter().filter_map(|v| decode(v, t0, &mut seq)));
     }
     Ok(out)
@@ -108,11 +104,7 @@ mod tests {
             let events = events.unwrap();
             assert_eq!(events.len(), 6, "{events:#?}");
             for rank in 0..2 {
-                let mine: Vec<&EventKind> = events
-                    .iter()
-                    .filter(|e| e.rank == rank)
-                    .map(|e| &e.kind)
-                    .collect();
+                let mine: Vec<&EventKind> = events.iter().filter(|e| e.rank == rank).map(|e| &e.kind).collect();
                 assert_eq!(
                     mine,
                     [

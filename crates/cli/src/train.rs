@@ -90,14 +90,8 @@ impl TrainArgs {
         self.run.validate()?;
         self.run.bucket_cap()?;
         match (self.checkpoint_every, &self.checkpoint) {
-            (Some(0), _) => {
-                return bad(
-                    "--checkpoint-every must be at least 1 (steps between checkpoints)".into(),
-                )
-            }
-            (Some(_), None) => {
-                return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into())
-            }
+            (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
+            (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
             _ => {}
         }
         if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
@@ -123,10 +117,7 @@ impl TrainArgs {
             }
         }
         if let Some(p) = &self.timeline {
-            out.push(Output::new(
-                "--timeline (its chart)",
-                &p.with_extension("svg"),
-            ));
+            out.push(Output::new("--timeline (its chart)", &p.with_extension("svg")));
         }
         if let Some(p) = &self.checkpoint {
             out.push(Output::new("--checkpoint", p));
@@ -278,13 +269,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
 pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]) -> Result<()> {
     let mut writes: Vec<Write<'_>> = vec![];
     if let Some(path) = &t.save {
-        let write = move || {
-            Ok(brigade_models::save_safetensors(
-                path,
-                &report.params,
-                None,
-            )?)
-        };
+        let write = move || Ok(brigade_models::save_safetensors(path, &report.params, None)?);
         writes.push((Output::new("--save", path), Box::new(write)));
     }
     if let Some(path) = &t.losses {

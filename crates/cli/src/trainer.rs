@@ -29,11 +29,7 @@ pub const STEP_STATUS_TAG: &str = "step status";
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {
     /// `torch.optim.SGD`: momentum, and weight decay added to the gradient.
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-    },
+    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
     /// `torch.optim.AdamW`.
     AdamW {
         lr: f64,
@@ -178,10 +174,7 @@ impl<'a> Trainer<'a> {
     /// Builds the model (from the seed or `init`), the optimizer, resumes from the checkpoint
     /// if asked, and wraps the model in DDP over the rank's communicator.
     pub fn new(cfg: &'a TrainConfig, data: &'a Dataset, ctx: &'a RankContext) -> Result<Self> {
-        set_compute_threads(
-            cfg.compute_threads
-                .unwrap_or_else(|| ctx.default_compute_threads()),
-        );
+        set_compute_threads(cfg.compute_threads.unwrap_or_else(|| ctx.default_compute_threads()));
         let model = cfg.model.build(cfg.seed)?;
         if let Some(init) = &cfg.init {
             load_params(model.params(), init)?;
@@ -211,11 +204,7 @@ impl<'a> Trainer<'a> {
                     recorder: ctx.recorder.clone(),
                     ..d.clone()
                 };
-                Some(DistributedDataParallel::new(
-                    model.params(),
-                    ctx.comm.clone(),
-                    d,
-                )?)
+                Some(DistributedDataParallel::new(model.params(), ctx.comm.clone(), d)?)
             }
             None => None,
         };
@@ -238,10 +227,7 @@ impl<'a> Trainer<'a> {
     }
 
     fn begin(&self, kind: EventKind) -> Option<SpanId> {
-        self.ctx
-            .recorder
-            .as_ref()
-            .map(|r| r.begin(self.ctx.rank, kind))
+        self.ctx.recorder.as_ref().map(|r| r.begin(self.ctx.rank, kind))
     }
 
     fn end(&self, span: Option<SpanId>) {
@@ -359,13 +345,7 @@ impl<'a> Trainer<'a> {
                 seed: self.cfg.seed,
                 data: self.data,
             };
-            save_checkpoint(
-                path,
-                &id,
-                self.model.as_ref(),
-                self.opt.as_ref(),
-                self.next_step,
-            )?;
+            save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }
         self.checkpointed = Some(self.next_step);
         Ok(())

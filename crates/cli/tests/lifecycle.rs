@@ -50,10 +50,7 @@ fn s(p: &Path) -> &str {
 /// `(step recorded in the checkpoint, every value of every tensor)`.
 fn checkpoint(path: &Path) -> (usize, Vec<f64>) {
     let (tensors, meta) = load_safetensors_with_metadata(path).unwrap();
-    let values = tensors
-        .iter()
-        .flat_map(|(_, t)| t.to_f64_vec().unwrap())
-        .collect();
+    let values = tensors.iter().flat_map(|(_, t)| t.to_f64_vec().unwrap()).collect();
     (meta["step"].parse().unwrap(), values)
 }
 
@@ -177,14 +174,7 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
             &["train"],
             MLP,
             &["--lr", "1e30", "--steps", "50", "--world-size", "2"],
-            &[
-                "--resume",
-                s(&ck),
-                "--checkpoint",
-                s(&ck),
-                "--checkpoint-every",
-                "1",
-            ],
+            &["--resume", s(&ck), "--checkpoint", s(&ck), "--checkpoint-every", "1"],
         ]
         .concat(),
     );
@@ -210,11 +200,7 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
 /// exists), sends `signal`, and checks exit status 130 and every output.
 fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
     let dir = tmp_dir(&format!("signal-{signal}"));
-    let (ck, losses, tl) = (
-        dir.join("ck.safetensors"),
-        dir.join("losses.csv"),
-        dir.join("tl.json"),
-    );
+    let (ck, losses, tl) = (dir.join("ck.safetensors"), dir.join("losses.csv"), dir.join("tl.json"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_brigade"))
         .arg("train")
         .args(MLP)
@@ -228,14 +214,7 @@ fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
             "--checkpoint-every",
             "3",
         ])
-        .args([
-            "--checkpoint",
-            s(&ck),
-            "--losses",
-            s(&losses),
-            "--timeline",
-            s(&tl),
-        ])
+        .args(["--checkpoint", s(&ck), "--losses", s(&losses), "--timeline", s(&tl)])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -273,19 +252,14 @@ fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
         rows.len() >= 3,
         "at least the steps before the first checkpoint: {rows:?}"
     );
-    assert_eq!(
-        steps,
-        (0..rows.len()).collect::<Vec<_>>(),
-        "every step done, in order"
-    );
+    assert_eq!(steps, (0..rows.len()).collect::<Vec<_>>(), "every step done, in order");
     assert!(rows.iter().all(|(_, l)| l.is_finite()));
     assert_eq!(
         checkpoint(&ck).0,
         rows.len(),
         "the checkpoint is taken after the last step done"
     );
-    let trace: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
     let last = format!("step {}", rows.len() - 1);
     assert!(
         trace["traceEvents"]

@@ -13,13 +13,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_brigade");
 
 fn mpirun(np: usize, args: &[&str]) -> Output {
     Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            &np.to_string(),
-            BIN,
-        ])
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string(), BIN])
         .args(args)
         .output()
         .expect("mpirun must be on the PATH (apt-get install openmpi-bin)")
@@ -88,15 +82,8 @@ fn parity(name: &str, flags: &[&str]) -> (f64, f64) {
     let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(1.0);
     let (lt, lm) = (losses(&tl), losses(&ml));
     assert_eq!(lt.len(), lm.len());
-    let dl = lt
-        .iter()
-        .zip(&lm)
-        .map(|(a, b)| rel(*a, *b))
-        .fold(0.0, f64::max);
-    let (pt, pm) = (
-        load_safetensors(&tp).unwrap(),
-        load_safetensors(&mp).unwrap(),
-    );
+    let dl = lt.iter().zip(&lm).map(|(a, b)| rel(*a, *b)).fold(0.0, f64::max);
+    let (pt, pm) = (load_safetensors(&tp).unwrap(), load_safetensors(&mp).unwrap());
     assert_eq!(pt.len(), pm.len());
     let mut dp = 0.0f64;
     for ((nt, t), (nm, m)) in pt.iter().zip(&pm) {
@@ -184,14 +171,8 @@ fn the_first_bucket_is_reduced_while_backward_still_runs() {
         ],
     );
     assert!(out.status.success(), "{}", text(&out));
-    let trace: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
-    let events = trace
-        .get("traceEvents")
-        .unwrap_or(&trace)
-        .as_array()
-        .unwrap()
-        .clone();
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
+    let events = trace.get("traceEvents").unwrap_or(&trace).as_array().unwrap().clone();
     let spans: Vec<(String, f64, f64)> = events
         .iter()
         .filter(|e| e["ph"] == "X" && e["pid"] == 0)
@@ -210,31 +191,15 @@ fn the_first_bucket_is_reduced_while_backward_still_runs() {
     let overlapped = spans
         .iter()
         .any(|(n, ts, dur)| n.starts_with("backward layers") && ts + dur > *b0 && *ts >= *b0 - 1.0);
-    assert!(
-        overlapped,
-        "no backward span after bucket 0 started: {spans:?}"
-    );
+    assert!(overlapped, "no backward span after bucket 0 started: {spans:?}");
 }
 
 #[test]
 fn setup_errors_fail_every_rank_with_the_same_message() {
-    let out = mpirun(
-        2,
-        &[
-            "train",
-            "--backend",
-            "mpi",
-            "--world-size",
-            "3",
-            "--steps",
-            "1",
-        ],
-    );
+    let out = mpirun(2, &["train", "--backend", "mpi", "--world-size", "3", "--steps", "1"]);
     assert!(!out.status.success());
     assert_eq!(
-        text(&out)
-            .matches("--world-size 3 but mpirun started 2")
-            .count(),
+        text(&out).matches("--world-size 3 but mpirun started 2").count(),
         2,
         "{}",
         text(&out)
@@ -319,20 +284,14 @@ fn killing_one_rank_ends_the_job_with_an_error_within_the_timeout() {
     // Find both ranks: processes started by this mpirun whose environment names their rank.
     let start = Instant::now();
     let (survivor, victim) = loop {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the ranks never appeared"
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "the ranks never appeared");
         if let (Some(r0), Some(r1)) = (find_rank(job.id(), 0), find_rank(job.id(), 1)) {
             break (r0, r1);
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     std::thread::sleep(Duration::from_millis(1000)); // well into training
-    assert!(
-        job.try_wait().unwrap().is_none(),
-        "the job ended before the kill"
-    );
+    assert!(job.try_wait().unwrap().is_none(), "the job ended before the kill");
     // (the check at the end can see a live rank 0: it is running now)
     assert!(
         alive(survivor),

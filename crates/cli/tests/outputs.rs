@@ -67,11 +67,7 @@ fn every_output_path_is_checked_before_step_0() {
     assert!(e.contains("--losses /nonexistent-brigade-dir/x.csv"), "{e}");
     assert!(!c.exists(), "the check comes before step 0");
     // an output that is a directory
-    let e = fails(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "1", "--losses", s(&d)],
-    ]));
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--losses", s(&d)]]));
     assert!(e.contains("is a directory"), "{e}");
     // two outputs on one file, however spelled
     let e = fails(&cat(&[
@@ -93,19 +89,9 @@ fn every_output_path_is_checked_before_step_0() {
     let e = fails(&cat(&[
         &["train"],
         MLP,
-        &[
-            "--steps",
-            "1",
-            "--timeline",
-            s(&t),
-            "--save",
-            s(&d.join("t.svg")),
-        ],
+        &["--steps", "1", "--timeline", s(&t), "--save", s(&d.join("t.svg"))],
     ]));
-    assert!(
-        e.contains("--timeline (its chart)") && e.contains("--save"),
-        "{e}"
-    );
+    assert!(e.contains("--timeline (its chart)") && e.contains("--save"), "{e}");
     assert_eq!(files(&d), Vec::<String>::new());
     // all fine: every output is written
     ok(&cat(&[
@@ -124,10 +110,7 @@ fn every_output_path_is_checked_before_step_0() {
             s(&c),
         ],
     ]));
-    assert_eq!(
-        files(&d),
-        ["c.ckpt", "l.csv", "p.safetensors", "t.json", "t.svg"]
-    );
+    assert_eq!(files(&d), ["c.ckpt", "l.csv", "p.safetensors", "t.json", "t.svg"]);
 }
 
 #[test]
@@ -145,10 +128,7 @@ fn writing_through_a_symbolic_link_writes_its_target() {
     ]));
     for (link, real) in [(&link, &real), (&plink, &preal)] {
         assert!(
-            std::fs::symlink_metadata(link)
-                .unwrap()
-                .file_type()
-                .is_symlink(),
+            std::fs::symlink_metadata(link).unwrap().file_type().is_symlink(),
             "{} is still a link",
             link.display()
         );
@@ -159,14 +139,7 @@ fn writing_through_a_symbolic_link_writes_its_target() {
     let e = fails(&cat(&[
         &["train"],
         MLP,
-        &[
-            "--steps",
-            "1",
-            "--losses",
-            s(&link),
-            "--checkpoint",
-            s(&real),
-        ],
+        &["--steps", "1", "--losses", s(&link), "--checkpoint", s(&real)],
     ]));
     assert!(e.contains("same file"), "{e}");
 }
@@ -192,12 +165,7 @@ fn stale_temporary_files_of_a_killed_run_are_removed_by_the_next_write() {
     ]));
     assert_eq!(
         files(&d),
-        [
-            ".l.csv.tmp-1-0",
-            ".other.csv.tmp-4294967295",
-            "l.csv",
-            "p.safetensors"
-        ]
+        [".l.csv.tmp-1-0", ".other.csv.tmp-4294967295", "l.csv", "p.safetensors"]
     );
 }
 
@@ -205,11 +173,7 @@ fn stale_temporary_files_of_a_killed_run_are_removed_by_the_next_write() {
 fn numeric_flags_are_checked_before_step_0() {
     let d = dir("flags");
     let init = d.join("init.safetensors");
-    ok(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "0", "--save", s(&init)],
-    ]));
+    ok(&cat(&[&["train"], MLP, &["--steps", "0", "--save", s(&init)]]));
     let cases: &[(&[&str], &str)] = &[
         (&["--lr", "nan"], "--lr"),
         (&["--lr", "inf"], "--lr"),
@@ -227,20 +191,12 @@ fn numeric_flags_are_checked_before_step_0() {
         (&["--timeout-s", "0"], "--timeout-s"),
         (&["--net-gbps", "1e-300", "--world-size", "2"], "--net-gbps"),
         (&["--net-gbps", "inf"], "--net-gbps"),
-        (
-            &["--net-gbps", "1", "--net-latency-us", "1e300"],
-            "--net-latency-us",
-        ),
+        (&["--net-gbps", "1", "--net-latency-us", "1e300"], "--net-latency-us"),
         (&["--net-latency-us", "5"], "needs --net-gbps"),
         (&["--bucket-mb", "inf"], "--bucket-mb"),
         (&["--first-bucket-mb", "nan"], "--first-bucket-mb"),
         (
-            &[
-                "--checkpoint-every",
-                "0",
-                "--checkpoint",
-                "/tmp/never-written.ckpt",
-            ],
+            &["--checkpoint-every", "0", "--checkpoint", "/tmp/never-written.ckpt"],
             "--checkpoint-every",
         ),
         (&["--checkpoint-every", "2"], "needs --checkpoint"),
@@ -276,12 +232,7 @@ fn numeric_flags_are_checked_before_step_0() {
         (&["--layers", "0"], "--layers"),
     ];
     for (flags, want) in gpt_cases {
-        let e = fails(&cat(&[
-            &["train"],
-            &without(GPT, flags[0]),
-            &["--steps", "1"],
-            flags,
-        ]));
+        let e = fails(&cat(&[&["train"], &without(GPT, flags[0]), &["--steps", "1"], flags]));
         assert!(e.contains(want), "{flags:?}: {e}");
     }
     // --momentum defaults to 0, as torch.optim.SGD
@@ -317,48 +268,27 @@ fn nan_in_data_init_or_checkpoint_is_refused_with_the_tensor_and_index() {
         &["--steps", "1", "--batch-size", "8", "--data", s(&data)],
     ]));
     assert!(
-        e.contains("mlp-data-nan.safetensors")
-            && e.contains("'inputs'")
-            && e.contains("[3, 5]")
-            && e.contains("NaN"),
+        e.contains("mlp-data-nan.safetensors") && e.contains("'inputs'") && e.contains("[3, 5]") && e.contains("NaN"),
         "{e}"
     );
     // one NaN weight in an --init file
     let init = d.join("init.safetensors");
-    ok(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "0", "--save", s(&init)],
-    ]));
+    ok(&cat(&[&["train"], MLP, &["--steps", "0", "--save", s(&init)]]));
     let mut tensors = brigade_models::load_safetensors(&init).unwrap();
-    let (_, bias) = tensors
-        .iter_mut()
-        .find(|(n, _)| n == "layers.1.bias")
-        .unwrap();
+    let (_, bias) = tensors.iter_mut().find(|(n, _)| n == "layers.1.bias").unwrap();
     let mut v = bias.to_vec::<f32>().unwrap();
     v[7] = f32::INFINITY;
     *bias = Tensor::from_vec(v, &[v_len(bias)]).unwrap();
     let bad = d.join("bad-init.safetensors");
     save_safetensors(&bad, &tensors, None).unwrap();
-    let e = fails(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "1", "--init", s(&bad)],
-    ]));
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--init", s(&bad)]]));
     assert!(
-        e.contains("bad-init.safetensors")
-            && e.contains("'layers.1.bias'")
-            && e.contains("[7]")
-            && e.contains("inf"),
+        e.contains("bad-init.safetensors") && e.contains("'layers.1.bias'") && e.contains("[7]") && e.contains("inf"),
         "{e}"
     );
     // one NaN in a checkpoint's optimizer state
     let ck = d.join("ck.safetensors");
-    ok(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "1", "--checkpoint", s(&ck)],
-    ]));
+    ok(&cat(&[&["train"], MLP, &["--steps", "1", "--checkpoint", s(&ck)]]));
     let (mut tensors, meta) = load_safetensors_with_metadata(&ck).unwrap();
     let (name, t) = tensors
         .iter_mut()
@@ -371,11 +301,7 @@ fn nan_in_data_init_or_checkpoint_is_refused_with_the_tensor_and_index() {
     *t = Tensor::from_vec(v, &shape).unwrap();
     let bad = d.join("bad-ck.safetensors");
     save_safetensors(&bad, &tensors, Some(meta)).unwrap();
-    let e = fails(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "2", "--resume", s(&bad)],
-    ]));
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "2", "--resume", s(&bad)]]));
     assert!(
         e.contains("bad-ck.safetensors") && e.contains(&format!("'{name}'")) && e.contains("NaN"),
         "{e}"
@@ -390,11 +316,7 @@ fn v_len(t: &Tensor) -> usize {
 fn a_checkpoint_refuses_another_seed_other_data_and_names_its_path() {
     let d = dir("resume-checks");
     let ck = d.join("ck.safetensors");
-    ok(&cat(&[
-        &["train"],
-        MLP,
-        &["--steps", "1", "--checkpoint", s(&ck)],
-    ]));
+    ok(&cat(&[&["train"], MLP, &["--steps", "1", "--checkpoint", s(&ck)]]));
     let e = fails(&cat(&[
         &["train"],
         MLP,
@@ -463,10 +385,7 @@ fn a_run_of_no_step_says_so_and_still_writes_what_makes_sense() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(out.status.success(), "{stderr}");
-    assert!(
-        stdout.contains("no step run") && !stdout.contains("NaN"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("no step run") && !stdout.contains("NaN"), "{stdout}");
     assert!(stderr.contains("no timeline") && !t.exists(), "{stderr}");
     assert!(
         ck.exists() && p.exists(),
@@ -533,14 +452,7 @@ fn the_summary_speaks_the_flags_language() {
     let stdout = ok(&cat(&[
         &["train"],
         MLP,
-        &[
-            "--steps",
-            "1",
-            "--bucket-mb",
-            "0.001",
-            "--first-bucket-mb",
-            "0.001",
-        ],
+        &["--steps", "1", "--bucket-mb", "0.001", "--first-bucket-mb", "0.001"],
     ]));
     assert!(
         stdout.contains("adamw lr 0.05") && stdout.contains(" buckets ("),
@@ -563,12 +475,7 @@ fn bench_comm_refuses_what_it_cannot_measure() {
 #[test]
 fn a_sweep_replaces_what_an_earlier_sweep_left_and_labels_every_bucket_cap() {
     let out = dir("sweep-out");
-    for old in [
-        "timeline_7MiB.json",
-        "timeline_7MiB.svg",
-        "sweep.csv",
-        "notes.txt",
-    ] {
+    for old in ["timeline_7MiB.json", "timeline_7MiB.svg", "sweep.csv", "notes.txt"] {
         std::fs::write(out.join(old), b"from an earlier sweep").unwrap();
     }
     let model: Vec<&str> = MLP.iter().copied().filter(|a| *a != "--quiet").collect();

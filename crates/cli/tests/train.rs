@@ -33,29 +33,17 @@ fn assert_params_close(a: &Path, b: &Path, tol: f64, what: &str) {
     assert_eq!(pa.len(), pb.len());
     for ((na, va), (nb, vb)) in pa.iter().zip(&pb) {
         assert_eq!(na, nb);
-        let d = va
-            .iter()
-            .zip(vb)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max);
+        let d = va.iter().zip(vb).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
         assert!(d <= tol, "{what}: parameter {na} differs by {d}");
     }
 }
 
 fn run_variant(dir: &Path, model: &[&str], extra: &[&str], tag: &str) -> (PathBuf, PathBuf) {
-    let (l, p) = (
-        dir.join(format!("{tag}.csv")),
-        dir.join(format!("{tag}.safetensors")),
-    );
+    let (l, p) = (dir.join(format!("{tag}.csv")), dir.join(format!("{tag}.safetensors")));
     let mut args = vec!["train"];
     args.extend_from_slice(model);
     args.extend_from_slice(extra);
-    args.extend_from_slice(&[
-        "--losses",
-        l.to_str().unwrap(),
-        "--save",
-        p.to_str().unwrap(),
-    ]);
+    args.extend_from_slice(&["--losses", l.to_str().unwrap(), "--save", p.to_str().unwrap()]);
     ok(&args);
     (l, p)
 }
@@ -82,19 +70,13 @@ fn sharding_and_accumulation_parity(dir: &Path, model: &[&str], extra: &[&str], 
     let (la, pa) = run_variant(
         dir,
         model,
-        &with(
-            &base,
-            &["--world-size", "1", "--batch-size", "4", "--accum", "2"],
-        ),
+        &with(&base, &["--world-size", "1", "--batch-size", "4", "--accum", "2"]),
         &format!("{tag}-acc"),
     );
     let (l4, p4) = run_variant(
         dir,
         model,
-        &with(
-            &base,
-            &["--world-size", "2", "--batch-size", "2", "--accum", "2"],
-        ),
+        &with(&base, &["--world-size", "2", "--batch-size", "2", "--accum", "2"]),
         &format!("{tag}-w2acc"),
     );
     let (l8, p8) = run_variant(
@@ -105,18 +87,10 @@ fn sharding_and_accumulation_parity(dir: &Path, model: &[&str], extra: &[&str], 
     );
     let reference = losses(&l1);
     // not vacuous: the steps change the model, so the losses move
-    assert!(
-        reference.windows(2).all(|w| w[0].1 != w[1].1),
-        "{tag}: {reference:?}"
-    );
+    assert!(reference.windows(2).all(|w| w[0].1 != w[1].1), "{tag}: {reference:?}");
     assert_close(&losses(&l2), &reference, 1e-5, &format!("{tag} world 2"));
     assert_close(&losses(&la), &reference, 1e-5, &format!("{tag} accum 2"));
-    assert_close(
-        &losses(&l4),
-        &reference,
-        1e-5,
-        &format!("{tag} world 2 accum 2"),
-    );
+    assert_close(&losses(&l4), &reference, 1e-5, &format!("{tag} world 2 accum 2"));
     assert_close(&losses(&l8), &reference, 1e-5, &format!("{tag} world 4"));
     for (p, what) in [
         (&p2, "world 2"),
@@ -137,14 +111,7 @@ fn mlp_shards_and_microbatches_match_the_whole_batch() {
     ok(&[
         &["train"],
         MLP,
-        &[
-            "--steps",
-            "0",
-            "--seed",
-            "5",
-            "--save",
-            init.to_str().unwrap(),
-        ],
+        &["--steps", "0", "--seed", "5", "--save", init.to_str().unwrap()],
     ]
     .concat());
     for opt in ["sgd", "adamw"] {
@@ -178,11 +145,7 @@ fn resuming_gives_the_uninterrupted_run_bit_for_bit_and_keeps_the_earlier_losses
     let d = dir("resume");
     for opt in ["sgd", "adamw"] {
         let ck = d.join(format!("ck-{opt}.safetensors"));
-        let common: Vec<&str> = [
-            MLP,
-            &["--world-size", "2", "--batch-size", "4", "--optimizer", opt],
-        ]
-        .concat();
+        let common: Vec<&str> = [MLP, &["--world-size", "2", "--batch-size", "4", "--optimizer", opt]].concat();
         let (full_l, full_p) = run_variant(&d, &common, &["--steps", "6"], &format!("full-{opt}"));
         // the same --losses file for both halves: the resumed run keeps the rows before step 3
         let (res_l, res_p) = (
@@ -192,14 +155,7 @@ fn resuming_gives_the_uninterrupted_run_bit_for_bit_and_keeps_the_earlier_losses
         ok(&[
             &["train"],
             common.as_slice(),
-            &[
-                "--steps",
-                "3",
-                "--checkpoint",
-                s(&ck),
-                "--losses",
-                s(&res_l),
-            ],
+            &["--steps", "3", "--checkpoint", s(&ck), "--losses", s(&res_l)],
         ]
         .concat());
         ok(&[
@@ -235,18 +191,7 @@ fn resuming_gives_the_uninterrupted_run_bit_for_bit_and_keeps_the_earlier_losses
 fn resuming_from_a_periodic_checkpoint_of_a_killed_run_is_bit_identical() {
     let d = dir("periodic");
     let ck = d.join("ck.safetensors");
-    let common: Vec<&str> = [
-        MLP,
-        &[
-            "--world-size",
-            "2",
-            "--batch-size",
-            "4",
-            "--optimizer",
-            "adamw",
-        ],
-    ]
-    .concat();
+    let common: Vec<&str> = [MLP, &["--world-size", "2", "--batch-size", "4", "--optimizer", "adamw"]].concat();
     // a run far too long to finish, killed as soon as its first periodic checkpoint exists:
     // what it left is a checkpoint of some step k mid-run (atomic writes: never a torn one)
     let mut child = Command::new(common::bin())
@@ -271,14 +216,8 @@ fn resuming_from_a_periodic_checkpoint_of_a_killed_run_is_bit_identical() {
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
     while !ck.exists() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the long run ended on its own"
-        );
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint after 300 s"
-        );
+        assert!(child.try_wait().unwrap().is_none(), "the long run ended on its own");
+        assert!(std::time::Instant::now() < deadline, "no checkpoint after 300 s");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     child.kill().unwrap();
@@ -291,12 +230,7 @@ fn resuming_from_a_periodic_checkpoint_of_a_killed_run_is_bit_identical() {
     );
     let end = (k + 3).to_string();
     let (full_l, full_p) = run_variant(&d, &common, &["--steps", &end], "full");
-    let (res_l, res_p) = run_variant(
-        &d,
-        &common,
-        &["--steps", &end, "--resume", s(&ck)],
-        "resumed",
-    );
+    let (res_l, res_p) = run_variant(&d, &common, &["--steps", &end, "--resume", s(&ck)], "resumed");
     let full = std::fs::read_to_string(&full_l).unwrap();
     let resumed = std::fs::read_to_string(&res_l).unwrap();
     let full_rows: Vec<&str> = full.lines().skip(1 + k).collect();
@@ -311,18 +245,8 @@ fn resuming_from_a_periodic_checkpoint_of_a_killed_run_is_bit_identical() {
 
 #[test]
 fn same_seed_same_losses_and_the_summary_json() {
-    let a = ok(&[
-        &["train"],
-        MLP,
-        &["--steps", "4", "--json", "--world-size", "2"],
-    ]
-    .concat());
-    let b = ok(&[
-        &["train"],
-        MLP,
-        &["--steps", "4", "--json", "--world-size", "2"],
-    ]
-    .concat());
+    let a = ok(&[&["train"], MLP, &["--steps", "4", "--json", "--world-size", "2"]].concat());
+    let b = ok(&[&["train"], MLP, &["--steps", "4", "--json", "--world-size", "2"]].concat());
     let (ja, jb): (serde_json::Value, serde_json::Value) = (
         serde_json::from_str(a.trim()).unwrap(),
         serde_json::from_str(b.trim()).unwrap(),
@@ -355,8 +279,7 @@ fn timeline_has_compute_and_comm_tracks_for_every_rank() {
         ],
     ]
     .concat());
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
     let spans: Vec<&serde_json::Value> = v["traceEvents"]
         .as_array()
         .unwrap()
@@ -369,18 +292,9 @@ fn timeline_has_compute_and_comm_tracks_for_every_rank() {
             .filter(|e| e["pid"] == rank)
             .map(|e| e["name"].as_str().unwrap())
             .collect();
-        assert!(
-            names.contains(&"forward") && names.contains(&"optimizer"),
-            "{names:?}"
-        );
-        assert!(
-            names.iter().any(|n| n.starts_with("backward layers.")),
-            "{names:?}"
-        );
-        assert!(
-            names.iter().any(|n| n.starts_with("all_reduce `bucket0`")),
-            "{names:?}"
-        );
+        assert!(names.contains(&"forward") && names.contains(&"optimizer"), "{names:?}");
+        assert!(names.iter().any(|n| n.starts_with("backward layers.")), "{names:?}");
+        assert!(names.iter().any(|n| n.starts_with("all_reduce `bucket0`")), "{names:?}");
         assert!(
             !names.iter().any(|n| n.contains("losses")),
             "only the last step: {names:?}"
@@ -395,10 +309,7 @@ fn timeline_has_compute_and_comm_tracks_for_every_rank() {
         ("optimizer", "#27AE60"),
         ("all-reduce (comm stream)", "#E67E22"),
     ] {
-        assert!(
-            svg_texts(&svg).iter().any(|t| t == label),
-            "legend entry {label}"
-        );
+        assert!(svg_texts(&svg).iter().any(|t| t == label), "legend entry {label}");
         assert!(svg.contains(rgb), "colour {rgb} of {label}");
     }
 }
@@ -431,10 +342,7 @@ fn bad_input_gets_one_clear_line() {
     let garbage = d.join("g.safetensors");
     std::fs::write(&garbage, b"definitely not safetensors").unwrap();
     let e = fails(&[&["train"], MLP, &["--steps", "1", "--init", s(&garbage)]].concat());
-    assert!(
-        e.contains("g.safetensors: not a usable safetensors file"),
-        "{e}"
-    );
+    assert!(e.contains("g.safetensors: not a usable safetensors file"), "{e}");
     fails(&[&["train"], MLP, &["--world-size", "0"]].concat());
     fails(&[&["train"], MLP, &["--bucket-mb", "1,2"]].concat());
     fails(&[&["train"], MLP, &["--lr", "-1"]].concat());
@@ -500,10 +408,7 @@ fn sweep_writes_the_table_the_chart_and_a_timeline_per_bucket_size() {
         .iter()
         .map(|r| r.split(',').nth(1).unwrap().parse().unwrap())
         .collect();
-    assert!(
-        buckets[0] > buckets[1],
-        "smaller caps make more buckets: {buckets:?}"
-    );
+    assert!(buckets[0] > buckets[1], "smaller caps make more buckets: {buckets:?}");
     assert!(out.join("sweep.svg").exists());
     assert!(out.join("timeline_0.001MiB.json").exists() && out.join("timeline_1MiB.svg").exists());
 }

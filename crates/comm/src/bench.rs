@@ -96,10 +96,7 @@ fn default_iters(bytes: usize) -> usize {
 /// One rank's part of the all-reduce benchmark (every rank calls it with the same `cfg`):
 /// f32 sum all-reduces of each size, after two warm-up runs; rank 0 measures memcpy just
 /// before each size while the others wait in a barrier. Returns this rank's timings.
-pub fn time_all_reduce(
-    comm: &dyn Communicator,
-    cfg: &CommBenchConfig,
-) -> Result<Vec<AllReduceRow>, CommError> {
+pub fn time_all_reduce(comm: &dyn Communicator, cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, CommError> {
     let world = comm.world_size();
     let mut rows = Vec::new();
     for &bytes in &cfg.sizes {
@@ -184,15 +181,7 @@ impl CommBenchReport {
         );
         s += &format!(
             "{:>8} {:>5} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9}\n",
-            "size",
-            "iters",
-            "time us",
-            "best us",
-            "algbw",
-            "busbw",
-            "busbw best",
-            "memcpy",
-            "busbw/mc"
+            "size", "iters", "time us", "best us", "algbw", "busbw", "busbw best", "memcpy", "busbw/mc"
         );
         for r in &self.rows {
             let factor = r.busbw / r.algbw;
@@ -216,10 +205,7 @@ impl CommBenchReport {
 /// Parses a size such as `4096`, `64K`, `16M`, `1G` (binary units; `KiB`/`MiB` also accepted).
 pub fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
     let (num, shift) = match t.chars().last() {
         Some('K' | 'k') => (&t[..t.len() - 1], 10),
         Some('M' | 'm') => (&t[..t.len() - 1], 20),

@@ -51,15 +51,13 @@ pub(crate) fn check_runnable(
 ) -> Result<(), CommError> {
     let described = || describe(kind, dtype, len, tag);
     match kind {
-        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if dtype == Some(DType::U8) => Err(
-            CommError::Unsupported(format!("reduction on u8 buffers: {}", described())),
-        ),
-        OpKind::ReduceScatter(_) if len % world as u64 != 0 => {
-            Err(CommError::InvalidArgument(format!(
-                "{}: input length {len} is not a multiple of the world size {world}",
-                described()
-            )))
-        }
+        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if dtype == Some(DType::U8) => Err(CommError::Unsupported(
+            format!("reduction on u8 buffers: {}", described()),
+        )),
+        OpKind::ReduceScatter(_) if len % world as u64 != 0 => Err(CommError::InvalidArgument(format!(
+            "{}: input length {len} is not a multiple of the world size {world}",
+            described()
+        ))),
         OpKind::Broadcast { root } if root >= world => Err(CommError::InvalidArgument(format!(
             "{}: root {root} is not a rank of a group of {world}",
             described()

@@ -79,11 +79,7 @@ forward_communicator!(Box);
 /// Gathers a byte string of any length from every rank (two all-gathers: the lengths,
 /// then the strings padded to the longest). Every rank gets every rank's bytes, in rank
 /// order. For metadata (parameter signatures, timelines), not for bulk data.
-pub fn all_gather_bytes(
-    comm: &dyn Communicator,
-    bytes: Vec<u8>,
-    tag: &str,
-) -> Result<Vec<Vec<u8>>, CommError> {
+pub fn all_gather_bytes(comm: &dyn Communicator, bytes: Vec<u8>, tag: &str) -> Result<Vec<Vec<u8>>, CommError> {
     let len = Buffer::U8((bytes.len() as u64).to_le_bytes().to_vec());
     let lens: Vec<usize> = match comm.all_gather(len, &format!("{tag}.len")).wait()? {
         Buffer::U8(l) => l

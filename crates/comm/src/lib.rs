@@ -33,11 +33,6 @@ pub use error::CommError;
 pub use mpi::{MpiComm, MpiTransport, MpiWorld};
 pub use sim::{NetModel, SharedLink, SimulatedNetwork};
 pub use stream::{CommStream, Transport};
-pub use thread::{
-    launch, launch_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT,
-};
-pub use trace::{
-    chrome_trace, reducing_bucket, Event, EventKind, Recorder, SpanGuard, SpanId, Stamp, Traced,
-    Track,
-};
+pub use thread::{launch, launch_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT};
+pub use trace::{chrome_trace, reducing_bucket, Event, EventKind, Recorder, SpanGuard, SpanId, Stamp, Traced, Track};
 pub use work::{OpTiming, Promise, Work, WorkEvent};

@@ -110,13 +110,7 @@ impl SharedLink {
     /// The start and finish of collective `k`, whose inner transfer finished at `joined` on the
     /// calling rank (every rank has joined by then). The first rank to ask decides the slot:
     /// `start = max(joined, link free)`, `finish = start + model_time`; the others read it.
-    fn slot(
-        &self,
-        k: u64,
-        joined: Instant,
-        model_time: Duration,
-        world: usize,
-    ) -> (Instant, Instant) {
+    fn slot(&self, k: u64, joined: Instant, model_time: Duration, world: usize) -> (Instant, Instant) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(i) = st.slots.iter().position(|s| s.0 == k) {
             let (_, start, finish, left) = &mut st.slots[i];
@@ -139,14 +133,8 @@ impl SharedLink {
 
 /// The link a rank's simulated collectives run on: its own, or one shared with its group.
 enum LinkClock {
-    Own {
-        free: Instant,
-    },
-    Shared {
-        link: SharedLink,
-        next: u64,
-        world: usize,
-    },
+    Own { free: Instant },
+    Shared { link: SharedLink, next: u64, world: usize },
 }
 
 impl LinkClock {
@@ -183,13 +171,7 @@ pub struct SimulatedNetwork<C> {
 impl<C: Communicator> SimulatedNetwork<C> {
     /// Wraps `inner` with the link model `model`, on a link of this rank's own.
     pub fn new(inner: C, model: NetModel) -> Self {
-        Self::with_clock(
-            inner,
-            model,
-            LinkClock::Own {
-                free: Instant::now(),
-            },
-        )
+        Self::with_clock(inner, model, LinkClock::Own { free: Instant::now() })
     }
 
     /// Wraps `inner` on `link`, the link every rank of the group shares (see [`SharedLink`]).
@@ -216,11 +198,7 @@ impl<C: Communicator> SimulatedNetwork<C> {
                 }
             })
             .expect("spawn simulated network thread");
-        SimulatedNetwork {
-            inner,
-            model,
-            jobs: tx,
-        }
+        SimulatedNetwork { inner, model, jobs: tx }
     }
 
     /// The link model.
@@ -283,9 +261,7 @@ impl<C: Communicator> Communicator for SimulatedNetwork<C> {
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        let t = self
-            .model
-            .all_reduce_time(buf.byte_len(), self.world_size());
+        let t = self.model.all_reduce_time(buf.byte_len(), self.world_size());
         self.delay(self.inner.all_reduce(buf, op, tag), t)
     }
 
@@ -295,16 +271,12 @@ impl<C: Communicator> Communicator for SimulatedNetwork<C> {
     }
 
     fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        let t = self
-            .model
-            .all_gather_time(buf.byte_len(), self.world_size());
+        let t = self.model.all_gather_time(buf.byte_len(), self.world_size());
         self.delay(self.inner.all_gather(buf, tag), t)
     }
 
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        let t = self
-            .model
-            .reduce_scatter_time(buf.byte_len(), self.world_size());
+        let t = self.model.reduce_scatter_time(buf.byte_len(), self.world_size());
         self.delay(self.inner.reduce_scatter(buf, op, tag), t)
     }
 

@@ -28,12 +28,7 @@ pub trait Transport: Send + 'static {
     /// All-gather: on success `buf` holds `world_size * len` elements, rank-major.
     fn all_gather(&mut self, buf: &mut Buffer, tag: &str) -> Result<(), CommError>;
     /// Reduce-scatter: on success `buf` holds this rank's chunk of the reduction.
-    fn reduce_scatter(
-        &mut self,
-        buf: &mut Buffer,
-        op: ReduceOp,
-        tag: &str,
-    ) -> Result<(), CommError>;
+    fn reduce_scatter(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError>;
     /// Barrier over all ranks.
     fn barrier(&mut self, tag: &str) -> Result<(), CommError>;
     /// Called once when the stream shuts down (its communicator was dropped), after every
@@ -92,13 +87,12 @@ impl<T: Transport> CommStream<T> {
         let tag = tag.to_string();
         let job: Job<T> = Box::new(move |transport: &mut T| {
             promise.start();
-            let result =
-                catch_unwind(AssertUnwindSafe(|| op(transport, &tag))).unwrap_or_else(|payload| {
-                    Err(CommError::Internal(format!(
-                        "backend panicked in collective `{tag}`: {}",
-                        panic_message(payload.as_ref())
-                    )))
-                });
+            let result = catch_unwind(AssertUnwindSafe(|| op(transport, &tag))).unwrap_or_else(|payload| {
+                Err(CommError::Internal(format!(
+                    "backend panicked in collective `{tag}`: {}",
+                    panic_message(payload.as_ref())
+                )))
+            });
             promise.complete(result);
         });
         // A send error drops the job, and with it the promise, which completes the work with
@@ -113,10 +107,7 @@ impl<T: Transport> CommStream<T> {
 impl<T: Transport> Drop for CommStream<T> {
     fn drop(&mut self) {
         let reason = if thread::panicking() {
-            format!(
-                "rank {}'s thread panicked while holding its communicator",
-                self.rank
-            )
+            format!("rank {}'s thread panicked while holding its communicator", self.rank)
         } else {
             format!("rank {} dropped its communicator", self.rank)
         };

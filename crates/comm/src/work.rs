@@ -212,10 +212,7 @@ impl<T: Send + 'static> Work<T> {
     /// succeeded, or with this one's error. `step` runs on the thread that completes this work
     /// (the comm stream's), so keep it short: decompress, divide, copy. The chained work keeps
     /// this one's start and tag; its finish is when `step` returned.
-    pub fn then<U: Send + 'static>(
-        self,
-        step: impl FnOnce(T) -> Result<U, CommError> + Send + 'static,
-    ) -> Work<U> {
+    pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
         self.on_complete(move |result, timing| {
             promise.start_at(timing.started);
@@ -316,15 +313,8 @@ impl<T> Promise<T> {
         }
         let continuation = st.continuation.take();
         let chained = continuation.map(|c| {
-            let timing = OpTiming {
-                started,
-                finished: at,
-            };
-            (
-                c,
-                st.result.take().expect("the result was just stored"),
-                timing,
-            )
+            let timing = OpTiming { started, finished: at };
+            (c, st.result.take().expect("the result was just stored"), timing)
         });
         drop(st);
         self.shared.done.notify_all();

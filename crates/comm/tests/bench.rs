@@ -30,8 +30,5 @@ fn report_rows_follow_the_nccl_tests_definitions() {
         assert!((row.busbw - row.algbw * 1.5).abs() / row.busbw < 1e-9); // 2(n-1)/n at n = 4
     }
     let table = report.to_table();
-    assert!(
-        table.contains("64 KiB") && table.contains("busbw"),
-        "{table}"
-    );
+    assert!(table.contains("64 KiB") && table.contains("busbw"), "{table}");
 }

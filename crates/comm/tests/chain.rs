@@ -4,10 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brigade_comm::{
-    launch_with_timeout, Buffer, CommError, Communicator, NetModel, ReduceOp, SimulatedNetwork,
-    Work,
-};
+use brigade_comm::{launch_with_timeout, Buffer, CommError, Communicator, NetModel, ReduceOp, SimulatedNetwork, Work};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -51,10 +48,7 @@ fn then_does_not_block_the_caller_and_runs_after_completion() {
             !ran.load(Ordering::SeqCst),
             "the step ran before the collective completed"
         );
-        assert!(
-            issued_in < Duration::from_millis(300),
-            "then blocked for {issued_in:?}"
-        );
+        assert!(issued_in < Duration::from_millis(300), "then blocked for {issued_in:?}");
         assert_eq!(work.wait().unwrap().as_f32().unwrap(), &[2.0]);
         assert!(ran.load(Ordering::SeqCst));
     })
@@ -73,12 +67,8 @@ fn errors_pass_through_the_chain_and_a_failing_step_fails_the_work() {
         // a step's own error completes the chained work with it
         let refused = comm
             .all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "refused")
-            .then(|_| -> Result<(), CommError> {
-                Err(CommError::Unsupported("decompression failed".into()))
-            });
-        assert!(
-            matches!(refused.wait(), Err(CommError::Unsupported(m)) if m.contains("decompression"))
-        );
+            .then(|_| -> Result<(), CommError> { Err(CommError::Unsupported("decompression failed".into())) });
+        assert!(matches!(refused.wait(), Err(CommError::Unsupported(m)) if m.contains("decompression")));
     })
     .into_iter()
     .for_each(|r| r.unwrap());
@@ -95,11 +85,7 @@ fn and_then_issues_the_next_collective_and_completes_with_its_result() {
             .all_reduce(Buffer::F32(vec![r]), ReduceOp::Sum, "first")
             .and_then(move |b| {
                 let s = b.as_f32().unwrap()[0];
-                Ok(c2.all_reduce(
-                    Buffer::F32(vec![s + c2.rank() as f32]),
-                    ReduceOp::Sum,
-                    "second",
-                ))
+                Ok(c2.all_reduce(Buffer::F32(vec![s + c2.rank() as f32]), ReduceOp::Sum, "second"))
             });
         assert_eq!(work.wait().unwrap().as_f32().unwrap(), &[12.0]);
     })

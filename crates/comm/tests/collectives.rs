@@ -24,10 +24,7 @@ fn all_reduce_matches_serial_reference() {
     for world in 1..=8 {
         let cases: Vec<(DType, ReduceOp, usize)> = DTYPES
             .iter()
-            .flat_map(|&d| {
-                OPS.iter()
-                    .flat_map(move |&op| SIZES.iter().map(move |&n| (d, op, n)))
-            })
+            .flat_map(|&d| OPS.iter().flat_map(move |&op| SIZES.iter().map(move |&n| (d, op, n))))
             .collect();
         let refs: Vec<Buffer> = cases
             .iter()
@@ -41,14 +38,8 @@ fn all_reduce_matches_serial_reference() {
             for (salt, &(d, op, n)) in cases.iter().enumerate() {
                 let buf = input(d, comm.rank(), n, salt);
                 let ptr = buf.as_ptr();
-                let out = comm
-                    .all_reduce(buf, op, &format!("case {salt}"))
-                    .wait()
-                    .unwrap();
-                let what = format!(
-                    "world {world} rank {} all_reduce {op} {d} x {n}",
-                    comm.rank()
-                );
+                let out = comm.all_reduce(buf, op, &format!("case {salt}")).wait().unwrap();
+                let what = format!("world {world} rank {} all_reduce {op} {d} x {n}", comm.rank());
                 assert_same(&out, &refs[salt], &what);
                 if n > 0 {
                     assert_eq!(out.as_ptr(), ptr, "{what}: the buffer came back copied");
@@ -71,17 +62,12 @@ fn reduce_scatter_matches_serial_reference() {
                     let full = to_f32(&reference_reduce(&inputs, op));
                     all_ok(launch_with_timeout(world, TIMEOUT, |comm| {
                         let r = comm.rank();
-                        let out = comm
-                            .reduce_scatter(inputs[r].clone(), op, "rs")
-                            .wait()
-                            .unwrap();
+                        let out = comm.reduce_scatter(inputs[r].clone(), op, "rs").wait().unwrap();
                         let want = from_f32(d, full[r * chunk..(r + 1) * chunk].to_vec());
                         assert_same(
                             &out,
                             &want,
-                            &format!(
-                                "world {world} rank {r} reduce_scatter {op} {d} chunk {chunk}"
-                            ),
+                            &format!("world {world} rank {r} reduce_scatter {op} {d} chunk {chunk}"),
                         );
                     }));
                 }
@@ -108,15 +94,8 @@ fn all_gather_and_broadcast_match_serial_reference() {
                         (0..world).collect()
                     };
                     for root in roots {
-                        let out = comm
-                            .broadcast(inputs[r].clone(), root, "bc")
-                            .wait()
-                            .unwrap();
-                        assert_same(
-                            &out,
-                            &inputs[root],
-                            &format!("{what} broadcast root {root}"),
-                        );
+                        let out = comm.broadcast(inputs[r].clone(), root, "bc").wait().unwrap();
+                        assert_same(&out, &inputs[root], &format!("{what} broadcast root {root}"));
                     }
                 }));
             }
@@ -216,26 +195,16 @@ fn max_propagates_a_nan_from_any_rank_as_torch_max_does() {
                 let rank = comm.rank();
                 let mut xs: Vec<f32> = (0..len).map(|i| value(rank, i, 7)).collect();
                 xs[rank] = f32::NAN;
-                to_f32(
-                    &comm
-                        .all_reduce(from_f32(d, xs), ReduceOp::Max, "nan")
-                        .wait()
-                        .unwrap(),
-                )
+                to_f32(&comm.all_reduce(from_f32(d, xs), ReduceOp::Max, "nan").wait().unwrap())
             }));
-            let finite_max = (0..world)
-                .map(|r| value(r, world, 7))
-                .fold(f32::NEG_INFINITY, f32::max);
+            let finite_max = (0..world).map(|r| value(r, world, 7)).fold(f32::NEG_INFINITY, f32::max);
             let finite_max = to_f32(&from_f32(d, vec![finite_max]))[0];
             for (rank, out) in results.iter().enumerate() {
                 assert!(
                     out[..world].iter().all(|x| x.is_nan()),
                     "world {world} rank {rank} {d}: {out:?}"
                 );
-                assert_eq!(
-                    out[world], finite_max,
-                    "world {world} rank {rank} {d}: {out:?}"
-                );
+                assert_eq!(out[world], finite_max, "world {world} rank {rank} {d}: {out:?}");
             }
         }
     }

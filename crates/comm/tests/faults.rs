@@ -47,9 +47,7 @@ fn a_missing_peer_times_out_and_then_counts_as_dead() {
     assert!(*t0 >= timeout && *t0 < LONG / 2, "rank 0 waited {t0:?}");
     let (err1, t1) = results[1].as_ref().unwrap();
     match err1.as_ref().unwrap() {
-        CommError::RankFailed {
-            rank: 0, reason, ..
-        } => assert!(reason.contains("timed out"), "{reason}"),
+        CommError::RankFailed { rank: 0, reason, .. } => assert!(reason.contains("timed out"), "{reason}"),
         e => panic!("rank 1 expected rank 0 dead, got {e}"),
     }
     // Rank 1 failed because rank 0 is dead, not after a timeout of its own (that would be a
@@ -76,14 +74,7 @@ fn wait_timeout_returns_while_the_collective_is_pending() {
         }
     });
     match results[0].as_ref().unwrap() {
-        (
-            Err(CommError::Timeout {
-                rank: 0,
-                tag,
-                after,
-            }),
-            waited,
-        ) => {
+        (Err(CommError::Timeout { rank: 0, tag, after }), waited) => {
             assert_eq!(tag, "late peer");
             assert_eq!(*after, Duration::from_millis(50));
             assert!(*waited >= *after && *waited < LONG / 2, "waited {waited:?}");
@@ -92,9 +83,7 @@ fn wait_timeout_returns_while_the_collective_is_pending() {
     }
     match results[1].as_ref().unwrap() {
         (Ok(()), _) => {}
-        other => panic!(
-            "rank 1: the barrier rank 0 stopped waiting for must still complete, got {other:?}"
-        ),
+        other => panic!("rank 1: the barrier rank 0 stopped waiting for must still complete, got {other:?}"),
     }
 }
 
@@ -105,9 +94,7 @@ fn a_panicking_rank_fails_the_others_promptly() {
         if comm.rank() == 2 {
             panic!("rank 2 blew up");
         }
-        let first = comm
-            .all_reduce(f32s(1000, 1.0), ReduceOp::Sum, "bucket 0")
-            .wait();
+        let first = comm.all_reduce(f32s(1000, 1.0), ReduceOp::Sum, "bucket 0").wait();
         let later = comm.barrier("after the crash").wait();
         (first, later)
     });
@@ -116,9 +103,7 @@ fn a_panicking_rank_fails_the_others_promptly() {
     for (rank, result) in results.into_iter().enumerate() {
         if rank == 2 {
             match result {
-                Err(CommError::Panicked { rank: 2, message }) => {
-                    assert!(message.contains("blew up"))
-                }
+                Err(CommError::Panicked { rank: 2, message }) => assert!(message.contains("blew up")),
                 other => panic!("rank 2: {:?}", other.map(|_| ())),
             }
             continue;
@@ -152,19 +137,12 @@ fn a_rank_returning_early_fails_pending_collectives() {
             std::thread::sleep(Duration::from_millis(100));
             return None; // drops its communicator
         }
-        Some(
-            comm.all_reduce(f32s(10, 1.0), ReduceOp::Avg, "bucket 3")
-                .wait(),
-        )
+        Some(comm.all_reduce(f32s(10, 1.0), ReduceOp::Avg, "bucket 3").wait())
     });
     assert!(t.elapsed() < LONG / 2, "took {:?}", t.elapsed());
     for rank in [0, 2] {
         match results[rank].as_ref().unwrap().as_ref().unwrap() {
-            Err(CommError::RankFailed {
-                rank: 1,
-                tag,
-                reason,
-            }) => {
+            Err(CommError::RankFailed { rank: 1, tag, reason }) => {
                 assert_eq!(tag, "bucket 3");
                 assert!(reason.contains("dropped"), "{reason}");
             }
@@ -195,84 +173,40 @@ fn mismatched_collectives_are_reported_not_mixed() {
     type Issue = fn(&dyn Communicator) -> Result<(), CommError>;
     let cases: Vec<(Issue, Issue, &str)> = vec![
         (
-            |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 0")
-                    .wait()
-                    .map(drop)
-            },
-            |c| {
-                c.all_reduce(f32s(12, 1.0), ReduceOp::Sum, "bucket 0")
-                    .wait()
-                    .map(drop)
-            },
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 0").wait().map(drop),
+            |c| c.all_reduce(f32s(12, 1.0), ReduceOp::Sum, "bucket 0").wait().map(drop),
             "12 x f32",
         ),
         (
-            |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 0")
-                    .wait()
-                    .map(drop)
-            },
-            |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 1")
-                    .wait()
-                    .map(drop)
-            },
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 0").wait().map(drop),
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 1").wait().map(drop),
             "bucket 1",
         ),
         (
-            |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x")
-                    .wait()
-                    .map(drop)
-            },
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x").wait().map(drop),
             |c| c.broadcast(f32s(10, 1.0), 0, "x").wait().map(drop),
             "broadcast",
         ),
         (
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x").wait().map(drop),
             |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x")
+                c.all_reduce(Buffer::zeros(brigade_comm::DType::F16, 10), ReduceOp::Sum, "x")
                     .wait()
                     .map(drop)
-            },
-            |c| {
-                c.all_reduce(
-                    Buffer::zeros(brigade_comm::DType::F16, 10),
-                    ReduceOp::Sum,
-                    "x",
-                )
-                .wait()
-                .map(drop)
             },
             "f16",
         ),
         (
-            |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x")
-                    .wait()
-                    .map(drop)
-            },
-            |c| {
-                c.all_reduce(f32s(10, 1.0), ReduceOp::Max, "x")
-                    .wait()
-                    .map(drop)
-            },
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x").wait().map(drop),
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Max, "x").wait().map(drop),
             "max",
         ),
     ];
     for (i, (zero, one, found_text)) in cases.into_iter().enumerate() {
         let results = launch_with_timeout(2, LONG, |comm| {
-            let err = if comm.rank() == 0 {
-                zero(&comm)
-            } else {
-                one(&comm)
-            }
-            .unwrap_err();
+            let err = if comm.rank() == 0 { zero(&comm) } else { one(&comm) }.unwrap_err();
             // The slot was consumed consistently: the group still works.
-            let ok = comm
-                .all_reduce(f32s(3, 1.0), ReduceOp::Sum, "after")
-                .wait()
-                .unwrap();
+            let ok = comm.all_reduce(f32s(3, 1.0), ReduceOp::Sum, "after").wait().unwrap();
             (err, ok)
         });
         for r in results {

@@ -22,12 +22,7 @@ const SIZES: [usize; 4] = [0, 1, 1031, (1 << 18) + 3];
 fn mpirun(np: usize, scenario: &str, limit: Duration) -> (bool, String) {
     let exe = std::env::current_exe().expect("test binary path");
     let mut child = Command::new("mpirun")
-        .args([
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            &np.to_string(),
-        ])
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
         .arg(exe)
         .args(["--exact", "mpi_worker", "--nocapture", "--test-threads=1"])
         .env("BRIGADE_MPI_SCENARIO", scenario)
@@ -119,21 +114,14 @@ fn collectives(world: &MpiWorld) {
                 let buf = inputs[rank].clone();
                 let ptr = buf.as_ptr();
                 let out = comm.all_reduce(buf, op, "ar").wait().unwrap();
-                assert_same(
-                    &out,
-                    &reference_reduce(&inputs, op),
-                    &format!("all_reduce {what}"),
-                );
+                assert_same(&out, &reference_reduce(&inputs, op), &format!("all_reduce {what}"));
                 if len > 0 {
                     assert_eq!(out.as_ptr(), ptr, "{what}: the buffer came back copied");
                 }
                 // reduce-scatter over n chunks of `len` elements.
                 let big: Vec<Buffer> = (0..n).map(|r| input(d, r, len * n, salt)).collect();
                 let full = to_f32(&reference_reduce(&big, op));
-                let out = comm
-                    .reduce_scatter(big[rank].clone(), op, "rs")
-                    .wait()
-                    .unwrap();
+                let out = comm.reduce_scatter(big[rank].clone(), op, "rs").wait().unwrap();
                 let want = from_f32(d, full[rank * len..(rank + 1) * len].to_vec());
                 assert_same(&out, &want, &format!("reduce_scatter {what}"));
             }
@@ -144,10 +132,7 @@ fn collectives(world: &MpiWorld) {
     let mut v = vec![1.0f32; n + 1];
     v[rank] = f32::NAN;
     v[n] = rank as f32;
-    let out = comm
-        .all_reduce(Buffer::F32(v), ReduceOp::Max, "nan")
-        .wait()
-        .unwrap();
+    let out = comm.all_reduce(Buffer::F32(v), ReduceOp::Max, "nan").wait().unwrap();
     let out = out.as_f32().unwrap();
     assert!(out[..n].iter().all(|x| x.is_nan()), "rank {rank}: {out:?}");
     assert_eq!(out[n], (n - 1) as f32, "rank {rank}: {out:?}");
@@ -160,11 +145,7 @@ fn collectives(world: &MpiWorld) {
             for r in 0..n {
                 want.extend(to_f32(&input(d, r, len, salt)));
             }
-            assert_same(
-                &out,
-                &from_f32(d, want),
-                &format!("all_gather rank {rank} {d} x {len}"),
-            );
+            assert_same(&out, &from_f32(d, want), &format!("all_gather rank {rank} {d} x {len}"));
             for root in 0..n {
                 let buf = input(d, rank, len, salt + root);
                 let ptr = buf.as_ptr();
@@ -193,13 +174,7 @@ fn collectives(world: &MpiWorld) {
     comm.barrier("end").wait().unwrap();
     for (i, w) in works.into_iter().enumerate() {
         let want = (0..n).map(|r| (r * 8 + i) as f32).sum::<f32>();
-        assert!(w
-            .wait()
-            .unwrap()
-            .as_f32()
-            .unwrap()
-            .iter()
-            .all(|&x| x == want));
+        assert!(w.wait().unwrap().as_f32().unwrap().iter().all(|&x| x == want));
     }
 }
 
@@ -209,11 +184,7 @@ fn errors(world: &MpiWorld) {
     // Rank 1 issues a different length and tag in slot 0: both ranks learn both descriptions.
     let len = if rank == 1 { 7 } else { 8 };
     let err = comm
-        .all_reduce(
-            Buffer::F32(vec![1.0; len]),
-            ReduceOp::Sum,
-            &format!("bucket {rank}"),
-        )
+        .all_reduce(Buffer::F32(vec![1.0; len]), ReduceOp::Sum, &format!("bucket {rank}"))
         .wait()
         .unwrap_err();
     match &err {
@@ -242,10 +213,7 @@ fn errors(world: &MpiWorld) {
         .wait()
         .unwrap_err();
     assert!(matches!(err, CommError::InvalidArgument(_)), "{err}");
-    let err = comm
-        .broadcast(Buffer::F32(vec![1.0; 5]), 9, "root")
-        .wait()
-        .unwrap_err();
+    let err = comm.broadcast(Buffer::F32(vec![1.0; 5]), 9, "root").wait().unwrap_err();
     assert!(matches!(err, CommError::InvalidArgument(_)), "{err}");
     // Nothing was mixed up: the next collective works.
     let out = comm
@@ -280,15 +248,9 @@ fn timeout(world: &MpiWorld) {
             .wait()
             .unwrap_err();
         // At once: the error is `RankFailed`, checked below, not a second `Timeout` after `short`.
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "took {:?}",
-            t.elapsed()
-        );
+        assert!(t.elapsed() < Duration::from_secs(15), "took {:?}", t.elapsed());
         match &err {
-            CommError::RankFailed {
-                rank: 0, reason, ..
-            } => assert!(reason.contains("lonely"), "{err}"),
+            CommError::RankFailed { rank: 0, reason, .. } => assert!(reason.contains("lonely"), "{err}"),
             other => panic!("expected RankFailed, got {other}"),
         }
     } else {

@@ -3,9 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use brigade_comm::{
-    launch_with_timeout, Buffer, Communicator, NetModel, ReduceOp, SimulatedNetwork,
-};
+use brigade_comm::{launch_with_timeout, Buffer, Communicator, NetModel, ReduceOp, SimulatedNetwork};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -17,10 +15,7 @@ fn model_times_follow_the_ring_formulas() {
     };
     // 2(p-1)a + 2(p-1)/p n/B with p = 4, n = 1e6: 60 us + 1.5 ms.
     assert_eq!(m.all_reduce_time(1_000_000, 4), Duration::from_micros(1560));
-    assert_eq!(
-        m.reduce_scatter_time(1_000_000, 4),
-        Duration::from_micros(780)
-    );
+    assert_eq!(m.reduce_scatter_time(1_000_000, 4), Duration::from_micros(780));
     assert_eq!(m.all_gather_time(1_000_000, 4), Duration::from_micros(3030));
     assert_eq!(m.broadcast_time(1_000_000, 4), Duration::from_micros(1030));
     assert_eq!(m.barrier_time(4), Duration::from_micros(60));
@@ -48,11 +43,7 @@ fn all_reduce_takes_at_least_the_model_time_and_queues_on_the_link() {
             "data must still move"
         );
         assert!(buf_b.as_f32().unwrap().iter().all(|&x| x == 4.0));
-        assert!(
-            ta.duration() >= expected,
-            "{:?} < model {expected:?}",
-            ta.duration()
-        );
+        assert!(ta.duration() >= expected, "{:?} < model {expected:?}", ta.duration());
         assert!(
             tb.started >= ta.finished,
             "the second collective must wait for the link"
@@ -114,10 +105,7 @@ fn thread_cpu_time() -> Duration {
         fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
     }
     const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
-    let mut t = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut t = Timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `t` is a valid timespec (two 64-bit fields on 64-bit Linux) for the call to fill.
     let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut t) };
     assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID)");
@@ -156,9 +144,7 @@ fn the_simulated_wait_does_not_burn_a_core() {
         let mut x = 1u64;
         while !work.is_completed() {
             for _ in 0..10_000 {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             }
             progress += 1;
         }
@@ -175,10 +161,7 @@ fn the_simulated_wait_does_not_burn_a_core() {
     });
     for (rank, r) in results.iter().enumerate() {
         let (wall, progress, compute, (thread, link)) = r.as_ref().unwrap();
-        assert!(
-            *wall >= expected,
-            "rank {rank}: {wall:?} < model {expected:?}"
-        );
+        assert!(*wall >= expected, "rank {rank}: {wall:?} < model {expected:?}");
         assert!(
             *progress > 100,
             "rank {rank}: compute made no progress during the simulated wait"

@@ -5,8 +5,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{
-    launch_with_timeout, Buffer, Communicator, NetModel, OpTiming, ReduceOp, SharedLink,
-    SimulatedNetwork,
+    launch_with_timeout, Buffer, Communicator, NetModel, OpTiming, ReduceOp, SharedLink, SimulatedNetwork,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -38,16 +37,9 @@ fn run(shared: bool) -> Vec<Vec<OpTiming>> {
             if (i + rank) % 2 == 1 {
                 std::thread::sleep(Duration::from_millis(3));
             }
-            works.push(sim.all_reduce(
-                Buffer::F32(vec![1.0; n]),
-                ReduceOp::Sum,
-                &format!("bucket{i}"),
-            ));
+            works.push(sim.all_reduce(Buffer::F32(vec![1.0; n]), ReduceOp::Sum, &format!("bucket{i}")));
         }
-        works
-            .into_iter()
-            .map(|w| w.wait_timed().unwrap().1)
-            .collect::<Vec<_>>()
+        works.into_iter().map(|w| w.wait_timed().unwrap().1).collect::<Vec<_>>()
     })
     .into_iter()
     .map(|r| r.unwrap())
@@ -106,8 +98,8 @@ fn a_new_rank_local_link_is_not_shared() {
     // The control: with a link per rank, the ranks' slots differ when their compute is skewed
     // (what the shared link exists to fix), so the tests above can tell the two apart.
     let t = run(false);
-    let differs = (0..BUCKETS.len())
-        .any(|b| t[0][b].started != t[1][b].started || t[0][b].finished != t[1][b].finished);
+    let differs =
+        (0..BUCKETS.len()).any(|b| t[0][b].started != t[1][b].started || t[0][b].finished != t[1][b].finished);
     assert!(
         differs,
         "per-rank links agreed to the nanosecond: the control cannot tell them apart"

@@ -15,11 +15,7 @@ fn collectives_run_in_issue_order() {
         let works: Vec<Work<Buffer>> = (0..24)
             .map(|k| {
                 let n = [10, 100_000, 1, 5000][k % 4];
-                comm.all_reduce(
-                    Buffer::F32(vec![k as f32; n]),
-                    ReduceOp::Sum,
-                    &format!("op {k}"),
-                )
+                comm.all_reduce(Buffer::F32(vec![k as f32; n]), ReduceOp::Sum, &format!("op {k}"))
             })
             .collect();
         let mut works = works;
@@ -108,11 +104,7 @@ fn works_through_arc_dyn_communicator_and_handles_are_send() {
     assert_send::<Work<()>>();
     launch_with_timeout(2, TIMEOUT, |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
-        let work = comm.all_reduce(
-            Buffer::F32(vec![comm.rank() as f32; 4]),
-            ReduceOp::Max,
-            "dyn",
-        );
+        let work = comm.all_reduce(Buffer::F32(vec![comm.rank() as f32; 4]), ReduceOp::Max, "dyn");
         let buf = std::thread::scope(|s| s.spawn(move || work.wait()).join().unwrap()).unwrap();
         assert_eq!(buf, Buffer::F32(vec![1.0; 4]));
     })

@@ -3,8 +3,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{
-    launch_with_timeout, reducing_bucket, Buffer, Communicator, Event, EventKind, Recorder,
-    ReduceOp, Traced, Track,
+    launch_with_timeout, reducing_bucket, Buffer, Communicator, Event, EventKind, Recorder, ReduceOp, Traced, Track,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -12,10 +11,7 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 fn wait_until(mut ready: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while !ready() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for the recorder"
-        );
+        assert!(Instant::now() < deadline, "timed out waiting for the recorder");
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -53,11 +49,7 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     assert_eq!(events.len(), 8);
     for rank in 0..2 {
         let bucket = find(&events, rank, "bucket 0");
-        let (issued, start, end) = (
-            bucket.issued.unwrap(),
-            bucket.start.unwrap(),
-            bucket.end.unwrap(),
-        );
+        let (issued, start, end) = (bucket.issued.unwrap(), bucket.start.unwrap(), bucket.end.unwrap());
         assert_eq!(
             (bucket.track, bucket.op.as_str(), bucket.bytes),
             (Track::Comm, "all_reduce", 4000)
@@ -77,10 +69,7 @@ fn traced_collectives_and_compute_spans_are_ordered() {
             "layer 1 began before the bucket was issued"
         );
         assert!(issued.seq < l1.end.unwrap().seq);
-        assert!(
-            l1.end.unwrap().seq < l0.start.unwrap().seq
-                && l0.start.unwrap().seq < l0.end.unwrap().seq
-        );
+        assert!(l1.end.unwrap().seq < l0.start.unwrap().seq && l0.start.unwrap().seq < l0.end.unwrap().seq);
         assert_eq!(
             l1.kind,
             EventKind::Backward {
@@ -93,11 +82,7 @@ fn traced_collectives_and_compute_spans_are_ordered() {
             EventKind::Collective { bucket: None },
             "issued outside any bucket scope"
         );
-        assert!(
-            bad.error.as_deref().unwrap().contains("mismatch"),
-            "{:?}",
-            bad.error
-        );
+        assert!(bad.error.as_deref().unwrap().contains("mismatch"), "{:?}", bad.error);
     }
     let mut seqs: Vec<u64> = events
         .iter()
@@ -123,39 +108,24 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     let trace = recorder.to_chrome_trace();
     let evs = trace["traceEvents"].as_array().unwrap();
     let named = |pid: u64, tid: u64, what: &str| {
-        evs.iter().any(|e| {
-            e["ph"] == "M" && e["pid"] == pid && e["tid"] == tid && e["args"]["name"] == what
-        })
+        evs.iter()
+            .any(|e| e["ph"] == "M" && e["pid"] == pid && e["tid"] == tid && e["args"]["name"] == what)
     };
     assert!(named(0, 0, "rank 0") && named(1, 0, "rank 1"));
     assert!(named(0, 0, "compute") && named(0, 1, "comm stream") && named(1, 1, "comm stream"));
     let spans: Vec<_> = evs.iter().filter(|e| e["ph"] == "X").collect();
     assert_eq!(spans.len(), 3);
     let comm = spans.iter().find(|e| e["cat"] == "comm").unwrap();
-    assert_eq!(
-        (comm["pid"].as_u64(), comm["tid"].as_u64()),
-        (Some(1), Some(1))
-    );
+    assert_eq!((comm["pid"].as_u64(), comm["tid"].as_u64()), (Some(1), Some(1)));
     assert_eq!(comm["args"]["bytes"], 64);
-    assert_eq!(
-        comm["name"], "all_reduce `bucket 0`",
-        "the tag stays readable"
-    );
-    assert_eq!(
-        comm["args"]["kind"],
-        serde_json::json!({"Collective": {"bucket": 0}})
-    );
-    assert!(
-        (comm["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0,
-        "{comm}"
-    );
+    assert_eq!(comm["name"], "all_reduce `bucket 0`", "the tag stays readable");
+    assert_eq!(comm["args"]["kind"], serde_json::json!({"Collective": {"bucket": 0}}));
+    assert!((comm["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0, "{comm}");
     let fwd0 = spans.iter().find(|e| e["pid"] == 0).unwrap();
     assert_eq!(fwd0["tid"], 0);
     assert_eq!(fwd0["name"], "forward");
     assert!((fwd0["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0);
-    assert!(evs
-        .iter()
-        .any(|e| e["ph"] == "i" && e["pid"] == 1 && e["tid"] == 0));
+    assert!(evs.iter().any(|e| e["ph"] == "i" && e["pid"] == 1 && e["tid"] == 0));
 
     let dir = std::env::temp_dir().join(format!("brigade-trace-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -194,13 +164,7 @@ fn step_events_select_each_ranks_step_by_kind() {
     let events = recorder.step_events(1);
     assert_eq!(events.len(), 6, "{events:#?}");
     assert!(events.iter().all(|e| e.id >= 7 && e.id < 13), "{events:#?}");
-    assert_eq!(
-        events.iter().filter(|e| e.kind.step() == Some(1)).count(),
-        2
-    );
-    assert_eq!(
-        events.iter().filter(|e| e.kind.bucket() == Some(0)).count(),
-        2
-    );
+    assert_eq!(events.iter().filter(|e| e.kind.step() == Some(1)).count(), 2);
+    assert_eq!(events.iter().filter(|e| e.kind.bucket() == Some(0)).count(), 2);
     assert!(recorder.step_events(2).is_empty());
 }

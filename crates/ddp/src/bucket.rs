@@ -7,12 +7,7 @@ use brigade_tensor::Tensor;
 /// registration order at first, then the observed ready order). A bucket is closed
 /// once it holds at least its cap: `first_cap` bytes for bucket 0, `cap` for the rest
 /// (so a parameter larger than the cap gets a bucket of its own).
-pub fn assign_buckets(
-    param_bytes: &[usize],
-    order: &[usize],
-    first_cap: usize,
-    cap: usize,
-) -> Vec<Vec<usize>> {
+pub fn assign_buckets(param_bytes: &[usize], order: &[usize], first_cap: usize, cap: usize) -> Vec<Vec<usize>> {
     let mut buckets = vec![];
     let mut current = vec![];
     let mut bytes = 0;

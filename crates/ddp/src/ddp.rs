@@ -108,12 +108,7 @@ impl DistributedDataParallel {
                 params: b
                     .params
                     .iter()
-                    .map(|&p| {
-                        self.reducer.params[p]
-                            .name()
-                            .unwrap_or("<unnamed>")
-                            .to_string()
-                    })
+                    .map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string())
                     .collect(),
                 bytes: b.bytes(),
             })
@@ -131,12 +126,7 @@ impl DistributedDataParallel {
         let st = self.reducer.lock();
         st.ready_order
             .iter()
-            .map(|&p| {
-                self.reducer.params[p]
-                    .name()
-                    .unwrap_or("<unnamed>")
-                    .to_string()
-            })
+            .map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string())
             .collect()
     }
 

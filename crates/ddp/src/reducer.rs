@@ -56,12 +56,7 @@ pub(crate) fn grad_bytes(p: &Var) -> usize {
 fn group_params(params: &[Var], order: &[usize], cfg: &DdpConfig) -> Vec<Vec<usize>> {
     let bytes = |mib: f64| (mib * 1024.0 * 1024.0).max(1.0) as usize;
     let sizes: Vec<usize> = params.iter().map(grad_bytes).collect();
-    assign_buckets(
-        &sizes,
-        order,
-        bytes(cfg.first_bucket_cap_mb),
-        bytes(cfg.bucket_cap_mb),
-    )
+    assign_buckets(&sizes, order, bytes(cfg.first_bucket_cap_mb), bytes(cfg.bucket_cap_mb))
 }
 
 /// Builds buckets for `groups` and points every parameter's gradient at its slice.
@@ -89,11 +84,7 @@ fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>
 }
 
 impl Reducer {
-    pub(crate) fn new(
-        params: Vec<Var>,
-        comm: Arc<dyn Communicator>,
-        cfg: DdpConfig,
-    ) -> Result<Reducer> {
+    pub(crate) fn new(params: Vec<Var>, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Reducer> {
         let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let groups = group_params(&params, &order, &cfg);
@@ -199,16 +190,11 @@ impl Reducer {
                 match work.wait() {
                     Ok(v) if v.len() == bucket.flat.numel() => {
                         let device = bucket.flat.device();
-                        bucket
-                            .flat
-                            .restore_storage(Storage::from_host_vec(v, device)?)?
+                        bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
                     }
                     Ok(v) => {
                         // Give the views storage back (zeros) before reporting the hook's mistake.
-                        let zeros = Storage::from_host_vec(
-                            vec![0.0f32; bucket.flat.numel()],
-                            bucket.flat.device(),
-                        )?;
+                        let zeros = Storage::from_host_vec(vec![0.0f32; bucket.flat.numel()], bucket.flat.device())?;
                         bucket.flat.restore_storage(zeros)?;
                         first_err.get_or_insert(DdpError::HookResult {
                             hook: self.cfg.comm_hook.name(),
@@ -235,11 +221,7 @@ impl Reducer {
     /// After the first synchronized iteration: rebuild the buckets once from the order in
     /// which gradients became ready on rank 0 (broadcast, so every rank agrees).
     fn rebuild(&self, st: &mut State) -> Result<()> {
-        let bytes: Vec<u8> = st
-            .ready_order
-            .iter()
-            .flat_map(|&p| (p as u32).to_le_bytes())
-            .collect();
+        let bytes: Vec<u8> = st.ready_order.iter().flat_map(|&p| (p as u32).to_le_bytes()).collect();
         let got = self
             .comm
             .broadcast(Buffer::U8(bytes), 0, "ddp.rebuild_buckets")

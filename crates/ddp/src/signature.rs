@@ -31,12 +31,7 @@ pub(crate) fn check_same_model(params: &[Var], comm: &dyn Communicator) -> Resul
     let mine = entries(params).join("\n").into_bytes();
     let lists: Vec<Vec<String>> = all_gather_bytes(comm, mine, "ddp.signature")?
         .iter()
-        .map(|b| {
-            String::from_utf8_lossy(b)
-                .lines()
-                .map(str::to_string)
-                .collect()
-        })
+        .map(|b| String::from_utf8_lossy(b).lines().map(str::to_string).collect())
         .collect();
     let reference = &lists[0];
     for (rank, list) in lists.iter().enumerate().skip(1) {
@@ -86,10 +81,7 @@ pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> R
     for p in params {
         let v = p.value();
         let n = v.numel();
-        v.copy_from(
-            &brigade_tensor::Tensor::from_slice(&flat[offset..offset + n], v.shape())?
-                .to_device(v.device())?,
-        )?;
+        v.copy_from(&brigade_tensor::Tensor::from_slice(&flat[offset..offset + n], v.shape())?.to_device(v.device())?)?;
         offset += n;
     }
     Ok(())

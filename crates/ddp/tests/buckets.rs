@@ -30,11 +30,7 @@ fn placement(p: &Var) -> Placement {
         g.layout().offset(),
         g.is_contiguous(),
     );
-    assert!(
-        contiguous,
-        "{}: the gradient view is not contiguous",
-        p.name().unwrap()
-    );
+    assert!(contiguous, "{}: the gradient view is not contiguous", p.name().unwrap());
     Placement {
         name: p.name().unwrap().to_string(),
         storage,
@@ -69,14 +65,10 @@ fn assert_gradients_live_in_the_buckets(params: &[Var], buckets: &[BucketInfo], 
             );
             end = v.range.1;
         }
-        assert_eq!(
-            end, len,
-            "{what}: views cover {end} of their bucket's {len} elements"
-        );
+        assert_eq!(end, len, "{what}: views cover {end} of their bucket's {len} elements");
         let names: Vec<String> = views.into_iter().map(|v| v.name).collect();
         let bucket = buckets.iter().find(|b| b.params == names);
-        let bucket = bucket
-            .unwrap_or_else(|| panic!("{what}: no bucket holds exactly {names:?}: {buckets:?}"));
+        let bucket = bucket.unwrap_or_else(|| panic!("{what}: no bucket holds exactly {names:?}: {buckets:?}"));
         assert_eq!(bucket.bytes, len * 4, "{what}: {names:?}");
         total += len;
     }
@@ -131,17 +123,9 @@ impl Branches {
     fn new(seed: u64) -> Branches {
         let mut rng = Rng::new(seed);
         let mut store = ParamStore::new();
-        for (name, shape) in [
-            ("b0", [8, 6]),
-            ("b1", [3, 8]),
-            ("a0", [8, 6]),
-            ("a1", [3, 8]),
-        ] {
+        for (name, shape) in [("b0", [8, 6]), ("b1", [3, 8]), ("a0", [8, 6]), ("a1", [3, 8])] {
             store
-                .add(
-                    name,
-                    Tensor::rand_uniform(&shape, -0.4, 0.4, DType::F32, &mut rng),
-                )
+                .add(name, Tensor::rand_uniform(&shape, -0.4, 0.4, DType::F32, &mut rng))
                 .unwrap();
         }
         Branches { store }
@@ -199,8 +183,7 @@ fn buckets_are_rebuilt_exactly_once_from_rank_0s_ready_order_on_every_rank() {
         (initial, layouts, orders, ddp.buckets_rebuilt())
     });
     let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
-    let names =
-        |bs: &[BucketInfo]| -> Vec<String> { bs.iter().flat_map(|b| b.params.clone()).collect() };
+    let names = |bs: &[BucketInfo]| -> Vec<String> { bs.iter().flat_map(|b| b.params.clone()).collect() };
     let (initial, _, orders0, _) = &results[0];
     assert_eq!(
         names(initial),
@@ -214,11 +197,7 @@ fn buckets_are_rebuilt_exactly_once_from_rank_0s_ready_order_on_every_rank() {
         assert!(rebuilt, "rank {rank}");
         // rebuilt after the first step from rank 0's order, and never again
         for (step, layout) in layouts.iter().enumerate() {
-            assert_eq!(
-                names(layout),
-                orders0[0],
-                "rank {rank} step {step}: bucket order"
-            );
+            assert_eq!(names(layout), orders0[0], "rank {rank} step {step}: bucket order");
             assert_eq!(
                 layout, &results[0].1[step],
                 "rank {rank} step {step}: every rank has rank 0's layout"

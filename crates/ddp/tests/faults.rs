@@ -5,9 +5,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brigade_autograd::{
-    AutogradError, GradReady, GradSubscriber, Optimizer, ParamStore, Sgd, SubscriberError,
-};
+use brigade_autograd::{AutogradError, GradReady, GradSubscriber, Optimizer, ParamStore, Sgd, SubscriberError};
 use brigade_comm::{launch, launch_with_timeout, CommError, Communicator};
 use brigade_ddp::{DdpConfig, DdpError, DistributedDataParallel};
 use brigade_tensor::{set_compute_threads, DType, Tensor};
@@ -46,10 +44,7 @@ fn an_unused_parameter_is_an_error_unless_find_unused_parameters() {
         let results = launch(2, |comm| {
             set_compute_threads(1);
             let mut m = Mlp::new(&[6, 8, 3], 0);
-            let extra = m
-                .store
-                .add("unused.weight", Tensor::ones(&[5], DType::F32))
-                .unwrap();
+            let extra = m.store.add("unused.weight", Tensor::ones(&[5], DType::F32)).unwrap();
             let cfg = DdpConfig {
                 find_unused_parameters: find_unused,
                 ..DdpConfig::default()
@@ -58,11 +53,7 @@ fn an_unused_parameter_is_an_error_unless_find_unused_parameters() {
             let (x, y) = data(4, 6, 3, 1);
             m.store.zero_grad().unwrap();
             let r = m.loss(&x, &y).backward().map_err(|e| e.to_string());
-            (
-                r,
-                extra.grad().map(|g| g.to_vec::<f32>().unwrap()),
-                ddp.memory(),
-            )
+            (r, extra.grad().map(|g| g.to_vec::<f32>().unwrap()), ddp.memory())
         });
         for r in results {
             let (r, extra_grad, _) = r.unwrap();
@@ -282,9 +273,7 @@ fn after_a_failed_backward_the_gradients_can_be_zeroed_and_training_goes_on() {
             m.store
                 .zero_grad()
                 .map_err(|e| format!("zero_grad after the failed pass: {e}"))?;
-            m.loss(&xb, &yb)
-                .backward()
-                .map_err(|e| format!("step {step}: {e}"))?;
+            m.loss(&xb, &yb).backward().map_err(|e| format!("step {step}: {e}"))?;
             opt.step().unwrap();
         }
         assert!(ddp.buckets_rebuilt());
@@ -296,11 +285,7 @@ fn after_a_failed_backward_the_gradients_can_be_zeroed_and_training_goes_on() {
             matches!(&err, AutogradError::Subscriber { param, .. } if param == "parameter 'layers.0.weight'"),
             "{err}"
         );
-        assert!(
-            err.to_string()
-                .contains("injected failure at layers.0.weight"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("injected failure at layers.0.weight"), "{err}");
         let d = max_diff(&values, &reference.values());
         assert!(d < 2e-5, "rank {rank}: params differ by {d}");
     }

@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use brigade_comm::{launch_with_timeout, Buffer, Communicator, ReduceOp};
 use brigade_ddp::hooks::{
-    AllReduceHook, BucketParam, CommHook, CompressHook, GradBucket, HalfType, PowerSgdConfig,
-    PowerSgdHook,
+    AllReduceHook, BucketParam, CommHook, CompressHook, GradBucket, HalfType, PowerSgdConfig, PowerSgdHook,
 };
 use brigade_tensor::Rng;
 use half::{bf16, f16};
@@ -57,10 +56,7 @@ fn bucket(index: usize, buffer: Vec<f32>, shapes: &[&[usize]], is_last: bool) ->
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 #[test]
@@ -80,10 +76,7 @@ fn the_default_hook_is_the_averaging_all_reduce_bit_for_bit() {
         (hooked, plain)
     });
     for (hooked, plain) in out {
-        assert!(hooked
-            .iter()
-            .zip(&plain)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(hooked.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
 
@@ -107,13 +100,7 @@ fn fp16_and_bf16_equal_divide_round_sum_widen() {
             HalfType::BF16 => bf16::from_f32(x).to_f32(),
         };
         let want: Vec<f32> = (0..777)
-            .map(|i| {
-                round(
-                    (0..world)
-                        .map(|r| round(grads[r][i] / world as f32))
-                        .sum::<f32>(),
-                )
-            })
+            .map(|i| round((0..world).map(|r| round(grads[r][i] / world as f32)).sum::<f32>()))
             .collect();
         for (r, got) in out.iter().enumerate() {
             assert_eq!(got, &want, "{half:?} rank {r}");
@@ -148,11 +135,7 @@ fn stateless(rank: usize) -> PowerSgdHook {
 fn low_rank(n: usize, m: usize, k: usize, seed: u64) -> Vec<f32> {
     let (u, v) = (randn(n * k, seed), randn(m * k, seed + 100));
     (0..n * m)
-        .map(|ij| {
-            (0..k)
-                .map(|t| u[(ij / m) * k + t] * v[(ij % m) * k + t])
-                .sum()
-        })
+        .map(|ij| (0..k).map(|t| u[(ij / m) * k + t] * v[(ij % m) * k + t]).sum())
         .collect()
 }
 
@@ -202,10 +185,7 @@ fn powersgd_sends_1d_and_incompressible_tensors_uncompressed() {
     let out = on_ranks(2, |rank, comm| {
         PowerSgdHook::new(cfg)
             .unwrap()
-            .reduce(
-                &comm,
-                bucket(0, grads[rank].clone(), &[&[7], &[3, 2]], true),
-            )
+            .reduce(&comm, bucket(0, grads[rank].clone(), &[&[7], &[3, 2]], true))
             .wait()
             .unwrap()
     });
@@ -260,10 +240,7 @@ fn powersgd_runs_plain_all_reduce_before_its_start_iteration() {
     let avg: Vec<f32> = (0..64).map(|i| (grads[0][i] + grads[1][i]) / 2.0).collect();
     assert_eq!(out[0][0], avg, "iteration 0 is plain");
     assert_eq!(out[0][1], avg, "iteration 1 is plain");
-    assert!(
-        max_abs_diff(&out[0][2], &avg) > 1e-3,
-        "iteration 2 is compressed"
-    );
+    assert!(max_abs_diff(&out[0][2], &avg) > 1e-3, "iteration 2 is compressed");
 }
 
 #[test]
@@ -331,10 +308,7 @@ fn powersgd_keeps_every_ranks_collectives_in_the_same_order_across_buckets() {
                 )
             })
             .collect();
-        works
-            .into_iter()
-            .map(|w| w.wait().unwrap())
-            .collect::<Vec<_>>()
+        works.into_iter().map(|w| w.wait().unwrap()).collect::<Vec<_>>()
     });
     assert_eq!(out[0], out[1]);
 }

@@ -45,9 +45,7 @@ impl GradSubscriber for AwaitBucket0Start {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                return Err(
-                    "bucket0's transfer did not start while backward was still running".into(),
-                );
+                return Err("bucket0's transfer did not start while backward was still running".into());
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -93,21 +91,11 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
     // linear op hands out its weight's gradient, then its bias's.
     assert_eq!(
         names(0),
-        [
-            "layers.3.weight",
-            "layers.3.bias",
-            "layers.2.weight",
-            "layers.2.bias"
-        ]
+        ["layers.3.weight", "layers.3.bias", "layers.2.weight", "layers.2.bias"]
     );
     assert_eq!(
         names(1),
-        [
-            "layers.1.weight",
-            "layers.1.bias",
-            "layers.0.weight",
-            "layers.0.bias"
-        ]
+        ["layers.1.weight", "layers.1.bias", "layers.0.weight", "layers.0.bias"]
     );
 
     let events = recorder.events();
@@ -152,9 +140,7 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
         // backward's last node ran inside the span of layers.0: its end is the end of backward
         let layer0_end: Vec<u64> = events
             .iter()
-            .filter(|e| {
-                e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0"
-            })
+            .filter(|e| e.rank == rank && e.track == Track::Compute && e.name == "backward layers.0")
             .map(|e| e.end.unwrap().seq)
             .collect();
         assert_eq!(

@@ -4,8 +4,7 @@ use std::time::Duration;
 
 use brigade_comm::NetModel;
 use brigade_ddp::overlap::{
-    replay, BucketOrder, BucketProfile, LinkCost, ParamProfile, RankProfile, ReplayConfig,
-    StepProfile, PROFILE_VERSION,
+    replay, BucketOrder, BucketProfile, LinkCost, ParamProfile, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION,
 };
 
 const MIB: usize = 1 << 20;
@@ -24,10 +23,7 @@ fn close(a: f64, b: f64, what: &str) {
 }
 
 fn close_to(a: f64, b: f64, rel: f64, what: &str) {
-    assert!(
-        (a - b).abs() <= rel * b.abs().max(1e-3),
-        "{what}: {a} vs {b}"
-    );
+    assert!((a - b).abs() <= rel * b.abs().max(1e-3), "{what}: {a} vs {b}");
 }
 
 /// Two identical ranks: `params` as (bytes, ready time), backward compute ending at
@@ -93,10 +89,7 @@ fn buckets_that_finish_before_backward_ends_are_hidden() {
     let p = profile(&[(MIB, 0.004), (MIB, 0.001)], 0.010);
     let r = replay(&p, &cfg(1.0, 1.0)).unwrap();
     assert_eq!(
-        r.buckets
-            .iter()
-            .map(|b| b.params.clone())
-            .collect::<Vec<_>>(),
+        r.buckets.iter().map(|b| b.params.clone()).collect::<Vec<_>>(),
         vec![vec![1], vec![0]]
     );
     let one = 0.002 + 1.0 / 1024.0;
@@ -104,11 +97,7 @@ fn buckets_that_finish_before_backward_ends_are_hidden() {
     close(r.buckets[1].finish_s, 0.004 + one, "bucket 1 finish");
     assert_eq!(r.exposed_comm_s, 0.0);
     assert!(r.buckets.iter().all(|b| b.exposed_s == 0.0));
-    close(
-        r.predicted_step_s,
-        r.compute_step_s,
-        "predicted vs compute-only",
-    );
+    close(r.predicted_step_s, r.compute_step_s, "predicted vs compute-only");
 }
 
 #[test]
@@ -125,11 +114,7 @@ fn a_comm_bound_step_queues_buckets_on_the_link() {
     }
     close(r.exposed_comm_s, 0.001 + 4.0 * 0.0645 - 0.005, "exposed");
     // the lower bound drains the same bytes without latency: 1 ms + 4·62.5 ms − 5 ms
-    close(
-        r.lower_bound_exposed_s,
-        0.001 + 4.0 * 0.0625 - 0.005,
-        "lower bound",
-    );
+    close(r.lower_bound_exposed_s, 0.001 + 4.0 * 0.0625 - 0.005, "lower bound");
 }
 
 #[test]
@@ -144,11 +129,7 @@ fn strict_bucket_order_holds_back_a_bucket_that_filled_first() {
     assert_eq!(r.buckets[0].params, vec![1]);
     assert_eq!(r.buckets[1].params, vec![0]);
     close(r.buckets[1].ready_s, 0.002, "bucket 1 ready");
-    close(
-        r.buckets[1].launch_s,
-        0.009,
-        "bucket 1 launch waits for bucket 0",
-    );
+    close(r.buckets[1].launch_s, 0.009, "bucket 1 launch waits for bucket 0");
     let one = 0.002 + 1.0 / 1024.0;
     close(
         r.buckets[1].start_s,
@@ -179,9 +160,7 @@ fn the_lower_bound_never_exceeds_any_caps_exposed_comm() {
     // Pseudo-random profiles (a fixed LCG): for every cap the bound holds.
     let mut x = 12345u64;
     let mut next = || {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (x >> 33) as f64 / (1u64 << 31) as f64
     };
     for _ in 0..50 {
@@ -271,11 +250,7 @@ fn another_world_size_is_costed_by_the_ring_formula() {
     )
     .unwrap();
     assert_eq!(one.exposed_comm_s, 0.0);
-    close(
-        one.predicted_step_s,
-        one.compute_step_s,
-        "one rank: no communication",
-    );
+    close(one.predicted_step_s, one.compute_step_s, "one rank: no communication");
 }
 
 #[test]
@@ -288,10 +263,7 @@ fn bad_profiles_and_configs_are_errors_that_say_what_is_wrong() {
         .contains("version 99"));
     let mut p = profile(&[(MIB, 0.004)], 0.010);
     p.ranks[1].grad_ready_s.clear();
-    assert!(replay(&p, &cfg(25.0, 1.0))
-        .unwrap_err()
-        .to_string()
-        .contains("rank 1"));
+    assert!(replay(&p, &cfg(25.0, 1.0)).unwrap_err().to_string().contains("rank 1"));
     let p = profile(&[(MIB, 0.004)], 0.010);
     assert!(replay(&p, &cfg(0.0, 1.0))
         .unwrap_err()

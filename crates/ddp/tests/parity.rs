@@ -38,12 +38,7 @@ fn single(kind: &str, world: usize, per_rank: usize) -> (Vec<f64>, Vec<Vec<f32>>
 }
 
 /// `world` ranks, each on its shard; returns each rank's (losses, final params).
-fn distributed(
-    kind: &str,
-    world: usize,
-    per_rank: usize,
-    cfg: DdpConfig,
-) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
+fn distributed(kind: &str, world: usize, per_rank: usize, cfg: DdpConfig) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
     let (x, y) = data(world * per_rank * STEPS, WIDTHS[0], WIDTHS[4], 3);
     launch(world, |comm| {
         set_compute_threads(1);
@@ -88,10 +83,7 @@ fn two_four_and_eight_ranks_match_one_process_with_sgd_and_adamw() {
             let ranks = distributed(kind, world, per_rank, small_buckets());
             for (rank, (_, params)) in ranks.iter().enumerate() {
                 let d = max_diff(params, &ref_params);
-                assert!(
-                    d < 2e-5,
-                    "{kind} world {world} rank {rank}: params differ by {d}"
-                );
+                assert!(d < 2e-5, "{kind} world {world} rank {rank}: params differ by {d}");
             }
             // the global loss is the mean over ranks of the local means (equal shards)
             for s in 0..STEPS {
@@ -211,10 +203,7 @@ fn train(m: &Mlp, kind: &str, world: usize, rank: usize, per_rank: usize) -> Vec
 }
 
 fn bits(values: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    values
-        .iter()
-        .map(|v| v.iter().map(|x| x.to_bits()).collect())
-        .collect()
+    values.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()).collect()
 }
 
 #[test]
@@ -225,8 +214,7 @@ fn world_size_one_is_bit_identical_to_no_ddp() {
         let ranks = launch(1, |comm| {
             set_compute_threads(1);
             let m = Mlp::new(&WIDTHS, 42);
-            let _ddp =
-                DistributedDataParallel::new(&m.store, Arc::new(comm), small_buckets()).unwrap();
+            let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), small_buckets()).unwrap();
             let losses = train(&m, kind, 1, 0, 8);
             (losses, m.values())
         });
@@ -329,10 +317,7 @@ fn frozen_parameters_are_left_out_of_the_buckets_and_keep_their_values() {
     for (rank, r) in ranks.into_iter().enumerate() {
         let (values, bucketed, no_grad) = r.unwrap();
         let d = max_diff(&values, &reference.values());
-        assert!(
-            d < 2e-5,
-            "rank {rank}: params differ from one process by {d}"
-        );
+        assert!(d < 2e-5, "rank {rank}: params differ from one process by {d}");
         assert_eq!(
             bits(&values[..2]),
             bits(&initial[..2]),
@@ -353,11 +338,7 @@ fn frozen_parameters_are_left_out_of_the_buckets_and_keep_their_values() {
             .filter(|e| e.rank == rank && e.op == "all_reduce")
             .map(|e| e.bytes)
             .sum();
-        assert_eq!(
-            reduced,
-            STEPS * trainable_bytes,
-            "rank {rank}: bytes all-reduced"
-        );
+        assert_eq!(reduced, STEPS * trainable_bytes, "rank {rank}: bytes all-reduced");
     }
 }
 
@@ -369,17 +350,11 @@ fn a_zero_size_parameter_trains_like_the_rest() {
         let mut m = Mlp::new(&WIDTHS, seed);
         let empty = m
             .store
-            .add(
-                "empty",
-                brigade_tensor::Tensor::zeros(&[0], brigade_tensor::DType::F32),
-            )
+            .add("empty", brigade_tensor::Tensor::zeros(&[0], brigade_tensor::DType::F32))
             .unwrap();
         (m, empty)
     };
-    let loss = |m: &Mlp,
-                empty: &brigade_autograd::Var,
-                xb: &brigade_tensor::Tensor,
-                yb: &brigade_tensor::Tensor| {
+    let loss = |m: &Mlp, empty: &brigade_autograd::Var, xb: &brigade_tensor::Tensor, yb: &brigade_tensor::Tensor| {
         m.loss(xb, yb).add(&empty.sum_all().unwrap()).unwrap()
     };
     let (x, y) = data(2 * 8 * STEPS, WIDTHS[0], WIDTHS[4], 3);
@@ -409,10 +384,7 @@ fn a_zero_size_parameter_trains_like_the_rest() {
             loss(&m, &empty, &xb, &yb).backward().unwrap();
             opt.step().unwrap();
         }
-        let bucketed = ddp
-            .buckets()
-            .iter()
-            .any(|b| b.params.contains(&"empty".to_string()));
+        let bucketed = ddp.buckets().iter().any(|b| b.params.contains(&"empty".to_string()));
         (m.values(), empty.grad().map(|g| g.numel()), bucketed)
     });
     for (rank, r) in ranks.into_iter().enumerate() {
@@ -438,26 +410,15 @@ impl Tied {
         use brigade_tensor::{DType, Rng, Tensor};
         let mut rng = Rng::new(seed);
         let mut store = brigade_autograd::ParamStore::new();
-        for (name, shape) in [
-            ("a", [16, WIDTHS[0]]),
-            ("w", [16, 16]),
-            ("b", [WIDTHS[4], 16]),
-        ] {
+        for (name, shape) in [("a", [16, WIDTHS[0]]), ("w", [16, 16]), ("b", [WIDTHS[4], 16])] {
             store
-                .add(
-                    name,
-                    Tensor::rand_uniform(&shape, -0.3, 0.3, DType::F32, &mut rng),
-                )
+                .add(name, Tensor::rand_uniform(&shape, -0.3, 0.3, DType::F32, &mut rng))
                 .unwrap();
         }
         Tied { store }
     }
 
-    fn loss(
-        &self,
-        x: &brigade_tensor::Tensor,
-        y: &brigade_tensor::Tensor,
-    ) -> brigade_autograd::Var {
+    fn loss(&self, x: &brigade_tensor::Tensor, y: &brigade_tensor::Tensor) -> brigade_autograd::Var {
         let p = |n: &str| self.store.get(n).unwrap().clone();
         let h = brigade_autograd::Var::constant(x.clone())
             .linear(&p("a"), None)
@@ -483,10 +444,7 @@ impl Tied {
 struct Announcements(std::sync::Mutex<Vec<String>>);
 
 impl brigade_autograd::GradSubscriber for Announcements {
-    fn grad_ready(
-        &self,
-        r: brigade_autograd::GradReady<'_>,
-    ) -> Result<(), brigade_autograd::SubscriberError> {
+    fn grad_ready(&self, r: brigade_autograd::GradReady<'_>) -> Result<(), brigade_autograd::SubscriberError> {
         self.0.lock().unwrap().push(r.name.to_string());
         Ok(())
     }
@@ -539,10 +497,7 @@ fn a_tied_parameter_gets_one_summed_gradient_announced_and_reduced_once() {
             "rank {rank}: w announced once per backward: {heard:?}"
         );
         assert_eq!(buckets, 3);
-        let all_reduces = events
-            .iter()
-            .filter(|e| e.rank == rank && e.op == "all_reduce")
-            .count();
+        let all_reduces = events.iter().filter(|e| e.rank == rank && e.op == "all_reduce").count();
         assert_eq!(
             all_reduces,
             STEPS * buckets,

@@ -8,9 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{Optimizer, Sgd};
 use brigade_comm::{launch, Communicator, Work};
-use brigade_ddp::hooks::{
-    AllReduceHook, CommHook, CompressHook, GradBucket, HalfType, PowerSgdConfig, PowerSgdHook,
-};
+use brigade_ddp::hooks::{AllReduceHook, CommHook, CompressHook, GradBucket, HalfType, PowerSgdConfig, PowerSgdHook};
 use brigade_ddp::{DdpConfig, DdpError, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
 use common::{data, max_diff, rows, Mlp};
@@ -110,21 +108,14 @@ fn a_users_hook_sees_each_bucket_once_in_order_with_its_layout() {
             groups.push(vec![]);
         }
     }
-    assert!(
-        groups.pop().unwrap().is_empty(),
-        "calls after the last is_last"
-    );
+    assert!(groups.pop().unwrap().is_empty(), "calls after the last is_last");
     assert_eq!(groups.len(), STEPS);
     let mut want: Vec<String> = (0..3)
         .flat_map(|i| [format!("layers.{i}.bias"), format!("layers.{i}.weight")])
         .collect();
     want.sort();
     for g in &groups {
-        assert!(
-            g.len() >= 3,
-            "small caps should give several buckets, got {}",
-            g.len()
-        );
+        assert!(g.len() >= 3, "small caps should give several buckets, got {}", g.len());
         assert_eq!(
             g.iter().map(|c| c.0).collect::<Vec<_>>(),
             (0..g.len()).collect::<Vec<_>>(),
@@ -168,14 +159,8 @@ fn one_powersgd_hook_shared_by_two_ranks_is_an_error_not_a_hang() {
             .backward()
             .map_err(|e| format!("{e}: {:?}", std::error::Error::source(&e)))
     });
-    let errors: Vec<String> = results
-        .into_iter()
-        .filter_map(|r| r.unwrap().err())
-        .collect();
-    assert!(
-        errors.iter().any(|e| e.contains("one hook per rank")),
-        "{errors:?}"
-    );
+    let errors: Vec<String> = results.into_iter().filter_map(|r| r.unwrap().err()).collect();
+    assert!(errors.iter().any(|e| e.contains("one hook per rank")), "{errors:?}");
 }
 
 #[test]
@@ -235,10 +220,7 @@ fn a_hook_that_returns_the_wrong_length_is_a_typed_error_naming_it() {
             source = e.source();
         }
         let msg = found.expect("a DdpError in the chain");
-        assert!(
-            msg.contains("truncating") && msg.contains("element"),
-            "{msg}"
-        );
+        assert!(msg.contains("truncating") && msg.contains("element"), "{msg}");
         // the gradients have storage again: readable, not lent
         assert!(m.store.params()[0].grad().unwrap().to_vec::<f32>().is_ok());
     });

@@ -54,10 +54,7 @@ impl Words<'static> {
         Words {
             nouns: list(NOUNS),
             adjectives: list(ADJECTIVES),
-            verbs: VERBS
-                .split_whitespace()
-                .filter_map(|p| p.split_once(':'))
-                .collect(),
+            verbs: VERBS.split_whitespace().filter_map(|p| p.split_once(':')).collect(),
             adverbs: list(ADVERBS),
             names: list(NAMES),
             prepositions: list(PREPOSITIONS),
@@ -185,11 +182,7 @@ mod tests {
             .split(|c: char| !c.is_ascii_alphabetic())
             .filter(|w| !w.is_empty())
             .collect();
-        assert!(
-            (150..700).contains(&vocab.len()),
-            "{} distinct words",
-            vocab.len()
-        );
+        assert!((150..700).contains(&vocab.len()), "{} distinct words", vocab.len());
         assert!(text.contains(". ") && text.contains("\n\n"));
     }
 }

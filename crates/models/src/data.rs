@@ -67,9 +67,7 @@ impl Dataset {
         }
         let mut rng = Rng::new(seed ^ 0x7EAC_0E55);
         let h = TEACHER_HIDDEN;
-        let w1: Vec<f64> = (0..in_dim * h)
-            .map(|_| rng.normal() / (in_dim as f64).sqrt())
-            .collect();
+        let w1: Vec<f64> = (0..in_dim * h).map(|_| rng.normal() / (in_dim as f64).sqrt()).collect();
         let b1: Vec<f64> = (0..h).map(|_| 0.1 * rng.normal()).collect();
         let w2: Vec<f64> = (0..h * n_classes).map(|_| rng.normal()).collect();
         let mut rng = Rng::new(seed);
@@ -78,11 +76,7 @@ impl Dataset {
         let mut hidden = vec![0.0f64; h];
         for x in inputs.chunks_exact(in_dim) {
             for (j, hj) in hidden.iter_mut().enumerate() {
-                let s: f64 = x
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &xi)| xi as f64 * w1[i * h + j])
-                    .sum();
+                let s: f64 = x.iter().enumerate().map(|(i, &xi)| xi as f64 * w1[i * h + j]).sum();
                 *hj = (s + b1[j]).tanh();
             }
             let logit = |c: usize| {
@@ -126,10 +120,7 @@ impl Dataset {
         if context == 0 || bytes.len() < row_len {
             return Err(data_err(
                 "text",
-                format!(
-                    "{} bytes cannot fill one row of context {context} + 1",
-                    bytes.len()
-                ),
+                format!("{} bytes cannot fill one row of context {context} + 1", bytes.len()),
             ));
         }
         let stride = (context / 2).max(1);
@@ -156,23 +147,18 @@ impl Dataset {
         let tensors = crate::io::load_safetensors(path)?;
         let get = |name: &str| -> Result<&Tensor> {
             let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-            tensors
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, t)| t)
-                .ok_or_else(|| {
-                    err(format!(
-                        "missing tensor '{name}' (a {} dataset needs it; the file has {names:?})",
-                        kind.name()
-                    ))
-                })
+            tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
+                err(format!(
+                    "missing tensor '{name}' (a {} dataset needs it; the file has {names:?})",
+                    kind.name()
+                ))
+            })
         };
         let rows = match kind {
             ModelKind::Mlp(cfg) => {
                 let (inputs, targets) = (get("inputs")?, get("targets")?);
                 let in_dim = cfg.in_dim();
-                if inputs.dtype() != DType::F32 || inputs.rank() != 2 || inputs.shape()[1] != in_dim
-                {
+                if inputs.dtype() != DType::F32 || inputs.rank() != 2 || inputs.shape()[1] != in_dim {
                     return Err(err(format!(
                         "tensor 'inputs': expected F32 [N, {in_dim}], found {:?} {:?}",
                         inputs.dtype(),
@@ -190,11 +176,7 @@ impl Dataset {
                 crate::io::check_finite(path, &[("inputs".to_string(), inputs.clone())])?;
                 let targets = targets.to_vec::<i64>()?;
                 let classes = cfg.n_classes() as i64;
-                if let Some((i, t)) = targets
-                    .iter()
-                    .enumerate()
-                    .find(|(_, &t)| t < 0 || t >= classes)
-                {
+                if let Some((i, t)) = targets.iter().enumerate().find(|(_, &t)| t < 0 || t >= classes) {
                     return Err(err(format!(
                         "tensor 'targets': row {i} has label {t}, expected 0..{classes}"
                     )));
@@ -229,10 +211,7 @@ impl Dataset {
                         .iter()
                         .position(|&t| i64::from(t) >= vocab)
                         .map(|i| (i, i64::from(v[i]))),
-                    TokenStore::I64(v) => v
-                        .iter()
-                        .position(|&t| t < 0 || t >= vocab)
-                        .map(|i| (i, v[i])),
+                    TokenStore::I64(v) => v.iter().position(|&t| t < 0 || t >= vocab).map(|i| (i, v[i])),
                 };
                 if let Some((i, t)) = bad {
                     return Err(err(format!(

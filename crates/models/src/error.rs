@@ -25,9 +25,7 @@ pub enum ModelError {
         message: String,
     },
     /// A batch of the wrong kind for this model (tokens given to the MLP, or the reverse).
-    #[error(
-        "{model} expects a {expected} batch, got a {found} batch; pair the model with its dataset"
-    )]
+    #[error("{model} expects a {expected} batch, got a {found} batch; pair the model with its dataset")]
     WrongBatch {
         /// `"mlp"` or `"gpt"`.
         model: &'static str,
@@ -105,12 +103,10 @@ impl ModelError {
     pub fn at_path(self, path: &std::path::Path) -> Self {
         let memory = |p: &PathBuf| p.as_os_str() == "<memory>";
         match self {
-            ModelError::CheckpointMismatch { path: p, message } if memory(&p) => {
-                ModelError::CheckpointMismatch {
-                    path: path.to_path_buf(),
-                    message,
-                }
-            }
+            ModelError::CheckpointMismatch { path: p, message } if memory(&p) => ModelError::CheckpointMismatch {
+                path: path.to_path_buf(),
+                message,
+            },
             ModelError::NonFinite {
                 path: p,
                 tensor,

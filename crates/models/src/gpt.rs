@@ -16,9 +16,7 @@
 use brigade_autograd::{scope, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::nn::{
-    Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params,
-};
+use crate::nn::{Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params};
 use crate::{Batch, Model, ModelError, Result};
 
 /// LayerNorm epsilon (PyTorch's default).
@@ -68,12 +66,7 @@ impl GptConfig {
 
     /// Errors on zero sizes, heads that do not divide `d_model`, or a non-compute dtype.
     pub fn validate(&self) -> Result<()> {
-        let err = |message: String| {
-            Err(ModelError::Config {
-                model: "gpt",
-                message,
-            })
-        };
+        let err = |message: String| Err(ModelError::Config { model: "gpt", message });
         let sizes = [
             ("vocab", self.vocab),
             ("d_model", self.d_model),
@@ -151,13 +144,7 @@ impl Gpt {
             .map(|i| Block::new(&mut p.sub(&format!("blocks.{i}")), &cfg))
             .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(&mut p.sub("ln_f"), d, LN_EPS)?;
-        let head = Linear::new(
-            &mut p.sub("head"),
-            d,
-            v,
-            false,
-            Init::Normal { std: INIT_STD },
-        )?;
+        let head = Linear::new(&mut p.sub("head"), d, v, false, Init::Normal { std: INIT_STD })?;
         Ok(Gpt {
             cfg,
             store,

@@ -64,11 +64,7 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 
 /// A tensor from little-endian bytes.
 fn tensor_from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
-    fn go<T: Element, const N: usize>(
-        bytes: &[u8],
-        shape: &[usize],
-        f: impl Fn([u8; N]) -> T,
-    ) -> Result<Tensor> {
+    fn go<T: Element, const N: usize>(bytes: &[u8], shape: &[usize], f: impl Fn([u8; N]) -> T) -> Result<Tensor> {
         let v: Vec<T> = bytes
             .chunks_exact(N)
             .map(|c| f(c.try_into().expect("chunk of N bytes")))
@@ -176,9 +172,7 @@ fn process_alive(pid: u32) -> bool {
 /// Removes the temporary files of `target` that a killed writer left behind
 /// (`.NAME.tmp-PID` or `.NAME.tmp-PID-N` whose process is gone). Best effort.
 fn remove_stale_temporaries(dir: &Path, prefix: &str) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
@@ -207,10 +201,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let n = TMP_COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!("{prefix}{}-{n}", std::process::id()));
     let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &target)
@@ -224,12 +215,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Reads every tensor of a safetensors file, in file order, with its string metadata
 /// (empty when the file has none). F32, F64, F16, BF16, I64 and U8 are supported.
-pub fn load_safetensors_with_metadata(
-    path: impl AsRef<Path>,
-) -> Result<(NamedTensors, HashMap<String, String>)> {
+pub fn load_safetensors_with_metadata(path: impl AsRef<Path>) -> Result<(NamedTensors, HashMap<String, String>)> {
     let path = path.as_ref();
-    let bytes =
-        std::fs::read(path).map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
+    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
     let corrupt = |message: String| ModelError::Corrupt {
         path: path.to_path_buf(),
         message,

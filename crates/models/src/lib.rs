@@ -25,8 +25,8 @@ pub use data::Dataset;
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig};
 pub use io::{
-    check_finite, load_params, load_params_from_tensors, load_safetensors,
-    load_safetensors_with_metadata, save_params, save_safetensors, write_atomic, NamedTensors,
+    check_finite, load_params, load_params_from_tensors, load_safetensors, load_safetensors_with_metadata, save_params,
+    save_safetensors, write_atomic, NamedTensors,
 };
 pub use mlp::{Mlp, MlpConfig};
 

@@ -52,12 +52,7 @@ impl MlpConfig {
 
     /// Errors unless there are at least two widths, all positive, and the dtype is F32 or F64.
     pub fn validate(&self) -> Result<()> {
-        let err = |message: String| {
-            Err(ModelError::Config {
-                model: "mlp",
-                message,
-            })
-        };
+        let err = |message: String| Err(ModelError::Config { model: "mlp", message });
         if self.widths.len() < 2 {
             return err(format!(
                 "widths {:?} need at least an input and an output width",
@@ -96,15 +91,7 @@ impl Mlp {
             .widths
             .windows(2)
             .enumerate()
-            .map(|(i, w)| {
-                Linear::new(
-                    &mut p.sub(&format!("layers.{i}")),
-                    w[0],
-                    w[1],
-                    true,
-                    Init::TorchLinear,
-                )
-            })
+            .map(|(i, w)| Linear::new(&mut p.sub(&format!("layers.{i}")), w[0], w[1], true, Init::TorchLinear))
             .collect::<Result<Vec<_>>>()?;
         Ok(Mlp { cfg, store, layers })
     }
@@ -121,10 +108,7 @@ impl Mlp {
         if inputs.rank() != 2 || inputs.shape()[1] != in_dim {
             return Err(ModelError::BadBatch {
                 model: "mlp",
-                message: format!(
-                    "inputs have shape {:?}, expected [batch, {in_dim}]",
-                    inputs.shape()
-                ),
+                message: format!("inputs have shape {:?}, expected [batch, {in_dim}]", inputs.shape()),
             });
         }
         let x = if inputs.dtype() == self.cfg.dtype {
@@ -163,14 +147,10 @@ impl Model for Mlp {
         };
         let logits = self.logits(inputs)?;
         let last = self.layers.len() - 1;
-        Ok(scope(&format!("layers.{last}"), || {
-            logits.cross_entropy(targets)
-        })?)
+        Ok(scope(&format!("layers.{last}"), || logits.cross_entropy(targets))?)
     }
 
     fn layer_names(&self) -> Vec<String> {
-        (0..self.layers.len())
-            .map(|i| format!("layers.{i}"))
-            .collect()
+        (0..self.layers.len()).map(|i| format!("layers.{i}")).collect()
     }
 }

@@ -152,14 +152,7 @@ impl Linear {
             }
             Init::Normal { std } => {
                 let w = p.normal("weight", &[out, inp], std)?;
-                (
-                    w,
-                    if bias {
-                        Some(p.full("bias", &[out], 0.0)?)
-                    } else {
-                        None
-                    },
-                )
+                (w, if bias { Some(p.full("bias", &[out], 0.0)?) } else { None })
             }
         };
         Ok(Linear { weight, bias })
@@ -233,12 +226,7 @@ pub struct CausalSelfAttention {
 
 impl CausalSelfAttention {
     /// Registers `qkv` and `proj` under `p`'s prefix.
-    pub fn new(
-        p: &mut Params,
-        d: usize,
-        n_heads: usize,
-        init: Init,
-    ) -> Result<CausalSelfAttention> {
+    pub fn new(p: &mut Params, d: usize, n_heads: usize, init: Init) -> Result<CausalSelfAttention> {
         let qkv = Linear::new(&mut p.sub("qkv"), d, 3 * d, true, init)?;
         let proj = Linear::new(&mut p.sub("proj"), d, d, true, init)?;
         Ok(CausalSelfAttention { qkv, proj, n_heads })
@@ -247,12 +235,7 @@ impl CausalSelfAttention {
     /// `h [B, T, d] -> [B, T, d]`.
     pub fn forward(&self, h: &Var) -> Result<Var> {
         let shape = h.shape();
-        let (b, t, d, nh) = (
-            shape[0],
-            shape[1],
-            self.proj.weight.shape()[0],
-            self.n_heads,
-        );
+        let (b, t, d, nh) = (shape[0], shape[1], self.proj.weight.shape()[0], self.n_heads);
         let hd = d / nh;
         let qkv = self.qkv.forward(h)?;
         let heads = |i: usize| -> Result<Var> {
@@ -264,14 +247,9 @@ impl CausalSelfAttention {
                 .permute(&[0, 2, 1, 3])?)
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let scores = q
-            .matmul(&k.transpose(2, 3)?)?
-            .mul_scalar(1.0 / (hd as f64).sqrt())?;
+        let scores = q.matmul(&k.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
         let att = scores.causal_mask()?.softmax()?;
-        let y = att
-            .matmul(&v)?
-            .permute(&[0, 2, 1, 3])?
-            .reshape(&[b, t, d])?;
+        let y = att.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
         self.proj.forward(&y)
     }
 }
@@ -288,25 +266,14 @@ pub struct MlpBlock {
 
 impl MlpBlock {
     /// Registers `fc` and `proj` under `p`'s prefix.
-    pub fn new(
-        p: &mut Params,
-        d: usize,
-        d_ff: usize,
-        activation: Activation,
-        init: Init,
-    ) -> Result<MlpBlock> {
+    pub fn new(p: &mut Params, d: usize, d_ff: usize, activation: Activation, init: Init) -> Result<MlpBlock> {
         let fc = Linear::new(&mut p.sub("fc"), d, d_ff, true, init)?;
         let proj = Linear::new(&mut p.sub("proj"), d_ff, d, true, init)?;
-        Ok(MlpBlock {
-            fc,
-            proj,
-            activation,
-        })
+        Ok(MlpBlock { fc, proj, activation })
     }
 
     /// `x [.., d] -> [.., d]`.
     pub fn forward(&self, x: &Var) -> Result<Var> {
-        self.proj
-            .forward(&self.activation.apply(&self.fc.forward(x)?)?)
+        self.proj.forward(&self.activation.apply(&self.fc.forward(x)?)?)
     }
 }

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use brigade_models::{
-    load_params, load_safetensors, load_safetensors_with_metadata, save_params, save_safetensors,
-    Gpt, GptConfig, Mlp, MlpConfig, Model, ModelError,
+    load_params, load_safetensors, load_safetensors_with_metadata, save_params, save_safetensors, Gpt, GptConfig, Mlp,
+    MlpConfig, Model, ModelError,
 };
 use brigade_tensor::{DType, Rng, Tensor};
 
@@ -36,10 +36,7 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
             "e.i64".into(),
             Tensor::from_vec(vec![-3i64, 0, 7, i64::MAX], &[2, 2]).unwrap(),
         ),
-        (
-            "f.u8".into(),
-            Tensor::from_vec(vec![0u8, 1, 255], &[3]).unwrap(),
-        ),
+        ("f.u8".into(), Tensor::from_vec(vec![0u8, 1, 255], &[3]).unwrap()),
         ("g.scalar".into(), Tensor::scalar(2.5, DType::F32)),
         // a non-contiguous view is written in row-major order
         ("h.view".into(), base.t().unwrap()),
@@ -57,11 +54,7 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
     );
     for (name, want) in &tensors {
         let got = &loaded.iter().find(|(n, _)| n == name).unwrap().1;
-        assert_eq!(
-            (got.dtype(), got.shape()),
-            (want.dtype(), want.shape()),
-            "{name}"
-        );
+        assert_eq!((got.dtype(), got.shape()), (want.dtype(), want.shape()), "{name}");
         let (g, w) = (got.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
         assert!(
             g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -131,10 +124,7 @@ fn a_write_that_fails_midway_leaves_the_old_checkpoint_intact() {
         out.status.success() && text.contains("save failed as expected:"),
         "the child: {text}"
     );
-    assert!(
-        text.contains("model.safetensors"),
-        "the error names the path: {text}"
-    );
+    assert!(text.contains("model.safetensors"), "the error names the path: {text}");
     let now = std::fs::read(&path).unwrap();
     assert!(
         now == old,
@@ -187,8 +177,7 @@ fn save_under_a_file_size_limit() {
         );
     }
     let bigger = Mlp::new(MlpConfig::new(vec![64, 64, 3]), 2).unwrap();
-    let e = save_params(bigger.params(), &path)
-        .expect_err("a write past the file-size limit must fail");
+    let e = save_params(bigger.params(), &path).expect_err("a write past the file-size limit must fail");
     println!("save failed as expected: {e}");
 }
 
@@ -250,16 +239,10 @@ fn params_load_into_a_differently_seeded_model() {
     let (a, b) = (Gpt::new(cfg.clone(), 1).unwrap(), Gpt::new(cfg, 2).unwrap());
     let tokens = Tensor::from_vec(vec![1i64, 2, 3, 4], &[1, 4]).unwrap();
     let la = a.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap();
-    assert_ne!(
-        la,
-        b.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap()
-    );
+    assert_ne!(la, b.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap());
     save_params(a.params(), &path).unwrap();
     load_params(b.params(), &path).unwrap();
-    assert_eq!(
-        la,
-        b.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap()
-    );
+    assert_eq!(la, b.logits(&tokens).unwrap().value().to_vec::<f32>().unwrap());
 }
 
 #[test]
@@ -279,11 +262,7 @@ fn half_precision_state_dicts_are_converted_to_the_param_dtype() {
     for ((name, want), p) in halves.iter().zip(dst.params().params()) {
         let got = p.value();
         assert_eq!(got.dtype(), DType::F32, "{name}");
-        assert_eq!(
-            got.to_f64_vec().unwrap(),
-            want.to_f64_vec().unwrap(),
-            "{name}"
-        );
+        assert_eq!(got.to_f64_vec().unwrap(), want.to_f64_vec().unwrap(), "{name}");
     }
 }
 
@@ -326,11 +305,7 @@ fn a_mismatched_checkpoint_names_the_first_mismatch() {
     );
 
     // missing name
-    let t: Vec<_> = good
-        .iter()
-        .filter(|(n, _)| n != "layers.1.weight")
-        .cloned()
-        .collect();
+    let t: Vec<_> = good.iter().filter(|(n, _)| n != "layers.1.weight").cloned().collect();
     let e = mismatch("missing", t);
     assert!(
         e.contains("missing parameter 'layers.1.weight'") && e.contains("[3, 5]"),

@@ -2,9 +2,7 @@
 //! respect to the input and every parameter.
 
 use brigade_autograd::{gradcheck, ParamStore, Var};
-use brigade_models::nn::{
-    Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params,
-};
+use brigade_models::nn::{Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params};
 use brigade_tensor::{DType, Rng, Tensor};
 
 fn names(store: &ParamStore) -> Vec<(String, Vec<usize>)> {
@@ -22,14 +20,7 @@ fn layers_register_pytorch_names_under_their_prefix_in_order() {
     let mut blk = p.sub("blocks.3");
     LayerNorm::new(&mut blk.sub("ln1"), 8, 1e-5).unwrap();
     CausalSelfAttention::new(&mut blk.sub("attn"), 8, 2, Init::Normal { std: 0.02 }).unwrap();
-    MlpBlock::new(
-        &mut blk.sub("mlp"),
-        8,
-        16,
-        Activation::Gelu,
-        Init::Normal { std: 0.02 },
-    )
-    .unwrap();
+    MlpBlock::new(&mut blk.sub("mlp"), 8, 16, Activation::Gelu, Init::Normal { std: 0.02 }).unwrap();
     Embedding::new(&mut p.sub("tok_emb"), 10, 8, 0.02).unwrap();
     Linear::new(&mut p.sub("head"), 8, 10, false, Init::TorchLinear).unwrap();
     let want: Vec<(&str, Vec<usize>)> = vec![
@@ -48,9 +39,7 @@ fn layers_register_pytorch_names_under_their_prefix_in_order() {
     ];
     let got = names(&store);
     assert_eq!(
-        got.iter()
-            .map(|(n, s)| (n.as_str(), s.clone()))
-            .collect::<Vec<_>>(),
+        got.iter().map(|(n, s)| (n.as_str(), s.clone())).collect::<Vec<_>>(),
         want
     );
 }
@@ -78,13 +67,7 @@ fn initialisation_follows_pytorch_and_gpt2() {
         .unwrap()
         .iter()
         .all(|&b| b == 0.0));
-    assert!(ln
-        .weight
-        .value()
-        .to_f64_vec()
-        .unwrap()
-        .iter()
-        .all(|&g| g == 1.0));
+    assert!(ln.weight.value().to_f64_vec().unwrap().iter().all(|&g| g == 1.0));
 }
 
 fn rand(shape: &[usize], seed: u64) -> Tensor {
@@ -134,13 +117,7 @@ fn layer_norm_gradients_match_finite_differences() {
 fn embedding_gradients_match_finite_differences() {
     let ids = Tensor::from_vec(vec![2i64, 0, 2, 3], &[2, 2]).unwrap();
     check(
-        |v| {
-            Embedding {
-                weight: v[0].clone(),
-            }
-            .forward(&ids)
-            .map_err(model_err)
-        },
+        |v| Embedding { weight: v[0].clone() }.forward(&ids).map_err(model_err),
         &[rand(&[4, 3], 7)],
     );
 }

@@ -25,13 +25,7 @@ fn mlp_losses() -> Vec<u64> {
     let mut rng = Rng::new(1);
     let x = Tensor::randn(&[8, 16], 1.0, DType::F32, &mut rng);
     let y = Tensor::from_vec((0..8).map(|i| (i % 5) as i64).collect::<Vec<_>>(), &[8]).unwrap();
-    train(
-        &m,
-        &Batch::Classify {
-            inputs: x,
-            targets: y,
-        },
-    )
+    train(&m, &Batch::Classify { inputs: x, targets: y })
 }
 
 fn gpt_losses() -> Vec<u64> {
@@ -57,11 +51,7 @@ fn gpt_losses() -> Vec<u64> {
 fn the_mlp_from_layers_trains_bit_for_bit_as_before() {
     assert_eq!(
         mlp_losses(),
-        [
-            4610025053642293248,
-            4609987518312480768,
-            4609919370066395136
-        ]
+        [4610025053642293248, 4609987518312480768, 4609919370066395136]
     );
 }
 
@@ -69,10 +59,6 @@ fn the_mlp_from_layers_trains_bit_for_bit_as_before() {
 fn the_gpt_from_layers_trains_bit_for_bit_as_before() {
     assert_eq!(
         gpt_losses(),
-        [
-            4617935092226981888,
-            4617803804740419584,
-            4617678000316481536
-        ]
+        [4617935092226981888, 4617803804740419584, 4617678000316481536]
     );
 }

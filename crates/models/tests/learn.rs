@@ -8,13 +8,7 @@ use brigade_models::{Dataset, Gpt, GptConfig, Mlp, MlpConfig, Model};
 
 /// `steps` AdamW steps over consecutive batches; the loss of each step.
 fn train(model: &dyn Model, data: &Dataset, batch: usize, steps: usize, lr: f64) -> Vec<f32> {
-    let mut opt = AdamW::with_options(
-        model.params().params().to_vec(),
-        lr,
-        (0.9, 0.999),
-        1e-8,
-        0.0,
-    );
+    let mut opt = AdamW::with_options(model.params().params().to_vec(), lr, (0.9, 0.999), 1e-8, 0.0);
     (0..steps)
         .map(|s| {
             model.params().zero_grad().unwrap();
@@ -54,10 +48,7 @@ fn mlp_fits_teacher_labels() {
     let losses = train(&model, &data, 64, 300, 3e-3);
     let (first, last) = (losses[0], mean(&losses[losses.len() - 20..]));
     eprintln!("mlp: loss {first:.4} -> {last:.4} in {:?}", t0.elapsed());
-    assert!(
-        last < 0.5 * first,
-        "mlp loss fell only from {first} to {last}"
-    );
+    assert!(last < 0.5 * first, "mlp loss fell only from {first} to {last}");
 }
 
 #[test]

@@ -4,9 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{no_grad, GradReady, GradSubscriber, SubscriberError};
-use brigade_models::{
-    load_params_from_tensors, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model, ModelError, ModelKind,
-};
+use brigade_models::{load_params_from_tensors, Batch, Gpt, GptConfig, Mlp, MlpConfig, Model, ModelError, ModelKind};
 use brigade_tensor::{DType, Rng, Tensor};
 
 fn names_and_shapes(m: &dyn Model) -> Vec<(String, Vec<usize>)> {
@@ -36,10 +34,7 @@ fn reference_mlp_has_pytorch_names_shapes_and_count() {
         512 * 2048 + 2048 + 2 * (2048 * 2048 + 2048) + 2048 * 10 + 10
     );
     assert_eq!(m.params().numel(), 9_463_818);
-    assert_eq!(
-        m.layer_names(),
-        ["layers.0", "layers.1", "layers.2", "layers.3"]
-    );
+    assert_eq!(m.layer_names(), ["layers.0", "layers.1", "layers.2", "layers.3"]);
     // PyTorch's nn.Linear init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias
     let w0 = m
         .params()
@@ -64,14 +59,7 @@ fn reference_mlp_has_pytorch_names_shapes_and_count() {
 fn reference_gpt_has_the_documented_names_shapes_and_count() {
     let cfg = GptConfig::default();
     assert_eq!(
-        (
-            cfg.vocab,
-            cfg.d_model,
-            cfg.n_layers,
-            cfg.n_heads,
-            cfg.d_ff,
-            cfg.context
-        ),
+        (cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.context),
         (256, 256, 4, 4, 1024, 128)
     );
     let m = Gpt::new(cfg, 0).unwrap();
@@ -135,11 +123,7 @@ fn reference_gpt_has_the_documented_names_shapes_and_count() {
             .iter()
             .all(|&x| x == v)
     };
-    assert!(
-        all("blocks.1.attn.qkv.bias", 0.0)
-            && all("blocks.0.ln2.weight", 1.0)
-            && all("ln_f.bias", 0.0)
-    );
+    assert!(all("blocks.1.attn.qkv.bias", 0.0) && all("blocks.0.ln2.weight", 1.0) && all("ln_f.bias", 0.0));
 }
 
 fn tiny_gpt(dtype: DType) -> GptConfig {
@@ -224,10 +208,7 @@ fn u8_and_i64_tokens_give_the_same_loss() {
             tokens: Tensor::from_vec(u8s, &[3, 6]).unwrap(),
         })
         .unwrap();
-    assert_eq!(
-        i64_loss.value().item().unwrap(),
-        u8_loss.value().item().unwrap()
-    );
+    assert_eq!(i64_loss.value().item().unwrap(), u8_loss.value().item().unwrap());
 }
 
 #[test]
@@ -238,16 +219,7 @@ fn bad_inputs_are_clear_errors() {
         tokens: Tensor::from_vec(vec![1i64; 14], &[2, 7]).unwrap(),
     };
     let e = gpt.loss(&long).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            ModelError::ContextTooLong {
-                found: 6,
-                context: 5
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, ModelError::ContextTooLong { found: 6, context: 5 }), "{e}");
     assert!(e.to_string().contains("context"), "{e}");
     let oov = Batch::Tokens {
         tokens: Tensor::from_vec(vec![1i64, 2, 9], &[1, 3]).unwrap(),
@@ -256,10 +228,7 @@ fn bad_inputs_are_clear_errors() {
 
     let mlp = Mlp::new(MlpConfig::new(vec![4, 3]), 1).unwrap();
     let e = mlp.loss(&long).unwrap_err();
-    assert!(
-        matches!(e, ModelError::WrongBatch { model: "mlp", .. }),
-        "{e}"
-    );
+    assert!(matches!(e, ModelError::WrongBatch { model: "mlp", .. }), "{e}");
     let classify = Batch::Classify {
         inputs: Tensor::zeros(&[2, 5], DType::F32),
         targets: Tensor::zeros(&[2], DType::I64),
@@ -292,10 +261,7 @@ struct Scopes(Mutex<Vec<String>>);
 
 impl GradSubscriber for Scopes {
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
-        self.0
-            .lock()
-            .unwrap()
-            .push(scope.unwrap_or("<none>").to_string());
+        self.0.lock().unwrap().push(scope.unwrap_or("<none>").to_string());
     }
     fn grad_ready(&self, _: GradReady<'_>) -> Result<(), SubscriberError> {
         Ok(())
@@ -304,9 +270,7 @@ impl GradSubscriber for Scopes {
 
 #[test]
 fn every_backward_op_runs_under_one_of_the_layer_names_newest_first() {
-    let mlp = ModelKind::Mlp(MlpConfig::new(vec![4, 6, 6, 3]))
-        .build(0)
-        .unwrap();
+    let mlp = ModelKind::Mlp(MlpConfig::new(vec![4, 6, 6, 3])).build(0).unwrap();
     let mlp_batch = Batch::Classify {
         inputs: Tensor::ones(&[2, 4], DType::F32),
         targets: Tensor::from_vec(vec![0i64, 2], &[2]).unwrap(),
@@ -383,11 +347,7 @@ fn worst_param_grad_error(model: &dyn Model, batch: &Batch, rng: &mut Rng) -> (f
         for _ in 0..4 {
             let j = rng.below(value.numel() as u64) as usize;
             let element = value.flat_view(j, &[]).unwrap();
-            let nudge = |delta: f64| {
-                element
-                    .add_assign(&Tensor::scalar(delta, DType::F64))
-                    .unwrap()
-            };
+            let nudge = |delta: f64| element.add_assign(&Tensor::scalar(delta, DType::F64)).unwrap();
             nudge(h);
             let up = loss_at();
             nudge(-2.0 * h);

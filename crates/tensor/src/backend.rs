@@ -208,13 +208,7 @@ pub(crate) trait BackendStorage: Sized {
     /// Backward of [`BackendStorage::softmax_last`] from its output `y` (self) and the
     /// gradient `g` (same shape): softmax `y * (g - sum(g * y))`, log-softmax
     /// `g - exp(y) * sum(g)`, row-wise.
-    fn softmax_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        g_layout: &Layout,
-        log: bool,
-    ) -> Result<Self>;
+    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self>;
 
     /// Layer norm of each row of `x` (self, `[rows, d]` flattened) with `weight`, `bias`
     /// (`[d]`): `mean = sum x * (1/d)`, `var = sum (x - mean)^2 * (1/d)`,
@@ -247,12 +241,7 @@ pub(crate) trait BackendStorage: Sized {
     /// Embedding backward: scatter-add of the gradient rows (self, `[ids.numel(), d]`)
     /// into a zeroed `[vocab, d]` table (repeated ids add up, in any order). `ids` as for
     /// [`BackendStorage::embedding`].
-    fn embedding_backward(
-        &self,
-        layout: &Layout,
-        ids: (&Self, &Layout),
-        vocab: usize,
-    ) -> Result<Self>;
+    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self>;
 
     /// Causal mask of `[.., t, s]` scores (`t <= s`): element `(i, j)` of each matrix
     /// becomes `value` when `j > i + (s - t)`, else is copied.
@@ -268,12 +257,7 @@ pub(crate) trait BackendStorage: Sized {
     /// Gradient of [`BackendStorage::cross_entropy`] from `probs` (self, `[n, c]`):
     /// `(probs - onehot(targets)) * scale` with `scale = g / max(n, 1)` rounded to the
     /// dtype, computed as `o = probs; o[t] += -1; o *= scale`.
-    fn cross_entropy_backward(
-        &self,
-        layout: &Layout,
-        targets: (&Self, &Layout),
-        g: f64,
-    ) -> Result<Self>;
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self>;
 
     // ---- in place ----
 
@@ -289,12 +273,7 @@ pub(crate) trait BackendStorage: Sized {
     /// `dst += scale * src` through the view `layout` (*any layout*, no stride 0); `src`
     /// is contiguous of the same shape and a different storage; `scale` is rounded to
     /// the dtype first.
-    fn add_scaled_assign(
-        &mut self,
-        layout: &Layout,
-        src: (&Self, &Layout),
-        scale: f64,
-    ) -> Result<()>;
+    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()>;
 
     /// One fused SGD update of an f32 parameter (self) from its f32 gradient, in place on
     /// the parameter and on the momentum buffer when one is passed (all contiguous, same

@@ -30,11 +30,7 @@ pub enum TensorError {
     },
     /// A dimension index out of range.
     #[error("{op}: dimension {dim} out of range for a tensor of rank {rank}")]
-    DimOutOfRange {
-        op: &'static str,
-        dim: usize,
-        rank: usize,
-    },
+    DimOutOfRange { op: &'static str, dim: usize, rank: usize },
     /// A slice or index that lies outside the tensor.
     #[error("{op}: {msg}")]
     OutOfRange { op: &'static str, msg: String },
@@ -47,21 +43,13 @@ pub enum TensorError {
     },
     /// Two operands with different dtypes.
     #[error("{op}: dtype mismatch: {lhs:?} vs {rhs:?}")]
-    DTypeMismatch {
-        op: &'static str,
-        lhs: DType,
-        rhs: DType,
-    },
+    DTypeMismatch { op: &'static str, lhs: DType, rhs: DType },
     /// The requested device is not available in this build or on this machine.
     #[error("device {device} is not available: {reason}")]
     DeviceUnavailable { device: Device, reason: String },
     /// Two operands on different devices.
     #[error("{op}: device mismatch: {lhs:?} vs {rhs:?}")]
-    DeviceMismatch {
-        op: &'static str,
-        lhs: Device,
-        rhs: Device,
-    },
+    DeviceMismatch { op: &'static str, lhs: Device, rhs: Device },
     /// The storage was handed to another owner (e.g. a gradient bucket in flight on the
     /// comm stream) and has not been given back yet.
     #[error("{op}: the tensor's storage is lent out (e.g. a gradient bucket whose all-reduce is still in flight)")]

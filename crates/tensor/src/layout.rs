@@ -27,16 +27,8 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n {
-            a[i + a.len() - n]
-        } else {
-            1
-        };
-        let db = if i + b.len() >= n {
-            b[i + b.len() - n]
-        } else {
-            1
-        };
+        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -65,11 +57,7 @@ impl Layout {
     /// A layout from its parts (checked by the caller against the storage length).
     pub fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize) -> Self {
         debug_assert_eq!(shape.len(), strides.len());
-        Layout {
-            shape,
-            strides,
-            offset,
-        }
+        Layout { shape, strides, offset }
     }
 
     /// The dimensions.
@@ -181,11 +169,7 @@ impl Layout {
         if start + len > self.shape[dim] {
             return Err(TensorError::OutOfRange {
                 op: "narrow",
-                msg: format!(
-                    "{start}..{} along dim {dim} of size {}",
-                    start + len,
-                    self.shape[dim]
-                ),
+                msg: format!("{start}..{} along dim {dim} of size {}", start + len, self.shape[dim]),
             });
         }
         let mut l = self.clone();
@@ -318,10 +302,7 @@ mod tests {
 
     #[test]
     fn broadcast_rules() {
-        assert_eq!(
-            broadcast_shape("t", &[4, 1, 3], &[5, 1]).unwrap(),
-            vec![4, 5, 3]
-        );
+        assert_eq!(broadcast_shape("t", &[4, 1, 3], &[5, 1]).unwrap(), vec![4, 5, 3]);
         assert!(broadcast_shape("t", &[2, 3], &[4]).is_err());
         let b = Layout::contiguous(&[3]).broadcast_to(&[2, 3]).unwrap();
         assert_eq!(b.strides(), &[0, 1]);

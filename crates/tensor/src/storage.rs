@@ -3,9 +3,7 @@
 
 use half::{bf16, f16};
 
-use crate::backend::{
-    AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp,
-};
+use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
 use crate::cpu::CpuDevice;
 use crate::cuda::{CudaDevice, CudaStorage};
 use crate::{DType, Device, Element, Layout, Result, TensorError};
@@ -201,11 +199,7 @@ impl DeviceStorage {
 
     /// The elements of the view, row-major, in host memory: one gather on the CPU, a
     /// device-side gather and one copy out elsewhere.
-    pub(crate) fn to_host_vec<T: Element>(
-        &self,
-        layout: &Layout,
-        op: &'static str,
-    ) -> Result<Vec<T>> {
+    pub(crate) fn to_host_vec<T: Element>(&self, layout: &Layout, op: &'static str) -> Result<Vec<T>> {
         match self {
             DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
             DeviceStorage::Cuda(s) => {
@@ -241,33 +235,17 @@ impl DeviceStorage {
     }
 
     /// See [`BackendStorage::binary`].
-    pub(crate) fn binary(
-        &self,
-        l: &Layout,
-        rhs: &DeviceStorage,
-        rl: &Layout,
-        op: BinaryOp,
-    ) -> Result<DeviceStorage> {
+    pub(crate) fn binary(&self, l: &Layout, rhs: &DeviceStorage, rl: &Layout, op: BinaryOp) -> Result<DeviceStorage> {
         on_backend!(self, s, other, other_mut => s.binary(l, other(rhs)?, rl, op).map(Into::into))
     }
 
     /// See [`BackendStorage::reduce`].
-    pub(crate) fn reduce(
-        &self,
-        layout: &Layout,
-        dims: &[usize],
-        op: ReduceOp,
-    ) -> Result<DeviceStorage> {
+    pub(crate) fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<DeviceStorage> {
         on_backend!(self, s, other, other_mut => BackendStorage::reduce(s, layout, dims, op).map(Into::into))
     }
 
     /// See [`BackendStorage::matmul`].
-    pub(crate) fn matmul(
-        &self,
-        l: &Layout,
-        rhs: &DeviceStorage,
-        rl: &Layout,
-    ) -> Result<DeviceStorage> {
+    pub(crate) fn matmul(&self, l: &Layout, rhs: &DeviceStorage, rl: &Layout) -> Result<DeviceStorage> {
         on_backend!(self, s, other, other_mut => s.matmul(l, other(rhs)?, rl).map(Into::into))
     }
 
@@ -323,11 +301,7 @@ impl DeviceStorage {
     }
 
     /// See [`BackendStorage::embedding`].
-    pub(crate) fn embedding(
-        &self,
-        l: &Layout,
-        ids: (&DeviceStorage, &Layout),
-    ) -> Result<DeviceStorage> {
+    pub(crate) fn embedding(&self, l: &Layout, ids: (&DeviceStorage, &Layout)) -> Result<DeviceStorage> {
         on_backend!(self, s, other, other_mut => s.embedding(l, (other(ids.0)?, ids.1)).map(Into::into))
     }
 
@@ -379,12 +353,7 @@ impl DeviceStorage {
     }
 
     /// See [`BackendStorage::add_scaled_assign`].
-    pub(crate) fn add_scaled_assign(
-        &mut self,
-        l: &Layout,
-        src: (&DeviceStorage, &Layout),
-        scale: f64,
-    ) -> Result<()> {
+    pub(crate) fn add_scaled_assign(&mut self, l: &Layout, src: (&DeviceStorage, &Layout), scale: f64) -> Result<()> {
         on_backend!(self, s, other, other_mut => s.add_scaled_assign(l, (other(src.0)?, src.1), scale))
     }
 
@@ -504,22 +473,14 @@ mod tests {
             Err(missing) => missing,
             Ok(()) => {
                 // A usable GPU: the device-wide op tests (test_device!) cover it instead.
-                crate::testing::report_skip(
-                    "storage::asking_for_cuda_without_it",
-                    &"cuda:0 is usable here",
-                );
+                crate::testing::report_skip("storage::asking_for_cuda_without_it", &"cuda:0 is usable here");
                 return;
             }
         };
-        let e = Tensor::zeros(&[2], DType::F32)
-            .to_device(Device::Cuda(0))
-            .unwrap_err();
+        let e = Tensor::zeros(&[2], DType::F32).to_device(Device::Cuda(0)).unwrap_err();
         assert_eq!(e, missing.clone().on(Device::Cuda(0)));
         let text = e.to_string();
-        assert!(
-            text.starts_with("device cuda:0 is not available: "),
-            "{text}"
-        );
+        assert!(text.starts_with("device cuda:0 is not available: "), "{text}");
         assert!(
             !text.contains("--device") && !text.contains("no CUDA backend"),
             "{text}"

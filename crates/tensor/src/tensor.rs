@@ -24,13 +24,7 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Tensor[{:?}, {:?}, {}]",
-            self.shape(),
-            self.dtype,
-            self.device
-        )
+        write!(f, "Tensor[{:?}, {:?}, {}]", self.shape(), self.dtype, self.device)
     }
 }
 
@@ -131,14 +125,11 @@ impl Tensor {
 
     /// Size of dimension `d`.
     pub fn dim(&self, d: usize) -> Result<usize> {
-        self.shape()
-            .get(d)
-            .copied()
-            .ok_or(TensorError::DimOutOfRange {
-                op: "dim",
-                dim: d,
-                rank: self.rank(),
-            })
+        self.shape().get(d).copied().ok_or(TensorError::DimOutOfRange {
+            op: "dim",
+            dim: d,
+            rank: self.rank(),
+        })
     }
 
     /// Number of dimensions.
@@ -238,10 +229,7 @@ impl Tensor {
 
     /// The storage for writing through this view, or [`TensorError::StorageLent`] while
     /// it is lent out.
-    pub(crate) fn storage_mut(
-        &self,
-        op: &'static str,
-    ) -> Result<RwLockWriteGuard<'_, DeviceStorage>> {
+    pub(crate) fn storage_mut(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, DeviceStorage>> {
         let g = self.write_guard();
         if self.layout.storage_extent() > g.len() {
             return Err(TensorError::StorageLent { op });
@@ -262,8 +250,7 @@ impl Tensor {
     /// The elements in row-major order (type must match the dtype).
     /// A copy out of device memory when the tensor lives on a GPU.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        self.storage("to_vec")?
-            .to_host_vec::<T>(&self.layout, "to_vec")
+        self.storage("to_vec")?.to_host_vec::<T>(&self.layout, "to_vec")
     }
 
     /// The elements converted to f64, in row-major order, whatever the dtype.
@@ -309,14 +296,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         let host = self.contiguous()?;
-        let host = host
-            .storage("to_device")?
-            .copy_strided(&host.layout)?
-            .to_cpu()?;
-        Ok(Self::from_storage(
-            DeviceStorage::from_cpu(device, host)?,
-            self.shape(),
-        ))
+        let host = host.storage("to_device")?.copy_strided(&host.layout)?.to_cpu()?;
+        Ok(Self::from_storage(DeviceStorage::from_cpu(device, host)?, self.shape()))
     }
 
     /// A contiguous tensor with the same elements (the same tensor if already contiguous).
@@ -381,18 +362,11 @@ impl Tensor {
                 msg: "base tensor must be contiguous".into(),
             });
         }
-        let layout = Layout::new(
-            shape.to_vec(),
-            contiguous_strides(shape),
-            self.layout.offset() + offset,
-        );
+        let layout = Layout::new(shape.to_vec(), contiguous_strides(shape), self.layout.offset() + offset);
         if layout.storage_extent() > self.layout.offset() + self.numel() {
             return Err(TensorError::OutOfRange {
                 op: "flat_view",
-                msg: format!(
-                    "{shape:?} at offset {offset} overruns {} elements",
-                    self.numel()
-                ),
+                msg: format!("{shape:?} at offset {offset} overruns {} elements", self.numel()),
             });
         }
         self.view_with_layout(layout)

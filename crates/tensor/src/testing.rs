@@ -33,9 +33,7 @@ macro_rules! test_device {
             fn cuda() {
                 match $crate::testing::device_if_available($crate::Device::Cuda(0)) {
                     Ok(d) => super::$name(d),
-                    Err(why) => {
-                        $crate::testing::report_skip(concat!(module_path!(), "::cuda"), &why)
-                    }
+                    Err(why) => $crate::testing::report_skip(concat!(module_path!(), "::cuda"), &why),
                 }
             }
         }

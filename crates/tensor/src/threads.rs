@@ -47,11 +47,7 @@ pub(crate) fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 /// Splits `data` into chunks of at least `grain` elements and calls `f(start, chunk)` on
 /// each, in parallel when this thread has more than one compute thread.
-pub(crate) fn par_chunks_mut<T: Send>(
-    data: &mut [T],
-    grain: usize,
-    f: impl Fn(usize, &mut [T]) + Sync + Send,
-) {
+pub(crate) fn par_chunks_mut<T: Send>(data: &mut [T], grain: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
     let t = compute_threads();
     if t <= 1 || data.len() <= grain {
         f(0, data);
@@ -67,11 +63,7 @@ pub(crate) fn par_chunks_mut<T: Send>(
 
 /// Calls `f(row, row_slice)` for each `row_len`-sized row of `data`, in parallel when
 /// this thread has more than one compute thread and the work is large enough.
-pub(crate) fn par_rows_mut<T: Send>(
-    data: &mut [T],
-    row_len: usize,
-    f: impl Fn(usize, &mut [T]) + Sync + Send,
-) {
+pub(crate) fn par_rows_mut<T: Send>(data: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync + Send) {
     if row_len == 0 {
         return;
     }

@@ -49,9 +49,7 @@ fn gemm_4096_brigade_vs_direct_cublas() {
     let n = 4096usize;
     let flops = 2.0 * (n as f64).powi(3);
     let l = Layout::contiguous(&[n, n]);
-    let host: Vec<f32> = (0..n * n)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
+    let host: Vec<f32> = (0..n * n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     let mut rows = vec![];
     for dtype in [DType::F32, DType::BF16] {
         let a = CudaStorage::from_host(&dev, &host)
@@ -85,9 +83,7 @@ fn gemm_4096_brigade_vs_direct_cublas() {
                 let mut dc = s.alloc_zeros::<f32>(n * n).unwrap();
                 // SAFETY: all three buffers hold n*n elements, as the config says.
                 time(&dev, 10, || unsafe {
-                    dev.blas()
-                        .gemm(cfg(n, 1.0f32, 0.0f32), &db, &da, &mut dc)
-                        .unwrap()
+                    dev.blas().gemm(cfg(n, 1.0f32, 0.0f32), &db, &da, &mut dc).unwrap()
                 })
             }
             _ => {

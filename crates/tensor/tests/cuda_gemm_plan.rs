@@ -4,9 +4,7 @@
 //! and must reproduce Brigade's CPU matmul of the same views, for every layout the ops
 //! use: plain, transposed, narrowed, batched, broadcast batch, attention's permuted views.
 
-use brigade_tensor::cuda::gemm_plan::{
-    plan_gemm, transposed_operand, GemmPlan, Operand, PlanError, Transpose,
-};
+use brigade_tensor::cuda::gemm_plan::{plan_gemm, transposed_operand, GemmPlan, Operand, PlanError, Transpose};
 use brigade_tensor::{Layout, Rng, Tensor};
 
 /// cuBLAS's `C = op(A) op(B)` for every call and batch of `plan`, column-major, into a
@@ -58,8 +56,7 @@ fn check(name: &str, lhs: (Vec<f64>, Tensor), rhs: (Vec<f64>, Tensor)) -> GemmPl
     let (db, b) = rhs;
     let want = a.matmul(&b).unwrap();
     let (ra, rb) = (a.rank(), b.rank());
-    let batch = brigade_tensor::broadcast_shape("test", &a.shape()[..ra - 2], &b.shape()[..rb - 2])
-        .unwrap();
+    let batch = brigade_tensor::broadcast_shape("test", &a.shape()[..ra - 2], &b.shape()[..rb - 2]).unwrap();
     let full = |t: &Tensor, r: usize| {
         let mut s = batch.clone();
         s.extend(&t.shape()[r - 2..]);
@@ -85,72 +82,32 @@ fn contiguous(shape: &[usize], rng: &mut Rng) -> (Vec<f64>, Tensor) {
 fn plain_and_transposed_views_need_no_copy() {
     let mut rng = Rng::new(7);
     // x [5,3] · w [3,4]
-    let p = check(
-        "plain",
-        contiguous(&[5, 3], &mut rng),
-        contiguous(&[3, 4], &mut rng),
-    );
+    let p = check("plain", contiguous(&[5, 3], &mut rng), contiguous(&[3, 4], &mut rng));
     assert_eq!(
         (p.transa, p.transb, p.lda, p.ldb, p.ldc),
         (Transpose::No, Transpose::No, 4, 3, 4)
     );
     // x · wᵀ with w [4,3] (the linear layer's forward)
-    let w = view(
-        12,
-        Layout::contiguous(&[4, 3]).transpose(0, 1).unwrap(),
-        &mut rng,
-    );
+    let w = view(12, Layout::contiguous(&[4, 3]).transpose(0, 1).unwrap(), &mut rng);
     let p = check("rhs transposed", contiguous(&[5, 3], &mut rng), w);
     assert_eq!((p.transa, p.lda), (Transpose::Yes, 3));
     // gᵀ · x (the linear layer's weight gradient)
-    let g = view(
-        10,
-        Layout::contiguous(&[5, 2]).transpose(0, 1).unwrap(),
-        &mut rng,
-    );
+    let g = view(10, Layout::contiguous(&[5, 2]).transpose(0, 1).unwrap(), &mut rng);
     let p = check("lhs transposed", g, contiguous(&[5, 3], &mut rng));
     assert_eq!((p.transb, p.ldb), (Transpose::Yes, 2));
     // both transposed
-    let a = view(
-        6,
-        Layout::contiguous(&[3, 2]).transpose(0, 1).unwrap(),
-        &mut rng,
-    );
-    let b = view(
-        12,
-        Layout::contiguous(&[4, 3]).transpose(0, 1).unwrap(),
-        &mut rng,
-    );
+    let a = view(6, Layout::contiguous(&[3, 2]).transpose(0, 1).unwrap(), &mut rng);
+    let b = view(12, Layout::contiguous(&[4, 3]).transpose(0, 1).unwrap(), &mut rng);
     check("both transposed", a, b);
     // a narrowed column block of a wider matrix (qkv.narrow): leading dimension > columns
-    let a = view(
-        5 * 9,
-        Layout::contiguous(&[5, 9]).narrow(1, 3, 3).unwrap(),
-        &mut rng,
-    );
+    let a = view(5 * 9, Layout::contiguous(&[5, 9]).narrow(1, 3, 3).unwrap(), &mut rng);
     let p = check("narrowed lhs", a, contiguous(&[3, 4], &mut rng));
     assert_eq!((p.transb, p.ldb, p.calls[0].b), (Transpose::No, 9, 3));
     // degenerate sizes: vectors and 1x1
-    check(
-        "m = 1",
-        contiguous(&[1, 3], &mut rng),
-        contiguous(&[3, 4], &mut rng),
-    );
-    check(
-        "n = 1",
-        contiguous(&[5, 3], &mut rng),
-        contiguous(&[3, 1], &mut rng),
-    );
-    check(
-        "k = 1",
-        contiguous(&[5, 1], &mut rng),
-        contiguous(&[1, 4], &mut rng),
-    );
-    check(
-        "1x1",
-        contiguous(&[1, 1], &mut rng),
-        contiguous(&[1, 1], &mut rng),
-    );
+    check("m = 1", contiguous(&[1, 3], &mut rng), contiguous(&[3, 4], &mut rng));
+    check("n = 1", contiguous(&[5, 3], &mut rng), contiguous(&[3, 1], &mut rng));
+    check("k = 1", contiguous(&[5, 1], &mut rng), contiguous(&[1, 4], &mut rng));
+    check("1x1", contiguous(&[1, 1], &mut rng), contiguous(&[1, 1], &mut rng));
 }
 
 #[test]
@@ -162,13 +119,7 @@ fn batched_and_broadcast_batches_are_strided_batched_calls() {
         contiguous(&[3, 2, 5], &mut rng),
     );
     assert_eq!(
-        (
-            p.batch_count,
-            p.calls.len(),
-            p.stride_a,
-            p.stride_b,
-            p.stride_c
-        ),
+        (p.batch_count, p.calls.len(), p.stride_a, p.stride_b, p.stride_c),
         (3, 1, 10, 8, 20)
     );
     // [b, m, k] x [k, n] broadcast to [b, k, n]: stride 0 on the rhs
@@ -198,11 +149,7 @@ fn batched_and_broadcast_batches_are_strided_batched_calls() {
         Layout::contiguous(&[3, 5, 2]).transpose(1, 2).unwrap(),
         &mut rng,
     );
-    check(
-        "batched transposed rhs",
-        contiguous(&[3, 4, 2], &mut rng),
-        kt,
-    );
+    check("batched transposed rhs", contiguous(&[3, 4, 2], &mut rng), kt);
 }
 
 #[test]
@@ -211,17 +158,11 @@ fn attention_views_map_without_copies() {
     // scores = q · kᵀ, y = att · v.
     let mut rng = Rng::new(9);
     let (b, t, h, hd) = (2, 5, 3, 4);
-    let bthd = Layout::contiguous(&[b, t, h, hd])
-        .permute(&[0, 2, 1, 3])
-        .unwrap();
+    let bthd = Layout::contiguous(&[b, t, h, hd]).permute(&[0, 2, 1, 3]).unwrap();
     let q = view(b * t * h * hd, bthd.clone(), &mut rng);
     let k = view(b * t * h * hd, bthd.transpose(2, 3).unwrap(), &mut rng);
     let p = check("q · kᵀ", q, k);
-    assert_eq!(
-        p.transa,
-        Transpose::Yes,
-        "kᵀ is read transposed, not copied"
-    );
+    assert_eq!(p.transa, Transpose::Yes, "kᵀ is read transposed, not copied");
     assert_eq!(
         (p.batch_count, p.calls.len()),
         (h, b),
@@ -233,9 +174,7 @@ fn attention_views_map_without_copies() {
     // the backward's products: transposes of the same views
     let q = view(
         b * t * h * hd,
-        Layout::contiguous(&[b, t, h, hd])
-            .permute(&[0, 2, 1, 3])
-            .unwrap(),
+        Layout::contiguous(&[b, t, h, hd]).permute(&[0, 2, 1, 3]).unwrap(),
         &mut rng,
     );
     let gt = view(

@@ -4,9 +4,7 @@
 
 use std::io::Write;
 
-use brigade_tensor::cuda::nvrtc::{
-    compile, compile_strict, CompileFailure, KernelFile, KERNEL_FILES,
-};
+use brigade_tensor::cuda::nvrtc::{compile, compile_strict, CompileFailure, KernelFile, KERNEL_FILES};
 use brigade_tensor::cuda::probe;
 
 /// True when NVRTC can be loaded; otherwise fails under CI and says it skipped elsewhere.
@@ -38,11 +36,7 @@ fn every_kernel_file_compiles_for_sm80_and_sm90_without_warnings() {
     for file in KERNEL_FILES {
         for arch in ["sm_80", "sm_90"] {
             match compile_strict(file, arch) {
-                Ok(k) => assert!(
-                    !k.cubin.is_empty(),
-                    "{} for {arch}: an empty CUBIN",
-                    file.name
-                ),
+                Ok(k) => assert!(!k.cubin.is_empty(), "{} for {arch}: an empty CUBIN", file.name),
                 Err(e) => failures.push(e.to_string()),
             }
         }

@@ -48,10 +48,7 @@ fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
         .zip(want)
         .map(|(g, w)| (g - w).abs())
         .enumerate()
-        .fold(
-            (0, 0.0),
-            |a, (i, d)| if d > a.1 || d.is_nan() { (i, d) } else { a },
-        );
+        .fold((0, 0.0), |a, (i, d)| if d > a.1 || d.is_nan() { (i, d) } else { a });
     assert!(
         d <= tol,
         "{what}: worst element {i}: GPU {} vs CPU {} (|diff| {d} > {tol})",
@@ -83,14 +80,7 @@ fn unary_and_binary_kernels_match_the_cpu() {
         ("relu", 0.0, 0.0, xt.relu().unwrap(), &gx, lt.clone()),
         ("gelu", 0.0, 0.0, xt.gelu().unwrap(), &gx, lt.clone()),
         ("sqr", 0.0, 0.0, xt.sqr().unwrap(), &gx, lt.clone()),
-        (
-            "affine",
-            2.5,
-            -1.0,
-            xt.affine(2.5, -1.0).unwrap(),
-            &gx,
-            lt.clone(),
-        ),
+        ("affine", 2.5, -1.0, xt.affine(2.5, -1.0).unwrap(), &gx, lt.clone()),
         ("powf", 1.5, 0.0, pos.powf(1.5).unwrap(), &gpos, c(&[4, 6])),
     ];
     for (name, p0, p1, want, g, l) in cases {
@@ -104,9 +94,7 @@ fn unary_and_binary_kernels_match_the_cpu() {
         c(&[3, 1]).broadcast_to(&[3, 4]).unwrap(),
         c(&[4]).broadcast_to(&[3, 4]).unwrap(),
     );
-    let want = |f: fn(&Tensor, &Tensor) -> brigade_tensor::Result<Tensor>| {
-        f(&a, &b).unwrap().to_vec::<f64>().unwrap()
-    };
+    let want = |f: fn(&Tensor, &Tensor) -> brigade_tensor::Result<Tensor>| f(&a, &b).unwrap().to_vec::<f64>().unwrap();
     for (name, w) in [
         ("add", want(Tensor::add)),
         ("sub", want(Tensor::sub)),
@@ -182,12 +170,8 @@ fn reductions_copies_and_casts_match_the_cpu() {
         .unwrap();
     flat.fill(&view, 1.5).unwrap();
     let src = up(&dev, &Tensor::ones(&[2, 3], DType::F64));
-    flat.add_scaled_assign(&view, (&src, &c(&[2, 3])), 2.0)
-        .unwrap();
-    assert_eq!(
-        host(&flat),
-        vec![0.0, 0.0, 0.0, 0.0, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5]
-    );
+    flat.add_scaled_assign(&view, (&src, &c(&[2, 3])), 2.0).unwrap();
+    assert_eq!(host(&flat), vec![0.0, 0.0, 0.0, 0.0, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5]);
     // copy through a transposed view, bit for bit (-0.0 stays -0.0), and an integer dtype
     let mut dst = CudaStorage::zeros(&dev, DType::F64, 6).unwrap();
     let src = CudaStorage::from_host(&dev, &[-0.0f64, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
@@ -243,9 +227,7 @@ fn matmul_through_cublas_matches_the_cpu_for_every_layout() {
     assert_close("x · wᵀ", &host(&got), &want.to_vec().unwrap(), 1e-12);
     // a broadcast row as the lhs needs the gather fallback
     let row = c(&[1, 5]).broadcast_to(&[7, 5]).unwrap();
-    let got = gx
-        .matmul(&row, &gw, &c(&[3, 5]).transpose(0, 1).unwrap())
-        .unwrap();
+    let got = gx.matmul(&row, &gw, &c(&[3, 5]).transpose(0, 1).unwrap()).unwrap();
     let want = x
         .narrow(0, 0, 1)
         .unwrap()
@@ -280,12 +262,7 @@ fn nn_kernels_and_their_backwards_match_the_cpu() {
     let g = randn(&[6, 300], 12);
     let (gx, gg, l) = (up(&dev, &x), up(&dev, &g), c(&[6, 300]));
     for log in [false, true] {
-        let y = if log {
-            x.log_softmax_last()
-        } else {
-            x.softmax_last()
-        }
-        .unwrap();
+        let y = if log { x.log_softmax_last() } else { x.softmax_last() }.unwrap();
         let gy = gx.softmax_last(&l, log).unwrap();
         assert_close("softmax", &host(&gy), &y.to_vec().unwrap(), 1e-12);
         let want = if log {
@@ -365,19 +342,14 @@ fn nn_kernels_and_their_backwards_match_the_cpu() {
     assert_close(
         "cross-entropy backward",
         &host(&gb),
-        &probs
-            .cross_entropy_backward(&tt, 0.5)
-            .unwrap()
-            .to_vec()
-            .unwrap(),
+        &probs.cross_entropy_backward(&tt, 0.5).unwrap().to_vec().unwrap(),
         1e-12,
     );
 }
 
 #[test]
 fn fused_optimizer_steps_match_the_cpu_arithmetic_bit_for_bit() {
-    let Some(dev) = gpu_or_skip("fused_optimizer_steps_match_the_cpu_arithmetic_bit_for_bit")
-    else {
+    let Some(dev) = gpu_or_skip("fused_optimizer_steps_match_the_cpu_arithmetic_bit_for_bit") else {
         return;
     };
     let n = 1000;
@@ -434,8 +406,7 @@ fn fused_optimizer_steps_match_the_cpu_arithmetic_bit_for_bit() {
         CudaStorage::zeros(&dev, DType::F32, n).unwrap(),
         CudaStorage::zeros(&dev, DType::F32, n).unwrap(),
     );
-    gp.adamw_step(&l, (&gg, &l), (&mut gm, &l), (&mut gv, &l), s)
-        .unwrap();
+    gp.adamw_step(&l, (&gg, &l), (&mut gm, &l), (&mut gv, &l), s).unwrap();
     assert_eq!(gp.to_host::<f32>().unwrap(), p, "AdamW parameters");
     assert_eq!(gm.to_host::<f32>().unwrap(), m, "AdamW exp_avg");
     assert_eq!(gv.to_host::<f32>().unwrap(), vv, "AdamW exp_avg_sq");

@@ -40,10 +40,7 @@ fn a_missing_driver_library_or_device_is_a_typed_error_not_a_panic() {
             let count = probe::device_count().expect("device count");
             match CudaDevice::get(count) {
                 Err(TensorError::DeviceUnavailable { reason, .. }) => {
-                    assert!(
-                        reason.contains(&format!("no CUDA device {count}")),
-                        "{reason}"
-                    )
+                    assert!(reason.contains(&format!("no CUDA device {count}")), "{reason}")
                 }
                 other => panic!("device {count} of {count} must be refused, got {other:?}"),
             }

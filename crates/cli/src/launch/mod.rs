@@ -127,10 +127,7 @@ pub struct Launched<T> {
 impl<T> Launched<T> {
     /// Rank 0's result, if rank 0 ran in this process (the rank that reports and writes files).
     pub fn into_rank0(self) -> Option<T> {
-        self.results
-            .into_iter()
-            .find(|(r, _)| *r == 0)
-            .map(|(_, t)| t)
+        self.results.into_iter().find(|(r, _)| *r == 0).map(|(_, t)| t)
     }
 }
 
@@ -178,9 +175,7 @@ pub fn net_model(gbps: f64, latency_us: f64) -> NetModel {
 
 /// Default compute threads per rank: the cores shared out among `local_ranks` ranks.
 pub fn default_threads(local_ranks: usize) -> usize {
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     (cores / local_ranks.max(1)).max(1)
 }
 
@@ -194,16 +189,10 @@ pub fn is_secondary(e: &(dyn Error + 'static)) -> bool {
             return matches!(c, CommError::RankFailed { .. } | CommError::Closed { .. });
         }
         next = match (e.downcast_ref::<CliError>(), e.downcast_ref::<DdpError>()) {
-            (Some(CliError::Comm(c)), _) | (_, Some(DdpError::Comm(c))) => {
-                Some(c as &(dyn Error + 'static))
-            }
+            (Some(CliError::Comm(c)), _) | (_, Some(DdpError::Comm(c))) => Some(c as &(dyn Error + 'static)),
             (Some(CliError::Ddp(d)), _) => Some(d as &(dyn Error + 'static)),
-            (Some(CliError::Autograd(a)), _) | (_, Some(DdpError::Autograd(a))) => {
-                Some(a as &(dyn Error + 'static))
-            }
-            (Some(CliError::OnRank { source, .. }), _) => {
-                Some(source.as_ref() as &(dyn Error + 'static))
-            }
+            (Some(CliError::Autograd(a)), _) | (_, Some(DdpError::Autograd(a))) => Some(a as &(dyn Error + 'static)),
+            (Some(CliError::OnRank { source, .. }), _) => Some(source.as_ref() as &(dyn Error + 'static)),
             _ => e.source(),
         };
     }
@@ -213,10 +202,7 @@ pub fn is_secondary(e: &(dyn Error + 'static)) -> bool {
 /// The root cause among the ranks' errors: a rank's own failure beats the "a peer is gone"
 /// errors it caused on the others; the first such rank when several failed on their own.
 pub fn pick_error(mut errors: Vec<(usize, CliError)>) -> (usize, CliError) {
-    let i = errors
-        .iter()
-        .position(|(_, e)| !is_secondary(e))
-        .unwrap_or(0);
+    let i = errors.iter().position(|(_, e)| !is_secondary(e)).unwrap_or(0);
     errors.swap_remove(i)
 }
 
@@ -250,15 +236,11 @@ mod tests {
     #[test]
     fn peer_gone_errors_are_found_through_wrappers_and_source_chains() {
         assert!(is_secondary(&CliError::Comm(gone(1))));
-        assert!(is_secondary(&CliError::Ddp(DdpError::Comm(
-            CommError::Closed {
-                rank: 0,
-                tag: "x".into()
-            }
-        ))));
-        assert!(is_secondary(&Wrapped(CliError::Ddp(DdpError::Comm(gone(
-            1
-        ))))));
+        assert!(is_secondary(&CliError::Ddp(DdpError::Comm(CommError::Closed {
+            rank: 0,
+            tag: "x".into()
+        }))));
+        assert!(is_secondary(&Wrapped(CliError::Ddp(DdpError::Comm(gone(1))))));
         let on_rank = CliError::OnRank {
             rank: 1,
             world: 2,
@@ -287,10 +269,7 @@ mod tests {
         ];
         let (rank, e) = pick_error(errors);
         assert_eq!(rank, 1, "{e}");
-        let (rank, _) = pick_error(vec![
-            (3, CliError::Comm(gone(0))),
-            (4, CliError::Comm(gone(3))),
-        ]);
+        let (rank, _) = pick_error(vec![(3, CliError::Comm(gone(0))), (4, CliError::Comm(gone(3)))]);
         assert_eq!(rank, 3, "only secondary errors: the first");
     }
 }

@@ -114,10 +114,7 @@ mod enabled {
     /// Every rank learns whether any rank failed its setup; then all fail with the first failing
     /// rank's message, or all go on.
     fn agree(comm: &MpiComm, rank: usize, error: Option<String>) -> Result<()> {
-        let mut msg = error
-            .map(|e| format!("!{e}"))
-            .unwrap_or_default()
-            .into_bytes();
+        let mut msg = error.map(|e| format!("!{e}")).unwrap_or_default().into_bytes();
         msg.truncate(MESSAGE_BYTES);
         msg.resize(MESSAGE_BYTES, 0);
         let all = comm.all_gather(Buffer::U8(msg), "setup status").wait()?;
@@ -126,14 +123,7 @@ mod enabled {
             .chunks(MESSAGE_BYTES)
             .enumerate()
             .filter(|(_, m)| m[0] == b'!')
-            .map(|(r, m)| {
-                (
-                    r,
-                    String::from_utf8_lossy(&m[1..])
-                        .trim_end_matches('\0')
-                        .to_string(),
-                )
-            })
+            .map(|(r, m)| (r, String::from_utf8_lossy(&m[1..]).trim_end_matches('\0').to_string()))
             .collect();
         let Some((first, message)) = failed.first() else {
             return Ok(());

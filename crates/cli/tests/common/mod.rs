@@ -19,10 +19,7 @@ pub fn bin() -> PathBuf {
 
 /// Runs `brigade` with `args`.
 pub fn brigade(args: &[&str]) -> Output {
-    Command::new(bin())
-        .args(args)
-        .output()
-        .expect("run brigade")
+    Command::new(bin()).args(args).output().expect("run brigade")
 }
 
 /// Stdout of a run that must succeed.
@@ -46,16 +43,9 @@ pub fn fails(args: &[&str]) -> String {
         "brigade {args:?} should fail; stdout:\n{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    assert!(
-        !err.contains("panicked"),
-        "a panic instead of an error: {err}"
-    );
+    assert!(!err.contains("panicked"), "a panic instead of an error: {err}");
     assert!(err.starts_with("error: "), "{err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "the error must be one line: {err}"
-    );
+    assert_eq!(err.trim_end().lines().count(), 1, "the error must be one line: {err}");
     err
 }
 
@@ -78,15 +68,7 @@ pub fn cat<'a>(parts: &[&[&'a str]]) -> Vec<&'a str> {
 }
 
 /// The small MLP every test trains.
-pub const MLP: &[&str] = &[
-    "--model",
-    "mlp",
-    "--widths",
-    "16,32,32,4",
-    "--lr",
-    "0.05",
-    "--quiet",
-];
+pub const MLP: &[&str] = &["--model", "mlp", "--widths", "16,32,32,4", "--lr", "0.05", "--quiet"];
 /// The small GPT.
 pub const GPT: &[&str] = &[
     "--model",
@@ -163,15 +145,6 @@ pub fn without<'a>(base: &[&'a str], flag: &str) -> Vec<&'a str> {
 pub fn svg_texts(svg: &str) -> Vec<String> {
     svg.split("<text")
         .skip(1)
-        .filter_map(|t| {
-            Some(
-                t.split_once('>')?
-                    .1
-                    .split_once("</text>")?
-                    .0
-                    .trim()
-                    .to_string(),
-            )
-        })
+        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string()))
         .collect()
 }

@@ -11,10 +11,7 @@ impl MpiWorld {
     /// Times f32 sum all-reduces of each size of `cfg` over all MPI processes
     /// (`cfg.world_size` is ignored: the job's size is used). Collective; rank 0 gets the
     /// report, the other ranks `None`.
-    pub fn bench_all_reduce(
-        &self,
-        cfg: &CommBenchConfig,
-    ) -> Result<Option<CommBenchReport>, CommError> {
+    pub fn bench_all_reduce(&self, cfg: &CommBenchConfig) -> Result<Option<CommBenchReport>, CommError> {
         let comm = self.communicator(Duration::from_secs(120))?;
         let world = comm.world_size();
         let rank = comm.rank();

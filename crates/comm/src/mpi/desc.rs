@@ -66,13 +66,7 @@ fn dtype_from(code: u8) -> Option<Option<DType>> {
 }
 
 impl OpDesc {
-    pub(crate) fn new(
-        slot: u64,
-        kind: OpKind,
-        dtype: Option<DType>,
-        len: usize,
-        tag: &str,
-    ) -> Self {
+    pub(crate) fn new(slot: u64, kind: OpKind, dtype: Option<DType>, len: usize, tag: &str) -> Self {
         OpDesc {
             slot,
             kind,
@@ -177,27 +171,9 @@ mod tests {
 
     #[test]
     fn a_different_tag_or_length_is_a_mismatch() {
-        let a = OpDesc::new(
-            0,
-            OpKind::AllReduce(ReduceOp::Sum),
-            Some(DType::F32),
-            8,
-            "b0",
-        );
-        let tag = OpDesc::new(
-            0,
-            OpKind::AllReduce(ReduceOp::Sum),
-            Some(DType::F32),
-            8,
-            "b1",
-        );
-        let len = OpDesc::new(
-            0,
-            OpKind::AllReduce(ReduceOp::Sum),
-            Some(DType::F32),
-            9,
-            "b0",
-        );
+        let a = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b0");
+        let tag = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b1");
+        let len = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 9, "b0");
         assert_eq!(first_mismatch(&[a.clone(), a.clone()]), None);
         assert_eq!(first_mismatch(&[a.clone(), a.clone(), tag]), Some(2));
         assert_eq!(first_mismatch(&[a, len]), Some(1));

@@ -97,19 +97,11 @@ impl MpiTransport {
     }
 
     fn comm(&self) -> ffi::MPI_Comm {
-        self.comm
-            .as_ref()
-            .expect("communicator present until drop")
-            .0
+        self.comm.as_ref().expect("communicator present until drop").0
     }
 
     /// Runs one slot: agree on the collective, then move the data.
-    fn run_slot(
-        &mut self,
-        kind: OpKind,
-        mut buf: Option<&mut Buffer>,
-        tag: &str,
-    ) -> Result<(), CommError> {
+    fn run_slot(&mut self, kind: OpKind, mut buf: Option<&mut Buffer>, tag: &str) -> Result<(), CommError> {
         if let Some(reason) = &self.broken {
             return Err(CommError::RankFailed {
                 rank: self.rank,
@@ -118,9 +110,7 @@ impl MpiTransport {
             });
         }
         let deadline = Instant::now() + self.timeout;
-        let (dtype, len) = buf
-            .as_ref()
-            .map_or((None, 0), |b| (Some(b.dtype()), b.len()));
+        let (dtype, len) = buf.as_ref().map_or((None, 0), |b| (Some(b.dtype()), b.len()));
         let desc = OpDesc::new(self.slot, kind, dtype, len, tag);
         self.slot += 1;
         let result = self
@@ -196,12 +186,7 @@ impl MpiTransport {
 
     /// After a mismatch (every rank saw it): all-gathers every rank's tag text, padded to the
     /// longest (at most [`MAX_TAG_BYTES`]).
-    fn gather_tags(
-        &mut self,
-        descs: &[OpDesc],
-        tag: &str,
-        deadline: Instant,
-    ) -> Result<Vec<String>, CommError> {
+    fn gather_tags(&mut self, descs: &[OpDesc], tag: &str, deadline: Instant) -> Result<Vec<String>, CommError> {
         let width = descs
             .iter()
             .map(|d| d.tag_len as usize)
@@ -250,9 +235,7 @@ impl MpiTransport {
         deadline: Instant,
     ) -> Result<(), CommError> {
         let Some(buf) = buf else {
-            let req = self.post("MPI_Ibarrier", |comm, req| unsafe {
-                ffi::MPI_Ibarrier(comm, req)
-            })?;
+            let req = self.post("MPI_Ibarrier", |comm, req| unsafe { ffi::MPI_Ibarrier(comm, req) })?;
             return self.wait(req, "MPI_Ibarrier", tag, deadline);
         };
         let len = count(buf.len(), tag)?;
@@ -393,13 +376,7 @@ impl MpiTransport {
     }
 
     /// Polls `req` until it completes or `deadline` passes (see the module docs).
-    fn wait(
-        &self,
-        mut req: ffi::MPI_Request,
-        what: &str,
-        tag: &str,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    fn wait(&self, mut req: ffi::MPI_Request, what: &str, tag: &str, deadline: Instant) -> Result<(), CommError> {
         let start = Instant::now();
         loop {
             let mut done: c_int = 0;
@@ -494,12 +471,7 @@ impl Transport for MpiTransport {
         self.run_slot(OpKind::AllGather, Some(buf), tag)
     }
 
-    fn reduce_scatter(
-        &mut self,
-        buf: &mut Buffer,
-        op: ReduceOp,
-        tag: &str,
-    ) -> Result<(), CommError> {
+    fn reduce_scatter(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
         self.run_slot(OpKind::ReduceScatter(op), Some(buf), tag)
     }
 

@@ -56,13 +56,11 @@ impl MpiWorld {
     /// main thread may call [`MpiWorld::abort`] meanwhile). Fails if MPI was already
     /// initialized in this process or grants less than `MPI_THREAD_SERIALIZED`.
     pub fn init() -> Result<MpiWorld, CommError> {
-        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
-            .ok_or_else(|| {
-                CommError::InvalidArgument(
-                    "MPI is already initialized in this process: create one MpiWorld and keep it"
-                        .into(),
-                )
-            })?;
+        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
+            CommError::InvalidArgument(
+                "MPI is already initialized in this process: create one MpiWorld and keep it".into(),
+            )
+        })?;
         if !matches!(threading, Threading::Multiple | Threading::Serialized) {
             return Err(CommError::Unsupported(format!(
                 "this MPI library grants only {threading:?} threading; the MPI backend needs \
@@ -117,13 +115,7 @@ impl MpiWorld {
         st.transports += 1;
         st.longest_timeout = st.longest_timeout.max(timeout);
         drop(st);
-        MpiTransport::new(
-            comm,
-            self.rank,
-            self.size,
-            timeout,
-            LiveGuard(self.live.clone()),
-        )
+        MpiTransport::new(comm, self.rank, self.size, timeout, LiveGuard(self.live.clone()))
     }
 
     /// Ends every process of the job with exit status `code` (`MPI_Abort`): what a rank does

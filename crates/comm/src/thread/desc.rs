@@ -30,10 +30,7 @@ pub(crate) struct OpDesc {
 
 impl OpDesc {
     fn same_collective(&self, other: &OpDesc) -> bool {
-        self.kind == other.kind
-            && self.dtype == other.dtype
-            && self.len == other.len
-            && self.tag == other.tag
+        self.kind == other.kind && self.dtype == other.dtype && self.len == other.len && self.tag == other.tag
     }
 }
 
@@ -47,11 +44,7 @@ impl fmt::Display for OpDesc {
 /// on the same descriptors, so every rank reaches the same verdict.
 pub(crate) fn validate(descs: &[OpDesc]) -> Result<(), CommError> {
     let reference = &descs[0];
-    if let Some((found_rank, found)) = descs
-        .iter()
-        .enumerate()
-        .find(|(_, d)| !d.same_collective(reference))
-    {
+    if let Some((found_rank, found)) = descs.iter().enumerate().find(|(_, d)| !d.same_collective(reference)) {
         return Err(CommError::Mismatch {
             tag: reference.tag.clone(),
             slot: reference.slot,

@@ -53,13 +53,7 @@ impl Element for bf16 {
 /// # Safety
 /// Every pointer must be valid for `hi` elements; during the call no other thread may read or
 /// write elements `lo..hi` of any of these buffers (the caller owns that range in all of them).
-pub(crate) unsafe fn reduce_range<E: Element>(
-    srcs: &[*mut E],
-    dsts: &[*mut E],
-    lo: usize,
-    hi: usize,
-    op: ReduceOp,
-) {
+pub(crate) unsafe fn reduce_range<E: Element>(srcs: &[*mut E], dsts: &[*mut E], lo: usize, hi: usize, op: ReduceOp) {
     let mut acc = [0f32; BLOCK];
     let world = srcs.len() as f32;
     let mut start = lo;

@@ -88,12 +88,7 @@ impl Rendezvous {
         self.arrive(rank, tag, None).map(drop)
     }
 
-    fn arrive(
-        &self,
-        rank: usize,
-        tag: &str,
-        desc: Option<OpDesc>,
-    ) -> Result<MutexGuard<'_, State>, CommError> {
+    fn arrive(&self, rank: usize, tag: &str, desc: Option<OpDesc>) -> Result<MutexGuard<'_, State>, CommError> {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.lock();
         if let Some(err) = first_dead(&st, tag) {

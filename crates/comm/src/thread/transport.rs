@@ -37,11 +37,7 @@ pub struct ThreadTransport {
 
 impl ThreadTransport {
     pub(crate) fn new(rank: usize, shared: Arc<Rendezvous>) -> Self {
-        ThreadTransport {
-            rank,
-            shared,
-            slot: 0,
-        }
+        ThreadTransport { rank, shared, slot: 0 }
     }
 
     /// Runs one slot of the protocol on `buf` (none for a barrier) whose input had
@@ -109,13 +105,7 @@ unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
             for (peer, &dst) in ptrs.iter().enumerate() {
                 if peer != rank && seg > 0 {
                     // SAFETY: segment `rank` of every buffer belongs to this rank in this slot.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            ptrs[rank].add(rank * seg),
-                            dst.add(rank * seg),
-                            seg,
-                        )
-                    };
+                    unsafe { std::ptr::copy_nonoverlapping(ptrs[rank].add(rank * seg), dst.add(rank * seg), seg) };
                 }
             }
         }
@@ -131,21 +121,8 @@ unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
 
 /// # Safety
 /// As [`reduce_range`], with `u8` pointers to buffers of element type `dtype`.
-unsafe fn reduce_typed(
-    dtype: DType,
-    srcs: &[*mut u8],
-    dsts: &[*mut u8],
-    lo: usize,
-    hi: usize,
-    op: ReduceOp,
-) {
-    unsafe fn typed<E: Element>(
-        srcs: &[*mut u8],
-        dsts: &[*mut u8],
-        lo: usize,
-        hi: usize,
-        op: ReduceOp,
-    ) {
+unsafe fn reduce_typed(dtype: DType, srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
+    unsafe fn typed<E: Element>(srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
         let srcs: Vec<*mut E> = srcs.iter().map(|p| p.cast()).collect();
         let dsts: Vec<*mut E> = dsts.iter().map(|p| p.cast()).collect();
         unsafe { reduce_range(&srcs, &dsts, lo, hi, op) }
@@ -187,12 +164,7 @@ impl Transport for ThreadTransport {
         self.run_slot(OpKind::AllGather, Some(buf), len, tag)
     }
 
-    fn reduce_scatter(
-        &mut self,
-        buf: &mut Buffer,
-        op: ReduceOp,
-        tag: &str,
-    ) -> Result<(), CommError> {
+    fn reduce_scatter(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
         let len = buf.len();
         self.run_slot(OpKind::ReduceScatter(op), Some(&mut *buf), len, tag)?;
         let per = len / self.shared.world();

@@ -63,10 +63,8 @@ pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
             json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMPUTE_TID,
                         "args": {"name": "compute"}}),
         );
-        out.push(
-            json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM_TID,
-                        "args": {"name": "comm stream"}}),
-        );
+        out.push(json!({"ph": "M", "name": "thread_name", "pid": rank, "tid": COMM_TID,
+                        "args": {"name": "comm stream"}}));
     }
     for e in events {
         let tid = match e.track {

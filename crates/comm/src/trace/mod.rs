@@ -102,9 +102,7 @@ impl fmt::Display for EventKind {
         match self {
             EventKind::Step(s) => write!(f, "step {s}"),
             EventKind::Forward => f.write_str("forward"),
-            EventKind::Backward { scope } => {
-                write!(f, "backward {}", scope.as_deref().unwrap_or("loss"))
-            }
+            EventKind::Backward { scope } => write!(f, "backward {}", scope.as_deref().unwrap_or("loss")),
             EventKind::WaitForBuckets => f.write_str("wait for buckets"),
             EventKind::Optimizer => f.write_str("optimizer"),
             EventKind::Collective { .. } => f.write_str("collective"),
@@ -265,13 +263,7 @@ impl Recorder {
     }
 
     /// Records a finished compute span after the fact (both instants get sequence numbers now).
-    pub fn compute_span(
-        &self,
-        rank: usize,
-        kind: EventKind,
-        start: Instant,
-        end: Instant,
-    ) -> SpanId {
+    pub fn compute_span(&self, rank: usize, kind: EventKind, start: Instant, end: Instant) -> SpanId {
         let name = kind.to_string();
         let (mut events, id) = self.push(rank, Track::Compute, kind, name, "", 0);
         events[id].start = Some(self.stamp(start));
@@ -282,14 +274,7 @@ impl Recorder {
     /// Records, now, that `rank` issued collective `op` (e.g. `"all_reduce"`) tagged `tag` on
     /// `bytes` bytes, reducing DDP bucket `bucket` if any. Used by [`Traced`]; other wrappers
     /// may call it too.
-    pub fn comm_issued(
-        &self,
-        rank: usize,
-        op: &str,
-        tag: &str,
-        bytes: usize,
-        bucket: Option<usize>,
-    ) -> SpanId {
+    pub fn comm_issued(&self, rank: usize, op: &str, tag: &str, bytes: usize, bucket: Option<usize>) -> SpanId {
         let kind = EventKind::Collective { bucket };
         let (mut events, id) = self.push(rank, Track::Comm, kind, tag.to_string(), op, bytes);
         events[id].issued = Some(self.stamp(Instant::now()));
@@ -324,10 +309,7 @@ impl Recorder {
         let bounds: Vec<(usize, u64, u64)> = events
             .iter()
             .filter(|e| e.track == Track::Compute && e.kind == EventKind::Step(step))
-            .filter_map(|e| {
-                e.start
-                    .map(|s| (e.rank, s.seq, e.end.map_or(u64::MAX, |end| end.seq)))
-            })
+            .filter_map(|e| e.start.map(|s| (e.rank, s.seq, e.end.map_or(u64::MAX, |end| end.seq))))
             .collect();
         events
             .into_iter()

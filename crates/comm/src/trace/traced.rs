@@ -33,9 +33,7 @@ impl<C: Communicator> Traced<C> {
         let recorder = self.recorder.clone();
         work.observe(move |event| match event {
             WorkEvent::Started(at) => recorder.comm_started(span, at),
-            WorkEvent::Finished { at, error } => {
-                recorder.comm_finished(span, at, error.map(|e| e.to_string()))
-            }
+            WorkEvent::Finished { at, error } => recorder.comm_finished(span, at, error.map(|e| e.to_string())),
         });
         work
     }

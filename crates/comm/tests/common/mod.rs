@@ -78,12 +78,7 @@ pub fn assert_same(got: &Buffer, want: &Buffer, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if got != want {
         let (g, w) = (to_f32(got), to_f32(want));
-        let i = (0..g.len())
-            .find(|&i| g[i].to_bits() != w[i].to_bits())
-            .unwrap();
-        panic!(
-            "{what}: element {i} is {} but the reference says {}",
-            g[i], w[i]
-        );
+        let i = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()).unwrap();
+        panic!("{what}: element {i} is {} but the reference says {}", g[i], w[i]);
     }
 }

@@ -33,9 +33,8 @@ impl CompressHook {
 }
 
 fn widen<T: Copy>(v: Option<&[T]>, f: impl Fn(T) -> f32) -> Result<Vec<f32>, CommError> {
-    v.map(|v| v.iter().map(|&x| f(x)).collect()).ok_or_else(|| {
-        CommError::Unsupported("the 16-bit all-reduce returned another dtype".into())
-    })
+    v.map(|v| v.iter().map(|&x| f(x)).collect())
+        .ok_or_else(|| CommError::Unsupported("the 16-bit all-reduce returned another dtype".into()))
 }
 
 impl CommHook for CompressHook {

@@ -75,9 +75,8 @@ pub trait CommHook: Send + Sync {
 }
 
 fn into_f32(b: Buffer) -> Result<Vec<f32>, CommError> {
-    b.into_f32().map_err(|b| {
-        CommError::Unsupported(format!("expected an f32 buffer back, got {:?}", b.dtype()))
-    })
+    b.into_f32()
+        .map_err(|b| CommError::Unsupported(format!("expected an f32 buffer back, got {:?}", b.dtype())))
 }
 
 /// The default policy: one all-reduce averaging the bucket over the ranks, in f32.
@@ -90,11 +89,7 @@ impl CommHook for AllReduceHook {
     }
 
     fn reduce(&self, comm: &Arc<dyn Communicator>, bucket: GradBucket) -> Work<Vec<f32>> {
-        comm.all_reduce(
-            Buffer::F32(bucket.buffer),
-            ReduceOp::Avg,
-            &bucket_tag(bucket.index),
-        )
-        .then(into_f32)
+        comm.all_reduce(Buffer::F32(bucket.buffer), ReduceOp::Avg, &bucket_tag(bucket.index))
+            .then(into_f32)
     }
 }

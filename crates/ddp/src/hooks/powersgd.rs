@@ -236,11 +236,7 @@ fn reduce_bucket(
 
     let warm = cfg.warm_start
         && st.q.get(&index).is_some_and(|qs| {
-            qs.len() == matrices.len()
-                && qs
-                    .iter()
-                    .zip(&matrices)
-                    .all(|(q, mx)| q.len() == mx.r * mx.m)
+            qs.len() == matrices.len() && qs.iter().zip(&matrices).all(|(q, mx)| q.len() == mx.r * mx.m)
         });
     let qs: Vec<Vec<f32>> = if warm {
         st.q[&index].clone()
@@ -304,8 +300,7 @@ fn reduce_bucket(
                         let (mut pat, mut qat) = (0, 0);
                         let mut qs_keep = vec![];
                         for mx in &matrices {
-                            let (p, q) =
-                                (&ps[pat..pat + mx.n * mx.r], &qflat[qat..qat + mx.r * mx.m]);
+                            let (p, q) = (&ps[pat..pat + mx.n * mx.r], &qflat[qat..qat + mx.r * mx.m]);
                             p_times_qt(&mut input[mx.offset..mx.offset + mx.n * mx.m], *mx, p, q);
                             qs_keep.push(q.to_vec());
                             pat += mx.n * mx.r;
@@ -313,10 +308,8 @@ fn reduce_bucket(
                         }
                         let mut st = lock(&state);
                         if let Some(copy) = input_copy {
-                            st.error.insert(
-                                index,
-                                copy.iter().zip(&input).map(|(a, b)| a - b).collect(),
-                            );
+                            st.error
+                                .insert(index, copy.iter().zip(&input).map(|(a, b)| a - b).collect());
                         }
                         if cfg.warm_start {
                             st.q.insert(index, qs_keep);
@@ -331,16 +324,9 @@ fn reduce_bucket(
 /// norm left becomes zero (never NaN).
 fn orthogonalize_columns(a: &mut [f32], rows: usize, cols: usize) {
     for i in 0..cols {
-        let norm = (0..rows)
-            .map(|k| a[k * cols + i] * a[k * cols + i])
-            .sum::<f32>()
-            .sqrt();
+        let norm = (0..rows).map(|k| a[k * cols + i] * a[k * cols + i]).sum::<f32>().sqrt();
         for k in 0..rows {
-            a[k * cols + i] = if norm > 0.0 {
-                a[k * cols + i] / norm
-            } else {
-                0.0
-            };
+            a[k * cols + i] = if norm > 0.0 { a[k * cols + i] / norm } else { 0.0 };
         }
         for j in i + 1..cols {
             let dot: f32 = (0..rows).map(|k| a[k * cols + i] * a[k * cols + j]).sum();
@@ -361,10 +347,7 @@ fn orthogonalize_rows(a: &mut [f32], rows: usize, cols: usize) {
             .for_each(|x| *x = if norm > 0.0 { *x / norm } else { 0.0 });
         for other in tail.chunks_mut(cols) {
             let dot: f32 = row.iter().zip(other.iter()).map(|(a, b)| a * b).sum();
-            other
-                .iter_mut()
-                .zip(row.iter())
-                .for_each(|(o, r)| *o -= dot * r);
+            other.iter_mut().zip(row.iter()).for_each(|(o, r)| *o -= dot * r);
         }
     }
 }
@@ -375,11 +358,7 @@ fn m_times_qt(m: &[f32], mx: Matrix, qt: &[f32]) -> Vec<f32> {
     for i in 0..mx.n {
         let row = &m[i * mx.m..(i + 1) * mx.m];
         for k in 0..mx.r {
-            p[i * mx.r + k] = row
-                .iter()
-                .zip(&qt[k * mx.m..(k + 1) * mx.m])
-                .map(|(a, b)| a * b)
-                .sum();
+            p[i * mx.r + k] = row.iter().zip(&qt[k * mx.m..(k + 1) * mx.m]).map(|(a, b)| a * b).sum();
         }
     }
     p

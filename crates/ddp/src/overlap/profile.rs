@@ -130,11 +130,7 @@ impl StepProfile {
                 r.optimizer_end_s,
                 r.step_end_s,
             ];
-            if times
-                .iter()
-                .chain(&r.grad_ready_s)
-                .any(|t| !t.is_finite() || *t < 0.0)
-            {
+            if times.iter().chain(&r.grad_ready_s).any(|t| !t.is_finite() || *t < 0.0) {
                 return Err(format!("rank {i}: a time is negative or not finite"));
             }
             if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {

@@ -102,10 +102,7 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
         LinkCost::Measured => {
             let n0 = profile.world_size;
             if n0 < 2 {
-                return Err(
-                    "a profile of one rank recorded no communication: there is no link to measure"
-                        .into(),
-                );
+                return Err("a profile of one rank recorded no communication: there is no link to measure".into());
             }
             let pts: Vec<(f64, f64)> = profile.ranks[0]
                 .buckets
@@ -161,9 +158,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         ("first bucket cap", cfg.first_bucket_cap_mb),
     ] {
         if !(v > 0.0 && v.is_finite()) {
-            return Err(format!(
-                "the {flag} must be a positive number of MiB, got {v}"
-            ));
+            return Err(format!("the {flag} must be a positive number of MiB, got {v}"));
         }
     }
     let n = cfg.world_size.unwrap_or(profile.world_size);
@@ -202,12 +197,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
     };
     let bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
     let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
-    let groups = assign_buckets(
-        &bytes,
-        &order,
-        mib(cfg.first_bucket_cap_mb),
-        mib(cfg.bucket_cap_mb),
-    );
+    let groups = assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb));
 
     // Each rank launches in strict bucket order; the link takes a bucket once every rank has
     // launched it and the previous bucket has left.
@@ -241,10 +231,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         });
     }
 
-    let backward_end = ranks
-        .iter()
-        .map(|r| r.backward_end_s)
-        .fold(f64::NEG_INFINITY, f64::max);
+    let backward_end = ranks.iter().map(|r| r.backward_end_s).fold(f64::NEG_INFINITY, f64::max);
     for b in &mut buckets {
         b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
     }
@@ -262,16 +249,12 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         .fold(0.0, f64::max);
 
     // Lower bound: a fluid link that carries each byte from the moment its gradient is ready.
-    let fluid_rate = if n < 2 {
-        0.0
-    } else {
-        2.0 * q / n as f64 * per_byte
-    };
+    let fluid_rate = if n < 2 { 0.0 } else { 2.0 * q / n as f64 * per_byte };
     let mut by_ready: Vec<usize> = (0..n_params).collect();
     by_ready.sort_by(|&a, &b| ready_all[a].total_cmp(&ready_all[b]));
-    let drained = by_ready.iter().fold(0.0f64, |t, &p| {
-        t.max(ready_all[p]) + bytes[p] as f64 * fluid_rate
-    });
+    let drained = by_ready
+        .iter()
+        .fold(0.0f64, |t, &p| t.max(ready_all[p]) + bytes[p] as f64 * fluid_rate);
 
     Ok(ReplayResult {
         bucket_cap_mb: cfg.bucket_cap_mb,
@@ -282,10 +265,6 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         compute_step_s: compute_step,
         predicted_step_s: predicted_step,
         exposed_comm_s: (last_finish - backward_end).max(0.0),
-        lower_bound_exposed_s: if n < 2 {
-            0.0
-        } else {
-            (drained - backward_end).max(0.0)
-        },
+        lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
     })
 }

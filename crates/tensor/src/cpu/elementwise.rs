@@ -61,13 +61,7 @@ pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorag
 }
 
 /// `f(a, b)` over two views broadcast to one shape, into a contiguous output.
-fn zip_with<T: Float>(
-    da: &[T],
-    la: &Layout,
-    db: &[T],
-    lb: &Layout,
-    f: impl Fn(T, T) -> T + Sync + Send,
-) -> CpuStorage {
+fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T, T) -> T + Sync + Send) -> CpuStorage {
     let shape = la.shape();
     let mut out = vec![T::ZERO; la.numel()];
     if la.is_contiguous() && lb.is_contiguous() {
@@ -98,13 +92,7 @@ fn zip_with<T: Float>(
 }
 
 /// [`crate::backend::BackendStorage::binary`]: any two layouts of one shape.
-pub(super) fn binary(
-    a: &CpuStorage,
-    la: &Layout,
-    b: &CpuStorage,
-    lb: &Layout,
-    op: BinaryOp,
-) -> Result<CpuStorage> {
+pub(super) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, op: BinaryOp) -> Result<CpuStorage> {
     float_kernel!("binary", a, da: T => {
         let db = same::<T>("binary", b)?;
         Ok(match op {

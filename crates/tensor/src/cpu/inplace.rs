@@ -28,11 +28,7 @@ pub(super) fn fill(s: &mut CpuStorage, l: &Layout, v: f64) -> Result<()> {
 }
 
 /// [`crate::backend::BackendStorage::copy_from`].
-pub(super) fn copy_from(
-    dst: &mut CpuStorage,
-    l: &Layout,
-    src: (&CpuStorage, &Layout),
-) -> Result<()> {
+pub(super) fn copy_from(dst: &mut CpuStorage, l: &Layout, src: (&CpuStorage, &Layout)) -> Result<()> {
     fn go<T: Element>(data: &mut [T], l: &Layout, src: &CpuStorage, sl: &Layout) -> Result<()> {
         let s = view(same::<T>("copy_from", src)?, sl);
         if l.is_contiguous() {

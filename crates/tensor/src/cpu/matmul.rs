@@ -79,12 +79,7 @@ unsafe fn gemm_one<T: Float>(
 
 /// [`crate::backend::BackendStorage::matmul`]: `[batch.., m, k] x [batch.., k, n]`, any
 /// strides, into a contiguous `[batch.., m, n]`.
-pub(super) fn matmul(
-    a: &CpuStorage,
-    la: &Layout,
-    b: &CpuStorage,
-    lb: &Layout,
-) -> Result<CpuStorage> {
+pub(super) fn matmul(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<CpuStorage> {
     float_kernel!("matmul", a, da: T => {
         let db = same::<T>("matmul", b)?;
         Ok(T::wrap(matmul_impl::<T>(da, la, db, lb)))
@@ -110,12 +105,7 @@ fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T>
         o
     };
     let (sa, sb) = (la.strides(), lb.strides());
-    let (a_rs, a_cs, b_rs, b_cs) = (
-        sa[sa.len() - 2],
-        sa[sa.len() - 1],
-        sb[sb.len() - 2],
-        sb[sb.len() - 1],
-    );
+    let (a_rs, a_cs, b_rs, b_cs) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 2], sb[sb.len() - 1]);
     let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
     let threads = compute_threads();
     let run = |i: usize, dst: &mut [T], t: usize| {

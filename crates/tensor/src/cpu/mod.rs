@@ -11,9 +11,7 @@ mod reduce;
 
 pub use matmul::gemm_threads_for;
 
-use crate::backend::{
-    AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp,
-};
+use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Element, Layout, Result, TensorError};
 
@@ -50,10 +48,7 @@ pub(crate) fn same<'a, T: Element>(op: &'static str, s: &'a CpuStorage) -> Resul
 }
 
 /// Mutable elements of an operand that must have the same type as the first one.
-pub(crate) fn same_mut<'a, T: Element>(
-    op: &'static str,
-    s: &'a mut CpuStorage,
-) -> Result<&'a mut [T]> {
+pub(crate) fn same_mut<'a, T: Element>(op: &'static str, s: &'a mut CpuStorage) -> Result<&'a mut [T]> {
     let dtype = s.dtype();
     T::slice_mut(s).ok_or(TensorError::DTypeMismatch {
         op,
@@ -86,14 +81,8 @@ pub(crate) fn gather<T: Element>(s: &CpuStorage, l: &Layout, op: &'static str) -
 /// Index operands (I64 or U8) as `usize`s; the front end has checked their range.
 pub(crate) fn indices(op: &'static str, ids: &CpuStorage, l: &Layout) -> Result<Vec<usize>> {
     match ids {
-        CpuStorage::I64(_) => Ok(gather::<i64>(ids, l, op)?
-            .into_iter()
-            .map(|x| x as usize)
-            .collect()),
-        CpuStorage::U8(_) => Ok(gather::<u8>(ids, l, op)?
-            .into_iter()
-            .map(usize::from)
-            .collect()),
+        CpuStorage::I64(_) => Ok(gather::<i64>(ids, l, op)?.into_iter().map(|x| x as usize).collect()),
+        CpuStorage::U8(_) => Ok(gather::<u8>(ids, l, op)?.into_iter().map(usize::from).collect()),
         s => Err(TensorError::UnsupportedDType {
             op,
             dtype: s.dtype(),
@@ -193,13 +182,7 @@ impl BackendStorage for CpuStorage {
         nn::softmax_last(self, layout, log)
     }
 
-    fn softmax_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        g_layout: &Layout,
-        log: bool,
-    ) -> Result<Self> {
+    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
         nn::softmax_backward(self, layout, g, g_layout, log)
     }
 
@@ -228,12 +211,7 @@ impl BackendStorage for CpuStorage {
         nn::embedding(self, layout, ids)
     }
 
-    fn embedding_backward(
-        &self,
-        layout: &Layout,
-        ids: (&Self, &Layout),
-        vocab: usize,
-    ) -> Result<Self> {
+    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
         nn::embedding_backward(self, layout, ids, vocab)
     }
 
@@ -245,12 +223,7 @@ impl BackendStorage for CpuStorage {
         nn::cross_entropy(self, layout, targets)
     }
 
-    fn cross_entropy_backward(
-        &self,
-        layout: &Layout,
-        targets: (&Self, &Layout),
-        g: f64,
-    ) -> Result<Self> {
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self> {
         nn::cross_entropy_backward(self, layout, targets, g)
     }
 
@@ -262,12 +235,7 @@ impl BackendStorage for CpuStorage {
         inplace::copy_from(self, layout, src)
     }
 
-    fn add_scaled_assign(
-        &mut self,
-        layout: &Layout,
-        src: (&Self, &Layout),
-        scale: f64,
-    ) -> Result<()> {
+    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
         inplace::add_scaled_assign(self, layout, src, scale)
     }
 

@@ -159,11 +159,7 @@ pub(super) fn layer_norm_backward(
 }
 
 /// [`crate::backend::BackendStorage::embedding`].
-pub(super) fn embedding(
-    w: &CpuStorage,
-    l: &Layout,
-    ids: (&CpuStorage, &Layout),
-) -> Result<CpuStorage> {
+pub(super) fn embedding(w: &CpuStorage, l: &Layout, ids: (&CpuStorage, &Layout)) -> Result<CpuStorage> {
     let idx = indices("embedding", ids.0, ids.1)?;
     float_kernel!("embedding", w, ws: T => {
         let ws = view(ws, l);

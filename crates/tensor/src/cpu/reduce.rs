@@ -45,12 +45,7 @@ fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> CpuStorage {
 }
 
 /// [`crate::backend::BackendStorage::reduce`].
-pub(super) fn reduce(
-    s: &CpuStorage,
-    l: &Layout,
-    dims: &[usize],
-    op: ReduceOp,
-) -> Result<CpuStorage> {
+pub(super) fn reduce(s: &CpuStorage, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<CpuStorage> {
     float_kernel!("reduce", s, data: T => match op {
         ReduceOp::Sum => {
             let leading = !dims.is_empty() && dims.iter().enumerate().all(|(i, &v)| i == v) && dims.len() < l.rank();

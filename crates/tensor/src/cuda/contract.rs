@@ -5,9 +5,7 @@
 use std::sync::Arc;
 
 use super::{CudaDevice, CudaStorage};
-use crate::backend::{
-    AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp,
-};
+use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
@@ -95,13 +93,7 @@ impl BackendStorage for CudaStorage {
         CudaStorage::softmax_last(self, layout, log)
     }
 
-    fn softmax_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        g_layout: &Layout,
-        log: bool,
-    ) -> Result<Self> {
+    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
         CudaStorage::softmax_backward(self, layout, g, g_layout, log)
     }
 
@@ -130,12 +122,7 @@ impl BackendStorage for CudaStorage {
         CudaStorage::embedding(self, layout, ids)
     }
 
-    fn embedding_backward(
-        &self,
-        layout: &Layout,
-        ids: (&Self, &Layout),
-        vocab: usize,
-    ) -> Result<Self> {
+    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
         CudaStorage::embedding_backward(self, layout, ids, vocab)
     }
 
@@ -147,12 +134,7 @@ impl BackendStorage for CudaStorage {
         CudaStorage::cross_entropy(self, layout, targets)
     }
 
-    fn cross_entropy_backward(
-        &self,
-        layout: &Layout,
-        targets: (&Self, &Layout),
-        g: f64,
-    ) -> Result<Self> {
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self> {
         CudaStorage::cross_entropy_backward(self, layout, targets, g)
     }
 
@@ -164,12 +146,7 @@ impl BackendStorage for CudaStorage {
         CudaStorage::copy_from(self, layout, src)
     }
 
-    fn add_scaled_assign(
-        &mut self,
-        layout: &Layout,
-        src: (&Self, &Layout),
-        scale: f64,
-    ) -> Result<()> {
+    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
         CudaStorage::add_scaled_assign(self, layout, src, scale)
     }
 

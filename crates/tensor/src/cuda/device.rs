@@ -52,16 +52,14 @@ impl CudaDevice {
         }
         let device = Device::Cuda(ordinal);
         probe::require(ordinal).map_err(|u| u.on(device))?;
-        let ctx =
-            CudaContext::new(ordinal).map_err(|e| fault(device, "creating the CUDA context", e))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| fault(device, "creating the CUDA context", e))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| fault(device, "reading the compute capability", e))?;
         let stream = ctx
             .new_stream()
             .map_err(|e| fault(device, "creating the compute stream", e))?;
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| fault(device, "creating the cuBLAS handle", e))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| fault(device, "creating the cuBLAS handle", e))?;
         let d = Arc::new(CudaDevice {
             ordinal,
             ctx,
@@ -103,30 +101,22 @@ impl CudaDevice {
             match modules.get(file.name) {
                 Some(m) => m.clone(),
                 None => {
-                    let compiled = nvrtc::compile(file, &self.arch).map_err(|e| {
-                        TensorError::DeviceUnavailable {
-                            device,
-                            reason: e.to_string(),
-                        }
+                    let compiled = nvrtc::compile(file, &self.arch).map_err(|e| TensorError::DeviceUnavailable {
+                        device,
+                        reason: e.to_string(),
                     })?;
                     let m = self
                         .ctx
                         .load_module(Ptx::from_binary(compiled.cubin))
-                        .map_err(|e| {
-                            fault(device, &format!("loading the CUBIN of {}", file.name), e)
-                        })?;
+                        .map_err(|e| fault(device, &format!("loading the CUBIN of {}", file.name), e))?;
                     modules.insert(file.name, m.clone());
                     m
                 }
             }
         };
-        module.load_function(name).map_err(|e| {
-            fault(
-                device,
-                &format!("finding kernel {name} in {}", file.name),
-                e,
-            )
-        })
+        module
+            .load_function(name)
+            .map_err(|e| fault(device, &format!("finding kernel {name} in {}", file.name), e))
     }
 
     /// Waits until all work queued on the compute stream has finished.

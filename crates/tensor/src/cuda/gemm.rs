@@ -106,13 +106,7 @@ where
             r.map_err(|e| {
                 fault(
                     dev.location(),
-                    &format!(
-                        "cuBLAS GEMM ({:?}, m={} n={} k={})",
-                        T::DTYPE,
-                        plan.m,
-                        plan.n,
-                        plan.k
-                    ),
+                    &format!("cuBLAS GEMM ({:?}, m={} n={} k={})", T::DTYPE, plan.m, plan.n, plan.k),
                     e,
                 )
             })?;
@@ -154,9 +148,8 @@ impl CudaStorage {
             }
         };
         let r = lhs.rank();
-        let out_len: usize = lhs.shape()[..r - 2].iter().product::<usize>()
-            * lhs.shape()[r - 2]
-            * rhs_layout.shape()[r - 1];
+        let out_len: usize =
+            lhs.shape()[..r - 2].iter().product::<usize>() * lhs.shape()[r - 2] * rhs_layout.shape()[r - 1];
         if out_len == 0 {
             return Ok(self.empty_like());
         }

@@ -151,10 +151,8 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
     }
     let (sl, sr) = (lhs.strides(), rhs.strides());
     // cuBLAS's A supplies Bᵀ (n × k) from Brigade's rhs; its B supplies Aᵀ (k × m) from lhs.
-    let (transa, lda) = transposed_operand(k, n, sr[rb - 2], sr[rb - 1])
-        .ok_or(PlanError::NeedsCopy(Operand::Rhs))?;
-    let (transb, ldb) = transposed_operand(m, k, sl[ra - 2], sl[ra - 1])
-        .ok_or(PlanError::NeedsCopy(Operand::Lhs))?;
+    let (transa, lda) = transposed_operand(k, n, sr[rb - 2], sr[rb - 1]).ok_or(PlanError::NeedsCopy(Operand::Rhs))?;
+    let (transb, ldb) = transposed_operand(m, k, sl[ra - 2], sl[ra - 1]).ok_or(PlanError::NeedsCopy(Operand::Lhs))?;
 
     // Batch dims (size-1 dims dropped), output strides contiguous.
     let batch_shape = &lhs.shape()[..ra - 2];
@@ -188,11 +186,7 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
         }
     }
     merged.reverse();
-    let batched = merged
-        .iter()
-        .enumerate()
-        .max_by_key(|(_, d)| d.size)
-        .map(|(i, _)| i);
+    let batched = merged.iter().enumerate().max_by_key(|(_, d)| d.size).map(|(i, _)| i);
     let inner = batched.map(|i| merged[i]).unwrap_or(BatchDim {
         size: 1,
         lhs: 0,

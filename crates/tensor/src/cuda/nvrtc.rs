@@ -159,16 +159,12 @@ pub fn compile(file: KernelFile, arch: &str) -> Result<CompiledKernels, CompileF
         during: "naming the program",
         status: String::new(),
     })?;
-    let prog = Program(
-        cudarc::nvrtc::result::create_program(&src, Some(&name))
-            .map_err(call("nvrtcCreateProgram"))?,
-    );
+    let prog = Program(cudarc::nvrtc::result::create_program(&src, Some(&name)).map_err(call("nvrtcCreateProgram"))?);
     let options = compile_options(arch);
     // SAFETY: `prog` is a live program; the options are plain strings.
     let compiled = unsafe { cudarc::nvrtc::result::compile_program(prog.0, &options) };
     // SAFETY: `prog` is a live program.
-    let log = unsafe { cudarc::nvrtc::result::get_program_log(prog.0) }
-        .map_err(call("nvrtcGetProgramLog"))?;
+    let log = unsafe { cudarc::nvrtc::result::get_program_log(prog.0) }.map_err(call("nvrtcGetProgramLog"))?;
     let log = c_chars_to_string(&log).trim().to_string();
     if let Err(e) = compiled {
         return Err(CompileFailure::Error {

@@ -42,18 +42,11 @@ macro_rules! float_dispatch {
 
 impl CudaStorage {
     /// The `n` elements of a contiguous view starting at its offset.
-    fn contiguous_view<T: CudaElement>(
-        &self,
-        op: &'static str,
-        layout: &Layout,
-    ) -> Result<CudaView<'_, T>> {
+    fn contiguous_view<T: CudaElement>(&self, op: &'static str, layout: &Layout) -> Result<CudaView<'_, T>> {
         if !layout.is_contiguous() {
             return Err(TensorError::Invalid {
                 op,
-                msg: format!(
-                    "expects a contiguous view, got strides {:?}",
-                    layout.strides()
-                ),
+                msg: format!("expects a contiguous view, got strides {:?}", layout.strides()),
             });
         }
         let (start, n) = (layout.offset(), layout.numel());
@@ -74,12 +67,7 @@ impl CudaStorage {
 
     /// Reads the bad-index flag of an indexed kernel: the smallest row whose index was out
     /// of range, if any (a 8-byte read that waits for the stream).
-    fn check_bad_index(
-        &self,
-        op: &'static str,
-        flag: &cudarc::driver::CudaSlice<u64>,
-        bound: usize,
-    ) -> Result<()> {
+    fn check_bad_index(&self, op: &'static str, flag: &cudarc::driver::CudaSlice<u64>, bound: usize) -> Result<()> {
         let v = self
             .dev()
             .stream()
@@ -104,13 +92,7 @@ impl CudaStorage {
     /// Elementwise kernel `name` of `elementwise.cu` (`neg`, `exp`, `ln`, `sqrt`, `relu`,
     /// `gelu`, `sqr`, `affine` with `p0 = mul, p1 = add`, `powf` with `p0 = p`, `is_zero`)
     /// over the view (any layout); the scalars are rounded to the dtype first.
-    pub fn unary_kernel(
-        &self,
-        layout: &Layout,
-        name: &'static str,
-        p0: f64,
-        p1: f64,
-    ) -> Result<Self> {
+    pub fn unary_kernel(&self, layout: &Layout, name: &'static str, p0: f64, p1: f64) -> Result<Self> {
         let n = layout.numel();
         if n == 0 {
             return Ok(self.empty_like());
@@ -129,13 +111,7 @@ impl CudaStorage {
     /// Broadcasting binary kernel `name` of `elementwise.cu` (`add`, `sub`, `mul`, `div`,
     /// `relu_backward`, `gelu_backward`): both layouts (any layout) already broadcast to one
     /// shape; the output is contiguous of that shape.
-    pub fn binary_kernel(
-        &self,
-        lhs: &Layout,
-        rhs: &Self,
-        rhs_layout: &Layout,
-        name: &'static str,
-    ) -> Result<Self> {
+    pub fn binary_kernel(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, name: &'static str) -> Result<Self> {
         if lhs.shape() != rhs_layout.shape() {
             return Err(TensorError::ShapeMismatch {
                 op: name,
@@ -149,10 +125,7 @@ impl CudaStorage {
         }
         self.check_extent(name, lhs)?;
         rhs.check_extent(name, rhs_layout)?;
-        let (la, lb) = (
-            StridedLayout::of(name, lhs)?,
-            StridedLayout::of(name, rhs_layout)?,
-        );
+        let (la, lb) = (StridedLayout::of(name, lhs)?, StridedLayout::of(name, rhs_layout)?);
         float_dispatch!(name, self.dtype(), T => {
             let (a, b) = (self.data::<T>(name)?, rhs.data::<T>(name)?);
             let mut out = Self::alloc::<T>(self.dev(), n)?;
@@ -223,13 +196,7 @@ impl CudaStorage {
     }
 
     /// Backward of [`CudaStorage::softmax_last`] from its output `y` (self) and gradient `g`.
-    pub fn softmax_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        g_layout: &Layout,
-        log: bool,
-    ) -> Result<Self> {
+    pub fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
         let op = if log {
             "log_softmax_backward"
         } else {
@@ -368,12 +335,7 @@ impl CudaStorage {
 
     /// Scatter-add of the gradient rows (self, `[ids.numel(), d]`) into a zeroed
     /// `[vocab, d]` table; repeated ids add up in an unspecified order (atomics).
-    pub fn embedding_backward(
-        &self,
-        layout: &Layout,
-        ids: (&Self, &Layout),
-        vocab: usize,
-    ) -> Result<Self> {
+    pub fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
         let op = "embedding_backward";
         let d = *layout.shape().last().ok_or(TensorError::Invalid {
             op,
@@ -440,11 +402,7 @@ impl CudaStorage {
 
     /// Mean cross-entropy of `[n, c]` logits (self) against `n` targets (I64/U8): returns
     /// `(loss, probs)`, the loss accumulated in f64 over the rows as on the CPU.
-    pub fn cross_entropy(
-        &self,
-        layout: &Layout,
-        targets: (&Self, &Layout),
-    ) -> Result<(Self, Self)> {
+    pub fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {
         let op = "cross_entropy";
         let (n, c) = match layout.shape() {
             &[n, c] => (n, c),
@@ -483,12 +441,7 @@ impl CudaStorage {
 
     /// Gradient of [`CudaStorage::cross_entropy`] from `probs` (self, `[n, c]`):
     /// `(probs - onehot(targets)) * (g / max(n, 1))`.
-    pub fn cross_entropy_backward(
-        &self,
-        layout: &Layout,
-        targets: (&Self, &Layout),
-        g: f64,
-    ) -> Result<Self> {
+    pub fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self> {
         let op = "cross_entropy_backward";
         let (n, c) = match layout.shape() {
             &[n, c] => (n, c),
@@ -560,12 +513,13 @@ impl CudaStorage {
         match momentum_buffer {
             Some((buf, bl)) => {
                 let bs = bl.offset();
-                let mut b = buf.data_mut::<f32>(op)?.try_slice_mut(bs..bs + n).ok_or(
-                    TensorError::OutOfRange {
+                let mut b = buf
+                    .data_mut::<f32>(op)?
+                    .try_slice_mut(bs..bs + n)
+                    .ok_or(TensorError::OutOfRange {
                         op,
                         msg: format!("momentum buffer view at {bs} + {n} outside its storage"),
-                    },
-                )?;
+                    })?;
                 launch!(
                     dev,
                     OPTIM,

@@ -43,11 +43,7 @@ pub struct CudaStorage {
 
 impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "CudaStorage({:?} x {} on {:?})",
-            self.dtype, self.len, self.dev
-        )
+        write!(f, "CudaStorage({:?} x {} on {:?})", self.dtype, self.len, self.dev)
     }
 }
 
@@ -114,10 +110,7 @@ impl CudaStorage {
     }
 
     /// The buffer as `T`, mutably.
-    pub(crate) fn data_mut<T: CudaElement>(
-        &mut self,
-        op: &'static str,
-    ) -> Result<&mut CudaSlice<T>> {
+    pub(crate) fn data_mut<T: CudaElement>(&mut self, op: &'static str) -> Result<&mut CudaSlice<T>> {
         let dtype = self.dtype;
         let buf = self.buf.as_mut().ok_or(TensorError::StorageLent { op })?;
         T::slice_mut(buf).ok_or(TensorError::DTypeMismatch {
@@ -130,27 +123,15 @@ impl CudaStorage {
     /// `n` uninitialised elements on `dev`, for a kernel that writes them all.
     pub(crate) fn alloc<T: CudaElement>(dev: &Arc<CudaDevice>, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: callers launch a kernel that writes every element before any read.
-        unsafe { dev.stream().alloc::<T>(n) }.map_err(|e| {
-            fault(
-                dev.location(),
-                &format!("allocating {n} x {:?}", T::DTYPE),
-                e,
-            )
-        })
+        unsafe { dev.stream().alloc::<T>(n) }
+            .map_err(|e| fault(dev.location(), &format!("allocating {n} x {:?}", T::DTYPE), e))
     }
 
     /// `n` zeroed elements on `dev`.
-    pub(crate) fn alloc_zeros<T: CudaElement>(
-        dev: &Arc<CudaDevice>,
-        n: usize,
-    ) -> Result<CudaSlice<T>> {
-        dev.stream().alloc_zeros::<T>(n).map_err(|e| {
-            fault(
-                dev.location(),
-                &format!("allocating {n} x {:?}", T::DTYPE),
-                e,
-            )
-        })
+    pub(crate) fn alloc_zeros<T: CudaElement>(dev: &Arc<CudaDevice>, n: usize) -> Result<CudaSlice<T>> {
+        dev.stream()
+            .alloc_zeros::<T>(n)
+            .map_err(|e| fault(dev.location(), &format!("allocating {n} x {:?}", T::DTYPE), e))
     }
 
     /// `n` zero-filled elements of `dtype` on `dev`.
@@ -263,12 +244,7 @@ impl CudaStorage {
         let l = StridedLayout::of(op, layout)?;
         let n64 = n as u64;
         // Gathers move bits: one kernel per element size.
-        fn go<T: CudaElement>(
-            s: &CudaStorage,
-            l: &StridedLayout,
-            n: usize,
-            n64: &u64,
-        ) -> Result<CudaStorage> {
+        fn go<T: CudaElement>(s: &CudaStorage, l: &StridedLayout, n: usize, n64: &u64) -> Result<CudaStorage> {
             let x = s.data::<T>("copy_strided")?;
             let mut out = CudaStorage::alloc::<T>(&s.dev, n)?;
             let name = format!("gather_b{}", std::mem::size_of::<T>());
@@ -393,12 +369,12 @@ impl CudaStorage {
             let dev = dst.dev.clone();
             let n = *n64 as usize;
             let s = src.0.data::<T>("copy_from")?;
-            let s =
-                s.try_slice(src.1.offset()..src.1.offset() + n)
-                    .ok_or(TensorError::OutOfRange {
-                        op: "copy_from",
-                        msg: format!("source view {:?} outside its storage", src.1.shape()),
-                    })?;
+            let s = s
+                .try_slice(src.1.offset()..src.1.offset() + n)
+                .ok_or(TensorError::OutOfRange {
+                    op: "copy_from",
+                    msg: format!("source view {:?} outside its storage", src.1.shape()),
+                })?;
             let d = dst.data_mut::<T>("copy_from")?;
             let name = format!("scatter_b{}", std::mem::size_of::<T>());
             launch!(dev, COPY, name, for_elements(n), d, &s, l, n64)
@@ -415,12 +391,7 @@ impl CudaStorage {
 
     /// `self[view] += scale * src` (f32/f64; `src` contiguous of the view's shape, another
     /// storage).
-    pub fn add_scaled_assign(
-        &mut self,
-        layout: &Layout,
-        src: (&Self, &Layout),
-        scale: f64,
-    ) -> Result<()> {
+    pub fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
         let op = "add_scaled_assign";
         let n = layout.numel();
         if n == 0 {
@@ -440,12 +411,12 @@ impl CudaStorage {
             let dev = dst.dev.clone();
             let n = *n64 as usize;
             let s = src.0.data::<T>("add_scaled_assign")?;
-            let s =
-                s.try_slice(src.1.offset()..src.1.offset() + n)
-                    .ok_or(TensorError::OutOfRange {
-                        op: "add_scaled_assign",
-                        msg: format!("source view {:?} outside its storage", src.1.shape()),
-                    })?;
+            let s = s
+                .try_slice(src.1.offset()..src.1.offset() + n)
+                .ok_or(TensorError::OutOfRange {
+                    op: "add_scaled_assign",
+                    msg: format!("source view {:?} outside its storage", src.1.shape()),
+                })?;
             let d = dst.data_mut::<T>("add_scaled_assign")?;
             let scale = T::from_f64(scale);
             let name = format!("scaled_add_{}", T::SUFFIX);

@@ -19,10 +19,7 @@ fn binary(name: &'static str, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Te
     same_dtype(name, a, b)?;
     same_device(name, a, b)?;
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
-    let (la, lb) = (
-        a.layout().broadcast_to(&shape)?,
-        b.layout().broadcast_to(&shape)?,
-    );
+    let (la, lb) = (a.layout().broadcast_to(&shape)?, b.layout().broadcast_to(&shape)?);
     let out = a.storage(name)?.binary(&la, &*b.storage(name)?, &lb, op)?;
     Ok(Tensor::from_storage(out, &shape))
 }
@@ -117,17 +114,11 @@ mod tests {
     }
 
     fn broadcasting_add_of_a_row_and_a_column(d: Device) {
-        let a = on(
-            Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3, 1]).unwrap(),
-            d,
-        );
+        let a = on(Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3, 1]).unwrap(), d);
         let b = on(Tensor::from_vec(vec![10.0f32, 20.0], &[2]).unwrap(), d);
         let c = a.add(&b).unwrap();
         assert_eq!((c.shape(), c.device()), (&[3usize, 2][..], d));
-        assert_eq!(
-            c.to_vec::<f32>().unwrap(),
-            vec![11.0, 21.0, 12.0, 22.0, 13.0, 23.0]
-        );
+        assert_eq!(c.to_vec::<f32>().unwrap(), vec![11.0, 21.0, 12.0, 22.0, 13.0, 23.0]);
     }
     test_device!(broadcasting_add_of_a_row_and_a_column);
 
@@ -143,10 +134,7 @@ mod tests {
         );
         // x - 2 x^T...: a binary op over two strided views, one of them transposed.
         let s = t.sub(&t.mul_scalar(3.0).unwrap()).unwrap();
-        assert_eq!(
-            s.to_vec::<f64>().unwrap(),
-            vec![-2.0, -8.0, -4.0, -10.0, -6.0, -12.0]
-        );
+        assert_eq!(s.to_vec::<f64>().unwrap(), vec![-2.0, -8.0, -4.0, -10.0, -6.0, -12.0]);
     }
     test_device!(ops_on_a_transposed_view_see_the_view);
 
@@ -158,10 +146,7 @@ mod tests {
         assert_eq!(got(x.sqr().unwrap()), vec![1.0, 0.25, 4.0]);
         // gelu(x) = x Phi(x); Phi(-1) = 0.158655253931457, Phi(2) = 0.977249868051821
         let g = got(x.gelu().unwrap());
-        assert!(
-            (g[0] + 0.158_655_253_931_457).abs() < 1e-12
-                && (g[2] - 2.0 * 0.977_249_868_051_821).abs() < 1e-12
-        );
+        assert!((g[0] + 0.158_655_253_931_457).abs() < 1e-12 && (g[2] - 2.0 * 0.977_249_868_051_821).abs() < 1e-12);
         let ones = on(Tensor::ones(&[3], DType::F64), d);
         assert_eq!(got(x.relu_backward(&ones).unwrap()), vec![0.0, 1.0, 1.0]);
         // a NaN is not lost (torch.relu(nan) is nan): a NaN weight must not vanish silently

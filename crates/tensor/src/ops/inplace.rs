@@ -65,8 +65,7 @@ impl Tensor {
             other.contiguous_for(op)?
         };
         let s = src.storage(op)?;
-        self.storage_mut(op)?
-            .copy_from(self.layout(), (&s, src.layout()))
+        self.storage_mut(op)?.copy_from(self.layout(), (&s, src.layout()))
     }
 
     /// Sets every element of this view to `v`.
@@ -131,20 +130,11 @@ mod tests {
         dst.t().unwrap().copy_from(&src).unwrap();
         // dst^T = src: dst = [[-0, -inf], [1.5, 3]]
         let got = dst.to_vec::<f64>().unwrap();
-        assert_eq!(
-            got[0].to_bits(),
-            (-0.0f64).to_bits(),
-            "the sign of zero survives"
-        );
+        assert_eq!(got[0].to_bits(), (-0.0f64).to_bits(), "the sign of zero survives");
         assert_eq!(&got[1..], &[f64::NEG_INFINITY, 1.5, 3.0]);
         let ids = Tensor::zeros_on(&[2], DType::I64, d).unwrap();
-        ids.copy_from(
-            &Tensor::from_vec(vec![4i64, 5], &[2])
-                .unwrap()
-                .to_device(d)
-                .unwrap(),
-        )
-        .unwrap();
+        ids.copy_from(&Tensor::from_vec(vec![4i64, 5], &[2]).unwrap().to_device(d).unwrap())
+            .unwrap();
         assert_eq!(ids.to_vec::<i64>().unwrap(), vec![4, 5]);
     }
     test_device!(copy_from_keeps_every_bit_through_a_strided_view);

@@ -14,11 +14,7 @@ fn matmul_impl(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.rank() < 2 || b.rank() < 2 {
         return Err(TensorError::Invalid {
             op,
-            msg: format!(
-                "needs rank >= 2 operands, got {:?} x {:?}",
-                a.shape(),
-                b.shape()
-            ),
+            msg: format!("needs rank >= 2 operands, got {:?} x {:?}", a.shape(), b.shape()),
         });
     }
     let (ra, rb) = (a.rank(), b.rank());
@@ -113,9 +109,7 @@ mod tests {
         for bi in 0..3 {
             for i in 0..6 {
                 for j in 0..2 {
-                    let w: f64 = (0..4)
-                        .map(|p| xv[bi * 24 + p * 6 + i] * yv[bi * 8 + p * 2 + j])
-                        .sum();
+                    let w: f64 = (0..4).map(|p| xv[bi * 24 + p * 6 + i] * yv[bi * 8 + p * 2 + j]).sum();
                     assert!((zv[bi * 12 + i * 2 + j] - w).abs() < 1e-12);
                 }
             }
@@ -127,9 +121,7 @@ mod tests {
         for bi in 0..3 {
             for i in 0..6 {
                 for j in 0..2 {
-                    let w: f64 = (0..4)
-                        .map(|p| xv[bi * 24 + p * 6 + i] * yv[p * 2 + j])
-                        .sum();
+                    let w: f64 = (0..4).map(|p| xv[bi * 24 + p * 6 + i] * yv[p * 2 + j]).sum();
                     assert!((zv[bi * 12 + i * 2 + j] - w).abs() < 1e-12);
                 }
             }

@@ -84,12 +84,7 @@ pub struct LayerNormSaved {
     pub rstd: Tensor,
 }
 
-fn layer_norm_impl(
-    x: &Tensor,
-    w: &Tensor,
-    b: &Tensor,
-    eps: f64,
-) -> Result<(Tensor, LayerNormSaved)> {
+fn layer_norm_impl(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, LayerNormSaved)> {
     let op = "layer_norm";
     compute_dtype(op, x)?;
     let d = last_dim(op, x)?;
@@ -106,9 +101,9 @@ fn layer_norm_impl(
     let (w, b) = (rows_operand(op, x, w)?, rows_operand(op, x, b)?);
     let x = x.contiguous_for(op)?;
     let (sw, sb) = (w.storage(op)?, b.storage(op)?);
-    let (y, mean, rstd) =
-        x.storage(op)?
-            .layer_norm(x.layout(), (&sw, w.layout()), (&sb, b.layout()), eps)?;
+    let (y, mean, rstd) = x
+        .storage(op)?
+        .layer_norm(x.layout(), (&sw, w.layout()), (&sb, b.layout()), eps)?;
     Ok((
         Tensor::from_storage(y, x.shape()),
         LayerNormSaved {
@@ -128,11 +123,7 @@ fn layer_norm_backward_impl(
     compute_dtype(op, x)?;
     let d = last_dim(op, x)?;
     let rows = x.numel() / d.max(1);
-    if w.shape() != [d]
-        || gy.shape() != x.shape()
-        || saved.mean.shape() != [rows]
-        || saved.rstd.shape() != [rows]
-    {
+    if w.shape() != [d] || gy.shape() != x.shape() || saved.mean.shape() != [rows] || saved.rstd.shape() != [rows] {
         return Err(TensorError::ShapeMismatch {
             op,
             lhs: x.shape().to_vec(),
@@ -140,18 +131,10 @@ fn layer_norm_backward_impl(
         });
     }
     let w = rows_operand(op, x, w)?;
-    let (mean, rstd) = (
-        rows_operand(op, x, &saved.mean)?,
-        rows_operand(op, x, &saved.rstd)?,
-    );
+    let (mean, rstd) = (rows_operand(op, x, &saved.mean)?, rows_operand(op, x, &saved.rstd)?);
     let gy = rows_operand(op, x, gy)?;
     let x = x.contiguous_for(op)?;
-    let (sw, sm, sr, sg) = (
-        w.storage(op)?,
-        mean.storage(op)?,
-        rstd.storage(op)?,
-        gy.storage(op)?,
-    );
+    let (sw, sm, sr, sg) = (w.storage(op)?, mean.storage(op)?, rstd.storage(op)?, gy.storage(op)?);
     let (dx, dw, db) = x.storage(op)?.layer_norm_backward(
         x.layout(),
         (&sw, w.layout()),
@@ -201,9 +184,9 @@ fn embedding_backward_impl(ids: &Tensor, g: &Tensor, vocab: usize) -> Result<Ten
     }
     same_device(op, g, ids)?;
     let g = g.contiguous_for(op)?;
-    let out =
-        g.storage(op)?
-            .embedding_backward(g.layout(), (&*ids.storage(op)?, ids.layout()), vocab)?;
+    let out = g
+        .storage(op)?
+        .embedding_backward(g.layout(), (&*ids.storage(op)?, ids.layout()), vocab)?;
     Ok(Tensor::from_storage(out, &[vocab, d]))
 }
 
@@ -244,10 +227,7 @@ fn cross_entropy_impl(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tens
     let (loss, probs) = x
         .storage(op)?
         .cross_entropy(x.layout(), (&*targets.storage(op)?, targets.layout()))?;
-    Ok((
-        Tensor::from_storage(loss, &[]),
-        Tensor::from_storage(probs, x.shape()),
-    ))
+    Ok((Tensor::from_storage(loss, &[]), Tensor::from_storage(probs, x.shape())))
 }
 
 fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: f64) -> Result<Tensor> {
@@ -263,11 +243,9 @@ fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: f64) -> Resu
     check_indices(op, targets, probs.shape()[1])?;
     same_device(op, probs, targets)?;
     let p = probs.contiguous_for(op)?;
-    let out = p.storage(op)?.cross_entropy_backward(
-        p.layout(),
-        (&*targets.storage(op)?, targets.layout()),
-        g,
-    )?;
+    let out = p
+        .storage(op)?
+        .cross_entropy_backward(p.layout(), (&*targets.storage(op)?, targets.layout()), g)?;
     Ok(Tensor::from_storage(out, p.shape()))
 }
 
@@ -293,12 +271,7 @@ impl Tensor {
     }
 
     /// Layer norm over the last axis with affine `weight` and `bias` (`[d]` each).
-    pub fn layer_norm(
-        &self,
-        weight: &Tensor,
-        bias: &Tensor,
-        eps: f64,
-    ) -> Result<(Tensor, LayerNormSaved)> {
+    pub fn layer_norm(&self, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<(Tensor, LayerNormSaved)> {
         layer_norm_impl(self, weight, bias, eps)
     }
 
@@ -355,11 +328,7 @@ mod tests {
         assert!((loss.item().unwrap() - 4f64.ln()).abs() < 1e-12);
         assert_eq!(probs.to_vec::<f64>().unwrap(), vec![0.25; 12]);
         // d/dlogits = (probs - onehot) / n: row 0 is (-0.75, 0.25, 0.25, 0.25) / 3
-        let g = probs
-            .cross_entropy_backward(&t, 1.0)
-            .unwrap()
-            .to_vec::<f64>()
-            .unwrap();
+        let g = probs.cross_entropy_backward(&t, 1.0).unwrap().to_vec::<f64>().unwrap();
         assert!((g[0] + 0.25).abs() < 1e-15 && (g[1] - 0.25 / 3.0).abs() < 1e-15);
         let bad = on(Tensor::from_vec(vec![0i64, 4, 1], &[3]).unwrap(), d);
         assert!(logits.cross_entropy(&bad).is_err());
@@ -410,10 +379,7 @@ mod tests {
             d,
         );
         assert_eq!(
-            g.embedding_backward(&ids, 3)
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap(),
+            g.embedding_backward(&ids, 3).unwrap().to_vec::<f32>().unwrap(),
             vec![3.0, 4.0, 0.0, 0.0, 6.0, 8.0]
         );
         assert!(w

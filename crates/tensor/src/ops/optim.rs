@@ -102,12 +102,7 @@ impl Tensor {
     /// One fused SGD update of this parameter (f32, contiguous) from `grad`, in place on
     /// the parameter and on `momentum_buffer` (required iff `momentum != 0`):
     /// `g += wd * p; buf = momentum * buf + g (or g on the first step); p -= lr * buf`.
-    pub fn sgd_step(
-        &self,
-        grad: &Tensor,
-        momentum_buffer: Option<&Tensor>,
-        hp: SgdStep,
-    ) -> Result<()> {
+    pub fn sgd_step(&self, grad: &Tensor, momentum_buffer: Option<&Tensor>, hp: SgdStep) -> Result<()> {
         let op = "sgd_step";
         check_state(op, "the parameter", self, self)?;
         check_state(op, "the gradient", self, grad)?;
@@ -143,13 +138,7 @@ impl Tensor {
     /// on the parameter and its moments `exp_avg`, `exp_avg_sq`, with PyTorch's
     /// arithmetic: `p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
     /// p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`.
-    pub fn adamw_step(
-        &self,
-        grad: &Tensor,
-        exp_avg: &Tensor,
-        exp_avg_sq: &Tensor,
-        hp: &AdamWStep,
-    ) -> Result<()> {
+    pub fn adamw_step(&self, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, hp: &AdamWStep) -> Result<()> {
         let op = "adamw_step";
         check_state(op, "the parameter", self, self)?;
         check_state(op, "the gradient", self, grad)?;
@@ -240,11 +229,7 @@ mod tests {
             },
         )
         .unwrap();
-        let want: Vec<f32> = pv
-            .iter()
-            .zip(&gv)
-            .map(|(&p, &g)| p - lr as f32 * g)
-            .collect();
+        let want: Vec<f32> = pv.iter().zip(&gv).map(|(&p, &g)| p - lr as f32 * g).collect();
         assert_eq!(bits(&p.to_vec::<f32>().unwrap()), bits(&want));
         assert!(p
             .sgd_step(

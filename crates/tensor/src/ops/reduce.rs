@@ -31,20 +31,11 @@ fn out_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
     out
 }
 
-fn reduce(
-    name: &'static str,
-    x: &Tensor,
-    dims: &[usize],
-    keepdim: bool,
-    op: ReduceOp,
-) -> Result<Tensor> {
+fn reduce(name: &'static str, x: &Tensor, dims: &[usize], keepdim: bool, op: ReduceOp) -> Result<Tensor> {
     compute_dtype(name, x)?;
     let dims = check_dims(name, dims, x.rank())?;
     let out = x.storage(name)?.reduce(x.layout(), &dims, op)?;
-    Ok(Tensor::from_storage(
-        out,
-        &out_shape(x.shape(), &dims, keepdim),
-    ))
+    Ok(Tensor::from_storage(out, &out_shape(x.shape(), &dims, keepdim)))
 }
 
 impl Tensor {
@@ -111,14 +102,9 @@ mod tests {
     fn sums_over_middle_and_leading_dims(d: Device) {
         // x[i,j,k] = 100 i + 10 j + k over [2,3,2]
         let v: Vec<f64> = (0..2)
-            .flat_map(|i| {
-                (0..3).flat_map(move |j| (0..2).map(move |k| (100 * i + 10 * j + k) as f64))
-            })
+            .flat_map(|i| (0..3).flat_map(move |j| (0..2).map(move |k| (100 * i + 10 * j + k) as f64)))
             .collect();
-        let x = Tensor::from_vec(v, &[2, 3, 2])
-            .unwrap()
-            .to_device(d)
-            .unwrap();
+        let x = Tensor::from_vec(v, &[2, 3, 2]).unwrap().to_device(d).unwrap();
         // sum over j: 3*100i + (0+10+20) + 3k
         assert_eq!(
             x.sum(&[1], false).unwrap().to_vec::<f64>().unwrap(),
@@ -132,10 +118,7 @@ mod tests {
         // max over k: 100 i + 10 j + 1
         let m = x.max_dim(2, true).unwrap();
         assert_eq!(m.shape(), &[2, 3, 1]);
-        assert_eq!(
-            m.to_vec::<f64>().unwrap(),
-            vec![1.0, 11.0, 21.0, 101.0, 111.0, 121.0]
-        );
+        assert_eq!(m.to_vec::<f64>().unwrap(), vec![1.0, 11.0, 21.0, 101.0, 111.0, 121.0]);
         // sum over i and k: (0+100)*2 + 4*10j + (0+1)*2 = 202 + 40j
         assert_eq!(
             x.sum_to_shape(&[3, 1]).unwrap().to_vec::<f64>().unwrap(),
