@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod args;
 mod bench;
 mod checkpoint;
+mod device;
 mod error;
 mod launch;
 mod outputs;
