@@ -8,6 +8,7 @@ use brigade_models::{GptConfig, MlpConfig, ModelKind};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
+use crate::device::{parse_device, DeviceArg};
 use crate::error::{CliError, Result};
 pub use crate::launch::Backend;
 use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
@@ -218,6 +219,10 @@ pub struct RunArgs {
     /// Communication backend.
     #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
     pub backend: Backend,
+    /// Where the model, batches, gradients and optimizer state live: cpu, cuda (rank r on GPU
+    /// r % count) or cuda:N (GPUs from N). DDP stages gradient buckets through the host.
+    #[arg(long, value_parser = parse_device, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
     /// Compute threads per rank (default: the cores divided among the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,

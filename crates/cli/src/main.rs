@@ -8,6 +8,7 @@ mod args;
 mod bench;
 mod bench_gemm;
 mod checkpoint;
+mod device;
 mod error;
 mod launch;
 mod outputs;

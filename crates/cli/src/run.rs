@@ -177,6 +177,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         comm_hook: args.hook_spec(),
         profile: opts.profile,
         compute_threads: args.threads_per_rank,
+        device: args.device,
         stop: opts.stop,
     })
 }
@@ -226,6 +227,8 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
     let launch_cfg = launch_config(args, opts);
     let train_cfg = train_config(args, opts)?;
+    // Asking for a device this machine cannot serve is one error before any rank starts.
+    args.device.for_rank(0)?;
     let launched = launch(
         &launch_cfg,
         |world| setup(args, opts, &train_cfg.model, world),

@@ -17,10 +17,11 @@ use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
 use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::overlap::{ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
-use brigade_models::{load_params, Dataset, Model, ModelKind};
-use brigade_tensor::{set_compute_threads, Tensor};
+use brigade_models::{load_params, Batch, Dataset, Model, ModelKind};
+use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
+use crate::device::DeviceArg;
 use crate::error::{CliError, Result};
 use crate::launch::RankContext;
 
@@ -110,6 +111,9 @@ pub struct TrainConfig {
     pub comm_hook: HookSpec,
     /// Compute threads of each rank (default: the cores shared among the local ranks).
     pub compute_threads: Option<usize>,
+    /// Where the model, batches, gradients and optimizer state live (rank r's GPU, see
+    /// [`DeviceArg::for_rank`]).
+    pub device: DeviceArg,
     /// When set (e.g. by SIGINT), every rank stops after the current step.
     pub stop: Option<&'static AtomicBool>,
     /// Record a step profile of each synchronized step (the last one is kept).
@@ -177,6 +181,7 @@ pub struct Trainer<'a> {
     data: &'a Dataset,
     ctx: &'a RankContext,
     model: Box<dyn Model>,
+    device: Device,
     opt: Box<dyn Optimizer>,
     ddp: Option<DistributedDataParallel>,
     first_step: usize,
@@ -217,6 +222,10 @@ impl<'a> Trainer<'a> {
                 cfg.steps
             )));
         }
+        let device = cfg.device.for_rank(ctx.rank)?;
+        if device != Device::Cpu {
+            opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
+        }
         let ddp = match &cfg.ddp {
             Some(d) => {
                 let d = DdpConfig {
@@ -233,6 +242,7 @@ impl<'a> Trainer<'a> {
             data,
             ctx,
             model,
+            device,
             opt,
             ddp,
             first_step,
@@ -269,18 +279,28 @@ impl<'a> Trainer<'a> {
         let step_span = self.begin(EventKind::Step(s));
         self.model.params().zero_grad()?;
         let base = s * world * k * b + rank * k * b;
-        let mut local_loss = 0.0;
+        // The microbatches' losses add up where they are computed; read back once per step.
+        let mut step_loss: Option<Tensor> = None;
         for j in 0..k {
-            let batch = self.data.batch(base + j * b, b)?;
+            let batch = batch_on(self.data.batch(base + j * b, b)?, self.device)?;
             let fwd = self.begin(EventKind::Forward);
             let loss = self.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?;
             self.end(fwd);
-            local_loss += loss.value().item()?;
+            // f64, so the sum is the one the host loop computed before (f32 -> f64 is exact).
+            let value = loss.value().to_dtype(DType::F64)?;
+            step_loss = Some(match step_loss {
+                Some(sum) => sum.add(&value)?,
+                None => value,
+            });
             match (&self.ddp, j + 1 < k) {
                 (Some(ddp), true) => ddp.no_sync(|| loss.backward())?,
                 _ => loss.backward()?,
             }
         }
+        let local_loss = match step_loss {
+            Some(sum) => sum.item()?,
+            None => 0.0,
+        };
         let status = self.agree(local_loss)?;
         if status.nonfinite && !self.cfg.allow_nonfinite {
             self.end(step_span);
@@ -481,4 +501,44 @@ impl<'a> Trainer<'a> {
             params,
         })
     }
+}
+
+/// `batch` on `device` (the same tensors on the CPU).
+fn batch_on(batch: Batch, device: Device) -> Result<Batch> {
+    if device == Device::Cpu {
+        return Ok(batch);
+    }
+    Ok(match batch {
+        Batch::Classify { inputs, targets } => Batch::Classify {
+            inputs: inputs.to_device(device)?,
+            targets: targets.to_device(device)?,
+        },
+        Batch::Tokens { tokens } => Batch::Tokens {
+            tokens: tokens.to_device(device)?,
+        },
+    })
+}
+
+/// Moves the parameters (built, initialised and resumed on the CPU) to `device`, and rebuilds
+/// the optimizer with its state moved there too, its learning rate kept. DDP, built after
+/// this, then allocates its gradient buckets beside the parameters.
+fn move_to_device(
+    model: &dyn Model,
+    opt: &dyn Optimizer,
+    cfg: &OptimizerConfig,
+    device: Device,
+) -> Result<Box<dyn Optimizer>> {
+    let state = opt
+        .state()?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(device)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let params = model.params().params().to_vec();
+    for p in &params {
+        p.set_value(p.value().to_device(device)?)?;
+    }
+    let mut moved = cfg.build(params);
+    moved.load_state(&state)?;
+    moved.set_lr(opt.lr());
+    Ok(moved)
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{reducing_bucket, Buffer, Communicator, EventKind, Recorder, SpanId};
-use brigade_tensor::{DType, Storage, Tensor};
+use brigade_tensor::{DType, Device, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
 use crate::hooks::{BucketParam, GradBucket};
@@ -96,7 +96,9 @@ fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>
     let mut buckets = Vec::with_capacity(groups.len());
     for (b, group) in groups.into_iter().enumerate() {
         let numel: usize = group.iter().map(|&p| params[p].value().numel()).sum();
-        let flat = Tensor::zeros(&[numel], DType::F32);
+        // The bucket lives beside its parameters (a CUDA model gets CUDA buckets).
+        let device = group.first().map_or(Device::Cpu, |&p| params[p].value().device());
+        let flat = Tensor::zeros_on(&[numel], DType::F32, device)?;
         let mut offset = 0;
         for &p in &group {
             let shape = params[p].shape();

@@ -11,6 +11,7 @@
 
 mod backend;
 mod cpu;
+pub mod cuda;
 mod device;
 mod dtype;
 mod error;

@@ -5,6 +5,7 @@ use half::{bf16, f16};
 
 use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
 use crate::cpu::CpuDevice;
+use crate::cuda::{CudaDevice, CudaStorage};
 use crate::{DType, Device, Element, Layout, Result, TensorError};
 
 /// A tensor's backing memory on the host: one flat vector of one element type. Only this
@@ -74,19 +75,26 @@ impl CpuStorage {
     }
 }
 
-/// Storage on one device: the enum every op dispatches on, one variant per backend. A
-/// CUDA variant (`Cuda(cuda::CudaStorage)`) slots in beside `Cpu` with one arm in
-/// `on_backend!`, `cpu`/`cpu_mut`'s twins, `zeros`, `from_cpu`, `to_host_vec` and
-/// `Storage::into_host_vec`.
-#[derive(Debug, Clone)]
+/// Storage on one device: the enum every op dispatches on, one variant per backend. Not
+/// `Clone`: copying CUDA memory can fail, so a copy is the explicit, fallible
+/// [`DeviceStorage::copy_strided`].
+#[derive(Debug)]
 pub(crate) enum DeviceStorage {
     /// Host memory, CPU kernels.
     Cpu(CpuStorage),
+    /// Memory on one CUDA device, cuBLAS and NVRTC kernels (`crate::cuda`).
+    Cuda(CudaStorage),
 }
 
 impl From<CpuStorage> for DeviceStorage {
     fn from(s: CpuStorage) -> Self {
         DeviceStorage::Cpu(s)
+    }
+}
+
+impl From<CudaStorage> for DeviceStorage {
+    fn from(s: CudaStorage) -> Self {
+        DeviceStorage::Cuda(s)
     }
 }
 
@@ -99,6 +107,10 @@ macro_rules! on_backend {
         match $s {
             DeviceStorage::Cpu($x) => {
                 let ($other, $other_mut) = (DeviceStorage::cpu, DeviceStorage::cpu_mut);
+                $e
+            }
+            DeviceStorage::Cuda($x) => {
+                let ($other, $other_mut) = (DeviceStorage::cuda, DeviceStorage::cuda_mut);
                 $e
             }
         }
@@ -115,7 +127,6 @@ fn mismatch(found: Device, want: Device) -> TensorError {
 
 impl DeviceStorage {
     /// The CPU storage of an operand that must live on the CPU.
-    #[allow(unreachable_patterns)]
     fn cpu(&self) -> Result<&CpuStorage> {
         match self {
             DeviceStorage::Cpu(s) => Ok(s),
@@ -124,7 +135,6 @@ impl DeviceStorage {
     }
 
     /// The CPU storage of an operand that must live on the CPU, for writing.
-    #[allow(unreachable_patterns)]
     fn cpu_mut(&mut self) -> Result<&mut CpuStorage> {
         match self {
             DeviceStorage::Cpu(s) => Ok(s),
@@ -132,11 +142,30 @@ impl DeviceStorage {
         }
     }
 
-    /// `n` zeros of `dtype` on `device`: the allocate half of the contract.
+    /// The CUDA storage of an operand that must live on the same CUDA device as `self`'s
+    /// first operand (the device itself is compared by the kernels' callers).
+    fn cuda(&self) -> Result<&CudaStorage> {
+        match self {
+            DeviceStorage::Cuda(s) => Ok(s),
+            s => Err(mismatch(s.device(), Device::Cuda(0))),
+        }
+    }
+
+    /// The CUDA storage of an operand that must live on a CUDA device, for writing.
+    fn cuda_mut(&mut self) -> Result<&mut CudaStorage> {
+        match self {
+            DeviceStorage::Cuda(s) => Ok(s),
+            s => Err(mismatch(s.device(), Device::Cuda(0))),
+        }
+    }
+
+    /// `n` zeros of `dtype` on `device`: the allocate half of the contract. A CUDA device
+    /// is opened (and probed) on first use: a missing driver, library or GPU is a typed
+    /// `DeviceUnavailable` naming what is missing.
     pub(crate) fn zeros(device: Device, dtype: DType, n: usize) -> Result<DeviceStorage> {
         match device {
             Device::Cpu => CpuDevice.zeros(dtype, n).map(Into::into),
-            d => Err(unavailable(d)),
+            Device::Cuda(i) => CudaDevice::get(i)?.zeros(dtype, n).map(Into::into),
         }
     }
 
@@ -144,7 +173,7 @@ impl DeviceStorage {
     pub(crate) fn from_cpu(device: Device, data: CpuStorage) -> Result<DeviceStorage> {
         match device {
             Device::Cpu => Ok(DeviceStorage::Cpu(data)),
-            d => Err(unavailable(d)),
+            Device::Cuda(i) => CudaDevice::get(i)?.storage_from_cpu(&data).map(Into::into),
         }
     }
 
@@ -173,6 +202,15 @@ impl DeviceStorage {
     pub(crate) fn to_host_vec<T: Element>(&self, layout: &Layout, op: &'static str) -> Result<Vec<T>> {
         match self {
             DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
+            DeviceStorage::Cuda(s) => {
+                let host = s.copy_strided(layout)?.to_cpu()?;
+                let dtype = host.dtype();
+                T::unwrap(host).ok_or(TensorError::DTypeMismatch {
+                    op,
+                    lhs: dtype,
+                    rhs: T::DTYPE,
+                })
+            }
         }
     }
 
@@ -203,7 +241,7 @@ impl DeviceStorage {
 
     /// See [`BackendStorage::reduce`].
     pub(crate) fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.reduce(layout, dims, op).map(Into::into))
+        on_backend!(self, s, other, other_mut => BackendStorage::reduce(s, layout, dims, op).map(Into::into))
     }
 
     /// See [`BackendStorage::matmul`].
@@ -332,7 +370,7 @@ impl DeviceStorage {
                 Some((b, bl)) => Some((other_mut(b)?, bl)),
                 None => None,
             };
-            s.sgd_step(l, (other(grad.0)?, grad.1), buf, sc)
+            BackendStorage::sgd_step(s, l, (other(grad.0)?, grad.1), buf, sc)
         })
     }
 
@@ -346,16 +384,8 @@ impl DeviceStorage {
         sc: &AdamWScalars,
     ) -> Result<()> {
         on_backend!(self, s, other, other_mut => {
-            s.adamw_step(l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
+            BackendStorage::adamw_step(s, l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
         })
-    }
-}
-
-/// The error for a device this build has no backend for.
-pub(crate) fn unavailable(device: Device) -> TensorError {
-    TensorError::DeviceUnavailable {
-        device,
-        reason: "this build has no CUDA backend yet; only the CPU is available".into(),
     }
 }
 
@@ -398,6 +428,7 @@ impl Storage {
         };
         match self.0 {
             DeviceStorage::Cpu(s) => T::unwrap(s).ok_or_else(wrong),
+            DeviceStorage::Cuda(s) => T::unwrap(s.to_cpu()?).ok_or_else(wrong),
         }
     }
 
@@ -437,23 +468,38 @@ mod tests {
     }
 
     #[test]
-    fn an_unserved_device_is_one_typed_error_that_names_no_missing_flag() {
+    fn asking_for_cuda_without_it_is_one_typed_error_naming_what_is_missing() {
+        let missing = match crate::cuda::probe::require(0) {
+            Err(missing) => missing,
+            Ok(()) => {
+                // A usable GPU: the device-wide op tests (test_device!) cover it instead.
+                crate::testing::report_skip("storage::asking_for_cuda_without_it", &"cuda:0 is usable here");
+                return;
+            }
+        };
         let e = Tensor::zeros(&[2], DType::F32).to_device(Device::Cuda(0)).unwrap_err();
+        assert_eq!(e, missing.clone().on(Device::Cuda(0)));
+        let text = e.to_string();
+        assert!(text.starts_with("device cuda:0 is not available: "), "{text}");
+        assert!(
+            !text.contains("--device") && !text.contains("no CUDA backend"),
+            "{text}"
+        );
+        if !crate::cuda::probe::driver_present() {
+            assert!(text.contains("libcuda.so.1"), "{text}");
+        }
+        let e = Tensor::zeros_on(&[2], DType::F32, Device::Cuda(1)).unwrap_err();
         assert!(
             matches!(
-                e,
+                &e,
                 TensorError::DeviceUnavailable {
-                    device: Device::Cuda(0),
+                    device: Device::Cuda(1),
                     ..
                 }
             ),
             "{e:?}"
         );
-        let text = e.to_string();
-        assert!(
-            text.starts_with("device cuda:0 is not available") && !text.contains("--device"),
-            "{text}"
-        );
-        assert!(Tensor::zeros_on(&[2], DType::F32, Device::Cuda(1)).is_err());
+        let e = Storage::from_host_vec(vec![1.0f32], Device::Cuda(0)).unwrap_err();
+        assert_eq!(e, missing.on(Device::Cuda(0)));
     }
 }

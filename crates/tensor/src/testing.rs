@@ -39,3 +39,21 @@ macro_rules! test_device {
         }
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::device_if_available;
+    use crate::Device;
+
+    #[test]
+    fn the_cuda_instance_runs_exactly_when_cuda_0_is_usable() {
+        // test_device!'s cuda instance runs the op test iff this is Ok: it must agree with
+        // the probe (a GPU machine runs every op test on cuda:0; elsewhere the reason is
+        // the probe's, e.g. the missing libcuda.so.1).
+        match crate::cuda::probe::require(0) {
+            Ok(()) => assert_eq!(device_if_available(Device::Cuda(0)), Ok(Device::Cuda(0))),
+            Err(missing) => assert_eq!(device_if_available(Device::Cuda(0)), Err(missing.on(Device::Cuda(0)))),
+        }
+        assert_eq!(device_if_available(Device::Cpu), Ok(Device::Cpu));
+    }
+}

@@ -1,0 +1,57 @@
+// Elementwise maps over strided views: unary ops with up to two scalar parameters, and
+// broadcasting binary ops (each operand's layout is already broadcast to the output
+// shape, stride 0 on broadcast dims). Outputs are contiguous. Same maths as
+// crates/tensor/src/ops/elementwise.rs.
+
+#define INV_SQRT_2PI 0.3989422804014327
+#define FRAC_1_SQRT_2 0.7071067811865476
+
+template <typename T> __device__ __forceinline__ T gelu_fwd(T x) {
+    return T(0.5) * x * (T(1) + erf(x * T(FRAC_1_SQRT_2)));
+}
+
+template <typename T> __device__ __forceinline__ T gelu_grad(T x) {
+    T cdf = T(0.5) * (T(1) + erf(x * T(FRAC_1_SQRT_2)));
+    T pdf = T(INV_SQRT_2PI) * exp(-(x * x) * T(0.5));
+    return cdf + x * pdf;
+}
+
+// out[i] = f(x[view(i)], p0, p1)
+#define UNARY(name, expr)                                                                         \
+    template <typename T> __device__ __forceinline__ T name##_op(T x, T p0, T p1) { return (expr); } \
+    extern "C" __global__ void name##_f32(const float* x, float* out, StridedLayout lx, u64 n, float p0, float p1) { \
+        GRID_STRIDE(i, n) out[i] = name##_op<float>(x[strided_offset(lx, i)], p0, p1);            \
+    }                                                                                             \
+    extern "C" __global__ void name##_f64(const double* x, double* out, StridedLayout lx, u64 n, double p0, double p1) { \
+        GRID_STRIDE(i, n) out[i] = name##_op<double>(x[strided_offset(lx, i)], p0, p1);           \
+    }
+
+UNARY(neg, -x)
+UNARY(exp, exp(x))
+UNARY(ln, log(x))
+UNARY(sqrt, sqrt(x))
+UNARY(relu, x > T(0) ? x : T(0))
+UNARY(gelu, gelu_fwd<T>(x))
+UNARY(sqr, x * x)
+UNARY(affine, x * p0 + p1)
+UNARY(powf, pow(x, p0))
+// 1 where x is exactly 0 (max_dim's backward: which elements were the maximum).
+UNARY(is_zero, x == T(0) ? T(1) : T(0))
+
+// out[i] = f(a[view_a(i)], b[view_b(i)])
+#define BINARY(name, expr)                                                                        \
+    template <typename T> __device__ __forceinline__ T name##_op(T a, T b) { return (expr); }     \
+    extern "C" __global__ void name##_f32(const float* a, const float* b, float* out, StridedLayout la, StridedLayout lb, u64 n) { \
+        GRID_STRIDE(i, n) out[i] = name##_op<float>(a[strided_offset(la, i)], b[strided_offset(lb, i)]); \
+    }                                                                                             \
+    extern "C" __global__ void name##_f64(const double* a, const double* b, double* out, StridedLayout la, StridedLayout lb, u64 n) { \
+        GRID_STRIDE(i, n) out[i] = name##_op<double>(a[strided_offset(la, i)], b[strided_offset(lb, i)]); \
+    }
+
+BINARY(add, a + b)
+BINARY(sub, a - b)
+BINARY(mul, a * b)
+BINARY(div, a / b)
+// a = x (the forward input), b = g (the gradient)
+BINARY(relu_backward, a > T(0) ? b : T(0))
+BINARY(gelu_backward, b * gelu_grad<T>(a))

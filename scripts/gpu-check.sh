@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The prepared first run of Brigade's CUDA backend on a GPU machine (issue 9, part 5).
+#
+# Builds nothing: the GPU machine has no Rust toolchain. Run scripts/gpu-build.sh here first;
+# it fills gpu-carry/ (git-ignored) with the release test binaries, the brigade binary and
+# PyTorch's reference GPT. On the device:  scripts/gpu-check.sh   (carry: ["gpu-carry"])
+#
+# Finds libcublas, libnvrtc and libnccl in python3's nvidia/*/lib wheels, runs every device
+# test (each kernel and its backward against the CPU), the GEMM benchmark (Brigade vs direct
+# cuBLAS at 4096^3, f32 and bf16) and PyTorch's side of the GEMM and GPT-step comparisons;
+# writes everything to $OUT (summary.txt first). Whole run bounded to under 8 minutes.
+# `--dry-run` stops after finding the libraries (what a CPU machine can check).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+CARRY=${BRIGADE_CARRY:-gpu-carry}
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+say() { echo "$*" | tee -a "$SUMMARY"; }
+# Seconds left of the 450 s budget (8 minutes minus a margin for the copy back).
+left() { echo $((450 - (SECONDS - START))); }
+# run NAME LIMIT CMD...: bounded by LIMIT and by what is left of the budget; logs to $OUT/NAME.log.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local l
+  l=$(left)
+  [ "$l" -lt "$limit" ] && limit=$l
+  if [ "$limit" -le 5 ]; then
+    say "SKIPPED $name: the 8-minute budget is spent"
+    FAILED=1
+    return
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ]; then say "PASS $name ($((SECONDS - t0)) s)"; else
+    local why="exit $rc"
+    [ $rc -eq 124 ] && why="timed out after ${limit} s"
+    say "FAIL $name: $why after $((SECONDS - t0)) s; see $name.log"
+    FAILED=1
+  fi
+}
+
+say "== gpu-check $(date -u +%FT%TZ), carry: $CARRY ($(cat "$CARRY/COMMIT" 2>/dev/null || echo 'no COMMIT: run scripts/gpu-build.sh'))"
+if [ ! -d "$CARRY/tests" ]; then
+  say "ERROR: $CARRY/tests is missing: run scripts/gpu-build.sh on the build machine and carry $CARRY"
+  exit 1
+fi
+
+# ---- CUDA libraries from python3's nvidia wheels
+NV=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)
+if [ -z "$NV" ]; then
+  say "ERROR: python3 has no 'nvidia' package: no CUDA wheels (cuBLAS, NVRTC, NCCL) to load"
+  exit 1
+fi
+for d in "$NV"/*/lib; do LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; done
+# NCCL's wheel ships only libnccl.so.2; cudarc opens libnccl.so: a link in a folder of our own.
+NCCL_LINKS="$OUT/.nccl-link"
+mkdir -p "$NCCL_LINKS"
+NCCL=$(find "$NV" -name 'libnccl.so.2' | head -n 1)
+[ -n "$NCCL" ] && ln -sf "$NCCL" "$NCCL_LINKS/libnccl.so"
+export LD_LIBRARY_PATH="$NCCL_LINKS:$LD_LIBRARY_PATH"
+for lib in libcublas.so libnvrtc.so libnccl.so; do
+  hit=$(find "$NV" "$NCCL_LINKS" -name "$lib*" 2>/dev/null | head -n 1)
+  if [ -n "$hit" ]; then say "found $lib: $hit"; else
+    say "MISSING $lib under $NV/*/lib"
+    FAILED=1
+  fi
+done
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L >"$OUT/gpu.txt" 2>&1; else echo "nvidia-smi: not installed" >"$OUT/gpu.txt"; fi
+sed 's/^/gpu: /' "$OUT/gpu.txt" | tee -a "$SUMMARY"
+
+if [ "${1:-}" = "--dry-run" ]; then
+  say "DRY RUN: stopping before the first step that needs a GPU"
+  exit $FAILED
+fi
+
+# ---- every device test: each kernel, forward and backward, against the CPU
+export BRIGADE_REQUIRE_CUDA=1
+for t in cuda_probe cuda_nvrtc cuda_ops; do
+  run "test-$t" 200 "$CARRY/tests/$t" --test-threads=1
+done
+
+# ---- GEMM: Brigade vs direct cuBLAS, 4096^3, f32 and bf16 (goal: >= 0.95x)
+BRIGADE_BENCH_OUT="$OUT/gemm_brigade.json" run bench-gemm 90 "$CARRY/tests/cuda_bench" --ignored --test-threads=1 gemm_4096
+if [ -f "$OUT/gemm_brigade.json" ]; then say "gemm (Brigade vs cuBLAS): $(cat "$OUT/gemm_brigade.json")"; else
+  say "FAIL bench-gemm wrote no numbers"
+  FAILED=1
+fi
+
+# ---- PyTorch on the same GPU: the same GEMMs, and the GPT step of the issue
+cat >"$OUT/torch_side.py" <<'PY'
+import json, sys, time
+import torch
+sys.path.insert(0, sys.argv[1])
+out = {}
+torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default: true f32
+def bench(f, reps=10):
+    for _ in range(3): f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s = time.perf_counter(); f(); torch.cuda.synchronize(); ts.append(time.perf_counter() - s)
+    return sorted(ts)[reps // 2]
+n = 4096
+for dt in (torch.float32, torch.bfloat16):
+    a = torch.randn(n, n, device="cuda", dtype=dt); b = torch.randn(n, n, device="cuda", dtype=dt)
+    s = bench(lambda: a @ b)
+    out[f"torch_gemm_{str(dt).split('.')[-1]}"] = {"s": s, "tflops": 2 * n**3 / s / 1e12}
+try:
+    import workloads
+    torch.manual_seed(0)
+    cfg = dict(vocab=256, d=768, n_layers=12, n_heads=12, d_ff=3072, ctx=128)
+    model = workloads.GPT(**cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    idx = torch.randint(0, 256, (64, 129), device="cuda")
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1))
+        loss.backward(); opt.step()
+    s = bench(step, reps=10)
+    nparams = sum(p.numel() for p in model.parameters())
+    tokens = 64 * 128
+    # 6 N per token for the weights, plus attention's 12 L T d per token (fwd+bwd)
+    flops = 6 * nparams * tokens + 12 * cfg["n_layers"] * 128 * cfg["d"] * tokens
+    out["torch_gpt_step"] = {"s": s, "params": nparams, "tflops": flops / s / 1e12, "config": cfg, "batch": [64, 128]}
+except Exception as e:  # the GEMM numbers above still count
+    out["torch_gpt_step"] = {"error": repr(e)}
+print(json.dumps(out))
+json.dump(out, open(sys.argv[2], "w"), indent=1)
+PY
+run torch-side 150 python3 "$OUT/torch_side.py" "$CARRY" "$OUT/torch.json"
+[ -f "$OUT/torch.json" ] && say "pytorch: $(tr -d '\n' <"$OUT/torch.json")"
+
+# ---- what needs `--device cuda` (issue 9 part 3) is not wired yet: said, not pretended
+say "NOT WIRED YET: GPT parity CPU vs CUDA (20 steps, same --init/--data, losses within 1e-3): needs 'brigade train --device cuda' (issue 9 part 3)"
+say "NOT WIRED YET: Brigade's GPT step (64 x 128, d 768, 12 layers, 12 heads, d_ff 3072) vs PyTorch: needs 'brigade train --device cuda' (issue 9 part 3); PyTorch's side is above"
+if "$CARRY/brigade" train --help 2>/dev/null | grep -q -- '--device'; then
+  say "note: this brigade binary has --device; wire the parity and step runs here"
+fi
+
+say "== done in $((SECONDS - START)) s; $( [ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED' )"
+exit $FAILED
