@@ -4,13 +4,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+// The library half (launch, trainer, checkpoint, device, error) is `brigade`'s lib target.
+use brigade::{device, error, launch, trainer};
+
 mod args;
 mod bench;
 mod bench_gemm;
-mod checkpoint;
-mod device;
-mod error;
-mod launch;
 mod outputs;
 mod predict;
 mod run;
@@ -19,7 +18,6 @@ mod sweep;
 mod timeline;
 mod trace_gather;
 mod train;
-mod trainer;
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]

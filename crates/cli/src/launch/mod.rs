@@ -136,7 +136,7 @@ impl<T> Launched<T> {
 /// failing rank's error); then `rank_fn` runs on every rank of this process.
 ///
 /// Threads: a failing rank makes the others fail ("rank r is gone") instead of hanging; the
-/// root cause is returned, naming its rank. MPI: see [`mpi`] (an error ends the whole job).
+/// root cause is returned, naming its rank. MPI: an error in one rank ends the whole job.
 pub fn launch<S: Sync, T: Send>(
     cfg: &LaunchConfig,
     setup: impl FnOnce(usize) -> Result<S>,
