@@ -326,7 +326,10 @@ impl CudaStorage {
                     let iv = ids.0.contiguous_view::<i64>(op, ids.1)?;
                     launch!(self.dev(), NN, name, for_elements(n_ids * d), &w, &iv, &mut out, &mut bad, &n64, &v64, &d64)?
                 }
-                _ => {                    let iv = ids.0.contiguous_view::<u8>(op, ids.1)?;                    launch!(self.dev(), NN, name, for_elements(n_ids * d), &w, &iv, &mut out, &mut bad, &n64, &v64, &d64)?                }
+                _ => {
+                    let iv = ids.0.contiguous_view::<u8>(op, ids.1)?;
+                    launch!(self.dev(), NN, name, for_elements(n_ids * d), &w, &iv, &mut out, &mut bad, &n64, &v64, &d64)?
+                }
             }
             self.check_bad_index(op, &bad, vocab)?;
             Ok(Self::from_slice(self.dev(), out))
@@ -362,7 +365,10 @@ impl CudaStorage {
                         let iv = ids.0.contiguous_view::<i64>(op, ids.1)?;
                         launch!(self.dev(), NN, name, for_elements(n_ids * d), &iv, &g, &mut table, &mut bad, &n64, &v64, &d64)?
                     }
-                    _ => {                        let iv = ids.0.contiguous_view::<u8>(op, ids.1)?;                        launch!(self.dev(), NN, name, for_elements(n_ids * d), &iv, &g, &mut table, &mut bad, &n64, &v64, &d64)?                    }
+                    _ => {
+                        let iv = ids.0.contiguous_view::<u8>(op, ids.1)?;
+                        launch!(self.dev(), NN, name, for_elements(n_ids * d), &iv, &g, &mut table, &mut bad, &n64, &v64, &d64)?
+                    }
                 }
                 self.check_bad_index(op, &bad, vocab)?;
             }
@@ -430,7 +436,10 @@ impl CudaStorage {
                     let iv = targets.0.contiguous_view::<i64>(op, targets.1)?;
                     launch!(self.dev(), NN, name, for_rows(n), &x, &iv, &mut probs, &mut loss_rows, &mut bad, &n64, &c64)?
                 }
-                _ => {                    let iv = targets.0.contiguous_view::<u8>(op, targets.1)?;                    launch!(self.dev(), NN, name, for_rows(n), &x, &iv, &mut probs, &mut loss_rows, &mut bad, &n64, &c64)?                }
+                _ => {
+                    let iv = targets.0.contiguous_view::<u8>(op, targets.1)?;
+                    launch!(self.dev(), NN, name, for_rows(n), &x, &iv, &mut probs, &mut loss_rows, &mut bad, &n64, &c64)?
+                }
             }
             self.check_bad_index(op, &bad, c)?;
             let divisor = n.max(1) as f64;
@@ -466,7 +475,10 @@ impl CudaStorage {
                     let iv = targets.0.contiguous_view::<i64>(op, targets.1)?;
                     launch!(self.dev(), NN, name, for_elements(n * c), &p, &iv, &mut out, &n64, &c64, &scale)?
                 }
-                _ => {                    let iv = targets.0.contiguous_view::<u8>(op, targets.1)?;                    launch!(self.dev(), NN, name, for_elements(n * c), &p, &iv, &mut out, &n64, &c64, &scale)?                }
+                _ => {
+                    let iv = targets.0.contiguous_view::<u8>(op, targets.1)?;
+                    launch!(self.dev(), NN, name, for_elements(n * c), &p, &iv, &mut out, &n64, &c64, &scale)?
+                }
             }
             Ok(Self::from_slice(self.dev(), out))
         })
