@@ -5,6 +5,27 @@ mod common;
 
 use common::{dir, ok};
 
+/// The run both tests record: the small MLP on 2 ranks (1 thread each) over a simulated 1 Gb/s,
+/// 20 us link, 4 steps of 8 rows per rank.
+const RUN: &[&str] = &[
+    "--model",
+    "mlp",
+    "--widths",
+    "64,256,256,4",
+    "--world-size",
+    "2",
+    "--threads-per-rank",
+    "1",
+    "--batch-size",
+    "8",
+    "--steps",
+    "4",
+    "--net-gbps",
+    "1",
+    "--net-latency-us",
+    "20",
+];
+
 #[test]
 fn the_sweeps_bucket_times_add_up_to_the_ring_model_of_the_gradient() {
     // mlp 64,256,256,4: 83,460 f32 parameters = 333,840 bytes. 2 ranks on a 1 Gb/s, 20 us link:
@@ -12,33 +33,21 @@ fn the_sweeps_bucket_times_add_up_to_the_ring_model_of_the_gradient() {
     // buckets·40 us + 333,840 / 125e6 s = buckets·0.04 ms + 2.67072 ms.
     let out = dir("sweep-link");
     let json = ok(&[
-        "sweep",
-        "--model",
-        "mlp",
-        "--widths",
-        "64,256,256,4",
-        "--world-size",
-        "2",
-        "--threads-per-rank",
-        "1",
-        "--batch-size",
-        "8",
-        "--steps",
-        "4",
-        "--warmup",
-        "1",
-        "--bucket-mb",
-        "0.05,1",
-        "--first-bucket-mb",
-        "0.05",
-        "--net-gbps",
-        "1",
-        "--net-latency-us",
-        "20",
-        "--json",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+        &["sweep"],
+        RUN,
+        &[
+            "--warmup",
+            "1",
+            "--bucket-mb",
+            "0.05,1",
+            "--first-bucket-mb",
+            "0.05",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    ]
+    .concat());
     let rows: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
     assert_eq!(rows.len(), 2);
     for r in &rows {
@@ -58,31 +67,19 @@ fn profile(tag: &str) -> (std::path::PathBuf, serde_json::Value) {
     let d = dir(tag);
     let p = d.join("profile.json");
     ok(&[
-        "train",
-        "--model",
-        "mlp",
-        "--widths",
-        "64,256,256,4",
-        "--world-size",
-        "2",
-        "--threads-per-rank",
-        "1",
-        "--batch-size",
-        "8",
-        "--steps",
-        "4",
-        "--bucket-mb",
-        "0.1",
-        "--first-bucket-mb",
-        "0.05",
-        "--net-gbps",
-        "1",
-        "--net-latency-us",
-        "20",
-        "--quiet",
-        "--profile",
-        p.to_str().unwrap(),
-    ]);
+        &["train"],
+        RUN,
+        &[
+            "--bucket-mb",
+            "0.1",
+            "--first-bucket-mb",
+            "0.05",
+            "--quiet",
+            "--profile",
+            p.to_str().unwrap(),
+        ],
+    ]
+    .concat());
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     (p, v)
 }
