@@ -7,7 +7,8 @@
 #
 # Finds libcublas, libnvrtc and libnccl in python3's nvidia/*/lib wheels, runs every device
 # test (each kernel and its backward against the CPU), the GEMM benchmark (Brigade vs direct
-# cuBLAS at 4096^3, f32 and bf16) and PyTorch's side of the GEMM and GPT-step comparisons;
+# cuBLAS at 4096^3, f32 and bf16), PyTorch's GEMM and GPT step, the GPT's CPU-vs-CUDA loss
+# parity (20 steps) and Brigade's GPT step on the GPU beside PyTorch's;
 # writes everything to $OUT (summary.txt first). Whole run bounded to under 8 minutes.
 # `--dry-run` stops after finding the libraries (what a CPU machine can check).
 set -uo pipefail
@@ -137,12 +138,49 @@ PY
 run torch-side 150 python3 "$OUT/torch_side.py" "$CARRY" "$OUT/torch.json"
 [ -f "$OUT/torch.json" ] && say "pytorch: $(tr -d '\n' <"$OUT/torch.json")"
 
-# ---- what needs `--device cuda` (issue 9 part 3) is not wired yet: said, not pretended
-say "NOT WIRED YET: GPT parity CPU vs CUDA (20 steps, same --init/--data, losses within 1e-3): needs 'brigade train --device cuda' (issue 9 part 3)"
-say "NOT WIRED YET: Brigade's GPT step (64 x 128, d 768, 12 layers, 12 heads, d_ff 3072) vs PyTorch: needs 'brigade train --device cuda' (issue 9 part 3); PyTorch's side is above"
-if "$CARRY/brigade" train --help 2>/dev/null | grep -q -- '--device'; then
-  say "note: this brigade binary has --device; wire the parity and step runs here"
+# ---- parity: the GPT, 20 steps, same seed and data, CPU vs CUDA: losses within 1e-3 relative
+PARITY="--model gpt --steps 20 --seed 0 --world-size 1 --quiet"
+run gpt-cpu 120 "$CARRY/brigade" train $PARITY --device cpu --losses "$OUT/gpt_cpu_losses.csv"
+run gpt-cuda 120 "$CARRY/brigade" train $PARITY --device cuda --losses "$OUT/gpt_cuda_losses.csv"
+if [ -f "$OUT/gpt_cpu_losses.csv" ] && [ -f "$OUT/gpt_cuda_losses.csv" ]; then
+  if python3 - "$OUT/gpt_cpu_losses.csv" "$OUT/gpt_cuda_losses.csv" >"$OUT/parity.txt" 2>&1 <<'PY'
+import sys
+def rows(p):
+    return [float(l.split(",")[1]) for l in open(p).read().split("\n")[1:] if l.strip()]
+a, b = rows(sys.argv[1]), rows(sys.argv[2])
+worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+print(f"{len(a)} cpu / {len(b)} cuda losses; first {a[0]:.6f} vs {b[0]:.6f}; last {a[-1]:.6f} vs {b[-1]:.6f}; worst relative difference {worst:.2e}")
+sys.exit(0 if len(a) == len(b) == 20 and worst <= 1e-3 else 1)
+PY
+  then say "PASS parity CPU vs CUDA: $(cat "$OUT/parity.txt")"; else
+    say "FAIL parity CPU vs CUDA: $(cat "$OUT/parity.txt")"
+    FAILED=1
+  fi
+else
+  say "FAIL parity CPU vs CUDA: a run wrote no losses (see gpt-cpu.log, gpt-cuda.log)"
+  FAILED=1
 fi
+
+# ---- Brigade's GPT step on the GPU beside PyTorch's (above): goal <= 1.3x PyTorch's step
+GPT_STEP="--model gpt --d-model 768 --layers 12 --heads 12 --d-ff 3072 --context 128 --batch-size 64 --optimizer adamw --lr 3e-4"
+run gpt-step 150 "$CARRY/brigade" train $GPT_STEP --steps 12 --warmup 2 --world-size 1 --device cuda --json --quiet
+if [ -f "$OUT/torch.json" ] && grep -q median_step_ms "$OUT/gpt-step.log"; then
+  python3 - "$OUT/gpt-step.log" "$OUT/torch.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+log = open(sys.argv[1]).read()
+b = json.loads(log[log.index("{"):log.rindex("}") + 1])
+t = json.load(open(sys.argv[2])).get("torch_gpt_step", {})
+ms = b["median_step_ms"]
+if "s" in t:
+    tflops = t["tflops"] * t["s"] * 1e3 / ms
+    print(f"gpt step (64x128, d 768, 12 layers): brigade {ms:.1f} ms ({tflops:.1f} TFLOP/s), pytorch {t['s'] * 1e3:.1f} ms; ratio {ms / (t['s'] * 1e3):.2f}x (goal <= 1.3x)")
+else:
+    print(f"gpt step: brigade {ms:.1f} ms; pytorch's side failed: {t}")
+PY
+fi
+
+# ---- the CLI's own GEMM table on the GPU (bench gemm --device cuda)
+run cli-bench-gemm 60 "$CARRY/brigade" bench gemm --device cuda --shapes 4096x4096x4096,64x2048x2048 --dtypes f32,bf16 --reps 10
 
 say "== done in $((SECONDS - START)) s; $( [ $FAILED -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED' )"
 exit $FAILED

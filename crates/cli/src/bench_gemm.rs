@@ -1,6 +1,7 @@
-//! `brigade bench gemm`: Brigade's f32 matmul beside a direct call of the library under it, on
-//! the same shapes in the same run (on the CPU the `gemm` crate; numpy's figure, from
-//! `../shared/tools/roofline.py`, printed beside it when given).
+//! `brigade bench gemm`: Brigade's matmul beside a direct call of the library under it, on
+//! the same shapes in the same run: on the CPU the `gemm` crate in f32 (numpy's figure, from
+//! `../shared/tools/roofline.py`, printed beside it when given); on a GPU cuBLAS, in f32, f16
+//! and bf16.
 
 use std::time::Instant;
 
@@ -32,6 +33,10 @@ pub struct GemmArgs {
     /// `cpu`, or `cuda` / `cuda:N` (needs a GPU).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Dtypes to time, comma-separated: `f32`, and on a GPU also `f16`, `bf16` (f32
+    /// accumulation).
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    pub dtypes: Vec<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -62,6 +67,75 @@ fn parse_shape(s: &str) -> Result<[usize; 3]> {
             "--shapes: '{s}' is not MxKxN with every size >= 1"
         ))),
     }
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    match s.trim() {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        d => Err(CliError::Usage(format!("--dtypes: '{d}' is not f32, f16 or bf16"))),
+    }
+}
+
+/// One shape and dtype on a GPU: Brigade's matmul beside cuBLAS called directly.
+#[derive(Debug, Serialize)]
+pub struct CudaGemmRow {
+    /// `[m, k, n]`.
+    pub shape: [usize; 3],
+    /// `f32`, `f16` or `bf16`.
+    pub dtype: String,
+    /// Brigade's matmul, TFLOP/s.
+    pub brigade_tflops: f64,
+    /// cuBLAS called directly on the same buffers, TFLOP/s.
+    pub cublas_tflops: f64,
+}
+
+/// `bench gemm --device cuda:N`: every shape in every dtype, Brigade beside direct cuBLAS.
+fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: usize) -> Result<()> {
+    use brigade_tensor::cuda::{bench::gemm_vs_cublas, CudaDevice};
+    let dev = CudaDevice::get(ordinal)?;
+    let mut rows = vec![];
+    for &shape in shapes {
+        let flops = 2.0 * (shape[0] * shape[1] * shape[2]) as f64;
+        for &dtype in dtypes {
+            let t = gemm_vs_cublas(&dev, shape, dtype, a.reps)?;
+            rows.push(CudaGemmRow {
+                shape,
+                dtype: format!("{dtype:?}").to_lowercase(),
+                brigade_tflops: flops / t.brigade_s / 1e12,
+                cublas_tflops: flops / t.cublas_s / 1e12,
+            });
+        }
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+        );
+        return Ok(());
+    }
+    println!(
+        "GEMM on {} ({}), median of {} calls",
+        Device::Cuda(ordinal),
+        dev.arch(),
+        a.reps
+    );
+    println!(
+        "{:>18} {:>6} {:>14} {:>13} {:>9}",
+        "m x k x n", "dtype", "brigade TF/s", "cuBLAS TF/s", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:>18} {:>6} {:>14.1} {:>13.1} {:>9.2}",
+            format!("{}x{}x{}", r.shape[0], r.shape[1], r.shape[2]),
+            r.dtype,
+            r.brigade_tflops,
+            r.cublas_tflops,
+            r.brigade_tflops / r.cublas_tflops
+        );
+    }
+    Ok(())
 }
 
 /// Median seconds of `reps` calls after one warm-up.
@@ -103,13 +177,14 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
             }
         },
     };
-    if device != Device::Cpu {
-        // the probe's error says what is missing; with a GPU, the comparison with cuBLAS is
-        // `scripts/gpu-check.sh` (tests/cuda_bench.rs)
-        Tensor::zeros(&[1], DType::F32).to_device(device)?;
-        return Err(CliError::Usage(format!(
-            "bench gemm --device {device}: the GPU comparison with direct cuBLAS runs in scripts/gpu-check.sh"
-        )));
+    let dtypes: Vec<DType> = a.dtypes.iter().map(|d| parse_dtype(d)).collect::<Result<_>>()?;
+    if let Device::Cuda(ordinal) = device {
+        return bench_cuda(&a, &shapes, &dtypes, ordinal);
+    }
+    if dtypes != [DType::F32] {
+        return Err(CliError::Usage(
+            "--dtypes: the CPU GEMM is f32 only (f16/bf16 are storage dtypes there)".into(),
+        ));
     }
     let threads = a
         .threads

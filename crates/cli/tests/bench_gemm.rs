@@ -41,6 +41,8 @@ fn bench_gemm_refuses_what_it_cannot_measure() {
     assert!(fails(&["bench", "gemm", "--shapes", "8x8x8", "--numpy-gflops", "1,2"])
         .contains("one positive figure per shape"));
     assert!(fails(&["bench", "gemm", "--device", "tpu"]).contains("cpu, cuda or cuda:N"));
+    assert!(fails(&["bench", "gemm", "--dtypes", "f8"]).contains("'f8' is not f32, f16 or bf16"));
+    assert!(fails(&["bench", "gemm", "--dtypes", "bf16"]).contains("f32 only"));
     // no GPU here (nor in CI): one line saying what is missing
     assert!(fails(&["bench", "gemm", "--device", "cuda"]).contains("cuda:0"));
 }

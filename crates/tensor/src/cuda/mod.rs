@@ -17,6 +17,7 @@
 //! argument). The wrappers follow the device contract of `crate::backend` (device-seam
 //! branch) method for method; `contract.rs` implements it by forwarding.
 
+pub mod bench;
 pub mod device;
 pub mod element;
 mod gemm;
