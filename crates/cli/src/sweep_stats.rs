@@ -178,11 +178,11 @@ pub fn summarize(
     }
 }
 
-/// The columns of `sweep.csv`, in order.
+/// The columns of `sweep.csv`, in order (the first two as before `--repeat`).
 pub const CSV_COLUMNS: [&str; 18] = [
     "bucket_mb",
-    "runs",
     "buckets",
+    "runs",
     "step_ms",
     "step_spread_ms",
     "compute_only_ms",
@@ -209,8 +209,8 @@ pub fn to_csv(rows: &[SweepRow]) -> String {
     for r in rows {
         let cells = [
             r.bucket_mb.to_string(),
-            r.runs.to_string(),
             r.buckets.to_string(),
+            r.runs.to_string(),
             format!("{:.3}", r.step_ms),
             format!("{:.3}", r.step_spread_ms),
             format!("{:.3}", r.compute_only_ms),

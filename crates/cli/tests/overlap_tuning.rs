@@ -56,8 +56,8 @@ fn a_repeated_sweep_writes_one_row_per_cap_with_medians_predictions_and_a_verdic
         header,
         [
             "bucket_mb",
-            "runs",
             "buckets",
+            "runs",
             "step_ms",
             "step_spread_ms",
             "compute_only_ms",
