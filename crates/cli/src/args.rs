@@ -8,6 +8,7 @@ use brigade_models::{GptConfig, MlpConfig, ModelKind};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
+pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
 use crate::device::{parse_device, DeviceArg};
 use crate::error::{CliError, Result};
 pub use crate::launch::Backend;
@@ -226,9 +227,12 @@ pub struct RunArgs {
     /// Compute threads per rank (default: the cores divided among the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
-    /// DDP bucket cap in MiB (`brigade sweep` takes a comma-separated list).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_value = "25")]
-    pub bucket_mb: Vec<f64>,
+    /// DDP bucket cap in MiB, or `auto` (the overlap model picks it from the recorded steps;
+    /// see --autotune-*). `brigade sweep` takes a comma-separated list of caps.
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_value = "25", value_parser = parse_bucket_cap)]
+    pub bucket_mb: Vec<BucketCap>,
+    #[command(flatten)]
+    pub autotune: AutotuneArgs,
     /// DDP first-bucket cap in MiB.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub first_bucket_mb: f64,
@@ -314,13 +318,17 @@ impl RunArgs {
             }
         }
         let positive = |b: f64| b > 0.0 && b.is_finite() && b <= MAX_BUCKET_MB;
-        if self.bucket_mb.is_empty() || !(self.bucket_mb.iter().all(|&b| positive(b)) && positive(self.first_bucket_mb))
+        if self.bucket_mb.is_empty()
+            || !(self.bucket_mb.iter().all(|b| b.mib().is_none_or(positive)) && positive(self.first_bucket_mb))
         {
+            let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
             return bad(format!(
-                "--bucket-mb and --first-bucket-mb must be finite, > 0 and at most {MAX_BUCKET_MB}, got {:?} and {}",
-                self.bucket_mb, self.first_bucket_mb
+                "--bucket-mb and --first-bucket-mb must be finite, > 0 and at most {MAX_BUCKET_MB}, got [{}] and {}",
+                caps.join(", "),
+                self.first_bucket_mb
             ));
         }
+        self.validate_autotune()?;
         check_link(self.net_gbps, self.net_latency_us)?;
         if self.net_latency_us != 0.0 && self.net_gbps.is_none() {
             return bad(format!(
@@ -376,15 +384,15 @@ impl RunArgs {
         self.momentum.unwrap_or(0.0)
     }
 
-    /// The single bucket cap of a training run.
+    /// The single bucket cap of a training run (with `auto`, the cap it starts from).
     pub fn bucket_cap(&self) -> Result<f64> {
-        match self.bucket_mb.as_slice() {
-            [b] => Ok(*b),
-            _ => Err(CliError::Usage(format!(
-                "--bucket-mb takes one value for a training run, got {:?} (a list is for `brigade sweep`)",
-                self.bucket_mb
-            ))),
-        }
+        self.start_cap().ok_or_else(|| {
+            let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
+            CliError::Usage(format!(
+                "--bucket-mb takes one value for a training run, got {} (a list is for `brigade sweep`)",
+                caps.join(",")
+            ))
+        })
     }
 
     /// Rows per rank per step.

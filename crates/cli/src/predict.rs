@@ -71,12 +71,20 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         path: a.profile.display().to_string(),
         source,
     })?;
-    let profile: StepProfile = serde_json::from_str(&text).map_err(|e| {
-        CliError::Usage(format!(
-            "{}: not a step profile (written by brigade train --profile): {e}",
-            a.profile.display()
-        ))
-    })?;
+    // one step (--profile) or a list of steps (--profile-steps)
+    let profiles: Vec<StepProfile> = match serde_json::from_str::<StepProfile>(&text) {
+        Ok(p) => vec![p],
+        Err(e) => match serde_json::from_str::<Vec<StepProfile>>(&text) {
+            Ok(list) if !list.is_empty() => list,
+            _ => {
+                return Err(CliError::Usage(format!(
+                    "{}: not a step profile (written by brigade train --profile): {e}",
+                    a.profile.display()
+                )))
+            }
+        },
+    };
+    let profile = &profiles[0];
     let mut rows = vec![];
     for &cap in &a.bucket_mb {
         let cfg = ReplayConfig {
@@ -86,7 +94,14 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             world_size: a.world_size,
             order: Default::default(),
         };
-        rows.push(replay(&profile, &cfg).map_err(|e| CliError::Usage(format!("{}: {e}", a.profile.display())))?);
+        let mut steps = profiles
+            .iter()
+            .map(|p| replay(p, &cfg))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| CliError::Usage(format!("{}: {e}", a.profile.display())))?;
+        // several steps: the one whose predicted step time is the median
+        steps.sort_by(|x, y| x.predicted_step_s.total_cmp(&y.predicted_step_s));
+        rows.push(steps.swap_remove(steps.len() / 2));
     }
     if a.json {
         println!(
@@ -94,7 +109,13 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
         );
     } else {
-        print_table(&profile, &rows);
+        if profiles.len() > 1 {
+            println!(
+                "{} steps recorded: each row is the step with the median predicted step time",
+                profiles.len()
+            );
+        }
+        print_table(profile, &rows);
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use brigade_comm::{all_gather_bytes, Event, Recorder};
-use brigade_ddp::overlap::StepProfile;
+use brigade_ddp::overlap::{AutotuneReport, StepProfile};
 use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
 use brigade_models::{Dataset, ModelKind};
 use brigade_tensor::Tensor;
@@ -40,6 +40,8 @@ pub struct RunOptions {
     pub stop: Option<&'static AtomicBool>,
     /// Record a step profile of the last synchronized step on every rank.
     pub profile: bool,
+    /// Also keep the profile of every step in this range (`--profile-steps`).
+    pub profile_steps: Option<std::ops::Range<usize>>,
 }
 
 /// One step of every rank, recorded.
@@ -79,6 +81,10 @@ pub struct RunReport {
     pub checkpoint_error: Option<String>,
     /// Every rank's profile of the last synchronized step (when profiling).
     pub profile: Option<StepProfile>,
+    /// Every rank's profile of each step in `--profile-steps`, in order.
+    pub profiles: Vec<StepProfile>,
+    /// Rank 0's account of the bucket-cap autotuner (`--bucket-mb auto`).
+    pub autotune: Option<AutotuneReport>,
 }
 
 /// What one rank returns: its training outcome, and under MPI the recorded last step of
@@ -176,6 +182,8 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         allow_nonfinite: args.allow_nonfinite,
         comm_hook: args.hook_spec(),
         profile: opts.profile,
+        profile_steps: opts.profile_steps.clone(),
+        autotune: args.autotune_config(),
         compute_threads: args.threads_per_rank,
         device: args.device,
         stop: opts.stop,
@@ -202,23 +210,28 @@ fn rank_main(ctx: &RankContext, cfg: &TrainConfig, data: &Dataset, progress: boo
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let train = train?;
-    let mut train = train;
-    if let Some(profile) = train.profile.as_mut() {
-        // every rank's entry, on every rank (rank 0 writes the file)
-        let mine = serde_json::to_vec(&profile.ranks[0]).map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
-        let all = all_gather_bytes(ctx.control.as_ref(), mine, "profile")?;
-        profile.ranks = all
-            .iter()
-            .map(|b| serde_json::from_slice(b))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| CliError::Usage(format!("step profile from a peer: {e}")))?;
+    let mut train = train?;
+    // every rank's entries, on every rank (rank 0 writes the file); every rank kept as many
+    for profile in train.profile.iter_mut().chain(train.profiles.iter_mut()) {
+        gather_profile(ctx, profile)?;
     }
     let gathered = match (&ctx.recorder, ctx.backend, train.last_step()) {
         (Some(rec), Backend::Mpi, Some(last)) => Some(gather_step_events(ctx.control.as_ref(), rec, last)?),
         _ => None,
     };
     Ok(RankOut { train, gathered })
+}
+
+/// Replaces `profile`'s ranks (this rank's entry) with every rank's entry.
+fn gather_profile(ctx: &RankContext, profile: &mut StepProfile) -> Result<()> {
+    let mine = serde_json::to_vec(&profile.ranks[0]).map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
+    let all = all_gather_bytes(ctx.control.as_ref(), mine, "profile")?;
+    profile.ranks = all
+        .iter()
+        .map(|b| serde_json::from_slice(b))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| CliError::Usage(format!("step profile from a peer: {e}")))?;
+    Ok(())
 }
 
 /// Runs the training the flags describe. Under MPI, ranks other than 0 exit here once
@@ -259,5 +272,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         stopped: train.stopped,
         checkpoint_error: train.checkpoint_error,
         profile: train.profile,
+        profiles: train.profiles,
+        autotune: train.autotune,
     })
 }

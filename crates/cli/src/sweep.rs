@@ -5,17 +5,20 @@
 //! contention is in both figures); the comm time of the recorded step (sum of the
 //! buckets' all-reduce durations on rank 0's comm stream); the last bucket's all-reduce
 //! alone (what has nothing left to overlap with); exposed comm = step - compute-only;
-//! share hidden = 1 - exposed / comm.
+//! share hidden = 1 - exposed / comm. With `--repeat R` every cap runs R times, round-robin,
+//! and each row holds medians and spreads, the overlap model's prediction for the cap and the
+//! cap's lower bound (`crate::sweep_stats`).
 
 use std::path::PathBuf;
 
+use brigade_ddp::overlap::{LinkCost, StepProfile};
 use clap::Args;
 use plotters::prelude::*;
-use serde::Serialize;
 
-use crate::args::{compact, flag_name, RunArgs};
+use crate::args::{compact, flag_name, BucketCap, RunArgs};
 use crate::error::{write_atomic, CliError, Result};
 use crate::run::{run, RunOptions, RunReport};
+use crate::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
 use crate::timeline::write_timeline;
 use crate::train::median_min;
 
@@ -33,19 +36,10 @@ pub struct SweepArgs {
     /// Print the table as JSON.
     #[arg(long)]
     pub json: bool,
-}
-
-/// One row of the sweep.
-#[derive(Debug, Clone, Serialize)]
-pub struct SweepRow {
-    pub bucket_mb: f64,
-    pub buckets: usize,
-    pub step_ms: f64,
-    pub compute_only_ms: f64,
-    pub comm_ms: f64,
-    pub last_bucket_ms: f64,
-    pub exposed_comm_ms: f64,
-    pub hidden_share: f64,
+    /// Run every cap this many times, round-robin (all caps once, then again), so that the
+    /// machine's drift touches every cap alike; the table holds each cap's median and spread.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
 }
 
 /// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
@@ -117,18 +111,20 @@ fn finished(mut report: RunReport) -> Result<RunReport> {
 
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
+    let caps = s.run.fixed_caps()?;
     s.run.validate()?;
     if s.run.steps < 2 {
         return Err(CliError::Usage(
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
     }
-    if let Some(b) = s
-        .run
-        .bucket_mb
+    if s.repeat == 0 {
+        return Err(CliError::Usage("--repeat must be at least 1 (runs of each cap)".into()));
+    }
+    if let Some(b) = caps
         .iter()
         .enumerate()
-        .find(|(i, b)| s.run.bucket_mb[..*i].contains(b))
+        .find(|(i, b)| caps[..*i].contains(b))
         .map(|(_, b)| b)
     {
         return Err(CliError::Usage(format!(
@@ -140,12 +136,11 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         progress: false,
         ..RunOptions::default()
     };
-    let mut rows = vec![];
-    for &b in &s.run.bucket_mb {
+    let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Sample> {
         let mut a = s.run.clone();
-        a.bucket_mb = vec![b];
+        a.bucket_mb = vec![BucketCap::Mib(b)];
         a.first_bucket_mb = a.first_bucket_mb.min(b);
-        // The baseline runs right before each row: this machine's speed drifts over
+        // The baseline runs right before each run: this machine's speed drifts over
         // minutes, and the comparison must not.
         let compute_only = finished(run(
             &a,
@@ -159,58 +154,48 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             &a,
             &RunOptions {
                 record: true,
+                profile: true,
                 ..quiet.clone()
             },
         )?)?;
         let tl = report.timeline.as_ref().expect("recording was on and steps ran");
         let buckets = bucket_times(&tl.events);
-        let comm_ms: f64 = buckets.iter().map(|(_, d)| d).sum();
-        let step_ms = median_step(&a, &report.step_ms);
-        let exposed = (step_ms - compute_ms).max(0.0);
-        let row = SweepRow {
-            bucket_mb: b,
+        let sample = Sample {
             buckets: report.buckets.len(),
-            step_ms,
+            step_ms: median_step(&a, &report.step_ms),
             compute_only_ms: compute_ms,
-            comm_ms,
+            comm_ms: buckets.iter().map(|(_, d)| d).sum(),
             last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
-            exposed_comm_ms: exposed,
-            hidden_share: if comm_ms > 0.0 {
-                (1.0 - exposed / comm_ms).clamp(0.0, 1.0)
-            } else {
-                1.0
-            },
+            profile: report.profile.clone(),
         };
-        let title = format!(
-            "{} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
-            flag_name(&a.model.model),
-            a.world_size,
-            row.step_ms,
-            compute_ms
-        );
-        write_timeline(
-            &s.out.join(format!("timeline_{b}MiB.json")),
-            &tl.events,
-            tl.origin,
-            &title,
-        )?;
-        rows.push(row);
-    }
-    let mut csv =
-        String::from("bucket_mb,buckets,step_ms,compute_only_ms,comm_ms,last_bucket_ms,exposed_comm_ms,hidden_share\n");
-    for r in &rows {
-        csv.push_str(&format!(
-            "{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4}\n",
-            r.bucket_mb,
-            r.buckets,
-            r.step_ms,
-            r.compute_only_ms,
-            r.comm_ms,
-            r.last_bucket_ms,
-            r.exposed_comm_ms,
-            r.hidden_share
-        ));
-    }
+        if round + 1 == s.repeat {
+            let title = format!(
+                "{} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
+                flag_name(&a.model.model),
+                a.world_size,
+                sample.step_ms,
+                compute_ms
+            );
+            write_timeline(
+                &s.out.join(format!("timeline_{b}MiB.json")),
+                &tl.events,
+                tl.origin,
+                &title,
+            )?;
+        }
+        Ok(sample)
+    })?;
+    let link = match s.run.net_gbps {
+        Some(g) => LinkCost::Ring(crate::launch::net_model(g, s.run.net_latency_us)),
+        None => LinkCost::Measured,
+    };
+    let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
+    let rows: Vec<SweepRow> = caps
+        .iter()
+        .zip(&samples)
+        .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, link))
+        .collect();
+    let csv = to_csv(&rows);
     write_atomic(&s.out.join("sweep.csv"), csv.as_bytes())?;
     draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
     if s.json {
@@ -219,27 +204,65 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
         );
     } else {
-        println!(
-            "{:>10} {:>7} {:>9} {:>12} {:>9} {:>14} {:>12} {:>7}",
-            "bucket_MiB", "buckets", "step_ms", "compute_ms", "comm_ms", "last_bucket_ms", "exposed_ms", "hidden"
-        );
-        for r in &rows {
-            println!(
-                "{:>10} {:>7} {:>9.2} {:>12.2} {:>9.2} {:>14.2} {:>12.2} {:>6.0}%",
-                r.bucket_mb,
-                r.buckets,
-                r.step_ms,
-                r.compute_only_ms,
-                r.comm_ms,
-                r.last_bucket_ms,
-                r.exposed_comm_ms,
-                100.0 * r.hidden_share
-            );
-        }
+        print_table(&rows);
         println!("wrote {}", s.out.join("sweep.csv").display());
     }
     Ok(())
 }
+
+/// The table on stdout: measured medians (± spread over the rounds) beside the model's
+/// prediction and the cap's lower bound, then the best cap measured and predicted.
+fn print_table(rows: &[SweepRow]) {
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    println!(
+        "{:>10} {:>4} {:>7} {:>16} {:>10} {:>8} {:>16} {:>9} {:>9} {:>9} {:>9} {:>6}  verdict",
+        "bucket_MiB",
+        "runs",
+        "buckets",
+        "step_ms(spread)",
+        "compute",
+        "comm",
+        "exposed(spread)",
+        "waited",
+        "pred_step",
+        "pred_exp",
+        "bound",
+        "hidden"
+    );
+    for r in rows {
+        println!(
+            "{:>10} {:>4} {:>7} {:>16} {:>10.2} {:>8.2} {:>16} {:>9} {:>9} {:>9} {:>9} {:>5.0}%  {}",
+            r.bucket_mb,
+            r.runs,
+            r.buckets,
+            format!("{:.2} ({:.2})", r.step_ms, r.step_spread_ms),
+            r.compute_only_ms,
+            r.comm_ms,
+            format!("{:.2} ({:.2})", r.exposed_comm_ms, r.exposed_spread_ms),
+            opt(r.waited_ms),
+            opt(r.predicted_step_ms),
+            opt(r.predicted_exposed_ms),
+            opt(r.lower_bound_ms),
+            100.0 * r.hidden_share,
+            r.verdict
+        );
+    }
+    let best = |f: fn(&SweepRow) -> Option<f64>| {
+        rows.iter()
+            .filter_map(|r| Some((r.bucket_mb, f(r)?)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    if let Some((cap, ms)) = best(|r| Some(r.step_ms)) {
+        print!("fastest measured: {cap} MiB ({ms:.2} ms median)");
+        if let Some((pcap, pms)) = best(|r| r.predicted_step_ms) {
+            print!("; fastest predicted: {pcap} MiB ({pms:.2} ms)");
+        }
+        println!();
+    }
+}
+
+/// A curve of the model's: its legend, colour and value per row.
+type PredictedCurve = (&'static str, RGBColor, fn(&SweepRow) -> Option<f64>);
 
 /// Step time, compute-only time and exposed comm against bucket size (log x axis, one
 /// label at every bucket cap), written atomically.
@@ -259,7 +282,12 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
         xs.iter().copied().fold(f64::INFINITY, f64::min),
         xs.iter().copied().fold(0.0, f64::max),
     );
-    let ymax = rows.iter().map(|r| r.step_ms.max(r.comm_ms)).fold(0.0, f64::max) * 1.15 + 1e-3;
+    let ymax = rows
+        .iter()
+        .map(|r| r.step_ms.max(r.comm_ms).max(r.predicted_step_ms.unwrap_or(0.0)))
+        .fold(0.0, f64::max)
+        * 1.15
+        + 1e-3;
     let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let caption = format!(
@@ -302,6 +330,26 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         chart
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    // the model's curves beside the measured ones (thin, in the colours of their measured kin)
+    let predicted: [PredictedCurve; 3] = [
+        ("predicted step", RGBColor(52, 152, 219), |r| r.predicted_step_ms),
+        ("predicted exposed", RGBColor(231, 76, 60), |r| r.predicted_exposed_ms),
+        ("lower bound (exposed)", RGBColor(120, 120, 120), |r| r.lower_bound_ms),
+    ];
+    for (name, color, f) in predicted {
+        let pts: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r.bucket_mb, f(r)?))).collect();
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(DashedLineSeries::new(pts.clone(), 6, 4, color.stroke_width(1)))
+            .map_err(|e| err(e.to_string()))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Cross::new(p, 4, color.stroke_width(1))))
             .map_err(|e| err(e.to_string()))?;
     }
     chart

@@ -34,6 +34,10 @@ pub struct TrainArgs {
     /// `brigade predict`.
     #[arg(long)]
     pub profile: Option<PathBuf>,
+    /// With --profile: write every step of A..B (half-open: `5..8` is steps 5, 6 and 7) as a
+    /// JSON list of step profiles instead of the last step alone (`brigade predict` reads both).
+    #[arg(long, value_parser = parse_step_range)]
+    pub profile_steps: Option<std::ops::Range<usize>>,
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
     /// steps); also when no step runs.
     #[arg(long)]
@@ -52,6 +56,22 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// Parses `--profile-steps A..B` (half-open, A < B).
+fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("'{s}' is not a step range A..B (e.g. 5..8: steps 5, 6 and 7)"))?;
+    let step = |v: &str| {
+        v.parse::<usize>()
+            .map_err(|_| format!("'{s}': '{v}' is not a step number (a range is A..B, e.g. 5..8)"))
+    };
+    let (a, b) = (step(a)?, step(b)?);
+    if a >= b {
+        return Err(format!("'{s}' holds no step (A..B runs from A up to B, B excluded)"));
+    }
+    Ok(a..b)
 }
 
 /// Median and minimum of a slice (NaN when empty).
@@ -97,6 +117,21 @@ impl TrainArgs {
         match (self.checkpoint_every, &self.checkpoint) {
             (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
             (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
+            _ => {}
+        }
+        match (&self.profile_steps, &self.profile) {
+            (Some(r), None) => {
+                return bad(format!(
+                    "--profile-steps {r:?} needs --profile FILE.json (where to write)"
+                ))
+            }
+            (Some(r), Some(_)) if r.end > self.run.steps => {
+                return bad(format!(
+                    "--profile-steps {r:?} reaches past --steps {} (the run ends before step {})",
+                    self.run.steps,
+                    r.end - 1
+                ))
+            }
             _ => {}
         }
         if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
@@ -182,6 +217,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
         checkpoint_every: t.checkpoint_every,
         stop: Some(crate::signal::stop_on_signals()),
         profile: t.profile.is_some(),
+        profile_steps: t.profile_steps.clone(),
     };
     let mut report = run(&t.run, &opts)?;
     let stopped = report.stopped.take();
@@ -223,7 +259,8 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
             "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
             "backend": a.backend.name(),
-            "bucket_mb": a.bucket_cap()?, "first_bucket_mb": a.first_bucket_mb,
+            "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap()?) },
+            "first_bucket_mb": a.first_bucket_mb,
             "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
             "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
         });
@@ -235,6 +272,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "first_step": report.first_step, "steps_run": ran, "buckets": report.buckets.len(),
             "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
             "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
+            "autotune": report.autotune,
             "flags": flags,
         });
         println!("{out}");
@@ -271,6 +309,9 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             );
             println!("throughput: {:.1} samples/s", s.samples_per_s);
         }
+    }
+    if let Some(t) = &report.autotune {
+        crate::bucket_cap::print_autotune(t);
     }
     if let Some(m) = report.memory {
         let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
@@ -329,11 +370,15 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
         }
     }
     if let Some(path) = &t.profile {
-        match &report.profile {
-            Some(profile) => {
+        let text = match &t.profile_steps {
+            Some(_) if report.profiles.is_empty() => None,
+            Some(_) => Some(serde_json::to_string_pretty(&report.profiles)),
+            None => report.profile.as_ref().map(serde_json::to_string_pretty),
+        };
+        match text {
+            Some(text) => {
                 let write = move || {
-                    let text = serde_json::to_string_pretty(profile)
-                        .map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
+                    let text = text.map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
                     write_atomic(path, text.as_bytes())
                 };
                 writes.push((Output::new("--profile", path), Box::new(write)));

@@ -15,7 +15,9 @@ use std::time::Instant;
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
 use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
 use brigade_ddp::hooks::HookSpec;
-use brigade_ddp::overlap::{ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
+use brigade_ddp::overlap::{
+    AutotuneConfig, AutotuneReport, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
+};
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
 use brigade_models::{load_params, Batch, Dataset, Model, ModelKind};
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
@@ -118,6 +120,10 @@ pub struct TrainConfig {
     pub stop: Option<&'static AtomicBool>,
     /// Record a step profile of each synchronized step (the last one is kept).
     pub profile: bool,
+    /// Keep the profile of every step in this range, not only the last (`--profile-steps`).
+    pub profile_steps: Option<std::ops::Range<usize>>,
+    /// Tune DDP's bucket cap as the run goes (`--bucket-mb auto`); needs `ddp`.
+    pub autotune: Option<AutotuneConfig>,
 }
 
 /// What one step did.
@@ -151,6 +157,10 @@ pub struct TrainOutcome {
     pub checkpoint_error: Option<String>,
     /// The last synchronized step's profile, this rank's entry only (when profiling).
     pub profile: Option<StepProfile>,
+    /// The profiles of the steps in `profile_steps`, in order, this rank's entries only.
+    pub profiles: Vec<StepProfile>,
+    /// What the bucket-cap autotuner chose and predicted (with `autotune`).
+    pub autotune: Option<AutotuneReport>,
     /// DDP buckets after the last step (empty without DDP).
     pub buckets: Vec<BucketInfo>,
     /// This rank's gradient memory (absent without DDP).
@@ -192,6 +202,10 @@ pub struct Trainer<'a> {
     /// This rank asks every rank to stop after the next step (rank 0 could not write a
     /// periodic checkpoint).
     stop_requested: bool,
+    /// Tunes the bucket cap after the steps (`--bucket-mb auto`).
+    autotune: Option<Autotuner>,
+    /// The profiles of the steps in `profile_steps` so far.
+    profiles: Vec<StepProfile>,
 }
 
 impl<'a> Trainer<'a> {
@@ -250,6 +264,13 @@ impl<'a> Trainer<'a> {
             checkpointed: None,
             stop_requested: false,
             profile: None,
+            profiles: vec![],
+            autotune: cfg
+                .autotune
+                .clone()
+                .filter(|_| cfg.ddp.is_some())
+                .map(Autotuner::new)
+                .transpose()?,
         })
     }
 
@@ -343,16 +364,26 @@ impl<'a> Trainer<'a> {
                         }
                     })
                     .collect();
-                let d = self.cfg.ddp.as_ref().expect("profiling needs DDP");
+                // the caps this step ran with (the autotuner may change them below)
+                let (bucket_cap_mb, first_bucket_cap_mb) = ddp.bucket_caps();
                 StepProfile {
                     version: PROFILE_VERSION,
                     world_size: world,
-                    bucket_cap_mb: d.bucket_cap_mb,
-                    first_bucket_cap_mb: d.first_bucket_cap_mb,
+                    bucket_cap_mb,
+                    first_bucket_cap_mb,
                     params,
                     ranks: vec![r],
                 }
             });
+        }
+        if let (Some(p), Some(range)) = (&self.profile, &self.cfg.profile_steps) {
+            if range.contains(&s) {
+                self.profiles.push(p.clone());
+            }
+        }
+        if let (Some(tuner), Some(ddp)) = (self.autotune.as_mut(), &self.ddp) {
+            let mine = RankProfile::from_pass(rank, t0, &ddp.last_pass(), (opt_start, opt_end), Instant::now());
+            tuner.observe(ddp, s, mine)?;
         }
         Ok(StepOutcome {
             step: s,
@@ -496,6 +527,8 @@ impl<'a> Trainer<'a> {
             stopped,
             checkpoint_error,
             profile: self.profile.take(),
+            profiles: std::mem::take(&mut self.profiles),
+            autotune: self.autotune.as_ref().zip(self.ddp.as_ref()).map(|(t, d)| t.report(d)),
             buckets,
             memory,
             params,

@@ -121,6 +121,46 @@ impl DistributedDataParallel {
         self.reducer.lock().pass.clone()
     }
 
+    /// Regroups the buckets under new caps, keeping their parameter order (rank 0's ready order
+    /// once rebuilt), e.g. when [`crate::overlap::Autotuner`] picks another cap. Not a collective:
+    /// every rank must call it with the same caps between the same two steps (the autotuner
+    /// broadcasts rank 0's choice), and then every rank holds the same buckets. Gradients keep
+    /// their values; only between backward passes.
+    pub fn set_bucket_caps(&self, bucket_cap_mb: f64, first_bucket_cap_mb: f64) -> Result<()> {
+        let caps_ok = |mb: f64| mb > 0.0 && mb.is_finite();
+        if !(caps_ok(bucket_cap_mb) && caps_ok(first_bucket_cap_mb)) {
+            return Err(DdpError::BucketCap {
+                bucket_cap_mb,
+                first_bucket_cap_mb,
+            });
+        }
+        let mut st = self.reducer.lock();
+        self.reducer.set_caps(&mut st, (bucket_cap_mb, first_bucket_cap_mb))
+    }
+
+    /// The bucket caps in effect, in MiB: (every bucket but the first, the first).
+    pub fn bucket_caps(&self) -> (f64, f64) {
+        self.reducer.lock().caps
+    }
+
+    /// This rank's communicator (the one the buckets are reduced over).
+    pub(crate) fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.reducer.comm
+    }
+
+    /// The bytes of each parameter's gradient in a bucket, in registration order (0 for a
+    /// frozen parameter): the `params` of a step profile.
+    pub fn param_profiles(&self) -> Vec<crate::overlap::ParamProfile> {
+        self.reducer
+            .params
+            .iter()
+            .map(|p| crate::overlap::ParamProfile {
+                name: p.name().unwrap_or("<unnamed>").to_string(),
+                bytes: if p.requires_grad() { grad_bytes(p) } else { 0 },
+            })
+            .collect()
+    }
+
     /// True once the buckets were rebuilt from the observed ready order.
     pub fn buckets_rebuilt(&self) -> bool {
         self.reducer.lock().rebuilt

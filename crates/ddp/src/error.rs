@@ -125,6 +125,12 @@ pub enum DdpError {
         /// The parameter.
         param: String,
     },
+    /// The bucket caps were changed while a backward pass was in flight.
+    #[error("the bucket caps can change only between backward passes, not while buckets are in flight")]
+    RebuildDuringBackward,
+    /// The bucket-cap autotuner could not agree on a decision across the ranks.
+    #[error("bucket-cap autotune: {0}")]
+    Autotune(String),
 }
 
 /// Result alias for this crate.

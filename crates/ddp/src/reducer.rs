@@ -33,6 +33,8 @@ pub(crate) struct State {
     pub(crate) sync: bool,
     in_backward: bool,
     pub(crate) rebuilt: bool,
+    /// The bucket caps in effect, in MiB: (every bucket but the first, the first).
+    pub(crate) caps: (f64, f64),
     span: Option<(EventKind, SpanId)>,
     /// When things happened in the current (or last) synchronized pass.
     pub(crate) pass: PassTimes,
@@ -71,7 +73,7 @@ pub(crate) struct Reducer {
     /// Which parameters required grad at construction: only those are bucketed, expected
     /// in every backward pass and reduced (frozen ones are left alone, as in PyTorch).
     trainable: Vec<bool>,
-    comm: Arc<dyn Communicator>,
+    pub(crate) comm: Arc<dyn Communicator>,
     cfg: DdpConfig,
     recorder: Option<Recorder>,
     pub(crate) state: Mutex<State>,
@@ -83,11 +85,11 @@ pub(crate) fn grad_bytes(p: &Var) -> usize {
     v.numel() * v.dtype().size_in_bytes()
 }
 
-/// Buckets for `params` visited in `order`, with the configured caps (MiB to bytes).
-fn group_params(params: &[Var], order: &[usize], cfg: &DdpConfig) -> Vec<Vec<usize>> {
+/// Buckets for `params` visited in `order`, with the caps `(bucket, first bucket)` (MiB to bytes).
+fn group_params(params: &[Var], order: &[usize], caps: (f64, f64)) -> Vec<Vec<usize>> {
     let bytes = |mib: f64| (mib * 1024.0 * 1024.0).max(1.0) as usize;
     let sizes: Vec<usize> = params.iter().map(grad_bytes).collect();
-    assign_buckets(&sizes, order, bytes(cfg.first_bucket_cap_mb), bytes(cfg.bucket_cap_mb))
+    assign_buckets(&sizes, order, bytes(caps.1), bytes(caps.0))
 }
 
 /// Builds buckets for `groups` and points every parameter's gradient at its slice.
@@ -120,7 +122,8 @@ impl Reducer {
     pub(crate) fn new(params: Vec<Var>, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Reducer> {
         let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
-        let groups = group_params(&params, &order, &cfg);
+        let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
+        let groups = group_params(&params, &order, caps);
         let (buckets, bucket_of) = build_buckets(&params, groups)?;
         let n = params.len();
         Ok(Reducer {
@@ -137,6 +140,7 @@ impl Reducer {
                 sync: true,
                 in_backward: false,
                 rebuilt: !cfg.rebuild_buckets,
+                caps,
                 span: None,
                 pass: PassTimes::default(),
             }),
@@ -297,7 +301,7 @@ impl Reducer {
         if order.len() != expected {
             return Err(DdpError::RebuildOrder { order, expected });
         }
-        let groups = group_params(&self.params, &order, &self.cfg);
+        let groups = group_params(&self.params, &order, st.caps);
         // set_grad_buffer copies each gradient (this step's reduced values) into its new slice.
         let (buckets, bucket_of) = build_buckets(&self.params, groups)?;
         st.buckets = buckets;
@@ -308,6 +312,22 @@ impl Reducer {
 }
 
 impl Reducer {
+    /// Regroups the buckets, in their current parameter order, under new caps (between passes
+    /// only: no bucket may be in flight). Deterministic: ranks that call it with the same caps
+    /// get the same buckets.
+    pub(crate) fn set_caps(&self, st: &mut State, caps: (f64, f64)) -> Result<()> {
+        if st.in_backward {
+            return Err(DdpError::RebuildDuringBackward);
+        }
+        let order: Vec<usize> = st.buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
+        let groups = group_params(&self.params, &order, caps);
+        let (buckets, bucket_of) = build_buckets(&self.params, groups)?;
+        st.buckets = buckets;
+        st.bucket_of = bucket_of;
+        st.caps = caps;
+        Ok(())
+    }
+
     /// PyTorch's `prepare_for_backward`: resets the pass and marks unused parameters.
     fn start_pass(&self, st: &mut State, in_graph: &[usize]) -> Result<()> {
         if st.in_backward {

@@ -288,3 +288,27 @@ fn profiles_round_trip_through_json() {
     let back: StepProfile = serde_json::from_str(&text).unwrap();
     assert_eq!(back, p);
 }
+
+#[test]
+fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
+    // Both 1 MiB gradients ready when backward ends (10 ms). The recorded step waited for its
+    // buckets until 12 ms, then spent 1 ms agreeing on the loss before a 1 ms optimizer (13..14).
+    // Replayed at 100 MiB: one bucket 10..13.953125 ms, then the same 1 ms gap and 1 ms
+    // optimizer: 15.953125 ms; without communication: 10 + 1 + 1 = 12 ms.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        r.buckets = vec![BucketProfile {
+            params: vec![1, 0],
+            bytes: 2 * MIB,
+            ready_s: 0.010,
+            launch_s: 0.010,
+            start_s: 0.010,
+            finish_s: 0.012,
+        }];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.013, 0.014, 0.014);
+    }
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let comm = 0.002 + 2.0 / 1024.0;
+    close(r.predicted_step_s, 0.010 + comm + 0.002, "predicted step");
+    close(r.compute_step_s, 0.012, "compute-only step");
+}

@@ -10,8 +10,13 @@
 //! the moment it is ready). The compute is taken as recorded, which is what makes the answer
 //! independent of the noise of the minute: one recorded step answers every cap.
 
+mod autotune;
 mod profile;
 mod replay;
 
+pub use autotune::{
+    decide, AutotuneConfig, AutotuneDecision, AutotuneReport, Autotuner, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB,
+    DEFAULT_MIN_GAIN,
+};
 pub use profile::{BucketProfile, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
 pub use replay::{replay, BucketOrder, LinkCost, ReplayBucket, ReplayConfig, ReplayResult};

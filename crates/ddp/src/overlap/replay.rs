@@ -74,7 +74,8 @@ pub struct ReplayResult {
     pub world_size: usize,
     /// The buckets in launch order.
     pub buckets: Vec<ReplayBucket>,
-    /// The step without communication: backward's compute, then the optimizer (slowest rank).
+    /// The step without communication: backward's compute, then what followed the buckets as
+    /// recorded (the loss agreement, the optimizer), on the slowest rank.
     pub compute_step_s: f64,
     /// The predicted step: the optimizer waits for the last bucket (slowest rank).
     pub predicted_step_s: f64,
@@ -236,8 +237,14 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
     }
     let last_finish = buckets.last().map_or(0.0, |b| b.finish_s);
+    // What follows the buckets is taken as recorded: the gap between the recorded end of the
+    // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
+    // optimizer, and the rest of the step.
     let after_backward = |r: &super::RankProfile| {
-        (r.optimizer_end_s - r.optimizer_start_s) + (r.step_end_s - r.optimizer_end_s).max(0.0)
+        let waited_until = r.buckets.iter().map(|b| b.finish_s).fold(r.backward_end_s, f64::max);
+        (r.optimizer_start_s - waited_until).max(0.0)
+            + (r.optimizer_end_s - r.optimizer_start_s)
+            + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
     let compute_step = ranks
         .iter()

@@ -1,0 +1,168 @@
+//! `--bucket-mb` values (a cap in MiB, or `auto`) and the autotuner's flags.
+
+use brigade_ddp::overlap::{AutotuneConfig, AutotuneReport, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB, DEFAULT_MIN_GAIN};
+use clap::Args;
+
+use crate::args::{compact, CommHookName, RunArgs};
+use crate::error::{CliError, Result};
+
+/// One `--bucket-mb` value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BucketCap {
+    /// A fixed cap, in MiB.
+    Mib(f64),
+    /// Chosen by the overlap model as training runs (`brigade_ddp::overlap::Autotuner`).
+    Auto,
+}
+
+impl BucketCap {
+    /// The fixed cap, if this is one.
+    pub fn mib(self) -> Option<f64> {
+        match self {
+            BucketCap::Mib(m) => Some(m),
+            BucketCap::Auto => None,
+        }
+    }
+}
+
+impl std::fmt::Display for BucketCap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BucketCap::Mib(m) => write!(f, "{}", compact(*m)),
+            BucketCap::Auto => write!(f, "auto"),
+        }
+    }
+}
+
+/// Parses one `--bucket-mb` value: `auto` or a number of MiB (range-checked by `validate`).
+pub fn parse_bucket_cap(s: &str) -> std::result::Result<BucketCap, String> {
+    if s == "auto" {
+        return Ok(BucketCap::Auto);
+    }
+    s.parse::<f64>()
+        .map(BucketCap::Mib)
+        .map_err(|_| format!("'{s}' is neither a number of MiB nor `auto`"))
+}
+
+/// The autotuner's flags (with `--bucket-mb auto`).
+#[derive(Args, Clone, Debug, Default)]
+pub struct AutotuneArgs {
+    /// With --bucket-mb auto: re-check the cap every K steps after the first decision (which
+    /// follows the first step); default: decide once.
+    #[arg(long)]
+    pub autotune_every: Option<usize>,
+    /// With --bucket-mb auto: the caps to choose from, in MiB (default 0.25,0.5,1,2,5,10,25,50,100).
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    pub autotune_caps: Option<Vec<f64>>,
+    /// With --bucket-mb auto: change the cap only when the predicted step is shorter by more than
+    /// this fraction (default 0.02); a negative value adopts the best candidate even if slower.
+    #[arg(long, allow_negative_numbers = true)]
+    pub autotune_min_gain: Option<f64>,
+}
+
+impl RunArgs {
+    /// True with `--bucket-mb auto`.
+    pub fn bucket_auto(&self) -> bool {
+        self.bucket_mb.contains(&BucketCap::Auto)
+    }
+
+    /// The fixed caps of a sweep; `auto` is a training run's.
+    pub fn fixed_caps(&self) -> Result<Vec<f64>> {
+        self.bucket_mb
+            .iter()
+            .map(|b| {
+                b.mib().ok_or_else(|| {
+                    CliError::Usage(
+                        "--bucket-mb auto is for `brigade train` (a sweep measures fixed caps; list numbers)".into(),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The autotuner's configuration with `--bucket-mb auto` (`None` for a fixed cap); the
+    /// simulated link when there is one, else the link fitted to the recorded buckets.
+    pub fn autotune_config(&self) -> Option<AutotuneConfig> {
+        let a = &self.autotune;
+        self.bucket_auto().then(|| AutotuneConfig {
+            every: a.autotune_every,
+            candidates_mb: a.autotune_caps.clone().unwrap_or_else(|| AUTOTUNE_CAPS_MB.to_vec()),
+            first_bucket_cap_mb: self.first_bucket_mb,
+            min_gain: a.autotune_min_gain.unwrap_or(DEFAULT_MIN_GAIN),
+            link: self.net_gbps.map(|g| crate::launch::net_model(g, self.net_latency_us)),
+        })
+    }
+
+    /// The cap DDP starts with: the fixed one, or `auto`'s starting point.
+    pub(crate) fn start_cap(&self) -> Option<f64> {
+        match self.bucket_mb.as_slice() {
+            [BucketCap::Mib(b)] => Some(*b),
+            [BucketCap::Auto] => Some(AUTOTUNE_START_CAP_MB),
+            _ => None,
+        }
+    }
+
+    /// Checks `--bucket-mb auto` and the autotuner's flags.
+    pub(crate) fn validate_autotune(&self) -> Result<()> {
+        let bad = |m: String| Err(CliError::Usage(m));
+        let a = &self.autotune;
+        let given = a.autotune_every.is_some() || a.autotune_caps.is_some() || a.autotune_min_gain.is_some();
+        if !self.bucket_auto() {
+            return if given {
+                bad("--autotune-every, --autotune-caps and --autotune-min-gain are for --bucket-mb auto".into())
+            } else {
+                Ok(())
+            };
+        }
+        if self.bucket_mb.len() > 1 {
+            return bad(format!(
+                "--bucket-mb auto stands alone, got {}",
+                self.bucket_mb
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
+        }
+        if self.comm_hook == CommHookName::Powersgd {
+            return bad("--bucket-mb auto regroups the buckets mid-run, and --comm-hook powersgd keeps state per bucket: give a fixed --bucket-mb".into());
+        }
+        if a.autotune_every == Some(0) {
+            return bad("--autotune-every must be at least 1 (steps between checks)".into());
+        }
+        if let Some(c) = a
+            .autotune_caps
+            .iter()
+            .flatten()
+            .find(|&&c| !(c > 0.0 && c <= crate::args::MAX_BUCKET_MB))
+        {
+            return bad(format!(
+                "--autotune-caps must be finite numbers of MiB, > 0 and at most {}, got {c}",
+                crate::args::MAX_BUCKET_MB
+            ));
+        }
+        if a.autotune_caps.as_ref().is_some_and(|c| c.is_empty()) {
+            return bad("--autotune-caps needs at least one cap".into());
+        }
+        if a.autotune_min_gain.is_some_and(|g| !g.is_finite()) {
+            return bad("--autotune-min-gain must be a finite fraction (e.g. 0.02)".into());
+        }
+        Ok(())
+    }
+}
+
+/// The summary line of `--bucket-mb auto`: the cap chosen, and the predicted against the
+/// measured step time at it.
+pub fn print_autotune(t: &AutotuneReport) {
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} ms"));
+    let changes = t.decisions.iter().filter(|d| d.changed).count();
+    println!(
+        "bucket cap (auto): {} MiB after {} {} ({changes} {}); step at that cap: predicted {}, measured {} (median since it was set)",
+        compact(t.cap_mb),
+        t.decisions.len(),
+        if t.decisions.len() == 1 { "check" } else { "checks" },
+        if changes == 1 { "change" } else { "changes" },
+        ms(t.predicted_step_ms),
+        ms(t.measured_step_ms)
+    );
+}

@@ -1,0 +1,380 @@
+//! Tuning the bucket cap online (`--bucket-mb auto`): the overlap model picks the cap.
+//!
+//! After the first synchronized step (whose end rebuilt the buckets in rank 0's ready order),
+//! and then every `every` steps, each rank hands the [`Autotuner`] its profile of the steps
+//! since the last check; the ranks gather them, rank 0 [`replay`]s every candidate cap on each
+//! observed step and takes the cap with the lowest median predicted step time, and broadcasts
+//! its decision. The cap changes only when the predicted gain beats `min_gain` (a fraction of
+//! the current cap's predicted step), and then every rank regroups its buckets under it
+//! ([`DistributedDataParallel::set_bucket_caps`]), in the same order, so every rank holds the
+//! same buckets. Only the grouping changes, never the arithmetic of a gradient, so the losses
+//! match a fixed cap's up to the order of float additions.
+//!
+//! The compute in each replay is the recorded one, the same for every candidate, so the choice
+//! depends on how the communication fits behind backward, not on the noise of the minute.
+
+use brigade_comm::{Buffer, NetModel};
+use serde::{Deserialize, Serialize};
+
+use super::{replay, BucketOrder, LinkCost, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION};
+use crate::{DdpError, DistributedDataParallel, Result};
+
+/// The caps `auto` chooses from by default, in MiB (PyTorch's 25 among them).
+pub const AUTOTUNE_CAPS_MB: [f64; 9] = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0];
+/// The cap `auto` starts from, in MiB (PyTorch's default).
+pub const AUTOTUNE_START_CAP_MB: f64 = 25.0;
+/// The predicted gain, as a fraction of the current cap's predicted step, below which the cap
+/// stays (a rebuild is not free, and a prediction within 2% is within the model's error).
+pub const DEFAULT_MIN_GAIN: f64 = 0.02;
+
+/// How the autotuner chooses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutotuneConfig {
+    /// Re-check every this many steps after the first decision (`None`: decide once, after
+    /// the first step).
+    pub every: Option<usize>,
+    /// The caps to choose from, in MiB.
+    pub candidates_mb: Vec<f64>,
+    /// The first bucket's cap, in MiB (each candidate's first bucket is the smaller of the two).
+    pub first_bucket_cap_mb: f64,
+    /// Change the cap only when the best candidate's predicted step is shorter than the current
+    /// cap's by more than this fraction of it. 0 moves on any predicted gain; a negative value
+    /// moves to the best candidate even when it is predicted slower.
+    pub min_gain: f64,
+    /// The link to cost collectives on (`None`: fitted to the recorded buckets,
+    /// [`LinkCost::Measured`]).
+    pub link: Option<NetModel>,
+}
+
+impl Default for AutotuneConfig {
+    fn default() -> Self {
+        AutotuneConfig {
+            every: None,
+            candidates_mb: AUTOTUNE_CAPS_MB.to_vec(),
+            first_bucket_cap_mb: 1.0,
+            min_gain: DEFAULT_MIN_GAIN,
+            link: None,
+        }
+    }
+}
+
+impl AutotuneConfig {
+    /// Checks the numbers; the message names the field at fault.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(DdpError::Autotune(m));
+        if self.candidates_mb.is_empty() {
+            return bad("no candidate caps to choose from".into());
+        }
+        let positive = |v: f64| v > 0.0 && v.is_finite();
+        if let Some(c) = self.candidates_mb.iter().find(|&&c| !positive(c)) {
+            return bad(format!("candidate caps must be positive numbers of MiB, got {c}"));
+        }
+        if !positive(self.first_bucket_cap_mb) {
+            return bad(format!(
+                "the first bucket cap must be a positive number of MiB, got {}",
+                self.first_bucket_cap_mb
+            ));
+        }
+        if self.every == Some(0) {
+            return bad("the re-check period must be at least 1 step".into());
+        }
+        if self.min_gain.is_nan() {
+            return bad("the minimum gain is not a number".into());
+        }
+        Ok(())
+    }
+}
+
+/// One check of the autotuner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AutotuneDecision {
+    /// The step after which it was taken (the new cap holds from the next one).
+    pub after_step: usize,
+    /// Steps whose profiles it replayed.
+    pub steps_observed: usize,
+    /// The cap before, in MiB.
+    pub from_cap_mb: f64,
+    /// The candidate with the shortest predicted step, in MiB.
+    pub best_cap_mb: f64,
+    /// The cap after, in MiB (`best_cap_mb` when the gain beat the threshold, else `from_cap_mb`).
+    pub cap_mb: f64,
+    /// Median predicted step time at `from_cap_mb`, in seconds.
+    pub predicted_from_step_s: f64,
+    /// Median predicted step time at `best_cap_mb`, in seconds.
+    pub predicted_best_step_s: f64,
+    /// Whether the cap changed (and every rank rebuilt its buckets).
+    pub changed: bool,
+}
+
+/// What the autotuner did over a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AutotuneReport {
+    /// The cap in effect at the end, in MiB.
+    pub cap_mb: f64,
+    /// The first bucket's cap in effect at the end, in MiB.
+    pub first_bucket_cap_mb: f64,
+    /// The last check's predicted step time at that cap, in milliseconds.
+    pub predicted_step_ms: Option<f64>,
+    /// This rank's median measured step time since the cap last changed, in milliseconds
+    /// (compare with `predicted_step_ms`).
+    pub measured_step_ms: Option<f64>,
+    /// Every check, in order.
+    pub decisions: Vec<AutotuneDecision>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Rank 0's decision from the profiles of the observed steps: replays each candidate (and the
+/// current cap) on every profile, takes the median predicted step time per cap, and picks the
+/// lowest (ties go to the larger cap: fewer collectives for the same prediction).
+pub fn decide(
+    profiles: &[StepProfile],
+    from_cap_mb: f64,
+    cfg: &AutotuneConfig,
+    after_step: usize,
+) -> Result<AutotuneDecision> {
+    cfg.validate()?;
+    if profiles.is_empty() {
+        return Err(DdpError::Autotune("no step profile to decide from".into()));
+    }
+    let predicted = |cap: f64| -> Result<f64> {
+        let rc = ReplayConfig {
+            bucket_cap_mb: cap,
+            first_bucket_cap_mb: cfg.first_bucket_cap_mb.min(cap),
+            link: cfg.link.map_or(LinkCost::Measured, LinkCost::Ring),
+            world_size: None,
+            order: BucketOrder::Ready,
+        };
+        let mut steps = profiles
+            .iter()
+            .map(|p| replay(p, &rc).map(|r| r.predicted_step_s))
+            .collect::<Result<Vec<f64>>>()?;
+        Ok(median(&mut steps))
+    };
+    let mut candidates = cfg.candidates_mb.clone();
+    candidates.sort_by(f64::total_cmp);
+    let (mut best_cap, mut best) = (f64::NAN, f64::INFINITY);
+    for &c in &candidates {
+        let p = predicted(c)?;
+        if p <= best {
+            (best_cap, best) = (c, p);
+        }
+    }
+    let from = predicted(from_cap_mb)?;
+    let changed = best_cap != from_cap_mb && from - best > cfg.min_gain * from;
+    Ok(AutotuneDecision {
+        after_step,
+        steps_observed: profiles.len(),
+        from_cap_mb,
+        best_cap_mb: best_cap,
+        cap_mb: if changed { best_cap } else { from_cap_mb },
+        predicted_from_step_s: from,
+        predicted_best_step_s: best,
+        changed,
+    })
+}
+
+/// The times of a rank profile other ranks need (everything but its buckets), as f64s.
+const SPANS: usize = 5;
+
+fn encode(p: &RankProfile, out: &mut Vec<f64>) {
+    out.extend_from_slice(&[
+        p.backward_start_s,
+        p.backward_end_s,
+        p.optimizer_start_s,
+        p.optimizer_end_s,
+        p.step_end_s,
+    ]);
+    out.extend_from_slice(&p.grad_ready_s);
+}
+
+fn decode(rank: usize, v: &[f64]) -> RankProfile {
+    RankProfile {
+        rank,
+        backward_start_s: v[0],
+        backward_end_s: v[1],
+        optimizer_start_s: v[2],
+        optimizer_end_s: v[3],
+        step_end_s: v[4],
+        grad_ready_s: v[SPANS..].to_vec(),
+        buckets: vec![],
+    }
+}
+
+fn to_bytes(v: &[f64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn from_bytes(b: &[u8]) -> Vec<f64> {
+    b.chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
+/// Tunes one rank's DDP bucket cap as training runs (see the module docs). Every rank must call
+/// [`Autotuner::observe`] after every step: the checks are collectives.
+pub struct Autotuner {
+    cfg: AutotuneConfig,
+    /// This rank's profiles since the last check (`None`: the step had no synchronized pass).
+    observed: Vec<Option<RankProfile>>,
+    /// This rank's step times since the cap last changed, in seconds.
+    step_s_at_cap: Vec<f64>,
+    decisions: Vec<AutotuneDecision>,
+}
+
+impl Autotuner {
+    /// An autotuner choosing as `cfg` says.
+    pub fn new(cfg: AutotuneConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Autotuner {
+            cfg,
+            observed: vec![],
+            step_s_at_cap: vec![],
+            decisions: vec![],
+        })
+    }
+
+    /// Takes this rank's profile of `step` (just finished); at a check (the first step
+    /// observed, then every `every` steps) decides with the other ranks and, if the cap
+    /// changes, regroups `ddp`'s buckets. Returns the decision when there was a check.
+    pub fn observe(
+        &mut self,
+        ddp: &DistributedDataParallel,
+        step: usize,
+        profile: Option<RankProfile>,
+    ) -> Result<Option<AutotuneDecision>> {
+        if let Some(p) = &profile {
+            self.step_s_at_cap.push(p.step_end_s);
+        }
+        self.observed.push(profile);
+        let due = match (self.decisions.is_empty(), self.cfg.every) {
+            (true, _) => true,
+            (false, Some(k)) => self.observed.len() >= k,
+            (false, None) => false,
+        };
+        let comm = ddp.comm();
+        if !due || comm.world_size() < 2 {
+            return Ok(None);
+        }
+        let params = ddp.param_profiles();
+        let n = params.len();
+        let observed = std::mem::take(&mut self.observed);
+        // Every rank sends the same number of steps of SPANS + n times (NaN: no profile).
+        let mut mine = Vec::with_capacity(observed.len() * (SPANS + n));
+        for p in &observed {
+            match p {
+                Some(p) if p.grad_ready_s.len() == n => encode(p, &mut mine),
+                _ => mine.extend(std::iter::repeat_n(f64::NAN, SPANS + n)),
+            }
+        }
+        let world = comm.world_size();
+        let gathered = comm
+            .all_gather(Buffer::U8(to_bytes(&mine)), "ddp.autotune.profiles")
+            .wait()?;
+        let Buffer::U8(gathered) = gathered else {
+            return Err(DdpError::Autotune("the profiles came back as another dtype".into()));
+        };
+        let all = from_bytes(&gathered);
+        let (from_cap, first_cap) = ddp.bucket_caps();
+        // [ok, cap, best cap, predicted at from, predicted at best, steps observed]
+        let mut verdict = [0.0f64; 6];
+        let mut own_error = None;
+        if comm.rank() == 0 {
+            let per_rank = mine.len();
+            let row = SPANS + n;
+            let profiles: Vec<StepProfile> = (0..observed.len())
+                .filter_map(|i| {
+                    let ranks = (0..world)
+                        .map(|r| {
+                            let v = &all[r * per_rank + i * row..r * per_rank + (i + 1) * row];
+                            if v.iter().any(|x| x.is_nan()) {
+                                return None;
+                            }
+                            let mut p = decode(r, v);
+                            if r == 0 {
+                                p.buckets = observed[i].as_ref()?.buckets.clone();
+                            }
+                            Some(p)
+                        })
+                        .collect::<Option<Vec<_>>>()?;
+                    Some(StepProfile {
+                        version: PROFILE_VERSION,
+                        world_size: world,
+                        bucket_cap_mb: from_cap,
+                        first_bucket_cap_mb: first_cap,
+                        params: params.clone(),
+                        ranks,
+                    })
+                })
+                .collect();
+            match decide(&profiles, from_cap, &self.cfg, step) {
+                Ok(d) => {
+                    verdict = [
+                        1.0,
+                        d.cap_mb,
+                        d.best_cap_mb,
+                        d.predicted_from_step_s,
+                        d.predicted_best_step_s,
+                        d.steps_observed as f64,
+                    ]
+                }
+                Err(e) => own_error = Some(e),
+            }
+        }
+        let got = comm
+            .broadcast(Buffer::U8(to_bytes(&verdict)), 0, "ddp.autotune.decision")
+            .wait()?;
+        let Buffer::U8(got) = got else {
+            return Err(DdpError::Autotune("the decision came back as another dtype".into()));
+        };
+        let v = from_bytes(&got);
+        if let Some(e) = own_error {
+            return Err(e);
+        }
+        if v.len() != verdict.len() || v[0] != 1.0 {
+            return Err(DdpError::Autotune(
+                "rank 0 could not decide (its error names why)".into(),
+            ));
+        }
+        let changed = v[1] != from_cap;
+        if changed {
+            ddp.set_bucket_caps(v[1], self.cfg.first_bucket_cap_mb.min(v[1]))?;
+            self.step_s_at_cap.clear();
+        }
+        let decision = AutotuneDecision {
+            after_step: step,
+            steps_observed: v[5] as usize,
+            from_cap_mb: from_cap,
+            best_cap_mb: v[2],
+            cap_mb: v[1],
+            predicted_from_step_s: v[3],
+            predicted_best_step_s: v[4],
+            changed,
+        };
+        self.decisions.push(decision.clone());
+        Ok(Some(decision))
+    }
+
+    /// What the autotuner did, with `ddp`'s caps at the end.
+    pub fn report(&self, ddp: &DistributedDataParallel) -> AutotuneReport {
+        let (cap_mb, first_bucket_cap_mb) = ddp.bucket_caps();
+        let predicted_step_ms = self.decisions.last().map(|d| {
+            1e3 * if d.cap_mb == d.best_cap_mb {
+                d.predicted_best_step_s
+            } else {
+                d.predicted_from_step_s
+            }
+        });
+        let mut at_cap = self.step_s_at_cap.clone();
+        AutotuneReport {
+            cap_mb,
+            first_bucket_cap_mb,
+            predicted_step_ms,
+            measured_step_ms: (!at_cap.is_empty()).then(|| 1e3 * median(&mut at_cap)),
+            decisions: self.decisions.clone(),
+        }
+    }
+}
