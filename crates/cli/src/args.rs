@@ -9,7 +9,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use crate::device::{parse_device, DeviceArg};
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 pub use crate::launch::Backend;
 use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
 
@@ -47,7 +47,7 @@ pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
 pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     if let Some(g) = gbps {
         if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
                 compact(NET_GBPS.0),
                 compact(NET_GBPS.1)
@@ -55,7 +55,7 @@ pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
         }
     }
     if !(0.0..=MAX_LATENCY_US).contains(&latency_us) {
-        return Err(CliError::Usage(format!(
+        return Err(Error::Usage(format!(
             "--net-latency-us must be between 0 and {}, got {latency_us}",
             compact(MAX_LATENCY_US)
         )));
@@ -116,7 +116,7 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// Checks the shape flags of the chosen model, naming the flag at fault.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         match self.model {
             ModelName::Mlp => {
                 if self.widths.len() < 2 {
@@ -286,7 +286,7 @@ impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         self.model.validate()?;
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
@@ -349,7 +349,7 @@ impl RunArgs {
         }
         if let HookSpec::PowerSgd(cfg) = self.hook_spec() {
             cfg.validate().map_err(|e| {
-                CliError::Usage(format!(
+                Error::Usage(format!(
                     "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
                 ))
             })?;
@@ -380,7 +380,7 @@ impl RunArgs {
     pub fn bucket_cap(&self) -> Result<f64> {
         match self.bucket_mb.as_slice() {
             [b] => Ok(*b),
-            _ => Err(CliError::Usage(format!(
+            _ => Err(Error::Usage(format!(
                 "--bucket-mb takes one value for a training run, got {:?} (a list is for `brigade sweep`)",
                 self.bucket_mb
             ))),

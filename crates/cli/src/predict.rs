@@ -10,7 +10,7 @@ use brigade_ddp::overlap::{replay, LinkCost, ReplayConfig, ReplayResult, StepPro
 use clap::Args;
 
 use crate::args::check_link;
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 /// Options of `brigade predict`.
 #[derive(Args, Clone, Debug)]
@@ -43,7 +43,7 @@ pub struct PredictArgs {
 
 impl PredictArgs {
     fn link(&self) -> Result<LinkCost> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         match (self.net_gbps, self.measured_link) {
             (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
             (None, false) => {
@@ -65,14 +65,14 @@ impl PredictArgs {
 pub fn predict(a: PredictArgs) -> Result<()> {
     let link = a.link()?;
     if a.world_size == Some(0) {
-        return Err(CliError::Usage("--world-size must be at least 1".into()));
+        return Err(Error::Usage("--world-size must be at least 1".into()));
     }
-    let text = std::fs::read_to_string(&a.profile).map_err(|source| CliError::Io {
+    let text = std::fs::read_to_string(&a.profile).map_err(|source| Error::Io {
         path: a.profile.display().to_string(),
         source,
     })?;
     let profile: StepProfile = serde_json::from_str(&text).map_err(|e| {
-        CliError::Usage(format!(
+        Error::Usage(format!(
             "{}: not a step profile (written by brigade train --profile): {e}",
             a.profile.display()
         ))
@@ -86,12 +86,12 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             world_size: a.world_size,
             order: Default::default(),
         };
-        rows.push(replay(&profile, &cfg).map_err(|e| CliError::Usage(format!("{}: {e}", a.profile.display())))?);
+        rows.push(replay(&profile, &cfg).map_err(|e| Error::Usage(format!("{}: {e}", a.profile.display())))?);
     }
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
         );
     } else {
         print_table(&profile, &rows);

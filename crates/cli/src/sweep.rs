@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::args::{compact, flag_name, RunArgs};
-use crate::error::{write_atomic, CliError, Result};
+use crate::error::{write_atomic, Error, Result};
 use crate::run::{run, RunOptions, RunReport};
 use crate::timeline::write_timeline;
 use crate::train::median_min;
@@ -88,7 +88,7 @@ fn written_by_a_sweep(name: &str) -> bool {
 /// Makes `--out` ready before any run: created, takes files, and emptied of what an
 /// earlier sweep wrote there (a stale timeline must not pass for this sweep's).
 fn prepare_out(out: &std::path::Path) -> Result<()> {
-    let io = |source| CliError::Io {
+    let io = |source| Error::Io {
         path: format!("--out {}", out.display()),
         source,
     };
@@ -98,7 +98,7 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
         let entry = entry.map_err(io)?;
         // regular files only: a symbolic link stays, and the new output is written through it
         if entry.file_name().to_str().is_some_and(written_by_a_sweep) && entry.file_type().map_err(io)?.is_file() {
-            std::fs::remove_file(entry.path()).map_err(|source| CliError::Io {
+            std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
                 path: entry.path().display().to_string(),
                 source,
             })?;
@@ -119,7 +119,7 @@ fn finished(mut report: RunReport) -> Result<RunReport> {
 pub fn sweep(s: SweepArgs) -> Result<()> {
     s.run.validate()?;
     if s.run.steps < 2 {
-        return Err(CliError::Usage(
+        return Err(Error::Usage(
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
     }
@@ -131,7 +131,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         .find(|(i, b)| s.run.bucket_mb[..*i].contains(b))
         .map(|(_, b)| b)
     {
-        return Err(CliError::Usage(format!(
+        return Err(Error::Usage(format!(
             "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
         )));
     }
@@ -216,7 +216,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     if s.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
         );
     } else {
         println!(
@@ -250,7 +250,7 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
 }
 
 fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
-    let err = |m: String| CliError::Chart {
+    let err = |m: String| Error::Chart {
         path: path.display().to_string(),
         msg: m,
     };
