@@ -1,6 +1,6 @@
 //! A training run from the command line's flags: the one place where the flags become plain
 //! configurations ([`LaunchConfig`], [`TrainConfig`]), the model and the dataset; then the
-//! library's [`fit`] trains and returns rank 0's [`RunReport`].
+//! library's [`fit()`] trains and returns rank 0's [`RunReport`].
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -137,7 +137,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
 }
 
 /// Runs the training the flags describe: the model `--model` names, on the dataset the flags
-/// name, through the library's [`fit`]. Under MPI, ranks other than 0 exit here once training
+/// name, through the library's [`fit()`]. Under MPI, ranks other than 0 exit here once training
 /// succeeded (rank 0 alone reports and writes files).
 pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;

@@ -1,7 +1,7 @@
 //! One rank's training loop over any [`Model`] and [`DataSource`]: [`Trainer::step`] runs one
 //! optimizer step (microbatches, DDP, the ranks' agreement on the loss and on stopping, the
 //! update); [`Trainer::run`] steps until `steps`, checkpointing on the way. Nothing here knows
-//! the command line: a [`TrainConfig`] is plain data. [`crate::fit`] runs it on every rank.
+//! the command line: a [`TrainConfig`] is plain data. [`crate::fit()`] runs it on every rank.
 //!
 //! Every step ends with one small all-reduce of `[loss, non-finite, stop]` over the ranks, so
 //! that all ranks see the global mean loss of every step and stop together: at a non-finite
@@ -132,36 +132,8 @@ pub struct TrainConfig {
     pub stop: Option<&'static AtomicBool>,
     /// Record a step profile of each synchronized step (the last one is kept).
     pub profile: bool,
-    /// Draw a progress bar on rank 0 (stderr) while [`crate::fit`] runs.
+    /// Draw a progress bar on rank 0 (stderr) while [`crate::fit()`] runs.
     pub progress: bool,
-}
-
-impl TrainConfig {
-    /// `steps` steps of `batch_size` rows per rank with `optimizer`, and the defaults for the
-    /// rest: one microbatch a step, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
-    /// checkpoint, no resume, no progress bar.
-    pub fn new(steps: usize, batch_size: usize, optimizer: OptimizerConfig) -> Self {
-        TrainConfig {
-            model_name: "model".into(),
-            seed: 0,
-            init: None,
-            steps,
-            batch_size,
-            accum: 1,
-            optimizer,
-            ddp: Some(DdpConfig::default()),
-            resume: None,
-            checkpoint: None,
-            checkpoint_every: None,
-            allow_nonfinite: false,
-            comm_hook: Arc::new(brigade_ddp::hooks::HookSpec::AllReduce),
-            compute_threads: None,
-            device: DeviceArg::Cpu,
-            stop: None,
-            profile: false,
-            progress: false,
-        }
-    }
 }
 
 /// What one step did.
