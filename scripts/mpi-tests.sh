@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The MPI backend's tests (each test launches `mpirun` itself): transport collectives,
-# mismatch/timeout, and `brigade train --backend mpi` parity, overlap, setup errors, kill.
+# mismatch/timeout, the launch API (results, a failing rank named), and `brigade train
+# --backend mpi` parity, overlap, setup errors, kill.
 # Needs: apt-get install -y openmpi-bin libopenmpi-dev libclang-dev
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,3 +9,4 @@ command -v mpirun >/dev/null || { echo "mpirun not found: apt-get install -y ope
 cargo test -p brigade-comm --features mpi --lib -- mpi::
 cargo test -p brigade-comm --features mpi --test mpi_collectives -- --test-threads=1
 cargo test -p brigade --features mpi --test mpi_train -- --test-threads=1
+cargo test -p brigade --features mpi --test mpi_launch -- --test-threads=1

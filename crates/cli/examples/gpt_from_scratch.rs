@@ -1,33 +1,25 @@
-//! A small transformer built from the layers, trained on the bundled text by 2 thread ranks with
-//! DDP and `no_sync` gradient accumulation (2 microbatches a step), then asked for a few bytes.
+//! A small transformer built from the layers (embeddings, `TransformerBlock`s, a head), trained
+//! through the library's loop on the bundled text by 2 thread ranks with DDP and `no_sync`
+//! gradient accumulation (2 microbatches a step), then asked for a few bytes.
 //!
 //! `cargo run --release -p brigade --example gpt_from_scratch [-- STEPS]`
 
-use std::time::Duration;
-
-use brigade::autograd::{scope, AdamW, Optimizer, ParamStore, Var};
-use brigade::ddp::{DdpConfig, DistributedDataParallel};
-use brigade::launch::{launch, Backend, LaunchConfig};
-use brigade::models::nn::{Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params};
-use brigade::models::{Batch, Dataset, Result};
+use brigade::autograd::{scope, ParamStore, Var};
+use brigade::launch::LaunchConfig;
+use brigade::models::nn::{Embedding, Init, LayerNorm, Linear, Params, TransformerBlock};
+use brigade::models::{load_params_from_tensors, Batch, Dataset, Model, Result};
 use brigade::tensor::{DType, Rng, Tensor};
+use brigade::trainer::{OptimizerConfig, TrainConfig};
 
 const D: usize = 64;
 const CONTEXT: usize = 32;
 const INIT: Init = Init::Normal { std: 0.02 };
 
-struct Block {
-    ln1: LayerNorm,
-    attn: CausalSelfAttention,
-    ln2: LayerNorm,
-    mlp: MlpBlock,
-}
-
 struct Gpt {
     store: ParamStore,
     tok: Embedding,
     pos: Embedding,
-    blocks: Vec<Block>,
+    blocks: Vec<TransformerBlock>,
     ln_f: LayerNorm,
     head: Linear,
 }
@@ -38,17 +30,10 @@ impl Gpt {
         let mut p = Params::new(&mut store, &mut rng, DType::F32);
         let tok = Embedding::new(&mut p.sub("tok_emb"), 256, D, 0.02)?;
         let pos = Embedding::new(&mut p.sub("pos_emb"), CONTEXT, D, 0.02)?;
-        let mut blocks = vec![];
-        for i in 0..layers {
-            let mut b = p.sub(&format!("blocks.{i}"));
-            blocks.push(Block {
-                ln1: LayerNorm::new(&mut b.sub("ln1"), D, 1e-5)?,
-                attn: CausalSelfAttention::new(&mut b.sub("attn"), D, 4, INIT)?,
-                ln2: LayerNorm::new(&mut b.sub("ln2"), D, 1e-5)?,
-                mlp: MlpBlock::new(&mut b.sub("mlp"), D, 4 * D, Activation::Gelu, INIT)?,
-            });
-        }
-        let ln_f = LayerNorm::new(&mut p.sub("ln_f"), D, 1e-5)?;
+        let blocks = (0..layers)
+            .map(|i| TransformerBlock::new(&mut p.sub(&format!("blocks.{i}")), D, 4, 4 * D, INIT))
+            .collect::<Result<_>>()?;
+        let ln_f = LayerNorm::new(&mut p.sub("ln_f"), D, LayerNorm::DEFAULT_EPS)?;
         let head = Linear::new(&mut p.sub("head"), D, 256, false, INIT)?;
         Ok(Gpt {
             store,
@@ -64,29 +49,10 @@ impl Gpt {
     fn logits(&self, ids: &Tensor) -> Result<Var> {
         let t = ids.shape()[1];
         let mut x = self.tok.forward(ids)?.add(&self.pos.weight.narrow(0, 0, t)?)?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            x = scope(&format!("blocks.{i}"), || -> Result<Var> {
-                let x = x.add(&b.attn.forward(&b.ln1.forward(&x)?)?)?;
-                Ok(x.add(&b.mlp.forward(&b.ln2.forward(&x)?)?)?)
-            })?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = scope(&format!("blocks.{i}"), || block.forward(&x))?; // one backward span each
         }
         self.head.forward(&self.ln_f.forward(&x)?)
-    }
-
-    fn loss(&self, batch: &Batch) -> Result<Var> {
-        let Batch::Tokens { tokens } = batch else {
-            unreachable!("text data")
-        };
-        let (b, n) = (tokens.shape()[0], tokens.shape()[1]);
-        let inputs = tokens.narrow(1, 0, n - 1)?.contiguous()?;
-        let targets = tokens
-            .narrow(1, 1, n - 1)?
-            .to_dtype(DType::I64)?
-            .reshape(&[b * (n - 1)])?;
-        Ok(self
-            .logits(&inputs)?
-            .reshape(&[b * (n - 1), 256])?
-            .cross_entropy(&targets)?)
     }
 
     /// Greedy continuation of `prompt` by `n` bytes.
@@ -95,7 +61,7 @@ impl Gpt {
         for _ in 0..n {
             let window: Vec<i64> = out[out.len().saturating_sub(CONTEXT)..]
                 .iter()
-                .map(|&c| i64::from(c))
+                .map(|&c| c.into())
                 .collect();
             let t = window.len();
             let logits = self
@@ -109,57 +75,46 @@ impl Gpt {
     }
 }
 
+impl Model for Gpt {
+    fn params(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// Mean next-byte cross-entropy of rows `tokens [B, T + 1]`.
+    fn loss(&self, batch: &Batch) -> Result<Var> {
+        let (inputs, targets) = batch.shifted_tokens("gpt")?; // [B, T] and [B * T]
+        Ok(self
+            .logits(&inputs)?
+            .reshape(&[targets.numel(), 256])?
+            .cross_entropy(&targets)?)
+    }
+
+    fn layer_names(&self) -> Vec<String> {
+        (0..self.blocks.len()).map(|i| format!("blocks.{i}")).collect()
+    }
+}
+
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let steps: usize = std::env::args().nth(1).map_or(Ok(80), |s| s.parse())?;
-    let (batch, accum) = (8, 2);
-    let cfg = LaunchConfig {
-        backend: Backend::Thread,
-        world_size: 2,
-        timeout: Duration::from_secs(120),
-        net: None,
-        recorder: None,
+    // 2 ranks x 2 microbatches of 8 rows: the first microbatch accumulates under `no_sync`,
+    // the last one's backward all-reduces the summed gradients.
+    let cfg = TrainConfig {
+        accum: 2,
+        ..TrainConfig::new(steps, 8, OptimizerConfig::adamw(3e-3, None))
     };
-    let data = Dataset::builtin_text(CONTEXT, 0)?;
-    let launched = launch(
+    let report = brigade::fit(
+        &LaunchConfig::threads(2),
         &cfg,
-        |_| Ok(data),
-        |ctx, data| {
-            let model = Gpt::new(2, 0)?;
-            let ddp = DistributedDataParallel::new(&model.store, ctx.comm.clone(), DdpConfig::default())?;
-            let mut opt = AdamW::new(model.store.params().to_vec(), 3e-3);
-            let mut losses = vec![];
-            for s in 0..steps {
-                model.store.zero_grad()?;
-                let mut step_loss = 0.0;
-                for j in 0..accum {
-                    let row = ((s * ctx.world_size + ctx.rank) * accum + j) * batch;
-                    let loss = model.loss(&data.batch(row, batch)?)?.mul_scalar(1.0 / accum as f64)?;
-                    step_loss += loss.value().item()?;
-                    if j + 1 < accum {
-                        ddp.no_sync(|| loss.backward())?; // accumulate locally, no communication
-                    } else {
-                        loss.backward()?; // the last microbatch reduces the summed gradients
-                    }
-                }
-                opt.step()?;
-                losses.push(step_loss);
-            }
-            let text = if ctx.rank == 0 {
-                model.sample(b"The ", 40)?
-            } else {
-                vec![]
-            };
-            Ok((losses, text))
-        },
+        |_world| Ok(Dataset::builtin_text(CONTEXT, 0)?),
+        |_ctx| Ok(Box::new(Gpt::new(2, 0)?)),
     )?;
-    let (_, (losses, text)) = &launched.results[0];
-    println!(
-        "loss (rank 0): step 0 {:.3}, step {} {:.3}",
-        losses[0],
-        losses.len() - 1,
-        losses[losses.len() - 1]
-    );
-    println!("sample: {:?}", String::from_utf8_lossy(text));
+    let losses = &report.losses;
+    let last = losses.len() - 1;
+    println!("loss: step 0 {:.3}, step {last} {:.3}", losses[0], losses[last]);
+    // The trained parameters (rank 0's) in a fresh model, for sampling.
+    let model = Gpt::new(2, 0)?;
+    load_params_from_tensors(model.params(), &report.params)?;
+    println!("sample: {:?}", String::from_utf8_lossy(&model.sample(b"The ", 40)?));
     if !(losses.last() < losses.first()) {
         return Err("the loss did not go down".into());
     }

@@ -3,75 +3,35 @@
 //!
 //! `cargo run --release -p brigade --example overlap_study`
 
-use std::time::{Duration, Instant};
-
-use brigade::comm::NetModel;
-use brigade::ddp::overlap::{replay, LinkCost, ParamProfile, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION};
-use brigade::ddp::{DdpConfig, DistributedDataParallel};
-use brigade::launch::{launch, Backend, LaunchConfig};
-use brigade::models::{Dataset, Mlp, MlpConfig, Model};
-
-fn link(gbps: f64, latency_us: f64) -> NetModel {
-    NetModel {
-        latency: Duration::from_secs_f64(latency_us * 1e-6),
-        bandwidth_bytes_per_s: gbps * 1e9 / 8.0,
-    }
-}
+use brigade::ddp::overlap::{replay, LinkCost, ReplayConfig};
+use brigade::launch::{net_model, LaunchConfig};
+use brigade::models::{Dataset, Mlp, MlpConfig};
+use brigade::trainer::{OptimizerConfig, TrainConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (world, batch, cap_mb) = (2, 32, 25.0);
+    // 2 ranks over a simulated 10 Gb/s network; 3 steps (step 0 rebuilds the buckets), the
+    // last one's profile kept: every rank's gradient-ready times and bucket launches.
+    let launch = LaunchConfig {
+        net: Some(net_model(10.0, 20.0)),
+        ..LaunchConfig::threads(2)
+    };
+    let sgd = OptimizerConfig::Sgd {
+        lr: 0.01,
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    let cfg = TrainConfig {
+        profile: true,
+        ..TrainConfig::new(3, 32, sgd)
+    };
     let mlp = MlpConfig::new(vec![256, 1024, 1024, 1024, 10]);
-    let cfg = LaunchConfig {
-        backend: Backend::Thread,
-        world_size: world,
-        timeout: Duration::from_secs(120),
-        net: Some(link(10.0, 20.0)), // the recorded run's network: simulated 10 Gb/s
-        recorder: None,
-    };
-    let data = Dataset::teacher(1024, 256, 10, 0)?;
-    let launched = launch(
+    let report = brigade::fit(
+        &launch,
         &cfg,
-        |_| Ok(data),
-        |ctx, data| {
-            let model = Mlp::new(mlp.clone(), 0)?;
-            let ddp_cfg = DdpConfig {
-                bucket_cap_mb: cap_mb,
-                ..DdpConfig::default()
-            };
-            let ddp = DistributedDataParallel::new(model.params(), ctx.comm.clone(), ddp_cfg)?;
-            let mut profile = None;
-            for s in 0..3 {
-                // step 0 rebuilds the buckets; the last step is the one recorded
-                let t0 = Instant::now();
-                model.params().zero_grad()?;
-                model
-                    .loss(&data.batch((s * world + ctx.rank) * batch, batch)?)?
-                    .backward()?;
-                let opt = (Instant::now(), Instant::now()); // (no optimizer here: an SGD step is tiny)
-                profile = RankProfile::from_pass(ctx.rank, t0, &ddp.last_pass(), opt, Instant::now());
-            }
-            let params = model
-                .params()
-                .params()
-                .iter()
-                .map(|p| ParamProfile {
-                    name: p.name().unwrap_or("?").into(),
-                    bytes: p.value().numel() * 4,
-                })
-                .collect::<Vec<_>>();
-            Ok((params, profile))
-        },
+        |_| Ok(Dataset::teacher(1024, 256, 10, 0)?),
+        |_| Ok(Box::new(Mlp::new(mlp.clone(), 0)?)),
     )?;
-    let params = launched.results[0].1 .0.clone();
-    let ranks: Vec<RankProfile> = launched.results.into_iter().filter_map(|(_, (_, p))| p).collect();
-    let profile = StepProfile {
-        version: PROFILE_VERSION,
-        world_size: world,
-        bucket_cap_mb: cap_mb,
-        first_bucket_cap_mb: 1.0,
-        params,
-        ranks,
-    };
+    let profile = report.profile.ok_or("no step was profiled")?;
 
     println!(
         "{:>10} {:>10} {:>10} {:>12} {:>12}",
@@ -79,8 +39,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     for (name, cost) in [
         ("measured", LinkCost::Measured),
-        ("1 Gb/s", LinkCost::Ring(link(1.0, 20.0))),
-        ("100 Gb/s", LinkCost::Ring(link(100.0, 5.0))),
+        ("1 Gb/s", LinkCost::Ring(net_model(1.0, 20.0))),
+        ("100 Gb/s", LinkCost::Ring(net_model(100.0, 5.0))),
     ] {
         for cap in [0.25, 1.0, 5.0, 25.0, 100.0] {
             let r = replay(

@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 
 pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
 use crate::device::{parse_device, DeviceArg};
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 pub use crate::launch::Backend;
 use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
 
@@ -48,7 +48,7 @@ pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
 pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     if let Some(g) = gbps {
         if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
                 compact(NET_GBPS.0),
                 compact(NET_GBPS.1)
@@ -56,7 +56,7 @@ pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
         }
     }
     if !(0.0..=MAX_LATENCY_US).contains(&latency_us) {
-        return Err(CliError::Usage(format!(
+        return Err(Error::Usage(format!(
             "--net-latency-us must be between 0 and {}, got {latency_us}",
             compact(MAX_LATENCY_US)
         )));
@@ -117,7 +117,7 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// Checks the shape flags of the chosen model, naming the flag at fault.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         match self.model {
             ModelName::Mlp => {
                 if self.widths.len() < 2 {
@@ -290,7 +290,7 @@ impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         self.model.validate()?;
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
@@ -357,7 +357,7 @@ impl RunArgs {
         }
         if let HookSpec::PowerSgd(cfg) = self.hook_spec() {
             cfg.validate().map_err(|e| {
-                CliError::Usage(format!(
+                Error::Usage(format!(
                     "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
                 ))
             })?;
@@ -388,7 +388,7 @@ impl RunArgs {
     pub fn bucket_cap(&self) -> Result<f64> {
         self.start_cap().ok_or_else(|| {
             let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
-            CliError::Usage(format!(
+            Error::Usage(format!(
                 "--bucket-mb takes one value for a training run, got {} (a list is for `brigade sweep`)",
                 caps.join(",")
             ))

@@ -9,7 +9,7 @@ use brigade_tensor::{set_compute_threads, DType, Device, Rng, Tensor};
 use clap::Args;
 use serde::Serialize;
 
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 /// Options of `brigade bench gemm`.
 #[derive(Args, Clone, Debug)]
@@ -60,10 +60,10 @@ fn parse_shape(s: &str) -> Result<[usize; 3]> {
         .split('x')
         .map(|d| d.trim().parse())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| CliError::Usage(format!("--shapes: '{s}' is not MxKxN (e.g. 1024x1024x1024)")))?;
+        .map_err(|_| Error::Usage(format!("--shapes: '{s}' is not MxKxN (e.g. 1024x1024x1024)")))?;
     match dims[..] {
         [m, k, n] if m > 0 && k > 0 && n > 0 => Ok([m, k, n]),
-        _ => Err(CliError::Usage(format!(
+        _ => Err(Error::Usage(format!(
             "--shapes: '{s}' is not MxKxN with every size >= 1"
         ))),
     }
@@ -74,7 +74,7 @@ fn parse_dtype(s: &str) -> Result<DType> {
         "f32" => Ok(DType::F32),
         "f16" => Ok(DType::F16),
         "bf16" => Ok(DType::BF16),
-        d => Err(CliError::Usage(format!("--dtypes: '{d}' is not f32, f16 or bf16"))),
+        d => Err(Error::Usage(format!("--dtypes: '{d}' is not f32, f16 or bf16"))),
     }
 }
 
@@ -111,7 +111,7 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
         );
         return Ok(());
     }
@@ -155,11 +155,11 @@ fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     let shapes: Vec<[usize; 3]> = a.shapes.iter().map(|s| parse_shape(s)).collect::<Result<_>>()?;
     if a.reps == 0 {
-        return Err(CliError::Usage("--reps must be at least 1".into()));
+        return Err(Error::Usage("--reps must be at least 1".into()));
     }
     if let Some(np) = &a.numpy_gflops {
         if np.len() != shapes.len() || np.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "--numpy-gflops takes one positive figure per shape ({} shapes), got {np:?}",
                 shapes.len()
             )));
@@ -170,11 +170,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         "cuda" => Device::Cuda(0),
         d => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
             Some(n) => Device::Cuda(n),
-            None => {
-                return Err(CliError::Usage(format!(
-                    "--device must be cpu, cuda or cuda:N, got '{d}'"
-                )))
-            }
+            None => return Err(Error::Usage(format!("--device must be cpu, cuda or cuda:N, got '{d}'"))),
         },
     };
     let dtypes: Vec<DType> = a.dtypes.iter().map(|d| parse_dtype(d)).collect::<Result<_>>()?;
@@ -182,7 +178,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         return bench_cuda(&a, &shapes, &dtypes, ordinal);
     }
     if dtypes != [DType::F32] {
-        return Err(CliError::Usage(
+        return Err(Error::Usage(
             "--dtypes: the CPU GEMM is f32 only (f16/bf16 are storage dtypes there)".into(),
         ));
     }
@@ -190,7 +186,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
-        return Err(CliError::Usage("--threads must be at least 1".into()));
+        return Err(Error::Usage("--threads must be at least 1".into()));
     }
     set_compute_threads(threads);
     let mut rng = Rng::new(0);
@@ -207,7 +203,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
-            .map_err(|e| CliError::Usage(format!("a pool of {threads} threads: {e}")))?;
+            .map_err(|e| Error::Usage(format!("a pool of {threads} threads: {e}")))?;
         let direct = median_secs(a.reps, || {
             pool.install(|| unsafe {
                 // SAFETY: row-major buffers of exactly m*k, k*n and m*n elements.
@@ -249,7 +245,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
         );
         return Ok(());
     }

@@ -4,7 +4,7 @@ use brigade_ddp::overlap::{AutotuneConfig, AutotuneReport, AUTOTUNE_CAPS_MB, AUT
 use clap::Args;
 
 use crate::args::{compact, CommHookName, RunArgs};
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 /// One `--bucket-mb` value.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -72,7 +72,7 @@ impl RunArgs {
             .iter()
             .map(|b| {
                 b.mib().ok_or_else(|| {
-                    CliError::Usage(
+                    Error::Usage(
                         "--bucket-mb auto is for `brigade train` (a sweep measures fixed caps; list numbers)".into(),
                     )
                 })
@@ -104,7 +104,7 @@ impl RunArgs {
 
     /// Checks `--bucket-mb auto` and the autotuner's flags.
     pub(crate) fn validate_autotune(&self) -> Result<()> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         let a = &self.autotune;
         let given = a.autotune_every.is_some() || a.autotune_caps.is_some() || a.autotune_min_gain.is_some();
         if !self.bucket_auto() {

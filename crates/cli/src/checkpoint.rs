@@ -4,26 +4,25 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
-use brigade_models::{
-    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Dataset, Model, ModelKind,
-};
+use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model};
 use brigade_tensor::Tensor;
 
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
 
-/// What a checkpoint records besides the tensors, and a resume checks: the model, the
+/// What a checkpoint records besides the tensors, and a resume checks: the model's name, the
 /// optimizer's name, the seed (it chooses the built-in data) and the data's fingerprint.
 pub struct CheckpointIdentity<'a> {
-    /// The model configuration.
-    pub kind: &'a ModelKind,
+    /// The model's name (`mlp`, `gpt`, or a user's).
+    pub model: &'a str,
     /// The optimizer's name (`sgd`, `adamw`).
     pub optimizer: &'a str,
     /// `--seed`.
     pub seed: u64,
-    /// The training data.
-    pub data: &'a Dataset,
+    /// The training data's fingerprint ([`crate::shard::DataSource::fingerprint`]; `None`:
+    /// neither recorded nor checked).
+    pub data: Option<String>,
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -44,12 +43,12 @@ pub fn save_checkpoint(
     let meta = [
         ("format", CHECKPOINT_FORMAT.to_string()),
         ("step", step.to_string()),
-        ("model", id.kind.name().to_string()),
+        ("model", id.model.to_string()),
         ("optimizer", id.optimizer.to_string()),
         ("seed", id.seed.to_string()),
-        ("data", id.data.fingerprint().to_string()),
     ]
     .into_iter()
+    .chain(id.data.clone().map(|fp| ("data", fp)))
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     save_safetensors(path, &tensors, Some(meta))?;
@@ -64,7 +63,7 @@ pub fn load_checkpoint(
     model: &dyn Model,
     opt: &mut dyn Optimizer,
 ) -> Result<usize> {
-    let err = |msg: String| CliError::Checkpoint {
+    let err = |msg: String| Error::Checkpoint {
         path: path.display().to_string(),
         msg,
     };
@@ -72,7 +71,7 @@ pub fn load_checkpoint(
     if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
         return Err(err("not a brigade checkpoint (written by --checkpoint)".into()));
     }
-    for (key, want) in [("model", id.kind.name()), ("optimizer", id.optimizer)] {
+    for (key, want) in [("model", id.model), ("optimizer", id.optimizer)] {
         let got = meta.get(key).cloned().unwrap_or_default();
         if got != want {
             return Err(err(format!("it was written for {key} '{got}', this run uses '{want}'")));
@@ -82,9 +81,10 @@ pub fn load_checkpoint(
     // checkpoints have neither)
     let seed = id.seed.to_string();
     for (key, flag, want) in [
-        ("seed", "--seed", seed.as_str()),
-        ("data", "data", id.data.fingerprint()),
+        ("seed", "--seed", Some(seed.as_str())),
+        ("data", "data", id.data.as_deref()),
     ] {
+        let Some(want) = want else { continue };
         if let Some(got) = meta.get(key).filter(|got| *got != want) {
             return Err(err(format!(
                 "it was written with {flag} {got}, this run has {flag} {want}: resume with what it was written with"

@@ -1,4 +1,6 @@
-//! The CLI's error type: one line for the user, then a non-zero exit.
+//! The library's error type ([`Error`], `brigade::Error`): what launching ranks, training,
+//! checkpoints and the command line can fail with, typed per cause. The binary prints it as
+//! one line and exits non-zero ([`Error::exit_code`]).
 
 use brigade_autograd::AutogradError;
 use brigade_comm::CommError;
@@ -6,31 +8,51 @@ use brigade_ddp::DdpError;
 use brigade_models::ModelError;
 use brigade_tensor::TensorError;
 
-/// Everything `brigade` can fail with.
+/// Everything the `brigade` library and binary can fail with.
 #[derive(Debug, thiserror::Error)]
-pub enum CliError {
+pub enum Error {
     /// Flags that cannot work together or values out of range.
     #[error("{0}")]
     Usage(String),
     /// Reading or writing a file.
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        /// The file (with the flag that named it, when there is one).
+        path: String,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// A model, layer, dataset or safetensors file failed (`brigade::models`).
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The DDP reducer or a communication hook failed (`brigade::ddp`).
     #[error(transparent)]
     Ddp(#[from] DdpError),
+    /// A collective failed or timed out, or a peer is gone (`brigade::comm`).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Backward or an optimizer failed (`brigade::autograd`).
     #[error(transparent)]
     Autograd(#[from] AutogradError),
+    /// A tensor op failed: shapes, dtypes, devices (`brigade::tensor`).
     #[error(transparent)]
     Tensor(#[from] TensorError),
     /// A checkpoint that does not fit this run.
     #[error("checkpoint {path}: {msg}")]
-    Checkpoint { path: String, msg: String },
+    Checkpoint {
+        /// The checkpoint file.
+        path: String,
+        /// What does not fit.
+        msg: String,
+    },
     /// Rendering a chart.
     #[error("chart {path}: {msg}")]
-    Chart { path: String, msg: String },
+    Chart {
+        /// The chart file.
+        path: String,
+        /// What the renderer said.
+        msg: String,
+    },
     /// Outputs of a finished run that could not be written (each: flag, path, cause); the
     /// others were written.
     #[error("{} of the outputs could not be written (the others were): {}", .0.len(), .0.join("; "))]
@@ -38,9 +60,12 @@ pub enum CliError {
     /// One rank's failure (the root cause among the ranks' errors).
     #[error("rank {rank} of {world}: {source}")]
     OnRank {
+        /// The rank that failed.
         rank: usize,
+        /// The number of ranks.
         world: usize,
-        source: Box<CliError>,
+        /// That rank's own error.
+        source: Box<Error>,
     },
     /// A loss or parameter stopped being finite: the run diverged (every rank stops at the same
     /// step, before that step's update).
@@ -48,24 +73,36 @@ pub enum CliError {
         "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept; \
          lower --lr, or pass --allow-nonfinite to train on"
     )]
-    NonFinite { step: usize, what: String, value: f64 },
+    NonFinite {
+        /// The step whose loss (or update) was not finite.
+        step: usize,
+        /// What was not finite (the loss, or which parameter).
+        what: String,
+        /// The value found (NaN or an infinity).
+        value: f64,
+    },
     /// SIGINT or SIGTERM stopped the run after a step (exit status 130).
     #[error("interrupted after step {step} of {steps}: the outputs hold every finished step")]
-    Interrupted { step: usize, steps: usize },
+    Interrupted {
+        /// The last step run.
+        step: usize,
+        /// The step the run was to train until.
+        steps: usize,
+    },
 }
 
-impl CliError {
+impl Error {
     /// Whether every rank reaches this error together (so it names no rank and needs no abort).
     pub fn is_agreed(&self) -> bool {
-        matches!(self, CliError::NonFinite { .. } | CliError::Interrupted { .. })
+        matches!(self, Error::NonFinite { .. } | Error::Interrupted { .. })
     }
 
     /// This error as rank `rank`'s of `world` (unchanged when it is agreed or the world is one rank).
-    pub fn on_rank(self, rank: usize, world: usize) -> CliError {
+    pub fn on_rank(self, rank: usize, world: usize) -> Error {
         if world == 1 || self.is_agreed() {
             return self;
         }
-        CliError::OnRank {
+        Error::OnRank {
             rank,
             world,
             source: Box::new(self),
@@ -76,20 +113,24 @@ impl CliError {
     /// SIGINT), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Interrupted { .. } => 130,
+            Error::Interrupted { .. } => 130,
             _ => 1,
         }
     }
 }
 
-/// Result alias for the CLI.
-pub type Result<T> = std::result::Result<T, CliError>;
+/// Result alias for the library.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The former name of [`Error`], kept so that code written against it still compiles.
+#[deprecated(note = "renamed to `brigade::Error`")]
+pub type CliError = Error;
 
 /// Writes `bytes` to `path` atomically (see [`brigade_models::write_atomic`]: a unique
 /// temporary beside the target, synced, then renamed; a symbolic link keeps pointing at
 /// the file it names, which is what gets written).
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    brigade_models::write_atomic(path, bytes).map_err(|source| CliError::Io {
+    brigade_models::write_atomic(path, bytes).map_err(|source| Error::Io {
         path: path.display().to_string(),
         source,
     })

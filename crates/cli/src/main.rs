@@ -4,8 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-// The library half (launch, trainer, checkpoint, device, error) is `brigade`'s lib target.
-use brigade::{device, error, launch, trainer};
+// The library half (fit, launch, trainer, checkpoint, timeline, device, error) is `brigade`'s
+// lib target.
+use brigade::{device, error, launch, timeline, trainer};
 
 mod args;
 mod bench;
@@ -17,8 +18,6 @@ mod run;
 mod signal;
 mod sweep;
 mod sweep_stats;
-mod timeline;
-mod trace_gather;
 mod train;
 
 /// Brigade: data-parallel training from scratch.
@@ -64,10 +63,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(
-                e.downcast_ref::<error::CliError>()
-                    .map_or(1, error::CliError::exit_code),
-            )
+            ExitCode::from(e.downcast_ref::<error::Error>().map_or(1, error::Error::exit_code))
         }
     }
 }

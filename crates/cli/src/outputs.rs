@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 /// One output a run will write: the flag that asked for it and its path.
 #[derive(Clone, Debug)]
@@ -27,7 +27,7 @@ impl Output {
 /// Where a write of `path` really lands, absolute: symbolic links followed, the directory
 /// resolved, so that two spellings of one file compare equal.
 fn landing(o: &Output) -> Result<PathBuf> {
-    let usage = |m: String| CliError::Usage(format!("{} {}: {m}", o.flag, o.path.display()));
+    let usage = |m: String| Error::Usage(format!("{} {}: {m}", o.flag, o.path.display()));
     let target = brigade_models::io::write_target(&o.path).map_err(|e| usage(e.to_string()))?;
     if target.is_dir() {
         return Err(usage("is a directory; give a file name".into()));
@@ -67,7 +67,7 @@ pub fn check_outputs(outputs: &[Output]) -> Result<()> {
     for o in outputs {
         let at = landing(o)?;
         if let Some((_, first)) = seen.iter().find(|(p, _)| *p == at) {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "{} {} and {} {} are the same file {}: give each output its own path",
                 first.flag,
                 first.path.display(),
@@ -78,7 +78,7 @@ pub fn check_outputs(outputs: &[Output]) -> Result<()> {
         }
         let dir = at.parent().expect("landing() returns dir/name");
         writable(dir).map_err(|e| {
-            CliError::Usage(format!(
+            Error::Usage(format!(
                 "{} {}: cannot create files in {}: {e}",
                 o.flag,
                 o.path.display(),
@@ -106,7 +106,7 @@ pub fn write_all(writes: Vec<Write<'_>>) -> Result<()> {
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(CliError::Outputs(failed))
+        Err(Error::Outputs(failed))
     }
 }
 

@@ -10,7 +10,7 @@ use brigade_ddp::overlap::{replay, LinkCost, ReplayConfig, ReplayResult, StepPro
 use clap::Args;
 
 use crate::args::check_link;
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 /// Options of `brigade predict`.
 #[derive(Args, Clone, Debug)]
@@ -43,7 +43,7 @@ pub struct PredictArgs {
 
 impl PredictArgs {
     fn link(&self) -> Result<LinkCost> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         match (self.net_gbps, self.measured_link) {
             (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
             (None, false) => {
@@ -65,9 +65,9 @@ impl PredictArgs {
 pub fn predict(a: PredictArgs) -> Result<()> {
     let link = a.link()?;
     if a.world_size == Some(0) {
-        return Err(CliError::Usage("--world-size must be at least 1".into()));
+        return Err(Error::Usage("--world-size must be at least 1".into()));
     }
-    let text = std::fs::read_to_string(&a.profile).map_err(|source| CliError::Io {
+    let text = std::fs::read_to_string(&a.profile).map_err(|source| Error::Io {
         path: a.profile.display().to_string(),
         source,
     })?;
@@ -77,7 +77,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         Err(e) => match serde_json::from_str::<Vec<StepProfile>>(&text) {
             Ok(list) if !list.is_empty() => list,
             _ => {
-                return Err(CliError::Usage(format!(
+                return Err(Error::Usage(format!(
                     "{}: not a step profile (written by brigade train --profile): {e}",
                     a.profile.display()
                 )))
@@ -98,7 +98,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             .iter()
             .map(|p| replay(p, &cfg))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| CliError::Usage(format!("{}: {e}", a.profile.display())))?;
+            .map_err(|e| Error::Usage(format!("{}: {e}", a.profile.display())))?;
         // several steps: the one whose predicted step time is the median
         steps.sort_by(|x, y| x.predicted_step_s.total_cmp(&y.predicted_step_s));
         rows.push(steps.swap_remove(steps.len() / 2));
@@ -106,7 +106,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
         );
     } else {
         if profiles.len() > 1 {

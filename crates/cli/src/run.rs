@@ -1,24 +1,23 @@
 //! A training run from the command line's flags: the one place where the flags become plain
-//! configurations ([`LaunchConfig`], [`TrainConfig`]); then [`launch`] starts the ranks, each
-//! runs a [`Trainer`], and rank 0's outcome becomes the [`RunReport`].
+//! configurations ([`LaunchConfig`], [`TrainConfig`]), the model and the dataset; then the
+//! library's [`fit()`] trains and returns rank 0's [`RunReport`].
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use brigade_comm::{all_gather_bytes, Event, Recorder};
-use brigade_ddp::overlap::{AutotuneReport, StepProfile};
-use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
+use brigade::fit::fit;
+pub use brigade::fit::RunReport;
+use brigade_comm::Recorder;
+use brigade_ddp::DdpConfig;
 use brigade_models::{Dataset, ModelKind};
-use brigade_tensor::Tensor;
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{OptimizerName, RunArgs};
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 pub use crate::launch::default_threads;
-use crate::launch::{launch, net_model, Backend, LaunchConfig, RankContext};
-use crate::trace_gather::gather_step_events;
-use crate::trainer::{OptimizerConfig, TrainConfig, TrainOutcome, Trainer};
+use crate::launch::{net_model, Backend, LaunchConfig};
+use crate::trainer::{OptimizerConfig, TrainConfig};
 
 /// What a run does besides training.
 #[derive(Clone, Debug, Default)]
@@ -44,56 +43,6 @@ pub struct RunOptions {
     pub profile_steps: Option<std::ops::Range<usize>>,
 }
 
-/// One step of every rank, recorded.
-pub struct StepTimeline {
-    /// The step.
-    pub step: usize,
-    /// Every rank's events of the step.
-    pub events: Vec<Event>,
-    /// Time zero of the trace.
-    pub origin: Instant,
-}
-
-/// What a run produced, as seen from rank 0 (losses are global means over ranks).
-pub struct RunReport {
-    /// World size.
-    pub world_size: usize,
-    /// First step run (non-zero after a resume).
-    pub first_step: usize,
-    /// Global mean loss of each step run, before its update.
-    pub losses: Vec<f64>,
-    /// Rank 0's wall time of each step run, in milliseconds.
-    pub step_ms: Vec<f64>,
-    /// DDP buckets after the last step (empty when compute-only).
-    pub buckets: Vec<BucketInfo>,
-    /// Rank 0's gradient memory (absent when compute-only).
-    pub memory: Option<MemoryReport>,
-    /// The last step run, recorded on every rank (when recording and a step ran).
-    pub timeline: Option<StepTimeline>,
-    /// Rank 0's final parameters.
-    pub params: Vec<(String, Tensor)>,
-    /// Stopped before `--steps` by SIGINT/SIGTERM (after a finished step).
-    pub interrupted: bool,
-    /// The error every rank agreed on that ended the run early (it diverged); the report
-    /// holds the steps before it, and the caller writes them before reporting it.
-    pub stopped: Option<CliError>,
-    /// Why rank 0 could not write the final checkpoint (the other outputs are still written).
-    pub checkpoint_error: Option<String>,
-    /// Every rank's profile of the last synchronized step (when profiling).
-    pub profile: Option<StepProfile>,
-    /// Every rank's profile of each step in `--profile-steps`, in order.
-    pub profiles: Vec<StepProfile>,
-    /// Rank 0's account of the bucket-cap autotuner (`--bucket-mb auto`).
-    pub autotune: Option<AutotuneReport>,
-}
-
-/// What one rank returns: its training outcome, and under MPI the recorded last step of
-/// every rank (each process records only its own).
-struct RankOut {
-    train: TrainOutcome,
-    gathered: Option<Vec<Event>>,
-}
-
 /// Loads the dataset the flags name and checks it can feed one global step of `world` ranks.
 pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Dataset> {
     let data = match (&args.data, kind) {
@@ -103,7 +52,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
     };
     let global = world * args.rows_per_rank();
     if data.len() < global {
-        return Err(CliError::Usage(format!(
+        return Err(Error::Usage(format!(
             "one step needs {global} rows (world size {world} x accum {} x batch size {}) but {} has {} rows",
             args.accum,
             args.batch_size,
@@ -119,7 +68,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
 fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> Result<Dataset> {
     if args.backend == Backend::Mpi {
         if args.world_size != 1 && args.world_size != world {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "--world-size {} but mpirun started {world} processes: drop --world-size (MPI's size is used) or pass -np {}",
                 args.world_size, args.world_size
             )));
@@ -130,7 +79,7 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> R
             ("--data", &args.data),
         ] {
             if let Some(path) = path {
-                std::fs::metadata(path).map_err(|e| CliError::Io {
+                std::fs::metadata(path).map_err(|e| Error::Io {
                     path: format!("{flag} {}", path.display()),
                     source: e,
                 })?;
@@ -168,7 +117,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         ..DdpConfig::default()
     };
     Ok(TrainConfig {
-        model: args.model.kind(),
+        model_name: args.model.kind().name().into(),
         seed: args.seed,
         init: args.init.clone(),
         steps: args.steps,
@@ -180,99 +129,35 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         checkpoint: opts.checkpoint.clone(),
         checkpoint_every: opts.checkpoint_every,
         allow_nonfinite: args.allow_nonfinite,
-        comm_hook: args.hook_spec(),
+        comm_hook: Arc::new(args.hook_spec()),
         profile: opts.profile,
         profile_steps: opts.profile_steps.clone(),
         autotune: args.autotune_config(),
         compute_threads: args.threads_per_rank,
         device: args.device,
         stop: opts.stop,
+        progress: opts.progress,
     })
 }
 
-/// One rank: train, with a progress bar on rank 0; under MPI, gather the recorded last step.
-fn rank_main(ctx: &RankContext, cfg: &TrainConfig, data: &Dataset, progress: bool) -> Result<RankOut> {
-    let trainer = Trainer::new(cfg, data, ctx)?;
-    let bar = (progress && ctx.rank == 0).then(|| {
-        let bar = ProgressBar::new(cfg.steps.saturating_sub(trainer.first_step()) as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | eta {eta}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        bar
-    });
-    let train = trainer.run(|s| {
-        if let Some(bar) = &bar {
-            bar.set_message(format!("step {} loss {:.4} | {:.1} ms/step", s.step, s.loss, s.ms));
-            bar.inc(1);
-        }
-    });
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    let mut train = train?;
-    // every rank's entries, on every rank (rank 0 writes the file); every rank kept as many
-    for profile in train.profile.iter_mut().chain(train.profiles.iter_mut()) {
-        gather_profile(ctx, profile)?;
-    }
-    let gathered = match (&ctx.recorder, ctx.backend, train.last_step()) {
-        (Some(rec), Backend::Mpi, Some(last)) => Some(gather_step_events(ctx.control.as_ref(), rec, last)?),
-        _ => None,
-    };
-    Ok(RankOut { train, gathered })
-}
-
-/// Replaces `profile`'s ranks (this rank's entry) with every rank's entry.
-fn gather_profile(ctx: &RankContext, profile: &mut StepProfile) -> Result<()> {
-    let mine = serde_json::to_vec(&profile.ranks[0]).map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
-    let all = all_gather_bytes(ctx.control.as_ref(), mine, "profile")?;
-    profile.ranks = all
-        .iter()
-        .map(|b| serde_json::from_slice(b))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| CliError::Usage(format!("step profile from a peer: {e}")))?;
-    Ok(())
-}
-
-/// Runs the training the flags describe. Under MPI, ranks other than 0 exit here once
-/// training succeeded (rank 0 alone reports and writes files).
+/// Runs the training the flags describe: the model `--model` names, on the dataset the flags
+/// name, through the library's [`fit()`]. Under MPI, ranks other than 0 exit here once training
+/// succeeded (rank 0 alone reports and writes files).
 pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
     let launch_cfg = launch_config(args, opts);
     let train_cfg = train_config(args, opts)?;
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
-    let launched = launch(
+    let kind = args.model.kind();
+    let report = fit(
         &launch_cfg,
-        |world| setup(args, opts, &train_cfg.model, world),
-        |ctx, data| rank_main(ctx, &train_cfg, data, opts.progress),
+        &train_cfg,
+        |world| setup(args, opts, &kind, world),
+        |_| Ok(kind.build(args.seed)?),
     )?;
-    let world_size = launched.world_size;
-    let Some(RankOut { train, gathered }) = launched.into_rank0() else {
+    if report.rank != 0 {
         std::process::exit(0);
-    };
-    let timeline = match (&launch_cfg.recorder, train.last_step()) {
-        (Some(rec), Some(step)) => Some(StepTimeline {
-            step,
-            events: gathered.unwrap_or_else(|| rec.step_events(step)),
-            origin: rec.origin(),
-        }),
-        _ => None,
-    };
-    Ok(RunReport {
-        world_size,
-        first_step: train.first_step,
-        losses: train.losses,
-        step_ms: train.step_ms,
-        buckets: train.buckets,
-        memory: train.memory,
-        timeline,
-        params: train.params,
-        interrupted: train.interrupted,
-        stopped: train.stopped,
-        checkpoint_error: train.checkpoint_error,
-        profile: train.profile,
-        profiles: train.profiles,
-        autotune: train.autotune,
-    })
+    }
+    Ok(report)
 }

@@ -16,7 +16,7 @@ use clap::Args;
 use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
-use crate::error::{write_atomic, CliError, Result};
+use crate::error::{write_atomic, Error, Result};
 use crate::run::{run, RunOptions, RunReport};
 use crate::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
 use crate::timeline::write_timeline;
@@ -82,7 +82,7 @@ fn written_by_a_sweep(name: &str) -> bool {
 /// Makes `--out` ready before any run: created, takes files, and emptied of what an
 /// earlier sweep wrote there (a stale timeline must not pass for this sweep's).
 fn prepare_out(out: &std::path::Path) -> Result<()> {
-    let io = |source| CliError::Io {
+    let io = |source| Error::Io {
         path: format!("--out {}", out.display()),
         source,
     };
@@ -92,7 +92,7 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
         let entry = entry.map_err(io)?;
         // regular files only: a symbolic link stays, and the new output is written through it
         if entry.file_name().to_str().is_some_and(written_by_a_sweep) && entry.file_type().map_err(io)?.is_file() {
-            std::fs::remove_file(entry.path()).map_err(|source| CliError::Io {
+            std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
                 path: entry.path().display().to_string(),
                 source,
             })?;
@@ -114,12 +114,12 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     let caps = s.run.fixed_caps()?;
     s.run.validate()?;
     if s.run.steps < 2 {
-        return Err(CliError::Usage(
+        return Err(Error::Usage(
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
     }
     if s.repeat == 0 {
-        return Err(CliError::Usage("--repeat must be at least 1 (runs of each cap)".into()));
+        return Err(Error::Usage("--repeat must be at least 1 (runs of each cap)".into()));
     }
     if let Some(b) = caps
         .iter()
@@ -127,7 +127,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         .find(|(i, b)| caps[..*i].contains(b))
         .map(|(_, b)| b)
     {
-        return Err(CliError::Usage(format!(
+        return Err(Error::Usage(format!(
             "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
         )));
     }
@@ -201,7 +201,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     if s.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| CliError::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
         );
     } else {
         print_table(&rows);
@@ -273,7 +273,7 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
 }
 
 fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
-    let err = |m: String| CliError::Chart {
+    let err = |m: String| Error::Chart {
         path: path.display().to_string(),
         msg: m,
     };

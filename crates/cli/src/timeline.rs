@@ -7,12 +7,12 @@ use std::time::Instant;
 use brigade_comm::{chrome_trace, Event, EventKind, Track};
 use plotters::prelude::*;
 
-use crate::error::{write_atomic, CliError, Result};
+use crate::error::{write_atomic, Error, Result};
 
 /// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
 pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
     let json = chrome_trace(events, origin);
-    let text = serde_json::to_string(&json).map_err(|e| CliError::Usage(format!("timeline JSON: {e}")))?;
+    let text = serde_json::to_string(&json).map_err(|e| Error::Usage(format!("timeline JSON: {e}")))?;
     write_atomic(path, text.as_bytes())?;
     draw_gantt(&path.with_extension("svg"), events, title)
 }
@@ -80,7 +80,7 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
 
 /// The chart of [`draw_gantt`] as SVG text (`path` names it in errors).
 fn render_gantt(svg: &mut String, path: &Path, events: &[Event], title: &str) -> Result<()> {
-    let err = |msg: String| CliError::Chart {
+    let err = |msg: String| Error::Chart {
         path: path.display().to_string(),
         msg,
     };

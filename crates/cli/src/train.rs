@@ -6,7 +6,7 @@ use clap::Args;
 use serde_json::json;
 
 use crate::args::{compact, flag_name, RunArgs};
-use crate::error::{write_atomic, CliError, Result};
+use crate::error::{write_atomic, Error, Result};
 use crate::outputs::{check_outputs, write_all, Output, Write};
 use crate::run::{run, RunOptions, RunReport};
 use crate::timeline::write_timeline;
@@ -111,7 +111,7 @@ pub fn summarize(args: &RunArgs, report: &RunReport) -> Summary {
 impl TrainArgs {
     /// Checks the flags before any work: numbers, combinations, and every output path.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(CliError::Usage(m));
+        let bad = |m: String| Err(Error::Usage(m));
         self.run.validate()?;
         self.run.bucket_cap()?;
         match (self.checkpoint_every, &self.checkpoint) {
@@ -173,7 +173,7 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
         Err(source) => {
-            return Err(CliError::Io {
+            return Err(Error::Io {
                 path: path.display().to_string(),
                 source,
             })
@@ -181,7 +181,7 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
     };
     let mut lines = text.lines();
     let not_ours = || {
-        CliError::Usage(format!(
+        Error::Usage(format!(
             "--losses {}: the file exists but is not a `step,loss` file; a resumed run keeps its earlier rows, so move it away or pick another file",
             path.display()
         ))
@@ -224,12 +224,12 @@ pub fn train(t: TrainArgs) -> Result<()> {
     let mut written = write_outputs(&t, &report, &kept);
     if let Some(failure) = report.checkpoint_error.take() {
         written = match written {
-            Err(CliError::Outputs(mut failures)) => {
+            Err(Error::Outputs(mut failures)) => {
                 failures.push(failure);
-                Err(CliError::Outputs(failures))
+                Err(Error::Outputs(failures))
             }
-            Err(e) => Err(CliError::Outputs(vec![e.to_string(), failure])),
-            Ok(()) => Err(CliError::Outputs(vec![failure])),
+            Err(e) => Err(Error::Outputs(vec![e.to_string(), failure])),
+            Ok(()) => Err(Error::Outputs(vec![failure])),
         };
     }
     print_summary(&t, &report)?;
@@ -240,7 +240,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
     written?;
     if report.interrupted {
         let step = (report.first_step + report.losses.len()).saturating_sub(1);
-        return Err(CliError::Interrupted {
+        return Err(Error::Interrupted {
             step,
             steps: t.run.steps,
         });
@@ -378,7 +378,7 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
         match text {
             Some(text) => {
                 let write = move || {
-                    let text = text.map_err(|e| CliError::Usage(format!("step profile: {e}")))?;
+                    let text = text.map_err(|e| Error::Usage(format!("step profile: {e}")))?;
                     write_atomic(path, text.as_bytes())
                 };
                 writes.push((Output::new("--profile", path), Box::new(write)));

@@ -1,7 +1,7 @@
-//! One rank's training loop: [`Trainer::step`] runs one optimizer step (microbatches, DDP,
-//! the ranks' agreement on the loss and on stopping, the update); [`Trainer::run`] steps until
-//! `steps`, checkpointing on the way. Nothing here knows the command line: a [`TrainConfig`] is
-//! plain data.
+//! One rank's training loop over any [`Model`] and [`DataSource`]: [`Trainer::step`] runs one
+//! optimizer step (microbatches, DDP, the ranks' agreement on the loss and on stopping, the
+//! update); [`Trainer::run`] steps until `steps`, checkpointing on the way. Nothing here knows
+//! the command line: a [`TrainConfig`] is plain data. [`crate::fit()`] runs it on every rank.
 //!
 //! Every step ends with one small all-reduce of `[loss, non-finite, stop]` over the ranks, so
 //! that all ranks see the global mean loss of every step and stop together: at a non-finite
@@ -10,22 +10,24 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
 use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
-use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::overlap::{
     AutotuneConfig, AutotuneReport, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
 };
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
-use brigade_models::{load_params, Batch, Dataset, Model, ModelKind};
+use brigade_models::{load_params, Batch, Model};
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
+use crate::comm_hook::MakeCommHook;
 use crate::device::DeviceArg;
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 use crate::launch::RankContext;
+use crate::shard::{DataSource, Microbatch};
 
 /// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
 pub const STEP_STATUS_TAG: &str = "step status";
@@ -34,12 +36,23 @@ pub const STEP_STATUS_TAG: &str = "step status";
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {
     /// `torch.optim.SGD`: momentum, and weight decay added to the gradient.
-    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum (0: none).
+        momentum: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+    },
     /// `torch.optim.AdamW`.
     AdamW {
+        /// Learning rate.
         lr: f64,
+        /// Decay rates of the first and second moment estimates.
         betas: (f64, f64),
+        /// Added to the denominator for numerical stability.
         eps: f64,
+        /// Decoupled weight decay.
         weight_decay: f64,
     },
 }
@@ -84,9 +97,9 @@ impl OptimizerConfig {
 /// Everything one training run needs, the same on every rank.
 #[derive(Clone)]
 pub struct TrainConfig {
-    /// The model to build (from `seed`, or from `init`).
-    pub model: ModelKind,
-    /// Seed of the initial parameters.
+    /// The model's name, recorded in checkpoints (resuming another model is an error).
+    pub model_name: String,
+    /// Seed of the initial parameters, recorded in checkpoints (resuming with another is an error).
     pub seed: u64,
     /// Initial parameters (safetensors, PyTorch state-dict names).
     pub init: Option<PathBuf>,
@@ -109,8 +122,9 @@ pub struct TrainConfig {
     pub checkpoint_every: Option<usize>,
     /// Train on through non-finite losses and parameters instead of stopping.
     pub allow_nonfinite: bool,
-    /// How DDP reduces each bucket; every rank builds its own hook from it.
-    pub comm_hook: HookSpec,
+    /// How DDP reduces each bucket: a [`brigade_ddp::hooks::HookSpec`], or a closure making a
+    /// user's own hook; every rank makes its own.
+    pub comm_hook: Arc<dyn MakeCommHook>,
     /// Compute threads of each rank (default: the cores shared among the local ranks).
     pub compute_threads: Option<usize>,
     /// Where the model, batches, gradients and optimizer state live (rank r's GPU, see
@@ -124,6 +138,8 @@ pub struct TrainConfig {
     pub profile_steps: Option<std::ops::Range<usize>>,
     /// Tune DDP's bucket cap as the run goes (`--bucket-mb auto`); needs `ddp`.
     pub autotune: Option<AutotuneConfig>,
+    /// Draw a progress bar on rank 0 (stderr) while [`crate::fit()`] runs.
+    pub progress: bool,
 }
 
 /// What one step did.
@@ -151,7 +167,7 @@ pub struct TrainOutcome {
     pub interrupted: bool,
     /// The error every rank agreed on that ended the run early (a non-finite loss or
     /// parameters): the steps before it are kept, the last good checkpoint is not overwritten.
-    pub stopped: Option<CliError>,
+    pub stopped: Option<Error>,
     /// Why the final checkpoint could not be written (rank 0), so that the run's other
     /// outputs are still written and the failure is named beside theirs.
     pub checkpoint_error: Option<String>,
@@ -188,7 +204,7 @@ struct StepStatus {
 /// One rank's model, optimizer and DDP wrapper, and where the run stands.
 pub struct Trainer<'a> {
     cfg: &'a TrainConfig,
-    data: &'a Dataset,
+    data: &'a dyn DataSource,
     ctx: &'a RankContext,
     model: Box<dyn Model>,
     device: Device,
@@ -209,11 +225,16 @@ pub struct Trainer<'a> {
 }
 
 impl<'a> Trainer<'a> {
-    /// Builds the model (from the seed or `init`), the optimizer, resumes from the checkpoint
-    /// if asked, and wraps the model in DDP over the rank's communicator.
-    pub fn new(cfg: &'a TrainConfig, data: &'a Dataset, ctx: &'a RankContext) -> Result<Self> {
+    /// Takes this rank's `model` (loading `init` into it if given), builds the optimizer,
+    /// resumes from the checkpoint if asked, and wraps the model in DDP over the rank's
+    /// communicator.
+    pub fn new(
+        cfg: &'a TrainConfig,
+        model: Box<dyn Model>,
+        data: &'a dyn DataSource,
+        ctx: &'a RankContext,
+    ) -> Result<Self> {
         set_compute_threads(cfg.compute_threads.unwrap_or_else(|| ctx.default_compute_threads()));
-        let model = cfg.model.build(cfg.seed)?;
         if let Some(init) = &cfg.init {
             load_params(model.params(), init)?;
         }
@@ -221,17 +242,17 @@ impl<'a> Trainer<'a> {
         let first_step = match &cfg.resume {
             Some(path) => {
                 let id = CheckpointIdentity {
-                    kind: &cfg.model,
+                    model: &cfg.model_name,
                     optimizer: cfg.optimizer.name(),
                     seed: cfg.seed,
-                    data,
+                    data: data.fingerprint(),
                 };
                 load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?
             }
             None => 0,
         };
         if first_step > cfg.steps {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "the checkpoint is at step {first_step}, past --steps {}",
                 cfg.steps
             )));
@@ -244,7 +265,7 @@ impl<'a> Trainer<'a> {
             Some(d) => {
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
-                    comm_hook: cfg.comm_hook.build()?,
+                    comm_hook: cfg.comm_hook.make(ctx.rank)?,
                     ..d.clone()
                 };
                 Some(DistributedDataParallel::new(model.params(), ctx.comm.clone(), d)?)
@@ -290,7 +311,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Runs one optimizer step on this rank's shard of the global batch. Fails with
-    /// [`CliError::NonFinite`] on every rank, before the update, when the mean loss is not
+    /// [`Error::NonFinite`] on every rank, before the update, when the mean loss is not
     /// finite (unless `allow_nonfinite`).
     pub fn step(&mut self) -> Result<StepOutcome> {
         let s = self.next_step;
@@ -299,11 +320,18 @@ impl<'a> Trainer<'a> {
         let t0 = Instant::now();
         let step_span = self.begin(EventKind::Step(s));
         self.model.params().zero_grad()?;
-        let base = s * world * k * b + rank * k * b;
         // The microbatches' losses add up where they are computed; read back once per step.
         let mut step_loss: Option<Tensor> = None;
         for j in 0..k {
-            let batch = batch_on(self.data.batch(base + j * b, b)?, self.device)?;
+            let mb = Microbatch {
+                step: s,
+                index: j,
+                accum: k,
+                rank,
+                world_size: world,
+                rows: b,
+            };
+            let batch = batch_on(self.data.batch(&mb)?, self.device)?;
             let fwd = self.begin(EventKind::Forward);
             let loss = self.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?;
             self.end(fwd);
@@ -330,7 +358,7 @@ impl<'a> Trainer<'a> {
             } else {
                 format!("the loss (mean over {world} ranks)")
             };
-            return Err(CliError::NonFinite {
+            return Err(Error::NonFinite {
                 step: s,
                 what,
                 value: status.loss,
@@ -413,7 +441,7 @@ impl<'a> Trainer<'a> {
             .all_reduce(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)
             .wait()?;
         let Some(&[loss, nonfinite, stop]) = all.as_f32() else {
-            return Err(CliError::Usage(format!(
+            return Err(Error::Usage(format!(
                 "the step status all-reduce returned {all:?}, expected 3 f32"
             )));
         };
@@ -437,7 +465,7 @@ impl<'a> Trainer<'a> {
             for (name, t) in self.model.params().named_values() {
                 if let Some(&v) = t.to_f64_vec()?.iter().find(|v| !v.is_finite()) {
                     let what = format!("parameter '{name}' after the update");
-                    return Err(CliError::NonFinite {
+                    return Err(Error::NonFinite {
                         step: self.next_step.saturating_sub(1),
                         what,
                         value: v,
@@ -447,10 +475,10 @@ impl<'a> Trainer<'a> {
         }
         if self.ctx.rank == 0 {
             let id = CheckpointIdentity {
-                kind: &self.cfg.model,
+                model: &self.cfg.model_name,
                 optimizer: self.cfg.optimizer.name(),
                 seed: self.cfg.seed,
-                data: self.data,
+                data: self.data.fingerprint(),
             };
             save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }

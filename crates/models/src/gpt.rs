@@ -16,7 +16,7 @@
 use brigade_autograd::{scope, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::nn::{Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params};
+use crate::nn::{Embedding, Init, LayerNorm, Linear, Params, TransformerBlock};
 use crate::{Batch, Model, ModelError, Result};
 
 /// LayerNorm epsilon (PyTorch's default).
@@ -94,38 +94,13 @@ impl GptConfig {
     }
 }
 
-/// One pre-LayerNorm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
-struct Block {
-    ln1: LayerNorm,
-    attn: CausalSelfAttention,
-    ln2: LayerNorm,
-    mlp: MlpBlock,
-}
-
-impl Block {
-    fn new(p: &mut Params, cfg: &GptConfig) -> Result<Block> {
-        let (d, init) = (cfg.d_model, Init::Normal { std: INIT_STD });
-        Ok(Block {
-            ln1: LayerNorm::new(&mut p.sub("ln1"), d, LN_EPS)?,
-            attn: CausalSelfAttention::new(&mut p.sub("attn"), d, cfg.n_heads, init)?,
-            ln2: LayerNorm::new(&mut p.sub("ln2"), d, LN_EPS)?,
-            mlp: MlpBlock::new(&mut p.sub("mlp"), d, cfg.d_ff, Activation::Gelu, init)?,
-        })
-    }
-
-    fn forward(&self, x: &Var) -> Result<Var> {
-        let x = x.add(&self.attn.forward(&self.ln1.forward(x)?)?)?;
-        Ok(x.add(&self.mlp.forward(&self.ln2.forward(&x)?)?)?)
-    }
-}
-
 /// The GPT: its parameters and its layers.
 pub struct Gpt {
     cfg: GptConfig,
     store: ParamStore,
     tok_emb: Embedding,
     pos_emb: Embedding,
-    blocks: Vec<Block>,
+    blocks: Vec<TransformerBlock>,
     ln_f: LayerNorm,
     head: Linear,
 }
@@ -135,16 +110,16 @@ impl Gpt {
     /// and linear weights (drawn in registration order), zero biases, LayerNorm 1 and 0.
     pub fn new(cfg: GptConfig, seed: u64) -> Result<Gpt> {
         cfg.validate()?;
-        let (v, d) = (cfg.vocab, cfg.d_model);
+        let (v, d, init) = (cfg.vocab, cfg.d_model, Init::Normal { std: INIT_STD });
         let (mut rng, mut store) = (Rng::new(seed), ParamStore::new());
         let mut p = Params::new(&mut store, &mut rng, cfg.dtype);
         let tok_emb = Embedding::new(&mut p.sub("tok_emb"), v, d, INIT_STD)?;
         let pos_emb = Embedding::new(&mut p.sub("pos_emb"), cfg.context, d, INIT_STD)?;
         let blocks = (0..cfg.n_layers)
-            .map(|i| Block::new(&mut p.sub(&format!("blocks.{i}")), &cfg))
+            .map(|i| TransformerBlock::new(&mut p.sub(&format!("blocks.{i}")), d, cfg.n_heads, cfg.d_ff, init))
             .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(&mut p.sub("ln_f"), d, LN_EPS)?;
-        let head = Linear::new(&mut p.sub("head"), d, v, false, Init::Normal { std: INIT_STD })?;
+        let head = Linear::new(&mut p.sub("head"), d, v, false, init)?;
         Ok(Gpt {
             cfg,
             store,
@@ -203,32 +178,11 @@ impl Model for Gpt {
     }
 
     fn loss(&self, batch: &Batch) -> Result<Var> {
-        let Batch::Tokens { tokens } = batch else {
-            return Err(ModelError::WrongBatch {
-                model: "gpt",
-                expected: "tokens",
-                found: batch.kind(),
-            });
-        };
-        if tokens.rank() != 2 || tokens.shape()[1] < 2 {
-            return Err(ModelError::BadBatch {
-                model: "gpt",
-                message: format!(
-                    "tokens have shape {:?}, expected [batch, context + 1] with at least 2 columns",
-                    tokens.shape()
-                ),
-            });
-        }
-        let (b, n) = (tokens.shape()[0], tokens.shape()[1]);
-        let inputs = tokens.narrow(1, 0, n - 1)?.contiguous()?;
-        let targets = tokens
-            .narrow(1, 1, n - 1)?
-            .to_dtype(DType::I64)?
-            .reshape(&[b * (n - 1)])?;
+        let (inputs, targets) = batch.shifted_tokens("gpt")?;
         let logits = self.logits(&inputs)?;
         scope("head", || -> Result<Var> {
             Ok(logits
-                .reshape(&[b * (n - 1), self.cfg.vocab])?
+                .reshape(&[targets.numel(), self.cfg.vocab])?
                 .cross_entropy(&targets)?)
         })
     }

@@ -19,7 +19,7 @@ pub mod mlp;
 pub mod nn;
 
 use brigade_autograd::{ParamStore, Var};
-use brigade_tensor::Tensor;
+use brigade_tensor::{DType, Tensor};
 
 pub use data::Dataset;
 pub use error::{ModelError, Result};
@@ -74,6 +74,36 @@ impl Batch {
             Batch::Classify { .. } => "classify",
             Batch::Tokens { .. } => "tokens",
         }
+    }
+
+    /// A next-token batch shifted for a language model: the inputs `tokens[:, :-1]` `[B, T]`
+    /// (contiguous, dtype kept) and the targets `tokens[:, 1:]` as I64 `[B * T]`, ready for a
+    /// cross-entropy over `[B * T, vocab]` logits. `model` names the model in the errors (a
+    /// classification batch, or rows of fewer than 2 tokens).
+    pub fn shifted_tokens(&self, model: &'static str) -> Result<(Tensor, Tensor)> {
+        let Batch::Tokens { tokens } = self else {
+            return Err(ModelError::WrongBatch {
+                model,
+                expected: "tokens",
+                found: self.kind(),
+            });
+        };
+        if tokens.rank() != 2 || tokens.shape()[1] < 2 {
+            return Err(ModelError::BadBatch {
+                model,
+                message: format!(
+                    "tokens have shape {:?}, expected [batch, context + 1] with at least 2 columns",
+                    tokens.shape()
+                ),
+            });
+        }
+        let (b, n) = (tokens.shape()[0], tokens.shape()[1]);
+        let inputs = tokens.narrow(1, 0, n - 1)?.contiguous()?;
+        let targets = tokens
+            .narrow(1, 1, n - 1)?
+            .to_dtype(DType::I64)?
+            .reshape(&[b * (n - 1)])?;
+        Ok((inputs, targets))
     }
 }
 

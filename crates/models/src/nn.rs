@@ -277,3 +277,35 @@ impl MlpBlock {
         self.proj.forward(&self.activation.apply(&self.fc.forward(x)?)?)
     }
 }
+
+/// A pre-LayerNorm transformer block (GPT-2's): `x + attn(ln1(x))`, then `x + mlp(ln2(x))`,
+/// parameters under `ln1`, `attn`, `ln2`, `mlp` (GELU feed-forward).
+pub struct TransformerBlock {
+    /// Normalises the attention's input.
+    pub ln1: LayerNorm,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention,
+    /// Normalises the feed-forward's input.
+    pub ln2: LayerNorm,
+    /// The feed-forward part.
+    pub mlp: MlpBlock,
+}
+
+impl TransformerBlock {
+    /// Registers `ln1`, `attn`, `ln2`, `mlp` under `p`'s prefix: width `d`, `n_heads` heads, a
+    /// `d_ff`-wide GELU feed-forward, LayerNorms with PyTorch's epsilon.
+    pub fn new(p: &mut Params, d: usize, n_heads: usize, d_ff: usize, init: Init) -> Result<TransformerBlock> {
+        Ok(TransformerBlock {
+            ln1: LayerNorm::new(&mut p.sub("ln1"), d, LayerNorm::DEFAULT_EPS)?,
+            attn: CausalSelfAttention::new(&mut p.sub("attn"), d, n_heads, init)?,
+            ln2: LayerNorm::new(&mut p.sub("ln2"), d, LayerNorm::DEFAULT_EPS)?,
+            mlp: MlpBlock::new(&mut p.sub("mlp"), d, d_ff, Activation::Gelu, init)?,
+        })
+    }
+
+    /// `x [B, T, d] -> [B, T, d]`.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        let x = x.add(&self.attn.forward(&self.ln1.forward(x)?)?)?;
+        Ok(x.add(&self.mlp.forward(&self.ln2.forward(&x)?)?)?)
+    }
+}

@@ -2,7 +2,9 @@
 //! respect to the input and every parameter.
 
 use brigade_autograd::{gradcheck, ParamStore, Var};
-use brigade_models::nn::{Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params};
+use brigade_models::nn::{
+    Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params, TransformerBlock,
+};
 use brigade_tensor::{DType, Rng, Tensor};
 
 fn names(store: &ParamStore) -> Vec<(String, Vec<usize>)> {
@@ -164,4 +166,73 @@ fn mlp_block_gradients_match_finite_differences() {
             ],
         );
     }
+}
+
+#[test]
+fn a_transformer_block_registers_gpt2_names_in_order() {
+    let (mut store, mut rng) = (ParamStore::new(), Rng::new(0));
+    let mut p = Params::new(&mut store, &mut rng, DType::F32);
+    TransformerBlock::new(&mut p.sub("blocks.1"), 8, 2, 16, Init::Normal { std: 0.02 }).unwrap();
+    let want: Vec<(&str, Vec<usize>)> = vec![
+        ("blocks.1.ln1.weight", vec![8]),
+        ("blocks.1.ln1.bias", vec![8]),
+        ("blocks.1.attn.qkv.weight", vec![24, 8]),
+        ("blocks.1.attn.qkv.bias", vec![24]),
+        ("blocks.1.attn.proj.weight", vec![8, 8]),
+        ("blocks.1.attn.proj.bias", vec![8]),
+        ("blocks.1.ln2.weight", vec![8]),
+        ("blocks.1.ln2.bias", vec![8]),
+        ("blocks.1.mlp.fc.weight", vec![16, 8]),
+        ("blocks.1.mlp.fc.bias", vec![16]),
+        ("blocks.1.mlp.proj.weight", vec![8, 16]),
+        ("blocks.1.mlp.proj.bias", vec![8]),
+    ];
+    let got = names(&store);
+    let got: Vec<(&str, Vec<usize>)> = got.iter().map(|(n, s)| (n.as_str(), s.clone())).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn transformer_block_gradients_match_finite_differences() {
+    // x [2, 3, 4]; ln1, attn (qkv, proj), ln2, mlp (fc, proj): both residual paths and every
+    // parameter against central differences.
+    check(
+        |v| {
+            let ln = |w: &Var, b: &Var| LayerNorm {
+                weight: w.clone(),
+                bias: b.clone(),
+                eps: 1e-5,
+            };
+            let block = TransformerBlock {
+                ln1: ln(&v[1], &v[2]),
+                attn: CausalSelfAttention {
+                    qkv: linear(&v[3], &v[4]),
+                    proj: linear(&v[5], &v[6]),
+                    n_heads: 2,
+                },
+                ln2: ln(&v[7], &v[8]),
+                mlp: MlpBlock {
+                    fc: linear(&v[9], &v[10]),
+                    proj: linear(&v[11], &v[12]),
+                    activation: Activation::Gelu,
+                },
+            };
+            block.forward(&v[0]).map_err(model_err)
+        },
+        &[
+            rand(&[2, 3, 4], 20),
+            rand(&[4], 21),
+            rand(&[4], 22),
+            rand(&[12, 4], 23),
+            rand(&[12], 24),
+            rand(&[4, 4], 25),
+            rand(&[4], 26),
+            rand(&[4], 27),
+            rand(&[4], 28),
+            rand(&[6, 4], 29),
+            rand(&[6], 30),
+            rand(&[4, 6], 31),
+            rand(&[4], 32),
+        ],
+    );
 }

@@ -9,7 +9,7 @@
 mod mpi;
 mod threads;
 
-use std::error::Error;
+use std::error::Error as StdError;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use std::time::Duration;
 use brigade_comm::{CommError, Communicator, NetModel, Recorder, SharedLink, SimulatedNetwork, Traced};
 use brigade_ddp::DdpError;
 
-use crate::error::{CliError, Result};
+use crate::error::{Error, Result};
 
 /// How the ranks are started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +86,31 @@ pub struct LaunchConfig {
     pub net: Option<NetModel>,
     /// Record every collective (and let the ranks record compute spans) here.
     pub recorder: Option<Recorder>,
+}
+
+impl LaunchConfig {
+    /// How long a rank waits for the others by default (as `brigade train --timeout-s`).
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// `world_size` ranks as threads of this process, no simulated network, no recording.
+    pub fn threads(world_size: usize) -> Self {
+        LaunchConfig {
+            backend: Backend::Thread,
+            world_size,
+            timeout: Self::DEFAULT_TIMEOUT,
+            net: None,
+            recorder: None,
+        }
+    }
+
+    /// This process as one rank of the `mpirun` job (rank and world size from MPI; needs the
+    /// `mpi` feature).
+    pub fn mpi() -> Self {
+        LaunchConfig {
+            backend: Backend::Mpi,
+            ..Self::threads(1)
+        }
+    }
 }
 
 /// What a rank gets from [`launch`].
@@ -193,17 +218,17 @@ pub fn default_threads(local_ranks: usize) -> usize {
 /// Whether `e` only reports that a peer is gone (`CommError::RankFailed`, `CommError::Closed`):
 /// the consequence of another rank's failure, not a cause. Walks the source chain, stepping
 /// through the transparent wrappers (whose `source()` skips the error they wrap).
-pub fn is_secondary(e: &(dyn Error + 'static)) -> bool {
+pub fn is_secondary(e: &(dyn StdError + 'static)) -> bool {
     let mut next = Some(e);
     while let Some(e) = next {
         if let Some(c) = e.downcast_ref::<CommError>() {
             return matches!(c, CommError::RankFailed { .. } | CommError::Closed { .. });
         }
-        next = match (e.downcast_ref::<CliError>(), e.downcast_ref::<DdpError>()) {
-            (Some(CliError::Comm(c)), _) | (_, Some(DdpError::Comm(c))) => Some(c as &(dyn Error + 'static)),
-            (Some(CliError::Ddp(d)), _) => Some(d as &(dyn Error + 'static)),
-            (Some(CliError::Autograd(a)), _) | (_, Some(DdpError::Autograd(a))) => Some(a as &(dyn Error + 'static)),
-            (Some(CliError::OnRank { source, .. }), _) => Some(source.as_ref() as &(dyn Error + 'static)),
+        next = match (e.downcast_ref::<Error>(), e.downcast_ref::<DdpError>()) {
+            (Some(Error::Comm(c)), _) | (_, Some(DdpError::Comm(c))) => Some(c as &(dyn StdError + 'static)),
+            (Some(Error::Ddp(d)), _) => Some(d as &(dyn StdError + 'static)),
+            (Some(Error::Autograd(a)), _) | (_, Some(DdpError::Autograd(a))) => Some(a as &(dyn StdError + 'static)),
+            (Some(Error::OnRank { source, .. }), _) => Some(source.as_ref() as &(dyn StdError + 'static)),
             _ => e.source(),
         };
     }
@@ -212,7 +237,7 @@ pub fn is_secondary(e: &(dyn Error + 'static)) -> bool {
 
 /// The root cause among the ranks' errors: a rank's own failure beats the "a peer is gone"
 /// errors it caused on the others; the first such rank when several failed on their own.
-pub fn pick_error(mut errors: Vec<(usize, CliError)>) -> (usize, CliError) {
+pub fn pick_error(mut errors: Vec<(usize, Error)>) -> (usize, Error) {
     let i = errors.iter().position(|(_, e)| !is_secondary(e)).unwrap_or(0);
     errors.swap_remove(i)
 }
@@ -222,7 +247,7 @@ mod tests {
     use super::*;
 
     #[derive(Debug)]
-    struct Wrapped(CliError);
+    struct Wrapped(Error);
 
     impl fmt::Display for Wrapped {
         fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -230,8 +255,8 @@ mod tests {
         }
     }
 
-    impl Error for Wrapped {
-        fn source(&self) -> Option<&(dyn Error + 'static)> {
+    impl StdError for Wrapped {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
             Some(&self.0)
         }
     }
@@ -246,16 +271,16 @@ mod tests {
 
     #[test]
     fn peer_gone_errors_are_found_through_wrappers_and_source_chains() {
-        assert!(is_secondary(&CliError::Comm(gone(1))));
-        assert!(is_secondary(&CliError::Ddp(DdpError::Comm(CommError::Closed {
+        assert!(is_secondary(&Error::Comm(gone(1))));
+        assert!(is_secondary(&Error::Ddp(DdpError::Comm(CommError::Closed {
             rank: 0,
             tag: "x".into()
         }))));
-        assert!(is_secondary(&Wrapped(CliError::Ddp(DdpError::Comm(gone(1))))));
-        let on_rank = CliError::OnRank {
+        assert!(is_secondary(&Wrapped(Error::Ddp(DdpError::Comm(gone(1))))));
+        let on_rank = Error::OnRank {
             rank: 1,
             world: 2,
-            source: Box::new(CliError::Comm(gone(0))),
+            source: Box::new(Error::Comm(gone(0))),
         };
         assert!(is_secondary(&on_rank));
         // A timeout or a mismatch is a cause, whatever its text says.
@@ -264,23 +289,23 @@ mod tests {
             tag: "rank 1 is gone".into(),
             after: Duration::from_secs(1),
         };
-        assert!(!is_secondary(&CliError::Comm(timeout)));
-        assert!(!is_secondary(&CliError::Usage(
+        assert!(!is_secondary(&Error::Comm(timeout)));
+        assert!(!is_secondary(&Error::Usage(
             "rank 1 is gone, comm stream closed".into()
         )));
-        assert!(!is_secondary(&Wrapped(CliError::Usage("no".into()))));
+        assert!(!is_secondary(&Wrapped(Error::Usage("no".into()))));
     }
 
     #[test]
     fn the_root_cause_beats_the_errors_it_caused() {
         let errors = vec![
-            (0, CliError::Comm(gone(1))),
-            (1, CliError::Usage("rank 1 ran out of data: is gone".into())),
-            (2, CliError::Ddp(DdpError::Comm(gone(1)))),
+            (0, Error::Comm(gone(1))),
+            (1, Error::Usage("rank 1 ran out of data: is gone".into())),
+            (2, Error::Ddp(DdpError::Comm(gone(1)))),
         ];
         let (rank, e) = pick_error(errors);
         assert_eq!(rank, 1, "{e}");
-        let (rank, _) = pick_error(vec![(3, CliError::Comm(gone(0))), (4, CliError::Comm(gone(3)))]);
+        let (rank, _) = pick_error(vec![(3, Error::Comm(gone(0))), (4, Error::Comm(gone(3)))]);
         assert_eq!(rank, 3, "only secondary errors: the first");
     }
 }

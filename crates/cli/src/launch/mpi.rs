@@ -5,7 +5,7 @@
 //! function runs, so every rank prints the same message, then the job exits 1. An error in the
 //! rank function ends the whole job at once (`MPI_Abort`), so that no rank waits for a dead
 //! peer until its timeout, except an error every rank reaches together
-//! ([`CliError::is_agreed`], e.g. a non-finite loss): rank 0 prints it and every rank exits 1.
+//! ([`Error::is_agreed`], e.g. a non-finite loss): rank 0 prints it and every rank exits 1.
 //! A killed process is noticed by `mpirun`, which ends the others. MPI is finalized before
 //! [`launch`] returns this rank's result.
 
@@ -17,7 +17,7 @@ pub use enabled::launch;
 #[cfg(not(feature = "mpi"))]
 mod disabled {
     use super::super::{LaunchConfig, Launched, RankContext};
-    use crate::error::{CliError, Result};
+    use crate::error::{Error, Result};
 
     /// Explains how to get a build with MPI.
     pub fn launch<S: Sync, T: Send>(
@@ -25,7 +25,7 @@ mod disabled {
         _setup: impl FnOnce(usize) -> Result<S>,
         _rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
     ) -> Result<Launched<T>> {
-        Err(CliError::Usage(
+        Err(Error::Usage(
             "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev libclang-dev) \
              and build with `cargo build --release --features mpi`"
                 .into(),
@@ -40,7 +40,7 @@ mod enabled {
     use brigade_comm::{Buffer, Communicator, MpiComm, MpiWorld};
 
     use super::super::{comm_stack, Backend, LaunchConfig, Launched, RankContext, SimLink};
-    use crate::error::{CliError, Result};
+    use crate::error::{Error, Result};
 
     /// Bytes of a setup error message exchanged between ranks.
     const MESSAGE_BYTES: usize = 1024;
@@ -139,7 +139,7 @@ mod enabled {
         } else {
             format!("rank {first}")
         };
-        Err(CliError::Usage(format!(
+        Err(Error::Usage(format!(
             "setup failed on {whose} of {}: {message}{also}",
             all.len() / MESSAGE_BYTES
         )))
