@@ -13,6 +13,7 @@ mod bench_gemm;
 mod outputs;
 mod predict;
 mod run;
+mod sent;
 mod signal;
 mod sweep;
 mod timeline;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use brigade_comm::{all_gather_bytes, Event, Recorder};
+use brigade_comm::{all_gather_bytes, CommBytes, Event, Recorder};
 use brigade_ddp::overlap::StepProfile;
 use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
 use brigade_models::{Dataset, ModelKind};
@@ -62,6 +62,8 @@ pub struct RunReport {
     pub losses: Vec<f64>,
     /// Rank 0's wall time of each step run, in milliseconds.
     pub step_ms: Vec<f64>,
+    /// What rank 0's DDP handed to its collectives in each step run (see [`brigade_comm::Metered`]).
+    pub sent: Vec<CommBytes>,
     /// DDP buckets after the last step (empty when compute-only).
     pub buckets: Vec<BucketInfo>,
     /// Rank 0's gradient memory (absent when compute-only).
@@ -251,6 +253,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         first_step: train.first_step,
         losses: train.losses,
         step_ms: train.step_ms,
+        sent: train.sent,
         buckets: train.buckets,
         memory: train.memory,
         timeline,
