@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::args::{compact, flag_name, RunArgs};
 use crate::error::{write_atomic, CliError, Result};
+use crate::policy::{parse_policy, Policy};
 use crate::run::{run, RunOptions, RunReport};
 use crate::timeline::write_timeline;
 use crate::train::median_min;
@@ -33,6 +34,11 @@ pub struct SweepArgs {
     /// Print the table as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
+    /// list of allreduce, fp16, bf16, powersgd[:R], zero1, zero2 (policies.csv and
+    /// policies.svg in --out; see `policy_sweep.rs`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    pub policy: Vec<Policy>,
 }
 
 /// One row of the sweep.
@@ -70,7 +76,7 @@ fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
         .collect()
 }
 
-fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
+pub(crate) fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
     median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
 }
 
@@ -108,7 +114,7 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
 }
 
 /// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).
-fn finished(mut report: RunReport) -> Result<RunReport> {
+pub(crate) fn finished(mut report: RunReport) -> Result<RunReport> {
     match report.stopped.take() {
         Some(e) => Err(e),
         None => Ok(report),
@@ -117,6 +123,9 @@ fn finished(mut report: RunReport) -> Result<RunReport> {
 
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
+    if !s.policy.is_empty() {
+        return crate::policy_sweep::sweep_policies(&s);
+    }
     s.run.validate()?;
     if s.run.steps < 2 {
         return Err(CliError::Usage(

@@ -1,9 +1,10 @@
-//! Bytes sent per step per rank, per policy (`brigade train --json` and its summary), against
-//! expectations computed here from the model's shapes.
+//! Bytes sent per step per rank, per policy (`brigade train --json` and its summary), and the
+//! policy axis of `brigade sweep --policy`, against expectations computed here from the
+//! model's shapes.
 
 mod common;
 
-use common::ok;
+use common::{dir, fails, ok, s};
 use serde_json::Value;
 
 /// The MLP of these tests: widths 16, 32, 32, 4; parameters `[out, in]` weights and `[out]` biases.
@@ -139,4 +140,86 @@ fn the_text_summary_names_the_bytes_sent_per_rank() {
     // bf16: 6928 / 2 = 3464 bytes = 3.38 KiB in the last step
     let line = out.lines().find(|l| l.starts_with("sent per rank:")).expect(&out);
     assert!(line.contains("last step 3.38 KiB"), "{line}");
+}
+
+/// `brigade sweep --policy ... --json` with `extra` flags into a fresh directory.
+fn sweep_rows(tag: &str, policies: &str, extra: &[&str]) -> (Vec<Value>, std::path::PathBuf) {
+    let out = dir(tag);
+    let mut args = vec![
+        "sweep",
+        "--steps",
+        "4",
+        "--json",
+        "--policy",
+        policies,
+        "--out",
+        s(&out),
+    ];
+    args.extend(mlp_flags());
+    args.extend_from_slice(extra);
+    let stdout = ok(&args);
+    let rows: Vec<Value> = serde_json::from_str(&stdout).expect("JSON rows");
+    (rows, out)
+}
+
+#[test]
+fn the_policy_sweep_puts_each_policy_side_by_side() {
+    let (rows, out) = sweep_rows(
+        "policy-sweep",
+        "allreduce,fp16,powersgd:2",
+        &["--powersgd-start-iter", "2"],
+    );
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["allreduce", "fp16", "powersgd:2"]);
+    let last = |i: usize| rows[i]["sent_bytes_last_step"].as_u64().unwrap();
+    assert_eq!(last(0), all_reduce_bytes());
+    assert_eq!(last(1), all_reduce_bytes() / 2);
+    assert_eq!(last(2), powersgd_bytes(2));
+    for r in &rows {
+        assert!(r["final_loss"].as_f64().unwrap().is_finite(), "{r}");
+        assert!(r["step_ms"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["exposed_comm_ms"].as_f64().unwrap() >= 0.0, "{r}");
+    }
+    let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), 4, "{csv}");
+    assert!(lines[0].starts_with("policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step"));
+    assert!(lines[3].starts_with("powersgd:2,"), "{csv}");
+    let svg = std::fs::read_to_string(out.join("policies.svg")).unwrap();
+    assert!(
+        svg.contains("powersgd:2") && svg.contains("exposed comm"),
+        "the chart names the policies"
+    );
+}
+
+#[test]
+fn bad_policies_are_one_line_before_any_run() {
+    let out = dir("policy-errors");
+    let run = |policies: &str, extra: &[&str]| {
+        let mut args = vec!["sweep", "--steps", "4", "--out", s(&out), "--policy", policies];
+        args.extend(mlp_flags());
+        args.extend_from_slice(extra);
+        fails(&args)
+    };
+    let e = run("allreduce,foo", &[]);
+    assert!(e.contains("unknown policy 'foo'") && e.contains("powersgd:R"), "{e}");
+    let e = run("powersgd:0", &[]);
+    assert!(e.contains("powersgd:0") && e.contains("at least 1"), "{e}");
+    let e = run("powersgd:two", &[]);
+    assert!(e.contains("powersgd:R"), "{e}");
+    let e = run("fp16,fp16", &[]);
+    assert!(e.contains("fp16 twice"), "{e}");
+    let e = run("powersgd,powersgd:1", &[]);
+    assert!(e.contains("powersgd:1 twice"), "the default --powersgd-rank is 1: {e}");
+    let e = run("zero1", &[]);
+    assert!(e.contains("zero1 needs --zero support"), "{e}");
+    let e = run("allreduce,fp16", &["--bucket-mb", "1,2"]);
+    assert!(e.contains("one bucket cap"), "{e}");
+    let e = run("allreduce,fp16", &["--powersgd-rank", "4"]);
+    assert!(e.contains("powersgd policy"), "{e}");
+    let e = run("powersgd:4", &["--powersgd-start-iter", "1"]);
+    assert!(e.contains("--policy powersgd:4") && e.contains("at least 2"), "{e}");
+    let e = run("fp16", &["--comm-hook", "bf16"]);
+    assert!(e.contains("--comm-hook bf16 with --policy"), "{e}");
+    assert!(!out.join("policies.csv").exists(), "nothing ran, nothing was written");
 }
