@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_comm::{all_gather_bytes, Event};
+use brigade_comm::{all_gather_bytes, CommBytes, Event};
 use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::overlap::{AutotuneReport, StepProfile};
 use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
@@ -76,6 +76,9 @@ pub struct RunReport {
     pub losses: Vec<f64>,
     /// This rank's wall time of each step run, in milliseconds.
     pub step_ms: Vec<f64>,
+    /// What this rank's DDP handed to its collectives in each step run (see
+    /// [`brigade_comm::Metered`]).
+    pub sent: Vec<CommBytes>,
     /// DDP buckets after the last step (empty without DDP).
     pub buckets: Vec<BucketInfo>,
     /// This rank's gradient memory (absent without DDP).
@@ -155,6 +158,7 @@ pub fn fit<D: DataSource>(
         first_step: train.first_step,
         losses: train.losses,
         step_ms: train.step_ms,
+        sent: train.sent,
         buckets: train.buckets,
         memory: train.memory,
         timeline,

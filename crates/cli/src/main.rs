@@ -13,8 +13,11 @@ mod bench;
 mod bench_gemm;
 mod bucket_cap;
 mod outputs;
+mod policy;
+mod policy_sweep;
 mod predict;
 mod run;
+mod sent;
 mod signal;
 mod sweep;
 mod sweep_stats;
@@ -32,7 +35,8 @@ struct Cli {
 enum Command {
     /// Train a model (N ranks as threads with --world-size, or under mpirun with --backend mpi).
     Train(Box<train::TrainArgs>),
-    /// Step time, compute-only time and exposed communication for several bucket sizes.
+    /// Step time, compute-only time and exposed communication for several bucket sizes, or
+    /// reducer policies side by side (--policy).
     Sweep(Box<sweep::SweepArgs>),
     /// Predict step time and exposed communication under other bucket caps, links or world
     /// sizes from one recorded step (`brigade train --profile`), without running anything.

@@ -17,6 +17,7 @@ use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
 use crate::error::{write_atomic, Error, Result};
+use crate::policy::{parse_policy, Policy};
 use crate::run::{run, RunOptions, RunReport};
 use crate::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
 use crate::timeline::write_timeline;
@@ -40,6 +41,11 @@ pub struct SweepArgs {
     /// machine's drift touches every cap alike; the table holds each cap's median and spread.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
+    /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
+    /// list of allreduce, fp16, bf16, powersgd[:R], zero1, zero2 (policies.csv and
+    /// policies.svg in --out; see `policy_sweep.rs`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    pub policy: Vec<Policy>,
 }
 
 /// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
@@ -64,7 +70,7 @@ fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
         .collect()
 }
 
-fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
+pub(crate) fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
     median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
 }
 
@@ -102,7 +108,7 @@ fn prepare_out(out: &std::path::Path) -> Result<()> {
 }
 
 /// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).
-fn finished(mut report: RunReport) -> Result<RunReport> {
+pub(crate) fn finished(mut report: RunReport) -> Result<RunReport> {
     match report.stopped.take() {
         Some(e) => Err(e),
         None => Ok(report),
@@ -111,6 +117,9 @@ fn finished(mut report: RunReport) -> Result<RunReport> {
 
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
+    if !s.policy.is_empty() {
+        return crate::policy_sweep::sweep_policies(&s);
+    }
     let caps = s.run.fixed_caps()?;
     s.run.validate()?;
     if s.run.steps < 2 {

@@ -9,6 +9,7 @@ use crate::args::{compact, flag_name, RunArgs};
 use crate::error::{write_atomic, Error, Result};
 use crate::outputs::{check_outputs, write_all, Output, Write};
 use crate::run::{run, RunOptions, RunReport};
+use crate::sent::SentSummary;
 use crate::timeline::write_timeline;
 
 /// Options of `brigade train`.
@@ -265,7 +266,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
         });
         // serde_json writes NaN as null: a run of no step has no loss or time to report
-        let out = json!({
+        let mut out = json!({
             "first_loss": s.first_loss, "last_loss": s.last_loss,
             "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
             "samples_per_s": s.samples_per_s, "world_size": report.world_size,
@@ -275,6 +276,12 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "autotune": report.autotune,
             "flags": flags,
         });
+        // bytes DDP sent per step on rank 0 (see `sent.rs`)
+        if let (Some(o), serde_json::Value::Object(sent)) =
+            (out.as_object_mut(), SentSummary::json_fields(&report.sent))
+        {
+            o.extend(sent);
+        }
         println!("{out}");
         return Ok(());
     }
@@ -322,6 +329,9 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             if n == 1 { "bucket" } else { "buckets" },
             mib(m.total_bytes())
         );
+        if let Some(sent) = SentSummary::of(&report.sent) {
+            println!("{}", sent.line(report.world_size));
+        }
     }
     Ok(())
 }

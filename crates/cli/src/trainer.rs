@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
-use brigade_comm::{Buffer, EventKind, ReduceOp, SpanId};
+use brigade_comm::{Buffer, CommBytes, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{
     AutotuneConfig, AutotuneReport, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
 };
@@ -153,6 +153,9 @@ pub struct StepOutcome {
     pub ms: f64,
     /// A rank was asked to stop: this was the last step.
     pub stop: bool,
+    /// What DDP handed to its collectives during the step on this rank (gradient reduction,
+    /// bucket rebuilding; not the step's own loss agreement).
+    pub sent: CommBytes,
 }
 
 /// What a rank's run produced.
@@ -163,6 +166,8 @@ pub struct TrainOutcome {
     pub losses: Vec<f64>,
     /// This rank's wall time of each step run, in milliseconds.
     pub step_ms: Vec<f64>,
+    /// What DDP handed to its collectives in each step run, on this rank.
+    pub sent: Vec<CommBytes>,
     /// Stopped before `steps` because a stop was requested.
     pub interrupted: bool,
     /// The error every rank agreed on that ended the run early (a non-finite loss or
@@ -210,6 +215,8 @@ pub struct Trainer<'a> {
     device: Device,
     opt: Box<dyn Optimizer>,
     ddp: Option<DistributedDataParallel>,
+    /// Counts what DDP issues (its communicator is metered; the trainer's own is not).
+    meter: CommMeter,
     first_step: usize,
     next_step: usize,
     checkpointed: Option<usize>,
@@ -261,14 +268,16 @@ impl<'a> Trainer<'a> {
         if device != Device::Cpu {
             opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
         }
+        let meter = CommMeter::new();
         let ddp = match &cfg.ddp {
             Some(d) => {
+                let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
                     comm_hook: cfg.comm_hook.make(ctx.rank)?,
                     ..d.clone()
                 };
-                Some(DistributedDataParallel::new(model.params(), ctx.comm.clone(), d)?)
+                Some(DistributedDataParallel::new(model.params(), comm, d)?)
             }
             None => None,
         };
@@ -280,6 +289,7 @@ impl<'a> Trainer<'a> {
             device,
             opt,
             ddp,
+            meter,
             first_step,
             next_step: first_step,
             checkpointed: None,
@@ -318,6 +328,7 @@ impl<'a> Trainer<'a> {
         let (rank, world) = (self.ctx.rank, self.ctx.world_size);
         let (b, k) = (self.cfg.batch_size, self.cfg.accum);
         let t0 = Instant::now();
+        let sent_before = self.meter.totals();
         let step_span = self.begin(EventKind::Step(s));
         self.model.params().zero_grad()?;
         // The microbatches' losses add up where they are computed; read back once per step.
@@ -418,6 +429,7 @@ impl<'a> Trainer<'a> {
             loss: status.loss,
             ms: t0.elapsed().as_secs_f64() * 1e3,
             stop: status.stop,
+            sent: self.meter.totals() - sent_before,
         })
     }
 
@@ -489,7 +501,7 @@ impl<'a> Trainer<'a> {
     /// Steps until `steps` (or a stop request), checkpointing every `checkpoint_every` steps and
     /// at the end; `on_step` sees every step (e.g. to draw progress).
     pub fn run(mut self, mut on_step: impl FnMut(&StepOutcome)) -> Result<TrainOutcome> {
-        let (mut losses, mut step_ms, mut interrupted) = (vec![], vec![], false);
+        let (mut losses, mut step_ms, mut sent, mut interrupted) = (vec![], vec![], vec![], false);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
             let s = match self.step() {
@@ -502,6 +514,7 @@ impl<'a> Trainer<'a> {
             };
             losses.push(s.loss);
             step_ms.push(s.ms);
+            sent.push(s.sent);
             on_step(&s);
             if s.stop {
                 interrupted = self.next_step < self.cfg.steps;
@@ -551,6 +564,7 @@ impl<'a> Trainer<'a> {
             first_step: self.first_step,
             losses,
             step_ms,
+            sent,
             interrupted,
             stopped,
             checkpoint_error,

@@ -7,6 +7,7 @@
 //! - [`ThreadGroup`] / [`launch`]: the thread backend, `n` ranks as threads of one process.
 //! - [`SimulatedNetwork`]: makes any communicator as slow as a network of latency `alpha` and
 //!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
+//! - [`Metered`] / [`CommMeter`]: bytes a rank hands to its collectives and sends on the wire.
 //! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
 //! - [`bench`](mod@bench): the all-reduce bandwidth benchmark behind `brigade bench comm`.
@@ -18,6 +19,7 @@ mod buffer;
 mod collective;
 mod communicator;
 mod error;
+mod meter;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod sim;
@@ -29,6 +31,7 @@ mod work;
 pub use buffer::{Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, Communicator};
 pub use error::CommError;
+pub use meter::{CommBytes, CommMeter, Metered, MeteredOp};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiTransport, MpiWorld};
 pub use sim::{NetModel, SharedLink, SimulatedNetwork};

@@ -1,0 +1,164 @@
+//! What a rank puts on the wire, counted: [`Metered`] wraps a communicator and adds every
+//! collective it is handed to a [`CommMeter`], so that a communication policy's cost is
+//! measured from the buffers it actually issues, not assumed from its design.
+//!
+//! Two figures per collective on a group of `p` ranks, for a buffer of `n` bytes handed in:
+//! - **payload bytes**: `n`, the buffer this rank handed to the collective (the figure
+//!   PyTorch's hooks and the PowerSGD paper compare: an f32 all-reduce of a bucket of `k`
+//!   gradients is `4k`, its fp16 hook `2k`);
+//! - **wire bytes**: what this rank sends under the ring algorithms the simulated network
+//!   models ([`crate::NetModel`]): `all_reduce` `2(p-1)/p · n`, `reduce_scatter` `(p-1)/p · n`
+//!   (`n` = the whole input), `all_gather` `(p-1) · n` (`n` = this rank's piece), `broadcast`
+//!   `(p-1)/p · n` (a pipelined chain: every rank but the last forwards `n`; averaged over the
+//!   ranks), `barrier` 0. With one rank nothing leaves it: 0.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::{Buffer, Communicator, ReduceOp, Work};
+
+/// Totals of a rank's collectives (see the module docs for the two byte figures).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct CommBytes {
+    /// Collectives issued (barriers included).
+    pub collectives: u64,
+    /// Bytes of the buffers handed to them.
+    pub payload_bytes: u64,
+    /// Bytes this rank sends under the ring algorithms.
+    pub wire_bytes: f64,
+}
+
+impl std::ops::Sub for CommBytes {
+    type Output = CommBytes;
+
+    /// What was counted between two readings of one meter (`later - earlier`).
+    fn sub(self, earlier: CommBytes) -> CommBytes {
+        CommBytes {
+            collectives: self.collectives - earlier.collectives,
+            payload_bytes: self.payload_bytes - earlier.payload_bytes,
+            wire_bytes: self.wire_bytes - earlier.wire_bytes,
+        }
+    }
+}
+
+/// The ring collectives a [`CommMeter`] counts, by the share of its buffer a rank sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MeteredOp {
+    /// Sends `2(p-1)/p` of its buffer.
+    AllReduce,
+    /// Sends `(p-1)/p` of its (whole) input.
+    ReduceScatter,
+    /// Sends its piece `p-1` times.
+    AllGather,
+    /// Sends `(p-1)/p` of the buffer, averaged over the ranks.
+    Broadcast,
+    /// Sends no payload.
+    Barrier,
+}
+
+impl MeteredOp {
+    /// Bytes one rank sends for a buffer of `bytes` on `world` ranks (0 on one rank).
+    pub fn wire_bytes(self, bytes: usize, world: usize) -> f64 {
+        let (n, p) = (bytes as f64, world.max(1) as f64);
+        match self {
+            MeteredOp::AllReduce => 2.0 * (p - 1.0) / p * n,
+            MeteredOp::ReduceScatter | MeteredOp::Broadcast => (p - 1.0) / p * n,
+            MeteredOp::AllGather => (p - 1.0) * n,
+            MeteredOp::Barrier => 0.0,
+        }
+    }
+}
+
+/// Running totals of one rank's collectives; clones share them (cheap, thread-safe).
+#[derive(Clone, Debug, Default)]
+pub struct CommMeter {
+    totals: Arc<Mutex<CommBytes>>,
+}
+
+impl CommMeter {
+    /// A meter at zero.
+    pub fn new() -> CommMeter {
+        CommMeter::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CommBytes> {
+        self.totals.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Everything counted so far; subtract two readings for what happened between them.
+    pub fn totals(&self) -> CommBytes {
+        *self.lock()
+    }
+
+    /// Counts one collective of `op` on a buffer of `bytes` in a group of `world` ranks.
+    pub fn count(&self, op: MeteredOp, bytes: usize, world: usize) {
+        let mut t = self.lock();
+        t.collectives += 1;
+        t.payload_bytes += bytes as u64;
+        t.wire_bytes += op.wire_bytes(bytes, world);
+    }
+}
+
+/// Wraps a communicator and counts every collective issued through it into a [`CommMeter`]
+/// (when issued: a collective that later fails was still handed over).
+pub struct Metered<C> {
+    inner: C,
+    meter: CommMeter,
+}
+
+impl<C: Communicator> Metered<C> {
+    /// Counts `inner`'s collectives into `meter`.
+    pub fn new(inner: C, meter: CommMeter) -> Self {
+        Metered { inner, meter }
+    }
+
+    /// The meter.
+    pub fn meter(&self) -> &CommMeter {
+        &self.meter
+    }
+
+    fn count(&self, op: MeteredOp, buf: &Buffer) {
+        self.meter.count(op, buf.byte_len(), self.inner.world_size());
+    }
+}
+
+impl<C: Communicator> Communicator for Metered<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
+        self.count(MeteredOp::AllReduce, &buf);
+        self.inner.all_reduce(buf, op, tag)
+    }
+
+    fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
+        self.count(MeteredOp::Broadcast, &buf);
+        self.inner.broadcast(buf, root, tag)
+    }
+
+    fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
+        self.count(MeteredOp::AllGather, &buf);
+        self.inner.all_gather(buf, tag)
+    }
+
+    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
+        self.count(MeteredOp::ReduceScatter, &buf);
+        self.inner.reduce_scatter(buf, op, tag)
+    }
+
+    fn barrier(&self, tag: &str) -> Work<()> {
+        self.meter.count(MeteredOp::Barrier, 0, self.inner.world_size());
+        self.inner.barrier(tag)
+    }
+}
