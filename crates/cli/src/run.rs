@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use brigade_comm::{all_gather_bytes, Event, Recorder};
 use brigade_ddp::overlap::StepProfile;
+use brigade_ddp::zero::RankMemory;
 use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
 use brigade_models::{Dataset, ModelKind};
 use brigade_tensor::Tensor;
@@ -66,6 +67,9 @@ pub struct RunReport {
     pub buckets: Vec<BucketInfo>,
     /// Rank 0's gradient memory (absent when compute-only).
     pub memory: Option<MemoryReport>,
+    /// Rank 0's memory, measured: parameters, gradients, optimizer state, comm scratch
+    /// (absent when compute-only).
+    pub rank_memory: Option<RankMemory>,
     /// The last step run, recorded on every rank (when recording and a step ran).
     pub timeline: Option<StepTimeline>,
     /// Rank 0's final parameters.
@@ -159,6 +163,7 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         bucket_cap_mb: args.bucket_cap()?,
         first_bucket_cap_mb: args.first_bucket_mb,
         find_unused_parameters: args.find_unused_parameters,
+        zero: args.zero_stage(),
         ..DdpConfig::default()
     };
     Ok(TrainConfig {
@@ -253,6 +258,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         step_ms: train.step_ms,
         buckets: train.buckets,
         memory: train.memory,
+        rank_memory: train.rank_memory,
         timeline,
         params: train.params,
         interrupted: train.interrupted,

@@ -225,6 +225,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "backend": a.backend.name(),
             "bucket_mb": a.bucket_cap()?, "first_bucket_mb": a.first_bucket_mb,
             "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
+            "zero": a.zero,
             "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
         });
         // serde_json writes NaN as null: a run of no step has no loss or time to report
@@ -235,6 +236,11 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "first_step": report.first_step, "steps_run": ran, "buckets": report.buckets.len(),
             "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
             "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
+            "memory": report.rank_memory.map(|m| json!({
+                "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
+                "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
+                "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
+            })),
             "flags": flags,
         });
         println!("{out}");
@@ -272,7 +278,8 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             println!("throughput: {:.1} samples/s", s.samples_per_s);
         }
     }
-    if let Some(m) = report.memory {
+    // (under ZeRO the measured line below is the account: shards are not whole buckets)
+    if let (Some(m), 0) = (report.memory, a.zero) {
         let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
         let n = report.buckets.len();
         println!(
@@ -280,6 +287,19 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             mib(m.gradient_bytes),
             if n == 1 { "bucket" } else { "buckets" },
             mib(m.total_bytes())
+        );
+    }
+    if let Some(m) = report.rank_memory {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
+            a.zero,
+            mib(m.parameters),
+            mib(m.gradients),
+            mib(m.buckets),
+            mib(m.optimizer_state),
+            mib(m.comm_scratch),
+            mib(m.total())
         );
     }
     Ok(())
