@@ -31,7 +31,7 @@ use crate::{bucket_tag, DdpError, Result};
 
 pub(crate) use memory::measure as memory_of;
 pub use memory::RankMemory;
-pub use optimizer::{BuildOptimizer, ZeroOptimizer};
+pub use optimizer::{BuildOptimizer, ZeroOptimizer, ALL_GATHER_CAP_BYTES};
 pub use shard::{padded_len, shard_len};
 
 /// How much of the training state is sharded over the ranks (`--zero 0|1|2`).

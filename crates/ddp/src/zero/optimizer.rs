@@ -1,5 +1,7 @@
 //! [`ZeroOptimizer`]: any optimizer, stepping only this rank's shard of every bucket.
 
+use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -11,6 +13,26 @@ use super::shard::{pieces, shard_len, Piece};
 use super::{grad_shard, into_f32, ZeroStage};
 use crate::reducer::Reducer;
 use crate::{DdpError, Result};
+
+/// The most bytes one of the step's parameter all-gathers returns (the parameters of every
+/// rank's part of a chunk of its shard), as DeepSpeed's `allgather_bucket_size` bounds it.
+pub const ALL_GATHER_CAP_BYTES: usize = 4 << 20;
+
+/// Where the bucket elements `range` lie in the bucket's parameters `(index, numel)` (laid one
+/// after another from element 0): `(parameter, first element in it, length, offset in range)`
+/// for each parameter it touches; padding touches none.
+fn overlaps(params: &[(usize, usize)], range: Range<usize>) -> Vec<(usize, usize, usize, usize)> {
+    let mut out = vec![];
+    let mut offset = 0;
+    for &(p, n) in params {
+        let (start, end) = (offset.max(range.start), (offset + n).min(range.end));
+        if start < end {
+            out.push((p, start - offset, end - start, start - range.start));
+        }
+        offset += n;
+    }
+    out
+}
 
 /// Builds the inner optimizer of one bucket's shard over its pieces (each a parameter named
 /// like the parameter it is cut from, with shape `[len]`).
@@ -51,6 +73,8 @@ pub struct ZeroOptimizer {
     scratch: Arc<AtomicUsize>,
     /// Every shard's state, gathered by `consolidate_state` (rank 0 only).
     consolidated: Option<Vec<(String, Tensor)>>,
+    /// The most bytes one parameter all-gather returns.
+    all_gather_cap: usize,
 }
 
 /// The parameter a state entry `NAME.SUFFIX` belongs to (the longest parameter name that
@@ -115,11 +139,20 @@ impl ZeroOptimizer {
             buckets,
             scratch,
             consolidated: None,
+            all_gather_cap: ALL_GATHER_CAP_BYTES,
         })
     }
 
-    /// Steps bucket `b`'s shard and issues the all-gather of its updated parameters.
-    fn step_bucket(&mut self, b: usize) -> Result<Work<Buffer>> {
+    /// Caps the bytes one of the step's parameter all-gathers returns (default
+    /// [`ALL_GATHER_CAP_BYTES`]; DeepSpeed's `allgather_bucket_size`): smaller caps mean less
+    /// communication scratch and more, smaller collectives. Every rank must use the same cap.
+    pub fn with_all_gather_cap(mut self, bytes: usize) -> Self {
+        self.all_gather_cap = bytes;
+        self
+    }
+
+    /// Steps bucket `b`'s shard in place (the pieces are views of the parameters).
+    fn step_bucket(&mut self, b: usize) -> Result<()> {
         let (rank, world) = (self.reducer.comm.rank(), self.reducer.comm.world_size());
         let sb = &mut self.buckets[b];
         let grads = grad_shard(&self.reducer.lock().buckets[sb.index], self.stage, world, rank)?;
@@ -129,52 +162,71 @@ impl ZeroOptimizer {
             var.set_grad(Some(grads.flat_view(piece.shard_offset, &[piece.len])?))?;
         }
         sb.opt.step()?;
-        let mut send = vec![0.0f32; sb.per];
-        for (piece, var) in sb.pieces.iter().zip(&sb.vars) {
-            let v = var.value().to_vec::<f32>()?;
-            send[piece.shard_offset..piece.shard_offset + piece.len].copy_from_slice(&v);
+        for var in &sb.vars {
             // the shard's gradient is not this optimizer's to keep (stage 2 frees it)
             var.set_grad(None)?;
         }
-        let comm = &self.reducer.comm;
-        Ok(reducing_bucket(sb.index, || {
-            comm.all_gather(Buffer::F32(send), &format!("zero.params{}", sb.index))
-        }))
+        Ok(())
     }
 
-    /// Writes bucket `b`'s gathered parameters (`world` shards, rank-major) into the parameters;
-    /// returns the bytes the gathered buffer held.
-    fn write_back(&self, b: usize, work: Work<Buffer>) -> Result<usize> {
+    /// Issues the all-gather of `chunk` (elements of every rank's shard) of bucket `b`: this
+    /// rank sends its shard's updated parameters there (zeros for padding).
+    fn gather_chunk(&self, b: usize, chunk: Range<usize>) -> Result<Work<Buffer>> {
+        let sb = &self.buckets[b];
+        let lo = self.reducer.comm.rank() * sb.per + chunk.start;
+        let mut send = vec![0.0f32; chunk.len()];
+        for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
+            let v = self.reducer.params[p].value().flat_view(at, &[len])?.to_vec::<f32>()?;
+            send[out..out + len].copy_from_slice(&v);
+        }
+        let comm = &self.reducer.comm;
+        let tag = format!("zero.params{}.{}", sb.index, chunk.start);
+        Ok(reducing_bucket(sb.index, || comm.all_gather(Buffer::F32(send), &tag)))
+    }
+
+    /// Writes a gathered `chunk` of bucket `b` (every rank's part, rank-major) into the
+    /// parameters; returns the bytes the gathered buffer held.
+    fn write_chunk(&self, b: usize, chunk: Range<usize>, work: Work<Buffer>) -> Result<usize> {
         let gathered = into_f32(work.wait()?)?;
         let sb = &self.buckets[b];
-        let mut offset = 0;
-        for &(p, n) in &sb.params {
-            let param = self.reducer.params[p].value();
-            let values = Tensor::from_slice(&gathered[offset..offset + n], param.shape())?;
-            param.copy_from(&values.to_device(param.device())?)?;
-            offset += n;
+        for r in 0..self.reducer.comm.world_size() {
+            let lo = r * sb.per + chunk.start;
+            for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
+                let param = self.reducer.params[p].value().flat_view(at, &[len])?;
+                let from = r * chunk.len() + out;
+                let values = Tensor::from_slice(&gathered[from..from + len], &[len])?;
+                param.copy_from(&values.to_device(param.device())?)?;
+            }
         }
         Ok(gathered.capacity() * DType::F32.size_in_bytes())
     }
 
     fn step_all(&mut self) -> Result<()> {
-        // One all-gather in flight while the next bucket steps: at most two buckets' gathered
-        // parameters are alive at once (the communication scratch of the memory report).
-        let mut pending: Option<(usize, Work<Buffer>)> = None;
-        let (mut previous, mut peak) = (0, 0);
+        let world = self.reducer.comm.world_size();
+        let f32_bytes = DType::F32.size_in_bytes();
+        // Each all-gather returns at most `all_gather_cap` bytes (DeepSpeed's
+        // `allgather_bucket_size`), and at most two are in flight while the next chunk is
+        // issued or the next bucket steps: the communication scratch stays a few caps, not a
+        // copy of the parameters.
+        let chunk_len = (self.all_gather_cap / f32_bytes / world.max(1)).max(1);
+        let mut in_flight: VecDeque<(usize, Range<usize>, Work<Buffer>)> = VecDeque::new();
+        let mut peak = 0;
         for b in 0..self.buckets.len() {
-            let work = self.step_bucket(b)?;
-            if let Some((pb, w)) = pending.replace((b, work)) {
-                let bytes = self.write_back(pb, w)?;
-                // the one in flight will hold as much as the world's shards of its bucket
-                let in_flight = self.buckets[b].per * self.reducer.comm.world_size() * DType::F32.size_in_bytes();
-                peak = peak.max(bytes + in_flight);
-                previous = bytes;
+            self.step_bucket(b)?;
+            let per = self.buckets[b].per;
+            for start in (0..per).step_by(chunk_len) {
+                let chunk = start..(start + chunk_len).min(per);
+                in_flight.push_back((b, chunk.clone(), self.gather_chunk(b, chunk)?));
+                while in_flight.len() > 2 {
+                    let (pb, pc, w) = in_flight.pop_front().expect("three in flight");
+                    let others: usize = in_flight.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum();
+                    peak = peak.max(self.write_chunk(pb, pc, w)? + others);
+                }
             }
         }
-        if let Some((pb, w)) = pending {
-            let bytes = self.write_back(pb, w)?;
-            peak = peak.max(bytes).max(previous);
+        while let Some((pb, pc, w)) = in_flight.pop_front() {
+            let others: usize = in_flight.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum();
+            peak = peak.max(self.write_chunk(pb, pc, w)? + others);
         }
         self.scratch.store(peak, Ordering::Relaxed);
         Ok(())
