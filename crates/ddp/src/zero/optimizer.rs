@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{AutogradError, Optimizer, ParamStore, Var};
 use brigade_comm::{all_gather_bytes, reducing_bucket, Buffer, Work};
@@ -71,8 +71,9 @@ pub struct ZeroOptimizer {
     /// Peak bytes of all-gather buffers alive at once in the last step (shared with DDP's
     /// memory report).
     scratch: Arc<AtomicUsize>,
-    /// Every shard's state, gathered by `consolidate_state` (rank 0 only).
-    consolidated: Option<Vec<(String, Tensor)>>,
+    /// Every shard's state, gathered by `consolidate_state` (rank 0 only), until `state`
+    /// hands it out (so that it is not kept beside the shards).
+    consolidated: Mutex<Option<Vec<(String, Tensor)>>>,
     /// The most bytes one parameter all-gather returns.
     all_gather_cap: usize,
 }
@@ -138,7 +139,7 @@ impl ZeroOptimizer {
             stage,
             buckets,
             scratch,
-            consolidated: None,
+            consolidated: Mutex::new(None),
             all_gather_cap: ALL_GATHER_CAP_BYTES,
         })
     }
@@ -297,7 +298,7 @@ impl ZeroOptimizer {
                 out.extend(state.into_iter().filter(|(k, _)| split_key(k, &names).is_none()));
             }
         }
-        self.consolidated = (rank == 0).then_some(out);
+        *self.consolidated.get_mut().unwrap_or_else(|e| e.into_inner()) = (rank == 0).then_some(out);
         Ok(())
     }
 }
@@ -344,10 +345,10 @@ impl Optimizer for ZeroOptimizer {
         }
     }
 
-    /// The consolidated state (see the type's docs); an error unless `consolidate_state` ran
-    /// on every rank first and this is rank 0.
+    /// The consolidated state (see the type's docs), handed out once; an error unless
+    /// `consolidate_state` ran on every rank since the last call and this is rank 0.
     fn state(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
-        self.consolidated.clone().ok_or_else(|| {
+        self.consolidated.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
             AutogradError::OptimizerState(
                 "a ZeRO optimizer's state is sharded over the ranks: call consolidate_state on every rank, then state on rank 0".into(),
             )
