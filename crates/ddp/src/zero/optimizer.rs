@@ -202,7 +202,26 @@ impl ZeroOptimizer {
         Ok(gathered.capacity() * DType::F32.size_in_bytes())
     }
 
+    /// The shards are cut from the buckets as they were when this optimizer was built; buckets
+    /// regrouped since (new caps, a rebuild) would pair this rank's state with other elements.
+    fn check_layout(&self) -> Result<()> {
+        let st = self.reducer.lock();
+        let same = st.buckets.len() == self.buckets.len()
+            && st
+                .buckets
+                .iter()
+                .zip(&self.buckets)
+                .all(|(b, sb)| b.params.iter().copied().eq(sb.params.iter().map(|&(p, _)| p)));
+        if same {
+            return Ok(());
+        }
+        Err(DdpError::Zero(
+            "the DDP buckets were regrouped after the ZeRO optimizer was built; its shards and their optimizer state are cut from the buckets, so the bucket caps must stay fixed under ZeRO".into(),
+        ))
+    }
+
     fn step_all(&mut self) -> Result<()> {
+        self.check_layout()?;
         let world = self.reducer.comm.world_size();
         let f32_bytes = DType::F32.size_in_bytes();
         // Each all-gather returns at most `all_gather_cap` bytes (DeepSpeed's
@@ -376,5 +395,44 @@ impl Optimizer for ZeroOptimizer {
 
     fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
         self.consolidate().map_err(optimizer_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use brigade_autograd::{Optimizer, ParamStore, Sgd};
+    use brigade_tensor::{DType, Tensor};
+
+    use crate::zero::ZeroStage;
+    use crate::{DdpConfig, DistributedDataParallel};
+
+    #[test]
+    fn stepping_after_the_buckets_were_regrouped_is_an_error() {
+        let out = brigade_comm::launch(2, |comm| {
+            let mut store = ParamStore::new();
+            for i in 0..3 {
+                store.add(format!("p{i}"), Tensor::zeros(&[300], DType::F32)).unwrap();
+            }
+            // 1200-byte parameters against a 1000-byte cap: one bucket each
+            let cfg = DdpConfig {
+                bucket_cap_mb: 0.001,
+                first_bucket_cap_mb: 0.001,
+                zero: ZeroStage::One,
+                ..DdpConfig::default()
+            };
+            let ddp = DistributedDataParallel::new(&store, Arc::new(comm), cfg).unwrap();
+            let full = Sgd::new(store.params().to_vec(), 0.1, 0.0, 0.0);
+            let build = |p| Box::new(Sgd::new(p, 0.1, 0.0, 0.0)) as Box<dyn Optimizer>;
+            let mut opt = ddp.zero_optimizer(&full, &build).unwrap();
+            opt.step().unwrap();
+            opt.reducer.lock().buckets.reverse();
+            opt.step().unwrap_err().to_string()
+        });
+        for err in out {
+            let err = err.unwrap();
+            assert!(err.contains("regrouped"), "{err}");
+        }
     }
 }
