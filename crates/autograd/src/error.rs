@@ -43,6 +43,14 @@ pub enum AutogradError {
     /// Optimizer state that does not match the parameters.
     #[error("optimizer state: {0}")]
     OptimizerState(String),
+    /// A distributed optimizer's collective failed (e.g. ZeRO's all-gather of the updated
+    /// parameters); `source` is its own error, typed (downcast it, e.g. to `brigade_ddp::DdpError`).
+    #[error("optimizer step: {source}")]
+    Optimizer {
+        /// The optimizer's error.
+        #[source]
+        source: SubscriberError,
+    },
     /// Anything else an argument got wrong.
     #[error("{0}")]
     Invalid(String),

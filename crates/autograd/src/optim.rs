@@ -19,6 +19,23 @@ pub trait Optimizer: Send {
     fn state(&self) -> Result<Vec<(String, Tensor)>>;
     /// Restores state produced by [`Optimizer::state`] for the same parameters.
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+    /// Bytes of state this optimizer holds live (memory reports). The default measures a copy
+    /// of [`Optimizer::state`]; the built-in optimizers measure their own tensors.
+    fn state_bytes(&self) -> Result<usize> {
+        Ok(self.state()?.iter().map(|(_, t)| tensor_bytes(t)).sum())
+    }
+    /// Collective for optimizers whose state is sharded over ranks (ZeRO): every rank calls it
+    /// before rank 0 calls [`Optimizer::state`] for a checkpoint, so that rank 0 holds every
+    /// shard's state (PyTorch's `ZeroRedundancyOptimizer.consolidate_state_dict`). A no-op for
+    /// optimizers that hold all of their state.
+    fn consolidate_state(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Bytes of the elements of `t`'s whole storage (what it holds live, not just the view).
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.storage_numel() * t.dtype().size_in_bytes()
 }
 
 fn name_of(p: &Var, i: usize) -> String {
@@ -108,6 +125,10 @@ impl Optimizer for Sgd {
             }
         }
         Ok(out)
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        Ok(self.bufs.iter().flatten().map(tensor_bytes).sum())
     }
 
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
@@ -210,6 +231,10 @@ impl Optimizer for AdamW {
             out.push((format!("{n}.exp_avg_sq"), self.v[i].copy()?));
         }
         Ok(out)
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        Ok(self.m.iter().chain(&self.v).map(tensor_bytes).sum())
     }
 
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {

@@ -222,6 +222,25 @@ impl Var {
         Ok(())
     }
 
+    /// Replaces this leaf's gradient with `grad` as it is, sharing its storage, or drops it
+    /// (`None`), as PyTorch's `p.grad = g` / `p.grad = None`: how a sharded optimizer points a
+    /// parameter piece at its gradient shard, and how ZeRO-2 frees the full gradient.
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        if let Some(g) = &grad {
+            let v = self.value();
+            if g.shape() != v.shape() || g.dtype() != v.dtype() {
+                return Err(crate::AutogradError::GradBuffer {
+                    param: self.name().unwrap_or("<leaf>").to_string(),
+                    expected: v.shape().to_vec(),
+                    found: g.shape().to_vec(),
+                    dtype: v.dtype(),
+                });
+            }
+        }
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = grad;
+        Ok(())
+    }
+
     /// Sets the accumulated gradient to zero, keeping its storage (and so any bucket
     /// view) in place.
     pub fn zero_grad(&self) -> Result<()> {

@@ -13,6 +13,7 @@ use crate::device::{parse_device, DeviceArg};
 use crate::error::{Error, Result};
 pub use crate::launch::Backend;
 use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
+use brigade_ddp::zero::ZeroStage;
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
 /// and metadata.
@@ -271,6 +272,11 @@ pub struct RunArgs {
     /// its buckets after the first iteration).
     #[arg(long, default_value_t = 10)]
     pub powersgd_start_iter: usize,
+    /// ZeRO stage: 0 plain DDP; 1 shards the optimizer state over the ranks (each bucket
+    /// reduce-scattered, each rank steps its shard, parameters all-gathered); 2 also keeps only
+    /// the rank's shard of the gradients. Needs --comm-hook allreduce.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub zero: u8,
 }
 
 /// `--comm-hook`.
@@ -355,6 +361,19 @@ impl RunArgs {
         if self.comm_hook != CommHookName::Powersgd && (self.powersgd_rank != 1 || self.powersgd_start_iter != 10) {
             return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
         }
+        if self.zero != 0 && self.comm_hook != CommHookName::Allreduce {
+            return bad(format!(
+                "--zero {} reduce-scatters each bucket itself and does not combine with --comm-hook {}: drop one of them",
+                self.zero,
+                flag_name(&self.comm_hook)
+            ));
+        }
+        if self.zero != 0 && self.bucket_auto() {
+            return bad(format!(
+                "--zero {} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB",
+                self.zero
+            ));
+        }
         if let HookSpec::PowerSgd(cfg) = self.hook_spec() {
             cfg.validate().map_err(|e| {
                 Error::Usage(format!(
@@ -377,6 +396,11 @@ impl RunArgs {
                 ..PowerSgdConfig::default()
             }),
         }
+    }
+
+    /// The ZeRO stage `--zero` chooses.
+    pub fn zero_stage(&self) -> ZeroStage {
+        ZeroStage::from_level(self.zero).unwrap_or_default()
     }
 
     /// SGD's momentum in effect (0 unless given, as in `torch.optim.SGD`).

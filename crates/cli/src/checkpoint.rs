@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
+use brigade_ddp::zero::ZeroStage;
 use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model};
 use brigade_tensor::Tensor;
 
@@ -23,6 +24,11 @@ pub struct CheckpointIdentity<'a> {
     /// The training data's fingerprint ([`crate::shard::DataSource::fingerprint`]; `None`:
     /// neither recorded nor checked).
     pub data: Option<String>,
+    /// The ZeRO stage (`--zero`): a checkpoint under ZeRO resumes only with the same stage and
+    /// world size, and a plain one only without ZeRO.
+    pub zero: ZeroStage,
+    /// The number of ranks.
+    pub world_size: usize,
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -46,6 +52,8 @@ pub fn save_checkpoint(
         ("model", id.model.to_string()),
         ("optimizer", id.optimizer.to_string()),
         ("seed", id.seed.to_string()),
+        ("zero", id.zero.level().to_string()),
+        ("world_size", id.world_size.to_string()),
     ]
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
@@ -91,6 +99,7 @@ pub fn load_checkpoint(
             )));
         }
     }
+    check_sharding(&meta, id).map_err(err)?;
     brigade_models::check_finite(path, &tensors)?;
     let step: usize = meta
         .get("step")
@@ -105,4 +114,29 @@ pub fn load_checkpoint(
     load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
     Ok(step)
+}
+
+/// A checkpoint written under ZeRO resumes with the same `--zero` stage and world size only, and
+/// one written without ZeRO (or before checkpoints recorded it) only without ZeRO.
+fn check_sharding(
+    meta: &std::collections::HashMap<String, String>,
+    id: &CheckpointIdentity<'_>,
+) -> std::result::Result<(), String> {
+    let zero: u8 = meta.get("zero").and_then(|z| z.parse().ok()).unwrap_or(0);
+    let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());
+    if zero == 0 && id.zero == ZeroStage::Off {
+        return Ok(());
+    }
+    if zero != id.zero.level() || world != Some(id.world_size) {
+        let written = match world {
+            Some(w) => format!("--zero {zero} on {w} ranks"),
+            None => format!("--zero {zero}"),
+        };
+        return Err(format!(
+            "it was written with {written}, this run has --zero {} on {} ranks: a ZeRO checkpoint resumes with the stage and world size it was written with",
+            id.zero.level(),
+            id.world_size
+        ));
+    }
+    Ok(())
 }

@@ -10,6 +10,7 @@ use std::time::Instant;
 use brigade_comm::{all_gather_bytes, CommBytes, Event};
 use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::overlap::{AutotuneReport, StepProfile};
+use brigade_ddp::zero::RankMemory;
 use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
 use brigade_models::Model;
 use brigade_tensor::Tensor;
@@ -83,6 +84,9 @@ pub struct RunReport {
     pub buckets: Vec<BucketInfo>,
     /// This rank's gradient memory (absent without DDP).
     pub memory: Option<MemoryReport>,
+    /// This rank's memory, measured: parameters, gradients, optimizer state, comm scratch
+    /// (absent without DDP).
+    pub rank_memory: Option<RankMemory>,
     /// The last step run, recorded on every rank (when the launch had a recorder and a step ran).
     pub timeline: Option<StepTimeline>,
     /// The final parameters (rank 0 only; empty elsewhere).
@@ -161,6 +165,7 @@ pub fn fit<D: DataSource>(
         sent: train.sent,
         buckets: train.buckets,
         memory: train.memory,
+        rank_memory: train.rank_memory,
         timeline,
         params: train.params,
         interrupted: train.interrupted,

@@ -263,6 +263,7 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap()?) },
             "first_bucket_mb": a.first_bucket_mb,
             "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
+            "zero": a.zero,
             "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
         });
         // serde_json writes NaN as null: a run of no step has no loss or time to report
@@ -274,6 +275,11 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
             "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
             "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
             "autotune": report.autotune,
+            "memory": report.rank_memory.map(|m| json!({
+                "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
+                "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
+                "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
+            })),
             "flags": flags,
         });
         // bytes DDP sent per step on rank 0 (see `sent.rs`)
@@ -320,7 +326,8 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
     if let Some(t) = &report.autotune {
         crate::bucket_cap::print_autotune(t);
     }
-    if let Some(m) = report.memory {
+    // (under ZeRO the measured line below is the account: shards are not whole buckets)
+    if let (Some(m), 0) = (report.memory, a.zero) {
         let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
         let n = report.buckets.len();
         println!(
@@ -332,6 +339,19 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
         if let Some(sent) = SentSummary::of(&report.sent) {
             println!("{}", sent.line(report.world_size));
         }
+    }
+    if let Some(m) = report.rank_memory {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
+            a.zero,
+            mib(m.parameters),
+            mib(m.gradients),
+            mib(m.buckets),
+            mib(m.optimizer_state),
+            mib(m.comm_scratch),
+            mib(m.total())
+        );
     }
     Ok(())
 }

@@ -18,6 +18,7 @@ use brigade_comm::{Buffer, CommBytes, CommMeter, Communicator, EventKind, Metere
 use brigade_ddp::overlap::{
     AutotuneConfig, AutotuneReport, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
 };
+use brigade_ddp::zero::{RankMemory, ZeroStage};
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
 use brigade_models::{load_params, Batch, Model};
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
@@ -186,6 +187,8 @@ pub struct TrainOutcome {
     pub buckets: Vec<BucketInfo>,
     /// This rank's gradient memory (absent without DDP).
     pub memory: Option<MemoryReport>,
+    /// This rank's memory after the last step, measured (absent without DDP).
+    pub rank_memory: Option<RankMemory>,
     /// The final parameters (rank 0 only; empty elsewhere).
     pub params: Vec<(String, Tensor)>,
 }
@@ -253,6 +256,8 @@ impl<'a> Trainer<'a> {
                     optimizer: cfg.optimizer.name(),
                     seed: cfg.seed,
                     data: data.fingerprint(),
+                    zero: zero_stage(cfg),
+                    world_size: ctx.world_size,
                 };
                 load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?
             }
@@ -281,6 +286,11 @@ impl<'a> Trainer<'a> {
             }
             None => None,
         };
+        // ZeRO: this rank keeps optimizer state for its shard of every bucket only.
+        if let (Some(ddp), true) = (&ddp, zero_stage(cfg) != ZeroStage::Off) {
+            let build = |params: Vec<Var>| cfg.optimizer.build(params);
+            opt = Box::new(ddp.zero_optimizer(opt.as_ref(), &build)?);
+        }
         Ok(Trainer {
             cfg,
             data,
@@ -485,12 +495,16 @@ impl<'a> Trainer<'a> {
                 }
             }
         }
+        // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
+        self.opt.consolidate_state()?;
         if self.ctx.rank == 0 {
             let id = CheckpointIdentity {
                 model: &self.cfg.model_name,
                 optimizer: self.cfg.optimizer.name(),
                 seed: self.cfg.seed,
                 data: self.data.fingerprint(),
+                zero: zero_stage(self.cfg),
+                world_size: self.ctx.world_size,
             };
             save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }
@@ -551,9 +565,13 @@ impl<'a> Trainer<'a> {
                 Err(e) => checkpoint_error = Some(format!("--checkpoint: {e}")),
             }
         }
-        let (buckets, memory) = match &self.ddp {
-            Some(ddp) => (ddp.buckets(), Some(ddp.memory())),
-            None => (vec![], None),
+        let (buckets, memory, rank_memory) = match &self.ddp {
+            Some(ddp) => (
+                ddp.buckets(),
+                Some(ddp.memory()),
+                Some(ddp.rank_memory(self.opt.as_ref())?),
+            ),
+            None => (vec![], None, None),
         };
         let params = if self.ctx.rank == 0 {
             self.model.params().named_values()
@@ -573,9 +591,15 @@ impl<'a> Trainer<'a> {
             autotune: self.autotune.as_ref().zip(self.ddp.as_ref()).map(|(t, d)| t.report(d)),
             buckets,
             memory,
+            rank_memory,
             params,
         })
     }
+}
+
+/// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).
+fn zero_stage(cfg: &TrainConfig) -> ZeroStage {
+    cfg.ddp.as_ref().map_or(ZeroStage::Off, |d| d.zero)
 }
 
 /// `batch` on `device` (the same tensors on the CPU).

@@ -36,6 +36,9 @@ pub(crate) struct Bucket {
     pub(crate) pending: usize,
     /// The communication hook's reduction in flight (the buffer is lent to it meanwhile).
     pub(crate) work: Option<Work<Vec<f32>>>,
+    /// ZeRO-2: this rank's shard of the reduced gradients, kept after the full buffer was
+    /// freed (until the next backward refills the bucket).
+    pub(crate) grad_shard: Option<Tensor>,
 }
 
 impl Bucket {

@@ -1,13 +1,15 @@
 //! `DistributedDataParallel`: the user-facing wrapper.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use brigade_autograd::{GradBus, GradSubscriber, ParamStore};
+use brigade_autograd::{GradBus, GradSubscriber, Optimizer, ParamStore, Var};
 use brigade_comm::Communicator;
 
 use crate::reducer::grad_bytes;
 use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
+use crate::zero::{self, RankMemory, ZeroOptimizer, ZeroStage};
 use crate::{DdpConfig, DdpError, Result};
 
 /// One bucket as built: which parameters, how many bytes.
@@ -50,6 +52,8 @@ pub struct DistributedDataParallel {
     reducer: Arc<Reducer>,
     bus: GradBus,
     subscriber: Arc<dyn GradSubscriber>,
+    /// ZeRO's communication scratch of the last step, written by its optimizer.
+    zero_scratch: Arc<AtomicUsize>,
 }
 
 impl DistributedDataParallel {
@@ -65,6 +69,13 @@ impl DistributedDataParallel {
                 first_bucket_cap_mb: cfg.first_bucket_cap_mb,
             });
         }
+        if cfg.zero != ZeroStage::Off && cfg.comm_hook.name() != "allreduce" {
+            return Err(DdpError::Zero(format!(
+                "ZeRO stage {} reduce-scatters each bucket itself; it does not combine with the '{}' communication hook (use the default all-reduce)",
+                cfg.zero.level(),
+                cfg.comm_hook.name()
+            )));
+        }
         let params = store.params().to_vec();
         check_same_model(&params, comm.as_ref())?;
         check_f32(&params)?;
@@ -78,6 +89,7 @@ impl DistributedDataParallel {
             reducer,
             bus: store.bus().clone(),
             subscriber,
+            zero_scratch: Arc::default(),
         })
     }
 
@@ -174,6 +186,31 @@ impl DistributedDataParallel {
             .iter()
             .map(|&p| self.reducer.params[p].name().unwrap_or("<unnamed>").to_string())
             .collect()
+    }
+
+    /// ZeRO: wraps `full` (an optimizer over the model's parameters, possibly with state loaded
+    /// from a checkpoint) into a [`ZeroOptimizer`] that keeps state only for this rank's shard
+    /// of every bucket; `build` makes an optimizer of the same kind over a list of parameters
+    /// (one per bucket shard is built). Fails unless DDP was built with a ZeRO stage.
+    pub fn zero_optimizer(
+        &self,
+        full: &dyn Optimizer,
+        build: &dyn Fn(Vec<Var>) -> Box<dyn Optimizer>,
+    ) -> Result<ZeroOptimizer> {
+        let stage = self.reducer.zero_stage();
+        if stage == ZeroStage::Off {
+            return Err(DdpError::Zero(
+                "zero_optimizer needs DDP built with DdpConfig::zero set to a stage".into(),
+            ));
+        }
+        ZeroOptimizer::new(self.reducer.clone(), stage, self.zero_scratch.clone(), full, build)
+    }
+
+    /// This rank's memory, measured from live allocations: parameters, gradients and buckets,
+    /// `opt`'s state, and the communication scratch of the last ZeRO step
+    /// ([`zero::RankMemory`]).
+    pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<RankMemory> {
+        zero::memory_of(&self.reducer, opt, self.zero_scratch.load(Ordering::Relaxed))
     }
 
     /// Gradient memory on this rank: buckets are the only gradient storage.

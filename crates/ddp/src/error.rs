@@ -113,6 +113,9 @@ pub enum DdpError {
         /// Elements the hook returned.
         found: usize,
     },
+    /// ZeRO settings that cannot work, or a sharded step that found its shards missing.
+    #[error("ZeRO: {0}")]
+    Zero(String),
     /// A parameter was announced twice in one backward pass (autograd must announce once).
     #[error("parameter '{param}' was marked ready twice in one backward pass")]
     ReadyTwice {

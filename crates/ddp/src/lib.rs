@@ -16,6 +16,7 @@ pub mod hooks;
 pub mod overlap;
 mod reducer;
 mod signature;
+pub mod zero;
 
 pub use bucket::assign_buckets;
 pub use ddp::{BucketInfo, DistributedDataParallel, MemoryReport};
@@ -26,6 +27,7 @@ use std::sync::Arc;
 
 use brigade_comm::Recorder;
 use hooks::{AllReduceHook, CommHook};
+use zero::ZeroStage;
 
 /// How DDP buckets and reduces gradients. Defaults follow PyTorch.
 #[derive(Clone)]
@@ -47,6 +49,11 @@ pub struct DdpConfig {
     /// How each full bucket is reduced (PyTorch's `register_comm_hook`); default: one
     /// averaging all-reduce ([`hooks::AllReduceHook`]).
     pub comm_hook: Arc<dyn CommHook>,
+    /// ZeRO stage ([`zero`]): shard the optimizer state (1) and the gradients (2) over the ranks;
+    /// each bucket is reduce-scattered instead of reduced by `comm_hook` (which must be the
+    /// default all-reduce), the buckets are never rebuilt, and the optimizer must be the one
+    /// [`DistributedDataParallel::zero_optimizer`] wraps.
+    pub zero: ZeroStage,
 }
 
 impl Default for DdpConfig {
@@ -59,6 +66,7 @@ impl Default for DdpConfig {
             broadcast_parameters: true,
             recorder: None,
             comm_hook: Arc::new(AllReduceHook),
+            zero: ZeroStage::Off,
         }
     }
 }

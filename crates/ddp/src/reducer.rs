@@ -15,6 +15,7 @@ use brigade_tensor::{DType, Device, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
 use crate::hooks::{BucketParam, GradBucket};
+use crate::zero::{self, ZeroStage};
 use crate::{DdpConfig, DdpError, Result};
 
 /// Tag of bucket `i`'s all-reduce (shows up in traces and errors).
@@ -92,15 +93,20 @@ fn group_params(params: &[Var], order: &[usize], caps: (f64, f64)) -> Vec<Vec<us
     assign_buckets(&sizes, order, bytes(caps.1), bytes(caps.0))
 }
 
-/// Builds buckets for `groups` and points every parameter's gradient at its slice.
-fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>, Vec<usize>)> {
+/// Builds buckets for `groups` and points every parameter's gradient at its slice; each flat
+/// buffer is padded to a multiple of `pad_to` elements (ZeRO's equal shards; 1: no padding).
+pub(crate) fn build_buckets(
+    params: &[Var],
+    groups: Vec<Vec<usize>>,
+    pad_to: usize,
+) -> Result<(Vec<Bucket>, Vec<usize>)> {
     let mut bucket_of = vec![usize::MAX; params.len()];
     let mut buckets = Vec::with_capacity(groups.len());
     for (b, group) in groups.into_iter().enumerate() {
         let numel: usize = group.iter().map(|&p| params[p].value().numel()).sum();
         // The bucket lives beside its parameters (a CUDA model gets CUDA buckets).
         let device = group.first().map_or(Device::Cpu, |&p| params[p].value().device());
-        let flat = Tensor::zeros_on(&[numel], DType::F32, device)?;
+        let flat = Tensor::zeros_on(&[zero::padded_len(numel, pad_to)], DType::F32, device)?;
         let mut offset = 0;
         for &p in &group {
             let shape = params[p].shape();
@@ -113,6 +119,7 @@ fn build_buckets(params: &[Var], groups: Vec<Vec<usize>>) -> Result<(Vec<Bucket>
             params: group,
             flat,
             work: None,
+            grad_shard: None,
         });
     }
     Ok((buckets, bucket_of))
@@ -124,7 +131,7 @@ impl Reducer {
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
         let groups = group_params(&params, &order, caps);
-        let (buckets, bucket_of) = build_buckets(&params, groups)?;
+        let (buckets, bucket_of) = build_buckets(&params, groups, zero::pad_to(cfg.zero, comm.world_size()))?;
         let n = params.len();
         Ok(Reducer {
             recorder: cfg.recorder.clone(),
@@ -139,13 +146,19 @@ impl Reducer {
                 ready_order: vec![],
                 sync: true,
                 in_backward: false,
-                rebuilt: !cfg.rebuild_buckets,
+                // ZeRO's shards are cut from the buckets: they are never rebuilt (zero/mod.rs).
+                rebuilt: !cfg.rebuild_buckets || cfg.zero != ZeroStage::Off,
                 caps,
                 span: None,
                 pass: PassTimes::default(),
             }),
             cfg,
         })
+    }
+
+    /// The ZeRO stage this reducer was built with.
+    pub(crate) fn zero_stage(&self) -> ZeroStage {
+        self.cfg.zero
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -206,8 +219,9 @@ impl Reducer {
         };
         // Collectives the hook issues on this thread are traced as this bucket's.
         let launched = Instant::now();
-        bucket.work = Some(reducing_bucket(b, || {
-            self.cfg.comm_hook.reduce(&self.comm, grad_bucket)
+        bucket.work = Some(reducing_bucket(b, || match self.cfg.zero {
+            ZeroStage::Off => self.cfg.comm_hook.reduce(&self.comm, grad_bucket),
+            stage => zero::reduce_scatter(&self.comm, grad_bucket, stage),
         }));
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {
@@ -241,6 +255,11 @@ impl Reducer {
                     v
                 });
                 match result {
+                    Ok(v) if self.cfg.zero == ZeroStage::Two => {
+                        if let Err(e) = zero::keep_grad_shard(bucket, v, &self.params, self.comm.world_size()) {
+                            first_err.get_or_insert(e);
+                        }
+                    }
                     Ok(v) if v.len() == bucket.flat.numel() => {
                         let device = bucket.flat.device();
                         bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
@@ -303,7 +322,11 @@ impl Reducer {
         }
         let groups = group_params(&self.params, &order, st.caps);
         // set_grad_buffer copies each gradient (this step's reduced values) into its new slice.
-        let (buckets, bucket_of) = build_buckets(&self.params, groups)?;
+        let (buckets, bucket_of) = build_buckets(
+            &self.params,
+            groups,
+            zero::pad_to(self.cfg.zero, self.comm.world_size()),
+        )?;
         st.buckets = buckets;
         st.bucket_of = bucket_of;
         st.rebuilt = true;
@@ -319,9 +342,14 @@ impl Reducer {
         if st.in_backward {
             return Err(DdpError::RebuildDuringBackward);
         }
+        if self.cfg.zero != ZeroStage::Off {
+            return Err(DdpError::Zero(
+                "the bucket caps cannot change under ZeRO: its optimizer shards are cut from the buckets".into(),
+            ));
+        }
         let order: Vec<usize> = st.buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
         let groups = group_params(&self.params, &order, caps);
-        let (buckets, bucket_of) = build_buckets(&self.params, groups)?;
+        let (buckets, bucket_of) = build_buckets(&self.params, groups, 1)?;
         st.buckets = buckets;
         st.bucket_of = bucket_of;
         st.caps = caps;
@@ -370,6 +398,7 @@ impl Reducer {
         }
         // PyTorch's find_unused_parameters: mark them ready up front so no bucket waits on them.
         for p in unused {
+            self.attach_for_zero2(st, p)?;
             self.mark_ready(st, p)?;
         }
         Ok(())
@@ -410,6 +439,18 @@ impl Reducer {
     }
 }
 
+impl Reducer {
+    /// ZeRO-2 frees each full bucket after its reduce-scatter: a gradient that became final
+    /// moves back into its (re-allocated) bucket here, in synchronized and `no_sync` passes.
+    fn attach_for_zero2(&self, st: &mut State, p: usize) -> Result<()> {
+        if self.cfg.zero != ZeroStage::Two || !self.trainable[p] {
+            return Ok(());
+        }
+        let b = st.bucket_of[p];
+        zero::attach_grad(&mut st.buckets[b], &self.params, p)
+    }
+}
+
 impl GradSubscriber for Reducer {
     fn backward_started(&self, in_graph: &[usize]) -> std::result::Result<(), SubscriberError> {
         let mut st = self.lock();
@@ -430,6 +471,7 @@ impl GradSubscriber for Reducer {
 
     fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError> {
         let mut st = self.lock();
+        self.attach_for_zero2(&mut st, ready.index)?;
         if !st.sync {
             return Ok(());
         }
