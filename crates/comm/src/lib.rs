@@ -20,6 +20,7 @@ mod communicator;
 mod error;
 #[cfg(feature = "mpi")]
 mod mpi;
+pub mod nccl;
 mod sim;
 mod stream;
 mod thread;
