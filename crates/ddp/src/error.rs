@@ -113,6 +113,27 @@ pub enum DdpError {
         /// Elements the hook returned.
         found: usize,
     },
+    /// A bucket stream was handed a collective another kind of stream launched (a bug in
+    /// the caller: one reducer uses one stream).
+    #[error("bucket {bucket}: the {stream} stream was handed a collective launched by the {launched_by} stream")]
+    WrongStream {
+        /// The bucket.
+        bucket: usize,
+        /// The stream that was asked to wait.
+        stream: &'static str,
+        /// The kind of stream that launched it.
+        launched_by: &'static str,
+    },
+    /// A CUDA call of the NCCL bucket stream failed.
+    #[error("rank {rank}: {during} failed: {detail}")]
+    Cuda {
+        /// This rank.
+        rank: usize,
+        /// What was being done (`recording bucket 3's ready event`).
+        during: String,
+        /// The driver's error.
+        detail: String,
+    },
     /// A parameter was announced twice in one backward pass (autograd must announce once).
     #[error("parameter '{param}' was marked ready twice in one backward pass")]
     ReadyTwice {

@@ -16,6 +16,7 @@ pub mod hooks;
 pub mod overlap;
 mod reducer;
 mod signature;
+pub mod stream;
 
 pub use bucket::assign_buckets;
 pub use ddp::{BucketInfo, DistributedDataParallel, MemoryReport};
