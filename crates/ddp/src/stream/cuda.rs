@@ -3,14 +3,16 @@
 //! backward the compute stream waits on the completion event. The host never waits: the
 //! optimizer's kernels are simply queued behind the collectives.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use brigade_comm::nccl::{DeviceBuffer, NcclComm};
-use brigade_comm::{Communicator, ReduceOp};
+use brigade_comm::{Communicator, Recorder, ReduceOp};
 use brigade_tensor::cuda::CudaDevice;
 use brigade_tensor::{Device, Storage};
+use cudarc::driver::sys::CUevent_flags;
 
+use super::gpu_clock::{GpuClock, GpuTimeline};
 use super::{BucketStream, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
 use crate::{bucket_tag, DdpError};
 
@@ -25,12 +27,37 @@ pub(crate) struct Enqueued {
 /// host stream only).
 pub struct NcclStream {
     comm: Arc<NcclComm>,
+    recorder: Option<Recorder>,
+    timeline: OnceLock<Option<GpuTimeline>>,
 }
 
 impl NcclStream {
     /// Buckets reduced over `comm`.
     pub fn new(comm: Arc<NcclComm>) -> Self {
-        NcclStream { comm }
+        NcclStream {
+            comm,
+            recorder: None,
+            timeline: OnceLock::new(),
+        }
+    }
+
+    /// Also writes every bucket's collective, timed by its CUDA events on the comm stream, and
+    /// its ready event on the compute stream, to `recorder` (the run's timeline).
+    pub fn with_recorder(mut self, recorder: Option<Recorder>) -> Self {
+        self.recorder = recorder;
+        self
+    }
+
+    /// The GPU-clock timeline, anchored on first use (`None` without a recorder, or when the
+    /// anchor could not be recorded: the run trains on without a GPU timeline).
+    fn timeline(&self) -> Option<&GpuTimeline> {
+        self.timeline
+            .get_or_init(|| {
+                let rec = self.recorder.clone()?;
+                let clock = GpuClock::new(self.comm.stream()).ok()?;
+                Some(GpuTimeline::new(self.comm.rank(), rec, clock))
+            })
+            .as_ref()
     }
 
     fn cuda_error(&self, during: String, e: impl std::fmt::Debug) -> DdpError {
@@ -61,7 +88,7 @@ impl BucketStream for NcclStream {
         let dev = self.device_of(index, storage.device())?;
         let event = dev
             .stream()
-            .record_event(None)
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| self.cuda_error(format!("recording bucket {index}'s ready event"), e))?;
         Ok(ReadyEvent::Cuda(Arc::new(event)))
     }
@@ -81,9 +108,25 @@ impl BucketStream for NcclStream {
             ReadyEvent::Host => None,
         };
         let launched = Instant::now();
+        let timeline = self.timeline();
+        if let Some(t) = timeline {
+            // The previous passes' events have completed by now: time them.
+            t.flush();
+        }
+        let tag = bucket_tag(index);
         let buffer = self
             .comm
-            .all_reduce_device(DeviceBuffer::new(slice, ready), ReduceOp::Avg, &bucket_tag(index))?;
+            .all_reduce_device(DeviceBuffer::new(slice, ready.clone()), ReduceOp::Avg, &tag)?;
+        if let Some(t) = timeline {
+            t.issued(
+                index,
+                &tag,
+                numel * 4,
+                ready,
+                buffer.started().cloned(),
+                buffer.done().cloned(),
+            );
+        }
         Ok(InFlight {
             index,
             numel,

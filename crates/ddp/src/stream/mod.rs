@@ -22,6 +22,7 @@
 //! calls, which is how the CPU tests check the logic that also drives NCCL.
 
 mod cuda;
+mod gpu_clock;
 mod host;
 mod recording;
 
