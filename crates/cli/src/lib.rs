@@ -8,7 +8,7 @@
 //!   plus `init_process_group` give a PyTorch user;
 //! - [`trainer`]: one rank's training loop over any [`models::Model`] (sharding, `no_sync`
 //!   accumulation, agreed non-finite and signal stops, checkpoints, step profiles);
-//! - [`checkpoint`], [`device`], [`error`].
+//! - [`checkpoint`], [`device`], [`error`], [`nccl`] (`--backend nccl`).
 //!
 //! Layers to build models from are in [`models::nn`]; reducer policies plug in through
 //! [`ddp::hooks::CommHook`]. See the examples in `crates/cli/examples/`.
@@ -23,4 +23,5 @@ pub mod checkpoint;
 pub mod device;
 pub mod error;
 pub mod launch;
+pub mod nccl;
 pub mod trainer;

@@ -222,7 +222,7 @@ impl<'a> Trainer<'a> {
                 cfg.steps
             )));
         }
-        let device = cfg.device.for_rank(ctx.rank)?;
+        let device = cfg.device.for_rank(crate::nccl::gpu_rank(ctx))?;
         if device != Device::Cpu {
             opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
         }
@@ -233,7 +233,13 @@ impl<'a> Trainer<'a> {
                     comm_hook: cfg.comm_hook.build()?,
                     ..d.clone()
                 };
-                Some(DistributedDataParallel::new(model.params(), ctx.comm.clone(), d)?)
+                let stream = crate::nccl::bucket_stream(ctx, device, &d)?;
+                Some(DistributedDataParallel::with_stream(
+                    model.params(),
+                    ctx.comm.clone(),
+                    stream,
+                    d,
+                )?)
             }
             None => None,
         };
