@@ -28,7 +28,7 @@ pub struct NcclComm {
     world_size: usize,
     timeout: Duration,
     stream: Arc<CudaStream>,
-    watched: Arc<Watched>,
+    watched: Arc<Watched<RawComm>>,
 }
 
 impl std::fmt::Debug for NcclComm {

@@ -4,6 +4,8 @@
 
 use cudarc::nccl::{result, sys};
 
+use super::watchdog::Abortable;
+
 /// One `ncclComm_t`. Calls on it are serialized by the owner's mutex; NCCL allows
 /// `ncclCommGetAsyncError` and `ncclCommAbort` from another thread, which is how the watchdog
 /// uses it.
@@ -34,14 +36,12 @@ impl RawComm {
     pub(crate) fn handle(&self) -> sys::ncclComm_t {
         self.comm
     }
+}
 
-    pub(crate) fn is_aborted(&self) -> bool {
-        self.aborted
-    }
-
+impl Abortable for RawComm {
     /// `ncclCommGetAsyncError`: `Err(code)` once an asynchronous error (a dead peer, a network
     /// failure) hit the communicator.
-    pub(crate) fn async_error(&self) -> Result<(), String> {
+    fn async_error(&self) -> Result<(), String> {
         if self.aborted {
             return Err("communicator aborted".into());
         }
@@ -59,12 +59,16 @@ impl RawComm {
 
     /// `ncclCommAbort`: frees the communicator and ends its kernels still queued or running, so
     /// that no stream waits forever on a dead peer.
-    pub(crate) fn abort(&mut self) {
+    fn abort(&mut self) {
         if !self.aborted {
             self.aborted = true;
             // SAFETY: a live communicator, aborted once.
             let _ = unsafe { result::comm_abort(self.comm) };
         }
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted
     }
 }
 
