@@ -1,13 +1,14 @@
 //! The NCCL stream's timeline on the GPU clock: each bucket's collective (start and completion
 //! events on the comm stream) and each bucket's ready event (on the compute stream), placed on
 //! the host clock through one anchor event, and written to the run's [`Recorder`] as today's
-//! comm spans, so the Chrome trace and SVG show a GPU step. Times are read only once the
+//! comm spans (the ready event as a zero-length marker `bucketN ready (compute stream, GPU
+//! clock)`), so the Chrome trace and SVG show a GPU step. Times are read only once the
 //! events completed (the next pass, or when the stream is dropped): never a host wait.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use brigade_comm::{EventKind, Recorder, SpanId};
+use brigade_comm::{Recorder, SpanId};
 use cudarc::driver::{CudaEvent, CudaStream};
 
 /// Times on one GPU relative to an anchor event whose host instant is known.
@@ -45,7 +46,9 @@ impl GpuClock {
 /// One bucket's events waiting to be timed.
 struct Pending {
     span: SpanId,
-    bucket: usize,
+    /// The marker of the bucket's ready event (recorded at issue, so that it belongs to the
+    /// step that issued it).
+    ready_span: Option<SpanId>,
     ready: Option<Arc<CudaEvent>>,
     started: Option<Arc<CudaEvent>>,
     done: Option<Arc<CudaEvent>>,
@@ -82,9 +85,13 @@ impl GpuTimeline {
         let span = self
             .recorder
             .comm_issued(self.rank, "all_reduce", tag, bytes, Some(bucket));
+        let ready_span = ready.as_ref().map(|_| {
+            let marker = format!("{tag} ready (compute stream, GPU clock)");
+            self.recorder.comm_issued(self.rank, "ready", &marker, 0, None)
+        });
         self.lock().push(Pending {
             span,
-            bucket,
+            ready_span,
             ready,
             started,
             done,
@@ -101,10 +108,10 @@ impl GpuTimeline {
             ) else {
                 return true;
             };
-            if let Some(ready) = p.ready.as_deref().and_then(|e| self.clock.at(e)) {
-                // The compute stream's moment the bucket was full: a zero-length compute span.
-                let kind = EventKind::Other(format!("bucket{} ready (GPU clock)", p.bucket));
-                self.recorder.compute_span(self.rank, kind, ready, ready);
+            if let (Some(marker), Some(ready)) = (p.ready_span, p.ready.as_deref().and_then(|e| self.clock.at(e))) {
+                // The compute stream's moment the bucket was full: a zero-length marker.
+                self.recorder.comm_started(marker, ready);
+                self.recorder.comm_finished(marker, ready, None);
             }
             self.recorder.comm_started(p.span, start);
             self.recorder.comm_finished(p.span, end, None);
