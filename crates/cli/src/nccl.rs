@@ -11,7 +11,7 @@ use brigade_comm::nccl::{exchange_id, require_nccl, NcclComm};
 use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::stream::{BucketStream, HostStream, NcclStream};
 use brigade_ddp::DdpConfig;
-use brigade_tensor::cuda::CudaDevice;
+use brigade_tensor::cuda::{probe, CudaDevice};
 use brigade_tensor::Device;
 
 use crate::device::DeviceArg;
@@ -41,9 +41,22 @@ pub fn check_flags(backend: Backend, device: DeviceArg, hook: &HookSpec) -> Resu
     Ok(())
 }
 
-/// Whether NCCL can be loaded: one typed error naming the missing library otherwise.
-pub fn require() -> Result<()> {
-    require_nccl().map_err(CliError::from)
+/// Whether NCCL can be loaded: one typed error naming the missing library otherwise. With rank
+/// threads, also whether there is a GPU per rank (NCCL refuses two ranks on one GPU).
+pub fn require(world_size: usize) -> Result<()> {
+    require_nccl().map_err(CliError::from)?;
+    if under_mpi() {
+        return Ok(());
+    }
+    let count = probe::device_count().map_err(|u| u.on(Device::Cuda(0)))?;
+    if world_size > count {
+        return Err(CliError::Usage(format!(
+            "--backend nccl runs one rank per GPU and NCCL refuses two ranks on one GPU: --world-size {world_size} \
+             needs {world_size} GPUs, this machine has {count} (several ranks on one GPU train with --backend thread, \
+             host-staged)"
+        )));
+    }
+    Ok(())
 }
 
 /// Whether this process runs under `mpirun` (Open MPI, MPICH or Slurm's PMI set these).
@@ -79,7 +92,7 @@ pub fn bucket_stream(ctx: &RankContext, device: Device, ddp: &DdpConfig) -> Resu
     let Device::Cuda(ordinal) = device else {
         return Err(CliError::Usage("--backend nccl needs --device cuda".into()));
     };
-    require()?;
+    require_nccl()?;
     let gpu = CudaDevice::get(ordinal)?;
     let id = exchange_id(ctx.control.as_ref())?;
     let timeout = ctx.control.timeout();

@@ -231,7 +231,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
     if args.backend == Backend::Nccl {
-        brigade::nccl::require()?;
+        brigade::nccl::require(args.world_size)?;
     }
     let launched = launch(
         &launch_cfg,
