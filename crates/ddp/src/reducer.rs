@@ -11,11 +11,11 @@ use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, Communicator, EventKind, Recorder, SpanId};
-use brigade_tensor::{DType, Device, Tensor};
+use brigade_tensor::{DType, Device, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
 use crate::hooks::BucketParam;
-use crate::stream::{BucketStream, Failed, ReadyBucket};
+use crate::stream::{BucketStream, Contents, Failed, ReadyBucket};
 use crate::{DdpConfig, DdpError, Result};
 
 /// Tag of bucket `i`'s all-reduce (shows up in traces and errors).
@@ -243,7 +243,25 @@ impl Reducer {
                         if let Some(pb) = st.pass.buckets.get_mut(b) {
                             pb.ran = landed.ran;
                         }
-                        bucket.flat.restore_storage(landed.storage)?
+                        match landed.contents {
+                            Contents::Storage(s) => bucket.flat.restore_storage(s)?,
+                            Contents::Host(v) if v.len() == bucket.flat.numel() => {
+                                let device = bucket.flat.device();
+                                bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
+                            }
+                            Contents::Host(v) => {
+                                // Give the views storage back (zeros) before reporting the hook's mistake.
+                                let zeros =
+                                    Storage::from_host_vec(vec![0.0f32; bucket.flat.numel()], bucket.flat.device())?;
+                                bucket.flat.restore_storage(zeros)?;
+                                first_err.get_or_insert(DdpError::HookResult {
+                                    hook: self.cfg.comm_hook.name(),
+                                    bucket: b,
+                                    expected: bucket.flat.numel(),
+                                    found: v.len(),
+                                });
+                            }
+                        }
                     }
                     Err(Failed { error, storage }) => {
                         // Give the views their storage back before reporting.

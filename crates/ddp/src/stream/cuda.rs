@@ -13,7 +13,7 @@ use brigade_tensor::{Device, Storage};
 use cudarc::driver::sys::CUevent_flags;
 
 use super::gpu_clock::{GpuClock, GpuTimeline};
-use super::{BucketStream, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
+use super::{BucketStream, Contents, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
 use crate::{bucket_tag, DdpError};
 
 /// A bucket enqueued on the NCCL comm stream: its memory (reduced in place) and its device.
@@ -162,7 +162,7 @@ impl BucketStream for NcclStream {
         match waited.and_then(|()| self.comm.check().map_err(DdpError::from)) {
             Ok(()) => Ok(Landed {
                 index,
-                storage,
+                contents: Contents::Storage(storage),
                 ran: None,
             }),
             Err(error) => Err(Failed {

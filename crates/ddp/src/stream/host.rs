@@ -10,7 +10,7 @@ use std::time::Instant;
 use brigade_comm::{reducing_bucket, Communicator};
 use brigade_tensor::Storage;
 
-use super::{BucketStream, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
+use super::{BucketStream, Contents, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
 use crate::hooks::{CommHook, GradBucket};
 use crate::DdpError;
 
@@ -81,27 +81,12 @@ impl BucketStream for HostStream {
         };
         let zeros = || Storage::from_host_vec(vec![0.0f32; numel], device).ok();
         match work.wait_timed() {
-            Ok((v, timing)) if v.len() == numel => match Storage::from_host_vec(v, device) {
-                Ok(storage) => Ok(Landed {
-                    index,
-                    storage,
-                    ran: Some((timing.started, timing.finished)),
-                }),
-                Err(e) => Err(Failed {
-                    error: e.into(),
-                    storage: None,
-                }),
-            },
-            // Give the views storage back (zeros) before reporting the hook's mistake.
-            Ok((v, _)) => Err(Failed {
-                error: DdpError::HookResult {
-                    hook: self.hook.name(),
-                    bucket: index,
-                    expected: numel,
-                    found: v.len(),
-                },
-                storage: zeros(),
+            Ok((v, timing)) => Ok(Landed {
+                index,
+                contents: Contents::Host(v),
+                ran: Some((timing.started, timing.finished)),
             }),
+            // Give the views storage back (zeros) before reporting the failure.
             Err(e) => Err(Failed {
                 error: e.into(),
                 storage: zeros(),

@@ -99,16 +99,26 @@ impl std::fmt::Debug for InFlight {
     }
 }
 
-/// A bucket back on the compute side: its storage (holding the reduced gradients) and when its
-/// collective ran, where the stream knows it on the host clock.
+/// A bucket back on the compute side: its reduced contents and when its collective ran, where
+/// the stream knows it on the host clock.
 #[derive(Debug)]
 pub struct Landed {
     /// The bucket's index.
     pub index: usize,
-    /// The bucket's memory, to restore under its gradient views.
-    pub storage: Storage,
+    /// What the collective gave back.
+    pub contents: Contents,
     /// When the collective ran (start, finish) on the host clock, when known.
     pub ran: Option<(Instant, Instant)>,
+}
+
+/// What a bucket's collective gave back, for the reducer to put under the gradient views.
+#[derive(Debug)]
+pub enum Contents {
+    /// The hook's result on the host (normally the bucket's new contents, element for element;
+    /// the reducer checks the length and copies it onto the bucket's device).
+    Host(Vec<f32>),
+    /// The bucket's own memory, reduced in place (NCCL).
+    Storage(Storage),
 }
 
 /// A bucket whose collective failed: the error, and the storage when it could be given back
