@@ -16,10 +16,11 @@
 //!    CUDA: the compute stream waits on the comm stream's event, the host does not wait) and
 //!    the bucket's storage goes back under its gradient views.
 //!
-//! [`HostStream`] fulfils it over any [`Communicator`] and [`CommHook`] (a CUDA bucket is staged
-//! through the host); `NcclStream` (the `cuda` submodule) over an NCCL communicator on a
-//! dedicated CUDA comm stream. [`Recording`] wraps either and writes down the order of the
-//! calls, which is how the CPU tests check the logic that also drives NCCL.
+//! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] and
+//! [`crate::hooks::CommHook`] (a CUDA bucket is staged through the host); [`NcclStream`] over
+//! an NCCL communicator on a dedicated CUDA comm stream. [`Recording`] wraps either and writes
+//! down the order of the calls, which is how the CPU tests check the logic that also drives
+//! NCCL.
 
 mod cuda;
 mod gpu_clock;
