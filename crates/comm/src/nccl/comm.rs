@@ -21,8 +21,8 @@ use crate::{Buffer, CommError, Communicator, ReduceOp, Work};
 /// rank's GPU, ordered against the compute stream by events; a watchdog aborts the
 /// communicator on an asynchronous error or a timeout (see the module docs).
 ///
-/// Create it on the thread that uses it is *not* required (unlike cudarc's `Comm`): the handle
-/// is owned here and every call is serialized.
+/// Unlike cudarc's `Comm` it is `Send + Sync` (a [`Communicator`]): it owns the raw NCCL handle
+/// and serializes every call on it.
 pub struct NcclComm {
     rank: usize,
     world_size: usize,

@@ -94,7 +94,7 @@ impl<C: Abortable + 'static> Watched<C> {
         self.failed()?;
         let raw = lock(&self.raw);
         if raw.is_aborted() {
-            return Err(self.error(tag, "the communicator was aborted".into()));
+            return Err(self.error(tag, "an earlier fault".into()));
         }
         Ok(raw)
     }
