@@ -10,7 +10,10 @@
 # cuBLAS at 4096^3, f32 and bf16), PyTorch's GEMM and GPT step, the GPT's CPU-vs-CUDA loss
 # parity (20 steps) and Brigade's GPT step on the GPU beside PyTorch's;
 # writes everything to $OUT (summary.txt first). Whole run bounded to under 8 minutes.
+# Issue 10: NCCL at world size 1 vs host-staged DDP, two ranks host-staged on the one GPU vs
+# world size 1, overlap read from the CUDA-event times in the NCCL run's trace, step times.
 # `--dry-run` stops after finding the libraries (what a CPU machine can check).
+# GPU_CHECK_SECTIONS=tests,gemm,torch,nccl (default: all) runs only those sections.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -21,6 +24,8 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 FAILED=0
 say() { echo "$*" | tee -a "$SUMMARY"; }
+# want SECTION: whether GPU_CHECK_SECTIONS (comma-separated, default all) asks for it.
+want() { [[ ",${GPU_CHECK_SECTIONS:-all}," == *",all,"* || ",${GPU_CHECK_SECTIONS:-all}," == *",$1,"* ]]; }
 # Seconds left of the 450 s budget (8 minutes minus a margin for the copy back).
 left() { echo $((450 - (SECONDS - START))); }
 # run NAME LIMIT CMD...: bounded by LIMIT and by what is left of the budget; logs to $OUT/NAME.log.
@@ -82,15 +87,19 @@ fi
 
 # ---- every device test: each kernel, forward and backward, against the CPU
 export BRIGADE_REQUIRE_CUDA=1
+if want tests; then
 for t in cuda_probe cuda_nvrtc cuda_ops; do
   run "test-$t" 200 "$CARRY/tests/$t" --test-threads=1
 done
+fi
 
 # ---- GEMM: Brigade vs direct cuBLAS, 4096^3, f32 and bf16 (goal: >= 0.95x)
+if want gemm; then
 BRIGADE_BENCH_OUT="$OUT/gemm_brigade.json" run bench-gemm 90 "$CARRY/tests/cuda_bench" --ignored --test-threads=1 gemm_4096
 if [ -f "$OUT/gemm_brigade.json" ]; then say "gemm (Brigade vs cuBLAS): $(cat "$OUT/gemm_brigade.json")"; else
   say "FAIL bench-gemm wrote no numbers"
   FAILED=1
+fi
 fi
 
 # ---- PyTorch on the same GPU: the same GEMMs, and the GPT step of the issue
@@ -135,8 +144,57 @@ except Exception as e:  # the GEMM numbers above still count
 print(json.dumps(out))
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 PY
+if want torch; then
 run torch-side 150 python3 "$OUT/torch_side.py" "$CARRY" "$OUT/torch.json"
 [ -f "$OUT/torch.json" ] && say "pytorch: $(tr -d '\n' <"$OUT/torch.json")"
+fi
+
+# ---- NCCL (issue 10). One GPU only: NCCL refuses two ranks on one device, so the checks
+# are NCCL at world size 1, and two ranks on the one GPU through the host-staged path.
+if want nccl; then
+B="$CARRY/brigade"
+GPT=(--model gpt --steps 20 --seed 3 --lr 1e-3 --optimizer adamw --device cuda --bucket-mb 4 --quiet --json)
+run nccl-world1 120 "$B" train "${GPT[@]}" --backend nccl --world-size 1 --batch-size 16 \
+  --losses "$OUT/nccl1.csv" --timeline "$OUT/nccl1.trace.json"
+run staged-world1 120 "$B" train "${GPT[@]}" --backend thread --world-size 1 --batch-size 16 --losses "$OUT/staged1.csv"
+run staged-world2 120 "$B" train "${GPT[@]}" --backend thread --world-size 2 --batch-size 8 --losses "$OUT/staged2.csv"
+python3 - "$OUT" <<'PY' | tee -a "$SUMMARY"
+import csv, json, os, sys
+out = sys.argv[1]
+def losses(name):
+    p = os.path.join(out, name)
+    return [float(r["loss"]) for r in csv.DictReader(open(p))] if os.path.exists(p) else None
+def compare(what, a, b, tol):
+    la, lb = losses(a), losses(b)
+    if not la or not lb or len(la) != len(lb):
+        print(f"FAIL {what}: missing or unequal loss files ({a}, {b})"); return
+    worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la, lb))
+    print(f"{'PASS' if worst <= tol else 'FAIL'} {what}: worst relative loss difference {worst:.2e} (tolerance {tol:g}) over {len(la)} steps")
+# With one rank the average is the identity: NCCL must give exactly what DDP without a peer gives.
+compare("NCCL world 1 == host-staged world 1 (no peer: DDP reduces nothing)", "nccl1.csv", "staged1.csv", 1e-6)
+compare("2 ranks host-staged on one GPU == world 1 on the whole batch", "staged2.csv", "staged1.csv", 1e-4)
+# Overlap from GPU clocks: a bucket's collective started on the comm stream before the compute
+# stream reached the last bucket's ready event (backward kernels were still running).
+p = os.path.join(out, "nccl1.trace.json")
+if not os.path.exists(p):
+    print("FAIL nccl trace: no trace written")
+else:
+    t = json.load(open(p)); ev = t["traceEvents"] if isinstance(t, dict) else t
+    spans = [e for e in ev if e.get("ph") == "X" and e.get("cat") == "comm"]
+    ready = {e["args"]["tag"]: e["ts"] for e in spans if e["args"].get("op") == "ready"}
+    colls = [e for e in spans if e["args"].get("op") == "all_reduce" and e["args"].get("tag", "").startswith("bucket")]
+    if not ready or not colls:
+        print(f"FAIL nccl trace: {len(ready)} ready events, {len(colls)} collectives on the GPU clock")
+    else:
+        last_ready = max(ready.values())
+        early = [e["args"]["tag"] for e in colls if e["ts"] < last_ready]
+        print(f"{'PASS' if early else 'NO OVERLAP'} nccl trace: {len(early)} of {len(colls)} bucket collectives started on the comm stream before the last bucket was ready on the compute stream")
+PY
+for f in nccl-world1 staged-world1 staged-world2; do
+  [ -f "$OUT/$f.log" ] && say "$f: $(grep -h '^{' "$OUT/$f.log" | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print("median step", d["median_step_ms"], "ms, last loss", d["last_loss"])' 2>/dev/null)"
+done
+say "NOT MEASURED: step time without DDP (brigade train has no compute-only flag; brigade sweep's compute-only row is the baseline once sweep takes --device cuda)"
+fi
 
 # ---- parity: the GPT, 20 steps, same seed and data, CPU vs CUDA: losses within 1e-3 relative
 PARITY="--model gpt --steps 20 --seed 0 --world-size 1 --quiet"

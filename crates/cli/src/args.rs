@@ -368,6 +368,12 @@ impl RunArgs {
                 flag_name(&self.comm_hook)
             ));
         }
+        if self.zero != 0 && self.backend == Backend::Nccl {
+            return bad(format!(
+                "--zero {} reduce-scatters on the host comm stream and does not run over --backend nccl yet: drop one of them",
+                self.zero
+            ));
+        }
         if self.zero != 0 && self.bucket_auto() {
             return bad(format!(
                 "--zero {} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB",

@@ -71,6 +71,9 @@ fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
             Some(report) => report,
             None => return Ok(()), // not rank 0
         },
+        Backend::Nccl => {
+            return Err("brigade bench comm measures the host backends (thread, mpi); NCCL's all-reduce is timed by scripts/gpu-check.sh".into())
+        }
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

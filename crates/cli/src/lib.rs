@@ -12,7 +12,8 @@
 //!   plus `init_process_group` give a PyTorch user;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
 //!   themselves; [`comm_hook`]: a user's own reducer policy per rank;
-//! - [`checkpoint`], [`timeline`], [`device`], and [`Error`], the one error type.
+//! - [`checkpoint`], [`timeline`], [`device`], [`nccl`] (`--backend nccl`), and [`Error`], the one
+//!   error type.
 //!
 //! Layers to build models from are in [`models::nn`]; reducer policies implement
 //! [`ddp::hooks::CommHook`]. See the examples in `crates/cli/examples/`.
@@ -31,6 +32,7 @@ pub mod device;
 pub mod error;
 pub mod fit;
 pub mod launch;
+pub mod nccl;
 pub mod shard;
 pub mod timeline;
 mod trace_gather;

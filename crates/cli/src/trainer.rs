@@ -269,7 +269,7 @@ impl<'a> Trainer<'a> {
                 cfg.steps
             )));
         }
-        let device = cfg.device.for_rank(ctx.rank)?;
+        let device = cfg.device.for_rank(crate::nccl::gpu_rank(ctx))?;
         if device != Device::Cpu {
             opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
         }
@@ -282,7 +282,12 @@ impl<'a> Trainer<'a> {
                     comm_hook: cfg.comm_hook.make(ctx.rank)?,
                     ..d.clone()
                 };
-                Some(DistributedDataParallel::new(model.params(), comm, d)?)
+                // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
+                // over the metered communicator (ZeRO picks its reduce-scatter there).
+                Some(match crate::nccl::bucket_stream(ctx, device)? {
+                    Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d)?,
+                    None => DistributedDataParallel::new(model.params(), comm, d)?,
+                })
             }
             None => None,
         };

@@ -204,6 +204,20 @@ fn resuming_with_another_stage_or_world_size_and_unsupported_combinations_are_on
     }
     let err = fails(&small(&["--world-size", "2", "--zero", "2", "--comm-hook", "fp16"]));
     assert!(err.contains("--zero 2") && err.contains("--comm-hook fp16"), "{err}");
+    // the autotuner regroups buckets, and ZeRO's shards are cut from fixed ones
+    let err = fails(&small(&["--world-size", "2", "--zero", "1", "--bucket-mb", "auto"]));
+    assert!(err.contains("--zero 1") && err.contains("--bucket-mb auto"), "{err}");
+    let err = fails(&small(&[
+        "--world-size",
+        "1",
+        "--zero",
+        "1",
+        "--backend",
+        "nccl",
+        "--device",
+        "cuda",
+    ]));
+    assert!(err.contains("--zero 1") && err.contains("--backend nccl"), "{err}");
 }
 
 #[test]

@@ -63,6 +63,20 @@ pub enum CommError {
         /// The tag of the collective.
         tag: String,
     },
+    /// NCCL (or a CUDA call around it) failed on this rank in this collective, or the
+    /// watchdog aborted the communicator; every later collective fails with the same error.
+    #[error("rank {rank}: NCCL collective `{tag}` failed: {detail}; the communicator was aborted")]
+    Nccl {
+        /// The rank that saw it.
+        rank: usize,
+        /// The collective (or `ncclCommInitRank`).
+        tag: String,
+        /// NCCL's code or the CUDA error.
+        detail: String,
+    },
+    /// A backend's library or device is missing on this machine.
+    #[error("{0}")]
+    Unavailable(String),
     /// The backend itself failed (a bug: it panicked while executing a collective).
     #[error("backend failure: {0}")]
     Internal(String),

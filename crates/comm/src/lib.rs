@@ -11,6 +11,8 @@
 //! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
 //! - [`bench`](mod@bench): the all-reduce bandwidth benchmark behind `brigade bench comm`.
+//! - [`nccl`]: NCCL on GPU memory ([`nccl::DeviceBuffer`], [`nccl::NcclComm`] on its own CUDA
+//!   comm stream, id bootstrap, watchdog); compile-checked only.
 
 #![warn(missing_docs)]
 
@@ -22,6 +24,7 @@ mod error;
 mod meter;
 #[cfg(feature = "mpi")]
 mod mpi;
+pub mod nccl;
 mod sim;
 mod stream;
 mod thread;

@@ -1,7 +1,8 @@
 //! Buckets: which parameters' gradients share one flat buffer, and in what order.
 
-use brigade_comm::Work;
 use brigade_tensor::Tensor;
+
+use crate::stream::InFlight;
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
 /// registration order at first, then the observed ready order). A bucket is closed
@@ -34,8 +35,8 @@ pub(crate) struct Bucket {
     pub(crate) flat: Tensor,
     /// Parameters not yet ready in the current synchronized backward.
     pub(crate) pending: usize,
-    /// The communication hook's reduction in flight (the buffer is lent to it meanwhile).
-    pub(crate) work: Option<Work<Vec<f32>>>,
+    /// The bucket's collective in flight (the buffer is lent to it meanwhile).
+    pub(crate) work: Option<InFlight>,
     /// ZeRO-2: this rank's shard of the reduced gradients, kept after the full buffer was
     /// freed (until the next backward refills the bucket).
     pub(crate) grad_shard: Option<Tensor>,

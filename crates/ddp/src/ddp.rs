@@ -9,6 +9,7 @@ use brigade_comm::Communicator;
 use crate::reducer::grad_bytes;
 use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
+use crate::stream::{BucketStream, HostStream};
 use crate::zero::{self, RankMemory, ZeroOptimizer, ZeroStage};
 use crate::{DdpConfig, DdpError, Result};
 
@@ -62,6 +63,42 @@ impl DistributedDataParallel {
     /// require grad (frozen ones are left out: freeze before wrapping) and subscribes to the
     /// store's gradient-ready bus.
     pub fn new(store: &ParamStore, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Self> {
+        // ZeRO reduce-scatters each bucket instead of running the comm hook (refused below
+        // unless the hook is the default all-reduce).
+        let hook: Arc<dyn crate::hooks::CommHook> = match cfg.zero {
+            ZeroStage::Off => cfg.comm_hook.clone(),
+            stage => Arc::new(zero::ReduceScatterHook(stage)),
+        };
+        let stream = Arc::new(HostStream::new(comm.clone(), hook));
+        Self::build(store, comm, stream, cfg)
+    }
+
+    /// Like [`DistributedDataParallel::new`], with full buckets reduced through `stream` (the
+    /// stream/event contract, [`crate::stream`]): e.g. an NCCL stream on the GPU, or a
+    /// [`crate::stream::Recording`] of the host stream in tests. `comm` still carries the
+    /// model check, the parameter broadcast and the bucket rebuild.
+    pub fn with_stream(
+        store: &ParamStore,
+        comm: Arc<dyn Communicator>,
+        stream: Arc<dyn BucketStream>,
+        cfg: DdpConfig,
+    ) -> Result<Self> {
+        if cfg.zero != ZeroStage::Off {
+            return Err(DdpError::Zero(format!(
+                "ZeRO stage {} reduce-scatters its buckets on the host stream DistributedDataParallel::new builds; it does not run over the '{}' bucket stream",
+                cfg.zero.level(),
+                stream.name()
+            )));
+        }
+        Self::build(store, comm, stream, cfg)
+    }
+
+    fn build(
+        store: &ParamStore,
+        comm: Arc<dyn Communicator>,
+        stream: Arc<dyn BucketStream>,
+        cfg: DdpConfig,
+    ) -> Result<Self> {
         let caps_ok = |mb: f64| mb > 0.0 && mb.is_finite();
         if !(caps_ok(cfg.bucket_cap_mb) && caps_ok(cfg.first_bucket_cap_mb)) {
             return Err(DdpError::BucketCap {
@@ -82,7 +119,7 @@ impl DistributedDataParallel {
         if cfg.broadcast_parameters {
             broadcast_parameters(&params, comm.as_ref())?;
         }
-        let reducer = Arc::new(Reducer::new(params, comm, cfg)?);
+        let reducer = Arc::new(Reducer::new(params, comm, stream, cfg)?);
         let subscriber: Arc<dyn GradSubscriber> = reducer.clone();
         store.bus().subscribe(subscriber.clone());
         Ok(DistributedDataParallel {

@@ -116,6 +116,27 @@ pub enum DdpError {
     /// ZeRO settings that cannot work, or a sharded step that found its shards missing.
     #[error("ZeRO: {0}")]
     Zero(String),
+    /// A bucket stream was handed a collective another kind of stream launched (a bug in
+    /// the caller: one reducer uses one stream).
+    #[error("bucket {bucket}: the {stream} stream was handed a collective launched by the {launched_by} stream")]
+    WrongStream {
+        /// The bucket.
+        bucket: usize,
+        /// The stream that was asked to wait.
+        stream: &'static str,
+        /// The kind of stream that launched it.
+        launched_by: &'static str,
+    },
+    /// A CUDA call of the NCCL bucket stream failed.
+    #[error("rank {rank}: {during} failed: {detail}")]
+    Cuda {
+        /// This rank.
+        rank: usize,
+        /// What was being done (`recording bucket 3's ready event`).
+        during: String,
+        /// The driver's error.
+        detail: String,
+    },
     /// A parameter was announced twice in one backward pass (autograd must announce once).
     #[error("parameter '{param}' was marked ready twice in one backward pass")]
     ReadyTwice {

@@ -8,6 +8,9 @@
 //! comm stream for an all-reduce averaging it over ranks; backward meanwhile continues
 //! with earlier layers. At the end of backward the reducer waits for every bucket and
 //! gives the buffers back to the gradient views, so the optimizer sees the average.
+//!
+//! The reducer talks to a [`stream::BucketStream`] (ready event, collective, completion
+//! event): the host comm stream by default, NCCL on a CUDA comm stream with `--backend nccl`.
 
 mod bucket;
 mod ddp;
@@ -16,6 +19,7 @@ pub mod hooks;
 pub mod overlap;
 mod reducer;
 mod signature;
+pub mod stream;
 pub mod zero;
 
 pub use bucket::assign_buckets;

@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
-use brigade_comm::{reducing_bucket, Buffer, Communicator, EventKind, Recorder, SpanId};
+use brigade_comm::{Buffer, Communicator, EventKind, Recorder, SpanId};
 use brigade_tensor::{DType, Device, Storage, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
-use crate::hooks::{BucketParam, GradBucket};
+use crate::hooks::BucketParam;
+use crate::stream::{BucketStream, Contents, Failed, ReadyBucket};
 use crate::zero::{self, ZeroStage};
 use crate::{DdpConfig, DdpError, Result};
 
@@ -75,6 +76,8 @@ pub(crate) struct Reducer {
     /// in every backward pass and reduced (frozen ones are left alone, as in PyTorch).
     trainable: Vec<bool>,
     pub(crate) comm: Arc<dyn Communicator>,
+    /// Where full buckets go: the stream/event contract (host comm stream or NCCL).
+    stream: Arc<dyn BucketStream>,
     cfg: DdpConfig,
     recorder: Option<Recorder>,
     pub(crate) state: Mutex<State>,
@@ -126,7 +129,12 @@ pub(crate) fn build_buckets(
 }
 
 impl Reducer {
-    pub(crate) fn new(params: Vec<Var>, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Reducer> {
+    pub(crate) fn new(
+        params: Vec<Var>,
+        comm: Arc<dyn Communicator>,
+        stream: Arc<dyn BucketStream>,
+        cfg: DdpConfig,
+    ) -> Result<Reducer> {
         let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
@@ -138,6 +146,7 @@ impl Reducer {
             params,
             trainable,
             comm,
+            stream,
             state: Mutex::new(State {
                 buckets,
                 bucket_of,
@@ -189,12 +198,11 @@ impl Reducer {
         Ok(())
     }
 
-    /// Hands bucket `b`'s flat buffer to the comm stream (no copy) and issues its all-reduce.
+    /// Records bucket `b`'s ready event and hands its flat buffer (no copy) to the comm side,
+    /// which waits on the event and runs the bucket's collective.
     fn launch(&self, st: &mut State, b: usize) -> Result<()> {
         let is_last = b + 1 == st.buckets.len();
         let bucket = &mut st.buckets[b];
-        // The bucket's own vector on the CPU (no copy); a host-staged copy of device memory.
-        let v = bucket.flat.lend_storage()?.into_host_vec::<f32>()?;
         let mut offset = 0;
         let params = bucket
             .params
@@ -211,18 +219,17 @@ impl Reducer {
                 param
             })
             .collect();
-        let grad_bucket = GradBucket {
+        let storage = bucket.flat.lend_storage()?;
+        let ready = self.stream.record_ready(b, &storage)?;
+        let in_flight = self.stream.launch(ReadyBucket {
             index: b,
-            buffer: v,
             params,
             is_last,
-        };
-        // Collectives the hook issues on this thread are traced as this bucket's.
-        let launched = Instant::now();
-        bucket.work = Some(reducing_bucket(b, || match self.cfg.zero {
-            ZeroStage::Off => self.cfg.comm_hook.reduce(&self.comm, grad_bucket),
-            stage => zero::reduce_scatter(&self.comm, grad_bucket, stage),
-        }));
+            storage,
+            ready,
+        })?;
+        let launched = in_flight.launched;
+        bucket.work = Some(in_flight);
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {
             params,
@@ -247,36 +254,44 @@ impl Reducer {
             .map(|r| r.begin(self.comm.rank(), EventKind::WaitForBuckets));
         let mut first_err = None;
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
-            if let Some(work) = bucket.work.take() {
-                let result = work.wait_timed().map(|(v, timing)| {
-                    if let Some(pb) = st.pass.buckets.get_mut(b) {
-                        pb.ran = Some((timing.started, timing.finished));
-                    }
-                    v
-                });
-                match result {
-                    Ok(v) if self.cfg.zero == ZeroStage::Two => {
-                        if let Err(e) = zero::keep_grad_shard(bucket, v, &self.params, self.comm.world_size()) {
-                            first_err.get_or_insert(e);
+            if let Some(in_flight) = bucket.work.take() {
+                match self.stream.wait(in_flight) {
+                    Ok(landed) => {
+                        if let Some(pb) = st.pass.buckets.get_mut(b) {
+                            pb.ran = landed.ran;
+                        }
+                        match landed.contents {
+                            // ZeRO-2 keeps only this rank's shard of the reduce-scatter.
+                            Contents::Host(v) if self.cfg.zero == ZeroStage::Two => {
+                                if let Err(e) = zero::keep_grad_shard(bucket, v, &self.params, self.comm.world_size()) {
+                                    first_err.get_or_insert(e);
+                                }
+                            }
+                            Contents::Storage(s) => bucket.flat.restore_storage(s)?,
+                            Contents::Host(v) if v.len() == bucket.flat.numel() => {
+                                let device = bucket.flat.device();
+                                bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
+                            }
+                            Contents::Host(v) => {
+                                // Give the views storage back (zeros) before reporting the hook's mistake.
+                                let zeros =
+                                    Storage::from_host_vec(vec![0.0f32; bucket.flat.numel()], bucket.flat.device())?;
+                                bucket.flat.restore_storage(zeros)?;
+                                first_err.get_or_insert(DdpError::HookResult {
+                                    hook: self.cfg.comm_hook.name(),
+                                    bucket: b,
+                                    expected: bucket.flat.numel(),
+                                    found: v.len(),
+                                });
+                            }
                         }
                     }
-                    Ok(v) if v.len() == bucket.flat.numel() => {
-                        let device = bucket.flat.device();
-                        bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
-                    }
-                    Ok(v) => {
-                        // Give the views storage back (zeros) before reporting the hook's mistake.
-                        let zeros = Storage::from_host_vec(vec![0.0f32; bucket.flat.numel()], bucket.flat.device())?;
-                        bucket.flat.restore_storage(zeros)?;
-                        first_err.get_or_insert(DdpError::HookResult {
-                            hook: self.cfg.comm_hook.name(),
-                            bucket: b,
-                            expected: bucket.flat.numel(),
-                            found: v.len(),
-                        });
-                    }
-                    Err(e) => {
-                        first_err.get_or_insert(e.into());
+                    Err(Failed { error, storage }) => {
+                        // Give the views their storage back before reporting.
+                        if let Some(storage) = storage {
+                            bucket.flat.restore_storage(storage)?;
+                        }
+                        first_err.get_or_insert(error);
                     }
                 }
             }

@@ -1,6 +1,8 @@
 //! Flat element buffers on some device, and the dispatch from an op to the backend that
 //! holds its operands.
 
+use std::sync::Arc;
+
 use half::{bf16, f16};
 
 use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
@@ -436,6 +438,28 @@ impl Storage {
     /// copy into device memory elsewhere.
     pub fn from_host_vec<T: Element>(data: Vec<T>, device: Device) -> Result<Storage> {
         Ok(Storage(DeviceStorage::from_cpu(device, T::wrap(data))?))
+    }
+}
+
+impl Storage {
+    /// The f32 memory of a CUDA storage, moved out without a copy, with its device (for a
+    /// collective on device memory such as NCCL's); a storage on the CPU comes back as the error.
+    pub fn into_cuda_f32(self) -> std::result::Result<(cudarc::driver::CudaSlice<f32>, Arc<CudaDevice>), Storage> {
+        match self.0 {
+            DeviceStorage::Cuda(s) => {
+                let dev = s.cuda_device().clone();
+                match s.into_f32_slice() {
+                    Ok(slice) => Ok((slice, dev)),
+                    Err(_) => Err(Storage(DeviceStorage::Cuda(CudaStorage::empty(&dev, DType::F32)))),
+                }
+            }
+            other => Err(Storage(other)),
+        }
+    }
+
+    /// A storage holding f32 device memory of `dev` (the inverse of [`Storage::into_cuda_f32`]).
+    pub fn from_cuda_f32(slice: cudarc::driver::CudaSlice<f32>, dev: &Arc<CudaDevice>) -> Storage {
+        Storage(DeviceStorage::Cuda(CudaStorage::from_f32_slice(dev, slice)))
     }
 }
 

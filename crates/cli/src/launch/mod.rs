@@ -28,11 +28,14 @@ pub enum Backend {
     /// One rank per process under `mpirun` (build with `--features mpi`); rank and world
     /// size come from MPI.
     Mpi,
+    /// Gradient buckets averaged by NCCL on each rank's GPU (`--device cuda`); ranks as
+    /// threads, or one per process under `mpirun`. See [`crate::nccl`].
+    Nccl,
 }
 
 impl Backend {
     /// Every backend, with its name on the command line and what it is.
-    pub const ALL: [(Backend, &'static str, &'static str); 2] = [
+    pub const ALL: [(Backend, &'static str, &'static str); 3] = [
         (
             Backend::Thread,
             "thread",
@@ -42,6 +45,11 @@ impl Backend {
             Backend::Mpi,
             "mpi",
             "One rank per process under mpirun (build with --features mpi)",
+        ),
+        (
+            Backend::Nccl,
+            "nccl",
+            "NCCL on GPUs (--device cuda): rank threads (--world-size N), or under mpirun one rank per process",
         ),
     ];
 
@@ -69,7 +77,7 @@ impl FromStr for Backend {
             .iter()
             .find(|(_, n, _)| *n == s)
             .map(|(b, ..)| *b)
-            .ok_or_else(|| format!("unknown backend '{s}' (thread, mpi)"))
+            .ok_or_else(|| format!("unknown backend '{s}' (thread, mpi, nccl)"))
     }
 }
 
@@ -129,8 +137,10 @@ pub struct RankContext {
     pub control: Arc<dyn Communicator>,
     /// Where to record compute spans (shared with the comm stack's tracing).
     pub recorder: Option<Recorder>,
-    /// The backend: under MPI the recorder holds only this process's events.
+    /// The launcher (threads or MPI): under MPI the recorder holds only this process's events.
     pub backend: Backend,
+    /// Whether gradient buckets go to NCCL (`--backend nccl`) rather than to `comm`.
+    pub nccl: bool,
 }
 
 impl RankContext {
@@ -170,6 +180,8 @@ pub fn launch<S: Sync, T: Send>(
     match cfg.backend {
         Backend::Thread => threads::launch(cfg, setup, rank_fn),
         Backend::Mpi => mpi::launch(cfg, setup, rank_fn),
+        Backend::Nccl if crate::nccl::under_mpi() => mpi::launch(cfg, setup, rank_fn),
+        Backend::Nccl => threads::launch(cfg, setup, rank_fn),
     }
 }
 

@@ -70,6 +70,7 @@ mod enabled {
             control,
             recorder: cfg.recorder.clone(),
             backend: Backend::Mpi,
+            nccl: cfg.backend == Backend::Nccl,
         };
         let out = match rank_fn(&ctx, &shared) {
             Ok(out) => out,

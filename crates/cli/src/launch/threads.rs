@@ -27,6 +27,7 @@ pub fn launch<S: Sync, T: Send>(
             control: base,
             recorder: cfg.recorder.clone(),
             backend: Backend::Thread,
+            nccl: cfg.backend == Backend::Nccl,
         };
         rank_fn(&ctx, &shared)
     });

@@ -80,6 +80,20 @@ fn into_f32(b: Buffer) -> std::result::Result<Vec<f32>, CommError> {
         .map_err(|b| CommError::Internal(format!("expected an f32 buffer back, got {:?}", b.dtype())))
 }
 
+/// ZeRO's reduction of a full bucket, as the host bucket stream's hook
+/// ([`crate::stream::HostStream`]): [`reduce_scatter`] at `stage`.
+pub(crate) struct ReduceScatterHook(pub(crate) ZeroStage);
+
+impl crate::hooks::CommHook for ReduceScatterHook {
+    fn name(&self) -> String {
+        format!("zero{}-reduce-scatter", self.0.level())
+    }
+
+    fn reduce(&self, comm: &Arc<dyn Communicator>, bucket: GradBucket) -> Work<Vec<f32>> {
+        reduce_scatter(comm, bucket, self.0)
+    }
+}
+
 /// Launches `bucket` (its padded buffer) as one averaging reduce-scatter. Stage 1 completes with
 /// the whole buffer again, this rank's averaged shard in its place and zeros elsewhere; stage 2
 /// with the shard alone (its allocation shrunk to it).

@@ -120,6 +120,25 @@ impl CudaStorage {
         })
     }
 
+    /// The f32 buffer itself, moved out (no copy), for a collective on device memory (NCCL).
+    pub fn into_f32_slice(self) -> Result<CudaSlice<f32>> {
+        let op = "into_f32_slice";
+        match self.buf {
+            Some(super::element::CudaBuffer::F32(s)) => Ok(s),
+            Some(other) => Err(TensorError::DTypeMismatch {
+                op,
+                lhs: other.dtype(),
+                rhs: DType::F32,
+            }),
+            None => Err(TensorError::StorageLent { op }),
+        }
+    }
+
+    /// Wraps an f32 device buffer of `dev` (the inverse of [`CudaStorage::into_f32_slice`]).
+    pub fn from_f32_slice(dev: &Arc<CudaDevice>, s: CudaSlice<f32>) -> Self {
+        Self::from_slice(dev, s)
+    }
+
     /// `n` uninitialised elements on `dev`, for a kernel that writes them all.
     pub(crate) fn alloc<T: CudaElement>(dev: &Arc<CudaDevice>, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: callers launch a kernel that writes every element before any read.

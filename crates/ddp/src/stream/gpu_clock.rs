@@ -1,0 +1,131 @@
+//! The NCCL stream's timeline on the GPU clock: each bucket's collective (start and completion
+//! events on the comm stream) and each bucket's ready event (on the compute stream), placed on
+//! the host clock through one anchor event, and written to the run's [`Recorder`] as today's
+//! comm spans (the ready event as a zero-length marker `bucketN ready (compute stream, GPU
+//! clock)`), so the Chrome trace and SVG show a GPU step. Times are read only once the
+//! events completed (the next pass, or when the stream is dropped): never a host wait.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use brigade_comm::{Recorder, SpanId};
+use cudarc::driver::{CudaEvent, CudaStream};
+
+/// Times on one GPU relative to an anchor event whose host instant is known.
+pub(crate) struct GpuClock {
+    anchor: CudaEvent,
+    anchor_at: Instant,
+}
+
+impl GpuClock {
+    /// Records the anchor on `stream` and waits for it once (at setup, not in a step).
+    pub(crate) fn new(stream: &CudaStream) -> Result<GpuClock, cudarc::driver::DriverError> {
+        let anchor = stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        anchor.synchronize()?;
+        Ok(GpuClock {
+            anchor,
+            anchor_at: Instant::now(),
+        })
+    }
+
+    /// The host instant of a completed, timing-enabled event; `None` if it has not completed.
+    fn at(&self, e: &CudaEvent) -> Option<Instant> {
+        if !e.try_is_complete().ok()? {
+            return None;
+        }
+        let ms = self.anchor.elapsed_ms(e).ok()?;
+        let d = Duration::from_secs_f64((ms.abs() as f64) / 1e3);
+        Some(if ms >= 0.0 {
+            self.anchor_at + d
+        } else {
+            self.anchor_at.checked_sub(d)?
+        })
+    }
+}
+
+/// One bucket's events waiting to be timed.
+struct Pending {
+    span: SpanId,
+    /// The marker of the bucket's ready event (recorded at issue, so that it belongs to the
+    /// step that issued it).
+    ready_span: Option<SpanId>,
+    ready: Option<Arc<CudaEvent>>,
+    started: Option<Arc<CudaEvent>>,
+    done: Option<Arc<CudaEvent>>,
+}
+
+/// Collectives whose GPU times go into `recorder` once their events completed.
+pub(crate) struct GpuTimeline {
+    rank: usize,
+    recorder: Recorder,
+    clock: GpuClock,
+    pending: Mutex<Vec<Pending>>,
+}
+
+impl GpuTimeline {
+    pub(crate) fn new(rank: usize, recorder: Recorder, clock: GpuClock) -> Self {
+        GpuTimeline {
+            rank,
+            recorder,
+            clock,
+            pending: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Bucket `bucket`'s collective was issued now (the span belongs to the current step).
+    pub(crate) fn issued(
+        &self,
+        bucket: usize,
+        tag: &str,
+        bytes: usize,
+        ready: Option<Arc<CudaEvent>>,
+        started: Option<Arc<CudaEvent>>,
+        done: Option<Arc<CudaEvent>>,
+    ) {
+        let span = self
+            .recorder
+            .comm_issued(self.rank, "all_reduce", tag, bytes, Some(bucket));
+        let ready_span = ready.as_ref().map(|_| {
+            let marker = format!("{tag} ready (compute stream, GPU clock)");
+            self.recorder.comm_issued(self.rank, "ready", &marker, 0, None)
+        });
+        self.lock().push(Pending {
+            span,
+            ready_span,
+            ready,
+            started,
+            done,
+        });
+    }
+
+    /// Writes the times of every collective whose events completed.
+    pub(crate) fn flush(&self) {
+        let mut pending = self.lock();
+        pending.retain(|p| {
+            let (Some(start), Some(end)) = (
+                p.started.as_deref().and_then(|e| self.clock.at(e)),
+                p.done.as_deref().and_then(|e| self.clock.at(e)),
+            ) else {
+                return true;
+            };
+            if let (Some(marker), Some(ready)) = (p.ready_span, p.ready.as_deref().and_then(|e| self.clock.at(e))) {
+                // The compute stream's moment the bucket was full: a zero-length marker.
+                self.recorder.comm_started(marker, ready);
+                self.recorder.comm_finished(marker, ready, None);
+            }
+            self.recorder.comm_started(p.span, start);
+            self.recorder.comm_finished(p.span, end, None);
+            false
+        });
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Pending>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for GpuTimeline {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}

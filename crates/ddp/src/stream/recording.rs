@@ -1,0 +1,79 @@
+//! A [`BucketStream`] wrapper that writes down the order of the contract's calls, so tests
+//! check the reducer's event logic from the recorded sequence, not from clocks.
+
+use std::sync::{Arc, Mutex};
+
+use brigade_tensor::Storage;
+
+use super::{BucketStream, Failed, InFlight, Landed, ReadyBucket, ReadyEvent};
+
+/// One call of the contract, as [`Recording`] saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamEvent {
+    /// The compute side recorded bucket `b`'s ready event.
+    Ready(usize),
+    /// The comm side was handed bucket `b`'s collective.
+    Launch(usize),
+    /// The compute side waited on bucket `b`'s completion.
+    Wait(usize),
+    /// A mark the caller put down ([`Recording::mark_step`]): the optimizer step.
+    Step,
+}
+
+/// Forwards every call to `inner` and records it, in call order.
+pub struct Recording<S> {
+    inner: S,
+    events: Arc<Mutex<Vec<StreamEvent>>>,
+}
+
+impl<S: BucketStream> Recording<S> {
+    /// Records the calls made on `inner`.
+    pub fn new(inner: S) -> Self {
+        Recording {
+            inner,
+            events: Arc::default(),
+        }
+    }
+
+    /// Every call so far, in order.
+    pub fn events(&self) -> Vec<StreamEvent> {
+        self.lock().clone()
+    }
+
+    /// Forgets what was recorded (between steps).
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// Puts down [`StreamEvent::Step`]: the caller is about to run the optimizer step.
+    pub fn mark_step(&self) {
+        self.lock().push(StreamEvent::Step);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<StreamEvent>> {
+        self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<S: BucketStream> BucketStream for Recording<S> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent> {
+        self.lock().push(StreamEvent::Ready(index));
+        self.inner.record_ready(index, storage)
+    }
+
+    fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight> {
+        self.lock().push(StreamEvent::Launch(bucket.index));
+        self.inner.launch(bucket)
+    }
+
+    fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
+        let index = in_flight.index;
+        let landed = self.inner.wait(in_flight);
+        self.lock().push(StreamEvent::Wait(index));
+        landed
+    }
+}
