@@ -97,7 +97,9 @@ pub fn bucket_stream(ctx: &RankContext, device: Device) -> Result<Option<Arc<dyn
     let timeout = ctx.control.timeout();
     let comm = NcclComm::new(gpu.stream().context(), ctx.rank, ctx.world_size, id, timeout)?;
     Ok(Some(Arc::new(
-        NcclStream::new(Arc::new(comm)).with_recorder(ctx.recorder.clone()),
+        NcclStream::new(Arc::new(comm))
+            .with_recorder(ctx.recorder.clone())
+            .with_compute_device(gpu),
     )))
 }
 

@@ -168,3 +168,28 @@ fn step_events_select_each_ranks_step_by_kind() {
     assert_eq!(events.iter().filter(|e| e.kind.bucket() == Some(0)).count(), 2);
     assert!(recorder.step_events(2).is_empty());
 }
+
+#[test]
+fn a_retimed_span_takes_the_new_instants_and_stays_in_its_step() {
+    let recorder = Recorder::new();
+    let step0 = recorder.begin(0, EventKind::Step(0));
+    let span = recorder.begin(0, EventKind::backward(Some("layers.1")));
+    recorder.end(span);
+    recorder.end(step0);
+    // Measured later (a GPU clock read during the next step): earlier instants than the host's.
+    let step1 = recorder.begin(0, EventKind::Step(1));
+    let origin = recorder.origin();
+    let (start, end) = (origin + Duration::from_micros(10), origin + Duration::from_micros(30));
+    recorder.retime(span, start, end);
+    recorder.end(step1);
+    let events = recorder.step_events(0);
+    let e = events
+        .iter()
+        .find(|e| e.kind == EventKind::backward(Some("layers.1")))
+        .expect("the retimed span is still in step 0");
+    assert_eq!((e.start.unwrap().at, e.end.unwrap().at), (start, end));
+    assert!(recorder
+        .step_events(1)
+        .iter()
+        .all(|e| e.kind != EventKind::backward(Some("layers.1"))));
+}

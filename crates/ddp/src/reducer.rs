@@ -243,6 +243,8 @@ impl Reducer {
     fn end_span(&self, st: &mut State) {
         if let (Some(rec), Some((_, id))) = (&self.recorder, st.span.take()) {
             rec.end(id);
+            // a stream that times the compute stream moves the span onto its clock
+            self.stream.compute_scope(None);
         }
     }
 
@@ -481,6 +483,7 @@ impl GradSubscriber for Reducer {
         }
         self.end_span(&mut st);
         let id = rec.begin(self.comm.rank(), kind.clone());
+        self.stream.compute_scope(Some(id));
         st.span = Some((kind, id));
     }
 

@@ -155,3 +155,47 @@ fn a_bucket_that_fills_early_waits_for_the_buckets_before_it() {
         assert_one_synchronized_step(&events, bucket_order.len());
     }
 }
+
+#[test]
+fn every_backward_span_is_handed_to_the_stream_and_closed_before_the_buckets_are_waited() {
+    // With a timeline, the reducer tells the stream each backward scope it opens and closes (the
+    // NCCL stream retimes them on the GPU clock): opens and closes alternate, and the last one
+    // closes before the first wait.
+    let (x, y) = data(4, WIDTHS[0], WIDTHS[3], 7);
+    let events = launch(1, |comm| {
+        set_compute_threads(1);
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let m = Mlp::new(&WIDTHS, 3);
+        let cfg = DdpConfig {
+            recorder: Some(brigade_comm::Recorder::new()),
+            ..one_param_per_bucket()
+        };
+        let stream = Arc::new(Recording::new(HostStream::new(comm.clone(), cfg.comm_hook.clone())));
+        let as_contract: Arc<dyn BucketStream> = stream.clone();
+        let _ddp = DistributedDataParallel::with_stream(&m.store, comm, as_contract, cfg).unwrap();
+        m.loss(&x, &y).backward().unwrap();
+        stream.events()
+    })
+    .into_iter()
+    .next()
+    .unwrap()
+    .unwrap();
+    let scopes: Vec<StreamEvent> = events
+        .iter()
+        .copied()
+        .filter(|e| matches!(e, StreamEvent::ScopeOpen | StreamEvent::ScopeClose))
+        .collect();
+    assert!(!scopes.is_empty(), "{events:?}");
+    for (i, e) in scopes.iter().enumerate() {
+        let want = if i % 2 == 0 {
+            StreamEvent::ScopeOpen
+        } else {
+            StreamEvent::ScopeClose
+        };
+        assert_eq!(*e, want, "{events:?}");
+    }
+    assert_eq!(scopes.len() % 2, 0, "a scope left open: {events:?}");
+    let last_close = events.iter().rposition(|e| *e == StreamEvent::ScopeClose).unwrap();
+    let first_wait = events.iter().position(|e| matches!(e, StreamEvent::Wait(_))).unwrap();
+    assert!(last_close < first_wait, "{events:?}");
+}

@@ -271,6 +271,21 @@ impl Recorder {
         SpanId(id)
     }
 
+    /// Moves a span's instants to `start` and `end` (measured after the fact, e.g. on a GPU
+    /// clock), keeping the order in which it was recorded, so that it stays in its step.
+    pub fn retime(&self, span: SpanId, start: Instant, end: Instant) {
+        let mut events = self.events_mut();
+        let e = &mut events[span.0];
+        match e.start.as_mut() {
+            Some(s) => s.at = start,
+            None => e.start = Some(self.stamp(start)),
+        }
+        match e.end.as_mut() {
+            Some(s) => s.at = end,
+            None => e.end = Some(self.stamp(end)),
+        }
+    }
+
     /// Records, now, that `rank` issued collective `op` (e.g. `"all_reduce"`) tagged `tag` on
     /// `bytes` bytes, reducing DDP bucket `bucket` if any. Used by [`Traced`]; other wrappers
     /// may call it too.

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use brigade_comm::nccl::{DeviceBuffer, NcclComm};
-use brigade_comm::{Communicator, Recorder, ReduceOp};
+use brigade_comm::{Communicator, Recorder, ReduceOp, SpanId};
 use brigade_tensor::cuda::CudaDevice;
 use brigade_tensor::{Device, Storage};
 use cudarc::driver::sys::CUevent_flags;
@@ -29,6 +29,8 @@ pub struct NcclStream {
     comm: Arc<NcclComm>,
     recorder: Option<Recorder>,
     timeline: OnceLock<Option<GpuTimeline>>,
+    /// The device whose compute stream backward runs on (for the compute spans).
+    compute: Option<Arc<CudaDevice>>,
 }
 
 impl NcclStream {
@@ -38,7 +40,15 @@ impl NcclStream {
             comm,
             recorder: None,
             timeline: OnceLock::new(),
+            compute: None,
         }
+    }
+
+    /// Also times backward's compute scopes on `device`'s compute stream (CUDA events at every
+    /// change of scope) for the timeline, in place of the host's launch times.
+    pub fn with_compute_device(mut self, device: Arc<CudaDevice>) -> Self {
+        self.compute = Some(device);
+        self
     }
 
     /// Also writes every bucket's collective, timed by its CUDA events on the comm stream, and
@@ -82,6 +92,16 @@ impl NcclStream {
 impl BucketStream for NcclStream {
     fn name(&self) -> &'static str {
         "nccl"
+    }
+
+    fn compute_scope(&self, span: Option<SpanId>) {
+        let (Some(dev), Some(timeline)) = (&self.compute, self.timeline()) else {
+            return;
+        };
+        // A failed record leaves the host's launch times in the chart, never fails the run.
+        if let Ok(event) = dev.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)) {
+            timeline.compute_scope(span, Arc::new(event));
+        }
     }
 
     fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent> {

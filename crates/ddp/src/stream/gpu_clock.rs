@@ -1,5 +1,6 @@
 //! The NCCL stream's timeline on the GPU clock: each bucket's collective (start and completion
-//! events on the comm stream) and each bucket's ready event (on the compute stream), placed on
+//! events on the comm stream), each bucket's ready event and backward's compute scopes (events
+//! on the compute stream at every change of scope), placed on
 //! the host clock through one anchor event, and written to the run's [`Recorder`] as today's
 //! comm spans (the ready event as a zero-length marker `bucketN ready (compute stream, GPU
 //! clock)`), so the Chrome trace and SVG show a GPU step. Times are read only once the
@@ -54,12 +55,22 @@ struct Pending {
     done: Option<Arc<CudaEvent>>,
 }
 
-/// Collectives whose GPU times go into `recorder` once their events completed.
+/// A scope of backward on the compute stream: its host span and the events at its two ends.
+struct ComputeSpan {
+    span: SpanId,
+    start: Arc<CudaEvent>,
+    end: Arc<CudaEvent>,
+}
+
+/// Collectives and backward's compute scopes whose GPU times go into `recorder` once their
+/// events completed.
 pub(crate) struct GpuTimeline {
     rank: usize,
     recorder: Recorder,
     clock: GpuClock,
     pending: Mutex<Vec<Pending>>,
+    /// The compute scope open now (its kind and start event), and closed ones not yet timed.
+    compute: Mutex<(Option<(SpanId, Arc<CudaEvent>)>, Vec<ComputeSpan>)>,
 }
 
 impl GpuTimeline {
@@ -69,7 +80,22 @@ impl GpuTimeline {
             recorder,
             clock,
             pending: Mutex::new(Vec::new()),
+            compute: Mutex::new((None, Vec::new())),
         }
+    }
+
+    /// Backward's kernels enqueued from now on belong to `span` (`None`: the open one ended):
+    /// `event`, just recorded on the compute stream, closes the open scope and opens the next.
+    pub(crate) fn compute_scope(&self, span: Option<SpanId>, event: Arc<CudaEvent>) {
+        let mut c = self.compute.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((open, start)) = c.0.take() {
+            c.1.push(ComputeSpan {
+                span: open,
+                start,
+                end: event.clone(),
+            });
+        }
+        c.0 = span.map(|s| (s, event));
     }
 
     /// Bucket `bucket`'s collective was issued now (the span belongs to the current step).
@@ -115,6 +141,15 @@ impl GpuTimeline {
             }
             self.recorder.comm_started(p.span, start);
             self.recorder.comm_finished(p.span, end, None);
+            false
+        });
+        drop(pending);
+        let mut c = self.compute.lock().unwrap_or_else(|p| p.into_inner());
+        c.1.retain(|span| {
+            let (Some(start), Some(end)) = (self.clock.at(&span.start), self.clock.at(&span.end)) else {
+                return true;
+            };
+            self.recorder.retime(span.span, start, end);
             false
         });
     }

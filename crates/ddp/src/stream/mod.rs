@@ -30,7 +30,7 @@ mod recording;
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_comm::Work;
+use brigade_comm::{SpanId, Work};
 use brigade_tensor::{Device, Storage};
 use cudarc::driver::CudaEvent;
 
@@ -149,6 +149,15 @@ pub trait BucketStream: Send + Sync {
     /// Compute side: wait on the bucket's completion (the host, or the compute stream) and
     /// take its storage back.
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed>;
+
+    /// Compute side, for the timeline: backward's kernels from now on belong to the host span
+    /// `span` the reducer just began (`None`: the open one ended). A stream that times the
+    /// compute stream itself (NCCL: a CUDA event at every change) moves the span onto the GPU
+    /// clock once its events completed ([`brigade_comm::Recorder::retime`]); the host stream's
+    /// spans are already right.
+    fn compute_scope(&self, span: Option<SpanId>) {
+        let _ = span;
+    }
 }
 
 impl<S: BucketStream + ?Sized> BucketStream for Arc<S> {
@@ -163,5 +172,8 @@ impl<S: BucketStream + ?Sized> BucketStream for Arc<S> {
     }
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
         (**self).wait(in_flight)
+    }
+    fn compute_scope(&self, span: Option<SpanId>) {
+        (**self).compute_scope(span)
     }
 }

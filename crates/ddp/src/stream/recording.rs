@@ -3,6 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use brigade_comm::SpanId;
 use brigade_tensor::Storage;
 
 use super::{BucketStream, Failed, InFlight, Landed, ReadyBucket, ReadyEvent};
@@ -18,6 +19,10 @@ pub enum StreamEvent {
     Wait(usize),
     /// A mark the caller put down ([`Recording::mark_step`]): the optimizer step.
     Step,
+    /// Backward's kernels from now on belong to a new timeline span (recording only).
+    ScopeOpen,
+    /// The open backward span ended.
+    ScopeClose,
 }
 
 /// Forwards every call to `inner` and records it, in call order.
@@ -75,5 +80,13 @@ impl<S: BucketStream> BucketStream for Recording<S> {
         let landed = self.inner.wait(in_flight);
         self.lock().push(StreamEvent::Wait(index));
         landed
+    }
+
+    fn compute_scope(&self, span: Option<SpanId>) {
+        self.lock().push(match span {
+            Some(_) => StreamEvent::ScopeOpen,
+            None => StreamEvent::ScopeClose,
+        });
+        self.inner.compute_scope(span)
     }
 }
