@@ -76,6 +76,7 @@ impl Policy {
         // the flags' defaults, which are PowerSGD's
         let d = PowerSgdConfig::default();
         (a.powersgd_rank, a.powersgd_start_iter) = (d.rank, d.start_iter);
+        a.zero = 0;
         a.comm_hook = match *self {
             Policy::AllReduce => CommHookName::Allreduce,
             Policy::Fp16 => CommHookName::Fp16,
@@ -85,10 +86,8 @@ impl Policy {
                 CommHookName::Powersgd
             }
             Policy::Zero(stage) => {
-                // The ZeRO stages come with `--zero`; until this build has it, say so.
-                return Err(Error::Usage(format!(
-                    "--policy zero{stage} needs --zero support, which this build of brigade lacks"
-                )));
+                a.zero = stage;
+                CommHookName::Allreduce
             }
         };
         a.validate()

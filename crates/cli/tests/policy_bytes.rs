@@ -211,8 +211,8 @@ fn bad_policies_are_one_line_before_any_run() {
     assert!(e.contains("fp16 twice"), "{e}");
     let e = run("powersgd,powersgd:1", &[]);
     assert!(e.contains("powersgd:1 twice"), "the default --powersgd-rank is 1: {e}");
-    let e = run("zero1", &[]);
-    assert!(e.contains("zero1 needs --zero support"), "{e}");
+    let e = run("zero1", &["--bucket-mb", "auto"]);
+    assert!(e.contains("--bucket-mb"), "{e}");
     let e = run("allreduce,fp16", &["--bucket-mb", "1,2"]);
     assert!(e.contains("one bucket cap"), "{e}");
     let e = run("allreduce,fp16", &["--powersgd-rank", "4"]);
@@ -222,4 +222,23 @@ fn bad_policies_are_one_line_before_any_run() {
     let e = run("fp16", &["--comm-hook", "bf16"]);
     assert!(e.contains("--comm-hook bf16 with --policy"), "{e}");
     assert!(!out.join("policies.csv").exists(), "nothing ran, nothing was written");
+}
+
+#[test]
+fn zero_rows_train_as_all_reduce_and_put_as_many_bytes_on_the_wire() {
+    let (rows, _) = sweep_rows("policy-zero", "allreduce,zero1,zero2", &[]);
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["allreduce", "zero1", "zero2"]);
+    let f = |i: usize, k: &str| rows[i][k].as_f64().unwrap();
+    for i in 1..3 {
+        // ZeRO is plain DDP's arithmetic, sharded
+        assert!((f(i, "final_loss") - f(0, "final_loss")).abs() < 1e-6, "{rows:?}");
+        // a reduce-scatter plus an all-gather send what one all-reduce does, padding aside
+        // (under one element per bucket and rank), and plain DDP's one bucket rebuild aside
+        // (its broadcast of 4 bytes per parameter in step 0, spread over the steps)
+        let (wire, plain) = (f(i, "wire_bytes_per_step"), f(0, "wire_bytes_per_step"));
+        assert!((wire - plain).abs() < 64.0, "{rows:?}");
+        // while handing the collectives more payload: 4Ψ(1 + 1/N) against 4Ψ
+        assert!(f(i, "sent_bytes_per_step") > f(0, "sent_bytes_per_step"), "{rows:?}");
+    }
 }
