@@ -108,14 +108,15 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Dataset::builtin_text(CONTEXT, 0)?),
         |_ctx| Ok(Box::new(Gpt::new(2, 0)?)),
     )?;
-    let losses = &report.losses;
-    let last = losses.len() - 1;
-    println!("loss: step 0 {:.3}, step {last} {:.3}", losses[0], losses[last]);
+    let (Some(first), Some(last)) = (report.losses.first(), report.losses.last()) else {
+        return Err("no step ran: give STEPS >= 1".into());
+    };
+    println!("loss: step 0 {first:.3}, step {} {last:.3}", report.losses.len() - 1);
     // The trained parameters (rank 0's) in a fresh model, for sampling.
     let model = Gpt::new(2, 0)?;
     load_params_from_tensors(model.params(), &report.params)?;
     println!("sample: {:?}", String::from_utf8_lossy(&model.sample(b"The ", 40)?));
-    if !(losses.last() < losses.first()) {
+    if !(last < first) {
         return Err("the loss did not go down".into());
     }
     Ok(())
