@@ -10,6 +10,7 @@ use brigade::{device, error, launch, trainer};
 mod args;
 mod bench;
 mod bench_gemm;
+mod bench_ops;
 mod outputs;
 mod predict;
 mod run;
