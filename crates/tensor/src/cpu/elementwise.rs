@@ -37,6 +37,9 @@ fn gelu_grad<T: Float>(x: T) -> T {
 
 /// [`crate::backend::BackendStorage::unary`] on a contiguous view.
 pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorage> {
+    if let (UnaryOp::Gelu, CpuStorage::F32(data)) = (op, s) {
+        return Ok(map(view(data, l), super::gelu_f32::gelu));
+    }
     float_kernel!("unary", s, data: T => {
         let src = view(data, l);
         Ok(match op {
@@ -93,6 +96,11 @@ fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T
 
 /// [`crate::backend::BackendStorage::binary`]: any two layouts of one shape.
 pub(super) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, op: BinaryOp) -> Result<CpuStorage> {
+    if let (BinaryOp::GeluBackward, CpuStorage::F32(da), CpuStorage::F32(db)) = (op, a, b) {
+        return Ok(zip_with(da, la, db, lb, |x: f32, g: f32| {
+            g * super::gelu_f32::gelu_grad(x)
+        }));
+    }
     float_kernel!("binary", a, da: T => {
         let db = same::<T>("binary", b)?;
         Ok(match op {

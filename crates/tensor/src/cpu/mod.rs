@@ -5,6 +5,7 @@
 
 mod attention;
 mod elementwise;
+mod gelu_f32;
 mod inplace;
 mod matmul;
 mod nn;
