@@ -67,6 +67,53 @@ pub(super) fn gelu_grad(x: f32) -> f32 {
     cdf + x * pdf
 }
 
+/// `out[i] = gelu(x[i])`, eight lanes at a time where the CPU has AVX2 (the same bits as
+/// one at a time: no fused multiply-add, every operation rounded as written).
+pub(super) fn gelu_slice(x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { gelu_slice_avx2(x, out) };
+    }
+    gelu_slice_any(x, out)
+}
+
+/// `out[i] = g[i] * gelu'(x[i])`, as [`gelu_slice`].
+pub(super) fn gelu_backward_slice(x: &[f32], g: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { gelu_backward_slice_avx2(x, g, out) };
+    }
+    gelu_backward_slice_any(x, g, out)
+}
+
+#[inline(always)]
+fn gelu_slice_any(x: &[f32], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = gelu(v);
+    }
+}
+
+#[inline(always)]
+fn gelu_backward_slice_any(x: &[f32], g: &[f32], out: &mut [f32]) {
+    for ((o, &v), &gv) in out.iter_mut().zip(x).zip(g) {
+        *o = gv * gelu_grad(v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gelu_slice_avx2(x: &[f32], out: &mut [f32]) {
+    gelu_slice_any(x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gelu_backward_slice_avx2(x: &[f32], g: &[f32], out: &mut [f32]) {
+    gelu_backward_slice_any(x, g, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,6 +140,19 @@ mod tests {
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert!(exp_nonpositive(-1e4) > 0.0 && exp_nonpositive(-1e4) < 2e-38);
         assert!(erf(f32::NAN).is_nan() && gelu(f32::NAN).is_nan() && gelu_grad(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn the_slice_kernels_give_the_scalar_bits() {
+        let x: Vec<f32> = grid(-6.0, 6.0).collect();
+        let g: Vec<f32> = x.iter().map(|v| 1.0 - v * 0.3).collect();
+        let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        gelu_slice(&x, &mut y);
+        gelu_backward_slice(&x, &g, &mut dx);
+        for i in 0..x.len() {
+            assert_eq!(y[i].to_bits(), gelu(x[i]).to_bits(), "gelu({})", x[i]);
+            assert_eq!(dx[i].to_bits(), (g[i] * gelu_grad(x[i])).to_bits(), "gelu'({})", x[i]);
+        }
     }
 
     #[test]
