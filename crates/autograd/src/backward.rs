@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use brigade_tensor::Tensor;
 
@@ -123,6 +124,7 @@ impl Var {
         }
         let mut grads: HashMap<u64, Tensor> = HashMap::new();
         grads.insert(self.0.id, seed);
+        let profiling = crate::profile::enabled();
         for v in order {
             let Some(node) = &v.0.node else { continue };
             let g = grads.remove(&v.0.id);
@@ -131,7 +133,14 @@ impl Var {
                     for s in subscribers {
                         s.node_backward(node.scope.as_deref(), node.op);
                     }
-                    (node.backward)(g)?
+                    if profiling {
+                        let start = Instant::now();
+                        let grads = (node.backward)(g)?;
+                        crate::profile::backward_op(node.op, start.elapsed());
+                        grads
+                    } else {
+                        (node.backward)(g)?
+                    }
                 }
                 None => vec![None; node.inputs.len()],
             };
@@ -140,6 +149,7 @@ impl Var {
                     continue;
                 }
                 if let Some(ig) = ig {
+                    let start = profiling.then(Instant::now);
                     if inp.0.node.is_some() {
                         match grads.get_mut(&inp.0.id) {
                             Some(acc) => *acc = acc.add(&ig)?,
@@ -149,6 +159,9 @@ impl Var {
                         }
                     } else {
                         inp.accumulate_grad(&ig)?;
+                    }
+                    if let Some(start) = start {
+                        crate::profile::backward_op("accumulate_grad", start.elapsed());
                     }
                 }
                 if inp.0.param.is_some() {

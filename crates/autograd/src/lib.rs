@@ -15,6 +15,7 @@ mod gradcheck;
 mod ops;
 pub mod optim;
 mod params;
+pub mod profile;
 mod var;
 
 pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
@@ -22,4 +23,5 @@ pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use params::ParamStore;
+pub use profile::{profile_ops, OpProfile, OpTime};
 pub use var::{is_grad_enabled, no_grad, scope, Var};

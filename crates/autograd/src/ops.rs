@@ -282,6 +282,19 @@ impl Var {
         }))
     }
 
+    /// Causal multi-head self-attention of packed projections `[B, T, 3d]` (q, k, v side by
+    /// side, `n_heads` heads each) into `[B, T, d]`, scores scaled by `1/sqrt(d / n_heads)`:
+    /// one fused op, PyTorch's `scaled_dot_product_attention(.., is_causal=True)`.
+    pub fn causal_attention(&self, n_heads: usize) -> Result<Var> {
+        let x = self.value();
+        let hd = x.shape().last().copied().unwrap_or(0) / (3 * n_heads.max(1));
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (y, saved) = x.causal_attention(n_heads, scale)?;
+        Ok(Var::from_op("attention", y, &[self], move |g| {
+            Ok(vec![Some(x.causal_attention_backward(&saved, g, n_heads, scale)?)])
+        }))
+    }
+
     /// Mean cross-entropy of `[n, c]` logits against `[n]` integer targets.
     pub fn cross_entropy(&self, targets: &Tensor) -> Result<Var> {
         let (loss, probs) = self.value().cross_entropy(targets)?;

@@ -120,6 +120,7 @@ impl Var {
         inputs: &[&Var],
         backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
     ) -> Var {
+        crate::profile::forward_op(op);
         if !is_grad_enabled() || !inputs.iter().any(|v| v.requires_grad()) {
             return Var::constant(value);
         }

@@ -107,6 +107,24 @@ fn embedding_causal_mask_and_cross_entropy() {
 }
 
 #[test]
+fn fused_causal_attention() {
+    // 2 heads of width 3: qkv [B=2, T=5, 3 * 6]
+    check(|v| v[0].causal_attention(2), &[randn(&[2, 5, 18], 40)]);
+    // one head, one token (the softmax of a single score), and a strided (transposed) input
+    check(|v| v[0].causal_attention(1), &[randn(&[3, 1, 6], 41)]);
+    check(|v| v[0].transpose(0, 1)?.causal_attention(3), &[randn(&[4, 2, 9], 42)]);
+}
+
+#[test]
+fn fused_causal_attention_refuses_bad_shapes() {
+    let x = Var::leaf(randn(&[2, 5, 18], 43));
+    // 18 columns do not split into q, k, v of 4 heads
+    assert!(x.causal_attention(4).is_err());
+    assert!(x.causal_attention(0).is_err());
+    assert!(Var::leaf(randn(&[5, 18], 44)).causal_attention(2).is_err());
+}
+
+#[test]
 fn views_pass_gradients_back_to_the_right_elements() {
     let x = randn(&[2, 3, 4], 29);
     check(|v| v[0].reshape(&[6, 4])?.mul(&v[0].reshape(&[6, 4])?), &[x.clone()]);

@@ -13,6 +13,9 @@ pub enum BenchCommand {
     /// f32 GEMM: Brigade's matmul beside a direct call of the library under it (the `gemm`
     /// crate on the CPU), and numpy's figure when given.
     Gemm(crate::bench_gemm::GemmArgs),
+    /// Where one training step's time goes, per op kind, forward and backward (the
+    /// torchref workloads; `scripts/torch_ops_profile.py` prints PyTorch's side).
+    Ops(crate::bench_ops::OpsArgs),
 }
 
 /// Options of `brigade bench comm`.
@@ -41,6 +44,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), Box<dyn std::error::Error>> {
     match cmd {
         BenchCommand::Comm(args) => bench_comm(args),
         BenchCommand::Gemm(args) => crate::bench_gemm::bench_gemm(args).map_err(Into::into),
+        BenchCommand::Ops(args) => crate::bench_ops::bench_ops(args).map_err(Into::into),
     }
 }
 

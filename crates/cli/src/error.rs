@@ -122,10 +122,6 @@ impl Error {
 /// Result alias for the library.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// The former name of [`Error`], kept so that code written against it still compiles.
-#[deprecated(note = "renamed to `brigade::Error`")]
-pub type CliError = Error;
-
 /// Writes `bytes` to `path` atomically (see [`brigade_models::write_atomic`]: a unique
 /// temporary beside the target, synced, then renamed; a symbolic link keeps pointing at
 /// the file it names, which is what gets written).

@@ -11,6 +11,7 @@ use brigade::{device, error, launch, timeline, trainer};
 mod args;
 mod bench;
 mod bench_gemm;
+mod bench_ops;
 mod bucket_cap;
 mod outputs;
 mod policy;

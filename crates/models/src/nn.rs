@@ -17,6 +17,8 @@
 //! # let _ = Activation::Relu;
 //! ```
 
+use std::cell::Cell;
+
 use brigade_autograd::{ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
@@ -232,8 +234,21 @@ impl CausalSelfAttention {
         Ok(CausalSelfAttention { qkv, proj, n_heads })
     }
 
-    /// `h [B, T, d] -> [B, T, d]`.
+    /// `h [B, T, d] -> [B, T, d]`: the heads attend in one fused op
+    /// ([`Var::causal_attention`]) straight from the packed projection (or, inside
+    /// [`with_reference_attention`], through [`CausalSelfAttention::forward_reference`]).
     pub fn forward(&self, h: &Var) -> Result<Var> {
+        if REFERENCE_ATTENTION.with(Cell::get) {
+            return self.forward_reference(h);
+        }
+        let qkv = self.qkv.forward(h)?;
+        self.proj.forward(&qkv.causal_attention(self.n_heads)?)
+    }
+
+    /// The same attention composed of primitive ops (per-head copies, a batched matmul, a
+    /// separate scale, mask and softmax): the reference the fused op is tested and
+    /// benchmarked against. It gives the same bits as [`CausalSelfAttention::forward`].
+    pub fn forward_reference(&self, h: &Var) -> Result<Var> {
         let shape = h.shape();
         let (b, t, d, nh) = (shape[0], shape[1], self.proj.weight.shape()[0], self.n_heads);
         let hd = d / nh;
@@ -252,6 +267,20 @@ impl CausalSelfAttention {
         let y = att.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape(&[b, t, d])?;
         self.proj.forward(&y)
     }
+}
+
+thread_local! {
+    static REFERENCE_ATTENTION: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every [`CausalSelfAttention`] on this thread computed by
+/// [`CausalSelfAttention::forward_reference`]: the A/B switch of `brigade bench ops --ab`
+/// and of the parity tests (thread-local, so parallel tests do not see it).
+pub fn with_reference_attention<R>(f: impl FnOnce() -> R) -> R {
+    let prev = REFERENCE_ATTENTION.with(|r| r.replace(true));
+    let out = f();
+    REFERENCE_ATTENTION.with(|r| r.set(prev));
+    out
 }
 
 /// A transformer block's feed-forward part: `proj(act(fc(x)))`.

@@ -49,7 +49,8 @@ pub(crate) enum UnaryOp {
     Sqrt,
     /// `x <= 0 ? 0 : x` (a NaN stays NaN, as in PyTorch).
     Relu,
-    /// `0.5 * x * (1 + erf(x * FRAC_1_SQRT_2))`, constants rounded to the dtype.
+    /// `0.5 * x * (1 + erf(x * FRAC_1_SQRT_2))`, constants rounded to the dtype. (The
+    /// CPU's f32 evaluates erf by a polynomial within 5e-7 of it, so that it vectorizes.)
     Gelu,
     /// `x * x`.
     Sqr,
@@ -73,7 +74,8 @@ pub(crate) enum BinaryOp {
     /// `a > 0 ? b : 0` (`a = x`, `b = g`): the ReLU derivative applied to a gradient.
     ReluBackward,
     /// `b * gelu'(a)` with `gelu'(x) = cdf + x * pdf`,
-    /// `cdf = 0.5 * (1 + erf(x * FRAC_1_SQRT_2))`, `pdf = (1/sqrt(2 pi)) * exp(-(x * x) * 0.5)`.
+    /// `cdf = 0.5 * (1 + erf(x * FRAC_1_SQRT_2))`, `pdf = (1/sqrt(2 pi)) * exp(-(x * x) * 0.5)`
+    /// (the CPU's f32 with polynomial erf and exp, as for `Gelu`).
     GeluBackward,
 }
 
@@ -258,6 +260,34 @@ pub(crate) trait BackendStorage: Sized {
     /// `(probs - onehot(targets)) * scale` with `scale = g / max(n, 1)` rounded to the
     /// dtype, computed as `o = probs; o[t] += -1; o *= scale`.
     fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self>;
+
+    /// Causal multi-head self-attention from packed projections: `self` is `qkv`
+    /// `[B, T, 3d]` (queries, keys, values side by side, each split into `n_heads` heads of
+    /// `d / n_heads` columns; contiguous, `B, T >= 1`). Per head, `S = Q Kᵀ` then
+    /// `x * scale + 0` (scale rounded to the dtype), positions after the query set to
+    /// `-inf`, `P = softmax` (as [`BackendStorage::softmax_last`]), `Y = P V`. Returns
+    /// `(y [B, T, d] with head h in columns h*hd.., probs P [B, n_heads, T, T])`.
+    /// The default composes it from the contract's `matmul`, `unary`, `causal_fill`,
+    /// `softmax_last` and `copy_strided` (a backend without a fused kernel, such as CUDA,
+    /// uses it); the CPU's kernel computes the same steps without the copies.
+    fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)> {
+        crate::composed::causal_attention(self, layout, n_heads, scale)
+    }
+
+    /// Gradient `dqkv [B, T, 3d]` of [`BackendStorage::causal_attention`] from `qkv`
+    /// (self), the saved `probs` and the output gradient `gy [B, T, d]` (all contiguous):
+    /// `dP = dY Vᵀ`, `dS = softmax_backward(P, dP)` zeroed after the query, times the
+    /// scale (`x * scale + 0`), then `dQ = dS K`, `dKᵀ = Qᵀ dS`, `dV = Pᵀ dY`.
+    fn causal_attention_backward(
+        &self,
+        layout: &Layout,
+        probs: (&Self, &Layout),
+        gy: (&Self, &Layout),
+        n_heads: usize,
+        scale: f64,
+    ) -> Result<Self> {
+        crate::composed::causal_attention_backward(self, layout, probs, gy, n_heads, scale)
+    }
 
     // ---- in place ----
 

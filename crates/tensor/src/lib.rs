@@ -10,6 +10,7 @@
 //! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
 
 mod backend;
+mod composed;
 mod cpu;
 pub mod cuda;
 mod device;
@@ -28,7 +29,7 @@ pub use device::Device;
 pub use dtype::{DType, Element, Float};
 pub use error::{Result, TensorError};
 pub use layout::{broadcast_shape, contiguous_strides, Layout};
-pub use ops::{AdamWStep, LayerNormSaved, SgdStep};
+pub use ops::{AdamWStep, AttentionSaved, LayerNormSaved, SgdStep};
 pub use rng::Rng;
 pub use storage::Storage;
 pub use tensor::Tensor;

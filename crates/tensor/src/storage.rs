@@ -322,6 +322,33 @@ impl DeviceStorage {
         on_backend!(self, s, other, other_mut => s.causal_fill(l, value).map(Into::into))
     }
 
+    /// See [`BackendStorage::causal_attention`].
+    pub(crate) fn causal_attention(
+        &self,
+        l: &Layout,
+        n_heads: usize,
+        scale: f64,
+    ) -> Result<(DeviceStorage, DeviceStorage)> {
+        on_backend!(self, s, other, other_mut => {
+            let (y, probs) = s.causal_attention(l, n_heads, scale)?;
+            Ok((y.into(), probs.into()))
+        })
+    }
+
+    /// See [`BackendStorage::causal_attention_backward`].
+    pub(crate) fn causal_attention_backward(
+        &self,
+        l: &Layout,
+        probs: (&DeviceStorage, &Layout),
+        gy: (&DeviceStorage, &Layout),
+        n_heads: usize,
+        scale: f64,
+    ) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s
+            .causal_attention_backward(l, (other(probs.0)?, probs.1), (other(gy.0)?, gy.1), n_heads, scale)
+            .map(Into::into))
+    }
+
     /// See [`BackendStorage::cross_entropy`].
     pub(crate) fn cross_entropy(
         &self,

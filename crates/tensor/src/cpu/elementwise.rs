@@ -37,6 +37,14 @@ fn gelu_grad<T: Float>(x: T) -> T {
 
 /// [`crate::backend::BackendStorage::unary`] on a contiguous view.
 pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorage> {
+    if let (UnaryOp::Gelu, CpuStorage::F32(data)) = (op, s) {
+        let src = view(data, l);
+        let mut out = vec![0.0f32; src.len()];
+        par_chunks_mut(&mut out, GRAIN, |start, chunk| {
+            super::gelu_f32::gelu_slice(&src[start..start + chunk.len()], chunk)
+        });
+        return Ok(CpuStorage::F32(out));
+    }
     float_kernel!("unary", s, data: T => {
         let src = view(data, l);
         Ok(match op {
@@ -93,6 +101,20 @@ fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T
 
 /// [`crate::backend::BackendStorage::binary`]: any two layouts of one shape.
 pub(super) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, op: BinaryOp) -> Result<CpuStorage> {
+    if let (BinaryOp::GeluBackward, CpuStorage::F32(da), CpuStorage::F32(db)) = (op, a, b) {
+        if la.is_contiguous() && lb.is_contiguous() {
+            let (x, g) = (view(da, la), view(db, lb));
+            let mut out = vec![0.0f32; x.len()];
+            par_chunks_mut(&mut out, GRAIN, |start, chunk| {
+                let end = start + chunk.len();
+                super::gelu_f32::gelu_backward_slice(&x[start..end], &g[start..end], chunk)
+            });
+            return Ok(CpuStorage::F32(out));
+        }
+        return Ok(zip_with(da, la, db, lb, |x: f32, g: f32| {
+            g * super::gelu_f32::gelu_grad(x)
+        }));
+    }
     float_kernel!("binary", a, da: T => {
         let db = same::<T>("binary", b)?;
         Ok(match op {

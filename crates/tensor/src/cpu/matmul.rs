@@ -45,8 +45,37 @@ unsafe fn gemm_one<T: Float>(
     rhs_cs: usize,
     threads: usize,
 ) {
+    gemm_strided(m, n, k, (dst, n, 1), lhs, lhs_rs, lhs_cs, rhs, rhs_rs, rhs_cs, threads)
+}
+
+/// One `[m,k] x [k,n]` product written (not accumulated) into a strided `[m,n]` output
+/// `(pointer, row stride, column stride)`: a kernel can write one head's block straight into
+/// its place in a wider matrix.
+///
+/// # Safety
+/// `lhs`/`rhs` must address every element their shapes and strides name; the `m*n`
+/// elements `dst` names must be writable and touched by nothing else meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_strided<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (*mut T, usize, usize),
+    lhs: *const T,
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: *const T,
+    rhs_rs: usize,
+    rhs_cs: usize,
+    threads: usize,
+) {
+    let (dst, dst_rs, dst_cs) = dst;
     if k == 0 {
-        std::ptr::write_bytes(dst, 0, m * n);
+        for i in 0..m {
+            for j in 0..n {
+                *dst.add(i * dst_rs + j * dst_cs) = T::ZERO;
+            }
+        }
         return;
     }
     let par = if threads > 1 {
@@ -59,8 +88,8 @@ unsafe fn gemm_one<T: Float>(
         n,
         k,
         dst,
-        1,
-        n as isize,
+        dst_cs as isize,
+        dst_rs as isize,
         false,
         lhs,
         lhs_cs as isize,

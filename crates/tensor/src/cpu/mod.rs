@@ -3,7 +3,9 @@
 //! kernels split across the calling thread's compute pool ([`crate::set_compute_threads`]).
 //! Each file is one family of kernels.
 
+mod attention;
 mod elementwise;
+mod gelu_f32;
 mod inplace;
 mod matmul;
 mod nn;
@@ -217,6 +219,21 @@ impl BackendStorage for CpuStorage {
 
     fn causal_fill(&self, layout: &Layout, value: f64) -> Result<Self> {
         nn::causal_fill(self, layout, value)
+    }
+
+    fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)> {
+        attention::causal_attention(self, layout, n_heads, scale)
+    }
+
+    fn causal_attention_backward(
+        &self,
+        layout: &Layout,
+        probs: (&Self, &Layout),
+        gy: (&Self, &Layout),
+        n_heads: usize,
+        scale: f64,
+    ) -> Result<Self> {
+        attention::causal_attention_backward(self, layout, probs, gy, n_heads, scale)
     }
 
     fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {

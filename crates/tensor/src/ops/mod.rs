@@ -2,6 +2,7 @@
 //! methods that checks shapes and dtypes, prepares the views, and calls the backend
 //! holding the operands through the contract in [`crate::backend`].
 
+mod attention;
 mod elementwise;
 mod inplace;
 mod matmul;
@@ -9,6 +10,7 @@ mod nn;
 mod optim;
 mod reduce;
 
+pub use attention::AttentionSaved;
 pub use nn::LayerNormSaved;
 pub use optim::{AdamWStep, SgdStep};
 

@@ -1,0 +1,192 @@
+//! Causal self-attention as one kernel per direction: each (batch, head) pair reads its
+//! query, key and value columns straight out of the packed `[B, T, 3d]` projection and
+//! writes its output columns straight into `[B, T, d]` (and, backward, its gradient
+//! columns into `[B, T, 3d]`), so no head is ever gathered into a contiguous copy. The
+//! pairs run in parallel on the calling thread's compute pool.
+//!
+//! The arithmetic is the composed path's (`crate::composed`), step for step: the same
+//! GEMMs over the same operands, the same scaling, masking and softmax expressions, so
+//! both give the same bits.
+
+use rayon::prelude::*;
+
+use super::matmul::gemm_strided;
+use super::{float_kernel, same, view};
+use crate::storage::CpuStorage;
+use crate::threads::{compute_threads, install};
+use crate::{Element, Float, Layout, Result};
+
+/// Base pointers shared by the (batch, head) tasks: each task writes only its own
+/// columns or its own `[T, T]` block, and reads anything.
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
+
+/// Sizes of one call: batch, time, heads, head width.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    nh: usize,
+    hd: usize,
+}
+
+impl Dims {
+    fn from_layout(l: &Layout, n_heads: usize) -> Dims {
+        let (b, t, w) = (l.shape()[0], l.shape()[1], l.shape()[2]);
+        Dims {
+            b,
+            t,
+            nh: n_heads,
+            hd: w / 3 / n_heads,
+        }
+    }
+
+    fn d(&self) -> usize {
+        self.nh * self.hd
+    }
+}
+
+/// Runs `f(pair)` for every (batch, head) pair, `pair = batch * heads + head`.
+fn for_each_pair(pairs: usize, f: impl Fn(usize) + Sync + Send) {
+    if compute_threads() > 1 && pairs > 1 {
+        install(|| (0..pairs).into_par_iter().for_each(&f));
+    } else {
+        (0..pairs).for_each(f);
+    }
+}
+
+/// Scales a row of scores, sets the future positions (after `i`) to `-inf`, and replaces
+/// it by its softmax: `m = max`, `e = exp(x - m)`, `s = sum e`, `e * (1 / s)`.
+fn masked_softmax_row<T: Float>(row: &mut [T], i: usize, scale: T) {
+    for v in row.iter_mut() {
+        *v = *v * scale + T::ZERO;
+    }
+    for v in row.iter_mut().skip(i + 1) {
+        *v = T::NEG_INFINITY;
+    }
+    let m = row
+        .iter()
+        .copied()
+        .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    let mut sum = T::ZERO;
+    for v in row.iter_mut() {
+        *v = (*v - m).exp();
+        sum += *v;
+    }
+    let inv = T::ONE / sum;
+    for v in row.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// [`crate::backend::BackendStorage::causal_attention`].
+pub(super) fn causal_attention(
+    qkv: &CpuStorage,
+    l: &Layout,
+    n_heads: usize,
+    scale: f64,
+) -> Result<(CpuStorage, CpuStorage)> {
+    float_kernel!("causal_attention", qkv, xs: T => {
+        let (y, p) = forward::<T>(view(xs, l), Dims::from_layout(l, n_heads), T::from_f64(scale));
+        Ok((T::wrap(y), T::wrap(p)))
+    })
+}
+
+fn forward<T: Float>(x: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
+    {
+        let Dims { b, t, nh, hd } = dm;
+        let (d, w) = (dm.d(), 3 * dm.d());
+        let mut y = vec![T::ZERO; b * t * d];
+        let mut probs = vec![T::ZERO; b * nh * t * t];
+        let (py, pp) = (Shared(y.as_mut_ptr()), Shared(probs.as_mut_ptr()));
+        let px = Shared(x.as_ptr() as *mut T);
+        for_each_pair(b * nh, |pair| {
+            let (bi, h) = (pair / nh, pair % nh);
+            let (py, pp, px) = (py, pp, px);
+            // SAFETY: `x` holds `b*t*3d` elements and every offset below stays inside the
+            // batch's `[t, 3d]` block; this task alone writes block `pair` of `probs` and
+            // the columns `h*hd..(h+1)*hd` of batch `bi` in `y`.
+            unsafe {
+                let base = px.0.add(bi * t * w + h * hd) as *const T;
+                let p = pp.0.add(pair * t * t);
+                // S = Q K^T  ([t, hd] x [hd, t])
+                gemm_strided(t, t, hd, (p, t, 1), base, w, 1, base.add(d), 1, w, 1);
+                for i in 0..t {
+                    masked_softmax_row(std::slice::from_raw_parts_mut(p.add(i * t), t), i, scale);
+                }
+                // Y = P V  ([t, t] x [t, hd]) into this head's columns of y
+                let out = py.0.add(bi * t * d + h * hd);
+                gemm_strided(t, hd, t, (out, d, 1), p, t, 1, base.add(2 * d), w, 1, 1);
+            }
+        });
+        (y, probs)
+    }
+}
+
+/// [`crate::backend::BackendStorage::causal_attention_backward`].
+pub(super) fn causal_attention_backward(
+    qkv: &CpuStorage,
+    l: &Layout,
+    probs: (&CpuStorage, &Layout),
+    gy: (&CpuStorage, &Layout),
+    n_heads: usize,
+    scale: f64,
+) -> Result<CpuStorage> {
+    let op = "causal_attention_backward";
+    float_kernel!(op, qkv, xs: T => {
+        let (ps, gs) = (view(same::<T>(op, probs.0)?, probs.1), view(same::<T>(op, gy.0)?, gy.1));
+        let dx = backward::<T>(view(xs, l), ps, gs, Dims::from_layout(l, n_heads), T::from_f64(scale));
+        Ok(T::wrap(dx))
+    })
+}
+
+fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec<T> {
+    let Dims { b, t, nh, hd } = dm;
+    let (d, w) = (dm.d(), 3 * dm.d());
+    let mut dx = vec![T::ZERO; b * t * w];
+    let pdx = Shared(dx.as_mut_ptr());
+    let (px, pp, pg) = (
+        Shared(x.as_ptr() as *mut T),
+        Shared(probs.as_ptr() as *mut T),
+        Shared(gy.as_ptr() as *mut T),
+    );
+    for_each_pair(b * nh, |pair| {
+        let (bi, h) = (pair / nh, pair % nh);
+        let (pdx, px, pp, pg) = (pdx, px, pp, pg);
+        let mut ds = vec![T::ZERO; t * t];
+        // SAFETY: as in `forward`; this task alone writes the columns of head `h` (in
+        // each of the q, k, v thirds) of batch `bi` in `dx`, and its own `ds`.
+        unsafe {
+            let base = px.0.add(bi * t * w + h * hd) as *const T;
+            let p = pp.0.add(pair * t * t) as *const T;
+            let g = pg.0.add(bi * t * d + h * hd) as *const T;
+            let dbase = pdx.0.add(bi * t * w + h * hd);
+            // dP = dY V^T  ([t, hd] x [hd, t])
+            let dsp = ds.as_mut_ptr();
+            gemm_strided(t, t, hd, (dsp, t, 1), g, d, 1, base.add(2 * d), 1, w, 1);
+            // dS = P * (dP - sum(dP * P)), zero in the future, times the scale
+            for i in 0..t {
+                let (pr, gr) = (std::slice::from_raw_parts(p.add(i * t), t), &mut ds[i * t..(i + 1) * t]);
+                let dot: T = pr.iter().zip(gr.iter()).map(|(&a, &b)| a * b).sum();
+                for (o, &y) in gr.iter_mut().zip(pr) {
+                    *o = y * (*o - dot);
+                }
+                for o in gr.iter_mut().skip(i + 1) {
+                    *o = T::ZERO;
+                }
+                for o in gr.iter_mut() {
+                    *o = *o * scale + T::ZERO;
+                }
+            }
+            // dQ = dS K  ([t, t] x [t, hd])
+            gemm_strided(t, hd, t, (dbase, w, 1), dsp, t, 1, base.add(d), w, 1, 1);
+            // dK^T = Q^T dS  ([hd, t] x [t, t]), written transposed into the k columns
+            gemm_strided(hd, t, t, (dbase.add(d), 1, w), base, 1, w, dsp, t, 1, 1);
+            // dV = P^T dY  ([t, t] x [t, hd])
+            gemm_strided(t, hd, t, (dbase.add(2 * d), w, 1), p, 1, t, g, d, 1, 1);
+        }
+    });
+    dx
+}
