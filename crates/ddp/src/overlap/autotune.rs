@@ -178,7 +178,12 @@ pub fn decide(
 }
 
 /// The times of a rank profile other ranks need (everything but its buckets), as f64s.
-const SPANS: usize = 5;
+const SPANS: usize = 6;
+
+/// When the rank's wait for its buckets ended: the last bucket's finish (or backward's end).
+fn waited_until(p: &RankProfile) -> f64 {
+    p.buckets.iter().map(|b| b.finish_s).fold(p.backward_end_s, f64::max)
+}
 
 fn encode(p: &RankProfile, out: &mut Vec<f64>) {
     out.extend_from_slice(&[
@@ -187,6 +192,7 @@ fn encode(p: &RankProfile, out: &mut Vec<f64>) {
         p.optimizer_start_s,
         p.optimizer_end_s,
         p.step_end_s,
+        waited_until(p),
     ]);
     out.extend_from_slice(&p.grad_ready_s);
 }
@@ -202,6 +208,29 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
         grad_ready_s: v[SPANS..].to_vec(),
         buckets: vec![],
     }
+}
+
+/// Rank `rank`'s profile from its encoded spans `v`, with rank 0's buckets `rank0_buckets`: another
+/// rank ran the same collectives, which ended on its clock when its wait did (`v[5]`), so they are
+/// shifted there (the replay charges what followed that wait as recorded, not the wait itself).
+fn rank_profile(rank: usize, v: &[f64], rank0_buckets: &[super::BucketProfile]) -> RankProfile {
+    let mut p = decode(rank, v);
+    let last = rank0_buckets.iter().map(|b| b.finish_s).fold(f64::NAN, f64::max);
+    let shift = if rank == 0 || !last.is_finite() {
+        0.0
+    } else {
+        v[5] - last
+    };
+    p.buckets = rank0_buckets
+        .iter()
+        .map(|b| {
+            let mut b = b.clone();
+            b.start_s += shift;
+            b.finish_s += shift;
+            b
+        })
+        .collect();
+    p
 }
 
 fn to_bytes(v: &[f64]) -> Vec<u8> {
@@ -293,11 +322,7 @@ impl Autotuner {
                             if v.iter().any(|x| x.is_nan()) {
                                 return None;
                             }
-                            let mut p = decode(r, v);
-                            if r == 0 {
-                                p.buckets = observed[i].as_ref()?.buckets.clone();
-                            }
-                            Some(p)
+                            Some(rank_profile(r, v, &observed[i].as_ref()?.buckets))
                         })
                         .collect::<Option<Vec<_>>>()?;
                     Some(StepProfile {
@@ -376,5 +401,75 @@ impl Autotuner {
             measured_step_ms: (!at_cap.is_empty()).then(|| 1e3 * median(&mut at_cap)),
             decisions: self.decisions.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod rank_profile_tests {
+    use super::*;
+    use crate::overlap::{replay, BucketOrder, BucketProfile, LinkCost, ParamProfile, ReplayConfig};
+
+    /// A comm-bound step as two ranks record it: backward ends at 0.1 s, one bucket runs on the
+    /// link until 0.4 s, the optimizer runs 0.41–0.42 s. Rank 1's clock is 0.005 s behind.
+    fn spans(skew: f64, buckets: &[BucketProfile]) -> RankProfile {
+        RankProfile {
+            rank: 0,
+            backward_start_s: 0.05 + skew,
+            backward_end_s: 0.1 + skew,
+            optimizer_start_s: 0.41 + skew,
+            optimizer_end_s: 0.42 + skew,
+            step_end_s: 0.42 + skew,
+            grad_ready_s: vec![0.08 + skew],
+            buckets: buckets.to_vec(),
+        }
+    }
+
+    #[test]
+    fn another_ranks_wait_ends_with_its_collectives_and_is_not_charged_twice() {
+        let bucket = BucketProfile {
+            params: vec![0],
+            bytes: 4 << 20,
+            ready_s: 0.08,
+            launch_s: 0.08,
+            start_s: 0.1,
+            finish_s: 0.4,
+        };
+        let rank0 = spans(0.0, std::slice::from_ref(&bucket));
+        let mut rank1 = spans(-0.005, &[]);
+        rank1.buckets = vec![BucketProfile {
+            start_s: 0.095,
+            finish_s: 0.395,
+            ..bucket.clone()
+        }];
+        // what rank 1 sends over the wire, and what rank 0 rebuilds from it
+        let mut v = vec![];
+        encode(&rank1, &mut v);
+        let rebuilt = rank_profile(1, &v, &rank0.buckets);
+        assert_eq!(rebuilt.rank, 1);
+        assert!((waited_until(&rebuilt) - 0.395).abs() < 1e-12, "{rebuilt:?}");
+        // the replay of the two ranks predicts the recorded step (~0.42 s), not the wait twice
+        let profile = StepProfile {
+            version: crate::overlap::PROFILE_VERSION,
+            world_size: 2,
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: 25.0,
+            params: vec![ParamProfile {
+                name: "w".into(),
+                bytes: 4 << 20,
+            }],
+            ranks: vec![rank0, rebuilt],
+        };
+        let rc = ReplayConfig {
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: 25.0,
+            link: LinkCost::Measured,
+            world_size: None,
+            order: BucketOrder::Ready,
+        };
+        let step = replay(&profile, &rc).unwrap().predicted_step_s;
+        assert!(
+            (step - 0.42).abs() < 0.02,
+            "predicted {step} s for a recorded 0.42 s step"
+        );
     }
 }
