@@ -180,11 +180,6 @@ pub fn decide(
 /// The times of a rank profile other ranks need (everything but its buckets), as f64s.
 const SPANS: usize = 6;
 
-/// When the rank's wait for its buckets ended: the last bucket's finish (or backward's end).
-fn waited_until(p: &RankProfile) -> f64 {
-    p.buckets.iter().map(|b| b.finish_s).fold(p.backward_end_s, f64::max)
-}
-
 fn encode(p: &RankProfile, out: &mut Vec<f64>) {
     out.extend_from_slice(&[
         p.backward_start_s,
@@ -192,7 +187,7 @@ fn encode(p: &RankProfile, out: &mut Vec<f64>) {
         p.optimizer_start_s,
         p.optimizer_end_s,
         p.step_end_s,
-        waited_until(p),
+        p.waited_until(),
     ]);
     out.extend_from_slice(&p.grad_ready_s);
 }
@@ -446,7 +441,7 @@ mod rank_profile_tests {
         encode(&rank1, &mut v);
         let rebuilt = rank_profile(1, &v, &rank0.buckets);
         assert_eq!(rebuilt.rank, 1);
-        assert!((waited_until(&rebuilt) - 0.395).abs() < 1e-12, "{rebuilt:?}");
+        assert!((rebuilt.waited_until() - 0.395).abs() < 1e-12, "{rebuilt:?}");
         // the replay of the two ranks predicts the recorded step (~0.42 s), not the wait twice
         let profile = StepProfile {
             version: crate::overlap::PROFILE_VERSION,

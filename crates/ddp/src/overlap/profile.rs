@@ -92,6 +92,14 @@ pub struct StepProfile {
 }
 
 impl RankProfile {
+    /// When the rank's wait for its buckets ended: its last bucket's finish (or backward's end).
+    pub fn waited_until(&self) -> f64 {
+        self.buckets
+            .iter()
+            .map(|b| b.finish_s)
+            .fold(self.backward_end_s, f64::max)
+    }
+
     /// One rank's profile of a step from DDP's [`PassTimes`] of its synchronized backward and
     /// the training loop's instants, in seconds from `step_start`. `None` when the pass did
     /// not run to its end.

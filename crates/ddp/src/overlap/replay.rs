@@ -241,8 +241,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
     // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
     // optimizer, and the rest of the step.
     let after_backward = |r: &super::RankProfile| {
-        let waited_until = r.buckets.iter().map(|b| b.finish_s).fold(r.backward_end_s, f64::max);
-        (r.optimizer_start_s - waited_until).max(0.0)
+        (r.optimizer_start_s - r.waited_until()).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
