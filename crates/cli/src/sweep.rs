@@ -224,7 +224,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
 fn print_table(rows: &[SweepRow]) {
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
     println!(
-        "{:>10} {:>4} {:>7} {:>16} {:>10} {:>8} {:>16} {:>9} {:>9} {:>9} {:>9} {:>6}  verdict",
+        "{:>10} {:>4} {:>7} {:>16} {:>10} {:>8} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  verdict",
         "bucket_MiB",
         "runs",
         "buckets",
@@ -233,6 +233,7 @@ fn print_table(rows: &[SweepRow]) {
         "comm",
         "exposed(spread)",
         "waited",
+        "pred_wait",
         "pred_step",
         "pred_exp",
         "bound",
@@ -240,7 +241,7 @@ fn print_table(rows: &[SweepRow]) {
     );
     for r in rows {
         println!(
-            "{:>10} {:>4} {:>7} {:>16} {:>10.2} {:>8.2} {:>16} {:>9} {:>9} {:>9} {:>9} {:>5.0}%  {}",
+            "{:>10} {:>4} {:>7} {:>16} {:>10.2} {:>8.2} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>5.0}%  {}",
             r.bucket_mb,
             r.runs,
             r.buckets,
@@ -249,6 +250,7 @@ fn print_table(rows: &[SweepRow]) {
             r.comm_ms,
             format!("{:.2} ({:.2})", r.exposed_comm_ms, r.exposed_spread_ms),
             opt(r.waited_ms),
+            opt(r.predicted_wait_ms),
             opt(r.predicted_step_ms),
             opt(r.predicted_exposed_ms),
             opt(r.lower_bound_ms),

@@ -40,19 +40,23 @@ pub struct Sample {
 
 impl Sample {
     /// What the recorded step waited for its buckets after backward's compute ended (the
-    /// measured counterpart of the replay's exposed comm, in ms): the last bucket's finish on
-    /// any rank minus the last rank's end of backward compute.
+    /// measured counterpart of the replay's wait, in ms): the last bucket's finish minus the
+    /// last rank's end of backward compute, on rank 0's clock
+    /// ([`StepProfile::clock_offsets`]).
     pub fn waited_ms(&self) -> Option<f64> {
         let p = self.profile.as_ref()?;
+        let offsets = p.clock_offsets();
         let end = p
             .ranks
             .iter()
-            .map(|r| r.backward_end_s)
+            .zip(&offsets)
+            .map(|(r, o)| r.backward_end_s - o)
             .fold(f64::NEG_INFINITY, f64::max);
         let finish = p
             .ranks
             .iter()
-            .flat_map(|r| r.buckets.iter().map(|b| b.finish_s))
+            .zip(&offsets)
+            .flat_map(|(r, o)| r.buckets.iter().map(move |b| b.finish_s - o))
             .fold(f64::NEG_INFINITY, f64::max);
         (finish.is_finite() && end.is_finite()).then(|| 1e3 * (finish - end).max(0.0))
     }
@@ -94,9 +98,15 @@ pub struct SweepRow {
     pub exposed_spread_ms: f64,
     /// Median over runs of what the recorded step waited for its buckets after backward.
     pub waited_ms: Option<f64>,
+    /// The model's wait for the buckets after backward for this cap (median over every
+    /// profile of the sweep): the counterpart of `waited_ms`.
+    pub predicted_wait_ms: Option<f64>,
     /// The model's step time for this cap (median over every profile of the sweep).
     pub predicted_step_ms: Option<f64>,
-    /// The model's exposed comm for this cap (median over every profile of the sweep).
+    /// The model's exposed comm for this cap: its predicted step minus the measured
+    /// compute-only step, the baseline `exposed_comm_ms` subtracts too. Communication costs a
+    /// step more than its wait (the reduction and the comm threads take cores from backward);
+    /// the recorded compute holds that, so the step is what the model predicts whole.
     pub predicted_exposed_ms: Option<f64>,
     /// Exposed comm no cap can beat, from this cap's own profiles.
     pub lower_bound_ms: Option<f64>,
@@ -140,6 +150,7 @@ pub fn summarize(
         order: BucketOrder::Ready,
     };
     let replays: Vec<_> = all_profiles.iter().filter_map(|p| replay(p, &cfg).ok()).collect();
+    let predicted_step_ms = median_of(replays.iter().map(|r| 1e3 * r.predicted_step_s).collect());
     let own: Vec<f64> = samples
         .iter()
         .filter_map(|s| replay(s.profile.as_ref()?, &cfg).ok())
@@ -165,8 +176,9 @@ pub fn summarize(
         exposed_comm_ms: exposed,
         exposed_spread_ms,
         waited_ms: median_of(samples.iter().filter_map(Sample::waited_ms).collect()),
-        predicted_step_ms: median_of(replays.iter().map(|r| 1e3 * r.predicted_step_s).collect()),
-        predicted_exposed_ms: median_of(replays.iter().map(|r| 1e3 * r.exposed_comm_s).collect()),
+        predicted_wait_ms: median_of(replays.iter().map(|r| 1e3 * r.exposed_comm_s).collect()),
+        predicted_step_ms,
+        predicted_exposed_ms: predicted_step_ms.map(|p| (p - compute_only_ms).max(0.0)),
         lower_bound_ms,
         excess_over_bound_ms: excess,
         hidden_share: if comm_ms > 0.0 {
@@ -179,7 +191,7 @@ pub fn summarize(
 }
 
 /// The columns of `sweep.csv`, in order (the first two as before `--repeat`).
-pub const CSV_COLUMNS: [&str; 18] = [
+pub const CSV_COLUMNS: [&str; 19] = [
     "bucket_mb",
     "buckets",
     "runs",
@@ -192,6 +204,7 @@ pub const CSV_COLUMNS: [&str; 18] = [
     "exposed_comm_ms",
     "exposed_spread_ms",
     "waited_ms",
+    "predicted_wait_ms",
     "predicted_step_ms",
     "predicted_exposed_ms",
     "lower_bound_ms",
@@ -220,6 +233,7 @@ pub fn to_csv(rows: &[SweepRow]) -> String {
             format!("{:.3}", r.exposed_comm_ms),
             format!("{:.3}", r.exposed_spread_ms),
             opt(r.waited_ms),
+            opt(r.predicted_wait_ms),
             opt(r.predicted_step_ms),
             opt(r.predicted_exposed_ms),
             opt(r.lower_bound_ms),
@@ -284,6 +298,46 @@ mod tests {
             last_bucket_ms: 1.0,
             profile: None,
         }
+    }
+
+    #[test]
+    fn the_wait_is_read_on_one_clock() {
+        // Rank 0 started its step 20 ms before rank 1: its stamps are 20 ms larger. On one
+        // clock rank 0 ends backward at 10 ms, rank 1 at 12 ms, and the bucket finishes at
+        // 13 ms: 1 ms waited (not the 3 ms the raw stamps would say).
+        use brigade_ddp::overlap::{BucketProfile, ParamProfile, RankProfile, PROFILE_VERSION};
+        let rank = |r: usize, by: f64, end: f64| RankProfile {
+            rank: r,
+            backward_start_s: by,
+            backward_end_s: end + by,
+            optimizer_start_s: 0.013 + by,
+            optimizer_end_s: 0.014 + by,
+            step_end_s: 0.014 + by,
+            grad_ready_s: vec![0.009 + by],
+            buckets: vec![BucketProfile {
+                params: vec![0],
+                bytes: 4,
+                ready_s: 0.009 + by,
+                launch_s: 0.009 + by,
+                start_s: 0.010 + by,
+                finish_s: 0.013 + by,
+            }],
+        };
+        let s = Sample {
+            profile: Some(StepProfile {
+                version: PROFILE_VERSION,
+                world_size: 2,
+                bucket_cap_mb: 1.0,
+                first_bucket_cap_mb: 1.0,
+                params: vec![ParamProfile {
+                    name: "w".into(),
+                    bytes: 4,
+                }],
+                ranks: vec![rank(0, 0.020, 0.010), rank(1, 0.0, 0.012)],
+            }),
+            ..sample(20.0, 10.0)
+        };
+        assert!((s.waited_ms().unwrap() - 1.0).abs() < 1e-9, "{:?}", s.waited_ms());
     }
 
     #[test]

@@ -67,6 +67,7 @@ fn a_repeated_sweep_writes_one_row_per_cap_with_medians_predictions_and_a_verdic
             "exposed_comm_ms",
             "exposed_spread_ms",
             "waited_ms",
+            "predicted_wait_ms",
             "predicted_step_ms",
             "predicted_exposed_ms",
             "lower_bound_ms",
@@ -85,6 +86,7 @@ fn a_repeated_sweep_writes_one_row_per_cap_with_medians_predictions_and_a_verdic
         // the model's columns are filled: a profile was recorded by every run
         for c in [
             "waited_ms",
+            "predicted_wait_ms",
             "predicted_step_ms",
             "predicted_exposed_ms",
             "lower_bound_ms",
@@ -93,10 +95,12 @@ fn a_repeated_sweep_writes_one_row_per_cap_with_medians_predictions_and_a_verdic
             assert!(v >= 0.0, "{c} in {line}");
         }
         assert!(["at bound", "above bound"].contains(&at("verdict")), "{line}");
-        // the prediction is the model's: never below the cap's own lower bound
-        let exp: f64 = at("predicted_exposed_ms").parse().unwrap();
-        let lb: f64 = at("lower_bound_ms").parse().unwrap();
-        assert!(exp + 1e-3 >= lb * 0.5, "{line}");
+        // the predicted wait is the model's: never far below the cap's own lower bound
+        let num = |c: &str| -> f64 { at(c).parse().unwrap() };
+        assert!(num("predicted_wait_ms") + 1e-3 >= num("lower_bound_ms") * 0.5, "{line}");
+        // the predicted exposed comm is the predicted step over the measured compute-only step
+        let exp = (num("predicted_step_ms") - num("compute_only_ms")).max(0.0);
+        assert!((num("predicted_exposed_ms") - exp).abs() <= 2e-3, "{line}");
     }
     // the predicted curve is drawn beside the measured one
     let svg = std::fs::read_to_string(out.join("sweep.svg")).unwrap();

@@ -312,3 +312,88 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
     close(r.predicted_step_s, 0.010 + comm + 0.002, "predicted step");
     close(r.compute_step_s, 0.012, "compute-only step");
 }
+
+/// One recorded bucket of `params` (`bytes`), issued at `ready`, on the link `start..finish`.
+fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f64) -> BucketProfile {
+    BucketProfile {
+        params,
+        bytes,
+        ready_s: ready,
+        launch_s: ready,
+        start_s: start,
+        finish_s: finish,
+    }
+}
+
+#[test]
+fn ranks_whose_steps_started_apart_are_put_on_one_clock() {
+    // Every rank stamps times from its own step's start. Rank 1 started this step 5 ms before
+    // rank 0, so its stamps are 5 ms larger for the same instants, its buckets' starts too
+    // (a collective starts at one instant on every rank). On rank 0's clock both ranks have p1
+    // ready at 2 ms and p0 at 6 ms, backward ending at 10 ms: the replay must not see rank 1 as
+    // 5 ms late. Bucket 0 (p1) runs 2..4.977 ms, bucket 1 (p0) 6..8.977 ms, nothing exposed.
+    let mut p = profile(&[(MIB, 0.006), (MIB, 0.002)], 0.010);
+    let one = 0.002 + 1.0 / 1024.0;
+    let shifted = |r: &mut RankProfile, by: f64| {
+        r.buckets = vec![
+            recorded(vec![1], MIB, 0.002 + by, 0.002 + by, 0.002 + one + by),
+            recorded(vec![0], MIB, 0.006 + by, 0.006 + by, 0.006 + one + by),
+        ];
+        r.backward_end_s += by;
+        r.optimizer_start_s += by;
+        r.optimizer_end_s += by;
+        r.step_end_s += by;
+        r.grad_ready_s.iter_mut().for_each(|t| *t += by);
+    };
+    shifted(&mut p.ranks[0], 0.0);
+    shifted(&mut p.ranks[1], 0.005);
+    let offsets = p.clock_offsets();
+    close(offsets[0], 0.0, "rank 0's offset");
+    close(offsets[1], 0.005, "rank 1's offset");
+    let r = replay(&p, &cfg(1.0, 1.0)).unwrap();
+    close(r.buckets[0].start_s, 0.002, "bucket 0 start on rank 0's clock");
+    close(r.buckets[1].finish_s, 0.006 + one, "bucket 1 finish");
+    assert_eq!(r.exposed_comm_s, 0.0);
+    // Each rank's step on its own clock (rank 0: 11 ms, rank 1: 16 ms); the group's step, which
+    // every rank takes on average once they meet at each step's buckets, is their mean.
+    close(r.compute_step_s, 0.0135, "compute-only step");
+    close(r.predicted_step_s, 0.0135, "predicted step");
+}
+
+#[test]
+fn the_launch_overhead_is_fitted_from_buckets_that_found_the_link_idle() {
+    // Two 16 MiB gradients: p1 ready at 5 ms, p0 when backward ends at 30 ms. Recorded with
+    // 16 MiB caps (one bucket each): bucket [1] issued at 5 ms started on the idle link at 9 ms
+    // (4 ms to bring 16 MiB while backward computes: the reduction shares the cores), ran
+    // 2 ms + 16 MiB / 1 GiB/s = 17.625 ms; bucket [0], issued at 30 ms, started at 31 ms (1 ms
+    // once backward is over).
+    let g = 16 * MIB;
+    let mut p = profile(&[(g, 0.030), (g, 0.005)], 0.030);
+    let run = 0.002 + 16.0 / 1024.0;
+    for r in &mut p.ranks {
+        r.buckets = vec![
+            recorded(vec![1], g, 0.005, 0.009, 0.009 + run),
+            recorded(vec![0], g, 0.030, 0.031, 0.031 + run),
+        ];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.031 + run, 0.032 + run, 0.032 + run);
+    }
+    // At the recorded caps the replay gives back what ran.
+    let same = replay(&p, &cfg(16.0, 16.0)).unwrap();
+    let o = same.launch_overhead;
+    close(
+        o.during_backward.per_byte_s * g as f64,
+        0.004,
+        "during backward, 16 MiB",
+    );
+    close(o.after_backward.per_byte_s * g as f64, 0.001, "after backward, 16 MiB");
+    close(same.buckets[0].start_s, 0.009, "bucket 0 start");
+    close(same.buckets[1].start_s, 0.031, "bucket 1 start");
+    close(same.exposed_comm_s, 0.001 + run, "exposed as recorded");
+    close(same.predicted_step_s, 0.032 + run, "step as recorded");
+    // One 32 MiB bucket, issued when backward ends: brought at the after-backward rate (2 ms),
+    // then 2 ms + 31.25 ms on the link, all of it exposed.
+    let one = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    assert_eq!(one.buckets.len(), 1);
+    close(one.buckets[0].start_s, 0.032, "one bucket's start");
+    close(one.exposed_comm_s, 0.002 + 0.002 + 32.0 / 1024.0, "one bucket exposed");
+}

@@ -143,6 +143,39 @@ impl RankProfile {
 }
 
 impl StepProfile {
+    /// How far each rank's clock runs ahead of rank 0's, in seconds: a time `t` in rank `r`'s
+    /// entry is `t - offsets[r]` on rank 0's clock. Every rank stamps its times from the start of
+    /// its own step, and the steps do not start together (each rank starts its next step after
+    /// its own optimizer, and ranks sharing cores start them far apart), while a collective
+    /// starts on the link at one instant on every rank: the offset is the median over the
+    /// buckets both ranks recorded of the difference of their starts. A rank with no recorded
+    /// buckets gets 0.
+    pub fn clock_offsets(&self) -> Vec<f64> {
+        let zero = self.ranks.first().map(|r| &r.buckets[..]).unwrap_or(&[]);
+        self.ranks
+            .iter()
+            .map(|r| {
+                let mut d: Vec<f64> = r
+                    .buckets
+                    .iter()
+                    .zip(zero)
+                    .filter(|(b, b0)| b.params == b0.params)
+                    .map(|(b, b0)| b.start_s - b0.start_s)
+                    .collect();
+                if d.is_empty() {
+                    return 0.0;
+                }
+                d.sort_by(f64::total_cmp);
+                let m = d.len() / 2;
+                if d.len() % 2 == 1 {
+                    d[m]
+                } else {
+                    0.5 * (d[m - 1] + d[m])
+                }
+            })
+            .collect()
+    }
+
     /// Checks what the replay relies on; the message names the first problem.
     pub fn validate(&self) -> Result<(), DdpError> {
         self.check().map_err(DdpError::Replay)

@@ -55,7 +55,8 @@ pub struct ReplayBucket {
     pub ready_s: f64,
     /// When the last rank issued it (strict bucket order: never before the previous bucket).
     pub launch_s: f64,
-    /// When it starts on the link: every rank has issued it and the link is free.
+    /// When it starts on the link: every rank has issued it, the backend has brought it to the
+    /// link (the launch overhead fitted from the profile) and the link is free.
     pub start_s: f64,
     /// When it finishes on every rank.
     pub finish_s: f64,
@@ -86,6 +87,108 @@ pub struct ReplayResult {
     /// The exposed communication if every byte could leave the moment its gradient was ready
     /// (no buckets, no latency): no cap can do better.
     pub lower_bound_exposed_s: f64,
+    /// The launch overhead fitted from the profile (see [`LaunchOverhead`]).
+    pub launch_overhead: LaunchOverhead,
+}
+
+/// What it costs the backend to bring a collective onto the link once the last rank has issued
+/// it (and the backend has brought the previous one: it runs them in order). In the thread
+/// backend this is the real in-memory reduction under the simulated link; on a real network,
+/// the launch and the late ranks' scheduling. Both compete with backward for the cores, so the
+/// cost is fitted apart for collectives brought while backward still computed on some rank and
+/// for those brought after: from the recorded buckets that started on an idle link, the time
+/// from when the last rank issued them (or the previous bucket started, if later) to their
+/// start; least squares, both terms ≥ 0. A regime with no such bucket borrows the other's;
+/// zero when neither has one.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct LaunchOverhead {
+    /// Brought while backward still computes.
+    pub during_backward: LaunchCost,
+    /// Brought after backward's compute ended on every rank.
+    pub after_backward: LaunchCost,
+}
+
+/// One regime of [`LaunchOverhead`]: `fixed_s + bytes · per_byte_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct LaunchCost {
+    /// Seconds per collective.
+    pub fixed_s: f64,
+    /// Seconds per byte.
+    pub per_byte_s: f64,
+}
+
+impl LaunchOverhead {
+    /// The cost of bringing `bytes` to the link from `at`, backward's compute ending at
+    /// `backward_end`.
+    fn of(&self, bytes: usize, at: f64, backward_end: f64) -> f64 {
+        let c = if at < backward_end - BACKWARD_END_S {
+            self.during_backward
+        } else {
+            self.after_backward
+        };
+        c.fixed_s + bytes as f64 * c.per_byte_s
+    }
+}
+
+/// A recorded bucket that starts more than this after the previous one finished found the link
+/// idle: its start measures the launch overhead (the recorded finish can run late by a wake-up).
+const IDLE_LINK_S: f64 = 250e-6;
+
+/// A collective brought this close to backward's end counts as brought after it: the last
+/// bucket is issued the moment the last gradient is ready, a few microseconds before backward's
+/// compute is over.
+const BACKWARD_END_S: f64 = 500e-6;
+
+/// Fits the [`LaunchOverhead`] to rank 0's recorded buckets, every rank's times on rank 0's
+/// clock (`offsets`, see [`StepProfile::clock_offsets`]), backward ending at `backward_end`.
+fn fit_launch_overhead(profile: &StepProfile, offsets: &[f64], backward_end: f64) -> LaunchOverhead {
+    let ranks = &profile.ranks;
+    let mut issued = vec![f64::NEG_INFINITY; ranks.len()];
+    let (mut during, mut after) = (vec![], vec![]);
+    let recorded = &ranks[0].buckets;
+    for (k, b) in recorded.iter().enumerate() {
+        // Each rank issues bucket k once its gradients are ready and bucket k−1 is issued.
+        let mut last_issue = f64::NEG_INFINITY;
+        for (r, rank) in ranks.iter().enumerate() {
+            let ready = b
+                .params
+                .iter()
+                .map(|&p| rank.grad_ready_s[p] - offsets[r])
+                .fold(f64::NEG_INFINITY, f64::max);
+            issued[r] = issued[r].max(ready);
+            last_issue = last_issue.max(issued[r]);
+        }
+        let since = match k.checked_sub(1).map(|j| &recorded[j]) {
+            Some(prev) if b.start_s <= prev.finish_s + IDLE_LINK_S => continue,
+            Some(prev) => last_issue.max(prev.start_s),
+            None => last_issue,
+        };
+        if since.is_finite() && b.start_s > since {
+            let pts = if since < backward_end - BACKWARD_END_S {
+                &mut during
+            } else {
+                &mut after
+            };
+            pts.push((b.bytes as f64, b.start_s - since));
+        }
+    }
+    let fit = |pts: &[(f64, f64)]| {
+        (!pts.is_empty()).then(|| {
+            let (fixed_s, per_byte_s) = fit_line(pts);
+            LaunchCost { fixed_s, per_byte_s }
+        })
+    };
+    match (fit(&during), fit(&after)) {
+        (Some(d), Some(a)) => LaunchOverhead {
+            during_backward: d,
+            after_backward: a,
+        },
+        (Some(c), None) | (None, Some(c)) => LaunchOverhead {
+            during_backward: c,
+            after_backward: c,
+        },
+        (None, None) => LaunchOverhead::default(),
+    }
 }
 
 /// Latency (s) and seconds per byte of the ring's links: `(α, 1/B)`.
@@ -178,12 +281,20 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
 
     let ranks = &profile.ranks;
     let n_params = profile.params.len();
+    // Every time on rank 0's clock from here on.
+    let offsets = profile.clock_offsets();
+    let backward_end = ranks
+        .iter()
+        .zip(&offsets)
+        .map(|(r, o)| r.backward_end_s - o)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let overhead = fit_launch_overhead(profile, &offsets, backward_end);
+    let ready_at = |r: usize, p: usize| ranks[r].grad_ready_s[p] - offsets[r];
     // A parameter is ready for the group once the last rank has it.
     let ready_all: Vec<f64> = (0..n_params)
         .map(|p| {
-            ranks
-                .iter()
-                .map(|r| r.grad_ready_s[p])
+            (0..ranks.len())
+                .map(|r| ready_at(r, p))
                 .fold(f64::NEG_INFINITY, f64::max)
         })
         .collect();
@@ -200,25 +311,31 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
     let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
     let groups = assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb));
 
-    // Each rank launches in strict bucket order; the link takes a bucket once every rank has
-    // launched it and the previous bucket has left.
-    let mut launched = vec![0.0f64; ranks.len()];
-    let mut link_free = 0.0f64;
+    // Each rank launches in strict bucket order; the backend brings each bucket to the link, in
+    // order, a launch overhead after the last rank launched it; the link takes it once the
+    // previous bucket has left.
+    let mut launched = vec![f64::NEG_INFINITY; ranks.len()];
+    let mut link_free = f64::NEG_INFINITY;
+    let mut brought = f64::NEG_INFINITY;
     let mut buckets = Vec::with_capacity(groups.len());
     for group in groups {
         let mut ready_max = f64::NEG_INFINITY;
         let mut launch_max = f64::NEG_INFINITY;
-        for (r, rank) in ranks.iter().enumerate() {
-            let ready = group
-                .iter()
-                .map(|&p| rank.grad_ready_s[p])
-                .fold(f64::NEG_INFINITY, f64::max);
+        for r in 0..ranks.len() {
+            let ready = group.iter().map(|&p| ready_at(r, p)).fold(f64::NEG_INFINITY, f64::max);
             launched[r] = launched[r].max(ready);
             ready_max = ready_max.max(ready);
             launch_max = launch_max.max(launched[r]);
         }
         let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
-        let start = launch_max.max(link_free);
+        let from = launch_max.max(brought);
+        brought = from
+            + if n < 2 {
+                0.0
+            } else {
+                overhead.of(b_bytes, from, backward_end)
+            };
+        let start = brought.max(link_free);
         let finish = start + cost(b_bytes);
         link_free = finish;
         buckets.push(ReplayBucket {
@@ -232,11 +349,10 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         });
     }
 
-    let backward_end = ranks.iter().map(|r| r.backward_end_s).fold(f64::NEG_INFINITY, f64::max);
     for b in &mut buckets {
         b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
     }
-    let last_finish = buckets.last().map_or(0.0, |b| b.finish_s);
+    let last_finish = buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
     // What follows the buckets is taken as recorded: the gap between the recorded end of the
     // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
     // optimizer, and the rest of the step.
@@ -245,22 +361,26 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
             + (r.optimizer_end_s - r.optimizer_start_s)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
-    let compute_step = ranks
-        .iter()
-        .map(|r| r.backward_end_s + after_backward(r))
-        .fold(0.0, f64::max);
-    let predicted_step = ranks
-        .iter()
-        .map(|r| r.backward_end_s.max(last_finish) + after_backward(r))
-        .fold(0.0, f64::max);
+    // Each rank's step on its own clock; the group's step is their mean: the ranks meet at
+    // every step's last bucket, so in the long run each rank's steps take the same time, and the
+    // mean over the ranks of one recorded step estimates it best.
+    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
+    let compute_step = mean(ranks.iter().map(|r| r.backward_end_s + after_backward(r)).collect());
+    let predicted_step = mean(
+        ranks
+            .iter()
+            .zip(&offsets)
+            .map(|(r, o)| r.backward_end_s.max(last_finish + o) + after_backward(r))
+            .collect(),
+    );
 
     // Lower bound: a fluid link that carries each byte from the moment its gradient is ready.
     let fluid_rate = if n < 2 { 0.0 } else { 2.0 * q / n as f64 * per_byte };
     let mut by_ready: Vec<usize> = (0..n_params).collect();
     by_ready.sort_by(|&a, &b| ready_all[a].total_cmp(&ready_all[b]));
-    let drained = by_ready
-        .iter()
-        .fold(0.0f64, |t, &p| t.max(ready_all[p]) + bytes[p] as f64 * fluid_rate);
+    let drained = by_ready.iter().fold(f64::NEG_INFINITY, |t, &p| {
+        t.max(ready_all[p]) + bytes[p] as f64 * fluid_rate
+    });
 
     Ok(ReplayResult {
         bucket_cap_mb: cfg.bucket_cap_mb,
@@ -272,5 +392,6 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
         predicted_step_s: predicted_step,
         exposed_comm_s: (last_finish - backward_end).max(0.0),
         lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
+        launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
     })
 }
