@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use brigade_comm::NetModel;
-use brigade_ddp::overlap::{replay, LinkCost, ReplayConfig, ReplayResult, StepProfile};
+use brigade_ddp::overlap::{
+    replay_with, LaunchCost, LaunchOverhead, LinkCost, ReplayConfig, ReplayResult, StepProfile,
+};
 use clap::Args;
 
 use crate::args::check_link;
@@ -85,6 +87,8 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         },
     };
     let profile = &profiles[0];
+    // the backend's launch overhead, fitted once from every recorded step
+    let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
     let mut rows = vec![];
     for &cap in &a.bucket_mb {
         let cfg = ReplayConfig {
@@ -96,7 +100,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         };
         let mut steps = profiles
             .iter()
-            .map(|p| replay(p, &cfg))
+            .map(|p| replay_with(p, &cfg, overhead))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::Usage(format!("{}: {e}", a.profile.display())))?;
         // several steps: the one whose predicted step time is the median
@@ -121,6 +125,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
 }
 
 fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
+    const MIB: f64 = 1048576.0;
     let ms = |s: f64| s * 1e3;
     println!(
         "profile: {} ranks, recorded at bucket cap {} MiB; predictions for {} ranks",
@@ -128,6 +133,14 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
         profile.bucket_cap_mb,
         rows.first().map_or(profile.world_size, |r| r.world_size)
     );
+    if let Some(o) = rows.first().map(|r| r.launch_overhead) {
+        let cost = |c: LaunchCost| format!("{:.3} ms + {:.3} ms/MiB", ms(c.fixed_s), ms(c.per_byte_s) * MIB);
+        println!(
+            "launch overhead fitted from the recorded buckets: {} during backward, {} after",
+            cost(o.during_backward),
+            cost(o.after_backward)
+        );
+    }
     println!(
         "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11} {:>13}  exposed buckets",
         "bucket_MiB", "buckets", "step_ms", "compute_ms", "comm_ms", "exposed_ms", "lower_bound_ms"

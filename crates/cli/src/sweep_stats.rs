@@ -10,7 +10,7 @@
 //! the cap's lower bound (exposed comm if every byte left the moment it was ready, from this
 //! cap's own profiles) and how far the measured exposed comm lies above it.
 
-use brigade_ddp::overlap::{replay, BucketOrder, LinkCost, ReplayConfig, StepProfile};
+use brigade_ddp::overlap::{replay, replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
 use serde::Serialize;
 
 use crate::train::median_min;
@@ -149,7 +149,13 @@ pub fn summarize(
         world_size: None,
         order: BucketOrder::Ready,
     };
-    let replays: Vec<_> = all_profiles.iter().filter_map(|p| replay(p, &cfg).ok()).collect();
+    // the backend's launch overhead is the machine's: fitted once from every profile, small
+    // caps measuring it during backward and large ones after
+    let overhead = LaunchOverhead::fit(all_profiles);
+    let replays: Vec<_> = all_profiles
+        .iter()
+        .filter_map(|p| replay_with(p, &cfg, overhead).ok())
+        .collect();
     let predicted_step_ms = median_of(replays.iter().map(|r| 1e3 * r.predicted_step_s).collect());
     let own: Vec<f64> = samples
         .iter()

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use brigade_comm::NetModel;
 use brigade_ddp::overlap::{
-    replay, BucketOrder, BucketProfile, LinkCost, ParamProfile, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION,
+    replay, replay_with, BucketOrder, BucketProfile, LaunchOverhead, LinkCost, ParamProfile, RankProfile, ReplayConfig,
+    StepProfile, PROFILE_VERSION,
 };
 
 const MIB: usize = 1 << 20;
@@ -360,13 +361,9 @@ fn ranks_whose_steps_started_apart_are_put_on_one_clock() {
     close(r.predicted_step_s, 0.0135, "predicted step");
 }
 
-#[test]
-fn the_launch_overhead_is_fitted_from_buckets_that_found_the_link_idle() {
-    // Two 16 MiB gradients: p1 ready at 5 ms, p0 when backward ends at 30 ms. Recorded with
-    // 16 MiB caps (one bucket each): bucket [1] issued at 5 ms started on the idle link at 9 ms
-    // (4 ms to bring 16 MiB while backward computes: the reduction shares the cores), ran
-    // 2 ms + 16 MiB / 1 GiB/s = 17.625 ms; bucket [0], issued at 30 ms, started at 31 ms (1 ms
-    // once backward is over).
+/// The profile of [`the_launch_overhead_is_fitted_from_buckets_that_found_the_link_idle`]:
+/// bucket [1] brought in 4 ms while backward computes, bucket [0] in 1 ms after it.
+fn two_regimes() -> StepProfile {
     let g = 16 * MIB;
     let mut p = profile(&[(g, 0.030), (g, 0.005)], 0.030);
     let run = 0.002 + 16.0 / 1024.0;
@@ -377,6 +374,44 @@ fn the_launch_overhead_is_fitted_from_buckets_that_found_the_link_idle() {
         ];
         (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.031 + run, 0.032 + run, 0.032 + run);
     }
+    p
+}
+
+#[test]
+fn one_overhead_is_fitted_from_every_profile_of_a_sweep() {
+    // One profile recorded only the bucket brought during backward (a small cap's), another
+    // only the one brought after (a large cap's). Alone, the first borrows its 4 ms per 16 MiB
+    // for after backward too; fitted together they give each regime its own.
+    let (mut small, mut large) = (two_regimes(), two_regimes());
+    for r in &mut small.ranks {
+        r.buckets.truncate(1);
+    }
+    for r in &mut large.ranks {
+        r.buckets.remove(0);
+    }
+    let per_16mib = |c: brigade_ddp::overlap::LaunchCost| c.per_byte_s * (16 * MIB) as f64;
+    let alone = LaunchOverhead::fit(&[&small]);
+    close(per_16mib(alone.after_backward), 0.004, "borrowed");
+    let both = LaunchOverhead::fit(&[&small, &large]);
+    close(per_16mib(both.during_backward), 0.004, "during backward");
+    close(per_16mib(both.after_backward), 0.001, "after backward");
+    // The small cap's profile replayed at 100 MiB: one 32 MiB bucket brought after backward.
+    let body = 0.002 + 32.0 / 1024.0;
+    let r = replay_with(&small, &cfg(100.0, 100.0), both).unwrap();
+    close(r.exposed_comm_s, 0.002 + body, "with the sweep's overhead");
+    let r = replay(&small, &cfg(100.0, 100.0)).unwrap();
+    close(r.exposed_comm_s, 0.008 + body, "with its own");
+}
+
+#[test]
+fn the_launch_overhead_is_fitted_from_buckets_that_found_the_link_idle() {
+    // Two 16 MiB gradients: p1 ready at 5 ms, p0 when backward ends at 30 ms. Recorded with
+    // 16 MiB caps (one bucket each): bucket [1] issued at 5 ms started on the idle link at 9 ms
+    // (4 ms to bring 16 MiB while backward computes: the reduction shares the cores), ran
+    // 2 ms + 16 MiB / 1 GiB/s = 17.625 ms; bucket [0], issued at 30 ms, started at 31 ms (1 ms
+    // once backward is over).
+    let (g, run) = (16 * MIB, 0.002 + 16.0 / 1024.0);
+    let p = two_regimes();
     // At the recorded caps the replay gives back what ran.
     let same = replay(&p, &cfg(16.0, 16.0)).unwrap();
     let o = same.launch_overhead;

@@ -16,7 +16,9 @@
 use brigade_comm::{Buffer, NetModel};
 use serde::{Deserialize, Serialize};
 
-use super::{replay, BucketOrder, LinkCost, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION};
+use super::{
+    replay_with, BucketOrder, LaunchOverhead, LinkCost, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION,
+};
 use crate::{DdpError, DistributedDataParallel, Result};
 
 /// The caps `auto` chooses from by default, in MiB (PyTorch's 25 among them).
@@ -140,6 +142,8 @@ pub fn decide(
     if profiles.is_empty() {
         return Err(DdpError::Autotune("no step profile to decide from".into()));
     }
+    // the backend's launch overhead, fitted once from every observed step
+    let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
     let predicted = |cap: f64| -> Result<f64> {
         let rc = ReplayConfig {
             bucket_cap_mb: cap,
@@ -150,7 +154,7 @@ pub fn decide(
         };
         let mut steps = profiles
             .iter()
-            .map(|p| replay(p, &rc).map(|r| r.predicted_step_s))
+            .map(|p| replay_with(p, &rc, overhead).map(|r| r.predicted_step_s))
             .collect::<Result<Vec<f64>>>()?;
         Ok(median(&mut steps))
     };

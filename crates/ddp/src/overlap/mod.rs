@@ -19,4 +19,6 @@ pub use autotune::{
     DEFAULT_MIN_GAIN,
 };
 pub use profile::{BucketProfile, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
-pub use replay::{replay, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig, ReplayResult};
+pub use replay::{
+    replay, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig, ReplayResult,
+};

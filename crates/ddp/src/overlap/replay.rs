@@ -87,7 +87,7 @@ pub struct ReplayResult {
     /// The exposed communication if every byte could leave the moment its gradient was ready
     /// (no buckets, no latency): no cap can do better.
     pub lower_bound_exposed_s: f64,
-    /// The launch overhead fitted from the profile (see [`LaunchOverhead`]).
+    /// The launch overhead the replay charged (see [`LaunchOverhead`]).
     pub launch_overhead: LaunchOverhead,
 }
 
@@ -118,6 +118,19 @@ pub struct LaunchCost {
 }
 
 impl LaunchOverhead {
+    /// Fits the overhead to the recorded buckets of every profile in `profiles` at once (the
+    /// backend's cost is the machine's, not the cap's: profiles recorded under small caps
+    /// measure it during backward, under large caps after). Profiles that do not validate or
+    /// recorded one rank are skipped.
+    pub fn fit(profiles: &[&StepProfile]) -> LaunchOverhead {
+        let mut samples = Samples::default();
+        for p in profiles.iter().filter(|p| p.world_size > 1 && p.validate().is_ok()) {
+            let offsets = p.clock_offsets();
+            overhead_samples(p, &offsets, backward_end(p, &offsets), &mut samples);
+        }
+        fit_overhead(&samples)
+    }
+
     /// The cost of bringing `bytes` to the link from `at`, backward's compute ending at
     /// `backward_end`.
     fn of(&self, bytes: usize, at: f64, backward_end: f64) -> f64 {
@@ -139,12 +152,13 @@ const IDLE_LINK_S: f64 = 250e-6;
 /// compute is over.
 const BACKWARD_END_S: f64 = 500e-6;
 
-/// Fits the [`LaunchOverhead`] to rank 0's recorded buckets, every rank's times on rank 0's
-/// clock (`offsets`, see [`StepProfile::clock_offsets`]), backward ending at `backward_end`.
-fn fit_launch_overhead(profile: &StepProfile, offsets: &[f64], backward_end: f64) -> LaunchOverhead {
+/// The launches measured in `profile`'s recorded buckets (rank 0's), every rank's times on
+/// rank 0's clock (`offsets`, see [`StepProfile::clock_offsets`]), backward ending at
+/// `backward_end`.
+fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, samples: &mut Samples) {
     let ranks = &profile.ranks;
     let mut issued = vec![f64::NEG_INFINITY; ranks.len()];
-    let (mut during, mut after) = (vec![], vec![]);
+    let (during, after) = (&mut samples.0, &mut samples.1);
     let recorded = &ranks[0].buckets;
     for (k, b) in recorded.iter().enumerate() {
         // Each rank issues bucket k once its gradients are ready and bucket k−1 is issued.
@@ -165,20 +179,26 @@ fn fit_launch_overhead(profile: &StepProfile, offsets: &[f64], backward_end: f64
         };
         if since.is_finite() && b.start_s > since {
             let pts = if since < backward_end - BACKWARD_END_S {
-                &mut during
+                &mut *during
             } else {
-                &mut after
+                &mut *after
             };
             pts.push((b.bytes as f64, b.start_s - since));
         }
     }
+}
+
+/// (bytes, seconds) of the launches measured during backward, and after it.
+type Samples = (Vec<(f64, f64)>, Vec<(f64, f64)>);
+
+fn fit_overhead((during, after): &Samples) -> LaunchOverhead {
     let fit = |pts: &[(f64, f64)]| {
         (!pts.is_empty()).then(|| {
             let (fixed_s, per_byte_s) = fit_line(pts);
             LaunchCost { fixed_s, per_byte_s }
         })
     };
-    match (fit(&during), fit(&after)) {
+    match (fit(during), fit(after)) {
         (Some(d), Some(a)) => LaunchOverhead {
             during_backward: d,
             after_backward: a,
@@ -250,13 +270,34 @@ fn fit_line(pts: &[(f64, f64)]) -> (f64, f64) {
     }
 }
 
-/// Replays `profile`'s communication under `cfg` (see the module docs).
+/// Replays `profile`'s communication under `cfg` (see the module docs), with the launch
+/// overhead fitted to this profile alone.
 pub fn replay(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayResult, DdpError> {
-    profile.validate()?;
-    replay_checked(profile, cfg).map_err(DdpError::Replay)
+    replay_with(profile, cfg, LaunchOverhead::fit(&[profile]))
 }
 
-fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayResult, String> {
+/// [`replay`] with a launch overhead fitted beforehand, as from every profile of a sweep
+/// ([`LaunchOverhead::fit`]).
+pub fn replay_with(
+    profile: &StepProfile,
+    cfg: &ReplayConfig,
+    overhead: LaunchOverhead,
+) -> Result<ReplayResult, DdpError> {
+    profile.validate()?;
+    replay_checked(profile, cfg, overhead).map_err(DdpError::Replay)
+}
+
+/// The last rank's end of backward compute, on rank 0's clock.
+fn backward_end(profile: &StepProfile, offsets: &[f64]) -> f64 {
+    profile
+        .ranks
+        .iter()
+        .zip(offsets)
+        .map(|(r, o)| r.backward_end_s - o)
+        .fold(f64::NEG_INFINITY, f64::max)
+}
+
+fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOverhead) -> Result<ReplayResult, String> {
     for (flag, v) in [
         ("bucket cap", cfg.bucket_cap_mb),
         ("first bucket cap", cfg.first_bucket_cap_mb),
@@ -283,12 +324,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig) -> Result<ReplayRes
     let n_params = profile.params.len();
     // Every time on rank 0's clock from here on.
     let offsets = profile.clock_offsets();
-    let backward_end = ranks
-        .iter()
-        .zip(&offsets)
-        .map(|(r, o)| r.backward_end_s - o)
-        .fold(f64::NEG_INFINITY, f64::max);
-    let overhead = fit_launch_overhead(profile, &offsets, backward_end);
+    let backward_end = backward_end(profile, &offsets);
     let ready_at = |r: usize, p: usize| ranks[r].grad_ready_s[p] - offsets[r];
     // A parameter is ready for the group once the last rank has it.
     let ready_all: Vec<f64> = (0..n_params)
