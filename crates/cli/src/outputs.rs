@@ -90,6 +90,27 @@ pub fn check_outputs(outputs: &[Output]) -> Result<()> {
     Ok(())
 }
 
+/// Checks that no output of `outputs` lands on the input `path` (read by `flag`), except those
+/// whose flag is in `may_replace` (`--checkpoint` may replace the `--resume` file it continues).
+/// One line names the pair.
+pub fn check_input_kept(flag: &str, path: &Path, outputs: &[Output], may_replace: &[&str]) -> Result<()> {
+    let input = Output::new(flag, path);
+    let Ok(at) = landing(&input) else {
+        return Ok(()); // the input's own check names what is wrong with it
+    };
+    for o in outputs.iter().filter(|o| !may_replace.contains(&o.flag.as_str())) {
+        if landing(o).is_ok_and(|p| p == at) {
+            return Err(Error::Usage(format!(
+                "{} {} would write over the {flag} file {}: give it its own path",
+                o.flag,
+                o.path.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// One write of the end of a run.
 pub type Write<'a> = (Output, Box<dyn FnOnce() -> Result<()> + 'a>);
 

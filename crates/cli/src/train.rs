@@ -142,7 +142,15 @@ impl TrainArgs {
                 init.display()
             ));
         }
-        check_outputs(&self.outputs())
+        let outputs = self.outputs();
+        check_outputs(&outputs)?;
+        if let Some(p) = &self.resume {
+            crate::outputs::check_input_kept("--resume", p, &outputs, &["--checkpoint"])?;
+        }
+        if let Some(p) = &self.run.init {
+            crate::outputs::check_input_kept("--init", p, &outputs, &["--save"])?;
+        }
+        Ok(())
     }
 
     /// Every file this run writes, with the flag that asked for it.

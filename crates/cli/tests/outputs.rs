@@ -527,3 +527,41 @@ fn a_sweep_replaces_what_an_earlier_sweep_left_and_labels_every_bucket_cap() {
     ]));
     assert!(e.contains("--bucket-mb lists 1 twice"), "{e}");
 }
+
+#[test]
+fn an_output_on_the_file_a_run_reads_is_refused_before_step_0() {
+    let d = dir("input-kept");
+    let (c, w) = (d.join("c.ckpt"), d.join("w.safetensors"));
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "2", "--checkpoint", s(&c), "--save", s(&w)],
+    ]));
+    let before = std::fs::read(&c).unwrap();
+    // the losses of a resumed run would replace the checkpoint it resumes from
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "3", "--resume", s(&c), "--losses", s(&c)],
+    ]));
+    assert!(e.contains("--losses") && e.contains("--resume"), "{e}");
+    assert_eq!(std::fs::read(&c).unwrap(), before, "the checkpoint is untouched");
+    // a timeline over the initial weights
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "2", "--init", s(&w), "--timeline", s(&w)],
+    ]));
+    assert!(e.contains("--timeline") && e.contains("--init"), "{e}");
+    // continuing a checkpoint in place, and saving over the initial weights, stay allowed
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "3", "--resume", s(&c), "--checkpoint", s(&c)],
+    ]));
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "2", "--init", s(&w), "--save", s(&w)],
+    ]));
+}
