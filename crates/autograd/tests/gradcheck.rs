@@ -65,6 +65,11 @@ fn matmul_plain_batched_and_transposed() {
         |v| v[0].linear(&v[1], Some(&v[2])),
         &[randn(&[2, 3, 4], 17), randn(&[5, 4], 18), randn(&[5], 19)],
     );
+    // the bias-fused product with a transposed input
+    check(
+        |v| v[0].linear(&v[1], Some(&v[2])),
+        &[randn(&[4, 3], 34).t().unwrap(), randn(&[2, 4], 35), randn(&[2], 36)],
+    );
     check(
         |v| v[0].linear(&v[1], None),
         &[randn(&[4, 3], 32).t().unwrap(), randn(&[2, 4], 33)],

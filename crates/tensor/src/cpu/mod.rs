@@ -180,6 +180,10 @@ impl BackendStorage for CpuStorage {
         matmul::matmul(self, lhs, rhs, rhs_layout)
     }
 
+    fn matmul_bias(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, bias: (&Self, &Layout)) -> Result<Self> {
+        matmul::matmul_bias(self, lhs, rhs, rhs_layout, bias)
+    }
+
     fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
         nn::softmax_last(self, layout, log)
     }
