@@ -99,6 +99,11 @@ fn softmax_family_and_layer_norm() {
         |v| v[0].layer_norm(&v[1], &v[2], 1e-5),
         &[randn(&[2, 3, 6], 23), randn(&[6], 24), randn(&[6], 25)],
     );
+    // rows of 37: two chunks of the CPU kernel's 16 partial sums and a tail of 5
+    check(
+        |v| v[0].layer_norm(&v[1], &v[2], 1e-5),
+        &[randn(&[3, 37], 29), randn(&[37], 30), randn(&[37], 31)],
+    );
 }
 
 #[test]

@@ -226,7 +226,8 @@ pub(crate) trait BackendStorage: Sized {
 
     /// Layer norm of each row of `x` (self, `[rows, d]` flattened) with `weight`, `bias`
     /// (`[d]`): `mean = sum x * (1/d)`, `var = sum (x - mean)^2 * (1/d)`,
-    /// `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b`.
+    /// `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b` (the sums in any
+    /// order: the CPU adds 16 interleaved partial sums, so that its loops vectorize).
     /// Returns `(y, mean [rows], rstd [rows])`.
     fn layer_norm(
         &self,
