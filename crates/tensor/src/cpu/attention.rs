@@ -11,6 +11,7 @@
 use rayon::prelude::*;
 
 use super::matmul::gemm_strided;
+use super::softmax_row::softmax_in_place;
 use super::{float_kernel, same, view};
 use crate::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
@@ -71,28 +72,16 @@ fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Scales the scores of query `i` (`row` holds keys `0..len`, `len > i`), and replaces keys
-/// `0..=i` by their softmax: `m = max`, `e = exp(x - m)`, `s = sum e`, `e * (1 / s)`; the
-/// future keys `i+1..len` become 0. The same bits as scaling the whole row, setting the
-/// future to `-inf` and taking the softmax of it all: the future adds `exp(-inf) = 0`.
+/// `0..=i` by their softmax ([`softmax_in_place`]); the future keys `i+1..len` become 0.
+/// The same bits as scaling the whole row, setting the future to `-inf` and taking the
+/// softmax of it all, as the composed path does: the future adds exact zeros.
 fn masked_softmax_row<T: Float>(row: &mut [T], i: usize, scale: T) {
     let (now, future) = row.split_at_mut(i + 1);
     future.fill(T::ZERO);
     for v in now.iter_mut() {
         *v = *v * scale + T::ZERO;
     }
-    let m = now
-        .iter()
-        .copied()
-        .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    let mut sum = T::ZERO;
-    for v in now.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    let inv = T::ONE / sum;
-    for v in now.iter_mut() {
-        *v *= inv;
-    }
+    softmax_in_place(now);
 }
 
 /// [`crate::backend::BackendStorage::causal_attention`].

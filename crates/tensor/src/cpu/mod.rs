@@ -10,6 +10,7 @@ mod inplace;
 mod matmul;
 mod nn;
 mod reduce;
+mod softmax_row;
 
 pub use matmul::gemm_threads_for;
 

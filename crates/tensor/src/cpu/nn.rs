@@ -2,6 +2,7 @@
 //! embedding gather/scatter, causal mask, cross-entropy; each with its backward. Every
 //! input arrives contiguous (the front end gathers strided views first).
 
+use super::softmax_row::softmax_in_place;
 use super::{float_kernel, indices, same, view};
 use crate::storage::CpuStorage;
 use crate::threads::par_rows_mut;
@@ -41,7 +42,13 @@ fn softmax_row<T: Float>(row: &[T], o: &mut [T], log: bool) -> T {
 fn softmax_rows<T: Float>(src: &[T], d: usize, log: bool) -> Vec<T> {
     let mut out = vec![T::ZERO; src.len()];
     par_rows_mut(&mut out, d, |r, o| {
-        softmax_row(&src[r * d..(r + 1) * d], o, log);
+        let row = &src[r * d..(r + 1) * d];
+        if log {
+            softmax_row(row, o, true);
+        } else {
+            o.copy_from_slice(row);
+            softmax_in_place(o);
+        }
     });
     out
 }
