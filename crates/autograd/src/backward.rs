@@ -116,7 +116,7 @@ impl Var {
         };
         // The output itself may be a parameter (a loss that is just a weight).
         if self.0.node.is_none() {
-            self.accumulate_grad(&seed)?;
+            self.accumulate_grad(seed)?;
             if self.0.param.is_some() {
                 announce(self)?;
             }
@@ -158,7 +158,7 @@ impl Var {
                             }
                         }
                     } else {
-                        inp.accumulate_grad(&ig)?;
+                        inp.accumulate_grad(ig)?;
                     }
                     if let Some(start) = start {
                         crate::profile::backward_op("accumulate_grad", start.elapsed());

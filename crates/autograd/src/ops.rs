@@ -160,10 +160,10 @@ impl Var {
         let mut out_shape = x.shape().to_vec();
         *out_shape.last_mut().expect("rank >= 1") = n_out;
         let x2 = x.reshape(&[rows, n_in])?;
-        let mut y = x2.matmul(&w.t()?)?;
-        if let Some(b) = bias {
-            y = y.add(&b.value())?;
-        }
+        let y = match bias {
+            Some(b) => x2.matmul_bias(&w.t()?, &b.value())?,
+            None => x2.matmul(&w.t()?)?,
+        };
         let y = y.reshape(&out_shape)?;
         let x_shape = x.shape().to_vec();
         let mut inputs = vec![self, weight];

@@ -77,6 +77,14 @@ impl ParamStore {
         self.params.iter().try_for_each(Var::zero_grad)
     }
 
+    /// Drops every gradient, as PyTorch's `zero_grad(set_to_none=True)`: the next backward
+    /// keeps each parameter's first gradient as the op produced it instead of adding it to
+    /// zeros (a step saves the fill and an add over all parameters). Not for parameters
+    /// whose gradient is a bucket view (DDP): [`ParamSet::zero_grad`] keeps those in place.
+    pub fn set_grads_to_none(&self) -> Result<()> {
+        self.params.iter().try_for_each(|p| p.set_grad(None))
+    }
+
     /// `(name, value)` pairs in registration order.
     pub fn named_values(&self) -> Vec<(String, Tensor)> {
         self.params

@@ -251,12 +251,15 @@ impl Var {
         Ok(())
     }
 
-    /// Adds `g` into this leaf's gradient: in place when a gradient (or buffer) exists,
-    /// otherwise as a fresh contiguous copy (never aliasing a tensor an op returned).
-    pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
+    /// Adds `g` into this leaf's gradient: in place when a gradient (or buffer) exists;
+    /// otherwise `g` itself becomes the gradient when nothing else views its storage
+    /// (PyTorch's AccumulateGrad steals it the same way), else a contiguous copy of it (never
+    /// aliasing a tensor that something else holds).
+    pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
-            Some(acc) => acc.add_assign(g)?,
+            Some(acc) => acc.add_assign(&g)?,
+            None if g.is_sole_owner() => *slot = Some(g),
             None => *slot = Some(g.copy()?),
         }
         Ok(())

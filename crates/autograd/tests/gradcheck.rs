@@ -65,6 +65,11 @@ fn matmul_plain_batched_and_transposed() {
         |v| v[0].linear(&v[1], Some(&v[2])),
         &[randn(&[2, 3, 4], 17), randn(&[5, 4], 18), randn(&[5], 19)],
     );
+    // the bias-fused product with a transposed input
+    check(
+        |v| v[0].linear(&v[1], Some(&v[2])),
+        &[randn(&[4, 3], 34).t().unwrap(), randn(&[2, 4], 35), randn(&[2], 36)],
+    );
     check(
         |v| v[0].linear(&v[1], None),
         &[randn(&[4, 3], 32).t().unwrap(), randn(&[2, 4], 33)],
@@ -94,6 +99,11 @@ fn softmax_family_and_layer_norm() {
         |v| v[0].layer_norm(&v[1], &v[2], 1e-5),
         &[randn(&[2, 3, 6], 23), randn(&[6], 24), randn(&[6], 25)],
     );
+    // rows of 37: two chunks of the CPU kernel's 16 partial sums and a tail of 5
+    check(
+        |v| v[0].layer_norm(&v[1], &v[2], 1e-5),
+        &[randn(&[3, 37], 29), randn(&[37], 30), randn(&[37], 31)],
+    );
 }
 
 #[test]
@@ -113,6 +123,9 @@ fn fused_causal_attention() {
     // one head, one token (the softmax of a single score), and a strided (transposed) input
     check(|v| v[0].causal_attention(1), &[randn(&[3, 1, 6], 41)]);
     check(|v| v[0].transpose(0, 1)?.causal_attention(3), &[randn(&[4, 2, 9], 42)]);
+    // 70 positions: the CPU kernel splits the queries into two blocks of 35 rows that
+    // skip the masked keys
+    check(|v| v[0].causal_attention(2), &[randn(&[1, 70, 12], 45)]);
 }
 
 #[test]

@@ -84,7 +84,8 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     };
     let mut step = |walls: &mut Vec<StepWall>, reference: bool| -> Result<()> {
         let start = Instant::now();
-        model.params().zero_grad()?;
+        // as PyTorch's reference loop (zero_grad(set_to_none=True)): no DDP buckets here
+        model.params().set_grads_to_none()?;
         mark_forward_start();
         let loss = if reference {
             with_reference_attention(|| model.loss(&batch))?

@@ -48,6 +48,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // before any tensor exists: reuse freed activation memory instead of faulting in fresh pages
+    brigade::tensor::retain_freed_host_memory();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version

@@ -201,6 +201,18 @@ pub(crate) trait BackendStorage: Sized {
     /// f32 (no TF32).
     fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self>;
 
+    /// `lhs [m, k] x rhs [k, n] + bias`, the bias `[n]` (contiguous) added to every row:
+    /// a linear layer's forward. Both matrices are rank 2, *any layout*, as for
+    /// [`BackendStorage::matmul`]; `m * n > 0`. The default composes `matmul` and `binary`;
+    /// the CPU starts each output row from the bias and lets the GEMM accumulate onto it,
+    /// saving a pass over the output.
+    fn matmul_bias(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, bias: (&Self, &Layout)) -> Result<Self> {
+        let y = self.matmul(lhs, rhs, rhs_layout)?;
+        let shape = [lhs.shape()[0], rhs_layout.shape()[1]];
+        let bl = bias.1.broadcast_to(&shape)?;
+        y.binary(&Layout::contiguous(&shape), bias.0, &bl, BinaryOp::Add)
+    }
+
     // ---- rows of the last axis (contiguous layouts, row length = last dim) ----
 
     /// Softmax (or log-softmax when `log`) of each row: `m = max`, `e = exp(x - m)`,
@@ -214,7 +226,8 @@ pub(crate) trait BackendStorage: Sized {
 
     /// Layer norm of each row of `x` (self, `[rows, d]` flattened) with `weight`, `bias`
     /// (`[d]`): `mean = sum x * (1/d)`, `var = sum (x - mean)^2 * (1/d)`,
-    /// `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b`.
+    /// `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b` (the sums in any
+    /// order: the CPU adds 16 interleaved partial sums, so that its loops vectorize).
     /// Returns `(y, mean [rows], rstd [rows])`.
     fn layer_norm(
         &self,

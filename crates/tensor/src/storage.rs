@@ -251,6 +251,17 @@ impl DeviceStorage {
         on_backend!(self, s, other, other_mut => s.matmul(l, other(rhs)?, rl).map(Into::into))
     }
 
+    /// See [`BackendStorage::matmul_bias`].
+    pub(crate) fn matmul_bias(
+        &self,
+        l: &Layout,
+        rhs: &DeviceStorage,
+        rl: &Layout,
+        bias: (&DeviceStorage, &Layout),
+    ) -> Result<DeviceStorage> {
+        on_backend!(self, s, other, other_mut => s.matmul_bias(l, other(rhs)?, rl, (other(bias.0)?, bias.1)).map(Into::into))
+    }
+
     /// See [`BackendStorage::softmax_last`].
     pub(crate) fn softmax_last(&self, layout: &Layout, log: bool) -> Result<DeviceStorage> {
         on_backend!(self, s, other, other_mut => s.softmax_last(layout, log).map(Into::into))

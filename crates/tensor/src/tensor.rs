@@ -167,6 +167,17 @@ impl Tensor {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
 
+    /// True when this handle alone views its storage, contiguously and whole: no other
+    /// tensor (a clone, a view) shares it, so it can be kept as it is where a private copy
+    /// would otherwise be made (autograd moves a parameter's first gradient in this way).
+    pub fn is_sole_owner(&self) -> bool {
+        Arc::strong_count(&self.storage) == 1
+            && Arc::weak_count(&self.storage) == 0
+            && self.layout.is_contiguous()
+            && self.layout.offset() == 0
+            && self.layout.numel() == self.storage_len()
+    }
+
     /// Identifies the storage this tensor views (equal for tensors that share it): with
     /// [`Tensor::storage_numel`] and the layout's offset, enough to measure where a view lies
     /// without reading its elements.
@@ -412,5 +423,26 @@ impl Tensor {
         }
         *self.write_guard() = storage.0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod sole_owner_tests {
+    use crate::{DType, Tensor};
+
+    #[test]
+    fn only_a_handle_alone_on_its_whole_contiguous_storage_is_the_sole_owner() {
+        let t = Tensor::zeros(&[2, 3], DType::F32);
+        assert!(t.is_sole_owner());
+        let c = t.clone();
+        assert!(!t.is_sole_owner() && !c.is_sole_owner());
+        drop(c);
+        assert!(t.is_sole_owner());
+        // a view is not, even once the original is gone
+        let v = t.narrow(1, 0, 2).unwrap();
+        drop(t);
+        assert!(!v.is_sole_owner());
+        let tr = Tensor::zeros(&[2, 3], DType::F32).t().unwrap();
+        assert!(!tr.is_sole_owner());
     }
 }

@@ -11,6 +11,7 @@
 use rayon::prelude::*;
 
 use super::matmul::gemm_strided;
+use super::softmax_row::softmax_in_place;
 use super::{float_kernel, same, view};
 use crate::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
@@ -57,28 +58,30 @@ fn for_each_pair(pairs: usize, f: impl Fn(usize) + Sync + Send) {
     }
 }
 
-/// Scales a row of scores, sets the future positions (after `i`) to `-inf`, and replaces
-/// it by its softmax: `m = max`, `e = exp(x - m)`, `s = sum e`, `e * (1 / s)`.
+/// Query rows per block of the triangular products: each block of rows `r0..r1` multiplies
+/// only against keys `0..r1`, so the masked upper triangle is (mostly) never computed.
+const BLOCK: usize = 32;
+
+/// The row blocks `r0..r1` of `t` query rows: `t / BLOCK` blocks of at least [`BLOCK`] rows
+/// (one block when `t < 2 * BLOCK`), so that no block is small enough for the `gemm` crate to
+/// take another kernel (a dot-product or matrix-vector one) that sums in another order than
+/// the full product does.
+fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = (t / BLOCK).max(1);
+    (0..n).map(move |i| (i * t / n, (i + 1) * t / n))
+}
+
+/// Scales the scores of query `i` (`row` holds keys `0..len`, `len > i`), and replaces keys
+/// `0..=i` by their softmax ([`softmax_in_place`]); the future keys `i+1..len` become 0.
+/// The same bits as scaling the whole row, setting the future to `-inf` and taking the
+/// softmax of it all, as the composed path does: the future adds exact zeros.
 fn masked_softmax_row<T: Float>(row: &mut [T], i: usize, scale: T) {
-    for v in row.iter_mut() {
+    let (now, future) = row.split_at_mut(i + 1);
+    future.fill(T::ZERO);
+    for v in now.iter_mut() {
         *v = *v * scale + T::ZERO;
     }
-    for v in row.iter_mut().skip(i + 1) {
-        *v = T::NEG_INFINITY;
-    }
-    let m = row
-        .iter()
-        .copied()
-        .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    let mut sum = T::ZERO;
-    for v in row.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
-    let inv = T::ONE / sum;
-    for v in row.iter_mut() {
-        *v *= inv;
-    }
+    softmax_in_place(now);
 }
 
 /// [`crate::backend::BackendStorage::causal_attention`].
@@ -111,14 +114,42 @@ fn forward<T: Float>(x: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
             unsafe {
                 let base = px.0.add(bi * t * w + h * hd) as *const T;
                 let p = pp.0.add(pair * t * t);
-                // S = Q K^T  ([t, hd] x [hd, t])
-                gemm_strided(t, t, hd, (p, t, 1), base, w, 1, base.add(d), 1, w, 1);
-                for i in 0..t {
-                    masked_softmax_row(std::slice::from_raw_parts_mut(p.add(i * t), t), i, scale);
-                }
-                // Y = P V  ([t, t] x [t, hd]) into this head's columns of y
                 let out = py.0.add(bi * t * d + h * hd);
-                gemm_strided(t, hd, t, (out, d, 1), p, t, 1, base.add(2 * d), w, 1, 1);
+                // Per block of query rows r0..r1, only keys 0..r1 (the rest of P stays 0).
+                for (r0, r1) in row_blocks(t) {
+                    let pr = p.add(r0 * t);
+                    // S = Q K^T  ([r, hd] x [hd, r1])
+                    gemm_strided(
+                        r1 - r0,
+                        r1,
+                        hd,
+                        (pr, t, 1),
+                        base.add(r0 * w),
+                        w,
+                        1,
+                        base.add(d),
+                        1,
+                        w,
+                        1,
+                    );
+                    for i in r0..r1 {
+                        masked_softmax_row(std::slice::from_raw_parts_mut(p.add(i * t), r1), i, scale);
+                    }
+                    // Y = P V  ([r, r1] x [r1, hd]) into this head's columns of y
+                    gemm_strided(
+                        r1 - r0,
+                        hd,
+                        r1,
+                        (out.add(r0 * d), d, 1),
+                        pr,
+                        t,
+                        1,
+                        base.add(2 * d),
+                        w,
+                        1,
+                        1,
+                    );
+                }
             }
         });
         (y, probs)
@@ -163,29 +194,87 @@ fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec
             let p = pp.0.add(pair * t * t) as *const T;
             let g = pg.0.add(bi * t * d + h * hd) as *const T;
             let dbase = pdx.0.add(bi * t * w + h * hd);
-            // dP = dY V^T  ([t, hd] x [hd, t])
             let dsp = ds.as_mut_ptr();
-            gemm_strided(t, t, hd, (dsp, t, 1), g, d, 1, base.add(2 * d), 1, w, 1);
-            // dS = P * (dP - sum(dP * P)), zero in the future, times the scale
-            for i in 0..t {
-                let (pr, gr) = (std::slice::from_raw_parts(p.add(i * t), t), &mut ds[i * t..(i + 1) * t]);
-                let dot: T = pr.iter().zip(gr.iter()).map(|(&a, &b)| a * b).sum();
-                for (o, &y) in gr.iter_mut().zip(pr) {
-                    *o = y * (*o - dot);
+            // Per block of query rows r0..r1, only keys 0..r1: the rest of dS stays 0.
+            for (r0, r1) in row_blocks(t) {
+                // dP = dY V^T  ([r, hd] x [hd, r1])
+                let dsr = dsp.add(r0 * t);
+                gemm_strided(
+                    r1 - r0,
+                    r1,
+                    hd,
+                    (dsr, t, 1),
+                    g.add(r0 * d),
+                    d,
+                    1,
+                    base.add(2 * d),
+                    1,
+                    w,
+                    1,
+                );
+                // dS = P * (dP - sum(dP * P)), zero in the future, times the scale
+                for i in r0..r1 {
+                    let pr = std::slice::from_raw_parts(p.add(i * t), i + 1);
+                    let row = std::slice::from_raw_parts_mut(dsp.add(i * t), r1);
+                    let (now, future) = row.split_at_mut(i + 1);
+                    future.fill(T::ZERO);
+                    let dot: T = pr.iter().zip(now.iter()).map(|(&a, &b)| a * b).sum();
+                    for (o, &y) in now.iter_mut().zip(pr) {
+                        *o = y * (*o - dot);
+                    }
+                    for o in now.iter_mut() {
+                        *o = *o * scale + T::ZERO;
+                    }
                 }
-                for o in gr.iter_mut().skip(i + 1) {
-                    *o = T::ZERO;
-                }
-                for o in gr.iter_mut() {
-                    *o = *o * scale + T::ZERO;
-                }
+                // dQ = dS K  ([r, r1] x [r1, hd])
+                gemm_strided(
+                    r1 - r0,
+                    hd,
+                    r1,
+                    (dbase.add(r0 * w), w, 1),
+                    dsr,
+                    t,
+                    1,
+                    base.add(d),
+                    w,
+                    1,
+                    1,
+                );
             }
-            // dQ = dS K  ([t, t] x [t, hd])
-            gemm_strided(t, hd, t, (dbase, w, 1), dsp, t, 1, base.add(d), w, 1, 1);
-            // dK^T = Q^T dS  ([hd, t] x [t, t]), written transposed into the k columns
-            gemm_strided(hd, t, t, (dbase.add(d), 1, w), base, 1, w, dsp, t, 1, 1);
-            // dV = P^T dY  ([t, t] x [t, hd])
-            gemm_strided(t, hd, t, (dbase.add(2 * d), w, 1), p, 1, t, g, d, 1, 1);
+            // Per block of keys c0..c1, only the queries c0..t that see them.
+            for (c0, c1) in row_blocks(t) {
+                let rows = t - c0;
+                // dK^T = Q^T dS  ([hd, rows] x [rows, c]), written transposed into the k columns
+                let dk = dbase.add(d + c0 * w);
+                gemm_strided(
+                    hd,
+                    c1 - c0,
+                    rows,
+                    (dk, 1, w),
+                    base.add(c0 * w),
+                    1,
+                    w,
+                    dsp.add(c0 * t + c0),
+                    t,
+                    1,
+                    1,
+                );
+                // dV = P^T dY  ([c, rows] x [rows, hd])
+                let dv = dbase.add(2 * d + c0 * w);
+                gemm_strided(
+                    c1 - c0,
+                    hd,
+                    rows,
+                    (dv, w, 1),
+                    p.add(c0 * t + c0),
+                    1,
+                    t,
+                    g.add(c0 * d),
+                    d,
+                    1,
+                    1,
+                );
+            }
         }
     });
     dx

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::{float_kernel, same};
+use super::{float_kernel, same, view};
 use crate::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
 use crate::{Element, Float, Layout, Result};
@@ -69,11 +69,36 @@ pub(super) unsafe fn gemm_strided<T: Float>(
     rhs_cs: usize,
     threads: usize,
 ) {
+    gemm_into(m, n, k, dst, false, lhs, lhs_rs, lhs_cs, rhs, rhs_rs, rhs_cs, threads)
+}
+
+/// [`gemm_strided`], but when `accumulate` the product is added onto what `dst` holds
+/// (`dst = dst + lhs rhs`, each element rounded once as `acc + dst`) instead of replacing it.
+///
+/// # Safety
+/// As [`gemm_strided`]; with `accumulate` the `m*n` elements must also be initialised.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (*mut T, usize, usize),
+    accumulate: bool,
+    lhs: *const T,
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: *const T,
+    rhs_rs: usize,
+    rhs_cs: usize,
+    threads: usize,
+) {
     let (dst, dst_rs, dst_cs) = dst;
     if k == 0 {
-        for i in 0..m {
-            for j in 0..n {
-                *dst.add(i * dst_rs + j * dst_cs) = T::ZERO;
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    *dst.add(i * dst_rs + j * dst_cs) = T::ZERO;
+                }
             }
         }
         return;
@@ -90,14 +115,14 @@ pub(super) unsafe fn gemm_strided<T: Float>(
         dst,
         dst_cs as isize,
         dst_rs as isize,
-        false,
+        accumulate,
         lhs,
         lhs_cs as isize,
         lhs_rs as isize,
         rhs,
         rhs_cs as isize,
         rhs_rs as isize,
-        T::ZERO,
+        if accumulate { T::ONE } else { T::ZERO },
         T::ONE,
         false,
         false,
@@ -112,6 +137,51 @@ pub(super) fn matmul(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -
     float_kernel!("matmul", a, da: T => {
         let db = same::<T>("matmul", b)?;
         Ok(T::wrap(matmul_impl::<T>(da, la, db, lb)))
+    })
+}
+
+/// [`crate::backend::BackendStorage::matmul_bias`]: every output row starts as the bias and
+/// the GEMM accumulates the product onto it, so the bias costs no pass of its own.
+pub(super) fn matmul_bias(
+    a: &CpuStorage,
+    la: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+    bias: (&CpuStorage, &Layout),
+) -> Result<CpuStorage> {
+    float_kernel!("matmul_bias", a, da: T => {
+        let db = same::<T>("matmul_bias", b)?;
+        let bias = view(same::<T>("matmul_bias", bias.0)?, bias.1);
+        let (m, k, n) = (la.shape()[0], la.shape()[1], lb.shape()[1]);
+        let mut out = Vec::with_capacity(m * n);
+        for _ in 0..m {
+            out.extend_from_slice(bias);
+        }
+        let (sa, sb) = (la.strides(), lb.strides());
+        let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
+        let dst = out.as_mut_slice();
+        install(|| {
+            let (pa, pb) = (pa, pb);
+            // SAFETY: the front end checked both layouts against their storages; `dst`
+            // holds the m*n initialised elements of the output.
+            unsafe {
+                gemm_into::<T>(
+                    m,
+                    n,
+                    k,
+                    (dst.as_mut_ptr(), n, 1),
+                    true,
+                    pa.0.add(la.offset()),
+                    sa[0],
+                    sa[1],
+                    pb.0.add(lb.offset()),
+                    sb[0],
+                    sb[1],
+                    gemm_threads_for(m, n, k),
+                )
+            }
+        });
+        Ok(T::wrap(out))
     })
 }
 

@@ -10,6 +10,7 @@ mod inplace;
 mod matmul;
 mod nn;
 mod reduce;
+mod softmax_row;
 
 pub use matmul::gemm_threads_for;
 
@@ -178,6 +179,10 @@ impl BackendStorage for CpuStorage {
 
     fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self> {
         matmul::matmul(self, lhs, rhs, rhs_layout)
+    }
+
+    fn matmul_bias(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, bias: (&Self, &Layout)) -> Result<Self> {
+        matmul::matmul_bias(self, lhs, rhs, rhs_layout, bias)
     }
 
     fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {

@@ -2,6 +2,7 @@
 //! embedding gather/scatter, causal mask, cross-entropy; each with its backward. Every
 //! input arrives contiguous (the front end gathers strided views first).
 
+use super::softmax_row::softmax_in_place;
 use super::{float_kernel, indices, same, view};
 use crate::storage::CpuStorage;
 use crate::threads::par_rows_mut;
@@ -11,29 +12,42 @@ fn last_dim(l: &Layout) -> usize {
     l.shape().last().copied().unwrap_or(1)
 }
 
+/// Softmax (or log-softmax) of one row into `o`; returns the row's log-sum-exp
+/// `ln(sum exp(x - m)) + m`.
+#[inline(always)]
+fn softmax_row<T: Float>(row: &[T], o: &mut [T], log: bool) -> T {
+    let m = row
+        .iter()
+        .copied()
+        .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
+    let mut sum = T::ZERO;
+    for (o, &v) in o.iter_mut().zip(row) {
+        *o = (v - m).exp();
+        sum += *o;
+    }
+    let lse = sum.ln() + m;
+    if log {
+        for (o, &v) in o.iter_mut().zip(row) {
+            *o = v - lse;
+        }
+    } else {
+        let inv = T::ONE / sum;
+        for o in o.iter_mut() {
+            *o *= inv;
+        }
+    }
+    lse
+}
+
 fn softmax_rows<T: Float>(src: &[T], d: usize, log: bool) -> Vec<T> {
     let mut out = vec![T::ZERO; src.len()];
     par_rows_mut(&mut out, d, |r, o| {
         let row = &src[r * d..(r + 1) * d];
-        let m = row
-            .iter()
-            .copied()
-            .fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-        let mut sum = T::ZERO;
-        for (o, &v) in o.iter_mut().zip(row) {
-            *o = (v - m).exp();
-            sum += *o;
-        }
         if log {
-            let lse = sum.ln() + m;
-            for (o, &v) in o.iter_mut().zip(row) {
-                *o = v - lse;
-            }
+            softmax_row(row, o, true);
         } else {
-            let inv = T::ONE / sum;
-            for o in o.iter_mut() {
-                *o *= inv;
-            }
+            o.copy_from_slice(row);
+            softmax_in_place(o);
         }
     });
     out
@@ -74,7 +88,85 @@ pub(super) fn softmax_backward(
     })
 }
 
-/// [`crate::backend::BackendStorage::layer_norm`].
+/// Independent partial sums per row reduction: enough chains to hide the adder's latency
+/// and fill two AVX2 registers of f32.
+const LANES: usize = 16;
+
+/// `sum f(x)` over a row with [`LANES`] partial sums (lane `l` adds elements `l, l + LANES,
+/// ..`; the lanes are then added in order, then the tail): the loop vectorizes, and the bits
+/// are the same on every CPU (no fused multiply-add, a fixed order).
+#[inline(always)]
+fn lane_sum<T: Float>(row: &[T], f: impl Fn(T) -> T) -> T {
+    let mut acc = [T::ZERO; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += f(c[l]);
+        }
+    }
+    let mut s = T::ZERO;
+    for a in acc {
+        s += a;
+    }
+    for &v in tail {
+        s += f(v);
+    }
+    s
+}
+
+/// One row of [`layer_norm`]: returns `(mean, rstd)` and writes `y`.
+#[inline(always)]
+fn layer_norm_row<T: Float>(x: &[T], w: &[T], b: &[T], y: &mut [T], inv_d: T, eps: T) -> (T, T) {
+    let mean = lane_sum(x, |v| v) * inv_d;
+    let var = lane_sum(x, |v| (v - mean) * (v - mean)) * inv_d;
+    let rstd = T::ONE / (var + eps).sqrt();
+    for (((o, &v), &wv), &bv) in y.iter_mut().zip(x).zip(w).zip(b) {
+        *o = (v - mean) * rstd * wv + bv;
+    }
+    (mean, rstd)
+}
+
+/// [`layer_norm_row`] over every row, writing `y` and the per-row `mean`, `rstd`.
+#[inline(always)]
+fn layer_norm_rows<T: Float>(xs: &[T], ws: &[T], bs: &[T], eps: T, out: &mut [T], mean: &mut [T], rstd: &mut [T]) {
+    let d = ws.len();
+    let inv_d = T::ONE / T::from_usize(d);
+    let (pm, pr) = (RowPtr(mean.as_mut_ptr()), RowPtr(rstd.as_mut_ptr()));
+    par_rows_mut(out, d, |r, o| {
+        let (pm, pr) = (pm, pr);
+        let (m, s) = layer_norm_row(&xs[r * d..(r + 1) * d], ws, bs, o, inv_d, eps);
+        // SAFETY: `mean` and `rstd` hold one element per row, and only row `r`'s call
+        // writes element `r`.
+        unsafe {
+            *pm.0.add(r) = m;
+            *pr.0.add(r) = s;
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn layer_norm_rows_avx2<T: Float>(
+    xs: &[T],
+    ws: &[T],
+    bs: &[T],
+    eps: T,
+    out: &mut [T],
+    mean: &mut [T],
+    rstd: &mut [T],
+) {
+    layer_norm_rows(xs, ws, bs, eps, out, mean, rstd)
+}
+
+/// A per-row output that the row tasks share: each writes only its own element.
+#[derive(Clone, Copy)]
+struct RowPtr<T>(*mut T);
+unsafe impl<T> Send for RowPtr<T> {}
+unsafe impl<T> Sync for RowPtr<T> {}
+
+/// [`crate::backend::BackendStorage::layer_norm`]: one pass per row (the row stays in
+/// cache for its three loops), rows in parallel.
 pub(super) fn layer_norm(
     x: &CpuStorage,
     l: &Layout,
@@ -89,24 +181,15 @@ pub(super) fn layer_norm(
         let d = last_dim(l);
         let rows = xs.len() / d.max(1);
         let mut out = vec![T::ZERO; xs.len()];
-        let mut stats = vec![T::ZERO; 2 * rows];
+        let (mut mean, mut rstd) = (vec![T::ZERO; rows], vec![T::ZERO; rows]);
         let eps = T::from_f64(eps);
-        let inv_d = T::ONE / T::from_usize(d);
-        par_rows_mut(&mut stats, 2, |r, st| {
-            let row = &xs[r * d..(r + 1) * d];
-            let mean = row.iter().copied().sum::<T>() * inv_d;
-            let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<T>() * inv_d;
-            st[0] = mean;
-            st[1] = T::ONE / (var + eps).sqrt();
-        });
-        par_rows_mut(&mut out, d, |r, o| {
-            let (mean, rstd) = (stats[2 * r], stats[2 * r + 1]);
-            for (((o, &v), &wv), &bv) in o.iter_mut().zip(&xs[r * d..(r + 1) * d]).zip(ws).zip(bs) {
-                *o = (v - mean) * rstd * wv + bv;
-            }
-        });
-        let mean: Vec<T> = stats.iter().step_by(2).copied().collect();
-        let rstd: Vec<T> = stats.iter().skip(1).step_by(2).copied().collect();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            unsafe { layer_norm_rows_avx2(xs, ws, bs, eps, &mut out, &mut mean, &mut rstd) };
+            return Ok((T::wrap(out), T::wrap(mean), T::wrap(rstd)));
+        }
+        layer_norm_rows(xs, ws, bs, eps, &mut out, &mut mean, &mut rstd);
         Ok((T::wrap(out), T::wrap(mean), T::wrap(rstd)))
     })
 }
@@ -218,13 +301,19 @@ pub(super) fn cross_entropy(
     float_kernel!("cross_entropy", logits, ls: T => {
         let ls = view(ls, l);
         let (n, c) = (l.shape()[0], l.shape()[1]);
-        let probs = softmax_rows(ls, c, false);
+        // one pass per row: the probabilities and the log-sum-exp the loss needs
+        let mut probs = vec![T::ZERO; ls.len()];
+        let mut lse = vec![T::ZERO; n];
+        let pl = RowPtr(lse.as_mut_ptr());
+        par_rows_mut(&mut probs, c, |r, o| {
+            let pl = pl;
+            let v = softmax_row(&ls[r * c..(r + 1) * c], o, false);
+            // SAFETY: `lse` holds one element per row; only row `r`'s call writes element `r`.
+            unsafe { *pl.0.add(r) = v };
+        });
         let mut total = 0.0f64;
         for r in 0..n {
-            let row = &ls[r * c..(r + 1) * c];
-            let m = row.iter().copied().fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a });
-            let lse = row.iter().map(|&v| (v - m).exp()).sum::<T>().ln() + m;
-            total += (lse - row[t[r]]).to_f64();
+            total += (lse[r] - ls[r * c + t[r]]).to_f64();
         }
         let loss = total / n.max(1) as f64;
         Ok((T::wrap(vec![T::from_f64(loss)]), T::wrap(probs)))

@@ -62,6 +62,48 @@ impl Tensor {
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
         matmul_impl(self, rhs)
     }
+
+    /// `self [m, k] x rhs [k, n] + bias [n]`, the bias added to every row (PyTorch's
+    /// `addmm`, as a linear layer uses it): one pass over the output instead of a product
+    /// and then a broadcast add.
+    pub fn matmul_bias(&self, rhs: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        let op = "matmul_bias";
+        compute_dtype(op, self)?;
+        same_dtype(op, self, rhs)?;
+        same_dtype(op, self, bias)?;
+        same_device(op, self, rhs)?;
+        same_device(op, self, bias)?;
+        let shapes_fit = self.rank() == 2
+            && rhs.rank() == 2
+            && self.shape()[1] == rhs.shape()[0]
+            && bias.shape() == [rhs.shape()[1]];
+        if !shapes_fit {
+            return Err(TensorError::Invalid {
+                op,
+                msg: format!(
+                    "needs [m, k] x [k, n] + [n], got {:?} x {:?} + {:?}",
+                    self.shape(),
+                    rhs.shape(),
+                    bias.shape()
+                ),
+            });
+        }
+        let (m, n) = (self.shape()[0], rhs.shape()[1]);
+        if m * n == 0 {
+            return Ok(Tensor::from_storage(
+                DeviceStorage::zeros(self.device(), self.dtype(), 0)?,
+                &[m, n],
+            ));
+        }
+        let bias = bias.contiguous()?;
+        let out = self.storage(op)?.matmul_bias(
+            self.layout(),
+            &*rhs.storage(op)?,
+            rhs.layout(),
+            (&*bias.storage(op)?, bias.layout()),
+        )?;
+        Ok(Tensor::from_storage(out, &[m, n]))
+    }
 }
 
 #[cfg(test)]
@@ -135,4 +177,44 @@ mod tests {
         assert!(a.matmul(&b).is_err());
     }
     test_device!(inner_dimension_mismatch_is_an_error);
+
+    fn matmul_bias_is_the_product_plus_the_bias_on_every_row(d: Device) {
+        let mut rng = Rng::new(2);
+        let x = Tensor::randn(&[5, 3], 1.0, DType::F64, &mut rng);
+        let w = Tensor::randn(&[4, 3], 1.0, DType::F64, &mut rng);
+        let b = Tensor::randn(&[4], 1.0, DType::F64, &mut rng);
+        let (xv, wv, bv) = (
+            x.to_vec::<f64>().unwrap(),
+            w.to_vec::<f64>().unwrap(),
+            b.to_vec::<f64>().unwrap(),
+        );
+        let (x, w, b) = (
+            x.to_device(d).unwrap(),
+            w.to_device(d).unwrap(),
+            b.to_device(d).unwrap(),
+        );
+        // y[i][j] = sum_p x[i][p] w[j][p] + b[j], through the transposed view of w
+        let y = x.matmul_bias(&w.t().unwrap(), &b).unwrap();
+        assert_eq!(y.shape(), &[5, 4]);
+        let yv = y.to_vec::<f64>().unwrap();
+        for i in 0..5 {
+            for j in 0..4 {
+                let want: f64 = (0..3).map(|p| xv[i * 3 + p] * wv[j * 3 + p]).sum::<f64>() + bv[j];
+                assert!(
+                    (yv[i * 4 + j] - want).abs() < 1e-12,
+                    "({i}, {j}): {} vs {want}",
+                    yv[i * 4 + j]
+                );
+            }
+        }
+        // k = 0: the bias alone
+        let e = Tensor::zeros_on(&[2, 0], DType::F64, d).unwrap();
+        let z = Tensor::zeros_on(&[0, 4], DType::F64, d).unwrap();
+        assert_eq!(
+            e.matmul_bias(&z, &b).unwrap().to_vec::<f64>().unwrap(),
+            [&bv[..], &bv[..]].concat()
+        );
+        assert!(x.matmul_bias(&w.t().unwrap(), &x).is_err());
+    }
+    test_device!(matmul_bias_is_the_product_plus_the_bias_on_every_row);
 }
