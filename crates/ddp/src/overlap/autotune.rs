@@ -115,7 +115,9 @@ pub struct AutotuneReport {
     pub cap_mb: f64,
     /// The first bucket's cap in effect at the end, in MiB.
     pub first_bucket_cap_mb: f64,
-    /// The last check's predicted step time at that cap, in milliseconds.
+    /// The predicted step time at that cap, in milliseconds: the median of the checks'
+    /// predictions from steps run at it (the steps `measured_step_ms` covers), or the last
+    /// check's when that check set it.
     pub predicted_step_ms: Option<f64>,
     /// This rank's median measured step time since the cap last changed, in milliseconds
     /// (compare with `predicted_step_ms`).
@@ -385,13 +387,7 @@ impl Autotuner {
     /// What the autotuner did, with `ddp`'s caps at the end.
     pub fn report(&self, ddp: &DistributedDataParallel) -> AutotuneReport {
         let (cap_mb, first_bucket_cap_mb) = ddp.bucket_caps();
-        let predicted_step_ms = self.decisions.last().map(|d| {
-            1e3 * if d.cap_mb == d.best_cap_mb {
-                d.predicted_best_step_s
-            } else {
-                d.predicted_from_step_s
-            }
-        });
+        let predicted_step_ms = predicted_at_final_cap(&self.decisions).map(|s| 1e3 * s);
         let mut at_cap = self.step_s_at_cap.clone();
         AutotuneReport {
             cap_mb,
@@ -401,6 +397,27 @@ impl Autotuner {
             decisions: self.decisions.clone(),
         }
     }
+}
+
+/// The predicted step (seconds) at the cap in effect after the last of `decisions`: the median of
+/// what the checks since the cap last changed predicted for it (each from steps run at it); the
+/// prediction of the check that set it when none followed.
+fn predicted_at_final_cap(decisions: &[AutotuneDecision]) -> Option<f64> {
+    let last_change = decisions.iter().rposition(|d| d.changed);
+    let mut since: Vec<f64> = decisions[last_change.map_or(0, |i| i + 1)..]
+        .iter()
+        .map(|d| d.predicted_from_step_s)
+        .collect();
+    if !since.is_empty() {
+        return Some(median(&mut since));
+    }
+    decisions.last().map(|d| {
+        if d.cap_mb == d.best_cap_mb {
+            d.predicted_best_step_s
+        } else {
+            d.predicted_from_step_s
+        }
+    })
 }
 
 #[cfg(test)]
@@ -421,6 +438,30 @@ mod rank_profile_tests {
             grad_ready_s: vec![0.08 + skew],
             buckets: buckets.to_vec(),
         }
+    }
+
+    #[test]
+    fn the_reported_prediction_is_the_median_of_the_checks_at_the_final_cap() {
+        let d = |changed: bool, from: f64, best: f64, from_s: f64, best_s: f64| super::AutotuneDecision {
+            after_step: 0,
+            steps_observed: 2,
+            from_cap_mb: from,
+            best_cap_mb: best,
+            cap_mb: if changed { best } else { from },
+            predicted_from_step_s: from_s,
+            predicted_best_step_s: best_s,
+            changed,
+        };
+        // 25 -> 1 MiB at the first check (predicted 0.40 s there), then three checks at 1 MiB
+        let mut ds = vec![d(true, 25.0, 1.0, 0.46, 0.40)];
+        assert_eq!(super::predicted_at_final_cap(&ds), Some(0.40));
+        ds.extend([
+            d(false, 1.0, 1.0, 0.33, 0.33),
+            d(false, 1.0, 1.0, 0.30, 0.30),
+            d(false, 1.0, 5.0, 0.36, 0.35),
+        ]);
+        assert_eq!(super::predicted_at_final_cap(&ds), Some(0.33));
+        assert_eq!(super::predicted_at_final_cap(&[]), None);
     }
 
     #[test]
