@@ -44,6 +44,8 @@ pub const NET_GBPS: (f64, f64) = (1e-3, 1e6);
 pub const MAX_LATENCY_US: f64 = 1e7;
 /// Largest `--bucket-mb` / `--first-bucket-mb` (1 TiB).
 pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
+/// Smallest `--bucket-mb` / `--first-bucket-mb`: one byte.
+pub const MIN_BUCKET_MB: f64 = 1.0 / (1024.0 * 1024.0);
 
 /// Checks `--net-gbps` and `--net-latency-us` (shared by `train`, `sweep` and `predict`).
 pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
@@ -323,13 +325,13 @@ impl RunArgs {
                 return bad(format!("--momentum must be in [0, 1), got {m}"));
             }
         }
-        let positive = |b: f64| b > 0.0 && b.is_finite() && b <= MAX_BUCKET_MB;
+        let positive = |b: f64| b >= MIN_BUCKET_MB && b.is_finite() && b <= MAX_BUCKET_MB;
         if self.bucket_mb.is_empty()
             || !(self.bucket_mb.iter().all(|b| b.mib().is_none_or(positive)) && positive(self.first_bucket_mb))
         {
             let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
             return bad(format!(
-                "--bucket-mb and --first-bucket-mb must be finite, > 0 and at most {MAX_BUCKET_MB}, got [{}] and {}",
+                "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({MIN_BUCKET_MB:e}) and at most {MAX_BUCKET_MB}, got [{}] and {}",
                 caps.join(", "),
                 self.first_bucket_mb
             ));

@@ -32,6 +32,13 @@ fn landing(o: &Output) -> Result<PathBuf> {
     if target.is_dir() {
         return Err(usage("is a directory; give a file name".into()));
     }
+    if std::fs::metadata(&target).is_ok_and(|m| !m.is_file()) {
+        // an output is written beside its path and renamed over it: a device or a pipe would
+        // be replaced by a plain file
+        return Err(usage(
+            "is not a regular file (a device, pipe or socket); give a file path".into(),
+        ));
+    }
     let name = target
         .file_name()
         .ok_or_else(|| usage("not a file name".into()))?

@@ -93,8 +93,8 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
         .collect()
 }
 
-/// Makes `--out` ready: created, takes files, and without an earlier policy sweep's files
-/// (a stale chart must not pass for this sweep's).
+/// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
+/// until this sweep replaces both at its end (a failed sweep leaves them as they were).
 fn prepare_out(out: &Path) -> Result<()> {
     let io = |source| Error::Io {
         path: format!("--out {}", out.display()),
@@ -102,15 +102,6 @@ fn prepare_out(out: &Path) -> Result<()> {
     };
     std::fs::create_dir_all(out).map_err(io)?;
     crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(OUTPUTS[0]))])?;
-    for name in OUTPUTS {
-        let path = out.join(name);
-        if path.symlink_metadata().is_ok_and(|m| m.is_file()) {
-            std::fs::remove_file(&path).map_err(|source| Error::Io {
-                path: path.display().to_string(),
-                source,
-            })?;
-        }
-    }
     Ok(())
 }
 

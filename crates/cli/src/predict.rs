@@ -133,7 +133,11 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
         profile.bucket_cap_mb,
         rows.first().map_or(profile.world_size, |r| r.world_size)
     );
-    if let Some(o) = rows.first().map(|r| r.launch_overhead).filter(|_| profile.world_size > 1) {
+    if let Some(o) = rows
+        .first()
+        .map(|r| r.launch_overhead)
+        .filter(|_| profile.world_size > 1)
+    {
         let cost = |c: LaunchCost| format!("{:.3} ms + {:.3} ms/MiB", ms(c.fixed_s), ms(c.per_byte_s) * MIB);
         println!(
             "launch overhead fitted from the recorded buckets: {} during backward, {} after",

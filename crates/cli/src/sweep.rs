@@ -74,6 +74,9 @@ pub(crate) fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
     median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
 }
 
+/// Most runs of each cap a sweep takes (`--repeat`).
+const MAX_REPEAT: usize = 1000;
+
 /// Whether `name` is a file that `brigade sweep` writes into its `--out` directory.
 fn written_by_a_sweep(name: &str) -> bool {
     let timeline = |ext: &str| {
@@ -85,19 +88,50 @@ fn written_by_a_sweep(name: &str) -> bool {
     name == "sweep.csv" || name == "sweep.svg" || timeline(".json") || timeline(".svg")
 }
 
-/// Makes `--out` ready before any run: created, takes files, and emptied of what an
-/// earlier sweep wrote there (a stale timeline must not pass for this sweep's).
-fn prepare_out(out: &std::path::Path) -> Result<()> {
+/// Makes `--out` ready before any run: created and takes files; no input of the run (`--data`,
+/// `--init`) lies there under a name a sweep writes. Nothing is removed yet: an earlier sweep's
+/// files stay until this one has all of its own ([`remove_stale`]).
+fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
     let io = |source| Error::Io {
         path: format!("--out {}", out.display()),
         source,
     };
     std::fs::create_dir_all(out).map_err(io)?;
     crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
+    let out_dir = std::fs::canonicalize(out).map_err(io)?;
+    for (flag, input) in [("--data", &run.data), ("--init", &run.init)] {
+        let Some(path) = input else { continue };
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            continue;
+        };
+        let dir = if dir.as_os_str().is_empty() {
+            std::path::Path::new(".")
+        } else {
+            dir
+        };
+        if name.to_str().is_some_and(written_by_a_sweep) && std::fs::canonicalize(dir).is_ok_and(|d| d == out_dir) {
+            return Err(Error::Usage(format!(
+                "{flag} {} lies in --out {} under a name a sweep writes: move it or pick another --out",
+                path.display(),
+                out.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Removes from `out` what an earlier sweep wrote there and this one did not (`written`): a
+/// stale timeline must not pass for this sweep's. Regular files only: a symbolic link stays.
+fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
+    let io = |source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
     for entry in std::fs::read_dir(out).map_err(io)? {
         let entry = entry.map_err(io)?;
-        // regular files only: a symbolic link stays, and the new output is written through it
-        if entry.file_name().to_str().is_some_and(written_by_a_sweep) && entry.file_type().map_err(io)?.is_file() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if written_by_a_sweep(name) && !written.iter().any(|w| w == name) && entry.file_type().map_err(io)?.is_file() {
             std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
                 path: entry.path().display().to_string(),
                 source,
@@ -127,8 +161,11 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
     }
-    if s.repeat == 0 {
-        return Err(Error::Usage("--repeat must be at least 1 (runs of each cap)".into()));
+    if s.repeat == 0 || s.repeat > MAX_REPEAT {
+        return Err(Error::Usage(format!(
+            "--repeat must be between 1 and {MAX_REPEAT} (runs of each cap), got {}",
+            s.repeat
+        )));
     }
     if let Some(b) = caps
         .iter()
@@ -140,11 +177,13 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
         )));
     }
-    prepare_out(&s.out)?;
+    prepare_out(&s.out, &s.run)?;
     let quiet = RunOptions {
         progress: false,
         ..RunOptions::default()
     };
+    // the last round's timelines, written once every run has succeeded
+    let mut timelines = vec![];
     let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Sample> {
         let mut a = s.run.clone();
         a.bucket_mb = vec![BucketCap::Mib(b)];
@@ -159,7 +198,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             },
         )?)?;
         let compute_ms = median_step(&a, &compute_only.step_ms);
-        let report = finished(run(
+        let mut report = finished(run(
             &a,
             &RunOptions {
                 record: true,
@@ -167,7 +206,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?)?;
-        let tl = report.timeline.as_ref().expect("recording was on and steps ran");
+        let tl = report.timeline.take().expect("recording was on and steps ran");
         let buckets = bucket_times(&tl.events);
         let sample = Sample {
             buckets: report.buckets.len(),
@@ -185,12 +224,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 sample.step_ms,
                 compute_ms
             );
-            write_timeline(
-                &s.out.join(format!("timeline_{b}MiB.json")),
-                &tl.events,
-                tl.origin,
-                &title,
-            )?;
+            timelines.push((format!("timeline_{b}MiB.json"), tl, title));
         }
         Ok(sample)
     })?;
@@ -204,9 +238,16 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         .zip(&samples)
         .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, link))
         .collect();
+    let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
+    for (name, tl, title) in &timelines {
+        write_timeline(&s.out.join(name), &tl.events, tl.origin, title)?;
+        written.push(name.clone());
+        written.push(name.replace(".json", ".svg"));
+    }
     let csv = to_csv(&rows);
     write_atomic(&s.out.join("sweep.csv"), csv.as_bytes())?;
     draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
+    remove_stale(&s.out, &written)?;
     if s.json {
         println!(
             "{}",

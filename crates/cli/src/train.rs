@@ -150,6 +150,9 @@ impl TrainArgs {
         if let Some(p) = &self.run.init {
             crate::outputs::check_input_kept("--init", p, &outputs, &["--save"])?;
         }
+        if let Some(p) = &self.run.data {
+            crate::outputs::check_input_kept("--data", p, &outputs, &[])?;
+        }
         Ok(())
     }
 

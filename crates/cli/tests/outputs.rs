@@ -565,3 +565,75 @@ fn an_output_on_the_file_a_run_reads_is_refused_before_step_0() {
         &["--steps", "2", "--init", s(&w), "--save", s(&w)],
     ]));
 }
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn a_failing_sweep_leaves_the_earlier_sweeps_files_as_they_were() {
+    let out = dir("sweep-kept");
+    let model: Vec<&str> = MLP.iter().copied().filter(|a| *a != "--quiet").collect();
+    let base: Vec<&str> = [
+        &["sweep"][..],
+        &model,
+        &["--world-size", "2", "--steps", "2", "--out", s(&out)],
+    ]
+    .concat();
+    let sweep = |extra: &[&str]| -> Vec<String> { base.iter().chain(extra).map(|a| a.to_string()).collect() };
+    ok(&refs(&sweep(&["--bucket-mb", "0.25,1"])));
+    let before: Vec<(String, Vec<u8>)> = files(&out)
+        .into_iter()
+        .map(|f| (f.clone(), std::fs::read(out.join(&f)).unwrap()))
+        .collect();
+    assert_eq!(before.len(), 6, "{before:?}");
+    // it fails after its first runs (an input that is not there), with another cap list
+    let e = fails(&refs(&sweep(&[
+        "--bucket-mb",
+        "4",
+        "--init",
+        "/nonexistent/w.safetensors",
+    ])));
+    assert!(e.contains("/nonexistent/w.safetensors"), "{e}");
+    // and before any run
+    let e = fails(&refs(&sweep(&["--bucket-mb", "4", "--repeat", "18446744073709551615"])));
+    assert!(e.contains("--repeat must be between 1 and"), "{e}");
+    let init = out.join("timeline_9MiB.json");
+    std::fs::write(&init, b"the user's own file").unwrap();
+    let e = fails(&refs(&sweep(&["--bucket-mb", "4", "--init", s(&init)])));
+    assert!(e.contains("under a name a sweep writes"), "{e}");
+    std::fs::remove_file(&init).unwrap();
+    for (f, bytes) in &before {
+        assert_eq!(&std::fs::read(out.join(f)).unwrap(), bytes, "{f} changed");
+    }
+    assert_eq!(files(&out).len(), before.len());
+}
+
+#[test]
+fn outputs_never_replace_the_data_or_a_special_file() {
+    let d = dir("data-kept");
+    let data = mlp_data(&d, None);
+    let bytes = std::fs::read(&data).unwrap();
+    for flag in ["--save", "--losses", "--checkpoint"] {
+        let e = fails(&cat(&[
+            &["train"],
+            MLP,
+            &["--steps", "2", "--data", s(&data), flag, s(&data)],
+        ]));
+        assert!(e.contains("would write over the --data file"), "{flag}: {e}");
+    }
+    assert_eq!(std::fs::read(&data).unwrap(), bytes);
+    let fifo = d.join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "2", "--losses", s(&fifo)]]));
+    assert!(e.contains("is not a regular file"), "{e}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(),
+        "still a pipe"
+    );
+}
