@@ -87,6 +87,18 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         },
     };
     let profile = &profiles[0];
+    if let Some((i, p)) = profiles
+        .iter()
+        .enumerate()
+        .find(|(_, p)| p.world_size != profile.world_size)
+    {
+        return Err(Error::Usage(format!(
+            "{}: step {i} of the list recorded {} ranks, step 0 {}: one run's steps, please",
+            a.profile.display(),
+            p.world_size,
+            profile.world_size
+        )));
+    }
     // the backend's launch overhead, fitted once from every recorded step
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
     let mut rows = vec![];
@@ -100,9 +112,18 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         };
         let mut steps = profiles
             .iter()
-            .map(|p| replay_with(p, &cfg, overhead))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::Usage(format!("{}: {e}", a.profile.display())))?;
+            .enumerate()
+            .map(|(i, p)| {
+                replay_with(p, &cfg, overhead).map_err(|e| {
+                    let step = if profiles.len() > 1 {
+                        format!(" (step {i} of the list)")
+                    } else {
+                        String::new()
+                    };
+                    Error::Usage(format!("{}{step}: {e}", a.profile.display()))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         // several steps: the one whose predicted step time is the median
         steps.sort_by(|x, y| x.predicted_step_s.total_cmp(&y.predicted_step_s));
         rows.push(steps.swap_remove(steps.len() / 2));

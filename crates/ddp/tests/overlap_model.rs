@@ -283,6 +283,32 @@ fn bad_profiles_and_configs_are_errors_that_say_what_is_wrong() {
 }
 
 #[test]
+fn inconsistent_profiles_are_errors_that_say_what_is_wrong() {
+    let recorded_both = |p: &mut StepProfile| {
+        for r in &mut p.ranks {
+            r.buckets = vec![recorded(vec![0], MIB, 0.004, 0.005, 0.008)];
+        }
+    };
+    let err = |p: &StepProfile| replay(p, &cfg(25.0, 1.0)).unwrap_err().to_string();
+    let mut p = profile(&[(MIB, 0.004)], 0.010);
+    recorded_both(&mut p);
+    p.ranks[0].buckets[0].finish_s = 1e308;
+    assert!(err(&p).contains("past 1000000 s"), "{}", err(&p));
+    recorded_both(&mut p);
+    p.ranks[0].buckets[0].finish_s = 0.001;
+    assert!(err(&p).contains("finishes before it starts"), "{}", err(&p));
+    recorded_both(&mut p);
+    p.ranks[1].buckets[0].bytes = 7;
+    assert!(err(&p).contains("bucket 0 says 7 bytes"), "{}", err(&p));
+    recorded_both(&mut p);
+    p.ranks[1].buckets.push(recorded(vec![], 0, 0.009, 0.009, 0.009));
+    assert!(err(&p).contains("differ from rank 0's"), "{}", err(&p));
+    recorded_both(&mut p);
+    p.params[0].bytes = usize::MAX;
+    assert!(err(&p).contains("more than"), "{}", err(&p));
+}
+
+#[test]
 fn profiles_round_trip_through_json() {
     let p = profile(&[(MIB, 0.004), (16, 0.001)], 0.010);
     let text = serde_json::to_string(&p).unwrap();

@@ -24,6 +24,12 @@ use std::time::Instant;
 
 use crate::{DdpError, PassTimes};
 
+/// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
+/// not a recording).
+const MAX_TIME_S: f64 = 1e6;
+/// Most bytes one parameter's gradient may have (1 TiB): sums of them stay far from overflow.
+const MAX_PARAM_BYTES: usize = 1 << 40;
+
 /// Version of the profile schema this build reads and writes.
 pub const PROFILE_VERSION: u32 = 1;
 
@@ -198,6 +204,20 @@ impl StepProfile {
         if self.params.is_empty() {
             return Err("no parameters".into());
         }
+        for (flag, v) in [
+            ("bucket_cap_mb", self.bucket_cap_mb),
+            ("first_bucket_cap_mb", self.first_bucket_cap_mb),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(format!("{flag} must be a positive number of MiB, got {v}"));
+            }
+        }
+        if let Some((i, p)) = self.params.iter().enumerate().find(|(_, p)| p.bytes > MAX_PARAM_BYTES) {
+            return Err(format!(
+                "parameter {i} ({}) has {} bytes, more than {MAX_PARAM_BYTES}",
+                p.name, p.bytes
+            ));
+        }
         for (i, r) in self.ranks.iter().enumerate() {
             if r.rank != i {
                 return Err(format!("rank entry {i} says rank {}", r.rank));
@@ -216,19 +236,55 @@ impl StepProfile {
                 r.optimizer_end_s,
                 r.step_end_s,
             ];
-            if times.iter().chain(&r.grad_ready_s).any(|t| !t.is_finite() || *t < 0.0) {
-                return Err(format!("rank {i}: a time is negative or not finite"));
+            let bucket_times = r
+                .buckets
+                .iter()
+                .flat_map(|b| [b.ready_s, b.launch_s, b.start_s, b.finish_s]);
+            if times
+                .iter()
+                .chain(&r.grad_ready_s)
+                .copied()
+                .chain(bucket_times)
+                .any(|t| !(0.0..=MAX_TIME_S).contains(&t))
+            {
+                return Err(format!(
+                    "rank {i}: a time is negative, not finite or past {MAX_TIME_S} s"
+                ));
             }
             if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {
                 return Err(format!("rank {i}: a span ends before it starts"));
             }
-            for b in &r.buckets {
+            let mut seen = vec![false; self.params.len()];
+            for (k, b) in r.buckets.iter().enumerate() {
                 if b.params.iter().any(|&p| p >= self.params.len()) {
                     return Err(format!(
                         "rank {i}: a bucket names a parameter past {}",
                         self.params.len()
                     ));
                 }
+                if let Some(&p) = b.params.iter().find(|&&p| std::mem::replace(&mut seen[p], true)) {
+                    return Err(format!("rank {i}: parameter {p} is in two buckets"));
+                }
+                // ZeRO pads a bucket to a multiple of the world size: a few elements per rank
+                let bytes: usize = b.params.iter().map(|&p| self.params[p].bytes).sum();
+                if b.bytes < bytes || b.bytes - bytes > 16 * self.world_size {
+                    return Err(format!(
+                        "rank {i}: bucket {k} says {} bytes, its parameters hold {bytes}",
+                        b.bytes
+                    ));
+                }
+                if b.finish_s < b.start_s {
+                    return Err(format!("rank {i}: bucket {k} finishes before it starts"));
+                }
+            }
+            let zero = &self.ranks[0].buckets;
+            if !r.buckets.is_empty()
+                && !zero.is_empty()
+                && (r.buckets.len() != zero.len() || r.buckets.iter().zip(zero).any(|(b, b0)| b.params != b0.params))
+            {
+                return Err(format!(
+                    "rank {i}'s buckets differ from rank 0's (every rank runs the same collectives)"
+                ));
             }
         }
         Ok(())
