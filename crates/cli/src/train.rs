@@ -40,7 +40,8 @@ pub struct TrainArgs {
     #[arg(long, value_parser = parse_step_range)]
     pub profile_steps: Option<std::ops::Range<usize>>,
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
-    /// steps); also when no step runs.
+    /// steps, during the step it resumes once that step's loss is finite); also when no step
+    /// runs.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Checkpoint period in steps (at least 1; needs --checkpoint).

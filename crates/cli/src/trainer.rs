@@ -228,6 +228,12 @@ pub struct Trainer<'a> {
     /// This rank asks every rank to stop after the next step (rank 0 could not write a
     /// periodic checkpoint).
     stop_requested: bool,
+    /// A periodic checkpoint of the state the next step starts from is due: it is written in
+    /// that step once its loss is known to be finite, so that a state that diverges is never
+    /// written over the last good checkpoint.
+    checkpoint_due: bool,
+    /// Rank 0 could not write the periodic checkpoint of the last step (not an agreed error).
+    checkpoint_failed: Option<Error>,
     /// Tunes the bucket cap after the steps (`--bucket-mb auto`).
     autotune: Option<Autotuner>,
     /// The profiles of the steps in `profile_steps` so far.
@@ -308,6 +314,8 @@ impl<'a> Trainer<'a> {
             first_step,
             next_step: first_step,
             checkpointed: None,
+            checkpoint_due: false,
+            checkpoint_failed: None,
             stop_requested: false,
             profile: None,
             profiles: vec![],
@@ -389,6 +397,17 @@ impl<'a> Trainer<'a> {
                 what,
                 value: status.loss,
             });
+        }
+        if std::mem::take(&mut self.checkpoint_due) {
+            // the state this step started from gave a finite loss: it is a good checkpoint
+            match self.checkpoint() {
+                Ok(()) => {}
+                Err(e) if e.is_agreed() => {
+                    self.end(step_span);
+                    return Err(e);
+                }
+                Err(e) => self.checkpoint_failed = Some(e),
+            }
         }
         let os = self.begin(EventKind::Optimizer);
         let opt_start = Instant::now();
@@ -535,30 +554,21 @@ impl<'a> Trainer<'a> {
             step_ms.push(s.ms);
             sent.push(s.sent);
             on_step(&s);
+            // Rank 0 could not write the step's periodic checkpoint: every rank stops after the
+            // next step (they agree on it then), and the outputs are written before the error.
+            if let Some(e) = self.checkpoint_failed.take() {
+                checkpoint_error.get_or_insert(format!("--checkpoint (training stopped after the next step): {e}"));
+                self.stop_requested = true;
+            }
             if s.stop {
                 interrupted = self.next_step < self.cfg.steps;
                 break;
             }
-            if self
+            // Due now, written by the next step once its loss is finite (or at the end).
+            self.checkpoint_due = self
                 .cfg
                 .checkpoint_every
-                .is_some_and(|e| e > 0 && self.next_step % e == 0)
-            {
-                match self.checkpoint() {
-                    Ok(()) => {}
-                    Err(e) if e.is_agreed() => {
-                        stopped = Some(e);
-                        break;
-                    }
-                    // Rank 0 could not write it: every rank stops after the next step (they
-                    // agree on it then), and the outputs are written before the error.
-                    Err(e) => {
-                        checkpoint_error
-                            .get_or_insert(format!("--checkpoint (training stopped after the next step): {e}"));
-                        self.stop_requested = true;
-                    }
-                }
-            }
+                .is_some_and(|e| e > 0 && self.next_step % e == 0);
         }
         // The end (also of a run of zero steps, or an interrupted one) is always checkpointed,
         // unless the run diverged (the last good checkpoint stays). A failed write there is

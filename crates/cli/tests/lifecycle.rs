@@ -175,14 +175,27 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
     let line = one_error_line(&out);
     let failed_at = named_step(&line);
     let (step, values) = checkpoint(&ck);
+    // The state the failing step started from gave the non-finite loss: it is not good, even
+    // with finite values (a periodic checkpoint is written only once its step's loss is finite).
     assert!(
-        step <= failed_at,
-        "the checkpoint (step {step}) is from after the failing step {failed_at}"
+        step < failed_at,
+        "the checkpoint (step {step}) is the state the failing step {failed_at} started from"
     );
     assert!(
         values.iter().all(|v| v.is_finite()),
         "the checkpoint holds non-finite values after: {line}"
     );
+    // and it trains on: its next step's loss is finite
+    let on = brigade(
+        &[
+            &["train"],
+            MLP,
+            &["--lr", "1e30", "--steps", &(step + 1).to_string(), "--world-size", "2"],
+            &["--resume", s(&ck)],
+        ]
+        .concat(),
+    );
+    assert!(on.status.success(), "resuming the kept checkpoint: {}", stderr(&on));
     let names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
