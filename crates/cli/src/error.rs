@@ -70,8 +70,8 @@ pub enum Error {
     /// A loss or parameter stopped being finite: the run diverged (every rank stops at the same
     /// step, before that step's update).
     #[error(
-        "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept; \
-         lower --lr, or pass --allow-nonfinite to train on"
+        "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept and \
+         no diverged parameters were saved; lower --lr, or pass --allow-nonfinite to train on"
     )]
     NonFinite {
         /// The step whose loss (or update) was not finite.

@@ -234,7 +234,13 @@ pub fn train(t: TrainArgs) -> Result<()> {
     };
     let mut report = run(&t.run, &opts)?;
     let stopped = report.stopped.take();
-    let mut written = write_outputs(&t, &report, &kept);
+    // diverged parameters are not a model: an earlier --save file stays as it was
+    let diverged = matches!(stopped, Some(Error::NonFinite { .. }));
+    let outputs = TrainArgs {
+        save: if diverged { None } else { t.save.clone() },
+        ..t.clone()
+    };
+    let mut written = write_outputs(&outputs, &report, &kept);
     if let Some(failure) = report.checkpoint_error.take() {
         written = match written {
             Err(Error::Outputs(mut failures)) => {

@@ -22,14 +22,32 @@ fn error_line(out: &std::process::Output) -> String {
 #[test]
 fn a_diverged_run_writes_the_losses_of_every_step_before_it() {
     let d = dir("diverged-losses");
-    let losses = d.join("losses.csv");
+    let (losses, save) = (d.join("losses.csv"), d.join("model.safetensors"));
+    // an earlier run's model at the --save path
+    let sane = brigade(&[&["train"], MLP, &["--lr", "0.01", "--steps", "2", "--save", s(&save)]].concat());
+    assert!(sane.status.success());
+    let model = std::fs::read(&save).unwrap();
     let out = brigade(
         &[
             &["train"],
             MLP,
-            &["--lr", "1e30", "--steps", "50", "--losses", s(&losses)],
+            &[
+                "--lr",
+                "1e30",
+                "--steps",
+                "50",
+                "--losses",
+                s(&losses),
+                "--save",
+                s(&save),
+            ],
         ]
         .concat(),
+    );
+    assert_eq!(
+        std::fs::read(&save).unwrap(),
+        model,
+        "diverged parameters replaced the earlier --save file"
     );
     let line = error_line(&out);
     // "step N: the loss is NaN ..."
