@@ -134,12 +134,20 @@ impl RunArgs {
             .autotune_caps
             .iter()
             .flatten()
-            .find(|&&c| !(c > 0.0 && c <= crate::args::MAX_BUCKET_MB))
+            .find(|&&c| !(c >= crate::args::MIN_BUCKET_MB && c <= crate::args::MAX_BUCKET_MB))
         {
             return bad(format!(
-                "--autotune-caps must be finite numbers of MiB, > 0 and at most {}, got {c}",
+                "--autotune-caps must be finite numbers of MiB, at least one byte ({:e}) and at most {}, got {c}",
+                crate::args::MIN_BUCKET_MB,
                 crate::args::MAX_BUCKET_MB
             ));
+        }
+        if let Some(c) = a
+            .autotune_caps
+            .as_ref()
+            .and_then(|c| c.iter().enumerate().find(|(i, x)| c[..*i].contains(x)))
+        {
+            return bad(format!("--autotune-caps lists {} twice", c.1));
         }
         if a.autotune_caps.as_ref().is_some_and(|c| c.is_empty()) {
             return bad("--autotune-caps needs at least one cap".into());

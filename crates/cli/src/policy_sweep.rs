@@ -72,6 +72,18 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
             flag_name(&s.run.comm_hook)
         ));
     }
+    if s.repeat != 1 {
+        return bad(format!(
+            "--repeat {} is for sweeps of bucket caps; a --policy sweep runs each policy once",
+            s.repeat
+        ));
+    }
+    if s.run.zero != 0 {
+        return bad(format!(
+            "--zero {} with --policy: name zero1 or zero2 in --policy instead",
+            s.run.zero
+        ));
+    }
     let caps = s.run.fixed_caps()?;
     if caps.len() != 1 {
         return bad(format!(

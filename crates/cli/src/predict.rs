@@ -14,6 +14,9 @@ use clap::Args;
 use crate::args::check_link;
 use crate::error::{Error, Result};
 
+/// Largest `--world-size` to predict for.
+const MAX_WORLD: usize = 1 << 20;
+
 /// Options of `brigade predict`.
 #[derive(Args, Clone, Debug)]
 pub struct PredictArgs {
@@ -51,6 +54,10 @@ impl PredictArgs {
             (None, false) => {
                 bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into())
             }
+            (None, true) if self.net_latency_us != 0.0 => bad(format!(
+                "--net-latency-us {} goes with --net-gbps; --measured-link fits the latency from the profile",
+                self.net_latency_us
+            )),
             (None, true) => Ok(LinkCost::Measured),
             (Some(g), false) => {
                 check_link(Some(g), self.net_latency_us)?;
@@ -66,8 +73,33 @@ impl PredictArgs {
 /// Runs `brigade predict`.
 pub fn predict(a: PredictArgs) -> Result<()> {
     let link = a.link()?;
-    if a.world_size == Some(0) {
-        return Err(Error::Usage("--world-size must be at least 1".into()));
+    if let Some(n) = a.world_size.filter(|n| !(1..=MAX_WORLD).contains(n)) {
+        return Err(Error::Usage(format!(
+            "--world-size must be between 1 and {MAX_WORLD}, got {n}"
+        )));
+    }
+    let caps_ok = |c: f64| (crate::args::MIN_BUCKET_MB..=crate::args::MAX_BUCKET_MB).contains(&c);
+    if let Some(c) = a.bucket_mb.iter().chain(&a.first_bucket_mb).find(|&&c| !caps_ok(c)) {
+        return Err(Error::Usage(format!(
+            "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({:e}) and at most {}, got {}",
+            crate::args::MIN_BUCKET_MB,
+            crate::args::MAX_BUCKET_MB,
+            if c.is_finite() && c.abs() < 1e7 {
+                c.to_string()
+            } else {
+                format!("{c:e}")
+            }
+        )));
+    }
+    if let Some((_, c)) = a
+        .bucket_mb
+        .iter()
+        .enumerate()
+        .find(|(i, c)| a.bucket_mb[..*i].contains(c))
+    {
+        return Err(Error::Usage(format!(
+            "--bucket-mb lists {c} twice: each cap is one row"
+        )));
     }
     let text = std::fs::read_to_string(&a.profile).map_err(|source| Error::Io {
         path: a.profile.display().to_string(),

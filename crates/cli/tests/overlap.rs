@@ -177,4 +177,11 @@ fn predict_refuses_what_it_cannot_answer_in_one_line() {
         common::fails(&["predict", "--profile", junk.to_str().unwrap(), "--measured-link"])
             .contains("not a step profile")
     );
+    let link = ["--net-gbps", "1"];
+    let with = |extra: &[&str]| common::fails(&[&["predict", "--profile", p][..], &link, extra].concat());
+    assert!(with(&["--bucket-mb", "1,1"]).contains("lists 1 twice"));
+    assert!(with(&["--bucket-mb", "1e300"]).contains("got 1e300"));
+    assert!(with(&["--world-size", "18446744073709551615"]).contains("--world-size must be between"));
+    let e = common::fails(&["predict", "--profile", p, "--measured-link", "--net-latency-us", "5"]);
+    assert!(e.contains("goes with --net-gbps"), "{e}");
 }

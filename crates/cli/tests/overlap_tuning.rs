@@ -194,6 +194,32 @@ fn autotune_flags_refuse_what_they_cannot_do_in_one_line() {
     assert!(err.contains("powersgd"), "{err}");
     let err = fails(&[&base[..], &["--bucket-mb", "fast"]].concat());
     assert!(err.contains("auto"), "{err}");
+    let err = fails(&[&base[..], &["--bucket-mb", "auto", "--autotune-caps", "1,5,1"]].concat());
+    assert!(err.contains("lists 1 twice"), "{err}");
+    let err = fails(&[&base[..], &["--bucket-mb", "auto", "--autotune-caps", "1e-300"]].concat());
+    assert!(err.contains("at least one byte"), "{err}");
+    // a --policy sweep runs each policy once, with its own ZeRO stage
+    for extra in [["--repeat", "3"], ["--zero", "1"]] {
+        let err = fails(
+            &[
+                &[
+                    "sweep",
+                    "--model",
+                    "mlp",
+                    "--widths",
+                    "8,8,2",
+                    "--steps",
+                    "2",
+                    "--policy",
+                    "allreduce,fp16",
+                ][..],
+                &extra,
+                &["--out", s(&dir("policy-flags"))],
+            ]
+            .concat(),
+        );
+        assert!(err.contains(extra[0]) && err.contains("--policy"), "{err}");
+    }
     let out = dir("sweep-auto");
     let err = fails(&[
         "sweep",
