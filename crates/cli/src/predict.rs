@@ -101,9 +101,15 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             "--bucket-mb lists {c} twice: each cap is one row"
         )));
     }
-    let text = std::fs::read_to_string(&a.profile).map_err(|source| Error::Io {
-        path: a.profile.display().to_string(),
-        source,
+    let text = std::fs::read_to_string(&a.profile).map_err(|source| match source.kind() {
+        std::io::ErrorKind::InvalidData => Error::Usage(format!(
+            "{}: not a step profile (written by brigade train --profile): it is not text",
+            a.profile.display()
+        )),
+        _ => Error::Io {
+            path: a.profile.display().to_string(),
+            source,
+        },
     })?;
     // one step (--profile) or a list of steps (--profile-steps)
     let profiles: Vec<StepProfile> = match serde_json::from_str::<StepProfile>(&text) {
