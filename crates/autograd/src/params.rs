@@ -80,7 +80,7 @@ impl ParamStore {
     /// Drops every gradient, as PyTorch's `zero_grad(set_to_none=True)`: the next backward
     /// keeps each parameter's first gradient as the op produced it instead of adding it to
     /// zeros (a step saves the fill and an add over all parameters). Not for parameters
-    /// whose gradient is a bucket view (DDP): [`ParamSet::zero_grad`] keeps those in place.
+    /// whose gradient is a bucket view (DDP): [`ParamStore::zero_grad`] keeps those in place.
     pub fn set_grads_to_none(&self) -> Result<()> {
         self.params.iter().try_for_each(|p| p.set_grad(None))
     }

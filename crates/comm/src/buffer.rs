@@ -47,7 +47,7 @@ pub enum ReduceOp {
     /// Sum (as above) divided by the world size.
     Avg,
     /// Element-wise maximum; a NaN on any rank makes the result NaN, as `torch.max` and
-    /// `torch.distributed`'s `MAX` do (see [`nan_max`]), so a diverged rank is never hidden.
+    /// `torch.distributed`'s `MAX` do (see `nan_max`), so a diverged rank is never hidden.
     Max,
 }
 

@@ -9,7 +9,7 @@
 //! receives only the average of its shard. Stage 1 writes the shard back in place (the rest
 //! of the bucket is zeroed: this rank does not know it); stage 2 keeps only the shard and frees
 //! the full buffer, which is allocated again when the next backward makes a gradient of the
-//! bucket final ([`attach_grad`]). The optimizer is a [`ZeroOptimizer`]: one inner optimizer per
+//! bucket final (`attach_grad`). The optimizer is a [`ZeroOptimizer`]: one inner optimizer per
 //! bucket over this rank's pieces of the parameters (state only for them), stepping its shard
 //! and then **all-gathering** the updated parameters bucket by bucket, each bucket's
 //! all-gather overlapping the next bucket's step. The buckets are never rebuilt under ZeRO
