@@ -11,7 +11,7 @@
 
 use std::path::PathBuf;
 
-use brigade_ddp::overlap::{LinkCost, StepProfile};
+use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
 use clap::Args;
 use plotters::prelude::*;
 
@@ -233,10 +233,13 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         None => LinkCost::Measured,
     };
     let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
+    // the backend's launch overhead is the machine's, not a cap's: fitted once from every
+    // profile (small caps measure it during backward, large ones after)
+    let overhead = LaunchOverhead::fit(&profiles);
     let rows: Vec<SweepRow> = caps
         .iter()
         .zip(&samples)
-        .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, link))
+        .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, overhead, link))
         .collect();
     let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
     for (name, tl, title) in &timelines {

@@ -39,26 +39,10 @@ pub struct Sample {
 }
 
 impl Sample {
-    /// What the recorded step waited for its buckets after backward's compute ended (the
-    /// measured counterpart of the replay's wait, in ms): the last bucket's finish minus the
-    /// last rank's end of backward compute, on rank 0's clock
-    /// ([`StepProfile::clock_offsets`]).
+    /// What the recorded step waited for its buckets after backward's compute ended, in ms
+    /// ([`StepProfile::waited_s`]).
     pub fn waited_ms(&self) -> Option<f64> {
-        let p = self.profile.as_ref()?;
-        let offsets = p.clock_offsets();
-        let end = p
-            .ranks
-            .iter()
-            .zip(&offsets)
-            .map(|(r, o)| r.backward_end_s - o)
-            .fold(f64::NEG_INFINITY, f64::max);
-        let finish = p
-            .ranks
-            .iter()
-            .zip(&offsets)
-            .flat_map(|(r, o)| r.buckets.iter().map(move |b| b.finish_s - o))
-            .fold(f64::NEG_INFINITY, f64::max);
-        (finish.is_finite() && end.is_finite()).then(|| 1e3 * (finish - end).max(0.0))
+        Some(1e3 * self.profile.as_ref()?.waited_s()?)
     }
 }
 
@@ -129,12 +113,14 @@ fn median_of(v: Vec<f64>) -> Option<f64> {
 }
 
 /// Summarizes one cap's samples; `all_profiles` are every run's profiles (every cap), replayed
-/// under this cap on `link`.
+/// under this cap on `link` with the launch `overhead` fitted to all of them
+/// ([`LaunchOverhead::fit`]).
 pub fn summarize(
     cap: f64,
     first_bucket_mb: f64,
     samples: &[Sample],
     all_profiles: &[&StepProfile],
+    overhead: LaunchOverhead,
     link: LinkCost,
 ) -> SweepRow {
     let col = |f: fn(&Sample) -> f64| samples.iter().map(f).collect::<Vec<f64>>();
@@ -149,9 +135,6 @@ pub fn summarize(
         world_size: None,
         order: BucketOrder::Ready,
     };
-    // the backend's launch overhead is the machine's: fitted once from every profile, small
-    // caps measuring it during backward and large ones after
-    let overhead = LaunchOverhead::fit(all_profiles);
     let replays: Vec<_> = all_profiles
         .iter()
         .filter_map(|p| replay_with(p, &cfg, overhead).ok())
@@ -350,7 +333,7 @@ mod tests {
     fn a_row_holds_medians_and_spreads_and_the_csv_names_every_column() {
         // exposed per run: 5, 1, 9 -> median 5, spread 8; steps 30, 31, 35 -> median 31, spread 5
         let samples = [sample(30.0, 25.0), sample(31.0, 30.0), sample(35.0, 26.0)];
-        let row = summarize(5.0, 1.0, &samples, &[], LinkCost::Measured);
+        let row = summarize(5.0, 1.0, &samples, &[], LaunchOverhead::default(), LinkCost::Measured);
         assert_eq!((row.runs, row.step_ms, row.step_spread_ms), (3, 31.0, 5.0));
         assert_eq!((row.exposed_comm_ms, row.exposed_spread_ms), (5.0, 8.0));
         assert_eq!(row.compute_only_ms, 26.0);

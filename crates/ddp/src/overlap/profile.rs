@@ -149,6 +149,31 @@ impl RankProfile {
 }
 
 impl StepProfile {
+    /// The last rank's end of backward compute on rank 0's clock, given the ranks' `offsets`
+    /// ([`StepProfile::clock_offsets`]).
+    pub(crate) fn backward_end_at(&self, offsets: &[f64]) -> f64 {
+        self.ranks
+            .iter()
+            .zip(offsets)
+            .map(|(r, o)| r.backward_end_s - o)
+            .fold(f64::NEG_INFINITY, f64::max)
+    }
+
+    /// What the recorded step waited for its buckets after backward's compute ended, in
+    /// seconds on rank 0's clock (the measured counterpart of the replay's wait): the last
+    /// bucket's finish minus the last rank's end of backward. `None` without buckets.
+    pub fn waited_s(&self) -> Option<f64> {
+        let offsets = self.clock_offsets();
+        let end = self.backward_end_at(&offsets);
+        let finish = self
+            .ranks
+            .iter()
+            .zip(&offsets)
+            .flat_map(|(r, o)| r.buckets.iter().map(move |b| b.finish_s - o))
+            .fold(f64::NEG_INFINITY, f64::max);
+        (finish.is_finite() && end.is_finite()).then(|| (finish - end).max(0.0))
+    }
+
     /// How far each rank's clock runs ahead of rank 0's, in seconds: a time `t` in rank `r`'s
     /// entry is `t - offsets[r]` on rank 0's clock. Every rank stamps its times from the start of
     /// its own step, and the steps do not start together (each rank starts its next step after

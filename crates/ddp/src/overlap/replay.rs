@@ -126,7 +126,7 @@ impl LaunchOverhead {
         let mut samples = Samples::default();
         for p in profiles.iter().filter(|p| p.world_size > 1 && p.validate().is_ok()) {
             let offsets = p.clock_offsets();
-            overhead_samples(p, &offsets, backward_end(p, &offsets), &mut samples);
+            overhead_samples(p, &offsets, p.backward_end_at(&offsets), &mut samples);
         }
         fit_overhead(&samples)
     }
@@ -287,16 +287,6 @@ pub fn replay_with(
     replay_checked(profile, cfg, overhead).map_err(DdpError::Replay)
 }
 
-/// The last rank's end of backward compute, on rank 0's clock.
-fn backward_end(profile: &StepProfile, offsets: &[f64]) -> f64 {
-    profile
-        .ranks
-        .iter()
-        .zip(offsets)
-        .map(|(r, o)| r.backward_end_s - o)
-        .fold(f64::NEG_INFINITY, f64::max)
-}
-
 fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOverhead) -> Result<ReplayResult, String> {
     for (flag, v) in [
         ("bucket cap", cfg.bucket_cap_mb),
@@ -324,7 +314,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     let n_params = profile.params.len();
     // Every time on rank 0's clock from here on.
     let offsets = profile.clock_offsets();
-    let backward_end = backward_end(profile, &offsets);
+    let backward_end = profile.backward_end_at(&offsets);
     let ready_at = |r: usize, p: usize| ranks[r].grad_ready_s[p] - offsets[r];
     // A parameter is ready for the group once the last rank has it.
     let ready_all: Vec<f64> = (0..n_params)
