@@ -97,16 +97,26 @@ pub fn check_outputs(outputs: &[Output]) -> Result<()> {
     Ok(())
 }
 
-/// Checks that no output of `outputs` lands on the input `path` (read by `flag`), except those
-/// whose flag is in `may_replace` (`--checkpoint` may replace the `--resume` file it continues).
-/// One line names the pair.
-pub fn check_input_kept(flag: &str, path: &Path, outputs: &[Output], may_replace: &[&str]) -> Result<()> {
-    let input = Output::new(flag, path);
-    let Ok(at) = landing(&input) else {
-        return Ok(()); // the input's own check names what is wrong with it
-    };
-    for o in outputs.iter().filter(|o| !may_replace.contains(&o.flag.as_str())) {
-        if landing(o).is_ok_and(|p| p == at) {
+/// Where the file `path` (named by `flag`) really is, absolute, symbolic links followed; `None`
+/// when that cannot be told (the path's own check names what is wrong with it).
+pub fn resolved(flag: &str, path: &Path) -> Option<PathBuf> {
+    landing(&Output::new(flag, path)).ok()
+}
+
+/// One file a run reads: its flag, its path, and the flags of the outputs that may replace it
+/// (`--checkpoint` may continue the `--resume` file in place).
+pub type Input<'a> = (&'a str, &'a Path, &'a [&'a str]);
+
+/// Checks that no output of `outputs` lands on an input of `inputs`, except those the input
+/// allows. One line names the pair.
+pub fn check_inputs_kept(inputs: &[Input<'_>], outputs: &[Output]) -> Result<()> {
+    let landed: Vec<(&Output, PathBuf)> = outputs.iter().filter_map(|o| Some((o, landing(o).ok()?))).collect();
+    for &(flag, path, may_replace) in inputs {
+        let Some(at) = resolved(flag, path) else { continue };
+        let mut clash = landed
+            .iter()
+            .filter(|(o, p)| *p == at && !may_replace.contains(&o.flag.as_str()));
+        if let Some((o, _)) = clash.next() {
             return Err(Error::Usage(format!(
                 "{} {} would write over the {flag} file {}: give it its own path",
                 o.flag,

@@ -100,16 +100,11 @@ fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
     crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
     let out_dir = std::fs::canonicalize(out).map_err(io)?;
     for (flag, input) in [("--data", &run.data), ("--init", &run.init)] {
-        let Some(path) = input else { continue };
-        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        let Some(path) = input.as_deref() else { continue };
+        let Some(at) = crate::outputs::resolved(flag, path) else {
             continue;
         };
-        let dir = if dir.as_os_str().is_empty() {
-            std::path::Path::new(".")
-        } else {
-            dir
-        };
-        if name.to_str().is_some_and(written_by_a_sweep) && std::fs::canonicalize(dir).is_ok_and(|d| d == out_dir) {
+        if at.file_name().and_then(|n| n.to_str()).is_some_and(written_by_a_sweep) && at.parent() == Some(&*out_dir) {
             return Err(Error::Usage(format!(
                 "{flag} {} lies in --out {} under a name a sweep writes: move it or pick another --out",
                 path.display(),

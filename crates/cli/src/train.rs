@@ -145,15 +145,16 @@ impl TrainArgs {
         }
         let outputs = self.outputs();
         check_outputs(&outputs)?;
-        if let Some(p) = &self.resume {
-            crate::outputs::check_input_kept("--resume", p, &outputs, &["--checkpoint"])?;
-        }
-        if let Some(p) = &self.run.init {
-            crate::outputs::check_input_kept("--init", p, &outputs, &["--save"])?;
-        }
-        if let Some(p) = &self.run.data {
-            crate::outputs::check_input_kept("--data", p, &outputs, &[])?;
-        }
+        let inputs: [(&str, &Option<PathBuf>, &[&str]); 3] = [
+            ("--resume", &self.resume, &["--checkpoint"]),
+            ("--init", &self.run.init, &["--save"]),
+            ("--data", &self.run.data, &[]),
+        ];
+        let inputs: Vec<_> = inputs
+            .iter()
+            .filter_map(|&(flag, p, may)| Some((flag, p.as_deref()?, may)))
+            .collect();
+        crate::outputs::check_inputs_kept(&inputs, &outputs)?;
         Ok(())
     }
 
@@ -234,13 +235,8 @@ pub fn train(t: TrainArgs) -> Result<()> {
     };
     let mut report = run(&t.run, &opts)?;
     let stopped = report.stopped.take();
-    // diverged parameters are not a model: an earlier --save file stays as it was
     let diverged = matches!(stopped, Some(Error::NonFinite { .. }));
-    let outputs = TrainArgs {
-        save: if diverged { None } else { t.save.clone() },
-        ..t.clone()
-    };
-    let mut written = write_outputs(&outputs, &report, &kept);
+    let mut written = write_outputs(&t, &report, &kept, diverged);
     if let Some(failure) = report.checkpoint_error.take() {
         written = match written {
             Err(Error::Outputs(mut failures)) => {
@@ -376,10 +372,11 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
 
 /// `--save`, `--losses`, `--timeline`, written from rank 0's view of the run, every one
 /// attempted even when another fails. `kept` are the rows of an existing `--losses` file:
-/// those before the first step run are written again (a resumed run).
-pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]) -> Result<()> {
+/// those before the first step run are written again (a resumed run). A `diverged` run's
+/// parameters are not a model: it writes no `--save`, and an earlier file there stays.
+pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)], diverged: bool) -> Result<()> {
     let mut writes: Vec<Write<'_>> = vec![];
-    if let Some(path) = &t.save {
+    if let Some(path) = t.save.as_ref().filter(|_| !diverged) {
         let write = move || Ok(brigade_models::save_safetensors(path, &report.params, None)?);
         writes.push((Output::new("--save", path), Box::new(write)));
     }
