@@ -47,6 +47,19 @@ pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
 /// Smallest `--bucket-mb` / `--first-bucket-mb`: one byte.
 pub const MIN_BUCKET_MB: f64 = 1.0 / (1024.0 * 1024.0);
 
+/// Whether `mb` is a bucket cap Brigade takes: one byte to [`MAX_BUCKET_MB`] (NaN is not).
+pub fn cap_in_range(mb: f64) -> bool {
+    (MIN_BUCKET_MB..=MAX_BUCKET_MB).contains(&mb)
+}
+
+/// The first value `caps` lists a second time, if any (each cap is one row of a table).
+pub fn listed_twice(caps: &[f64]) -> Option<f64> {
+    caps.iter()
+        .enumerate()
+        .find(|(i, c)| caps[..*i].contains(c))
+        .map(|(_, c)| *c)
+}
+
 /// Checks `--net-gbps` and `--net-latency-us` (shared by `train`, `sweep` and `predict`).
 pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     if let Some(g) = gbps {
@@ -325,9 +338,8 @@ impl RunArgs {
                 return bad(format!("--momentum must be in [0, 1), got {m}"));
             }
         }
-        let positive = |b: f64| b >= MIN_BUCKET_MB && b.is_finite() && b <= MAX_BUCKET_MB;
         if self.bucket_mb.is_empty()
-            || !(self.bucket_mb.iter().all(|b| b.mib().is_none_or(positive)) && positive(self.first_bucket_mb))
+            || !(self.bucket_mb.iter().all(|b| b.mib().is_none_or(cap_in_range)) && cap_in_range(self.first_bucket_mb))
         {
             let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
             return bad(format!(

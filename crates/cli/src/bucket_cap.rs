@@ -134,7 +134,7 @@ impl RunArgs {
             .autotune_caps
             .iter()
             .flatten()
-            .find(|&&c| !(c >= crate::args::MIN_BUCKET_MB && c <= crate::args::MAX_BUCKET_MB))
+            .find(|&&c| !crate::args::cap_in_range(c))
         {
             return bad(format!(
                 "--autotune-caps must be finite numbers of MiB, at least one byte ({:e}) and at most {}, got {c}",
@@ -142,12 +142,8 @@ impl RunArgs {
                 crate::args::MAX_BUCKET_MB
             ));
         }
-        if let Some(c) = a
-            .autotune_caps
-            .as_ref()
-            .and_then(|c| c.iter().enumerate().find(|(i, x)| c[..*i].contains(x)))
-        {
-            return bad(format!("--autotune-caps lists {} twice", c.1));
+        if let Some(c) = a.autotune_caps.as_deref().and_then(crate::args::listed_twice) {
+            return bad(format!("--autotune-caps lists {c} twice"));
         }
         if a.autotune_caps.as_ref().is_some_and(|c| c.is_empty()) {
             return bad("--autotune-caps needs at least one cap".into());

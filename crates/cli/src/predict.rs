@@ -78,8 +78,12 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             "--world-size must be between 1 and {MAX_WORLD}, got {n}"
         )));
     }
-    let caps_ok = |c: f64| (crate::args::MIN_BUCKET_MB..=crate::args::MAX_BUCKET_MB).contains(&c);
-    if let Some(c) = a.bucket_mb.iter().chain(&a.first_bucket_mb).find(|&&c| !caps_ok(c)) {
+    if let Some(c) = a
+        .bucket_mb
+        .iter()
+        .chain(&a.first_bucket_mb)
+        .find(|&&c| !crate::args::cap_in_range(c))
+    {
         return Err(Error::Usage(format!(
             "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({:e}) and at most {}, got {}",
             crate::args::MIN_BUCKET_MB,
@@ -91,12 +95,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             }
         )));
     }
-    if let Some((_, c)) = a
-        .bucket_mb
-        .iter()
-        .enumerate()
-        .find(|(i, c)| a.bucket_mb[..*i].contains(c))
-    {
+    if let Some(c) = crate::args::listed_twice(&a.bucket_mb) {
         return Err(Error::Usage(format!(
             "--bucket-mb lists {c} twice: each cap is one row"
         )));

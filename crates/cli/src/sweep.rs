@@ -162,12 +162,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             s.repeat
         )));
     }
-    if let Some(b) = caps
-        .iter()
-        .enumerate()
-        .find(|(i, b)| caps[..*i].contains(b))
-        .map(|(_, b)| b)
-    {
+    if let Some(b) = crate::args::listed_twice(&caps) {
         return Err(Error::Usage(format!(
             "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
         )));
