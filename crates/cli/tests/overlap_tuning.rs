@@ -290,44 +290,11 @@ fn profile_steps_writes_each_step_of_the_range_and_predict_reads_the_list() {
     ]))
     .unwrap();
     assert_eq!(rows.len(), 2);
-    let err = fails(&[
-        "train",
-        "--model",
-        "mlp",
-        "--widths",
-        "8,8,2",
-        "--steps",
-        "2",
-        "--profile-steps",
-        "0..1",
-    ]);
+    let base = ["train", "--model", "mlp", "--widths", "8,8,2", "--steps", "2"];
+    let err = fails(&[&base[..], &["--profile-steps", "0..1"]].concat());
     assert!(err.contains("--profile"), "{err}");
-    let err = fails(&[
-        "train",
-        "--model",
-        "mlp",
-        "--widths",
-        "8,8,2",
-        "--steps",
-        "2",
-        "--profile",
-        s(&p),
-        "--profile-steps",
-        "1..5",
-    ]);
+    let err = fails(&[&base[..], &["--profile", s(&p), "--profile-steps", "1..5"]].concat());
     assert!(err.contains("--steps 2"), "{err}");
-    let err = fails(&[
-        "train",
-        "--model",
-        "mlp",
-        "--widths",
-        "8,8,2",
-        "--steps",
-        "2",
-        "--profile",
-        s(&p),
-        "--profile-steps",
-        "3..3",
-    ]);
+    let err = fails(&[&base[..], &["--profile", s(&p), "--profile-steps", "3..3"]].concat());
     assert!(err.contains("no step"), "{err}");
 }
