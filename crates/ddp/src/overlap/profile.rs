@@ -254,26 +254,30 @@ impl StepProfile {
                     self.params.len()
                 ));
             }
-            let times = [
-                r.backward_start_s,
-                r.backward_end_s,
-                r.optimizer_start_s,
-                r.optimizer_end_s,
-                r.step_end_s,
+            let spans = [
+                ("backward_start_s", r.backward_start_s),
+                ("backward_end_s", r.backward_end_s),
+                ("optimizer_start_s", r.optimizer_start_s),
+                ("optimizer_end_s", r.optimizer_end_s),
+                ("step_end_s", r.step_end_s),
             ];
-            let bucket_times = r
-                .buckets
-                .iter()
-                .flat_map(|b| [b.ready_s, b.launch_s, b.start_s, b.finish_s]);
-            if times
-                .iter()
-                .chain(&r.grad_ready_s)
-                .copied()
-                .chain(bucket_times)
-                .any(|t| !(0.0..=MAX_TIME_S).contains(&t))
+            let ready = r.grad_ready_s.iter().map(|&t| ("grad_ready_s", t));
+            let buckets = r.buckets.iter().flat_map(|b| {
+                [
+                    ("a bucket's ready_s", b.ready_s),
+                    ("a bucket's launch_s", b.launch_s),
+                    ("a bucket's start_s", b.start_s),
+                    ("a bucket's finish_s", b.finish_s),
+                ]
+            });
+            if let Some((what, t)) = spans
+                .into_iter()
+                .chain(ready)
+                .chain(buckets)
+                .find(|(_, t)| !(0.0..=MAX_TIME_S).contains(t))
             {
                 return Err(format!(
-                    "rank {i}: a time is negative, not finite or past {MAX_TIME_S} s"
+                    "rank {i}: {what} is {t}: a time is negative, not finite or past {MAX_TIME_S} s"
                 ));
             }
             if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {
