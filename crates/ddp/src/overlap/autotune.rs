@@ -193,7 +193,8 @@ fn encode(p: &RankProfile, out: &mut Vec<f64>) {
         p.optimizer_start_s,
         p.optimizer_end_s,
         p.step_end_s,
-        p.waited_until(),
+        // the instant its collectives ended, which rank 0 knows on its own clock (NaN: none)
+        p.buckets.iter().map(|b| b.finish_s).fold(f64::NAN, f64::max),
     ]);
     out.extend_from_slice(&p.grad_ready_s);
 }
@@ -212,22 +213,32 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
 }
 
 /// Rank `rank`'s profile from its encoded spans `v`, with rank 0's buckets `rank0_buckets`: another
-/// rank ran the same collectives, which ended on its clock when its wait did (`v[5]`), so they are
-/// shifted there (the replay charges what followed that wait as recorded, not the wait itself).
+/// rank ran the same collectives, whose last one ended at one instant on every rank, on its clock
+/// at `v[5]`, so they are shifted there (the replay charges what followed the rank's wait as
+/// recorded, not the wait itself). Its wait may have ended later than that, with its backward.
 fn rank_profile(rank: usize, v: &[f64], rank0_buckets: &[super::BucketProfile]) -> RankProfile {
     let mut p = decode(rank, v);
     let last = rank0_buckets.iter().map(|b| b.finish_s).fold(f64::NAN, f64::max);
-    let shift = if rank == 0 || !last.is_finite() {
+    let shift = if rank == 0 || !last.is_finite() || !v[5].is_finite() {
         0.0
     } else {
         v[5] - last
     };
+    // When each bucket was ready and issued is this rank's own (its gradients' ready times, in
+    // strict bucket order), not rank 0's moved to this clock: a rank that started its step
+    // after rank 0 issued a bucket would otherwise get negative times.
+    let mut issued = 0.0f64;
     p.buckets = rank0_buckets
         .iter()
         .map(|b| {
             let mut b = b.clone();
-            b.start_s += shift;
-            b.finish_s += shift;
+            b.ready_s = b.params.iter().map(|&q| p.grad_ready_s[q]).fold(0.0, f64::max);
+            issued = issued.max(b.ready_s);
+            b.launch_s = issued;
+            // where the collectives' start is not one instant on every rank (no shared link),
+            // the shift is approximate: no collective starts on this rank before it issued it
+            b.start_s = (b.start_s + shift).max(issued);
+            b.finish_s = (b.finish_s + shift).max(b.start_s);
             b
         })
         .collect();
