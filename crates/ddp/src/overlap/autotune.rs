@@ -452,6 +452,39 @@ mod rank_profile_tests {
     }
 
     #[test]
+    fn a_rank_whose_buckets_were_hidden_gets_them_at_their_own_instants() {
+        // Rank 1's clock runs 5 ms behind rank 0's; its one bucket ran 0.075..0.085 on its
+        // clock, hidden by a backward that ended at 0.095: its wait ended with its backward,
+        // not with the bucket, and the rebuilt bucket must not move there.
+        let bucket = BucketProfile {
+            params: vec![0],
+            bytes: 4 << 20,
+            ready_s: 0.076,
+            launch_s: 0.076,
+            start_s: 0.08,
+            finish_s: 0.09,
+        };
+        let rank0 = spans(0.0, std::slice::from_ref(&bucket));
+        let mut rank1 = spans(-0.005, &[]);
+        rank1.buckets = vec![BucketProfile {
+            start_s: 0.075,
+            finish_s: 0.085,
+            ..bucket.clone()
+        }];
+        let mut v = vec![];
+        encode(&rank1, &mut v);
+        let rebuilt = rank_profile(1, &v, &rank0.buckets);
+        let b = &rebuilt.buckets[0];
+        assert!(
+            (b.start_s - 0.075).abs() < 1e-12 && (b.finish_s - 0.085).abs() < 1e-12,
+            "{b:?}"
+        );
+        // its own ready and issue times (0.08 - 0.005), not rank 0's
+        assert!((b.ready_s - 0.075).abs() < 1e-12 && b.launch_s == b.ready_s, "{b:?}");
+        assert!((rebuilt.waited_until() - 0.095).abs() < 1e-12);
+    }
+
+    #[test]
     fn the_reported_prediction_is_the_median_of_the_checks_at_the_final_cap() {
         let d = |changed: bool, from: f64, best: f64, from_s: f64, best_s: f64| super::AutotuneDecision {
             after_step: 0,
