@@ -27,7 +27,7 @@ WORLDS=${WORLDS:-2 4}
 GBPS=${GBPS:-1 10}
 LATENCY_US=${LATENCY_US:-20}
 if [[ -z "${BRIGADE:-}" ]]; then
-  cargo build --release -p brigade >&2
+  cargo build --release -p brigade-cli >&2
   BRIGADE=target/release/brigade
 fi
 mkdir -p "$OUT"

@@ -12,8 +12,8 @@ mkdir -p "$CARRY/tests"
 
 echo "== release test binaries (cargo test --release --no-run)"
 cargo test --release -p brigade-tensor --no-run --message-format=json \
-  --test cuda_ops --test cuda_probe --test cuda_nvrtc --test cuda_bench >"$CARRY/build.json"
-# Each test target's executable, from cargo's own JSON (no guessing at hashed names).
+  --test tensor >"$CARRY/build.json"
+# The test binary's executable (its CUDA tests are the modules cuda_*), from cargo's own JSON (no guessing at hashed names).
 python3 - "$CARRY" <<'PY'
 import json, shutil, sys, os
 carry = sys.argv[1]
@@ -30,7 +30,7 @@ PY
 rm "$CARRY/build.json"
 
 echo "== release brigade binary"
-cargo build --release -p brigade
+cargo build --release -p brigade-cli
 cp target/release/brigade "$CARRY/brigade"
 
 strip "$CARRY/brigade" "$CARRY"/tests/* 2>/dev/null || true

@@ -89,13 +89,13 @@ fi
 export BRIGADE_REQUIRE_CUDA=1
 if want tests; then
 for t in cuda_probe cuda_nvrtc cuda_ops; do
-  run "test-$t" 200 "$CARRY/tests/$t" --test-threads=1
+  run "test-$t" 200 "$CARRY/tests/tensor" --test-threads=1 "$t::"
 done
 fi
 
 # ---- GEMM: Brigade vs direct cuBLAS, 4096^3, f32 and bf16 (goal: >= 0.95x)
 if want gemm; then
-BRIGADE_BENCH_OUT="$OUT/gemm_brigade.json" run bench-gemm 90 "$CARRY/tests/cuda_bench" --ignored --test-threads=1 gemm_4096
+BRIGADE_BENCH_OUT="$OUT/gemm_brigade.json" run bench-gemm 90 "$CARRY/tests/tensor" --ignored --test-threads=1 cuda_bench::gemm_4096
 if [ -f "$OUT/gemm_brigade.json" ]; then say "gemm (Brigade vs cuBLAS): $(cat "$OUT/gemm_brigade.json")"; else
   say "FAIL bench-gemm wrote no numbers"
   FAILED=1

@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v mpirun >/dev/null || { echo "mpirun not found: apt-get install -y openmpi-bin libopenmpi-dev libclang-dev" >&2; exit 1; }
 cargo test -p brigade-comm --features mpi --lib -- mpi::
-cargo test -p brigade-comm --features mpi --test mpi_collectives -- --test-threads=1
-cargo test -p brigade --features mpi --test mpi_train -- --test-threads=1
-cargo test -p brigade --features mpi --test mpi_launch -- --test-threads=1
+cargo test -p brigade-comm --features mpi --test comm -- --test-threads=1 mpi_collectives::
+cargo test -p brigade-cli --features mpi --test cli -- --test-threads=1 mpi_train::
+cargo test -p brigade --features mpi --test brigade -- --test-threads=1 mpi_launch::

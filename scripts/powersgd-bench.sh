@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-out/powersgd-bench}
 shift || true
-cargo build --release -p brigade >/dev/null
+cargo build --release -p brigade-cli >/dev/null
 mkdir -p "$OUT"
 CMD=(target/release/brigade sweep --model gpt --world-size 2 --steps 200 --batch-size 8 --lr 3e-4
   --policy allreduce,powersgd:4 --powersgd-start-iter 10 --out "$OUT" --json "$@")

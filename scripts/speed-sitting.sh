@@ -4,7 +4,7 @@
 #
 #   scripts/speed-sitting.sh [OUT_DIR]        (from the repository root, nothing else running)
 #
-# Needs: target/release/brigade (cargo build --release -p brigade), the torchref venv
+# Needs: target/release/brigade (cargo build --release -p brigade-cli), the torchref venv
 # (TORCHREF, default $HOME/torchref with .venv, see ../shared/torchref/README.md), python3 with
 # numpy + threadpoolctl for ../shared/tools/roofline.py. ROUNDS (default 3).
 # Writes every raw output under OUT_DIR (default sitting-<date>/) and prints the ratio table.

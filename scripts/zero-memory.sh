@@ -5,7 +5,7 @@
 # Prints a markdown table for docs/BENCHMARKS.md.
 set -euo pipefail
 BIN=${1:-target/release/brigade}
-[ -x "$BIN" ] || cargo build --release -p brigade
+[ -x "$BIN" ] || cargo build --release -p brigade-cli
 MLP=(--model mlp)             # reference widths 512,2048,2048,2048,10
 GPT=(--model gpt)             # reference d_model 256, 4 layers, 4 heads, context 128
 mib() { python3 -c "print(f'{$1/2**20:.2f}')"; }

@@ -4,25 +4,20 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-// The library half (fit, launch, trainer, checkpoint, timeline, device, error) is `brigade`'s
-// lib target.
-use brigade::{device, error, launch, timeline, trainer};
+// The library (fit, launch, trainer, checkpoint, device, error) is the `brigade` crate.
+use brigade::{device, error, launch, trainer};
 
 mod args;
-mod bench;
-mod bench_gemm;
-mod bench_ops;
 mod bucket_cap;
+mod commands;
 mod outputs;
 mod policy;
-mod policy_sweep;
-mod predict;
+mod report;
 mod run;
 mod sent;
 mod signal;
-mod sweep;
-mod sweep_stats;
-mod train;
+
+use commands::{bench, predict, sweep, train};
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]

@@ -148,11 +148,11 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
     let launch_cfg = launch_config(args, opts);
     let train_cfg = train_config(args, opts)?;
-    brigade::nccl::check_flags(args.backend, args.device, &args.hook_spec())?;
+    brigade::launch::nccl::check_flags(args.backend, args.device, &args.hook_spec())?;
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
     if args.backend == Backend::Nccl {
-        brigade::nccl::require(args.world_size)?;
+        brigade::launch::nccl::require(args.world_size)?;
     }
     let kind = args.model.kind();
     let report = fit(

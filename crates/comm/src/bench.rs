@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::{launch, Buffer, CommError, Communicator, ReduceOp};
+use crate::{run_on_threads, Buffer, CommError, Communicator, ReduceOp};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -138,7 +138,7 @@ pub fn time_all_reduce(comm: &dyn Communicator, cfg: &CommBenchConfig) -> Result
 
 /// Times f32 sum all-reduces of each size on a thread group; returns rank 0's measurements.
 pub fn bench_all_reduce(cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, CommError> {
-    let results = launch(cfg.world_size, |comm| time_all_reduce(&comm, cfg));
+    let results = run_on_threads(cfg.world_size, |comm| time_all_reduce(&comm, cfg));
     results.into_iter().next().expect("at least one rank")?
 }
 

@@ -4,40 +4,11 @@ use std::fmt;
 
 use half::{bf16, f16};
 
-/// Element type of a [`Buffer`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// 32-bit IEEE float.
-    F32,
-    /// 16-bit IEEE float (reduced with f32 accumulation).
-    F16,
-    /// bfloat16 (reduced with f32 accumulation).
-    BF16,
-    /// Raw bytes: broadcast and all-gather only; reductions return [`crate::CommError::Unsupported`].
-    U8,
-}
-
-impl DType {
-    /// Size of one element in bytes.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
-        }
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::U8 => "u8",
-        })
-    }
-}
+/// Element type of a [`Buffer`]: Brigade's one [`DType`] (a tensor's storage names its
+/// elements with the same type). Buffers hold `F32`, `F16`, `BF16` (reduced with f32
+/// accumulation) and `U8` (raw bytes: broadcast and all-gather only; reductions return
+/// [`crate::CommError::Unsupported`]).
+pub use brigade_dtype::DType;
 
 /// How a reduction combines the ranks' elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -105,14 +76,16 @@ macro_rules! accessors {
 }
 
 impl Buffer {
-    /// A buffer of `len` zeros of type `dtype`.
-    pub fn zeros(dtype: DType, len: usize) -> Buffer {
-        match dtype {
+    /// A buffer of `len` zeros of type `dtype`, or `None` for a type buffers do not hold
+    /// (`F64`, `I64`).
+    pub fn zeros(dtype: DType, len: usize) -> Option<Buffer> {
+        Some(match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
             DType::U8 => Buffer::U8(vec![0; len]),
-        }
+            DType::F64 | DType::I64 => return None,
+        })
     }
 
     /// Number of elements.
@@ -142,7 +115,7 @@ impl Buffer {
 
     /// Size of the elements in bytes.
     pub fn byte_len(&self) -> usize {
-        self.len() * self.dtype().size_bytes()
+        self.len() * self.dtype().size_in_bytes()
     }
 
     /// Address of the first element (for checking that a collective handed back the same

@@ -80,7 +80,7 @@ pub enum CommError {
     /// The backend itself failed (a bug: it panicked while executing a collective).
     #[error("backend failure: {0}")]
     Internal(String),
-    /// A rank's closure panicked inside [`crate::launch`].
+    /// A rank's closure panicked inside [`crate::run_on_threads`].
     #[error("rank {rank} panicked: {message}")]
     Panicked {
         /// The rank that panicked.

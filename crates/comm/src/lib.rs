@@ -4,7 +4,7 @@
 //!   reduce-scatter, barrier) on typed flat [`Buffer`]s, each returning a [`Work`] handle.
 //! - [`CommStream`]: the per-rank comm stream that runs collectives in issue order on a worker
 //!   thread over a synchronous [`Transport`]; a backend implements only the transport.
-//! - [`ThreadGroup`] / [`launch`]: the thread backend, `n` ranks as threads of one process.
+//! - [`ThreadGroup`] / [`run_on_threads`]: the thread backend, `n` ranks as threads of one process.
 //! - [`SimulatedNetwork`]: makes any communicator as slow as a network of latency `alpha` and
 //!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
 //! - [`Metered`] / [`CommMeter`]: bytes a rank hands to its collectives and sends on the wire.
@@ -39,6 +39,8 @@ pub use meter::{CommBytes, CommMeter, Metered, MeteredOp};
 pub use mpi::{MpiComm, MpiTransport, MpiWorld};
 pub use sim::{NetModel, SharedLink, SimulatedNetwork};
 pub use stream::{CommStream, Transport};
-pub use thread::{launch, launch_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT};
+pub use thread::{
+    run_on_threads, run_on_threads_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT,
+};
 pub use trace::{chrome_trace, reducing_bucket, Event, EventKind, Recorder, SpanGuard, SpanId, Stamp, Traced, Track};
 pub use work::{OpTiming, Promise, Work, WorkEvent};

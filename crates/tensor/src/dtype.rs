@@ -4,42 +4,11 @@ use half::{bf16, f16};
 
 use crate::storage::CpuStorage;
 
-/// The element type of a tensor's storage.
-///
-/// Kernels compute in `F32` (and `F64`, used by the finite-difference gradient checker);
-/// `F16` and `BF16` are storage formats converted on the way in and out; `I64` and `U8`
-/// hold indices and tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F64,
-    F16,
-    BF16,
-    I64,
-    U8,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
-        }
-    }
-
-    /// True for the types kernels compute in (`F32`, `F64`).
-    pub fn is_compute(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
-    }
-
-    /// True for floating-point types.
-    pub fn is_float(self) -> bool {
-        !matches!(self, DType::I64 | DType::U8)
-    }
-}
+/// The element type of a tensor's storage: Brigade's one [`DType`] (shared with the
+/// collectives' buffers, `brigade-comm`). Kernels compute in `F32` (and `F64`, used by the
+/// finite-difference gradient checker); `F16` and `BF16` are storage formats converted on the
+/// way in and out; `I64` and `U8` hold indices and tokens.
+pub use brigade_dtype::DType;
 
 /// A type that a tensor can hold, and that host vectors moved in and out of tensors have.
 pub trait Element: Copy + Send + Sync + std::fmt::Debug + Default + 'static {

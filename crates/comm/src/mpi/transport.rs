@@ -133,7 +133,10 @@ impl MpiTransport {
         std::mem::forget(std::mem::take(&mut self.desc_recv));
         if let Some(buf) = buf {
             let dtype = buf.dtype();
-            std::mem::forget(std::mem::replace(buf, Buffer::zeros(dtype, 0)));
+            std::mem::forget(std::mem::replace(
+                buf,
+                Buffer::zeros(dtype, 0).unwrap_or(Buffer::U8(Vec::new())),
+            ));
         }
     }
 

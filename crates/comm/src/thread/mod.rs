@@ -21,7 +21,7 @@ use rendezvous::Rendezvous;
 /// A rank of a thread group: a [`CommStream`] over a [`ThreadTransport`].
 pub type ThreadComm = CommStream<ThreadTransport>;
 
-/// Timeout of [`ThreadGroup::new`] and [`launch`].
+/// Timeout of [`ThreadGroup::new`] and [`run_on_threads`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Creates the communicators of a group of ranks that live in one process.
@@ -55,12 +55,12 @@ impl ThreadGroup {
 /// Runs `f` on `n` ranks, each on its own thread with its own communicator, and returns each
 /// rank's result (rank order). A rank that panics yields [`CommError::Panicked`]; the others see
 /// it as dead and fail instead of hanging. Uses [`DEFAULT_TIMEOUT`].
-pub fn launch<R: Send>(n: usize, f: impl Fn(ThreadComm) -> R + Sync) -> Vec<Result<R, CommError>> {
-    launch_with_timeout(n, DEFAULT_TIMEOUT, f)
+pub fn run_on_threads<R: Send>(n: usize, f: impl Fn(ThreadComm) -> R + Sync) -> Vec<Result<R, CommError>> {
+    run_on_threads_with_timeout(n, DEFAULT_TIMEOUT, f)
 }
 
-/// As [`launch`], with `timeout` for every wait.
-pub fn launch_with_timeout<R: Send>(
+/// As [`run_on_threads`], with `timeout` for every wait.
+pub fn run_on_threads_with_timeout<R: Send>(
     n: usize,
     timeout: Duration,
     f: impl Fn(ThreadComm) -> R + Sync,

@@ -88,7 +88,7 @@ unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
     let d = &descs[rank];
     let Some(dtype) = d.dtype else { return };
     let ptrs: Vec<*mut u8> = descs.iter().map(|d| d.ptr.0).collect();
-    let esize = dtype.size_bytes();
+    let esize = dtype.size_in_bytes();
     match d.kind {
         OpKind::AllReduce(op) => {
             let (lo, hi) = chunk(d.len, world, rank);
@@ -131,7 +131,9 @@ unsafe fn reduce_typed(dtype: DType, srcs: &[*mut u8], dsts: &[*mut u8], lo: usi
         DType::F32 => unsafe { typed::<f32>(srcs, dsts, lo, hi, op) },
         DType::F16 => unsafe { typed::<f16>(srcs, dsts, lo, hi, op) },
         DType::BF16 => unsafe { typed::<bf16>(srcs, dsts, lo, hi, op) },
-        DType::U8 => unreachable!("validate rejects reductions on u8"),
+        DType::U8 | DType::F64 | DType::I64 => {
+            unreachable!("buffers hold no {dtype}, and validate rejects reductions on u8")
+        }
     }
 }
 

@@ -410,7 +410,7 @@ mod tests {
 
     #[test]
     fn stepping_after_the_buckets_were_regrouped_is_an_error() {
-        let out = brigade_comm::launch(2, |comm| {
+        let out = brigade_comm::run_on_threads(2, |comm| {
             let mut store = ParamStore::new();
             for i in 0..3 {
                 store.add(format!("p{i}"), Tensor::zeros(&[300], DType::F32)).unwrap();

@@ -1,5 +1,5 @@
 //! Brigade's GEMM beside a direct cuBLAS call on the same device buffers, the same shapes, in
-//! the same run: what `brigade bench gemm --device cuda` and `tests/cuda_bench.rs` print.
+//! the same run: what `brigade bench gemm --device cuda` and `crates/tensor/tests/tensor/cuda_bench.rs` print.
 //! Measures; it checks nothing (the ops tests check the numbers).
 
 use std::sync::Arc;

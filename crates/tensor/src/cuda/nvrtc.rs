@@ -3,7 +3,7 @@
 //! The `.cu` files live beside this module and are embedded with `include_str!`; each is
 //! compiled on first use to machine code for the architecture of the device that runs it,
 //! and cached per device by [`super::CudaDevice`]. NVRTC needs no GPU, so [`compile`] also
-//! runs on CPU-only machines: the test `crates/tensor/tests/cuda_nvrtc.rs` compiles every
+//! runs on CPU-only machines: the test `crates/tensor/tests/tensor/cuda_nvrtc.rs` compiles every
 //! file for sm_80 and sm_90 with [`compile_strict`].
 
 use std::ffi::{c_char, CString};

@@ -1,0 +1,51 @@
+//! The thread backend: N ranks as threads of this process over one shared-memory group.
+
+use std::sync::Arc;
+
+use brigade_comm::{run_on_threads_with_timeout, Communicator, SharedLink};
+
+use super::{comm_stack, pick_error, Backend, LaunchConfig, Launched, RankContext, SimLink};
+use crate::error::Result;
+
+/// Runs `setup` once, then `rank_fn` on `cfg.world_size` threads (see [`super::launch`]).
+pub fn launch<S: Sync, T: Send>(
+    cfg: &LaunchConfig,
+    setup: impl FnOnce(usize) -> Result<S>,
+    rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
+) -> Result<Launched<T>> {
+    let world = cfg.world_size;
+    let shared = setup(world)?;
+    let link = cfg.net.map(SharedLink::new);
+    let results = run_on_threads_with_timeout(world, cfg.timeout, |comm| {
+        let rank = comm.rank();
+        let base: Arc<dyn Communicator> = Arc::new(comm);
+        let ctx = RankContext {
+            rank,
+            world_size: world,
+            local_ranks: world,
+            comm: comm_stack(base.clone(), link.as_ref().map(SimLink::Shared), cfg.recorder.as_ref()),
+            control: base,
+            recorder: cfg.recorder.clone(),
+            backend: Backend::Thread,
+            nccl: cfg.backend == Backend::Nccl,
+        };
+        rank_fn(&ctx, &shared)
+    });
+    let mut outs = vec![];
+    let mut errors = vec![];
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(out)) => outs.push((rank, out)),
+            Ok(Err(e)) => errors.push((rank, e)),
+            Err(e) => errors.push((rank, e.into())),
+        }
+    }
+    if errors.is_empty() {
+        return Ok(Launched {
+            world_size: world,
+            results: outs,
+        });
+    }
+    let (rank, e) = pick_error(errors);
+    Err(e.on_rank(rank, world))
+}

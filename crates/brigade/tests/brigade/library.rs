@@ -1,0 +1,281 @@
+//! The library's training loop (`brigade::fit`) over a model and a data source defined here,
+//! outside Brigade's crates: sharding (N ranks == one rank on the whole batch == accumulation),
+//! checkpoint/resume, a user's own comm hook per rank, the timeline and profile, and a failing
+//! rank named.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use brigade::autograd::{scope, ParamStore, Var};
+use brigade::comm::{Communicator, EventKind, Recorder, Work};
+use brigade::data::{DataSource, Microbatch};
+use brigade::ddp::hooks::{AllReduceHook, CommHook, GradBucket};
+use brigade::launch::LaunchConfig;
+use brigade::models::nn::{Activation, Init, Linear, Params};
+use brigade::models::{Batch, Model};
+use brigade::tensor::{DType, Rng, Tensor};
+use brigade::trainer::{OptimizerConfig, TrainConfig};
+use brigade::{fit, Error, RunReport};
+
+const IN: usize = 6;
+const CLASSES: usize = 3;
+
+/// `Linear ReLU Linear`, parameters `l1.*`, `l2.*`, one scope per layer.
+struct Tiny {
+    store: ParamStore,
+    l1: Linear,
+    l2: Linear,
+}
+
+impl Tiny {
+    fn new() -> brigade::models::Result<Tiny> {
+        let (mut store, mut rng) = (ParamStore::new(), Rng::new(3));
+        let mut p = Params::new(&mut store, &mut rng, DType::F32);
+        let l1 = Linear::new(&mut p.sub("l1"), IN, 16, true, Init::TorchLinear)?;
+        let l2 = Linear::new(&mut p.sub("l2"), 16, CLASSES, true, Init::TorchLinear)?;
+        Ok(Tiny { store, l1, l2 })
+    }
+}
+
+impl Model for Tiny {
+    fn params(&self) -> &ParamStore {
+        &self.store
+    }
+
+    fn loss(&self, batch: &Batch) -> brigade::models::Result<Var> {
+        let Batch::Classify { inputs, targets } = batch else {
+            panic!("classification rows")
+        };
+        let h = scope("l1", || {
+            Activation::Relu.apply(&self.l1.forward(&Var::constant(inputs.clone()))?)
+        })?;
+        let logits = scope("l2", || self.l2.forward(&h))?;
+        Ok(logits.cross_entropy(targets)?)
+    }
+
+    fn layer_names(&self) -> Vec<String> {
+        vec!["l1".into(), "l2".into()]
+    }
+}
+
+/// Row `i`: inputs drawn from seed `i`, labelled by which of the first 3 is largest.
+struct Rows {
+    fingerprint: Option<String>,
+    /// Fail on this (rank, step).
+    fail_at: Option<(usize, usize)>,
+}
+
+impl Rows {
+    fn new() -> Rows {
+        Rows {
+            fingerprint: None,
+            fail_at: None,
+        }
+    }
+}
+
+impl DataSource for Rows {
+    fn batch(&self, mb: &Microbatch) -> brigade::Result<Batch> {
+        if self.fail_at == Some((mb.rank, mb.step)) {
+            return Err(Error::Usage(format!("no rows for step {}", mb.step)));
+        }
+        let (mut x, mut y) = (vec![], vec![]);
+        for i in mb.first_row()..mb.first_row() + mb.rows {
+            let mut rng = Rng::new(i as u64);
+            let row: Vec<f32> = (0..IN).map(|_| rng.normal() as f32).collect();
+            y.push((0..CLASSES).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as i64);
+            x.extend(row);
+        }
+        Ok(Batch::Classify {
+            inputs: Tensor::from_vec(x, &[mb.rows, IN])?,
+            targets: Tensor::from_vec(y, &[mb.rows])?,
+        })
+    }
+
+    fn fingerprint(&self) -> Option<String> {
+        self.fingerprint.clone()
+    }
+}
+
+fn config(steps: usize, batch: usize) -> TrainConfig {
+    let sgd = OptimizerConfig::Sgd {
+        lr: 0.2,
+        momentum: 0.9,
+        weight_decay: 0.0,
+    };
+    TrainConfig {
+        model_name: "tiny".into(),
+        compute_threads: Some(1),
+        ..TrainConfig::new(steps, batch, sgd)
+    }
+}
+
+fn run(world: usize, cfg: &TrainConfig, rows: Rows) -> brigade::Result<RunReport> {
+    fit(
+        &LaunchConfig::threads(world),
+        cfg,
+        |_| Ok(rows),
+        |_| Ok(Box::new(Tiny::new()?)),
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("brigade-library-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn assert_close(a: &[f64], b: &[f64], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (s, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{what}: step {s}: {x} vs {y}");
+    }
+}
+
+#[test]
+fn a_user_model_on_two_ranks_matches_one_rank_on_the_whole_batch_and_accumulation() {
+    let two = run(2, &config(5, 8), Rows::new()).unwrap();
+    let one = run(1, &config(5, 16), Rows::new()).unwrap();
+    let accum = run(
+        1,
+        &TrainConfig {
+            accum: 2,
+            ..config(5, 8)
+        },
+        Rows::new(),
+    )
+    .unwrap();
+    assert_eq!(two.losses.len(), 5);
+    assert!(two.losses[4] < two.losses[0], "it learns: {:?}", two.losses);
+    assert_close(&two.losses, &one.losses, "2 ranks x 8 rows vs 1 rank x 16 rows");
+    assert_close(&accum.losses, &one.losses, "2 microbatches of 8 vs one of 16");
+    let names: Vec<&str> = two.params.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]);
+}
+
+#[test]
+fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
+    let d = tmp("resume");
+    let ckpt = d.join("tiny.ckpt");
+    let rows = || Rows {
+        fingerprint: Some("rows v1".into()),
+        fail_at: None,
+    };
+    let straight = run(2, &config(4, 8), rows()).unwrap();
+    let first = TrainConfig {
+        checkpoint: Some(ckpt.clone()),
+        ..config(2, 8)
+    };
+    run(2, &first, rows()).unwrap();
+    let resume = TrainConfig {
+        resume: Some(ckpt.clone()),
+        ..config(4, 8)
+    };
+    let resumed = run(2, &resume, rows()).unwrap();
+    assert_eq!(resumed.first_step, 2);
+    assert_eq!(resumed.losses, straight.losses[2..], "bit for bit");
+
+    // Other data, or another model's checkpoint, is refused with the reason.
+    let other = Rows {
+        fingerprint: Some("rows v2".into()),
+        fail_at: None,
+    };
+    let e = run(2, &resume, other).err().expect("other data").to_string();
+    assert!(e.contains("rows v1") && e.contains("rows v2"), "{e}");
+    let renamed = TrainConfig {
+        model_name: "other".into(),
+        ..resume.clone()
+    };
+    let e = run(2, &renamed, rows()).err().expect("another model").to_string();
+    assert!(e.contains("model 'tiny'") && e.contains("'other'"), "{e}");
+}
+
+/// Counts each rank's reductions around the default all-reduce.
+struct Counting(Arc<AtomicUsize>);
+
+impl CommHook for Counting {
+    fn name(&self) -> String {
+        "counting".into()
+    }
+
+    fn reduce(&self, comm: &Arc<dyn Communicator>, bucket: GradBucket) -> Work<Vec<f32>> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        AllReduceHook.reduce(comm, bucket)
+    }
+}
+
+#[test]
+fn every_rank_makes_its_own_comm_hook_from_a_closure() {
+    let made: Arc<Mutex<BTreeMap<usize, Arc<AtomicUsize>>>> = Arc::default();
+    let m = made.clone();
+    let cfg = TrainConfig {
+        comm_hook: Arc::new(move |rank: usize| {
+            let calls = Arc::new(AtomicUsize::new(0));
+            m.lock().unwrap().insert(rank, calls.clone());
+            Arc::new(Counting(calls)) as Arc<dyn CommHook>
+        }),
+        ..config(3, 8)
+    };
+    let report = run(2, &cfg, Rows::new()).unwrap();
+    let made = made.lock().unwrap();
+    assert_eq!(made.keys().copied().collect::<Vec<_>>(), [0, 1], "one hook per rank");
+    for (rank, calls) in made.iter() {
+        // every bucket of every step went through the rank's own hook
+        assert_eq!(calls.load(Ordering::Relaxed), 3 * report.buckets.len(), "rank {rank}");
+    }
+}
+
+#[test]
+fn the_timeline_and_profile_cover_every_rank_and_the_user_model_layers() {
+    let launch = LaunchConfig {
+        recorder: Some(Recorder::new()),
+        ..LaunchConfig::threads(2)
+    };
+    let cfg = TrainConfig {
+        profile: true,
+        ..config(3, 8)
+    };
+    let report = fit(&launch, &cfg, |_| Ok(Rows::new()), |_| Ok(Box::new(Tiny::new()?))).unwrap();
+    let timeline = report.timeline.expect("a recorded last step");
+    assert_eq!(timeline.step, 2);
+    for rank in 0..2 {
+        let scopes: Vec<&str> = timeline
+            .events
+            .iter()
+            .filter(|e| e.rank == rank)
+            .filter_map(|e| match &e.kind {
+                EventKind::Backward { scope: Some(scope) } => Some(scope.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            scopes.contains(&"l1") && scopes.contains(&"l2"),
+            "rank {rank}: {scopes:?}"
+        );
+    }
+    let profile = report.profile.expect("a step profile");
+    assert_eq!(profile.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), [0, 1]);
+    assert_eq!(profile.params.len(), 4);
+}
+
+#[test]
+fn a_failing_data_source_fails_the_run_naming_its_rank() {
+    let rows = Rows {
+        fingerprint: None,
+        fail_at: Some((1, 2)),
+    };
+    let e = run(2, &config(4, 8), rows).err().expect("rank 1 fails at step 2");
+    match &e {
+        Error::OnRank {
+            rank: 1,
+            world: 2,
+            source,
+        } => {
+            assert!(source.to_string().contains("no rows for step 2"), "{e}")
+        }
+        other => panic!("expected rank 1's own error, got {other}"),
+    }
+}

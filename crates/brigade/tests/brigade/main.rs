@@ -1,0 +1,8 @@
+//! The brigade library's integration tests: launching ranks (threads, MPI) and fit over a user's model.
+//!
+//! One test binary for the crate (integration tests as modules: one link, not one per file).
+
+mod launch;
+mod library;
+#[cfg(feature = "mpi")]
+mod mpi_launch;

@@ -1,0 +1,112 @@
+//! `brigade bench ...` subcommands.
+
+mod gemm;
+mod ops;
+
+use brigade_comm::bench::{default_sizes, parse_size, run_comm_bench, CommBenchConfig};
+use clap::{Args, Subcommand};
+
+use crate::args::{backend_parser, Backend};
+
+/// What to benchmark.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// All-reduce bandwidth (algbw, busbw) against single-thread memcpy bandwidth.
+    Comm(CommArgs),
+    /// f32 GEMM: Brigade's matmul beside a direct call of the library under it (the `gemm`
+    /// crate on the CPU), and numpy's figure when given.
+    Gemm(gemm::GemmArgs),
+    /// Where one training step's time goes, per op kind, forward and backward (the
+    /// torchref workloads; `scripts/torch_ops_profile.py` prints PyTorch's side).
+    Ops(ops::OpsArgs),
+}
+
+/// Options of `brigade bench comm`.
+#[derive(Args)]
+pub struct CommArgs {
+    /// Number of ranks.
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// Comma-separated buffer sizes (e.g. `1K,16M,64M`), each at least 4 bytes (one f32)
+    /// per rank, rounded down to whole f32s; default 1 KiB to 64 MiB by 4x.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub sizes: Option<Vec<usize>>,
+    /// Timed iterations per size, at least 1 (default: about 512 MiB of traffic per size, 5 to 1000).
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Backend (under MPI, rank 0 prints).
+    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
+    pub backend: Backend,
+}
+
+/// Runs one benchmark subcommand.
+pub fn run(cmd: BenchCommand) -> Result<(), Box<dyn std::error::Error>> {
+    match cmd {
+        BenchCommand::Comm(args) => bench_comm(args),
+        BenchCommand::Gemm(args) => gemm::bench_gemm(args).map_err(Into::into),
+        BenchCommand::Ops(args) => ops::bench_ops(args).map_err(Into::into),
+    }
+}
+
+fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if args.world_size == 0 {
+        return Err("--world-size must be at least 1".into());
+    }
+    if args.iters == Some(0) {
+        return Err("--iters must be at least 1 (timed all-reduces per size)".into());
+    }
+    let least = 4 * args.world_size;
+    if let Some(small) = args.sizes.iter().flatten().find(|&&b| b < least) {
+        return Err(format!(
+            "--sizes: {small} B is too small to split among {} ranks; each size needs at least {least} B (one f32 per rank)",
+            args.world_size
+        )
+        .into());
+    }
+    let cfg = CommBenchConfig {
+        world_size: args.world_size,
+        sizes: args.sizes.unwrap_or_else(default_sizes),
+        iters: args.iters,
+        ..CommBenchConfig::default()
+    };
+    let report = match args.backend {
+        Backend::Thread => run_comm_bench(&cfg)?,
+        Backend::Mpi => match mpi_bench(&cfg)? {
+            Some(report) => report,
+            None => return Ok(()), // not rank 0
+        },
+        Backend::Nccl => {
+            return Err("brigade bench comm measures the host backends (thread, mpi); NCCL's all-reduce is timed by scripts/gpu-check.sh".into())
+        }
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_table());
+    }
+    Ok(())
+}
+
+/// The MPI all-reduce benchmark over the processes of this `mpirun` job; `Some` on rank 0.
+#[cfg(feature = "mpi")]
+fn mpi_bench(
+    cfg: &CommBenchConfig,
+) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+    let world = brigade_comm::MpiWorld::init()?;
+    Ok(world.bench_all_reduce(cfg)?)
+}
+
+/// Without the `mpi` feature: how to get it.
+#[cfg(not(feature = "mpi"))]
+fn mpi_bench(
+    _cfg: &CommBenchConfig,
+) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+    Err(
+        "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev \
+         libclang-dev), build with `cargo build --release --features mpi` and run under `mpirun -np N`"
+            .into(),
+    )
+}

@@ -1,0 +1,8 @@
+//! One module per subcommand: `train`, `sweep` (bucket caps; `policy_sweep` for `--policy`),
+//! `predict` and `bench`.
+
+pub mod bench;
+pub mod policy_sweep;
+pub mod predict;
+pub mod sweep;
+pub mod train;

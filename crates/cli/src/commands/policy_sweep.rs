@@ -1,0 +1,326 @@
+//! `brigade sweep --policy allreduce,fp16,bf16,powersgd:4,...`: reducer policies side by side
+//! at one bucket cap — step time, exposed communication, bytes sent per rank, final loss —
+//! written to `policies.csv` and one chart, `policies.svg`.
+//!
+//! Each row is a full training run with that policy. Exposed comm = the row's median step
+//! minus a compute-only baseline (the same ranks and batches, no gradient communication, a
+//! few steps, run right before the row because this machine's speed drifts); for a
+//! compressing policy it includes the compression's own compute. Bytes are rank 0's, as
+//! `brigade train` reports them (`sent.rs`): payload handed to DDP's collectives, and ring
+//! wire bytes.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::args::{flag_name, RunArgs};
+use crate::commands::sweep::{finished, median_step, SweepArgs};
+use crate::error::{write_atomic, Error, Result};
+use crate::policy::Policy;
+use crate::run::{run, RunOptions};
+use crate::sent::{human_bytes, SentSummary};
+
+/// Timed steps of each row's compute-only baseline (after `--warmup`).
+pub const BASELINE_STEPS: usize = 5;
+/// The final loss is also given as the mean of this many last steps (one step is noisy).
+pub const LAST_LOSSES: usize = 10;
+/// The files a policy sweep writes into `--out`.
+pub const OUTPUTS: [&str; 2] = ["policies.csv", "policies.svg"];
+
+/// One policy's row.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyRow {
+    /// The policy (`powersgd:4`).
+    pub policy: String,
+    /// Median step time, in ms (after `--warmup`).
+    pub step_ms: f64,
+    /// Median step of the compute-only baseline, in ms.
+    pub compute_only_ms: f64,
+    /// `step_ms - compute_only_ms`, at least 0.
+    pub exposed_comm_ms: f64,
+    /// Mean payload bytes rank 0 handed to DDP's collectives per step.
+    pub sent_bytes_per_step: f64,
+    /// Payload bytes of the last step (the policy's steady state).
+    pub sent_bytes_last_step: u64,
+    /// Payload bytes of the whole run.
+    pub sent_bytes_total: u64,
+    /// Mean ring wire bytes per step.
+    pub wire_bytes_per_step: f64,
+    /// The last step's loss (global mean over ranks, before its update).
+    pub final_loss: f64,
+    /// Mean loss of the last [`LAST_LOSSES`] steps.
+    pub last10_loss: f64,
+}
+
+/// Checks the policy list and the flags against it, and returns each policy's run flags.
+fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
+    let bad = |m: String| Err(Error::Usage(m));
+    let policies = &s.policy;
+    // by label: `powersgd` is `powersgd:1` under the default --powersgd-rank
+    let labels: Vec<String> = policies.iter().map(|p| p.label(&s.run)).collect();
+    if let Some((i, l)) = labels.iter().enumerate().find(|(i, l)| labels[..*i].contains(l)) {
+        return bad(format!(
+            "--policy lists {l} twice (entries {} and {}): each policy is one row",
+            labels.iter().position(|m| m == l).unwrap_or(0) + 1,
+            i + 1
+        ));
+    }
+    if s.run.comm_hook != crate::args::CommHookName::Allreduce {
+        return bad(format!(
+            "--comm-hook {} with --policy: name every hook in --policy instead",
+            flag_name(&s.run.comm_hook)
+        ));
+    }
+    if s.repeat != 1 {
+        return bad(format!(
+            "--repeat {} is for sweeps of bucket caps; a --policy sweep runs each policy once",
+            s.repeat
+        ));
+    }
+    if s.run.zero != 0 {
+        return bad(format!(
+            "--zero {} with --policy: name zero1 or zero2 in --policy instead",
+            s.run.zero
+        ));
+    }
+    let caps = s.run.fixed_caps()?;
+    if caps.len() != 1 {
+        return bad(format!(
+            "--policy compares policies at one bucket cap, got --bucket-mb {caps:?}: sweep the caps without --policy"
+        ));
+    }
+    let psgd = policies.iter().any(|p| matches!(p, Policy::PowerSgd(_)));
+    let d = brigade_ddp::hooks::PowerSgdConfig::default();
+    if !psgd && (s.run.powersgd_rank != d.rank || s.run.powersgd_start_iter != d.start_iter) {
+        return bad("--powersgd-rank and --powersgd-start-iter are for a powersgd policy in --policy".into());
+    }
+    if s.run.steps < 2 {
+        return bad("a sweep needs --steps >= 2".into());
+    }
+    // every row's flags are checked before the first run
+    policies
+        .iter()
+        .map(|p| Ok((p.label(&s.run), p.apply(&s.run)?)))
+        .collect()
+}
+
+/// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
+/// until this sweep replaces both at its end (a failed sweep leaves them as they were).
+fn prepare_out(out: &Path) -> Result<()> {
+    let io = |source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
+    std::fs::create_dir_all(out).map_err(io)?;
+    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(OUTPUTS[0]))])?;
+    Ok(())
+}
+
+/// Runs `brigade sweep --policy`.
+pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
+    let plan = plan(s)?;
+    prepare_out(&s.out)?;
+    let quiet = RunOptions {
+        progress: false,
+        ..RunOptions::default()
+    };
+    let mut rows = vec![];
+    for (label, a) in &plan {
+        let mut base = a.clone();
+        base.steps = a.steps.min(a.warmup + BASELINE_STEPS);
+        let baseline = finished(run(
+            &base,
+            &RunOptions {
+                compute_only: true,
+                ..quiet.clone()
+            },
+        )?)?;
+        let compute_ms = median_step(&base, &baseline.step_ms);
+        let report = finished(run(a, &quiet)?)?;
+        let step_ms = median_step(a, &report.step_ms);
+        let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
+        let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
+        rows.push(PolicyRow {
+            policy: label.clone(),
+            step_ms,
+            compute_only_ms: compute_ms,
+            exposed_comm_ms: (step_ms - compute_ms).max(0.0),
+            sent_bytes_per_step: sent.payload_per_step,
+            sent_bytes_last_step: sent.payload_last_step,
+            sent_bytes_total: sent.payload_total,
+            wire_bytes_per_step: sent.wire_per_step,
+            final_loss: report.losses.last().copied().unwrap_or(f64::NAN),
+            last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
+        });
+    }
+    write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
+    draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run)?;
+    if s.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+        );
+    } else {
+        println!(
+            "{:>12} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
+            "policy", "step_ms", "compute_ms", "exposed_ms", "sent/step", "last step", "final_loss", "last10_loss"
+        );
+        for r in &rows {
+            println!(
+                "{:>12} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
+                r.policy,
+                r.step_ms,
+                r.compute_only_ms,
+                r.exposed_comm_ms,
+                human_bytes(r.sent_bytes_per_step),
+                human_bytes(r.sent_bytes_last_step as f64),
+                r.final_loss,
+                r.last10_loss
+            );
+        }
+        println!("wrote {}", s.out.join(OUTPUTS[0]).display());
+    }
+    Ok(())
+}
+
+/// The rows as CSV, one line per policy.
+fn csv(rows: &[PolicyRow]) -> String {
+    let mut csv = String::from(
+        "policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step,sent_bytes_last_step,sent_bytes_total,wire_bytes_per_step,final_loss,last10_loss\n",
+    );
+    for r in rows {
+        csv.push_str(&format!(
+            "{},{:.3},{:.3},{:.3},{:.1},{},{},{:.1},{:.6},{:.6}\n",
+            r.policy,
+            r.step_ms,
+            r.compute_only_ms,
+            r.exposed_comm_ms,
+            r.sent_bytes_per_step,
+            r.sent_bytes_last_step,
+            r.sent_bytes_total,
+            r.wire_bytes_per_step,
+            r.final_loss,
+            r.last10_loss
+        ));
+    }
+    csv
+}
+
+/// Three panels side by side, one bar group per policy: step time and exposed comm (ms),
+/// bytes sent per step (MiB: mean and last step), final loss. Written atomically.
+fn draw_chart(path: &Path, rows: &[PolicyRow], a: &RunArgs) -> Result<()> {
+    let mut svg = String::new();
+    render_chart(&mut svg, path, rows, a)?;
+    write_atomic(path, svg.as_bytes())
+}
+
+type Metric = (&'static str, RGBColor, fn(&PolicyRow) -> f64);
+
+fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs) -> Result<()> {
+    let err = |m: String| Error::Chart {
+        path: path.display().to_string(),
+        msg: m,
+    };
+    let root = SVGBackend::with_string(svg, (1260, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let caption = format!(
+        "{}, world size {}, {} rows/rank, {} steps, bucket {} MiB, net {}",
+        flag_name(&a.model.model),
+        a.world_size,
+        a.rows_per_rank(),
+        a.steps,
+        a.bucket_mb.first().map(|b| b.to_string()).unwrap_or_default(),
+        a.net_gbps
+            .map(|g| format!("{g} Gb/s"))
+            .unwrap_or_else(|| "unlimited".into()),
+    );
+    let root = root
+        .titled(&caption, ("sans-serif", 18))
+        .map_err(|e| err(e.to_string()))?;
+    let panels = root.split_evenly((1, 3));
+    let groups: [(&str, Vec<Metric>); 3] = [
+        (
+            "ms per step",
+            vec![
+                ("step time", RGBColor(52, 152, 219), |r| r.step_ms),
+                ("exposed comm", RGBColor(231, 76, 60), |r| r.exposed_comm_ms),
+            ],
+        ),
+        (
+            "MiB sent per step per rank",
+            vec![
+                ("mean", RGBColor(230, 126, 34), |r| {
+                    r.sent_bytes_per_step / (1024.0 * 1024.0)
+                }),
+                ("last step", RGBColor(142, 68, 173), |r| {
+                    r.sent_bytes_last_step as f64 / (1024.0 * 1024.0)
+                }),
+            ],
+        ),
+        (
+            "loss",
+            vec![
+                ("final", RGBColor(39, 174, 96), |r| r.final_loss),
+                ("last 10 steps", RGBColor(22, 160, 133), |r| r.last10_loss),
+            ],
+        ),
+    ];
+    let names: Vec<String> = rows.iter().map(|r| r.policy.clone()).collect();
+    for (panel, (y_desc, metrics)) in panels.iter().zip(groups) {
+        let ymax = rows
+            .iter()
+            .flat_map(|r| metrics.iter().map(move |(_, _, f)| f(r)))
+            .filter(|v| v.is_finite())
+            .fold(0.0, f64::max)
+            * 1.15
+            + 1e-9;
+        let n = rows.len() as f64;
+        let mut chart = ChartBuilder::on(panel)
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)
+            .map_err(|e| err(e.to_string()))?;
+        let labels = names.clone();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(rows.len().max(1))
+            .x_label_formatter(&move |x| {
+                let i = x.round();
+                if (x - i).abs() < 1e-6 && i >= 0.0 {
+                    labels.get(i as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(y_desc)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        let width = 0.8 / metrics.len() as f64;
+        for (k, (name, color, f)) in metrics.into_iter().enumerate() {
+            let bars = rows.iter().enumerate().map(move |(i, r)| {
+                let x0 = i as f64 - 0.4 + k as f64 * width;
+                let v = f(r);
+                Rectangle::new(
+                    [(x0, 0.0), (x0 + width * 0.9, if v.is_finite() { v } else { 0.0 })],
+                    color.filled(),
+                )
+            });
+            chart
+                .draw_series(bars)
+                .map_err(|e| err(e.to_string()))?
+                .label(name)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}

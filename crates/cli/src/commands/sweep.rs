@@ -1,0 +1,446 @@
+//! `brigade sweep`: how much communication the backward pass hides, per bucket size.
+//!
+//! For each bucket cap: the DDP step time; the compute-only time (the same ranks and
+//! per-rank batch at once, with communication switched off, so that core and memory
+//! contention is in both figures); the comm time of the recorded step (sum of the
+//! buckets' all-reduce durations on rank 0's comm stream); the last bucket's all-reduce
+//! alone (what has nothing left to overlap with); exposed comm = step - compute-only;
+//! share hidden = 1 - exposed / comm. With `--repeat R` every cap runs R times, round-robin,
+//! and each row holds medians and spreads, the overlap model's prediction for the cap and the
+//! cap's lower bound (`crate::report::sweep_stats`).
+
+use std::path::PathBuf;
+
+use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
+use clap::Args;
+use plotters::prelude::*;
+
+use crate::args::{compact, flag_name, BucketCap, RunArgs};
+use crate::commands::train::median_min;
+use crate::error::{write_atomic, Error, Result};
+use crate::policy::{parse_policy, Policy};
+use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
+use crate::report::timeline_svg::write_timeline;
+use crate::run::{run, RunOptions, RunReport};
+
+/// Options of `brigade sweep`.
+#[derive(Args, Clone, Debug)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Directory for sweep.csv, sweep.svg and one timeline per bucket size
+    /// (timeline_{B}MiB.json and .svg). Created if missing; what an earlier sweep wrote
+    /// there (those names) is removed first, so the directory holds this sweep alone;
+    /// other files are left alone.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print the table as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Run every cap this many times, round-robin (all caps once, then again), so that the
+    /// machine's drift touches every cap alike; the table holds each cap's median and spread.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
+    /// list of allreduce, fp16, bf16, powersgd[:R], zero1, zero2 (policies.csv and
+    /// policies.svg in --out; see `policy_sweep.rs`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    pub policy: Vec<Policy>,
+}
+
+/// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
+/// the last rank started it on its comm stream (before that, the early ranks only wait
+/// for the late ones) until it finished on rank 0.
+fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
+    let mut buckets: Vec<usize> = events
+        .iter()
+        .filter(|e| e.rank == 0)
+        .filter_map(|e| e.kind.bucket())
+        .collect();
+    buckets.sort_unstable();
+    buckets.dedup();
+    buckets
+        .into_iter()
+        .filter_map(|b| {
+            let same = || events.iter().filter(move |e| e.kind.bucket() == Some(b));
+            let joined = same().filter_map(|e| e.start).map(|s| s.at).max()?;
+            let end = same().find(|e| e.rank == 0)?.end?.at;
+            Some((b, end.saturating_duration_since(joined).as_secs_f64() * 1e3))
+        })
+        .collect()
+}
+
+pub(crate) fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
+    median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
+}
+
+/// Most runs of each cap a sweep takes (`--repeat`).
+const MAX_REPEAT: usize = 1000;
+
+/// Whether `name` is a file that `brigade sweep` writes into its `--out` directory.
+fn written_by_a_sweep(name: &str) -> bool {
+    let timeline = |ext: &str| {
+        name.strip_prefix("timeline_")
+            .and_then(|n| n.strip_suffix(ext))
+            .and_then(|n| n.strip_suffix("MiB"))
+            .is_some_and(|b| b.parse::<f64>().is_ok())
+    };
+    name == "sweep.csv" || name == "sweep.svg" || timeline(".json") || timeline(".svg")
+}
+
+/// Makes `--out` ready before any run: created and takes files; no input of the run (`--data`,
+/// `--init`) lies there under a name a sweep writes. Nothing is removed yet: an earlier sweep's
+/// files stay until this one has all of its own ([`remove_stale`]).
+fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
+    let io = |source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
+    std::fs::create_dir_all(out).map_err(io)?;
+    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
+    let out_dir = std::fs::canonicalize(out).map_err(io)?;
+    for (flag, input) in [("--data", &run.data), ("--init", &run.init)] {
+        let Some(path) = input.as_deref() else { continue };
+        let Some(at) = crate::outputs::resolved(flag, path) else {
+            continue;
+        };
+        if at.file_name().and_then(|n| n.to_str()).is_some_and(written_by_a_sweep) && at.parent() == Some(&*out_dir) {
+            return Err(Error::Usage(format!(
+                "{flag} {} lies in --out {} under a name a sweep writes: move it or pick another --out",
+                path.display(),
+                out.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Removes from `out` what an earlier sweep wrote there and this one did not (`written`): a
+/// stale timeline must not pass for this sweep's. Regular files only: a symbolic link stays.
+fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
+    let io = |source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
+    for entry in std::fs::read_dir(out).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if written_by_a_sweep(name) && !written.iter().any(|w| w == name) && entry.file_type().map_err(io)?.is_file() {
+            std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
+                path: entry.path().display().to_string(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).
+pub(crate) fn finished(mut report: RunReport) -> Result<RunReport> {
+    match report.stopped.take() {
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
+}
+
+/// Runs `brigade sweep`.
+pub fn sweep(s: SweepArgs) -> Result<()> {
+    if !s.policy.is_empty() {
+        return crate::commands::policy_sweep::sweep_policies(&s);
+    }
+    let caps = s.run.fixed_caps()?;
+    s.run.validate()?;
+    if s.run.steps < 2 {
+        return Err(Error::Usage(
+            "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
+        ));
+    }
+    if s.repeat == 0 || s.repeat > MAX_REPEAT {
+        return Err(Error::Usage(format!(
+            "--repeat must be between 1 and {MAX_REPEAT} (runs of each cap), got {}",
+            s.repeat
+        )));
+    }
+    if let Some(b) = crate::args::listed_twice(&caps) {
+        return Err(Error::Usage(format!(
+            "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
+        )));
+    }
+    prepare_out(&s.out, &s.run)?;
+    let quiet = RunOptions {
+        progress: false,
+        ..RunOptions::default()
+    };
+    // the last round's timelines, written once every run has succeeded
+    let mut timelines = vec![];
+    let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Sample> {
+        let mut a = s.run.clone();
+        a.bucket_mb = vec![BucketCap::Mib(b)];
+        a.first_bucket_mb = a.first_bucket_mb.min(b);
+        // The baseline runs right before each run: this machine's speed drifts over
+        // minutes, and the comparison must not.
+        let compute_only = finished(run(
+            &a,
+            &RunOptions {
+                compute_only: true,
+                ..quiet.clone()
+            },
+        )?)?;
+        let compute_ms = median_step(&a, &compute_only.step_ms);
+        let mut report = finished(run(
+            &a,
+            &RunOptions {
+                record: true,
+                profile: true,
+                ..quiet.clone()
+            },
+        )?)?;
+        let tl = report.timeline.take().expect("recording was on and steps ran");
+        let buckets = bucket_times(&tl.events);
+        let sample = Sample {
+            buckets: report.buckets.len(),
+            step_ms: median_step(&a, &report.step_ms),
+            compute_only_ms: compute_ms,
+            comm_ms: buckets.iter().map(|(_, d)| d).sum(),
+            last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
+            profile: report.profile.clone(),
+        };
+        if round + 1 == s.repeat {
+            let title = format!(
+                "{} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
+                flag_name(&a.model.model),
+                a.world_size,
+                sample.step_ms,
+                compute_ms
+            );
+            timelines.push((format!("timeline_{b}MiB.json"), tl, title));
+        }
+        Ok(sample)
+    })?;
+    let link = match s.run.net_gbps {
+        Some(g) => LinkCost::Ring(crate::launch::net_model(g, s.run.net_latency_us)),
+        None => LinkCost::Measured,
+    };
+    let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
+    // the backend's launch overhead is the machine's, not a cap's: fitted once from every
+    // profile (small caps measure it during backward, large ones after)
+    let overhead = LaunchOverhead::fit(&profiles);
+    let rows: Vec<SweepRow> = caps
+        .iter()
+        .zip(&samples)
+        .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, overhead, link))
+        .collect();
+    let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
+    for (name, tl, title) in &timelines {
+        write_timeline(&s.out.join(name), &tl.events, tl.origin, title)?;
+        written.push(name.clone());
+        written.push(name.replace(".json", ".svg"));
+    }
+    let csv = to_csv(&rows);
+    write_atomic(&s.out.join("sweep.csv"), csv.as_bytes())?;
+    draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
+    remove_stale(&s.out, &written)?;
+    if s.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+        );
+    } else {
+        print_table(&rows);
+        println!("wrote {}", s.out.join("sweep.csv").display());
+    }
+    Ok(())
+}
+
+/// The table on stdout: measured medians (± spread over the rounds) beside the model's
+/// prediction and the cap's lower bound, then the best cap measured and predicted.
+fn print_table(rows: &[SweepRow]) {
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    println!(
+        "{:>10} {:>4} {:>7} {:>16} {:>10} {:>8} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  verdict",
+        "bucket_MiB",
+        "runs",
+        "buckets",
+        "step_ms(spread)",
+        "compute",
+        "comm",
+        "exposed(spread)",
+        "waited",
+        "pred_wait",
+        "pred_step",
+        "pred_exp",
+        "bound",
+        "hidden"
+    );
+    for r in rows {
+        println!(
+            "{:>10} {:>4} {:>7} {:>16} {:>10.2} {:>8.2} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>5.0}%  {}",
+            r.bucket_mb,
+            r.runs,
+            r.buckets,
+            format!("{:.2} ({:.2})", r.step_ms, r.step_spread_ms),
+            r.compute_only_ms,
+            r.comm_ms,
+            format!("{:.2} ({:.2})", r.exposed_comm_ms, r.exposed_spread_ms),
+            opt(r.waited_ms),
+            opt(r.predicted_wait_ms),
+            opt(r.predicted_step_ms),
+            opt(r.predicted_exposed_ms),
+            opt(r.lower_bound_ms),
+            100.0 * r.hidden_share,
+            r.verdict
+        );
+    }
+    let best = |f: fn(&SweepRow) -> Option<f64>| {
+        rows.iter()
+            .filter_map(|r| Some((r.bucket_mb, f(r)?)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    if let Some((cap, ms)) = best(|r| Some(r.step_ms)) {
+        print!("fastest measured: {cap} MiB ({ms:.2} ms median)");
+        if let Some((pcap, pms)) = best(|r| r.predicted_step_ms) {
+            print!("; fastest predicted: {pcap} MiB ({pms:.2} ms)");
+        }
+        println!();
+    }
+}
+
+/// A curve of the model's: its legend, colour and value per row.
+type PredictedCurve = (&'static str, RGBColor, fn(&SweepRow) -> Option<f64>);
+
+/// Step time, compute-only time and exposed comm against bucket size (log x axis, one
+/// label at every bucket cap), written atomically.
+fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
+    let mut svg = String::new();
+    render_chart(&mut svg, path, rows, a)?;
+    write_atomic(path, svg.as_bytes())
+}
+
+fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
+    let err = |m: String| Error::Chart {
+        path: path.display().to_string(),
+        msg: m,
+    };
+    let xs: Vec<f64> = rows.iter().map(|r| r.bucket_mb).collect();
+    let (xmin, xmax) = (
+        xs.iter().copied().fold(f64::INFINITY, f64::min),
+        xs.iter().copied().fold(0.0, f64::max),
+    );
+    let ymax = rows
+        .iter()
+        .map(|r| r.step_ms.max(r.comm_ms).max(r.predicted_step_ms.unwrap_or(0.0)))
+        .fold(0.0, f64::max)
+        * 1.15
+        + 1e-3;
+    let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let caption = format!(
+        "{}, world size {}, {} rows/rank, net {} Gb/s, {} us",
+        flag_name(&a.model.model),
+        a.world_size,
+        a.rows_per_rank(),
+        a.net_gbps.map(|g| g.to_string()).unwrap_or_else(|| "unlimited".into()),
+        a.net_latency_us
+    );
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, ("sans-serif", 18))
+        .margin(20)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d(
+            (xmin / 1.5..xmax * 1.5).log_scale().with_key_points(xs.clone()),
+            0.0..ymax,
+        )
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("bucket cap (MiB, log scale)")
+        .x_label_formatter(&|x| compact(*x))
+        .y_desc("ms per step")
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    let series: [(&str, RGBColor, fn(&SweepRow) -> f64); 4] = [
+        ("step time", RGBColor(52, 152, 219), |r| r.step_ms),
+        ("compute only", RGBColor(39, 174, 96), |r| r.compute_only_ms),
+        ("exposed comm", RGBColor(231, 76, 60), |r| r.exposed_comm_ms),
+        ("total comm", RGBColor(230, 126, 34), |r| r.comm_ms),
+    ];
+    for (name, color, f) in series {
+        let pts: Vec<(f64, f64)> = rows.iter().map(|r| (r.bucket_mb, f(r))).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    // the model's curves beside the measured ones (thin, in the colours of their measured kin)
+    let predicted: [PredictedCurve; 3] = [
+        ("predicted step", RGBColor(52, 152, 219), |r| r.predicted_step_ms),
+        ("predicted exposed", RGBColor(231, 76, 60), |r| r.predicted_exposed_ms),
+        ("lower bound (exposed)", RGBColor(120, 120, 120), |r| r.lower_bound_ms),
+    ];
+    for (name, color, f) in predicted {
+        let pts: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r.bucket_mb, f(r)?))).collect();
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(DashedLineSeries::new(pts.clone(), 6, 4, color.stroke_width(1)))
+            .map_err(|e| err(e.to_string()))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Cross::new(p, 4, color.stroke_width(1))))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use brigade_comm::{Event, EventKind, Recorder};
+
+    use super::bucket_times;
+
+    #[test]
+    fn bucket_times_take_the_reducers_buckets_by_kind_not_by_tag() {
+        let rec = Recorder::new();
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let comm = |rank: usize, tag: &str, bucket: Option<usize>, start: u64, end: u64| {
+            let id = rec.comm_issued(rank, "all_reduce", tag, 64, bucket);
+            rec.comm_started(id, ms(start));
+            rec.comm_finished(id, ms(end), None);
+        };
+        // Bucket 1 launches after bucket 0 and is tagged unlike "bucketN"; rank 1 joins bucket 0 late.
+        comm(0, "grads/1", Some(1), 10, 14);
+        comm(1, "grads/1", Some(1), 10, 14);
+        comm(0, "bucket0", Some(0), 0, 5);
+        comm(1, "bucket0", Some(0), 2, 5);
+        // Tagged like a bucket but no bucket: not counted.
+        comm(0, "bucket7", None, 20, 40);
+        comm(1, "bucket7", None, 20, 40);
+        rec.compute_span(0, EventKind::Other("bucket3".into()), ms(0), ms(50));
+        let events: Vec<Event> = rec.events();
+        let times = bucket_times(&events);
+        assert_eq!(times.iter().map(|(b, _)| *b).collect::<Vec<_>>(), [0, 1]);
+        assert!(
+            (times[0].1 - 3.0).abs() < 1e-6,
+            "from the last rank's start (2 ms) to rank 0's end (5 ms): {times:?}"
+        );
+        assert!((times[1].1 - 4.0).abs() < 1e-6, "{times:?}");
+    }
+}

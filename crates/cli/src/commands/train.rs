@@ -1,0 +1,438 @@
+//! `brigade train`: run a training, print a summary, write the requested files.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use serde_json::json;
+
+use crate::args::{compact, flag_name, RunArgs};
+use crate::error::{write_atomic, Error, Result};
+use crate::outputs::{check_outputs, write_all, Output, Write};
+use crate::report::timeline_svg::write_timeline;
+use crate::run::{run, RunOptions, RunReport};
+use crate::sent::SentSummary;
+
+/// Options of `brigade train`.
+#[derive(Args, Clone, Debug)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Write the final parameters here (safetensors, atomically). Every output path is
+    /// checked before step 0 (its directory exists and takes files; no two outputs share a
+    /// file); a symbolic link is kept and its target written.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Write `step,loss` for every step (global mean loss before the step's update). With
+    /// --resume, the rows before the resume step already in this file are kept, so the
+    /// file ends as the uninterrupted run's.
+    #[arg(long)]
+    pub losses: Option<PathBuf>,
+    /// Write a Chrome trace of the last step (and FILE.svg beside it); nothing when no step runs.
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// Write the last step's profile (every rank's gradient-ready times, bucket launches and
+    /// link times, backward and optimizer spans; JSON, schema in `brigade_ddp::overlap`), for
+    /// `brigade predict`.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// With --profile: write every step of A..B (half-open: `5..8` is steps 5, 6 and 7) as a
+    /// JSON list of step profiles instead of the last step alone (`brigade predict` reads both).
+    #[arg(long, value_parser = parse_step_range)]
+    pub profile_steps: Option<std::ops::Range<usize>>,
+    /// Write parameters and optimizer state here at the end (and every --checkpoint-every
+    /// steps, during the step it resumes once that step's loss is finite); also when no step
+    /// runs.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// Checkpoint period in steps (at least 1; needs --checkpoint).
+    #[arg(long)]
+    pub checkpoint_every: Option<usize>,
+    /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
+    /// holds the parameters (so --init is an error), the --seed and the data's fingerprint
+    /// (a different seed or data is an error).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// End with the summary as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Parses `--profile-steps A..B` (half-open, A < B).
+fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("'{s}' is not a step range A..B (e.g. 5..8: steps 5, 6 and 7)"))?;
+    let step = |v: &str| {
+        v.parse::<usize>()
+            .map_err(|_| format!("'{s}': '{v}' is not a step number (a range is A..B, e.g. 5..8)"))
+    };
+    let (a, b) = (step(a)?, step(b)?);
+    if a >= b {
+        return Err(format!("'{s}' holds no step (A..B runs from A up to B, B excluded)"));
+    }
+    Ok(a..b)
+}
+
+/// Median and minimum of a slice (NaN when empty).
+pub fn median_min(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    (s[s.len() / 2], s[0])
+}
+
+/// The numbers a run ends with (NaN for what a run of no step cannot measure).
+pub struct Summary {
+    pub first_loss: f64,
+    pub last_loss: f64,
+    pub median_step_ms: f64,
+    pub min_step_ms: f64,
+    pub samples_per_s: f64,
+}
+
+/// Summarises a report, leaving the first `warmup` steps out of the timing.
+pub fn summarize(args: &RunArgs, report: &RunReport) -> Summary {
+    let timed = &report.step_ms[args.warmup.min(report.step_ms.len())..];
+    let (median, min) = median_min(timed);
+    // the report's world size: under MPI it comes from mpirun, not from --world-size
+    let global_batch = (report.world_size * args.rows_per_rank()) as f64;
+    Summary {
+        first_loss: report.losses.first().copied().unwrap_or(f64::NAN),
+        last_loss: report.losses.last().copied().unwrap_or(f64::NAN),
+        median_step_ms: median,
+        min_step_ms: min,
+        samples_per_s: global_batch / (median / 1e3),
+    }
+}
+
+impl TrainArgs {
+    /// Checks the flags before any work: numbers, combinations, and every output path.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        self.run.validate()?;
+        self.run.bucket_cap()?;
+        match (self.checkpoint_every, &self.checkpoint) {
+            (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
+            (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
+            _ => {}
+        }
+        match (&self.profile_steps, &self.profile) {
+            (Some(r), None) => {
+                return bad(format!(
+                    "--profile-steps {r:?} needs --profile FILE.json (where to write)"
+                ))
+            }
+            (Some(r), Some(_)) if r.end > self.run.steps => {
+                return bad(format!(
+                    "--profile-steps {r:?} reaches past --steps {} (the run ends before step {})",
+                    self.run.steps,
+                    r.end - 1
+                ))
+            }
+            _ => {}
+        }
+        if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
+            return bad(format!(
+                "--resume {} already holds the parameters; drop --init {} (or start afresh without --resume)",
+                resume.display(),
+                init.display()
+            ));
+        }
+        let outputs = self.outputs();
+        check_outputs(&outputs)?;
+        let inputs: [(&str, &Option<PathBuf>, &[&str]); 3] = [
+            ("--resume", &self.resume, &["--checkpoint"]),
+            ("--init", &self.run.init, &["--save"]),
+            ("--data", &self.run.data, &[]),
+        ];
+        let inputs: Vec<_> = inputs
+            .iter()
+            .filter_map(|&(flag, p, may)| Some((flag, p.as_deref()?, may)))
+            .collect();
+        crate::outputs::check_inputs_kept(&inputs, &outputs)?;
+        Ok(())
+    }
+
+    /// Every file this run writes, with the flag that asked for it.
+    pub fn outputs(&self) -> Vec<Output> {
+        let mut out = vec![];
+        for (flag, path) in [
+            ("--save", &self.save),
+            ("--losses", &self.losses),
+            ("--timeline", &self.timeline),
+            ("--profile", &self.profile),
+        ] {
+            if let Some(p) = path {
+                out.push(Output::new(flag, p));
+            }
+        }
+        if let Some(p) = &self.timeline {
+            out.push(Output::new("--timeline (its chart)", &p.with_extension("svg")));
+        }
+        if let Some(p) = &self.checkpoint {
+            out.push(Output::new("--checkpoint", p));
+        }
+        out
+    }
+}
+
+/// The rows of an existing `--losses` file, by step (kept when a resumed run rewrites it).
+fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(source) => {
+            return Err(Error::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        }
+    };
+    let mut lines = text.lines();
+    let not_ours = || {
+        Error::Usage(format!(
+            "--losses {}: the file exists but is not a `step,loss` file; a resumed run keeps its earlier rows, so move it away or pick another file",
+            path.display()
+        ))
+    };
+    if lines.next() != Some("step,loss") {
+        return Err(not_ours());
+    }
+    lines
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let step = l
+                .split_once(',')
+                .and_then(|(s, _)| s.parse().ok())
+                .ok_or_else(not_ours)?;
+            Ok((step, l.to_string()))
+        })
+        .collect()
+}
+
+/// Runs `brigade train`.
+pub fn train(t: TrainArgs) -> Result<()> {
+    t.validate()?;
+    let kept = match (&t.resume, &t.losses) {
+        (Some(_), Some(path)) => previous_losses(path)?,
+        _ => vec![],
+    };
+    let opts = RunOptions {
+        compute_only: false,
+        record: t.timeline.is_some(),
+        progress: !t.quiet && !t.json,
+        resume: t.resume.clone(),
+        checkpoint: t.checkpoint.clone(),
+        checkpoint_every: t.checkpoint_every,
+        stop: Some(crate::signal::stop_on_signals()),
+        profile: t.profile.is_some(),
+        profile_steps: t.profile_steps.clone(),
+    };
+    let mut report = run(&t.run, &opts)?;
+    let stopped = report.stopped.take();
+    let diverged = matches!(stopped, Some(Error::NonFinite { .. }));
+    let mut written = write_outputs(&t, &report, &kept, diverged);
+    if let Some(failure) = report.checkpoint_error.take() {
+        written = match written {
+            Err(Error::Outputs(mut failures)) => {
+                failures.push(failure);
+                Err(Error::Outputs(failures))
+            }
+            Err(e) => Err(Error::Outputs(vec![e.to_string(), failure])),
+            Ok(()) => Err(Error::Outputs(vec![failure])),
+        };
+    }
+    print_summary(&t, &report)?;
+    // a diverged run's finished steps are written above; then its error
+    if let Some(e) = stopped {
+        return Err(e);
+    }
+    written?;
+    if report.interrupted {
+        let step = (report.first_step + report.losses.len()).saturating_sub(1);
+        return Err(Error::Interrupted {
+            step,
+            steps: t.run.steps,
+        });
+    }
+    Ok(())
+}
+
+/// The summary on stdout: a few lines, or one JSON object with --json.
+fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
+    let s = summarize(&t.run, report);
+    let a = &t.run;
+    let ran = report.losses.len();
+    if t.json {
+        let flags = json!({
+            "model": flag_name(&a.model.model),
+            "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
+            "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
+            "backend": a.backend.name(),
+            "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap()?) },
+            "first_bucket_mb": a.first_bucket_mb,
+            "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
+            "zero": a.zero,
+            "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
+        });
+        // serde_json writes NaN as null: a run of no step has no loss or time to report
+        let mut out = json!({
+            "first_loss": s.first_loss, "last_loss": s.last_loss,
+            "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
+            "samples_per_s": s.samples_per_s, "world_size": report.world_size,
+            "first_step": report.first_step, "steps_run": ran, "buckets": report.buckets.len(),
+            "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
+            "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
+            "autotune": report.autotune,
+            "memory": report.rank_memory.map(|m| json!({
+                "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
+                "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
+                "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
+            })),
+            "flags": flags,
+        });
+        // bytes DDP sent per step on rank 0 (see `sent.rs`)
+        if let (Some(o), serde_json::Value::Object(sent)) =
+            (out.as_object_mut(), SentSummary::json_fields(&report.sent))
+        {
+            o.extend(sent);
+        }
+        println!("{out}");
+        return Ok(());
+    }
+    println!(
+        "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
+        flag_name(&a.model.model),
+        report.world_size,
+        a.batch_size,
+        a.accum,
+        report.first_step,
+        a.steps,
+        flag_name(&a.optimizer),
+        compact(a.lr)
+    );
+    if ran == 0 {
+        println!(
+            "no step run: the run starts at step {} and --steps is {}",
+            report.first_step, a.steps
+        );
+    } else {
+        println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
+        let timed = ran.saturating_sub(a.warmup);
+        if timed == 0 {
+            println!(
+                "step time: none measured (all {ran} steps run are --warmup {})",
+                a.warmup
+            );
+        } else {
+            println!(
+                "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
+                s.median_step_ms, s.min_step_ms, a.warmup
+            );
+            println!("throughput: {:.1} samples/s", s.samples_per_s);
+        }
+    }
+    if let Some(t) = &report.autotune {
+        crate::bucket_cap::print_autotune(t);
+    }
+    // (under ZeRO the measured line below is the account: shards are not whole buckets)
+    if let (Some(m), 0) = (report.memory, a.zero) {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        let n = report.buckets.len();
+        println!(
+            "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
+            mib(m.gradient_bytes),
+            if n == 1 { "bucket" } else { "buckets" },
+            mib(m.total_bytes())
+        );
+        if let Some(sent) = SentSummary::of(&report.sent) {
+            println!("{}", sent.line(report.world_size));
+        }
+    }
+    if let Some(m) = report.rank_memory {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
+            a.zero,
+            mib(m.parameters),
+            mib(m.gradients),
+            mib(m.buckets),
+            mib(m.optimizer_state),
+            mib(m.comm_scratch),
+            mib(m.total())
+        );
+    }
+    Ok(())
+}
+
+/// `--save`, `--losses`, `--timeline`, written from rank 0's view of the run, every one
+/// attempted even when another fails. `kept` are the rows of an existing `--losses` file:
+/// those before the first step run are written again (a resumed run). A `diverged` run's
+/// parameters are not a model: it writes no `--save`, and an earlier file there stays.
+pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)], diverged: bool) -> Result<()> {
+    let mut writes: Vec<Write<'_>> = vec![];
+    if let Some(path) = t.save.as_ref().filter(|_| !diverged) {
+        let write = move || Ok(brigade_models::save_safetensors(path, &report.params, None)?);
+        writes.push((Output::new("--save", path), Box::new(write)));
+    }
+    if let Some(path) = &t.losses {
+        let write = move || {
+            let mut csv = String::from("step,loss\n");
+            for (_, row) in kept.iter().filter(|(s, _)| *s < report.first_step) {
+                csv.push_str(row);
+                csv.push('\n');
+            }
+            for (i, l) in report.losses.iter().enumerate() {
+                csv.push_str(&format!("{},{:.9}\n", report.first_step + i, l));
+            }
+            write_atomic(path, csv.as_bytes())
+        };
+        writes.push((Output::new("--losses", path), Box::new(write)));
+    }
+    if let Some(path) = &t.timeline {
+        match &report.timeline {
+            Some(tl) if !report.losses.is_empty() => {
+                let write = move || {
+                    let title = format!(
+                        "step {}: {} ranks, bucket cap {} MiB",
+                        tl.step,
+                        report.world_size,
+                        t.run.bucket_cap()?
+                    );
+                    write_timeline(path, &tl.events, tl.origin, &title)
+                };
+                writes.push((Output::new("--timeline", path), Box::new(write)));
+            }
+            _ => eprintln!(
+                "note: no step was run, so there is no timeline to write to {}",
+                path.display()
+            ),
+        }
+    }
+    if let Some(path) = &t.profile {
+        let text = match &t.profile_steps {
+            Some(_) if report.profiles.is_empty() => None,
+            Some(_) => Some(serde_json::to_string_pretty(&report.profiles)),
+            None => report.profile.as_ref().map(serde_json::to_string_pretty),
+        };
+        match text {
+            Some(text) => {
+                let write = move || {
+                    let text = text.map_err(|e| Error::Usage(format!("step profile: {e}")))?;
+                    write_atomic(path, text.as_bytes())
+                };
+                writes.push((Output::new("--profile", path), Box::new(write)));
+            }
+            None => eprintln!(
+                "note: no synchronized step was run (or no DDP), so there is no profile to write to {}",
+                path.display()
+            ),
+        }
+    }
+    write_all(writes)
+}

@@ -1,0 +1,126 @@
+//! A run that ends badly still writes the work it finished: a diverged run its losses up to
+//! the step that diverged, a run whose final checkpoint cannot be written its other outputs.
+
+use crate::common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bin, brigade, dir, s};
+
+const MLP: &[&str] = &["--model", "mlp", "--widths", "8,16,4", "--batch-size", "4", "--quiet"];
+
+fn error_line(out: &std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "should fail");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one error line: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    lines[0].to_string()
+}
+
+#[test]
+fn a_diverged_run_writes_the_losses_of_every_step_before_it() {
+    let d = dir("diverged-losses");
+    let (losses, save) = (d.join("losses.csv"), d.join("model.safetensors"));
+    // an earlier run's model at the --save path
+    let sane = brigade(&[&["train"], MLP, &["--lr", "0.01", "--steps", "2", "--save", s(&save)]].concat());
+    assert!(sane.status.success());
+    let model = std::fs::read(&save).unwrap();
+    let out = brigade(
+        &[
+            &["train"],
+            MLP,
+            &[
+                "--lr",
+                "1e30",
+                "--steps",
+                "50",
+                "--losses",
+                s(&losses),
+                "--save",
+                s(&save),
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        std::fs::read(&save).unwrap(),
+        model,
+        "diverged parameters replaced the earlier --save file"
+    );
+    let line = error_line(&out);
+    // "step N: the loss is NaN ..."
+    let step: usize = line
+        .split("step ")
+        .nth(1)
+        .unwrap()
+        .split(':')
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let text = std::fs::read_to_string(&losses).unwrap_or_else(|e| panic!("no losses file after {line}: {e}"));
+    let rows: Vec<&str> = text.lines().skip(1).collect();
+    assert_eq!(
+        rows.len(),
+        step,
+        "the {step} finished steps, and not the diverged one: {text}"
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r.split(',').nth(1).unwrap().parse::<f64>().unwrap().is_finite()));
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_nothing_else() {
+    let d = dir("ckpt-fails");
+    let ck_dir = d.join("ck");
+    std::fs::create_dir_all(&ck_dir).unwrap();
+    let (ck, losses, save) = (
+        ck_dir.join("c.safetensors"),
+        d.join("losses.csv"),
+        d.join("final.safetensors"),
+    );
+    let child = Command::new(bin())
+        .args(
+            [
+                &["train"],
+                MLP,
+                &["--lr", "0.01", "--steps", "4000", "--checkpoint-every", "5"],
+            ]
+            .concat(),
+        )
+        .args(["--checkpoint", s(&ck), "--losses", s(&losses), "--save", s(&save)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // once training provably runs (the first periodic checkpoint exists), the checkpoint's
+    // directory becomes a file: the next checkpoint cannot be written, the run stops
+    let t0 = Instant::now();
+    while !ck.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no checkpoint after 60 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // (a rename, atomic even while the run writes a temp file inside the directory)
+    std::fs::rename(&ck_dir, d.join("ck-moved-away")).unwrap();
+    std::fs::write(&ck_dir, b"in the way").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let line = error_line(&out);
+    assert!(line.contains("--checkpoint"), "{line}");
+    let text = std::fs::read_to_string(&losses).unwrap();
+    let steps: Vec<usize> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(steps.len() >= 5, "{} steps", steps.len());
+    assert_eq!(
+        steps,
+        (0..steps.len()).collect::<Vec<_>>(),
+        "every finished step's loss is written"
+    );
+    assert!(save.exists(), "--save is written too");
+}

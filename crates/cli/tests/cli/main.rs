@@ -1,0 +1,19 @@
+//! The brigade binary's tests: every subcommand run as a user runs it.
+//!
+//! One test binary for the crate (integration tests as modules: one link, not one per file).
+
+mod bench_gemm;
+mod common;
+mod device;
+mod finished_work;
+mod lifecycle;
+#[cfg(feature = "mpi")]
+mod mpi_train;
+mod nccl;
+mod outputs;
+mod overlap;
+mod overlap_tuning;
+mod policies;
+mod policy_bytes;
+mod train;
+mod zero;

@@ -1,0 +1,87 @@
+//! `--backend nccl`: without `--device cuda` it is one usage error line; on a machine without
+//! a usable GPU or libnccl, one error line naming what is missing; never a panic, and nothing
+//! is trained or written. NCCL itself needs a GPU (none here or in CI): scripts/gpu-check.sh.
+
+use crate::common;
+
+use brigade_comm::nccl::require_nccl;
+use brigade_tensor::cuda::probe;
+use brigade_tensor::Device;
+use common::*;
+
+#[test]
+fn nccl_without_a_cuda_device_is_one_usage_error_line() {
+    let d = dir("nccl-cpu");
+    let losses = d.join("losses.csv");
+    for world in ["1", "2"] {
+        let e = fails(
+            &[
+                &["train"],
+                MLP,
+                &["--steps", "1", "--backend", "nccl", "--world-size", world],
+                &["--losses", s(&losses)],
+            ]
+            .concat(),
+        );
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(
+            e.starts_with("error: --backend nccl") && e.contains("--device cuda"),
+            "{e}"
+        );
+        assert!(!losses.exists());
+    }
+    let e = fails(
+        &[
+            &["train"],
+            MLP,
+            &[
+                "--steps",
+                "1",
+                "--backend",
+                "nccl",
+                "--device",
+                "cuda",
+                "--comm-hook",
+                "fp16",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--comm-hook must be allreduce"), "{e}");
+}
+
+#[test]
+fn nccl_on_a_machine_without_gpu_or_libnccl_names_what_is_missing() {
+    let missing = match (probe::require(0), require_nccl()) {
+        (Err(u), _) => u.on(Device::Cuda(0)).to_string(),
+        (Ok(()), Err(e)) => e.to_string(),
+        (Ok(()), Ok(())) => {
+            eprintln!("SKIPPED nccl_on_a_machine_without_gpu_or_libnccl: cuda:0 and libnccl are usable here");
+            return;
+        }
+    };
+    let d = dir("nccl-missing");
+    let losses = d.join("losses.csv");
+    for world in ["1", "2"] {
+        let e = fails(
+            &[
+                &["train"],
+                MLP,
+                &[
+                    "--steps",
+                    "1",
+                    "--backend",
+                    "nccl",
+                    "--device",
+                    "cuda",
+                    "--world-size",
+                    world,
+                ],
+                &["--losses", s(&losses)],
+            ]
+            .concat(),
+        );
+        assert_eq!(e.trim_end(), format!("error: {missing}"));
+        assert!(!losses.exists());
+    }
+}

@@ -1,0 +1,187 @@
+//! The simulated network as the sweep measures it: with ranks as threads every rank shares one
+//! link, so each bucket's time on the link is the ring model's, whatever the threads' skew.
+
+use crate::common;
+
+use common::{dir, ok};
+
+/// The run both tests record: the small MLP on 2 ranks (1 thread each) over a simulated 1 Gb/s,
+/// 20 us link, 4 steps of 8 rows per rank.
+const RUN: &[&str] = &[
+    "--model",
+    "mlp",
+    "--widths",
+    "64,256,256,4",
+    "--world-size",
+    "2",
+    "--threads-per-rank",
+    "1",
+    "--batch-size",
+    "8",
+    "--steps",
+    "4",
+    "--net-gbps",
+    "1",
+    "--net-latency-us",
+    "20",
+];
+
+#[test]
+fn the_sweeps_bucket_times_add_up_to_the_ring_model_of_the_gradient() {
+    // mlp 64,256,256,4: 83,460 f32 parameters = 333,840 bytes. 2 ranks on a 1 Gb/s, 20 us link:
+    // each bucket costs 2·20 us + S / 125e6 B/s, so the buckets together cost
+    // buckets·40 us + 333,840 / 125e6 s = buckets·0.04 ms + 2.67072 ms.
+    let out = dir("sweep-link");
+    let json = ok(&[
+        &["sweep"],
+        RUN,
+        &[
+            "--warmup",
+            "1",
+            "--bucket-mb",
+            "0.05,1",
+            "--first-bucket-mb",
+            "0.05",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    ]
+    .concat());
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        let buckets = r["buckets"].as_f64().unwrap();
+        let want = buckets * 0.04 + 333_840.0 / 125e6 * 1e3;
+        let got = r["comm_ms"].as_f64().unwrap();
+        assert!(
+            (got - want).abs() <= 0.01 * want,
+            "cap {}: {got} ms on the link, the ring model says {want} ms",
+            r["bucket_mb"]
+        );
+    }
+}
+
+/// Trains 2 ranks on a 1 Gb/s, 20 us simulated link and writes the last step's profile.
+fn profile(tag: &str) -> (std::path::PathBuf, serde_json::Value) {
+    let d = dir(tag);
+    let p = d.join("profile.json");
+    ok(&[
+        &["train"],
+        RUN,
+        &[
+            "--bucket-mb",
+            "0.1",
+            "--first-bucket-mb",
+            "0.05",
+            "--quiet",
+            "--profile",
+            p.to_str().unwrap(),
+        ],
+    ]
+    .concat());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    (p, v)
+}
+
+#[test]
+fn a_profile_records_every_ranks_step_in_order() {
+    let (_, v) = profile("profile-shape");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["world_size"], 2);
+    let params = v["params"].as_array().unwrap();
+    assert_eq!(params.len(), 6);
+    assert_eq!(params[0]["name"], "layers.0.weight");
+    assert_eq!(params[0]["bytes"], 64 * 256 * 4);
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        let f = |k: &str| r[k].as_f64().unwrap();
+        let (b0, b1) = (f("backward_start_s"), f("backward_end_s"));
+        assert!(b0 < b1 && b1 <= f("optimizer_start_s") && f("optimizer_start_s") <= f("optimizer_end_s"));
+        assert!(f("optimizer_end_s") <= f("step_end_s"));
+        for t in r["grad_ready_s"].as_array().unwrap() {
+            let t = t.as_f64().unwrap();
+            assert!(
+                b0 <= t && t <= b1,
+                "a gradient ready at {t} outside backward {b0}..{b1}"
+            );
+        }
+        let buckets = r["buckets"].as_array().unwrap();
+        assert!(buckets.len() >= 2, "{} buckets", buckets.len());
+        let mut previous_start = 0.0;
+        for b in buckets {
+            let g = |k: &str| b[k].as_f64().unwrap();
+            assert!(
+                g("ready_s") <= g("launch_s") + 1e-6 && g("launch_s") <= g("start_s") + 1e-6,
+                "{b}"
+            );
+            // in launch order on the link (a bucket's finish includes its hook's last step, which
+            // can run a little after the next bucket took the link)
+            assert!(g("start_s") >= previous_start && g("finish_s") >= g("start_s"), "{b}");
+            previous_start = g("start_s");
+        }
+    }
+}
+
+#[test]
+fn predict_answers_for_caps_and_links_from_one_profile() {
+    let (p, v) = profile("predict");
+    let p = p.to_str().unwrap();
+    let rows = |extra: &[&str]| -> Vec<serde_json::Value> {
+        let mut args = vec!["predict", "--profile", p, "--json", "--bucket-mb", "0.05,0.1,1,25"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let fast = rows(&["--net-gbps", "100"]);
+    let slow = rows(&["--net-gbps", "0.1", "--net-latency-us", "20"]);
+    let measured = rows(&["--measured-link"]);
+    for r in fast.iter().chain(&slow).chain(&measured) {
+        let (e, lb) = (
+            r["exposed_comm_s"].as_f64().unwrap(),
+            r["lower_bound_exposed_s"].as_f64().unwrap(),
+        );
+        assert!(lb <= e + 1e-12, "{r}");
+        assert!(r["predicted_step_s"].as_f64().unwrap() >= r["compute_step_s"].as_f64().unwrap());
+    }
+    for (f, s) in fast.iter().zip(&slow) {
+        assert!(f["exposed_comm_s"].as_f64().unwrap() < s["exposed_comm_s"].as_f64().unwrap());
+    }
+    // at the recorded cap, on the fitted link, the buckets take what the recorded ones took
+    let recorded: f64 = v["ranks"][0]["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["finish_s"].as_f64().unwrap() - b["start_s"].as_f64().unwrap())
+        .sum();
+    let predicted = measured[1]["comm_s"].as_f64().unwrap();
+    assert!(
+        (predicted - recorded).abs() <= 0.05 * recorded,
+        "predicted {predicted} s on the link, recorded {recorded} s"
+    );
+}
+
+#[test]
+fn predict_refuses_what_it_cannot_answer_in_one_line() {
+    let (p, _) = profile("predict-errors");
+    let p = p.to_str().unwrap();
+    assert!(common::fails(&["predict", "--profile", p]).contains("--measured-link"));
+    assert!(common::fails(&["predict", "--profile", p, "--net-gbps", "1", "--measured-link"]).contains("pick one"));
+    assert!(
+        common::fails(&["predict", "--profile", "/nonexistent/p.json", "--measured-link"])
+            .contains("/nonexistent/p.json")
+    );
+    let junk = dir("predict-junk").join("junk.json");
+    std::fs::write(&junk, "{\"version\": 7}").unwrap();
+    assert!(
+        common::fails(&["predict", "--profile", junk.to_str().unwrap(), "--measured-link"])
+            .contains("not a step profile")
+    );
+    let link = ["--net-gbps", "1"];
+    let with = |extra: &[&str]| common::fails(&[&["predict", "--profile", p][..], &link, extra].concat());
+    assert!(with(&["--bucket-mb", "1,1"]).contains("lists 1 twice"));
+    assert!(with(&["--bucket-mb", "1e300"]).contains("got 1e300"));
+    assert!(with(&["--world-size", "18446744073709551615"]).contains("--world-size must be between"));
+    let e = common::fails(&["predict", "--profile", p, "--measured-link", "--net-latency-us", "5"]);
+    assert!(e.contains("goes with --net-gbps"), "{e}");
+}

@@ -1,0 +1,89 @@
+//! `--comm-hook`: the reducer policies from the command line, against plain all-reduce.
+
+use crate::common;
+
+use common::{dir, fails, ok};
+
+const MLP: &[&str] = &[
+    "--model",
+    "mlp",
+    "--widths",
+    "16,32,32,4",
+    "--lr",
+    "0.05",
+    "--optimizer",
+    "sgd",
+    "--quiet",
+];
+
+/// Losses of a 2-rank run with `extra` flags.
+fn losses(tag: &str, extra: &[&str]) -> Vec<f64> {
+    let path = dir(tag).join("losses.csv");
+    let mut args = vec![
+        "train",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "6",
+        "--threads-per-rank",
+        "1",
+    ];
+    args.extend_from_slice(MLP);
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--losses", path.to_str().unwrap()]);
+    ok(&args);
+    std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split_once(',').unwrap().1.parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn fp16_and_bf16_train_within_rounding_of_plain_all_reduce() {
+    let plain = losses("hook-plain", &[]);
+    for (hook, tol) in [("fp16", 1e-3), ("bf16", 1e-2)] {
+        let got = losses(&format!("hook-{hook}"), &["--comm-hook", hook]);
+        assert_eq!(got[0], plain[0], "{hook}: step 0's loss comes before any update");
+        let worst = got
+            .iter()
+            .zip(&plain)
+            .map(|(a, b)| (a - b).abs() / b.abs())
+            .fold(0.0, f64::max);
+        assert!(worst < tol, "{hook}: {got:?} vs {plain:?}");
+        assert!(worst > 0.0, "{hook}: not a bit changed: the hook did not run");
+    }
+}
+
+#[test]
+fn powersgd_is_plain_all_reduce_until_its_start_iteration() {
+    let plain = losses("psgd-plain", &[]);
+    let got = losses(
+        "psgd",
+        &[
+            "--comm-hook",
+            "powersgd",
+            "--powersgd-rank",
+            "2",
+            "--powersgd-start-iter",
+            "2",
+        ],
+    );
+    // updates 0 and 1 are plain: the losses of steps 0..=2 agree; update 2 is compressed
+    assert_eq!(got[..3], plain[..3]);
+    assert_ne!(got[3], plain[3]);
+}
+
+#[test]
+fn bad_hook_settings_are_one_line_before_step_0() {
+    let base = ["train", "--model", "mlp", "--widths", "8,4", "--steps", "1"];
+    let run = |extra: &[&str]| fails(&base.iter().copied().chain(extra.iter().copied()).collect::<Vec<_>>());
+    assert!(run(&["--comm-hook", "powersgd", "--powersgd-rank", "0"]).contains("at least 1"));
+    let e = run(&["--comm-hook", "powersgd", "--powersgd-start-iter", "1"]);
+    assert!(e.contains("at least 2") && e.contains("rebuilds"), "{e}");
+    assert!(run(&["--powersgd-rank", "4"]).contains("--comm-hook powersgd"));
+    assert!(run(&["--comm-hook", "topk"]).contains("topk"));
+}

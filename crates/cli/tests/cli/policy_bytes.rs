@@ -1,0 +1,244 @@
+//! Bytes sent per step per rank, per policy (`brigade train --json` and its summary), and the
+//! policy axis of `brigade sweep --policy`, against expectations computed here from the
+//! model's shapes.
+
+use crate::common;
+
+use common::{dir, fails, ok, s};
+use serde_json::Value;
+
+/// The MLP of these tests: widths 16, 32, 32, 4; parameters `[out, in]` weights and `[out]` biases.
+const WIDTHS: [usize; 4] = [16, 32, 32, 4];
+
+/// Flags of both `train` and `sweep` (`train` adds `--quiet`).
+fn mlp_flags() -> Vec<&'static str> {
+    vec![
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,32,4",
+        "--lr",
+        "0.05",
+        "--optimizer",
+        "sgd",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--threads-per-rank",
+        "1",
+    ]
+}
+
+/// Every parameter's shape, in registration order.
+fn shapes() -> Vec<Vec<usize>> {
+    WIDTHS.windows(2).flat_map(|w| [vec![w[1], w[0]], vec![w[1]]]).collect()
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// One all-reduce of every gradient in f32: 4 bytes per element.
+fn all_reduce_bytes() -> u64 {
+    4 * shapes().iter().map(|s| numel(s)).sum::<usize>() as u64
+}
+
+/// PowerSGD rank `r` once compressing, per PyTorch's rule: a matrix n x m (n = shape[0]) with
+/// r' = min(r, n, m) is sent as P (n x r') and Q (m x r') when (n + m) r' * 2 < n m (min
+/// compression rate 2); everything else is all-reduced whole. All in f32.
+fn powersgd_bytes(r: usize) -> u64 {
+    let elements: usize = shapes()
+        .iter()
+        .map(|shape| {
+            let len = numel(shape);
+            if shape.len() < 2 {
+                return len;
+            }
+            let (n, m) = (shape[0], len / shape[0]);
+            let r = r.min(n).min(m);
+            if (n + m) * r * 2 < n * m {
+                (n + m) * r
+            } else {
+                len
+            }
+        })
+        .sum();
+    4 * elements as u64
+}
+
+/// The one-off bucket rebuild after step 0 broadcasts rank 0's ready order: one u32 per parameter.
+fn rebuild_bytes() -> u64 {
+    4 * shapes().len() as u64
+}
+
+/// `brigade train --json` with `extra` flags: the summary object.
+fn train_json(extra: &[&str]) -> Value {
+    let mut args = vec!["train", "--steps", "4", "--json", "--quiet"];
+    args.extend(mlp_flags());
+    args.extend_from_slice(extra);
+    let out = ok(&args);
+    serde_json::from_str(out.lines().last().expect("one JSON line")).expect("JSON summary")
+}
+
+fn by_step(v: &Value) -> Vec<u64> {
+    v["sent_bytes_by_step"]
+        .as_array()
+        .expect("sent_bytes_by_step")
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn bytes_sent_per_step_are_what_each_policy_puts_on_its_collectives() {
+    let full = all_reduce_bytes();
+    // widths 16,32,32,4: 16*32 + 32 + 32*32 + 32 + 32*4 + 4 = 1732 gradients, 6928 bytes
+    assert_eq!(full, 6928);
+    let rebuild = rebuild_bytes();
+
+    let plain = train_json(&[]);
+    assert_eq!(by_step(&plain), [full + rebuild, full, full, full]);
+    assert_eq!(plain["sent_bytes_last_step"].as_u64(), Some(full));
+    assert_eq!(plain["sent_bytes_total"].as_u64(), Some(4 * full + rebuild));
+    // world 2: an all-reduce sends 2(2-1)/2 = 1 x its buffer, the rebuild's broadcast 1/2 x
+    let wire = plain["wire_bytes_per_step"].as_f64().unwrap();
+    assert_eq!(wire, (4 * full) as f64 / 4.0 + rebuild as f64 / 2.0 / 4.0);
+
+    let fp16 = train_json(&["--comm-hook", "fp16"]);
+    assert_eq!(
+        by_step(&fp16),
+        [full / 2 + rebuild, full / 2, full / 2, full / 2],
+        "half the bytes"
+    );
+
+    // rank 2: the [32,16] and [32,32] weights go as P and Q; [4,32] would not shrink by 2
+    // ((4 + 32) * 2 * 2 = 144 >= 128) and goes whole with the biases
+    let psgd = train_json(&[
+        "--comm-hook",
+        "powersgd",
+        "--powersgd-rank",
+        "2",
+        "--powersgd-start-iter",
+        "2",
+    ]);
+    let compressed = powersgd_bytes(2);
+    assert_eq!(compressed, 4 * (32 + 32 + 4 + 4 * 32 + (32 + 16) * 2 + (32 + 32) * 2));
+    assert_eq!(
+        by_step(&psgd),
+        [full + rebuild, full, compressed, compressed],
+        "plain all-reduce before --powersgd-start-iter 2, then the factors"
+    );
+}
+
+#[test]
+fn the_text_summary_names_the_bytes_sent_per_rank() {
+    let mut args = vec!["train", "--steps", "2", "--quiet"];
+    args.extend(mlp_flags());
+    args.extend_from_slice(&["--comm-hook", "bf16"]);
+    let out = ok(&args);
+    // bf16: 6928 / 2 = 3464 bytes = 3.38 KiB in the last step
+    let line = out.lines().find(|l| l.starts_with("sent per rank:")).expect(&out);
+    assert!(line.contains("last step 3.38 KiB"), "{line}");
+}
+
+/// `brigade sweep --policy ... --json` with `extra` flags into a fresh directory.
+fn sweep_rows(tag: &str, policies: &str, extra: &[&str]) -> (Vec<Value>, std::path::PathBuf) {
+    let out = dir(tag);
+    let mut args = vec![
+        "sweep",
+        "--steps",
+        "4",
+        "--json",
+        "--policy",
+        policies,
+        "--out",
+        s(&out),
+    ];
+    args.extend(mlp_flags());
+    args.extend_from_slice(extra);
+    let stdout = ok(&args);
+    let rows: Vec<Value> = serde_json::from_str(&stdout).expect("JSON rows");
+    (rows, out)
+}
+
+#[test]
+fn the_policy_sweep_puts_each_policy_side_by_side() {
+    let (rows, out) = sweep_rows(
+        "policy-sweep",
+        "allreduce,fp16,powersgd:2",
+        &["--powersgd-start-iter", "2"],
+    );
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["allreduce", "fp16", "powersgd:2"]);
+    let last = |i: usize| rows[i]["sent_bytes_last_step"].as_u64().unwrap();
+    assert_eq!(last(0), all_reduce_bytes());
+    assert_eq!(last(1), all_reduce_bytes() / 2);
+    assert_eq!(last(2), powersgd_bytes(2));
+    for r in &rows {
+        assert!(r["final_loss"].as_f64().unwrap().is_finite(), "{r}");
+        assert!(r["step_ms"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["exposed_comm_ms"].as_f64().unwrap() >= 0.0, "{r}");
+    }
+    let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), 4, "{csv}");
+    assert!(lines[0].starts_with("policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step"));
+    assert!(lines[3].starts_with("powersgd:2,"), "{csv}");
+    let svg = std::fs::read_to_string(out.join("policies.svg")).unwrap();
+    assert!(
+        svg.contains("powersgd:2") && svg.contains("exposed comm"),
+        "the chart names the policies"
+    );
+}
+
+#[test]
+fn bad_policies_are_one_line_before_any_run() {
+    let out = dir("policy-errors");
+    let run = |policies: &str, extra: &[&str]| {
+        let mut args = vec!["sweep", "--steps", "4", "--out", s(&out), "--policy", policies];
+        args.extend(mlp_flags());
+        args.extend_from_slice(extra);
+        fails(&args)
+    };
+    let e = run("allreduce,foo", &[]);
+    assert!(e.contains("unknown policy 'foo'") && e.contains("powersgd:R"), "{e}");
+    let e = run("powersgd:0", &[]);
+    assert!(e.contains("powersgd:0") && e.contains("at least 1"), "{e}");
+    let e = run("powersgd:two", &[]);
+    assert!(e.contains("powersgd:R"), "{e}");
+    let e = run("fp16,fp16", &[]);
+    assert!(e.contains("fp16 twice"), "{e}");
+    let e = run("powersgd,powersgd:1", &[]);
+    assert!(e.contains("powersgd:1 twice"), "the default --powersgd-rank is 1: {e}");
+    let e = run("zero1", &["--bucket-mb", "auto"]);
+    assert!(e.contains("--bucket-mb"), "{e}");
+    let e = run("allreduce,fp16", &["--bucket-mb", "1,2"]);
+    assert!(e.contains("one bucket cap"), "{e}");
+    let e = run("allreduce,fp16", &["--powersgd-rank", "4"]);
+    assert!(e.contains("powersgd policy"), "{e}");
+    let e = run("powersgd:4", &["--powersgd-start-iter", "1"]);
+    assert!(e.contains("--policy powersgd:4") && e.contains("at least 2"), "{e}");
+    let e = run("fp16", &["--comm-hook", "bf16"]);
+    assert!(e.contains("--comm-hook bf16 with --policy"), "{e}");
+    assert!(!out.join("policies.csv").exists(), "nothing ran, nothing was written");
+}
+
+#[test]
+fn zero_rows_train_as_all_reduce_and_put_as_many_bytes_on_the_wire() {
+    let (rows, _) = sweep_rows("policy-zero", "allreduce,zero1,zero2", &[]);
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["allreduce", "zero1", "zero2"]);
+    let f = |i: usize, k: &str| rows[i][k].as_f64().unwrap();
+    for i in 1..3 {
+        // ZeRO is plain DDP's arithmetic, sharded
+        assert!((f(i, "final_loss") - f(0, "final_loss")).abs() < 1e-6, "{rows:?}");
+        // a reduce-scatter plus an all-gather send what one all-reduce does, padding aside
+        // (under one element per bucket and rank), and plain DDP's one bucket rebuild aside
+        // (its broadcast of 4 bytes per parameter in step 0, spread over the steps)
+        let (wire, plain) = (f(i, "wire_bytes_per_step"), f(0, "wire_bytes_per_step"));
+        assert!((wire - plain).abs() < 64.0, "{rows:?}");
+        // while handing the collectives more payload: 4Ψ(1 + 1/N) against 4Ψ
+        assert!(f(i, "sent_bytes_per_step") > f(0, "sent_bytes_per_step"), "{rows:?}");
+    }
+}

@@ -1,0 +1,17 @@
+//! brigade-comm's integration tests: collectives, the comm stream, faults, metering, the simulated network, traces, MPI, NCCL bootstrap.
+//!
+//! One test binary for the crate (integration tests as modules: one link, not one per file).
+
+mod bench;
+mod chain;
+mod collectives;
+mod common;
+mod faults;
+mod meter;
+#[cfg(feature = "mpi")]
+mod mpi_collectives;
+mod nccl_bootstrap;
+mod sim;
+mod sim_link;
+mod stream;
+mod trace;

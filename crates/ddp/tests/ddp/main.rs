@@ -1,0 +1,15 @@
+//! brigade-ddp's integration tests: buckets, parity with one process, overlap, hooks, ZeRO, the stream contract, the overlap model, faults.
+//!
+//! One test binary for the crate (integration tests as modules: one link, not one per file).
+
+mod autotune;
+mod buckets;
+mod common;
+mod faults;
+mod hooks;
+mod overlap;
+mod overlap_model;
+mod parity;
+mod policies;
+mod stream_events;
+mod zero;

@@ -1,0 +1,12 @@
+//! brigade-models' integration tests: layers, models, attention, data, checkpoints, learning.
+//!
+//! One test binary for the crate (integration tests as modules: one link, not one per file).
+
+mod attention;
+mod checkpoint;
+mod data;
+mod grads_to_none;
+mod layers;
+mod layers_parity;
+mod learn;
+mod models;
