@@ -50,6 +50,8 @@ fn dtype_code(dtype: Option<DType>) -> u8 {
         Some(DType::F16) => 2,
         Some(DType::BF16) => 3,
         Some(DType::U8) => 4,
+        Some(DType::F64) => 5,
+        Some(DType::I64) => 6,
     }
 }
 
@@ -60,6 +62,8 @@ fn dtype_from(code: u8) -> Option<Option<DType>> {
         Some(DType::F16),
         Some(DType::BF16),
         Some(DType::U8),
+        Some(DType::F64),
+        Some(DType::I64),
     ]
     .get(code as usize)
     .copied()

@@ -52,6 +52,8 @@ pub(crate) fn datatype(dtype: DType) -> ffi::MPI_Datatype {
             DType::F32 => ffi::RSMPI_FLOAT,
             DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
             DType::U8 => ffi::RSMPI_UINT8_T,
+            DType::F64 => ffi::RSMPI_DOUBLE,
+            DType::I64 => ffi::RSMPI_INT64_T,
         }
     }
 }
