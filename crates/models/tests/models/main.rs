@@ -3,6 +3,7 @@
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod attention;
+mod batch;
 mod checkpoint;
 mod data;
 mod grads_to_none;
