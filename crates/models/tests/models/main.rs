@@ -11,3 +11,4 @@ mod layers;
 mod layers_parity;
 mod learn;
 mod models;
+mod npy;
