@@ -12,3 +12,4 @@ mod layers_parity;
 mod learn;
 mod models;
 mod npy;
+mod text;
