@@ -12,4 +12,5 @@ mod layers_parity;
 mod learn;
 mod models;
 mod npy;
+mod sampler;
 mod text;
