@@ -6,6 +6,7 @@ mod attention;
 mod batch;
 mod checkpoint;
 mod data;
+mod eval;
 mod grads_to_none;
 mod layers;
 mod layers_parity;
