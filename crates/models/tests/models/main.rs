@@ -13,5 +13,6 @@ mod layers_parity;
 mod learn;
 mod models;
 mod npy;
+mod sample;
 mod sampler;
 mod text;
