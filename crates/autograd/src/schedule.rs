@@ -3,12 +3,12 @@
 //!
 //! Every schedule starts with an optional linear warmup over `W` steps (`lr·(s+1)/W` for
 //! `s < W`; `W = 0` means none), then:
-//! - [`ScheduleKind::Constant`]: `lr`;
-//! - [`ScheduleKind::Cosine`]: `min_lr + ½·(lr − min_lr)·(1 + cos(π·(s − W)/(T − W)))` for
-//!   `W ≤ s < T`, `min_lr` from `T` on;
-//! - [`ScheduleKind::Linear`]: `lr + (min_lr − lr)·(s − W)/(T − W)` for `W ≤ s < T`, `min_lr`
-//!   from `T` on;
-//! - [`ScheduleKind::Step`]: `lr·γ^⌊(s − W)/step_size⌋` (PyTorch's `StepLR` when `W = 0`).
+//! - constant ([`ScheduleKind::Constant`]), `lr`;
+//! - cosine ([`ScheduleKind::Cosine`]), `min_lr + ½·(lr − min_lr)·(1 + cos(π·(s − W)/(T − W)))`
+//!   for `W ≤ s < T`, `min_lr` from `T` on;
+//! - linear ([`ScheduleKind::Linear`]), `lr + (min_lr − lr)·(s − W)/(T − W)` for `W ≤ s < T`,
+//!   `min_lr` from `T` on;
+//! - step ([`ScheduleKind::Step`]), `lr·γ^⌊(s − W)/step_size⌋` (PyTorch's `StepLR` when `W = 0`).
 //!
 //! ```
 //! use brigade_autograd::{LrSchedule, ScheduleKind};

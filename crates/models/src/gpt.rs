@@ -5,7 +5,7 @@
 //! an exact-GELU MLP; then `ln_f` and an untied, bias-free output head. The loss is next-token
 //! cross-entropy averaged over every position. Dropout (nanoGPT's places, `GptConfig::dropout`,
 //! 0 by default) acts only in training mode; [`Gpt::forward_cached`] decodes with a KV cache
-//! ([`crate::generate`]).
+//! ([`crate::generate`](mod@crate::generate)).
 //!
 //! Parameter names, layouts and registration order (the DDP bucket order):
 //! `tok_emb.weight [vocab, d]`, `pos_emb.weight [context, d]`, then per block `i`:

@@ -12,6 +12,40 @@
 //! Data: a [`Dataset`] (built in, safetensors, `.npy`/`.npz` through [`npy`], or UTF-8 text
 //! with a validation split), of which a [`DistributedSampler`] gives each rank its share per
 //! epoch. Text out: [`generate()`] decodes from a [`Gpt`] with a KV cache.
+//!
+//! ```
+//! use std::ops::ControlFlow;
+//!
+//! use brigade_autograd::no_grad;
+//! use brigade_models::{generate_text, Dataset, DistributedSampler, Gpt, GptConfig, Model, SampleOptions, SamplerOptions, ValSplit};
+//!
+//! # let path = std::env::temp_dir().join(format!("brigade-doc-text-{}.txt", std::process::id()));
+//! # std::fs::write(&path, "the cat sat on the mat. ".repeat(50)).unwrap();
+//! let cfg = GptConfig { d_model: 32, n_layers: 1, n_heads: 2, d_ff: 64, context: 16, ..GptConfig::default() };
+//! let mut gpt = Gpt::new(cfg.clone(), 0)?;
+//! // a UTF-8 file: rows of context + 1 bytes, the last 10% for validation
+//! let text = Dataset::from_text_file(&path, cfg.context, &ValSplit::Fraction(0.1))?;
+//! text.train.check(&cfg.batch_schema())?;
+//! // rank 1 of 2 in epoch 3: its share of that epoch's permutation, 8 rows at a time
+//! let mut sampler = DistributedSampler::new(text.train.len(), 2, 1, SamplerOptions::default())?;
+//! sampler.set_epoch(3);
+//! let rows = sampler.indices();
+//! let loss = gpt.loss(&text.train.gather(&rows[..8])?)?;
+//! loss.backward()?;
+//! // evaluation: eval mode (no dropout), no graph
+//! gpt.eval();
+//! let val = text.val.as_ref().expect("a validation split");
+//! let val_loss = no_grad(|| gpt.loss(&val.batch(0, 4)?))?;
+//! assert!(val_loss.value().item()? > 0.0);
+//! // text out, streamed as it comes
+//! let opts = SampleOptions { max_new_tokens: 20, temperature: 0.8, top_k: Some(40), seed: 1 };
+//! let sample = generate_text(&gpt, "the ", &opts, |s| {
+//!     print!("{s}");
+//!     ControlFlow::Continue(())
+//! })?;
+//! # std::fs::remove_file(&path).unwrap();
+//! # Ok::<(), brigade_models::ModelError>(())
+//! ```
 
 #![warn(missing_docs)]
 

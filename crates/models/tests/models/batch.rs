@@ -26,26 +26,32 @@ fn tmp(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn a_regression_target_of_the_wrong_dtype_is_one_error_line_naming_the_tensor() {
-    // The case: I64 class indices where the model declares F32 regression targets.
+    // The case: the right shape in the wrong dtype (I64 where the model declares F32
+    // regression targets), then the wrong shape too.
     let inputs = Tensor::from_vec((0..12).map(|x| x as f32).collect(), &[4, 3]).unwrap();
     let path = tmp("regression.safetensors");
-    save_safetensors(
-        &path,
-        &named(vec![
-            ("inputs", inputs.clone()),
-            ("targets", Tensor::from_vec(vec![0i64, 1, 2, 3], &[4]).unwrap()),
-        ]),
-        None,
-    )
-    .unwrap();
-    let e = Dataset::from_safetensors(&path, regression()).unwrap_err();
-    assert!(matches!(e, ModelError::Data { .. }), "{e:?}");
-    let msg = e.to_string();
-    assert!(
-        msg.contains("tensor 'targets': expected F32 [4, 2]") && msg.contains("found I64 [4]"),
-        "{msg}"
-    );
-    assert!(!msg.contains('\n') && msg.contains("regression.safetensors"), "{msg}");
+    for (targets, found) in [
+        (
+            Tensor::from_vec((0..8i64).collect(), &[4, 2]).unwrap(),
+            "found I64 [4, 2]",
+        ),
+        (Tensor::from_vec(vec![0i64, 1, 2, 3], &[4]).unwrap(), "found I64 [4]"),
+    ] {
+        save_safetensors(
+            &path,
+            &named(vec![("inputs", inputs.clone()), ("targets", targets)]),
+            None,
+        )
+        .unwrap();
+        let e = Dataset::from_safetensors(&path, regression()).unwrap_err();
+        assert!(matches!(e, ModelError::Data { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("tensor 'targets': expected F32 [4, 2]") && msg.contains(found),
+            "{msg}"
+        );
+        assert!(!msg.contains('\n') && msg.contains("regression.safetensors"), "{msg}");
+    }
 
     // The right file opens, and its batches carry the declared names, dtypes and shapes.
     let targets = Tensor::from_vec((0..8).map(|x| x as f32 / 8.0).collect(), &[4, 2]).unwrap();

@@ -77,7 +77,10 @@ fn op_calls(model: &dyn Model, batch: &Batch) -> (OpProfile, u64) {
     (profile, loss.value().item().unwrap().to_bits())
 }
 
-fn calls(p: &OpProfile) -> (Vec<(&'static str, usize)>, Vec<(&'static str, usize)>) {
+/// Calls per op name.
+type Calls = Vec<(&'static str, usize)>;
+
+fn calls(p: &OpProfile) -> (Calls, Calls) {
     let f = |m: &std::collections::BTreeMap<&'static str, brigade_autograd::OpTime>| {
         m.iter().map(|(k, v)| (*k, v.calls)).collect()
     };
@@ -89,7 +92,8 @@ fn dropout_zero_records_no_op_and_keeps_every_bit() {
     // p = 0 in training mode against p = 0.3 in eval mode (the path without dropout): the same
     // op calls, the same loss bits, the same gradient bits; p = 0.3 in training mode adds one
     // `mul` per dropout and changes the loss.
-    let batches: [(Box<dyn Fn(f64) -> Box<dyn Model>>, Batch, usize); 2] = [
+    type Build = Box<dyn Fn(f64) -> Box<dyn Model>>;
+    let batches: [(Build, Batch, usize); 2] = [
         (
             Box::new(|p| Box::new(Gpt::new(gpt_cfg(p), 3).unwrap())),
             gpt_batch(1),
