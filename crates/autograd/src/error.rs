@@ -51,6 +51,10 @@ pub enum AutogradError {
         #[source]
         source: SubscriberError,
     },
+    /// A learning-rate schedule that cannot be built (`T <= W` for a decaying schedule, a
+    /// negative rate, ...): what is wrong and how to fix it.
+    #[error("lr schedule: {0}")]
+    Schedule(String),
     /// Anything else an argument got wrong.
     #[error("{0}")]
     Invalid(String),

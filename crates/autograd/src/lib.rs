@@ -7,6 +7,8 @@
 //! there can start reducing that gradient while backward continues with earlier layers.
 //! A subscriber may also give a parameter the storage its gradient accumulates into
 //! ([`Var::set_grad_buffer`]), so that gradients can be views into one flat buffer.
+//!
+//! Beside the graph: optimizers ([`optim`]) and learning-rate schedules ([`schedule`]).
 
 mod backward;
 mod bus;
@@ -16,6 +18,7 @@ mod ops;
 pub mod optim;
 mod params;
 pub mod profile;
+pub mod schedule;
 mod var;
 
 pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
@@ -24,4 +27,5 @@ pub use gradcheck::{gradcheck, GradcheckReport};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use params::ParamStore;
 pub use profile::{profile_ops, OpProfile, OpTime};
+pub use schedule::{LrSchedule, ScheduleKind};
 pub use var::{is_grad_enabled, no_grad, scope, Var};

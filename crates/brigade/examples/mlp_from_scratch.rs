@@ -8,7 +8,7 @@ use brigade::autograd::{scope, ParamStore, Var};
 use brigade::data::{DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
-use brigade::models::{Batch, Model, ModelError, Result};
+use brigade::models::{Batch, Model, Result};
 use brigade::tensor::{DType, Rng, Tensor};
 use brigade::trainer::{OptimizerConfig, TrainConfig};
 
@@ -45,14 +45,7 @@ impl Model for Mlp {
     /// Cross-entropy of `inputs [B, in]` against `targets [B]`; one scope per layer (one span
     /// each in timelines, one announcement group on the gradient-ready bus).
     fn loss(&self, batch: &Batch) -> Result<Var> {
-        let Batch::Classify { inputs, targets } = batch else {
-            let (expected, found) = ("classify", batch.kind());
-            return Err(ModelError::WrongBatch {
-                model: "mlp",
-                expected,
-                found,
-            });
-        };
+        let (inputs, targets) = (batch.tensor("mlp", "inputs")?, batch.tensor("mlp", "targets")?);
         let mut h = Var::constant(inputs.clone());
         for (i, layer) in self.layers.iter().enumerate() {
             let last = i + 1 == self.layers.len();
@@ -82,10 +75,10 @@ impl DataSource for Synthetic {
             y.push((0..4).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap_or(0) as i64);
             x.extend(row);
         }
-        Ok(Batch::Classify {
-            inputs: Tensor::from_vec(x, &[mb.rows, 16])?,
-            targets: Tensor::from_vec(y, &[mb.rows])?,
-        })
+        Ok(Batch::classify(
+            Tensor::from_vec(x, &[mb.rows, 16])?,
+            Tensor::from_vec(y, &[mb.rows])?,
+        ))
     }
 }
 

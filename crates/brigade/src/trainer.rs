@@ -622,15 +622,7 @@ fn batch_on(batch: Batch, device: Device) -> Result<Batch> {
     if device == Device::Cpu {
         return Ok(batch);
     }
-    Ok(match batch {
-        Batch::Classify { inputs, targets } => Batch::Classify {
-            inputs: inputs.to_device(device)?,
-            targets: targets.to_device(device)?,
-        },
-        Batch::Tokens { tokens } => Batch::Tokens {
-            tokens: tokens.to_device(device)?,
-        },
-    })
+    batch.try_map(|_, t| Ok(t.to_device(device)?))
 }
 
 /// Moves the parameters (built, initialised and resumed on the CPU) to `device`, and rebuilds

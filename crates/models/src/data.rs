@@ -1,63 +1,111 @@
 //! Training data addressed by row, so that data-parallel ranks can each take their own
-//! slice: rank `r` of `w` reads `batch(step * w * b + r * b, b)`.
+//! slice: rank `r` of `w` reads `batch(step * w * b + r * b, b)`, or the rows a
+//! [`crate::DistributedSampler`] gives it ([`Dataset::gather`]).
 //!
-//! Built in: a teacher-labelled classification set for the MLP and an English-like
-//! text corpus for the GPT, both generated from a seed; or a safetensors file.
+//! A dataset is named columns of fixed-size rows (any dtype, any row shape), which become
+//! the named tensors of a [`Batch`]. Built in: a teacher-labelled classification set for the
+//! MLP and an English-like text corpus for the GPT, both generated from a seed. From files:
+//! safetensors, `.npy`/`.npz` ([`Dataset::open`]), checked against the model's
+//! [`BatchSchema`] when opened; UTF-8 text with a validation split
+//! ([`Dataset::from_text_file`]).
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::{Batch, ModelError, ModelKind, Result};
+use crate::batch::first_out_of_range;
+use crate::io::{tensor_bytes, tensor_from_bytes};
+use crate::{Batch, BatchSchema, ModelError, Result, TensorSpec};
 
 /// Hidden width of the random teacher network that labels [`Dataset::teacher`].
 pub const TEACHER_HIDDEN: usize = 32;
 /// Size of the corpus behind [`Dataset::builtin_text`] (256 KiB).
 pub const BUILTIN_TEXT_BYTES: usize = 256 * 1024;
 
+/// One named column: row `r` is the `row_elems` elements from element `r * stride` of
+/// `bytes` (little-endian). `stride < row_elems` lets rows overlap (text windows).
 #[derive(Clone)]
-enum TokenStore {
-    U8(Vec<u8>),
-    I64(Vec<i64>),
+struct Column {
+    name: String,
+    dtype: DType,
+    row_shape: Vec<usize>,
+    bytes: Vec<u8>,
+    row_elems: usize,
+    stride: usize,
 }
 
-#[derive(Clone)]
-enum Rows {
-    /// Row `r` is `inputs[r * in_dim..][..in_dim]` with label `targets[r]`.
-    Classify {
-        inputs: Vec<f32>,
-        targets: Vec<i64>,
-        in_dim: usize,
-    },
-    /// Row `r` is `tokens[r * stride..][..row_len]`.
-    Tokens {
-        tokens: TokenStore,
-        row_len: usize,
-        stride: usize,
-        rows: usize,
-    },
+impl Column {
+    /// The rows of `t [N, ..]`, one per index of dimension 0.
+    fn from_tensor(name: &str, t: &Tensor) -> Result<Column> {
+        let row_shape = t.shape()[1..].to_vec();
+        let row_elems = row_shape.iter().product();
+        Ok(Column {
+            name: name.to_string(),
+            dtype: t.dtype(),
+            row_shape,
+            bytes: tensor_bytes(t)?,
+            row_elems,
+            stride: row_elems,
+        })
+    }
+
+    /// The rows `idx`, stacked: `[idx.len(), ..row_shape]`.
+    fn gather(&self, idx: &[usize]) -> Result<Tensor> {
+        let size = self.dtype.size_in_bytes();
+        let (row_bytes, stride_bytes) = (self.row_elems * size, self.stride * size);
+        let mut out = Vec::with_capacity(idx.len() * row_bytes);
+        for &r in idx {
+            out.extend_from_slice(&self.bytes[r * stride_bytes..][..row_bytes]);
+        }
+        let mut shape = vec![idx.len()];
+        shape.extend_from_slice(&self.row_shape);
+        tensor_from_bytes(self.dtype, &shape, &out)
+    }
+
+    /// The elements that some row covers, as a flat tensor (for range checks).
+    fn covered(&self, rows: usize) -> Result<Tensor> {
+        let elems = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * self.stride + self.row_elems
+        };
+        let size = self.dtype.size_in_bytes();
+        tensor_from_bytes(self.dtype, &[elems], &self.bytes[..elems * size])
+    }
 }
 
-/// A dataset of fixed-size rows; [`Dataset::batch`] takes consecutive rows, wrapping
-/// around at the end.
+/// A dataset of fixed-size rows in named columns; [`Dataset::batch`] takes consecutive rows,
+/// wrapping around at the end, [`Dataset::gather`] any rows.
 #[derive(Clone)]
 pub struct Dataset {
     name: String,
-    rows: Rows,
+    columns: Vec<Column>,
+    rows: usize,
     /// [`Dataset::fingerprint`], computed once.
-    fingerprint: std::sync::OnceLock<String>,
+    fingerprint: OnceLock<String>,
 }
 
 impl std::fmt::Debug for Dataset {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Dataset({}, {} rows)", self.name, self.len())
+        write!(f, "Dataset({}, {} rows: {})", self.name, self.len(), self.schema())
     }
 }
 
 impl Dataset {
+    fn with_columns(name: String, columns: Vec<Column>, rows: usize) -> Dataset {
+        Dataset {
+            name,
+            columns,
+            rows,
+            fingerprint: OnceLock::new(),
+        }
+    }
+
     /// `n_rows` inputs drawn from N(0, 1) in `in_dim` dimensions, labelled with the
     /// argmax of a fixed random teacher `x -> tanh(x W1 + b1) W2` (hidden width
-    /// [`TEACHER_HIDDEN`]), all drawn from `seed`. A student MLP can fit it.
+    /// [`TEACHER_HIDDEN`]), all drawn from `seed`. A student MLP can fit it. Columns:
+    /// [`BatchSchema::classify`]'s.
     pub fn teacher(n_rows: usize, in_dim: usize, n_classes: usize, seed: u64) -> Result<Dataset> {
         if n_rows == 0 || in_dim == 0 || n_classes < 2 {
             return Err(data_err(
@@ -91,15 +139,11 @@ impl Dataset {
                 .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a });
             targets.push(best.0 as i64);
         }
-        Ok(Dataset {
-            name: format!("teacher(seed {seed})"),
-            rows: Rows::Classify {
-                inputs,
-                targets,
-                in_dim,
-            },
-            fingerprint: Default::default(),
-        })
+        let columns = vec![
+            Column::from_tensor("inputs", &Tensor::from_vec(inputs, &[n_rows, in_dim])?)?,
+            Column::from_tensor("targets", &Tensor::from_vec(targets, &[n_rows])?)?,
+        ];
+        Ok(Self::with_columns(format!("teacher(seed {seed})"), columns, n_rows))
     }
 
     /// The built-in English-like corpus ([`BUILTIN_TEXT_BYTES`] bytes generated from
@@ -114,136 +158,126 @@ impl Dataset {
 
     /// Byte-level rows over `bytes`: row `r` is `bytes[r*s .. r*s + context + 1]` with
     /// stride `s = max(context / 2, 1)`, so consecutive rows overlap by half and every
-    /// byte after the first row is a target in two rows. Rows are U8.
+    /// byte after the first row is a target in two rows. One U8 column, `tokens`.
     pub fn text(bytes: Vec<u8>, context: usize) -> Result<Dataset> {
-        let row_len = context + 1;
-        if context == 0 || bytes.len() < row_len {
-            return Err(data_err(
-                "text",
-                format!("{} bytes cannot fill one row of context {context} + 1", bytes.len()),
-            ));
-        }
-        let stride = (context / 2).max(1);
-        let rows = (bytes.len() - row_len) / stride + 1;
-        Ok(Dataset {
-            name: "text".into(),
-            rows: Rows::Tokens {
-                tokens: TokenStore::U8(bytes),
-                row_len,
-                stride,
-                rows,
-            },
-            fingerprint: Default::default(),
-        })
+        Self::text_with_stride(bytes, context, (context / 2).max(1))
     }
 
-    /// Reads a dataset for `kind` from a safetensors file: for the MLP, `inputs` (F32
-    /// `[N, in]`) and `targets` (I64 `[N]`, each below the class count); for the GPT,
-    /// `tokens` (I64 or U8 `[N, context + 1]`, each below the vocabulary size).
-    pub fn from_safetensors(path: impl AsRef<Path>, kind: &ModelKind) -> Result<Dataset> {
-        let path = path.as_ref();
-        let source = path.display().to_string();
-        let err = |m: String| data_err(&source, m);
-        let tensors = crate::io::load_safetensors(path)?;
-        let get = |name: &str| -> Result<&Tensor> {
-            let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-            tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
-                err(format!(
-                    "missing tensor '{name}' (a {} dataset needs it; the file has {names:?})",
-                    kind.name()
-                ))
-            })
-        };
-        let rows = match kind {
-            ModelKind::Mlp(cfg) => {
-                let (inputs, targets) = (get("inputs")?, get("targets")?);
-                let in_dim = cfg.in_dim();
-                if inputs.dtype() != DType::F32 || inputs.rank() != 2 || inputs.shape()[1] != in_dim {
-                    return Err(err(format!(
-                        "tensor 'inputs': expected F32 [N, {in_dim}], found {:?} {:?}",
-                        inputs.dtype(),
-                        inputs.shape()
-                    )));
-                }
-                let n = inputs.shape()[0];
-                if targets.dtype() != DType::I64 || targets.shape() != [n] {
-                    return Err(err(format!(
-                        "tensor 'targets': expected I64 [{n}] (one label per input row), found {:?} {:?}",
-                        targets.dtype(),
-                        targets.shape()
-                    )));
-                }
-                crate::io::check_finite(path, &[("inputs".to_string(), inputs.clone())])?;
-                let targets = targets.to_vec::<i64>()?;
-                let classes = cfg.n_classes() as i64;
-                if let Some((i, t)) = targets.iter().enumerate().find(|(_, &t)| t < 0 || t >= classes) {
-                    return Err(err(format!(
-                        "tensor 'targets': row {i} has label {t}, expected 0..{classes}"
-                    )));
-                }
-                Rows::Classify {
-                    inputs: inputs.to_vec::<f32>()?,
-                    targets,
-                    in_dim,
-                }
-            }
-            ModelKind::Gpt(cfg) => {
-                let tokens = get("tokens")?;
-                let row_len = cfg.context + 1;
-                if tokens.rank() != 2
-                    || tokens.shape()[1] != row_len
-                    || !matches!(tokens.dtype(), DType::I64 | DType::U8)
-                {
-                    return Err(err(format!(
-                        "tensor 'tokens': expected I64 or U8 [N, {row_len}] (context {} + 1), found {:?} {:?}",
-                        cfg.context,
-                        tokens.dtype(),
-                        tokens.shape()
-                    )));
-                }
-                let store = match tokens.dtype() {
-                    DType::U8 => TokenStore::U8(tokens.to_vec::<u8>()?),
-                    _ => TokenStore::I64(tokens.to_vec::<i64>()?),
-                };
-                let vocab = cfg.vocab as i64;
-                let bad = match &store {
-                    TokenStore::U8(v) => v
-                        .iter()
-                        .position(|&t| i64::from(t) >= vocab)
-                        .map(|i| (i, i64::from(v[i]))),
-                    TokenStore::I64(v) => v.iter().position(|&t| t < 0 || t >= vocab).map(|i| (i, v[i])),
-                };
-                if let Some((i, t)) = bad {
-                    return Err(err(format!(
-                        "tensor 'tokens': row {} has token {t}, expected 0..{vocab}",
-                        i / row_len
-                    )));
-                }
-                Rows::Tokens {
-                    tokens: store,
-                    row_len,
-                    stride: row_len,
-                    rows: tokens.shape()[0],
-                }
-            }
-        };
-        let d = Dataset {
-            name: source.clone(),
-            rows,
-            fingerprint: Default::default(),
-        };
-        if d.is_empty() {
-            return Err(err("the file holds no rows".into()));
+    /// Byte-level rows of `context + 1` bytes starting every `stride` bytes. With
+    /// `stride = context` each byte after the first is a target exactly once (an evaluation
+    /// set); the remainder after the last whole row is not read.
+    pub fn text_with_stride(bytes: Vec<u8>, context: usize, stride: usize) -> Result<Dataset> {
+        let row_len = context + 1;
+        if context == 0 || stride == 0 || bytes.len() < row_len {
+            return Err(data_err(
+                "text",
+                format!(
+                    "{} bytes cannot fill one row of context {context} + 1 (stride {stride})",
+                    bytes.len()
+                ),
+            ));
         }
-        Ok(d)
+        let rows = (bytes.len() - row_len) / stride + 1;
+        let column = Column {
+            name: "tokens".into(),
+            dtype: DType::U8,
+            row_shape: vec![row_len],
+            bytes,
+            row_elems: row_len,
+            stride,
+        };
+        Ok(Self::with_columns("text".into(), vec![column], rows))
+    }
+
+    /// A dataset of `tensors` held in memory (a user's own data): each `[N, ..]` with the same
+    /// `N >= 1`, names unique, floats finite. Not checked against any model: see
+    /// [`Dataset::check`].
+    pub fn from_tensors(name: &str, tensors: &[(String, Tensor)]) -> Result<Dataset> {
+        let batch = Batch::new(tensors.to_vec()).map_err(|e| data_err(name, e.to_string()))?;
+        let schema = BatchSchema::new(
+            tensors
+                .iter()
+                .map(|(n, t)| TensorSpec::new(n, t.dtype(), &t.shape()[1..]))
+                .collect(),
+        );
+        Self::from_checked(name, batch.tensors(), &schema)
+    }
+
+    /// The declared tensors of `tensors` after [`BatchSchema::check`], in the schema's order.
+    fn from_checked(source: &str, tensors: &[(String, Tensor)], schema: &BatchSchema) -> Result<Dataset> {
+        let rows = schema.check(source, tensors)?;
+        if rows == 0 {
+            return Err(data_err(source, "the data holds no rows".into()));
+        }
+        let columns = schema
+            .tensors
+            .iter()
+            .map(|spec| {
+                let (_, t) = tensors
+                    .iter()
+                    .find(|(n, _)| *n == spec.name)
+                    .expect("checked: every declared tensor is present");
+                Column::from_tensor(&spec.name, t)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::with_columns(source.to_string(), columns, rows))
+    }
+
+    /// Reads a dataset from a safetensors file, checked against `schema` (a
+    /// [`BatchSchema`], or a `&ModelKind` for its model's: for the MLP `inputs` F32 `[N, in]`
+    /// and `targets` I64 `[N]` below the class count, for the GPT `tokens` I64 or U8
+    /// `[N, context + 1]` below the vocabulary size). Tensors the schema does not declare are
+    /// ignored; a missing one, or one of the wrong dtype or shape, is one error line naming it.
+    pub fn from_safetensors(path: impl AsRef<Path>, schema: impl Into<BatchSchema>) -> Result<Dataset> {
+        let path = path.as_ref();
+        let tensors = crate::io::load_safetensors(path)?;
+        Self::from_checked(&path.display().to_string(), &tensors, &schema.into())
+    }
+
+    /// Reads a dataset from a NumPy `.npz` archive (one array per declared tensor, by name),
+    /// checked against `schema` as [`Dataset::from_safetensors`].
+    pub fn from_npz(path: impl AsRef<Path>, schema: impl Into<BatchSchema>) -> Result<Dataset> {
+        let path = path.as_ref();
+        let tensors = crate::npy::load_npz(path)?;
+        Self::from_checked(&path.display().to_string(), &tensors, &schema.into())
+    }
+
+    /// Reads a dataset from a NumPy `.npy` file: one array, so only for a schema of one tensor
+    /// (the GPT's `tokens`), which it becomes.
+    pub fn from_npy(path: impl AsRef<Path>, schema: impl Into<BatchSchema>) -> Result<Dataset> {
+        let path = path.as_ref();
+        let schema = schema.into();
+        let source = path.display().to_string();
+        let [spec] = &schema.tensors[..] else {
+            return Err(data_err(
+                &source,
+                format!(
+                    "a .npy file holds one array, but the model reads {} tensors ({schema}); save them in one .npz (numpy.savez) or a safetensors file",
+                    schema.tensors.len()
+                ),
+            ));
+        };
+        let tensor = crate::npy::load_npy(path)?;
+        Self::from_checked(&source, &[(spec.name.clone(), tensor)], &schema)
+    }
+
+    /// Reads a dataset by the file's extension: `.safetensors`, `.npz` or `.npy`.
+    pub fn open(path: impl AsRef<Path>, schema: impl Into<BatchSchema>) -> Result<Dataset> {
+        let path = path.as_ref();
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("npz") => Self::from_npz(path, schema),
+            Some("npy") => Self::from_npy(path, schema),
+            Some("safetensors") => Self::from_safetensors(path, schema),
+            _ => Err(data_err(
+                &path.display().to_string(),
+                "unknown data format: name a .safetensors, .npz or .npy file (or give UTF-8 text as text)".into(),
+            )),
+        }
     }
 
     /// Number of rows.
     pub fn len(&self) -> usize {
-        match &self.rows {
-            Rows::Classify { targets, .. } => targets.len(),
-            Rows::Tokens { rows, .. } => *rows,
-        }
+        self.rows
     }
 
     /// True when there are no rows.
@@ -251,9 +285,60 @@ impl Dataset {
         self.len() == 0
     }
 
+    /// What the rows hold: one [`TensorSpec`] per column (its dtype and row shape; no
+    /// index ranges).
+    pub fn schema(&self) -> BatchSchema {
+        BatchSchema::new(
+            self.columns
+                .iter()
+                .map(|c| TensorSpec::new(&c.name, c.dtype, &c.row_shape))
+                .collect(),
+        )
+    }
+
+    /// Checks the rows against a model's declaration: every declared tensor present, of an
+    /// accepted dtype and row shape, indices in range. One error line naming the tensor.
+    pub fn check(&self, schema: &BatchSchema) -> Result<()> {
+        let err = |message: String| data_err(&self.name, message);
+        for spec in &schema.tensors {
+            let Some(c) = self.columns.iter().find(|c| c.name == spec.name) else {
+                return Err(err(format!(
+                    "missing tensor '{}' (the model reads {:?}; the data has {:?})",
+                    spec.name,
+                    schema.names(),
+                    self.schema().names()
+                )));
+            };
+            if !spec.dtypes.contains(&c.dtype) || spec.row_shape != c.row_shape {
+                let found = TensorSpec::new(&c.name, c.dtype, &c.row_shape);
+                return Err(err(format!(
+                    "tensor '{}': expected {} {}, found {} {}",
+                    spec.name,
+                    spec.dtypes_text(),
+                    spec.shape_text(None),
+                    found.dtypes_text(),
+                    found.shape_text(None)
+                )));
+            }
+            if let Some(range) = &spec.index_range {
+                if let Some((elem, v)) = first_out_of_range(&c.covered(self.rows)?, range.below)? {
+                    return Err(err(format!(
+                        "tensor '{}': row {} has {} {v}, expected 0..{}",
+                        spec.name,
+                        elem / c.stride,
+                        range.noun,
+                        range.below
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// What identifies the rows: their count and a 64-bit FNV-1a hash of their contents,
     /// e.g. `8192 rows, fnv1a 5f1c…`. A checkpoint stores it, so that a resumed run can
-    /// refuse data other than what it started on (another file, or another `--seed`).
+    /// refuse data other than what it started on (another file, or another `--seed`). The
+    /// hash of classification and token data is the one earlier versions computed.
     pub fn fingerprint(&self) -> &str {
         self.fingerprint.get_or_init(|| self.hash_rows())
     }
@@ -266,28 +351,32 @@ impl Dataset {
                 h = (h ^ u64::from(b)).wrapping_mul(PRIME);
             }
         };
-        match &self.rows {
-            Rows::Classify {
-                inputs,
-                targets,
-                in_dim,
-            } => {
-                eat(&(*in_dim as u64).to_le_bytes());
-                inputs.iter().for_each(|x| eat(&x.to_bits().to_le_bytes()));
-                targets.iter().for_each(|t| eat(&t.to_le_bytes()));
+        let u64s = |v: &[usize]| v.iter().flat_map(|&d| (d as u64).to_le_bytes()).collect::<Vec<u8>>();
+        let names: Vec<&str> = self.columns.iter().map(|c| c.name.as_str()).collect();
+        let dtypes: Vec<DType> = self.columns.iter().map(|c| c.dtype).collect();
+        match (&names[..], &dtypes[..]) {
+            // the layouts of earlier versions, hashed as they were
+            (["inputs", "targets"], [DType::F32, DType::I64])
+                if self.columns[0].row_shape.len() == 1 && self.columns[1].row_shape.is_empty() =>
+            {
+                eat(&u64s(&self.columns[0].row_shape));
+                eat(&self.columns[0].bytes);
+                eat(&self.columns[1].bytes);
             }
-            Rows::Tokens {
-                tokens,
-                row_len,
-                stride,
-                rows,
-            } => {
-                for d in [*row_len, *stride, *rows] {
-                    eat(&(d as u64).to_le_bytes());
-                }
-                match tokens {
-                    TokenStore::U8(v) => eat(v),
-                    TokenStore::I64(v) => v.iter().for_each(|t| eat(&t.to_le_bytes())),
+            (["tokens"], [DType::U8 | DType::I64]) if self.columns[0].row_shape.len() == 1 => {
+                let c = &self.columns[0];
+                eat(&u64s(&[c.row_elems, c.stride, self.rows]));
+                eat(&c.bytes);
+            }
+            _ => {
+                eat(b"brigade columns v1");
+                eat(&u64s(&[self.rows]));
+                for c in &self.columns {
+                    eat(c.name.as_bytes());
+                    eat(format!("{:?}", c.dtype).as_bytes());
+                    eat(&u64s(&c.row_shape));
+                    eat(&u64s(&[c.stride]));
+                    eat(&c.bytes);
                 }
             }
         }
@@ -297,6 +386,10 @@ impl Dataset {
     /// Where the data came from, for logs.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    pub(crate) fn set_name(&mut self, name: String) {
+        self.name = name;
     }
 
     /// Rows `start_row .. start_row + rows`, each taken modulo [`Dataset::len`] (so a
@@ -309,54 +402,32 @@ impl Dataset {
             ));
         }
         let n = self.len();
-        let idx = (0..rows).map(|i| (start_row % n + i) % n);
-        Ok(match &self.rows {
-            Rows::Classify {
-                inputs,
-                targets,
-                in_dim,
-            } => {
-                let mut x = Vec::with_capacity(rows * in_dim);
-                let mut y = Vec::with_capacity(rows);
-                for r in idx {
-                    x.extend_from_slice(&inputs[r * in_dim..(r + 1) * in_dim]);
-                    y.push(targets[r]);
-                }
-                Batch::Classify {
-                    inputs: Tensor::from_vec(x, &[rows, *in_dim])?,
-                    targets: Tensor::from_vec(y, &[rows])?,
-                }
-            }
-            Rows::Tokens {
-                tokens,
-                row_len,
-                stride,
-                ..
-            } => {
-                fn gather<T: brigade_tensor::Element>(
-                    v: &[T],
-                    idx: impl Iterator<Item = usize>,
-                    rows: usize,
-                    len: usize,
-                    stride: usize,
-                ) -> Result<Tensor> {
-                    let mut out = Vec::with_capacity(rows * len);
-                    for r in idx {
-                        out.extend_from_slice(&v[r * stride..r * stride + len]);
-                    }
-                    Ok(Tensor::from_vec(out, &[rows, len])?)
-                }
-                let tokens = match tokens {
-                    TokenStore::U8(v) => gather(v, idx, rows, *row_len, *stride)?,
-                    TokenStore::I64(v) => gather(v, idx, rows, *row_len, *stride)?,
-                };
-                Batch::Tokens { tokens }
-            }
-        })
+        let idx: Vec<usize> = (0..rows).map(|i| (start_row % n + i) % n).collect();
+        self.gather(&idx)
+    }
+
+    /// The rows `indices` (in that order, repeats allowed), e.g. those a
+    /// [`crate::DistributedSampler`] gives a rank.
+    pub fn gather(&self, indices: &[usize]) -> Result<Batch> {
+        if indices.is_empty() {
+            return Err(data_err(&self.name, "cannot take 0 rows".into()));
+        }
+        if let Some(&r) = indices.iter().find(|&&r| r >= self.rows) {
+            return Err(data_err(
+                &self.name,
+                format!("row {r} is out of range: the dataset has {} rows", self.rows),
+            ));
+        }
+        let tensors = self
+            .columns
+            .iter()
+            .map(|c| Ok((c.name.clone(), c.gather(indices)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Batch::new(tensors)
     }
 }
 
-fn data_err(source: &str, message: String) -> ModelError {
+pub(crate) fn data_err(source: &str, message: String) -> ModelError {
     ModelError::Data {
         source_name: source.to_string(),
         message,

@@ -24,15 +24,17 @@ pub enum ModelError {
         /// What is wrong and how to fix it.
         message: String,
     },
-    /// A batch of the wrong kind for this model (tokens given to the MLP, or the reverse).
-    #[error("{model} expects a {expected} batch, got a {found} batch; pair the model with its dataset")]
+    /// A batch without a tensor the model reads (tokens given to the MLP, or the reverse).
+    #[error(
+        "{model} reads tensor '{missing}', which the batch lacks (it has {found:?}); pair the model with its dataset"
+    )]
     WrongBatch {
-        /// `"mlp"` or `"gpt"`.
+        /// The model (`"mlp"`, `"gpt"`, or a user's).
         model: &'static str,
-        /// The batch kind the model takes.
-        expected: &'static str,
-        /// The batch kind it was given.
-        found: &'static str,
+        /// The tensor it reads.
+        missing: String,
+        /// The names the batch has.
+        found: Vec<String>,
     },
     /// A batch whose tensors do not fit the model.
     #[error("{model} batch: {message}")]
@@ -87,6 +89,26 @@ pub enum ModelError {
         /// That element (NaN, inf or -inf).
         value: f64,
     },
+    /// A `.npy` or `.npz` file that cannot be read (truncated, not NumPy, an unsupported dtype)
+    /// or a tensor that has no NumPy dtype.
+    #[error("{path}: not a usable NumPy file: {message}")]
+    Npy {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and what to do.
+        message: String,
+    },
+    /// A sampler that cannot be built (no rows, a rank outside the world, ...).
+    #[error("sampler: {0}")]
+    Sampler(String),
+    /// A text-generation request that cannot be served (an empty prompt, a token outside the
+    /// vocabulary, a negative temperature, ...).
+    #[error("sample: {0}")]
+    Generate(String),
+    /// A model method the model does not implement (e.g. [`crate::Model::forward`] on a
+    /// model that only defines its loss).
+    #[error("{0}")]
+    Unsupported(String),
     /// A dataset file or request that does not fit the model.
     #[error("dataset {source_name}: {message}")]
     Data {

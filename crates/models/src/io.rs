@@ -38,7 +38,7 @@ fn from_st_dtype(d: Dtype) -> Option<DType> {
 }
 
 /// Little-endian bytes of a tensor's elements in row-major order.
-fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+pub(crate) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
     fn go<T: Element>(t: &Tensor, n: usize, le: impl Fn(T) -> [u8; 8]) -> Result<Vec<u8>> {
         let v = t.to_vec::<T>()?;
         let mut out = Vec::with_capacity(v.len() * n);
@@ -63,7 +63,7 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 /// A tensor from little-endian bytes.
-fn tensor_from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
+pub(crate) fn tensor_from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
     fn go<T: Element, const N: usize>(bytes: &[u8], shape: &[usize], f: impl Fn([u8; N]) -> T) -> Result<Tensor> {
         let v: Vec<T> = bytes
             .chunks_exact(N)

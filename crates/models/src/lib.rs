@@ -1,36 +1,89 @@
 //! Brigade's models: the reference MLP and a byte-level GPT, the data they train on,
-//! and safetensors checkpoints.
+//! and the files they read and write.
 //!
 //! Every model implements [`Model`]: it owns a [`ParamStore`] (whose registration order
-//! is the DDP bucket order), computes a mean loss on a [`Batch`], and records each
-//! layer's ops under a module scope listed by [`Model::layer_names`], so that backward
-//! can be attributed per layer on a timeline. Parameter names and layouts match the
+//! is the DDP bucket order), computes a mean loss on a [`Batch`] of named tensors (and its
+//! outputs through [`Model::forward`]), declares what its batches hold ([`BatchSchema`]), and
+//! records each layer's ops under a module scope listed by [`Model::layer_names`], so that
+//! backward can be attributed per layer on a timeline. Parameter names and layouts match the
 //! PyTorch modules described in [`mlp`] and [`gpt`], so state dicts move both ways
 //! through [`io`].
+//!
+//! Data: a [`Dataset`] (built in, safetensors, `.npy`/`.npz` through [`npy`], or UTF-8 text
+//! with a validation split), of which a [`DistributedSampler`] gives each rank its share per
+//! epoch. Text out: [`generate()`] decodes from a [`Gpt`] with a KV cache.
+//!
+//! ```
+//! use std::ops::ControlFlow;
+//!
+//! use brigade_autograd::no_grad;
+//! use brigade_models::{generate_text, Dataset, DistributedSampler, Gpt, GptConfig, Model, SampleOptions, SamplerOptions, ValSplit};
+//!
+//! # let path = std::env::temp_dir().join(format!("brigade-doc-text-{}.txt", std::process::id()));
+//! # std::fs::write(&path, "the cat sat on the mat. ".repeat(50)).unwrap();
+//! let cfg = GptConfig { d_model: 32, n_layers: 1, n_heads: 2, d_ff: 64, context: 16, ..GptConfig::default() };
+//! let mut gpt = Gpt::new(cfg.clone(), 0)?;
+//! // a UTF-8 file: rows of context + 1 bytes, the last 10% for validation
+//! let text = Dataset::from_text_file(&path, cfg.context, &ValSplit::Fraction(0.1))?;
+//! text.train.check(&cfg.batch_schema())?;
+//! // rank 1 of 2 in epoch 3: its share of that epoch's permutation, 8 rows at a time
+//! let mut sampler = DistributedSampler::new(text.train.len(), 2, 1, SamplerOptions::default())?;
+//! sampler.set_epoch(3);
+//! let rows = sampler.indices();
+//! let loss = gpt.loss(&text.train.gather(&rows[..8])?)?;
+//! loss.backward()?;
+//! // evaluation: eval mode (no dropout), no graph
+//! gpt.eval();
+//! let val = text.val.as_ref().expect("a validation split");
+//! let val_loss = no_grad(|| gpt.loss(&val.batch(0, 4)?))?;
+//! assert!(val_loss.value().item()? > 0.0);
+//! // text out, streamed as it comes
+//! let opts = SampleOptions { max_new_tokens: 20, temperature: 0.8, top_k: Some(40), seed: 1 };
+//! let sample = generate_text(&gpt, "the ", &opts, |s| {
+//!     print!("{s}");
+//!     ControlFlow::Continue(())
+//! })?;
+//! # std::fs::remove_file(&path).unwrap();
+//! # Ok::<(), brigade_models::ModelError>(())
+//! ```
 
 #![warn(missing_docs)]
 
+mod batch;
 mod corpus;
 pub mod data;
 mod error;
+pub mod generate;
 pub mod gpt;
 pub mod io;
 pub mod mlp;
 pub mod nn;
+pub mod npy;
+pub mod sampler;
+mod text;
 
 use brigade_autograd::{ParamStore, Var};
-use brigade_tensor::{DType, Tensor};
 
+pub use batch::{Batch, BatchSchema, IndexRange, TensorSpec};
 pub use data::Dataset;
 pub use error::{ModelError, Result};
+pub use generate::{generate, generate_text, generate_uncached, Generated, SampleOptions, Utf8Stream};
 pub use gpt::{Gpt, GptConfig};
 pub use io::{
     check_finite, load_params, load_params_from_tensors, load_safetensors, load_safetensors_with_metadata, save_params,
     save_safetensors, write_atomic, NamedTensors,
 };
 pub use mlp::{Mlp, MlpConfig};
+pub use nn::RngState;
+pub use npy::{load_npy, load_npz, save_npy, save_npz};
+pub use sampler::{DistributedSampler, Remainder, SamplerCursor, SamplerOptions, SamplerPosition};
+pub use text::{TextData, ValSplit};
 
 /// A trainable model as the CLI and the DDP tests drive it.
+///
+/// Only [`Model::params`], [`Model::loss`] and [`Model::layer_names`] are required; the others
+/// have defaults for a model without an inference path, without a declared batch, or without
+/// anything that depends on the mode (no dropout).
 pub trait Model: Send {
     /// The parameters, in registration order (the DDP bucket order).
     fn params(&self) -> &ParamStore;
@@ -39,71 +92,53 @@ pub trait Model: Send {
     /// Module scopes in forward order (e.g. `["layers.0", ..]` or
     /// `["embed", "blocks.0", .., "head"]`), for timelines.
     fn layer_names(&self) -> Vec<String>;
-}
 
-/// One batch of training data.
-#[derive(Debug, Clone)]
-pub enum Batch {
-    /// Classification: F32 `inputs [B, in]` and I64 `targets [B]` (class indices).
-    Classify {
-        /// F32 `[B, in]`.
-        inputs: Tensor,
-        /// I64 `[B]`.
-        targets: Tensor,
-    },
-    /// Next-token prediction: I64 or U8 `tokens [B, ctx + 1]`; the model reads
-    /// `tokens[:, :-1]` and predicts `tokens[:, 1:]`.
-    Tokens {
-        /// I64 or U8 `[B, ctx + 1]`.
-        tokens: Tensor,
-    },
-}
-
-impl Batch {
-    /// Number of rows (examples or sequences).
-    pub fn rows(&self) -> usize {
-        match self {
-            Batch::Classify { targets, .. } => targets.shape().first().copied().unwrap_or(0),
-            Batch::Tokens { tokens } => tokens.shape().first().copied().unwrap_or(0),
-        }
+    /// Inference: the model's outputs (logits) for the batch's inputs, as [`Model::loss`]
+    /// computes them before the loss. To evaluate, run it in [`Model::eval`] mode under
+    /// [`brigade_autograd::no_grad`]. The default is an error saying the model lacks it.
+    fn forward(&self, batch: &Batch) -> Result<Var> {
+        let _ = batch;
+        Err(ModelError::Unsupported(
+            "this model implements no Model::forward (inference); implement it to evaluate or sample".into(),
+        ))
     }
 
-    /// `"classify"` or `"tokens"`, for error messages.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Batch::Classify { .. } => "classify",
-            Batch::Tokens { .. } => "tokens",
-        }
+    /// What each batch must hold, for data to be checked against when opened; `None` (the
+    /// default): not declared, not checked.
+    fn batch_schema(&self) -> Option<BatchSchema> {
+        None
     }
 
-    /// A next-token batch shifted for a language model: the inputs `tokens[:, :-1]` `[B, T]`
-    /// (contiguous, dtype kept) and the targets `tokens[:, 1:]` as I64 `[B * T]`, ready for a
-    /// cross-entropy over `[B * T, vocab]` logits. `model` names the model in the errors (a
-    /// classification batch, or rows of fewer than 2 tokens).
-    pub fn shifted_tokens(&self, model: &'static str) -> Result<(Tensor, Tensor)> {
-        let Batch::Tokens { tokens } = self else {
-            return Err(ModelError::WrongBatch {
-                model,
-                expected: "tokens",
-                found: self.kind(),
-            });
-        };
-        if tokens.rank() != 2 || tokens.shape()[1] < 2 {
-            return Err(ModelError::BadBatch {
-                model,
-                message: format!(
-                    "tokens have shape {:?}, expected [batch, context + 1] with at least 2 columns",
-                    tokens.shape()
-                ),
-            });
-        }
-        let (b, n) = (tokens.shape()[0], tokens.shape()[1]);
-        let inputs = tokens.narrow(1, 0, n - 1)?.contiguous()?;
-        let targets = tokens
-            .narrow(1, 1, n - 1)?
-            .to_dtype(DType::I64)?
-            .reshape(&[b * (n - 1)])?;
-        Ok((inputs, targets))
+    /// Training (`true`, the mode a model starts in) or evaluation (`false`) mode for every
+    /// layer whose behaviour depends on it (dropout), like PyTorch's `module.train(mode)`. The
+    /// default does nothing: a model without such layers behaves the same in both.
+    fn set_training(&mut self, training: bool) {
+        let _ = training;
+    }
+
+    /// Training mode: `set_training(true)`.
+    fn train(&mut self) {
+        self.set_training(true);
+    }
+
+    /// Evaluation mode: `set_training(false)` (dropout off).
+    fn eval(&mut self) {
+        self.set_training(false);
+    }
+
+    /// The state of the generator the model's dropout draws from, for a checkpoint (`None`,
+    /// the default: the model draws nothing at random).
+    fn rng_state(&self) -> Option<RngState> {
+        None
+    }
+
+    /// Restores a [`Model::rng_state`], so that a resumed run draws the same dropout masks as
+    /// an uninterrupted one. The default, for a model without a generator, is an error.
+    fn set_rng_state(&mut self, state: RngState) -> Result<()> {
+        let _ = state;
+        Err(ModelError::Unsupported(
+            "this model has no random generator to restore (its Model::rng_state is None)".into(),
+        ))
     }
 }
 
@@ -132,5 +167,28 @@ impl ModelKind {
             ModelKind::Mlp(_) => "mlp",
             ModelKind::Gpt(_) => "gpt",
         }
+    }
+
+    /// What a batch for this model holds: [`BatchSchema::classify`] or
+    /// [`BatchSchema::tokens`] of its sizes.
+    pub fn batch_schema(&self) -> BatchSchema {
+        match self {
+            ModelKind::Mlp(c) => c.batch_schema(),
+            ModelKind::Gpt(c) => c.batch_schema(),
+        }
+    }
+}
+
+/// The schema of the model a kind builds, so that data can be opened for a `ModelKind`.
+impl From<&ModelKind> for BatchSchema {
+    fn from(kind: &ModelKind) -> BatchSchema {
+        kind.batch_schema()
+    }
+}
+
+/// A copy, so that data can be opened for a borrowed schema.
+impl From<&BatchSchema> for BatchSchema {
+    fn from(schema: &BatchSchema) -> BatchSchema {
+        schema.clone()
     }
 }

@@ -1,5 +1,6 @@
 //! The reference MLP classifier: `Linear ReLU Linear ReLU Linear ReLU Linear` with
-//! cross-entropy, default widths `[512, 2048, 2048, 2048, 10]`.
+//! cross-entropy, default widths `[512, 2048, 2048, 2048, 10]`; optional dropout after each
+//! hidden ReLU (`MlpConfig::dropout`, training mode only).
 //!
 //! Parameters are `layers.{i}.weight` (`[out, in]`) and `layers.{i}.bias` (`[out]`)
 //! for the i-th Linear: exactly the state dict of a PyTorch module holding an
@@ -9,8 +10,8 @@
 use brigade_autograd::{scope, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::nn::{Activation, Init, Linear, Params};
-use crate::{Batch, Model, ModelError, Result};
+use crate::nn::{Activation, Dropout, DropoutRng, Init, Linear, Params, RngState};
+use crate::{Batch, BatchSchema, Model, ModelError, Result};
 
 /// Shape of the MLP.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,25 +20,36 @@ pub struct MlpConfig {
     pub widths: Vec<usize>,
     /// Parameter dtype: F32 for training, F64 for gradient checks.
     pub dtype: DType,
+    /// Dropout probability after each hidden activation (in training mode only); 0 turns it
+    /// off and leaves the computation bit for bit as without it.
+    pub dropout: f64,
 }
 
 impl Default for MlpConfig {
-    /// The reference: `[512, 2048, 2048, 2048, 10]` in F32.
+    /// The reference: `[512, 2048, 2048, 2048, 10]` in F32, no dropout.
     fn default() -> Self {
         MlpConfig {
             widths: vec![512, 2048, 2048, 2048, 10],
             dtype: DType::F32,
+            dropout: 0.0,
         }
     }
 }
 
 impl MlpConfig {
-    /// A config with these widths, in F32.
+    /// A config with these widths, in F32, without dropout.
     pub fn new(widths: Vec<usize>) -> Self {
         MlpConfig {
             widths,
             dtype: DType::F32,
+            dropout: 0.0,
         }
+    }
+
+    /// What a batch for this MLP holds: [`BatchSchema::classify`] of its input width and
+    /// class count.
+    pub fn batch_schema(&self) -> BatchSchema {
+        BatchSchema::classify(self.in_dim(), self.n_classes())
     }
 
     /// Input width.
@@ -50,7 +62,8 @@ impl MlpConfig {
         self.widths.last().copied().unwrap_or(0)
     }
 
-    /// Errors unless there are at least two widths, all positive, and the dtype is F32 or F64.
+    /// Errors unless there are at least two widths, all positive, the dtype is F32 or F64 and
+    /// the dropout a probability.
     pub fn validate(&self) -> Result<()> {
         let err = |message: String| Err(ModelError::Config { model: "mlp", message });
         if self.widths.len() < 2 {
@@ -68,21 +81,31 @@ impl MlpConfig {
                 self.dtype
             ));
         }
+        if !(0.0..=1.0).contains(&self.dropout) {
+            return err(format!("dropout must be a probability in [0, 1], got {}", self.dropout));
+        }
         Ok(())
     }
 }
+
+/// Mixed into the model seed for the dropout generator.
+const DROPOUT_SEED: u64 = 0xD50F_0A7E_8765_4321;
 
 /// The MLP: its parameters and its Linear layers.
 pub struct Mlp {
     cfg: MlpConfig,
     store: ParamStore,
     layers: Vec<Linear>,
+    /// One after each hidden activation.
+    dropouts: Vec<Dropout>,
+    rng: DropoutRng,
+    training: bool,
 }
 
 impl Mlp {
     /// Builds the MLP with PyTorch's `nn.Linear` initialisation (kaiming-uniform with
     /// `a = sqrt(5)`, i.e. weight and bias both `U(-1/sqrt(in), 1/sqrt(in))`), drawn from
-    /// `seed` in registration order.
+    /// `seed` in registration order; in training mode.
     pub fn new(cfg: MlpConfig, seed: u64) -> Result<Mlp> {
         cfg.validate()?;
         let (mut rng, mut store) = (Rng::new(seed), ParamStore::new());
@@ -93,7 +116,18 @@ impl Mlp {
             .enumerate()
             .map(|(i, w)| Linear::new(&mut p.sub(&format!("layers.{i}")), w[0], w[1], true, Init::TorchLinear))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Mlp { cfg, store, layers })
+        let dropout_rng = DropoutRng::new(seed ^ DROPOUT_SEED);
+        let dropouts = (1..layers.len())
+            .map(|_| Dropout::new(cfg.dropout, &dropout_rng))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Mlp {
+            cfg,
+            store,
+            layers,
+            dropouts,
+            rng: dropout_rng,
+            training: true,
+        })
     }
 
     /// The configuration it was built from.
@@ -101,8 +135,14 @@ impl Mlp {
         &self.cfg
     }
 
+    /// True in training mode (the default), false after [`Model::eval`].
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
     /// Class logits `[B, n_classes]` of inputs `[B, in]` (any float dtype; converted to
-    /// the parameters' dtype). Layer `i` runs under scope `layers.{i}`.
+    /// the parameters' dtype). Layer `i` runs under scope `layers.{i}`. Dropout acts in
+    /// training mode.
     pub fn logits(&self, inputs: &Tensor) -> Result<Var> {
         let in_dim = self.cfg.in_dim();
         if inputs.rank() != 2 || inputs.shape()[1] != in_dim {
@@ -122,7 +162,7 @@ impl Mlp {
             h = scope(&format!("layers.{i}"), || -> Result<Var> {
                 let y = layer.forward(&h)?;
                 if i < last {
-                    Activation::Relu.apply(&y)
+                    self.dropouts[i].forward(&Activation::Relu.apply(&y)?)
                 } else {
                     Ok(y)
                 }
@@ -138,19 +178,36 @@ impl Model for Mlp {
     }
 
     fn loss(&self, batch: &Batch) -> Result<Var> {
-        let Batch::Classify { inputs, targets } = batch else {
-            return Err(ModelError::WrongBatch {
-                model: "mlp",
-                expected: "classify",
-                found: batch.kind(),
-            });
-        };
-        let logits = self.logits(inputs)?;
+        let targets = batch.tensor("mlp", "targets")?;
+        let logits = self.forward(batch)?;
         let last = self.layers.len() - 1;
         Ok(scope(&format!("layers.{last}"), || logits.cross_entropy(targets))?)
     }
 
+    /// Class logits `[B, n_classes]` of the batch's `inputs` (its `targets`, if any, unread).
+    fn forward(&self, batch: &Batch) -> Result<Var> {
+        self.logits(batch.tensor("mlp", "inputs")?)
+    }
+
     fn layer_names(&self) -> Vec<String> {
         (0..self.layers.len()).map(|i| format!("layers.{i}")).collect()
+    }
+
+    fn batch_schema(&self) -> Option<BatchSchema> {
+        Some(self.cfg.batch_schema())
+    }
+
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+        self.dropouts.iter_mut().for_each(|d| d.set_training(training));
+    }
+
+    fn rng_state(&self) -> Option<RngState> {
+        Some(self.rng.state())
+    }
+
+    fn set_rng_state(&mut self, state: RngState) -> Result<()> {
+        self.rng.set_state(state);
+        Ok(())
     }
 }

@@ -4,6 +4,9 @@
 //! opened: a model opens one scope per block (`layers.2`, `blocks.0`), which is what the
 //! gradient-ready bus reports and a timeline shows as one backward span.
 //!
+//! Layers whose behaviour depends on the mode ([`Dropout`]) have a `set_training` switch,
+//! passed down by the blocks and models that hold them (PyTorch's `module.train(mode)`).
+//!
 //! ```
 //! use brigade_models::nn::{Activation, Init, Linear, Params};
 //! use brigade_autograd::ParamStore;
@@ -18,11 +21,12 @@
 //! ```
 
 use std::cell::Cell;
+use std::sync::{Arc, Mutex};
 
-use brigade_autograd::{ParamStore, Var};
-use brigade_tensor::{DType, Rng, Tensor};
+use brigade_autograd::{no_grad, ParamStore, Var};
+use brigade_tensor::{DType, Device, Rng, Tensor};
 
-use crate::Result;
+use crate::{ModelError, Result};
 
 /// Registers parameters under a name prefix, drawing initial values from one generator in
 /// registration order (so the same seed gives the same model, parameter for parameter).
@@ -307,8 +311,10 @@ impl MlpBlock {
     }
 }
 
-/// A pre-LayerNorm transformer block (GPT-2's): `x + attn(ln1(x))`, then `x + mlp(ln2(x))`,
-/// parameters under `ln1`, `attn`, `ln2`, `mlp` (GELU feed-forward).
+/// A pre-LayerNorm transformer block (GPT-2's): `x + drop(attn(ln1(x)))`, then
+/// `x + drop(mlp(ln2(x)))`, parameters under `ln1`, `attn`, `ln2`, `mlp` (GELU feed-forward).
+/// The residual dropouts (nanoGPT's) are off unless [`TransformerBlock::with_dropout`] turns
+/// them on; the attention probabilities are not dropped (the fused attention has no dropout).
 pub struct TransformerBlock {
     /// Normalises the attention's input.
     pub ln1: LayerNorm,
@@ -318,23 +324,310 @@ pub struct TransformerBlock {
     pub ln2: LayerNorm,
     /// The feed-forward part.
     pub mlp: MlpBlock,
+    /// Applied to the attention's output before the residual add.
+    pub attn_dropout: Dropout,
+    /// Applied to the feed-forward's output before the residual add.
+    pub mlp_dropout: Dropout,
 }
 
 impl TransformerBlock {
     /// Registers `ln1`, `attn`, `ln2`, `mlp` under `p`'s prefix: width `d`, `n_heads` heads, a
-    /// `d_ff`-wide GELU feed-forward, LayerNorms with PyTorch's epsilon.
+    /// `d_ff`-wide GELU feed-forward, LayerNorms with PyTorch's epsilon; no dropout.
     pub fn new(p: &mut Params, d: usize, n_heads: usize, d_ff: usize, init: Init) -> Result<TransformerBlock> {
         Ok(TransformerBlock {
             ln1: LayerNorm::new(&mut p.sub("ln1"), d, LayerNorm::DEFAULT_EPS)?,
             attn: CausalSelfAttention::new(&mut p.sub("attn"), d, n_heads, init)?,
             ln2: LayerNorm::new(&mut p.sub("ln2"), d, LayerNorm::DEFAULT_EPS)?,
             mlp: MlpBlock::new(&mut p.sub("mlp"), d, d_ff, Activation::Gelu, init)?,
+            attn_dropout: Dropout::off(),
+            mlp_dropout: Dropout::off(),
         })
+    }
+
+    /// The same block with residual dropout of probability `p` drawn from `rng` (the model's
+    /// generator). `p = 0` keeps it off.
+    pub fn with_dropout(mut self, p: f64, rng: &DropoutRng) -> Result<TransformerBlock> {
+        self.attn_dropout = Dropout::new(p, rng)?;
+        self.mlp_dropout = Dropout::new(p, rng)?;
+        Ok(self)
+    }
+
+    /// Training (dropout on) or evaluation (dropout off) mode.
+    pub fn set_training(&mut self, training: bool) {
+        self.attn_dropout.set_training(training);
+        self.mlp_dropout.set_training(training);
     }
 
     /// `x [B, T, d] -> [B, T, d]`.
     pub fn forward(&self, x: &Var) -> Result<Var> {
-        let x = x.add(&self.attn.forward(&self.ln1.forward(x)?)?)?;
+        let a = self.attn_dropout.forward(&self.attn.forward(&self.ln1.forward(x)?)?)?;
+        let x = x.add(&a)?;
+        let m = self.mlp_dropout.forward(&self.mlp.forward(&self.ln2.forward(&x)?)?)?;
+        Ok(x.add(&m)?)
+    }
+
+    /// Inference on `x [B, n, d]` at positions `start..start + n`, attending to the keys and
+    /// values `cache` holds for `0..start` and writing its own there
+    /// ([`CausalSelfAttention::forward_cached`]). No dropout (as in evaluation mode), no graph.
+    pub fn forward_cached(&self, x: &Var, cache: &LayerKvCache, start: usize) -> Result<Var> {
+        let x = x.add(&self.attn.forward_cached(&self.ln1.forward(x)?, cache, start)?)?;
         Ok(x.add(&self.mlp.forward(&self.ln2.forward(&x)?)?)?)
+    }
+}
+
+/// What a dropout generator has done: its seed and how many masks it has drawn. Saving it with
+/// a checkpoint and restoring it ([`DropoutRng::set_state`]) makes a resume draw the same masks
+/// as an uninterrupted run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RngState {
+    /// The seed the generator started from.
+    pub seed: u64,
+    /// Masks drawn so far: mask `i` is a pure function of `(seed, i)`.
+    pub offset: u64,
+}
+
+/// The generator every [`Dropout`] of one model draws from, in forward order (a per-model
+/// stand-in for PyTorch's default generator). Counter-based, so its whole state is a
+/// [`RngState`]: mask `i` comes from `(seed, i)` alone. Clones share the state.
+#[derive(Debug, Clone)]
+pub struct DropoutRng(Arc<Mutex<RngState>>);
+
+impl DropoutRng {
+    /// A generator at the start of `seed`'s sequence.
+    pub fn new(seed: u64) -> DropoutRng {
+        DropoutRng(Arc::new(Mutex::new(RngState { seed, offset: 0 })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RngState> {
+        // a panic elsewhere cannot leave a half-written (seed, offset): take it as it is
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The current state.
+    pub fn state(&self) -> RngState {
+        *self.lock()
+    }
+
+    /// Continues from `state` (e.g. one read from a checkpoint).
+    pub fn set_state(&self, state: RngState) {
+        *self.lock() = state;
+    }
+
+    /// The generator of the next mask.
+    fn next_mask_rng(&self) -> Rng {
+        let mut s = self.lock();
+        let rng = Rng::new(mix64(s.seed ^ mix64(s.offset.wrapping_add(0x5851_F42D_4C95_7F2D))));
+        s.offset += 1;
+        rng
+    }
+}
+
+/// SplitMix64's finaliser: a bijection that scatters nearby inputs.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Inverted dropout (`torch.nn.Dropout`): in training mode each element is zeroed with
+/// probability `p` and the others scaled by `1/(1 - p)`; in evaluation mode, or at `p = 0`, the
+/// input passes through untouched (the same `Var`: no op recorded, the same bits).
+pub struct Dropout {
+    p: f64,
+    training: bool,
+    rng: DropoutRng,
+}
+
+impl Dropout {
+    /// Dropout of probability `p` (in `[0, 1]`) drawing its masks from `rng`; in training mode.
+    pub fn new(p: f64, rng: &DropoutRng) -> Result<Dropout> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(ModelError::Config {
+                model: "dropout",
+                message: format!("p must be a probability in [0, 1], got {p}"),
+            });
+        }
+        Ok(Dropout {
+            p,
+            training: true,
+            rng: rng.clone(),
+        })
+    }
+
+    /// Dropout that never drops (`p = 0`).
+    pub fn off() -> Dropout {
+        Dropout {
+            p: 0.0,
+            training: true,
+            rng: DropoutRng::new(0),
+        }
+    }
+
+    /// The drop probability.
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+
+    /// True in training mode (the default), false in evaluation mode.
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
+    /// Training (drops) or evaluation (identity) mode.
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+
+    /// `x` with dropout applied (training mode, `p > 0`), or `x` itself.
+    pub fn forward(&self, x: &Var) -> Result<Var> {
+        if !self.training || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        let value = x.value();
+        let keep = if self.p < 1.0 { 1.0 / (1.0 - self.p) } else { 0.0 };
+        let mut rng = self.rng.next_mask_rng();
+        let mask: Vec<f64> = (0..value.numel())
+            .map(|_| if rng.uniform() < self.p { 0.0 } else { keep })
+            .collect();
+        let mask = Tensor::from_f64_vec(mask, value.shape(), value.dtype());
+        let mask = match value.device() {
+            Device::Cpu => mask,
+            device => mask.to_device(device)?,
+        };
+        Ok(x.mul(&Var::constant(mask))?)
+    }
+}
+
+/// The keys and values one attention layer has computed: `k` and `v` of `[B, H, capacity,
+/// head_dim]`, of which a [`KvCache`] says how many positions are filled.
+pub struct LayerKvCache {
+    k: Tensor,
+    v: Tensor,
+}
+
+/// A transformer's KV cache for incremental decoding: per block, the keys and values of every
+/// position seen so far, so that a new token costs one position of compute instead of the
+/// whole context.
+pub struct KvCache {
+    layers: Vec<LayerKvCache>,
+    len: usize,
+    capacity: usize,
+    batch: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `n_layers` blocks of `n_heads` heads of `head_dim`, `batch` rows,
+    /// up to `capacity` positions, in `dtype` on `device`.
+    pub fn new(
+        n_layers: usize,
+        batch: usize,
+        n_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        dtype: DType,
+        device: Device,
+    ) -> Result<KvCache> {
+        let shape = [batch, n_heads, capacity, head_dim];
+        let layers = (0..n_layers)
+            .map(|_| {
+                Ok(LayerKvCache {
+                    k: Tensor::zeros_on(&shape, dtype, device)?,
+                    v: Tensor::zeros_on(&shape, dtype, device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            layers,
+            len: 0,
+            capacity,
+            batch,
+        })
+    }
+
+    /// Positions filled.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no position is filled.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions it can hold (the model's context).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Rows (sequences decoded side by side).
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Forgets every position (the memory is kept).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Block `i`'s keys and values.
+    pub fn layer(&self, i: usize) -> &LayerKvCache {
+        &self.layers[i]
+    }
+
+    /// Number of blocks.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Marks `n` more positions filled (after every block has written them).
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+}
+
+impl CausalSelfAttention {
+    /// Inference on `h [B, n, d]` at positions `start..start + n`: writes this chunk's keys and
+    /// values into `cache` at those positions, then lets each query attend to every cached
+    /// position up to its own (`0..=start + i`). With `start = 0` and `n = T` this is
+    /// [`CausalSelfAttention::forward`]'s result (to rounding: composed ops, not the fused one);
+    /// with `n = 1` a new token costs one query against the cache. No graph is recorded.
+    pub fn forward_cached(&self, h: &Var, cache: &LayerKvCache, start: usize) -> Result<Var> {
+        no_grad(|| {
+            let shape = h.shape();
+            let (b, n, d, nh) = (shape[0], shape[1], self.proj.weight.shape()[0], self.n_heads);
+            let hd = d / nh;
+            let capacity = cache.k.shape()[2];
+            if start + n > capacity {
+                return Err(ModelError::ContextTooLong {
+                    found: start + n,
+                    context: capacity,
+                });
+            }
+            let qkv = self.qkv.forward(h)?.value();
+            // [B, n, d] -> [B, n, H, hd] -> [B, H, n, hd]
+            let heads = |i: usize| -> Result<Tensor> {
+                Ok(qkv
+                    .narrow(2, i * d, d)?
+                    .reshape(&[b, n, nh, hd])?
+                    .permute(&[0, 2, 1, 3])?)
+            };
+            let q = heads(0)?;
+            cache.k.narrow(2, start, n)?.copy_from(&heads(1)?)?;
+            cache.v.narrow(2, start, n)?.copy_from(&heads(2)?)?;
+            let (keys, values) = (cache.k.narrow(2, 0, start + n)?, cache.v.narrow(2, 0, start + n)?);
+            let scores = q.matmul(&keys.transpose(2, 3)?)?.mul_scalar(1.0 / (hd as f64).sqrt())?;
+            // bottom-right aligned: query i (position start + i) sees keys 0..=start + i
+            let scores = if n > 1 {
+                scores.causal_fill(f64::NEG_INFINITY)?
+            } else {
+                scores
+            };
+            let y = scores
+                .softmax_last()?
+                .matmul(&values)?
+                .permute(&[0, 2, 1, 3])?
+                .reshape(&[b, n, d])?;
+            self.proj.forward(&Var::constant(y))
+        })
     }
 }

@@ -7,3 +7,4 @@ mod grad_accumulation;
 mod gradcheck;
 mod optim;
 mod profile;
+mod schedule;

@@ -45,9 +45,7 @@ impl Model for Tiny {
     }
 
     fn loss(&self, batch: &Batch) -> brigade::models::Result<Var> {
-        let Batch::Classify { inputs, targets } = batch else {
-            panic!("classification rows")
-        };
+        let (inputs, targets) = (batch.tensor("tiny", "inputs")?, batch.tensor("tiny", "targets")?);
         let h = scope("l1", || {
             Activation::Relu.apply(&self.l1.forward(&Var::constant(inputs.clone()))?)
         })?;
@@ -88,10 +86,10 @@ impl DataSource for Rows {
             y.push((0..CLASSES).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as i64);
             x.extend(row);
         }
-        Ok(Batch::Classify {
-            inputs: Tensor::from_vec(x, &[mb.rows, IN])?,
-            targets: Tensor::from_vec(y, &[mb.rows])?,
-        })
+        Ok(Batch::classify(
+            Tensor::from_vec(x, &[mb.rows, IN])?,
+            Tensor::from_vec(y, &[mb.rows])?,
+        ))
     }
 
     fn fingerprint(&self) -> Option<String> {

@@ -14,9 +14,7 @@ fn train(cfg: &GptConfig, rows: usize, reference: bool) -> (Vec<u32>, Vec<Vec<u3
     let g = Gpt::new(cfg.clone(), 11).unwrap();
     let n = rows * (cfg.context + 1);
     let tokens: Vec<i64> = (0..n).map(|i| (i * 53 % 256) as i64).collect();
-    let batch = Batch::Tokens {
-        tokens: Tensor::from_vec(tokens, &[rows, cfg.context + 1]).unwrap(),
-    };
+    let batch = Batch::tokens(Tensor::from_vec(tokens, &[rows, cfg.context + 1]).unwrap());
     let mut opt = Sgd::new(g.params().params().to_vec(), 0.1, 0.9, 0.0);
     let mut step = || {
         g.params().zero_grad().unwrap();

@@ -16,9 +16,7 @@ fn train(to_none: bool) -> (Vec<u32>, Vec<Vec<u32>>) {
     };
     let g = Gpt::new(cfg, 4).unwrap();
     let tokens: Vec<i64> = (0..3 * 9).map(|i| (i * 29 % 256) as i64).collect();
-    let batch = Batch::Tokens {
-        tokens: Tensor::from_vec(tokens, &[3, 9]).unwrap(),
-    };
+    let batch = Batch::tokens(Tensor::from_vec(tokens, &[3, 9]).unwrap());
     let mut opt = AdamW::with_options(g.params().params().to_vec(), 1e-2, (0.9, 0.999), 1e-8, 0.01);
     let losses = (0..3)
         .map(|_| {

@@ -3,7 +3,7 @@
 
 use brigade_autograd::{gradcheck, ParamStore, Var};
 use brigade_models::nn::{
-    Activation, CausalSelfAttention, Embedding, Init, LayerNorm, Linear, MlpBlock, Params, TransformerBlock,
+    Activation, CausalSelfAttention, Dropout, Embedding, Init, LayerNorm, Linear, MlpBlock, Params, TransformerBlock,
 };
 use brigade_tensor::{DType, Rng, Tensor};
 
@@ -216,6 +216,8 @@ fn transformer_block_gradients_match_finite_differences() {
                     proj: linear(&v[11], &v[12]),
                     activation: Activation::Gelu,
                 },
+                attn_dropout: Dropout::off(),
+                mlp_dropout: Dropout::off(),
             };
             block.forward(&v[0]).map_err(model_err)
         },

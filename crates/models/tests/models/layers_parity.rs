@@ -27,7 +27,7 @@ fn mlp_losses() -> Vec<u64> {
     let mut rng = Rng::new(1);
     let x = Tensor::randn(&[8, 16], 1.0, DType::F32, &mut rng);
     let y = Tensor::from_vec((0..8).map(|i| (i % 5) as i64).collect::<Vec<_>>(), &[8]).unwrap();
-    train(&m, &Batch::Classify { inputs: x, targets: y })
+    train(&m, &Batch::classify(x, y))
 }
 
 fn gpt_losses() -> Vec<u64> {
@@ -41,12 +41,7 @@ fn gpt_losses() -> Vec<u64> {
     };
     let g = Gpt::new(cfg, 5).unwrap();
     let tokens: Vec<i64> = (0..3 * 13).map(|i| (i * 37 % 256) as i64).collect();
-    train(
-        &g,
-        &Batch::Tokens {
-            tokens: Tensor::from_vec(tokens, &[3, 13]).unwrap(),
-        },
-    )
+    train(&g, &Batch::tokens(Tensor::from_vec(tokens, &[3, 13]).unwrap()))
 }
 
 #[test]

@@ -3,10 +3,16 @@
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod attention;
+mod batch;
 mod checkpoint;
 mod data;
+mod eval;
 mod grads_to_none;
 mod layers;
 mod layers_parity;
 mod learn;
 mod models;
+mod npy;
+mod sample;
+mod sampler;
+mod text;

@@ -135,6 +135,7 @@ fn tiny_gpt(dtype: DType) -> GptConfig {
         d_ff: 12,
         context: 5,
         dtype,
+        dropout: 0.0,
     }
 }
 
@@ -198,16 +199,10 @@ fn u8_and_i64_tokens_give_the_same_loss() {
     let m = Gpt::new(tiny_gpt(DType::F32), 1).unwrap();
     let ids = random_tokens(&[3, 6], 7, 2);
     let i64_loss = m
-        .loss(&Batch::Tokens {
-            tokens: Tensor::from_vec(ids.clone(), &[3, 6]).unwrap(),
-        })
+        .loss(&Batch::tokens(Tensor::from_vec(ids.clone(), &[3, 6]).unwrap()))
         .unwrap();
     let u8s: Vec<u8> = ids.iter().map(|&x| x as u8).collect();
-    let u8_loss = m
-        .loss(&Batch::Tokens {
-            tokens: Tensor::from_vec(u8s, &[3, 6]).unwrap(),
-        })
-        .unwrap();
+    let u8_loss = m.loss(&Batch::tokens(Tensor::from_vec(u8s, &[3, 6]).unwrap())).unwrap();
     assert_eq!(i64_loss.value().item().unwrap(), u8_loss.value().item().unwrap());
 }
 
@@ -215,24 +210,17 @@ fn u8_and_i64_tokens_give_the_same_loss() {
 fn bad_inputs_are_clear_errors() {
     let gpt = Gpt::new(tiny_gpt(DType::F32), 1).unwrap();
     // context 5 reads at most 5 tokens: a row of 7 (6 inputs) is too long
-    let long = Batch::Tokens {
-        tokens: Tensor::from_vec(vec![1i64; 14], &[2, 7]).unwrap(),
-    };
+    let long = Batch::tokens(Tensor::from_vec(vec![1i64; 14], &[2, 7]).unwrap());
     let e = gpt.loss(&long).unwrap_err();
     assert!(matches!(e, ModelError::ContextTooLong { found: 6, context: 5 }), "{e}");
     assert!(e.to_string().contains("context"), "{e}");
-    let oov = Batch::Tokens {
-        tokens: Tensor::from_vec(vec![1i64, 2, 9], &[1, 3]).unwrap(),
-    };
+    let oov = Batch::tokens(Tensor::from_vec(vec![1i64, 2, 9], &[1, 3]).unwrap());
     assert!(gpt.loss(&oov).unwrap_err().to_string().contains("index 9"));
 
     let mlp = Mlp::new(MlpConfig::new(vec![4, 3]), 1).unwrap();
     let e = mlp.loss(&long).unwrap_err();
     assert!(matches!(e, ModelError::WrongBatch { model: "mlp", .. }), "{e}");
-    let classify = Batch::Classify {
-        inputs: Tensor::zeros(&[2, 5], DType::F32),
-        targets: Tensor::zeros(&[2], DType::I64),
-    };
+    let classify = Batch::classify(Tensor::zeros(&[2, 5], DType::F32), Tensor::zeros(&[2], DType::I64));
     assert!(mlp
         .loss(&classify)
         .unwrap_err()
@@ -271,14 +259,12 @@ impl GradSubscriber for Scopes {
 #[test]
 fn every_backward_op_runs_under_one_of_the_layer_names_newest_first() {
     let mlp = ModelKind::Mlp(MlpConfig::new(vec![4, 6, 6, 3])).build(0).unwrap();
-    let mlp_batch = Batch::Classify {
-        inputs: Tensor::ones(&[2, 4], DType::F32),
-        targets: Tensor::from_vec(vec![0i64, 2], &[2]).unwrap(),
-    };
+    let mlp_batch = Batch::classify(
+        Tensor::ones(&[2, 4], DType::F32),
+        Tensor::from_vec(vec![0i64, 2], &[2]).unwrap(),
+    );
     let gpt = ModelKind::Gpt(tiny_gpt(DType::F32)).build(0).unwrap();
-    let gpt_batch = Batch::Tokens {
-        tokens: Tensor::from_vec(random_tokens(&[2, 6], 7, 1), &[2, 6]).unwrap(),
-    };
+    let gpt_batch = Batch::tokens(Tensor::from_vec(random_tokens(&[2, 6], 7, 1), &[2, 6]).unwrap());
     for (model, batch) in [(mlp, mlp_batch), (gpt, gpt_batch)] {
         let log = Arc::new(Scopes::default());
         model.params().bus().subscribe(log.clone());
@@ -378,6 +364,7 @@ fn a_nan_gradient_fails_the_parameter_check() {
         MlpConfig {
             widths: vec![5, 7, 3],
             dtype: DType::F64,
+            dropout: 0.0,
         },
         5,
     )
@@ -392,10 +379,10 @@ fn a_nan_gradient_fails_the_parameter_check() {
         .unwrap()
         .copy_from(&Tensor::scalar(f64::NAN, DType::F64))
         .unwrap();
-    let batch = Batch::Classify {
-        inputs: Tensor::randn(&[4, 5], 1.0, DType::F32, &mut rng),
-        targets: Tensor::from_vec(vec![0i64, 1, 2, 1], &[4]).unwrap(),
-    };
+    let batch = Batch::classify(
+        Tensor::randn(&[4, 5], 1.0, DType::F32, &mut rng),
+        Tensor::from_vec(vec![0i64, 1, 2, 1], &[4]).unwrap(),
+    );
     let (err, at) = worst_param_grad_error(&m, &batch, &mut rng);
     assert_eq!(err, f64::INFINITY, "at {at}");
 }
@@ -403,9 +390,7 @@ fn a_nan_gradient_fails_the_parameter_check() {
 #[test]
 fn gpt_parameter_gradients_match_finite_differences_in_f64() {
     let m = Gpt::new(tiny_gpt(DType::F64), 5).unwrap();
-    let batch = Batch::Tokens {
-        tokens: Tensor::from_vec(random_tokens(&[2, 6], 7, 3), &[2, 6]).unwrap(),
-    };
+    let batch = Batch::tokens(Tensor::from_vec(random_tokens(&[2, 6], 7, 3), &[2, 6]).unwrap());
     check_param_grads(&m, &batch);
 }
 
@@ -415,14 +400,15 @@ fn mlp_parameter_gradients_match_finite_differences_in_f64() {
         MlpConfig {
             widths: vec![5, 7, 7, 3],
             dtype: DType::F64,
+            dropout: 0.0,
         },
         5,
     )
     .unwrap();
     let mut rng = Rng::new(2);
-    let batch = Batch::Classify {
-        inputs: Tensor::randn(&[4, 5], 1.0, DType::F32, &mut rng),
-        targets: Tensor::from_vec(vec![0i64, 1, 2, 1], &[4]).unwrap(),
-    };
+    let batch = Batch::classify(
+        Tensor::randn(&[4, 5], 1.0, DType::F32, &mut rng),
+        Tensor::from_vec(vec![0i64, 1, 2, 1], &[4]).unwrap(),
+    );
     check_param_grads(&m, &batch);
 }

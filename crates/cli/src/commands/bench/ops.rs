@@ -70,17 +70,15 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         ModelKind::Gpt(c) => {
             let n = batch_size * (c.context + 1);
             let tokens: Vec<i64> = (0..n).map(|_| rng.below(c.vocab as u64) as i64).collect();
-            Batch::Tokens {
-                tokens: Tensor::from_vec(tokens, &[batch_size, c.context + 1])?,
-            }
+            Batch::tokens(Tensor::from_vec(tokens, &[batch_size, c.context + 1])?)
         }
-        ModelKind::Mlp(_) => Batch::Classify {
-            inputs: Tensor::randn(&[batch_size, 512], 1.0, DType::F32, &mut rng),
-            targets: Tensor::from_vec(
+        ModelKind::Mlp(_) => Batch::classify(
+            Tensor::randn(&[batch_size, 512], 1.0, DType::F32, &mut rng),
+            Tensor::from_vec(
                 (0..batch_size).map(|_| rng.below(10) as i64).collect::<Vec<_>>(),
                 &[batch_size],
             )?,
-        },
+        ),
     };
     let mut step = |walls: &mut Vec<StepWall>, reference: bool| -> Result<()> {
         let start = Instant::now();

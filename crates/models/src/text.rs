@@ -1,0 +1,123 @@
+//! Text in: a byte-level dataset from any UTF-8 file, with a validation split.
+
+use std::path::{Path, PathBuf};
+
+use crate::data::data_err;
+use crate::{Dataset, ModelError, Result};
+
+/// Where the validation text comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ValSplit {
+    /// No validation set.
+    None,
+    /// The last fraction of the file (in `(0, 1)`), cut at a character boundary; training
+    /// reads the rest.
+    Fraction(f64),
+    /// A separate UTF-8 file; training reads all of the first.
+    File(PathBuf),
+}
+
+/// A text file cut into training rows and, if asked, validation rows.
+#[derive(Debug, Clone)]
+pub struct TextData {
+    /// Rows of `context + 1` bytes every `max(context / 2, 1)` bytes (as [`Dataset::text`]).
+    pub train: Dataset,
+    /// Rows of `context + 1` bytes every `context` bytes, so that each byte after the first is
+    /// a target once ([`Dataset::text_with_stride`]); `None` for [`ValSplit::None`].
+    pub val: Option<Dataset>,
+}
+
+/// The bytes of `path`, which must be non-empty UTF-8 text of at least `min_bytes` bytes.
+fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
+    let source = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
+    if bytes.is_empty() {
+        return Err(data_err(
+            &source,
+            format!("the file is empty; give a UTF-8 text of at least context {context} + 1 bytes"),
+        ));
+    }
+    if let Err(e) = std::str::from_utf8(&bytes) {
+        let at = e.valid_up_to();
+        let line = 1 + bytes[..at].iter().filter(|&&b| b == b'\n').count();
+        let what = match e.error_len() {
+            Some(_) => format!("invalid byte 0x{:02x} at byte offset {at} (line {line})", bytes[at]),
+            None => format!("a truncated character at byte offset {at} (line {line}, the end of the file)"),
+        };
+        return Err(data_err(
+            &source,
+            format!("not UTF-8 text: {what}; byte-level training reads UTF-8 text files"),
+        ));
+    }
+    if bytes.len() < min_bytes {
+        return Err(data_err(
+            &source,
+            format!(
+                "{} bytes cannot fill one row of context {context} + 1; give a longer text or a smaller context",
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
+impl Dataset {
+    /// Byte-level training rows (and validation rows) of `context + 1` tokens from the UTF-8
+    /// text file `path`. Errors in one line each: an empty or too short file, bytes that are
+    /// not UTF-8 (naming the byte offset and line), a fraction outside `(0, 1)`, or a split
+    /// whose part cannot fill one row.
+    pub fn from_text_file(path: impl AsRef<Path>, context: usize, val: &ValSplit) -> Result<TextData> {
+        let path = path.as_ref();
+        let source = path.display().to_string();
+        if context == 0 {
+            return Err(data_err(&source, "context must be positive".into()));
+        }
+        let row = context + 1;
+        let named = |mut d: Dataset, name: String| {
+            d.set_name(name);
+            d
+        };
+        let bytes = read_utf8(path, row, context)?;
+        let (train, val) = match val {
+            ValSplit::None => (bytes, None),
+            ValSplit::File(vpath) => {
+                let vbytes = read_utf8(vpath, row, context)?;
+                let vsource = vpath.display().to_string();
+                (bytes, Some((vbytes, vsource)))
+            }
+            &ValSplit::Fraction(f) => {
+                if !(f > 0.0 && f < 1.0) {
+                    return Err(data_err(
+                        &source,
+                        format!("the validation fraction must be in (0, 1), got {f}"),
+                    ));
+                }
+                let n = bytes.len();
+                // the split moves forward to a character boundary (the text is valid UTF-8)
+                let mut at = n - ((n as f64 * f).ceil() as usize).min(n);
+                while at < n && (bytes[at] & 0xC0) == 0x80 {
+                    at += 1;
+                }
+                let (t, v) = bytes.split_at(at);
+                for (part, len) in [("training part", t.len()), ("validation part", v.len())] {
+                    if len < row {
+                        return Err(data_err(
+                            &source,
+                            format!(
+                                "the {part} of a {f} split holds {len} of the file's {n} bytes, less than one row of context {context} + 1; use a longer text, a smaller context or another fraction"
+                            ),
+                        ));
+                    }
+                }
+                let vsource = format!("{source} (last {f} of the bytes)");
+                (t.to_vec(), Some((v.to_vec(), vsource)))
+            }
+        };
+        let train = named(Dataset::text(train, context)?, source);
+        let val = match val {
+            Some((v, name)) => Some(named(Dataset::text_with_stride(v, context, context)?, name)),
+            None => None,
+        };
+        Ok(TextData { train, val })
+    }
+}
