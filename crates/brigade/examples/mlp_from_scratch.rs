@@ -10,7 +10,7 @@ use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model, ModelError, Result};
 use brigade::tensor::{DType, Rng, Tensor};
-use brigade::trainer::{OptimizerConfig, TrainConfig};
+use brigade::{OptimizerConfig, TrainConfig};
 
 /// `Linear ReLU Linear ReLU Linear`, parameters named `layers.{i}.weight` / `.bias`.
 struct Mlp {
@@ -103,7 +103,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Synthetic),
         |_ctx| Ok(Box::new(Mlp::new(&[16, 64, 64, 4], 0)?)),
     )?;
-    let curve = &report.losses; // the mean over ranks of each step
+    let curve = &report.outcome.losses; // the mean over ranks of each step
     for (s, l) in curve
         .iter()
         .enumerate()

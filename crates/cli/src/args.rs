@@ -8,12 +8,13 @@ use brigade_models::{GptConfig, MlpConfig, ModelKind};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
-pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
-use crate::device::{parse_device, DeviceArg};
-use crate::error::{Error, Result};
-pub use crate::launch::Backend;
+use brigade::launch::CommBackend;
+use brigade::placement::DevicePlacement;
 use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
 use brigade_ddp::zero::ZeroStage;
+
+pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
+use crate::error::{Error, Result};
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
 /// and metadata.
@@ -98,10 +99,34 @@ pub enum OptimizerName {
     Adamw,
 }
 
-/// Parses `--backend` into the launcher's [`Backend`] (the one backend enum).
-pub fn backend_parser() -> impl TypedValueParser<Value = Backend> {
-    PossibleValuesParser::new(Backend::ALL.map(|(_, name, help)| PossibleValue::new(name).help(help)))
-        .map(|s| s.parse::<Backend>().expect("one of the possible values"))
+/// What each `--backend` is, for `--help`.
+fn backend_help(b: CommBackend) -> &'static str {
+    match b {
+        CommBackend::Thread => "Ranks as threads of this process (--world-size N)",
+        CommBackend::Mpi => "One rank per process under mpirun (build with --features mpi)",
+        CommBackend::Nccl => {
+            "NCCL on GPUs (--device cuda): rank threads (--world-size N), or under mpirun one rank per process"
+        }
+    }
+}
+
+/// Parses `--backend` into the library's [`CommBackend`] (the one backend enum).
+pub fn backend_parser() -> impl TypedValueParser<Value = CommBackend> {
+    PossibleValuesParser::new(CommBackend::ALL.map(|b| PossibleValue::new(b.name()).help(backend_help(b))))
+        .map(|s| s.parse::<CommBackend>().expect("one of the possible values"))
+}
+
+/// Parses `--device`: `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> std::result::Result<DevicePlacement, String> {
+    match s {
+        "cpu" => Ok(DevicePlacement::Cpu),
+        "cuda" => Ok(DevicePlacement::Cuda(None)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(|n| DevicePlacement::Cuda(Some(n)))
+            .ok_or_else(|| format!("expected cpu, cuda or cuda:N (N a GPU ordinal), got '{s}'")),
+    }
 }
 
 /// The model and its shape.
@@ -234,12 +259,12 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
     /// Communication backend.
-    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
-    pub backend: Backend,
+    #[arg(long, value_parser = backend_parser(), default_value_t = CommBackend::Thread)]
+    pub backend: CommBackend,
     /// Where the model, batches, gradients and optimizer state live: cpu, cuda (rank r on GPU
     /// r % count) or cuda:N (GPUs from N). DDP stages gradient buckets through the host.
-    #[arg(long, value_parser = parse_device, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
+    #[arg(long, value_parser = parse_device, default_value_t = DevicePlacement::Cpu)]
+    pub device: DevicePlacement,
     /// Compute threads per rank (default: the cores divided among the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
@@ -382,7 +407,7 @@ impl RunArgs {
                 flag_name(&self.comm_hook)
             ));
         }
-        if self.zero != 0 && self.backend == Backend::Nccl {
+        if self.zero != 0 && self.backend == CommBackend::Nccl {
             return bad(format!(
                 "--zero {} reduce-scatters on the host comm stream and does not run over --backend nccl yet: drop one of them",
                 self.zero
@@ -400,6 +425,28 @@ impl RunArgs {
                     "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
                 ))
             })?;
+        }
+        self.validate_nccl()
+    }
+
+    /// Flags that cannot work with `--backend nccl`.
+    fn validate_nccl(&self) -> Result<()> {
+        if self.backend != CommBackend::Nccl {
+            return Ok(());
+        }
+        if self.device == DevicePlacement::Cpu {
+            return Err(Error::Usage(
+                "--backend nccl reduces gradients in GPU memory: pass --device cuda (or cuda:N); \
+                 on the CPU use --backend thread or mpi"
+                    .into(),
+            ));
+        }
+        if self.comm_hook != CommHookName::Allreduce {
+            return Err(Error::Usage(
+                "--backend nccl averages each bucket with one NCCL all-reduce: --comm-hook must be allreduce \
+                 (the other hooks run with --backend thread or mpi, host-staged)"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -450,5 +497,46 @@ impl RunArgs {
             OptimizerName::Adamw => AdamW::DEFAULT_WEIGHT_DECAY,
             OptimizerName::Sgd => 0.0,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn flags(args: &[&str]) -> RunArgs {
+        Flags::try_parse_from(std::iter::once("brigade").chain(args.iter().copied()))
+            .unwrap()
+            .run
+    }
+
+    #[test]
+    fn device_flags_parse_and_bad_ones_say_what_is_expected() {
+        assert_eq!(parse_device("cpu"), Ok(DevicePlacement::Cpu));
+        assert_eq!(parse_device("cuda"), Ok(DevicePlacement::Cuda(None)));
+        assert_eq!(parse_device("cuda:3"), Ok(DevicePlacement::Cuda(Some(3))));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA"] {
+            assert!(parse_device(bad).unwrap_err().contains("cpu, cuda or cuda:N"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn nccl_needs_a_cuda_device_and_the_plain_all_reduce() {
+        assert!(flags(&["--backend", "nccl", "--device", "cuda"]).validate().is_ok());
+        assert!(flags(&["--backend", "thread"]).validate().is_ok());
+        let e = flags(&["--backend", "nccl"]).validate().unwrap_err();
+        assert!(e.to_string().contains("--device cuda"), "{e}");
+        let e = flags(&["--backend", "nccl", "--device", "cuda", "--comm-hook", "fp16"])
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("--comm-hook"), "{e}");
     }
 }

@@ -4,12 +4,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-// The library (fit, launch, trainer, checkpoint, device, error) is the `brigade` crate.
-use brigade::{device, error, launch, trainer};
-
 mod args;
 mod bucket_cap;
 mod commands;
+mod error;
 mod outputs;
 mod policy;
 mod report;
@@ -17,7 +15,7 @@ mod run;
 mod sent;
 mod signal;
 
-use commands::{bench, predict, sweep, train};
+use commands::{bench, predict, sweep, sweep_args, train};
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]
@@ -33,7 +31,7 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Step time, compute-only time and exposed communication for several bucket sizes, or
     /// reducer policies side by side (--policy).
-    Sweep(Box<sweep::SweepArgs>),
+    Sweep(Box<sweep_args::SweepArgs>),
     /// Predict step time and exposed communication under other bucket caps, links or world
     /// sizes from one recorded step (`brigade train --profile`), without running anything.
     Predict(Box<predict::PredictArgs>),
@@ -55,17 +53,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
-        Command::Train(t) => train::train(*t).map_err(Into::into),
-        Command::Sweep(s) => sweep::sweep(*s).map_err(Into::into),
-        Command::Predict(p) => predict::predict(*p).map_err(Into::into),
+    let result = match cli.command {
+        Command::Train(t) => train::train(*t),
+        Command::Sweep(s) => sweep::sweep(*s),
+        Command::Predict(p) => predict::predict(*p),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(e.downcast_ref::<error::Error>().map_or(1, error::Error::exit_code))
+            ExitCode::from(e.exit_code())
         }
     }
 }

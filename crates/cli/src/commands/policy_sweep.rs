@@ -15,8 +15,9 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::args::{flag_name, RunArgs};
-use crate::commands::sweep::{finished, median_step, SweepArgs};
-use crate::error::{write_atomic, Error, Result};
+use crate::commands::sweep_args::{finished, median_step, SweepArgs};
+use crate::error::{Error, Result};
+use crate::outputs::write_atomic;
 use crate::policy::Policy;
 use crate::run::{run, RunOptions};
 use crate::sent::{human_bytes, SentSummary};
@@ -121,10 +122,7 @@ fn prepare_out(out: &Path) -> Result<()> {
 pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
     let plan = plan(s)?;
     prepare_out(&s.out)?;
-    let quiet = RunOptions {
-        progress: false,
-        ..RunOptions::default()
-    };
+    let quiet = RunOptions::default();
     let mut rows = vec![];
     for (label, a) in &plan {
         let mut base = a.clone();
@@ -136,8 +134,8 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?)?;
-        let compute_ms = median_step(&base, &baseline.step_ms);
-        let report = finished(run(a, &quiet)?)?;
+        let compute_ms = median_step(&base, &baseline.outcome.step_ms);
+        let report = finished(run(a, &quiet)?)?.outcome;
         let step_ms = median_step(a, &report.step_ms);
         let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
         let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
@@ -159,7 +157,7 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
     if s.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the policy rows", e))?
         );
     } else {
         println!(

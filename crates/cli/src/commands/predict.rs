@@ -168,7 +168,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the predictions", e))?
         );
     } else {
         if profiles.len() > 1 {

@@ -7,12 +7,13 @@ use std::time::Instant;
 use brigade_comm::{chrome_trace, Event, EventKind, Track};
 use plotters::prelude::*;
 
-use crate::error::{write_atomic, Error, Result};
+use crate::error::{Error, Result};
+use crate::outputs::write_atomic;
 
 /// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
 pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
     let json = chrome_trace(events, origin);
-    let text = serde_json::to_string(&json).map_err(|e| Error::Usage(format!("timeline JSON: {e}")))?;
+    let text = serde_json::to_string(&json).map_err(|e| Error::json("timeline JSON", e))?;
     write_atomic(path, text.as_bytes())?;
     draw_gantt(&path.with_extension("svg"), events, title)
 }

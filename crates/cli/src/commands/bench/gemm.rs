@@ -111,7 +111,7 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
         );
         return Ok(());
     }
@@ -245,7 +245,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
         );
         return Ok(());
     }
