@@ -13,8 +13,9 @@ use crate::config::TrainConfig;
 use crate::data::DataSource;
 use crate::error::{Error, Result};
 use crate::launch::{run_ranks, CommBackend, LaunchConfig, RankContext};
+use crate::outcome::TrainOutcome;
 use crate::trace_gather::gather_step_events;
-use crate::trainer::{TrainOutcome, Trainer};
+use crate::trainer::Trainer;
 
 /// One step of every rank, recorded.
 pub struct StepTimeline {

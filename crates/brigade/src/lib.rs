@@ -16,7 +16,8 @@
 //!   plus `init_process_group` give a PyTorch user; [`launch::nccl`] for the NCCL backend;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
 //!   themselves; [`comm_hook`]: a user's own reducer policy per rank;
-//! - [`checkpoint`], [`data`], [`placement`], and [`Error`], the one error type.
+//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
+//!   [`Error`], the one error type.
 //!
 //! Layers to build models from are in [`models::nn`] (parameters are [`autograd::Var`]s over
 //! [`tensor::Tensor`]s); reducer policies implement [`ddp::hooks::CommHook`] over a
@@ -43,6 +44,7 @@ pub mod error;
 pub mod fit;
 pub mod launch;
 pub mod observe;
+pub mod outcome;
 pub mod placement;
 mod trace_gather;
 pub mod trainer;

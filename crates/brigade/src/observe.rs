@@ -9,7 +9,7 @@
 use brigade_comm::CommBytes;
 
 use crate::error::Error;
-use crate::trainer::TrainOutcome;
+use crate::outcome::TrainOutcome;
 
 /// The run about to start, as rank 0 sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]

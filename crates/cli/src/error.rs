@@ -137,7 +137,7 @@ fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
 }
 
 /// A checkpoint rank 0 could not write, as one entry of [`Error::Outputs`].
-pub fn checkpoint_failure(f: &brigade::trainer::CheckpointFailure) -> String {
+pub fn checkpoint_failure(f: &brigade::outcome::CheckpointFailure) -> String {
     let e = in_flag_terms(&f.error);
     if f.periodic {
         format!("--checkpoint (training stopped after the next step): {e}")

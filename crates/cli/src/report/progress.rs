@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 
 use brigade::observe::{RunStart, StepRecord, TrainObserver};
-use brigade::trainer::TrainOutcome;
+use brigade::outcome::TrainOutcome;
 use indicatif::ProgressStyle;
 
 /// The bar, once the run started.

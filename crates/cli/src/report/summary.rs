@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use brigade::observe::{RunStart, TrainObserver};
-use brigade::trainer::TrainOutcome;
+use brigade::outcome::TrainOutcome;
 use serde_json::json;
 
 use crate::args::{compact, flag_name, RunArgs};
