@@ -8,6 +8,8 @@
 //! A subscriber may also give a parameter the storage its gradient accumulates into
 //! ([`Var::set_grad_buffer`]), so that gradients can be views into one flat buffer.
 
+#![warn(missing_docs)]
+
 mod backward;
 mod bus;
 mod error;
