@@ -15,6 +15,12 @@ use brigade_ddp::zero::ZeroStage;
 
 pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
 use crate::error::{Error, Result};
+use crate::footprint;
+
+/// `values` as the command line lists them: `16,32,4`.
+pub fn join<T: std::fmt::Display>(values: &[T]) -> String {
+    values.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",")
+}
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
 /// and metadata.
@@ -47,6 +53,27 @@ pub const MAX_LATENCY_US: f64 = 1e7;
 pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
 /// Smallest `--bucket-mb` / `--first-bucket-mb`: one byte.
 pub const MIN_BUCKET_MB: f64 = 1.0 / (1024.0 * 1024.0);
+
+/// Most ranks started as threads of one process (more run under `mpirun`).
+pub const MAX_THREAD_RANKS: usize = 1024;
+
+/// Most compute threads per rank (`--threads-per-rank`, and `bench`'s `--threads`): 256, or the
+/// machine's cores when it has more.
+pub fn max_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).max(256)
+}
+
+/// Checks a number of compute threads given by `flag`: at least 1, at most [`max_threads`].
+pub fn check_threads(flag: &str, threads: usize) -> Result<()> {
+    let max = max_threads();
+    if !(1..=max).contains(&threads) {
+        return Err(Error::Usage(format!(
+            "{flag} must be between 1 and {max} (compute threads; this machine has {} cores), got {threads}",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        )));
+    }
+    Ok(())
+}
 
 /// Whether `mb` is a bucket cap Brigade takes: one byte to [`MAX_BUCKET_MB`] (NaN is not).
 pub fn cap_in_range(mb: f64) -> bool {
@@ -274,7 +301,8 @@ pub struct RunArgs {
     pub bucket_mb: Vec<BucketCap>,
     #[command(flatten)]
     pub autotune: AutotuneArgs,
-    /// DDP first-bucket cap in MiB.
+    /// DDP first-bucket cap in MiB; a smaller --bucket-mb caps the first bucket too (as in
+    /// `brigade sweep`, `brigade predict` and the autotuner).
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub first_bucket_mb: f64,
     /// Microbatches per step: the first K-1 accumulate under no_sync, the K-th reduces.
@@ -341,8 +369,21 @@ impl RunArgs {
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
         }
+        if self.backend != CommBackend::Mpi && self.world_size > MAX_THREAD_RANKS {
+            return bad(format!(
+                "--world-size {} is more ranks than one process runs as threads (at most {MAX_THREAD_RANKS}): \
+                 start them under mpirun with --backend mpi",
+                self.world_size
+            ));
+        }
         if self.batch_size == 0 || self.accum == 0 {
             return bad("--batch-size and --accum must be at least 1".into());
+        }
+        if self.batch_size.checked_mul(self.accum).is_none() {
+            return bad(format!(
+                "--batch-size {} x --accum {} rows per step is more than this machine can count",
+                self.batch_size, self.accum
+            ));
         }
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("--lr must be a finite number > 0, got {}", self.lr));
@@ -381,8 +422,8 @@ impl RunArgs {
                 self.net_latency_us
             ));
         }
-        if self.threads_per_rank == Some(0) {
-            return bad("--threads-per-rank must be at least 1".into());
+        if let Some(t) = self.threads_per_rank {
+            check_threads("--threads-per-rank", t)?;
         }
         if !(self.timeout_s > 0.0 && self.timeout_s <= MAX_TIMEOUT_S) {
             return bad(format!(
@@ -426,7 +467,40 @@ impl RunArgs {
                 ))
             })?;
         }
-        self.validate_nccl()
+        self.validate_nccl()?;
+        self.check_memory()
+    }
+
+    /// Checks that the model, its gradients, the optimizer's state and one microbatch's
+    /// activations fit in this machine's memory for every rank this process runs (a lower
+    /// bound: see [`crate::footprint`]).
+    fn check_memory(&self) -> Result<()> {
+        let state = match (self.optimizer, self.zero) {
+            (_, 1..) => 0, // sharded over the ranks
+            (OptimizerName::Adamw, _) => 2,
+            (OptimizerName::Sgd, _) => u64::from(self.momentum() != 0.0),
+        };
+        let ranks = if self.backend == CommBackend::Mpi {
+            1
+        } else {
+            self.world_size
+        };
+        let kind = self.model.kind();
+        let bytes =
+            footprint::training_bytes(&kind, self.batch_size, state).and_then(|b| footprint::mul(b, ranks as u64));
+        let shape = match self.model.model {
+            ModelName::Mlp => format!("--widths {}", join(&self.model.widths)),
+            ModelName::Gpt => format!(
+                "--d-model {} --layers {} --d-ff {} --context {}",
+                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context
+            ),
+        };
+        let what = format!(
+            "the model ({shape}) with --batch-size {} on {ranks} {} in this process",
+            self.batch_size,
+            if ranks == 1 { "rank" } else { "ranks" }
+        );
+        footprint::check_fits(&what, bytes)
     }
 
     /// Flags that cannot work with `--backend nccl`.
@@ -486,9 +560,9 @@ impl RunArgs {
         })
     }
 
-    /// Rows per rank per step.
+    /// Rows per rank per step (checked not to overflow by [`RunArgs::validate`]).
     pub fn rows_per_rank(&self) -> usize {
-        self.batch_size * self.accum
+        self.batch_size.saturating_mul(self.accum)
     }
 
     /// The weight decay in effect.

@@ -95,6 +95,12 @@ impl RunArgs {
         })
     }
 
+    /// The first bucket's cap under a bucket cap of `cap` MiB: `--first-bucket-mb`, never above
+    /// the cap (as the autotuner, the sweep and `brigade predict` take it).
+    pub fn first_bucket_cap(&self, cap: f64) -> f64 {
+        self.first_bucket_mb.min(cap)
+    }
+
     /// The cap DDP starts with: the fixed one, or `auto`'s starting point.
     pub(crate) fn start_cap(&self) -> Option<f64> {
         match self.bucket_mb.as_slice() {

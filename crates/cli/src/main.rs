@@ -1,13 +1,16 @@
 //! `brigade`: train models data-parallel, benchmark collectives, sweep bucket sizes.
 
+#![warn(missing_docs)]
+
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod args;
 mod bucket_cap;
 mod commands;
 mod error;
+mod footprint;
 mod outputs;
 mod policy;
 mod report;
@@ -40,10 +43,35 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
+/// Two rules for every flag of every subcommand, kept in one place: a flag given twice is an
+/// error (a list flag such as `--widths` would otherwise append the second list to the first),
+/// and a value that looks like a negative number goes to the flag's own parser, which names
+/// the flag and says what it takes (instead of "unexpected argument '-1'").
+fn flag_rules(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let a = match a.get_action() {
+            ArgAction::Append => a.action(ArgAction::Set),
+            _ => a,
+        };
+        if a.get_action().takes_values() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(flag_rules)
+}
+
+/// The command line, parsed under [`flag_rules`].
+fn parse() -> Result<Cli, clap::Error> {
+    let matches = flag_rules(Cli::command()).try_get_matches()?;
+    Cli::from_arg_matches(&matches)
+}
+
 fn main() -> ExitCode {
     // before any tensor exists: reuse freed activation memory instead of faulting in fresh pages
     brigade::tensor::retain_freed_host_memory();
-    let cli = match Cli::try_parse() {
+    let cli = match parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {

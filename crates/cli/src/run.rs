@@ -49,7 +49,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
         (None, ModelKind::Mlp(c)) => Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?,
         (None, ModelKind::Gpt(c)) => Dataset::builtin_text(c.context, args.seed)?,
     };
-    let global = world * args.rows_per_rank();
+    let global = world.saturating_mul(args.rows_per_rank()); // bounded by RunArgs::validate
     if data.len() < global {
         return Err(Error::Usage(format!(
             "one step needs {global} rows (world size {world} x accum {} x batch size {}) but {} has {} rows",
@@ -111,9 +111,10 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         },
         OptimizerName::Adamw => OptimizerConfig::adamw(args.lr, args.weight_decay),
     };
+    let cap = args.bucket_cap()?;
     let ddp = DdpConfig {
-        bucket_cap_mb: args.bucket_cap()?,
-        first_bucket_cap_mb: args.first_bucket_mb,
+        bucket_cap_mb: cap,
+        first_bucket_cap_mb: args.first_bucket_cap(cap),
         find_unused_parameters: args.find_unused_parameters,
         zero: args.zero_stage(),
         ..DdpConfig::default()

@@ -15,7 +15,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::args::{flag_name, RunArgs};
-use crate::commands::sweep_args::{finished, median_step, SweepArgs};
+use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 use crate::policy::Policy;
@@ -109,13 +109,7 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
 /// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
 /// until this sweep replaces both at its end (a failed sweep leaves them as they were).
 fn prepare_out(out: &Path) -> Result<()> {
-    let io = |source| Error::Io {
-        path: format!("--out {}", out.display()),
-        source,
-    };
-    std::fs::create_dir_all(out).map_err(io)?;
-    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(OUTPUTS[0]))])?;
-    Ok(())
+    make_out_dir(out, OUTPUTS[0])
 }
 
 /// Runs `brigade sweep --policy`.

@@ -13,7 +13,7 @@ use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
 use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
-use crate::commands::sweep_args::{finished, median_step, SweepArgs};
+use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
@@ -64,8 +64,7 @@ fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
         path: format!("--out {}", out.display()),
         source,
     };
-    std::fs::create_dir_all(out).map_err(io)?;
-    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
+    make_out_dir(out, "sweep.csv")?;
     let out_dir = std::fs::canonicalize(out).map_err(io)?;
     for (flag, input) in [("--data", &run.data), ("--init", &run.init)] {
         let Some(path) = input.as_deref() else { continue };
@@ -134,7 +133,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Sample> {
         let mut a = s.run.clone();
         a.bucket_mb = vec![BucketCap::Mib(b)];
-        a.first_bucket_mb = a.first_bucket_mb.min(b);
+        a.first_bucket_mb = a.first_bucket_cap(b);
         // The baseline runs right before each run: this machine's speed drifts over
         // minutes, and the comparison must not.
         let compute_only = finished(run(
@@ -263,6 +262,9 @@ fn print_table(rows: &[SweepRow]) {
     }
 }
 
+/// A measured curve: its legend, colour and value per row.
+type MeasuredCurve = (&'static str, RGBColor, fn(&SweepRow) -> f64);
+
 /// A curve of the model's: its legend, colour and value per row.
 type PredictedCurve = (&'static str, RGBColor, fn(&SweepRow) -> Option<f64>);
 
@@ -317,7 +319,7 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
         .y_desc("ms per step")
         .draw()
         .map_err(|e| err(e.to_string()))?;
-    let series: [(&str, RGBColor, fn(&SweepRow) -> f64); 4] = [
+    let series: [MeasuredCurve; 4] = [
         ("step time", RGBColor(52, 152, 219), |r| r.step_ms),
         ("compute only", RGBColor(39, 174, 96), |r| r.compute_only_ms),
         ("exposed comm", RGBColor(231, 76, 60), |r| r.exposed_comm_ms),

@@ -1,12 +1,12 @@
 //! `brigade sweep`'s flags, and what both of its sweeps (bucket caps in `sweep.rs`, reducer
 //! policies in `policy_sweep.rs`) take from a finished run.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 
 use crate::args::RunArgs;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::{parse_policy, Policy};
 use crate::report::summary::median_min;
 use crate::run::RunReport;
@@ -34,6 +34,24 @@ pub struct SweepArgs {
     /// policies.svg in --out; see `policy_sweep.rs`).
     #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
     pub policy: Vec<Policy>,
+}
+
+/// Makes `--out` a directory that takes files, creating it (and its parents) when missing;
+/// `first` is the first file the sweep will write there. A path that is a file, or lies under
+/// one, is one usage error.
+pub fn make_out_dir(out: &Path, first: &str) -> Result<()> {
+    if let Some(file) = out.ancestors().find(|p| p.is_file()) {
+        return Err(Error::Usage(format!(
+            "--out {}: {} is a file; --out names a directory (created if missing) for the sweep's files",
+            out.display(),
+            file.display()
+        )));
+    }
+    std::fs::create_dir_all(out).map_err(|source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    })?;
+    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(first))])
 }
 
 /// The median step of a run, after `--warmup`.

@@ -8,7 +8,7 @@ use brigade::observe::{RunStart, TrainObserver};
 use brigade::outcome::TrainOutcome;
 use serde_json::json;
 
-use crate::args::{compact, flag_name, RunArgs};
+use crate::args::{compact, flag_name, CommHookName, ModelName, RunArgs};
 use crate::sent::SentSummary;
 
 /// Median and minimum of a slice (NaN when empty).
@@ -41,7 +41,7 @@ pub fn summarize(args: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> S
     let timed = &outcome.step_ms[args.warmup.min(outcome.step_ms.len())..];
     let (median, min) = median_min(timed);
     // the run's world size: under MPI it comes from mpirun, not from --world-size
-    let global_batch = (world_size * args.rows_per_rank()) as f64;
+    let global_batch = world_size as f64 * args.rows_per_rank() as f64;
     Summary {
         first_loss: outcome.losses.first().copied().unwrap_or(f64::NAN),
         last_loss: outcome.losses.last().copied().unwrap_or(f64::NAN),
@@ -89,7 +89,20 @@ impl TrainObserver for PrintSummary {
 /// The summary as one JSON object (NaN as null: a run of no step has no loss or time).
 fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde_json::Value {
     let s = summarize(a, world_size, outcome);
-    let flags = json!({
+    let m = &a.model;
+    let shape = match m.model {
+        ModelName::Mlp => json!({ "widths": m.widths }),
+        ModelName::Gpt => json!({
+            "d_model": m.d_model, "layers": m.layers, "heads": m.heads, "d_ff": m.d_ff, "context": m.context,
+        }),
+    };
+    let hook = match a.comm_hook {
+        CommHookName::Powersgd => json!({
+            "powersgd_rank": a.powersgd_rank, "powersgd_start_iter": a.powersgd_start_iter,
+        }),
+        _ => json!({}),
+    };
+    let mut flags = json!({
         "model": flag_name(&a.model.model),
         "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
         "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
@@ -100,6 +113,12 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "zero": a.zero,
         "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| brigade::launch::default_threads(a.world_size)),
     });
+    // the model's shape and the hook's settings: every flag that changes what trains
+    for extra in [shape, hook] {
+        if let (Some(f), serde_json::Value::Object(extra)) = (flags.as_object_mut(), extra) {
+            f.extend(extra);
+        }
+    }
     let mut out = json!({
         "first_loss": s.first_loss, "last_loss": s.last_loss,
         "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,

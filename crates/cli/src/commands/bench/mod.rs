@@ -8,8 +8,9 @@ use clap::{Args, Subcommand};
 
 use brigade::launch::CommBackend;
 
-use crate::args::backend_parser;
+use crate::args::{backend_parser, MAX_THREAD_RANKS};
 use crate::error::{Error, Result};
+use crate::footprint;
 
 /// What to benchmark.
 #[derive(Subcommand)]
@@ -59,15 +60,37 @@ fn bench_comm(args: CommArgs) -> Result<()> {
     if args.world_size == 0 {
         return bad("--world-size must be at least 1".into());
     }
+    if args.backend == CommBackend::Thread && args.world_size > MAX_THREAD_RANKS {
+        return bad(format!(
+            "--world-size {} is more ranks than one process runs as threads (at most {MAX_THREAD_RANKS}): \
+             start them under mpirun with --backend mpi",
+            args.world_size
+        ));
+    }
     if args.iters == Some(0) {
         return bad("--iters must be at least 1 (timed all-reduces per size)".into());
     }
-    let least = 4 * args.world_size;
+    let least = args.world_size.saturating_mul(4); // at most 4 * MAX_THREAD_RANKS under threads
     if let Some(small) = args.sizes.iter().flatten().find(|&&b| b < least) {
         return bad(format!(
             "--sizes: {small} B is too small to split among {} ranks; each size needs at least {least} B (one f32 per rank)",
             args.world_size
         ));
+    }
+    // every rank of this process holds its buffer of the size
+    let ranks = if args.backend == CommBackend::Thread {
+        args.world_size
+    } else {
+        1
+    };
+    for &size in args.sizes.iter().flatten() {
+        footprint::check_fits(
+            &format!(
+                "--sizes {size} on {ranks} {}",
+                if ranks == 1 { "rank" } else { "ranks" }
+            ),
+            footprint::mul(size as u64, ranks as u64),
+        )?;
     }
     let cfg = CommBenchConfig {
         world_size: args.world_size,
