@@ -60,6 +60,8 @@ fn sizes_that_overflow_or_exceed_memory_are_one_line_naming_the_flag() {
     // m * k overflows usize: this was a segfault inside the GEMM call
     let e = fails(&["bench", "gemm", "--shapes", "4294967296x4294967296x1", "--reps", "1"]);
     assert!(e.contains("--shapes 4294967296x4294967296x1"), "{e}");
+    let e = fails(&["bench", "gemm", "--shapes", "8x8x8", "--reps", "18446744073709551615"]);
+    assert!(e.contains("--reps"), "{e}");
     let e = fails(&["bench", "gemm", "--shapes", "1000000x1000000x1000000", "--reps", "1"]);
     assert!(e.contains("--shapes") && e.contains("this machine has"), "{e}");
     // these were "capacity overflow" panics

@@ -154,6 +154,9 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
     Ok(())
 }
 
+/// Most timed calls per shape (`--reps`): each one's time is kept.
+const MAX_REPS: usize = 100_000;
+
 /// Median seconds of `reps` calls after one warm-up.
 fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
@@ -170,8 +173,11 @@ fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// Runs `brigade bench gemm`.
 pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     let shapes: Vec<[usize; 3]> = a.shapes.iter().map(|s| parse_shape(s)).collect::<Result<_>>()?;
-    if a.reps == 0 {
-        return Err(Error::Usage("--reps must be at least 1".into()));
+    if !(1..=MAX_REPS).contains(&a.reps) {
+        return Err(Error::Usage(format!(
+            "--reps must be between 1 and {MAX_REPS} (timed calls per shape), got {}",
+            a.reps
+        )));
     }
     if let Some(np) = &a.numpy_gflops {
         if np.len() != shapes.len() || np.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
