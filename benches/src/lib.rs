@@ -1,1 +1,3 @@
 //! criterion benches live in benches/
+
+#![warn(missing_docs)]

@@ -35,9 +35,13 @@ pub enum AutogradError {
     /// A gradient buffer that does not fit its parameter.
     #[error("gradient buffer for '{param}': expected shape {expected:?} ({dtype:?}), got {found:?}")]
     GradBuffer {
+        /// The parameter.
         param: String,
+        /// Its shape.
         expected: Vec<usize>,
+        /// The buffer's shape.
         found: Vec<usize>,
+        /// Its dtype.
         dtype: brigade_tensor::DType,
     },
     /// Optimizer state that does not match the parameters.

@@ -10,6 +10,8 @@
 //!
 //! Beside the graph: optimizers ([`optim`]) and learning-rate schedules ([`schedule`]).
 
+#![warn(missing_docs)]
+
 mod backward;
 mod bus;
 mod error;

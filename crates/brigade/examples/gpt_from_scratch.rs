@@ -9,7 +9,7 @@ use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Embedding, Init, LayerNorm, Linear, Params, TransformerBlock};
 use brigade::models::{load_params_from_tensors, Batch, Dataset, Model, Result};
 use brigade::tensor::{DType, Rng, Tensor};
-use brigade::trainer::{OptimizerConfig, TrainConfig};
+use brigade::{OptimizerConfig, TrainConfig};
 
 const D: usize = 64;
 const CONTEXT: usize = 32;
@@ -94,6 +94,7 @@ impl Model for Gpt {
     }
 }
 
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN loss did not go down either
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     brigade::tensor::retain_freed_host_memory(); // reuse freed activations: no page faults
     let steps: usize = std::env::args().nth(1).map_or(Ok(80), |s| s.parse())?;
@@ -109,13 +110,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Dataset::builtin_text(CONTEXT, 0)?),
         |_ctx| Ok(Box::new(Gpt::new(2, 0)?)),
     )?;
-    let (Some(first), Some(last)) = (report.losses.first(), report.losses.last()) else {
+    let (Some(first), Some(last)) = (report.outcome.losses.first(), report.outcome.losses.last()) else {
         return Err("no step ran: give STEPS >= 1".into());
     };
-    println!("loss: step 0 {first:.3}, step {} {last:.3}", report.losses.len() - 1);
+    println!(
+        "loss: step 0 {first:.3}, step {} {last:.3}",
+        report.outcome.losses.len() - 1
+    );
     // The trained parameters (rank 0's) in a fresh model, for sampling.
     let model = Gpt::new(2, 0)?;
-    load_params_from_tensors(model.params(), &report.params)?;
+    load_params_from_tensors(model.params(), &report.outcome.params)?;
     println!("sample: {:?}", String::from_utf8_lossy(&model.sample(b"The ", 40)?));
     if !(last < first) {
         return Err("the loss did not go down".into());

@@ -10,7 +10,7 @@ use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model, Result};
 use brigade::tensor::{DType, Rng, Tensor};
-use brigade::trainer::{OptimizerConfig, TrainConfig};
+use brigade::{OptimizerConfig, TrainConfig};
 
 /// `Linear ReLU Linear ReLU Linear`, parameters named `layers.{i}.weight` / `.bias`.
 struct Mlp {
@@ -82,6 +82,7 @@ impl DataSource for Synthetic {
     }
 }
 
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN loss did not go down either
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let steps: usize = std::env::args().nth(1).map_or(Ok(60), |s| s.parse())?;
     let sgd = OptimizerConfig::Sgd {
@@ -96,7 +97,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Synthetic),
         |_ctx| Ok(Box::new(Mlp::new(&[16, 64, 64, 4], 0)?)),
     )?;
-    let curve = &report.losses; // the mean over ranks of each step
+    let curve = &report.outcome.losses; // the mean over ranks of each step
     for (s, l) in curve
         .iter()
         .enumerate()

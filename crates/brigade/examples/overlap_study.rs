@@ -3,10 +3,11 @@
 //!
 //! `cargo run --release -p brigade --example overlap_study`
 
+use brigade::config::Instrumentation;
 use brigade::ddp::overlap::{replay, LinkCost, ReplayConfig};
 use brigade::launch::{net_model, LaunchConfig};
 use brigade::models::{Dataset, Mlp, MlpConfig};
-use brigade::trainer::{OptimizerConfig, TrainConfig};
+use brigade::{OptimizerConfig, TrainConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 2 ranks over a simulated 10 Gb/s network; 3 steps (step 0 rebuilds the buckets), the
@@ -21,7 +22,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         weight_decay: 0.0,
     };
     let cfg = TrainConfig {
-        profile: true,
+        instrument: Instrumentation {
+            profile: true,
+            ..Instrumentation::default()
+        },
         ..TrainConfig::new(3, 32, sgd)
     };
     let mlp = MlpConfig::new(vec![256, 1024, 1024, 1024, 10]);
@@ -31,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         |_| Ok(Dataset::teacher(1024, 256, 10, 0)?),
         |_| Ok(Box::new(Mlp::new(mlp.clone(), 0)?)),
     )?;
-    let profile = report.profile.ok_or("no step was profiled")?;
+    let profile = report.outcome.profile.ok_or("no step was profiled")?;
 
     println!(
         "{:>10} {:>10} {:>10} {:>12} {:>12}",

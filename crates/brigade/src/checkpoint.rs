@@ -1,5 +1,5 @@
 //! Checkpoints: parameters and optimizer state with the step they were taken after, in one
-//! safetensors file (written atomically), and loading them back for `--resume`.
+//! safetensors file (written atomically), and loading them back to resume a run.
 
 use std::path::Path;
 
@@ -8,7 +8,7 @@ use brigade_ddp::zero::ZeroStage;
 use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model};
 use brigade_tensor::Tensor;
 
-use crate::error::{Error, Result};
+use crate::error::{CheckpointMismatch, Error, Result};
 
 const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
 
@@ -19,12 +19,12 @@ pub struct CheckpointIdentity<'a> {
     pub model: &'a str,
     /// The optimizer's name (`sgd`, `adamw`).
     pub optimizer: &'a str,
-    /// `--seed`.
+    /// The run's seed (it chooses the initial parameters and the built-in data).
     pub seed: u64,
     /// The training data's fingerprint ([`crate::data::DataSource::fingerprint`]; `None`:
     /// neither recorded nor checked).
     pub data: Option<String>,
-    /// The ZeRO stage (`--zero`): a checkpoint under ZeRO resumes only with the same stage and
+    /// The ZeRO stage: a checkpoint under ZeRO resumes only with the same stage and
     /// world size, and a plain one only without ZeRO.
     pub zero: ZeroStage,
     /// The number of ranks.
@@ -71,32 +71,38 @@ pub fn load_checkpoint(
     model: &dyn Model,
     opt: &mut dyn Optimizer,
 ) -> Result<usize> {
-    let err = |msg: String| Error::Checkpoint {
+    let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
         path: path.display().to_string(),
-        msg,
+        mismatch,
     };
     let (tensors, meta) = load_safetensors_with_metadata(path)?;
     if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
-        return Err(err("not a brigade checkpoint (written by --checkpoint)".into()));
+        return Err(err(CheckpointMismatch::NotACheckpoint));
     }
-    for (key, want) in [("model", id.model), ("optimizer", id.optimizer)] {
-        let got = meta.get(key).cloned().unwrap_or_default();
-        if got != want {
-            return Err(err(format!("it was written for {key} '{got}', this run uses '{want}'")));
+    for (what, want) in [("model", id.model), ("optimizer", id.optimizer)] {
+        let written = meta.get(what).cloned().unwrap_or_default();
+        if written != want {
+            return Err(err(CheckpointMismatch::Written {
+                what,
+                written,
+                this_run: want.to_string(),
+            }));
         }
     }
     // the seed chooses the built-in data; the fingerprint tells any data apart (older
     // checkpoints have neither)
-    let seed = id.seed.to_string();
-    for (key, flag, want) in [
-        ("seed", "--seed", Some(seed.as_str())),
-        ("data", "data", id.data.as_deref()),
-    ] {
-        let Some(want) = want else { continue };
-        if let Some(got) = meta.get(key).filter(|got| *got != want) {
-            return Err(err(format!(
-                "it was written with {flag} {got}, this run has {flag} {want}: resume with what it was written with"
-            )));
+    if let Some(written) = meta.get("seed").filter(|got| **got != id.seed.to_string()) {
+        return Err(err(CheckpointMismatch::Seed {
+            written: written.clone(),
+            this_run: id.seed,
+        }));
+    }
+    if let (Some(written), Some(this_run)) = (meta.get("data"), &id.data) {
+        if written != this_run {
+            return Err(err(CheckpointMismatch::Data {
+                written: written.clone(),
+                this_run: this_run.clone(),
+            }));
         }
     }
     check_sharding(&meta, id).map_err(err)?;
@@ -104,7 +110,7 @@ pub fn load_checkpoint(
     let step: usize = meta
         .get("step")
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| err("no step recorded".into()))?;
+        .ok_or_else(|| err(CheckpointMismatch::NoStep))?;
     let strip = |prefix: &str| -> Vec<(String, Tensor)> {
         tensors
             .iter()
@@ -116,27 +122,24 @@ pub fn load_checkpoint(
     Ok(step)
 }
 
-/// A checkpoint written under ZeRO resumes with the same `--zero` stage and world size only, and
-/// one written without ZeRO (or before checkpoints recorded it) only without ZeRO.
+/// A checkpoint written under ZeRO resumes with the same stage and world size only, and one
+/// written without ZeRO (or before checkpoints recorded it) only without ZeRO.
 fn check_sharding(
     meta: &std::collections::HashMap<String, String>,
     id: &CheckpointIdentity<'_>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), CheckpointMismatch> {
     let zero: u8 = meta.get("zero").and_then(|z| z.parse().ok()).unwrap_or(0);
     let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());
     if zero == 0 && id.zero == ZeroStage::Off {
         return Ok(());
     }
     if zero != id.zero.level() || world != Some(id.world_size) {
-        let written = match world {
-            Some(w) => format!("--zero {zero} on {w} ranks"),
-            None => format!("--zero {zero}"),
-        };
-        return Err(format!(
-            "it was written with {written}, this run has --zero {} on {} ranks: a ZeRO checkpoint resumes with the stage and world size it was written with",
-            id.zero.level(),
-            id.world_size
-        ));
+        return Err(CheckpointMismatch::Sharding {
+            written_stage: zero,
+            written_world: world,
+            stage: id.zero.level(),
+            world: id.world_size,
+        });
     }
     Ok(())
 }

@@ -49,7 +49,7 @@ pub trait DataSource: Sync {
     }
 }
 
-/// The built-in datasets and `--data` files, sharded by [`Microbatch::first_row`] (wrapping
+/// The built-in datasets and safetensors data files, sharded by [`Microbatch::first_row`] (wrapping
 /// around at the end).
 impl DataSource for Dataset {
     fn batch(&self, mb: &Microbatch) -> Result<Batch> {

@@ -1,6 +1,6 @@
-//! The library's error type ([`Error`], `brigade::Error`): what launching ranks, training,
-//! checkpoints and the command line can fail with, typed per cause. The binary prints it as
-//! one line and exits non-zero ([`Error::exit_code`]).
+//! The library's error type ([`Error`], `brigade::Error`): what launching ranks, training and
+//! checkpoints can fail with, typed per cause, in the library's own terms (a program over it
+//! words them for its users: the `brigade` binary names its flags).
 
 use brigade_autograd::AutogradError;
 use brigade_comm::CommError;
@@ -8,20 +8,44 @@ use brigade_ddp::DdpError;
 use brigade_models::ModelError;
 use brigade_tensor::TensorError;
 
-/// Everything the `brigade` library and binary can fail with.
+/// Everything the `brigade` library can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// Flags that cannot work together or values out of range.
+    /// A configuration that cannot work: a value out of range, settings that do not go
+    /// together, a device or library this machine cannot serve.
     #[error("{0}")]
-    Usage(String),
+    Config(String),
+    /// A data source could not serve a batch (the source's own words).
+    #[error("{0}")]
+    Data(String),
     /// Reading or writing a file.
     #[error("{path}: {source}")]
     Io {
-        /// The file (with the flag that named it, when there is one).
+        /// The file.
         path: String,
         /// What the operating system said.
         source: std::io::Error,
     },
+    /// Encoding or decoding JSON (a step profile, a timeline exchanged between ranks).
+    #[error("{what}: {source}")]
+    Json {
+        /// What was being encoded or decoded.
+        what: String,
+        /// What serde said.
+        source: serde_json::Error,
+    },
+    /// Starting the ranks failed: a rank's setup, or a launch that ran no rank here.
+    #[error("{0}")]
+    Launch(String),
+    /// The MPI backend was asked for in a build without the `mpi` feature.
+    #[error(
+        "the MPI backend needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin \
+         libopenmpi-dev libclang-dev) and build with the `mpi` feature"
+    )]
+    MpiNotBuilt,
+    /// A peer's control message was not what this rank expected.
+    #[error("{0}")]
+    Protocol(String),
     /// A model, layer, dataset or safetensors file failed (`brigade::models`).
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -38,25 +62,13 @@ pub enum Error {
     #[error(transparent)]
     Tensor(#[from] TensorError),
     /// A checkpoint that does not fit this run.
-    #[error("checkpoint {path}: {msg}")]
+    #[error("checkpoint {path}: {mismatch}")]
     Checkpoint {
         /// The checkpoint file.
         path: String,
         /// What does not fit.
-        msg: String,
+        mismatch: CheckpointMismatch,
     },
-    /// Rendering a chart.
-    #[error("chart {path}: {msg}")]
-    Chart {
-        /// The chart file.
-        path: String,
-        /// What the renderer said.
-        msg: String,
-    },
-    /// Outputs of a finished run that could not be written (each: flag, path, cause); the
-    /// others were written.
-    #[error("{} of the outputs could not be written (the others were): {}", .0.len(), .0.join("; "))]
-    Outputs(Vec<String>),
     /// One rank's failure (the root cause among the ranks' errors).
     #[error("rank {rank} of {world}: {source}")]
     OnRank {
@@ -71,7 +83,8 @@ pub enum Error {
     /// step, before that step's update).
     #[error(
         "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept and \
-         no diverged parameters were saved; lower --lr, or pass --allow-nonfinite to train on"
+         no diverged parameters were saved; lower the learning rate, or allow non-finite values \
+         (TrainConfig::allow_nonfinite) to train on"
     )]
     NonFinite {
         /// The step whose loss (or update) was not finite.
@@ -81,12 +94,66 @@ pub enum Error {
         /// The value found (NaN or an infinity).
         value: f64,
     },
-    /// SIGINT or SIGTERM stopped the run after a step (exit status 130).
-    #[error("interrupted after step {step} of {steps}: the outputs hold every finished step")]
-    Interrupted {
-        /// The last step run.
+}
+
+/// How a checkpoint does not fit the run that tries to resume from it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckpointMismatch {
+    /// The file is not a Brigade checkpoint.
+    #[error("not a brigade checkpoint")]
+    NotACheckpoint,
+    /// It records no step to continue from.
+    #[error("no step recorded")]
+    NoStep,
+    /// Written for another model or optimizer (`what`: `model`, `optimizer`).
+    #[error("it was written for {what} '{written}', this run uses '{this_run}'")]
+    Written {
+        /// What differs.
+        what: &'static str,
+        /// What the checkpoint records.
+        written: String,
+        /// What this run has.
+        this_run: String,
+    },
+    /// Written with another seed (which chooses the built-in data).
+    #[error("it was written with seed {written}, this run has seed {this_run}: resume with what it was written with")]
+    Seed {
+        /// The checkpoint's seed.
+        written: String,
+        /// This run's seed.
+        this_run: u64,
+    },
+    /// Written on other data (the data sources' fingerprints differ).
+    #[error("it was written with data {written}, this run has data {this_run}: resume with what it was written with")]
+    Data {
+        /// The checkpoint's data fingerprint.
+        written: String,
+        /// This run's.
+        this_run: String,
+    },
+    /// Written under another ZeRO stage or world size: a ZeRO checkpoint holds one rank
+    /// count's optimizer shards.
+    #[error(
+        "it was written with ZeRO stage {written_stage}{}, this run has ZeRO stage {stage} on {world} ranks: \
+         a ZeRO checkpoint resumes with the stage and world size it was written with",
+        written_world.map(|w| format!(" on {w} ranks")).unwrap_or_default()
+    )]
+    Sharding {
+        /// The checkpoint's stage (0: no ZeRO).
+        written_stage: u8,
+        /// The checkpoint's world size (absent in older checkpoints).
+        written_world: Option<usize>,
+        /// This run's stage.
+        stage: u8,
+        /// This run's world size.
+        world: usize,
+    },
+    /// It is at a step past the run's last.
+    #[error("it is at step {step}, past the run's end (step {steps})")]
+    PastTheEnd {
+        /// The checkpoint's step.
         step: usize,
-        /// The step the run was to train until.
+        /// The step this run trains until.
         steps: usize,
     },
 }
@@ -94,7 +161,7 @@ pub enum Error {
 impl Error {
     /// Whether every rank reaches this error together (so it names no rank and needs no abort).
     pub fn is_agreed(&self) -> bool {
-        matches!(self, Error::NonFinite { .. } | Error::Interrupted { .. })
+        matches!(self, Error::NonFinite { .. })
     }
 
     /// This error as rank `rank`'s of `world` (unchanged when it is agreed or the world is one rank).
@@ -109,25 +176,14 @@ impl Error {
         }
     }
 
-    /// The process exit status for this error: 130 for an interrupted run (as shells report
-    /// SIGINT), 1 otherwise.
-    pub fn exit_code(&self) -> u8 {
-        match self {
-            Error::Interrupted { .. } => 130,
-            _ => 1,
+    /// A JSON failure while handling `what`.
+    pub fn json(what: impl Into<String>, source: serde_json::Error) -> Error {
+        Error::Json {
+            what: what.into(),
+            source,
         }
     }
 }
 
 /// Result alias for the library.
 pub type Result<T> = std::result::Result<T, Error>;
-
-/// Writes `bytes` to `path` atomically (see [`brigade_models::write_atomic`]: a unique
-/// temporary beside the target, synced, then renamed; a symbolic link keeps pointing at
-/// the file it names, which is what gets written).
-pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    brigade_models::write_atomic(path, bytes).map_err(|source| Error::Io {
-        path: path.display().to_string(),
-        source,
-    })
-}

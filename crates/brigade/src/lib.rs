@@ -1,40 +1,54 @@
 //! Brigade as a library: the one dependency for people who build their own models and reducer
-//! policies (`brigade = { path = "crates/brigade" }`). It re-exports every crate and adds what
-//! `brigade train` itself is made of:
+//! policies (`brigade = { path = "crates/brigade" }`). It re-exports every crate of the
+//! workspace, documented here in full ([`tensor`], [`autograd`], [`comm`], [`ddp`],
+//! [`models`]), and adds what `brigade train` itself is made of:
 //!
-//! - [`fit()`]: the training loop as one call over a user's [`models::Model`] (each rank builds
-//!   its own) and [`data::DataSource`] (each rank asks for its own microbatches), with the
-//!   sharding, `no_sync` accumulation, checkpoint/resume, timeline, step profile and progress bar
-//!   of `brigade train`, which is a thin shell over it;
+//! - [`fit()`]: the training loop as one call over a user's [`Model`](models::Model) (each rank
+//!   builds its own) and [`DataSource`](data::DataSource) (each rank asks for its own
+//!   microbatches), with the sharding, `no_sync` accumulation, checkpoint/resume, timeline and
+//!   step profile of `brigade train`, which is a thin shell over it;
+//! - [`config`]: what a run is asked to do ([`TrainConfig`], with its checkpoint and
+//!   instrumentation parts), and [`observe`]: who watches it ([`observe::TrainObserver`]: progress,
+//!   per-step records, a stop request; the library itself prints nothing);
 //! - [`launch`]: start N ranks as threads (or join the MPI job with the `mpi` feature), hand
 //!   each a [`launch::RankContext`] (rank, world size, communicator stack) and get every rank's
 //!   result back, or the root-cause error naming its rank — what `torch.multiprocessing.spawn`
-//!   plus `init_process_group` give a PyTorch user;
+//!   plus `init_process_group` give a PyTorch user; [`launch::nccl`] for the NCCL backend;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
 //!   themselves; [`comm_hook`]: a user's own reducer policy per rank;
-//! - [`checkpoint`], [`data`], [`device`], [`launch::nccl`] (`--backend nccl`), and [`Error`], the one
-//!   error type.
+//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
+//!   [`Error`], the one error type.
 //!
-//! Layers to build models from are in [`models::nn`]; reducer policies implement
-//! [`ddp::hooks::CommHook`]. See the examples in `crates/brigade/examples/`.
+//! Layers to build models from are in [`models::nn`] (parameters are [`autograd::Var`]s over
+//! [`tensor::Tensor`]s); reducer policies implement [`ddp::hooks::CommHook`] over a
+//! [`comm::Communicator`]. See the examples in `crates/brigade/examples/`.
 
 #![warn(missing_docs)]
 
+#[doc(inline)]
 pub use brigade_autograd as autograd;
+#[doc(inline)]
 pub use brigade_comm as comm;
+#[doc(inline)]
 pub use brigade_ddp as ddp;
+#[doc(inline)]
 pub use brigade_models as models;
+#[doc(inline)]
 pub use brigade_tensor as tensor;
 
 pub mod checkpoint;
 pub mod comm_hook;
+pub mod config;
 pub mod data;
-pub mod device;
 pub mod error;
 pub mod fit;
 pub mod launch;
+pub mod observe;
+pub mod outcome;
+pub mod placement;
 mod trace_gather;
 pub mod trainer;
 
+pub use config::{OptimizerConfig, TrainConfig};
 pub use error::{Error, Result};
 pub use fit::{fit, RunReport};

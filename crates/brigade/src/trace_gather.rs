@@ -70,12 +70,12 @@ pub fn gather_step_events(comm: &dyn Communicator, recorder: &Recorder, step: us
         .map(|s| s.at)
         .unwrap_or_else(Instant::now);
     let mine = serde_json::to_vec(&events.iter().map(|e| encode(e, t0)).collect::<Vec<_>>())
-        .map_err(|e| Error::Usage(format!("timeline: {e}")))?;
+        .map_err(|e| Error::json("timeline", e))?;
     let mut seq = 0;
     let mut out = vec![];
     for bytes in all_gather_bytes(comm, mine, "timeline")? {
         let list: Vec<serde_json::Value> =
-            serde_json::from_slice(&bytes).map_err(|e| Error::Usage(format!("timeline from a peer: {e}")))?;
+            serde_json::from_slice(&bytes).map_err(|e| Error::json("timeline from a peer", e))?;
         out.extend(list.iter().filter_map(|v| decode(v, t0, &mut seq)));
     }
     Ok(out)

@@ -1,206 +1,36 @@
 //! One rank's training loop over any [`Model`] and [`DataSource`]: [`Trainer::step`] runs one
 //! optimizer step (microbatches, DDP, the ranks' agreement on the loss and on stopping, the
-//! update); [`Trainer::run`] steps until `steps`, checkpointing on the way. Nothing here knows
-//! the command line: a [`TrainConfig`] is plain data. [`crate::fit()`] runs it on every rank.
+//! update); [`Trainer::run`] steps until `steps`, checkpointing on the way and telling the
+//! run's observer ([`crate::observe`]). A [`TrainConfig`] is plain data; [`crate::fit()`] runs
+//! a trainer on every rank.
 //!
 //! Every step ends with one small all-reduce of `[loss, non-finite, stop]` over the ranks, so
 //! that all ranks see the global mean loss of every step and stop together: at a non-finite
 //! loss (before that step's update, like PyTorch's anomaly detection), or after the step in
-//! which any rank was asked to stop (SIGINT/SIGTERM).
+//! which any rank was asked to stop ([`TrainObserver::stop_requested`], e.g. on a signal).
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
-use brigade_comm::{Buffer, CommBytes, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
-use brigade_ddp::overlap::{
-    AutotuneConfig, AutotuneReport, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
-};
-use brigade_ddp::zero::{RankMemory, ZeroStage};
-use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
+use brigade_autograd::{Optimizer, Var};
+use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
+use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
+use brigade_ddp::zero::ZeroStage;
+use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_models::{load_params, Batch, Model};
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
-use crate::comm_hook::MakeCommHook;
+use crate::config::{OptimizerConfig, TrainConfig};
 use crate::data::{DataSource, Microbatch};
-use crate::device::DeviceArg;
-use crate::error::{Error, Result};
+use crate::error::{CheckpointMismatch, Error, Result};
+use crate::launch::nccl;
 use crate::launch::RankContext;
+use crate::observe::{RunStart, StepRecord, TrainObserver};
+use crate::outcome::{CheckpointFailure, StepOutcome, TrainOutcome};
 
 /// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
 pub const STEP_STATUS_TAG: &str = "step status";
-
-/// Which optimizer, with every hyper-parameter.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum OptimizerConfig {
-    /// `torch.optim.SGD`: momentum, and weight decay added to the gradient.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum (0: none).
-        momentum: f64,
-        /// L2 penalty added to the gradient.
-        weight_decay: f64,
-    },
-    /// `torch.optim.AdamW`.
-    AdamW {
-        /// Learning rate.
-        lr: f64,
-        /// Decay rates of the first and second moment estimates.
-        betas: (f64, f64),
-        /// Added to the denominator for numerical stability.
-        eps: f64,
-        /// Decoupled weight decay.
-        weight_decay: f64,
-    },
-}
-
-impl OptimizerConfig {
-    /// AdamW with PyTorch's defaults, except the learning rate and (when given) weight decay.
-    pub fn adamw(lr: f64, weight_decay: Option<f64>) -> Self {
-        OptimizerConfig::AdamW {
-            lr,
-            betas: AdamW::DEFAULT_BETAS,
-            eps: AdamW::DEFAULT_EPS,
-            weight_decay: weight_decay.unwrap_or(AdamW::DEFAULT_WEIGHT_DECAY),
-        }
-    }
-
-    /// The optimizer's name (`sgd`, `adamw`), as checkpoints record it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            OptimizerConfig::Sgd { .. } => "sgd",
-            OptimizerConfig::AdamW { .. } => "adamw",
-        }
-    }
-
-    /// The optimizer over `params`.
-    pub fn build(&self, params: Vec<Var>) -> Box<dyn Optimizer> {
-        match *self {
-            OptimizerConfig::Sgd {
-                lr,
-                momentum,
-                weight_decay,
-            } => Box::new(Sgd::new(params, lr, momentum, weight_decay)),
-            OptimizerConfig::AdamW {
-                lr,
-                betas,
-                eps,
-                weight_decay,
-            } => Box::new(AdamW::with_options(params, lr, betas, eps, weight_decay)),
-        }
-    }
-}
-
-/// Everything one training run needs, the same on every rank.
-#[derive(Clone)]
-pub struct TrainConfig {
-    /// The model's name, recorded in checkpoints (resuming another model is an error).
-    pub model_name: String,
-    /// Seed of the initial parameters, recorded in checkpoints (resuming with another is an error).
-    pub seed: u64,
-    /// Initial parameters (safetensors, PyTorch state-dict names).
-    pub init: Option<PathBuf>,
-    /// Train until this step (a resumed run continues until it).
-    pub steps: usize,
-    /// Rows per rank per microbatch.
-    pub batch_size: usize,
-    /// Microbatches per step: the first `accum - 1` accumulate under `no_sync`.
-    pub accum: usize,
-    /// The optimizer.
-    pub optimizer: OptimizerConfig,
-    /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
-    /// compute-only baseline). Its recorder is the rank's.
-    pub ddp: Option<DdpConfig>,
-    /// Continue from this checkpoint.
-    pub resume: Option<PathBuf>,
-    /// Write a checkpoint here (rank 0) at the end, and every `checkpoint_every` steps.
-    pub checkpoint: Option<PathBuf>,
-    /// Checkpoint period in steps.
-    pub checkpoint_every: Option<usize>,
-    /// Train on through non-finite losses and parameters instead of stopping.
-    pub allow_nonfinite: bool,
-    /// How DDP reduces each bucket: a [`brigade_ddp::hooks::HookSpec`], or a closure making a
-    /// user's own hook; every rank makes its own.
-    pub comm_hook: Arc<dyn MakeCommHook>,
-    /// Compute threads of each rank (default: the cores shared among the local ranks).
-    pub compute_threads: Option<usize>,
-    /// Where the model, batches, gradients and optimizer state live (rank r's GPU, see
-    /// [`DeviceArg::for_rank`]).
-    pub device: DeviceArg,
-    /// When set (e.g. by SIGINT), every rank stops after the current step.
-    pub stop: Option<&'static AtomicBool>,
-    /// Record a step profile of each synchronized step (the last one is kept).
-    pub profile: bool,
-    /// Keep the profile of every step in this range, not only the last (`--profile-steps`).
-    pub profile_steps: Option<std::ops::Range<usize>>,
-    /// Tune DDP's bucket cap as the run goes (`--bucket-mb auto`); needs `ddp`.
-    pub autotune: Option<AutotuneConfig>,
-    /// Draw a progress bar on rank 0 (stderr) while [`crate::fit()`] runs.
-    pub progress: bool,
-}
-
-/// What one step did.
-#[derive(Clone, Copy, Debug)]
-pub struct StepOutcome {
-    /// The step's index.
-    pub step: usize,
-    /// Mean loss over the ranks, before the step's update.
-    pub loss: f64,
-    /// Wall time of the step on this rank, in milliseconds.
-    pub ms: f64,
-    /// A rank was asked to stop: this was the last step.
-    pub stop: bool,
-    /// What DDP handed to its collectives during the step on this rank (gradient reduction,
-    /// bucket rebuilding; not the step's own loss agreement).
-    pub sent: CommBytes,
-}
-
-/// What a rank's run produced.
-pub struct TrainOutcome {
-    /// First step run (non-zero after a resume).
-    pub first_step: usize,
-    /// Mean loss over the ranks of each step run.
-    pub losses: Vec<f64>,
-    /// This rank's wall time of each step run, in milliseconds.
-    pub step_ms: Vec<f64>,
-    /// What DDP handed to its collectives in each step run, on this rank.
-    pub sent: Vec<CommBytes>,
-    /// Stopped before `steps` because a stop was requested.
-    pub interrupted: bool,
-    /// The error every rank agreed on that ended the run early (a non-finite loss or
-    /// parameters): the steps before it are kept, the last good checkpoint is not overwritten.
-    pub stopped: Option<Error>,
-    /// Why the final checkpoint could not be written (rank 0), so that the run's other
-    /// outputs are still written and the failure is named beside theirs.
-    pub checkpoint_error: Option<String>,
-    /// The last synchronized step's profile, this rank's entry only (when profiling).
-    pub profile: Option<StepProfile>,
-    /// The profiles of the steps in `profile_steps`, in order, this rank's entries only.
-    pub profiles: Vec<StepProfile>,
-    /// What the bucket-cap autotuner chose and predicted (with `autotune`).
-    pub autotune: Option<AutotuneReport>,
-    /// DDP buckets after the last step (empty without DDP).
-    pub buckets: Vec<BucketInfo>,
-    /// This rank's gradient memory (absent without DDP).
-    pub memory: Option<MemoryReport>,
-    /// This rank's memory after the last step, measured (absent without DDP).
-    pub rank_memory: Option<RankMemory>,
-    /// The final parameters (rank 0 only; empty elsewhere).
-    pub params: Vec<(String, Tensor)>,
-}
-
-impl TrainOutcome {
-    /// The last step run, if any.
-    pub fn last_step(&self) -> Option<usize> {
-        (self.first_step + self.losses.len())
-            .checked_sub(1)
-            .filter(|_| !self.losses.is_empty())
-    }
-}
 
 /// What the ranks agreed on at the end of a step.
 struct StepStatus {
@@ -234,7 +64,7 @@ pub struct Trainer<'a> {
     checkpoint_due: bool,
     /// Rank 0 could not write the periodic checkpoint of the last step (not an agreed error).
     checkpoint_failed: Option<Error>,
-    /// Tunes the bucket cap after the steps (`--bucket-mb auto`).
+    /// Tunes the bucket cap after the steps ([`TrainConfig::autotune`]).
     autotune: Option<Autotuner>,
     /// The profiles of the steps in `profile_steps` so far.
     profiles: Vec<StepProfile>,
@@ -255,7 +85,7 @@ impl<'a> Trainer<'a> {
             load_params(model.params(), init)?;
         }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
-        let first_step = match &cfg.resume {
+        let first_step = match &cfg.checkpoint.resume {
             Some(path) => {
                 let id = CheckpointIdentity {
                     model: &cfg.model_name,
@@ -269,13 +99,16 @@ impl<'a> Trainer<'a> {
             }
             None => 0,
         };
-        if first_step > cfg.steps {
-            return Err(Error::Usage(format!(
-                "the checkpoint is at step {first_step}, past --steps {}",
-                cfg.steps
-            )));
+        if let (Some(path), true) = (&cfg.checkpoint.resume, first_step > cfg.steps) {
+            return Err(Error::Checkpoint {
+                path: path.display().to_string(),
+                mismatch: CheckpointMismatch::PastTheEnd {
+                    step: first_step,
+                    steps: cfg.steps,
+                },
+            });
         }
-        let device = cfg.device.for_rank(crate::launch::nccl::gpu_rank(ctx))?;
+        let device = cfg.device.for_rank(nccl::gpu_rank(ctx))?;
         if device != Device::Cpu {
             opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
         }
@@ -290,7 +123,7 @@ impl<'a> Trainer<'a> {
                 };
                 // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
                 // over the metered communicator (ZeRO picks its reduce-scatter there).
-                Some(match crate::launch::nccl::bucket_stream(ctx, device)? {
+                Some(match nccl::bucket_stream(ctx, device)? {
                     Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d)?,
                     None => DistributedDataParallel::new(model.params(), comm, d)?,
                 })
@@ -410,67 +243,53 @@ impl<'a> Trainer<'a> {
             }
         }
         let os = self.begin(EventKind::Optimizer);
-        let opt_start = Instant::now();
+        let optimizer_start = Instant::now();
         self.opt.step()?;
-        let opt_end = Instant::now();
+        let optimizer_end = Instant::now();
         self.end(os);
         self.end(step_span);
         self.next_step += 1;
-        if let (true, Some(ddp)) = (self.cfg.profile, &self.ddp) {
-            let pass = ddp.last_pass();
-            self.profile = RankProfile::from_pass(rank, t0, &pass, (opt_start, opt_end), Instant::now()).map(|r| {
-                let params = self
-                    .model
-                    .params()
-                    .params()
-                    .iter()
-                    .map(|p| {
-                        let v = p.value();
-                        let bytes = if p.requires_grad() {
-                            v.numel() * v.dtype().size_in_bytes()
-                        } else {
-                            0
-                        };
-                        ParamProfile {
-                            name: p.name().unwrap_or("<unnamed>").to_string(),
-                            bytes,
-                        }
-                    })
-                    .collect();
-                // the caps this step ran with (the autotuner may change them below)
-                let (bucket_cap_mb, first_bucket_cap_mb) = ddp.bucket_caps();
-                StepProfile {
-                    version: PROFILE_VERSION,
-                    world_size: world,
-                    bucket_cap_mb,
-                    first_bucket_cap_mb,
-                    params,
-                    ranks: vec![r],
+        if let Some(ddp) = &self.ddp {
+            let at = StepInstants {
+                start: t0,
+                optimizer_start,
+                optimizer_end,
+                end: Instant::now(),
+            };
+            // the profile holds the caps this step ran with: recorded before the autotuner
+            // may change them
+            let instrument = &self.cfg.instrument;
+            if instrument.profile {
+                self.profile = StepProfile::record(ddp, &at);
+                if let (Some(p), Some(range)) = (&self.profile, &instrument.profile_steps) {
+                    if range.contains(&s) {
+                        self.profiles.push(p.clone());
+                    }
                 }
-            });
-        }
-        if let (Some(p), Some(range)) = (&self.profile, &self.cfg.profile_steps) {
-            if range.contains(&s) {
-                self.profiles.push(p.clone());
             }
-        }
-        if let (Some(tuner), Some(ddp)) = (self.autotune.as_mut(), &self.ddp) {
-            let mine = RankProfile::from_pass(rank, t0, &ddp.last_pass(), (opt_start, opt_end), Instant::now());
-            tuner.observe(ddp, s, mine)?;
+            if let Some(tuner) = self.autotune.as_mut() {
+                tuner.observe(ddp, s, RankProfile::record(ddp, &at))?;
+            }
         }
         Ok(StepOutcome {
             step: s,
             loss: status.loss,
             ms: t0.elapsed().as_secs_f64() * 1e3,
+            lr: self.opt.lr(),
             stop: status.stop,
             sent: self.meter.totals() - sent_before,
         })
     }
 
+    /// The run's observer, if any.
+    fn observer(&self) -> Option<&dyn TrainObserver> {
+        self.cfg.instrument.observer.as_deref()
+    }
+
     /// The ranks' one all-reduce per step: mean loss, whether any rank's loss is not finite,
     /// whether any rank was asked to stop.
     fn agree(&self, local_loss: f64) -> Result<StepStatus> {
-        let stop = self.stop_requested || self.cfg.stop.is_some_and(|f| f.load(Ordering::SeqCst));
+        let stop = self.stop_requested || self.observer().is_some_and(|o| o.stop_requested());
         let nonfinite = !local_loss.is_finite();
         if self.ctx.world_size == 1 {
             return Ok(StepStatus {
@@ -487,7 +306,7 @@ impl<'a> Trainer<'a> {
             .all_reduce(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)
             .wait()?;
         let Some(&[loss, nonfinite, stop]) = all.as_f32() else {
-            return Err(Error::Usage(format!(
+            return Err(Error::Protocol(format!(
                 "the step status all-reduce returned {all:?}, expected 3 f32"
             )));
         };
@@ -503,7 +322,7 @@ impl<'a> Trainer<'a> {
     /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
     /// never overwrites the last good checkpoint.
     pub fn checkpoint(&mut self) -> Result<()> {
-        let Some(path) = &self.cfg.checkpoint else {
+        let Some(path) = &self.cfg.checkpoint.path else {
             return Ok(());
         };
         if !self.cfg.allow_nonfinite {
@@ -536,9 +355,26 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// Steps until `steps` (or a stop request), checkpointing every `checkpoint_every` steps and
-    /// at the end; `on_step` sees every step (e.g. to draw progress).
-    pub fn run(mut self, mut on_step: impl FnMut(&StepOutcome)) -> Result<TrainOutcome> {
+    /// Steps until `steps` (or a stop request), checkpointing every `checkpoint.every` steps and
+    /// at the end. On rank 0 the run's observer is told when the run starts, after every step and
+    /// when it ends (also when it fails).
+    pub fn run(self) -> Result<TrainOutcome> {
+        let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
+        if let Some(o) = &observer {
+            o.run_started(&RunStart {
+                world_size: self.ctx.world_size,
+                first_step: self.first_step,
+                steps: self.cfg.steps,
+            });
+        }
+        let outcome = self.run_steps(observer.as_deref());
+        if let Some(o) = &observer {
+            o.run_finished(outcome.as_ref());
+        }
+        outcome
+    }
+
+    fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
         let (mut losses, mut step_ms, mut sent, mut interrupted) = (vec![], vec![], vec![], false);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
@@ -553,11 +389,21 @@ impl<'a> Trainer<'a> {
             losses.push(s.loss);
             step_ms.push(s.ms);
             sent.push(s.sent);
-            on_step(&s);
+            if let Some(o) = observer {
+                o.step_finished(&StepRecord {
+                    step: s.step,
+                    loss: s.loss,
+                    step_ms: s.ms,
+                    lr: s.lr,
+                    grad_norm: None,
+                    val_loss: None,
+                    sent: s.sent,
+                });
+            }
             // Rank 0 could not write the step's periodic checkpoint: every rank stops after the
             // next step (they agree on it then), and the outputs are written before the error.
-            if let Some(e) = self.checkpoint_failed.take() {
-                checkpoint_error.get_or_insert(format!("--checkpoint (training stopped after the next step): {e}"));
+            if let Some(error) = self.checkpoint_failed.take() {
+                checkpoint_error.get_or_insert(CheckpointFailure { periodic: true, error });
                 self.stop_requested = true;
             }
             if s.stop {
@@ -567,8 +413,9 @@ impl<'a> Trainer<'a> {
             // Due now, written by the next step once its loss is finite (or at the end).
             self.checkpoint_due = self
                 .cfg
-                .checkpoint_every
-                .is_some_and(|e| e > 0 && self.next_step % e == 0);
+                .checkpoint
+                .every
+                .is_some_and(|e| e > 0 && self.next_step.is_multiple_of(e));
         }
         // The end (also of a run of zero steps, or an interrupted one) is always checkpointed,
         // unless the run diverged (the last good checkpoint stays). A failed write there is
@@ -577,7 +424,7 @@ impl<'a> Trainer<'a> {
             match self.checkpoint() {
                 Ok(()) => {}
                 Err(e) if e.is_agreed() => stopped = Some(e),
-                Err(e) => checkpoint_error = Some(format!("--checkpoint: {e}")),
+                Err(error) => checkpoint_error = Some(CheckpointFailure { periodic: false, error }),
             }
         }
         let (buckets, memory, rank_memory) = match &self.ddp {

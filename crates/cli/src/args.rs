@@ -8,12 +8,19 @@ use brigade_models::{GptConfig, MlpConfig, ModelKind};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
-pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
-use crate::device::{parse_device, DeviceArg};
-use crate::error::{Error, Result};
-pub use crate::launch::Backend;
+use brigade::launch::CommBackend;
+use brigade::placement::DevicePlacement;
 use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
 use brigade_ddp::zero::ZeroStage;
+
+pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
+use crate::error::{Error, Result};
+use crate::footprint;
+
+/// `values` as the command line lists them: `16,32,4`.
+pub fn join<T: std::fmt::Display>(values: &[T]) -> String {
+    values.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",")
+}
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
 /// and metadata.
@@ -46,6 +53,27 @@ pub const MAX_LATENCY_US: f64 = 1e7;
 pub const MAX_BUCKET_MB: f64 = 1024.0 * 1024.0;
 /// Smallest `--bucket-mb` / `--first-bucket-mb`: one byte.
 pub const MIN_BUCKET_MB: f64 = 1.0 / (1024.0 * 1024.0);
+
+/// Most ranks started as threads of one process (more run under `mpirun`).
+pub const MAX_THREAD_RANKS: usize = 1024;
+
+/// Most compute threads per rank (`--threads-per-rank`, and `bench`'s `--threads`): 256, or the
+/// machine's cores when it has more.
+pub fn max_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).max(256)
+}
+
+/// Checks a number of compute threads given by `flag`: at least 1, at most [`max_threads`].
+pub fn check_threads(flag: &str, threads: usize) -> Result<()> {
+    let max = max_threads();
+    if !(1..=max).contains(&threads) {
+        return Err(Error::Usage(format!(
+            "{flag} must be between 1 and {max} (compute threads; this machine has {} cores), got {threads}",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        )));
+    }
+    Ok(())
+}
 
 /// Whether `mb` is a bucket cap Brigade takes: one byte to [`MAX_BUCKET_MB`] (NaN is not).
 pub fn cap_in_range(mb: f64) -> bool {
@@ -98,10 +126,34 @@ pub enum OptimizerName {
     Adamw,
 }
 
-/// Parses `--backend` into the launcher's [`Backend`] (the one backend enum).
-pub fn backend_parser() -> impl TypedValueParser<Value = Backend> {
-    PossibleValuesParser::new(Backend::ALL.map(|(_, name, help)| PossibleValue::new(name).help(help)))
-        .map(|s| s.parse::<Backend>().expect("one of the possible values"))
+/// What each `--backend` is, for `--help`.
+fn backend_help(b: CommBackend) -> &'static str {
+    match b {
+        CommBackend::Thread => "Ranks as threads of this process (--world-size N)",
+        CommBackend::Mpi => "One rank per process under mpirun (build with --features mpi)",
+        CommBackend::Nccl => {
+            "NCCL on GPUs (--device cuda): rank threads (--world-size N), or under mpirun one rank per process"
+        }
+    }
+}
+
+/// Parses `--backend` into the library's [`CommBackend`] (the one backend enum).
+pub fn backend_parser() -> impl TypedValueParser<Value = CommBackend> {
+    PossibleValuesParser::new(CommBackend::ALL.map(|b| PossibleValue::new(b.name()).help(backend_help(b))))
+        .map(|s| s.parse::<CommBackend>().expect("one of the possible values"))
+}
+
+/// Parses `--device`: `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> std::result::Result<DevicePlacement, String> {
+    match s {
+        "cpu" => Ok(DevicePlacement::Cpu),
+        "cuda" => Ok(DevicePlacement::Cuda(None)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(|n| DevicePlacement::Cuda(Some(n)))
+            .ok_or_else(|| format!("expected cpu, cuda or cuda:N (N a GPU ordinal), got '{s}'")),
+    }
 }
 
 /// The model and its shape.
@@ -234,12 +286,12 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
     /// Communication backend.
-    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
-    pub backend: Backend,
+    #[arg(long, value_parser = backend_parser(), default_value_t = CommBackend::Thread)]
+    pub backend: CommBackend,
     /// Where the model, batches, gradients and optimizer state live: cpu, cuda (rank r on GPU
     /// r % count) or cuda:N (GPUs from N). DDP stages gradient buckets through the host.
-    #[arg(long, value_parser = parse_device, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
+    #[arg(long, value_parser = parse_device, default_value_t = DevicePlacement::Cpu)]
+    pub device: DevicePlacement,
     /// Compute threads per rank (default: the cores divided among the ranks).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
@@ -249,7 +301,8 @@ pub struct RunArgs {
     pub bucket_mb: Vec<BucketCap>,
     #[command(flatten)]
     pub autotune: AutotuneArgs,
-    /// DDP first-bucket cap in MiB.
+    /// DDP first-bucket cap in MiB; a smaller --bucket-mb caps the first bucket too (as in
+    /// `brigade sweep`, `brigade predict` and the autotuner).
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub first_bucket_mb: f64,
     /// Microbatches per step: the first K-1 accumulate under no_sync, the K-th reduces.
@@ -316,8 +369,21 @@ impl RunArgs {
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
         }
+        if self.backend != CommBackend::Mpi && self.world_size > MAX_THREAD_RANKS {
+            return bad(format!(
+                "--world-size {} is more ranks than one process runs as threads (at most {MAX_THREAD_RANKS}): \
+                 start them under mpirun with --backend mpi",
+                self.world_size
+            ));
+        }
         if self.batch_size == 0 || self.accum == 0 {
             return bad("--batch-size and --accum must be at least 1".into());
+        }
+        if self.batch_size.checked_mul(self.accum).is_none() {
+            return bad(format!(
+                "--batch-size {} x --accum {} rows per step is more than this machine can count",
+                self.batch_size, self.accum
+            ));
         }
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("--lr must be a finite number > 0, got {}", self.lr));
@@ -356,8 +422,8 @@ impl RunArgs {
                 self.net_latency_us
             ));
         }
-        if self.threads_per_rank == Some(0) {
-            return bad("--threads-per-rank must be at least 1".into());
+        if let Some(t) = self.threads_per_rank {
+            check_threads("--threads-per-rank", t)?;
         }
         if !(self.timeout_s > 0.0 && self.timeout_s <= MAX_TIMEOUT_S) {
             return bad(format!(
@@ -382,7 +448,7 @@ impl RunArgs {
                 flag_name(&self.comm_hook)
             ));
         }
-        if self.zero != 0 && self.backend == Backend::Nccl {
+        if self.zero != 0 && self.backend == CommBackend::Nccl {
             return bad(format!(
                 "--zero {} reduce-scatters on the host comm stream and does not run over --backend nccl yet: drop one of them",
                 self.zero
@@ -400,6 +466,61 @@ impl RunArgs {
                     "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
                 ))
             })?;
+        }
+        self.validate_nccl()?;
+        self.check_memory()
+    }
+
+    /// Checks that the model, its gradients, the optimizer's state and one microbatch's
+    /// activations fit in this machine's memory for every rank this process runs (a lower
+    /// bound: see [`crate::footprint`]).
+    fn check_memory(&self) -> Result<()> {
+        let state = match (self.optimizer, self.zero) {
+            (_, 1..) => 0, // sharded over the ranks
+            (OptimizerName::Adamw, _) => 2,
+            (OptimizerName::Sgd, _) => u64::from(self.momentum() != 0.0),
+        };
+        let ranks = if self.backend == CommBackend::Mpi {
+            1
+        } else {
+            self.world_size
+        };
+        let kind = self.model.kind();
+        let bytes =
+            footprint::training_bytes(&kind, self.batch_size, state).and_then(|b| footprint::mul(b, ranks as u64));
+        let shape = match self.model.model {
+            ModelName::Mlp => format!("--widths {}", join(&self.model.widths)),
+            ModelName::Gpt => format!(
+                "--d-model {} --layers {} --d-ff {} --context {}",
+                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context
+            ),
+        };
+        let what = format!(
+            "the model ({shape}) with --batch-size {} on {ranks} {} in this process",
+            self.batch_size,
+            if ranks == 1 { "rank" } else { "ranks" }
+        );
+        footprint::check_fits(&what, bytes)
+    }
+
+    /// Flags that cannot work with `--backend nccl`.
+    fn validate_nccl(&self) -> Result<()> {
+        if self.backend != CommBackend::Nccl {
+            return Ok(());
+        }
+        if self.device == DevicePlacement::Cpu {
+            return Err(Error::Usage(
+                "--backend nccl reduces gradients in GPU memory: pass --device cuda (or cuda:N); \
+                 on the CPU use --backend thread or mpi"
+                    .into(),
+            ));
+        }
+        if self.comm_hook != CommHookName::Allreduce {
+            return Err(Error::Usage(
+                "--backend nccl averages each bucket with one NCCL all-reduce: --comm-hook must be allreduce \
+                 (the other hooks run with --backend thread or mpi, host-staged)"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -439,9 +560,9 @@ impl RunArgs {
         })
     }
 
-    /// Rows per rank per step.
+    /// Rows per rank per step (checked not to overflow by [`RunArgs::validate`]).
     pub fn rows_per_rank(&self) -> usize {
-        self.batch_size * self.accum
+        self.batch_size.saturating_mul(self.accum)
     }
 
     /// The weight decay in effect.
@@ -450,5 +571,46 @@ impl RunArgs {
             OptimizerName::Adamw => AdamW::DEFAULT_WEIGHT_DECAY,
             OptimizerName::Sgd => 0.0,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn flags(args: &[&str]) -> RunArgs {
+        Flags::try_parse_from(std::iter::once("brigade").chain(args.iter().copied()))
+            .unwrap()
+            .run
+    }
+
+    #[test]
+    fn device_flags_parse_and_bad_ones_say_what_is_expected() {
+        assert_eq!(parse_device("cpu"), Ok(DevicePlacement::Cpu));
+        assert_eq!(parse_device("cuda"), Ok(DevicePlacement::Cuda(None)));
+        assert_eq!(parse_device("cuda:3"), Ok(DevicePlacement::Cuda(Some(3))));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA"] {
+            assert!(parse_device(bad).unwrap_err().contains("cpu, cuda or cuda:N"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn nccl_needs_a_cuda_device_and_the_plain_all_reduce() {
+        assert!(flags(&["--backend", "nccl", "--device", "cuda"]).validate().is_ok());
+        assert!(flags(&["--backend", "thread"]).validate().is_ok());
+        let e = flags(&["--backend", "nccl"]).validate().unwrap_err();
+        assert!(e.to_string().contains("--device cuda"), "{e}");
+        let e = flags(&["--backend", "nccl", "--device", "cuda", "--comm-hook", "fp16"])
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("--comm-hook"), "{e}");
     }
 }

@@ -89,8 +89,16 @@ impl RunArgs {
             candidates_mb: a.autotune_caps.clone().unwrap_or_else(|| AUTOTUNE_CAPS_MB.to_vec()),
             first_bucket_cap_mb: self.first_bucket_mb,
             min_gain: a.autotune_min_gain.unwrap_or(DEFAULT_MIN_GAIN),
-            link: self.net_gbps.map(|g| crate::launch::net_model(g, self.net_latency_us)),
+            link: self
+                .net_gbps
+                .map(|g| brigade::launch::net_model(g, self.net_latency_us)),
         })
+    }
+
+    /// The first bucket's cap under a bucket cap of `cap` MiB: `--first-bucket-mb`, never above
+    /// the cap (as the autotuner, the sweep and `brigade predict` take it).
+    pub fn first_bucket_cap(&self, cap: f64) -> f64 {
+        self.first_bucket_mb.min(cap)
     }
 
     /// The cap DDP starts with: the fixed one, or `auto`'s starting point.

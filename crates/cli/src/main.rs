@@ -1,15 +1,16 @@
 //! `brigade`: train models data-parallel, benchmark collectives, sweep bucket sizes.
 
+#![warn(missing_docs)]
+
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-// The library (fit, launch, trainer, checkpoint, device, error) is the `brigade` crate.
-use brigade::{device, error, launch, trainer};
+use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod args;
 mod bucket_cap;
 mod commands;
+mod error;
+mod footprint;
 mod outputs;
 mod policy;
 mod report;
@@ -17,7 +18,7 @@ mod run;
 mod sent;
 mod signal;
 
-use commands::{bench, predict, sweep, train};
+use commands::{bench, predict, sweep, sweep_args, train};
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]
@@ -33,7 +34,7 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Step time, compute-only time and exposed communication for several bucket sizes, or
     /// reducer policies side by side (--policy).
-    Sweep(Box<sweep::SweepArgs>),
+    Sweep(Box<sweep_args::SweepArgs>),
     /// Predict step time and exposed communication under other bucket caps, links or world
     /// sizes from one recorded step (`brigade train --profile`), without running anything.
     Predict(Box<predict::PredictArgs>),
@@ -42,10 +43,35 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
+/// Two rules for every flag of every subcommand, kept in one place: a flag given twice is an
+/// error (a list flag such as `--widths` would otherwise append the second list to the first),
+/// and a value that looks like a negative number goes to the flag's own parser, which names
+/// the flag and says what it takes (instead of "unexpected argument '-1'").
+fn flag_rules(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let a = match a.get_action() {
+            ArgAction::Append => a.action(ArgAction::Set),
+            _ => a,
+        };
+        if a.get_action().takes_values() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(flag_rules)
+}
+
+/// The command line, parsed under [`flag_rules`].
+fn parse() -> Result<Cli, clap::Error> {
+    let matches = flag_rules(Cli::command()).try_get_matches()?;
+    Cli::from_arg_matches(&matches)
+}
+
 fn main() -> ExitCode {
     // before any tensor exists: reuse freed activation memory instead of faulting in fresh pages
     brigade::tensor::retain_freed_host_memory();
-    let cli = match Cli::try_parse() {
+    let cli = match parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {
@@ -55,17 +81,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
-        Command::Train(t) => train::train(*t).map_err(Into::into),
-        Command::Sweep(s) => sweep::sweep(*s).map_err(Into::into),
-        Command::Predict(p) => predict::predict(*p).map_err(Into::into),
+    let result = match cli.command {
+        Command::Train(t) => train::train(*t),
+        Command::Sweep(s) => sweep::sweep(*s),
+        Command::Predict(p) => predict::predict(*p),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(e.downcast_ref::<error::Error>().map_or(1, error::Error::exit_code))
+            ExitCode::from(e.exit_code())
         }
     }
 }

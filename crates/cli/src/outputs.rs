@@ -5,6 +5,16 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+/// Writes `bytes` to `path` atomically (see [`brigade_models::write_atomic`]: a unique
+/// temporary beside the target, synced, then renamed; a symbolic link keeps pointing at
+/// the file it names, which is what gets written).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    brigade_models::write_atomic(path, bytes).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
 /// One output a run will write: the flag that asked for it and its path.
 #[derive(Clone, Debug)]
 pub struct Output {
@@ -163,8 +173,7 @@ mod tests {
     fn a_failed_write_does_not_stop_the_others_and_every_failure_is_named() {
         let d = dir("write-all");
         let (a, b, c) = (d.join("a.csv"), d.join("missing").join("b.json"), d.join("c.csv"));
-        let write =
-            |p: PathBuf| -> Box<dyn FnOnce() -> Result<()>> { Box::new(move || crate::error::write_atomic(&p, b"x")) };
+        let write = |p: PathBuf| -> Box<dyn FnOnce() -> Result<()>> { Box::new(move || write_atomic(&p, b"x")) };
         let e = write_all(vec![
             (Output::new("--losses", &a), write(a.clone())),
             (Output::new("--timeline", &b), write(b.clone())),

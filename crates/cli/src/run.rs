@@ -3,44 +3,43 @@
 //! library's [`fit()`] trains and returns rank 0's [`RunReport`].
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+use brigade::config::{CheckpointConfig, Instrumentation};
 use brigade::fit::fit;
 pub use brigade::fit::RunReport;
+use brigade::launch::{net_model, CommBackend, LaunchConfig};
+use brigade::observe::TrainObserver;
+use brigade::{OptimizerConfig, TrainConfig};
 use brigade_comm::Recorder;
 use brigade_ddp::DdpConfig;
 use brigade_models::{Dataset, ModelKind};
 
 use crate::args::{OptimizerName, RunArgs};
-use crate::error::{Error, Result};
-pub use crate::launch::default_threads;
-use crate::launch::{net_model, Backend, LaunchConfig};
-use crate::trainer::{OptimizerConfig, TrainConfig};
+use crate::error::{in_flag_terms, Error, Result};
 
 /// What a run does besides training.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct RunOptions {
     /// Reduce no gradient: the same ranks train independently (the sweep's compute-only
     /// baseline; they still agree on the loss and on stopping once per step).
     pub compute_only: bool,
     /// Record compute and comm events for a timeline.
     pub record: bool,
-    /// Draw a progress bar on rank 0.
-    pub progress: bool,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
     /// Write a checkpoint (parameters + optimizer state) here, from rank 0.
     pub checkpoint: Option<PathBuf>,
     /// Also checkpoint every this many steps.
     pub checkpoint_every: Option<usize>,
-    /// Stop after the current step once this is set (see [`crate::signal`]).
-    pub stop: Option<&'static AtomicBool>,
     /// Record a step profile of the last synchronized step on every rank.
     pub profile: bool,
     /// Also keep the profile of every step in this range (`--profile-steps`).
     pub profile_steps: Option<std::ops::Range<usize>>,
+    /// Who watches the run: the progress bar, the summary, the signals (see
+    /// [`crate::report`], [`crate::signal`]).
+    pub observer: Option<Arc<dyn TrainObserver>>,
 }
 
 /// Loads the dataset the flags name and checks it can feed one global step of `world` ranks.
@@ -50,7 +49,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
         (None, ModelKind::Mlp(c)) => Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?,
         (None, ModelKind::Gpt(c)) => Dataset::builtin_text(c.context, args.seed)?,
     };
-    let global = world * args.rows_per_rank();
+    let global = world.saturating_mul(args.rows_per_rank()); // bounded by RunArgs::validate
     if data.len() < global {
         return Err(Error::Usage(format!(
             "one step needs {global} rows (world size {world} x accum {} x batch size {}) but {} has {} rows",
@@ -66,7 +65,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
 /// What every process needs before its ranks start: under MPI the world size comes from
 /// `mpirun`, and every file the run reads must exist on every rank.
 fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> Result<Dataset> {
-    if args.backend == Backend::Mpi {
+    if args.backend == CommBackend::Mpi {
         if args.world_size != 1 && args.world_size != world {
             return Err(Error::Usage(format!(
                 "--world-size {} but mpirun started {world} processes: drop --world-size (MPI's size is used) or pass -np {}",
@@ -97,6 +96,8 @@ fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
         timeout: Duration::from_secs_f64(args.timeout_s),
         net: args.net_gbps.map(|g| net_model(g, args.net_latency_us)),
         recorder: opts.record.then(Recorder::new),
+        // under MPI the job ends inside the launch: every process that reports says why
+        on_fatal: Some(Arc::new(|e| eprintln!("error: {}", in_flag_terms(e)))),
     }
 }
 
@@ -110,9 +111,10 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         },
         OptimizerName::Adamw => OptimizerConfig::adamw(args.lr, args.weight_decay),
     };
+    let cap = args.bucket_cap()?;
     let ddp = DdpConfig {
-        bucket_cap_mb: args.bucket_cap()?,
-        first_bucket_cap_mb: args.first_bucket_mb,
+        bucket_cap_mb: cap,
+        first_bucket_cap_mb: args.first_bucket_cap(cap),
         find_unused_parameters: args.find_unused_parameters,
         zero: args.zero_stage(),
         ..DdpConfig::default()
@@ -121,23 +123,24 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         model_name: args.model.kind().name().into(),
         seed: args.seed,
         init: args.init.clone(),
-        steps: args.steps,
-        batch_size: args.batch_size,
         accum: args.accum,
-        optimizer,
         ddp: (!opts.compute_only).then_some(ddp),
-        resume: opts.resume.clone(),
-        checkpoint: opts.checkpoint.clone(),
-        checkpoint_every: opts.checkpoint_every,
-        allow_nonfinite: args.allow_nonfinite,
         comm_hook: Arc::new(args.hook_spec()),
-        profile: opts.profile,
-        profile_steps: opts.profile_steps.clone(),
         autotune: args.autotune_config(),
+        allow_nonfinite: args.allow_nonfinite,
         compute_threads: args.threads_per_rank,
         device: args.device,
-        stop: opts.stop,
-        progress: opts.progress,
+        checkpoint: CheckpointConfig {
+            resume: opts.resume.clone(),
+            path: opts.checkpoint.clone(),
+            every: opts.checkpoint_every,
+        },
+        instrument: Instrumentation {
+            profile: opts.profile,
+            profile_steps: opts.profile_steps.clone(),
+            observer: opts.observer.clone(),
+        },
+        ..TrainConfig::new(args.steps, args.batch_size, optimizer)
     })
 }
 
@@ -148,21 +151,29 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
     let launch_cfg = launch_config(args, opts);
     let train_cfg = train_config(args, opts)?;
-    brigade::launch::nccl::check_flags(args.backend, args.device, &args.hook_spec())?;
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
-    if args.backend == Backend::Nccl {
+    if args.backend == CommBackend::Nccl {
         brigade::launch::nccl::require(args.world_size)?;
     }
     let kind = args.model.kind();
     let report = fit(
         &launch_cfg,
         &train_cfg,
-        |world| setup(args, opts, &kind, world),
+        |world| setup(args, opts, &kind, world).map_err(into_library),
         |_| Ok(kind.build(args.seed)?),
     )?;
     if report.rank != 0 {
         std::process::exit(0);
     }
     Ok(report)
+}
+
+/// A setup error of this program's (worded for its user) as the library carries it: under MPI
+/// every rank reports the first failing rank's message.
+fn into_library(e: Error) -> brigade::Error {
+    match e {
+        Error::Run(e) => e,
+        e => brigade::Error::Config(e.to_string()),
+    }
 }

@@ -3,9 +3,12 @@
 //! timeline and its checkpoint. A second signal ends the process at once, as by default.
 //!
 //! The handler only sets an atomic flag (async-signal-safe); it is installed through libc's
-//! `signal`, which the standard library already links.
+//! `signal`, which the standard library already links. [`StopOnSignal`] hands the flag to the
+//! run as its observer's stop request.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use brigade::observe::TrainObserver;
 
 /// Set once SIGINT or SIGTERM arrived.
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -48,10 +51,20 @@ mod unix {
     }
 }
 
-/// Turns SIGINT and SIGTERM into a stop request for the rest of this process and returns the
-/// flag they set (what [`crate::trainer::TrainConfig::stop`] takes).
-pub fn stop_on_signals() -> &'static AtomicBool {
-    #[cfg(unix)]
-    unix::install();
-    &STOP
+/// Asks the run to stop once SIGINT or SIGTERM arrived (every rank polls it once a step).
+pub struct StopOnSignal(());
+
+impl StopOnSignal {
+    /// Turns SIGINT and SIGTERM into a stop request for the rest of this process.
+    pub fn install() -> StopOnSignal {
+        #[cfg(unix)]
+        unix::install();
+        StopOnSignal(())
+    }
+}
+
+impl TrainObserver for StopOnSignal {
+    fn stop_requested(&self) -> bool {
+        STOP.load(Ordering::SeqCst)
+    }
 }

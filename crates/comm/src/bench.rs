@@ -212,8 +212,10 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         Some('G' | 'g') => (&t[..t.len() - 1], 30),
         _ => (t, 0),
     };
-    num.trim()
+    let n = num
+        .trim()
         .parse::<usize>()
-        .map(|n| n << shift)
-        .map_err(|e| format!("bad size `{s}`: {e}"))
+        .map_err(|e| format!("bad size `{s}`: {e}"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("bad size `{s}`: more bytes than this machine can address"))
 }

@@ -12,6 +12,8 @@
 //! The reducer talks to a [`stream::BucketStream`] (ready event, collective, completion
 //! event): the host comm stream by default, NCCL on a CUDA comm stream with `--backend nccl`.
 
+#![warn(missing_docs)]
+
 mod bucket;
 mod ddp;
 mod error;

@@ -88,16 +88,27 @@ pub trait Float:
     + std::ops::MulAssign
     + std::iter::Sum
 {
+    /// 0.
     const ZERO: Self;
+    /// 1.
     const ONE: Self;
+    /// Negative infinity (the identity of a max).
     const NEG_INFINITY: Self;
+    /// e to the power `self`.
     fn exp(self) -> Self;
+    /// The natural logarithm.
     fn ln(self) -> Self;
+    /// The square root.
     fn sqrt(self) -> Self;
+    /// The error function.
     fn erf(self) -> Self;
+    /// The absolute value.
     fn abs(self) -> Self;
+    /// `self` to the power `p`.
     fn powf(self, p: Self) -> Self;
+    /// The larger of the two (as `f32::max`: a NaN operand gives the other).
     fn max(self, other: Self) -> Self;
+    /// `n` in this type (rounded).
     fn from_usize(n: usize) -> Self {
         Self::from_f64(n as f64)
     }

@@ -9,6 +9,8 @@
 //! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
 //! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
 
+#![warn(missing_docs)]
+
 mod backend;
 mod composed;
 mod cpu;

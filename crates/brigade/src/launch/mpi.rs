@@ -2,34 +2,31 @@
 //! MPI.
 //!
 //! Setup errors (a missing file, too little data) are agreed on by all ranks before the rank
-//! function runs, so every rank prints the same message, then the job exits 1. An error in the
+//! function runs, so every rank reports the same error, then the job exits 1. An error in the
 //! rank function ends the whole job at once (`MPI_Abort`), so that no rank waits for a dead
 //! peer until its timeout, except an error every rank reaches together
-//! ([`Error::is_agreed`], e.g. a non-finite loss): rank 0 prints it and every rank exits 1.
-//! A killed process is noticed by `mpirun`, which ends the others. MPI is finalized before
-//! [`launch`] returns this rank's result.
+//! ([`Error::is_agreed`], e.g. a non-finite loss): rank 0 reports it and every rank exits 1.
+//! Each report goes to [`LaunchConfig::on_fatal`] before the job ends. A killed process is
+//! noticed by `mpirun`, which ends the others. MPI is finalized before [`run_ranks`] returns
+//! this rank's result.
 
 #[cfg(not(feature = "mpi"))]
-pub use disabled::launch;
+pub use disabled::run_ranks;
 #[cfg(feature = "mpi")]
-pub use enabled::launch;
+pub use enabled::run_ranks;
 
 #[cfg(not(feature = "mpi"))]
 mod disabled {
-    use super::super::{LaunchConfig, Launched, RankContext};
     use crate::error::{Error, Result};
+    use crate::launch::context::{LaunchConfig, Launched, RankContext};
 
-    /// Explains how to get a build with MPI.
-    pub fn launch<S: Sync, T: Send>(
+    /// [`Error::MpiNotBuilt`]: how to get a build with MPI.
+    pub fn run_ranks<S: Sync, T: Send>(
         _cfg: &LaunchConfig,
         _setup: impl FnOnce(usize) -> Result<S>,
         _rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
     ) -> Result<Launched<T>> {
-        Err(Error::Usage(
-            "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev libclang-dev) \
-             and build with `cargo build --release --features mpi`"
-                .into(),
-        ))
+        Err(Error::MpiNotBuilt)
     }
 }
 
@@ -39,14 +36,15 @@ mod enabled {
 
     use brigade_comm::{Buffer, Communicator, MpiComm, MpiWorld};
 
-    use super::super::{comm_stack, Backend, LaunchConfig, Launched, RankContext, SimLink};
     use crate::error::{Error, Result};
+    use crate::launch::comm_stack::{comm_stack, SimLink};
+    use crate::launch::context::{CommBackend, LaunchConfig, Launched, RankContext};
 
     /// Bytes of a setup error message exchanged between ranks.
     const MESSAGE_BYTES: usize = 1024;
 
     /// Runs `setup` and `rank_fn` on this process's rank of the MPI job (see the module docs).
-    pub fn launch<S: Sync, T: Send>(
+    pub fn run_ranks<S: Sync, T: Send>(
         cfg: &LaunchConfig,
         setup: impl FnOnce(usize) -> Result<S>,
         rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
@@ -54,10 +52,15 @@ mod enabled {
         let world = MpiWorld::init()?;
         let (rank, size) = (world.rank(), world.world_size());
         let base = Arc::new(world.communicator(cfg.timeout)?);
+        let report = |e: &Error| {
+            if let Some(on_fatal) = &cfg.on_fatal {
+                on_fatal(e);
+            }
+        };
         let shared = setup(size);
         if let Err(e) = agree(&base, rank, shared.as_ref().err().map(|e| e.to_string())) {
-            // Every rank prints before any exits: mpirun ends the job at the first non-zero exit.
-            eprintln!("error: {e}");
+            // Every rank reports before any exits: mpirun ends the job at the first non-zero exit.
+            report(&e);
             exit_together(base, world, 1);
         }
         let shared = shared.expect("agreed: every rank's setup succeeded");
@@ -69,21 +72,21 @@ mod enabled {
             comm: comm_stack(control.clone(), cfg.net.map(SimLink::Own), cfg.recorder.as_ref()),
             control,
             recorder: cfg.recorder.clone(),
-            backend: Backend::Mpi,
-            nccl: cfg.backend == Backend::Nccl,
+            launcher: CommBackend::Mpi,
+            nccl: cfg.backend == CommBackend::Nccl,
         };
         let out = match rank_fn(&ctx, &shared) {
             Ok(out) => out,
             Err(e) if e.is_agreed() => {
                 if rank == 0 {
-                    eprintln!("error: {e}");
+                    report(&e);
                 }
                 drop(ctx);
                 exit_together(base, world, 1);
             }
             Err(e) => {
                 // The peers may be blocked in a collective this rank will never join.
-                eprintln!("error: rank {rank} of {size}: {e}");
+                report(&e.on_rank(rank, size));
                 world.abort(1);
             }
         };
@@ -96,7 +99,7 @@ mod enabled {
         })
     }
 
-    /// Waits until every rank got here (so every rank printed), finalizes MPI and exits.
+    /// Waits until every rank got here (so every rank reported), finalizes MPI and exits.
     fn exit_together(comm: Arc<MpiComm>, world: MpiWorld, code: i32) -> ! {
         let _ = comm.barrier("exit").wait();
         drop(comm);
@@ -119,7 +122,9 @@ mod enabled {
         msg.truncate(MESSAGE_BYTES);
         msg.resize(MESSAGE_BYTES, 0);
         let all = comm.all_gather(Buffer::U8(msg), "setup status").wait()?;
-        let all = all.as_u8().expect("u8 in, u8 out");
+        let all = all
+            .as_u8()
+            .ok_or_else(|| Error::Protocol("the setup status came back as another dtype".into()))?;
         let failed: Vec<(usize, String)> = all
             .chunks(MESSAGE_BYTES)
             .enumerate()
@@ -140,7 +145,7 @@ mod enabled {
         } else {
             format!("rank {first}")
         };
-        Err(Error::Usage(format!(
+        Err(Error::Launch(format!(
             "setup failed on {whose} of {}: {message}{also}",
             all.len() / MESSAGE_BYTES
         )))

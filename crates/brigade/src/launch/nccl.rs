@@ -1,6 +1,6 @@
-//! `--backend nccl`: gradient buckets averaged by NCCL on a CUDA comm stream of each rank's
-//! GPU, ordered by events (`ddp::stream::NcclStream`). The ranks are started as threads
-//! (`--world-size N`) or, under `mpirun`, one per process; the launcher's own communicator
+//! The NCCL backend ([`CommBackend::Nccl`]): gradient buckets averaged by NCCL on a CUDA comm
+//! stream of each rank's GPU, ordered by events (`ddp::stream::NcclStream`). The ranks are
+//! started as threads or, under `mpirun`, one per process; the launcher's own communicator
 //! still carries the control messages (model check, parameter broadcast, bucket rebuild,
 //! losses) and bootstraps NCCL: rank 0 creates the unique id, the others receive its 128 bytes
 //! (in memory between threads, by one `MPI_Bcast` between processes).
@@ -8,37 +8,12 @@
 use std::sync::Arc;
 
 use brigade_comm::nccl::{exchange_id, require_nccl, NcclComm};
-use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::stream::{BucketStream, NcclStream};
 use brigade_tensor::cuda::{probe, CudaDevice};
 use brigade_tensor::Device;
 
-use crate::device::DeviceArg;
 use crate::error::{Error, Result};
-use crate::launch::{Backend, RankContext};
-
-/// Flags that cannot work with `--backend nccl`, as one usage error; and, with it, whether
-/// NCCL can be loaded on this machine (after the device itself was found usable).
-pub fn check_flags(backend: Backend, device: DeviceArg, hook: &HookSpec) -> Result<()> {
-    if backend != Backend::Nccl {
-        return Ok(());
-    }
-    if device == DeviceArg::Cpu {
-        return Err(Error::Usage(
-            "--backend nccl reduces gradients in GPU memory: pass --device cuda (or cuda:N); \
-             on the CPU use --backend thread or mpi"
-                .into(),
-        ));
-    }
-    if *hook != HookSpec::AllReduce {
-        return Err(Error::Usage(
-            "--backend nccl averages each bucket with one NCCL all-reduce: --comm-hook must be allreduce \
-             (the other hooks run with --backend thread or mpi, host-staged)"
-                .into(),
-        ));
-    }
-    Ok(())
-}
+use crate::launch::context::{CommBackend, RankContext};
 
 /// Whether NCCL can be loaded: one typed error naming the missing library otherwise. With rank
 /// threads, also whether there is a GPU per rank (NCCL refuses two ranks on one GPU).
@@ -49,10 +24,9 @@ pub fn require(world_size: usize) -> Result<()> {
     }
     let count = probe::device_count().map_err(|u| u.on(Device::Cuda(0)))?;
     if world_size > count {
-        return Err(Error::Usage(format!(
-            "--backend nccl runs one rank per GPU and NCCL refuses two ranks on one GPU: --world-size {world_size} \
-             needs {world_size} GPUs, this machine has {count} (several ranks on one GPU train with --backend thread, \
-             host-staged)"
+        return Err(Error::Config(format!(
+            "NCCL runs one rank per GPU and refuses two ranks on one GPU: {world_size} ranks need {world_size} \
+             GPUs, this machine has {count} (several ranks on one GPU train over the thread backend, host-staged)"
         )));
     }
     Ok(())
@@ -68,7 +42,7 @@ pub fn under_mpi() -> bool {
 /// The rank whose GPU this rank takes among this node's: its node-local rank under MPI
 /// (`OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID`, `SLURM_LOCALID`), its rank with threads.
 pub fn gpu_rank(ctx: &RankContext) -> usize {
-    if ctx.backend != Backend::Mpi {
+    if ctx.launcher != CommBackend::Mpi {
         return ctx.rank;
     }
     local_rank_from(|v| std::env::var(v).ok()).unwrap_or(ctx.rank)
@@ -89,7 +63,9 @@ pub fn bucket_stream(ctx: &RankContext, device: Device) -> Result<Option<Arc<dyn
         return Ok(None);
     }
     let Device::Cuda(ordinal) = device else {
-        return Err(Error::Usage("--backend nccl needs --device cuda".into()));
+        return Err(Error::Config(
+            "the NCCL backend reduces gradients in GPU memory: place the ranks on CUDA devices".into(),
+        ));
     };
     require_nccl()?;
     let gpu = CudaDevice::get(ordinal)?;
@@ -106,18 +82,6 @@ pub fn bucket_stream(ctx: &RankContext, device: Device) -> Result<Option<Arc<dyn
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nccl_needs_a_cuda_device_and_the_plain_all_reduce() {
-        let cuda = DeviceArg::Cuda(None);
-        assert!(check_flags(Backend::Nccl, cuda, &HookSpec::AllReduce).is_ok());
-        assert!(check_flags(Backend::Thread, DeviceArg::Cpu, &HookSpec::AllReduce).is_ok());
-        let e = check_flags(Backend::Nccl, DeviceArg::Cpu, &HookSpec::AllReduce).unwrap_err();
-        assert!(e.to_string().contains("--device cuda"), "{e}");
-        let fp16 = HookSpec::Compress(brigade_ddp::hooks::HalfType::F16);
-        let e = check_flags(Backend::Nccl, cuda, &fp16).unwrap_err();
-        assert!(e.to_string().contains("--comm-hook"), "{e}");
-    }
 
     #[test]
     fn the_gpu_of_an_mpi_rank_is_its_node_local_rank() {

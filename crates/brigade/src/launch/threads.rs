@@ -4,11 +4,14 @@ use std::sync::Arc;
 
 use brigade_comm::{run_on_threads_with_timeout, Communicator, SharedLink};
 
-use super::{comm_stack, pick_error, Backend, LaunchConfig, Launched, RankContext, SimLink};
 use crate::error::Result;
+use crate::launch::comm_stack::{comm_stack, SimLink};
+use crate::launch::context::{CommBackend, LaunchConfig, Launched, RankContext};
+use crate::launch::root_cause::root_cause;
 
-/// Runs `setup` once, then `rank_fn` on `cfg.world_size` threads (see [`super::launch`]).
-pub fn launch<S: Sync, T: Send>(
+/// Runs `setup` once, then `rank_fn` on `cfg.world_size` threads (see
+/// [`crate::launch::run_ranks`]).
+pub fn run_ranks<S: Sync, T: Send>(
     cfg: &LaunchConfig,
     setup: impl FnOnce(usize) -> Result<S>,
     rank_fn: impl Fn(&RankContext, &S) -> Result<T> + Sync,
@@ -26,8 +29,8 @@ pub fn launch<S: Sync, T: Send>(
             comm: comm_stack(base.clone(), link.as_ref().map(SimLink::Shared), cfg.recorder.as_ref()),
             control: base,
             recorder: cfg.recorder.clone(),
-            backend: Backend::Thread,
-            nccl: cfg.backend == Backend::Nccl,
+            launcher: CommBackend::Thread,
+            nccl: cfg.backend == CommBackend::Nccl,
         };
         rank_fn(&ctx, &shared)
     });
@@ -46,6 +49,6 @@ pub fn launch<S: Sync, T: Send>(
             results: outs,
         });
     }
-    let (rank, e) = pick_error(errors);
+    let (rank, e) = root_cause(errors);
     Err(e.on_rank(rank, world))
 }

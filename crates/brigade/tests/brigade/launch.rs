@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use brigade::comm::{Buffer, Communicator, ReduceOp};
-use brigade::launch::{launch, LaunchConfig};
+use brigade::launch::{run_ranks, LaunchConfig};
 use brigade::Error;
 
 #[test]
 fn n_thread_ranks_return_n_results_in_rank_order() {
-    let launched = launch(
+    let launched = run_ranks(
         &LaunchConfig::threads(3),
         |world| Ok(world * 100),
         |ctx, shared| {
@@ -41,12 +41,12 @@ fn one_failing_rank_fails_the_call_naming_it_within_the_timeout() {
         ..LaunchConfig::threads(3)
     };
     let start = Instant::now();
-    let result = launch(
+    let result = run_ranks(
         &cfg,
         |_| Ok(()),
         |ctx, _| {
             if ctx.rank == 1 {
-                return Err(Error::Usage("rank one's own failure".into()));
+                return Err(Error::Data("rank one's own failure".into()));
             }
             // The others wait for rank 1 in a collective it never joins.
             ctx.comm.barrier("never complete").wait()?;
@@ -56,7 +56,7 @@ fn one_failing_rank_fails_the_call_naming_it_within_the_timeout() {
     let took = start.elapsed();
     let e = result.err().expect("rank 1 failed");
     assert_eq!(e.to_string(), "rank 1 of 3: rank one's own failure");
-    assert!(matches!(&e, Error::OnRank { rank: 1, world: 3, source } if matches!(**source, Error::Usage(_))));
+    assert!(matches!(&e, Error::OnRank { rank: 1, world: 3, source } if matches!(**source, Error::Data(_))));
     // Not a timeout: the peers learned at once that rank 1 is gone.
     assert!(took < timeout, "took {took:?}");
 }
@@ -64,9 +64,9 @@ fn one_failing_rank_fails_the_call_naming_it_within_the_timeout() {
 #[test]
 fn a_failing_setup_fails_before_any_rank_runs() {
     let ran = AtomicUsize::new(0);
-    let result = launch(
+    let result = run_ranks(
         &LaunchConfig::threads(2),
-        |world| -> brigade::Result<()> { Err(Error::Usage(format!("no data for {world} ranks"))) },
+        |world| -> brigade::Result<()> { Err(Error::Data(format!("no data for {world} ranks"))) },
         |_, _| {
             ran.fetch_add(1, Ordering::SeqCst);
             Ok(())

@@ -10,14 +10,14 @@ use std::sync::{Arc, Mutex};
 
 use brigade::autograd::{scope, ParamStore, Var};
 use brigade::comm::{Communicator, EventKind, Recorder, Work};
+use brigade::config::{CheckpointConfig, Instrumentation};
 use brigade::data::{DataSource, Microbatch};
 use brigade::ddp::hooks::{AllReduceHook, CommHook, GradBucket};
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model};
 use brigade::tensor::{DType, Rng, Tensor};
-use brigade::trainer::{OptimizerConfig, TrainConfig};
-use brigade::{fit, Error, RunReport};
+use brigade::{fit, Error, OptimizerConfig, RunReport, TrainConfig};
 
 const IN: usize = 6;
 const CLASSES: usize = 3;
@@ -77,7 +77,7 @@ impl Rows {
 impl DataSource for Rows {
     fn batch(&self, mb: &Microbatch) -> brigade::Result<Batch> {
         if self.fail_at == Some((mb.rank, mb.step)) {
-            return Err(Error::Usage(format!("no rows for step {}", mb.step)));
+            return Err(Error::Data(format!("no rows for step {}", mb.step)));
         }
         let (mut x, mut y) = (vec![], vec![]);
         for i in mb.first_row()..mb.first_row() + mb.rows {
@@ -146,11 +146,23 @@ fn a_user_model_on_two_ranks_matches_one_rank_on_the_whole_batch_and_accumulatio
         Rows::new(),
     )
     .unwrap();
-    assert_eq!(two.losses.len(), 5);
-    assert!(two.losses[4] < two.losses[0], "it learns: {:?}", two.losses);
-    assert_close(&two.losses, &one.losses, "2 ranks x 8 rows vs 1 rank x 16 rows");
-    assert_close(&accum.losses, &one.losses, "2 microbatches of 8 vs one of 16");
-    let names: Vec<&str> = two.params.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(two.outcome.losses.len(), 5);
+    assert!(
+        two.outcome.losses[4] < two.outcome.losses[0],
+        "it learns: {:?}",
+        two.outcome.losses
+    );
+    assert_close(
+        &two.outcome.losses,
+        &one.outcome.losses,
+        "2 ranks x 8 rows vs 1 rank x 16 rows",
+    );
+    assert_close(
+        &accum.outcome.losses,
+        &one.outcome.losses,
+        "2 microbatches of 8 vs one of 16",
+    );
+    let names: Vec<&str> = two.outcome.params.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]);
 }
 
@@ -164,17 +176,23 @@ fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
     };
     let straight = run(2, &config(4, 8), rows()).unwrap();
     let first = TrainConfig {
-        checkpoint: Some(ckpt.clone()),
+        checkpoint: CheckpointConfig {
+            path: Some(ckpt.clone()),
+            ..CheckpointConfig::default()
+        },
         ..config(2, 8)
     };
     run(2, &first, rows()).unwrap();
     let resume = TrainConfig {
-        resume: Some(ckpt.clone()),
+        checkpoint: CheckpointConfig {
+            resume: Some(ckpt.clone()),
+            ..CheckpointConfig::default()
+        },
         ..config(4, 8)
     };
     let resumed = run(2, &resume, rows()).unwrap();
-    assert_eq!(resumed.first_step, 2);
-    assert_eq!(resumed.losses, straight.losses[2..], "bit for bit");
+    assert_eq!(resumed.outcome.first_step, 2);
+    assert_eq!(resumed.outcome.losses, straight.outcome.losses[2..], "bit for bit");
 
     // Other data, or another model's checkpoint, is refused with the reason.
     let other = Rows {
@@ -222,7 +240,11 @@ fn every_rank_makes_its_own_comm_hook_from_a_closure() {
     assert_eq!(made.keys().copied().collect::<Vec<_>>(), [0, 1], "one hook per rank");
     for (rank, calls) in made.iter() {
         // every bucket of every step went through the rank's own hook
-        assert_eq!(calls.load(Ordering::Relaxed), 3 * report.buckets.len(), "rank {rank}");
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            3 * report.outcome.buckets.len(),
+            "rank {rank}"
+        );
     }
 }
 
@@ -233,7 +255,10 @@ fn the_timeline_and_profile_cover_every_rank_and_the_user_model_layers() {
         ..LaunchConfig::threads(2)
     };
     let cfg = TrainConfig {
-        profile: true,
+        instrument: Instrumentation {
+            profile: true,
+            ..Instrumentation::default()
+        },
         ..config(3, 8)
     };
     let report = fit(&launch, &cfg, |_| Ok(Rows::new()), |_| Ok(Box::new(Tiny::new()?))).unwrap();
@@ -254,7 +279,7 @@ fn the_timeline_and_profile_cover_every_rank_and_the_user_model_layers() {
             "rank {rank}: {scopes:?}"
         );
     }
-    let profile = report.profile.expect("a step profile");
+    let profile = report.outcome.profile.expect("a step profile");
     assert_eq!(profile.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), [0, 1]);
     assert_eq!(profile.params.len(), 4);
 }

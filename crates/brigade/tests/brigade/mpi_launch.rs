@@ -8,10 +8,11 @@
 #![cfg(feature = "mpi")]
 
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brigade::comm::{Buffer, Communicator, ReduceOp};
-use brigade::launch::{launch, LaunchConfig};
+use brigade::launch::{run_ranks, LaunchConfig};
 use brigade::Error;
 
 /// How long a rank would wait for a peer: far beyond how long the failing job may take.
@@ -83,14 +84,16 @@ fn mpi_worker() {
     };
     let cfg = LaunchConfig {
         timeout: RANK_TIMEOUT,
+        // the job ends inside the launch: this is how it says why
+        on_fatal: Some(Arc::new(|e| eprintln!("error: {e}"))),
         ..LaunchConfig::mpi()
     };
-    let launched = launch(
+    let launched = run_ranks(
         &cfg,
         |_| Ok(()),
         |ctx, _| {
             if scenario == "fail" && ctx.rank == 1 {
-                return Err(Error::Usage("rank one's own failure".into()));
+                return Err(Error::Data("rank one's own failure".into()));
             }
             let sum = ctx
                 .comm

@@ -1,8 +1,9 @@
-//! One module per subcommand: `train`, `sweep` (bucket caps; `policy_sweep` for `--policy`),
-//! `predict` and `bench`.
+//! One module per subcommand: `train`, `sweep` (bucket caps; `policy_sweep` for `--policy`; their
+//! flags in `sweep_args`), `predict` and `bench`.
 
 pub mod bench;
 pub mod policy_sweep;
 pub mod predict;
 pub mod sweep;
+pub mod sweep_args;
 pub mod train;

@@ -15,8 +15,9 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::args::{flag_name, RunArgs};
-use crate::commands::sweep::{finished, median_step, SweepArgs};
-use crate::error::{write_atomic, Error, Result};
+use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
+use crate::error::{Error, Result};
+use crate::outputs::write_atomic;
 use crate::policy::Policy;
 use crate::run::{run, RunOptions};
 use crate::sent::{human_bytes, SentSummary};
@@ -108,23 +109,14 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
 /// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
 /// until this sweep replaces both at its end (a failed sweep leaves them as they were).
 fn prepare_out(out: &Path) -> Result<()> {
-    let io = |source| Error::Io {
-        path: format!("--out {}", out.display()),
-        source,
-    };
-    std::fs::create_dir_all(out).map_err(io)?;
-    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(OUTPUTS[0]))])?;
-    Ok(())
+    make_out_dir(out, OUTPUTS[0])
 }
 
 /// Runs `brigade sweep --policy`.
 pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
     let plan = plan(s)?;
     prepare_out(&s.out)?;
-    let quiet = RunOptions {
-        progress: false,
-        ..RunOptions::default()
-    };
+    let quiet = RunOptions::default();
     let mut rows = vec![];
     for (label, a) in &plan {
         let mut base = a.clone();
@@ -136,8 +128,8 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?)?;
-        let compute_ms = median_step(&base, &baseline.step_ms);
-        let report = finished(run(a, &quiet)?)?;
+        let compute_ms = median_step(&base, &baseline.outcome.step_ms);
+        let report = finished(run(a, &quiet)?)?.outcome;
         let step_ms = median_step(a, &report.step_ms);
         let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
         let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
@@ -159,7 +151,7 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
     if s.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the policy rows", e))?
         );
     } else {
         println!(

@@ -2,7 +2,8 @@
 //! caps, links and world sizes, without running anything (the overlap model,
 //! `brigade_ddp::overlap`).
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use brigade_comm::NetModel;
@@ -26,7 +27,7 @@ pub struct PredictArgs {
     /// Bucket caps to predict, in MiB.
     #[arg(long, value_delimiter = ',', default_value = "0.25,1,5,25,100")]
     pub bucket_mb: Vec<f64>,
-    /// The first bucket's cap in MiB (default: 1, or the bucket cap when smaller).
+    /// The first bucket's cap in MiB (default 1), never above the bucket cap (as `brigade train`).
     #[arg(long)]
     pub first_bucket_mb: Option<f64>,
     /// A ring of links of this many gigabits per second (with --net-latency-us).
@@ -70,6 +71,38 @@ impl PredictArgs {
     }
 }
 
+/// Largest profile file `brigade predict` reads (a step profile is kilobytes; a list of
+/// thousands of steps, megabytes).
+const MAX_PROFILE_BYTES: u64 = 256 << 20;
+
+/// The text of the profile file at `path`, reading at most [`MAX_PROFILE_BYTES`] (so that a
+/// device such as `/dev/zero` or `/dev/urandom` is refused instead of read forever).
+fn read_profile(path: &Path) -> Result<String> {
+    let io = |source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut bytes = vec![];
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_PROFILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    let not_a_profile = |why: String| {
+        Error::Usage(format!(
+            "{}: not a step profile (written by brigade train --profile): {why}",
+            path.display()
+        ))
+    };
+    if bytes.len() as u64 > MAX_PROFILE_BYTES {
+        return Err(not_a_profile(format!(
+            "it is larger than {} MiB",
+            MAX_PROFILE_BYTES >> 20
+        )));
+    }
+    String::from_utf8(bytes).map_err(|_| not_a_profile("it is not text".into()))
+}
+
 /// Runs `brigade predict`.
 pub fn predict(a: PredictArgs) -> Result<()> {
     let link = a.link()?;
@@ -100,16 +133,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             "--bucket-mb lists {c} twice: each cap is one row"
         )));
     }
-    let text = std::fs::read_to_string(&a.profile).map_err(|source| match source.kind() {
-        std::io::ErrorKind::InvalidData => Error::Usage(format!(
-            "{}: not a step profile (written by brigade train --profile): it is not text",
-            a.profile.display()
-        )),
-        _ => Error::Io {
-            path: a.profile.display().to_string(),
-            source,
-        },
-    })?;
+    let text = read_profile(&a.profile)?;
     // one step (--profile) or a list of steps (--profile-steps)
     let profiles: Vec<StepProfile> = match serde_json::from_str::<StepProfile>(&text) {
         Ok(p) => vec![p],
@@ -142,7 +166,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
     for &cap in &a.bucket_mb {
         let cfg = ReplayConfig {
             bucket_cap_mb: cap,
-            first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(cap.min(1.0)),
+            first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(1.0).min(cap),
             link,
             world_size: a.world_size,
             order: Default::default(),
@@ -168,7 +192,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the predictions", e))?
         );
     } else {
         if profiles.len() > 1 {

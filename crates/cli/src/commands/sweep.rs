@@ -9,44 +9,16 @@
 //! and each row holds medians and spreads, the overlap model's prediction for the cap and the
 //! cap's lower bound (`crate::report::sweep_stats`).
 
-use std::path::PathBuf;
-
 use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
-use clap::Args;
 use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
-use crate::commands::train::median_min;
-use crate::error::{write_atomic, Error, Result};
-use crate::policy::{parse_policy, Policy};
+use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
+use crate::error::{Error, Result};
+use crate::outputs::write_atomic;
 use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
 use crate::report::timeline_svg::write_timeline;
-use crate::run::{run, RunOptions, RunReport};
-
-/// Options of `brigade sweep`.
-#[derive(Args, Clone, Debug)]
-pub struct SweepArgs {
-    #[command(flatten)]
-    pub run: RunArgs,
-    /// Directory for sweep.csv, sweep.svg and one timeline per bucket size
-    /// (timeline_{B}MiB.json and .svg). Created if missing; what an earlier sweep wrote
-    /// there (those names) is removed first, so the directory holds this sweep alone;
-    /// other files are left alone.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Print the table as JSON.
-    #[arg(long)]
-    pub json: bool,
-    /// Run every cap this many times, round-robin (all caps once, then again), so that the
-    /// machine's drift touches every cap alike; the table holds each cap's median and spread.
-    #[arg(long, default_value_t = 1)]
-    pub repeat: usize,
-    /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
-    /// list of allreduce, fp16, bf16, powersgd[:R], zero1, zero2 (policies.csv and
-    /// policies.svg in --out; see `policy_sweep.rs`).
-    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
-    pub policy: Vec<Policy>,
-}
+use crate::run::{run, RunOptions};
 
 /// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
 /// the last rank started it on its comm stream (before that, the early ranks only wait
@@ -68,10 +40,6 @@ fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
             Some((b, end.saturating_duration_since(joined).as_secs_f64() * 1e3))
         })
         .collect()
-}
-
-pub(crate) fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
-    median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
 }
 
 /// Most runs of each cap a sweep takes (`--repeat`).
@@ -96,8 +64,7 @@ fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
         path: format!("--out {}", out.display()),
         source,
     };
-    std::fs::create_dir_all(out).map_err(io)?;
-    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join("sweep.csv"))])?;
+    make_out_dir(out, "sweep.csv")?;
     let out_dir = std::fs::canonicalize(out).map_err(io)?;
     for (flag, input) in [("--data", &run.data), ("--init", &run.init)] {
         let Some(path) = input.as_deref() else { continue };
@@ -136,14 +103,6 @@ fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).
-pub(crate) fn finished(mut report: RunReport) -> Result<RunReport> {
-    match report.stopped.take() {
-        Some(e) => Err(e),
-        None => Ok(report),
-    }
-}
-
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
     if !s.policy.is_empty() {
@@ -168,16 +127,13 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         )));
     }
     prepare_out(&s.out, &s.run)?;
-    let quiet = RunOptions {
-        progress: false,
-        ..RunOptions::default()
-    };
+    let quiet = RunOptions::default();
     // the last round's timelines, written once every run has succeeded
     let mut timelines = vec![];
     let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Sample> {
         let mut a = s.run.clone();
         a.bucket_mb = vec![BucketCap::Mib(b)];
-        a.first_bucket_mb = a.first_bucket_mb.min(b);
+        a.first_bucket_mb = a.first_bucket_cap(b);
         // The baseline runs right before each run: this machine's speed drifts over
         // minutes, and the comparison must not.
         let compute_only = finished(run(
@@ -187,7 +143,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?)?;
-        let compute_ms = median_step(&a, &compute_only.step_ms);
+        let compute_ms = median_step(&a, &compute_only.outcome.step_ms);
         let mut report = finished(run(
             &a,
             &RunOptions {
@@ -199,12 +155,12 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         let tl = report.timeline.take().expect("recording was on and steps ran");
         let buckets = bucket_times(&tl.events);
         let sample = Sample {
-            buckets: report.buckets.len(),
-            step_ms: median_step(&a, &report.step_ms),
+            buckets: report.outcome.buckets.len(),
+            step_ms: median_step(&a, &report.outcome.step_ms),
             compute_only_ms: compute_ms,
             comm_ms: buckets.iter().map(|(_, d)| d).sum(),
             last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
-            profile: report.profile.clone(),
+            profile: report.outcome.profile.clone(),
         };
         if round + 1 == s.repeat {
             let title = format!(
@@ -219,7 +175,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         Ok(sample)
     })?;
     let link = match s.run.net_gbps {
-        Some(g) => LinkCost::Ring(crate::launch::net_model(g, s.run.net_latency_us)),
+        Some(g) => LinkCost::Ring(brigade::launch::net_model(g, s.run.net_latency_us)),
         None => LinkCost::Measured,
     };
     let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
@@ -244,7 +200,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     if s.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the sweep's rows", e))?
         );
     } else {
         print_table(&rows);
@@ -306,6 +262,9 @@ fn print_table(rows: &[SweepRow]) {
     }
 }
 
+/// A measured curve: its legend, colour and value per row.
+type MeasuredCurve = (&'static str, RGBColor, fn(&SweepRow) -> f64);
+
 /// A curve of the model's: its legend, colour and value per row.
 type PredictedCurve = (&'static str, RGBColor, fn(&SweepRow) -> Option<f64>);
 
@@ -360,7 +319,7 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
         .y_desc("ms per step")
         .draw()
         .map_err(|e| err(e.to_string()))?;
-    let series: [(&str, RGBColor, fn(&SweepRow) -> f64); 4] = [
+    let series: [MeasuredCurve; 4] = [
         ("step time", RGBColor(52, 152, 219), |r| r.step_ms),
         ("compute only", RGBColor(39, 174, 96), |r| r.compute_only_ms),
         ("exposed comm", RGBColor(231, 76, 60), |r| r.exposed_comm_ms),

@@ -1,16 +1,19 @@
 //! `brigade train`: run a training, print a summary, write the requested files.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use brigade::observe::TrainObserver;
 use clap::Args;
-use serde_json::json;
 
-use crate::args::{compact, flag_name, RunArgs};
-use crate::error::{write_atomic, Error, Result};
-use crate::outputs::{check_outputs, write_all, Output, Write};
+use crate::args::RunArgs;
+use crate::error::{checkpoint_failure, Error, Result};
+use crate::outputs::{check_outputs, write_all, write_atomic, Output, Write};
+use crate::report::progress::ProgressBar;
+use crate::report::summary::PrintSummary;
 use crate::report::timeline_svg::write_timeline;
 use crate::run::{run, RunOptions, RunReport};
-use crate::sent::SentSummary;
+use crate::signal::StopOnSignal;
 
 /// Options of `brigade train`.
 #[derive(Args, Clone, Debug)]
@@ -74,40 +77,6 @@ fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, Stri
         return Err(format!("'{s}' holds no step (A..B runs from A up to B, B excluded)"));
     }
     Ok(a..b)
-}
-
-/// Median and minimum of a slice (NaN when empty).
-pub fn median_min(v: &[f64]) -> (f64, f64) {
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    (s[s.len() / 2], s[0])
-}
-
-/// The numbers a run ends with (NaN for what a run of no step cannot measure).
-pub struct Summary {
-    pub first_loss: f64,
-    pub last_loss: f64,
-    pub median_step_ms: f64,
-    pub min_step_ms: f64,
-    pub samples_per_s: f64,
-}
-
-/// Summarises a report, leaving the first `warmup` steps out of the timing.
-pub fn summarize(args: &RunArgs, report: &RunReport) -> Summary {
-    let timed = &report.step_ms[args.warmup.min(report.step_ms.len())..];
-    let (median, min) = median_min(timed);
-    // the report's world size: under MPI it comes from mpirun, not from --world-size
-    let global_batch = (report.world_size * args.rows_per_rank()) as f64;
-    Summary {
-        first_loss: report.losses.first().copied().unwrap_or(f64::NAN),
-        last_loss: report.losses.last().copied().unwrap_or(f64::NAN),
-        median_step_ms: median,
-        min_step_ms: min,
-        samples_per_s: global_batch / (median / 1e3),
-    }
 }
 
 impl TrainArgs {
@@ -222,22 +191,29 @@ pub fn train(t: TrainArgs) -> Result<()> {
         (Some(_), Some(path)) => previous_losses(path)?,
         _ => vec![],
     };
+    // who watches: the signals (a stop request), the summary, and unless told otherwise the bar
+    let watch = (StopOnSignal::install(), PrintSummary::new(&t.run, t.json));
+    let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
+        Arc::new(watch)
+    } else {
+        Arc::new((ProgressBar::default(), watch))
+    };
     let opts = RunOptions {
         compute_only: false,
         record: t.timeline.is_some(),
-        progress: !t.quiet && !t.json,
         resume: t.resume.clone(),
         checkpoint: t.checkpoint.clone(),
         checkpoint_every: t.checkpoint_every,
-        stop: Some(crate::signal::stop_on_signals()),
         profile: t.profile.is_some(),
         profile_steps: t.profile_steps.clone(),
+        observer: Some(observer),
     };
     let mut report = run(&t.run, &opts)?;
-    let stopped = report.stopped.take();
-    let diverged = matches!(stopped, Some(Error::NonFinite { .. }));
+    let stopped = report.outcome.stopped.take();
+    let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
     let mut written = write_outputs(&t, &report, &kept, diverged);
-    if let Some(failure) = report.checkpoint_error.take() {
+    if let Some(failure) = report.outcome.checkpoint_error.take() {
+        let failure = checkpoint_failure(&failure);
         written = match written {
             Err(Error::Outputs(mut failures)) => {
                 failures.push(failure);
@@ -247,125 +223,17 @@ pub fn train(t: TrainArgs) -> Result<()> {
             Ok(()) => Err(Error::Outputs(vec![failure])),
         };
     }
-    print_summary(&t, &report)?;
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
-        return Err(e);
+        return Err(e.into());
     }
     written?;
-    if report.interrupted {
-        let step = (report.first_step + report.losses.len()).saturating_sub(1);
+    if report.outcome.interrupted {
+        let step = (report.outcome.first_step + report.outcome.losses.len()).saturating_sub(1);
         return Err(Error::Interrupted {
             step,
             steps: t.run.steps,
         });
-    }
-    Ok(())
-}
-
-/// The summary on stdout: a few lines, or one JSON object with --json.
-fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
-    let s = summarize(&t.run, report);
-    let a = &t.run;
-    let ran = report.losses.len();
-    if t.json {
-        let flags = json!({
-            "model": flag_name(&a.model.model),
-            "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
-            "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
-            "backend": a.backend.name(),
-            "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap()?) },
-            "first_bucket_mb": a.first_bucket_mb,
-            "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
-            "zero": a.zero,
-            "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| crate::run::default_threads(a.world_size)),
-        });
-        // serde_json writes NaN as null: a run of no step has no loss or time to report
-        let mut out = json!({
-            "first_loss": s.first_loss, "last_loss": s.last_loss,
-            "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
-            "samples_per_s": s.samples_per_s, "world_size": report.world_size,
-            "first_step": report.first_step, "steps_run": ran, "buckets": report.buckets.len(),
-            "gradient_bytes": report.memory.map(|m| m.gradient_bytes),
-            "gradient_and_bucket_bytes": report.memory.map(|m| m.total_bytes()),
-            "autotune": report.autotune,
-            "memory": report.rank_memory.map(|m| json!({
-                "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
-                "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
-                "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
-            })),
-            "flags": flags,
-        });
-        // bytes DDP sent per step on rank 0 (see `sent.rs`)
-        if let (Some(o), serde_json::Value::Object(sent)) =
-            (out.as_object_mut(), SentSummary::json_fields(&report.sent))
-        {
-            o.extend(sent);
-        }
-        println!("{out}");
-        return Ok(());
-    }
-    println!(
-        "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
-        flag_name(&a.model.model),
-        report.world_size,
-        a.batch_size,
-        a.accum,
-        report.first_step,
-        a.steps,
-        flag_name(&a.optimizer),
-        compact(a.lr)
-    );
-    if ran == 0 {
-        println!(
-            "no step run: the run starts at step {} and --steps is {}",
-            report.first_step, a.steps
-        );
-    } else {
-        println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
-        let timed = ran.saturating_sub(a.warmup);
-        if timed == 0 {
-            println!(
-                "step time: none measured (all {ran} steps run are --warmup {})",
-                a.warmup
-            );
-        } else {
-            println!(
-                "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
-                s.median_step_ms, s.min_step_ms, a.warmup
-            );
-            println!("throughput: {:.1} samples/s", s.samples_per_s);
-        }
-    }
-    if let Some(t) = &report.autotune {
-        crate::bucket_cap::print_autotune(t);
-    }
-    // (under ZeRO the measured line below is the account: shards are not whole buckets)
-    if let (Some(m), 0) = (report.memory, a.zero) {
-        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
-        let n = report.buckets.len();
-        println!(
-            "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
-            mib(m.gradient_bytes),
-            if n == 1 { "bucket" } else { "buckets" },
-            mib(m.total_bytes())
-        );
-        if let Some(sent) = SentSummary::of(&report.sent) {
-            println!("{}", sent.line(report.world_size));
-        }
-    }
-    if let Some(m) = report.rank_memory {
-        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
-        println!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
-            a.zero,
-            mib(m.parameters),
-            mib(m.gradients),
-            mib(m.buckets),
-            mib(m.optimizer_state),
-            mib(m.comm_scratch),
-            mib(m.total())
-        );
     }
     Ok(())
 }
@@ -375,20 +243,21 @@ fn print_summary(t: &TrainArgs, report: &RunReport) -> Result<()> {
 /// those before the first step run are written again (a resumed run). A `diverged` run's
 /// parameters are not a model: it writes no `--save`, and an earlier file there stays.
 pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)], diverged: bool) -> Result<()> {
+    let outcome = &report.outcome;
     let mut writes: Vec<Write<'_>> = vec![];
     if let Some(path) = t.save.as_ref().filter(|_| !diverged) {
-        let write = move || Ok(brigade_models::save_safetensors(path, &report.params, None)?);
+        let write = move || Ok(brigade_models::save_safetensors(path, &outcome.params, None)?);
         writes.push((Output::new("--save", path), Box::new(write)));
     }
     if let Some(path) = &t.losses {
         let write = move || {
             let mut csv = String::from("step,loss\n");
-            for (_, row) in kept.iter().filter(|(s, _)| *s < report.first_step) {
+            for (_, row) in kept.iter().filter(|(s, _)| *s < outcome.first_step) {
                 csv.push_str(row);
                 csv.push('\n');
             }
-            for (i, l) in report.losses.iter().enumerate() {
-                csv.push_str(&format!("{},{:.9}\n", report.first_step + i, l));
+            for (i, l) in outcome.losses.iter().enumerate() {
+                csv.push_str(&format!("{},{:.9}\n", outcome.first_step + i, l));
             }
             write_atomic(path, csv.as_bytes())
         };
@@ -396,7 +265,7 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.timeline {
         match &report.timeline {
-            Some(tl) if !report.losses.is_empty() => {
+            Some(tl) if !outcome.losses.is_empty() => {
                 let write = move || {
                     let title = format!(
                         "step {}: {} ranks, bucket cap {} MiB",
@@ -416,14 +285,14 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.profile {
         let text = match &t.profile_steps {
-            Some(_) if report.profiles.is_empty() => None,
-            Some(_) => Some(serde_json::to_string_pretty(&report.profiles)),
-            None => report.profile.as_ref().map(serde_json::to_string_pretty),
+            Some(_) if outcome.profiles.is_empty() => None,
+            Some(_) => Some(serde_json::to_string_pretty(&outcome.profiles)),
+            None => outcome.profile.as_ref().map(serde_json::to_string_pretty),
         };
         match text {
             Some(text) => {
                 let write = move || {
-                    let text = text.map_err(|e| Error::Usage(format!("step profile: {e}")))?;
+                    let text = text.map_err(|e| Error::json("step profile", e))?;
                     write_atomic(path, text.as_bytes())
                 };
                 writes.push((Output::new("--profile", path), Box::new(write)));

@@ -1,5 +1,7 @@
-//! What the command line draws and tabulates from a run: the timeline's SVG Gantt chart and
-//! the sweep's statistics.
+//! What the command line draws, prints and tabulates from a run: the progress bar and the
+//! summary (observers of the run), the timeline's SVG Gantt chart and the sweep's statistics.
 
+pub mod progress;
+pub mod summary;
 pub mod sweep_stats;
 pub mod timeline_svg;

@@ -13,7 +13,7 @@
 use brigade_ddp::overlap::{replay, replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
 use serde::Serialize;
 
-use crate::commands::train::median_min;
+use crate::report::summary::median_min;
 
 /// How far above its lower bound a cap's exposed communication may lie and still be called at
 /// the bound: 2 ms, or 15% of the bound when that is more (the overlap model's accuracy target).

@@ -7,12 +7,13 @@ use std::time::Instant;
 use brigade_comm::{chrome_trace, Event, EventKind, Track};
 use plotters::prelude::*;
 
-use crate::error::{write_atomic, Error, Result};
+use crate::error::{Error, Result};
+use crate::outputs::write_atomic;
 
 /// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
 pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
     let json = chrome_trace(events, origin);
-    let text = serde_json::to_string(&json).map_err(|e| Error::Usage(format!("timeline JSON: {e}")))?;
+    let text = serde_json::to_string(&json).map_err(|e| Error::json("timeline JSON", e))?;
     write_atomic(path, text.as_bytes())?;
     draw_gantt(&path.with_extension("svg"), events, title)
 }
@@ -32,7 +33,7 @@ fn color_for(e: &Event) -> RGBColor {
         EventKind::Backward { scope } => {
             // backward spans alternate two purples so adjacent layers stay apart
             let n: usize = scope.as_deref().unwrap_or("").bytes().map(usize::from).sum();
-            if n % 2 == 0 {
+            if n.is_multiple_of(2) {
                 RGBColor(142, 68, 173)
             } else {
                 RGBColor(187, 143, 206)
@@ -120,7 +121,14 @@ fn render_gantt(svg: &mut String, path: &Path, events: &[Event], title: &str) ->
     let lane_label = |y: &f64| {
         let lane = lanes - 1 - (*y as usize).min(lanes - 1);
         let rank = ranks.get(lane / 2).copied().unwrap_or(0);
-        format!("rank {rank} {}", if lane % 2 == 0 { "compute" } else { "comm stream" })
+        format!(
+            "rank {rank} {}",
+            if lane.is_multiple_of(2) {
+                "compute"
+            } else {
+                "comm stream"
+            }
+        )
     };
     chart
         .configure_mesh()

@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -203,12 +204,38 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
     assert_eq!(names, ["ck.safetensors"], "temporary files left behind");
 }
 
+/// Sets SIGINT and SIGTERM back to their default action (in a child, before exec).
+fn default_disposition() {
+    extern "C" {
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
+    const SIGINT: i32 = 2;
+    const SIGTERM: i32 = 15;
+    const SIG_DFL: usize = 0;
+    // SAFETY: resetting a disposition to the default is async-signal-safe.
+    unsafe {
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+    }
+}
+
 /// Starts a long run, waits until it has provably trained (the first periodic checkpoint
 /// exists), sends `signal`, and checks exit status 130 and every output.
 fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
     let dir = tmp_dir(&format!("signal-{signal}"));
     let (ck, losses, tl) = (dir.join("ck.safetensors"), dir.join("losses.csv"), dir.join("tl.json"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_brigade"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_brigade"));
+    // brigade keeps a signal that it was started with ignored ignored (as `nohup` wants), and a
+    // shell that starts this suite in the background ignores SIGINT for its children: the
+    // child gets the default disposition back, so the test does not depend on how it was run.
+    // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
+    unsafe {
+        child.pre_exec(|| {
+            default_disposition();
+            Ok(())
+        });
+    }
+    let mut child = child
         .arg("train")
         .args(MLP)
         .args([

@@ -9,6 +9,9 @@ fn sizes_parse_and_print_in_binary_units() {
     assert_eq!(parse_size("16MiB"), Ok(16 << 20));
     assert_eq!(parse_size("1G"), Ok(1 << 30));
     assert!(parse_size("lots").is_err());
+    // a size that does not fit in usize is an error, not a wrapped-around shift
+    assert!(parse_size("18446744073709551615K").unwrap_err().contains("more bytes"));
+    assert!(parse_size("17179869184G").is_err());
     assert_eq!(format_bytes(16 << 20), "16 MiB");
     assert_eq!(format_bytes(1000), "1000 B");
 }

@@ -12,6 +12,7 @@
 
 mod autotune;
 mod profile;
+mod record;
 mod replay;
 
 pub use autotune::{
@@ -19,6 +20,7 @@ pub use autotune::{
     DEFAULT_MIN_GAIN,
 };
 pub use profile::{BucketProfile, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION};
+pub use record::StepInstants;
 pub use replay::{
     replay, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig, ReplayResult,
 };

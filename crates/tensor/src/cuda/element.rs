@@ -9,11 +9,17 @@ use crate::DType;
 /// One device allocation of one element type.
 #[derive(Debug)]
 pub enum CudaBuffer {
+    /// f32 elements.
     F32(CudaSlice<f32>),
+    /// f64 elements.
     F64(CudaSlice<f64>),
+    /// IEEE half-precision elements.
     F16(CudaSlice<f16>),
+    /// bfloat16 elements.
     BF16(CudaSlice<bf16>),
+    /// i64 elements (token ids, class labels).
     I64(CudaSlice<i64>),
+    /// Bytes.
     U8(CudaSlice<u8>),
 }
 

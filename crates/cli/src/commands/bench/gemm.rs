@@ -9,7 +9,9 @@ use brigade_tensor::{set_compute_threads, DType, Device, Rng, Tensor};
 use clap::Args;
 use serde::Serialize;
 
+use crate::args::check_threads;
 use crate::error::{Error, Result};
+use crate::footprint;
 
 /// Options of `brigade bench gemm`.
 #[derive(Args, Clone, Debug)]
@@ -69,6 +71,20 @@ fn parse_shape(s: &str) -> Result<[usize; 3]> {
     }
 }
 
+/// The elements of a GEMM's three matrices (`None`: more than 2^64).
+fn elements(&[m, k, n]: &[usize; 3]) -> Option<u64> {
+    footprint::sum([
+        footprint::matrix(m, k),
+        footprint::matrix(k, n),
+        footprint::matrix(m, n),
+    ])
+}
+
+/// `MxKxN`.
+fn shape_name([m, k, n]: &[usize; 3]) -> String {
+    format!("{m}x{k}x{n}")
+}
+
 fn parse_dtype(s: &str) -> Result<DType> {
     match s.trim() {
         "f32" => Ok(DType::F32),
@@ -97,7 +113,7 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
     let dev = CudaDevice::get(ordinal)?;
     let mut rows = vec![];
     for &shape in shapes {
-        let flops = 2.0 * (shape[0] * shape[1] * shape[2]) as f64;
+        let flops = 2.0 * shape[0] as f64 * shape[1] as f64 * shape[2] as f64;
         for &dtype in dtypes {
             let t = gemm_vs_cublas(&dev, shape, dtype, a.reps)?;
             rows.push(CudaGemmRow {
@@ -111,7 +127,7 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
         );
         return Ok(());
     }
@@ -138,6 +154,9 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
     Ok(())
 }
 
+/// Most timed calls per shape (`--reps`): each one's time is kept.
+const MAX_REPS: usize = 100_000;
+
 /// Median seconds of `reps` calls after one warm-up.
 fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
@@ -154,8 +173,11 @@ fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// Runs `brigade bench gemm`.
 pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     let shapes: Vec<[usize; 3]> = a.shapes.iter().map(|s| parse_shape(s)).collect::<Result<_>>()?;
-    if a.reps == 0 {
-        return Err(Error::Usage("--reps must be at least 1".into()));
+    if !(1..=MAX_REPS).contains(&a.reps) {
+        return Err(Error::Usage(format!(
+            "--reps must be between 1 and {MAX_REPS} (timed calls per shape), got {}",
+            a.reps
+        )));
     }
     if let Some(np) = &a.numpy_gflops {
         if np.len() != shapes.len() || np.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
@@ -174,6 +196,12 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         },
     };
     let dtypes: Vec<DType> = a.dtypes.iter().map(|d| parse_dtype(d)).collect::<Result<_>>()?;
+    if let Some(shape) = shapes.iter().find(|s| elements(s).is_none()) {
+        return Err(Error::Usage(format!(
+            "--shapes {}: its matrices hold more than 2^64 elements",
+            shape_name(shape)
+        )));
+    }
     if let Device::Cuda(ordinal) = device {
         return bench_cuda(&a, &shapes, &dtypes, ordinal);
     }
@@ -185,20 +213,24 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if threads == 0 {
-        return Err(Error::Usage("--threads must be at least 1".into()));
+    check_threads("--threads", threads)?;
+    for shape in &shapes {
+        // Brigade's three matrices, and the copies the direct call works on
+        let bytes = footprint::f32_bytes(elements(shape)).and_then(|b| footprint::mul(b, 2));
+        footprint::check_fits(&format!("--shapes {}", shape_name(shape)), bytes)?;
     }
     set_compute_threads(threads);
     let mut rng = Rng::new(0);
     let mut rows = vec![];
     for (i, &[m, k, n]) in shapes.iter().enumerate() {
-        let flops = 2.0 * (m * k * n) as f64;
+        let flops = 2.0 * m as f64 * k as f64 * n as f64;
         let (x, y) = (
             Tensor::randn(&[m, k], 1.0, DType::F32, &mut rng),
             Tensor::randn(&[k, n], 1.0, DType::F32, &mut rng),
         );
         let brigade = median_secs(a.reps, || x.matmul(&y).map(|_| ()).map_err(Into::into))?;
         let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
+        // m * n fits: checked against memory above
         let mut out = vec![0f32; m * n];
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -245,7 +277,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::Usage(e.to_string()))?
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
         );
         return Ok(());
     }

@@ -6,7 +6,11 @@ mod ops;
 use brigade_comm::bench::{default_sizes, parse_size, run_comm_bench, CommBenchConfig};
 use clap::{Args, Subcommand};
 
-use crate::args::{backend_parser, Backend};
+use brigade::launch::CommBackend;
+
+use crate::args::{backend_parser, MAX_THREAD_RANKS};
+use crate::error::{Error, Result};
+use crate::footprint;
 
 /// What to benchmark.
 #[derive(Subcommand)]
@@ -38,33 +42,55 @@ pub struct CommArgs {
     #[arg(long)]
     pub json: bool,
     /// Backend (under MPI, rank 0 prints).
-    #[arg(long, value_parser = backend_parser(), default_value_t = Backend::Thread)]
-    pub backend: Backend,
+    #[arg(long, value_parser = backend_parser(), default_value_t = CommBackend::Thread)]
+    pub backend: CommBackend,
 }
 
 /// Runs one benchmark subcommand.
-pub fn run(cmd: BenchCommand) -> Result<(), Box<dyn std::error::Error>> {
+pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Comm(args) => bench_comm(args),
-        BenchCommand::Gemm(args) => gemm::bench_gemm(args).map_err(Into::into),
-        BenchCommand::Ops(args) => ops::bench_ops(args).map_err(Into::into),
+        BenchCommand::Gemm(args) => gemm::bench_gemm(args),
+        BenchCommand::Ops(args) => ops::bench_ops(args),
     }
 }
 
-fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn bench_comm(args: CommArgs) -> Result<()> {
+    let bad = |m: String| Err(Error::Usage(m));
     if args.world_size == 0 {
-        return Err("--world-size must be at least 1".into());
+        return bad("--world-size must be at least 1".into());
+    }
+    if args.backend == CommBackend::Thread && args.world_size > MAX_THREAD_RANKS {
+        return bad(format!(
+            "--world-size {} is more ranks than one process runs as threads (at most {MAX_THREAD_RANKS}): \
+             start them under mpirun with --backend mpi",
+            args.world_size
+        ));
     }
     if args.iters == Some(0) {
-        return Err("--iters must be at least 1 (timed all-reduces per size)".into());
+        return bad("--iters must be at least 1 (timed all-reduces per size)".into());
     }
-    let least = 4 * args.world_size;
+    let least = args.world_size.saturating_mul(4); // at most 4 * MAX_THREAD_RANKS under threads
     if let Some(small) = args.sizes.iter().flatten().find(|&&b| b < least) {
-        return Err(format!(
+        return bad(format!(
             "--sizes: {small} B is too small to split among {} ranks; each size needs at least {least} B (one f32 per rank)",
             args.world_size
-        )
-        .into());
+        ));
+    }
+    // every rank of this process holds its buffer of the size
+    let ranks = if args.backend == CommBackend::Thread {
+        args.world_size
+    } else {
+        1
+    };
+    for &size in args.sizes.iter().flatten() {
+        footprint::check_fits(
+            &format!(
+                "--sizes {size} on {ranks} {}",
+                if ranks == 1 { "rank" } else { "ranks" }
+            ),
+            footprint::mul(size as u64, ranks as u64),
+        )?;
     }
     let cfg = CommBenchConfig {
         world_size: args.world_size,
@@ -73,17 +99,18 @@ fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
         ..CommBenchConfig::default()
     };
     let report = match args.backend {
-        Backend::Thread => run_comm_bench(&cfg)?,
-        Backend::Mpi => match mpi_bench(&cfg)? {
+        CommBackend::Thread => run_comm_bench(&cfg)?,
+        CommBackend::Mpi => match mpi_bench(&cfg)? {
             Some(report) => report,
             None => return Ok(()), // not rank 0
         },
-        Backend::Nccl => {
-            return Err("brigade bench comm measures the host backends (thread, mpi); NCCL's all-reduce is timed by scripts/gpu-check.sh".into())
+        CommBackend::Nccl => {
+            return bad("brigade bench comm measures the host backends (thread, mpi); NCCL's all-reduce is timed by scripts/gpu-check.sh".into())
         }
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::json("the bandwidth rows", e))?;
+        println!("{text}");
     } else {
         print!("{}", report.to_table());
     }
@@ -92,21 +119,17 @@ fn bench_comm(args: CommArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 /// The MPI all-reduce benchmark over the processes of this `mpirun` job; `Some` on rank 0.
 #[cfg(feature = "mpi")]
-fn mpi_bench(
-    cfg: &CommBenchConfig,
-) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
+fn mpi_bench(cfg: &CommBenchConfig) -> Result<Option<brigade_comm::bench::CommBenchReport>> {
     let world = brigade_comm::MpiWorld::init()?;
     Ok(world.bench_all_reduce(cfg)?)
 }
 
 /// Without the `mpi` feature: how to get it.
 #[cfg(not(feature = "mpi"))]
-fn mpi_bench(
-    _cfg: &CommBenchConfig,
-) -> Result<Option<brigade_comm::bench::CommBenchReport>, Box<dyn std::error::Error>> {
-    Err(
+fn mpi_bench(_cfg: &CommBenchConfig) -> Result<Option<brigade_comm::bench::CommBenchReport>> {
+    Err(Error::Usage(
         "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev \
          libclang-dev), build with `cargo build --release --features mpi` and run under `mpirun -np N`"
             .into(),
-    )
+    ))
 }

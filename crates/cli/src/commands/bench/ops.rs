@@ -11,7 +11,9 @@ use brigade_models::{Batch, GptConfig, MlpConfig, ModelKind};
 use brigade_tensor::{set_compute_threads, DType, Rng, Tensor};
 use clap::Args;
 
+use crate::args::check_threads;
 use crate::error::{Error, Result};
+use crate::footprint;
 
 /// Options of `brigade bench ops`.
 #[derive(Args, Clone, Debug)]
@@ -44,9 +46,10 @@ type StepWall = (Duration, Duration, Duration);
 
 /// Runs `brigade bench ops`.
 pub fn bench_ops(a: OpsArgs) -> Result<()> {
-    if a.threads == 0 || a.steps == 0 {
-        return Err(Error::Usage("--threads and --steps must be at least 1".into()));
+    if a.steps == 0 {
+        return Err(Error::Usage("--steps must be at least 1".into()));
     }
+    check_threads("--threads", a.threads)?;
     let (kind, batch_size) = match a.model.as_str() {
         "gpt" => (ModelKind::Gpt(GptConfig::default()), a.batch_size.unwrap_or(8)),
         "mlp" => (
@@ -58,6 +61,20 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     if batch_size == 0 {
         return Err(Error::Usage("--batch-size must be at least 1".into()));
     }
+    if a.ab && !matches!(kind, ModelKind::Gpt(_)) {
+        return Err(Error::Usage(format!(
+            "--ab compares the fused attention with the reference one, and --model {} has no attention: use --model gpt",
+            a.model
+        )));
+    }
+    let state = match kind {
+        ModelKind::Gpt(_) => 2, // AdamW
+        ModelKind::Mlp(_) => 0, // SGD without momentum
+    };
+    footprint::check_fits(
+        &format!("--model {} with --batch-size {batch_size}", a.model),
+        footprint::training_bytes(&kind, batch_size, state),
+    )?;
     set_compute_threads(a.threads);
     let model = kind.build(0)?;
     let params = model.params().params().to_vec();
@@ -68,7 +85,9 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let mut rng = Rng::new(0);
     let batch = match &kind {
         ModelKind::Gpt(c) => {
-            let n = batch_size * (c.context + 1);
+            let n = batch_size
+                .checked_mul(c.context + 1)
+                .ok_or_else(|| Error::Usage(format!("--batch-size {batch_size}: more tokens than memory holds")))?;
             let tokens: Vec<i64> = (0..n).map(|_| rng.below(c.vocab as u64) as i64).collect();
             Batch::tokens(Tensor::from_vec(tokens, &[batch_size, c.context + 1])?)
         }

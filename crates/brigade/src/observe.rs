@@ -1,0 +1,87 @@
+//! Watching a run: the library draws nothing and prints nothing; progress, logging and per-step
+//! reports go to a [`TrainObserver`] the caller sets in
+//! [`Instrumentation::observer`](crate::config::Instrumentation::observer) (the `brigade`
+//! binary's progress bar and summary are one). Rank 0 tells it when the run starts
+//! ([`RunStart`]), after every step ([`StepRecord`]: the ranks agree on each step's loss, so
+//! rank 0's view is the run's) and when the run ends; every rank asks it once a step whether
+//! to stop.
+
+use brigade_comm::CommBytes;
+
+use crate::error::Error;
+use crate::outcome::TrainOutcome;
+
+/// The run about to start, as rank 0 sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct RunStart {
+    /// The number of ranks.
+    pub world_size: usize,
+    /// The first step to run (non-zero after a resume).
+    pub first_step: usize,
+    /// The step the run trains until.
+    pub steps: usize,
+}
+
+/// One finished step: what every rank agreed on, and rank 0's own measurements. Fields that
+/// the run does not compute are `None`; later fields may be added.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct StepRecord {
+    /// The step.
+    pub step: usize,
+    /// The mean training loss over the ranks, before the step's update.
+    pub loss: f64,
+    /// Rank 0's wall time of the step, in milliseconds.
+    pub step_ms: f64,
+    /// The learning rate the step's update used.
+    pub lr: f64,
+    /// The global gradient norm before the update, when the run computes it.
+    pub grad_norm: Option<f64>,
+    /// The validation loss after the step, when the run evaluates.
+    pub val_loss: Option<f64>,
+    /// What rank 0's DDP handed to its collectives during the step.
+    pub sent: CommBytes,
+}
+
+/// Watches a run. Every method has a default that does nothing, so an observer implements
+/// only what it needs. `Sync`: the ranks of one process share it.
+pub trait TrainObserver: Send + Sync {
+    /// Rank 0 is about to run its first step.
+    fn run_started(&self, _start: &RunStart) {}
+
+    /// Rank 0 finished a step (every rank agreed on its loss).
+    fn step_finished(&self, _record: &StepRecord) {}
+
+    /// Rank 0's run ended: what it produced (also when the ranks agreed to stop early: see
+    /// [`TrainOutcome::stopped`] and [`TrainOutcome::interrupted`]), or the error that ended it.
+    fn run_finished(&self, _outcome: Result<&TrainOutcome, &Error>) {}
+
+    /// Whether to stop after the current step (asked on every rank once a step, before the
+    /// ranks agree on it: any rank's yes stops every rank after that step). E.g. on a signal.
+    fn stop_requested(&self) -> bool {
+        false
+    }
+}
+
+/// Two observers, each told everything; stop when either asks.
+impl<A: TrainObserver, B: TrainObserver> TrainObserver for (A, B) {
+    fn run_started(&self, start: &RunStart) {
+        self.0.run_started(start);
+        self.1.run_started(start);
+    }
+
+    fn step_finished(&self, record: &StepRecord) {
+        self.0.step_finished(record);
+        self.1.step_finished(record);
+    }
+
+    fn run_finished(&self, outcome: Result<&TrainOutcome, &Error>) {
+        self.0.run_finished(outcome);
+        self.1.run_finished(outcome);
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.0.stop_requested() || self.1.stop_requested()
+    }
+}

@@ -1,0 +1,95 @@
+//! What training produces: one step's [`StepOutcome`], and a rank's whole run as a
+//! [`TrainOutcome`] (losses, times, bytes sent, buckets, memory, profiles, final parameters,
+//! and how it ended: [`TrainOutcome::stopped`], [`TrainOutcome::interrupted`], a
+//! [`CheckpointFailure`]).
+
+use brigade_comm::CommBytes;
+use brigade_ddp::overlap::{AutotuneReport, StepProfile};
+use brigade_ddp::zero::RankMemory;
+use brigade_ddp::{BucketInfo, MemoryReport};
+use brigade_tensor::Tensor;
+
+use crate::error::Error;
+
+/// What one step did.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// The step's index.
+    pub step: usize,
+    /// Mean loss over the ranks, before the step's update.
+    pub loss: f64,
+    /// Wall time of the step on this rank, in milliseconds.
+    pub ms: f64,
+    /// The learning rate the step's update used.
+    pub lr: f64,
+    /// A rank was asked to stop: this was the last step.
+    pub stop: bool,
+    /// What DDP handed to its collectives during the step on this rank (gradient reduction,
+    /// bucket rebuilding; not the step's own loss agreement).
+    pub sent: CommBytes,
+}
+
+/// What a rank's run produced.
+#[derive(Debug)]
+pub struct TrainOutcome {
+    /// First step run (non-zero after a resume).
+    pub first_step: usize,
+    /// Mean loss over the ranks of each step run.
+    pub losses: Vec<f64>,
+    /// This rank's wall time of each step run, in milliseconds.
+    pub step_ms: Vec<f64>,
+    /// What DDP handed to its collectives in each step run, on this rank.
+    pub sent: Vec<CommBytes>,
+    /// Stopped before `steps` because a stop was requested.
+    pub interrupted: bool,
+    /// The error every rank agreed on that ended the run early (a non-finite loss or
+    /// parameters): the steps before it are kept, the last good checkpoint is not overwritten.
+    pub stopped: Option<Error>,
+    /// Why rank 0 could not write a checkpoint, so that the run's other outputs are still
+    /// written and the failure is named beside theirs.
+    pub checkpoint_error: Option<CheckpointFailure>,
+    /// The last synchronized step's profile, this rank's entry only (when profiling).
+    pub profile: Option<StepProfile>,
+    /// The profiles of the steps in `profile_steps`, in order, this rank's entries only.
+    pub profiles: Vec<StepProfile>,
+    /// What the bucket-cap autotuner chose and predicted (with `autotune`).
+    pub autotune: Option<AutotuneReport>,
+    /// DDP buckets after the last step (empty without DDP).
+    pub buckets: Vec<BucketInfo>,
+    /// This rank's gradient memory (absent without DDP).
+    pub memory: Option<MemoryReport>,
+    /// This rank's memory after the last step, measured (absent without DDP).
+    pub rank_memory: Option<RankMemory>,
+    /// The final parameters (rank 0 only; empty elsewhere).
+    pub params: Vec<(String, Tensor)>,
+}
+
+/// A checkpoint rank 0 could not write (not an error the ranks agree on: the run's other
+/// outputs are still written, and the failure is reported beside theirs).
+#[derive(Debug)]
+pub struct CheckpointFailure {
+    /// A periodic checkpoint failed: every rank stopped after the next step. Otherwise the
+    /// final one failed.
+    pub periodic: bool,
+    /// Why.
+    pub error: Error,
+}
+
+impl std::fmt::Display for CheckpointFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.periodic {
+            write!(f, "checkpoint (training stopped after the next step): {}", self.error)
+        } else {
+            write!(f, "checkpoint: {}", self.error)
+        }
+    }
+}
+
+impl TrainOutcome {
+    /// The last step run, if any.
+    pub fn last_step(&self) -> Option<usize> {
+        (self.first_step + self.losses.len())
+            .checked_sub(1)
+            .filter(|_| !self.losses.is_empty())
+    }
+}

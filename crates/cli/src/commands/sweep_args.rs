@@ -1,0 +1,68 @@
+//! `brigade sweep`'s flags, and what both of its sweeps (bucket caps in `sweep.rs`, reducer
+//! policies in `policy_sweep.rs`) take from a finished run.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use crate::args::RunArgs;
+use crate::error::{Error, Result};
+use crate::policy::{parse_policy, Policy};
+use crate::report::summary::median_min;
+use crate::run::RunReport;
+
+/// Options of `brigade sweep`.
+#[derive(Args, Clone, Debug)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Directory for sweep.csv, sweep.svg and one timeline per bucket size
+    /// (timeline_{B}MiB.json and .svg). Created if missing; what an earlier sweep wrote
+    /// there (those names) is removed first, so the directory holds this sweep alone;
+    /// other files are left alone.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print the table as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Run every cap this many times, round-robin (all caps once, then again), so that the
+    /// machine's drift touches every cap alike; the table holds each cap's median and spread.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
+    /// list of allreduce, fp16, bf16, powersgd[:R], zero1, zero2 (policies.csv and
+    /// policies.svg in --out; see `policy_sweep.rs`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    pub policy: Vec<Policy>,
+}
+
+/// Makes `--out` a directory that takes files, creating it (and its parents) when missing;
+/// `first` is the first file the sweep will write there. A path that is a file, or lies under
+/// one, is one usage error.
+pub fn make_out_dir(out: &Path, first: &str) -> Result<()> {
+    if let Some(file) = out.ancestors().find(|p| p.is_file()) {
+        return Err(Error::Usage(format!(
+            "--out {}: {} is a file; --out names a directory (created if missing) for the sweep's files",
+            out.display(),
+            file.display()
+        )));
+    }
+    std::fs::create_dir_all(out).map_err(|source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    })?;
+    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(first))])
+}
+
+/// The median step of a run, after `--warmup`.
+pub fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
+    median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
+}
+
+/// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).
+pub fn finished(mut report: RunReport) -> Result<RunReport> {
+    match report.outcome.stopped.take() {
+        Some(e) => Err(e.into()),
+        None => Ok(report),
+    }
+}

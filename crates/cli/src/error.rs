@@ -1,0 +1,183 @@
+//! The command line's error type: a flag misused, a file, a chart, the outputs of a finished
+//! run, an interruption, or the library's error, worded here in the command line's terms (the
+//! library names its settings; the user typed flags). `main` prints one line and exits with
+//! [`Error::exit_code`].
+
+use brigade::error::CheckpointMismatch;
+
+/// Everything a `brigade` subcommand can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Flags that cannot work together or values out of range.
+    #[error("{0}")]
+    Usage(String),
+    /// Reading or writing a file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file (with the flag that named it, when there is one).
+        path: String,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// Encoding or decoding JSON.
+    #[error("{what}: {source}")]
+    Json {
+        /// What was being encoded or decoded.
+        what: String,
+        /// What serde said.
+        source: serde_json::Error,
+    },
+    /// Rendering a chart.
+    #[error("chart {path}: {msg}")]
+    Chart {
+        /// The chart file.
+        path: String,
+        /// What the renderer said.
+        msg: String,
+    },
+    /// Outputs of a finished run that could not be written (each: flag, path, cause); the
+    /// others were written.
+    #[error("{} of the outputs could not be written (the others were): {}", .0.len(), .0.join("; "))]
+    Outputs(Vec<String>),
+    /// SIGINT or SIGTERM stopped the run after a step (exit status 130).
+    #[error("interrupted after step {step} of {steps}: the outputs hold every finished step")]
+    Interrupted {
+        /// The last step run.
+        step: usize,
+        /// The step the run was to train until.
+        steps: usize,
+    },
+    /// The library's error (launching, training, checkpoints, models, collectives).
+    #[error("{}", in_flag_terms(.0))]
+    Run(#[from] brigade::Error),
+}
+
+impl Error {
+    /// The process exit status for this error: 130 for an interrupted run (as shells report
+    /// SIGINT), 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Interrupted { .. } => 130,
+            _ => 1,
+        }
+    }
+
+    /// A JSON failure while handling `what`.
+    pub fn json(what: impl Into<String>, source: serde_json::Error) -> Error {
+        Error::Json {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+macro_rules! through_the_library {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Error {
+            fn from(e: $t) -> Self {
+                Error::Run(e.into())
+            }
+        }
+    )*};
+}
+
+through_the_library!(
+    brigade::models::ModelError,
+    brigade::tensor::TensorError,
+    brigade::comm::CommError,
+    brigade::ddp::DdpError,
+    brigade::autograd::AutogradError
+);
+
+/// Result alias for the command line.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The library's error as one line naming the flags that control what it names.
+pub fn in_flag_terms(e: &brigade::Error) -> String {
+    use brigade::Error as E;
+    match e {
+        E::NonFinite { step, what, value } => format!(
+            "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept and no \
+             diverged parameters were saved; lower --lr, or pass --allow-nonfinite to train on"
+        ),
+        E::MpiNotBuilt => "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install \
+                           openmpi-bin libopenmpi-dev libclang-dev) and build with `cargo build --release --features mpi`"
+            .into(),
+        E::Checkpoint { path, mismatch } => format!("checkpoint {path}: {}", mismatch_in_flag_terms(mismatch)),
+        E::OnRank { rank, world, source } => format!("rank {rank} of {world}: {}", in_flag_terms(source)),
+        e => e.to_string(),
+    }
+}
+
+fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
+    use CheckpointMismatch as M;
+    match m {
+        M::NotACheckpoint => "not a brigade checkpoint (written by --checkpoint)".into(),
+        M::Seed { written, this_run } => format!(
+            "it was written with --seed {written}, this run has --seed {this_run}: resume with what it was written with"
+        ),
+        M::Sharding {
+            written_stage,
+            written_world,
+            stage,
+            world,
+        } => {
+            let written = match written_world {
+                Some(w) => format!("--zero {written_stage} on {w} ranks"),
+                None => format!("--zero {written_stage}"),
+            };
+            format!(
+                "it was written with {written}, this run has --zero {stage} on {world} ranks: a ZeRO checkpoint \
+                 resumes with the stage and world size it was written with"
+            )
+        }
+        M::PastTheEnd { step, steps } => format!("it is at step {step}, past --steps {steps}"),
+        m => m.to_string(),
+    }
+}
+
+/// A checkpoint rank 0 could not write, as one entry of [`Error::Outputs`].
+pub fn checkpoint_failure(f: &brigade::outcome::CheckpointFailure) -> String {
+    let e = in_flag_terms(&f.error);
+    if f.periodic {
+        format!("--checkpoint (training stopped after the next step): {e}")
+    } else {
+        format!("--checkpoint: {e}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn library_errors_name_the_flags_that_control_them() {
+        let diverged = brigade::Error::NonFinite {
+            step: 3,
+            what: "the loss".into(),
+            value: f64::NAN,
+        };
+        let line = Error::Run(diverged.on_rank(0, 1)).to_string();
+        assert!(line.contains("--allow-nonfinite") && line.contains("--lr"), "{line}");
+        let zero = brigade::Error::Checkpoint {
+            path: "c.ckpt".into(),
+            mismatch: CheckpointMismatch::Sharding {
+                written_stage: 1,
+                written_world: Some(2),
+                stage: 2,
+                world: 2,
+            },
+        };
+        let on_rank = brigade::Error::OnRank {
+            rank: 1,
+            world: 2,
+            source: Box::new(zero),
+        };
+        let line = Error::from(on_rank).to_string();
+        assert!(
+            line.starts_with("rank 1 of 2: checkpoint c.ckpt: ")
+                && line.contains("--zero 1 on 2 ranks, this run has --zero 2 on 2 ranks"),
+            "{line}"
+        );
+    }
+}

@@ -1,0 +1,152 @@
+//! How much memory the flags ask for, computed with checked arithmetic, and whether this
+//! machine holds it: a model, a batch, a GEMM shape or a buffer too large for memory is one
+//! line naming the flag before anything is allocated (not a "capacity overflow" panic, an
+//! allocator abort or a segfault). The figures are lower bounds, what the run certainly holds
+//! at once, so a run that fits is never refused.
+
+use brigade_models::ModelKind;
+
+use crate::error::{Error, Result};
+
+/// Bytes of an f32.
+const F32: u64 = 4;
+
+/// `a * b`, or `None` on overflow (every size from a flag goes through here or [`sum`]).
+pub fn mul(a: u64, b: u64) -> Option<u64> {
+    a.checked_mul(b)
+}
+
+/// The sum of `terms`, or `None` on overflow.
+pub fn sum(terms: impl IntoIterator<Item = Option<u64>>) -> Option<u64> {
+    terms.into_iter().try_fold(0u64, |acc, t| acc.checked_add(t?))
+}
+
+/// This machine's memory in bytes (`MemTotal` of `/proc/meminfo`), when it can be read.
+pub fn machine_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// `bytes` as people read them (`3.50 GiB`).
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
+}
+
+/// Checks that `bytes` (what `what` needs, `None`: more than 2^64 bytes) fits in this machine's
+/// memory; the error names `what` and both figures.
+pub fn check_fits(what: &str, bytes: Option<u64>) -> Result<()> {
+    let Some(bytes) = bytes else {
+        return Err(Error::Usage(format!(
+            "{what} needs more than 2^64 bytes of memory: no machine holds it"
+        )));
+    };
+    match machine_memory() {
+        Some(total) if bytes > total => Err(Error::Usage(format!(
+            "{what} needs at least {} of memory, this machine has {}",
+            human(bytes),
+            human(total)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Bytes of `elements` f32 values.
+pub fn f32_bytes(elements: Option<u64>) -> Option<u64> {
+    mul(elements?, F32)
+}
+
+/// Elements of a `rows x cols` matrix.
+pub fn matrix(rows: usize, cols: usize) -> Option<u64> {
+    mul(rows as u64, cols as u64)
+}
+
+/// The model's parameters (`None`: more than 2^64): every weight matrix and embedding table,
+/// biases and norms left out (a lower bound).
+pub fn parameters(kind: &ModelKind) -> Option<u64> {
+    match kind {
+        ModelKind::Mlp(c) => sum(c.widths.windows(2).map(|w| matrix(w[0], w[1]))),
+        ModelKind::Gpt(c) => {
+            let (d, ff) = (c.d_model, c.d_ff);
+            let block = sum([mul(matrix(d, d)?, 4), mul(matrix(d, ff)?, 2)]);
+            sum([
+                matrix(c.vocab, d),   // token embedding
+                matrix(c.context, d), // positions
+                mul(block?, c.n_layers as u64),
+                matrix(d, c.vocab), // the head
+            ])
+        }
+    }
+}
+
+/// f32 values a forward pass over `rows` rows certainly keeps for backward (a lower bound):
+/// the MLP's input and every layer's output; the GPT's residual stream after every block and
+/// its logits.
+pub fn activations(kind: &ModelKind, rows: usize) -> Option<u64> {
+    match kind {
+        ModelKind::Mlp(c) => mul(rows as u64, sum(c.widths.iter().map(|&w| Some(w as u64)))?),
+        ModelKind::Gpt(c) => {
+            let tokens = matrix(rows, c.context)?;
+            sum([
+                mul(mul(tokens, c.d_model as u64)?, c.n_layers as u64),
+                mul(tokens, c.vocab as u64),
+            ])
+        }
+    }
+}
+
+/// Bytes one rank certainly holds while training `kind` on `rows` rows a microbatch: the
+/// parameters, their gradients, `state_per_param` optimizer values each, and the activations.
+pub fn training_bytes(kind: &ModelKind, rows: usize, state_per_param: u64) -> Option<u64> {
+    let params = parameters(kind)?;
+    f32_bytes(sum([mul(params, 2 + state_per_param), activations(kind, rows)]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_that_overflow_are_none_and_named_as_too_large() {
+        assert_eq!(matrix(1 << 32, 1 << 32), None);
+        assert_eq!(sum([Some(u64::MAX), Some(1)]), None);
+        assert_eq!(sum([Some(2), Some(3)]), Some(5));
+        let e = check_fits("--widths 16,18446744073709551615,4", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--widths") && e.contains("2^64"), "{e}");
+        if let Some(total) = machine_memory() {
+            let e = check_fits("the model", Some(total + 1)).unwrap_err().to_string();
+            assert!(e.contains("this machine has"), "{e}");
+            assert!(check_fits("the model", Some(1)).is_ok());
+        }
+        assert_eq!(human(832), "832 B");
+        // [16, 32, 4]: 16*32 + 32*4 weights; 2 rows keep 2 * (16 + 32 + 4) values
+        let mlp = ModelKind::Mlp(brigade_models::MlpConfig::new(vec![16, 32, 4]));
+        assert_eq!(parameters(&mlp), Some(640));
+        assert_eq!(activations(&mlp, 2), Some(104));
+        // AdamW: value, gradient and two moments per parameter, f32
+        assert_eq!(training_bytes(&mlp, 2, 2), Some((640 * 4 + 104) * 4));
+        let huge = ModelKind::Mlp(brigade_models::MlpConfig::new(vec![16, usize::MAX, 4]));
+        assert_eq!(parameters(&huge), None);
+        assert_eq!(human(3 << 29), "1.50 GiB");
+    }
+}

@@ -1,0 +1,209 @@
+//! The summary `brigade train` ends with (stdout): a few lines, or one JSON object with
+//! `--json`. One observer of the run ([`brigade::observe::TrainObserver`]): rank 0's outcome,
+//! printed when its run ends.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use brigade::observe::{RunStart, TrainObserver};
+use brigade::outcome::TrainOutcome;
+use serde_json::json;
+
+use crate::args::{compact, flag_name, CommHookName, ModelName, RunArgs};
+use crate::sent::SentSummary;
+
+/// Median and minimum of a slice (NaN when empty).
+pub fn median_min(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    (s[s.len() / 2], s[0])
+}
+
+/// The numbers a run ends with (NaN for what a run of no step cannot measure).
+pub struct Summary {
+    /// The first step's loss.
+    pub first_loss: f64,
+    /// The last step's loss.
+    pub last_loss: f64,
+    /// Median step time after `--warmup`.
+    pub median_step_ms: f64,
+    /// Fastest step after `--warmup`.
+    pub min_step_ms: f64,
+    /// Global rows per second at the median step.
+    pub samples_per_s: f64,
+}
+
+/// Summarises an outcome of `world_size` ranks, leaving the first `warmup` steps out of the
+/// timing.
+pub fn summarize(args: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> Summary {
+    let timed = &outcome.step_ms[args.warmup.min(outcome.step_ms.len())..];
+    let (median, min) = median_min(timed);
+    // the run's world size: under MPI it comes from mpirun, not from --world-size
+    let global_batch = world_size as f64 * args.rows_per_rank() as f64;
+    Summary {
+        first_loss: outcome.losses.first().copied().unwrap_or(f64::NAN),
+        last_loss: outcome.losses.last().copied().unwrap_or(f64::NAN),
+        median_step_ms: median,
+        min_step_ms: min,
+        samples_per_s: global_batch / (median / 1e3),
+    }
+}
+
+/// Prints the summary of a run of `args` when rank 0's run ends.
+pub struct PrintSummary {
+    args: RunArgs,
+    json: bool,
+    world_size: AtomicUsize,
+}
+
+impl PrintSummary {
+    /// The summary of a run of `args`, as JSON when `json`.
+    pub fn new(args: &RunArgs, json: bool) -> Self {
+        PrintSummary {
+            args: args.clone(),
+            json,
+            world_size: AtomicUsize::new(args.world_size),
+        }
+    }
+}
+
+impl TrainObserver for PrintSummary {
+    fn run_started(&self, start: &RunStart) {
+        self.world_size.store(start.world_size, Ordering::Relaxed);
+    }
+
+    fn run_finished(&self, outcome: Result<&TrainOutcome, &brigade::Error>) {
+        if let Ok(outcome) = outcome {
+            let world_size = self.world_size.load(Ordering::Relaxed);
+            if self.json {
+                println!("{}", json_summary(&self.args, world_size, outcome));
+            } else {
+                print_lines(&self.args, world_size, outcome);
+            }
+        }
+    }
+}
+
+/// The summary as one JSON object (NaN as null: a run of no step has no loss or time).
+fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde_json::Value {
+    let s = summarize(a, world_size, outcome);
+    let m = &a.model;
+    let shape = match m.model {
+        ModelName::Mlp => json!({ "widths": m.widths }),
+        ModelName::Gpt => json!({
+            "d_model": m.d_model, "layers": m.layers, "heads": m.heads, "d_ff": m.d_ff, "context": m.context,
+        }),
+    };
+    let hook = match a.comm_hook {
+        CommHookName::Powersgd => json!({
+            "powersgd_rank": a.powersgd_rank, "powersgd_start_iter": a.powersgd_start_iter,
+        }),
+        _ => json!({}),
+    };
+    let mut flags = json!({
+        "model": flag_name(&a.model.model),
+        "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
+        "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
+        "backend": a.backend.name(),
+        "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap().ok()) },
+        "first_bucket_mb": a.first_bucket_mb,
+        "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
+        "zero": a.zero,
+        "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| brigade::launch::default_threads(a.world_size)),
+    });
+    // the model's shape and the hook's settings: every flag that changes what trains
+    for extra in [shape, hook] {
+        if let (Some(f), serde_json::Value::Object(extra)) = (flags.as_object_mut(), extra) {
+            f.extend(extra);
+        }
+    }
+    let mut out = json!({
+        "first_loss": s.first_loss, "last_loss": s.last_loss,
+        "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
+        "samples_per_s": s.samples_per_s, "world_size": world_size,
+        "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
+        "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
+        "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
+        "autotune": outcome.autotune,
+        "memory": outcome.rank_memory.map(|m| json!({
+            "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
+            "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
+            "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
+        })),
+        "flags": flags,
+    });
+    // bytes DDP sent per step on rank 0 (see `sent.rs`)
+    if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent)) {
+        o.extend(sent);
+    }
+    out
+}
+
+/// The summary as a few lines.
+fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
+    let s = summarize(a, world_size, outcome);
+    let ran = outcome.losses.len();
+    println!(
+        "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
+        flag_name(&a.model.model),
+        world_size,
+        a.batch_size,
+        a.accum,
+        outcome.first_step,
+        a.steps,
+        flag_name(&a.optimizer),
+        compact(a.lr)
+    );
+    if ran == 0 {
+        println!(
+            "no step run: the run starts at step {} and --steps is {}",
+            outcome.first_step, a.steps
+        );
+    } else {
+        println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
+        let timed = ran.saturating_sub(a.warmup);
+        if timed == 0 {
+            println!(
+                "step time: none measured (all {ran} steps run are --warmup {})",
+                a.warmup
+            );
+        } else {
+            println!(
+                "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
+                s.median_step_ms, s.min_step_ms, a.warmup
+            );
+            println!("throughput: {:.1} samples/s", s.samples_per_s);
+        }
+    }
+    if let Some(t) = &outcome.autotune {
+        crate::bucket_cap::print_autotune(t);
+    }
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    // (under ZeRO the measured line below is the account: shards are not whole buckets)
+    if let (Some(m), 0) = (outcome.memory, a.zero) {
+        let n = outcome.buckets.len();
+        println!(
+            "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
+            mib(m.gradient_bytes),
+            if n == 1 { "bucket" } else { "buckets" },
+            mib(m.total_bytes())
+        );
+        if let Some(sent) = SentSummary::of(&outcome.sent) {
+            println!("{}", sent.line(world_size));
+        }
+    }
+    if let Some(m) = outcome.rank_memory {
+        println!(
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
+            a.zero,
+            mib(m.parameters),
+            mib(m.gradients),
+            mib(m.buckets),
+            mib(m.optimizer_state),
+            mib(m.comm_scratch),
+            mib(m.total())
+        );
+    }
+}

@@ -1,0 +1,196 @@
+//! Bad input on the command line, found by trying to break it: each case is one clean error
+//! line naming the flag (never a panic, an abort, a segfault, a hang, or a silently different
+//! run), and the summary names every flag that shapes what trained.
+
+use crate::common;
+
+use common::{cat, dir, fails, ok, s, MLP};
+
+/// The small MLP of every test, as `brigade sweep` takes it (no --quiet).
+const SWEEP_MLP: &[&str] = &["--model", "mlp", "--widths", "16,32,32,4", "--lr", "0.05"];
+
+#[test]
+fn a_list_flag_given_twice_is_an_error_not_a_longer_list() {
+    let e = fails(&cat(&[&["train"], MLP, &["--widths", "8,4", "--steps", "1"]]));
+    assert!(e.contains("--widths") && e.contains("multiple times"), "{e}");
+    let e = fails(&["predict", "--profile", "p.json", "--bucket-mb", "1", "--bucket-mb", "2"]);
+    assert!(e.contains("--bucket-mb"), "{e}");
+}
+
+#[test]
+fn the_json_summary_names_the_model_shape_and_the_powersgd_rank() {
+    let out = ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "1", "--world-size", "2", "--json"],
+        &[
+            "--comm-hook",
+            "powersgd",
+            "--powersgd-rank",
+            "2",
+            "--powersgd-start-iter",
+            "2",
+        ],
+    ]));
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let flags = &v["flags"];
+    assert_eq!(flags["widths"], serde_json::json!([16, 32, 32, 4]), "{flags}");
+    assert_eq!(flags["powersgd_rank"], 2, "{flags}");
+    assert_eq!(flags["powersgd_start_iter"], 2, "{flags}");
+}
+
+#[test]
+fn thread_counts_beyond_reason_are_refused() {
+    let huge = "18446744073709551615";
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--threads-per-rank", huge]]));
+    assert!(e.contains("--threads-per-rank") && e.contains(huge), "{e}");
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--world-size", "100000"]]));
+    assert!(e.contains("--world-size 100000") && e.contains("mpirun"), "{e}");
+    let e = fails(&["bench", "gemm", "--threads", huge, "--shapes", "8x8x8"]);
+    assert!(e.contains("--threads"), "{e}");
+    let e = fails(&["bench", "ops", "--threads", "100000", "--steps", "1"]);
+    assert!(e.contains("--threads"), "{e}");
+    let e = fails(&["bench", "comm", "--world-size", "100000", "--sizes", "4M"]);
+    assert!(e.contains("--world-size 100000"), "{e}");
+}
+
+#[test]
+fn sizes_that_overflow_or_exceed_memory_are_one_line_naming_the_flag() {
+    let mlp = ["train", "--model", "mlp", "--quiet", "--steps", "1"];
+    // m * k overflows usize: this was a segfault inside the GEMM call
+    let e = fails(&["bench", "gemm", "--shapes", "4294967296x4294967296x1", "--reps", "1"]);
+    assert!(e.contains("--shapes 4294967296x4294967296x1"), "{e}");
+    let e = fails(&["bench", "gemm", "--shapes", "8x8x8", "--reps", "18446744073709551615"]);
+    assert!(e.contains("--reps"), "{e}");
+    let e = fails(&["bench", "gemm", "--shapes", "1000000x1000000x1000000", "--reps", "1"]);
+    assert!(e.contains("--shapes") && e.contains("this machine has"), "{e}");
+    // these were "capacity overflow" panics
+    let e = fails(&["bench", "comm", "--sizes", "18446744073709551615"]);
+    assert!(e.contains("--sizes"), "{e}");
+    let e = fails(&["bench", "comm", "--sizes", "18446744073709551615K"]);
+    assert!(e.contains("--sizes") && e.contains("more bytes"), "{e}");
+    let e = fails(&cat(&[&mlp, &["--widths", "16,18446744073709551615,4"]]));
+    assert!(
+        e.contains("--widths 16,18446744073709551615,4") && e.contains("2^64"),
+        "{e}"
+    );
+    let e = fails(&["bench", "ops", "--batch-size", "18446744073709551615", "--steps", "1"]);
+    assert!(e.contains("--batch-size 18446744073709551615"), "{e}");
+    // this was an allocator abort (rc 134): a model of 10^12 parameters does not fit
+    let e = fails(&cat(&[&mlp, &["--widths", "16,1000000,1000000,4"]]));
+    assert!(
+        e.contains("--widths 16,1000000,1000000,4") && e.contains("this machine has"),
+        "{e}"
+    );
+    let e = fails(&[
+        "train",
+        "--model",
+        "gpt",
+        "--d-model",
+        "65536",
+        "--layers",
+        "64",
+        "--heads",
+        "1",
+        "--steps",
+        "1",
+    ]);
+    assert!(e.contains("--d-model 65536") && e.contains("this machine has"), "{e}");
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "1", "--batch-size", "18446744073709551615"],
+    ]));
+    assert!(e.contains("--batch-size"), "{e}");
+}
+
+#[test]
+fn predict_reads_a_bounded_profile_and_refuses_a_device() {
+    for device in ["/dev/zero", "/dev/urandom"] {
+        let e = fails(&["predict", "--profile", device, "--net-gbps", "10"]);
+        assert!(e.contains(device) && e.contains("not a step profile"), "{e}");
+    }
+}
+
+#[test]
+fn a_sweep_out_that_is_a_file_says_so() {
+    let d = dir("sweep-out-file");
+    let file = d.join("results");
+    std::fs::write(&file, "not a directory").unwrap();
+    let sweep_mlp = SWEEP_MLP.to_vec();
+    for policy in [&[][..], &["--policy", "allreduce,fp16"]] {
+        let e = fails(&cat(&[
+            &["sweep"],
+            &sweep_mlp,
+            &["--steps", "2", "--world-size", "2", "--out", s(&file)],
+            policy,
+        ]));
+        assert!(e.contains("--out") && e.contains("is a file"), "{e}");
+        let e = fails(&cat(&[
+            &["sweep"],
+            &sweep_mlp,
+            &["--steps", "2", "--world-size", "2", "--out", s(&file.join("under"))],
+            policy,
+        ]));
+        assert!(e.contains("is a file"), "{e}");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a directory");
+}
+
+#[test]
+fn an_attention_ab_on_a_model_without_attention_is_refused() {
+    let e = fails(&[
+        "bench", "ops", "--model", "mlp", "--ab", "--steps", "1", "--warmup", "0",
+    ]);
+    assert!(e.contains("--ab") && e.contains("--model gpt"), "{e}");
+}
+
+#[test]
+fn a_negative_count_names_its_flag() {
+    for (flag, value) in [
+        ("--powersgd-rank", "-1"),
+        ("--steps", "-1"),
+        ("--batch-size", "-3"),
+        ("--world-size", "-2"),
+    ] {
+        let e = fails(&cat(&[&["train"], MLP, &[flag, value]]));
+        assert!(e.contains(flag) && e.contains(value), "{flag} {value}: {e}");
+    }
+    let e = fails(&["bench", "comm", "--iters", "-1"]);
+    assert!(e.contains("--iters"), "{e}");
+}
+
+#[test]
+fn train_sweep_and_predict_cap_the_first_bucket_alike() {
+    let d = dir("first-bucket");
+    let profile = d.join("p.json");
+    // every gradient of the small MLP is larger than 1000 bytes but two: a cap of 0.001 MiB
+    // (1048 bytes) makes one bucket per layer, first bucket included
+    let cap = ["--bucket-mb", "0.001"];
+    let train = ok(&cat(&[
+        &["train"],
+        MLP,
+        &cap,
+        &["--steps", "2", "--world-size", "2", "--json", "--profile", s(&profile)],
+    ]));
+    let trained: serde_json::Value = serde_json::from_str(train.trim()).unwrap();
+    let trained = trained["buckets"].as_u64().unwrap();
+    let predict = ok(&cat(&[
+        &["predict", "--profile", s(&profile), "--net-gbps", "10", "--json"],
+        &cap,
+    ]));
+    let predicted: serde_json::Value = serde_json::from_str(&predict).unwrap();
+    let predicted = predicted[0]["buckets"].as_array().unwrap().len() as u64;
+    assert_eq!(trained, predicted, "train made {trained} buckets, predict {predicted}");
+    assert!(trained > 1, "a 0.001 MiB cap splits the gradients: {trained}");
+    // the sweep's row for the same cap
+    let out = d.join("sweep");
+    let sweep = ok(&cat(&[
+        &["sweep"],
+        SWEEP_MLP,
+        &cap,
+        &["--steps", "2", "--world-size", "2", "--json", "--out", s(&out)],
+    ]));
+    let rows: serde_json::Value = serde_json::from_str(&sweep).unwrap();
+    assert_eq!(rows[0]["buckets"].as_u64(), Some(trained), "{rows}");
+}
