@@ -13,6 +13,10 @@ pub enum DeviceArg {
     Cpu,
     /// CUDA: `cuda` (first GPU `None`: all GPUs from 0) or `cuda:N` (GPUs from N).
     Cuda(Option<usize>),
+    /// The counting fake device `fake:N` for every rank (`brigade_tensor::fake`): host memory
+    /// behind the device contract, for tests of what a step does to a device (transfers, host
+    /// waits). Not a `--device` value: tests set it through the library.
+    Fake(usize),
 }
 
 impl std::fmt::Display for DeviceArg {
@@ -21,6 +25,7 @@ impl std::fmt::Display for DeviceArg {
             DeviceArg::Cpu => write!(f, "cpu"),
             DeviceArg::Cuda(None) => write!(f, "cuda"),
             DeviceArg::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+            DeviceArg::Fake(n) => write!(f, "fake:{n}"),
         }
     }
 }
@@ -39,12 +44,14 @@ pub fn parse_device(s: &str) -> std::result::Result<DeviceArg, String> {
 }
 
 impl DeviceArg {
-    /// The device of `rank`: the CPU, or GPU `N + rank % (count - N)` of the `count` GPUs the
-    /// driver sees (`N` = 0 for plain `cuda`), opened once here so that a missing driver,
-    /// library or GPU is one typed error before the first step.
+    /// The device of `rank`: the CPU, the fake device, or GPU `N + rank % (count - N)` of the
+    /// `count` GPUs the driver sees (`N` = 0 for plain `cuda`), opened once here so that a
+    /// missing driver, library or GPU (or a build without the `cuda` feature) is one typed
+    /// error before the first step.
     pub fn for_rank(self, rank: usize) -> Result<Device> {
         let first = match self {
             DeviceArg::Cpu => return Ok(Device::Cpu),
+            DeviceArg::Fake(n) => return Ok(Device::Fake(n)),
             DeviceArg::Cuda(n) => n.unwrap_or(0),
         };
         let count = probe::device_count().map_err(|u| u.on(Device::Cuda(first)))?;
@@ -73,5 +80,10 @@ mod tests {
             assert!(parse_device(bad).unwrap_err().contains("cpu, cuda or cuda:N"), "{bad}");
         }
         assert_eq!(DeviceArg::Cpu.for_rank(5).unwrap(), Device::Cpu);
+        assert_eq!(DeviceArg::Fake(7).for_rank(5).unwrap(), Device::Fake(7));
+        assert!(
+            parse_device("fake:0").is_err(),
+            "the fake device is for tests, not a flag"
+        );
     }
 }

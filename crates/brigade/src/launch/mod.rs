@@ -142,6 +142,8 @@ pub struct RankContext {
     pub backend: Backend,
     /// Whether gradient buckets go to NCCL (`--backend nccl`) rather than to `comm`.
     pub nccl: bool,
+    /// The simulated link (`--net-gbps`), also modelled on the GPU's comm stream under NCCL.
+    pub net: Option<NetModel>,
 }
 
 impl RankContext {

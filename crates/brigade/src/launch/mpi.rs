@@ -71,6 +71,7 @@ mod enabled {
             recorder: cfg.recorder.clone(),
             backend: Backend::Mpi,
             nccl: cfg.backend == Backend::Nccl,
+            net: cfg.net,
         };
         let out = match rank_fn(&ctx, &shared) {
             Ok(out) => out,

@@ -28,6 +28,7 @@ pub fn launch<S: Sync, T: Send>(
             recorder: cfg.recorder.clone(),
             backend: Backend::Thread,
             nccl: cfg.backend == Backend::Nccl,
+            net: cfg.net,
         };
         rank_fn(&ctx, &shared)
     });

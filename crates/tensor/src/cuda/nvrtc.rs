@@ -2,9 +2,9 @@
 //!
 //! The `.cu` files live beside this module and are embedded with `include_str!`; each is
 //! compiled on first use to machine code for the architecture of the device that runs it,
-//! and cached per device by [`super::CudaDevice`]. NVRTC needs no GPU, so [`compile`] also
-//! runs on CPU-only machines: the test `crates/tensor/tests/tensor/cuda_nvrtc.rs` compiles every
-//! file for sm_80 and sm_90 with [`compile_strict`].
+//! and cached per device by `CudaDevice`. NVRTC needs no GPU, so [`compile`] also runs on
+//! CPU-only machines: the test `crates/tensor/tests/tensor/cuda_nvrtc.rs` compiles every file
+//! for sm_80 and sm_90 with [`compile_strict`] (through `cuda::probe`, which re-exports them).
 
 use std::ffi::{c_char, CString};
 
@@ -47,9 +47,14 @@ pub const OPTIM: KernelFile = KernelFile {
     name: "optim.cu",
     source: include_str!("kernels/optim.cu"),
 };
+/// The simulated link's spin kernel.
+pub const LINK: KernelFile = KernelFile {
+    name: "link.cu",
+    source: include_str!("kernels/link.cu"),
+};
 
 /// Every kernel file, in the order the NVRTC test compiles them.
-pub const KERNEL_FILES: [KernelFile; 5] = [ELEMENTWISE, COPY, REDUCE, NN, OPTIM];
+pub const KERNEL_FILES: [KernelFile; 6] = [ELEMENTWISE, COPY, REDUCE, NN, OPTIM, LINK];
 
 /// Why a kernel file did not compile cleanly.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
