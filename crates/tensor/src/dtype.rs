@@ -100,9 +100,7 @@ pub trait Float:
     fn powf(self, p: Self) -> Self;
     fn max(self, other: Self) -> Self;
     /// True for a NaN.
-    fn is_nan(self) -> bool {
-        self != self
-    }
+    fn is_nan(self) -> bool;
     fn from_usize(n: usize) -> Self {
         Self::from_f64(n as f64)
     }
@@ -133,6 +131,9 @@ impl Float for f32 {
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
 }
 
 impl Float for f64 {
@@ -159,5 +160,8 @@ impl Float for f64 {
     }
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
+    }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
     }
 }

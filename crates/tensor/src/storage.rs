@@ -16,11 +16,12 @@ use crate::{DType, Device, Element, Layout, Result, TensorError};
 pub(crate) enum DeviceStorage {
     /// Host memory, CPU kernels.
     Cpu(CpuStorage),
-    /// The counting fake device (`crate::fake`): host memory behind the contract.
-    Fake(FakeStorage),
+    /// The counting fake device (`crate::fake`): host memory behind the contract (boxed, as
+    /// CUDA's: a lent `Storage` moves by value and stays small).
+    Fake(Box<FakeStorage>),
     /// Memory on one CUDA device, cuBLAS and NVRTC kernels (`crate::cuda`).
     #[cfg(feature = "cuda")]
-    Cuda(CudaStorage),
+    Cuda(Box<CudaStorage>),
 }
 
 impl From<CpuStorage> for DeviceStorage {
@@ -31,14 +32,14 @@ impl From<CpuStorage> for DeviceStorage {
 
 impl From<FakeStorage> for DeviceStorage {
     fn from(s: FakeStorage) -> Self {
-        DeviceStorage::Fake(s)
+        DeviceStorage::Fake(Box::new(s))
     }
 }
 
 #[cfg(feature = "cuda")]
 impl From<CudaStorage> for DeviceStorage {
     fn from(s: CudaStorage) -> Self {
-        DeviceStorage::Cuda(s)
+        DeviceStorage::Cuda(Box::new(s))
     }
 }
 
@@ -94,7 +95,7 @@ impl DeviceStorage {
     /// The fake-device storage of an operand that must live on the fake device.
     fn fake(&self) -> Result<&FakeStorage> {
         match self {
-            DeviceStorage::Fake(s) => Ok(s),
+            DeviceStorage::Fake(s) => Ok(&**s),
             s => Err(mismatch(s.device(), Device::Fake(0))),
         }
     }
@@ -102,7 +103,7 @@ impl DeviceStorage {
     /// The fake-device storage of an operand that must live on the fake device, for writing.
     fn fake_mut(&mut self) -> Result<&mut FakeStorage> {
         match self {
-            DeviceStorage::Fake(s) => Ok(s),
+            DeviceStorage::Fake(s) => Ok(&mut **s),
             s => Err(mismatch(s.device(), Device::Fake(0))),
         }
     }
@@ -112,7 +113,7 @@ impl DeviceStorage {
     #[cfg(feature = "cuda")]
     fn cuda(&self) -> Result<&CudaStorage> {
         match self {
-            DeviceStorage::Cuda(s) => Ok(s),
+            DeviceStorage::Cuda(s) => Ok(&**s),
             s => Err(mismatch(s.device(), Device::Cuda(0))),
         }
     }
@@ -121,7 +122,7 @@ impl DeviceStorage {
     #[cfg(feature = "cuda")]
     fn cuda_mut(&mut self) -> Result<&mut CudaStorage> {
         match self {
-            DeviceStorage::Cuda(s) => Ok(s),
+            DeviceStorage::Cuda(s) => Ok(&mut **s),
             s => Err(mismatch(s.device(), Device::Cuda(0))),
         }
     }
@@ -154,17 +155,17 @@ impl DeviceStorage {
 
     /// The device the memory lives on.
     pub(crate) fn device(&self) -> Device {
-        on_backend!(self, s, other, other_mut => BackendStorage::device(s))
+        on_backend!(self, s, other, other_mut => s.device())
     }
 
     /// The element type.
     pub(crate) fn dtype(&self) -> DType {
-        on_backend!(self, s, other, other_mut => BackendStorage::dtype(s))
+        on_backend!(self, s, other, other_mut => s.dtype())
     }
 
     /// Number of elements.
     pub(crate) fn len(&self) -> usize {
-        on_backend!(self, s, other, other_mut => BackendStorage::len(s))
+        on_backend!(self, s, other, other_mut => s.len())
     }
 
     /// A zero-length storage of the same dtype and device.
@@ -196,9 +197,9 @@ impl DeviceStorage {
         }
         match self {
             DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
-            DeviceStorage::Fake(s) => out(s, layout, op),
+            DeviceStorage::Fake(s) => out(&**s, layout, op),
             #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda(s) => out(s, layout, op),
+            DeviceStorage::Cuda(s) => out(&**s, layout, op),
         }
     }
 
@@ -229,7 +230,7 @@ impl DeviceStorage {
 
     /// See [`BackendStorage::reduce`].
     pub(crate) fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => BackendStorage::reduce(s, layout, dims, op).map(Into::into))
+        on_backend!(self, s, other, other_mut => s.reduce(layout, dims, op).map(Into::into))
     }
 
     /// See [`BackendStorage::matmul`].
@@ -398,7 +399,7 @@ impl DeviceStorage {
                 Some((b, bl)) => Some((other_mut(b)?, bl)),
                 None => None,
             };
-            BackendStorage::sgd_step(s, l, (other(grad.0)?, grad.1), buf, sc)
+            s.sgd_step(l, (other(grad.0)?, grad.1), buf, sc)
         })
     }
 
@@ -412,7 +413,7 @@ impl DeviceStorage {
         sc: &AdamWScalars,
     ) -> Result<()> {
         on_backend!(self, s, other, other_mut => {
-            BackendStorage::adamw_step(s, l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
+            s.adamw_step(l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
         })
     }
 }
@@ -471,7 +472,7 @@ impl Storage {
 
     /// The raw handles of this device memory for code outside the tensor crate (a collective)
     /// that reads and writes it on `used_on`, a stream of the same device. The memory counts
-    /// as used on that stream (the keep-alive rule of [`crate::stream`]): the caller orders
+    /// as used on that stream (the keep-alive rule of [`crate::Stream`]'s docs): the caller orders
     /// that use against the storage's other streams with events, and keeps the storage alive
     /// (e.g. lent out of its tensor) until the collective's done event was waited on. Host
     /// memory has no device handle: a CPU storage is an error.

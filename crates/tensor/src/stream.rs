@@ -26,6 +26,13 @@ use crate::fake::{FakeEvent, FakeStream};
 use crate::{DType, Device, Result, TensorError};
 
 /// One stream of a device (cheap to clone; clones are the same stream).
+///
+/// **Keep-alive rule.** Device memory belongs to the stream it was allocated on and is freed
+/// there. Memory used on another stream (an op in a scope of that stream, or raw memory handed
+/// out with [`crate::Storage::device_memory`] for that stream) is not freed when its last
+/// tensor goes away: the CUDA backend records an event on each such stream at that moment and
+/// frees the memory once those events completed (PyTorch's `recordStream`), so a collective
+/// still reading a buffer never sees it reused. (The fake device counts such frees.)
 #[derive(Clone)]
 pub struct Stream {
     device: Device,

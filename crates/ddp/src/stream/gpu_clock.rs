@@ -62,6 +62,9 @@ struct ComputeSpan {
     end: Event,
 }
 
+/// The compute scope open now (its span and start event), and closed ones not yet timed.
+type ComputeScopes = (Option<(SpanId, Event)>, Vec<ComputeSpan>);
+
 /// Collectives and backward's compute scopes whose GPU times go into `recorder` once their
 /// events completed.
 pub(crate) struct GpuTimeline {
@@ -70,7 +73,7 @@ pub(crate) struct GpuTimeline {
     clock: GpuClock,
     pending: Mutex<Vec<Pending>>,
     /// The compute scope open now (its kind and start event), and closed ones not yet timed.
-    compute: Mutex<(Option<(SpanId, Event)>, Vec<ComputeSpan>)>,
+    compute: Mutex<ComputeScopes>,
 }
 
 impl GpuTimeline {

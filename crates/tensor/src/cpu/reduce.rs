@@ -56,7 +56,7 @@ pub(super) fn reduce(s: &CpuStorage, l: &Layout, dims: &[usize], op: ReduceOp) -
         }
         ReduceOp::Max => {
             // any NaN wins, wherever it comes (PyTorch's max; the CUDA kernel's rule)
-            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && !(b <= a) { b } else { a }))
+            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && (b > a || b.is_nan()) { b } else { a }))
         }
     })
 }

@@ -53,7 +53,7 @@ pub fn compare_outputs(got: &[f64], want: &[f64], rel_tol: f64) -> OutputCompari
     };
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let d = (g - w).abs();
-        let bad = !(d <= rel_tol * w.abs().max(rms));
+        let bad = d.is_nan() || d > rel_tol * w.abs().max(rms);
         if bad {
             c.mismatches += 1;
         }

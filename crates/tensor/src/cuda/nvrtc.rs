@@ -18,7 +18,7 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 pub struct KernelFile {
     /// The file name, e.g. `"nn.cu"`; also the NVRTC program name.
     pub name: &'static str,
-    /// The file's CUDA C source (without [`COMMON`]).
+    /// The file's CUDA C source (without the shared `common.cuh`).
     pub source: &'static str,
 }
 
@@ -140,7 +140,7 @@ impl Drop for Program {
     }
 }
 
-/// Compiles `file` (with [`COMMON`] prepended) to CUBIN for `arch` (e.g. `"sm_90"`).
+/// Compiles `file` (with the shared `common.cuh` prepended) to CUBIN for `arch` (e.g. `"sm_90"`).
 /// Warnings do not fail this call (the run-time path); [`compile_strict`] refuses them.
 pub fn compile(file: KernelFile, arch: &str) -> Result<CompiledKernels, CompileFailure> {
     if !probe::nvrtc_present() {

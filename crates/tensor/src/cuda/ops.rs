@@ -136,7 +136,7 @@ impl CudaStorage {
             op,
             msg: "needs rank >= 1".into(),
         })?;
-        Ok((if d == 0 { 0 } else { layout.numel() / d }, d))
+        Ok((layout.numel().checked_div(d).unwrap_or(0), d))
     }
 
     /// The suffix of an index storage's kernels, or a typed error.

@@ -315,7 +315,7 @@ impl CudaBuffer {
         crate::cuda::element::with_slice!(self, s => {
             let stream = s.stream().clone();
             let (ptr, _sync) = s.device_ptr(&stream);
-            ptr as u64
+            ptr
         })
     }
 }
