@@ -4,7 +4,8 @@
 //! the host clock through one anchor event, and written to the run's [`Recorder`] as today's
 //! comm spans (the ready event as a zero-length marker `bucketN ready (compute stream, GPU
 //! clock)`), so the Chrome trace and SVG show a GPU step. Times are read only once the
-//! events completed (the next pass, or when the stream is dropped): never a host wait.
+//! events completed (the next pass): never a host wait inside a step; when the stream is
+//! dropped at the end of the run, the host waits for the last events once.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -163,7 +164,20 @@ impl GpuTimeline {
 }
 
 impl Drop for GpuTimeline {
+    /// The run is over (not a step): the host waits for the last events, so the last step's
+    /// collectives and compute scopes are in the timeline too.
     fn drop(&mut self) {
+        for p in self.lock().iter() {
+            if let Some(done) = &p.done {
+                let _ = done.synchronize();
+            }
+        }
+        {
+            let c = self.compute.lock().unwrap_or_else(|p| p.into_inner());
+            for span in &c.1 {
+                let _ = span.end.synchronize();
+            }
+        }
         self.flush();
     }
 }

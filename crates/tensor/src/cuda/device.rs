@@ -168,13 +168,14 @@ impl CudaDevice {
             match modules.get(file.name) {
                 Some(m) => m.clone(),
                 None => {
-                    let compiled = nvrtc::compile(file, &self.arch).map_err(|e| TensorError::DeviceUnavailable {
-                        device,
-                        reason: e.to_string(),
-                    })?;
+                    let cubin =
+                        nvrtc::compile_cached(file, &self.arch).map_err(|e| TensorError::DeviceUnavailable {
+                            device,
+                            reason: e.to_string(),
+                        })?;
                     let m = self
                         .ctx
-                        .load_module(Ptx::from_binary(compiled.cubin))
+                        .load_module(Ptx::from_binary(cubin))
                         .map_err(|e| fault(device, &format!("loading the CUBIN of {}", file.name), e))?;
                     modules.insert(file.name, m.clone());
                     m
