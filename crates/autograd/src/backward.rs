@@ -36,7 +36,8 @@ impl Var {
         if v.numel() != 1 {
             return Err(AutogradError::NotScalar(v.shape().to_vec()));
         }
-        self.backward_with(Tensor::ones(v.shape(), v.dtype()))
+        // the seed on the output's device: no host tensor to copy up (or to mismatch)
+        self.backward_with(Tensor::full_on(v.shape(), 1.0, v.dtype(), v.device())?)
     }
 
     /// Backward from this output with the given seed gradient.

@@ -300,7 +300,8 @@ impl Var {
         let (loss, probs) = self.value().cross_entropy(targets)?;
         let targets = targets.clone();
         Ok(Var::from_op("cross_entropy", loss, &[self], move |g| {
-            Ok(vec![Some(probs.cross_entropy_backward(&targets, g.item()?)?)])
+            // the upstream gradient stays where it is (a host read here stalled every step)
+            Ok(vec![Some(probs.cross_entropy_backward_by(&targets, g)?)])
         }))
     }
 
@@ -348,7 +349,8 @@ impl Var {
         let x = self.value();
         let (shape, dtype) = (x.shape().to_vec(), x.dtype());
         Ok(Var::from_op("narrow", x.narrow(dim, start, len)?, &[self], move |g| {
-            let full = Tensor::zeros(&shape, dtype);
+            // on the gradient's device (a host tensor here was a device mismatch on a GPU)
+            let full = Tensor::zeros_on(&shape, dtype, g.device())?;
             full.narrow(dim, start, len)?.add_assign(g)?;
             Ok(vec![Some(full)])
         }))

@@ -123,7 +123,7 @@ impl<'a> Trainer<'a> {
                 };
                 // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
                 // over the metered communicator (ZeRO picks its reduce-scatter there).
-                Some(match nccl::bucket_stream(ctx, device)? {
+                Some(match nccl::bucket_stream(ctx, device, ctx.net)? {
                     Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d)?,
                     None => DistributedDataParallel::new(model.params(), comm, d)?,
                 })

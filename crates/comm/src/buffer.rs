@@ -77,14 +77,14 @@ macro_rules! accessors {
 
 impl Buffer {
     /// A buffer of `len` zeros of type `dtype`, or `None` for a type buffers do not hold
-    /// (`F64`, `I64`).
+    /// (`F64`, `I64`, `I8`).
     pub fn zeros(dtype: DType, len: usize) -> Option<Buffer> {
         Some(match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
             DType::U8 => Buffer::U8(vec![0; len]),
-            DType::F64 | DType::I64 => return None,
+            DType::F64 | DType::I64 | DType::I8 => return None,
         })
     }
 

@@ -11,8 +11,10 @@
 //! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
 //! - [`bench`](mod@bench): the all-reduce bandwidth benchmark behind `brigade bench comm`.
-//! - [`nccl`]: NCCL on GPU memory ([`nccl::DeviceBuffer`], [`nccl::NcclComm`] on its own CUDA
-//!   comm stream, id bootstrap, watchdog); compile-checked only.
+//! - [`nccl`] (the `cuda` feature, on by default): NCCL on GPU memory ([`nccl::NcclComm`]:
+//!   all-reduce, reduce-scatter and all-gather on device memory given as raw handles
+//!   ([`DeviceSpan`], [`RawStream`], [`RawEvent`]), each behind a ready event and recording a done
+//!   event; id bootstrap; a watchdog that aborts); compile-checked only.
 
 #![warn(missing_docs)]
 
@@ -20,10 +22,12 @@ pub mod bench;
 mod buffer;
 mod collective;
 mod communicator;
+mod device;
 mod error;
 mod meter;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "cuda")]
 pub mod nccl;
 mod sim;
 mod stream;
@@ -33,6 +37,7 @@ mod work;
 
 pub use buffer::{Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, Communicator};
+pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
 pub use meter::{CommBytes, CommMeter, Metered, MeteredOp};
 #[cfg(feature = "mpi")]

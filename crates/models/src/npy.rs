@@ -186,6 +186,7 @@ fn tensor_to_npy(t: &Tensor) -> std::result::Result<Vec<u8>, String> {
         DType::F16 => write::<half::f16>(t),
         DType::I64 => write::<i64>(t),
         DType::U8 => write::<u8>(t),
+        DType::I8 => write::<i8>(t),
         DType::BF16 => Err("BF16 has no NumPy dtype; convert it to F32 first, or save it as safetensors".into()),
     }
 }

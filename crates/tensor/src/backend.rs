@@ -9,6 +9,13 @@
 //! out, and runs the kernels below, and it may rely on the preconditions each method
 //! states: they are checked before it is called.
 //!
+//! The contract is spelled once here; each backend's storage implements it directly
+//! (`cpu/mod.rs`, `cuda/ops.rs`, and the counting fake device's `fake/mod.rs`, which runs
+//! the CPU's kernels behind device rules), and `storage.rs` dispatches each method with one
+//! line. A backend runs every call on the stream current for its device
+//! ([`crate::Stream::scope`], else the device's compute stream) and never waits on the host
+//! inside a method, except in [`BackendStorage::to_cpu`].
+//!
 //! Conventions for every method:
 //! - Each storage comes with the [`Layout`] of the view being read or written (shape,
 //!   strides in elements, offset into the storage). Unless a method says *any layout*, the
@@ -25,15 +32,20 @@
 //! - Errors are [`crate::TensorError`]s; a device fault is `DeviceUnavailable` naming
 //!   what failed, never a panic.
 //!
-//! Adding a backend: a storage type implementing [`BackendStorage`], a device handle
-//! implementing [`BackendDevice`], one variant in `DeviceStorage`, and one arm in each
-//! dispatch macro of `storage.rs`.
+//! Adding a backend: a storage type implementing [`BackendStorage`] with `zeros` and
+//! copy-in constructors, one variant in `DeviceStorage`, and one arm in `on_backend!` and in
+//! `DeviceStorage::zeros` / `from_cpu` (`storage.rs`).
 //!
 //! Changes since the first committed version (44b734f): `copy_from` was added (an exact
 //! copy through a view; `Tensor::copy_from` uses it), and `reduce` may get an empty
-//! `dims` (a plain copy: `sum` over no dims, or `sum_all` of a 0-d tensor).
+//! `dims` (a plain copy: `sum` over no dims, or `sum_all` of a 0-d tensor). Issue 20: the
+//! device half (`BackendDevice`) became constructors of each storage, `int_range` was added
+//! (ids validated without a copy back), `cross_entropy_backward` takes its upstream gradient as a
+//! device scalar (no host read inside a step), `causal_attention` and its backward lost their
+//! defaults (a backend without a fused kernel calls `crate::composed`), the NaN rules of
+//! `Max` and `Relu` are PyTorch's (a NaN propagates), and `I8` joined the dtypes.
 
-use crate::storage::CpuStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
 /// Elementwise maps of one tensor (the front end's `neg`, `exp`, ... `affine`, `powf`).
@@ -47,7 +59,7 @@ pub(crate) enum UnaryOp {
     Ln,
     /// Square root.
     Sqrt,
-    /// `x <= 0 ? 0 : x` (a NaN stays NaN, as in PyTorch).
+    /// `x <= 0 ? 0 : x` (a NaN stays NaN, as in PyTorch; written so on every backend).
     Relu,
     /// `0.5 * x * (1 + erf(x * FRAC_1_SQRT_2))`, constants rounded to the dtype. (The
     /// CPU's f32 evaluates erf by a polynomial within 5e-7 of it, so that it vectorizes.)
@@ -84,7 +96,8 @@ pub(crate) enum BinaryOp {
 pub(crate) enum ReduceOp {
     /// Sum (any order: the CPU adds rows when the reduced dims lead, else runs left to right).
     Sum,
-    /// Maximum (`-inf` for an empty run; a NaN is skipped unless it comes first, as `b > a ? b : a`).
+    /// Maximum (`-inf` for an empty run); any NaN in the run gives NaN, wherever it comes
+    /// (PyTorch's `max`), so the result does not depend on the order of the reduction.
     Max,
 }
 
@@ -124,26 +137,6 @@ pub(crate) struct AdamWScalars {
     pub eps: f32,
 }
 
-/// A device that can allocate storages and copy host data in: the `_alloc`/`_copyin`
-/// half of the contract (tinygrad's words). The CPU's is a unit struct; a CUDA device
-/// holds its context, stream, cuBLAS handle and compiled kernels.
-pub(crate) trait BackendDevice {
-    /// The storage type this device allocates.
-    type Storage: BackendStorage;
-
-    /// The [`Device`] this handle serves.
-    #[allow(dead_code)] // read by the CUDA backend's device cache
-    fn location(&self) -> Device;
-
-    /// `n` zero-filled elements of `dtype` (any dtype).
-    fn zeros(&self, dtype: DType, n: usize) -> Result<Self::Storage>;
-
-    /// Copy in: the same elements, on this device (any dtype). (The CPU moves host
-    /// vectors in without this copy.)
-    #[allow(dead_code)]
-    fn storage_from_cpu(&self, data: &CpuStorage) -> Result<Self::Storage>;
-}
-
 /// Memory on one device plus the kernels over it: the rest of the contract. Methods
 /// taking `&mut self` write through the given view in place; all others return new
 /// storage. Preconditions named in a method's doc are checked by the front end.
@@ -161,6 +154,14 @@ pub(crate) trait BackendStorage: Sized {
     /// whose storage is lent out (`Tensor::lend_storage`), so any access fails.
     fn empty_like(&self) -> Self;
 
+    /// What the storage knows of its integer values without reading them: the smallest and
+    /// largest id it was uploaded with (device storages remember it from the host copy in,
+    /// and a gather keeps it), `None` when unknown. The front end's index checks use it so
+    /// that validating ids on a device needs no copy back; with `None` they read the ids.
+    fn int_range(&self) -> Option<(i64, i64)> {
+        None
+    }
+
     // ---- copy out and layout ----
 
     /// Copy out: the whole storage (not just a view) into host memory.
@@ -172,7 +173,9 @@ pub(crate) trait BackendStorage: Sized {
     fn copy_strided(&self, layout: &Layout) -> Result<Self>;
 
     /// The view (*any layout*) converted to `dtype` (any dtype to any dtype; floats round
-    /// to nearest even, float to integer truncates toward zero, as Rust's `as`).
+    /// to nearest even; to `I64` and `U8` truncates toward zero and saturates, as Rust's
+    /// `as`; to `I8` rounds half to even and saturates at ±127, a NaN giving 0: the
+    /// quantizing cast).
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self>;
 
     // ---- elementwise and reductions ----
@@ -270,9 +273,11 @@ pub(crate) trait BackendStorage: Sized {
     fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)>;
 
     /// Gradient of [`BackendStorage::cross_entropy`] from `probs` (self, `[n, c]`):
-    /// `(probs - onehot(targets)) * scale` with `scale = g / max(n, 1)` rounded to the
-    /// dtype, computed as `o = probs; o[t] += -1; o *= scale`.
-    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self>;
+    /// `(probs - onehot(targets)) * scale` with `scale = g / max(n, 1)` computed in f64 and
+    /// rounded to the dtype, as `o = probs; o[t] += -1; o *= scale`. The upstream gradient `g`
+    /// is a one-element storage of the same dtype and device (the loss's gradient, which lives
+    /// on the device: reading it on the host would stall the step).
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self>;
 
     /// Causal multi-head self-attention from packed projections: `self` is `qkv`
     /// `[B, T, 3d]` (queries, keys, values side by side, each split into `n_heads` heads of
@@ -280,12 +285,10 @@ pub(crate) trait BackendStorage: Sized {
     /// `x * scale + 0` (scale rounded to the dtype), positions after the query set to
     /// `-inf`, `P = softmax` (as [`BackendStorage::softmax_last`]), `Y = P V`. Returns
     /// `(y [B, T, d] with head h in columns h*hd.., probs P [B, n_heads, T, T])`.
-    /// The default composes it from the contract's `matmul`, `unary`, `causal_fill`,
-    /// `softmax_last` and `copy_strided` (a backend without a fused kernel, such as CUDA,
-    /// uses it); the CPU's kernel computes the same steps without the copies.
-    fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)> {
-        crate::composed::causal_attention(self, layout, n_heads, scale)
-    }
+    /// A backend without a fused kernel (CUDA) composes it from the contract's `matmul`,
+    /// `unary`, `causal_fill`, `softmax_last` and `copy_strided` (`crate::composed`); the
+    /// CPU's kernel computes the same steps without the copies.
+    fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)>;
 
     /// Gradient `dqkv [B, T, 3d]` of [`BackendStorage::causal_attention`] from `qkv`
     /// (self), the saved `probs` and the output gradient `gy [B, T, d]` (all contiguous):
@@ -298,9 +301,7 @@ pub(crate) trait BackendStorage: Sized {
         gy: (&Self, &Layout),
         n_heads: usize,
         scale: f64,
-    ) -> Result<Self> {
-        crate::composed::causal_attention_backward(self, layout, probs, gy, n_heads, scale)
-    }
+    ) -> Result<Self>;
 
     // ---- in place ----
 

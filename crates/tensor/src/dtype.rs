@@ -2,12 +2,12 @@
 
 use half::{bf16, f16};
 
-use crate::storage::CpuStorage;
+use crate::cpu::storage::{quantize_i8, CpuStorage};
 
 /// The element type of a tensor's storage: Brigade's one [`DType`] (shared with the
 /// collectives' buffers, `brigade-comm`). Kernels compute in `F32` (and `F64`, used by the
 /// finite-difference gradient checker); `F16` and `BF16` are storage formats converted on the
-/// way in and out; `I64` and `U8` hold indices and tokens.
+/// way in and out; `I64` and `U8` hold indices and tokens; `I8` holds quantized payloads.
 pub use brigade_dtype::DType;
 
 /// A type that a tensor can hold, and that host vectors moved in and out of tensors have.
@@ -74,6 +74,7 @@ element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
 element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
 element!(i64, I64, |x: i64| x as f64, |x: f64| x as i64);
 element!(u8, U8, |x: u8| x as f64, |x: f64| x as u8);
+element!(i8, I8, |x: i8| x as f64, quantize_i8);
 
 /// A type kernels compute in: `f32` for training, `f64` for gradient checks.
 pub trait Float:
@@ -108,6 +109,8 @@ pub trait Float:
     fn powf(self, p: Self) -> Self;
     /// The larger of the two (as `f32::max`: a NaN operand gives the other).
     fn max(self, other: Self) -> Self;
+    /// True for a NaN.
+    fn is_nan(self) -> bool;
     /// `n` in this type (rounded).
     fn from_usize(n: usize) -> Self {
         Self::from_f64(n as f64)
@@ -139,6 +142,9 @@ impl Float for f32 {
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
 }
 
 impl Float for f64 {
@@ -165,5 +171,8 @@ impl Float for f64 {
     }
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
+    }
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
     }
 }

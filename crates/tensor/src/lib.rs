@@ -6,23 +6,34 @@
 //! Views (transpose, permute, narrow, broadcast, reshape of contiguous data) cost no
 //! copy; ops return new tensors; a handful of in-place methods write through views,
 //! which is how gradients live inside flat DDP buckets. Compute is f32 (f64 for
-//! gradient checks); f16/bf16 are storage formats. The device is part of every tensor:
-//! a device this build cannot serve yields [`TensorError::DeviceUnavailable`].
+//! gradient checks); f16/bf16 are storage formats, i8 a quantized one. The device is part
+//! of every tensor: a device this build cannot serve yields
+//! [`TensorError::DeviceUnavailable`].
+//!
+//! Devices: the CPU; CUDA GPUs ([`cuda`], behind the `cuda` cargo feature, on by default);
+//! and the counting fake device ([`fake`]), host memory behind the device contract, on which
+//! CPU tests check what a step does to a device (transfers, host waits, stream order).
+//! [`Stream`] and [`Event`] order work across a device's streams; [`DeviceMemory`] is the
+//! raw handle of device memory handed to a collective.
 
 #![warn(missing_docs)]
 
 mod backend;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // CUDA's attention; tested on the CPU
 mod composed;
 mod cpu;
 pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+pub mod fake;
 mod host_memory;
 mod layout;
 mod ops;
 mod rng;
+mod scope;
 mod storage;
+mod stream;
 mod tensor;
 pub mod testing;
 mod threads;
@@ -36,5 +47,6 @@ pub use layout::{broadcast_shape, contiguous_strides, Layout};
 pub use ops::{AdamWStep, AttentionSaved, LayerNormSaved, SgdStep};
 pub use rng::Rng;
 pub use storage::Storage;
+pub use stream::{DeviceMemory, Event, Stream};
 pub use tensor::Tensor;
 pub use threads::{compute_threads, set_compute_threads};

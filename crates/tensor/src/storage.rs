@@ -1,81 +1,13 @@
 //! Flat element buffers on some device, and the dispatch from an op to the backend that
 //! holds its operands.
 
-use std::sync::Arc;
-
-use half::{bf16, f16};
-
-use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::CpuDevice;
-use crate::cuda::{CudaDevice, CudaStorage};
+use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
+use crate::cpu::storage::CpuStorage;
+#[cfg(feature = "cuda")]
+use crate::cuda::CudaStorage;
+use crate::fake::FakeStorage;
+use crate::stream::{DeviceMemory, Stream};
 use crate::{DType, Device, Element, Layout, Result, TensorError};
-
-/// A tensor's backing memory on the host: one flat vector of one element type. Only this
-/// crate sees it (the CPU backend's storage); other crates copy explicitly.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CpuStorage {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-    I64(Vec<i64>),
-    U8(Vec<u8>),
-}
-
-impl CpuStorage {
-    /// The element type.
-    pub(crate) fn dtype(&self) -> DType {
-        match self {
-            CpuStorage::F32(_) => DType::F32,
-            CpuStorage::F64(_) => DType::F64,
-            CpuStorage::F16(_) => DType::F16,
-            CpuStorage::BF16(_) => DType::BF16,
-            CpuStorage::I64(_) => DType::I64,
-            CpuStorage::U8(_) => DType::U8,
-        }
-    }
-
-    /// Number of elements.
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::F16(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::I64(v) => v.len(),
-            CpuStorage::U8(v) => v.len(),
-        }
-    }
-
-    /// A zero-filled storage.
-    pub(crate) fn zeros(dtype: DType, n: usize) -> Self {
-        Self::full(dtype, n, 0.0)
-    }
-
-    /// `n` copies of `v` converted to `dtype`.
-    pub(crate) fn full(dtype: DType, n: usize, v: f64) -> Self {
-        match dtype {
-            DType::F32 => CpuStorage::F32(vec![v as f32; n]),
-            DType::F64 => CpuStorage::F64(vec![v; n]),
-            DType::F16 => CpuStorage::F16(vec![f16::from_f64(v); n]),
-            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); n]),
-            DType::I64 => CpuStorage::I64(vec![v as i64; n]),
-            DType::U8 => CpuStorage::U8(vec![v as u8; n]),
-        }
-    }
-
-    /// `dtype` values from f64s (rounded as the type requires).
-    pub(crate) fn from_f64_vec(v: Vec<f64>, dtype: DType) -> Self {
-        match dtype {
-            DType::F64 => CpuStorage::F64(v),
-            DType::F32 => CpuStorage::F32(v.iter().map(|&x| x as f32).collect()),
-            DType::F16 => CpuStorage::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
-            DType::BF16 => CpuStorage::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
-            DType::I64 => CpuStorage::I64(v.iter().map(|&x| x as i64).collect()),
-            DType::U8 => CpuStorage::U8(v.iter().map(|&x| x as u8).collect()),
-        }
-    }
-}
 
 /// Storage on one device: the enum every op dispatches on, one variant per backend. Not
 /// `Clone`: copying CUDA memory can fail, so a copy is the explicit, fallible
@@ -84,8 +16,12 @@ impl CpuStorage {
 pub(crate) enum DeviceStorage {
     /// Host memory, CPU kernels.
     Cpu(CpuStorage),
+    /// The counting fake device (`crate::fake`): host memory behind the contract (boxed, as
+    /// CUDA's: a lent `Storage` moves by value and stays small).
+    Fake(Box<FakeStorage>),
     /// Memory on one CUDA device, cuBLAS and NVRTC kernels (`crate::cuda`).
-    Cuda(CudaStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<CudaStorage>),
 }
 
 impl From<CpuStorage> for DeviceStorage {
@@ -94,9 +30,16 @@ impl From<CpuStorage> for DeviceStorage {
     }
 }
 
+impl From<FakeStorage> for DeviceStorage {
+    fn from(s: FakeStorage) -> Self {
+        DeviceStorage::Fake(Box::new(s))
+    }
+}
+
+#[cfg(feature = "cuda")]
 impl From<CudaStorage> for DeviceStorage {
     fn from(s: CudaStorage) -> Self {
-        DeviceStorage::Cuda(s)
+        DeviceStorage::Cuda(Box::new(s))
     }
 }
 
@@ -111,6 +54,11 @@ macro_rules! on_backend {
                 let ($other, $other_mut) = (DeviceStorage::cpu, DeviceStorage::cpu_mut);
                 $e
             }
+            DeviceStorage::Fake($x) => {
+                let ($other, $other_mut) = (DeviceStorage::fake, DeviceStorage::fake_mut);
+                $e
+            }
+            #[cfg(feature = "cuda")]
             DeviceStorage::Cuda($x) => {
                 let ($other, $other_mut) = (DeviceStorage::cuda, DeviceStorage::cuda_mut);
                 $e
@@ -144,19 +92,37 @@ impl DeviceStorage {
         }
     }
 
+    /// The fake-device storage of an operand that must live on the fake device.
+    fn fake(&self) -> Result<&FakeStorage> {
+        match self {
+            DeviceStorage::Fake(s) => Ok(&**s),
+            s => Err(mismatch(s.device(), Device::Fake(0))),
+        }
+    }
+
+    /// The fake-device storage of an operand that must live on the fake device, for writing.
+    fn fake_mut(&mut self) -> Result<&mut FakeStorage> {
+        match self {
+            DeviceStorage::Fake(s) => Ok(&mut **s),
+            s => Err(mismatch(s.device(), Device::Fake(0))),
+        }
+    }
+
     /// The CUDA storage of an operand that must live on the same CUDA device as `self`'s
     /// first operand (the device itself is compared by the kernels' callers).
+    #[cfg(feature = "cuda")]
     fn cuda(&self) -> Result<&CudaStorage> {
         match self {
-            DeviceStorage::Cuda(s) => Ok(s),
+            DeviceStorage::Cuda(s) => Ok(&**s),
             s => Err(mismatch(s.device(), Device::Cuda(0))),
         }
     }
 
     /// The CUDA storage of an operand that must live on a CUDA device, for writing.
+    #[cfg(feature = "cuda")]
     fn cuda_mut(&mut self) -> Result<&mut CudaStorage> {
         match self {
-            DeviceStorage::Cuda(s) => Ok(s),
+            DeviceStorage::Cuda(s) => Ok(&mut **s),
             s => Err(mismatch(s.device(), Device::Cuda(0))),
         }
     }
@@ -166,8 +132,12 @@ impl DeviceStorage {
     /// `DeviceUnavailable` naming what is missing.
     pub(crate) fn zeros(device: Device, dtype: DType, n: usize) -> Result<DeviceStorage> {
         match device {
-            Device::Cpu => CpuDevice.zeros(dtype, n).map(Into::into),
-            Device::Cuda(i) => CudaDevice::get(i)?.zeros(dtype, n).map(Into::into),
+            Device::Cpu => Ok(CpuStorage::zeros(dtype, n).into()),
+            Device::Fake(i) => FakeStorage::zeros(i, dtype, n).map(Into::into),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(i) => CudaStorage::zeros(&crate::cuda::CudaDevice::get(i)?, dtype, n).map(Into::into),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(crate::cuda::probe::Unavailable::NotBuilt.on(device)),
         }
     }
 
@@ -175,23 +145,27 @@ impl DeviceStorage {
     pub(crate) fn from_cpu(device: Device, data: CpuStorage) -> Result<DeviceStorage> {
         match device {
             Device::Cpu => Ok(DeviceStorage::Cpu(data)),
-            Device::Cuda(i) => CudaDevice::get(i)?.storage_from_cpu(&data).map(Into::into),
+            Device::Fake(i) => Ok(FakeStorage::upload(i, data).into()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(i) => CudaStorage::from_cpu(&crate::cuda::CudaDevice::get(i)?, &data).map(Into::into),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(crate::cuda::probe::Unavailable::NotBuilt.on(device)),
         }
     }
 
     /// The device the memory lives on.
     pub(crate) fn device(&self) -> Device {
-        on_backend!(self, s, other, other_mut => BackendStorage::device(s))
+        on_backend!(self, s, other, other_mut => s.device())
     }
 
     /// The element type.
     pub(crate) fn dtype(&self) -> DType {
-        on_backend!(self, s, other, other_mut => BackendStorage::dtype(s))
+        on_backend!(self, s, other, other_mut => s.dtype())
     }
 
     /// Number of elements.
     pub(crate) fn len(&self) -> usize {
-        on_backend!(self, s, other, other_mut => BackendStorage::len(s))
+        on_backend!(self, s, other, other_mut => s.len())
     }
 
     /// A zero-length storage of the same dtype and device.
@@ -199,20 +173,33 @@ impl DeviceStorage {
         on_backend!(self, s, other, other_mut => s.empty_like().into())
     }
 
-    /// The elements of the view, row-major, in host memory: one gather on the CPU, a
-    /// device-side gather and one copy out elsewhere.
+    /// See [`BackendStorage::int_range`].
+    pub(crate) fn int_range(&self) -> Option<(i64, i64)> {
+        on_backend!(self, s, other, other_mut => s.int_range())
+    }
+
+    /// The elements of the view, row-major, in host memory: one gather on the CPU; on a
+    /// device one copy out (after a device-side gather unless the view is the whole storage).
     pub(crate) fn to_host_vec<T: Element>(&self, layout: &Layout, op: &'static str) -> Result<Vec<T>> {
+        fn out<S: BackendStorage, T: Element>(s: &S, l: &Layout, op: &'static str) -> Result<Vec<T>> {
+            let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == s.len();
+            let host = if whole {
+                s.to_cpu()?
+            } else {
+                s.copy_strided(l)?.to_cpu()?
+            };
+            let dtype = host.dtype();
+            T::unwrap(host).ok_or(TensorError::DTypeMismatch {
+                op,
+                lhs: dtype,
+                rhs: T::DTYPE,
+            })
+        }
         match self {
             DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
-            DeviceStorage::Cuda(s) => {
-                let host = s.copy_strided(layout)?.to_cpu()?;
-                let dtype = host.dtype();
-                T::unwrap(host).ok_or(TensorError::DTypeMismatch {
-                    op,
-                    lhs: dtype,
-                    rhs: T::DTYPE,
-                })
-            }
+            DeviceStorage::Fake(s) => out(&**s, layout, op),
+            #[cfg(feature = "cuda")]
+            DeviceStorage::Cuda(s) => out(&**s, layout, op),
         }
     }
 
@@ -243,7 +230,7 @@ impl DeviceStorage {
 
     /// See [`BackendStorage::reduce`].
     pub(crate) fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => BackendStorage::reduce(s, layout, dims, op).map(Into::into))
+        on_backend!(self, s, other, other_mut => s.reduce(layout, dims, op).map(Into::into))
     }
 
     /// See [`BackendStorage::matmul`].
@@ -377,9 +364,11 @@ impl DeviceStorage {
         &self,
         l: &Layout,
         targets: (&DeviceStorage, &Layout),
-        g: f64,
+        g: (&DeviceStorage, &Layout),
     ) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.cross_entropy_backward(l, (other(targets.0)?, targets.1), g).map(Into::into))
+        on_backend!(self, s, other, other_mut => s
+            .cross_entropy_backward(l, (other(targets.0)?, targets.1), (other(g.0)?, g.1))
+            .map(Into::into))
     }
 
     /// See [`BackendStorage::fill`].
@@ -410,7 +399,7 @@ impl DeviceStorage {
                 Some((b, bl)) => Some((other_mut(b)?, bl)),
                 None => None,
             };
-            BackendStorage::sgd_step(s, l, (other(grad.0)?, grad.1), buf, sc)
+            s.sgd_step(l, (other(grad.0)?, grad.1), buf, sc)
         })
     }
 
@@ -424,7 +413,7 @@ impl DeviceStorage {
         sc: &AdamWScalars,
     ) -> Result<()> {
         on_backend!(self, s, other, other_mut => {
-            BackendStorage::adamw_step(s, l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
+            s.adamw_step(l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
         })
     }
 }
@@ -457,7 +446,7 @@ impl Storage {
     }
 
     /// The elements as a host vector: the storage's own vector on the CPU (no copy), a
-    /// copy out of device memory elsewhere (how a CUDA gradient bucket is staged through
+    /// copy out of device memory elsewhere (how a device gradient bucket is staged through
     /// the host for a CPU all-reduce). `T` must be the storage's dtype.
     pub fn into_host_vec<T: Element>(self) -> Result<Vec<T>> {
         let dtype = self.dtype();
@@ -466,10 +455,13 @@ impl Storage {
             lhs: dtype,
             rhs: T::DTYPE,
         };
-        match self.0 {
-            DeviceStorage::Cpu(s) => T::unwrap(s).ok_or_else(wrong),
-            DeviceStorage::Cuda(s) => T::unwrap(s.to_cpu()?).ok_or_else(wrong),
-        }
+        let host = match self.0 {
+            DeviceStorage::Cpu(s) => s,
+            DeviceStorage::Fake(s) => s.to_cpu()?,
+            #[cfg(feature = "cuda")]
+            DeviceStorage::Cuda(s) => s.to_cpu()?,
+        };
+        T::unwrap(host).ok_or_else(wrong)
     }
 
     /// A storage on `device` holding `data`: the vector itself on the CPU (no copy), a
@@ -477,27 +469,38 @@ impl Storage {
     pub fn from_host_vec<T: Element>(data: Vec<T>, device: Device) -> Result<Storage> {
         Ok(Storage(DeviceStorage::from_cpu(device, T::wrap(data))?))
     }
-}
 
-impl Storage {
-    /// The f32 memory of a CUDA storage, moved out without a copy, with its device (for a
-    /// collective on device memory such as NCCL's); a storage on the CPU comes back as the error.
-    pub fn into_cuda_f32(self) -> std::result::Result<(cudarc::driver::CudaSlice<f32>, Arc<CudaDevice>), Storage> {
-        match self.0 {
-            DeviceStorage::Cuda(s) => {
-                let dev = s.cuda_device().clone();
-                match s.into_f32_slice() {
-                    Ok(slice) => Ok((slice, dev)),
-                    Err(_) => Err(Storage(DeviceStorage::Cuda(CudaStorage::empty(&dev, DType::F32)))),
-                }
-            }
-            other => Err(Storage(other)),
+    /// The raw handles of this device memory for code outside the tensor crate (a collective)
+    /// that reads and writes it on `used_on`, a stream of the same device. The memory counts
+    /// as used on that stream (the keep-alive rule of [`crate::Stream`]'s docs): the caller orders
+    /// that use against the storage's other streams with events, and keeps the storage alive
+    /// (e.g. lent out of its tensor) until the collective's done event was waited on. Host
+    /// memory has no device handle: a CPU storage is an error.
+    pub fn device_memory(&self, used_on: &Stream) -> Result<DeviceMemory> {
+        if used_on.device() != self.device() {
+            return Err(TensorError::DeviceMismatch {
+                op: "device_memory",
+                lhs: self.device(),
+                rhs: used_on.device(),
+            });
         }
-    }
-
-    /// A storage holding f32 device memory of `dev` (the inverse of [`Storage::into_cuda_f32`]).
-    pub fn from_cuda_f32(slice: cudarc::driver::CudaSlice<f32>, dev: &Arc<CudaDevice>) -> Storage {
-        Storage(DeviceStorage::Cuda(CudaStorage::from_f32_slice(dev, slice)))
+        let ptr = match &self.0 {
+            DeviceStorage::Cpu(_) => {
+                return Err(TensorError::Invalid {
+                    op: "device_memory",
+                    msg: "host memory has no device handle (lend a CPU storage with into_host_vec)".into(),
+                })
+            }
+            DeviceStorage::Fake(s) => used_on.scope(|| s.lend_raw())?,
+            #[cfg(feature = "cuda")]
+            DeviceStorage::Cuda(s) => used_on.scope(|| s.lend_raw())?,
+        };
+        Ok(DeviceMemory {
+            ptr,
+            len: self.len(),
+            dtype: self.dtype(),
+            device: self.device(),
+        })
     }
 }
 
@@ -543,11 +546,16 @@ mod tests {
         assert_eq!(e, missing.clone().on(Device::Cuda(0)));
         let text = e.to_string();
         assert!(text.starts_with("device cuda:0 is not available: "), "{text}");
-        assert!(
-            !text.contains("--device") && !text.contains("no CUDA backend"),
-            "{text}"
-        );
-        if !crate::cuda::probe::driver_present() {
+        assert!(!text.contains("--device"), "{text}");
+        if cfg!(feature = "cuda") {
+            assert!(!text.contains("no CUDA backend"), "{text}");
+        } else {
+            assert!(
+                text.contains("no CUDA backend") && text.contains("`cuda` cargo feature"),
+                "{text}"
+            );
+        }
+        if cfg!(feature = "cuda") && !crate::cuda::probe::driver_present() {
             assert!(text.contains("libcuda.so.1"), "{text}");
         }
         let e = Tensor::zeros_on(&[2], DType::F32, Device::Cuda(1)).unwrap_err();

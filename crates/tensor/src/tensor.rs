@@ -2,8 +2,9 @@
 
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::cpu::storage::CpuStorage;
 use crate::layout::contiguous_strides;
-use crate::storage::{CpuStorage, DeviceStorage, Storage};
+use crate::storage::{DeviceStorage, Storage};
 use crate::{DType, Device, Element, Layout, Result, Rng, TensorError};
 
 /// An n-d array: a reference-counted storage plus a [`Layout`] (shape, strides, offset).
@@ -86,6 +87,19 @@ impl Tensor {
     /// A tensor of ones.
     pub fn ones(shape: &[usize], dtype: DType) -> Tensor {
         Self::full(shape, 1.0, dtype)
+    }
+
+    /// A tensor filled with `v` (converted to `dtype`) on `device`, filled there (no copy
+    /// from the host).
+    pub fn full_on(shape: &[usize], v: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        if device == Device::Cpu {
+            return Ok(Self::full(shape, v, dtype));
+        }
+        let t = Self::zeros_on(shape, dtype, device)?;
+        if v != 0.0 || v.is_sign_negative() {
+            t.fill(v)?;
+        }
+        Ok(t)
     }
 
     /// A tensor filled with `v` (converted to `dtype`).
@@ -276,6 +290,7 @@ impl Tensor {
             DType::BF16 => conv::<half::bf16>(self),
             DType::I64 => conv::<i64>(self),
             DType::U8 => conv::<u8>(self),
+            DType::I8 => conv::<i8>(self),
         }
     }
 

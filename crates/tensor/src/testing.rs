@@ -10,6 +10,12 @@ pub fn device_if_available(device: Device) -> Result<Device> {
     Tensor::zeros_on(&[1], DType::U8, device).map(|_| device)
 }
 
+/// True when `BRIGADE_REQUIRE_CUDA=1`: the GPU check sets it, so that a CUDA test that
+/// cannot find its GPU fails instead of skipping.
+pub fn cuda_required() -> bool {
+    std::env::var("BRIGADE_REQUIRE_CUDA").as_deref() == Ok("1")
+}
+
 /// Tells the person running the tests that `test` did not run and why, on the process's
 /// own stderr (not the test harness's captured output), so a skip is never a silent pass.
 pub fn report_skip(test: &str, why: &dyn std::fmt::Display) {
@@ -17,9 +23,10 @@ pub fn report_skip(test: &str, why: &dyn std::fmt::Display) {
 }
 
 /// Defines one `#[test]` per device for a test function `fn name(device: Device)`: a
-/// module `name` with `cpu` (always runs) and `cuda` (runs on `cuda:0` when this build
-/// and machine have it, else reports on stderr that it skipped and why), as candle's
-/// `test_device!` does.
+/// module `name` with `cpu` (always runs), `fake` (always runs, on the counting fake
+/// device `fake:0`: the CPU's numbers behind the device contract) and `cuda` (runs on
+/// `cuda:0` when this build and machine have it, else reports on stderr that it skipped and
+/// why; with `BRIGADE_REQUIRE_CUDA=1` a skip is a failure), as candle's `test_device!` does.
 #[macro_export]
 macro_rules! test_device {
     ($name:ident) => {
@@ -30,9 +37,20 @@ macro_rules! test_device {
             }
 
             #[test]
+            fn fake() {
+                super::$name($crate::Device::Fake(0))
+            }
+
+            #[test]
             fn cuda() {
                 match $crate::testing::device_if_available($crate::Device::Cuda(0)) {
                     Ok(d) => super::$name(d),
+                    Err(why) if $crate::testing::cuda_required() => {
+                        panic!(
+                            "{}: BRIGADE_REQUIRE_CUDA=1 but {why}",
+                            concat!(module_path!(), "::cuda")
+                        )
+                    }
                     Err(why) => $crate::testing::report_skip(concat!(module_path!(), "::cuda"), &why),
                 }
             }

@@ -127,6 +127,9 @@ pub struct RankContext {
     pub launcher: CommBackend,
     /// Whether gradient buckets go to NCCL rather than to `comm`.
     pub nccl: bool,
+    /// The simulated link (`LaunchConfig::net`), also modelled on the GPU's comm stream under
+    /// NCCL.
+    pub net: Option<NetModel>,
 }
 
 impl RankContext {

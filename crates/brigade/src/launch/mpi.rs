@@ -74,6 +74,7 @@ mod enabled {
             recorder: cfg.recorder.clone(),
             launcher: CommBackend::Mpi,
             nccl: cfg.backend == CommBackend::Nccl,
+            net: cfg.net,
         };
         let out = match rank_fn(&ctx, &shared) {
             Ok(out) => out,

@@ -7,18 +7,30 @@
 
 use std::sync::Arc;
 
-use brigade_comm::nccl::{exchange_id, require_nccl, NcclComm};
-use brigade_ddp::stream::{BucketStream, NcclStream};
-use brigade_tensor::cuda::{probe, CudaDevice};
+use brigade_comm::NetModel;
+use brigade_ddp::stream::BucketStream;
+use brigade_tensor::cuda::probe;
 use brigade_tensor::Device;
 
 use crate::error::{Error, Result};
 use crate::launch::context::{CommBackend, RankContext};
 
-/// Whether NCCL can be loaded: one typed error naming the missing library otherwise. With rank
-/// threads, also whether there is a GPU per rank (NCCL refuses two ranks on one GPU).
+/// Whether NCCL can be loaded: one typed error naming the missing library otherwise (or the
+/// build's missing CUDA backend). With rank threads, also whether there is a GPU per rank (NCCL
+/// refuses two ranks on one GPU).
 pub fn require(world_size: usize) -> Result<()> {
-    require_nccl().map_err(Error::from)?;
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = world_size;
+        Err(probe::Unavailable::NotBuilt.on(Device::Cuda(0)).into())
+    }
+    #[cfg(feature = "cuda")]
+    require_gpus(world_size)
+}
+
+#[cfg(feature = "cuda")]
+fn require_gpus(world_size: usize) -> Result<()> {
+    brigade_comm::nccl::require_nccl().map_err(Error::from)?;
     if under_mpi() {
         return Ok(());
     }
@@ -55,28 +67,41 @@ fn local_rank_from(var: impl Fn(&str) -> Option<String>) -> Option<usize> {
         .find_map(|v| var(v).and_then(|s| s.trim().parse().ok()))
 }
 
-/// The bucket stream of this rank when the run asked for NCCL: NCCL on `device`'s GPU (the id
-/// exchanged over the launcher's control communicator). `None`: the host comm stream that
+/// The bucket stream of this rank when the run asked for NCCL: NCCL on a comm stream of
+/// `device`'s GPU (the id exchanged over the launcher's control communicator), with `link`
+/// simulated on the comm stream by a delay kernel per bucket. `None`: the host comm stream that
 /// [`brigade_ddp::DistributedDataParallel::new`] builds over the rank's communicator stack.
-pub fn bucket_stream(ctx: &RankContext, device: Device) -> Result<Option<Arc<dyn BucketStream>>> {
+pub fn bucket_stream(
+    ctx: &RankContext,
+    device: Device,
+    link: Option<NetModel>,
+) -> Result<Option<Arc<dyn BucketStream>>> {
     if !ctx.nccl {
         return Ok(None);
     }
-    let Device::Cuda(ordinal) = device else {
+    if !matches!(device, Device::Cuda(_)) {
         return Err(Error::Config(
             "the NCCL backend reduces gradients in GPU memory: place the ranks on CUDA devices".into(),
         ));
-    };
-    require_nccl()?;
-    let gpu = CudaDevice::get(ordinal)?;
-    let id = exchange_id(ctx.control.as_ref())?;
-    let timeout = ctx.control.timeout();
-    let comm = NcclComm::new(gpu.stream().context(), ctx.rank, ctx.world_size, id, timeout)?;
-    Ok(Some(Arc::new(
-        NcclStream::new(Arc::new(comm))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = link;
+        Err(probe::Unavailable::NotBuilt.on(device).into())
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use brigade_comm::nccl::{exchange_id, require_nccl};
+        use brigade_ddp::stream::NcclStream;
+        require_nccl()?;
+        let id = exchange_id(ctx.control.as_ref())?;
+        let timeout = ctx.control.timeout();
+        let stream = NcclStream::join(device, ctx.rank, ctx.world_size, id, timeout)?
             .with_recorder(ctx.recorder.clone())
-            .with_compute_device(gpu),
-    )))
+            .with_compute_timing(true)
+            .with_simulated_link(link);
+        Ok(Some(Arc::new(stream)))
+    }
 }
 
 #[cfg(test)]

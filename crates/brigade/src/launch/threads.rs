@@ -31,6 +31,7 @@ pub fn run_ranks<S: Sync, T: Send>(
             recorder: cfg.recorder.clone(),
             launcher: CommBackend::Thread,
             nccl: cfg.backend == CommBackend::Nccl,
+            net: cfg.net,
         };
         rank_fn(&ctx, &shared)
     });

@@ -35,7 +35,10 @@ fn asking_for_cuda_without_it_is_one_error_line_naming_what_is_missing_before_st
                 .concat(),
             );
             assert_eq!(e.trim_end(), format!("error: {missing}"), "--device {device}");
-            if !probe::driver_present() {
+            if !cfg!(feature = "cuda") {
+                // a CPU-only build (no cudarc) says so, in the same one line
+                assert!(e.contains("`cuda` cargo feature"), "{e}");
+            } else if !probe::driver_present() {
                 assert!(e.contains("libcuda.so.1"), "{e}");
             }
             // Nothing ran: no step's loss, no checkpoint.

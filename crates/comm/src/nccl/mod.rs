@@ -1,31 +1,32 @@
-//! NCCL: collectives on GPU memory, on one dedicated CUDA comm stream per rank.
+//! NCCL: collectives on GPU memory, on one CUDA comm stream per rank (with the `cuda` feature).
 //!
-//! - [`DeviceBuffer`]: a flat f32 buffer in GPU memory, the device counterpart of
-//!   [`crate::Buffer`] (comm still knows no tensors), with the event its producer recorded
-//!   (*ready*) and, after a collective, the event the comm stream recorded (*done*).
-//! - [`NcclComm`]: one rank of an NCCL communicator. It fulfils the [`crate::Communicator`]
-//!   contract on host buffers (staged through the GPU, for control messages) and reduces
-//!   [`DeviceBuffer`]s in place with [`NcclComm::all_reduce_device`], ordered by events only:
-//!   the host never waits for a device collective.
+//! - Device memory arrives as raw handles defined in this crate ([`crate::DeviceSpan`]: device
+//!   pointer, element count, dtype, device ordinal; [`crate::RawStream`], [`crate::RawEvent`]):
+//!   comm still knows no tensors. `ddp` takes them from the tensor crate and passes them here.
+//! - [`NcclComm`]: one rank of an NCCL communicator on a comm stream the caller owns. It
+//!   fulfils the [`crate::Communicator`] contract on host buffers (staged through the GPU, for
+//!   control messages), and runs [`NcclComm::all_reduce_device`],
+//!   [`NcclComm::reduce_scatter_device`] and [`NcclComm::all_gather_device`] on device memory,
+//!   ordered by events only: the comm stream waits on the caller's *ready* event, runs the
+//!   collective, records the caller's *done* event; the host never waits.
 //! - Bootstrap: [`NcclId`] (rank 0 creates it) and [`exchange_id`], which hands its 128 bytes
 //!   to every rank over any communicator (threads: in memory; MPI: a 128-byte broadcast).
-//! - Faults (PyTorch's watchdog): a thread polls every collective's completion event and
-//!   `ncclCommGetAsyncError` against the communicator's timeout; on an error or a timeout it
-//!   aborts the communicator, and every later call fails with a [`crate::CommError::Nccl`]
-//!   naming the rank and the collective.
+//! - Faults (PyTorch's watchdog): a thread, with the device's CUDA context bound, polls every
+//!   collective's completion event, `ncclCommGetAsyncError` and the enqueue in progress against
+//!   the communicator's timeout; on an error or a timeout it aborts the communicator (also
+//!   under an enqueue blocked inside NCCL: the abort does not wait for it), and every later
+//!   call fails with a [`crate::CommError::Nccl`] naming the rank and the collective.
 //!
 //! cudarc loads libnccl at run time: [`nccl_present`] is asked before any NCCL call, so an
 //! absent library is a typed [`crate::CommError::Unavailable`], never a panic.
 //!
 //! **Compile-checked only**: nothing in this module has run on a GPU yet.
 
-mod buffer;
 mod comm;
 mod id;
 mod raw;
 mod watchdog;
 
-pub use buffer::DeviceBuffer;
 pub use comm::NcclComm;
 pub use id::{exchange_id, NcclId};
 

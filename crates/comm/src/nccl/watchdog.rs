@@ -1,6 +1,13 @@
-//! PyTorch's NCCL watchdog: a thread that polls every collective's completion event and the
-//! communicator's asynchronous error against the timeout, and aborts the communicator on an
-//! error or a timeout, so that no stream and no rank waits forever on a dead peer.
+//! PyTorch's NCCL watchdog: a thread that polls every collective's completion event, the
+//! communicator's asynchronous error and the enqueue in progress against the timeout, and
+//! aborts the communicator on an error or a timeout, so that no stream and no rank waits
+//! forever on a dead peer.
+//!
+//! The abort never waits for an enqueue: NCCL's enqueue can itself block (a peer that never
+//! joins a collective's launch), and `ncclCommAbort` from another thread is how NCCL ends such
+//! a call. So enqueues are serialized by a lock of their own, and the watchdog's look
+//! (`check`: the asynchronous error, the events, the abort) by another; the watchdog thread
+//! binds the communicator's CUDA context before it first looks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,15 +33,21 @@ impl Completion for CudaEvent {
     }
 }
 
-/// The communicator as the watchdog sees it (NCCL's `ncclComm_t`).
-pub(crate) trait Abortable: Send {
+/// The communicator as the watchdog sees it (NCCL's `ncclComm_t`). Every method takes
+/// `&self`: the abort comes from the watchdog thread while another thread may be inside an
+/// enqueue.
+pub(crate) trait Abortable: Send + Sync {
     /// `Err(code)` once an asynchronous error hit the communicator.
     fn async_error(&self) -> Result<(), String>;
-    /// Aborts the communicator (its queued and running kernels end).
-    fn abort(&mut self);
+    /// Aborts the communicator (its queued and running kernels end, a blocked enqueue
+    /// returns); idempotent.
+    fn abort(&self);
     /// Whether it was aborted.
     fn is_aborted(&self) -> bool;
 }
+
+/// Runs once on the watchdog thread before it first looks (binds the CUDA context).
+pub(crate) type OnStart = Box<dyn FnOnce() -> Result<(), String> + Send>;
 
 /// A collective the watchdog keeps an eye on.
 struct Pending {
@@ -47,7 +60,13 @@ struct Pending {
 pub(crate) struct Watched<C> {
     rank: usize,
     timeout: Duration,
-    raw: Mutex<C>,
+    comm: C,
+    /// Serializes enqueues (never taken by the watchdog).
+    enqueue: Mutex<()>,
+    /// The enqueue in progress: its collective and deadline.
+    in_enqueue: Mutex<Option<(String, Instant)>>,
+    /// One look at a time: the asynchronous error query and the abort never overlap.
+    looking: Mutex<()>,
     pending: Mutex<Vec<Pending>>,
     failure: Mutex<Option<CommError>>,
     stop: AtomicBool,
@@ -58,13 +77,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<C: Abortable + 'static> Watched<C> {
-    /// Starts the watchdog thread over `raw`.
-    pub(crate) fn start(raw: C, rank: usize, timeout: Duration) -> Arc<Watched<C>> {
-        let watched = Self::new(raw, rank, timeout);
+    /// Starts the watchdog thread over `comm`; it runs `on_start` first (binding the CUDA
+    /// context: NCCL and CUDA calls from a thread need it), and a failure there is the
+    /// communicator's failure.
+    pub(crate) fn start(comm: C, rank: usize, timeout: Duration, on_start: OnStart) -> Arc<Watched<C>> {
+        let watched = Self::new(comm, rank, timeout);
         let weak = Arc::downgrade(&watched);
         let _ = thread::Builder::new()
             .name(format!("nccl-watchdog-{rank}"))
             .spawn(move || {
+                if let Err(detail) = on_start() {
+                    if let Some(w) = weak.upgrade() {
+                        let e = w.error("(watchdog)", format!("binding the CUDA context: {detail}"));
+                        w.fail(e);
+                    }
+                    return;
+                }
                 while let Some(w) = weak.upgrade() {
                     if w.stop.load(Ordering::Relaxed) {
                         break;
@@ -78,25 +106,43 @@ impl<C: Abortable + 'static> Watched<C> {
     }
 
     /// The shared state without the thread (tests poll [`Watched::check`] themselves).
-    pub(crate) fn new(raw: C, rank: usize, timeout: Duration) -> Arc<Watched<C>> {
+    pub(crate) fn new(comm: C, rank: usize, timeout: Duration) -> Arc<Watched<C>> {
         Arc::new(Watched {
             rank,
             timeout,
-            raw: Mutex::new(raw),
+            comm,
+            enqueue: Mutex::new(()),
+            in_enqueue: Mutex::new(None),
+            looking: Mutex::new(()),
             pending: Mutex::new(Vec::new()),
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
         })
     }
 
-    /// The communicator, for enqueueing a collective (fails once it was aborted).
-    pub(crate) fn raw(&self, tag: &str) -> Result<MutexGuard<'_, C>, CommError> {
+    /// Runs `f` (enqueueing collective `tag`) on the communicator, one enqueue at a time. The
+    /// watchdog sees the enqueue and its deadline: an enqueue that blocks past the timeout is
+    /// ended by aborting the communicator, and `f`'s error then names the timeout.
+    pub(crate) fn enqueue<R>(&self, tag: &str, f: impl FnOnce(&C) -> Result<R, String>) -> Result<R, CommError> {
         self.failed()?;
-        let raw = lock(&self.raw);
-        if raw.is_aborted() {
-            return Err(self.error(tag, "an earlier fault".into()));
+        let _one = lock(&self.enqueue);
+        if self.comm.is_aborted() {
+            self.failed()?;
+            return Err(self.error(tag, "the communicator was aborted".into()));
         }
-        Ok(raw)
+        *lock(&self.in_enqueue) = Some((tag.to_string(), Instant::now() + self.timeout));
+        let r = f(&self.comm);
+        *lock(&self.in_enqueue) = None;
+        match r {
+            Ok(v) => Ok(v),
+            Err(detail) => {
+                // an abort (timeout, peer error) explains a failed call better than its code
+                self.failed()?;
+                let e = self.error(tag, detail);
+                self.fail(e.clone());
+                Err(e)
+            }
+        }
     }
 
     /// The first failure, if the communicator failed.
@@ -116,12 +162,23 @@ impl<C: Abortable + 'static> Watched<C> {
         });
     }
 
-    /// One look: drops completed collectives; on a CUDA error, an NCCL asynchronous error or a
-    /// collective past its deadline, aborts the communicator and records the failure.
+    /// One look: drops completed collectives; on a CUDA error, an NCCL asynchronous error, a
+    /// collective past its deadline or an enqueue blocked past its deadline, aborts the
+    /// communicator and records the failure.
     pub(crate) fn check(&self) -> Result<(), CommError> {
         self.failed()?;
+        let _one = lock(&self.looking);
         let now = Instant::now();
         let mut fault = None;
+        if let Some((tag, deadline)) = &*lock(&self.in_enqueue) {
+            if now > *deadline {
+                fault = Some(CommError::Timeout {
+                    rank: self.rank,
+                    tag: format!("{tag} (blocked while being enqueued)"),
+                    after: self.timeout,
+                });
+            }
+        }
         {
             let mut pending = lock(&self.pending);
             pending.retain(|p| match p.done.poll() {
@@ -141,7 +198,7 @@ impl<C: Abortable + 'static> Watched<C> {
                 }
             });
             if fault.is_none() {
-                if let Err(code) = lock(&self.raw).async_error() {
+                if let Err(code) = self.comm.async_error() {
                     let tag = pending
                         .first()
                         .map_or("(no collective in flight)".to_string(), |p| p.tag.clone());
@@ -152,7 +209,7 @@ impl<C: Abortable + 'static> Watched<C> {
         match fault {
             None => Ok(()),
             Some(e) => {
-                self.fail(e.clone());
+                self.fail_looking(e.clone());
                 Err(e)
             }
         }
@@ -187,9 +244,16 @@ impl<C: Abortable + 'static> Watched<C> {
 
     /// Records the first failure and aborts the communicator.
     pub(crate) fn fail(&self, e: CommError) {
+        let _one = lock(&self.looking);
+        self.fail_looking(e);
+    }
+
+    /// [`Watched::fail`] with the look lock held. The abort does not take the enqueue lock:
+    /// an enqueue blocked inside NCCL is exactly what it must end.
+    fn fail_looking(&self, e: CommError) {
         lock(&self.failure).get_or_insert(e);
         lock(&self.pending).clear();
-        lock(&self.raw).abort();
+        self.comm.abort();
     }
 
     /// An NCCL error of this rank in collective `tag`.
@@ -210,7 +274,8 @@ impl<C: Abortable + 'static> Watched<C> {
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Arc, Mutex};
+    use std::sync::{mpsc, Arc, Condvar, Mutex};
+    use std::thread::{self, ThreadId};
     use std::time::Duration;
 
     use super::{Abortable, Completion, Watched};
@@ -226,11 +291,33 @@ mod tests {
         }
     }
 
-    /// A communicator whose asynchronous error is set by the test; counts aborts.
+    /// A communicator whose asynchronous error is set by the test; counts aborts and remembers
+    /// the threads that aborted it. Its `blocking_call` blocks until it is aborted, as an NCCL
+    /// enqueue waiting for a dead peer does.
     #[derive(Clone, Default)]
     struct FakeComm {
         async_error: Arc<Mutex<Option<String>>>,
-        aborts: Arc<Mutex<usize>>,
+        aborts: Arc<(Mutex<usize>, Condvar)>,
+        abort_threads: Arc<Mutex<Vec<ThreadId>>>,
+    }
+
+    impl FakeComm {
+        fn aborts(&self) -> usize {
+            *self.aborts.0.lock().unwrap()
+        }
+
+        fn blocking_call(&self) -> Result<(), String> {
+            let (n, cv) = &*self.aborts;
+            let guard = cv
+                .wait_timeout_while(n.lock().unwrap(), Duration::from_secs(30), |n| *n == 0)
+                .unwrap()
+                .0;
+            if *guard > 0 {
+                Err("ncclInvalidUsage (aborted while blocked)".into())
+            } else {
+                Err("never aborted".into())
+            }
+        }
     }
 
     impl Abortable for FakeComm {
@@ -240,11 +327,14 @@ mod tests {
                 None => Ok(()),
             }
         }
-        fn abort(&mut self) {
-            *self.aborts.lock().unwrap() += 1;
+        fn abort(&self) {
+            self.abort_threads.lock().unwrap().push(thread::current().id());
+            let (n, cv) = &*self.aborts;
+            *n.lock().unwrap() += 1;
+            cv.notify_all();
         }
         fn is_aborted(&self) -> bool {
-            *self.aborts.lock().unwrap() > 0
+            self.aborts() > 0
         }
     }
 
@@ -258,8 +348,8 @@ mod tests {
         done.0.store(true, Ordering::SeqCst);
         assert_eq!(w.check(), Ok(()));
         assert!(w.pending.lock().unwrap().is_empty());
-        assert_eq!(*comm.aborts.lock().unwrap(), 0);
-        assert!(w.raw("bucket1").is_ok());
+        assert_eq!(comm.aborts(), 0);
+        assert_eq!(w.enqueue("bucket1", |_| Ok(7)), Ok(7));
     }
 
     #[test]
@@ -277,11 +367,11 @@ mod tests {
                 after: Duration::from_millis(20)
             }
         );
-        assert_eq!(*comm.aborts.lock().unwrap(), 1);
+        assert_eq!(comm.aborts(), 1);
         // Every later use fails with the first error; nothing is enqueued on a dead communicator.
-        assert_eq!(w.raw("bucket3").err(), Some(e.clone()));
+        assert_eq!(w.enqueue("bucket3", |_| Ok(())).err(), Some(e.clone()));
         assert_eq!(w.check(), Err(e));
-        assert_eq!(*comm.aborts.lock().unwrap(), 1, "aborted once");
+        assert_eq!(comm.aborts(), 1, "aborted once");
     }
 
     #[test]
@@ -298,20 +388,85 @@ mod tests {
             text.contains("rank 1") && text.contains("`bucket5`") && text.contains("ncclRemoteError"),
             "{text}"
         );
-        assert_eq!(*comm.aborts.lock().unwrap(), 1);
+        assert_eq!(comm.aborts(), 1);
     }
 
     #[test]
     fn the_watchdog_thread_finds_the_fault_without_anyone_asking() {
         let comm = FakeComm::default();
-        let w = Watched::start(comm.clone(), 0, Duration::from_millis(10));
+        let w = Watched::start(comm.clone(), 0, Duration::from_millis(10), Box::new(|| Ok(())));
         w.watch("bucket0", Arc::new(Flag::default()));
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while *comm.aborts.lock().unwrap() == 0 {
+        while comm.aborts() == 0 {
             assert!(std::time::Instant::now() < deadline, "the watchdog never aborted");
             std::thread::sleep(Duration::from_millis(2));
         }
         assert!(matches!(w.failed(), Err(CommError::Timeout { rank: 0, .. })));
         w.stop();
+    }
+
+    /// An enqueue that blocks inside NCCL (a peer that never launches its half) is ended by the
+    /// watchdog's abort, from the watchdog's own thread, with the context bound there first.
+    /// (Before issue 20 the abort needed the lock the blocked enqueue held: a deadlock.)
+    #[test]
+    fn the_watchdog_aborts_an_enqueue_that_blocks_from_its_own_thread_with_the_context_bound() {
+        let comm = FakeComm::default();
+        let bound_on = Arc::new(Mutex::new(None));
+        let bind = {
+            let bound_on = bound_on.clone();
+            Box::new(move || {
+                *bound_on.lock().unwrap() = Some(thread::current().id());
+                Ok(())
+            })
+        };
+        let w = Watched::start(comm.clone(), 2, Duration::from_millis(50), bind);
+        let (tx, rx) = mpsc::channel();
+        let (w2, c2) = (w.clone(), comm.clone());
+        let caller = thread::spawn(move || {
+            let _ = tx.send(w2.enqueue("bucket7", |_| c2.blocking_call()));
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the blocked enqueue was never aborted (the watchdog could not reach the communicator)");
+        caller.join().unwrap();
+        let e = r.unwrap_err();
+        assert_eq!(
+            e,
+            CommError::Timeout {
+                rank: 2,
+                tag: "bucket7 (blocked while being enqueued)".into(),
+                after: Duration::from_millis(50)
+            }
+        );
+        assert_eq!(comm.aborts(), 1);
+        let watchdog = bound_on.lock().unwrap().expect("the watchdog bound the context");
+        assert_eq!(
+            *comm.abort_threads.lock().unwrap(),
+            vec![watchdog],
+            "aborted by the watchdog thread"
+        );
+        assert_ne!(watchdog, thread::current().id());
+        w.stop();
+    }
+
+    #[test]
+    fn a_watchdog_that_cannot_bind_the_context_fails_the_communicator() {
+        let comm = FakeComm::default();
+        let w = Watched::start(
+            comm.clone(),
+            4,
+            Duration::from_secs(60),
+            Box::new(|| Err("CUDA_ERROR_INVALID_CONTEXT".into())),
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while w.failed().is_ok() {
+            assert!(std::time::Instant::now() < deadline, "no failure recorded");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let text = w.enqueue("bucket0", |_| Ok(())).unwrap_err().to_string();
+        assert!(
+            text.contains("rank 4") && text.contains("CUDA_ERROR_INVALID_CONTEXT"),
+            "{text}"
+        );
     }
 }

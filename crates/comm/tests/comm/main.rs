@@ -10,6 +10,7 @@ mod faults;
 mod meter;
 #[cfg(feature = "mpi")]
 mod mpi_collectives;
+#[cfg(feature = "cuda")]
 mod nccl_bootstrap;
 mod sim;
 mod sim_link;

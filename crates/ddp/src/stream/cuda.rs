@@ -1,61 +1,109 @@
-//! The CUDA comm stream behind the contract: a bucket's ready event is recorded on the compute
-//! stream, NCCL's comm stream waits on it and averages the bucket in place, and at the end of
-//! backward the compute stream waits on the completion event. The host never waits: the
-//! optimizer's kernels are simply queued behind the collectives.
+//! The NCCL comm stream behind the contract: a bucket's ready event is recorded on the
+//! compute stream, the comm stream (a second stream of the same GPU) waits on it, runs the
+//! modelled link's delay when one is simulated, averages the bucket in place with NCCL and
+//! records a done event; at the end of backward the compute stream waits on that done event.
+//! The host never waits: the optimizer's kernels are simply queued behind the collectives.
+//!
+//! Streams and events are the tensor crate's; the bucket's memory reaches NCCL as comm's raw
+//! handles ([`DeviceSpan`]), lent out of its tensor until the compute stream waited on the
+//! done event (the keep-alive rule of `brigade_tensor::stream`).
 
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use brigade_comm::nccl::{DeviceBuffer, NcclComm};
-use brigade_comm::{Communicator, Recorder, ReduceOp, SpanId};
-use brigade_tensor::cuda::CudaDevice;
-use brigade_tensor::{Device, Storage};
-use cudarc::driver::sys::CUevent_flags;
+use brigade_comm::nccl::{NcclComm, NcclId};
+use brigade_comm::{Communicator, DeviceSpan, NetModel, RawStream, Recorder, ReduceOp, SpanId};
+use brigade_tensor::{Device, Event, Stream};
 
 use super::gpu_clock::{GpuClock, GpuTimeline};
 use super::{BucketStream, Contents, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
 use crate::{bucket_tag, DdpError};
 
-/// A bucket enqueued on the NCCL comm stream: its memory (reduced in place) and its device.
-pub(crate) struct Enqueued {
-    buffer: DeviceBuffer,
-    dev: Arc<CudaDevice>,
-}
-
-/// Buckets averaged by NCCL on the comm's own CUDA stream, ordered by events (see the module
+/// Buckets averaged by NCCL on a comm stream of their GPU, ordered by events (see the module
 /// docs). Reduces with one averaging all-reduce per bucket (communication hooks run on the
 /// host stream only).
 pub struct NcclStream {
+    // Dropped before the streams: the communicator borrows the comm stream.
     comm: Arc<NcclComm>,
+    comm_stream: Stream,
+    compute: Stream,
+    link: Option<NetModel>,
     recorder: Option<Recorder>,
     timeline: OnceLock<Option<GpuTimeline>>,
-    /// The device whose compute stream backward runs on (for the compute spans).
-    compute: Option<Arc<CudaDevice>>,
+    /// Whether backward's compute scopes are timed on the compute stream for the timeline.
+    time_compute: bool,
 }
 
 impl NcclStream {
-    /// Buckets reduced over `comm`.
-    pub fn new(comm: Arc<NcclComm>) -> Self {
-        NcclStream {
-            comm,
+    /// Rank `rank` of `world_size` joins the NCCL communicator `id` on CUDA device `device`,
+    /// with a new comm stream of that device (the NCCL communicator runs there); the compute
+    /// stream is the device's. Blocks until every rank joined (at most `timeout`).
+    pub fn join(
+        device: Device,
+        rank: usize,
+        world_size: usize,
+        id: NcclId,
+        timeout: Duration,
+    ) -> crate::Result<NcclStream> {
+        let Device::Cuda(ordinal) = device else {
+            return Err(DdpError::Cuda {
+                rank,
+                during: "joining NCCL".into(),
+                detail: format!("the buckets live on {device}: NCCL reduces GPU memory (use --device cuda)"),
+            });
+        };
+        let compute = Stream::compute(device)?;
+        let comm_stream = Stream::new(device)?;
+        // SAFETY: `comm_stream` is a live stream of device `ordinal`, and it outlives the
+        // communicator: both live in the `NcclStream`, the communicator dropped first.
+        let comm = unsafe {
+            NcclComm::new(
+                ordinal,
+                RawStream(comm_stream.raw_handle()),
+                rank,
+                world_size,
+                id,
+                timeout,
+            )?
+        };
+        Ok(NcclStream {
+            comm: Arc::new(comm),
+            comm_stream,
+            compute,
+            link: None,
             recorder: None,
             timeline: OnceLock::new(),
-            compute: None,
-        }
+            time_compute: false,
+        })
     }
 
-    /// Also times backward's compute scopes on `device`'s compute stream (CUDA events at every
-    /// change of scope) for the timeline, in place of the host's launch times.
-    pub fn with_compute_device(mut self, device: Arc<CudaDevice>) -> Self {
-        self.compute = Some(device);
+    /// Also times backward's compute scopes on the compute stream (events at every change of
+    /// scope) for the timeline, in place of the host's launch times.
+    pub fn with_compute_timing(mut self, on: bool) -> Self {
+        self.time_compute = on;
         self
     }
 
-    /// Also writes every bucket's collective, timed by its CUDA events on the comm stream, and
-    /// its ready event on the compute stream, to `recorder` (the run's timeline).
+    /// Also writes every bucket's collective, timed by its events on the comm stream, and its
+    /// ready event on the compute stream, to `recorder` (the run's timeline).
     pub fn with_recorder(mut self, recorder: Option<Recorder>) -> Self {
         self.recorder = recorder;
         self
+    }
+
+    /// Simulates `link` on the GPU: before each bucket's all-reduce the comm stream runs a
+    /// delay kernel of the modelled all-reduce time (a ring of the world size, at least two
+    /// ranks, so that at world size 1 communication still takes the modelled time on the comm
+    /// stream and its overlap with backward's kernels shows).
+    pub fn with_simulated_link(mut self, link: Option<NetModel>) -> Self {
+        self.link = link;
+        self
+    }
+
+    /// The modelled time of one bucket's all-reduce, if a link is simulated.
+    pub fn link_delay(&self, bytes: usize) -> Option<Duration> {
+        self.link
+            .map(|m| m.all_reduce_time(bytes, self.comm.world_size().max(2)))
     }
 
     /// The GPU-clock timeline, anchored on first use (`None` without a recorder, or when the
@@ -64,28 +112,47 @@ impl NcclStream {
         self.timeline
             .get_or_init(|| {
                 let rec = self.recorder.clone()?;
-                let clock = GpuClock::new(self.comm.stream()).ok()?;
+                let clock = GpuClock::new(&self.comm_stream).ok()?;
                 Some(GpuTimeline::new(self.comm.rank(), rec, clock))
             })
             .as_ref()
     }
 
-    fn cuda_error(&self, during: String, e: impl std::fmt::Debug) -> DdpError {
+    fn cuda_error(&self, during: String, e: impl std::fmt::Display) -> DdpError {
         DdpError::Cuda {
             rank: self.comm.rank(),
             during,
-            detail: format!("{e:?}"),
+            detail: e.to_string(),
         }
     }
 
-    fn device_of(&self, index: usize, device: Device) -> crate::Result<Arc<CudaDevice>> {
-        match device {
-            Device::Cuda(i) => Ok(CudaDevice::get(i)?),
-            Device::Cpu => Err(self.cuda_error(
-                format!("reducing bucket {index} with NCCL"),
-                "the bucket lives on the CPU: NCCL reduces GPU memory (use --device cuda)",
-            )),
+    /// Enqueues bucket `index`'s collective on the comm stream; returns (start, done).
+    fn enqueue(&self, index: usize, bucket: &ReadyBucket, ready: Option<&Event>) -> crate::Result<(Event, Event)> {
+        let tag = bucket_tag(index);
+        let s = &self.comm_stream;
+        if let Some(r) = ready {
+            s.wait_event(r)?;
         }
+        let mem = bucket.storage.device_memory(s)?;
+        let started = s.record_event()?;
+        if let Some(delay) = self.link_delay(mem.len * mem.dtype.size_in_bytes()) {
+            s.spin(delay)?;
+        }
+        let Device::Cuda(ordinal) = mem.device else {
+            return Err(self.cuda_error(format!("handing bucket {index} to NCCL"), "not GPU memory"));
+        };
+        let span = DeviceSpan {
+            ptr: mem.ptr,
+            len: mem.len,
+            dtype: mem.dtype,
+            ordinal,
+        };
+        // SAFETY: `span` is the bucket's memory on the communicator's GPU, lent out of its
+        // tensor (nobody else writes it) and kept alive in the `InFlight` until the compute
+        // stream waited on `done`; the comm stream waited on the ready event above.
+        unsafe { self.comm.all_reduce_device(span, ReduceOp::Avg, None, None, &tag)? };
+        let done = s.record_event()?;
+        Ok((started, done))
     }
 }
 
@@ -95,36 +162,48 @@ impl BucketStream for NcclStream {
     }
 
     fn compute_scope(&self, span: Option<SpanId>) {
-        let (Some(dev), Some(timeline)) = (&self.compute, self.timeline()) else {
+        if !self.time_compute {
+            return;
+        }
+        let Some(timeline) = self.timeline() else {
             return;
         };
         // A failed record leaves the host's launch times in the chart, never fails the run.
-        if let Ok(event) = dev.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)) {
-            timeline.compute_scope(span, Arc::new(event));
+        if let Ok(event) = self.compute.record_event() {
+            timeline.compute_scope(span, event);
         }
     }
 
-    fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent> {
-        let dev = self.device_of(index, storage.device())?;
-        let event = dev
-            .stream()
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| self.cuda_error(format!("recording bucket {index}'s ready event"), e))?;
-        Ok(ReadyEvent::Cuda(Arc::new(event)))
+    fn record_ready(&self, index: usize, storage: &brigade_tensor::Storage) -> crate::Result<ReadyEvent> {
+        if storage.device() != self.compute.device() {
+            return Err(self.cuda_error(
+                format!("recording bucket {index}'s ready event"),
+                format!(
+                    "the bucket lives on {}, NCCL runs on {}",
+                    storage.device(),
+                    self.compute.device()
+                ),
+            ));
+        }
+        Ok(ReadyEvent::Device(self.compute.record_event()?))
     }
 
     fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight> {
         let index = bucket.index;
         let device = bucket.storage.device();
         let numel = bucket.storage.len();
-        let (slice, dev) = bucket.storage.into_cuda_f32().map_err(|s| {
-            self.cuda_error(
+        if bucket.storage.dtype() != brigade_tensor::DType::F32 || device != self.compute.device() {
+            return Err(self.cuda_error(
                 format!("handing bucket {index} to NCCL"),
-                format!("expected f32 GPU memory, found {:?} on {}", s.dtype(), s.device()),
-            )
-        })?;
-        let ready = match bucket.ready {
-            ReadyEvent::Cuda(event) => Some(event),
+                format!(
+                    "expected f32 memory on {}, found {} on {device}",
+                    self.compute.device(),
+                    bucket.storage.dtype()
+                ),
+            ));
+        }
+        let ready = match &bucket.ready {
+            ReadyEvent::Device(event) => Some(event.clone()),
             ReadyEvent::Host => None,
         };
         let launched = Instant::now();
@@ -133,18 +212,15 @@ impl BucketStream for NcclStream {
             // The previous passes' events have completed by now: time them.
             t.flush();
         }
-        let tag = bucket_tag(index);
-        let buffer = self
-            .comm
-            .all_reduce_device(DeviceBuffer::new(slice, ready.clone()), ReduceOp::Avg, &tag)?;
+        let (started, done) = self.enqueue(index, &bucket, ready.as_ref())?;
         if let Some(t) = timeline {
             t.issued(
                 index,
-                &tag,
+                &bucket_tag(index),
                 numel * 4,
                 ready,
-                buffer.started().cloned(),
-                buffer.done().cloned(),
+                Some(started),
+                Some(done.clone()),
             );
         }
         Ok(InFlight {
@@ -152,13 +228,16 @@ impl BucketStream for NcclStream {
             numel,
             device,
             launched,
-            op: InFlightOp::Cuda(Enqueued { buffer, dev }),
+            op: InFlightOp::Device {
+                storage: bucket.storage,
+                done,
+            },
         })
     }
 
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
         let index = in_flight.index;
-        let InFlightOp::Cuda(Enqueued { buffer, dev }) = in_flight.op else {
+        let InFlightOp::Device { storage, done } = in_flight.op else {
             return Err(Failed {
                 error: DdpError::WrongStream {
                     bucket: index,
@@ -168,17 +247,12 @@ impl BucketStream for NcclStream {
                 storage: None,
             });
         };
-        let (slice, done) = buffer.into_parts();
-        // The compute stream waits on the comm stream's completion event: the optimizer's
-        // kernels queue behind the collective; the host goes on.
-        let waited = match &done {
-            Some(done) => dev
-                .stream()
-                .wait(done)
-                .map_err(|e| self.cuda_error(format!("waiting on bucket {index}'s completion event"), e)),
-            None => Ok(()),
-        };
-        let storage = Storage::from_cuda_f32(slice, &dev);
+        // The compute stream waits on the comm stream's done event: the optimizer's kernels
+        // queue behind the collective; the host goes on.
+        let waited = self
+            .compute
+            .wait_event(&done)
+            .map_err(|e| self.cuda_error(format!("waiting on bucket {index}'s completion event"), e));
         match waited.and_then(|()| self.comm.check().map_err(DdpError::from)) {
             Ok(()) => Ok(Landed {
                 index,

@@ -4,24 +4,25 @@
 //! the host clock through one anchor event, and written to the run's [`Recorder`] as today's
 //! comm spans (the ready event as a zero-length marker `bucketN ready (compute stream, GPU
 //! clock)`), so the Chrome trace and SVG show a GPU step. Times are read only once the
-//! events completed (the next pass, or when the stream is dropped): never a host wait.
+//! events completed (the next pass): never a host wait inside a step; when the stream is
+//! dropped at the end of the run, the host waits for the last events once.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use brigade_comm::{Recorder, SpanId};
-use cudarc::driver::{CudaEvent, CudaStream};
+use brigade_tensor::{Event, Stream};
 
 /// Times on one GPU relative to an anchor event whose host instant is known.
 pub(crate) struct GpuClock {
-    anchor: CudaEvent,
+    anchor: Event,
     anchor_at: Instant,
 }
 
 impl GpuClock {
     /// Records the anchor on `stream` and waits for it once (at setup, not in a step).
-    pub(crate) fn new(stream: &CudaStream) -> Result<GpuClock, cudarc::driver::DriverError> {
-        let anchor = stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    pub(crate) fn new(stream: &Stream) -> brigade_tensor::Result<GpuClock> {
+        let anchor = stream.record_event()?;
         anchor.synchronize()?;
         Ok(GpuClock {
             anchor,
@@ -29,13 +30,13 @@ impl GpuClock {
         })
     }
 
-    /// The host instant of a completed, timing-enabled event; `None` if it has not completed.
-    fn at(&self, e: &CudaEvent) -> Option<Instant> {
-        if !e.try_is_complete().ok()? {
+    /// The host instant of a completed event; `None` if it has not completed.
+    fn at(&self, e: &Event) -> Option<Instant> {
+        if !e.is_complete().ok()? {
             return None;
         }
         let ms = self.anchor.elapsed_ms(e).ok()?;
-        let d = Duration::from_secs_f64((ms.abs() as f64) / 1e3);
+        let d = Duration::from_secs_f64(ms.abs() / 1e3);
         Some(if ms >= 0.0 {
             self.anchor_at + d
         } else {
@@ -50,17 +51,20 @@ struct Pending {
     /// The marker of the bucket's ready event (recorded at issue, so that it belongs to the
     /// step that issued it).
     ready_span: Option<SpanId>,
-    ready: Option<Arc<CudaEvent>>,
-    started: Option<Arc<CudaEvent>>,
-    done: Option<Arc<CudaEvent>>,
+    ready: Option<Event>,
+    started: Option<Event>,
+    done: Option<Event>,
 }
 
 /// A scope of backward on the compute stream: its host span and the events at its two ends.
 struct ComputeSpan {
     span: SpanId,
-    start: Arc<CudaEvent>,
-    end: Arc<CudaEvent>,
+    start: Event,
+    end: Event,
 }
+
+/// The compute scope open now (its span and start event), and closed ones not yet timed.
+type ComputeScopes = (Option<(SpanId, Event)>, Vec<ComputeSpan>);
 
 /// Collectives and backward's compute scopes whose GPU times go into `recorder` once their
 /// events completed.
@@ -70,7 +74,7 @@ pub(crate) struct GpuTimeline {
     clock: GpuClock,
     pending: Mutex<Vec<Pending>>,
     /// The compute scope open now (its kind and start event), and closed ones not yet timed.
-    compute: Mutex<(Option<(SpanId, Arc<CudaEvent>)>, Vec<ComputeSpan>)>,
+    compute: Mutex<ComputeScopes>,
 }
 
 impl GpuTimeline {
@@ -86,7 +90,7 @@ impl GpuTimeline {
 
     /// Backward's kernels enqueued from now on belong to `span` (`None`: the open one ended):
     /// `event`, just recorded on the compute stream, closes the open scope and opens the next.
-    pub(crate) fn compute_scope(&self, span: Option<SpanId>, event: Arc<CudaEvent>) {
+    pub(crate) fn compute_scope(&self, span: Option<SpanId>, event: Event) {
         let mut c = self.compute.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((open, start)) = c.0.take() {
             c.1.push(ComputeSpan {
@@ -104,9 +108,9 @@ impl GpuTimeline {
         bucket: usize,
         tag: &str,
         bytes: usize,
-        ready: Option<Arc<CudaEvent>>,
-        started: Option<Arc<CudaEvent>>,
-        done: Option<Arc<CudaEvent>>,
+        ready: Option<Event>,
+        started: Option<Event>,
+        done: Option<Event>,
     ) {
         let span = self
             .recorder
@@ -129,12 +133,12 @@ impl GpuTimeline {
         let mut pending = self.lock();
         pending.retain(|p| {
             let (Some(start), Some(end)) = (
-                p.started.as_deref().and_then(|e| self.clock.at(e)),
-                p.done.as_deref().and_then(|e| self.clock.at(e)),
+                p.started.as_ref().and_then(|e| self.clock.at(e)),
+                p.done.as_ref().and_then(|e| self.clock.at(e)),
             ) else {
                 return true;
             };
-            if let (Some(marker), Some(ready)) = (p.ready_span, p.ready.as_deref().and_then(|e| self.clock.at(e))) {
+            if let (Some(marker), Some(ready)) = (p.ready_span, p.ready.as_ref().and_then(|e| self.clock.at(e))) {
                 // The compute stream's moment the bucket was full: a zero-length marker.
                 self.recorder.comm_started(marker, ready);
                 self.recorder.comm_finished(marker, ready, None);
@@ -160,7 +164,20 @@ impl GpuTimeline {
 }
 
 impl Drop for GpuTimeline {
+    /// The run is over (not a step): the host waits for the last events, so the last step's
+    /// collectives and compute scopes are in the timeline too.
     fn drop(&mut self) {
+        for p in self.lock().iter() {
+            if let Some(done) = &p.done {
+                let _ = done.synchronize();
+            }
+        }
+        {
+            let c = self.compute.lock().unwrap_or_else(|p| p.into_inner());
+            for span in &c.1 {
+                let _ = span.end.synchronize();
+            }
+        }
         self.flush();
     }
 }

@@ -17,12 +17,16 @@
 //!    the bucket's storage goes back under its gradient views.
 //!
 //! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] and
-//! [`crate::hooks::CommHook`] (a CUDA bucket is staged through the host); [`NcclStream`] over
-//! an NCCL communicator on a dedicated CUDA comm stream. [`Recording`] wraps either and writes
-//! down the order of the calls, which is how the CPU tests check the logic that also drives
-//! NCCL.
+//! [`crate::hooks::CommHook`] (a device bucket is staged through the host); `NcclStream` (the
+//! `cuda` feature) over an NCCL communicator on a comm stream of the bucket's GPU. Streams and
+//! events are the tensor crate's ([`brigade_tensor::Stream`], [`brigade_tensor::Event`]), and
+//! device memory reaches NCCL as comm's raw handles: this crate names no CUDA type.
+//! [`Recording`] wraps either stream and writes down the order of the calls, which is how the
+//! CPU tests check the logic that also drives NCCL.
 
+#[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
 mod gpu_clock;
 mod host;
 mod recording;
@@ -31,12 +35,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use brigade_comm::{SpanId, Work};
-use brigade_tensor::{Device, Storage};
-use cudarc::driver::CudaEvent;
+use brigade_tensor::{Device, Event, Storage};
 
 use crate::hooks::BucketParam;
 use crate::DdpError;
 
+#[cfg(feature = "cuda")]
 pub use cuda::NcclStream;
 pub use host::HostStream;
 pub use recording::{Recording, StreamEvent};
@@ -46,8 +50,8 @@ pub use recording::{Recording, StreamEvent};
 pub enum ReadyEvent {
     /// The host wrote every gradient before announcing it: nothing left to wait on.
     Host,
-    /// An event on the compute stream, after the kernels that wrote the bucket.
-    Cuda(Arc<CudaEvent>),
+    /// An event on the bucket device's compute stream, after the kernels that wrote it.
+    Device(Event),
 }
 
 /// A full bucket handed to the comm side.
@@ -82,15 +86,22 @@ pub struct InFlight {
 pub(crate) enum InFlightOp {
     /// The hook's work; the bucket's new contents come back through the host.
     Host(Work<Vec<f32>>),
-    /// Enqueued on the CUDA comm stream: the storage (in place) and the completion event.
-    Cuda(cuda::Enqueued),
+    /// Enqueued on a device's comm stream: the storage (reduced in place) and the completion
+    /// event.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device {
+        /// The bucket's memory, kept alive (lent) until the compute stream waited on `done`.
+        storage: Storage,
+        /// Recorded on the comm stream after the collective.
+        done: Event,
+    },
 }
 
 impl std::fmt::Debug for InFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.op {
             InFlightOp::Host(_) => "host",
-            InFlightOp::Cuda(_) => "cuda",
+            InFlightOp::Device { .. } => "device",
         };
         write!(
             f,

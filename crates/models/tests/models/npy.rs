@@ -52,6 +52,7 @@ fn bits(t: &Tensor) -> Vec<u8> {
             .flat_map(|v| v.to_le_bytes())
             .collect(),
         DType::U8 => t.to_vec::<u8>().unwrap(),
+        DType::I8 => t.to_vec::<i8>().unwrap().iter().map(|&v| v as u8).collect(),
     }
 }
 

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use super::matmul::gemm_strided;
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, same, view};
-use crate::storage::CpuStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
 use crate::{Element, Float, Layout, Result};
 

@@ -3,7 +3,7 @@
 
 use super::{float_kernel, same, view};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::storage::CpuStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::threads::{par_chunks_mut, par_rows_mut};
 use crate::{Element, Float, Layout, Result};
 

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::{float_kernel, same, view};
-use crate::storage::CpuStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
 use crate::{Element, Float, Layout, Result};
 

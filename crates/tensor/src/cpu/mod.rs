@@ -11,23 +11,24 @@ mod matmul;
 mod nn;
 mod reduce;
 mod softmax_row;
+pub(crate) mod storage;
 
 pub use matmul::gemm_threads_for;
 
-use crate::backend::{AdamWScalars, BackendDevice, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::storage::CpuStorage;
+use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
 use crate::{DType, Device, Element, Layout, Result, TensorError};
+use storage::CpuStorage;
 
 /// Runs `$body` with `$v` bound to the storage's elements and `$T` to their Rust type,
 /// for the types kernels compute in (f32, f64).
 macro_rules! float_kernel {
     ($op:expr, $s:expr, $v:ident: $T:ident => $body:expr) => {
         match $s {
-            $crate::storage::CpuStorage::F32($v) => {
+            $crate::cpu::storage::CpuStorage::F32($v) => {
                 type $T = f32;
                 $body
             }
-            $crate::storage::CpuStorage::F64($v) => {
+            $crate::cpu::storage::CpuStorage::F64($v) => {
                 type $T = f64;
                 $body
             }
@@ -94,26 +95,6 @@ pub(crate) fn indices(op: &'static str, ids: &CpuStorage, l: &Layout) -> Result<
     }
 }
 
-/// The host as a device: allocation is a `Vec`, copying in is a clone.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct CpuDevice;
-
-impl BackendDevice for CpuDevice {
-    type Storage = CpuStorage;
-
-    fn location(&self) -> Device {
-        Device::Cpu
-    }
-
-    fn zeros(&self, dtype: DType, n: usize) -> Result<CpuStorage> {
-        Ok(CpuStorage::zeros(dtype, n))
-    }
-
-    fn storage_from_cpu(&self, data: &CpuStorage) -> Result<CpuStorage> {
-        Ok(data.clone())
-    }
-}
-
 impl BackendStorage for CpuStorage {
     fn dtype(&self) -> DType {
         CpuStorage::dtype(self)
@@ -144,6 +125,7 @@ impl BackendStorage for CpuStorage {
             CpuStorage::BF16(_) => CpuStorage::BF16(gather(self, layout, op)?),
             CpuStorage::I64(_) => CpuStorage::I64(gather(self, layout, op)?),
             CpuStorage::U8(_) => CpuStorage::U8(gather(self, layout, op)?),
+            CpuStorage::I8(_) => CpuStorage::I8(gather(self, layout, op)?),
         })
     }
 
@@ -161,6 +143,7 @@ impl BackendStorage for CpuStorage {
             CpuStorage::BF16(_) => conv::<half::bf16>(self, layout)?,
             CpuStorage::I64(_) => conv::<i64>(self, layout)?,
             CpuStorage::U8(_) => conv::<u8>(self, layout)?,
+            CpuStorage::I8(_) => conv::<i8>(self, layout)?,
         };
         Ok(CpuStorage::from_f64_vec(v, dtype))
     }
@@ -245,7 +228,7 @@ impl BackendStorage for CpuStorage {
         nn::cross_entropy(self, layout, targets)
     }
 
-    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: f64) -> Result<Self> {
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self> {
         nn::cross_entropy_backward(self, layout, targets, g)
     }
 

@@ -4,7 +4,7 @@
 
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, indices, same, view};
-use crate::storage::CpuStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::threads::par_rows_mut;
 use crate::{Element, Float, Layout, Result};
 
@@ -325,11 +325,13 @@ pub(super) fn cross_entropy_backward(
     probs: &CpuStorage,
     l: &Layout,
     targets: (&CpuStorage, &Layout),
-    g: f64,
+    g: (&CpuStorage, &Layout),
 ) -> Result<CpuStorage> {
-    let t = indices("cross_entropy_backward", targets.0, targets.1)?;
-    float_kernel!("cross_entropy_backward", probs, ps: T => {
+    let op = "cross_entropy_backward";
+    let t = indices(op, targets.0, targets.1)?;
+    float_kernel!(op, probs, ps: T => {
         let (n, c) = (l.shape()[0], l.shape()[1]);
+        let g = view(same::<T>(op, g.0)?, g.1)[0].to_f64();
         let scale = T::from_f64(g / n.max(1) as f64);
         let mut out = view(ps, l).to_vec();
         par_rows_mut(&mut out, c, |r, o| {

@@ -4,7 +4,7 @@ use std::borrow::Cow;
 
 use super::{float_kernel, gather, same, view};
 use crate::backend::ReduceOp;
-use crate::storage::CpuStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::threads::par_rows_mut;
 use crate::{Float, Layout, Result};
 
@@ -55,7 +55,8 @@ pub(super) fn reduce(s: &CpuStorage, l: &Layout, dims: &[usize], op: ReduceOp) -
             reduce_rows::<T>(s, l, dims, |r| r.iter().copied().sum())
         }
         ReduceOp::Max => {
-            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if b > a { b } else { a }))
+            // any NaN wins, wherever it comes (PyTorch's max; the CUDA kernel's rule)
+            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && (b > a || b.is_nan()) { b } else { a }))
         }
     })
 }

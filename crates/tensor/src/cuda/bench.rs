@@ -1,6 +1,7 @@
 //! Brigade's GEMM beside a direct cuBLAS call on the same device buffers, the same shapes, in
-//! the same run: what `brigade bench gemm --device cuda` and `crates/tensor/tests/tensor/cuda_bench.rs` print.
-//! Measures; it checks nothing (the ops tests check the numbers).
+//! the same run: what `brigade bench gemm --device cuda` and
+//! `crates/tensor/tests/tensor/cuda_bench.rs` print. Both outputs are copied out and compared
+//! element by element ([`super::compare_outputs`]), so a fast wrong GEMM cannot pass.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,18 +12,11 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use super::device::fault;
+use super::handle::{compare_outputs, GemmTiming};
 use super::{CudaDevice, CudaStorage};
+use crate::backend::BackendStorage;
 use crate::cuda::element::CudaElement;
 use crate::{DType, Layout, Result, TensorError};
-
-/// Seconds per call of one GEMM, Brigade's and cuBLAS's, medians of the same repetitions.
-#[derive(Debug, Clone, Copy)]
-pub struct GemmTiming {
-    /// `CudaStorage::matmul` (the view → cuBLAS plan, then cuBLAS).
-    pub brigade_s: f64,
-    /// `cublas{S,H,Bf16}gemm` called directly on row-major buffers.
-    pub cublas_s: f64,
-}
 
 /// Median seconds of `reps` calls of `f` (each followed by a device synchronize), after three
 /// warm-up calls.
@@ -59,8 +53,16 @@ fn row_major<T>(m: usize, k: usize, n: usize, one: T, zero: T) -> GemmConfig<T> 
     }
 }
 
-/// Times the direct cuBLAS call on copies of `a` and `b` (already cast to `T`).
-fn direct<T>(dev: &CudaDevice, a: &CudaStorage, b: &CudaStorage, mkn: [usize; 3], one: T, reps: usize) -> Result<f64>
+/// Times the direct cuBLAS call on copies of `a` and `b` (already cast to `T`); returns the
+/// seconds and the output.
+fn direct<T>(
+    dev: &Arc<CudaDevice>,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    mkn: [usize; 3],
+    one: T,
+    reps: usize,
+) -> Result<(f64, CudaStorage)>
 where
     T: CudaElement + DeviceRepr + ValidAsZeroBits + Default,
     cudarc::cublas::CudaBlas: Gemm<T>,
@@ -74,26 +76,25 @@ where
     let mut dc = s
         .alloc_zeros::<T>(m * n)
         .map_err(|e| fault(device, "allocating the output", e))?;
-    median_secs(dev, reps, || {
+    let blas = dev.blas()?;
+    let secs = median_secs(dev, reps, || {
         // SAFETY: da holds m*k, db k*n and dc m*n elements, as the config says.
-        unsafe {
-            dev.blas()
-                .gemm(row_major(m, k, n, one, T::default()), &db, &da, &mut dc)
-        }
-        .map_err(|e| fault(device, "cublas gemm", e))
-    })
+        unsafe { blas.gemm(row_major(m, k, n, one, T::default()), &db, &da, &mut dc) }
+            .map_err(|e| fault(device, "cublas gemm", e))
+    })?;
+    Ok((secs, CudaStorage::from_slice(dev, dc)))
 }
 
 /// Brigade's `matmul` and the direct cuBLAS call for `[m, k, n]` in `dtype` (F32, F16 or
-/// BF16; f16/bf16 accumulate in f32 on both sides), on deterministic data.
-pub fn gemm_vs_cublas(dev: &Arc<CudaDevice>, mkn: [usize; 3], dtype: DType, reps: usize) -> Result<GemmTiming> {
+/// BF16; f16/bf16 accumulate in f32 on both sides), on deterministic data; outputs compared.
+pub(crate) fn gemm_vs_cublas(dev: &Arc<CudaDevice>, mkn: [usize; 3], dtype: DType, reps: usize) -> Result<GemmTiming> {
     let [m, k, n] = mkn;
     let fill = |len: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect() };
     let (la, lb) = (Layout::contiguous(&[m, k]), Layout::contiguous(&[k, n]));
     let a = CudaStorage::from_host(dev, &fill(m * k))?.to_dtype(&la, dtype)?;
     let b = CudaStorage::from_host(dev, &fill(k * n))?.to_dtype(&lb, dtype)?;
     let brigade_s = median_secs(dev, reps, || a.matmul(&la, &b, &lb).map(drop))?;
-    let cublas_s = match dtype {
+    let (cublas_s, theirs) = match dtype {
         DType::F32 => direct(dev, &a, &b, mkn, 1.0f32, reps)?,
         DType::F16 => direct(dev, &a, &b, mkn, f16::ONE, reps)?,
         DType::BF16 => direct(dev, &a, &b, mkn, bf16::ONE, reps)?,
@@ -105,5 +106,13 @@ pub fn gemm_vs_cublas(dev: &Arc<CudaDevice>, mkn: [usize; 3], dtype: DType, reps
             })
         }
     };
-    Ok(GemmTiming { brigade_s, cublas_s })
+    let lc = Layout::contiguous(&[m, n]);
+    let ours = a.matmul(&la, &b, &lb)?.to_dtype(&lc, DType::F64)?.to_host::<f64>()?;
+    let theirs = theirs.to_dtype(&lc, DType::F64)?.to_host::<f64>()?;
+    let rel_tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+    Ok(GemmTiming {
+        brigade_s,
+        cublas_s,
+        outputs: compare_outputs(&ours, &theirs, rel_tol),
+    })
 }

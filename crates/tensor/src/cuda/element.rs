@@ -8,7 +8,7 @@ use crate::DType;
 
 /// One device allocation of one element type.
 #[derive(Debug)]
-pub enum CudaBuffer {
+pub(crate) enum CudaBuffer {
     /// f32 elements.
     F32(CudaSlice<f32>),
     /// f64 elements.
@@ -21,24 +21,28 @@ pub enum CudaBuffer {
     I64(CudaSlice<i64>),
     /// Bytes.
     U8(CudaSlice<u8>),
+    /// Signed bytes (quantized payloads).
+    I8(CudaSlice<i8>),
 }
 
-impl CudaBuffer {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            CudaBuffer::F32(_) => DType::F32,
-            CudaBuffer::F64(_) => DType::F64,
-            CudaBuffer::F16(_) => DType::F16,
-            CudaBuffer::BF16(_) => DType::BF16,
-            CudaBuffer::I64(_) => DType::I64,
-            CudaBuffer::U8(_) => DType::U8,
+/// Runs `$e` with `$s` bound to the buffer's slice, whatever its element type.
+macro_rules! with_slice {
+    ($b:expr, $s:ident => $e:expr) => {
+        match $b {
+            $crate::cuda::element::CudaBuffer::F32($s) => $e,
+            $crate::cuda::element::CudaBuffer::F64($s) => $e,
+            $crate::cuda::element::CudaBuffer::F16($s) => $e,
+            $crate::cuda::element::CudaBuffer::BF16($s) => $e,
+            $crate::cuda::element::CudaBuffer::I64($s) => $e,
+            $crate::cuda::element::CudaBuffer::U8($s) => $e,
+            $crate::cuda::element::CudaBuffer::I8($s) => $e,
         }
-    }
+    };
 }
+pub(crate) use with_slice;
 
 /// A Rust element type with a device buffer variant and a kernel-name suffix.
-pub trait CudaElement: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {
+pub(crate) trait CudaElement: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {
     /// The matching dtype.
     const DTYPE: DType;
     /// The suffix of this type's kernels (`"f32"`, `"i64"`, ...).
@@ -81,9 +85,10 @@ cuda_element!(f16, F16, "f16");
 cuda_element!(bf16, BF16, "bf16");
 cuda_element!(i64, I64, "i64");
 cuda_element!(u8, U8, "u8");
+cuda_element!(i8, I8, "i8");
 
 /// A float type Brigade's kernels compute in (f32, f64).
-pub trait CudaFloat: CudaElement {
+pub(crate) trait CudaFloat: CudaElement {
     /// Rounds an f64 to this type.
     fn from_f64(x: f64) -> Self;
 }

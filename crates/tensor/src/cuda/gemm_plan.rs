@@ -251,3 +251,7 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
     }
     Ok(plan)
 }
+
+#[cfg(test)]
+#[path = "gemm_plan_tests.rs"]
+mod tests;

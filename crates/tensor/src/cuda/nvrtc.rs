@@ -2,9 +2,9 @@
 //!
 //! The `.cu` files live beside this module and are embedded with `include_str!`; each is
 //! compiled on first use to machine code for the architecture of the device that runs it,
-//! and cached per device by [`super::CudaDevice`]. NVRTC needs no GPU, so [`compile`] also
-//! runs on CPU-only machines: the test `crates/tensor/tests/tensor/cuda_nvrtc.rs` compiles every
-//! file for sm_80 and sm_90 with [`compile_strict`].
+//! and cached per device by `CudaDevice`. NVRTC needs no GPU, so [`compile`] also runs on
+//! CPU-only machines: the test `crates/tensor/tests/tensor/cuda_nvrtc.rs` compiles every file
+//! for sm_80 and sm_90 with [`compile_strict`] (through `cuda::probe`, which re-exports them).
 
 use std::ffi::{c_char, CString};
 
@@ -18,7 +18,7 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 pub struct KernelFile {
     /// The file name, e.g. `"nn.cu"`; also the NVRTC program name.
     pub name: &'static str,
-    /// The file's CUDA C source (without [`COMMON`]).
+    /// The file's CUDA C source (without the shared `common.cuh`).
     pub source: &'static str,
 }
 
@@ -47,9 +47,14 @@ pub const OPTIM: KernelFile = KernelFile {
     name: "optim.cu",
     source: include_str!("kernels/optim.cu"),
 };
+/// The simulated link's spin kernel.
+pub const LINK: KernelFile = KernelFile {
+    name: "link.cu",
+    source: include_str!("kernels/link.cu"),
+};
 
 /// Every kernel file, in the order the NVRTC test compiles them.
-pub const KERNEL_FILES: [KernelFile; 5] = [ELEMENTWISE, COPY, REDUCE, NN, OPTIM];
+pub const KERNEL_FILES: [KernelFile; 6] = [ELEMENTWISE, COPY, REDUCE, NN, OPTIM, LINK];
 
 /// Why a kernel file did not compile cleanly.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -135,7 +140,7 @@ impl Drop for Program {
     }
 }
 
-/// Compiles `file` (with [`COMMON`] prepended) to CUBIN for `arch` (e.g. `"sm_90"`).
+/// Compiles `file` (with the shared `common.cuh` prepended) to CUBIN for `arch` (e.g. `"sm_90"`).
 /// Warnings do not fail this call (the run-time path); [`compile_strict`] refuses them.
 pub fn compile(file: KernelFile, arch: &str) -> Result<CompiledKernels, CompileFailure> {
     if !probe::nvrtc_present() {
@@ -204,4 +209,94 @@ pub fn compile_strict(file: KernelFile, arch: &str) -> Result<CompiledKernels, C
         });
     }
     Ok(c)
+}
+
+/// The environment variable naming a directory where compiled kernel files are kept between
+/// processes (the GPU check sets it: each `brigade` run would otherwise compile its kernels
+/// anew).
+pub const CACHE_ENV: &str = "BRIGADE_KERNEL_CACHE";
+
+/// FNV-1a, 64 bits: the cache key of a source, options and NVRTC version (not a security
+/// boundary: the directory is the user's own).
+fn fnv64(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// [`compile`]'s CUBIN, read from `$BRIGADE_KERNEL_CACHE` when an earlier process compiled the
+/// same source with the same options and NVRTC, else compiled and written there (atomically:
+/// a temporary file renamed into place). Without the variable, or on any cache error, it
+/// compiles.
+pub fn compile_cached(file: KernelFile, arch: &str) -> Result<Vec<u8>, CompileFailure> {
+    let Some(dir) = std::env::var_os(CACHE_ENV).map(std::path::PathBuf::from) else {
+        return compile(file, arch).map(|c| c.cubin);
+    };
+    if !probe::nvrtc_present() {
+        return Err(Unavailable::Nvrtc.into());
+    }
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: two valid out-pointers; NVRTC is loadable (checked above).
+    let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    let options = compile_options(arch).join(" ");
+    let version = format!("{major}.{minor}");
+    let key = fnv64(&[
+        COMMON.as_bytes(),
+        file.source.as_bytes(),
+        options.as_bytes(),
+        version.as_bytes(),
+    ]);
+    let path = dir.join(format!("{}-{arch}-{key:016x}.cubin", file.name));
+    if let Ok(cubin) = std::fs::read(&path) {
+        if !cubin.is_empty() {
+            return Ok(cubin);
+        }
+    }
+    let cubin = compile(file, arch)?.cubin;
+    let tmp = dir.join(format!(".{}.{}.tmp", file.name, std::process::id()));
+    let stored = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&tmp, &cubin))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if stored.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    Ok(cubin)
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::{compile_cached, CACHE_ENV, COPY, LINK};
+
+    #[test]
+    fn a_compiled_file_is_kept_and_read_back_and_the_key_follows_the_source() {
+        if !super::probe::nvrtc_present() {
+            crate::testing::report_skip("nvrtc::cache_tests", &"libnvrtc is not on LD_LIBRARY_PATH");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("brigade-kernel-cache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // no other test of this binary reads the variable
+        std::env::set_var(CACHE_ENV, &dir);
+        let first = compile_cached(LINK, "sm_80").unwrap();
+        let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        // a stored file is what comes back (doctor it: the cache, not NVRTC, answered)
+        std::fs::write(&files[0], b"cached").unwrap();
+        assert_eq!(compile_cached(LINK, "sm_80").unwrap(), b"cached");
+        assert_ne!(
+            compile_cached(COPY, "sm_80").unwrap(),
+            first,
+            "another source, another key"
+        );
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+        std::env::remove_var(CACHE_ENV);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

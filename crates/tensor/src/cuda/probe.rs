@@ -2,9 +2,17 @@
 //!
 //! cudarc loads the CUDA libraries on first use and panics when one is missing; each
 //! library's `is_culib_present()` answers the same question without panicking, so every
-//! path into cudarc goes through [`require`] first.
+//! path into cudarc goes through [`require`] first. A build without the `cuda` feature
+//! answers [`Unavailable::NotBuilt`] to every question.
+//!
+//! With the feature, the kernels' NVRTC compilation is here too ([`compile`],
+//! [`compile_strict`], [`KERNEL_FILES`]): it needs no GPU, so CI checks that every kernel
+//! compiles on a CPU-only machine.
 
 use crate::{Device, TensorError};
+
+#[cfg(feature = "cuda")]
+pub use super::nvrtc::{compile, compile_strict, CompileFailure, CompiledKernels, KernelFile, KERNEL_FILES};
 
 /// What is missing when CUDA cannot serve a device: one variant per cause, so the user is
 /// told exactly which library or device to fix.
@@ -35,6 +43,9 @@ pub enum Unavailable {
         /// The driver's error.
         detail: String,
     },
+    /// This build has no CUDA backend (it was built without the `cuda` cargo feature).
+    #[error("this build has no CUDA backend (it was built without the `cuda` cargo feature)")]
+    NotBuilt,
 }
 
 impl Unavailable {
@@ -49,24 +60,57 @@ impl Unavailable {
 
 /// True when NVRTC can be loaded (it needs no GPU: kernels compile on any machine).
 pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen the library; no NVRTC function is called.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only tries to dlopen the library; no function of it is called.
+        unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
 
 /// True when the CUDA driver library can be loaded.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the library; no driver function is called.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only tries to dlopen the library; no function of it is called.
+        unsafe { cudarc::driver::sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
 
 /// True when cuBLAS can be loaded.
 pub fn cublas_present() -> bool {
-    // SAFETY: only tries to dlopen the library; no cuBLAS function is called.
-    unsafe { cudarc::cublas::sys::is_culib_present() }
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: only tries to dlopen the library; no function of it is called.
+        unsafe { cudarc::cublas::sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
 
 /// How many CUDA devices the driver sees, or why it cannot be asked.
 pub fn device_count() -> Result<usize, Unavailable> {
+    #[cfg(feature = "cuda")]
+    {
+        device_count_from_driver()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(Unavailable::NotBuilt)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_count_from_driver() -> Result<usize, Unavailable> {
     if !driver_present() {
         return Err(Unavailable::Driver);
     }
@@ -84,6 +128,9 @@ pub fn device_count() -> Result<usize, Unavailable> {
 /// Checks everything the CUDA backend needs for device `ordinal` (driver, cuBLAS, NVRTC,
 /// the device itself), in that order, so the first missing piece is the one reported.
 pub fn require(ordinal: usize) -> Result<(), Unavailable> {
+    if cfg!(not(feature = "cuda")) {
+        return Err(Unavailable::NotBuilt);
+    }
     if !driver_present() {
         return Err(Unavailable::Driver);
     }

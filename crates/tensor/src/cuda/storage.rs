@@ -1,30 +1,30 @@
-//! A tensor's memory on a CUDA device: allocation, copies in and out, and the data
-//! movement kernels (strided gather, dtype conversion, fill, scaled accumulation).
+//! A tensor's memory on a CUDA device: allocation, copies in and out, and the keep-alive rule
+//! (memory used on a stream other than its own is freed only after that stream's work on it).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::{bf16, f16};
 
 use super::device::{fault, CudaDevice};
-use super::element::{CudaBuffer, CudaElement, CudaFloat};
-use super::launch::{for_elements, StridedLayout};
-use super::nvrtc::COPY;
-use crate::storage::CpuStorage;
+use super::element::{CudaBuffer, CudaElement};
+use crate::cpu::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result, TensorError};
 
-/// Launches kernel `$name` of `$file` on `$dev`'s stream with the given arguments, every
-/// failure checked and named.
+/// Launches kernel `$name` of `$file` on `$dev`'s current stream with the given arguments,
+/// every failure checked and named. `$dev` is anything with `function`, `stream` and
+/// `location` (a `CudaDevice`, or a given stream in `streams.rs`).
 macro_rules! launch {
     ($dev:expr, $file:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         use cudarc::driver::PushKernelArg as _;
         let name: &str = &$name;
         let f = $dev.function($file, name)?;
-        let mut b = $dev.stream().launch_builder(&f);
+        let stream = $dev.stream();
+        let mut b = stream.launch_builder(&f);
         $( b.arg($arg); )*
         // SAFETY: the arguments follow the kernel's C signature in its .cu file (pointers,
         // then 64-bit counts and scalars, in order) and every buffer holds the elements the
-        // counts and layouts name (checked by the front end and the wrapper).
+        // counts and layouts name (checked by the front end and the caller).
         unsafe { b.launch($cfg) }
             .map(|_| ())
             .map_err(|e| $crate::cuda::device::fault($dev.location(), &format!("launching {name}"), e))
@@ -32,18 +32,43 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
-/// Storage on a CUDA device: one buffer of one element type (none when empty) and the
-/// device whose stream orders every access.
-pub struct CudaStorage {
+/// Storage on a CUDA device: one buffer of one element type (none when empty), the device,
+/// what is known of its integer values, and the other streams that used it.
+pub(crate) struct CudaStorage {
     buf: Option<CudaBuffer>,
     dtype: DType,
     len: usize,
     dev: Arc<CudaDevice>,
+    int_range: Option<(i64, i64)>,
+    /// Streams other than the buffer's own that used it (kernels in a scope of theirs, raw
+    /// memory lent for them): the free waits for them.
+    used_on: Mutex<Vec<Arc<CudaStream>>>,
 }
 
 impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaStorage({:?} x {} on {:?})", self.dtype, self.len, self.dev)
+    }
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        let others = std::mem::take(&mut *self.used_on.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let Some(buf) = self.buf.take() else { return };
+        if others.is_empty() {
+            return; // freed on its own stream, after that stream's work
+        }
+        let events: std::result::Result<Vec<_>, _> = others.iter().map(|s| s.record_event(None)).collect();
+        match events {
+            Ok(events) => self.dev.defer_free(buf, events),
+            Err(_) => {
+                // Cannot record: wait for those streams instead of freeing under them.
+                for s in &others {
+                    let _ = s.synchronize();
+                }
+                drop(buf);
+            }
+        }
     }
 }
 
@@ -56,6 +81,8 @@ impl CudaStorage {
             dtype: T::DTYPE,
             len,
             dev: dev.clone(),
+            int_range: None,
+            used_on: Mutex::new(Vec::new()),
         }
     }
 
@@ -66,52 +93,88 @@ impl CudaStorage {
             dtype,
             len: 0,
             dev: dev.clone(),
+            int_range: None,
+            used_on: Mutex::new(Vec::new()),
         }
     }
 
+    /// The same storage, remembering the range of its integer values.
+    pub(crate) fn with_int_range(mut self, range: Option<(i64, i64)>) -> Self {
+        self.int_range = range;
+        self
+    }
+
+    /// The range of integer values known without reading them.
+    pub(crate) fn known_int_range(&self) -> Option<(i64, i64)> {
+        self.int_range
+    }
+
+    /// Forgets the range (the storage is being written on the device).
+    pub(crate) fn forget_int_range(&mut self) {
+        self.int_range = None;
+    }
+
     /// The element type.
-    pub fn dtype(&self) -> DType {
+    pub(crate) fn dtype(&self) -> DType {
         self.dtype
     }
 
     /// The device the memory lives on.
-    pub fn device(&self) -> Device {
+    pub(crate) fn device(&self) -> Device {
         self.dev.location()
     }
 
     /// The device handle.
-    pub fn cuda_device(&self) -> &Arc<CudaDevice> {
+    pub(crate) fn cuda_device(&self) -> &Arc<CudaDevice> {
         &self.dev
     }
 
     /// Number of elements.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    /// True when there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// A zero-length storage of the same dtype and device (what a lent-out tensor keeps).
-    pub fn empty_like(&self) -> Self {
+    pub(crate) fn empty_like(&self) -> Self {
         Self::empty(&self.dev, self.dtype)
     }
 
-    /// The buffer as `T`, or a typed error.
+    fn used_on(&self) -> MutexGuard<'_, Vec<Arc<CudaStream>>> {
+        self.used_on.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Notes a use on the current stream (the keep-alive rule).
+    fn note_use(&self, own: &Arc<CudaStream>) {
+        let now = self.dev.stream();
+        if now.cu_stream() != own.cu_stream() {
+            let mut u = self.used_on();
+            if !u.iter().any(|s| s.cu_stream() == now.cu_stream()) {
+                u.push(now);
+            }
+        }
+    }
+
+    /// The buffer as `T`, or a typed error; notes a use on the current stream.
     pub(crate) fn data<T: CudaElement>(&self, op: &'static str) -> Result<&CudaSlice<T>> {
         let buf = self.buf.as_ref().ok_or(TensorError::StorageLent { op })?;
-        T::slice(buf).ok_or(TensorError::DTypeMismatch {
+        let s = T::slice(buf).ok_or(TensorError::DTypeMismatch {
             op,
             lhs: self.dtype,
             rhs: T::DTYPE,
-        })
+        })?;
+        self.note_use(s.stream());
+        Ok(s)
     }
 
-    /// The buffer as `T`, mutably.
+    /// The buffer as `T`, mutably; notes a use on the current stream.
     pub(crate) fn data_mut<T: CudaElement>(&mut self, op: &'static str) -> Result<&mut CudaSlice<T>> {
+        self.int_range = None;
         let dtype = self.dtype;
+        let own = match self.buf.as_ref() {
+            Some(b) => b.stream().clone(),
+            None => return Err(TensorError::StorageLent { op }),
+        };
+        self.note_use(&own);
         let buf = self.buf.as_mut().ok_or(TensorError::StorageLent { op })?;
         T::slice_mut(buf).ok_or(TensorError::DTypeMismatch {
             op,
@@ -120,41 +183,34 @@ impl CudaStorage {
         })
     }
 
-    /// The f32 buffer itself, moved out (no copy), for a collective on device memory (NCCL).
-    pub fn into_f32_slice(self) -> Result<CudaSlice<f32>> {
-        let op = "into_f32_slice";
-        match self.buf {
-            Some(super::element::CudaBuffer::F32(s)) => Ok(s),
-            Some(other) => Err(TensorError::DTypeMismatch {
-                op,
-                lhs: other.dtype(),
-                rhs: DType::F32,
-            }),
-            None => Err(TensorError::StorageLent { op }),
-        }
+    /// The address of the memory for code outside the contract that uses it on the current
+    /// stream (noted for the keep-alive rule).
+    pub(crate) fn lend_raw(&self) -> Result<u64> {
+        let op = "device_memory";
+        let buf = self.buf.as_ref().ok_or(TensorError::StorageLent { op })?;
+        self.note_use(buf.stream());
+        Ok(buf.device_ptr())
     }
 
-    /// Wraps an f32 device buffer of `dev` (the inverse of [`CudaStorage::into_f32_slice`]).
-    pub fn from_f32_slice(dev: &Arc<CudaDevice>, s: CudaSlice<f32>) -> Self {
-        Self::from_slice(dev, s)
-    }
-
-    /// `n` uninitialised elements on `dev`, for a kernel that writes them all.
+    /// `n` uninitialised elements on `dev`'s current stream, for a kernel that writes them
+    /// all.
     pub(crate) fn alloc<T: CudaElement>(dev: &Arc<CudaDevice>, n: usize) -> Result<CudaSlice<T>> {
+        dev.reap();
         // SAFETY: callers launch a kernel that writes every element before any read.
         unsafe { dev.stream().alloc::<T>(n) }
             .map_err(|e| fault(dev.location(), &format!("allocating {n} x {:?}", T::DTYPE), e))
     }
 
-    /// `n` zeroed elements on `dev`.
+    /// `n` zeroed elements on `dev`'s current stream.
     pub(crate) fn alloc_zeros<T: CudaElement>(dev: &Arc<CudaDevice>, n: usize) -> Result<CudaSlice<T>> {
+        dev.reap();
         dev.stream()
             .alloc_zeros::<T>(n)
             .map_err(|e| fault(dev.location(), &format!("allocating {n} x {:?}", T::DTYPE), e))
     }
 
     /// `n` zero-filled elements of `dtype` on `dev`.
-    pub fn zeros(dev: &Arc<CudaDevice>, dtype: DType, n: usize) -> Result<Self> {
+    pub(crate) fn zeros(dev: &Arc<CudaDevice>, dtype: DType, n: usize) -> Result<Self> {
         if n == 0 {
             return Ok(Self::empty(dev, dtype));
         }
@@ -165,33 +221,37 @@ impl CudaStorage {
             DType::BF16 => Self::from_slice(dev, Self::alloc_zeros::<bf16>(dev, n)?),
             DType::I64 => Self::from_slice(dev, Self::alloc_zeros::<i64>(dev, n)?),
             DType::U8 => Self::from_slice(dev, Self::alloc_zeros::<u8>(dev, n)?),
+            DType::I8 => Self::from_slice(dev, Self::alloc_zeros::<i8>(dev, n)?),
         })
     }
 
-    /// Copy in: host data onto `dev`.
-    pub fn from_cpu(dev: &Arc<CudaDevice>, data: &CpuStorage) -> Result<Self> {
+    /// Copy in: host data onto `dev` (on its current stream); integer data remembers its range.
+    pub(crate) fn from_cpu(dev: &Arc<CudaDevice>, data: &CpuStorage) -> Result<Self> {
         fn up<T: CudaElement>(dev: &Arc<CudaDevice>, v: &[T]) -> Result<CudaStorage> {
             if v.is_empty() {
                 return Ok(CudaStorage::empty(dev, T::DTYPE));
             }
+            dev.reap();
             let s = dev
                 .stream()
                 .clone_htod(v)
                 .map_err(|e| fault(dev.location(), "copying host data to the device", e))?;
             Ok(CudaStorage::from_slice(dev, s))
         }
-        match data {
+        let s = match data {
             CpuStorage::F32(v) => up(dev, v),
             CpuStorage::F64(v) => up(dev, v),
             CpuStorage::F16(v) => up(dev, v),
             CpuStorage::BF16(v) => up(dev, v),
             CpuStorage::I64(v) => up(dev, v),
             CpuStorage::U8(v) => up(dev, v),
-        }
+            CpuStorage::I8(v) => up(dev, v),
+        }?;
+        Ok(s.with_int_range(data.int_range()))
     }
 
-    /// Copy in from a host slice of any element type (tests and staging).
-    pub fn from_host<T: CudaElement>(dev: &Arc<CudaDevice>, v: &[T]) -> Result<Self> {
+    /// Copy in from a host slice of any element type (the GEMM benchmark).
+    pub(crate) fn from_host<T: CudaElement>(dev: &Arc<CudaDevice>, v: &[T]) -> Result<Self> {
         if v.is_empty() {
             return Ok(Self::empty(dev, T::DTYPE));
         }
@@ -202,8 +262,8 @@ impl CudaStorage {
         Ok(Self::from_slice(dev, s))
     }
 
-    /// Copy out the whole storage as `T` (waits for the stream).
-    pub fn to_host<T: CudaElement>(&self) -> Result<Vec<T>> {
+    /// Copy out the whole storage as `T` (the host waits for the current stream).
+    pub(crate) fn to_host<T: CudaElement>(&self) -> Result<Vec<T>> {
         if self.len == 0 {
             return Ok(Vec::new());
         }
@@ -214,25 +274,16 @@ impl CudaStorage {
             .map_err(|e| fault(self.device(), "copying device data to the host", e))
     }
 
-    /// Copy out: the whole storage into host memory (waits for the stream).
-    pub fn to_cpu(&self) -> Result<CpuStorage> {
-        fn down<T: CudaElement>(s: &CudaStorage) -> Result<Vec<T>> {
-            if s.len == 0 {
-                return Ok(Vec::new());
-            }
-            let d = s.data::<T>("to_cpu")?;
-            s.dev
-                .stream()
-                .clone_dtoh(d)
-                .map_err(|e| fault(s.device(), "copying device data to the host", e))
-        }
+    /// Copy out: the whole storage into host memory (the host waits for the current stream).
+    pub(crate) fn download(&self) -> Result<CpuStorage> {
         Ok(match self.dtype {
-            DType::F32 => CpuStorage::F32(down(self)?),
-            DType::F64 => CpuStorage::F64(down(self)?),
-            DType::F16 => CpuStorage::F16(down(self)?),
-            DType::BF16 => CpuStorage::BF16(down(self)?),
-            DType::I64 => CpuStorage::I64(down(self)?),
-            DType::U8 => CpuStorage::U8(down(self)?),
+            DType::F32 => CpuStorage::F32(self.to_host()?),
+            DType::F64 => CpuStorage::F64(self.to_host()?),
+            DType::F16 => CpuStorage::F16(self.to_host()?),
+            DType::BF16 => CpuStorage::BF16(self.to_host()?),
+            DType::I64 => CpuStorage::I64(self.to_host()?),
+            DType::U8 => CpuStorage::U8(self.to_host()?),
+            DType::I8 => CpuStorage::I8(self.to_host()?),
         })
     }
 
@@ -251,204 +302,20 @@ impl CudaStorage {
         }
         Ok(())
     }
+}
 
-    /// The view (any layout) gathered row-major into a new contiguous storage.
-    pub fn copy_strided(&self, layout: &Layout) -> Result<Self> {
-        let op = "copy_strided";
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(self.empty_like());
-        }
-        self.check_extent(op, layout)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        // Gathers move bits: one kernel per element size.
-        fn go<T: CudaElement>(s: &CudaStorage, l: &StridedLayout, n: usize, n64: &u64) -> Result<CudaStorage> {
-            let x = s.data::<T>("copy_strided")?;
-            let mut out = CudaStorage::alloc::<T>(&s.dev, n)?;
-            let name = format!("gather_b{}", std::mem::size_of::<T>());
-            launch!(s.dev, COPY, name, for_elements(n), x, &mut out, l, n64)?;
-            Ok(CudaStorage::from_slice(&s.dev, out))
-        }
-        match self.dtype {
-            DType::F32 => go::<f32>(self, &l, n, &n64),
-            DType::F64 => go::<f64>(self, &l, n, &n64),
-            DType::F16 => go::<f16>(self, &l, n, &n64),
-            DType::BF16 => go::<bf16>(self, &l, n, &n64),
-            DType::I64 => go::<i64>(self, &l, n, &n64),
-            DType::U8 => go::<u8>(self, &l, n, &n64),
-        }
+impl CudaBuffer {
+    /// The stream the buffer was allocated on (and is freed on).
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        crate::cuda::element::with_slice!(self, s => s.stream())
     }
 
-    /// The view (any layout) converted to `dtype`, rounding once as the CPU does.
-    pub fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self> {
-        let op = "to_dtype";
-        if dtype == self.dtype {
-            return self.copy_strided(layout);
-        }
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(Self::empty(&self.dev, dtype));
-        }
-        self.check_extent(op, layout)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        fn go<S: CudaElement, D: CudaElement>(
-            s: &CudaStorage,
-            l: &StridedLayout,
-            n: usize,
-            n64: &u64,
-        ) -> Result<CudaStorage> {
-            let x = s.data::<S>("to_dtype")?;
-            let mut out = CudaStorage::alloc::<D>(&s.dev, n)?;
-            let name = format!("cast_{}_{}", S::SUFFIX, D::SUFFIX);
-            launch!(s.dev, COPY, name, for_elements(n), x, &mut out, l, n64)?;
-            Ok(CudaStorage::from_slice(&s.dev, out))
-        }
-        macro_rules! to {
-            ($S:ty) => {
-                match dtype {
-                    DType::F32 => go::<$S, f32>(self, &l, n, &n64),
-                    DType::F64 => go::<$S, f64>(self, &l, n, &n64),
-                    DType::F16 => go::<$S, f16>(self, &l, n, &n64),
-                    DType::BF16 => go::<$S, bf16>(self, &l, n, &n64),
-                    DType::I64 => go::<$S, i64>(self, &l, n, &n64),
-                    DType::U8 => go::<$S, u8>(self, &l, n, &n64),
-                }
-            };
-        }
-        match self.dtype {
-            DType::F32 => to!(f32),
-            DType::F64 => to!(f64),
-            DType::F16 => to!(f16),
-            DType::BF16 => to!(bf16),
-            DType::I64 => to!(i64),
-            DType::U8 => to!(u8),
-        }
-    }
-
-    /// Sets every element of the view (any layout, any dtype) to `v` rounded to the dtype.
-    pub fn fill(&mut self, layout: &Layout, v: f64) -> Result<()> {
-        let op = "fill";
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        self.check_extent(op, layout)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        fn go<T: CudaElement, B: cudarc::driver::DeviceRepr>(
-            s: &mut CudaStorage,
-            l: &StridedLayout,
-            n: usize,
-            n64: &u64,
-            bits: B,
-        ) -> Result<()> {
-            let dev = s.dev.clone();
-            let dst = s.data_mut::<T>("fill")?;
-            let name = format!("fill_b{}", std::mem::size_of::<T>());
-            launch!(dev, COPY, name, for_elements(n), dst, l, n64, &bits)
-        }
-        // The value's bits, rounded as the CPU's `from_f64` rounds.
-        match self.dtype {
-            DType::F32 => go::<f32, u32>(self, &l, n, &n64, (v as f32).to_bits()),
-            DType::F64 => go::<f64, u64>(self, &l, n, &n64, v.to_bits()),
-            DType::F16 => go::<f16, u16>(self, &l, n, &n64, f16::from_f64(v).to_bits()),
-            DType::BF16 => go::<bf16, u16>(self, &l, n, &n64, bf16::from_f64(v).to_bits()),
-            DType::I64 => go::<i64, u64>(self, &l, n, &n64, (v as i64) as u64),
-            DType::U8 => go::<u8, u8>(self, &l, n, &n64, v as u8),
-        }
-    }
-
-    /// `self[view] = src` bit for bit (any dtype; `src` contiguous of the view's shape, another
-    /// storage).
-    pub fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
-        let op = "copy_from";
-        if src.0.dtype != self.dtype {
-            return Err(TensorError::DTypeMismatch {
-                op,
-                lhs: self.dtype,
-                rhs: src.0.dtype,
-            });
-        }
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        self.check_extent(op, layout)?;
-        src.0.check_extent(op, src.1)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        fn go<T: CudaElement>(
-            dst: &mut CudaStorage,
-            src: (&CudaStorage, &Layout),
-            l: &StridedLayout,
-            n64: &u64,
-        ) -> Result<()> {
-            let dev = dst.dev.clone();
-            let n = *n64 as usize;
-            let s = src.0.data::<T>("copy_from")?;
-            let s = s
-                .try_slice(src.1.offset()..src.1.offset() + n)
-                .ok_or(TensorError::OutOfRange {
-                    op: "copy_from",
-                    msg: format!("source view {:?} outside its storage", src.1.shape()),
-                })?;
-            let d = dst.data_mut::<T>("copy_from")?;
-            let name = format!("scatter_b{}", std::mem::size_of::<T>());
-            launch!(dev, COPY, name, for_elements(n), d, &s, l, n64)
-        }
-        match self.dtype {
-            DType::F32 => go::<f32>(self, src, &l, &n64),
-            DType::F64 => go::<f64>(self, src, &l, &n64),
-            DType::F16 => go::<f16>(self, src, &l, &n64),
-            DType::BF16 => go::<bf16>(self, src, &l, &n64),
-            DType::I64 => go::<i64>(self, src, &l, &n64),
-            DType::U8 => go::<u8>(self, src, &l, &n64),
-        }
-    }
-
-    /// `self[view] += scale * src` (f32/f64; `src` contiguous of the view's shape, another
-    /// storage).
-    pub fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
-        let op = "add_scaled_assign";
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        self.check_extent(op, layout)?;
-        src.0.check_extent(op, src.1)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        fn go<T: CudaFloat>(
-            dst: &mut CudaStorage,
-            src: (&CudaStorage, &Layout),
-            l: &StridedLayout,
-            n64: &u64,
-            scale: f64,
-        ) -> Result<()> {
-            let dev = dst.dev.clone();
-            let n = *n64 as usize;
-            let s = src.0.data::<T>("add_scaled_assign")?;
-            let s = s
-                .try_slice(src.1.offset()..src.1.offset() + n)
-                .ok_or(TensorError::OutOfRange {
-                    op: "add_scaled_assign",
-                    msg: format!("source view {:?} outside its storage", src.1.shape()),
-                })?;
-            let d = dst.data_mut::<T>("add_scaled_assign")?;
-            let scale = T::from_f64(scale);
-            let name = format!("scaled_add_{}", T::SUFFIX);
-            launch!(dev, COPY, name, for_elements(n), d, &s, l, n64, &scale)
-        }
-        match self.dtype {
-            DType::F32 => go::<f32>(self, src, &l, &n64, scale),
-            DType::F64 => go::<f64>(self, src, &l, &n64, scale),
-            d => Err(TensorError::UnsupportedDType {
-                op,
-                dtype: d,
-                hint: " (accumulation is f32/f64)",
-            }),
-        }
+    /// The device address of the first element.
+    pub(crate) fn device_ptr(&self) -> u64 {
+        crate::cuda::element::with_slice!(self, s => {
+            let stream = s.stream().clone();
+            let (ptr, _sync) = s.device_ptr(&stream);
+            ptr
+        })
     }
 }

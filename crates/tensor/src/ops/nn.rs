@@ -4,20 +4,28 @@
 use super::{compute_dtype, same_device, same_dtype};
 use crate::{DType, Result, Tensor, TensorError};
 
-/// Checks that an index tensor (I64 or U8) holds only values below `bound`. The values
-/// are read on the host (a small copy out for a device tensor), so that a bad id is one
-/// clear error on every device.
+/// Checks that an index tensor (I64 or U8) holds only values below `bound`, so that a bad id
+/// is one clear error on every device (the kernels also guard their reads).
 pub(crate) fn check_indices(op: &'static str, ids: &Tensor, bound: usize) -> Result<()> {
+    if !matches!(ids.dtype(), DType::I64 | DType::U8) {
+        return Err(TensorError::UnsupportedDType {
+            op,
+            dtype: ids.dtype(),
+            hint: " (indices are I64 or U8)",
+        });
+    }
+    // Device ids carry the range they were uploaded with: validated on the host before the
+    // upload, so checking them here reads nothing back (no stall inside a training step).
+    // Only ids of unknown range (made on the device, or out of range: for the message) are
+    // read.
+    if let Some((lo, hi)) = ids.storage(op)?.int_range() {
+        if lo >= 0 && (hi as u64) < bound as u64 {
+            return Ok(());
+        }
+    }
     let v: Vec<i64> = match ids.dtype() {
         DType::I64 => ids.to_vec::<i64>()?,
-        DType::U8 => ids.to_vec::<u8>()?.into_iter().map(i64::from).collect(),
-        d => {
-            return Err(TensorError::UnsupportedDType {
-                op,
-                dtype: d,
-                hint: " (indices are I64 or U8)",
-            })
-        }
+        _ => ids.to_vec::<u8>()?.into_iter().map(i64::from).collect(),
     };
     for (i, x) in v.into_iter().enumerate() {
         if x < 0 || x as usize >= bound {
@@ -230,7 +238,7 @@ fn cross_entropy_impl(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tens
     Ok((Tensor::from_storage(loss, &[]), Tensor::from_storage(probs, x.shape())))
 }
 
-fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: f64) -> Result<Tensor> {
+fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: &Tensor) -> Result<Tensor> {
     let op = "cross_entropy_backward";
     compute_dtype(op, probs)?;
     if probs.rank() != 2 || targets.shape() != [probs.shape()[0]] {
@@ -240,12 +248,23 @@ fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: f64) -> Resu
             rhs: targets.shape().to_vec(),
         });
     }
+    if g.numel() != 1 {
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("the upstream gradient must be one element, got shape {:?}", g.shape()),
+        });
+    }
+    same_dtype(op, probs, g)?;
+    same_device(op, probs, g)?;
     check_indices(op, targets, probs.shape()[1])?;
     same_device(op, probs, targets)?;
     let p = probs.contiguous_for(op)?;
-    let out = p
-        .storage(op)?
-        .cross_entropy_backward(p.layout(), (&*targets.storage(op)?, targets.layout()), g)?;
+    let g = g.contiguous_for(op)?;
+    let out = p.storage(op)?.cross_entropy_backward(
+        p.layout(),
+        (&*targets.storage(op)?, targets.layout()),
+        (&*g.storage(op)?, g.layout()),
+    )?;
     Ok(Tensor::from_storage(out, p.shape()))
 }
 
@@ -309,6 +328,14 @@ impl Tensor {
     /// Gradient of [`Tensor::cross_entropy`] w.r.t. the logits, scaled by the upstream
     /// gradient `g`: `(probs - onehot(targets)) * g / n`, with `self = probs`.
     pub fn cross_entropy_backward(&self, targets: &Tensor, g: f64) -> Result<Tensor> {
+        let g = Tensor::full_on(&[], g, self.dtype(), self.device())?;
+        cross_entropy_backward_impl(self, targets, &g)
+    }
+
+    /// [`Tensor::cross_entropy_backward`] with the upstream gradient as a one-element tensor
+    /// of the same dtype and device (the loss's gradient, as backward has it): nothing is read
+    /// back to the host.
+    pub fn cross_entropy_backward_by(&self, targets: &Tensor, g: &Tensor) -> Result<Tensor> {
         cross_entropy_backward_impl(self, targets, g)
     }
 }

@@ -1,11 +1,10 @@
 //! Every CUDA kernel file compiles with NVRTC for sm_80 and sm_90 without an error or a
 //! warning. NVRTC needs no GPU: CI installs it from PyPI (`.ci/run`), where this test must
-//! run; elsewhere a missing NVRTC skips it, loudly.
+//! run; elsewhere a missing NVRTC skips it, loudly. (Built with the `cuda` feature only.)
 
 use std::io::Write;
 
-use brigade_tensor::cuda::nvrtc::{compile, compile_strict, CompileFailure, KernelFile, KERNEL_FILES};
-use brigade_tensor::cuda::probe;
+use brigade_tensor::cuda::probe::{self, compile, compile_strict, CompileFailure, KernelFile, KERNEL_FILES};
 
 /// True when NVRTC can be loaded; otherwise fails under CI and says it skipped elsewhere.
 fn nvrtc_or_skip(test: &str) -> bool {

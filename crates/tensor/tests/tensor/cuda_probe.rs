@@ -3,7 +3,7 @@
 //! device 0 opens and a device that does not exist is refused by number.
 
 use brigade_tensor::cuda::probe::{self, Unavailable};
-use brigade_tensor::cuda::CudaDevice;
+use brigade_tensor::cuda::CudaHandle;
 use brigade_tensor::{Device, TensorError};
 
 #[test]
@@ -11,7 +11,7 @@ fn a_missing_driver_library_or_device_is_a_typed_error_not_a_panic() {
     match probe::require(0) {
         Err(why) => {
             // This machine cannot serve CUDA: opening the device must say why, by name.
-            let err = CudaDevice::get(0).expect_err("probe said unavailable, so opening must fail");
+            let err = CudaHandle::open(0).expect_err("probe said unavailable, so opening must fail");
             let TensorError::DeviceUnavailable { device, reason } = err else {
                 panic!("wrong error kind: {err:?}")
             };
@@ -23,9 +23,12 @@ fn a_missing_driver_library_or_device_is_a_typed_error_not_a_panic() {
                 Unavailable::Nvrtc => "libnvrtc",
                 Unavailable::NoDevice { .. } => "no CUDA device 0",
                 Unavailable::DriverCall { .. } => "CUDA driver failed",
+                Unavailable::NotBuilt => "`cuda` cargo feature",
             };
             assert!(reason.contains(names), "{reason:?} should name {names}");
-            if !probe::driver_present() {
+            if !cfg!(feature = "cuda") {
+                assert_eq!(why, Unavailable::NotBuilt, "a build without the feature says so");
+            } else if !probe::driver_present() {
                 assert_eq!(
                     why,
                     Unavailable::Driver,
@@ -35,10 +38,10 @@ fn a_missing_driver_library_or_device_is_a_typed_error_not_a_panic() {
         }
         Ok(()) => {
             // A GPU machine: device 0 opens, and a device beyond the count is refused by number.
-            let dev = CudaDevice::get(0).expect("device 0");
-            assert_eq!(dev.location(), Device::Cuda(0));
+            let dev = CudaHandle::open(0).expect("device 0");
+            assert_eq!(dev.device(), Device::Cuda(0));
             let count = probe::device_count().expect("device count");
-            match CudaDevice::get(count) {
+            match CudaHandle::open(count) {
                 Err(TensorError::DeviceUnavailable { reason, .. }) => {
                     assert!(reason.contains(&format!("no CUDA device {count}")), "{reason}")
                 }

@@ -1,9 +1,12 @@
-//! brigade-tensor's integration tests: the CUDA backend (probe, NVRTC compile, cuBLAS plan, device ops, GEMM bench).
+//! brigade-tensor's integration tests: the CUDA backend (probe, NVRTC compile, every op against the
+//! CPU on a device: the fake device here, cuda:0 on a GPU; GEMM bench) and the fake device.
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
+#[cfg(feature = "cuda")]
 mod cuda_bench;
-mod cuda_gemm_plan;
+#[cfg(feature = "cuda")]
 mod cuda_nvrtc;
 mod cuda_ops;
 mod cuda_probe;
+mod fake_device;

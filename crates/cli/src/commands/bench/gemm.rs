@@ -105,22 +105,25 @@ pub struct CudaGemmRow {
     pub brigade_tflops: f64,
     /// cuBLAS called directly on the same buffers, TFLOP/s.
     pub cublas_tflops: f64,
+    /// Whether Brigade's output equals cuBLAS's, element by element (within rounding).
+    pub outputs_equal: bool,
 }
 
 /// `bench gemm --device cuda:N`: every shape in every dtype, Brigade beside direct cuBLAS.
 fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: usize) -> Result<()> {
-    use brigade_tensor::cuda::{bench::gemm_vs_cublas, CudaDevice};
-    let dev = CudaDevice::get(ordinal)?;
+    use brigade_tensor::cuda::CudaHandle;
+    let dev = CudaHandle::open(ordinal)?;
     let mut rows = vec![];
     for &shape in shapes {
         let flops = 2.0 * shape[0] as f64 * shape[1] as f64 * shape[2] as f64;
         for &dtype in dtypes {
-            let t = gemm_vs_cublas(&dev, shape, dtype, a.reps)?;
+            let t = dev.gemm_vs_cublas(shape, dtype, a.reps)?;
             rows.push(CudaGemmRow {
                 shape,
                 dtype: format!("{dtype:?}").to_lowercase(),
                 brigade_tflops: flops / t.brigade_s / 1e12,
                 cublas_tflops: flops / t.cublas_s / 1e12,
+                outputs_equal: t.outputs.passed(),
             });
         }
     }
@@ -138,17 +141,18 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
         a.reps
     );
     println!(
-        "{:>18} {:>6} {:>14} {:>13} {:>9}",
-        "m x k x n", "dtype", "brigade TF/s", "cuBLAS TF/s", "ratio"
+        "{:>18} {:>6} {:>14} {:>13} {:>9} {:>8}",
+        "m x k x n", "dtype", "brigade TF/s", "cuBLAS TF/s", "ratio", "outputs"
     );
     for r in &rows {
         println!(
-            "{:>18} {:>6} {:>14.1} {:>13.1} {:>9.2}",
+            "{:>18} {:>6} {:>14.1} {:>13.1} {:>9.2} {:>8}",
             format!("{}x{}x{}", r.shape[0], r.shape[1], r.shape[2]),
             r.dtype,
             r.brigade_tflops,
             r.cublas_tflops,
-            r.brigade_tflops / r.cublas_tflops
+            r.brigade_tflops / r.cublas_tflops,
+            if r.outputs_equal { "equal" } else { "DIFFER" }
         );
     }
     Ok(())

@@ -13,17 +13,21 @@ typedef long long i64;
 typedef unsigned short u16;
 
 // A strided view (shape, strides in elements, offset), passed by value. Mirrors
-// `cuda::layout::StridedLayout` on the Rust side field for field.
+// `cuda::launch::StridedLayout` on the Rust side field for field. `contiguous` is 1 for a
+// row-major view without gaps (then element i sits at offset + i).
 struct StridedLayout {
     unsigned int rank;
-    unsigned int pad;
+    unsigned int contiguous;
     u64 shape[BRIGADE_MAX_RANK];
     u64 strides[BRIGADE_MAX_RANK];
     u64 offset;
 };
 
-// Storage index of the i-th element (row-major order) of a view.
+// Storage index of the i-th element (row-major order) of a view: one add for a contiguous
+// view (the flag is the same for every thread, so the branch never diverges), else one
+// division per dimension.
 __device__ __forceinline__ u64 strided_offset(const StridedLayout& l, u64 i) {
+    if (l.contiguous) return l.offset + i;
     u64 o = l.offset;
     for (int d = (int)l.rank - 1; d >= 0; --d) {
         u64 s = l.shape[d];
@@ -51,14 +55,22 @@ __device__ T block_sum(T v) {
     return r;
 }
 
-// Maximum of v over the block (blockDim.x == BRIGADE_BLOCK); every thread gets the result.
+// The larger of a and b, where a NaN on either side wins (PyTorch's max, and the CPU's):
+// the result does not depend on the order in which a reduction combines its elements.
+template <typename T>
+__device__ __forceinline__ T max_nan(T a, T b) {
+    return (a != a || b <= a) ? a : b;
+}
+
+// Maximum of v over the block (blockDim.x == BRIGADE_BLOCK), NaN-propagating; every thread
+// gets the result.
 template <typename T>
 __device__ T block_max(T v) {
     __shared__ T sh[BRIGADE_BLOCK];
     sh[threadIdx.x] = v;
     __syncthreads();
     for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s && sh[threadIdx.x + s] > sh[threadIdx.x]) sh[threadIdx.x] = sh[threadIdx.x + s];
+        if (threadIdx.x < s) sh[threadIdx.x] = max_nan<T>(sh[threadIdx.x], sh[threadIdx.x + s]);
         __syncthreads();
     }
     T r = sh[0];
@@ -70,7 +82,7 @@ template <typename T> __device__ __forceinline__ T neg_infinity();
 template <> __device__ __forceinline__ float neg_infinity<float>() { return __int_as_float(0xff800000); }
 template <> __device__ __forceinline__ double neg_infinity<double>() { return __longlong_as_double(0xfff0000000000000ULL); }
 
-// Marks position r as holding a bad index: the host reads the smallest such r.
-__device__ __forceinline__ void flag_bad_index(u64* bad, u64 r) {
-    atomicMin(bad, r);
-}
+template <typename T> __device__ __forceinline__ T quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double quiet_nan<double>() { return __longlong_as_double(0x7ff8000000000000ULL); }
+

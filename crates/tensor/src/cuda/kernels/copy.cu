@@ -58,6 +58,7 @@ __device__ __forceinline__ double load_f16(u16 x) { return (double)f16_bits_to_f
 __device__ __forceinline__ double load_bf16(u16 x) { return (double)bf16_bits_to_f32(x); }
 __device__ __forceinline__ double load_i64(i64 x) { return (double)x; }
 __device__ __forceinline__ double load_u8(unsigned char x) { return (double)x; }
+__device__ __forceinline__ double load_i8(signed char x) { return (double)x; }
 
 // A double rounded to f32 toward zero with the sticky bit kept (round to odd): rounding
 // that f32 to nearest-even at 16 bits or fewer equals rounding the double directly.
@@ -83,6 +84,14 @@ __device__ __forceinline__ unsigned char store_u8(double d) {
     if (d >= 255.0) return 255;
     return (unsigned char)d;
 }
+// The quantizing cast: round half to even (rint), saturate at +-127 (never -128), NaN gives 0.
+__device__ __forceinline__ signed char store_i8(double d) {
+    if (d != d) return 0;
+    double r = rint(d);
+    if (r >= 127.0) return 127;
+    if (r <= -127.0) return -127;
+    return (signed char)r;
+}
 
 // out[i] = convert(x[view(i)]) for every pair of dtypes: cast_<from>_<to>.
 #define CAST(FROM, FT, TO, TT)                                                                 \
@@ -95,7 +104,8 @@ __device__ __forceinline__ unsigned char store_u8(double d) {
     CAST(FROM, FT, f16, u16)                 \
     CAST(FROM, FT, bf16, u16)                \
     CAST(FROM, FT, i64, i64)                 \
-    CAST(FROM, FT, u8, unsigned char)
+    CAST(FROM, FT, u8, unsigned char)        \
+    CAST(FROM, FT, i8, signed char)
 
 CAST_FROM(f32, float)
 CAST_FROM(f64, double)
@@ -103,3 +113,4 @@ CAST_FROM(f16, u16)
 CAST_FROM(bf16, u16)
 CAST_FROM(i64, i64)
 CAST_FROM(u8, unsigned char)
+CAST_FROM(i8, signed char)

@@ -1,6 +1,6 @@
 // Row reductions: the host permutes the reduced dims last and gathers the view into a
 // contiguous [rows, cols] buffer; one block reduces one row. Same results as
-// crates/tensor/src/ops/reduce.rs up to summation order.
+// crates/tensor/src/cpu/reduce.rs up to summation order; the maximum propagates any NaN.
 
 template <typename T>
 __device__ void sum_rows_impl(const T* x, T* out, u64 rows, u64 cols) {
@@ -18,7 +18,7 @@ __device__ void max_rows_impl(const T* x, T* out, u64 rows, u64 cols) {
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = x + r * cols;
         T m = neg_infinity<T>();
-        for (u64 j = threadIdx.x; j < cols; j += blockDim.x) m = row[j] > m ? row[j] : m;
+        for (u64 j = threadIdx.x; j < cols; j += blockDim.x) m = max_nan<T>(m, row[j]);
         m = block_max<T>(m);
         if (threadIdx.x == 0) out[r] = m;
     }

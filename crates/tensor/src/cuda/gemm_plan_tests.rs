@@ -4,8 +4,8 @@
 //! and must reproduce Brigade's CPU matmul of the same views, for every layout the ops
 //! use: plain, transposed, narrowed, batched, broadcast batch, attention's permuted views.
 
-use brigade_tensor::cuda::gemm_plan::{plan_gemm, transposed_operand, GemmPlan, Operand, PlanError, Transpose};
-use brigade_tensor::{Layout, Rng, Tensor};
+use super::{plan_gemm, transposed_operand, GemmPlan, Operand, PlanError, Transpose};
+use crate::{Layout, Rng, Tensor};
 
 /// cuBLAS's `C = op(A) op(B)` for every call and batch of `plan`, column-major, into a
 /// zeroed output of `out_len` elements. `a` is the rhs storage, `b` the lhs storage.
@@ -39,7 +39,7 @@ fn run_like_cublas(plan: &GemmPlan, a: &[f64], b: &[f64], out_len: usize) -> Vec
 
 /// A view over a fresh random storage of `len` elements.
 fn view(len: usize, layout: Layout, rng: &mut Rng) -> (Vec<f64>, Tensor) {
-    let data = Tensor::randn(&[len], 1.0, brigade_tensor::DType::F64, rng)
+    let data = Tensor::randn(&[len], 1.0, crate::DType::F64, rng)
         .to_vec::<f64>()
         .unwrap();
     let t = Tensor::from_vec(data.clone(), &[len])
@@ -56,7 +56,7 @@ fn check(name: &str, lhs: (Vec<f64>, Tensor), rhs: (Vec<f64>, Tensor)) -> GemmPl
     let (db, b) = rhs;
     let want = a.matmul(&b).unwrap();
     let (ra, rb) = (a.rank(), b.rank());
-    let batch = brigade_tensor::broadcast_shape("test", &a.shape()[..ra - 2], &b.shape()[..rb - 2]).unwrap();
+    let batch = crate::broadcast_shape("test", &a.shape()[..ra - 2], &b.shape()[..rb - 2]).unwrap();
     let full = |t: &Tensor, r: usize| {
         let mut s = batch.clone();
         s.extend(&t.shape()[r - 2..]);

@@ -1,0 +1,136 @@
+//! Streams and events of a CUDA device behind [`crate::Stream`] and [`crate::Event`], and
+//! the spin kernel that occupies a stream for a set time (the simulated link).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
+
+use super::device::{fault, CudaDevice};
+use super::nvrtc::LINK;
+use super::storage::launch;
+use crate::Result;
+
+/// A stream of one CUDA device (what the scope stack holds for it).
+pub(crate) struct CudaStreamRef {
+    pub(crate) dev: Arc<CudaDevice>,
+    pub(crate) stream: Arc<CudaStream>,
+}
+
+impl CudaStreamRef {
+    /// Device `ordinal`'s compute stream.
+    pub(crate) fn compute(ordinal: usize) -> Result<CudaStreamRef> {
+        let dev = CudaDevice::get(ordinal)?;
+        let stream = dev.compute_stream().clone();
+        Ok(CudaStreamRef { dev, stream })
+    }
+
+    /// A new stream of device `ordinal`.
+    pub(crate) fn new(ordinal: usize) -> Result<CudaStreamRef> {
+        let dev = CudaDevice::get(ordinal)?;
+        let stream = dev
+            .context()
+            .new_stream()
+            .map_err(|e| fault(dev.location(), "creating a stream", e))?;
+        Ok(CudaStreamRef { dev, stream })
+    }
+
+    /// Records an event (timing enabled) after the work queued so far.
+    pub(crate) fn record(&self) -> Result<CudaEventRef> {
+        let event = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| fault(self.dev.location(), "recording an event", e))?;
+        Ok(CudaEventRef {
+            dev: self.dev.clone(),
+            event,
+        })
+    }
+
+    /// Work queued from now on waits for `e`.
+    pub(crate) fn wait(&self, e: &CudaEventRef) -> Result<()> {
+        self.stream
+            .wait(&e.event)
+            .map_err(|err| fault(self.dev.location(), "making a stream wait on an event", err))
+    }
+
+    /// The host waits for the stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| fault(self.dev.location(), "synchronizing a stream", e))?;
+        self.dev.reap();
+        Ok(())
+    }
+
+    /// Queues a one-thread kernel that spins on the GPU's nanosecond clock for `duration`.
+    pub(crate) fn spin(&self, duration: Duration) -> Result<()> {
+        let ns = duration.as_nanos().min(u64::MAX as u128) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let this = CudaStreamScope(self);
+        launch!(this, LINK, "spin_ns", cfg, &ns)
+    }
+
+    /// The `CUstream`.
+    pub(crate) fn raw(&self) -> u64 {
+        self.stream.cu_stream() as u64
+    }
+}
+
+/// Launches on a given stream (the `launch!` macro asks its target for `function`,
+/// `stream` and `location`).
+struct CudaStreamScope<'a>(&'a CudaStreamRef);
+
+impl CudaStreamScope<'_> {
+    fn function(&self, file: super::nvrtc::KernelFile, name: &str) -> Result<cudarc::driver::CudaFunction> {
+        self.0.dev.function(file, name)
+    }
+
+    fn stream(&self) -> Arc<CudaStream> {
+        self.0.stream.clone()
+    }
+
+    fn location(&self) -> crate::Device {
+        self.0.dev.location()
+    }
+}
+
+/// An event of a CUDA device.
+pub(crate) struct CudaEventRef {
+    dev: Arc<CudaDevice>,
+    event: CudaEvent,
+}
+
+impl CudaEventRef {
+    /// Whether its work finished (a query, never a wait).
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        self.event
+            .try_is_complete()
+            .map_err(|e| fault(self.dev.location(), "querying an event", e))
+    }
+
+    /// The host waits for it.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.event
+            .synchronize()
+            .map_err(|e| fault(self.dev.location(), "waiting for an event", e))
+    }
+
+    /// Milliseconds from this event to `end`.
+    pub(crate) fn elapsed_ms(&self, end: &CudaEventRef) -> Result<f64> {
+        self.event
+            .elapsed_ms(&end.event)
+            .map(f64::from)
+            .map_err(|e| fault(self.dev.location(), "timing two events", e))
+    }
+
+    /// The `CUevent`.
+    pub(crate) fn raw(&self) -> u64 {
+        self.event.cu_event() as u64
+    }
+}
