@@ -1,0 +1,3 @@
+//! brigade-policies: Brigade's built-in reducer policies.
+
+#![warn(missing_docs)]
