@@ -84,7 +84,7 @@ impl Buffer {
             DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
             DType::U8 => Buffer::U8(vec![0; len]),
-            DType::F64 | DType::I64 => return None,
+            DType::F64 | DType::I64 | DType::I8 => return None,
         })
     }
 

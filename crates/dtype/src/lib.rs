@@ -13,8 +13,9 @@ use std::str::FromStr;
 ///
 /// Tensor kernels compute in `F32` (and `F64`, for the finite-difference gradient checker);
 /// `F16` and `BF16` are storage and wire formats converted on the way in and out; `I64` and `U8`
-/// hold indices and tokens. Not every type is
-/// supported everywhere: a collective reduces floats only, and says so for the others.
+/// hold indices and tokens; `I8` holds quantized values (a reducer policy's int8 payload; converted
+/// from floats by rounding half to even and saturating at ±127). Not every type is supported
+/// everywhere: a collective reduces floats only, and says so for the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit IEEE float.
@@ -29,11 +30,21 @@ pub enum DType {
     I64,
     /// Unsigned byte.
     U8,
+    /// Signed byte (quantized payloads).
+    I8,
 }
 
 impl DType {
     /// Every element type, in declaration order.
-    pub const ALL: [DType; 6] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::U8];
+    pub const ALL: [DType; 7] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::U8,
+        DType::I8,
+    ];
 
     /// Bytes per element.
     pub fn size_in_bytes(self) -> usize {
@@ -41,7 +52,7 @@ impl DType {
             DType::F32 => 4,
             DType::F64 | DType::I64 => 8,
             DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::I8 => 1,
         }
     }
 
@@ -64,6 +75,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::I64 => "i64",
             DType::U8 => "u8",
+            DType::I8 => "i8",
         }
     }
 }
@@ -80,7 +92,7 @@ pub struct UnknownDType(pub String);
 
 impl fmt::Display for UnknownDType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "unknown dtype '{}' (f32, f64, f16, bf16, i64, u8)", self.0)
+        write!(f, "unknown dtype '{}' (f32, f64, f16, bf16, i64, u8, i8)", self.0)
     }
 }
 
@@ -115,6 +127,6 @@ mod tests {
     #[test]
     fn sizes_are_the_bytes_of_one_element() {
         let sizes: Vec<usize> = DType::ALL.iter().map(|d| d.size_in_bytes()).collect();
-        assert_eq!(sizes, [4, 8, 2, 2, 8, 1]);
+        assert_eq!(sizes, [4, 8, 2, 2, 8, 1, 1]);
     }
 }

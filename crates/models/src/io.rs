@@ -22,6 +22,7 @@ fn to_st_dtype(d: DType) -> Dtype {
         DType::BF16 => Dtype::BF16,
         DType::I64 => Dtype::I64,
         DType::U8 => Dtype::U8,
+        DType::I8 => Dtype::I8,
     }
 }
 
@@ -33,6 +34,7 @@ fn from_st_dtype(d: Dtype) -> Option<DType> {
         Dtype::BF16 => DType::BF16,
         Dtype::I64 => DType::I64,
         Dtype::U8 => DType::U8,
+        Dtype::I8 => DType::I8,
         _ => return None,
     })
 }
@@ -59,6 +61,7 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
         DType::BF16 => go::<half::bf16>(t, 2, |x| pad(x.to_le_bytes())),
         DType::I64 => go::<i64>(t, 8, |x| x.to_le_bytes()),
         DType::U8 => go::<u8>(t, 1, |x| pad([x])),
+        DType::I8 => go::<i8>(t, 1, |x| pad(x.to_le_bytes())),
     }
 }
 
@@ -78,6 +81,7 @@ fn tensor_from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tens
         DType::BF16 => go(bytes, shape, half::bf16::from_le_bytes),
         DType::I64 => go(bytes, shape, i64::from_le_bytes),
         DType::U8 => go(bytes, shape, |b: [u8; 1]| b[0]),
+        DType::I8 => go(bytes, shape, i8::from_le_bytes),
     }
 }
 

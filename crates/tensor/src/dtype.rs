@@ -74,6 +74,14 @@ element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
 element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
 element!(i64, I64, |x: i64| x as f64, |x: f64| x as i64);
 element!(u8, U8, |x: u8| x as f64, |x: f64| x as u8);
+// Quantization's rounding: half to even, saturating at ±127 (symmetric: -128 is never produced,
+// so negating a quantized value cannot overflow); NaN becomes 0.
+element!(
+    i8,
+    I8,
+    |x: i8| x as f64,
+    |x: f64| x.round_ties_even().clamp(-127.0, 127.0) as i8
+);
 
 /// A type kernels compute in: `f32` for training, `f64` for gradient checks.
 pub trait Float:
@@ -154,5 +162,48 @@ impl Float for f64 {
     }
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Tensor};
+
+    #[test]
+    fn f32_to_i8_rounds_half_to_even_and_saturates_at_127() {
+        let x = [
+            0.5f32,
+            1.5,
+            2.5,
+            -0.5,
+            -1.5,
+            -2.49,
+            126.5,
+            127.6,
+            300.0,
+            -127.5,
+            -1e9,
+            f32::NAN,
+        ];
+        let q = Tensor::from_slice(&x, &[x.len()]).unwrap().to_dtype(DType::I8).unwrap();
+        assert_eq!(q.dtype(), DType::I8);
+        // half to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2; saturating at ±127 (never -128); NaN -> 0
+        assert_eq!(
+            q.to_vec::<i8>().unwrap(),
+            [0, 2, 2, 0, -2, -2, 126, 127, 127, -127, -127, 0]
+        );
+        // and back to f32 exactly
+        let back = q.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(
+            back,
+            [0.0, 2.0, 2.0, 0.0, -2.0, -2.0, 126.0, 127.0, 127.0, -127.0, -127.0, 0.0]
+        );
+        // an i8 tensor is storage: fills, copies and views work on it
+        let z = Tensor::zeros(&[4], DType::I8);
+        z.narrow(0, 1, 2)
+            .unwrap()
+            .copy_from(&q.narrow(0, 1, 2).unwrap())
+            .unwrap();
+        assert_eq!(z.to_vec::<i8>().unwrap(), [0, 2, 2, 0]);
     }
 }

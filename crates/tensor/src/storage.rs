@@ -20,6 +20,7 @@ pub enum CpuStorage {
     BF16(Vec<bf16>),
     I64(Vec<i64>),
     U8(Vec<u8>),
+    I8(Vec<i8>),
 }
 
 impl CpuStorage {
@@ -32,6 +33,7 @@ impl CpuStorage {
             CpuStorage::BF16(_) => DType::BF16,
             CpuStorage::I64(_) => DType::I64,
             CpuStorage::U8(_) => DType::U8,
+            CpuStorage::I8(_) => DType::I8,
         }
     }
 
@@ -44,6 +46,7 @@ impl CpuStorage {
             CpuStorage::BF16(v) => v.len(),
             CpuStorage::I64(v) => v.len(),
             CpuStorage::U8(v) => v.len(),
+            CpuStorage::I8(v) => v.len(),
         }
     }
 
@@ -61,6 +64,7 @@ impl CpuStorage {
             DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); n]),
             DType::I64 => CpuStorage::I64(vec![v as i64; n]),
             DType::U8 => CpuStorage::U8(vec![v as u8; n]),
+            DType::I8 => CpuStorage::I8(vec![<i8 as Element>::from_f64(v); n]),
         }
     }
 
@@ -73,6 +77,7 @@ impl CpuStorage {
             DType::BF16 => CpuStorage::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
             DType::I64 => CpuStorage::I64(v.iter().map(|&x| x as i64).collect()),
             DType::U8 => CpuStorage::U8(v.iter().map(|&x| x as u8).collect()),
+            DType::I8 => CpuStorage::I8(v.iter().map(|&x| <i8 as Element>::from_f64(x)).collect()),
         }
     }
 }

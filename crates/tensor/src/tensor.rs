@@ -276,6 +276,7 @@ impl Tensor {
             DType::BF16 => conv::<half::bf16>(self),
             DType::I64 => conv::<i64>(self),
             DType::U8 => conv::<u8>(self),
+            DType::I8 => conv::<i8>(self),
         }
     }
 

@@ -52,6 +52,7 @@ fn dtype_code(dtype: Option<DType>) -> u8 {
         Some(DType::U8) => 4,
         Some(DType::F64) => 5,
         Some(DType::I64) => 6,
+        Some(DType::I8) => 7,
     }
 }
 
@@ -64,6 +65,7 @@ fn dtype_from(code: u8) -> Option<Option<DType>> {
         Some(DType::U8),
         Some(DType::F64),
         Some(DType::I64),
+        Some(DType::I8),
     ]
     .get(code as usize)
     .copied()

@@ -54,6 +54,7 @@ pub(crate) fn datatype(dtype: DType) -> ffi::MPI_Datatype {
             DType::U8 => ffi::RSMPI_UINT8_T,
             DType::F64 => ffi::RSMPI_DOUBLE,
             DType::I64 => ffi::RSMPI_INT64_T,
+            DType::I8 => ffi::RSMPI_INT8_T,
         }
     }
 }

@@ -23,6 +23,7 @@ pub(super) fn fill(s: &mut CpuStorage, l: &Layout, v: f64) -> Result<()> {
         CpuStorage::BF16(d) => go(d, l, v),
         CpuStorage::I64(d) => go(d, l, v),
         CpuStorage::U8(d) => go(d, l, v),
+        CpuStorage::I8(d) => go(d, l, v),
     }
     Ok(())
 }
@@ -49,6 +50,7 @@ pub(super) fn copy_from(dst: &mut CpuStorage, l: &Layout, src: (&CpuStorage, &La
         CpuStorage::BF16(d) => go(d, l, src.0, src.1),
         CpuStorage::I64(d) => go(d, l, src.0, src.1),
         CpuStorage::U8(d) => go(d, l, src.0, src.1),
+        CpuStorage::I8(d) => go(d, l, src.0, src.1),
     }
 }
 

@@ -144,6 +144,7 @@ impl BackendStorage for CpuStorage {
             CpuStorage::BF16(_) => CpuStorage::BF16(gather(self, layout, op)?),
             CpuStorage::I64(_) => CpuStorage::I64(gather(self, layout, op)?),
             CpuStorage::U8(_) => CpuStorage::U8(gather(self, layout, op)?),
+            CpuStorage::I8(_) => CpuStorage::I8(gather(self, layout, op)?),
         })
     }
 
@@ -161,6 +162,7 @@ impl BackendStorage for CpuStorage {
             CpuStorage::BF16(_) => conv::<half::bf16>(self, layout)?,
             CpuStorage::I64(_) => conv::<i64>(self, layout)?,
             CpuStorage::U8(_) => conv::<u8>(self, layout)?,
+            CpuStorage::I8(_) => conv::<i8>(self, layout)?,
         };
         Ok(CpuStorage::from_f64_vec(v, dtype))
     }

@@ -13,6 +13,16 @@ use super::nvrtc::COPY;
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result, TensorError};
 
+/// I8 storage is CPU-only for now (a reducer policy's quantized payload); CUDA kernels for it
+/// come with the device seam's i8 casts.
+fn no_i8(op: &'static str) -> TensorError {
+    TensorError::UnsupportedDType {
+        op,
+        dtype: DType::I8,
+        hint: " (i8 tensors live on the CPU for now)",
+    }
+}
+
 /// Launches kernel `$name` of `$file` on `$dev`'s stream with the given arguments, every
 /// failure checked and named.
 macro_rules! launch {
@@ -165,6 +175,7 @@ impl CudaStorage {
             DType::BF16 => Self::from_slice(dev, Self::alloc_zeros::<bf16>(dev, n)?),
             DType::I64 => Self::from_slice(dev, Self::alloc_zeros::<i64>(dev, n)?),
             DType::U8 => Self::from_slice(dev, Self::alloc_zeros::<u8>(dev, n)?),
+            DType::I8 => return Err(no_i8("zeros")),
         })
     }
 
@@ -187,6 +198,7 @@ impl CudaStorage {
             CpuStorage::BF16(v) => up(dev, v),
             CpuStorage::I64(v) => up(dev, v),
             CpuStorage::U8(v) => up(dev, v),
+            CpuStorage::I8(_) => Err(no_i8("from_cpu")),
         }
     }
 
@@ -233,6 +245,7 @@ impl CudaStorage {
             DType::BF16 => CpuStorage::BF16(down(self)?),
             DType::I64 => CpuStorage::I64(down(self)?),
             DType::U8 => CpuStorage::U8(down(self)?),
+            DType::I8 => return Err(no_i8("to_cpu")),
         })
     }
 
@@ -277,6 +290,7 @@ impl CudaStorage {
             DType::BF16 => go::<bf16>(self, &l, n, &n64),
             DType::I64 => go::<i64>(self, &l, n, &n64),
             DType::U8 => go::<u8>(self, &l, n, &n64),
+            DType::I8 => Err(no_i8(op)),
         }
     }
 
@@ -314,6 +328,7 @@ impl CudaStorage {
                     DType::BF16 => go::<$S, bf16>(self, &l, n, &n64),
                     DType::I64 => go::<$S, i64>(self, &l, n, &n64),
                     DType::U8 => go::<$S, u8>(self, &l, n, &n64),
+                    DType::I8 => Err(no_i8(op)),
                 }
             };
         }
@@ -324,6 +339,7 @@ impl CudaStorage {
             DType::BF16 => to!(bf16),
             DType::I64 => to!(i64),
             DType::U8 => to!(u8),
+            DType::I8 => Err(no_i8(op)),
         }
     }
 
@@ -357,6 +373,7 @@ impl CudaStorage {
             DType::BF16 => go::<bf16, u16>(self, &l, n, &n64, bf16::from_f64(v).to_bits()),
             DType::I64 => go::<i64, u64>(self, &l, n, &n64, (v as i64) as u64),
             DType::U8 => go::<u8, u8>(self, &l, n, &n64, v as u8),
+            DType::I8 => Err(no_i8(op)),
         }
     }
 
@@ -405,6 +422,7 @@ impl CudaStorage {
             DType::BF16 => go::<bf16>(self, src, &l, &n64),
             DType::I64 => go::<i64>(self, src, &l, &n64),
             DType::U8 => go::<u8>(self, src, &l, &n64),
+            DType::I8 => Err(no_i8(op)),
         }
     }
 
