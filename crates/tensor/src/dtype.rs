@@ -206,4 +206,18 @@ mod tests {
             .unwrap();
         assert_eq!(z.to_vec::<i8>().unwrap(), [0, 2, 2, 0]);
     }
+
+    #[test]
+    fn f32_to_bf16_rounds_to_nearest_from_the_f32_itself() {
+        // 1 + 2^-8 + 2^-23 lies just above the tie between bf16's 1 and 1 + 2^-7: it rounds up
+        // (through f64, half's conversion would see an exact tie and round to even, down).
+        let x = 1.0f32 + 2f32.powi(-8) + 2f32.powi(-23);
+        let t = Tensor::from_slice(&[x, -x], &[2]).unwrap();
+        let b = t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let up = 1.0f32 + 2f32.powi(-7);
+        assert_eq!(b.to_vec::<f32>().unwrap(), [up, -up]);
+        assert_eq!(half::bf16::from_f32(x).to_f32(), up, "the reference rounding");
+        let h = t.to_dtype(DType::F16).unwrap().to_vec::<half::f16>().unwrap();
+        assert_eq!(h, [half::f16::from_f32(x), half::f16::from_f32(-x)]);
+    }
 }
