@@ -8,11 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use brigade_comm::{all_gather_bytes, CommBytes, Event};
-use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::overlap::{AutotuneReport, StepProfile};
-use brigade_ddp::zero::RankMemory;
-use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport};
+use brigade_ddp::{BucketInfo, DdpConfig, MemoryReport, RankMemory};
 use brigade_models::Model;
+use brigade_policies::PolicySpec;
 use brigade_tensor::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -42,7 +41,7 @@ impl TrainConfig {
             checkpoint: None,
             checkpoint_every: None,
             allow_nonfinite: false,
-            comm_hook: Arc::new(HookSpec::AllReduce),
+            comm_hook: Arc::new(PolicySpec::AllReduce),
             compute_threads: None,
             device: DeviceArg::Cpu,
             stop: None,

@@ -11,12 +11,14 @@
 //!   result back, or the root-cause error naming its rank — what `torch.multiprocessing.spawn`
 //!   plus `init_process_group` give a PyTorch user;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
-//!   themselves; [`comm_hook`]: a user's own reducer policy per rank;
+//!   themselves; [`comm_hook`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
+//!   user's own);
 //! - [`checkpoint`], [`data`], [`device`], [`launch::nccl`] (`--backend nccl`), and [`Error`], the one
 //!   error type.
 //!
 //! Layers to build models from are in [`models::nn`]; reducer policies implement
-//! [`ddp::hooks::CommHook`]. See the examples in `crates/brigade/examples/`.
+//! [`ddp::ReducerPolicy`] (the built-in ones are in [`policies`]). See the examples in
+//! `crates/brigade/examples/`.
 
 #![warn(missing_docs)]
 
@@ -24,6 +26,7 @@ pub use brigade_autograd as autograd;
 pub use brigade_comm as comm;
 pub use brigade_ddp as ddp;
 pub use brigade_models as models;
+pub use brigade_policies as policies;
 pub use brigade_tensor as tensor;
 
 pub mod checkpoint;

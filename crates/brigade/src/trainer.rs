@@ -18,9 +18,9 @@ use brigade_comm::{Buffer, CommBytes, CommMeter, Communicator, EventKind, Metere
 use brigade_ddp::overlap::{
     AutotuneConfig, AutotuneReport, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
 };
-use brigade_ddp::zero::{RankMemory, ZeroStage};
-use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport};
+use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel, MemoryReport, RankMemory};
 use brigade_models::{load_params, Batch, Model};
+use brigade_policies::ZeroStage;
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
@@ -123,8 +123,9 @@ pub struct TrainConfig {
     pub checkpoint_every: Option<usize>,
     /// Train on through non-finite losses and parameters instead of stopping.
     pub allow_nonfinite: bool,
-    /// How DDP reduces each bucket: a [`brigade_ddp::hooks::HookSpec`], or a closure making a
-    /// user's own hook; every rank makes its own.
+    /// How DDP reduces each bucket and what its optimizer steps: a
+    /// [`brigade_policies::PolicySpec`], or a closure making a user's own
+    /// [`brigade_ddp::ReducerPolicy`]; every rank makes its own.
     pub comm_hook: Arc<dyn MakeCommHook>,
     /// Compute threads of each rank (default: the cores shared among the local ranks).
     pub compute_threads: Option<usize>,
@@ -285,22 +286,22 @@ impl<'a> Trainer<'a> {
                 let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
-                    comm_hook: cfg.comm_hook.make(ctx.rank)?,
                     ..d.clone()
                 };
+                let policy = cfg.comm_hook.make(ctx.rank)?;
                 // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
-                // over the metered communicator (ZeRO picks its reduce-scatter there).
+                // over the metered communicator.
                 Some(match crate::launch::nccl::bucket_stream(ctx, device)? {
-                    Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d)?,
-                    None => DistributedDataParallel::new(model.params(), comm, d)?,
+                    Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d, policy)?,
+                    None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
                 })
             }
             None => None,
         };
-        // ZeRO: this rank keeps optimizer state for its shard of every bucket only.
-        if let (Some(ddp), true) = (&ddp, zero_stage(cfg) != ZeroStage::Off) {
+        // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
+        if let Some(ddp) = &ddp {
             let build = |params: Vec<Var>| cfg.optimizer.build(params);
-            opt = Box::new(ddp.zero_optimizer(opt.as_ref(), &build)?);
+            opt = Box::new(ddp.optimizer(opt, &build)?);
         }
         Ok(Trainer {
             cfg,
@@ -434,6 +435,7 @@ impl<'a> Trainer<'a> {
                         ParamProfile {
                             name: p.name().unwrap_or("<unnamed>").to_string(),
                             bytes,
+                            shape: p.shape(),
                         }
                     })
                     .collect();
@@ -444,6 +446,7 @@ impl<'a> Trainer<'a> {
                     world_size: world,
                     bucket_cap_mb,
                     first_bucket_cap_mb,
+                    policy: Some(ddp.profile_policy()),
                     params,
                     ranks: vec![r],
                 }
@@ -614,7 +617,10 @@ impl<'a> Trainer<'a> {
 
 /// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).
 fn zero_stage(cfg: &TrainConfig) -> ZeroStage {
-    cfg.ddp.as_ref().map_or(ZeroStage::Off, |d| d.zero)
+    match &cfg.ddp {
+        Some(_) => cfg.comm_hook.zero_stage(),
+        None => ZeroStage::Off,
+    }
 }
 
 /// `batch` on `device` (the same tensors on the CPU).

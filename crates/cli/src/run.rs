@@ -114,7 +114,6 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         bucket_cap_mb: args.bucket_cap()?,
         first_bucket_cap_mb: args.first_bucket_mb,
         find_unused_parameters: args.find_unused_parameters,
-        zero: args.zero_stage(),
         ..DdpConfig::default()
     };
     Ok(TrainConfig {

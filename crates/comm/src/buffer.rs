@@ -196,6 +196,7 @@ impl Buffer {
 
     /// A buffer of `dtype` from little-endian bytes (a whole number of elements), or `None` for
     /// a type buffers do not hold or a length that is not a multiple of the element size.
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
     pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
         let size = dtype.size_in_bytes();
         if bytes.len() % size != 0 {

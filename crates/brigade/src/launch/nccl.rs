@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use brigade_comm::nccl::{exchange_id, require_nccl, NcclComm};
-use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::stream::{BucketStream, NcclStream};
+use brigade_policies::PolicySpec;
 use brigade_tensor::cuda::{probe, CudaDevice};
 use brigade_tensor::Device;
 
@@ -19,7 +19,7 @@ use crate::launch::{Backend, RankContext};
 
 /// Flags that cannot work with `--backend nccl`, as one usage error; and, with it, whether
 /// NCCL can be loaded on this machine (after the device itself was found usable).
-pub fn check_flags(backend: Backend, device: DeviceArg, hook: &HookSpec) -> Result<()> {
+pub fn check_flags(backend: Backend, device: DeviceArg, hook: &PolicySpec) -> Result<()> {
     if backend != Backend::Nccl {
         return Ok(());
     }
@@ -30,7 +30,7 @@ pub fn check_flags(backend: Backend, device: DeviceArg, hook: &HookSpec) -> Resu
                 .into(),
         ));
     }
-    if *hook != HookSpec::AllReduce {
+    if *hook != PolicySpec::AllReduce {
         return Err(Error::Usage(
             "--backend nccl averages each bucket with one NCCL all-reduce: --comm-hook must be allreduce \
              (the other hooks run with --backend thread or mpi, host-staged)"
@@ -110,11 +110,11 @@ mod tests {
     #[test]
     fn nccl_needs_a_cuda_device_and_the_plain_all_reduce() {
         let cuda = DeviceArg::Cuda(None);
-        assert!(check_flags(Backend::Nccl, cuda, &HookSpec::AllReduce).is_ok());
-        assert!(check_flags(Backend::Thread, DeviceArg::Cpu, &HookSpec::AllReduce).is_ok());
-        let e = check_flags(Backend::Nccl, DeviceArg::Cpu, &HookSpec::AllReduce).unwrap_err();
+        assert!(check_flags(Backend::Nccl, cuda, &PolicySpec::AllReduce).is_ok());
+        assert!(check_flags(Backend::Thread, DeviceArg::Cpu, &PolicySpec::AllReduce).is_ok());
+        let e = check_flags(Backend::Nccl, DeviceArg::Cpu, &PolicySpec::AllReduce).unwrap_err();
         assert!(e.to_string().contains("--device cuda"), "{e}");
-        let fp16 = HookSpec::Compress(brigade_ddp::hooks::HalfType::F16);
+        let fp16 = PolicySpec::Fp16;
         let e = check_flags(Backend::Nccl, cuda, &fp16).unwrap_err();
         assert!(e.to_string().contains("--comm-hook"), "{e}");
     }

@@ -1,63 +1,89 @@
 //! The CUDA comm stream behind the contract: a bucket's ready event is recorded on the compute
-//! stream, NCCL's comm stream waits on it and averages the bucket in place, and at the end of
-//! backward the compute stream waits on the completion event. The host never waits: the
-//! optimizer's kernels are simply queued behind the collectives.
+//! stream, the policy's collectives run on NCCL's comm stream after it (in place, on device
+//! memory), and at the end of backward the compute stream waits on their completion events.
+//! The host never waits: the optimizer's kernels are simply queued behind the collectives.
+//!
+//! The NCCL collectives handle serves what the all-reduce policy needs (an in-place f32
+//! all-reduce of device memory); a policy that issues another collective gets a typed error
+//! naming it, until the device seam's NCCL reduce-scatter, all-gather and stream-scoped
+//! continuations are wired here.
 
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use brigade_comm::nccl::{DeviceBuffer, NcclComm};
 use brigade_comm::{Communicator, Recorder, ReduceOp, SpanId};
 use brigade_tensor::cuda::CudaDevice;
-use brigade_tensor::{Device, Storage};
+use brigade_tensor::{DType, Device, Storage, Tensor};
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 
 use super::gpu_clock::{GpuClock, GpuTimeline};
-use super::{BucketStream, Contents, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
-use crate::{bucket_tag, DdpError};
+use super::{hand_to_policy, wait_reduction, BucketStream, Failed, InFlight, Landed, ReadyBucket, ReadyEvent};
+use crate::collectives::{CollectiveBackend, Collectives, TensorWork};
+use crate::policy::ReducerPolicy;
+use crate::DdpError;
 
-/// A bucket enqueued on the NCCL comm stream: its memory (reduced in place) and its device.
-pub(crate) struct Enqueued {
-    buffer: DeviceBuffer,
-    dev: Arc<CudaDevice>,
-}
+/// A collective's completion event on the comm stream, with the device whose compute stream
+/// must wait on it.
+type Completion = (Arc<CudaDevice>, Arc<CudaEvent>);
 
-/// Buckets averaged by NCCL on the comm's own CUDA stream, ordered by events (see the module
-/// docs). Reduces with one averaging all-reduce per bucket (communication hooks run on the
-/// host stream only).
-pub struct NcclStream {
+/// What the stream and its collectives handle share.
+struct Shared {
     comm: Arc<NcclComm>,
     recorder: Option<Recorder>,
     timeline: OnceLock<Option<GpuTimeline>>,
     /// The device whose compute stream backward runs on (for the compute spans).
     compute: Option<Arc<CudaDevice>>,
+    /// The bucket being handed to its policy, with its ready event (the first collective waits
+    /// on it).
+    current: Mutex<Option<(usize, Option<Arc<CudaEvent>>)>>,
+    /// Completion events of each bucket's collectives, with the device they ran for.
+    done: Mutex<HashMap<usize, Vec<Completion>>>,
+}
+
+/// Buckets reduced by their policy's collectives on NCCL's own CUDA stream, ordered by events
+/// (see the module docs).
+pub struct NcclStream {
+    shared: Arc<Shared>,
 }
 
 impl NcclStream {
     /// Buckets reduced over `comm`.
     pub fn new(comm: Arc<NcclComm>) -> Self {
         NcclStream {
-            comm,
-            recorder: None,
-            timeline: OnceLock::new(),
-            compute: None,
+            shared: Arc::new(Shared {
+                comm,
+                recorder: None,
+                timeline: OnceLock::new(),
+                compute: None,
+                current: Mutex::new(None),
+                done: Mutex::new(HashMap::new()),
+            }),
         }
+    }
+
+    fn shared_mut(&mut self) -> &mut Shared {
+        Arc::get_mut(&mut self.shared).expect("NcclStream is configured before it is used")
     }
 
     /// Also times backward's compute scopes on `device`'s compute stream (CUDA events at every
     /// change of scope) for the timeline, in place of the host's launch times.
     pub fn with_compute_device(mut self, device: Arc<CudaDevice>) -> Self {
-        self.compute = Some(device);
+        self.shared_mut().compute = Some(device);
         self
     }
 
     /// Also writes every bucket's collective, timed by its CUDA events on the comm stream, and
     /// its ready event on the compute stream, to `recorder` (the run's timeline).
     pub fn with_recorder(mut self, recorder: Option<Recorder>) -> Self {
-        self.recorder = recorder;
+        self.shared_mut().recorder = recorder;
         self
     }
+}
 
+impl Shared {
     /// The GPU-clock timeline, anchored on first use (`None` without a recorder, or when the
     /// anchor could not be recorded: the run trains on without a GPU timeline).
     fn timeline(&self) -> Option<&GpuTimeline> {
@@ -78,14 +104,130 @@ impl NcclStream {
         }
     }
 
-    fn device_of(&self, index: usize, device: Device) -> crate::Result<Arc<CudaDevice>> {
+    fn device_of(&self, what: &str, device: Device) -> crate::Result<Arc<CudaDevice>> {
         match device {
             Device::Cuda(i) => Ok(CudaDevice::get(i)?),
             Device::Cpu => Err(self.cuda_error(
-                format!("reducing bucket {index} with NCCL"),
-                "the bucket lives on the CPU: NCCL reduces GPU memory (use --device cuda)",
+                format!("{what} with NCCL"),
+                "the tensor lives on the CPU: NCCL reduces GPU memory (use --device cuda)",
             )),
         }
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Enqueues the in-place all-reduce of `t` on the comm stream; `t` gets its storage back at
+    /// once (stream order: whoever reads it next on the compute stream waits on the completion
+    /// event first, see `wait`).
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> crate::Result<()> {
+        if t.dtype() != DType::F32 {
+            return Err(self.cuda_error(
+                format!("all-reducing `{tag}` with NCCL"),
+                format!("expected f32 GPU memory, found {}", t.dtype()),
+            ));
+        }
+        let dev = self.device_of(&format!("all-reducing `{tag}`"), t.device())?;
+        let numel = t.numel();
+        let (slice, _) = t.lend_storage()?.into_cuda_f32().map_err(|s| {
+            self.cuda_error(
+                format!("handing `{tag}` to NCCL"),
+                format!("expected f32 GPU memory, found {:?} on {}", s.dtype(), s.device()),
+            )
+        })?;
+        let (bucket, ready) = Self::lock(&self.current)
+            .as_mut()
+            .map_or((None, None), |(b, ready)| (Some(*b), ready.take()));
+        let timeline = self.timeline();
+        if let Some(tl) = timeline {
+            // The previous passes' events have completed by now: time them.
+            tl.flush();
+        }
+        let buffer = self
+            .comm
+            .all_reduce_device(DeviceBuffer::new(slice, ready.clone()), op, tag)?;
+        if let (Some(tl), Some(b)) = (timeline, bucket) {
+            tl.issued(
+                b,
+                tag,
+                numel * 4,
+                ready,
+                buffer.started().cloned(),
+                buffer.done().cloned(),
+            );
+        }
+        let (slice, done) = buffer.into_parts();
+        t.restore_storage(Storage::from_cuda_f32(slice, &dev))?;
+        if let (Some(b), Some(done)) = (bucket, done) {
+            Self::lock(&self.done).entry(b).or_default().push((dev, done));
+        }
+        Ok(())
+    }
+}
+
+/// The NCCL collectives handle (see the module docs).
+struct NcclCollectives {
+    shared: Arc<Shared>,
+}
+
+impl NcclCollectives {
+    fn not_yet<T: Send + 'static>(&self, what: &str, tag: &str) -> TensorWork<T> {
+        TensorWork::ready(
+            self.rank(),
+            tag,
+            self.timeout(),
+            Err(DdpError::Policy {
+                policy: "(on the NCCL stream)".into(),
+                reason: format!(
+                    "{what} `{tag}` does not run on the NCCL stream yet (it serves in-place f32 all-reduces): \
+                     run this policy with the thread or MPI backend, host-staged"
+                ),
+            }),
+        )
+    }
+}
+
+impl CollectiveBackend for NcclCollectives {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn rank(&self) -> usize {
+        self.shared.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.comm.world_size()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.shared.comm.timeout()
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let done = self.shared.all_reduce(t, op, tag).map(|()| t.clone());
+        TensorWork::ready(self.rank(), tag, self.timeout(), done)
+    }
+
+    fn broadcast(&self, _t: &Tensor, _root: usize, tag: &str) -> TensorWork<Tensor> {
+        self.not_yet("broadcast", tag)
+    }
+
+    fn reduce_scatter(&self, _t: &Tensor, _op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        self.not_yet("reduce_scatter", tag)
+    }
+
+    fn all_gather(&self, _t: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        self.not_yet("all_gather", tag)
+    }
+
+    fn all_gather_into(&self, _input: &Tensor, _output: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        self.not_yet("all_gather_into", tag)
+    }
+
+    fn all_gather_with_side(&self, _p: &Tensor, _s: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
+        self.not_yet("all_gather_with_side", tag)
     }
 }
 
@@ -94,8 +236,14 @@ impl BucketStream for NcclStream {
         "nccl"
     }
 
+    fn collectives(&self) -> Collectives {
+        Collectives::new(Arc::new(NcclCollectives {
+            shared: self.shared.clone(),
+        }))
+    }
+
     fn compute_scope(&self, span: Option<SpanId>) {
-        let (Some(dev), Some(timeline)) = (&self.compute, self.timeline()) else {
+        let (Some(dev), Some(timeline)) = (&self.shared.compute, self.shared.timeline()) else {
             return;
         };
         // A failed record leaves the host's launch times in the chart, never fails the run.
@@ -104,91 +252,57 @@ impl BucketStream for NcclStream {
         }
     }
 
-    fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent> {
-        let dev = self.device_of(index, storage.device())?;
+    fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
+        let dev = self
+            .shared
+            .device_of(&format!("reducing bucket {index}"), flat.device())?;
         let event = dev
             .stream()
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| self.cuda_error(format!("recording bucket {index}'s ready event"), e))?;
+            .map_err(|e| {
+                self.shared
+                    .cuda_error(format!("recording bucket {index}'s ready event"), e)
+            })?;
         Ok(ReadyEvent::Cuda(Arc::new(event)))
     }
 
-    fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight> {
-        let index = bucket.index;
-        let device = bucket.storage.device();
-        let numel = bucket.storage.len();
-        let (slice, dev) = bucket.storage.into_cuda_f32().map_err(|s| {
-            self.cuda_error(
-                format!("handing bucket {index} to NCCL"),
-                format!("expected f32 GPU memory, found {:?} on {}", s.dtype(), s.device()),
-            )
-        })?;
-        let ready = match bucket.ready {
-            ReadyEvent::Cuda(event) => Some(event),
+    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
+        let ready = match &bucket.ready {
+            ReadyEvent::Cuda(event) => Some(event.clone()),
             ReadyEvent::Host => None,
         };
-        let launched = Instant::now();
-        let timeline = self.timeline();
-        if let Some(t) = timeline {
-            // The previous passes' events have completed by now: time them.
-            t.flush();
-        }
-        let tag = bucket_tag(index);
-        let buffer = self
-            .comm
-            .all_reduce_device(DeviceBuffer::new(slice, ready.clone()), ReduceOp::Avg, &tag)?;
-        if let Some(t) = timeline {
-            t.issued(
-                index,
-                &tag,
-                numel * 4,
-                ready,
-                buffer.started().cloned(),
-                buffer.done().cloned(),
-            );
-        }
-        Ok(InFlight {
-            index,
-            numel,
-            device,
-            launched,
-            op: InFlightOp::Cuda(Enqueued { buffer, dev }),
-        })
+        *Shared::lock(&self.shared.current) = Some((bucket.bucket.index, ready));
+        let launched = hand_to_policy(&self.collectives(), bucket, policy, "nccl");
+        *Shared::lock(&self.shared.current) = None;
+        launched
     }
 
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
         let index = in_flight.index;
-        let InFlightOp::Cuda(Enqueued { buffer, dev }) = in_flight.op else {
+        if in_flight.launched_by != "nccl" {
             return Err(Failed {
                 error: DdpError::WrongStream {
                     bucket: index,
                     stream: "nccl",
-                    launched_by: "host",
+                    launched_by: in_flight.launched_by,
                 },
-                storage: None,
             });
-        };
-        let (slice, done) = buffer.into_parts();
-        // The compute stream waits on the comm stream's completion event: the optimizer's
-        // kernels queue behind the collective; the host goes on.
-        let waited = match &done {
-            Some(done) => dev
-                .stream()
-                .wait(done)
-                .map_err(|e| self.cuda_error(format!("waiting on bucket {index}'s completion event"), e)),
-            None => Ok(()),
-        };
-        let storage = Storage::from_cuda_f32(slice, &dev);
-        match waited.and_then(|()| self.comm.check().map_err(DdpError::from)) {
-            Ok(()) => Ok(Landed {
-                index,
-                contents: Contents::Storage(storage),
-                ran: None,
-            }),
-            Err(error) => Err(Failed {
-                error,
-                storage: Some(storage),
-            }),
+        }
+        // The compute stream waits on the comm stream's completion events: the optimizer's
+        // kernels queue behind the collectives; the host goes on.
+        let events = Shared::lock(&self.shared.done).remove(&index).unwrap_or_default();
+        for (dev, done) in events {
+            if let Err(e) = dev.stream().wait(&done) {
+                let error = self
+                    .shared
+                    .cuda_error(format!("waiting on bucket {index}'s completion event"), e);
+                return Err(Failed { error });
+            }
+        }
+        let landed = wait_reduction(in_flight)?;
+        match self.shared.comm.check() {
+            Ok(()) => Ok(landed),
+            Err(e) => Err(Failed { error: e.into() }),
         }
     }
 }

@@ -45,12 +45,14 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         world_size: 2,
         bucket_cap_mb: 25.0,
         first_bucket_cap_mb: 1.0,
+        policy: None,
         params: params
             .iter()
             .enumerate()
             .map(|(i, p)| ParamProfile {
                 name: format!("p{i}"),
                 bytes: p.0,
+                shape: vec![],
             })
             .collect(),
         ranks: vec![rank(0), rank(1)],
@@ -195,6 +197,7 @@ fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
             BucketProfile {
                 params,
                 bytes,
+                wire_bytes: None,
                 ready_s: 0.0,
                 launch_s: 0.0,
                 start_s: 0.0,
@@ -327,6 +330,7 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
         r.buckets = vec![BucketProfile {
             params: vec![1, 0],
             bytes: 2 * MIB,
+            wire_bytes: None,
             ready_s: 0.010,
             launch_s: 0.010,
             start_s: 0.010,
@@ -345,6 +349,7 @@ fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f6
     BucketProfile {
         params,
         bytes,
+        wire_bytes: None,
         ready_s: ready,
         launch_s: ready,
         start_s: start,

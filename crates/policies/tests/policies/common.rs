@@ -102,3 +102,104 @@ pub fn fnv_losses(losses: &[f64]) -> u64 {
 pub fn fnv_params(params: &[Vec<f32>]) -> u64 {
     fnv(params.iter().flatten().flat_map(|x| x.to_bits().to_le_bytes()))
 }
+
+/// One rank's run: losses (rank 0's are the global view only when every rank agrees), final
+/// parameters, and the DDP memory and diagnostics after the last step.
+pub struct RankRun {
+    pub losses: Vec<f64>,
+    pub params: Vec<Vec<f32>>,
+    pub memory: brigade_ddp::RankMemory,
+    pub diagnostics: Vec<String>,
+    pub wire_bytes: f64,
+}
+
+/// What a test trains: widths, steps, microbatches, rows per microbatch, caps.
+#[derive(Clone, Copy)]
+pub struct Setup {
+    pub widths: &'static [usize],
+    pub steps: usize,
+    pub accum: usize,
+    pub micro: usize,
+    pub bucket_cap_mb: f64,
+    pub first_bucket_cap_mb: f64,
+}
+
+pub fn optimizer(kind: &str, params: Vec<brigade_autograd::Var>) -> Box<dyn brigade_autograd::Optimizer> {
+    match kind {
+        "sgd" => Box::new(brigade_autograd::Sgd::new(params, 0.1, 0.9, 1e-3)),
+        "plain-sgd" => Box::new(brigade_autograd::Sgd::new(params, 0.1, 0.0, 0.0)),
+        _ => Box::new(brigade_autograd::AdamW::new(params, 1e-2)),
+    }
+}
+
+/// `world` thread ranks, each on its shard, each with `policy(rank)`, the optimizer `kind`
+/// through DDP's optimizer; the communicator is metered (DDP's collectives only).
+pub fn train(
+    setup: Setup,
+    world: usize,
+    kind: &str,
+    policy: impl Fn(usize) -> Box<dyn brigade_ddp::ReducerPolicy> + Sync,
+) -> Vec<RankRun> {
+    use std::sync::Arc;
+    let last = setup.widths[setup.widths.len() - 1];
+    let (x, y) = data(
+        world * setup.micro * setup.accum * setup.steps,
+        setup.widths[0],
+        last,
+        3,
+    );
+    brigade_comm::run_on_threads(world, |comm| {
+        use brigade_comm::Communicator;
+        brigade_tensor::set_compute_threads(1);
+        let rank = comm.rank();
+        let meter = brigade_comm::CommMeter::new();
+        let comm: Arc<dyn brigade_comm::Communicator> = Arc::new(brigade_comm::Metered::new(comm, meter.clone()));
+        let m = Mlp::new(setup.widths, 42 + rank as u64);
+        let cfg = brigade_ddp::DdpConfig {
+            bucket_cap_mb: setup.bucket_cap_mb,
+            first_bucket_cap_mb: setup.first_bucket_cap_mb,
+            ..brigade_ddp::DdpConfig::default()
+        };
+        let ddp = brigade_ddp::DistributedDataParallel::new(&m.store, comm, cfg, policy(rank)).unwrap();
+        let full = optimizer(kind, m.store.params().to_vec());
+        let mut opt = ddp.optimizer(full, &|p| optimizer(kind, p)).unwrap();
+        let mut losses = vec![];
+        for s in 0..setup.steps {
+            m.store.zero_grad().unwrap();
+            let base = (s * world + rank) * setup.micro * setup.accum;
+            let mut step_loss = 0.0;
+            for j in 0..setup.accum {
+                let (xb, yb) = rows(&x, &y, base + j * setup.micro, setup.micro);
+                let loss = m.loss(&xb, &yb).mul_scalar(1.0 / setup.accum as f64).unwrap();
+                step_loss += loss.value().item().unwrap();
+                if j + 1 < setup.accum {
+                    ddp.no_sync(|| loss.backward()).unwrap();
+                } else {
+                    loss.backward().unwrap();
+                }
+            }
+            losses.push(step_loss);
+            brigade_autograd::Optimizer::step(&mut opt).unwrap();
+        }
+        RankRun {
+            losses,
+            params: m.values(),
+            memory: ddp.rank_memory(&opt).unwrap(),
+            diagnostics: ddp.policy_diagnostics().into_iter().map(|d| d.message).collect(),
+            wire_bytes: meter.totals().wire_bytes,
+        }
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+/// A built-in policy by spec, one per rank.
+pub fn spec(s: &str) -> impl Fn(usize) -> Box<dyn brigade_ddp::ReducerPolicy> + Sync + '_ {
+    move |_| {
+        s.parse::<brigade_policies::PolicySpec>()
+            .unwrap()
+            .build(&brigade_policies::Registry::new())
+            .unwrap()
+    }
+}

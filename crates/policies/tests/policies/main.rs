@@ -4,4 +4,6 @@
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod common;
+mod direct;
 mod pinned;
+mod zero;

@@ -1,0 +1,463 @@
+//! [`ZeroOptimizer`]: any optimizer, stepping only this rank's shard of every bucket.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use brigade_autograd::{AutogradError, Optimizer, ParamStore, Var};
+use brigade_ddp::policy::{Buckets, BuildOptimizer, Collectives, HeldGrad, OptimizerContext, TensorWork};
+use brigade_ddp::DdpError;
+use brigade_tensor::{DType, Tensor};
+
+use super::shard::{pieces, shard_len, Piece};
+use super::ZeroStage;
+
+/// The most bytes one of stage 2's parameter all-gathers returns (the parameters of every
+/// rank's part of a chunk of its shard), as DeepSpeed's `allgather_bucket_size` bounds it; the
+/// chunks are smaller still when a shard is (scratch never exceeds a shard).
+pub const ALL_GATHER_CAP_BYTES: usize = 4 << 20;
+
+type Result<T> = brigade_ddp::Result<T>;
+
+fn zero_error(reason: String) -> DdpError {
+    DdpError::Policy {
+        policy: "zero".into(),
+        reason,
+    }
+}
+
+/// Where the bucket elements `range` lie in the bucket's parameters `(index, numel)` (laid one
+/// after another from element 0): `(parameter, first element in it, length, offset in range)`
+/// for each parameter it touches; padding touches none.
+fn overlaps(params: &[(usize, usize)], range: Range<usize>) -> Vec<(usize, usize, usize, usize)> {
+    let mut out = vec![];
+    let mut offset = 0;
+    for &(p, n) in params {
+        let (start, end) = (offset.max(range.start), (offset + n).min(range.end));
+        if start < end {
+            out.push((p, start - offset, end - start, start - range.start));
+        }
+        offset += n;
+    }
+    out
+}
+
+/// One bucket's shard on this rank: its pieces and the optimizer that holds their state.
+struct ShardedBucket {
+    /// Bucket index (launch order).
+    index: usize,
+    /// `(parameter, numel)` in bucket order.
+    params: Vec<(usize, usize)>,
+    /// Elements per rank (the padded shard length).
+    per: usize,
+    /// This rank's pieces of the parameters.
+    pieces: Vec<Piece>,
+    /// One leaf per piece: a view of the parameter's elements, stepped in place.
+    vars: Vec<Var>,
+    /// The inner optimizer over `vars`.
+    opt: Box<dyn Optimizer>,
+}
+
+/// ZeRO's optimizer (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed's partitioned optimizer):
+/// wraps any [`Optimizer`] so that this rank holds state only for its shard of every DDP bucket.
+/// [`Optimizer::step`] steps the shard from the reduce-scattered gradients, then all-gathers
+/// each bucket's updated parameters to every rank (bucket `b`'s all-gather runs on the comm
+/// stream while bucket `b + 1` is stepped). Built by the ZeRO policy through
+/// `DistributedDataParallel::optimizer`; every rank must step it together.
+///
+/// [`Optimizer::state`] is the consolidated state of every shard, under the same names and
+/// shapes as the wrapped optimizer's (so a checkpoint holds every shard's state); every rank
+/// must call [`Optimizer::consolidate_state`] first, and only rank 0 keeps the result.
+pub struct ZeroOptimizer {
+    buckets: Buckets,
+    comm: Collectives,
+    stage: ZeroStage,
+    shards: Vec<ShardedBucket>,
+    /// The bucket layout the shards were cut from.
+    generation: u64,
+    /// Peak bytes of all-gather scratch alive at once in the last step (shared with the policy's
+    /// memory report).
+    scratch: Arc<AtomicUsize>,
+    /// Every shard's state, gathered by `consolidate_state` (rank 0 only), until `state`
+    /// hands it out (so that it is not kept beside the shards).
+    consolidated: Mutex<Option<Vec<(String, Tensor)>>>,
+    /// The most bytes one stage-2 parameter all-gather returns.
+    all_gather_cap: usize,
+}
+
+/// The parameter a state entry `NAME.SUFFIX` belongs to (the longest parameter name that
+/// prefixes it), and the suffix; `None` for entries of no parameter (AdamW's `step`).
+fn split_key<'a>(key: &'a str, names: &[String]) -> Option<(usize, &'a str)> {
+    names
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| key.strip_prefix(n.as_str())?.strip_prefix('.').map(|s| (i, n.len(), s)))
+        .max_by_key(|&(_, len, _)| len)
+        .map(|(i, _, s)| (i, s))
+}
+
+fn optimizer_error(e: DdpError) -> AutogradError {
+    AutogradError::Optimizer { source: Box::new(e) }
+}
+
+fn names(params: &[Var]) -> Vec<String> {
+    params
+        .iter()
+        .map(|p| p.name().unwrap_or("<unnamed>").to_string())
+        .collect()
+}
+
+/// A gathered chunk in flight: bucket, chunk of the shard, the all-gather.
+type Gather = (usize, Range<usize>, TensorWork<Tensor>);
+
+impl ZeroOptimizer {
+    pub(crate) fn new(
+        ctx: &OptimizerContext,
+        stage: ZeroStage,
+        scratch: Arc<AtomicUsize>,
+        full: &dyn Optimizer,
+        build: BuildOptimizer<'_>,
+        all_gather_cap: usize,
+    ) -> Result<ZeroOptimizer> {
+        let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
+        let params = ctx.buckets.params();
+        let names = names(params);
+        let state = full.state()?;
+        let mut shards = vec![];
+        for span in ctx.buckets.spans() {
+            let bucket: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
+            let pieces = pieces(&bucket, world, rank);
+            let mut store = ParamStore::new();
+            for piece in &pieces {
+                let value = params[piece.param]
+                    .value()
+                    .flat_view(piece.param_offset, &[piece.len])?;
+                store.add(names[piece.param].clone(), value)?;
+            }
+            let vars = store.params().to_vec();
+            let mut opt = build(vars.clone());
+            opt.set_lr(full.lr());
+            opt.load_state(&slice_state(&state, &names, &pieces)?)?;
+            shards.push(ShardedBucket {
+                index: span.index,
+                per: shard_len(span.grad_numel, world),
+                params: bucket,
+                pieces,
+                vars,
+                opt,
+            });
+        }
+        Ok(ZeroOptimizer {
+            generation: ctx.buckets.generation(),
+            buckets: ctx.buckets.clone(),
+            comm: ctx.comm.clone(),
+            stage,
+            shards,
+            scratch,
+            consolidated: Mutex::new(None),
+            all_gather_cap,
+        })
+    }
+
+    /// Steps bucket `b`'s shard in place (the pieces are views of the parameters).
+    fn step_bucket(&mut self, b: usize) -> Result<()> {
+        let sb = &mut self.shards[b];
+        let grads = match self.buckets.held(sb.index)? {
+            HeldGrad::Shard { tensor, .. } => tensor,
+            HeldGrad::Full(_) => {
+                return Err(zero_error(format!(
+                    "bucket {} holds whole gradients, not this rank's shard",
+                    sb.index
+                )))
+            }
+        };
+        let params = self.buckets.params();
+        for (piece, var) in sb.pieces.iter().zip(&sb.vars) {
+            let param = params[piece.param].value();
+            var.set_value(param.flat_view(piece.param_offset, &[piece.len])?)?;
+            var.set_grad(Some(grads.flat_view(piece.shard_offset, &[piece.len])?))?;
+        }
+        sb.opt.step()?;
+        for var in &sb.vars {
+            // the shard's gradient is not this optimizer's to keep (stage 2 frees it)
+            var.set_grad(None)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's updated parameters in `chunk` of its shard of bucket `b` (zeros for padding).
+    fn send_chunk(&self, b: usize, chunk: Range<usize>) -> Result<Tensor> {
+        let sb = &self.shards[b];
+        let params = self.buckets.params();
+        let device = params
+            .first()
+            .map_or(brigade_tensor::Device::Cpu, |p| p.value().device());
+        let send = Tensor::zeros_on(&[chunk.len()], DType::F32, device)?;
+        let lo = self.comm.rank() * sb.per + chunk.start;
+        for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
+            send.narrow(0, out, len)?
+                .copy_from(&params[p].value().flat_view(at, &[len])?)?;
+        }
+        Ok(send)
+    }
+
+    /// Writes `gathered` (every rank's part of `chunk` of bucket `b`, rank-major, `world × chunk`
+    /// elements) into the parameters.
+    fn write_chunk(&self, b: usize, chunk: Range<usize>, gathered: &Tensor) -> Result<()> {
+        let sb = &self.shards[b];
+        let params = self.buckets.params();
+        let gathered = gathered.reshape(&[gathered.numel()])?;
+        for r in 0..self.comm.world_size() {
+            let lo = r * sb.per + chunk.start;
+            for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
+                let param = params[p].value().flat_view(at, &[len])?;
+                param.copy_from(&gathered.narrow(0, r * chunk.len() + out, len)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn tag(&self, b: usize, chunk: &Range<usize>) -> String {
+        format!("zero.params{}.{}", self.shards[b].index, chunk.start)
+    }
+
+    /// Stage 1: every bucket's updated parameters are gathered into its own full gradient
+    /// buffer, idle once its shard is stepped (zeroed afterwards, as after `zero_grad`): no
+    /// buffer beside it but this rank's shard of parameters, sent.
+    fn step_in_place(&mut self) -> Result<usize> {
+        let mut in_flight: Option<Gather> = None;
+        let mut peak = 0;
+        for b in 0..self.shards.len() {
+            self.step_bucket(b)?;
+            let finish = in_flight.take().map(|(pb, pc, w)| (pb, pc, w.wait()));
+            let per = self.shards[b].per;
+            let send = self.send_chunk(b, 0..per)?;
+            peak = peak.max(per * DType::F32.size_in_bytes());
+            let buffer = self.buckets.buffer(self.shards[b].index)?;
+            let tag = self.tag(b, &(0..per));
+            in_flight = Some((b, 0..per, self.comm.all_gather_into(&send, &buffer, &tag)));
+            if let Some((pb, pc, gathered)) = finish {
+                self.write_gathered(pb, pc, gathered?)?;
+            }
+        }
+        if let Some((pb, pc, w)) = in_flight {
+            self.write_gathered(pb, pc, w.wait()?)?;
+        }
+        Ok(peak)
+    }
+
+    fn write_gathered(&self, b: usize, chunk: Range<usize>, buffer: Tensor) -> Result<()> {
+        self.write_chunk(b, chunk, &buffer)?;
+        buffer.fill(0.0)?;
+        Ok(())
+    }
+
+    /// Stage 2: the full buffers are freed, so the parameters are gathered in chunks: three
+    /// gathered chunks alive at most (two in flight, one being written), each at most a third of
+    /// a shard's worth (and the all-gather cap).
+    fn step_chunked(&mut self) -> Result<usize> {
+        let world = self.comm.world_size().max(1);
+        let f32_bytes = DType::F32.size_in_bytes();
+        let mut in_flight: VecDeque<Gather> = VecDeque::new();
+        let mut peak = 0;
+        let alive = |q: &VecDeque<Gather>| -> usize { q.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum() };
+        for b in 0..self.shards.len() {
+            self.step_bucket(b)?;
+            let per = self.shards[b].per;
+            let chunk_len = (self.all_gather_cap / f32_bytes / world).min(per / (3 * world)).max(1);
+            for start in (0..per).step_by(chunk_len) {
+                let chunk = start..(start + chunk_len).min(per);
+                let send = self.send_chunk(b, chunk.clone())?;
+                let tag = self.tag(b, &chunk);
+                in_flight.push_back((b, chunk, self.comm.all_gather(&send, &tag)));
+                while in_flight.len() > 2 {
+                    peak = peak.max(alive(&in_flight));
+                    let (pb, pc, w) = in_flight.pop_front().expect("three in flight");
+                    self.write_chunk(pb, pc, &w.wait()?)?;
+                }
+            }
+        }
+        peak = peak.max(alive(&in_flight));
+        while let Some((pb, pc, w)) = in_flight.pop_front() {
+            self.write_chunk(pb, pc, &w.wait()?)?;
+        }
+        Ok(peak)
+    }
+
+    fn step_all(&mut self) -> Result<()> {
+        if self.buckets.generation() != self.generation {
+            return Err(zero_error(
+                "the DDP buckets were regrouped after the ZeRO optimizer was built; its shards and their optimizer state \
+                 are cut from the buckets, so the bucket caps must stay fixed under ZeRO"
+                    .into(),
+            ));
+        }
+        let peak = match self.stage {
+            ZeroStage::Two => self.step_chunked()?,
+            _ => self.step_in_place()?,
+        };
+        self.scratch.store(peak, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Every rank's byte string, in rank order (two all-gathers: lengths, then padded bytes).
+    fn gather_bytes(&self, bytes: Vec<u8>, tag: &str) -> Result<Vec<Vec<u8>>> {
+        let len = Tensor::from_vec((bytes.len() as u64).to_le_bytes().to_vec(), &[8])?;
+        let lens: Vec<usize> = self
+            .comm
+            .all_gather(&len, &format!("{tag}.len"))
+            .wait()?
+            .to_vec::<u8>()?
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
+        let max = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = bytes;
+        padded.resize(max, 0);
+        let all = self
+            .comm
+            .all_gather(&Tensor::from_vec(padded, &[max])?, tag)
+            .wait()?
+            .to_vec::<u8>()?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, &l)| all[r * max..r * max + l].to_vec())
+            .collect())
+    }
+
+    /// Gathers every rank's state of every bucket into whole tensors named like the wrapped
+    /// optimizer's (collective; rank 0 keeps them).
+    fn consolidate(&mut self) -> Result<()> {
+        let rank = self.comm.rank();
+        let params = self.buckets.params().to_vec();
+        let names = names(&params);
+        let mut out: Vec<(String, Tensor)> = vec![];
+        for (i, sb) in self.shards.iter().enumerate() {
+            let state = sb.opt.state()?;
+            // The suffixes some rank holds for this bucket (a rank may own no piece of it).
+            let mut mine: Vec<String> = state
+                .iter()
+                .filter_map(|(k, _)| split_key(k, &names).map(|(_, s)| s.to_string()))
+                .collect();
+            mine.sort();
+            mine.dedup();
+            let all = self.gather_bytes(mine.join("\n").into_bytes(), &format!("zero.state{i}.keys"))?;
+            let mut suffixes: Vec<String> = all
+                .iter()
+                .flat_map(|b| {
+                    String::from_utf8_lossy(b)
+                        .split('\n')
+                        .map(str::to_string)
+                        .collect::<Vec<_>>()
+                })
+                .filter(|s| !s.is_empty())
+                .collect();
+            suffixes.sort();
+            suffixes.dedup();
+            for suffix in &suffixes {
+                let send = Tensor::zeros(&[sb.per], DType::F32);
+                for piece in &sb.pieces {
+                    let key = format!("{}.{suffix}", names[piece.param]);
+                    if let Some((_, t)) = state.iter().find(|(k, _)| *k == key) {
+                        let v = t.to_dtype(DType::F32)?.to_device(brigade_tensor::Device::Cpu)?;
+                        send.narrow(0, piece.shard_offset, piece.len)?
+                            .copy_from(&v.reshape(&[piece.len])?)?;
+                    }
+                }
+                let tag = format!("zero.state{i}.{suffix}");
+                let gathered = self.comm.all_gather(&send, &tag).wait()?;
+                if rank != 0 {
+                    continue;
+                }
+                let gathered = gathered.reshape(&[gathered.numel()])?;
+                let mut offset = 0;
+                for &(p, n) in &sb.params {
+                    let t = gathered.narrow(0, offset, n)?.reshape(&params[p].shape())?.copy()?;
+                    out.push((format!("{}.{suffix}", names[p]), t));
+                    offset += n;
+                }
+            }
+            // Entries of no parameter (AdamW's `step`) are the same in every bucket's optimizer.
+            if i == 0 && rank == 0 {
+                out.extend(state.into_iter().filter(|(k, _)| split_key(k, &names).is_none()));
+            }
+        }
+        *self.consolidated.get_mut().unwrap_or_else(|e| e.into_inner()) = (rank == 0).then_some(out);
+        Ok(())
+    }
+}
+
+/// The entries of the whole-parameter `state` that belong to `pieces`, cut to them (shape
+/// `[len]`), and every entry of no parameter as it is.
+fn slice_state(state: &[(String, Tensor)], names: &[String], pieces: &[Piece]) -> Result<Vec<(String, Tensor)>> {
+    let mut out = vec![];
+    for (key, t) in state {
+        match split_key(key, names) {
+            None => out.push((key.clone(), t.clone())),
+            Some((p, _)) => {
+                let Some(piece) = pieces.iter().find(|piece| piece.param == p) else {
+                    continue;
+                };
+                let flat = t.contiguous()?.to_dtype(DType::F32)?;
+                if flat.numel() < piece.param_offset + piece.len {
+                    return Err(zero_error(format!(
+                        "optimizer state '{key}' has {} elements, its parameter more",
+                        flat.numel()
+                    )));
+                }
+                let v = flat
+                    .reshape(&[flat.numel()])?
+                    .narrow(0, piece.param_offset, piece.len)?
+                    .copy()?;
+                out.push((key.clone(), v));
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl Optimizer for ZeroOptimizer {
+    fn step(&mut self) -> brigade_autograd::Result<()> {
+        self.step_all().map_err(optimizer_error)
+    }
+
+    fn lr(&self) -> f64 {
+        self.shards.first().map_or(0.0, |b| b.opt.lr())
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        for b in &mut self.shards {
+            b.opt.set_lr(lr);
+        }
+    }
+
+    /// The consolidated state (see the type's docs), handed out once; an error unless
+    /// `consolidate_state` ran on every rank since the last call and this is rank 0.
+    fn state(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
+        self.consolidated.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
+            AutogradError::OptimizerState(
+                "a ZeRO optimizer's state is sharded over the ranks: call consolidate_state on every rank, then state on rank 0".into(),
+            )
+        })
+    }
+
+    /// Loads whole-parameter state (as [`Optimizer::state`] gives it), keeping this rank's pieces.
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
+        let names = names(self.buckets.params());
+        for sb in &mut self.shards {
+            let sliced = slice_state(state, &names, &sb.pieces).map_err(optimizer_error)?;
+            sb.opt.load_state(&sliced)?;
+        }
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> brigade_autograd::Result<usize> {
+        self.shards.iter().map(|b| b.opt.state_bytes()).sum()
+    }
+
+    fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
+        self.consolidate().map_err(optimizer_error)
+    }
+}
