@@ -71,6 +71,23 @@ pub fn data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor) {
     (x, Tensor::from_vec(y, &[n]).unwrap())
 }
 
+/// `n` rows of inputs `[n, d]` labelled by a teacher: the index of the largest of the first `c`
+/// inputs (learnable, unlike [`data`]'s random labels).
+pub fn teacher_data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor) {
+    let mut rng = Rng::new(seed);
+    let x: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
+    let y: Vec<i64> = (0..n)
+        .map(|i| {
+            let row = &x[i * d..i * d + c];
+            (0..c).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as i64
+        })
+        .collect();
+    (
+        Tensor::from_vec(x, &[n, d]).unwrap(),
+        Tensor::from_vec(y, &[n]).unwrap(),
+    )
+}
+
 /// Rows `start..start+len` of `(x, y)`.
 pub fn rows(x: &Tensor, y: &Tensor, start: usize, len: usize) -> (Tensor, Tensor) {
     (
@@ -104,7 +121,8 @@ pub fn fnv_params(params: &[Vec<f32>]) -> u64 {
 }
 
 /// One rank's run: losses (rank 0's are the global view only when every rank agrees), final
-/// parameters, and the DDP memory and diagnostics after the last step.
+/// parameters, the DDP memory and diagnostics after the last step, and the wire bytes of its
+/// steps (DDP's collectives, as the meter counts them).
 pub struct RankRun {
     pub losses: Vec<f64>,
     pub params: Vec<Vec<f32>>,
@@ -142,7 +160,7 @@ pub fn train(
 ) -> Vec<RankRun> {
     use std::sync::Arc;
     let last = setup.widths[setup.widths.len() - 1];
-    let (x, y) = data(
+    let (x, y) = teacher_data(
         world * setup.micro * setup.accum * setup.steps,
         setup.widths[0],
         last,
@@ -163,6 +181,8 @@ pub fn train(
         let ddp = brigade_ddp::DistributedDataParallel::new(&m.store, comm, cfg, policy(rank)).unwrap();
         let full = optimizer(kind, m.store.params().to_vec());
         let mut opt = ddp.optimizer(full, &|p| optimizer(kind, p)).unwrap();
+        // what the steps send (not the model check and parameter broadcast of construction)
+        let built = meter.totals();
         let mut losses = vec![];
         for s in 0..setup.steps {
             m.store.zero_grad().unwrap();
@@ -186,7 +206,7 @@ pub fn train(
             params: m.values(),
             memory: ddp.rank_memory(&opt).unwrap(),
             diagnostics: ddp.policy_diagnostics().into_iter().map(|d| d.message).collect(),
-            wire_bytes: meter.totals().wire_bytes,
+            wire_bytes: (meter.totals() - built).wire_bytes,
         }
     })
     .into_iter()

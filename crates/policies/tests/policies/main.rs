@@ -6,4 +6,7 @@
 mod common;
 mod direct;
 mod pinned;
+mod powersgd;
+mod resume;
+mod user;
 mod zero;
