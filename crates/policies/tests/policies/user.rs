@@ -91,6 +91,7 @@ impl ReducerPolicy for LocalSgd {
         Ok(Reduction::Full(comm.ready(bucket.tensor)))
     }
 
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
     fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> brigade_ddp::Result<()> {
         self.steps += 1;
         if self.steps > self.k && (self.steps - self.k) % self.h == 0 {
