@@ -106,6 +106,12 @@ impl brigade_ddp::ReducerPolicy for Average {
             &bucket.tag(),
         )))
     }
+
+    fn wire_model(&self) -> Option<brigade_ddp::policy::WireModel> {
+        Some(brigade_ddp::policy::WireModel::AllReduce {
+            bytes_per_element: 4.0,
+        })
+    }
 }
 
 /// One rank's [`Average`] policy.
