@@ -1,38 +1,40 @@
 //! A reducer policy written outside Brigade's crates: top-k sparsification with error feedback,
-//! against the public hook contract (`brigade::ddp::hooks::CommHook`). Trains the same MLP
+//! against the public policy contract (`brigade::ddp::ReducerPolicy`). Trains the same MLP
 //! through the library's loop (`brigade::fit`) on 2 thread ranks with plain all-reduce and with
-//! top-k, each rank making its own hook, and prints bytes sent and loss side by side.
+//! top-k, each rank making its own policy, and prints bytes sent and loss side by side.
 //!
 //! `cargo run --release -p brigade --example own_hook [-- STEPS]`
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use brigade::comm::{Buffer, CommError, Communicator, Work};
-use brigade::ddp::hooks::{CommHook, GradBucket};
+use brigade::ddp::policy::{Collectives, PerBucket, PolicyBucket, Reduction};
+use brigade::ddp::{DdpError, ReducerPolicy};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
+use brigade::tensor::Tensor;
 use brigade::{OptimizerConfig, TrainConfig};
 
-/// Sends each rank's `fraction` largest gradient entries (value + index), keeps the rest as
-/// error to add next time, and averages what the ranks sent. One hook per rank: it holds state.
+/// Sends each rank's `fraction` largest gradient entries (values, with their indices as a side
+/// buffer in the same all-gather), keeps the rest as error to add next time, and averages what
+/// the ranks sent. One policy per rank: it holds state (per bucket, so it lives in a
+/// `PerBucket`, which drops it when DDP rebuilds its buckets).
 struct TopK {
     fraction: f64,
-    error: Mutex<HashMap<usize, Vec<f32>>>,
+    error: PerBucket<Vec<f32>>,
     bytes: Arc<AtomicUsize>,
 }
 
-impl CommHook for TopK {
+impl ReducerPolicy for TopK {
     fn name(&self) -> String {
         format!("top-{}%", self.fraction * 100.0)
     }
 
-    fn reduce(&self, comm: &Arc<dyn Communicator>, bucket: GradBucket) -> Work<Vec<f32>> {
-        let (n, world) = (bucket.buffer.len(), comm.world_size() as f32);
-        let mut g = bucket.buffer;
-        let mut error = self.error.lock().unwrap();
-        let e = error.entry(bucket.index).or_insert_with(|| vec![0.0; n]);
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+        let world = comm.world_size() as f32;
+        let mut g: Vec<f32> = bucket.tensor.to_vec()?;
+        let n = g.len();
+        let e = self.error.get_or_insert_with(&bucket, || vec![0.0; n]);
         g.iter_mut().zip(e.iter()).for_each(|(g, e)| *g += e); // error feedback
         let k = ((n as f64 * self.fraction).ceil() as usize).clamp(1, n.max(1));
         let mut order: Vec<usize> = (0..n).collect();
@@ -43,26 +45,24 @@ impl CommHook for TopK {
         *e = g; // what is not sent stays as error
         order.iter().for_each(|&i| e[i] = 0.0);
         self.bytes.fetch_add(k * 8, Ordering::Relaxed);
-        // both collectives issued now, in the same order on every rank
-        let tag = format!("topk{}", bucket.index);
-        let values = comm.all_gather(Buffer::F32(values), &tag);
-        let index = comm.all_gather(Buffer::U8(index), &tag);
-        values.and_then(move |v| {
-            Ok(index.then(move |i| {
-                let (v, i) = (v.as_f32().unwrap_or_default(), i.as_u8().unwrap_or_default());
-                let mut out = vec![0.0f32; n];
-                for (val, idx) in v.iter().zip(i.chunks_exact(4)) {
-                    let idx = u32::from_le_bytes([idx[0], idx[1], idx[2], idx[3]]) as usize;
-                    let slot = out.get_mut(idx);
-                    *slot.ok_or_else(|| CommError::InvalidArgument(format!("index {idx} of {n}")))? += val / world;
-                }
-                Ok(out)
-            }))
-        })
+        let (values, index) = (Tensor::from_vec(values, &[k])?, Tensor::from_vec(index, &[4 * k])?);
+        let gathered = comm.all_gather_with_side(&values, &index, &bucket.tag());
+        Ok(Reduction::Full(gathered.then(move |(v, i)| {
+            let (v, i) = (v.to_vec::<f32>()?, i.to_vec::<u8>()?);
+            let mut out = vec![0.0f32; n];
+            for (val, idx) in v.iter().zip(i.chunks_exact(4)) {
+                let idx = u32::from_le_bytes([idx[0], idx[1], idx[2], idx[3]]) as usize;
+                let slot = out.get_mut(idx).ok_or_else(|| DdpError::Policy {
+                    policy: "top-k".into(),
+                    reason: format!("index {idx} of {n}"),
+                })?;
+                *slot += val / world;
+            }
+            Ok(Tensor::from_vec(out, &[n])?)
+        })))
     }
 }
 
-#[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN loss did not go down either
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let steps: usize = std::env::args().nth(1).map_or(Ok(60), |s| s.parse())?;
     let sgd = OptimizerConfig::Sgd {
@@ -84,14 +84,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sent = Arc::new(AtomicUsize::new(0));
     let bytes = sent.clone();
     let cfg = TrainConfig {
-        // each rank makes its own hook: the error it keeps is its own
+        // each rank makes its own policy: the error it keeps is its own
         comm_hook: Arc::new(move |_rank: usize| {
-            let error = Mutex::default();
-            Arc::new(TopK {
+            Box::new(TopK {
                 fraction: 0.05,
-                error,
+                error: PerBucket::new(),
                 bytes: bytes.clone(),
-            }) as Arc<dyn CommHook>
+            }) as Box<dyn ReducerPolicy>
         }),
         ..TrainConfig::new(steps, 32, sgd)
     };

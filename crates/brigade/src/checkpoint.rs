@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
-use brigade_ddp::zero::ZeroStage;
 use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model};
+use brigade_policies::ZeroStage;
 use brigade_tensor::Tensor;
 
 use crate::error::{CheckpointMismatch, Error, Result};

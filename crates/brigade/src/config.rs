@@ -7,13 +7,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
-use brigade_ddp::hooks::HookSpec;
 use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
 use crate::comm_hook::MakeCommHook;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
+use brigade_policies::PolicySpec;
 
 /// Which optimizer, with every hyper-parameter.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -99,8 +99,9 @@ pub struct TrainConfig {
     /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
     /// compute-only baseline). Its recorder is the rank's.
     pub ddp: Option<DdpConfig>,
-    /// How DDP reduces each bucket: a [`brigade_ddp::hooks::HookSpec`], or a closure making a
-    /// user's own hook; every rank makes its own.
+    /// How DDP reduces each bucket and what its optimizer steps: a
+    /// [`brigade_policies::PolicySpec`], or a closure making a user's own
+    /// [`brigade_ddp::ReducerPolicy`]; every rank makes its own.
     pub comm_hook: Arc<dyn MakeCommHook>,
     /// Tune DDP's bucket cap as the run goes, from the recorded steps; needs `ddp`.
     pub autotune: Option<AutotuneConfig>,
@@ -131,7 +132,7 @@ impl TrainConfig {
             accum: 1,
             optimizer,
             ddp: Some(DdpConfig::default()),
-            comm_hook: Arc::new(HookSpec::AllReduce),
+            comm_hook: Arc::new(PolicySpec::AllReduce),
             autotune: None,
             allow_nonfinite: false,
             compute_threads: None,

@@ -6,6 +6,7 @@ use brigade_autograd::AutogradError;
 use brigade_comm::CommError;
 use brigade_ddp::DdpError;
 use brigade_models::ModelError;
+use brigade_policies::PolicyError;
 use brigade_tensor::TensorError;
 
 /// Everything the `brigade` library can fail with.
@@ -49,9 +50,12 @@ pub enum Error {
     /// A model, layer, dataset or safetensors file failed (`brigade::models`).
     #[error(transparent)]
     Model(#[from] ModelError),
-    /// The DDP reducer or a communication hook failed (`brigade::ddp`).
+    /// The DDP reducer or a reducer policy failed (`brigade::ddp`).
     #[error(transparent)]
     Ddp(#[from] DdpError),
+    /// A policy spec, setting or registry lookup failed (`brigade::policies`).
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
     /// A collective failed or timed out, or a peer is gone (`brigade::comm`).
     #[error(transparent)]
     Comm(#[from] CommError),

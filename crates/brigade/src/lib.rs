@@ -15,13 +15,14 @@
 //!   result back, or the root-cause error naming its rank — what `torch.multiprocessing.spawn`
 //!   plus `init_process_group` give a PyTorch user; [`launch::nccl`] for the NCCL backend;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
-//!   themselves; [`comm_hook`]: a user's own reducer policy per rank;
+//!   themselves; [`comm_hook`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
+//!   user's own);
 //! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
 //! Layers to build models from are in [`models::nn`] (parameters are [`autograd::Var`]s over
-//! [`tensor::Tensor`]s); reducer policies implement [`ddp::hooks::CommHook`] over a
-//! [`comm::Communicator`]. See the examples in `crates/brigade/examples/`.
+//! [`tensor::Tensor`]s); reducer policies implement [`ddp::ReducerPolicy`] (the built-in ones
+//! are in [`policies`]). See the examples in `crates/brigade/examples/`.
 
 #![warn(missing_docs)]
 
@@ -33,6 +34,8 @@ pub use brigade_comm as comm;
 pub use brigade_ddp as ddp;
 #[doc(inline)]
 pub use brigade_models as models;
+#[doc(inline)]
+pub use brigade_policies as policies;
 #[doc(inline)]
 pub use brigade_tensor as tensor;
 

@@ -5,7 +5,7 @@
 
 use brigade_comm::CommBytes;
 use brigade_ddp::overlap::{AutotuneReport, StepProfile};
-use brigade_ddp::zero::RankMemory;
+use brigade_ddp::RankMemory;
 use brigade_ddp::{BucketInfo, MemoryReport};
 use brigade_tensor::Tensor;
 

@@ -15,9 +15,9 @@ use std::time::Instant;
 use brigade_autograd::{Optimizer, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
-use brigade_ddp::zero::ZeroStage;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_models::{load_params, Batch, Model};
+use brigade_policies::ZeroStage;
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
 use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
@@ -118,22 +118,22 @@ impl<'a> Trainer<'a> {
                 let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
-                    comm_hook: cfg.comm_hook.make(ctx.rank)?,
                     ..d.clone()
                 };
+                let policy = cfg.comm_hook.make(ctx.rank)?;
                 // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
-                // over the metered communicator (ZeRO picks its reduce-scatter there).
+                // over the metered communicator.
                 Some(match nccl::bucket_stream(ctx, device, ctx.net)? {
-                    Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d)?,
-                    None => DistributedDataParallel::new(model.params(), comm, d)?,
+                    Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d, policy)?,
+                    None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
                 })
             }
             None => None,
         };
-        // ZeRO: this rank keeps optimizer state for its shard of every bucket only.
-        if let (Some(ddp), true) = (&ddp, zero_stage(cfg) != ZeroStage::Off) {
+        // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
+        if let Some(ddp) = &ddp {
             let build = |params: Vec<Var>| cfg.optimizer.build(params);
-            opt = Box::new(ddp.zero_optimizer(opt.as_ref(), &build)?);
+            opt = Box::new(ddp.optimizer(opt, &build)?);
         }
         Ok(Trainer {
             cfg,
@@ -461,7 +461,10 @@ impl<'a> Trainer<'a> {
 
 /// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).
 fn zero_stage(cfg: &TrainConfig) -> ZeroStage {
-    cfg.ddp.as_ref().map_or(ZeroStage::Off, |d| d.zero)
+    match &cfg.ddp {
+        Some(_) => cfg.comm_hook.zero_stage(),
+        None => ZeroStage::Off,
+    }
 }
 
 /// `batch` on `device` (the same tensors on the CPU).

@@ -10,8 +10,7 @@ use clap::{Args, ValueEnum};
 
 use brigade::launch::CommBackend;
 use brigade::placement::DevicePlacement;
-use brigade_ddp::hooks::{HalfType, HookSpec, PowerSgdConfig};
-use brigade_ddp::zero::ZeroStage;
+use brigade::policies::{PolicySpec, PowerSgdConfig, ZeroStage};
 
 pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
 use crate::error::{Error, Result};
@@ -336,8 +335,7 @@ pub struct RunArgs {
     /// PowerSGD: rank of the approximation (>= 1).
     #[arg(long, default_value_t = 1)]
     pub powersgd_rank: usize,
-    /// PowerSGD: iterations of plain all-reduce before compression starts (>= 2: DDP rebuilds
-    /// its buckets after the first iteration).
+    /// PowerSGD: iterations of plain all-reduce before compression starts.
     #[arg(long, default_value_t = 10)]
     pub powersgd_start_iter: usize,
     /// ZeRO stage: 0 plain DDP; 1 shards the optimizer state over the ranks (each bucket
@@ -460,7 +458,12 @@ impl RunArgs {
                 self.zero
             ));
         }
-        if let HookSpec::PowerSgd(cfg) = self.hook_spec() {
+        if let PolicySpec::PowerSgd { rank, start_iter } = self.hook_spec() {
+            let cfg = PowerSgdConfig {
+                rank,
+                start_iter,
+                ..PowerSgdConfig::default()
+            };
             cfg.validate().map_err(|e| {
                 Error::Usage(format!(
                     "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
@@ -525,17 +528,18 @@ impl RunArgs {
         Ok(())
     }
 
-    /// The communication hook these flags choose.
-    pub fn hook_spec(&self) -> HookSpec {
-        match self.comm_hook {
-            CommHookName::Allreduce => HookSpec::AllReduce,
-            CommHookName::Fp16 => HookSpec::Compress(HalfType::F16),
-            CommHookName::Bf16 => HookSpec::Compress(HalfType::BF16),
-            CommHookName::Powersgd => HookSpec::PowerSgd(PowerSgdConfig {
+    /// The reducer policy these flags choose (`--zero` and `--comm-hook` together).
+    pub fn hook_spec(&self) -> PolicySpec {
+        match (self.zero_stage(), self.comm_hook) {
+            (ZeroStage::One, _) => PolicySpec::Zero1,
+            (ZeroStage::Two, _) => PolicySpec::Zero2,
+            (ZeroStage::Off, CommHookName::Allreduce) => PolicySpec::AllReduce,
+            (ZeroStage::Off, CommHookName::Fp16) => PolicySpec::Fp16,
+            (ZeroStage::Off, CommHookName::Bf16) => PolicySpec::Bf16,
+            (ZeroStage::Off, CommHookName::Powersgd) => PolicySpec::PowerSgd {
                 rank: self.powersgd_rank,
                 start_iter: self.powersgd_start_iter,
-                ..PowerSgdConfig::default()
-            }),
+            },
         }
     }
 

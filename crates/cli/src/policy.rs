@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use brigade_ddp::hooks::PowerSgdConfig;
+use brigade::policies::PowerSgdConfig;
 
 use crate::args::{CommHookName, RunArgs};
 use crate::error::{Error, Result};

@@ -116,7 +116,6 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         bucket_cap_mb: cap,
         first_bucket_cap_mb: args.first_bucket_cap(cap),
         find_unused_parameters: args.find_unused_parameters,
-        zero: args.zero_stage(),
         ..DdpConfig::default()
     };
     Ok(TrainConfig {

@@ -6,8 +6,15 @@ use half::{bf16, f16};
 
 /// Element type of a [`Buffer`]: Brigade's one [`DType`] (a tensor's storage names its
 /// elements with the same type). Buffers hold `F32`, `F16`, `BF16` (reduced with f32
-/// accumulation) and `U8` (raw bytes: broadcast and all-gather only; reductions return
-/// [`crate::CommError::Unsupported`]).
+/// accumulation), and the integer payloads `U8` (raw bytes) and `I8` (quantized values).
+///
+/// **Integer payloads are never reduced in their own type**: a sum of `k` int8 values needs
+/// more than 8 bits, and each rank's values mean something only with that rank's scale. They
+/// move with broadcast and all-gather; an all-reduce or reduce-scatter of one returns
+/// [`crate::CommError::Unsupported`]. The rule for a quantizing policy is PyTorch's
+/// (`quantization_pertensor_hook`): all-gather every rank's payload **and** its scales (one
+/// collective: [`crate::all_gather_with_side`]), then dequantize each rank's piece with its own
+/// scales and sum in f32 on every rank, in rank order.
 pub use brigade_dtype::DType;
 
 /// How a reduction combines the ranks' elements.
@@ -54,6 +61,8 @@ pub enum Buffer {
     BF16(Vec<bf16>),
     /// Bytes (e.g. serialized parameter signatures compared across ranks).
     U8(Vec<u8>),
+    /// Signed bytes: quantized payloads (moved, never reduced: see [`DType`]).
+    I8(Vec<i8>),
 }
 
 macro_rules! accessors {
@@ -84,7 +93,8 @@ impl Buffer {
             DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
             DType::U8 => Buffer::U8(vec![0; len]),
-            DType::F64 | DType::I64 | DType::I8 => return None,
+            DType::I8 => Buffer::I8(vec![0; len]),
+            DType::F64 | DType::I64 => return None,
         })
     }
 
@@ -95,6 +105,7 @@ impl Buffer {
             Buffer::F16(v) => v.len(),
             Buffer::BF16(v) => v.len(),
             Buffer::U8(v) => v.len(),
+            Buffer::I8(v) => v.len(),
         }
     }
 
@@ -110,6 +121,7 @@ impl Buffer {
             Buffer::F16(_) => DType::F16,
             Buffer::BF16(_) => DType::BF16,
             Buffer::U8(_) => DType::U8,
+            Buffer::I8(_) => DType::I8,
         }
     }
 
@@ -126,6 +138,7 @@ impl Buffer {
             Buffer::F16(v) => v.as_ptr().cast(),
             Buffer::BF16(v) => v.as_ptr().cast(),
             Buffer::U8(v) => v.as_ptr(),
+            Buffer::I8(v) => v.as_ptr().cast(),
         }
     }
 
@@ -137,6 +150,7 @@ impl Buffer {
             Buffer::F16(v) => v.as_mut_ptr().cast(),
             Buffer::BF16(v) => v.as_mut_ptr().cast(),
             Buffer::U8(v) => v.as_mut_ptr(),
+            Buffer::I8(v) => v.as_mut_ptr().cast(),
         }
     }
 
@@ -147,6 +161,7 @@ impl Buffer {
             Buffer::F16(v) => v.resize(len, f16::ZERO),
             Buffer::BF16(v) => v.resize(len, bf16::ZERO),
             Buffer::U8(v) => v.resize(len, 0),
+            Buffer::I8(v) => v.resize(len, 0),
         }
     }
 
@@ -157,6 +172,7 @@ impl Buffer {
             Buffer::F16(v) => v.copy_within(src..src + count, dst),
             Buffer::BF16(v) => v.copy_within(src..src + count, dst),
             Buffer::U8(v) => v.copy_within(src..src + count, dst),
+            Buffer::I8(v) => v.copy_within(src..src + count, dst),
         }
     }
 
@@ -164,6 +180,52 @@ impl Buffer {
     accessors!(F16, f16, as_f16, into_f16);
     accessors!(BF16, bf16, as_bf16, into_bf16);
     accessors!(U8, u8, as_u8, into_u8);
+    accessors!(I8, i8, as_i8, into_i8);
+
+    /// The elements' little-endian bytes, in order (how a side buffer travels packed beside its
+    /// payload in [`crate::all_gather_with_side`]).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        match self {
+            Buffer::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Buffer::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Buffer::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Buffer::U8(v) => v.clone(),
+            Buffer::I8(v) => v.iter().map(|&x| x as u8).collect(),
+        }
+    }
+
+    /// A buffer of `dtype` from little-endian bytes (a whole number of elements), or `None` for
+    /// a type buffers do not hold or a length that is not a multiple of the element size.
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+    pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
+        let size = dtype.size_in_bytes();
+        if bytes.len() % size != 0 {
+            return None;
+        }
+        Some(match dtype {
+            DType::F32 => Buffer::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            DType::F16 => Buffer::F16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            DType::BF16 => Buffer::BF16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            DType::U8 => Buffer::U8(bytes.to_vec()),
+            DType::I8 => Buffer::I8(bytes.iter().map(|&b| b as i8).collect()),
+            DType::F64 | DType::I64 => return None,
+        })
+    }
 }
 
 impl From<Vec<f32>> for Buffer {
@@ -187,5 +249,11 @@ impl From<Vec<bf16>> for Buffer {
 impl From<Vec<u8>> for Buffer {
     fn from(v: Vec<u8>) -> Self {
         Buffer::U8(v)
+    }
+}
+
+impl From<Vec<i8>> for Buffer {
+    fn from(v: Vec<i8>) -> Self {
+        Buffer::I8(v)
     }
 }

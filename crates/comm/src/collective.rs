@@ -51,9 +51,14 @@ pub(crate) fn check_runnable(
 ) -> Result<(), CommError> {
     let described = || describe(kind, dtype, len, tag);
     match kind {
-        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if dtype == Some(DType::U8) => Err(CommError::Unsupported(
-            format!("reduction on u8 buffers: {}", described()),
-        )),
+        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if matches!(dtype, Some(DType::U8 | DType::I8)) => {
+            Err(CommError::Unsupported(format!(
+                "reduction on {} buffers: {}; integer payloads are not summed in their own type: all-gather \
+                 the payloads with their scales (all_gather_with_side) and sum in f32",
+                dtype.map_or("", DType::name),
+                described()
+            )))
+        }
         OpKind::ReduceScatter(_) if len % world as u64 != 0 => Err(CommError::InvalidArgument(format!(
             "{}: input length {len} is not a multiple of the world size {world}",
             described()

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Buffer, CommError, ReduceOp, Work};
+use crate::{Buffer, CommError, DType, ReduceOp, Work};
 
 /// One rank's view of a group of `world_size` ranks. Every collective is issued at once and
 /// returns a [`Work`] handle; collectives execute on this rank's comm stream in the order they
@@ -110,4 +110,52 @@ pub fn all_gather_bytes(comm: &dyn Communicator, bytes: Vec<u8>, tag: &str) -> R
         .enumerate()
         .map(|(r, &l)| all[r * max..r * max + l].to_vec())
         .collect())
+}
+
+/// One all-gather that carries, beside each rank's `payload`, a small `side` buffer of another
+/// type (a quantizing policy's per-bucket scales, a sparsifying one's indices): both travel in the
+/// same message, so the side costs one collective's latency less than a second all-gather and is
+/// counted with the payload by [`crate::Metered`] (as `U8` bytes: the wire bytes are exact).
+///
+/// Completes with `(payloads, sides)`, each rank-major as [`Communicator::all_gather`] returns
+/// them: rank `r`'s payload at `r*len..(r+1)*len`, its side at `r*k..(r+1)*k`. Every rank must
+/// pass payloads and sides of the same types and lengths (a different total length is reported
+/// as a mismatch, like any all-gather's).
+///
+/// This is how integer payloads are reduced (see [`DType`]): gather every rank's int8 values
+/// and scales, dequantize each piece with its own rank's scales, and sum in f32 in rank order.
+pub fn all_gather_with_side(
+    comm: &dyn Communicator,
+    payload: Buffer,
+    side: Buffer,
+    tag: &str,
+) -> Work<(Buffer, Buffer)> {
+    let (pdtype, sdtype) = (payload.dtype(), side.dtype());
+    let side_bytes = side.byte_len();
+    let mut packed = side.to_le_bytes();
+    packed.extend(payload.to_le_bytes());
+    let message = packed.len();
+    comm.all_gather(Buffer::U8(packed), tag).then(move |all| {
+        let all = all
+            .into_u8()
+            .map_err(|b| CommError::Internal(format!("all_gather of u8 returned {}", b.dtype())))?;
+        let world = all.len().checked_div(message).unwrap_or(0);
+        let (mut payloads, mut sides) = (
+            Vec::with_capacity(world * (message - side_bytes)),
+            Vec::with_capacity(world * side_bytes),
+        );
+        for piece in all.chunks_exact(message.max(1)) {
+            sides.extend_from_slice(&piece[..side_bytes]);
+            payloads.extend_from_slice(&piece[side_bytes..]);
+        }
+        let unpack = |dtype: DType, bytes: &[u8]| {
+            Buffer::from_le_bytes(dtype, bytes).ok_or_else(|| {
+                CommError::Internal(format!(
+                    "{} bytes are not a whole number of {dtype} elements",
+                    bytes.len()
+                ))
+            })
+        };
+        Ok((unpack(pdtype, &payloads)?, unpack(sdtype, &sides)?))
+    })
 }

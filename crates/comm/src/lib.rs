@@ -1,7 +1,9 @@
 //! brigade-comm: collectives for data-parallel training.
 //!
 //! - [`Communicator`]: one rank's asynchronous collectives (all-reduce, broadcast, all-gather,
-//!   reduce-scatter, barrier) on typed flat [`Buffer`]s, each returning a [`Work`] handle.
+//!   reduce-scatter, barrier) on typed flat [`Buffer`]s, each returning a [`Work`] handle;
+//!   [`all_gather_with_side`] carries a small side buffer (scales, indices) beside a payload, and
+//!   [`DType`]'s docs say how integer payloads are reduced (gathered, summed in f32).
 //! - [`CommStream`]: the per-rank comm stream that runs collectives in issue order on a worker
 //!   thread over a synchronous [`Transport`]; a backend implements only the transport.
 //! - [`ThreadGroup`] / [`run_on_threads`]: the thread backend, `n` ranks as threads of one process.
@@ -36,7 +38,7 @@ mod trace;
 mod work;
 
 pub use buffer::{Buffer, DType, ReduceOp};
-pub use communicator::{all_gather_bytes, Communicator};
+pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
 pub use meter::{CommBytes, CommMeter, Metered, MeteredOp};

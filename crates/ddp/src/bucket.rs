@@ -2,6 +2,7 @@
 
 use brigade_tensor::Tensor;
 
+use crate::reducer::Held;
 use crate::stream::InFlight;
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
@@ -27,19 +28,21 @@ pub fn assign_buckets(param_bytes: &[usize], order: &[usize], first_cap: usize, 
     buckets
 }
 
-/// One bucket: a flat f32 buffer whose slices are its parameters' gradients.
+/// One bucket: a flat buffer whose slices are its parameters' gradients (padded to the policy's
+/// layout).
 pub(crate) struct Bucket {
     /// Parameter registration indices, in the order their slices sit in `flat`.
     pub(crate) params: Vec<usize>,
     /// The flat buffer; each parameter's `.grad` is a view into it.
     pub(crate) flat: Tensor,
+    /// Elements of `flat` that are gradients (the rest is padding).
+    pub(crate) grad_numel: usize,
     /// Parameters not yet ready in the current synchronized backward.
     pub(crate) pending: usize,
-    /// The bucket's collective in flight (the buffer is lent to it meanwhile).
+    /// The bucket's reduction in flight (the bucket belongs to the policy meanwhile).
     pub(crate) work: Option<InFlight>,
-    /// ZeRO-2: this rank's shard of the reduced gradients, kept after the full buffer was
-    /// freed (until the next backward refills the bucket).
-    pub(crate) grad_shard: Option<Tensor>,
+    /// What the bucket holds once its reduction landed.
+    pub(crate) held: Held,
 }
 
 impl Bucket {

@@ -1,16 +1,19 @@
 //! `DistributedDataParallel`: the user-facing wrapper.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use brigade_autograd::{GradBus, GradSubscriber, Optimizer, ParamStore, Var};
-use brigade_comm::Communicator;
+use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamStore};
+use brigade_comm::{all_gather_bytes, Communicator};
+use brigade_tensor::Tensor;
 
-use crate::reducer::grad_bytes;
-use crate::reducer::{PassTimes, Reducer};
+use crate::memory::{self, RankMemory};
+use crate::overlap::{ProfilePolicy, WireModel};
+use crate::policy::{
+    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext,
+};
+use crate::reducer::{grad_bytes, PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
 use crate::stream::{BucketStream, HostStream};
-use crate::zero::{self, RankMemory, ZeroOptimizer, ZeroStage};
 use crate::{DdpConfig, DdpError, Result};
 
 /// One bucket as built: which parameters, how many bytes.
@@ -20,60 +23,60 @@ pub struct BucketInfo {
     pub index: usize,
     /// Parameter names in the order their gradients sit in the flat buffer.
     pub params: Vec<String>,
-    /// Size of the flat buffer.
+    /// Size of the flat buffer (padding included).
     pub bytes: usize,
 }
 
-/// Per-rank gradient memory.
+/// Per-rank gradient memory, measured from the storages alive now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryReport {
-    /// What one copy of every trainable parameter's gradient takes (`sum(numel * dtype size)`).
+    /// Every gradient storage alive on this rank: full bucket buffers, the shards a policy
+    /// keeps instead of them (ZeRO-2), gradients outside any bucket. The one gradient figure.
     pub gradient_bytes: usize,
-    /// What the bucket buffers take.
+    /// The part held by full bucket buffers.
     pub bucket_bytes: usize,
     /// Gradient bytes held outside the buckets (0: every gradient is a view into one).
     pub gradient_bytes_outside_buckets: usize,
 }
 
 impl MemoryReport {
-    /// Gradients plus buckets, counted once each storage.
+    /// Every gradient storage, counted once.
     pub fn total_bytes(&self) -> usize {
-        self.bucket_bytes + self.gradient_bytes_outside_buckets
+        self.gradient_bytes
     }
 }
 
-/// Wraps one rank's model replica: gradients become views into flat buckets, and each
-/// bucket is all-reduced (averaged over ranks) on the comm stream as soon as backward
-/// has produced all of its gradients, while backward goes on with earlier layers.
-/// `backward()` returns once every bucket is reduced, so the optimizer step that follows
-/// sees the average gradient.
+/// Wraps one rank's model replica: gradients become views into flat buckets, and each bucket
+/// is handed to the rank's reducer policy ([`ReducerPolicy`]: PyTorch's communication hook and
+/// ZeRO as one contract) as soon as backward has produced all of its gradients, while backward
+/// goes on with earlier layers. `backward()` returns once every bucket's reduction landed, so
+/// the optimizer step that follows ([`DistributedDataParallel::optimizer`]) sees the result.
 ///
-/// Construction is a collective: every rank must call it, with the same model.
+/// Construction is a collective: every rank must call it, with the same model and a policy of
+/// the same kind.
 pub struct DistributedDataParallel {
     reducer: Arc<Reducer>,
     bus: GradBus,
     subscriber: Arc<dyn GradSubscriber>,
-    /// ZeRO's communication scratch of the last step, written by its optimizer.
-    zero_scratch: Arc<AtomicUsize>,
 }
 
 impl DistributedDataParallel {
     /// Checks that every rank holds the same parameters (names, shapes, dtypes, which ones
     /// require grad), broadcasts rank 0's values, builds the buckets of the parameters that
-    /// require grad (frozen ones are left out: freeze before wrapping) and subscribes to the
-    /// store's gradient-ready bus.
-    pub fn new(store: &ParamStore, comm: Arc<dyn Communicator>, cfg: DdpConfig) -> Result<Self> {
-        // ZeRO reduce-scatters each bucket instead of running the comm hook (refused below
-        // unless the hook is the default all-reduce).
-        let hook: Arc<dyn crate::hooks::CommHook> = match cfg.zero {
-            ZeroStage::Off => cfg.comm_hook.clone(),
-            stage => Arc::new(zero::ReduceScatterHook(stage)),
-        };
-        let stream = Arc::new(HostStream::new(comm.clone(), hook));
-        Self::build(store, comm, stream, cfg)
+    /// require grad as `policy` lays them out (frozen ones are left out: freeze before
+    /// wrapping) and subscribes to the store's gradient-ready bus. Collectives run on the host
+    /// comm stream over `comm`.
+    pub fn new(
+        store: &ParamStore,
+        comm: Arc<dyn Communicator>,
+        cfg: DdpConfig,
+        policy: Box<dyn ReducerPolicy>,
+    ) -> Result<Self> {
+        let stream = Arc::new(HostStream::new(comm.clone()));
+        Self::with_stream(store, comm, stream, cfg, policy)
     }
 
-    /// Like [`DistributedDataParallel::new`], with full buckets reduced through `stream` (the
+    /// Like [`DistributedDataParallel::new`], with the policy's collectives on `stream` (the
     /// stream/event contract, [`crate::stream`]): e.g. an NCCL stream on the GPU, or a
     /// [`crate::stream::Recording`] of the host stream in tests. `comm` still carries the
     /// model check, the parameter broadcast and the bucket rebuild.
@@ -82,22 +85,7 @@ impl DistributedDataParallel {
         comm: Arc<dyn Communicator>,
         stream: Arc<dyn BucketStream>,
         cfg: DdpConfig,
-    ) -> Result<Self> {
-        if cfg.zero != ZeroStage::Off {
-            return Err(DdpError::Zero(format!(
-                "ZeRO stage {} reduce-scatters its buckets on the host stream DistributedDataParallel::new builds; it does not run over the '{}' bucket stream",
-                cfg.zero.level(),
-                stream.name()
-            )));
-        }
-        Self::build(store, comm, stream, cfg)
-    }
-
-    fn build(
-        store: &ParamStore,
-        comm: Arc<dyn Communicator>,
-        stream: Arc<dyn BucketStream>,
-        cfg: DdpConfig,
+        policy: Box<dyn ReducerPolicy>,
     ) -> Result<Self> {
         let caps_ok = |mb: f64| mb > 0.0 && mb.is_finite();
         if !(caps_ok(cfg.bucket_cap_mb) && caps_ok(cfg.first_bucket_cap_mb)) {
@@ -106,27 +94,19 @@ impl DistributedDataParallel {
                 first_bucket_cap_mb: cfg.first_bucket_cap_mb,
             });
         }
-        if cfg.zero != ZeroStage::Off && cfg.comm_hook.name() != "allreduce" {
-            return Err(DdpError::Zero(format!(
-                "ZeRO stage {} reduce-scatters each bucket itself; it does not combine with the '{}' communication hook (use the default all-reduce)",
-                cfg.zero.level(),
-                cfg.comm_hook.name()
-            )));
-        }
         let params = store.params().to_vec();
         check_same_model(&params, comm.as_ref())?;
         check_f32(&params)?;
         if cfg.broadcast_parameters {
             broadcast_parameters(&params, comm.as_ref())?;
         }
-        let reducer = Arc::new(Reducer::new(params, comm, stream, cfg)?);
+        let reducer = Arc::new(Reducer::new(params, comm, stream, cfg, policy)?);
         let subscriber: Arc<dyn GradSubscriber> = reducer.clone();
         store.bus().subscribe(subscriber.clone());
         Ok(DistributedDataParallel {
             reducer,
             bus: store.bus().clone(),
             subscriber,
-            zero_scratch: Arc::default(),
         })
     }
 
@@ -144,6 +124,15 @@ impl DistributedDataParallel {
         let prev = std::mem::replace(&mut self.reducer.lock().sync, false);
         let _restore = Restore(&self.reducer, prev);
         f()
+    }
+
+    /// Takes part in a step without data (uneven inputs, PyTorch's `Join`): instead of a
+    /// backward pass, every bucket is reduced from zeros through the policy's
+    /// [`ReducerPolicy::reduce_joined`], so this rank issues the collectives the ranks with data
+    /// issue in their backward, and their result (their sum divided by the group's size) lands
+    /// here too. Step the optimizer afterwards as usual: every rank keeps the same parameters.
+    pub fn join(&self) -> Result<()> {
+        self.reducer.join_pass()
     }
 
     /// The buckets in launch order.
@@ -165,7 +154,7 @@ impl DistributedDataParallel {
     }
 
     /// When things happened in the last synchronized backward pass (ready times, bucket
-    /// launches and their time on the comm stream): what a step profile is made of.
+    /// launches, their collectives' times and wire bytes): what a step profile is made of.
     pub fn last_pass(&self) -> PassTimes {
         self.reducer.lock().pass.clone()
     }
@@ -174,7 +163,7 @@ impl DistributedDataParallel {
     /// once rebuilt), e.g. when [`crate::overlap::Autotuner`] picks another cap. Not a collective:
     /// every rank must call it with the same caps between the same two steps (the autotuner
     /// broadcasts rank 0's choice), and then every rank holds the same buckets. Gradients keep
-    /// their values; only between backward passes.
+    /// their values; only between backward passes; refused when the policy fixes its layout.
     pub fn set_bucket_caps(&self, bucket_cap_mb: f64, first_bucket_cap_mb: f64) -> Result<()> {
         let caps_ok = |mb: f64| mb > 0.0 && mb.is_finite();
         if !(caps_ok(bucket_cap_mb) && caps_ok(first_bucket_cap_mb)) {
@@ -192,13 +181,18 @@ impl DistributedDataParallel {
         self.reducer.lock().caps
     }
 
+    /// Whether the policy lets DDP regroup its buckets (rebuild, new caps).
+    pub fn buckets_can_change(&self) -> bool {
+        self.reducer.layout.regroup
+    }
+
     /// This rank's communicator (the one the buckets are reduced over).
     pub(crate) fn comm(&self) -> &Arc<dyn Communicator> {
         &self.reducer.comm
     }
 
     /// The bytes of each parameter's gradient in a bucket, in registration order (0 for a
-    /// frozen parameter): the `params` of a step profile.
+    /// frozen parameter), with its shape: the `params` of a step profile.
     pub fn param_profiles(&self) -> Vec<crate::overlap::ParamProfile> {
         self.reducer
             .params
@@ -206,6 +200,7 @@ impl DistributedDataParallel {
             .map(|p| crate::overlap::ParamProfile {
                 name: p.name().unwrap_or("<unnamed>").to_string(),
                 bytes: if p.requires_grad() { grad_bytes(p) } else { 0 },
+                shape: p.shape(),
             })
             .collect()
     }
@@ -225,54 +220,146 @@ impl DistributedDataParallel {
             .collect()
     }
 
-    /// ZeRO: wraps `full` (an optimizer over the model's parameters, possibly with state loaded
-    /// from a checkpoint) into a [`ZeroOptimizer`] that keeps state only for this rank's shard
-    /// of every bucket; `build` makes an optimizer of the same kind over a list of parameters
-    /// (one per bucket shard is built). Fails unless DDP was built with a ZeRO stage.
-    pub fn zero_optimizer(
-        &self,
-        full: &dyn Optimizer,
-        build: &dyn Fn(Vec<Var>) -> Box<dyn Optimizer>,
-    ) -> Result<ZeroOptimizer> {
-        let stage = self.reducer.zero_stage();
-        if stage == ZeroStage::Off {
-            return Err(DdpError::Zero(
-                "zero_optimizer needs DDP built with DdpConfig::zero set to a stage".into(),
-            ));
+    /// The policy's name (`allreduce`, `powersgd:4@10`, `zero2`, a user's).
+    pub fn policy_name(&self) -> String {
+        self.reducer.policy_name.clone()
+    }
+
+    /// How the overlap model costs the policy's collectives (`None`: it cannot).
+    pub fn wire_model(&self) -> Option<WireModel> {
+        self.reducer.lock_policy().wire_model()
+    }
+
+    /// The policy as a step profile records it.
+    pub fn profile_policy(&self) -> ProfilePolicy {
+        ProfilePolicy {
+            name: self.policy_name(),
+            wire: self.wire_model(),
         }
-        ZeroOptimizer::new(self.reducer.clone(), stage, self.zero_scratch.clone(), full, build)
+    }
+
+    /// What the policy wants its caller to know about the run so far (e.g. that PowerSGD never
+    /// compressed).
+    pub fn policy_diagnostics(&self) -> Vec<PolicyDiagnostic> {
+        self.reducer.lock_policy().diagnostics()
+    }
+
+    /// The optimizer to step: the policy builds it ([`ReducerPolicy::optimizer`]) from `full`,
+    /// the user's optimizer over every parameter (its state, e.g. loaded from a checkpoint, and
+    /// learning rate carry over), and `build`, which makes another of the same kind over other
+    /// parameters (ZeRO's shard views). Its [`Optimizer::step`] steps it and then runs the
+    /// policy's [`ReducerPolicy::after_step`]; [`Optimizer::set_lr`] reaches every part of it.
+    pub fn optimizer(&self, full: Box<dyn Optimizer>, build: BuildOptimizer<'_>) -> Result<DdpOptimizer> {
+        let ctx = OptimizerContext {
+            buckets: Buckets {
+                reducer: self.reducer.clone(),
+            },
+            comm: self.reducer.collectives.clone(),
+        };
+        let inner = self.reducer.lock_policy().optimizer(full, build, &ctx)?;
+        Ok(DdpOptimizer {
+            inner,
+            reducer: self.reducer.clone(),
+        })
+    }
+
+    /// The squared L2 norm of the reduced gradients, over every rank's shards when the policy
+    /// shards them ([`ReducerPolicy::grad_norm_sq`]; for global gradient clipping). A
+    /// collective under a sharding policy: every rank calls it after the same backward.
+    pub fn grad_norm_sq(&self) -> Result<f64> {
+        let buckets = Buckets {
+            reducer: self.reducer.clone(),
+        };
+        let n = self.reducer.lock().buckets.len();
+        let held: Vec<HeldGrad> = (0..n).map(|b| buckets.held(b)).collect::<Result<_>>()?;
+        self.reducer
+            .lock_policy()
+            .grad_norm_sq(&held, &self.reducer.collectives)
+    }
+
+    /// This rank's policy state ([`ReducerPolicy::state_dict`]).
+    pub fn policy_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        self.reducer.lock_policy().state_dict()
+    }
+
+    /// Restores this rank's policy state ([`ReducerPolicy::load_state_dict`]).
+    pub fn load_policy_state_dict(&self, state: &[(String, Tensor)]) -> Result<()> {
+        self.reducer.lock_policy().load_state_dict(state)
+    }
+
+    /// Every rank's policy state, on rank 0, for a checkpoint written by rank 0: entries
+    /// `rank{r}/{name}` (a policy's state differs per rank: PowerSGD's error feedback). A
+    /// collective; the other ranks get an empty list.
+    pub fn gather_policy_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let mine = state::encode(&self.policy_state_dict()?)?;
+        let all = all_gather_bytes(self.comm().as_ref(), mine, "ddp.policy_state")?;
+        if self.comm().rank() != 0 {
+            return Ok(vec![]);
+        }
+        let mut out = vec![];
+        for (r, bytes) in all.iter().enumerate() {
+            out.extend(
+                state::decode(bytes)?
+                    .into_iter()
+                    .map(|(k, t)| (format!("rank{r}/{k}"), t)),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Restores this rank's part of what [`DistributedDataParallel::gather_policy_state`] gave
+    /// rank 0 (every rank reads the same checkpoint). Not a collective.
+    pub fn load_gathered_policy_state(&self, all: &[(String, Tensor)]) -> Result<()> {
+        let prefix = format!("rank{}/", self.comm().rank());
+        let world = self.comm().world_size();
+        if let Some((k, _)) = all.iter().find(|(k, _)| {
+            k.strip_prefix("rank")
+                .and_then(|rest| rest.split('/').next())
+                .and_then(|r| r.parse::<usize>().ok())
+                .is_none_or(|r| r >= world)
+        }) {
+            return Err(DdpError::PolicyState(format!(
+                "entry '{k}' belongs to no rank of a group of {world}: the policy state was saved by another group size"
+            )));
+        }
+        let mine: Vec<(String, Tensor)> = all
+            .iter()
+            .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|k| (k.to_string(), t.clone())))
+            .collect();
+        self.load_policy_state_dict(&mine)
     }
 
     /// This rank's memory, measured from live allocations: parameters, gradients and buckets,
-    /// `opt`'s state, and the communication scratch of the last ZeRO step
-    /// ([`zero::RankMemory`]).
+    /// `opt`'s state, the policy's state and its communication scratch ([`RankMemory`]).
     pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<RankMemory> {
-        zero::memory_of(&self.reducer, opt, self.zero_scratch.load(Ordering::Relaxed))
+        let policy = self.reducer.lock_policy().memory();
+        memory::measure(&self.reducer, opt, policy)
     }
 
-    /// Gradient memory on this rank: buckets are the only gradient storage.
+    /// Gradient memory on this rank, measured: buckets and the shards kept instead of them
+    /// are the only gradient storage.
     pub fn memory(&self) -> MemoryReport {
         let st = self.reducer.lock();
-        let gradient_bytes = self
-            .reducer
-            .params
-            .iter()
-            .filter(|p| p.requires_grad())
-            .map(grad_bytes)
-            .sum();
-        let bucket_bytes = st.buckets.iter().map(|b| b.bytes()).sum();
-        let outside = self
+        let live = |t: &Tensor| (t.storage_id(), t.storage_numel() * t.dtype().size_in_bytes());
+        let buckets: std::collections::HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
+        let mut all = buckets.clone();
+        all.extend(st.buckets.iter().filter_map(|b| match &b.held {
+            crate::reducer::Held::Shard { tensor, .. } => Some(live(tensor)),
+            _ => None,
+        }));
+        let outside: std::collections::HashMap<usize, usize> = self
             .reducer
             .params
             .iter()
             .filter_map(|p| p.grad())
             .filter(|g| !st.buckets.iter().any(|b| b.flat.shares_storage(g)))
-            .map(|g| g.numel() * g.dtype().size_in_bytes())
-            .sum();
+            .map(|g| live(&g))
+            .collect();
+        all.extend(outside.iter().map(|(&k, &v)| (k, v)));
         MemoryReport {
-            gradient_bytes,
-            bucket_bytes,
-            gradient_bytes_outside_buckets: outside,
+            gradient_bytes: all.values().sum(),
+            bucket_bytes: buckets.values().sum(),
+            gradient_bytes_outside_buckets: outside.values().sum(),
         }
     }
 }
@@ -280,5 +367,60 @@ impl DistributedDataParallel {
 impl Drop for DistributedDataParallel {
     fn drop(&mut self) {
         self.bus.unsubscribe(&self.subscriber);
+    }
+}
+
+/// The optimizer a [`DistributedDataParallel`] steps: the one its policy built, followed by the
+/// policy's [`ReducerPolicy::after_step`]. Every rank must step it together.
+pub struct DdpOptimizer {
+    inner: Box<dyn Optimizer>,
+    reducer: Arc<Reducer>,
+}
+
+impl DdpOptimizer {
+    /// The optimizer the policy built (e.g. to downcast it).
+    pub fn inner(&self) -> &dyn Optimizer {
+        self.inner.as_ref()
+    }
+}
+
+fn optimizer_error(e: DdpError) -> AutogradError {
+    AutogradError::Optimizer { source: Box::new(e) }
+}
+
+impl Optimizer for DdpOptimizer {
+    fn step(&mut self) -> brigade_autograd::Result<()> {
+        self.inner.step()?;
+        let ctx = StepContext {
+            params: &self.reducer.params,
+        };
+        self.reducer
+            .lock_policy()
+            .after_step(&ctx, &self.reducer.collectives)
+            .map_err(optimizer_error)
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr)
+    }
+
+    fn state(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
+        self.inner.state()
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
+        self.inner.load_state(state)
+    }
+
+    fn state_bytes(&self) -> brigade_autograd::Result<usize> {
+        self.inner.state_bytes()
+    }
+
+    fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
+        self.inner.consolidate_state()
     }
 }

@@ -93,29 +93,30 @@ pub enum DdpError {
     /// A step profile the overlap model cannot replay, or a replay setting out of range.
     #[error("overlap model: {0}")]
     Replay(String),
-    /// A communication hook's settings that cannot work.
-    #[error("{hook} hook: {reason}")]
-    HookConfig {
-        /// The hook (`powersgd`).
-        hook: String,
+    /// A reducer policy refused something or failed (what, and what to change).
+    #[error("policy '{policy}': {reason}")]
+    Policy {
+        /// The policy's name.
+        policy: String,
         /// What is wrong and what to change.
         reason: String,
     },
-    /// A communication hook handed back a buffer of another length than its bucket.
-    #[error("communication hook '{hook}' returned {found} elements for bucket {bucket} of {expected}; a hook must return the bucket's new contents, element for element")]
-    HookResult {
-        /// The hook's name.
-        hook: String,
+    /// A policy's future completed with something that does not fit its bucket.
+    #[error("policy '{policy}' returned {found} for bucket {bucket} of {expected}; a policy must return the bucket's new contents (element for element, in its dtype) or this rank's shard of it")]
+    PolicyResult {
+        /// The policy's name.
+        policy: String,
         /// The bucket.
         bucket: usize,
-        /// Elements in the bucket.
-        expected: usize,
-        /// Elements the hook returned.
-        found: usize,
+        /// What the bucket holds (`1024 x f32`).
+        expected: String,
+        /// What came back.
+        found: String,
     },
-    /// ZeRO settings that cannot work, or a sharded step that found its shards missing.
-    #[error("ZeRO: {0}")]
-    Zero(String),
+    /// Policy state that does not fit the policy or the group (a checkpoint saved under another
+    /// policy or group size).
+    #[error("policy state: {0}")]
+    PolicyState(String),
     /// A bucket stream was handed a collective another kind of stream launched (a bug in
     /// the caller: one reducer uses one stream).
     #[error("bucket {bucket}: the {stream} stream was handed a collective launched by the {launched_by} stream")]

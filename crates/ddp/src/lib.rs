@@ -1,41 +1,46 @@
-//! Brigade's data parallelism: [`DistributedDataParallel`] hides gradient
-//! communication behind the backward pass.
+//! Brigade's data parallelism: [`DistributedDataParallel`] hides gradient communication
+//! behind the backward pass, and a [`ReducerPolicy`] decides how it communicates and steps.
 //!
 //! The path of one gradient: backward finishes a parameter's gradient (accumulated
 //! directly into its slice of a flat bucket) and announces it on the gradient-ready bus;
 //! the reducer counts the parameter's bucket down; when the bucket is full, and every
-//! bucket before it has been launched, the bucket's buffer is handed (not copied) to the
-//! comm stream for an all-reduce averaging it over ranks; backward meanwhile continues
-//! with earlier layers. At the end of backward the reducer waits for every bucket and
-//! gives the buffers back to the gradient views, so the optimizer sees the average.
+//! bucket before it has been launched, the bucket is handed (not copied) to the rank's reducer
+//! policy, which issues its collectives through DDP's tensor-level [`Collectives`] handle
+//! (an averaging all-reduce, fp16 compression, PowerSGD, ZeRO's reduce-scatter, a user's
+//! own); backward meanwhile continues with earlier layers. At the end of backward the
+//! reducer waits for every bucket's future and puts its result back under the gradient views
+//! (or keeps the rank's shard), so the optimizer the policy built sees it.
 //!
-//! The reducer talks to a [`stream::BucketStream`] (ready event, collective, completion
-//! event): the host comm stream by default, NCCL on a CUDA comm stream with `--backend nccl`.
+//! The reducer talks to a [`stream::BucketStream`] (ready event, the policy's collectives,
+//! completion event): the host comm stream by default, NCCL on a CUDA comm stream with
+//! `--backend nccl`. The built-in policies live in `brigade-policies`, written against
+//! [`policy`] alone.
 
+#![warn(missing_docs)]
 #![warn(missing_docs)]
 
 mod bucket;
+mod collectives;
 mod ddp;
 mod error;
-pub mod hooks;
+mod memory;
 pub mod overlap;
+pub mod policy;
 mod reducer;
 mod signature;
 pub mod stream;
-pub mod zero;
 
 pub use bucket::assign_buckets;
-pub use ddp::{BucketInfo, DistributedDataParallel, MemoryReport};
+pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel, MemoryReport};
 pub use error::{DdpError, Result};
-pub use reducer::{bucket_tag, PassBucket, PassTimes};
-
-use std::sync::Arc;
+pub use memory::RankMemory;
+pub use policy::{bucket_tag, Collectives, ReducerPolicy, TensorWork};
+pub use reducer::{PassBucket, PassTimes};
 
 use brigade_comm::Recorder;
-use hooks::{AllReduceHook, CommHook};
-use zero::ZeroStage;
 
-/// How DDP buckets and reduces gradients. Defaults follow PyTorch.
+/// How DDP buckets gradients. Defaults follow PyTorch. How each bucket is reduced, and what
+/// the optimizer steps, is the [`ReducerPolicy`] given beside it.
 #[derive(Clone)]
 pub struct DdpConfig {
     /// Cap of every bucket but the first, in MiB (PyTorch: 25).
@@ -45,21 +50,14 @@ pub struct DdpConfig {
     /// Mark parameters that get no gradient ready at the start of backward instead of
     /// failing.
     pub find_unused_parameters: bool,
-    /// Rebuild the buckets once, after the first iteration, from the observed ready order.
+    /// Rebuild the buckets once, after the first iteration, from the observed ready order
+    /// (when the policy lets DDP regroup them).
     pub rebuild_buckets: bool,
     /// Start every rank from rank 0's parameter values.
     pub broadcast_parameters: bool,
     /// Where to record per-layer backward spans (and nothing else: wrap the communicator
     /// in [`brigade_comm::Traced`] for the comm track).
     pub recorder: Option<Recorder>,
-    /// How each full bucket is reduced (PyTorch's `register_comm_hook`); default: one
-    /// averaging all-reduce ([`hooks::AllReduceHook`]).
-    pub comm_hook: Arc<dyn CommHook>,
-    /// ZeRO stage ([`zero`]): shard the optimizer state (1) and the gradients (2) over the ranks;
-    /// each bucket is reduce-scattered instead of reduced by `comm_hook` (which must be the
-    /// default all-reduce), the buckets are never rebuilt, and the optimizer must be the one
-    /// [`DistributedDataParallel::zero_optimizer`] wraps.
-    pub zero: ZeroStage,
 }
 
 impl Default for DdpConfig {
@@ -71,8 +69,6 @@ impl Default for DdpConfig {
             rebuild_buckets: true,
             broadcast_parameters: true,
             recorder: None,
-            comm_hook: Arc::new(AllReduceHook),
-            zero: ZeroStage::Off,
         }
     }
 }

@@ -1,28 +1,26 @@
-//! The reducer: listens on the gradient-ready bus, counts each bucket down, and issues a
-//! bucket's all-reduce on the comm stream the moment it is full, strictly in bucket order.
+//! The reducer: listens on the gradient-ready bus, counts each bucket down, and hands a full
+//! bucket to the reducer policy the moment it is full, strictly in bucket order; at the end of
+//! backward it puts what the policy's future returns back under the gradients.
 //!
 //! Vocabulary follows PyTorch's `Reducer` (`reducer.cpp`): `autograd_hook` is
 //! [`GradSubscriber::grad_ready`], `mark_variable_ready` decrements the bucket's
 //! `pending`, `mark_bucket_ready` launches every leading full bucket, and
-//! `finalize_backward` is [`GradSubscriber::backward_finished`].
+//! `finalize_backward` is [`GradSubscriber::backward_finished`]. The reducer knows no policy
+//! by name: what a policy asked for (its [`BucketLayout`], a [`Reduction`] of the full bucket or
+//! of a shard) is all it acts on.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, Communicator, EventKind, Recorder, SpanId};
-use brigade_tensor::{DType, Device, Storage, Tensor};
+use brigade_tensor::{DType, Device, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket};
-use crate::hooks::BucketParam;
-use crate::stream::{BucketStream, Contents, Failed, ReadyBucket};
-use crate::zero::{self, ZeroStage};
+use crate::collectives::Collectives;
+use crate::policy::{BucketLayout, BucketParam, BucketSpan, PolicyBucket, ReducerPolicy};
+use crate::stream::{BucketStream, Failed, Landing, ReadyBucket};
 use crate::{DdpConfig, DdpError, Result};
-
-/// Tag of bucket `i`'s all-reduce (shows up in traces and errors).
-pub fn bucket_tag(i: usize) -> String {
-    format!("bucket{i}")
-}
 
 pub(crate) struct State {
     pub(crate) buckets: Vec<Bucket>,
@@ -34,7 +32,11 @@ pub(crate) struct State {
     pub(crate) ready_order: Vec<usize>,
     pub(crate) sync: bool,
     in_backward: bool,
+    /// The current pass is a rank without data taking part ([`Reducer::join_pass`]).
+    joined: bool,
     pub(crate) rebuilt: bool,
+    /// The layout's generation: bumped at every rebuild.
+    pub(crate) generation: u64,
     /// The bucket caps in effect, in MiB: (every bucket but the first, the first).
     pub(crate) caps: (f64, f64),
     span: Option<(EventKind, SpanId)>,
@@ -62,12 +64,28 @@ pub struct PassTimes {
 pub struct PassBucket {
     /// Its parameters, in bucket order.
     pub params: Vec<usize>,
-    /// Bytes reduced.
+    /// Bytes of its buffer (padding included).
     pub bytes: usize,
-    /// When its collective was issued.
+    /// Bytes this rank sent on the wire for it, under the ring algorithms (every collective the
+    /// policy issued for the bucket), once it landed.
+    pub wire_bytes: f64,
+    /// When it was handed to the policy.
     pub launched: Instant,
-    /// When it ran on the comm stream (start, finish), once it completed.
+    /// When its collectives ran (first start, last finish), once it completed.
     pub ran: Option<(Instant, Instant)>,
+}
+
+/// What a bucket holds once its reduction landed.
+#[derive(Debug, Clone)]
+pub(crate) enum Held {
+    /// Nothing reduced yet (before the first synchronized pass, or during one).
+    Nothing,
+    /// The full buffer holds the reduced gradients.
+    Full,
+    /// The full buffer holds this rank's reduced shard at `offset..offset + len`, zeros elsewhere.
+    ShardInPlace { offset: usize, len: usize },
+    /// Only this shard is kept; the full buffer is freed until a gradient of the bucket is final.
+    Shard { tensor: Tensor, offset: usize },
 }
 
 pub(crate) struct Reducer {
@@ -78,9 +96,14 @@ pub(crate) struct Reducer {
     pub(crate) comm: Arc<dyn Communicator>,
     /// Where full buckets go: the stream/event contract (host comm stream or NCCL).
     stream: Arc<dyn BucketStream>,
+    /// The collectives handle policies use outside a bucket (the optimizer, after the step).
+    pub(crate) collectives: Collectives,
     cfg: DdpConfig,
     recorder: Option<Recorder>,
     pub(crate) state: Mutex<State>,
+    policy: Mutex<Box<dyn ReducerPolicy>>,
+    pub(crate) policy_name: String,
+    pub(crate) layout: BucketLayout,
 }
 
 /// Bytes of `p`'s gradient in a bucket (buckets hold the parameter's dtype).
@@ -96,12 +119,26 @@ fn group_params(params: &[Var], order: &[usize], caps: (f64, f64)) -> Vec<Vec<us
     assign_buckets(&sizes, order, bytes(caps.1), bytes(caps.0))
 }
 
+/// Whether `t`'s storage is lent out (or was freed by a policy's reduction).
+pub(crate) fn is_lent(t: &Tensor) -> bool {
+    t.storage_numel() < t.layout().storage_extent()
+}
+
+/// Zeros of `flat`'s length as its storage, if it has none (a failed or consuming collective).
+fn restore_zeros(flat: &Tensor) -> Result<()> {
+    if is_lent(flat) {
+        let zeros = Tensor::zeros_on(&[flat.numel()], flat.dtype(), flat.device())?;
+        flat.restore_storage(zeros.lend_storage()?)?;
+    }
+    Ok(())
+}
+
 /// Builds buckets for `groups` and points every parameter's gradient at its slice; each flat
-/// buffer is padded to a multiple of `pad_to` elements (ZeRO's equal shards; 1: no padding).
+/// buffer is padded to a multiple of `layout.pad_to` elements.
 pub(crate) fn build_buckets(
     params: &[Var],
     groups: Vec<Vec<usize>>,
-    pad_to: usize,
+    layout: &BucketLayout,
 ) -> Result<(Vec<Bucket>, Vec<usize>)> {
     let mut bucket_of = vec![usize::MAX; params.len()];
     let mut buckets = Vec::with_capacity(groups.len());
@@ -109,7 +146,8 @@ pub(crate) fn build_buckets(
         let numel: usize = group.iter().map(|&p| params[p].value().numel()).sum();
         // The bucket lives beside its parameters (a CUDA model gets CUDA buckets).
         let device = group.first().map_or(Device::Cpu, |&p| params[p].value().device());
-        let flat = Tensor::zeros_on(&[zero::padded_len(numel, pad_to)], DType::F32, device)?;
+        let pad = layout.pad_to.max(1);
+        let flat = Tensor::zeros_on(&[numel.div_ceil(pad) * pad], layout.dtype, device)?;
         let mut offset = 0;
         for &p in &group {
             let shape = params[p].shape();
@@ -121,8 +159,9 @@ pub(crate) fn build_buckets(
             pending: group.len(),
             params: group,
             flat,
+            grad_numel: numel,
             work: None,
-            grad_shard: None,
+            held: Held::Nothing,
         });
     }
     Ok((buckets, bucket_of))
@@ -134,15 +173,50 @@ impl Reducer {
         comm: Arc<dyn Communicator>,
         stream: Arc<dyn BucketStream>,
         cfg: DdpConfig,
+        policy: Box<dyn ReducerPolicy>,
     ) -> Result<Reducer> {
         let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
+        let ctx = crate::policy::PolicyContext {
+            rank: comm.rank(),
+            world_size: comm.world_size(),
+            params: params
+                .iter()
+                .map(|p| {
+                    let v = p.value();
+                    crate::policy::ParamInfo {
+                        name: p.name().unwrap_or("<unnamed>").to_string(),
+                        shape: v.shape().to_vec(),
+                        dtype: v.dtype(),
+                        device: v.device(),
+                        trainable: p.requires_grad(),
+                    }
+                })
+                .collect(),
+        };
+        let layout = policy.layout(&ctx);
+        let policy_name = policy.name();
+        if let Some(p) = params
+            .iter()
+            .find(|p| p.requires_grad() && p.value().dtype() != layout.dtype)
+        {
+            return Err(DdpError::Policy {
+                policy: policy_name,
+                reason: format!(
+                    "its buckets hold {}, but parameter '{}' is {} (gradients accumulate in their parameter's dtype)",
+                    layout.dtype,
+                    p.name().unwrap_or("<unnamed>"),
+                    p.value().dtype()
+                ),
+            });
+        }
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
         let groups = group_params(&params, &order, caps);
-        let (buckets, bucket_of) = build_buckets(&params, groups, zero::pad_to(cfg.zero, comm.world_size()))?;
+        let (buckets, bucket_of) = build_buckets(&params, groups, &layout)?;
         let n = params.len();
-        Ok(Reducer {
+        let reducer = Reducer {
             recorder: cfg.recorder.clone(),
+            collectives: stream.collectives(),
             params,
             trainable,
             comm,
@@ -155,27 +229,67 @@ impl Reducer {
                 ready_order: vec![],
                 sync: true,
                 in_backward: false,
-                // ZeRO's shards are cut from the buckets: they are never rebuilt (zero/mod.rs).
-                rebuilt: !cfg.rebuild_buckets || cfg.zero != ZeroStage::Off,
+                joined: false,
+                // A layout that cannot regroup keeps its first buckets.
+                rebuilt: !cfg.rebuild_buckets || !layout.regroup,
+                generation: 0,
                 caps,
                 span: None,
                 pass: PassTimes::default(),
             }),
+            policy: Mutex::new(policy),
+            policy_name,
+            layout,
             cfg,
-        })
-    }
-
-    /// The ZeRO stage this reducer was built with.
-    pub(crate) fn zero_stage(&self) -> ZeroStage {
-        self.cfg.zero
+        };
+        reducer.announce(&reducer.lock())?;
+        Ok(reducer)
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    pub(crate) fn lock_policy(&self) -> MutexGuard<'_, Box<dyn ReducerPolicy>> {
+        self.policy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn name(&self, p: usize) -> &str {
         self.params[p].name().unwrap_or("<unnamed>")
+    }
+
+    /// Where each of `params` (registration indices, bucket order) sits in its bucket.
+    pub(crate) fn bucket_params(&self, params: &[usize]) -> Vec<BucketParam> {
+        let mut offset = 0;
+        params
+            .iter()
+            .map(|&p| {
+                let param = BucketParam {
+                    index: p,
+                    name: self.name(p).to_string(),
+                    offset,
+                    shape: self.params[p].shape(),
+                };
+                offset += param.len();
+                param
+            })
+            .collect()
+    }
+
+    /// Tells the policy the current layout (construction and every rebuild).
+    fn announce(&self, st: &State) -> Result<()> {
+        let spans: Vec<BucketSpan> = st
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(index, b)| BucketSpan {
+                index,
+                params: self.bucket_params(&b.params),
+                numel: b.flat.numel(),
+                grad_numel: b.grad_numel,
+            })
+            .collect();
+        self.lock_policy().buckets_built(&spans, st.generation)
     }
 
     /// `mark_variable_ready`: counts the parameter's bucket down and launches what is full.
@@ -198,42 +312,39 @@ impl Reducer {
         Ok(())
     }
 
-    /// Records bucket `b`'s ready event and hands its flat buffer (no copy) to the comm side,
-    /// which waits on the event and runs the bucket's collective.
+    /// Records bucket `b`'s ready event and hands the bucket to the policy on the comm side.
     fn launch(&self, st: &mut State, b: usize) -> Result<()> {
         let is_last = b + 1 == st.buckets.len();
+        let (generation, joined) = (st.generation, st.joined);
         let bucket = &mut st.buckets[b];
-        let mut offset = 0;
-        let params = bucket
-            .params
-            .iter()
-            .map(|&p| {
-                let shape = self.params[p].shape();
-                let param = BucketParam {
-                    index: p,
-                    name: self.name(p).to_string(),
-                    offset,
-                    shape,
-                };
-                offset += param.len();
-                param
-            })
-            .collect();
-        let storage = bucket.flat.lend_storage()?;
-        let ready = self.stream.record_ready(b, &storage)?;
-        let in_flight = self.stream.launch(ReadyBucket {
+        let ready = self.stream.record_ready(b, &bucket.flat)?;
+        let policy_bucket = PolicyBucket {
             index: b,
-            params,
+            tensor: bucket.flat.clone(),
+            params: self.bucket_params(&bucket.params),
+            grad_numel: bucket.grad_numel,
             is_last,
-            storage,
-            ready,
-        })?;
+            generation,
+        };
+        bucket.held = Held::Nothing;
+        let in_flight = {
+            let mut policy = self.lock_policy();
+            self.stream.launch(
+                ReadyBucket {
+                    bucket: policy_bucket,
+                    ready,
+                    joined,
+                },
+                policy.as_mut(),
+            )?
+        };
         let launched = in_flight.launched;
         bucket.work = Some(in_flight);
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {
             params,
             bytes,
+            wire_bytes: 0.0,
             launched,
             ran: None,
         });
@@ -248,7 +359,82 @@ impl Reducer {
         }
     }
 
-    /// Waits for every launched bucket and gives the buffers back to their views.
+    /// Puts what bucket `b`'s reduction returned back under its gradients.
+    fn land(&self, b: usize, bucket: &mut Bucket, landing: Landing) -> Result<()> {
+        let flat = &bucket.flat;
+        let wrong = |found: usize, dtype: DType| DdpError::PolicyResult {
+            policy: self.policy_name.clone(),
+            bucket: b,
+            expected: format!("{} x {}", flat.numel(), flat.dtype()),
+            found: format!("{found} x {dtype}"),
+        };
+        match landing {
+            Landing::Full(t) => {
+                if t.numel() != flat.numel() || t.dtype() != flat.dtype() {
+                    restore_zeros(flat)?;
+                    return Err(wrong(t.numel(), t.dtype()));
+                }
+                if t.shares_storage(flat) {
+                    if is_lent(flat) {
+                        restore_zeros(flat)?;
+                        return Err(DdpError::Policy {
+                            policy: self.policy_name.clone(),
+                            reason: format!(
+                                "bucket {b} came back without its storage (a consuming collective took it): return the result of an in-place collective, or another tensor"
+                            ),
+                        });
+                    }
+                } else if crate::collectives::spans_storage(&t) && t.device() == flat.device() {
+                    // moved under the gradient views without a copy
+                    flat.restore_storage(t.lend_storage()?)?;
+                } else {
+                    restore_zeros(flat)?;
+                    flat.copy_from(&t)?;
+                }
+                bucket.held = Held::Full;
+            }
+            Landing::Shard { tensor, keep_full } => {
+                let world = self.comm.world_size();
+                let per = flat.numel() / world.max(1);
+                if tensor.numel() != per || tensor.dtype() != flat.dtype() {
+                    restore_zeros(flat)?;
+                    return Err(wrong(tensor.numel(), tensor.dtype()));
+                }
+                if self.layout.regroup {
+                    restore_zeros(flat)?;
+                    return Err(DdpError::Policy {
+                        policy: self.policy_name.clone(),
+                        reason:
+                            "it reduces buckets to shards but lets DDP regroup its buckets: a rebuild would move the \
+                                 gradients out from under the shards (set BucketLayout::regroup to false)"
+                                .into(),
+                    });
+                }
+                let offset = self.comm.rank() * per;
+                if keep_full {
+                    if is_lent(flat) {
+                        restore_zeros(flat)?;
+                    } else {
+                        flat.fill(0.0)?;
+                    }
+                    flat.narrow(0, offset, per)?.copy_from(&tensor)?;
+                    bucket.held = Held::ShardInPlace { offset, len: per };
+                } else {
+                    if !is_lent(flat) {
+                        drop(flat.lend_storage()?);
+                    }
+                    // PyTorch's `p.grad = None`: the gradients went with the full buffer.
+                    for &p in &bucket.params {
+                        self.params[p].set_grad(None)?;
+                    }
+                    bucket.held = Held::Shard { tensor, offset };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every launched bucket and puts the results back under the gradients.
     fn wait_all(&self, st: &mut State) -> Result<()> {
         let span = self
             .recorder
@@ -256,45 +442,21 @@ impl Reducer {
             .map(|r| r.begin(self.comm.rank(), EventKind::WaitForBuckets));
         let mut first_err = None;
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
-            if let Some(in_flight) = bucket.work.take() {
-                match self.stream.wait(in_flight) {
-                    Ok(landed) => {
-                        if let Some(pb) = st.pass.buckets.get_mut(b) {
-                            pb.ran = landed.ran;
-                        }
-                        match landed.contents {
-                            // ZeRO-2 keeps only this rank's shard of the reduce-scatter.
-                            Contents::Host(v) if self.cfg.zero == ZeroStage::Two => {
-                                if let Err(e) = zero::keep_grad_shard(bucket, v, &self.params, self.comm.world_size()) {
-                                    first_err.get_or_insert(e);
-                                }
-                            }
-                            Contents::Storage(s) => bucket.flat.restore_storage(s)?,
-                            Contents::Host(v) if v.len() == bucket.flat.numel() => {
-                                let device = bucket.flat.device();
-                                bucket.flat.restore_storage(Storage::from_host_vec(v, device)?)?
-                            }
-                            Contents::Host(v) => {
-                                // Give the views storage back (zeros) before reporting the hook's mistake.
-                                let zeros =
-                                    Storage::from_host_vec(vec![0.0f32; bucket.flat.numel()], bucket.flat.device())?;
-                                bucket.flat.restore_storage(zeros)?;
-                                first_err.get_or_insert(DdpError::HookResult {
-                                    hook: self.cfg.comm_hook.name(),
-                                    bucket: b,
-                                    expected: bucket.flat.numel(),
-                                    found: v.len(),
-                                });
-                            }
-                        }
+            let Some(in_flight) = bucket.work.take() else { continue };
+            match self.stream.wait(in_flight) {
+                Ok(landed) => {
+                    if let Some(pb) = st.pass.buckets.get_mut(b) {
+                        pb.ran = landed.ran;
+                        pb.wire_bytes = landed.wire_bytes;
                     }
-                    Err(Failed { error, storage }) => {
-                        // Give the views their storage back before reporting.
-                        if let Some(storage) = storage {
-                            bucket.flat.restore_storage(storage)?;
-                        }
-                        first_err.get_or_insert(error);
+                    if let Err(e) = self.land(b, bucket, landed.landing) {
+                        first_err.get_or_insert(e);
                     }
+                }
+                Err(Failed { error }) => {
+                    // Give the views storage back before reporting.
+                    restore_zeros(&bucket.flat)?;
+                    first_err.get_or_insert(error);
                 }
             }
         }
@@ -305,6 +467,19 @@ impl Reducer {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Regroups the buckets as `groups`, announces the new layout to the policy.
+    fn regroup(&self, st: &mut State, groups: Vec<Vec<usize>>) -> Result<()> {
+        // set_grad_buffer copies each gradient (e.g. this step's reduced values) into its new slice.
+        let (buckets, bucket_of) = build_buckets(&self.params, groups, &self.layout)?;
+        st.buckets = buckets;
+        st.bucket_of = bucket_of;
+        for b in st.buckets.iter_mut() {
+            b.held = Held::Full;
+        }
+        st.generation += 1;
+        self.announce(st)
     }
 
     /// After the first synchronized iteration: rebuild the buckets once from the order in
@@ -338,14 +513,7 @@ impl Reducer {
             return Err(DdpError::RebuildOrder { order, expected });
         }
         let groups = group_params(&self.params, &order, st.caps);
-        // set_grad_buffer copies each gradient (this step's reduced values) into its new slice.
-        let (buckets, bucket_of) = build_buckets(
-            &self.params,
-            groups,
-            zero::pad_to(self.cfg.zero, self.comm.world_size()),
-        )?;
-        st.buckets = buckets;
-        st.bucket_of = bucket_of;
+        self.regroup(st, groups)?;
         st.rebuilt = true;
         Ok(())
     }
@@ -359,16 +527,17 @@ impl Reducer {
         if st.in_backward {
             return Err(DdpError::RebuildDuringBackward);
         }
-        if self.cfg.zero != ZeroStage::Off {
-            return Err(DdpError::Zero(
-                "the bucket caps cannot change under ZeRO: its optimizer shards are cut from the buckets".into(),
-            ));
+        if !self.layout.regroup {
+            return Err(DdpError::Policy {
+                policy: self.policy_name.clone(),
+                reason:
+                    "it fixes its buckets (e.g. its optimizer state is cut from them): the bucket caps cannot change"
+                        .into(),
+            });
         }
         let order: Vec<usize> = st.buckets.iter().flat_map(|b| b.params.iter().copied()).collect();
         let groups = group_params(&self.params, &order, caps);
-        let (buckets, bucket_of) = build_buckets(&self.params, groups, 1)?;
-        st.buckets = buckets;
-        st.bucket_of = bucket_of;
+        self.regroup(st, groups)?;
         st.caps = caps;
         Ok(())
     }
@@ -384,6 +553,7 @@ impl Reducer {
             return Ok(());
         }
         st.in_backward = true;
+        st.joined = false;
         st.next_launch = 0;
         st.ready.iter_mut().for_each(|r| *r = false);
         st.ready_order.clear();
@@ -415,7 +585,7 @@ impl Reducer {
         }
         // PyTorch's find_unused_parameters: mark them ready up front so no bucket waits on them.
         for p in unused {
-            self.attach_for_zero2(st, p)?;
+            self.attach(st, p)?;
             self.mark_ready(st, p)?;
         }
         Ok(())
@@ -454,17 +624,66 @@ impl Reducer {
             st.in_backward = false;
         }
     }
-}
 
-impl Reducer {
-    /// ZeRO-2 frees each full bucket after its reduce-scatter: a gradient that became final
-    /// moves back into its (re-allocated) bucket here, in synchronized and `no_sync` passes.
-    fn attach_for_zero2(&self, st: &mut State, p: usize) -> Result<()> {
-        if self.cfg.zero != ZeroStage::Two || !self.trainable[p] {
+    /// A synchronized pass for a rank with no data this step (uneven inputs): every bucket is
+    /// zero and goes to the policy's `reduce_joined`, in bucket order, so that this rank issues
+    /// the collectives the others issue in their backward.
+    pub(crate) fn join_pass(&self) -> Result<()> {
+        let mut st = self.lock();
+        if !st.sync {
+            return Err(DdpError::Policy {
+                policy: self.policy_name.clone(),
+                reason: "a rank cannot join (take part without data) inside no_sync: nothing is reduced there".into(),
+            });
+        }
+        let all: Vec<usize> = (0..self.params.len()).filter(|&p| self.trainable[p]).collect();
+        self.start_pass(&mut st, &all)?;
+        st.joined = true;
+        for b in 0..st.buckets.len() {
+            let params = st.buckets[b].params.clone();
+            for &p in &params {
+                self.attach(&mut st, p)?;
+            }
+            st.buckets[b].flat.fill(0.0)?;
+        }
+        let order: Vec<usize> = st.buckets.iter().flat_map(|b| b.params.clone()).collect();
+        let marked = order.into_iter().try_for_each(|p| self.mark_ready(&mut st, p));
+        let finished = match marked {
+            Ok(()) => self.finish_pass(&mut st),
+            Err(e) => {
+                self.abort_pass(&mut st);
+                Err(e)
+            }
+        };
+        st.joined = false;
+        finished
+    }
+
+    /// When parameter `p`'s gradient becomes final: if its bucket's full buffer was freed by a
+    /// shard reduction (ZeRO-2), gives it zeros again (the last step's shard is dropped), and
+    /// moves the gradient into its slice unless it already accumulates there. In synchronized
+    /// and `no_sync` passes alike.
+    fn attach(&self, st: &mut State, p: usize) -> Result<()> {
+        if !self.trainable[p] {
             return Ok(());
         }
         let b = st.bucket_of[p];
-        zero::attach_grad(&mut st.buckets[b], &self.params, p)
+        let bucket = &mut st.buckets[b];
+        if is_lent(&bucket.flat) && bucket.work.is_none() {
+            bucket.held = Held::Nothing;
+            restore_zeros(&bucket.flat)?;
+        }
+        if self.params[p].grad().is_some_and(|g| g.shares_storage(&bucket.flat)) {
+            return Ok(());
+        }
+        let offset: usize = bucket
+            .params
+            .iter()
+            .take_while(|&&q| q != p)
+            .map(|&q| self.params[q].value().numel())
+            .sum();
+        self.params[p].set_grad_buffer(bucket.flat.flat_view(offset, &self.params[p].shape())?)?;
+        Ok(())
     }
 }
 
@@ -489,7 +708,7 @@ impl GradSubscriber for Reducer {
 
     fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError> {
         let mut st = self.lock();
-        self.attach_for_zero2(&mut st, ready.index)?;
+        self.attach(&mut st, ready.index)?;
         if !st.sync {
             return Ok(());
         }

@@ -13,9 +13,9 @@ use std::str::FromStr;
 ///
 /// Tensor kernels compute in `F32` (and `F64`, for the finite-difference gradient checker);
 /// `F16` and `BF16` are storage and wire formats converted on the way in and out; `I64` and `U8`
-/// hold indices and tokens; `I8` holds quantized values (an int8 compression policy's payload:
-/// f32 -> i8 rounds half to even and saturates at ±127). Not every type is
-/// supported everywhere: a collective reduces floats only, and says so for the others.
+/// hold indices and tokens; `I8` holds quantized values (a reducer policy's int8 payload; converted
+/// from floats by rounding half to even and saturating at ±127). Not every type is supported
+/// everywhere: a collective reduces floats only, and says so for the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// 32-bit IEEE float.

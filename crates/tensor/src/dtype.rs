@@ -176,3 +176,60 @@ impl Float for f64 {
         f64::is_nan(self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Tensor};
+
+    #[test]
+    fn f32_to_i8_rounds_half_to_even_and_saturates_at_127() {
+        let x = [
+            0.5f32,
+            1.5,
+            2.5,
+            -0.5,
+            -1.5,
+            -2.49,
+            126.5,
+            127.6,
+            300.0,
+            -127.5,
+            -1e9,
+            f32::NAN,
+        ];
+        let q = Tensor::from_slice(&x, &[x.len()]).unwrap().to_dtype(DType::I8).unwrap();
+        assert_eq!(q.dtype(), DType::I8);
+        // half to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2; saturating at ±127 (never -128); NaN -> 0
+        assert_eq!(
+            q.to_vec::<i8>().unwrap(),
+            [0, 2, 2, 0, -2, -2, 126, 127, 127, -127, -127, 0]
+        );
+        // and back to f32 exactly
+        let back = q.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(
+            back,
+            [0.0, 2.0, 2.0, 0.0, -2.0, -2.0, 126.0, 127.0, 127.0, -127.0, -127.0, 0.0]
+        );
+        // an i8 tensor is storage: fills, copies and views work on it
+        let z = Tensor::zeros(&[4], DType::I8);
+        z.narrow(0, 1, 2)
+            .unwrap()
+            .copy_from(&q.narrow(0, 1, 2).unwrap())
+            .unwrap();
+        assert_eq!(z.to_vec::<i8>().unwrap(), [0, 2, 2, 0]);
+    }
+
+    #[test]
+    fn f32_to_bf16_rounds_to_nearest_from_the_f32_itself() {
+        // 1 + 2^-8 + 2^-23 lies just above the tie between bf16's 1 and 1 + 2^-7: it rounds up
+        // (through f64, half's conversion would see an exact tie and round to even, down).
+        let x = 1.0f32 + 2f32.powi(-8) + 2f32.powi(-23);
+        let t = Tensor::from_slice(&[x, -x], &[2]).unwrap();
+        let b = t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let up = 1.0f32 + 2f32.powi(-7);
+        assert_eq!(b.to_vec::<f32>().unwrap(), [up, -up]);
+        assert_eq!(half::bf16::from_f32(x).to_f32(), up, "the reference rounding");
+        let h = t.to_dtype(DType::F16).unwrap().to_vec::<half::f16>().unwrap();
+        assert_eq!(h, [half::f16::from_f32(x), half::f16::from_f32(-x)]);
+    }
+}

@@ -9,13 +9,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use brigade::autograd::{scope, ParamStore, Var};
-use brigade::comm::{Communicator, EventKind, Recorder, Work};
+use brigade::comm::{EventKind, Recorder};
 use brigade::config::{CheckpointConfig, Instrumentation};
 use brigade::data::{DataSource, Microbatch};
-use brigade::ddp::hooks::{AllReduceHook, CommHook, GradBucket};
+use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
+use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model};
+use brigade::policies::AllReduce;
 use brigade::tensor::{DType, Rng, Tensor};
 use brigade::{fit, Error, OptimizerConfig, RunReport, TrainConfig};
 
@@ -212,14 +214,14 @@ fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
 /// Counts each rank's reductions around the default all-reduce.
 struct Counting(Arc<AtomicUsize>);
 
-impl CommHook for Counting {
+impl ReducerPolicy for Counting {
     fn name(&self) -> String {
         "counting".into()
     }
 
-    fn reduce(&self, comm: &Arc<dyn Communicator>, bucket: GradBucket) -> Work<Vec<f32>> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
         self.0.fetch_add(1, Ordering::Relaxed);
-        AllReduceHook.reduce(comm, bucket)
+        AllReduce.reduce(bucket, comm)
     }
 }
 
@@ -231,7 +233,7 @@ fn every_rank_makes_its_own_comm_hook_from_a_closure() {
         comm_hook: Arc::new(move |rank: usize| {
             let calls = Arc::new(AtomicUsize::new(0));
             m.lock().unwrap().insert(rank, calls.clone());
-            Arc::new(Counting(calls)) as Arc<dyn CommHook>
+            Box::new(Counting(calls)) as Box<dyn ReducerPolicy>
         }),
         ..config(3, 8)
     };

@@ -92,7 +92,7 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
         ));
     }
     let psgd = policies.iter().any(|p| matches!(p, Policy::PowerSgd(_)));
-    let d = brigade_ddp::hooks::PowerSgdConfig::default();
+    let d = brigade::policies::PowerSgdConfig::default();
     if !psgd && (s.run.powersgd_rank != d.rank || s.run.powersgd_start_iter != d.start_iter) {
         return bad("--powersgd-rank and --powersgd-start-iter are for a powersgd policy in --policy".into());
     }

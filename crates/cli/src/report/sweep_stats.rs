@@ -306,6 +306,7 @@ mod tests {
             buckets: vec![BucketProfile {
                 params: vec![0],
                 bytes: 4,
+                wire_bytes: None,
                 ready_s: 0.009 + by,
                 launch_s: 0.009 + by,
                 start_s: 0.010 + by,
@@ -318,9 +319,11 @@ mod tests {
                 world_size: 2,
                 bucket_cap_mb: 1.0,
                 first_bucket_cap_mb: 1.0,
+                policy: None,
                 params: vec![ParamProfile {
                     name: "w".into(),
                     bytes: 4,
+                    shape: vec![],
                 }],
                 ranks: vec![rank(0, 0.020, 0.010), rank(1, 0.0, 0.012)],
             }),

@@ -82,8 +82,8 @@ fn bad_hook_settings_are_one_line_before_step_0() {
     let base = ["train", "--model", "mlp", "--widths", "8,4", "--steps", "1"];
     let run = |extra: &[&str]| fails(&base.iter().copied().chain(extra.iter().copied()).collect::<Vec<_>>());
     assert!(run(&["--comm-hook", "powersgd", "--powersgd-rank", "0"]).contains("at least 1"));
-    let e = run(&["--comm-hook", "powersgd", "--powersgd-start-iter", "1"]);
-    assert!(e.contains("at least 2") && e.contains("rebuilds"), "{e}");
+    // (a start iteration of 1 or 0 is fine now: PowerSGD keys its state by parameter, so DDP's
+    // bucket rebuild after the first iteration does not strand it)
     assert!(run(&["--powersgd-rank", "4"]).contains("--comm-hook powersgd"));
     assert!(run(&["--comm-hook", "topk"]).contains("topk"));
 }

@@ -317,7 +317,7 @@ impl MpiTransport {
             Buffer::F32(v) => finish_f32(v, op, world),
             Buffer::F16(v) => finish_half(&mut self.recv, v, op, world),
             Buffer::BF16(v) => finish_half(&mut self.recv, v, op, world),
-            Buffer::U8(_) => unreachable!(),
+            Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
         }
         Ok(())
     }
@@ -361,7 +361,7 @@ impl MpiTransport {
                 v.truncate(chunk);
                 finish_half(&mut self.recv, v, op, world);
             }
-            Buffer::U8(_) => unreachable!(),
+            Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
         }
         Ok(())
     }
@@ -506,6 +506,6 @@ fn stage_f32(send: &mut Vec<f32>, buf: &Buffer) {
         Buffer::F32(v) => send.extend_from_slice(v),
         Buffer::F16(v) => send.extend(v.iter().map(|x| x.to_f32())),
         Buffer::BF16(v) => send.extend(v.iter().map(|x| x.to_f32())),
-        Buffer::U8(_) => unreachable!("validate rejects reductions on u8"),
+        Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
     }
 }

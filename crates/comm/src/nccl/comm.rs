@@ -392,6 +392,7 @@ impl NcclComm {
                 Buffer::F16(v) => self.host::<f16>(v, kind, tag),
                 Buffer::BF16(v) => self.host::<bf16>(v, kind, tag),
                 Buffer::U8(v) => self.host(v, kind, tag),
+                Buffer::I8(v) => self.host(v, kind, tag),
             }
             .map(|()| buf)
         });

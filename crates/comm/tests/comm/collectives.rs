@@ -79,7 +79,7 @@ fn reduce_scatter_matches_serial_reference() {
 #[test]
 fn all_gather_and_broadcast_match_serial_reference() {
     for world in 1..=8 {
-        for &d in DTYPES.iter().chain([DType::U8].iter()) {
+        for &d in DTYPES.iter().chain([DType::U8, DType::I8].iter()) {
             for (salt, n) in [0usize, 1, 1031, (1 << 19) + 1].into_iter().enumerate() {
                 let inputs: Vec<Buffer> = (0..world).map(|r| input(d, r, n, salt)).collect();
                 let gathered = from_f32(d, inputs.iter().flat_map(to_f32).collect());
@@ -155,6 +155,10 @@ fn reductions_on_bytes_are_unsupported_and_bad_arguments_are_rejected() {
             .all_reduce(Buffer::U8(vec![1; 4]), ReduceOp::Sum, "bytes")
             .wait()
             .unwrap_err();
+        let i8_err = comm
+            .reduce_scatter(Buffer::I8(vec![1; 6]), ReduceOp::Avg, "quantized")
+            .wait()
+            .unwrap_err();
         let rs_err = comm
             .reduce_scatter(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum, "rs4")
             .wait()
@@ -168,10 +172,15 @@ fn reductions_on_bytes_are_unsupported_and_bad_arguments_are_rejected() {
             .all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum, "after")
             .wait()
             .unwrap();
-        (u8_err, rs_err, bc_err, ok)
+        (u8_err, i8_err, rs_err, bc_err, ok)
     }));
-    for (u8_err, rs_err, bc_err, ok) in results {
+    for (u8_err, i8_err, rs_err, bc_err, ok) in results {
         assert!(matches!(u8_err, CommError::Unsupported(_)), "{u8_err}");
+        // integer payloads are not summed in their own type: the error says what to do instead
+        assert!(
+            matches!(i8_err, CommError::Unsupported(ref m) if m.contains("i8") && m.contains("all_gather_with_side") && m.contains("f32")),
+            "{i8_err}"
+        );
         assert!(
             matches!(rs_err, CommError::InvalidArgument(ref m) if m.contains("rs4")),
             "{rs_err}"
@@ -208,4 +217,47 @@ fn max_propagates_a_nan_from_any_rank_as_torch_max_does() {
             }
         }
     }
+}
+
+#[test]
+fn a_side_buffer_travels_with_its_payload_in_one_all_gather() {
+    // Each rank sends an int8 payload of 5 and 2 f32 scales; every rank gets every rank's both,
+    // rank-major, and the all-gather is one collective of 5 + 8 bytes per rank.
+    let world = 3;
+    let meter = brigade_comm::CommMeter::new();
+    let out = all_ok(run_on_threads_with_timeout(world, TIMEOUT, |comm| {
+        let r = comm.rank() as i8;
+        let meter = meter.clone();
+        let comm = brigade_comm::Metered::new(comm, meter);
+        let payload = Buffer::I8((0..5).map(|i| r * 10 + i - 20).collect());
+        let side = Buffer::F32(vec![r as f32 + 0.5, -(r as f32)]);
+        brigade_comm::all_gather_with_side(&comm, payload, side, "q")
+            .wait()
+            .unwrap()
+    }));
+    for (payloads, sides) in out {
+        let want: Vec<i8> = (0..world as i8)
+            .flat_map(|r| (0..5).map(move |i| r * 10 + i - 20))
+            .collect();
+        assert_eq!(payloads, Buffer::I8(want));
+        assert_eq!(sides, Buffer::F32(vec![0.5, -0.0, 1.5, -1.0, 2.5, -2.0]));
+    }
+    let t = meter.totals();
+    assert_eq!(t.collectives, world as u64, "one collective per rank");
+    assert_eq!(t.payload_bytes, (world * (5 + 8)) as u64);
+    assert_eq!(t.wire_bytes, (world * (world - 1) * (5 + 8)) as f64);
+}
+
+#[test]
+fn buffers_round_trip_through_their_little_endian_bytes() {
+    for d in [DType::F32, DType::F16, DType::BF16, DType::U8, DType::I8] {
+        let b = input(d, 1, 9, 4);
+        assert_eq!(Buffer::from_le_bytes(d, &b.to_le_bytes()).as_ref(), Some(&b), "{d}");
+    }
+    assert_eq!(
+        Buffer::from_le_bytes(DType::F32, &[0, 0, 0]),
+        None,
+        "not whole elements"
+    );
+    assert_eq!(Buffer::from_le_bytes(DType::I64, &[]), None, "not a buffer type");
 }

@@ -300,7 +300,14 @@ impl Autotuner {
         if !due || comm.world_size() < 2 {
             return Ok(None);
         }
+        if !ddp.buckets_can_change() {
+            return Err(DdpError::Autotune(format!(
+                "policy '{}' fixes its buckets: the bucket cap cannot be tuned (give a fixed cap)",
+                ddp.policy_name()
+            )));
+        }
         let params = ddp.param_profiles();
+        let policy = ddp.profile_policy();
         let n = params.len();
         let observed = std::mem::take(&mut self.observed);
         // Every rank sends the same number of steps of SPANS + n times (NaN: no profile).
@@ -342,6 +349,7 @@ impl Autotuner {
                         world_size: world,
                         bucket_cap_mb: from_cap,
                         first_bucket_cap_mb: first_cap,
+                        policy: Some(policy.clone()),
                         params: params.clone(),
                         ranks,
                     })
@@ -459,6 +467,7 @@ mod rank_profile_tests {
         let bucket = BucketProfile {
             params: vec![0],
             bytes: 4 << 20,
+            wire_bytes: None,
             ready_s: 0.076,
             launch_s: 0.076,
             start_s: 0.08,
@@ -513,6 +522,7 @@ mod rank_profile_tests {
         let bucket = BucketProfile {
             params: vec![0],
             bytes: 4 << 20,
+            wire_bytes: None,
             ready_s: 0.08,
             launch_s: 0.08,
             start_s: 0.1,
@@ -537,9 +547,11 @@ mod rank_profile_tests {
             world_size: 2,
             bucket_cap_mb: 25.0,
             first_bucket_cap_mb: 25.0,
+            policy: None,
             params: vec![ParamProfile {
                 name: "w".into(),
                 bytes: 4 << 20,
+                shape: vec![],
             }],
             ranks: vec![rank0, rebuilt],
         };

@@ -5,14 +5,21 @@
 //!
 //! ```text
 //! { "version": 1, "world_size": 2, "bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0,
-//!   "params": [ { "name": "layers.0.weight", "bytes": 1048576 }, ... ],   // registration order
+//!   "policy": { "name": "fp16", "wire": { "kind": "all_reduce", "bytes_per_element": 2.0 } },
+//!   "params": [ { "name": "layers.0.weight", "bytes": 1048576, "shape": [512, 512] }, ... ],
 //!   "ranks": [ { "rank": 0,
 //!                "backward_start_s": 0.010, "backward_end_s": 0.031,   // compute only
 //!                "optimizer_start_s": 0.034, "optimizer_end_s": 0.036, "step_end_s": 0.036,
 //!                "grad_ready_s": [0.030, 0.029, ...],                  // per parameter
-//!                "buckets": [ { "params": [3, 2], "bytes": 4096, "ready_s": 0.021,
-//!                               "launch_s": 0.021, "start_s": 0.021, "finish_s": 0.024 } ] } ] }
+//!                "buckets": [ { "params": [3, 2], "bytes": 4096, "wire_bytes": 2048.0,
+//!                               "ready_s": 0.021, "launch_s": 0.021, "start_s": 0.021,
+//!                               "finish_s": 0.024 } ] } ] }
 //! ```
+//!
+//! `policy` (which reducer policy made the step, and how its collectives are costed: see
+//! [`WireModel`]), `shape` and `wire_bytes` (what the rank sent for the bucket under the ring
+//! algorithms) are absent from profiles written before policies were recorded: those replay as
+//! the f32 all-reduce they were.
 //!
 //! `backward_end_s` is when the last backward kernel finished, before the reducer waited for
 //! its buckets; the recorded buckets (what ran, under the recorded caps) let the model fit the
@@ -40,6 +47,47 @@ pub struct ParamProfile {
     pub name: String,
     /// Bytes of its gradient in a bucket.
     pub bytes: usize,
+    /// Its shape (what a low-rank policy's factors are sized by; empty when not recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shape: Vec<usize>,
+}
+
+/// How a reducer policy's collectives for one bucket are costed by the overlap model (a policy
+/// declares it: [`crate::ReducerPolicy::wire_model`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WireModel {
+    /// One all-reduce per bucket carrying `bytes_per_element` bytes per gradient element (f32:
+    /// 4; fp16 and bf16 compression: 2).
+    AllReduce {
+        /// Bytes per gradient element on the wire.
+        bytes_per_element: f64,
+    },
+    /// PowerSGD (rank `rank`): before `start_iter` one f32 all-reduce per bucket; then each
+    /// matrix gradient n × m (n = `shape[0]`) with r' = min(rank, n, m) and
+    /// `(n + m)·r'·min_compression_rate < n·m` is sent as its factors P (n × r') and Q (m × r'),
+    /// one all-reduce each, the other tensors in one f32 all-reduce.
+    LowRank {
+        /// The approximation's rank.
+        rank: usize,
+        /// The least shrink worth compressing.
+        min_compression_rate: f64,
+        /// Iterations reduced plainly first.
+        start_iter: usize,
+    },
+    /// ZeRO: each (padded) bucket is reduce-scattered in f32 during backward; the updated
+    /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
+    /// span holds them).
+    ReduceScatter,
+}
+
+/// Which reducer policy recorded a step profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProfilePolicy {
+    /// Its name (`allreduce`, `fp16`, `powersgd:4@10`, `zero1`, a user's).
+    pub name: String,
+    /// How its collectives are costed; `None`: a user's policy the overlap model cannot replay.
+    pub wire: Option<WireModel>,
 }
 
 /// One bucket's collective as it ran in the recorded step.
@@ -47,8 +95,12 @@ pub struct ParamProfile {
 pub struct BucketProfile {
     /// Its parameters (registration indices), in bucket order.
     pub params: Vec<usize>,
-    /// Bytes reduced.
+    /// Bytes of its buffer (padding included).
     pub bytes: usize,
+    /// Bytes this rank sent on the wire for it (every collective its policy issued for it, ring
+    /// algorithms); absent in profiles written before policies were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wire_bytes: Option<f64>,
     /// When its last gradient became ready.
     pub ready_s: f64,
     /// When the reducer issued its collective (strict bucket order may delay it past `ready_s`).
@@ -91,6 +143,10 @@ pub struct StepProfile {
     pub bucket_cap_mb: f64,
     /// The first bucket's cap the step ran with, in MiB.
     pub first_bucket_cap_mb: f64,
+    /// The reducer policy that made the step (absent: recorded before policies were; an f32
+    /// all-reduce).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<ProfilePolicy>,
     /// The model's parameters in registration order.
     pub params: Vec<ParamProfile>,
     /// One entry per rank, in rank order.
@@ -128,6 +184,7 @@ impl RankProfile {
                 BucketProfile {
                     params: b.params.clone(),
                     bytes: b.bytes,
+                    wire_bytes: Some(b.wire_bytes),
                     ready_s: b.params.iter().map(|&p| grad_ready_s[p]).fold(0.0, f64::max),
                     launch_s,
                     start_s: start,

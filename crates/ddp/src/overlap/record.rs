@@ -48,6 +48,7 @@ impl StepProfile {
             world_size: ddp.comm().world_size(),
             bucket_cap_mb,
             first_bucket_cap_mb,
+            policy: Some(ddp.profile_policy()),
             params: ddp.param_profiles(),
             ranks: vec![mine],
         })

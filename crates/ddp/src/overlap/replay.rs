@@ -1,9 +1,10 @@
-//! Replaying a recorded step's communication under another bucket cap, link or world size.
+//! Replaying a recorded step's communication under another bucket cap, link or world size,
+//! with the collectives of the reducer policy that recorded it ([`WireModel`]).
 
 use brigade_comm::NetModel;
 use serde::Serialize;
 
-use super::StepProfile;
+use super::{StepProfile, WireModel};
 use crate::{assign_buckets, DdpError};
 
 /// How a collective of `S` bytes over `n` ranks is costed.
@@ -49,8 +50,10 @@ pub struct ReplayConfig {
 pub struct ReplayBucket {
     /// Its parameters (registration indices), in bucket order.
     pub params: Vec<usize>,
-    /// Bytes reduced.
+    /// Bytes of its gradients.
     pub bytes: usize,
+    /// Bytes each rank sends for it under the policy's collectives (ring algorithms).
+    pub wire_bytes: f64,
     /// When its last gradient is ready on the last rank to have it.
     pub ready_s: f64,
     /// When the last rank issued it (strict bucket order: never before the previous bucket).
@@ -67,6 +70,8 @@ pub struct ReplayBucket {
 /// The replayed step under one configuration. Times in seconds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayResult {
+    /// The reducer policy replayed (the profile's; `allreduce` for a profile that names none).
+    pub policy: String,
     /// The bucket cap replayed, in MiB.
     pub bucket_cap_mb: f64,
     /// The first bucket's cap replayed, in MiB.
@@ -228,10 +233,16 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
             if n0 < 2 {
                 return Err("a profile of one rank recorded no communication: there is no link to measure".into());
             }
+            // What each recorded bucket sent, as the bytes of the all-reduce that sends as much
+            // (2(n-1)/n of them), so that any policy's recording measures the same link.
+            let q = (n0 - 1) as f64;
             let pts: Vec<(f64, f64)> = profile.ranks[0]
                 .buckets
                 .iter()
-                .map(|b| (b.bytes as f64, (b.finish_s - b.start_s).max(0.0)))
+                .map(|b| {
+                    let sent = b.wire_bytes.map_or(b.bytes as f64, |w| w * n0 as f64 / (2.0 * q));
+                    (sent, (b.finish_s - b.start_s).max(0.0))
+                })
                 .collect();
             if pts.is_empty() {
                 return Err("the profile recorded no buckets: there is no link to measure".into());
@@ -301,12 +312,41 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         return Err("world size must be at least 1".into());
     }
     let (alpha, per_byte) = link_params(profile, cfg.link)?;
+    let (policy, wire) = wire_model(profile)?;
     let q = n.saturating_sub(1) as f64;
-    let cost = |bytes: usize| {
+    // Ring all-reduce of `bytes`: 2(n-1) latencies, 2(n-1)/n of the bytes each way.
+    let all_reduce = |bytes: f64| 2.0 * q * alpha + 2.0 * q / n as f64 * bytes * per_byte;
+    let shapes: Vec<&[usize]> = profile.params.iter().map(|p| &p.shape[..]).collect();
+    // A bucket's link time and wire bytes under the policy's collectives.
+    let cost = |group: &[usize], bytes: usize| -> (f64, f64) {
         if n < 2 {
-            0.0
-        } else {
-            2.0 * q * alpha + 2.0 * q / n as f64 * bytes as f64 * per_byte
+            return (0.0, 0.0);
+        }
+        match wire {
+            WireModel::AllReduce { bytes_per_element } => {
+                let b = bytes as f64 / 4.0 * bytes_per_element;
+                (all_reduce(b), 2.0 * q / n as f64 * b)
+            }
+            // one reduce-scatter of the padded bucket: (n-1) latencies, (n-1)/n of the bytes
+            WireModel::ReduceScatter => {
+                let padded = ((bytes / 4).div_ceil(n) * n * 4) as f64;
+                (q * alpha + q / n as f64 * padded * per_byte, q / n as f64 * padded)
+            }
+            WireModel::LowRank {
+                rank,
+                min_compression_rate,
+                ..
+            } => {
+                let (mut plain, mut p, mut qf) = (0.0, 0.0, 0.0);
+                for &i in group {
+                    match low_rank_factors(shapes[i], rank, min_compression_rate) {
+                        Some((n_r, m_r)) => (p, qf) = (p + 4.0 * n_r as f64, qf + 4.0 * m_r as f64),
+                        None => plain += bytes_of(profile, i),
+                    }
+                }
+                let sent: f64 = [plain, p, qf].into_iter().filter(|&b| b > 0.0).map(all_reduce).sum();
+                (sent, 2.0 * q / n as f64 * (plain + p + qf))
+            }
         }
     };
 
@@ -354,6 +394,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
             launch_max = launch_max.max(launched[r]);
         }
         let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
+        let (link_s, wire_bytes) = cost(&group, b_bytes);
         let from = launch_max.max(brought);
         brought = from
             + if n < 2 {
@@ -362,11 +403,12 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
                 overhead.of(b_bytes, from, backward_end)
             };
         let start = brought.max(link_free);
-        let finish = start + cost(b_bytes);
+        let finish = start + link_s;
         link_free = finish;
         buckets.push(ReplayBucket {
             params: group,
             bytes: b_bytes,
+            wire_bytes,
             ready_s: ready_max,
             launch_s: launch_max,
             start_s: start,
@@ -400,15 +442,18 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
             .collect(),
     );
 
-    // Lower bound: a fluid link that carries each byte from the moment its gradient is ready.
-    let fluid_rate = if n < 2 { 0.0 } else { 2.0 * q / n as f64 * per_byte };
+    // Lower bound: a fluid link that carries each byte the policy sends from the moment its
+    // gradient is ready.
+    let fluid_rate = if n < 2 { 0.0 } else { per_byte };
+    let sent_of = |p: usize| if n < 2 { 0.0 } else { cost(&[p], bytes[p]).1 };
     let mut by_ready: Vec<usize> = (0..n_params).collect();
     by_ready.sort_by(|&a, &b| ready_all[a].total_cmp(&ready_all[b]));
-    let drained = by_ready.iter().fold(f64::NEG_INFINITY, |t, &p| {
-        t.max(ready_all[p]) + bytes[p] as f64 * fluid_rate
-    });
+    let drained = by_ready
+        .iter()
+        .fold(f64::NEG_INFINITY, |t, &p| t.max(ready_all[p]) + sent_of(p) * fluid_rate);
 
     Ok(ReplayResult {
+        policy,
         bucket_cap_mb: cfg.bucket_cap_mb,
         first_bucket_cap_mb: cfg.first_bucket_cap_mb,
         world_size: n,
@@ -420,4 +465,39 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
         launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
     })
+}
+
+/// The policy a profile was recorded under and how its collectives are costed; one line when
+/// it is a user policy that declared no model.
+fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
+    match &profile.policy {
+        // recorded before policies were: an f32 all-reduce
+        None => Ok(("allreduce".into(), WireModel::AllReduce { bytes_per_element: 4.0 })),
+        Some(p) => match p.wire {
+            Some(w) => Ok((p.name.clone(), w)),
+            None => Err(format!(
+                "the profile was recorded under policy '{}', which declares no wire model (ReducerPolicy::wire_model): \
+                 the overlap model cannot cost its collectives; replay a profile of allreduce, fp16, bf16, powersgd, \
+                 zero1 or zero2",
+                p.name
+            )),
+        },
+    }
+}
+
+fn bytes_of(profile: &StepProfile, p: usize) -> f64 {
+    profile.params[p].bytes as f64
+}
+
+/// PowerSGD's factors of a gradient of `shape`: `(n·r', m·r')` elements of P and Q when it
+/// compresses (a matrix n × m, n = `shape[0]`, r' = min(r, n, m), `(n + m)·r'·rate < n·m`),
+/// `None` when it is sent whole.
+pub(crate) fn low_rank_factors(shape: &[usize], r: usize, rate: f64) -> Option<(usize, usize)> {
+    let len: usize = shape.iter().product();
+    if shape.len() < 2 || len == 0 {
+        return None;
+    }
+    let (n, m) = (shape[0], len / shape[0]);
+    let r = r.min(n).min(m);
+    ((((n + m) * r) as f64) * rate < (n * m) as f64).then_some((n * r, m * r))
 }

@@ -1,30 +1,31 @@
-//! The CPU comm stream behind the contract: a bucket goes to a [`CommHook`] over any
-//! [`Communicator`] (threads, MPI, simulated, traced) as a host vector, and comes back when its
-//! [`Work`](brigade_comm::Work) completes. A CUDA bucket is staged through the host (copied
-//! out when it is launched, copied back when it is waited on): the correctness baseline NCCL
+//! The CPU comm stream behind the contract: a bucket goes to the policy with collectives over
+//! any [`Communicator`] (threads, MPI, simulated, traced, metered); its reduction completes
+//! when its futures do. A CUDA bucket is staged through the host by the collectives (copied
+//! out when a collective takes it, copied back when it lands): the correctness baseline NCCL
 //! replaces.
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use brigade_comm::{reducing_bucket, Communicator};
-use brigade_tensor::Storage;
+use brigade_comm::Communicator;
+use brigade_tensor::Tensor;
 
-use super::{BucketStream, Contents, Failed, InFlight, InFlightOp, Landed, ReadyBucket, ReadyEvent};
-use crate::hooks::{CommHook, GradBucket};
+use super::{hand_to_policy, wait_reduction, BucketStream, Failed, InFlight, Landed, ReadyBucket, ReadyEvent};
+use crate::collectives::Collectives;
+use crate::policy::ReducerPolicy;
 use crate::DdpError;
 
 /// The host comm stream: collectives on a [`Communicator`]'s own comm stream (a worker thread),
-/// completion = the hook's work completing.
+/// completion = the policy's future completing.
 pub struct HostStream {
-    comm: Arc<dyn Communicator>,
-    hook: Arc<dyn CommHook>,
+    collectives: Collectives,
 }
 
 impl HostStream {
-    /// Buckets reduced by `hook` over `comm`.
-    pub fn new(comm: Arc<dyn Communicator>, hook: Arc<dyn CommHook>) -> Self {
-        HostStream { comm, hook }
+    /// Buckets reduced over `comm`.
+    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+        HostStream {
+            collectives: Collectives::host(comm),
+        }
     }
 }
 
@@ -33,64 +34,30 @@ impl BucketStream for HostStream {
         "host"
     }
 
-    fn record_ready(&self, _index: usize, _storage: &Storage) -> crate::Result<ReadyEvent> {
+    fn collectives(&self) -> Collectives {
+        self.collectives.clone()
+    }
+
+    fn record_ready(&self, _index: usize, _flat: &Tensor) -> crate::Result<ReadyEvent> {
         // The host computed every gradient of the bucket before announcing it (a CUDA bucket's
-        // copy out in `launch` waits for the compute stream).
+        // copy out when a collective takes it waits for the compute stream).
         Ok(ReadyEvent::Host)
     }
 
-    fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight> {
-        let (numel, device) = (bucket.storage.len(), bucket.storage.device());
-        // The bucket's own vector on the CPU (no copy); a host-staged copy of device memory.
-        let buffer = bucket.storage.into_host_vec::<f32>()?;
-        let grad_bucket = GradBucket {
-            index: bucket.index,
-            buffer,
-            params: bucket.params,
-            is_last: bucket.is_last,
-        };
-        let launched = Instant::now();
-        // Collectives the hook issues on this thread are traced as this bucket's.
-        let work = reducing_bucket(bucket.index, || self.hook.reduce(&self.comm, grad_bucket));
-        Ok(InFlight {
-            index: bucket.index,
-            numel,
-            device,
-            launched,
-            op: InFlightOp::Host(work),
-        })
+    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
+        hand_to_policy(&self.collectives, bucket, policy, "host")
     }
 
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
-        let InFlight {
-            index,
-            numel,
-            device,
-            op,
-            ..
-        } = in_flight;
-        let InFlightOp::Host(work) = op else {
+        if in_flight.launched_by != "host" {
             return Err(Failed {
                 error: DdpError::WrongStream {
-                    bucket: index,
+                    bucket: in_flight.index,
                     stream: "host",
-                    launched_by: "nccl",
+                    launched_by: in_flight.launched_by,
                 },
-                storage: None,
             });
-        };
-        let zeros = || Storage::from_host_vec(vec![0.0f32; numel], device).ok();
-        match work.wait_timed() {
-            Ok((v, timing)) => Ok(Landed {
-                index,
-                contents: Contents::Host(v),
-                ran: Some((timing.started, timing.finished)),
-            }),
-            // Give the views storage back (zeros) before reporting the failure.
-            Err(e) => Err(Failed {
-                error: e.into(),
-                storage: zeros(),
-            }),
         }
+        wait_reduction(in_flight)
     }
 }

@@ -1,5 +1,5 @@
 //! The reducer's stream/event contract: how a full bucket goes from the compute side to the
-//! comm side and back, written once for every kind of stream.
+//! comm side (and its policy) and back, written once for every kind of stream.
 //!
 //! The life of one bucket (PyTorch's ProcessGroupNCCL, llm.c's
 //! `multi_gpu_async_reduce_gradient`):
@@ -8,36 +8,37 @@
 //!    gradient is written, a *ready event* is recorded (CUDA: an event on the compute stream;
 //!    CPU: the host thread wrote every gradient before announcing it, so readiness is the call
 //!    itself).
-//! 2. [`BucketStream::launch`]: the comm side waits on that event and runs the bucket's
-//!    collective (in place, averaging over ranks); its completion is a *completion event*.
+//! 2. [`BucketStream::launch`]: the bucket goes to the reducer policy with the stream's
+//!    [`Collectives`] handle, scoped to the bucket; the policy issues its collectives (which
+//!    wait on the ready event) and returns the future of its [`crate::policy::Reduction`].
 //!    Buckets are launched strictly in bucket order, the same on every rank.
 //! 3. [`BucketStream::wait`]: at the end of backward, the compute side waits on every
-//!    completion event before the optimizer step (CPU: the host waits for the [`Work`];
-//!    CUDA: the compute stream waits on the comm stream's event, the host does not wait) and
-//!    the bucket's storage goes back under its gradient views.
+//!    bucket's completion before the optimizer step (CPU: the host waits for the future;
+//!    CUDA: the compute stream waits on the comm stream's events, the host does not wait) and
+//!    the reducer puts the result back under the gradient views.
 //!
-//! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] and
-//! [`crate::hooks::CommHook`] (a device bucket is staged through the host); `NcclStream` (the
-//! `cuda` feature) over an NCCL communicator on a comm stream of the bucket's GPU. Streams and
-//! events are the tensor crate's ([`brigade_tensor::Stream`], [`brigade_tensor::Event`]), and
-//! device memory reaches NCCL as comm's raw handles: this crate names no CUDA type.
-//! [`Recording`] wraps either stream and writes down the order of the calls, which is how the
-//! CPU tests check the logic that also drives NCCL.
+//! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] (a device bucket is staged
+//! through the host); `NcclStream` (the `cuda` feature) over an NCCL communicator on a comm
+//! stream of the bucket's GPU. Streams and events are the tensor crate's
+//! ([`brigade_tensor::Stream`], [`brigade_tensor::Event`]), and device memory reaches NCCL as
+//! comm's raw handles: this crate names no CUDA type. [`Recording`] wraps either stream and
+//! writes down the order of the calls, which is how the CPU tests check the logic that also
+//! drives NCCL.
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
 mod gpu_clock;
 mod host;
 mod recording;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use brigade_comm::{SpanId, Work};
-use brigade_tensor::{Device, Event, Storage};
+use brigade_comm::SpanId;
+use brigade_tensor::{Event, Tensor};
 
-use crate::hooks::BucketParam;
+use crate::collectives::Collectives;
+use crate::policy::{PolicyBucket, ReducerPolicy, Reduction};
 use crate::DdpError;
 
 #[cfg(feature = "cuda")]
@@ -57,90 +58,68 @@ pub enum ReadyEvent {
 /// A full bucket handed to the comm side.
 #[derive(Debug)]
 pub struct ReadyBucket {
-    /// The bucket's index: its place in the launch order, the same on every rank.
-    pub index: usize,
-    /// The parameters in its flat buffer, in buffer order.
-    pub params: Vec<BucketParam>,
-    /// Whether this is the last bucket of the backward pass.
-    pub is_last: bool,
-    /// The bucket's memory, lent by its flat tensor (the gradient views are empty meanwhile).
-    pub storage: Storage,
-    /// What the comm side waits on before touching `storage`.
+    /// The bucket as the policy sees it.
+    pub bucket: PolicyBucket,
+    /// What the comm side waits on before touching the bucket.
     pub ready: ReadyEvent,
+    /// This rank has no data this step: the bucket is zeros and goes to
+    /// [`ReducerPolicy::reduce_joined`].
+    pub joined: bool,
 }
 
-/// A bucket's collective in flight: what the compute side waits on before the step.
+/// A bucket's reduction in flight: what the compute side waits on before the step.
 pub struct InFlight {
     /// The bucket's index.
     pub index: usize,
-    /// Elements in the bucket.
-    pub numel: usize,
-    /// Where the bucket's memory lives (and goes back to).
-    pub device: Device,
-    /// When the collective was issued.
+    /// When the bucket was handed to the policy.
     pub launched: Instant,
-    pub(crate) op: InFlightOp,
-}
-
-/// The backend-specific part of an [`InFlight`].
-pub(crate) enum InFlightOp {
-    /// The hook's work; the bucket's new contents come back through the host.
-    Host(Work<Vec<f32>>),
-    /// Enqueued on a device's comm stream: the storage (reduced in place) and the completion
-    /// event.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Device {
-        /// The bucket's memory, kept alive (lent) until the compute stream waited on `done`.
-        storage: Storage,
-        /// Recorded on the comm stream after the collective.
-        done: Event,
-    },
+    /// The policy's reduction.
+    pub(crate) reduction: Reduction,
+    /// Wire bytes of the bucket's collectives so far.
+    pub(crate) wire: Option<Arc<Mutex<f64>>>,
+    /// Which stream launched it.
+    pub(crate) launched_by: &'static str,
 }
 
 impl std::fmt::Debug for InFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match self.op {
-            InFlightOp::Host(_) => "host",
-            InFlightOp::Device { .. } => "device",
-        };
-        write!(
-            f,
-            "InFlight(bucket {}, {} x f32 on {}, {kind})",
-            self.index, self.numel, self.device
-        )
+        write!(f, "InFlight(bucket {}, on the {} stream)", self.index, self.launched_by)
     }
 }
 
-/// A bucket back on the compute side: its reduced contents and when its collective ran, where
-/// the stream knows it on the host clock.
+/// What a bucket's reduction gave back, for the reducer to put under the gradient views.
+#[derive(Debug)]
+pub enum Landing {
+    /// The bucket's new contents.
+    Full(Tensor),
+    /// This rank's shard, and whether the full buffer is kept.
+    Shard {
+        /// The shard.
+        tensor: Tensor,
+        /// Keep the full buffer allocated.
+        keep_full: bool,
+    },
+}
+
+/// A bucket back on the compute side: what its reduction gave, when its collectives ran (on
+/// the host clock, when known) and what they sent.
 #[derive(Debug)]
 pub struct Landed {
     /// The bucket's index.
     pub index: usize,
-    /// What the collective gave back.
-    pub contents: Contents,
-    /// When the collective ran (start, finish) on the host clock, when known.
+    /// What the reduction gave back.
+    pub landing: Landing,
+    /// When its collectives ran (first start, last finish) on the host clock, when known.
     pub ran: Option<(Instant, Instant)>,
+    /// Bytes this rank sent on the wire for the bucket (ring algorithms).
+    pub wire_bytes: f64,
 }
 
-/// What a bucket's collective gave back, for the reducer to put under the gradient views.
-#[derive(Debug)]
-pub enum Contents {
-    /// The hook's result on the host (normally the bucket's new contents, element for element;
-    /// the reducer checks the length and copies it onto the bucket's device).
-    Host(Vec<f32>),
-    /// The bucket's own memory, reduced in place (NCCL).
-    Storage(Storage),
-}
-
-/// A bucket whose collective failed: the error, and the storage when it could be given back
-/// (so the gradient views are not left empty).
+/// A bucket whose reduction failed (the reducer gives its views zeros before reporting).
 #[derive(Debug)]
 pub struct Failed {
     /// What went wrong (names the rank and the collective).
     pub error: DdpError,
-    /// The bucket's memory, when the stream still had it.
-    pub storage: Option<Storage>,
 }
 
 /// The contract the reducer is written against (see the module docs). Calls come from the
@@ -150,15 +129,18 @@ pub trait BucketStream: Send + Sync {
     /// A short name for reports (`host`, `nccl`).
     fn name(&self) -> &'static str;
 
-    /// Compute side: bucket `index`, held in `storage`, is fully written; record its ready
-    /// event.
-    fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent>;
+    /// The handle policies issue collectives through on this stream.
+    fn collectives(&self) -> Collectives;
 
-    /// Comm side: wait on `bucket.ready`, then run the bucket's collective; returns at once.
-    fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight>;
+    /// Compute side: bucket `index`, whose flat buffer is `flat`, is fully written; record its
+    /// ready event.
+    fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent>;
 
-    /// Compute side: wait on the bucket's completion (the host, or the compute stream) and
-    /// take its storage back.
+    /// Comm side: hand `bucket` to `policy` with this stream's collectives; returns at once.
+    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight>;
+
+    /// Compute side: wait on the bucket's completion (the host, or the compute stream) and take
+    /// what its reduction gave back.
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed>;
 
     /// Compute side, for the timeline: backward's kernels from now on belong to the host span
@@ -175,16 +157,67 @@ impl<S: BucketStream + ?Sized> BucketStream for Arc<S> {
     fn name(&self) -> &'static str {
         (**self).name()
     }
-    fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent> {
-        (**self).record_ready(index, storage)
+    fn collectives(&self) -> Collectives {
+        (**self).collectives()
     }
-    fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight> {
-        (**self).launch(bucket)
+    fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
+        (**self).record_ready(index, flat)
+    }
+    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
+        (**self).launch(bucket, policy)
     }
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
         (**self).wait(in_flight)
     }
     fn compute_scope(&self, span: Option<SpanId>) {
         (**self).compute_scope(span)
+    }
+}
+
+/// Hands `ready` to `policy` with `collectives` scoped to the bucket (what every stream's
+/// `launch` does once the bucket may be touched).
+pub(crate) fn hand_to_policy(
+    collectives: &Collectives,
+    ready: ReadyBucket,
+    policy: &mut dyn ReducerPolicy,
+    launched_by: &'static str,
+) -> crate::Result<InFlight> {
+    let index = ready.bucket.index;
+    let comm = collectives.for_bucket(index);
+    let launched = Instant::now();
+    let reduction = if ready.joined {
+        policy.reduce_joined(ready.bucket, &comm)?
+    } else {
+        policy.reduce(ready.bucket, &comm)?
+    };
+    Ok(InFlight {
+        index,
+        launched,
+        reduction,
+        wire: comm.wire_counter(),
+        launched_by,
+    })
+}
+
+/// Waits (on the host) for a reduction's future and turns it into what lands.
+pub(crate) fn wait_reduction(in_flight: InFlight) -> Result<Landed, Failed> {
+    let InFlight {
+        index, reduction, wire, ..
+    } = in_flight;
+    let waited = match reduction {
+        Reduction::Full(w) => w.wait_timed().map(|(t, timing)| (Landing::Full(t), timing)),
+        Reduction::Shard { shard, keep_full } => shard
+            .wait_timed()
+            .map(|(tensor, timing)| (Landing::Shard { tensor, keep_full }, timing)),
+    };
+    let wire_bytes = wire.map_or(0.0, |w| *w.lock().unwrap_or_else(|e| e.into_inner()));
+    match waited {
+        Ok((landing, timing)) => Ok(Landed {
+            index,
+            landing,
+            ran: Some((timing.started, timing.finished)),
+            wire_bytes,
+        }),
+        Err(error) => Err(Failed { error }),
     }
 }

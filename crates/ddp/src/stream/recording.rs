@@ -4,9 +4,11 @@
 use std::sync::{Arc, Mutex};
 
 use brigade_comm::SpanId;
-use brigade_tensor::Storage;
+use brigade_tensor::Tensor;
 
 use super::{BucketStream, Failed, InFlight, Landed, ReadyBucket, ReadyEvent};
+use crate::collectives::Collectives;
+use crate::policy::ReducerPolicy;
 
 /// One call of the contract, as [`Recording`] saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,14 +67,18 @@ impl<S: BucketStream> BucketStream for Recording<S> {
         self.inner.name()
     }
 
-    fn record_ready(&self, index: usize, storage: &Storage) -> crate::Result<ReadyEvent> {
-        self.lock().push(StreamEvent::Ready(index));
-        self.inner.record_ready(index, storage)
+    fn collectives(&self) -> Collectives {
+        self.inner.collectives()
     }
 
-    fn launch(&self, bucket: ReadyBucket) -> crate::Result<InFlight> {
-        self.lock().push(StreamEvent::Launch(bucket.index));
-        self.inner.launch(bucket)
+    fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
+        self.lock().push(StreamEvent::Ready(index));
+        self.inner.record_ready(index, flat)
+    }
+
+    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
+        self.lock().push(StreamEvent::Launch(bucket.bucket.index));
+        self.inner.launch(bucket, policy)
     }
 
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {

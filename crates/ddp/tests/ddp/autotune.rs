@@ -36,10 +36,12 @@ fn profile() -> StepProfile {
         world_size: 2,
         bucket_cap_mb: 100.0,
         first_bucket_cap_mb: 100.0,
+        policy: None,
         params: (0..2)
             .map(|i| ParamProfile {
                 name: format!("p{i}"),
                 bytes: MIB,
+                shape: vec![],
             })
             .collect(),
         ranks: vec![rank(0), rank(1)],
@@ -104,7 +106,7 @@ fn train(tune: bool, recorder: &Recorder) -> Vec<(Vec<Vec<Vec<String>>>, Vec<(us
             first_bucket_cap_mb: small,
             ..DdpConfig::default()
         };
-        let ddp = DistributedDataParallel::new(&m.store, comm, ddp_cfg).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, ddp_cfg, common::average()).unwrap();
         let mut opt = Sgd::new(m.store.params().to_vec(), 0.1, 0.0, 0.0);
         let mut tuner = Autotuner::new(AutotuneConfig {
             every: Some(2),

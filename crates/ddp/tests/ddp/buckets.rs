@@ -90,7 +90,7 @@ fn gradients_live_in_the_buckets_only() {
             first_bucket_cap_mb: 0.0005,
             ..DdpConfig::default()
         };
-        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg, common::average()).unwrap();
         let (x, y) = data(8, 10, 4, 2);
         assert!(ddp.buckets().len() > 1);
         assert_gradients_live_in_the_buckets(m.store.params(), &ddp.buckets(), "at construction");
@@ -168,7 +168,7 @@ fn buckets_are_rebuilt_exactly_once_from_rank_0s_ready_order_on_every_rank() {
             first_bucket_cap_mb: 200.0 / 1048576.0,
             ..DdpConfig::default()
         };
-        let ddp = DistributedDataParallel::new(&m.store, comm, cfg).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, cfg, common::average()).unwrap();
         let initial = ddp.buckets();
         let mut layouts = vec![];
         let mut orders = vec![];

@@ -21,7 +21,7 @@ fn ranks_with_different_models_fail_naming_the_first_difference() {
             &[8, 16, 12, 4]
         };
         let m = Mlp::new(widths, 0);
-        match DistributedDataParallel::new(&m.store, Arc::new(comm), DdpConfig::default()) {
+        match DistributedDataParallel::new(&m.store, Arc::new(comm), DdpConfig::default(), common::average()) {
             Ok(_) => String::new(),
             Err(e) => {
                 assert!(matches!(e, DdpError::ModelMismatch { index: 2, .. }), "{e}");
@@ -49,7 +49,7 @@ fn an_unused_parameter_is_an_error_unless_find_unused_parameters() {
                 find_unused_parameters: find_unused,
                 ..DdpConfig::default()
             };
-            let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg).unwrap();
+            let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg, common::average()).unwrap();
             let (x, y) = data(4, 6, 3, 1);
             m.store.zero_grad().unwrap();
             let r = m.loss(&x, &y).backward().map_err(|e| e.to_string());
@@ -97,7 +97,7 @@ fn a_rank_that_panics_mid_backward_makes_the_others_fail_in_bounded_time() {
             first_bucket_cap_mb: 1e-4,
             ..DdpConfig::default()
         };
-        let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg).unwrap();
+        let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg, common::average()).unwrap();
         if rank == 1 {
             m.store.bus().subscribe(Arc::new(Die));
         }
@@ -139,7 +139,7 @@ fn a_rank_that_panics_mid_backward_makes_the_others_fail_in_bounded_time() {
 fn construction_errors(make: impl Fn(usize) -> ParamStore + Sync) -> Vec<String> {
     run_on_threads(2, |comm| {
         let store = make(comm.rank());
-        match DistributedDataParallel::new(&store, Arc::new(comm), DdpConfig::default()) {
+        match DistributedDataParallel::new(&store, Arc::new(comm), DdpConfig::default(), common::average()) {
             Ok(_) => panic!("DDP construction must fail"),
             Err(e) => {
                 assert!(matches!(e, DdpError::ModelMismatch { .. }), "{e}");
@@ -211,7 +211,7 @@ fn ranks_that_differ_in_a_name_a_dtype_or_the_count_fail_on_every_rank_naming_it
 fn a_parameter_of_another_dtype_is_refused_by_name() {
     for r in run_on_threads(2, |comm| {
         let store = store_of(&[("w", &[2], DType::F32), ("half", &[2], DType::F64)]);
-        match DistributedDataParallel::new(&store, Arc::new(comm), DdpConfig::default()) {
+        match DistributedDataParallel::new(&store, Arc::new(comm), DdpConfig::default(), common::average()) {
             Err(DdpError::UnsupportedDType {
                 param,
                 dtype: DType::F64,
@@ -260,7 +260,7 @@ fn after_a_failed_backward_the_gradients_can_be_zeroed_and_training_goes_on() {
             first_bucket_cap_mb: 1e-6,
             ..DdpConfig::default()
         };
-        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg, common::average()).unwrap();
         let fail: Arc<dyn GradSubscriber> = Arc::new(FailAt("layers.0.weight"));
         m.store.bus().subscribe(fail.clone());
         let (xb, yb) = rows(&x, &y, rank * 4, 4);

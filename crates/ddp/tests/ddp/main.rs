@@ -1,4 +1,4 @@
-//! brigade-ddp's integration tests: buckets, parity with one process, overlap, hooks, ZeRO, the stream contract, the overlap model, faults.
+//! brigade-ddp's integration tests: buckets, parity with one process, overlap, the policy contract, the stream contract, the overlap model, faults.
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
@@ -6,10 +6,8 @@ mod autotune;
 mod buckets;
 mod common;
 mod faults;
-mod hooks;
 mod overlap;
 mod overlap_model;
 mod parity;
-mod policies;
+mod policy;
 mod stream_events;
-mod zero;

@@ -68,7 +68,7 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
             recorder: Some(recorder.clone()),
             ..DdpConfig::default()
         };
-        let ddp = DistributedDataParallel::new(&m.store, comm, cfg).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, cfg, common::average()).unwrap();
         m.store.bus().subscribe(Arc::new(AwaitBucket0Start {
             recorder: recorder.clone(),
             rank,

@@ -45,12 +45,14 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         world_size: 2,
         bucket_cap_mb: 25.0,
         first_bucket_cap_mb: 1.0,
+        policy: None,
         params: params
             .iter()
             .enumerate()
             .map(|(i, p)| ParamProfile {
                 name: format!("p{i}"),
                 bytes: p.0,
+                shape: vec![],
             })
             .collect(),
         ranks: vec![rank(0), rank(1)],
@@ -195,6 +197,7 @@ fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
             BucketProfile {
                 params,
                 bytes,
+                wire_bytes: None,
                 ready_s: 0.0,
                 launch_s: 0.0,
                 start_s: 0.0,
@@ -327,6 +330,7 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
         r.buckets = vec![BucketProfile {
             params: vec![1, 0],
             bytes: 2 * MIB,
+            wire_bytes: None,
             ready_s: 0.010,
             launch_s: 0.010,
             start_s: 0.010,
@@ -345,6 +349,7 @@ fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f6
     BucketProfile {
         params,
         bytes,
+        wire_bytes: None,
         ready_s: ready,
         launch_s: ready,
         start_s: start,
@@ -457,4 +462,129 @@ fn the_launch_overhead_is_fitted_from_buckets_that_found_the_link_idle() {
     assert_eq!(one.buckets.len(), 1);
     close(one.buckets[0].start_s, 0.032, "one bucket's start");
     close(one.exposed_comm_s, 0.002 + 0.002 + 32.0 / 1024.0, "one bucket exposed");
+}
+
+/// `profile` recorded under `policy` with `wire`, its parameters' shapes given.
+fn under(
+    mut p: StepProfile,
+    policy: &str,
+    wire: Option<brigade_ddp::overlap::WireModel>,
+    shapes: &[&[usize]],
+) -> StepProfile {
+    p.policy = Some(brigade_ddp::overlap::ProfilePolicy {
+        name: policy.into(),
+        wire,
+    });
+    for (param, s) in p.params.iter_mut().zip(shapes) {
+        param.shape = s.to_vec();
+    }
+    p
+}
+
+#[test]
+fn the_replay_costs_each_policys_own_collectives() {
+    use brigade_ddp::overlap::WireModel;
+    // Two gradients ready when backward ends (10 ms), one bucket, 2 ranks on the 1 ms, 1 GiB/s
+    // link: a matrix [512, 256] (512 KiB in f32) and a bias [256] (1 KiB).
+    let (w, b) = (512 * 256 * 4, 256 * 4);
+    let base = profile(&[(w, 0.010), (b, 0.010)], 0.010);
+    let shapes: [&[usize]; 2] = [&[512, 256], &[256]];
+    let one = |p: &StepProfile| {
+        let r = replay(p, &cfg(100.0, 100.0)).unwrap();
+        assert_eq!(r.buckets.len(), 1);
+        (r.policy.clone(), r.comm_s, r.buckets[0].wire_bytes)
+    };
+    let gib = (1u64 << 30) as f64;
+    let s = (w + b) as f64;
+    // f32 all-reduce (a profile that names no policy): 2 ms + S/B, and S on the wire (2(n-1)/n = 1)
+    let (name, t, sent) = one(&base);
+    assert_eq!(name, "allreduce");
+    close(t, 0.002 + s / gib, "allreduce");
+    close(sent, s, "allreduce bytes");
+    // fp16: the same latencies, half the bytes
+    let fp16 = under(
+        base.clone(),
+        "fp16",
+        Some(WireModel::AllReduce { bytes_per_element: 2.0 }),
+        &shapes,
+    );
+    let (name, t, sent) = one(&fp16);
+    assert_eq!(name, "fp16");
+    close(t, 0.002 + s / 2.0 / gib, "fp16");
+    close(sent, s / 2.0, "fp16 bytes");
+    // ZeRO: one reduce-scatter of the bucket padded to the ranks: (n-1) = 1 latency and
+    // (n-1)/n = half the bytes (the 65792 elements divide by 2: no padding)
+    let zero = under(base.clone(), "zero1", Some(WireModel::ReduceScatter), &shapes);
+    let (_, t, sent) = one(&zero);
+    close(t, 0.001 + s / 2.0 / gib, "zero1");
+    close(sent, s / 2.0, "zero1 bytes");
+    // PowerSGD rank 4: the matrix as P [512 x 4] and Q [256 x 4] (f32), the bias whole: three
+    // all-reduces, three times the latency, (512 + 256)·4·4 + 1024 bytes
+    let psgd = under(
+        base.clone(),
+        "powersgd:4",
+        Some(WireModel::LowRank {
+            rank: 4,
+            min_compression_rate: 2.0,
+            start_iter: 10,
+        }),
+        &shapes,
+    );
+    let (p_bytes, q_bytes, plain) = (512.0 * 4.0 * 4.0, 256.0 * 4.0 * 4.0, b as f64);
+    let (_, t, sent) = one(&psgd);
+    close(t, 3.0 * 0.002 + (p_bytes + q_bytes + plain) / gib, "powersgd");
+    close(sent, p_bytes + q_bytes + plain, "powersgd bytes");
+    // a user policy that declared no model is refused in one line naming it
+    let user = under(base, "int8-ef", None, &shapes);
+    let e = replay(&user, &cfg(100.0, 100.0)).unwrap_err().to_string();
+    assert!(
+        e.contains("'int8-ef'") && e.contains("wire model") && !e.contains('\n'),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_measured_link_is_fitted_to_what_each_recorded_bucket_sent() {
+    use brigade_ddp::overlap::WireModel;
+    // Two buckets recorded under fp16 on 2 ranks: 1 MiB and 3 MiB of gradients sent as 0.5 and
+    // 1.5 MiB, taking 2 ms + 0.5 ms and 2 ms + 1.5 ms (1 ms latency, 1 GiB/s). Fitted to what
+    // was sent, the link is the one of the f32 test: replayed as fp16 it predicts those times.
+    let mut p = under(
+        profile(&[(MIB, 0.002), (3 * MIB, 0.010)], 0.010),
+        "fp16",
+        Some(WireModel::AllReduce { bytes_per_element: 2.0 }),
+        &[&[MIB / 4], &[3 * MIB / 4]],
+    );
+    let bucket = |params: Vec<usize>, bytes: usize, start: f64, secs: f64| BucketProfile {
+        params,
+        bytes,
+        wire_bytes: Some(bytes as f64 / 2.0),
+        ready_s: start,
+        launch_s: start,
+        start_s: start,
+        finish_s: start + secs,
+    };
+    for r in &mut p.ranks {
+        r.buckets = vec![
+            bucket(vec![0], MIB, 0.002, 0.002 + 0.5 / 1024.0),
+            bucket(vec![1], 3 * MIB, 0.010, 0.002 + 1.5 / 1024.0),
+        ];
+    }
+    let measured = ReplayConfig {
+        link: LinkCost::Measured,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay(&p, &measured).unwrap();
+    close_to(
+        r.buckets[0].finish_s - r.buckets[0].start_s,
+        0.002 + 0.5 / 1024.0,
+        1e-6,
+        "bucket 0",
+    );
+    close_to(
+        r.buckets[1].finish_s - r.buckets[1].start_s,
+        0.002 + 1.5 / 1024.0,
+        1e-6,
+        "bucket 1",
+    );
 }

@@ -46,7 +46,7 @@ fn distributed(kind: &str, world: usize, per_rank: usize, cfg: DdpConfig) -> Vec
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         // Different seeds per rank: DDP must broadcast rank 0's parameters.
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
-        let ddp = DistributedDataParallel::new(&m.store, comm, cfg.clone()).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, cfg.clone(), common::average()).unwrap();
         let mut opt = make_opt(kind, &m);
         let mut losses = vec![];
         for s in 0..STEPS {
@@ -113,7 +113,7 @@ fn no_sync_accumulation_matches_the_larger_batch() {
         let rank = comm.rank();
         let m = Mlp::new(&WIDTHS, 42);
         let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
-        let ddp = DistributedDataParallel::new(&m.store, comm, small_buckets()).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, small_buckets(), common::average()).unwrap();
         let mut opt = make_opt("sgd", &m);
         let mut losses = vec![];
         // one all-reduce per bucket per step: the synchronized backward's, never the no_sync ones
@@ -214,7 +214,8 @@ fn world_size_one_is_bit_identical_to_no_ddp() {
         let ranks = run_on_threads(1, |comm| {
             set_compute_threads(1);
             let m = Mlp::new(&WIDTHS, 42);
-            let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), small_buckets()).unwrap();
+            let _ddp =
+                DistributedDataParallel::new(&m.store, Arc::new(comm), small_buckets(), common::average()).unwrap();
             let losses = train(&m, kind, 1, 0, 8);
             (losses, m.values())
         });
@@ -241,7 +242,7 @@ fn a_slow_but_live_rank_within_the_timeout_succeeds() {
         set_compute_threads(1);
         let rank = comm.rank();
         let m = Mlp::new(&WIDTHS, 42);
-        let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), small_buckets()).unwrap();
+        let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), small_buckets(), common::average()).unwrap();
         let (x, y) = data(2 * 8 * STEPS, WIDTHS[0], WIDTHS[4], 3);
         let mut opt = make_opt("sgd", &m);
         for s in 0..2 {
@@ -296,7 +297,7 @@ fn frozen_parameters_are_left_out_of_the_buckets_and_keep_their_values() {
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
         freeze(&m);
         let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
-        let ddp = DistributedDataParallel::new(&m.store, comm, small_buckets()).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, small_buckets(), common::average()).unwrap();
         train(&m, "sgd", world, rank, per_rank);
         let bucketed: Vec<String> = ddp.buckets().into_iter().flat_map(|b| b.params).collect();
         (
@@ -376,7 +377,7 @@ fn a_zero_size_parameter_trains_like_the_rest() {
         set_compute_threads(1);
         let rank = comm.rank();
         let (m, empty) = with_empty(42 + rank as u64);
-        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg.clone()).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg.clone(), common::average()).unwrap();
         let mut opt = make_opt("sgd", &m);
         for s in 0..STEPS {
             let (xb, yb) = rows(&x, &y, s * 16 + rank * 8, 8);
@@ -473,7 +474,7 @@ fn a_tied_parameter_gets_one_summed_gradient_announced_and_reduced_once() {
             first_bucket_cap_mb: 1e-6,
             ..DdpConfig::default()
         };
-        let ddp = DistributedDataParallel::new(&m.store, comm, cfg).unwrap();
+        let ddp = DistributedDataParallel::new(&m.store, comm, cfg, common::average()).unwrap();
         let heard = Arc::new(Announcements::default());
         m.store.bus().subscribe(heard.clone());
         let mut opt = Sgd::new(m.store.params().to_vec(), 0.1, 0.9, 0.0);

@@ -37,6 +37,7 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
             Tensor::from_vec(vec![-3i64, 0, 7, i64::MAX], &[2, 2]).unwrap(),
         ),
         ("f.u8".into(), Tensor::from_vec(vec![0u8, 1, 255], &[3]).unwrap()),
+        ("f.i8".into(), Tensor::from_vec(vec![-127i8, 0, 5, 127], &[4]).unwrap()),
         ("g.scalar".into(), Tensor::scalar(2.5, DType::F32)),
         // a non-contiguous view is written in row-major order
         ("h.view".into(), base.t().unwrap()),
@@ -50,7 +51,7 @@ fn every_dtype_round_trips_exactly_with_names_and_metadata() {
     names.sort();
     assert_eq!(
         names,
-        ["a.f32", "b.f64", "c.f16", "d.bf16", "e.i64", "f.u8", "g.scalar", "h.view"]
+        ["a.f32", "b.f64", "c.f16", "d.bf16", "e.i64", "f.i8", "f.u8", "g.scalar", "h.view"]
     );
     for (name, want) in &tensors {
         let got = &loaded.iter().find(|(n, _)| n == name).unwrap().1;

@@ -130,6 +130,22 @@ impl BackendStorage for CpuStorage {
     }
 
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self> {
+        // f32 to 16 bits directly: `half`'s f64 -> bf16 drops the low 32 bits before rounding,
+        // so a value just above a tie would round down through f64 (as PyTorch and the
+        // collectives' kernels, which round from f32, never do).
+        if let CpuStorage::F32(_) = self {
+            match dtype {
+                DType::BF16 => {
+                    let v = gather::<f32>(self, layout, "to_dtype")?;
+                    return Ok(CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()));
+                }
+                DType::F16 => {
+                    let v = gather::<f32>(self, layout, "to_dtype")?;
+                    return Ok(CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()));
+                }
+                _ => {}
+            }
+        }
         fn conv<T: Element>(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
             Ok(gather::<T>(s, l, "to_dtype")?
                 .into_iter()

@@ -27,6 +27,7 @@ pub fn input(dtype: DType, rank: usize, len: usize, salt: usize) -> Buffer {
         DType::F16 => Buffer::F16(xs.map(f16::from_f32).collect()),
         DType::BF16 => Buffer::BF16(xs.map(bf16::from_f32).collect()),
         DType::U8 => Buffer::U8(xs.map(|x| x as i8 as u8).collect()),
+        DType::I8 => Buffer::I8(xs.map(|x| x as i8).collect()),
         other => panic!("buffers hold no {other}"),
     }
 }
@@ -38,6 +39,7 @@ pub fn to_f32(buf: &Buffer) -> Vec<f32> {
         Buffer::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
         Buffer::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
         Buffer::U8(v) => v.iter().map(|&x| x as f32).collect(),
+        Buffer::I8(v) => v.iter().map(|&x| x as f32).collect(),
     }
 }
 
@@ -48,6 +50,7 @@ pub fn from_f32(dtype: DType, xs: Vec<f32>) -> Buffer {
         DType::F16 => Buffer::F16(xs.into_iter().map(f16::from_f32).collect()),
         DType::BF16 => Buffer::BF16(xs.into_iter().map(bf16::from_f32).collect()),
         DType::U8 => Buffer::U8(xs.into_iter().map(|x| x as u8).collect()),
+        DType::I8 => Buffer::I8(xs.into_iter().map(|x| x as i8).collect()),
         other => panic!("buffers hold no {other}"),
     }
 }

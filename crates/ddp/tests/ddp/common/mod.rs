@@ -85,3 +85,34 @@ pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
         .fold(0.0, f32::max)
 }
+
+/// The averaging all-reduce, as a test-local policy (the built-in ones live in
+/// `brigade-policies`, which depends on this crate): what DDP did before policies.
+pub struct Average;
+
+impl brigade_ddp::ReducerPolicy for Average {
+    fn name(&self) -> String {
+        "average".into()
+    }
+
+    fn reduce(
+        &mut self,
+        bucket: brigade_ddp::policy::PolicyBucket,
+        comm: &brigade_ddp::Collectives,
+    ) -> brigade_ddp::Result<brigade_ddp::policy::Reduction> {
+        Ok(brigade_ddp::policy::Reduction::Full(comm.all_reduce(
+            &bucket.tensor,
+            brigade_comm::ReduceOp::Avg,
+            &bucket.tag(),
+        )))
+    }
+
+    fn wire_model(&self) -> Option<brigade_ddp::policy::WireModel> {
+        Some(brigade_ddp::policy::WireModel::AllReduce { bytes_per_element: 4.0 })
+    }
+}
+
+/// One rank's [`Average`] policy.
+pub fn average() -> Box<dyn brigade_ddp::ReducerPolicy> {
+    Box::new(Average)
+}

@@ -1,35 +1,37 @@
-//! Communication hooks driven directly over the thread backend: each built-in policy against a
+//! Built-in policies driven directly over the thread backend (no DDP): each against a
 //! reference computed here.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{run_on_threads_with_timeout, Buffer, Communicator, ReduceOp};
-use brigade_ddp::hooks::{
-    AllReduceHook, BucketParam, CommHook, CompressHook, GradBucket, HalfType, PowerSgdConfig, PowerSgdHook,
-};
-use brigade_tensor::Rng;
+use brigade_comm::{run_on_threads_with_timeout, Communicator, ReduceOp};
+use brigade_ddp::policy::{BucketParam, Collectives, PolicyBucket, Reduction};
+use brigade_ddp::ReducerPolicy;
+use brigade_policies::{AllReduce, Compress, HalfType, PowerSgd, PowerSgdConfig};
+use brigade_tensor::{Rng, Tensor};
 use half::{bf16, f16};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Runs `f(rank, comm)` on `world` thread ranks and returns each rank's result.
-fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, Arc<dyn Communicator>) -> R + Sync) -> Vec<R> {
+/// Runs `f(rank, collectives)` on `world` thread ranks and returns each rank's result.
+pub fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, Collectives) -> R + Sync) -> Vec<R> {
     run_on_threads_with_timeout(world, TIMEOUT, |comm| {
         let rank = comm.rank();
-        f(rank, Arc::new(comm))
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        f(rank, Collectives::host(comm))
     })
     .into_iter()
     .map(|r| r.unwrap())
     .collect()
 }
 
-fn randn(n: usize, seed: u64) -> Vec<f32> {
+pub fn randn(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
     (0..n).map(|_| rng.normal() as f32).collect()
 }
 
-fn bucket(index: usize, buffer: Vec<f32>, shapes: &[&[usize]], is_last: bool) -> GradBucket {
+/// A bucket of `buffer` holding parameters of `shapes`, in order.
+pub fn bucket(index: usize, buffer: Vec<f32>, shapes: &[&[usize]], is_last: bool) -> PolicyBucket {
     let mut offset = 0;
     let params = shapes
         .iter()
@@ -46,11 +48,26 @@ fn bucket(index: usize, buffer: Vec<f32>, shapes: &[&[usize]], is_last: bool) ->
         })
         .collect();
     assert_eq!(offset, buffer.len());
-    GradBucket {
+    let n = buffer.len();
+    PolicyBucket {
         index,
-        buffer,
+        tensor: Tensor::from_vec(buffer, &[n]).unwrap(),
         params,
+        grad_numel: n,
         is_last,
+        generation: 0,
+    }
+}
+
+/// Reduces `bucket` with `policy` and waits: the bucket's new contents.
+pub fn reduce(
+    policy: &mut dyn ReducerPolicy,
+    bucket: PolicyBucket,
+    comm: &Collectives,
+) -> brigade_ddp::Result<Vec<f32>> {
+    match policy.reduce(bucket, comm)? {
+        Reduction::Full(w) => Ok(w.wait()?.to_vec()?),
+        Reduction::Shard { .. } => panic!("a full reduction was expected"),
     }
 }
 
@@ -60,23 +77,19 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[test]
-fn the_default_hook_is_the_averaging_all_reduce_bit_for_bit() {
+fn the_all_reduce_policy_is_the_averaging_all_reduce_bit_for_bit() {
     let out = on_ranks(3, |rank, comm| {
         let g = randn(1000, rank as u64);
-        let hooked = AllReduceHook
-            .reduce(&comm, bucket(0, g.clone(), &[&[1000]], true))
-            .wait()
-            .unwrap();
-        let plain = comm
-            .all_reduce(Buffer::F32(g), ReduceOp::Avg, "plain")
-            .wait()
-            .unwrap()
-            .into_f32()
-            .unwrap();
-        (hooked, plain)
+        let policy = reduce(&mut AllReduce, bucket(0, g.clone(), &[&[1000]], true), &comm).unwrap();
+        (policy, g)
     });
-    for (hooked, plain) in out {
-        assert!(hooked.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()));
+    // the reference: f32 sums in rank order, divided by the world size (what the thread
+    // backend's Avg does)
+    let want: Vec<f32> = (0..1000)
+        .map(|i| out.iter().map(|(_, g)| g[i]).sum::<f32>() / 3.0)
+        .collect();
+    for (got, _) in &out {
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
 
@@ -88,10 +101,12 @@ fn fp16_and_bf16_equal_divide_round_sum_widen() {
         .collect();
     for half in [HalfType::F16, HalfType::BF16] {
         let out = on_ranks(world, |rank, comm| {
-            CompressHook::new(half)
-                .reduce(&comm, bucket(1, grads[rank].clone(), &[&[777]], false))
-                .wait()
-                .unwrap()
+            reduce(
+                &mut Compress::new(half),
+                bucket(1, grads[rank].clone(), &[&[777]], false),
+                &comm,
+            )
+            .unwrap()
         });
         // reference: each rank rounds g/world to 16 bits; the sum runs in f32 in rank order and is
         // rounded to 16 bits once; the result is widened
@@ -105,22 +120,58 @@ fn fp16_and_bf16_equal_divide_round_sum_widen() {
         for (r, got) in out.iter().enumerate() {
             assert_eq!(got, &want, "{half:?} rank {r}");
         }
-        // and it is close to the true average, as 16 bits allow
         let exact: Vec<f32> = (0..777)
             .map(|i| grads.iter().map(|g| g[i]).sum::<f32>() / world as f32)
             .collect();
         let tol = if half == HalfType::F16 { 1e-2 } else { 6e-2 };
-        assert!(
-            max_abs_diff(&out[0], &exact) < tol,
-            "{half:?}: {}",
-            max_abs_diff(&out[0], &exact)
-        );
+        assert!(max_abs_diff(&out[0], &exact) < tol, "{half:?}");
     }
 }
 
-/// PowerSGD with compression from the first iteration (no per-bucket state).
-fn stateless(rank: usize) -> PowerSgdHook {
-    PowerSgdHook::new(PowerSgdConfig {
+#[test]
+fn an_fp16_overflow_is_reported_as_such_naming_the_bucket_and_the_largest_gradient() {
+    // rank 1 holds a gradient of 2e5: its share (1e5 on 2 ranks) is past fp16's 65504
+    let out = on_ranks(2, |rank, comm| {
+        let mut g = randn(64, rank as u64);
+        if rank == 1 {
+            g[17] = 2.0e5;
+        }
+        reduce(&mut Compress::new(HalfType::F16), bucket(3, g, &[&[8, 8]], true), &comm)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in out {
+        assert!(e.contains("overflow in bucket 3") && e.contains("2.0000e5"), "{e}");
+        assert!(e.contains("bf16") && e.contains("learning rate does not help"), "{e}");
+    }
+    // bf16 has f32's range: the same gradients go through
+    let ok = on_ranks(2, |rank, comm| {
+        let mut g = randn(64, rank as u64);
+        if rank == 1 {
+            g[17] = 2.0e5;
+        }
+        reduce(
+            &mut Compress::new(HalfType::BF16),
+            bucket(3, g, &[&[8, 8]], true),
+            &comm,
+        )
+        .unwrap()
+    });
+    assert!((ok[0][17] - 1.0e5).abs() < 1e3, "{}", ok[0][17]);
+    // a gradient that is already NaN is not an overflow: it passes on for the run's own checks
+    let nan = on_ranks(2, |rank, comm| {
+        let mut g = randn(64, rank as u64);
+        if rank == 0 {
+            g[3] = f32::NAN;
+        }
+        reduce(&mut Compress::new(HalfType::F16), bucket(0, g, &[&[64]], true), &comm).unwrap()
+    });
+    assert!(nan[0][3].is_nan() && nan[1][3].is_nan());
+}
+
+/// PowerSGD with compression from the first iteration (no per-step state).
+fn stateless(rank: usize) -> PowerSgd {
+    PowerSgd::new(PowerSgdConfig {
         rank,
         start_iter: 0,
         use_error_feedback: false,
@@ -145,10 +196,7 @@ fn powersgd_reconstructs_a_matrix_of_rank_at_most_r() {
     // space, so P·Qᵀ is the matrix itself (the average of identical gradients).
     let g = low_rank(32, 24, 2, 1);
     let out = on_ranks(2, |_, comm| {
-        stateless(2)
-            .reduce(&comm, bucket(0, g.clone(), &[&[32, 24]], true))
-            .wait()
-            .unwrap()
+        reduce(&mut stateless(2), bucket(0, g.clone(), &[&[32, 24]], true), &comm).unwrap()
     });
     let scale = g.iter().fold(0.0f32, |a, x| a.max(x.abs()));
     for got in &out {
@@ -160,34 +208,25 @@ fn powersgd_reconstructs_a_matrix_of_rank_at_most_r() {
     }
     // a rank-1 approximation of it is not exact (the test can tell)
     let one = on_ranks(2, |_, comm| {
-        stateless(1)
-            .reduce(&comm, bucket(0, g.clone(), &[&[32, 24]], true))
-            .wait()
-            .unwrap()
+        reduce(&mut stateless(1), bucket(0, g.clone(), &[&[32, 24]], true), &comm).unwrap()
     });
     assert!(max_abs_diff(&one[0], &g) > 1e-2 * scale);
 }
 
 #[test]
 fn powersgd_sends_1d_and_incompressible_tensors_uncompressed() {
-    // bias [7] (1-D) and a 3 × 2 matrix ((3 + 2)·1 ≥ 3·2 / 1? 5 < 6 compresses at rate 1; at
-    // rate 2 it does not): with rate 2 both come back as the exact average.
+    // bias [7] (1-D) and a 3 × 2 matrix ((3 + 2)·1·2 ≥ 3·2: rate 2 does not compress it): both
+    // come back as the exact average
     let cfg = PowerSgdConfig {
-        min_compression_rate: 2.0,
-        ..PowerSgdConfig {
-            start_iter: 0,
-            use_error_feedback: false,
-            warm_start: false,
-            ..Default::default()
-        }
+        start_iter: 0,
+        use_error_feedback: false,
+        warm_start: false,
+        ..Default::default()
     };
     let grads: Vec<Vec<f32>> = (0..2).map(|r| randn(13, 40 + r)).collect();
     let out = on_ranks(2, |rank, comm| {
-        PowerSgdHook::new(cfg)
-            .unwrap()
-            .reduce(&comm, bucket(0, grads[rank].clone(), &[&[7], &[3, 2]], true))
-            .wait()
-            .unwrap()
+        let mut p = PowerSgd::new(cfg).unwrap();
+        reduce(&mut p, bucket(0, grads[rank].clone(), &[&[7], &[3, 2]], true), &comm).unwrap()
     });
     let avg: Vec<f32> = (0..13).map(|i| (grads[0][i] + grads[1][i]) / 2.0).collect();
     assert_eq!(out[0], avg);
@@ -200,16 +239,10 @@ fn powersgd_on_two_ranks_equals_one_rank_when_they_hold_the_same_gradient() {
     // rank holding M gives.
     let g = randn(20 * 30, 3);
     let two = on_ranks(2, |_, comm| {
-        stateless(3)
-            .reduce(&comm, bucket(0, g.clone(), &[&[20, 30]], true))
-            .wait()
-            .unwrap()
+        reduce(&mut stateless(3), bucket(0, g.clone(), &[&[20, 30]], true), &comm).unwrap()
     });
     let one = on_ranks(1, |_, comm| {
-        stateless(3)
-            .reduce(&comm, bucket(0, g.clone(), &[&[20, 30]], true))
-            .wait()
-            .unwrap()
+        reduce(&mut stateless(3), bucket(0, g.clone(), &[&[20, 30]], true), &comm).unwrap()
     });
     assert!(
         max_abs_diff(&two[0], &one[0]) < 1e-4,
@@ -228,13 +261,9 @@ fn powersgd_runs_plain_all_reduce_before_its_start_iteration() {
     };
     let grads: Vec<Vec<f32>> = (0..2).map(|r| randn(64, 50 + r)).collect();
     let out = on_ranks(2, |rank, comm| {
-        let hook = PowerSgdHook::new(cfg).unwrap();
+        let mut p = PowerSgd::new(cfg).unwrap();
         (0..3)
-            .map(|_| {
-                hook.reduce(&comm, bucket(0, grads[rank].clone(), &[&[8, 8]], true))
-                    .wait()
-                    .unwrap()
-            })
+            .map(|_| reduce(&mut p, bucket(0, grads[rank].clone(), &[&[8, 8]], true), &comm).unwrap())
             .collect::<Vec<_>>()
     });
     let avg: Vec<f32> = (0..64).map(|i| (grads[0][i] + grads[1][i]) / 2.0).collect();
@@ -246,8 +275,8 @@ fn powersgd_runs_plain_all_reduce_before_its_start_iteration() {
 #[test]
 fn error_feedback_keeps_the_error_bounded_and_the_mean_converges() {
     // A fixed full-rank gradient, rank-1 compression: with error feedback what is dropped is sent
-    // later, so the running mean of the outputs converges to the gradient (the sum of outputs
-    // is T·g minus the last error); without it the mean stays a rank-1 approximation.
+    // later, so the running mean of the outputs converges to the gradient; without it the mean
+    // stays a rank-1 approximation.
     let g = randn(16 * 16, 9);
     let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
     let run = |ef: bool| {
@@ -260,15 +289,12 @@ fn error_feedback_keeps_the_error_bounded_and_the_mean_converges() {
             seed: 0,
         };
         on_ranks(1, |_, comm| {
-            let hook = PowerSgdHook::new(cfg).unwrap();
+            let mut p = PowerSgd::new(cfg).unwrap();
             let (mut sum, mut worst_error, steps) = (vec![0.0f32; g.len()], 0.0f32, 400);
             for _ in 0..steps {
-                let out = hook
-                    .reduce(&comm, bucket(0, g.clone(), &[&[16, 16]], true))
-                    .wait()
-                    .unwrap();
+                let out = reduce(&mut p, bucket(0, g.clone(), &[&[16, 16]], true), &comm).unwrap();
                 sum.iter_mut().zip(&out).for_each(|(s, o)| *s += o);
-                worst_error = worst_error.max(hook.error(0).map_or(0.0, |e| norm(&e)));
+                worst_error = worst_error.max(p.error(0).map_or(0.0, |e| norm(&e)));
             }
             let mean: Vec<f32> = sum.iter().map(|s| s / steps as f32).collect();
             (
@@ -294,28 +320,27 @@ fn powersgd_keeps_every_ranks_collectives_in_the_same_order_across_buckets() {
     // the previous bucket's, so no rank interleaves them differently (the backend would report a
     // mismatch).
     let out = on_ranks(2, |rank, comm| {
-        let hook = stateless(2);
+        let mut p = stateless(2);
         let works: Vec<_> = (0..3)
             .map(|b| {
-                hook.reduce(
-                    &comm,
-                    bucket(
-                        b,
-                        randn(7 + 12 * 10, (rank * 10 + b) as u64),
-                        &[&[7], &[12, 10]],
-                        b == 2,
-                    ),
-                )
+                let g = randn(7 + 12 * 10, (rank * 10 + b) as u64);
+                match p.reduce(bucket(b, g, &[&[7], &[12, 10]], b == 2), &comm).unwrap() {
+                    Reduction::Full(w) => w,
+                    Reduction::Shard { .. } => unreachable!(),
+                }
             })
             .collect();
-        works.into_iter().map(|w| w.wait().unwrap()).collect::<Vec<_>>()
+        works
+            .into_iter()
+            .map(|w| w.wait().unwrap().to_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
     });
     assert_eq!(out[0], out[1]);
 }
 
 #[test]
 fn bad_powersgd_settings_are_refused_with_the_reason() {
-    let e = PowerSgdHook::new(PowerSgdConfig {
+    let e = PowerSgd::new(PowerSgdConfig {
         rank: 0,
         ..Default::default()
     })
@@ -323,19 +348,29 @@ fn bad_powersgd_settings_are_refused_with_the_reason() {
     .unwrap()
     .to_string();
     assert!(e.contains("at least 1"), "{e}");
-    let e = PowerSgdHook::new(PowerSgdConfig {
-        start_iter: 1,
+    let e = PowerSgd::new(PowerSgdConfig {
+        min_compression_rate: 0.5,
         ..Default::default()
     })
     .err()
     .unwrap()
     .to_string();
-    assert!(e.contains("at least 2") && e.contains("rebuilds"), "{e}");
-    assert!(PowerSgdHook::new(PowerSgdConfig {
+    assert!(e.contains(">= 1"), "{e}");
+    // a start at 0 or 1 is fine: the state is kept per parameter, DDP's rebuild cannot strand it
+    assert!(PowerSgd::new(PowerSgdConfig {
         start_iter: 1,
-        use_error_feedback: false,
-        warm_start: false,
         ..Default::default()
     })
     .is_ok());
+}
+
+#[test]
+fn integer_payloads_are_refused_by_reductions_with_the_rule() {
+    let out = on_ranks(2, |_, comm| {
+        let q = Tensor::from_vec(vec![1i8, 2, 3, 4], &[4]).unwrap();
+        comm.all_reduce(&q, ReduceOp::Sum, "q").wait().unwrap_err().to_string()
+    });
+    for e in out {
+        assert!(e.contains("all_gather_with_side") && e.contains("f32"), "{e}");
+    }
 }

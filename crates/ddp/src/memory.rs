@@ -1,29 +1,33 @@
-//! Per-rank memory, measured from the storages alive on this rank: what the ZeRO paper counts.
+//! Per-rank memory, measured from the storages alive on this rank: what the ZeRO paper counts,
+//! and what a policy holds beside it.
 
 use std::collections::HashMap;
 
 use brigade_autograd::Optimizer;
 use brigade_tensor::Tensor;
 
-use crate::reducer::Reducer;
+use crate::policy::PolicyMemory;
+use crate::reducer::{Held, Reducer};
 use crate::Result;
 
 /// Bytes this rank holds, measured from live allocations (each storage counted once, by its
 /// whole length: a freed or lent buffer counts 0). For AdamW in f32 over Ψ parameters on N
-/// ranks the ZeRO paper's accounting is, within the padding of the shards: stage 0
-/// `parameters 4Ψ + gradients 4Ψ + optimizer_state 8Ψ`; stage 1 `optimizer_state 8Ψ/N`;
-/// stage 2 also `gradients 4Ψ/N`.
+/// ranks the ZeRO paper's accounting is, within the padding of the shards: plain DDP
+/// `parameters 4Ψ + gradients 4Ψ + optimizer_state 8Ψ`; ZeRO-1 `optimizer_state 8Ψ/N`; ZeRO-2
+/// also `gradients 4Ψ/N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RankMemory {
     /// The parameters' values.
     pub parameters: usize,
-    /// Every gradient storage: full bucket buffers, ZeRO-2's gradient shards, and gradients
-    /// outside any bucket.
+    /// Every gradient storage: full bucket buffers, the shards a policy keeps instead of them,
+    /// and gradients outside any bucket.
     pub gradients: usize,
     /// The part of `gradients` held by full bucket buffers (0 under ZeRO-2 between steps).
     pub buckets: usize,
     /// The optimizer's state ([`Optimizer::state_bytes`]).
     pub optimizer_state: usize,
+    /// The policy's own state (PowerSGD's error feedback and factors).
+    pub policy_state: usize,
     /// Communication scratch: the most bytes of collective buffers that the last optimizer step
     /// held at once beside the gradients (ZeRO's all-gathered parameters; 0 for in-place
     /// all-reduce).
@@ -33,7 +37,7 @@ pub struct RankMemory {
 impl RankMemory {
     /// Everything above, each storage once.
     pub fn total(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer_state + self.comm_scratch
+        self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch
     }
 }
 
@@ -41,19 +45,23 @@ fn live(t: &Tensor) -> (usize, usize) {
     (t.storage_id(), t.storage_numel() * t.dtype().size_in_bytes())
 }
 
-/// Measures `reducer`'s rank with optimizer `opt`.
-pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, comm_scratch: usize) -> Result<RankMemory> {
+/// Measures `reducer`'s rank with optimizer `opt` and what the policy reports.
+pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemory) -> Result<RankMemory> {
     let parameters: HashMap<usize, usize> = reducer.params.iter().map(|p| live(&p.value())).collect();
     let st = reducer.lock();
     let buckets: HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
     let mut gradients = buckets.clone();
-    gradients.extend(st.buckets.iter().filter_map(|b| b.grad_shard.as_ref()).map(live));
+    gradients.extend(st.buckets.iter().filter_map(|b| match &b.held {
+        Held::Shard { tensor, .. } => Some(live(tensor)),
+        _ => None,
+    }));
     gradients.extend(reducer.params.iter().filter_map(|p| p.grad()).map(|g| live(&g)));
     Ok(RankMemory {
         parameters: parameters.values().sum(),
         gradients: gradients.values().sum(),
         buckets: buckets.values().sum(),
         optimizer_state: opt.state_bytes()?,
-        comm_scratch,
+        policy_state: policy.state_bytes,
+        comm_scratch: policy.scratch_bytes,
     })
 }

@@ -6,17 +6,26 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{AutogradError, Optimizer, ParamStore, Var};
-use brigade_comm::{all_gather_bytes, reducing_bucket, Buffer, Work};
+use brigade_ddp::policy::{Buckets, BuildOptimizer, Collectives, HeldGrad, OptimizerContext, TensorWork};
+use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Tensor};
 
 use super::shard::{pieces, shard_len, Piece};
-use super::{grad_shard, into_f32, ZeroStage};
-use crate::reducer::Reducer;
-use crate::{DdpError, Result};
+use super::ZeroStage;
 
-/// The most bytes one of the step's parameter all-gathers returns (the parameters of every
-/// rank's part of a chunk of its shard), as DeepSpeed's `allgather_bucket_size` bounds it.
+/// The most bytes one of stage 2's parameter all-gathers returns (the parameters of every
+/// rank's part of a chunk of its shard), as DeepSpeed's `allgather_bucket_size` bounds it; the
+/// chunks are smaller still when a shard is (scratch never exceeds a shard).
 pub const ALL_GATHER_CAP_BYTES: usize = 4 << 20;
+
+type Result<T> = brigade_ddp::Result<T>;
+
+fn zero_error(reason: String) -> DdpError {
+    DdpError::Policy {
+        policy: "zero".into(),
+        reason,
+    }
+}
 
 /// Where the bucket elements `range` lie in the bucket's parameters `(index, numel)` (laid one
 /// after another from element 0): `(parameter, first element in it, length, offset in range)`
@@ -33,10 +42,6 @@ fn overlaps(params: &[(usize, usize)], range: Range<usize>) -> Vec<(usize, usize
     }
     out
 }
-
-/// Builds the inner optimizer of one bucket's shard over its pieces (each a parameter named
-/// like the parameter it is cut from, with shape `[len]`).
-pub type BuildOptimizer<'a> = &'a dyn Fn(Vec<Var>) -> Box<dyn Optimizer>;
 
 /// One bucket's shard on this rank: its pieces and the optimizer that holds their state.
 struct ShardedBucket {
@@ -58,23 +63,26 @@ struct ShardedBucket {
 /// wraps any [`Optimizer`] so that this rank holds state only for its shard of every DDP bucket.
 /// [`Optimizer::step`] steps the shard from the reduce-scattered gradients, then all-gathers
 /// each bucket's updated parameters to every rank (bucket `b`'s all-gather runs on the comm
-/// stream while bucket `b + 1` is stepped). Built by
-/// [`crate::DistributedDataParallel::zero_optimizer`]; every rank must step it together.
+/// stream while bucket `b + 1` is stepped). Built by the ZeRO policy through
+/// `DistributedDataParallel::optimizer`; every rank must step it together.
 ///
 /// [`Optimizer::state`] is the consolidated state of every shard, under the same names and
 /// shapes as the wrapped optimizer's (so a checkpoint holds every shard's state); every rank
 /// must call [`Optimizer::consolidate_state`] first, and only rank 0 keeps the result.
 pub struct ZeroOptimizer {
-    reducer: Arc<Reducer>,
+    buckets: Buckets,
+    comm: Collectives,
     stage: ZeroStage,
-    buckets: Vec<ShardedBucket>,
-    /// Peak bytes of all-gather buffers alive at once in the last step (shared with DDP's
+    shards: Vec<ShardedBucket>,
+    /// The bucket layout the shards were cut from.
+    generation: u64,
+    /// Peak bytes of all-gather scratch alive at once in the last step (shared with the policy's
     /// memory report).
     scratch: Arc<AtomicUsize>,
     /// Every shard's state, gathered by `consolidate_state` (rank 0 only), until `state`
     /// hands it out (so that it is not kept beside the shards).
     consolidated: Mutex<Option<Vec<(String, Tensor)>>>,
-    /// The most bytes one parameter all-gather returns.
+    /// The most bytes one stage-2 parameter all-gather returns.
     all_gather_cap: usize,
 }
 
@@ -93,30 +101,36 @@ fn optimizer_error(e: DdpError) -> AutogradError {
     AutogradError::Optimizer { source: Box::new(e) }
 }
 
+fn names(params: &[Var]) -> Vec<String> {
+    params
+        .iter()
+        .map(|p| p.name().unwrap_or("<unnamed>").to_string())
+        .collect()
+}
+
+/// A gathered chunk in flight: bucket, chunk of the shard, the all-gather.
+type Gather = (usize, Range<usize>, TensorWork<Tensor>);
+
 impl ZeroOptimizer {
     pub(crate) fn new(
-        reducer: Arc<Reducer>,
+        ctx: &OptimizerContext,
         stage: ZeroStage,
         scratch: Arc<AtomicUsize>,
         full: &dyn Optimizer,
         build: BuildOptimizer<'_>,
+        all_gather_cap: usize,
     ) -> Result<ZeroOptimizer> {
-        let (rank, world) = (reducer.comm.rank(), reducer.comm.world_size());
-        let names: Vec<String> = reducer
-            .params
-            .iter()
-            .map(|p| p.name().unwrap_or("<unnamed>").to_string())
-            .collect();
+        let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
+        let params = ctx.buckets.params();
+        let names = names(params);
         let state = full.state()?;
-        let layout: Vec<Vec<usize>> = reducer.lock().buckets.iter().map(|b| b.params.clone()).collect();
-        let mut buckets = vec![];
-        for (index, group) in layout.into_iter().enumerate() {
-            let params: Vec<(usize, usize)> = group.iter().map(|&p| (p, reducer.params[p].value().numel())).collect();
-            let numel = params.iter().map(|&(_, n)| n).sum();
-            let pieces = pieces(&params, world, rank);
+        let mut shards = vec![];
+        for span in ctx.buckets.spans() {
+            let bucket: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
+            let pieces = pieces(&bucket, world, rank);
             let mut store = ParamStore::new();
             for piece in &pieces {
-                let value = reducer.params[piece.param]
+                let value = params[piece.param]
                     .value()
                     .flat_view(piece.param_offset, &[piece.len])?;
                 store.add(names[piece.param].clone(), value)?;
@@ -125,40 +139,42 @@ impl ZeroOptimizer {
             let mut opt = build(vars.clone());
             opt.set_lr(full.lr());
             opt.load_state(&slice_state(&state, &names, &pieces)?)?;
-            buckets.push(ShardedBucket {
-                index,
-                params,
-                per: shard_len(numel, world),
+            shards.push(ShardedBucket {
+                index: span.index,
+                per: shard_len(span.grad_numel, world),
+                params: bucket,
                 pieces,
                 vars,
                 opt,
             });
         }
         Ok(ZeroOptimizer {
-            reducer,
+            generation: ctx.buckets.generation(),
+            buckets: ctx.buckets.clone(),
+            comm: ctx.comm.clone(),
             stage,
-            buckets,
+            shards,
             scratch,
             consolidated: Mutex::new(None),
-            all_gather_cap: ALL_GATHER_CAP_BYTES,
+            all_gather_cap,
         })
-    }
-
-    /// Caps the bytes one of the step's parameter all-gathers returns (default
-    /// [`ALL_GATHER_CAP_BYTES`]; DeepSpeed's `allgather_bucket_size`): smaller caps mean less
-    /// communication scratch and more, smaller collectives. Every rank must use the same cap.
-    pub fn with_all_gather_cap(mut self, bytes: usize) -> Self {
-        self.all_gather_cap = bytes;
-        self
     }
 
     /// Steps bucket `b`'s shard in place (the pieces are views of the parameters).
     fn step_bucket(&mut self, b: usize) -> Result<()> {
-        let (rank, world) = (self.reducer.comm.rank(), self.reducer.comm.world_size());
-        let sb = &mut self.buckets[b];
-        let grads = grad_shard(&self.reducer.lock().buckets[sb.index], self.stage, world, rank)?;
+        let sb = &mut self.shards[b];
+        let grads = match self.buckets.held(sb.index)? {
+            HeldGrad::Shard { tensor, .. } => tensor,
+            HeldGrad::Full(_) => {
+                return Err(zero_error(format!(
+                    "bucket {} holds whole gradients, not this rank's shard",
+                    sb.index
+                )))
+            }
+        };
+        let params = self.buckets.params();
         for (piece, var) in sb.pieces.iter().zip(&sb.vars) {
-            let param = self.reducer.params[piece.param].value();
+            let param = params[piece.param].value();
             var.set_value(param.flat_view(piece.param_offset, &[piece.len])?)?;
             var.set_grad(Some(grads.flat_view(piece.shard_offset, &[piece.len])?))?;
         }
@@ -170,101 +186,155 @@ impl ZeroOptimizer {
         Ok(())
     }
 
-    /// Issues the all-gather of `chunk` (elements of every rank's shard) of bucket `b`: this
-    /// rank sends its shard's updated parameters there (zeros for padding).
-    fn gather_chunk(&self, b: usize, chunk: Range<usize>) -> Result<Work<Buffer>> {
-        let sb = &self.buckets[b];
-        let lo = self.reducer.comm.rank() * sb.per + chunk.start;
-        let mut send = vec![0.0f32; chunk.len()];
+    /// This rank's updated parameters in `chunk` of its shard of bucket `b` (zeros for padding).
+    fn send_chunk(&self, b: usize, chunk: Range<usize>) -> Result<Tensor> {
+        let sb = &self.shards[b];
+        let params = self.buckets.params();
+        let device = params
+            .first()
+            .map_or(brigade_tensor::Device::Cpu, |p| p.value().device());
+        let send = Tensor::zeros_on(&[chunk.len()], DType::F32, device)?;
+        let lo = self.comm.rank() * sb.per + chunk.start;
         for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
-            let v = self.reducer.params[p].value().flat_view(at, &[len])?.to_vec::<f32>()?;
-            send[out..out + len].copy_from_slice(&v);
+            send.narrow(0, out, len)?
+                .copy_from(&params[p].value().flat_view(at, &[len])?)?;
         }
-        let comm = &self.reducer.comm;
-        let tag = format!("zero.params{}.{}", sb.index, chunk.start);
-        Ok(reducing_bucket(sb.index, || comm.all_gather(Buffer::F32(send), &tag)))
+        Ok(send)
     }
 
-    /// Writes a gathered `chunk` of bucket `b` (every rank's part, rank-major) into the
-    /// parameters; returns the bytes the gathered buffer held.
-    fn write_chunk(&self, b: usize, chunk: Range<usize>, work: Work<Buffer>) -> Result<usize> {
-        let gathered = into_f32(work.wait()?)?;
-        let sb = &self.buckets[b];
-        for r in 0..self.reducer.comm.world_size() {
+    /// Writes `gathered` (every rank's part of `chunk` of bucket `b`, rank-major, `world × chunk`
+    /// elements) into the parameters.
+    fn write_chunk(&self, b: usize, chunk: Range<usize>, gathered: &Tensor) -> Result<()> {
+        let sb = &self.shards[b];
+        let params = self.buckets.params();
+        let gathered = gathered.reshape(&[gathered.numel()])?;
+        for r in 0..self.comm.world_size() {
             let lo = r * sb.per + chunk.start;
             for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
-                let param = self.reducer.params[p].value().flat_view(at, &[len])?;
-                let from = r * chunk.len() + out;
-                let values = Tensor::from_slice(&gathered[from..from + len], &[len])?;
-                param.copy_from(&values.to_device(param.device())?)?;
+                let param = params[p].value().flat_view(at, &[len])?;
+                param.copy_from(&gathered.narrow(0, r * chunk.len() + out, len)?)?;
             }
         }
-        Ok(gathered.capacity() * DType::F32.size_in_bytes())
+        Ok(())
     }
 
-    /// The shards are cut from the buckets as they were when this optimizer was built; buckets
-    /// regrouped since (new caps, a rebuild) would pair this rank's state with other elements.
-    fn check_layout(&self) -> Result<()> {
-        let st = self.reducer.lock();
-        let same = st.buckets.len() == self.buckets.len()
-            && st
-                .buckets
-                .iter()
-                .zip(&self.buckets)
-                .all(|(b, sb)| b.params.iter().copied().eq(sb.params.iter().map(|&(p, _)| p)));
-        if same {
-            return Ok(());
-        }
-        Err(DdpError::Zero(
-            "the DDP buckets were regrouped after the ZeRO optimizer was built; its shards and their optimizer state are cut from the buckets, so the bucket caps must stay fixed under ZeRO".into(),
-        ))
+    fn tag(&self, b: usize, chunk: &Range<usize>) -> String {
+        format!("zero.params{}.{}", self.shards[b].index, chunk.start)
     }
 
-    fn step_all(&mut self) -> Result<()> {
-        self.check_layout()?;
-        let world = self.reducer.comm.world_size();
-        let f32_bytes = DType::F32.size_in_bytes();
-        // Each all-gather returns at most `all_gather_cap` bytes (DeepSpeed's
-        // `allgather_bucket_size`), and at most two are in flight while the next chunk is
-        // issued or the next bucket steps: the communication scratch stays a few caps, not a
-        // copy of the parameters.
-        let chunk_len = (self.all_gather_cap / f32_bytes / world.max(1)).max(1);
-        let mut in_flight: VecDeque<(usize, Range<usize>, Work<Buffer>)> = VecDeque::new();
+    /// Stage 1: every bucket's updated parameters are gathered into its own full gradient
+    /// buffer, idle once its shard is stepped (zeroed afterwards, as after `zero_grad`): no
+    /// buffer beside it but this rank's shard of parameters, sent.
+    fn step_in_place(&mut self) -> Result<usize> {
+        let mut in_flight: Option<Gather> = None;
         let mut peak = 0;
-        for b in 0..self.buckets.len() {
+        for b in 0..self.shards.len() {
             self.step_bucket(b)?;
-            let per = self.buckets[b].per;
+            let finish = in_flight.take().map(|(pb, pc, w)| (pb, pc, w.wait()));
+            let per = self.shards[b].per;
+            let send = self.send_chunk(b, 0..per)?;
+            peak = peak.max(per * DType::F32.size_in_bytes());
+            let buffer = self.buckets.buffer(self.shards[b].index)?;
+            let tag = self.tag(b, &(0..per));
+            in_flight = Some((b, 0..per, self.comm.all_gather_into(&send, &buffer, &tag)));
+            if let Some((pb, pc, gathered)) = finish {
+                self.write_gathered(pb, pc, gathered?)?;
+            }
+        }
+        if let Some((pb, pc, w)) = in_flight {
+            self.write_gathered(pb, pc, w.wait()?)?;
+        }
+        Ok(peak)
+    }
+
+    fn write_gathered(&self, b: usize, chunk: Range<usize>, buffer: Tensor) -> Result<()> {
+        self.write_chunk(b, chunk, &buffer)?;
+        buffer.fill(0.0)?;
+        Ok(())
+    }
+
+    /// Stage 2: the full buffers are freed, so the parameters are gathered in chunks: three
+    /// gathered chunks alive at most (two in flight, one being written), each at most a third of
+    /// a shard's worth (and the all-gather cap).
+    fn step_chunked(&mut self) -> Result<usize> {
+        let world = self.comm.world_size().max(1);
+        let f32_bytes = DType::F32.size_in_bytes();
+        let mut in_flight: VecDeque<Gather> = VecDeque::new();
+        let mut peak = 0;
+        let alive = |q: &VecDeque<Gather>| -> usize { q.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum() };
+        for b in 0..self.shards.len() {
+            self.step_bucket(b)?;
+            let per = self.shards[b].per;
+            let chunk_len = (self.all_gather_cap / f32_bytes / world).min(per / (3 * world)).max(1);
             for start in (0..per).step_by(chunk_len) {
                 let chunk = start..(start + chunk_len).min(per);
-                in_flight.push_back((b, chunk.clone(), self.gather_chunk(b, chunk)?));
+                let send = self.send_chunk(b, chunk.clone())?;
+                let tag = self.tag(b, &chunk);
+                in_flight.push_back((b, chunk, self.comm.all_gather(&send, &tag)));
                 while in_flight.len() > 2 {
+                    peak = peak.max(alive(&in_flight));
                     let (pb, pc, w) = in_flight.pop_front().expect("three in flight");
-                    let others: usize = in_flight.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum();
-                    peak = peak.max(self.write_chunk(pb, pc, w)? + others);
+                    self.write_chunk(pb, pc, &w.wait()?)?;
                 }
             }
         }
+        peak = peak.max(alive(&in_flight));
         while let Some((pb, pc, w)) = in_flight.pop_front() {
-            let others: usize = in_flight.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum();
-            peak = peak.max(self.write_chunk(pb, pc, w)? + others);
+            self.write_chunk(pb, pc, &w.wait()?)?;
         }
+        Ok(peak)
+    }
+
+    fn step_all(&mut self) -> Result<()> {
+        if self.buckets.generation() != self.generation {
+            return Err(zero_error(
+                "the DDP buckets were regrouped after the ZeRO optimizer was built; its shards and their optimizer state \
+                 are cut from the buckets, so the bucket caps must stay fixed under ZeRO"
+                    .into(),
+            ));
+        }
+        let peak = match self.stage {
+            ZeroStage::Two => self.step_chunked()?,
+            _ => self.step_in_place()?,
+        };
         self.scratch.store(peak, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Every rank's byte string, in rank order (two all-gathers: lengths, then padded bytes).
+    fn gather_bytes(&self, bytes: Vec<u8>, tag: &str) -> Result<Vec<Vec<u8>>> {
+        let len = Tensor::from_vec((bytes.len() as u64).to_le_bytes().to_vec(), &[8])?;
+        let lens: Vec<usize> = self
+            .comm
+            .all_gather(&len, &format!("{tag}.len"))
+            .wait()?
+            .to_vec::<u8>()?
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
+        let max = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = bytes;
+        padded.resize(max, 0);
+        let all = self
+            .comm
+            .all_gather(&Tensor::from_vec(padded, &[max])?, tag)
+            .wait()?
+            .to_vec::<u8>()?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, &l)| all[r * max..r * max + l].to_vec())
+            .collect())
     }
 
     /// Gathers every rank's state of every bucket into whole tensors named like the wrapped
     /// optimizer's (collective; rank 0 keeps them).
     fn consolidate(&mut self) -> Result<()> {
-        let comm = self.reducer.comm.clone();
-        let rank = comm.rank();
-        let names: Vec<String> = self
-            .reducer
-            .params
-            .iter()
-            .map(|p| p.name().unwrap_or("<unnamed>").to_string())
-            .collect();
+        let rank = self.comm.rank();
+        let params = self.buckets.params().to_vec();
+        let names = names(&params);
         let mut out: Vec<(String, Tensor)> = vec![];
-        for (i, sb) in self.buckets.iter().enumerate() {
+        for (i, sb) in self.shards.iter().enumerate() {
             let state = sb.opt.state()?;
             // The suffixes some rank holds for this bucket (a rank may own no piece of it).
             let mut mine: Vec<String> = state
@@ -273,11 +343,7 @@ impl ZeroOptimizer {
                 .collect();
             mine.sort();
             mine.dedup();
-            let all = all_gather_bytes(
-                comm.as_ref(),
-                mine.join("\n").into_bytes(),
-                &format!("zero.state{i}.keys"),
-            )?;
+            let all = self.gather_bytes(mine.join("\n").into_bytes(), &format!("zero.state{i}.keys"))?;
             let mut suffixes: Vec<String> = all
                 .iter()
                 .flat_map(|b| {
@@ -291,23 +357,24 @@ impl ZeroOptimizer {
             suffixes.sort();
             suffixes.dedup();
             for suffix in &suffixes {
-                let mut send = vec![0.0f32; sb.per];
+                let send = Tensor::zeros(&[sb.per], DType::F32);
                 for piece in &sb.pieces {
                     let key = format!("{}.{suffix}", names[piece.param]);
                     if let Some((_, t)) = state.iter().find(|(k, _)| *k == key) {
-                        let v = t.to_dtype(DType::F32)?.to_vec::<f32>()?;
-                        send[piece.shard_offset..piece.shard_offset + piece.len].copy_from_slice(&v);
+                        let v = t.to_dtype(DType::F32)?.to_device(brigade_tensor::Device::Cpu)?;
+                        send.narrow(0, piece.shard_offset, piece.len)?
+                            .copy_from(&v.reshape(&[piece.len])?)?;
                     }
                 }
                 let tag = format!("zero.state{i}.{suffix}");
-                let gathered = into_f32(comm.all_gather(Buffer::F32(send), &tag).wait()?)?;
+                let gathered = self.comm.all_gather(&send, &tag).wait()?;
                 if rank != 0 {
                     continue;
                 }
+                let gathered = gathered.reshape(&[gathered.numel()])?;
                 let mut offset = 0;
                 for &(p, n) in &sb.params {
-                    let shape = self.reducer.params[p].shape();
-                    let t = Tensor::from_slice(&gathered[offset..offset + n], &shape)?;
+                    let t = gathered.narrow(0, offset, n)?.reshape(&params[p].shape())?.copy()?;
                     out.push((format!("{}.{suffix}", names[p]), t));
                     offset += n;
                 }
@@ -334,15 +401,17 @@ fn slice_state(state: &[(String, Tensor)], names: &[String], pieces: &[Piece]) -
                     continue;
                 };
                 let flat = t.contiguous()?.to_dtype(DType::F32)?;
-                let all = flat.to_vec::<f32>()?;
-                if all.len() < piece.param_offset + piece.len {
-                    return Err(DdpError::Zero(format!(
+                if flat.numel() < piece.param_offset + piece.len {
+                    return Err(zero_error(format!(
                         "optimizer state '{key}' has {} elements, its parameter more",
-                        all.len()
+                        flat.numel()
                     )));
                 }
-                let v = all[piece.param_range()].to_vec();
-                out.push((key.clone(), Tensor::from_vec(v, &[piece.len])?.to_device(t.device())?));
+                let v = flat
+                    .reshape(&[flat.numel()])?
+                    .narrow(0, piece.param_offset, piece.len)?
+                    .copy()?;
+                out.push((key.clone(), v));
             }
         }
     }
@@ -355,11 +424,11 @@ impl Optimizer for ZeroOptimizer {
     }
 
     fn lr(&self) -> f64 {
-        self.buckets.first().map_or(0.0, |b| b.opt.lr())
+        self.shards.first().map_or(0.0, |b| b.opt.lr())
     }
 
     fn set_lr(&mut self, lr: f64) {
-        for b in &mut self.buckets {
+        for b in &mut self.shards {
             b.opt.set_lr(lr);
         }
     }
@@ -376,13 +445,8 @@ impl Optimizer for ZeroOptimizer {
 
     /// Loads whole-parameter state (as [`Optimizer::state`] gives it), keeping this rank's pieces.
     fn load_state(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
-        let names: Vec<String> = self
-            .reducer
-            .params
-            .iter()
-            .map(|p| p.name().unwrap_or("<unnamed>").to_string())
-            .collect();
-        for sb in &mut self.buckets {
+        let names = names(self.buckets.params());
+        for sb in &mut self.shards {
             let sliced = slice_state(state, &names, &sb.pieces).map_err(optimizer_error)?;
             sb.opt.load_state(&sliced)?;
         }
@@ -390,49 +454,10 @@ impl Optimizer for ZeroOptimizer {
     }
 
     fn state_bytes(&self) -> brigade_autograd::Result<usize> {
-        self.buckets.iter().map(|b| b.opt.state_bytes()).sum()
+        self.shards.iter().map(|b| b.opt.state_bytes()).sum()
     }
 
     fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
         self.consolidate().map_err(optimizer_error)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-
-    use brigade_autograd::{Optimizer, ParamStore, Sgd};
-    use brigade_tensor::{DType, Tensor};
-
-    use crate::zero::ZeroStage;
-    use crate::{DdpConfig, DistributedDataParallel};
-
-    #[test]
-    fn stepping_after_the_buckets_were_regrouped_is_an_error() {
-        let out = brigade_comm::run_on_threads(2, |comm| {
-            let mut store = ParamStore::new();
-            for i in 0..3 {
-                store.add(format!("p{i}"), Tensor::zeros(&[300], DType::F32)).unwrap();
-            }
-            // 1200-byte parameters against a 1000-byte cap: one bucket each
-            let cfg = DdpConfig {
-                bucket_cap_mb: 0.001,
-                first_bucket_cap_mb: 0.001,
-                zero: ZeroStage::One,
-                ..DdpConfig::default()
-            };
-            let ddp = DistributedDataParallel::new(&store, Arc::new(comm), cfg).unwrap();
-            let full = Sgd::new(store.params().to_vec(), 0.1, 0.0, 0.0);
-            let build = |p| Box::new(Sgd::new(p, 0.1, 0.0, 0.0)) as Box<dyn Optimizer>;
-            let mut opt = ddp.zero_optimizer(&full, &build).unwrap();
-            opt.step().unwrap();
-            opt.reducer.lock().buckets.reverse();
-            opt.step().unwrap_err().to_string()
-        });
-        for err in out {
-            let err = err.unwrap();
-            assert!(err.contains("regrouped"), "{err}");
-        }
     }
 }

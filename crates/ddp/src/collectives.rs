@@ -1,0 +1,503 @@
+//! The tensor-level collectives a reducer policy issues (the seam between policies and
+//! backends): [`Collectives`] is a cheap, cloneable handle with all-reduce, broadcast,
+//! reduce-scatter, all-gather and an all-gather with a side buffer, each on [`Tensor`]s and each
+//! returning a [`TensorWork`] future with `then`-style continuations.
+//!
+//! A policy never sees a communicator or a host vector: the handle's backend
+//! ([`CollectiveBackend`]) moves the tensors. [`HostCollectives`] serves the thread and MPI
+//! backends (any [`Communicator`]): a tensor that spans its whole storage is lent to the
+//! collective without a copy, as DDP's buckets always were (its views read a typed
+//! `StorageLent` error meanwhile, never stale data), device memory is staged through the host,
+//! and a view that does not span its storage is copied. An NCCL backend implements the same
+//! trait on device memory.
+//!
+//! What each collective does with its input (host backend and contract alike):
+//! - `all_reduce` and `broadcast` work in place: the result lands in the tensor's own storage
+//!   (and its views) and the work completes with the tensor;
+//! - `reduce_scatter` and `all_gather` complete with a new tensor (this rank's chunk; every
+//!   rank's input, rank-major, as `[world, n]`) and consume their input's storage when they
+//!   could lend it: the input reads `StorageLent` afterwards (restore it if you need it again;
+//!   the reducer does for a bucket whose full buffer a policy keeps);
+//! - `all_gather_into` gathers into a tensor the caller already holds (`world × n` elements,
+//!   rank-major; ZeRO-1 gathers its updated parameters into the idle gradient bucket): no
+//!   scratch at all.
+//!
+//! Every collective a policy issues for a bucket, including those issued later from a
+//! continuation, is attributed to that bucket: in traces, and in the bucket's wire bytes (what
+//! this rank sends under the ring algorithms, [`brigade_comm::MeteredOp::wire_bytes`]), which
+//! step profiles record.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use brigade_comm::{
+    all_gather_with_side, reducing_bucket, Buffer, CommError, Communicator, MeteredOp, OpTiming, ReduceOp, Work,
+};
+use brigade_tensor::{DType, Device, Storage, Tensor};
+
+use crate::{DdpError, Result};
+
+/// The asynchronous result of collectives and what is chained on them (PyTorch's
+/// `torch.futures.Future`): it completes with a value or a [`DdpError`]. Continuations run on
+/// the thread that completes the work (the comm stream's, or the caller's when it already
+/// completed): keep them short, and never hold a lock in the caller that a continuation takes.
+pub struct TensorWork<T> {
+    work: Work<Result<T>>,
+    timeout: Duration,
+}
+
+/// The producer side of a [`TensorWork`] made with [`TensorWork::pending`]: dropping it without
+/// completing fails the work (never a hang).
+pub struct TensorPromise<T>(brigade_comm::Promise<Result<T>>);
+
+impl<T> TensorPromise<T> {
+    /// Completes the work with `value`.
+    pub fn complete(self, value: Result<T>) {
+        self.0.complete(Ok(value))
+    }
+}
+
+impl<T: Send + 'static> TensorWork<T> {
+    /// A work that completes when its promise does (e.g. "the previous bucket is done", to
+    /// chain one bucket's collectives after another's).
+    pub fn pending(rank: usize, tag: &str, timeout: Duration) -> (TensorWork<T>, TensorPromise<T>) {
+        let (work, promise) = Work::pending(rank, tag, timeout);
+        (TensorWork { work, timeout }, TensorPromise(promise))
+    }
+
+    /// A work that has already completed with `value`.
+    pub fn ready(rank: usize, tag: &str, timeout: Duration, value: Result<T>) -> TensorWork<T> {
+        let (work, promise) = Work::pending(rank, tag, timeout);
+        promise.complete(Ok(value));
+        TensorWork { work, timeout }
+    }
+
+    /// A collective's work whose buffer `f` turns into the value (on the comm stream's thread).
+    pub(crate) fn from_comm<B: Send + 'static>(
+        work: Work<B>,
+        timeout: Duration,
+        f: impl FnOnce(B) -> Result<T> + Send + 'static,
+    ) -> TensorWork<T> {
+        TensorWork {
+            work: work.then(move |b| Ok(f(b))),
+            timeout,
+        }
+    }
+
+    /// Chains `step` after this work (decompress, divide, copy): the returned work completes
+    /// with `step(value)`, or with this work's error.
+    pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U> + Send + 'static) -> TensorWork<U> {
+        TensorWork {
+            work: self.work.then(move |r| Ok(r.and_then(step))),
+            timeout: self.timeout,
+        }
+    }
+
+    /// Chains further collectives after this work: once it succeeded, `step(value)` issues them
+    /// and the returned work completes with theirs. Collectives issued by `step` join the comm
+    /// stream after everything issued before it ran: to keep every rank's order the same, a
+    /// policy chains its buckets one after the other (as PowerSGD does).
+    pub fn and_then<U: Send + 'static>(
+        self,
+        step: impl FnOnce(T) -> Result<TensorWork<U>> + Send + 'static,
+    ) -> TensorWork<U> {
+        let (rank, tag, timeout) = (self.work.rank(), self.work.tag().to_string(), self.timeout);
+        TensorWork {
+            work: self.work.and_then(move |r| {
+                Ok(match r.and_then(step) {
+                    Ok(next) => next.work,
+                    Err(e) => TensorWork::ready(rank, &tag, timeout, Err(e)).work,
+                })
+            }),
+            timeout,
+        }
+    }
+
+    /// Waits (at most the communicator's timeout) for the value.
+    pub fn wait(self) -> Result<T> {
+        self.wait_timed().map(|(v, _)| v)
+    }
+
+    /// Like [`TensorWork::wait`], also returning when the first collective started and when the
+    /// last continuation finished.
+    pub fn wait_timed(self) -> Result<(T, OpTiming)> {
+        let (r, timing) = self.work.wait_timed()?;
+        Ok((r?, timing))
+    }
+
+    /// Whether the work has completed (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
+}
+
+/// What moves tensors for [`Collectives`]: the host backend here ([`HostCollectives`]), NCCL on
+/// device memory. Semantics as in the module docs; every method returns at once.
+pub trait CollectiveBackend: Send + Sync {
+    /// A short name for errors (`host`, `nccl`).
+    fn name(&self) -> &'static str;
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// How long a wait blocks before it fails.
+    fn timeout(&self) -> Duration;
+    /// In place over every rank.
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
+    /// In place: `root`'s values on every rank.
+    fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor>;
+    /// This rank's chunk (`numel / world` elements) of the reduction, as a new 1-D tensor.
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
+    /// Every rank's elements, rank-major, as a new `[world, numel]` tensor.
+    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor>;
+    /// Every rank's `input`, rank-major, into `output` (`world × input.numel()` elements,
+    /// spanning its storage), in place; completes with `output`.
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor>;
+    /// Every rank's payload and side tensor, rank-major (`[world, n]`, `[world, k]`), in one
+    /// collective.
+    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)>;
+}
+
+/// The handle a policy issues its collectives through (see the module docs). Clones share the
+/// backend and, within a bucket's reduction, the bucket's attribution: clone it into a
+/// continuation to issue more collectives for the same bucket.
+#[derive(Clone)]
+pub struct Collectives {
+    backend: Arc<dyn CollectiveBackend>,
+    /// The bucket whose reduction these collectives belong to, and its wire bytes so far.
+    bucket: Option<(usize, Arc<Mutex<f64>>)>,
+}
+
+impl Collectives {
+    /// A handle over `backend`.
+    pub fn new(backend: Arc<dyn CollectiveBackend>) -> Collectives {
+        Collectives { backend, bucket: None }
+    }
+
+    /// A handle over any communicator, through the host ([`HostCollectives`]).
+    pub fn host(comm: Arc<dyn Communicator>) -> Collectives {
+        Collectives::new(Arc::new(HostCollectives::new(comm)))
+    }
+
+    /// The same handle, its collectives attributed to bucket `index` from now on.
+    pub(crate) fn for_bucket(&self, index: usize) -> Collectives {
+        Collectives {
+            backend: self.backend.clone(),
+            bucket: Some((index, Arc::default())),
+        }
+    }
+
+    /// Bytes this rank sent on the wire for the bucket so far (0 outside a bucket).
+    pub(crate) fn wire_counter(&self) -> Option<Arc<Mutex<f64>>> {
+        self.bucket.as_ref().map(|(_, w)| w.clone())
+    }
+
+    /// The backend's name (`host`, `nccl`).
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+
+    /// Ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.backend.world_size()
+    }
+
+    /// How long a wait blocks before it fails.
+    pub fn timeout(&self) -> Duration {
+        self.backend.timeout()
+    }
+
+    /// A work already completed with `value` (a policy that sends nothing for a bucket, e.g.
+    /// local SGD between averagings, returns its bucket this way).
+    pub fn ready<T: Send + 'static>(&self, value: T) -> TensorWork<T> {
+        TensorWork::ready(self.rank(), "ready", self.timeout(), Ok(value))
+    }
+
+    /// A work already failed with `error`.
+    pub fn failed<T: Send + 'static>(&self, error: DdpError) -> TensorWork<T> {
+        TensorWork::ready(self.rank(), "failed", self.timeout(), Err(error))
+    }
+
+    fn issue<T>(&self, op: MeteredOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
+        match &self.bucket {
+            Some((index, wire)) => {
+                *wire.lock().unwrap_or_else(|e| e.into_inner()) += op.wire_bytes(bytes, self.world_size());
+                reducing_bucket(*index, || f(self.backend.as_ref()))
+            }
+            None => f(self.backend.as_ref()),
+        }
+    }
+
+    /// Reduces `t` over every rank in place; completes with `t` holding the result.
+    pub fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        self.issue(MeteredOp::AllReduce, bytes(t), |b| b.all_reduce(t, op, tag))
+    }
+
+    /// Copies `root`'s `t` into every rank's `t`; completes with `t`.
+    pub fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor> {
+        self.issue(MeteredOp::Broadcast, bytes(t), |b| b.broadcast(t, root, tag))
+    }
+
+    /// Reduces `t` (`world * chunk` elements) over every rank; completes with this rank's chunk
+    /// (elements `rank*chunk..(rank+1)*chunk`) as a new 1-D tensor. Consumes `t`'s storage when
+    /// it spans it.
+    pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        self.issue(MeteredOp::ReduceScatter, bytes(t), |b| b.reduce_scatter(t, op, tag))
+    }
+
+    /// Gathers every rank's `t` (same shape everywhere); completes with `[world, t.numel()]`,
+    /// rank `r`'s elements in row `r`. Consumes `t`'s storage when it spans it.
+    pub fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        self.issue(MeteredOp::AllGather, bytes(t), |b| b.all_gather(t, tag))
+    }
+
+    /// Gathers every rank's `input` (same shape everywhere) into `output`, which holds
+    /// `world × input.numel()` elements of the same dtype and spans its storage: rank `r`'s
+    /// elements at `r*n..(r+1)*n`, no buffer besides `output` (it is lent meanwhile). Completes
+    /// with `output`.
+    pub fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        self.issue(MeteredOp::AllGather, bytes(input), |b| {
+            b.all_gather_into(input, output, tag)
+        })
+    }
+
+    /// Gathers every rank's `payload` and small `side` tensor (scales, indices) in one
+    /// collective; completes with `([world, payload.numel()], [world, side.numel()])`. How an
+    /// integer payload is reduced: gather it with its scales, dequantize each row with its own
+    /// rank's scales, sum in f32 (see [`brigade_comm::DType`]).
+    pub fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
+        self.issue(MeteredOp::AllGather, bytes(payload) + bytes(side), |b| {
+            b.all_gather_with_side(payload, side, tag)
+        })
+    }
+}
+
+fn bytes(t: &Tensor) -> usize {
+    t.numel() * t.dtype().size_in_bytes()
+}
+
+/// [`CollectiveBackend`] over any [`Communicator`] (threads, MPI, simulated, traced, metered):
+/// tensors travel as host [`Buffer`]s, lent without a copy where they can be.
+pub struct HostCollectives {
+    comm: Arc<dyn Communicator>,
+}
+
+impl HostCollectives {
+    /// Collectives over `comm`.
+    pub fn new(comm: Arc<dyn Communicator>) -> HostCollectives {
+        HostCollectives { comm }
+    }
+}
+
+/// Whether `t` covers its whole storage, in order: then the storage itself can be lent.
+pub(crate) fn spans_storage(t: &Tensor) -> bool {
+    t.is_contiguous() && t.layout().offset() == 0 && t.numel() == t.storage_numel()
+}
+
+/// `t`'s elements as a host buffer: its own storage when it spans it (`true`: lent, the tensor
+/// reads `StorageLent` until it is restored), else a copy.
+fn take(t: &Tensor) -> Result<(Buffer, bool)> {
+    let unsupported = |d: DType| {
+        DdpError::Comm(CommError::Unsupported(format!(
+            "a collective on a {d} tensor (collectives move f32, f16, bf16, u8 and i8)"
+        )))
+    };
+    if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::U8 | DType::I8) {
+        return Err(unsupported(t.dtype()));
+    }
+    if spans_storage(t) {
+        let s = t.lend_storage()?;
+        let b = match s.dtype() {
+            DType::F32 => Buffer::F32(s.into_host_vec()?),
+            DType::F16 => Buffer::F16(s.into_host_vec()?),
+            DType::BF16 => Buffer::BF16(s.into_host_vec()?),
+            DType::U8 => Buffer::U8(s.into_host_vec()?),
+            DType::I8 => Buffer::I8(s.into_host_vec()?),
+            d => return Err(unsupported(d)),
+        };
+        return Ok((b, true));
+    }
+    let b = match t.dtype() {
+        DType::F32 => Buffer::F32(t.to_vec()?),
+        DType::F16 => Buffer::F16(t.to_vec()?),
+        DType::BF16 => Buffer::BF16(t.to_vec()?),
+        DType::U8 => Buffer::U8(t.to_vec()?),
+        DType::I8 => Buffer::I8(t.to_vec()?),
+        d => return Err(unsupported(d)),
+    };
+    Ok((b, false))
+}
+
+/// A host buffer as storage on `device` (the vector itself on the CPU).
+fn storage_of(b: Buffer, device: Device) -> Result<Storage> {
+    Ok(match b {
+        Buffer::F32(v) => Storage::from_host_vec(v, device)?,
+        Buffer::F16(v) => Storage::from_host_vec(v, device)?,
+        Buffer::BF16(v) => Storage::from_host_vec(v, device)?,
+        Buffer::U8(v) => Storage::from_host_vec(v, device)?,
+        Buffer::I8(v) => Storage::from_host_vec(v, device)?,
+    })
+}
+
+/// A host buffer as a new tensor of `shape` on `device` (no copy on the CPU).
+fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Tensor> {
+    let t = match b {
+        Buffer::F32(v) => Tensor::from_vec(v, shape)?,
+        Buffer::F16(v) => Tensor::from_vec(v, shape)?,
+        Buffer::BF16(v) => Tensor::from_vec(v, shape)?,
+        Buffer::U8(v) => Tensor::from_vec(v, shape)?,
+        Buffer::I8(v) => Tensor::from_vec(v, shape)?,
+    };
+    Ok(t.to_device(device)?)
+}
+
+/// Puts `b` (the result of an in-place collective) back under `t`.
+fn put_back(t: &Tensor, b: Buffer, lent: bool) -> Result<Tensor> {
+    if lent {
+        t.restore_storage(storage_of(b, t.device())?)?;
+    } else {
+        t.copy_from(&tensor_of(b, t.shape(), t.device())?)?;
+    }
+    Ok(t.clone())
+}
+
+/// Keeps a buffer's first `n` elements (its allocation stays).
+fn truncate(b: &mut Buffer, n: usize) {
+    match b {
+        Buffer::F32(v) => v.truncate(n),
+        Buffer::F16(v) => v.truncate(n),
+        Buffer::BF16(v) => v.truncate(n),
+        Buffer::U8(v) => v.truncate(n),
+        Buffer::I8(v) => v.truncate(n),
+    }
+}
+
+/// Gives a buffer's spare capacity back (a reduce-scatter's chunk keeps its input's allocation
+/// otherwise, and memory reports count what is alive).
+fn shrink(mut b: Buffer) -> Buffer {
+    match &mut b {
+        Buffer::F32(v) => v.shrink_to_fit(),
+        Buffer::F16(v) => v.shrink_to_fit(),
+        Buffer::BF16(v) => v.shrink_to_fit(),
+        Buffer::U8(v) => v.shrink_to_fit(),
+        Buffer::I8(v) => v.shrink_to_fit(),
+    }
+    b
+}
+
+impl HostCollectives {
+    fn failed<T: Send + 'static>(&self, tag: &str, e: DdpError) -> TensorWork<T> {
+        TensorWork::ready(self.comm.rank(), tag, self.comm.timeout(), Err(e))
+    }
+}
+
+impl CollectiveBackend for HostCollectives {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.comm.timeout()
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let (buf, lent) = match take(t) {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let t = t.clone();
+        TensorWork::from_comm(self.comm.all_reduce(buf, op, tag), self.timeout(), move |b| {
+            put_back(&t, b, lent)
+        })
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor> {
+        let (buf, lent) = match take(t) {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let t = t.clone();
+        TensorWork::from_comm(self.comm.broadcast(buf, root, tag), self.timeout(), move |b| {
+            put_back(&t, b, lent)
+        })
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let (buf, _) = match take(t) {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let device = t.device();
+        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |b| {
+            let n = b.len();
+            tensor_of(shrink(b), &[n], device)
+        })
+    }
+
+    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        let (buf, _) = match take(t) {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let (device, n, world) = (t.device(), t.numel(), self.world_size());
+        TensorWork::from_comm(self.comm.all_gather(buf, tag), self.timeout(), move |b| {
+            tensor_of(b, &[world, n], device)
+        })
+    }
+
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        let (n, world) = (input.numel(), self.world_size());
+        if output.numel() != n * world || output.dtype() != input.dtype() || !spans_storage(output) {
+            let e = DdpError::Comm(CommError::InvalidArgument(format!(
+                "all_gather_into `{tag}`: the output must be a whole {} tensor of {} x {n} elements, got {} x {}",
+                input.dtype(),
+                world,
+                output.numel(),
+                output.dtype()
+            )));
+            return self.failed(tag, e);
+        }
+        // This rank's input goes first in the output's own buffer, which then shrinks to it: the
+        // all-gather grows it back in place to every rank's (no second allocation).
+        let staged = output
+            .narrow(0, 0, n)
+            .and_then(|head| head.copy_from(input))
+            .map_err(DdpError::from)
+            .and_then(|()| take(output));
+        let mut buf = match staged {
+            Ok((buf, _)) => buf,
+            Err(e) => return self.failed(tag, e),
+        };
+        truncate(&mut buf, n);
+        let out = output.clone();
+        TensorWork::from_comm(self.comm.all_gather(buf, tag), self.timeout(), move |b| {
+            put_back(&out, b, true)
+        })
+    }
+
+    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
+        let taken = take(payload).and_then(|p| Ok((p, take(side)?)));
+        let ((p, _), (s, _)) = match taken {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let (device, n, k, world) = (payload.device(), payload.numel(), side.numel(), self.world_size());
+        let work = all_gather_with_side(self.comm.as_ref(), p, s, tag);
+        TensorWork::from_comm(work, self.timeout(), move |(p, s)| {
+            Ok((tensor_of(p, &[world, n], device)?, tensor_of(s, &[world, k], device)?))
+        })
+    }
+}

@@ -1,0 +1,182 @@
+//! What DDP tells a policy beyond a bucket: the model and group it serves, the live buckets
+//! its optimizer reads, the step that just ran, and what it reports back (memory, diagnostics).
+
+use std::sync::Arc;
+
+use brigade_autograd::{Optimizer, Var};
+use brigade_tensor::{DType, Device, Tensor};
+
+use super::BucketParam;
+use crate::collectives::Collectives;
+use crate::reducer::{Held, Reducer};
+use crate::{DdpError, Result};
+
+/// The model and group a policy serves, when DDP is built.
+#[derive(Debug, Clone)]
+pub struct PolicyContext {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub world_size: usize,
+    /// Every registered parameter, in registration order (frozen ones included: `trainable`
+    /// says which are bucketed).
+    pub params: Vec<ParamInfo>,
+}
+
+/// One parameter as a policy sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamInfo {
+    /// Its name.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype.
+    pub dtype: DType,
+    /// Its device (and its bucket's).
+    pub device: Device,
+    /// Whether it requires grad (only those are bucketed and reduced).
+    pub trainable: bool,
+}
+
+/// One bucket of the current layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketSpan {
+    /// Its index (launch order).
+    pub index: usize,
+    /// Its parameters, in buffer order.
+    pub params: Vec<BucketParam>,
+    /// Elements of its buffer, padding included.
+    pub numel: usize,
+    /// Elements that are gradients.
+    pub grad_numel: usize,
+}
+
+/// What a bucket holds once its reduction landed: what an optimizer steps from and what the
+/// gradient norm is taken over.
+#[derive(Debug, Clone)]
+pub enum HeldGrad {
+    /// The whole bucket's gradients (identical on every rank once reduced): its first
+    /// `grad_numel` elements.
+    Full(Tensor),
+    /// This rank's shard of the reduced bucket: elements `offset..offset + len` of the padded
+    /// buffer (padding included at the end of the last shards).
+    Shard {
+        /// The shard.
+        tensor: Tensor,
+        /// Where it starts in the padded buffer.
+        offset: usize,
+    },
+}
+
+/// A live view of DDP's buckets for a policy's optimizer (ZeRO steps each bucket's shard from
+/// it): cheap to clone; every call reads the current state.
+#[derive(Clone)]
+pub struct Buckets {
+    pub(crate) reducer: Arc<Reducer>,
+}
+
+impl Buckets {
+    /// Every registered parameter, in registration order.
+    pub fn params(&self) -> &[Var] {
+        &self.reducer.params
+    }
+
+    /// The current layout's buckets, in launch order.
+    pub fn spans(&self) -> Vec<BucketSpan> {
+        let st = self.reducer.lock();
+        st.buckets
+            .iter()
+            .enumerate()
+            .map(|(index, b)| BucketSpan {
+                index,
+                params: self.reducer.bucket_params(&b.params),
+                numel: b.flat.numel(),
+                grad_numel: b.grad_numel,
+            })
+            .collect()
+    }
+
+    /// The layout's generation (it changes when the buckets are rebuilt).
+    pub fn generation(&self) -> u64 {
+        self.reducer.lock().generation
+    }
+
+    /// Bucket `index`'s full flat buffer (padding included): its gradients, or, after a
+    /// reduction that kept only a shard, a freed buffer that reads `StorageLent`.
+    pub fn buffer(&self, index: usize) -> Result<Tensor> {
+        let st = self.reducer.lock();
+        st.buckets
+            .get(index)
+            .map(|b| b.flat.clone())
+            .ok_or_else(|| DdpError::Policy {
+                policy: self.reducer.policy_name.clone(),
+                reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
+            })
+    }
+
+    /// What bucket `index` holds now (after a synchronized backward: the reduced gradients).
+    pub fn held(&self, index: usize) -> Result<HeldGrad> {
+        let st = self.reducer.lock();
+        let b = st.buckets.get(index).ok_or_else(|| DdpError::Policy {
+            policy: self.reducer.policy_name.clone(),
+            reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
+        })?;
+        Ok(match &b.held {
+            Held::Full => HeldGrad::Full(b.flat.narrow(0, 0, b.grad_numel)?),
+            Held::ShardInPlace { offset, len } => HeldGrad::Shard {
+                tensor: b.flat.narrow(0, *offset, *len)?,
+                offset: *offset,
+            },
+            Held::Shard { tensor, offset } => HeldGrad::Shard {
+                tensor: tensor.clone(),
+                offset: *offset,
+            },
+            Held::Nothing => {
+                return Err(DdpError::Policy {
+                    policy: self.reducer.policy_name.clone(),
+                    reason: format!(
+                        "bucket {index} holds no reduced gradient: the optimizer stepped before a synchronized backward"
+                    ),
+                })
+            }
+        })
+    }
+}
+
+/// What [`crate::ReducerPolicy::optimizer`] builds the optimizer from.
+pub struct OptimizerContext {
+    /// The buckets, live.
+    pub buckets: Buckets,
+    /// The collectives handle (for a step that communicates: ZeRO's all-gather).
+    pub comm: Collectives,
+}
+
+/// Makes an optimizer of the user's kind (their optimizer config) over a list of parameters.
+pub type BuildOptimizer<'a> = &'a dyn Fn(Vec<Var>) -> Box<dyn Optimizer>;
+
+/// The optimizer step that just ran, for [`crate::ReducerPolicy::after_step`] (a policy that
+/// acts every H steps counts them itself, in its state, so that a resumed run keeps the phase).
+pub struct StepContext<'a> {
+    /// Every registered parameter, in registration order (`requires_grad` says which train).
+    pub params: &'a [Var],
+}
+
+/// Memory a policy holds beside DDP's buckets, in bytes (counted in
+/// [`crate::RankMemory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PolicyMemory {
+    /// State kept across steps (PowerSGD's error feedback and factors).
+    pub state_bytes: usize,
+    /// Communication scratch the last step held at once (ZeRO's all-gathered parameters).
+    pub scratch_bytes: usize,
+}
+
+/// Something a policy wants its caller to know about the run so far (a sweep row and a run's
+/// summary show them): e.g. that PowerSGD never compressed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyDiagnostic {
+    /// A stable short code (`never-compressed`).
+    pub code: &'static str,
+    /// One line for people.
+    pub message: String,
+}

@@ -1,0 +1,175 @@
+//! The reducer-policy contract: one trait, [`ReducerPolicy`], for everything that decides how a
+//! data-parallel step communicates and steps — PyTorch's communication hook,
+//! `ZeroRedundancyOptimizer` and `hook_with_zero_step` as one idea.
+//!
+//! The reducer knows no policy by name. It fills buckets in the order gradients become ready,
+//! hands each full bucket, strictly in bucket order and the same on every rank, to the policy's
+//! [`ReducerPolicy::reduce`], and at the end of backward puts what the policy's future returns
+//! back under the gradients. Everything else is the policy's decision:
+//!
+//! | decision | method | default |
+//! |---|---|---|
+//! | bucket padding, dtype, whether buckets may be regrouped | [`ReducerPolicy::layout`] | no padding, f32, regroup |
+//! | how a ready bucket is reduced: the averaged bucket or this rank's shard, the full buffer kept or freed | [`ReducerPolicy::reduce`] | (required) |
+//! | how a rank with no data this step takes part | [`ReducerPolicy::reduce_joined`] | `reduce` on a zero bucket |
+//! | what the optimizer steps (full parameters or shard views), built from the user's optimizer config; its learning rate stays settable | [`ReducerPolicy::optimizer`] | the user's optimizer over every parameter |
+//! | the squared norm of the gradients held, summed over ranks when sharded | [`ReducerPolicy::grad_norm_sq`] | exactly that |
+//! | what runs after the optimizer step | [`ReducerPolicy::after_step`] | nothing |
+//! | its state for checkpoints | [`ReducerPolicy::state_dict`], [`ReducerPolicy::load_state_dict`] | none |
+//! | what to do when buckets are rebuilt | [`ReducerPolicy::buckets_built`] + [`PerBucket`] | nothing |
+//!
+//! Policies see tensors, never host vectors or communicators: a bucket is a flat [`Tensor`] on
+//! the parameters' device, computed on with tensor ops, and collectives go through the
+//! ddp-owned [`Collectives`] handle, whose futures ([`TensorWork`]) chain continuations. The
+//! built-in policies (`brigade-policies`) are written against this module alone.
+//!
+//! **State across the bucket rebuild.** DDP rebuilds its buckets once after the first
+//! iteration (from the observed ready order) and whenever the caps change, unless the layout
+//! says `regroup: false`; every rebuild is announced ([`ReducerPolicy::buckets_built`]) before
+//! the first bucket of the new layout is reduced, and each [`PolicyBucket`] carries its layout's
+//! generation. State kept per bucket index must live in a [`PerBucket`], which drops it when the
+//! generation changes; state that must survive is keyed by parameter.
+//!
+//! **Threads.** `reduce` runs on the compute thread inside backward and must return at once;
+//! continuations run on the comm stream's thread. A policy that updates its state from a
+//! continuation shares it (`Arc<Mutex<..>>`) and never holds its own lock while chaining (a
+//! continuation of a work that already completed runs at once, on the caller's thread).
+
+mod bucket;
+mod context;
+pub(crate) mod state;
+
+use brigade_autograd::Optimizer;
+use brigade_comm::ReduceOp;
+use brigade_tensor::{DType, Tensor};
+
+pub use bucket::{bucket_tag, BucketLayout, BucketParam, PerBucket, PolicyBucket, Reduction};
+pub use context::{
+    BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamInfo, PolicyContext, PolicyDiagnostic,
+    PolicyMemory, StepContext,
+};
+
+pub use crate::collectives::{CollectiveBackend, Collectives, HostCollectives, TensorPromise, TensorWork};
+pub use crate::overlap::WireModel;
+use crate::{DdpError, Result};
+
+/// A reducer policy: how one rank's gradient buckets are reduced, what its optimizer steps,
+/// and what it keeps (see the module docs for the decisions and their defaults). A policy holds
+/// one rank's state: every rank builds its own.
+pub trait ReducerPolicy: Send {
+    /// The policy's name as a spec reads it (`allreduce`, `fp16`, `powersgd:4@10`, `zero2`, a
+    /// user's name): step profiles, reports and checkpoints record it.
+    fn name(&self) -> String;
+
+    /// The buckets this policy needs. Asked once, when DDP is built (a collective every rank
+    /// makes, so every rank must answer alike).
+    fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
+        let _ = ctx;
+        BucketLayout::default()
+    }
+
+    /// The buckets were built: at construction (generation 0) and after every rebuild, before
+    /// the first bucket of the new layout is reduced.
+    fn buckets_built(&mut self, buckets: &[BucketSpan], generation: u64) -> Result<()> {
+        let _ = (buckets, generation);
+        Ok(())
+    }
+
+    /// Reduces a full bucket over the ranks: issues its collectives through `comm` and returns
+    /// the future of what goes back under the gradients. Called on the compute thread inside
+    /// backward, in bucket order, the same on every rank; must not block. An error fails this
+    /// rank's backward (every rank must fail alike, or the others time out: return errors that
+    /// depend only on what every rank shares).
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction>;
+
+    /// Reduces a bucket for a rank that has no data this step (uneven inputs): its bucket is all
+    /// zeros, and it must issue the same collectives as the ranks that have data, so that the
+    /// result is their sum divided by the group's size (PyTorch's `Join` with
+    /// `divide_by_initial_world_size`). The default reduces the zero bucket like any other.
+    fn reduce_joined(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction> {
+        self.reduce(bucket, comm)
+    }
+
+    /// The optimizer DDP steps ([`crate::DistributedDataParallel::optimizer`]): `full` is the
+    /// user's optimizer over every parameter (possibly with state loaded from a checkpoint, its
+    /// learning rate set), `build` makes another of the same kind over other parameters (shard
+    /// views). The default steps `full` itself.
+    fn optimizer(
+        &mut self,
+        full: Box<dyn Optimizer>,
+        build: BuildOptimizer<'_>,
+        ctx: &OptimizerContext,
+    ) -> Result<Box<dyn Optimizer>> {
+        let _ = (build, ctx);
+        Ok(full)
+    }
+
+    /// The squared L2 norm of the reduced gradients this rank holds, summed over ranks when they
+    /// are sharded (for global gradient clipping). A collective when any bucket is sharded.
+    fn grad_norm_sq(&self, held: &[HeldGrad], comm: &Collectives) -> Result<f64> {
+        default_grad_norm_sq(held, comm)
+    }
+
+    /// Runs after each optimizer step of DDP's optimizer (local SGD averages the models here).
+    /// Every rank runs it after the same step.
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> Result<()> {
+        let _ = (step, comm);
+        Ok(())
+    }
+
+    /// This rank's state, for checkpoints (`name -> tensor`; names are the policy's own).
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(vec![])
+    }
+
+    /// Restores what [`ReducerPolicy::state_dict`] gave (on the same rank of a group of the same
+    /// size). The default accepts only an empty state.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        match state.first() {
+            None => Ok(()),
+            Some((name, _)) => Err(DdpError::PolicyState(format!(
+                "policy '{}' keeps no state, but the checkpoint holds '{name}' for it (was it saved under another policy?)",
+                self.name()
+            ))),
+        }
+    }
+
+    /// Memory the policy holds beside DDP's buckets.
+    fn memory(&self) -> PolicyMemory {
+        PolicyMemory::default()
+    }
+
+    /// How the overlap model costs this policy's collectives (step profiles record it); `None`:
+    /// the model cannot, and refuses to replay its profiles.
+    fn wire_model(&self) -> Option<WireModel> {
+        None
+    }
+
+    /// What the caller should know about the run so far (e.g. that PowerSGD never compressed).
+    fn diagnostics(&self) -> Vec<PolicyDiagnostic> {
+        vec![]
+    }
+}
+
+/// Sum of squares of every held gradient (in f64); when any bucket is sharded the partial sums
+/// are all-reduced (each shard counted on the rank that holds it).
+pub fn default_grad_norm_sq(held: &[HeldGrad], comm: &Collectives) -> Result<f64> {
+    let sq = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?) };
+    let (mut full, mut sharded, mut any_shard) = (0.0, 0.0, false);
+    for h in held {
+        match h {
+            HeldGrad::Full(t) => full += sq(t)?,
+            HeldGrad::Shard { tensor, .. } => {
+                sharded += sq(tensor)?;
+                any_shard = true;
+            }
+        }
+    }
+    if !any_shard {
+        return Ok(full);
+    }
+    // The partial sums travel as f32 (buffers carry no f64): plenty for a norm.
+    let partial = Tensor::from_vec(vec![sharded as f32], &[1])?;
+    let summed = comm.all_reduce(&partial, ReduceOp::Sum, "ddp.grad_norm").wait()?;
+    Ok(full + summed.item()?)
+}

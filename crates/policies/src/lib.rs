@@ -1,0 +1,21 @@
+//! brigade-policies: Brigade's built-in reducer policies — [`AllReduce`], [`Compress`] (fp16,
+//! bf16), [`PowerSgd`] and [`Zero`] (stages 1 and 2) — written only against `brigade-ddp`'s
+//! public policy contract ([`brigade_ddp::policy`]), so the compiler checks that a user can
+//! write each of them; and [`PolicySpec`], the one way every part of Brigade names a policy,
+//! with a [`Registry`] for user policies.
+
+#![warn(missing_docs)]
+
+mod allreduce;
+mod compress;
+mod error;
+mod powersgd;
+mod spec;
+pub mod zero;
+
+pub use allreduce::AllReduce;
+pub use compress::{Compress, HalfType};
+pub use error::{PolicyError, Result};
+pub use powersgd::{PowerSgd, PowerSgdConfig};
+pub use spec::{MakeUserPolicy, PolicySpec, Registry, DEFAULT_POWERSGD_START};
+pub use zero::{Zero, ZeroOptimizer, ZeroStage};

@@ -1,0 +1,489 @@
+//! PowerSGD (Vogels et al. 2019; PyTorch's `powerSGD_hook`): each gradient matrix M (n × m) is
+//! sent as two thin factors, P = M·Q (n × r) and Q = Mᵀ·P (m × r), found by one step of power
+//! iteration, with error feedback so what compression drops now is sent later.
+//!
+//! Per bucket, once `start_iter` iterations have run with plain all-reduce:
+//! 1. error feedback: add the error each parameter left last time; keep a copy of the input;
+//! 2. tensors that would not compress (1-D, or `(n + m)·r·min_compression_rate ≥ n·m`) are
+//!    all-reduced together uncompressed and divided by the world size;
+//! 3. P = M·Q, with Q from the last iteration (warm start) or drawn from a generator that every
+//!    rank seeds alike; all-reduce P; orthogonalize P's columns (Gram–Schmidt);
+//! 4. Q = Mᵀ·P; all-reduce Q; divide by the world size;
+//! 5. M ≈ P·Qᵀ written into the bucket; the error is the input minus that.
+//!
+//! Everything is tensor ops on the bucket's device. The error feedback and Q are kept **per
+//! parameter**, so they survive DDP's bucket rebuilds and cap changes (PyTorch keys them by
+//! bucket index and so must start after the rebuild); they are this rank's state in
+//! checkpoints. Buckets are processed one after the other (each bucket's collectives are
+//! issued once the previous bucket's are done), so every rank issues the same collectives in
+//! the same order.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use brigade_comm::ReduceOp;
+use brigade_ddp::policy::{
+    BucketSpan, Collectives, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, TensorWork,
+    WireModel,
+};
+use brigade_ddp::DdpError;
+use brigade_tensor::{DType, Rng, Tensor};
+
+use crate::error::PolicyError;
+
+/// PowerSGD's settings; defaults follow PyTorch's `PowerSGDState` except `start_iter`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PowerSgdConfig {
+    /// Rank r of the approximation (PyTorch: `matrix_approximation_rank`, default 1).
+    pub rank: usize,
+    /// Iterations reduced with plain all-reduce before compression starts (PyTorch:
+    /// `start_powerSGD_iter`).
+    pub start_iter: usize,
+    /// Add back what compression dropped last time (default on).
+    pub use_error_feedback: bool,
+    /// Start each power iteration from the last Q (default on).
+    pub warm_start: bool,
+    /// Compress a matrix only if it shrinks at least this much: `(n + m)·r·rate < n·m`
+    /// (PyTorch's `min_compression_rate`, default 2).
+    pub min_compression_rate: f64,
+    /// Seed of the generator every rank draws Q from.
+    pub seed: u64,
+}
+
+impl Default for PowerSgdConfig {
+    fn default() -> Self {
+        PowerSgdConfig {
+            rank: 1,
+            start_iter: 10,
+            use_error_feedback: true,
+            warm_start: true,
+            min_compression_rate: 2.0,
+            seed: 0,
+        }
+    }
+}
+
+impl PowerSgdConfig {
+    /// Checks the settings; the message says what to change.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        let fail = |reason: String| {
+            Err(PolicyError::Config {
+                policy: "powersgd".into(),
+                reason,
+            })
+        };
+        if self.rank == 0 {
+            return fail("PowerSGD rank must be at least 1".into());
+        }
+        if !(self.min_compression_rate >= 1.0 && self.min_compression_rate.is_finite()) {
+            return fail(format!(
+                "PowerSGD min compression rate must be finite and >= 1, got {}",
+                self.min_compression_rate
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One matrix of a bucket that is sent compressed.
+#[derive(Debug, Clone, Copy)]
+struct Matrix {
+    param: usize,
+    offset: usize,
+    n: usize,
+    m: usize,
+    r: usize,
+}
+
+struct State {
+    /// Iterations seen (one per backward pass: counted at each pass's last bucket).
+    iter: usize,
+    /// Fresh Q draws so far (the generator is replayed from the seed on load).
+    draws: u64,
+    rng: Rng,
+    /// Per parameter: what compression dropped last time.
+    error: HashMap<usize, Tensor>,
+    /// Per compressed matrix parameter: its last Q (m × r).
+    q: HashMap<usize, Tensor>,
+    /// Matrices sent compressed so far.
+    compressed: u64,
+    /// Completes when the last bucket handed to the policy has been reduced.
+    tail: Option<TensorWork<()>>,
+}
+
+/// The PowerSGD reducer policy (see the module docs).
+pub struct PowerSgd {
+    cfg: PowerSgdConfig,
+    state: Arc<Mutex<State>>,
+    /// Parameter names and registration indices (for state dicts), from the bucket layout.
+    names: HashMap<usize, String>,
+}
+
+fn lock(s: &Mutex<State>) -> MutexGuard<'_, State> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl PowerSgd {
+    /// A policy with `cfg` (checked).
+    pub fn new(cfg: PowerSgdConfig) -> Result<PowerSgd, PolicyError> {
+        cfg.validate()?;
+        Ok(PowerSgd {
+            state: Arc::new(Mutex::new(State {
+                iter: 0,
+                draws: 0,
+                rng: Rng::new(cfg.seed),
+                error: HashMap::new(),
+                q: HashMap::new(),
+                compressed: 0,
+                tail: None,
+            })),
+            cfg,
+            names: HashMap::new(),
+        })
+    }
+
+    /// Iterations seen so far.
+    pub fn iteration(&self) -> usize {
+        lock(&self.state).iter
+    }
+
+    /// Matrices sent compressed so far (0: the run never compressed).
+    pub fn compressed_matrices(&self) -> u64 {
+        lock(&self.state).compressed
+    }
+
+    /// The error-feedback memory of parameter `index` (what compression dropped last time).
+    pub fn error(&self, index: usize) -> Option<Vec<f32>> {
+        lock(&self.state).error.get(&index).and_then(|t| t.to_vec().ok())
+    }
+}
+
+/// Smallest positive normal f32: a column whose norm is below it is zero, and stays zero.
+const TINY: f64 = f32::MIN_POSITIVE as f64;
+
+/// Gram–Schmidt over the columns of a contiguous `rows × cols` tensor, in place; a column with
+/// no norm left becomes zero (never NaN).
+fn orthogonalize_columns(a: &Tensor) -> brigade_ddp::Result<()> {
+    let cols = a.shape()[1];
+    for i in 0..cols {
+        let col = a.narrow(1, i, 1)?;
+        let norm = col.sqr()?.sum_all()?.sqrt()?;
+        // max(norm, TINY): x / TINY is 0 for a zero column
+        let safe = norm.add_scalar(-TINY)?.relu()?.add_scalar(TINY)?;
+        let unit = col.div(&safe)?;
+        col.copy_from(&unit)?;
+        for j in i + 1..cols {
+            let other = a.narrow(1, j, 1)?;
+            let dot = unit.mul(&other)?.sum_all()?;
+            other.copy_from(&other.sub(&unit.mul(&dot)?)?)?;
+        }
+    }
+    Ok(())
+}
+
+fn scalar_i64(x: u64) -> brigade_ddp::Result<Tensor> {
+    Ok(Tensor::from_vec(vec![x as i64], &[1])?)
+}
+
+impl ReducerPolicy for PowerSgd {
+    fn name(&self) -> String {
+        crate::PolicySpec::PowerSgd {
+            rank: self.cfg.rank,
+            start_iter: self.cfg.start_iter,
+        }
+        .to_string()
+    }
+
+    fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade_ddp::Result<()> {
+        for p in buckets.iter().flat_map(|b| &b.params) {
+            self.names.insert(p.index, p.name.clone());
+        }
+        Ok(())
+    }
+
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+        let (tail, tail_done) = TensorWork::<()>::pending(comm.rank(), "powersgd order", comm.timeout());
+        let previous = lock(&self.state).tail.replace(tail);
+        let start = previous.unwrap_or_else(|| comm.ready(()));
+        let (state, cfg, comm2) = (self.state.clone(), self.cfg, comm.clone());
+        let work = start
+            .and_then(move |()| reduce_bucket(&state, cfg, &comm2, bucket))
+            .then(move |t| {
+                tail_done.complete(Ok(()));
+                Ok(t)
+            });
+        Ok(Reduction::Full(work))
+    }
+
+    fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
+        let st = lock(&self.state);
+        let mut out = vec![
+            ("iteration".to_string(), scalar_i64(st.iter as u64)?),
+            ("draws".to_string(), scalar_i64(st.draws)?),
+            ("compressed".to_string(), scalar_i64(st.compressed)?),
+        ];
+        let name = |p: &usize| self.names.get(p).cloned().unwrap_or_else(|| format!("param{p}"));
+        let mut keyed: Vec<(String, Tensor)> = st
+            .error
+            .iter()
+            .map(|(p, t)| (format!("error.{}", name(p)), t.clone()))
+            .chain(st.q.iter().map(|(p, t)| (format!("q.{}", name(p)), t.clone())))
+            .collect();
+        keyed.sort_by(|a, b| a.0.cmp(&b.0));
+        out.extend(keyed);
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
+        let bad = |reason: String| DdpError::PolicyState(format!("{}: {reason}", self.name()));
+        let count = |key: &str| -> brigade_ddp::Result<u64> {
+            let t = state
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, t)| t)
+                .ok_or_else(|| bad(format!("the state has no '{key}'")))?;
+            Ok(t.item()? as u64)
+        };
+        let by_name: HashMap<&str, usize> = self.names.iter().map(|(&i, n)| (n.as_str(), i)).collect();
+        let mut st = lock(&self.state);
+        st.iter = count("iteration")? as usize;
+        st.draws = count("draws")?;
+        st.compressed = count("compressed")?;
+        st.rng = Rng::new(self.cfg.seed);
+        for _ in 0..st.draws {
+            st.rng.next_u64();
+        }
+        st.error.clear();
+        st.q.clear();
+        for (key, t) in state {
+            let (map, name) = if let Some(n) = key.strip_prefix("error.") {
+                (&mut st.error, n)
+            } else if let Some(n) = key.strip_prefix("q.") {
+                (&mut st.q, n)
+            } else {
+                continue;
+            };
+            let p = *by_name
+                .get(name)
+                .ok_or_else(|| bad(format!("'{key}' names no parameter of this model")))?;
+            map.insert(p, t.to_dtype(DType::F32)?.copy()?);
+        }
+        st.tail = None;
+        Ok(())
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let st = lock(&self.state);
+        let bytes = |t: &Tensor| t.numel() * t.dtype().size_in_bytes();
+        PolicyMemory {
+            state_bytes: st.error.values().chain(st.q.values()).map(bytes).sum(),
+            scratch_bytes: 0,
+        }
+    }
+
+    fn wire_model(&self) -> Option<WireModel> {
+        Some(WireModel::LowRank {
+            rank: self.cfg.rank,
+            min_compression_rate: self.cfg.min_compression_rate,
+            start_iter: self.cfg.start_iter,
+        })
+    }
+
+    fn diagnostics(&self) -> Vec<PolicyDiagnostic> {
+        let st = lock(&self.state);
+        if st.iter == 0 || st.compressed > 0 {
+            return vec![];
+        }
+        let message = if st.iter <= self.cfg.start_iter {
+            format!(
+                "{} never compressed: the run ended after {} iteration(s), before its start iteration {}; every \
+                 byte went uncompressed",
+                self.name(),
+                st.iter,
+                self.cfg.start_iter
+            )
+        } else {
+            format!(
+                "{} compressed no tensor in {} iterations: every gradient is 1-D or shrinks less than the min \
+                 compression rate {} at rank {}; every byte went uncompressed",
+                self.name(),
+                st.iter,
+                self.cfg.min_compression_rate,
+                self.cfg.rank
+            )
+        };
+        vec![PolicyDiagnostic {
+            code: "never-compressed",
+            message,
+        }]
+    }
+}
+
+/// Issues `bucket`'s collectives (the previous bucket's are done).
+fn reduce_bucket(
+    state: &Arc<Mutex<State>>,
+    cfg: PowerSgdConfig,
+    comm: &Collectives,
+    bucket: PolicyBucket,
+) -> brigade_ddp::Result<TensorWork<Tensor>> {
+    let tag = bucket.tag();
+    let world = Tensor::scalar(comm.world_size() as f64, DType::F32);
+    let input = bucket.tensor.clone();
+    let device = input.device();
+    let mut st = lock(state);
+    let iter = st.iter;
+    if bucket.is_last {
+        st.iter += 1;
+    }
+    if iter < cfg.start_iter {
+        drop(st);
+        return Ok(comm.all_reduce(&input, ReduceOp::Avg, &tag));
+    }
+    if cfg.use_error_feedback {
+        for p in &bucket.params {
+            if let Some(e) = st.error.get(&p.index).filter(|e| e.numel() == p.len()) {
+                input.narrow(0, p.offset, p.len())?.add_assign(e)?;
+            }
+        }
+    }
+    let input_copy = if cfg.use_error_feedback {
+        Some(input.copy()?)
+    } else {
+        None
+    };
+
+    let mut plain: Vec<(usize, usize)> = vec![];
+    let mut matrices: Vec<Matrix> = vec![];
+    for p in &bucket.params {
+        let len = p.len();
+        if p.shape.len() >= 2 && len > 0 {
+            let (n, m) = (p.shape[0], len / p.shape[0]);
+            let r = cfg.rank.min(n).min(m);
+            if (((n + m) * r) as f64) * cfg.min_compression_rate < (n * m) as f64 {
+                matrices.push(Matrix {
+                    param: p.index,
+                    offset: p.offset,
+                    n,
+                    m,
+                    r,
+                });
+                continue;
+            }
+        }
+        plain.push((p.offset, len));
+    }
+
+    let warm = cfg.warm_start
+        && matrices
+            .iter()
+            .all(|mx| st.q.get(&mx.param).is_some_and(|q| q.shape() == [mx.m, mx.r]));
+    let qs: Vec<Tensor> = if warm {
+        matrices.iter().map(|mx| st.q[&mx.param].clone()).collect()
+    } else {
+        // one draw per bucket from the shared generator: every rank gets the same Q
+        let mut rng = Rng::new(st.rng.next_u64());
+        st.draws += 1;
+        matrices
+            .iter()
+            .map(|mx| {
+                let v: Vec<f32> = (0..mx.r * mx.m).map(|_| rng.normal() as f32).collect();
+                let q = Tensor::from_vec(v, &[mx.r, mx.m])?
+                    .to_device(device)?
+                    .t()?
+                    .contiguous()?;
+                orthogonalize_columns(&q)?;
+                Ok(q)
+            })
+            .collect::<brigade_ddp::Result<_>>()?
+    };
+    st.compressed += matrices.len() as u64;
+    drop(st);
+
+    let view = |mx: &Matrix| -> brigade_ddp::Result<Tensor> {
+        Ok(input.narrow(0, mx.offset, mx.n * mx.m)?.reshape(&[mx.n, mx.m])?)
+    };
+    let p_len: usize = matrices.iter().map(|mx| mx.n * mx.r).sum();
+    let ps = Tensor::zeros_on(&[p_len], DType::F32, device)?;
+    let mut at = 0;
+    for (mx, q) in matrices.iter().zip(&qs) {
+        let p = view(mx)?.matmul(q)?;
+        ps.narrow(0, at, mx.n * mx.r)?.copy_from(&p.reshape(&[mx.n * mx.r])?)?;
+        at += mx.n * mx.r;
+    }
+    let plain_len: usize = plain.iter().map(|&(_, l)| l).sum();
+    let plain_buf = Tensor::zeros_on(&[plain_len], DType::F32, device)?;
+    let mut at = 0;
+    for &(o, l) in &plain {
+        plain_buf.narrow(0, at, l)?.copy_from(&input.narrow(0, o, l)?)?;
+        at += l;
+    }
+    let first = if plain.is_empty() {
+        comm.ready(None)
+    } else {
+        comm.all_reduce(&plain_buf, ReduceOp::Sum, &tag).then(|t| Ok(Some(t)))
+    };
+    let (comm2, state) = (comm.clone(), state.clone());
+    let (keys, params) = (matrices.iter().map(|mx| mx.param).collect::<Vec<_>>(), bucket.params);
+    let finish = move |input: Tensor, qs_keep: Vec<Tensor>| -> brigade_ddp::Result<Tensor> {
+        let mut st = lock(&state);
+        if let Some(copy) = input_copy {
+            let error = copy.sub(&input)?;
+            for p in &params {
+                st.error.insert(p.index, error.narrow(0, p.offset, p.len())?.copy()?);
+            }
+        }
+        if cfg.warm_start {
+            for (&param, q) in keys.iter().zip(qs_keep) {
+                st.q.insert(param, q);
+            }
+        }
+        Ok(input)
+    };
+    Ok(first.and_then(move |plain_sum| {
+        if let Some(sum) = plain_sum {
+            let avg = sum.div(&world)?;
+            let mut at = 0;
+            for &(o, l) in &plain {
+                input.narrow(0, o, l)?.copy_from(&avg.narrow(0, at, l)?)?;
+                at += l;
+            }
+        }
+        if matrices.is_empty() {
+            return Ok(comm2.ready(finish(input, vec![])?));
+        }
+        let comm3 = comm2.clone();
+        Ok(comm2.all_reduce(&ps, ReduceOp::Sum, &tag).and_then(move |ps| {
+            let q_len: usize = matrices.iter().map(|mx| mx.m * mx.r).sum();
+            let qflat = Tensor::zeros_on(&[q_len], DType::F32, device)?;
+            let (mut pat, mut qat) = (0, 0);
+            let mut pviews = vec![];
+            for mx in &matrices {
+                let p = ps.narrow(0, pat, mx.n * mx.r)?.reshape(&[mx.n, mx.r])?;
+                orthogonalize_columns(&p)?;
+                let m = input.narrow(0, mx.offset, mx.n * mx.m)?.reshape(&[mx.n, mx.m])?;
+                let q = m.t()?.matmul(&p)?;
+                qflat
+                    .narrow(0, qat, mx.m * mx.r)?
+                    .copy_from(&q.reshape(&[mx.m * mx.r])?)?;
+                pviews.push(p);
+                pat += mx.n * mx.r;
+                qat += mx.m * mx.r;
+            }
+            Ok(comm3.all_reduce(&qflat, ReduceOp::Sum, &tag).then(move |qsum| {
+                let qsum = qsum.div(&world)?;
+                let mut qat = 0;
+                let mut qs_keep = vec![];
+                for (mx, p) in matrices.iter().zip(&pviews) {
+                    let q = qsum.narrow(0, qat, mx.m * mx.r)?.reshape(&[mx.m, mx.r])?.copy()?;
+                    let approx = p.matmul(&q.t()?)?;
+                    input
+                        .narrow(0, mx.offset, mx.n * mx.m)?
+                        .copy_from(&approx.reshape(&[mx.n * mx.m])?)?;
+                    qs_keep.push(q);
+                    qat += mx.m * mx.r;
+                }
+                finish(input, qs_keep)
+            }))
+        }))
+    }))
+}

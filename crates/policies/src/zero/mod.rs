@@ -1,0 +1,179 @@
+//! ZeRO (Rajbhandari et al., 2020; DeepSpeed, PyTorch's `ZeroRedundancyOptimizer`): shard the
+//! optimizer state (stage 1) and the gradients (stage 2) over the ranks instead of holding
+//! them whole on every rank — written on DDP's policy contract like any user's policy.
+//!
+//! The layout pads each bucket to a multiple of the world size and fixes it (no rebuild, no new
+//! caps: the shards, and the optimizer state in them, are cut from the buckets, as in
+//! DeepSpeed); rank `r` owns the contiguous shard `r` of every bucket ([`shard`]). A full bucket
+//! is reduced by one averaging **reduce-scatter**, so a rank receives only the average of its
+//! shard: stage 1 keeps the full buffer (the shard in place, zeros elsewhere), stage 2 frees it
+//! and keeps the shard alone. The optimizer is a [`ZeroOptimizer`]: one inner optimizer per
+//! bucket over this rank's pieces of the parameters (state only for them), stepping its shard
+//! and then **all-gathering** the updated parameters bucket by bucket, each bucket's all-gather
+//! overlapping the next bucket's step. Its communication scratch stays within one shard: stage 1
+//! gathers into the bucket's own idle gradient buffer, stage 2 in chunks of at most a third of a
+//! shard's worth of gathered parameters, three alive at once. On one rank there is nothing to
+//! shard: ZeRO is plain DDP there, buckets, memory and all.
+
+mod optimizer;
+pub mod shard;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use brigade_autograd::Optimizer;
+use brigade_comm::ReduceOp;
+use brigade_ddp::policy::{
+    BucketLayout, BuildOptimizer, Collectives, OptimizerContext, PolicyBucket, PolicyContext, PolicyMemory,
+    ReducerPolicy, Reduction, WireModel,
+};
+use brigade_tensor::DType;
+
+use crate::error::PolicyError;
+
+pub use optimizer::{ZeroOptimizer, ALL_GATHER_CAP_BYTES};
+pub use shard::{padded_len, shard_len};
+
+/// How much of the training state is sharded over the ranks (`--zero 0|1|2`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ZeroStage {
+    /// Plain DDP: every rank holds everything (stage 0).
+    #[default]
+    Off,
+    /// Stage 1: optimizer state sharded; gradients reduce-scattered, parameters all-gathered.
+    One,
+    /// Stage 2: stage 1, and each rank keeps only its shard of the reduced gradients.
+    Two,
+}
+
+impl ZeroStage {
+    /// The stage for `--zero LEVEL` (0, 1 or 2).
+    pub fn from_level(level: u8) -> Option<ZeroStage> {
+        match level {
+            0 => Some(ZeroStage::Off),
+            1 => Some(ZeroStage::One),
+            2 => Some(ZeroStage::Two),
+            _ => None,
+        }
+    }
+
+    /// The stage's number (0, 1, 2).
+    pub fn level(self) -> u8 {
+        match self {
+            ZeroStage::Off => 0,
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+        }
+    }
+}
+
+/// The ZeRO reducer policy (see the module docs).
+pub struct Zero {
+    stage: ZeroStage,
+    /// The group's size, learnt when DDP asks for the layout (1: plain DDP).
+    world: AtomicUsize,
+    /// Peak bytes of all-gather scratch in the last step (written by the optimizer).
+    scratch: Arc<AtomicUsize>,
+    all_gather_cap: usize,
+}
+
+impl Zero {
+    /// ZeRO at `stage` (1 or 2).
+    pub fn new(stage: ZeroStage) -> Result<Zero, PolicyError> {
+        if stage == ZeroStage::Off {
+            return Err(PolicyError::Config {
+                policy: "zero".into(),
+                reason: "stage 0 is plain DDP: use the allreduce policy".into(),
+            });
+        }
+        Ok(Zero {
+            stage,
+            world: AtomicUsize::new(0),
+            scratch: Arc::default(),
+            all_gather_cap: ALL_GATHER_CAP_BYTES,
+        })
+    }
+
+    /// Caps the bytes one of stage 2's parameter all-gathers returns (default
+    /// [`ALL_GATHER_CAP_BYTES`]; DeepSpeed's `allgather_bucket_size`): smaller caps mean less
+    /// communication scratch and more, smaller collectives. Every rank must use the same cap.
+    pub fn with_all_gather_cap(mut self, bytes: usize) -> Self {
+        self.all_gather_cap = bytes.max(1);
+        self
+    }
+
+    /// The stage.
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    fn sharded(&self, world: usize) -> bool {
+        world > 1
+    }
+}
+
+impl ReducerPolicy for Zero {
+    fn name(&self) -> String {
+        format!("zero{}", self.stage.level())
+    }
+
+    fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
+        self.world.store(ctx.world_size, Ordering::Relaxed);
+        if !self.sharded(ctx.world_size) {
+            return BucketLayout::default();
+        }
+        BucketLayout {
+            pad_to: ctx.world_size,
+            dtype: DType::F32,
+            regroup: false,
+        }
+    }
+
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+        if !self.sharded(comm.world_size()) {
+            return Ok(Reduction::Full(comm.all_reduce(
+                &bucket.tensor,
+                ReduceOp::Avg,
+                &bucket.tag(),
+            )));
+        }
+        Ok(Reduction::Shard {
+            shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
+            keep_full: self.stage == ZeroStage::One,
+        })
+    }
+
+    fn optimizer(
+        &mut self,
+        full: Box<dyn Optimizer>,
+        build: BuildOptimizer<'_>,
+        ctx: &OptimizerContext,
+    ) -> brigade_ddp::Result<Box<dyn Optimizer>> {
+        if !self.sharded(ctx.comm.world_size()) {
+            return Ok(full);
+        }
+        Ok(Box::new(ZeroOptimizer::new(
+            ctx,
+            self.stage,
+            self.scratch.clone(),
+            full.as_ref(),
+            build,
+            self.all_gather_cap,
+        )?))
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        PolicyMemory {
+            state_bytes: 0,
+            scratch_bytes: self.scratch.load(Ordering::Relaxed),
+        }
+    }
+
+    fn wire_model(&self) -> Option<WireModel> {
+        Some(if self.sharded(self.world.load(Ordering::Relaxed)) {
+            WireModel::ReduceScatter
+        } else {
+            WireModel::AllReduce { bytes_per_element: 4.0 }
+        })
+    }
+}

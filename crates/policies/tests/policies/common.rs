@@ -1,0 +1,225 @@
+//! A small MLP, data, and a fingerprint of training results for the policy tests.
+
+#![allow(dead_code)]
+
+use brigade_autograd::{scope, ParamStore, Var};
+use brigade_tensor::{DType, Rng, Tensor};
+
+/// An MLP whose layer `i` is recorded under scope `layers.{i}`.
+pub struct Mlp {
+    pub store: ParamStore,
+    pub layers: Vec<(Var, Var)>,
+}
+
+impl Mlp {
+    pub fn new(widths: &[usize], seed: u64) -> Mlp {
+        let mut rng = Rng::new(seed);
+        let mut store = ParamStore::new();
+        let layers = widths
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| {
+                let s = 1.0 / (w[0] as f64).sqrt();
+                let weight = store
+                    .add(
+                        format!("layers.{i}.weight"),
+                        Tensor::rand_uniform(&[w[1], w[0]], -s, s, DType::F32, &mut rng),
+                    )
+                    .unwrap();
+                let bias = store
+                    .add(
+                        format!("layers.{i}.bias"),
+                        Tensor::rand_uniform(&[w[1]], -s, s, DType::F32, &mut rng),
+                    )
+                    .unwrap();
+                (weight, bias)
+            })
+            .collect();
+        Mlp { store, layers }
+    }
+
+    pub fn loss(&self, x: &Tensor, y: &Tensor) -> Var {
+        let mut h = Var::constant(x.clone());
+        for (i, (w, b)) in self.layers.iter().enumerate() {
+            h = scope(&format!("layers.{i}"), || {
+                let z = h.linear(w, Some(b))?;
+                if i + 1 < self.layers.len() {
+                    z.relu()
+                } else {
+                    Ok(z)
+                }
+            })
+            .unwrap();
+        }
+        h.cross_entropy(y).unwrap()
+    }
+
+    pub fn values(&self) -> Vec<Vec<f32>> {
+        self.store
+            .params()
+            .iter()
+            .map(|p| p.value().to_vec::<f32>().unwrap())
+            .collect()
+    }
+}
+
+/// `n` rows of inputs `[n, d]` and labels in `0..c`.
+pub fn data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor) {
+    let mut rng = Rng::new(seed);
+    let x = Tensor::randn(&[n, d], 1.0, DType::F32, &mut rng);
+    let y: Vec<i64> = (0..n).map(|_| rng.below(c as u64) as i64).collect();
+    (x, Tensor::from_vec(y, &[n]).unwrap())
+}
+
+/// `n` rows of inputs `[n, d]` labelled by a teacher: the index of the largest of the first `c`
+/// inputs (learnable, unlike [`data`]'s random labels).
+pub fn teacher_data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor) {
+    let mut rng = Rng::new(seed);
+    let x: Vec<f32> = (0..n * d).map(|_| rng.normal() as f32).collect();
+    let y: Vec<i64> = (0..n)
+        .map(|i| {
+            let row = &x[i * d..i * d + c];
+            (0..c).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as i64
+        })
+        .collect();
+    (
+        Tensor::from_vec(x, &[n, d]).unwrap(),
+        Tensor::from_vec(y, &[n]).unwrap(),
+    )
+}
+
+/// Rows `start..start+len` of `(x, y)`.
+pub fn rows(x: &Tensor, y: &Tensor, start: usize, len: usize) -> (Tensor, Tensor) {
+    (
+        x.narrow(0, start, len).unwrap().contiguous().unwrap(),
+        y.narrow(0, start, len).unwrap().contiguous().unwrap(),
+    )
+}
+
+pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+/// FNV-1a over the bytes: a fingerprint of exact bit patterns.
+pub fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The fingerprint of losses (their f64 bits).
+pub fn fnv_losses(losses: &[f64]) -> u64 {
+    fnv(losses.iter().flat_map(|l| l.to_bits().to_le_bytes()))
+}
+
+/// The fingerprint of parameters (their f32 bits, in registration order).
+pub fn fnv_params(params: &[Vec<f32>]) -> u64 {
+    fnv(params.iter().flatten().flat_map(|x| x.to_bits().to_le_bytes()))
+}
+
+/// One rank's run: losses (rank 0's are the global view only when every rank agrees), final
+/// parameters, the DDP memory and diagnostics after the last step, and the wire bytes of its
+/// steps (DDP's collectives, as the meter counts them).
+pub struct RankRun {
+    pub losses: Vec<f64>,
+    pub params: Vec<Vec<f32>>,
+    pub memory: brigade_ddp::RankMemory,
+    pub diagnostics: Vec<String>,
+    pub wire_bytes: f64,
+}
+
+/// What a test trains: widths, steps, microbatches, rows per microbatch, caps.
+#[derive(Clone, Copy)]
+pub struct Setup {
+    pub widths: &'static [usize],
+    pub steps: usize,
+    pub accum: usize,
+    pub micro: usize,
+    pub bucket_cap_mb: f64,
+    pub first_bucket_cap_mb: f64,
+}
+
+pub fn optimizer(kind: &str, params: Vec<brigade_autograd::Var>) -> Box<dyn brigade_autograd::Optimizer> {
+    match kind {
+        "sgd" => Box::new(brigade_autograd::Sgd::new(params, 0.1, 0.9, 1e-3)),
+        "plain-sgd" => Box::new(brigade_autograd::Sgd::new(params, 0.1, 0.0, 0.0)),
+        _ => Box::new(brigade_autograd::AdamW::new(params, 1e-2)),
+    }
+}
+
+/// `world` thread ranks, each on its shard, each with `policy(rank)`, the optimizer `kind`
+/// through DDP's optimizer; the communicator is metered (DDP's collectives only).
+pub fn train(
+    setup: Setup,
+    world: usize,
+    kind: &str,
+    policy: impl Fn(usize) -> Box<dyn brigade_ddp::ReducerPolicy> + Sync,
+) -> Vec<RankRun> {
+    use std::sync::Arc;
+    let last = setup.widths[setup.widths.len() - 1];
+    let (x, y) = teacher_data(
+        world * setup.micro * setup.accum * setup.steps,
+        setup.widths[0],
+        last,
+        3,
+    );
+    brigade_comm::run_on_threads(world, |comm| {
+        use brigade_comm::Communicator;
+        brigade_tensor::set_compute_threads(1);
+        let rank = comm.rank();
+        let meter = brigade_comm::CommMeter::new();
+        let comm: Arc<dyn brigade_comm::Communicator> = Arc::new(brigade_comm::Metered::new(comm, meter.clone()));
+        let m = Mlp::new(setup.widths, 42 + rank as u64);
+        let cfg = brigade_ddp::DdpConfig {
+            bucket_cap_mb: setup.bucket_cap_mb,
+            first_bucket_cap_mb: setup.first_bucket_cap_mb,
+            ..brigade_ddp::DdpConfig::default()
+        };
+        let ddp = brigade_ddp::DistributedDataParallel::new(&m.store, comm, cfg, policy(rank)).unwrap();
+        let full = optimizer(kind, m.store.params().to_vec());
+        let mut opt = ddp.optimizer(full, &|p| optimizer(kind, p)).unwrap();
+        // what the steps send (not the model check and parameter broadcast of construction)
+        let built = meter.totals();
+        let mut losses = vec![];
+        for s in 0..setup.steps {
+            m.store.zero_grad().unwrap();
+            let base = (s * world + rank) * setup.micro * setup.accum;
+            let mut step_loss = 0.0;
+            for j in 0..setup.accum {
+                let (xb, yb) = rows(&x, &y, base + j * setup.micro, setup.micro);
+                let loss = m.loss(&xb, &yb).mul_scalar(1.0 / setup.accum as f64).unwrap();
+                step_loss += loss.value().item().unwrap();
+                if j + 1 < setup.accum {
+                    ddp.no_sync(|| loss.backward()).unwrap();
+                } else {
+                    loss.backward().unwrap();
+                }
+            }
+            losses.push(step_loss);
+            brigade_autograd::Optimizer::step(&mut opt).unwrap();
+        }
+        RankRun {
+            losses,
+            params: m.values(),
+            memory: ddp.rank_memory(&opt).unwrap(),
+            diagnostics: ddp.policy_diagnostics().into_iter().map(|d| d.message).collect(),
+            wire_bytes: (meter.totals() - built).wire_bytes,
+        }
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+/// A built-in policy by spec, one per rank.
+pub fn spec(s: &str) -> impl Fn(usize) -> Box<dyn brigade_ddp::ReducerPolicy> + Sync + '_ {
+    move |_| {
+        s.parse::<brigade_policies::PolicySpec>()
+            .unwrap()
+            .build(&brigade_policies::Registry::new())
+            .unwrap()
+    }
+}

@@ -1,0 +1,12 @@
+//! brigade-policies' integration tests: each built-in policy against pinned results and
+//! references, and user policies written only against ddp's public contract.
+//!
+//! One test binary for the crate (integration tests as modules: one link, not one per file).
+
+mod common;
+mod direct;
+mod pinned;
+mod powersgd;
+mod resume;
+mod user;
+mod zero;
