@@ -1,4 +1,6 @@
-//! Reduction kernels over the ranks' shared buffers: f32 accumulation, rank order.
+//! Reduction kernels over raw buffers, shared by the thread backend (the ranks' own buffers)
+//! and the shared-memory path (a node's segment): f32 accumulation, in rank order, rounding
+//! once at the end.
 
 use half::{bf16, f16};
 
@@ -47,15 +49,24 @@ impl Element for bf16 {
     }
 }
 
-/// Reduces elements `lo..hi` over the buffers `srcs` (one per rank, rank order) and writes the
-/// result to elements `lo..hi` of every buffer in `dsts`.
+/// Reduces elements `lo..hi` over the buffers `srcs` (one per rank, rank order) with `op`,
+/// divides by `divisor` when `op` is `Avg`, and writes the result to elements `lo..hi` of every
+/// buffer in `dsts` (of element type `O`: the sources' type, or f32 to keep a partial sum
+/// unrounded).
 ///
 /// # Safety
-/// Every pointer must be valid for `hi` elements; during the call no other thread may read or
-/// write elements `lo..hi` of any of these buffers (the caller owns that range in all of them).
-pub(crate) unsafe fn reduce_range<E: Element>(srcs: &[*mut E], dsts: &[*mut E], lo: usize, hi: usize, op: ReduceOp) {
+/// Every pointer must be valid for `hi` elements; during the call no other thread or process
+/// may write elements `lo..hi` of any of these buffers, nor read them in `dsts` (the caller owns
+/// that range in all of them).
+pub(crate) unsafe fn reduce_range<E: Element, O: Element>(
+    srcs: &[*const E],
+    dsts: &[*mut O],
+    lo: usize,
+    hi: usize,
+    op: ReduceOp,
+    divisor: f32,
+) {
     let mut acc = [0f32; BLOCK];
-    let world = srcs.len() as f32;
     let mut start = lo;
     while start < hi {
         let n = BLOCK.min(hi - start);
@@ -83,16 +94,30 @@ pub(crate) unsafe fn reduce_range<E: Element>(srcs: &[*mut E], dsts: &[*mut E], 
         }
         if op == ReduceOp::Avg {
             for a in acc.iter_mut() {
-                *a /= world;
+                *a /= divisor;
             }
         }
         for &dst in dsts {
             // SAFETY: as above; `first`/`xs` are no longer used.
             let out = unsafe { std::slice::from_raw_parts_mut(dst.add(start), n) };
             for (o, a) in out.iter_mut().zip(acc.iter()) {
-                *o = E::from_f32(*a);
+                *o = O::from_f32(*a);
             }
         }
         start += n;
+    }
+}
+
+/// Writes `src` (f32 partial results), divided by `divisor` when `op` is `Avg`, into `dst`
+/// as `E`, rounding once.
+pub(crate) fn finish_into<E: Element>(src: &[f32], dst: &mut [E], op: ReduceOp, divisor: f32) {
+    if op == ReduceOp::Avg {
+        for (o, a) in dst.iter_mut().zip(src) {
+            *o = E::from_f32(*a / divisor);
+        }
+    } else {
+        for (o, a) in dst.iter_mut().zip(src) {
+            *o = E::from_f32(*a);
+        }
     }
 }
