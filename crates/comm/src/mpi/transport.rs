@@ -47,7 +47,7 @@ use crate::desc::{all_agree, first_mismatch, validate, OpDesc, OpKind, DESC_BYTE
 use crate::kernels::{finish_into, Element};
 use crate::shm::Death;
 use crate::stream::Transport;
-use crate::{Buffer, CommError, ReduceOp};
+use crate::{Buffer, CommError, DType, ReduceOp};
 
 /// Longest tag text shown in a mismatch error.
 const MAX_TAG_BYTES: usize = 256;
@@ -151,9 +151,35 @@ impl MpiTransport {
         let (dtype, len) = buf.as_ref().map_or((None, 0), |b| (Some(b.dtype()), b.len()));
         let desc = OpDesc::new(self.slot, kind, dtype, len, tag);
         self.slot += 1;
-        let result = self
-            .agree(&desc, tag, deadline)
-            .and_then(|()| self.move_data(&desc, buf.as_deref_mut(), tag, deadline));
+        let result = match (kind, buf.as_deref_mut(), &mut self.node) {
+            // Inside one node an all-reduce agrees and moves in the same phases.
+            (OpKind::AllReduce(op), Some(buf), Some(node)) if node.single_node() && buf.dtype() != DType::U8 => {
+                let (world, n) = (self.world, buf.len());
+                let divisor = world as f32;
+                // SAFETY: `buf` is ours for the call; the segment's protocol moves nothing
+                // unless every local rank issued the same collective.
+                unsafe {
+                    match buf {
+                        Buffer::F32(v) => {
+                            node.shm
+                                .all_reduce(&desc, v.as_mut_ptr(), n, op, divisor, tag, world, deadline)
+                        }
+                        Buffer::F16(v) => {
+                            node.shm
+                                .all_reduce(&desc, v.as_mut_ptr(), n, op, divisor, tag, world, deadline)
+                        }
+                        Buffer::BF16(v) => {
+                            node.shm
+                                .all_reduce(&desc, v.as_mut_ptr(), n, op, divisor, tag, world, deadline)
+                        }
+                        Buffer::U8(_) => unreachable!("matched above"),
+                    }
+                }
+            }
+            _ => self
+                .agree(&desc, tag, deadline)
+                .and_then(|()| self.move_data(&desc, buf.as_deref_mut(), tag, deadline)),
+        };
         if let Err(err @ (CommError::Timeout { .. } | CommError::Internal(_))) = &result {
             self.break_down(err, buf);
         }
@@ -442,7 +468,7 @@ impl MpiTransport {
         Ok(())
     }
 
-    /// Through the node's segment, and across nodes over MPI when there are several.
+    /// Across nodes: through the node's segment and over MPI (hierarchical).
     fn all_reduce_node(
         &mut self,
         desc: &OpDesc,
@@ -451,21 +477,6 @@ impl MpiTransport {
         tag: &str,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let world = self.world as f32;
-        let n = buf.len();
-        let node = self.node.as_mut().expect("checked by the caller");
-        if node.single_node() {
-            // SAFETY: the descriptors agree, so every local rank runs this with the same `n`,
-            // dtype and op; `buf` is ours for the call.
-            return unsafe {
-                match buf {
-                    Buffer::F32(v) => node.shm.all_reduce(v.as_mut_ptr(), n, op, world, tag, deadline),
-                    Buffer::F16(v) => node.shm.all_reduce(v.as_mut_ptr(), n, op, world, tag, deadline),
-                    Buffer::BF16(v) => node.shm.all_reduce(v.as_mut_ptr(), n, op, world, tag, deadline),
-                    Buffer::U8(_) => unreachable!("validate rejects reductions on u8"),
-                }
-            };
-        }
         match buf {
             Buffer::F32(v) => self.hierarchical(desc, v, op, tag, deadline),
             Buffer::F16(v) => self.hierarchical(desc, v, op, tag, deadline),

@@ -1,14 +1,29 @@
 //! One process's end of a node's shared segment: agreement on each collective, and the
 //! all-reduce (whole, or split into its reduce-scatter and all-gather halves for the
 //! hierarchical path) in blocks through the segment.
+//!
+//! # Phases
+//! Every rank runs the same sequence of *phases*, numbered from 1 and counted across
+//! collectives. In phase `q` a rank writes its slot `q % SLOTS` (and, for an agreement, its
+//! descriptor), then sets its `phase` counter to `q`, then waits until every local rank did.
+//! After phase `q` it may read what the peers wrote in phase `q`. A slot written in phase `q`
+//! is read in phase `q` (after the wait) and `q + 1`, and rewritten in phase `q + 3`, when every
+//! peer is past phase `q + 2` (the wait of phase `q + 2`): no slot is written while read.
+//!
+//! An all-reduce of `B` blocks is `B + 1` phases: the first carries the descriptor and block 0's
+//! input (where the whole job is one node, it *is* the agreement: nobody reads the input before
+//! the descriptors agree); phase `1 + s` reduces this rank's chunk of block `s` (from its own
+//! buffer and the peers' slots of the phase before) into its buffer and its slot, writes block
+//! `s + 1`'s input into the next slot, and after the wait copies the peers' reduced chunks of
+//! block `s` out of their slots. One handshake per block.
 
 use std::hint::spin_loop;
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use super::segment::{
     chunk, futex_wait, futex_wake_all, Control, DescSlot, CONTROL_BYTES, MAX_NAP, MAX_REASON_BYTES, MAX_TAG_BYTES,
-    SLOT_BYTES,
+    SLOTS, SLOT_BYTES,
 };
 use crate::desc::{first_mismatch, validate, OpDesc};
 use crate::kernels::{finish_into, reduce_range, Element};
@@ -28,27 +43,7 @@ pub(crate) enum Death {
     Closed = 2,
 }
 
-/// Which progress counter of a rank's control block.
-#[derive(Clone, Copy)]
-enum Counter {
-    Arrived,
-    Published,
-    Reduced,
-    Done,
-}
-
-impl Counter {
-    fn of(self, c: &Control) -> &AtomicU64 {
-        match self {
-            Counter::Arrived => &c.arrived.0,
-            Counter::Published => &c.published.0,
-            Counter::Reduced => &c.reduced.0,
-            Counter::Done => &c.done.0,
-        }
-    }
-}
-
-/// One local rank's view of the node's segment (see the module docs of [`super`]).
+/// One local rank's view of the node's segment (see the module docs).
 pub(crate) struct ShmNode {
     /// Base of each local rank's region, local rank order.
     regions: Vec<*mut u8>,
@@ -57,10 +52,9 @@ pub(crate) struct ShmNode {
     /// World rank of each local rank (errors name world ranks).
     world_ranks: Vec<usize>,
     timeout: Duration,
-    /// Collectives agreed on so far.
-    slot: u64,
-    /// Blocks moved so far (the same count on every local rank: they agree on every length).
-    block: u64,
+    /// Phases this rank finished (the same count on every local rank: they agree on every
+    /// length, so they run the same phases).
+    phase: u64,
 }
 
 // SAFETY: the regions stay mapped for the node's lifetime (the owner of the mapping outlives
@@ -84,8 +78,7 @@ impl ShmNode {
             me,
             world_ranks,
             timeout,
-            slot: 0,
-            block: 0,
+            phase: 0,
         }
     }
 
@@ -108,53 +101,35 @@ impl ShmNode {
         unsafe { &*(self.regions[rank] as *const Control) }
     }
 
-    /// Data half `half` of local rank `rank`, as elements of `E`.
-    fn half<E>(&self, rank: usize, half: usize) -> *mut E {
+    /// Slot `slot` of local rank `rank`, as elements of `E`.
+    fn slot<E>(&self, rank: usize, slot: usize) -> *mut E {
         // SAFETY: in bounds of the region (`new`).
-        unsafe { self.regions[rank].add(CONTROL_BYTES + half * SLOT_BYTES).cast() }
+        unsafe { self.regions[rank].add(CONTROL_BYTES + slot * SLOT_BYTES).cast() }
     }
 
-    /// Moves one of this rank's counters and wakes the sleepers, if any.
-    fn publish(&self, counter: Counter, value: u64) {
-        counter.of(self.control(self.me)).store(value, SeqCst);
+    /// Runs the next phase: `write(self, slot)` fills this rank's part of it (its slot
+    /// `slot`, its descriptor), then the phase is published and every local rank's awaited.
+    /// Returns the phase's number.
+    fn run_phase(&mut self, tag: &str, deadline: Instant, write: impl FnOnce(&Self, usize)) -> Result<u64, CommError> {
+        let q = self.phase + 1;
+        write(self, (q % SLOTS as u64) as usize);
+        self.phase = q;
+        self.control(self.me).phase.0.store(q, SeqCst);
         let head = self.control(0);
         if head.sleepers.0.load(SeqCst) > 0 {
             head.doorbell.0.fetch_add(1, SeqCst);
             futex_wake_all(&head.doorbell.0);
         }
+        self.wait_all(q, tag, deadline)?;
+        Ok(q)
     }
 
-    /// Waits until every local rank's `counter` reached `at_least`.
-    fn wait_all(&self, counter: Counter, at_least: u64, tag: &str, deadline: Instant) -> Result<(), CommError> {
-        let ready = || (0..self.size()).all(|r| counter.of(self.control(r)).load(SeqCst) >= at_least);
-        self.wait_until(ready, counter, at_least, tag, deadline)
-    }
-
-    /// Waits until local rank `rank`'s `counter` reached `at_least`.
-    fn wait_one(
-        &self,
-        rank: usize,
-        counter: Counter,
-        at_least: u64,
-        tag: &str,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
-        let ready = || counter.of(self.control(rank)).load(SeqCst) >= at_least;
-        self.wait_until(ready, counter, at_least, tag, deadline)
-    }
-
-    /// Spins briefly, then sleeps on the doorbell until `ready`; fails when a peer is dead
-    /// (readiness is checked first: a peer that finished its part and then left fails no
-    /// one) or at `deadline` (this rank then declares itself dead, so that its peers fail at
-    /// once rather than at their own deadlines).
-    fn wait_until(
-        &self,
-        ready: impl Fn() -> bool,
-        counter: Counter,
-        at_least: u64,
-        tag: &str,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    /// Spins briefly, then sleeps on the doorbell until every local rank finished phase `q`;
+    /// fails when a peer is dead (readiness is checked first: a peer that finished its part
+    /// and then left fails no one) or at `deadline` (this rank then declares itself dead, so
+    /// that its peers fail at once rather than at their own deadlines).
+    fn wait_all(&self, q: u64, tag: &str, deadline: Instant) -> Result<(), CommError> {
+        let ready = || (0..self.size()).all(|r| self.control(r).phase.0.load(SeqCst) >= q);
         if ready() {
             return Ok(());
         }
@@ -181,7 +156,7 @@ impl ShmNode {
             } else {
                 let now = Instant::now();
                 if now >= deadline {
-                    Some(Err(self.give_up(counter, at_least, tag)))
+                    Some(Err(self.give_up(q, tag)))
                 } else {
                     futex_wait(&head.doorbell.0, bell, (deadline - now).min(MAX_NAP));
                     None
@@ -195,9 +170,9 @@ impl ShmNode {
     }
 
     /// The timeout: names the ranks waited for, and declares this rank dead.
-    fn give_up(&self, counter: Counter, at_least: u64, tag: &str) -> CommError {
+    fn give_up(&self, q: u64, tag: &str) -> CommError {
         let missing: Vec<usize> = (0..self.size())
-            .filter(|&r| counter.of(self.control(r)).load(SeqCst) < at_least)
+            .filter(|&r| self.control(r).phase.0.load(SeqCst) < q)
             .map(|r| self.world_ranks[r])
             .collect();
         self.mark_dead(
@@ -243,7 +218,7 @@ impl ShmNode {
         let own = self.control(self.me);
         if own.dead.0.load(SeqCst) == 0 {
             let bytes = &reason.as_bytes()[..reason.len().min(MAX_REASON_BYTES)];
-            // SAFETY: only this rank writes its note, and peers read it only once `dead` is 1.
+            // SAFETY: only this rank writes its note, and peers read it only once `dead` is set.
             unsafe {
                 let note = &mut *own.death.get();
                 note.text[..bytes.len()].copy_from_slice(bytes);
@@ -256,35 +231,27 @@ impl ShmNode {
         futex_wake_all(&head.doorbell.0);
     }
 
-    /// Agrees on the next collective: publishes this rank's descriptor and tag, waits for
-    /// every local rank's, and returns the verdict every local rank reaches from the same
-    /// descriptors: a mismatch naming both ranks, or whether the collective can run in a
-    /// world of `world` ranks. Passing it is also a barrier.
-    pub(crate) fn agree(&mut self, desc: &OpDesc, tag: &str, world: usize, deadline: Instant) -> Result<(), CommError> {
-        // A collective with a dead peer can never complete (and the dead one may have arrived
-        // at this slot before it gave up).
-        if let Some(err) = self.first_dead(tag) {
-            return Err(err);
-        }
-        let parity = (self.slot % 2) as usize;
-        self.slot += 1;
+    /// Writes this rank's descriptor of phase `q`'s collective.
+    fn write_desc(&self, q: u64, desc: &OpDesc, tag: &str) {
         let tag_bytes = &tag.as_bytes()[..tag.len().min(MAX_TAG_BYTES)];
-        // SAFETY: this rank's descriptor of this parity is read by peers only after they see
-        // `arrived` reach this slot, and no peer still reads the previous one of this parity
-        // (they all arrived at the slot in between, see `Control::descs`).
+        // SAFETY: peers read this rank's descriptor of this parity only after it publishes
+        // phase `q`, and none still reads the one of phase `q - 2` (module docs).
         unsafe {
-            let slot: &mut DescSlot = &mut (*self.control(self.me).descs.get())[parity];
+            let slot: &mut DescSlot = &mut (*self.control(self.me).descs.get())[(q % 2) as usize];
             slot.bytes = desc.encode();
             slot.tag[..tag_bytes.len()].copy_from_slice(tag_bytes);
             slot.tag_len = tag_bytes.len() as u32;
         }
-        self.publish(Counter::Arrived, self.slot);
-        self.wait_all(Counter::Arrived, self.slot, tag, deadline)?;
+    }
+
+    /// The verdict every local rank reaches from the descriptors of phase `q`: a mismatch
+    /// naming both ranks and tags, or whether the collective can run on `world` ranks.
+    fn verdict(&self, q: u64, tag: &str, world: usize) -> Result<(), CommError> {
         let mut descs = Vec::with_capacity(self.size());
         let mut tags = Vec::with_capacity(self.size());
         for r in 0..self.size() {
-            // SAFETY: published before `arrived` reached this slot (waited for above).
-            let slot: &DescSlot = unsafe { &(*self.control(r).descs.get())[parity] };
+            // SAFETY: published with phase `q`, which every rank finished.
+            let slot: &DescSlot = unsafe { &(*self.control(r).descs.get())[(q % 2) as usize] };
             let decoded = OpDesc::decode(&slot.bytes).ok_or_else(|| {
                 CommError::Internal(format!(
                     "rank {}: rank {} left an unreadable descriptor in collective `{tag}` (a different \
@@ -309,126 +276,143 @@ impl ShmNode {
         validate(&descs[0], world, tag)
     }
 
-    /// Starts block `g`: waits until this rank's half `g % 2` is free (every rank finished
-    /// reading it, in block `g - 2`).
-    fn next_block(&mut self, tag: &str, deadline: Instant) -> Result<(u64, usize), CommError> {
-        self.block += 1;
-        let g = self.block;
-        if g > 2 {
-            self.wait_all(Counter::Done, g - 2, tag, deadline)?;
-        }
-        Ok((g, (g % 2) as usize))
+    /// Agrees on a collective that moves no data through the segment: every local rank
+    /// publishes its descriptor and tag, and all reach the same verdict (see
+    /// [`ShmNode::verdict`]). Passing it is also a barrier.
+    pub(crate) fn agree(&mut self, desc: &OpDesc, tag: &str, world: usize, deadline: Instant) -> Result<(), CommError> {
+        self.check_peers(tag)?;
+        let q = self.run_phase(tag, deadline, |node, _| node.write_desc(node.phase + 1, desc, tag))?;
+        self.verdict(q, tag, world)
     }
 
-    /// Copies the parts of block `data[..m]` that the peers reduce into this rank's half, and
-    /// waits until every rank did the same.
+    /// A collective with a dead peer can never complete (and the dead one may have finished
+    /// the phase it died in).
+    fn check_peers(&self, tag: &str) -> Result<(), CommError> {
+        match self.first_dead(tag) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Copies the parts of a block (`m` elements at `data`) that the peers reduce into slot
+    /// `slot` of this rank.
     ///
     /// # Safety
-    /// `data` is valid for `m` reads; the half is this rank's for block `g` (`next_block`).
-    unsafe fn share_block<E: Element>(
-        &self,
-        data: *const E,
-        m: usize,
-        g: u64,
-        half: usize,
-        tag: &str,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    /// `data` is valid for `m` reads; the slot is this rank's to write in this phase.
+    unsafe fn share<E: Element>(&self, data: *const E, m: usize, slot: usize) {
         let size = self.size();
-        let mine = self.half::<E>(self.me, half);
+        let mine = self.slot::<E>(self.me, slot);
         for r in (0..size).filter(|&r| r != self.me) {
             let (a, b) = chunk(m, size, r);
-            // SAFETY: in bounds of both; nobody reads this half before `published` says so.
+            // SAFETY: in bounds of both; nobody reads this slot before the phase is published.
             unsafe { std::ptr::copy_nonoverlapping(data.add(a), mine.add(a), b - a) };
         }
-        self.publish(Counter::Published, g);
-        self.wait_all(Counter::Published, g, tag, deadline)
     }
 
-    /// Where this rank's chunk of block `g` lives on every rank (rank order): this rank's own
-    /// input at `own`, the peers' halves otherwise; offset to the chunk's start `a`.
-    fn sources<E>(&self, own: *const E, half: usize, a: usize) -> Vec<*const E> {
-        (0..self.size())
+    /// Reduces this rank's chunk `a..b` of a block over its own input `own` and the peers'
+    /// slot `slot`, into `dsts` (offset to the chunk's start).
+    ///
+    /// # Safety
+    /// The peers' slot holds the block's input (published in an awaited phase); `own` and every
+    /// `dsts` pointer hold the chunk, which nobody else touches meanwhile.
+    unsafe fn reduce_chunk<E: Element, O: Element>(
+        &self,
+        own: *const E,
+        slot: usize,
+        (a, b): (usize, usize),
+        dsts: &[*mut O],
+        op: ReduceOp,
+        divisor: f32,
+    ) {
+        let srcs: Vec<*const E> = (0..self.size())
             .map(|r| {
                 let base = if r == self.me {
                     own
                 } else {
-                    self.half::<E>(r, half).cast_const()
+                    self.slot::<E>(r, slot).cast_const()
                 };
                 // SAFETY: `a` is within the block, hence within both buffers.
                 unsafe { base.add(a) }
             })
-            .collect()
+            .collect();
+        // SAFETY: the caller's contract.
+        unsafe { reduce_range(&srcs, dsts, 0, b - a, op, divisor) };
     }
 
-    /// Copies the peers' reduced chunks of block `g` from their halves into `data[..m]`,
-    /// then says this rank is done with block `g`.
+    /// Copies the peers' chunks of a block (`m` elements at `data`) from their slot `slot`.
     ///
     /// # Safety
-    /// `data` is valid for `m` writes and not read by anyone else meanwhile.
-    unsafe fn fetch_block<E: Element>(
-        &self,
-        data: *mut E,
-        m: usize,
-        g: u64,
-        half: usize,
-        tag: &str,
-        deadline: Instant,
-    ) -> Result<(), CommError> {
+    /// The peers' chunks are final in that slot (an awaited phase); `data` is valid for `m`
+    /// writes and nobody else touches it.
+    unsafe fn fetch<E: Element>(&self, data: *mut E, m: usize, slot: usize) {
         let size = self.size();
         for r in (0..size).filter(|&r| r != self.me) {
-            self.wait_one(r, Counter::Reduced, g, tag, deadline)?;
             let (a, b) = chunk(m, size, r);
-            // SAFETY: rank r reduced chunk r of its half and no longer writes it this block.
-            unsafe { std::ptr::copy_nonoverlapping(self.half::<E>(r, half).add(a), data.add(a), b - a) };
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(self.slot::<E>(r, slot).add(a), data.add(a), b - a) };
         }
-        self.publish(Counter::Done, g);
-        Ok(())
     }
 
-    /// In-place all-reduce of `data` over the local ranks (f32 accumulation in local rank
-    /// order; `Avg` divides by `divisor`), block by block through the segment.
+    /// Agrees on an all-reduce (see [`ShmNode::agree`]) and runs it: `data` (`n` elements) is
+    /// reduced in place over the local ranks with f32 accumulation in local rank order
+    /// (`Avg` divides by `divisor`), block by block through the segment. Block 0's input
+    /// travels with the descriptor; nobody reads it unless all agree.
     ///
     /// # Safety
-    /// `data` is valid for `n` reads and writes and used by nobody else during the call; every
-    /// local rank calls this with the same `n`, `E` and `op` (agreed first).
+    /// `data` is valid for `n` reads and writes and used by nobody else during the call.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn all_reduce<E: Element>(
         &mut self,
+        desc: &OpDesc,
         data: *mut E,
         n: usize,
         op: ReduceOp,
         divisor: f32,
         tag: &str,
+        world: usize,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        self.check_peers(tag)?;
         let per_block = SLOT_BYTES / std::mem::size_of::<E>();
+        let blocks = n.div_ceil(per_block);
+        let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
+        let first = self.run_phase(tag, deadline, |node, slot| {
+            node.write_desc(node.phase + 1, desc, tag);
+            if blocks > 0 {
+                // SAFETY: block 0 is within `data`; the slot is ours in this phase.
+                unsafe { node.share(data.cast_const(), block(0).1, slot) };
+            }
+        })?;
+        self.verdict(first, tag, world)?;
         let size = self.size();
-        let mut lo = 0;
-        while lo < n {
-            let m = per_block.min(n - lo);
-            let (g, half) = self.next_block(tag, deadline)?;
-            // SAFETY: `lo + m <= n`; the half is ours for block g.
-            let block = unsafe { data.add(lo) };
-            unsafe { self.share_block(block.cast_const(), m, g, half, tag, deadline)? };
+        for s in 0..blocks {
+            let (lo, m) = block(s);
+            let input = ((first + s as u64) % SLOTS as u64) as usize;
             let (a, b) = chunk(m, size, self.me);
-            let srcs = self.sources(block.cast_const(), half, a);
-            // SAFETY: chunk `me` of this block is this rank's alone: peers read only their own
-            // chunk of our half, and our own input's chunk is private.
-            let dsts = unsafe { [block.add(a), self.half::<E>(self.me, half).add(a)] };
-            unsafe { reduce_range(&srcs, &dsts, 0, b - a, op, divisor) };
-            self.publish(Counter::Reduced, g);
-            unsafe { self.fetch_block(block, m, g, half, tag, deadline)? };
-            lo += m;
+            // SAFETY: `lo + m <= n`; block s's input is in every peer's slot `input` (the phase
+            // before, awaited); our chunk of `data` and of our slot `input` are ours alone.
+            unsafe {
+                let own = data.add(lo);
+                self.run_phase(tag, deadline, |node, next| {
+                    let dsts = [own.add(a), node.slot::<E>(node.me, input).add(a)];
+                    node.reduce_chunk(own.cast_const(), input, (a, b), &dsts, op, divisor);
+                    if s + 1 < blocks {
+                        let (next_lo, next_m) = block(s + 1);
+                        node.share(data.add(next_lo).cast_const(), next_m, next);
+                    }
+                })?;
+                self.fetch(own, m, input);
+            }
         }
         Ok(())
     }
 
-    /// The first half of a hierarchical all-reduce: reduces `data` (`n` elements) over the
-    /// local ranks with `op` (`Avg` sums: the division comes at the end), keeping this rank's
-    /// chunk of every block, unrounded, in `shard` (blocks in order).
+    /// The first half of a hierarchical all-reduce (agreed on beforehand): reduces `data` (`n`
+    /// elements) over the local ranks with `op` (`Avg` sums: the division comes at the end),
+    /// keeping this rank's chunk of every block, unrounded, in `shard` (blocks in order).
     ///
     /// # Safety
-    /// As [`ShmNode::all_reduce`] (`data` is only read).
+    /// `data` is valid for `n` reads; every local rank calls this with the same `n`, `E`, `op`.
     pub(crate) unsafe fn reduce_scatter_f32<E: Element>(
         &mut self,
         data: *const E,
@@ -438,30 +422,50 @@ impl ShmNode {
         tag: &str,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        self.check_peers(tag)?;
         let per_block = SLOT_BYTES / std::mem::size_of::<E>();
-        let size = self.size();
+        let blocks = n.div_ceil(per_block);
+        let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
         let combine = if op == ReduceOp::Max {
             ReduceOp::Max
         } else {
             ReduceOp::Sum
         };
+        let size = self.size();
         shard.clear();
-        let mut lo = 0;
-        while lo < n {
-            let m = per_block.min(n - lo);
-            let (g, half) = self.next_block(tag, deadline)?;
-            // SAFETY: as in `all_reduce`.
-            let block = unsafe { data.add(lo) };
-            unsafe { self.share_block(block, m, g, half, tag, deadline)? };
+        shard.resize(
+            (0..blocks)
+                .map(|s| {
+                    let (a, b) = chunk(block(s).1, size, self.me);
+                    b - a
+                })
+                .sum(),
+            0.0,
+        );
+        if blocks == 0 {
+            return Ok(());
+        }
+        // SAFETY: block 0 is within `data`; the slot is ours in this phase.
+        let first = self.run_phase(tag, deadline, |node, slot| unsafe {
+            node.share(data, block(0).1, slot)
+        })?;
+        let mut pos = 0;
+        for s in 0..blocks {
+            let (lo, m) = block(s);
+            let input = ((first + s as u64) % SLOTS as u64) as usize;
             let (a, b) = chunk(m, size, self.me);
-            let start = shard.len();
-            shard.resize(start + (b - a), 0.0);
-            let srcs = self.sources(block, half, a);
-            // SAFETY: `shard` holds `b - a` elements from `start`.
-            let dsts = [unsafe { shard.as_mut_ptr().add(start) }];
-            unsafe { reduce_range(&srcs, &dsts, 0, b - a, combine, 1.0) };
-            self.publish(Counter::Done, g);
-            lo += m;
+            // SAFETY: as in `all_reduce`; `shard` holds `b - a` elements from `pos`.
+            unsafe {
+                let out = [shard.as_mut_ptr().add(pos)];
+                self.run_phase(tag, deadline, |node, next| {
+                    node.reduce_chunk(data.add(lo), input, (a, b), &out, combine, 1.0);
+                    if s + 1 < blocks {
+                        let (next_lo, next_m) = block(s + 1);
+                        node.share(data.add(next_lo), next_m, next);
+                    }
+                })?;
+            }
+            pos += b - a;
         }
         Ok(())
     }
@@ -471,7 +475,8 @@ impl ShmNode {
     /// into its place in `data`, divided by `divisor` for `Avg`.
     ///
     /// # Safety
-    /// As [`ShmNode::all_reduce`].
+    /// `data` is valid for `n` writes and used by nobody else during the call; every local
+    /// rank calls this with the same `n`, `E` and `op`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn all_gather_f32<E: Element>(
         &mut self,
@@ -483,24 +488,26 @@ impl ShmNode {
         tag: &str,
         deadline: Instant,
     ) -> Result<(), CommError> {
+        self.check_peers(tag)?;
         let per_block = SLOT_BYTES / std::mem::size_of::<E>();
         let size = self.size();
-        let mut lo = 0;
-        let mut pos = 0;
+        let (mut lo, mut pos) = (0, 0);
         while lo < n {
             let m = per_block.min(n - lo);
-            let (g, half) = self.next_block(tag, deadline)?;
             let (a, b) = chunk(m, size, self.me);
             let part = &shard[pos..pos + (b - a)];
             pos += b - a;
-            // SAFETY: chunk `me` of our half and of `data`'s block are ours in this block.
+            // SAFETY: our chunk of `data`'s block and of our slot are ours in this phase; after
+            // it, the peers' chunks are final in their slot of the phase.
             unsafe {
-                let out = std::slice::from_raw_parts_mut(data.add(lo + a), b - a);
-                finish_into(part, out, op, divisor);
-                std::ptr::copy_nonoverlapping(out.as_ptr(), self.half::<E>(self.me, half).add(a), b - a);
+                let block = data.add(lo);
+                let q = self.run_phase(tag, deadline, |node, slot| {
+                    let out = std::slice::from_raw_parts_mut(block.add(a), b - a);
+                    finish_into(part, out, op, divisor);
+                    std::ptr::copy_nonoverlapping(out.as_ptr(), node.slot::<E>(node.me, slot).add(a), b - a);
+                })?;
+                self.fetch(block, m, (q % SLOTS as u64) as usize);
             }
-            self.publish(Counter::Reduced, g);
-            unsafe { self.fetch_block(data.add(lo), m, g, half, tag, deadline)? };
             lo += m;
         }
         Ok(())

@@ -2,10 +2,11 @@
 //! spin, then a futex on the node's doorbell (a process that has nothing to do gives its core
 //! back), never past the collective's deadline.
 //!
-//! Each local rank owns one region of [`REGION_BYTES`]: a [`Control`] block (its progress
-//! counters, its descriptor of the current collective, whether it is dead and why) and two
-//! halves of [`SLOT_BYTES`] of data (double buffering: block `g` uses half `g % 2`). Only the
-//! owner writes its control block; peers read it. Every counter only grows.
+//! Each local rank owns one region of [`REGION_BYTES`]: a [`Control`] block (its phase
+//! counter, its descriptor of the current collective, whether it is dead and why) and
+//! [`SLOTS`] data slots of [`SLOT_BYTES`] (phase `q` writes slot `q % SLOTS`). Only the owner
+//! writes its region's control block and slots' own parts; peers read them. The counter only
+//! grows.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -15,12 +16,17 @@ use crate::desc::DESC_BYTES;
 
 /// Bytes of a rank's control block (page-sized, so that the data halves stay page-aligned).
 pub(crate) const CONTROL_BYTES: usize = 4096;
-/// Bytes of one data half: a block of a collective. Small enough that a block's round trip
-/// through the segment (written by one core, read by the others) stays in the caches; large
-/// enough that the handshakes per block cost little.
-pub(crate) const SLOT_BYTES: usize = 128 << 10;
-/// Bytes of one rank's region: its control block and two data halves.
-pub(crate) const REGION_BYTES: usize = CONTROL_BYTES + 2 * SLOT_BYTES;
+/// Bytes of one data slot: a block of a collective. Small enough that a block's round trip
+/// through the segment (written by one core, read by the others) stays in the last-level
+/// cache; large enough that the one handshake per block costs little, also when the ranks
+/// share their cores with compute threads and a handshake can mean a sleep.
+pub(crate) const SLOT_BYTES: usize = 1 << 20;
+/// Data slots per rank: a slot written in phase `q` is read by the peers in phases `q + 1`
+/// (the input it holds, reduced) and `q + 1` again (the result left in its own part), and
+/// written again in phase `q + 3`, by which time every peer has finished phase `q + 1`.
+pub(crate) const SLOTS: usize = 3;
+/// Bytes of one rank's region: its control block and its data slots.
+pub(crate) const REGION_BYTES: usize = CONTROL_BYTES + SLOTS * SLOT_BYTES;
 /// Longest tag kept in the segment (longer tags are compared by hash and shown cut).
 pub(crate) const MAX_TAG_BYTES: usize = 256;
 /// Longest reason a dead rank leaves for its peers.
@@ -49,14 +55,8 @@ pub(crate) struct DeathNote {
 /// The head of a rank's region. All-zero bytes are its initial state.
 #[repr(C)]
 pub(crate) struct Control {
-    /// Collectives whose descriptor this rank has published (slot + 1).
-    pub(crate) arrived: Line<AtomicU64>,
-    /// Blocks whose input this rank has copied into its data half.
-    pub(crate) published: Line<AtomicU64>,
-    /// Blocks whose own chunk this rank has reduced (and left in its data half for the peers).
-    pub(crate) reduced: Line<AtomicU64>,
-    /// Blocks this rank has finished reading from its peers' halves.
-    pub(crate) done: Line<AtomicU64>,
+    /// Phases this rank has finished writing (see `node`'s protocol).
+    pub(crate) phase: Line<AtomicU64>,
     /// The node's doorbell (used in local rank 0's block only): bumped, and the futex woken,
     /// when a counter moves while someone sleeps.
     pub(crate) doorbell: Line<AtomicU32>,
@@ -65,8 +65,8 @@ pub(crate) struct Control {
     /// Non-zero once this rank left (a `node::Death`); `death` says why.
     pub(crate) dead: Line<AtomicU32>,
     pub(crate) death: UnsafeCell<DeathNote>,
-    /// Descriptors, by slot parity: a rank writes slot `s + 2`'s only after every rank arrived
-    /// at `s + 1`, i.e. finished reading slot `s`'s.
+    /// Descriptors, by phase parity: a rank writes phase `q + 2`'s only after every rank
+    /// finished phase `q + 1`, i.e. finished reading phase `q`'s.
     pub(crate) descs: UnsafeCell<[DescSlot; 2]>,
 }
 

@@ -109,11 +109,11 @@ fn check_all_reduce<E: Element>(dtype: DType) {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                 for n in lens {
                     salt += 1;
-                    node.agree(&desc(slot, op, dtype, n, "ar"), "ar", size, far()).unwrap();
+                    let d = desc(slot, op, dtype, n, "ar");
                     slot += 1;
                     let mut data: Vec<E> = input(me, n, salt);
                     unsafe {
-                        node.all_reduce(data.as_mut_ptr(), n, op, size as f32, "ar", far())
+                        node.all_reduce(&d, data.as_mut_ptr(), n, op, size as f32, "ar", size, far())
                             .unwrap()
                     };
                     out.push((op, n, salt, data));
@@ -166,10 +166,13 @@ fn reduce_scatter_then_all_gather_equals_the_all_reduce() {
 fn a_mismatch_fails_every_rank_with_both_descriptions_and_the_next_collective_runs() {
     let results = on_node(3, Duration::from_secs(30), |node, me| {
         let (n, tag) = if me == 2 { (7, "bucket 2") } else { (8, "bucket 0") };
-        let first = node.agree(&desc(0, ReduceOp::Sum, DType::F32, n, tag), tag, 3, far());
+        let mut data = vec![me as f32; n];
+        let d = desc(0, ReduceOp::Sum, DType::F32, n, tag);
+        let first = unsafe { node.all_reduce(&d, data.as_mut_ptr(), n, ReduceOp::Sum, 3.0, tag, 3, far()) };
         let second = node.agree(&desc(1, ReduceOp::Sum, DType::F32, 4, "next"), "next", 3, far());
         let mut data = vec![me as f32; 4];
-        unsafe { node.all_reduce(data.as_mut_ptr(), 4, ReduceOp::Sum, 3.0, "next", far()) }.unwrap();
+        let d = desc(2, ReduceOp::Sum, DType::F32, 4, "next");
+        unsafe { node.all_reduce(&d, data.as_mut_ptr(), 4, ReduceOp::Sum, 3.0, "next", 3, far()) }.unwrap();
         (first, second, data)
     });
     for (me, (first, second, data)) in results.into_iter().enumerate() {
@@ -232,14 +235,19 @@ fn a_missing_peer_times_out_and_the_late_one_fails_at_once() {
 fn collectives_of_changing_lengths_back_to_back_keep_their_blocks_apart() {
     // Many small and multi-block all-reduces in a row exercise the double-buffered halves
     // and descriptors: a rank refilling a half too early would corrupt a peer's block.
-    let lens = [1usize, 40_000, 3, 70_001, 16, 100_000, 5];
+    let per_block = SLOT_BYTES / 4;
+    let lens = [1usize, 2 * per_block + 1, 3, per_block, 16, 3 * per_block - 5, 5];
     let results = on_node(3, Duration::from_secs(30), |node, me| {
         let mut out = Vec::new();
         for (i, &n) in lens.iter().cycle().take(40).enumerate() {
-            node.agree(&desc(i as u64, ReduceOp::Sum, DType::F32, n, "b"), "b", 3, far())
-                .unwrap();
+            let d = desc(i as u64, ReduceOp::Sum, DType::F32, n, "b");
             let mut data: Vec<f32> = input(me, n, i);
-            unsafe { node.all_reduce(data.as_mut_ptr(), n, ReduceOp::Sum, 3.0, "b", far()) }.unwrap();
+            unsafe { node.all_reduce(&d, data.as_mut_ptr(), n, ReduceOp::Sum, 3.0, "b", 3, far()) }.unwrap();
+            if i % 3 == 0 {
+                // Phases without data in between shift which slot each block uses.
+                node.agree(&OpDesc::new(i as u64, OpKind::Barrier, None, 0, "x"), "x", 3, far())
+                    .unwrap();
+            }
             out.push(data);
         }
         out
