@@ -1,14 +1,23 @@
 //! All-reduce bandwidth benchmark (behind `brigade bench comm`), with the single-thread memcpy
-//! bandwidth of the same machine measured in the same run as the yardstick.
+//! bandwidth of the same machine measured in the same run as the yardstick, and (under MPI)
+//! the library's own all-reduce timed in the same run, interleaved with Brigade's.
 //!
 //! Definitions follow nccl-tests: `algbw = bytes / time`, `busbw = algbw * 2(n-1)/n` for
 //! all-reduce over `n` ranks (the bandwidth each link would need in a ring).
+//!
+//! Several ways of doing the same all-reduce ([`Contender`]s) are timed in turns: each size's
+//! iterations are split into [`ROUNDS`] rounds, and every round times each contender once, so
+//! that a machine whose speed drifts (other jobs, frequency) drifts under all of them alike.
 
 use std::time::Instant;
 
 use serde::Serialize;
 
 use crate::{run_on_threads, Buffer, CommError, Communicator, ReduceOp};
+
+/// Rounds each size's iterations are split into (fewer with fewer iterations; see the module
+/// docs).
+pub const ROUNDS: usize = 4;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -59,11 +68,24 @@ pub struct AllReduceRow {
     pub memcpy_bw: f64,
 }
 
+/// Another way of doing the same all-reduces, timed in the same run (e.g. the MPI library's
+/// own `MPI_Allreduce`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReferenceRows {
+    /// What was timed (`MPI_Allreduce (blocking, in place)`).
+    pub name: String,
+    /// One row per size, as [`CommBenchReport::rows`].
+    pub rows: Vec<AllReduceRow>,
+}
+
 /// The whole run.
 #[derive(Debug, Clone, Serialize)]
 pub struct CommBenchReport {
-    /// Backend measured (`"thread"`).
+    /// Backend measured (`"thread"`, `"mpi"`).
     pub backend: String,
+    /// How Brigade's all-reduce travelled (`"threads"`, `"shared memory"`, `"hierarchical"`,
+    /// `"MPI"`).
+    pub path: String,
     /// Ranks.
     pub world_size: usize,
     /// Single-thread memcpy bandwidth in bytes per second (best of several copies), measured
@@ -71,8 +93,37 @@ pub struct CommBenchReport {
     pub memcpy_bw: f64,
     /// Bytes per memcpy.
     pub memcpy_bytes: usize,
-    /// One row per size.
+    /// One row per size: Brigade's all-reduce.
     pub rows: Vec<AllReduceRow>,
+    /// Other ways timed in the same run, interleaved with `rows`; the first is the yardstick
+    /// of the ratios in the table.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub references: Vec<ReferenceRows>,
+}
+
+/// One in-place f32 sum all-reduce of a buffer, handed back.
+pub type AllReduceFn<'a> = Box<dyn FnMut(Vec<f32>) -> Result<Vec<f32>, CommError> + 'a>;
+
+/// One way of doing an in-place f32 sum all-reduce, timed by [`time_contenders`].
+pub struct Contender<'a> {
+    /// What it is, for the table.
+    pub name: String,
+    /// One all-reduce.
+    pub run: AllReduceFn<'a>,
+}
+
+impl<'a> Contender<'a> {
+    /// A contender that all-reduces through `comm`.
+    pub fn communicator(name: &str, comm: &'a dyn Communicator) -> Contender<'a> {
+        Contender {
+            name: name.to_string(),
+            run: Box::new(move |v: Vec<f32>| {
+                let out = comm.all_reduce(Buffer::F32(v), ReduceOp::Sum, "bench").wait()?;
+                out.into_f32()
+                    .map_err(|b| CommError::Internal(format!("an f32 all-reduce returned {}", b.dtype())))
+            }),
+        }
+    }
 }
 
 /// Single-thread memcpy bandwidth (bytes copied per second), best of `reps` copies of `bytes`.
@@ -94,44 +145,72 @@ fn default_iters(bytes: usize) -> usize {
 }
 
 /// One rank's part of the all-reduce benchmark (every rank calls it with the same `cfg`):
-/// f32 sum all-reduces of each size, after two warm-up runs; rank 0 measures memcpy just
-/// before each size while the others wait in a barrier. Returns this rank's timings.
+/// f32 sum all-reduces of each size through `comm`, after two warm-up runs; rank 0 measures
+/// memcpy just before each size while the others wait in a barrier. Returns this rank's
+/// timings.
 pub fn time_all_reduce(comm: &dyn Communicator, cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, CommError> {
-    let world = comm.world_size();
-    let mut rows = Vec::new();
+    let mut contenders = [Contender::communicator("brigade", comm)];
+    Ok(time_contenders(comm, cfg, &mut contenders)?.remove(0))
+}
+
+/// Times every contender on every size of `cfg`, in turns (see the module docs); `sync` is
+/// the group's communicator, for the barriers that start each round and the world size.
+/// Every rank calls it with the same contenders. Returns, per contender, this rank's rows.
+pub fn time_contenders(
+    sync: &dyn Communicator,
+    cfg: &CommBenchConfig,
+    contenders: &mut [Contender<'_>],
+) -> Result<Vec<Vec<AllReduceRow>>, CommError> {
+    let world = sync.world_size();
+    let mut rows: Vec<Vec<AllReduceRow>> = contenders.iter().map(|_| Vec::new()).collect();
     for &bytes in &cfg.sizes {
         let len = bytes / 4;
         let iters = cfg.iters.unwrap_or_else(|| default_iters(bytes));
-        let mut buf = Buffer::F32(vec![0.5; len]);
-        for _ in 0..2 {
-            buf = comm.all_reduce(buf, ReduceOp::Sum, "warmup").wait()?;
+        let mut buf = vec![0.5f32; len];
+        for c in contenders.iter_mut() {
+            for _ in 0..2 {
+                buf = (c.run)(buf)?;
+            }
         }
         // The other ranks park in this barrier while rank 0 copies.
-        let memcpy_bw = if comm.rank() == 0 {
+        let memcpy_bw = if sync.rank() == 0 {
             memcpy_bandwidth(cfg.memcpy_bytes, 3)
         } else {
             0.0
         };
-        comm.barrier("start").wait()?;
-        let mut best_s = f64::INFINITY;
-        let t = Instant::now();
-        for _ in 0..iters {
-            let t1 = Instant::now();
-            buf = comm.all_reduce(buf, ReduceOp::Sum, "bench").wait()?;
-            best_s = best_s.min(t1.elapsed().as_secs_f64());
+        let mut total = vec![0.0f64; contenders.len()];
+        let mut best = vec![f64::INFINITY; contenders.len()];
+        let mut done = vec![0usize; contenders.len()];
+        let iters = iters.max(1);
+        let rounds = ROUNDS.min(iters);
+        for round in 0..rounds {
+            // The `iters` spread evenly over the rounds.
+            let n = iters * (round + 1) / rounds - iters * round / rounds;
+            for (k, c) in contenders.iter_mut().enumerate() {
+                sync.barrier("bench round").wait()?;
+                let t = Instant::now();
+                for _ in 0..n {
+                    let t1 = Instant::now();
+                    buf = (c.run)(buf)?;
+                    best[k] = best[k].min(t1.elapsed().as_secs_f64());
+                }
+                total[k] += t.elapsed().as_secs_f64();
+                done[k] += n;
+            }
         }
-        let time_s = t.elapsed().as_secs_f64() / iters as f64;
-        let algbw = (len * 4) as f64 / time_s;
-        let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
-        rows.push(AllReduceRow {
-            bytes: len * 4,
-            iters,
-            time_s,
-            algbw,
-            busbw,
-            best_s,
-            memcpy_bw,
-        });
+        for k in 0..contenders.len() {
+            let time_s = total[k] / done[k] as f64;
+            let algbw = (len * 4) as f64 / time_s;
+            rows[k].push(AllReduceRow {
+                bytes: len * 4,
+                iters: done[k],
+                time_s,
+                algbw,
+                busbw: algbw * 2.0 * (world - 1) as f64 / world as f64,
+                best_s: best[k],
+                memcpy_bw,
+            });
+        }
     }
     Ok(rows)
 }
@@ -148,10 +227,12 @@ pub fn run_comm_bench(cfg: &CommBenchConfig) -> Result<CommBenchReport, CommErro
     let rows = bench_all_reduce(cfg)?;
     Ok(CommBenchReport {
         backend: "thread".to_string(),
+        path: "threads".to_string(),
         world_size: cfg.world_size,
         memcpy_bw,
         memcpy_bytes: cfg.memcpy_bytes,
         rows,
+        references: Vec::new(),
     })
 }
 
@@ -170,11 +251,12 @@ impl CommBenchReport {
     pub fn to_table(&self) -> String {
         let gb = 1e9;
         let mut s = format!(
-            "all_reduce (f32, sum), backend {}, world size {}\n\
+            "all_reduce (f32, sum), backend {} ({}), world size {}\n\
              single-thread memcpy ({}): {:.2} GB/s before the run; per-size column `memcpy` is \
              re-measured just before each size\n\
              bandwidths in GB/s (1e9 B/s); busbw = algbw * 2(n-1)/n; `time` is the mean\n\n",
             self.backend,
+            self.path,
             self.world_size,
             format_bytes(self.memcpy_bytes),
             self.memcpy_bw / gb
@@ -197,6 +279,39 @@ impl CommBenchReport {
                 r.memcpy_bw / gb,
                 r.busbw / r.memcpy_bw
             );
+        }
+        if let Some(yardstick) = self.references.first() {
+            s += &format!(
+                "\nsame run, in turns: mean time per all-reduce in us (busbw GB/s); `x {}` = busbw over its busbw\n",
+                yardstick.name
+            );
+            let brigade = ReferenceRows {
+                name: format!("brigade ({})", self.path),
+                rows: self.rows.clone(),
+            };
+            let all: Vec<&ReferenceRows> = self.references.iter().chain(std::iter::once(&brigade)).collect();
+            let width = |name: &str| name.len().max(16);
+            s += &format!("{:>8}", "size");
+            for r in &all {
+                s += &format!(" {:>w$}", r.name, w = width(&r.name));
+            }
+            for r in &all[1..] {
+                s += &format!(" {:>w$}", format!("x raw: {}", r.name), w = width(&r.name) + 7);
+            }
+            s += "\n";
+            for (i, row) in self.rows.iter().enumerate() {
+                s += &format!("{:>8}", format_bytes(row.bytes));
+                for r in &all {
+                    let x = &r.rows[i];
+                    let cell = format!("{:.1} ({:.2})", x.time_s * 1e6, x.busbw / gb);
+                    s += &format!(" {:>w$}", cell, w = width(&r.name));
+                }
+                for r in &all[1..] {
+                    let ratio = r.rows[i].busbw / yardstick.rows[i].busbw;
+                    s += &format!(" {:>w$.2}", ratio, w = width(&r.name) + 7);
+                }
+                s += "\n";
+            }
         }
         s
     }

@@ -61,6 +61,10 @@ impl<T> Shared<T> {
     }
 }
 
+/// Runs the collective behind a [`Work`] on the waiting thread when it can start at once (see
+/// [`crate::CommStream`]).
+pub(crate) type Helper = Box<dyn Fn() + Send + Sync>;
+
 /// Handle to a collective that was issued and runs on the comm stream. `wait` hands back the
 /// result (for buffer collectives, the caller's own `Vec`); it never blocks for longer than the
 /// timeout. Dropping a `Work` does not cancel the collective.
@@ -69,6 +73,7 @@ pub struct Work<T> {
     rank: usize,
     tag: String,
     timeout: Duration,
+    helper: Option<Helper>,
 }
 
 /// Producer side of a [`Work`]: the comm stream (or a wrapper) stamps the start and completes
@@ -101,6 +106,7 @@ impl<T> Work<T> {
             rank,
             tag: tag.to_string(),
             timeout,
+            helper: None,
         };
         let promise = Promise {
             shared,
@@ -109,6 +115,12 @@ impl<T> Work<T> {
             completed: false,
         };
         (work, promise)
+    }
+
+    /// Lets a waiter run the collective itself with `helper` when it is next in line.
+    pub(crate) fn with_helper(mut self, helper: Helper) -> Self {
+        self.helper = Some(helper);
+        self
     }
 
     /// The rank that issued the collective.
@@ -156,6 +168,13 @@ impl<T> Work<T> {
     /// Like [`Work::wait_timeout`], also returning when the collective started and finished.
     pub fn wait_timed_timeout(self, timeout: Duration) -> Result<(T, OpTiming), CommError> {
         let deadline = Instant::now().checked_add(timeout);
+        // Running the collective here is bounded by the backend's own timeout, which is the
+        // communicator's: only a wait at least that long may do it.
+        if timeout >= self.timeout {
+            if let Some(helper) = &self.helper {
+                helper();
+            }
+        }
         let mut st = self.shared.lock();
         loop {
             if st.completed {

@@ -4,7 +4,6 @@
 //! buffer, all ranks in parallel.
 
 mod desc;
-mod kernels;
 mod rendezvous;
 mod transport;
 

@@ -19,8 +19,8 @@
 use half::{bf16, f16};
 
 use super::desc::{validate, OpDesc, OpKind, SharedPtr};
-use super::kernels::{reduce_range, Element};
 use super::rendezvous::Rendezvous;
+use crate::kernels::{reduce_range, Element};
 use crate::stream::Transport;
 use crate::{Buffer, CommError, DType, ReduceOp};
 use std::sync::Arc;
@@ -123,9 +123,10 @@ unsafe fn move_data(rank: usize, descs: &[OpDesc]) {
 /// As [`reduce_range`], with `u8` pointers to buffers of element type `dtype`.
 unsafe fn reduce_typed(dtype: DType, srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
     unsafe fn typed<E: Element>(srcs: &[*mut u8], dsts: &[*mut u8], lo: usize, hi: usize, op: ReduceOp) {
-        let srcs: Vec<*mut E> = srcs.iter().map(|p| p.cast()).collect();
+        let srcs: Vec<*const E> = srcs.iter().map(|p| p.cast_const().cast()).collect();
         let dsts: Vec<*mut E> = dsts.iter().map(|p| p.cast()).collect();
-        unsafe { reduce_range(&srcs, &dsts, lo, hi, op) }
+        let world = srcs.len() as f32;
+        unsafe { reduce_range(&srcs, &dsts, lo, hi, op, world) }
     }
     match dtype {
         DType::F32 => unsafe { typed::<f32>(srcs, dsts, lo, hi, op) },

@@ -1,5 +1,8 @@
 //! The MPI backend under `mpirun`: every collective, dtype and op against the serial reference
-//! (as `collectives.rs` does for threads), mismatch and argument errors, and the timeout.
+//! (as `collectives.rs` does for threads), mismatch and argument errors, timeouts and killed
+//! ranks, on each path: the node's shared segment (the default on one host), MPI alone
+//! (`BRIGADE_MPI_SHM=0`: the blocking design under its watchdog), and the hierarchy
+//! (`BRIGADE_NODE_SIZE=2` on 4 ranks: two nodes of two, the step between them over TCP).
 //!
 //! Each `#[test]` here launches `mpirun -np N` on this very test binary, filtered to
 //! `mpi_worker`, which is inert unless `BRIGADE_MPI_SCENARIO` is set: then every process runs
@@ -12,17 +15,32 @@ use crate::common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use brigade_comm::{Buffer, CommError, Communicator, DType, MpiWorld, ReduceOp};
+use brigade_comm::{Buffer, CommError, Communicator, DType, MpiOptions, MpiPath, MpiWorld, ReduceOp, Transport};
 use common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 const SIZES: [usize; 4] = [0, 1, 1031, (1 << 18) + 3];
 
-/// Runs `scenario` on `np` processes; returns (success, combined output).
-fn mpirun(np: usize, scenario: &str, limit: Duration) -> (bool, String) {
+/// The shared-memory path off: MPI's blocking collectives only.
+const NO_SHM: &[(&str, &str)] = &[("BRIGADE_MPI_SHM", "0")];
+/// Four ranks as two nodes of two, the step between the nodes over TCP.
+const TWO_NODES: &[(&str, &str)] = &[("BRIGADE_NODE_SIZE", "2")];
+const TCP: &[&str] = &["--mca", "btl", "tcp,self"];
+
+/// Runs `scenario` on `np` processes, with environment variables for every rank and extra
+/// `mpirun` arguments; returns (success, combined output).
+fn mpirun_with(
+    np: usize,
+    scenario: &str,
+    env: &[(&str, &str)],
+    mpirun_args: &[&str],
+    limit: Duration,
+) -> (bool, String) {
     let exe = std::env::current_exe().expect("test binary path");
     let mut child = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+        .args(mpirun_args)
+        .envs(env.iter().copied())
         .arg(exe)
         .args([
             "--exact",
@@ -58,12 +76,16 @@ fn mpirun(np: usize, scenario: &str, limit: Duration) -> (bool, String) {
 }
 
 fn assert_all_ranks_ok(np: usize, scenario: &str) {
-    let (ok, out) = mpirun(np, scenario, Duration::from_secs(60));
-    assert!(ok, "mpirun -np {np} {scenario} failed:\n{out}");
+    assert_all_ranks_ok_with(np, scenario, &[], &[]);
+}
+
+fn assert_all_ranks_ok_with(np: usize, scenario: &str, env: &[(&str, &str)], mpirun_args: &[&str]) {
+    let (ok, out) = mpirun_with(np, scenario, env, mpirun_args, Duration::from_secs(120));
+    assert!(ok, "mpirun -np {np} {scenario} {env:?} failed:\n{out}");
     for r in 0..np {
         assert!(
             out.contains(&format!("ok rank {r}")),
-            "rank {r} did not finish {scenario}:\n{out}"
+            "rank {r} did not finish {scenario} {env:?}:\n{out}"
         );
     }
 }
@@ -75,13 +97,70 @@ fn collectives_match_serial_reference_on_2_and_3_processes() {
 }
 
 #[test]
+fn collectives_match_serial_reference_through_mpi_alone() {
+    assert_all_ranks_ok_with(2, "collectives", NO_SHM, &[]);
+    assert_all_ranks_ok_with(3, "collectives", NO_SHM, &[]);
+}
+
+#[test]
+fn collectives_match_serial_reference_on_two_nodes_of_two() {
+    assert_all_ranks_ok_with(4, "collectives", TWO_NODES, TCP);
+}
+
+#[test]
 fn mismatches_and_bad_arguments_fail_on_every_rank_and_leave_the_communicator_usable() {
     assert_all_ranks_ok(2, "errors");
+    assert_all_ranks_ok_with(2, "errors", NO_SHM, &[]);
+    assert_all_ranks_ok_with(4, "errors", TWO_NODES, TCP);
+}
+
+#[test]
+fn the_hierarchical_all_reduce_matches_the_flat_one_on_two_nodes_of_two() {
+    assert_all_ranks_ok_with(4, "hierarchy", &[], TCP);
 }
 
 #[test]
 fn a_missing_peer_times_out_and_breaks_the_transport() {
     assert_all_ranks_ok(2, "timeout");
+}
+
+/// The blocking design: a peer that is alive but never joins costs the timeout, then the
+/// watchdog ends the job, naming the collective and the rank that waited.
+#[test]
+fn a_missing_peer_under_the_blocking_design_ends_the_job_at_the_timeout() {
+    let t = Instant::now();
+    let (ok, out) = mpirun_with(2, "watchdog", NO_SHM, &[], Duration::from_secs(60));
+    let took = t.elapsed();
+    assert!(!ok, "the job should have been aborted:\n{out}");
+    assert!(
+        out.contains("rank 0: collective barrier(tag `lonely`)")
+            && out.contains("did not complete within 500ms; ending the job (MPI_Abort)"),
+        "{out}"
+    );
+    assert!(!out.contains("ok rank"), "{out}");
+    // Rank 1 sleeps 60 s without calling MPI: the job ended at rank 0's deadline, not then.
+    assert!(took < Duration::from_secs(40), "took {took:?}:\n{out}");
+}
+
+/// A killed rank ends the job within the timeout: its peers neither spin nor block forever,
+/// in the shared segment or in MPI's blocking calls. `--enable-recovery` keeps `mpirun` from
+/// ending the job itself when a process dies: the survivor must notice.
+#[test]
+fn a_killed_rank_ends_the_job_within_the_timeout_on_every_path() {
+    for env in [&[][..], NO_SHM] {
+        let t = Instant::now();
+        let (_, out) = mpirun_with(2, "killed", env, &["--enable-recovery"], Duration::from_secs(60));
+        let took = t.elapsed();
+        assert!(!out.contains("ok rank 0"), "{env:?}: {out}");
+        // Rank 0 ended the job at its 2 s deadline: its wait in the segment returned a
+        // timeout, or the watchdog ended the blocking call (whichever came first).
+        assert!(
+            out.contains("rank 0 gave up: rank 0: collective `b20` did not complete within 2s")
+                || out.contains("rank 0: collective all_reduce(sum, 65536 x f32, tag `b20`)"),
+            "{env:?}: {out}"
+        );
+        assert!(took < Duration::from_secs(40), "{env:?}: took {took:?}:\n{out}");
+    }
 }
 
 /// The entry point of every MPI process (does nothing under plain `cargo test`).
@@ -97,6 +176,9 @@ fn mpi_worker() {
             "collectives" => collectives(&world),
             "errors" => errors(&world),
             "timeout" => timeout(&world),
+            "watchdog" => watchdog(&world),
+            "killed" => killed(&world),
+            "hierarchy" => hierarchy(&world),
             other => panic!("unknown scenario {other}"),
         }
     }
@@ -225,7 +307,8 @@ fn errors(world: &MpiWorld) {
         .all_reduce(Buffer::F32(vec![rank as f32; 3]), ReduceOp::Sum, "after")
         .wait()
         .unwrap();
-    assert_eq!(out.as_f32().unwrap(), &[1.0; 3]);
+    let want = (0..comm.world_size()).sum::<usize>() as f32;
+    assert_eq!(out.as_f32().unwrap(), &[want; 3]);
 }
 
 fn timeout(world: &MpiWorld) {
@@ -261,4 +344,103 @@ fn timeout(world: &MpiWorld) {
     } else {
         std::thread::sleep(short * 2);
     }
+}
+
+fn watchdog(world: &MpiWorld) {
+    let comm = world.communicator(Duration::from_millis(500)).unwrap();
+    if comm.rank() == 0 {
+        // Rank 1 never joins: the blocking call outlives its deadline and the watchdog ends
+        // the job; this wait would return a `Timeout` only after 30 s.
+        let result = comm.barrier("lonely").wait_timeout(Duration::from_secs(30));
+        panic!("rank 0: the watchdog did not end the job: {result:?}");
+    } else {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
+fn killed(world: &MpiWorld) {
+    let comm = world.communicator(Duration::from_secs(2)).unwrap();
+    let rank = comm.rank();
+    for i in 0..1000 {
+        if rank == 1 && i == 20 {
+            let me = std::process::id().to_string();
+            let _ = Command::new("kill").args(["-KILL", &me]).status();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        let buf = Buffer::F32(vec![1.0; 1 << 16]);
+        // Far longer than the communicator's timeout: only the transport's own deadline (or
+        // its watchdog) can end this wait in time.
+        let work = comm.all_reduce(buf, ReduceOp::Sum, &format!("b{i}"));
+        if let Err(e) = work.wait_timeout(Duration::from_secs(100)) {
+            // As the launcher does: a rank that cannot go on ends the job.
+            eprintln!("rank {rank} gave up: {e}");
+            world.abort(1);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The hierarchical all-reduce against the flat one, on the same inputs: within f32
+/// tolerance (the order of the additions differs: in the node first, then across nodes).
+fn hierarchy(world: &MpiWorld) {
+    let opts = |shared_memory, node_size| MpiOptions {
+        timeout: TIMEOUT,
+        shared_memory,
+        node_size,
+    };
+    let mut flat = world.transport_with(&opts(false, None)).unwrap();
+    let mut hier = world.transport_with(&opts(true, Some(2))).unwrap();
+    assert_eq!(flat.path(), MpiPath::Mpi);
+    assert_eq!(hier.path(), MpiPath::Hierarchical);
+    assert_eq!(hier.node_size(), 2);
+    let (rank, n) = (world.rank(), world.world_size());
+    // Inputs whose sums round differently in another order (not multiples of a power of 2).
+    let x = |r: usize, i: usize, salt: usize| value(r, i, salt) * 1.000_123 + (i % 7) as f32 * 0.013_7;
+    // Odd lengths, one of them several blocks of the segment for every dtype.
+    let mut salt = 0;
+    for &d in &DTYPES {
+        for &op in &OPS {
+            for len in [1, 3, 1031, 3 * 65_536 + 77] {
+                salt += 1;
+                let mine = from_f32(d, (0..len).map(|i| x(rank, i, salt)).collect());
+                let mut a = mine.clone();
+                let mut b = mine;
+                flat.all_reduce(&mut a, op, "flat").unwrap();
+                hier.all_reduce(&mut b, op, "hier").unwrap();
+                let (a, b) = (to_f32(&a), to_f32(&b));
+                for i in 0..len {
+                    let abs_sum: f32 = (0..n).map(|r| to_f32(&from_f32(d, vec![x(r, i, salt)]))[0].abs()).sum();
+                    // Two orders of n - 1 f32 additions, then at most one step of rounding to
+                    // the dtype apart.
+                    let big = a[i].abs().max(b[i].abs());
+                    let ulp = match d {
+                        DType::F32 => 0.0,
+                        DType::F16 => big.max(6.1e-5) * 2f32.powi(-10),
+                        _ => big * 2f32.powi(-7),
+                    };
+                    let tol = 2.0 * (n as f32) * f32::EPSILON * abs_sum + ulp;
+                    let ok = if op == ReduceOp::Max {
+                        a[i] == b[i]
+                    } else {
+                        (a[i] - b[i]).abs() <= tol
+                    };
+                    assert!(
+                        ok,
+                        "rank {rank} {d} {op} x {len}: element {i} is {} hierarchically but {} flat (tolerance {tol})",
+                        b[i], a[i]
+                    );
+                }
+            }
+        }
+    }
+    // Both still agree on what comes next: a mismatch on the hierarchical path fails every
+    // rank with the same error as the flat one.
+    let len = if rank == 3 { 5 } else { 4 };
+    let err = hier
+        .all_reduce(&mut Buffer::F32(vec![1.0; len]), ReduceOp::Sum, "odd one")
+        .unwrap_err();
+    assert!(
+        matches!(err, CommError::Mismatch { found_rank: 3, .. }),
+        "rank {rank}: {err}"
+    );
 }

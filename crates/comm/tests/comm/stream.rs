@@ -1,5 +1,5 @@
 //! The comm stream: asynchronous issue, in-order execution, ownership round trip, observers,
-//! object safety.
+//! object safety, and who runs a collective (a caller that waits at once, or the worker).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,4 +110,113 @@ fn works_through_arc_dyn_communicator_and_handles_are_send() {
     })
     .into_iter()
     .for_each(|r| r.unwrap());
+}
+
+/// A one-rank transport that notes which thread ran each collective, and can hold one until
+/// released.
+struct Noting {
+    ran: Ran,
+    hold: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl brigade_comm::Transport for Noting {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce(&mut self, _buf: &mut Buffer, _op: ReduceOp, tag: &str) -> Result<(), brigade_comm::CommError> {
+        if tag == "held" {
+            if let Some(hold) = &self.hold {
+                let _ = hold.recv_timeout(TIMEOUT);
+            }
+        }
+        let thread = std::thread::current().name().unwrap_or("?").to_string();
+        self.ran.lock().unwrap().push((tag.to_string(), thread));
+        Ok(())
+    }
+    fn broadcast(&mut self, _: &mut Buffer, _: usize, _: &str) -> Result<(), brigade_comm::CommError> {
+        Ok(())
+    }
+    fn all_gather(&mut self, _: &mut Buffer, _: &str) -> Result<(), brigade_comm::CommError> {
+        Ok(())
+    }
+    fn reduce_scatter(&mut self, _: &mut Buffer, _: ReduceOp, _: &str) -> Result<(), brigade_comm::CommError> {
+        Ok(())
+    }
+    fn barrier(&mut self, _: &str) -> Result<(), brigade_comm::CommError> {
+        Ok(())
+    }
+}
+
+/// Which collective (tag) ran on which thread (name), in the order they ran.
+type Ran = Arc<Mutex<Vec<(String, String)>>>;
+
+fn noting(hold: Option<std::sync::mpsc::Receiver<()>>) -> (brigade_comm::CommStream<Noting>, Ran) {
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let stream = brigade_comm::CommStream::new(Noting { ran: ran.clone(), hold }, TIMEOUT);
+    (stream, ran)
+}
+
+fn one() -> Buffer {
+    Buffer::F32(vec![1.0])
+}
+
+/// Waiting for a collective that is next in line on an idle stream runs it on the waiting
+/// thread (no hand-off to the worker and back); one issued ahead runs on the worker while the
+/// caller does something else.
+#[test]
+fn a_collective_waited_for_at_once_runs_on_the_waiting_thread() {
+    std::thread::Builder::new()
+        .name("caller".into())
+        .spawn(|| {
+            let (stream, ran) = noting(None);
+            for i in 0..50 {
+                stream
+                    .all_reduce(one(), ReduceOp::Sum, &format!("now {i}"))
+                    .wait()
+                    .unwrap();
+            }
+            let ahead = stream.all_reduce(one(), ReduceOp::Sum, "ahead");
+            let t = Instant::now();
+            while !ahead.is_completed() && t.elapsed() < TIMEOUT {
+                std::thread::sleep(Duration::from_millis(1)); // the caller computes meanwhile
+            }
+            ahead.wait().unwrap();
+            let ran = ran.lock().unwrap().clone();
+            let on_caller = ran
+                .iter()
+                .filter(|(tag, thread)| tag.starts_with("now") && thread == "caller")
+                .count();
+            // The worker may win the race for some of them (it is woken at every issue, and the
+            // caller may lose its core between issue and wait on a busy machine).
+            assert!(
+                on_caller >= 25,
+                "only {on_caller} of 50 ran on the waiting thread: {ran:?}"
+            );
+            assert_eq!(ran.last().unwrap(), &("ahead".to_string(), "comm-stream-0".to_string()));
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+/// A waiter never runs a collective out of turn, nor one that a shorter wait could not see
+/// through: while an earlier collective is running, a later one waits its turn.
+#[test]
+fn a_waiter_runs_only_the_next_collective_in_line() {
+    let (release, hold) = std::sync::mpsc::channel();
+    let (stream, ran) = noting(Some(hold));
+    let held = stream.all_reduce(one(), ReduceOp::Sum, "held");
+    let next = stream.all_reduce(one(), ReduceOp::Sum, "next");
+    std::thread::sleep(Duration::from_millis(50)); // the worker has taken "held"
+    let err = next.wait_timeout(Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(err, brigade_comm::CommError::Timeout { .. }), "{err}");
+    release.send(()).unwrap();
+    held.wait().unwrap();
+    let later = stream.all_reduce(one(), ReduceOp::Sum, "later");
+    later.wait().unwrap();
+    let tags: Vec<String> = ran.lock().unwrap().iter().map(|(t, _)| t.clone()).collect();
+    assert_eq!(tags, ["held", "next", "later"]);
 }

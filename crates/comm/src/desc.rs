@@ -1,6 +1,7 @@
-//! What each rank says it is doing in a slot, as a fixed-size record all-gathered before every
-//! collective, and the checks that all ranks agree (the MPI twin of the thread backend's
-//! descriptors: same verdicts, same error messages).
+//! What each rank says it is doing in a slot, as a fixed-size record that processes compare
+//! before any data moves (the MPI backend over MPI, the shared-memory path through its
+//! segment), and the checks that all ranks agree: the same verdicts and error messages as the
+//! thread backend's descriptors.
 
 pub(crate) use crate::collective::OpKind;
 use crate::collective::{check_runnable, describe};
@@ -129,6 +130,17 @@ impl OpDesc {
         })
     }
 
+    /// The fields two ranks must agree on (everything but the slot), as words whose
+    /// bitwise AND over all ranks equals the NOT of the AND of their complements exactly when
+    /// every rank sent the same words: one small `MPI_BAND` all-reduce of
+    /// [`AGREE_WORDS`]` * 2` words decides agreement, whatever the number of ranks.
+    pub(crate) fn agreement_words(&self) -> [u64; 2 * AGREE_WORDS] {
+        let e = self.encode();
+        let u64_at = |i: usize| u64::from_le_bytes(e[i..i + 8].try_into().unwrap());
+        let w = [u64_at(8), u64_at(16), u64_at(24), u64_at(32)];
+        [w[0], w[1], w[2], w[3], !w[0], !w[1], !w[2], !w[3]]
+    }
+
     fn same_collective(&self, other: &OpDesc) -> bool {
         self.kind == other.kind
             && self.dtype == other.dtype
@@ -141,6 +153,17 @@ impl OpDesc {
     pub(crate) fn describe(&self, tag: &str) -> String {
         describe(self.kind, self.dtype, self.len, tag)
     }
+}
+
+/// Words of [`OpDesc::agreement_words`] before their complements: length, tag hash, root, and
+/// tag length with kind, op and dtype.
+pub(crate) const AGREE_WORDS: usize = 4;
+
+/// Whether the bitwise AND over all ranks of their [`OpDesc::agreement_words`] says that they
+/// all sent the same words (a bit set on some ranks only is 0 in the AND of the words and 0 in
+/// the AND of the complements).
+pub(crate) fn all_agree(and: &[u64; 2 * AGREE_WORDS]) -> bool {
+    (0..AGREE_WORDS).all(|i| and[i] == !and[AGREE_WORDS + i])
 }
 
 /// The first rank whose descriptor differs from rank 0's, if any. Every rank calls this on the
@@ -173,6 +196,42 @@ mod tests {
         }
         let barrier = OpDesc::new(0, OpKind::Barrier, None, 0, "");
         assert_eq!(OpDesc::decode(&barrier.encode()), Some(barrier));
+    }
+
+    #[test]
+    fn the_and_of_agreement_words_detects_any_difference() {
+        let and = |ds: &[OpDesc]| {
+            ds.iter()
+                .map(OpDesc::agreement_words)
+                .fold([!0u64; 2 * AGREE_WORDS], |mut acc, w| {
+                    acc.iter_mut().zip(w).for_each(|(a, w)| *a &= w);
+                    acc
+                })
+        };
+        let a = OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b0");
+        // The slot is not compared (it is the same on every rank by construction).
+        let later = OpDesc::new(5, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b0");
+        assert!(all_agree(&and(&[a.clone(), a.clone(), later])));
+        let others = [
+            OpDesc::new(0, OpKind::AllReduce(ReduceOp::Avg), Some(DType::F32), 8, "b0"),
+            OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::BF16), 8, "b0"),
+            OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 9, "b0"),
+            OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b1"),
+            OpDesc::new(0, OpKind::AllReduce(ReduceOp::Sum), Some(DType::F32), 8, "b0 "),
+            OpDesc::new(0, OpKind::Broadcast { root: 0 }, Some(DType::F32), 8, "b0"),
+            OpDesc::new(0, OpKind::ReduceScatter(ReduceOp::Sum), Some(DType::F32), 8, "b0"),
+        ];
+        for other in others {
+            for pos in 0..3 {
+                let mut ds = vec![a.clone(); 3];
+                ds[pos] = other.clone();
+                assert!(!all_agree(&and(&ds)), "{other:?} at rank {pos}");
+                assert!(first_mismatch(&ds).is_some());
+            }
+        }
+        let b = |root| OpDesc::new(0, OpKind::Broadcast { root }, Some(DType::U8), 8, "b");
+        assert!(!all_agree(&and(&[b(0), b(1)])));
+        assert!(all_agree(&and(&[b(1), b(1)])));
     }
 
     #[test]

@@ -1,0 +1,188 @@
+//! Which ranks share a node, found once when a communicator is made: MPI's own grouping by
+//! host (`MPI_Comm_split_type` with `MPI_COMM_TYPE_SHARED`), or consecutive ranks in groups of
+//! a declared size (`BRIGADE_NODE_SIZE`, to test the hierarchy on one host). Then the node's
+//! shared segment (an `MPI_Win_allocate_shared` window) and, across nodes, the communicator of
+//! the ranks with the same local rank.
+
+use std::time::Duration;
+
+use super::raw::{self, RawComm, SharedWindow};
+use crate::desc::all_agree;
+use crate::shm::{ShmNode, REGION_BYTES};
+use crate::CommError;
+
+/// The environment variable that declares the node size.
+pub(crate) const NODE_SIZE_VAR: &str = "BRIGADE_NODE_SIZE";
+
+/// How this process's collectives reach its peers.
+pub(crate) struct NodePath {
+    /// The node's segment.
+    pub(crate) shm: ShmNode,
+    /// The window that maps it (freed with the transport when it is healthy).
+    pub(crate) window: Option<SharedWindow>,
+    /// The node's communicator.
+    pub(crate) node_comm: Option<RawComm>,
+    /// The ranks with this local rank on every node, when there is more than one node.
+    pub(crate) cross: Option<RawComm>,
+    /// Scratch: this rank's f32 shard of a hierarchical all-reduce.
+    pub(crate) shard: Vec<f32>,
+}
+
+impl NodePath {
+    /// Whether the whole job is this one node.
+    pub(crate) fn single_node(&self) -> bool {
+        self.cross.is_none()
+    }
+
+    /// Frees the MPI objects (collective over the node and across nodes).
+    pub(crate) fn free(mut self) {
+        if let Some(window) = self.window.take() {
+            window.free();
+        }
+        if let Some(comm) = self.cross.take() {
+            comm.free();
+        }
+        if let Some(comm) = self.node_comm.take() {
+            comm.free();
+        }
+    }
+}
+
+/// What [`discover`] found, for the bench and the logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Topology {
+    /// Ranks on this process's node.
+    pub(crate) node_size: usize,
+    /// Nodes of the job (when they all have `node_size` ranks; otherwise `None`).
+    pub(crate) nodes: Option<usize>,
+}
+
+/// Finds the nodes and, if `shared_memory` and some node holds more than one rank, maps the
+/// node's segment. Collective over `world`; every rank returns the same verdict (errors name
+/// the offending setting).
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+pub(crate) fn discover(
+    world: &RawComm,
+    rank: usize,
+    size: usize,
+    declared: Option<usize>,
+    shared_memory: bool,
+    timeout: Duration,
+) -> Result<(Topology, Option<NodePath>), CommError> {
+    // Every rank must take the same path through the calls below: agree on the settings first.
+    let mut words = setting_words(declared.map_or(0, |k| k as u64), u64::from(shared_memory));
+    world.all_reduce_u64(rank, &mut words, raw::band_op(), "MPI_Allreduce(settings)")?;
+    if !all_agree(&words) {
+        return Err(CommError::InvalidArgument(format!(
+            "{NODE_SIZE_VAR} and BRIGADE_MPI_SHM must be the same on every rank (rank {rank} has {} and {}); \
+             pass them to every process (mpirun -x {NODE_SIZE_VAR})",
+            declared.map_or("unset".to_string(), |k| k.to_string()),
+            if shared_memory { "on" } else { "off" },
+        )));
+    }
+    let node_comm = match declared {
+        Some(k) => {
+            if k == 0 || size % k != 0 {
+                return Err(CommError::InvalidArgument(format!(
+                    "{NODE_SIZE_VAR}={k} does not divide the {size} ranks of the job into nodes of equal size"
+                )));
+            }
+            let node = world.split(rank, rank / k, rank)?;
+            // The declared node must really share memory.
+            let shared = node.split_shared(rank)?;
+            let (_, shared_size) = shared.rank_and_size();
+            shared.free();
+            let mut ok = [u64::from(shared_size == k)];
+            world.all_reduce_u64(rank, &mut ok, raw::band_op(), "MPI_Allreduce(node check)")?;
+            if ok[0] == 0 {
+                node.free();
+                return Err(CommError::InvalidArgument(format!(
+                    "{NODE_SIZE_VAR}={k} groups ranks that do not share memory (ranks {}..{} are not all on one \
+                     host); unset it to group ranks by host",
+                    rank / k * k,
+                    rank / k * k + k - 1
+                )));
+            }
+            node
+        }
+        None => world.split_shared(rank)?,
+    };
+    let (local, node_size) = node_comm.rank_and_size();
+    let mut same = setting_words(node_size as u64, 0);
+    world.all_reduce_u64(rank, &mut same, raw::band_op(), "MPI_Allreduce(node sizes)")?;
+    let uniform = all_agree(&same);
+    let topology = Topology {
+        node_size,
+        nodes: uniform.then(|| size / node_size),
+    };
+    // The segment only pays with a second rank on the node, and the hierarchy needs nodes of
+    // one size (each local rank owns the same share of every buffer on every node).
+    if !shared_memory || !uniform || node_size < 2 {
+        node_comm.free();
+        return Ok((topology, None));
+    }
+    let window = SharedWindow::allocate(&node_comm, rank, REGION_BYTES);
+    let mut ok = [u64::from(window.is_ok())];
+    world.all_reduce_u64(rank, &mut ok, raw::band_op(), "MPI_Allreduce(window check)")?;
+    let window = match (ok[0], window) {
+        (1, Ok(window)) => window,
+        (_, window) => {
+            match window {
+                Ok(window) => window.free(),
+                Err(e) => eprintln!("brigade-comm: rank {rank}: no shared-memory segment: {e}"),
+            }
+            if rank == 0 {
+                eprintln!("brigade-comm: shared memory is unavailable on some node; collectives go through MPI only");
+            }
+            node_comm.free();
+            return Ok((topology, None));
+        }
+    };
+    // SAFETY: no peer uses the segment before the barrier below.
+    unsafe { ShmNode::reset_own_control(window.parts[local]) };
+    let world_ranks = gather_world_ranks(&node_comm, rank, node_size)?;
+    let cross = match topology.nodes {
+        Some(nodes) if nodes > 1 => Some(world.split(rank, local, rank)?),
+        _ => None,
+    };
+    // Every control block is zeroed before anyone reads one.
+    let mut barrier = [0u64];
+    node_comm.all_reduce_u64(rank, &mut barrier, raw::band_op(), "MPI_Allreduce(segment ready)")?;
+    // SAFETY: the window maps every local rank's region of REGION_BYTES until it is freed,
+    // which happens only after the `ShmNode` is dropped (`NodePath::free` takes it last).
+    let shm = unsafe { ShmNode::new(window.parts.clone(), local, world_ranks, timeout) };
+    Ok((
+        topology,
+        Some(NodePath {
+            shm,
+            window: Some(window),
+            node_comm: Some(node_comm),
+            cross,
+            shard: Vec::new(),
+        }),
+    ))
+}
+
+/// `[a, b, !a, !b]`: all equal on every rank iff their `MPI_BAND` passes [`all_agree`]'s test
+/// (padded to its width).
+fn setting_words(a: u64, b: u64) -> [u64; 2 * crate::desc::AGREE_WORDS] {
+    let mut w = [0u64; 2 * crate::desc::AGREE_WORDS];
+    let n = crate::desc::AGREE_WORDS;
+    w[0] = a;
+    w[1] = b;
+    for i in 0..n {
+        w[n + i] = !w[i];
+    }
+    w
+}
+
+/// The world rank of every local rank (the node communicator orders them by world rank, but
+/// with a split by host they need not be consecutive).
+fn gather_world_ranks(node: &RawComm, rank: usize, node_size: usize) -> Result<Vec<usize>, CommError> {
+    let (local, _) = node.rank_and_size();
+    // One word per local rank, this rank's in its place: a sum all-reduce gathers them.
+    let mut words = vec![0u64; node_size];
+    words[local] = rank as u64;
+    node.all_reduce_u64(rank, &mut words, raw::sum_op(), "MPI_Allreduce(node ranks)")?;
+    Ok(words.into_iter().map(|r| r as usize).collect())
+}

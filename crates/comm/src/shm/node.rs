@@ -1,0 +1,515 @@
+//! One process's end of a node's shared segment: agreement on each collective, and the
+//! all-reduce (whole, or split into its reduce-scatter and all-gather halves for the
+//! hierarchical path) in blocks through the segment.
+//!
+//! # Phases
+//! Every rank runs the same sequence of *phases*, numbered from 1 and counted across
+//! collectives. In phase `q` a rank writes its slot `q % SLOTS` (and, for an agreement, its
+//! descriptor), then sets its `phase` counter to `q`, then waits until every local rank did.
+//! After phase `q` it may read what the peers wrote in phase `q`. A slot written in phase `q`
+//! is read in phase `q` (after the wait) and `q + 1`, and rewritten in phase `q + 3`, when every
+//! peer is past phase `q + 2` (the wait of phase `q + 2`): no slot is written while read.
+//!
+//! An all-reduce of `B` blocks is `B + 1` phases: the first carries the descriptor and block 0's
+//! input (where the whole job is one node, it *is* the agreement: nobody reads the input before
+//! the descriptors agree); phase `1 + s` reduces this rank's chunk of block `s` (from its own
+//! buffer and the peers' slots of the phase before) into its buffer and its slot, writes block
+//! `s + 1`'s input into the next slot, and after the wait copies the peers' reduced chunks of
+//! block `s` out of their slots. One handshake per block.
+
+use std::hint::spin_loop;
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::{Duration, Instant};
+
+use super::segment::{
+    chunk, futex_wait, futex_wake_all, Control, DescSlot, CONTROL_BYTES, MAX_NAP, MAX_REASON_BYTES, MAX_TAG_BYTES,
+    SLOTS, SLOT_BYTES,
+};
+use crate::desc::{first_mismatch, validate, OpDesc};
+use crate::kernels::{finish_into, reduce_range, Element};
+use crate::{CommError, ReduceOp};
+
+/// How long a waiter polls before it sleeps: a peer a few microseconds behind (the next block
+/// of the same collective) is caught without a system call; a peer that is still computing
+/// is waited for asleep.
+const SPIN: Duration = Duration::from_micros(20);
+
+/// How a rank left the node (the value of its `dead` flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Death {
+    /// In the middle of a collective (a timeout, an MPI error).
+    Broken = 1,
+    /// Between collectives (its communicator was dropped).
+    Closed = 2,
+}
+
+/// One local rank's view of the node's segment (see the module docs).
+pub(crate) struct ShmNode {
+    /// Base of each local rank's region, local rank order.
+    regions: Vec<*mut u8>,
+    /// This process's local rank.
+    me: usize,
+    /// World rank of each local rank (errors name world ranks).
+    world_ranks: Vec<usize>,
+    timeout: Duration,
+    /// Phases this rank finished (the same count on every local rank: they agree on every
+    /// length, so they run the same phases).
+    phase: u64,
+}
+
+// SAFETY: the regions stay mapped for the node's lifetime (the owner of the mapping outlives
+// it); this process writes only its own region, and only through the protocol of the module
+// docs, from the one thread that owns the `ShmNode`.
+unsafe impl Send for ShmNode {}
+
+impl ShmNode {
+    /// A view of the segment whose regions (one per local rank, [`super::REGION_BYTES`] each,
+    /// 64-byte aligned) start at `regions`; this process is local rank `me`.
+    ///
+    /// # Safety
+    /// Every region must stay mapped, shared between the local ranks, for the lifetime of the
+    /// returned value, and every rank's control block must be all zero bytes before any rank
+    /// uses its `ShmNode` (zero your own with [`ShmNode::reset_own_control`], then synchronize).
+    pub(crate) unsafe fn new(regions: Vec<*mut u8>, me: usize, world_ranks: Vec<usize>, timeout: Duration) -> Self {
+        debug_assert_eq!(regions.len(), world_ranks.len());
+        debug_assert!(regions.iter().all(|p| (*p as usize).trailing_zeros() >= 6));
+        ShmNode {
+            regions,
+            me,
+            world_ranks,
+            timeout,
+            phase: 0,
+        }
+    }
+
+    /// Zeroes this rank's control block (before any peer reads it).
+    ///
+    /// # Safety
+    /// As for [`ShmNode::new`]: no peer may be using the segment yet.
+    pub(crate) unsafe fn reset_own_control(region: *mut u8) {
+        // SAFETY: the caller's contract; the region holds CONTROL_BYTES.
+        unsafe { std::ptr::write_bytes(region, 0, CONTROL_BYTES) };
+    }
+
+    /// Number of local ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.regions.len()
+    }
+
+    fn control(&self, rank: usize) -> &Control {
+        // SAFETY: every region starts with a `Control`, mapped for our lifetime (`new`).
+        unsafe { &*(self.regions[rank] as *const Control) }
+    }
+
+    /// Slot `slot` of local rank `rank`, as elements of `E`.
+    fn slot<E>(&self, rank: usize, slot: usize) -> *mut E {
+        // SAFETY: in bounds of the region (`new`).
+        unsafe { self.regions[rank].add(CONTROL_BYTES + slot * SLOT_BYTES).cast() }
+    }
+
+    /// Runs the next phase: `write(self, slot)` fills this rank's part of it (its slot
+    /// `slot`, its descriptor), then the phase is published and every local rank's awaited.
+    /// Returns the phase's number.
+    fn run_phase(&mut self, tag: &str, deadline: Instant, write: impl FnOnce(&Self, usize)) -> Result<u64, CommError> {
+        let q = self.phase + 1;
+        write(self, (q % SLOTS as u64) as usize);
+        self.phase = q;
+        self.control(self.me).phase.0.store(q, SeqCst);
+        let head = self.control(0);
+        if head.sleepers.0.load(SeqCst) > 0 {
+            head.doorbell.0.fetch_add(1, SeqCst);
+            futex_wake_all(&head.doorbell.0);
+        }
+        self.wait_all(q, tag, deadline)?;
+        Ok(q)
+    }
+
+    /// Spins briefly, then sleeps on the doorbell until every local rank finished phase `q`;
+    /// fails when a peer is dead (readiness is checked first: a peer that finished its part
+    /// and then left fails no one) or at `deadline` (this rank then declares itself dead, so
+    /// that its peers fail at once rather than at their own deadlines).
+    fn wait_all(&self, q: u64, tag: &str, deadline: Instant) -> Result<(), CommError> {
+        let ready = || (0..self.size()).all(|r| self.control(r).phase.0.load(SeqCst) >= q);
+        if ready() {
+            return Ok(());
+        }
+        let spin_until = Instant::now() + SPIN;
+        loop {
+            for _ in 0..64 {
+                spin_loop();
+            }
+            if ready() {
+                return Ok(());
+            }
+            if Instant::now() >= spin_until {
+                break;
+            }
+        }
+        let head = self.control(0);
+        loop {
+            head.sleepers.0.fetch_add(1, SeqCst);
+            let bell = head.doorbell.0.load(SeqCst);
+            let verdict = if ready() {
+                Some(Ok(()))
+            } else if let Some(err) = self.first_dead(tag) {
+                Some(Err(err))
+            } else {
+                let now = Instant::now();
+                if now >= deadline {
+                    Some(Err(self.give_up(q, tag)))
+                } else {
+                    futex_wait(&head.doorbell.0, bell, (deadline - now).min(MAX_NAP));
+                    None
+                }
+            };
+            head.sleepers.0.fetch_sub(1, SeqCst);
+            if let Some(verdict) = verdict {
+                return verdict;
+            }
+        }
+    }
+
+    /// The timeout: names the ranks waited for, and declares this rank dead.
+    fn give_up(&self, q: u64, tag: &str) -> CommError {
+        let missing: Vec<usize> = (0..self.size())
+            .filter(|&r| self.control(r).phase.0.load(SeqCst) < q)
+            .map(|r| self.world_ranks[r])
+            .collect();
+        self.mark_dead(
+            &format!(
+                "it timed out after {:?} in collective `{tag}` waiting for ranks {missing:?}",
+                self.timeout
+            ),
+            Death::Broken,
+        );
+        CommError::Timeout {
+            rank: self.world_ranks[self.me],
+            tag: tag.to_string(),
+            after: self.timeout,
+        }
+    }
+
+    /// The lowest local rank that is dead, as the error of collective `tag`.
+    fn first_dead(&self, tag: &str) -> Option<CommError> {
+        (0..self.size())
+            .filter(|&r| r != self.me)
+            .find(|&r| self.control(r).dead.0.load(SeqCst) != 0)
+            .map(|r| {
+                // SAFETY: written before `dead` was raised, never after.
+                let note = unsafe { &*self.control(r).death.get() };
+                let len = (note.len as usize).min(MAX_REASON_BYTES);
+                CommError::RankFailed {
+                    rank: self.world_ranks[r],
+                    tag: tag.to_string(),
+                    reason: String::from_utf8_lossy(&note.text[..len]).into_owned(),
+                }
+            })
+    }
+
+    /// Whether some local rank gave up in the middle of a collective (it may have left a
+    /// collective on the node unfinished: the segment must not be freed under it).
+    pub(crate) fn any_broken(&self) -> bool {
+        (0..self.size()).any(|r| self.control(r).dead.0.load(SeqCst) == Death::Broken as u32)
+    }
+
+    /// Declares this rank dead (first reason wins) and wakes every sleeper, so that the
+    /// peers fail with `reason` instead of waiting for it.
+    pub(crate) fn mark_dead(&self, reason: &str, how: Death) {
+        let own = self.control(self.me);
+        if own.dead.0.load(SeqCst) == 0 {
+            let bytes = &reason.as_bytes()[..reason.len().min(MAX_REASON_BYTES)];
+            // SAFETY: only this rank writes its note, and peers read it only once `dead` is set.
+            unsafe {
+                let note = &mut *own.death.get();
+                note.text[..bytes.len()].copy_from_slice(bytes);
+                note.len = bytes.len() as u32;
+            }
+            own.dead.0.store(how as u32, SeqCst);
+        }
+        let head = self.control(0);
+        head.doorbell.0.fetch_add(1, SeqCst);
+        futex_wake_all(&head.doorbell.0);
+    }
+
+    /// Writes this rank's descriptor of phase `q`'s collective.
+    fn write_desc(&self, q: u64, desc: &OpDesc, tag: &str) {
+        let tag_bytes = &tag.as_bytes()[..tag.len().min(MAX_TAG_BYTES)];
+        // SAFETY: peers read this rank's descriptor of this parity only after it publishes
+        // phase `q`, and none still reads the one of phase `q - 2` (module docs).
+        unsafe {
+            let slot: &mut DescSlot = &mut (*self.control(self.me).descs.get())[(q % 2) as usize];
+            slot.bytes = desc.encode();
+            slot.tag[..tag_bytes.len()].copy_from_slice(tag_bytes);
+            slot.tag_len = tag_bytes.len() as u32;
+        }
+    }
+
+    /// The verdict every local rank reaches from the descriptors of phase `q`: a mismatch
+    /// naming both ranks and tags, or whether the collective can run on `world` ranks.
+    fn verdict(&self, q: u64, tag: &str, world: usize) -> Result<(), CommError> {
+        let mut descs = Vec::with_capacity(self.size());
+        let mut tags = Vec::with_capacity(self.size());
+        for r in 0..self.size() {
+            // SAFETY: published with phase `q`, which every rank finished.
+            let slot: &DescSlot = unsafe { &(*self.control(r).descs.get())[(q % 2) as usize] };
+            let decoded = OpDesc::decode(&slot.bytes).ok_or_else(|| {
+                CommError::Internal(format!(
+                    "rank {}: rank {} left an unreadable descriptor in collective `{tag}` (a different \
+                     Brigade build?)",
+                    self.world_ranks[self.me], self.world_ranks[r]
+                ))
+            })?;
+            descs.push(decoded);
+            let len = (slot.tag_len as usize).min(MAX_TAG_BYTES);
+            tags.push(String::from_utf8_lossy(&slot.tag[..len]).into_owned());
+        }
+        if let Some(found) = first_mismatch(&descs) {
+            return Err(CommError::Mismatch {
+                tag: tags[0].clone(),
+                slot: descs[0].slot,
+                expected_rank: self.world_ranks[0],
+                expected: descs[0].describe(&tags[0]),
+                found_rank: self.world_ranks[found],
+                found: descs[found].describe(&tags[found]),
+            });
+        }
+        validate(&descs[0], world, tag)
+    }
+
+    /// Agrees on a collective that moves no data through the segment: every local rank
+    /// publishes its descriptor and tag, and all reach the same verdict (see
+    /// [`ShmNode::verdict`]). Passing it is also a barrier.
+    pub(crate) fn agree(&mut self, desc: &OpDesc, tag: &str, world: usize, deadline: Instant) -> Result<(), CommError> {
+        self.check_peers(tag)?;
+        let q = self.run_phase(tag, deadline, |node, _| node.write_desc(node.phase + 1, desc, tag))?;
+        self.verdict(q, tag, world)
+    }
+
+    /// A collective with a dead peer can never complete (and the dead one may have finished
+    /// the phase it died in).
+    fn check_peers(&self, tag: &str) -> Result<(), CommError> {
+        match self.first_dead(tag) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Copies the parts of a block (`m` elements at `data`) that the peers reduce into slot
+    /// `slot` of this rank.
+    ///
+    /// # Safety
+    /// `data` is valid for `m` reads; the slot is this rank's to write in this phase.
+    unsafe fn share<E: Element>(&self, data: *const E, m: usize, slot: usize) {
+        let size = self.size();
+        let mine = self.slot::<E>(self.me, slot);
+        for r in (0..size).filter(|&r| r != self.me) {
+            let (a, b) = chunk(m, size, r);
+            // SAFETY: in bounds of both; nobody reads this slot before the phase is published.
+            unsafe { std::ptr::copy_nonoverlapping(data.add(a), mine.add(a), b - a) };
+        }
+    }
+
+    /// Reduces this rank's chunk `a..b` of a block over its own input `own` and the peers'
+    /// slot `slot`, into `dsts` (offset to the chunk's start).
+    ///
+    /// # Safety
+    /// The peers' slot holds the block's input (published in an awaited phase); `own` and every
+    /// `dsts` pointer hold the chunk, which nobody else touches meanwhile.
+    unsafe fn reduce_chunk<E: Element, O: Element>(
+        &self,
+        own: *const E,
+        slot: usize,
+        (a, b): (usize, usize),
+        dsts: &[*mut O],
+        op: ReduceOp,
+        divisor: f32,
+    ) {
+        let srcs: Vec<*const E> = (0..self.size())
+            .map(|r| {
+                let base = if r == self.me {
+                    own
+                } else {
+                    self.slot::<E>(r, slot).cast_const()
+                };
+                // SAFETY: `a` is within the block, hence within both buffers.
+                unsafe { base.add(a) }
+            })
+            .collect();
+        // SAFETY: the caller's contract.
+        unsafe { reduce_range(&srcs, dsts, 0, b - a, op, divisor) };
+    }
+
+    /// Copies the peers' chunks of a block (`m` elements at `data`) from their slot `slot`.
+    ///
+    /// # Safety
+    /// The peers' chunks are final in that slot (an awaited phase); `data` is valid for `m`
+    /// writes and nobody else touches it.
+    unsafe fn fetch<E: Element>(&self, data: *mut E, m: usize, slot: usize) {
+        let size = self.size();
+        for r in (0..size).filter(|&r| r != self.me) {
+            let (a, b) = chunk(m, size, r);
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(self.slot::<E>(r, slot).add(a), data.add(a), b - a) };
+        }
+    }
+
+    /// Agrees on an all-reduce (see [`ShmNode::agree`]) and runs it: `data` (`n` elements) is
+    /// reduced in place over the local ranks with f32 accumulation in local rank order
+    /// (`Avg` divides by `divisor`), block by block through the segment. Block 0's input
+    /// travels with the descriptor; nobody reads it unless all agree.
+    ///
+    /// # Safety
+    /// `data` is valid for `n` reads and writes and used by nobody else during the call.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn all_reduce<E: Element>(
+        &mut self,
+        desc: &OpDesc,
+        data: *mut E,
+        n: usize,
+        op: ReduceOp,
+        divisor: f32,
+        tag: &str,
+        world: usize,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        self.check_peers(tag)?;
+        let per_block = SLOT_BYTES / std::mem::size_of::<E>();
+        let blocks = n.div_ceil(per_block);
+        let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
+        let first = self.run_phase(tag, deadline, |node, slot| {
+            node.write_desc(node.phase + 1, desc, tag);
+            if blocks > 0 {
+                // SAFETY: block 0 is within `data`; the slot is ours in this phase.
+                unsafe { node.share(data.cast_const(), block(0).1, slot) };
+            }
+        })?;
+        self.verdict(first, tag, world)?;
+        let size = self.size();
+        for s in 0..blocks {
+            let (lo, m) = block(s);
+            let input = ((first + s as u64) % SLOTS as u64) as usize;
+            let (a, b) = chunk(m, size, self.me);
+            // SAFETY: `lo + m <= n`; block s's input is in every peer's slot `input` (the phase
+            // before, awaited); our chunk of `data` and of our slot `input` are ours alone.
+            unsafe {
+                let own = data.add(lo);
+                self.run_phase(tag, deadline, |node, next| {
+                    let dsts = [own.add(a), node.slot::<E>(node.me, input).add(a)];
+                    node.reduce_chunk(own.cast_const(), input, (a, b), &dsts, op, divisor);
+                    if s + 1 < blocks {
+                        let (next_lo, next_m) = block(s + 1);
+                        node.share(data.add(next_lo).cast_const(), next_m, next);
+                    }
+                })?;
+                self.fetch(own, m, input);
+            }
+        }
+        Ok(())
+    }
+
+    /// The first half of a hierarchical all-reduce (agreed on beforehand): reduces `data` (`n`
+    /// elements) over the local ranks with `op` (`Avg` sums: the division comes at the end),
+    /// keeping this rank's chunk of every block, unrounded, in `shard` (blocks in order).
+    ///
+    /// # Safety
+    /// `data` is valid for `n` reads; every local rank calls this with the same `n`, `E`, `op`.
+    pub(crate) unsafe fn reduce_scatter_f32<E: Element>(
+        &mut self,
+        data: *const E,
+        n: usize,
+        op: ReduceOp,
+        shard: &mut Vec<f32>,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        self.check_peers(tag)?;
+        let per_block = SLOT_BYTES / std::mem::size_of::<E>();
+        let blocks = n.div_ceil(per_block);
+        let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
+        let combine = if op == ReduceOp::Max {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        let size = self.size();
+        shard.clear();
+        shard.resize(
+            (0..blocks)
+                .map(|s| {
+                    let (a, b) = chunk(block(s).1, size, self.me);
+                    b - a
+                })
+                .sum(),
+            0.0,
+        );
+        if blocks == 0 {
+            return Ok(());
+        }
+        // SAFETY: block 0 is within `data`; the slot is ours in this phase.
+        let first = self.run_phase(tag, deadline, |node, slot| unsafe {
+            node.share(data, block(0).1, slot)
+        })?;
+        let mut pos = 0;
+        for s in 0..blocks {
+            let (lo, m) = block(s);
+            let input = ((first + s as u64) % SLOTS as u64) as usize;
+            let (a, b) = chunk(m, size, self.me);
+            // SAFETY: as in `all_reduce`; `shard` holds `b - a` elements from `pos`.
+            unsafe {
+                let out = [shard.as_mut_ptr().add(pos)];
+                self.run_phase(tag, deadline, |node, next| {
+                    node.reduce_chunk(data.add(lo), input, (a, b), &out, combine, 1.0);
+                    if s + 1 < blocks {
+                        let (next_lo, next_m) = block(s + 1);
+                        node.share(data.add(next_lo), next_m, next);
+                    }
+                })?;
+            }
+            pos += b - a;
+        }
+        Ok(())
+    }
+
+    /// The second half of a hierarchical all-reduce: every local rank's `shard` (from
+    /// [`ShmNode::reduce_scatter_f32`] on the same `n`, then reduced across nodes) rounded
+    /// into its place in `data`, divided by `divisor` for `Avg`.
+    ///
+    /// # Safety
+    /// `data` is valid for `n` writes and used by nobody else during the call; every local
+    /// rank calls this with the same `n`, `E` and `op`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn all_gather_f32<E: Element>(
+        &mut self,
+        shard: &[f32],
+        data: *mut E,
+        n: usize,
+        op: ReduceOp,
+        divisor: f32,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        self.check_peers(tag)?;
+        let per_block = SLOT_BYTES / std::mem::size_of::<E>();
+        let size = self.size();
+        let (mut lo, mut pos) = (0, 0);
+        while lo < n {
+            let m = per_block.min(n - lo);
+            let (a, b) = chunk(m, size, self.me);
+            let part = &shard[pos..pos + (b - a)];
+            pos += b - a;
+            // SAFETY: our chunk of `data`'s block and of our slot are ours in this phase; after
+            // it, the peers' chunks are final in their slot of the phase.
+            unsafe {
+                let block = data.add(lo);
+                let q = self.run_phase(tag, deadline, |node, slot| {
+                    let out = std::slice::from_raw_parts_mut(block.add(a), b - a);
+                    finish_into(part, out, op, divisor);
+                    std::ptr::copy_nonoverlapping(out.as_ptr(), node.slot::<E>(node.me, slot).add(a), b - a);
+                })?;
+                self.fetch(block, m, (q % SLOTS as u64) as usize);
+            }
+            lo += m;
+        }
+        Ok(())
+    }
+}
