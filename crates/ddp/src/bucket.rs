@@ -2,7 +2,6 @@
 
 use brigade_tensor::Tensor;
 
-use crate::reducer::Held;
 use crate::stream::InFlight;
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
@@ -26,6 +25,19 @@ pub fn assign_buckets(param_bytes: &[usize], order: &[usize], first_cap: usize, 
         buckets.push(current);
     }
     buckets
+}
+
+/// What a bucket holds once its reduction landed.
+#[derive(Debug, Clone)]
+pub(crate) enum Held {
+    /// Nothing reduced yet (before the first synchronized pass, or during one).
+    Nothing,
+    /// The full buffer holds the reduced gradients.
+    Full,
+    /// The full buffer holds this rank's reduced shard at `offset..offset + len`, zeros elsewhere.
+    ShardInPlace { offset: usize, len: usize },
+    /// Only this shard is kept; the full buffer is freed until a gradient of the bucket is final.
+    Shard { tensor: Tensor, offset: usize },
 }
 
 /// One bucket: a flat buffer whose slices are its parameters' gradients (padded to the policy's

@@ -252,7 +252,7 @@ impl DistributedDataParallel {
     pub fn optimizer(&self, full: Box<dyn Optimizer>, build: BuildOptimizer<'_>) -> Result<DdpOptimizer> {
         let ctx = OptimizerContext {
             buckets: Buckets {
-                reducer: self.reducer.clone(),
+                source: self.reducer.clone(),
             },
             comm: self.reducer.collectives.clone(),
         };
@@ -268,7 +268,7 @@ impl DistributedDataParallel {
     /// collective under a sharding policy: every rank calls it after the same backward.
     pub fn grad_norm_sq(&self) -> Result<f64> {
         let buckets = Buckets {
-            reducer: self.reducer.clone(),
+            source: self.reducer.clone(),
         };
         let n = self.reducer.lock().buckets.len();
         let held: Vec<HeldGrad> = (0..n).map(|b| buckets.held(b)).collect::<Result<_>>()?;
@@ -344,7 +344,7 @@ impl DistributedDataParallel {
         let buckets: std::collections::HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
         let mut all = buckets.clone();
         all.extend(st.buckets.iter().filter_map(|b| match &b.held {
-            crate::reducer::Held::Shard { tensor, .. } => Some(live(tensor)),
+            crate::bucket::Held::Shard { tensor, .. } => Some(live(tensor)),
             _ => None,
         }));
         let outside: std::collections::HashMap<usize, usize> = self

@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use brigade_autograd::Optimizer;
 use brigade_tensor::Tensor;
 
+use crate::bucket::Held;
 use crate::policy::PolicyMemory;
-use crate::reducer::{Held, Reducer};
+use crate::reducer::Reducer;
 use crate::Result;
 
 /// Bytes this rank holds, measured from live allocations (each storage counted once, by its

@@ -16,9 +16,9 @@ use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, Communicator, EventKind, Recorder, SpanId};
 use brigade_tensor::{DType, Device, Tensor};
 
-use crate::bucket::{assign_buckets, Bucket};
+use crate::bucket::{assign_buckets, Bucket, Held};
 use crate::collectives::Collectives;
-use crate::policy::{BucketLayout, BucketParam, BucketSpan, PolicyBucket, ReducerPolicy};
+use crate::policy::{BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy};
 use crate::stream::{BucketStream, Failed, Landing, ReadyBucket};
 use crate::{DdpConfig, DdpError, Result};
 
@@ -73,19 +73,6 @@ pub struct PassBucket {
     pub launched: Instant,
     /// When its collectives ran (first start, last finish), once it completed.
     pub ran: Option<(Instant, Instant)>,
-}
-
-/// What a bucket holds once its reduction landed.
-#[derive(Debug, Clone)]
-pub(crate) enum Held {
-    /// Nothing reduced yet (before the first synchronized pass, or during one).
-    Nothing,
-    /// The full buffer holds the reduced gradients.
-    Full,
-    /// The full buffer holds this rank's reduced shard at `offset..offset + len`, zeros elsewhere.
-    ShardInPlace { offset: usize, len: usize },
-    /// Only this shard is kept; the full buffer is freed until a gradient of the bucket is final.
-    Shard { tensor: Tensor, offset: usize },
 }
 
 pub(crate) struct Reducer {
@@ -733,5 +720,67 @@ impl GradSubscriber for Reducer {
         let mut st = self.lock();
         self.end_span(&mut st);
         self.abort_pass(&mut st);
+    }
+}
+
+impl BucketSource for Reducer {
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    fn spans(&self) -> Vec<BucketSpan> {
+        let st = self.lock();
+        st.buckets
+            .iter()
+            .enumerate()
+            .map(|(index, b)| BucketSpan {
+                index,
+                params: self.bucket_params(&b.params),
+                numel: b.flat.numel(),
+                grad_numel: b.grad_numel,
+            })
+            .collect()
+    }
+
+    fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    fn buffer(&self, index: usize) -> Result<Tensor> {
+        let st = self.lock();
+        st.buckets
+            .get(index)
+            .map(|b| b.flat.clone())
+            .ok_or_else(|| DdpError::Policy {
+                policy: self.policy_name.clone(),
+                reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
+            })
+    }
+
+    fn held(&self, index: usize) -> Result<HeldGrad> {
+        let st = self.lock();
+        let b = st.buckets.get(index).ok_or_else(|| DdpError::Policy {
+            policy: self.policy_name.clone(),
+            reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
+        })?;
+        Ok(match &b.held {
+            Held::Full => HeldGrad::Full(b.flat.narrow(0, 0, b.grad_numel)?),
+            Held::ShardInPlace { offset, len } => HeldGrad::Shard {
+                tensor: b.flat.narrow(0, *offset, *len)?,
+                offset: *offset,
+            },
+            Held::Shard { tensor, offset } => HeldGrad::Shard {
+                tensor: tensor.clone(),
+                offset: *offset,
+            },
+            Held::Nothing => {
+                return Err(DdpError::Policy {
+                    policy: self.policy_name.clone(),
+                    reason: format!(
+                        "bucket {index} holds no reduced gradient: the optimizer stepped before a synchronized backward"
+                    ),
+                })
+            }
+        })
     }
 }

@@ -8,8 +8,7 @@ use brigade_tensor::{DType, Device, Tensor};
 
 use super::BucketParam;
 use crate::collectives::Collectives;
-use crate::reducer::{Held, Reducer};
-use crate::{DdpError, Result};
+use crate::Result;
 
 /// The model and group a policy serves, when DDP is built.
 #[derive(Debug, Clone)]
@@ -68,78 +67,53 @@ pub enum HeldGrad {
     },
 }
 
+/// What [`Buckets`] reads: DDP's reducer implements it (kept behind a trait so that the
+/// policy's side of the contract does not import the reducer that calls it).
+pub(crate) trait BucketSource: Send + Sync {
+    /// Every registered parameter, in registration order.
+    fn params(&self) -> &[Var];
+    /// The current layout's buckets, in launch order.
+    fn spans(&self) -> Vec<BucketSpan>;
+    /// The layout's generation.
+    fn generation(&self) -> u64;
+    /// Bucket `index`'s full flat buffer.
+    fn buffer(&self, index: usize) -> Result<Tensor>;
+    /// What bucket `index` holds now.
+    fn held(&self, index: usize) -> Result<HeldGrad>;
+}
+
 /// A live view of DDP's buckets for a policy's optimizer (ZeRO steps each bucket's shard from
 /// it): cheap to clone; every call reads the current state.
 #[derive(Clone)]
 pub struct Buckets {
-    pub(crate) reducer: Arc<Reducer>,
+    pub(crate) source: Arc<dyn BucketSource>,
 }
 
 impl Buckets {
     /// Every registered parameter, in registration order.
     pub fn params(&self) -> &[Var] {
-        &self.reducer.params
+        self.source.params()
     }
 
     /// The current layout's buckets, in launch order.
     pub fn spans(&self) -> Vec<BucketSpan> {
-        let st = self.reducer.lock();
-        st.buckets
-            .iter()
-            .enumerate()
-            .map(|(index, b)| BucketSpan {
-                index,
-                params: self.reducer.bucket_params(&b.params),
-                numel: b.flat.numel(),
-                grad_numel: b.grad_numel,
-            })
-            .collect()
+        self.source.spans()
     }
 
     /// The layout's generation (it changes when the buckets are rebuilt).
     pub fn generation(&self) -> u64 {
-        self.reducer.lock().generation
+        self.source.generation()
     }
 
     /// Bucket `index`'s full flat buffer (padding included): its gradients, or, after a
     /// reduction that kept only a shard, a freed buffer that reads `StorageLent`.
     pub fn buffer(&self, index: usize) -> Result<Tensor> {
-        let st = self.reducer.lock();
-        st.buckets
-            .get(index)
-            .map(|b| b.flat.clone())
-            .ok_or_else(|| DdpError::Policy {
-                policy: self.reducer.policy_name.clone(),
-                reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
-            })
+        self.source.buffer(index)
     }
 
     /// What bucket `index` holds now (after a synchronized backward: the reduced gradients).
     pub fn held(&self, index: usize) -> Result<HeldGrad> {
-        let st = self.reducer.lock();
-        let b = st.buckets.get(index).ok_or_else(|| DdpError::Policy {
-            policy: self.reducer.policy_name.clone(),
-            reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
-        })?;
-        Ok(match &b.held {
-            Held::Full => HeldGrad::Full(b.flat.narrow(0, 0, b.grad_numel)?),
-            Held::ShardInPlace { offset, len } => HeldGrad::Shard {
-                tensor: b.flat.narrow(0, *offset, *len)?,
-                offset: *offset,
-            },
-            Held::Shard { tensor, offset } => HeldGrad::Shard {
-                tensor: tensor.clone(),
-                offset: *offset,
-            },
-            Held::Nothing => {
-                return Err(DdpError::Policy {
-                    policy: self.reducer.policy_name.clone(),
-                    reason: format!(
-                        "bucket {index} holds no reduced gradient: the optimizer stepped before a synchronized backward"
-                    ),
-                })
-            }
-        })
+        self.source.held(index)
     }
 }
 

@@ -44,6 +44,7 @@ use brigade_comm::ReduceOp;
 use brigade_tensor::{DType, Tensor};
 
 pub use bucket::{bucket_tag, BucketLayout, BucketParam, PerBucket, PolicyBucket, Reduction};
+pub(crate) use context::BucketSource;
 pub use context::{
     BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamInfo, PolicyContext, PolicyDiagnostic,
     PolicyMemory, StepContext,

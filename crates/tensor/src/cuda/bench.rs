@@ -11,8 +11,8 @@ use cudarc::cublas::{Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
+use super::compare::{compare_outputs, GemmTiming};
 use super::device::fault;
-use super::handle::{compare_outputs, GemmTiming};
 use super::{CudaDevice, CudaStorage};
 use crate::backend::BackendStorage;
 use crate::cuda::element::CudaElement;

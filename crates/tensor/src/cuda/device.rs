@@ -13,7 +13,6 @@ use cudarc::nvrtc::Ptx;
 use super::element::CudaBuffer;
 use super::nvrtc::{self, KernelFile};
 use super::probe;
-use super::streams::CudaStreamRef;
 use crate::{Device, Result, TensorError};
 
 /// A buffer freed while other streams still had work queued on it: the events recorded on
@@ -21,6 +20,13 @@ use crate::{Device, Result, TensorError};
 struct Deferred {
     _buf: CudaBuffer,
     events: Vec<CudaEvent>,
+}
+
+/// A stream of one CUDA device (what the scope stack holds for it; its methods are in
+/// `streams.rs`).
+pub(crate) struct CudaStreamRef {
+    pub(crate) dev: Arc<CudaDevice>,
+    pub(crate) stream: Arc<CudaStream>,
 }
 
 /// A CUDA device, created once per ordinal and shared by every tensor on it.

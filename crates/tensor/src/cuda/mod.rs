@@ -26,6 +26,7 @@
 //! `gemm` (the cuBLAS calls), `launch` (grid shapes, the layout argument), `bench` (GEMM
 //! against cuBLAS).
 
+mod compare;
 mod handle;
 pub mod probe;
 
@@ -55,9 +56,11 @@ mod streams;
 #[cfg(feature = "cuda")]
 pub(crate) use device::CudaDevice;
 #[cfg(feature = "cuda")]
+pub(crate) use device::CudaStreamRef;
+#[cfg(feature = "cuda")]
 pub(crate) use storage::CudaStorage;
 #[cfg(feature = "cuda")]
-pub(crate) use streams::{CudaEventRef, CudaStreamRef};
+pub(crate) use streams::CudaEventRef;
 
 // Tensors share storage across rank threads: the CUDA types must be Send + Sync.
 #[cfg(feature = "cuda")]

@@ -7,16 +7,10 @@ use std::time::Duration;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
 
-use super::device::{fault, CudaDevice};
+use super::device::{fault, CudaDevice, CudaStreamRef};
 use super::nvrtc::LINK;
 use super::storage::launch;
 use crate::Result;
-
-/// A stream of one CUDA device (what the scope stack holds for it).
-pub(crate) struct CudaStreamRef {
-    pub(crate) dev: Arc<CudaDevice>,
-    pub(crate) stream: Arc<CudaStream>,
-}
 
 impl CudaStreamRef {
     /// Device `ordinal`'s compute stream.
