@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The collectives sitting (issue 26): Brigade's MPI all-reduce against raw MPI_Allreduce in the same
+# run (shared segment off, then on), 2 and 4 ranks, 1-64 MiB; then the thread backend's small and
+# large messages against memcpy. Needs target/release/brigade built with --features mpi.
+# Usage: scripts/bench-collectives.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B=${BRIGADE:-target/release/brigade}
+OUT=${1:-out/bench-collectives}
+mkdir -p "$OUT"
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
+{
+  echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p') $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+  for np in 2 4; do
+    for shm in 0 1; do
+      echo "## mpi, $np ranks, BRIGADE_MPI_SHM=$shm"
+      BRIGADE_MPI_SHM=$shm timeout 600 "${MPIRUN[@]}" -np "$np" "$B" bench comm --backend mpi --sizes 1M,4M,16M,64M
+    done
+  done
+  echo "## mpi, 4 ranks as 2 nodes of 2 (BRIGADE_NODE_SIZE=2, TCP between them)"
+  BRIGADE_NODE_SIZE=2 timeout 600 "${MPIRUN[@]}" --mca btl tcp,self,vader -np 4 "$B" bench comm --backend mpi --sizes 1M,16M,64M
+  echo "## thread, 2 ranks"
+  timeout 600 "$B" bench comm --world-size 2 --sizes 1K,4K,16K,64K,1M,16M,64M
+} 2>&1 | tee "$OUT/sitting.txt"
