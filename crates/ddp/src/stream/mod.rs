@@ -27,6 +27,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
 mod gpu_clock;
 mod host;
 mod recording;

@@ -1,75 +1,13 @@
-//! A small MLP, data, and a fingerprint of training results for the policy tests.
+//! A small MLP, data, and a fingerprint of training results for the policy tests: the DDP
+//! tests' helpers (the same file), and what only these tests need.
 
 #![allow(dead_code)]
 
-use brigade_autograd::{scope, ParamStore, Var};
-use brigade_tensor::{DType, Rng, Tensor};
+#[path = "../../../ddp/tests/ddp/common/mod.rs"]
+mod ddp_common;
+pub use ddp_common::*;
 
-/// An MLP whose layer `i` is recorded under scope `layers.{i}`.
-pub struct Mlp {
-    pub store: ParamStore,
-    pub layers: Vec<(Var, Var)>,
-}
-
-impl Mlp {
-    pub fn new(widths: &[usize], seed: u64) -> Mlp {
-        let mut rng = Rng::new(seed);
-        let mut store = ParamStore::new();
-        let layers = widths
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| {
-                let s = 1.0 / (w[0] as f64).sqrt();
-                let weight = store
-                    .add(
-                        format!("layers.{i}.weight"),
-                        Tensor::rand_uniform(&[w[1], w[0]], -s, s, DType::F32, &mut rng),
-                    )
-                    .unwrap();
-                let bias = store
-                    .add(
-                        format!("layers.{i}.bias"),
-                        Tensor::rand_uniform(&[w[1]], -s, s, DType::F32, &mut rng),
-                    )
-                    .unwrap();
-                (weight, bias)
-            })
-            .collect();
-        Mlp { store, layers }
-    }
-
-    pub fn loss(&self, x: &Tensor, y: &Tensor) -> Var {
-        let mut h = Var::constant(x.clone());
-        for (i, (w, b)) in self.layers.iter().enumerate() {
-            h = scope(&format!("layers.{i}"), || {
-                let z = h.linear(w, Some(b))?;
-                if i + 1 < self.layers.len() {
-                    z.relu()
-                } else {
-                    Ok(z)
-                }
-            })
-            .unwrap();
-        }
-        h.cross_entropy(y).unwrap()
-    }
-
-    pub fn values(&self) -> Vec<Vec<f32>> {
-        self.store
-            .params()
-            .iter()
-            .map(|p| p.value().to_vec::<f32>().unwrap())
-            .collect()
-    }
-}
-
-/// `n` rows of inputs `[n, d]` and labels in `0..c`.
-pub fn data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor) {
-    let mut rng = Rng::new(seed);
-    let x = Tensor::randn(&[n, d], 1.0, DType::F32, &mut rng);
-    let y: Vec<i64> = (0..n).map(|_| rng.below(c as u64) as i64).collect();
-    (x, Tensor::from_vec(y, &[n]).unwrap())
-}
+use brigade_tensor::{Rng, Tensor};
 
 /// `n` rows of inputs `[n, d]` labelled by a teacher: the index of the largest of the first `c`
 /// inputs (learnable, unlike [`data`]'s random labels).
@@ -86,21 +24,6 @@ pub fn teacher_data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor)
         Tensor::from_vec(x, &[n, d]).unwrap(),
         Tensor::from_vec(y, &[n]).unwrap(),
     )
-}
-
-/// Rows `start..start+len` of `(x, y)`.
-pub fn rows(x: &Tensor, y: &Tensor, start: usize, len: usize) -> (Tensor, Tensor) {
-    (
-        x.narrow(0, start, len).unwrap().contiguous().unwrap(),
-        y.narrow(0, start, len).unwrap().contiguous().unwrap(),
-    )
-}
-
-pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
-        .fold(0.0, f32::max)
 }
 
 /// FNV-1a over the bytes: a fingerprint of exact bit patterns.
