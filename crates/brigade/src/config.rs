@@ -11,6 +11,7 @@ use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
 use crate::comm_hook::MakeCommHook;
+use crate::data::DataOrder;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
 use brigade_policies::PolicySpec;
@@ -94,6 +95,9 @@ pub struct TrainConfig {
     pub batch_size: usize,
     /// Microbatches per step: the first `accum - 1` accumulate under `no_sync`.
     pub accum: usize,
+    /// In which order the ranks read the data: in order (the default) or through a
+    /// distributed sampler (`DataOrder::shuffle` for `--shuffle`).
+    pub data_order: DataOrder,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
     /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
@@ -120,7 +124,7 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// `steps` steps of `batch_size` rows per rank with `optimizer`, and the defaults for the
-    /// rest: one microbatch a step, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
+    /// rest: one microbatch a step, rows in order, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
     /// checkpoint, no resume, no profile, no observer.
     pub fn new(steps: usize, batch_size: usize, optimizer: OptimizerConfig) -> Self {
         TrainConfig {
@@ -130,6 +134,7 @@ impl TrainConfig {
             steps,
             batch_size,
             accum: 1,
+            data_order: DataOrder::InOrder,
             optimizer,
             ddp: Some(DdpConfig::default()),
             comm_hook: Arc::new(PolicySpec::AllReduce),
