@@ -37,6 +37,50 @@ pub struct CheckpointIdentity<'a> {
     /// Where rank 0's sampler stands after the checkpoint's step (written; a resume reads it
     /// back from the file).
     pub sampler: Option<SamplerPosition>,
+    /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
+    pub model_config: Option<String>,
+}
+
+/// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
+/// outside training (e.g. to sample from a GPT).
+#[derive(Debug)]
+pub struct CheckpointModel {
+    /// The model's name (`gpt`, `mlp`, or a user's).
+    pub name: String,
+    /// The model's shape as recorded (`None`: the checkpoint records none).
+    pub config: Option<String>,
+    /// The step the checkpoint was taken before.
+    pub step: usize,
+    /// The parameters, by name (without the checkpoint's `model.` prefix).
+    pub params: Vec<(String, Tensor)>,
+}
+
+/// Reads the model part of the checkpoint at `path`: errors when the file cannot be read, is
+/// not a Brigade checkpoint, or holds a non-finite parameter.
+pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
+    let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
+        path: path.display().to_string(),
+        mismatch,
+    };
+    let (tensors, meta) = load_safetensors_with_metadata(path)?;
+    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
+        return Err(err(CheckpointMismatch::NotACheckpoint));
+    }
+    let step = meta
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| err(CheckpointMismatch::NoStep))?;
+    let params: Vec<(String, Tensor)> = tensors
+        .into_iter()
+        .filter_map(|(n, t)| n.strip_prefix("model.").map(|n| (n.to_string(), t)))
+        .collect();
+    brigade_models::check_finite(path, &params)?;
+    Ok(CheckpointModel {
+        name: meta.get("model").cloned().unwrap_or_default(),
+        config: meta.get("model_config").cloned(),
+        step,
+        params,
+    })
 }
 
 /// What a resume continues from.
@@ -76,6 +120,7 @@ pub fn save_checkpoint(
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
     .chain(id.data_order.clone().map(|o| ("data_order", o)))
+    .chain(id.model_config.clone().map(|c| ("model_config", c)))
     .chain(id.sampler.into_iter().flat_map(|p| {
         [
             ("sampler_epoch", p.epoch.to_string()),

@@ -85,6 +85,10 @@ impl OptimizerConfig {
 pub struct TrainConfig {
     /// The model's name, recorded in checkpoints (resuming another model is an error).
     pub model_name: String,
+    /// The model's shape as text (the CLI writes a JSON object), recorded in checkpoints as
+    /// `model_config` so that a checkpoint can be loaded without the flags that trained it
+    /// ([`crate::checkpoint::load_model_tensors`]); `None`: not recorded.
+    pub model_config: Option<String>,
     /// Seed of the initial parameters, recorded in checkpoints (resuming with another is an error).
     pub seed: u64,
     /// Initial parameters (safetensors, PyTorch state-dict names).
@@ -129,6 +133,7 @@ impl TrainConfig {
     pub fn new(steps: usize, batch_size: usize, optimizer: OptimizerConfig) -> Self {
         TrainConfig {
             model_name: "model".into(),
+            model_config: None,
             seed: 0,
             init: None,
             steps,

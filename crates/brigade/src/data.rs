@@ -168,6 +168,34 @@ pub trait DataSource: Sync {
     }
 }
 
+/// A borrowed source is the source: one dataset can feed several runs (e.g. a run resumed
+/// between evaluations) without a copy.
+impl<T: DataSource + ?Sized> DataSource for &T {
+    fn batch(&self, mb: &Microbatch) -> Result<Batch> {
+        (**self).batch(mb)
+    }
+
+    fn num_rows(&self) -> Option<usize> {
+        (**self).num_rows()
+    }
+
+    fn gather(&self, rank: usize, rows: &[usize]) -> Result<Batch> {
+        (**self).gather(rank, rows)
+    }
+
+    fn sampler(&self, rank: usize, world_size: usize, options: SamplerOptions) -> Result<DistributedSampler> {
+        (**self).sampler(rank, world_size, options)
+    }
+
+    fn rank_lengths(&self, world_size: usize, order: &DataOrder) -> Result<DataLength> {
+        (**self).rank_lengths(world_size, order)
+    }
+
+    fn fingerprint(&self) -> Option<String> {
+        (**self).fingerprint()
+    }
+}
+
 /// The built-in datasets and data files, sharded by [`Microbatch::first_row`] (wrapping around
 /// at the end) in order, or by a [`DistributedSampler`] over all their rows.
 impl DataSource for Dataset {

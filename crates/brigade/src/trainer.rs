@@ -124,6 +124,7 @@ impl<'a> Trainer<'a> {
                     world_size: ctx.world_size,
                     data_order: cfg.data_order.describe(),
                     sampler: None,
+                    model_config: None,
                 };
                 Some(resume_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
             }
@@ -411,6 +412,7 @@ impl<'a> Trainer<'a> {
                 world_size: self.ctx.world_size,
                 data_order: self.cfg.data_order.describe(),
                 sampler: self.next_position,
+                model_config: self.cfg.model_config.clone(),
             };
             save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }

@@ -70,28 +70,13 @@ fn config(steps: usize, batch: usize, order: DataOrder) -> TrainConfig {
     }
 }
 
-fn run<'a>(world: usize, cfg: &TrainConfig, data: &'a Recording) -> brigade::Result<RunReport> {
+fn run(world: usize, cfg: &TrainConfig, data: &Recording) -> brigade::Result<RunReport> {
     fit(
         &LaunchConfig::threads(world),
         cfg,
         |_| Ok(data),
         |_| Ok(Box::new(Mlp::new(MlpConfig::new(vec![6, 16, 3]), 0)?)),
     )
-}
-
-impl DataSource for &Recording {
-    fn batch(&self, mb: &Microbatch) -> brigade::Result<Batch> {
-        (*self).batch(mb)
-    }
-    fn num_rows(&self) -> Option<usize> {
-        (*self).num_rows()
-    }
-    fn gather(&self, rank: usize, rows: &[usize]) -> brigade::Result<Batch> {
-        (*self).gather(rank, rows)
-    }
-    fn fingerprint(&self) -> Option<String> {
-        (*self).fingerprint()
-    }
 }
 
 fn assert_close(a: &[f64], b: &[f64], what: &str) {
