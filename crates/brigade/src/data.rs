@@ -8,7 +8,7 @@
 //! permutation per epoch, each rank a disjoint shard, padded or cut so that every rank reads as
 //! many rows). A sampled source says before step 0 how many rows each rank reads per epoch
 //! ([`DataSource::rank_lengths`]), and each rank reads its rows as one stream across epochs
-//! through a [`SamplerCursor`] whose position checkpoints record.
+//! through a [`SamplerCursor`](brigade_models::SamplerCursor) whose position checkpoints record.
 
 use brigade_models::{Batch, Dataset, DistributedSampler, Remainder, SamplerOptions};
 
