@@ -4,7 +4,9 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
-use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model};
+use brigade_models::{
+    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, SamplerPosition,
+};
 use brigade_policies::ZeroStage;
 use brigade_tensor::Tensor;
 
@@ -29,6 +31,66 @@ pub struct CheckpointIdentity<'a> {
     pub zero: ZeroStage,
     /// The number of ranks.
     pub world_size: usize,
+    /// How the run orders its rows ([`crate::data::DataOrder::describe`]; `None`: in order,
+    /// not recorded). A resume checks it, and a sampled run's resume the world size too.
+    pub data_order: Option<String>,
+    /// Where rank 0's sampler stands after the checkpoint's step (written; a resume reads it
+    /// back from the file).
+    pub sampler: Option<SamplerPosition>,
+    /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
+    pub model_config: Option<String>,
+}
+
+/// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
+/// outside training (e.g. to sample from a GPT).
+#[derive(Debug)]
+pub struct CheckpointModel {
+    /// The model's name (`gpt`, `mlp`, or a user's).
+    pub name: String,
+    /// The model's shape as recorded (`None`: the checkpoint records none).
+    pub config: Option<String>,
+    /// The step the checkpoint was taken before.
+    pub step: usize,
+    /// The parameters, by name (without the checkpoint's `model.` prefix).
+    pub params: Vec<(String, Tensor)>,
+}
+
+/// Reads the model part of the checkpoint at `path`: errors when the file cannot be read, is
+/// not a Brigade checkpoint, or holds a non-finite parameter.
+pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
+    let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
+        path: path.display().to_string(),
+        mismatch,
+    };
+    let (tensors, meta) = load_safetensors_with_metadata(path)?;
+    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
+        return Err(err(CheckpointMismatch::NotACheckpoint));
+    }
+    let step = meta
+        .get("step")
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| err(CheckpointMismatch::NoStep))?;
+    let params: Vec<(String, Tensor)> = tensors
+        .into_iter()
+        .filter_map(|(n, t)| n.strip_prefix("model.").map(|n| (n.to_string(), t)))
+        .collect();
+    brigade_models::check_finite(path, &params)?;
+    Ok(CheckpointModel {
+        name: meta.get("model").cloned().unwrap_or_default(),
+        config: meta.get("model_config").cloned(),
+        step,
+        params,
+    })
+}
+
+/// What a resume continues from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resumed {
+    /// The step to run next.
+    pub step: usize,
+    /// Where the sampler stood (sampled runs' checkpoints): the epoch and the row of it the next
+    /// step reads first, on every rank.
+    pub sampler: Option<SamplerPosition>,
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -57,6 +119,14 @@ pub fn save_checkpoint(
     ]
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
+    .chain(id.data_order.clone().map(|o| ("data_order", o)))
+    .chain(id.model_config.clone().map(|c| ("model_config", c)))
+    .chain(id.sampler.into_iter().flat_map(|p| {
+        [
+            ("sampler_epoch", p.epoch.to_string()),
+            ("sampler_index", p.index.to_string()),
+        ]
+    }))
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     save_safetensors(path, &tensors, Some(meta))?;
@@ -71,6 +141,16 @@ pub fn load_checkpoint(
     model: &dyn Model,
     opt: &mut dyn Optimizer,
 ) -> Result<usize> {
+    Ok(resume_checkpoint(path, id, model, opt)?.step)
+}
+
+/// [`load_checkpoint`], returning the sampler's position beside the step.
+pub fn resume_checkpoint(
+    path: &Path,
+    id: &CheckpointIdentity<'_>,
+    model: &dyn Model,
+    opt: &mut dyn Optimizer,
+) -> Result<Resumed> {
     let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
         path: path.display().to_string(),
         mismatch,
@@ -106,6 +186,7 @@ pub fn load_checkpoint(
         }
     }
     check_sharding(&meta, id).map_err(err)?;
+    let sampler = check_data_order(&meta, id).map_err(err)?;
     brigade_models::check_finite(path, &tensors)?;
     let step: usize = meta
         .get("step")
@@ -119,7 +200,45 @@ pub fn load_checkpoint(
     };
     load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
-    Ok(step)
+    Ok(Resumed { step, sampler })
+}
+
+/// The data order must be the one the checkpoint was written with (in order when it records
+/// none); a sampled run's position is per rank, so it resumes on as many ranks only. Returns
+/// the recorded position.
+fn check_data_order(
+    meta: &std::collections::HashMap<String, String>,
+    id: &CheckpointIdentity<'_>,
+) -> std::result::Result<Option<SamplerPosition>, CheckpointMismatch> {
+    const IN_ORDER: &str = "rows in order";
+    let written = meta.get("data_order").map(String::as_str).unwrap_or(IN_ORDER);
+    let this_run = id.data_order.as_deref().unwrap_or(IN_ORDER);
+    if written != this_run {
+        return Err(CheckpointMismatch::Written {
+            what: "data order",
+            written: written.to_string(),
+            this_run: this_run.to_string(),
+        });
+    }
+    if id.data_order.is_none() {
+        return Ok(None);
+    }
+    let written_world = meta.get("world_size").cloned().unwrap_or_default();
+    if written_world != id.world_size.to_string() {
+        return Err(CheckpointMismatch::Written {
+            what: "world size (a sampled run's position is per rank)",
+            written: written_world,
+            this_run: id.world_size.to_string(),
+        });
+    }
+    let field = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());
+    match (field("sampler_epoch"), field("sampler_index")) {
+        (Some(epoch), Some(index)) => Ok(Some(SamplerPosition {
+            epoch,
+            index: index as usize,
+        })),
+        _ => Err(CheckpointMismatch::NoSamplerPosition),
+    }
 }
 
 /// A checkpoint written under ZeRO resumes with the same stage and world size only, and one

@@ -11,6 +11,7 @@ use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
 use crate::comm_hook::MakeCommHook;
+use crate::data::DataOrder;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
 use brigade_policies::PolicySpec;
@@ -84,6 +85,10 @@ impl OptimizerConfig {
 pub struct TrainConfig {
     /// The model's name, recorded in checkpoints (resuming another model is an error).
     pub model_name: String,
+    /// The model's shape as text (the CLI writes a JSON object), recorded in checkpoints as
+    /// `model_config` so that a checkpoint can be loaded without the flags that trained it
+    /// ([`crate::checkpoint::load_model_tensors`]); `None`: not recorded.
+    pub model_config: Option<String>,
     /// Seed of the initial parameters, recorded in checkpoints (resuming with another is an error).
     pub seed: u64,
     /// Initial parameters (safetensors, PyTorch state-dict names).
@@ -94,6 +99,9 @@ pub struct TrainConfig {
     pub batch_size: usize,
     /// Microbatches per step: the first `accum - 1` accumulate under `no_sync`.
     pub accum: usize,
+    /// In which order the ranks read the data: in order (the default) or through a
+    /// distributed sampler (`DataOrder::shuffle` for `--shuffle`).
+    pub data_order: DataOrder,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
     /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
@@ -120,16 +128,18 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// `steps` steps of `batch_size` rows per rank with `optimizer`, and the defaults for the
-    /// rest: one microbatch a step, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
+    /// rest: one microbatch a step, rows in order, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
     /// checkpoint, no resume, no profile, no observer.
     pub fn new(steps: usize, batch_size: usize, optimizer: OptimizerConfig) -> Self {
         TrainConfig {
             model_name: "model".into(),
+            model_config: None,
             seed: 0,
             init: None,
             steps,
             batch_size,
             accum: 1,
+            data_order: DataOrder::InOrder,
             optimizer,
             ddp: Some(DdpConfig::default()),
             comm_hook: Arc::new(PolicySpec::AllReduce),

@@ -109,6 +109,9 @@ pub enum CheckpointMismatch {
     /// It records no step to continue from.
     #[error("no step recorded")]
     NoStep,
+    /// A sampled run's checkpoint without the sampler's position (epoch and row).
+    #[error("it records the data order but not the sampler's position (epoch and row)")]
+    NoSamplerPosition,
     /// Written for another model or optimizer (`what`: `model`, `optimizer`).
     #[error("it was written for {what} '{written}', this run uses '{this_run}'")]
     Written {

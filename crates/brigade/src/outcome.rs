@@ -7,8 +7,10 @@ use brigade_comm::CommBytes;
 use brigade_ddp::overlap::{AutotuneReport, StepProfile};
 use brigade_ddp::RankMemory;
 use brigade_ddp::{BucketInfo, MemoryReport};
+use brigade_models::SamplerPosition;
 use brigade_tensor::Tensor;
 
+use crate::data::DataLength;
 use crate::error::Error;
 
 /// What one step did.
@@ -27,6 +29,9 @@ pub struct StepOutcome {
     /// What DDP handed to its collectives during the step on this rank (gradient reduction,
     /// bucket rebuilding; not the step's own loss agreement).
     pub sent: CommBytes,
+    /// Where this rank's sampler stands after the step (the epoch and row the next step reads
+    /// first); `None` for rows in order.
+    pub sampler: Option<SamplerPosition>,
 }
 
 /// What a rank's run produced.
@@ -62,6 +67,11 @@ pub struct TrainOutcome {
     pub rank_memory: Option<RankMemory>,
     /// The final parameters (rank 0 only; empty elsewhere).
     pub params: Vec<(String, Tensor)>,
+    /// Rows each rank read per epoch (rows in order: endless), as known before step 0.
+    pub rank_lengths: DataLength,
+    /// Where this rank's sampler stood at the end (the epoch and row a resume reads first);
+    /// `None` for rows in order.
+    pub sampler: Option<SamplerPosition>,
 }
 
 /// A checkpoint rank 0 could not write (not an error the ranks agree on: the run's other

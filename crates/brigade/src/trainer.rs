@@ -16,13 +16,13 @@ use brigade_autograd::{Optimizer, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
-use brigade_models::{load_params, Batch, Model};
+use brigade_models::{load_params, Batch, Model, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
-use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
+use crate::checkpoint::{resume_checkpoint, save_checkpoint, CheckpointIdentity};
 use crate::config::{OptimizerConfig, TrainConfig};
-use crate::data::{DataSource, Microbatch};
+use crate::data::{DataLength, DataOrder, DataSource, Microbatch};
 use crate::error::{CheckpointMismatch, Error, Result};
 use crate::launch::nccl;
 use crate::launch::RankContext;
@@ -68,6 +68,13 @@ pub struct Trainer<'a> {
     autotune: Option<Autotuner>,
     /// The profiles of the steps in `profile_steps` so far.
     profiles: Vec<StepProfile>,
+    /// Rows each rank reads per epoch, known before step 0.
+    lengths: DataLength,
+    /// This rank's rows under [`DataOrder::Sampled`] (in order: `None`).
+    cursor: Option<SamplerCursor>,
+    /// Where the cursor stood when step `next_step` began: what a checkpoint of the state
+    /// before that step records.
+    next_position: Option<SamplerPosition>,
 }
 
 impl<'a> Trainer<'a> {
@@ -84,8 +91,29 @@ impl<'a> Trainer<'a> {
         if let Some(init) = &cfg.init {
             load_params(model.params(), init)?;
         }
+        // every rank's length is known before step 0; the trainer has no uneven-input
+        // support yet, so ranks that would run out at different steps are refused here
+        let lengths = data.rank_lengths(ctx.world_size, &cfg.data_order)?;
+        if let DataLength::PerEpoch(rows) = &lengths {
+            if !lengths.is_even() {
+                return Err(Error::Config(format!(
+                    "the ranks read different numbers of rows per epoch ({}): uneven inputs need a join the trainer does not have yet; give every rank as many rows, or pad (drop_last off)",
+                    rows.iter()
+                        .enumerate()
+                        .map(|(r, n)| format!("rank {r}: {n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            if rows[ctx.rank] < cfg.batch_size {
+                return Err(Error::Config(format!(
+                    "rank {} reads {} rows per epoch, fewer than one microbatch of {}",
+                    ctx.rank, rows[ctx.rank], cfg.batch_size
+                )));
+            }
+        }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
-        let first_step = match &cfg.checkpoint.resume {
+        let resumed = match &cfg.checkpoint.resume {
             Some(path) => {
                 let id = CheckpointIdentity {
                     model: &cfg.model_name,
@@ -94,10 +122,24 @@ impl<'a> Trainer<'a> {
                     data: data.fingerprint(),
                     zero: zero_stage(cfg),
                     world_size: ctx.world_size,
+                    data_order: cfg.data_order.describe(),
+                    sampler: None,
+                    model_config: None,
                 };
-                load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?
+                Some(resume_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
             }
-            None => 0,
+            None => None,
+        };
+        let first_step = resumed.map_or(0, |r| r.step);
+        let cursor = match cfg.data_order {
+            DataOrder::InOrder => None,
+            DataOrder::Sampled(options) => {
+                let sampler = data.sampler(ctx.rank, ctx.world_size, options)?;
+                let at = resumed
+                    .and_then(|r| r.sampler)
+                    .unwrap_or(SamplerPosition { epoch: 0, index: 0 });
+                Some(SamplerCursor::new(sampler, at)?)
+            }
         };
         if let (Some(path), true) = (&cfg.checkpoint.resume, first_step > cfg.steps) {
             return Err(Error::Checkpoint {
@@ -152,6 +194,9 @@ impl<'a> Trainer<'a> {
             stop_requested: false,
             profile: None,
             profiles: vec![],
+            lengths,
+            next_position: cursor.as_ref().map(SamplerCursor::position),
+            cursor,
             autotune: cfg
                 .autotune
                 .clone()
@@ -164,6 +209,17 @@ impl<'a> Trainer<'a> {
     /// The first step this trainer runs (non-zero after a resume).
     pub fn first_step(&self) -> usize {
         self.first_step
+    }
+
+    /// How many rows each rank reads per epoch (rows in order never end), known before step 0.
+    pub fn rank_lengths(&self) -> &DataLength {
+        &self.lengths
+    }
+
+    /// Where this rank's sampler stands: the epoch and row the next step reads first (`None`
+    /// for rows in order).
+    pub fn sampler_position(&self) -> Option<SamplerPosition> {
+        self.next_position
     }
 
     fn begin(&self, kind: EventKind) -> Option<SpanId> {
@@ -198,7 +254,11 @@ impl<'a> Trainer<'a> {
                 world_size: world,
                 rows: b,
             };
-            let batch = batch_on(self.data.batch(&mb)?, self.device)?;
+            let batch = match self.cursor.as_mut() {
+                None => self.data.batch(&mb)?,
+                Some(cursor) => self.data.gather(rank, &cursor.next_rows(b))?,
+            };
+            let batch = batch_on(batch, self.device)?;
             let fwd = self.begin(EventKind::Forward);
             let loss = self.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?;
             self.end(fwd);
@@ -249,6 +309,7 @@ impl<'a> Trainer<'a> {
         self.end(os);
         self.end(step_span);
         self.next_step += 1;
+        self.next_position = self.cursor.as_ref().map(SamplerCursor::position);
         if let Some(ddp) = &self.ddp {
             let at = StepInstants {
                 start: t0,
@@ -278,6 +339,7 @@ impl<'a> Trainer<'a> {
             lr: self.opt.lr(),
             stop: status.stop,
             sent: self.meter.totals() - sent_before,
+            sampler: self.next_position,
         })
     }
 
@@ -348,6 +410,9 @@ impl<'a> Trainer<'a> {
                 data: self.data.fingerprint(),
                 zero: zero_stage(self.cfg),
                 world_size: self.ctx.world_size,
+                data_order: self.cfg.data_order.describe(),
+                sampler: self.next_position,
+                model_config: self.cfg.model_config.clone(),
             };
             save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }
@@ -455,6 +520,8 @@ impl<'a> Trainer<'a> {
             memory,
             rank_memory,
             params,
+            rank_lengths: self.lengths.clone(),
+            sampler: self.next_position,
         })
     }
 }

@@ -279,8 +279,22 @@ pub struct RunArgs {
     pub init: Option<PathBuf>,
     /// Training data (safetensors): mlp `inputs` F32 [N,in] + `targets` I64 [N]; gpt
     /// `tokens` I64/U8 [N, context+1]. Default: built-in data.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
+    /// gpt: train on a UTF-8 text file, byte-level (rows of --context + 1 bytes); the last
+    /// tenth of the file is kept apart as the validation split.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Read the rows through a distributed sampler: a new permutation each epoch, drawn from
+    /// --seed and the epoch, each rank a disjoint shard (PyTorch's DistributedSampler); rows
+    /// that do not divide among the ranks are repeated from the epoch's start unless
+    /// --drop-last. Default: rows in order.
+    #[arg(long)]
+    pub shuffle: bool,
+    /// With --shuffle: drop the rows that do not divide among the ranks (DistributedSampler's
+    /// drop_last) instead of repeating rows.
+    #[arg(long)]
+    pub drop_last: bool,
     /// Number of ranks (thread backend).
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
@@ -411,6 +425,12 @@ impl RunArgs {
                 caps.join(", "),
                 self.first_bucket_mb
             ));
+        }
+        if self.drop_last && !self.shuffle {
+            return bad("--drop-last is for --shuffle (rows in order have no epochs to cut): add --shuffle".into());
+        }
+        if self.text.is_some() && self.model.model != ModelName::Gpt {
+            return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
         self.validate_autotune()?;
         check_link(self.net_gbps, self.net_latency_us)?;

@@ -132,6 +132,13 @@ fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
             )
         }
         M::PastTheEnd { step, steps } => format!("it is at step {step}, past --steps {steps}"),
+        M::Written {
+            what: "data order",
+            written,
+            this_run,
+        } => format!(
+            "it was written with data order '{written}', this run has '{this_run}': resume with the --shuffle, --drop-last and --seed it was written with"
+        ),
         m => m.to_string(),
     }
 }

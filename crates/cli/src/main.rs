@@ -18,7 +18,7 @@ mod run;
 mod sent;
 mod signal;
 
-use commands::{bench, predict, sweep, sweep_args, train};
+use commands::{bench, predict, sample, sweep, sweep_args, train};
 
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]
@@ -38,6 +38,8 @@ enum Command {
     /// Predict step time and exposed communication under other bucket caps, links or world
     /// sizes from one recorded step (`brigade train --profile`), without running anything.
     Predict(Box<predict::PredictArgs>),
+    /// Text out of a trained GPT's checkpoint, streamed to stdout as it is generated.
+    Sample(Box<sample::SampleArgs>),
     /// Micro-benchmarks: all-reduce bandwidth against memcpy; GEMM against the library under it.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -85,6 +87,7 @@ fn main() -> ExitCode {
         Command::Train(t) => train::train(*t),
         Command::Sweep(s) => sweep::sweep(*s),
         Command::Predict(p) => predict::predict(*p),
+        Command::Sample(s) => sample::sample(*s),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

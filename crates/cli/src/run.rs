@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade::config::{CheckpointConfig, Instrumentation};
+use brigade::data::DataOrder;
 use brigade::fit::fit;
 pub use brigade::fit::RunReport;
 use brigade::launch::{net_model, CommBackend, LaunchConfig};
@@ -14,7 +15,7 @@ use brigade::observe::TrainObserver;
 use brigade::{OptimizerConfig, TrainConfig};
 use brigade_comm::Recorder;
 use brigade_ddp::DdpConfig;
-use brigade_models::{Dataset, ModelKind};
+use brigade_models::{Dataset, ModelKind, TextData, ValSplit};
 
 use crate::args::{OptimizerName, RunArgs};
 use crate::error::{in_flag_terms, Error, Result};
@@ -42,9 +43,29 @@ pub struct RunOptions {
     pub observer: Option<Arc<dyn TrainObserver>>,
 }
 
+/// The share of a `--text` file kept apart for validation (its last bytes).
+pub const TEXT_VAL_FRACTION: f64 = 0.1;
+
+/// `--text`'s file cut into training rows and validation rows of the GPT's context (`None`
+/// without `--text` or for another model). The validation rows (the last
+/// [`TEXT_VAL_FRACTION`] of the file, `TextData::val`) are what an evaluation reads; training
+/// reads the rest (`TextData::train`).
+pub fn load_text(args: &RunArgs, kind: &ModelKind) -> Result<Option<TextData>> {
+    match (&args.text, kind) {
+        (Some(path), ModelKind::Gpt(c)) => Ok(Some(Dataset::from_text_file(
+            path,
+            c.context,
+            &ValSplit::Fraction(TEXT_VAL_FRACTION),
+        )?)),
+        _ => Ok(None),
+    }
+}
+
 /// Loads the dataset the flags name and checks it can feed one global step of `world` ranks.
 pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Dataset> {
+    let text = load_text(args, kind)?;
     let data = match (&args.data, kind) {
+        _ if text.is_some() => text.expect("just checked").train,
         (Some(path), _) => Dataset::from_safetensors(path, kind)?,
         (None, ModelKind::Mlp(c)) => Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?,
         (None, ModelKind::Gpt(c)) => Dataset::builtin_text(c.context, args.seed)?,
@@ -76,6 +97,7 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> R
             ("--init", &args.init),
             ("--resume", &opts.resume),
             ("--data", &args.data),
+            ("--text", &args.text),
         ] {
             if let Some(path) = path {
                 std::fs::metadata(path).map_err(|e| Error::Io {
@@ -120,9 +142,15 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
     };
     Ok(TrainConfig {
         model_name: args.model.kind().name().into(),
+        model_config: Some(crate::commands::sample::model_config_json(&args.model.kind())),
         seed: args.seed,
         init: args.init.clone(),
         accum: args.accum,
+        data_order: if args.shuffle {
+            DataOrder::shuffle(args.seed, args.drop_last)
+        } else {
+            DataOrder::InOrder
+        },
         ddp: (!opts.compute_only).then_some(ddp),
         comm_hook: Arc::new(args.hook_spec()),
         autotune: args.autotune_config(),

@@ -1,9 +1,10 @@
 //! One module per subcommand: `train`, `sweep` (bucket caps; `policy_sweep` for `--policy`; their
-//! flags in `sweep_args`), `predict` and `bench`.
+//! flags in `sweep_args`), `predict`, `sample` and `bench`.
 
 pub mod bench;
 pub mod policy_sweep;
 pub mod predict;
+pub mod sample;
 pub mod sweep;
 pub mod sweep_args;
 pub mod train;

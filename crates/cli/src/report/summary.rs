@@ -124,6 +124,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
         "samples_per_s": s.samples_per_s, "world_size": world_size,
         "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
+        "epoch": outcome.sampler.map(|p| p.epoch), "epoch_row": outcome.sampler.map(|p| p.index),
         "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
         "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
         "autotune": outcome.autotune,
@@ -163,6 +164,14 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         );
     } else {
         println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
+        if let (Some(p), brigade::data::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
+            println!(
+                "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
+                rows.first().copied().unwrap_or(0),
+                p.epoch,
+                p.index
+            );
+        }
         let timed = ran.saturating_sub(a.warmup);
         if timed == 0 {
             println!(

@@ -1,0 +1,146 @@
+//! `brigade sample`: text out of a trained GPT's checkpoint, streamed to stdout as it is
+//! generated (a KV cache: each new token costs one position), through the library's
+//! [`generate_text`]. Also how a checkpoint records the model's shape
+//! ([`model_config_json`]), so that sampling needs no training flags.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use brigade::checkpoint::load_model_tensors;
+use brigade_models::{generate_text, load_params_from_tensors, Gpt, GptConfig, ModelKind, SampleOptions};
+use clap::Args;
+use serde_json::json;
+
+use crate::error::{Error, Result};
+
+/// `brigade sample`'s flags.
+#[derive(Args, Clone, Debug)]
+pub struct SampleArgs {
+    /// A GPT's checkpoint (`brigade train --model gpt --checkpoint FILE`).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// The text the generation continues (its UTF-8 bytes are the GPT's first tokens).
+    #[arg(long)]
+    pub prompt: String,
+    /// Tokens (bytes) to generate after the prompt.
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// 0: the most likely byte each time (greedy, deterministic); above 0 divides the logits
+    /// before sampling (below 1 sharper, above 1 flatter).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    /// Sample among the K most likely bytes only (K >= 1; default: all).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Seed of the draws: the same seed, checkpoint and prompt give the same text.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// The shape of a model as its checkpoint records it (`model_config`): a JSON object of the
+/// GPT's sizes, or the MLP's widths.
+pub fn model_config_json(kind: &ModelKind) -> String {
+    match kind {
+        ModelKind::Gpt(c) => json!({
+            "vocab": c.vocab, "d_model": c.d_model, "n_layers": c.n_layers, "n_heads": c.n_heads,
+            "d_ff": c.d_ff, "context": c.context, "dropout": c.dropout,
+        }),
+        ModelKind::Mlp(c) => json!({ "widths": c.widths }),
+    }
+    .to_string()
+}
+
+/// The GPT configuration a checkpoint's `model_config` records (F32 parameters).
+fn gpt_config(path: &str, text: &str) -> Result<GptConfig> {
+    let bad = |why: String| Error::Usage(format!("--checkpoint {path}: its model configuration {why}"));
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("is not JSON ({e})")))?;
+    let size = |k: &str| {
+        v.get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as usize)
+            .ok_or_else(|| bad(format!("has no size `{k}`: {text}")))
+    };
+    let cfg = GptConfig {
+        vocab: size("vocab")?,
+        d_model: size("d_model")?,
+        n_layers: size("n_layers")?,
+        n_heads: size("n_heads")?,
+        d_ff: size("d_ff")?,
+        context: size("context")?,
+        dropout: v.get("dropout").and_then(serde_json::Value::as_f64).unwrap_or(0.0),
+        ..GptConfig::default()
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// The GPT a checkpoint holds, its parameters loaded, in eval mode.
+pub fn load_gpt(path: &std::path::Path) -> Result<Gpt> {
+    let shown = path.display().to_string();
+    let ckpt = load_model_tensors(path)?;
+    if ckpt.name != "gpt" {
+        return Err(Error::Usage(format!(
+            "--checkpoint {shown} holds model '{}', not a GPT: brigade sample reads checkpoints of brigade train --model gpt",
+            ckpt.name
+        )));
+    }
+    let Some(config) = &ckpt.config else {
+        return Err(Error::Usage(format!(
+            "--checkpoint {shown} records no model configuration (written by an older brigade): train again with --checkpoint to sample from it"
+        )));
+    };
+    let mut gpt = Gpt::new(gpt_config(&shown, config)?, 0)?;
+    load_params_from_tensors(brigade_models::Model::params(&gpt), &ckpt.params).map_err(|e| e.at_path(path))?;
+    brigade_models::Model::eval(&mut gpt);
+    Ok(gpt)
+}
+
+/// Runs `brigade sample`: the prompt's continuation on stdout, as it is generated.
+pub fn sample(a: SampleArgs) -> Result<()> {
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+        return Err(Error::Usage(format!(
+            "--temperature must be a finite number >= 0 (0: greedy), got {}",
+            a.temperature
+        )));
+    }
+    if a.top_k == Some(0) {
+        return Err(Error::Usage(
+            "--top-k must be at least 1 (or left out: all bytes)".into(),
+        ));
+    }
+    if a.prompt.is_empty() {
+        return Err(Error::Usage(
+            "--prompt is empty: give the text the generation continues".into(),
+        ));
+    }
+    let gpt = load_gpt(&a.checkpoint)?;
+    let opts = SampleOptions {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+    };
+    let mut out = std::io::stdout().lock();
+    let mut write_error = None;
+    generate_text(&gpt, &a.prompt, &opts, |piece| {
+        match out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                write_error = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    if let Some(e) = write_error {
+        return Err(Error::Io {
+            path: "stdout".into(),
+            source: e,
+        });
+    }
+    writeln!(out).map_err(|e| Error::Io {
+        path: "stdout".into(),
+        source: e,
+    })?;
+    Ok(())
+}
