@@ -4,13 +4,17 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
-use brigade_models::{load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model};
+use std::collections::HashMap;
+
+use brigade_models::{
+    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, TRAINING_CHECKPOINT_FORMAT,
+};
 use brigade_policies::ZeroStage;
 use brigade_tensor::Tensor;
 
 use crate::error::{CheckpointMismatch, Error, Result};
 
-const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
+const CHECKPOINT_FORMAT: &str = TRAINING_CHECKPOINT_FORMAT;
 
 /// What a checkpoint records besides the tensors, and a resume checks: the model's name, the
 /// optimizer's name, the seed (it chooses the built-in data) and the data's fingerprint.
@@ -29,6 +33,18 @@ pub struct CheckpointIdentity<'a> {
     pub zero: ZeroStage,
     /// The number of ranks.
     pub world_size: usize,
+    /// The recipe's metadata, written beside the rest ([`crate::recipe::recipe_metadata`]:
+    /// the schedule and every hyperparameter); a resume checks it with
+    /// [`crate::recipe::check_resume`], not here.
+    pub recipe: Vec<(String, String)>,
+}
+
+/// What [`load_checkpoint`] restored.
+pub struct Resumed {
+    /// The step to continue from.
+    pub step: usize,
+    /// The checkpoint's metadata (the recipe's among it).
+    pub metadata: HashMap<String, String>,
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -58,19 +74,20 @@ pub fn save_checkpoint(
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
     .map(|(k, v)| (k.to_string(), v))
+    .chain(id.recipe.iter().cloned())
     .collect();
     save_safetensors(path, &tensors, Some(meta))?;
     Ok(())
 }
 
 /// Loads a checkpoint into the model and optimizer after checking it was written for `id`;
-/// returns the step to continue from.
+/// returns the step to continue from and the checkpoint's metadata.
 pub fn load_checkpoint(
     path: &Path,
     id: &CheckpointIdentity<'_>,
     model: &dyn Model,
     opt: &mut dyn Optimizer,
-) -> Result<usize> {
+) -> Result<Resumed> {
     let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
         path: path.display().to_string(),
         mismatch,
@@ -119,7 +136,7 @@ pub fn load_checkpoint(
     };
     load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
-    Ok(step)
+    Ok(Resumed { step, metadata: meta })
 }
 
 /// A checkpoint written under ZeRO resumes with the same stage and world size only, and one

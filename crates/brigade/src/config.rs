@@ -13,6 +13,7 @@ use brigade_ddp::DdpConfig;
 use crate::comm_hook::MakeCommHook;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
+use crate::recipe::ScheduleConfig;
 use brigade_policies::PolicySpec;
 
 /// Which optimizer, with every hyper-parameter.
@@ -59,6 +60,13 @@ impl OptimizerConfig {
         }
     }
 
+    /// The (peak) learning rate.
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::AdamW { lr, .. } => lr,
+        }
+    }
+
     /// The optimizer over `params`.
     pub fn build(&self, params: Vec<Var>) -> Box<dyn Optimizer> {
         match *self {
@@ -96,6 +104,13 @@ pub struct TrainConfig {
     pub accum: usize,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
+    /// The learning-rate schedule, peaking at the optimizer's learning rate (default:
+    /// constant); the trainer sets the learning rate of every step from it.
+    pub schedule: ScheduleConfig,
+    /// Global-norm gradient clipping (`torch.nn.utils.clip_grad_norm_`): after the gradients
+    /// are averaged (and accumulated), their total 2-norm over every parameter (over every
+    /// rank's shard under ZeRO) is scaled down to at most this. `None`: no clipping.
+    pub clip_grad_norm: Option<f64>,
     /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
     /// compute-only baseline). Its recorder is the rank's.
     pub ddp: Option<DdpConfig>,
@@ -131,6 +146,8 @@ impl TrainConfig {
             batch_size,
             accum: 1,
             optimizer,
+            schedule: ScheduleConfig::default(),
+            clip_grad_norm: None,
             ddp: Some(DdpConfig::default()),
             comm_hook: Arc::new(PolicySpec::AllReduce),
             autotune: None,

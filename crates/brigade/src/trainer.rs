@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_autograd::{Optimizer, Var};
+use brigade_autograd::{LrSchedule, Optimizer, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
@@ -20,7 +20,7 @@ use brigade_models::{load_params, Batch, Model};
 use brigade_policies::ZeroStage;
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
-use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity};
+use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity, Resumed};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::data::{DataSource, Microbatch};
 use crate::error::{CheckpointMismatch, Error, Result};
@@ -28,6 +28,7 @@ use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::{RunStart, StepRecord, TrainObserver};
 use crate::outcome::{CheckpointFailure, StepOutcome, TrainOutcome};
+use crate::recipe::{check_resume, clip_factor, recipe_metadata, HyperparameterChange, ResumeError};
 
 /// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
 pub const STEP_STATUS_TAG: &str = "step status";
@@ -68,6 +69,10 @@ pub struct Trainer<'a> {
     autotune: Option<Autotuner>,
     /// The profiles of the steps in `profile_steps` so far.
     profiles: Vec<StepProfile>,
+    /// The learning rate of every step.
+    schedule: LrSchedule,
+    /// The hyperparameters this run changed from the checkpoint it resumed.
+    resume_changes: Vec<HyperparameterChange>,
 }
 
 impl<'a> Trainer<'a> {
@@ -85,7 +90,7 @@ impl<'a> Trainer<'a> {
             load_params(model.params(), init)?;
         }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
-        let first_step = match &cfg.checkpoint.resume {
+        let resumed = match &cfg.checkpoint.resume {
             Some(path) => {
                 let id = CheckpointIdentity {
                     model: &cfg.model_name,
@@ -94,11 +99,30 @@ impl<'a> Trainer<'a> {
                     data: data.fingerprint(),
                     zero: zero_stage(cfg),
                     world_size: ctx.world_size,
+                    recipe: vec![],
                 };
-                load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?
+                Some(load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
             }
-            None => 0,
+            None => None,
         };
+        // the schedule (T from the checkpoint unless given), refused if not the checkpoint's
+        let (schedule, resume_changes) =
+            check_resume(cfg, resumed.as_ref().map(|r| &r.metadata)).map_err(|e| {
+                match (e, &cfg.checkpoint.resume) {
+                    (ResumeError::Refused(mismatch), Some(path)) => Error::Checkpoint {
+                        path: path.display().to_string(),
+                        mismatch,
+                    },
+                    (ResumeError::Refused(mismatch), None) => Error::Config(mismatch.to_string()),
+                    (ResumeError::Config(e), _) => e,
+                }
+            })?;
+        if let Some(max) = cfg.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return Err(Error::Config(format!(
+                "the gradient clipping norm must be finite and > 0, got {max}"
+            )));
+        }
+        let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
         if let (Some(path), true) = (&cfg.checkpoint.resume, first_step > cfg.steps) {
             return Err(Error::Checkpoint {
                 path: path.display().to_string(),
@@ -152,6 +176,8 @@ impl<'a> Trainer<'a> {
             stop_requested: false,
             profile: None,
             profiles: vec![],
+            schedule,
+            resume_changes,
             autotune: cfg
                 .autotune
                 .clone()
@@ -186,6 +212,7 @@ impl<'a> Trainer<'a> {
         let t0 = Instant::now();
         let sent_before = self.meter.totals();
         let step_span = self.begin(EventKind::Step(s));
+        let lr = self.schedule.apply(self.opt.as_mut(), s as u64);
         self.model.params().zero_grad()?;
         // The microbatches' losses add up where they are computed; read back once per step.
         let mut step_loss: Option<Tensor> = None;
@@ -242,6 +269,10 @@ impl<'a> Trainer<'a> {
                 Err(e) => self.checkpoint_failed = Some(e),
             }
         }
+        let grad_norm = match self.cfg.clip_grad_norm {
+            Some(max) => Some(self.clip_grads(max)?),
+            None => None,
+        };
         let os = self.begin(EventKind::Optimizer);
         let optimizer_start = Instant::now();
         self.opt.step()?;
@@ -275,10 +306,48 @@ impl<'a> Trainer<'a> {
             step: s,
             loss: status.loss,
             ms: t0.elapsed().as_secs_f64() * 1e3,
-            lr: self.opt.lr(),
+            lr,
+            grad_norm,
             stop: status.stop,
             sent: self.meter.totals() - sent_before,
         })
+    }
+
+    /// Global-norm clipping of the averaged gradients (`torch.nn.utils.clip_grad_norm_`):
+    /// returns the total norm before clipping. Under DDP the norm is the policy's (over every
+    /// rank's shard when it shards them: a collective, run by every rank after the same
+    /// backward) and what the policy holds is scaled; without DDP, this rank's gradients.
+    fn clip_grads(&self, max: f64) -> Result<f64> {
+        let norm = match &self.ddp {
+            Some(ddp) => ddp.grad_norm_sq()?.sqrt(),
+            None => {
+                let mut sq = 0.0;
+                for p in self.model.params().params() {
+                    if let Some(g) = p.grad() {
+                        sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?;
+                    }
+                }
+                sq.sqrt()
+            }
+        };
+        if let Some(factor) = clip_factor(norm, max) {
+            match &self.ddp {
+                Some(ddp) => ddp.scale_grads(factor)?,
+                None => {
+                    for p in self.model.params().params() {
+                        if let Some(g) = p.grad() {
+                            g.copy_from(&g.mul_scalar(factor)?)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(norm)
+    }
+
+    /// The hyperparameters this run changed from the checkpoint it resumed (it uses its own).
+    pub fn resume_changes(&self) -> &[HyperparameterChange] {
+        &self.resume_changes
     }
 
     /// The run's observer, if any.
@@ -348,6 +417,7 @@ impl<'a> Trainer<'a> {
                 data: self.data.fingerprint(),
                 zero: zero_stage(self.cfg),
                 world_size: self.ctx.world_size,
+                recipe: recipe_metadata(self.cfg, &self.schedule),
             };
             save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }
@@ -361,6 +431,9 @@ impl<'a> Trainer<'a> {
     pub fn run(self) -> Result<TrainOutcome> {
         let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
         if let Some(o) = &observer {
+            if !self.resume_changes.is_empty() {
+                o.resumed(&self.resume_changes);
+            }
             o.run_started(&RunStart {
                 world_size: self.ctx.world_size,
                 first_step: self.first_step,
@@ -376,6 +449,7 @@ impl<'a> Trainer<'a> {
 
     fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
         let (mut losses, mut step_ms, mut sent, mut interrupted) = (vec![], vec![], vec![], false);
+        let (mut lrs, mut grad_norms) = (vec![], vec![]);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
             let s = match self.step() {
@@ -387,6 +461,8 @@ impl<'a> Trainer<'a> {
                 Err(e) => return Err(e),
             };
             losses.push(s.loss);
+            lrs.push(s.lr);
+            grad_norms.push(s.grad_norm);
             step_ms.push(s.ms);
             sent.push(s.sent);
             if let Some(o) = observer {
@@ -395,7 +471,7 @@ impl<'a> Trainer<'a> {
                     loss: s.loss,
                     step_ms: s.ms,
                     lr: s.lr,
-                    grad_norm: None,
+                    grad_norm: s.grad_norm,
                     val_loss: None,
                     sent: s.sent,
                 });
@@ -443,6 +519,9 @@ impl<'a> Trainer<'a> {
         Ok(TrainOutcome {
             first_step: self.first_step,
             losses,
+            lrs,
+            grad_norms,
+            resume_changes: std::mem::take(&mut self.resume_changes),
             step_ms,
             sent,
             interrupted,
