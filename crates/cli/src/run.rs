@@ -123,6 +123,8 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         seed: args.seed,
         init: args.init.clone(),
         accum: args.accum,
+        schedule: args.schedule(),
+        clip_grad_norm: args.clip_grad_norm,
         ddp: (!opts.compute_only).then_some(ddp),
         comm_hook: Arc::new(args.hook_spec()),
         autotune: args.autotune_config(),

@@ -16,5 +16,6 @@ mod overlap;
 mod overlap_tuning;
 mod policies;
 mod policy_bytes;
+mod recipes;
 mod train;
 mod zero;
