@@ -13,7 +13,7 @@ use brigade_ddp::DdpConfig;
 use crate::comm_hook::MakeCommHook;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
-use crate::recipe::ScheduleConfig;
+use crate::recipe::{EvalConfig, ScheduleConfig};
 use brigade_policies::PolicySpec;
 
 /// Which optimizer, with every hyper-parameter.
@@ -111,6 +111,8 @@ pub struct TrainConfig {
     /// are averaged (and accumulated), their total 2-norm over every parameter (over every
     /// rank's shard under ZeRO) is scaled down to at most this. `None`: no clipping.
     pub clip_grad_norm: Option<f64>,
+    /// Evaluate on held-out data every so many steps (`None`: never).
+    pub eval: Option<EvalConfig>,
     /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
     /// compute-only baseline). Its recorder is the rank's.
     pub ddp: Option<DdpConfig>,
@@ -148,6 +150,7 @@ impl TrainConfig {
             optimizer,
             schedule: ScheduleConfig::default(),
             clip_grad_norm: None,
+            eval: None,
             ddp: Some(DdpConfig::default()),
             comm_hook: Arc::new(PolicySpec::AllReduce),
             autotune: None,

@@ -42,6 +42,8 @@ pub struct TrainOutcome {
     pub lrs: Vec<f64>,
     /// The global gradient norm before clipping of each step run (when clipping).
     pub grad_norms: Vec<Option<f64>>,
+    /// The validation loss after each step run (on the steps that evaluate).
+    pub val_losses: Vec<Option<f64>>,
     /// The hyperparameters this run changed from the checkpoint it resumed.
     pub resume_changes: Vec<crate::recipe::HyperparameterChange>,
     /// This rank's wall time of each step run, in milliseconds.

@@ -16,8 +16,10 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 use brigade_autograd::{LrSchedule, ScheduleKind};
+use brigade_models::{Batch, Dataset};
 
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error, Result};
@@ -224,6 +226,61 @@ pub enum ResumeError {
     Config(Error),
     /// The checkpoint was written under another schedule.
     Refused(CheckpointMismatch),
+}
+
+/// Held-out data a run evaluates on: each rank's share, in batches. `Sync`: one source
+/// serves every rank thread.
+pub trait EvalSource: Send + Sync {
+    /// Rank `rank`'s batches (of `world_size` ranks). The run's validation loss is the mean
+    /// over the ranks of each rank's mean loss per row, so the ranks' shares should hold as
+    /// many rows each.
+    fn batches(&self, rank: usize, world_size: usize) -> Result<Vec<Batch>>;
+}
+
+/// Every row of a dataset, split evenly over the ranks (rank `r` takes the `r`-th block of
+/// `len / world_size` rows; the remainder is left out), in batches of at most `batch_size`
+/// rows.
+pub struct HeldOut {
+    data: Dataset,
+    batch_size: usize,
+}
+
+impl HeldOut {
+    /// `data` in batches of `batch_size` rows (at least 1).
+    pub fn new(data: Dataset, batch_size: usize) -> HeldOut {
+        HeldOut {
+            data,
+            batch_size: batch_size.max(1),
+        }
+    }
+}
+
+impl EvalSource for HeldOut {
+    fn batches(&self, rank: usize, world_size: usize) -> Result<Vec<Batch>> {
+        let share = self.data.len() / world_size.max(1);
+        if share == 0 {
+            return Err(Error::Data(format!(
+                "the evaluation data {} has {} rows, fewer than the {world_size} ranks",
+                self.data.name(),
+                self.data.len()
+            )));
+        }
+        let first = rank * share;
+        (first..first + share)
+            .step_by(self.batch_size)
+            .map(|start| Ok(self.data.batch(start, self.batch_size.min(first + share - start))?))
+            .collect()
+    }
+}
+
+/// Evaluation every `every` steps (and after the last) on held-out data: in eval mode, under
+/// `no_grad`, averaged over the ranks, after the step's update.
+#[derive(Clone)]
+pub struct EvalConfig {
+    /// Steps between two evaluations (at least 1): after step `s` when `(s + 1) % every == 0`.
+    pub every: usize,
+    /// The held-out data.
+    pub data: Arc<dyn EvalSource>,
 }
 
 /// `torch.nn.utils.clip_grad_norm_`'s factor for a total gradient norm `norm` under `max_norm`:

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_autograd::{LrSchedule, Optimizer, Var};
+use brigade_autograd::{no_grad, LrSchedule, Optimizer, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
@@ -28,7 +28,10 @@ use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::{RunStart, StepRecord, TrainObserver};
 use crate::outcome::{CheckpointFailure, StepOutcome, TrainOutcome};
-use crate::recipe::{check_resume, clip_factor, recipe_metadata, HyperparameterChange, ResumeError};
+use crate::recipe::{check_resume, clip_factor, recipe_metadata, EvalSource, HyperparameterChange, ResumeError};
+
+/// Tag of the evaluation's all-reduce (each rank's validation loss).
+pub const EVAL_TAG: &str = "eval loss";
 
 /// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
 pub const STEP_STATUS_TAG: &str = "step status";
@@ -345,6 +348,40 @@ impl<'a> Trainer<'a> {
         Ok(norm)
     }
 
+    /// The loss on held-out data: in eval mode, under `no_grad`, this rank's mean per row
+    /// averaged over the ranks (a collective: every rank evaluates after the same step).
+    pub fn evaluate(&mut self, data: &dyn EvalSource) -> Result<f64> {
+        let batches = data.batches(self.ctx.rank, self.ctx.world_size)?;
+        self.model.eval();
+        let summed = no_grad(|| -> Result<(f64, usize)> {
+            let (mut sum, mut rows) = (0.0, 0);
+            for batch in batches {
+                let n = batch.rows();
+                let loss = self.model.loss(&batch_on(batch, self.device)?)?;
+                sum += loss.value().to_dtype(DType::F64)?.item()? * n as f64;
+                rows += n;
+            }
+            Ok((sum, rows))
+        });
+        self.model.train();
+        let (sum, rows) = summed?;
+        let mine = if rows == 0 { f64::NAN } else { sum / rows as f64 };
+        if self.ctx.world_size == 1 {
+            return Ok(mine);
+        }
+        let all = self
+            .ctx
+            .comm
+            .all_reduce(Buffer::F32(vec![mine as f32]), ReduceOp::Avg, EVAL_TAG)
+            .wait()?;
+        match all.as_f32() {
+            Some(&[v]) => Ok(f64::from(v)),
+            _ => Err(Error::Protocol(format!(
+                "the evaluation all-reduce returned {all:?}, expected 1 f32"
+            ))),
+        }
+    }
+
     /// The hyperparameters this run changed from the checkpoint it resumed (it uses its own).
     pub fn resume_changes(&self) -> &[HyperparameterChange] {
         &self.resume_changes
@@ -449,7 +486,7 @@ impl<'a> Trainer<'a> {
 
     fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
         let (mut losses, mut step_ms, mut sent, mut interrupted) = (vec![], vec![], vec![], false);
-        let (mut lrs, mut grad_norms) = (vec![], vec![]);
+        let (mut lrs, mut grad_norms, mut val_losses) = (vec![], vec![], vec![]);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
             let s = match self.step() {
@@ -460,6 +497,13 @@ impl<'a> Trainer<'a> {
                 }
                 Err(e) => return Err(e),
             };
+            let val_loss = match &self.cfg.eval {
+                Some(e) if (s.step + 1) % e.every.max(1) == 0 || s.step + 1 == self.cfg.steps => {
+                    Some(self.evaluate(e.data.as_ref())?)
+                }
+                _ => None,
+            };
+            val_losses.push(val_loss);
             losses.push(s.loss);
             lrs.push(s.lr);
             grad_norms.push(s.grad_norm);
@@ -472,7 +516,7 @@ impl<'a> Trainer<'a> {
                     step_ms: s.ms,
                     lr: s.lr,
                     grad_norm: s.grad_norm,
-                    val_loss: None,
+                    val_loss,
                     sent: s.sent,
                 });
             }
@@ -521,6 +565,7 @@ impl<'a> Trainer<'a> {
             losses,
             lrs,
             grad_norms,
+            val_losses,
             resume_changes: std::mem::take(&mut self.resume_changes),
             step_ms,
             sent,

@@ -9,7 +9,7 @@ use brigade::data::{DataSource, Microbatch};
 use brigade::models::{load_params, Model};
 use brigade::observe::TrainObserver;
 use brigade::policies::PolicySpec;
-use brigade::recipe::HyperparameterChange;
+use brigade::recipe::{EvalConfig, EvalSource, HyperparameterChange};
 use brigade::tensor::DType;
 use brigade::{OptimizerConfig, ScheduleConfig, ScheduleName, TrainConfig};
 
@@ -416,5 +416,58 @@ fn clipping_under_zero_1_and_2_equals_plain_ddp() {
                 &format!("{name}: {n}"),
             );
         }
+    }
+}
+
+/// The same rows every step: rank `r` of `world` gets rows `r * rows ..` (the step is ignored).
+struct SameRows;
+
+impl DataSource for SameRows {
+    fn batch(&self, mb: &Microbatch) -> brigade::Result<brigade::models::Batch> {
+        Rows::new().batch(&Microbatch { step: 0, ..*mb })
+    }
+}
+
+impl EvalSource for SameRows {
+    fn batches(&self, rank: usize, world_size: usize) -> brigade::Result<Vec<brigade::models::Batch>> {
+        let mb = Microbatch {
+            step: 0,
+            index: 0,
+            accum: 1,
+            rank,
+            world_size,
+            rows: 8,
+        };
+        Ok(vec![Rows::new().batch(&mb)?])
+    }
+}
+
+#[test]
+fn the_eval_loss_equals_the_training_loss_of_the_same_batch_before_the_next_step() {
+    for world in [1, 2] {
+        let cfg = TrainConfig {
+            eval: Some(EvalConfig {
+                every: 2,
+                data: Arc::new(SameRows),
+            }),
+            ..config(7, 8)
+        };
+        let r = brigade::fit(
+            &brigade::launch::LaunchConfig::threads(world),
+            &cfg,
+            |_| Ok(SameRows),
+            |_| Ok(Box::new(Tiny::new()?)),
+        )
+        .unwrap();
+        let (val, loss) = (&r.outcome.val_losses, &r.outcome.losses);
+        // after steps 1, 3, 5 (every 2) and 6 (the last)
+        let evaluated: Vec<usize> = (0..7).filter(|&s| val[s].is_some()).collect();
+        assert_eq!(evaluated, [1, 3, 5, 6], "world {world}");
+        for s in [1, 3, 5] {
+            let (v, l) = (val[s].unwrap(), loss[s + 1]);
+            // the state after step s, on the batch step s + 1 trains on, before its update
+            assert!((v - l).abs() <= 1e-6 * l.abs(), "world {world}, step {s}: {v} vs {l}");
+        }
+        assert!(val[6].unwrap() < loss[0], "it learned");
     }
 }
