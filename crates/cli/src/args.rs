@@ -369,6 +369,17 @@ pub struct RunArgs {
     /// microbatches; torch.nn.utils.clip_grad_norm_) to this (finite, > 0).
     #[arg(long, allow_negative_numbers = true)]
     pub clip_grad_norm: Option<f64>,
+    /// Evaluate every N steps (and after the last) on held-out data (--val-fraction or
+    /// --eval-data): eval mode, no gradients, averaged over the ranks; the `val_loss` column.
+    #[arg(long)]
+    pub eval_every: Option<usize>,
+    /// Hold out this fraction of the training data's rows (its last rows; in (0, 1)) for
+    /// --eval-every: the run trains on the others.
+    #[arg(long, allow_negative_numbers = true)]
+    pub val_fraction: Option<f64>,
+    /// Held-out data for --eval-every (the same format as --data).
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
 }
 
 /// `--lr-schedule`.
@@ -429,6 +440,22 @@ impl RunArgs {
             if !(wd >= 0.0 && wd.is_finite()) {
                 return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
             }
+        }
+        match (self.eval_every, self.val_fraction, &self.eval_data) {
+            (Some(0), _, _) => return bad("--eval-every must be at least 1 (steps between evaluations)".into()),
+            (Some(_), None, None) => {
+                return bad("--eval-every needs held-out data: --val-fraction F or --eval-data FILE".into())
+            }
+            (_, Some(_), Some(_)) => {
+                return bad("--val-fraction and --eval-data both name held-out data: give one".into())
+            }
+            (None, Some(_), _) | (None, _, Some(_)) => {
+                return bad("--val-fraction and --eval-data are for --eval-every N (how often to evaluate)".into())
+            }
+            _ => {}
+        }
+        if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
+            return bad(format!("--val-fraction must be in (0, 1), got {f}"));
         }
         if let Some(c) = self.clip_grad_norm {
             if !(c > 0.0 && c.is_finite()) {

@@ -25,9 +25,10 @@ pub struct TrainArgs {
     /// file); a symbolic link is kept and its target written.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Write `step,loss,lr,grad_norm` for every step (global mean loss before the step's
-    /// update, the step's learning rate, the global gradient norm before clipping with
-    /// --clip-grad-norm, else empty). With --resume, the rows before the resume step already
+    /// Write `step,loss,lr,grad_norm,val_loss` for every step (global mean loss before the
+    /// step's update, the step's learning rate, the global gradient norm before clipping with
+    /// --clip-grad-norm, the held-out loss after the step with --eval-every; empty when not
+    /// computed). With --resume, the rows before the resume step already
     /// in this file are kept, so the file ends as the uninterrupted run's.
     #[arg(long)]
     pub losses: Option<PathBuf>,
@@ -171,7 +172,10 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
         ))
     };
     // files written before the lr and grad_norm columns start `step,loss`
-    if !lines.next().is_some_and(|h| h == LOSSES_HEADER || h == "step,loss") {
+    if !lines
+        .next()
+        .is_some_and(|h| h == LOSSES_HEADER || h == "step,loss" || h == "step,loss,lr,grad_norm")
+    {
         return Err(not_ours());
     }
     lines
@@ -187,7 +191,7 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
 }
 
 /// The header of the `--losses` file.
-const LOSSES_HEADER: &str = "step,loss,lr,grad_norm";
+const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
 /// Runs `brigade train`.
 pub fn train(t: TrainArgs) -> Result<()> {
@@ -265,7 +269,9 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 let lr = outcome.lrs.get(i).map(f64::to_string).unwrap_or_default();
                 let norm = outcome.grad_norms.get(i).copied().flatten();
                 let norm = norm.map(|n| format!("{n:.9}")).unwrap_or_default();
-                csv.push_str(&format!("{},{:.9},{lr},{norm}\n", outcome.first_step + i, l));
+                let val = outcome.val_losses.get(i).copied().flatten();
+                let val = val.map(|v| format!("{v:.9}")).unwrap_or_default();
+                csv.push_str(&format!("{},{:.9},{lr},{norm},{val}\n", outcome.first_step + i, l));
             }
             write_atomic(path, csv.as_bytes())
         };

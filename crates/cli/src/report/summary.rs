@@ -122,7 +122,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "zero": a.zero,
         "lr_schedule": flag_name(&a.lr_schedule), "warmup_steps": a.warmup_steps, "min_lr": a.min_lr,
         "lr_decay_steps": a.lr_decay_steps, "lr_gamma": a.lr_gamma, "lr_step_size": a.lr_step_size,
-        "clip_grad_norm": a.clip_grad_norm,
+        "clip_grad_norm": a.clip_grad_norm, "eval_every": a.eval_every, "val_fraction": a.val_fraction,
         "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| brigade::launch::default_threads(a.world_size)),
     });
     // the model's shape and the hook's settings: every flag that changes what trains
@@ -137,7 +137,8 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "samples_per_s": s.samples_per_s, "world_size": world_size,
         "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
         "lr": outcome.lrs, "last_lr": outcome.lrs.last(),
-        "grad_norm": outcome.grad_norms, "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
+        "grad_norm": outcome.grad_norms,
+        "val_loss": outcome.val_losses, "last_val_loss": outcome.val_losses.iter().flatten().last(), "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
         "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
         "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
         "autotune": outcome.autotune,
@@ -186,6 +187,15 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
                     compact(*last)
                 );
             }
+        }
+        if let Some((s, v)) = outcome
+            .val_losses
+            .iter()
+            .enumerate()
+            .filter_map(|(i, v)| Some((i, (*v)?)))
+            .last()
+        {
+            println!("val loss: {v:.4} after step {}", outcome.first_step + s);
         }
         if let (Some(c), Some(Some(norm))) = (a.clip_grad_norm, outcome.grad_norms.last()) {
             let clipped = outcome.grad_norms.iter().flatten().filter(|n| **n > c).count();

@@ -25,11 +25,11 @@ const BASE: &[&str] = &[
 fn columns(path: &std::path::Path) -> Vec<(f64, Option<f64>)> {
     let text = std::fs::read_to_string(path).unwrap();
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some("step,loss,lr,grad_norm"), "{text}");
+    assert_eq!(lines.next(), Some("step,loss,lr,grad_norm,val_loss"), "{text}");
     lines
         .map(|l| {
             let cells: Vec<&str> = l.split(',').collect();
-            assert_eq!(cells.len(), 4, "{l}");
+            assert_eq!(cells.len(), 5, "{l}");
             (cells[2].parse().unwrap(), cells[3].parse().ok())
         })
         .collect()
@@ -129,4 +129,38 @@ fn a_resume_keeps_the_schedule_and_says_which_hyperparameter_it_changed() {
         ["note: resuming with lr 0.1 -> 0.2 (this run's values, not the checkpoint's)"],
         "{err}"
     );
+}
+
+#[test]
+fn eval_every_writes_the_held_out_loss_on_its_steps() {
+    let d = dir("recipe-eval");
+    let losses = d.join("losses.csv");
+    let out = ok(&cat(&[
+        BASE,
+        &[
+            "--steps",
+            "5",
+            "--eval-every",
+            "2",
+            "--val-fraction",
+            "0.1",
+            "--losses",
+            s(&losses),
+            "--json",
+        ],
+    ]));
+    let text = std::fs::read_to_string(&losses).unwrap();
+    let val: Vec<Option<f64>> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(4).unwrap().parse().ok())
+        .collect();
+    // after steps 1, 3 (every 2) and 4 (the last)
+    let on: Vec<usize> = (0..5).filter(|&s| val[s].is_some()).collect();
+    assert_eq!(on, [1, 3, 4], "{text}");
+    let json: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let last = json["last_val_loss"].as_f64().unwrap();
+    assert!((last - val[4].unwrap()).abs() < 1e-8, "{out}");
+    let e = fails(&cat(&[BASE, &["--eval-every", "2"]]));
+    assert!(e.contains("--val-fraction") && e.contains("--eval-data"), "{e}");
 }
