@@ -345,7 +345,7 @@ pub struct RunArgs {
     pub zero: u8,
     /// Learning-rate schedule, peaking at --lr after --warmup-steps: constant, cosine (to
     /// --min-lr at --lr-decay-steps), linear (likewise) or step (x --lr-gamma every
-    /// --lr-step-size steps). A checkpoint records it: a resume keeps it.
+    /// --lr-step-size steps). Checkpoints record it.
     #[arg(long, value_enum, default_value_t = ScheduleFlag::Constant)]
     pub lr_schedule: ScheduleFlag,
     /// Steps of linear warmup (lr * (s+1) / W for step s < W).
@@ -355,8 +355,8 @@ pub struct RunArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub min_lr: f64,
     /// T: the step at which cosine and linear reach --min-lr (must exceed --warmup-steps).
-    /// Default: --steps, or the checkpoint's T with --resume (so extending --steps continues
-    /// the same curve).
+    /// Default: --steps, or the T recorded in the checkpoint a run continues from (so extending
+    /// --steps continues the same curve).
     #[arg(long)]
     pub lr_decay_steps: Option<u64>,
     /// step: the factor (finite, > 0).
