@@ -5,8 +5,8 @@
 //! Resume rules (checked by [`check_resume`]):
 //! - the optimizer kind and the schedule (its kind, warmup, `T`, floor, step size and factor)
 //!   must be the checkpoint's: another is refused in one line
-//!   ([`CheckpointMismatch::Written`](crate::error::CheckpointMismatch::Written),
-//!   [`CheckpointMismatch::Schedule`](crate::error::CheckpointMismatch::Schedule));
+//!   ([`CheckpointMismatch::Written`],
+//!   [`CheckpointMismatch::Schedule`]);
 //! - a changed hyperparameter (`lr`, `momentum`, `weight_decay`, `betas`, `eps`,
 //!   `clip_grad_norm`) is this run's to choose: the run uses it, and the change is reported
 //!   ([`HyperparameterChange`], told to [`TrainObserver::resumed`](crate::observe::TrainObserver::resumed));

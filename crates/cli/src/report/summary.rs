@@ -138,7 +138,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
         "lr": outcome.lrs, "last_lr": outcome.lrs.last(),
         "grad_norm": outcome.grad_norms,
-        "val_loss": outcome.val_losses, "last_val_loss": outcome.val_losses.iter().flatten().last(), "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
+        "val_loss": outcome.val_losses, "last_val_loss": outcome.val_losses.iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
         "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
         "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
         "autotune": outcome.autotune,
@@ -192,8 +192,8 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             .val_losses
             .iter()
             .enumerate()
-            .filter_map(|(i, v)| Some((i, (*v)?)))
-            .last()
+            .rev()
+            .find_map(|(i, v)| Some((i, (*v)?)))
         {
             println!("val loss: {v:.4} after step {}", outcome.first_step + s);
         }
