@@ -4,15 +4,18 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
+use std::collections::HashMap;
+
 use brigade_models::{
     load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, SamplerPosition,
+    TRAINING_CHECKPOINT_FORMAT,
 };
 use brigade_policies::ZeroStage;
 use brigade_tensor::Tensor;
 
 use crate::error::{CheckpointMismatch, Error, Result};
 
-const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
+const CHECKPOINT_FORMAT: &str = TRAINING_CHECKPOINT_FORMAT;
 
 /// What a checkpoint records besides the tensors, and a resume checks: the model's name, the
 /// optimizer's name, the seed (it chooses the built-in data) and the data's fingerprint.
@@ -39,6 +42,10 @@ pub struct CheckpointIdentity<'a> {
     pub sampler: Option<SamplerPosition>,
     /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
     pub model_config: Option<String>,
+    /// The recipe's metadata, written beside the rest ([`crate::recipe::recipe_metadata`]:
+    /// the schedule and every hyperparameter); a resume checks it with
+    /// [`crate::recipe::check_resume`], not here.
+    pub recipe: Vec<(String, String)>,
 }
 
 /// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
@@ -84,13 +91,15 @@ pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
 }
 
 /// What a resume continues from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Resumed {
     /// The step to run next.
     pub step: usize,
     /// Where the sampler stood (sampled runs' checkpoints): the epoch and the row of it the next
     /// step reads first, on every rank.
     pub sampler: Option<SamplerPosition>,
+    /// The checkpoint's metadata (the recipe's among it).
+    pub metadata: HashMap<String, String>,
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -128,24 +137,15 @@ pub fn save_checkpoint(
         ]
     }))
     .map(|(k, v)| (k.to_string(), v))
+    .chain(id.recipe.iter().cloned())
     .collect();
     save_safetensors(path, &tensors, Some(meta))?;
     Ok(())
 }
 
 /// Loads a checkpoint into the model and optimizer after checking it was written for `id`;
-/// returns the step to continue from.
+/// returns the step to continue from and the checkpoint's metadata.
 pub fn load_checkpoint(
-    path: &Path,
-    id: &CheckpointIdentity<'_>,
-    model: &dyn Model,
-    opt: &mut dyn Optimizer,
-) -> Result<usize> {
-    Ok(resume_checkpoint(path, id, model, opt)?.step)
-}
-
-/// [`load_checkpoint`], returning the sampler's position beside the step.
-pub fn resume_checkpoint(
     path: &Path,
     id: &CheckpointIdentity<'_>,
     model: &dyn Model,
@@ -200,7 +200,11 @@ pub fn resume_checkpoint(
     };
     load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
-    Ok(Resumed { step, sampler })
+    Ok(Resumed {
+        step,
+        sampler,
+        metadata: meta,
+    })
 }
 
 /// The data order must be the one the checkpoint was written with (in order when it records

@@ -14,6 +14,7 @@ use crate::comm_hook::MakeCommHook;
 use crate::data::DataOrder;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
+use crate::recipe::{EvalConfig, ScheduleConfig};
 use brigade_policies::PolicySpec;
 
 /// Which optimizer, with every hyper-parameter.
@@ -57,6 +58,13 @@ impl OptimizerConfig {
         match self {
             OptimizerConfig::Sgd { .. } => "sgd",
             OptimizerConfig::AdamW { .. } => "adamw",
+        }
+    }
+
+    /// The (peak) learning rate.
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::AdamW { lr, .. } => lr,
         }
     }
 
@@ -104,6 +112,15 @@ pub struct TrainConfig {
     pub data_order: DataOrder,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
+    /// The learning-rate schedule, peaking at the optimizer's learning rate (default:
+    /// constant); the trainer sets the learning rate of every step from it.
+    pub schedule: ScheduleConfig,
+    /// Global-norm gradient clipping (`torch.nn.utils.clip_grad_norm_`): after the gradients
+    /// are averaged (and accumulated), their total 2-norm over every parameter (over every
+    /// rank's shard under ZeRO) is scaled down to at most this. `None`: no clipping.
+    pub clip_grad_norm: Option<f64>,
+    /// Evaluate on held-out data every so many steps (`None`: never).
+    pub eval: Option<EvalConfig>,
     /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
     /// compute-only baseline). Its recorder is the rank's.
     pub ddp: Option<DdpConfig>,
@@ -141,6 +158,9 @@ impl TrainConfig {
             accum: 1,
             data_order: DataOrder::InOrder,
             optimizer,
+            schedule: ScheduleConfig::default(),
+            clip_grad_norm: None,
+            eval: None,
             ddp: Some(DdpConfig::default()),
             comm_hook: Arc::new(PolicySpec::AllReduce),
             autotune: None,

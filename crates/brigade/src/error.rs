@@ -155,6 +155,14 @@ pub enum CheckpointMismatch {
         /// This run's world size.
         world: usize,
     },
+    /// Written under another learning-rate schedule (kind, warmup, `T`, floor or factor).
+    #[error("it was written with schedule '{written}', this run has '{this_run}': resume with the schedule it was written with (a resume may change the learning rate, not the schedule)")]
+    Schedule {
+        /// The checkpoint's schedule.
+        written: String,
+        /// This run's.
+        this_run: String,
+    },
     /// It is at a step past the run's last.
     #[error("it is at step {step}, past the run's end (step {steps})")]
     PastTheEnd {

@@ -49,9 +49,11 @@ pub mod launch;
 pub mod observe;
 pub mod outcome;
 pub mod placement;
+pub mod recipe;
 mod trace_gather;
 pub mod trainer;
 
 pub use config::{OptimizerConfig, TrainConfig};
 pub use error::{Error, Result};
 pub use fit::{fit, RunReport};
+pub use recipe::{ScheduleConfig, ScheduleName};

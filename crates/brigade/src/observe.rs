@@ -10,6 +10,7 @@ use brigade_comm::CommBytes;
 
 use crate::error::Error;
 use crate::outcome::TrainOutcome;
+use crate::recipe::HyperparameterChange;
 
 /// The run about to start, as rank 0 sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,6 +51,10 @@ pub trait TrainObserver: Send + Sync {
     /// Rank 0 is about to run its first step.
     fn run_started(&self, _start: &RunStart) {}
 
+    /// Rank 0 resumed a checkpoint and this run changed some of its hyperparameters (the run
+    /// uses its own; told before [`TrainObserver::run_started`], only when something changed).
+    fn resumed(&self, _changes: &[HyperparameterChange]) {}
+
     /// Rank 0 finished a step (every rank agreed on its loss).
     fn step_finished(&self, _record: &StepRecord) {}
 
@@ -69,6 +74,11 @@ impl<A: TrainObserver, B: TrainObserver> TrainObserver for (A, B) {
     fn run_started(&self, start: &RunStart) {
         self.0.run_started(start);
         self.1.run_started(start);
+    }
+
+    fn resumed(&self, changes: &[HyperparameterChange]) {
+        self.0.resumed(changes);
+        self.1.resumed(changes);
     }
 
     fn step_finished(&self, record: &StepRecord) {

@@ -24,6 +24,8 @@ pub struct StepOutcome {
     pub ms: f64,
     /// The learning rate the step's update used.
     pub lr: f64,
+    /// The global gradient norm before clipping (computed when clipping).
+    pub grad_norm: Option<f64>,
     /// A rank was asked to stop: this was the last step.
     pub stop: bool,
     /// What DDP handed to its collectives during the step on this rank (gradient reduction,
@@ -41,6 +43,14 @@ pub struct TrainOutcome {
     pub first_step: usize,
     /// Mean loss over the ranks of each step run.
     pub losses: Vec<f64>,
+    /// The learning rate of each step run.
+    pub lrs: Vec<f64>,
+    /// The global gradient norm before clipping of each step run (when clipping).
+    pub grad_norms: Vec<Option<f64>>,
+    /// The validation loss after each step run (on the steps that evaluate).
+    pub val_losses: Vec<Option<f64>>,
+    /// The hyperparameters this run changed from the checkpoint it resumed.
+    pub resume_changes: Vec<crate::recipe::HyperparameterChange>,
     /// This rank's wall time of each step run, in milliseconds.
     pub step_ms: Vec<f64>,
     /// What DDP handed to its collectives in each step run, on this rank.

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_autograd::{Optimizer, Var};
+use brigade_autograd::{no_grad, LrSchedule, Optimizer, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
@@ -20,7 +20,7 @@ use brigade_models::{load_params, Batch, Model, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
-use crate::checkpoint::{resume_checkpoint, save_checkpoint, CheckpointIdentity};
+use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity, Resumed};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::data::{DataLength, DataOrder, DataSource, Microbatch};
 use crate::error::{CheckpointMismatch, Error, Result};
@@ -28,6 +28,10 @@ use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::{RunStart, StepRecord, TrainObserver};
 use crate::outcome::{CheckpointFailure, StepOutcome, TrainOutcome};
+use crate::recipe::{check_resume, clip_factor, recipe_metadata, EvalSource, HyperparameterChange, ResumeError};
+
+/// Tag of the evaluation's all-reduce (each rank's validation loss).
+pub const EVAL_TAG: &str = "eval loss";
 
 /// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
 pub const STEP_STATUS_TAG: &str = "step status";
@@ -75,6 +79,10 @@ pub struct Trainer<'a> {
     /// Where the cursor stood when step `next_step` began: what a checkpoint of the state
     /// before that step records.
     next_position: Option<SamplerPosition>,
+    /// The learning rate of every step.
+    schedule: LrSchedule,
+    /// The hyperparameters this run changed from the checkpoint it resumed.
+    resume_changes: Vec<HyperparameterChange>,
 }
 
 impl<'a> Trainer<'a> {
@@ -125,17 +133,36 @@ impl<'a> Trainer<'a> {
                     data_order: cfg.data_order.describe(),
                     sampler: None,
                     model_config: None,
+                    recipe: vec![],
                 };
-                Some(resume_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
+                Some(load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
             }
             None => None,
         };
-        let first_step = resumed.map_or(0, |r| r.step);
+        // the schedule (T from the checkpoint unless given), refused if not the checkpoint's
+        let (schedule, resume_changes) =
+            check_resume(cfg, resumed.as_ref().map(|r| &r.metadata)).map_err(|e| {
+                match (e, &cfg.checkpoint.resume) {
+                    (ResumeError::Refused(mismatch), Some(path)) => Error::Checkpoint {
+                        path: path.display().to_string(),
+                        mismatch,
+                    },
+                    (ResumeError::Refused(mismatch), None) => Error::Config(mismatch.to_string()),
+                    (ResumeError::Config(e), _) => e,
+                }
+            })?;
+        if let Some(max) = cfg.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return Err(Error::Config(format!(
+                "the gradient clipping norm must be finite and > 0, got {max}"
+            )));
+        }
+        let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
         let cursor = match cfg.data_order {
             DataOrder::InOrder => None,
             DataOrder::Sampled(options) => {
                 let sampler = data.sampler(ctx.rank, ctx.world_size, options)?;
                 let at = resumed
+                    .as_ref()
                     .and_then(|r| r.sampler)
                     .unwrap_or(SamplerPosition { epoch: 0, index: 0 });
                 Some(SamplerCursor::new(sampler, at)?)
@@ -197,6 +224,8 @@ impl<'a> Trainer<'a> {
             lengths,
             next_position: cursor.as_ref().map(SamplerCursor::position),
             cursor,
+            schedule,
+            resume_changes,
             autotune: cfg
                 .autotune
                 .clone()
@@ -242,6 +271,7 @@ impl<'a> Trainer<'a> {
         let t0 = Instant::now();
         let sent_before = self.meter.totals();
         let step_span = self.begin(EventKind::Step(s));
+        let lr = self.schedule.apply(self.opt.as_mut(), s as u64);
         self.model.params().zero_grad()?;
         // The microbatches' losses add up where they are computed; read back once per step.
         let mut step_loss: Option<Tensor> = None;
@@ -302,6 +332,10 @@ impl<'a> Trainer<'a> {
                 Err(e) => self.checkpoint_failed = Some(e),
             }
         }
+        let grad_norm = match self.cfg.clip_grad_norm {
+            Some(max) => Some(self.clip_grads(max)?),
+            None => None,
+        };
         let os = self.begin(EventKind::Optimizer);
         let optimizer_start = Instant::now();
         self.opt.step()?;
@@ -336,11 +370,83 @@ impl<'a> Trainer<'a> {
             step: s,
             loss: status.loss,
             ms: t0.elapsed().as_secs_f64() * 1e3,
-            lr: self.opt.lr(),
+            lr,
+            grad_norm,
             stop: status.stop,
             sent: self.meter.totals() - sent_before,
             sampler: self.next_position,
         })
+    }
+
+    /// Global-norm clipping of the averaged gradients (`torch.nn.utils.clip_grad_norm_`):
+    /// returns the total norm before clipping. Under DDP the norm is the policy's (over every
+    /// rank's shard when it shards them: a collective, run by every rank after the same
+    /// backward) and what the policy holds is scaled; without DDP, this rank's gradients.
+    fn clip_grads(&self, max: f64) -> Result<f64> {
+        let norm = match &self.ddp {
+            Some(ddp) => ddp.grad_norm_sq()?.sqrt(),
+            None => {
+                let mut sq = 0.0;
+                for p in self.model.params().params() {
+                    if let Some(g) = p.grad() {
+                        sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?;
+                    }
+                }
+                sq.sqrt()
+            }
+        };
+        if let Some(factor) = clip_factor(norm, max) {
+            match &self.ddp {
+                Some(ddp) => ddp.scale_grads(factor)?,
+                None => {
+                    for p in self.model.params().params() {
+                        if let Some(g) = p.grad() {
+                            g.copy_from(&g.mul_scalar(factor)?)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(norm)
+    }
+
+    /// The loss on held-out data: in eval mode, under `no_grad`, this rank's mean per row
+    /// averaged over the ranks (a collective: every rank evaluates after the same step).
+    pub fn evaluate(&mut self, data: &dyn EvalSource) -> Result<f64> {
+        let batches = data.batches(self.ctx.rank, self.ctx.world_size)?;
+        self.model.eval();
+        let summed = no_grad(|| -> Result<(f64, usize)> {
+            let (mut sum, mut rows) = (0.0, 0);
+            for batch in batches {
+                let n = batch.rows();
+                let loss = self.model.loss(&batch_on(batch, self.device)?)?;
+                sum += loss.value().to_dtype(DType::F64)?.item()? * n as f64;
+                rows += n;
+            }
+            Ok((sum, rows))
+        });
+        self.model.train();
+        let (sum, rows) = summed?;
+        let mine = if rows == 0 { f64::NAN } else { sum / rows as f64 };
+        if self.ctx.world_size == 1 {
+            return Ok(mine);
+        }
+        let all = self
+            .ctx
+            .comm
+            .all_reduce(Buffer::F32(vec![mine as f32]), ReduceOp::Avg, EVAL_TAG)
+            .wait()?;
+        match all.as_f32() {
+            Some(&[v]) => Ok(f64::from(v)),
+            _ => Err(Error::Protocol(format!(
+                "the evaluation all-reduce returned {all:?}, expected 1 f32"
+            ))),
+        }
+    }
+
+    /// The hyperparameters this run changed from the checkpoint it resumed (it uses its own).
+    pub fn resume_changes(&self) -> &[HyperparameterChange] {
+        &self.resume_changes
     }
 
     /// The run's observer, if any.
@@ -413,6 +519,7 @@ impl<'a> Trainer<'a> {
                 data_order: self.cfg.data_order.describe(),
                 sampler: self.next_position,
                 model_config: self.cfg.model_config.clone(),
+                recipe: recipe_metadata(self.cfg, &self.schedule),
             };
             save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
         }
@@ -426,6 +533,9 @@ impl<'a> Trainer<'a> {
     pub fn run(self) -> Result<TrainOutcome> {
         let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
         if let Some(o) = &observer {
+            if !self.resume_changes.is_empty() {
+                o.resumed(&self.resume_changes);
+            }
             o.run_started(&RunStart {
                 world_size: self.ctx.world_size,
                 first_step: self.first_step,
@@ -441,6 +551,7 @@ impl<'a> Trainer<'a> {
 
     fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
         let (mut losses, mut step_ms, mut sent, mut interrupted) = (vec![], vec![], vec![], false);
+        let (mut lrs, mut grad_norms, mut val_losses) = (vec![], vec![], vec![]);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
             let s = match self.step() {
@@ -451,7 +562,16 @@ impl<'a> Trainer<'a> {
                 }
                 Err(e) => return Err(e),
             };
+            let val_loss = match &self.cfg.eval {
+                Some(e) if (s.step + 1) % e.every.max(1) == 0 || s.step + 1 == self.cfg.steps => {
+                    Some(self.evaluate(e.data.as_ref())?)
+                }
+                _ => None,
+            };
+            val_losses.push(val_loss);
             losses.push(s.loss);
+            lrs.push(s.lr);
+            grad_norms.push(s.grad_norm);
             step_ms.push(s.ms);
             sent.push(s.sent);
             if let Some(o) = observer {
@@ -460,8 +580,8 @@ impl<'a> Trainer<'a> {
                     loss: s.loss,
                     step_ms: s.ms,
                     lr: s.lr,
-                    grad_norm: None,
-                    val_loss: None,
+                    grad_norm: s.grad_norm,
+                    val_loss,
                     sent: s.sent,
                 });
             }
@@ -508,6 +628,10 @@ impl<'a> Trainer<'a> {
         Ok(TrainOutcome {
             first_step: self.first_step,
             losses,
+            lrs,
+            grad_norms,
+            val_losses,
+            resume_changes: std::mem::take(&mut self.resume_changes),
             step_ms,
             sent,
             interrupted,

@@ -357,6 +357,56 @@ pub struct RunArgs {
     /// the rank's shard of the gradients. Needs --comm-hook allreduce.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
+    /// Learning-rate schedule, peaking at --lr after --warmup-steps: constant, cosine (to
+    /// --min-lr at --lr-decay-steps), linear (likewise) or step (x --lr-gamma every
+    /// --lr-step-size steps). Checkpoints record it.
+    #[arg(long, value_enum, default_value_t = ScheduleFlag::Constant)]
+    pub lr_schedule: ScheduleFlag,
+    /// Steps of linear warmup (lr * (s+1) / W for step s < W).
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// The floor of cosine and linear (finite, 0 <= min-lr <= lr).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    pub min_lr: f64,
+    /// T: the step at which cosine and linear reach --min-lr (must exceed --warmup-steps).
+    /// Default: --steps, or the T recorded in the checkpoint a run continues from (so extending
+    /// --steps continues the same curve).
+    #[arg(long)]
+    pub lr_decay_steps: Option<u64>,
+    /// step: the factor (finite, > 0).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.1)]
+    pub lr_gamma: f64,
+    /// step: steps between two multiplications (>= 1).
+    #[arg(long, default_value_t = 1)]
+    pub lr_step_size: u64,
+    /// Clip the global gradient norm (over every parameter, after averaging over ranks and
+    /// microbatches; torch.nn.utils.clip_grad_norm_) to this (finite, > 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub clip_grad_norm: Option<f64>,
+    /// Evaluate every N steps (and after the last) on held-out data (--val-fraction or
+    /// --eval-data): eval mode, no gradients, averaged over the ranks; the `val_loss` column.
+    #[arg(long)]
+    pub eval_every: Option<usize>,
+    /// Hold out this fraction of the training data's rows (its last rows; in (0, 1)) for
+    /// --eval-every: the run trains on the others.
+    #[arg(long, allow_negative_numbers = true)]
+    pub val_fraction: Option<f64>,
+    /// Held-out data for --eval-every (the same format as --data).
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+}
+
+/// `--lr-schedule`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleFlag {
+    /// --lr throughout (after the warmup).
+    Constant,
+    /// Half a cosine down to --min-lr at --lr-decay-steps.
+    Cosine,
+    /// A straight line down to --min-lr at --lr-decay-steps.
+    Linear,
+    /// x --lr-gamma every --lr-step-size steps.
+    Step,
 }
 
 /// `--comm-hook`.
@@ -405,6 +455,36 @@ impl RunArgs {
                 return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
             }
         }
+        match (self.eval_every, self.val_fraction, &self.eval_data) {
+            (Some(0), _, _) => return bad("--eval-every must be at least 1 (steps between evaluations)".into()),
+            (Some(_), None, None) => {
+                return bad("--eval-every needs held-out data: --val-fraction F or --eval-data FILE".into())
+            }
+            (_, Some(_), Some(_)) => {
+                return bad("--val-fraction and --eval-data both name held-out data: give one".into())
+            }
+            (None, Some(_), _) | (None, _, Some(_)) => {
+                return bad("--val-fraction and --eval-data are for --eval-every N (how often to evaluate)".into())
+            }
+            _ => {}
+        }
+        if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
+            return bad(format!("--val-fraction must be in (0, 1), got {f}"));
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return bad(format!("--clip-grad-norm must be a finite number > 0, got {c}"));
+            }
+        }
+        let t = self.lr_decay_steps.unwrap_or(self.steps as u64);
+        self.schedule().build(self.lr, t).map_err(|e| {
+            let what = e.to_string();
+            let what = what.strip_prefix("configuration: ").unwrap_or(&what).to_string();
+            Error::Usage(format!(
+                "--lr-schedule {}: {what} (--lr-decay-steps defaults to --steps)",
+                flag_name(&self.lr_schedule)
+            ))
+        })?;
         if let Some(m) = self.momentum {
             if self.optimizer != OptimizerName::Sgd {
                 return bad(format!(
@@ -566,6 +646,24 @@ impl RunArgs {
     /// The ZeRO stage `--zero` chooses.
     pub fn zero_stage(&self) -> ZeroStage {
         ZeroStage::from_level(self.zero).unwrap_or_default()
+    }
+
+    /// The learning-rate schedule the flags describe.
+    pub fn schedule(&self) -> brigade::ScheduleConfig {
+        use brigade::ScheduleName;
+        brigade::ScheduleConfig {
+            name: match self.lr_schedule {
+                ScheduleFlag::Constant => ScheduleName::Constant,
+                ScheduleFlag::Cosine => ScheduleName::Cosine,
+                ScheduleFlag::Linear => ScheduleName::Linear,
+                ScheduleFlag::Step => ScheduleName::Step,
+            },
+            warmup_steps: self.warmup_steps,
+            decay_steps: self.lr_decay_steps,
+            min_lr: self.min_lr,
+            step_size: self.lr_step_size,
+            gamma: self.lr_gamma,
+        }
     }
 
     /// SGD's momentum in effect (0 unless given, as in `torch.optim.SGD`).

@@ -3,7 +3,7 @@
 //! library's [`fit()`] trains and returns rank 0's [`RunReport`].
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use brigade::config::{CheckpointConfig, Instrumentation};
@@ -12,10 +12,11 @@ use brigade::fit::fit;
 pub use brigade::fit::RunReport;
 use brigade::launch::{net_model, CommBackend, LaunchConfig};
 use brigade::observe::TrainObserver;
+use brigade::recipe::{EvalConfig, EvalSource, HeldOut};
 use brigade::{OptimizerConfig, TrainConfig};
 use brigade_comm::Recorder;
 use brigade_ddp::DdpConfig;
-use brigade_models::{Dataset, ModelKind, TextData, ValSplit};
+use brigade_models::{Batch, Dataset, ModelKind, TextData, ValSplit};
 
 use crate::args::{OptimizerName, RunArgs};
 use crate::error::{in_flag_terms, Error, Result};
@@ -83,9 +84,48 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
     Ok(data)
 }
 
+/// The held-out data of `--eval-every`, set once the launch has loaded the data (under MPI,
+/// in every process).
+#[derive(Default)]
+struct LateHeldOut(OnceLock<HeldOut>);
+
+impl EvalSource for LateHeldOut {
+    fn batches(&self, rank: usize, world_size: usize) -> brigade::Result<Vec<Batch>> {
+        match self.0.get() {
+            Some(h) => h.batches(rank, world_size),
+            None => Err(brigade::Error::Config("the held-out data was not loaded".into())),
+        }
+    }
+}
+
+/// The training rows and the held-out rows the flags name: `--val-fraction` holds out the
+/// data's last rows, `--eval-data` is a file of its own.
+fn split_held_out(args: &RunArgs, kind: &ModelKind, data: Dataset) -> Result<(Dataset, Option<Dataset>)> {
+    match (args.val_fraction, &args.eval_data) {
+        (Some(f), _) => {
+            let n = data.len();
+            let held = ((n as f64 * f).ceil() as usize).min(n.saturating_sub(1));
+            if held == 0 {
+                return Err(Error::Usage(format!(
+                    "--val-fraction {f} of {} ({n} rows) leaves no row to train on or none to hold out",
+                    data.name()
+                )));
+            }
+            let rows = |r: std::ops::Range<usize>| -> Result<Dataset> {
+                let name = format!("{} rows {}..{}", data.name(), r.start, r.end);
+                let batch = data.gather(&r.collect::<Vec<_>>())?;
+                Ok(Dataset::from_tensors(&name, batch.tensors())?)
+            };
+            Ok((rows(0..n - held)?, Some(rows(n - held..n)?)))
+        }
+        (None, Some(path)) => Ok((data, Some(Dataset::from_safetensors(path, kind)?))),
+        (None, None) => Ok((data, None)),
+    }
+}
+
 /// What every process needs before its ranks start: under MPI the world size comes from
 /// `mpirun`, and every file the run reads must exist on every rank.
-fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> Result<Dataset> {
+fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize, late: &LateHeldOut) -> Result<Dataset> {
     if args.backend == CommBackend::Mpi {
         if args.world_size != 1 && args.world_size != world {
             return Err(Error::Usage(format!(
@@ -98,6 +138,7 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> R
             ("--resume", &opts.resume),
             ("--data", &args.data),
             ("--text", &args.text),
+            ("--eval-data", &args.eval_data),
         ] {
             if let Some(path) = path {
                 std::fs::metadata(path).map_err(|e| Error::Io {
@@ -107,7 +148,19 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize) -> R
             }
         }
     }
-    load_data(args, kind, world)
+    let (data, held) = split_held_out(args, kind, load_data(args, kind, world)?)?;
+    let global = world.saturating_mul(args.rows_per_rank());
+    if data.len() < global {
+        return Err(Error::Usage(format!(
+            "one step needs {global} rows but {} keeps {} rows to train on after --val-fraction",
+            data.name(),
+            data.len()
+        )));
+    }
+    if let Some(held) = held {
+        let _ = late.0.set(HeldOut::new(held, args.batch_size));
+    }
+    Ok(data)
 }
 
 /// How to start the ranks.
@@ -124,7 +177,7 @@ fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
 }
 
 /// What every rank trains.
-fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
+fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<TrainConfig> {
     let optimizer = match args.optimizer {
         OptimizerName::Sgd => OptimizerConfig::Sgd {
             lr: args.lr,
@@ -151,6 +204,12 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
         } else {
             DataOrder::InOrder
         },
+        schedule: args.schedule(),
+        clip_grad_norm: args.clip_grad_norm,
+        eval: args.eval_every.map(|every| EvalConfig {
+            every,
+            data: late.clone(),
+        }),
         ddp: (!opts.compute_only).then_some(ddp),
         comm_hook: Arc::new(args.hook_spec()),
         autotune: args.autotune_config(),
@@ -177,7 +236,8 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
 pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
     let launch_cfg = launch_config(args, opts);
-    let train_cfg = train_config(args, opts)?;
+    let late = Arc::new(LateHeldOut::default());
+    let train_cfg = train_config(args, opts, &late)?;
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
     if args.backend == CommBackend::Nccl {
@@ -187,7 +247,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     let report = fit(
         &launch_cfg,
         &train_cfg,
-        |world| setup(args, opts, &kind, world).map_err(into_library),
+        |world| setup(args, opts, &kind, world, &late).map_err(into_library),
         |_| Ok(kind.build(args.seed)?),
     )?;
     if report.rank != 0 {

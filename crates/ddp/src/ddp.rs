@@ -277,6 +277,24 @@ impl DistributedDataParallel {
             .grad_norm_sq(&held, &self.reducer.collectives)
     }
 
+    /// Multiplies the reduced gradients this rank holds by `factor`, in place: the whole
+    /// gradients, or this rank's shard of them under a sharding policy (what its optimizer
+    /// steps). Global gradient clipping, after [`DistributedDataParallel::grad_norm_sq`].
+    pub fn scale_grads(&self, factor: f64) -> Result<()> {
+        let buckets = Buckets {
+            source: self.reducer.clone(),
+        };
+        let n = self.reducer.lock().buckets.len();
+        for b in 0..n {
+            let t = match buckets.held(b)? {
+                HeldGrad::Full(t) => t,
+                HeldGrad::Shard { tensor, .. } => tensor,
+            };
+            t.copy_from(&t.mul_scalar(factor)?)?;
+        }
+        Ok(())
+    }
+
     /// This rank's policy state ([`ReducerPolicy::state_dict`]).
     pub fn policy_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         self.reducer.lock_policy().state_dict()

@@ -261,9 +261,30 @@ pub fn save_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
 /// difference; then any unexpected name in the file) is the error. Values are converted
 /// to each parameter's dtype (so an f16/bf16 PyTorch state dict loads) and written in
 /// place. Nothing is written unless everything matches.
+///
+/// A training checkpoint (`brigade train --checkpoint`, [`TRAINING_CHECKPOINT_FORMAT`] in its
+/// metadata) is read as the state dict of its model: its `model.`-prefixed tensors, the prefix
+/// stripped, and its optimizer state left out.
 pub fn load_params(store: &ParamStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    load_params_from_tensors(store, &load_safetensors(path)?).map_err(|e| e.at_path(path))
+    let (tensors, meta) = load_safetensors_with_metadata(path)?;
+    let tensors = if meta.get("format").map(String::as_str) == Some(TRAINING_CHECKPOINT_FORMAT) {
+        model_state_of_checkpoint(tensors)
+    } else {
+        tensors
+    };
+    load_params_from_tensors(store, &tensors).map_err(|e| e.at_path(path))
+}
+
+/// The `format` metadata of a training checkpoint (written by the `brigade` library).
+pub const TRAINING_CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
+
+/// The model's tensors of a training checkpoint's: those named `model.NAME`, as `NAME`.
+pub fn model_state_of_checkpoint(tensors: NamedTensors) -> NamedTensors {
+    tensors
+        .into_iter()
+        .filter_map(|(n, t)| n.strip_prefix("model.").map(|n| (n.to_string(), t)))
+        .collect()
 }
 
 /// The multi-index and value of the first NaN or infinity of a float tensor, in

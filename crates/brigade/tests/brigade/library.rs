@@ -25,14 +25,14 @@ const IN: usize = 6;
 const CLASSES: usize = 3;
 
 /// `Linear ReLU Linear`, parameters `l1.*`, `l2.*`, one scope per layer.
-struct Tiny {
+pub(crate) struct Tiny {
     store: ParamStore,
     l1: Linear,
     l2: Linear,
 }
 
 impl Tiny {
-    fn new() -> brigade::models::Result<Tiny> {
+    pub(crate) fn new() -> brigade::models::Result<Tiny> {
         let (mut store, mut rng) = (ParamStore::new(), Rng::new(3));
         let mut p = Params::new(&mut store, &mut rng, DType::F32);
         let l1 = Linear::new(&mut p.sub("l1"), IN, 16, true, Init::TorchLinear)?;
@@ -61,14 +61,14 @@ impl Model for Tiny {
 }
 
 /// Row `i`: inputs drawn from seed `i`, labelled by which of the first 3 is largest.
-struct Rows {
-    fingerprint: Option<String>,
+pub(crate) struct Rows {
+    pub(crate) fingerprint: Option<String>,
     /// Fail on this (rank, step).
-    fail_at: Option<(usize, usize)>,
+    pub(crate) fail_at: Option<(usize, usize)>,
 }
 
 impl Rows {
-    fn new() -> Rows {
+    pub(crate) fn new() -> Rows {
         Rows {
             fingerprint: None,
             fail_at: None,
@@ -99,7 +99,7 @@ impl DataSource for Rows {
     }
 }
 
-fn config(steps: usize, batch: usize) -> TrainConfig {
+pub(crate) fn config(steps: usize, batch: usize) -> TrainConfig {
     let sgd = OptimizerConfig::Sgd {
         lr: 0.2,
         momentum: 0.9,
@@ -112,7 +112,7 @@ fn config(steps: usize, batch: usize) -> TrainConfig {
     }
 }
 
-fn run(world: usize, cfg: &TrainConfig, rows: Rows) -> brigade::Result<RunReport> {
+pub(crate) fn run(world: usize, cfg: &TrainConfig, rows: Rows) -> brigade::Result<RunReport> {
     fit(
         &LaunchConfig::threads(world),
         cfg,
@@ -121,7 +121,7 @@ fn run(world: usize, cfg: &TrainConfig, rows: Rows) -> brigade::Result<RunReport
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
+pub(crate) fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("brigade-library-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();

@@ -7,4 +7,5 @@ mod launch;
 mod library;
 #[cfg(feature = "mpi")]
 mod mpi_launch;
+mod recipes;
 mod sampled;

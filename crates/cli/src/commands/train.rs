@@ -25,9 +25,11 @@ pub struct TrainArgs {
     /// file); a symbolic link is kept and its target written.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Write `step,loss` for every step (global mean loss before the step's update). With
-    /// --resume, the rows before the resume step already in this file are kept, so the
-    /// file ends as the uninterrupted run's.
+    /// Write `step,loss,lr,grad_norm,val_loss` for every step (global mean loss before the
+    /// step's update, the step's learning rate, the global gradient norm before clipping with
+    /// --clip-grad-norm, the held-out loss after the step with --eval-every; empty when not
+    /// computed). With --resume, the rows before the resume step already
+    /// in this file are kept, so the file ends as the uninterrupted run's.
     #[arg(long)]
     pub losses: Option<PathBuf>,
     /// Write a Chrome trace of the last step (and FILE.svg beside it); nothing when no step runs.
@@ -169,7 +171,11 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
             path.display()
         ))
     };
-    if lines.next() != Some("step,loss") {
+    // files written before the lr and grad_norm columns start `step,loss`
+    if !lines
+        .next()
+        .is_some_and(|h| h == LOSSES_HEADER || h == "step,loss" || h == "step,loss,lr,grad_norm")
+    {
         return Err(not_ours());
     }
     lines
@@ -183,6 +189,9 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
         })
         .collect()
 }
+
+/// The header of the `--losses` file.
+const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
 /// Runs `brigade train`.
 pub fn train(t: TrainArgs) -> Result<()> {
@@ -251,13 +260,18 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.losses {
         let write = move || {
-            let mut csv = String::from("step,loss\n");
+            let mut csv = format!("{LOSSES_HEADER}\n");
             for (_, row) in kept.iter().filter(|(s, _)| *s < outcome.first_step) {
                 csv.push_str(row);
                 csv.push('\n');
             }
             for (i, l) in outcome.losses.iter().enumerate() {
-                csv.push_str(&format!("{},{:.9}\n", outcome.first_step + i, l));
+                let lr = outcome.lrs.get(i).map(f64::to_string).unwrap_or_default();
+                let norm = outcome.grad_norms.get(i).copied().flatten();
+                let norm = norm.map(|n| format!("{n:.9}")).unwrap_or_default();
+                let val = outcome.val_losses.get(i).copied().flatten();
+                let val = val.map(|v| format!("{v:.9}")).unwrap_or_default();
+                csv.push_str(&format!("{},{:.9},{lr},{norm},{val}\n", outcome.first_step + i, l));
             }
             write_atomic(path, csv.as_bytes())
         };

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use brigade::observe::{RunStart, TrainObserver};
 use brigade::outcome::TrainOutcome;
+use brigade::recipe::HyperparameterChange;
 use serde_json::json;
 
 use crate::args::{compact, flag_name, CommHookName, ModelName, RunArgs};
@@ -74,6 +75,14 @@ impl TrainObserver for PrintSummary {
         self.world_size.store(start.world_size, Ordering::Relaxed);
     }
 
+    fn resumed(&self, changes: &[HyperparameterChange]) {
+        let changes: Vec<String> = changes.iter().map(ToString::to_string).collect();
+        eprintln!(
+            "note: resuming with {} (this run's values, not the checkpoint's)",
+            changes.join(", ")
+        );
+    }
+
     fn run_finished(&self, outcome: Result<&TrainOutcome, &brigade::Error>) {
         if let Ok(outcome) = outcome {
             let world_size = self.world_size.load(Ordering::Relaxed);
@@ -111,6 +120,9 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "first_bucket_mb": a.first_bucket_mb,
         "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
         "zero": a.zero,
+        "lr_schedule": flag_name(&a.lr_schedule), "warmup_steps": a.warmup_steps, "min_lr": a.min_lr,
+        "lr_decay_steps": a.lr_decay_steps, "lr_gamma": a.lr_gamma, "lr_step_size": a.lr_step_size,
+        "clip_grad_norm": a.clip_grad_norm, "eval_every": a.eval_every, "val_fraction": a.val_fraction,
         "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| brigade::launch::default_threads(a.world_size)),
     });
     // the model's shape and the hook's settings: every flag that changes what trains
@@ -125,6 +137,9 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "samples_per_s": s.samples_per_s, "world_size": world_size,
         "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
         "epoch": outcome.sampler.map(|p| p.epoch), "epoch_row": outcome.sampler.map(|p| p.index),
+        "lr": outcome.lrs, "last_lr": outcome.lrs.last(),
+        "grad_norm": outcome.grad_norms,
+        "val_loss": outcome.val_losses, "last_val_loss": outcome.val_losses.iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
         "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
         "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
         "autotune": outcome.autotune,
@@ -170,6 +185,32 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
                 rows.first().copied().unwrap_or(0),
                 p.epoch,
                 p.index
+            );
+        }
+        if let (Some(first), Some(last)) = (outcome.lrs.first(), outcome.lrs.last()) {
+            if a.lr_schedule != crate::args::ScheduleFlag::Constant || a.warmup_steps > 0 {
+                println!(
+                    "lr: {} schedule, first {} last {}",
+                    flag_name(&a.lr_schedule),
+                    compact(*first),
+                    compact(*last)
+                );
+            }
+        }
+        if let Some((s, v)) = outcome
+            .val_losses
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, v)| Some((i, (*v)?)))
+        {
+            println!("val loss: {v:.4} after step {}", outcome.first_step + s);
+        }
+        if let (Some(c), Some(Some(norm))) = (a.clip_grad_norm, outcome.grad_norms.last()) {
+            let clipped = outcome.grad_norms.iter().flatten().filter(|n| **n > c).count();
+            println!(
+                "gradient norm: last {norm:.4}, clipped to {} in {clipped} of {ran} steps",
+                compact(c)
             );
         }
         let timed = ran.saturating_sub(a.warmup);

@@ -66,7 +66,11 @@ fn one_error_line(out: &Output) -> String {
     let err = stderr(out);
     assert!(!out.status.success(), "should fail: {err}");
     assert!(!err.contains("panicked"), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    // (a resume that changes a hyperparameter says so first, in its own note line)
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with("note: resuming with"))
+        .collect();
     assert_eq!(lines.len(), 1, "one error line: {err}");
     assert!(lines[0].starts_with("error: "), "{err}");
     lines[0].to_string()

@@ -16,6 +16,7 @@ mod overlap;
 mod overlap_tuning;
 mod policies;
 mod policy_bytes;
+mod recipes;
 mod text;
 mod train;
 mod zero;

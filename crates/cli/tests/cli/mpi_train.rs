@@ -38,7 +38,7 @@ fn losses(path: &Path) -> Vec<f64> {
         .unwrap()
         .lines()
         .skip(1)
-        .map(|l| l.split_once(',').unwrap().1.parse().unwrap())
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
         .collect()
 }
 

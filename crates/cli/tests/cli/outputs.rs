@@ -391,7 +391,10 @@ fn a_run_of_no_step_says_so_and_still_writes_what_makes_sense() {
         ck.exists() && p.exists(),
         "the checkpoint and the parameters are written"
     );
-    assert_eq!(std::fs::read_to_string(&l).unwrap(), "step,loss\n");
+    assert_eq!(
+        std::fs::read_to_string(&l).unwrap(),
+        "step,loss,lr,grad_norm,val_loss\n"
+    );
     // resumed at the step it already reached: no NaN statistics, the losses kept, a checkpoint
     ok(&cat(&[
         &["train"],

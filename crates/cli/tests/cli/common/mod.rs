@@ -119,7 +119,8 @@ pub fn losses(path: &Path) -> Vec<(usize, f64)> {
         .lines()
         .skip(1)
         .map(|l| {
-            let (s, v) = l.split_once(',').unwrap();
+            let mut cells = l.split(',');
+            let (s, v) = (cells.next().unwrap(), cells.next().unwrap());
             (s.parse().unwrap(), v.parse().unwrap())
         })
         .collect()
