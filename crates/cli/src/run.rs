@@ -18,6 +18,7 @@ use brigade_models::{Dataset, ModelKind};
 
 use crate::args::{OptimizerName, RunArgs};
 use crate::error::{in_flag_terms, Error, Result};
+use crate::outputs::OutputLocks;
 
 /// What a run does besides training.
 #[derive(Clone, Default)]
@@ -40,6 +41,9 @@ pub struct RunOptions {
     /// Who watches the run: the progress bar, the summary, the signals (see
     /// [`crate::report`], [`crate::signal`]).
     pub observer: Option<Arc<dyn TrainObserver>>,
+    /// Outputs that rank 0's process locks before it trains (see [`OutputLocks`]); the caller
+    /// keeps them until it has written them.
+    pub locks: Option<Arc<OutputLocks>>,
 }
 
 /// Loads the dataset the flags name and checks it can feed one global step of `world` ranks.
@@ -160,7 +164,13 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         &launch_cfg,
         &train_cfg,
         |world| setup(args, opts, &kind, world).map_err(into_library),
-        |_| Ok(kind.build(args.seed)?),
+        |ctx| {
+            // the process that writes the outputs holds them for the run's lifetime
+            if let (0, Some(locks)) = (ctx.rank, &opts.locks) {
+                locks.take().map_err(into_library)?;
+            }
+            Ok(kind.build(args.seed)?)
+        },
     )?;
     if report.rank != 0 {
         std::process::exit(0);
