@@ -310,3 +310,85 @@ fn a_second_run_on_one_checkpoint_refuses_naming_the_file_and_the_other_process(
     common::ok(&args);
     assert!(other_losses.exists());
 }
+
+/// Ctrl-C on `mpirun`: it waits `odls_base_sigkill_timeout` seconds (1 by default), sends the
+/// ranks SIGTERM, and SIGKILL as long after. With the time raised (README, MPI section), the
+/// ranks finish their step and rank 0 writes every output.
+#[cfg(feature = "mpi")]
+mod under_mpirun {
+    use super::*;
+
+    /// Starts a long 2-rank MPI run whose steps and checkpoints take a while (4M parameters),
+    /// waits for its first periodic checkpoint, sends SIGINT to `mpirun` (what Ctrl-C does to
+    /// it), and checks the outputs hold every finished step.
+    fn ctrl_c_keeps_the_work(sigkill_timeout_s: &str) {
+        let dir = common::dir(&format!("faults-mpirun-{sigkill_timeout_s}"));
+        let (ck, losses) = (dir.join("ck.safetensors"), dir.join("losses.csv"));
+        let mut cmd = Command::new("mpirun");
+        // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
+        unsafe {
+            cmd.pre_exec(|| {
+                signal(SIGINT, 0);
+                signal(SIGTERM, 0);
+                Ok(())
+            });
+        }
+        let mut job = cmd
+            .args(["--allow-run-as-root", "--oversubscribe"])
+            .args(["--mca", "odls_base_sigkill_timeout", sigkill_timeout_s, "-np", "2"])
+            .arg(common::bin())
+            .args([
+                "train",
+                "--backend",
+                "mpi",
+                "--model",
+                "mlp",
+                "--widths",
+                "16,2048,2048,4",
+            ])
+            .args([
+                "--batch-size",
+                "64",
+                "--quiet",
+                "--steps",
+                "100000000",
+                "--checkpoint-every",
+                "3",
+            ])
+            .args(["--checkpoint", s(&ck), "--losses", s(&losses)])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun must be on the PATH (apt-get install openmpi-bin)");
+        let _guard = KillOnPanic(job.id());
+        wait_for_file(&mut job, &ck);
+        send(&job, SIGINT);
+        let (status, err) = finish(job, Duration::from_secs(120));
+        let rows = if losses.exists() {
+            common::losses(&losses)
+        } else {
+            vec![]
+        };
+        assert!(
+            rows.len() >= 3,
+            "the losses of the finished steps ({status}): {rows:?}\n{err}"
+        );
+        let steps: Vec<usize> = rows.iter().map(|r| r.0).collect();
+        assert_eq!(steps, (0..rows.len()).collect::<Vec<_>>());
+        assert_eq!(
+            checkpoint_step(&ck),
+            rows.len(),
+            "checkpointed after the last step done"
+        );
+        assert_eq!(
+            names(&dir),
+            ["ck.safetensors", "losses.csv"],
+            "temporary or lock files left"
+        );
+    }
+
+    #[test]
+    fn ctrl_c_on_mpirun_with_time_to_stop_keeps_every_output() {
+        ctrl_c_keeps_the_work("15");
+    }
+}
