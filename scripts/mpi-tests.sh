@@ -9,4 +9,5 @@ command -v mpirun >/dev/null || { echo "mpirun not found: apt-get install -y ope
 cargo test -p brigade-comm --features mpi --lib -- mpi::
 cargo test -p brigade-comm --features mpi --test comm -- --test-threads=1 mpi_collectives::
 cargo test -p brigade-cli --features mpi --test cli -- --test-threads=1 mpi_train::
+cargo test -p brigade-cli --features mpi --test cli -- --test-threads=1 faults::under_mpirun::
 cargo test -p brigade --features mpi --test brigade -- --test-threads=1 mpi_launch::

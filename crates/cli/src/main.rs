@@ -73,6 +73,9 @@ fn parse() -> Result<Cli, clap::Error> {
 fn main() -> ExitCode {
     // before any tensor exists: reuse freed activation memory instead of faulting in fresh pages
     brigade::tensor::retain_freed_host_memory();
+    // a write past `ulimit -f` fails with EFBIG (reported, the other outputs kept) instead of
+    // killing the process with no message
+    signal::ignore_file_size_signal();
     let cli = match parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version

@@ -1,6 +1,7 @@
 //! The files a run writes: checked before step 0 (so a typo costs seconds, not a whole
 //! training), and written at the end all together, one failure never costing the others.
 
+use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -11,7 +12,14 @@ use crate::error::{Error, Result};
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     brigade_models::write_atomic(path, bytes).map_err(|source| Error::Io {
         path: path.display().to_string(),
-        source,
+        source: match source.kind() {
+            // say what happened in words: "disk full", "file size limit"
+            ErrorKind::StorageFull | ErrorKind::QuotaExceeded | ErrorKind::FileTooLarge => std::io::Error::new(
+                source.kind(),
+                format!("{source} ({})", brigade_models::io::write_error_hint(&source)),
+            ),
+            _ => source,
+        },
     })
 }
 
@@ -72,8 +80,12 @@ fn writable(dir: &Path) -> std::io::Result<()> {
         std::process::id(),
         std::thread::current().id()
     ));
-    std::fs::OpenOptions::new().write(true).create_new(true).open(&probe)?;
-    std::fs::remove_file(&probe)
+    // a signal while the run starts ends it at once: the probe goes with it
+    crate::signal::register_cleanup(&probe);
+    let made = std::fs::OpenOptions::new().write(true).create_new(true).open(&probe);
+    let removed = made.and_then(|_| std::fs::remove_file(&probe));
+    crate::signal::unregister_cleanup(&probe);
+    removed
 }
 
 /// Checks every output before any work: its directory exists and takes new files, it is
@@ -155,6 +167,113 @@ pub fn write_all(writes: Vec<Write<'_>>) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Outputs(failed))
+    }
+}
+
+/// The lock file of an output: `.NAME.lock` beside the file a write of it lands in (a lock on
+/// the output itself would not survive the atomic rename that replaces it).
+pub fn lock_path(o: &Output) -> Result<PathBuf> {
+    let at = landing(o)?;
+    let name = at.file_name().expect("landing() returns dir/name").to_string_lossy();
+    Ok(at.with_file_name(format!(".{name}.lock")))
+}
+
+/// One output locked for this run's lifetime: an exclusive `flock` on its lock file, which
+/// holds this process's id (for the message of a run that finds it taken). Dropping it removes
+/// the lock file (while still holding the lock); a process that dies holding it loses the lock
+/// with it (the kernel releases it), and a later run reuses the file.
+#[derive(Debug)]
+pub struct OutputLock {
+    path: PathBuf,
+    _file: std::fs::File,
+}
+
+impl OutputLock {
+    /// Locks `o`, or fails with one line naming the output, its lock file and the process
+    /// that holds it.
+    pub fn acquire(o: &Output) -> Result<OutputLock> {
+        use std::io::Write as _;
+        use std::os::unix::fs::MetadataExt;
+        let path = lock_path(o)?;
+        let io = |source| Error::Io {
+            path: format!("{} {}: lock file {}", o.flag, o.path.display(), path.display()),
+            source,
+        };
+        // a holder that finishes removes the file: a lock taken on a file no longer at `path`
+        // is retaken on the new one
+        for _ in 0..100 {
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(io)?;
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                    let holder = match holder.trim() {
+                        "" => "another process".to_string(),
+                        pid => format!("process {pid}"),
+                    };
+                    return Err(Error::Usage(format!(
+                        "{} {} is being written by another run ({holder}, lock {}): wait for it to end or give another path",
+                        o.flag,
+                        o.path.display(),
+                        path.display()
+                    )));
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+            }
+            let same = match (file.metadata(), std::fs::metadata(&path)) {
+                (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+                _ => false,
+            };
+            if !same {
+                continue;
+            }
+            crate::signal::register_cleanup(&path);
+            file.set_len(0).map_err(io)?;
+            writeln!(file, "{}", std::process::id()).map_err(io)?;
+            return Ok(OutputLock { path, _file: file });
+        }
+        Err(io(std::io::Error::other("kept being replaced while locking it")))
+    }
+}
+
+impl Drop for OutputLock {
+    fn drop(&mut self) {
+        // removed while still locked: a run that opened it meanwhile sees it gone and retries
+        crate::signal::unregister_cleanup(&self.path);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The outputs a run locks, taken by the process of rank 0 (the one that writes them) once it
+/// starts, held until this is dropped.
+#[derive(Debug, Default)]
+pub struct OutputLocks {
+    outputs: Vec<Output>,
+    held: std::sync::Mutex<Vec<OutputLock>>,
+}
+
+impl OutputLocks {
+    /// Will lock `outputs` (nothing is locked yet: see [`OutputLocks::take`]).
+    pub fn new(outputs: Vec<Output>) -> Self {
+        OutputLocks {
+            outputs,
+            held: Default::default(),
+        }
+    }
+
+    /// Locks every output (all or none; again is a no-op).
+    pub fn take(&self) -> Result<()> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held.is_empty() {
+            *held = self.outputs.iter().map(OutputLock::acquire).collect::<Result<_>>()?;
+        }
+        Ok(())
     }
 }
 

@@ -20,6 +20,7 @@ use brigade_models::{Batch, Dataset, ModelKind, TextData, ValSplit};
 
 use crate::args::{OptimizerName, RunArgs};
 use crate::error::{in_flag_terms, Error, Result};
+use crate::outputs::OutputLocks;
 
 /// What a run does besides training.
 #[derive(Clone, Default)]
@@ -42,6 +43,9 @@ pub struct RunOptions {
     /// Who watches the run: the progress bar, the summary, the signals (see
     /// [`crate::report`], [`crate::signal`]).
     pub observer: Option<Arc<dyn TrainObserver>>,
+    /// Outputs that rank 0's process locks before it trains (see [`OutputLocks`]); the caller
+    /// keeps them until it has written them.
+    pub locks: Option<Arc<OutputLocks>>,
 }
 
 /// The share of a `--text` file kept apart for validation (its last bytes).
@@ -248,7 +252,13 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
         &launch_cfg,
         &train_cfg,
         |world| setup(args, opts, &kind, world, &late).map_err(into_library),
-        |_| Ok(kind.build(args.seed)?),
+        |ctx| {
+            // the process that writes the outputs holds them for the run's lifetime
+            if let (0, Some(locks)) = (ctx.rank, &opts.locks) {
+                locks.take().map_err(into_library)?;
+            }
+            Ok(kind.build(args.seed)?)
+        },
     )?;
     if report.rank != 0 {
         std::process::exit(0);

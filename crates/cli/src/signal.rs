@@ -1,45 +1,149 @@
 //! SIGINT and SIGTERM become a stop request that the training loop honours at the next step
 //! boundary (every rank agrees on the step), so an interrupted run still writes its losses, its
-//! timeline and its checkpoint. A second signal ends the process at once, as by default.
+//! timeline and its checkpoint.
 //!
-//! The handler only sets an atomic flag (async-signal-safe); it is installed through libc's
-//! `signal`, which the standard library already links. [`StopOnSignal`] hands the flag to the
-//! run as its observer's stop request.
+//! - **During setup** (before this process's ranks first ask whether to stop, i.e. before any
+//!   step finished) there is nothing to keep: the process exits at once with status 130,
+//!   removing the lock files it took ([`register_cleanup`]) and writing nothing else.
+//! - **A repeat within [`GRACE`]** of the first signal is the same request: GNU `timeout` sends
+//!   SIGTERM to the child and then to its process group, 1 ms apart, and a shell's Ctrl-C
+//!   reaches every process of the group.
+//! - **A later signal** ends the process at once, as the default action would (the user insists).
+//!
+//! SIGXFSZ is ignored ([`ignore_file_size_signal`]): a write past `ulimit -f` then fails with
+//! EFBIG and is reported like a full disk, instead of killing the process silently.
+//!
+//! The handler touches only atomics and async-signal-safe libc calls (`clock_gettime`, `write`,
+//! `unlink`, `_exit`, `signal`, `raise`), which the standard library already links.
+//! [`StopOnSignal`] hands the flag to the run as its observer's stop request.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::time::Duration;
 
 use brigade::observe::TrainObserver;
 
+/// A repeated SIGINT/SIGTERM within this time of the first is the same request.
+pub const GRACE: Duration = Duration::from_secs(1);
+
 /// Set once SIGINT or SIGTERM arrived.
 static STOP: AtomicBool = AtomicBool::new(false);
+/// When the first signal arrived (monotonic clock, nanoseconds, +1 so that 0 means never).
+static FIRST_NS: AtomicU64 = AtomicU64::new(0);
+/// Set once a rank of this process asked whether to stop: from then on a signal stops the run
+/// at a step boundary; before, it ends the process at once.
+static TRAINING: AtomicBool = AtomicBool::new(false);
 
-#[cfg(unix)]
+/// Files to remove when a signal ends the process during setup (NUL-terminated paths, leaked:
+/// the handler may read them at any time).
+static CLEANUP: [AtomicPtr<std::ffi::c_char>; 16] = [const { AtomicPtr::new(std::ptr::null_mut()) }; 16];
+
+/// Removes `path` if a signal ends the process during setup (a lock file it created). At most
+/// 16 paths; later ones are not registered.
+pub fn register_cleanup(path: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
+    let raw = c.into_raw();
+    for slot in &CLEANUP {
+        if slot
+            .compare_exchange(std::ptr::null_mut(), raw, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            return;
+        }
+    }
+    // SAFETY: `raw` came from `CString::into_raw` and was not stored.
+    drop(unsafe { std::ffi::CString::from_raw(raw) });
+}
+
+/// Forgets `path` (its lock file was removed normally).
+pub fn unregister_cleanup(path: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    for slot in &CLEANUP {
+        let p = slot.load(Ordering::SeqCst);
+        // SAFETY: non-null slots hold leaked `CString`s, never freed while registered.
+        if !p.is_null() && unsafe { std::ffi::CStr::from_ptr(p) }.to_bytes() == path.as_os_str().as_bytes() {
+            slot.store(std::ptr::null_mut(), Ordering::SeqCst);
+            // leaked on purpose: the handler may be reading it right now
+            return;
+        }
+    }
+}
+
 mod unix {
-    use super::{Ordering, STOP};
+    use super::{Ordering, CLEANUP, FIRST_NS, GRACE, STOP, TRAINING};
 
     const SIGINT: i32 = 2;
     const SIGTERM: i32 = 15;
+    const SIGXFSZ: i32 = 25;
     const SIG_DFL: usize = 0;
     const SIG_IGN: usize = 1;
+    const CLOCK_MONOTONIC: i32 = 1;
+
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
 
     extern "C" {
         fn signal(signum: i32, handler: usize) -> usize;
         fn raise(signum: i32) -> i32;
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+        fn write(fd: i32, buf: *const u8, count: usize) -> isize;
+        fn unlink(path: *const std::ffi::c_char) -> i32;
+        fn _exit(status: i32) -> !;
+    }
+
+    fn now_ns() -> u64 {
+        let mut t = Timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime is async-signal-safe and writes only `t`.
+        unsafe { clock_gettime(CLOCK_MONOTONIC, &mut t) };
+        (t.tv_sec as u64)
+            .wrapping_mul(1_000_000_000)
+            .wrapping_add(t.tv_nsec as u64)
     }
 
     extern "C" fn on_signal(signum: i32) {
-        if STOP.swap(true, Ordering::SeqCst) {
-            // The second time: the user insists; die of the signal as the default action would.
-            unsafe {
-                signal(signum, SIG_DFL);
-                raise(signum);
+        let now = now_ns().wrapping_add(1);
+        match FIRST_NS.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(_) => {
+                STOP.store(true, Ordering::SeqCst);
+                if !TRAINING.load(Ordering::SeqCst) {
+                    // still setting up: nothing finished to keep; leave as if never started
+                    const MSG: &[u8] = b"error: interrupted before step 0 (while starting): nothing was written\n";
+                    // SAFETY: write, unlink and _exit are async-signal-safe; the paths are
+                    // leaked NUL-terminated strings.
+                    unsafe {
+                        for slot in &CLEANUP {
+                            let p = slot.load(Ordering::SeqCst);
+                            if !p.is_null() {
+                                unlink(p);
+                            }
+                        }
+                        write(2, MSG.as_ptr(), MSG.len());
+                        _exit(130);
+                    }
+                }
+            }
+            Err(first) if now.saturating_sub(first) < GRACE.as_nanos() as u64 => {
+                // the same request again (e.g. `timeout`: to the child, then to its group)
+            }
+            Err(_) => {
+                // a later signal: the user insists; die of it as the default action would
+                // SAFETY: signal and raise are async-signal-safe.
+                unsafe {
+                    signal(signum, SIG_DFL);
+                    raise(signum);
+                }
             }
         }
     }
 
     pub fn install() {
         for signum in [SIGINT, SIGTERM] {
-            // SAFETY: `on_signal` only touches an atomic and async-signal-safe libc calls.
+            // SAFETY: `on_signal` only touches atomics and async-signal-safe libc calls.
             unsafe {
                 let previous = signal(signum, on_signal as extern "C" fn(i32) as usize);
                 if previous == SIG_IGN {
@@ -49,15 +153,26 @@ mod unix {
             }
         }
     }
+
+    pub fn ignore_file_size_signal() {
+        // SAFETY: ignoring a signal has no handler to be unsafe in.
+        unsafe { signal(SIGXFSZ, SIG_IGN) };
+    }
+}
+
+/// Ignores SIGXFSZ for the rest of this process: a write past the file size limit (`ulimit -f`)
+/// fails with EFBIG, which the write reports, instead of killing the process with no message.
+pub fn ignore_file_size_signal() {
+    unix::ignore_file_size_signal();
 }
 
 /// Asks the run to stop once SIGINT or SIGTERM arrived (every rank polls it once a step).
 pub struct StopOnSignal(());
 
 impl StopOnSignal {
-    /// Turns SIGINT and SIGTERM into a stop request for the rest of this process.
+    /// Turns SIGINT and SIGTERM into a stop request for the rest of this process (an exit
+    /// with status 130 while the run is still starting).
     pub fn install() -> StopOnSignal {
-        #[cfg(unix)]
         unix::install();
         StopOnSignal(())
     }
@@ -65,6 +180,9 @@ impl StopOnSignal {
 
 impl TrainObserver for StopOnSignal {
     fn stop_requested(&self) -> bool {
+        // from the first time a rank asks on, a signal is honoured at a step boundary: the
+        // flag is read after the phase changes, so a signal is seen by one path or the other
+        TRAINING.store(true, Ordering::SeqCst);
         STOP.load(Ordering::SeqCst)
     }
 }

@@ -121,12 +121,20 @@ pub fn save_safetensors(
         .collect::<Result<Vec<_>>>()?;
     let buf = safetensors::serialize(views, metadata).map_err(|e| ModelError::io(path, e))?;
 
-    write_atomic(path, &buf).map_err(|e| {
-        ModelError::io(
-            path,
-            format!("could not write: {e} (does the directory exist and is it writable?)"),
-        )
-    })
+    write_atomic(path, &buf)
+        .map_err(|e| ModelError::io(path, format!("could not write: {e} ({})", write_error_hint(&e))))
+}
+
+/// What to do about a failed write, in words: a full disk and the file size limit (`ulimit
+/// -f`, EFBIG once SIGXFSZ is ignored) say so; anything else asks about the directory.
+pub fn write_error_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
+            "disk full: free some space or write elsewhere"
+        }
+        std::io::ErrorKind::FileTooLarge => "file size limit reached (ulimit -f): raise it or write a smaller file",
+        _ => "does the directory exist and is it writable?",
+    }
 }
 
 /// Numbers the temporary files of this process, so that two writes (from two threads,

@@ -8,7 +8,7 @@ use clap::Args;
 
 use crate::args::RunArgs;
 use crate::error::{checkpoint_failure, Error, Result};
-use crate::outputs::{check_outputs, write_all, write_atomic, Output, Write};
+use crate::outputs::{check_outputs, write_all, write_atomic, Output, OutputLocks, Write};
 use crate::report::progress::ProgressBar;
 use crate::report::summary::PrintSummary;
 use crate::report::timeline_svg::write_timeline;
@@ -195,13 +195,16 @@ const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
 /// Runs `brigade train`.
 pub fn train(t: TrainArgs) -> Result<()> {
+    // first: a signal at any point from here on stops the run (at once while it starts)
+    let stop_on_signal = StopOnSignal::install();
     t.validate()?;
+    let locks = Arc::new(OutputLocks::new(t.outputs()));
     let kept = match (&t.resume, &t.losses) {
         (Some(_), Some(path)) => previous_losses(path)?,
         _ => vec![],
     };
     // who watches: the signals (a stop request), the summary, and unless told otherwise the bar
-    let watch = (StopOnSignal::install(), PrintSummary::new(&t.run, t.json));
+    let watch = (stop_on_signal, PrintSummary::new(&t.run, t.json));
     let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
         Arc::new(watch)
     } else {
@@ -216,6 +219,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
         profile: t.profile.is_some(),
         profile_steps: t.profile_steps.clone(),
         observer: Some(observer),
+        locks: Some(locks.clone()),
     };
     let mut report = run(&t.run, &opts)?;
     let stopped = report.outcome.stopped.take();

@@ -6,6 +6,7 @@ mod bad_input;
 mod bench_gemm;
 mod common;
 mod device;
+mod faults;
 mod finished_work;
 mod lifecycle;
 #[cfg(feature = "mpi")]
