@@ -1,5 +1,11 @@
-//! Checkpoints: parameters and optimizer state with the step they were taken after, in one
-//! safetensors file (written atomically), and loading them back to resume a run.
+//! Checkpoints: parameters, optimizer state and every rank's reducer-policy state with the step
+//! they were taken after, in one safetensors file (written atomically), and loading them back to
+//! resume a run.
+//!
+//! Tensors are named `model.<param>`, `optim.<key>` and `policy.rank<r>/<key>` (rank `r`'s
+//! [`brigade_ddp::ReducerPolicy::state_dict`], gathered on rank 0: PowerSGD's error feedback
+//! differs per rank); the metadata records the policy's spec (`powersgd:1@2`), and a resume
+//! under another spec is refused.
 
 use std::path::Path;
 
@@ -11,6 +17,9 @@ use brigade_tensor::Tensor;
 use crate::error::{CheckpointMismatch, Error, Result};
 
 const CHECKPOINT_FORMAT: &str = "brigade-checkpoint-v1";
+
+/// Prefix of the policy state's tensors.
+const POLICY_PREFIX: &str = "policy.";
 
 /// What a checkpoint records besides the tensors, and a resume checks: the model's name, the
 /// optimizer's name, the seed (it chooses the built-in data) and the data's fingerprint.
@@ -29,14 +38,31 @@ pub struct CheckpointIdentity<'a> {
     pub zero: ZeroStage,
     /// The number of ranks.
     pub world_size: usize,
+    /// The reducer policy's spec as it reads (`allreduce`, `powersgd:4@2`, a user's name), or
+    /// `None` without DDP: a checkpoint resumes only under the policy it was written with
+    /// (older checkpoints, which do not record it, under any).
+    pub policy: Option<&'a str>,
 }
 
-/// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
+/// What a checkpoint gives back besides the parameters and optimizer state loaded in place.
+pub struct Resumed {
+    /// The step to continue from.
+    pub step: usize,
+    /// Every rank's policy state, entries `rank<r>/<key>` (for
+    /// [`brigade_ddp::DistributedDataParallel::load_gathered_policy_state`]); empty when the
+    /// policy keeps none.
+    pub policy_state: Vec<(String, Tensor)>,
+}
+
+/// Writes `model`'s parameters, `opt`'s state and every rank's policy state (`policy_state`,
+/// entries `rank<r>/<key>` as [`brigade_ddp::DistributedDataParallel::gather_policy_state`]
+/// gives them) after `step` steps to `path`, with `id`.
 pub fn save_checkpoint(
     path: &Path,
     id: &CheckpointIdentity<'_>,
     model: &dyn Model,
     opt: &dyn Optimizer,
+    policy_state: &[(String, Tensor)],
     step: usize,
 ) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = model
@@ -46,6 +72,11 @@ pub fn save_checkpoint(
         .map(|(n, t)| (format!("model.{n}"), t))
         .collect();
     tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
+    tensors.extend(
+        policy_state
+            .iter()
+            .map(|(n, t)| (format!("{POLICY_PREFIX}{n}"), t.clone())),
+    );
     let meta = [
         ("format", CHECKPOINT_FORMAT.to_string()),
         ("step", step.to_string()),
@@ -57,6 +88,7 @@ pub fn save_checkpoint(
     ]
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
+    .chain(id.policy.map(|p| ("policy", p.to_string())))
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     save_safetensors(path, &tensors, Some(meta))?;
@@ -64,13 +96,14 @@ pub fn save_checkpoint(
 }
 
 /// Loads a checkpoint into the model and optimizer after checking it was written for `id`;
-/// returns the step to continue from.
+/// returns the step to continue from and every rank's policy state (to hand to DDP once it is
+/// built).
 pub fn load_checkpoint(
     path: &Path,
     id: &CheckpointIdentity<'_>,
     model: &dyn Model,
     opt: &mut dyn Optimizer,
-) -> Result<usize> {
+) -> Result<Resumed> {
     let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
         path: path.display().to_string(),
         mismatch,
@@ -106,6 +139,15 @@ pub fn load_checkpoint(
         }
     }
     check_sharding(&meta, id).map_err(err)?;
+    if let (Some(written), Some(this_run)) = (meta.get("policy"), id.policy) {
+        if written != this_run {
+            return Err(err(CheckpointMismatch::Written {
+                what: "policy",
+                written: written.clone(),
+                this_run: this_run.to_string(),
+            }));
+        }
+    }
     brigade_models::check_finite(path, &tensors)?;
     let step: usize = meta
         .get("step")
@@ -119,7 +161,17 @@ pub fn load_checkpoint(
     };
     load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
-    Ok(step)
+    let policy_state = strip(POLICY_PREFIX);
+    // a policy's state is per rank: it resumes on as many ranks as wrote it
+    let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());
+    if !policy_state.is_empty() && world != Some(id.world_size) {
+        return Err(err(CheckpointMismatch::PolicyWorld {
+            policy: meta.get("policy").cloned().unwrap_or_default(),
+            written_world: world,
+            world: id.world_size,
+        }));
+    }
+    Ok(Resumed { step, policy_state })
 }
 
 /// A checkpoint written under ZeRO resumes with the same stage and world size only, and one

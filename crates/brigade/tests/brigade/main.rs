@@ -7,3 +7,4 @@ mod launch;
 mod library;
 #[cfg(feature = "mpi")]
 mod mpi_launch;
+mod policy_state;
