@@ -16,5 +16,6 @@ mod overlap;
 mod overlap_tuning;
 mod policies;
 mod policy_bytes;
+mod policy_resume;
 mod train;
 mod zero;
