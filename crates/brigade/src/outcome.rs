@@ -62,6 +62,9 @@ pub struct TrainOutcome {
     pub rank_memory: Option<RankMemory>,
     /// The final parameters (rank 0 only; empty elsewhere).
     pub params: Vec<(String, Tensor)>,
+    /// What this rank's reducer policy says about the run (e.g. that PowerSGD never compressed:
+    /// every byte went uncompressed); empty without DDP.
+    pub policy_diagnostics: Vec<brigade_ddp::policy::PolicyDiagnostic>,
 }
 
 /// A checkpoint rank 0 could not write (not an error the ranks agree on: the run's other

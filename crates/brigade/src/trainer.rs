@@ -489,6 +489,7 @@ impl<'a> Trainer<'a> {
             memory,
             rank_memory,
             params,
+            policy_diagnostics: self.ddp.as_ref().map(|d| d.policy_diagnostics()).unwrap_or_default(),
         })
     }
 }

@@ -101,8 +101,8 @@ fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
     }
 }
 
-/// What every rank trains.
-fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
+/// What every rank trains, as the flags say (a policy sweep changes the policy of it).
+pub fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
     let optimizer = match args.optimizer {
         OptimizerName::Sgd => OptimizerConfig::Sgd {
             lr: args.lr,
@@ -148,8 +148,14 @@ fn train_config(args: &RunArgs, opts: &RunOptions) -> Result<TrainConfig> {
 /// succeeded (rank 0 alone reports and writes files).
 pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
+    run_config(args, opts, &train_config(args, opts)?)
+}
+
+/// Runs `train_cfg` (from [`train_config`], possibly changed: a policy sweep's row) on the
+/// ranks, model and data `args` name; `args` were checked for `train_cfg`'s policy
+/// ([`RunArgs::validate_for`]).
+pub fn run_config(args: &RunArgs, opts: &RunOptions, train_cfg: &TrainConfig) -> Result<RunReport> {
     let launch_cfg = launch_config(args, opts);
-    let train_cfg = train_config(args, opts)?;
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
     if args.backend == CommBackend::Nccl {
@@ -158,7 +164,7 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     let kind = args.model.kind();
     let report = fit(
         &launch_cfg,
-        &train_cfg,
+        train_cfg,
         |world| setup(args, opts, &kind, world).map_err(into_library),
         |_| Ok(kind.build(args.seed)?),
     )?;
