@@ -100,8 +100,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             format!("int8 sent {int8_wire} wire bytes, more than a quarter of {plain_wire} plus scales").into(),
         );
     }
-    if !(b.last() < b.first()) {
-        return Err("int8 did not train".into());
+    match (b.first(), b.last()) {
+        (Some(first), Some(last)) if last < first => {}
+        _ => return Err("int8 did not train".into()),
     }
     Ok(())
 }

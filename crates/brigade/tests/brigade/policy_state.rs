@@ -3,7 +3,7 @@
 //! resume, so that 5 steps + resume + 5 steps is 10 straight steps bit for bit; the checkpoint
 //! records the policy's spec, and a resume under another policy is refused in one line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use brigade::config::CheckpointConfig;
@@ -45,20 +45,20 @@ fn tmp(name: &str) -> PathBuf {
     d
 }
 
-fn writing(cfg: TrainConfig, path: &PathBuf) -> TrainConfig {
+fn writing(cfg: TrainConfig, path: &Path) -> TrainConfig {
     TrainConfig {
         checkpoint: CheckpointConfig {
-            path: Some(path.clone()),
+            path: Some(path.to_path_buf()),
             ..CheckpointConfig::default()
         },
         ..cfg
     }
 }
 
-fn resuming(cfg: TrainConfig, path: &PathBuf) -> TrainConfig {
+fn resuming(cfg: TrainConfig, path: &Path) -> TrainConfig {
     TrainConfig {
         checkpoint: CheckpointConfig {
-            resume: Some(path.clone()),
+            resume: Some(path.to_path_buf()),
             ..CheckpointConfig::default()
         },
         ..cfg
