@@ -1,5 +1,11 @@
-//! Checkpoints: parameters and optimizer state with the step they were taken after, in one
-//! safetensors file (written atomically), and loading them back to resume a run.
+//! Checkpoints: parameters, optimizer state and every rank's reducer-policy state with the step
+//! they were taken after, in one safetensors file (written atomically), and loading them back to
+//! resume a run.
+//!
+//! Tensors are named `model.<param>`, `optim.<key>` and `policy.rank<r>/<key>` (rank `r`'s
+//! [`brigade_ddp::ReducerPolicy::state_dict`], gathered on rank 0: PowerSGD's error feedback
+//! differs per rank); the metadata records the policy's spec (`powersgd:1@2`), and a resume
+//! under another spec is refused.
 
 use std::path::Path;
 
@@ -14,6 +20,9 @@ use brigade_policies::ZeroStage;
 use brigade_tensor::Tensor;
 
 use crate::error::{CheckpointMismatch, Error, Result};
+
+/// Prefix of the policy state's tensors.
+const POLICY_PREFIX: &str = "policy.";
 
 const CHECKPOINT_FORMAT: &str = TRAINING_CHECKPOINT_FORMAT;
 
@@ -46,6 +55,10 @@ pub struct CheckpointIdentity<'a> {
     /// the schedule and every hyperparameter); a resume checks it with
     /// [`crate::recipe::check_resume`], not here.
     pub recipe: Vec<(String, String)>,
+    /// The reducer policy's spec as it reads (`allreduce`, `powersgd:4@2`, a user's name), or
+    /// `None` without DDP: a checkpoint resumes only under the policy it was written with
+    /// (older checkpoints, which do not record it, under any).
+    pub policy: Option<&'a str>,
 }
 
 /// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
@@ -91,7 +104,7 @@ pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
 }
 
 /// What a resume continues from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Resumed {
     /// The step to run next.
     pub step: usize,
@@ -100,6 +113,10 @@ pub struct Resumed {
     pub sampler: Option<SamplerPosition>,
     /// The checkpoint's metadata (the recipe's among it).
     pub metadata: HashMap<String, String>,
+    /// Every rank's policy state, entries `rank<r>/<key>` (for
+    /// [`brigade_ddp::DistributedDataParallel::load_gathered_policy_state`]); empty when the
+    /// policy keeps none.
+    pub policy_state: Vec<(String, Tensor)>,
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -108,6 +125,7 @@ pub fn save_checkpoint(
     id: &CheckpointIdentity<'_>,
     model: &dyn Model,
     opt: &dyn Optimizer,
+    policy_state: &[(String, Tensor)],
     step: usize,
 ) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = model
@@ -117,6 +135,11 @@ pub fn save_checkpoint(
         .map(|(n, t)| (format!("model.{n}"), t))
         .collect();
     tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
+    tensors.extend(
+        policy_state
+            .iter()
+            .map(|(n, t)| (format!("{POLICY_PREFIX}{n}"), t.clone())),
+    );
     let meta = [
         ("format", CHECKPOINT_FORMAT.to_string()),
         ("step", step.to_string()),
@@ -128,6 +151,7 @@ pub fn save_checkpoint(
     ]
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
+    .chain(id.policy.map(|p| ("policy", p.to_string())))
     .chain(id.data_order.clone().map(|o| ("data_order", o)))
     .chain(id.model_config.clone().map(|c| ("model_config", c)))
     .chain(id.sampler.into_iter().flat_map(|p| {
@@ -186,6 +210,15 @@ pub fn load_checkpoint(
         }
     }
     check_sharding(&meta, id).map_err(err)?;
+    if let (Some(written), Some(this_run)) = (meta.get("policy"), id.policy) {
+        if written != this_run {
+            return Err(err(CheckpointMismatch::Written {
+                what: "policy",
+                written: written.clone(),
+                this_run: this_run.to_string(),
+            }));
+        }
+    }
     let sampler = check_data_order(&meta, id).map_err(err)?;
     brigade_models::check_finite(path, &tensors)?;
     let step: usize = meta
@@ -200,10 +233,21 @@ pub fn load_checkpoint(
     };
     load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
+    let policy_state = strip(POLICY_PREFIX);
+    // a policy's state is per rank: it resumes on as many ranks as wrote it
+    let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());
+    if !policy_state.is_empty() && world != Some(id.world_size) {
+        return Err(err(CheckpointMismatch::PolicyWorld {
+            policy: meta.get("policy").cloned().unwrap_or_default(),
+            written_world: world,
+            world: id.world_size,
+        }));
+    }
     Ok(Resumed {
         step,
         sampler,
         metadata: meta,
+        policy_state,
     })
 }
 

@@ -163,6 +163,22 @@ pub enum CheckpointMismatch {
         /// This run's.
         this_run: String,
     },
+    /// It holds per-rank policy state written by another number of ranks.
+    #[error(
+        "it holds policy '{policy}' state of {} ranks, this run has {world}: resume on as many ranks as wrote it",
+        written_world.map(|w| w.to_string()).unwrap_or_else(|| "an unrecorded number of".into())
+    )]
+    PolicyWorld {
+        /// The policy the checkpoint records.
+        policy: String,
+        /// The checkpoint's world size (absent in older checkpoints).
+        written_world: Option<usize>,
+        /// This run's world size.
+        world: usize,
+    },
+    /// Its policy state does not fit this run's policy (the policy's own words).
+    #[error("its policy state does not fit: {0}")]
+    PolicyState(String),
     /// It is at a step past the run's last.
     #[error("it is at step {step}, past the run's end (step {steps})")]
     PastTheEnd {

@@ -82,6 +82,9 @@ pub struct TrainOutcome {
     /// Where this rank's sampler stood at the end (the epoch and row a resume reads first);
     /// `None` for rows in order.
     pub sampler: Option<SamplerPosition>,
+    /// What this rank's reducer policy says about the run (e.g. that PowerSGD never compressed:
+    /// every byte went uncompressed); empty without DDP.
+    pub policy_diagnostics: Vec<brigade_ddp::policy::PolicyDiagnostic>,
 }
 
 /// A checkpoint rank 0 could not write (not an error the ranks agree on: the run's other

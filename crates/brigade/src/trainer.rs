@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use brigade_autograd::{no_grad, LrSchedule, Optimizer, Var};
-use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
+use brigade_comm::{Buffer, CommBytes, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_models::{load_params, Batch, Model, SamplerCursor, SamplerPosition};
@@ -121,7 +121,10 @@ impl<'a> Trainer<'a> {
             }
         }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
-        let resumed = match &cfg.checkpoint.resume {
+        // This rank's policy, made first: a checkpoint names the policy it was written under.
+        let policy = cfg.ddp.as_ref().map(|_| cfg.comm_hook.make(ctx.rank)).transpose()?;
+        let policy_name = policy.as_ref().map(|p| p.name());
+        let mut resumed = match &cfg.checkpoint.resume {
             Some(path) => {
                 let id = CheckpointIdentity {
                     model: &cfg.model_name,
@@ -134,6 +137,7 @@ impl<'a> Trainer<'a> {
                     sampler: None,
                     model_config: None,
                     recipe: vec![],
+                    policy: policy_name.as_deref(),
                 };
                 Some(load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
             }
@@ -182,14 +186,13 @@ impl<'a> Trainer<'a> {
             opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
         }
         let meter = CommMeter::new();
-        let ddp = match &cfg.ddp {
-            Some(d) => {
+        let ddp = match (&cfg.ddp, policy) {
+            (Some(d), Some(policy)) => {
                 let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
                     ..d.clone()
                 };
-                let policy = cfg.comm_hook.make(ctx.rank)?;
                 // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
                 // over the metered communicator.
                 Some(match nccl::bucket_stream(ctx, device, ctx.net)? {
@@ -197,8 +200,24 @@ impl<'a> Trainer<'a> {
                     None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
                 })
             }
-            None => None,
+            _ => None,
         };
+        // Every rank takes its own part of the policy state (before the optimizer is built:
+        // a policy may build it from its state).
+        let policy_state = resumed
+            .as_mut()
+            .map(|r| std::mem::take(&mut r.policy_state))
+            .unwrap_or_default();
+        if let (Some(ddp), false) = (&ddp, policy_state.is_empty()) {
+            ddp.load_gathered_policy_state(&policy_state)
+                .map_err(|e| match &cfg.checkpoint.resume {
+                    Some(path) => Error::Checkpoint {
+                        path: path.display().to_string(),
+                        mismatch: CheckpointMismatch::PolicyState(e.to_string()),
+                    },
+                    None => e.into(),
+                })?;
+        }
         // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
         if let Some(ddp) = &ddp {
             let build = |params: Vec<Var>| cfg.optimizer.build(params);
@@ -321,9 +340,14 @@ impl<'a> Trainer<'a> {
                 value: status.loss,
             });
         }
+        // what a periodic checkpoint sends (optimizer and policy state to rank 0) is not the step's
+        let mut checkpoint_sent = CommBytes::default();
         if std::mem::take(&mut self.checkpoint_due) {
             // the state this step started from gave a finite loss: it is a good checkpoint
-            match self.checkpoint() {
+            let before = self.meter.totals();
+            let written = self.checkpoint();
+            checkpoint_sent = self.meter.totals() - before;
+            match written {
                 Ok(()) => {}
                 Err(e) if e.is_agreed() => {
                     self.end(step_span);
@@ -373,7 +397,7 @@ impl<'a> Trainer<'a> {
             lr,
             grad_norm,
             stop: status.stop,
-            sent: self.meter.totals() - sent_before,
+            sent: (self.meter.totals() - sent_before) - checkpoint_sent,
             sampler: self.next_position,
         })
     }
@@ -508,6 +532,11 @@ impl<'a> Trainer<'a> {
         }
         // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
         self.opt.consolidate_state()?;
+        // Every rank's policy state, on rank 0 (a collective).
+        let (policy_state, policy_name) = match &self.ddp {
+            Some(ddp) => (ddp.gather_policy_state()?, Some(ddp.policy_name())),
+            None => (vec![], None),
+        };
         if self.ctx.rank == 0 {
             let id = CheckpointIdentity {
                 model: &self.cfg.model_name,
@@ -520,8 +549,16 @@ impl<'a> Trainer<'a> {
                 sampler: self.next_position,
                 model_config: self.cfg.model_config.clone(),
                 recipe: recipe_metadata(self.cfg, &self.schedule),
+                policy: policy_name.as_deref(),
             };
-            save_checkpoint(path, &id, self.model.as_ref(), self.opt.as_ref(), self.next_step)?;
+            save_checkpoint(
+                path,
+                &id,
+                self.model.as_ref(),
+                self.opt.as_ref(),
+                &policy_state,
+                self.next_step,
+            )?;
         }
         self.checkpointed = Some(self.next_step);
         Ok(())
@@ -646,6 +683,7 @@ impl<'a> Trainer<'a> {
             params,
             rank_lengths: self.lengths.clone(),
             sampler: self.next_position,
+            policy_diagnostics: self.ddp.as_ref().map(|d| d.policy_diagnostics()).unwrap_or_default(),
         })
     }
 }

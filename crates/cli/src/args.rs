@@ -427,6 +427,25 @@ impl RunArgs {
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
+        if self.comm_hook != CommHookName::Powersgd && (self.powersgd_rank != 1 || self.powersgd_start_iter != 10) {
+            return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
+        }
+        if self.zero != 0 && self.comm_hook != CommHookName::Allreduce {
+            return bad(format!(
+                "--zero {} reduce-scatters each bucket itself and does not combine with --comm-hook {}: drop one of them",
+                self.zero,
+                flag_name(&self.comm_hook)
+            ));
+        }
+        self.validate_for(&self.hook_spec())
+    }
+
+    /// [`RunArgs::validate`] for a run under `policy` rather than the one `--comm-hook` and
+    /// `--zero` choose (a policy sweep's rows): every flag but those two, and the flags that
+    /// do not combine with `policy`.
+    pub fn validate_for(&self, policy: &PolicySpec) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        let zero = policy.zero_stage().level();
         self.model.validate()?;
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
@@ -536,29 +555,17 @@ impl RunArgs {
                 self.warmup, self.steps
             ));
         }
-        if self.comm_hook != CommHookName::Powersgd && (self.powersgd_rank != 1 || self.powersgd_start_iter != 10) {
-            return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
-        }
-        if self.zero != 0 && self.comm_hook != CommHookName::Allreduce {
+        if zero != 0 && self.backend == CommBackend::Nccl {
             return bad(format!(
-                "--zero {} reduce-scatters each bucket itself and does not combine with --comm-hook {}: drop one of them",
-                self.zero,
-                flag_name(&self.comm_hook)
+                "--zero {zero} reduce-scatters on the host comm stream and does not run over --backend nccl yet: drop one of them"
             ));
         }
-        if self.zero != 0 && self.backend == CommBackend::Nccl {
+        if zero != 0 && self.bucket_auto() {
             return bad(format!(
-                "--zero {} reduce-scatters on the host comm stream and does not run over --backend nccl yet: drop one of them",
-                self.zero
+                "--zero {zero} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB"
             ));
         }
-        if self.zero != 0 && self.bucket_auto() {
-            return bad(format!(
-                "--zero {} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB",
-                self.zero
-            ));
-        }
-        if let PolicySpec::PowerSgd { rank, start_iter } = self.hook_spec() {
+        if let PolicySpec::PowerSgd { rank, start_iter } = *policy {
             let cfg = PowerSgdConfig {
                 rank,
                 start_iter,
@@ -570,15 +577,15 @@ impl RunArgs {
                 ))
             })?;
         }
-        self.validate_nccl()?;
-        self.check_memory()
+        self.validate_nccl(policy)?;
+        self.check_memory(zero)
     }
 
     /// Checks that the model, its gradients, the optimizer's state and one microbatch's
     /// activations fit in this machine's memory for every rank this process runs (a lower
     /// bound: see [`crate::footprint`]).
-    fn check_memory(&self) -> Result<()> {
-        let state = match (self.optimizer, self.zero) {
+    fn check_memory(&self, zero: u8) -> Result<()> {
+        let state = match (self.optimizer, zero) {
             (_, 1..) => 0, // sharded over the ranks
             (OptimizerName::Adamw, _) => 2,
             (OptimizerName::Sgd, _) => u64::from(self.momentum() != 0.0),
@@ -607,7 +614,7 @@ impl RunArgs {
     }
 
     /// Flags that cannot work with `--backend nccl`.
-    fn validate_nccl(&self) -> Result<()> {
+    fn validate_nccl(&self, policy: &PolicySpec) -> Result<()> {
         if self.backend != CommBackend::Nccl {
             return Ok(());
         }
@@ -618,7 +625,7 @@ impl RunArgs {
                     .into(),
             ));
         }
-        if self.comm_hook != CommHookName::Allreduce {
+        if *policy != PolicySpec::AllReduce {
             return Err(Error::Usage(
                 "--backend nccl averages each bucket with one NCCL all-reduce: --comm-hook must be allreduce \
                  (the other hooks run with --backend thread or mpi, host-staged)"

@@ -91,7 +91,7 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
 /// The held-out data of `--eval-every`, set once the launch has loaded the data (under MPI,
 /// in every process).
 #[derive(Default)]
-struct LateHeldOut(OnceLock<HeldOut>);
+pub struct LateHeldOut(OnceLock<HeldOut>);
 
 impl EvalSource for LateHeldOut {
     fn batches(&self, rank: usize, world_size: usize) -> brigade::Result<Vec<Batch>> {
@@ -180,8 +180,9 @@ fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
     }
 }
 
-/// What every rank trains.
-fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<TrainConfig> {
+/// What every rank trains, as the flags say (a policy sweep changes the policy of it);
+/// `late` receives the held-out rows of `--eval-every` once the launch has loaded the data.
+pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<TrainConfig> {
     let optimizer = match args.optimizer {
         OptimizerName::Sgd => OptimizerConfig::Sgd {
             lr: args.lr,
@@ -239,9 +240,20 @@ fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> R
 /// succeeded (rank 0 alone reports and writes files).
 pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     args.validate()?;
-    let launch_cfg = launch_config(args, opts);
     let late = Arc::new(LateHeldOut::default());
-    let train_cfg = train_config(args, opts, &late)?;
+    run_config(args, opts, &train_config(args, opts, &late)?, &late)
+}
+
+/// Runs `train_cfg` (from [`train_config`], possibly changed: a policy sweep's row) on the
+/// ranks, model and data `args` name; `args` were checked for `train_cfg`'s policy
+/// ([`RunArgs::validate_for`]).
+pub fn run_config(
+    args: &RunArgs,
+    opts: &RunOptions,
+    train_cfg: &TrainConfig,
+    late: &Arc<LateHeldOut>,
+) -> Result<RunReport> {
+    let launch_cfg = launch_config(args, opts);
     // Asking for a device this machine cannot serve is one error before any rank starts.
     args.device.for_rank(0)?;
     if args.backend == CommBackend::Nccl {
@@ -250,8 +262,8 @@ pub fn run(args: &RunArgs, opts: &RunOptions) -> Result<RunReport> {
     let kind = args.model.kind();
     let report = fit(
         &launch_cfg,
-        &train_cfg,
-        |world| setup(args, opts, &kind, world, &late).map_err(into_library),
+        train_cfg,
+        |world| setup(args, opts, &kind, world, late).map_err(into_library),
         |ctx| {
             // the process that writes the outputs holds them for the run's lifetime
             if let (0, Some(locks)) = (ctx.rank, &opts.locks) {

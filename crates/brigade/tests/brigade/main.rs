@@ -7,5 +7,6 @@ mod launch;
 mod library;
 #[cfg(feature = "mpi")]
 mod mpi_launch;
+mod policy_state;
 mod recipes;
 mod sampled;

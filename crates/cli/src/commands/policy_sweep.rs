@@ -10,6 +10,10 @@
 //! wire bytes.
 
 use std::path::Path;
+use std::sync::Arc;
+
+use brigade::policies::PolicySpec;
+use brigade::TrainConfig;
 
 use plotters::prelude::*;
 use serde::Serialize;
@@ -18,8 +22,8 @@ use crate::args::{flag_name, RunArgs};
 use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
-use crate::policy::Policy;
-use crate::run::{run, RunOptions};
+use crate::policy::resolve;
+use crate::run::{run_config, train_config, LateHeldOut, RunOptions};
 use crate::sent::{human_bytes, SentSummary};
 
 /// Timed steps of each row's compute-only baseline (after `--warmup`).
@@ -52,18 +56,20 @@ pub struct PolicyRow {
     pub final_loss: f64,
     /// Mean loss of the last [`LAST_LOSSES`] steps.
     pub last10_loss: f64,
+    /// What the policy says about the run, empty when nothing (e.g. that PowerSGD never
+    /// compressed: the run ended before its start iteration).
+    pub note: String,
 }
 
-/// Checks the policy list and the flags against it, and returns each policy's run flags.
-fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
+/// Checks the policy list and the flags against it, and returns each policy with the
+/// configuration its row trains (the flags' configuration under that policy).
+fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec<(PolicySpec, TrainConfig)>> {
     let bad = |m: String| Err(Error::Usage(m));
-    let policies = &s.policy;
-    // by label: `powersgd` is `powersgd:1` under the default --powersgd-rank
-    let labels: Vec<String> = policies.iter().map(|p| p.label(&s.run)).collect();
-    if let Some((i, l)) = labels.iter().enumerate().find(|(i, l)| labels[..*i].contains(l)) {
+    let specs: Vec<PolicySpec> = s.policy.iter().map(|e| resolve(e, &s.run)).collect::<Result<_>>()?;
+    if let Some((i, p)) = specs.iter().enumerate().find(|(i, p)| specs[..*i].contains(p)) {
         return bad(format!(
-            "--policy lists {l} twice (entries {} and {}): each policy is one row",
-            labels.iter().position(|m| m == l).unwrap_or(0) + 1,
+            "--policy lists {p} twice (entries {} and {}): each policy is one row",
+            specs.iter().position(|q| q == p).unwrap_or(0) + 1,
             i + 1
         ));
     }
@@ -91,7 +97,7 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
             "--policy compares policies at one bucket cap, got --bucket-mb {caps:?}: sweep the caps without --policy"
         ));
     }
-    let psgd = policies.iter().any(|p| matches!(p, Policy::PowerSgd(_)));
+    let psgd = specs.iter().any(|p| matches!(p, PolicySpec::PowerSgd { .. }));
     let d = brigade::policies::PowerSgdConfig::default();
     if !psgd && (s.run.powersgd_rank != d.rank || s.run.powersgd_start_iter != d.start_iter) {
         return bad("--powersgd-rank and --powersgd-start-iter are for a powersgd policy in --policy".into());
@@ -99,10 +105,19 @@ fn plan(s: &SweepArgs) -> Result<Vec<(String, RunArgs)>> {
     if s.run.steps < 2 {
         return bad("a sweep needs --steps >= 2".into());
     }
-    // every row's flags are checked before the first run
-    policies
-        .iter()
-        .map(|p| Ok((p.label(&s.run), p.apply(&s.run)?)))
+    // every row is checked before the first run
+    specs
+        .into_iter()
+        .map(|spec| {
+            s.run
+                .validate_for(&spec)
+                .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
+            let cfg = TrainConfig {
+                comm_hook: Arc::new(spec.clone()),
+                ..train_config(&s.run, opts, late)?
+            };
+            Ok((spec, cfg))
+        })
         .collect()
 }
 
@@ -114,27 +129,33 @@ fn prepare_out(out: &Path) -> Result<()> {
 
 /// Runs `brigade sweep --policy`.
 pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
-    let plan = plan(s)?;
-    prepare_out(&s.out)?;
     let quiet = RunOptions::default();
+    let late = Arc::new(LateHeldOut::default());
+    let plan = plan(s, &quiet, &late)?;
+    prepare_out(&s.out)?;
+    let a = &s.run;
     let mut rows = vec![];
-    for (label, a) in &plan {
-        let mut base = a.clone();
-        base.steps = a.steps.min(a.warmup + BASELINE_STEPS);
-        let baseline = finished(run(
-            &base,
-            &RunOptions {
-                compute_only: true,
-                ..quiet.clone()
-            },
-        )?)?;
-        let compute_ms = median_step(&base, &baseline.outcome.step_ms);
-        let report = finished(run(a, &quiet)?)?.outcome;
+    for (spec, cfg) in &plan {
+        // the same ranks and batches, no gradient communication, a few steps
+        let base = TrainConfig {
+            steps: cfg.steps.min(a.warmup + BASELINE_STEPS),
+            ddp: None,
+            ..cfg.clone()
+        };
+        let baseline = finished(run_config(a, &quiet, &base, &late)?)?;
+        let compute_ms = median_step(a, &baseline.outcome.step_ms);
+        let report = finished(run_config(a, &quiet, cfg, &late)?)?.outcome;
         let step_ms = median_step(a, &report.step_ms);
         let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
         let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
         rows.push(PolicyRow {
-            policy: label.clone(),
+            policy: spec.to_string(),
+            note: report
+                .policy_diagnostics
+                .iter()
+                .map(|d| d.message.clone())
+                .collect::<Vec<_>>()
+                .join("; "),
             step_ms,
             compute_only_ms: compute_ms,
             exposed_comm_ms: (step_ms - compute_ms).max(0.0),
@@ -171,6 +192,9 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
                 r.last10_loss
             );
         }
+        for r in rows.iter().filter(|r| !r.note.is_empty()) {
+            println!("note: {}: {}", r.policy, r.note);
+        }
         println!("wrote {}", s.out.join(OUTPUTS[0]).display());
     }
     Ok(())
@@ -179,11 +203,11 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
 /// The rows as CSV, one line per policy.
 fn csv(rows: &[PolicyRow]) -> String {
     let mut csv = String::from(
-        "policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step,sent_bytes_last_step,sent_bytes_total,wire_bytes_per_step,final_loss,last10_loss\n",
+        "policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step,sent_bytes_last_step,sent_bytes_total,wire_bytes_per_step,final_loss,last10_loss,note\n",
     );
     for r in rows {
         csv.push_str(&format!(
-            "{},{:.3},{:.3},{:.3},{:.1},{},{},{:.1},{:.6},{:.6}\n",
+            "{},{:.3},{:.3},{:.3},{:.1},{},{},{:.1},{:.6},{:.6},\"{}\"\n",
             r.policy,
             r.step_ms,
             r.compute_only_ms,
@@ -193,7 +217,8 @@ fn csv(rows: &[PolicyRow]) -> String {
             r.sent_bytes_total,
             r.wire_bytes_per_step,
             r.final_loss,
-            r.last10_loss
+            r.last10_loss,
+            r.note.replace('"', "'")
         ));
     }
     csv

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use brigade_comm::NetModel;
 use brigade_ddp::overlap::{
-    replay_with, LaunchCost, LaunchOverhead, LinkCost, ReplayConfig, ReplayResult, StepProfile,
+    replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayConfig, ReplayResult, StepProfile,
 };
 use clap::Args;
 
@@ -169,7 +169,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(1.0).min(cap),
             link,
             world_size: a.world_size,
-            order: Default::default(),
+            order: recorded_order(&profiles[0]),
         };
         let mut steps = profiles
             .iter()
@@ -254,5 +254,21 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
                 exposed.join(", ")
             }
         );
+    }
+}
+
+/// The order the recorded run filled its buckets in: reverse registration order when its
+/// buckets were never regrouped (a policy whose layout forbids it, ZeRO; or a first iteration),
+/// else the ready order DDP rebuilds them in. Both agree when the gradients became ready in
+/// reverse registration order.
+fn recorded_order(profile: &StepProfile) -> BucketOrder {
+    let Some(rank) = profile.ranks.first() else {
+        return BucketOrder::Ready;
+    };
+    let recorded = rank.buckets.iter().flat_map(|b| b.params.iter().copied());
+    if recorded.eq((0..profile.params.len()).rev()) {
+        BucketOrder::Reverse
+    } else {
+        BucketOrder::Ready
     }
 }

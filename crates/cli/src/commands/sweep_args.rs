@@ -7,7 +7,7 @@ use clap::Args;
 
 use crate::args::RunArgs;
 use crate::error::{Error, Result};
-use crate::policy::{parse_policy, Policy};
+use crate::policy::parse_entry;
 use crate::report::summary::median_min;
 use crate::run::RunReport;
 
@@ -30,10 +30,12 @@ pub struct SweepArgs {
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
     /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
-    /// list of allreduce, fp16, bf16, powersgd[:R], zero1, zero2 (policies.csv and
-    /// policies.svg in --out; see `policy_sweep.rs`).
-    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
-    pub policy: Vec<Policy>,
+    /// list of policy specs, allreduce, fp16, bf16, powersgd[:R[@START]], zero1, zero2 (a bare
+    /// powersgd is of --powersgd-rank; without @START PowerSGD starts at
+    /// --powersgd-start-iter). Writes policies.csv and policies.svg in --out (see
+    /// `policy_sweep.rs`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_entry)]
+    pub policy: Vec<String>,
 }
 
 /// Makes `--out` a directory that takes files, creating it (and its parents) when missing;

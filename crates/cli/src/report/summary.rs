@@ -143,6 +143,9 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
         "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
         "autotune": outcome.autotune,
+        // the reducer policy's spec, as checkpoints and profiles record it, and what it says
+        "policy": a.hook_spec().to_string(),
+        "policy_notes": outcome.policy_diagnostics.iter().map(|d| d.message.clone()).collect::<Vec<_>>(),
         "memory": outcome.rank_memory.map(|m| json!({
             "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
@@ -243,6 +246,9 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         if let Some(sent) = SentSummary::of(&outcome.sent) {
             println!("{}", sent.line(world_size));
         }
+    }
+    for d in &outcome.policy_diagnostics {
+        println!("note: {}", d.message);
     }
     if let Some(m) = outcome.rank_memory {
         println!(

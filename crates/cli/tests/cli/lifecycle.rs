@@ -209,7 +209,7 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
 }
 
 /// Sets SIGINT and SIGTERM back to their default action (in a child, before exec).
-fn default_disposition() {
+pub(crate) fn default_disposition() {
     extern "C" {
         fn signal(signum: i32, handler: usize) -> usize;
     }

@@ -17,6 +17,7 @@ mod overlap;
 mod overlap_tuning;
 mod policies;
 mod policy_bytes;
+mod policy_resume;
 mod recipes;
 mod text;
 mod train;

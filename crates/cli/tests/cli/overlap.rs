@@ -185,3 +185,82 @@ fn predict_refuses_what_it_cannot_answer_in_one_line() {
     let e = common::fails(&["predict", "--profile", p, "--measured-link", "--net-latency-us", "5"]);
     assert!(e.contains("goes with --net-gbps"), "{e}");
 }
+
+/// Trains 2 ranks under `policy` (its flags) and writes the last step's profile.
+fn policy_profile(tag: &str, policy: &[&str]) -> (std::path::PathBuf, serde_json::Value) {
+    let d = dir(tag);
+    let p = d.join("profile.json");
+    let args = [
+        &["train"],
+        RUN,
+        &[
+            "--bucket-mb",
+            "0.1",
+            "--first-bucket-mb",
+            "0.05",
+            "--quiet",
+            "--profile",
+            p.to_str().unwrap(),
+        ],
+        policy,
+    ]
+    .concat();
+    ok(&args);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    (p, v)
+}
+
+#[test]
+fn predict_replays_fp16_powersgd_and_zero1_profiles_under_their_own_collectives() {
+    for (spec, flags) in [
+        ("fp16", &["--comm-hook", "fp16"][..]),
+        (
+            "powersgd:1@2",
+            &["--comm-hook", "powersgd", "--powersgd-start-iter", "2"][..],
+        ),
+        ("zero1", &["--zero", "1"][..]),
+    ] {
+        let (p, v) = policy_profile(&format!("predict-{}", spec.replace([':', '@'], "-")), flags);
+        assert_eq!(v["policy"]["name"], spec, "the profile names its policy");
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&[
+            "predict",
+            "--profile",
+            p.to_str().unwrap(),
+            "--json",
+            "--measured-link",
+            "--bucket-mb",
+            "0.1",
+            "--first-bucket-mb",
+            "0.05",
+        ]))
+        .unwrap();
+        assert_eq!(rows[0]["policy"], spec);
+        // at the recorded caps the replay sends, bucket by bucket, what the step sent
+        let wire = |buckets: &serde_json::Value| -> Vec<f64> {
+            buckets
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b["wire_bytes"].as_f64().unwrap())
+                .collect()
+        };
+        let (predicted, recorded) = (wire(&rows[0]["buckets"]), wire(&v["ranks"][0]["buckets"]));
+        assert_eq!(predicted.len(), recorded.len(), "{spec}");
+        for (a, b) in predicted.iter().zip(&recorded) {
+            assert!(
+                (a - b).abs() <= 1e-9 * b.max(1.0),
+                "{spec}: predicted {predicted:?}, recorded {recorded:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn predict_refuses_a_user_policy_without_a_wire_model_in_one_line() {
+    let (p, mut v) = policy_profile("predict-user", &[]);
+    // as a user's policy that declares no wire model records itself
+    v["policy"] = serde_json::json!({ "name": "int8", "wire": null });
+    std::fs::write(&p, serde_json::to_string(&v).unwrap()).unwrap();
+    let e = common::fails(&["predict", "--profile", p.to_str().unwrap(), "--measured-link"]);
+    assert!(e.contains("'int8'") && e.contains("wire model"), "{e}");
+}

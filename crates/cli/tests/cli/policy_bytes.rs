@@ -170,7 +170,8 @@ fn the_policy_sweep_puts_each_policy_side_by_side() {
         &["--powersgd-start-iter", "2"],
     );
     let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
-    assert_eq!(names, ["allreduce", "fp16", "powersgd:2"]);
+    // each row is named by its policy's spec: --powersgd-start-iter fills in PowerSGD's start
+    assert_eq!(names, ["allreduce", "fp16", "powersgd:2@2"]);
     let last = |i: usize| rows[i]["sent_bytes_last_step"].as_u64().unwrap();
     assert_eq!(last(0), all_reduce_bytes());
     assert_eq!(last(1), all_reduce_bytes() / 2);
@@ -184,12 +185,44 @@ fn the_policy_sweep_puts_each_policy_side_by_side() {
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(lines.len(), 4, "{csv}");
     assert!(lines[0].starts_with("policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step"));
-    assert!(lines[3].starts_with("powersgd:2,"), "{csv}");
+    assert!(lines[3].starts_with("powersgd:2@2,"), "{csv}");
     let svg = std::fs::read_to_string(out.join("policies.svg")).unwrap();
     assert!(
-        svg.contains("powersgd:2") && svg.contains("exposed comm"),
+        svg.contains("powersgd:2@2") && svg.contains("exposed comm"),
         "the chart names the policies"
     );
+}
+
+#[test]
+fn the_json_summary_names_the_policy_spec_and_what_it_says() {
+    let v = train_json(&["--comm-hook", "powersgd", "--powersgd-start-iter", "2"]);
+    assert_eq!(v["policy"], "powersgd:1@2");
+    assert_eq!(v["policy_notes"].as_array().unwrap().len(), 0, "{v}");
+    // 4 steps, PowerSGD from iteration 10: it never compressed, and the summary says so
+    let v = train_json(&["--comm-hook", "powersgd"]);
+    assert_eq!(v["policy"], "powersgd:1");
+    let notes = v["policy_notes"].as_array().unwrap();
+    assert!(
+        notes.len() == 1 && notes[0].as_str().unwrap().contains("never compressed"),
+        "{v}"
+    );
+    assert_eq!(train_json(&["--zero", "2"])["policy"], "zero2");
+}
+
+#[test]
+fn a_row_in_which_powersgd_never_compressed_says_so() {
+    // 4 steps, PowerSGD from its default start iteration 10: it never compresses
+    let (rows, out) = sweep_rows("policy-never", "allreduce,powersgd:1,powersgd:1@2", &[]);
+    let note = |i: usize| rows[i]["note"].as_str().unwrap().to_string();
+    assert_eq!(note(0), "");
+    assert!(
+        note(1).contains("never compressed") && note(1).contains("10"),
+        "{}",
+        note(1)
+    );
+    assert_eq!(note(2), "", "powersgd:1@2 compressed");
+    let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
+    assert!(csv.lines().nth(2).unwrap().contains("never compressed"), "{csv}");
 }
 
 #[test]
@@ -204,7 +237,7 @@ fn bad_policies_are_one_line_before_any_run() {
     let e = run("allreduce,foo", &[]);
     assert!(e.contains("unknown policy 'foo'") && e.contains("powersgd:R"), "{e}");
     let e = run("powersgd:0", &[]);
-    assert!(e.contains("powersgd:0") && e.contains("at least 1"), "{e}");
+    assert!(e.contains("powersgd:0") && e.contains(">= 1"), "{e}");
     let e = run("powersgd:two", &[]);
     assert!(e.contains("powersgd:R"), "{e}");
     let e = run("fp16,fp16", &[]);

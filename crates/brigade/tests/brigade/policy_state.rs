@@ -1,0 +1,129 @@
+//! Reducer-policy state in `fit`'s checkpoints: every rank's state (PowerSGD's error feedback,
+//! its warm-start factors and iteration count) is written with the checkpoint and restored on
+//! resume, so that 5 steps + resume + 5 steps is 10 straight steps bit for bit; the checkpoint
+//! records the policy's spec, and a resume under another policy is refused in one line.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use brigade::config::CheckpointConfig;
+use brigade::launch::LaunchConfig;
+use brigade::models::{Dataset, Mlp, MlpConfig};
+use brigade::policies::PolicySpec;
+use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};
+
+/// PowerSGD of rank 1 compressing from iteration 2: the cut (after step 5) is well past it.
+const POWERSGD: &str = "powersgd:1@2";
+
+fn config(spec: &str, steps: usize) -> TrainConfig {
+    let sgd = OptimizerConfig::Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        weight_decay: 0.0,
+    };
+    TrainConfig {
+        model_name: "mlp".into(),
+        compute_threads: Some(1),
+        comm_hook: Arc::new(spec.parse::<PolicySpec>().unwrap()),
+        ..TrainConfig::new(steps, 8, sgd)
+    }
+}
+
+fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
+    fit(
+        &LaunchConfig::threads(2),
+        cfg,
+        |_| Dataset::teacher(512, 12, 3, 5).map_err(Into::into),
+        |_| Ok(Box::new(Mlp::new(MlpConfig::new(vec![12, 24, 16, 3]), 1)?)),
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("brigade-policy-state-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn writing(cfg: TrainConfig, path: &Path) -> TrainConfig {
+    TrainConfig {
+        checkpoint: CheckpointConfig {
+            path: Some(path.to_path_buf()),
+            ..CheckpointConfig::default()
+        },
+        ..cfg
+    }
+}
+
+fn resuming(cfg: TrainConfig, path: &Path) -> TrainConfig {
+    TrainConfig {
+        checkpoint: CheckpointConfig {
+            resume: Some(path.to_path_buf()),
+            ..CheckpointConfig::default()
+        },
+        ..cfg
+    }
+}
+
+fn values(r: &RunReport) -> Vec<Vec<f32>> {
+    r.outcome
+        .params
+        .iter()
+        .map(|(_, t)| t.to_vec::<f32>().unwrap())
+        .collect()
+}
+
+#[test]
+fn powersgd_resumes_bit_exact_with_every_ranks_state_from_the_checkpoint() {
+    let d = tmp("powersgd");
+    let ckpt = d.join("run.ckpt");
+    let straight = run(&config(POWERSGD, 10)).unwrap();
+    run(&writing(config(POWERSGD, 5), &ckpt)).unwrap();
+    let resumed = run(&resuming(config(POWERSGD, 10), &ckpt)).unwrap();
+    assert_eq!(resumed.outcome.first_step, 5);
+    assert_eq!(
+        resumed.outcome.losses,
+        straight.outcome.losses[5..],
+        "losses, bit for bit"
+    );
+    assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
+    // Resumed with its state, PowerSGD compresses from the first resumed step on: each step
+    // sends what the straight run's steps after the cut sent (not two plain all-reduces
+    // again), beside the first step's small agreement on the bucket order that every fresh
+    // DDP makes (straight: steps 0 and 1 both plain, 0 with the agreement).
+    let bytes = |r: &RunReport| r.outcome.sent.iter().map(|s| s.payload_bytes).collect::<Vec<_>>();
+    let (straight_b, resumed_b) = (bytes(&straight), bytes(&resumed));
+    assert_eq!(resumed_b[1..], straight_b[6..], "compressed steps");
+    assert_eq!(
+        resumed_b[0] - straight_b[5],
+        straight_b[0] - straight_b[1],
+        "{straight_b:?} {resumed_b:?}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_checkpoint_resumes_only_under_the_policy_it_was_written_with() {
+    let d = tmp("other-policy");
+    let ckpt = d.join("run.ckpt");
+    run(&writing(config(POWERSGD, 3), &ckpt)).unwrap();
+    for other in ["allreduce", "powersgd:2@2", "fp16"] {
+        let e = run(&resuming(config(other, 6), &ckpt))
+            .err()
+            .expect("another policy")
+            .to_string();
+        assert!(!e.contains('\n'), "one line: {e}");
+        assert!(
+            e.contains(&format!("'{POWERSGD}'")) && e.contains(&format!("'{other}'")),
+            "{e}"
+        );
+    }
+    // and a plain checkpoint is not resumed under PowerSGD either
+    run(&writing(config("allreduce", 3), &ckpt)).unwrap();
+    let e = run(&resuming(config(POWERSGD, 6), &ckpt))
+        .err()
+        .expect("another policy")
+        .to_string();
+    assert!(e.contains("'allreduce'") && e.contains(POWERSGD), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1,0 +1,168 @@
+//! `brigade train` checkpoints the reducer policy's state: a PowerSGD run stopped by SIGINT
+//! after its start iteration resumes exactly (losses and every tensor of the final checkpoint,
+//! the policy's state included, equal a straight run's), and a checkpoint resumes only under the
+//! policy it was written with.
+
+use crate::common::{self, brigade, cat, fails, ok, s, MLP};
+use crate::lifecycle::default_disposition;
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use brigade_models::load_safetensors_with_metadata;
+
+/// PowerSGD of rank 1 from iteration 2, on two ranks: the first periodic checkpoint (step 3)
+/// is after the start iteration.
+const POWERSGD: &[&str] = &[
+    "--comm-hook",
+    "powersgd",
+    "--powersgd-rank",
+    "1",
+    "--powersgd-start-iter",
+    "2",
+    "--world-size",
+    "2",
+];
+
+/// Every tensor of a checkpoint by name, and its metadata's policy.
+fn tensors(path: &Path) -> (Vec<(String, Vec<f64>)>, Option<String>) {
+    let (tensors, meta) = load_safetensors_with_metadata(path).unwrap();
+    let mut out: Vec<_> = tensors.into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    (out, meta.get("policy").cloned())
+}
+
+#[test]
+fn powersgd_stopped_by_sigint_resumes_exactly() {
+    let dir = common::dir("policy-resume-sigint");
+    let (ck, l1) = (dir.join("ck.safetensors"), dir.join("l1.csv"));
+    let mut child = Command::new(common::bin());
+    // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
+    unsafe {
+        child.pre_exec(|| {
+            default_disposition();
+            Ok(())
+        });
+    }
+    let mut child = child
+        .arg("train")
+        .args(MLP)
+        .args(POWERSGD)
+        .args(["--steps", "100000000", "--checkpoint-every", "3"])
+        .args(["--checkpoint", s(&ck), "--losses", s(&l1)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start brigade");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !ck.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("brigade ended before its first checkpoint: {status}");
+        }
+        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("brigade still running 120 s after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    assert_eq!(status.code(), Some(130), "{err}");
+    let first = common::losses(&l1);
+    let n = first.len();
+    assert!(n >= 3, "{first:?}");
+    let (saved, policy) = tensors(&ck);
+    assert_eq!(policy.as_deref(), Some("powersgd:1@2"));
+    for r in 0..2 {
+        let prefix = format!("policy.rank{r}/");
+        assert!(saved.iter().any(|(k, _)| k.starts_with(&prefix)), "rank {r}'s state");
+    }
+
+    // resume to n + 4 steps, against n + 4 straight steps
+    let end = (n + 4).to_string();
+    let (ck2, l2, ck3, l3) = (
+        dir.join("ck2.safetensors"),
+        dir.join("l2.csv"),
+        dir.join("ck3.safetensors"),
+        dir.join("l3.csv"),
+    );
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        POWERSGD,
+        &[
+            "--steps",
+            &end,
+            "--resume",
+            s(&ck),
+            "--checkpoint",
+            s(&ck2),
+            "--losses",
+            s(&l2),
+        ],
+    ]));
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        POWERSGD,
+        &["--steps", &end, "--checkpoint", s(&ck3), "--losses", s(&l3)],
+    ]));
+    let mut resumed = first;
+    resumed.extend(common::losses(&l2));
+    assert_eq!(resumed, common::losses(&l3), "losses, bit for bit");
+    assert!(
+        tensors(&ck2) == tensors(&ck3),
+        "every tensor of the final checkpoints, bit for bit"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_resume_under_another_policy_is_one_error_line_naming_both() {
+    let dir = common::dir("policy-resume-other");
+    let ck = dir.join("ck.safetensors");
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        POWERSGD,
+        &["--steps", "3", "--checkpoint", s(&ck)],
+    ]));
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &[
+            "--world-size",
+            "2",
+            "--comm-hook",
+            "fp16",
+            "--steps",
+            "5",
+            "--resume",
+            s(&ck),
+        ],
+    ]));
+    assert!(e.contains("'powersgd:1@2'") && e.contains("'fp16'"), "{e}");
+    // the same policy resumes
+    let out = brigade(&cat(&[
+        &["train"],
+        MLP,
+        POWERSGD,
+        &["--steps", "5", "--resume", s(&ck)],
+    ]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
