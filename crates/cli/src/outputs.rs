@@ -81,8 +81,9 @@ fn writable(dir: &Path) -> std::io::Result<()> {
         std::thread::current().id()
     ));
     // a signal while the run starts ends it at once: the probe goes with it
-    crate::signal::register_cleanup(&probe);
-    let made = std::fs::OpenOptions::new().write(true).create_new(true).open(&probe);
+    let made = crate::signal::create_removable(&probe, || {
+        std::fs::OpenOptions::new().write(true).create_new(true).open(&probe)
+    });
     let removed = made.and_then(|_| std::fs::remove_file(&probe));
     crate::signal::unregister_cleanup(&probe);
     removed
@@ -202,16 +203,35 @@ impl OutputLock {
         // a holder that finishes removes the file: a lock taken on a file no longer at `path`
         // is retaken on the new one
         for _ in 0..100 {
-            let mut file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .map_err(io)?;
+            // A file this run creates is registered for removal before it exists, so that a
+            // signal at any instant while starting leaves nothing behind; one that was already
+            // there (another run's, or left by a killed one) is registered once it is locked.
+            let mut file = match crate::signal::create_removable(&path, || {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+            }) {
+                Ok(file) => file,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    crate::signal::unregister_cleanup(&path);
+                    match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+                        Ok(file) => file,
+                        // removed by its holder meanwhile: try again
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                        Err(e) => return Err(io(e)),
+                    }
+                }
+                Err(e) => {
+                    crate::signal::unregister_cleanup(&path);
+                    return Err(io(e));
+                }
+            };
             match file.try_lock() {
                 Ok(()) => {}
                 Err(std::fs::TryLockError::WouldBlock) => {
+                    crate::signal::unregister_cleanup(&path);
                     let holder = std::fs::read_to_string(&path).unwrap_or_default();
                     let holder = match holder.trim() {
                         "" => "another process".to_string(),
@@ -224,13 +244,17 @@ impl OutputLock {
                         path.display()
                     )));
                 }
-                Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+                Err(std::fs::TryLockError::Error(e)) => {
+                    crate::signal::unregister_cleanup(&path);
+                    return Err(io(e));
+                }
             }
             let same = match (file.metadata(), std::fs::metadata(&path)) {
                 (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
                 _ => false,
             };
             if !same {
+                crate::signal::unregister_cleanup(&path);
                 continue;
             }
             crate::signal::register_cleanup(&path);

@@ -17,7 +17,7 @@
 //! `unlink`, `_exit`, `signal`, `raise`), which the standard library already links.
 //! [`StopOnSignal`] hands the flag to the run as its observer's stop request.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use brigade::observe::TrainObserver;
@@ -57,6 +57,29 @@ pub fn register_cleanup(path: &std::path::Path) {
     drop(unsafe { std::ffi::CString::from_raw(raw) });
 }
 
+/// Threads inside [`create_removable`] now: a signal while starting waits for them (briefly)
+/// before it removes the registered files, so that none is created after the removal.
+static CREATING: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `create`, which makes the file at `path`, so that a signal ending the process while
+/// it starts removes that file whichever thread creates it and whenever the signal comes:
+/// `path` is registered before the file exists, the handler waits for a creation in progress,
+/// and after a signal nothing more is created (an `Interrupted` error instead).
+pub fn create_removable<T>(path: &std::path::Path, create: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    CREATING.fetch_add(1, Ordering::SeqCst);
+    let made = if STOP.load(Ordering::SeqCst) {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Interrupted,
+            "the run is being stopped",
+        ))
+    } else {
+        register_cleanup(path);
+        create()
+    };
+    CREATING.fetch_sub(1, Ordering::SeqCst);
+    made
+}
+
 /// Forgets `path` (its lock file was removed normally).
 pub fn unregister_cleanup(path: &std::path::Path) {
     use std::os::unix::ffi::OsStrExt;
@@ -72,7 +95,7 @@ pub fn unregister_cleanup(path: &std::path::Path) {
 }
 
 mod unix {
-    use super::{Ordering, CLEANUP, FIRST_NS, GRACE, STOP, TRAINING};
+    use super::{Ordering, CLEANUP, CREATING, FIRST_NS, GRACE, STOP, TRAINING};
 
     const SIGINT: i32 = 2;
     const SIGTERM: i32 = 15;
@@ -113,6 +136,13 @@ mod unix {
                 if !TRAINING.load(Ordering::SeqCst) {
                     // still setting up: nothing finished to keep; leave as if never started
                     const MSG: &[u8] = b"error: interrupted before step 0 (while starting): nothing was written\n";
+                    // a file being created now on another thread is registered already: wait
+                    // for it to exist (bounded: this thread may be the one creating it)
+                    let mut spins = 0u32;
+                    while CREATING.load(Ordering::SeqCst) > 0 && spins < 20_000_000 {
+                        std::hint::spin_loop();
+                        spins += 1;
+                    }
                     // SAFETY: write, unlink and _exit are async-signal-safe; the paths are
                     // leaked NUL-terminated strings.
                     unsafe {
