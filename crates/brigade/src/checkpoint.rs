@@ -51,9 +51,9 @@ pub struct CheckpointIdentity<'a> {
     pub sampler: Option<SamplerPosition>,
     /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
     pub model_config: Option<String>,
-    /// The recipe's metadata, written beside the rest ([`crate::recipe::recipe_metadata`]:
+    /// The recipe's metadata, written beside the rest ([`crate::resume::recipe_metadata`]:
     /// the schedule and every hyperparameter); a resume checks it with
-    /// [`crate::recipe::check_resume`], not here.
+    /// [`crate::resume::check_resume`], not here.
     pub recipe: Vec<(String, String)>,
     /// The reducer policy's spec as it reads (`allreduce`, `powersgd:4@2`, a user's name), or
     /// `None` without DDP: a checkpoint resumes only under the policy it was written with

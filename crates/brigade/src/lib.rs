@@ -17,6 +17,8 @@
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
 //!   themselves; [`comm_hook`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
 //!   user's own);
+//! - [`recipe`]: the learning-rate schedule, clipping and evaluation; [`resume`]: what a
+//!   checkpoint records of them and what a resume may change;
 //! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
@@ -50,6 +52,7 @@ pub mod observe;
 pub mod outcome;
 pub mod placement;
 pub mod recipe;
+pub mod resume;
 mod trace_gather;
 pub mod trainer;
 

@@ -28,7 +28,8 @@ use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::{RunStart, StepRecord, TrainObserver};
 use crate::outcome::{CheckpointFailure, StepOutcome, TrainOutcome};
-use crate::recipe::{check_resume, clip_factor, recipe_metadata, EvalSource, HyperparameterChange, ResumeError};
+use crate::recipe::{clip_factor, EvalSource, HyperparameterChange};
+use crate::resume::{check_resume, recipe_metadata, ResumeError};
 
 /// Tag of the evaluation's all-reduce (each rank's validation loss).
 pub const EVAL_TAG: &str = "eval loss";

@@ -1,0 +1,142 @@
+//! What a checkpoint records of the training recipe (the schedule and the optimizer's
+//! hyperparameters, [`recipe_metadata`]), so that a resume either continues the same run or
+//! says what it changed.
+//!
+//! Resume rules (checked by [`check_resume`]):
+//! - the optimizer kind and the schedule (its kind, warmup, `T`, floor, step size and factor)
+//!   must be the checkpoint's: another is refused in one line
+//!   ([`CheckpointMismatch::Written`],
+//!   [`CheckpointMismatch::Schedule`]);
+//! - a changed hyperparameter (`lr`, `momentum`, `weight_decay`, `betas`, `eps`,
+//!   `clip_grad_norm`) is this run's to choose: the run uses it, and the change is reported
+//!   ([`HyperparameterChange`], told to [`TrainObserver::resumed`](crate::observe::TrainObserver::resumed));
+//! - a schedule whose `T` was left to default (`decay_steps: None`) takes the checkpoint's `T`,
+//!   so a resume that extends the run's steps continues the same curve (and holds `min_lr`
+//!   past `T`).
+
+use std::collections::HashMap;
+
+use brigade_autograd::LrSchedule;
+
+use crate::config::{OptimizerConfig, TrainConfig};
+use crate::error::{CheckpointMismatch, Error};
+use crate::recipe::{schedule_record, HyperparameterChange};
+
+/// `T` of a recorded schedule, if it has one.
+fn recorded_t(record: &str) -> Option<u64> {
+    record
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("T="))
+        .and_then(|t| t.parse().ok())
+}
+
+/// Checkpoint metadata key of the schedule.
+const SCHEDULE_KEY: &str = "schedule";
+/// Prefix of the hyperparameters' metadata keys.
+const HP_PREFIX: &str = "hp.";
+
+/// The optimizer's hyperparameters and the clipping, as `(name, value)`.
+pub fn hyperparameters(opt: &OptimizerConfig, clip_grad_norm: Option<f64>) -> Vec<(&'static str, String)> {
+    let mut hp = match *opt {
+        OptimizerConfig::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => vec![
+            ("lr", lr.to_string()),
+            ("momentum", momentum.to_string()),
+            ("weight_decay", weight_decay.to_string()),
+        ],
+        OptimizerConfig::AdamW {
+            lr,
+            betas,
+            eps,
+            weight_decay,
+        } => vec![
+            ("lr", lr.to_string()),
+            ("betas", format!("{},{}", betas.0, betas.1)),
+            ("eps", eps.to_string()),
+            ("weight_decay", weight_decay.to_string()),
+        ],
+    };
+    hp.push((
+        "clip_grad_norm",
+        clip_grad_norm.map_or_else(|| "none".to_string(), |c| c.to_string()),
+    ));
+    hp
+}
+
+/// What a checkpoint records of the recipe: the schedule and every hyperparameter.
+pub fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String, String)> {
+    std::iter::once((SCHEDULE_KEY.to_string(), schedule_record(schedule)))
+        .chain(
+            hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
+                .into_iter()
+                .map(|(k, v)| (format!("{HP_PREFIX}{k}"), v)),
+        )
+        .collect()
+}
+
+/// The schedule of a run that resumes a checkpoint with metadata `meta` (or starts afresh:
+/// `meta` is `None`), and the hyperparameters it changed. A checkpoint written before recipes
+/// were recorded is resumed with this run's recipe, unchecked.
+pub fn check_resume(
+    cfg: &TrainConfig,
+    meta: Option<&HashMap<String, String>>,
+) -> std::result::Result<(LrSchedule, Vec<HyperparameterChange>), ResumeError> {
+    let lr = cfg.optimizer.lr();
+    let written = meta.and_then(|m| m.get(SCHEDULE_KEY));
+    let default_t = written.and_then(|w| recorded_t(w)).unwrap_or(cfg.steps as u64);
+    let schedule = cfg.schedule.build(lr, default_t).map_err(ResumeError::Config)?;
+    let Some(meta) = meta else {
+        return Ok((schedule, vec![]));
+    };
+    if let Some(written) = written {
+        let this_run = schedule_record(&schedule);
+        if *written != this_run {
+            return Err(ResumeError::Refused(CheckpointMismatch::Schedule {
+                written: written.clone(),
+                this_run,
+            }));
+        }
+    }
+    let changes = hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
+        .into_iter()
+        .filter_map(|(name, this_run)| {
+            let written = meta.get(&format!("{HP_PREFIX}{name}"))?;
+            (*written != this_run).then(|| HyperparameterChange {
+                name: name.to_string(),
+                written: written.clone(),
+                this_run,
+            })
+        })
+        .collect();
+    Ok((schedule, changes))
+}
+
+/// Why [`check_resume`] failed: the run's own schedule is invalid, or the checkpoint's differs.
+#[derive(Debug)]
+pub enum ResumeError {
+    /// This run's schedule cannot be built.
+    Config(Error),
+    /// The checkpoint was written under another schedule.
+    Refused(CheckpointMismatch),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recipe::{ScheduleConfig, ScheduleName};
+
+    #[test]
+    fn the_recorded_t_is_read_back() {
+        let cfg = ScheduleConfig {
+            name: ScheduleName::Cosine,
+            warmup_steps: 2,
+            min_lr: 1e-4,
+            ..ScheduleConfig::default()
+        };
+        let s = cfg.build(1e-3, 10).unwrap();
+        assert_eq!(recorded_t(&schedule_record(&s)), Some(10));
+    }
+}
