@@ -257,31 +257,7 @@ fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start brigade");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !ck.exists() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("brigade ended before its first checkpoint: {status}");
-        }
-        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("brigade still running 120 s after SIG{signal}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    let (status, err) = common::signal_after_first_checkpoint(&mut child, &ck, signal);
     assert_eq!(status.code(), Some(130), "SIG{signal}: {err}");
     assert!(err.contains("interrupted after step"), "{err}");
     let rows = loss_rows(&losses);

@@ -9,7 +9,6 @@ use crate::lifecycle::default_disposition;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use brigade_models::load_safetensors_with_metadata;
 
@@ -56,31 +55,7 @@ fn powersgd_stopped_by_sigint_resumes_exactly() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start brigade");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !ck.exists() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("brigade ended before its first checkpoint: {status}");
-        }
-        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("brigade still running 120 s after SIGINT");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    let (status, err) = common::signal_after_first_checkpoint(&mut child, &ck, "INT");
     assert_eq!(status.code(), Some(130), "{err}");
     let first = common::losses(&l1);
     let n = first.len();

@@ -4,7 +4,8 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
+use std::time::{Duration, Instant};
 
 use brigade_models::save_safetensors;
 use brigade_tensor::{DType, Rng, Tensor};
@@ -148,4 +149,35 @@ pub fn svg_texts(svg: &str) -> Vec<String> {
         .skip(1)
         .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_string()))
         .collect()
+}
+
+/// Waits (at most 120 s) for `child`'s first checkpoint at `ck`, sends it `SIG{signal}`
+/// (`INT`, `TERM`) and waits (at most 120 s) for it to end: its status and its stderr.
+pub fn signal_after_first_checkpoint(child: &mut Child, ck: &Path, signal: &str) -> (ExitStatus, String) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !ck.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("brigade ended before its first checkpoint: {status}");
+        }
+        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("brigade still running 120 s after SIG{signal}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    (status, err)
 }
