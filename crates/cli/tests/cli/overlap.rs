@@ -64,24 +64,7 @@ fn the_sweeps_bucket_times_add_up_to_the_ring_model_of_the_gradient() {
 
 /// Trains 2 ranks on a 1 Gb/s, 20 us simulated link and writes the last step's profile.
 fn profile(tag: &str) -> (std::path::PathBuf, serde_json::Value) {
-    let d = dir(tag);
-    let p = d.join("profile.json");
-    ok(&[
-        &["train"],
-        RUN,
-        &[
-            "--bucket-mb",
-            "0.1",
-            "--first-bucket-mb",
-            "0.05",
-            "--quiet",
-            "--profile",
-            p.to_str().unwrap(),
-        ],
-    ]
-    .concat());
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    (p, v)
+    policy_profile(tag, &[])
 }
 
 #[test]
@@ -186,7 +169,7 @@ fn predict_refuses_what_it_cannot_answer_in_one_line() {
     assert!(e.contains("goes with --net-gbps"), "{e}");
 }
 
-/// Trains 2 ranks under `policy` (its flags) and writes the last step's profile.
+/// [`profile`] under `policy` (its flags).
 fn policy_profile(tag: &str, policy: &[&str]) -> (std::path::PathBuf, serde_json::Value) {
     let d = dir(tag);
     let p = d.join("profile.json");
