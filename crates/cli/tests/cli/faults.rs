@@ -16,7 +16,6 @@ const SIGTERM: i32 = 15;
 
 extern "C" {
     fn kill(pid: i32, sig: i32) -> i32;
-    fn signal(signum: i32, handler: usize) -> usize;
 }
 
 /// The small MLP of these tests (batch 8: steps of milliseconds).
@@ -38,8 +37,7 @@ fn start(args: &[&str]) -> Child {
     // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
     unsafe {
         cmd.pre_exec(|| {
-            signal(SIGINT, 0);
-            signal(SIGTERM, 0);
+            common::default_disposition();
             Ok(())
         });
     }
@@ -328,8 +326,7 @@ mod under_mpirun {
         // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
         unsafe {
             cmd.pre_exec(|| {
-                signal(SIGINT, 0);
-                signal(SIGTERM, 0);
+                common::default_disposition();
                 Ok(())
             });
         }

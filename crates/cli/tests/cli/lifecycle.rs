@@ -208,21 +208,6 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
     assert_eq!(names, ["ck.safetensors"], "temporary files left behind");
 }
 
-/// Sets SIGINT and SIGTERM back to their default action (in a child, before exec).
-pub(crate) fn default_disposition() {
-    extern "C" {
-        fn signal(signum: i32, handler: usize) -> usize;
-    }
-    const SIGINT: i32 = 2;
-    const SIGTERM: i32 = 15;
-    const SIG_DFL: usize = 0;
-    // SAFETY: resetting a disposition to the default is async-signal-safe.
-    unsafe {
-        signal(SIGINT, SIG_DFL);
-        signal(SIGTERM, SIG_DFL);
-    }
-}
-
 /// Starts a long run, waits until it has provably trained (the first periodic checkpoint
 /// exists), sends `signal`, and checks exit status 130 and every output.
 fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
@@ -235,7 +220,7 @@ fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
     // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
     unsafe {
         child.pre_exec(|| {
-            default_disposition();
+            common::default_disposition();
             Ok(())
         });
     }

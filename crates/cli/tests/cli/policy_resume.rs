@@ -4,7 +4,6 @@
 //! policy it was written with.
 
 use crate::common::{self, brigade, cat, fails, ok, s, MLP};
-use crate::lifecycle::default_disposition;
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -41,7 +40,7 @@ fn powersgd_stopped_by_sigint_resumes_exactly() {
     // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
     unsafe {
         child.pre_exec(|| {
-            default_disposition();
+            common::default_disposition();
             Ok(())
         });
     }

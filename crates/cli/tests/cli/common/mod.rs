@@ -181,3 +181,20 @@ pub fn signal_after_first_checkpoint(child: &mut Child, ck: &Path, signal: &str)
     let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
     (status, err)
 }
+
+/// Sets SIGINT and SIGTERM back to their default action (in a child, before exec: a shell
+/// that starts the suite in the background ignores SIGINT for its children, and brigade keeps
+/// an ignored signal ignored).
+pub fn default_disposition() {
+    extern "C" {
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
+    const SIGINT: i32 = 2;
+    const SIGTERM: i32 = 15;
+    const SIG_DFL: usize = 0;
+    // SAFETY: resetting a disposition to the default is async-signal-safe.
+    unsafe {
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+    }
+}
