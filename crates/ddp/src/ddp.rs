@@ -251,9 +251,7 @@ impl DistributedDataParallel {
     /// policy's [`ReducerPolicy::after_step`]; [`Optimizer::set_lr`] reaches every part of it.
     pub fn optimizer(&self, full: Box<dyn Optimizer>, build: BuildOptimizer<'_>) -> Result<DdpOptimizer> {
         let ctx = OptimizerContext {
-            buckets: Buckets {
-                source: self.reducer.clone(),
-            },
+            buckets: self.bucket_view(),
             comm: self.reducer.collectives.clone(),
         };
         let inner = self.reducer.lock_policy().optimizer(full, build, &ctx)?;
@@ -263,13 +261,18 @@ impl DistributedDataParallel {
         })
     }
 
+    /// The live view of the buckets a policy reads.
+    fn bucket_view(&self) -> Buckets {
+        Buckets {
+            source: self.reducer.clone(),
+        }
+    }
+
     /// The squared L2 norm of the reduced gradients, over every rank's shards when the policy
     /// shards them ([`ReducerPolicy::grad_norm_sq`]; for global gradient clipping). A
     /// collective under a sharding policy: every rank calls it after the same backward.
     pub fn grad_norm_sq(&self) -> Result<f64> {
-        let buckets = Buckets {
-            source: self.reducer.clone(),
-        };
+        let buckets = self.bucket_view();
         let n = self.reducer.lock().buckets.len();
         let held: Vec<HeldGrad> = (0..n).map(|b| buckets.held(b)).collect::<Result<_>>()?;
         self.reducer
@@ -281,9 +284,7 @@ impl DistributedDataParallel {
     /// gradients, or this rank's shard of them under a sharding policy (what its optimizer
     /// steps). Global gradient clipping, after [`DistributedDataParallel::grad_norm_sq`].
     pub fn scale_grads(&self, factor: f64) -> Result<()> {
-        let buckets = Buckets {
-            source: self.reducer.clone(),
-        };
+        let buckets = self.bucket_view();
         let n = self.reducer.lock().buckets.len();
         for b in 0..n {
             let t = match buckets.held(b)? {
