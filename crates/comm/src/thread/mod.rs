@@ -1,7 +1,8 @@
 //! The thread backend: `n` ranks as threads of one process, exchanging data through shared
 //! memory. All-reduce is a reduce-scatter followed by an all-gather done in one pass: rank `r`
 //! reduces chunk `r` across every rank's buffer and writes the result into chunk `r` of every
-//! buffer, all ranks in parallel.
+//! buffer, all ranks in parallel. A small all-reduce (at most 8 KiB) instead reduces every rank's
+//! staged copy into each buffer after a single rendezvous (see `transport.rs`).
 
 mod desc;
 mod rendezvous;

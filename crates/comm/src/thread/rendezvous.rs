@@ -3,7 +3,7 @@
 
 use std::hint::spin_loop;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::desc::OpDesc;
@@ -22,6 +22,10 @@ struct State {
     dead: Vec<Option<(usize, String)>>,
     deaths: usize,
     descs: Vec<Option<OpDesc>>,
+    /// The descriptors of the last completed exchange. Published apart from `descs`: a rank
+    /// released from an exchange may publish its next descriptor before a slower peer has
+    /// read this one, but cannot complete the next exchange without that peer.
+    agreed: Option<Arc<[OpDesc]>>,
 }
 
 /// State shared by the ranks of one [`super::ThreadGroup`].
@@ -32,7 +36,21 @@ pub(crate) struct Rendezvous {
     released: Condvar,
     /// Mirror of `State::generation` for the spin phase.
     generation: AtomicU64,
+    /// The ranks' staging areas of the one-rendezvous all-reduce (`transport.rs`), owned here so
+    /// that they outlive every rank that may still read them.
+    stages: Mutex<Vec<Stage>>,
 }
+
+/// A staging area allocated by one rank: `STAGE_BYTES` bytes, freed with the rendezvous.
+struct Stage(*mut [u8]);
+
+// SAFETY: only the pointer moves between threads; who reads and writes the bytes and when is
+// the protocol of `transport.rs`.
+unsafe impl Send for Stage {}
+
+/// Bytes of each rank's staging area: two halves, one per slot parity, each the largest
+/// all-reduce that runs in one rendezvous.
+pub(crate) const STAGE_BYTES: usize = 2 * super::transport::EAGER_BYTES;
 
 impl Rendezvous {
     pub(crate) fn new(world: usize, timeout: Duration) -> Self {
@@ -46,10 +64,20 @@ impl Rendezvous {
                 dead: vec![None; world],
                 deaths: 0,
                 descs: vec![None; world],
+                agreed: None,
             }),
             released: Condvar::new(),
             generation: AtomicU64::new(0),
+            stages: Mutex::new(Vec::new()),
         }
+    }
+
+    /// A new staging area of [`STAGE_BYTES`] bytes for the calling rank, alive as long as the
+    /// rendezvous.
+    pub(crate) fn new_stage(&self) -> *mut u8 {
+        let raw = Box::into_raw(vec![0u8; STAGE_BYTES].into_boxed_slice());
+        self.stages.lock().unwrap_or_else(|e| e.into_inner()).push(Stage(raw));
+        raw.cast::<u8>()
     }
 
     pub(crate) fn world(&self) -> usize {
@@ -73,14 +101,10 @@ impl Rendezvous {
 
     /// Publishes `desc` for `rank`, waits until every rank has published, and returns all
     /// descriptors, rank-ordered.
-    pub(crate) fn exchange(&self, rank: usize, desc: OpDesc) -> Result<Vec<OpDesc>, CommError> {
+    pub(crate) fn exchange(&self, rank: usize, desc: OpDesc) -> Result<Arc<[OpDesc]>, CommError> {
         let tag = desc.tag.clone();
         let st = self.arrive(rank, &tag, Some(desc))?;
-        Ok(st
-            .descs
-            .iter()
-            .map(|d| d.clone().expect("every rank published"))
-            .collect())
+        Ok(st.agreed.clone().expect("an exchange publishes the descriptors"))
     }
 
     /// Waits until every rank has arrived.
@@ -101,6 +125,9 @@ impl Rendezvous {
         st.arrived[rank] = true;
         st.count += 1;
         if st.count == self.world {
+            if st.descs.iter().all(Option::is_some) {
+                st.agreed = Some(st.descs.iter_mut().map(|d| d.take().expect("checked")).collect());
+            }
             st.count = 0;
             st.arrived.iter_mut().for_each(|a| *a = false);
             st.generation += 1;
@@ -153,6 +180,17 @@ impl Rendezvous {
                 .wait_timeout(st, deadline - now)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+        }
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        let stages = std::mem::take(self.stages.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for Stage(raw) in stages {
+            // SAFETY: made by `Box::into_raw` in `new_stage`; the last rank is gone, so nobody
+            // holds the pointer any more.
+            drop(unsafe { Box::from_raw(raw) });
         }
     }
 }

@@ -15,6 +15,16 @@
 //!    freed, resized or reused while a peer still holds its pointer. A rank that fails in the
 //!    middle (timeout, dead peer) never reaches step 2 for that slot, and an error at step 1
 //!    means some rank will never touch the pointers again.
+//!
+//! # Small all-reduces: one rendezvous
+//! An all-reduce of at most [`EAGER_BYTES`] runs in one rendezvous instead of two (the
+//! handshakes, not the bytes, are what a small collective costs): each rank first copies its
+//! input into its *staging area* (half `slot % 2` of it), publishes a pointer to that copy
+//! instead of its buffer, and after the exchange reduces every rank's copy, in rank order (the
+//! same sum on every rank), into its own buffer. Nobody writes memory a peer reads, so no
+//! closing barrier is needed. A rank rewrites half `slot % 2` only in slot `slot + 2`, after
+//! the exchange of `slot + 1`, which every peer reaches only once done reading `slot`'s copies;
+//! the staging areas belong to the rendezvous, so they outlive a rank that leaves first.
 
 use half::{bf16, f16};
 
@@ -28,16 +38,61 @@ use std::sync::Arc;
 /// Chunk boundaries are multiples of this many elements (at least one cache line).
 const CHUNK_ALIGN: usize = 32;
 
+/// The largest all-reduce (in bytes) that runs in one rendezvous through the staging areas
+/// (module docs); larger ones are bandwidth-bound and reduce in place, each rank its chunk.
+pub(crate) const EAGER_BYTES: usize = 8 << 10;
+
 /// One rank's end of a [`super::ThreadGroup`]: the [`Transport`] of the thread backend.
 pub struct ThreadTransport {
     rank: usize,
     shared: Arc<Rendezvous>,
     slot: u64,
+    /// This rank's staging area (owned by `shared`), made at its first small all-reduce.
+    stage: Option<SharedPtr>,
 }
 
 impl ThreadTransport {
     pub(crate) fn new(rank: usize, shared: Arc<Rendezvous>) -> Self {
-        ThreadTransport { rank, shared, slot: 0 }
+        ThreadTransport {
+            rank,
+            shared,
+            slot: 0,
+            stage: None,
+        }
+    }
+
+    /// An all-reduce of at most [`EAGER_BYTES`] in one rendezvous (module docs).
+    fn all_reduce_eager(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
+        let dtype = buf.dtype();
+        let len = buf.len();
+        let bytes = len * dtype.size_in_bytes();
+        let stage = match self.stage {
+            Some(stage) => stage,
+            None => *self.stage.insert(SharedPtr(self.shared.new_stage())),
+        };
+        let half = (self.slot % 2) as usize * EAGER_BYTES;
+        // SAFETY: `bytes <= EAGER_BYTES`, so the copy fits in half `slot % 2` of this rank's
+        // staging area, which no peer reads now (module docs: it was last read in slot
+        // `slot - 2`, and every peer is past the exchange of `slot - 1`).
+        let copy = unsafe { stage.0.add(half) };
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_mut_ptr().cast_const(), copy, bytes) };
+        let desc = OpDesc {
+            slot: self.slot,
+            kind: OpKind::AllReduce(op),
+            dtype: Some(dtype),
+            len,
+            tag: tag.to_string(),
+            ptr: SharedPtr(copy),
+        };
+        self.slot += 1;
+        let descs = self.shared.exchange(self.rank, desc)?;
+        validate(&descs)?;
+        let srcs: Vec<*mut u8> = descs.iter().map(|d| d.ptr.0).collect();
+        // SAFETY: every rank agreed on this all-reduce of `len` elements, so each pointer is a
+        // peer's staged copy of `len` elements, not rewritten before this rank's next exchange;
+        // the destination is this rank's own buffer.
+        unsafe { reduce_typed(dtype, &srcs, &[buf.as_mut_ptr()], 0, len, op) };
+        Ok(())
     }
 
     /// Runs one slot of the protocol on `buf` (none for a barrier) whose input had
@@ -63,14 +118,13 @@ impl ThreadTransport {
         };
         self.slot += 1;
         let descs = self.shared.exchange(self.rank, desc)?;
-        let verdict = validate(&descs);
-        if verdict.is_ok() {
-            // SAFETY: step 2 of the slot protocol (module docs): all ranks agreed, every
-            // pointer is live until the barrier below, and this rank touches only its range.
-            unsafe { move_data(self.rank, &descs) };
-        }
-        self.shared.barrier(self.rank, tag)?;
-        verdict
+        // A mismatch moves nothing, so no barrier guards the pointers: every rank returns the
+        // same verdict here (whichever path its own length chose).
+        validate(&descs)?;
+        // SAFETY: step 2 of the slot protocol (module docs): all ranks agreed, every pointer
+        // is live until the barrier below, and this rank touches only its range.
+        unsafe { move_data(self.rank, &descs) };
+        self.shared.barrier(self.rank, tag)
     }
 }
 
@@ -149,6 +203,9 @@ impl Transport for ThreadTransport {
 
     fn all_reduce(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
         let len = buf.len();
+        if self.shared.world() > 1 && len * buf.dtype().size_in_bytes() <= EAGER_BYTES {
+            return self.all_reduce_eager(buf, op, tag);
+        }
         self.run_slot(OpKind::AllReduce(op), Some(buf), len, tag)
     }
 

@@ -178,6 +178,16 @@ fn mismatched_collectives_are_reported_not_mixed() {
             "12 x f32",
         ),
         (
+            // A small all-reduce (one rendezvous) against a large one (two): still one verdict.
+            |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 0").wait().map(drop),
+            |c| {
+                c.all_reduce(f32s(1 << 18, 1.0), ReduceOp::Sum, "bucket 0")
+                    .wait()
+                    .map(drop)
+            },
+            "262144 x f32",
+        ),
+        (
             |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 0").wait().map(drop),
             |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "bucket 1").wait().map(drop),
             "bucket 1",
