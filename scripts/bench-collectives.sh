@@ -21,4 +21,7 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
   BRIGADE_NODE_SIZE=2 timeout 600 "${MPIRUN[@]}" --mca btl tcp,self,vader -np 4 "$B" bench comm --backend mpi --sizes 1M,16M,64M
   echo "## thread, 2 ranks"
   timeout 600 "$B" bench comm --world-size 2 --sizes 1K,4K,16K,64K,1M,16M,64M
+  echo "## the same in-place 2-thread reduction in plain C (the thread backend's ceiling), 16 and 64 MiB"
+  gcc -O3 -pthread scripts/allreduce-ceiling.c -o "$OUT/allreduce-ceiling"
+  for mib in 16 64; do "$OUT/allreduce-ceiling" "$mib" 20; done
 } 2>&1 | tee "$OUT/sitting.txt"
