@@ -181,8 +181,8 @@ pub struct ModelArgs {
     pub context: usize,
     /// Dropout probability in [0, 1) (torch.nn.Dropout), in training mode only: mlp after each
     /// hidden activation, gpt after the embeddings and on each block's two residual branches.
-    /// Each rank's generator is in --checkpoint, so a resume draws the masks an uninterrupted
-    /// run would. 0 (the default) is bit for bit the run without dropout.
+    /// Each rank's mask generator is part of a checkpoint, so a continued run draws the masks
+    /// an uninterrupted one would. 0 (the default) is bit for bit the run without dropout.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub dropout: f64,
 }
