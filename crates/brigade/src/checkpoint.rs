@@ -1,11 +1,19 @@
-//! Checkpoints: parameters, optimizer state and every rank's reducer-policy state with the step
-//! they were taken after, in one safetensors file (written atomically), and loading them back to
-//! resume a run.
+//! Checkpoints: parameters, optimizer state, every rank's reducer-policy state and every rank's
+//! dropout generator with the step they were taken after, in one safetensors file (written
+//! atomically), and loading them back to resume a run.
 //!
 //! Tensors are named `model.<param>`, `optim.<key>` and `policy.rank<r>/<key>` (rank `r`'s
 //! [`brigade_ddp::ReducerPolicy::state_dict`], gathered on rank 0: PowerSGD's error feedback
 //! differs per rank); the metadata records the policy's spec (`powersgd:1@2`), and a resume
 //! under another spec is refused.
+//!
+//! Rank `r`'s dropout generator ([`Model::rng_state`]: a seed and a count of masks drawn, two
+//! `u64`s) is the metadata entry `dropout_rng.rank<r>` = `<seed>:<offset>`, so that a resume at
+//! `p > 0` draws the masks an uninterrupted run would. A checkpoint without these entries (a
+//! model that draws nothing, or an older checkpoint) resumes with the model's fresh generator.
+//! On another number of ranks, a resume continues the generator only when every rank that
+//! wrote it stood at the same state (the ranks drew the same masks: each new rank continues
+//! it); otherwise it is refused in one line ([`CheckpointMismatch::DropoutRngWorld`]).
 
 use std::path::Path;
 
@@ -13,7 +21,7 @@ use brigade_autograd::Optimizer;
 use std::collections::HashMap;
 
 use brigade_models::{
-    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, SamplerPosition,
+    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, RngState, SamplerPosition,
     TRAINING_CHECKPOINT_FORMAT,
 };
 use brigade_policies::ZeroStage;
@@ -23,6 +31,9 @@ use crate::error::{CheckpointMismatch, Error, Result};
 
 /// Prefix of the policy state's tensors.
 const POLICY_PREFIX: &str = "policy.";
+
+/// Prefix of the metadata entries of the ranks' dropout generators (`dropout_rng.rank<r>`).
+const RNG_PREFIX: &str = "dropout_rng.rank";
 
 const CHECKPOINT_FORMAT: &str = TRAINING_CHECKPOINT_FORMAT;
 
@@ -59,6 +70,9 @@ pub struct CheckpointIdentity<'a> {
     /// `None` without DDP: a checkpoint resumes only under the policy it was written with
     /// (older checkpoints, which do not record it, under any).
     pub policy: Option<&'a str>,
+    /// Every rank's dropout generator after the checkpoint's step, rank `r`'s at index `r`
+    /// (written; a resume reads them back from the file); empty when the model draws nothing.
+    pub dropout_rng: Vec<RngState>,
 }
 
 /// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
@@ -117,6 +131,54 @@ pub struct Resumed {
     /// [`brigade_ddp::DistributedDataParallel::load_gathered_policy_state`]); empty when the
     /// policy keeps none.
     pub policy_state: Vec<(String, Tensor)>,
+    /// Every writing rank's dropout generator, by rank (empty: the checkpoint records none).
+    /// When this run has another number of ranks, they are all one state (checked on load).
+    pub dropout_rng: Vec<RngState>,
+}
+
+impl Resumed {
+    /// The dropout generator rank `rank` continues from: its own, or on another number of
+    /// ranks the one state every writing rank shared; `None` when the checkpoint records none
+    /// (the model keeps its fresh generator).
+    pub fn dropout_rng_of(&self, rank: usize) -> Option<RngState> {
+        self.dropout_rng.get(rank).or(self.dropout_rng.first()).copied()
+    }
+}
+
+/// `<seed>:<offset>`, the metadata value of one rank's dropout generator.
+fn rng_record(s: &RngState) -> String {
+    format!("{}:{}", s.seed, s.offset)
+}
+
+/// Every rank's dropout generator from a checkpoint's metadata, by rank: the entries must be
+/// ranks `0..n`, each `<seed>:<offset>`.
+fn read_rngs(meta: &HashMap<String, String>) -> std::result::Result<Vec<RngState>, CheckpointMismatch> {
+    let bad = CheckpointMismatch::DropoutRng;
+    let mut by_rank: Vec<(usize, RngState)> = vec![];
+    for (k, v) in meta {
+        let Some(rank) = k.strip_prefix(RNG_PREFIX) else {
+            continue;
+        };
+        let rank: usize = rank.parse().map_err(|_| bad(format!("entry '{k}' names no rank")))?;
+        let state = v
+            .split_once(':')
+            .and_then(|(s, o)| {
+                Some(RngState {
+                    seed: s.parse().ok()?,
+                    offset: o.parse().ok()?,
+                })
+            })
+            .ok_or_else(|| bad(format!("entry '{k}' is '{v}', not <seed>:<offset>")))?;
+        by_rank.push((rank, state));
+    }
+    by_rank.sort_by_key(|(r, _)| *r);
+    if let Some((i, (r, _))) = by_rank.iter().enumerate().find(|(i, (r, _))| i != r) {
+        return Err(bad(format!(
+            "it holds rank {r}'s generator where rank {i}'s belongs (ranks 0..{} expected)",
+            by_rank.len()
+        )));
+    }
+    Ok(by_rank.into_iter().map(|(_, s)| s).collect())
 }
 
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
@@ -162,6 +224,12 @@ pub fn save_checkpoint(
     }))
     .map(|(k, v)| (k.to_string(), v))
     .chain(id.recipe.iter().cloned())
+    .chain(
+        id.dropout_rng
+            .iter()
+            .enumerate()
+            .map(|(r, s)| (format!("{RNG_PREFIX}{r}"), rng_record(s))),
+    )
     .collect();
     save_safetensors(path, &tensors, Some(meta))?;
     Ok(())
@@ -243,11 +311,21 @@ pub fn load_checkpoint(
             world: id.world_size,
         }));
     }
+    // each rank continues its own generator; on another number of ranks only a state they
+    // all shared can be continued
+    let dropout_rng = read_rngs(&meta).map_err(err)?;
+    if dropout_rng.len() > 1 && dropout_rng.len() != id.world_size && dropout_rng.iter().any(|s| *s != dropout_rng[0]) {
+        return Err(err(CheckpointMismatch::DropoutRngWorld {
+            written_world: dropout_rng.len(),
+            world: id.world_size,
+        }));
+    }
     Ok(Resumed {
         step,
         sampler,
         metadata: meta,
         policy_state,
+        dropout_rng,
     })
 }
 

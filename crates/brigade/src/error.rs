@@ -176,6 +176,21 @@ pub enum CheckpointMismatch {
         /// This run's world size.
         world: usize,
     },
+    /// It holds the dropout generators of another number of ranks, at different states (the
+    /// ranks drew different masks): only as many ranks can continue them.
+    #[error(
+        "it holds the dropout generators of {written_world} ranks, at different states, and this run has {world}: \
+         resume on {written_world} ranks, so that each continues its own masks"
+    )]
+    DropoutRngWorld {
+        /// How many ranks wrote their generator.
+        written_world: usize,
+        /// This run's world size.
+        world: usize,
+    },
+    /// Its dropout generators cannot be read, or this run's model cannot take them.
+    #[error("its dropout generator state does not fit: {0}")]
+    DropoutRng(String),
     /// Its policy state does not fit this run's policy (the policy's own words).
     #[error("its policy state does not fit: {0}")]
     PolicyState(String),

@@ -13,10 +13,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use brigade_autograd::{no_grad, LrSchedule, Optimizer, Var};
-use brigade_comm::{Buffer, CommBytes, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId};
+use brigade_comm::{
+    all_gather_bytes, Buffer, CommBytes, CommMeter, Communicator, EventKind, Metered, ReduceOp, SpanId,
+};
 use brigade_ddp::overlap::{Autotuner, RankProfile, StepInstants, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
-use brigade_models::{load_params, Batch, Model, SamplerCursor, SamplerPosition};
+use brigade_models::{load_params, Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
 use brigade_tensor::{set_compute_threads, DType, Device, Tensor};
 
@@ -80,6 +82,9 @@ pub struct Trainer<'a> {
     /// Where the cursor stood when step `next_step` began: what a checkpoint of the state
     /// before that step records.
     next_position: Option<SamplerPosition>,
+    /// The model's dropout generator when step `next_step` began (a periodic checkpoint is
+    /// written inside that step, after its forward passes drew their masks).
+    next_rng: Option<RngState>,
     /// The learning rate of every step.
     schedule: LrSchedule,
     /// The hyperparameters this run changed from the checkpoint it resumed.
@@ -92,7 +97,7 @@ impl<'a> Trainer<'a> {
     /// communicator.
     pub fn new(
         cfg: &'a TrainConfig,
-        model: Box<dyn Model>,
+        mut model: Box<dyn Model>,
         data: &'a dyn DataSource,
         ctx: &'a RankContext,
     ) -> Result<Self> {
@@ -139,8 +144,17 @@ impl<'a> Trainer<'a> {
                     model_config: None,
                     recipe: vec![],
                     policy: policy_name.as_deref(),
+                    dropout_rng: vec![],
                 };
-                Some(load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?)
+                let resumed = load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?;
+                // this rank's dropout generator continues where the checkpoint's stood
+                if let Some(state) = resumed.dropout_rng_of(ctx.rank) {
+                    model.set_rng_state(state).map_err(|e| Error::Checkpoint {
+                        path: path.display().to_string(),
+                        mismatch: CheckpointMismatch::DropoutRng(e.to_string()),
+                    })?;
+                }
+                Some(resumed)
             }
             None => None,
         };
@@ -224,6 +238,7 @@ impl<'a> Trainer<'a> {
             let build = |params: Vec<Var>| cfg.optimizer.build(params);
             opt = Box::new(ddp.optimizer(opt, &build)?);
         }
+        let next_rng = model.rng_state();
         Ok(Trainer {
             cfg,
             data,
@@ -243,6 +258,7 @@ impl<'a> Trainer<'a> {
             profiles: vec![],
             lengths,
             next_position: cursor.as_ref().map(SamplerCursor::position),
+            next_rng,
             cursor,
             schedule,
             resume_changes,
@@ -369,6 +385,7 @@ impl<'a> Trainer<'a> {
         self.end(step_span);
         self.next_step += 1;
         self.next_position = self.cursor.as_ref().map(SamplerCursor::position);
+        self.next_rng = self.model.rng_state();
         if let Some(ddp) = &self.ddp {
             let at = StepInstants {
                 start: t0,
@@ -538,6 +555,8 @@ impl<'a> Trainer<'a> {
             Some(ddp) => (ddp.gather_policy_state()?, Some(ddp.policy_name())),
             None => (vec![], None),
         };
+        // Every rank's dropout generator, on rank 0 (a collective).
+        let dropout_rng = self.gather_rngs()?;
         if self.ctx.rank == 0 {
             let id = CheckpointIdentity {
                 model: &self.cfg.model_name,
@@ -551,6 +570,7 @@ impl<'a> Trainer<'a> {
                 model_config: self.cfg.model_config.clone(),
                 recipe: recipe_metadata(self.cfg, &self.schedule),
                 policy: policy_name.as_deref(),
+                dropout_rng,
             };
             save_checkpoint(
                 path,
@@ -563,6 +583,29 @@ impl<'a> Trainer<'a> {
         }
         self.checkpointed = Some(self.next_step);
         Ok(())
+    }
+
+    /// Every rank's dropout generator as it stood when step `next_step` began, by rank (on
+    /// every rank; a collective over the bare communicator when there are several ranks).
+    /// Empty when the model draws nothing on some rank.
+    fn gather_rngs(&self) -> Result<Vec<RngState>> {
+        let encode = |s: Option<RngState>| -> Vec<u8> {
+            s.map(|s| [s.seed.to_le_bytes(), s.offset.to_le_bytes()].concat())
+                .unwrap_or_default()
+        };
+        let all = if self.ctx.world_size == 1 {
+            vec![encode(self.next_rng)]
+        } else {
+            all_gather_bytes(self.ctx.control.as_ref(), encode(self.next_rng), "dropout rng")?
+        };
+        let decode = |b: &Vec<u8>| -> Option<RngState> {
+            let (seed, offset) = b.split_at_checked(8)?;
+            Some(RngState {
+                seed: u64::from_le_bytes(seed.try_into().ok()?),
+                offset: u64::from_le_bytes(offset.try_into().ok()?),
+            })
+        };
+        Ok(all.iter().map(decode).collect::<Option<Vec<_>>>().unwrap_or_default())
     }
 
     /// Steps until `steps` (or a stop request), checkpointing every `checkpoint.every` steps and

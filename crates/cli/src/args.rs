@@ -179,12 +179,24 @@ pub struct ModelArgs {
     /// gpt: context length.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
+    /// Dropout probability in [0, 1) (torch.nn.Dropout), in training mode only: mlp after each
+    /// hidden activation, gpt after the embeddings and on each block's two residual branches.
+    /// Each rank's mask generator is part of a checkpoint, so a continued run draws the masks
+    /// an uninterrupted one would. 0 (the default) is bit for bit the run without dropout.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    pub dropout: f64,
 }
 
 impl ModelArgs {
     /// Checks the shape flags of the chosen model, naming the flag at fault.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!(
+                "--dropout must be a probability in [0, 1) (1 would drop every activation), got {}",
+                self.dropout
+            ));
+        }
         match self.model {
             ModelName::Mlp => {
                 if self.widths.len() < 2 {
@@ -234,13 +246,17 @@ impl ModelArgs {
     /// The model configuration these flags describe.
     pub fn kind(&self) -> ModelKind {
         match self.model {
-            ModelName::Mlp => ModelKind::Mlp(MlpConfig::new(self.widths.clone())),
+            ModelName::Mlp => ModelKind::Mlp(MlpConfig {
+                dropout: self.dropout,
+                ..MlpConfig::new(self.widths.clone())
+            }),
             ModelName::Gpt => ModelKind::Gpt(GptConfig {
                 d_model: self.d_model,
                 n_layers: self.layers,
                 n_heads: self.heads,
                 d_ff: self.d_ff,
                 context: self.context,
+                dropout: self.dropout,
                 ..GptConfig::default()
             }),
         }

@@ -9,6 +9,7 @@ use clap::Args;
 use crate::args::RunArgs;
 use crate::error::{checkpoint_failure, Error, Result};
 use crate::outputs::{check_outputs, write_all, write_atomic, Output, OutputLocks, Write};
+use crate::report::loss_chart::{write_loss_chart, LossPoint};
 use crate::report::progress::ProgressBar;
 use crate::report::summary::PrintSummary;
 use crate::report::timeline_svg::write_timeline;
@@ -32,6 +33,11 @@ pub struct TrainArgs {
     /// in this file are kept, so the file ends as the uninterrupted run's.
     #[arg(long)]
     pub losses: Option<PathBuf>,
+    /// Draw the training loss, the validation loss (on the steps of --eval-every) and the
+    /// learning rate against the step, as SVG. With --resume and --losses, the steps before
+    /// the resume read from that file are drawn too.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Write a Chrome trace of the last step (and FILE.svg beside it); nothing when no step runs.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
@@ -107,6 +113,13 @@ impl TrainArgs {
             }
             _ => {}
         }
+        if let Some(p) = self
+            .plot
+            .as_ref()
+            .filter(|p| !p.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg")))
+        {
+            return bad(format!("--plot {} draws SVG: give a FILE.svg", p.display()));
+        }
         if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
             return bad(format!(
                 "--resume {} already holds the parameters; drop --init {} (or start afresh without --resume)",
@@ -137,6 +150,7 @@ impl TrainArgs {
             ("--losses", &self.losses),
             ("--timeline", &self.timeline),
             ("--profile", &self.profile),
+            ("--plot", &self.plot),
         ] {
             if let Some(p) = path {
                 out.push(Output::new(flag, p));
@@ -299,6 +313,38 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 "note: no step was run, so there is no timeline to write to {}",
                 path.display()
             ),
+        }
+    }
+    if let Some(path) = &t.plot {
+        // the rows before a resume, as --losses keeps them, then this run's steps
+        let earlier = kept
+            .iter()
+            .filter(|(s, _)| *s < outcome.first_step)
+            .filter_map(|(_, row)| LossPoint::from_csv_row(row));
+        let points: Vec<LossPoint> = earlier
+            .chain(outcome.losses.iter().enumerate().map(|(i, &loss)| LossPoint {
+                step: outcome.first_step + i,
+                loss,
+                lr: outcome.lrs.get(i).copied(),
+                val_loss: outcome.val_losses.get(i).copied().flatten(),
+            }))
+            .collect();
+        if points.is_empty() {
+            eprintln!(
+                "note: no step was run, so there is no loss chart to draw in {}",
+                path.display()
+            );
+        } else {
+            let title = format!(
+                "{}, world size {}, {} rows/rank, {} --lr {}",
+                crate::args::flag_name(&t.run.model.model),
+                report.world_size,
+                t.run.rows_per_rank(),
+                crate::args::flag_name(&t.run.optimizer),
+                crate::args::compact(t.run.lr)
+            );
+            let write = move || write_loss_chart(path, &points, &title);
+            writes.push((Output::new("--plot", path), Box::new(write)));
         }
     }
     if let Some(path) = &t.profile {

@@ -1,5 +1,5 @@
-//! A run that ends badly still writes the work it finished: a diverged run its losses up to
-//! the step that diverged, a run whose final checkpoint cannot be written its other outputs.
+//! A run that ends badly still writes the work it finished: a diverged run its losses (and
+//! its loss chart) up to the step that diverged, a run whose final checkpoint cannot be written its other outputs.
 
 use crate::common;
 
@@ -22,7 +22,7 @@ fn error_line(out: &std::process::Output) -> String {
 #[test]
 fn a_diverged_run_writes_the_losses_of_every_step_before_it() {
     let d = dir("diverged-losses");
-    let (losses, save) = (d.join("losses.csv"), d.join("model.safetensors"));
+    let (losses, save, plot) = (d.join("losses.csv"), d.join("model.safetensors"), d.join("loss.svg"));
     // an earlier run's model at the --save path
     let sane = brigade(&[&["train"], MLP, &["--lr", "0.01", "--steps", "2", "--save", s(&save)]].concat());
     assert!(sane.status.success());
@@ -40,6 +40,8 @@ fn a_diverged_run_writes_the_losses_of_every_step_before_it() {
                 s(&losses),
                 "--save",
                 s(&save),
+                "--plot",
+                s(&plot),
             ],
         ]
         .concat(),
@@ -71,6 +73,15 @@ fn a_diverged_run_writes_the_losses_of_every_step_before_it() {
     assert!(rows
         .iter()
         .all(|r| r.split(',').nth(1).unwrap().parse::<f64>().unwrap().is_finite()));
+    // the loss chart draws the same finished steps (beside its 2-point legend line)
+    let svg = std::fs::read_to_string(&plot).unwrap_or_else(|e| panic!("no --plot file after {line}: {e}"));
+    let mut want = vec![2, step];
+    want.sort_unstable();
+    assert_eq!(
+        common::polyline_points(&svg, "#3498DB"),
+        want,
+        "the training loss of {step} steps"
+    );
 }
 
 #[test]

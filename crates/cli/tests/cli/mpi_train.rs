@@ -367,3 +367,61 @@ fn find_rank(parent: u32, rank: usize) -> Option<u32> {
     }
     None
 }
+
+#[test]
+fn dropout_resumes_exactly_under_mpirun() {
+    // 2 steps + --resume + 2 steps against 4 straight, two MPI processes at --dropout 0.3:
+    // each process's generator goes through the checkpoint (gathered on rank 0, each rank
+    // reading its own back); the same loss rows and parameters bit for bit
+    let flags = without_steps(MLP);
+    let run = |extra: &[&str]| {
+        let mut a = vec!["train", "--backend", "mpi", "--quiet", "--dropout", "0.3"];
+        a.extend(&flags);
+        a.extend(extra);
+        let out = mpirun(2, &a);
+        assert!(out.status.success(), "{a:?}: {}", text(&out));
+    };
+    let (la, pa, ck, lb, pb) = (
+        tmp("dropout-a.csv"),
+        tmp("dropout-a.safetensors"),
+        tmp("dropout.ckpt"),
+        tmp("dropout-b.csv"),
+        tmp("dropout-b.safetensors"),
+    );
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    run(&["--steps", "4", "--losses", &p(&la), "--save", &p(&pa)]);
+    run(&["--steps", "2", "--checkpoint", &p(&ck)]);
+    run(&[
+        "--steps",
+        "4",
+        "--resume",
+        &p(&ck),
+        "--losses",
+        &p(&lb),
+        "--save",
+        &p(&pb),
+    ]);
+    let rows = |f: &Path| -> Vec<String> {
+        std::fs::read_to_string(f)
+            .unwrap()
+            .lines()
+            .skip(1)
+            .map(String::from)
+            .collect()
+    };
+    assert_eq!(rows(&lb), rows(&la)[2..]);
+    let bits = |f: &Path| -> Vec<(String, Vec<u32>)> {
+        load_safetensors(f)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()))
+            .collect()
+    };
+    assert!(bits(&pb) == bits(&pa), "parameters, bit for bit");
+}
+
+/// `flags` without `--steps` and its value.
+fn without_steps<'a>(flags: &[&'a str]) -> Vec<&'a str> {
+    let i = flags.iter().position(|f| *f == "--steps").unwrap();
+    [&flags[..i], &flags[i + 2..]].concat()
+}

@@ -1,5 +1,6 @@
 //! `brigade train` with a recipe: --lr-schedule and its flags, --clip-grad-norm, the `lr` and
-//! `grad_norm` columns, and what a resume does with a changed recipe.
+//! `grad_norm` columns, what a resume does with a changed recipe, --dropout (a resume stays
+//! exact) and the --plot chart.
 
 use std::f64::consts::PI;
 use std::process::Command;
@@ -163,4 +164,143 @@ fn eval_every_writes_the_held_out_loss_on_its_steps() {
     assert!((last - val[4].unwrap()).abs() < 1e-8, "{out}");
     let e = fails(&cat(&[BASE, &["--eval-every", "2"]]));
     assert!(e.contains("--val-fraction") && e.contains("--eval-data"), "{e}");
+}
+
+/// The loss file's rows and the saved parameters of a run.
+fn rows_and_params(losses: &std::path::Path, params: &std::path::Path) -> (Vec<String>, Vec<(String, Vec<u8>)>) {
+    let rows = std::fs::read_to_string(losses)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(String::from)
+        .collect();
+    let params = brigade_models::load_safetensors(params)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| {
+            (
+                n,
+                t.to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            )
+        })
+        .collect();
+    (rows, params)
+}
+
+#[test]
+fn dropout_resumes_exactly_on_one_and_two_ranks() {
+    // 2 steps + --resume + 2 steps against 4 straight, at --dropout 0.3: the same loss rows and
+    // the same parameters bit for bit (the MLP on one rank, the GPT on two)
+    let gpt: &[&str] = &cat(&[
+        &["train"],
+        super::common::GPT,
+        &["--world-size", "2", "--batch-size", "4"],
+    ]);
+    for (name, base) in [("mlp", BASE), ("gpt", gpt)] {
+        let d = dir(&format!("dropout-resume-{name}"));
+        let f = |n: &str| d.join(n);
+        let flags = ["--dropout", "0.3"];
+        ok(&cat(&[
+            base,
+            &flags,
+            &["--steps", "4", "--losses", s(&f("a.csv")), "--save", s(&f("a.st"))],
+        ]));
+        ok(&cat(&[base, &flags, &["--steps", "2", "--checkpoint", s(&f("ck"))]]));
+        ok(&cat(&[
+            base,
+            &flags,
+            &[
+                "--steps",
+                "4",
+                "--resume",
+                s(&f("ck")),
+                "--losses",
+                s(&f("b.csv")),
+                "--save",
+                s(&f("b.st")),
+            ],
+        ]));
+        let (straight, straight_params) = rows_and_params(&f("a.csv"), &f("a.st"));
+        let (resumed, resumed_params) = rows_and_params(&f("b.csv"), &f("b.st"));
+        assert_eq!(resumed, straight[2..], "{name}: the loss rows of steps 2 and 3");
+        assert!(resumed_params == straight_params, "{name}: parameters, bit for bit");
+        // and the dropout is on: without it the losses differ
+        ok(&cat(&[
+            base,
+            &["--steps", "4", "--losses", s(&f("c.csv")), "--save", s(&f("c.st"))],
+        ]));
+        assert_ne!(rows_and_params(&f("c.csv"), &f("c.st")).0, straight, "{name}");
+    }
+    for bad in ["1", "-0.1", "NaN"] {
+        let e = fails(&cat(&[BASE, &["--dropout", bad]]));
+        assert!(e.contains("--dropout must be a probability in [0, 1)"), "{e}");
+    }
+}
+
+/// The `#RRGGBB` of the chart's training loss, validation loss and learning rate.
+const TRAIN_RGB: &str = "#3498DB";
+const VAL_RGB: &str = "#E74C3C";
+const LR_RGB: &str = "#27AE60";
+
+#[test]
+fn plot_draws_the_training_and_validation_loss_and_the_lr_of_every_step() {
+    let d = dir("recipe-plot");
+    let (plot, losses, ck) = (d.join("run.svg"), d.join("losses.csv"), d.join("ck"));
+    let recipe = [
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--val-fraction",
+        "0.1",
+        "--losses",
+        s(&losses),
+        "--plot",
+        s(&plot),
+    ];
+    ok(&cat(&[BASE, &recipe, &["--steps", "6"]]));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    super::common::assert_well_formed_xml(&svg);
+    let texts = super::common::svg_texts(&svg);
+    for legend in ["training loss", "validation loss", "learning rate (right axis)"] {
+        assert!(texts.iter().any(|t| t == legend), "legend entry {legend}: {texts:?}");
+    }
+    // one curve per series beside its 2-point legend line: 6 steps, evaluated after 1, 3, 5
+    let points = |rgb| super::common::polyline_points(&svg, rgb);
+    assert_eq!(points(TRAIN_RGB), [2, 6]);
+    assert_eq!(points(VAL_RGB), [2, 3]);
+    assert_eq!(points(LR_RGB), [2, 6]);
+    // a resumed run draws the steps before the resume from --losses, then its own
+    ok(&cat(&[BASE, &recipe, &["--steps", "3", "--checkpoint", s(&ck)]]));
+    ok(&cat(&[BASE, &recipe, &["--steps", "6", "--resume", s(&ck)]]));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert_eq!(super::common::polyline_points(&svg, TRAIN_RGB), [2, 6]);
+}
+
+#[test]
+fn a_bad_plot_path_is_one_error_line_before_training() {
+    let d = dir("recipe-plot-bad");
+    let losses = d.join("losses.csv");
+    for (plot, says) in [
+        (d.join("no-such-dir").join("p.svg"), "--plot"),
+        (d.join("p.png"), "give a FILE.svg"),
+        (d.clone(), "--plot"),
+    ] {
+        let e = fails(&cat(&[
+            BASE,
+            &["--steps", "2", "--losses", s(&losses), "--plot", s(&plot)],
+        ]));
+        assert!(e.contains(says), "{e}");
+        assert!(!losses.exists(), "nothing trained, nothing written: {e}");
+    }
+    // the same file as another output
+    let svg = d.join("l.svg");
+    let e = fails(&cat(&[BASE, &["--losses", s(&svg), "--plot", s(&svg)]]));
+    assert!(e.contains("the same file"), "{e}");
 }

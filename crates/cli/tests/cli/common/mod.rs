@@ -151,6 +151,82 @@ pub fn svg_texts(svg: &str) -> Vec<String> {
         .collect()
 }
 
+/// Panics unless `text` is well-formed XML: one root element, every element closed in order,
+/// attribute values quoted, `&` only as an entity (a small checker, enough for the SVG that
+/// plotters writes: no CDATA).
+pub fn assert_well_formed_xml(text: &str) {
+    let (mut open, mut roots, mut rest) = (Vec::<String>::new(), 0, text);
+    let entity_ok = |t: &str| {
+        t.match_indices('&').all(|(i, _)| {
+            let after = &t[i..];
+            ["&amp;", "&lt;", "&gt;", "&quot;", "&apos;", "&#"]
+                .iter()
+                .any(|e| after.starts_with(e))
+        })
+    };
+    while let Some(start) = rest.find('<') {
+        let between = &rest[..start];
+        assert!(entity_ok(between), "a bare & in text: {between}");
+        assert!(
+            !open.is_empty() || between.trim().is_empty(),
+            "text outside the root: {between}"
+        );
+        let tag_and_rest = &rest[start..];
+        let end = if tag_and_rest.starts_with("<!--") {
+            tag_and_rest.find("-->").map(|e| e + 3)
+        } else {
+            tag_and_rest.find('>').map(|e| e + 1)
+        }
+        .unwrap_or_else(|| panic!("a tag never closed: {}", &tag_and_rest[..tag_and_rest.len().min(80)]));
+        let tag = &tag_and_rest[..end];
+        rest = &tag_and_rest[end..];
+        if tag.starts_with("<?") || tag.starts_with("<!") {
+            continue;
+        }
+        assert!(tag.matches('"').count() % 2 == 0, "unbalanced quotes: {tag}");
+        assert!(entity_ok(tag), "a bare & in a tag: {tag}");
+        let name: String = tag
+            .trim_start_matches("</")
+            .trim_start_matches('<')
+            .chars()
+            .take_while(|c| !c.is_whitespace() && *c != '>' && *c != '/')
+            .collect();
+        assert!(!name.is_empty(), "a tag without a name: {tag}");
+        if tag.starts_with("</") {
+            assert_eq!(open.pop().as_deref(), Some(name.as_str()), "closed out of order: {tag}");
+        } else if !tag.ends_with("/>") {
+            if open.is_empty() {
+                roots += 1;
+            }
+            open.push(name);
+        } else if open.is_empty() {
+            roots += 1;
+        }
+    }
+    assert!(rest.trim().is_empty() && open.is_empty(), "unclosed elements {open:?}");
+    assert_eq!(roots, 1, "one root element");
+}
+
+/// The number of points of every `<polyline>` drawn in `color` (`#RRGGBB`), sorted.
+pub fn polyline_points(svg: &str, color: &str) -> Vec<usize> {
+    let mut counts: Vec<usize> = svg
+        .split("<polyline")
+        .skip(1)
+        .map(|p| &p[..p.find('>').unwrap_or(p.len())])
+        .filter(|p| p.contains(&format!("stroke=\"{color}\"")))
+        .map(|p| {
+            let points = p
+                .split("points=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .unwrap_or("");
+            points.split_whitespace().count()
+        })
+        .collect();
+    counts.sort_unstable();
+    counts
+}
+
 /// Waits (at most 120 s) for `child`'s first checkpoint at `ck`, sends it `SIG{signal}`
 /// (`INT`, `TERM`) and waits (at most 120 s) for it to end: its status and its stderr.
 pub fn signal_after_first_checkpoint(child: &mut Child, ck: &Path, signal: &str) -> (ExitStatus, String) {
