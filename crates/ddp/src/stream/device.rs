@@ -325,6 +325,7 @@ impl<C: DeviceComm> CollectiveBackend for DeviceCollectives<C> {
         )
     }
 
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
         let (sh, world) = (&self.shared, self.world_size());
         let done = (|| {
