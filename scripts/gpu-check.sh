@@ -218,7 +218,7 @@ fi
 # ---- policies: every built-in reducer policy on the NCCL comm stream (world 1, simulated link)
 # against the same policy host-staged; its bucket reductions (compute and collectives on the comm
 # stream) must interleave with backward on the GPU clock
-POLICY_GPT=(--model gpt --steps 8 --seed 3 --optimizer sgd --lr 0.05 --momentum 0 --device cuda --world-size 1
+POLICY_GPT=(--model gpt --steps 6 --seed 3 --optimizer sgd --lr 0.05 --momentum 0 --device cuda --world-size 1
   --batch-size 16 --bucket-mb 1 --first-bucket-mb 1 --quiet)
 POLICIES=("fp16:--comm-hook fp16" "bf16:--comm-hook bf16"
   "powersgd:--comm-hook powersgd --powersgd-rank 1 --powersgd-start-iter 2" "zero1:--zero 1" "zero2:--zero 2")
