@@ -250,3 +250,73 @@ fn an_fp16_overflow_on_the_device_stream_is_reported_after_the_step_with_no_read
         assert!(e.contains("overflow in bucket 3") && e.contains("2.0000e5"), "{e}");
     }
 }
+
+#[test]
+fn the_simulated_link_spins_each_collectives_modelled_time_on_the_comm_stream_before_it() {
+    use brigade_comm::NetModel;
+    use std::time::Duration;
+    // ZeRO-1 at world 2 on one bucket of 64 f32 gradients (one 8 x 8 parameter): the bucket's
+    // reduce-scatter (256 bytes in), then the optimizer's all-gather of this rank's 32 updated
+    // parameters (128 bytes per rank), each after a delay of its ring model at world 2
+    let link = NetModel {
+        latency: Duration::from_micros(20),
+        bandwidth_bytes_per_s: 1.25e9,
+    };
+    let logs = run_on_threads(2, |comm| {
+        set_compute_threads(1);
+        let rank = comm.rank();
+        let ordinal = 250 + rank;
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let device = Device::Fake(ordinal);
+        let mut store = brigade_autograd::ParamStore::new();
+        let w = store
+            .add(
+                "w".to_string(),
+                Tensor::full_on(&[8, 8], 0.5, brigade_tensor::DType::F32, device).unwrap(),
+            )
+            .unwrap();
+        let stream = DeviceStream::host_staged(device, comm.clone())
+            .unwrap()
+            .with_simulated_link(Some(link));
+        let comm_stream = stream.comm_stream().raw_handle();
+        let built = brigade_policies::PolicySpec::Zero1
+            .build(&brigade_policies::Registry::new())
+            .unwrap();
+        let ddp =
+            DistributedDataParallel::with_stream(&store, comm, Arc::new(stream), DdpConfig::default(), built).unwrap();
+        let mut opt = ddp
+            .optimizer(optimizer("plain-sgd", store.params().to_vec()), &|p| {
+                optimizer("plain-sgd", p)
+            })
+            .unwrap();
+        fake::start_log(ordinal);
+        let scale = Tensor::full_on(&[8, 8], (rank + 1) as f64, brigade_tensor::DType::F32, device).unwrap();
+        let loss = w
+            .mul(&brigade_autograd::Var::constant(scale))
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        loss.backward().unwrap();
+        brigade_autograd::Optimizer::step(&mut opt).unwrap();
+        let log = fake::take_log(ordinal);
+        // what the comm stream ran: each delay, then the staged copy out it precedes
+        let comm_ops: Vec<FakeWhat> = log
+            .into_iter()
+            .filter(|op| op.stream == comm_stream && matches!(op.what, FakeWhat::Spin(_) | FakeWhat::ToHost(_)))
+            .map(|op| op.what)
+            .collect();
+        (comm_ops, w.value().to_vec::<f32>().unwrap())
+    });
+    let want = vec![
+        FakeWhat::Spin(link.reduce_scatter_time(256, 2)),
+        FakeWhat::ToHost(256),
+        FakeWhat::Spin(link.all_gather_time(128, 2)),
+        FakeWhat::ToHost(128),
+    ];
+    for r in logs {
+        let (comm_ops, w) = r.unwrap();
+        assert_eq!(comm_ops, want);
+        // the averaged gradient of w is (1 + 2) / 2 everywhere: one SGD step of 0.1 from 0.5
+        assert!(w.iter().all(|&x| (x - (0.5 - 0.1 * 1.5)).abs() < 1e-6), "{w:?}");
+    }
+}
