@@ -13,16 +13,19 @@
 # are right but a speed goal was not reached (reported, exit 0).
 #
 # Order (the environment first, then the verdict checks, cheapest first, within the first 4
-# minutes; then the numbers):
+# minutes and a third; then the numbers):
 #   env        driver, CUDA, NCCL, PyTorch, glibc; the comparison code's own tests
 #   start      every carried binary starts (and the glibc it needs)
 #   probe      cuda:0 opens (BRIGADE_REQUIRE_CUDA=1: a skip is a failure); NVRTC compiles here
 #   ops        every op, forward and backward, CPU vs CUDA, f32 and f64 (tests/tensor cuda_ops::)
 #   parity     the GPT's losses on CUDA vs the CPU reference computed at build time (SGD, 3e-4)
 #   nccl       NCCL world 1 vs host-staged world 1, host-staged world 2 vs world 1 (SGD, 1e-5)
-#   overlap    NCCL world 1 under a simulated 10 Gb/s link (a delay kernel per bucket on the comm
-#              stream): fails unless bucket collectives interleave with backward spans on the
+#   overlap    NCCL world 1 under a simulated 10 Gb/s link (a delay kernel per collective on the
+#              comm stream): fails unless bucket collectives interleave with backward spans on the
 #              GPU clock; the step beside `brigade predict` on the same profile (PASS/MISS)
+#   policies   each reducer policy (fp16, bf16, PowerSGD 1@2, ZeRO-1, ZeRO-2) on NCCL world 1
+#              under the simulated link: its losses against the same policy host-staged at world
+#              1 (SGD, 1e-5), and its bucket reductions interleaving with backward on the GPU clock
 #   gemm       Brigade's GEMM vs cuBLAS, 4096^3, f32 and bf16: outputs compared (FAIL), speed
 #              >= 0.95x (PASS/MISS)
 #   step       the GPT step (d 768, 12 layers, 64x128 tokens, AdamW, f32, TF32 off) vs PyTorch
@@ -46,8 +49,8 @@ B="$CARRY/bin/brigade"
 T="$CARRY/tests/tensor"
 
 # Budgets: seconds from the start by which each section must be done (the verdict checks by
-# 240 s, everything by 420 s = 7 minutes).
-SECTIONS="env:30 start:40 probe:75 ops:125 parity:150 nccl:200 overlap:240 gemm:300 step:420"
+# 260 s, everything by 420 s = 7 minutes).
+SECTIONS="env:30 start:40 probe:75 ops:125 parity:150 nccl:185 overlap:215 policies:260 gemm:315 step:420"
 deadline() { for s in $SECTIONS; do [ "${s%%:*}" = "$1" ] && echo "${s##*:}"; done; }
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -211,6 +214,31 @@ if ran overlap $rc "$OUT/overlap-nccl.log"; then
   "$PY" scripts/gpu_check.py predict "step vs brigade predict (same profile, world 2 link)" "$OUT/overlap-nccl.log" \
     "$OUT/overlap-predict.log" 2>&1 | tail -n 1 | tee -a "$SUMMARY"
 fi
+
+# ---- policies: every built-in reducer policy on the NCCL comm stream (world 1, simulated link)
+# against the same policy host-staged; its bucket reductions (compute and collectives on the comm
+# stream) must interleave with backward on the GPU clock
+POLICY_GPT=(--model gpt --steps 6 --seed 3 --optimizer sgd --lr 0.05 --momentum 0 --device cuda --world-size 1
+  --batch-size 16 --bucket-mb 1 --first-bucket-mb 1 --quiet)
+POLICIES=("fp16:--comm-hook fp16" "bf16:--comm-hook bf16"
+  "powersgd:--comm-hook powersgd --powersgd-rank 1 --powersgd-start-iter 2" "zero1:--zero 1" "zero2:--zero 2")
+for entry in "${POLICIES[@]}"; do
+  name=${entry%%:*}
+  read -r -a flags <<<"${entry#*:}"
+  run policies "policy-$name-nccl" "$B" train "${POLICY_GPT[@]}" "${flags[@]}" --backend nccl "${LINK[@]}" \
+    --timeline "$OUT/policy-$name.trace.json" --losses "$OUT/policy-$name-nccl.csv"
+  r1=$?
+  run policies "policy-$name-staged" "$B" train "${POLICY_GPT[@]}" "${flags[@]}" --backend thread \
+    --losses "$OUT/policy-$name-staged.csv"
+  r2=$?
+  if ran "policy-$name-nccl" $r1 "$OUT/policy-$name-nccl.log" &&
+    ran "policy-$name-staged" $r2 "$OUT/policy-$name-staged.log"; then
+    judge "policy-$name" "$OUT/policy-$name-nccl.log" losses "policy $name: NCCL world 1 == host-staged world 1" \
+      "$OUT/policy-$name-nccl.csv" "$OUT/policy-$name-staged.csv" 1e-5
+    judge "policy-$name-overlap" "$OUT/policy-$name-nccl.log" overlap "policy $name: overlap (NCCL world 1, simulated link)" \
+      "$OUT/policy-$name.trace.json"
+  fi
+done
 
 # ---- gemm: Brigade vs direct cuBLAS, 4096^3, f32 and bf16; outputs compared element by element
 BRIGADE_BENCH_OUT="$OUT/gemm.json" run gemm bench-gemm "$T" --ignored --test-threads=1 cuda_bench::gemm_4096

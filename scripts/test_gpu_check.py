@@ -154,6 +154,42 @@ class Numbers(unittest.TestCase):
         self.assertEqual(quiet(g.check_predict, "predict", log, far)[0], g.MISS)
 
 
+class Script(unittest.TestCase):
+    """gpu-check.sh itself: its budgets and its policy sections (read from the script's text)."""
+
+    def setUp(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "gpu-check.sh")) as f:
+            self.text = f.read()
+
+    def sections(self):
+        line = next(l for l in self.text.splitlines() if l.startswith("SECTIONS="))
+        return [(s.split(":")[0], int(s.split(":")[1])) for s in line.split("=", 1)[1].strip('"').split()]
+
+    def test_the_budgets_grow_section_by_section_and_end_within_7_minutes(self):
+        sections = self.sections()
+        ends = [end for _, end in sections]
+        self.assertEqual(ends, sorted(ends))
+        self.assertEqual(len(set(ends)), len(ends))
+        self.assertEqual(ends[-1], 420)
+        names = [name for name, _ in sections]
+        # the verdict checks (the policies among them) come before the numbers
+        self.assertLess(names.index("policies"), names.index("gemm"))
+        self.assertLessEqual(dict(sections)["policies"], 270)
+
+    def test_every_built_in_policy_has_a_section_against_itself_host_staged_and_an_overlap_check(self):
+        line = next(l for l in self.text.splitlines() if l.startswith("POLICIES=("))
+        start = self.text.index(line)
+        block = self.text[start:self.text.index(")", self.text.index('"zero2:', start)) + 1]
+        names = [entry.split(":")[0] for entry in block.split('"')[1::2]]
+        self.assertEqual(names, ["fp16", "bf16", "powersgd", "zero1", "zero2"])
+        loop = self.text[self.text.index('for entry in "${POLICIES[@]}"'):]
+        loop = loop[:loop.index("\ndone\n")]
+        for needle in ["--backend nccl", "--backend thread", '"${LINK[@]}"', "--timeline", "losses", "overlap",
+                       "run policies"]:
+            self.assertIn(needle, loop)
+
+
 class Binaries(unittest.TestCase):
     def test_the_glibc_a_binary_needs_is_read_from_its_elf(self):
         need = g.glibc_needed(sys.executable if os.path.exists(sys.executable) else "/bin/sh")

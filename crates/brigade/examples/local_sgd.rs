@@ -18,10 +18,17 @@ use brigade::tensor::Tensor;
 use brigade::{OptimizerConfig, RunReport, TrainConfig};
 
 /// All-reduce for `k` steps, then each rank alone, the models averaged every `h` steps.
-struct LocalSgd {
+pub(crate) struct LocalSgd {
     k: u64,
     h: u64,
     steps: u64,
+}
+
+impl LocalSgd {
+    /// All-reduce for `k` steps, then the models averaged every `h` steps.
+    pub(crate) fn new(k: u64, h: u64) -> LocalSgd {
+        LocalSgd { k, h, steps: 0 }
+    }
 }
 
 impl ReducerPolicy for LocalSgd {
@@ -94,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
     let cfg = TrainConfig {
         // each rank makes its own policy
-        comm_hook: Arc::new(move |_rank: usize| Box::new(LocalSgd { k, h, steps: 0 }) as Box<dyn ReducerPolicy>),
+        comm_hook: Arc::new(move |_rank: usize| Box::new(LocalSgd::new(k, h)) as Box<dyn ReducerPolicy>),
         ..TrainConfig::new(steps, 32, sgd)
     };
     let local = train(&cfg)?;

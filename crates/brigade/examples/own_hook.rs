@@ -20,9 +20,11 @@ use brigade::tensor::{DType, Tensor};
 use brigade::{OptimizerConfig, RunReport, TrainConfig};
 
 /// Int8 with error feedback. One policy per rank (the error it keeps is its own), keyed by
-/// parameter index, which survives DDP's bucket rebuild after the first iteration.
+/// parameter index, which survives DDP's bucket rebuild after the first iteration. Every step
+/// is a tensor op on the bucket's device (the scale too: nothing is read back to the host), so
+/// the same policy runs on a GPU.
 #[derive(Default)]
-struct Int8 {
+pub(crate) struct Int8 {
     error: HashMap<usize, Tensor>,
 }
 
@@ -38,15 +40,22 @@ impl ReducerPolicy for Int8 {
                 g.narrow(0, p.offset, p.len())?.add_assign(e)?; // error feedback
             }
         }
-        let largest = g.sqr()?.max_dim(0, false)?.sqrt()?.item()?;
-        let scale = if largest > 0.0 { largest / 127.0 } else { 1.0 };
-        let q = g.mul_scalar(1.0 / scale)?.to_dtype(DType::I8)?;
-        let error = g.sub(&q.to_dtype(DType::F32)?.mul_scalar(scale)?)?;
+        // the scale, a one-element tensor on the bucket's device: max(largest magnitude, the
+        // smallest normal f32) / 127, so that an all-zero bucket quantizes to zeros
+        let largest = g.sqr()?.max_dim(0, false)?.sqrt()?;
+        let tiny = f32::MIN_POSITIVE as f64;
+        let scale = largest
+            .add_scalar(-tiny)?
+            .relu()?
+            .add_scalar(tiny)?
+            .mul_scalar(1.0 / 127.0)?;
+        let q = g.div(&scale)?.to_dtype(DType::I8)?;
+        let error = g.sub(&q.to_dtype(DType::F32)?.mul(&scale)?)?;
         for p in &bucket.params {
             self.error.insert(p.index, error.narrow(0, p.offset, p.len())?.copy()?);
         }
         let world = comm.world_size() as f64;
-        let scale = Tensor::from_vec(vec![scale as f32], &[1])?;
+        let scale = scale.reshape(&[1])?;
         // the payload and its scale in one all-gather: [world, n] int8s and [world, 1] scales
         let gathered = comm.all_gather_with_side(&q, &scale, &bucket.tag());
         Ok(Reduction::Full(gathered.then(move |(q, s)| {

@@ -571,11 +571,6 @@ impl RunArgs {
                 self.warmup, self.steps
             ));
         }
-        if zero != 0 && self.backend == CommBackend::Nccl {
-            return bad(format!(
-                "--zero {zero} reduce-scatters on the host comm stream and does not run over --backend nccl yet: drop one of them"
-            ));
-        }
         if zero != 0 && self.bucket_auto() {
             return bad(format!(
                 "--zero {zero} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB"
@@ -593,7 +588,7 @@ impl RunArgs {
                 ))
             })?;
         }
-        self.validate_nccl(policy)?;
+        self.validate_nccl()?;
         self.check_memory(zero)
     }
 
@@ -629,8 +624,9 @@ impl RunArgs {
         footprint::check_fits(&what, bytes)
     }
 
-    /// Flags that cannot work with `--backend nccl`.
-    fn validate_nccl(&self, policy: &PolicySpec) -> Result<()> {
+    /// Flags that cannot work with `--backend nccl` (every reducer policy runs there: its
+    /// compute and collectives on the NCCL comm stream, behind each bucket's ready event).
+    fn validate_nccl(&self) -> Result<()> {
         if self.backend != CommBackend::Nccl {
             return Ok(());
         }
@@ -638,13 +634,6 @@ impl RunArgs {
             return Err(Error::Usage(
                 "--backend nccl reduces gradients in GPU memory: pass --device cuda (or cuda:N); \
                  on the CPU use --backend thread or mpi"
-                    .into(),
-            ));
-        }
-        if *policy != PolicySpec::AllReduce {
-            return Err(Error::Usage(
-                "--backend nccl averages each bucket with one NCCL all-reduce: --comm-hook must be allreduce \
-                 (the other hooks run with --backend thread or mpi, host-staged)"
                     .into(),
             ));
         }
@@ -748,14 +737,20 @@ mod tests {
     }
 
     #[test]
-    fn nccl_needs_a_cuda_device_and_the_plain_all_reduce() {
+    fn nccl_needs_a_cuda_device_and_takes_every_policy() {
         assert!(flags(&["--backend", "nccl", "--device", "cuda"]).validate().is_ok());
         assert!(flags(&["--backend", "thread"]).validate().is_ok());
         let e = flags(&["--backend", "nccl"]).validate().unwrap_err();
         assert!(e.to_string().contains("--device cuda"), "{e}");
-        let e = flags(&["--backend", "nccl", "--device", "cuda", "--comm-hook", "fp16"])
-            .validate()
-            .unwrap_err();
-        assert!(e.to_string().contains("--comm-hook"), "{e}");
+        for policy in [
+            &["--comm-hook", "fp16"][..],
+            &["--comm-hook", "bf16"],
+            &["--comm-hook", "powersgd"],
+            &["--zero", "1"],
+            &["--zero", "2"],
+        ] {
+            let f = flags(&[&["--backend", "nccl", "--device", "cuda"][..], policy].concat());
+            assert!(f.validate().is_ok(), "{policy:?}: {:?}", f.validate());
+        }
     }
 }

@@ -9,7 +9,7 @@
 //! collective without a copy, as DDP's buckets always were (its views read a typed
 //! `StorageLent` error meanwhile, never stale data), device memory is staged through the host,
 //! and a view that does not span its storage is copied. An NCCL backend implements the same
-//! trait on device memory.
+//! trait on device memory (`stream::DeviceStream`'s handle, NCCL's or host-staged).
 //!
 //! What each collective does with its input (host backend and contract alike):
 //! - `all_reduce` and `broadcast` work in place: the result lands in the tensor's own storage
@@ -301,7 +301,7 @@ pub(crate) fn spans_storage(t: &Tensor) -> bool {
 
 /// `t`'s elements as a host buffer: its own storage when it spans it (`true`: lent, the tensor
 /// reads `StorageLent` until it is restored), else a copy.
-fn take(t: &Tensor) -> Result<(Buffer, bool)> {
+pub(crate) fn take(t: &Tensor) -> Result<(Buffer, bool)> {
     let unsupported = |d: DType| {
         DdpError::Comm(CommError::Unsupported(format!(
             "a collective on a {d} tensor (collectives move f32, f16, bf16, u8 and i8)"
@@ -345,7 +345,7 @@ fn storage_of(b: Buffer, device: Device) -> Result<Storage> {
 }
 
 /// A host buffer as a new tensor of `shape` on `device` (no copy on the CPU).
-fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Tensor> {
+pub(crate) fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Tensor> {
     let t = match b {
         Buffer::F32(v) => Tensor::from_vec(v, shape)?,
         Buffer::F16(v) => Tensor::from_vec(v, shape)?,
@@ -357,7 +357,7 @@ fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Tensor> {
 }
 
 /// Puts `b` (the result of an in-place collective) back under `t`.
-fn put_back(t: &Tensor, b: Buffer, lent: bool) -> Result<Tensor> {
+pub(crate) fn put_back(t: &Tensor, b: Buffer, lent: bool) -> Result<Tensor> {
     if lent {
         t.restore_storage(storage_of(b, t.device())?)?;
     } else {

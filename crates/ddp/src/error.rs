@@ -128,7 +128,7 @@ pub enum DdpError {
         /// The kind of stream that launched it.
         launched_by: &'static str,
     },
-    /// A CUDA call of the NCCL bucket stream failed.
+    /// A device call of a device bucket stream (NCCL's, or host-staged on a device) failed.
     #[error("rank {rank}: {during} failed: {detail}")]
     Cuda {
         /// This rank.

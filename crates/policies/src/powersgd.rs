@@ -327,9 +327,9 @@ fn reduce_bucket(
     bucket: PolicyBucket,
 ) -> brigade_ddp::Result<TensorWork<Tensor>> {
     let tag = bucket.tag();
-    let world = Tensor::scalar(comm.world_size() as f64, DType::F32);
     let input = bucket.tensor.clone();
     let device = input.device();
+    let world = Tensor::full_on(&[], comm.world_size() as f64, DType::F32, device)?;
     let mut st = lock(state);
     let iter = st.iter;
     if bucket.is_last {

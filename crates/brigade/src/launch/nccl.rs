@@ -1,5 +1,6 @@
-//! The NCCL backend ([`CommBackend::Nccl`]): gradient buckets averaged by NCCL on a CUDA comm
-//! stream of each rank's GPU, ordered by events (`ddp::stream::NcclStream`). The ranks are
+//! The NCCL backend ([`CommBackend::Nccl`]): gradient buckets reduced by the run's reducer
+//! policy (any of them: its compute and its collectives) on a CUDA comm stream of each rank's
+//! GPU, NCCL moving the bytes, ordered by events (`ddp::stream::NcclStream`). The ranks are
 //! started as threads or, under `mpirun`, one per process; the launcher's own communicator
 //! still carries the control messages (model check, parameter broadcast, bucket rebuild,
 //! losses) and bootstraps NCCL: rank 0 creates the unique id, the others receive its 128 bytes
@@ -69,7 +70,7 @@ fn local_rank_from(var: impl Fn(&str) -> Option<String>) -> Option<usize> {
 
 /// The bucket stream of this rank when the run asked for NCCL: NCCL on a comm stream of
 /// `device`'s GPU (the id exchanged over the launcher's control communicator), with `link`
-/// simulated on the comm stream by a delay kernel per bucket. `None`: the host comm stream that
+/// simulated on the comm stream by a delay kernel per collective. `None`: the host comm stream that
 /// [`brigade_ddp::DistributedDataParallel::new`] builds over the rank's communicator stack.
 pub fn bucket_stream(
     ctx: &RankContext,

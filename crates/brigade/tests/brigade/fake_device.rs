@@ -16,7 +16,7 @@ use brigade::tensor::fake::{self, FakeCounts};
 use brigade::tensor::DType;
 use brigade::{fit, Error};
 
-fn small_gpt() -> GptConfig {
+pub(crate) fn small_gpt() -> GptConfig {
     GptConfig {
         vocab: 256,
         d_model: 32,
@@ -56,15 +56,14 @@ fn run(steps: usize, world: usize, ordinal: usize, ddp: bool) -> (FakeCounts, Ve
     (fake::counts(ordinal), report.outcome.losses)
 }
 
-/// The counts of one step: (3 steps - 1 step) / 2.
-fn per_step(world: usize, ordinal: usize, ddp: bool) -> (FakeCounts, Vec<f64>) {
-    let (one, _) = run(1, world, ordinal, ddp);
-    let (three, losses) = run(3, world, ordinal, ddp);
+/// The counts of one step from a 1-step and a 3-step run: (3 steps - 1 step) / 2 (steps 2
+/// and 3 must count alike).
+pub(crate) fn step_counts(one: FakeCounts, three: FakeCounts) -> FakeCounts {
     let d = |a: u64, b: u64| {
         assert_eq!((a - b) % 2, 0, "steps 2 and 3 differ: {three:?} vs {one:?}");
         (a - b) / 2
     };
-    let c = FakeCounts {
+    FakeCounts {
         to_device: d(three.to_device, one.to_device),
         to_device_bytes: d(three.to_device_bytes, one.to_device_bytes),
         to_host: d(three.to_host, one.to_host),
@@ -72,8 +71,14 @@ fn per_step(world: usize, ordinal: usize, ddp: bool) -> (FakeCounts, Vec<f64>) {
         host_waits: d(three.host_waits, one.host_waits),
         kernels: d(three.kernels, one.kernels),
         deferred_frees: d(three.deferred_frees, one.deferred_frees),
-    };
-    (c, losses)
+    }
+}
+
+/// The counts of one step: (3 steps - 1 step) / 2.
+fn per_step(world: usize, ordinal: usize, ddp: bool) -> (FakeCounts, Vec<f64>) {
+    let (one, _) = run(1, world, ordinal, ddp);
+    let (three, losses) = run(3, world, ordinal, ddp);
+    (step_counts(one, three), losses)
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 mod dropout_resume;
 mod fake_device;
+mod fake_policies;
 mod launch;
 mod library;
 #[cfg(feature = "mpi")]

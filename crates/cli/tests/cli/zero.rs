@@ -207,17 +207,8 @@ fn resuming_with_another_stage_or_world_size_and_unsupported_combinations_are_on
     // the autotuner regroups buckets, and ZeRO's shards are cut from fixed ones
     let err = fails(&small(&["--world-size", "2", "--zero", "1", "--bucket-mb", "auto"]));
     assert!(err.contains("--zero 1") && err.contains("--bucket-mb auto"), "{err}");
-    let err = fails(&small(&[
-        "--world-size",
-        "1",
-        "--zero",
-        "1",
-        "--backend",
-        "nccl",
-        "--device",
-        "cuda",
-    ]));
-    assert!(err.contains("--zero 1") && err.contains("--backend nccl"), "{err}");
+    // (--zero 1|2 over --backend nccl is accepted: cli/nccl.rs checks that without a GPU its
+    // one error line is about the missing device)
 }
 
 #[test]

@@ -156,21 +156,22 @@ pub trait ReducerPolicy: Send {
 /// are all-reduced (each shard counted on the rank that holds it).
 pub fn default_grad_norm_sq(held: &[HeldGrad], comm: &Collectives) -> Result<f64> {
     let sq = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?) };
-    let (mut full, mut sharded, mut any_shard) = (0.0, 0.0, false);
+    let (mut full, mut sharded, mut shard_on) = (0.0, 0.0, None);
     for h in held {
         match h {
             HeldGrad::Full(t) => full += sq(t)?,
             HeldGrad::Shard { tensor, .. } => {
                 sharded += sq(tensor)?;
-                any_shard = true;
+                shard_on = Some(tensor.device());
             }
         }
     }
-    if !any_shard {
+    let Some(device) = shard_on else {
         return Ok(full);
-    }
-    // The partial sums travel as f32 (buffers carry no f64): plenty for a norm.
-    let partial = Tensor::from_vec(vec![sharded as f32], &[1])?;
+    };
+    // The partial sums travel as f32 (buffers carry no f64): plenty for a norm; on the shards'
+    // device (a device stream moves device memory).
+    let partial = Tensor::from_vec(vec![sharded as f32], &[1])?.to_device(device)?;
     let summed = comm.all_reduce(&partial, ReduceOp::Sum, "ddp.grad_norm").wait()?;
     Ok(full + summed.item()?)
 }

@@ -18,8 +18,11 @@
 //!    the reducer puts the result back under the gradient views.
 //!
 //! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] (a device bucket is staged
-//! through the host); `NcclStream` (the `cuda` feature) over an NCCL communicator on a comm
-//! stream of the bucket's GPU. Streams and events are the tensor crate's
+//! through the host by each collective, on the compute side); [`DeviceStream`] on a comm
+//! stream of the bucket's device, every policy's compute and collectives enqueued there behind
+//! the ready event, over a [`DeviceComm`]: `NcclStream` (the `cuda` feature) is NCCL's, and
+//! [`HostStagedComm`] any communicator's, which runs the NCCL stream's own code on the counting
+//! fake device in CPU tests. Streams and events are the tensor crate's
 //! ([`brigade_tensor::Stream`], [`brigade_tensor::Event`]), and device memory reaches NCCL as
 //! comm's raw handles: this crate names no CUDA type. [`Recording`] wraps either stream and
 //! writes down the order of the calls, which is how the CPU tests check the logic that also
@@ -27,7 +30,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
+mod device;
 mod gpu_clock;
 mod host;
 mod recording;
@@ -44,6 +47,7 @@ use crate::DdpError;
 
 #[cfg(feature = "cuda")]
 pub use cuda::NcclStream;
+pub use device::{DeviceComm, DeviceStream, HostStagedComm};
 pub use host::HostStream;
 pub use recording::{Recording, StreamEvent};
 

@@ -190,10 +190,7 @@ impl ZeroOptimizer {
     fn send_chunk(&self, b: usize, chunk: Range<usize>) -> Result<Tensor> {
         let sb = &self.shards[b];
         let params = self.buckets.params();
-        let device = params
-            .first()
-            .map_or(brigade_tensor::Device::Cpu, |p| p.value().device());
-        let send = Tensor::zeros_on(&[chunk.len()], DType::F32, device)?;
+        let send = Tensor::zeros_on(&[chunk.len()], DType::F32, self.device())?;
         let lo = self.comm.rank() * sb.per + chunk.start;
         for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
             send.narrow(0, out, len)?
@@ -301,9 +298,19 @@ impl ZeroOptimizer {
         Ok(())
     }
 
+    /// The parameters' device, where the collectives move memory (a device stream moves
+    /// device memory only).
+    fn device(&self) -> brigade_tensor::Device {
+        self.buckets
+            .params()
+            .first()
+            .map_or(brigade_tensor::Device::Cpu, |p| p.value().device())
+    }
+
     /// Every rank's byte string, in rank order (two all-gathers: lengths, then padded bytes).
     fn gather_bytes(&self, bytes: Vec<u8>, tag: &str) -> Result<Vec<Vec<u8>>> {
-        let len = Tensor::from_vec((bytes.len() as u64).to_le_bytes().to_vec(), &[8])?;
+        let device = self.device();
+        let len = Tensor::from_vec((bytes.len() as u64).to_le_bytes().to_vec(), &[8])?.to_device(device)?;
         let lens: Vec<usize> = self
             .comm
             .all_gather(&len, &format!("{tag}.len"))
@@ -317,7 +324,7 @@ impl ZeroOptimizer {
         padded.resize(max, 0);
         let all = self
             .comm
-            .all_gather(&Tensor::from_vec(padded, &[max])?, tag)
+            .all_gather(&Tensor::from_vec(padded, &[max])?.to_device(device)?, tag)
             .wait()?
             .to_vec::<u8>()?;
         Ok(lens
@@ -367,7 +374,11 @@ impl ZeroOptimizer {
                     }
                 }
                 let tag = format!("zero.state{i}.{suffix}");
-                let gathered = self.comm.all_gather(&send, &tag).wait()?;
+                let gathered = self
+                    .comm
+                    .all_gather(&send.to_device(self.device())?, &tag)
+                    .wait()?
+                    .to_device(brigade_tensor::Device::Cpu)?;
                 if rank != 0 {
                     continue;
                 }

@@ -4,6 +4,7 @@
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod common;
+mod device_stream;
 mod direct;
 mod pinned;
 mod powersgd;
