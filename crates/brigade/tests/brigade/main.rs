@@ -3,6 +3,7 @@
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod fake_device;
+mod join;
 mod launch;
 mod library;
 #[cfg(feature = "mpi")]
