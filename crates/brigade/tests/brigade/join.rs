@@ -392,3 +392,62 @@ fn sampled_shards_join_too() {
     assert_eq!(report.outcome.losses.len(), 5);
     assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
 }
+
+#[test]
+fn every_built_in_policy_joins_without_a_hang_and_the_ranks_end_equal() {
+    // bf16 and PowerSGD (compressing from step 2) approximate the sum, so no replay: the run
+    // ends where the data does, each rank's join is reported, and the end-of-run checksum
+    // (a `ReplicasDiffer` error otherwise) found every rank's parameters equal
+    let policies = [PolicySpec::Bf16, PolicySpec::PowerSgd { rank: 1, start_iter: 2 }];
+    for policy in policies {
+        for mode in [JoinMode::DivideInitial, JoinMode::DivideActive] {
+            let name = policy.to_string();
+            let report = run(&[40, 16, 24], config(10, Some(mode), policy.clone(), sgd())).unwrap();
+            assert!(
+                report.outcome.stopped.is_none(),
+                "{name} {mode}: {:?}",
+                report.outcome.stopped
+            );
+            assert_eq!(report.outcome.losses.len(), 5, "{name} {mode}");
+            assert_eq!(report.outcome.joined_at, vec![None, Some(2), Some(3)], "{name} {mode}");
+            assert!(report.outcome.losses.iter().all(|l| l.is_finite()), "{name} {mode}");
+        }
+    }
+}
+
+/// A policy that reduces nothing: each rank keeps its own gradient (the replicas drift apart).
+struct KeepLocal;
+
+impl brigade::ddp::ReducerPolicy for KeepLocal {
+    fn name(&self) -> String {
+        "keep-local".into()
+    }
+
+    fn reduce(
+        &mut self,
+        bucket: brigade::ddp::policy::PolicyBucket,
+        comm: &brigade::ddp::policy::Collectives,
+    ) -> brigade::ddp::Result<brigade::ddp::policy::Reduction> {
+        Ok(brigade::ddp::policy::Reduction::Full(comm.ready(bucket.tensor)))
+    }
+}
+
+#[test]
+fn ranks_whose_parameters_drift_apart_are_caught_at_the_end() {
+    // the end-of-run checksum is what proves the ranks agree: under a policy that reduces
+    // nothing every rank steps its own gradient, and the run ends with one agreed error
+    let cfg = TrainConfig {
+        comm_hook: Arc::new(|_rank: usize| Box::new(KeepLocal) as Box<dyn brigade::ddp::ReducerPolicy>),
+        ..config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd())
+    };
+    let report = run(&[40, 24], cfg).unwrap();
+    match report.outcome.stopped {
+        Some(Error::ReplicasDiffer { ref checksums }) => {
+            assert_eq!(checksums.len(), 2);
+            assert_ne!(checksums[0], checksums[1]);
+        }
+        ref other => panic!("{other:?}"),
+    }
+    // the losses of the finished steps are kept
+    assert_eq!(report.outcome.losses.len(), 5);
+}
