@@ -89,13 +89,15 @@ fn run(rows: &[usize], cfg: TrainConfig) -> brigade::Result<RunReport> {
 /// rank whose shard still holds a whole step contributes the gradient of its microbatches
 /// (rows from `(s * accum + j) * BATCH`, each loss scaled by `1/accum`), and the sum is divided
 /// by the world size (`DivideInitial`) or by the number of ranks with data (`DivideActive`).
-fn replay(rows: &[usize], cfg: &TrainConfig) -> Vec<(String, Vec<f64>)> {
+/// Returns the final parameters and each step's loss (the mean over the ranks with data).
+fn replay(rows: &[usize], cfg: &TrainConfig) -> (Vec<(String, Vec<f64>)>, Vec<f64>) {
     let data = shards(rows);
     let (world, k) = (rows.len(), cfg.accum);
     let steps_of: Vec<usize> = rows.iter().map(|n| n / (BATCH * k)).collect();
     let m = model().unwrap();
     let params = m.params().params().to_vec();
     let mut opt = cfg.optimizer.build(params.clone());
+    let mut losses = vec![];
     for s in 0..cfg.steps {
         let active: Vec<usize> = (0..world).filter(|&r| s < steps_of[r]).collect();
         if active.is_empty() {
@@ -106,16 +108,14 @@ fn replay(rows: &[usize], cfg: &TrainConfig) -> Vec<(String, Vec<f64>)> {
             _ => world,
         } as f64;
         let mut sum: Vec<Vec<f64>> = params.iter().map(|p| vec![0.0; p.value().numel()]).collect();
+        let mut loss = 0.0;
         for &r in &active {
             for j in 0..k {
                 m.params().zero_grad().unwrap();
                 let batch = data[r].batch((s * k + j) * BATCH, BATCH).unwrap();
-                m.loss(&batch)
-                    .unwrap()
-                    .mul_scalar(1.0 / k as f64)
-                    .unwrap()
-                    .backward()
-                    .unwrap();
+                let l = m.loss(&batch).unwrap().mul_scalar(1.0 / k as f64).unwrap();
+                loss += l.value().to_f64_vec().unwrap()[0];
+                l.backward().unwrap();
                 for (acc, p) in sum.iter_mut().zip(&params) {
                     let g = p.grad().unwrap().to_f64_vec().unwrap();
                     acc.iter_mut().zip(g).for_each(|(a, g)| *a += g);
@@ -129,12 +129,15 @@ fn replay(rows: &[usize], cfg: &TrainConfig) -> Vec<(String, Vec<f64>)> {
                 .unwrap();
         }
         opt.step().unwrap();
+        losses.push(loss / active.len() as f64);
     }
-    m.params()
+    let params = m
+        .params()
         .named_values()
         .into_iter()
         .map(|(n, t)| (n, t.to_f64_vec().unwrap()))
-        .collect()
+        .collect();
+    (params, losses)
 }
 
 /// The largest difference between the run's final parameters (rank 0's) and `expected`.
@@ -153,9 +156,17 @@ fn max_diff(report: &RunReport, expected: &[(String, Vec<f64>)]) -> f64 {
 /// Runs `cfg` on shards of `rows` and checks it against the replay (to `tol`), that the
 /// divisor matters (the other divisor's replay is far off), and what the outcome reports.
 fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport {
-    let expected = replay(rows, &cfg);
+    let (expected, losses) = replay(rows, &cfg);
     let report = run(rows, cfg.clone()).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
+    // each step's loss is the mean over the ranks with data (agreed in f32)
+    assert_eq!(report.outcome.losses.len(), losses.len());
+    for (s, (a, b)) in report.outcome.losses.iter().zip(&losses).enumerate() {
+        assert!(
+            (a - b).abs() < 1e-5 * b.abs().max(1.0),
+            "step {s}: loss {a} vs the replay's {b}"
+        );
+    }
     let d = max_diff(&report, &expected);
     assert!(
         d < tol,
@@ -175,7 +186,8 @@ fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport
                 join: Some(other),
                 ..cfg.clone()
             },
-        ),
+        )
+        .0,
     );
     assert!(d > 1e-4, "the test cannot tell the divisors apart ({d})");
     // every rank's steps, the step each joined at, and where the data ended
