@@ -683,8 +683,12 @@ impl<'a> Trainer<'a> {
         let (mut lrs, mut grad_norms, mut val_losses) = (vec![], vec![], vec![]);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
-            // a join run ends when no rank has data left
+            // a join run ends when no rank has data left; its last step is then evaluated as
+            // the last step of `steps` is (every rank ends here together)
             if self.agree_on_data()?.is_some_and(|a| a.none_active()) {
+                if let (Some(e), Some(last @ None)) = (&self.cfg.eval, val_losses.last_mut()) {
+                    *last = Some(self.evaluate(e.data.as_ref())?);
+                }
                 break;
             }
             let s = match self.step() {

@@ -463,3 +463,45 @@ fn ranks_whose_parameters_drift_apart_are_caught_at_the_end() {
     // the losses of the finished steps are kept
     assert_eq!(report.outcome.losses.len(), 5);
 }
+
+#[test]
+fn clipping_evaluation_the_profile_and_the_autotuner_run_on_joined_ranks_too() {
+    // every collective beside the buckets has a partner on a joined rank: the clipping norm
+    // (a collective under ZeRO), the evaluation's all-reduce, the profile's gather and the
+    // autotuner's exchanges; none of them leaves a rank waiting, and the replicas end equal
+    let held = Dataset::teacher(16, WIDTHS[0], WIDTHS[2], 99).unwrap();
+    for policy in [PolicySpec::AllReduce, PolicySpec::Zero2] {
+        let name = policy.to_string();
+        let zero = policy == PolicySpec::Zero2;
+        let cfg = TrainConfig {
+            clip_grad_norm: Some(0.05),
+            eval: Some(brigade::recipe::EvalConfig {
+                every: 2,
+                data: Arc::new(brigade::recipe::HeldOut::new(held.clone(), BATCH)),
+            }),
+            // ZeRO fixes its buckets: no autotuner there
+            autotune: (!zero).then(|| brigade::ddp::overlap::AutotuneConfig {
+                every: Some(1),
+                candidates_mb: vec![0.0002, 0.0004, 0.001],
+                first_bucket_cap_mb: 0.0002,
+                min_gain: -1.0,
+                link: None,
+            }),
+            instrument: brigade::config::Instrumentation {
+                profile: true,
+                ..Default::default()
+            },
+            ..config(10, Some(JoinMode::DivideActive), policy, sgd())
+        };
+        let report = run(&[40, 16, 24], cfg).unwrap();
+        let o = &report.outcome;
+        assert!(o.stopped.is_none(), "{name}: {:?}", o.stopped);
+        assert_eq!(o.losses.len(), 5, "{name}");
+        assert_eq!(o.joined_at, vec![None, Some(2), Some(3)], "{name}");
+        assert!(o.grad_norms.iter().all(|n| n.is_some_and(f64::is_finite)), "{name}");
+        let evaluated: Vec<usize> = (0..5).filter(|&s| o.val_losses[s].is_some()).collect();
+        assert_eq!(evaluated, [1, 3, 4], "{name}: after steps 2 and 4, and the last");
+        assert_eq!(o.profile.as_ref().expect("a profile").ranks.len(), 3, "{name}");
+        assert_eq!(o.autotune.is_some(), !zero, "{name}");
+    }
+}
