@@ -3,8 +3,10 @@
 //!
 //! Under a [`JoinMode`] each rank's data is one pass over its rows
 //! ([`crate::data::DataSource::rank_lengths`]: `rows / (batch_size * accum)` whole steps; the
-//! rows left over are not read). At the start of every step the ranks agree, in one small
-//! all-reduce ([`JOIN_TAG`]), on which of them still have data. A rank whose data has ended
+//! rows left over are not read). At the start of every step the ranks agree on which of them
+//! still have data: before the first step in one small all-reduce of its own ([`JOIN_TAG`]),
+//! after it in a slot per rank of the step status all-reduce of the step before (each rank
+//! knows whether its own data holds the next step). A rank whose data has ended
 //! *joins*: instead of forward and backward it runs DDP's join pass
 //! ([`brigade_ddp::DistributedDataParallel::join`]: every bucket reduced from zeros through the
 //! policy's `reduce_joined`), and from there on it runs the rest of the step like the others —
@@ -286,24 +288,50 @@ impl JoinRun {
     /// The ranks' agreement on step `step` (one all-reduce, made once a step): which ranks have
     /// data. Records the step at which each rank without data joined, and the step at which
     /// none had data left.
+    /// An agreement reached beside another collective (the step status of the step before,
+    /// [`JoinRun::next_slots`]) is used without a collective of its own.
     pub(crate) fn agree(&mut self, comm: &dyn Communicator, step: usize) -> Result<Agreement> {
-        if let Some(a) = self.agreed.as_ref().filter(|a| a.step == step) {
-            return Ok(a.clone());
-        }
-        let a = agree_on_data(comm, step, self.has_data(comm.rank(), step))?;
-        // a rank joins when its data ends while others still train; when every rank's data
-        // has ended the run ends there, and no rank joins
+        let a = match self.agreed.take().filter(|a| a.step == step) {
+            Some(a) => a,
+            None => agree_on_data(comm, step, self.has_data(comm.rank(), step))?,
+        };
+        self.record(&a);
+        self.agreed = Some(a.clone());
+        Ok(a)
+    }
+
+    /// Who joined and whether the data ended, once the run reaches `a`'s step: a rank joins
+    /// when its data ends while others still train; when every rank's data has ended the run
+    /// ends there, and no rank joins.
+    fn record(&mut self, a: &Agreement) {
         if a.none_active() {
-            self.ended_at.get_or_insert(step);
+            self.ended_at.get_or_insert(a.step);
         } else {
             for (r, &active) in a.active.iter().enumerate() {
                 if !active && self.joined_at.get(r).is_some_and(Option::is_none) {
-                    self.joined_at[r] = Some(step);
+                    self.joined_at[r] = Some(a.step);
                 }
             }
         }
-        self.agreed = Some(a.clone());
-        Ok(a)
+    }
+
+    /// This rank's slots in step `step`'s status all-reduce (averaged): a slot per rank,
+    /// non-zero at this rank's when it has data for step `step + 1`. So the next step's
+    /// agreement travels with this step's status, and costs no collective of its own.
+    pub(crate) fn next_slots(&self, rank: usize, world_size: usize, step: usize) -> Vec<f32> {
+        let mut v = vec![0.0; world_size];
+        v[rank] = if self.has_data(rank, step + 1) { 1.0 } else { 0.0 };
+        v
+    }
+
+    /// The status all-reduce of step `step` came back with `slots` (the averaged
+    /// [`JoinRun::next_slots`]): the agreement on step `step + 1`, recorded when the run gets
+    /// there.
+    pub(crate) fn agreed_next(&mut self, step: usize, slots: &[f32]) {
+        self.agreed = Some(Agreement {
+            step: step + 1,
+            active: slots.iter().map(|&x| x > 0.0).collect(),
+        });
     }
 
     /// Under [`JoinMode::Throw`], the error every rank stops with at `a`'s step when some (not
@@ -321,11 +349,14 @@ impl JoinRun {
         })
     }
 
-    /// What a checkpoint records of the join (its metadata entries).
-    pub(crate) fn metadata(&self) -> Vec<(String, String)> {
+    /// What a checkpoint of the state before step `next_step` records of the join (its
+    /// metadata entries): the ranks that joined before that step (a periodic checkpoint is
+    /// written during the step, after its agreement).
+    pub(crate) fn metadata(&self, next_step: usize) -> Vec<(String, String)> {
+        let before: Vec<Option<usize>> = self.joined_at.iter().map(|j| j.filter(|&s| s < next_step)).collect();
         vec![
             (JOIN_KEY.into(), self.mode.name().into()),
-            (JOINED_KEY.into(), describe_joined(&self.joined_at)),
+            (JOINED_KEY.into(), describe_joined(&before)),
         ]
     }
 }
@@ -378,6 +409,27 @@ mod tests {
             e.contains("shortest: rank 1 with 24") && e.contains("longest: rank 2 with 48"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_checkpoint_records_the_ranks_that_joined_before_its_step() {
+        // rank 1's data holds 3 steps: it joins at step 3. A periodic checkpoint written during
+        // step 3 (after its agreement) holds the state before it: a resume at step 3 finds
+        // rank 1 not yet joined, and so must the checkpoint
+        let lengths = DataLength::PerEpoch(vec![40, 24]);
+        let mut run = JoinRun::new(JoinMode::DivideInitial, &lengths, 8, 2, 0);
+        run.agreed_next(2, &[0.5, 0.0]);
+        let comm = brigade_comm::ThreadGroup::new(1).into_iter().next().unwrap();
+        let a = run.agree(&comm, 3).unwrap();
+        assert_eq!(a.active, [true, false]);
+        assert_eq!(run.joined_at, [None, Some(3)]);
+        let meta: HashMap<String, String> = run.metadata(3).into_iter().collect();
+        let resumed = JoinRun::new(JoinMode::DivideInitial, &lengths, 8, 2, 3);
+        assert_eq!(check_resume(&meta, Some(&resumed)), Ok(()));
+        let meta: HashMap<String, String> = run.metadata(4).into_iter().collect();
+        assert_eq!(meta[JOINED_KEY], "0:-,1:3");
+        let resumed = JoinRun::new(JoinMode::DivideInitial, &lengths, 8, 2, 4);
+        assert_eq!(check_resume(&meta, Some(&resumed)), Ok(()));
     }
 
     #[test]

@@ -52,6 +52,8 @@ struct StepStatus {
     loss: f64,
     nonfinite: bool,
     stop: bool,
+    /// Under a join mode, the averaged slots of which ranks have data for the next step.
+    next_active: Option<Vec<f32>>,
 }
 
 /// One rank's model, optimizer and DDP wrapper, and where the run stands.
@@ -390,7 +392,10 @@ impl<'a> Trainer<'a> {
             Some(sum) => sum.item()?,
             None => 0.0,
         };
-        let status = self.agree(local_loss, agreement.as_ref())?;
+        let mut status = self.agree(local_loss, agreement.as_ref())?;
+        if let (Some(j), Some(slots)) = (self.join.as_mut(), status.next_active.take()) {
+            j.agreed_next(s, &slots);
+        }
         if status.nonfinite && !self.cfg.allow_nonfinite {
             self.end(step_span);
             let what = if world == 1 {
@@ -561,7 +566,8 @@ impl<'a> Trainer<'a> {
 
     /// The ranks' one all-reduce per step: mean loss, whether any rank's loss is not finite,
     /// whether any rank was asked to stop. Under a join mode the mean is over the ranks with
-    /// data (`agreement`; a joined rank sends no loss).
+    /// data (`agreement`; a joined rank sends no loss), and a slot per rank carries which ranks
+    /// have data for the next step (the next step's agreement, without a collective of its own).
     fn agree(&self, local_loss: f64, agreement: Option<&Agreement>) -> Result<StepStatus> {
         let stop = self.stop_requested || self.observer().is_some_and(|o| o.stop_requested());
         let nonfinite = !local_loss.is_finite();
@@ -570,18 +576,28 @@ impl<'a> Trainer<'a> {
                 loss: local_loss,
                 nonfinite,
                 stop,
+                next_active: None,
             });
         }
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
-        let mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
+        let (rank, world) = (self.ctx.rank, self.ctx.world_size);
+        let mut mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
+        let next = self.join.as_ref().map(|j| j.next_slots(rank, world, self.next_step));
+        mine.extend(next.iter().flatten());
+        let expected = mine.len();
         let all = self
             .ctx
             .comm
             .all_reduce(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)
             .wait()?;
-        let Some(&[loss, nonfinite, stop]) = all.as_f32() else {
+        let Some((&[loss, nonfinite, stop], slots)) = all
+            .as_f32()
+            .filter(|v| v.len() == expected)
+            .map(|v| v.split_at(3))
+            .and_then(|(head, slots)| Some((<&[f32; 3]>::try_from(head).ok()?, slots)))
+        else {
             return Err(Error::Protocol(format!(
-                "the step status all-reduce returned {all:?}, expected 3 f32"
+                "the step status all-reduce returned {all:?}, expected {expected} f32"
             )));
         };
         let mut loss = f64::from(loss);
@@ -595,6 +611,7 @@ impl<'a> Trainer<'a> {
             loss,
             nonfinite: nonfinite > 0.0 || !loss.is_finite(),
             stop: stop > 0.0,
+            next_active: next.map(|_| slots.to_vec()),
         })
     }
 
@@ -638,7 +655,7 @@ impl<'a> Trainer<'a> {
                 model_config: self.cfg.model_config.clone(),
                 recipe: {
                     let mut m = recipe_metadata(self.cfg, &self.schedule);
-                    m.extend(self.join.iter().flat_map(JoinRun::metadata));
+                    m.extend(self.join.iter().flat_map(|j| j.metadata(self.next_step)));
                     m
                 },
                 policy: policy_name.as_deref(),

@@ -314,8 +314,9 @@ fn without_a_join_mode_uneven_shards_are_refused_before_step_0() {
 #[test]
 fn a_joined_rank_s_timeline_shows_its_shadow_collectives() {
     let (world, data) = (2, shards(&[40, 24]));
+    let recorder = brigade::comm::Recorder::new();
     let launch = LaunchConfig {
-        recorder: Some(brigade::comm::Recorder::new()),
+        recorder: Some(recorder.clone()),
         ..LaunchConfig::threads(world)
     };
     let cfg = config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd());
@@ -334,6 +335,14 @@ fn a_joined_rank_s_timeline_shows_its_shadow_collectives() {
         on(0, &bucket),
         "one bucket collective for each of rank 0's"
     );
+    // the agreement on who has data needs its own all-reduce once, before step 0: every later
+    // one travels in the step status of the step before
+    let agreements = recorder
+        .events()
+        .iter()
+        .filter(|e| e.rank == 0 && e.name == brigade::join::JOIN_TAG)
+        .count();
+    assert_eq!(agreements, 1);
 }
 
 #[test]
