@@ -114,7 +114,8 @@ pub struct TrainConfig {
     /// Ranks whose data ends at different steps (uneven inputs, PyTorch's `Join`): how the
     /// ranks whose data ended take part ([`crate::join`]). `None`: every rank must read as
     /// many rows, and uneven data is refused before step 0 naming the shortest and longest
-    /// rank. Under a mode each rank's data is one pass over its rows; needs DDP.
+    /// rank. Under a mode each rank's data is one pass over its rows. Without DDP (ranks
+    /// training apart) a rank without data only takes part in the ranks' agreements.
     pub join: Option<JoinMode>,
     /// The optimizer.
     pub optimizer: OptimizerConfig,

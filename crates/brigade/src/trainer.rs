@@ -119,11 +119,6 @@ impl<'a> Trainer<'a> {
         // run out at different steps are refused here (with one, a rank with fewer rows than
         // a step joins at step 0)
         let lengths = data.rank_lengths(ctx.world_size, &cfg.data_order)?;
-        if cfg.join.is_some() && cfg.ddp.is_none() {
-            return Err(Error::Config(
-                "a join mode (uneven inputs) needs DDP: without it the ranks reduce no gradient to join".into(),
-            ));
-        }
         if let (DataLength::PerEpoch(rows), None) = (&lengths, cfg.join) {
             if !lengths.is_even() {
                 return Err(join::uneven_refusal(rows));
@@ -438,7 +433,10 @@ impl<'a> Trainer<'a> {
         };
         let os = self.begin(EventKind::Optimizer);
         let optimizer_start = Instant::now();
-        self.opt.step()?;
+        // without DDP (ranks training apart) a rank without data has no gradient to step on
+        if has_data || self.ddp.is_some() {
+            self.opt.step()?;
+        }
         let optimizer_end = Instant::now();
         self.end(os);
         self.end(step_span);

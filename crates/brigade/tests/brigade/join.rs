@@ -514,3 +514,17 @@ fn clipping_evaluation_the_profile_and_the_autotuner_run_on_joined_ranks_too() {
         assert_eq!(o.autotune.is_some(), !zero, "{name}");
     }
 }
+
+#[test]
+fn ranks_training_apart_join_too() {
+    // no DDP (the sweep's compute-only baseline): a rank without data takes part in the loss
+    // agreement only, and does not step; the run still ends where the longest rank's data does
+    let cfg = TrainConfig {
+        ddp: None,
+        ..config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd())
+    };
+    let report = run(&[40, 24], cfg).unwrap();
+    assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
+    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
+}
