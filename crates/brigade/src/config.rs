@@ -12,6 +12,7 @@ use brigade_ddp::DdpConfig;
 
 use crate::comm_hook::MakeCommHook;
 use crate::data::DataOrder;
+use crate::join::JoinMode;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
 use crate::recipe::{EvalConfig, ScheduleConfig};
@@ -110,6 +111,12 @@ pub struct TrainConfig {
     /// In which order the ranks read the data: in order (the default) or through a
     /// distributed sampler (`DataOrder::shuffle` for `--shuffle`).
     pub data_order: DataOrder,
+    /// Ranks whose data ends at different steps (uneven inputs, PyTorch's `Join`): how the
+    /// ranks whose data ended take part ([`crate::join`]). `None`: every rank must read as
+    /// many rows, and uneven data is refused before step 0 naming the shortest and longest
+    /// rank. Under a mode each rank's data is one pass over its rows. Without DDP (ranks
+    /// training apart) a rank without data only takes part in the ranks' agreements.
+    pub join: Option<JoinMode>,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
     /// The learning-rate schedule, peaking at the optimizer's learning rate (default:
@@ -157,6 +164,7 @@ impl TrainConfig {
             batch_size,
             accum: 1,
             data_order: DataOrder::InOrder,
+            join: None,
             optimizer,
             schedule: ScheduleConfig::default(),
             clip_grad_norm: None,

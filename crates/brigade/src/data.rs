@@ -24,8 +24,8 @@ pub enum DataOrder {
     InOrder,
     /// Each rank reads its shard of every epoch's order, as [`DistributedSampler`] deals it
     /// (shuffled from `seed + epoch` when `shuffle`, padded or cut by `remainder`), one stream
-    /// across epochs ([`DataSource::gather`]). [`Remainder::Uneven`] needs uneven-input support
-    /// in the trainer, which it does not have yet: the trainer refuses it.
+    /// across epochs ([`DataSource::gather`]). [`Remainder::Uneven`] gives the ranks different
+    /// lengths: it needs a join mode ([`crate::TrainConfig::join`]).
     Sampled(SamplerOptions),
 }
 
@@ -193,6 +193,106 @@ impl<T: DataSource + ?Sized> DataSource for &T {
 
     fn fingerprint(&self) -> Option<String> {
         (**self).fingerprint()
+    }
+}
+
+/// A boxed source is the source (a program picks its kind of data at run time).
+impl<T: DataSource + ?Sized> DataSource for Box<T> {
+    fn batch(&self, mb: &Microbatch) -> Result<Batch> {
+        (**self).batch(mb)
+    }
+
+    fn num_rows(&self) -> Option<usize> {
+        (**self).num_rows()
+    }
+
+    fn gather(&self, rank: usize, rows: &[usize]) -> Result<Batch> {
+        (**self).gather(rank, rows)
+    }
+
+    fn sampler(&self, rank: usize, world_size: usize, options: SamplerOptions) -> Result<DistributedSampler> {
+        (**self).sampler(rank, world_size, options)
+    }
+
+    fn rank_lengths(&self, world_size: usize, order: &DataOrder) -> Result<DataLength> {
+        (**self).rank_lengths(world_size, order)
+    }
+
+    fn fingerprint(&self) -> Option<String> {
+        (**self).fingerprint()
+    }
+}
+
+/// Each rank's own data (a file per rank, of any length: `brigade train --data
+/// 'shard-{rank}.safetensors'`): rank `r` reads `shards[r]`'s rows in order, `rows` a
+/// microbatch (step `s`, microbatch `j` of `accum`: the rows from `(s * accum + j) * rows`), or
+/// shuffled by a sampler over its own rows alone. Its length per rank is its shard's, known
+/// before step 0 in either order; shards of different lengths need a join mode
+/// ([`crate::TrainConfig::join`]).
+pub struct RankShards {
+    shards: Vec<Dataset>,
+}
+
+impl RankShards {
+    /// Rank `r`'s data is `shards[r]`.
+    pub fn new(shards: Vec<Dataset>) -> RankShards {
+        RankShards { shards }
+    }
+
+    /// The shards, by rank.
+    pub fn shards(&self) -> &[Dataset] {
+        &self.shards
+    }
+
+    fn shard(&self, rank: usize) -> Result<&Dataset> {
+        self.shards.get(rank).ok_or_else(|| {
+            Error::Data(format!(
+                "rank {rank} has no shard: the data has {} (one per rank)",
+                self.shards.len()
+            ))
+        })
+    }
+
+    fn check_world(&self, world_size: usize) -> Result<()> {
+        if self.shards.len() != world_size {
+            return Err(Error::Config(format!(
+                "the data has {} per-rank shards but the run has {world_size} ranks: give one shard per rank",
+                self.shards.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl DataSource for RankShards {
+    fn batch(&self, mb: &Microbatch) -> Result<Batch> {
+        let first = (mb.step * mb.accum + mb.index) * mb.rows;
+        Ok(self.shard(mb.rank)?.batch(first, mb.rows)?)
+    }
+
+    fn gather(&self, rank: usize, rows: &[usize]) -> Result<Batch> {
+        Ok(self.shard(rank)?.gather(rows)?)
+    }
+
+    fn sampler(&self, rank: usize, world_size: usize, options: SamplerOptions) -> Result<DistributedSampler> {
+        self.check_world(world_size)?;
+        Ok(DistributedSampler::new(self.shard(rank)?.len(), 1, 0, options)?)
+    }
+
+    fn rank_lengths(&self, world_size: usize, order: &DataOrder) -> Result<DataLength> {
+        self.check_world(world_size)?;
+        match order {
+            DataOrder::InOrder => Ok(DataLength::PerEpoch(self.shards.iter().map(Dataset::len).collect())),
+            DataOrder::Sampled(o) => (0..world_size)
+                .map(|r| Ok(self.sampler(r, world_size, *o)?.num_samples()))
+                .collect::<Result<Vec<_>>>()
+                .map(DataLength::PerEpoch),
+        }
+    }
+
+    fn fingerprint(&self) -> Option<String> {
+        let each: Vec<&str> = self.shards.iter().map(Dataset::fingerprint).collect();
+        Some(format!("per-rank[{}]", each.join(",")))
     }
 }
 

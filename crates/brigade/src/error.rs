@@ -98,6 +98,41 @@ pub enum Error {
         /// The value found (NaN or an infinity).
         value: f64,
     },
+    /// The ranks read different numbers of rows (`rows`, by rank) and the run has no join mode
+    /// (every rank finds it before step 0, from the lengths every rank knows).
+    #[error(
+        "the ranks read different numbers of rows (shortest: rank {} with {}, longest: rank {} with {}): uneven inputs need a join mode (TrainConfig::join: divide-initial, divide-active or throw), or give every rank as many rows",
+        crate::join::shortest(rows), rows[crate::join::shortest(rows)], crate::join::longest(rows), rows[crate::join::longest(rows)]
+    )]
+    UnevenInputs {
+        /// Rows of each rank, by rank.
+        rows: Vec<usize>,
+    },
+    /// Under join mode `throw` (uneven inputs): at step `step` rank `rank`'s data had ended
+    /// while other ranks still had data, and every rank stopped there together.
+    #[error(
+        "step {step}: rank {rank}'s data ended ({rows} rows: {steps} steps) while other ranks still have data; join mode throw stops every rank here (divide-initial or divide-active train on with the ranks that have data)"
+    )]
+    OutOfData {
+        /// The first step that rank had no data for.
+        step: usize,
+        /// The lowest rank without data at that step.
+        rank: usize,
+        /// Its rows.
+        rows: usize,
+        /// The whole steps those rows hold.
+        steps: usize,
+    },
+    /// After a join run the ranks' parameters differ (their checksums, by rank): the replicas
+    /// fell out of step, which must not happen.
+    #[error(
+        "after training the ranks hold different parameters (checksums by rank: {}): the replicas fell out of step; the outputs were written from rank 0's",
+        checksums.iter().enumerate().map(|(r, c)| format!("{r}: {c:016x}")).collect::<Vec<_>>().join(", ")
+    )]
+    ReplicasDiffer {
+        /// Each rank's parameter checksum, by rank.
+        checksums: Vec<u64>,
+    },
 }
 
 /// How a checkpoint does not fit the run that tries to resume from it.
@@ -207,7 +242,13 @@ pub enum CheckpointMismatch {
 impl Error {
     /// Whether every rank reaches this error together (so it names no rank and needs no abort).
     pub fn is_agreed(&self) -> bool {
-        matches!(self, Error::NonFinite { .. })
+        matches!(
+            self,
+            Error::NonFinite { .. }
+                | Error::UnevenInputs { .. }
+                | Error::OutOfData { .. }
+                | Error::ReplicasDiffer { .. }
+        )
     }
 
     /// This error as rank `rank`'s of `world` (unchanged when it is agreed or the world is one rank).

@@ -19,6 +19,8 @@
 //!   user's own);
 //! - [`recipe`]: the learning-rate schedule, clipping and evaluation; [`resume`]: what a
 //!   checkpoint records of them and what a resume may change;
+//! - [`join`]: uneven inputs (PyTorch's `Join`): ranks whose data ends early join the others'
+//!   collectives with zeros until every rank's data has ended;
 //! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
@@ -47,6 +49,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod fit;
+pub mod join;
 pub mod launch;
 pub mod observe;
 pub mod outcome;

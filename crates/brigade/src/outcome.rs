@@ -85,6 +85,15 @@ pub struct TrainOutcome {
     /// What this rank's reducer policy says about the run (e.g. that PowerSGD never compressed:
     /// every byte went uncompressed); empty without DDP.
     pub policy_diagnostics: Vec<brigade_ddp::policy::PolicyDiagnostic>,
+    /// The run's join mode (uneven inputs; `None`: none).
+    pub join: Option<crate::join::JoinMode>,
+    /// Under a join mode, for each rank the step at which it joined (its data had ended; from
+    /// then on it shadowed the others' collectives), `None` if it never did; empty without a
+    /// join mode.
+    pub joined_at: Vec<Option<usize>>,
+    /// Under a join mode, the step at which no rank had data left: the run ended there, before
+    /// `steps` (`None`: it ran to `steps`, or was stopped).
+    pub data_ended: Option<usize>,
 }
 
 /// A checkpoint rank 0 could not write (not an error the ranks agree on: the run's other

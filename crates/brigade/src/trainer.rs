@@ -8,6 +8,11 @@
 //! that all ranks see the global mean loss of every step and stop together: at a non-finite
 //! loss (before that step's update, like PyTorch's anomaly detection), or after the step in
 //! which any rank was asked to stop ([`TrainObserver::stop_requested`], e.g. on a signal).
+//!
+//! Under a join mode ([`TrainConfig::join`], uneven inputs) every step starts with the ranks'
+//! agreement on which of them still have data ([`crate::join`]); a rank without data runs DDP's
+//! join pass in place of forward and backward and the rest of the step like every rank, so
+//! that every collective of the step has a partner on every rank.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,6 +31,7 @@ use crate::checkpoint::{load_checkpoint, save_checkpoint, CheckpointIdentity, Re
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::data::{DataLength, DataOrder, DataSource, Microbatch};
 use crate::error::{CheckpointMismatch, Error, Result};
+use crate::join::{self, Agreement, JoinMode, JoinRun};
 use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::{RunStart, StepRecord, TrainObserver};
@@ -36,6 +42,10 @@ use crate::resume::{check_resume, recipe_metadata, ResumeError};
 /// Tag of the evaluation's all-reduce (each rank's validation loss).
 pub const EVAL_TAG: &str = "eval loss";
 
+/// Name of the compute span of a joined rank's join pass on the timeline (its shadow
+/// collectives run inside it).
+pub const JOIN_SPAN: &str = "join (no data)";
+
 /// Tag of the per-step agreement all-reduce (`[loss, non-finite, stop]`).
 pub const STEP_STATUS_TAG: &str = "step status";
 
@@ -44,6 +54,8 @@ struct StepStatus {
     loss: f64,
     nonfinite: bool,
     stop: bool,
+    /// Under a join mode, the averaged slots of which ranks have data for the next step.
+    next_active: Option<Vec<f32>>,
 }
 
 /// One rank's model, optimizer and DDP wrapper, and where the run stands.
@@ -89,6 +101,9 @@ pub struct Trainer<'a> {
     schedule: LrSchedule,
     /// The hyperparameters this run changed from the checkpoint it resumed.
     resume_changes: Vec<HyperparameterChange>,
+    /// Uneven inputs: each rank's steps, who has joined, the step's agreement (under a join
+    /// mode only).
+    join: Option<JoinRun>,
 }
 
 impl<'a> Trainer<'a> {
@@ -105,19 +120,13 @@ impl<'a> Trainer<'a> {
         if let Some(init) = &cfg.init {
             load_params(model.params(), init)?;
         }
-        // every rank's length is known before step 0; the trainer has no uneven-input
-        // support yet, so ranks that would run out at different steps are refused here
+        // every rank's length is known before step 0: without a join mode, ranks that would
+        // run out at different steps are refused here (with one, a rank with fewer rows than
+        // a step joins at step 0)
         let lengths = data.rank_lengths(ctx.world_size, &cfg.data_order)?;
-        if let DataLength::PerEpoch(rows) = &lengths {
+        if let (DataLength::PerEpoch(rows), None) = (&lengths, cfg.join) {
             if !lengths.is_even() {
-                return Err(Error::Config(format!(
-                    "the ranks read different numbers of rows per epoch ({}): uneven inputs need a join the trainer does not have yet; give every rank as many rows, or pad (drop_last off)",
-                    rows.iter()
-                        .enumerate()
-                        .map(|(r, n)| format!("rank {r}: {n}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )));
+                return Err(join::uneven_refusal(rows));
             }
             if rows[ctx.rank] < cfg.batch_size {
                 return Err(Error::Config(format!(
@@ -176,13 +185,33 @@ impl<'a> Trainer<'a> {
             )));
         }
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
+        let rows_per_step = cfg.batch_size * cfg.accum;
+        let join = cfg
+            .join
+            .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
+        if let (Some(r), Some(path)) = (&resumed, &cfg.checkpoint.resume) {
+            join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::Checkpoint {
+                path: path.display().to_string(),
+                mismatch,
+            })?;
+        }
         let cursor = match cfg.data_order {
             DataOrder::InOrder => None,
+            // a rank of a join run whose data holds no step never reads
+            DataOrder::Sampled(_) if join.as_ref().and_then(|j| j.steps_of(ctx.rank)) == Some(0) => None,
             DataOrder::Sampled(options) => {
                 let sampler = data.sampler(ctx.rank, ctx.world_size, options)?;
-                let at = resumed
+                // a join run is one pass: each rank stands where its own steps left it (the
+                // checkpoint records rank 0's position)
+                let joined_position = join
                     .as_ref()
-                    .and_then(|r| r.sampler)
+                    .and_then(|j| j.steps_of(ctx.rank))
+                    .map(|n| SamplerPosition {
+                        epoch: 0,
+                        index: first_step.min(n) * rows_per_step,
+                    });
+                let at = joined_position
+                    .or(resumed.as_ref().and_then(|r| r.sampler))
                     .unwrap_or(SamplerPosition { epoch: 0, index: 0 });
                 Some(SamplerCursor::new(sampler, at)?)
             }
@@ -262,6 +291,7 @@ impl<'a> Trainer<'a> {
             cursor,
             schedule,
             resume_changes,
+            join,
             autotune: cfg
                 .autotune
                 .clone()
@@ -300,18 +330,48 @@ impl<'a> Trainer<'a> {
     /// Runs one optimizer step on this rank's shard of the global batch. Fails with
     /// [`Error::NonFinite`] on every rank, before the update, when the mean loss is not
     /// finite (unless `allow_nonfinite`).
+    ///
+    /// Under a join mode the step starts with the ranks' agreement on which of them have data
+    /// ([`Trainer::agree_on_data`]); a rank without data joins (DDP's join pass, then the rest
+    /// of the step as every rank runs it). Under [`JoinMode::Throw`] a step at which some rank
+    /// has no data fails with [`Error::OutOfData`] on every rank; a step at which no rank has
+    /// data is a configuration error (the run ends before it).
     pub fn step(&mut self) -> Result<StepOutcome> {
         let s = self.next_step;
         let (rank, world) = (self.ctx.rank, self.ctx.world_size);
         let (b, k) = (self.cfg.batch_size, self.cfg.accum);
         let t0 = Instant::now();
+        let agreement = self.agree_on_data()?;
+        if let Some(a) = &agreement {
+            if let Some(e) = self.join.as_ref().and_then(|j| j.throw(a)) {
+                return Err(e);
+            }
+            if a.none_active() {
+                return Err(Error::Config(format!(
+                    "step {s}: every rank's data has ended, there is nothing to train on"
+                )));
+            }
+        }
+        let has_data = agreement.as_ref().is_none_or(|a| a.active[rank]);
         let sent_before = self.meter.totals();
         let step_span = self.begin(EventKind::Step(s));
         let lr = self.schedule.apply(self.opt.as_mut(), s as u64);
         self.model.params().zero_grad()?;
         // The microbatches' losses add up where they are computed; read back once per step.
         let mut step_loss: Option<Tensor> = None;
-        for j in 0..k {
+        if !has_data {
+            // joined: every bucket reduced from zeros, the collectives of the others' backward
+            if let Some(ddp) = &self.ddp {
+                let span = self.begin(EventKind::Other(JOIN_SPAN.into()));
+                let joined = ddp.join();
+                self.end(span);
+                if let Err(e) = joined {
+                    self.end(step_span);
+                    return Err(e.into());
+                }
+            }
+        }
+        for j in (0..k).filter(|_| has_data) {
             let mb = Microbatch {
                 step: s,
                 index: j,
@@ -343,7 +403,10 @@ impl<'a> Trainer<'a> {
             Some(sum) => sum.item()?,
             None => 0.0,
         };
-        let status = self.agree(local_loss)?;
+        let mut status = self.agree(local_loss, agreement.as_ref())?;
+        if let (Some(j), Some(slots)) = (self.join.as_mut(), status.next_active.take()) {
+            j.agreed_next(s, &slots);
+        }
         if status.nonfinite && !self.cfg.allow_nonfinite {
             self.end(step_span);
             let what = if world == 1 {
@@ -356,6 +419,13 @@ impl<'a> Trainer<'a> {
                 what,
                 value: status.loss,
             });
+        }
+        // divide-active: the policy divided the sum over the ranks with data by the world size
+        if let (Some(a), Some(JoinMode::DivideActive), Some(ddp)) = (&agreement, self.cfg.join, &self.ddp) {
+            let active = a.active_count();
+            if active < world {
+                ddp.scale_grads(world as f64 / active as f64)?;
+            }
         }
         // what a periodic checkpoint sends (optimizer and policy state to rank 0) is not the step's
         let mut checkpoint_sent = CommBytes::default();
@@ -379,7 +449,10 @@ impl<'a> Trainer<'a> {
         };
         let os = self.begin(EventKind::Optimizer);
         let optimizer_start = Instant::now();
-        self.opt.step()?;
+        // without DDP (ranks training apart) a rank without data has no gradient to step on
+        if has_data || self.ddp.is_some() {
+            self.opt.step()?;
+        }
         let optimizer_end = Instant::now();
         self.end(os);
         self.end(step_span);
@@ -496,9 +569,21 @@ impl<'a> Trainer<'a> {
         self.cfg.instrument.observer.as_deref()
     }
 
+    /// Under a join mode, the ranks' agreement on which of them have data for the next step (a
+    /// collective, made once a step; [`crate::join`]); `None` without a join mode.
+    pub fn agree_on_data(&mut self) -> Result<Option<Agreement>> {
+        let s = self.next_step;
+        match self.join.as_mut() {
+            Some(j) => Ok(Some(j.agree(self.ctx.comm.as_ref(), s)?)),
+            None => Ok(None),
+        }
+    }
+
     /// The ranks' one all-reduce per step: mean loss, whether any rank's loss is not finite,
-    /// whether any rank was asked to stop.
-    fn agree(&self, local_loss: f64) -> Result<StepStatus> {
+    /// whether any rank was asked to stop. Under a join mode the mean is over the ranks with
+    /// data (`agreement`; a joined rank sends no loss), and a slot per rank carries which ranks
+    /// have data for the next step (the next step's agreement, without a collective of its own).
+    fn agree(&self, local_loss: f64, agreement: Option<&Agreement>) -> Result<StepStatus> {
         let stop = self.stop_requested || self.observer().is_some_and(|o| o.stop_requested());
         let nonfinite = !local_loss.is_finite();
         if self.ctx.world_size == 1 {
@@ -506,25 +591,42 @@ impl<'a> Trainer<'a> {
                 loss: local_loss,
                 nonfinite,
                 stop,
+                next_active: None,
             });
         }
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
-        let mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
+        let (rank, world) = (self.ctx.rank, self.ctx.world_size);
+        let mut mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
+        let next = self.join.as_ref().map(|j| j.next_slots(rank, world, self.next_step));
+        mine.extend(next.iter().flatten());
+        let expected = mine.len();
         let all = self
             .ctx
             .comm
             .all_reduce(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)
             .wait()?;
-        let Some(&[loss, nonfinite, stop]) = all.as_f32() else {
+        let Some((&[loss, nonfinite, stop], slots)) = all
+            .as_f32()
+            .filter(|v| v.len() == expected)
+            .map(|v| v.split_at(3))
+            .and_then(|(head, slots)| Some((<&[f32; 3]>::try_from(head).ok()?, slots)))
+        else {
             return Err(Error::Protocol(format!(
-                "the step status all-reduce returned {all:?}, expected 3 f32"
+                "the step status all-reduce returned {all:?}, expected {expected} f32"
             )));
         };
-        let loss = f64::from(loss);
+        let mut loss = f64::from(loss);
+        if let Some(active) = agreement
+            .map(Agreement::active_count)
+            .filter(|&n| n > 0 && n < self.ctx.world_size)
+        {
+            loss *= self.ctx.world_size as f64 / active as f64;
+        }
         Ok(StepStatus {
             loss,
             nonfinite: nonfinite > 0.0 || !loss.is_finite(),
             stop: stop > 0.0,
+            next_active: next.map(|_| slots.to_vec()),
         })
     }
 
@@ -568,7 +670,11 @@ impl<'a> Trainer<'a> {
                 data_order: self.cfg.data_order.describe(),
                 sampler: self.next_position,
                 model_config: self.cfg.model_config.clone(),
-                recipe: recipe_metadata(self.cfg, &self.schedule),
+                recipe: {
+                    let mut m = recipe_metadata(self.cfg, &self.schedule);
+                    m.extend(self.join.iter().flat_map(|j| j.metadata(self.next_step)));
+                    m
+                },
                 policy: policy_name.as_deref(),
                 dropout_rng,
             };
@@ -635,6 +741,14 @@ impl<'a> Trainer<'a> {
         let (mut lrs, mut grad_norms, mut val_losses) = (vec![], vec![], vec![]);
         let (mut stopped, mut checkpoint_error) = (None, None);
         while self.next_step < self.cfg.steps {
+            // a join run ends when no rank has data left; its last step is then evaluated as
+            // the last step of `steps` is (every rank ends here together)
+            if self.agree_on_data()?.is_some_and(|a| a.none_active()) {
+                if let (Some(e), Some(last @ None)) = (&self.cfg.eval, val_losses.last_mut()) {
+                    *last = Some(self.evaluate(e.data.as_ref())?);
+                }
+                break;
+            }
             let s = match self.step() {
                 Ok(s) => s,
                 Err(e) if e.is_agreed() => {
@@ -686,11 +800,20 @@ impl<'a> Trainer<'a> {
         // The end (also of a run of zero steps, or an interrupted one) is always checkpointed,
         // unless the run diverged (the last good checkpoint stays). A failed write there is
         // reported with the other outputs, which are still written.
-        if stopped.is_none() && checkpoint_error.is_none() && self.checkpointed != Some(self.next_step) {
+        let diverged = matches!(stopped, Some(Error::NonFinite { .. }));
+        if !diverged && checkpoint_error.is_none() && self.checkpointed != Some(self.next_step) {
             match self.checkpoint() {
                 Ok(()) => {}
-                Err(e) if e.is_agreed() => stopped = Some(e),
+                Err(e) if e.is_agreed() => stopped = stopped.or(Some(e)),
                 Err(error) => checkpoint_error = Some(CheckpointFailure { periodic: false, error }),
+            }
+        }
+        // a join run: the ranks prove they hold the same parameters (a collective)
+        if let (Some(_), Some(_), false) = (&self.join, &self.ddp, diverged) {
+            match join::check_replicas(self.ctx.control.as_ref(), &self.model.params().named_values()) {
+                Ok(()) => {}
+                Err(e) if e.is_agreed() => stopped = stopped.or(Some(e)),
+                Err(e) => return Err(e),
             }
         }
         let (buckets, memory, rank_memory) = match &self.ddp {
@@ -728,6 +851,9 @@ impl<'a> Trainer<'a> {
             rank_lengths: self.lengths.clone(),
             sampler: self.next_position,
             policy_diagnostics: self.ddp.as_ref().map(|d| d.policy_diagnostics()).unwrap_or_default(),
+            join: self.join.as_ref().map(|j| j.mode),
+            joined_at: self.join.as_ref().map(|j| j.joined_at.clone()).unwrap_or_default(),
+            data_ended: self.join.as_ref().and_then(|j| j.ended_at),
         })
     }
 }

@@ -8,6 +8,7 @@ use brigade_models::{GptConfig, MlpConfig, ModelKind};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
+use brigade::join::JoinMode;
 use brigade::launch::CommBackend;
 use brigade::placement::DevicePlacement;
 use brigade::policies::{PolicySpec, PowerSgdConfig, ZeroStage};
@@ -19,6 +20,14 @@ use crate::footprint;
 /// `values` as the command line lists them: `16,32,4`.
 pub fn join<T: std::fmt::Display>(values: &[T]) -> String {
     values.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// What `--data` holds in place of the rank to name a file per rank.
+pub const RANK_PLACEHOLDER: &str = "{rank}";
+
+/// Parses `--join`.
+fn parse_join(s: &str) -> std::result::Result<JoinMode, String> {
+    s.parse()
 }
 
 /// The name a value enum has on the command line (`mlp`, `adamw`, `thread`), for summaries
@@ -294,7 +303,9 @@ pub struct RunArgs {
     #[arg(long)]
     pub init: Option<PathBuf>,
     /// Training data (safetensors): mlp `inputs` F32 [N,in] + `targets` I64 [N]; gpt
-    /// `tokens` I64/U8 [N, context+1]. Default: built-in data.
+    /// `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
+    /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
+    /// in order, --batch-size a microbatch); files of different lengths need --join.
     #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
     /// gpt: train on a UTF-8 text file, byte-level (rows of --context + 1 bytes); the last
@@ -311,6 +322,15 @@ pub struct RunArgs {
     /// drop_last) instead of repeating rows.
     #[arg(long)]
     pub drop_last: bool,
+    /// Uneven data (per-rank files of different lengths; PyTorch's Join): a rank whose data
+    /// ends joins the others, contributing zeros to every collective of each step, until every
+    /// rank's data has ended (each rank's file is read once; --steps counts the longest rank's
+    /// steps). divide-initial: a step's gradient is the sum over the ranks with data divided by
+    /// --world-size (PyTorch's default); divide-active: divided by the ranks with data; throw:
+    /// every rank stops with one error at the first step some rank has no data. Default:
+    /// uneven data is an error before step 0.
+    #[arg(long, value_parser = parse_join)]
+    pub join: Option<JoinMode>,
     /// Number of ranks (thread backend).
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
@@ -544,6 +564,11 @@ impl RunArgs {
         if self.drop_last && !self.shuffle {
             return bad("--drop-last is for --shuffle (rows in order have no epochs to cut): add --shuffle".into());
         }
+        if let (Some(_), Some(f)) = (self.rank_data(), self.val_fraction) {
+            return bad(format!(
+                "--val-fraction {f} holds out the rows of one file, but --data names a file per rank: give the held-out rows as --eval-data FILE"
+            ));
+        }
         if self.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
@@ -692,6 +717,20 @@ impl RunArgs {
                 caps.join(",")
             ))
         })
+    }
+
+    /// `--data`'s path when it names a file per rank (it holds `{rank}`).
+    pub fn rank_data(&self) -> Option<&str> {
+        self.data
+            .as_deref()
+            .and_then(|p| p.to_str())
+            .filter(|p| p.contains(RANK_PLACEHOLDER))
+    }
+
+    /// Rank `rank`'s data file when `--data` names a file per rank.
+    pub fn rank_data_path(&self, rank: usize) -> Option<PathBuf> {
+        self.rank_data()
+            .map(|p| PathBuf::from(p.replace(RANK_PLACEHOLDER, &rank.to_string())))
     }
 
     /// Rows per rank per step (checked not to overflow by [`RunArgs::validate`]).

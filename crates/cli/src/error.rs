@@ -105,6 +105,16 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
             .into(),
         E::Checkpoint { path, mismatch } => format!("checkpoint {path}: {}", mismatch_in_flag_terms(mismatch)),
         E::OnRank { rank, world, source } => format!("rank {rank} of {world}: {}", in_flag_terms(source)),
+        E::UnevenInputs { rows } => {
+            let (short, long) = (brigade::join::shortest(rows), brigade::join::longest(rows));
+            format!(
+                "the ranks' data differ in length (shortest: rank {short} with {} rows, longest: rank {long} with {}): pass --join divide-initial, divide-active or throw to train on uneven data, or give every rank as many rows",
+                rows[short], rows[long]
+            )
+        }
+        E::OutOfData { step, rank, rows, steps } => format!(
+            "step {step}: rank {rank}'s data ended ({rows} rows: {steps} steps) while other ranks still have data; --join throw stops every rank here (--join divide-initial or divide-active trains on)"
+        ),
         e => e.to_string(),
     }
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::DataOrder;
+use brigade::data::{DataOrder, DataSource, RankShards};
 use brigade::fit::fit;
 pub use brigade::fit::RunReport;
 use brigade::launch::{net_model, CommBackend, LaunchConfig};
@@ -127,9 +127,31 @@ fn split_held_out(args: &RunArgs, kind: &ModelKind, data: Dataset) -> Result<(Da
     }
 }
 
+/// `--data 'shard-{rank}.safetensors'`: one file per rank, of any length (each process of an
+/// MPI job loads every rank's: the ranks' lengths are checked before step 0).
+fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<RankShards> {
+    let shards = (0..world)
+        .map(|r| {
+            let path = args.rank_data_path(r).expect("--data names a file per rank");
+            std::fs::metadata(&path).map_err(|e| Error::Io {
+                path: format!("--data {} (rank {r}'s file)", path.display()),
+                source: e,
+            })?;
+            Ok(Dataset::from_safetensors(&path, kind)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RankShards::new(shards))
+}
+
 /// What every process needs before its ranks start: under MPI the world size comes from
 /// `mpirun`, and every file the run reads must exist on every rank.
-fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize, late: &LateHeldOut) -> Result<Dataset> {
+fn setup(
+    args: &RunArgs,
+    opts: &RunOptions,
+    kind: &ModelKind,
+    world: usize,
+    late: &LateHeldOut,
+) -> Result<Box<dyn DataSource>> {
     if args.backend == CommBackend::Mpi {
         if args.world_size != 1 && args.world_size != world {
             return Err(Error::Usage(format!(
@@ -140,7 +162,10 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize, late
         for (flag, path) in [
             ("--init", &args.init),
             ("--resume", &opts.resume),
-            ("--data", &args.data),
+            (
+                "--data",
+                &args.data.as_ref().filter(|_| args.rank_data().is_none()).cloned(),
+            ),
             ("--text", &args.text),
             ("--eval-data", &args.eval_data),
         ] {
@@ -151,6 +176,15 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize, late
                 })?;
             }
         }
+    }
+    if args.rank_data().is_some() {
+        let shards = load_rank_shards(args, kind, world)?;
+        if let Some(path) = &args.eval_data {
+            let _ = late
+                .0
+                .set(HeldOut::new(Dataset::from_safetensors(path, kind)?, args.batch_size));
+        }
+        return Ok(Box::new(shards));
     }
     let (data, held) = split_held_out(args, kind, load_data(args, kind, world)?)?;
     let global = world.saturating_mul(args.rows_per_rank());
@@ -164,7 +198,7 @@ fn setup(args: &RunArgs, opts: &RunOptions, kind: &ModelKind, world: usize, late
     if let Some(held) = held {
         let _ = late.0.set(HeldOut::new(held, args.batch_size));
     }
-    Ok(data)
+    Ok(Box::new(data))
 }
 
 /// How to start the ranks.
@@ -204,6 +238,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
         seed: args.seed,
         init: args.init.clone(),
         accum: args.accum,
+        join: args.join,
         data_order: if args.shuffle {
             DataOrder::shuffle(args.seed, args.drop_last)
         } else {

@@ -5,6 +5,7 @@
 mod dropout_resume;
 mod fake_device;
 mod fake_policies;
+mod join;
 mod launch;
 mod library;
 #[cfg(feature = "mpi")]

@@ -261,7 +261,8 @@ fn files_of_different_lengths_per_rank_are_reported_before_step_0() {
         DataLength::PerEpoch(vec![40, 24])
     );
     assert_eq!(per_rank.rank_lengths(2, &order).unwrap().batches(8), Some(vec![5, 3]));
-    // the trainer refuses uneven lengths before any step, naming every rank's
+    // without a join mode the trainer refuses uneven lengths before any step, naming the
+    // shortest and the longest rank
     let e = fit(
         &LaunchConfig::threads(2),
         &config(3, 8, order),
@@ -271,5 +272,5 @@ fn files_of_different_lengths_per_rank_are_reported_before_step_0() {
     .err()
     .expect("uneven")
     .to_string();
-    assert!(e.contains("rank 0: 40") && e.contains("rank 1: 24"), "{e}");
+    assert!(e.contains("rank 1 with 24") && e.contains("rank 0 with 40"), "{e}");
 }

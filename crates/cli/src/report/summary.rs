@@ -152,6 +152,10 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
         })),
         "flags": flags,
+        // uneven data: the join mode, the step each rank joined at (null: never), where the data ended
+        "join": outcome.join.map(|m| m.name()),
+        "joined_at": outcome.joined_at,
+        "data_ended": outcome.data_ended,
     });
     // bytes DDP sent per step on rank 0 (see `sent.rs`)
     if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent)) {
@@ -182,6 +186,9 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         );
     } else {
         println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
+        if let Some(line) = join_line(outcome) {
+            println!("{line}");
+        }
         if let (Some(p), brigade::data::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
             println!(
                 "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
@@ -262,4 +269,24 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             mib(m.total())
         );
     }
+}
+
+/// The join's line of the summary (uneven data): the step each rank joined at, and where every
+/// rank's data had ended (`None` without a join mode).
+pub fn join_line(outcome: &TrainOutcome) -> Option<String> {
+    let mode = outcome.join?;
+    let ranks: Vec<String> = outcome
+        .joined_at
+        .iter()
+        .enumerate()
+        .map(|(r, j)| match j {
+            Some(s) => format!("rank {r} at step {s}"),
+            None => format!("rank {r} never"),
+        })
+        .collect();
+    let end = match outcome.data_ended {
+        Some(s) => format!("; every rank's data had ended at step {s}"),
+        None => String::new(),
+    };
+    Some(format!("join ({}): joined {}{end}", mode.name(), ranks.join(", ")))
 }

@@ -8,6 +8,7 @@ mod common;
 mod device;
 mod faults;
 mod finished_work;
+mod join;
 mod lifecycle;
 #[cfg(feature = "mpi")]
 mod mpi_train;

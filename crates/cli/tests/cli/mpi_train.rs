@@ -425,3 +425,32 @@ fn without_steps<'a>(flags: &[&'a str]) -> Vec<&'a str> {
     let i = flags.iter().position(|f| *f == "--steps").unwrap();
     [&flags[..i], &flags[i + 2..]].concat()
 }
+
+#[test]
+fn uneven_per_rank_files_join_under_mpi_as_under_threads() {
+    // a file per rank of different lengths: rank 0 holds 5 steps of 8 rows, rank 1 holds 3 and
+    // joins at step 3; the MPI processes train as the threads do
+    use brigade_tensor::{DType, Rng, Tensor};
+    for (rank, rows) in [(0usize, 40usize), (1, 24)] {
+        let mut rng = Rng::new(30 + rank as u64);
+        let x = Tensor::randn(&[rows, 32], 1.0, DType::F32, &mut rng);
+        let y: Vec<i64> = (0..rows).map(|i| ((i * 7 + rank) % 4) as i64).collect();
+        let y = Tensor::from_vec(y, &[rows]).unwrap();
+        let path = tmp(&format!("join-shard-{rank}.safetensors"));
+        brigade_models::save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+    }
+    let pattern = tmp("join-shard-{rank}.safetensors");
+    for mode in ["divide-initial", "divide-active"] {
+        let mut f = MLP.to_vec();
+        f.extend([
+            "--data",
+            pattern.to_str().unwrap(),
+            "--join",
+            mode,
+            "--optimizer",
+            "sgd",
+        ]);
+        let (dl, dp) = parity(&format!("join-{mode}"), &f);
+        assert!(dl <= 1e-6 && dp <= 1e-6, "{mode}: losses {dl:e}, params {dp:e}");
+    }
+}
