@@ -102,7 +102,7 @@ pub enum Error {
     /// (every rank finds it before step 0, from the lengths every rank knows).
     #[error(
         "the ranks read different numbers of rows (shortest: rank {} with {}, longest: rank {} with {}): uneven inputs need a join mode (TrainConfig::join: divide-initial, divide-active or throw), or give every rank as many rows",
-        crate::join::shortest(rows), rows[crate::join::shortest(rows)], crate::join::longest(rows), rows[crate::join::longest(rows)]
+        shortest(rows), rows[shortest(rows)], longest(rows), rows[longest(rows)]
     )]
     UnevenInputs {
         /// Rows of each rank, by rank.
@@ -274,3 +274,13 @@ impl Error {
 
 /// Result alias for the library.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The rank with the fewest rows (the lowest such rank); 0 when there is none.
+pub fn shortest(rows: &[usize]) -> usize {
+    (0..rows.len()).min_by_key(|&r| (rows[r], r)).unwrap_or(0)
+}
+
+/// The rank with the most rows (the lowest such rank); 0 when there is none.
+pub fn longest(rows: &[usize]) -> usize {
+    (0..rows.len()).max_by_key(|&r| (rows[r], usize::MAX - r)).unwrap_or(0)
+}

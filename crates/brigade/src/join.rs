@@ -101,15 +101,7 @@ pub fn uneven_refusal(rows: &[usize]) -> Error {
     Error::UnevenInputs { rows: rows.to_vec() }
 }
 
-/// The rank with the fewest rows (the lowest such rank); 0 when there is none.
-pub fn shortest(rows: &[usize]) -> usize {
-    (0..rows.len()).min_by_key(|&r| (rows[r], r)).unwrap_or(0)
-}
-
-/// The rank with the most rows (the lowest such rank); 0 when there is none.
-pub fn longest(rows: &[usize]) -> usize {
-    (0..rows.len()).max_by_key(|&r| (rows[r], usize::MAX - r)).unwrap_or(0)
-}
+pub use crate::error::{longest, shortest};
 
 /// The ranks' agreement at the start of a step: which of them still have data.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -41,16 +41,12 @@ pub(crate) struct Rendezvous {
     stages: Mutex<Vec<Stage>>,
 }
 
-/// A staging area allocated by one rank: `STAGE_BYTES` bytes, freed with the rendezvous.
+/// A staging area allocated by one rank, freed with the rendezvous.
 struct Stage(*mut [u8]);
 
 // SAFETY: only the pointer moves between threads; who reads and writes the bytes and when is
 // the protocol of `transport.rs`.
 unsafe impl Send for Stage {}
-
-/// Bytes of each rank's staging area: two halves, one per slot parity, each the largest
-/// all-reduce that runs in one rendezvous.
-pub(crate) const STAGE_BYTES: usize = 2 * super::transport::EAGER_BYTES;
 
 impl Rendezvous {
     pub(crate) fn new(world: usize, timeout: Duration) -> Self {
@@ -72,10 +68,10 @@ impl Rendezvous {
         }
     }
 
-    /// A new staging area of [`STAGE_BYTES`] bytes for the calling rank, alive as long as the
+    /// A new staging area of `bytes` bytes for the calling rank, alive as long as the
     /// rendezvous.
-    pub(crate) fn new_stage(&self) -> *mut u8 {
-        let raw = Box::into_raw(vec![0u8; STAGE_BYTES].into_boxed_slice());
+    pub(crate) fn new_stage(&self, bytes: usize) -> *mut u8 {
+        let raw = Box::into_raw(vec![0u8; bytes].into_boxed_slice());
         self.stages.lock().unwrap_or_else(|e| e.into_inner()).push(Stage(raw));
         raw.cast::<u8>()
     }

@@ -47,7 +47,8 @@ pub struct ThreadTransport {
     rank: usize,
     shared: Arc<Rendezvous>,
     slot: u64,
-    /// This rank's staging area (owned by `shared`), made at its first small all-reduce.
+    /// This rank's staging area (owned by `shared`), made at its first small all-reduce: two
+    /// halves of [`EAGER_BYTES`], one per slot parity.
     stage: Option<SharedPtr>,
 }
 
@@ -68,7 +69,7 @@ impl ThreadTransport {
         let bytes = len * dtype.size_in_bytes();
         let stage = match self.stage {
             Some(stage) => stage,
-            None => *self.stage.insert(SharedPtr(self.shared.new_stage())),
+            None => *self.stage.insert(SharedPtr(self.shared.new_stage(2 * EAGER_BYTES))),
         };
         let half = (self.slot % 2) as usize * EAGER_BYTES;
         // SAFETY: `bytes <= EAGER_BYTES`, so the copy fits in half `slot % 2` of this rank's
