@@ -168,59 +168,44 @@ pub trait DataSource: Sync {
     }
 }
 
-/// A borrowed source is the source: one dataset can feed several runs (e.g. a run resumed
-/// between evaluations) without a copy.
-impl<T: DataSource + ?Sized> DataSource for &T {
-    fn batch(&self, mb: &Microbatch) -> Result<Batch> {
-        (**self).batch(mb)
-    }
+/// Implements [`DataSource`] for a pointer to a source by forwarding every method to it.
+macro_rules! forward_data_source {
+    ($($(#[$doc:meta])* $ptr:ty;)*) => {$(
+        $(#[$doc])*
+        impl<T: DataSource + ?Sized> DataSource for $ptr {
+            fn batch(&self, mb: &Microbatch) -> Result<Batch> {
+                (**self).batch(mb)
+            }
 
-    fn num_rows(&self) -> Option<usize> {
-        (**self).num_rows()
-    }
+            fn num_rows(&self) -> Option<usize> {
+                (**self).num_rows()
+            }
 
-    fn gather(&self, rank: usize, rows: &[usize]) -> Result<Batch> {
-        (**self).gather(rank, rows)
-    }
+            fn gather(&self, rank: usize, rows: &[usize]) -> Result<Batch> {
+                (**self).gather(rank, rows)
+            }
 
-    fn sampler(&self, rank: usize, world_size: usize, options: SamplerOptions) -> Result<DistributedSampler> {
-        (**self).sampler(rank, world_size, options)
-    }
+            fn sampler(&self, rank: usize, world_size: usize, options: SamplerOptions) -> Result<DistributedSampler> {
+                (**self).sampler(rank, world_size, options)
+            }
 
-    fn rank_lengths(&self, world_size: usize, order: &DataOrder) -> Result<DataLength> {
-        (**self).rank_lengths(world_size, order)
-    }
+            fn rank_lengths(&self, world_size: usize, order: &DataOrder) -> Result<DataLength> {
+                (**self).rank_lengths(world_size, order)
+            }
 
-    fn fingerprint(&self) -> Option<String> {
-        (**self).fingerprint()
-    }
+            fn fingerprint(&self) -> Option<String> {
+                (**self).fingerprint()
+            }
+        }
+    )*};
 }
 
-/// A boxed source is the source (a program picks its kind of data at run time).
-impl<T: DataSource + ?Sized> DataSource for Box<T> {
-    fn batch(&self, mb: &Microbatch) -> Result<Batch> {
-        (**self).batch(mb)
-    }
-
-    fn num_rows(&self) -> Option<usize> {
-        (**self).num_rows()
-    }
-
-    fn gather(&self, rank: usize, rows: &[usize]) -> Result<Batch> {
-        (**self).gather(rank, rows)
-    }
-
-    fn sampler(&self, rank: usize, world_size: usize, options: SamplerOptions) -> Result<DistributedSampler> {
-        (**self).sampler(rank, world_size, options)
-    }
-
-    fn rank_lengths(&self, world_size: usize, order: &DataOrder) -> Result<DataLength> {
-        (**self).rank_lengths(world_size, order)
-    }
-
-    fn fingerprint(&self) -> Option<String> {
-        (**self).fingerprint()
-    }
+forward_data_source! {
+    /// A borrowed source is the source: one dataset can feed several runs (e.g. a run resumed
+    /// between evaluations) without a copy.
+    &T;
+    /// A boxed source is the source (a program picks its kind of data at run time).
+    Box<T>;
 }
 
 /// Each rank's own data (a file per rank, of any length: `brigade train --data

@@ -5,6 +5,7 @@
 //! step's masks; a checkpoint without generators still loads; another number of ranks
 //! continues a generator the ranks shared and refuses ones that differ, in one line.
 
+use crate::common::{self, resuming, writing};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -58,30 +59,7 @@ fn run(world: usize, cfg: &TrainConfig, seeds: Seeds) -> brigade::Result<RunRepo
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("brigade-dropout-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn writing(cfg: TrainConfig, path: &Path) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            path: Some(path.to_path_buf()),
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
-}
-
-fn resuming(cfg: TrainConfig, path: &Path) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            resume: Some(path.to_path_buf()),
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
+    common::tmp("dropout", name)
 }
 
 /// Rank 0's final parameters, as bits.

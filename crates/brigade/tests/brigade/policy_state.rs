@@ -3,10 +3,10 @@
 //! resume, so that 5 steps + resume + 5 steps is 10 straight steps bit for bit; the checkpoint
 //! records the policy's spec, and a resume under another policy is refused in one line.
 
-use std::path::{Path, PathBuf};
+use crate::common::{self, resuming, writing};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use brigade::config::CheckpointConfig;
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
 use brigade::policies::PolicySpec;
@@ -39,30 +39,7 @@ fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("brigade-policy-state-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn writing(cfg: TrainConfig, path: &Path) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            path: Some(path.to_path_buf()),
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
-}
-
-fn resuming(cfg: TrainConfig, path: &Path) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            resume: Some(path.to_path_buf()),
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
+    common::tmp("policy-state", name)
 }
 
 fn values(r: &RunReport) -> Vec<Vec<f32>> {
