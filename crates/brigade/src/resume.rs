@@ -110,8 +110,45 @@ pub fn check_resume(
                 this_run,
             })
         })
+        .collect::<Vec<_>>();
+    let changes = changes
+        .into_iter()
+        .chain(model_changes(meta.get("model_config"), cfg.model_config.as_deref()))
         .collect();
     Ok((schedule, changes))
+}
+
+/// What differs between the model configuration a checkpoint recorded (`written`) and this
+/// run's: one change per key of the JSON object (`model.dropout 0.1 -> 0.3`), or the whole
+/// record where it is not an object. A change of shape never gets this far in use (the
+/// parameters would not load); what is left is what a run may change, such as dropout.
+fn model_changes(written: Option<&String>, this_run: Option<&str>) -> Vec<HyperparameterChange> {
+    let (Some(written), Some(this_run)) = (written, this_run) else {
+        return vec![];
+    };
+    if written == this_run {
+        return vec![];
+    }
+    let object = |text: &str| match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => Some(map),
+        _ => None,
+    };
+    match (object(written), object(this_run)) {
+        (Some(old), Some(new)) => new
+            .iter()
+            .filter(|(k, v)| old.get(*k) != Some(*v))
+            .map(|(k, v)| HyperparameterChange {
+                name: format!("model.{k}"),
+                written: old.get(k).map_or_else(|| "unset".to_string(), |w| w.to_string()),
+                this_run: v.to_string(),
+            })
+            .collect(),
+        _ => vec![HyperparameterChange {
+            name: "model_config".to_string(),
+            written: written.clone(),
+            this_run: this_run.to_string(),
+        }],
+    }
 }
 
 /// Why [`check_resume`] failed: the run's own schedule is invalid, or the checkpoint's differs.
@@ -138,5 +175,20 @@ mod tests {
         };
         let s = cfg.build(1e-3, 10).unwrap();
         assert_eq!(recorded_t(&schedule_record(&s)), Some(10));
+    }
+
+    #[test]
+    fn a_changed_dropout_is_reported_and_an_unchanged_model_is_not() {
+        let written = r#"{"widths":[4,8,2],"dropout":0.1}"#.to_string();
+        let changes = model_changes(Some(&written), Some(r#"{"widths":[4,8,2],"dropout":0.3}"#));
+        assert_eq!(changes.len(), 1);
+        assert_eq!(changes[0].to_string(), "model.dropout 0.1 -> 0.3");
+        assert!(model_changes(Some(&written), Some(&written)).is_empty());
+        // a checkpoint from before dropout was recorded: the new key is reported as unset
+        let old = r#"{"widths":[4,8,2]}"#.to_string();
+        let changes = model_changes(Some(&old), Some(r#"{"widths":[4,8,2],"dropout":0.3}"#));
+        assert_eq!(changes[0].to_string(), "model.dropout unset -> 0.3");
+        // no record on either side: nothing to say
+        assert!(model_changes(None, Some(&written)).is_empty());
     }
 }

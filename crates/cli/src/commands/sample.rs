@@ -39,14 +39,14 @@ pub struct SampleArgs {
 }
 
 /// The shape of a model as its checkpoint records it (`model_config`): a JSON object of the
-/// GPT's sizes, or the MLP's widths.
+/// GPT's sizes, or the MLP's widths, each with its dropout (a resume reports a changed one).
 pub fn model_config_json(kind: &ModelKind) -> String {
     match kind {
         ModelKind::Gpt(c) => json!({
             "vocab": c.vocab, "d_model": c.d_model, "n_layers": c.n_layers, "n_heads": c.n_heads,
             "d_ff": c.d_ff, "context": c.context, "dropout": c.dropout,
         }),
-        ModelKind::Mlp(c) => json!({ "widths": c.widths }),
+        ModelKind::Mlp(c) => json!({ "widths": c.widths, "dropout": c.dropout }),
     }
     .to_string()
 }

@@ -130,6 +130,24 @@ fn a_resume_keeps_the_schedule_and_says_which_hyperparameter_it_changed() {
         ["note: resuming with lr 0.1 -> 0.2 (this run's values, not the checkpoint's)"],
         "{err}"
     );
+    // another --dropout is a change of the model's recipe: used, and said in the same way
+    let out = Command::new(bin())
+        .args(cat(&[
+            BASE,
+            &["--dropout", "0.25"],
+            &sched,
+            &["--steps", "5", "--resume", s(&ck)],
+        ]))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let said: Vec<&str> = err.lines().filter(|l| l.contains("resuming with")).collect();
+    assert_eq!(
+        said,
+        ["note: resuming with model.dropout 0.0 -> 0.25 (this run's values, not the checkpoint's)"],
+        "{err}"
+    );
 }
 
 #[test]
