@@ -112,37 +112,30 @@ fn a_resume_keeps_the_schedule_and_says_which_hyperparameter_it_changed() {
         &["--steps", "6", "--lr-decay-steps", "6", "--resume", s(&ck)],
     ]));
     assert!(e.contains("schedule 'cosine warmup=0 T=4 min_lr=0.01'"), "{e}");
+    // The lines a resume with `flags` says about what it changed (it must succeed).
+    let resume_notes = |flags: &[&str]| {
+        let out = Command::new(bin())
+            .args(cat(&[flags, &sched, &["--steps", "5", "--resume", s(&ck)]]))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let said: Vec<String> = err
+            .lines()
+            .filter(|l| l.contains("resuming with"))
+            .map(str::to_string)
+            .collect();
+        (said, err)
+    };
     // another --lr is used, and said in one line on stderr
-    let out = Command::new(bin())
-        .args(cat(&[
-            &BASE[..BASE.len() - 3],
-            &["--lr", "0.2", "--quiet"],
-            &sched,
-            &["--steps", "5", "--resume", s(&ck)],
-        ]))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let err = String::from_utf8_lossy(&out.stderr);
-    let said: Vec<&str> = err.lines().filter(|l| l.contains("resuming with")).collect();
+    let (said, err) = resume_notes(&cat(&[&BASE[..BASE.len() - 3], &["--lr", "0.2", "--quiet"]]));
     assert_eq!(
         said,
         ["note: resuming with lr 0.1 -> 0.2 (this run's values, not the checkpoint's)"],
         "{err}"
     );
     // another --dropout is a change of the model's recipe: used, and said in the same way
-    let out = Command::new(bin())
-        .args(cat(&[
-            BASE,
-            &["--dropout", "0.25"],
-            &sched,
-            &["--steps", "5", "--resume", s(&ck)],
-        ]))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let err = String::from_utf8_lossy(&out.stderr);
-    let said: Vec<&str> = err.lines().filter(|l| l.contains("resuming with")).collect();
+    let (said, err) = resume_notes(&cat(&[BASE, &["--dropout", "0.25"]]));
     assert_eq!(
         said,
         ["note: resuming with model.dropout 0.0 -> 0.25 (this run's values, not the checkpoint's)"],
