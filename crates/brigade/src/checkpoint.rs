@@ -89,21 +89,26 @@ pub struct CheckpointModel {
     pub params: Vec<(String, Tensor)>,
 }
 
+/// The tensors and metadata of the file at `path`, an error unless it is a Brigade checkpoint.
+fn read_checkpoint(path: &Path) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+    let (tensors, meta) = load_safetensors_with_metadata(path)?;
+    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
+        return Err(Error::checkpoint(path, CheckpointMismatch::NotACheckpoint));
+    }
+    Ok((tensors, meta))
+}
+
+/// The step a checkpoint's metadata records (the step to run next).
+fn step_of(meta: &HashMap<String, String>) -> Option<usize> {
+    meta.get("step").and_then(|s| s.parse().ok())
+}
+
 /// Reads the model part of the checkpoint at `path`: errors when the file cannot be read, is
 /// not a Brigade checkpoint, or holds a non-finite parameter.
 pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
-    let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
-        path: path.display().to_string(),
-        mismatch,
-    };
-    let (tensors, meta) = load_safetensors_with_metadata(path)?;
-    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
-        return Err(err(CheckpointMismatch::NotACheckpoint));
-    }
-    let step = meta
-        .get("step")
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| err(CheckpointMismatch::NoStep))?;
+    let err = |mismatch| Error::checkpoint(path, mismatch);
+    let (tensors, meta) = read_checkpoint(path)?;
+    let step = step_of(&meta).ok_or_else(|| err(CheckpointMismatch::NoStep))?;
     let params: Vec<(String, Tensor)> = tensors
         .into_iter()
         .filter_map(|(n, t)| n.strip_prefix("model.").map(|n| (n.to_string(), t)))
@@ -243,14 +248,8 @@ pub fn load_checkpoint(
     model: &dyn Model,
     opt: &mut dyn Optimizer,
 ) -> Result<Resumed> {
-    let err = |mismatch: CheckpointMismatch| Error::Checkpoint {
-        path: path.display().to_string(),
-        mismatch,
-    };
-    let (tensors, meta) = load_safetensors_with_metadata(path)?;
-    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
-        return Err(err(CheckpointMismatch::NotACheckpoint));
-    }
+    let err = |mismatch| Error::checkpoint(path, mismatch);
+    let (tensors, meta) = read_checkpoint(path)?;
     for (what, want) in [("model", id.model), ("optimizer", id.optimizer)] {
         let written = meta.get(what).cloned().unwrap_or_default();
         if written != want {
@@ -289,10 +288,7 @@ pub fn load_checkpoint(
     }
     let sampler = check_data_order(&meta, id).map_err(err)?;
     brigade_models::check_finite(path, &tensors)?;
-    let step: usize = meta
-        .get("step")
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| err(CheckpointMismatch::NoStep))?;
+    let step = step_of(&meta).ok_or_else(|| err(CheckpointMismatch::NoStep))?;
     let strip = |prefix: &str| -> Vec<(String, Tensor)> {
         tensors
             .iter()

@@ -240,6 +240,14 @@ pub enum CheckpointMismatch {
 }
 
 impl Error {
+    /// The checkpoint at `path` does not fit this run (or is not a checkpoint), for `mismatch`.
+    pub(crate) fn checkpoint(path: &std::path::Path, mismatch: CheckpointMismatch) -> Self {
+        Error::Checkpoint {
+            path: path.display().to_string(),
+            mismatch,
+        }
+    }
+
     /// Whether every rank reaches this error together (so it names no rank and needs no abort).
     pub fn is_agreed(&self) -> bool {
         matches!(

@@ -158,10 +158,9 @@ impl<'a> Trainer<'a> {
                 let resumed = load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?;
                 // this rank's dropout generator continues where the checkpoint's stood
                 if let Some(state) = resumed.dropout_rng_of(ctx.rank) {
-                    model.set_rng_state(state).map_err(|e| Error::Checkpoint {
-                        path: path.display().to_string(),
-                        mismatch: CheckpointMismatch::DropoutRng(e.to_string()),
-                    })?;
+                    model
+                        .set_rng_state(state)
+                        .map_err(|e| Error::checkpoint(path, CheckpointMismatch::DropoutRng(e.to_string())))?;
                 }
                 Some(resumed)
             }
@@ -171,10 +170,7 @@ impl<'a> Trainer<'a> {
         let (schedule, resume_changes) =
             check_resume(cfg, resumed.as_ref().map(|r| &r.metadata)).map_err(|e| {
                 match (e, &cfg.checkpoint.resume) {
-                    (ResumeError::Refused(mismatch), Some(path)) => Error::Checkpoint {
-                        path: path.display().to_string(),
-                        mismatch,
-                    },
+                    (ResumeError::Refused(mismatch), Some(path)) => Error::checkpoint(path, mismatch),
                     (ResumeError::Refused(mismatch), None) => Error::Config(mismatch.to_string()),
                     (ResumeError::Config(e), _) => e,
                 }
@@ -190,10 +186,7 @@ impl<'a> Trainer<'a> {
             .join
             .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
         if let (Some(r), Some(path)) = (&resumed, &cfg.checkpoint.resume) {
-            join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::Checkpoint {
-                path: path.display().to_string(),
-                mismatch,
-            })?;
+            join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::checkpoint(path, mismatch))?;
         }
         let cursor = match cfg.data_order {
             DataOrder::InOrder => None,
@@ -217,13 +210,13 @@ impl<'a> Trainer<'a> {
             }
         };
         if let (Some(path), true) = (&cfg.checkpoint.resume, first_step > cfg.steps) {
-            return Err(Error::Checkpoint {
-                path: path.display().to_string(),
-                mismatch: CheckpointMismatch::PastTheEnd {
+            return Err(Error::checkpoint(
+                path,
+                CheckpointMismatch::PastTheEnd {
                     step: first_step,
                     steps: cfg.steps,
                 },
-            });
+            ));
         }
         let device = cfg.device.for_rank(nccl::gpu_rank(ctx))?;
         if device != Device::Cpu {
@@ -255,10 +248,7 @@ impl<'a> Trainer<'a> {
         if let (Some(ddp), false) = (&ddp, policy_state.is_empty()) {
             ddp.load_gathered_policy_state(&policy_state)
                 .map_err(|e| match &cfg.checkpoint.resume {
-                    Some(path) => Error::Checkpoint {
-                        path: path.display().to_string(),
-                        mismatch: CheckpointMismatch::PolicyState(e.to_string()),
-                    },
+                    Some(path) => Error::checkpoint(path, CheckpointMismatch::PolicyState(e.to_string())),
                     None => e.into(),
                 })?;
         }
