@@ -265,8 +265,13 @@ impl Reducer {
 
     /// Tells the policy the current layout (construction and every rebuild).
     fn announce(&self, st: &State) -> Result<()> {
-        let spans: Vec<BucketSpan> = st
-            .buckets
+        let spans = self.bucket_spans(st);
+        self.lock_policy().buckets_built(&spans, st.generation)
+    }
+
+    /// What a policy sees of each bucket of the current layout.
+    fn bucket_spans(&self, st: &State) -> Vec<BucketSpan> {
+        st.buckets
             .iter()
             .enumerate()
             .map(|(index, b)| BucketSpan {
@@ -275,8 +280,7 @@ impl Reducer {
                 numel: b.flat.numel(),
                 grad_numel: b.grad_numel,
             })
-            .collect();
-        self.lock_policy().buckets_built(&spans, st.generation)
+            .collect()
     }
 
     /// `mark_variable_ready`: counts the parameter's bucket down and launches what is full.
@@ -729,17 +733,7 @@ impl BucketSource for Reducer {
     }
 
     fn spans(&self) -> Vec<BucketSpan> {
-        let st = self.lock();
-        st.buckets
-            .iter()
-            .enumerate()
-            .map(|(index, b)| BucketSpan {
-                index,
-                params: self.bucket_params(&b.params),
-                numel: b.flat.numel(),
-                grad_numel: b.grad_numel,
-            })
-            .collect()
+        self.bucket_spans(&self.lock())
     }
 
     fn generation(&self) -> u64 {
