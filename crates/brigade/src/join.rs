@@ -90,12 +90,6 @@ impl FromStr for JoinMode {
     }
 }
 
-/// Whole steps of `rows_per_step` rows each rank's data holds (`None`: endless data, which never
-/// ends, so no rank ever joins).
-pub fn rank_steps(lengths: &DataLength, rows_per_step: usize) -> Option<Vec<usize>> {
-    lengths.batches(rows_per_step)
-}
-
 /// The refusal of uneven data without a join mode, naming the shortest and the longest rank.
 pub fn uneven_refusal(rows: &[usize]) -> Error {
     Error::UnevenInputs { rows: rows.to_vec() }
@@ -248,7 +242,8 @@ impl JoinRun {
         world_size: usize,
         first_step: usize,
     ) -> JoinRun {
-        let steps = rank_steps(lengths, rows_per_step);
+        // whole steps each rank's data holds (`None`: endless data, so no rank ever joins)
+        let steps = lengths.batches(rows_per_step);
         let rows = match lengths {
             DataLength::PerEpoch(v) => v.clone(),
             DataLength::Endless => vec![],
