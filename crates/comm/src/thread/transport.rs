@@ -62,6 +62,32 @@ impl ThreadTransport {
         }
     }
 
+    /// Step 1 of a slot: publishes this rank's descriptor (its buffer, or its staged copy, at
+    /// `ptr`), waits for every rank's and checks that they agree. A mismatch moves nothing, so
+    /// it needs no barrier: every rank returns the same verdict here, whichever path (one
+    /// rendezvous or two) its own length chose.
+    fn agree(
+        &mut self,
+        kind: OpKind,
+        dtype: Option<DType>,
+        len: usize,
+        tag: &str,
+        ptr: *mut u8,
+    ) -> Result<Arc<[OpDesc]>, CommError> {
+        let desc = OpDesc {
+            slot: self.slot,
+            kind,
+            dtype,
+            len,
+            tag: tag.to_string(),
+            ptr: SharedPtr(ptr),
+        };
+        self.slot += 1;
+        let descs = self.shared.exchange(self.rank, desc)?;
+        validate(&descs)?;
+        Ok(descs)
+    }
+
     /// An all-reduce of at most [`EAGER_BYTES`] in one rendezvous (module docs).
     fn all_reduce_eager(&mut self, buf: &mut Buffer, op: ReduceOp, tag: &str) -> Result<(), CommError> {
         let dtype = buf.dtype();
@@ -77,17 +103,7 @@ impl ThreadTransport {
         // `slot - 2`, and every peer is past the exchange of `slot - 1`).
         let copy = unsafe { stage.0.add(half) };
         unsafe { std::ptr::copy_nonoverlapping(buf.as_mut_ptr().cast_const(), copy, bytes) };
-        let desc = OpDesc {
-            slot: self.slot,
-            kind: OpKind::AllReduce(op),
-            dtype: Some(dtype),
-            len,
-            tag: tag.to_string(),
-            ptr: SharedPtr(copy),
-        };
-        self.slot += 1;
-        let descs = self.shared.exchange(self.rank, desc)?;
-        validate(&descs)?;
+        let descs = self.agree(OpKind::AllReduce(op), Some(dtype), len, tag, copy)?;
         let srcs: Vec<*mut u8> = descs.iter().map(|d| d.ptr.0).collect();
         // SAFETY: every rank agreed on this all-reduce of `len` elements, so each pointer is a
         // peer's staged copy of `len` elements, not rewritten before this rank's next exchange;
@@ -109,19 +125,7 @@ impl ThreadTransport {
             Some(buf) => (Some(buf.dtype()), buf.as_mut_ptr()),
             None => (None, std::ptr::null_mut()),
         };
-        let desc = OpDesc {
-            slot: self.slot,
-            kind,
-            dtype,
-            len: input_len,
-            tag: tag.to_string(),
-            ptr: SharedPtr(ptr),
-        };
-        self.slot += 1;
-        let descs = self.shared.exchange(self.rank, desc)?;
-        // A mismatch moves nothing, so no barrier guards the pointers: every rank returns the
-        // same verdict here (whichever path its own length chose).
-        validate(&descs)?;
+        let descs = self.agree(kind, dtype, input_len, tag, ptr)?;
         // SAFETY: step 2 of the slot protocol (module docs): all ranks agreed, every pointer
         // is live until the barrier below, and this rank touches only its range.
         unsafe { move_data(self.rank, &descs) };
