@@ -134,7 +134,7 @@ pub fn agree_on_data(comm: &dyn Communicator, step: usize, has_data: bool) -> Re
     }
     let mut mine = vec![0.0f32; world];
     mine[rank] = if has_data { 1.0 } else { 0.0 };
-    let all = comm.all_reduce(Buffer::F32(mine), ReduceOp::Sum, JOIN_TAG).wait()?;
+    let all = comm.all_reduce_blocking(Buffer::F32(mine), ReduceOp::Sum, JOIN_TAG)?;
     match all.as_f32() {
         Some(v) if v.len() == world => Ok(Agreement {
             step,

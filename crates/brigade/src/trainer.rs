@@ -539,8 +539,7 @@ impl<'a> Trainer<'a> {
         let all = self
             .ctx
             .comm
-            .all_reduce(Buffer::F32(vec![mine as f32]), ReduceOp::Avg, EVAL_TAG)
-            .wait()?;
+            .all_reduce_blocking(Buffer::F32(vec![mine as f32]), ReduceOp::Avg, EVAL_TAG)?;
         match all.as_f32() {
             Some(&[v]) => Ok(f64::from(v)),
             _ => Err(Error::Protocol(format!(
@@ -593,8 +592,7 @@ impl<'a> Trainer<'a> {
         let all = self
             .ctx
             .comm
-            .all_reduce(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)
-            .wait()?;
+            .all_reduce_blocking(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)?;
         let Some((&[loss, nonfinite, stop], slots)) = all
             .as_f32()
             .filter(|v| v.len() == expected)

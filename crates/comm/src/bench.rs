@@ -63,6 +63,9 @@ pub struct AllReduceRow {
     pub busbw: f64,
     /// Fastest single all-reduce in seconds.
     pub best_s: f64,
+    /// Median single all-reduce in seconds: where the mean sits far above it, a few slow
+    /// iterations (a descheduled rank, a late wake-up) carry the mean.
+    pub median_s: f64,
     /// Single-thread memcpy bandwidth (bytes per second) measured by rank 0 just before this
     /// size, so that both see the same machine load.
     pub memcpy_bw: f64,
@@ -113,12 +116,13 @@ pub struct Contender<'a> {
 }
 
 impl<'a> Contender<'a> {
-    /// A contender that all-reduces through `comm`.
+    /// A contender that all-reduces through `comm`, blocking
+    /// ([`Communicator::all_reduce_blocking`]), as `MPI_Allreduce` is.
     pub fn communicator(name: &str, comm: &'a dyn Communicator) -> Contender<'a> {
         Contender {
             name: name.to_string(),
             run: Box::new(move |v: Vec<f32>| {
-                let out = comm.all_reduce(Buffer::F32(v), ReduceOp::Sum, "bench").wait()?;
+                let out = comm.all_reduce_blocking(Buffer::F32(v), ReduceOp::Sum, "bench")?;
                 out.into_f32()
                     .map_err(|b| CommError::Internal(format!("an f32 all-reduce returned {}", b.dtype())))
             }),
@@ -179,7 +183,7 @@ pub fn time_contenders(
             0.0
         };
         let mut total = vec![0.0f64; contenders.len()];
-        let mut best = vec![f64::INFINITY; contenders.len()];
+        let mut each: Vec<Vec<f64>> = contenders.iter().map(|_| Vec::with_capacity(iters)).collect();
         let mut done = vec![0usize; contenders.len()];
         let iters = iters.max(1);
         let rounds = ROUNDS.min(iters);
@@ -192,7 +196,7 @@ pub fn time_contenders(
                 for _ in 0..n {
                     let t1 = Instant::now();
                     buf = (c.run)(buf)?;
-                    best[k] = best[k].min(t1.elapsed().as_secs_f64());
+                    each[k].push(t1.elapsed().as_secs_f64());
                 }
                 total[k] += t.elapsed().as_secs_f64();
                 done[k] += n;
@@ -200,6 +204,7 @@ pub fn time_contenders(
         }
         for k in 0..contenders.len() {
             let time_s = total[k] / done[k] as f64;
+            each[k].sort_by(f64::total_cmp);
             let algbw = (len * 4) as f64 / time_s;
             rows[k].push(AllReduceRow {
                 bytes: len * 4,
@@ -207,7 +212,8 @@ pub fn time_contenders(
                 time_s,
                 algbw,
                 busbw: algbw * 2.0 * (world - 1) as f64 / world as f64,
-                best_s: best[k],
+                best_s: each[k][0],
+                median_s: each[k][each[k].len() / 2],
                 memcpy_bw,
             });
         }
@@ -262,16 +268,17 @@ impl CommBenchReport {
             self.memcpy_bw / gb
         );
         s += &format!(
-            "{:>8} {:>5} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9}\n",
-            "size", "iters", "time us", "best us", "algbw", "busbw", "busbw best", "memcpy", "busbw/mc"
+            "{:>8} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9}\n",
+            "size", "iters", "time us", "median us", "best us", "algbw", "busbw", "busbw best", "memcpy", "busbw/mc"
         );
         for r in &self.rows {
             let factor = r.busbw / r.algbw;
             s += &format!(
-                "{:>8} {:>5} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>11.2} {:>8.2} {:>9.2}\n",
+                "{:>8} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>11.2} {:>8.2} {:>9.2}\n",
                 format_bytes(r.bytes),
                 r.iters,
                 r.time_s * 1e6,
+                r.median_s * 1e6,
                 r.best_s * 1e6,
                 r.algbw / gb,
                 r.busbw / gb,

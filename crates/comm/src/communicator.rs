@@ -27,6 +27,16 @@ pub trait Communicator: Send + Sync {
     /// on every rank, comes back from `wait`.
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer>;
 
+    /// The blocking all-reduce (PyTorch's `async_op=False`, MPI's `MPI_Allreduce` beside
+    /// `MPI_Iallreduce`): the same collective as [`Communicator::all_reduce`], in the same issue
+    /// order (ranks may mix the two), for a caller that would wait for it at once: the loss
+    /// agreement, a norm, a benchmark. A backend may run it on the calling thread when its comm
+    /// stream is idle, without waking the stream's worker and being woken back (tens of
+    /// microseconds on a busy or virtual machine: more than a small all-reduce itself costs).
+    fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        self.all_reduce(buf, op, tag).wait()
+    }
+
     /// Copies `root`'s buffer into every rank's buffer (same length on every rank).
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer>;
 
@@ -56,6 +66,9 @@ macro_rules! forward_communicator {
             }
             fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
                 (**self).all_reduce(buf, op, tag)
+            }
+            fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+                (**self).all_reduce_blocking(buf, op, tag)
             }
             fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
                 (**self).broadcast(buf, root, tag)

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::{Buffer, Communicator, ReduceOp, Work};
+use crate::{Buffer, CommError, Communicator, ReduceOp, Work};
 
 /// Totals of a rank's collectives (see the module docs for the two byte figures).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -140,6 +140,11 @@ impl<C: Communicator> Communicator for Metered<C> {
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
         self.count(MeteredOp::AllReduce, &buf);
         self.inner.all_reduce(buf, op, tag)
+    }
+
+    fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        self.count(MeteredOp::AllReduce, &buf);
+        self.inner.all_reduce_blocking(buf, op, tag)
     }
 
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {

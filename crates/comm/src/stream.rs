@@ -5,7 +5,10 @@
 //! it on its own thread instead of handing it to the worker and sleeping until the worker hands
 //! it back: two thread wake-ups (tens of microseconds each on a busy or virtual machine) saved
 //! on every collective that is waited for as soon as it is issued (the loss agreement, a
-//! benchmark). Collectives issued ahead, as DDP issues its buckets during backward, run on the
+//! benchmark). [`Communicator::all_reduce_blocking`] goes further: on an idle stream it runs at
+//! once on the caller's thread without queueing, so the worker is not even woken (a woken worker
+//! that finds nothing to do still takes a core, on a small machine from a peer rank mid-collective).
+//! Collectives issued ahead, as DDP issues its buckets during backward, run on the
 //! worker while the caller computes, as before.
 
 use std::collections::VecDeque;
@@ -143,6 +146,39 @@ impl<T: Transport> CommStream<T> {
         let shared = Arc::downgrade(&self.shared);
         work.with_helper(Box::new(move || run_if_next(&shared, seq)))
     }
+
+    /// Runs `op` on the calling thread if the stream is idle (nothing queued, nothing running):
+    /// the worker is neither woken nor waited for. Otherwise queues it behind the others and
+    /// waits, as [`Work::wait`] does.
+    fn run_now<R: Send + 'static>(
+        &self,
+        tag: &str,
+        op: impl FnOnce(&mut T, &str) -> Result<R, CommError> + Send + 'static,
+    ) -> Result<R, CommError> {
+        let mut core = self.shared.lock();
+        if !core.queue.is_empty() || core.transport.is_none() {
+            drop(core);
+            return self.submit(tag, op).wait();
+        }
+        let mut transport = core.transport.take().expect("checked");
+        core.next += 1;
+        drop(core);
+        let result = catch_unwind(AssertUnwindSafe(|| op(&mut transport, tag))).unwrap_or_else(|payload| {
+            Err(CommError::Internal(format!(
+                "backend panicked in collective `{tag}`: {}",
+                panic_message(payload.as_ref())
+            )))
+        });
+        let mut core = self.shared.lock();
+        core.transport = Some(transport);
+        // Collectives issued meanwhile (from another thread) wait for the worker.
+        let more = !core.queue.is_empty() || core.closing.is_some();
+        drop(core);
+        if more {
+            self.shared.work.notify_one();
+        }
+        result
+    }
 }
 
 /// The worker: runs queued collectives in order while no caller does; at the close, after the
@@ -218,6 +254,13 @@ impl<T: Transport> Communicator for CommStream<T> {
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
         self.submit(tag, move |t, tag| {
+            let mut buf = buf;
+            t.all_reduce(&mut buf, op, tag).map(|()| buf)
+        })
+    }
+
+    fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        self.run_now(tag, move |t, tag| {
             let mut buf = buf;
             t.all_reduce(&mut buf, op, tag).map(|()| buf)
         })

@@ -202,6 +202,44 @@ fn a_collective_waited_for_at_once_runs_on_the_waiting_thread() {
         .unwrap();
 }
 
+/// A blocking all-reduce on an idle stream runs on the calling thread, every time (the worker
+/// is not woken to race for it); one issued while the stream is busy waits its turn behind the
+/// others, and runs after them.
+#[test]
+fn a_blocking_all_reduce_runs_on_the_caller_unless_the_stream_is_busy() {
+    std::thread::Builder::new()
+        .name("caller".into())
+        .spawn(|| {
+            let (release, hold) = std::sync::mpsc::channel();
+            let (stream, ran) = noting(Some(hold));
+            for i in 0..1000 {
+                stream
+                    .all_reduce_blocking(one(), ReduceOp::Sum, &format!("now {i}"))
+                    .unwrap();
+            }
+            let held = stream.all_reduce(one(), ReduceOp::Sum, "held");
+            std::thread::sleep(Duration::from_millis(50)); // the worker has taken "held"
+            let releaser = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                release.send(()).unwrap();
+            });
+            stream.all_reduce_blocking(one(), ReduceOp::Sum, "behind").unwrap();
+            held.wait().unwrap();
+            releaser.join().unwrap();
+            let ran = ran.lock().unwrap().clone();
+            let off_caller: Vec<_> = ran
+                .iter()
+                .filter(|(tag, thread)| tag.starts_with("now") && thread != "caller")
+                .collect();
+            assert!(off_caller.is_empty(), "ran on the worker: {off_caller:?}");
+            let tags: Vec<&str> = ran[1000..].iter().map(|(t, _)| t.as_str()).collect();
+            assert_eq!(tags, ["held", "behind"]);
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
 /// A waiter never runs a collective out of turn, nor one that a shorter wait could not see
 /// through: while an earlier collective is running, a later one waits its turn.
 #[test]

@@ -526,7 +526,7 @@ impl DeviceComm for HostStagedComm {
     fn all_reduce(&self, stream: &Stream, buf: &Tensor, op: ReduceOp, tag: &str) -> crate::Result<()> {
         stream.scope(|| {
             let (b, lent) = take(buf)?;
-            let b = self.comm.all_reduce(b, op, tag).wait()?;
+            let b = self.comm.all_reduce_blocking(b, op, tag)?;
             put_back(buf, b, lent).map(drop)
         })
     }
