@@ -161,8 +161,9 @@ impl RawOp {
 }
 
 /// An MPI communicator handle owned by one transport. MPI handles are plain pointers, hence not
-/// `Send`; moving one to the comm stream's thread is sound because MPI is initialized with
-/// `MPI_THREAD_MULTIPLE` (or `SERIALIZED`) and only that thread uses it afterwards.
+/// `Send`; moving one between threads is sound because MPI is initialized with
+/// `MPI_THREAD_MULTIPLE` (or `SERIALIZED`) and its transport is used by one thread at a time
+/// (the comm stream's, or a caller's that runs a collective while the stream is idle).
 pub(crate) struct RawComm(pub(crate) ffi::MPI_Comm);
 
 // SAFETY: see the type's docs.

@@ -1,6 +1,7 @@
 //! The MPI backend's transport: each collective is agreed on, then moved through the node's
 //! shared segment, MPI's blocking collectives, or both (hierarchical), on the comm stream's
-//! thread.
+//! thread (or on a caller's thread that waits for the collective while the stream is idle: one
+//! thread at a time either way).
 //!
 //! # One slot
 //! 1. **Agree** (before any data moves): every rank compares its descriptor (kind, dtype,
@@ -24,7 +25,8 @@
 //! Open MPI's non-blocking collectives (`MPI_Iallreduce`, libnbc) run other, slower algorithms
 //! than its blocking ones, and polling them costs latency; `brigade bench comm --backend mpi`
 //! prints both beside Brigade's. So the comm thread makes the blocking call (it is the stream's
-//! own thread: the caller goes on computing), and a [`Watchdog`] ends the job with `MPI_Abort`,
+//! own thread: the caller goes on computing; a caller that would only wait for it makes the call
+//! itself, see [`crate::CommStream`]), and a [`Watchdog`] ends the job with `MPI_Abort`,
 //! naming the collective and the rank, if a call outlives the collective's deadline, as
 //! PyTorch's NCCL watchdog does. Waits in the shared segment return [`CommError::Timeout`]
 //! instead (and mark this rank dead there, so that its node peers fail at once); the transport
@@ -54,8 +56,8 @@ const MAX_TAG_BYTES: usize = 256;
 
 /// One rank's end of an MPI communicator (a duplicate of `MPI_COMM_WORLD`, and the node's
 /// segment when there is one): the [`Transport`] of the MPI backend, made by
-/// [`super::MpiWorld::transport`] and driven by a [`crate::CommStream`], whose thread is then
-/// the only one that calls MPI through it.
+/// [`super::MpiWorld::transport`] and driven by a [`crate::CommStream`], which lets one thread
+/// at a time call MPI through it (`MPI_THREAD_SERIALIZED` is enough).
 pub struct MpiTransport {
     comm: Option<RawComm>,
     node: Option<NodePath>,
