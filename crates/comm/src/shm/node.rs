@@ -29,10 +29,17 @@ use crate::desc::{first_mismatch, validate, OpDesc};
 use crate::kernels::{finish_into, reduce_range, Element};
 use crate::{CommError, ReduceOp};
 
-/// How long a waiter polls before it sleeps: a peer a few microseconds behind (the next block
-/// of the same collective) is caught without a system call; a peer that is still computing
-/// is waited for asleep.
+/// How long a waiter polls before it sleeps when a collective starts: a peer a few
+/// microseconds behind is caught without a system call; a peer that is still computing is
+/// waited for asleep.
 const SPIN: Duration = Duration::from_micros(20);
+/// How long a waiter polls between two phases of one collective: its peers are in the same
+/// collective, at most a block or so behind (about 100 µs per 1 MiB block here). Sleeping
+/// there cost a futex wake-up per block, and a woken rank starts the next block late, so its
+/// peer sleeps in turn: at 16-64 MiB, 2 ranks slept in 20-45% of the phases with the
+/// arrival's 20 µs spin, and in 0.2-4% with this one (`brigade bench comm --backend mpi`,
+/// BENCHMARKS.md). A peer later than this (descheduled) is waited for asleep, as before.
+const BLOCK_SPIN: Duration = Duration::from_micros(500);
 
 /// How a rank left the node (the value of its `dead` flag).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +117,13 @@ impl ShmNode {
     /// Runs the next phase: `write(self, slot)` fills this rank's part of it (its slot
     /// `slot`, its descriptor), then the phase is published and every local rank's awaited.
     /// Returns the phase's number.
-    fn run_phase(&mut self, tag: &str, deadline: Instant, write: impl FnOnce(&Self, usize)) -> Result<u64, CommError> {
+    fn run_phase(
+        &mut self,
+        tag: &str,
+        deadline: Instant,
+        spin: Duration,
+        write: impl FnOnce(&Self, usize),
+    ) -> Result<u64, CommError> {
         let q = self.phase + 1;
         write(self, (q % SLOTS as u64) as usize);
         self.phase = q;
@@ -120,7 +133,7 @@ impl ShmNode {
             head.doorbell.0.fetch_add(1, SeqCst);
             futex_wake_all(&head.doorbell.0);
         }
-        self.wait_all(q, tag, deadline)?;
+        self.wait_all(q, tag, deadline, spin)?;
         Ok(q)
     }
 
@@ -128,12 +141,12 @@ impl ShmNode {
     /// fails when a peer is dead (readiness is checked first: a peer that finished its part
     /// and then left fails no one) or at `deadline` (this rank then declares itself dead, so
     /// that its peers fail at once rather than at their own deadlines).
-    fn wait_all(&self, q: u64, tag: &str, deadline: Instant) -> Result<(), CommError> {
+    fn wait_all(&self, q: u64, tag: &str, deadline: Instant, spin: Duration) -> Result<(), CommError> {
         let ready = || (0..self.size()).all(|r| self.control(r).phase.0.load(SeqCst) >= q);
         if ready() {
             return Ok(());
         }
-        let spin_until = Instant::now() + SPIN;
+        let spin_until = Instant::now() + spin;
         loop {
             for _ in 0..64 {
                 spin_loop();
@@ -281,7 +294,9 @@ impl ShmNode {
     /// [`ShmNode::verdict`]). Passing it is also a barrier.
     pub(crate) fn agree(&mut self, desc: &OpDesc, tag: &str, world: usize, deadline: Instant) -> Result<(), CommError> {
         self.check_peers(tag)?;
-        let q = self.run_phase(tag, deadline, |node, _| node.write_desc(node.phase + 1, desc, tag))?;
+        let q = self.run_phase(tag, deadline, SPIN, |node, _| {
+            node.write_desc(node.phase + 1, desc, tag)
+        })?;
         self.verdict(q, tag, world)
     }
 
@@ -376,7 +391,7 @@ impl ShmNode {
         let per_block = SLOT_BYTES / std::mem::size_of::<E>();
         let blocks = n.div_ceil(per_block);
         let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
-        let first = self.run_phase(tag, deadline, |node, slot| {
+        let first = self.run_phase(tag, deadline, SPIN, |node, slot| {
             node.write_desc(node.phase + 1, desc, tag);
             if blocks > 0 {
                 // SAFETY: block 0 is within `data`; the slot is ours in this phase.
@@ -393,7 +408,7 @@ impl ShmNode {
             // before, awaited); our chunk of `data` and of our slot `input` are ours alone.
             unsafe {
                 let own = data.add(lo);
-                self.run_phase(tag, deadline, |node, next| {
+                self.run_phase(tag, deadline, BLOCK_SPIN, |node, next| {
                     let dsts = [own.add(a), node.slot::<E>(node.me, input).add(a)];
                     node.reduce_chunk(own.cast_const(), input, (a, b), &dsts, op, divisor);
                     if s + 1 < blocks {
@@ -446,7 +461,7 @@ impl ShmNode {
             return Ok(());
         }
         // SAFETY: block 0 is within `data`; the slot is ours in this phase.
-        let first = self.run_phase(tag, deadline, |node, slot| unsafe {
+        let first = self.run_phase(tag, deadline, SPIN, |node, slot| unsafe {
             node.share(data, block(0).1, slot)
         })?;
         let mut pos = 0;
@@ -457,7 +472,7 @@ impl ShmNode {
             // SAFETY: as in `all_reduce`; `shard` holds `b - a` elements from `pos`.
             unsafe {
                 let out = [shard.as_mut_ptr().add(pos)];
-                self.run_phase(tag, deadline, |node, next| {
+                self.run_phase(tag, deadline, BLOCK_SPIN, |node, next| {
                     node.reduce_chunk(data.add(lo), input, (a, b), &out, combine, 1.0);
                     if s + 1 < blocks {
                         let (next_lo, next_m) = block(s + 1);
@@ -501,7 +516,8 @@ impl ShmNode {
             // it, the peers' chunks are final in their slot of the phase.
             unsafe {
                 let block = data.add(lo);
-                let q = self.run_phase(tag, deadline, |node, slot| {
+                let spin = if lo == 0 { SPIN } else { BLOCK_SPIN };
+                let q = self.run_phase(tag, deadline, spin, |node, slot| {
                     let out = std::slice::from_raw_parts_mut(block.add(a), b - a);
                     finish_into(part, out, op, divisor);
                     std::ptr::copy_nonoverlapping(out.as_ptr(), node.slot::<E>(node.me, slot).add(a), b - a);
