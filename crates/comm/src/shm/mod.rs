@@ -22,8 +22,9 @@
 //!    [`ShmNode::all_gather_f32`] rounds it once and hands every rank the whole result.
 //!
 //! # Waiting and failure
-//! A waiter spins for a few microseconds when a collective starts (half a millisecond between
-//! the blocks of one, where the peers are in the same collective), then sleeps on a futex (the
+//! A waiter spins for a few microseconds when a collective starts (between the blocks of one,
+//! where the peers are in the same collective, it then goes on polling for up to half a
+//! millisecond, yielding its core between looks), then sleeps on a futex (the
 //! node's doorbell, rung by whoever moves a counter while someone sleeps), so a rank that
 //! arrived early gives its core back to compute. Every wait ends at the collective's deadline with
 //! [`crate::CommError::Timeout`]; the rank then marks itself dead in its control block, with

@@ -37,8 +37,11 @@ const SPIN: Duration = Duration::from_micros(20);
 /// collective, at most a block or so behind (about 100 µs per 1 MiB block here). Sleeping
 /// there cost a futex wake-up per block, and a woken rank starts the next block late, so its
 /// peer sleeps in turn: at 16-64 MiB, 2 ranks slept in 20-45% of the phases with the
-/// arrival's 20 µs spin, and in 0.2-4% with this one (`brigade bench comm --backend mpi`,
-/// BENCHMARKS.md). A peer later than this (descheduled) is waited for asleep, as before.
+/// arrival's 20 µs spin, and in 0.2-4% with a 300 µs to 1 ms poll (BENCHMARKS.md). Past
+/// [`SPIN`] the poll yields the core between looks, so a compute thread bound to the same core
+/// (mpirun binds a rank's threads to one core) runs instead: the DDP step of the reference
+/// MLP and GPT under mpirun was no slower (0.98-1.0x), where a plain spin made the GPT's 2-4%
+/// slower. A peer later than this (descheduled) is waited for asleep, as before.
 const BLOCK_SPIN: Duration = Duration::from_micros(500);
 
 /// How a rank left the node (the value of its `dead` flag).
@@ -137,7 +140,8 @@ impl ShmNode {
         Ok(q)
     }
 
-    /// Spins briefly, then sleeps on the doorbell until every local rank finished phase `q`;
+    /// Spins (for `spin`: briefly, then yielding the core between looks), then sleeps on the
+    /// doorbell until every local rank finished phase `q`;
     /// fails when a peer is dead (readiness is checked first: a peer that finished its part
     /// and then left fails no one) or at `deadline` (this rank then declares itself dead, so
     /// that its peers fail at once rather than at their own deadlines).
@@ -146,7 +150,7 @@ impl ShmNode {
         if ready() {
             return Ok(());
         }
-        let spin_until = Instant::now() + spin;
+        let start = Instant::now();
         loop {
             for _ in 0..64 {
                 spin_loop();
@@ -154,8 +158,12 @@ impl ShmNode {
             if ready() {
                 return Ok(());
             }
-            if Instant::now() >= spin_until {
+            let waited = start.elapsed();
+            if waited >= spin {
                 break;
+            }
+            if waited >= SPIN {
+                std::thread::yield_now();
             }
         }
         let head = self.control(0);
