@@ -1,5 +1,6 @@
 //! `brigade train --backend mpi` under `mpirun`: parity with the thread backend (mlp, gpt,
-//! `--accum 2`), overlap in the timeline, setup errors on every rank, and a killed rank.
+//! `--accum 2`), overlap in the timeline, a profile for the overlap model, setup errors on every
+//! rank, and a killed rank.
 //! Needs `mpirun` (Open MPI) on the PATH; built only with `--features mpi`.
 #![cfg(feature = "mpi")]
 
@@ -453,4 +454,62 @@ fn uneven_per_rank_files_join_under_mpi_as_under_threads() {
         let (dl, dp) = parity(&format!("join-{mode}"), &f);
         assert!(dl <= 1e-6 && dp <= 1e-6, "{mode}: losses {dl:e}, params {dp:e}");
     }
+}
+
+/// A profile recorded under mpirun (the buckets through the node's shared segment) feeds the
+/// overlap model like a thread one: `predict --measured-link` fits the link from the recorded
+/// buckets and, at the recorded cap, gives back the time they took.
+#[test]
+fn an_mpi_profile_predicts_its_own_buckets_on_the_measured_link() {
+    let p = tmp("profile.json");
+    let out = mpirun(
+        2,
+        &[
+            "train",
+            "--backend",
+            "mpi",
+            "--model",
+            "mlp",
+            "--widths",
+            "64,512,512,512,4",
+            "--steps",
+            "3",
+            "--batch-size",
+            "64",
+            "--bucket-mb",
+            "0.5",
+            "--quiet",
+            "--profile",
+            p.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    assert_eq!(v["world_size"], 2);
+    let buckets = v["ranks"][0]["buckets"].as_array().unwrap();
+    assert!(buckets.len() >= 2, "{} buckets", buckets.len());
+    let recorded: f64 = buckets
+        .iter()
+        .map(|b| b["finish_s"].as_f64().unwrap() - b["start_s"].as_f64().unwrap())
+        .sum();
+    let predict = Command::new(BIN)
+        .args([
+            "predict",
+            "--profile",
+            p.to_str().unwrap(),
+            "--json",
+            "--bucket-mb",
+            "0.5",
+        ])
+        .arg("--measured-link")
+        .output()
+        .unwrap();
+    assert!(predict.status.success(), "{}", text(&predict));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&predict.stdout).unwrap();
+    let predicted = rows[0]["comm_s"].as_f64().unwrap();
+    assert!(
+        (predicted - recorded).abs() <= 0.05 * recorded,
+        "predicted {predicted} s on the link fitted from an MPI profile, recorded {recorded} s"
+    );
+    assert!(rows[0]["predicted_step_s"].as_f64().unwrap() >= rows[0]["compute_step_s"].as_f64().unwrap());
 }
