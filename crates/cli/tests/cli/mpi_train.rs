@@ -145,32 +145,32 @@ fn mpi_matches_threads_for_mlp_and_gpt_with_and_without_accumulation() {
     }
 }
 
+/// 3 steps of a 64-512-512-512-4 MLP on 2 MPI ranks, buckets of 0.5 MiB, and `extra`.
+fn small_mlp_under_mpirun(extra: &[&str]) -> Output {
+    let mut args = vec![
+        "train",
+        "--backend",
+        "mpi",
+        "--model",
+        "mlp",
+        "--widths",
+        "64,512,512,512,4",
+        "--steps",
+        "3",
+        "--batch-size",
+        "64",
+        "--bucket-mb",
+        "0.5",
+        "--quiet",
+    ];
+    args.extend_from_slice(extra);
+    mpirun(2, &args)
+}
+
 #[test]
 fn the_first_bucket_is_reduced_while_backward_still_runs() {
     let tl = tmp("overlap.json");
-    let out = mpirun(
-        2,
-        &[
-            "train",
-            "--backend",
-            "mpi",
-            "--model",
-            "mlp",
-            "--widths",
-            "64,512,512,512,4",
-            "--steps",
-            "3",
-            "--batch-size",
-            "64",
-            "--bucket-mb",
-            "0.5",
-            "--first-bucket-mb",
-            "0.5",
-            "--quiet",
-            "--timeline",
-            tl.to_str().unwrap(),
-        ],
-    );
+    let out = small_mlp_under_mpirun(&["--first-bucket-mb", "0.5", "--timeline", tl.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out));
     let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tl).unwrap()).unwrap();
     let events = trace.get("traceEvents").unwrap_or(&trace).as_array().unwrap().clone();
@@ -462,27 +462,7 @@ fn uneven_per_rank_files_join_under_mpi_as_under_threads() {
 #[test]
 fn an_mpi_profile_predicts_its_own_buckets_on_the_measured_link() {
     let p = tmp("profile.json");
-    let out = mpirun(
-        2,
-        &[
-            "train",
-            "--backend",
-            "mpi",
-            "--model",
-            "mlp",
-            "--widths",
-            "64,512,512,512,4",
-            "--steps",
-            "3",
-            "--batch-size",
-            "64",
-            "--bucket-mb",
-            "0.5",
-            "--quiet",
-            "--profile",
-            p.to_str().unwrap(),
-        ],
-    );
+    let out = small_mlp_under_mpirun(&["--profile", p.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out));
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     assert_eq!(v["world_size"], 2);
