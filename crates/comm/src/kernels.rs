@@ -119,21 +119,23 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
         hi: usize,
         combine: impl Fn(f32, f32) -> f32,
     ) {
-        let mut i = lo;
-        // Whole tiles as fixed-size arrays: the compiler then keeps the tile in vector
-        // registers without a length check per element (4.5x faster in cache than the
-        // variable-length loop below, 2.6x at 16 MiB, on the AMD EPYC of BENCHMARKS.md).
-        while i + PAIR_TILE <= hi {
+        // One tile as fixed-size arrays: the compiler then keeps it in vector registers without
+        // a length check per element (4.5x faster in cache than a loop bounded by
+        // `min(16, hi - i)`, 2.6x at 16 MiB, on the AMD EPYC of BENCHMARKS.md).
+        let step = |xa: &[E; PAIR_TILE], xb: &[E; PAIR_TILE]| {
             let mut x = [0f32; PAIR_TILE];
-            {
-                // SAFETY: `i + PAIR_TILE <= hi`; these views end before anything is written.
-                let (xa, xb) = unsafe { (&*a.add(i).cast::<[E; PAIR_TILE]>(), &*b.add(i).cast::<[E; PAIR_TILE]>()) };
-                for k in 0..PAIR_TILE {
-                    x[k] = combine(xa[k].to_f32(), xb[k].to_f32());
-                }
+            for k in 0..PAIR_TILE {
+                x[k] = combine(xa[k].to_f32(), xb[k].to_f32());
             }
+            x
+        };
+        let mut i = lo;
+        while i + PAIR_TILE <= hi {
+            // SAFETY: `i + PAIR_TILE <= hi`; the views of the sources end with `step`, before
+            // anything is written.
+            let x = unsafe { step(&*a.add(i).cast(), &*b.add(i).cast()) };
             for d in dsts {
-                // SAFETY: as above; no view of the sources is alive.
+                // SAFETY: as above.
                 let out = unsafe { &mut *d.add(i).cast::<[O; PAIR_TILE]>() };
                 for k in 0..PAIR_TILE {
                     out[k] = O::from_f32(x[k]);
@@ -142,25 +144,19 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
             i += PAIR_TILE;
         }
         if i < hi {
+            // The last, shorter tile through padded copies (the padding is never written out).
             let n = hi - i;
-            let mut x = [0f32; PAIR_TILE];
-            {
-                // SAFETY: `i + n == hi`; these views end before anything is written.
-                let (xa, xb) = unsafe {
-                    (
-                        std::slice::from_raw_parts(a.add(i), n),
-                        std::slice::from_raw_parts(b.add(i), n),
-                    )
-                };
-                for ((x, a), b) in x.iter_mut().zip(xa).zip(xb) {
-                    *x = combine(a.to_f32(), b.to_f32());
-                }
+            let (mut xa, mut xb) = ([E::from_f32(0.0); PAIR_TILE], [E::from_f32(0.0); PAIR_TILE]);
+            // SAFETY: `i + n == hi`; the copies are taken before anything is written.
+            unsafe {
+                std::ptr::copy_nonoverlapping(a.add(i), xa.as_mut_ptr(), n);
+                std::ptr::copy_nonoverlapping(b.add(i), xb.as_mut_ptr(), n);
             }
+            let x = step(&xa, &xb);
             for d in dsts {
-                // SAFETY: as above; no view of the sources is alive.
-                let out = unsafe { std::slice::from_raw_parts_mut(d.add(i), n) };
-                for (o, x) in out.iter_mut().zip(&x) {
-                    *o = O::from_f32(*x);
+                for (k, x) in x.iter().take(n).enumerate() {
+                    // SAFETY: `i + k < hi`.
+                    unsafe { d.add(i + k).write(O::from_f32(*x)) };
                 }
             }
         }
@@ -178,8 +174,8 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
     }
 }
 
-/// Any number of sources, tile by tile: whole tiles as fixed-size arrays (see `pair`), the
-/// rest in one shorter tile.
+/// Any number of sources, tile by tile: whole tiles straight from the buffers as fixed-size
+/// arrays (see `pair`), the last, shorter one through padded copies.
 ///
 /// # Safety
 /// As [`reduce_range`].
@@ -194,38 +190,16 @@ unsafe fn tiles<E: Element, O: Element>(
     let inv = exact_reciprocal(divisor);
     let mut start = lo;
     while start + TILE <= hi {
-        let mut acc = [0f32; TILE];
         // SAFETY: in bounds by the caller's contract; the range is owned by this thread. The
-        // views of the sources end before anything is written.
-        unsafe {
-            let first = &*srcs[0].add(start).cast::<[E; TILE]>();
-            for k in 0..TILE {
-                acc[k] = first[k].to_f32();
-            }
-            for &src in &srcs[1..] {
-                let xs = &*src.add(start).cast::<[E; TILE]>();
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => {
-                        for k in 0..TILE {
-                            acc[k] += xs[k].to_f32();
-                        }
-                    }
-                    ReduceOp::Max => {
-                        for k in 0..TILE {
-                            acc[k] = nan_max(acc[k], xs[k].to_f32());
-                        }
-                    }
-                }
-            }
-        }
-        if op == ReduceOp::Avg {
-            match inv {
-                Some(inv) => acc.iter_mut().for_each(|a| *a *= inv),
-                None => acc.iter_mut().for_each(|a| *a /= divisor),
-            }
-        }
+        // views of the sources end with `reduce_tile`, before anything is written.
+        let acc = reduce_tile(
+            srcs.iter().map(|&s| unsafe { &*s.add(start).cast::<[E; TILE]>() }),
+            op,
+            divisor,
+            inv,
+        );
         for &dst in dsts {
-            // SAFETY: as above; no view of the sources is alive.
+            // SAFETY: as above.
             let out = unsafe { &mut *dst.add(start).cast::<[O; TILE]>() };
             for k in 0..TILE {
                 out[k] = O::from_f32(acc[k]);
@@ -234,59 +208,62 @@ unsafe fn tiles<E: Element, O: Element>(
         start += TILE;
     }
     if start < hi {
-        // SAFETY: the caller's contract, for the last `hi - start < TILE` elements.
-        unsafe { short_tile(srcs, dsts, start, hi, op, divisor) };
+        let n = hi - start;
+        let padded: Vec<[E; TILE]> = srcs
+            .iter()
+            .map(|&s| {
+                let mut tile = [E::from_f32(0.0); TILE];
+                // SAFETY: `start + n == hi`; copied before anything is written.
+                unsafe { std::ptr::copy_nonoverlapping(s.add(start), tile.as_mut_ptr(), n) };
+                tile
+            })
+            .collect();
+        let acc = reduce_tile(padded.iter(), op, divisor, inv);
+        for &dst in dsts {
+            for (k, a) in acc.iter().take(n).enumerate() {
+                // SAFETY: `start + k < hi`.
+                unsafe { dst.add(start + k).write(O::from_f32(*a)) };
+            }
+        }
     }
 }
 
-/// One tile of fewer than [`TILE`] elements, `start..hi`.
-///
-/// # Safety
-/// As [`reduce_range`].
-unsafe fn short_tile<E: Element, O: Element>(
-    srcs: &[*const E],
-    dsts: &[*mut O],
-    start: usize,
-    hi: usize,
+/// One tile over every source (at least one), in source order, in f32; `Avg` divides (or
+/// multiplies by `inv`, the exact reciprocal when there is one).
+#[inline(always)]
+fn reduce_tile<'a, E: Element>(
+    mut srcs: impl Iterator<Item = &'a [E; TILE]>,
     op: ReduceOp,
     divisor: f32,
-) {
-    let n = hi - start;
+    inv: Option<f32>,
+) -> [f32; TILE] {
     let mut acc = [0f32; TILE];
-    let acc = &mut acc[..n];
-    // SAFETY: in bounds by the caller's contract; the range is owned by this thread.
-    let first = unsafe { std::slice::from_raw_parts(srcs[0].add(start), n) };
-    for (a, x) in acc.iter_mut().zip(first) {
-        *a = x.to_f32();
+    if let Some(first) = srcs.next() {
+        for k in 0..TILE {
+            acc[k] = first[k].to_f32();
+        }
     }
-    for &src in &srcs[1..] {
-        // SAFETY: as above.
-        let xs = unsafe { std::slice::from_raw_parts(src.add(start), n) };
+    for xs in srcs {
         match op {
             ReduceOp::Sum | ReduceOp::Avg => {
-                for (a, x) in acc.iter_mut().zip(xs) {
-                    *a += x.to_f32();
+                for k in 0..TILE {
+                    acc[k] += xs[k].to_f32();
                 }
             }
             ReduceOp::Max => {
-                for (a, x) in acc.iter_mut().zip(xs) {
-                    *a = nan_max(*a, x.to_f32());
+                for k in 0..TILE {
+                    acc[k] = nan_max(acc[k], xs[k].to_f32());
                 }
             }
         }
     }
     if op == ReduceOp::Avg {
-        for a in acc.iter_mut() {
-            *a /= divisor;
+        match inv {
+            Some(inv) => acc.iter_mut().for_each(|a| *a *= inv),
+            None => acc.iter_mut().for_each(|a| *a /= divisor),
         }
     }
-    for &dst in dsts {
-        // SAFETY: as above; `first`/`xs` are no longer used.
-        let out = unsafe { std::slice::from_raw_parts_mut(dst.add(start), n) };
-        for (o, a) in out.iter_mut().zip(acc.iter()) {
-            *o = O::from_f32(*a);
-        }
-    }
+    acc
 }
 
 /// Writes `src` (f32 partial results), divided by `divisor` when `op` is `Avg`, into `dst`
