@@ -1,4 +1,4 @@
-// The ceiling of the thread backend's large all-reduce on this machine: two threads, each
+// A reference for the thread backend's large all-reduce on this machine: two threads, each
 // averaging its half of two buffers in place (what Brigade's thread backend does for 2 ranks),
 // with a barrier around each iteration. `restrict` lets gcc vectorize the loop (without it the
 // two stores may alias the loads and the loop stays scalar: 10-12 ms at 64 MiB, not a ceiling).
