@@ -129,13 +129,7 @@ impl<T: Transport> CommStream<T> {
         let tag = tag.to_string();
         let job: Job<T> = Box::new(move |transport: &mut T| {
             promise.start();
-            let result = catch_unwind(AssertUnwindSafe(|| op(transport, &tag))).unwrap_or_else(|payload| {
-                Err(CommError::Internal(format!(
-                    "backend panicked in collective `{tag}`: {}",
-                    panic_message(payload.as_ref())
-                )))
-            });
-            promise.complete(result);
+            promise.complete(run_caught(op, transport, &tag));
         });
         let mut core = self.shared.lock();
         let seq = core.next;
@@ -163,21 +157,43 @@ impl<T: Transport> CommStream<T> {
         let mut transport = core.transport.take().expect("checked");
         core.next += 1;
         drop(core);
-        let result = catch_unwind(AssertUnwindSafe(|| op(&mut transport, tag))).unwrap_or_else(|payload| {
-            Err(CommError::Internal(format!(
-                "backend panicked in collective `{tag}`: {}",
-                panic_message(payload.as_ref())
-            )))
-        });
-        let mut core = self.shared.lock();
-        core.transport = Some(transport);
-        // Collectives issued meanwhile (from another thread) wait for the worker.
-        let more = !core.queue.is_empty() || core.closing.is_some();
-        drop(core);
-        if more {
-            self.shared.work.notify_one();
-        }
+        let result = run_caught(op, &mut transport, tag);
+        hand_back(&self.shared, transport);
         result
+    }
+}
+
+/// The all-reduce of `buf` as a stream operation, handing the buffer back.
+fn all_reduce_op<T: Transport>(
+    mut buf: Buffer,
+    op: ReduceOp,
+) -> impl FnOnce(&mut T, &str) -> Result<Buffer, CommError> + Send + 'static {
+    move |t: &mut T, tag: &str| t.all_reduce(&mut buf, op, tag).map(|()| buf)
+}
+
+/// Runs `op` on `transport`; a panic in the backend becomes the collective's error.
+fn run_caught<T, R>(
+    op: impl FnOnce(&mut T, &str) -> Result<R, CommError>,
+    transport: &mut T,
+    tag: &str,
+) -> Result<R, CommError> {
+    catch_unwind(AssertUnwindSafe(|| op(transport, tag))).unwrap_or_else(|payload| {
+        Err(CommError::Internal(format!(
+            "backend panicked in collective `{tag}`: {}",
+            panic_message(payload.as_ref())
+        )))
+    })
+}
+
+/// Gives the transport back to the stream after a caller ran a collective on it, and wakes the
+/// worker if collectives were issued meanwhile (from another thread) or the stream is closing.
+fn hand_back<T: Transport>(shared: &Shared<T>, transport: T) {
+    let mut core = shared.lock();
+    core.transport = Some(transport);
+    let more = !core.queue.is_empty() || core.closing.is_some();
+    drop(core);
+    if more {
+        shared.work.notify_one();
     }
 }
 
@@ -218,13 +234,7 @@ fn run_if_next<T: Transport>(shared: &Weak<Shared<T>>, seq: u64) {
     let mut transport = core.transport.take().expect("checked");
     drop(core);
     job(&mut transport);
-    let mut core = shared.lock();
-    core.transport = Some(transport);
-    let more = !core.queue.is_empty() || core.closing.is_some();
-    drop(core);
-    if more {
-        shared.work.notify_one();
-    }
+    hand_back(&shared, transport);
 }
 
 impl<T: Transport> Drop for CommStream<T> {
@@ -253,17 +263,11 @@ impl<T: Transport> Communicator for CommStream<T> {
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.submit(tag, move |t, tag| {
-            let mut buf = buf;
-            t.all_reduce(&mut buf, op, tag).map(|()| buf)
-        })
+        self.submit(tag, all_reduce_op(buf, op))
     }
 
     fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
-        self.run_now(tag, move |t, tag| {
-            let mut buf = buf;
-            t.all_reduce(&mut buf, op, tag).map(|()| buf)
-        })
+        self.run_now(tag, all_reduce_op(buf, op))
     }
 
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
