@@ -136,28 +136,18 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
             let x = unsafe { step(&*a.add(i).cast(), &*b.add(i).cast()) };
             for d in dsts {
                 // SAFETY: as above.
-                let out = unsafe { &mut *d.add(i).cast::<[O; PAIR_TILE]>() };
-                for k in 0..PAIR_TILE {
-                    out[k] = O::from_f32(x[k]);
-                }
+                unsafe { store(d.add(i), &x, PAIR_TILE) };
             }
             i += PAIR_TILE;
         }
         if i < hi {
             // The last, shorter tile through padded copies (the padding is never written out).
             let n = hi - i;
-            let (mut xa, mut xb) = ([E::from_f32(0.0); PAIR_TILE], [E::from_f32(0.0); PAIR_TILE]);
             // SAFETY: `i + n == hi`; the copies are taken before anything is written.
-            unsafe {
-                std::ptr::copy_nonoverlapping(a.add(i), xa.as_mut_ptr(), n);
-                std::ptr::copy_nonoverlapping(b.add(i), xb.as_mut_ptr(), n);
-            }
-            let x = step(&xa, &xb);
+            let x = unsafe { step(&pad(a.add(i), n), &pad(b.add(i), n)) };
             for d in dsts {
-                for (k, x) in x.iter().take(n).enumerate() {
-                    // SAFETY: `i + k < hi`.
-                    unsafe { d.add(i + k).write(O::from_f32(*x)) };
-                }
+                // SAFETY: as above.
+                unsafe { store(d.add(i), &x, n) };
             }
         }
     }
@@ -200,30 +190,52 @@ unsafe fn tiles<E: Element, O: Element>(
         );
         for &dst in dsts {
             // SAFETY: as above.
-            let out = unsafe { &mut *dst.add(start).cast::<[O; TILE]>() };
-            for k in 0..TILE {
-                out[k] = O::from_f32(acc[k]);
-            }
+            unsafe { store(dst.add(start), &acc, TILE) };
         }
         start += TILE;
     }
     if start < hi {
+        // The last, shorter tile through padded copies (the padding is never written out).
         let n = hi - start;
-        let padded: Vec<[E; TILE]> = srcs
-            .iter()
-            .map(|&s| {
-                let mut tile = [E::from_f32(0.0); TILE];
-                // SAFETY: `start + n == hi`; copied before anything is written.
-                unsafe { std::ptr::copy_nonoverlapping(s.add(start), tile.as_mut_ptr(), n) };
-                tile
-            })
-            .collect();
+        // SAFETY: `start + n == hi`; copied before anything is written.
+        let padded: Vec<[E; TILE]> = srcs.iter().map(|&s| unsafe { pad(s.add(start), n) }).collect();
         let acc = reduce_tile(padded.iter(), op, divisor, inv);
         for &dst in dsts {
-            for (k, a) in acc.iter().take(n).enumerate() {
-                // SAFETY: `start + k < hi`.
-                unsafe { dst.add(start + k).write(O::from_f32(*a)) };
-            }
+            // SAFETY: as above.
+            unsafe { store(dst.add(start), &acc, n) };
+        }
+    }
+}
+
+/// The `n <= N` elements at `src` as a tile, zero-padded.
+///
+/// # Safety
+/// `src` is valid for `n` reads.
+#[inline(always)]
+unsafe fn pad<E: Element, const N: usize>(src: *const E, n: usize) -> [E; N] {
+    let mut tile = [E::from_f32(0.0); N];
+    // SAFETY: the caller's contract; `n <= N`.
+    unsafe { std::ptr::copy_nonoverlapping(src, tile.as_mut_ptr(), n.min(N)) };
+    tile
+}
+
+/// Writes the first `n <= N` values of a tile to `dst`, rounded to `O` (a whole tile as one
+/// fixed-size array, which the compiler keeps in vector registers).
+///
+/// # Safety
+/// `dst` is valid for `n` writes that nobody else reads or writes meanwhile.
+#[inline(always)]
+unsafe fn store<O: Element, const N: usize>(dst: *mut O, x: &[f32; N], n: usize) {
+    if n == N {
+        // SAFETY: the caller's contract.
+        let out = unsafe { &mut *dst.cast::<[O; N]>() };
+        for k in 0..N {
+            out[k] = O::from_f32(x[k]);
+        }
+    } else {
+        for (k, x) in x.iter().take(n).enumerate() {
+            // SAFETY: the caller's contract; `k < n`.
+            unsafe { dst.add(k).write(O::from_f32(*x)) };
         }
     }
 }
