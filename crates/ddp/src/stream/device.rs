@@ -485,6 +485,11 @@ impl HostStagedComm {
     pub fn new(comm: Arc<dyn Communicator>) -> HostStagedComm {
         HostStagedComm { comm }
     }
+
+    /// `t`'s elements on the host, copied out on the current stream (`t` keeps its memory).
+    fn stage_out(t: &Tensor) -> crate::Result<brigade_comm::Buffer> {
+        Ok(take(&t.copy()?)?.0)
+    }
 }
 
 impl DeviceStream<HostStagedComm> {
@@ -492,13 +497,6 @@ impl DeviceStream<HostStagedComm> {
     /// host over `comm`.
     pub fn host_staged(device: Device, comm: Arc<dyn Communicator>) -> crate::Result<Self> {
         DeviceStream::from_parts(HostStagedComm::new(comm), device, Stream::new(device)?)
-    }
-}
-
-impl HostStagedComm {
-    /// `t`'s elements on the host, copied out on the current stream (`t` keeps its memory).
-    fn stage_out(t: &Tensor) -> crate::Result<brigade_comm::Buffer> {
-        Ok(take(&t.copy()?)?.0)
     }
 }
 
