@@ -28,6 +28,7 @@ mod communicator;
 mod desc;
 mod device;
 mod error;
+mod heap;
 mod kernels;
 mod meter;
 #[cfg(feature = "mpi")]
@@ -43,10 +44,16 @@ mod thread;
 mod trace;
 mod work;
 
+// The comm tests run with the shared heap's allocator, as the `brigade` binary does.
+#[cfg(test)]
+#[global_allocator]
+static TEST_HEAP: SharedHeap = SharedHeap;
+
 pub use buffer::{Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
+pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR};
 pub use meter::{CommBytes, CommMeter, Metered, MeteredOp};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions, MpiPath, MpiTransport, MpiWorld};

@@ -1,0 +1,477 @@
+//! Host memory that the other processes of a node can map: the **shared heap**, so that ranks
+//! in different processes reduce each other's buffers in place, as the thread backend's ranks do
+//! inside one process.
+//!
+//! A buffer in a process's private memory reaches a peer process only through copies: into a
+//! shared segment and out again. Each rank then moves about twice the bytes the thread backend
+//! moves, and on 2 ranks its all-reduce cannot pass half a memcpy's bandwidth. A buffer that lives
+//! in memory every local rank has mapped is read and written where it is.
+//!
+//! # How a buffer gets there
+//! - The process's heap is one `memfd` (anonymous shared memory, sparse: a page costs memory once
+//!   it is touched), mapped once, [`HEAP_BYTES`] of address space. It exists once a communicator
+//!   that can use it asked for it (the MPI backend with its shared segment, at start-up).
+//! - [`host_vec`] allocates a collective's buffer (DDP's buckets, the bench's buffers) there when
+//!   the heap exists, and from the ordinary allocator otherwise. It is an ordinary `Vec`: its
+//!   memory goes back to the heap when it is dropped, because the program's global allocator is
+//!   [`SharedHeap`], which sends every other allocation to the system allocator and frees by
+//!   address. A program that does not install it gets no heap, and its collectives copy.
+//! - The peers map the heap through `/proc/<pid>/fd/<fd>` (the same user's processes on one
+//!   host). Where that fails on any rank, every rank goes on without it.
+//!
+//! A `Vec` from the heap that grows or shrinks moves to the system allocator (and its
+//! collectives copy from then on).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Mutex, OnceLock};
+
+/// Address space of a process's heap (touched pages only cost memory).
+pub const HEAP_BYTES: usize = 64 << 30;
+/// Heap blocks start and end on page boundaries.
+const PAGE: usize = 4096;
+/// The environment variable that turns the heap off (`0`): collectives then copy through the
+/// segment, as before it existed (for comparisons).
+pub const HEAP_VAR: &str = "BRIGADE_SHM_HEAP";
+
+/// The global allocator that makes [`host_vec`]'s buffers possible:
+/// `#[global_allocator] static HEAP: brigade_comm::SharedHeap = brigade_comm::SharedHeap;`
+/// in the program's `main.rs` (the `brigade` binary has it). Every allocation goes to the
+/// system allocator; a free (or a reallocation) of an address inside the shared heap goes back
+/// to the heap.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SharedHeap;
+
+/// Set by the first allocation [`SharedHeap`] serves: then it is the global allocator, and a
+/// `Vec` built on heap memory is freed back to the heap.
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+fn mark_installed() {
+    // A load first: after the first call the line is only read, never bounced between cores.
+    if !INSTALLED.load(Relaxed) {
+        INSTALLED.store(true, Relaxed);
+    }
+}
+
+// SAFETY: every block comes from `System` or from the heap, and goes back to where it came
+// from (the heap's blocks are recognized by address).
+unsafe impl GlobalAlloc for SharedHeap {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        mark_installed();
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        mark_installed();
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        match heap().filter(|h| h.contains(ptr)) {
+            Some(heap) => heap.free(ptr, layout.size()),
+            // SAFETY: not the heap's, so `System`'s, with this layout.
+            None => unsafe { System.dealloc(ptr, layout) },
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        match heap().filter(|h| h.contains(ptr)) {
+            Some(heap) => {
+                // SAFETY: `new_size` with the old alignment is a valid layout (the caller's
+                // contract); the old block holds `layout.size()` bytes.
+                unsafe {
+                    let moved = System.alloc(Layout::from_size_align_unchecked(new_size, layout.align()));
+                    if !moved.is_null() {
+                        std::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
+                        heap.free(ptr, layout.size());
+                    }
+                    moved
+                }
+            }
+            // SAFETY: not the heap's, so `System`'s, with this layout.
+            None => unsafe { System.realloc(ptr, layout, new_size) },
+        }
+    }
+}
+
+/// One process's heap: its mapping, the memfd behind it, and its free blocks.
+pub(crate) struct Heap {
+    base: usize,
+    len: usize,
+    fd: i32,
+    /// Free blocks as `(offset, bytes)`, sorted by offset, never adjacent (merged on free).
+    free: Mutex<Vec<(usize, usize)>>,
+    /// Where in its first page a new block's data starts (a multiple of [`COLOR_ALIGN`]):
+    /// see [`set_color`].
+    color: AtomicUsize,
+}
+
+/// A block's data starts this aligned (at least: a cache line).
+const COLOR_ALIGN: usize = 64;
+
+impl Heap {
+    fn contains(&self, ptr: *mut u8) -> bool {
+        (ptr as usize).wrapping_sub(self.base) < self.len
+    }
+
+    /// `bytes` bytes at this heap's color in a block of whole pages, first fit; `None` when
+    /// no free block is large enough.
+    fn alloc(&self, bytes: usize) -> Option<*mut u8> {
+        let color = self.color.load(Relaxed);
+        let bytes = (bytes.max(1) + color).next_multiple_of(PAGE);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let i = free.iter().position(|&(_, len)| len >= bytes)?;
+        let (off, len) = free[i];
+        if len == bytes {
+            free.remove(i);
+        } else {
+            free[i] = (off + bytes, len - bytes);
+        }
+        Some((self.base + off + color) as *mut u8)
+    }
+
+    /// Gives back the block of the `bytes` bytes at `ptr` (from [`Heap::alloc`]: its color is
+    /// where it starts in its first page).
+    fn free(&self, ptr: *mut u8, bytes: usize) {
+        let data = ptr as usize - self.base;
+        let off = data - data % PAGE;
+        let bytes = (bytes.max(1) + (data - off)).next_multiple_of(PAGE);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let i = free.partition_point(|&(o, _)| o < off);
+        let joins_next = i < free.len() && off + bytes == free[i].0;
+        let joins_prev = i > 0 && free[i - 1].0 + free[i - 1].1 == off;
+        match (joins_prev, joins_next) {
+            (true, true) => {
+                free[i - 1].1 += bytes + free[i].1;
+                free.remove(i);
+            }
+            (true, false) => free[i - 1].1 += bytes,
+            (false, true) => free[i] = (off, bytes + free[i].1),
+            (false, false) => free.insert(i, (off, bytes)),
+        }
+    }
+
+    /// Where a peer finds this heap: `(pid, fd, bytes)`.
+    pub(crate) fn exposure(&self) -> (u32, i32, usize) {
+        (sys::pid(), self.fd, self.len)
+    }
+
+    /// The offset of `bytes` bytes at `ptr` in this heap, if they lie inside it.
+    pub(crate) fn offset_of(&self, ptr: *const u8, bytes: usize) -> Option<usize> {
+        let off = (ptr as usize).wrapping_sub(self.base);
+        (off < self.len && bytes <= self.len - off).then_some(off)
+    }
+
+    /// The base address of this process's mapping.
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.base as *mut u8
+    }
+}
+
+static HEAP: OnceLock<Option<Heap>> = OnceLock::new();
+
+/// Starts this process's later heap buffers at the `k`-th of `of` places in their first page
+/// (local rank `k` of `of`), so that the node's ranks' buffers do not lie at the same offset in
+/// their pages.
+///
+/// A reduction loads element `i` of every rank's buffer and stores element `i` of every one:
+/// when the buffers start at the same place in their pages, every load's address matches an
+/// earlier store's in its low 12 bits, and the core stalls each load on that store
+/// ("4K aliasing"). Two page-aligned buffers made a 1 MiB all-reduce about 3x slower than the
+/// same reduction in one process, where malloc's buffers rarely line up.
+pub(crate) fn set_color(k: usize, of: usize) {
+    if let Some(heap) = heap() {
+        let color = (k % of.max(1)) * PAGE / of.max(1);
+        heap.color.store(color - color % COLOR_ALIGN, Relaxed);
+    }
+}
+
+/// This process's heap, if one was made.
+pub(crate) fn heap() -> Option<&'static Heap> {
+    HEAP.get().and_then(Option::as_ref)
+}
+
+/// This process's heap, made on first call: `None` when [`SharedHeap`] is not the global
+/// allocator, [`HEAP_VAR`] is `0`, or the system refused (the reason is printed once).
+pub(crate) fn heap_or_make() -> Option<&'static Heap> {
+    HEAP.get_or_init(|| {
+        if !INSTALLED.load(Relaxed) || std::env::var(HEAP_VAR).is_ok_and(|v| v.trim() == "0") {
+            return None;
+        }
+        match sys::map_new(HEAP_BYTES) {
+            Ok((base, fd)) => Some(Heap {
+                base: base as usize,
+                len: HEAP_BYTES,
+                fd,
+                free: Mutex::new(vec![(0, HEAP_BYTES)]),
+                color: AtomicUsize::new(0),
+            }),
+            Err(e) => {
+                eprintln!("brigade-comm: no shared heap ({e}); collectives copy through the segment");
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// Maps a peer's heap (from its [`Heap::exposure`]); every process maps a peer once.
+pub(crate) fn map_peer(pid: u32, fd: i32, bytes: usize) -> Result<*mut u8, String> {
+    static PEERS: Mutex<Vec<(u32, i32, usize)>> = Mutex::new(Vec::new());
+    if heap().is_some_and(|h| h.exposure() == (pid, fd, bytes)) {
+        return Ok(heap().expect("checked").base());
+    }
+    let mut peers = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, _, base)) = peers.iter().find(|p| (p.0, p.1) == (pid, fd)) {
+        return Ok(base as *mut u8);
+    }
+    let base = sys::map_peer(pid, fd, bytes)?;
+    peers.push((pid, fd, base as usize));
+    Ok(base)
+}
+
+/// `len` copies of `value` in a `Vec` for a collective: in this process's shared heap when it
+/// has one (see the module docs), so that the node's peers reduce it in place; from the
+/// ordinary allocator otherwise. Either way an ordinary `Vec`.
+pub fn host_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
+    let bytes = len * std::mem::size_of::<T>();
+    let block = match heap() {
+        Some(heap) if bytes > 0 && std::mem::align_of::<T>() <= COLOR_ALIGN && INSTALLED.load(Relaxed) => {
+            heap.alloc(bytes)
+        }
+        _ => None,
+    };
+    match block {
+        Some(ptr) => {
+            let ptr = ptr.cast::<T>();
+            // SAFETY: the block holds `len` `T`s, 64-byte aligned; `SharedHeap` (the global
+            // allocator: INSTALLED) takes it back when the `Vec` is dropped.
+            unsafe {
+                for i in 0..len {
+                    ptr.add(i).write(value);
+                }
+                Vec::from_raw_parts(ptr, len, len)
+            }
+        }
+        None => vec![value; len],
+    }
+}
+
+/// Whether `data` lies in this process's shared heap (its all-reduces then run in place).
+pub fn in_shared_heap<T>(data: &[T]) -> bool {
+    in_heap(data.as_ptr().cast(), std::mem::size_of_val(data))
+}
+
+/// Whether `bytes` bytes at `ptr` lie in this process's shared heap.
+pub(crate) fn in_heap(ptr: *const u8, bytes: usize) -> bool {
+    heap().is_some_and(|h| h.offset_of(ptr, bytes).is_some())
+}
+
+#[cfg(target_os = "linux")]
+mod sys {
+    //! memfd, mmap and /proc through libc's symbols (every Rust program on Linux links libc).
+
+    use std::ffi::{c_char, c_int, c_long, c_uint, c_void, CString};
+
+    extern "C" {
+        fn memfd_create(name: *const c_char, flags: c_uint) -> c_int;
+        fn ftruncate(fd: c_int, len: i64) -> c_int;
+        fn mmap(addr: *mut c_void, len: usize, prot: c_int, flags: c_int, fd: c_int, off: i64) -> *mut c_void;
+        fn open(path: *const c_char, flags: c_int, ...) -> c_int;
+        fn close(fd: c_int) -> c_int;
+        fn getpid() -> c_int;
+    }
+
+    const MFD_CLOEXEC: c_uint = 1;
+    const PROT_READ: c_int = 1;
+    const PROT_WRITE: c_int = 2;
+    const MAP_SHARED: c_int = 1;
+    const MAP_NORESERVE: c_int = 0x4000;
+    const O_RDWR: c_int = 2;
+    const O_CLOEXEC: c_int = 0o2000000;
+
+    pub(super) fn pid() -> u32 {
+        // SAFETY: no arguments, cannot fail.
+        unsafe { getpid() as u32 }
+    }
+
+    fn map(fd: c_int, bytes: usize) -> Result<*mut u8, String> {
+        // SAFETY: a fresh shared mapping of `fd`; nothing else is at the address it returns.
+        let ptr = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                bytes,
+                PROT_READ | PROT_WRITE,
+                MAP_SHARED | MAP_NORESERVE,
+                fd,
+                0,
+            )
+        };
+        if ptr as c_long == -1 {
+            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+        }
+        Ok(ptr.cast())
+    }
+
+    /// A new memfd of `bytes`, mapped: `(base, fd)`.
+    pub(super) fn map_new(bytes: usize) -> Result<(*mut u8, i32), String> {
+        let name = CString::new("brigade-heap").expect("no NUL");
+        // SAFETY: a valid C string; the fd is ours.
+        let fd = unsafe { memfd_create(name.as_ptr(), MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: our fd.
+        if unsafe { ftruncate(fd, bytes as i64) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: our fd, closed once.
+            unsafe { close(fd) };
+            return Err(format!("ftruncate: {e}"));
+        }
+        match map(fd, bytes) {
+            Ok(base) => Ok((base, fd)),
+            Err(e) => {
+                // SAFETY: our fd, closed once.
+                unsafe { close(fd) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps process `pid`'s memfd `fd` (`bytes` long).
+    pub(super) fn map_peer(pid: u32, fd: i32, bytes: usize) -> Result<*mut u8, String> {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let c_path = CString::new(path.clone()).expect("no NUL");
+        // SAFETY: a valid C string; the fd is ours and closed below (the mapping keeps the
+        // memory).
+        let own = unsafe { open(c_path.as_ptr(), O_RDWR | O_CLOEXEC) };
+        if own < 0 {
+            return Err(format!("open {path}: {}", std::io::Error::last_os_error()));
+        }
+        let mapped = map(own, bytes);
+        // SAFETY: our fd, closed once.
+        unsafe { close(own) };
+        mapped
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod sys {
+    pub(super) fn pid() -> u32 {
+        std::process::id()
+    }
+    pub(super) fn map_new(_bytes: usize) -> Result<(*mut u8, i32), String> {
+        Err("only on Linux".to_string())
+    }
+    pub(super) fn map_peer(_pid: u32, _fd: i32, _bytes: usize) -> Result<*mut u8, String> {
+        Err("only on Linux".to_string())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    fn made() -> &'static Heap {
+        heap_or_make().expect("the comm tests install SharedHeap; the heap is made")
+    }
+
+    /// Tests that take blocks of the process's heap, one at a time (a test that looks at the
+    /// free list must not see another's blocks come and go).
+    pub(crate) static HEAP_TESTS: Mutex<()> = Mutex::new(());
+
+    #[test]
+    fn a_host_vec_lives_in_the_heap_and_goes_back_to_it() {
+        let _one = HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let heap = made();
+        let v = host_vec(3000, 1.5f32);
+        assert!(in_shared_heap(&v), "a host_vec is in the heap once it exists");
+        assert!(v.iter().all(|&x| x == 1.5));
+        let off = heap.offset_of(v.as_ptr().cast(), 12_000).expect("inside");
+        assert_eq!(off % PAGE, 0);
+        let is_free = || {
+            let free = heap.free.lock().unwrap();
+            free.iter().any(|&(o, l)| o <= off && off + 3 * PAGE <= o + l)
+        };
+        assert!(!is_free());
+        drop(v);
+        assert!(is_free(), "dropping the Vec gave its 3 pages back to the heap");
+        let plain = vec![1.5f32; 3000];
+        assert!(
+            !in_shared_heap(&plain),
+            "other allocations stay in the system allocator"
+        );
+    }
+
+    #[test]
+    fn free_blocks_merge_with_both_neighbours() {
+        let heap = Heap {
+            base: 1 << 20,
+            len: 16 * PAGE,
+            fd: -1,
+            free: Mutex::new(vec![(0, 16 * PAGE)]),
+            color: AtomicUsize::new(0),
+        };
+        let a = heap.alloc(PAGE).unwrap();
+        let b = heap.alloc(PAGE + 1).unwrap();
+        let c = heap.alloc(PAGE).unwrap();
+        assert_eq!(b as usize - a as usize, PAGE);
+        assert_eq!(c as usize - b as usize, 2 * PAGE);
+        assert!(heap.alloc(13 * PAGE).is_none(), "12 pages are left");
+        heap.free(a, PAGE);
+        heap.free(c, PAGE);
+        assert_eq!(heap.free.lock().unwrap().len(), 2, "a, then c merged with the tail");
+        heap.free(b, PAGE + 1);
+        assert_eq!(*heap.free.lock().unwrap(), vec![(0, 16 * PAGE)]);
+    }
+
+    #[test]
+    fn a_colored_block_starts_at_its_color_and_frees_whole() {
+        let heap = Heap {
+            base: 1 << 20,
+            len: 16 * PAGE,
+            fd: -1,
+            free: Mutex::new(vec![(0, 16 * PAGE)]),
+            color: AtomicUsize::new(0),
+        };
+        heap.color.store(3 * PAGE / 4, Relaxed);
+        let a = heap.alloc(PAGE).unwrap();
+        assert_eq!(a as usize % PAGE, 3 * PAGE / 4);
+        assert_eq!(a as usize - heap.base, 3 * PAGE / 4, "first fit, at the color");
+        // A page of data from three quarters in spans two pages.
+        assert_eq!(*heap.free.lock().unwrap(), vec![(2 * PAGE, 14 * PAGE)]);
+        heap.color.store(0, Relaxed); // a later color does not change how `a` is freed
+        heap.free(a, PAGE);
+        assert_eq!(*heap.free.lock().unwrap(), vec![(0, 16 * PAGE)]);
+    }
+
+    #[test]
+    fn a_growing_host_vec_moves_out_with_its_elements() {
+        let _one = HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        made();
+        let mut v = host_vec(1000, 7u32);
+        assert!(in_shared_heap(&v));
+        v.push(8);
+        assert!(!in_shared_heap(&v), "a reallocation goes to the system allocator");
+        assert_eq!(v.len(), 1001);
+        assert!(v[..1000].iter().all(|&x| x == 7) && v[1000] == 8);
+    }
+
+    #[test]
+    fn a_peer_maps_the_same_memory() {
+        let _one = HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let heap = made();
+        let (pid, fd, bytes) = heap.exposure();
+        let v = host_vec(64, 0u64);
+        let off = heap.offset_of(v.as_ptr().cast(), 512).unwrap();
+        // This process's own exposure maps to its own base; the /proc path is what a peer
+        // opens: map it as a peer would and write through it.
+        let peer = sys::map_peer(pid, fd, bytes).expect("the /proc path of our own memfd opens");
+        assert_ne!(peer, heap.base(), "a second mapping");
+        // SAFETY: `off` is inside both mappings of the same memfd.
+        unsafe { peer.add(off).cast::<u64>().write_volatile(42) };
+        assert_eq!(unsafe { std::ptr::read_volatile(v.as_ptr()) }, 42);
+    }
+}
