@@ -80,6 +80,8 @@ impl MpiWorld {
         let opts = MpiOptions::from_env(TIMEOUT)?;
         let transport = self.transport_with(&opts)?;
         let path = transport.path();
+        // The bench's buffers are `host_vec`s: with the heaps mapped they are reduced in place.
+        let in_place = if transport.has_shared_heaps() { ", in place" } else { "" };
         let comm = CommStream::new(transport, TIMEOUT);
         let mpi_only = match path {
             MpiPath::Mpi => None,
@@ -102,7 +104,7 @@ impl MpiWorld {
         if let Some(mpi_only) = &mpi_only {
             contenders.push(Contender::communicator("brigade (MPI)", mpi_only));
         }
-        let brigade = format!("brigade ({})", path_name(path));
+        let brigade = format!("brigade ({}{in_place})", path_name(path));
         contenders.push(Contender::communicator(&brigade, &comm));
         let timed = time_contenders(&comm, cfg, &mut contenders);
         let names: Vec<String> = contenders.iter().map(|c| c.name.clone()).collect();
@@ -112,7 +114,7 @@ impl MpiWorld {
         let rows = timed.pop().expect("brigade's rows come last");
         Ok((rank == 0).then(|| CommBenchReport {
             backend: "mpi".to_string(),
-            path: path_name(path).to_string(),
+            path: format!("{}{in_place}", path_name(path)),
             world_size: world,
             memcpy_bw,
             memcpy_bytes: cfg.memcpy_bytes,

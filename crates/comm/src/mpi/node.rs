@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::raw::{self, RawComm, SharedWindow};
 use crate::desc::all_agree;
+use crate::heap;
 use crate::shm::{ShmNode, REGION_BYTES};
 use crate::CommError;
 
@@ -148,9 +149,18 @@ pub(crate) fn discover(
     // Every control block is zeroed before anyone reads one.
     let mut barrier = [0u64];
     node_comm.all_reduce_u64(rank, &mut barrier, raw::band_op(), "MPI_Allreduce(segment ready)")?;
+    let heaps = map_heaps(&node_comm, rank, node_size)?;
+    if heaps.is_some() {
+        heap::set_color(local, node_size);
+    }
     // SAFETY: the window maps every local rank's region of REGION_BYTES until it is freed,
     // which happens only after the `ShmNode` is dropped (`NodePath::free` takes it last).
     let shm = unsafe { ShmNode::new(window.parts.clone(), local, world_ranks, timeout) };
+    // SAFETY: heaps stay mapped until the process ends; every local rank got the same verdict.
+    let shm = match heaps {
+        Some(heaps) => unsafe { shm.with_heaps(heaps) },
+        None => shm,
+    };
     Ok((
         topology,
         Some(NodePath {
@@ -161,6 +171,36 @@ pub(crate) fn discover(
             shard: Vec::new(),
         }),
     ))
+}
+
+/// Every local rank's shared heap (`crate::heap`), mapped in this process, in local rank
+/// order: `Some` on every local rank when every one has a heap and mapped all the others',
+/// `None` on every one otherwise (printing why on the rank that failed). Collective over the
+/// node.
+fn map_heaps(node: &RawComm, rank: usize, node_size: usize) -> Result<Option<Vec<(*mut u8, usize)>>, CommError> {
+    let (local, _) = node.rank_and_size();
+    // Three words per local rank, this rank's in its place: pid + 1 (0: no heap), fd, bytes.
+    let mut words = vec![0u64; 3 * node_size];
+    if let Some((pid, fd, bytes)) = heap::heap_or_make().map(|h| h.exposure()) {
+        words[3 * local..3 * local + 3].copy_from_slice(&[u64::from(pid) + 1, fd as u64, bytes as u64]);
+    }
+    node.all_reduce_u64(rank, &mut words, raw::sum_op(), "MPI_Allreduce(heaps)")?;
+    let mut mapped = Vec::with_capacity(node_size);
+    for w in words.chunks(3) {
+        if w[0] == 0 {
+            break;
+        }
+        match heap::map_peer((w[0] - 1) as u32, w[1] as i32, w[2] as usize) {
+            Ok(base) => mapped.push((base, w[2] as usize)),
+            Err(e) => {
+                eprintln!("brigade-comm: rank {rank}: cannot map a peer's shared heap ({e}); collectives copy");
+                break;
+            }
+        }
+    }
+    let mut all = [u64::from(mapped.len() == node_size)];
+    node.all_reduce_u64(rank, &mut all, raw::band_op(), "MPI_Allreduce(heaps mapped)")?;
+    Ok((all[0] == 1).then_some(mapped))
 }
 
 /// `[a, b, !a, !b]`: all equal on every rank iff their `MPI_BAND` passes [`all_agree`]'s test

@@ -12,7 +12,8 @@
 //!    fails the slot with [`CommError::Mismatch`] naming both ranks; the communicator stays
 //!    usable. Agreement is also the barrier.
 //! 2. **Move**: an all-reduce inside one node goes through the shared segment
-//!    ([`crate::shm`]); across nodes of equal size it is hierarchical: a reduce-scatter in the
+//!    ([`crate::shm`]), in place in the ranks' shared heaps when every buffer is a
+//!    [`crate::host_vec`] there (DDP's buckets are); across nodes of equal size it is hierarchical: a reduce-scatter in the
 //!    node through the segment (unrounded f32 shards), an `MPI_Allreduce` of each shard among
 //!    the ranks with the same local rank on every node, an all-gather in the node through the
 //!    segment. Without the segment (`BRIGADE_MPI_SHM=0`, one rank per node, nodes of unequal
@@ -46,6 +47,7 @@ use super::raw::{self, mpi_check, RawComm, RawOp};
 use super::watchdog::Watchdog;
 use super::world::LiveGuard;
 use crate::desc::{all_agree, first_mismatch, validate, OpDesc, OpKind, DESC_BYTES};
+use crate::heap;
 use crate::kernels::{finish_into, Element};
 use crate::shm::Death;
 use crate::stream::Transport;
@@ -131,6 +133,18 @@ impl MpiTransport {
         }
     }
 
+    /// All-reduces so far that ran in place in the node's shared heaps (`crate::host_vec`
+    /// buffers on every local rank, one node): the others copied through the segment or MPI.
+    pub fn in_place_all_reduces(&self) -> u64 {
+        self.node.as_ref().map_or(0, |n| n.shm.in_place_count())
+    }
+
+    /// Whether this rank's node maps every local rank's shared heap (all-reduces of
+    /// `crate::host_vec` buffers then run in place).
+    pub fn has_shared_heaps(&self) -> bool {
+        self.node.as_ref().is_some_and(|n| n.shm.has_heaps())
+    }
+
     /// Ranks on this process's node (MPI's grouping by host, or `BRIGADE_NODE_SIZE`).
     pub fn node_size(&self) -> usize {
         self.topology.node_size
@@ -184,8 +198,16 @@ impl MpiTransport {
                 .agree(&desc, tag, deadline)
                 .and_then(|()| self.move_data(&desc, buf.as_deref_mut(), tag, deadline)),
         };
-        if let Err(err @ (CommError::Timeout { .. } | CommError::Internal(_))) = &result {
-            self.break_down(err, buf);
+        match &result {
+            Err(err @ (CommError::Timeout { .. } | CommError::Internal(_))) => self.break_down(err, buf),
+            // A peer still in the collective may write a buffer in this rank's heap: it must
+            // not go back to the heap, where a later buffer would take its place.
+            Err(_) if buf.as_ref().is_some_and(|b| heap::in_heap(b.as_ptr(), b.byte_len())) => {
+                if let Some(buf) = buf {
+                    leak(buf);
+                }
+            }
+            _ => {}
         }
         result
     }
@@ -223,11 +245,7 @@ impl MpiTransport {
             std::mem::forget(std::mem::take(&mut node.shard));
         }
         if let Some(buf) = buf {
-            let dtype = buf.dtype();
-            std::mem::forget(std::mem::replace(
-                buf,
-                Buffer::zeros(dtype, 0).unwrap_or(Buffer::U8(Vec::new())),
-            ));
+            leak(buf);
         }
     }
 
@@ -639,6 +657,15 @@ impl Drop for MpiTransport {
             std::mem::forget(node);
         }
     }
+}
+
+/// Leaves `buf`'s allocation to whoever may still write it (MPI, a peer), and `buf` empty.
+fn leak(buf: &mut Buffer) {
+    let dtype = buf.dtype();
+    std::mem::forget(std::mem::replace(
+        buf,
+        Buffer::zeros(dtype, 0).unwrap_or(Buffer::U8(Vec::new())),
+    ));
 }
 
 /// Copies a reduction's input into `send` as f32 (f16/bf16 are reduced with f32

@@ -17,6 +17,11 @@
 //!    is `done` with the block before last, so ranks run up to one block apart and a block's
 //!    trip through the segment stays in the caches: each rank's memory traffic is about one
 //!    read and one write of its buffer, a memcpy's.
+//!
+//!    **In place** instead, when every rank's buffer lies in its shared heap (`crate::heap`,
+//!    mapped by every local rank: the descriptor carries the buffer's offset there): rank `r`
+//!    reduces chunk `r` of every rank's buffer and writes it into all of them, then one more
+//!    phase ends the collective. No block goes through the slots.
 //! 3. The hierarchical all-reduce splits step 2: [`ShmNode::reduce_scatter_f32`] keeps each
 //!    rank's part unrounded in f32, the caller reduces it across nodes, and
 //!    [`ShmNode::all_gather_f32`] rounds it once and hands every rank the whole result.

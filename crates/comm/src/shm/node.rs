@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use super::segment::{
     chunk, futex_wait, futex_wake_all, Control, DescSlot, CONTROL_BYTES, MAX_NAP, MAX_REASON_BYTES, MAX_TAG_BYTES,
-    SLOTS, SLOT_BYTES,
+    NOT_IN_HEAP, SLOTS, SLOT_BYTES,
 };
 use crate::desc::{first_mismatch, validate, OpDesc};
 use crate::kernels::{finish_into, reduce_range, Element};
@@ -65,6 +65,11 @@ pub(crate) struct ShmNode {
     /// Phases this rank finished (the same count on every local rank: they agree on every
     /// length, so they run the same phases).
     phase: u64,
+    /// Every local rank's shared heap as this process maps it, `(base, bytes)` in local rank
+    /// order (`crate::heap`), when all of them have one.
+    heaps: Option<Vec<(*mut u8, usize)>>,
+    /// All-reduces that ran in place in the ranks' heaps.
+    in_place: u64,
 }
 
 // SAFETY: the regions stay mapped for the node's lifetime (the owner of the mapping outlives
@@ -89,6 +94,42 @@ impl ShmNode {
             world_ranks,
             timeout,
             phase: 0,
+            heaps: None,
+            in_place: 0,
+        }
+    }
+
+    /// Gives the node every local rank's shared heap, `(base, bytes)` in local rank order as
+    /// this process maps them: an all-reduce whose buffers all lie in them runs in place.
+    ///
+    /// # Safety
+    /// Every heap stays mapped for the node's lifetime, and every local rank's node gets the
+    /// same heaps (each mapped in its own process), or none does.
+    pub(crate) unsafe fn with_heaps(mut self, heaps: Vec<(*mut u8, usize)>) -> Self {
+        debug_assert_eq!(heaps.len(), self.regions.len());
+        self.heaps = Some(heaps);
+        self
+    }
+
+    /// Whether the node has every local rank's heap.
+    pub(crate) fn has_heaps(&self) -> bool {
+        self.heaps.is_some()
+    }
+
+    /// All-reduces so far that ran in place in the ranks' heaps.
+    pub(crate) fn in_place_count(&self) -> u64 {
+        self.in_place
+    }
+
+    /// Where `bytes` bytes at `data` lie in this rank's heap.
+    fn own_heap_offset(&self, data: *const u8, bytes: usize) -> u64 {
+        let Some(heaps) = &self.heaps else { return NOT_IN_HEAP };
+        let (base, len) = heaps[self.me];
+        let off = (data as usize).wrapping_sub(base as usize);
+        if off < len && bytes <= len - off {
+            off as u64
+        } else {
+            NOT_IN_HEAP
         }
     }
 
@@ -253,13 +294,14 @@ impl ShmNode {
     }
 
     /// Writes this rank's descriptor of phase `q`'s collective.
-    fn write_desc(&self, q: u64, desc: &OpDesc, tag: &str) {
+    fn write_desc(&self, q: u64, desc: &OpDesc, tag: &str, heap_offset: u64) {
         let tag_bytes = &tag.as_bytes()[..tag.len().min(MAX_TAG_BYTES)];
         // SAFETY: peers read this rank's descriptor of this parity only after it publishes
         // phase `q`, and none still reads the one of phase `q - 2` (module docs).
         unsafe {
             let slot: &mut DescSlot = &mut (*self.control(self.me).descs.get())[(q % 2) as usize];
             slot.bytes = desc.encode();
+            slot.heap_offset = heap_offset;
             slot.tag[..tag_bytes.len()].copy_from_slice(tag_bytes);
             slot.tag_len = tag_bytes.len() as u32;
         }
@@ -303,7 +345,7 @@ impl ShmNode {
     pub(crate) fn agree(&mut self, desc: &OpDesc, tag: &str, world: usize, deadline: Instant) -> Result<(), CommError> {
         self.check_peers(tag)?;
         let q = self.run_phase(tag, deadline, SPIN, |node, _| {
-            node.write_desc(node.phase + 1, desc, tag)
+            node.write_desc(node.phase + 1, desc, tag, NOT_IN_HEAP)
         })?;
         self.verdict(q, tag, world)
     }
@@ -399,14 +441,34 @@ impl ShmNode {
         let per_block = SLOT_BYTES / std::mem::size_of::<E>();
         let blocks = n.div_ceil(per_block);
         let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
+        let in_heap = self.own_heap_offset(data.cast_const().cast(), n * std::mem::size_of::<E>());
         let first = self.run_phase(tag, deadline, SPIN, |node, slot| {
-            node.write_desc(node.phase + 1, desc, tag);
-            if blocks > 0 {
+            node.write_desc(node.phase + 1, desc, tag, in_heap);
+            if blocks > 0 && in_heap == NOT_IN_HEAP {
                 // SAFETY: block 0 is within `data`; the slot is ours in this phase.
                 unsafe { node.share(data.cast_const(), block(0).1, slot) };
             }
         })?;
         self.verdict(first, tag, world)?;
+        let offsets = self.heap_offsets(first);
+        if blocks == 0 {
+            return Ok(());
+        }
+        if offsets.iter().all(|&o| o != NOT_IN_HEAP) {
+            // SAFETY: every rank's buffer is final (it published the phase) and lies in its
+            // heap; every rank reads the same offsets and runs the same branch.
+            return unsafe { self.reduce_in_place::<E>(&offsets, n, op, divisor, tag, deadline) };
+        }
+        // Some rank's buffer is not in its heap: through the slots. A rank whose buffer is in
+        // its heap held block 0 back: every rank shares it now.
+        let first = if offsets.iter().any(|&o| o != NOT_IN_HEAP) {
+            self.run_phase(tag, deadline, BLOCK_SPIN, |node, slot| {
+                // SAFETY: as above.
+                unsafe { node.share(data.cast_const(), block(0).1, slot) }
+            })?
+        } else {
+            first
+        };
         let size = self.size();
         for s in 0..blocks {
             let (lo, m) = block(s);
@@ -427,6 +489,57 @@ impl ShmNode {
                 self.fetch(own, m, input);
             }
         }
+        Ok(())
+    }
+
+    /// Every local rank's heap offset in its descriptor of phase `q`.
+    fn heap_offsets(&self, q: u64) -> Vec<u64> {
+        (0..self.size())
+            .map(|r| {
+                // SAFETY: published with phase `q`, which every rank finished.
+                unsafe { (*self.control(r).descs.get())[(q % 2) as usize].heap_offset }
+            })
+            .collect()
+    }
+
+    /// The all-reduce in place, as the thread backend runs it: every rank's buffer (`n`
+    /// elements at `offsets` in the ranks' heaps) is visible here, so this rank reduces its
+    /// chunk over all of them and writes the result into all of them, then waits for the others
+    /// to have done the same. Each rank reads and writes about one buffer's bytes, a memcpy's.
+    ///
+    /// # Safety
+    /// Every rank agreed on this all-reduce (same `n`, `E`, `op`) with these offsets, and its
+    /// buffer stays untouched by anyone else until it returns.
+    unsafe fn reduce_in_place<E: Element>(
+        &mut self,
+        offsets: &[u64],
+        n: usize,
+        op: ReduceOp,
+        divisor: f32,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let heaps = self.heaps.as_ref().expect("offsets are only set with heaps");
+        let bytes = n * std::mem::size_of::<E>();
+        let mut ptrs: Vec<*mut E> = Vec::with_capacity(offsets.len());
+        for (r, (&off, &(base, len))) in offsets.iter().zip(heaps).enumerate() {
+            let off = off as usize;
+            if off > len || bytes > len - off || off % std::mem::align_of::<E>() != 0 {
+                return Err(CommError::Internal(format!(
+                    "rank {}: rank {}'s buffer of collective `{tag}` ({bytes} bytes at offset {off}) is not \
+                     inside its shared heap of {len} bytes",
+                    self.world_ranks[self.me], self.world_ranks[r]
+                )));
+            }
+            // SAFETY: inside the heap, which is mapped (`with_heaps`).
+            ptrs.push(unsafe { base.add(off) }.cast());
+        }
+        let srcs: Vec<*const E> = ptrs.iter().map(|p| p.cast_const()).collect();
+        let (a, b) = chunk(n, self.size(), self.me);
+        // SAFETY: chunk `a..b` of every buffer is this rank's alone until the phase below.
+        unsafe { reduce_range(&srcs, &ptrs, a, b, op, divisor) };
+        self.run_phase(tag, deadline, BLOCK_SPIN, |_, _| {})?;
+        self.in_place += 1;
         Ok(())
     }
 

@@ -27,6 +27,8 @@ pub(crate) const SLOT_BYTES: usize = 1 << 20;
 pub(crate) const SLOTS: usize = 3;
 /// Bytes of one rank's region: its control block and its data slots.
 pub(crate) const REGION_BYTES: usize = CONTROL_BYTES + SLOTS * SLOT_BYTES;
+/// A [`DescSlot::heap_offset`] that says the buffer is not in the rank's shared heap.
+pub(crate) const NOT_IN_HEAP: u64 = u64::MAX;
 /// Longest tag kept in the segment (longer tags are compared by hash and shown cut).
 pub(crate) const MAX_TAG_BYTES: usize = 256;
 /// Longest reason a dead rank leaves for its peers.
@@ -41,6 +43,8 @@ pub(crate) struct Line<T>(pub(crate) T);
 #[repr(C)]
 pub(crate) struct DescSlot {
     pub(crate) bytes: [u8; DESC_BYTES],
+    /// Where the rank's buffer lies in its shared heap ([`NOT_IN_HEAP`] when it does not).
+    pub(crate) heap_offset: u64,
     pub(crate) tag_len: u32,
     pub(crate) tag: [u8; MAX_TAG_BYTES],
 }

@@ -12,6 +12,7 @@ use crate::kernels::Element;
 use crate::{CommError, DType, ReduceOp};
 
 use crate::collective::OpKind;
+use crate::heap;
 
 /// A zeroed segment for `size` local ranks, and each rank's region.
 struct Segment {
@@ -36,6 +37,19 @@ impl Segment {
 
 /// Runs `f(node, local rank)` on `size` threads sharing one segment; results in rank order.
 fn on_node<R: Send>(size: usize, timeout: Duration, f: impl Fn(&mut ShmNode, usize) -> R + Sync) -> Vec<R> {
+    on_node_with(size, timeout, false, f)
+}
+
+/// As [`on_node`]; with `heaps`, every rank's node also maps the process's shared heap (one
+/// process: the same mapping stands for every rank's).
+fn on_node_with<R: Send>(
+    size: usize,
+    timeout: Duration,
+    heaps: bool,
+    f: impl Fn(&mut ShmNode, usize) -> R + Sync,
+) -> Vec<R> {
+    let heap = heaps.then(|| heap::heap_or_make().expect("the comm tests install SharedHeap"));
+    let heap = heap.map(|h| h.base() as usize);
     let mut segment = Segment::new(size);
     let regions = segment.regions();
     let f = &f;
@@ -47,6 +61,10 @@ fn on_node<R: Send>(size: usize, timeout: Duration, f: impl Fn(&mut ShmNode, usi
                     let ptrs = regions.iter().map(|&p| p as *mut u8).collect();
                     // SAFETY: the segment outlives the scope and starts zeroed.
                     let mut node = unsafe { ShmNode::new(ptrs, me, (0..size).collect(), timeout) };
+                    if let Some(base) = heap {
+                        // SAFETY: the process's heap is mapped until it ends.
+                        node = unsafe { node.with_heaps(vec![(base as *mut u8, heap::HEAP_BYTES); size]) };
+                    }
                     f(&mut node, me)
                 })
             })
@@ -97,12 +115,24 @@ fn far() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }
 
-fn check_all_reduce<E: Element>(dtype: DType) {
+/// Where each rank's buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Placement {
+    /// Process-private memory: through the segment's slots.
+    Private,
+    /// Every rank's in its shared heap: in place.
+    Heap,
+    /// Rank 0's in its heap, the others' private: through the slots.
+    Mixed,
+}
+
+fn check_all_reduce<E: Element>(dtype: DType, placement: Placement) {
     let per_block = SLOT_BYTES / std::mem::size_of::<E>();
     // Empty, one element, odd, one block exactly, several blocks and an odd tail.
     let lens = [0, 1, 1031, per_block, 3 * per_block + 77];
+    let heaps = placement != Placement::Private;
     for size in 1..=4 {
-        let results = on_node(size, Duration::from_secs(30), |node, me| {
+        let results = on_node_with(size, Duration::from_secs(30), heaps, |node, me| {
             let mut salt = 0;
             let mut slot = 0;
             let mut out = Vec::new();
@@ -112,6 +142,11 @@ fn check_all_reduce<E: Element>(dtype: DType) {
                     let d = desc(slot, op, dtype, n, "ar");
                     slot += 1;
                     let mut data: Vec<E> = input(me, n, salt);
+                    if placement == Placement::Heap || (placement == Placement::Mixed && me == 0) {
+                        let mut shared = heap::host_vec(n, E::from_f32(0.0));
+                        shared.copy_from_slice(&data);
+                        data = shared;
+                    }
                     unsafe {
                         node.all_reduce(&d, data.as_mut_ptr(), n, op, size as f32, "ar", size, far())
                             .unwrap()
@@ -119,8 +154,19 @@ fn check_all_reduce<E: Element>(dtype: DType) {
                     out.push((op, n, salt, data));
                 }
             }
-            out
+            (out, node.in_place_count())
         });
+        let non_empty = 3 * lens.iter().filter(|&&n| n > 0).count() as u64;
+        for (me, (_, in_place)) in results.iter().enumerate() {
+            // One rank alone is "every rank" also when mixed.
+            let all_in_heap = placement == Placement::Heap || (placement == Placement::Mixed && size == 1);
+            let want = if all_in_heap { non_empty } else { 0 };
+            assert_eq!(
+                *in_place, want,
+                "{dtype} {placement:?}, {size} ranks, rank {me}: all-reduces in place"
+            );
+        }
+        let results: Vec<_> = results.into_iter().map(|(out, _)| out).collect();
         for (me, rank_results) in results.iter().enumerate() {
             for (op, n, salt, data) in rank_results {
                 let want = reference::<E>(size, *n, *salt, *op);
@@ -132,9 +178,24 @@ fn check_all_reduce<E: Element>(dtype: DType) {
 
 #[test]
 fn all_reduce_matches_rank_order_f32_accumulation_bit_for_bit() {
-    check_all_reduce::<f32>(DType::F32);
-    check_all_reduce::<f16>(DType::F16);
-    check_all_reduce::<bf16>(DType::BF16);
+    check_all_reduce::<f32>(DType::F32, Placement::Private);
+    check_all_reduce::<f16>(DType::F16, Placement::Private);
+    check_all_reduce::<bf16>(DType::BF16, Placement::Private);
+}
+
+#[test]
+fn buffers_in_every_ranks_heap_are_reduced_in_place_to_the_same_bits() {
+    let _one = heap::tests::HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    check_all_reduce::<f32>(DType::F32, Placement::Heap);
+    check_all_reduce::<f16>(DType::F16, Placement::Heap);
+    check_all_reduce::<bf16>(DType::BF16, Placement::Heap);
+}
+
+#[test]
+fn one_rank_outside_its_heap_sends_every_rank_through_the_slots() {
+    let _one = heap::tests::HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    check_all_reduce::<f32>(DType::F32, Placement::Mixed);
+    check_all_reduce::<bf16>(DType::BF16, Placement::Mixed);
 }
 
 #[test]

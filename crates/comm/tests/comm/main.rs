@@ -2,6 +2,10 @@
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
+// As the `brigade` binary: a `host_vec` can live in the shared heap (the MPI tests use it).
+#[global_allocator]
+static HEAP: brigade_comm::SharedHeap = brigade_comm::SharedHeap;
+
 mod bench;
 mod chain;
 mod collectives;

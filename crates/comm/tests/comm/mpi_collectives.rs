@@ -120,6 +120,13 @@ fn the_hierarchical_all_reduce_matches_the_flat_one_on_two_nodes_of_two() {
 }
 
 #[test]
+fn buffers_in_the_shared_heaps_are_reduced_in_place_on_2_and_3_processes() {
+    assert_all_ranks_ok(2, "in_place");
+    assert_all_ranks_ok(3, "in_place");
+    assert_all_ranks_ok_with(2, "in_place", &[("BRIGADE_SHM_HEAP", "0")], &[]);
+}
+
+#[test]
 fn a_missing_peer_times_out_and_breaks_the_transport() {
     assert_all_ranks_ok(2, "timeout");
 }
@@ -179,6 +186,7 @@ fn mpi_worker() {
             "watchdog" => watchdog(&world),
             "killed" => killed(&world),
             "hierarchy" => hierarchy(&world),
+            "in_place" => in_place(&world),
             other => panic!("unknown scenario {other}"),
         }
     }
@@ -367,7 +375,12 @@ fn killed(world: &MpiWorld) {
             let _ = Command::new("kill").args(["-KILL", &me]).status();
             std::thread::sleep(Duration::from_secs(60));
         }
-        let buf = Buffer::F32(vec![1.0; 1 << 16]);
+        // In the shared heap (in place) and out of it (through the slots), in turns.
+        let buf = Buffer::F32(if i % 2 == 0 {
+            brigade_comm::host_vec(1 << 16, 1.0)
+        } else {
+            vec![1.0; 1 << 16]
+        });
         // Far longer than the communicator's timeout: only the transport's own deadline (or
         // its watchdog) can end this wait in time.
         let work = comm.all_reduce(buf, ReduceOp::Sum, &format!("b{i}"));
@@ -378,6 +391,51 @@ fn killed(world: &MpiWorld) {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Buffers in every rank's shared heap (`host_vec`) are reduced in place, to the serial
+/// reference's bits; with the heap off (`BRIGADE_SHM_HEAP=0`, checked by the caller) none is.
+fn in_place(world: &MpiWorld) {
+    let mut transport = world.transport_with(&MpiOptions::from_env(TIMEOUT).unwrap()).unwrap();
+    let heap_on = std::env::var(brigade_comm::HEAP_VAR).map_or(true, |v| v != "0");
+    assert_eq!(transport.path(), MpiPath::SharedMemory);
+    assert_eq!(transport.has_shared_heaps(), heap_on);
+    let (rank, n) = (world.rank(), world.world_size());
+    let (mut salt, mut non_empty) = (0, 0);
+    for &d in &DTYPES {
+        for &op in &OPS {
+            for len in [0, 1, 1031, 3 * 262_144 + 77] {
+                salt += 1;
+                let inputs: Vec<Buffer> = (0..n).map(|r| input(d, r, len, salt)).collect();
+                let mut buf = match &inputs[rank] {
+                    Buffer::F32(v) => Buffer::F32(shared_copy(v)),
+                    Buffer::F16(v) => Buffer::F16(shared_copy(v)),
+                    Buffer::BF16(v) => Buffer::BF16(shared_copy(v)),
+                    other => panic!("{other:?}"),
+                };
+                transport.all_reduce(&mut buf, op, "in place").unwrap();
+                assert_same(
+                    &buf,
+                    &reference_reduce(&inputs, op),
+                    &format!("rank {rank}/{n} {d} {op} x {len}"),
+                );
+                non_empty += u64::from(len > 0);
+            }
+        }
+    }
+    let want = if heap_on { non_empty } else { 0 };
+    assert_eq!(
+        transport.in_place_all_reduces(),
+        want,
+        "rank {rank}: all-reduces in place"
+    );
+}
+
+/// `v` copied into a `host_vec` (this rank's shared heap when it has one).
+fn shared_copy<T: Copy + Default>(v: &[T]) -> Vec<T> {
+    let mut out = brigade_comm::host_vec(v.len(), T::default());
+    out.copy_from_slice(v);
+    out
 }
 
 /// The hierarchical all-reduce against the flat one, on the same inputs: within f32
