@@ -20,6 +20,11 @@ mod signal;
 
 use commands::{bench, predict, sample, sweep, sweep_args, train};
 
+// Collectives' buffers (DDP's buckets) can live in memory the node's other processes map, so
+// that an all-reduce under mpirun runs in place (`brigade_comm::host_vec`).
+#[global_allocator]
+static HEAP: brigade_comm::SharedHeap = brigade_comm::SharedHeap;
+
 /// Brigade: data-parallel training from scratch.
 #[derive(Parser)]
 #[command(name = "brigade", version, about)]

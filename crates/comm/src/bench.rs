@@ -170,7 +170,8 @@ pub fn time_contenders(
     for &bytes in &cfg.sizes {
         let len = bytes / 4;
         let iters = cfg.iters.unwrap_or_else(|| default_iters(bytes));
-        let mut buf = vec![0.5f32; len];
+        // Where DDP's buckets live: the shared heap, when the process has one.
+        let mut buf = crate::host_vec(len, 0.5f32);
         for c in contenders.iter_mut() {
             for _ in 0..2 {
                 buf = (c.run)(buf)?;

@@ -111,10 +111,25 @@ pub(crate) fn is_lent(t: &Tensor) -> bool {
     t.storage_numel() < t.layout().storage_extent()
 }
 
+/// A bucket's zeros: on the CPU, in the process's shared heap when it has one
+/// ([`brigade_comm::host_vec`]), so that its all-reduce under mpirun runs in place in the
+/// peers' memory instead of copying through the node's segment; elsewhere as any tensor.
+fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
+    use brigade_comm::host_vec;
+    use half::{bf16, f16};
+    let shape = [numel];
+    Ok(match (device, dtype) {
+        (Device::Cpu, DType::F32) => Tensor::from_vec(host_vec(numel, 0f32), &shape)?,
+        (Device::Cpu, DType::F16) => Tensor::from_vec(host_vec(numel, f16::ZERO), &shape)?,
+        (Device::Cpu, DType::BF16) => Tensor::from_vec(host_vec(numel, bf16::ZERO), &shape)?,
+        _ => Tensor::zeros_on(&shape, dtype, device)?,
+    })
+}
+
 /// Zeros of `flat`'s length as its storage, if it has none (a failed or consuming collective).
 fn restore_zeros(flat: &Tensor) -> Result<()> {
     if is_lent(flat) {
-        let zeros = Tensor::zeros_on(&[flat.numel()], flat.dtype(), flat.device())?;
+        let zeros = bucket_zeros(flat.numel(), flat.dtype(), flat.device())?;
         flat.restore_storage(zeros.lend_storage()?)?;
     }
     Ok(())
@@ -134,7 +149,7 @@ pub(crate) fn build_buckets(
         // The bucket lives beside its parameters (a CUDA model gets CUDA buckets).
         let device = group.first().map_or(Device::Cpu, |&p| params[p].value().device());
         let pad = layout.pad_to.max(1);
-        let flat = Tensor::zeros_on(&[numel.div_ceil(pad) * pad], layout.dtype, device)?;
+        let flat = bucket_zeros(numel.div_ceil(pad) * pad, layout.dtype, device)?;
         let mut offset = 0;
         for &p in &group {
             let shape = params[p].shape();
