@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The collectives sitting (issue 26): Brigade's MPI all-reduce against raw MPI_Allreduce in the same
-# run (shared segment off, then on), 2 and 4 ranks, 1-64 MiB; then the thread backend's small and
+# run (shared segment off, then on), 2 and 4 ranks, 1-64 MiB; the segment with buffers in the
+# shared heap (in place) and out of it, in turns; then the thread backend's small and
 # large messages against memcpy. Needs target/release/brigade built with --features mpi.
 # Usage: scripts/bench-collectives.sh [OUT_DIR]
 set -euo pipefail
@@ -15,6 +16,14 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
     for shm in 0 1; do
       echo "## mpi, $np ranks, BRIGADE_MPI_SHM=$shm"
       BRIGADE_MPI_SHM=$shm timeout 600 "${MPIRUN[@]}" -np "$np" "$B" bench comm --backend mpi --sizes 1M,4M,16M,64M
+    done
+  done
+  # The shared segment's two ways on 2 ranks, in turns: buffers in the shared heap (in place,
+  # the default above) and out of it (BRIGADE_SHM_HEAP=0: through the segment's slots).
+  for run in 1 2; do
+    for heap in 1 0; do
+      echo "## mpi, 2 ranks, BRIGADE_MPI_SHM=1 BRIGADE_SHM_HEAP=$heap (run $run of 2)"
+      BRIGADE_MPI_SHM=1 BRIGADE_SHM_HEAP=$heap timeout 600 "${MPIRUN[@]}" -np 2 "$B" bench comm --backend mpi --sizes 1M,4M,16M,64M
     done
   done
   echo "## mpi, 4 ranks as 2 nodes of 2 (BRIGADE_NODE_SIZE=2, TCP between them)"
