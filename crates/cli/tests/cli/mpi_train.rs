@@ -496,3 +496,17 @@ fn an_mpi_profile_predicts_its_own_buckets_on_the_measured_link() {
     );
     assert!(rows[0]["predicted_step_s"].as_f64().unwrap() >= rows[0]["compute_step_s"].as_f64().unwrap());
 }
+
+/// The binary installs the shared heap's allocator: under mpirun on one host its collectives'
+/// buffers (the bench's, as DDP's buckets) are reduced in place in the ranks' shared heaps.
+#[test]
+fn the_binary_reduces_its_buffers_in_place_in_the_shared_heaps() {
+    let args = ["bench", "comm", "--backend", "mpi", "--sizes", "1M", "--iters", "5"];
+    let out = mpirun(2, &args);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("backend mpi (shared memory, in place)"),
+        "{}",
+        text(&out)
+    );
+}
