@@ -176,11 +176,12 @@ static HEAP: OnceLock<Option<Heap>> = OnceLock::new();
 /// (local rank `k` of `of`), so that the node's ranks' buffers do not lie at the same offset in
 /// their pages.
 ///
-/// A reduction loads element `i` of every rank's buffer and stores element `i` of every one:
-/// when the buffers start at the same place in their pages, every load's address matches an
-/// earlier store's in its low 12 bits, and the core stalls each load on that store
-/// ("4K aliasing"). Two page-aligned buffers made a 1 MiB all-reduce about 3x slower than the
-/// same reduction in one process, where malloc's buffers rarely line up.
+/// With every rank's buffer page-aligned, a 2-rank in-place all-reduce of 1 MiB took 105-120
+/// µs, against 38-45 µs with the ranks' buffers half a page apart, and against the thread
+/// backend's 40 µs (3 alternated pairs, BENCHMARKS.md). At 16-64 MiB (memory-bound) the runs
+/// could not tell the two apart. Why is not pinned down: the same reduction on two threads of
+/// one process shows no such effect with same-offset buffers; it appears when two processes
+/// reach the same pages through their own mappings.
 pub(crate) fn set_color(k: usize, of: usize) {
     if let Some(heap) = heap() {
         let color = (k % of.max(1)) * PAGE / of.max(1);
