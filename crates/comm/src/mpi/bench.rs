@@ -80,13 +80,9 @@ impl MpiWorld {
         let opts = MpiOptions::from_env(TIMEOUT)?;
         let transport = self.transport_with(&opts)?;
         let path = transport.path();
-        // The bench's buffers are `host_vec`s: with the heaps mapped, inside one node, they are
-        // reduced in place (the hierarchical path always goes through the slots).
-        let in_place = if path == MpiPath::SharedMemory && transport.has_shared_heaps() {
-            ", in place"
-        } else {
-            ""
-        };
+        // The bench's buffers are `host_vec`s: with the heaps mapped they are reduced in place
+        // inside the node (the whole all-reduce on one node; the node's steps of the hierarchy).
+        let in_place = if transport.has_shared_heaps() { ", in place" } else { "" };
         let comm = CommStream::new(transport, TIMEOUT);
         let mpi_only = match path {
             MpiPath::Mpi => None,

@@ -13,7 +13,8 @@
 //!    usable. Agreement is also the barrier.
 //! 2. **Move**: an all-reduce inside one node goes through the shared segment
 //!    ([`crate::shm`]), in place in the ranks' shared heaps when every buffer is a
-//!    [`crate::host_vec`] there (DDP's buckets are); across nodes of equal size it is hierarchical: a reduce-scatter in the
+//!    [`crate::host_vec`] there (DDP's buckets are; so do the node's steps of the hierarchy
+//!    below); across nodes of equal size it is hierarchical: a reduce-scatter in the
 //!    node through the segment (unrounded f32 shards), an `MPI_Allreduce` of each shard among
 //!    the ranks with the same local rank on every node, an all-gather in the node through the
 //!    segment. Without the segment (`BRIGADE_MPI_SHM=0`, one rank per node, nodes of unequal
@@ -134,7 +135,8 @@ impl MpiTransport {
     }
 
     /// All-reduces so far that ran in place in the node's shared heaps (`crate::host_vec`
-    /// buffers on every local rank, one node): the others copied through the segment or MPI.
+    /// buffers on every local rank; on several nodes, the node's steps of the hierarchical
+    /// all-reduce): the others copied through the segment or went through MPI alone.
     pub fn in_place_all_reduces(&self) -> u64 {
         self.node.as_ref().map_or(0, |n| n.shm.in_place_count())
     }

@@ -24,7 +24,10 @@
 //!    phase ends the collective. No block goes through the slots.
 //! 3. The hierarchical all-reduce splits step 2: [`ShmNode::reduce_scatter_f32`] keeps each
 //!    rank's part unrounded in f32, the caller reduces it across nodes, and
-//!    [`ShmNode::all_gather_f32`] rounds it once and hands every rank the whole result.
+//!    [`ShmNode::all_gather_f32`] rounds it once and hands every rank the whole result. Both run
+//!    in place when every local rank's buffer is in its heap (the reduce-scatter's first phase
+//!    carries the offsets), in the same shard layout as through the slots, so that nodes that
+//!    took different ways still reduce matching shards between them.
 //!
 //! # Waiting and failure
 //! A waiter spins for a few microseconds when a collective starts (between the blocks of one,

@@ -70,6 +70,10 @@ pub(crate) struct ShmNode {
     heaps: Option<Vec<(*mut u8, usize)>>,
     /// All-reduces that ran in place in the ranks' heaps.
     in_place: u64,
+    /// Every local rank's buffer, as this process maps it, when the last
+    /// [`ShmNode::reduce_scatter_f32`] ran in place: its [`ShmNode::all_gather_f32`] then
+    /// writes into them directly.
+    gather_into: Option<Vec<*mut u8>>,
 }
 
 // SAFETY: the regions stay mapped for the node's lifetime (the owner of the mapping outlives
@@ -96,6 +100,7 @@ impl ShmNode {
             phase: 0,
             heaps: None,
             in_place: 0,
+            gather_into: None,
         }
     }
 
@@ -291,6 +296,13 @@ impl ShmNode {
         let head = self.control(0);
         head.doorbell.0.fetch_add(1, SeqCst);
         futex_wake_all(&head.doorbell.0);
+    }
+
+    /// Writes only the heap offset of this rank's descriptor of phase `q` (a collective
+    /// agreed on elsewhere).
+    fn write_heap_offset(&self, q: u64, heap_offset: u64) {
+        // SAFETY: as in `write_desc`.
+        unsafe { (*self.control(self.me).descs.get())[(q % 2) as usize].heap_offset = heap_offset };
     }
 
     /// Writes this rank's descriptor of phase `q`'s collective.
@@ -502,6 +514,28 @@ impl ShmNode {
             .collect()
     }
 
+    /// Every local rank's buffer of `n` elements of `E`, at `offsets` in the ranks' heaps, as
+    /// this process maps them; an error if one does not lie inside its heap (every rank reads
+    /// the same offsets, so all fail alike).
+    fn heap_buffers<E: Element>(&self, offsets: &[u64], n: usize, tag: &str) -> Result<Vec<*mut E>, CommError> {
+        let heaps = self.heaps.as_ref().expect("offsets are only set with heaps");
+        let bytes = n * std::mem::size_of::<E>();
+        let mut ptrs = Vec::with_capacity(offsets.len());
+        for (r, (&off, &(base, len))) in offsets.iter().zip(heaps).enumerate() {
+            let off = off as usize;
+            if off > len || bytes > len - off || off % std::mem::align_of::<E>() != 0 {
+                return Err(CommError::Internal(format!(
+                    "rank {}: rank {}'s buffer of collective `{tag}` ({bytes} bytes at offset {off}) is not \
+                     inside its shared heap of {len} bytes",
+                    self.world_ranks[self.me], self.world_ranks[r]
+                )));
+            }
+            // SAFETY: inside the heap, which is mapped (`with_heaps`).
+            ptrs.push(unsafe { base.add(off) }.cast());
+        }
+        Ok(ptrs)
+    }
+
     /// The all-reduce in place, as the thread backend runs it: every rank's buffer (`n`
     /// elements at `offsets` in the ranks' heaps) is visible here, so this rank reduces its
     /// chunk over all of them and writes the result into all of them, then waits for the others
@@ -519,21 +553,7 @@ impl ShmNode {
         tag: &str,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let heaps = self.heaps.as_ref().expect("offsets are only set with heaps");
-        let bytes = n * std::mem::size_of::<E>();
-        let mut ptrs: Vec<*mut E> = Vec::with_capacity(offsets.len());
-        for (r, (&off, &(base, len))) in offsets.iter().zip(heaps).enumerate() {
-            let off = off as usize;
-            if off > len || bytes > len - off || off % std::mem::align_of::<E>() != 0 {
-                return Err(CommError::Internal(format!(
-                    "rank {}: rank {}'s buffer of collective `{tag}` ({bytes} bytes at offset {off}) is not \
-                     inside its shared heap of {len} bytes",
-                    self.world_ranks[self.me], self.world_ranks[r]
-                )));
-            }
-            // SAFETY: inside the heap, which is mapped (`with_heaps`).
-            ptrs.push(unsafe { base.add(off) }.cast());
-        }
+        let ptrs: Vec<*mut E> = self.heap_buffers::<E>(offsets, n, tag)?;
         let srcs: Vec<*const E> = ptrs.iter().map(|p| p.cast_const()).collect();
         let (a, b) = chunk(n, self.size(), self.me);
         // SAFETY: chunk `a..b` of every buffer is this rank's alone until the phase below.
@@ -578,13 +598,48 @@ impl ShmNode {
                 .sum(),
             0.0,
         );
+        self.gather_into = None;
         if blocks == 0 {
             return Ok(());
         }
-        // SAFETY: block 0 is within `data`; the slot is ours in this phase.
-        let first = self.run_phase(tag, deadline, SPIN, |node, slot| unsafe {
-            node.share(data, block(0).1, slot)
+        let in_heap = self.own_heap_offset(data.cast(), n * std::mem::size_of::<E>());
+        let first = self.run_phase(tag, deadline, SPIN, |node, slot| {
+            node.write_heap_offset(node.phase + 1, in_heap);
+            if in_heap == NOT_IN_HEAP {
+                // SAFETY: block 0 is within `data`; the slot is ours in this phase.
+                unsafe { node.share(data, block(0).1, slot) }
+            }
         })?;
+        let offsets = self.heap_offsets(first);
+        if offsets.iter().all(|&o| o != NOT_IN_HEAP) {
+            // In place: this rank's chunk of every block, straight from every rank's buffer
+            // (final: all published the phase), in the slots' shard layout (nodes may differ
+            // in which way they take; the shards they reduce across nodes must not).
+            let ptrs = self.heap_buffers::<E>(&offsets, n, tag)?;
+            let mut pos = 0;
+            for s in 0..blocks {
+                let (lo, m) = block(s);
+                let (a, b) = chunk(m, size, self.me);
+                // SAFETY: chunk `a..b` of block `s` is read by this rank alone, and `shard`
+                // holds `b - a` elements from `pos`.
+                unsafe {
+                    let srcs: Vec<*const E> = ptrs.iter().map(|p| p.add(lo + a).cast_const()).collect();
+                    reduce_range(&srcs, &[shard.as_mut_ptr().add(pos)], 0, b - a, combine, 1.0);
+                }
+                pos += b - a;
+            }
+            self.gather_into = Some(ptrs.into_iter().map(|p| p.cast()).collect());
+            return Ok(());
+        }
+        let first = if offsets.iter().any(|&o| o != NOT_IN_HEAP) {
+            // Some rank held block 0 back (its buffer is in its heap): all share it now.
+            // SAFETY: as above.
+            self.run_phase(tag, deadline, BLOCK_SPIN, |node, slot| unsafe {
+                node.share(data, block(0).1, slot)
+            })?
+        } else {
+            first
+        };
         let mut pos = 0;
         for s in 0..blocks {
             let (lo, m) = block(s);
@@ -627,6 +682,31 @@ impl ShmNode {
         self.check_peers(tag)?;
         let per_block = SLOT_BYTES / std::mem::size_of::<E>();
         let size = self.size();
+        if let Some(ptrs) = self.gather_into.take() {
+            // In place: this rank's chunk of every block, rounded once into its own buffer and
+            // copied into every peer's (nobody else writes these chunks), then one phase.
+            let (mut lo, mut pos) = (0, 0);
+            while lo < n {
+                let m = per_block.min(n - lo);
+                let (a, b) = chunk(m, size, self.me);
+                // SAFETY: `ptrs` are every rank's buffer of `n` elements of `E` (from the
+                // reduce-scatter of this all-reduce); chunk `a..b` of this block is ours.
+                unsafe {
+                    let own = std::slice::from_raw_parts_mut(data.add(lo + a), b - a);
+                    finish_into(&shard[pos..pos + (b - a)], own, op, divisor);
+                    for (r, &p) in ptrs.iter().enumerate() {
+                        if r != self.me {
+                            std::ptr::copy_nonoverlapping(own.as_ptr(), p.cast::<E>().add(lo + a), b - a);
+                        }
+                    }
+                }
+                pos += b - a;
+                lo += m;
+            }
+            self.run_phase(tag, deadline, BLOCK_SPIN, |_, _| {})?;
+            self.in_place += 1;
+            return Ok(());
+        }
         let (mut lo, mut pos) = (0, 0);
         while lo < n {
             let m = per_block.min(n - lo);

@@ -200,24 +200,41 @@ fn one_rank_outside_its_heap_sends_every_rank_through_the_slots() {
 
 #[test]
 fn reduce_scatter_then_all_gather_equals_the_all_reduce() {
+    let _one = heap::tests::HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
     let n = 2 * (SLOT_BYTES / 2) + 333;
-    for size in [2, 3] {
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-            let results = on_node(size, Duration::from_secs(30), |node, me| {
-                let data: Vec<bf16> = input(me, n, 5);
-                let mut shard = Vec::new();
-                let mut out = vec![bf16::ZERO; n];
-                unsafe {
-                    node.reduce_scatter_f32(data.as_ptr(), n, op, &mut shard, "rs", far())
-                        .unwrap();
-                    node.all_gather_f32(&shard, out.as_mut_ptr(), n, op, size as f32, "ag", far())
-                        .unwrap();
+    for placement in [Placement::Private, Placement::Heap, Placement::Mixed] {
+        for size in [2, 3] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let results = on_node_with(
+                    size,
+                    Duration::from_secs(30),
+                    placement != Placement::Private,
+                    |node, me| {
+                        let mut data: Vec<bf16> = input(me, n, 5);
+                        if placement == Placement::Heap || (placement == Placement::Mixed && me == 0) {
+                            let mut shared = heap::host_vec(n, bf16::ZERO);
+                            shared.copy_from_slice(&data);
+                            data = shared;
+                        }
+                        let mut shard = Vec::new();
+                        unsafe {
+                            node.reduce_scatter_f32(data.as_ptr(), n, op, &mut shard, "rs", far())
+                                .unwrap();
+                            node.all_gather_f32(&shard, data.as_mut_ptr(), n, op, size as f32, "ag", far())
+                                .unwrap();
+                        }
+                        (data, node.in_place_count())
+                    },
+                );
+                let want = reference::<bf16>(size, n, 5, op);
+                for (me, (out, in_place)) in results.iter().enumerate() {
+                    assert_eq!(bits(out), bits(&want), "{op} on {size} ranks, {placement:?}, rank {me}");
+                    let expected = u64::from(placement == Placement::Heap);
+                    assert_eq!(
+                        *in_place, expected,
+                        "{op} on {size} ranks, {placement:?}, rank {me}: in place"
+                    );
                 }
-                out
-            });
-            let want = reference::<bf16>(size, n, 5, op);
-            for out in &results {
-                assert_eq!(bits(out), bits(&want), "{op} on {size} ranks");
             }
         }
     }

@@ -407,12 +407,7 @@ fn in_place(world: &MpiWorld) {
             for len in [0, 1, 1031, 3 * 262_144 + 77] {
                 salt += 1;
                 let inputs: Vec<Buffer> = (0..n).map(|r| input(d, r, len, salt)).collect();
-                let mut buf = match &inputs[rank] {
-                    Buffer::F32(v) => Buffer::F32(shared_copy(v)),
-                    Buffer::F16(v) => Buffer::F16(shared_copy(v)),
-                    Buffer::BF16(v) => Buffer::BF16(shared_copy(v)),
-                    other => panic!("{other:?}"),
-                };
+                let mut buf = shared_buffer(&inputs[rank]);
                 transport.all_reduce(&mut buf, op, "in place").unwrap();
                 assert_same(
                     &buf,
@@ -429,6 +424,16 @@ fn in_place(world: &MpiWorld) {
         want,
         "rank {rank}: all-reduces in place"
     );
+}
+
+/// `buf` copied into a `host_vec` (see [`shared_copy`]).
+fn shared_buffer(buf: &Buffer) -> Buffer {
+    match buf {
+        Buffer::F32(v) => Buffer::F32(shared_copy(v)),
+        Buffer::F16(v) => Buffer::F16(shared_copy(v)),
+        Buffer::BF16(v) => Buffer::BF16(shared_copy(v)),
+        other => panic!("{other:?}"),
+    }
 }
 
 /// `v` copied into a `host_vec` (this rank's shared heap when it has one).
@@ -491,6 +496,27 @@ fn hierarchy(world: &MpiWorld) {
             }
         }
     }
+    // Buffers in the shared heaps: inside each node the reduce-scatter and the all-gather run in
+    // place, to the same bits as through the slots; also when only one node's buffers are in
+    // its heaps (the shards the nodes reduce between them keep one layout).
+    let before = hier.in_place_all_reduces();
+    for mixed in [false, true] {
+        for &d in &DTYPES {
+            for &op in &OPS {
+                salt += 1;
+                let len = 3 * 65_536 + 77;
+                let mine = from_f32(d, (0..len).map(|i| x(rank, i, salt)).collect());
+                let mut slots = mine.clone();
+                hier.all_reduce(&mut slots, op, "slots").unwrap();
+                let mut heap = if mixed && rank >= 2 { mine } else { shared_buffer(&mine) };
+                hier.all_reduce(&mut heap, op, "heap").unwrap();
+                assert_same(&heap, &slots, &format!("rank {rank} {d} {op} x {len}, mixed {mixed}"));
+            }
+        }
+    }
+    // 9 in place on every rank; 9 more on the node whose buffers were all in its heaps.
+    let want = if rank < 2 { 18 } else { 9 };
+    assert_eq!(hier.in_place_all_reduces() - before, want, "rank {rank}: in place");
     // Both still agree on what comes next: a mismatch on the hierarchical path fails every
     // rank with the same error as the flat one.
     let len = if rank == 3 { 5 } else { 4 };
