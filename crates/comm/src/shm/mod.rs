@@ -39,6 +39,7 @@
 //! the reason, and its peers fail at once with [`crate::CommError::RankFailed`]. A killed
 //! process marks nothing: its peers time out (or are ended by the launcher first).
 
+mod moves;
 mod node;
 mod segment;
 
