@@ -96,11 +96,27 @@ unsafe impl GlobalAlloc for SharedHeap {
     }
 }
 
+/// Where a peer finds a process's heap, and how it knows it found that one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Exposure {
+    pub(crate) pid: u32,
+    pub(crate) fd: i32,
+    pub(crate) bytes: usize,
+    /// A random number the heap's first page holds (after [`MAGIC`]): a peer that opened the
+    /// wrong file (another process with that pid, seen from another pid namespace) finds
+    /// something else there and never writes to it.
+    pub(crate) nonce: u64,
+}
+
+/// The first word of every heap ("BRGDHEAP" in little-endian bytes); the nonce follows.
+const MAGIC: u64 = u64::from_le_bytes(*b"BRGDHEAP");
+
 /// One process's heap: its mapping, the memfd behind it, and its free blocks.
 pub(crate) struct Heap {
     base: usize,
     len: usize,
     fd: i32,
+    nonce: u64,
     /// Free blocks as `(offset, bytes)`, sorted by offset, never adjacent (merged on free).
     free: Mutex<Vec<(usize, usize)>>,
     /// Where in its first page a new block's data starts (a multiple of [`COLOR_ALIGN`]):
@@ -153,9 +169,14 @@ impl Heap {
         }
     }
 
-    /// Where a peer finds this heap: `(pid, fd, bytes)`.
-    pub(crate) fn exposure(&self) -> (u32, i32, usize) {
-        (sys::pid(), self.fd, self.len)
+    /// Where a peer finds this heap.
+    pub(crate) fn exposure(&self) -> Exposure {
+        Exposure {
+            pid: sys::pid(),
+            fd: self.fd,
+            bytes: self.len,
+            nonce: self.nonce,
+        }
     }
 
     /// The offset of `bytes` bytes at `ptr` in this heap, if they lie inside it.
@@ -202,13 +223,23 @@ pub(crate) fn heap_or_make() -> Option<&'static Heap> {
             return None;
         }
         match sys::map_new(HEAP_BYTES) {
-            Ok((base, fd)) => Some(Heap {
-                base: base as usize,
-                len: HEAP_BYTES,
-                fd,
-                free: Mutex::new(vec![(0, HEAP_BYTES)]),
-                color: AtomicUsize::new(0),
-            }),
+            Ok((base, fd)) => {
+                use std::hash::{BuildHasher, Hasher};
+                let nonce = std::collections::hash_map::RandomState::new().build_hasher().finish();
+                // SAFETY: the first page of our new mapping, kept out of the free list.
+                unsafe {
+                    base.cast::<u64>().write(MAGIC);
+                    base.cast::<u64>().add(1).write(nonce);
+                }
+                Some(Heap {
+                    base: base as usize,
+                    len: HEAP_BYTES,
+                    fd,
+                    nonce,
+                    free: Mutex::new(vec![(PAGE, HEAP_BYTES - PAGE)]),
+                    color: AtomicUsize::new(0),
+                })
+            }
             Err(e) => {
                 eprintln!("brigade-comm: no shared heap ({e}); collectives copy through the segment");
                 None
@@ -218,18 +249,33 @@ pub(crate) fn heap_or_make() -> Option<&'static Heap> {
     .as_ref()
 }
 
-/// Maps a peer's heap (from its [`Heap::exposure`]); every process maps a peer once.
-pub(crate) fn map_peer(pid: u32, fd: i32, bytes: usize) -> Result<*mut u8, String> {
-    static PEERS: Mutex<Vec<(u32, i32, usize)>> = Mutex::new(Vec::new());
-    if heap().is_some_and(|h| h.exposure() == (pid, fd, bytes)) {
-        return Ok(heap().expect("checked").base());
+/// Maps a peer's heap (from its [`Heap::exposure`]), once per process, after checking that
+/// the file is a Brigade heap and holds the peer's nonce (otherwise it is unmapped unwritten).
+pub(crate) fn map_peer(peer: Exposure) -> Result<*mut u8, String> {
+    static PEERS: Mutex<Vec<(Exposure, usize)>> = Mutex::new(Vec::new());
+    if let Some(own) = heap().filter(|h| h.exposure() == peer) {
+        return Ok(own.base());
     }
     let mut peers = PEERS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&(_, _, base)) = peers.iter().find(|p| (p.0, p.1) == (pid, fd)) {
+    if let Some(&(_, base)) = peers.iter().find(|(e, _)| *e == peer) {
         return Ok(base as *mut u8);
     }
-    let base = sys::map_peer(pid, fd, bytes)?;
-    peers.push((pid, fd, base as usize));
+    let base = sys::map_peer(peer.pid, peer.fd, peer.bytes)?;
+    // SAFETY: the mapping is `peer.bytes` (> 16) long; reading it writes nothing.
+    let (magic, nonce) = unsafe {
+        (
+            base.cast::<u64>().read_volatile(),
+            base.cast::<u64>().add(1).read_volatile(),
+        )
+    };
+    if (magic, nonce) != (MAGIC, peer.nonce) {
+        sys::unmap(base, peer.bytes);
+        return Err(format!(
+            "/proc/{}/fd/{} is not that process's heap (another pid namespace?)",
+            peer.pid, peer.fd
+        ));
+    }
+    peers.push((peer, base as usize));
     Ok(base)
 }
 
@@ -283,6 +329,7 @@ mod sys {
         fn open(path: *const c_char, flags: c_int, ...) -> c_int;
         fn close(fd: c_int) -> c_int;
         fn getpid() -> c_int;
+        fn munmap(addr: *mut c_void, len: usize) -> c_int;
     }
 
     const MFD_CLOEXEC: c_uint = 1;
@@ -292,6 +339,9 @@ mod sys {
     const MAP_NORESERVE: c_int = 0x4000;
     const O_RDWR: c_int = 2;
     const O_CLOEXEC: c_int = 0o2000000;
+    const O_NONBLOCK: c_int = 0o4000;
+    /// What `/proc/<pid>/fd/<fd>` of a heap reads as.
+    const MEMFD_LINK: &str = "/memfd:brigade-heap";
 
     pub(super) fn pid() -> u32 {
         // SAFETY: no arguments, cannot fail.
@@ -341,13 +391,17 @@ mod sys {
         }
     }
 
-    /// Maps process `pid`'s memfd `fd` (`bytes` long).
+    /// Maps process `pid`'s memfd `fd` (`bytes` long), if it is a Brigade heap's memfd.
     pub(super) fn map_peer(pid: u32, fd: i32, bytes: usize) -> Result<*mut u8, String> {
         let path = format!("/proc/{pid}/fd/{fd}");
+        let target = std::fs::read_link(&path).map_err(|e| format!("{path}: {e}"))?;
+        if !target.to_string_lossy().starts_with(MEMFD_LINK) {
+            return Err(format!("{path} is {}, not a heap", target.display()));
+        }
         let c_path = CString::new(path.clone()).expect("no NUL");
         // SAFETY: a valid C string; the fd is ours and closed below (the mapping keeps the
-        // memory).
-        let own = unsafe { open(c_path.as_ptr(), O_RDWR | O_CLOEXEC) };
+        // memory). Non-blocking: whatever the path turned into since, opening never waits.
+        let own = unsafe { open(c_path.as_ptr(), O_RDWR | O_CLOEXEC | O_NONBLOCK) };
         if own < 0 {
             return Err(format!("open {path}: {}", std::io::Error::last_os_error()));
         }
@@ -355,6 +409,12 @@ mod sys {
         // SAFETY: our fd, closed once.
         unsafe { close(own) };
         mapped
+    }
+
+    /// Unmaps a mapping of `bytes` at `base` (from `map_peer`).
+    pub(super) fn unmap(base: *mut u8, bytes: usize) {
+        // SAFETY: the caller's mapping, no longer used.
+        unsafe { munmap(base.cast(), bytes) };
     }
 }
 
@@ -369,6 +429,7 @@ mod sys {
     pub(super) fn map_peer(_pid: u32, _fd: i32, _bytes: usize) -> Result<*mut u8, String> {
         Err("only on Linux".to_string())
     }
+    pub(super) fn unmap(_base: *mut u8, _bytes: usize) {}
 }
 
 #[cfg(test)]
@@ -412,6 +473,7 @@ pub(crate) mod tests {
             base: 1 << 20,
             len: 16 * PAGE,
             fd: -1,
+            nonce: 0,
             free: Mutex::new(vec![(0, 16 * PAGE)]),
             color: AtomicUsize::new(0),
         };
@@ -434,6 +496,7 @@ pub(crate) mod tests {
             base: 1 << 20,
             len: 16 * PAGE,
             fd: -1,
+            nonce: 0,
             free: Mutex::new(vec![(0, 16 * PAGE)]),
             color: AtomicUsize::new(0),
         };
@@ -464,15 +527,42 @@ pub(crate) mod tests {
     fn a_peer_maps_the_same_memory() {
         let _one = HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let heap = made();
-        let (pid, fd, bytes) = heap.exposure();
+        let e = heap.exposure();
+        assert_eq!(map_peer(e), Ok(heap.base()), "our own heap is not mapped twice");
         let v = host_vec(64, 0u64);
         let off = heap.offset_of(v.as_ptr().cast(), 512).unwrap();
-        // This process's own exposure maps to its own base; the /proc path is what a peer
-        // opens: map it as a peer would and write through it.
-        let peer = sys::map_peer(pid, fd, bytes).expect("the /proc path of our own memfd opens");
+        // The /proc path is what a peer opens: map it as a peer would and write through it.
+        let peer = sys::map_peer(e.pid, e.fd, e.bytes).expect("the /proc path of our own memfd opens");
         assert_ne!(peer, heap.base(), "a second mapping");
         // SAFETY: `off` is inside both mappings of the same memfd.
         unsafe { peer.add(off).cast::<u64>().write_volatile(42) };
         assert_eq!(unsafe { std::ptr::read_volatile(v.as_ptr()) }, 42);
+    }
+
+    #[test]
+    fn a_file_that_is_not_the_peers_heap_is_refused_unwritten() {
+        use std::os::fd::AsRawFd;
+        let _one = HEAP_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let e = made().exposure();
+        // Our heap, but not the nonce the peer announced: someone else's heap.
+        let err = map_peer(Exposure {
+            nonce: e.nonce ^ 1,
+            ..e
+        })
+        .unwrap_err();
+        assert!(err.contains("is not that process's heap"), "{err}");
+        // A file of ours under that pid and fd: never opened for writing.
+        let path = std::env::temp_dir().join(format!("brigade-heap-test-{}", std::process::id()));
+        std::fs::write(&path, [7u8; 64]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let err = map_peer(Exposure {
+            fd: file.as_raw_fd(),
+            bytes: 4096,
+            ..e
+        })
+        .unwrap_err();
+        assert!(err.contains("not a heap"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), vec![7u8; 64]);
+        std::fs::remove_file(&path).unwrap();
     }
 }

@@ -179,19 +179,32 @@ pub(crate) fn discover(
 /// node.
 fn map_heaps(node: &RawComm, rank: usize, node_size: usize) -> Result<Option<Vec<(*mut u8, usize)>>, CommError> {
     let (local, _) = node.rank_and_size();
-    // Three words per local rank, this rank's in its place: pid + 1 (0: no heap), fd, bytes.
-    let mut words = vec![0u64; 3 * node_size];
-    if let Some((pid, fd, bytes)) = heap::heap_or_make().map(|h| h.exposure()) {
-        words[3 * local..3 * local + 3].copy_from_slice(&[u64::from(pid) + 1, fd as u64, bytes as u64]);
+    // Four words per local rank, this rank's in its place: pid + 1 (0: no heap), fd, bytes,
+    // nonce.
+    const W: usize = 4;
+    let mut words = vec![0u64; W * node_size];
+    if let Some(e) = heap::heap_or_make().map(|h| h.exposure()) {
+        words[W * local..W * (local + 1)].copy_from_slice(&[
+            u64::from(e.pid) + 1,
+            e.fd as u64,
+            e.bytes as u64,
+            e.nonce,
+        ]);
     }
     node.all_reduce_u64(rank, &mut words, raw::sum_op(), "MPI_Allreduce(heaps)")?;
     let mut mapped = Vec::with_capacity(node_size);
-    for w in words.chunks(3) {
+    for w in words.chunks(W) {
         if w[0] == 0 {
             break;
         }
-        match heap::map_peer((w[0] - 1) as u32, w[1] as i32, w[2] as usize) {
-            Ok(base) => mapped.push((base, w[2] as usize)),
+        let peer = heap::Exposure {
+            pid: (w[0] - 1) as u32,
+            fd: w[1] as i32,
+            bytes: w[2] as usize,
+            nonce: w[3],
+        };
+        match heap::map_peer(peer) {
+            Ok(base) => mapped.push((base, peer.bytes)),
             Err(e) => {
                 eprintln!("brigade-comm: rank {rank}: cannot map a peer's shared heap ({e}); collectives copy");
                 break;
