@@ -17,7 +17,9 @@
 //!   [`SharedHeap`], which sends every other allocation to the system allocator and frees by
 //!   address. A program that does not install it gets no heap, and its collectives copy.
 //! - The peers map the heap through `/proc/<pid>/fd/<fd>` (the same user's processes on one
-//!   host). Where that fails on any rank, every rank goes on without it.
+//!   host), once `/proc` names it a Brigade heap and its first page holds the random nonce its
+//!   owner announced; anything else is unmapped unwritten. Where that fails on any rank, every
+//!   rank goes on without it.
 //!
 //! A `Vec` from the heap that grows or shrinks moves to the system allocator (and its
 //! collectives copy from then on).
