@@ -469,16 +469,21 @@ pub(crate) mod tests {
         );
     }
 
-    #[test]
-    fn free_blocks_merge_with_both_neighbours() {
-        let heap = Heap {
+    /// A heap of 16 pages at a made-up address (its blocks are never touched).
+    fn toy_heap() -> Heap {
+        Heap {
             base: 1 << 20,
             len: 16 * PAGE,
             fd: -1,
             nonce: 0,
             free: Mutex::new(vec![(0, 16 * PAGE)]),
             color: AtomicUsize::new(0),
-        };
+        }
+    }
+
+    #[test]
+    fn free_blocks_merge_with_both_neighbours() {
+        let heap = toy_heap();
         let a = heap.alloc(PAGE).unwrap();
         let b = heap.alloc(PAGE + 1).unwrap();
         let c = heap.alloc(PAGE).unwrap();
@@ -494,14 +499,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_colored_block_starts_at_its_color_and_frees_whole() {
-        let heap = Heap {
-            base: 1 << 20,
-            len: 16 * PAGE,
-            fd: -1,
-            nonce: 0,
-            free: Mutex::new(vec![(0, 16 * PAGE)]),
-            color: AtomicUsize::new(0),
-        };
+        let heap = toy_heap();
         heap.color.store(3 * PAGE / 4, Relaxed);
         let a = heap.alloc(PAGE).unwrap();
         assert_eq!(a as usize % PAGE, 3 * PAGE / 4);

@@ -21,6 +21,15 @@ use crate::desc::OpDesc;
 use crate::kernels::{finish_into, reduce_range, Element};
 use crate::{CommError, ReduceOp};
 
+/// How `n` elements of `E` go through the slots: the number of blocks, and block `s`'s
+/// `(start, length)`.
+fn blocks_of<E>(n: usize) -> (usize, impl Fn(usize) -> (usize, usize)) {
+    let per_block = SLOT_BYTES / std::mem::size_of::<E>();
+    (n.div_ceil(per_block), move |s| {
+        (s * per_block, per_block.min(n - s * per_block))
+    })
+}
+
 impl ShmNode {
     /// Copies the parts of a block (`m` elements at `data`) that the peers reduce into slot
     /// `slot` of this rank.
@@ -101,9 +110,7 @@ impl ShmNode {
         deadline: Instant,
     ) -> Result<(), CommError> {
         self.check_peers(tag)?;
-        let per_block = SLOT_BYTES / std::mem::size_of::<E>();
-        let blocks = n.div_ceil(per_block);
-        let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
+        let (blocks, block) = blocks_of::<E>(n);
         let in_heap = self.own_heap_offset(data.cast_const().cast(), n * std::mem::size_of::<E>());
         let first = self.run_phase(tag, deadline, SPIN, |node, slot| {
             node.write_desc(node.phase + 1, desc, tag, in_heap);
@@ -231,9 +238,7 @@ impl ShmNode {
         deadline: Instant,
     ) -> Result<(), CommError> {
         self.check_peers(tag)?;
-        let per_block = SLOT_BYTES / std::mem::size_of::<E>();
-        let blocks = n.div_ceil(per_block);
-        let block = |s: usize| (s * per_block, per_block.min(n - s * per_block));
+        let (blocks, block) = blocks_of::<E>(n);
         let combine = if op == ReduceOp::Max {
             ReduceOp::Max
         } else {
