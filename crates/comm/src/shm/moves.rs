@@ -129,16 +129,9 @@ impl ShmNode {
             // heap; every rank reads the same offsets and runs the same branch.
             return unsafe { self.reduce_in_place::<E>(&offsets, n, op, divisor, tag, deadline) };
         }
-        // Some rank's buffer is not in its heap: through the slots. A rank whose buffer is in
-        // its heap held block 0 back: every rank shares it now.
-        let first = if offsets.iter().any(|&o| o != NOT_IN_HEAP) {
-            self.run_phase(tag, deadline, BLOCK_SPIN, |node, slot| {
-                // SAFETY: as above.
-                unsafe { node.share(data.cast_const(), block(0).1, slot) }
-            })?
-        } else {
-            first
-        };
+        // Some rank's buffer is not in its heap: through the slots.
+        // SAFETY: block 0 is within `data`.
+        let first = unsafe { self.input_phase(first, &offsets, data.cast_const(), block(0).1, tag, deadline)? };
         let size = self.size();
         for s in 0..blocks {
             let (lo, m) = block(s);
@@ -160,6 +153,31 @@ impl ShmNode {
             }
         }
         Ok(())
+    }
+
+    /// The phase whose slots hold block 0's input (its first `m0` elements at `data`), on the
+    /// way through the slots after a first phase `first` with these heap offsets: `first`,
+    /// unless a rank whose buffer is in its heap held block 0 back there; then every rank shares
+    /// it in one more phase.
+    ///
+    /// # Safety
+    /// `data` is valid for `m0` reads.
+    unsafe fn input_phase<E: Element>(
+        &mut self,
+        first: u64,
+        offsets: &[u64],
+        data: *const E,
+        m0: usize,
+        tag: &str,
+        deadline: Instant,
+    ) -> Result<u64, CommError> {
+        if offsets.iter().all(|&o| o == NOT_IN_HEAP) {
+            return Ok(first);
+        }
+        // SAFETY: the caller's contract; the slot is ours in this phase.
+        self.run_phase(tag, deadline, BLOCK_SPIN, |node, slot| unsafe {
+            node.share(data, m0, slot)
+        })
     }
 
     /// Every local rank's heap offset in its descriptor of phase `q`.
@@ -288,15 +306,8 @@ impl ShmNode {
             self.gather_into = Some(ptrs.into_iter().map(|p| p.cast()).collect());
             return Ok(());
         }
-        let first = if offsets.iter().any(|&o| o != NOT_IN_HEAP) {
-            // Some rank held block 0 back (its buffer is in its heap): all share it now.
-            // SAFETY: as above.
-            self.run_phase(tag, deadline, BLOCK_SPIN, |node, slot| unsafe {
-                node.share(data, block(0).1, slot)
-            })?
-        } else {
-            first
-        };
+        // SAFETY: block 0 is within `data`.
+        let first = unsafe { self.input_phase(first, &offsets, data, block(0).1, tag, deadline)? };
         let mut pos = 0;
         for s in 0..blocks {
             let (lo, m) = block(s);
@@ -337,14 +348,14 @@ impl ShmNode {
         deadline: Instant,
     ) -> Result<(), CommError> {
         self.check_peers(tag)?;
-        let per_block = SLOT_BYTES / std::mem::size_of::<E>();
+        let (blocks, block) = blocks_of::<E>(n);
         let size = self.size();
         if let Some(ptrs) = self.gather_into.take() {
             // In place: this rank's chunk of every block, rounded once into its own buffer and
             // copied into every peer's (nobody else writes these chunks), then one phase.
-            let (mut lo, mut pos) = (0, 0);
-            while lo < n {
-                let m = per_block.min(n - lo);
+            let mut pos = 0;
+            for s in 0..blocks {
+                let (lo, m) = block(s);
                 let (a, b) = chunk(m, size, self.me);
                 // SAFETY: `ptrs` are every rank's buffer of `n` elements of `E` (from the
                 // reduce-scatter of this all-reduce); chunk `a..b` of this block is ours.
@@ -358,31 +369,29 @@ impl ShmNode {
                     }
                 }
                 pos += b - a;
-                lo += m;
             }
             self.run_phase(tag, deadline, BLOCK_SPIN, |_, _| {})?;
             self.in_place += 1;
             return Ok(());
         }
-        let (mut lo, mut pos) = (0, 0);
-        while lo < n {
-            let m = per_block.min(n - lo);
+        let mut pos = 0;
+        for s in 0..blocks {
+            let (lo, m) = block(s);
             let (a, b) = chunk(m, size, self.me);
             let part = &shard[pos..pos + (b - a)];
             pos += b - a;
             // SAFETY: our chunk of `data`'s block and of our slot are ours in this phase; after
             // it, the peers' chunks are final in their slot of the phase.
             unsafe {
-                let block = data.add(lo);
-                let spin = if lo == 0 { SPIN } else { BLOCK_SPIN };
+                let own = data.add(lo);
+                let spin = if s == 0 { SPIN } else { BLOCK_SPIN };
                 let q = self.run_phase(tag, deadline, spin, |node, slot| {
-                    let out = std::slice::from_raw_parts_mut(block.add(a), b - a);
+                    let out = std::slice::from_raw_parts_mut(own.add(a), b - a);
                     finish_into(part, out, op, divisor);
                     std::ptr::copy_nonoverlapping(out.as_ptr(), node.slot::<E>(node.me, slot).add(a), b - a);
                 })?;
-                self.fetch(block, m, (q % SLOTS as u64) as usize);
+                self.fetch(own, m, (q % SLOTS as u64) as usize);
             }
-            lo += m;
         }
         Ok(())
     }
