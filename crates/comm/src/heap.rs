@@ -129,9 +129,15 @@ pub(crate) struct Heap {
 /// A block's data starts this aligned (at least: a cache line).
 const COLOR_ALIGN: usize = 64;
 
+/// The offset of `bytes` bytes at `ptr` in the `len` bytes at `base`, if they lie inside.
+pub(crate) fn offset_in(base: *const u8, len: usize, ptr: *const u8, bytes: usize) -> Option<usize> {
+    let off = (ptr as usize).wrapping_sub(base as usize);
+    (off < len && bytes <= len - off).then_some(off)
+}
+
 impl Heap {
     fn contains(&self, ptr: *mut u8) -> bool {
-        (ptr as usize).wrapping_sub(self.base) < self.len
+        self.offset_of(ptr, 0).is_some()
     }
 
     /// `bytes` bytes at this heap's color in a block of whole pages, first fit; `None` when
@@ -183,8 +189,7 @@ impl Heap {
 
     /// The offset of `bytes` bytes at `ptr` in this heap, if they lie inside it.
     pub(crate) fn offset_of(&self, ptr: *const u8, bytes: usize) -> Option<usize> {
-        let off = (ptr as usize).wrapping_sub(self.base);
-        (off < self.len && bytes <= self.len - off).then_some(off)
+        offset_in(self.base(), self.len, ptr, bytes)
     }
 
     /// The base address of this process's mapping.
@@ -207,7 +212,8 @@ static HEAP: OnceLock<Option<Heap>> = OnceLock::new();
 /// reach the same pages through their own mappings.
 pub(crate) fn set_color(k: usize, of: usize) {
     if let Some(heap) = heap() {
-        let color = (k % of.max(1)) * PAGE / of.max(1);
+        let of = of.max(1);
+        let color = (k % of) * PAGE / of;
         heap.color.store(color - color % COLOR_ALIGN, Relaxed);
     }
 }
@@ -287,16 +293,14 @@ pub(crate) fn map_peer(peer: Exposure) -> Result<*mut u8, String> {
 pub fn host_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     let bytes = len * std::mem::size_of::<T>();
     let block = match heap() {
-        Some(heap) if bytes > 0 && std::mem::align_of::<T>() <= COLOR_ALIGN && INSTALLED.load(Relaxed) => {
-            heap.alloc(bytes)
-        }
+        Some(heap) if bytes > 0 && std::mem::align_of::<T>() <= COLOR_ALIGN => heap.alloc(bytes),
         _ => None,
     };
     match block {
         Some(ptr) => {
             let ptr = ptr.cast::<T>();
-            // SAFETY: the block holds `len` `T`s, 64-byte aligned; `SharedHeap` (the global
-            // allocator: INSTALLED) takes it back when the `Vec` is dropped.
+            // SAFETY: the block holds `len` `T`s, 64-byte aligned; `SharedHeap` takes it back
+            // when the `Vec` is dropped (a heap exists only where it is the global allocator).
             unsafe {
                 for i in 0..len {
                     ptr.add(i).write(value);

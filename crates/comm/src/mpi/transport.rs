@@ -204,12 +204,12 @@ impl MpiTransport {
             Err(err @ (CommError::Timeout { .. } | CommError::Internal(_))) => self.break_down(err, buf),
             // A peer still in the collective may write a buffer in this rank's heap: it must
             // not go back to the heap, where a later buffer would take its place.
-            Err(_) if buf.as_ref().is_some_and(|b| heap::in_heap(b.as_ptr(), b.byte_len())) => {
-                if let Some(buf) = buf {
+            Err(_) => {
+                if let Some(buf) = buf.filter(|b| heap::in_heap(b.as_ptr(), b.byte_len())) {
                     leak(buf);
                 }
             }
-            _ => {}
+            Ok(()) => {}
         }
         result
     }

@@ -19,6 +19,7 @@ use super::segment::{
     NOT_IN_HEAP, SLOTS, SLOT_BYTES,
 };
 use crate::desc::{first_mismatch, validate, OpDesc};
+use crate::heap::offset_in;
 use crate::CommError;
 
 /// How long a waiter polls before it sleeps when a collective starts: a peer a few
@@ -122,12 +123,7 @@ impl ShmNode {
     pub(super) fn own_heap_offset(&self, data: *const u8, bytes: usize) -> u64 {
         let Some(heaps) = &self.heaps else { return NOT_IN_HEAP };
         let (base, len) = heaps[self.me];
-        let off = (data as usize).wrapping_sub(base as usize);
-        if off < len && bytes <= len - off {
-            off as u64
-        } else {
-            NOT_IN_HEAP
-        }
+        offset_in(base, len, data, bytes).map_or(NOT_IN_HEAP, |off| off as u64)
     }
 
     /// Zeroes this rank's control block (before any peer reads it).
