@@ -126,6 +126,19 @@ enum Placement {
     Mixed,
 }
 
+impl Placement {
+    /// Rank `me`'s input where this placement puts it: copied into the shared heap, or as is.
+    fn place<E: Element>(self, data: Vec<E>, me: usize) -> Vec<E> {
+        if self == Placement::Heap || (self == Placement::Mixed && me == 0) {
+            let mut shared = heap::host_vec(data.len(), E::from_f32(0.0));
+            shared.copy_from_slice(&data);
+            shared
+        } else {
+            data
+        }
+    }
+}
+
 fn check_all_reduce<E: Element>(dtype: DType, placement: Placement) {
     let per_block = SLOT_BYTES / std::mem::size_of::<E>();
     // Empty, one element, odd, one block exactly, several blocks and an odd tail.
@@ -141,12 +154,7 @@ fn check_all_reduce<E: Element>(dtype: DType, placement: Placement) {
                     salt += 1;
                     let d = desc(slot, op, dtype, n, "ar");
                     slot += 1;
-                    let mut data: Vec<E> = input(me, n, salt);
-                    if placement == Placement::Heap || (placement == Placement::Mixed && me == 0) {
-                        let mut shared = heap::host_vec(n, E::from_f32(0.0));
-                        shared.copy_from_slice(&data);
-                        data = shared;
-                    }
+                    let mut data: Vec<E> = placement.place(input(me, n, salt), me);
                     unsafe {
                         node.all_reduce(&d, data.as_mut_ptr(), n, op, size as f32, "ar", size, far())
                             .unwrap()
@@ -210,12 +218,7 @@ fn reduce_scatter_then_all_gather_equals_the_all_reduce() {
                     Duration::from_secs(30),
                     placement != Placement::Private,
                     |node, me| {
-                        let mut data: Vec<bf16> = input(me, n, 5);
-                        if placement == Placement::Heap || (placement == Placement::Mixed && me == 0) {
-                            let mut shared = heap::host_vec(n, bf16::ZERO);
-                            shared.copy_from_slice(&data);
-                            data = shared;
-                        }
+                        let mut data: Vec<bf16> = placement.place(input(me, n, 5), me);
                         let mut shard = Vec::new();
                         unsafe {
                             node.reduce_scatter_f32(data.as_ptr(), n, op, &mut shard, "rs", far())
