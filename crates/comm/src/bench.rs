@@ -69,6 +69,11 @@ pub struct AllReduceRow {
     /// Single-thread memcpy bandwidth (bytes per second) measured by rank 0 just before this
     /// size, so that both see the same machine load.
     pub memcpy_bw: f64,
+    /// Seconds of CPU time the hypervisor stole from this machine (all its CPUs together) while
+    /// this size's all-reduces ran ([`stolen_s`]); `None` where `/proc/stat` cannot say. On a
+    /// virtual machine a mean far above the median usually comes with stolen time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stolen_s: Option<f64>,
 }
 
 /// Another way of doing the same all-reduces, timed in the same run (e.g. the MPI library's
@@ -144,6 +149,22 @@ pub fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
     bytes as f64 / best
 }
 
+/// Seconds of CPU time the hypervisor has stolen from this machine since boot, all CPUs
+/// together: the `steal` column of `/proc/stat`'s `cpu` line. `None` off Linux or where the
+/// kernel does not count it.
+pub fn stolen_s() -> Option<f64> {
+    steal_ticks(&std::fs::read_to_string("/proc/stat").ok()?).map(|t| t as f64 / USER_HZ)
+}
+
+/// `/proc/stat` counts in `USER_HZ` ticks, which Linux fixes at 100 per second for user space.
+const USER_HZ: f64 = 100.0;
+
+/// The `steal` ticks of `/proc/stat`'s aggregate `cpu` line (its 8th number).
+fn steal_ticks(stat: &str) -> Option<u64> {
+    let line = stat.lines().find(|l| l.split_whitespace().next() == Some("cpu"))?;
+    line.split_whitespace().nth(8)?.parse().ok()
+}
+
 fn default_iters(bytes: usize) -> usize {
     ((512usize << 20) / bytes.max(1)).clamp(5, 1000)
 }
@@ -183,6 +204,7 @@ pub fn time_contenders(
         } else {
             0.0
         };
+        let stolen_before = stolen_s();
         let mut total = vec![0.0f64; contenders.len()];
         let mut each: Vec<Vec<f64>> = contenders.iter().map(|_| Vec::with_capacity(iters)).collect();
         let mut done = vec![0usize; contenders.len()];
@@ -203,6 +225,7 @@ pub fn time_contenders(
                 done[k] += n;
             }
         }
+        let stolen = stolen_before.zip(stolen_s()).map(|(a, b)| b - a);
         for k in 0..contenders.len() {
             let time_s = total[k] / done[k] as f64;
             each[k].sort_by(f64::total_cmp);
@@ -216,6 +239,7 @@ pub fn time_contenders(
                 best_s: each[k][0],
                 median_s: each[k][each[k].len() / 2],
                 memcpy_bw,
+                stolen_s: stolen,
             });
         }
     }
@@ -261,7 +285,8 @@ impl CommBenchReport {
             "all_reduce (f32, sum), backend {} ({}), world size {}\n\
              single-thread memcpy ({}): {:.2} GB/s before the run; per-size column `memcpy` is \
              re-measured just before each size\n\
-             bandwidths in GB/s (1e9 B/s); busbw = algbw * 2(n-1)/n; `time` is the mean\n\n",
+             bandwidths in GB/s (1e9 B/s); busbw = algbw * 2(n-1)/n; `time` is the mean; \
+             `stolen` is CPU time the hypervisor took from this machine during the size\n\n",
             self.backend,
             self.path,
             self.world_size,
@@ -269,13 +294,23 @@ impl CommBenchReport {
             self.memcpy_bw / gb
         );
         s += &format!(
-            "{:>8} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9}\n",
-            "size", "iters", "time us", "median us", "best us", "algbw", "busbw", "busbw best", "memcpy", "busbw/mc"
+            "{:>8} {:>5} {:>10} {:>10} {:>10} {:>8} {:>8} {:>11} {:>8} {:>9} {:>9}\n",
+            "size",
+            "iters",
+            "time us",
+            "median us",
+            "best us",
+            "algbw",
+            "busbw",
+            "busbw best",
+            "memcpy",
+            "busbw/mc",
+            "stolen ms"
         );
         for r in &self.rows {
             let factor = r.busbw / r.algbw;
             s += &format!(
-                "{:>8} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>11.2} {:>8.2} {:>9.2}\n",
+                "{:>8} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>11.2} {:>8.2} {:>9.2} {:>9}\n",
                 format_bytes(r.bytes),
                 r.iters,
                 r.time_s * 1e6,
@@ -285,7 +320,8 @@ impl CommBenchReport {
                 r.busbw / gb,
                 r.bytes as f64 / r.best_s * factor / gb,
                 r.memcpy_bw / gb,
-                r.busbw / r.memcpy_bw
+                r.busbw / r.memcpy_bw,
+                r.stolen_s.map_or("-".to_string(), |s| format!("{:.0}", s * 1e3))
             );
         }
         if let Some(yardstick) = self.references.first() {
@@ -341,4 +377,20 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         .map_err(|e| format!("bad size `{s}`: {e}"))?;
     n.checked_mul(1 << shift)
         .ok_or_else(|| format!("bad size `{s}`: more bytes than this machine can address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steal_ticks;
+
+    #[test]
+    fn steal_is_the_eighth_number_of_the_aggregate_cpu_line() {
+        let stat = "cpu  4705 356 584 3699 23 23 0 1234 0 0\n\
+                    cpu0 1393 280 290 1820 8 13 0 617 0 0\n\
+                    intr 114930548 113199788 3 0 5 263 0 4 [...]\n";
+        assert_eq!(steal_ticks(stat), Some(1234));
+        // A kernel too old to count steal, or no aggregate line: no number, not a wrong one.
+        assert_eq!(steal_ticks("cpu  4705 356 584 3699 23 23 0\n"), None);
+        assert_eq!(steal_ticks("cpu0 1 2 3 4 5 6 7 8\n"), None);
+    }
 }

@@ -32,6 +32,17 @@ fn report_rows_follow_the_nccl_tests_definitions() {
         assert!((row.algbw - bytes as f64 / row.time_s).abs() / row.algbw < 1e-9);
         assert!((row.busbw - row.algbw * 1.5).abs() / row.busbw < 1e-9); // 2(n-1)/n at n = 4
     }
+    if std::path::Path::new("/proc/stat").exists() {
+        // Linux counts the hypervisor's stolen time (zero on bare metal), for every size.
+        assert!(
+            report.rows.iter().all(|r| r.stolen_s.is_some_and(|s| s >= 0.0)),
+            "{:?}",
+            report.rows
+        );
+    }
     let table = report.to_table();
-    assert!(table.contains("64 KiB") && table.contains("busbw"), "{table}");
+    assert!(
+        table.contains("64 KiB") && table.contains("busbw") && table.contains("stolen ms"),
+        "{table}"
+    );
 }
