@@ -1,0 +1,97 @@
+//! Writing the checkpoint of the state after the last step: the finite check, the
+//! collectives that bring every rank's part to rank 0, and rank 0's write.
+
+use brigade_comm::all_gather_bytes;
+use brigade_models::RngState;
+
+use crate::checkpoint::{save_checkpoint, CheckpointIdentity};
+use crate::error::{Error, Result};
+use crate::resume::recipe_metadata;
+
+use super::{zero_stage, Trainer};
+
+impl Trainer<'_> {
+    /// Writes the checkpoint (rank 0) of the state after the last step run. Unless
+    /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
+    /// never overwrites the last good checkpoint.
+    pub fn checkpoint(&mut self) -> Result<()> {
+        let Some(path) = &self.cfg.checkpoint.path else {
+            return Ok(());
+        };
+        if !self.cfg.allow_nonfinite {
+            // Every rank holds the same parameters under DDP, so every rank reaches the same verdict.
+            for (name, t) in self.model.params().named_values() {
+                if let Some(&v) = t.to_f64_vec()?.iter().find(|v| !v.is_finite()) {
+                    let what = format!("parameter '{name}' after the update");
+                    return Err(Error::NonFinite {
+                        step: self.next_step.saturating_sub(1),
+                        what,
+                        value: v,
+                    });
+                }
+            }
+        }
+        // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
+        self.opt.consolidate_state()?;
+        // Every rank's policy state, on rank 0 (a collective).
+        let (policy_state, policy_name) = match &self.ddp {
+            Some(ddp) => (ddp.gather_policy_state()?, Some(ddp.policy_name())),
+            None => (vec![], None),
+        };
+        // Every rank's dropout generator, on rank 0 (a collective).
+        let dropout_rng = self.gather_rngs()?;
+        if self.ctx.rank == 0 {
+            let id = CheckpointIdentity {
+                model: &self.cfg.model_name,
+                optimizer: self.cfg.optimizer.name(),
+                seed: self.cfg.seed,
+                data: self.data.fingerprint(),
+                zero: zero_stage(self.cfg),
+                world_size: self.ctx.world_size,
+                data_order: self.cfg.data_order.describe(),
+                sampler: self.next_position,
+                model_config: self.cfg.model_config.clone(),
+                recipe: {
+                    let mut m = recipe_metadata(self.cfg, &self.schedule);
+                    m.extend(self.join.iter().flat_map(|j| j.metadata(self.next_step)));
+                    m
+                },
+                policy: policy_name.as_deref(),
+                dropout_rng,
+            };
+            save_checkpoint(
+                path,
+                &id,
+                self.model.as_ref(),
+                self.opt.as_ref(),
+                &policy_state,
+                self.next_step,
+            )?;
+        }
+        self.checkpointed = Some(self.next_step);
+        Ok(())
+    }
+
+    /// Every rank's dropout generator as it stood when step `next_step` began, by rank (on
+    /// every rank; a collective over the bare communicator when there are several ranks).
+    /// Empty when the model draws nothing on some rank.
+    fn gather_rngs(&self) -> Result<Vec<RngState>> {
+        let encode = |s: Option<RngState>| -> Vec<u8> {
+            s.map(|s| [s.seed.to_le_bytes(), s.offset.to_le_bytes()].concat())
+                .unwrap_or_default()
+        };
+        let all = if self.ctx.world_size == 1 {
+            vec![encode(self.next_rng)]
+        } else {
+            all_gather_bytes(self.ctx.control.as_ref(), encode(self.next_rng), "dropout rng")?
+        };
+        let decode = |b: &Vec<u8>| -> Option<RngState> {
+            let (seed, offset) = b.split_at_checked(8)?;
+            Some(RngState {
+                seed: u64::from_le_bytes(seed.try_into().ok()?),
+                offset: u64::from_le_bytes(offset.try_into().ok()?),
+            })
+        };
+        Ok(all.iter().map(decode).collect::<Option<Vec<_>>>().unwrap_or_default())
+    }
+}
