@@ -1,0 +1,269 @@
+//! The checks clap cannot make on `brigade train` and `brigade sweep` flags: every number
+//! finite and in range, flags that only make sense together, and whether the run fits in
+//! this machine's memory. Each fails with one line naming the flag and the value.
+
+use brigade::launch::CommBackend;
+use brigade::placement::DevicePlacement;
+use brigade::policies::{PolicySpec, PowerSgdConfig};
+
+use super::{
+    cap_in_range, check_link, check_threads, compact, flag_name, join, CommHookName, ModelName, OptimizerName, RunArgs,
+    MAX_BUCKET_MB, MAX_THREAD_RANKS, MAX_TIMEOUT_S, MIN_BUCKET_MB,
+};
+use crate::error::{Error, Result};
+use crate::footprint;
+
+impl RunArgs {
+    /// Checks values that clap cannot: every number finite and in range, flags that only
+    /// make sense together. One line naming the flag and the value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        if self.comm_hook != CommHookName::Powersgd && (self.powersgd_rank != 1 || self.powersgd_start_iter != 10) {
+            return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
+        }
+        if self.zero != 0 && self.comm_hook != CommHookName::Allreduce {
+            return bad(format!(
+                "--zero {} reduce-scatters each bucket itself and does not combine with --comm-hook {}: drop one of them",
+                self.zero,
+                flag_name(&self.comm_hook)
+            ));
+        }
+        self.validate_for(&self.hook_spec())
+    }
+
+    /// [`RunArgs::validate`] for a run under `policy` rather than the one `--comm-hook` and
+    /// `--zero` choose (a policy sweep's rows): every flag but those two, and the flags that
+    /// do not combine with `policy`.
+    pub fn validate_for(&self, policy: &PolicySpec) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        let zero = policy.zero_stage().level();
+        self.model.validate()?;
+        if self.world_size == 0 {
+            return bad("--world-size must be at least 1".into());
+        }
+        if self.backend != CommBackend::Mpi && self.world_size > MAX_THREAD_RANKS {
+            return bad(format!(
+                "--world-size {} is more ranks than one process runs as threads (at most {MAX_THREAD_RANKS}): \
+                 start them under mpirun with --backend mpi",
+                self.world_size
+            ));
+        }
+        if self.batch_size == 0 || self.accum == 0 {
+            return bad("--batch-size and --accum must be at least 1".into());
+        }
+        if self.batch_size.checked_mul(self.accum).is_none() {
+            return bad(format!(
+                "--batch-size {} x --accum {} rows per step is more than this machine can count",
+                self.batch_size, self.accum
+            ));
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad(format!("--lr must be a finite number > 0, got {}", self.lr));
+        }
+        if let Some(wd) = self.weight_decay {
+            if !(wd >= 0.0 && wd.is_finite()) {
+                return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
+            }
+        }
+        match (self.eval_every, self.val_fraction, &self.eval_data) {
+            (Some(0), _, _) => return bad("--eval-every must be at least 1 (steps between evaluations)".into()),
+            (Some(_), None, None) => {
+                return bad("--eval-every needs held-out data: --val-fraction F or --eval-data FILE".into())
+            }
+            (_, Some(_), Some(_)) => {
+                return bad("--val-fraction and --eval-data both name held-out data: give one".into())
+            }
+            (None, Some(_), _) | (None, _, Some(_)) => {
+                return bad("--val-fraction and --eval-data are for --eval-every N (how often to evaluate)".into())
+            }
+            _ => {}
+        }
+        if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
+            return bad(format!("--val-fraction must be in (0, 1), got {f}"));
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return bad(format!("--clip-grad-norm must be a finite number > 0, got {c}"));
+            }
+        }
+        let t = self.lr_decay_steps.unwrap_or(self.steps as u64);
+        self.schedule().build(self.lr, t).map_err(|e| {
+            let what = e.to_string();
+            let what = what.strip_prefix("configuration: ").unwrap_or(&what).to_string();
+            Error::Usage(format!(
+                "--lr-schedule {}: {what} (--lr-decay-steps defaults to --steps)",
+                flag_name(&self.lr_schedule)
+            ))
+        })?;
+        if let Some(m) = self.momentum {
+            if self.optimizer != OptimizerName::Sgd {
+                return bad(format!(
+                    "--momentum is for --optimizer sgd; {} has its own betas (drop --momentum)",
+                    flag_name(&self.optimizer)
+                ));
+            }
+            if !(0.0..1.0).contains(&m) {
+                return bad(format!("--momentum must be in [0, 1), got {m}"));
+            }
+        }
+        if self.bucket_mb.is_empty()
+            || !(self.bucket_mb.iter().all(|b| b.mib().is_none_or(cap_in_range)) && cap_in_range(self.first_bucket_mb))
+        {
+            let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
+            return bad(format!(
+                "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({MIN_BUCKET_MB:e}) and at most {MAX_BUCKET_MB}, got [{}] and {}",
+                caps.join(", "),
+                self.first_bucket_mb
+            ));
+        }
+        if self.drop_last && !self.shuffle {
+            return bad("--drop-last is for --shuffle (rows in order have no epochs to cut): add --shuffle".into());
+        }
+        if let (Some(_), Some(f)) = (self.rank_data(), self.val_fraction) {
+            return bad(format!(
+                "--val-fraction {f} holds out the rows of one file, but --data names a file per rank: give the held-out rows as --eval-data FILE"
+            ));
+        }
+        if self.text.is_some() && self.model.model != ModelName::Gpt {
+            return bad("--text trains the byte-level GPT: add --model gpt".into());
+        }
+        self.validate_autotune()?;
+        check_link(self.net_gbps, self.net_latency_us)?;
+        if self.net_latency_us != 0.0 && self.net_gbps.is_none() {
+            return bad(format!(
+                "--net-latency-us {} needs --net-gbps: the simulated network is on only with a bandwidth",
+                self.net_latency_us
+            ));
+        }
+        if let Some(t) = self.threads_per_rank {
+            check_threads("--threads-per-rank", t)?;
+        }
+        if !(self.timeout_s > 0.0 && self.timeout_s <= MAX_TIMEOUT_S) {
+            return bad(format!(
+                "--timeout-s must be a number of seconds > 0 and at most {}, got {}",
+                compact(MAX_TIMEOUT_S),
+                self.timeout_s
+            ));
+        }
+        if self.warmup >= self.steps && self.steps > 0 {
+            return bad(format!(
+                "--warmup {} leaves no step of --steps {} to time",
+                self.warmup, self.steps
+            ));
+        }
+        if zero != 0 && self.bucket_auto() {
+            return bad(format!(
+                "--zero {zero} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB"
+            ));
+        }
+        if let PolicySpec::PowerSgd { rank, start_iter } = *policy {
+            let cfg = PowerSgdConfig {
+                rank,
+                start_iter,
+                ..PowerSgdConfig::default()
+            };
+            cfg.validate().map_err(|e| {
+                Error::Usage(format!(
+                    "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
+                ))
+            })?;
+        }
+        self.validate_nccl()?;
+        self.check_memory(zero)
+    }
+
+    /// Checks that the model, its gradients, the optimizer's state and one microbatch's
+    /// activations fit in this machine's memory for every rank this process runs (a lower
+    /// bound: see [`crate::footprint`]).
+    fn check_memory(&self, zero: u8) -> Result<()> {
+        let state = match (self.optimizer, zero) {
+            (_, 1..) => 0, // sharded over the ranks
+            (OptimizerName::Adamw, _) => 2,
+            (OptimizerName::Sgd, _) => u64::from(self.momentum() != 0.0),
+        };
+        let ranks = if self.backend == CommBackend::Mpi {
+            1
+        } else {
+            self.world_size
+        };
+        let kind = self.model.kind();
+        let bytes =
+            footprint::training_bytes(&kind, self.batch_size, state).and_then(|b| footprint::mul(b, ranks as u64));
+        let shape = match self.model.model {
+            ModelName::Mlp => format!("--widths {}", join(&self.model.widths)),
+            ModelName::Gpt => format!(
+                "--d-model {} --layers {} --d-ff {} --context {}",
+                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context
+            ),
+        };
+        let what = format!(
+            "the model ({shape}) with --batch-size {} on {ranks} {} in this process",
+            self.batch_size,
+            if ranks == 1 { "rank" } else { "ranks" }
+        );
+        footprint::check_fits(&what, bytes)
+    }
+
+    /// Flags that cannot work with `--backend nccl` (every reducer policy runs there: its
+    /// compute and collectives on the NCCL comm stream, behind each bucket's ready event).
+    fn validate_nccl(&self) -> Result<()> {
+        if self.backend != CommBackend::Nccl {
+            return Ok(());
+        }
+        if self.device == DevicePlacement::Cpu {
+            return Err(Error::Usage(
+                "--backend nccl reduces gradients in GPU memory: pass --device cuda (or cuda:N); \
+                 on the CPU use --backend thread or mpi"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::args::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn flags(args: &[&str]) -> RunArgs {
+        Flags::try_parse_from(std::iter::once("brigade").chain(args.iter().copied()))
+            .unwrap()
+            .run
+    }
+
+    #[test]
+    fn device_flags_parse_and_bad_ones_say_what_is_expected() {
+        assert_eq!(parse_device("cpu"), Ok(DevicePlacement::Cpu));
+        assert_eq!(parse_device("cuda"), Ok(DevicePlacement::Cuda(None)));
+        assert_eq!(parse_device("cuda:3"), Ok(DevicePlacement::Cuda(Some(3))));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA"] {
+            assert!(parse_device(bad).unwrap_err().contains("cpu, cuda or cuda:N"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn nccl_needs_a_cuda_device_and_takes_every_policy() {
+        assert!(flags(&["--backend", "nccl", "--device", "cuda"]).validate().is_ok());
+        assert!(flags(&["--backend", "thread"]).validate().is_ok());
+        let e = flags(&["--backend", "nccl"]).validate().unwrap_err();
+        assert!(e.to_string().contains("--device cuda"), "{e}");
+        for policy in [
+            &["--comm-hook", "fp16"][..],
+            &["--comm-hook", "bf16"],
+            &["--comm-hook", "powersgd"],
+            &["--zero", "1"],
+            &["--zero", "2"],
+        ] {
+            let f = flags(&[&["--backend", "nccl", "--device", "cuda"][..], policy].concat());
+            assert!(f.validate().is_ok(), "{policy:?}: {:?}", f.validate());
+        }
+    }
+}
