@@ -10,7 +10,7 @@
 //! states: they are checked before it is called.
 //!
 //! The contract is spelled once here; each backend's storage implements it directly
-//! (`cpu/mod.rs`, `cuda/ops.rs`, and the counting fake device's `fake/mod.rs`, which runs
+//! (`cpu/mod.rs`, `cuda/ops/mod.rs`, and the counting fake device's `fake/mod.rs`, which runs
 //! the CPU's kernels behind device rules), and `storage.rs` dispatches each method with one
 //! line. A backend runs every call on the stream current for its device
 //! ([`crate::Stream::scope`], else the device's compute stream) and never waits on the host
