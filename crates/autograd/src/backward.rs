@@ -25,7 +25,7 @@ fn reachable(root: &Var) -> Vec<Var> {
         }
         out.push(v);
     }
-    out.sort_by(|a, b| b.0.id.cmp(&a.0.id));
+    out.sort_by_key(|b| std::cmp::Reverse(b.0.id));
     out
 }
 

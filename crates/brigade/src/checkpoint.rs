@@ -89,8 +89,11 @@ pub struct CheckpointModel {
     pub params: Vec<(String, Tensor)>,
 }
 
+/// A checkpoint file's tensors, by name, and its metadata.
+type CheckpointContents = (Vec<(String, Tensor)>, HashMap<String, String>);
+
 /// The tensors and metadata of the file at `path`, an error unless it is a Brigade checkpoint.
-fn read_checkpoint(path: &Path) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+fn read_checkpoint(path: &Path) -> Result<CheckpointContents> {
     let (tensors, meta) = load_safetensors_with_metadata(path)?;
     if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
         return Err(Error::checkpoint(path, CheckpointMismatch::NotACheckpoint));

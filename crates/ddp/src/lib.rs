@@ -17,7 +17,6 @@
 //! [`policy`] alone.
 
 #![warn(missing_docs)]
-#![warn(missing_docs)]
 
 mod bucket;
 mod collectives;

@@ -387,11 +387,11 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     for group in groups {
         let mut ready_max = f64::NEG_INFINITY;
         let mut launch_max = f64::NEG_INFINITY;
-        for r in 0..ranks.len() {
+        for (r, launched) in launched.iter_mut().enumerate() {
             let ready = group.iter().map(|&p| ready_at(r, p)).fold(f64::NEG_INFINITY, f64::max);
-            launched[r] = launched[r].max(ready);
+            *launched = launched.max(ready);
             ready_max = ready_max.max(ready);
-            launch_max = launch_max.max(launched[r]);
+            launch_max = launch_max.max(*launched);
         }
         let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
         let (link_s, wire_bytes) = cost(&group, b_bytes);

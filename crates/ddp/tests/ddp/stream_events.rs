@@ -65,7 +65,7 @@ fn buckets_launch_in_order_and_every_completion_is_waited_before_the_step() {
             m.loss(&xb, &yb).backward().unwrap();
             stream.mark_step();
             // Step 2 runs on the buckets rebuilt after step 0.
-            assert_eq!(ddp.buckets_rebuilt(), true);
+            assert!(ddp.buckets_rebuilt());
             assert_one_synchronized_step(&stream.events(), ddp.buckets().len());
             last_grads = m
                 .store

@@ -306,6 +306,8 @@ pub(super) fn cross_entropy(
         let mut lse = vec![T::ZERO; n];
         let pl = RowPtr(lse.as_mut_ptr());
         par_rows_mut(&mut probs, c, |r, o| {
+            // The closure captures the whole `RowPtr` (Send), not its raw pointer field.
+            #[allow(clippy::redundant_locals)]
             let pl = pl;
             let v = softmax_row(&ls[r * c..(r + 1) * c], o, false);
             // SAFETY: `lse` holds one element per row; only row `r`'s call writes element `r`.
