@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The collectives sitting (issue 26): Brigade's MPI all-reduce against raw MPI_Allreduce in the same
 # run (shared segment off, then on), 2 and 4 ranks, 1-64 MiB; the segment with buffers in the
-# shared heap (in place) and out of it, in turns; then the thread backend's small and
-# large messages against memcpy. Needs target/release/brigade built with --features mpi.
+# shared heap (in place) and out of it, in turns, each pair after memcpy on 1 and 2 threads;
+# then the thread backend's small and large messages against memcpy. Needs target/release/brigade built with --features mpi.
 # Usage: scripts/bench-collectives.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +19,12 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
     done
   done
   # The shared segment's two ways on 2 ranks, in turns: buffers in the shared heap (in place,
-  # the default above) and out of it (BRIGADE_SHM_HEAP=0: through the segment's slots).
+  # the default above) and out of it (BRIGADE_SHM_HEAP=0: through the segment's slots). Before
+  # each pair, what two cores' DRAM bandwidth allows an in-place all-reduce past the caches.
+  gcc -O2 -pthread scripts/memcpy-threads.c -o "$OUT/memcpy-threads"
   for run in 1 2; do
+    echo "## memcpy on 1 and 2 threads (run $run of 2)"
+    "$OUT/memcpy-threads"
     for heap in 1 0; do
       echo "## mpi, 2 ranks, BRIGADE_MPI_SHM=1 BRIGADE_SHM_HEAP=$heap (run $run of 2)"
       BRIGADE_MPI_SHM=1 BRIGADE_SHM_HEAP=$heap timeout 600 "${MPIRUN[@]}" -np 2 "$B" bench comm --backend mpi --sizes 1M,4M,16M,64M
