@@ -20,7 +20,7 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
   done
   # The shared segment's two ways on 2 ranks, in turns: buffers in the shared heap (in place,
   # the default above) and out of it (BRIGADE_SHM_HEAP=0: through the segment's slots). Before
-  # each pair, what two cores' DRAM bandwidth allows an in-place all-reduce past the caches.
+  # each pair, memcpy on 1 and 2 threads: how much more two cores move than one, just then.
   gcc -O2 -pthread scripts/memcpy-threads.c -o "$OUT/memcpy-threads"
   for run in 1 2; do
     echo "## memcpy on 1 and 2 threads (run $run of 2)"
