@@ -51,6 +51,11 @@ pub trait TrainObserver: Send + Sync {
     /// Rank 0 is about to run its first step.
     fn run_started(&self, _start: &RunStart) {}
 
+    /// Something the user should know before the run, which does not stop it (for example that
+    /// mpirun left this rank fewer cores than the host has for it: [`crate::launch::binding_note`]).
+    /// Told before [`TrainObserver::run_started`].
+    fn note(&self, _message: &str) {}
+
     /// Rank 0 resumed a checkpoint and this run changed some of its hyperparameters (the run
     /// uses its own; told before [`TrainObserver::run_started`], only when something changed).
     fn resumed(&self, _changes: &[HyperparameterChange]) {}
@@ -74,6 +79,11 @@ impl<A: TrainObserver, B: TrainObserver> TrainObserver for (A, B) {
     fn run_started(&self, start: &RunStart) {
         self.0.run_started(start);
         self.1.run_started(start);
+    }
+
+    fn note(&self, message: &str) {
+        self.0.note(message);
+        self.1.note(message);
     }
 
     fn resumed(&self, changes: &[HyperparameterChange]) {

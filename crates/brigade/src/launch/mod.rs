@@ -7,9 +7,10 @@
 //! ([`root_cause`]). The rank function is the same for every [`CommBackend`].
 //!
 //! The files, each importing only those below it: `context.rs` (the types), `comm_stack.rs`,
-//! `root_cause.rs`; then one file per backend: `threads.rs`, `mpi.rs`, `nccl.rs`; this file
+//! `root_cause.rs`, `binding.rs` (cores the launcher left a rank); then one file per backend: `threads.rs`, `mpi.rs`, `nccl.rs`; this file
 //! dispatches.
 
+mod binding;
 mod comm_stack;
 mod context;
 mod mpi;
@@ -17,6 +18,7 @@ pub mod nccl;
 mod root_cause;
 mod threads;
 
+pub use binding::binding_note;
 pub use comm_stack::{comm_stack, net_model, SimLink};
 pub use context::{default_threads, CommBackend, LaunchConfig, Launched, OnFatal, RankContext};
 pub use root_cause::{is_peer_gone, root_cause};

@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::join;
+use crate::launch::{binding_note, CommBackend};
 use crate::observe::{RunStart, StepRecord, TrainObserver};
 use crate::outcome::{CheckpointFailure, TrainOutcome};
 
@@ -15,6 +16,15 @@ impl Trainer<'_> {
     pub fn run(self) -> Result<TrainOutcome> {
         let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
         if let Some(o) = &observer {
+            if self.ctx.launcher == CommBackend::Mpi {
+                let threads = self
+                    .cfg
+                    .compute_threads
+                    .unwrap_or_else(|| self.ctx.default_compute_threads());
+                if let Some(note) = binding_note(self.ctx.local_ranks, threads) {
+                    o.note(&note);
+                }
+            }
             if !self.resume_changes.is_empty() {
                 o.resumed(&self.resume_changes);
             }

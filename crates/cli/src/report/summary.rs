@@ -75,6 +75,10 @@ impl TrainObserver for PrintSummary {
         self.world_size.store(start.world_size, Ordering::Relaxed);
     }
 
+    fn note(&self, message: &str) {
+        eprintln!("note: {message}");
+    }
+
     fn resumed(&self, changes: &[HyperparameterChange]) {
         let changes: Vec<String> = changes.iter().map(ToString::to_string).collect();
         eprintln!(

@@ -225,6 +225,43 @@ fn the_first_bucket_is_reduced_while_backward_still_runs() {
     );
 }
 
+/// mpirun binds a lone rank to one core of the host's (its default for -np <= 2): the run
+/// says so once and how to get the rest; unbound, it says nothing.
+#[test]
+fn a_rank_bound_below_its_share_of_the_cores_is_told_so() {
+    let run = |bind: &str| {
+        Command::new("mpirun")
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--bind-to",
+                bind,
+                "-np",
+                "1",
+                BIN,
+            ])
+            .args(["train", "--backend", "mpi", "--model", "mlp", "--widths", "8,8,2"])
+            .args(["--steps", "1", "--batch-size", "2", "--quiet"])
+            .output()
+            .unwrap()
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bound = run("core");
+    assert!(bound.status.success(), "{}", text(&bound));
+    let t = text(&bound);
+    if cpus > 1 {
+        assert_eq!(
+            t.matches("note: mpirun bound this rank to 1 core of the").count(),
+            1,
+            "{t}"
+        );
+        assert!(t.contains("--bind-to none"), "{t}");
+    }
+    let free = run("none");
+    assert!(free.status.success(), "{}", text(&free));
+    assert!(!text(&free).contains("mpirun bound"), "{}", text(&free));
+}
+
 #[test]
 fn setup_errors_fail_every_rank_with_the_same_message() {
     let out = mpirun(2, &["train", "--backend", "mpi", "--world-size", "3", "--steps", "1"]);
