@@ -107,7 +107,7 @@ impl<'a> Trainer<'a> {
         data: &'a dyn DataSource,
         ctx: &'a RankContext,
     ) -> Result<Self> {
-        set_compute_threads(cfg.compute_threads.unwrap_or_else(|| ctx.default_compute_threads()));
+        set_compute_threads(compute_threads(cfg, ctx));
         if let Some(init) = &cfg.init {
             load_params(model.params(), init)?;
         }
@@ -317,6 +317,12 @@ impl<'a> Trainer<'a> {
     fn observer(&self) -> Option<&dyn TrainObserver> {
         self.cfg.instrument.observer.as_deref()
     }
+}
+
+/// The compute threads of each rank: the configured number, or the host's cores shared out among
+/// its ranks.
+fn compute_threads(cfg: &TrainConfig, ctx: &RankContext) -> usize {
+    cfg.compute_threads.unwrap_or_else(|| ctx.default_compute_threads())
 }
 
 /// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).

@@ -7,7 +7,7 @@ use crate::launch::{binding_note, CommBackend};
 use crate::observe::{RunStart, StepRecord, TrainObserver};
 use crate::outcome::{CheckpointFailure, TrainOutcome};
 
-use super::Trainer;
+use super::{compute_threads, Trainer};
 
 impl Trainer<'_> {
     /// Steps until `steps` (or a stop request), checkpointing every `checkpoint.every` steps and
@@ -17,11 +17,7 @@ impl Trainer<'_> {
         let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
         if let Some(o) = &observer {
             if self.ctx.launcher == CommBackend::Mpi {
-                let threads = self
-                    .cfg
-                    .compute_threads
-                    .unwrap_or_else(|| self.ctx.default_compute_threads());
-                if let Some(note) = binding_note(self.ctx.local_ranks, threads) {
+                if let Some(note) = binding_note(self.ctx.local_ranks, compute_threads(self.cfg, self.ctx)) {
                     o.note(&note);
                 }
             }
