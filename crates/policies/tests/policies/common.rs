@@ -26,23 +26,6 @@ pub fn teacher_data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor)
     )
 }
 
-/// FNV-1a over the bytes: a fingerprint of exact bit patterns.
-pub fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
-    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// The fingerprint of losses (their f64 bits).
-pub fn fnv_losses(losses: &[f64]) -> u64 {
-    fnv(losses.iter().flat_map(|l| l.to_bits().to_le_bytes()))
-}
-
-/// The fingerprint of parameters (their f32 bits, in registration order).
-pub fn fnv_params(params: &[Vec<f32>]) -> u64 {
-    fnv(params.iter().flatten().flat_map(|x| x.to_bits().to_le_bytes()))
-}
-
 /// One rank's run: losses (rank 0's are the global view only when every rank agrees), final
 /// parameters, the DDP memory and diagnostics after the last step, and the wire bytes of its
 /// steps (DDP's collectives, as the meter counts them).

@@ -1,17 +1,38 @@
-//! Results pinned before the reducer-policy refactor (issue 21): every built-in policy, run
-//! here through DDP, must reproduce the fingerprints recorded in `pinned.txt` by the code that
-//! preceded the policy contract (commit noted in the file) — bit for bit: the FNV-1a hash of
-//! rank 0's losses (f64 bits) and of its final parameters (f32 bits), and every rank ends with
-//! rank 0's parameters.
+//! Results recorded before the reducer-policy contract: every built-in policy, run here
+//! through DDP, must train as the code that preceded the contract did, within the rounding
+//! another CPU's GEMM brings, and exactly where one run can compare with itself.
 //!
-//! PowerSGD is the exception: its products now run as tensor matmuls (GEMM, another summation
-//! order than the loops they replaced), so its pinned last loss is matched within 1e-6
-//! (relative) instead of its fingerprints.
+//! `pinned.txt` holds, per configuration, rank 0's five losses and four fixed random
+//! projections of its final parameters (f32 values, registration order, summed in f64), with
+//! how far the parameters moved from their initial values (the 2-norm). They were written
+//! under `qemu-x86_64 -cpu Haswell` by the code whose FNV-1a fingerprints of the same losses'
+//! and parameters' bits equalled, on that CPU, the ones the pre-contract code had recorded: the
+//! values are the pre-contract results, not today's.
+//!
+//! What is exact, in this run, on any CPU: every rank ends with rank 0's parameters; ZeRO-1
+//! and ZeRO-2 give plain all-reduce's losses and parameters bit for bit (the same sums in the
+//! same order, then the same optimizer arithmetic on a shard).
+//!
+//! What is within a tolerance, against the recorded values: the `gemm` crate picks its kernels
+//! (AVX-512, AVX2, NEON) and so its summation order from the CPU it runs on, so the same build
+//! computes other last bits elsewhere. Each loss must be within [`LOSS_TOL`] of the recorded one
+//! (relative), and each projection of the final parameters within [`param_tol`] of the movement
+//! (|p·w − p₀·w| ≤ tol·‖p_final − p_init‖₂, w a unit vector). Measured on an AVX-512 CPU (AMD
+//! Zen 4) against the recorded AVX2 run: losses within 7.2e-8, projections within 4.4e-7 of the
+//! movement; each tolerance sits about ten times above. fp16 and bf16 round each gradient to 11
+//! and 8 bits, where a last-bit difference before the cast can flip a rounding, so theirs are
+//! wider. A policy whose arithmetic changes moves these by more: casting fp16 or bf16 before
+//! dividing by 3 ranks moves a loss by 1.4e-6 and 3.6e-5, PowerSGD without error feedback by
+//! 2.9e-5; a ZeRO shard step that differs at all fails the exact comparison with all-reduce.
+//!
+//! PowerSGD runs its products as tensor matmuls, another summation order than the loops of the
+//! pre-contract code, so its recorded values are today's (written with the others) and its
+//! tolerance is the f32 policies'.
 //!
 //! `BRIGADE_WRITE_PINNED=1 cargo test -p brigade-policies --test policies pinned` rewrites the
-//! file from the code under test: only ever on the commit that defines "today's" results.
+//! file from the code under test: only ever to record results a change meant to move.
 
-use crate::common::{data, fnv_losses, fnv_params, max_diff, rows, Mlp};
+use crate::common::{data, max_diff, rows, Mlp};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -104,28 +125,122 @@ fn key(policy: &str, kind: &str, world: usize, accum: usize) -> String {
     format!("{policy} {kind} world{world} accum{accum}")
 }
 
-/// `key -> (losses hash, parameters hash, last loss)` from `pinned.txt`.
-fn read_pinned() -> BTreeMap<String, (String, String, f64)> {
+/// Losses within this of the recorded ones, relative: the f32 GEMM's summation order moves a
+/// loss of this MLP by up to 7.2e-8 between AVX2 and AVX-512 kernels.
+const LOSS_TOL: f64 = 5e-7;
+
+/// Each projection of the final parameters within this fraction of how far they moved: up to
+/// 4.4e-7 between AVX2 and AVX-512 kernels.
+fn param_tol(policy: &str) -> f64 {
+    match policy {
+        // a last-bit difference before the cast can round a gradient to the next 11-bit
+        // (fp16) or 8-bit (bf16) value, a step of 2^-11 or 2^-8 of that gradient
+        "fp16" => 5e-6,
+        "bf16" => 2e-5,
+        _ => 2e-6,
+    }
+}
+
+/// Four fixed unit vectors over `n` parameters (a seeded normal draw, normalised), so that a
+/// difference in any parameter shows in every projection with overwhelming probability.
+fn directions(n: usize) -> Vec<Vec<f64>> {
+    let mut rng = brigade_tensor::Rng::new(0x5eed);
+    (0..4)
+        .map(|_| {
+            let w: Vec<f64> = (0..n).map(|_| rng.normal()).collect();
+            let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+            w.into_iter().map(|x| x / norm).collect()
+        })
+        .collect()
+}
+
+fn flat(params: &[Vec<f32>]) -> Vec<f64> {
+    params.iter().flatten().map(|&x| x as f64).collect()
+}
+
+/// What is recorded of one run: its losses, the projections of its final parameters, and how
+/// far those moved from rank 0's initial parameters.
+#[derive(Debug, Clone, PartialEq)]
+struct Record {
+    losses: Vec<f64>,
+    projections: Vec<f64>,
+    moved: f64,
+}
+
+impl Record {
+    fn of(losses: &[f64], params: &[Vec<f32>]) -> Record {
+        let p = flat(params);
+        let p0 = flat(&Mlp::new(&WIDTHS, 42).values());
+        let moved = p.iter().zip(&p0).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
+        let projections = directions(p.len())
+            .iter()
+            .map(|w| w.iter().zip(&p).map(|(w, x)| w * x).sum())
+            .collect();
+        Record {
+            losses: losses.to_vec(),
+            projections,
+            moved,
+        }
+    }
+
+    fn line(&self) -> String {
+        let num = |v: &[f64]| v.iter().map(|x| format!("{x:.17e}")).collect::<Vec<_>>().join(" ");
+        format!("{} {} {:.17e}", num(&self.losses), num(&self.projections), self.moved)
+    }
+
+    fn parse(fields: &[&str]) -> Record {
+        let v: Vec<f64> = fields.iter().map(|f| f.parse().expect("a number")).collect();
+        assert_eq!(
+            v.len(),
+            STEPS + 4 + 1,
+            "a recorded line has {STEPS} losses, 4 projections and the movement"
+        );
+        Record {
+            losses: v[..STEPS].to_vec(),
+            projections: v[STEPS..STEPS + 4].to_vec(),
+            moved: v[STEPS + 4],
+        }
+    }
+
+    /// The worst loss difference (relative) and projection difference (of the movement).
+    fn distance(&self, recorded: &Record) -> (f64, f64) {
+        let loss = self
+            .losses
+            .iter()
+            .zip(&recorded.losses)
+            .map(|(a, b)| (a - b).abs() / b.abs())
+            .fold(0.0, f64::max);
+        let param = self
+            .projections
+            .iter()
+            .zip(&recorded.projections)
+            .map(|(a, b)| (a - b).abs() / recorded.moved)
+            .fold(0.0, f64::max);
+        (loss, param)
+    }
+}
+
+/// `key -> record` from `pinned.txt`.
+fn read_pinned() -> BTreeMap<String, Record> {
     let text = std::fs::read_to_string(PINNED).expect("pinned.txt");
     text.lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
         .map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            assert_eq!(f.len(), 7, "bad pinned line {l}");
-            (
-                f[..4].join(" "),
-                (f[4].to_string(), f[5].to_string(), f[6].parse().unwrap()),
-            )
+            (f[..4].join(" "), Record::parse(&f[4..]))
         })
         .collect()
 }
 
 #[test]
-fn every_built_in_policy_reproduces_the_results_pinned_before_the_refactor() {
+fn every_built_in_policy_trains_as_recorded_before_the_contract_within_another_cpus_rounding() {
     let write = std::env::var_os("BRIGADE_WRITE_PINNED").is_some();
     let pinned = if write { BTreeMap::new() } else { read_pinned() };
     let mut lines = vec![];
     let mut wrong = vec![];
+    let mut report = vec![];
+    // plain all-reduce's results in this run, to which ZeRO's must be equal bit for bit
+    let mut allreduce: BTreeMap<(&str, usize), (Vec<f64>, Vec<Vec<f32>>)> = BTreeMap::new();
     for (policy, kind, world, accum) in configurations() {
         let (losses, params) = train(policy, kind, world, accum);
         for (r, p) in params.iter().enumerate().skip(1) {
@@ -135,36 +250,54 @@ fn every_built_in_policy_reproduces_the_results_pinned_before_the_refactor() {
                 "{policy} {kind} world {world}: rank {r} differs"
             );
         }
+        if policy == "allreduce" {
+            allreduce.insert((kind, world), (losses.clone(), params[0].clone()));
+        } else if policy.starts_with("zero") {
+            let (l, p) = &allreduce[&(kind, world)];
+            assert_eq!(
+                &losses, l,
+                "{policy} {kind} world {world}: losses differ from all-reduce's"
+            );
+            assert_eq!(
+                max_diff(&params[0], p),
+                0.0,
+                "{policy} {kind} world {world}: parameters differ from all-reduce's"
+            );
+        }
         let k = key(policy, kind, world, accum);
-        let got = (
-            format!("{:016x}", fnv_losses(&losses)),
-            format!("{:016x}", fnv_params(&params[0])),
-        );
-        lines.push(format!("{k} {} {} {:.9}", got.0, got.1, losses[STEPS - 1]));
-        if !write {
-            let last = losses[STEPS - 1];
-            match pinned.get(&k) {
-                Some((_, _, want)) if policy.starts_with("powersgd") => {
-                    if (last - want).abs() > 1e-6 * want.abs() {
-                        wrong.push(format!("{k}: pinned last loss {want}, got {last:.9}"));
-                    }
+        let got = Record::of(&losses, &params[0]);
+        lines.push(format!("{k} {}", got.line()));
+        if write {
+            continue;
+        }
+        match pinned.get(&k) {
+            Some(want) => {
+                let (loss, param) = got.distance(want);
+                report.push(format!(
+                    "{k}: losses {loss:.1e}, parameters {param:.1e} of the movement"
+                ));
+                if loss > LOSS_TOL || param > param_tol(policy) {
+                    wrong.push(format!(
+                        "{k}: losses {loss:.2e} from the recorded ones (tolerance {LOSS_TOL:.0e}), \
+                         parameters {param:.2e} of their movement (tolerance {:.0e})",
+                        param_tol(policy)
+                    ));
                 }
-                Some((l, p, _)) if (l, p) == (&got.0, &got.1) => {}
-                Some(want) => wrong.push(format!("{k}: pinned {want:?}, got {got:?} (last loss {last:.9})")),
-                None => wrong.push(format!("{k}: not pinned")),
             }
+            None => wrong.push(format!("{k}: not recorded")),
         }
     }
     if write {
-        let header = "# Rank 0's results of each built-in policy before the policy contract (issue 21):\n\
-                      # policy optimizer world accum, FNV-1a of the losses' f64 bits, of the final parameters'\n\
-                      # f32 bits, the last loss. Written by BRIGADE_WRITE_PINNED=1 (see pinned.rs).\n";
+        let header = "# Rank 0's results of each built-in policy: policy optimizer world accum, the five losses,\n\
+                      # four projections of the final parameters, how far they moved (2-norm). See pinned.rs\n\
+                      # for what the values are and how they are compared. Written by BRIGADE_WRITE_PINNED=1.\n";
         std::fs::write(PINNED, format!("{header}{}\n", lines.join("\n"))).unwrap();
         return;
     }
+    eprintln!("{}", report.join("\n"));
     assert!(
         wrong.is_empty(),
-        "results moved from the pinned ones:\n{}",
+        "results moved from the recorded ones:\n{}",
         wrong.join("\n")
     );
 }
