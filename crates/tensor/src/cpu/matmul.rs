@@ -1,6 +1,10 @@
-//! Matrix products on the CPU through the `gemm` crate (packed, SIMD, arbitrary strides: transposed
-//! views cost nothing).
+//! Matrix products on the CPU through the `gemm` family of crates (packed, SIMD, arbitrary
+//! strides: transposed views cost nothing): `gemm-f32` and `gemm-f64`, the kernels the `gemm`
+//! crate's generic entry dispatches to, each picking AVX-512, AVX2 or NEON code at run time.
 
+use std::any::TypeId;
+
+use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 use super::{float_kernel, same, view};
@@ -14,6 +18,83 @@ use crate::{Element, Float, Layout, Result};
 struct SendPtr<T>(*const T);
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
+
+/// `dst = alpha·dst + beta·lhs·rhs` (`alpha` read only when `read_dst`, nothing
+/// conjugated) through the f32 or f64 kernel, in the `gemm` crate's argument order (column
+/// strides first).
+///
+/// # Safety
+/// As `gemm_f32::gemm::f32::get_gemm_fn()`: every element the shapes and strides name must be
+/// addressable, `dst`'s writable and touched by nothing else meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_cs: isize,
+    dst_rs: isize,
+    read_dst: bool,
+    lhs: *const T,
+    lhs_cs: isize,
+    lhs_rs: isize,
+    rhs: *const T,
+    rhs_cs: isize,
+    rhs_rs: isize,
+    alpha: T,
+    beta: T,
+    par: Parallelism,
+) {
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        let f = |x: T| *(&x as *const T as *const f32);
+        gemm_f32::gemm::f32::get_gemm_fn()(
+            m,
+            n,
+            k,
+            dst as *mut f32,
+            dst_cs,
+            dst_rs,
+            read_dst,
+            lhs as *const f32,
+            lhs_cs,
+            lhs_rs,
+            rhs as *const f32,
+            rhs_cs,
+            rhs_rs,
+            f(alpha),
+            f(beta),
+            false,
+            false,
+            false,
+            par,
+        )
+    } else if TypeId::of::<T>() == TypeId::of::<f64>() {
+        let f = |x: T| *(&x as *const T as *const f64);
+        gemm_f64::gemm::f64::get_gemm_fn()(
+            m,
+            n,
+            k,
+            dst as *mut f64,
+            dst_cs,
+            dst_rs,
+            read_dst,
+            lhs as *const f64,
+            lhs_cs,
+            lhs_rs,
+            rhs as *const f64,
+            rhs_cs,
+            rhs_rs,
+            f(alpha),
+            f(beta),
+            false,
+            false,
+            false,
+            par,
+        )
+    } else {
+        unreachable!("Float is implemented for f32 and f64 only")
+    }
+}
 
 /// How many threads one GEMM of this size should use: small products are not worth
 /// the fork.
@@ -104,11 +185,11 @@ pub(super) unsafe fn gemm_into<T: Float>(
         return;
     }
     let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
+        Parallelism::Rayon(threads)
     } else {
-        gemm::Parallelism::None
+        Parallelism::None
     };
-    gemm::gemm(
+    gemm(
         m,
         n,
         k,
@@ -124,9 +205,6 @@ pub(super) unsafe fn gemm_into<T: Float>(
         rhs_rs as isize,
         if accumulate { T::ONE } else { T::ZERO },
         T::ONE,
-        false,
-        false,
-        false,
         par,
     );
 }

@@ -243,7 +243,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         let direct = median_secs(a.reps, || {
             pool.install(|| unsafe {
                 // SAFETY: row-major buffers of exactly m*k, k*n and m*n elements.
-                gemm::gemm(
+                gemm_f32::gemm::f32::get_gemm_fn()(
                     m,
                     n,
                     k,
@@ -263,9 +263,9 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
                     false,
                     false,
                     if threads > 1 {
-                        gemm::Parallelism::Rayon(threads)
+                        gemm_common::Parallelism::Rayon(threads)
                     } else {
-                        gemm::Parallelism::None
+                        gemm_common::Parallelism::None
                     },
                 )
             });
