@@ -23,7 +23,7 @@ const MLP: &[&str] = &[
 ];
 
 fn brigade(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_brigade"))
+    Command::new(crate::common::bin())
         .args(args)
         .output()
         .expect("run brigade")
@@ -213,7 +213,7 @@ fn divergence_never_overwrites_the_last_good_checkpoint() {
 fn interrupted_run_keeps_its_work(signal: &str, world: &str) {
     let dir = tmp_dir(&format!("signal-{signal}"));
     let (ck, losses, tl) = (dir.join("ck.safetensors"), dir.join("losses.csv"), dir.join("tl.json"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_brigade"));
+    let mut child = Command::new(crate::common::bin());
     // brigade keeps a signal that it was started with ignored ignored (as `nohup` wants), and a
     // shell that starts this suite in the background ignores SIGINT for its children: the
     // child gets the default disposition back, so the test does not depend on how it was run.

@@ -29,8 +29,10 @@
 //! pre-contract code, so its recorded values are today's (written with the others) and its
 //! tolerance is the f32 policies'.
 //!
-//! `BRIGADE_WRITE_PINNED=1 cargo test -p brigade-policies --test policies pinned` rewrites the
-//! file from the code under test: only ever to record results a change meant to move.
+//! `BRIGADE_WRITE_PINNED=1` in the environment of this test rewrites the file from the code under
+//! test: only ever to record results a change meant to move, and under `qemu-x86_64 -cpu Haswell`
+//! (`BRIGADE_WRITE_PINNED=1 scripts/test-other-cpu.sh Haswell -- pinned`) so that the values stay
+//! those of the AVX2 kernels that the tolerances above were measured against.
 
 use crate::common::{data, max_diff, rows, Mlp};
 
