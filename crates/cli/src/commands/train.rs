@@ -8,7 +8,7 @@ use clap::Args;
 
 use crate::args::RunArgs;
 use crate::error::{checkpoint_failure, Error, Result};
-use crate::outputs::{check_outputs, write_all, write_atomic, Output, OutputLocks, Write};
+use crate::outputs::{check_outputs, write_all, write_atomic, Input, Output, OutputLocks, Write};
 use crate::report::loss_chart::{write_loss_chart, LossPoint};
 use crate::report::progress::ProgressBar;
 use crate::report::summary::PrintSummary;
@@ -129,17 +129,39 @@ impl TrainArgs {
         }
         let outputs = self.outputs();
         check_outputs(&outputs)?;
-        let inputs: [(&str, &Option<PathBuf>, &[&str]); 3] = [
-            ("--resume", &self.resume, &["--checkpoint"]),
-            ("--init", &self.run.init, &["--save"]),
-            ("--data", &self.run.data, &[]),
-        ];
-        let inputs: Vec<_> = inputs
-            .iter()
-            .filter_map(|&(flag, p, may)| Some((flag, p.as_deref()?, may)))
-            .collect();
-        crate::outputs::check_inputs_kept(&inputs, &outputs)?;
+        crate::outputs::check_inputs_kept(&self.inputs(), &outputs)?;
         Ok(())
+    }
+
+    /// Every file this run reads, with the flag that names it: a `--data` path with `{rank}`
+    /// is every rank's file (the ranks of --world-size, or of the `mpirun` job this process
+    /// belongs to).
+    pub fn inputs(&self) -> Vec<Input<'static>> {
+        let mut inputs = vec![];
+        let mut add = |flag: &'static str, path: &Option<PathBuf>, may_replace: &'static [&'static str]| {
+            if let Some(p) = path {
+                inputs.push(Input {
+                    may_replace,
+                    ..Input::new(flag, p)
+                });
+            }
+        };
+        add("--resume", &self.resume, &["--checkpoint"]);
+        add("--init", &self.run.init, &["--save"]);
+        add("--text", &self.run.text, &[]);
+        add("--eval-data", &self.run.eval_data, &[]);
+        if self.run.rank_data().is_none() {
+            add("--data", &self.run.data, &[]);
+        }
+        for rank in 0..launched_world_size(&self.run) {
+            if let Some(p) = self.run.rank_data_path(rank) {
+                inputs.push(Input {
+                    whose: Some(format!("rank {rank}'s")),
+                    ..Input::new("--data", &p)
+                });
+            }
+        }
+        inputs
     }
 
     /// Every file this run writes, with the flag that asked for it.
@@ -163,6 +185,18 @@ impl TrainArgs {
             out.push(Output::new("--checkpoint", p));
         }
         out
+    }
+}
+
+/// The ranks this run will have: `mpirun`'s size under MPI (from its environment), else
+/// --world-size.
+fn launched_world_size(run: &RunArgs) -> usize {
+    let from_mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
+    match (run.backend, from_mpirun) {
+        (brigade::launch::CommBackend::Mpi, Some(n)) => n,
+        _ => run.world_size,
     }
 }
 
