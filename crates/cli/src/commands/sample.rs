@@ -132,15 +132,16 @@ pub fn sample(a: SampleArgs) -> Result<()> {
             }
         }
     })?;
-    if let Some(e) = write_error {
-        return Err(Error::Io {
+    // a reader that went away (`| head -c 100`) wanted no more: no error
+    let written = match write_error {
+        Some(e) => Err(e),
+        None => writeln!(out),
+    };
+    match written {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::Io {
             path: "stdout".into(),
             source: e,
-        });
+        }),
+        _ => Ok(()),
     }
-    writeln!(out).map_err(|e| Error::Io {
-        path: "stdout".into(),
-        source: e,
-    })?;
-    Ok(())
 }

@@ -9,6 +9,7 @@
 //! and each row holds medians and spreads, the overlap model's prediction for the cap and the
 //! cap's lower bound (`crate::report::sweep_stats`).
 
+use crate::report::stdout::{out, outln};
 use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
 use plotters::prelude::*;
 
@@ -198,13 +199,13 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
     remove_stale(&s.out, &written)?;
     if s.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the sweep's rows", e))?
         );
     } else {
         print_table(&rows);
-        println!("wrote {}", s.out.join("sweep.csv").display());
+        outln!("wrote {}", s.out.join("sweep.csv").display());
     }
     Ok(())
 }
@@ -213,7 +214,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
 /// prediction and the cap's lower bound, then the best cap measured and predicted.
 fn print_table(rows: &[SweepRow]) {
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
-    println!(
+    outln!(
         "{:>10} {:>4} {:>7} {:>16} {:>10} {:>8} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  verdict",
         "bucket_MiB",
         "runs",
@@ -230,7 +231,7 @@ fn print_table(rows: &[SweepRow]) {
         "hidden"
     );
     for r in rows {
-        println!(
+        outln!(
             "{:>10} {:>4} {:>7} {:>16} {:>10.2} {:>8.2} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>5.0}%  {}",
             r.bucket_mb,
             r.runs,
@@ -254,11 +255,11 @@ fn print_table(rows: &[SweepRow]) {
             .min_by(|a, b| a.1.total_cmp(&b.1))
     };
     if let Some((cap, ms)) = best(|r| Some(r.step_ms)) {
-        print!("fastest measured: {cap} MiB ({ms:.2} ms median)");
+        out!("fastest measured: {cap} MiB ({ms:.2} ms median)");
         if let Some((pcap, pms)) = best(|r| r.predicted_step_ms) {
-            print!("; fastest predicted: {pcap} MiB ({pms:.2} ms)");
+            out!("; fastest predicted: {pcap} MiB ({pms:.2} ms)");
         }
-        println!();
+        outln!();
     }
 }
 

@@ -11,7 +11,7 @@ use crate::error::{checkpoint_failure, Error, Result};
 use crate::outputs::{check_outputs, write_all, write_atomic, Input, Output, OutputLocks, Write};
 use crate::report::loss_chart::{write_loss_chart, LossPoint};
 use crate::report::progress::ProgressBar;
-use crate::report::summary::PrintSummary;
+use crate::report::summary::{print_summary, PrintNotes};
 use crate::report::timeline_svg::write_timeline;
 use crate::run::{run, RunOptions, RunReport};
 use crate::signal::StopOnSignal;
@@ -251,8 +251,8 @@ pub fn train(t: TrainArgs) -> Result<()> {
         (Some(_), Some(path)) => previous_losses(path)?,
         _ => vec![],
     };
-    // who watches: the signals (a stop request), the summary, and unless told otherwise the bar
-    let watch = (stop_on_signal, PrintSummary::new(&t.run, t.json));
+    // who watches: the signals (a stop request), the notes, and unless told otherwise the bar
+    let watch = (stop_on_signal, PrintNotes);
     let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
         Arc::new(watch)
     } else {
@@ -284,6 +284,8 @@ pub fn train(t: TrainArgs) -> Result<()> {
             Ok(()) => Err(Error::Outputs(vec![failure])),
         };
     }
+    // the summary once the files are written: a stdout that fails costs nothing else
+    print_summary(&t.run, t.json, report.world_size, &report.outcome);
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());

@@ -20,6 +20,7 @@ mod policies;
 mod policy_bytes;
 mod policy_resume;
 mod recipes;
+mod stdout;
 mod text;
 mod train;
 mod zero;

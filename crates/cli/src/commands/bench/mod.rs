@@ -3,6 +3,7 @@
 mod gemm;
 mod ops;
 
+use crate::report::stdout::{out, outln};
 use brigade_comm::bench::{default_sizes, parse_size, run_comm_bench, CommBenchConfig};
 use clap::{Args, Subcommand};
 
@@ -110,9 +111,9 @@ fn bench_comm(args: CommArgs) -> Result<()> {
     };
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| Error::json("the bandwidth rows", e))?;
-        println!("{text}");
+        outln!("{text}");
     } else {
-        print!("{}", report.to_table());
+        out!("{}", report.to_table());
     }
     Ok(())
 }
