@@ -65,10 +65,22 @@ impl RunArgs {
                 return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
             }
         }
+        if let (Some(text), Some(flag)) = (
+            &self.text,
+            (self.val_fraction.map(|_| "--val-fraction")).or(self.eval_data.as_ref().map(|_| "--eval-data")),
+        ) {
+            return bad(format!(
+                "--text {} keeps its last tenth apart as the held-out data of --eval-every: drop {flag}",
+                text.display()
+            ));
+        }
         match (self.eval_every, self.val_fraction, &self.eval_data) {
             (Some(0), _, _) => return bad("--eval-every must be at least 1 (steps between evaluations)".into()),
-            (Some(_), None, None) => {
-                return bad("--eval-every needs held-out data: --val-fraction F or --eval-data FILE".into())
+            (Some(_), None, None) if self.text.is_none() => {
+                return bad(
+                    "--eval-every needs held-out data: --val-fraction F, --eval-data FILE, or --text FILE's last tenth"
+                        .into(),
+                )
             }
             (_, Some(_), Some(_)) => {
                 return bad("--val-fraction and --eval-data both name held-out data: give one".into())
