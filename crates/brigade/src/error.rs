@@ -108,6 +108,18 @@ pub enum Error {
         /// Rows of each rank, by rank.
         rows: Vec<usize>,
     },
+    /// Under a join mode, every rank's data (`rows`, by rank) holds fewer rows than one step
+    /// reads (`rows_per_step`: batch size times accumulation): no step could run (every rank
+    /// finds it before step 0).
+    #[error(
+        "every rank's data is shorter than one step of {rows_per_step} rows (batch size x accumulation; rows by rank: {rows:?}): no step can run"
+    )]
+    NoStep {
+        /// Rows of each rank, by rank.
+        rows: Vec<usize>,
+        /// Rows one step reads on a rank.
+        rows_per_step: usize,
+    },
     /// Under join mode `throw` (uneven inputs): at step `step` rank `rank`'s data had ended
     /// while other ranks still had data, and every rank stopped there together.
     #[error(
@@ -254,6 +266,7 @@ impl Error {
             self,
             Error::NonFinite { .. }
                 | Error::UnevenInputs { .. }
+                | Error::NoStep { .. }
                 | Error::OutOfData { .. }
                 | Error::ReplicasDiffer { .. }
         )

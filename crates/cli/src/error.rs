@@ -112,6 +112,10 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
                 rows[short], rows[long]
             )
         }
+        E::NoStep { rows, rows_per_step } => format!(
+            "every rank's file is shorter than one step of {rows_per_step} rows (--batch-size x --accum; rows by rank: {}): no step can run; give longer files or a smaller --batch-size",
+            rows.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        ),
         E::OutOfData { step, rank, rows, steps } => format!(
             "step {step}: rank {rank}'s data ended ({rows} rows: {steps} steps) while other ranks still have data; --join throw stops every rank here (--join divide-initial or divide-active trains on)"
         ),

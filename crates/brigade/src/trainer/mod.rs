@@ -126,6 +126,17 @@ impl<'a> Trainer<'a> {
                 )));
             }
         }
+        // under a join mode a rank with fewer rows than a step joins at step 0; when every
+        // rank has, no step could run
+        let rows_per_step = cfg.batch_size * cfg.accum;
+        if let (DataLength::PerEpoch(rows), Some(_)) = (&lengths, cfg.join) {
+            if rows.iter().all(|&n| n < rows_per_step) {
+                return Err(Error::NoStep {
+                    rows: rows.clone(),
+                    rows_per_step,
+                });
+            }
+        }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
         // This rank's policy, made first: a checkpoint names the policy it was written under.
         let policy = cfg.ddp.as_ref().map(|_| cfg.comm_hook.make(ctx.rank)).transpose()?;
@@ -172,7 +183,6 @@ impl<'a> Trainer<'a> {
             )));
         }
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
-        let rows_per_step = cfg.batch_size * cfg.accum;
         let join = cfg
             .join
             .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));

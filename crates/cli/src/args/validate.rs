@@ -136,6 +136,17 @@ impl RunArgs {
                 "--val-fraction {f} holds out the rows of one file, but --data names a file per rank: give the held-out rows as --eval-data FILE"
             ));
         }
+        if let (Some(mode), None) = (self.join, self.rank_data()) {
+            let data = match (&self.text, &self.data) {
+                (Some(t), _) => format!("--text {}", t.display()),
+                (None, Some(d)) => format!("--data {}", d.display()),
+                (None, None) => "the built-in data".into(),
+            };
+            return bad(format!(
+                "--join {mode} is for a file per rank of any length (--data 'shard-{{rank}}.safetensors'); {data} is one dataset cut evenly among the ranks, so no rank's data ends early: drop --join"
+            ));
+        }
+        self.validate_schedule_flags()?;
         if self.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
@@ -218,6 +229,26 @@ impl RunArgs {
 
     /// Flags that cannot work with `--backend nccl` (every reducer policy runs there: its
     /// compute and collectives on the NCCL comm stream, behind each bucket's ready event).
+    /// The schedule flags the schedule in use reads: one given to a schedule that ignores it
+    /// is an error naming the schedules that read it (a flag at its default counts as not given).
+    fn validate_schedule_flags(&self) -> Result<()> {
+        use crate::args::ScheduleFlag as S;
+        let decays = matches!(self.lr_schedule, S::Cosine | S::Linear);
+        let given = [
+            ("--min-lr", self.min_lr != 0.0, decays, "cosine or linear"),
+            ("--lr-decay-steps", self.lr_decay_steps.is_some(), decays, "cosine or linear"),
+            ("--lr-gamma", self.lr_gamma != 0.1, self.lr_schedule == S::Step, "step"),
+            ("--lr-step-size", self.lr_step_size != 1, self.lr_schedule == S::Step, "step"),
+        ];
+        match given.into_iter().find(|&(_, given, read, _)| given && !read) {
+            Some((flag, _, _, readers)) => Err(Error::Usage(format!(
+                "{flag} is read by --lr-schedule {readers}, not by {} (the schedule in use): drop {flag} or pick a schedule that reads it",
+                flag_name(&self.lr_schedule)
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn validate_nccl(&self) -> Result<()> {
         if self.backend != CommBackend::Nccl {
             return Ok(());
