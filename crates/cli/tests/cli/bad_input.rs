@@ -294,3 +294,46 @@ fn flags_that_would_do_nothing_are_refused_in_one_line() {
     let e = fails(&["predict", "--profile", s(&profile), "--net-gbps", "10"]);
     assert!(e.contains("bytes per gradient element"), "{e}");
 }
+
+#[test]
+fn sizes_without_a_bound_are_refused_in_one_line() {
+    let d = dir("unbounded");
+    let ckpt = d.join("gpt.ckpt");
+    ok(&cat(&[
+        &["train"],
+        common::GPT,
+        &["--steps", "1", "--checkpoint", s(&ckpt)],
+    ]));
+    let sample = ["sample", "--checkpoint", s(&ckpt), "--prompt", "ab", "--max-new-tokens"];
+    for n in ["1000000000000", "18446744073709551615"] {
+        let e = fails(&cat(&[&sample, &[n]]));
+        assert!(e.contains("--max-new-tokens must be at most 16777216"), "{n}: {e}");
+    }
+    // a checkpoint whose configuration claims a context its tensors do not hold
+    let (tensors, mut meta) = brigade_models::load_safetensors_with_metadata(&ckpt).unwrap();
+    let config = meta["model_config"].clone();
+    let huge = config.replace("\"context\":16", "\"context\":1000000000000");
+    assert_ne!(huge, config, "{config}");
+    meta.insert("model_config".into(), huge);
+    let lying = d.join("lying.ckpt");
+    brigade_models::save_safetensors(&lying, &tensors, Some(meta)).unwrap();
+    let e = fails(&[
+        "sample",
+        "--checkpoint",
+        s(&lying),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(e.contains("does not describe them"), "{e}");
+    let e = fails(&["bench", "comm", "--sizes", "1K", "--iters", "18446744073709551615"]);
+    assert!(e.contains("--iters must be between 1 and"), "{e}");
+    // a text without an end
+    let e = fails(&cat(&[
+        &["train"],
+        common::GPT,
+        &["--steps", "1", "--text", "/dev/zero"],
+    ]));
+    assert!(e.contains("/dev/zero") && e.contains("1 GiB"), "{e}");
+}
