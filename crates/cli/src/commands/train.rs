@@ -23,7 +23,7 @@ pub struct TrainArgs {
     pub run: RunArgs,
     /// Write the final parameters here (safetensors, atomically). Every output path is
     /// checked before step 0 (its directory exists and takes files; no two outputs share a
-    /// file); a symbolic link is kept and its target written.
+    /// file; none is a file the run reads); a symbolic link is kept and its target written.
     #[arg(long)]
     pub save: Option<PathBuf>,
     /// Write `step,loss,lr,grad_norm,val_loss` for every step (global mean loss before the
