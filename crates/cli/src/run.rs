@@ -141,6 +141,21 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
             Ok(Dataset::from_safetensors(&path, kind)?)
         })
         .collect::<Result<Vec<_>>>()?;
+    // in order and without --join each file is read once: a run past its end would read every
+    // rank's rows again from the first without a word (files of different lengths are the
+    // library's refusal, naming the shortest and the longest)
+    let rows: Vec<usize> = shards.iter().map(Dataset::len).collect();
+    let per_step = args.rows_per_rank().max(1);
+    if let (None, false, Some(&first)) = (args.join, args.shuffle, rows.first()) {
+        let holds = first / per_step;
+        if rows.iter().all(|&n| n == first) && args.steps > holds {
+            return Err(Error::Usage(format!(
+                "--data {}: every rank's file holds {first} rows, {holds} steps of {per_step} (--batch-size x --accum), and --steps {} would read them again from the first row: pass --join to end where the data does, --shuffle for epochs, or --steps {holds}",
+                args.rank_data().unwrap_or_default(),
+                args.steps
+            )));
+        }
+    }
     Ok(RankShards::new(shards))
 }
 

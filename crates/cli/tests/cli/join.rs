@@ -228,3 +228,27 @@ fn three_reference_ranks_of_8_5_and_3_batches_train_as_the_replay_under_either_d
     assert_ne!(a, b);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn per_rank_files_read_past_their_end_without_join_are_refused() {
+    let d = dir("join-even-past-end");
+    // two steps of 8 rows on each rank
+    shard(&d, 0, 16);
+    shard(&d, 1, 16);
+    let pattern = d.join("shard-{rank}.safetensors");
+    let base = cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--batch-size", "8", "--optimizer", "sgd"],
+        &["--data", s(&pattern)],
+    ]);
+    let e = fails(&cat(&[&base, &["--steps", "3"]]));
+    assert!(
+        e.contains("2 steps") && e.contains("--steps 3") && e.contains("--join"),
+        "{e}"
+    );
+    ok(&cat(&[&base, &["--steps", "2"]]));
+    // a sampler's epochs are what --shuffle asks for
+    ok(&cat(&[&base, &["--steps", "3", "--shuffle"]]));
+    let _ = std::fs::remove_dir_all(&d);
+}
