@@ -306,7 +306,8 @@ pub struct RunArgs {
     /// Training data (safetensors): mlp `inputs` F32 [N,in] + `targets` I64 [N]; gpt
     /// `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
     /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
-    /// in order, --batch-size a microbatch); files of different lengths need --join.
+    /// in order and once, --batch-size a microbatch; --shuffle for epochs); files of different
+    /// lengths need --join.
     #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
     /// gpt: train on a UTF-8 text file, byte-level (rows of --context + 1 bytes); the last
