@@ -241,6 +241,18 @@ pub enum CheckpointMismatch {
     /// Its policy state does not fit this run's policy (the policy's own words).
     #[error("its policy state does not fit: {0}")]
     PolicyState(String),
+    /// It was written by a run that read another number of rows a step per rank, and this run's
+    /// data position follows from the step (in order, or under a join mode).
+    #[error(
+        "it was written at {written} rows a step per rank (batch size x accum), this run reads {this_run}: \
+         the data would continue at another row; resume with a batch size and accum whose product is {written}"
+    )]
+    RowsPerStep {
+        /// The checkpoint's rows a step per rank.
+        written: usize,
+        /// This run's.
+        this_run: usize,
+    },
     /// It is at a step past the run's last.
     #[error("it is at step {step}, past the run's end (step {steps})")]
     PastTheEnd {

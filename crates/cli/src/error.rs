@@ -145,6 +145,11 @@ fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
                  resumes with the stage and world size it was written with"
             )
         }
+        M::RowsPerStep { written, this_run } => format!(
+            "it was written at {written} rows a step per rank (--batch-size x --accum), this run reads {this_run}: \
+             data read in order or under --join would continue at another row; resume with a --batch-size and \
+             --accum whose product is {written}"
+        ),
         M::PastTheEnd { step, steps } => format!("it is at step {step}, past --steps {steps}"),
         M::Written {
             what: "data order",

@@ -33,7 +33,7 @@ use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::TrainObserver;
 use crate::recipe::HyperparameterChange;
-use crate::resume::{check_resume, ResumeError};
+use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
 
 /// Tag of the evaluation's all-reduce (each rank's validation loss).
 pub const EVAL_TAG: &str = "eval loss";
@@ -92,6 +92,8 @@ pub struct Trainer<'a> {
     schedule: LrSchedule,
     /// The hyperparameters this run changed from the checkpoint it resumed.
     resume_changes: Vec<HyperparameterChange>,
+    /// What to say of the resumed schedule (a defaulted `T` this run goes past).
+    resume_note: Option<String>,
     /// Uneven inputs: each rank's steps, who has joined, the step's agreement (under a join
     /// mode only).
     join: Option<JoinRun>,
@@ -187,8 +189,12 @@ impl<'a> Trainer<'a> {
             .join
             .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
         if let (Some(r), Some(path)) = (&resumed, &cfg.checkpoint.resume) {
+            let position_from_step = join.is_some() || matches!(cfg.data_order, DataOrder::InOrder);
+            check_rows_per_step(cfg, &r.metadata, position_from_step)
+                .map_err(|mismatch| Error::checkpoint(path, mismatch))?;
             join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::checkpoint(path, mismatch))?;
         }
+        let resume_note = resumed.as_ref().and_then(|r| defaulted_t_note(cfg, &r.metadata));
         let cursor = match cfg.data_order {
             DataOrder::InOrder => None,
             // a rank of a join run whose data holds no step never reads
@@ -282,6 +288,7 @@ impl<'a> Trainer<'a> {
             cursor,
             schedule,
             resume_changes,
+            resume_note,
             join,
             autotune: cfg
                 .autotune

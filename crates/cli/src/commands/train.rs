@@ -30,7 +30,9 @@ pub struct TrainArgs {
     /// step's update, the step's learning rate, the global gradient norm before clipping with
     /// --clip-grad-norm, the held-out loss after the step with --eval-every; empty when not
     /// computed). With --resume, the rows before the resume step already
-    /// in this file are kept, so the file ends as the uninterrupted run's.
+    /// in this file are kept, so the file ends as the uninterrupted run's; a file that lacks
+    /// some of them keeps none (a note names the missing steps), and rows past the resume step
+    /// are dropped.
     #[arg(long)]
     pub losses: Option<PathBuf>,
     /// Draw the training loss, the validation loss (on the steps of --eval-every) and the
@@ -60,7 +62,8 @@ pub struct TrainArgs {
     pub checkpoint_every: Option<usize>,
     /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
     /// holds the parameters (so --init is an error), the --seed and the data's fingerprint
-    /// (a different seed or data is an error).
+    /// (a different seed or data is an error), and the rows a step read per rank: data read in
+    /// order or under --join resumes only with a --batch-size x --accum of as many rows.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// End with the summary as one JSON object on stdout.
@@ -238,6 +241,47 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
         .collect()
 }
 
+/// The rows of an existing `--losses` file at `path` that a run resumed at `first_step` keeps:
+/// steps 0 to `first_step - 1`, each once and in order, rows after them dropped (another run's).
+/// A file that lacks some of them (or repeats one) keeps none, so that the file has no gap,
+/// and a note says which steps were missing.
+fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::Path) -> Vec<(usize, String)> {
+    let before: Vec<(usize, String)> = kept.into_iter().filter(|(s, _)| *s < first_step).collect();
+    if before.iter().map(|(s, _)| *s).eq(0..first_step) {
+        return before;
+    }
+    let mut held = vec![false; first_step];
+    for (s, _) in &before {
+        held[*s] = true;
+    }
+    let mut missing = vec![];
+    let mut s = 0;
+    while s < first_step {
+        if held[s] {
+            s += 1;
+            continue;
+        }
+        let start = s;
+        while s < first_step && !held[s] {
+            s += 1;
+        }
+        missing.push(match s - start {
+            1 => format!("step {start}"),
+            _ => format!("steps {start} to {}", s - 1),
+        });
+    }
+    let what = if missing.is_empty() {
+        "repeats or reorders the steps".to_string()
+    } else {
+        format!("holds no row for {}", missing.join(", "))
+    };
+    eprintln!(
+        "note: --losses {} {what} before the resume at step {first_step} (another run's rows): it is written with this run's rows alone, from step {first_step}",
+        path.display()
+    );
+    vec![]
+}
+
 /// The header of the `--losses` file.
 const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
@@ -270,6 +314,10 @@ pub fn train(t: TrainArgs) -> Result<()> {
         locks: Some(locks.clone()),
     };
     let mut report = run(&t.run, &opts)?;
+    let kept = match &t.losses {
+        Some(path) => rows_before(kept, report.outcome.first_step, path),
+        None => kept,
+    };
     let stopped = report.outcome.stopped.take();
     let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
     let mut written = write_outputs(&t, &report, &kept, diverged);

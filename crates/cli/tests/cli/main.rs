@@ -20,6 +20,7 @@ mod policies;
 mod policy_bytes;
 mod policy_resume;
 mod recipes;
+mod resume_drift;
 mod stdout;
 mod text;
 mod train;
