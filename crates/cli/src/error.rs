@@ -47,6 +47,18 @@ pub enum Error {
         /// The step the run was to train until.
         steps: usize,
     },
+    /// SIGINT or SIGTERM stopped a sweep (exit status 130): `--out` holds the `runs` runs of
+    /// the `of` asked for that finished, written before this error (none: nothing written).
+    #[error("{}", match .runs {
+        0 => "interrupted before a run of the sweep finished: nothing was written to --out".to_string(),
+        n => format!("interrupted after {n} of {} runs: --out holds the runs that finished", .of),
+    })]
+    SweepInterrupted {
+        /// Runs that finished (each cap's, every round).
+        runs: usize,
+        /// Runs the sweep was to make.
+        of: usize,
+    },
     /// The library's error (launching, training, checkpoints, models, collectives).
     #[error("{}", in_flag_terms(.0))]
     Run(#[from] brigade::Error),
@@ -57,7 +69,7 @@ impl Error {
     /// SIGINT), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Error::Interrupted { .. } => 130,
+            Error::Interrupted { .. } | Error::SweepInterrupted { .. } => 130,
             _ => 1,
         }
     }

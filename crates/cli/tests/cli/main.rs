@@ -21,6 +21,7 @@ mod policy_bytes;
 mod policy_resume;
 mod recipes;
 mod resume_drift;
+mod signals;
 mod stdout;
 mod text;
 mod train;
