@@ -108,6 +108,18 @@ pub enum Error {
         /// Rows of each rank, by rank.
         rows: Vec<usize>,
     },
+    /// Under a join mode, every rank's data (`rows`, by rank) holds fewer rows than one step
+    /// reads (`rows_per_step`: batch size times accumulation): no step could run (every rank
+    /// finds it before step 0).
+    #[error(
+        "every rank's data is shorter than one step of {rows_per_step} rows (batch size x accumulation; rows by rank: {rows:?}): no step can run"
+    )]
+    NoStep {
+        /// Rows of each rank, by rank.
+        rows: Vec<usize>,
+        /// Rows one step reads on a rank.
+        rows_per_step: usize,
+    },
     /// Under join mode `throw` (uneven inputs): at step `step` rank `rank`'s data had ended
     /// while other ranks still had data, and every rank stopped there together.
     #[error(
@@ -229,6 +241,18 @@ pub enum CheckpointMismatch {
     /// Its policy state does not fit this run's policy (the policy's own words).
     #[error("its policy state does not fit: {0}")]
     PolicyState(String),
+    /// It was written by a run that read another number of rows a step per rank, and this run's
+    /// data position follows from the step (in order, or under a join mode).
+    #[error(
+        "it was written at {written} rows a step per rank (batch size x accum), this run reads {this_run}: \
+         the data would continue at another row; resume with a batch size and accum whose product is {written}"
+    )]
+    RowsPerStep {
+        /// The checkpoint's rows a step per rank.
+        written: usize,
+        /// This run's.
+        this_run: usize,
+    },
     /// It is at a step past the run's last.
     #[error("it is at step {step}, past the run's end (step {steps})")]
     PastTheEnd {
@@ -254,6 +278,7 @@ impl Error {
             self,
             Error::NonFinite { .. }
                 | Error::UnevenInputs { .. }
+                | Error::NoStep { .. }
                 | Error::OutOfData { .. }
                 | Error::ReplicasDiffer { .. }
         )

@@ -12,7 +12,10 @@
 //!   ([`HyperparameterChange`], told to [`TrainObserver::resumed`](crate::observe::TrainObserver::resumed));
 //! - a schedule whose `T` was left to default (`decay_steps: None`) takes the checkpoint's `T`,
 //!   so a resume that extends the run's steps continues the same curve (and holds `min_lr`
-//!   past `T`).
+//!   past `T`, which [`defaulted_t_note`] says);
+//! - the rows a step reads per rank (`batch_size * accum`, [`ROWS_PER_STEP_KEY`]) must be the
+//!   checkpoint's where the data's position follows from the step (in order, or under a join
+//!   mode): another would continue at another row ([`CheckpointMismatch::RowsPerStep`]).
 
 use std::collections::HashMap;
 
@@ -32,6 +35,8 @@ fn recorded_t(record: &str) -> Option<u64> {
 
 /// Checkpoint metadata key of the schedule.
 const SCHEDULE_KEY: &str = "schedule";
+/// Checkpoint metadata key of the rows a step reads per rank (`batch_size * accum`).
+pub const ROWS_PER_STEP_KEY: &str = "rows_per_step";
 /// Prefix of the hyperparameters' metadata keys.
 const HP_PREFIX: &str = "hp.";
 
@@ -66,9 +71,14 @@ pub fn hyperparameters(opt: &OptimizerConfig, clip_grad_norm: Option<f64>) -> Ve
     hp
 }
 
-/// What a checkpoint records of the recipe: the schedule and every hyperparameter.
+/// What a checkpoint records of the recipe: the schedule, the rows a step reads per rank and
+/// every hyperparameter.
 pub fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String, String)> {
-    std::iter::once((SCHEDULE_KEY.to_string(), schedule_record(schedule)))
+    [
+        (SCHEDULE_KEY.to_string(), schedule_record(schedule)),
+        (ROWS_PER_STEP_KEY.to_string(), (cfg.batch_size * cfg.accum).to_string()),
+    ]
+    .into_iter()
         .chain(
             hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
                 .into_iter()
@@ -116,6 +126,46 @@ pub fn check_resume(
         .chain(model_changes(meta.get("model_config"), cfg.model_config.as_deref()))
         .collect();
     Ok((schedule, changes))
+}
+
+/// Refuses a resume that reads another number of rows a step than the checkpoint's run
+/// (`meta`) when the data's position follows from the step (`position_from_step`: data in
+/// order, or under a join mode): it would continue at another row, and a join run's ranks
+/// would join at other steps. A checkpoint that records no number is not checked.
+pub fn check_rows_per_step(
+    cfg: &TrainConfig,
+    meta: &HashMap<String, String>,
+    position_from_step: bool,
+) -> std::result::Result<(), CheckpointMismatch> {
+    let this_run = cfg.batch_size * cfg.accum;
+    match meta.get(ROWS_PER_STEP_KEY).and_then(|w| w.parse::<usize>().ok()) {
+        Some(written) if position_from_step && written != this_run => {
+            Err(CheckpointMismatch::RowsPerStep { written, this_run })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// What to say when a resumed run goes past the `T` its schedule took from the checkpoint
+/// (`T` left to default, `decay_steps: None`): from `T` on the learning rate holds `min_lr`.
+pub fn defaulted_t_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Option<String> {
+    if cfg.schedule.decay_steps.is_some() {
+        return None;
+    }
+    let record = meta.get(SCHEDULE_KEY)?;
+    let t = recorded_t(record)?;
+    let min_lr = record
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("min_lr="))
+        .unwrap_or("0");
+    (cfg.steps as u64 > t).then(|| {
+        format!(
+            "the schedule's T was left to default, so it is the checkpoint's T = {t} (its run's steps): \
+             from step {t} to this run's end at step {} the learning rate holds min_lr {min_lr}; \
+             a run that should decay over {} steps sets T (--lr-decay-steps {}) from its start",
+            cfg.steps, cfg.steps, cfg.steps
+        )
+    })
 }
 
 /// What differs between the model configuration a checkpoint recorded (`written`) and this

@@ -1,5 +1,6 @@
 //! `--bucket-mb` values (a cap in MiB, or `auto`) and the autotuner's flags.
 
+use crate::report::stdout::outln;
 use brigade_ddp::overlap::{AutotuneConfig, AutotuneReport, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB, DEFAULT_MIN_GAIN};
 use clap::Args;
 
@@ -168,7 +169,7 @@ impl RunArgs {
 pub fn print_autotune(t: &AutotuneReport) {
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} ms"));
     let changes = t.decisions.iter().filter(|d| d.changed).count();
-    println!(
+    outln!(
         "bucket cap (auto): {} MiB after {} {} ({changes} {}); step at that cap: predicted {}, measured {} (median since it was set)",
         compact(t.cap_mb),
         t.decisions.len(),

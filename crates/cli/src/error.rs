@@ -47,6 +47,18 @@ pub enum Error {
         /// The step the run was to train until.
         steps: usize,
     },
+    /// SIGINT or SIGTERM stopped a sweep (exit status 130): `--out` holds the `runs` runs of
+    /// the `of` asked for that finished, written before this error (none: nothing written).
+    #[error("{}", match .runs {
+        0 => "interrupted before a run of the sweep finished: nothing was written to --out".to_string(),
+        n => format!("interrupted after {n} of {} runs: --out holds the runs that finished", .of),
+    })]
+    SweepInterrupted {
+        /// Runs that finished (each cap's, every round).
+        runs: usize,
+        /// Runs the sweep was to make.
+        of: usize,
+    },
     /// The library's error (launching, training, checkpoints, models, collectives).
     #[error("{}", in_flag_terms(.0))]
     Run(#[from] brigade::Error),
@@ -57,7 +69,7 @@ impl Error {
     /// SIGINT), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Error::Interrupted { .. } => 130,
+            Error::Interrupted { .. } | Error::SweepInterrupted { .. } => 130,
             _ => 1,
         }
     }
@@ -112,6 +124,10 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
                 rows[short], rows[long]
             )
         }
+        E::NoStep { rows, rows_per_step } => format!(
+            "every rank's file is shorter than one step of {rows_per_step} rows (--batch-size x --accum; rows by rank: {}): no step can run; give longer files or a smaller --batch-size",
+            rows.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        ),
         E::OutOfData { step, rank, rows, steps } => format!(
             "step {step}: rank {rank}'s data ended ({rows} rows: {steps} steps) while other ranks still have data; --join throw stops every rank here (--join divide-initial or divide-active trains on)"
         ),
@@ -141,6 +157,11 @@ fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
                  resumes with the stage and world size it was written with"
             )
         }
+        M::RowsPerStep { written, this_run } => format!(
+            "it was written at {written} rows a step per rank (--batch-size x --accum), this run reads {this_run}: \
+             data read in order or under --join would continue at another row; resume with a --batch-size and \
+             --accum whose product is {written}"
+        ),
         M::PastTheEnd { step, steps } => format!("it is at step {step}, past --steps {steps}"),
         M::Written {
             what: "data order",

@@ -98,6 +98,8 @@ fn main() -> ExitCode {
         Command::Sample(s) => sample::sample(*s),
         Command::Bench(cmd) => bench::run(cmd),
     };
+    // a stdout that failed (other than a reader that went away) fails a command that succeeded
+    let result = result.and_then(|()| report::stdout::failure());
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

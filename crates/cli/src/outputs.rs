@@ -126,25 +126,53 @@ pub fn resolved(flag: &str, path: &Path) -> Option<PathBuf> {
     landing(&Output::new(flag, path)).ok()
 }
 
-/// One file a run reads: its flag, its path, and the flags of the outputs that may replace it
-/// (`--checkpoint` may continue the `--resume` file in place).
-pub type Input<'a> = (&'a str, &'a Path, &'a [&'a str]);
+/// One file a run reads: its flag, its path, which of its files it is (a rank's, for a path
+/// with `{rank}`), and the flags of the outputs that may replace it (`--checkpoint` may
+/// continue the `--resume` file in place).
+#[derive(Clone, Debug)]
+pub struct Input<'a> {
+    /// `--data`, `--text`, ... (for messages).
+    pub flag: &'a str,
+    /// The file it reads.
+    pub path: PathBuf,
+    /// Whose file it is, when the flag names several (`rank 1's`).
+    pub whose: Option<String>,
+    /// Outputs that may write over it.
+    pub may_replace: &'a [&'a str],
+}
 
-/// Checks that no output of `outputs` lands on an input of `inputs`, except those the input
-/// allows. One line names the pair.
+impl<'a> Input<'a> {
+    /// The file `path` read for `flag`, which no output may replace.
+    pub fn new(flag: &'a str, path: &Path) -> Self {
+        Input {
+            flag,
+            path: path.to_path_buf(),
+            whose: None,
+            may_replace: &[],
+        }
+    }
+}
+
+/// Checks that no output of `outputs` lands on an input of `inputs` (both resolved: symbolic
+/// links followed, directories canonical), except those the input allows. One line names the
+/// pair.
 pub fn check_inputs_kept(inputs: &[Input<'_>], outputs: &[Output]) -> Result<()> {
     let landed: Vec<(&Output, PathBuf)> = outputs.iter().filter_map(|o| Some((o, landing(o).ok()?))).collect();
-    for &(flag, path, may_replace) in inputs {
-        let Some(at) = resolved(flag, path) else { continue };
+    for input in inputs {
+        let Some(at) = resolved(input.flag, &input.path) else {
+            continue;
+        };
         let mut clash = landed
             .iter()
-            .filter(|(o, p)| *p == at && !may_replace.contains(&o.flag.as_str()));
+            .filter(|(o, p)| *p == at && !input.may_replace.contains(&o.flag.as_str()));
         if let Some((o, _)) = clash.next() {
+            let whose = input.whose.as_ref().map(|w| format!(" ({w})")).unwrap_or_default();
             return Err(Error::Usage(format!(
-                "{} {} would write over the {flag} file {}: give it its own path",
+                "{} {} would write over the {} file {}{whose}: give it its own path",
                 o.flag,
                 o.path.display(),
-                path.display()
+                input.flag,
+                input.path.display()
             )));
         }
     }

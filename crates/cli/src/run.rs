@@ -66,14 +66,14 @@ pub fn load_text(args: &RunArgs, kind: &ModelKind) -> Result<Option<TextData>> {
     }
 }
 
-/// Loads the dataset the flags name and checks it can feed one global step of `world` ranks.
-pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Dataset> {
-    let text = load_text(args, kind)?;
-    let data = match (&args.data, kind) {
-        _ if text.is_some() => text.expect("just checked").train,
-        (Some(path), _) => Dataset::from_safetensors(path, kind)?,
-        (None, ModelKind::Mlp(c)) => Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?,
-        (None, ModelKind::Gpt(c)) => Dataset::builtin_text(c.context, args.seed)?,
+/// Loads the dataset the flags name and checks it can feed one global step of `world` ranks;
+/// with `--text`, also its validation rows (the held-out data of `--eval-every`).
+pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<(Dataset, Option<Dataset>)> {
+    let (data, text_val) = match (load_text(args, kind)?, &args.data, kind) {
+        (Some(text), _, _) => (text.train, text.val),
+        (None, Some(path), _) => (Dataset::from_safetensors(path, kind)?, None),
+        (None, None, ModelKind::Mlp(c)) => (Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?, None),
+        (None, None, ModelKind::Gpt(c)) => (Dataset::builtin_text(c.context, args.seed)?, None),
     };
     let global = world.saturating_mul(args.rows_per_rank()); // bounded by RunArgs::validate
     if data.len() < global {
@@ -85,10 +85,11 @@ pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Datas
             data.len()
         )));
     }
-    Ok(data)
+    Ok((data, text_val))
 }
 
-/// The held-out data of `--eval-every`, set once the launch has loaded the data (under MPI,
+/// The held-out data of `--eval-every` (`--val-fraction`'s rows, `--eval-data`'s, or
+/// `--text`'s last tenth), set once the launch has loaded the data (under MPI,
 /// in every process).
 #[derive(Default)]
 pub struct LateHeldOut(OnceLock<HeldOut>);
@@ -140,6 +141,21 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
             Ok(Dataset::from_safetensors(&path, kind)?)
         })
         .collect::<Result<Vec<_>>>()?;
+    // in order and without --join each file is read once: a run past its end would read every
+    // rank's rows again from the first without a word (files of different lengths are the
+    // library's refusal, naming the shortest and the longest)
+    let rows: Vec<usize> = shards.iter().map(Dataset::len).collect();
+    let per_step = args.rows_per_rank().max(1);
+    if let (None, false, Some(&first)) = (args.join, args.shuffle, rows.first()) {
+        let holds = first / per_step;
+        if rows.iter().all(|&n| n == first) && args.steps > holds {
+            return Err(Error::Usage(format!(
+                "--data {}: every rank's file holds {first} rows, {holds} steps of {per_step} (--batch-size x --accum), and --steps {} would read them again from the first row: pass --join to end where the data does, --shuffle for epochs, or --steps {holds}",
+                args.rank_data().unwrap_or_default(),
+                args.steps
+            )));
+        }
+    }
     Ok(RankShards::new(shards))
 }
 
@@ -186,7 +202,10 @@ fn setup(
         }
         return Ok(Box::new(shards));
     }
-    let (data, held) = split_held_out(args, kind, load_data(args, kind, world)?)?;
+    let (data, held) = match load_data(args, kind, world)? {
+        (data, Some(text_val)) => (data, Some(text_val)),
+        (data, None) => split_held_out(args, kind, data)?,
+    };
     let global = world.saturating_mul(args.rows_per_rank());
     if data.len() < global {
         return Err(Error::Usage(format!(

@@ -8,7 +8,9 @@
 //! - **A repeat within [`GRACE`]** of the first signal is the same request: GNU `timeout` sends
 //!   SIGTERM to the child and then to its process group, 1 ms apart, and a shell's Ctrl-C
 //!   reaches every process of the group.
-//! - **A later signal** ends the process at once, as the default action would (the user insists).
+//! - **A later signal** while the run trains (or writes its outputs) is the same request too:
+//!   the run still ends at the step boundary, writes its outputs and removes its lock files;
+//!   the handler says so in one line on stderr (SIGKILL ends the process at once).
 //!
 //! SIGXFSZ is ignored ([`ignore_file_size_signal`]): a write past `ulimit -f` then fails with
 //! EFBIG and is reported like a full disk, instead of killing the process silently.
@@ -29,8 +31,8 @@ pub const GRACE: Duration = Duration::from_secs(1);
 static STOP: AtomicBool = AtomicBool::new(false);
 /// When the first signal arrived (monotonic clock, nanoseconds, +1 so that 0 means never).
 static FIRST_NS: AtomicU64 = AtomicU64::new(0);
-/// Set once a rank of this process asked whether to stop: from then on a signal stops the run
-/// at a step boundary; before, it ends the process at once.
+/// Set once a rank of this process asked whether to stop: from then on every signal stops the
+/// run at a step boundary; before, the first ends the process at once.
 static TRAINING: AtomicBool = AtomicBool::new(false);
 
 /// Files to remove when a signal ends the process during setup (NUL-terminated paths, leaked:
@@ -160,8 +162,16 @@ mod unix {
             Err(first) if now.saturating_sub(first) < GRACE.as_nanos() as u64 => {
                 // the same request again (e.g. `timeout`: to the child, then to its group)
             }
+            Err(_) if TRAINING.load(Ordering::SeqCst) => {
+                // a later signal: the stop is under way; ending now would lose the finished
+                // steps' outputs and leave the lock files
+                const MSG: &[u8] = b"note: stopping after the step in progress, then writing the outputs (SIGKILL ends at once, writing nothing)\n";
+                // SAFETY: write is async-signal-safe.
+                unsafe { write(2, MSG.as_ptr(), MSG.len()) };
+            }
             Err(_) => {
-                // a later signal: the user insists; die of it as the default action would
+                // a later signal while the start-up exit is under way (it removes the files):
+                // the default action, as before the handler
                 // SAFETY: signal and raise are async-signal-safe.
                 unsafe {
                     signal(signum, SIG_DFL);

@@ -204,7 +204,8 @@ fn run(
     let mut restarted = true;
     let mut rng = Rng::new(opts.seed);
     let mut out = Generated {
-        tokens: Vec::with_capacity(opts.max_new_tokens),
+        // grown as tokens come: a huge `max_new_tokens` is a bound, not an allocation
+        tokens: Vec::with_capacity(opts.max_new_tokens.min(context.max(1))),
         positions: 0,
         stopped: false,
     };

@@ -27,10 +27,28 @@ pub struct TextData {
     pub val: Option<Dataset>,
 }
 
-/// The bytes of `path`, which must be non-empty UTF-8 text of at least `min_bytes` bytes.
+/// The largest text file read (1 GiB): the whole file is held in memory, and a stream without
+/// an end (`/dev/zero`) must stop somewhere.
+pub const MAX_TEXT_BYTES: u64 = 1 << 30;
+
+/// The bytes of `path`, which must be non-empty UTF-8 text of at least `min_bytes` bytes and
+/// at most [`MAX_TEXT_BYTES`].
 fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
+    use std::io::Read;
     let source = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
+    let cannot = |e: std::io::Error| ModelError::io(path, format!("cannot read: {e}"));
+    let mut bytes = vec![];
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_TEXT_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(cannot)?;
+    if bytes.len() as u64 > MAX_TEXT_BYTES {
+        return Err(data_err(
+            &source,
+            format!(
+                "more than {MAX_TEXT_BYTES} bytes (1 GiB), the most a text file may hold (it is read whole into memory); give a smaller file"
+            ),
+        ));
+    }
     if bytes.is_empty() {
         return Err(data_err(
             &source,

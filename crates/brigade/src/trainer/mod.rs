@@ -33,7 +33,7 @@ use crate::launch::nccl;
 use crate::launch::RankContext;
 use crate::observe::TrainObserver;
 use crate::recipe::HyperparameterChange;
-use crate::resume::{check_resume, ResumeError};
+use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
 
 /// Tag of the evaluation's all-reduce (each rank's validation loss).
 pub const EVAL_TAG: &str = "eval loss";
@@ -92,6 +92,8 @@ pub struct Trainer<'a> {
     schedule: LrSchedule,
     /// The hyperparameters this run changed from the checkpoint it resumed.
     resume_changes: Vec<HyperparameterChange>,
+    /// What to say of the resumed schedule (a defaulted `T` this run goes past).
+    resume_note: Option<String>,
     /// Uneven inputs: each rank's steps, who has joined, the step's agreement (under a join
     /// mode only).
     join: Option<JoinRun>,
@@ -124,6 +126,17 @@ impl<'a> Trainer<'a> {
                     "rank {} reads {} rows per epoch, fewer than one microbatch of {}",
                     ctx.rank, rows[ctx.rank], cfg.batch_size
                 )));
+            }
+        }
+        // under a join mode a rank with fewer rows than a step joins at step 0; when every
+        // rank has, no step could run
+        let rows_per_step = cfg.batch_size * cfg.accum;
+        if let (DataLength::PerEpoch(rows), Some(_)) = (&lengths, cfg.join) {
+            if rows.iter().all(|&n| n < rows_per_step) {
+                return Err(Error::NoStep {
+                    rows: rows.clone(),
+                    rows_per_step,
+                });
             }
         }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
@@ -172,13 +185,16 @@ impl<'a> Trainer<'a> {
             )));
         }
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
-        let rows_per_step = cfg.batch_size * cfg.accum;
         let join = cfg
             .join
             .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
         if let (Some(r), Some(path)) = (&resumed, &cfg.checkpoint.resume) {
+            let position_from_step = join.is_some() || matches!(cfg.data_order, DataOrder::InOrder);
+            check_rows_per_step(cfg, &r.metadata, position_from_step)
+                .map_err(|mismatch| Error::checkpoint(path, mismatch))?;
             join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::checkpoint(path, mismatch))?;
         }
+        let resume_note = resumed.as_ref().and_then(|r| defaulted_t_note(cfg, &r.metadata));
         let cursor = match cfg.data_order {
             DataOrder::InOrder => None,
             // a rank of a join run whose data holds no step never reads
@@ -272,6 +288,7 @@ impl<'a> Trainer<'a> {
             cursor,
             schedule,
             resume_changes,
+            resume_note,
             join,
             autotune: cfg
                 .autotune

@@ -24,6 +24,9 @@ impl Trainer<'_> {
             if !self.resume_changes.is_empty() {
                 o.resumed(&self.resume_changes);
             }
+            if let Some(note) = &self.resume_note {
+                o.note(note);
+            }
             o.run_started(&RunStart {
                 world_size: self.ctx.world_size,
                 first_step: self.first_step,

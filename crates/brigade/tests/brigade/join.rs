@@ -528,3 +528,46 @@ fn ranks_training_apart_join_too() {
     assert_eq!(report.outcome.losses.len(), 5);
     assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
 }
+
+/// How far the run's final parameters (rank 0's) are from `expected`, relative to how far
+/// `expected` moved from the initial parameters: `|run - expected| / |expected - initial|`
+/// (L2 over every parameter).
+fn relative_diff(report: &RunReport, expected: &[(String, Vec<f64>)]) -> f64 {
+    let initial = model().unwrap().params().named_values();
+    let (mut off, mut moved) = (0.0f64, 0.0f64);
+    for (((name, t), (en, e)), (_, i)) in report.outcome.params.iter().zip(expected).zip(&initial) {
+        assert_eq!(name, en);
+        let (t, i) = (t.to_f64_vec().unwrap(), i.to_f64_vec().unwrap());
+        for ((a, b), i) in t.iter().zip(e).zip(&i) {
+            off += (a - b).powi(2);
+            moved += (b - i).powi(2);
+        }
+    }
+    (off / moved).sqrt()
+}
+
+#[test]
+fn three_ranks_where_a_second_rank_joins_match_the_replay_under_either_divisor() {
+    // steps per rank: 8, 5, 3 (rank 2 joins at step 3, rank 1 at step 5): steps 3 and 4 are
+    // two ranks of three, steps 5-7 one. Plain SGD, so each step moves the parameters by
+    // lr times the replay's gradient alone: (g0 + g1) / 3 at steps 3-4 under divide-initial,
+    // (g0 + g1) / 2 under divide-active
+    let rows = [8 * BATCH, 5 * BATCH, 3 * BATCH];
+    let plain = OptimizerConfig::Sgd {
+        lr: 0.1,
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    for mode in [JoinMode::DivideInitial, JoinMode::DivideActive] {
+        let cfg = config(8, Some(mode), PolicySpec::AllReduce, plain.clone());
+        let report = check_against_replay(&rows, cfg.clone(), 1e-6);
+        assert_eq!(report.outcome.joined_at, vec![None, Some(5), Some(3)]);
+        // f32 rounding of a sum over three ranks, not a different rule: within 1e-5 of how far
+        // the parameters moved
+        let d = relative_diff(&report, &replay(&rows, &cfg).0);
+        assert!(
+            d < 1e-5,
+            "{mode}: the run is {d} of the parameters' movement off the replay"
+        );
+    }
+}

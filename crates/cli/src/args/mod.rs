@@ -306,11 +306,12 @@ pub struct RunArgs {
     /// Training data (safetensors): mlp `inputs` F32 [N,in] + `targets` I64 [N]; gpt
     /// `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
     /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
-    /// in order, --batch-size a microbatch); files of different lengths need --join.
+    /// in order and once, --batch-size a microbatch; --shuffle for epochs); files of different
+    /// lengths need --join.
     #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
     /// gpt: train on a UTF-8 text file, byte-level (rows of --context + 1 bytes); the last
-    /// tenth of the file is kept apart as the validation split.
+    /// tenth of the file is kept apart as the validation split, which --eval-every evaluates.
     #[arg(long)]
     pub text: Option<PathBuf>,
     /// Read the rows through a distributed sampler: a new permutation each epoch, drawn from
@@ -420,8 +421,8 @@ pub struct RunArgs {
     /// microbatches; torch.nn.utils.clip_grad_norm_) to this (finite, > 0).
     #[arg(long, allow_negative_numbers = true)]
     pub clip_grad_norm: Option<f64>,
-    /// Evaluate every N steps (and after the last) on held-out data (--val-fraction or
-    /// --eval-data): eval mode, no gradients, averaged over the ranks; the `val_loss` column.
+    /// Evaluate every N steps (and after the last) on held-out data (--val-fraction,
+    /// --eval-data, or the last tenth of --text): eval mode, no gradients, averaged over the ranks; the `val_loss` column.
     #[arg(long)]
     pub eval_every: Option<usize>,
     /// Hold out this fraction of the training data's rows (its last rows; in (0, 1)) for

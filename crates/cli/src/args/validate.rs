@@ -65,10 +65,22 @@ impl RunArgs {
                 return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
             }
         }
+        if let (Some(text), Some(flag)) = (
+            &self.text,
+            (self.val_fraction.map(|_| "--val-fraction")).or(self.eval_data.as_ref().map(|_| "--eval-data")),
+        ) {
+            return bad(format!(
+                "--text {} keeps its last tenth apart as the held-out data of --eval-every: drop {flag}",
+                text.display()
+            ));
+        }
         match (self.eval_every, self.val_fraction, &self.eval_data) {
             (Some(0), _, _) => return bad("--eval-every must be at least 1 (steps between evaluations)".into()),
-            (Some(_), None, None) => {
-                return bad("--eval-every needs held-out data: --val-fraction F or --eval-data FILE".into())
+            (Some(_), None, None) if self.text.is_none() => {
+                return bad(
+                    "--eval-every needs held-out data: --val-fraction F, --eval-data FILE, or --text FILE's last tenth"
+                        .into(),
+                )
             }
             (_, Some(_), Some(_)) => {
                 return bad("--val-fraction and --eval-data both name held-out data: give one".into())
@@ -124,6 +136,17 @@ impl RunArgs {
                 "--val-fraction {f} holds out the rows of one file, but --data names a file per rank: give the held-out rows as --eval-data FILE"
             ));
         }
+        if let (Some(mode), None) = (self.join, self.rank_data()) {
+            let data = match (&self.text, &self.data) {
+                (Some(t), _) => format!("--text {}", t.display()),
+                (None, Some(d)) => format!("--data {}", d.display()),
+                (None, None) => "the built-in data".into(),
+            };
+            return bad(format!(
+                "--join {mode} is for a file per rank of any length (--data 'shard-{{rank}}.safetensors'); {data} is one dataset cut evenly among the ranks, so no rank's data ends early: drop --join"
+            ));
+        }
+        self.validate_schedule_flags()?;
         if self.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
@@ -206,6 +229,26 @@ impl RunArgs {
 
     /// Flags that cannot work with `--backend nccl` (every reducer policy runs there: its
     /// compute and collectives on the NCCL comm stream, behind each bucket's ready event).
+    /// The schedule flags the schedule in use reads: one given to a schedule that ignores it
+    /// is an error naming the schedules that read it (a flag at its default counts as not given).
+    fn validate_schedule_flags(&self) -> Result<()> {
+        use crate::args::ScheduleFlag as S;
+        let decays = matches!(self.lr_schedule, S::Cosine | S::Linear);
+        let given = [
+            ("--min-lr", self.min_lr != 0.0, decays, "cosine or linear"),
+            ("--lr-decay-steps", self.lr_decay_steps.is_some(), decays, "cosine or linear"),
+            ("--lr-gamma", self.lr_gamma != 0.1, self.lr_schedule == S::Step, "step"),
+            ("--lr-step-size", self.lr_step_size != 1, self.lr_schedule == S::Step, "step"),
+        ];
+        match given.into_iter().find(|&(_, given, read, _)| given && !read) {
+            Some((flag, _, _, readers)) => Err(Error::Usage(format!(
+                "{flag} is read by --lr-schedule {readers}, not by {} (the schedule in use): drop {flag} or pick a schedule that reads it",
+                flag_name(&self.lr_schedule)
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn validate_nccl(&self) -> Result<()> {
         if self.backend != CommBackend::Nccl {
             return Ok(());

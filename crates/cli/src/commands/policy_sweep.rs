@@ -9,6 +9,7 @@
 //! `brigade train` reports them (`sent.rs`): payload handed to DDP's collectives, and ring
 //! wire bytes.
 
+use crate::report::stdout::outln;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -170,17 +171,24 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
     write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
     draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run)?;
     if s.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the policy rows", e))?
         );
     } else {
-        println!(
+        outln!(
             "{:>12} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
-            "policy", "step_ms", "compute_ms", "exposed_ms", "sent/step", "last step", "final_loss", "last10_loss"
+            "policy",
+            "step_ms",
+            "compute_ms",
+            "exposed_ms",
+            "sent/step",
+            "last step",
+            "final_loss",
+            "last10_loss"
         );
         for r in &rows {
-            println!(
+            outln!(
                 "{:>12} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
                 r.policy,
                 r.step_ms,
@@ -193,9 +201,9 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
             );
         }
         for r in rows.iter().filter(|r| !r.note.is_empty()) {
-            println!("note: {}: {}", r.policy, r.note);
+            outln!("note: {}: {}", r.policy, r.note);
         }
-        println!("wrote {}", s.out.join(OUTPUTS[0]).display());
+        outln!("wrote {}", s.out.join(OUTPUTS[0]).display());
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! caps, links and world sizes, without running anything (the overlap model,
 //! `brigade_ddp::overlap`).
 
+use crate::report::stdout::outln;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -190,13 +191,13 @@ pub fn predict(a: PredictArgs) -> Result<()> {
         rows.push(steps.swap_remove(steps.len() / 2));
     }
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the predictions", e))?
         );
     } else {
         if profiles.len() > 1 {
-            println!(
+            outln!(
                 "{} steps recorded: each row is the step with the median predicted step time",
                 profiles.len()
             );
@@ -209,7 +210,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
 fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
     const MIB: f64 = 1048576.0;
     let ms = |s: f64| s * 1e3;
-    println!(
+    outln!(
         "profile: {} ranks, recorded at bucket cap {} MiB; predictions for {} ranks",
         profile.world_size,
         profile.bucket_cap_mb,
@@ -221,15 +222,21 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
         .filter(|_| profile.world_size > 1)
     {
         let cost = |c: LaunchCost| format!("{:.3} ms + {:.3} ms/MiB", ms(c.fixed_s), ms(c.per_byte_s) * MIB);
-        println!(
+        outln!(
             "launch overhead fitted from the recorded buckets: {} during backward, {} after",
             cost(o.during_backward),
             cost(o.after_backward)
         );
     }
-    println!(
+    outln!(
         "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11} {:>13}  exposed buckets",
-        "bucket_MiB", "buckets", "step_ms", "compute_ms", "comm_ms", "exposed_ms", "lower_bound_ms"
+        "bucket_MiB",
+        "buckets",
+        "step_ms",
+        "compute_ms",
+        "comm_ms",
+        "exposed_ms",
+        "lower_bound_ms"
     );
     for r in rows {
         let exposed: Vec<String> = r
@@ -239,7 +246,7 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             .filter(|(_, b)| b.exposed_s > 0.0)
             .map(|(i, b)| format!("{i} ({:.2} ms)", ms(b.exposed_s)))
             .collect();
-        println!(
+        outln!(
             "{:>10} {:>7} {:>10.2} {:>12.2} {:>9.2} {:>11.2} {:>13.2}  {}",
             r.bucket_cap_mb,
             r.buckets.len(),

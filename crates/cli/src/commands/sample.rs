@@ -14,6 +14,9 @@ use serde_json::json;
 
 use crate::error::{Error, Result};
 
+/// The most tokens one `brigade sample` generates.
+const MAX_NEW_TOKENS: usize = 1 << 24;
+
 /// `brigade sample`'s flags.
 #[derive(Args, Clone, Debug)]
 pub struct SampleArgs {
@@ -23,7 +26,8 @@ pub struct SampleArgs {
     /// The text the generation continues (its UTF-8 bytes are the GPT's first tokens).
     #[arg(long)]
     pub prompt: String,
-    /// Tokens (bytes) to generate after the prompt.
+    /// Tokens (bytes) to generate after the prompt, at most 16777216 (2^24: the text is
+    /// kept as it streams).
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
     /// 0: the most likely byte each time (greedy, deterministic); above 0 divides the logits
@@ -90,7 +94,20 @@ pub fn load_gpt(path: &std::path::Path) -> Result<Gpt> {
             "--checkpoint {shown} records no model configuration (written by an older brigade): train again with --checkpoint to sample from it"
         )));
     };
-    let mut gpt = Gpt::new(gpt_config(&shown, config)?, 0)?;
+    let cfg = gpt_config(&shown, config)?;
+    // the configuration must describe the tensors before a model of its size is built: a
+    // context or width it claims beyond them would allocate what the file never held
+    let held: u64 = ckpt.params.iter().map(|(_, t)| t.numel() as u64).sum();
+    match crate::footprint::parameters(&ModelKind::Gpt(cfg.clone())) {
+        Some(needed) if needed <= held => {}
+        needed => {
+            let needed = needed.map_or("more than 2^64".into(), |n| n.to_string());
+            return Err(Error::Usage(format!(
+                "--checkpoint {shown}: its model configuration ({config}) needs at least {needed} parameters, its tensors hold {held}: the configuration does not describe them"
+            )));
+        }
+    }
+    let mut gpt = Gpt::new(cfg, 0)?;
     load_params_from_tensors(brigade_models::Model::params(&gpt), &ckpt.params).map_err(|e| e.at_path(path))?;
     brigade_models::Model::eval(&mut gpt);
     Ok(gpt)
@@ -108,6 +125,12 @@ pub fn sample(a: SampleArgs) -> Result<()> {
         return Err(Error::Usage(
             "--top-k must be at least 1 (or left out: all bytes)".into(),
         ));
+    }
+    if a.max_new_tokens > MAX_NEW_TOKENS {
+        return Err(Error::Usage(format!(
+            "--max-new-tokens must be at most {MAX_NEW_TOKENS} (the text generated is kept in memory as it streams), got {}",
+            a.max_new_tokens
+        )));
     }
     if a.prompt.is_empty() {
         return Err(Error::Usage(
@@ -132,15 +155,16 @@ pub fn sample(a: SampleArgs) -> Result<()> {
             }
         }
     })?;
-    if let Some(e) = write_error {
-        return Err(Error::Io {
+    // a reader that went away (`| head -c 100`) wanted no more: no error
+    let written = match write_error {
+        Some(e) => Err(e),
+        None => writeln!(out),
+    };
+    match written {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::Io {
             path: "stdout".into(),
             source: e,
-        });
+        }),
+        _ => Ok(()),
     }
-    writeln!(out).map_err(|e| Error::Io {
-        path: "stdout".into(),
-        source: e,
-    })?;
-    Ok(())
 }

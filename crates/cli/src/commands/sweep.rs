@@ -9,6 +9,10 @@
 //! and each row holds medians and spreads, the overlap model's prediction for the cap and the
 //! cap's lower bound (`crate::report::sweep_stats`).
 
+use std::sync::Arc;
+
+use crate::report::stdout::{out, outln};
+use brigade::observe::TrainObserver;
 use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
 use plotters::prelude::*;
 
@@ -19,6 +23,7 @@ use crate::outputs::write_atomic;
 use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
 use crate::report::timeline_svg::write_timeline;
 use crate::run::{run, RunOptions};
+use crate::signal::StopOnSignal;
 
 /// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
 /// the last rank started it on its comm stream (before that, the early ranks only wait
@@ -108,6 +113,8 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     if !s.policy.is_empty() {
         return crate::commands::policy_sweep::sweep_policies(&s);
     }
+    // a signal from here on stops the sweep (at once while its first run starts)
+    let stop_on_signal = StopOnSignal::install();
     let caps = s.run.fixed_caps()?;
     s.run.validate()?;
     if s.run.steps < 2 {
@@ -127,10 +134,17 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         )));
     }
     prepare_out(&s.out, &s.run)?;
-    let quiet = RunOptions::default();
+    // a signal stops the run in progress at a step boundary; that run is dropped, and --out
+    // gets the runs that finished (during the first run's start-up: an exit at once)
+    let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(stop_on_signal);
+    let quiet = RunOptions {
+        observer: Some(stop_on_signal),
+        ..RunOptions::default()
+    };
+    let mut interrupted = false;
     // the last round's timelines, written once every run has succeeded
     let mut timelines = vec![];
-    let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Sample> {
+    let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Option<Sample>> {
         let mut a = s.run.clone();
         a.bucket_mb = vec![BucketCap::Mib(b)];
         a.first_bucket_mb = a.first_bucket_cap(b);
@@ -143,6 +157,10 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?)?;
+        if compute_only.outcome.interrupted {
+            interrupted = true;
+            return Ok(None);
+        }
         let compute_ms = median_step(&a, &compute_only.outcome.step_ms);
         let mut report = finished(run(
             &a,
@@ -152,6 +170,10 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
                 ..quiet.clone()
             },
         )?)?;
+        if report.outcome.interrupted {
+            interrupted = true;
+            return Ok(None);
+        }
         let tl = report.timeline.take().expect("recording was on and steps ran");
         let buckets = bucket_times(&tl.events);
         let sample = Sample {
@@ -172,8 +194,15 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             );
             timelines.push((format!("timeline_{b}MiB.json"), tl, title));
         }
-        Ok(sample)
+        Ok(Some(sample))
     })?;
+    let runs: usize = samples.iter().map(Vec::len).sum();
+    if interrupted && runs == 0 {
+        return Err(Error::SweepInterrupted {
+            runs,
+            of: caps.len() * s.repeat,
+        });
+    }
     let link = match s.run.net_gbps {
         Some(g) => LinkCost::Ring(brigade::launch::net_model(g, s.run.net_latency_us)),
         None => LinkCost::Measured,
@@ -182,9 +211,11 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     // the backend's launch overhead is the machine's, not a cap's: fitted once from every
     // profile (small caps measure it during backward, large ones after)
     let overhead = LaunchOverhead::fit(&profiles);
+    // an interrupted sweep's caps that never finished a run have no row
     let rows: Vec<SweepRow> = caps
         .iter()
         .zip(&samples)
+        .filter(|(_, runs)| !runs.is_empty())
         .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, overhead, link))
         .collect();
     let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
@@ -198,13 +229,19 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     draw_chart(&s.out.join("sweep.svg"), &rows, &s.run)?;
     remove_stale(&s.out, &written)?;
     if s.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the sweep's rows", e))?
         );
     } else {
         print_table(&rows);
-        println!("wrote {}", s.out.join("sweep.csv").display());
+        outln!("wrote {}", s.out.join("sweep.csv").display());
+    }
+    if interrupted {
+        return Err(Error::SweepInterrupted {
+            runs,
+            of: caps.len() * s.repeat,
+        });
     }
     Ok(())
 }
@@ -213,7 +250,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
 /// prediction and the cap's lower bound, then the best cap measured and predicted.
 fn print_table(rows: &[SweepRow]) {
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
-    println!(
+    outln!(
         "{:>10} {:>4} {:>7} {:>16} {:>10} {:>8} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  verdict",
         "bucket_MiB",
         "runs",
@@ -230,7 +267,7 @@ fn print_table(rows: &[SweepRow]) {
         "hidden"
     );
     for r in rows {
-        println!(
+        outln!(
             "{:>10} {:>4} {:>7} {:>16} {:>10.2} {:>8.2} {:>16} {:>9} {:>9} {:>9} {:>9} {:>9} {:>5.0}%  {}",
             r.bucket_mb,
             r.runs,
@@ -254,11 +291,11 @@ fn print_table(rows: &[SweepRow]) {
             .min_by(|a, b| a.1.total_cmp(&b.1))
     };
     if let Some((cap, ms)) = best(|r| Some(r.step_ms)) {
-        print!("fastest measured: {cap} MiB ({ms:.2} ms median)");
+        out!("fastest measured: {cap} MiB ({ms:.2} ms median)");
         if let Some((pcap, pms)) = best(|r| r.predicted_step_ms) {
-            print!("; fastest predicted: {pcap} MiB ({pms:.2} ms)");
+            out!("; fastest predicted: {pcap} MiB ({pms:.2} ms)");
         }
-        println!();
+        outln!();
     }
 }
 

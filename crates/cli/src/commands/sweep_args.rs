@@ -19,7 +19,8 @@ pub struct SweepArgs {
     /// Directory for sweep.csv, sweep.svg and one timeline per bucket size
     /// (timeline_{B}MiB.json and .svg). Created if missing; what an earlier sweep wrote
     /// there (those names) is removed first, so the directory holds this sweep alone;
-    /// other files are left alone.
+    /// other files are left alone. SIGINT or SIGTERM stops the sweep after a step: the run
+    /// in progress is dropped, the runs that finished are written here, and it exits 130.
     #[arg(long)]
     pub out: PathBuf,
     /// Print the table as JSON.

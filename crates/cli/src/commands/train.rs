@@ -8,10 +8,10 @@ use clap::Args;
 
 use crate::args::RunArgs;
 use crate::error::{checkpoint_failure, Error, Result};
-use crate::outputs::{check_outputs, write_all, write_atomic, Output, OutputLocks, Write};
+use crate::outputs::{check_outputs, write_all, write_atomic, Input, Output, OutputLocks, Write};
 use crate::report::loss_chart::{write_loss_chart, LossPoint};
 use crate::report::progress::ProgressBar;
-use crate::report::summary::PrintSummary;
+use crate::report::summary::{print_summary, PrintNotes};
 use crate::report::timeline_svg::write_timeline;
 use crate::run::{run, RunOptions, RunReport};
 use crate::signal::StopOnSignal;
@@ -23,14 +23,16 @@ pub struct TrainArgs {
     pub run: RunArgs,
     /// Write the final parameters here (safetensors, atomically). Every output path is
     /// checked before step 0 (its directory exists and takes files; no two outputs share a
-    /// file); a symbolic link is kept and its target written.
+    /// file; none is a file the run reads); a symbolic link is kept and its target written.
     #[arg(long)]
     pub save: Option<PathBuf>,
     /// Write `step,loss,lr,grad_norm,val_loss` for every step (global mean loss before the
     /// step's update, the step's learning rate, the global gradient norm before clipping with
     /// --clip-grad-norm, the held-out loss after the step with --eval-every; empty when not
     /// computed). With --resume, the rows before the resume step already
-    /// in this file are kept, so the file ends as the uninterrupted run's.
+    /// in this file are kept, so the file ends as the uninterrupted run's; a file that lacks
+    /// some of them keeps none (a note names the missing steps), and rows past the resume step
+    /// are dropped.
     #[arg(long)]
     pub losses: Option<PathBuf>,
     /// Draw the training loss, the validation loss (on the steps of --eval-every) and the
@@ -60,7 +62,8 @@ pub struct TrainArgs {
     pub checkpoint_every: Option<usize>,
     /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
     /// holds the parameters (so --init is an error), the --seed and the data's fingerprint
-    /// (a different seed or data is an error).
+    /// (a different seed or data is an error), and the rows a step read per rank: data read in
+    /// order or under --join resumes only with a --batch-size x --accum of as many rows.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// End with the summary as one JSON object on stdout.
@@ -129,17 +132,39 @@ impl TrainArgs {
         }
         let outputs = self.outputs();
         check_outputs(&outputs)?;
-        let inputs: [(&str, &Option<PathBuf>, &[&str]); 3] = [
-            ("--resume", &self.resume, &["--checkpoint"]),
-            ("--init", &self.run.init, &["--save"]),
-            ("--data", &self.run.data, &[]),
-        ];
-        let inputs: Vec<_> = inputs
-            .iter()
-            .filter_map(|&(flag, p, may)| Some((flag, p.as_deref()?, may)))
-            .collect();
-        crate::outputs::check_inputs_kept(&inputs, &outputs)?;
+        crate::outputs::check_inputs_kept(&self.inputs(), &outputs)?;
         Ok(())
+    }
+
+    /// Every file this run reads, with the flag that names it: a `--data` path with `{rank}`
+    /// is every rank's file (the ranks of --world-size, or of the `mpirun` job this process
+    /// belongs to).
+    pub fn inputs(&self) -> Vec<Input<'static>> {
+        let mut inputs = vec![];
+        let mut add = |flag: &'static str, path: &Option<PathBuf>, may_replace: &'static [&'static str]| {
+            if let Some(p) = path {
+                inputs.push(Input {
+                    may_replace,
+                    ..Input::new(flag, p)
+                });
+            }
+        };
+        add("--resume", &self.resume, &["--checkpoint"]);
+        add("--init", &self.run.init, &["--save"]);
+        add("--text", &self.run.text, &[]);
+        add("--eval-data", &self.run.eval_data, &[]);
+        if self.run.rank_data().is_none() {
+            add("--data", &self.run.data, &[]);
+        }
+        for rank in 0..launched_world_size(&self.run) {
+            if let Some(p) = self.run.rank_data_path(rank) {
+                inputs.push(Input {
+                    whose: Some(format!("rank {rank}'s")),
+                    ..Input::new("--data", &p)
+                });
+            }
+        }
+        inputs
     }
 
     /// Every file this run writes, with the flag that asked for it.
@@ -163,6 +188,18 @@ impl TrainArgs {
             out.push(Output::new("--checkpoint", p));
         }
         out
+    }
+}
+
+/// The ranks this run will have: `mpirun`'s size under MPI (from its environment), else
+/// --world-size.
+fn launched_world_size(run: &RunArgs) -> usize {
+    let from_mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
+    match (run.backend, from_mpirun) {
+        (brigade::launch::CommBackend::Mpi, Some(n)) => n,
+        _ => run.world_size,
     }
 }
 
@@ -204,6 +241,47 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
         .collect()
 }
 
+/// The rows of an existing `--losses` file at `path` that a run resumed at `first_step` keeps:
+/// steps 0 to `first_step - 1`, each once and in order, rows after them dropped (another run's).
+/// A file that lacks some of them (or repeats one) keeps none, so that the file has no gap,
+/// and a note says which steps were missing.
+fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::Path) -> Vec<(usize, String)> {
+    let before: Vec<(usize, String)> = kept.into_iter().filter(|(s, _)| *s < first_step).collect();
+    if before.iter().map(|(s, _)| *s).eq(0..first_step) {
+        return before;
+    }
+    let mut held = vec![false; first_step];
+    for (s, _) in &before {
+        held[*s] = true;
+    }
+    let mut missing = vec![];
+    let mut s = 0;
+    while s < first_step {
+        if held[s] {
+            s += 1;
+            continue;
+        }
+        let start = s;
+        while s < first_step && !held[s] {
+            s += 1;
+        }
+        missing.push(match s - start {
+            1 => format!("step {start}"),
+            _ => format!("steps {start} to {}", s - 1),
+        });
+    }
+    let what = if missing.is_empty() {
+        "repeats or reorders the steps".to_string()
+    } else {
+        format!("holds no row for {}", missing.join(", "))
+    };
+    eprintln!(
+        "note: --losses {} {what} before the resume at step {first_step} (another run's rows): it is written with this run's rows alone, from step {first_step}",
+        path.display()
+    );
+    vec![]
+}
+
 /// The header of the `--losses` file.
 const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
@@ -217,8 +295,8 @@ pub fn train(t: TrainArgs) -> Result<()> {
         (Some(_), Some(path)) => previous_losses(path)?,
         _ => vec![],
     };
-    // who watches: the signals (a stop request), the summary, and unless told otherwise the bar
-    let watch = (stop_on_signal, PrintSummary::new(&t.run, t.json));
+    // who watches: the signals (a stop request), the notes, and unless told otherwise the bar
+    let watch = (stop_on_signal, PrintNotes);
     let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
         Arc::new(watch)
     } else {
@@ -236,6 +314,10 @@ pub fn train(t: TrainArgs) -> Result<()> {
         locks: Some(locks.clone()),
     };
     let mut report = run(&t.run, &opts)?;
+    let kept = match &t.losses {
+        Some(path) => rows_before(kept, report.outcome.first_step, path),
+        None => kept,
+    };
     let stopped = report.outcome.stopped.take();
     let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
     let mut written = write_outputs(&t, &report, &kept, diverged);
@@ -250,6 +332,8 @@ pub fn train(t: TrainArgs) -> Result<()> {
             Ok(()) => Err(Error::Outputs(vec![failure])),
         };
     }
+    // the summary once the files are written: a stdout that fails costs nothing else
+    print_summary(&t.run, t.json, report.world_size, &report.outcome);
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());

@@ -4,6 +4,7 @@
 
 pub mod loss_chart;
 pub mod progress;
+pub mod stdout;
 pub mod summary;
 pub mod sweep_stats;
 pub mod timeline_svg;

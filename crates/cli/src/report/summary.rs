@@ -1,10 +1,10 @@
 //! The summary `brigade train` ends with (stdout): a few lines, or one JSON object with
-//! `--json`. One observer of the run ([`brigade::observe::TrainObserver`]): rank 0's outcome,
-//! printed when its run ends.
+//! `--json`, printed from rank 0's outcome once the run's files are written
+//! ([`print_summary`]); and the observer of the run ([`brigade::observe::TrainObserver`]) that
+//! prints its notes on stderr ([`PrintNotes`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use brigade::observe::{RunStart, TrainObserver};
+use crate::report::stdout::outln;
+use brigade::observe::TrainObserver;
 use brigade::outcome::TrainOutcome;
 use brigade::recipe::HyperparameterChange;
 use serde_json::json;
@@ -52,29 +52,10 @@ pub fn summarize(args: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> S
     }
 }
 
-/// Prints the summary of a run of `args` when rank 0's run ends.
-pub struct PrintSummary {
-    args: RunArgs,
-    json: bool,
-    world_size: AtomicUsize,
-}
+/// Prints the notes of a run (stderr) as they come.
+pub struct PrintNotes;
 
-impl PrintSummary {
-    /// The summary of a run of `args`, as JSON when `json`.
-    pub fn new(args: &RunArgs, json: bool) -> Self {
-        PrintSummary {
-            args: args.clone(),
-            json,
-            world_size: AtomicUsize::new(args.world_size),
-        }
-    }
-}
-
-impl TrainObserver for PrintSummary {
-    fn run_started(&self, start: &RunStart) {
-        self.world_size.store(start.world_size, Ordering::Relaxed);
-    }
-
+impl TrainObserver for PrintNotes {
     fn note(&self, message: &str) {
         eprintln!("note: {message}");
     }
@@ -86,16 +67,14 @@ impl TrainObserver for PrintSummary {
             changes.join(", ")
         );
     }
+}
 
-    fn run_finished(&self, outcome: Result<&TrainOutcome, &brigade::Error>) {
-        if let Ok(outcome) = outcome {
-            let world_size = self.world_size.load(Ordering::Relaxed);
-            if self.json {
-                println!("{}", json_summary(&self.args, world_size, outcome));
-            } else {
-                print_lines(&self.args, world_size, outcome);
-            }
-        }
+/// Prints the summary of a run of `args` over `world_size` ranks (stdout), as JSON when `json`.
+pub fn print_summary(args: &RunArgs, json: bool, world_size: usize, outcome: &TrainOutcome) {
+    if json {
+        outln!("{}", json_summary(args, world_size, outcome));
+    } else {
+        print_lines(args, world_size, outcome);
     }
 }
 
@@ -172,7 +151,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
 fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     let s = summarize(a, world_size, outcome);
     let ran = outcome.losses.len();
-    println!(
+    outln!(
         "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
         flag_name(&a.model.model),
         world_size,
@@ -184,17 +163,18 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         compact(a.lr)
     );
     if ran == 0 {
-        println!(
+        outln!(
             "no step run: the run starts at step {} and --steps is {}",
-            outcome.first_step, a.steps
+            outcome.first_step,
+            a.steps
         );
     } else {
-        println!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
+        outln!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
         if let Some(line) = join_line(outcome) {
-            println!("{line}");
+            outln!("{line}");
         }
         if let (Some(p), brigade::data::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
-            println!(
+            outln!(
                 "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
                 rows.first().copied().unwrap_or(0),
                 p.epoch,
@@ -203,7 +183,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         }
         if let (Some(first), Some(last)) = (outcome.lrs.first(), outcome.lrs.last()) {
             if a.lr_schedule != crate::args::ScheduleFlag::Constant || a.warmup_steps > 0 {
-                println!(
+                outln!(
                     "lr: {} schedule, first {} last {}",
                     flag_name(&a.lr_schedule),
                     compact(*first),
@@ -218,27 +198,29 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             .rev()
             .find_map(|(i, v)| Some((i, (*v)?)))
         {
-            println!("val loss: {v:.4} after step {}", outcome.first_step + s);
+            outln!("val loss: {v:.4} after step {}", outcome.first_step + s);
         }
         if let (Some(c), Some(Some(norm))) = (a.clip_grad_norm, outcome.grad_norms.last()) {
             let clipped = outcome.grad_norms.iter().flatten().filter(|n| **n > c).count();
-            println!(
+            outln!(
                 "gradient norm: last {norm:.4}, clipped to {} in {clipped} of {ran} steps",
                 compact(c)
             );
         }
         let timed = ran.saturating_sub(a.warmup);
         if timed == 0 {
-            println!(
+            outln!(
                 "step time: none measured (all {ran} steps run are --warmup {})",
                 a.warmup
             );
         } else {
-            println!(
+            outln!(
                 "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
-                s.median_step_ms, s.min_step_ms, a.warmup
+                s.median_step_ms,
+                s.min_step_ms,
+                a.warmup
             );
-            println!("throughput: {:.1} samples/s", s.samples_per_s);
+            outln!("throughput: {:.1} samples/s", s.samples_per_s);
         }
     }
     if let Some(t) = &outcome.autotune {
@@ -248,21 +230,21 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     // (under ZeRO the measured line below is the account: shards are not whole buckets)
     if let (Some(m), 0) = (outcome.memory, a.zero) {
         let n = outcome.buckets.len();
-        println!(
+        outln!(
             "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
             mib(m.gradient_bytes),
             if n == 1 { "bucket" } else { "buckets" },
             mib(m.total_bytes())
         );
         if let Some(sent) = SentSummary::of(&outcome.sent) {
-            println!("{}", sent.line(world_size));
+            outln!("{}", sent.line(world_size));
         }
     }
     for d in &outcome.policy_diagnostics {
-        println!("note: {}", d.message);
+        outln!("note: {}", d.message);
     }
     if let Some(m) = outcome.rank_memory {
-        println!(
+        outln!(
             "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
             a.zero,
             mib(m.parameters),

@@ -47,16 +47,20 @@ impl Sample {
 }
 
 /// Runs `repeat` rounds of every cap in order (round-robin: `c0 c1 c2 c0 c1 c2 ...`) through
-/// `run(round, cap)`, and returns each cap's samples in round order.
+/// `run(round, cap)`, and returns each cap's samples in round order. A run that returns
+/// `None` (it was stopped) ends the rounds there: the samples so far are returned.
 pub fn run_rounds<S, E>(
     caps: &[f64],
     repeat: usize,
-    mut run: impl FnMut(usize, f64) -> Result<S, E>,
+    mut run: impl FnMut(usize, f64) -> Result<Option<S>, E>,
 ) -> Result<Vec<Vec<S>>, E> {
     let mut per_cap: Vec<Vec<S>> = caps.iter().map(|_| Vec::with_capacity(repeat)).collect();
     for round in 0..repeat {
         for (i, &cap) in caps.iter().enumerate() {
-            per_cap[i].push(run(round, cap)?);
+            match run(round, cap)? {
+                Some(sample) => per_cap[i].push(sample),
+                None => return Ok(per_cap),
+            }
         }
     }
     Ok(per_cap)
@@ -245,7 +249,7 @@ mod tests {
         let mut calls = vec![];
         let per_cap = run_rounds(&[0.25, 1.0, 25.0], 3, |round, cap| {
             calls.push((round, cap));
-            Ok::<_, ()>(calls.len())
+            Ok::<_, ()>(Some(calls.len()))
         })
         .unwrap();
         assert_eq!(
@@ -271,11 +275,18 @@ mod tests {
             if n == 3 {
                 Err("third")
             } else {
-                Ok(())
+                Ok(Some(()))
             }
         });
         assert_eq!(failed.unwrap_err(), "third");
         assert_eq!(n, 3);
+        // a stopped run ends the rounds with the samples before it
+        let mut n = 0;
+        let stopped = run_rounds(&[1.0, 2.0], 2, |_, _| {
+            n += 1;
+            Ok::<_, ()>((n < 4).then_some(n))
+        });
+        assert_eq!(stopped.unwrap(), [vec![1, 3], vec![2]]);
     }
 
     fn sample(step_ms: f64, compute_only_ms: f64) -> Sample {

@@ -194,3 +194,146 @@ fn train_sweep_and_predict_cap_the_first_bucket_alike() {
     let rows: serde_json::Value = serde_json::from_str(&sweep).unwrap();
     assert_eq!(rows[0]["buckets"].as_u64(), Some(trained), "{rows}");
 }
+
+#[test]
+fn flags_that_would_do_nothing_are_refused_in_one_line() {
+    let d = dir("nonsense");
+    // --join over files that all hold less than one step: no step would run (rows 4 and 6,
+    // a step reads 8), under every mode
+    for (r, rows) in [(0, 4), (1, 6)] {
+        let data = common::mlp_data(&d, None);
+        let all = brigade_models::load_safetensors(&data).unwrap();
+        let cut: Vec<(String, brigade_tensor::Tensor)> = all
+            .into_iter()
+            .map(|(n, t)| {
+                let v = t.to_f64_vec().unwrap();
+                let width = v.len() / 64;
+                let shape: Vec<usize> = std::iter::once(rows).chain(t.shape()[1..].iter().copied()).collect();
+                let t = match n.as_str() {
+                    "targets" => brigade_tensor::Tensor::from_vec(
+                        v[..rows].iter().map(|&x| x as i64).collect::<Vec<_>>(),
+                        &shape,
+                    ),
+                    _ => brigade_tensor::Tensor::from_vec(
+                        v[..rows * width].iter().map(|&x| x as f32).collect::<Vec<_>>(),
+                        &shape,
+                    ),
+                };
+                (n, t.unwrap())
+            })
+            .collect();
+        brigade_models::save_safetensors(d.join(format!("short-{r}.safetensors")), &cut, None).unwrap();
+    }
+    let save = d.join("w.safetensors");
+    for mode in ["divide-initial", "divide-active", "throw"] {
+        let e = fails(&cat(&[
+            &["train"],
+            MLP,
+            &["--steps", "3", "--world-size", "2", "--batch-size", "8", "--join", mode],
+            &["--data", s(&d.join("short-{rank}.safetensors")), "--save", s(&save)],
+        ]));
+        assert!(
+            e.contains("shorter than one step of 8 rows") && e.contains("4, 6"),
+            "{mode}: {e}"
+        );
+        assert!(!save.exists(), "{mode}: an untrained --save");
+    }
+    // --join over one dataset cut evenly: no rank's data ends early
+    let text = d.join("t.txt");
+    std::fs::write(&text, "some text to train on. ".repeat(40)).unwrap();
+    let data = common::mlp_data(&d, None);
+    for (model, input) in [
+        (MLP, vec![]),
+        (MLP, vec!["--data", s(&data)]),
+        (common::GPT, vec!["--text", s(&text)]),
+    ] {
+        let e = fails(&cat(&[
+            &["train"],
+            model,
+            &["--steps", "1", "--world-size", "2", "--join", "divide-initial"],
+            &input,
+        ]));
+        assert!(
+            e.contains("--join divide-initial is for a file per rank"),
+            "{input:?}: {e}"
+        );
+    }
+    // schedule flags the schedule in use does not read
+    for (flags, named) in [
+        (&["--min-lr", "0.001"][..], "--min-lr"),
+        (&["--lr-decay-steps", "5"][..], "--lr-decay-steps"),
+        (&["--lr-schedule", "cosine", "--lr-gamma", "0.5"][..], "--lr-gamma"),
+        (
+            &["--lr-schedule", "linear", "--lr-step-size", "2"][..],
+            "--lr-step-size",
+        ),
+        (&["--lr-schedule", "step", "--min-lr", "0.001"][..], "--min-lr"),
+    ] {
+        let e = fails(&cat(&[&["train"], MLP, &["--steps", "2"], flags]));
+        assert!(e.contains(named) && e.contains("the schedule in use"), "{flags:?}: {e}");
+    }
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "2", "--lr-schedule", "cosine", "--min-lr", "0.001"],
+    ]));
+    // a profile whose policy sends nothing per element
+    let profile = d.join("p.json");
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "2", "--world-size", "2", "--profile", s(&profile)],
+    ]));
+    let text = std::fs::read_to_string(&profile).unwrap();
+    assert!(text.contains("\"bytes_per_element\": 4.0"), "{text}");
+    std::fs::write(
+        &profile,
+        text.replace("\"bytes_per_element\": 4.0", "\"bytes_per_element\": 0.0"),
+    )
+    .unwrap();
+    let e = fails(&["predict", "--profile", s(&profile), "--net-gbps", "10"]);
+    assert!(e.contains("bytes per gradient element"), "{e}");
+}
+
+#[test]
+fn sizes_without_a_bound_are_refused_in_one_line() {
+    let d = dir("unbounded");
+    let ckpt = d.join("gpt.ckpt");
+    ok(&cat(&[
+        &["train"],
+        common::GPT,
+        &["--steps", "1", "--checkpoint", s(&ckpt)],
+    ]));
+    let sample = ["sample", "--checkpoint", s(&ckpt), "--prompt", "ab", "--max-new-tokens"];
+    for n in ["1000000000000", "18446744073709551615"] {
+        let e = fails(&cat(&[&sample, &[n]]));
+        assert!(e.contains("--max-new-tokens must be at most 16777216"), "{n}: {e}");
+    }
+    // a checkpoint whose configuration claims a context its tensors do not hold
+    let (tensors, mut meta) = brigade_models::load_safetensors_with_metadata(&ckpt).unwrap();
+    let config = meta["model_config"].clone();
+    let huge = config.replace("\"context\":16", "\"context\":1000000000000");
+    assert_ne!(huge, config, "{config}");
+    meta.insert("model_config".into(), huge);
+    let lying = d.join("lying.ckpt");
+    brigade_models::save_safetensors(&lying, &tensors, Some(meta)).unwrap();
+    let e = fails(&[
+        "sample",
+        "--checkpoint",
+        s(&lying),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(e.contains("does not describe them"), "{e}");
+    let e = fails(&["bench", "comm", "--sizes", "1K", "--iters", "18446744073709551615"]);
+    assert!(e.contains("--iters must be between 1 and"), "{e}");
+    // a text without an end
+    let e = fails(&cat(&[
+        &["train"],
+        common::GPT,
+        &["--steps", "1", "--text", "/dev/zero"],
+    ]));
+    assert!(e.contains("/dev/zero") && e.contains("1 GiB"), "{e}");
+}

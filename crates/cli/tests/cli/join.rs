@@ -110,3 +110,145 @@ fn per_rank_files_of_different_lengths_train_with_join() {
     assert!(e.contains("--val-fraction") && e.contains("--eval-data"), "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `rows` rows for the reference MLP (512 inputs, 10 classes), rank `rank`'s own.
+fn reference_shard(path: &Path, rank: usize, rows: usize) {
+    let mut rng = Rng::new(30 + rank as u64);
+    let x = Tensor::randn(&[rows, 512], 1.0, DType::F32, &mut rng);
+    let labels: Vec<i64> = x
+        .to_vec::<f32>()
+        .unwrap()
+        .chunks(512)
+        .map(|r| (0..10).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
+        .collect();
+    let y = Tensor::from_vec(labels, &[rows]).unwrap();
+    save_safetensors(path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+}
+
+#[test]
+fn three_reference_ranks_of_8_5_and_3_batches_train_as_the_replay_under_either_divisor() {
+    use brigade::models::{Dataset, MlpConfig, ModelKind};
+    // world 3, files of 8, 5 and 3 batches of 32 rows, the reference MLP, SGD lr 0.1 without
+    // momentum: rank 2 joins at step 3, rank 1 at step 5
+    let d = dir("join-reference");
+    let batches = [8usize, 5, 3];
+    let file = |r: usize| d.join(format!("shard-{r}.safetensors"));
+    for (r, &n) in batches.iter().enumerate() {
+        reference_shard(&file(r), r, n * 32);
+    }
+    let kind = ModelKind::Mlp(MlpConfig::new(vec![512, 2048, 2048, 2048, 10]));
+    let data: Vec<Dataset> = (0..3)
+        .map(|r| Dataset::from_safetensors(file(r), &kind).unwrap())
+        .collect();
+    let pattern = d.join("shard-{rank}.safetensors");
+    for mode in ["divide-initial", "divide-active"] {
+        let save = d.join(format!("{mode}.safetensors"));
+        ok(&[
+            "train",
+            "--quiet",
+            "--world-size",
+            "3",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.1",
+            "--steps",
+            "8",
+            "--join",
+            mode,
+            "--data",
+            s(&pattern),
+            "--save",
+            s(&save),
+        ]);
+        // The replay: one process, each step the sum of the gradients of the ranks with data
+        // divided by 3 (divide-initial) or by their number (divide-active), then SGD. It rounds
+        // as the ranks do (an f32 sum in rank order, a joined rank adding zeros, divided by the
+        // world size; under divide-active then times 3 / active): a replay that sums in f64
+        // differs from the run by a few ulps a step, and where one of the ReLUs' inputs sits
+        // within those ulps of zero, the two take different sides of the kink and part ways
+        // (4e-4 of the movement with these files, seen under divide-initial from step 6).
+        let m = kind.build(0).unwrap();
+        let params = m.params().params().to_vec();
+        let initial: Vec<Vec<f64>> = params.iter().map(|p| p.value().to_f64_vec().unwrap()).collect();
+        let sgd = brigade::OptimizerConfig::Sgd {
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        };
+        let mut opt = sgd.build(params.clone());
+        for step in 0..8 {
+            let active: Vec<usize> = (0..3).filter(|&r| step < batches[r]).collect();
+            let mut sum: Vec<Vec<f32>> = initial.iter().map(|v| vec![0.0; v.len()]).collect();
+            for &r in &active {
+                m.params().zero_grad().unwrap();
+                m.loss(&data[r].batch(step * 32, 32).unwrap())
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                for (acc, p) in sum.iter_mut().zip(&params) {
+                    let g = p.grad().unwrap().to_vec::<f32>().unwrap();
+                    acc.iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                }
+            }
+            let rescale = (mode == "divide-active" && active.len() < 3).then(|| 3.0 / active.len() as f64);
+            for (acc, p) in sum.iter().zip(&params) {
+                let g = p.grad().unwrap();
+                let mean: Vec<f32> = acc
+                    .iter()
+                    .map(|a| a / 3.0)
+                    .map(|q| rescale.map_or(q, |f| (f64::from(q) * f) as f32))
+                    .collect();
+                g.copy_from(&Tensor::from_vec(mean, g.shape()).unwrap()).unwrap();
+            }
+            opt.step().unwrap();
+        }
+        // |run - replay| / |replay - initial|, over every parameter
+        let saved: std::collections::HashMap<String, Tensor> =
+            brigade_models::load_safetensors(&save).unwrap().into_iter().collect();
+        let (mut off, mut moved) = (0.0f64, 0.0f64);
+        for ((name, replayed), initial) in m.params().named_values().iter().zip(&initial) {
+            let run = saved[name].to_f64_vec().unwrap();
+            for ((a, b), i) in run.iter().zip(replayed.to_f64_vec().unwrap()).zip(initial) {
+                off += (a - b).powi(2);
+                moved += (b - i).powi(2);
+            }
+        }
+        let rel = (off / moved).sqrt();
+        assert!(
+            rel < 1e-5,
+            "{mode}: the run is {rel} of the parameters' movement off the replay"
+        );
+    }
+    // the divisors differ from step 3 on
+    let (a, b) = (
+        std::fs::read(d.join("divide-initial.safetensors")).unwrap(),
+        std::fs::read(d.join("divide-active.safetensors")).unwrap(),
+    );
+    assert_ne!(a, b);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn per_rank_files_read_past_their_end_without_join_are_refused() {
+    let d = dir("join-even-past-end");
+    // two steps of 8 rows on each rank
+    shard(&d, 0, 16);
+    shard(&d, 1, 16);
+    let pattern = d.join("shard-{rank}.safetensors");
+    let base = cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--batch-size", "8", "--optimizer", "sgd"],
+        &["--data", s(&pattern)],
+    ]);
+    let e = fails(&cat(&[&base, &["--steps", "3"]]));
+    assert!(
+        e.contains("2 steps") && e.contains("--steps 3") && e.contains("--join"),
+        "{e}"
+    );
+    ok(&cat(&[&base, &["--steps", "2"]]));
+    // a sampler's epochs are what --shuffle asks for
+    ok(&cat(&[&base, &["--steps", "3", "--shuffle"]]));
+    let _ = std::fs::remove_dir_all(&d);
+}

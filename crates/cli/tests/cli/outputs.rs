@@ -640,3 +640,72 @@ fn outputs_never_replace_the_data_or_a_special_file() {
         "still a pipe"
     );
 }
+
+#[test]
+fn outputs_never_replace_the_text_the_eval_data_or_any_rank_s_file() {
+    let d = dir("inputs-kept");
+    let data = mlp_data(&d, None);
+    // a file per rank: rank 1's is the one an output names, through another spelling
+    let shard = |r: usize| d.join(format!("vic-{r}.safetensors"));
+    for r in 0..2 {
+        std::fs::copy(&data, shard(r)).unwrap();
+    }
+    let text = d.join("victim.txt");
+    std::fs::write(&text, "the quick brown fox jumps over the lazy dog. ".repeat(40)).unwrap();
+    let kept = |p: &Path, bytes: &[u8]| assert_eq!(std::fs::read(p).unwrap(), bytes, "{} changed", p.display());
+    let (text_bytes, data_bytes) = (std::fs::read(&text).unwrap(), std::fs::read(&data).unwrap());
+    for flag in [
+        "--losses",
+        "--save",
+        "--plot",
+        "--timeline",
+        "--checkpoint",
+        "--profile",
+    ] {
+        // --plot draws SVG: its victim is a text file of that name
+        let victim = if flag == "--plot" {
+            d.join("victim.svg")
+        } else {
+            text.clone()
+        };
+        std::fs::write(&victim, &text_bytes).unwrap();
+        let e = fails(&cat(&[
+            &["train"],
+            GPT,
+            &["--steps", "1", "--text", s(&victim), flag, s(&victim)],
+        ]));
+        assert!(e.contains("would write over the --text file"), "{flag}: {e}");
+        kept(&victim, &text_bytes);
+    }
+    let pattern = d.join("vic-{rank}.safetensors");
+    let other_spelling = d.join(".").join("vic-1.safetensors");
+    for flag in ["--save", "--losses", "--checkpoint"] {
+        let e = fails(&cat(&[
+            &["train"],
+            MLP,
+            &["--steps", "1", "--world-size", "2", "--join", "divide-initial"],
+            &["--data", s(&pattern), flag, s(&other_spelling)],
+        ]));
+        assert!(
+            e.contains("would write over the --data file") && e.contains("rank 1"),
+            "{flag}: {e}"
+        );
+        kept(&shard(1), &data_bytes);
+    }
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &[
+            "--steps",
+            "1",
+            "--eval-every",
+            "1",
+            "--eval-data",
+            s(&data),
+            "--save",
+            s(&data),
+        ],
+    ]));
+    assert!(e.contains("would write over the --eval-data file"), "{e}");
+    kept(&data, &data_bytes);
+}

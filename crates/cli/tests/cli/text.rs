@@ -206,3 +206,57 @@ fn shuffle_reports_the_epoch_and_resumes_only_shuffled() {
     let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--drop-last"]]));
     assert!(e.contains("--shuffle"), "{e}");
 }
+
+#[test]
+fn eval_every_evaluates_the_text_s_last_tenth() {
+    use brigade_models::{Dataset, ValSplit};
+    let d = dir("text-eval");
+    let (text, save, csv) = (text_file(&d), d.join("gpt.safetensors"), d.join("losses.csv"));
+    ok(&cat(&[
+        &["train"],
+        TINY_GPT,
+        &["--steps", "3", "--text", s(&text), "--eval-every", "2"],
+        &["--save", s(&save), "--losses", s(&csv)],
+    ]));
+    // the val_loss column after steps 1 (the second) and 2 (the last)
+    let rows: Vec<String> = std::fs::read_to_string(&csv)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(String::from)
+        .collect();
+    let val: Vec<Option<f64>> = rows
+        .iter()
+        .map(|r| r.rsplit(',').next().unwrap().parse().ok())
+        .collect();
+    assert!(val[0].is_none() && val[1].is_some(), "{rows:?}");
+    // the last one is the saved model's loss on the file's last tenth, as the library cuts it
+    let held = Dataset::from_text_file(&text, 16, &ValSplit::Fraction(0.1))
+        .unwrap()
+        .val
+        .unwrap();
+    let mut gpt = Gpt::new(tiny_config(), 0).unwrap();
+    load_params_from_tensors(gpt.params(), &brigade_models::load_safetensors(&save).unwrap()).unwrap();
+    gpt.eval();
+    let expected = gpt
+        .loss(&held.batch(0, held.len()).unwrap())
+        .unwrap()
+        .value()
+        .item()
+        .unwrap();
+    let last = val[2].expect("evaluated after the last step");
+    assert!(
+        (last - expected).abs() < 1e-4 * expected.abs(),
+        "val_loss {last}, the last tenth's {expected}"
+    );
+    // the tenth is the held-out data: no other is taken beside it
+    for other in [&["--val-fraction", "0.2"][..], &["--eval-data", s(&save)][..]] {
+        let e = fails(&cat(&[
+            &["train"],
+            TINY_GPT,
+            &["--steps", "1", "--text", s(&text), "--eval-every", "1"],
+            other,
+        ]));
+        assert!(e.contains(other[0]) && e.contains("last tenth"), "{e}");
+    }
+}

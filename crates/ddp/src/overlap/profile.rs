@@ -294,6 +294,23 @@ impl StepProfile {
                 return Err(format!("{flag} must be a positive number of MiB, got {v}"));
             }
         }
+        match self.policy.as_ref().and_then(|p| p.wire) {
+            Some(WireModel::AllReduce { bytes_per_element: b }) if !(b > 0.0 && b <= 8.0) => {
+                return Err(format!(
+                    "the policy's wire model sends {b} bytes per gradient element: it must be more than 0 and at most 8"
+                ));
+            }
+            Some(WireModel::LowRank {
+                rank,
+                min_compression_rate: rate,
+                ..
+            }) if rank == 0 || !(rate >= 1.0 && rate.is_finite()) => {
+                return Err(format!(
+                    "the policy's low-rank wire model has rank {rank} and min_compression_rate {rate}: the rank must be at least 1 and the rate finite and >= 1"
+                ));
+            }
+            _ => {}
+        }
         if let Some((i, p)) = self.params.iter().enumerate().find(|(_, p)| p.bytes > MAX_PARAM_BYTES) {
             return Err(format!(
                 "parameter {i} ({}) has {} bytes, more than {MAX_PARAM_BYTES}",

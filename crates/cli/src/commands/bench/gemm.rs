@@ -3,6 +3,7 @@
 //! `../shared/tools/roofline.py`, printed beside it when given); on a GPU cuBLAS, in f32, f16
 //! and bf16.
 
+use crate::report::stdout::outln;
 use std::time::Instant;
 
 use brigade_tensor::{set_compute_threads, DType, Device, Rng, Tensor};
@@ -128,24 +129,29 @@ fn bench_cuda(a: &GemmArgs, shapes: &[[usize; 3]], dtypes: &[DType], ordinal: us
         }
     }
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
         );
         return Ok(());
     }
-    println!(
+    outln!(
         "GEMM on {} ({}), median of {} calls",
         Device::Cuda(ordinal),
         dev.arch(),
         a.reps
     );
-    println!(
+    outln!(
         "{:>18} {:>6} {:>14} {:>13} {:>9} {:>8}",
-        "m x k x n", "dtype", "brigade TF/s", "cuBLAS TF/s", "ratio", "outputs"
+        "m x k x n",
+        "dtype",
+        "brigade TF/s",
+        "cuBLAS TF/s",
+        "ratio",
+        "outputs"
     );
     for r in &rows {
-        println!(
+        outln!(
             "{:>18} {:>6} {:>14.1} {:>13.1} {:>9.2} {:>8}",
             format!("{}x{}x{}", r.shape[0], r.shape[1], r.shape[2]),
             r.dtype,
@@ -279,22 +285,27 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         });
     }
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
         );
         return Ok(());
     }
-    println!("f32 GEMM on the CPU, {threads} threads, median of {} calls", a.reps);
-    println!(
+    outln!("f32 GEMM on the CPU, {threads} threads, median of {} calls", a.reps);
+    outln!(
         "{:>18} {:>14} {:>17} {:>9} {:>13} {:>9}",
-        "m x k x n", "brigade GF/s", "gemm crate GF/s", "ratio", "numpy GF/s", "ratio"
+        "m x k x n",
+        "brigade GF/s",
+        "gemm crate GF/s",
+        "ratio",
+        "numpy GF/s",
+        "ratio"
     );
     for r in &rows {
         let np = r.numpy_gflops.map_or(("-".to_string(), "-".to_string()), |g| {
             (format!("{g:.1}"), format!("{:.2}", r.brigade_gflops / g))
         });
-        println!(
+        outln!(
             "{:>18} {:>14.1} {:>17.1} {:>9.2} {:>13} {:>9}",
             format!("{}x{}x{}", r.shape[0], r.shape[1], r.shape[2]),
             r.brigade_gflops,

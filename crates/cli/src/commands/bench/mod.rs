@@ -3,6 +3,7 @@
 mod gemm;
 mod ops;
 
+use crate::report::stdout::{out, outln};
 use brigade_comm::bench::{default_sizes, parse_size, run_comm_bench, CommBenchConfig};
 use clap::{Args, Subcommand};
 
@@ -35,7 +36,7 @@ pub struct CommArgs {
     /// per rank, rounded down to whole f32s; default 1 KiB to 64 MiB by 4x.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     pub sizes: Option<Vec<usize>>,
-    /// Timed iterations per size, at least 1 (default: about 512 MiB of traffic per size, 5 to 1000).
+    /// Timed iterations per size, 1 to 1000000 (default: about 512 MiB of traffic per size, 5 to 1000).
     #[arg(long)]
     pub iters: Option<usize>,
     /// Print JSON instead of a table.
@@ -45,6 +46,9 @@ pub struct CommArgs {
     #[arg(long, value_parser = backend_parser(), default_value_t = CommBackend::Thread)]
     pub backend: CommBackend,
 }
+
+/// The most timed all-reduces per size of `brigade bench comm` (each one's time is kept).
+const MAX_ITERS: usize = 1_000_000;
 
 /// Runs one benchmark subcommand.
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -67,8 +71,10 @@ fn bench_comm(args: CommArgs) -> Result<()> {
             args.world_size
         ));
     }
-    if args.iters == Some(0) {
-        return bad("--iters must be at least 1 (timed all-reduces per size)".into());
+    if let Some(n) = args.iters.filter(|&n| n == 0 || n > MAX_ITERS) {
+        return bad(format!(
+            "--iters must be between 1 and {MAX_ITERS} (timed all-reduces per size), got {n}"
+        ));
     }
     let least = args.world_size.saturating_mul(4); // at most 4 * MAX_THREAD_RANKS under threads
     if let Some(small) = args.sizes.iter().flatten().find(|&&b| b < least) {
@@ -110,9 +116,9 @@ fn bench_comm(args: CommArgs) -> Result<()> {
     };
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| Error::json("the bandwidth rows", e))?;
-        println!("{text}");
+        outln!("{text}");
     } else {
-        print!("{}", report.to_table());
+        out!("{}", report.to_table());
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! forward and backward (plus the optimizer), on the reference workloads of
 //! `../shared/torchref/` — the same table `scripts/torch_ops_profile.py` prints for PyTorch.
 
+use crate::report::stdout::outln;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::profile::mark_forward_start;
@@ -138,7 +139,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let mut medians = vec![];
     for (k, (profile, walls)) in results.iter().enumerate() {
         if a.ab {
-            println!(
+            outln!(
                 "\n== {} attention ==",
                 if variants[k] { "reference (unfused)" } else { "fused" }
             );
@@ -146,7 +147,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         medians.push(print_table(&a, batch_size, profile, walls));
     }
     if let [fused, reference] = medians[..] {
-        println!(
+        outln!(
             "\nA/B, interleaved: median step fused {fused:.2} ms, reference {reference:.2} ms, fused / reference {:.3}",
             fused / reference
         );
@@ -166,15 +167,20 @@ fn print_table(a: &OpsArgs, batch: usize, p: &OpProfile, walls: &[StepWall]) -> 
     let total = fwd + bwd + opt;
     let mut steps: Vec<f64> = walls.iter().map(|w| (w.0 + w.1 + w.2).as_secs_f64() * 1e3).collect();
     steps.sort_by(f64::total_cmp);
-    println!(
+    outln!(
         "{} step, batch {batch}, {} thread(s): mean of {n} profiled steps (median step {:.2} ms)",
         a.model,
         a.threads,
         steps[n / 2]
     );
-    println!(
+    outln!(
         "{:<22} {:>10} {:>8} {:>10} {:>8} {:>7}",
-        "op", "fwd ms", "calls", "bwd ms", "calls", "share"
+        "op",
+        "fwd ms",
+        "calls",
+        "bwd ms",
+        "calls",
+        "share"
     );
     let mut ops: Vec<&str> = p.forward.keys().chain(p.backward.keys()).copied().collect();
     ops.sort_unstable();
@@ -191,7 +197,7 @@ fn print_table(a: &OpsArgs, batch: usize, p: &OpProfile, walls: &[StepWall]) -> 
     });
     for op in ops {
         let (f, b) = both(op);
-        println!(
+        outln!(
             "{:<22} {:>10.3} {:>8.1} {:>10.3} {:>8.1} {:>6.1}%",
             op,
             ms(f.total, n),
@@ -203,7 +209,7 @@ fn print_table(a: &OpsArgs, batch: usize, p: &OpProfile, walls: &[StepWall]) -> 
     }
     let other_f = fwd.saturating_sub(p.forward_total());
     let other_b = bwd.saturating_sub(p.backward_total());
-    println!(
+    outln!(
         "{:<22} {:>10.3} {:>8} {:>10.3} {:>8} {:>6.1}%",
         "(outside ops)",
         ms(other_f, n),
@@ -212,7 +218,7 @@ fn print_table(a: &OpsArgs, batch: usize, p: &OpProfile, walls: &[StepWall]) -> 
         "",
         100.0 * (other_f + other_b).as_secs_f64() / total.as_secs_f64()
     );
-    println!(
+    outln!(
         "{:<22} {:>10} {:>8} {:>10.3} {:>8} {:>6.1}%",
         "optimizer step",
         "",
@@ -221,7 +227,7 @@ fn print_table(a: &OpsArgs, batch: usize, p: &OpProfile, walls: &[StepWall]) -> 
         "",
         100.0 * opt.as_secs_f64() / total.as_secs_f64()
     );
-    println!(
+    outln!(
         "{:<22} {:>10.3} {:>8} {:>10.3} {:>8}  total {:.3} ms/step",
         "forward / backward",
         ms(fwd, n),

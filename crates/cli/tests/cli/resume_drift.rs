@@ -1,0 +1,148 @@
+//! `brigade train --resume` with flags that move where the data is read, with a `--losses`
+//! file another run wrote, and past the end of a schedule whose T defaulted: the run continues
+//! where the checkpoint stood, or says in one line what it cannot continue.
+
+use std::path::Path;
+use std::process::Command;
+
+use brigade_models::save_safetensors;
+use brigade_tensor::{DType, Rng, Tensor};
+
+use crate::common::{bin, cat, dir, fails, losses, mlp_data, ok, s, MLP};
+
+/// Rank `rank`'s file for the small MLP: `rows` rows of its own.
+fn shard(dir: &Path, rank: usize, rows: usize) {
+    let mut rng = Rng::new(40 + rank as u64);
+    let x = Tensor::randn(&[rows, 16], 1.0, DType::F32, &mut rng);
+    let labels: Vec<i64> = x
+        .to_vec::<f32>()
+        .unwrap()
+        .chunks(16)
+        .map(|r| (0..4).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
+        .collect();
+    let y = Tensor::from_vec(labels, &[rows]).unwrap();
+    let path = dir.join(format!("shard-{rank}.safetensors"));
+    save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+}
+
+#[test]
+fn a_resume_on_in_order_data_with_other_rows_a_step_is_one_error_line() {
+    let d = dir("drift-batch");
+    let data = mlp_data(&d, None);
+    let ck = d.join("ck.safetensors");
+    let base = cat(&[&["train"], MLP, &["--data", s(&data), "--optimizer", "sgd"]]);
+    ok(&cat(&[&base, &["--steps", "2", "--batch-size", "8", "--checkpoint", s(&ck)]]));
+    // 16 rows were read; another --batch-size or --accum would start elsewhere
+    for other in [&["--batch-size", "16"][..], &["--batch-size", "8", "--accum", "2"]] {
+        let e = fails(&cat(&[&base, other, &["--steps", "4", "--resume", s(&ck)]]));
+        assert!(
+            e.contains("8 rows a step") && e.contains("--batch-size") && e.contains("--accum"),
+            "{e}"
+        );
+    }
+    // the same rows a step, split otherwise, read the same rows: that resume is the straight run
+    let (l, straight) = (d.join("l.csv"), d.join("straight.csv"));
+    ok(&cat(&[
+        &base,
+        &["--batch-size", "4", "--accum", "2", "--steps", "4", "--resume", s(&ck), "--losses", s(&l)],
+    ]));
+    ok(&cat(&[&base, &["--batch-size", "8", "--steps", "4", "--losses", s(&straight)]]));
+    // the first run wrote no --losses: the file holds the resumed steps 2 and 3
+    let (a, b) = (losses(&l), losses(&straight));
+    assert_eq!(a.len(), 2);
+    for ((sa, la), (sb, lb)) in a.iter().zip(&b[2..]) {
+        assert_eq!(sa, sb);
+        assert!((la - lb).abs() < 1e-5, "step {sa}: {la} against {lb}");
+    }
+}
+
+#[test]
+fn a_join_resume_after_a_rank_joined_continues_the_straight_run() {
+    let d = dir("drift-join");
+    // rank 0: 5 steps of 8 rows, rank 1: 3 (it joins at step 3)
+    shard(&d, 0, 40);
+    shard(&d, 1, 24);
+    let pattern = d.join("shard-{rank}.safetensors");
+    let base = cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--optimizer", "sgd", "--join", "divide-initial"],
+        &["--data", s(&pattern)],
+    ]);
+    let (ck, l, straight) = (d.join("ck.safetensors"), d.join("l.csv"), d.join("straight.csv"));
+    ok(&cat(&[&base, &["--batch-size", "8", "--steps", "4", "--checkpoint", s(&ck)]]));
+    ok(&cat(&[
+        &base,
+        &["--batch-size", "8", "--steps", "5", "--resume", s(&ck), "--losses", s(&l)],
+    ]));
+    ok(&cat(&[&base, &["--batch-size", "8", "--steps", "5", "--losses", s(&straight)]]));
+    let (a, b) = (losses(&l), losses(&straight));
+    // the first run wrote no --losses: the file holds the resumed step alone
+    assert_eq!(a.len(), 1);
+    assert_eq!((a[0].0, b[4].0), (4, 4));
+    assert!((a[0].1 - b[4].1).abs() < 1e-5, "{a:?} against {b:?}");
+    // another --batch-size would put the ranks' positions and joins elsewhere: one line
+    // naming what the checkpoint was written with
+    for other in ["4", "16"] {
+        let e = fails(&cat(&[&base, &["--batch-size", other, "--steps", "5", "--resume", s(&ck)]]));
+        assert!(e.contains("8 rows a step") && e.contains("--batch-size"), "{e}");
+        assert!(!e.contains("ranks joined"), "{e}");
+    }
+}
+
+#[test]
+fn a_resume_writes_the_losses_up_to_its_step_from_the_file_and_no_gap() {
+    let d = dir("drift-losses");
+    let data = mlp_data(&d, None);
+    let base = cat(&[&["train"], MLP, &["--data", s(&data), "--batch-size", "8"]]);
+    let (ck, l) = (d.join("ck.safetensors"), d.join("l.csv"));
+    // a longer run's file: its rows past the checkpoint's step are not this run's
+    ok(&cat(&[&base, &["--steps", "3", "--checkpoint", s(&ck)]]));
+    ok(&cat(&[&base, &["--steps", "6", "--losses", s(&l)]]));
+    ok(&cat(&[&base, &["--steps", "5", "--resume", s(&ck), "--losses", s(&l)]]));
+    let steps: Vec<usize> = losses(&l).iter().map(|r| r.0).collect();
+    assert_eq!(steps, [0, 1, 2, 3, 4]);
+    // a file that lacks steps before the checkpoint's: said in one line, and no gap
+    ok(&cat(&[&base, &["--steps", "1", "--losses", s(&l)]]));
+    let out = Command::new(bin())
+        .args(cat(&[&base, &["--steps", "5", "--resume", s(&ck), "--losses", s(&l)]]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let said: Vec<&str> = err.lines().filter(|line| line.contains("--losses")).collect();
+    assert_eq!(said.len(), 1, "{err}");
+    assert!(said[0].contains("steps 1 to 2") && said[0].contains("step 3"), "{err}");
+    let steps: Vec<usize> = losses(&l).iter().map(|r| r.0).collect();
+    assert_eq!(steps, [3, 4]);
+}
+
+#[test]
+fn a_resume_past_a_defaulted_t_says_so_naming_lr_decay_steps() {
+    let d = dir("drift-t");
+    let data = mlp_data(&d, None);
+    let ck = d.join("ck.safetensors");
+    let base = cat(&[
+        &["train"],
+        MLP,
+        &["--data", s(&data), "--batch-size", "8", "--lr-schedule", "cosine"],
+    ]);
+    ok(&cat(&[&base, &["--steps", "3", "--checkpoint", s(&ck)]]));
+    let notes = |flags: &[&str]| -> Vec<String> {
+        let out = Command::new(bin())
+            .args(cat(&[&base, flags, &["--resume", s(&ck)]]))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err.lines().filter(|l| l.contains("--lr-decay-steps")).map(str::to_string).collect()
+    };
+    let said = notes(&["--steps", "6"]);
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(said[0].starts_with("note: ") && said[0].contains("T = 3"), "{said:?}");
+    // within T, or T given: nothing to say
+    assert!(notes(&["--steps", "3"]).is_empty());
+    let _ = std::fs::remove_file(&ck);
+    ok(&cat(&[&base, &["--steps", "3", "--lr-decay-steps", "3", "--checkpoint", s(&ck)]]));
+    assert!(notes(&["--steps", "6", "--lr-decay-steps", "3"]).is_empty());
+}

@@ -1,0 +1,123 @@
+//! SIGINT and SIGTERM against real processes: a sweep keeps the runs that finished, and a
+//! second signal, later than the grace of the first, still ends a run with its outputs written
+//! and its lock files gone.
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::{self, bin, losses, s, MLP};
+
+/// `brigade args...` started with SIGINT and SIGTERM at their default action (a shell that
+/// starts the suite in the background ignores SIGINT for its children, which brigade keeps).
+fn start(args: &[&str]) -> Child {
+    let mut cmd = Command::new(bin());
+    // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
+    unsafe {
+        cmd.pre_exec(|| {
+            common::default_disposition();
+            Ok(())
+        });
+    }
+    cmd.args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start brigade")
+}
+
+fn kill(child: &Child, signal: &str) {
+    assert!(Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// Waits (at most 120 s) for `child` to end: its status, stdout and stderr.
+fn wait(mut child: Child) -> (ExitStatus, String, String) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("brigade still running 120 s after the signal");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = std::io::read_to_string(child.stdout.take().unwrap()).unwrap();
+    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    (status, out, err)
+}
+
+/// Waits (at most 120 s) until `path` exists while `child` runs.
+fn wait_for(child: &mut Child, path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !path.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("brigade ended before {} existed: {status}", path.display());
+        }
+        assert!(Instant::now() < deadline, "no {} within 120 s", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
+    let d = common::dir("signal-sweep");
+    let out = d.join("out");
+    // many caps, many rounds: the sweep is still running when the signal comes
+    let child = start(&common::cat(&[
+        &["sweep"],
+        &MLP[..MLP.len() - 1],
+        &["--world-size", "2", "--steps", "4", "--repeat", "1000"],
+        &["--bucket-mb", "0.001,0.002,0.004,0.008", "--out", s(&out)],
+    ]));
+    std::thread::sleep(Duration::from_secs(3));
+    kill(&child, "INT");
+    let (status, _, err) = wait(child);
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+    let csv = std::fs::read_to_string(out.join("sweep.csv")).expect("sweep.csv of the finished runs");
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert!(!rows.is_empty() && rows.len() <= 4, "{csv}");
+    // each row counts the runs of its cap that finished, fewer than asked
+    let runs = csv.lines().next().unwrap().split(',').position(|c| c == "runs").unwrap();
+    for row in rows {
+        let n: usize = row.split(',').nth(runs).unwrap().parse().unwrap();
+        assert!((1..1000).contains(&n), "{row}");
+    }
+}
+
+#[test]
+fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks() {
+    let d = common::dir("signal-twice");
+    let (ck, l) = (d.join("ck.safetensors"), d.join("losses.csv"));
+    // a slow link: every message takes 0.5 s, so a step outlasts the signals' gap
+    let mut child = start(&common::cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--steps", "1000", "--net-gbps", "1", "--net-latency-us", "500000"],
+        &["--checkpoint", s(&ck), "--checkpoint-every", "1", "--losses", s(&l)],
+    ]));
+    wait_for(&mut child, &ck);
+    kill(&child, "INT");
+    std::thread::sleep(Duration::from_millis(1500));
+    kill(&child, "INT");
+    let (status, _, err) = wait(child);
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted after step"), "{err}");
+    let steps: Vec<usize> = losses(&l).iter().map(|r| r.0).collect();
+    assert!(!steps.is_empty(), "{err}");
+    assert_eq!(steps, (0..steps.len()).collect::<Vec<_>>());
+    let mut names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["ck.safetensors", "losses.csv"], "lock or temporary files left behind");
+}
