@@ -11,9 +11,9 @@
 #   torchref/              PyTorch's reference model, from ../shared/torchref/ beside the checkout
 #   COMMIT, MANIFEST       the commit, and each binary's size and the newest glibc it needs
 #
-# Binaries are linked for glibc 2.28 or newer (GLIBC=2.28 by default): cargo-zigbuild with zig
-# from PyPI's `ziglang` wheel (installed into .venv-zig). Needs: cargo-zigbuild
-# (`cargo install cargo-zigbuild --locked`) and python3 with venv.
+# Binaries are linked for glibc 2.28 or newer (GLIBC=2.28 by default): cargo-zigbuild and zig,
+# both from PyPI wheels (`cargo-zigbuild`, `ziglang`) that the script installs into .venv-zig.
+# Needs: a Rust toolchain, python3 with venv, and PyPI. Honours CARGO_TARGET_DIR.
 #
 # Fails, naming the cause, on: a build error, a strip error, a missing file, a binary that needs a
 # newer glibc than asked for, a binary that does not start, a carry over 60 MiB.
@@ -26,22 +26,29 @@ TORCHREF=${TORCHREF:-../shared/torchref}
 LIMIT_MIB=60
 ZIG_VENV=.venv-zig
 ZIGLANG_VERSION=0.17.1
+ZIGBUILD_VERSION=0.24.1
 die() {
   echo "gpu-build: FAILED: $*" >&2
   exit 1
 }
 
-echo "== zig (PyPI ziglang $ZIGLANG_VERSION) and cargo-zigbuild"
-command -v cargo-zigbuild >/dev/null || die "cargo-zigbuild is not installed (cargo install cargo-zigbuild --locked)"
+echo "== zig (PyPI ziglang $ZIGLANG_VERSION) and cargo-zigbuild (PyPI cargo-zigbuild $ZIGBUILD_VERSION)"
 if [ ! -x "$ZIG_VENV/bin/python" ]; then
-  python3 -m venv "$ZIG_VENV" || die "cannot make the venv $ZIG_VENV"
+  python3 -m venv "$ZIG_VENV" || die "cannot make the venv $ZIG_VENV (Debian: apt-get install python3-venv)"
 fi
 "$ZIG_VENV/bin/python" -c "import ziglang" 2>/dev/null ||
   "$ZIG_VENV/bin/pip" install -q "ziglang==$ZIGLANG_VERSION" || die "pip install ziglang==$ZIGLANG_VERSION failed"
+[ -x "$ZIG_VENV/bin/cargo-zigbuild" ] ||
+  "$ZIG_VENV/bin/pip" install -q "cargo-zigbuild==$ZIGBUILD_VERSION" || die "pip install cargo-zigbuild==$ZIGBUILD_VERSION failed"
 ZIG="$("$ZIG_VENV/bin/python" -c 'import ziglang, os; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')"
 [ -x "$ZIG" ] || die "no zig binary in the ziglang wheel ($ZIG)"
 export CARGO_ZIGBUILD_ZIG_PATH="$ZIG"
-echo "zig $("$ZIG" version) at $ZIG"
+# cargo finds `cargo zigbuild` on PATH: the venv's, whatever else is installed
+export PATH="$PWD/$ZIG_VENV/bin:$PATH"
+echo "zig $("$ZIG" version) at $ZIG; $(cargo-zigbuild --version)"
+# where cargo writes (CARGO_TARGET_DIR, a config's build.target-dir, or ./target)
+TARGET_DIR="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')" ||
+  die "cargo metadata failed"
 
 [ -f "$TORCHREF/workloads.py" ] || die "PyTorch's reference model $TORCHREF/workloads.py is missing (TORCHREF=... to point elsewhere)"
 
@@ -70,7 +77,7 @@ rm "$CARRY/build.json"
 
 echo "== release brigade binary, glibc $GLIBC"
 cargo zigbuild --release -p brigade-cli --target "$TRIPLE.$GLIBC" || die "building the brigade binary"
-cp "target/$TRIPLE/release/brigade" "$CARRY/bin/brigade"
+cp "$TARGET_DIR/$TRIPLE/release/brigade" "$CARRY/bin/brigade" || die "no brigade binary in $TARGET_DIR/$TRIPLE/release"
 
 echo "== strip"
 for f in "$CARRY/bin/brigade" "$CARRY/tests/tensor"; do
