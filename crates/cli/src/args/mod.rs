@@ -303,8 +303,9 @@ pub struct RunArgs {
     /// Initial parameters (safetensors; PyTorch state-dict names).
     #[arg(long)]
     pub init: Option<PathBuf>,
-    /// Training data (safetensors): mlp `inputs` F32 [N,in] + `targets` I64 [N]; gpt
-    /// `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
+    /// Training data (safetensors, or NumPy .npz with an array per tensor, or .npy for gpt's
+    /// one tensor; told apart by the file's first bytes): mlp `inputs` F32 [N,in] + `targets`
+    /// I64 [N]; gpt `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
     /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
     /// in order and once, --batch-size a microbatch; --shuffle for epochs); files of different
     /// lengths need --join.

@@ -4,6 +4,7 @@
 
 mod bad_input;
 mod bench_gemm;
+mod data_formats;
 mod common;
 mod device;
 mod faults;
