@@ -4,8 +4,8 @@
 
 mod bad_input;
 mod bench_gemm;
-mod data_formats;
 mod common;
+mod data_formats;
 mod device;
 mod faults;
 mod finished_work;

@@ -8,7 +8,7 @@ use std::process::Command;
 use brigade_models::save_safetensors;
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::common::{bin, cat, dir, fails, losses, mlp_data, ok, s, MLP};
+use crate::common::{bin, cat, dir, fails, losses, mlp_data, ok, s, without, MLP};
 
 /// Rank `rank`'s file for the small MLP: `rows` rows of its own.
 fn shard(dir: &Path, rank: usize, rows: usize) {
@@ -145,4 +145,17 @@ fn a_resume_past_a_defaulted_t_says_so_naming_lr_decay_steps() {
     let _ = std::fs::remove_file(&ck);
     ok(&cat(&[&base, &["--steps", "3", "--lr-decay-steps", "3", "--checkpoint", s(&ck)]]));
     assert!(notes(&["--steps", "6", "--lr-decay-steps", "3"]).is_empty());
+}
+
+#[test]
+fn a_checkpoint_written_under_allow_nonfinite_resumes_with_it_and_only_with_it() {
+    let d = dir("drift-nonfinite");
+    let ck = d.join("ck.safetensors");
+    // a learning rate this large turns the parameters into NaN within the first steps
+    let base = cat(&[&["train"], &without(MLP, "--lr"), &["--lr", "1e300", "--batch-size", "8"]]);
+    ok(&cat(&[&base, &["--steps", "3", "--allow-nonfinite", "--checkpoint", s(&ck)]]));
+    ok(&cat(&[&base, &["--steps", "5", "--allow-nonfinite", "--resume", s(&ck)]]));
+    // without the flag the non-finite values are one line naming it
+    let e = fails(&cat(&[&base, &["--steps", "5", "--resume", s(&ck)]]));
+    assert!(e.contains("NaN") && e.contains("--allow-nonfinite"), "{e}");
 }
