@@ -102,16 +102,18 @@ pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     if let Some(g) = gbps {
         if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
             return Err(Error::Usage(format!(
-                "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
+                "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {}",
                 compact(NET_GBPS.0),
-                compact(NET_GBPS.1)
+                compact(NET_GBPS.1),
+                compact(g)
             )));
         }
     }
     if !(0.0..=MAX_LATENCY_US).contains(&latency_us) {
         return Err(Error::Usage(format!(
-            "--net-latency-us must be between 0 and {}, got {latency_us}",
-            compact(MAX_LATENCY_US)
+            "--net-latency-us must be between 0 and {}, got {}",
+            compact(MAX_LATENCY_US),
+            compact(latency_us)
         )));
     }
     Ok(())
@@ -204,7 +206,7 @@ impl ModelArgs {
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(
                 "--dropout must be a probability in [0, 1) (1 would drop every activation), got {}",
-                self.dropout
+                compact(self.dropout)
             ));
         }
         match self.model {
