@@ -379,8 +379,8 @@ pub struct RunArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
     pub timeout_s: f64,
     /// Train on through non-finite losses and parameters (default: stop with an error naming
-    /// the step, keeping the last good checkpoint). A checkpoint such a run wrote resumes with
-    /// this flag only.
+    /// the step, keeping the last good checkpoint). A checkpoint such a run wrote, holding
+    /// non-finite values, is continued under this flag only.
     #[arg(long)]
     pub allow_nonfinite: bool,
     /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),

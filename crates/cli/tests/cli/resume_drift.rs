@@ -79,6 +79,12 @@ fn a_join_resume_after_a_rank_joined_continues_the_straight_run() {
     let (a, b) = (losses(&l), losses(&straight));
     // the first run wrote no --losses: the file holds the resumed step alone
     assert_eq!(a.len(), 1);
+    let out = Command::new(bin())
+        .args(cat(&[&base, &["--batch-size", "8", "--steps", "5", "--resume", s(&ck), "--losses", s(&d.join("new.csv"))]]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("--losses"), "no file, nothing to say of it: {err}");
     assert_eq!((a[0].0, b[4].0), (4, 4));
     assert!((a[0].1 - b[4].1).abs() < 1e-5, "{a:?} against {b:?}");
     // another --batch-size would put the ranks' positions and joins elsewhere: one line
