@@ -158,7 +158,7 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
                 path: format!("--data {} (rank {r}'s file)", path.display()),
                 source: e,
             })?;
-            Ok(read_dataset(&path, kind)?)
+            read_dataset(&path, kind)
         })
         .collect::<Result<Vec<_>>>()?;
     // in order and without --join each file is read once: a run past its end would read every
@@ -216,9 +216,7 @@ fn setup(
     if args.rank_data().is_some() {
         let shards = load_rank_shards(args, kind, world)?;
         if let Some(path) = &args.eval_data {
-            let _ = late
-                .0
-                .set(HeldOut::new(read_dataset(path, kind)?, args.batch_size));
+            let _ = late.0.set(HeldOut::new(read_dataset(path, kind)?, args.batch_size));
         }
         return Ok(Box::new(shards));
     }

@@ -62,7 +62,10 @@ impl RunArgs {
         }
         if let Some(wd) = self.weight_decay {
             if !(wd >= 0.0 && wd.is_finite()) {
-                return bad(format!("--weight-decay must be a finite number >= 0, got {}", compact(wd)));
+                return bad(format!(
+                    "--weight-decay must be a finite number >= 0, got {}",
+                    compact(wd)
+                ));
             }
         }
         if let (Some(text), Some(flag)) = (
@@ -95,7 +98,10 @@ impl RunArgs {
         }
         if let Some(c) = self.clip_grad_norm {
             if !(c > 0.0 && c.is_finite()) {
-                return bad(format!("--clip-grad-norm must be a finite number > 0, got {}", compact(c)));
+                return bad(format!(
+                    "--clip-grad-norm must be a finite number > 0, got {}",
+                    compact(c)
+                ));
             }
         }
         let t = self.lr_decay_steps.unwrap_or(self.steps as u64);

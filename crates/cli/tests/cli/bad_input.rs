@@ -350,8 +350,19 @@ fn a_huge_number_in_a_message_is_written_short() {
         ("--clip-grad-norm", "-1e300"),
     ] {
         let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", flag, value]]));
-        assert!(e.contains(flag) && e.contains("e300") && e.len() < 300, "{flag} {value}: {e}");
+        assert!(
+            e.contains(flag) && e.contains("e300") && e.len() < 300,
+            "{flag} {value}: {e}"
+        );
     }
-    let e = fails(&["sample", "--checkpoint", "none.ckpt", "--prompt", "a", "--temperature", "-1e300"]);
+    let e = fails(&[
+        "sample",
+        "--checkpoint",
+        "none.ckpt",
+        "--prompt",
+        "a",
+        "--temperature",
+        "-1e300",
+    ]);
     assert!(e.contains("e300") && e.len() < 300, "{e}");
 }

@@ -32,7 +32,11 @@ fn npz_and_npy_data_train_as_the_same_rows_in_safetensors_do() {
     let tokens: Vec<i64> = (0..16 * 17).map(|i| (i * 7 % 64) as i64).collect();
     let npy = d.join("tokens.npy");
     save_npy(&npy, &Tensor::from_vec(tokens, &[16, 17]).unwrap()).unwrap();
-    ok(&cat(&[&["train"], GPT, &["--steps", "1", "--batch-size", "4", "--data", s(&npy)]]));
+    ok(&cat(&[
+        &["train"],
+        GPT,
+        &["--steps", "1", "--batch-size", "4", "--data", s(&npy)],
+    ]));
     // one .npy for the MLP's two tensors: one line naming the way out
     let one = d.join("inputs.npy");
     save_npy(&one, &Tensor::from_vec(vec![0f32; 32], &[2, 16]).unwrap()).unwrap();

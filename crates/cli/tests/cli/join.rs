@@ -262,7 +262,16 @@ fn the_shuffled_summary_names_each_rank_s_rows() {
     let out = ok(&cat(&[
         &["train"],
         MLP,
-        &["--world-size", "2", "--batch-size", "8", "--steps", "2", "--optimizer", "sgd"],
+        &[
+            "--world-size",
+            "2",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--optimizer",
+            "sgd",
+        ],
         &["--data", s(&pattern), "--join", "divide-initial", "--shuffle"],
     ]));
     assert!(

@@ -86,7 +86,13 @@ fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert!(!rows.is_empty() && rows.len() <= 4, "{csv}");
     // each row counts the runs of its cap that finished, fewer than asked
-    let runs = csv.lines().next().unwrap().split(',').position(|c| c == "runs").unwrap();
+    let runs = csv
+        .lines()
+        .next()
+        .unwrap()
+        .split(',')
+        .position(|c| c == "runs")
+        .unwrap();
     for row in rows {
         let n: usize = row.split(',').nth(runs).unwrap().parse().unwrap();
         assert!((1..1000).contains(&n), "{row}");
@@ -101,7 +107,16 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
     let mut child = start(&common::cat(&[
         &["train"],
         MLP,
-        &["--world-size", "2", "--steps", "1000", "--net-gbps", "1", "--net-latency-us", "500000"],
+        &[
+            "--world-size",
+            "2",
+            "--steps",
+            "1000",
+            "--net-gbps",
+            "1",
+            "--net-latency-us",
+            "500000",
+        ],
         &["--checkpoint", s(&ck), "--checkpoint-every", "1", "--losses", s(&l)],
     ]));
     wait_for(&mut child, &ck);
@@ -119,5 +134,9 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, ["ck.safetensors", "losses.csv"], "lock or temporary files left behind");
+    assert_eq!(
+        names,
+        ["ck.safetensors", "losses.csv"],
+        "lock or temporary files left behind"
+    );
 }
