@@ -73,6 +73,10 @@ pub struct CheckpointIdentity<'a> {
     /// Every rank's dropout generator after the checkpoint's step, rank `r`'s at index `r`
     /// (written; a resume reads them back from the file); empty when the model draws nothing.
     pub dropout_rng: Vec<RngState>,
+    /// Whether a resume takes non-finite values (a run under
+    /// [`crate::TrainConfig::allow_nonfinite`] writes them); otherwise one is refused, naming
+    /// the tensor. Not written.
+    pub allow_nonfinite: bool,
 }
 
 /// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
@@ -290,7 +294,18 @@ pub fn load_checkpoint(
         }
     }
     let sampler = check_data_order(&meta, id).map_err(err)?;
-    brigade_models::check_finite(path, &tensors)?;
+    if !id.allow_nonfinite {
+        brigade_models::check_finite(path, &tensors).map_err(|e| match e {
+            brigade_models::ModelError::NonFinite {
+                tensor, index, value, ..
+            } => err(CheckpointMismatch::NonFinite {
+                tensor,
+                index: format!("{index:?}"),
+                value: value.to_string(),
+            }),
+            e => e.into(),
+        })?;
+    }
     let step = step_of(&meta).ok_or_else(|| err(CheckpointMismatch::NoStep))?;
     let strip = |prefix: &str| -> Vec<(String, Tensor)> {
         tensors
@@ -298,7 +313,11 @@ pub fn load_checkpoint(
             .filter_map(|(n, t)| n.strip_prefix(prefix).map(|n| (n.to_string(), t.clone())))
             .collect()
     };
-    load_params_from_tensors(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
+    let load = match id.allow_nonfinite {
+        false => load_params_from_tensors,
+        true => brigade_models::load_params_from_tensors_nonfinite,
+    };
+    load(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state(&strip("optim."))?;
     let policy_state = strip(POLICY_PREFIX);
     // a policy's state is per rank: it resumes on as many ranks as wrote it

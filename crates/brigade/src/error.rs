@@ -253,6 +253,20 @@ pub enum CheckpointMismatch {
         /// This run's.
         this_run: usize,
     },
+    /// It holds a NaN or an infinity (a run that trains on through them wrote it), and this run
+    /// does not take them ([`crate::TrainConfig::allow_nonfinite`]).
+    #[error(
+        "tensor '{tensor}' holds {value} at index {index}: a run that trains on through non-finite values \
+         (allow_nonfinite) wrote it; resume with allow_nonfinite to continue it"
+    )]
+    NonFinite {
+        /// The tensor's name in the file.
+        tensor: String,
+        /// The first non-finite element's multi-index.
+        index: String,
+        /// That element (NaN, inf or -inf).
+        value: String,
+    },
     /// It is at a step past the run's last.
     #[error("it is at step {step}, past the run's end (step {steps})")]
     PastTheEnd {

@@ -79,12 +79,12 @@ pub fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String,
         (ROWS_PER_STEP_KEY.to_string(), (cfg.batch_size * cfg.accum).to_string()),
     ]
     .into_iter()
-        .chain(
-            hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
-                .into_iter()
-                .map(|(k, v)| (format!("{HP_PREFIX}{k}"), v)),
-        )
-        .collect()
+    .chain(
+        hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
+            .into_iter()
+            .map(|(k, v)| (format!("{HP_PREFIX}{k}"), v)),
+    )
+    .collect()
 }
 
 /// The schedule of a run that resumes a checkpoint with metadata `meta` (or starts afresh:

@@ -146,9 +146,10 @@ impl RunArgs {
             .find(|&&c| !crate::args::cap_in_range(c))
         {
             return bad(format!(
-                "--autotune-caps must be finite numbers of MiB, at least one byte ({:e}) and at most {}, got {c}",
+                "--autotune-caps must be finite numbers of MiB, at least one byte ({:e}) and at most {}, got {}",
                 crate::args::MIN_BUCKET_MB,
-                crate::args::MAX_BUCKET_MB
+                crate::args::MAX_BUCKET_MB,
+                compact(*c)
             ));
         }
         if let Some(c) = a.autotune_caps.as_deref().and_then(crate::args::listed_twice) {

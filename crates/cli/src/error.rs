@@ -162,6 +162,10 @@ fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
              data read in order or under --join would continue at another row; resume with a --batch-size and \
              --accum whose product is {written}"
         ),
+        M::NonFinite { tensor, index, value } => format!(
+            "tensor '{tensor}' holds {value} at index {index}: a run under --allow-nonfinite wrote it; \
+             resume with --allow-nonfinite to continue it"
+        ),
         M::PastTheEnd { step, steps } => format!("it is at step {step}, past --steps {steps}"),
         M::Written {
             what: "data order",

@@ -66,12 +66,32 @@ pub fn load_text(args: &RunArgs, kind: &ModelKind) -> Result<Option<TextData>> {
     }
 }
 
+/// Reads a data file (`--data`, `--eval-data`, a rank's file) by its first bytes: NumPy's
+/// `.npy` magic, a zip archive (`.npz`, what `numpy.savez` writes), else by its extension
+/// (`.npy`, `.npz`), else as safetensors (which has no magic: its first bytes are a length).
+fn read_dataset(path: &std::path::Path, kind: &ModelKind) -> Result<Dataset> {
+    use std::io::Read;
+    let mut head = vec![];
+    if let Ok(f) = std::fs::File::open(path) {
+        // unreadable here: the reader below names the failure
+        let _ = f.take(6).read_to_end(&mut head);
+    }
+    let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    Ok(match (&head[..], ext.as_deref()) {
+        (b"\x93NUMPY", _) => Dataset::from_npy(path, kind)?,
+        ([b'P', b'K', 3, 4, ..], _) => Dataset::from_npz(path, kind)?,
+        (_, Some("npy")) => Dataset::from_npy(path, kind)?,
+        (_, Some("npz")) => Dataset::from_npz(path, kind)?,
+        _ => Dataset::from_safetensors(path, kind)?,
+    })
+}
+
 /// Loads the dataset the flags name and checks it can feed one global step of `world` ranks;
 /// with `--text`, also its validation rows (the held-out data of `--eval-every`).
 pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<(Dataset, Option<Dataset>)> {
     let (data, text_val) = match (load_text(args, kind)?, &args.data, kind) {
         (Some(text), _, _) => (text.train, text.val),
-        (None, Some(path), _) => (Dataset::from_safetensors(path, kind)?, None),
+        (None, Some(path), _) => (read_dataset(path, kind)?, None),
         (None, None, ModelKind::Mlp(c)) => (Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?, None),
         (None, None, ModelKind::Gpt(c)) => (Dataset::builtin_text(c.context, args.seed)?, None),
     };
@@ -123,7 +143,7 @@ fn split_held_out(args: &RunArgs, kind: &ModelKind, data: Dataset) -> Result<(Da
             };
             Ok((rows(0..n - held)?, Some(rows(n - held..n)?)))
         }
-        (None, Some(path)) => Ok((data, Some(Dataset::from_safetensors(path, kind)?))),
+        (None, Some(path)) => Ok((data, Some(read_dataset(path, kind)?))),
         (None, None) => Ok((data, None)),
     }
 }
@@ -138,7 +158,7 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
                 path: format!("--data {} (rank {r}'s file)", path.display()),
                 source: e,
             })?;
-            Ok(Dataset::from_safetensors(&path, kind)?)
+            read_dataset(&path, kind)
         })
         .collect::<Result<Vec<_>>>()?;
     // in order and without --join each file is read once: a run past its end would read every
@@ -196,9 +216,7 @@ fn setup(
     if args.rank_data().is_some() {
         let shards = load_rank_shards(args, kind, world)?;
         if let Some(path) = &args.eval_data {
-            let _ = late
-                .0
-                .set(HeldOut::new(Dataset::from_safetensors(path, kind)?, args.batch_size));
+            let _ = late.0.set(HeldOut::new(read_dataset(path, kind)?, args.batch_size));
         }
         return Ok(Box::new(shards));
     }

@@ -334,6 +334,17 @@ pub fn check_finite(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
 /// [`ModelError::at_path`] puts the file back). A NaN or infinity is refused like a
 /// mismatch: nothing is written.
 pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]) -> Result<()> {
+    load_params_checked(store, tensors, true)
+}
+
+/// [`load_params_from_tensors`], taking NaN and infinity as any value: for resuming a run
+/// that trains on through them (a checkpoint that run wrote holds them).
+pub fn load_params_from_tensors_nonfinite(store: &ParamStore, tensors: &[(String, Tensor)]) -> Result<()> {
+    load_params_checked(store, tensors, false)
+}
+
+/// Loads `tensors` into `store`, refusing a non-finite value when `finite`.
+fn load_params_checked(store: &ParamStore, tensors: &[(String, Tensor)], finite: bool) -> Result<()> {
     let mismatch = |message: String| ModelError::CheckpointMismatch {
         path: "<memory>".into(),
         message,
@@ -362,7 +373,7 @@ pub fn load_params_from_tensors(store: &ParamStore, tensors: &[(String, Tensor)]
                 t.dtype()
             )));
         }
-        if let Some((index, value)) = first_non_finite(t)? {
+        if let Some((index, value)) = if finite { first_non_finite(t)? } else { None } {
             return Err(ModelError::NonFinite {
                 path: "<memory>".into(),
                 tensor: name.to_string(),

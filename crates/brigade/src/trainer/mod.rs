@@ -158,6 +158,7 @@ impl<'a> Trainer<'a> {
                     recipe: vec![],
                     policy: policy_name.as_deref(),
                     dropout_rng: vec![],
+                    allow_nonfinite: cfg.allow_nonfinite,
                 };
                 let resumed = load_checkpoint(path, &id, model.as_ref(), opt.as_mut())?;
                 // this rank's dropout generator continues where the checkpoint's stood

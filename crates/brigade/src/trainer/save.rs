@@ -58,6 +58,7 @@ impl Trainer<'_> {
                 },
                 policy: policy_name.as_deref(),
                 dropout_rng,
+                allow_nonfinite: self.cfg.allow_nonfinite,
             };
             save_checkpoint(
                 path,

@@ -102,16 +102,18 @@ pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     if let Some(g) = gbps {
         if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
             return Err(Error::Usage(format!(
-                "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {g}",
+                "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {}",
                 compact(NET_GBPS.0),
-                compact(NET_GBPS.1)
+                compact(NET_GBPS.1),
+                compact(g)
             )));
         }
     }
     if !(0.0..=MAX_LATENCY_US).contains(&latency_us) {
         return Err(Error::Usage(format!(
-            "--net-latency-us must be between 0 and {}, got {latency_us}",
-            compact(MAX_LATENCY_US)
+            "--net-latency-us must be between 0 and {}, got {}",
+            compact(MAX_LATENCY_US),
+            compact(latency_us)
         )));
     }
     Ok(())
@@ -204,7 +206,7 @@ impl ModelArgs {
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(
                 "--dropout must be a probability in [0, 1) (1 would drop every activation), got {}",
-                self.dropout
+                compact(self.dropout)
             ));
         }
         match self.model {
@@ -303,8 +305,9 @@ pub struct RunArgs {
     /// Initial parameters (safetensors; PyTorch state-dict names).
     #[arg(long)]
     pub init: Option<PathBuf>,
-    /// Training data (safetensors): mlp `inputs` F32 [N,in] + `targets` I64 [N]; gpt
-    /// `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
+    /// Training data (safetensors, or NumPy .npz with an array per tensor, or .npy for gpt's
+    /// one tensor; told apart by the file's first bytes): mlp `inputs` F32 [N,in] + `targets`
+    /// I64 [N]; gpt `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
     /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
     /// in order and once, --batch-size a microbatch; --shuffle for epochs); files of different
     /// lengths need --join.
@@ -376,7 +379,8 @@ pub struct RunArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
     pub timeout_s: f64,
     /// Train on through non-finite losses and parameters (default: stop with an error naming
-    /// the step, keeping the last good checkpoint).
+    /// the step, keeping the last good checkpoint). A checkpoint such a run wrote, holding
+    /// non-finite values, is continued under this flag only.
     #[arg(long)]
     pub allow_nonfinite: bool,
     /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),

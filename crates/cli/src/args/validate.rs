@@ -58,11 +58,14 @@ impl RunArgs {
             ));
         }
         if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return bad(format!("--lr must be a finite number > 0, got {}", self.lr));
+            return bad(format!("--lr must be a finite number > 0, got {}", compact(self.lr)));
         }
         if let Some(wd) = self.weight_decay {
             if !(wd >= 0.0 && wd.is_finite()) {
-                return bad(format!("--weight-decay must be a finite number >= 0, got {wd}"));
+                return bad(format!(
+                    "--weight-decay must be a finite number >= 0, got {}",
+                    compact(wd)
+                ));
             }
         }
         if let (Some(text), Some(flag)) = (
@@ -91,11 +94,14 @@ impl RunArgs {
             _ => {}
         }
         if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
-            return bad(format!("--val-fraction must be in (0, 1), got {f}"));
+            return bad(format!("--val-fraction must be in (0, 1), got {}", compact(f)));
         }
         if let Some(c) = self.clip_grad_norm {
             if !(c > 0.0 && c.is_finite()) {
-                return bad(format!("--clip-grad-norm must be a finite number > 0, got {c}"));
+                return bad(format!(
+                    "--clip-grad-norm must be a finite number > 0, got {}",
+                    compact(c)
+                ));
             }
         }
         let t = self.lr_decay_steps.unwrap_or(self.steps as u64);
@@ -115,7 +121,7 @@ impl RunArgs {
                 ));
             }
             if !(0.0..1.0).contains(&m) {
-                return bad(format!("--momentum must be in [0, 1), got {m}"));
+                return bad(format!("--momentum must be in [0, 1), got {}", compact(m)));
             }
         }
         if self.bucket_mb.is_empty()
@@ -125,7 +131,7 @@ impl RunArgs {
             return bad(format!(
                 "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({MIN_BUCKET_MB:e}) and at most {MAX_BUCKET_MB}, got [{}] and {}",
                 caps.join(", "),
-                self.first_bucket_mb
+                compact(self.first_bucket_mb)
             ));
         }
         if self.drop_last && !self.shuffle {
@@ -165,7 +171,7 @@ impl RunArgs {
             return bad(format!(
                 "--timeout-s must be a number of seconds > 0 and at most {}, got {}",
                 compact(MAX_TIMEOUT_S),
-                self.timeout_s
+                compact(self.timeout_s)
             ));
         }
         if self.warmup >= self.steps && self.steps > 0 {

@@ -13,6 +13,7 @@ use crate::report::stdout::outln;
 use std::path::Path;
 use std::sync::Arc;
 
+use brigade::observe::TrainObserver;
 use brigade::policies::PolicySpec;
 use brigade::TrainConfig;
 
@@ -129,8 +130,14 @@ fn prepare_out(out: &Path) -> Result<()> {
 }
 
 /// Runs `brigade sweep --policy`.
-pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
-    let quiet = RunOptions::default();
+pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> Result<()> {
+    // a signal stops the run in progress at a step boundary; that run is dropped, and --out
+    // gets the policies that finished
+    let quiet = RunOptions {
+        observer: Some(stop_on_signal),
+        ..RunOptions::default()
+    };
+    let mut interrupted = false;
     let late = Arc::new(LateHeldOut::default());
     let plan = plan(s, &quiet, &late)?;
     prepare_out(&s.out)?;
@@ -144,8 +151,16 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
             ..cfg.clone()
         };
         let baseline = finished(run_config(a, &quiet, &base, &late)?)?;
+        if baseline.outcome.interrupted {
+            interrupted = true;
+            break;
+        }
         let compute_ms = median_step(a, &baseline.outcome.step_ms);
         let report = finished(run_config(a, &quiet, cfg, &late)?)?.outcome;
+        if report.interrupted {
+            interrupted = true;
+            break;
+        }
         let step_ms = median_step(a, &report.step_ms);
         let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
         let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
@@ -166,6 +181,12 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
             wire_bytes_per_step: sent.wire_per_step,
             final_loss: report.losses.last().copied().unwrap_or(f64::NAN),
             last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
+        });
+    }
+    if interrupted && rows.is_empty() {
+        return Err(Error::SweepInterrupted {
+            runs: 0,
+            of: plan.len(),
         });
     }
     write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
@@ -204,6 +225,12 @@ pub fn sweep_policies(s: &SweepArgs) -> Result<()> {
             outln!("note: {}: {}", r.policy, r.note);
         }
         outln!("wrote {}", s.out.join(OUTPUTS[0]).display());
+    }
+    if interrupted {
+        return Err(Error::SweepInterrupted {
+            runs: rows.len(),
+            of: plan.len(),
+        });
     }
     Ok(())
 }

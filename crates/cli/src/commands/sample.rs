@@ -118,7 +118,7 @@ pub fn sample(a: SampleArgs) -> Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         return Err(Error::Usage(format!(
             "--temperature must be a finite number >= 0 (0: greedy), got {}",
-            a.temperature
+            crate::args::compact(a.temperature)
         )));
     }
     if a.top_k == Some(0) {

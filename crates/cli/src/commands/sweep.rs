@@ -110,11 +110,11 @@ fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
 
 /// Runs `brigade sweep`.
 pub fn sweep(s: SweepArgs) -> Result<()> {
+    // first: a signal from here on stops the sweep (at once while its first run starts)
+    let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(StopOnSignal::install());
     if !s.policy.is_empty() {
-        return crate::commands::policy_sweep::sweep_policies(&s);
+        return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
     }
-    // a signal from here on stops the sweep (at once while its first run starts)
-    let stop_on_signal = StopOnSignal::install();
     let caps = s.run.fixed_caps()?;
     s.run.validate()?;
     if s.run.steps < 2 {
@@ -136,7 +136,6 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     prepare_out(&s.out, &s.run)?;
     // a signal stops the run in progress at a step boundary; that run is dropped, and --out
     // gets the runs that finished (during the first run's start-up: an exit at once)
-    let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(stop_on_signal);
     let quiet = RunOptions {
         observer: Some(stop_on_signal),
         ..RunOptions::default()

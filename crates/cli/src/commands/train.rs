@@ -203,11 +203,12 @@ fn launched_world_size(run: &RunArgs) -> usize {
     }
 }
 
-/// The rows of an existing `--losses` file, by step (kept when a resumed run rewrites it).
-fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
+/// The rows of an existing `--losses` file, by step (kept when a resumed run rewrites it);
+/// `None` when there is no such file.
+fn previous_losses(path: &std::path::Path) -> Result<Option<Vec<(usize, String)>>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => {
             return Err(Error::Io {
                 path: path.display().to_string(),
@@ -238,7 +239,8 @@ fn previous_losses(path: &std::path::Path) -> Result<Vec<(usize, String)>> {
                 .ok_or_else(not_ours)?;
             Ok((step, l.to_string()))
         })
-        .collect()
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// The rows of an existing `--losses` file at `path` that a run resumed at `first_step` keeps:
@@ -293,7 +295,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
     let locks = Arc::new(OutputLocks::new(t.outputs()));
     let kept = match (&t.resume, &t.losses) {
         (Some(_), Some(path)) => previous_losses(path)?,
-        _ => vec![],
+        _ => None,
     };
     // who watches: the signals (a stop request), the notes, and unless told otherwise the bar
     let watch = (stop_on_signal, PrintNotes);
@@ -314,9 +316,9 @@ pub fn train(t: TrainArgs) -> Result<()> {
         locks: Some(locks.clone()),
     };
     let mut report = run(&t.run, &opts)?;
-    let kept = match &t.losses {
-        Some(path) => rows_before(kept, report.outcome.first_step, path),
-        None => kept,
+    let kept = match (kept, &t.losses) {
+        (Some(rows), Some(path)) => rows_before(rows, report.outcome.first_step, path),
+        _ => vec![],
     };
     let stopped = report.outcome.stopped.take();
     let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));

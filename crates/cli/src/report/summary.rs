@@ -174,12 +174,22 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             outln!("{line}");
         }
         if let (Some(p), brigade::data::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
-            outln!(
-                "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
-                rows.first().copied().unwrap_or(0),
-                p.epoch,
-                p.index
-            );
+            // the position is rank 0's: the ranks stand at the same row only when their
+            // epochs are equally long
+            match rows.split_first() {
+                Some((first, rest)) if rest.iter().any(|r| r != first) => outln!(
+                    "data: shuffled, rows per epoch by rank: {}; next (rank 0): epoch {} row {}",
+                    rows.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+                    p.epoch,
+                    p.index
+                ),
+                _ => outln!(
+                    "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
+                    rows.first().copied().unwrap_or(0),
+                    p.epoch,
+                    p.index
+                ),
+            }
         }
         if let (Some(first), Some(last)) = (outcome.lrs.first(), outcome.lrs.last()) {
             if a.lr_schedule != crate::args::ScheduleFlag::Constant || a.warmup_steps > 0 {

@@ -337,3 +337,32 @@ fn sizes_without_a_bound_are_refused_in_one_line() {
     ]));
     assert!(e.contains("/dev/zero") && e.contains("1 GiB"), "{e}");
 }
+
+#[test]
+fn a_huge_number_in_a_message_is_written_short() {
+    for (flag, value) in [
+        ("--timeout-s", "1e300"),
+        ("--net-gbps", "1e300"),
+        ("--net-latency-us", "1e300"),
+        ("--dropout", "1e300"),
+        ("--first-bucket-mb", "1e300"),
+        ("--weight-decay", "-1e300"),
+        ("--clip-grad-norm", "-1e300"),
+    ] {
+        let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", flag, value]]));
+        assert!(
+            e.contains(flag) && e.contains("e300") && e.len() < 300,
+            "{flag} {value}: {e}"
+        );
+    }
+    let e = fails(&[
+        "sample",
+        "--checkpoint",
+        "none.ckpt",
+        "--prompt",
+        "a",
+        "--temperature",
+        "-1e300",
+    ]);
+    assert!(e.contains("e300") && e.len() < 300, "{e}");
+}

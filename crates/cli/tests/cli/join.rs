@@ -252,3 +252,31 @@ fn per_rank_files_read_past_their_end_without_join_are_refused() {
     ok(&cat(&[&base, &["--steps", "3", "--shuffle"]]));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn the_shuffled_summary_names_each_rank_s_rows() {
+    let d = dir("join-shuffle-rows");
+    shard(&d, 0, 40);
+    shard(&d, 1, 24);
+    let pattern = d.join("shard-{rank}.safetensors");
+    let out = ok(&cat(&[
+        &["train"],
+        MLP,
+        &[
+            "--world-size",
+            "2",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--optimizer",
+            "sgd",
+        ],
+        &["--data", s(&pattern), "--join", "divide-initial", "--shuffle"],
+    ]));
+    assert!(
+        out.contains("data: shuffled, rows per epoch by rank: 40, 24; next (rank 0): epoch 0 row 16"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

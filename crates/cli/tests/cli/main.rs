@@ -5,6 +5,7 @@
 mod bad_input;
 mod bench_gemm;
 mod common;
+mod data_formats;
 mod device;
 mod faults;
 mod finished_work;

@@ -8,7 +8,7 @@ use std::process::Command;
 use brigade_models::save_safetensors;
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::common::{bin, cat, dir, fails, losses, mlp_data, ok, s, MLP};
+use crate::common::{bin, cat, dir, fails, losses, mlp_data, ok, s, without, MLP};
 
 /// Rank `rank`'s file for the small MLP: `rows` rows of its own.
 fn shard(dir: &Path, rank: usize, rows: usize) {
@@ -31,7 +31,10 @@ fn a_resume_on_in_order_data_with_other_rows_a_step_is_one_error_line() {
     let data = mlp_data(&d, None);
     let ck = d.join("ck.safetensors");
     let base = cat(&[&["train"], MLP, &["--data", s(&data), "--optimizer", "sgd"]]);
-    ok(&cat(&[&base, &["--steps", "2", "--batch-size", "8", "--checkpoint", s(&ck)]]));
+    ok(&cat(&[
+        &base,
+        &["--steps", "2", "--batch-size", "8", "--checkpoint", s(&ck)],
+    ]));
     // 16 rows were read; another --batch-size or --accum would start elsewhere
     for other in [&["--batch-size", "16"][..], &["--batch-size", "8", "--accum", "2"]] {
         let e = fails(&cat(&[&base, other, &["--steps", "4", "--resume", s(&ck)]]));
@@ -44,9 +47,23 @@ fn a_resume_on_in_order_data_with_other_rows_a_step_is_one_error_line() {
     let (l, straight) = (d.join("l.csv"), d.join("straight.csv"));
     ok(&cat(&[
         &base,
-        &["--batch-size", "4", "--accum", "2", "--steps", "4", "--resume", s(&ck), "--losses", s(&l)],
+        &[
+            "--batch-size",
+            "4",
+            "--accum",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            s(&ck),
+            "--losses",
+            s(&l),
+        ],
     ]));
-    ok(&cat(&[&base, &["--batch-size", "8", "--steps", "4", "--losses", s(&straight)]]));
+    ok(&cat(&[
+        &base,
+        &["--batch-size", "8", "--steps", "4", "--losses", s(&straight)],
+    ]));
     // the first run wrote no --losses: the file holds the resumed steps 2 and 3
     let (a, b) = (losses(&l), losses(&straight));
     assert_eq!(a.len(), 2);
@@ -70,21 +87,60 @@ fn a_join_resume_after_a_rank_joined_continues_the_straight_run() {
         &["--data", s(&pattern)],
     ]);
     let (ck, l, straight) = (d.join("ck.safetensors"), d.join("l.csv"), d.join("straight.csv"));
-    ok(&cat(&[&base, &["--batch-size", "8", "--steps", "4", "--checkpoint", s(&ck)]]));
     ok(&cat(&[
         &base,
-        &["--batch-size", "8", "--steps", "5", "--resume", s(&ck), "--losses", s(&l)],
+        &["--batch-size", "8", "--steps", "4", "--checkpoint", s(&ck)],
     ]));
-    ok(&cat(&[&base, &["--batch-size", "8", "--steps", "5", "--losses", s(&straight)]]));
+    ok(&cat(&[
+        &base,
+        &[
+            "--batch-size",
+            "8",
+            "--steps",
+            "5",
+            "--resume",
+            s(&ck),
+            "--losses",
+            s(&l),
+        ],
+    ]));
+    ok(&cat(&[
+        &base,
+        &["--batch-size", "8", "--steps", "5", "--losses", s(&straight)],
+    ]));
     let (a, b) = (losses(&l), losses(&straight));
     // the first run wrote no --losses: the file holds the resumed step alone
     assert_eq!(a.len(), 1);
+    let out = Command::new(bin())
+        .args(cat(&[
+            &base,
+            &[
+                "--batch-size",
+                "8",
+                "--steps",
+                "5",
+                "--resume",
+                s(&ck),
+                "--losses",
+                s(&d.join("new.csv")),
+            ],
+        ]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !err.contains("--losses"),
+        "no file, nothing to say of it: {err}"
+    );
     assert_eq!((a[0].0, b[4].0), (4, 4));
     assert!((a[0].1 - b[4].1).abs() < 1e-5, "{a:?} against {b:?}");
     // another --batch-size would put the ranks' positions and joins elsewhere: one line
     // naming what the checkpoint was written with
     for other in ["4", "16"] {
-        let e = fails(&cat(&[&base, &["--batch-size", other, "--steps", "5", "--resume", s(&ck)]]));
+        let e = fails(&cat(&[
+            &base,
+            &["--batch-size", other, "--steps", "5", "--resume", s(&ck)],
+        ]));
         assert!(e.contains("8 rows a step") && e.contains("--batch-size"), "{e}");
         assert!(!e.contains("ranks joined"), "{e}");
     }
@@ -135,7 +191,10 @@ fn a_resume_past_a_defaulted_t_says_so_naming_lr_decay_steps() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "{err}");
-        err.lines().filter(|l| l.contains("--lr-decay-steps")).map(str::to_string).collect()
+        err.lines()
+            .filter(|l| l.contains("--lr-decay-steps"))
+            .map(str::to_string)
+            .collect()
     };
     let said = notes(&["--steps", "6"]);
     assert_eq!(said.len(), 1, "{said:?}");
@@ -143,6 +202,32 @@ fn a_resume_past_a_defaulted_t_says_so_naming_lr_decay_steps() {
     // within T, or T given: nothing to say
     assert!(notes(&["--steps", "3"]).is_empty());
     let _ = std::fs::remove_file(&ck);
-    ok(&cat(&[&base, &["--steps", "3", "--lr-decay-steps", "3", "--checkpoint", s(&ck)]]));
+    ok(&cat(&[
+        &base,
+        &["--steps", "3", "--lr-decay-steps", "3", "--checkpoint", s(&ck)],
+    ]));
     assert!(notes(&["--steps", "6", "--lr-decay-steps", "3"]).is_empty());
+}
+
+#[test]
+fn a_checkpoint_written_under_allow_nonfinite_resumes_with_it_and_only_with_it() {
+    let d = dir("drift-nonfinite");
+    let ck = d.join("ck.safetensors");
+    // a learning rate this large turns the parameters into NaN within the first steps
+    let base = cat(&[
+        &["train"],
+        &without(MLP, "--lr"),
+        &["--lr", "1e300", "--batch-size", "8"],
+    ]);
+    ok(&cat(&[
+        &base,
+        &["--steps", "3", "--allow-nonfinite", "--checkpoint", s(&ck)],
+    ]));
+    ok(&cat(&[
+        &base,
+        &["--steps", "5", "--allow-nonfinite", "--resume", s(&ck)],
+    ]));
+    // without the flag the non-finite values are one line naming it
+    let e = fails(&cat(&[&base, &["--steps", "5", "--resume", s(&ck)]]));
+    assert!(e.contains("NaN") && e.contains("--allow-nonfinite"), "{e}");
 }

@@ -76,7 +76,7 @@ fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
         &["--world-size", "2", "--steps", "4", "--repeat", "1000"],
         &["--bucket-mb", "0.001,0.002,0.004,0.008", "--out", s(&out)],
     ]));
-    std::thread::sleep(Duration::from_secs(3));
+    std::thread::sleep(Duration::from_secs(4));
     kill(&child, "INT");
     let (status, _, err) = wait(child);
     assert_eq!(status.code(), Some(130), "{err}");
@@ -86,7 +86,13 @@ fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
     let rows: Vec<&str> = csv.lines().skip(1).collect();
     assert!(!rows.is_empty() && rows.len() <= 4, "{csv}");
     // each row counts the runs of its cap that finished, fewer than asked
-    let runs = csv.lines().next().unwrap().split(',').position(|c| c == "runs").unwrap();
+    let runs = csv
+        .lines()
+        .next()
+        .unwrap()
+        .split(',')
+        .position(|c| c == "runs")
+        .unwrap();
     for row in rows {
         let n: usize = row.split(',').nth(runs).unwrap().parse().unwrap();
         assert!((1..1000).contains(&n), "{row}");
@@ -101,7 +107,16 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
     let mut child = start(&common::cat(&[
         &["train"],
         MLP,
-        &["--world-size", "2", "--steps", "1000", "--net-gbps", "1", "--net-latency-us", "500000"],
+        &[
+            "--world-size",
+            "2",
+            "--steps",
+            "1000",
+            "--net-gbps",
+            "1",
+            "--net-latency-us",
+            "500000",
+        ],
         &["--checkpoint", s(&ck), "--checkpoint-every", "1", "--losses", s(&l)],
     ]));
     wait_for(&mut child, &ck);
@@ -119,5 +134,32 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, ["ck.safetensors", "losses.csv"], "lock or temporary files left behind");
+    assert_eq!(
+        names,
+        ["ck.safetensors", "losses.csv"],
+        "lock or temporary files left behind"
+    );
+}
+
+#[test]
+fn an_interrupted_policy_sweep_writes_the_policies_that_finished_and_exits_130() {
+    let d = common::dir("signal-policy-sweep");
+    let out = d.join("out");
+    let policies = "allreduce,fp16,bf16,powersgd:1,powersgd:2,zero1,zero2";
+    let child = start(&common::cat(&[
+        &["sweep"],
+        &MLP[..MLP.len() - 1],
+        &["--world-size", "2", "--steps", "6000"],
+        &["--policy", policies, "--out", s(&out)],
+    ]));
+    std::thread::sleep(Duration::from_secs(4));
+    kill(&child, "INT");
+    let (status, _, err) = wait(child);
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(!err.contains("panicked") && err.contains("interrupted"), "{err}");
+    // the policies that finished before the signal, or none (and then no file)
+    match std::fs::read_to_string(out.join("policies.csv")) {
+        Ok(csv) => assert!((1..7).contains(&csv.lines().skip(1).count()), "{csv}"),
+        Err(_) => assert!(err.contains("nothing was written"), "{err}"),
+    }
 }
