@@ -53,11 +53,23 @@ printf '#!/bin/sh\nexec qemu-x86_64 -cpu %s %s "$@"\n' "$model" "$bin" >"$wrappe
 chmod +x "$wrapper"
 export BRIGADE_BIN="$wrapper"
 
+# The CLI's tests that send SIGINT or SIGTERM to a running `brigade`: qemu-user (7.2) crashes
+# the emulated process when a signal reaches it while its threads run ("qemu: uncaught target
+# signal 11"), whatever the handler does, so they run natively only (`cargo test`). They compare
+# no floating-point result with one recorded elsewhere.
+signal_tests=(signals:: lifecycle::sigint_ lifecycle::sigterm_ faults::two_sigterms_
+  faults::a_signal_while_starting_ faults::a_second_run_on_one_checkpoint_
+  policy_resume::powersgd_stopped_by_sigint_)
+
 failed=()
 while read -r dir exe; do
   echo "== $(basename "$exe") on -cpu $cpu"
+  skip=()
+  if [ "$(basename "$(dirname "$dir")")/$(basename "$dir")" = crates/cli ] && [[ "$(basename "$exe")" == cli-* ]]; then
+    for t in "${signal_tests[@]}"; do skip+=(--skip "$t"); done
+  fi
   # each binary from its package's directory, as cargo test runs it
-  if ! (cd "$dir" && qemu-x86_64 -cpu "$model" "$exe" "$@"); then
+  if ! (cd "$dir" && qemu-x86_64 -cpu "$model" "$exe" "$@" "${skip[@]}"); then
     failed+=("$(basename "$exe")")
   fi
 done <"$list"
