@@ -45,52 +45,37 @@ unsafe fn gemm<T: Float>(
     beta: T,
     par: Parallelism,
 ) {
+    // the same call in each element type: the pointers and scalars reinterpreted as it
+    macro_rules! call {
+        ($e:ty, $kernel:expr) => {{
+            let s = |x: T| *(&x as *const T as *const $e);
+            $kernel(
+                m,
+                n,
+                k,
+                dst as *mut $e,
+                dst_cs,
+                dst_rs,
+                read_dst,
+                lhs as *const $e,
+                lhs_cs,
+                lhs_rs,
+                rhs as *const $e,
+                rhs_cs,
+                rhs_rs,
+                s(alpha),
+                s(beta),
+                false,
+                false,
+                false,
+                par,
+            )
+        }};
+    }
     if TypeId::of::<T>() == TypeId::of::<f32>() {
-        let f = |x: T| *(&x as *const T as *const f32);
-        gemm_f32::gemm::f32::get_gemm_fn()(
-            m,
-            n,
-            k,
-            dst as *mut f32,
-            dst_cs,
-            dst_rs,
-            read_dst,
-            lhs as *const f32,
-            lhs_cs,
-            lhs_rs,
-            rhs as *const f32,
-            rhs_cs,
-            rhs_rs,
-            f(alpha),
-            f(beta),
-            false,
-            false,
-            false,
-            par,
-        )
+        call!(f32, gemm_f32::gemm::f32::get_gemm_fn())
     } else if TypeId::of::<T>() == TypeId::of::<f64>() {
-        let f = |x: T| *(&x as *const T as *const f64);
-        gemm_f64::gemm::f64::get_gemm_fn()(
-            m,
-            n,
-            k,
-            dst as *mut f64,
-            dst_cs,
-            dst_rs,
-            read_dst,
-            lhs as *const f64,
-            lhs_cs,
-            lhs_rs,
-            rhs as *const f64,
-            rhs_cs,
-            rhs_rs,
-            f(alpha),
-            f(beta),
-            false,
-            false,
-            false,
-            par,
-        )
+        call!(f64, gemm_f64::gemm::f64::get_gemm_fn())
     } else {
         unreachable!("Float is implemented for f32 and f64 only")
     }
