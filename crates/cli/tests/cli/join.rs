@@ -3,24 +3,14 @@
 
 use std::path::Path;
 
-use brigade_models::save_safetensors;
-use brigade_tensor::{DType, Rng, Tensor};
+use brigade_tensor::Tensor;
 
-use crate::common::{cat, dir, fails, losses, ok, s, MLP};
+use crate::common::{argmax_rows, cat, dir, fails, losses, ok, s, write_rows, MLP};
 
 /// Rank `rank`'s file for the small MLP: `rows` rows of its own.
 fn shard(dir: &Path, rank: usize, rows: usize) {
-    let mut rng = Rng::new(20 + rank as u64);
-    let x = Tensor::randn(&[rows, 16], 1.0, DType::F32, &mut rng);
-    let labels: Vec<i64> = x
-        .to_vec::<f32>()
-        .unwrap()
-        .chunks(16)
-        .map(|r| (0..4).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
-        .collect();
-    let y = Tensor::from_vec(labels, &[rows]).unwrap();
-    let path = dir.join(format!("shard-{rank}.safetensors"));
-    save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+    let (x, y) = argmax_rows(rows, 16, 4, 20 + rank as u64);
+    write_rows(&dir.join(format!("shard-{rank}.safetensors")), x, y, 16);
 }
 
 #[test]
@@ -113,16 +103,8 @@ fn per_rank_files_of_different_lengths_train_with_join() {
 
 /// `rows` rows for the reference MLP (512 inputs, 10 classes), rank `rank`'s own.
 fn reference_shard(path: &Path, rank: usize, rows: usize) {
-    let mut rng = Rng::new(30 + rank as u64);
-    let x = Tensor::randn(&[rows, 512], 1.0, DType::F32, &mut rng);
-    let labels: Vec<i64> = x
-        .to_vec::<f32>()
-        .unwrap()
-        .chunks(512)
-        .map(|r| (0..10).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
-        .collect();
-    let y = Tensor::from_vec(labels, &[rows]).unwrap();
-    save_safetensors(path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+    let (x, y) = argmax_rows(rows, 512, 10, 30 + rank as u64);
+    write_rows(path, x, y, 512);
 }
 
 #[test]

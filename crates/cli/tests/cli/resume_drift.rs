@@ -5,24 +5,12 @@
 use std::path::Path;
 use std::process::Command;
 
-use brigade_models::save_safetensors;
-use brigade_tensor::{DType, Rng, Tensor};
-
-use crate::common::{bin, cat, dir, fails, losses, mlp_data, ok, s, without, MLP};
+use crate::common::{argmax_rows, bin, cat, dir, fails, losses, mlp_data, ok, s, without, write_rows, MLP};
 
 /// Rank `rank`'s file for the small MLP: `rows` rows of its own.
 fn shard(dir: &Path, rank: usize, rows: usize) {
-    let mut rng = Rng::new(40 + rank as u64);
-    let x = Tensor::randn(&[rows, 16], 1.0, DType::F32, &mut rng);
-    let labels: Vec<i64> = x
-        .to_vec::<f32>()
-        .unwrap()
-        .chunks(16)
-        .map(|r| (0..4).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
-        .collect();
-    let y = Tensor::from_vec(labels, &[rows]).unwrap();
-    let path = dir.join(format!("shard-{rank}.safetensors"));
-    save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+    let (x, y) = argmax_rows(rows, 16, 4, 40 + rank as u64);
+    write_rows(&dir.join(format!("shard-{rank}.safetensors")), x, y, 16);
 }
 
 #[test]

@@ -97,20 +97,35 @@ pub fn mlp_data(dir: &Path, nan_at: Option<usize>) -> PathBuf {
     } else {
         "mlp-data.safetensors"
     });
-    let mut rng = Rng::new(9);
-    let x = Tensor::randn(&[64, 16], 1.0, DType::F32, &mut rng);
-    let mut xv = x.to_vec::<f32>().unwrap();
-    let labels: Vec<i64> = xv
-        .chunks(16)
-        .map(|r| (0..4).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
-        .collect();
+    let (mut xv, labels) = argmax_rows(64, 16, 4, 9);
     if let Some(i) = nan_at {
         xv[i] = f32::NAN;
     }
-    let x = Tensor::from_vec(xv, &[64, 16]).unwrap();
-    let y = Tensor::from_vec(labels, &[64]).unwrap();
-    save_safetensors(&path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
+    write_rows(&path, xv, labels, 16);
     path
+}
+
+/// `rows` rows of `inputs` standard-normal features drawn from `seed`, each labelled with the
+/// index of the largest of its first `classes` features: a task an MLP learns.
+pub fn argmax_rows(rows: usize, inputs: usize, classes: usize, seed: u64) -> (Vec<f32>, Vec<i64>) {
+    let mut rng = Rng::new(seed);
+    let x = Tensor::randn(&[rows, inputs], 1.0, DType::F32, &mut rng)
+        .to_vec::<f32>()
+        .unwrap();
+    let labels = x
+        .chunks(inputs)
+        .map(|r| (0..classes).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as i64)
+        .collect();
+    (x, labels)
+}
+
+/// Writes rows of `inputs` features and their labels as the `inputs` and `targets` tensors of
+/// a safetensors file.
+pub fn write_rows(path: &Path, x: Vec<f32>, labels: Vec<i64>, inputs: usize) {
+    let rows = labels.len();
+    let x = Tensor::from_vec(x, &[rows, inputs]).unwrap();
+    let y = Tensor::from_vec(labels, &[rows]).unwrap();
+    save_safetensors(path, &[("inputs".into(), x), ("targets".into(), y)], None).unwrap();
 }
 
 /// `(step, loss)` rows of a `--losses` file.
