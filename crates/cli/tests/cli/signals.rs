@@ -3,11 +3,10 @@
 //! and its lock files gone.
 
 use std::os::unix::process::CommandExt;
-use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
-use crate::common::{self, bin, losses, s, MLP};
+use crate::common::{self, bin, losses, s, send_signal, wait_for_file, wait_to_end, MLP};
 
 /// `brigade args...` started with SIGINT and SIGTERM at their default action (a shell that
 /// starts the suite in the background ignores SIGINT for its children, which brigade keeps).
@@ -27,58 +26,20 @@ fn start(args: &[&str]) -> Child {
         .expect("start brigade")
 }
 
-fn kill(child: &Child, signal: &str) {
-    assert!(Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success());
-}
-
-/// Waits (at most 120 s) for `child` to end: its status, stdout and stderr.
-fn wait(mut child: Child) -> (ExitStatus, String, String) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("brigade still running 120 s after the signal");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let out = std::io::read_to_string(child.stdout.take().unwrap()).unwrap();
-    let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
-    (status, out, err)
-}
-
-/// Waits (at most 120 s) until `path` exists while `child` runs.
-fn wait_for(child: &mut Child, path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !path.exists() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("brigade ended before {} existed: {status}", path.display());
-        }
-        assert!(Instant::now() < deadline, "no {} within 120 s", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
     let d = common::dir("signal-sweep");
     let out = d.join("out");
     // many caps, many rounds: the sweep is still running when the signal comes
-    let child = start(&common::cat(&[
+    let mut child = start(&common::cat(&[
         &["sweep"],
         &MLP[..MLP.len() - 1],
         &["--world-size", "2", "--steps", "4", "--repeat", "1000"],
         &["--bucket-mb", "0.001,0.002,0.004,0.008", "--out", s(&out)],
     ]));
     std::thread::sleep(Duration::from_secs(4));
-    kill(&child, "INT");
-    let (status, _, err) = wait(child);
+    send_signal(&child, "INT");
+    let (status, err) = wait_to_end(&mut child);
     assert_eq!(status.code(), Some(130), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(err.contains("interrupted"), "{err}");
@@ -119,11 +80,11 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
         ],
         &["--checkpoint", s(&ck), "--checkpoint-every", "1", "--losses", s(&l)],
     ]));
-    wait_for(&mut child, &ck);
-    kill(&child, "INT");
+    wait_for_file(&mut child, &ck);
+    send_signal(&child, "INT");
     std::thread::sleep(Duration::from_millis(1500));
-    kill(&child, "INT");
-    let (status, _, err) = wait(child);
+    send_signal(&child, "INT");
+    let (status, err) = wait_to_end(&mut child);
     assert_eq!(status.code(), Some(130), "{err}");
     assert!(err.contains("interrupted after step"), "{err}");
     let steps: Vec<usize> = losses(&l).iter().map(|r| r.0).collect();
@@ -146,15 +107,15 @@ fn an_interrupted_policy_sweep_writes_the_policies_that_finished_and_exits_130()
     let d = common::dir("signal-policy-sweep");
     let out = d.join("out");
     let policies = "allreduce,fp16,bf16,powersgd:1,powersgd:2,zero1,zero2";
-    let child = start(&common::cat(&[
+    let mut child = start(&common::cat(&[
         &["sweep"],
         &MLP[..MLP.len() - 1],
         &["--world-size", "2", "--steps", "6000"],
         &["--policy", policies, "--out", s(&out)],
     ]));
     std::thread::sleep(Duration::from_secs(4));
-    kill(&child, "INT");
-    let (status, _, err) = wait(child);
+    send_signal(&child, "INT");
+    let (status, err) = wait_to_end(&mut child);
     assert_eq!(status.code(), Some(130), "{err}");
     assert!(!err.contains("panicked") && err.contains("interrupted"), "{err}");
     // the policies that finished before the signal, or none (and then no file)

@@ -242,22 +242,29 @@ pub fn polyline_points(svg: &str, color: &str) -> Vec<usize> {
     counts
 }
 
-/// Waits (at most 120 s) for `child`'s first checkpoint at `ck`, sends it `SIG{signal}`
-/// (`INT`, `TERM`) and waits (at most 120 s) for it to end: its status and its stderr.
-pub fn signal_after_first_checkpoint(child: &mut Child, ck: &Path, signal: &str) -> (ExitStatus, String) {
+/// Waits (at most 120 s) until `path` exists while `child` runs.
+pub fn wait_for_file(child: &mut Child, path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !ck.exists() {
+    while !path.exists() {
         if let Some(status) = child.try_wait().unwrap() {
-            panic!("brigade ended before its first checkpoint: {status}");
+            panic!("brigade ended before {} existed: {status}", path.display());
         }
-        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        assert!(Instant::now() < deadline, "no {} within 120 s", path.display());
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Sends `child` `SIG{signal}` (`INT`, `TERM`).
+pub fn send_signal(child: &Child, signal: &str) {
     assert!(Command::new("kill")
         .args([&format!("-{signal}"), &child.id().to_string()])
         .status()
         .unwrap()
         .success());
+}
+
+/// Waits (at most 120 s) for `child` to end: its status and its stderr.
+pub fn wait_to_end(child: &mut Child) -> (ExitStatus, String) {
     let deadline = Instant::now() + Duration::from_secs(120);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -265,12 +272,20 @@ pub fn signal_after_first_checkpoint(child: &mut Child, ck: &Path, signal: &str)
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("brigade still running 120 s after SIG{signal}");
+            panic!("brigade still running after 120 s");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
     (status, err)
+}
+
+/// Waits (at most 120 s) for `child`'s first checkpoint at `ck`, sends it `SIG{signal}`
+/// (`INT`, `TERM`) and waits (at most 120 s) for it to end: its status and its stderr.
+pub fn signal_after_first_checkpoint(child: &mut Child, ck: &Path, signal: &str) -> (ExitStatus, String) {
+    wait_for_file(child, ck);
+    send_signal(child, signal);
+    wait_to_end(child)
 }
 
 /// Sets SIGINT and SIGTERM back to their default action (in a child, before exec: a shell
