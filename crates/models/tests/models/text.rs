@@ -1,4 +1,4 @@
-//! Text in (issue 24 §4): a byte-level dataset from any UTF-8 file, with a validation split;
+//! Text in: a byte-level dataset from any UTF-8 file, with a validation split;
 //! one clear error line for an empty, too short or non-UTF-8 file.
 
 use std::path::PathBuf;
