@@ -45,7 +45,7 @@
 //! defaults (a backend without a fused kernel calls `crate::composed`), the NaN rules of
 //! `Max` and `Relu` are PyTorch's (a NaN propagates), and `I8` joined the dtypes.
 
-use crate::cpu::storage::CpuStorage;
+use crate::Buffer;
 use crate::{DType, Device, Layout, Result};
 
 /// Elementwise maps of one tensor (the front end's `neg`, `exp`, ... `affine`, `powf`).
@@ -165,7 +165,13 @@ pub(crate) trait BackendStorage: Sized {
     // ---- copy out and layout ----
 
     /// Copy out: the whole storage (not just a view) into host memory.
-    fn to_cpu(&self) -> Result<CpuStorage>;
+    fn to_cpu(&self) -> Result<Buffer>;
+
+    /// Copy out, consuming the storage: [`BackendStorage::to_cpu`], without a copy where the
+    /// memory already is the host's.
+    fn into_cpu(self) -> Result<Buffer> {
+        self.to_cpu()
+    }
 
     /// The elements of the view `layout` (*any layout*: transposed, narrowed, broadcast)
     /// gathered row-major into a new contiguous storage. Behind `contiguous`, `copy`,

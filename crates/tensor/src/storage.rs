@@ -2,12 +2,11 @@
 //! holds its operands.
 
 use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::storage::CpuStorage;
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaStorage;
 use crate::fake::FakeStorage;
 use crate::stream::{DeviceMemory, Stream};
-use crate::{DType, Device, Element, Layout, Result, TensorError};
+use crate::{Buffer, DType, Device, Element, Layout, Result, TensorError};
 
 /// Storage on one device: the enum every op dispatches on, one variant per backend. Not
 /// `Clone`: copying CUDA memory can fail, so a copy is the explicit, fallible
@@ -15,7 +14,7 @@ use crate::{DType, Device, Element, Layout, Result, TensorError};
 #[derive(Debug)]
 pub(crate) enum DeviceStorage {
     /// Host memory, CPU kernels.
-    Cpu(CpuStorage),
+    Cpu(Buffer),
     /// The counting fake device (`crate::fake`): host memory behind the contract (boxed, as
     /// CUDA's: a lent `Storage` moves by value and stays small).
     Fake(Box<FakeStorage>),
@@ -24,8 +23,8 @@ pub(crate) enum DeviceStorage {
     Cuda(Box<CudaStorage>),
 }
 
-impl From<CpuStorage> for DeviceStorage {
-    fn from(s: CpuStorage) -> Self {
+impl From<Buffer> for DeviceStorage {
+    fn from(s: Buffer) -> Self {
         DeviceStorage::Cpu(s)
     }
 }
@@ -77,7 +76,7 @@ fn mismatch(found: Device, want: Device) -> TensorError {
 
 impl DeviceStorage {
     /// The CPU storage of an operand that must live on the CPU.
-    fn cpu(&self) -> Result<&CpuStorage> {
+    fn cpu(&self) -> Result<&Buffer> {
         match self {
             DeviceStorage::Cpu(s) => Ok(s),
             s => Err(mismatch(s.device(), Device::Cpu)),
@@ -85,7 +84,7 @@ impl DeviceStorage {
     }
 
     /// The CPU storage of an operand that must live on the CPU, for writing.
-    fn cpu_mut(&mut self) -> Result<&mut CpuStorage> {
+    fn cpu_mut(&mut self) -> Result<&mut Buffer> {
         match self {
             DeviceStorage::Cpu(s) => Ok(s),
             s => Err(mismatch(s.device(), Device::Cpu)),
@@ -132,7 +131,7 @@ impl DeviceStorage {
     /// `DeviceUnavailable` naming what is missing.
     pub(crate) fn zeros(device: Device, dtype: DType, n: usize) -> Result<DeviceStorage> {
         match device {
-            Device::Cpu => Ok(CpuStorage::zeros(dtype, n).into()),
+            Device::Cpu => Ok(Buffer::zeros(dtype, n).into()),
             Device::Fake(i) => FakeStorage::zeros(i, dtype, n).map(Into::into),
             #[cfg(feature = "cuda")]
             Device::Cuda(i) => CudaStorage::zeros(&crate::cuda::CudaDevice::get(i)?, dtype, n).map(Into::into),
@@ -142,7 +141,7 @@ impl DeviceStorage {
     }
 
     /// Copy in: host data onto `device` (no copy for the CPU).
-    pub(crate) fn from_cpu(device: Device, data: CpuStorage) -> Result<DeviceStorage> {
+    pub(crate) fn from_cpu(device: Device, data: Buffer) -> Result<DeviceStorage> {
         match device {
             Device::Cpu => Ok(DeviceStorage::Cpu(data)),
             Device::Fake(i) => Ok(FakeStorage::upload(i, data).into()),
@@ -180,31 +179,24 @@ impl DeviceStorage {
 
     /// The elements of the view, row-major, in host memory: one gather on the CPU; on a
     /// device one copy out (after a device-side gather unless the view is the whole storage).
-    pub(crate) fn to_host_vec<T: Element>(&self, layout: &Layout, op: &'static str) -> Result<Vec<T>> {
-        fn out<S: BackendStorage, T: Element>(s: &S, l: &Layout, op: &'static str) -> Result<Vec<T>> {
-            let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == s.len();
-            let host = if whole {
-                s.to_cpu()?
+    pub(crate) fn to_host(&self, layout: &Layout) -> Result<Buffer> {
+        fn out<S: BackendStorage>(s: &S, l: &Layout) -> Result<Buffer> {
+            if l.is_contiguous() && l.offset() == 0 && l.numel() == s.len() {
+                s.to_cpu()
             } else {
-                s.copy_strided(l)?.to_cpu()?
-            };
-            let dtype = host.dtype();
-            T::unwrap(host).ok_or(TensorError::DTypeMismatch {
-                op,
-                lhs: dtype,
-                rhs: T::DTYPE,
-            })
+                s.copy_strided(l)?.into_cpu()
+            }
         }
         match self {
-            DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
-            DeviceStorage::Fake(s) => out(&**s, layout, op),
+            DeviceStorage::Cpu(s) => out(s, layout),
+            DeviceStorage::Fake(s) => out(&**s, layout),
             #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda(s) => out(&**s, layout, op),
+            DeviceStorage::Cuda(s) => out(&**s, layout),
         }
     }
 
     /// Copy out of the whole storage into host memory.
-    pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
+    pub(crate) fn to_cpu(&self) -> Result<Buffer> {
         on_backend!(self, s, other, other_mut => s.to_cpu())
     }
 
@@ -445,29 +437,38 @@ impl Storage {
         self.len() == 0
     }
 
-    /// The elements as a host vector: the storage's own vector on the CPU (no copy), a
-    /// copy out of device memory elsewhere (how a device gradient bucket is staged through
-    /// the host for a CPU all-reduce). `T` must be the storage's dtype.
+    /// The elements as a host buffer: the storage's own buffer on the CPU (no copy), a copy
+    /// out of device memory elsewhere (how a device gradient bucket is staged through the host
+    /// for a CPU all-reduce).
+    pub fn into_buffer(self) -> Result<Buffer> {
+        match self.0 {
+            DeviceStorage::Cpu(s) => s.into_cpu(),
+            DeviceStorage::Fake(s) => s.into_cpu(),
+            #[cfg(feature = "cuda")]
+            DeviceStorage::Cuda(s) => s.into_cpu(),
+        }
+    }
+
+    /// The elements as a host vector of `T`, which must be the storage's dtype (as
+    /// [`Storage::into_buffer`]).
     pub fn into_host_vec<T: Element>(self) -> Result<Vec<T>> {
         let dtype = self.dtype();
-        let wrong = || TensorError::DTypeMismatch {
+        T::unwrap(self.into_buffer()?).ok_or(TensorError::DTypeMismatch {
             op: "into_host_vec",
             lhs: dtype,
             rhs: T::DTYPE,
-        };
-        let host = match self.0 {
-            DeviceStorage::Cpu(s) => s,
-            DeviceStorage::Fake(s) => s.to_cpu()?,
-            #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda(s) => s.to_cpu()?,
-        };
-        T::unwrap(host).ok_or_else(wrong)
+        })
     }
 
-    /// A storage on `device` holding `data`: the vector itself on the CPU (no copy), a
-    /// copy into device memory elsewhere.
+    /// A storage on `device` holding `data`: the buffer itself on the CPU (no copy), a copy
+    /// into device memory elsewhere.
+    pub fn from_buffer(data: Buffer, device: Device) -> Result<Storage> {
+        Ok(Storage(DeviceStorage::from_cpu(device, data)?))
+    }
+
+    /// A storage on `device` holding `data` (as [`Storage::from_buffer`]).
     pub fn from_host_vec<T: Element>(data: Vec<T>, device: Device) -> Result<Storage> {
-        Ok(Storage(DeviceStorage::from_cpu(device, T::wrap(data))?))
+        Storage::from_buffer(T::wrap(data), device)
     }
 
     /// The raw handles of this device memory for code outside the tensor crate (a collective)
@@ -512,7 +513,7 @@ mod tests {
     fn a_lent_cpu_storage_moves_its_vector_out_and_back_without_a_copy() {
         let flat = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap();
         let before = match &*flat.read_guard_for_tests() {
-            super::DeviceStorage::Cpu(super::CpuStorage::F32(v)) => v.as_ptr(),
+            super::DeviceStorage::Cpu(super::Buffer::F32(v)) => v.as_ptr(),
             _ => unreachable!(),
         };
         let v = flat.lend_storage().unwrap().into_host_vec::<f32>().unwrap();
@@ -520,7 +521,7 @@ mod tests {
         let back = Storage::from_host_vec(v, Device::Cpu).unwrap();
         flat.restore_storage(back).unwrap();
         let after = match &*flat.read_guard_for_tests() {
-            super::DeviceStorage::Cpu(super::CpuStorage::F32(v)) => v.as_ptr(),
+            super::DeviceStorage::Cpu(super::Buffer::F32(v)) => v.as_ptr(),
             _ => unreachable!(),
         };
         assert_eq!(after, before);

@@ -13,8 +13,8 @@ use rayon::prelude::*;
 use super::matmul::gemm_strided;
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, same, view};
-use crate::cpu::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
+use crate::Buffer;
 use crate::{Element, Float, Layout, Result};
 
 /// Base pointers shared by the (batch, head) tasks: each task writes only its own
@@ -85,12 +85,7 @@ fn masked_softmax_row<T: Float>(row: &mut [T], i: usize, scale: T) {
 }
 
 /// [`crate::backend::BackendStorage::causal_attention`].
-pub(super) fn causal_attention(
-    qkv: &CpuStorage,
-    l: &Layout,
-    n_heads: usize,
-    scale: f64,
-) -> Result<(CpuStorage, CpuStorage)> {
+pub(super) fn causal_attention(qkv: &Buffer, l: &Layout, n_heads: usize, scale: f64) -> Result<(Buffer, Buffer)> {
     float_kernel!("causal_attention", qkv, xs: T => {
         let (y, p) = forward::<T>(view(xs, l), Dims::from_layout(l, n_heads), T::from_f64(scale));
         Ok((T::wrap(y), T::wrap(p)))
@@ -158,13 +153,13 @@ fn forward<T: Float>(x: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
 
 /// [`crate::backend::BackendStorage::causal_attention_backward`].
 pub(super) fn causal_attention_backward(
-    qkv: &CpuStorage,
+    qkv: &Buffer,
     l: &Layout,
-    probs: (&CpuStorage, &Layout),
-    gy: (&CpuStorage, &Layout),
+    probs: (&Buffer, &Layout),
+    gy: (&Buffer, &Layout),
     n_heads: usize,
     scale: f64,
-) -> Result<CpuStorage> {
+) -> Result<Buffer> {
     let op = "causal_attention_backward";
     float_kernel!(op, qkv, xs: T => {
         let (ps, gs) = (view(same::<T>(op, probs.0)?, probs.1), view(same::<T>(op, gy.0)?, gy.1));

@@ -3,8 +3,8 @@
 
 use super::{float_kernel, same, view};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::cpu::storage::CpuStorage;
 use crate::threads::{par_chunks_mut, par_rows_mut};
+use crate::Buffer;
 use crate::{Element, Float, Layout, Result};
 
 const GRAIN: usize = 16 * 1024;
@@ -12,7 +12,7 @@ const GRAIN: usize = 16 * 1024;
 /// `1/sqrt(2*pi)`.
 const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
-fn map<T: Float>(src: &[T], f: impl Fn(T) -> T + Sync + Send) -> CpuStorage {
+fn map<T: Float>(src: &[T], f: impl Fn(T) -> T + Sync + Send) -> Buffer {
     let mut out = vec![T::ZERO; src.len()];
     par_chunks_mut(&mut out, GRAIN, |start, chunk| {
         let len = chunk.len();
@@ -36,14 +36,14 @@ fn gelu_grad<T: Float>(x: T) -> T {
 }
 
 /// [`crate::backend::BackendStorage::unary`] on a contiguous view.
-pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorage> {
-    if let (UnaryOp::Gelu, CpuStorage::F32(data)) = (op, s) {
+pub(super) fn unary(s: &Buffer, l: &Layout, op: UnaryOp) -> Result<Buffer> {
+    if let (UnaryOp::Gelu, Buffer::F32(data)) = (op, s) {
         let src = view(data, l);
         let mut out = vec![0.0f32; src.len()];
         par_chunks_mut(&mut out, GRAIN, |start, chunk| {
             super::gelu_f32::gelu_slice(&src[start..start + chunk.len()], chunk)
         });
-        return Ok(CpuStorage::F32(out));
+        return Ok(Buffer::F32(out));
     }
     float_kernel!("unary", s, data: T => {
         let src = view(data, l);
@@ -69,7 +69,7 @@ pub(super) fn unary(s: &CpuStorage, l: &Layout, op: UnaryOp) -> Result<CpuStorag
 }
 
 /// `f(a, b)` over two views broadcast to one shape, into a contiguous output.
-fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T, T) -> T + Sync + Send) -> CpuStorage {
+fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T, T) -> T + Sync + Send) -> Buffer {
     let shape = la.shape();
     let mut out = vec![T::ZERO; la.numel()];
     if la.is_contiguous() && lb.is_contiguous() {
@@ -100,8 +100,8 @@ fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T
 }
 
 /// [`crate::backend::BackendStorage::binary`]: any two layouts of one shape.
-pub(super) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, op: BinaryOp) -> Result<CpuStorage> {
-    if let (BinaryOp::GeluBackward, CpuStorage::F32(da), CpuStorage::F32(db)) = (op, a, b) {
+pub(super) fn binary(a: &Buffer, la: &Layout, b: &Buffer, lb: &Layout, op: BinaryOp) -> Result<Buffer> {
+    if let (BinaryOp::GeluBackward, Buffer::F32(da), Buffer::F32(db)) = (op, a, b) {
         if la.is_contiguous() && lb.is_contiguous() {
             let (x, g) = (view(da, la), view(db, lb));
             let mut out = vec![0.0f32; x.len()];
@@ -109,7 +109,7 @@ pub(super) fn binary(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout, o
                 let end = start + chunk.len();
                 super::gelu_f32::gelu_backward_slice(&x[start..end], &g[start..end], chunk)
             });
-            return Ok(CpuStorage::F32(out));
+            return Ok(Buffer::F32(out));
         }
         return Ok(zip_with(da, la, db, lb, |x: f32, g: f32| {
             g * super::gelu_f32::gelu_grad(x)

@@ -3,11 +3,11 @@
 
 use super::{float_kernel, same, same_mut, view};
 use crate::backend::{AdamWScalars, SgdScalars};
-use crate::cpu::storage::CpuStorage;
+use crate::Buffer;
 use crate::{Element, Layout, Result, TensorError};
 
 /// [`crate::backend::BackendStorage::fill`].
-pub(super) fn fill(s: &mut CpuStorage, l: &Layout, v: f64) -> Result<()> {
+pub(super) fn fill(s: &mut Buffer, l: &Layout, v: f64) -> Result<()> {
     fn go<T: Element>(data: &mut [T], l: &Layout, v: f64) {
         let v = T::from_f64(v);
         if l.is_contiguous() {
@@ -17,20 +17,20 @@ pub(super) fn fill(s: &mut CpuStorage, l: &Layout, v: f64) -> Result<()> {
         }
     }
     match s {
-        CpuStorage::F32(d) => go(d, l, v),
-        CpuStorage::F64(d) => go(d, l, v),
-        CpuStorage::F16(d) => go(d, l, v),
-        CpuStorage::BF16(d) => go(d, l, v),
-        CpuStorage::I64(d) => go(d, l, v),
-        CpuStorage::U8(d) => go(d, l, v),
-        CpuStorage::I8(d) => go(d, l, v),
+        Buffer::F32(d) => go(d, l, v),
+        Buffer::F64(d) => go(d, l, v),
+        Buffer::F16(d) => go(d, l, v),
+        Buffer::BF16(d) => go(d, l, v),
+        Buffer::I64(d) => go(d, l, v),
+        Buffer::U8(d) => go(d, l, v),
+        Buffer::I8(d) => go(d, l, v),
     }
     Ok(())
 }
 
 /// [`crate::backend::BackendStorage::copy_from`].
-pub(super) fn copy_from(dst: &mut CpuStorage, l: &Layout, src: (&CpuStorage, &Layout)) -> Result<()> {
-    fn go<T: Element>(data: &mut [T], l: &Layout, src: &CpuStorage, sl: &Layout) -> Result<()> {
+pub(super) fn copy_from(dst: &mut Buffer, l: &Layout, src: (&Buffer, &Layout)) -> Result<()> {
+    fn go<T: Element>(data: &mut [T], l: &Layout, src: &Buffer, sl: &Layout) -> Result<()> {
         let s = view(same::<T>("copy_from", src)?, sl);
         if l.is_contiguous() {
             data[l.offset()..l.offset() + l.numel()].copy_from_slice(s);
@@ -44,23 +44,18 @@ pub(super) fn copy_from(dst: &mut CpuStorage, l: &Layout, src: (&CpuStorage, &La
         Ok(())
     }
     match dst {
-        CpuStorage::F32(d) => go(d, l, src.0, src.1),
-        CpuStorage::F64(d) => go(d, l, src.0, src.1),
-        CpuStorage::F16(d) => go(d, l, src.0, src.1),
-        CpuStorage::BF16(d) => go(d, l, src.0, src.1),
-        CpuStorage::I64(d) => go(d, l, src.0, src.1),
-        CpuStorage::U8(d) => go(d, l, src.0, src.1),
-        CpuStorage::I8(d) => go(d, l, src.0, src.1),
+        Buffer::F32(d) => go(d, l, src.0, src.1),
+        Buffer::F64(d) => go(d, l, src.0, src.1),
+        Buffer::F16(d) => go(d, l, src.0, src.1),
+        Buffer::BF16(d) => go(d, l, src.0, src.1),
+        Buffer::I64(d) => go(d, l, src.0, src.1),
+        Buffer::U8(d) => go(d, l, src.0, src.1),
+        Buffer::I8(d) => go(d, l, src.0, src.1),
     }
 }
 
 /// [`crate::backend::BackendStorage::add_scaled_assign`].
-pub(super) fn add_scaled_assign(
-    dst: &mut CpuStorage,
-    l: &Layout,
-    src: (&CpuStorage, &Layout),
-    scale: f64,
-) -> Result<()> {
+pub(super) fn add_scaled_assign(dst: &mut Buffer, l: &Layout, src: (&Buffer, &Layout), scale: f64) -> Result<()> {
     float_kernel!("add_assign", dst, data: T => {
         let s = view(same::<T>("add_assign", src.0)?, src.1);
         let scale = T::from_f64(scale);
@@ -79,21 +74,21 @@ pub(super) fn add_scaled_assign(
     })
 }
 
-fn f32_mut<'a>(op: &'static str, s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
+fn f32_mut<'a>(op: &'static str, s: &'a mut Buffer, l: &Layout) -> Result<&'a mut [f32]> {
     let d = same_mut::<f32>(op, s)?;
     Ok(&mut d[l.offset()..l.offset() + l.numel()])
 }
 
-fn f32_ref<'a>(op: &'static str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+fn f32_ref<'a>(op: &'static str, s: &'a Buffer, l: &Layout) -> Result<&'a [f32]> {
     Ok(view(same::<f32>(op, s)?, l))
 }
 
 /// [`crate::backend::BackendStorage::sgd_step`].
 pub(super) fn sgd_step(
-    p: &mut CpuStorage,
+    p: &mut Buffer,
     l: &Layout,
-    grad: (&CpuStorage, &Layout),
-    buf: Option<(&mut CpuStorage, &Layout)>,
+    grad: (&Buffer, &Layout),
+    buf: Option<(&mut Buffer, &Layout)>,
     s: &SgdScalars,
 ) -> Result<()> {
     let op = "sgd_step";
@@ -127,11 +122,11 @@ pub(super) fn sgd_step(
 
 /// [`crate::backend::BackendStorage::adamw_step`].
 pub(super) fn adamw_step(
-    p: &mut CpuStorage,
+    p: &mut Buffer,
     l: &Layout,
-    grad: (&CpuStorage, &Layout),
-    m: (&mut CpuStorage, &Layout),
-    v: (&mut CpuStorage, &Layout),
+    grad: (&Buffer, &Layout),
+    m: (&mut Buffer, &Layout),
+    v: (&mut Buffer, &Layout),
     s: &AdamWScalars,
 ) -> Result<()> {
     let op = "adamw_step";

@@ -8,8 +8,8 @@ use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 use super::{float_kernel, same, view};
-use crate::cpu::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
+use crate::Buffer;
 use crate::{Element, Float, Layout, Result};
 
 /// Pointers into storages that the batch loop shares between threads; each output
@@ -196,7 +196,7 @@ pub(super) unsafe fn gemm_into<T: Float>(
 
 /// [`crate::backend::BackendStorage::matmul`]: `[batch.., m, k] x [batch.., k, n]`, any
 /// strides, into a contiguous `[batch.., m, n]`.
-pub(super) fn matmul(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<CpuStorage> {
+pub(super) fn matmul(a: &Buffer, la: &Layout, b: &Buffer, lb: &Layout) -> Result<Buffer> {
     float_kernel!("matmul", a, da: T => {
         let db = same::<T>("matmul", b)?;
         Ok(T::wrap(matmul_impl::<T>(da, la, db, lb)))
@@ -206,12 +206,12 @@ pub(super) fn matmul(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -
 /// [`crate::backend::BackendStorage::matmul_bias`]: every output row starts as the bias and
 /// the GEMM accumulates the product onto it, so the bias costs no pass of its own.
 pub(super) fn matmul_bias(
-    a: &CpuStorage,
+    a: &Buffer,
     la: &Layout,
-    b: &CpuStorage,
+    b: &Buffer,
     lb: &Layout,
-    bias: (&CpuStorage, &Layout),
-) -> Result<CpuStorage> {
+    bias: (&Buffer, &Layout),
+) -> Result<Buffer> {
     float_kernel!("matmul_bias", a, da: T => {
         let db = same::<T>("matmul_bias", b)?;
         let bias = view(same::<T>("matmul_bias", bias.0)?, bias.1);

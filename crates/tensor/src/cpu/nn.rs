@@ -4,8 +4,8 @@
 
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, indices, same, view};
-use crate::cpu::storage::CpuStorage;
 use crate::threads::par_rows_mut;
+use crate::Buffer;
 use crate::{Element, Float, Layout, Result};
 
 fn last_dim(l: &Layout) -> usize {
@@ -54,18 +54,12 @@ fn softmax_rows<T: Float>(src: &[T], d: usize, log: bool) -> Vec<T> {
 }
 
 /// [`crate::backend::BackendStorage::softmax_last`].
-pub(super) fn softmax_last(s: &CpuStorage, l: &Layout, log: bool) -> Result<CpuStorage> {
+pub(super) fn softmax_last(s: &Buffer, l: &Layout, log: bool) -> Result<Buffer> {
     float_kernel!("softmax", s, data: T => Ok(T::wrap(softmax_rows(view(data, l), last_dim(l), log))))
 }
 
 /// [`crate::backend::BackendStorage::softmax_backward`].
-pub(super) fn softmax_backward(
-    y: &CpuStorage,
-    l: &Layout,
-    g: &CpuStorage,
-    gl: &Layout,
-    log: bool,
-) -> Result<CpuStorage> {
+pub(super) fn softmax_backward(y: &Buffer, l: &Layout, g: &Buffer, gl: &Layout, log: bool) -> Result<Buffer> {
     float_kernel!("softmax_backward", y, ys: T => {
         let (ys, gs) = (view(ys, l), view(same::<T>("softmax_backward", g)?, gl));
         let d = last_dim(l);
@@ -168,12 +162,12 @@ unsafe impl<T> Sync for RowPtr<T> {}
 /// [`crate::backend::BackendStorage::layer_norm`]: one pass per row (the row stays in
 /// cache for its three loops), rows in parallel.
 pub(super) fn layer_norm(
-    x: &CpuStorage,
+    x: &Buffer,
     l: &Layout,
-    w: (&CpuStorage, &Layout),
-    b: (&CpuStorage, &Layout),
+    w: (&Buffer, &Layout),
+    b: (&Buffer, &Layout),
     eps: f64,
-) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+) -> Result<(Buffer, Buffer, Buffer)> {
     let op = "layer_norm";
     float_kernel!(op, x, xs: T => {
         let xs = view(xs, l);
@@ -196,13 +190,13 @@ pub(super) fn layer_norm(
 
 /// [`crate::backend::BackendStorage::layer_norm_backward`].
 pub(super) fn layer_norm_backward(
-    x: &CpuStorage,
+    x: &Buffer,
     l: &Layout,
-    w: (&CpuStorage, &Layout),
-    mean: (&CpuStorage, &Layout),
-    rstd: (&CpuStorage, &Layout),
-    gy: (&CpuStorage, &Layout),
-) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+    w: (&Buffer, &Layout),
+    mean: (&Buffer, &Layout),
+    rstd: (&Buffer, &Layout),
+    gy: (&Buffer, &Layout),
+) -> Result<(Buffer, Buffer, Buffer)> {
     let op = "layer_norm_backward";
     float_kernel!(op, x, xs: T => {
         let xs = view(xs, l);
@@ -242,7 +236,7 @@ pub(super) fn layer_norm_backward(
 }
 
 /// [`crate::backend::BackendStorage::embedding`].
-pub(super) fn embedding(w: &CpuStorage, l: &Layout, ids: (&CpuStorage, &Layout)) -> Result<CpuStorage> {
+pub(super) fn embedding(w: &Buffer, l: &Layout, ids: (&Buffer, &Layout)) -> Result<Buffer> {
     let idx = indices("embedding", ids.0, ids.1)?;
     float_kernel!("embedding", w, ws: T => {
         let ws = view(ws, l);
@@ -254,12 +248,7 @@ pub(super) fn embedding(w: &CpuStorage, l: &Layout, ids: (&CpuStorage, &Layout))
 }
 
 /// [`crate::backend::BackendStorage::embedding_backward`].
-pub(super) fn embedding_backward(
-    g: &CpuStorage,
-    l: &Layout,
-    ids: (&CpuStorage, &Layout),
-    vocab: usize,
-) -> Result<CpuStorage> {
+pub(super) fn embedding_backward(g: &Buffer, l: &Layout, ids: (&Buffer, &Layout), vocab: usize) -> Result<Buffer> {
     let idx = indices("embedding_backward", ids.0, ids.1)?;
     float_kernel!("embedding_backward", g, gs: T => {
         let gs = view(gs, l);
@@ -275,7 +264,7 @@ pub(super) fn embedding_backward(
 }
 
 /// [`crate::backend::BackendStorage::causal_fill`].
-pub(super) fn causal_fill(x: &CpuStorage, l: &Layout, value: f64) -> Result<CpuStorage> {
+pub(super) fn causal_fill(x: &Buffer, l: &Layout, value: f64) -> Result<Buffer> {
     float_kernel!("causal_mask", x, xs: T => {
         let r = l.rank();
         let (t, s) = (l.shape()[r - 2], l.shape()[r - 1]);
@@ -292,11 +281,7 @@ pub(super) fn causal_fill(x: &CpuStorage, l: &Layout, value: f64) -> Result<CpuS
 }
 
 /// [`crate::backend::BackendStorage::cross_entropy`].
-pub(super) fn cross_entropy(
-    logits: &CpuStorage,
-    l: &Layout,
-    targets: (&CpuStorage, &Layout),
-) -> Result<(CpuStorage, CpuStorage)> {
+pub(super) fn cross_entropy(logits: &Buffer, l: &Layout, targets: (&Buffer, &Layout)) -> Result<(Buffer, Buffer)> {
     let t = indices("cross_entropy", targets.0, targets.1)?;
     float_kernel!("cross_entropy", logits, ls: T => {
         let ls = view(ls, l);
@@ -324,11 +309,11 @@ pub(super) fn cross_entropy(
 
 /// [`crate::backend::BackendStorage::cross_entropy_backward`].
 pub(super) fn cross_entropy_backward(
-    probs: &CpuStorage,
+    probs: &Buffer,
     l: &Layout,
-    targets: (&CpuStorage, &Layout),
-    g: (&CpuStorage, &Layout),
-) -> Result<CpuStorage> {
+    targets: (&Buffer, &Layout),
+    g: (&Buffer, &Layout),
+) -> Result<Buffer> {
     let op = "cross_entropy_backward";
     let t = indices(op, targets.0, targets.1)?;
     float_kernel!(op, probs, ps: T => {

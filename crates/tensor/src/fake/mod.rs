@@ -25,7 +25,7 @@ pub use state::{FakeCounts, FakeOp, FakeWhat};
 use state::Stamp;
 
 use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::storage::CpuStorage;
+use crate::Buffer;
 use crate::{DType, Device, Layout, Result, TensorError};
 
 /// What fake device `ordinal` counted so far.
@@ -75,7 +75,7 @@ impl Access {
 
 /// Memory on a fake device: host memory the host may only reach through the contract.
 pub(crate) struct FakeStorage {
-    data: CpuStorage,
+    data: Buffer,
     dev: Arc<FakeDevice>,
     /// The smallest and largest value of integer data uploaded from the host (None once
     /// written on the device).
@@ -108,7 +108,7 @@ impl FakeStorage {
     }
 
     /// A fresh storage written at `stamp`.
-    fn fresh(dev: &Arc<FakeDevice>, data: CpuStorage, stamp: Stamp, int_range: Option<(i64, i64)>) -> Self {
+    fn fresh(dev: &Arc<FakeDevice>, data: Buffer, stamp: Stamp, int_range: Option<(i64, i64)>) -> Self {
         FakeStorage {
             data,
             dev: dev.clone(),
@@ -125,14 +125,14 @@ impl FakeStorage {
     pub(crate) fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<Self> {
         let dev = device(ordinal);
         let stamp = begin(&dev, Kind::Kernel("zeros"), &[], &[])?;
-        Ok(Self::fresh(&dev, CpuStorage::zeros(dtype, n), stamp, None))
+        Ok(Self::fresh(&dev, Buffer::zeros(dtype, n), stamp, None))
     }
 
     /// Copy in: `data` onto fake device `ordinal` (counted).
-    pub(crate) fn upload(ordinal: usize, data: CpuStorage) -> Self {
+    pub(crate) fn upload(ordinal: usize, data: Buffer) -> Self {
         let dev = device(ordinal);
         let stream = current_stream(&dev);
-        let bytes = data.bytes() as u64;
+        let bytes = data.byte_len() as u64;
         let stamp = {
             let mut d = dev.lock();
             let stamp = d.issue(stream);
@@ -141,7 +141,7 @@ impl FakeStorage {
             d.log(stream, FakeWhat::ToDevice(bytes));
             stamp
         };
-        let range = data.int_range();
+        let range = crate::cpu::int_range(&data);
         Self::fresh(&dev, data, stamp, range)
     }
 
@@ -149,11 +149,11 @@ impl FakeStorage {
     /// the current stream (a collective): recorded as a read and a write there.
     pub(crate) fn lend_raw(&self) -> Result<u64> {
         begin(&self.dev, Kind::Lend, &[], &[self])?;
-        Ok(self.data.address())
+        Ok(self.data.as_ptr() as u64)
     }
 
     /// A result of this device, written by the op stamped `stamp`.
-    fn out(&self, data: CpuStorage, stamp: Stamp) -> Self {
+    fn out(&self, data: Buffer, stamp: Stamp) -> Self {
         Self::fresh(&self.dev, data, stamp, None)
     }
 
@@ -218,7 +218,7 @@ fn begin(dev: &Arc<FakeDevice>, kind: Kind, reads: &[&FakeStorage], writes: &[&F
             d.log(stream, FakeWhat::Kernel(n));
         }
         Kind::ToHost => {
-            let bytes: u64 = reads.iter().map(|s| s.data.bytes() as u64).sum();
+            let bytes: u64 = reads.iter().map(|s| s.data.byte_len() as u64).sum();
             d.counts.to_host += 1;
             d.counts.to_host_bytes += bytes;
             d.log(stream, FakeWhat::ToHost(bytes));
@@ -253,7 +253,7 @@ impl Drop for FakeStorage {
 }
 
 /// Borrows the CPU storage inside each `(storage, layout)` pair.
-fn cpu<'a>(x: (&'a FakeStorage, &'a Layout)) -> (&'a CpuStorage, &'a Layout) {
+fn cpu<'a>(x: (&'a FakeStorage, &'a Layout)) -> (&'a Buffer, &'a Layout) {
     (&x.0.data, x.1)
 }
 
@@ -272,14 +272,14 @@ impl BackendStorage for FakeStorage {
 
     fn empty_like(&self) -> Self {
         let a = self.access().alloc;
-        Self::fresh(&self.dev, CpuStorage::zeros(self.dtype(), 0), (a, 0), None)
+        Self::fresh(&self.dev, Buffer::zeros(self.dtype(), 0), (a, 0), None)
     }
 
     fn int_range(&self) -> Option<(i64, i64)> {
         self.int_range
     }
 
-    fn to_cpu(&self) -> Result<CpuStorage> {
+    fn to_cpu(&self) -> Result<Buffer> {
         begin(&self.dev, Kind::ToHost, &[self], &[])?;
         Ok(self.data.clone())
     }
@@ -296,7 +296,7 @@ impl BackendStorage for FakeStorage {
             &self.dev,
             d,
             st,
-            crate::cpu::storage::range_in(self.int_range, dtype),
+            crate::cpu::range_in(self.int_range, dtype),
         ))
     }
 

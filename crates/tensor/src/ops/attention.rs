@@ -115,7 +115,7 @@ mod tests {
         y
     }
 
-    fn cpu(t: &Tensor) -> crate::cpu::storage::CpuStorage {
+    fn cpu(t: &Tensor) -> crate::Buffer {
         match &*t.storage("test").unwrap() {
             DeviceStorage::Cpu(s) => s.clone(),
             _ => unreachable!("a CPU tensor"),

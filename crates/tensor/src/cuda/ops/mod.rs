@@ -18,7 +18,7 @@ use super::launch::{for_elements, for_rows, StridedLayout};
 use super::nvrtc::{COPY, ELEMENTWISE, REDUCE};
 use super::storage::{launch, CudaStorage};
 use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::storage::CpuStorage;
+use crate::Buffer;
 use crate::{DType, Device, Layout, Result, TensorError};
 
 fn float_only(op: &'static str, dtype: DType) -> TensorError {
@@ -195,7 +195,7 @@ impl BackendStorage for CudaStorage {
         self.known_int_range()
     }
 
-    fn to_cpu(&self) -> Result<CpuStorage> {
+    fn to_cpu(&self) -> Result<Buffer> {
         self.download()
     }
 
@@ -232,7 +232,7 @@ impl BackendStorage for CudaStorage {
         self.check_extent(op, layout)?;
         let l = StridedLayout::of(op, layout)?;
         let n64 = n as u64;
-        let range = crate::cpu::storage::range_in(self.known_int_range(), dtype);
+        let range = crate::cpu::range_in(self.known_int_range(), dtype);
         any_dispatch!(self.dtype(), S => {
             any_dispatch!(dtype, D => {
                 let x = self.data::<S>(op)?;
@@ -428,7 +428,7 @@ impl BackendStorage for CudaStorage {
             DType::BF16 => go::<bf16, u16>(self, &l, n, &n64, bf16::from_f64(v).to_bits()),
             DType::I64 => go::<i64, u64>(self, &l, n, &n64, (v as i64) as u64),
             DType::U8 => go::<u8, u8>(self, &l, n, &n64, v as u8),
-            DType::I8 => go::<i8, u8>(self, &l, n, &n64, crate::cpu::storage::quantize_i8(v) as u8),
+            DType::I8 => go::<i8, u8>(self, &l, n, &n64, brigade_dtype::quantize_i8(v) as u8),
         }
     }
 
