@@ -89,3 +89,32 @@ pub fn buffer_from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
         DType::F64 | DType::I64 => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{run_on_threads, Buffer, CommError, Communicator, ReduceOp};
+
+    #[test]
+    fn host_collectives_move_f64_and_i64_buffers_and_refuse_to_reduce_them() {
+        let got = run_on_threads(2, |c| {
+            let f = c.all_reduce(Buffer::F64(vec![1.0]), ReduceOp::Sum, "f64").wait();
+            let i = c.all_reduce(Buffer::I64(vec![1]), ReduceOp::Sum, "i64").wait();
+            let moved = c.broadcast(Buffer::I64(vec![c.rank() as i64 + 5]), 0, "b").wait();
+            let gathered = c.all_gather(Buffer::F64(vec![c.rank() as f64 - 0.5]), "g").wait();
+            (f, i, moved, gathered)
+        });
+        for r in got {
+            let (f, i, moved, gathered) = r.unwrap();
+            assert!(
+                matches!(&f, Err(CommError::Unsupported(m)) if m.contains("f64")),
+                "{f:?}"
+            );
+            assert!(
+                matches!(&i, Err(CommError::Unsupported(m)) if m.contains("i64")),
+                "{i:?}"
+            );
+            assert_eq!(moved.unwrap(), Buffer::I64(vec![5]));
+            assert_eq!(gathered.unwrap(), Buffer::F64(vec![-0.5, 0.5]));
+        }
+    }
+}
