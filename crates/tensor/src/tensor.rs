@@ -3,7 +3,7 @@
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::layout::contiguous_strides;
-use crate::storage::{DeviceStorage, Storage};
+use crate::storage::{dispatch, DeviceStorage, Storage};
 use crate::{Buffer, DType, Device, Element, Layout, Result, Rng, TensorError};
 
 /// An n-d array: a reference-counted storage plus a [`Layout`] (shape, strides, offset).
@@ -285,7 +285,14 @@ impl Tensor {
     /// The elements in row-major order as a host buffer of the tensor's dtype (a copy out of
     /// device memory when the tensor lives on a GPU).
     pub fn to_buffer(&self) -> Result<Buffer> {
-        self.storage("to_buffer")?.to_host(&self.layout)
+        let l = &self.layout;
+        dispatch!(plain &*self.storage("to_buffer")?, s => {
+            if l.is_contiguous() && l.offset() == 0 && l.numel() == s.len() {
+                s.to_cpu()
+            } else {
+                s.copy_strided(l)?.into_cpu()
+            }
+        })
     }
 
     /// A contiguous tensor of `shape` on the CPU owning `data` (no copy), which must hold
@@ -335,7 +342,7 @@ impl Tensor {
         if dtype == self.dtype {
             return self.contiguous();
         }
-        let out = self.storage("to_dtype")?.to_dtype(&self.layout, dtype)?;
+        let out = dispatch!(&*self.storage("to_dtype")?, s => s.to_dtype(&self.layout, dtype))?;
         Ok(Self::from_storage(out, self.shape()))
     }
 
@@ -346,8 +353,7 @@ impl Tensor {
         if device == self.device {
             return Ok(self.clone());
         }
-        let host = self.contiguous()?;
-        let host = host.storage("to_device")?.copy_strided(&host.layout)?.to_cpu()?;
+        let host = self.contiguous()?.to_buffer()?;
         Ok(Self::from_storage(DeviceStorage::from_cpu(device, host)?, self.shape()))
     }
 
@@ -361,7 +367,7 @@ impl Tensor {
 
     /// A contiguous copy that shares nothing with `self`.
     pub fn copy(&self) -> Result<Tensor> {
-        let s = self.storage("copy")?.copy_strided(&self.layout)?;
+        let s = dispatch!(&*self.storage("copy")?, s => s.copy_strided(&self.layout))?;
         Ok(Self::from_storage(s, self.shape()))
     }
 
@@ -430,7 +436,7 @@ impl Tensor {
     /// [`Storage::into_buffer`] then moves the buffer out as it is).
     pub fn lend_storage(&self) -> Result<Storage> {
         let mut g = self.storage_mut("lend_storage")?;
-        let empty = g.empty_like();
+        let empty = dispatch!(&*g, s => s.empty_like());
         Ok(Storage(std::mem::replace(&mut *g, empty)))
     }
 

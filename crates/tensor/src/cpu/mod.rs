@@ -14,7 +14,11 @@ mod softmax_row;
 
 pub use matmul::gemm_threads_for;
 
-use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::{event_of, BackendEvent, BackendStorage, BackendStream};
+use crate::scope::ScopedStream;
 use crate::{Buffer, DType, Device, Element, Layout, Result, TensorError};
 
 /// Runs `$body` with `$v` bound to the storage's elements and `$T` to their Rust type,
@@ -124,6 +128,72 @@ pub(crate) fn indices(op: &'static str, ids: &Buffer, l: &Layout) -> Result<Vec<
     }
 }
 
+/// The CPU's one stream: the calling thread, where work is done when the call returns.
+struct HostStream;
+
+/// An event of the CPU: complete when recorded; the instant it was recorded.
+struct HostEvent(Instant);
+
+impl BackendStream for HostStream {
+    fn scoped(&self) -> ScopedStream {
+        Arc::new(())
+    }
+
+    fn record(&self) -> Result<Arc<dyn BackendEvent>> {
+        Ok(Arc::new(HostEvent(Instant::now())))
+    }
+
+    fn wait(&self, event: &dyn BackendEvent) -> Result<()> {
+        event_of::<HostEvent>("wait_event", event).map(|_| ())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn spin(&self, duration: Duration) -> Result<()> {
+        std::thread::sleep(duration);
+        Ok(())
+    }
+
+    fn raw(&self) -> u64 {
+        0
+    }
+}
+
+impl BackendEvent for HostEvent {
+    fn is_complete(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn elapsed_ms(&self, end: &dyn BackendEvent) -> Result<f64> {
+        Ok(signed_ms(self.0, event_of::<HostEvent>("elapsed_ms", end)?.0))
+    }
+
+    fn raw(&self) -> u64 {
+        0
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Milliseconds from `a` to `b`, negative when `b` came first.
+pub(crate) fn signed_ms(a: Instant, b: Instant) -> f64 {
+    if b >= a {
+        (b - a).as_secs_f64() * 1e3
+    } else {
+        -((a - b).as_secs_f64() * 1e3)
+    }
+}
+
+/// The CPU's storage is the host buffer itself; its kernels are in this folder, one family per
+/// file.
 impl BackendStorage for Buffer {
     fn dtype(&self) -> DType {
         Buffer::dtype(self)
@@ -139,6 +209,33 @@ impl BackendStorage for Buffer {
 
     fn empty_like(&self) -> Self {
         Buffer::zeros(self.dtype(), 0)
+    }
+
+    fn zeros_on(_ordinal: usize, dtype: DType, n: usize) -> Result<Self> {
+        Ok(Buffer::zeros(dtype, n))
+    }
+
+    fn upload(_ordinal: usize, data: Buffer) -> Result<Self> {
+        Ok(data)
+    }
+
+    fn lend_raw(&self) -> Result<u64> {
+        Err(TensorError::Invalid {
+            op: "device_memory",
+            msg: "host memory has no device handle (lend a CPU storage with into_buffer)".into(),
+        })
+    }
+
+    fn compute_stream(_ordinal: usize) -> Result<Arc<dyn BackendStream>> {
+        Ok(Arc::new(HostStream))
+    }
+
+    fn new_stream(_ordinal: usize) -> Result<Arc<dyn BackendStream>> {
+        Ok(Arc::new(HostStream))
+    }
+
+    fn scoped_stream(_entered: &ScopedStream) -> Option<Arc<dyn BackendStream>> {
+        Some(Arc::new(HostStream))
     }
 
     fn to_cpu(&self) -> Result<Buffer> {
@@ -195,123 +292,6 @@ impl BackendStorage for Buffer {
             Buffer::I8(_) => conv::<i8>(self, layout)?,
         };
         Ok(Buffer::from_f64_vec(v, dtype))
-    }
-
-    fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<Self> {
-        elementwise::unary(self, layout, op)
-    }
-
-    fn binary(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, op: BinaryOp) -> Result<Self> {
-        elementwise::binary(self, lhs, rhs, rhs_layout, op)
-    }
-
-    fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self> {
-        reduce::reduce(self, layout, dims, op)
-    }
-
-    fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self> {
-        matmul::matmul(self, lhs, rhs, rhs_layout)
-    }
-
-    fn matmul_bias(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, bias: (&Self, &Layout)) -> Result<Self> {
-        matmul::matmul_bias(self, lhs, rhs, rhs_layout, bias)
-    }
-
-    fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
-        nn::softmax_last(self, layout, log)
-    }
-
-    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
-        nn::softmax_backward(self, layout, g, g_layout, log)
-    }
-
-    fn layer_norm(
-        &self,
-        layout: &Layout,
-        weight: (&Self, &Layout),
-        bias: (&Self, &Layout),
-        eps: f64,
-    ) -> Result<(Self, Self, Self)> {
-        nn::layer_norm(self, layout, weight, bias, eps)
-    }
-
-    fn layer_norm_backward(
-        &self,
-        layout: &Layout,
-        weight: (&Self, &Layout),
-        mean: (&Self, &Layout),
-        rstd: (&Self, &Layout),
-        gy: (&Self, &Layout),
-    ) -> Result<(Self, Self, Self)> {
-        nn::layer_norm_backward(self, layout, weight, mean, rstd, gy)
-    }
-
-    fn embedding(&self, layout: &Layout, ids: (&Self, &Layout)) -> Result<Self> {
-        nn::embedding(self, layout, ids)
-    }
-
-    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
-        nn::embedding_backward(self, layout, ids, vocab)
-    }
-
-    fn causal_fill(&self, layout: &Layout, value: f64) -> Result<Self> {
-        nn::causal_fill(self, layout, value)
-    }
-
-    fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)> {
-        attention::causal_attention(self, layout, n_heads, scale)
-    }
-
-    fn causal_attention_backward(
-        &self,
-        layout: &Layout,
-        probs: (&Self, &Layout),
-        gy: (&Self, &Layout),
-        n_heads: usize,
-        scale: f64,
-    ) -> Result<Self> {
-        attention::causal_attention_backward(self, layout, probs, gy, n_heads, scale)
-    }
-
-    fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {
-        nn::cross_entropy(self, layout, targets)
-    }
-
-    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self> {
-        nn::cross_entropy_backward(self, layout, targets, g)
-    }
-
-    fn fill(&mut self, layout: &Layout, v: f64) -> Result<()> {
-        inplace::fill(self, layout, v)
-    }
-
-    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
-        inplace::copy_from(self, layout, src)
-    }
-
-    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
-        inplace::add_scaled_assign(self, layout, src, scale)
-    }
-
-    fn sgd_step(
-        &mut self,
-        layout: &Layout,
-        grad: (&Self, &Layout),
-        momentum_buffer: Option<(&mut Self, &Layout)>,
-        s: &SgdScalars,
-    ) -> Result<()> {
-        inplace::sgd_step(self, layout, grad, momentum_buffer, s)
-    }
-
-    fn adamw_step(
-        &mut self,
-        layout: &Layout,
-        grad: (&Self, &Layout),
-        m: (&mut Self, &Layout),
-        v: (&mut Self, &Layout),
-        s: &AdamWScalars,
-    ) -> Result<()> {
-        inplace::adamw_step(self, layout, grad, m, v, s)
     }
 }
 

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use super::{float_kernel, gather, same, view};
-use crate::backend::ReduceOp;
+use crate::backend::{Reduce, ReduceOp};
 use crate::threads::par_rows_mut;
 use crate::Buffer;
 use crate::{Float, Layout, Result};
@@ -44,19 +44,21 @@ fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> Buffer {
     T::wrap(out)
 }
 
-/// [`crate::backend::BackendStorage::reduce`].
-pub(super) fn reduce(s: &Buffer, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<Buffer> {
-    float_kernel!("reduce", s, data: T => match op {
-        ReduceOp::Sum => {
-            let leading = !dims.is_empty() && dims.iter().enumerate().all(|(i, &v)| i == v) && dims.len() < l.rank();
-            if leading && l.is_contiguous() {
-                return Ok(sum_leading::<T>(data, l, dims.len()));
+impl Reduce for Buffer {
+    fn reduce(&self, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<Buffer> {
+        let s = self;
+        float_kernel!("reduce", s, data: T => match op {
+            ReduceOp::Sum => {
+                let leading = !dims.is_empty() && dims.iter().enumerate().all(|(i, &v)| i == v) && dims.len() < l.rank();
+                if leading && l.is_contiguous() {
+                    return Ok(sum_leading::<T>(data, l, dims.len()));
+                }
+                reduce_rows::<T>(s, l, dims, |r| r.iter().copied().sum())
             }
-            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().sum())
-        }
-        ReduceOp::Max => {
-            // any NaN wins, wherever it comes (PyTorch's max; the CUDA kernel's rule)
-            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && (b > a || b.is_nan()) { b } else { a }))
-        }
-    })
+            ReduceOp::Max => {
+                // any NaN wins, wherever it comes (PyTorch's max; the CUDA kernel's rule)
+                reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && (b > a || b.is_nan()) { b } else { a }))
+            }
+        })
+    }
 }

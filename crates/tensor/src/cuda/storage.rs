@@ -185,7 +185,7 @@ impl CudaStorage {
 
     /// The address of the memory for code outside the contract that uses it on the current
     /// stream (noted for the keep-alive rule).
-    pub(crate) fn lend_raw(&self) -> Result<u64> {
+    pub(crate) fn lend_raw_on_current_stream(&self) -> Result<u64> {
         let op = "device_memory";
         let buf = self.buf.as_ref().ok_or(TensorError::StorageLent { op })?;
         self.note_use(buf.stream());
@@ -272,19 +272,6 @@ impl CudaStorage {
             .stream()
             .clone_dtoh(d)
             .map_err(|e| fault(self.device(), "copying device data to the host", e))
-    }
-
-    /// Copy out: the whole storage into host memory (the host waits for the current stream).
-    pub(crate) fn download(&self) -> Result<Buffer> {
-        Ok(match self.dtype {
-            DType::F32 => Buffer::F32(self.to_host()?),
-            DType::F64 => Buffer::F64(self.to_host()?),
-            DType::F16 => Buffer::F16(self.to_host()?),
-            DType::BF16 => Buffer::BF16(self.to_host()?),
-            DType::I64 => Buffer::I64(self.to_host()?),
-            DType::U8 => Buffer::U8(self.to_host()?),
-            DType::I8 => Buffer::I8(self.to_host()?),
-        })
     }
 
     /// Checks that `layout` stays inside this storage (a kernel must never read past it).
