@@ -208,7 +208,7 @@ pub fn save_checkpoint(
         .into_iter()
         .map(|(n, t)| (format!("model.{n}"), t))
         .collect();
-    tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
+    tensors.extend(opt.state_dict()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     tensors.extend(
         policy_state
             .iter()
@@ -318,7 +318,7 @@ pub fn load_checkpoint(
         true => brigade_models::load_params_from_tensors_nonfinite,
     };
     load(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
-    opt.load_state(&strip("optim."))?;
+    opt.load_state_dict(&strip("optim."))?;
     let policy_state = strip(POLICY_PREFIX);
     // a policy's state is per rank: it resumes on as many ranks as wrote it
     let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());

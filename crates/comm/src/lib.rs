@@ -51,7 +51,7 @@ mod work;
 #[global_allocator]
 static TEST_HEAP: SharedHeap = SharedHeap;
 
-pub use buffer::{Buffer, DType, ReduceOp};
+pub use buffer::{buffer_from_le_bytes, Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;

@@ -302,92 +302,31 @@ pub(crate) fn spans_storage(t: &Tensor) -> bool {
 /// `t`'s elements as a host buffer: its own storage when it spans it (`true`: lent, the tensor
 /// reads `StorageLent` until it is restored), else a copy.
 pub(crate) fn take(t: &Tensor) -> Result<(Buffer, bool)> {
-    let unsupported = |d: DType| {
-        DdpError::Comm(CommError::Unsupported(format!(
-            "a collective on a {d} tensor (collectives move f32, f16, bf16, u8 and i8)"
-        )))
-    };
     if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::U8 | DType::I8) {
-        return Err(unsupported(t.dtype()));
+        return Err(DdpError::Comm(CommError::Unsupported(format!(
+            "a collective on a {} tensor (collectives move f32, f16, bf16, u8 and i8)",
+            t.dtype()
+        ))));
     }
     if spans_storage(t) {
-        let s = t.lend_storage()?;
-        let b = match s.dtype() {
-            DType::F32 => Buffer::F32(s.into_host_vec()?),
-            DType::F16 => Buffer::F16(s.into_host_vec()?),
-            DType::BF16 => Buffer::BF16(s.into_host_vec()?),
-            DType::U8 => Buffer::U8(s.into_host_vec()?),
-            DType::I8 => Buffer::I8(s.into_host_vec()?),
-            d => return Err(unsupported(d)),
-        };
-        return Ok((b, true));
+        return Ok((t.lend_storage()?.into_buffer()?, true));
     }
-    let b = match t.dtype() {
-        DType::F32 => Buffer::F32(t.to_vec()?),
-        DType::F16 => Buffer::F16(t.to_vec()?),
-        DType::BF16 => Buffer::BF16(t.to_vec()?),
-        DType::U8 => Buffer::U8(t.to_vec()?),
-        DType::I8 => Buffer::I8(t.to_vec()?),
-        d => return Err(unsupported(d)),
-    };
-    Ok((b, false))
-}
-
-/// A host buffer as storage on `device` (the vector itself on the CPU).
-fn storage_of(b: Buffer, device: Device) -> Result<Storage> {
-    Ok(match b {
-        Buffer::F32(v) => Storage::from_host_vec(v, device)?,
-        Buffer::F16(v) => Storage::from_host_vec(v, device)?,
-        Buffer::BF16(v) => Storage::from_host_vec(v, device)?,
-        Buffer::U8(v) => Storage::from_host_vec(v, device)?,
-        Buffer::I8(v) => Storage::from_host_vec(v, device)?,
-    })
+    Ok((t.to_buffer()?, false))
 }
 
 /// A host buffer as a new tensor of `shape` on `device` (no copy on the CPU).
 pub(crate) fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Tensor> {
-    let t = match b {
-        Buffer::F32(v) => Tensor::from_vec(v, shape)?,
-        Buffer::F16(v) => Tensor::from_vec(v, shape)?,
-        Buffer::BF16(v) => Tensor::from_vec(v, shape)?,
-        Buffer::U8(v) => Tensor::from_vec(v, shape)?,
-        Buffer::I8(v) => Tensor::from_vec(v, shape)?,
-    };
-    Ok(t.to_device(device)?)
+    Ok(Tensor::from_buffer(b, shape)?.to_device(device)?)
 }
 
 /// Puts `b` (the result of an in-place collective) back under `t`.
 pub(crate) fn put_back(t: &Tensor, b: Buffer, lent: bool) -> Result<Tensor> {
     if lent {
-        t.restore_storage(storage_of(b, t.device())?)?;
+        t.restore_storage(Storage::from_buffer(b, t.device())?)?;
     } else {
         t.copy_from(&tensor_of(b, t.shape(), t.device())?)?;
     }
     Ok(t.clone())
-}
-
-/// Keeps a buffer's first `n` elements (its allocation stays).
-fn truncate(b: &mut Buffer, n: usize) {
-    match b {
-        Buffer::F32(v) => v.truncate(n),
-        Buffer::F16(v) => v.truncate(n),
-        Buffer::BF16(v) => v.truncate(n),
-        Buffer::U8(v) => v.truncate(n),
-        Buffer::I8(v) => v.truncate(n),
-    }
-}
-
-/// Gives a buffer's spare capacity back (a reduce-scatter's chunk keeps its input's allocation
-/// otherwise, and memory reports count what is alive).
-fn shrink(mut b: Buffer) -> Buffer {
-    match &mut b {
-        Buffer::F32(v) => v.shrink_to_fit(),
-        Buffer::F16(v) => v.shrink_to_fit(),
-        Buffer::BF16(v) => v.shrink_to_fit(),
-        Buffer::U8(v) => v.shrink_to_fit(),
-        Buffer::I8(v) => v.shrink_to_fit(),
-    }
-    b
 }
 
 impl HostCollectives {
@@ -441,9 +380,12 @@ impl CollectiveBackend for HostCollectives {
             Err(e) => return self.failed(tag, e),
         };
         let device = t.device();
-        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |b| {
+        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |mut b| {
+            // the chunk keeps its input's allocation otherwise, and memory reports count what is
+            // alive
+            b.shrink_to_fit();
             let n = b.len();
-            tensor_of(shrink(b), &[n], device)
+            tensor_of(b, &[n], device)
         })
     }
 
@@ -481,7 +423,7 @@ impl CollectiveBackend for HostCollectives {
             Ok((buf, _)) => buf,
             Err(e) => return self.failed(tag, e),
         };
-        truncate(&mut buf, n);
+        buf.truncate(n);
         let out = output.clone();
         TensorWork::from_comm(self.comm.all_gather(buf, tag), self.timeout(), move |b| {
             put_back(&out, b, true)

@@ -427,12 +427,12 @@ impl Optimizer for DdpOptimizer {
         self.inner.set_lr(lr)
     }
 
-    fn state(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
-        self.inner.state()
+    fn state_dict(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
+        self.inner.state_dict()
     }
 
-    fn load_state(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
-        self.inner.load_state(state)
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
+        self.inner.load_state_dict(state)
     }
 
     fn state_bytes(&self) -> brigade_autograd::Result<usize> {

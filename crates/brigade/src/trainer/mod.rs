@@ -369,7 +369,7 @@ fn move_to_device(
     device: Device,
 ) -> Result<Box<dyn Optimizer>> {
     let state = opt
-        .state()?
+        .state_dict()?
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_device(device)?)))
         .collect::<Result<Vec<_>>>()?;
@@ -378,7 +378,7 @@ fn move_to_device(
         p.set_value(p.value().to_device(device)?)?;
     }
     let mut moved = cfg.build(params);
-    moved.load_state(&state)?;
+    moved.load_state_dict(&state)?;
     moved.set_lr(opt.lr());
     Ok(moved)
 }

@@ -3,13 +3,14 @@
 use super::{compute_dtype, same_device, same_dtype};
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::layout::broadcast_shape;
+use crate::storage::dispatch;
 use crate::{Result, Tensor};
 
 /// Applies `op` to each element (a strided view is gathered first).
 fn unary(name: &'static str, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     compute_dtype(name, x)?;
     let x = x.contiguous_for(name)?;
-    let out = x.storage(name)?.unary(x.layout(), op)?;
+    let out = dispatch!(&*x.storage(name)?, s => s.unary(x.layout(), op))?;
     Ok(Tensor::from_storage(out, x.shape()))
 }
 
@@ -20,7 +21,7 @@ fn binary(name: &'static str, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Te
     same_device(name, a, b)?;
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
     let (la, lb) = (a.layout().broadcast_to(&shape)?, b.layout().broadcast_to(&shape)?);
-    let out = a.storage(name)?.binary(&la, &*b.storage(name)?, &lb, op)?;
+    let out = dispatch!(&*a.storage(name)?, s, other => s.binary(&la, other(&*b.storage(name)?)?, &lb, op))?;
     Ok(Tensor::from_storage(out, &shape))
 }
 

@@ -2,6 +2,7 @@
 
 use super::compute_dtype;
 use crate::backend::ReduceOp;
+use crate::storage::dispatch;
 use crate::{Result, Tensor, TensorError};
 
 /// Normalises a list of dims: checked, sorted, deduplicated.
@@ -34,7 +35,7 @@ fn out_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
 fn reduce(name: &'static str, x: &Tensor, dims: &[usize], keepdim: bool, op: ReduceOp) -> Result<Tensor> {
     compute_dtype(name, x)?;
     let dims = check_dims(name, dims, x.rank())?;
-    let out = x.storage(name)?.reduce(x.layout(), &dims, op)?;
+    let out = dispatch!(&*x.storage(name)?, s => s.reduce(x.layout(), &dims, op))?;
     Ok(Tensor::from_storage(out, &out_shape(x.shape(), &dims, keepdim)))
 }
 
