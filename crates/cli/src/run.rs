@@ -61,6 +61,7 @@ pub fn load_text(args: &RunArgs, kind: &ModelKind) -> Result<Option<TextData>> {
             path,
             c.context,
             &ValSplit::Fraction(TEXT_VAL_FRACTION),
+            brigade_models::Tokenizer::Bytes,
         )?)),
         _ => Ok(None),
     }
