@@ -12,6 +12,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::footprint;
+use brigade_models::Tokenizer;
 
 impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
@@ -155,6 +156,18 @@ impl RunArgs {
         self.validate_schedule_flags()?;
         if self.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
+        }
+        if self.model.tokenizer != Tokenizer::Bytes && self.model.model != ModelName::Gpt {
+            return bad(format!(
+                "--tokenizer {} sets the GPT's vocabulary: add --model gpt",
+                self.model.tokenizer
+            ));
+        }
+        if let (Some(f), None) = (self.data_format, &self.data) {
+            return bad(format!(
+                "--data-format {} says how --data's token files lay out their tokens: add --data FILE",
+                flag_name(&f)
+            ));
         }
         self.validate_autotune()?;
         check_link(self.net_gbps, self.net_latency_us)?;
