@@ -234,14 +234,23 @@ impl RunArgs {
         let shape = match self.model.model {
             ModelName::Mlp => format!("--widths {}", join(&self.model.widths)),
             ModelName::Gpt => format!(
-                "--d-model {} --layers {} --d-ff {} --context {}",
-                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context
+                "--d-model {} --layers {} --d-ff {} --context {} --tokenizer {}",
+                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context, self.model.tokenizer
             ),
         };
+        // at a large vocabulary the logits are most of it: say so
+        let logits = match &kind {
+            brigade_models::ModelKind::Gpt(c) => footprint::gpt_vocab(c, self.batch_size)
+                .and_then(|v| footprint::f32_bytes(footprint::mul(v.logits, 2 * ranks as u64)))
+                .filter(|l| bytes.is_some_and(|b| *l * 2 > b))
+                .map(|l| format!(", of which {} are the logits and their softmax", footprint::human(l))),
+            _ => None,
+        };
         let what = format!(
-            "the model ({shape}) with --batch-size {} on {ranks} {} in this process",
+            "the model ({shape}) with --batch-size {} on {ranks} {} in this process{}",
             self.batch_size,
-            if ranks == 1 { "rank" } else { "ranks" }
+            if ranks == 1 { "rank" } else { "ranks" },
+            logits.unwrap_or_default()
         );
         footprint::check_fits(&what, bytes)
     }
