@@ -11,7 +11,7 @@
 use std::ops::ControlFlow;
 
 use brigade::autograd::no_grad;
-use brigade::data::DataOrder;
+use brigade::source::DataOrder;
 use brigade::launch::LaunchConfig;
 use brigade::models::{
     generate_text_with, load_params_from_tensors, text_file_tokens, write_llmc_shard, Dataset, Gpt, GptConfig,

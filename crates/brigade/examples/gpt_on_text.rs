@@ -11,7 +11,7 @@ use std::ops::ControlFlow;
 
 use brigade::autograd::no_grad;
 use brigade::config::CheckpointConfig;
-use brigade::data::DataOrder;
+use brigade::source::DataOrder;
 use brigade::launch::LaunchConfig;
 use brigade::models::{
     generate_text, load_params_from_tensors, Dataset, Gpt, GptConfig, Model, SampleOptions, Tokenizer, ValSplit,

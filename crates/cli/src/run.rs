@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataOrder, DataSource, RankShards};
+use brigade::source::{DataOrder, DataSource, RankShards};
 use brigade::fit::fit;
 pub use brigade::fit::RunReport;
 use brigade::launch::{net_model, CommBackend, LaunchConfig};
