@@ -21,7 +21,7 @@
 //!   checkpoint records of them and what a resume may change;
 //! - [`join`]: uneven inputs (PyTorch's `Join`): ranks whose data ends early join the others'
 //!   collectives with zeros until every rank's data has ended;
-//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
+//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`source`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
 //! Layers to build models from are in [`models::nn`] (parameters are [`autograd::Var`]s over

@@ -85,7 +85,7 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
 /// The token ids of the UTF-8 text file `path` as `tokenizer` cuts it, as an llm.c shard holds
 /// them: for GPT-2, `<|endoftext|>` first (llm.c starts each document with it), for bytes the
 /// bytes alone. Errors in one line: an empty file, bytes that are not UTF-8, a file over
-/// [`MAX_TEXT_BYTES`].
+/// 1 GiB.
 pub fn text_file_tokens(path: impl AsRef<Path>, tokenizer: Tokenizer) -> Result<Vec<u16>> {
     let path = path.as_ref();
     let bytes = read_utf8(path, 1, 0)?;
