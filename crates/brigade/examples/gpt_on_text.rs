@@ -11,10 +11,10 @@ use std::ops::ControlFlow;
 
 use brigade::autograd::no_grad;
 use brigade::config::CheckpointConfig;
-use brigade::data::DataOrder;
+use brigade::source::DataOrder;
 use brigade::launch::LaunchConfig;
 use brigade::models::{
-    generate_text, load_params_from_tensors, Dataset, Gpt, GptConfig, Model, SampleOptions, ValSplit,
+    generate_text, load_params_from_tensors, Dataset, Gpt, GptConfig, Model, SampleOptions, Tokenizer, ValSplit,
 };
 use brigade::{OptimizerConfig, TrainConfig};
 
@@ -55,7 +55,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     if steps == 0 {
         return Err("give STEPS >= 1".into());
     }
-    let text = Dataset::from_text_file(&path, config().context, &ValSplit::Fraction(0.1))?;
+    let text = Dataset::from_text_file(&path, config().context, &ValSplit::Fraction(0.1), Tokenizer::Bytes)?;
     let val = text.val.ok_or("no validation split")?;
     println!(
         "{path}: {} training rows, {} validation rows of {} bytes",

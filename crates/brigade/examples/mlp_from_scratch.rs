@@ -5,7 +5,7 @@
 //! `cargo run --release -p brigade --example mlp_from_scratch [-- STEPS]`
 
 use brigade::autograd::{scope, ParamStore, Var};
-use brigade::data::{DataSource, Microbatch};
+use brigade::source::{DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model, Result};

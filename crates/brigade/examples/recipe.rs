@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use brigade::data::{DataSource, Microbatch};
+use brigade::source::{DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Batch, Dataset, Mlp, MlpConfig};
 use brigade::recipe::{EvalConfig, EvalSource};

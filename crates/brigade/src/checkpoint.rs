@@ -46,7 +46,7 @@ pub struct CheckpointIdentity<'a> {
     pub optimizer: &'a str,
     /// The run's seed (it chooses the initial parameters and the built-in data).
     pub seed: u64,
-    /// The training data's fingerprint ([`crate::data::DataSource::fingerprint`]; `None`:
+    /// The training data's fingerprint ([`crate::source::DataSource::fingerprint`]; `None`:
     /// neither recorded nor checked).
     pub data: Option<String>,
     /// The ZeRO stage: a checkpoint under ZeRO resumes only with the same stage and
@@ -54,7 +54,7 @@ pub struct CheckpointIdentity<'a> {
     pub zero: ZeroStage,
     /// The number of ranks.
     pub world_size: usize,
-    /// How the run orders its rows ([`crate::data::DataOrder::describe`]; `None`: in order,
+    /// How the run orders its rows ([`crate::source::DataOrder::describe`]; `None`: in order,
     /// not recorded). A resume checks it, and a sampled run's resume the world size too.
     pub data_order: Option<String>,
     /// Where rank 0's sampler stands after the checkpoint's step (written; a resume reads it

@@ -11,7 +11,7 @@ use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
 use crate::comm_hook::MakeCommHook;
-use crate::data::DataOrder;
+use crate::source::DataOrder;
 use crate::join::JoinMode;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;

@@ -10,7 +10,7 @@ use brigade_comm::{all_gather_bytes, Event};
 use brigade_models::Model;
 
 use crate::config::TrainConfig;
-use crate::data::DataSource;
+use crate::source::DataSource;
 use crate::error::{Error, Result};
 use crate::launch::{run_ranks, CommBackend, LaunchConfig, RankContext};
 use crate::outcome::TrainOutcome;

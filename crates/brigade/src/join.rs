@@ -2,7 +2,7 @@
 //! different steps train together until every rank's data has ended.
 //!
 //! Under a [`JoinMode`] each rank's data is one pass over its rows
-//! ([`crate::data::DataSource::rank_lengths`]: `rows / (batch_size * accum)` whole steps; the
+//! ([`crate::source::DataSource::rank_lengths`]: `rows / (batch_size * accum)` whole steps; the
 //! rows left over are not read). At the start of every step the ranks agree on which of them
 //! still have data: before the first step in one small all-reduce of its own ([`JOIN_TAG`]),
 //! after it in a slot per rank of the step status all-reduce of the step before (each rank
@@ -34,7 +34,7 @@ use std::str::FromStr;
 use brigade_comm::{all_gather_bytes, Buffer, Communicator, ReduceOp};
 use brigade_tensor::Tensor;
 
-use crate::data::DataLength;
+use crate::source::DataLength;
 use crate::error::{CheckpointMismatch, Error, Result};
 
 /// Tag of the per-step all-reduce in which the ranks agree on which of them still have data.

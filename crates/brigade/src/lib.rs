@@ -4,7 +4,7 @@
 //! [`models`]), and adds what `brigade train` itself is made of:
 //!
 //! - [`fit()`]: the training loop as one call over a user's [`Model`](models::Model) (each rank
-//!   builds its own) and [`DataSource`](data::DataSource) (each rank asks for its own
+//!   builds its own) and [`DataSource`](source::DataSource) (each rank asks for its own
 //!   microbatches), with the sharding, `no_sync` accumulation, checkpoint/resume, timeline and
 //!   step profile of `brigade train`, which is a thin shell over it;
 //! - [`config`]: what a run is asked to do ([`TrainConfig`], with its checkpoint and
@@ -21,7 +21,7 @@
 //!   checkpoint records of them and what a resume may change;
 //! - [`join`]: uneven inputs (PyTorch's `Join`): ranks whose data ends early join the others'
 //!   collectives with zeros until every rank's data has ended;
-//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
+//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`source`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
 //! Layers to build models from are in [`models::nn`] (parameters are [`autograd::Var`]s over
@@ -46,7 +46,7 @@ pub use brigade_tensor as tensor;
 pub mod checkpoint;
 pub mod comm_hook;
 pub mod config;
-pub mod data;
+pub mod source;
 pub mod error;
 pub mod fit;
 pub mod join;

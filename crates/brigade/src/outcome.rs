@@ -10,7 +10,7 @@ use brigade_ddp::{BucketInfo, MemoryReport};
 use brigade_models::SamplerPosition;
 use brigade_tensor::Tensor;
 
-use crate::data::DataLength;
+use crate::source::DataLength;
 use crate::error::Error;
 
 /// What one step did.

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataOrder, DataSource, RankShards};
+use brigade::source::{DataOrder, DataSource, RankShards};
 use brigade::fit::fit;
 pub use brigade::fit::RunReport;
 use brigade::launch::{net_model, CommBackend, LaunchConfig};
@@ -16,7 +16,7 @@ use brigade::recipe::{EvalConfig, EvalSource, HeldOut};
 use brigade::{OptimizerConfig, TrainConfig};
 use brigade_comm::Recorder;
 use brigade_ddp::DdpConfig;
-use brigade_models::{Batch, Dataset, ModelKind, TextData, ValSplit};
+use brigade_models::{Batch, Dataset, ModelKind, TextData, TokenFormat, ValSplit};
 
 use crate::args::{OptimizerName, RunArgs};
 use crate::error::{in_flag_terms, Error, Result};
@@ -61,27 +61,44 @@ pub fn load_text(args: &RunArgs, kind: &ModelKind) -> Result<Option<TextData>> {
             path,
             c.context,
             &ValSplit::Fraction(TEXT_VAL_FRACTION),
+            args.model.tokenizer,
         )?)),
         _ => Ok(None),
     }
 }
 
 /// Reads a data file (`--data`, `--eval-data`, a rank's file) by its first bytes: NumPy's
-/// `.npy` magic, a zip archive (`.npz`, what `numpy.savez` writes), else by its extension
-/// (`.npy`, `.npz`), else as safetensors (which has no magic: its first bytes are a length).
-fn read_dataset(path: &std::path::Path, kind: &ModelKind) -> Result<Dataset> {
+/// `.npy` magic, a zip archive (`.npz`, what `numpy.savez` writes), llm.c's shard magic, else
+/// by its extension (`.npy`, `.npz`, `.bin` a token file unless its JSON header says
+/// safetensors), else as safetensors (which has no magic: its first bytes are a length). A `--data-format`, or a `*` or `?` in the file name
+/// (several shards), names token files.
+fn read_dataset(path: &std::path::Path, kind: &ModelKind, format: Option<TokenFormat>) -> Result<Dataset> {
     use std::io::Read;
     let mut head = vec![];
     if let Ok(f) = std::fs::File::open(path) {
         // unreadable here: the reader below names the failure
-        let _ = f.take(6).read_to_end(&mut head);
+        let _ = f.take(9).read_to_end(&mut head);
     }
     let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    let pattern = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.contains(['*', '?']));
+    let tokens = |format| -> Result<Dataset> {
+        let paths = brigade_models::tokens::expand_glob(path)?;
+        Ok(Dataset::from_token_files(&paths, format, kind)?)
+    };
+    if pattern || format.is_some() {
+        return tokens(format);
+    }
     Ok(match (&head[..], ext.as_deref()) {
         (b"\x93NUMPY", _) => Dataset::from_npy(path, kind)?,
         ([b'P', b'K', 3, 4, ..], _) => Dataset::from_npz(path, kind)?,
+        (h, _) if TokenFormat::is_llmc(h) => tokens(None)?,
         (_, Some("npy")) => Dataset::from_npy(path, kind)?,
         (_, Some("npz")) => Dataset::from_npz(path, kind)?,
+        // safetensors: an 8-byte length, then its JSON header
+        (h, Some("bin")) if h.get(8) != Some(&b'{') => tokens(None)?,
         _ => Dataset::from_safetensors(path, kind)?,
     })
 }
@@ -91,7 +108,7 @@ fn read_dataset(path: &std::path::Path, kind: &ModelKind) -> Result<Dataset> {
 pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<(Dataset, Option<Dataset>)> {
     let (data, text_val) = match (load_text(args, kind)?, &args.data, kind) {
         (Some(text), _, _) => (text.train, text.val),
-        (None, Some(path), _) => (read_dataset(path, kind)?, None),
+        (None, Some(path), _) => (read_dataset(path, kind, args.token_format())?, None),
         (None, None, ModelKind::Mlp(c)) => (Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?, None),
         (None, None, ModelKind::Gpt(c)) => (Dataset::builtin_text(c.context, args.seed)?, None),
     };
@@ -136,14 +153,10 @@ fn split_held_out(args: &RunArgs, kind: &ModelKind, data: Dataset) -> Result<(Da
                     data.name()
                 )));
             }
-            let rows = |r: std::ops::Range<usize>| -> Result<Dataset> {
-                let name = format!("{} rows {}..{}", data.name(), r.start, r.end);
-                let batch = data.gather(&r.collect::<Vec<_>>())?;
-                Ok(Dataset::from_tensors(&name, batch.tensors())?)
-            };
-            Ok((rows(0..n - held)?, Some(rows(n - held..n)?)))
+            // rows of token files are views of them; rows in memory copies
+            Ok((data.rows(0..n - held)?, Some(data.rows(n - held..n)?)))
         }
-        (None, Some(path)) => Ok((data, Some(read_dataset(path, kind)?))),
+        (None, Some(path)) => Ok((data, Some(read_dataset(path, kind, args.token_format())?))),
         (None, None) => Ok((data, None)),
     }
 }
@@ -158,7 +171,7 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
                 path: format!("--data {} (rank {r}'s file)", path.display()),
                 source: e,
             })?;
-            read_dataset(&path, kind)
+            read_dataset(&path, kind, args.token_format())
         })
         .collect::<Result<Vec<_>>>()?;
     // in order and without --join each file is read once: a run past its end would read every
@@ -200,7 +213,12 @@ fn setup(
             ("--resume", &opts.resume),
             (
                 "--data",
-                &args.data.as_ref().filter(|_| args.rank_data().is_none()).cloned(),
+                // a glob's files are found when the data is read
+                &args
+                    .data
+                    .as_ref()
+                    .filter(|p| args.rank_data().is_none() && !p.to_string_lossy().contains(['*', '?']))
+                    .cloned(),
             ),
             ("--text", &args.text),
             ("--eval-data", &args.eval_data),
@@ -216,7 +234,7 @@ fn setup(
     if args.rank_data().is_some() {
         let shards = load_rank_shards(args, kind, world)?;
         if let Some(path) = &args.eval_data {
-            let _ = late.0.set(HeldOut::new(read_dataset(path, kind)?, args.batch_size));
+            let _ = late.0.set(HeldOut::new(read_dataset(path, kind, args.token_format())?, args.batch_size));
         }
         return Ok(Box::new(shards));
     }
@@ -271,7 +289,10 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
     };
     Ok(TrainConfig {
         model_name: args.model.kind().name().into(),
-        model_config: Some(crate::commands::sample::model_config_json(&args.model.kind())),
+        model_config: Some(crate::commands::sample::model_config_json(
+            &args.model.kind(),
+            args.model.tokenizer,
+        )),
         seed: args.seed,
         init: args.init.clone(),
         accum: args.accum,

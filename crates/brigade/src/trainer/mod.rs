@@ -26,7 +26,7 @@ use brigade_tensor::{set_compute_threads, Device};
 
 use crate::checkpoint::{load_checkpoint, CheckpointIdentity, Resumed};
 use crate::config::{OptimizerConfig, TrainConfig};
-use crate::data::{DataLength, DataOrder, DataSource};
+use crate::source::{DataLength, DataOrder, DataSource};
 use crate::error::{CheckpointMismatch, Error, Result};
 use crate::join::{self, JoinRun};
 use crate::launch::nccl;

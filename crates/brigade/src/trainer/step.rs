@@ -9,7 +9,7 @@ use brigade_ddp::overlap::{RankProfile, StepInstants, StepProfile};
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
 
-use crate::data::Microbatch;
+use crate::source::Microbatch;
 use crate::error::{Error, Result};
 use crate::join::{Agreement, JoinMode};
 use crate::outcome::StepOutcome;

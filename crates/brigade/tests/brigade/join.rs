@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use brigade::comm::EventKind;
 use brigade::config::CheckpointConfig;
-use brigade::data::{DataOrder, RankShards};
+use brigade::source::{DataOrder, RankShards};
 use brigade::ddp::DdpConfig;
 use brigade::join::JoinMode;
 use brigade::launch::{run_ranks, LaunchConfig};

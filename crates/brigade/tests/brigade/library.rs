@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use brigade::autograd::{scope, ParamStore, Var};
 use brigade::comm::{EventKind, Recorder};
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataSource, Microbatch};
+use brigade::source::{DataSource, Microbatch};
 use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
 use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;

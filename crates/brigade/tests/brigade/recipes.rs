@@ -5,7 +5,7 @@ use std::f64::consts::PI;
 use std::sync::{Arc, Mutex};
 
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataSource, Microbatch};
+use brigade::source::{DataSource, Microbatch};
 use brigade::models::{load_params, Model};
 use brigade::observe::TrainObserver;
 use brigade::policies::PolicySpec;

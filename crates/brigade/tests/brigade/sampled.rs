@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 use brigade::config::CheckpointConfig;
-use brigade::data::{DataLength, DataOrder, DataSource, Microbatch};
+use brigade::source::{DataLength, DataOrder, DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Batch, Dataset, DistributedSampler, Mlp, MlpConfig, SamplerOptions, SamplerPosition};
 use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use brigade_autograd::AdamW;
-use brigade_models::{GptConfig, MlpConfig, ModelKind};
+use brigade_models::{GptConfig, MlpConfig, ModelKind, TokenFormat, Tokenizer};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
@@ -148,6 +148,36 @@ fn backend_help(b: CommBackend) -> &'static str {
     }
 }
 
+/// Parses `--tokenizer` (`bytes` or `gpt2`), listing both in `--help`.
+pub fn tokenizer_parser() -> impl TypedValueParser<Value = Tokenizer> {
+    PossibleValuesParser::new(Tokenizer::ALL.map(|t| {
+        PossibleValue::new(t.name()).help(match t {
+            Tokenizer::Bytes => "One token per UTF-8 byte (vocabulary 256)",
+            Tokenizer::Gpt2 => "GPT-2's byte-pair encoding, tiktoken's r50k_base (vocabulary 50257)",
+        })
+    }))
+    .map(|s| s.parse::<Tokenizer>().expect("one of the possible values"))
+}
+
+/// `--data-format`: how a token file lays out its tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DataFormatFlag {
+    /// llm.c's shard: a 256 x int32 header (magic 20240520, version 1, token count), uint16 tokens.
+    Llmc,
+    /// nanoGPT's train.bin / val.bin: raw uint16 tokens, no header.
+    Nanogpt,
+}
+
+impl DataFormatFlag {
+    /// The library's format.
+    pub fn format(self) -> TokenFormat {
+        match self {
+            DataFormatFlag::Llmc => TokenFormat::Llmc,
+            DataFormatFlag::Nanogpt => TokenFormat::NanoGpt,
+        }
+    }
+}
+
 /// Parses `--backend` into the library's [`CommBackend`] (the one backend enum).
 pub fn backend_parser() -> impl TypedValueParser<Value = CommBackend> {
     PossibleValuesParser::new(CommBackend::ALL.map(|b| PossibleValue::new(b.name()).help(backend_help(b))))
@@ -191,6 +221,10 @@ pub struct ModelArgs {
     /// gpt: context length.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
+    /// gpt: how --text becomes tokens, and what --data's token ids are; the GPT's vocabulary
+    /// follows it (256 or 50257) and its checkpoint records it, for `brigade sample`.
+    #[arg(long, value_parser = tokenizer_parser(), default_value_t = Tokenizer::Bytes)]
+    pub tokenizer: Tokenizer,
     /// Dropout probability in [0, 1) (torch.nn.Dropout), in training mode only: mlp after each
     /// hidden activation, gpt after the embeddings and on each block's two residual branches.
     /// Each rank's mask generator is part of a checkpoint, so a continued run draws the masks
@@ -269,6 +303,7 @@ impl ModelArgs {
                 d_ff: self.d_ff,
                 context: self.context,
                 dropout: self.dropout,
+                vocab: self.tokenizer.vocab(),
                 ..GptConfig::default()
             }),
         }
@@ -310,9 +345,15 @@ pub struct RunArgs {
     /// I64 [N]; gpt `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
     /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
     /// in order and once, --batch-size a microbatch; --shuffle for epochs); files of different
-    /// lengths need --join.
+    /// lengths need --join. gpt: token files too, read by row, never whole: llm.c's shards
+    /// (`.bin`, told by their magic) or nanoGPT's raw uint16 (--data-format nanogpt); a `*` or
+    /// `?` in the file name takes every matching shard, sorted (`'fineweb_train_*.bin'`).
     #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
+    /// gpt: the layout of --data's (and --eval-data's) token files: llmc (the default for a file
+    /// with llm.c's magic) or nanogpt (raw uint16).
+    #[arg(long, value_enum)]
+    pub data_format: Option<DataFormatFlag>,
     /// gpt: train on a UTF-8 text file, byte-level (rows of --context + 1 bytes); the last
     /// tenth of the file is kept apart as the validation split, which --eval-every evaluates.
     #[arg(long)]
@@ -531,6 +572,11 @@ impl RunArgs {
     pub fn rank_data_path(&self, rank: usize) -> Option<PathBuf> {
         self.rank_data()
             .map(|p| PathBuf::from(p.replace(RANK_PLACEHOLDER, &rank.to_string())))
+    }
+
+    /// The layout `--data-format` names (`None`: told by the file).
+    pub fn token_format(&self) -> Option<TokenFormat> {
+        self.data_format.map(DataFormatFlag::format)
     }
 
     /// Rows per rank per step (checked not to overflow by [`RunArgs::validate`]).

@@ -12,6 +12,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::footprint;
+use brigade_models::Tokenizer;
 
 impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
@@ -156,6 +157,18 @@ impl RunArgs {
         if self.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
+        if self.model.tokenizer != Tokenizer::Bytes && self.model.model != ModelName::Gpt {
+            return bad(format!(
+                "--tokenizer {} sets the GPT's vocabulary: add --model gpt",
+                self.model.tokenizer
+            ));
+        }
+        if let (Some(f), None) = (self.data_format, &self.data) {
+            return bad(format!(
+                "--data-format {} says how --data's token files lay out their tokens: add --data FILE",
+                flag_name(&f)
+            ));
+        }
         self.validate_autotune()?;
         check_link(self.net_gbps, self.net_latency_us)?;
         if self.net_latency_us != 0.0 && self.net_gbps.is_none() {
@@ -221,14 +234,23 @@ impl RunArgs {
         let shape = match self.model.model {
             ModelName::Mlp => format!("--widths {}", join(&self.model.widths)),
             ModelName::Gpt => format!(
-                "--d-model {} --layers {} --d-ff {} --context {}",
-                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context
+                "--d-model {} --layers {} --d-ff {} --context {} --tokenizer {}",
+                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context, self.model.tokenizer
             ),
         };
+        // at a large vocabulary the logits are most of it: say so
+        let logits = match &kind {
+            brigade_models::ModelKind::Gpt(c) => footprint::gpt_vocab(c, self.batch_size)
+                .and_then(|v| footprint::f32_bytes(footprint::mul(v.logits, 2 * ranks as u64)))
+                .filter(|l| bytes.is_some_and(|b| *l * 2 > b))
+                .map(|l| format!(", of which {} are the logits and their softmax", footprint::human(l))),
+            _ => None,
+        };
         let what = format!(
-            "the model ({shape}) with --batch-size {} on {ranks} {} in this process",
+            "the model ({shape}) with --batch-size {} on {ranks} {} in this process{}",
             self.batch_size,
-            if ranks == 1 { "rank" } else { "ranks" }
+            if ranks == 1 { "rank" } else { "ranks" },
+            logits.unwrap_or_default()
         );
         footprint::check_fits(&what, bytes)
     }

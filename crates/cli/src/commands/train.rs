@@ -130,6 +130,12 @@ impl TrainArgs {
                 init.display()
             ));
         }
+        if let (Some(resume), crate::args::ModelName::Gpt) = (&self.resume, self.run.model.model) {
+            let given = self.run.model.tokenizer;
+            if let Some(recorded) = crate::commands::sample::recorded_tokenizer(resume)?.filter(|&t| t != given) {
+                return Err(crate::commands::sample::tokenizer_mismatch("--resume", resume, recorded, given));
+            }
+        }
         let outputs = self.outputs();
         check_outputs(&outputs)?;
         crate::outputs::check_inputs_kept(&self.inputs(), &outputs)?;

@@ -173,7 +173,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         if let Some(line) = join_line(outcome) {
             outln!("{line}");
         }
-        if let (Some(p), brigade::data::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
+        if let (Some(p), brigade::source::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
             // the position is rank 0's: the ranks stand at the same row only when their
             // epochs are equally long
             match rows.split_first() {

@@ -9,6 +9,9 @@
 //! many rows). A sampled source says before step 0 how many rows each rank reads per epoch
 //! ([`DataSource::rank_lengths`]), and each rank reads its rows as one stream across epochs
 //! through a [`SamplerCursor`](brigade_models::SamplerCursor) whose position checkpoints record.
+//!
+//! What a source serves is its own; the rows of a [`Dataset`] (built in, files, text, token
+//! shards) are [`brigade_models::data`]'s, which this module reads through [`DataSource`].
 
 use brigade_models::{Batch, Dataset, DistributedSampler, Remainder, SamplerOptions};
 
