@@ -6,18 +6,15 @@
 //! - **payload bytes**: `n`, the buffer this rank handed to the collective (the figure
 //!   PyTorch's hooks and the PowerSGD paper compare: an f32 all-reduce of a bucket of `k`
 //!   gradients is `4k`, its fp16 hook `2k`);
-//! - **wire bytes**: what this rank sends under the ring algorithms the simulated network
-//!   models ([`crate::NetModel`]): `all_reduce` `2(p-1)/p · n`, `reduce_scatter` `(p-1)/p · n`
-//!   (`n` = the whole input), `all_gather` `(p-1) · n` (`n` = this rank's piece), `broadcast`
-//!   `(p-1)/p · n` (a pipelined chain: every rank but the last forwards `n`; averaged over the
-//!   ranks), `barrier` 0. With one rank nothing leaves it: 0.
+//! - **wire bytes**: what this rank sends under the ring algorithms of the cost model
+//!   ([`RingOp::wire_bytes`]). With one rank nothing leaves it: 0.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::{Buffer, CommError, Communicator, ReduceOp, Work};
+use crate::{Buffer, CommError, Communicator, ReduceOp, RingOp, Work};
 
 /// Totals of a rank's collectives (see the module docs for the two byte figures).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -39,34 +36,6 @@ impl std::ops::Sub for CommBytes {
             collectives: self.collectives - earlier.collectives,
             payload_bytes: self.payload_bytes - earlier.payload_bytes,
             wire_bytes: self.wire_bytes - earlier.wire_bytes,
-        }
-    }
-}
-
-/// The ring collectives a [`CommMeter`] counts, by the share of its buffer a rank sends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MeteredOp {
-    /// Sends `2(p-1)/p` of its buffer.
-    AllReduce,
-    /// Sends `(p-1)/p` of its (whole) input.
-    ReduceScatter,
-    /// Sends its piece `p-1` times.
-    AllGather,
-    /// Sends `(p-1)/p` of the buffer, averaged over the ranks.
-    Broadcast,
-    /// Sends no payload.
-    Barrier,
-}
-
-impl MeteredOp {
-    /// Bytes one rank sends for a buffer of `bytes` on `world` ranks (0 on one rank).
-    pub fn wire_bytes(self, bytes: usize, world: usize) -> f64 {
-        let (n, p) = (bytes as f64, world.max(1) as f64);
-        match self {
-            MeteredOp::AllReduce => 2.0 * (p - 1.0) / p * n,
-            MeteredOp::ReduceScatter | MeteredOp::Broadcast => (p - 1.0) / p * n,
-            MeteredOp::AllGather => (p - 1.0) * n,
-            MeteredOp::Barrier => 0.0,
         }
     }
 }
@@ -93,11 +62,11 @@ impl CommMeter {
     }
 
     /// Counts one collective of `op` on a buffer of `bytes` in a group of `world` ranks.
-    pub fn count(&self, op: MeteredOp, bytes: usize, world: usize) {
+    pub fn count(&self, op: RingOp, bytes: usize, world: usize) {
         let mut t = self.lock();
         t.collectives += 1;
         t.payload_bytes += bytes as u64;
-        t.wire_bytes += op.wire_bytes(bytes, world);
+        t.wire_bytes += op.wire_bytes(bytes as f64, world);
     }
 }
 
@@ -119,7 +88,7 @@ impl<C: Communicator> Metered<C> {
         &self.meter
     }
 
-    fn count(&self, op: MeteredOp, buf: &Buffer) {
+    fn count(&self, op: RingOp, buf: &Buffer) {
         self.meter.count(op, buf.byte_len(), self.inner.world_size());
     }
 }
@@ -138,32 +107,32 @@ impl<C: Communicator> Communicator for Metered<C> {
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::AllReduce, &buf);
+        self.count(RingOp::AllReduce, &buf);
         self.inner.all_reduce(buf, op, tag)
     }
 
     fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
-        self.count(MeteredOp::AllReduce, &buf);
+        self.count(RingOp::AllReduce, &buf);
         self.inner.all_reduce_blocking(buf, op, tag)
     }
 
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::Broadcast, &buf);
+        self.count(RingOp::Broadcast, &buf);
         self.inner.broadcast(buf, root, tag)
     }
 
     fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::AllGather, &buf);
+        self.count(RingOp::AllGather, &buf);
         self.inner.all_gather(buf, tag)
     }
 
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::ReduceScatter, &buf);
+        self.count(RingOp::ReduceScatter, &buf);
         self.inner.reduce_scatter(buf, op, tag)
     }
 
     fn barrier(&self, tag: &str) -> Work<()> {
-        self.meter.count(MeteredOp::Barrier, 0, self.inner.world_size());
+        self.meter.count(RingOp::Barrier, 0, self.inner.world_size());
         self.inner.barrier(tag)
     }
 }

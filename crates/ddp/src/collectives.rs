@@ -24,14 +24,14 @@
 //!
 //! Every collective a policy issues for a bucket, including those issued later from a
 //! continuation, is attributed to that bucket: in traces, and in the bucket's wire bytes (what
-//! this rank sends under the ring algorithms, [`brigade_comm::MeteredOp::wire_bytes`]), which
+//! this rank sends under the ring algorithms, [`brigade_comm::RingOp::wire_bytes`]), which
 //! step profiles record.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use brigade_comm::{
-    all_gather_with_side, reducing_bucket, Buffer, CommError, Communicator, MeteredOp, OpTiming, ReduceOp, Work,
+    all_gather_with_side, reducing_bucket, Buffer, CommError, Communicator, RingOp, OpTiming, ReduceOp, Work,
 };
 use brigade_tensor::{DType, Device, Storage, Tensor};
 
@@ -223,10 +223,10 @@ impl Collectives {
         TensorWork::ready(self.rank(), "failed", self.timeout(), Err(error))
     }
 
-    fn issue<T>(&self, op: MeteredOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
+    fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
         match &self.bucket {
             Some((index, wire)) => {
-                *wire.lock().unwrap_or_else(|e| e.into_inner()) += op.wire_bytes(bytes, self.world_size());
+                *wire.lock().unwrap_or_else(|e| e.into_inner()) += op.wire_bytes(bytes as f64, self.world_size());
                 reducing_bucket(*index, || f(self.backend.as_ref()))
             }
             None => f(self.backend.as_ref()),
@@ -235,25 +235,25 @@ impl Collectives {
 
     /// Reduces `t` over every rank in place; completes with `t` holding the result.
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::AllReduce, bytes(t), |b| b.all_reduce(t, op, tag))
+        self.issue(RingOp::AllReduce, bytes(t), |b| b.all_reduce(t, op, tag))
     }
 
     /// Copies `root`'s `t` into every rank's `t`; completes with `t`.
     pub fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::Broadcast, bytes(t), |b| b.broadcast(t, root, tag))
+        self.issue(RingOp::Broadcast, bytes(t), |b| b.broadcast(t, root, tag))
     }
 
     /// Reduces `t` (`world * chunk` elements) over every rank; completes with this rank's chunk
     /// (elements `rank*chunk..(rank+1)*chunk`) as a new 1-D tensor. Consumes `t`'s storage when
     /// it spans it.
     pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::ReduceScatter, bytes(t), |b| b.reduce_scatter(t, op, tag))
+        self.issue(RingOp::ReduceScatter, bytes(t), |b| b.reduce_scatter(t, op, tag))
     }
 
     /// Gathers every rank's `t` (same shape everywhere); completes with `[world, t.numel()]`,
     /// rank `r`'s elements in row `r`. Consumes `t`'s storage when it spans it.
     pub fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::AllGather, bytes(t), |b| b.all_gather(t, tag))
+        self.issue(RingOp::AllGather, bytes(t), |b| b.all_gather(t, tag))
     }
 
     /// Gathers every rank's `input` (same shape everywhere) into `output`, which holds
@@ -261,7 +261,7 @@ impl Collectives {
     /// elements at `r*n..(r+1)*n`, no buffer besides `output` (it is lent meanwhile). Completes
     /// with `output`.
     pub fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::AllGather, bytes(input), |b| {
+        self.issue(RingOp::AllGather, bytes(input), |b| {
             b.all_gather_into(input, output, tag)
         })
     }
@@ -271,7 +271,7 @@ impl Collectives {
     /// integer payload is reduced: gather it with its scales, dequantize each row with its own
     /// rank's scales, sum in f32 (see [`brigade_comm::DType`]).
     pub fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
-        self.issue(MeteredOp::AllGather, bytes(payload) + bytes(side), |b| {
+        self.issue(RingOp::AllGather, bytes(payload) + bytes(side), |b| {
             b.all_gather_with_side(payload, side, tag)
         })
     }

@@ -227,7 +227,8 @@ impl DistributedDataParallel {
 
     /// How the overlap model costs the policy's collectives (`None`: it cannot).
     pub fn wire_model(&self) -> Option<WireModel> {
-        self.reducer.lock_policy().wire_model()
+        let shapes: Vec<Vec<usize>> = self.reducer.params.iter().map(|p| p.shape()).collect();
+        self.reducer.lock_policy().wire_model(&shapes)
     }
 
     /// The policy as a step profile records it.

@@ -140,9 +140,11 @@ pub trait ReducerPolicy: Send {
         PolicyMemory::default()
     }
 
-    /// How the overlap model costs this policy's collectives (step profiles record it); `None`:
-    /// the model cannot, and refuses to replay its profiles.
-    fn wire_model(&self) -> Option<WireModel> {
+    /// How the overlap model costs this policy's collectives for a model whose parameters
+    /// have `shapes` (registration order; step profiles record it); `None`: the model cannot,
+    /// and refuses to replay its profiles.
+    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
+        let _ = shapes;
         None
     }
 

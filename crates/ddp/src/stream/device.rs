@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use brigade_comm::{CommError, Communicator, NetModel, Recorder, ReduceOp, SpanId};
+use brigade_comm::{CommError, Communicator, NetModel, Recorder, ReduceOp, RingOp, SpanId};
 use brigade_tensor::{DType, Device, Event, Stream, Tensor};
 
 use super::gpu_clock::{GpuClock, GpuTimeline};
@@ -66,14 +66,6 @@ pub trait DeviceComm: Send + Sync + 'static {
     ) -> crate::Result<()>;
     /// Gathers every rank's `send` into `recv` (`world × send.numel()` elements, rank-major).
     fn all_gather(&self, stream: &Stream, send: &Tensor, recv: &Tensor, tag: &str) -> crate::Result<()>;
-}
-
-/// The collective a [`DeviceStream`] enqueues (for the link model and errors).
-#[derive(Debug, Clone, Copy)]
-enum DeviceOp {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
 }
 
 /// What the stream and its collectives handle share.
@@ -162,7 +154,7 @@ impl<C: DeviceComm> DeviceStream<C> {
 
     /// The modelled time of one all-reduce of `bytes`, if a link is simulated.
     pub fn link_delay(&self, bytes: usize) -> Option<Duration> {
-        self.shared.link_delay(DeviceOp::AllReduce, bytes)
+        self.shared.link_delay(RingOp::AllReduce, bytes)
     }
 
     /// The comm stream (tests read its raw handle in the fake device's log).
@@ -172,13 +164,9 @@ impl<C: DeviceComm> DeviceStream<C> {
 }
 
 impl<C: DeviceComm> Shared<C> {
-    fn link_delay(&self, op: DeviceOp, bytes: usize) -> Option<Duration> {
+    fn link_delay(&self, op: RingOp, bytes: usize) -> Option<Duration> {
         let p = self.comm.world_size().max(2);
-        self.link.map(|m| match op {
-            DeviceOp::AllReduce => m.all_reduce_time(bytes, p),
-            DeviceOp::ReduceScatter => m.reduce_scatter_time(bytes, p),
-            DeviceOp::AllGather => m.all_gather_time(bytes, p),
-        })
+        self.link.map(|m| m.time(op, bytes, p))
     }
 
     /// The device-clock timeline, anchored on first use (`None` without a recorder, or when the
@@ -202,10 +190,10 @@ impl<C: DeviceComm> Shared<C> {
     }
 
     /// Checks that `t` is a whole buffer on this stream's device that `op` can move.
-    fn check_tensor(&self, t: &Tensor, op: DeviceOp, tag: &str) -> crate::Result<()> {
+    fn check_tensor(&self, t: &Tensor, op: RingOp, tag: &str) -> crate::Result<()> {
         let device = self.compute.device();
         let float = matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
-        let movable = float || (matches!(op, DeviceOp::AllGather) && matches!(t.dtype(), DType::U8 | DType::I8));
+        let movable = float || (matches!(op, RingOp::AllGather) && matches!(t.dtype(), DType::U8 | DType::I8));
         if t.device() != device || !spans_storage(t) || !movable {
             return Err(self.device_error(
                 format!("handing `{tag}` to {} ({op:?})", self.comm.name()),
@@ -228,7 +216,7 @@ impl<C: DeviceComm> Shared<C> {
     /// stream then waits on the collective.
     fn issue(
         &self,
-        op: DeviceOp,
+        op: RingOp,
         bytes: usize,
         enqueue: impl FnOnce(&Stream) -> crate::Result<()>,
     ) -> crate::Result<()> {
@@ -268,8 +256,8 @@ impl<C: DeviceComm> DeviceCollectives<C> {
 
     fn all_gather_checked(&self, input: &Tensor, output: &Tensor, tag: &str) -> crate::Result<()> {
         let sh = &self.shared;
-        sh.check_tensor(input, DeviceOp::AllGather, tag)?;
-        sh.check_tensor(output, DeviceOp::AllGather, tag)?;
+        sh.check_tensor(input, RingOp::AllGather, tag)?;
+        sh.check_tensor(output, RingOp::AllGather, tag)?;
         if output.numel() != input.numel() * self.world_size() || output.dtype() != input.dtype() {
             return Err(DdpError::Comm(CommError::InvalidArgument(format!(
                 "all-gather `{tag}`: the output must hold {} x {} {} elements, got {} {}",
@@ -280,7 +268,7 @@ impl<C: DeviceComm> DeviceCollectives<C> {
                 output.dtype()
             ))));
         }
-        sh.issue(DeviceOp::AllGather, bytes(input), |s| {
+        sh.issue(RingOp::AllGather, bytes(input), |s| {
             sh.comm.all_gather(s, input, output, tag)
         })
     }
@@ -306,8 +294,8 @@ impl<C: DeviceComm> CollectiveBackend for DeviceCollectives<C> {
     fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
         let sh = &self.shared;
         let done = sh
-            .check_tensor(t, DeviceOp::AllReduce, tag)
-            .and_then(|()| sh.issue(DeviceOp::AllReduce, bytes(t), |s| sh.comm.all_reduce(s, t, op, tag)))
+            .check_tensor(t, RingOp::AllReduce, tag)
+            .and_then(|()| sh.issue(RingOp::AllReduce, bytes(t), |s| sh.comm.all_reduce(s, t, op, tag)))
             .map(|()| t.clone());
         self.done(tag, done)
     }
@@ -329,7 +317,7 @@ impl<C: DeviceComm> CollectiveBackend for DeviceCollectives<C> {
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
         let (sh, world) = (&self.shared, self.world_size());
         let done = (|| {
-            sh.check_tensor(t, DeviceOp::ReduceScatter, tag)?;
+            sh.check_tensor(t, RingOp::ReduceScatter, tag)?;
             if t.numel() % world != 0 {
                 return Err(DdpError::Comm(CommError::InvalidArgument(format!(
                     "reduce-scatter `{tag}`: {} elements do not split into {world} equal chunks",
@@ -337,7 +325,7 @@ impl<C: DeviceComm> CollectiveBackend for DeviceCollectives<C> {
                 ))));
             }
             let chunk = Tensor::zeros_on(&[t.numel() / world], t.dtype(), t.device())?;
-            sh.issue(DeviceOp::ReduceScatter, bytes(t), |s| {
+            sh.issue(RingOp::ReduceScatter, bytes(t), |s| {
                 sh.comm.reduce_scatter(s, t, &chunk, op, tag)
             })?;
             Ok(chunk)
