@@ -131,10 +131,19 @@ impl<T: Send + 'static> TensorWork<T> {
     }
 }
 
-/// What moves tensors for [`Collectives`]: the host backend here ([`HostCollectives`]), NCCL on
-/// device memory. Semantics as in the module docs; every method returns at once.
+/// The tensor-level collective contract: what a policy's collectives ([`Collectives`]) are
+/// served by. [`HostCollectives`] serves any [`Communicator`] (threads, MPI); on a device comm
+/// stream (`stream::DeviceStream`) NCCL serves it on device memory, or `HostStagedComm` through
+/// the host, behind the stream's event ordering, which serves it in turn. Semantics as in the
+/// module docs; every method returns at once (a device backend's work completes once it is
+/// enqueued).
+///
+/// A backend implements the in-place three (`all_reduce`, `reduce_scatter_into`,
+/// `all_gather_into`); the others have defaults composed of them (a new output tensor, two
+/// all-gathers for a side buffer, no broadcast), which the host backend replaces with its own
+/// (lending storage, one collective).
 pub trait CollectiveBackend: Send + Sync {
-    /// A short name for errors (`host`, `nccl`).
+    /// A short name for errors (`host`, `nccl`, `host-staged`).
     fn name(&self) -> &'static str;
     /// This rank.
     fn rank(&self) -> usize;
@@ -142,20 +151,65 @@ pub trait CollectiveBackend: Send + Sync {
     fn world_size(&self) -> usize;
     /// How long a wait blocks before it fails.
     fn timeout(&self) -> Duration;
+    /// `Err` once the backend failed asynchronously (NCCL's error, a timeout); the host backend
+    /// reports every error through its works instead.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
     /// In place over every rank.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
-    /// In place: `root`'s values on every rank.
-    fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor>;
-    /// This rank's chunk (`numel / world` elements) of the reduction, as a new 1-D tensor.
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
-    /// Every rank's elements, rank-major, as a new `[world, numel]` tensor.
-    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor>;
+    /// Reduces `input` (`world` equal chunks) over every rank into `output` (one chunk, the same
+    /// dtype and device, spanning its storage), in place; completes with `output`.
+    fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
     /// Every rank's `input`, rank-major, into `output` (`world × input.numel()` elements,
     /// spanning its storage), in place; completes with `output`.
     fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor>;
-    /// Every rank's payload and side tensor, rank-major (`[world, n]`, `[world, k]`), in one
-    /// collective.
-    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)>;
+
+    /// In place: `root`'s values on every rank. By default a typed error: a device comm stream
+    /// runs all-reduce, reduce-scatter and all-gather only.
+    fn broadcast(&self, _t: &Tensor, _root: usize, tag: &str) -> TensorWork<Tensor> {
+        let e = DdpError::Policy {
+            policy: format!("(on the {} stream)", self.name()),
+            reason: format!(
+                "broadcast `{tag}` does not run on the device comm stream (it runs all-reduce, reduce-scatter and \
+                 all-gather): run this policy with the thread or MPI backend, host-staged"
+            ),
+        };
+        TensorWork::ready(self.rank(), tag, self.timeout(), Err(e))
+    }
+    /// This rank's chunk (`numel / world` elements) of the reduction, as a new 1-D tensor.
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let world = self.world_size();
+        if t.numel() % world != 0 {
+            let e = DdpError::Comm(CommError::InvalidArgument(format!(
+                "reduce-scatter `{tag}`: {} elements do not split into {world} equal chunks",
+                t.numel()
+            )));
+            return TensorWork::ready(self.rank(), tag, self.timeout(), Err(e));
+        }
+        match Tensor::zeros_on(&[t.numel() / world], t.dtype(), t.device()) {
+            Ok(chunk) => self.reduce_scatter_into(t, &chunk, op, tag),
+            Err(e) => TensorWork::ready(self.rank(), tag, self.timeout(), Err(e.into())),
+        }
+    }
+    /// Every rank's elements, rank-major, as a new `[world, numel]` tensor.
+    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        match Tensor::zeros_on(&[self.world_size(), t.numel()], t.dtype(), t.device()) {
+            Ok(out) => self.all_gather_into(t, &out, tag),
+            Err(e) => TensorWork::ready(self.rank(), tag, self.timeout(), Err(e.into())),
+        }
+    }
+    /// Every rank's payload and side tensor, rank-major (`[world, n]`, `[world, k]`). By default
+    /// two all-gathers, payload then side, the same order on every rank (memory of two dtypes
+    /// is not one buffer).
+    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
+        let both = self
+            .all_gather(payload, tag)
+            .wait()
+            .and_then(|p| Ok((p, self.all_gather(side, tag).wait()?)));
+        TensorWork::ready(self.rank(), tag, self.timeout(), both)
+    }
 }
 
 /// The handle a policy issues its collectives through (see the module docs). Clones share the
@@ -444,6 +498,18 @@ impl CollectiveBackend for HostCollectives {
         TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |b| {
             let n = b.len();
             tensor_of(shrink(b), &[n], device)
+        })
+    }
+
+    fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let (buf, _) = match take(input) {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let out = output.clone();
+        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |b| {
+            out.copy_from(&tensor_of(b, out.shape(), out.device())?)?;
+            Ok(out)
         })
     }
 

@@ -20,9 +20,9 @@
 //! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] (a device bucket is staged
 //! through the host by each collective, on the compute side); [`DeviceStream`] on a comm
 //! stream of the bucket's device, every policy's compute and collectives enqueued there behind
-//! the ready event, over a [`DeviceComm`]: `NcclStream` (the `cuda` feature) is NCCL's, and
-//! [`HostStagedComm`] any communicator's, which runs the NCCL stream's own code on the counting
-//! fake device in CPU tests. Streams and events are the tensor crate's
+//! the ready event, over a [`crate::policy::CollectiveBackend`] that enqueues on the device:
+//! `NcclStream` (the `cuda` feature) is NCCL's, and [`HostStagedComm`] any communicator's,
+//! which runs the NCCL stream's own code on the counting fake device in CPU tests. Streams and events are the tensor crate's
 //! ([`brigade_tensor::Stream`], [`brigade_tensor::Event`]), and device memory reaches NCCL as
 //! comm's raw handles: this crate names no CUDA type. [`Recording`] wraps either stream and
 //! writes down the order of the calls, which is how the CPU tests check the logic that also
@@ -31,8 +31,10 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
+mod device_collectives;
 mod gpu_clock;
 mod host;
+mod host_staged;
 mod recording;
 
 use std::sync::{Arc, Mutex};
@@ -47,7 +49,8 @@ use crate::DdpError;
 
 #[cfg(feature = "cuda")]
 pub use cuda::NcclStream;
-pub use device::{DeviceComm, DeviceStream, HostStagedComm};
+pub use device::DeviceStream;
+pub use host_staged::HostStagedComm;
 pub use host::HostStream;
 pub use recording::{Recording, StreamEvent};
 
