@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use std::time::Instant;
 
+use crate::policy::WireModel;
 use crate::{DdpError, PassTimes};
 
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
@@ -50,34 +51,6 @@ pub struct ParamProfile {
     /// Its shape (empty when not recorded).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shape: Vec<usize>,
-}
-
-/// How a reducer policy's collectives for one bucket are costed by the overlap model (a policy
-/// declares it: [`crate::ReducerPolicy::wire_model`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum WireModel {
-    /// One all-reduce per bucket carrying `bytes_per_element` bytes per gradient element (f32:
-    /// 4; fp16 and bf16 compression: 2).
-    AllReduce {
-        /// Bytes per gradient element on the wire.
-        bytes_per_element: f64,
-    },
-    /// A low-rank policy (PowerSGD): before `start_iter` one f32 all-reduce per bucket; then
-    /// each parameter with `factors` is sent as its two f32 factors P and Q (their elements,
-    /// as the policy sized them), a bucket's P's in one all-reduce and its Q's in another, the
-    /// other tensors in one f32 all-reduce.
-    LowRank {
-        /// Iterations reduced plainly first.
-        start_iter: usize,
-        /// Each parameter's factors `(P, Q)` in elements, in registration order (`None`: sent
-        /// whole).
-        factors: Vec<Option<(usize, usize)>>,
-    },
-    /// ZeRO: each (padded) bucket is reduce-scattered in f32 during backward; the updated
-    /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
-    /// span holds them).
-    ReduceScatter,
 }
 
 /// Which reducer policy recorded a step profile.
