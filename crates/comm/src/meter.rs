@@ -1,6 +1,8 @@
-//! What a rank puts on the wire, counted: [`Metered`] wraps a communicator and adds every
-//! collective it is handed to a [`CommMeter`], so that a communication policy's cost is
-//! measured from the buffers it actually issues, not assumed from its design.
+//! What a rank puts on the wire, counted: a [`CommMeter`] adds up every collective it is told
+//! of, so that a communication policy's cost is measured from the buffers it actually issues,
+//! not assumed from its design. DDP counts the collectives its policy issues (on any backend)
+//! into the meter of its configuration; [`Metered`] counts everything a bare communicator is
+//! handed.
 //!
 //! Two figures per collective on a group of `p` ranks, for a buffer of `n` bytes handed in:
 //! - **payload bytes**: `n`, the buffer this rank handed to the collective (the figure
@@ -40,16 +42,27 @@ impl std::ops::Sub for CommBytes {
     }
 }
 
-/// Running totals of one rank's collectives; clones share them (cheap, thread-safe).
+/// Running totals of one rank's collectives; clones share them (cheap, thread-safe). A meter
+/// made by [`CommMeter::part`] counts a share of its parent's collectives (one bucket's): what
+/// it counts, its parent counts too, once.
 #[derive(Clone, Debug, Default)]
 pub struct CommMeter {
     totals: Arc<Mutex<CommBytes>>,
+    parent: Option<Arc<CommMeter>>,
 }
 
 impl CommMeter {
     /// A meter at zero.
     pub fn new() -> CommMeter {
         CommMeter::default()
+    }
+
+    /// A new meter at zero whose counts also go to this one.
+    pub fn part(&self) -> CommMeter {
+        CommMeter {
+            totals: Arc::default(),
+            parent: Some(Arc::new(self.clone())),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, CommBytes> {
@@ -67,6 +80,10 @@ impl CommMeter {
         t.collectives += 1;
         t.payload_bytes += bytes as u64;
         t.wire_bytes += op.wire_bytes(bytes as f64, world);
+        drop(t);
+        if let Some(parent) = &self.parent {
+            parent.count(op, bytes, world);
+        }
     }
 }
 

@@ -22,16 +22,17 @@
 //!   rank-major; ZeRO-1 gathers its updated parameters into the idle gradient bucket): no
 //!   scratch at all.
 //!
-//! Every collective a policy issues for a bucket, including those issued later from a
-//! continuation, is attributed to that bucket: in traces, and in the bucket's wire bytes (what
-//! this rank sends under the ring algorithms, [`brigade_comm::RingOp::wire_bytes`]), which
-//! step profiles record.
+//! Every collective a policy issues is counted once, into the handle's meter; one issued for a
+//! bucket, including those issued later from a continuation, is attributed to that bucket: in
+//! traces, and in the bucket's part of the meter (what this rank sends under the ring
+//! algorithms, [`brigade_comm::RingOp::wire_bytes`]), which step profiles record.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{
-    all_gather_with_side, reducing_bucket, Buffer, CommError, Communicator, RingOp, OpTiming, ReduceOp, Work,
+    all_gather_with_side, reducing_bucket, Buffer, CommError, CommMeter, Communicator, OpTiming, ReduceOp, RingOp,
+    Work,
 };
 use brigade_tensor::{DType, Device, Storage, Tensor};
 
@@ -212,20 +213,37 @@ pub trait CollectiveBackend: Send + Sync {
     }
 }
 
-/// The handle a policy issues its collectives through (see the module docs). Clones share the
-/// backend and, within a bucket's reduction, the bucket's attribution: clone it into a
-/// continuation to issue more collectives for the same bucket.
+/// The handle a policy issues its collectives through (see the module docs): each one is
+/// counted once, into the handle's [`CommMeter`] (DDP's: [`crate::DdpConfig::meter`]). Clones
+/// share the backend, the meter and, within a bucket's reduction, the bucket's attribution:
+/// clone it into a continuation to issue more collectives for the same bucket.
 #[derive(Clone)]
 pub struct Collectives {
     backend: Arc<dyn CollectiveBackend>,
-    /// The bucket whose reduction these collectives belong to, and its wire bytes so far.
-    bucket: Option<(usize, Arc<Mutex<f64>>)>,
+    /// What the collectives sent (within a bucket: the bucket's part of the whole).
+    meter: CommMeter,
+    /// The bucket whose reduction these collectives belong to.
+    bucket: Option<usize>,
 }
 
 impl Collectives {
-    /// A handle over `backend`.
+    /// A handle over `backend`, counting into a meter of its own.
     pub fn new(backend: Arc<dyn CollectiveBackend>) -> Collectives {
-        Collectives { backend, bucket: None }
+        Collectives {
+            backend,
+            meter: CommMeter::new(),
+            bucket: None,
+        }
+    }
+
+    /// The same handle, counting into `meter`.
+    pub(crate) fn metered(self, meter: CommMeter) -> Collectives {
+        Collectives { meter, ..self }
+    }
+
+    /// What this handle's collectives sent so far (within a bucket: the bucket's).
+    pub(crate) fn meter(&self) -> &CommMeter {
+        &self.meter
     }
 
     /// A handle over any communicator, through the host ([`HostCollectives`]).
@@ -233,17 +251,14 @@ impl Collectives {
         Collectives::new(Arc::new(HostCollectives::new(comm)))
     }
 
-    /// The same handle, its collectives attributed to bucket `index` from now on.
+    /// The same handle, its collectives attributed to bucket `index` from now on (counted in a
+    /// part of the meter of their own as well).
     pub(crate) fn for_bucket(&self, index: usize) -> Collectives {
         Collectives {
             backend: self.backend.clone(),
-            bucket: Some((index, Arc::default())),
+            meter: self.meter.part(),
+            bucket: Some(index),
         }
-    }
-
-    /// Bytes this rank sent on the wire for the bucket so far (0 outside a bucket).
-    pub(crate) fn wire_counter(&self) -> Option<Arc<Mutex<f64>>> {
-        self.bucket.as_ref().map(|(_, w)| w.clone())
     }
 
     /// The backend's name (`host`, `nccl`).
@@ -278,11 +293,9 @@ impl Collectives {
     }
 
     fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
-        match &self.bucket {
-            Some((index, wire)) => {
-                *wire.lock().unwrap_or_else(|e| e.into_inner()) += op.wire_bytes(bytes as f64, self.world_size());
-                reducing_bucket(*index, || f(self.backend.as_ref()))
-            }
+        self.meter.count(op, bytes, self.world_size());
+        match self.bucket {
+            Some(index) => reducing_bucket(index, || f(self.backend.as_ref())),
             None => f(self.backend.as_ref()),
         }
     }

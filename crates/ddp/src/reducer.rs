@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
-use brigade_comm::{Buffer, Communicator, EventKind, Recorder, SpanId};
+use brigade_comm::{Buffer, Communicator, EventKind, Recorder, RingOp, SpanId};
 use brigade_tensor::{DType, Device, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket, Held};
@@ -89,7 +89,8 @@ pub(crate) struct Reducer {
     pub(crate) comm: Arc<dyn Communicator>,
     /// Where full buckets go: the stream/event contract (host comm stream or NCCL).
     stream: Arc<dyn BucketStream>,
-    /// The collectives handle policies use outside a bucket (the optimizer, after the step).
+    /// The collectives handle policies use (metered by `DdpConfig::meter`); each bucket's
+    /// reduction gets its own part of it.
     pub(crate) collectives: Collectives,
     cfg: DdpConfig,
     recorder: Option<Recorder>,
@@ -224,7 +225,7 @@ impl Reducer {
         let n = params.len();
         let reducer = Reducer {
             recorder: cfg.recorder.clone(),
-            collectives: stream.collectives(),
+            collectives: stream.collectives().metered(cfg.meter.clone()),
             params,
             trainable,
             comm,
@@ -348,6 +349,7 @@ impl Reducer {
                     joined,
                 },
                 policy.as_mut(),
+                &self.collectives,
             )?
         };
         let launched = in_flight.launched;
@@ -498,6 +500,8 @@ impl Reducer {
     /// which gradients became ready on rank 0 (broadcast, so every rank agrees).
     fn rebuild(&self, st: &mut State) -> Result<()> {
         let bytes: Vec<u8> = st.ready_order.iter().flat_map(|&p| (p as u32).to_le_bytes()).collect();
+        let world = self.comm.world_size();
+        self.collectives.meter().count(RingOp::Broadcast, bytes.len(), world);
         let got = self
             .comm
             .broadcast(Buffer::U8(bytes), 0, "ddp.rebuild_buckets")

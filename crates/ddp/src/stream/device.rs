@@ -19,13 +19,13 @@
 //! `brigade_tensor::stream`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use brigade_comm::{Communicator, NetModel, Recorder, RingOp, SpanId};
 use brigade_tensor::{Device, Event, Stream, Tensor};
 
-use super::device_collectives::{lock, DeviceCollectives};
+use super::device_collectives::DeviceCollectives;
 use super::gpu_clock::{GpuClock, GpuTimeline};
 use super::host_staged::HostStagedComm;
 use super::{hand_to_policy, wait_reduction, BucketStream, Failed, InFlight, Landed, ReadyBucket, ReadyEvent};
@@ -44,6 +44,10 @@ pub struct DeviceStream<C: CollectiveBackend + 'static> {
     time_compute: bool,
     /// Each launched bucket's done event, recorded on the comm stream after its policy's work.
     done: Mutex<HashMap<usize, Event>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<C: CollectiveBackend + 'static> DeviceStream<C> {
@@ -164,7 +168,12 @@ impl<C: CollectiveBackend + 'static> BucketStream for DeviceStream<C> {
         Ok(ReadyEvent::Device(compute.record_event()?))
     }
 
-    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
+    fn launch(
+        &self,
+        bucket: ReadyBucket,
+        policy: &mut dyn ReducerPolicy,
+        collectives: &Collectives,
+    ) -> crate::Result<InFlight> {
         let sh = &self.collectives;
         let s = &sh.comm_stream;
         let ready = match &bucket.ready {
@@ -184,11 +193,11 @@ impl<C: CollectiveBackend + 'static> BucketStream for DeviceStream<C> {
         }
         // (timed only for the timeline: an event nobody waits on costs a record)
         let started = timeline.map(|_| s.record_event()).transpose()?;
-        *lock(&sh.current) = Some((index, 0));
-        let launched = s.scope(|| hand_to_policy(&self.collectives(), bucket, policy, self.name()));
-        let moved = lock(&sh.current).take().map_or(0, |(_, b)| b);
+        let launched = s.scope(|| hand_to_policy(collectives, bucket, policy, self.name()));
         let done = s.record_event()?;
         let in_flight = launched?;
+        // what the policy's collectives for the bucket handed over so far (the bucket's meter)
+        let moved = in_flight.meter.totals().payload_bytes as usize;
         if let Some(tl) = timeline {
             tl.issued(index, &tag, moved, ready, started, Some(done.clone()));
         }

@@ -9,7 +9,6 @@
 //! current stream, and the caller's stream waits on an event recorded after the collective (so
 //! those collectives do not overlap the caller's next kernels).
 
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use brigade_comm::{CommError, NetModel, ReduceOp, RingOp};
@@ -18,18 +17,12 @@ use brigade_tensor::{DType, Stream, Tensor};
 use crate::collectives::{spans_storage, CollectiveBackend, TensorWork};
 use crate::DdpError;
 
-/// The backend `comm` on the comm stream `comm_stream`, and what a bucket's collectives moved.
+/// The backend `comm` on the comm stream `comm_stream`, with the simulated link's delay.
 pub(super) struct DeviceCollectives<C> {
     // Dropped before the stream: NCCL's communicator borrows the comm stream.
     pub(super) comm: C,
     pub(super) comm_stream: Stream,
     pub(super) link: Option<NetModel>,
-    /// The bucket being handed to its policy and the bytes its collectives moved so far.
-    pub(super) current: Mutex<Option<(usize, usize)>>,
-}
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn bytes(t: &Tensor) -> usize {
@@ -42,7 +35,6 @@ impl<C: CollectiveBackend> DeviceCollectives<C> {
             comm,
             comm_stream,
             link: None,
-            current: Mutex::new(None),
         }
     }
 
@@ -96,9 +88,6 @@ impl<C: CollectiveBackend> DeviceCollectives<C> {
         s.scope(enqueue)?;
         if outside {
             caller.wait_event(&s.record_event()?)?;
-        }
-        if let Some((_, moved)) = lock(&self.current).as_mut() {
-            *moved += bytes;
         }
         Ok(())
     }
