@@ -2,16 +2,15 @@
 
 use std::sync::Arc;
 
-use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamStore};
+use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamStore, Var};
 use brigade_comm::{all_gather_bytes, Communicator};
 use brigade_tensor::Tensor;
 
 use crate::memory::{self, RankMemory};
-use crate::overlap::{ProfilePolicy, WireModel};
 use crate::policy::{
-    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext,
+    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext, WireModel,
 };
-use crate::reducer::{grad_bytes, PassTimes, Reducer};
+use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
 use crate::stream::{BucketStream, HostStream};
 use crate::{DdpConfig, DdpError, Result};
@@ -160,7 +159,7 @@ impl DistributedDataParallel {
     }
 
     /// Regroups the buckets under new caps, keeping their parameter order (rank 0's ready order
-    /// once rebuilt), e.g. when [`crate::overlap::Autotuner`] picks another cap. Not a collective:
+    /// once rebuilt), e.g. when the autotuner picks another cap. Not a collective:
     /// every rank must call it with the same caps between the same two steps (the autotuner
     /// broadcasts rank 0's choice), and then every rank holds the same buckets. Gradients keep
     /// their values; only between backward passes; refused when the policy fixes its layout.
@@ -191,18 +190,9 @@ impl DistributedDataParallel {
         &self.reducer.comm
     }
 
-    /// The bytes of each parameter's gradient in a bucket, in registration order (0 for a
-    /// frozen parameter), with its shape: the `params` of a step profile.
-    pub fn param_profiles(&self) -> Vec<crate::overlap::ParamProfile> {
-        self.reducer
-            .params
-            .iter()
-            .map(|p| crate::overlap::ParamProfile {
-                name: p.name().unwrap_or("<unnamed>").to_string(),
-                bytes: if p.requires_grad() { grad_bytes(p) } else { 0 },
-                shape: p.shape(),
-            })
-            .collect()
+    /// The parameters, in registration order.
+    pub(crate) fn params(&self) -> &[Var] {
+        &self.reducer.params
     }
 
     /// True once the buckets were rebuilt from the observed ready order.
@@ -226,16 +216,9 @@ impl DistributedDataParallel {
     }
 
     /// How the overlap model costs the policy's collectives (`None`: it cannot).
-    pub fn wire_model(&self) -> Option<WireModel> {
-        self.reducer.lock_policy().wire_model()
-    }
-
-    /// The policy as a step profile records it.
-    pub fn profile_policy(&self) -> ProfilePolicy {
-        ProfilePolicy {
-            name: self.policy_name(),
-            wire: self.wire_model(),
-        }
+    pub(crate) fn wire_model(&self) -> Option<WireModel> {
+        let shapes: Vec<Vec<usize>> = self.reducer.params.iter().map(|p| p.shape()).collect();
+        self.reducer.lock_policy().wire_model(&shapes)
     }
 
     /// What the policy wants its caller to know about the run so far (e.g. that PowerSGD never

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use brigade_autograd::{LrSchedule, Optimizer, Var};
-use brigade_comm::{CommMeter, Communicator, EventKind, Metered, SpanId};
+use brigade_comm::{CommMeter, Communicator, EventKind, SpanId};
 use brigade_ddp::overlap::{Autotuner, StepProfile};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_models::{load_params, Batch, Model, RngState, SamplerCursor, SamplerPosition};
@@ -58,7 +58,7 @@ pub struct Trainer<'a> {
     device: Device,
     opt: Box<dyn Optimizer>,
     ddp: Option<DistributedDataParallel>,
-    /// Counts what DDP issues (its communicator is metered; the trainer's own is not).
+    /// Counts what DDP sends (`DdpConfig::meter`; the trainer's own collectives are not counted).
     meter: CommMeter,
     first_step: usize,
     next_step: usize,
@@ -233,13 +233,14 @@ impl<'a> Trainer<'a> {
         let meter = CommMeter::new();
         let ddp = match (&cfg.ddp, policy) {
             (Some(d), Some(policy)) => {
-                let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
+                let comm: Arc<dyn Communicator> = ctx.comm.clone();
                 let d = DdpConfig {
                     recorder: ctx.recorder.clone(),
+                    meter: meter.clone(),
                     ..d.clone()
                 };
-                // NCCL reduces on the GPU's comm stream (not metered); otherwise the host stream
-                // over the metered communicator.
+                // NCCL reduces on the GPU's comm stream; otherwise the host stream over the
+                // communicator (DDP's meter counts either).
                 Some(match nccl::bucket_stream(ctx, device, ctx.net)? {
                     Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d, policy)?,
                     None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
