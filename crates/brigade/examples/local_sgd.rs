@@ -101,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
     let cfg = TrainConfig {
         // each rank makes its own policy
-        comm_hook: Arc::new(move |_rank: usize| Box::new(LocalSgd::new(k, h)) as Box<dyn ReducerPolicy>),
+        policy: Arc::new(move |_rank: usize| LocalSgd::new(k, h)),
         ..TrainConfig::new(steps, 32, sgd)
     };
     let local = train(&cfg)?;

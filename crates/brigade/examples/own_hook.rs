@@ -89,7 +89,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
     let cfg = TrainConfig {
         // each rank makes its own policy
-        comm_hook: Arc::new(|_rank: usize| Box::new(Int8::default()) as Box<dyn ReducerPolicy>),
+        policy: Arc::new(|_rank: usize| Int8::default()),
         ..TrainConfig::new(steps, 32, sgd)
     };
     let int8 = train(&cfg)?;

@@ -10,7 +10,7 @@ use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
 use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
-use crate::comm_hook::MakeCommHook;
+use crate::policy::MakePolicy;
 use crate::data::DataOrder;
 use crate::join::JoinMode;
 use crate::observe::TrainObserver;
@@ -134,7 +134,7 @@ pub struct TrainConfig {
     /// How DDP reduces each bucket and what its optimizer steps: a
     /// [`brigade_policies::PolicySpec`], or a closure making a user's own
     /// [`brigade_ddp::ReducerPolicy`]; every rank makes its own.
-    pub comm_hook: Arc<dyn MakeCommHook>,
+    pub policy: Arc<dyn MakePolicy>,
     /// Tune DDP's bucket cap as the run goes, from the recorded steps; needs `ddp`.
     pub autotune: Option<AutotuneConfig>,
     /// Train on through non-finite losses and parameters instead of stopping.
@@ -170,7 +170,7 @@ impl TrainConfig {
             clip_grad_norm: None,
             eval: None,
             ddp: Some(DdpConfig::default()),
-            comm_hook: Arc::new(PolicySpec::AllReduce),
+            policy: Arc::new(PolicySpec::AllReduce),
             autotune: None,
             allow_nonfinite: false,
             compute_threads: None,

@@ -15,7 +15,7 @@
 //!   result back, or the root-cause error naming its rank — what `torch.multiprocessing.spawn`
 //!   plus `init_process_group` give a PyTorch user; [`launch::nccl`] for the NCCL backend;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
-//!   themselves; [`comm_hook`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
+//!   themselves; [`policy`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
 //!   user's own);
 //! - [`recipe`]: the learning-rate schedule, clipping and evaluation; [`resume`]: what a
 //!   checkpoint records of them and what a resume may change;
@@ -44,7 +44,7 @@ pub use brigade_policies as policies;
 pub use brigade_tensor as tensor;
 
 pub mod checkpoint;
-pub mod comm_hook;
+pub mod policy;
 pub mod config;
 pub mod data;
 pub mod error;

@@ -288,7 +288,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
             data: late.clone(),
         }),
         ddp: (!opts.compute_only).then_some(ddp),
-        comm_hook: Arc::new(args.hook_spec()),
+        policy: Arc::new(args.hook_spec()),
         autotune: args.autotune_config(),
         allow_nonfinite: args.allow_nonfinite,
         compute_threads: args.threads_per_rank,

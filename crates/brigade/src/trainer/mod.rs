@@ -141,7 +141,7 @@ impl<'a> Trainer<'a> {
         }
         let mut opt = cfg.optimizer.build(model.params().params().to_vec());
         // This rank's policy, made first: a checkpoint names the policy it was written under.
-        let policy = cfg.ddp.as_ref().map(|_| cfg.comm_hook.make(ctx.rank)).transpose()?;
+        let policy = cfg.ddp.as_ref().map(|_| cfg.policy.make(ctx.rank)).transpose()?;
         let policy_name = policy.as_ref().map(|p| p.name());
         let mut resumed = match &cfg.checkpoint.resume {
             Some(path) => {
@@ -346,7 +346,7 @@ fn compute_threads(cfg: &TrainConfig, ctx: &RankContext) -> usize {
 /// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).
 fn zero_stage(cfg: &TrainConfig) -> ZeroStage {
     match &cfg.ddp {
-        Some(_) => cfg.comm_hook.zero_stage(),
+        Some(_) => cfg.policy.zero_stage(),
         None => ZeroStage::Off,
     }
 }

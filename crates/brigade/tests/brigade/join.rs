@@ -58,7 +58,7 @@ fn config(steps: usize, join: Option<JoinMode>, policy: PolicySpec, optimizer: O
         model_name: "mlp".into(),
         compute_threads: Some(1),
         join,
-        comm_hook: Arc::new(policy),
+        policy: Arc::new(policy),
         // several buckets of this small model (its first layer alone is 384 bytes)
         ddp: Some(DdpConfig {
             bucket_cap_mb: 0.0004,
@@ -202,7 +202,7 @@ fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport
 }
 
 fn policy_of(cfg: &TrainConfig) -> String {
-    cfg.comm_hook.make(0).map(|p| p.name()).unwrap_or_default()
+    cfg.policy.make(0).map(|p| p.name()).unwrap_or_default()
 }
 
 #[test]
@@ -458,7 +458,7 @@ fn ranks_whose_parameters_drift_apart_are_caught_at_the_end() {
     // the end-of-run checksum is what proves the ranks agree: under a policy that reduces
     // nothing every rank steps its own gradient, and the run ends with one agreed error
     let cfg = TrainConfig {
-        comm_hook: Arc::new(|_rank: usize| Box::new(KeepLocal) as Box<dyn brigade::ddp::ReducerPolicy>),
+        policy: Arc::new(|_rank: usize| KeepLocal),
         ..config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd())
     };
     let report = run(&[40, 24], cfg).unwrap();

@@ -226,14 +226,14 @@ impl ReducerPolicy for Counting {
 }
 
 #[test]
-fn every_rank_makes_its_own_comm_hook_from_a_closure() {
+fn every_rank_makes_its_own_policy_from_a_closure() {
     let made: Arc<Mutex<BTreeMap<usize, Arc<AtomicUsize>>>> = Arc::default();
     let m = made.clone();
     let cfg = TrainConfig {
-        comm_hook: Arc::new(move |rank: usize| {
+        policy: Arc::new(move |rank: usize| {
             let calls = Arc::new(AtomicUsize::new(0));
             m.lock().unwrap().insert(rank, calls.clone());
-            Box::new(Counting(calls)) as Box<dyn ReducerPolicy>
+            Counting(calls)
         }),
         ..config(3, 8)
     };

@@ -24,7 +24,7 @@ fn config(spec: &str, steps: usize) -> TrainConfig {
     TrainConfig {
         model_name: "mlp".into(),
         compute_threads: Some(1),
-        comm_hook: Arc::new(spec.parse::<PolicySpec>().unwrap()),
+        policy: Arc::new(spec.parse::<PolicySpec>().unwrap()),
         ..TrainConfig::new(steps, 8, sgd)
     }
 }

@@ -401,7 +401,7 @@ fn clipping_is_the_same_on_one_rank_two_ranks_and_accumulation() {
 fn clipping_under_zero_1_and_2_equals_plain_ddp() {
     let cfg = |hook: PolicySpec| TrainConfig {
         clip_grad_norm: Some(0.05),
-        comm_hook: Arc::new(hook),
+        policy: Arc::new(hook),
         ..config(6, 8)
     };
     let plain = run(2, &cfg(PolicySpec::AllReduce), Rows::new()).unwrap();

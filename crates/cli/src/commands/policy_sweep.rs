@@ -115,7 +115,7 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
                 .validate_for(&spec)
                 .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
             let cfg = TrainConfig {
-                comm_hook: Arc::new(spec.clone()),
+                policy: Arc::new(spec.clone()),
                 ..train_config(&s.run, opts, late)?
             };
             Ok((spec, cfg))
