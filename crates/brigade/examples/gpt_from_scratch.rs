@@ -110,12 +110,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Dataset::builtin_text(CONTEXT, 0)?),
         |_ctx| Ok(Box::new(Gpt::new(2, 0)?)),
     )?;
-    let (Some(first), Some(last)) = (report.outcome.losses.first(), report.outcome.losses.last()) else {
+    let steps = &report.outcome.steps;
+    let (Some(first), Some(last)) = (steps.first().map(|r| r.loss), steps.last().map(|r| r.loss)) else {
         return Err("no step ran: give STEPS >= 1".into());
     };
     println!(
         "loss: step 0 {first:.3}, step {} {last:.3}",
-        report.outcome.losses.len() - 1
+        steps.len() - 1
     );
     // The trained parameters (rank 0's) in a fresh model, for sampling.
     let model = Gpt::new(2, 0)?;

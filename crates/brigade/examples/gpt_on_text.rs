@@ -97,7 +97,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             .map(|p| format!(" (epoch {}, row {})", p.epoch, p.index));
         println!(
             "step {until}: training loss {:.3}, validation loss {last_val:.3}{}",
-            report.outcome.losses.last().copied().unwrap_or(f64::NAN),
+            report.outcome.steps.last().map_or(f64::NAN, |r| r.loss),
             at.unwrap_or_default()
         );
         done = until;

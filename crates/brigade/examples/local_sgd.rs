@@ -72,7 +72,7 @@ impl ReducerPolicy for LocalSgd {
 }
 
 fn wire_bytes(r: &RunReport) -> f64 {
-    r.outcome.sent.iter().map(|s| s.wire_bytes).sum()
+    r.outcome.sent().iter().map(|s| s.wire_bytes).sum()
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -105,7 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..TrainConfig::new(steps, 32, sgd)
     };
     let local = train(&cfg)?;
-    let (a, b) = (&plain.outcome.losses, &local.outcome.losses);
+    let (a, b) = (&plain.outcome.losses(), &local.outcome.losses());
     println!("{:>6} {:>12} {:>14}", "step", "allreduce", format!("local K={k} H={h}"));
     for s in (0..steps).filter(|s| s % 10 == 0 || s + 1 == steps) {
         println!("{s:>6} {:>12.4} {:>14.4}", a[s], b[s]);

@@ -97,7 +97,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Synthetic),
         |_ctx| Ok(Box::new(Mlp::new(&[16, 64, 64, 4], 0)?)),
     )?;
-    let curve = &report.outcome.losses; // the mean over ranks of each step
+    let curve = &report.outcome.losses(); // the mean over ranks of each step
     for (s, l) in curve
         .iter()
         .enumerate()

@@ -58,15 +58,15 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 4]), 0)?)),
     )?;
     let o = &report.outcome;
-    for s in (0..o.losses.len()).filter(|s| o.val_losses[*s].is_some()) {
-        let norm = o.grad_norms[s].unwrap_or(f64::NAN);
-        let val = o.val_losses[s].unwrap_or(f64::NAN);
+    for r in o.steps.iter().filter(|r| r.val_loss.is_some()) {
+        let norm = r.grad_norm.unwrap_or(f64::NAN);
+        let val = r.val_loss.unwrap_or(f64::NAN);
         println!(
-            "step {s:>4}  lr {:.2e}  grad norm {norm:.3}  loss {:.4}  val loss {val:.4}",
-            o.lrs[s], o.losses[s]
+            "step {:>4}  lr {:.2e}  grad norm {norm:.3}  loss {:.4}  val loss {val:.4}",
+            r.step, r.lr, r.loss
         );
     }
-    let val: Vec<f64> = o.val_losses.iter().flatten().copied().collect();
+    let val: Vec<f64> = o.steps.iter().filter_map(|r| r.val_loss).collect();
     if !(val.last() < val.first()) {
         return Err("the validation loss did not go down".into());
     }

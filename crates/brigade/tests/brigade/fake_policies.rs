@@ -66,7 +66,7 @@ fn run(steps: usize, ordinal: Option<usize>, hook: Arc<dyn MakePolicy>) -> (Fake
         |_ctx| Ok(Box::new(Gpt::new(small_gpt(), 0)?)),
     )
     .unwrap();
-    (ordinal.map(fake::counts).unwrap_or_default(), report.outcome.losses)
+    (ordinal.map(fake::counts).unwrap_or_default(), report.outcome.losses())
 }
 
 /// One step's counts on fake device `ordinal` under `hook`, after checking that its 3 steps'

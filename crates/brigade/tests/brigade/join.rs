@@ -160,8 +160,8 @@ fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport
     let report = run(rows, cfg.clone()).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
     // each step's loss is the mean over the ranks with data (agreed in f32)
-    assert_eq!(report.outcome.losses.len(), losses.len());
-    for (s, (a, b)) in report.outcome.losses.iter().zip(&losses).enumerate() {
+    assert_eq!(report.outcome.losses().len(), losses.len());
+    for (s, (a, b)) in report.outcome.losses().iter().zip(&losses).enumerate() {
         assert!(
             (a - b).abs() < 1e-5 * b.abs().max(1.0),
             "step {s}: loss {a} vs the replay's {b}"
@@ -194,7 +194,7 @@ fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport
     let k = cfg.accum;
     let steps_of: Vec<usize> = rows.iter().map(|n| n / (BATCH * k)).collect();
     let longest = *steps_of.iter().max().unwrap();
-    assert_eq!(report.outcome.losses.len(), longest.min(cfg.steps));
+    assert_eq!(report.outcome.losses().len(), longest.min(cfg.steps));
     let joined: Vec<Option<usize>> = steps_of.iter().map(|&n| (n < longest).then_some(n)).collect();
     assert_eq!(report.outcome.joined_at, joined);
     assert_eq!(report.outcome.data_ended, (longest < cfg.steps).then_some(longest));
@@ -253,7 +253,7 @@ fn the_steps_flag_stops_before_the_longest_rank_s_data_ends() {
         config(4, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd()),
         1e-6,
     );
-    assert_eq!(report.outcome.losses.len(), 4);
+    assert_eq!(report.outcome.losses().len(), 4);
     assert_eq!(report.outcome.data_ended, None);
 }
 
@@ -274,10 +274,10 @@ fn throw_stops_every_rank_at_the_step_the_first_rank_runs_out() {
     assert_eq!(launched.results.len(), 4);
     for (rank, outcome) in launched.results {
         assert_eq!(
-            outcome.losses.len(),
+            outcome.losses().len(),
             2,
             "rank {rank} ran {} steps",
-            outcome.losses.len()
+            outcome.losses().len()
         );
         match outcome.stopped {
             Some(Error::OutOfData {
@@ -307,7 +307,7 @@ fn without_a_join_mode_uneven_shards_are_refused_before_step_0() {
     );
     // even shards need none: they are read in order, wrapping around
     let report = run(&[16, 16], config(5, None, PolicySpec::AllReduce, sgd())).unwrap();
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
     assert!(report.outcome.joined_at.is_empty());
 }
 
@@ -369,9 +369,9 @@ fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
     let second = run(&rows, with(10, Some(&ckpt))).unwrap();
     assert_eq!(second.outcome.first_step, 4);
     assert_eq!(second.outcome.joined_at, vec![None, Some(3)]);
-    let mut losses = first.outcome.losses.clone();
-    losses.extend(&second.outcome.losses);
-    assert_eq!(losses, straight.outcome.losses);
+    let mut losses = first.outcome.losses().clone();
+    losses.extend(&second.outcome.losses());
+    assert_eq!(losses, straight.outcome.losses());
     let exact = |a: &RunReport, b: &RunReport| {
         a.outcome
             .params
@@ -410,7 +410,7 @@ fn sampled_shards_join_too() {
     };
     let report = run(&[40, 24], cfg).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
     assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
 }
 
@@ -429,9 +429,9 @@ fn every_built_in_policy_joins_without_a_hang_and_the_ranks_end_equal() {
                 "{name} {mode}: {:?}",
                 report.outcome.stopped
             );
-            assert_eq!(report.outcome.losses.len(), 5, "{name} {mode}");
+            assert_eq!(report.outcome.losses().len(), 5, "{name} {mode}");
             assert_eq!(report.outcome.joined_at, vec![None, Some(2), Some(3)], "{name} {mode}");
-            assert!(report.outcome.losses.iter().all(|l| l.is_finite()), "{name} {mode}");
+            assert!(report.outcome.losses().iter().all(|l| l.is_finite()), "{name} {mode}");
         }
     }
 }
@@ -470,7 +470,7 @@ fn ranks_whose_parameters_drift_apart_are_caught_at_the_end() {
         ref other => panic!("{other:?}"),
     }
     // the losses of the finished steps are kept
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
 }
 
 #[test]
@@ -505,10 +505,10 @@ fn clipping_evaluation_the_profile_and_the_autotuner_run_on_joined_ranks_too() {
         let report = run(&[40, 16, 24], cfg).unwrap();
         let o = &report.outcome;
         assert!(o.stopped.is_none(), "{name}: {:?}", o.stopped);
-        assert_eq!(o.losses.len(), 5, "{name}");
+        assert_eq!(o.losses().len(), 5, "{name}");
         assert_eq!(o.joined_at, vec![None, Some(2), Some(3)], "{name}");
-        assert!(o.grad_norms.iter().all(|n| n.is_some_and(f64::is_finite)), "{name}");
-        let evaluated: Vec<usize> = (0..5).filter(|&s| o.val_losses[s].is_some()).collect();
+        assert!(o.grad_norms().iter().all(|n| n.is_some_and(f64::is_finite)), "{name}");
+        let evaluated: Vec<usize> = (0..5).filter(|&s| o.val_losses()[s].is_some()).collect();
         assert_eq!(evaluated, [1, 3, 4], "{name}: after steps 2 and 4, and the last");
         assert_eq!(o.profile.as_ref().expect("a profile").ranks.len(), 3, "{name}");
         assert_eq!(o.autotune.is_some(), !zero, "{name}");
@@ -525,7 +525,7 @@ fn ranks_training_apart_join_too() {
     };
     let report = run(&[40, 24], cfg).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
     assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
 }
 

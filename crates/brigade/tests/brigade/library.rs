@@ -148,20 +148,20 @@ fn a_user_model_on_two_ranks_matches_one_rank_on_the_whole_batch_and_accumulatio
         Rows::new(),
     )
     .unwrap();
-    assert_eq!(two.outcome.losses.len(), 5);
+    assert_eq!(two.outcome.losses().len(), 5);
     assert!(
-        two.outcome.losses[4] < two.outcome.losses[0],
+        two.outcome.losses()[4] < two.outcome.losses()[0],
         "it learns: {:?}",
-        two.outcome.losses
+        two.outcome.losses()
     );
     assert_close(
-        &two.outcome.losses,
-        &one.outcome.losses,
+        &two.outcome.losses(),
+        &one.outcome.losses(),
         "2 ranks x 8 rows vs 1 rank x 16 rows",
     );
     assert_close(
-        &accum.outcome.losses,
-        &one.outcome.losses,
+        &accum.outcome.losses(),
+        &one.outcome.losses(),
         "2 microbatches of 8 vs one of 16",
     );
     let names: Vec<&str> = two.outcome.params.iter().map(|(n, _)| n.as_str()).collect();
@@ -194,7 +194,7 @@ fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
     };
     let resumed = run(2, &resume, rows()).unwrap();
     assert_eq!(resumed.outcome.first_step, 2);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[2..], "bit for bit");
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "bit for bit");
 
     // Other data, or another model's checkpoint, is refused with the reason.
     let other = Rows {

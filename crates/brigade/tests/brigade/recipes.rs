@@ -63,8 +63,8 @@ fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
         ..plain_sgd(9, 8, 0.2)
     };
     let r = run(1, &cfg, Rows::new()).unwrap();
-    assert_eq!(r.outcome.lrs.len(), 9);
-    assert_lrs(&r.outcome.lrs, |s| cosine_lr(0.2, 0.01, 2, 6, s), 0, "cosine W=2 T=6");
+    assert_eq!(r.outcome.lrs().len(), 9);
+    assert_lrs(&r.outcome.lrs(), |s| cosine_lr(0.2, 0.01, 2, 6, s), 0, "cosine W=2 T=6");
     // W = 0, T defaulting to the run's steps; linear; step
     let cfg = TrainConfig {
         schedule: cosine(0, None, 0.0),
@@ -72,7 +72,7 @@ fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
     };
     let r = run(1, &cfg, Rows::new()).unwrap();
     assert_lrs(
-        &r.outcome.lrs,
+        &r.outcome.lrs(),
         |s| cosine_lr(0.2, 0.0, 0, 5, s),
         0,
         "cosine W=0 T=steps",
@@ -94,7 +94,7 @@ fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
             0.2 + (0.02 - 0.2) * s as f64 / 4.0
         }
     };
-    assert_lrs(&r.outcome.lrs, linear, 0, "linear T=4");
+    assert_lrs(&r.outcome.lrs(), linear, 0, "linear T=4");
     let cfg = TrainConfig {
         schedule: ScheduleConfig {
             name: ScheduleName::Step,
@@ -113,10 +113,10 @@ fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
             0.2 * 0.5f64.powi(((s - 1) / 2) as i32)
         }
     };
-    assert_lrs(&r.outcome.lrs, step, 0, "step W=1");
+    assert_lrs(&r.outcome.lrs(), step, 0, "step W=1");
     // the default is the constant optimizer lr, as before schedules
     let r = run(1, &plain_sgd(3, 8, 0.2), Rows::new()).unwrap();
-    assert_eq!(r.outcome.lrs, [0.2; 3]);
+    assert_eq!(r.outcome.lrs(), [0.2; 3]);
 }
 
 #[test]
@@ -178,15 +178,15 @@ fn a_resume_that_extends_the_steps_continues_the_same_curve() {
     let resumed = run(2, &with_checkpoint(more, None, Some(&ckpt)), Rows::new()).unwrap();
     assert_eq!(resumed.outcome.first_step, 4);
     assert!(resumed.outcome.resume_changes.is_empty());
-    assert_lrs(&resumed.outcome.lrs, |s| cosine_lr(0.2, 0.01, 1, 6, s), 4, "resumed");
+    assert_lrs(&resumed.outcome.lrs(), |s| cosine_lr(0.2, 0.01, 1, 6, s), 4, "resumed");
     // bit for bit the uninterrupted run of the same curve
     let straight = TrainConfig {
         schedule: cosine(1, Some(6), 0.01),
         ..plain_sgd(9, 8, 0.2)
     };
     let straight = run(2, &straight, Rows::new()).unwrap();
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[4..]);
-    assert_eq!(resumed.outcome.lrs, straight.outcome.lrs[4..]);
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[4..]);
+    assert_eq!(resumed.outcome.lrs(), straight.outcome.lrs()[4..]);
 }
 
 #[test]
@@ -278,8 +278,8 @@ fn a_resume_that_changes_a_hyperparameter_uses_it_and_says_which() {
     let said: Vec<String> = seen.0.lock().unwrap().iter().map(ToString::to_string).collect();
     assert_eq!(said, ["lr 0.2 -> 0.05", "clip_grad_norm none -> 0.5"]);
     assert_eq!(r.outcome.resume_changes.len(), 2);
-    assert_eq!(r.outcome.lrs, [0.05, 0.05], "the new learning rate is used");
-    assert!(r.outcome.grad_norms.iter().all(Option::is_some), "and the clipping");
+    assert_eq!(r.outcome.lrs(), [0.05, 0.05], "the new learning rate is used");
+    assert!(r.outcome.grad_norms().iter().all(Option::is_some), "and the clipping");
     // an unchanged resume says nothing
     let seen = Arc::new(Changes::default());
     let same = TrainConfig {
@@ -345,7 +345,7 @@ fn assert_close6(a: &[f64], b: &[f64], what: &str) {
 
 fn norms(r: &brigade::RunReport) -> Vec<f64> {
     r.outcome
-        .grad_norms
+        .grad_norms()
         .iter()
         .map(|n| n.expect("a norm every step"))
         .collect()
@@ -382,19 +382,19 @@ fn clipping_is_the_same_on_one_rank_two_ranks_and_accumulation() {
     assert_close6(&norms(&two), &norms(&one), "norms: 2 ranks x 8 vs 1 x 16");
     assert_close6(&norms(&accum), &norms(&one), "norms: accum 2 x 8 vs 1 x 16");
     assert_close6(
-        &two.outcome.losses,
-        &one.outcome.losses,
+        &two.outcome.losses(),
+        &one.outcome.losses(),
         "losses: 2 ranks x 8 vs 1 x 16",
     );
     assert_close6(
-        &accum.outcome.losses,
-        &one.outcome.losses,
+        &accum.outcome.losses(),
+        &one.outcome.losses(),
         "losses: accum 2 x 8 vs 1 x 16",
     );
     // clipping changed the run (it is not a no-op)
     let unclipped = run(1, &config(6, 16), Rows::new()).unwrap();
-    assert!((unclipped.outcome.losses[5] - one.outcome.losses[5]).abs() > 1e-4);
-    assert!(unclipped.outcome.grad_norms.iter().all(Option::is_none));
+    assert!((unclipped.outcome.losses()[5] - one.outcome.losses()[5]).abs() > 1e-4);
+    assert!(unclipped.outcome.grad_norms().iter().all(Option::is_none));
 }
 
 #[test]
@@ -408,7 +408,7 @@ fn clipping_under_zero_1_and_2_equals_plain_ddp() {
     for (name, hook) in [("zero1", PolicySpec::Zero1), ("zero2", PolicySpec::Zero2)] {
         let z = run(2, &cfg(hook), Rows::new()).unwrap();
         assert_close6(&norms(&z), &norms(&plain), &format!("{name}: norms"));
-        assert_close6(&z.outcome.losses, &plain.outcome.losses, &format!("{name}: losses"));
+        assert_close6(&z.outcome.losses(), &plain.outcome.losses(), &format!("{name}: losses"));
         for ((n, a), (_, b)) in z.outcome.params.iter().zip(&plain.outcome.params) {
             assert_close6(
                 &a.to_f64_vec().unwrap(),
@@ -459,7 +459,7 @@ fn the_eval_loss_equals_the_training_loss_of_the_same_batch_before_the_next_step
             |_| Ok(Box::new(Tiny::new()?)),
         )
         .unwrap();
-        let (val, loss) = (&r.outcome.val_losses, &r.outcome.losses);
+        let (val, loss) = (&r.outcome.val_losses(), &r.outcome.losses());
         // after steps 1, 3, 5 (every 2) and 6 (the last)
         let evaluated: Vec<usize> = (0..7).filter(|&s| val[s].is_some()).collect();
         assert_eq!(evaluated, [1, 3, 5, 6], "world {world}");

@@ -131,8 +131,8 @@ fn two_ranks_equal_one_rank_on_the_same_global_batches() {
     let two = run(2, &config(9, 4, DataOrder::shuffle(3, false)), &a).unwrap();
     let one = run(1, &config(9, 8, DataOrder::shuffle(3, false)), &b).unwrap();
     assert_close(
-        &two.outcome.losses,
-        &one.outcome.losses,
+        &two.outcome.losses(),
+        &one.outcome.losses(),
         "2 ranks x 4 rows vs 1 rank x 8 rows, shuffled",
     );
     // the same rows per step: rank 0 and 1 of a step together are the one rank's batch
@@ -182,7 +182,7 @@ fn a_resume_mid_epoch_lands_on_the_same_row_of_the_same_permutation() {
     let resumed_data = Recording::new();
     let resumed = run(2, &resume, &resumed_data).unwrap();
     assert_eq!(resumed.outcome.first_step, 8);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[8..], "bit for bit");
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[8..], "bit for bit");
     assert_eq!(resumed_data.rows_of(0), straight_data.rows_of(0)[32..], "the same rows");
     assert_eq!(resumed_data.rows_of(1), straight_data.rows_of(1)[32..], "the same rows");
 

@@ -155,15 +155,16 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             interrupted = true;
             break;
         }
-        let compute_ms = median_step(a, &baseline.outcome.step_ms);
+        let compute_ms = median_step(a, &baseline.outcome.ms());
         let report = finished(run_config(a, &quiet, cfg, &late)?)?.outcome;
         if report.interrupted {
             interrupted = true;
             break;
         }
-        let step_ms = median_step(a, &report.step_ms);
-        let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
-        let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
+        let step_ms = median_step(a, &report.ms());
+        let sent = SentSummary::of(&report.sent()).ok_or_else(|| Error::Usage("no step ran".into()))?;
+        let losses = report.losses();
+        let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
         rows.push(PolicyRow {
             policy: spec.to_string(),
             note: report
@@ -179,7 +180,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             sent_bytes_last_step: sent.payload_last_step,
             sent_bytes_total: sent.payload_total,
             wire_bytes_per_step: sent.wire_per_step,
-            final_loss: report.losses.last().copied().unwrap_or(f64::NAN),
+            final_loss: report.losses().last().copied().unwrap_or(f64::NAN),
             last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
         });
     }

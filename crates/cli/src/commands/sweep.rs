@@ -160,7 +160,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             interrupted = true;
             return Ok(None);
         }
-        let compute_ms = median_step(&a, &compute_only.outcome.step_ms);
+        let compute_ms = median_step(&a, &compute_only.outcome.ms());
         let mut report = finished(run(
             &a,
             &RunOptions {
@@ -177,7 +177,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         let buckets = bucket_times(&tl.events);
         let sample = Sample {
             buckets: report.outcome.buckets.len(),
-            step_ms: median_step(&a, &report.outcome.step_ms),
+            step_ms: median_step(&a, &report.outcome.ms()),
             compute_only_ms: compute_ms,
             comm_ms: buckets.iter().map(|(_, d)| d).sum(),
             last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),

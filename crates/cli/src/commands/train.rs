@@ -342,7 +342,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
     }
     written?;
     if report.outcome.interrupted {
-        let step = (report.outcome.first_step + report.outcome.losses.len()).saturating_sub(1);
+        let step = (report.outcome.first_step + report.outcome.losses().len()).saturating_sub(1);
         return Err(Error::Interrupted {
             step,
             steps: t.run.steps,
@@ -369,11 +369,11 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 csv.push_str(row);
                 csv.push('\n');
             }
-            for (i, l) in outcome.losses.iter().enumerate() {
-                let lr = outcome.lrs.get(i).map(f64::to_string).unwrap_or_default();
-                let norm = outcome.grad_norms.get(i).copied().flatten();
+            for (i, l) in outcome.losses().iter().enumerate() {
+                let lr = outcome.lrs().get(i).map(f64::to_string).unwrap_or_default();
+                let norm = outcome.grad_norms().get(i).copied().flatten();
                 let norm = norm.map(|n| format!("{n:.9}")).unwrap_or_default();
-                let val = outcome.val_losses.get(i).copied().flatten();
+                let val = outcome.val_losses().get(i).copied().flatten();
                 let val = val.map(|v| format!("{v:.9}")).unwrap_or_default();
                 csv.push_str(&format!("{},{:.9},{lr},{norm},{val}\n", outcome.first_step + i, l));
             }
@@ -383,7 +383,7 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.timeline {
         match &report.timeline {
-            Some(tl) if !outcome.losses.is_empty() => {
+            Some(tl) if !outcome.losses().is_empty() => {
                 let write = move || {
                     let title = format!(
                         "step {}: {} ranks, bucket cap {} MiB",
@@ -408,11 +408,11 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
             .filter(|(s, _)| *s < outcome.first_step)
             .filter_map(|(_, row)| LossPoint::from_csv_row(row));
         let points: Vec<LossPoint> = earlier
-            .chain(outcome.losses.iter().enumerate().map(|(i, &loss)| LossPoint {
+            .chain(outcome.losses().iter().enumerate().map(|(i, &loss)| LossPoint {
                 step: outcome.first_step + i,
                 loss,
-                lr: outcome.lrs.get(i).copied(),
-                val_loss: outcome.val_losses.get(i).copied().flatten(),
+                lr: outcome.lrs().get(i).copied(),
+                val_loss: outcome.val_losses().get(i).copied().flatten(),
             }))
             .collect();
         if points.is_empty() {

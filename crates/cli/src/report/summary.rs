@@ -39,13 +39,13 @@ pub struct Summary {
 /// Summarises an outcome of `world_size` ranks, leaving the first `warmup` steps out of the
 /// timing.
 pub fn summarize(args: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> Summary {
-    let timed = &outcome.step_ms[args.warmup.min(outcome.step_ms.len())..];
+    let timed = &outcome.ms()[args.warmup.min(outcome.ms().len())..];
     let (median, min) = median_min(timed);
     // the run's world size: under MPI it comes from mpirun, not from --world-size
     let global_batch = world_size as f64 * args.rows_per_rank() as f64;
     Summary {
-        first_loss: outcome.losses.first().copied().unwrap_or(f64::NAN),
-        last_loss: outcome.losses.last().copied().unwrap_or(f64::NAN),
+        first_loss: outcome.losses().first().copied().unwrap_or(f64::NAN),
+        last_loss: outcome.losses().last().copied().unwrap_or(f64::NAN),
         median_step_ms: median,
         min_step_ms: min,
         samples_per_s: global_batch / (median / 1e3),
@@ -118,18 +118,18 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "first_loss": s.first_loss, "last_loss": s.last_loss,
         "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
         "samples_per_s": s.samples_per_s, "world_size": world_size,
-        "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
+        "first_step": outcome.first_step, "steps_run": outcome.losses().len(), "buckets": outcome.buckets.len(),
         "epoch": outcome.sampler.map(|p| p.epoch), "epoch_row": outcome.sampler.map(|p| p.index),
-        "lr": outcome.lrs, "last_lr": outcome.lrs.last(),
-        "grad_norm": outcome.grad_norms,
-        "val_loss": outcome.val_losses, "last_val_loss": outcome.val_losses.iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
-        "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
-        "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
+        "lr": outcome.lrs(), "last_lr": outcome.lrs().last(),
+        "grad_norm": outcome.grad_norms(),
+        "val_loss": outcome.val_losses(), "last_val_loss": outcome.val_losses().iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms().last().copied().flatten(),
+        "gradient_bytes": outcome.memory.map(|m| m.gradients),
+        "gradient_and_bucket_bytes": outcome.memory.map(|m| m.gradients),
         "autotune": outcome.autotune,
         // the reducer policy's spec, as checkpoints and profiles record it, and what it says
         "policy": a.hook_spec().to_string(),
         "policy_notes": outcome.policy_diagnostics.iter().map(|d| d.message.clone()).collect::<Vec<_>>(),
-        "memory": outcome.rank_memory.map(|m| json!({
+        "memory": outcome.memory.map(|m| json!({
             "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
@@ -141,7 +141,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "data_ended": outcome.data_ended,
     });
     // bytes DDP sent per step on rank 0 (see `sent.rs`)
-    if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent)) {
+    if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent())) {
         o.extend(sent);
     }
     out
@@ -150,7 +150,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
 /// The summary as a few lines.
 fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     let s = summarize(a, world_size, outcome);
-    let ran = outcome.losses.len();
+    let ran = outcome.losses().len();
     outln!(
         "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
         flag_name(&a.model.model),
@@ -191,7 +191,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
                 ),
             }
         }
-        if let (Some(first), Some(last)) = (outcome.lrs.first(), outcome.lrs.last()) {
+        if let (Some(first), Some(last)) = (outcome.lrs().first(), outcome.lrs().last()) {
             if a.lr_schedule != crate::args::ScheduleFlag::Constant || a.warmup_steps > 0 {
                 outln!(
                     "lr: {} schedule, first {} last {}",
@@ -202,7 +202,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             }
         }
         if let Some((s, v)) = outcome
-            .val_losses
+            .val_losses()
             .iter()
             .enumerate()
             .rev()
@@ -210,8 +210,8 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         {
             outln!("val loss: {v:.4} after step {}", outcome.first_step + s);
         }
-        if let (Some(c), Some(Some(norm))) = (a.clip_grad_norm, outcome.grad_norms.last()) {
-            let clipped = outcome.grad_norms.iter().flatten().filter(|n| **n > c).count();
+        if let (Some(c), Some(Some(norm))) = (a.clip_grad_norm, outcome.grad_norms().last()) {
+            let clipped = outcome.grad_norms().iter().flatten().filter(|n| **n > c).count();
             outln!(
                 "gradient norm: last {norm:.4}, clipped to {} in {clipped} of {ran} steps",
                 compact(c)
@@ -242,18 +242,18 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         let n = outcome.buckets.len();
         outln!(
             "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
-            mib(m.gradient_bytes),
+            mib(m.gradients),
             if n == 1 { "bucket" } else { "buckets" },
-            mib(m.total_bytes())
+            mib(m.gradients)
         );
-        if let Some(sent) = SentSummary::of(&outcome.sent) {
+        if let Some(sent) = SentSummary::of(&outcome.sent()) {
             outln!("{}", sent.line(world_size));
         }
     }
     for d in &outcome.policy_diagnostics {
         outln!("note: {}", d.message);
     }
-    if let Some(m) = outcome.rank_memory {
+    if let Some(m) = outcome.memory {
         outln!(
             "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
             a.zero,
