@@ -62,8 +62,8 @@ pub struct CheckpointIdentity<'a> {
     pub sampler: Option<SamplerPosition>,
     /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
     pub model_config: Option<String>,
-    /// The recipe's metadata, written beside the rest ([`crate::resume::recipe_metadata`]:
-    /// the schedule and every hyperparameter); a resume checks it with
+    /// The recipe's metadata, written beside the rest (the schedule and every
+    /// hyperparameter); a resume checks it with
     /// [`crate::resume::check_resume`], not here.
     pub recipe: Vec<(String, String)>,
     /// The reducer policy's spec as it reads (`allreduce`, `powersgd:4@2`, a user's name), or

@@ -322,12 +322,23 @@ impl Error {
 /// Result alias for the library.
 pub type Result<T> = std::result::Result<T, Error>;
 
+impl Error {
+    /// Of [`Error::UnevenInputs`], the rank with the fewest rows and the one with the most
+    /// (the lowest such ranks); `None` for any other error.
+    pub fn shortest_and_longest(&self) -> Option<(usize, usize)> {
+        match self {
+            Error::UnevenInputs { rows } => Some((shortest(rows), longest(rows))),
+            _ => None,
+        }
+    }
+}
+
 /// The rank with the fewest rows (the lowest such rank); 0 when there is none.
-pub fn shortest(rows: &[usize]) -> usize {
+fn shortest(rows: &[usize]) -> usize {
     (0..rows.len()).min_by_key(|&r| (rows[r], r)).unwrap_or(0)
 }
 
 /// The rank with the most rows (the lowest such rank); 0 when there is none.
-pub fn longest(rows: &[usize]) -> usize {
+fn longest(rows: &[usize]) -> usize {
     (0..rows.len()).max_by_key(|&r| (rows[r], usize::MAX - r)).unwrap_or(0)
 }

@@ -1,5 +1,5 @@
 //! What a checkpoint records of the training recipe (the schedule and the optimizer's
-//! hyperparameters, [`recipe_metadata`]), so that a resume either continues the same run or
+//! hyperparameters, as key-value metadata), so that a resume either continues the same run or
 //! says what it changed.
 //!
 //! Resume rules (checked by [`check_resume`]):
@@ -73,7 +73,7 @@ pub fn hyperparameters(opt: &OptimizerConfig, clip_grad_norm: Option<f64>) -> Ve
 
 /// What a checkpoint records of the recipe: the schedule, the rows a step reads per rank and
 /// every hyperparameter.
-pub fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String, String)> {
+pub(crate) fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String, String)> {
     [
         (SCHEDULE_KEY.to_string(), schedule_record(schedule)),
         (ROWS_PER_STEP_KEY.to_string(), (cfg.batch_size * cfg.accum).to_string()),
