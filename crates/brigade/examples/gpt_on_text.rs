@@ -72,15 +72,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (mut params, mut last_val, mut done) = (vec![], first_val, 0);
     while done < steps {
         let until = (done + EVERY).min(steps);
-        let cfg = TrainConfig {
-            model_name: "gpt".into(),
-            data_order: DataOrder::shuffle(0, false),
-            checkpoint: CheckpointConfig {
+        let cfg = {
+            let mut c = TrainConfig::new(until, 8, OptimizerConfig::adamw(3e-3, None));
+            c.model.name = "gpt".into();
+            c.data.order = DataOrder::shuffle(0, false);
+            c.runtime.checkpoint = CheckpointConfig {
                 resume: (done > 0).then(|| ckpt.clone()),
                 path: Some(ckpt.clone()),
                 every: None,
-            },
-            ..TrainConfig::new(until, 8, OptimizerConfig::adamw(3e-3, None))
+            };
+            c
         };
         let train = &text.train;
         let report = brigade::fit(

@@ -99,10 +99,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
     };
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
-    let cfg = TrainConfig {
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 32, sgd);
         // each rank makes its own policy
-        policy: Arc::new(move |_rank: usize| LocalSgd::new(k, h)),
-        ..TrainConfig::new(steps, 32, sgd)
+        c.distributed.get_or_insert_default().policy = Arc::new(move |_rank: usize| LocalSgd::new(k, h));
+        c
     };
     let local = train(&cfg)?;
     let (a, b) = (&plain.outcome.losses(), &local.outcome.losses());

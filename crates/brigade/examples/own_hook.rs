@@ -87,10 +87,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
     };
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
-    let cfg = TrainConfig {
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 32, sgd);
         // each rank makes its own policy
-        policy: Arc::new(|_rank: usize| Int8::default()),
-        ..TrainConfig::new(steps, 32, sgd)
+        c.distributed.get_or_insert_default().policy = Arc::new(|_rank: usize| Int8::default());
+        c
     };
     let int8 = train(&cfg)?;
     let (a, b) = (&plain.outcome.losses(), &int8.outcome.losses());

@@ -37,19 +37,20 @@ impl EvalSource for Split {
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let steps: usize = std::env::args().nth(1).map_or(Ok(200), |s| s.parse())?;
     let split = || Dataset::teacher(TRAIN + VAL, 16, 4, 0).map(Split);
-    let cfg = TrainConfig {
-        schedule: ScheduleConfig {
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 32, OptimizerConfig::adamw(3e-3, None));
+        c.recipe.schedule = ScheduleConfig {
             name: ScheduleName::Cosine,
             warmup_steps: steps as u64 / 10,
             min_lr: 1e-4,
             ..ScheduleConfig::default() // T: the run's steps
-        },
-        clip_grad_norm: Some(1.0),
-        eval: Some(EvalConfig {
+        };
+        c.recipe.clip_grad_norm = Some(1.0);
+        c.recipe.eval = Some(EvalConfig {
             every: 10,
             data: Arc::new(split()?),
-        }),
-        ..TrainConfig::new(steps, 32, OptimizerConfig::adamw(3e-3, None))
+        });
+        c
     };
     let report = brigade::fit(
         &LaunchConfig::threads(2),

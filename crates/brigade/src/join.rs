@@ -43,7 +43,7 @@ pub const JOIN_TAG: &str = "join: ranks with data";
 /// Tag of the end-of-run exchange of the parameters' checksums.
 pub const CHECKSUM_TAG: &str = "join: parameter checksums";
 
-/// How a run treats ranks whose data ends at different steps ([`crate::TrainConfig::join`];
+/// How a run treats ranks whose data ends at different steps ([`crate::config::DataConfig::join`];
 /// `None` there: uneven data is refused before step 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JoinMode {

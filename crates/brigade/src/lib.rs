@@ -7,7 +7,8 @@
 //!   builds its own) and [`DataSource`](data::DataSource) (each rank asks for its own
 //!   microbatches), with the sharding, `no_sync` accumulation, checkpoint/resume, timeline and
 //!   step profile of `brigade train`, which is a thin shell over it;
-//! - [`config`]: what a run is asked to do ([`TrainConfig`], with its checkpoint and
+//! - [`config`]: what a run is asked to do ([`TrainConfig`]: the model, the data, the recipe, the
+//!   distributed part, the runtime with its checkpoint and
 //!   instrumentation parts), and [`observe`]: who watches it ([`observe::TrainObserver`]: progress,
 //!   per-step records, a stop request; the library itself prints nothing);
 //! - [`launch`]: start N ranks as threads (or join the MPI job with the `mpi` feature), hand
@@ -44,7 +45,6 @@ pub use brigade_policies as policies;
 pub use brigade_tensor as tensor;
 
 pub mod checkpoint;
-pub mod policy;
 pub mod config;
 pub mod data;
 pub mod error;
@@ -54,6 +54,7 @@ pub mod launch;
 pub mod observe;
 pub mod outcome;
 pub mod placement;
+pub mod policy;
 pub mod recipe;
 pub mod resume;
 mod trace_gather;

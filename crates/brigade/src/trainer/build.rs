@@ -31,13 +31,13 @@ impl<'a> Trainer<'a> {
         ctx: &'a RankContext,
     ) -> Result<Self> {
         set_compute_threads(compute_threads(cfg, ctx));
-        if let Some(init) = &cfg.init {
+        if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }
         let lengths = check_lengths(cfg, data, ctx)?;
-        let mut opt = cfg.optimizer.build(model.params().params().to_vec());
+        let mut opt = cfg.recipe.optimizer.build(model.params().params().to_vec());
         // This rank's policy, made first: a checkpoint names the policy it was written under.
-        let policy = cfg.ddp.as_ref().map(|_| cfg.policy.make(ctx.rank)).transpose()?;
+        let policy = cfg.distributed.as_ref().map(|d| d.policy.make(ctx.rank)).transpose()?;
         let policy_name = policy.as_ref().map(|p| p.name());
         let mut resumed = resume(cfg, data, ctx, model.as_mut(), opt.as_mut(), policy_name.as_deref())?;
         let (schedule, changes) = check_recipe(cfg, resumed.as_ref())?;
@@ -49,7 +49,7 @@ impl<'a> Trainer<'a> {
         let feed = Feed::new(cfg, data, ctx, lengths, resumed.as_ref(), first_step)?;
         let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
         let replica = Replica::new(cfg, ctx, model, opt, policy, policy_state.unwrap_or_default())?;
-        let autotune = cfg.autotune.clone().filter(|_| cfg.ddp.is_some());
+        let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
         Ok(Trainer {
             at: Progress {
                 first_step,
@@ -77,16 +77,16 @@ impl<'a> Trainer<'a> {
 /// different steps are refused here (with one, a rank with fewer rows than a step joins at
 /// step 0; when every rank has, no step could run).
 fn check_lengths(cfg: &TrainConfig, data: &dyn DataSource, ctx: &RankContext) -> Result<DataLength> {
-    let lengths = data.rank_lengths(ctx.world_size, &cfg.data_order)?;
+    let lengths = data.rank_lengths(ctx.world_size, &cfg.data.order)?;
     let DataLength::PerEpoch(rows) = &lengths else {
         return Ok(lengths);
     };
-    let rows_per_step = cfg.batch_size * cfg.accum;
-    match cfg.join {
+    let rows_per_step = cfg.rows_per_step();
+    match cfg.data.join {
         None if !lengths.is_even() => Err(join::uneven_refusal(rows)),
-        None if rows[ctx.rank] < cfg.batch_size => Err(Error::Config(format!(
+        None if rows[ctx.rank] < cfg.data.batch_size => Err(Error::Config(format!(
             "rank {} reads {} rows per epoch, fewer than one microbatch of {}",
-            ctx.rank, rows[ctx.rank], cfg.batch_size
+            ctx.rank, rows[ctx.rank], cfg.data.batch_size
         ))),
         Some(_) if rows.iter().all(|&n| n < rows_per_step) => Err(Error::NoStep {
             rows: rows.clone(),
@@ -107,23 +107,23 @@ fn resume(
     opt: &mut dyn Optimizer,
     policy: Option<&str>,
 ) -> Result<Option<Resumed>> {
-    let Some(path) = &cfg.checkpoint.resume else {
+    let Some(path) = &cfg.runtime.checkpoint.resume else {
         return Ok(None);
     };
     let id = CheckpointIdentity {
-        model: &cfg.model_name,
-        optimizer: cfg.optimizer.name(),
-        seed: cfg.seed,
+        model: &cfg.model.name,
+        optimizer: cfg.recipe.optimizer.name(),
+        seed: cfg.model.seed,
         data: data.fingerprint(),
         zero: zero_stage(cfg),
         world_size: ctx.world_size,
-        data_order: cfg.data_order.describe(),
+        data_order: cfg.data.order.describe(),
         sampler: None,
         model_config: None,
         recipe: vec![],
         policy,
         dropout_rng: vec![],
-        allow_nonfinite: cfg.allow_nonfinite,
+        allow_nonfinite: cfg.recipe.allow_nonfinite,
     };
     let resumed = load_checkpoint(path, &id, model, opt)?;
     // this rank's dropout generator continues where the checkpoint's stood
@@ -141,12 +141,13 @@ fn check_recipe(
     cfg: &TrainConfig,
     resumed: Option<&Resumed>,
 ) -> Result<(brigade_autograd::LrSchedule, Vec<crate::recipe::HyperparameterChange>)> {
-    let checked = check_resume(cfg, resumed.map(|r| &r.metadata)).map_err(|e| match (e, &cfg.checkpoint.resume) {
-        (ResumeError::Refused(mismatch), Some(path)) => Error::checkpoint(path, mismatch),
-        (ResumeError::Refused(mismatch), None) => Error::Config(mismatch.to_string()),
-        (ResumeError::Config(e), _) => e,
-    })?;
-    if let Some(max) = cfg.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+    let checked =
+        check_resume(cfg, resumed.map(|r| &r.metadata)).map_err(|e| match (e, &cfg.runtime.checkpoint.resume) {
+            (ResumeError::Refused(mismatch), Some(path)) => Error::checkpoint(path, mismatch),
+            (ResumeError::Refused(mismatch), None) => Error::Config(mismatch.to_string()),
+            (ResumeError::Config(e), _) => e,
+        })?;
+    if let Some(max) = cfg.recipe.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
         return Err(Error::Config(format!(
             "the gradient clipping norm must be finite and > 0, got {max}"
         )));
@@ -166,23 +167,24 @@ impl Feed {
         resumed: Option<&Resumed>,
         first_step: usize,
     ) -> Result<Feed> {
-        let rows_per_step = cfg.batch_size * cfg.accum;
+        let rows_per_step = cfg.rows_per_step();
         let join = cfg
+            .data
             .join
             .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
-        if let (Some(r), Some(path)) = (resumed, &cfg.checkpoint.resume) {
-            let position_from_step = join.is_some() || matches!(cfg.data_order, DataOrder::InOrder);
+        if let (Some(r), Some(path)) = (resumed, &cfg.runtime.checkpoint.resume) {
+            let position_from_step = join.is_some() || matches!(cfg.data.order, DataOrder::InOrder);
             check_rows_per_step(cfg, &r.metadata, position_from_step)
                 .map_err(|mismatch| Error::checkpoint(path, mismatch))?;
             join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::checkpoint(path, mismatch))?;
         }
         let cursor = sampler_cursor(cfg, data, ctx, join.as_ref(), resumed, first_step)?;
-        if let (Some(path), true) = (&cfg.checkpoint.resume, first_step > cfg.steps) {
+        if let (Some(path), true) = (&cfg.runtime.checkpoint.resume, first_step > cfg.recipe.steps) {
             return Err(Error::checkpoint(
                 path,
                 CheckpointMismatch::PastTheEnd {
                     step: first_step,
-                    steps: cfg.steps,
+                    steps: cfg.recipe.steps,
                 },
             ));
         }
@@ -201,7 +203,7 @@ fn sampler_cursor(
     resumed: Option<&Resumed>,
     first_step: usize,
 ) -> Result<Option<SamplerCursor>> {
-    let DataOrder::Sampled(options) = cfg.data_order else {
+    let DataOrder::Sampled(options) = cfg.data.order else {
         return Ok(None);
     };
     let own_steps = join.and_then(|j| j.steps_of(ctx.rank));
@@ -211,7 +213,7 @@ fn sampler_cursor(
     let sampler = data.sampler(ctx.rank, ctx.world_size, options)?;
     let joined_position = own_steps.map(|n| SamplerPosition {
         epoch: 0,
-        index: first_step.min(n) * cfg.batch_size * cfg.accum,
+        index: first_step.min(n) * cfg.rows_per_step(),
     });
     let at = joined_position
         .or(resumed.and_then(|r| r.sampler))
@@ -230,12 +232,12 @@ impl Replica {
         policy: Option<Box<dyn ReducerPolicy>>,
         policy_state: Vec<(String, brigade_tensor::Tensor)>,
     ) -> Result<Replica> {
-        let device = cfg.device.for_rank(nccl::gpu_rank(ctx))?;
+        let device = cfg.runtime.device.for_rank(nccl::gpu_rank(ctx))?;
         if device != Device::Cpu {
-            opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.optimizer, device)?;
+            opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.recipe.optimizer, device)?;
         }
         let meter = CommMeter::new();
-        let ddp = match (&cfg.ddp, policy) {
+        let ddp = match (cfg.ddp(), policy) {
             (Some(d), Some(policy)) => Some(wrap(d, ctx, model.as_ref(), device, &meter, policy)?),
             _ => None,
         };
@@ -243,14 +245,14 @@ impl Replica {
         // a policy may build it from its state).
         if let (Some(ddp), false) = (&ddp, policy_state.is_empty()) {
             ddp.load_gathered_policy_state(&policy_state)
-                .map_err(|e| match &cfg.checkpoint.resume {
+                .map_err(|e| match &cfg.runtime.checkpoint.resume {
                     Some(path) => Error::checkpoint(path, CheckpointMismatch::PolicyState(e.to_string())),
                     None => e.into(),
                 })?;
         }
         // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
         if let Some(ddp) = &ddp {
-            let build = |params: Vec<Var>| cfg.optimizer.build(params);
+            let build = |params: Vec<Var>| cfg.recipe.optimizer.build(params);
             opt = Box::new(ddp.optimizer(opt, &build)?);
         }
         Ok(Replica {

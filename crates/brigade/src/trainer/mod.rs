@@ -9,7 +9,7 @@
 //! loss (before that step's update, like PyTorch's anomaly detection), or after the step in
 //! which any rank was asked to stop ([`TrainObserver::stop_requested`], e.g. on a signal).
 //!
-//! Under a join mode ([`TrainConfig::join`], uneven inputs) every step starts with the ranks'
+//! Under a join mode ([`DataConfig::join`](crate::config::DataConfig::join), uneven inputs) every step starts with the ranks'
 //! agreement on which of them still have data ([`crate::join`]); a rank without data runs DDP's
 //! join pass in place of forward and backward and the rest of the step like every rank, so
 //! that every collective of the step has a partner on every rank.
@@ -124,7 +124,7 @@ struct Records {
     profile: Option<StepProfile>,
     /// The profiles of the steps in `profile_steps` so far.
     profiles: Vec<StepProfile>,
-    /// Tunes the bucket cap after the steps ([`TrainConfig::autotune`]).
+    /// Tunes the bucket cap after the steps ([`DistributedConfig::autotune`](crate::config::DistributedConfig::autotune)).
     autotune: Option<Autotuner>,
 }
 
@@ -158,22 +158,23 @@ impl Trainer<'_> {
 
     /// The run's observer, if any.
     fn observer(&self) -> Option<&dyn TrainObserver> {
-        self.cfg.instrument.observer.as_deref()
+        self.cfg.runtime.instrument.observer.as_deref()
     }
 }
 
 /// The compute threads of each rank: the configured number, or the host's cores shared out among
 /// its ranks.
 fn compute_threads(cfg: &TrainConfig, ctx: &RankContext) -> usize {
-    cfg.compute_threads.unwrap_or_else(|| ctx.default_compute_threads())
+    cfg.runtime
+        .compute_threads
+        .unwrap_or_else(|| ctx.default_compute_threads())
 }
 
 /// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).
 fn zero_stage(cfg: &TrainConfig) -> ZeroStage {
-    match &cfg.ddp {
-        Some(_) => cfg.policy.zero_stage(),
-        None => ZeroStage::Off,
-    }
+    cfg.distributed
+        .as_ref()
+        .map_or(ZeroStage::Off, |d| d.policy.zero_stage())
 }
 
 /// `batch` on `device` (the same tensors on the CPU).

@@ -14,7 +14,13 @@ impl Trainer<'_> {
     /// at the end. On rank 0 the run's observer is told when the run starts, after every step and
     /// when it ends (also when it fails).
     pub fn run(self) -> Result<TrainOutcome> {
-        let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
+        let observer = self
+            .cfg
+            .runtime
+            .instrument
+            .observer
+            .clone()
+            .filter(|_| self.ctx.rank == 0);
         if let Some(o) = &observer {
             if self.ctx.launcher == CommBackend::Mpi {
                 if let Some(note) = binding_note(self.ctx.local_ranks, compute_threads(self.cfg, self.ctx)) {
@@ -30,7 +36,7 @@ impl Trainer<'_> {
             o.run_started(&RunStart {
                 world_size: self.ctx.world_size,
                 first_step: self.at.first_step,
-                steps: self.cfg.steps,
+                steps: self.cfg.recipe.steps,
             });
         }
         let outcome = self.run_steps(observer.as_deref());
@@ -44,7 +50,7 @@ impl Trainer<'_> {
     /// every rank's data; then the end of the run ([`Trainer::finish`]).
     fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
         let mut ended = Ended::default();
-        while self.at.next_step < self.cfg.steps {
+        while self.at.next_step < self.cfg.recipe.steps {
             // a join run ends when no rank has data left; its last step is then evaluated as
             // the last step of `steps` is (every rank ends here together)
             if self.agree_on_data()?.is_some_and(|a| a.none_active()) {
@@ -64,12 +70,13 @@ impl Trainer<'_> {
                 o.step_finished(&record);
             }
             if outcome.stop {
-                ended.interrupted = self.at.next_step < self.cfg.steps;
+                ended.interrupted = self.at.next_step < self.cfg.recipe.steps;
                 break;
             }
             // Due now, written by the next step once its loss is finite (or at the end).
             self.saves.due = self
                 .cfg
+                .runtime
                 .checkpoint
                 .every
                 .is_some_and(|e| e > 0 && self.at.next_step.is_multiple_of(e));
@@ -82,8 +89,8 @@ impl Trainer<'_> {
     /// periodic checkpoint that rank 0 could not write in the step stops every rank after the
     /// next step (they agree on it then); the outputs are written before the error.
     fn keep(&mut self, mut record: StepRecord, ended: &mut Ended) -> Result<StepRecord> {
-        record.val_loss = match &self.cfg.eval {
-            Some(e) if (record.step + 1) % e.every.max(1) == 0 || record.step + 1 == self.cfg.steps => {
+        record.val_loss = match &self.cfg.recipe.eval {
+            Some(e) if (record.step + 1).is_multiple_of(e.every.max(1)) || record.step + 1 == self.cfg.recipe.steps => {
                 Some(self.evaluate(e.data.as_ref())?)
             }
             _ => None,
@@ -100,7 +107,7 @@ impl Trainer<'_> {
 
     /// Evaluates after the last step run when it did not (a join run whose data ended).
     fn evaluate_last(&mut self, steps: &mut [StepRecord]) -> Result<()> {
-        if let (Some(e), Some(last)) = (&self.cfg.eval, steps.last_mut()) {
+        if let (Some(e), Some(last)) = (&self.cfg.recipe.eval, steps.last_mut()) {
             if last.val_loss.is_none() {
                 last.val_loss = Some(self.evaluate(e.data.as_ref())?);
             }

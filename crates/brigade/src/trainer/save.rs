@@ -15,10 +15,10 @@ impl Trainer<'_> {
     /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
     /// never overwrites the last good checkpoint.
     pub fn checkpoint(&mut self) -> Result<()> {
-        let Some(path) = &self.cfg.checkpoint.path else {
+        let Some(path) = &self.cfg.runtime.checkpoint.path else {
             return Ok(());
         };
-        if !self.cfg.allow_nonfinite {
+        if !self.cfg.recipe.allow_nonfinite {
             self.check_finite()?;
         }
         // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
@@ -60,19 +60,19 @@ impl Trainer<'_> {
         let mut recipe = recipe_metadata(self.cfg, &self.schedule);
         recipe.extend(self.feed.join.iter().flat_map(|j| j.metadata(self.at.next_step)));
         CheckpointIdentity {
-            model: &self.cfg.model_name,
-            optimizer: self.cfg.optimizer.name(),
-            seed: self.cfg.seed,
+            model: &self.cfg.model.name,
+            optimizer: self.cfg.recipe.optimizer.name(),
+            seed: self.cfg.model.seed,
             data: self.data.fingerprint(),
             zero: zero_stage(self.cfg),
             world_size: self.ctx.world_size,
-            data_order: self.cfg.data_order.describe(),
+            data_order: self.cfg.data.order.describe(),
             sampler: self.at.next_position,
-            model_config: self.cfg.model_config.clone(),
+            model_config: self.cfg.model.config.clone(),
             recipe,
             policy,
             dropout_rng,
-            allow_nonfinite: self.cfg.allow_nonfinite,
+            allow_nonfinite: self.cfg.recipe.allow_nonfinite,
         }
     }
 

@@ -104,7 +104,7 @@ impl Trainer<'_> {
             }
             return Ok(0.0);
         }
-        let k = self.cfg.accum;
+        let k = self.cfg.data.accum;
         // The microbatches' losses add up where they are computed; read back once per step.
         let mut step_loss: Option<Tensor> = None;
         for j in 0..k {
@@ -129,12 +129,12 @@ impl Trainer<'_> {
 
     /// This rank's microbatch `index` of the step, on the replica's device.
     fn microbatch(&mut self, index: usize) -> Result<brigade_models::Batch> {
-        let (rank, rows) = (self.ctx.rank, self.cfg.batch_size);
+        let (rank, rows) = (self.ctx.rank, self.cfg.data.batch_size);
         let batch = match self.feed.cursor.as_mut() {
             None => self.data.batch(&Microbatch {
                 step: self.at.next_step,
                 index,
-                accum: self.cfg.accum,
+                accum: self.cfg.data.accum,
                 rank,
                 world_size: self.ctx.world_size,
                 rows,
@@ -153,7 +153,7 @@ impl Trainer<'_> {
         if let (Some(j), Some(slots)) = (self.feed.join.as_mut(), status.next_active.take()) {
             j.agreed_next(s, &slots);
         }
-        if status.nonfinite && !self.cfg.allow_nonfinite {
+        if status.nonfinite && !self.cfg.recipe.allow_nonfinite {
             let what = if world == 1 {
                 "the loss".to_string()
             } else {
@@ -172,7 +172,7 @@ impl Trainer<'_> {
     /// size: the gradients are scaled to the mean over the ranks with data.
     fn scale_for_active(&self, agreement: Option<&Agreement>) -> Result<()> {
         let world = self.ctx.world_size;
-        if let (Some(a), Some(JoinMode::DivideActive), Some(ddp)) = (agreement, self.cfg.join, &self.replica.ddp) {
+        if let (Some(a), Some(JoinMode::DivideActive), Some(ddp)) = (agreement, self.cfg.data.join, &self.replica.ddp) {
             let active = a.active_count();
             if active < world {
                 ddp.scale_grads(world as f64 / active as f64)?;
@@ -201,7 +201,11 @@ impl Trainer<'_> {
 
     /// Clips the gradients when the run clips ([`Trainer::clip_grads`]): the norm before.
     fn clip(&self) -> Result<Option<f64>> {
-        self.cfg.clip_grad_norm.map(|max| self.clip_grads(max)).transpose()
+        self.cfg
+            .recipe
+            .clip_grad_norm
+            .map(|max| self.clip_grads(max))
+            .transpose()
     }
 
     /// The optimizer's update, in its timeline span; returns when it started and ended. Without
@@ -225,7 +229,12 @@ impl Trainer<'_> {
     /// Under DDP, step `s`'s profile (when profiling; kept when `s` is in `profile_steps`) and
     /// what the autotuner learns from it. The profile holds the caps this step ran with: it is
     /// recorded before the autotuner may change them.
-    fn record_profile(&mut self, s: usize, start: Instant, (optimizer_start, optimizer_end): (Instant, Instant)) -> Result<()> {
+    fn record_profile(
+        &mut self,
+        s: usize,
+        start: Instant,
+        (optimizer_start, optimizer_end): (Instant, Instant),
+    ) -> Result<()> {
         let Some(ddp) = &self.replica.ddp else {
             return Ok(());
         };
@@ -235,7 +244,7 @@ impl Trainer<'_> {
             optimizer_end,
             end: Instant::now(),
         };
-        let instrument = &self.cfg.instrument;
+        let instrument = &self.cfg.runtime.instrument;
         let records = &mut self.records;
         if instrument.profile {
             records.profile = StepProfile::record(ddp, &at);
@@ -344,7 +353,11 @@ impl Trainer<'_> {
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         let (rank, world) = (self.ctx.rank, self.ctx.world_size);
         let mut mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
-        let next = self.feed.join.as_ref().map(|j| j.next_slots(rank, world, self.at.next_step));
+        let next = self
+            .feed
+            .join
+            .as_ref()
+            .map(|j| j.next_slots(rank, world, self.at.next_step));
         mine.extend(next.iter().flatten());
         let expected = mine.len();
         let all = self

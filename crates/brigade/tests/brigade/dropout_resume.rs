@@ -25,10 +25,11 @@ fn config(steps: usize) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        ..TrainConfig::new(steps, 8, sgd)
+    {
+        let mut c = TrainConfig::new(steps, 8, sgd);
+        c.model.name = "mlp".into();
+        c.runtime.compute_threads = Some(1);
+        c
     }
 }
 
@@ -135,21 +136,22 @@ fn a_periodic_checkpoint_holds_the_generator_from_before_the_step_it_resumes() {
     let d = tmp("periodic");
     let (ckpt, copy) = (d.join("run.ckpt"), d.join("at-2.ckpt"));
     let straight = run(2, &config(4), Seeds::PerRank).unwrap();
-    let periodic = TrainConfig {
-        checkpoint: CheckpointConfig {
+    let periodic = {
+        let mut c = config(4);
+        c.runtime.checkpoint = CheckpointConfig {
             path: Some(ckpt.clone()),
             every: Some(2),
             resume: None,
-        },
-        instrument: Instrumentation {
+        };
+        c.runtime.instrument = Instrumentation {
             observer: Some(Arc::new(CopyAfter {
                 after: 2,
                 from: ckpt.clone(),
                 to: copy.clone(),
             })),
             ..Instrumentation::default()
-        },
-        ..config(4)
+        };
+        c
     };
     run(2, &periodic, Seeds::PerRank).unwrap();
     let resumed = run(2, &resuming(config(4), &copy), Seeds::PerRank).unwrap();

@@ -17,13 +17,13 @@
 
 use std::sync::Arc;
 
-use brigade::policy::MakePolicy;
 use brigade::config::{OptimizerConfig, TrainConfig};
 use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Gpt, Model};
 use brigade::placement::DevicePlacement;
 use brigade::policies::PolicySpec;
+use brigade::policy::MakePolicy;
 use brigade::tensor::fake::{self, FakeCounts};
 use brigade::{fit, Error};
 
@@ -54,9 +54,9 @@ fn run(steps: usize, ordinal: Option<usize>, hook: Arc<dyn MakePolicy>) -> (Fake
             weight_decay: 0.0,
         },
     );
-    cfg.policy = hook;
+    cfg.distributed.get_or_insert_default().policy = hook;
     if let Some(o) = ordinal {
-        cfg.device = DevicePlacement::Fake(o);
+        cfg.runtime.device = DevicePlacement::Fake(o);
         fake::reset(o);
     }
     let report = fit(

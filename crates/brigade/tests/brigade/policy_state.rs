@@ -21,11 +21,12 @@ fn config(spec: &str, steps: usize) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        policy: Arc::new(spec.parse::<PolicySpec>().unwrap()),
-        ..TrainConfig::new(steps, 8, sgd)
+    {
+        let mut c = TrainConfig::new(steps, 8, sgd);
+        c.model.name = "mlp".into();
+        c.runtime.compute_threads = Some(1);
+        c.distributed.get_or_insert_default().policy = Arc::new(spec.parse::<PolicySpec>().unwrap());
+        c
     }
 }
 

@@ -107,10 +107,10 @@ impl TrainArgs {
                     "--profile-steps {r:?} needs --profile FILE.json (where to write)"
                 ))
             }
-            (Some(r), Some(_)) if r.end > self.run.steps => {
+            (Some(r), Some(_)) if r.end > self.run.recipe.steps => {
                 return bad(format!(
                     "--profile-steps {r:?} reaches past --steps {} (the run ends before step {})",
-                    self.run.steps,
+                    self.run.recipe.steps,
                     r.end - 1
                 ))
             }
@@ -123,7 +123,7 @@ impl TrainArgs {
         {
             return bad(format!("--plot {} draws SVG: give a FILE.svg", p.display()));
         }
-        if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
+        if let (Some(resume), Some(init)) = (&self.resume, &self.run.model.init) {
             return bad(format!(
                 "--resume {} already holds the parameters; drop --init {} (or start afresh without --resume)",
                 resume.display(),
@@ -150,11 +150,11 @@ impl TrainArgs {
             }
         };
         add("--resume", &self.resume, &["--checkpoint"]);
-        add("--init", &self.run.init, &["--save"]);
-        add("--text", &self.run.text, &[]);
-        add("--eval-data", &self.run.eval_data, &[]);
+        add("--init", &self.run.model.init, &["--save"]);
+        add("--text", &self.run.data.text, &[]);
+        add("--eval-data", &self.run.data.eval_data, &[]);
         if self.run.rank_data().is_none() {
-            add("--data", &self.run.data, &[]);
+            add("--data", &self.run.data.data, &[]);
         }
         for rank in 0..launched_world_size(&self.run) {
             if let Some(p) = self.run.rank_data_path(rank) {
@@ -197,9 +197,9 @@ fn launched_world_size(run: &RunArgs) -> usize {
     let from_mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
-    match (run.backend, from_mpirun) {
+    match (run.distributed.backend, from_mpirun) {
         (brigade::launch::CommBackend::Mpi, Some(n)) => n,
-        _ => run.world_size,
+        _ => run.distributed.world_size,
     }
 }
 
@@ -288,9 +288,10 @@ fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::
 const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
 /// Runs `brigade train`.
-pub fn train(t: TrainArgs) -> Result<()> {
+pub fn train(mut t: TrainArgs) -> Result<()> {
     // first: a signal at any point from here on stops the run (at once while it starts)
     let stop_on_signal = StopOnSignal::install();
+    t.run.take_old_spellings();
     t.validate()?;
     let locks = Arc::new(OutputLocks::new(t.outputs()));
     let kept = match (&t.resume, &t.losses) {
@@ -345,7 +346,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
         let step = (report.outcome.first_step + report.outcome.losses().len()).saturating_sub(1);
         return Err(Error::Interrupted {
             step,
-            steps: t.run.steps,
+            steps: t.run.recipe.steps,
         });
     }
     Ok(())
@@ -426,8 +427,8 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 crate::args::flag_name(&t.run.model.model),
                 report.world_size,
                 t.run.rows_per_rank(),
-                crate::args::flag_name(&t.run.optimizer),
-                crate::args::compact(t.run.lr)
+                crate::args::flag_name(&t.run.recipe.optimizer),
+                crate::args::compact(t.run.recipe.lr)
             );
             let write = move || write_loss_chart(path, &points, &title);
             writes.push((Output::new("--plot", path), Box::new(write)));
