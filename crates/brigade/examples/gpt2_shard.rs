@@ -11,12 +11,12 @@
 use std::ops::ControlFlow;
 
 use brigade::autograd::no_grad;
-use brigade::source::DataOrder;
 use brigade::launch::LaunchConfig;
 use brigade::models::{
-    generate_text_with, load_params_from_tensors, text_file_tokens, write_llmc_shard, Dataset, Gpt, GptConfig,
-    Model, SampleOptions, Tokenizer,
+    generate_text_with, load_params_from_tensors, text_file_tokens, write_llmc_shard, Dataset, Gpt, GptConfig, Model,
+    SampleOptions, Tokenizer,
 };
+use brigade::source::DataOrder;
 use brigade::{OptimizerConfig, TrainConfig};
 
 /// Rows per rank per step.
@@ -72,23 +72,25 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     );
 
     let first_val = val_loss(&[], &val)?;
-    println!("step 0: validation loss {first_val:.3} (ln 50257 = {:.3})", (50257f64).ln());
-    let cfg = TrainConfig {
-        model_name: "gpt".into(),
-        data_order: DataOrder::shuffle(0, false),
-        ..TrainConfig::new(steps, BATCH, OptimizerConfig::adamw(3e-3, None))
-    };
+    println!(
+        "step 0: validation loss {first_val:.3} (ln 50257 = {:.3})",
+        (50257f64).ln()
+    );
+    let mut cfg = TrainConfig::new(steps, BATCH, OptimizerConfig::adamw(3e-3, None));
+    cfg.model.name = "gpt".into();
+    cfg.data.order = DataOrder::shuffle(0, false);
     let report = brigade::fit(
         &LaunchConfig::threads(2),
         &cfg,
         |_world| Ok(&train),
         |_ctx| Ok(Box::new(Gpt::new(config(), 0)?)),
     )?;
+    let last_loss = report.outcome.losses().last().copied().unwrap_or(f64::NAN);
     let params = report.outcome.params;
     let last_val = val_loss(&params, &val)?;
     println!(
         "step {steps}: training loss {:.3}, validation loss {last_val:.3}",
-        report.outcome.losses.last().copied().unwrap_or(f64::NAN)
+        last_loss
     );
     let _ = std::fs::remove_dir_all(&dir);
 

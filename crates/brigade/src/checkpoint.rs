@@ -60,10 +60,10 @@ pub struct CheckpointIdentity<'a> {
     /// Where rank 0's sampler stands after the checkpoint's step (written; a resume reads it
     /// back from the file).
     pub sampler: Option<SamplerPosition>,
-    /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
+    /// The model's shape ([`crate::config::ModelConfig::config`]; written, not checked).
     pub model_config: Option<String>,
-    /// The recipe's metadata, written beside the rest ([`crate::resume::recipe_metadata`]:
-    /// the schedule and every hyperparameter); a resume checks it with
+    /// The recipe's metadata, written beside the rest (the schedule and every
+    /// hyperparameter); a resume checks it with
     /// [`crate::resume::check_resume`], not here.
     pub recipe: Vec<(String, String)>,
     /// The reducer policy's spec as it reads (`allreduce`, `powersgd:4@2`, a user's name), or
@@ -74,7 +74,7 @@ pub struct CheckpointIdentity<'a> {
     /// (written; a resume reads them back from the file); empty when the model draws nothing.
     pub dropout_rng: Vec<RngState>,
     /// Whether a resume takes non-finite values (a run under
-    /// [`crate::TrainConfig::allow_nonfinite`] writes them); otherwise one is refused, naming
+    /// [`crate::config::RecipeConfig::allow_nonfinite`] writes them); otherwise one is refused, naming
     /// the tensor. Not written.
     pub allow_nonfinite: bool,
 }

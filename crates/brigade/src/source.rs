@@ -28,7 +28,7 @@ pub enum DataOrder {
     /// Each rank reads its shard of every epoch's order, as [`DistributedSampler`] deals it
     /// (shuffled from `seed + epoch` when `shuffle`, padded or cut by `remainder`), one stream
     /// across epochs ([`DataSource::gather`]). [`Remainder::Uneven`] gives the ranks different
-    /// lengths: it needs a join mode ([`crate::TrainConfig::join`]).
+    /// lengths: it needs a join mode ([`crate::config::DataConfig::join`]).
     Sampled(SamplerOptions),
 }
 
@@ -216,7 +216,7 @@ forward_data_source! {
 /// microbatch (step `s`, microbatch `j` of `accum`: the rows from `(s * accum + j) * rows`), or
 /// shuffled by a sampler over its own rows alone. Its length per rank is its shard's, known
 /// before step 0 in either order; shards of different lengths need a join mode
-/// ([`crate::TrainConfig::join`]).
+/// ([`crate::config::DataConfig::join`]).
 pub struct RankShards {
     shards: Vec<Dataset>,
 }

@@ -56,10 +56,10 @@ static TEST_HEAP: SharedHeap = SharedHeap;
 
 pub use buffer::{buffer_from_le_bytes, Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
+pub use cost::{NetModel, RingOp};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
 pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR};
-pub use cost::{NetModel, RingOp};
 pub use meter::{CommBytes, CommMeter, Metered};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions, MpiPath, MpiTransport, MpiWorld};

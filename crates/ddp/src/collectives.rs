@@ -31,8 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{
-    all_gather_with_side, reducing_bucket, Buffer, CommError, CommMeter, Communicator, OpTiming, ReduceOp, RingOp,
-    Work,
+    all_gather_with_side, reducing_bucket, Buffer, CommError, CommMeter, Communicator, OpTiming, ReduceOp, RingOp, Work,
 };
 use brigade_tensor::{DType, Device, Storage, Tensor};
 

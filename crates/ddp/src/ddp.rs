@@ -6,7 +6,8 @@ use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamS
 use brigade_comm::{all_gather_bytes, Communicator};
 use brigade_tensor::Tensor;
 
-use crate::memory::{self, RankMemory};
+use crate::memory::{self, MemoryReport};
+
 use crate::policy::{
     state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext, WireModel,
 };
@@ -24,25 +25,6 @@ pub struct BucketInfo {
     pub params: Vec<String>,
     /// Size of the flat buffer (padding included).
     pub bytes: usize,
-}
-
-/// Per-rank gradient memory, measured from the storages alive now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryReport {
-    /// Every gradient storage alive on this rank: full bucket buffers, the shards a policy
-    /// keeps instead of them (ZeRO-2), gradients outside any bucket. The one gradient figure.
-    pub gradient_bytes: usize,
-    /// The part held by full bucket buffers.
-    pub bucket_bytes: usize,
-    /// Gradient bytes held outside the buckets (0: every gradient is a view into one).
-    pub gradient_bytes_outside_buckets: usize,
-}
-
-impl MemoryReport {
-    /// Every gradient storage, counted once.
-    pub fn total_bytes(&self) -> usize {
-        self.gradient_bytes
-    }
 }
 
 /// Wraps one rank's model replica: gradients become views into flat buckets, and each bucket
@@ -332,37 +314,10 @@ impl DistributedDataParallel {
     }
 
     /// This rank's memory, measured from live allocations: parameters, gradients and buckets,
-    /// `opt`'s state, the policy's state and its communication scratch ([`RankMemory`]).
-    pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<RankMemory> {
+    /// `opt`'s state, the policy's state and its communication scratch ([`MemoryReport`]).
+    pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<MemoryReport> {
         let policy = self.reducer.lock_policy().memory();
         memory::measure(&self.reducer, opt, policy)
-    }
-
-    /// Gradient memory on this rank, measured: buckets and the shards kept instead of them
-    /// are the only gradient storage.
-    pub fn memory(&self) -> MemoryReport {
-        let st = self.reducer.lock();
-        let live = |t: &Tensor| (t.storage_id(), t.storage_numel() * t.dtype().size_in_bytes());
-        let buckets: std::collections::HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
-        let mut all = buckets.clone();
-        all.extend(st.buckets.iter().filter_map(|b| match &b.held {
-            crate::bucket::Held::Shard { tensor, .. } => Some(live(tensor)),
-            _ => None,
-        }));
-        let outside: std::collections::HashMap<usize, usize> = self
-            .reducer
-            .params
-            .iter()
-            .filter_map(|p| p.grad())
-            .filter(|g| !st.buckets.iter().any(|b| b.flat.shares_storage(g)))
-            .map(|g| live(&g))
-            .collect();
-        all.extend(outside.iter().map(|(&k, &v)| (k, v)));
-        MemoryReport {
-            gradient_bytes: all.values().sum(),
-            bucket_bytes: buckets.values().sum(),
-            gradient_bytes_outside_buckets: outside.values().sum(),
-        }
     }
 }
 

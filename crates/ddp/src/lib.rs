@@ -30,9 +30,9 @@ mod signature;
 pub mod stream;
 
 pub use bucket::assign_buckets;
-pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel, MemoryReport};
+pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
-pub use memory::RankMemory;
+pub use memory::MemoryReport;
 pub use policy::{bucket_tag, Collectives, ReducerPolicy, TensorWork};
 pub use reducer::{PassBucket, PassTimes};
 

@@ -225,9 +225,15 @@ impl Dataset {
     /// row is not read.
     pub fn token_ids(name: &str, ids: Vec<u16>, context: usize, stride: usize) -> Result<Dataset> {
         if context == 0 || stride == 0 {
-            return Err(data_err(name, format!("context {context} and stride {stride} must be positive")));
+            return Err(data_err(
+                name,
+                format!("context {context} and stride {stride} must be positive"),
+            ));
         }
-        Ok(Self::from_store(name, TokenStore::memory(name, ids, context + 1, stride)?))
+        Ok(Self::from_store(
+            name,
+            TokenStore::memory(name, ids, context + 1, stride)?,
+        ))
     }
 
     /// The rows of llm.c's shards (or nanoGPT's raw `uint16` files, `format`
@@ -256,7 +262,10 @@ impl Dataset {
             ));
         };
         if paths.is_empty() || row_len < 2 {
-            return Err(data_err(&shown, "needs at least one file and a context of at least 1".into()));
+            return Err(data_err(
+                &shown,
+                "needs at least one file and a context of at least 1".into(),
+            ));
         }
         let store = TokenStore::open(paths, format, row_len, row_len - 1)?;
         let mut d = Self::from_store(&store.sources(), store);
@@ -285,7 +294,10 @@ impl Dataset {
         if range.start >= range.end || range.end > self.rows {
             return Err(data_err(
                 &self.name,
-                format!("rows {}..{} are not a part of the {} rows", range.start, range.end, self.rows),
+                format!(
+                    "rows {}..{} are not a part of the {} rows",
+                    range.start, range.end, self.rows
+                ),
             ));
         }
         let name = format!("{} rows {}..{}", self.name, range.start, range.end);

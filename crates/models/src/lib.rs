@@ -70,7 +70,9 @@ use brigade_autograd::{ParamStore, Var};
 pub use batch::{Batch, BatchSchema, IndexRange, TensorSpec};
 pub use data::Dataset;
 pub use error::{ModelError, Result};
-pub use generate::{generate, generate_text, generate_text_with, generate_uncached, Generated, SampleOptions, Utf8Stream};
+pub use generate::{
+    generate, generate_text, generate_text_with, generate_uncached, Generated, SampleOptions, Utf8Stream,
+};
 pub use gpt::{Gpt, GptConfig};
 pub use io::{
     check_finite, load_params, load_params_from_tensors, load_params_from_tensors_nonfinite, load_safetensors,

@@ -138,7 +138,12 @@ impl TokenStore {
     }
 
     /// Windows over the token files `paths` in `format`, each file's header checked.
-    pub(crate) fn open(paths: &[PathBuf], format: Option<TokenFormat>, row_len: usize, stride: usize) -> Result<TokenStore> {
+    pub(crate) fn open(
+        paths: &[PathBuf],
+        format: Option<TokenFormat>,
+        row_len: usize,
+        stride: usize,
+    ) -> Result<TokenStore> {
         let parts = paths.iter().map(|p| open_part(p, format)).collect::<Result<Vec<_>>>()?;
         Self::new(parts, row_len, stride)
     }
@@ -348,11 +353,9 @@ fn open_part(path: &Path, format: Option<TokenFormat>) -> Result<Part> {
                 .read_to_end(&mut header)
                 .map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?;
             if !TokenFormat::is_llmc(&header) {
-                let found = header
-                    .get(..4)
-                    .map_or("fewer than 4 bytes".into(), |b| {
-                        format!("{}", i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    });
+                let found = header.get(..4).map_or("fewer than 4 bytes".into(), |b| {
+                    format!("{}", i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                });
                 return bad(format!(
                     "not an llm.c shard: its first int32 is {found}, an llm.c shard's is the magic {LLMC_MAGIC} (for nanoGPT's raw uint16 tokens give --data-format nanogpt)"
                 ));
@@ -362,12 +365,17 @@ fn open_part(path: &Path, format: Option<TokenFormat>) -> Result<Part> {
                     "an llm.c shard's header is {LLMC_HEADER_BYTES} bytes (256 int32), the file has {bytes}"
                 ));
             }
-            let word = |i: usize| i32::from_le_bytes([header[4 * i], header[4 * i + 1], header[4 * i + 2], header[4 * i + 3]]);
+            let word =
+                |i: usize| i32::from_le_bytes([header[4 * i], header[4 * i + 1], header[4 * i + 2], header[4 * i + 3]]);
             let (version, count) = (word(1), word(2));
             if version != LLMC_VERSION {
                 return bad(format!(
                     "llm.c shard version {version}: Brigade reads version {LLMC_VERSION} (uint16 tokens){}",
-                    if version == 2 { "; version 2 holds uint32 tokens" } else { "" }
+                    if version == 2 {
+                        "; version 2 holds uint32 tokens"
+                    } else {
+                        ""
+                    }
                 ));
             }
             let body = bytes - LLMC_HEADER_BYTES as u64;
@@ -413,7 +421,11 @@ pub fn expand_glob(pattern: &Path) -> Result<Vec<PathBuf>> {
     let entries = std::fs::read_dir(&dir).map_err(|e| ModelError::io(&dir, format!("cannot list: {e}")))?;
     let mut found: Vec<PathBuf> = entries
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_str().is_some_and(|n| glob_match(name.as_bytes(), n.as_bytes())))
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| glob_match(name.as_bytes(), n.as_bytes()))
+        })
         .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
         .map(|e| {
             if pattern.parent().is_some_and(|p| p.as_os_str().is_empty()) {

@@ -21,11 +21,12 @@ fn config(spec: &str, steps: usize) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        comm_hook: Arc::new(spec.parse::<PolicySpec>().unwrap()),
-        ..TrainConfig::new(steps, 8, sgd)
+    {
+        let mut c = TrainConfig::new(steps, 8, sgd);
+        c.model.name = "mlp".into();
+        c.runtime.compute_threads = Some(1);
+        c.distributed.get_or_insert_default().policy = Arc::new(spec.parse::<PolicySpec>().unwrap());
+        c
     }
 }
 
@@ -59,8 +60,8 @@ fn powersgd_resumes_bit_exact_with_every_ranks_state_from_the_checkpoint() {
     let resumed = run(&resuming(config(POWERSGD, 10), &ckpt)).unwrap();
     assert_eq!(resumed.outcome.first_step, 5);
     assert_eq!(
-        resumed.outcome.losses,
-        straight.outcome.losses[5..],
+        resumed.outcome.losses(),
+        straight.outcome.losses()[5..],
         "losses, bit for bit"
     );
     assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
@@ -68,7 +69,7 @@ fn powersgd_resumes_bit_exact_with_every_ranks_state_from_the_checkpoint() {
     // sends what the straight run's steps after the cut sent (not two plain all-reduces
     // again), beside the first step's small agreement on the bucket order that every fresh
     // DDP makes (straight: steps 0 and 1 both plain, 0 with the agreement).
-    let bytes = |r: &RunReport| r.outcome.sent.iter().map(|s| s.payload_bytes).collect::<Vec<_>>();
+    let bytes = |r: &RunReport| r.outcome.sent().iter().map(|s| s.payload_bytes).collect::<Vec<_>>();
     let (straight_b, resumed_b) = (bytes(&straight), bytes(&resumed));
     assert_eq!(resumed_b[1..], straight_b[6..], "compressed steps");
     assert_eq!(

@@ -8,7 +8,9 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use brigade::checkpoint::load_model_tensors;
-use brigade_models::{generate_text_with, load_params_from_tensors, Gpt, GptConfig, ModelKind, SampleOptions, Tokenizer};
+use brigade_models::{
+    generate_text_with, load_params_from_tensors, Gpt, GptConfig, ModelKind, SampleOptions, Tokenizer,
+};
 use clap::Args;
 use serde_json::json;
 

@@ -7,8 +7,8 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use brigade_models::{
-    generate_text_with, load_params_from_tensors, load_safetensors_with_metadata, Gpt, GptConfig, Model,
-    SampleOptions, Tokenizer,
+    generate_text_with, load_params_from_tensors, load_safetensors_with_metadata, Gpt, GptConfig, Model, SampleOptions,
+    Tokenizer,
 };
 
 use crate::common::*;
@@ -50,7 +50,10 @@ fn llmc_ids(path: &Path) -> Vec<u16> {
     assert!((3..256).all(|i| word(i) == 0));
     let n = word(2) as usize;
     assert_eq!(b.len(), 1024 + 2 * n);
-    b[1024..].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    b[1024..]
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
 }
 
 fn write_llmc(path: &Path, ids: &[u16]) {
@@ -82,7 +85,17 @@ fn a_tokenized_text_trains_the_gpt2_vocabulary_and_samples_with_the_recorded_tok
     let train = cat(&[
         &["train"],
         TINY_GPT2,
-        &["--data", s(&shard), "--world-size", "2", "--shuffle", "--steps", "3", "--checkpoint", s(&ckpt)],
+        &[
+            "--data",
+            s(&shard),
+            "--world-size",
+            "2",
+            "--shuffle",
+            "--steps",
+            "3",
+            "--checkpoint",
+            s(&ckpt),
+        ],
     ]);
     ok(&train);
     let (_, meta) = load_safetensors_with_metadata(&ckpt).unwrap();
@@ -90,22 +103,56 @@ fn a_tokenized_text_trains_the_gpt2_vocabulary_and_samples_with_the_recorded_tok
     assert!(meta["model_config"].contains("\"vocab\":50257"), "{meta:?}");
     // sample reads the tokenizer from the checkpoint: the library's greedy text through GPT-2
     let greedy = ok(&[
-        "sample", "--checkpoint", s(&ckpt), "--prompt", "The cat", "--max-new-tokens", "12", "--temperature", "0",
+        "sample",
+        "--checkpoint",
+        s(&ckpt),
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
     ]);
     assert_eq!(greedy, format!("{}\n", library_greedy(&ckpt, "The cat", 12)));
     assert_eq!(
-        ok(&["sample", "--checkpoint", s(&ckpt), "--prompt", "The cat", "--max-new-tokens", "12", "--temperature", "0", "--tokenizer", "gpt2"]),
+        ok(&[
+            "sample",
+            "--checkpoint",
+            s(&ckpt),
+            "--prompt",
+            "The cat",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--tokenizer",
+            "gpt2"
+        ]),
         greedy
     );
     // another tokenizer than the checkpoint's: one line, for sample and for a resume
-    let e = fails(&["sample", "--checkpoint", s(&ckpt), "--prompt", "The", "--tokenizer", "bytes"]);
-    assert!(e.contains("trained with --tokenizer gpt2") && e.contains("not bytes"), "{e}");
+    let e = fails(&[
+        "sample",
+        "--checkpoint",
+        s(&ckpt),
+        "--prompt",
+        "The",
+        "--tokenizer",
+        "bytes",
+    ]);
+    assert!(
+        e.contains("trained with --tokenizer gpt2") && e.contains("not bytes"),
+        "{e}"
+    );
     let bytes_resume: Vec<&str> = without(&train, "--tokenizer")
         .into_iter()
         .chain(["--resume", s(&ckpt)])
         .collect();
     let e = fails(&bytes_resume);
-    assert!(e.contains("--resume") && e.contains("trained with --tokenizer gpt2"), "{e}");
+    assert!(
+        e.contains("--resume") && e.contains("trained with --tokenizer gpt2"),
+        "{e}"
+    );
     // GPT-2's ids read with the byte vocabulary: the row and the id named
     let e = fails(&cat(&[
         &["train"],
@@ -149,13 +196,30 @@ fn token_files_read_as_nanogpt_from_a_glob_per_rank_and_with_a_validation_split(
     let ids = |n: u16, k: u16| (0..n).map(move |i| (i * k) % 50257).collect::<Vec<u16>>();
     // nanoGPT's raw uint16: 200 tokens, rows of 17 every 16: 12 rows
     let raw = d.join("train.bin");
-    std::fs::write(&raw, ids(200, 7).iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    std::fs::write(
+        &raw,
+        ids(200, 7).iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>(),
+    )
+    .unwrap();
     let e = fails(&cat(&[&["train"], TINY_GPT2, &["--data", s(&raw), "--steps", "1"]]));
-    assert!(e.contains("not an llm.c shard") && e.contains("--data-format nanogpt"), "{e}");
+    assert!(
+        e.contains("not an llm.c shard") && e.contains("--data-format nanogpt"),
+        "{e}"
+    );
     let out = ok(&cat(&[
         &["train"],
         TINY_GPT2,
-        &["--data", s(&raw), "--data-format", "nanogpt", "--steps", "2", "--shuffle", "--world-size", "2"],
+        &[
+            "--data",
+            s(&raw),
+            "--data-format",
+            "nanogpt",
+            "--steps",
+            "2",
+            "--shuffle",
+            "--world-size",
+            "2",
+        ],
     ]));
     assert!(out.contains("6 rows per rank per epoch"), "{out}");
     // a glob: both shards, 12 + 6 rows
@@ -175,21 +239,53 @@ fn token_files_read_as_nanogpt_from_a_glob_per_rank_and_with_a_validation_split(
         &["train"],
         TINY_GPT2,
         &[
-            "--data", s(&rank), "--world-size", "2", "--join", "divide-initial", "--steps", "3", "--eval-every", "3",
-            "--eval-data", s(&d.join("part-001.bin")), "--losses", s(&losses),
+            "--data",
+            s(&rank),
+            "--world-size",
+            "2",
+            "--join",
+            "divide-initial",
+            "--steps",
+            "3",
+            "--eval-every",
+            "3",
+            "--eval-data",
+            s(&d.join("part-001.bin")),
+            "--losses",
+            s(&losses),
         ],
     ]));
     assert!(out.contains("join"), "{out}");
-    assert!(std::fs::read_to_string(&losses).unwrap().lines().any(|l| !l.ends_with(',')));
+    assert!(std::fs::read_to_string(&losses)
+        .unwrap()
+        .lines()
+        .any(|l| !l.ends_with(',')));
     // --val-fraction holds out the shard's last rows (a view of the file)
     ok(&cat(&[
         &["train"],
         TINY_GPT2,
-        &["--data", s(&glob), "--steps", "2", "--eval-every", "2", "--val-fraction", "0.2"],
+        &[
+            "--data",
+            s(&glob),
+            "--steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--val-fraction",
+            "0.2",
+        ],
     ]));
-    let e = fails(&cat(&[&["train"], TINY_GPT2, &["--data", s(&d.join("none-*.bin")), "--steps", "1"]]));
+    let e = fails(&cat(&[
+        &["train"],
+        TINY_GPT2,
+        &["--data", s(&d.join("none-*.bin")), "--steps", "1"],
+    ]));
     assert!(e.contains("matches no file"), "{e}");
-    let e = fails(&cat(&[&["train"], TINY_GPT2, &["--data-format", "nanogpt", "--steps", "1"]]));
+    let e = fails(&cat(&[
+        &["train"],
+        TINY_GPT2,
+        &["--data-format", "nanogpt", "--steps", "1"],
+    ]));
     assert!(e.contains("add --data"), "{e}");
 }
 
@@ -200,7 +296,11 @@ fn a_resume_on_a_changed_shard_is_refused() {
     let ids: Vec<u16> = (0..400).map(|i| (i * 11) % 50257).collect();
     write_llmc(&shard, &ids);
     let run = |steps: &'static str, resume: bool| {
-        let mut a = cat(&[&["train"], TINY_GPT2, &["--data", s(&shard), "--steps", steps, "--checkpoint", s(&ckpt)]]);
+        let mut a = cat(&[
+            &["train"],
+            TINY_GPT2,
+            &["--data", s(&shard), "--steps", steps, "--checkpoint", s(&ckpt)],
+        ]);
         if resume {
             a.extend(["--resume", s(&ckpt)]);
         }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use brigade_models::{load_safetensors, load_safetensors_with_metadata};
-use common::{dir, fails, losses, mlp_data, ok, s, svg_texts, GPT, MLP};
+use common::{brigade, dir, fails, losses, mlp_data, ok, s, svg_texts, GPT, MLP};
 
 fn params(path: &Path) -> Vec<(String, Vec<f64>)> {
     load_safetensors(path)
@@ -411,4 +411,32 @@ fn sweep_writes_the_table_the_chart_and_a_timeline_per_bucket_size() {
     assert!(buckets[0] > buckets[1], "smaller caps make more buckets: {buckets:?}");
     assert!(out.join("sweep.svg").exists());
     assert!(out.join("timeline_0.001MiB.json").exists() && out.join("timeline_1MiB.svg").exists());
+}
+
+#[test]
+fn untimed_steps_leave_steps_out_of_the_timing_and_warmup_is_its_hidden_spelling() {
+    let run = |flag: &str| {
+        let out = brigade(&[&["train"], MLP, &["--steps", "3", "--json", flag, "2"]].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let json: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+        (json, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (new, quiet) = run("--untimed-steps");
+    assert_eq!(new["flags"]["warmup"], 2, "{new}");
+    assert!(quiet.is_empty(), "{quiet}");
+    let (old, note) = run("--warmup");
+    assert_eq!(old["flags"]["warmup"], 2, "{old}");
+    assert_eq!(note.lines().count(), 1, "{note}");
+    assert!(
+        note.contains("--untimed-steps") && note.contains("--warmup-steps"),
+        "{note}"
+    );
+    // the help lists the flag by its name, not the hidden spelling
+    let help = ok(&["train", "--help"]);
+    assert!(
+        help.contains("--untimed-steps") && !help.contains("--warmup <"),
+        "{help}"
+    );
+    let e = fails(&[&["train"], MLP, &["--steps", "3", "--untimed-steps", "3"]].concat());
+    assert!(e.contains("--untimed-steps 3 leaves no step"), "{e}");
 }

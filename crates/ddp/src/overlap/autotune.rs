@@ -17,8 +17,8 @@ use brigade_comm::{Buffer, NetModel};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    replay_with, BucketOrder, LaunchOverhead, LinkCost, ParamProfile, ProfilePolicy, RankProfile, ReplayConfig, StepProfile,
-    PROFILE_VERSION,
+    replay_with, BucketOrder, LaunchOverhead, LinkCost, ParamProfile, ProfilePolicy, RankProfile, ReplayConfig,
+    StepProfile, PROFILE_VERSION,
 };
 use crate::{DdpError, DistributedDataParallel, Result};
 

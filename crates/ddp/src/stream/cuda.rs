@@ -113,41 +113,47 @@ impl CollectiveBackend for NcclComm {
     }
 
     fn all_reduce(&self, buf: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        let r = Stream::current(buf.device()).map_err(DdpError::from).and_then(|stream| {
-            with_span(Communicator::rank(self), buf, &stream, |_, span| {
-                // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of
-                // the tensor (nobody else writes it) and, once restored, kept alive by the tensor
-                // the reduction holds until the compute stream waited on the bucket's done event;
-                // the comm stream is behind the event that ordered the caller's writes.
-                unsafe { Ok(self.all_reduce_device(span, op, None, None, tag)?) }
-            })
-        });
+        let r = Stream::current(buf.device())
+            .map_err(DdpError::from)
+            .and_then(|stream| {
+                with_span(Communicator::rank(self), buf, &stream, |_, span| {
+                    // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of
+                    // the tensor (nobody else writes it) and, once restored, kept alive by the tensor
+                    // the reduction holds until the compute stream waited on the bucket's done event;
+                    // the comm stream is behind the event that ordered the caller's writes.
+                    unsafe { Ok(self.all_reduce_device(span, op, None, None, tag)?) }
+                })
+            });
         enqueued(self, tag, buf, r)
     }
 
     fn reduce_scatter_into(&self, send: &Tensor, recv: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
         let rank = Communicator::rank(self);
-        let r = Stream::current(send.device()).map_err(DdpError::from).and_then(|stream| {
-            with_span(rank, send, &stream, |_, s| {
-                with_span(rank, recv, &stream, |_, r| {
-                    // SAFETY: as in `all_reduce`, for two distinct storages.
-                    unsafe { Ok(self.reduce_scatter_device(s, r, op, None, None, tag)?) }
+        let r = Stream::current(send.device())
+            .map_err(DdpError::from)
+            .and_then(|stream| {
+                with_span(rank, send, &stream, |_, s| {
+                    with_span(rank, recv, &stream, |_, r| {
+                        // SAFETY: as in `all_reduce`, for two distinct storages.
+                        unsafe { Ok(self.reduce_scatter_device(s, r, op, None, None, tag)?) }
+                    })
                 })
-            })
-        });
+            });
         enqueued(self, tag, recv, r)
     }
 
     fn all_gather_into(&self, send: &Tensor, recv: &Tensor, tag: &str) -> TensorWork<Tensor> {
         let rank = Communicator::rank(self);
-        let r = Stream::current(send.device()).map_err(DdpError::from).and_then(|stream| {
-            with_span(rank, send, &stream, |_, s| {
-                with_span(rank, recv, &stream, |_, r| {
-                    // SAFETY: as in `all_reduce`, for two distinct storages.
-                    unsafe { Ok(self.all_gather_device(s, r, None, None, tag)?) }
+        let r = Stream::current(send.device())
+            .map_err(DdpError::from)
+            .and_then(|stream| {
+                with_span(rank, send, &stream, |_, s| {
+                    with_span(rank, recv, &stream, |_, r| {
+                        // SAFETY: as in `all_reduce`, for two distinct storages.
+                        unsafe { Ok(self.all_gather_device(s, r, None, None, tag)?) }
+                    })
                 })
-            })
-        });
+            });
         enqueued(self, tag, recv, r)
     }
 }

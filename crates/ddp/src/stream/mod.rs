@@ -50,8 +50,8 @@ use crate::DdpError;
 #[cfg(feature = "cuda")]
 pub use cuda::NcclStream;
 pub use device::DeviceStream;
-pub use host_staged::HostStagedComm;
 pub use host::HostStream;
+pub use host_staged::HostStagedComm;
 pub use recording::{Recording, StreamEvent};
 
 /// What the compute side recorded when a bucket's last gradient was written.
@@ -222,7 +222,10 @@ pub(crate) fn hand_to_policy(
 /// Waits (on the host) for a reduction's future and turns it into what lands.
 pub(crate) fn wait_reduction(in_flight: InFlight) -> Result<Landed, Failed> {
     let InFlight {
-        index, reduction, meter, ..
+        index,
+        reduction,
+        meter,
+        ..
     } = in_flight;
     let waited = match reduction {
         Reduction::Full(w) => w.wait_timed().map(|(t, timing)| (Landing::Full(t), timing)),

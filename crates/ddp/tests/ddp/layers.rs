@@ -36,5 +36,9 @@ fn the_core_names_neither_the_overlap_model_nor_the_autotuner() {
             }
         }
     }
-    assert!(offenders.is_empty(), "the core names the overlap layer:\n{}", offenders.join("\n"));
+    assert!(
+        offenders.is_empty(),
+        "the core names the overlap layer:\n{}",
+        offenders.join("\n")
+    );
 }

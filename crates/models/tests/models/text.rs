@@ -90,14 +90,19 @@ fn a_separate_validation_file() {
 
 #[test]
 fn empty_short_or_non_utf8_files_are_one_error_line() {
-    let e = one_line(Dataset::from_text_file(file("empty.txt", b""), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
+    let e =
+        one_line(Dataset::from_text_file(file("empty.txt", b""), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("empty.txt") && e.contains("the file is empty"), "{e}");
-    let e = one_line(Dataset::from_text_file(file("short.txt", b"tiny"), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
+    let e = one_line(
+        Dataset::from_text_file(file("short.txt", b"tiny"), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err(),
+    );
     assert!(e.contains("4 bytes cannot fill one row of context 8 + 1"), "{e}");
     // an invalid byte on line 3, at byte offset 12
     let mut bytes = b"line one\nok\n\xFFbad".to_vec();
     bytes.extend_from_slice(&[b'x'; 20]);
-    let e = one_line(Dataset::from_text_file(file("latin1.txt", &bytes), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
+    let e = one_line(
+        Dataset::from_text_file(file("latin1.txt", &bytes), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err(),
+    );
     assert!(
         e.contains("not UTF-8") && e.contains("invalid byte 0xff at byte offset 12 (line 3)"),
         "{e}"

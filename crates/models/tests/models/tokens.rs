@@ -134,7 +134,10 @@ fn nanogpts_raw_uint16_files_read_with_their_format() {
     assert_eq!(rows(&d)[2], (50_008..50_013).collect::<Vec<i64>>());
     // read as llm.c's, the file is told what it is not
     let e = one_line(Dataset::from_token_files(&[path.clone()], None, BatchSchema::tokens(4, GPT2_VOCAB)).unwrap_err());
-    assert!(e.contains("not an llm.c shard") && e.contains("--data-format nanogpt"), "{e}");
+    assert!(
+        e.contains("not an llm.c shard") && e.contains("--data-format nanogpt"),
+        "{e}"
+    );
     // ids past a byte vocabulary: the row and the id named
     let e = one_line(
         Dataset::from_token_files(&[path], Some(TokenFormat::NanoGpt), BatchSchema::tokens(4, 256)).unwrap_err(),
@@ -163,7 +166,9 @@ fn a_bad_header_is_one_line_naming_what_is_wrong() {
     let e = open("odd.bin", b"hello");
     assert!(e.contains("not an llm.c shard"), "{e}");
     let odd = dir().join("odd.bin");
-    let e = one_line(Dataset::from_token_files(&[odd], Some(TokenFormat::NanoGpt), BatchSchema::tokens(1, 256)).unwrap_err());
+    let e = one_line(
+        Dataset::from_token_files(&[odd], Some(TokenFormat::NanoGpt), BatchSchema::tokens(1, 256)).unwrap_err(),
+    );
     assert!(e.contains("5 bytes is not a whole number"), "{e}");
     let e = one_line(Dataset::from_token_files(&[good], None, BatchSchema::tokens(10, 256)).unwrap_err());
     assert!(e.contains("10 tokens cannot fill one row of context 10"), "{e}");

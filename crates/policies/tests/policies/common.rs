@@ -32,7 +32,7 @@ pub fn teacher_data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor)
 pub struct RankRun {
     pub losses: Vec<f64>,
     pub params: Vec<Vec<f32>>,
-    pub memory: brigade_ddp::RankMemory,
+    pub memory: brigade_ddp::MemoryReport,
     pub diagnostics: Vec<String>,
     pub wire_bytes: f64,
 }

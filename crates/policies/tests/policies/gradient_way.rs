@@ -35,7 +35,9 @@ fn one_bucket_on_two_thread_ranks_is_averaged_and_stepped() {
         let rank = comm.rank();
         let mut store = ParamStore::new();
         // rank r's loss is (r + 1) * sum(w): its gradient is r + 1 everywhere, averaged 1.5
-        let w = store.add("w", Tensor::from_vec(vec![1.0f32; 4], &[4]).unwrap()).unwrap();
+        let w = store
+            .add("w", Tensor::from_vec(vec![1.0f32; 4], &[4]).unwrap())
+            .unwrap();
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         // the buckets as built (no rebuild after the first step), the same values on every rank
         let cfg = DdpConfig {
@@ -45,9 +47,7 @@ fn one_bucket_on_two_thread_ranks_is_averaged_and_stepped() {
         };
         let ddp = DistributedDataParallel::new(&store, comm, cfg, spec("allreduce")(rank)).unwrap();
         let plain = Box::new(Sgd::new(store.params().to_vec(), 0.5, 0.0, 0.0));
-        let mut opt = ddp
-            .optimizer(plain, &|p| Box::new(Sgd::new(p, 0.5, 0.0, 0.0)))
-            .unwrap();
+        let mut opt = ddp.optimizer(plain, &|p| Box::new(Sgd::new(p, 0.5, 0.0, 0.0))).unwrap();
         let loss = w.sum_all().unwrap().mul_scalar((rank + 1) as f64).unwrap();
         if built.wait().is_leader() {
             way_starts();
