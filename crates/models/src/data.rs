@@ -139,7 +139,7 @@ impl Dataset {
     /// [`BatchSchema::classify`]'s.
     pub fn teacher(n_rows: usize, in_dim: usize, n_classes: usize, seed: u64) -> Result<Dataset> {
         if n_rows == 0 || in_dim == 0 || n_classes < 2 {
-            return Err(data_err(
+            return Err(ModelError::data(
                 "teacher",
                 format!("needs n_rows > 0, in_dim > 0 and n_classes >= 2 (got {n_rows}, {in_dim}, {n_classes})"),
             ));
@@ -200,7 +200,7 @@ impl Dataset {
     pub fn text_with_stride(bytes: Vec<u8>, context: usize, stride: usize) -> Result<Dataset> {
         let row_len = context + 1;
         if context == 0 || stride == 0 || bytes.len() < row_len {
-            return Err(data_err(
+            return Err(ModelError::data(
                 "text",
                 format!(
                     "{} bytes cannot fill one row of context {context} + 1 (stride {stride})",
@@ -225,7 +225,7 @@ impl Dataset {
     /// row is not read.
     pub fn token_ids(name: &str, ids: Vec<u16>, context: usize, stride: usize) -> Result<Dataset> {
         if context == 0 || stride == 0 {
-            return Err(data_err(
+            return Err(ModelError::data(
                 name,
                 format!("context {context} and stride {stride} must be positive"),
             ));
@@ -250,19 +250,19 @@ impl Dataset {
         let schema = schema.into();
         let shown = paths.first().map_or("token files".into(), |p| p.display().to_string());
         let [spec] = &schema.tensors[..] else {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &shown,
                 format!("a token file holds one sequence of token ids, but the model reads {schema}"),
             ));
         };
         let (&[row_len], true) = (&spec.row_shape[..], spec.dtypes.contains(&DType::I64)) else {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &shown,
                 format!("a token file's rows are I64 [N, context + 1], but the model reads {schema}"),
             ));
         };
         if paths.is_empty() || row_len < 2 {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &shown,
                 "needs at least one file and a context of at least 1".into(),
             ));
@@ -292,7 +292,7 @@ impl Dataset {
     /// a view over token files (nothing is read), a copy of rows held in memory.
     pub fn rows(&self, range: std::ops::Range<usize>) -> Result<Dataset> {
         if range.start >= range.end || range.end > self.rows {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &self.name,
                 format!(
                     "rows {}..{} are not a part of the {} rows",
@@ -319,7 +319,7 @@ impl Dataset {
     /// `N >= 1`, names unique, floats finite. Not checked against any model: see
     /// [`Dataset::check`].
     pub fn from_tensors(name: &str, tensors: &[(String, Tensor)]) -> Result<Dataset> {
-        let batch = Batch::new(tensors.to_vec()).map_err(|e| data_err(name, e.to_string()))?;
+        let batch = Batch::new(tensors.to_vec()).map_err(|e| ModelError::data(name, e.to_string()))?;
         let schema = BatchSchema::new(
             tensors
                 .iter()
@@ -333,7 +333,7 @@ impl Dataset {
     fn from_checked(source: &str, tensors: &[(String, Tensor)], schema: &BatchSchema) -> Result<Dataset> {
         let rows = schema.check(source, tensors)?;
         if rows == 0 {
-            return Err(data_err(source, "the data holds no rows".into()));
+            return Err(ModelError::data(source, "the data holds no rows".into()));
         }
         let columns = schema
             .tensors
@@ -375,7 +375,7 @@ impl Dataset {
         let schema = schema.into();
         let source = path.display().to_string();
         let [spec] = &schema.tensors[..] else {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &source,
                 format!(
                     "a .npy file holds one array, but the model reads {} tensors ({schema}); save them in one .npz (numpy.savez) or a safetensors file",
@@ -394,7 +394,7 @@ impl Dataset {
             Some("npz") => Self::from_npz(path, schema),
             Some("npy") => Self::from_npy(path, schema),
             Some("safetensors") => Self::from_safetensors(path, schema),
-            _ => Err(data_err(
+            _ => Err(ModelError::data(
                 &path.display().to_string(),
                 "unknown data format: name a .safetensors, .npz or .npy file (or give UTF-8 text as text)".into(),
             )),
@@ -425,7 +425,7 @@ impl Dataset {
     /// Checks the rows against a model's declaration: every declared tensor present, of an
     /// accepted dtype and row shape, indices in range. One error line naming the tensor.
     pub fn check(&self, schema: &BatchSchema) -> Result<()> {
-        let err = |message: String| data_err(&self.name, message);
+        let err = |message: String| ModelError::data(&self.name, message);
         for spec in &schema.tensors {
             let Some(c) = self.columns.iter().find(|c| c.name == spec.name) else {
                 return Err(err(format!(
@@ -560,7 +560,7 @@ impl Dataset {
     /// batch may wrap around the end).
     pub fn batch(&self, start_row: usize, rows: usize) -> Result<Batch> {
         if rows == 0 || self.is_empty() {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &self.name,
                 format!("cannot take {rows} rows from a dataset of {}", self.len()),
             ));
@@ -574,10 +574,10 @@ impl Dataset {
     /// [`crate::DistributedSampler`] gives a rank.
     pub fn gather(&self, indices: &[usize]) -> Result<Batch> {
         if indices.is_empty() {
-            return Err(data_err(&self.name, "cannot take 0 rows".into()));
+            return Err(ModelError::data(&self.name, "cannot take 0 rows".into()));
         }
         if let Some(&r) = indices.iter().find(|&&r| r >= self.rows) {
-            return Err(data_err(
+            return Err(ModelError::data(
                 &self.name,
                 format!("row {r} is out of range: the dataset has {} rows", self.rows),
             ));
@@ -591,9 +591,3 @@ impl Dataset {
     }
 }
 
-pub(crate) fn data_err(source: &str, message: String) -> ModelError {
-    ModelError::Data {
-        source_name: source.to_string(),
-        message,
-    }
-}

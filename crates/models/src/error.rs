@@ -144,6 +144,14 @@ impl ModelError {
         }
     }
 
+    /// A [`ModelError::Data`] about `source` (a file or built-in generator).
+    pub(crate) fn data(source: &str, message: String) -> ModelError {
+        ModelError::Data {
+            source_name: source.to_string(),
+            message,
+        }
+    }
+
     pub(crate) fn io(path: &std::path::Path, e: impl std::fmt::Display) -> Self {
         ModelError::Io {
             path: path.to_path_buf(),

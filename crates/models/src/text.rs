@@ -2,7 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::data::data_err;
 use crate::{Dataset, ModelError, Result, Tokenizer};
 
 /// Where the validation text comes from.
@@ -44,7 +43,7 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
         .and_then(|f| f.take(MAX_TEXT_BYTES + 1).read_to_end(&mut bytes))
         .map_err(cannot)?;
     if bytes.len() as u64 > MAX_TEXT_BYTES {
-        return Err(data_err(
+        return Err(ModelError::data(
             &source,
             format!(
                 "more than {MAX_TEXT_BYTES} bytes (1 GiB), the most a text file may hold (it is read whole into memory); give a smaller file"
@@ -56,7 +55,7 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
             0 => "a UTF-8 text".to_string(),
             _ => format!("a UTF-8 text of at least context {context} + 1 bytes"),
         };
-        return Err(data_err(&source, format!("the file is empty; give {need}")));
+        return Err(ModelError::data(&source, format!("the file is empty; give {need}")));
     }
     if let Err(e) = std::str::from_utf8(&bytes) {
         let at = e.valid_up_to();
@@ -65,13 +64,13 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
             Some(_) => format!("invalid byte 0x{:02x} at byte offset {at} (line {line})", bytes[at]),
             None => format!("a truncated character at byte offset {at} (line {line}, the end of the file)"),
         };
-        return Err(data_err(
+        return Err(ModelError::data(
             &source,
             format!("not UTF-8 text: {what}; byte-level training reads UTF-8 text files"),
         ));
     }
     if bytes.len() < min_bytes {
-        return Err(data_err(
+        return Err(ModelError::data(
             &source,
             format!(
                 "{} bytes cannot fill one row of context {context} + 1; give a longer text or a smaller context",
@@ -90,7 +89,7 @@ pub fn text_file_tokens(path: impl AsRef<Path>, tokenizer: Tokenizer) -> Result<
     let path = path.as_ref();
     let bytes = read_utf8(path, 1, 0)?;
     let text =
-        String::from_utf8(bytes).map_err(|e| data_err(&path.display().to_string(), format!("not UTF-8: {e}")))?;
+        String::from_utf8(bytes).map_err(|e| ModelError::data(&path.display().to_string(), format!("not UTF-8: {e}")))?;
     let mut ids = match tokenizer {
         Tokenizer::Gpt2 => vec![crate::GPT2_END_OF_TEXT as u16],
         Tokenizer::Bytes => vec![],
@@ -115,7 +114,7 @@ impl Dataset {
         let path = path.as_ref();
         let source = path.display().to_string();
         if context == 0 {
-            return Err(data_err(&source, "context must be positive".into()));
+            return Err(ModelError::data(&source, "context must be positive".into()));
         }
         let row = context + 1;
         let named = |mut d: Dataset, name: String| {
@@ -132,7 +131,7 @@ impl Dataset {
             }
             &ValSplit::Fraction(f) => {
                 if !(f > 0.0 && f < 1.0) {
-                    return Err(data_err(
+                    return Err(ModelError::data(
                         &source,
                         format!("the validation fraction must be in (0, 1), got {f}"),
                     ));
@@ -146,7 +145,7 @@ impl Dataset {
                 let (t, v) = bytes.split_at(at);
                 for (part, len) in [("training part", t.len()), ("validation part", v.len())] {
                     if len < row {
-                        return Err(data_err(
+                        return Err(ModelError::data(
                             &source,
                             format!(
                                 "the {part} of a {f} split holds {len} of the file's {n} bytes, less than one row of context {context} + 1; use a longer text, a smaller context or another fraction"
@@ -163,7 +162,7 @@ impl Dataset {
                 Tokenizer::Bytes => Ok(named(Dataset::text_with_stride(bytes, context, stride)?, name)),
                 Tokenizer::Gpt2 => {
                     // checked UTF-8 and split at a character boundary, so this holds
-                    let text = String::from_utf8(bytes).map_err(|e| data_err(&name, format!("not UTF-8: {e}")))?;
+                    let text = String::from_utf8(bytes).map_err(|e| ModelError::data(&name, format!("not UTF-8: {e}")))?;
                     let ids = tokenizer.encode(&text).into_iter().map(|t| t as u16).collect();
                     Dataset::token_ids(&name, ids, context, stride)
                 }

@@ -17,7 +17,6 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::data::data_err;
 use crate::{ModelError, Result};
 
 /// The first `int32` of an llm.c shard.
@@ -54,7 +53,7 @@ impl TokenFormat {
 /// The bytes of an llm.c shard holding `tokens`: the header, then the tokens.
 pub fn llmc_shard_bytes(tokens: &[u16]) -> Result<Vec<u8>> {
     let count = i32::try_from(tokens.len()).map_err(|_| {
-        data_err(
+        ModelError::data(
             "llm.c shard",
             format!(
                 "{} tokens do not fit the header's int32 count (at most {}); cut the text into several shards",
@@ -153,7 +152,7 @@ impl TokenStore {
         let mut first = 0;
         for (i, p) in parts.iter().enumerate() {
             if p.len < row_len {
-                return Err(data_err(
+                return Err(ModelError::data(
                     &p.source,
                     format!(
                         "{} tokens cannot fill one row of context {} + 1; give a longer file or a smaller context",
@@ -332,7 +331,7 @@ fn open_part(path: &Path, format: Option<TokenFormat>) -> Result<Part> {
         .metadata()
         .map_err(|e| ModelError::io(path, format!("cannot read: {e}")))?
         .len();
-    let bad = |m: String| Err(data_err(&source, m));
+    let bad = |m: String| Err(ModelError::data(&source, m));
     match format.unwrap_or(TokenFormat::Llmc) {
         TokenFormat::NanoGpt => {
             if bytes % 2 != 0 {
@@ -413,7 +412,7 @@ pub fn expand_glob(pattern: &Path) -> Result<Vec<PathBuf>> {
         _ => PathBuf::from("."),
     };
     if dir.to_str().is_some_and(|d| d.contains(['*', '?'])) {
-        return Err(data_err(
+        return Err(ModelError::data(
             &shown,
             "a pattern may hold * and ? in its file name only, not in its directories".into(),
         ));
@@ -437,7 +436,7 @@ pub fn expand_glob(pattern: &Path) -> Result<Vec<PathBuf>> {
         .collect();
     found.sort();
     if found.is_empty() {
-        return Err(data_err(&shown, "the pattern matches no file".into()));
+        return Err(ModelError::data(&shown, "the pattern matches no file".into()));
     }
     Ok(found)
 }

@@ -6,7 +6,6 @@ use crate::backend::BackendStorage;
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaStorage;
 use crate::fake::FakeStorage;
-use crate::stream::{DeviceMemory, Stream};
 use crate::{Buffer, DType, Device, Element, Result, TensorError};
 
 /// Storage on one device: the enum every op dispatches on, one variant per backend. Not
@@ -281,29 +280,6 @@ impl Storage {
     /// A storage on `device` holding `data` (as [`Storage::from_buffer`]).
     pub fn from_host_vec<T: Element>(data: Vec<T>, device: Device) -> Result<Storage> {
         Storage::from_buffer(T::wrap(data), device)
-    }
-
-    /// The raw handles of this device memory for code outside the tensor crate (a collective)
-    /// that reads and writes it on `used_on`, a stream of the same device. The memory counts
-    /// as used on that stream (the keep-alive rule of [`crate::Stream`]'s docs): the caller orders
-    /// that use against the storage's other streams with events, and keeps the storage alive
-    /// (e.g. lent out of its tensor) until the collective's done event was waited on. Host
-    /// memory has no device handle: a CPU storage is an error.
-    pub fn device_memory(&self, used_on: &Stream) -> Result<DeviceMemory> {
-        if used_on.device() != self.device() {
-            return Err(TensorError::DeviceMismatch {
-                op: "device_memory",
-                lhs: self.device(),
-                rhs: used_on.device(),
-            });
-        }
-        let ptr = used_on.scope(|| dispatch!(plain &self.0, s => s.lend_raw()))?;
-        Ok(DeviceMemory {
-            ptr,
-            len: self.len(),
-            dtype: self.dtype(),
-            device: self.device(),
-        })
     }
 }
 

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{BackendEvent, BackendStream};
-use crate::storage::on_device;
-use crate::{DType, Device, Result, TensorError};
+use crate::storage::{dispatch, on_device};
+use crate::{DType, Device, Result, Storage, TensorError};
 
 /// One stream of a device (cheap to clone; clones are the same stream).
 ///
@@ -190,4 +190,29 @@ pub struct DeviceMemory {
     pub dtype: DType,
     /// The device.
     pub device: Device,
+}
+
+impl Storage {
+    /// The raw handles of this device memory for code outside the tensor crate (a collective)
+    /// that reads and writes it on `used_on`, a stream of the same device. The memory counts
+    /// as used on that stream (the keep-alive rule of [`crate::Stream`]'s docs): the caller orders
+    /// that use against the storage's other streams with events, and keeps the storage alive
+    /// (e.g. lent out of its tensor) until the collective's done event was waited on. Host
+    /// memory has no device handle: a CPU storage is an error.
+    pub fn device_memory(&self, used_on: &Stream) -> Result<DeviceMemory> {
+        if used_on.device() != self.device() {
+            return Err(TensorError::DeviceMismatch {
+                op: "device_memory",
+                lhs: self.device(),
+                rhs: used_on.device(),
+            });
+        }
+        let ptr = used_on.scope(|| dispatch!(plain &self.0, s => s.lend_raw()))?;
+        Ok(DeviceMemory {
+            ptr,
+            len: self.len(),
+            dtype: self.dtype(),
+            device: self.device(),
+        })
+    }
 }
