@@ -1,9 +1,10 @@
-//! brigade-autograd's integration tests: the gradient-ready bus, accumulation, gradient checks, optimizers, op profiles.
+//! brigade-autograd's integration tests: the gradient-ready bus, accumulation, gradient checks, losses, optimizers, op profiles.
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod bus;
 mod grad_accumulation;
+mod losses;
 mod gradcheck;
 mod optim;
 mod profile;
