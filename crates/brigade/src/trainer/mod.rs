@@ -143,6 +143,10 @@ impl<'a> Trainer<'a> {
         // This rank's policy, made first: a checkpoint names the policy it was written under.
         let policy = cfg.ddp.as_ref().map(|_| cfg.comm_hook.make(ctx.rank)).transpose()?;
         let policy_name = policy.as_ref().map(|p| p.name());
+        // before any step: a checkpoint of a policy that may keep unsaved state would resume inexactly
+        if let (Some(p), Some(_)) = (&policy, &cfg.checkpoint.path) {
+            brigade_ddp::policy::check_checkpointable(p.as_ref())?;
+        }
         let mut resumed = match &cfg.checkpoint.resume {
             Some(path) => {
                 let id = CheckpointIdentity {

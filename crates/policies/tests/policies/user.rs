@@ -103,6 +103,10 @@ impl ReducerPolicy for LocalSgd {
         Ok(())
     }
 
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::InStateDict
+    }
+
     fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
         Ok(vec![("steps".into(), Tensor::from_vec(vec![self.steps as i64], &[1])?)])
     }
