@@ -44,6 +44,7 @@ pub use brigade_policies as policies;
 pub use brigade_tensor as tensor;
 
 pub mod checkpoint;
+mod checkpoint_files;
 pub mod comm_hook;
 pub mod config;
 pub mod data;

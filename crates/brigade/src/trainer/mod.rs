@@ -110,6 +110,7 @@ impl<'a> Trainer<'a> {
         ctx: &'a RankContext,
     ) -> Result<Self> {
         set_compute_threads(compute_threads(cfg, ctx));
+        cfg.checkpoint.validate()?;
         if let Some(init) = &cfg.init {
             load_params(model.params(), init)?;
         }

@@ -11,11 +11,13 @@ use crate::resume::recipe_metadata;
 use super::{zero_stage, Trainer};
 
 impl Trainer<'_> {
-    /// Writes the checkpoint (rank 0) of the state after the last step run. Unless
+    /// Writes the checkpoint (rank 0) of the state after the last step run, to
+    /// [`crate::config::CheckpointConfig::path_at`] that step, then removes the checkpoints
+    /// beyond `keep_last`. Unless
     /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
     /// never overwrites the last good checkpoint.
     pub fn checkpoint(&mut self) -> Result<()> {
-        let Some(path) = &self.cfg.checkpoint.path else {
+        let Some(path) = self.cfg.checkpoint.path_at(self.next_step) else {
             return Ok(());
         };
         if !self.cfg.allow_nonfinite {
@@ -61,13 +63,14 @@ impl Trainer<'_> {
                 allow_nonfinite: self.cfg.allow_nonfinite,
             };
             save_checkpoint(
-                path,
+                &path,
                 &id,
                 self.model.as_ref(),
                 self.opt.as_ref(),
                 &policy_state,
                 self.next_step,
             )?;
+            self.cfg.checkpoint.prune()?;
         }
         self.checkpointed = Some(self.next_step);
         Ok(())

@@ -54,12 +54,17 @@ pub struct TrainArgs {
     pub profile_steps: Option<std::ops::Range<usize>>,
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
     /// steps, during the step it resumes once that step's loss is finite); also when no step
-    /// runs.
+    /// runs. `{step}` in the file name becomes the step the checkpoint resumes at
+    /// (`run-{step}.ckpt`), so that each is kept; without it each replaces the last.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Checkpoint period in steps (at least 1; needs --checkpoint).
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
+    /// Keep only the newest N checkpoints of a --checkpoint path holding `{step}` (at least 1;
+    /// older files the path names are removed after each write).
+    #[arg(long, value_name = "N")]
+    pub keep_last: Option<usize>,
     /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
     /// holds the parameters (so --init is an error), the --seed and the data's fingerprint
     /// (a different seed or data is an error), and the rows a step read per rank: data read in
@@ -99,6 +104,16 @@ impl TrainArgs {
         match (self.checkpoint_every, &self.checkpoint) {
             (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
             (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
+            _ => {}
+        }
+        let templated = self.checkpoint.as_ref().and_then(|p| p.file_name()).is_some_and(|n| n.to_string_lossy().contains("{step}"));
+        match (self.keep_last, templated) {
+            (Some(0), _) => return bad("--keep-last must be at least 1 (checkpoints to keep)".into()),
+            (Some(k), false) => {
+                return bad(format!(
+                    "--keep-last {k} needs {{step}} in the --checkpoint file name (e.g. run-{{step}}.ckpt): without it each checkpoint replaces the last"
+                ))
+            }
             _ => {}
         }
         match (&self.profile_steps, &self.profile) {
@@ -310,6 +325,7 @@ pub fn train(t: TrainArgs) -> Result<()> {
         resume: t.resume.clone(),
         checkpoint: t.checkpoint.clone(),
         checkpoint_every: t.checkpoint_every,
+        checkpoint_keep_last: t.keep_last,
         profile: t.profile.is_some(),
         profile_steps: t.profile_steps.clone(),
         observer: Some(observer),
