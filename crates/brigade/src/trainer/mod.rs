@@ -72,6 +72,10 @@ pub struct Trainer<'a> {
     /// that step once its loss is known to be finite, so that a state that diverges is never
     /// written over the last good checkpoint.
     checkpoint_due: bool,
+    /// Every rank's policy state as it stood when the step with a due checkpoint began (on rank
+    /// 0): that step's backward changes a stateful policy's state before the checkpoint is
+    /// written.
+    policy_state_at_start: Option<Vec<(String, brigade_tensor::Tensor)>>,
     /// Rank 0 could not write the periodic checkpoint of the last step (not an agreed error).
     checkpoint_failed: Option<Error>,
     /// Tunes the bucket cap after the steps ([`TrainConfig::autotune`]).
@@ -284,6 +288,7 @@ impl<'a> Trainer<'a> {
             next_step: first_step,
             checkpointed: None,
             checkpoint_due: false,
+            policy_state_at_start: None,
             checkpoint_failed: None,
             stop_requested: false,
             profile: None,

@@ -35,9 +35,15 @@ impl Trainer<'_> {
         }
         // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
         self.opt.consolidate_state()?;
-        // Every rank's policy state, on rank 0 (a collective).
+        // Every rank's policy state, on rank 0 (a collective unless the step gathered it).
         let (policy_state, policy_name) = match &self.ddp {
-            Some(ddp) => (ddp.gather_policy_state()?, Some(ddp.policy_name())),
+            Some(ddp) => {
+                let state = match self.policy_state_at_start.take() {
+                    Some(state) => state,
+                    None => ddp.gather_policy_state()?,
+                };
+                (state, Some(ddp.policy_name()))
+            }
             None => (vec![], None),
         };
         // Every rank's dropout generator, on rank 0 (a collective).

@@ -53,6 +53,11 @@ impl Trainer<'_> {
             }
         }
         let has_data = agreement.as_ref().is_none_or(|a| a.active[rank]);
+        // a due checkpoint holds the policy state this step starts from (a collective)
+        self.policy_state_at_start = match (&self.ddp, self.checkpoint_due) {
+            (Some(ddp), true) => Some(ddp.gather_policy_state()?),
+            _ => None,
+        };
         let sent_before = self.meter.totals();
         let step_span = self.begin(EventKind::Step(s));
         let lr = self.schedule.apply(self.opt.as_mut(), s as u64);

@@ -4,6 +4,7 @@
 
 mod checkpoints;
 mod common;
+mod composition;
 mod dropout_resume;
 mod fake_device;
 mod fake_policies;

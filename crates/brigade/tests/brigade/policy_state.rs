@@ -167,3 +167,24 @@ fn a_checkpoint_of_a_policy_that_neither_declares_nor_saves_its_state_is_refused
     assert!(!ckpt.exists(), "nothing written");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn a_periodic_checkpoint_holds_the_policy_state_its_step_starts_from() {
+    // the checkpoint after 5 steps is written during step 5, after that step's backward has
+    // updated the residual: it must hold the residual step 5 started from
+    let d = tmp("int8-periodic");
+    let straight = run(&int8_config(10, true)).unwrap();
+    let periodic = TrainConfig {
+        checkpoint: brigade::config::CheckpointConfig {
+            path: Some(d.join("run-{step}.ckpt")),
+            every: Some(5),
+            ..Default::default()
+        },
+        ..int8_config(10, true)
+    };
+    assert_eq!(run(&periodic).unwrap().outcome.losses, straight.outcome.losses);
+    let resumed = run(&resuming(int8_config(10, true), &d.join("run-5.ckpt"))).unwrap();
+    assert_eq!(resumed.outcome.losses, straight.outcome.losses[5..], "losses, bit for bit");
+    assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
+    let _ = std::fs::remove_dir_all(&d);
+}
