@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The collectives sitting (issue 26): Brigade's MPI all-reduce against raw MPI_Allreduce in the same
+# The collectives sitting: Brigade's MPI all-reduce against raw MPI_Allreduce in the same
 # run (shared segment off, then on), 2 and 4 ranks, 1-64 MiB; the segment with buffers in the
 # shared heap (in place) and out of it, in turns, each pair after memcpy on 1 and 2 threads;
 # then the thread backend's small and large messages against memcpy. Needs target/release/brigade built with --features mpi.

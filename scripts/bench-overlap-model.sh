@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The overlap model against measurements (issue 12): for mlp and gpt, 2 and 4 ranks, simulated
+# The overlap model against measurements: for mlp and gpt, 2 and 4 ranks, simulated
 # 1 and 10 Gb/s links (20 us per message), caps 0.25-100 MiB:
 #   - `brigade sweep --repeat R` (caps interleaved round-robin) measures each cap's median step,
 #     compute-only baseline and exposed comm (step - compute-only), and replays every recorded

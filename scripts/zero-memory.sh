@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-rank memory of ZeRO stages 0, 1, 2 (issue 11 §4), measured from live allocations by
+# Per-rank memory of ZeRO stages 0, 1, 2, measured from live allocations by
 # `brigade train --json`, beside the ZeRO paper's formula for AdamW in f32. Memory figures are
 # not timings: valid on a loaded machine. Usage: scripts/zero-memory.sh [path/to/brigade]
 # Prints a markdown table for docs/BENCHMARKS.md.

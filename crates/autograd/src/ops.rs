@@ -126,7 +126,9 @@ impl Var {
     pub fn sqr(&self) -> Result<Var> {
         let x = self.value();
         // d x^2 = 2 g x
-        Ok(Var::from_op("sqr", x.sqr()?, &[self], move |g| Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)])))
+        Ok(Var::from_op("sqr", x.sqr()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)])
+        }))
     }
 
     /// `x^p` for a scalar exponent (`torch.pow(x, p)`).
@@ -142,20 +144,26 @@ impl Var {
     pub fn sin(&self) -> Result<Var> {
         let x = self.value();
         // d sin x = g cos x
-        Ok(Var::from_op("sin", x.sin()?, &[self], move |g| Ok(vec![Some(g.mul(&x.cos()?)?)])))
+        Ok(Var::from_op("sin", x.sin()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.cos()?)?)])
+        }))
     }
 
     /// Cosine (radians).
     pub fn cos(&self) -> Result<Var> {
         let x = self.value();
         // d cos x = -g sin x
-        Ok(Var::from_op("cos", x.cos()?, &[self], move |g| Ok(vec![Some(g.mul(&x.sin()?)?.neg()?)])))
+        Ok(Var::from_op("cos", x.cos()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.sin()?)?.neg()?)])
+        }))
     }
 
     /// `|x|`; the gradient is `g * sign(x)`, so 0 at 0 (PyTorch's choice).
     pub fn abs(&self) -> Result<Var> {
         let x = self.value();
-        Ok(Var::from_op("abs", x.abs()?, &[self], move |g| Ok(vec![Some(g.mul(&x.sign()?)?)])))
+        Ok(Var::from_op("abs", x.abs()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.sign()?)?)])
+        }))
     }
 
     /// Each element limited to `[min, max]` (`torch.clamp`; an infinite bound leaves its side
@@ -207,7 +215,9 @@ impl Var {
             let mask = x.sub(&m)?.is_zero()?;
             let count = mask.sum(&dims, true)?;
             let g = g.reshape(m.shape())?;
-            Ok(vec![Some(mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?)])
+            Ok(vec![Some(
+                mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?,
+            )])
         }))
     }
 

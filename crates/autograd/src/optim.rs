@@ -16,16 +16,16 @@ pub trait Optimizer: Send {
     /// Changes the learning rate (schedules).
     fn set_lr(&mut self, lr: f64);
     /// The state as `(name, tensor)` pairs (`step` is stored as a 1-element f64 tensor).
-    fn state(&self) -> Result<Vec<(String, Tensor)>>;
-    /// Restores state produced by [`Optimizer::state`] for the same parameters.
-    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>>;
+    /// Restores state produced by [`Optimizer::state_dict`] for the same parameters.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
     /// Bytes of state this optimizer holds live (memory reports). The default measures a copy
-    /// of [`Optimizer::state`]; the built-in optimizers measure their own tensors.
+    /// of [`Optimizer::state_dict`]; the built-in optimizers measure their own tensors.
     fn state_bytes(&self) -> Result<usize> {
-        Ok(self.state()?.iter().map(|(_, t)| tensor_bytes(t)).sum())
+        Ok(self.state_dict()?.iter().map(|(_, t)| tensor_bytes(t)).sum())
     }
     /// Collective for optimizers whose state is sharded over ranks (ZeRO): every rank calls it
-    /// before rank 0 calls [`Optimizer::state`] for a checkpoint, so that rank 0 holds every
+    /// before rank 0 calls [`Optimizer::state_dict`] for a checkpoint, so that rank 0 holds every
     /// shard's state (PyTorch's `ZeroRedundancyOptimizer.consolidate_state_dict`). A no-op for
     /// optimizers that hold all of their state.
     fn consolidate_state(&mut self) -> Result<()> {
@@ -117,7 +117,7 @@ impl Optimizer for Sgd {
         self.lr = lr;
     }
 
-    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = vec![];
         for (i, (p, b)) in self.params.iter().zip(&self.bufs).enumerate() {
             if let Some(b) = b {
@@ -131,7 +131,7 @@ impl Optimizer for Sgd {
         Ok(self.bufs.iter().flatten().map(tensor_bytes).sum())
     }
 
-    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         for (i, p) in self.params.iter().enumerate() {
             let key = format!("{}.momentum_buffer", name_of(p, i));
             self.bufs[i] = match find(state, &key) {
@@ -223,7 +223,7 @@ impl Optimizer for AdamW {
         self.lr = lr;
     }
 
-    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = vec![("step".to_string(), Tensor::from_vec(vec![self.step as f64], &[1])?)];
         for (i, p) in self.params.iter().enumerate() {
             let n = name_of(p, i);
@@ -237,7 +237,7 @@ impl Optimizer for AdamW {
         Ok(self.m.iter().chain(&self.v).map(tensor_bytes).sum())
     }
 
-    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
         self.step = find(state, "step")?.item()? as u64;
         for (i, p) in self.params.iter().enumerate() {
             let n = name_of(p, i);

@@ -100,9 +100,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let steps: usize = std::env::args().nth(1).map_or(Ok(80), |s| s.parse())?;
     // 2 ranks x 2 microbatches of 8 rows: the first microbatch accumulates under `no_sync`,
     // the last one's backward all-reduces the summed gradients.
-    let cfg = TrainConfig {
-        accum: 2,
-        ..TrainConfig::new(steps, 8, OptimizerConfig::adamw(3e-3, None))
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 8, OptimizerConfig::adamw(3e-3, None));
+        c.data.accum = 2;
+        c
     };
     let report = brigade::fit(
         &LaunchConfig::threads(2),
@@ -110,13 +111,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Dataset::builtin_text(CONTEXT, 0)?),
         |_ctx| Ok(Box::new(Gpt::new(2, 0)?)),
     )?;
-    let (Some(first), Some(last)) = (report.outcome.losses.first(), report.outcome.losses.last()) else {
+    let steps = &report.outcome.steps;
+    let (Some(first), Some(last)) = (steps.first().map(|r| r.loss), steps.last().map(|r| r.loss)) else {
         return Err("no step ran: give STEPS >= 1".into());
     };
-    println!(
-        "loss: step 0 {first:.3}, step {} {last:.3}",
-        report.outcome.losses.len() - 1
-    );
+    println!("loss: step 0 {first:.3}, step {} {last:.3}", steps.len() - 1);
     // The trained parameters (rank 0's) in a fresh model, for sampling.
     let model = Gpt::new(2, 0)?;
     load_params_from_tensors(model.params(), &report.outcome.params)?;

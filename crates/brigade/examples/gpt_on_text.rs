@@ -11,11 +11,11 @@ use std::ops::ControlFlow;
 
 use brigade::autograd::no_grad;
 use brigade::config::CheckpointConfig;
-use brigade::data::DataOrder;
 use brigade::launch::LaunchConfig;
 use brigade::models::{
-    generate_text, load_params_from_tensors, Dataset, Gpt, GptConfig, Model, SampleOptions, ValSplit,
+    generate_text, load_params_from_tensors, Dataset, Gpt, GptConfig, Model, SampleOptions, Tokenizer, ValSplit,
 };
+use brigade::source::DataOrder;
 use brigade::{OptimizerConfig, TrainConfig};
 
 /// Steps between evaluations.
@@ -55,7 +55,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     if steps == 0 {
         return Err("give STEPS >= 1".into());
     }
-    let text = Dataset::from_text_file(&path, config().context, &ValSplit::Fraction(0.1))?;
+    let text = Dataset::from_text_file(&path, config().context, &ValSplit::Fraction(0.1), Tokenizer::Bytes)?;
     let val = text.val.ok_or("no validation split")?;
     println!(
         "{path}: {} training rows, {} validation rows of {} bytes",
@@ -72,16 +72,17 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (mut params, mut last_val, mut done) = (vec![], first_val, 0);
     while done < steps {
         let until = (done + EVERY).min(steps);
-        let cfg = TrainConfig {
-            model_name: "gpt".into(),
-            data_order: DataOrder::shuffle(0, false),
-            checkpoint: CheckpointConfig {
+        let cfg = {
+            let mut c = TrainConfig::new(until, 8, OptimizerConfig::adamw(3e-3, None));
+            c.model.name = "gpt".into();
+            c.data.order = DataOrder::shuffle(0, false);
+            c.runtime.checkpoint = CheckpointConfig {
                 resume: (done > 0).then(|| ckpt.clone()),
                 path: Some(ckpt.clone()),
                 every: None,
                 keep_last: None,
-            },
-            ..TrainConfig::new(until, 8, OptimizerConfig::adamw(3e-3, None))
+            };
+            c
         };
         let train = &text.train;
         let report = brigade::fit(
@@ -98,7 +99,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             .map(|p| format!(" (epoch {}, row {})", p.epoch, p.index));
         println!(
             "step {until}: training loss {:.3}, validation loss {last_val:.3}{}",
-            report.outcome.losses.last().copied().unwrap_or(f64::NAN),
+            report.outcome.steps.last().map_or(f64::NAN, |r| r.loss),
             at.unwrap_or_default()
         );
         done = until;

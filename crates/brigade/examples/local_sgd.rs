@@ -76,7 +76,7 @@ impl ReducerPolicy for LocalSgd {
 }
 
 fn wire_bytes(r: &RunReport) -> f64 {
-    r.outcome.sent.iter().map(|s| s.wire_bytes).sum()
+    r.outcome.sent().iter().map(|s| s.wire_bytes).sum()
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -103,13 +103,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
     };
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
-    let cfg = TrainConfig {
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 32, sgd);
         // each rank makes its own policy
-        comm_hook: Arc::new(move |_rank: usize| Box::new(LocalSgd::new(k, h)) as Box<dyn ReducerPolicy>),
-        ..TrainConfig::new(steps, 32, sgd)
+        c.distributed.get_or_insert_default().policy = Arc::new(move |_rank: usize| LocalSgd::new(k, h));
+        c
     };
     let local = train(&cfg)?;
-    let (a, b) = (&plain.outcome.losses, &local.outcome.losses);
+    let (a, b) = (&plain.outcome.losses(), &local.outcome.losses());
     println!("{:>6} {:>12} {:>14}", "step", "allreduce", format!("local K={k} H={h}"));
     for s in (0..steps).filter(|s| s % 10 == 0 || s + 1 == steps) {
         println!("{s:>6} {:>12.4} {:>14.4}", a[s], b[s]);

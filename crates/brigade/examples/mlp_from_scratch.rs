@@ -5,10 +5,10 @@
 //! `cargo run --release -p brigade --example mlp_from_scratch [-- STEPS]`
 
 use brigade::autograd::{scope, ParamStore, Var};
-use brigade::data::{DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model, Result};
+use brigade::source::{DataSource, Microbatch};
 use brigade::tensor::{DType, Rng, Tensor};
 use brigade::{OptimizerConfig, TrainConfig};
 
@@ -97,7 +97,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_world| Ok(Synthetic),
         |_ctx| Ok(Box::new(Mlp::new(&[16, 64, 64, 4], 0)?)),
     )?;
-    let curve = &report.outcome.losses; // the mean over ranks of each step
+    let curve = &report.outcome.losses(); // the mean over ranks of each step
     for (s, l) in curve
         .iter()
         .enumerate()

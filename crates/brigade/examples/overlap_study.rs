@@ -21,12 +21,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         momentum: 0.0,
         weight_decay: 0.0,
     };
-    let cfg = TrainConfig {
-        instrument: Instrumentation {
+    let cfg = {
+        let mut c = TrainConfig::new(3, 32, sgd);
+        c.runtime.instrument = Instrumentation {
             profile: true,
             ..Instrumentation::default()
-        },
-        ..TrainConfig::new(3, 32, sgd)
+        };
+        c
     };
     let mlp = MlpConfig::new(vec![256, 1024, 1024, 1024, 10]);
     let report = brigade::fit(

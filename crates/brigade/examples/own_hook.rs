@@ -82,7 +82,7 @@ impl ReducerPolicy for Int8 {
 }
 
 fn wire_bytes(r: &RunReport) -> f64 {
-    r.outcome.sent.iter().map(|s| s.wire_bytes).sum()
+    r.outcome.sent().iter().map(|s| s.wire_bytes).sum()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -101,13 +101,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
     };
     let plain = train(&TrainConfig::new(steps, 32, sgd))?;
-    let cfg = TrainConfig {
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 32, sgd);
         // each rank makes its own policy
-        comm_hook: Arc::new(|_rank: usize| Box::new(Int8::default()) as Box<dyn ReducerPolicy>),
-        ..TrainConfig::new(steps, 32, sgd)
+        c.distributed.get_or_insert_default().policy = Arc::new(|_rank: usize| Int8::default());
+        c
     };
     let int8 = train(&cfg)?;
-    let (a, b) = (&plain.outcome.losses, &int8.outcome.losses);
+    let (a, b) = (&plain.outcome.losses(), &int8.outcome.losses());
     println!("{:>6} {:>12} {:>12}", "step", "allreduce", "int8+EF");
     for s in (0..steps).filter(|s| s % 10 == 0 || s + 1 == steps) {
         println!("{s:>6} {:>12.4} {:>12.4}", a[s], b[s]);

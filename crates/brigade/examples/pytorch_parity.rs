@@ -9,9 +9,8 @@ use brigade::models::{nn::Sequential, Dataset};
 use brigade::policies::Int8;
 use brigade::recipe::{EvalConfig, HeldOut};
 use brigade::tensor::{DType, Rng, Tensor};
-use brigade::{
-    fit, launch::LaunchConfig, observe::on_step, OptimizerConfig, ScheduleConfig, ScheduleName, TrainConfig,
-};
+use brigade::{fit, launch::LaunchConfig, observe::on_step, outcome::TrainOutcome, policy::per_rank};
+use brigade::{OptimizerConfig, ScheduleConfig, ScheduleName, TrainConfig};
 
 /// `y = sin(x · w) + noise` over `rows` rows of 8 inputs.
 fn data(rows: usize, seed: u64) -> brigade::Result<Dataset> {
@@ -25,36 +24,27 @@ fn data(rows: usize, seed: u64) -> brigade::Result<Dataset> {
     )?)
 }
 
-fn run(checkpoint: CheckpointConfig, print: bool) -> brigade::Result<brigade::RunReport> {
-    let cfg = TrainConfig {
-        comm_hook: Arc::new(|_rank: usize| Box::new(Int8::default()) as Box<dyn brigade::ddp::ReducerPolicy>),
-        schedule: ScheduleConfig {
-            name: ScheduleName::Cosine,
-            warmup_steps: 5,
-            ..ScheduleConfig::default()
-        },
-        clip_grad_norm: Some(1.0),
-        eval: Some(EvalConfig {
-            every: 25,
-            data: Arc::new(HeldOut::new(data(512, 100)?, 256)),
-        }),
-        instrument: Instrumentation {
-            observer: print.then(|| on_step(|s| println!("step {:>2} loss {:.4} lr {:.2e}", s.step, s.loss, s.lr))),
-            ..Instrumentation::default()
-        },
-        checkpoint,
-        ..TrainConfig::new(50, 32, OptimizerConfig::adamw(3e-3, Some(0.01)))
+fn run(checkpoint: CheckpointConfig, print: bool) -> brigade::Result<TrainOutcome> {
+    let mut cfg = TrainConfig::new(50, 32, OptimizerConfig::adamw(3e-3, Some(0.01)));
+    cfg.distributed.get_or_insert_default().policy = per_rank(|_| Int8::default());
+    cfg.recipe.schedule = ScheduleConfig {
+        name: ScheduleName::Cosine,
+        warmup_steps: 5,
+        ..ScheduleConfig::default()
     };
-    fit(
-        &LaunchConfig::threads(2),
-        &cfg,
-        |_| data(4096, 1),
-        |_| {
-            Ok(Box::new(
-                Sequential::new(0).linear(8, 64)?.layer_norm(64)?.gelu().linear(64, 1)?,
-            ))
-        },
-    )
+    cfg.recipe.clip_grad_norm = Some(1.0);
+    let held_out = HeldOut::new(data(512, 100)?, 256);
+    cfg.recipe.eval = Some(EvalConfig {
+        every: 25,
+        data: Arc::new(held_out),
+    });
+    cfg.runtime.instrument = Instrumentation {
+        observer: print.then(|| on_step(|s| println!("step {:>2} loss {:.4} lr {:.2e}", s.step, s.loss, s.lr))),
+        ..Instrumentation::default()
+    };
+    cfg.runtime.checkpoint = checkpoint;
+    let model = |_: &_| Ok(Box::new(Sequential::new(0).linear(8, 64)?.layer_norm(64)?.gelu().linear(64, 1)?) as _);
+    Ok(fit(&LaunchConfig::threads(2), &cfg, |_| data(4096, 1), model)?.outcome)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -65,26 +55,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         every: Some(25),
         ..CheckpointConfig::default()
     };
-    let straight = run(write, true)?.outcome;
+    let straight = run(write, true)?;
     let resume = CheckpointConfig {
         resume: Some(dir.join("run-25.ckpt")),
         ..CheckpointConfig::default()
     };
-    let resumed = run(resume, false)?.outcome;
+    let resumed = run(resume, false)?;
     assert_eq!(
-        resumed.losses,
-        straight.losses[25..],
+        resumed.losses(),
+        straight.losses()[25..],
         "the resume from step 25 is exact"
     );
-    let params = |o: &brigade::outcome::TrainOutcome| {
+    let params = |o: &TrainOutcome| {
         o.params
             .iter()
             .map(|p| p.1.to_vec::<f32>())
             .collect::<Result<Vec<_>, _>>()
     };
     assert_eq!(params(&resumed)?, params(&straight)?, "the parameters after the resume");
-    let val: Vec<f64> = straight.val_losses.iter().flatten().copied().collect();
+    let val: Vec<f64> = straight.val_losses().into_iter().flatten().collect();
     println!("held-out loss (eval mode) after steps 25 and 50: {val:?}; resume exact");
-    assert!(val[1] < val[0] && straight.losses[49] < straight.losses[0], "it learns");
+    assert!(
+        val[1] < val[0] && straight.losses()[49] < straight.losses()[0],
+        "it learns"
+    );
     Ok(std::fs::remove_dir_all(&dir)?)
 }

@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
-use brigade::data::{DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Batch, Dataset, Mlp, MlpConfig};
 use brigade::recipe::{EvalConfig, EvalSource};
+use brigade::source::{DataSource, Microbatch};
 use brigade::{OptimizerConfig, ScheduleConfig, ScheduleName, TrainConfig};
 
 /// Rows `0..TRAIN` of a teacher dataset train; rows `TRAIN..TRAIN + VAL` are held out.
@@ -37,19 +37,20 @@ impl EvalSource for Split {
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let steps: usize = std::env::args().nth(1).map_or(Ok(200), |s| s.parse())?;
     let split = || Dataset::teacher(TRAIN + VAL, 16, 4, 0).map(Split);
-    let cfg = TrainConfig {
-        schedule: ScheduleConfig {
+    let cfg = {
+        let mut c = TrainConfig::new(steps, 32, OptimizerConfig::adamw(3e-3, None));
+        c.recipe.schedule = ScheduleConfig {
             name: ScheduleName::Cosine,
             warmup_steps: steps as u64 / 10,
             min_lr: 1e-4,
             ..ScheduleConfig::default() // T: the run's steps
-        },
-        clip_grad_norm: Some(1.0),
-        eval: Some(EvalConfig {
+        };
+        c.recipe.clip_grad_norm = Some(1.0);
+        c.recipe.eval = Some(EvalConfig {
             every: 10,
             data: Arc::new(split()?),
-        }),
-        ..TrainConfig::new(steps, 32, OptimizerConfig::adamw(3e-3, None))
+        });
+        c
     };
     let report = brigade::fit(
         &LaunchConfig::threads(2),
@@ -58,15 +59,15 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 4]), 0)?)),
     )?;
     let o = &report.outcome;
-    for s in (0..o.losses.len()).filter(|s| o.val_losses[*s].is_some()) {
-        let norm = o.grad_norms[s].unwrap_or(f64::NAN);
-        let val = o.val_losses[s].unwrap_or(f64::NAN);
+    for r in o.steps.iter().filter(|r| r.val_loss.is_some()) {
+        let norm = r.grad_norm.unwrap_or(f64::NAN);
+        let val = r.val_loss.unwrap_or(f64::NAN);
         println!(
-            "step {s:>4}  lr {:.2e}  grad norm {norm:.3}  loss {:.4}  val loss {val:.4}",
-            o.lrs[s], o.losses[s]
+            "step {:>4}  lr {:.2e}  grad norm {norm:.3}  loss {:.4}  val loss {val:.4}",
+            r.step, r.lr, r.loss
         );
     }
-    let val: Vec<f64> = o.val_losses.iter().flatten().copied().collect();
+    let val: Vec<f64> = o.steps.iter().filter_map(|r| r.val_loss).collect();
     if !(val.last() < val.first()) {
         return Err("the validation loss did not go down".into());
     }

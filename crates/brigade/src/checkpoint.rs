@@ -46,7 +46,7 @@ pub struct CheckpointIdentity<'a> {
     pub optimizer: &'a str,
     /// The run's seed (it chooses the initial parameters and the built-in data).
     pub seed: u64,
-    /// The training data's fingerprint ([`crate::data::DataSource::fingerprint`]; `None`:
+    /// The training data's fingerprint ([`crate::source::DataSource::fingerprint`]; `None`:
     /// neither recorded nor checked).
     pub data: Option<String>,
     /// The ZeRO stage: a checkpoint under ZeRO resumes only with the same stage and
@@ -54,16 +54,16 @@ pub struct CheckpointIdentity<'a> {
     pub zero: ZeroStage,
     /// The number of ranks.
     pub world_size: usize,
-    /// How the run orders its rows ([`crate::data::DataOrder::describe`]; `None`: in order,
+    /// How the run orders its rows ([`crate::source::DataOrder::describe`]; `None`: in order,
     /// not recorded). A resume checks it, and a sampled run's resume the world size too.
     pub data_order: Option<String>,
     /// Where rank 0's sampler stands after the checkpoint's step (written; a resume reads it
     /// back from the file).
     pub sampler: Option<SamplerPosition>,
-    /// The model's shape ([`crate::TrainConfig::model_config`]; written, not checked).
+    /// The model's shape ([`crate::config::ModelConfig::config`]; written, not checked).
     pub model_config: Option<String>,
-    /// The recipe's metadata, written beside the rest ([`crate::resume::recipe_metadata`]:
-    /// the schedule and every hyperparameter); a resume checks it with
+    /// The recipe's metadata, written beside the rest (the schedule and every
+    /// hyperparameter); a resume checks it with
     /// [`crate::resume::check_resume`], not here.
     pub recipe: Vec<(String, String)>,
     /// The reducer policy's spec as it reads (`allreduce`, `powersgd:4@2`, a user's name), or
@@ -74,7 +74,7 @@ pub struct CheckpointIdentity<'a> {
     /// (written; a resume reads them back from the file); empty when the model draws nothing.
     pub dropout_rng: Vec<RngState>,
     /// Whether a resume takes non-finite values (a run under
-    /// [`crate::TrainConfig::allow_nonfinite`] writes them); otherwise one is refused, naming
+    /// [`crate::config::RecipeConfig::allow_nonfinite`] writes them); otherwise one is refused, naming
     /// the tensor. Not written.
     pub allow_nonfinite: bool,
 }
@@ -208,7 +208,7 @@ pub fn save_checkpoint(
         .into_iter()
         .map(|(n, t)| (format!("model.{n}"), t))
         .collect();
-    tensors.extend(opt.state()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
+    tensors.extend(opt.state_dict()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     tensors.extend(
         policy_state
             .iter()
@@ -318,7 +318,7 @@ pub fn load_checkpoint(
         true => brigade_models::load_params_from_tensors_nonfinite,
     };
     load(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
-    opt.load_state(&strip("optim."))?;
+    opt.load_state_dict(&strip("optim."))?;
     let policy_state = strip(POLICY_PREFIX);
     // a policy's state is per rank: it resumes on as many ranks as wrote it
     let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());

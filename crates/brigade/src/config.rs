@@ -1,6 +1,8 @@
-//! What a run is asked to do, as plain data, the same on every rank: [`TrainConfig`] (what to
-//! train and how) holds a [`CheckpointConfig`] (where to write and resume from) and an
-//! [`Instrumentation`] (what to record and who watches). Nothing here knows the command line.
+//! What a run is asked to do, as plain data, the same on every rank: [`TrainConfig`], in five
+//! parts: [`ModelConfig`] (what is trained), [`DataConfig`] (on what data), [`RecipeConfig`]
+//! (steps, optimizer, schedule, clipping, evaluation), an optional [`DistributedConfig`] (DDP,
+//! its reducer policy, the bucket-cap autotuner) and [`RuntimeConfig`] (device, threads, a
+//! [`CheckpointConfig`], an [`Instrumentation`]). Nothing here knows the command line.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -10,12 +12,12 @@ use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
 use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
-use crate::comm_hook::MakeCommHook;
-use crate::data::DataOrder;
 use crate::join::JoinMode;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
+use crate::policy::MakePolicy;
 use crate::recipe::{EvalConfig, ScheduleConfig};
+use crate::source::DataOrder;
 use brigade_policies::PolicySpec;
 
 /// Which optimizer, with every hyper-parameter.
@@ -87,36 +89,115 @@ impl OptimizerConfig {
     }
 }
 
-/// Everything one training run needs, the same on every rank: the model's identity, the
-/// steps, batches and optimizer, DDP and its reducer policy, where the tensors live; then
-/// checkpoints and instrumentation, each in its own part.
+/// Everything one training run needs, the same on every rank, in five parts: what is trained
+/// ([`ModelConfig`]), on what data ([`DataConfig`]), the recipe ([`RecipeConfig`]: steps,
+/// optimizer, schedule, clipping, evaluation), the distributed part ([`DistributedConfig`]: DDP
+/// and its reducer policy; `None`: the ranks train apart) and how it runs ([`RuntimeConfig`]:
+/// the device, threads, checkpoints, instrumentation).
 #[derive(Clone)]
 pub struct TrainConfig {
+    /// What is trained.
+    pub model: ModelConfig,
+    /// On what data, in which batches.
+    pub data: DataConfig,
+    /// How long and how it is trained.
+    pub recipe: RecipeConfig,
+    /// DDP, its reducer policy and the bucket-cap autotuner; `None`: the ranks train
+    /// independently, reducing no gradient (a compute-only baseline).
+    pub distributed: Option<DistributedConfig>,
+    /// Where and how the run executes, what it writes and who watches.
+    pub runtime: RuntimeConfig,
+}
+
+impl TrainConfig {
+    /// `steps` steps of `batch_size` rows per rank with `optimizer`, and the defaults for the
+    /// rest: one microbatch a step, rows in order, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
+    /// checkpoint, no resume, no profile, no observer.
+    pub fn new(steps: usize, batch_size: usize, optimizer: OptimizerConfig) -> Self {
+        TrainConfig {
+            model: ModelConfig::default(),
+            data: DataConfig::new(batch_size),
+            recipe: RecipeConfig::new(steps, optimizer),
+            distributed: Some(DistributedConfig::default()),
+            runtime: RuntimeConfig::default(),
+        }
+    }
+
+    /// The distributed part's DDP configuration (`None` when the ranks train apart).
+    pub fn ddp(&self) -> Option<&DdpConfig> {
+        self.distributed.as_ref().map(|d| &d.ddp)
+    }
+
+    /// Rows per rank per step: `batch_size` rows in each of `accum` microbatches.
+    pub fn rows_per_step(&self) -> usize {
+        self.data.batch_size * self.data.accum
+    }
+}
+
+/// What is trained: the model's identity, as checkpoints record it, and where its parameters
+/// start.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
     /// The model's name, recorded in checkpoints (resuming another model is an error).
-    pub model_name: String,
+    pub name: String,
     /// The model's shape as text (the CLI writes a JSON object), recorded in checkpoints as
     /// `model_config` so that a checkpoint can be loaded without the flags that trained it
     /// ([`crate::checkpoint::load_model_tensors`]); `None`: not recorded.
-    pub model_config: Option<String>,
+    pub config: Option<String>,
     /// Seed of the initial parameters, recorded in checkpoints (resuming with another is an error).
     pub seed: u64,
     /// Initial parameters (safetensors, PyTorch state-dict names).
     pub init: Option<PathBuf>,
-    /// Train until this step (a resumed run continues until it).
-    pub steps: usize,
+}
+
+impl Default for ModelConfig {
+    /// A model named `model`, seed 0, its parameters as the model initialises them.
+    fn default() -> Self {
+        ModelConfig {
+            name: "model".into(),
+            config: None,
+            seed: 0,
+            init: None,
+        }
+    }
+}
+
+/// On what data: the batches each rank reads, in which order, and what happens when the
+/// ranks' data ends at different steps.
+#[derive(Clone, Debug)]
+pub struct DataConfig {
     /// Rows per rank per microbatch.
     pub batch_size: usize,
     /// Microbatches per step: the first `accum - 1` accumulate under `no_sync`.
     pub accum: usize,
     /// In which order the ranks read the data: in order (the default) or through a
     /// distributed sampler (`DataOrder::shuffle` for `--shuffle`).
-    pub data_order: DataOrder,
+    pub order: DataOrder,
     /// Ranks whose data ends at different steps (uneven inputs, PyTorch's `Join`): how the
     /// ranks whose data ended take part ([`crate::join`]). `None`: every rank must read as
     /// many rows, and uneven data is refused before step 0 naming the shortest and longest
     /// rank. Under a mode each rank's data is one pass over its rows. Without DDP (ranks
     /// training apart) a rank without data only takes part in the ranks' agreements.
     pub join: Option<JoinMode>,
+}
+
+impl DataConfig {
+    /// Microbatches of `batch_size` rows, one a step, in order, even data.
+    pub fn new(batch_size: usize) -> Self {
+        DataConfig {
+            batch_size,
+            accum: 1,
+            order: DataOrder::InOrder,
+            join: None,
+        }
+    }
+}
+
+/// The recipe: how long, with which optimizer and learning rates, clipped and evaluated how.
+#[derive(Clone)]
+pub struct RecipeConfig {
+    /// Train until this step (a resumed run continues until it).
+    pub steps: usize,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
     /// The learning-rate schedule, peaking at the optimizer's learning rate (default:
@@ -128,57 +209,71 @@ pub struct TrainConfig {
     pub clip_grad_norm: Option<f64>,
     /// Evaluate on held-out data every so many steps (`None`: never).
     pub eval: Option<EvalConfig>,
-    /// DDP's configuration; `None`: the ranks train independently, reducing no gradient (a
-    /// compute-only baseline). Its recorder is the rank's.
-    pub ddp: Option<DdpConfig>,
-    /// How DDP reduces each bucket and what its optimizer steps: a
-    /// [`brigade_policies::PolicySpec`], or a closure making a user's own
-    /// [`brigade_ddp::ReducerPolicy`]; every rank makes its own.
-    pub comm_hook: Arc<dyn MakeCommHook>,
-    /// Tune DDP's bucket cap as the run goes, from the recorded steps; needs `ddp`.
-    pub autotune: Option<AutotuneConfig>,
     /// Train on through non-finite losses and parameters instead of stopping.
     pub allow_nonfinite: bool,
-    /// Compute threads of each rank (default: the cores shared among the local ranks).
-    pub compute_threads: Option<usize>,
-    /// Where the model, batches, gradients and optimizer state live (rank r's GPU, see
-    /// [`DevicePlacement::for_rank`]).
-    pub device: DevicePlacement,
-    /// Checkpoints: where to write them, how often, what to resume from.
-    pub checkpoint: CheckpointConfig,
-    /// What to record beside training, and who watches the run.
-    pub instrument: Instrumentation,
 }
 
-impl TrainConfig {
-    /// `steps` steps of `batch_size` rows per rank with `optimizer`, and the defaults for the
-    /// rest: one microbatch a step, rows in order, DDP with PyTorch's bucket caps and all-reduce, the CPU, no
-    /// checkpoint, no resume, no profile, no observer.
-    pub fn new(steps: usize, batch_size: usize, optimizer: OptimizerConfig) -> Self {
-        TrainConfig {
-            model_name: "model".into(),
-            model_config: None,
-            seed: 0,
-            init: None,
+impl RecipeConfig {
+    /// `steps` steps of `optimizer` at a constant learning rate, unclipped, never evaluated.
+    pub fn new(steps: usize, optimizer: OptimizerConfig) -> Self {
+        RecipeConfig {
             steps,
-            batch_size,
-            accum: 1,
-            data_order: DataOrder::InOrder,
-            join: None,
             optimizer,
             schedule: ScheduleConfig::default(),
             clip_grad_norm: None,
             eval: None,
-            ddp: Some(DdpConfig::default()),
-            comm_hook: Arc::new(PolicySpec::AllReduce),
-            autotune: None,
             allow_nonfinite: false,
-            compute_threads: None,
-            device: DevicePlacement::Cpu,
-            checkpoint: CheckpointConfig::default(),
-            instrument: Instrumentation::default(),
         }
     }
+}
+
+/// The distributed part: DDP, how it reduces each bucket, and the tuning of its bucket cap.
+#[derive(Clone)]
+pub struct DistributedConfig {
+    /// DDP's configuration. Its recorder is the rank's.
+    pub ddp: DdpConfig,
+    /// How DDP reduces each bucket and what its optimizer steps: a
+    /// [`brigade_policies::PolicySpec`], or a closure `Fn(rank) -> P` making a user's own
+    /// [`brigade_ddp::ReducerPolicy`] `P`; every rank makes its own ([`crate::policy`]).
+    pub policy: Arc<dyn MakePolicy>,
+    /// Tune DDP's bucket cap as the run goes, from the recorded steps.
+    pub autotune: Option<AutotuneConfig>,
+}
+
+impl DistributedConfig {
+    /// DDP with PyTorch's bucket caps under `policy`, not autotuned.
+    pub fn with_policy(policy: impl MakePolicy + 'static) -> Self {
+        DistributedConfig {
+            policy: Arc::new(policy),
+            ..DistributedConfig::default()
+        }
+    }
+}
+
+impl Default for DistributedConfig {
+    /// DDP with PyTorch's bucket caps and all-reduce, not autotuned.
+    fn default() -> Self {
+        DistributedConfig {
+            ddp: DdpConfig::default(),
+            policy: Arc::new(PolicySpec::AllReduce),
+            autotune: None,
+        }
+    }
+}
+
+/// How the run executes: where the tensors live, the threads it computes with, its
+/// checkpoints and what it records.
+#[derive(Clone, Default)]
+pub struct RuntimeConfig {
+    /// Where the model, batches, gradients and optimizer state live (rank r's GPU, see
+    /// [`DevicePlacement::for_rank`]).
+    pub device: DevicePlacement,
+    /// Compute threads of each rank (default: the cores shared among the local ranks).
+    pub compute_threads: Option<usize>,
+    /// Checkpoints: where to write them, how often, what to resume from.
+    pub checkpoint: CheckpointConfig,
+    /// What to record beside training, and who watches the run.
+    pub instrument: Instrumentation,
 }
 
 /// Where a run writes its checkpoints and what it resumes from (rank 0 writes; every rank reads).

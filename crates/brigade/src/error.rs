@@ -88,7 +88,7 @@ pub enum Error {
     #[error(
         "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept and \
          no diverged parameters were saved; lower the learning rate, or allow non-finite values \
-         (TrainConfig::allow_nonfinite) to train on"
+         (RecipeConfig::allow_nonfinite) to train on"
     )]
     NonFinite {
         /// The step whose loss (or update) was not finite.
@@ -101,7 +101,7 @@ pub enum Error {
     /// The ranks read different numbers of rows (`rows`, by rank) and the run has no join mode
     /// (every rank finds it before step 0, from the lengths every rank knows).
     #[error(
-        "the ranks read different numbers of rows (shortest: rank {} with {}, longest: rank {} with {}): uneven inputs need a join mode (TrainConfig::join: divide-initial, divide-active or throw), or give every rank as many rows",
+        "the ranks read different numbers of rows (shortest: rank {} with {}, longest: rank {} with {}): uneven inputs need a join mode (DataConfig::join: divide-initial, divide-active or throw), or give every rank as many rows",
         shortest(rows), rows[shortest(rows)], longest(rows), rows[longest(rows)]
     )]
     UnevenInputs {
@@ -254,7 +254,7 @@ pub enum CheckpointMismatch {
         this_run: usize,
     },
     /// It holds a NaN or an infinity (a run that trains on through them wrote it), and this run
-    /// does not take them ([`crate::TrainConfig::allow_nonfinite`]).
+    /// does not take them ([`crate::config::RecipeConfig::allow_nonfinite`]).
     #[error(
         "tensor '{tensor}' holds {value} at index {index}: a run that trains on through non-finite values \
          (allow_nonfinite) wrote it; resume with allow_nonfinite to continue it"
@@ -322,12 +322,23 @@ impl Error {
 /// Result alias for the library.
 pub type Result<T> = std::result::Result<T, Error>;
 
+impl Error {
+    /// Of [`Error::UnevenInputs`], the rank with the fewest rows and the one with the most
+    /// (the lowest such ranks); `None` for any other error.
+    pub fn shortest_and_longest(&self) -> Option<(usize, usize)> {
+        match self {
+            Error::UnevenInputs { rows } => Some((shortest(rows), longest(rows))),
+            _ => None,
+        }
+    }
+}
+
 /// The rank with the fewest rows (the lowest such rank); 0 when there is none.
-pub fn shortest(rows: &[usize]) -> usize {
+fn shortest(rows: &[usize]) -> usize {
     (0..rows.len()).min_by_key(|&r| (rows[r], r)).unwrap_or(0)
 }
 
 /// The rank with the most rows (the lowest such rank); 0 when there is none.
-pub fn longest(rows: &[usize]) -> usize {
+fn longest(rows: &[usize]) -> usize {
     (0..rows.len()).max_by_key(|&r| (rows[r], usize::MAX - r)).unwrap_or(0)
 }

@@ -10,10 +10,10 @@ use brigade_comm::{all_gather_bytes, Event};
 use brigade_models::Model;
 
 use crate::config::TrainConfig;
-use crate::data::DataSource;
 use crate::error::{Error, Result};
 use crate::launch::{run_ranks, CommBackend, LaunchConfig, RankContext};
 use crate::outcome::TrainOutcome;
+use crate::source::DataSource;
 use crate::trace_gather::gather_step_events;
 use crate::trainer::Trainer;
 
@@ -65,7 +65,7 @@ struct RankOut {
 ///     |_world| Dataset::teacher(4096, 16, 4, 0).map_err(Into::into),
 ///     |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 4]), 0)?)),
 /// )?;
-/// assert_eq!(report.outcome.losses.len(), 5); // the mean loss over the ranks of each step
+/// assert_eq!(report.outcome.losses().len(), 5); // the mean loss over the ranks of each step
 /// assert_eq!(report.outcome.params.len(), 4); // rank 0's trained `layers.{0,1}.{weight,bias}`
 /// # Ok::<(), brigade::Error>(())
 /// ```

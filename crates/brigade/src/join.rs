@@ -2,7 +2,7 @@
 //! different steps train together until every rank's data has ended.
 //!
 //! Under a [`JoinMode`] each rank's data is one pass over its rows
-//! ([`crate::data::DataSource::rank_lengths`]: `rows / (batch_size * accum)` whole steps; the
+//! ([`crate::source::DataSource::rank_lengths`]: `rows / (batch_size * accum)` whole steps; the
 //! rows left over are not read). At the start of every step the ranks agree on which of them
 //! still have data: before the first step in one small all-reduce of its own ([`JOIN_TAG`]),
 //! after it in a slot per rank of the step status all-reduce of the step before (each rank
@@ -34,8 +34,8 @@ use std::str::FromStr;
 use brigade_comm::{all_gather_bytes, Buffer, Communicator, ReduceOp};
 use brigade_tensor::Tensor;
 
-use crate::data::DataLength;
 use crate::error::{CheckpointMismatch, Error, Result};
+use crate::source::DataLength;
 
 /// Tag of the per-step all-reduce in which the ranks agree on which of them still have data.
 pub const JOIN_TAG: &str = "join: ranks with data";
@@ -43,7 +43,7 @@ pub const JOIN_TAG: &str = "join: ranks with data";
 /// Tag of the end-of-run exchange of the parameters' checksums.
 pub const CHECKSUM_TAG: &str = "join: parameter checksums";
 
-/// How a run treats ranks whose data ends at different steps ([`crate::TrainConfig::join`];
+/// How a run treats ranks whose data ends at different steps ([`crate::config::DataConfig::join`];
 /// `None` there: uneven data is refused before step 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JoinMode {
@@ -94,8 +94,6 @@ impl FromStr for JoinMode {
 pub fn uneven_refusal(rows: &[usize]) -> Error {
     Error::UnevenInputs { rows: rows.to_vec() }
 }
-
-pub use crate::error::{longest, shortest};
 
 /// The ranks' agreement at the start of a step: which of them still have data.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -193,7 +191,7 @@ pub fn check_replicas(comm: &dyn Communicator, params: &[(String, Tensor)]) -> R
 
 /// What a checkpoint records of a join run: the mode, and for each rank the step at which it
 /// joined (`-`: it has data still), e.g. `0:-,1:3`.
-pub fn describe_joined(joined_at: &[Option<usize>]) -> String {
+fn describe_joined(joined_at: &[Option<usize>]) -> String {
     joined_at
         .iter()
         .enumerate()
@@ -212,10 +210,10 @@ pub fn joined_before(steps: &[usize], step: usize) -> Vec<Option<usize>> {
 }
 
 /// Metadata key of the join mode in a checkpoint (absent: no join mode).
-pub const JOIN_KEY: &str = "join";
+const JOIN_KEY: &str = "join";
 
 /// Metadata key of the ranks that had joined by a checkpoint's step ([`describe_joined`]).
-pub const JOINED_KEY: &str = "join_joined";
+const JOINED_KEY: &str = "join_joined";
 
 /// One rank's view of a run under a [`JoinMode`]: how many steps each rank's data holds, which
 /// ranks have joined, and the current step's [`Agreement`].

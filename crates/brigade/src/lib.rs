@@ -4,10 +4,11 @@
 //! [`models`]), and adds what `brigade train` itself is made of:
 //!
 //! - [`fit()`]: the training loop as one call over a user's [`Model`](models::Model) (each rank
-//!   builds its own) and [`DataSource`](data::DataSource) (each rank asks for its own
+//!   builds its own) and [`DataSource`](source::DataSource) (each rank asks for its own
 //!   microbatches), with the sharding, `no_sync` accumulation, checkpoint/resume, timeline and
 //!   step profile of `brigade train`, which is a thin shell over it;
-//! - [`config`]: what a run is asked to do ([`TrainConfig`], with its checkpoint and
+//! - [`config`]: what a run is asked to do ([`TrainConfig`]: the model, the data, the recipe, the
+//!   distributed part, the runtime with its checkpoint and
 //!   instrumentation parts), and [`observe`]: who watches it ([`observe::TrainObserver`]: progress,
 //!   per-step records, a stop request; the library itself prints nothing);
 //! - [`launch`]: start N ranks as threads (or join the MPI job with the `mpi` feature), hand
@@ -15,13 +16,13 @@
 //!   result back, or the root-cause error naming its rank — what `torch.multiprocessing.spawn`
 //!   plus `init_process_group` give a PyTorch user; [`launch::nccl`] for the NCCL backend;
 //! - [`trainer`]: one rank's loop ([`trainer::Trainer`]), for callers that launch ranks
-//!   themselves; [`comm_hook`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
+//!   themselves; [`policy`]: a reducer policy per rank (a [`policies::PolicySpec`] or a
 //!   user's own);
 //! - [`recipe`]: the learning-rate schedule, clipping and evaluation; [`resume`]: what a
 //!   checkpoint records of them and what a resume may change;
 //! - [`join`]: uneven inputs (PyTorch's `Join`): ranks whose data ends early join the others'
 //!   collectives with zeros until every rank's data has ended;
-//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`data`], [`placement`], and
+//! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`source`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
 //! Layers to build models from are in [`models::nn`] (parameters are [`autograd::Var`]s over
@@ -45,9 +46,7 @@ pub use brigade_tensor as tensor;
 
 pub mod checkpoint;
 mod checkpoint_files;
-pub mod comm_hook;
 pub mod config;
-pub mod data;
 pub mod error;
 pub mod fit;
 pub mod join;
@@ -55,8 +54,10 @@ pub mod launch;
 pub mod observe;
 pub mod outcome;
 pub mod placement;
+pub mod policy;
 pub mod recipe;
 pub mod resume;
+pub mod source;
 mod trace_gather;
 pub mod trainer;
 

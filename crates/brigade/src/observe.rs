@@ -6,10 +6,8 @@
 //! rank 0's view is the run's) and when the run ends; every rank asks it once a step whether
 //! to stop. [`on_step`] makes an observer of a closure called after every step.
 
-use brigade_comm::CommBytes;
-
 use crate::error::Error;
-use crate::outcome::TrainOutcome;
+use crate::outcome::{StepRecord, TrainOutcome};
 use crate::recipe::HyperparameterChange;
 
 /// The run about to start, as rank 0 sees it.
@@ -22,27 +20,6 @@ pub struct RunStart {
     pub first_step: usize,
     /// The step the run trains until.
     pub steps: usize,
-}
-
-/// One finished step: what every rank agreed on, and rank 0's own measurements. Fields that
-/// the run does not compute are `None`; later fields may be added.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct StepRecord {
-    /// The step.
-    pub step: usize,
-    /// The mean training loss over the ranks, before the step's update.
-    pub loss: f64,
-    /// Rank 0's wall time of the step, in milliseconds.
-    pub step_ms: f64,
-    /// The learning rate the step's update used.
-    pub lr: f64,
-    /// The global gradient norm before the update, when the run computes it.
-    pub grad_norm: Option<f64>,
-    /// The validation loss after the step, when the run evaluates.
-    pub val_loss: Option<f64>,
-    /// What rank 0's DDP handed to its collectives during the step.
-    pub sent: CommBytes,
 }
 
 /// Watches a run. Every method has a default that does nothing, so an observer implements

@@ -1,36 +1,48 @@
-//! What training produces: one step's [`StepOutcome`], and a rank's whole run as a
-//! [`TrainOutcome`] (losses, times, bytes sent, buckets, memory, profiles, final parameters,
-//! and how it ended: [`TrainOutcome::stopped`], [`TrainOutcome::interrupted`], a
+//! What training produces: one step's [`StepRecord`] (and [`StepOutcome`], what a step returns),
+//! and a rank's whole run as a [`TrainOutcome`] (the steps' records, buckets, memory, profiles,
+//! final parameters, and how it ended: [`TrainOutcome::stopped`], [`TrainOutcome::interrupted`], a
 //! [`CheckpointFailure`]).
 
 use brigade_comm::CommBytes;
 use brigade_ddp::overlap::{AutotuneReport, StepProfile};
-use brigade_ddp::RankMemory;
 use brigade_ddp::{BucketInfo, MemoryReport};
 use brigade_models::SamplerPosition;
 use brigade_tensor::Tensor;
 
-use crate::data::DataLength;
 use crate::error::Error;
+use crate::source::DataLength;
 
-/// What one step did.
-#[derive(Clone, Copy, Debug)]
-pub struct StepOutcome {
+/// One finished step: what every rank agreed on, and this rank's own measurements (on rank 0,
+/// what the run's observer is told). Fields that the run does not compute are `None`; later
+/// fields may be added.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct StepRecord {
     /// The step's index.
     pub step: usize,
-    /// Mean loss over the ranks, before the step's update.
+    /// The mean training loss over the ranks, before the step's update.
     pub loss: f64,
-    /// Wall time of the step on this rank, in milliseconds.
+    /// This rank's wall time of the step, in milliseconds.
     pub ms: f64,
     /// The learning rate the step's update used.
     pub lr: f64,
     /// The global gradient norm before clipping (computed when clipping).
     pub grad_norm: Option<f64>,
+    /// The validation loss after the step, when the run evaluates after it.
+    pub val_loss: Option<f64>,
+    /// What this rank's DDP handed to its collectives during the step (gradient reduction,
+    /// bucket rebuilding; not the step's own loss agreement, nor a checkpoint's gathers).
+    pub sent: CommBytes,
+}
+
+/// What [`Trainer::step`](crate::trainer::Trainer::step) did: the step's record (its
+/// validation loss not yet known), and where the run stands after it.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// The step's record.
+    pub record: StepRecord,
     /// A rank was asked to stop: this was the last step.
     pub stop: bool,
-    /// What DDP handed to its collectives during the step on this rank (gradient reduction,
-    /// bucket rebuilding; not the step's own loss agreement).
-    pub sent: CommBytes,
     /// Where this rank's sampler stands after the step (the epoch and row the next step reads
     /// first); `None` for rows in order.
     pub sampler: Option<SamplerPosition>,
@@ -41,20 +53,10 @@ pub struct StepOutcome {
 pub struct TrainOutcome {
     /// First step run (non-zero after a resume).
     pub first_step: usize,
-    /// Mean loss over the ranks of each step run.
-    pub losses: Vec<f64>,
-    /// The learning rate of each step run.
-    pub lrs: Vec<f64>,
-    /// The global gradient norm before clipping of each step run (when clipping).
-    pub grad_norms: Vec<Option<f64>>,
-    /// The validation loss after each step run (on the steps that evaluate).
-    pub val_losses: Vec<Option<f64>>,
+    /// The record of each step run, in order.
+    pub steps: Vec<StepRecord>,
     /// The hyperparameters this run changed from the checkpoint it resumed.
     pub resume_changes: Vec<crate::recipe::HyperparameterChange>,
-    /// This rank's wall time of each step run, in milliseconds.
-    pub step_ms: Vec<f64>,
-    /// What DDP handed to its collectives in each step run, on this rank.
-    pub sent: Vec<CommBytes>,
     /// Stopped before `steps` because a stop was requested.
     pub interrupted: bool,
     /// The error every rank agreed on that ended the run early (a non-finite loss or
@@ -71,10 +73,8 @@ pub struct TrainOutcome {
     pub autotune: Option<AutotuneReport>,
     /// DDP buckets after the last step (empty without DDP).
     pub buckets: Vec<BucketInfo>,
-    /// This rank's gradient memory (absent without DDP).
-    pub memory: Option<MemoryReport>,
     /// This rank's memory after the last step, measured (absent without DDP).
-    pub rank_memory: Option<RankMemory>,
+    pub memory: Option<MemoryReport>,
     /// The final parameters (rank 0 only; empty elsewhere).
     pub params: Vec<(String, Tensor)>,
     /// Rows each rank read per epoch (rows in order: endless), as known before step 0.
@@ -120,8 +120,36 @@ impl std::fmt::Display for CheckpointFailure {
 impl TrainOutcome {
     /// The last step run, if any.
     pub fn last_step(&self) -> Option<usize> {
-        (self.first_step + self.losses.len())
-            .checked_sub(1)
-            .filter(|_| !self.losses.is_empty())
+        self.steps.last().map(|r| r.step)
+    }
+
+    /// The mean loss over the ranks of each step run.
+    pub fn losses(&self) -> Vec<f64> {
+        self.steps.iter().map(|r| r.loss).collect()
+    }
+
+    /// The learning rate of each step run.
+    pub fn lrs(&self) -> Vec<f64> {
+        self.steps.iter().map(|r| r.lr).collect()
+    }
+
+    /// The global gradient norm before clipping of each step run (when clipping).
+    pub fn grad_norms(&self) -> Vec<Option<f64>> {
+        self.steps.iter().map(|r| r.grad_norm).collect()
+    }
+
+    /// The validation loss after each step run (on the steps that evaluate).
+    pub fn val_losses(&self) -> Vec<Option<f64>> {
+        self.steps.iter().map(|r| r.val_loss).collect()
+    }
+
+    /// This rank's wall time of each step run, in milliseconds.
+    pub fn ms(&self) -> Vec<f64> {
+        self.steps.iter().map(|r| r.ms).collect()
+    }
+
+    /// What DDP handed to its collectives in each step run, on this rank.
+    pub fn sent(&self) -> Vec<CommBytes> {
+        self.steps.iter().map(|r| r.sent).collect()
     }
 }

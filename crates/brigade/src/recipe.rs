@@ -1,5 +1,5 @@
 //! The training recipe beside the model: the learning-rate schedule ([`ScheduleConfig`]),
-//! global-norm gradient clipping ([`clip_factor`]) and evaluation on held-out data
+//! global-norm gradient clipping (`torch.nn.utils.clip_grad_norm_`'s factor) and evaluation on held-out data
 //! ([`EvalConfig`]). What a checkpoint records of them, and the rules of a resume, are in
 //! [`crate::resume`].
 
@@ -171,7 +171,7 @@ pub struct EvalConfig {
 
 /// `torch.nn.utils.clip_grad_norm_`'s factor for a total gradient norm `norm` under `max_norm`:
 /// `max_norm / (norm + 1e-6)` when that is below 1, else `None` (nothing to scale).
-pub fn clip_factor(norm: f64, max_norm: f64) -> Option<f64> {
+pub(crate) fn clip_factor(norm: f64, max_norm: f64) -> Option<f64> {
     let coef = max_norm / (norm + 1e-6);
     (coef < 1.0).then_some(coef)
 }

@@ -1,5 +1,5 @@
 //! What a checkpoint records of the training recipe (the schedule and the optimizer's
-//! hyperparameters, [`recipe_metadata`]), so that a resume either continues the same run or
+//! hyperparameters, as key-value metadata), so that a resume either continues the same run or
 //! says what it changed.
 //!
 //! Resume rules (checked by [`check_resume`]):
@@ -73,14 +73,14 @@ pub fn hyperparameters(opt: &OptimizerConfig, clip_grad_norm: Option<f64>) -> Ve
 
 /// What a checkpoint records of the recipe: the schedule, the rows a step reads per rank and
 /// every hyperparameter.
-pub fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String, String)> {
+pub(crate) fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(String, String)> {
     [
         (SCHEDULE_KEY.to_string(), schedule_record(schedule)),
-        (ROWS_PER_STEP_KEY.to_string(), (cfg.batch_size * cfg.accum).to_string()),
+        (ROWS_PER_STEP_KEY.to_string(), cfg.rows_per_step().to_string()),
     ]
     .into_iter()
     .chain(
-        hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
+        hyperparameters(&cfg.recipe.optimizer, cfg.recipe.clip_grad_norm)
             .into_iter()
             .map(|(k, v)| (format!("{HP_PREFIX}{k}"), v)),
     )
@@ -94,10 +94,10 @@ pub fn check_resume(
     cfg: &TrainConfig,
     meta: Option<&HashMap<String, String>>,
 ) -> std::result::Result<(LrSchedule, Vec<HyperparameterChange>), ResumeError> {
-    let lr = cfg.optimizer.lr();
+    let lr = cfg.recipe.optimizer.lr();
     let written = meta.and_then(|m| m.get(SCHEDULE_KEY));
-    let default_t = written.and_then(|w| recorded_t(w)).unwrap_or(cfg.steps as u64);
-    let schedule = cfg.schedule.build(lr, default_t).map_err(ResumeError::Config)?;
+    let default_t = written.and_then(|w| recorded_t(w)).unwrap_or(cfg.recipe.steps as u64);
+    let schedule = cfg.recipe.schedule.build(lr, default_t).map_err(ResumeError::Config)?;
     let Some(meta) = meta else {
         return Ok((schedule, vec![]));
     };
@@ -110,7 +110,7 @@ pub fn check_resume(
             }));
         }
     }
-    let changes = hyperparameters(&cfg.optimizer, cfg.clip_grad_norm)
+    let changes = hyperparameters(&cfg.recipe.optimizer, cfg.recipe.clip_grad_norm)
         .into_iter()
         .filter_map(|(name, this_run)| {
             let written = meta.get(&format!("{HP_PREFIX}{name}"))?;
@@ -123,7 +123,7 @@ pub fn check_resume(
         .collect::<Vec<_>>();
     let changes = changes
         .into_iter()
-        .chain(model_changes(meta.get("model_config"), cfg.model_config.as_deref()))
+        .chain(model_changes(meta.get("model_config"), cfg.model.config.as_deref()))
         .collect();
     Ok((schedule, changes))
 }
@@ -137,7 +137,7 @@ pub fn check_rows_per_step(
     meta: &HashMap<String, String>,
     position_from_step: bool,
 ) -> std::result::Result<(), CheckpointMismatch> {
-    let this_run = cfg.batch_size * cfg.accum;
+    let this_run = cfg.rows_per_step();
     match meta.get(ROWS_PER_STEP_KEY).and_then(|w| w.parse::<usize>().ok()) {
         Some(written) if position_from_step && written != this_run => {
             Err(CheckpointMismatch::RowsPerStep { written, this_run })
@@ -149,7 +149,7 @@ pub fn check_rows_per_step(
 /// What to say when a resumed run goes past the `T` its schedule took from the checkpoint
 /// (`T` left to default, `decay_steps: None`): from `T` on the learning rate holds `min_lr`.
 pub fn defaulted_t_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Option<String> {
-    if cfg.schedule.decay_steps.is_some() {
+    if cfg.recipe.schedule.decay_steps.is_some() {
         return None;
     }
     let record = meta.get(SCHEDULE_KEY)?;
@@ -158,12 +158,12 @@ pub fn defaulted_t_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Op
         .split_whitespace()
         .find_map(|kv| kv.strip_prefix("min_lr="))
         .unwrap_or("0");
-    (cfg.steps as u64 > t).then(|| {
+    (cfg.recipe.steps as u64 > t).then(|| {
         format!(
             "the schedule's T was left to default, so it is the checkpoint's T = {t} (its run's steps): \
              from step {t} to this run's end at step {} the learning rate holds min_lr {min_lr}; \
              a run that should decay over {} steps sets T (--lr-decay-steps {}) from its start",
-            cfg.steps, cfg.steps, cfg.steps
+            cfg.recipe.steps, cfg.recipe.steps, cfg.recipe.steps
         )
     })
 }

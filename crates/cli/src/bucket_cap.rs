@@ -64,12 +64,13 @@ pub struct AutotuneArgs {
 impl RunArgs {
     /// True with `--bucket-mb auto`.
     pub fn bucket_auto(&self) -> bool {
-        self.bucket_mb.contains(&BucketCap::Auto)
+        self.distributed.bucket_mb.contains(&BucketCap::Auto)
     }
 
     /// The fixed caps of a sweep; `auto` is a training run's.
     pub fn fixed_caps(&self) -> Result<Vec<f64>> {
-        self.bucket_mb
+        self.distributed
+            .bucket_mb
             .iter()
             .map(|b| {
                 b.mib().ok_or_else(|| {
@@ -84,27 +85,28 @@ impl RunArgs {
     /// The autotuner's configuration with `--bucket-mb auto` (`None` for a fixed cap); the
     /// simulated link when there is one, else the link fitted to the recorded buckets.
     pub fn autotune_config(&self) -> Option<AutotuneConfig> {
-        let a = &self.autotune;
+        let a = &self.distributed.autotune;
         self.bucket_auto().then(|| AutotuneConfig {
             every: a.autotune_every,
             candidates_mb: a.autotune_caps.clone().unwrap_or_else(|| AUTOTUNE_CAPS_MB.to_vec()),
-            first_bucket_cap_mb: self.first_bucket_mb,
+            first_bucket_cap_mb: self.distributed.first_bucket_mb,
             min_gain: a.autotune_min_gain.unwrap_or(DEFAULT_MIN_GAIN),
             link: self
+                .distributed
                 .net_gbps
-                .map(|g| brigade::launch::net_model(g, self.net_latency_us)),
+                .map(|g| brigade::launch::net_model(g, self.distributed.net_latency_us)),
         })
     }
 
     /// The first bucket's cap under a bucket cap of `cap` MiB: `--first-bucket-mb`, never above
     /// the cap (as the autotuner, the sweep and `brigade predict` take it).
     pub fn first_bucket_cap(&self, cap: f64) -> f64 {
-        self.first_bucket_mb.min(cap)
+        self.distributed.first_bucket_mb.min(cap)
     }
 
     /// The cap DDP starts with: the fixed one, or `auto`'s starting point.
     pub(crate) fn start_cap(&self) -> Option<f64> {
-        match self.bucket_mb.as_slice() {
+        match self.distributed.bucket_mb.as_slice() {
             [BucketCap::Mib(b)] => Some(*b),
             [BucketCap::Auto] => Some(AUTOTUNE_START_CAP_MB),
             _ => None,
@@ -114,7 +116,7 @@ impl RunArgs {
     /// Checks `--bucket-mb auto` and the autotuner's flags.
     pub(crate) fn validate_autotune(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
-        let a = &self.autotune;
+        let a = &self.distributed.autotune;
         let given = a.autotune_every.is_some() || a.autotune_caps.is_some() || a.autotune_min_gain.is_some();
         if !self.bucket_auto() {
             return if given {
@@ -123,17 +125,18 @@ impl RunArgs {
                 Ok(())
             };
         }
-        if self.bucket_mb.len() > 1 {
+        if self.distributed.bucket_mb.len() > 1 {
             return bad(format!(
                 "--bucket-mb auto stands alone, got {}",
-                self.bucket_mb
+                self.distributed
+                    .bucket_mb
                     .iter()
                     .map(|b| b.to_string())
                     .collect::<Vec<_>>()
                     .join(",")
             ));
         }
-        if self.comm_hook == CommHookName::Powersgd {
+        if self.distributed.comm_hook == CommHookName::Powersgd {
             return bad("--bucket-mb auto regroups the buckets mid-run, and --comm-hook powersgd keeps state per bucket: give a fixed --bucket-mb".into());
         }
         if a.autotune_every == Some(0) {

@@ -118,7 +118,7 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
         E::Checkpoint { path, mismatch } => format!("checkpoint {path}: {}", mismatch_in_flag_terms(mismatch)),
         E::OnRank { rank, world, source } => format!("rank {rank} of {world}: {}", in_flag_terms(source)),
         E::UnevenInputs { rows } => {
-            let (short, long) = (brigade::join::shortest(rows), brigade::join::longest(rows));
+            let (short, long) = e.shortest_and_longest().unwrap_or_default();
             format!(
                 "the ranks' data differ in length (shortest: rank {short} with {} rows, longest: rank {long} with {}): pass --join divide-initial, divide-active or throw to train on uneven data, or give every rank as many rows",
                 rows[short], rows[long]

@@ -4,7 +4,7 @@
 //! allocator abort or a segfault). The figures are lower bounds, what the run certainly holds
 //! at once, so a run that fits is never refused.
 
-use brigade_models::ModelKind;
+use brigade_models::{GptConfig, ModelKind};
 
 use crate::error::{Error, Result};
 
@@ -97,9 +97,32 @@ pub fn parameters(kind: &ModelKind) -> Option<u64> {
     }
 }
 
+/// What a GPT's vocabulary costs, in f32 values: the token embedding `[vocab, d]`, the head
+/// `[vocab, d]` (each with its gradient and optimizer state in [`training_bytes`]), and one
+/// copy of the logits `[rows * context, vocab]` of a microbatch. At GPT-2's 50,257 the logits
+/// dominate: the loss keeps them and their softmax for backward, two copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabMemory {
+    /// The token embedding's values.
+    pub embedding: u64,
+    /// The head's values.
+    pub head: u64,
+    /// One copy of a microbatch's logits.
+    pub logits: u64,
+}
+
+/// [`VocabMemory`] of the GPT `c` at `rows` rows a microbatch (`None`: more than 2^64).
+pub fn gpt_vocab(c: &GptConfig, rows: usize) -> Option<VocabMemory> {
+    Some(VocabMemory {
+        embedding: matrix(c.vocab, c.d_model)?,
+        head: matrix(c.d_model, c.vocab)?,
+        logits: mul(matrix(rows, c.context)?, c.vocab as u64)?,
+    })
+}
+
 /// f32 values a forward pass over `rows` rows certainly keeps for backward (a lower bound):
-/// the MLP's input and every layer's output; the GPT's residual stream after every block and
-/// its logits.
+/// the MLP's input and every layer's output; the GPT's residual stream after every block, its
+/// logits and their softmax (the cross-entropy's saved probabilities).
 pub fn activations(kind: &ModelKind, rows: usize) -> Option<u64> {
     match kind {
         ModelKind::Mlp(c) => mul(rows as u64, sum(c.widths.iter().map(|&w| Some(w as u64)))?),
@@ -107,7 +130,7 @@ pub fn activations(kind: &ModelKind, rows: usize) -> Option<u64> {
             let tokens = matrix(rows, c.context)?;
             sum([
                 mul(mul(tokens, c.d_model as u64)?, c.n_layers as u64),
-                mul(tokens, c.vocab as u64),
+                mul(gpt_vocab(c, rows)?.logits, 2),
             ])
         }
     }
@@ -145,6 +168,21 @@ mod tests {
         assert_eq!(activations(&mlp, 2), Some(104));
         // AdamW: value, gradient and two moments per parameter, f32
         assert_eq!(training_bytes(&mlp, 2, 2), Some((640 * 4 + 104) * 4));
+        // the default GPT at GPT-2's vocabulary, 32 rows: the README's figures
+        let gpt = brigade_models::GptConfig {
+            vocab: 50_257,
+            ..brigade_models::GptConfig::default()
+        };
+        let v = gpt_vocab(&gpt, 32).unwrap();
+        assert_eq!(f32_bytes(Some(v.logits)), Some(32 * 128 * 50_257 * 4));
+        assert_eq!(human(f32_bytes(Some(v.logits)).unwrap()), "785.27 MiB");
+        assert_eq!(human(f32_bytes(Some(v.embedding)).unwrap()), "49.08 MiB");
+        assert_eq!(v.head, v.embedding);
+        let kind = ModelKind::Gpt(gpt.clone());
+        // the blocks: 4 x (4 d^2 + 2 d d_ff) = 4 x 786,432; positions 128 x 256
+        assert_eq!(parameters(&kind), Some(2 * 50_257 * 256 + 128 * 256 + 4 * 786_432));
+        assert_eq!(activations(&kind, 32), Some(32 * 128 * 256 * 4 + 2 * v.logits));
+        assert_eq!(human(training_bytes(&kind, 32, 2).unwrap()), "1.98 GiB");
         let huge = ModelKind::Mlp(brigade_models::MlpConfig::new(vec![16, usize::MAX, 4]));
         assert_eq!(parameters(&huge), None);
         assert_eq!(human(3 << 29), "1.50 GiB");

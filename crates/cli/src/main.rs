@@ -18,7 +18,7 @@ mod run;
 mod sent;
 mod signal;
 
-use commands::{bench, predict, sample, sweep, sweep_args, train};
+use commands::{bench, predict, sample, sweep, sweep_args, tokenize, train};
 
 // Collectives' buffers (DDP's buckets) can live in memory the node's other processes map, so
 // that an all-reduce under mpirun runs in place (`brigade_comm::host_vec`).
@@ -45,6 +45,8 @@ enum Command {
     Predict(Box<predict::PredictArgs>),
     /// Text out of a trained GPT's checkpoint, streamed to stdout as it is generated.
     Sample(Box<sample::SampleArgs>),
+    /// A UTF-8 text file as an llm.c token shard (GPT-2's tokens by default), for --data.
+    Tokenize(Box<tokenize::TokenizeArgs>),
     /// Micro-benchmarks: all-reduce bandwidth against memcpy; GEMM against the library under it.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -96,6 +98,7 @@ fn main() -> ExitCode {
         Command::Sweep(s) => sweep::sweep(*s),
         Command::Predict(p) => predict::predict(*p),
         Command::Sample(s) => sample::sample(*s),
+        Command::Tokenize(t) => tokenize::tokenize(*t),
         Command::Bench(cmd) => bench::run(cmd),
     };
     // a stdout that failed (other than a reader that went away) fails a command that succeeded

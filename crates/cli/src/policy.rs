@@ -29,7 +29,7 @@ pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
 pub fn resolve(entry: &str, run: &RunArgs) -> Result<PolicySpec> {
     let spec = match entry {
         "powersgd" => PolicySpec::PowerSgd {
-            rank: run.powersgd_rank,
+            rank: run.distributed.powersgd_rank,
             start_iter: DEFAULT_POWERSGD_START,
         },
         _ => PolicySpec::from_str(entry).map_err(|e| Error::Usage(format!("--policy {entry}: {e}")))?,
@@ -37,7 +37,7 @@ pub fn resolve(entry: &str, run: &RunArgs) -> Result<PolicySpec> {
     Ok(match spec {
         PolicySpec::PowerSgd { rank, .. } if !entry.contains('@') => PolicySpec::PowerSgd {
             rank,
-            start_iter: run.powersgd_start_iter,
+            start_iter: run.distributed.powersgd_start_iter,
         },
         spec => spec,
     })

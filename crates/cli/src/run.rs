@@ -6,17 +6,19 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataOrder, DataSource, RankShards};
+use brigade::config::{
+    CheckpointConfig, DataConfig, DistributedConfig, Instrumentation, ModelConfig, RecipeConfig, RuntimeConfig,
+};
 use brigade::fit::fit;
 pub use brigade::fit::RunReport;
 use brigade::launch::{net_model, CommBackend, LaunchConfig};
 use brigade::observe::TrainObserver;
 use brigade::recipe::{EvalConfig, EvalSource, HeldOut};
+use brigade::source::{DataOrder, DataSource, RankShards};
 use brigade::{OptimizerConfig, TrainConfig};
 use brigade_comm::Recorder;
 use brigade_ddp::DdpConfig;
-use brigade_models::{Batch, Dataset, ModelKind, TextData, ValSplit};
+use brigade_models::{Batch, Dataset, ModelKind, TextData, TokenFormat, ValSplit};
 
 use crate::args::{OptimizerName, RunArgs};
 use crate::error::{in_flag_terms, Error, Result};
@@ -58,32 +60,49 @@ pub const TEXT_VAL_FRACTION: f64 = 0.1;
 /// [`TEXT_VAL_FRACTION`] of the file, `TextData::val`) are what an evaluation reads; training
 /// reads the rest (`TextData::train`).
 pub fn load_text(args: &RunArgs, kind: &ModelKind) -> Result<Option<TextData>> {
-    match (&args.text, kind) {
+    match (&args.data.text, kind) {
         (Some(path), ModelKind::Gpt(c)) => Ok(Some(Dataset::from_text_file(
             path,
             c.context,
             &ValSplit::Fraction(TEXT_VAL_FRACTION),
+            args.model.tokenizer,
         )?)),
         _ => Ok(None),
     }
 }
 
 /// Reads a data file (`--data`, `--eval-data`, a rank's file) by its first bytes: NumPy's
-/// `.npy` magic, a zip archive (`.npz`, what `numpy.savez` writes), else by its extension
-/// (`.npy`, `.npz`), else as safetensors (which has no magic: its first bytes are a length).
-fn read_dataset(path: &std::path::Path, kind: &ModelKind) -> Result<Dataset> {
+/// `.npy` magic, a zip archive (`.npz`, what `numpy.savez` writes), llm.c's shard magic, else
+/// by its extension (`.npy`, `.npz`, `.bin` a token file unless its JSON header says
+/// safetensors), else as safetensors (which has no magic: its first bytes are a length). A `--data-format`, or a `*` or `?` in the file name
+/// (several shards), names token files.
+fn read_dataset(path: &std::path::Path, kind: &ModelKind, format: Option<TokenFormat>) -> Result<Dataset> {
     use std::io::Read;
     let mut head = vec![];
     if let Ok(f) = std::fs::File::open(path) {
         // unreadable here: the reader below names the failure
-        let _ = f.take(6).read_to_end(&mut head);
+        let _ = f.take(9).read_to_end(&mut head);
     }
     let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    let pattern = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.contains(['*', '?']));
+    let tokens = |format| -> Result<Dataset> {
+        let paths = brigade_models::tokens::expand_glob(path)?;
+        Ok(Dataset::from_token_files(&paths, format, kind)?)
+    };
+    if pattern || format.is_some() {
+        return tokens(format);
+    }
     Ok(match (&head[..], ext.as_deref()) {
         (b"\x93NUMPY", _) => Dataset::from_npy(path, kind)?,
         ([b'P', b'K', 3, 4, ..], _) => Dataset::from_npz(path, kind)?,
+        (h, _) if TokenFormat::is_llmc(h) => tokens(None)?,
         (_, Some("npy")) => Dataset::from_npy(path, kind)?,
         (_, Some("npz")) => Dataset::from_npz(path, kind)?,
+        // safetensors: an 8-byte length, then its JSON header
+        (h, Some("bin")) if h.get(8) != Some(&b'{') => tokens(None)?,
         _ => Dataset::from_safetensors(path, kind)?,
     })
 }
@@ -91,18 +110,21 @@ fn read_dataset(path: &std::path::Path, kind: &ModelKind) -> Result<Dataset> {
 /// Loads the dataset the flags name and checks it can feed one global step of `world` ranks;
 /// with `--text`, also its validation rows (the held-out data of `--eval-every`).
 pub fn load_data(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<(Dataset, Option<Dataset>)> {
-    let (data, text_val) = match (load_text(args, kind)?, &args.data, kind) {
+    let (data, text_val) = match (load_text(args, kind)?, &args.data.data, kind) {
         (Some(text), _, _) => (text.train, text.val),
-        (None, Some(path), _) => (read_dataset(path, kind)?, None),
-        (None, None, ModelKind::Mlp(c)) => (Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.seed)?, None),
-        (None, None, ModelKind::Gpt(c)) => (Dataset::builtin_text(c.context, args.seed)?, None),
+        (None, Some(path), _) => (read_dataset(path, kind, args.token_format())?, None),
+        (None, None, ModelKind::Mlp(c)) => (
+            Dataset::teacher(8192, c.in_dim(), c.n_classes(), args.model.seed)?,
+            None,
+        ),
+        (None, None, ModelKind::Gpt(c)) => (Dataset::builtin_text(c.context, args.model.seed)?, None),
     };
     let global = world.saturating_mul(args.rows_per_rank()); // bounded by RunArgs::validate
     if data.len() < global {
         return Err(Error::Usage(format!(
             "one step needs {global} rows (world size {world} x accum {} x batch size {}) but {} has {} rows",
-            args.accum,
-            args.batch_size,
+            args.data.accum,
+            args.data.batch_size,
             data.name(),
             data.len()
         )));
@@ -128,7 +150,7 @@ impl EvalSource for LateHeldOut {
 /// The training rows and the held-out rows the flags name: `--val-fraction` holds out the
 /// data's last rows, `--eval-data` is a file of its own.
 fn split_held_out(args: &RunArgs, kind: &ModelKind, data: Dataset) -> Result<(Dataset, Option<Dataset>)> {
-    match (args.val_fraction, &args.eval_data) {
+    match (args.data.val_fraction, &args.data.eval_data) {
         (Some(f), _) => {
             let n = data.len();
             let held = ((n as f64 * f).ceil() as usize).min(n.saturating_sub(1));
@@ -138,14 +160,10 @@ fn split_held_out(args: &RunArgs, kind: &ModelKind, data: Dataset) -> Result<(Da
                     data.name()
                 )));
             }
-            let rows = |r: std::ops::Range<usize>| -> Result<Dataset> {
-                let name = format!("{} rows {}..{}", data.name(), r.start, r.end);
-                let batch = data.gather(&r.collect::<Vec<_>>())?;
-                Ok(Dataset::from_tensors(&name, batch.tensors())?)
-            };
-            Ok((rows(0..n - held)?, Some(rows(n - held..n)?)))
+            // rows of token files are views of them; rows in memory copies
+            Ok((data.rows(0..n - held)?, Some(data.rows(n - held..n)?)))
         }
-        (None, Some(path)) => Ok((data, Some(read_dataset(path, kind)?))),
+        (None, Some(path)) => Ok((data, Some(read_dataset(path, kind, args.token_format())?))),
         (None, None) => Ok((data, None)),
     }
 }
@@ -160,7 +178,7 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
                 path: format!("--data {} (rank {r}'s file)", path.display()),
                 source: e,
             })?;
-            read_dataset(&path, kind)
+            read_dataset(&path, kind, args.token_format())
         })
         .collect::<Result<Vec<_>>>()?;
     // in order and without --join each file is read once: a run past its end would read every
@@ -168,13 +186,13 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
     // library's refusal, naming the shortest and the longest)
     let rows: Vec<usize> = shards.iter().map(Dataset::len).collect();
     let per_step = args.rows_per_rank().max(1);
-    if let (None, false, Some(&first)) = (args.join, args.shuffle, rows.first()) {
+    if let (None, false, Some(&first)) = (args.data.join, args.data.shuffle, rows.first()) {
         let holds = first / per_step;
-        if rows.iter().all(|&n| n == first) && args.steps > holds {
+        if rows.iter().all(|&n| n == first) && args.recipe.steps > holds {
             return Err(Error::Usage(format!(
                 "--data {}: every rank's file holds {first} rows, {holds} steps of {per_step} (--batch-size x --accum), and --steps {} would read them again from the first row: pass --join to end where the data does, --shuffle for epochs, or --steps {holds}",
                 args.rank_data().unwrap_or_default(),
-                args.steps
+                args.recipe.steps
             )));
         }
     }
@@ -190,22 +208,28 @@ fn setup(
     world: usize,
     late: &LateHeldOut,
 ) -> Result<Box<dyn DataSource>> {
-    if args.backend == CommBackend::Mpi {
-        if args.world_size != 1 && args.world_size != world {
+    if args.distributed.backend == CommBackend::Mpi {
+        if args.distributed.world_size != 1 && args.distributed.world_size != world {
             return Err(Error::Usage(format!(
                 "--world-size {} but mpirun started {world} processes: drop --world-size (MPI's size is used) or pass -np {}",
-                args.world_size, args.world_size
+                args.distributed.world_size, args.distributed.world_size
             )));
         }
         for (flag, path) in [
-            ("--init", &args.init),
+            ("--init", &args.model.init),
             ("--resume", &opts.resume),
             (
                 "--data",
-                &args.data.as_ref().filter(|_| args.rank_data().is_none()).cloned(),
+                // a glob's files are found when the data is read
+                &args
+                    .data
+                    .data
+                    .as_ref()
+                    .filter(|p| args.rank_data().is_none() && !p.to_string_lossy().contains(['*', '?']))
+                    .cloned(),
             ),
-            ("--text", &args.text),
-            ("--eval-data", &args.eval_data),
+            ("--text", &args.data.text),
+            ("--eval-data", &args.data.eval_data),
         ] {
             if let Some(path) = path {
                 std::fs::metadata(path).map_err(|e| Error::Io {
@@ -217,8 +241,11 @@ fn setup(
     }
     if args.rank_data().is_some() {
         let shards = load_rank_shards(args, kind, world)?;
-        if let Some(path) = &args.eval_data {
-            let _ = late.0.set(HeldOut::new(read_dataset(path, kind)?, args.batch_size));
+        if let Some(path) = &args.data.eval_data {
+            let _ = late.0.set(HeldOut::new(
+                read_dataset(path, kind, args.token_format())?,
+                args.data.batch_size,
+            ));
         }
         return Ok(Box::new(shards));
     }
@@ -235,7 +262,7 @@ fn setup(
         )));
     }
     if let Some(held) = held {
-        let _ = late.0.set(HeldOut::new(held, args.batch_size));
+        let _ = late.0.set(HeldOut::new(held, args.data.batch_size));
     }
     Ok(Box::new(data))
 }
@@ -243,10 +270,13 @@ fn setup(
 /// How to start the ranks.
 fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
     LaunchConfig {
-        backend: args.backend,
-        world_size: args.world_size,
-        timeout: Duration::from_secs_f64(args.timeout_s),
-        net: args.net_gbps.map(|g| net_model(g, args.net_latency_us)),
+        backend: args.distributed.backend,
+        world_size: args.distributed.world_size,
+        timeout: Duration::from_secs_f64(args.distributed.timeout_s),
+        net: args
+            .distributed
+            .net_gbps
+            .map(|g| net_model(g, args.distributed.net_latency_us)),
         recorder: opts.record.then(Recorder::new),
         // under MPI the job ends inside the launch: every process that reports says why
         on_fatal: Some(Arc::new(|e| eprintln!("error: {}", in_flag_terms(e)))),
@@ -256,57 +286,72 @@ fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
 /// What every rank trains, as the flags say (a policy sweep changes the policy of it);
 /// `late` receives the held-out rows of `--eval-every` once the launch has loaded the data.
 pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<TrainConfig> {
-    let optimizer = match args.optimizer {
+    let optimizer = match args.recipe.optimizer {
         OptimizerName::Sgd => OptimizerConfig::Sgd {
-            lr: args.lr,
+            lr: args.recipe.lr,
             momentum: args.momentum(),
             weight_decay: args.weight_decay(),
         },
-        OptimizerName::Adamw => OptimizerConfig::adamw(args.lr, args.weight_decay),
+        OptimizerName::Adamw => OptimizerConfig::adamw(args.recipe.lr, args.recipe.weight_decay),
     };
     let cap = args.bucket_cap()?;
     let ddp = DdpConfig {
         bucket_cap_mb: cap,
         first_bucket_cap_mb: args.first_bucket_cap(cap),
-        find_unused_parameters: args.find_unused_parameters,
+        find_unused_parameters: args.distributed.find_unused_parameters,
         ..DdpConfig::default()
     };
     Ok(TrainConfig {
-        model_name: args.model.kind().name().into(),
-        model_config: Some(crate::commands::sample::model_config_json(&args.model.kind())),
-        seed: args.seed,
-        init: args.init.clone(),
-        accum: args.accum,
-        join: args.join,
-        data_order: if args.shuffle {
-            DataOrder::shuffle(args.seed, args.drop_last)
-        } else {
-            DataOrder::InOrder
+        model: ModelConfig {
+            name: args.model.kind().name().into(),
+            config: Some(crate::commands::sample::model_config_json(
+                &args.model.kind(),
+                args.model.tokenizer,
+            )),
+            seed: args.model.seed,
+            init: args.model.init.clone(),
         },
-        schedule: args.schedule(),
-        clip_grad_norm: args.clip_grad_norm,
-        eval: args.eval_every.map(|every| EvalConfig {
-            every,
-            data: late.clone(),
+        data: DataConfig {
+            batch_size: args.data.batch_size,
+            accum: args.data.accum,
+            order: if args.data.shuffle {
+                DataOrder::shuffle(args.model.seed, args.data.drop_last)
+            } else {
+                DataOrder::InOrder
+            },
+            join: args.data.join,
+        },
+        recipe: RecipeConfig {
+            steps: args.recipe.steps,
+            optimizer,
+            schedule: args.schedule(),
+            clip_grad_norm: args.recipe.clip_grad_norm,
+            eval: args.recipe.eval_every.map(|every| EvalConfig {
+                every,
+                data: late.clone(),
+            }),
+            allow_nonfinite: args.recipe.allow_nonfinite,
+        },
+        distributed: (!opts.compute_only).then(|| DistributedConfig {
+            ddp,
+            policy: Arc::new(args.hook_spec()),
+            autotune: args.autotune_config(),
         }),
-        ddp: (!opts.compute_only).then_some(ddp),
-        comm_hook: Arc::new(args.hook_spec()),
-        autotune: args.autotune_config(),
-        allow_nonfinite: args.allow_nonfinite,
-        compute_threads: args.threads_per_rank,
-        device: args.device,
-        checkpoint: CheckpointConfig {
-            resume: opts.resume.clone(),
-            path: opts.checkpoint.clone(),
-            every: opts.checkpoint_every,
-            keep_last: opts.checkpoint_keep_last,
+        runtime: RuntimeConfig {
+            device: args.runtime.device,
+            compute_threads: args.runtime.threads_per_rank,
+            checkpoint: CheckpointConfig {
+                resume: opts.resume.clone(),
+                path: opts.checkpoint.clone(),
+                every: opts.checkpoint_every,
+                keep_last: opts.checkpoint_keep_last,
+            },
+            instrument: Instrumentation {
+                profile: opts.profile,
+                profile_steps: opts.profile_steps.clone(),
+                observer: opts.observer.clone(),
+            },
         },
-        instrument: Instrumentation {
-            profile: opts.profile,
-            profile_steps: opts.profile_steps.clone(),
-            observer: opts.observer.clone(),
-        },
-        ..TrainConfig::new(args.steps, args.batch_size, optimizer)
     })
 }
 
@@ -330,9 +375,9 @@ pub fn run_config(
 ) -> Result<RunReport> {
     let launch_cfg = launch_config(args, opts);
     // Asking for a device this machine cannot serve is one error before any rank starts.
-    args.device.for_rank(0)?;
-    if args.backend == CommBackend::Nccl {
-        brigade::launch::nccl::require(args.world_size)?;
+    args.runtime.device.for_rank(0)?;
+    if args.distributed.backend == CommBackend::Nccl {
+        brigade::launch::nccl::require(args.distributed.world_size)?;
     }
     let kind = args.model.kind();
     let report = fit(
@@ -344,7 +389,7 @@ pub fn run_config(
             if let (0, Some(locks)) = (ctx.rank, &opts.locks) {
                 locks.take().map_err(into_library)?;
             }
-            Ok(kind.build(args.seed)?)
+            Ok(kind.build(args.model.seed)?)
         },
     )?;
     if report.rank != 0 {

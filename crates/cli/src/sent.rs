@@ -1,8 +1,8 @@
 //! Bytes sent per step per rank, summarized for `brigade train`'s report and the policy sweep.
 //!
-//! The trainer meters DDP's communicator ([`brigade_comm::Metered`]): every collective DDP or
-//! its communication hook issues during a step is counted on the rank that issued it — the
-//! gradient reduction and, in step 0, the one-off bucket rebuild; not the trainer's own
+//! DDP meters what it sends (`DdpConfig::meter`): every collective DDP or its reducer policy
+//! issues during a step is counted on the rank that issued it — the gradient reduction and,
+//! in step 0, the one-off bucket rebuild; not the trainer's own
 //! per-step loss agreement (12 bytes). Two figures: *payload* (bytes of the buffers handed to
 //! the collectives: what a policy compresses) and *wire* (what the rank sends under the ring
 //! algorithms, e.g. `2(n-1)/n` × payload for an all-reduce on `n` ranks). Rank 0's figures

@@ -235,7 +235,7 @@ pub fn time_contenders(
                 iters: done[k],
                 time_s,
                 algbw,
-                busbw: algbw * 2.0 * (world - 1) as f64 / world as f64,
+                busbw: crate::RingOp::AllReduce.wire_bytes(algbw, world),
                 best_s: each[k][0],
                 median_s: each[k][each[k].len() / 2],
                 memcpy_bw,

@@ -1,4 +1,4 @@
-//! Typed flat buffers that collectives move, and the reduction operators.
+//! The flat buffers collectives move, and the reduction operators.
 
 use std::fmt;
 
@@ -51,209 +51,70 @@ impl fmt::Display for ReduceOp {
 
 /// A flat typed buffer handed to a collective by value and handed back by
 /// [`crate::Work::wait`]: the same `Vec`, never a copy, so the caller regains its allocation.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Buffer {
-    /// f32 elements.
-    F32(Vec<f32>),
-    /// f16 elements.
-    F16(Vec<f16>),
-    /// bf16 elements.
-    BF16(Vec<bf16>),
-    /// Bytes (e.g. serialized parameter signatures compared across ranks).
-    U8(Vec<u8>),
-    /// Signed bytes: quantized payloads (moved, never reduced: see [`DType`]).
-    I8(Vec<i8>),
+/// It is the host buffer of `brigade-dtype`, the one a CPU tensor's storage is, so a tensor's
+/// memory is lent to a collective as it is. Reductions take `F32`, `F16` and `BF16` (and `F64`
+/// on NCCL); integer payloads only move (see [`DType`]).
+pub use brigade_dtype::Buffer;
+
+/// A buffer of `dtype` from little-endian bytes (a whole number of elements), or `None` for a
+/// type collectives do not move or a length that is not a multiple of the element size (how a
+/// side buffer travels packed beside its payload in [`crate::all_gather_with_side`]).
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+pub fn buffer_from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
+    let size = dtype.size_in_bytes();
+    if bytes.len() % size != 0 {
+        return None;
+    }
+    Some(match dtype {
+        DType::F32 => Buffer::F32(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        DType::F16 => Buffer::F16(
+            bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+        DType::BF16 => Buffer::BF16(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ),
+        DType::U8 => Buffer::U8(bytes.to_vec()),
+        DType::I8 => Buffer::I8(bytes.iter().map(|&b| b as i8).collect()),
+        DType::F64 | DType::I64 => return None,
+    })
 }
 
-macro_rules! accessors {
-    ($variant:ident, $ty:ty, $as:ident, $into:ident) => {
-        #[doc = concat!("The elements, if this is a `", stringify!($variant), "` buffer.")]
-        pub fn $as(&self) -> Option<&[$ty]> {
-            match self {
-                Buffer::$variant(v) => Some(v),
-                _ => None,
-            }
+#[cfg(test)]
+mod tests {
+    use crate::{run_on_threads, Buffer, CommError, Communicator, ReduceOp};
+
+    #[test]
+    fn host_collectives_move_f64_and_i64_buffers_and_refuse_to_reduce_them() {
+        let got = run_on_threads(2, |c| {
+            let f = c.all_reduce(Buffer::F64(vec![1.0]), ReduceOp::Sum, "f64").wait();
+            let i = c.all_reduce(Buffer::I64(vec![1]), ReduceOp::Sum, "i64").wait();
+            let moved = c.broadcast(Buffer::I64(vec![c.rank() as i64 + 5]), 0, "b").wait();
+            let gathered = c.all_gather(Buffer::F64(vec![c.rank() as f64 - 0.5]), "g").wait();
+            (f, i, moved, gathered)
+        });
+        for r in got {
+            let (f, i, moved, gathered) = r.unwrap();
+            assert!(
+                matches!(&f, Err(CommError::Unsupported(m)) if m.contains("f64")),
+                "{f:?}"
+            );
+            assert!(
+                matches!(&i, Err(CommError::Unsupported(m)) if m.contains("i64")),
+                "{i:?}"
+            );
+            assert_eq!(moved.unwrap(), Buffer::I64(vec![5]));
+            assert_eq!(gathered.unwrap(), Buffer::F64(vec![-0.5, 0.5]));
         }
-        #[doc = concat!("The `Vec`, if this is a `", stringify!($variant), "` buffer; otherwise the buffer back.")]
-        pub fn $into(self) -> Result<Vec<$ty>, Buffer> {
-            match self {
-                Buffer::$variant(v) => Ok(v),
-                other => Err(other),
-            }
-        }
-    };
-}
-
-impl Buffer {
-    /// A buffer of `len` zeros of type `dtype`, or `None` for a type buffers do not hold
-    /// (`F64`, `I64`, `I8`).
-    pub fn zeros(dtype: DType, len: usize) -> Option<Buffer> {
-        Some(match dtype {
-            DType::F32 => Buffer::F32(vec![0.0; len]),
-            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
-            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
-            DType::U8 => Buffer::U8(vec![0; len]),
-            DType::I8 => Buffer::I8(vec![0; len]),
-            DType::F64 | DType::I64 => return None,
-        })
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            Buffer::F32(v) => v.len(),
-            Buffer::F16(v) => v.len(),
-            Buffer::BF16(v) => v.len(),
-            Buffer::U8(v) => v.len(),
-            Buffer::I8(v) => v.len(),
-        }
-    }
-
-    /// True when the buffer holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            Buffer::F32(_) => DType::F32,
-            Buffer::F16(_) => DType::F16,
-            Buffer::BF16(_) => DType::BF16,
-            Buffer::U8(_) => DType::U8,
-            Buffer::I8(_) => DType::I8,
-        }
-    }
-
-    /// Size of the elements in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len() * self.dtype().size_in_bytes()
-    }
-
-    /// Address of the first element (for checking that a collective handed back the same
-    /// allocation).
-    pub fn as_ptr(&self) -> *const u8 {
-        match self {
-            Buffer::F32(v) => v.as_ptr().cast(),
-            Buffer::F16(v) => v.as_ptr().cast(),
-            Buffer::BF16(v) => v.as_ptr().cast(),
-            Buffer::U8(v) => v.as_ptr(),
-            Buffer::I8(v) => v.as_ptr().cast(),
-        }
-    }
-
-    /// Raw mutable pointer to the first element, for backends that share the buffer with
-    /// peers for the duration of one collective.
-    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
-        match self {
-            Buffer::F32(v) => v.as_mut_ptr().cast(),
-            Buffer::F16(v) => v.as_mut_ptr().cast(),
-            Buffer::BF16(v) => v.as_mut_ptr().cast(),
-            Buffer::U8(v) => v.as_mut_ptr(),
-            Buffer::I8(v) => v.as_mut_ptr().cast(),
-        }
-    }
-
-    /// Resizes to `len` elements, padding with zeros.
-    pub(crate) fn resize(&mut self, len: usize) {
-        match self {
-            Buffer::F32(v) => v.resize(len, 0.0),
-            Buffer::F16(v) => v.resize(len, f16::ZERO),
-            Buffer::BF16(v) => v.resize(len, bf16::ZERO),
-            Buffer::U8(v) => v.resize(len, 0),
-            Buffer::I8(v) => v.resize(len, 0),
-        }
-    }
-
-    /// Copies elements `src..src+count` to `dst..dst+count` (ranges may overlap).
-    pub(crate) fn copy_within(&mut self, src: usize, count: usize, dst: usize) {
-        match self {
-            Buffer::F32(v) => v.copy_within(src..src + count, dst),
-            Buffer::F16(v) => v.copy_within(src..src + count, dst),
-            Buffer::BF16(v) => v.copy_within(src..src + count, dst),
-            Buffer::U8(v) => v.copy_within(src..src + count, dst),
-            Buffer::I8(v) => v.copy_within(src..src + count, dst),
-        }
-    }
-
-    accessors!(F32, f32, as_f32, into_f32);
-    accessors!(F16, f16, as_f16, into_f16);
-    accessors!(BF16, bf16, as_bf16, into_bf16);
-    accessors!(U8, u8, as_u8, into_u8);
-    accessors!(I8, i8, as_i8, into_i8);
-
-    /// The elements' little-endian bytes, in order (how a side buffer travels packed beside its
-    /// payload in [`crate::all_gather_with_side`]).
-    pub fn to_le_bytes(&self) -> Vec<u8> {
-        match self {
-            Buffer::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Buffer::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Buffer::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Buffer::U8(v) => v.clone(),
-            Buffer::I8(v) => v.iter().map(|&x| x as u8).collect(),
-        }
-    }
-
-    /// A buffer of `dtype` from little-endian bytes (a whole number of elements), or `None` for
-    /// a type buffers do not hold or a length that is not a multiple of the element size.
-    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
-    pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
-        let size = dtype.size_in_bytes();
-        if bytes.len() % size != 0 {
-            return None;
-        }
-        Some(match dtype {
-            DType::F32 => Buffer::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            DType::F16 => Buffer::F16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-            ),
-            DType::BF16 => Buffer::BF16(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-            ),
-            DType::U8 => Buffer::U8(bytes.to_vec()),
-            DType::I8 => Buffer::I8(bytes.iter().map(|&b| b as i8).collect()),
-            DType::F64 | DType::I64 => return None,
-        })
-    }
-}
-
-impl From<Vec<f32>> for Buffer {
-    fn from(v: Vec<f32>) -> Self {
-        Buffer::F32(v)
-    }
-}
-
-impl From<Vec<f16>> for Buffer {
-    fn from(v: Vec<f16>) -> Self {
-        Buffer::F16(v)
-    }
-}
-
-impl From<Vec<bf16>> for Buffer {
-    fn from(v: Vec<bf16>) -> Self {
-        Buffer::BF16(v)
-    }
-}
-
-impl From<Vec<u8>> for Buffer {
-    fn from(v: Vec<u8>) -> Self {
-        Buffer::U8(v)
-    }
-}
-
-impl From<Vec<i8>> for Buffer {
-    fn from(v: Vec<i8>) -> Self {
-        Buffer::I8(v)
     }
 }

@@ -40,6 +40,24 @@ pub(crate) fn describe(kind: OpKind, dtype: Option<DType>, len: u64, tag: &str) 
     format!("{name}({})", args.join(", "))
 }
 
+/// [`check_runnable`] for the host transports (threads, MPI), whose kernels reduce f32, f16 and
+/// bf16 (with f32 accumulation) but not f64.
+pub(crate) fn check_runnable_on_host(
+    kind: OpKind,
+    dtype: Option<DType>,
+    len: u64,
+    world: usize,
+    tag: &str,
+) -> Result<(), CommError> {
+    if matches!(kind, OpKind::AllReduce(_) | OpKind::ReduceScatter(_)) && dtype == Some(DType::F64) {
+        return Err(CommError::Unsupported(format!(
+            "reduction on f64 buffers: {}; the host collectives reduce f32, f16 and bf16",
+            describe(kind, dtype, len, tag)
+        )));
+    }
+    check_runnable(kind, dtype, len, world, tag)
+}
+
 /// Checks that a collective all ranks agreed on can run in a group of `world` ranks.
 #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
 pub(crate) fn check_runnable(
@@ -51,7 +69,9 @@ pub(crate) fn check_runnable(
 ) -> Result<(), CommError> {
     let described = || describe(kind, dtype, len, tag);
     match kind {
-        OpKind::AllReduce(_) | OpKind::ReduceScatter(_) if matches!(dtype, Some(DType::U8 | DType::I8)) => {
+        OpKind::AllReduce(_) | OpKind::ReduceScatter(_)
+            if matches!(dtype, Some(DType::U8 | DType::I8 | DType::I64)) =>
+        {
             Err(CommError::Unsupported(format!(
                 "reduction on {} buffers: {}; integer payloads are not summed in their own type: all-gather \
                  the payloads with their scales (all_gather_with_side) and sum in f32",

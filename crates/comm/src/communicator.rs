@@ -162,7 +162,7 @@ pub fn all_gather_with_side(
             payloads.extend_from_slice(&piece[side_bytes..]);
         }
         let unpack = |dtype: DType, bytes: &[u8]| {
-            Buffer::from_le_bytes(dtype, bytes).ok_or_else(|| {
+            crate::buffer_from_le_bytes(dtype, bytes).ok_or_else(|| {
                 CommError::Internal(format!(
                     "{} bytes are not a whole number of {dtype} elements",
                     bytes.len()

@@ -4,7 +4,7 @@
 //! thread backend's descriptors.
 
 pub(crate) use crate::collective::OpKind;
-use crate::collective::{check_runnable, describe};
+use crate::collective::{check_runnable_on_host, describe};
 use crate::{CommError, DType, ReduceOp};
 
 /// Bytes of one encoded descriptor.
@@ -174,7 +174,7 @@ pub(crate) fn first_mismatch(descs: &[OpDesc]) -> Option<usize> {
 
 /// Checks that the agreed collective can run (`tag` is this rank's, equal to everyone's).
 pub(crate) fn validate(reference: &OpDesc, world: usize, tag: &str) -> Result<(), CommError> {
-    check_runnable(reference.kind, reference.dtype, reference.len, world, tag)
+    check_runnable_on_host(reference.kind, reference.dtype, reference.len, world, tag)
 }
 
 #[cfg(test)]

@@ -9,6 +9,8 @@
 //! - [`ThreadGroup`] / [`run_on_threads`]: the thread backend, `n` ranks as threads of one process.
 //! - [`SimulatedNetwork`]: makes any communicator as slow as a network of latency `alpha` and
 //!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
+//! - [`cost`](mod@cost): the ring collectives' wire-cost model ([`RingOp`], [`NetModel`]), which
+//!   the simulated network, the meter, the benchmark and ddp's overlap model share.
 //! - [`Metered`] / [`CommMeter`]: bytes a rank hands to its collectives and sends on the wire.
 //! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
@@ -24,6 +26,7 @@ pub mod bench;
 mod buffer;
 mod collective;
 mod communicator;
+pub mod cost;
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod desc;
 mod device;
@@ -51,15 +54,16 @@ mod work;
 #[global_allocator]
 static TEST_HEAP: SharedHeap = SharedHeap;
 
-pub use buffer::{Buffer, DType, ReduceOp};
+pub use buffer::{buffer_from_le_bytes, Buffer, DType, ReduceOp};
 pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
+pub use cost::{NetModel, RingOp};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
 pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR};
-pub use meter::{CommBytes, CommMeter, Metered, MeteredOp};
+pub use meter::{CommBytes, CommMeter, Metered};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions, MpiPath, MpiTransport, MpiWorld};
-pub use sim::{NetModel, SharedLink, SimulatedNetwork};
+pub use sim::{SharedLink, SimulatedNetwork};
 pub use stream::{CommStream, Transport};
 pub use thread::{
     run_on_threads, run_on_threads_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT,

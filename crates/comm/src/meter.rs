@@ -1,23 +1,22 @@
-//! What a rank puts on the wire, counted: [`Metered`] wraps a communicator and adds every
-//! collective it is handed to a [`CommMeter`], so that a communication policy's cost is
-//! measured from the buffers it actually issues, not assumed from its design.
+//! What a rank puts on the wire, counted: a [`CommMeter`] adds up every collective it is told
+//! of, so that a communication policy's cost is measured from the buffers it actually issues,
+//! not assumed from its design. DDP counts the collectives its policy issues (on any backend)
+//! into the meter of its configuration; [`Metered`] counts everything a bare communicator is
+//! handed.
 //!
 //! Two figures per collective on a group of `p` ranks, for a buffer of `n` bytes handed in:
 //! - **payload bytes**: `n`, the buffer this rank handed to the collective (the figure
 //!   PyTorch's hooks and the PowerSGD paper compare: an f32 all-reduce of a bucket of `k`
 //!   gradients is `4k`, its fp16 hook `2k`);
-//! - **wire bytes**: what this rank sends under the ring algorithms the simulated network
-//!   models ([`crate::NetModel`]): `all_reduce` `2(p-1)/p · n`, `reduce_scatter` `(p-1)/p · n`
-//!   (`n` = the whole input), `all_gather` `(p-1) · n` (`n` = this rank's piece), `broadcast`
-//!   `(p-1)/p · n` (a pipelined chain: every rank but the last forwards `n`; averaged over the
-//!   ranks), `barrier` 0. With one rank nothing leaves it: 0.
+//! - **wire bytes**: what this rank sends under the ring algorithms of the cost model
+//!   ([`RingOp::wire_bytes`]). With one rank nothing leaves it: 0.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::{Buffer, CommError, Communicator, ReduceOp, Work};
+use crate::{Buffer, CommError, Communicator, ReduceOp, RingOp, Work};
 
 /// Totals of a rank's collectives (see the module docs for the two byte figures).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -43,44 +42,27 @@ impl std::ops::Sub for CommBytes {
     }
 }
 
-/// The ring collectives a [`CommMeter`] counts, by the share of its buffer a rank sends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MeteredOp {
-    /// Sends `2(p-1)/p` of its buffer.
-    AllReduce,
-    /// Sends `(p-1)/p` of its (whole) input.
-    ReduceScatter,
-    /// Sends its piece `p-1` times.
-    AllGather,
-    /// Sends `(p-1)/p` of the buffer, averaged over the ranks.
-    Broadcast,
-    /// Sends no payload.
-    Barrier,
-}
-
-impl MeteredOp {
-    /// Bytes one rank sends for a buffer of `bytes` on `world` ranks (0 on one rank).
-    pub fn wire_bytes(self, bytes: usize, world: usize) -> f64 {
-        let (n, p) = (bytes as f64, world.max(1) as f64);
-        match self {
-            MeteredOp::AllReduce => 2.0 * (p - 1.0) / p * n,
-            MeteredOp::ReduceScatter | MeteredOp::Broadcast => (p - 1.0) / p * n,
-            MeteredOp::AllGather => (p - 1.0) * n,
-            MeteredOp::Barrier => 0.0,
-        }
-    }
-}
-
-/// Running totals of one rank's collectives; clones share them (cheap, thread-safe).
+/// Running totals of one rank's collectives; clones share them (cheap, thread-safe). A meter
+/// made by [`CommMeter::part`] counts a share of its parent's collectives (one bucket's): what
+/// it counts, its parent counts too, once.
 #[derive(Clone, Debug, Default)]
 pub struct CommMeter {
     totals: Arc<Mutex<CommBytes>>,
+    parent: Option<Arc<CommMeter>>,
 }
 
 impl CommMeter {
     /// A meter at zero.
     pub fn new() -> CommMeter {
         CommMeter::default()
+    }
+
+    /// A new meter at zero whose counts also go to this one.
+    pub fn part(&self) -> CommMeter {
+        CommMeter {
+            totals: Arc::default(),
+            parent: Some(Arc::new(self.clone())),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, CommBytes> {
@@ -93,11 +75,15 @@ impl CommMeter {
     }
 
     /// Counts one collective of `op` on a buffer of `bytes` in a group of `world` ranks.
-    pub fn count(&self, op: MeteredOp, bytes: usize, world: usize) {
+    pub fn count(&self, op: RingOp, bytes: usize, world: usize) {
         let mut t = self.lock();
         t.collectives += 1;
         t.payload_bytes += bytes as u64;
-        t.wire_bytes += op.wire_bytes(bytes, world);
+        t.wire_bytes += op.wire_bytes(bytes as f64, world);
+        drop(t);
+        if let Some(parent) = &self.parent {
+            parent.count(op, bytes, world);
+        }
     }
 }
 
@@ -119,7 +105,7 @@ impl<C: Communicator> Metered<C> {
         &self.meter
     }
 
-    fn count(&self, op: MeteredOp, buf: &Buffer) {
+    fn count(&self, op: RingOp, buf: &Buffer) {
         self.meter.count(op, buf.byte_len(), self.inner.world_size());
     }
 }
@@ -138,32 +124,32 @@ impl<C: Communicator> Communicator for Metered<C> {
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::AllReduce, &buf);
+        self.count(RingOp::AllReduce, &buf);
         self.inner.all_reduce(buf, op, tag)
     }
 
     fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
-        self.count(MeteredOp::AllReduce, &buf);
+        self.count(RingOp::AllReduce, &buf);
         self.inner.all_reduce_blocking(buf, op, tag)
     }
 
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::Broadcast, &buf);
+        self.count(RingOp::Broadcast, &buf);
         self.inner.broadcast(buf, root, tag)
     }
 
     fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::AllGather, &buf);
+        self.count(RingOp::AllGather, &buf);
         self.inner.all_gather(buf, tag)
     }
 
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.count(MeteredOp::ReduceScatter, &buf);
+        self.count(RingOp::ReduceScatter, &buf);
         self.inner.reduce_scatter(buf, op, tag)
     }
 
     fn barrier(&self, tag: &str) -> Work<()> {
-        self.meter.count(MeteredOp::Barrier, 0, self.inner.world_size());
+        self.meter.count(RingOp::Barrier, 0, self.inner.world_size());
         self.inner.barrier(tag)
     }
 }

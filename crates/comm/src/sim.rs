@@ -1,69 +1,13 @@
 //! Simulated network: makes any communicator as slow as links of latency `alpha` and bandwidth
-//! `B`, while the data still moves for real. The extra wait sleeps, so compute keeps the CPU.
+//! `B` (the ring model of [`crate::cost`]), while the data still moves for real. The extra wait
+//! sleeps, so compute keeps the CPU.
 
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{Buffer, Communicator, ReduceOp, Work};
-
-/// Link model: every message pays `latency` (alpha) plus `bytes / bandwidth_bytes_per_s` (B).
-///
-/// Model time of each collective over `p` ranks (`n` = bytes of the buffer passed in, ring
-/// algorithms; all zero when `p == 1`):
-///
-/// | collective       | model time                                   |
-/// |------------------|----------------------------------------------|
-/// | `all_reduce`     | `2(p-1)*alpha + 2(p-1)/p * n/B`              |
-/// | `reduce_scatter` | `(p-1)*alpha + (p-1)/p * n/B`                |
-/// | `all_gather`     | `(p-1)*alpha + (p-1) * n/B` (`p*n` bytes out)|
-/// | `broadcast`      | `(p-1)*alpha + n/B` (pipelined chain)        |
-/// | `barrier`        | `2(p-1)*alpha` (all-reduce of nothing)       |
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct NetModel {
-    /// Per-message latency (alpha).
-    pub latency: Duration,
-    /// Link bandwidth B in bytes per second.
-    pub bandwidth_bytes_per_s: f64,
-}
-
-impl NetModel {
-    fn time(&self, messages: f64, bytes: f64) -> Duration {
-        self.latency.mul_f64(messages) + Duration::from_secs_f64(bytes / self.bandwidth_bytes_per_s)
-    }
-
-    /// `2(p-1)*alpha + 2(p-1)/p * n/B`.
-    pub fn all_reduce_time(&self, bytes: usize, p: usize) -> Duration {
-        let q = p.saturating_sub(1) as f64;
-        self.time(2.0 * q, 2.0 * q / p as f64 * bytes as f64)
-    }
-
-    /// `(p-1)*alpha + (p-1)/p * n/B` for an input of `bytes`.
-    pub fn reduce_scatter_time(&self, bytes: usize, p: usize) -> Duration {
-        let q = p.saturating_sub(1) as f64;
-        self.time(q, q / p as f64 * bytes as f64)
-    }
-
-    /// `(p-1)*alpha + (p-1) * n/B` for an input of `bytes` per rank.
-    pub fn all_gather_time(&self, bytes: usize, p: usize) -> Duration {
-        let q = p.saturating_sub(1) as f64;
-        self.time(q, q * bytes as f64)
-    }
-
-    /// `(p-1)*alpha + n/B` (zero when `p == 1`).
-    pub fn broadcast_time(&self, bytes: usize, p: usize) -> Duration {
-        if p <= 1 {
-            return Duration::ZERO;
-        }
-        self.time((p - 1) as f64, bytes as f64)
-    }
-
-    /// `2(p-1)*alpha`.
-    pub fn barrier_time(&self, p: usize) -> Duration {
-        self.all_reduce_time(0, p)
-    }
-}
+use crate::{Buffer, Communicator, NetModel, ReduceOp, Work};
 
 type SimJob = Box<dyn FnOnce(&mut LinkClock) + Send>;
 

@@ -22,16 +22,16 @@
 //!   rank-major; ZeRO-1 gathers its updated parameters into the idle gradient bucket): no
 //!   scratch at all.
 //!
-//! Every collective a policy issues for a bucket, including those issued later from a
-//! continuation, is attributed to that bucket: in traces, and in the bucket's wire bytes (what
-//! this rank sends under the ring algorithms, [`brigade_comm::MeteredOp::wire_bytes`]), which
-//! step profiles record.
+//! Every collective a policy issues is counted once, into the handle's meter; one issued for a
+//! bucket, including those issued later from a continuation, is attributed to that bucket: in
+//! traces, and in the bucket's part of the meter (what this rank sends under the ring
+//! algorithms, [`brigade_comm::RingOp::wire_bytes`]), which step profiles record.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{
-    all_gather_with_side, reducing_bucket, Buffer, CommError, Communicator, MeteredOp, OpTiming, ReduceOp, Work,
+    all_gather_with_side, reducing_bucket, Buffer, CommError, CommMeter, Communicator, OpTiming, ReduceOp, RingOp, Work,
 };
 use brigade_tensor::{DType, Device, Storage, Tensor};
 
@@ -131,10 +131,19 @@ impl<T: Send + 'static> TensorWork<T> {
     }
 }
 
-/// What moves tensors for [`Collectives`]: the host backend here ([`HostCollectives`]), NCCL on
-/// device memory. Semantics as in the module docs; every method returns at once.
+/// The tensor-level collective contract: what a policy's collectives ([`Collectives`]) are
+/// served by. [`HostCollectives`] serves any [`Communicator`] (threads, MPI); on a device comm
+/// stream (`stream::DeviceStream`) NCCL serves it on device memory, or `HostStagedComm` through
+/// the host, behind the stream's event ordering, which serves it in turn. Semantics as in the
+/// module docs; every method returns at once (a device backend's work completes once it is
+/// enqueued).
+///
+/// A backend implements the in-place three (`all_reduce`, `reduce_scatter_into`,
+/// `all_gather_into`); the others have defaults composed of them (a new output tensor, two
+/// all-gathers for a side buffer, no broadcast), which the host backend replaces with its own
+/// (lending storage, one collective).
 pub trait CollectiveBackend: Send + Sync {
-    /// A short name for errors (`host`, `nccl`).
+    /// A short name for errors (`host`, `nccl`, `host-staged`).
     fn name(&self) -> &'static str;
     /// This rank.
     fn rank(&self) -> usize;
@@ -142,36 +151,98 @@ pub trait CollectiveBackend: Send + Sync {
     fn world_size(&self) -> usize;
     /// How long a wait blocks before it fails.
     fn timeout(&self) -> Duration;
+    /// `Err` once the backend failed asynchronously (NCCL's error, a timeout); the host backend
+    /// reports every error through its works instead.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
     /// In place over every rank.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
-    /// In place: `root`'s values on every rank.
-    fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor>;
-    /// This rank's chunk (`numel / world` elements) of the reduction, as a new 1-D tensor.
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
-    /// Every rank's elements, rank-major, as a new `[world, numel]` tensor.
-    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor>;
+    /// Reduces `input` (`world` equal chunks) over every rank into `output` (one chunk, the same
+    /// dtype and device, spanning its storage), in place; completes with `output`.
+    fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor>;
     /// Every rank's `input`, rank-major, into `output` (`world × input.numel()` elements,
     /// spanning its storage), in place; completes with `output`.
     fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor>;
-    /// Every rank's payload and side tensor, rank-major (`[world, n]`, `[world, k]`), in one
-    /// collective.
-    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)>;
+
+    /// In place: `root`'s values on every rank. By default a typed error: a device comm stream
+    /// runs all-reduce, reduce-scatter and all-gather only.
+    fn broadcast(&self, _t: &Tensor, _root: usize, tag: &str) -> TensorWork<Tensor> {
+        let e = DdpError::Policy {
+            policy: format!("(on the {} stream)", self.name()),
+            reason: format!(
+                "broadcast `{tag}` does not run on the device comm stream (it runs all-reduce, reduce-scatter and \
+                 all-gather): run this policy with the thread or MPI backend, host-staged"
+            ),
+        };
+        TensorWork::ready(self.rank(), tag, self.timeout(), Err(e))
+    }
+    /// This rank's chunk (`numel / world` elements) of the reduction, as a new 1-D tensor.
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let world = self.world_size();
+        if t.numel() % world != 0 {
+            let e = DdpError::Comm(CommError::InvalidArgument(format!(
+                "reduce-scatter `{tag}`: {} elements do not split into {world} equal chunks",
+                t.numel()
+            )));
+            return TensorWork::ready(self.rank(), tag, self.timeout(), Err(e));
+        }
+        match Tensor::zeros_on(&[t.numel() / world], t.dtype(), t.device()) {
+            Ok(chunk) => self.reduce_scatter_into(t, &chunk, op, tag),
+            Err(e) => TensorWork::ready(self.rank(), tag, self.timeout(), Err(e.into())),
+        }
+    }
+    /// Every rank's elements, rank-major, as a new `[world, numel]` tensor.
+    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        match Tensor::zeros_on(&[self.world_size(), t.numel()], t.dtype(), t.device()) {
+            Ok(out) => self.all_gather_into(t, &out, tag),
+            Err(e) => TensorWork::ready(self.rank(), tag, self.timeout(), Err(e.into())),
+        }
+    }
+    /// Every rank's payload and side tensor, rank-major (`[world, n]`, `[world, k]`). By default
+    /// two all-gathers, payload then side, the same order on every rank (memory of two dtypes
+    /// is not one buffer).
+    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
+        let both = self
+            .all_gather(payload, tag)
+            .wait()
+            .and_then(|p| Ok((p, self.all_gather(side, tag).wait()?)));
+        TensorWork::ready(self.rank(), tag, self.timeout(), both)
+    }
 }
 
-/// The handle a policy issues its collectives through (see the module docs). Clones share the
-/// backend and, within a bucket's reduction, the bucket's attribution: clone it into a
-/// continuation to issue more collectives for the same bucket.
+/// The handle a policy issues its collectives through (see the module docs): each one is
+/// counted once, into the handle's [`CommMeter`] (DDP's: [`crate::DdpConfig::meter`]). Clones
+/// share the backend, the meter and, within a bucket's reduction, the bucket's attribution:
+/// clone it into a continuation to issue more collectives for the same bucket.
 #[derive(Clone)]
 pub struct Collectives {
     backend: Arc<dyn CollectiveBackend>,
-    /// The bucket whose reduction these collectives belong to, and its wire bytes so far.
-    bucket: Option<(usize, Arc<Mutex<f64>>)>,
+    /// What the collectives sent (within a bucket: the bucket's part of the whole).
+    meter: CommMeter,
+    /// The bucket whose reduction these collectives belong to.
+    bucket: Option<usize>,
 }
 
 impl Collectives {
-    /// A handle over `backend`.
+    /// A handle over `backend`, counting into a meter of its own.
     pub fn new(backend: Arc<dyn CollectiveBackend>) -> Collectives {
-        Collectives { backend, bucket: None }
+        Collectives {
+            backend,
+            meter: CommMeter::new(),
+            bucket: None,
+        }
+    }
+
+    /// The same handle, counting into `meter`.
+    pub(crate) fn metered(self, meter: CommMeter) -> Collectives {
+        Collectives { meter, ..self }
+    }
+
+    /// What this handle's collectives sent so far (within a bucket: the bucket's).
+    pub(crate) fn meter(&self) -> &CommMeter {
+        &self.meter
     }
 
     /// A handle over any communicator, through the host ([`HostCollectives`]).
@@ -179,17 +250,14 @@ impl Collectives {
         Collectives::new(Arc::new(HostCollectives::new(comm)))
     }
 
-    /// The same handle, its collectives attributed to bucket `index` from now on.
+    /// The same handle, its collectives attributed to bucket `index` from now on (counted in a
+    /// part of the meter of their own as well).
     pub(crate) fn for_bucket(&self, index: usize) -> Collectives {
         Collectives {
             backend: self.backend.clone(),
-            bucket: Some((index, Arc::default())),
+            meter: self.meter.part(),
+            bucket: Some(index),
         }
-    }
-
-    /// Bytes this rank sent on the wire for the bucket so far (0 outside a bucket).
-    pub(crate) fn wire_counter(&self) -> Option<Arc<Mutex<f64>>> {
-        self.bucket.as_ref().map(|(_, w)| w.clone())
     }
 
     /// The backend's name (`host`, `nccl`).
@@ -223,37 +291,35 @@ impl Collectives {
         TensorWork::ready(self.rank(), "failed", self.timeout(), Err(error))
     }
 
-    fn issue<T>(&self, op: MeteredOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
-        match &self.bucket {
-            Some((index, wire)) => {
-                *wire.lock().unwrap_or_else(|e| e.into_inner()) += op.wire_bytes(bytes, self.world_size());
-                reducing_bucket(*index, || f(self.backend.as_ref()))
-            }
+    fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
+        self.meter.count(op, bytes, self.world_size());
+        match self.bucket {
+            Some(index) => reducing_bucket(index, || f(self.backend.as_ref())),
             None => f(self.backend.as_ref()),
         }
     }
 
     /// Reduces `t` over every rank in place; completes with `t` holding the result.
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::AllReduce, bytes(t), |b| b.all_reduce(t, op, tag))
+        self.issue(RingOp::AllReduce, bytes(t), |b| b.all_reduce(t, op, tag))
     }
 
     /// Copies `root`'s `t` into every rank's `t`; completes with `t`.
     pub fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::Broadcast, bytes(t), |b| b.broadcast(t, root, tag))
+        self.issue(RingOp::Broadcast, bytes(t), |b| b.broadcast(t, root, tag))
     }
 
     /// Reduces `t` (`world * chunk` elements) over every rank; completes with this rank's chunk
     /// (elements `rank*chunk..(rank+1)*chunk`) as a new 1-D tensor. Consumes `t`'s storage when
     /// it spans it.
     pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::ReduceScatter, bytes(t), |b| b.reduce_scatter(t, op, tag))
+        self.issue(RingOp::ReduceScatter, bytes(t), |b| b.reduce_scatter(t, op, tag))
     }
 
     /// Gathers every rank's `t` (same shape everywhere); completes with `[world, t.numel()]`,
     /// rank `r`'s elements in row `r`. Consumes `t`'s storage when it spans it.
     pub fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::AllGather, bytes(t), |b| b.all_gather(t, tag))
+        self.issue(RingOp::AllGather, bytes(t), |b| b.all_gather(t, tag))
     }
 
     /// Gathers every rank's `input` (same shape everywhere) into `output`, which holds
@@ -261,7 +327,7 @@ impl Collectives {
     /// elements at `r*n..(r+1)*n`, no buffer besides `output` (it is lent meanwhile). Completes
     /// with `output`.
     pub fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        self.issue(MeteredOp::AllGather, bytes(input), |b| {
+        self.issue(RingOp::AllGather, bytes(input), |b| {
             b.all_gather_into(input, output, tag)
         })
     }
@@ -271,7 +337,7 @@ impl Collectives {
     /// integer payload is reduced: gather it with its scales, dequantize each row with its own
     /// rank's scales, sum in f32 (see [`brigade_comm::DType`]).
     pub fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
-        self.issue(MeteredOp::AllGather, bytes(payload) + bytes(side), |b| {
+        self.issue(RingOp::AllGather, bytes(payload) + bytes(side), |b| {
             b.all_gather_with_side(payload, side, tag)
         })
     }
@@ -302,92 +368,31 @@ pub(crate) fn spans_storage(t: &Tensor) -> bool {
 /// `t`'s elements as a host buffer: its own storage when it spans it (`true`: lent, the tensor
 /// reads `StorageLent` until it is restored), else a copy.
 pub(crate) fn take(t: &Tensor) -> Result<(Buffer, bool)> {
-    let unsupported = |d: DType| {
-        DdpError::Comm(CommError::Unsupported(format!(
-            "a collective on a {d} tensor (collectives move f32, f16, bf16, u8 and i8)"
-        )))
-    };
     if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::U8 | DType::I8) {
-        return Err(unsupported(t.dtype()));
+        return Err(DdpError::Comm(CommError::Unsupported(format!(
+            "a collective on a {} tensor (collectives move f32, f16, bf16, u8 and i8)",
+            t.dtype()
+        ))));
     }
     if spans_storage(t) {
-        let s = t.lend_storage()?;
-        let b = match s.dtype() {
-            DType::F32 => Buffer::F32(s.into_host_vec()?),
-            DType::F16 => Buffer::F16(s.into_host_vec()?),
-            DType::BF16 => Buffer::BF16(s.into_host_vec()?),
-            DType::U8 => Buffer::U8(s.into_host_vec()?),
-            DType::I8 => Buffer::I8(s.into_host_vec()?),
-            d => return Err(unsupported(d)),
-        };
-        return Ok((b, true));
+        return Ok((t.lend_storage()?.into_buffer()?, true));
     }
-    let b = match t.dtype() {
-        DType::F32 => Buffer::F32(t.to_vec()?),
-        DType::F16 => Buffer::F16(t.to_vec()?),
-        DType::BF16 => Buffer::BF16(t.to_vec()?),
-        DType::U8 => Buffer::U8(t.to_vec()?),
-        DType::I8 => Buffer::I8(t.to_vec()?),
-        d => return Err(unsupported(d)),
-    };
-    Ok((b, false))
-}
-
-/// A host buffer as storage on `device` (the vector itself on the CPU).
-fn storage_of(b: Buffer, device: Device) -> Result<Storage> {
-    Ok(match b {
-        Buffer::F32(v) => Storage::from_host_vec(v, device)?,
-        Buffer::F16(v) => Storage::from_host_vec(v, device)?,
-        Buffer::BF16(v) => Storage::from_host_vec(v, device)?,
-        Buffer::U8(v) => Storage::from_host_vec(v, device)?,
-        Buffer::I8(v) => Storage::from_host_vec(v, device)?,
-    })
+    Ok((t.to_buffer()?, false))
 }
 
 /// A host buffer as a new tensor of `shape` on `device` (no copy on the CPU).
 pub(crate) fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Tensor> {
-    let t = match b {
-        Buffer::F32(v) => Tensor::from_vec(v, shape)?,
-        Buffer::F16(v) => Tensor::from_vec(v, shape)?,
-        Buffer::BF16(v) => Tensor::from_vec(v, shape)?,
-        Buffer::U8(v) => Tensor::from_vec(v, shape)?,
-        Buffer::I8(v) => Tensor::from_vec(v, shape)?,
-    };
-    Ok(t.to_device(device)?)
+    Ok(Tensor::from_buffer(b, shape)?.to_device(device)?)
 }
 
 /// Puts `b` (the result of an in-place collective) back under `t`.
 pub(crate) fn put_back(t: &Tensor, b: Buffer, lent: bool) -> Result<Tensor> {
     if lent {
-        t.restore_storage(storage_of(b, t.device())?)?;
+        t.restore_storage(Storage::from_buffer(b, t.device())?)?;
     } else {
         t.copy_from(&tensor_of(b, t.shape(), t.device())?)?;
     }
     Ok(t.clone())
-}
-
-/// Keeps a buffer's first `n` elements (its allocation stays).
-fn truncate(b: &mut Buffer, n: usize) {
-    match b {
-        Buffer::F32(v) => v.truncate(n),
-        Buffer::F16(v) => v.truncate(n),
-        Buffer::BF16(v) => v.truncate(n),
-        Buffer::U8(v) => v.truncate(n),
-        Buffer::I8(v) => v.truncate(n),
-    }
-}
-
-/// Gives a buffer's spare capacity back (a reduce-scatter's chunk keeps its input's allocation
-/// otherwise, and memory reports count what is alive).
-fn shrink(mut b: Buffer) -> Buffer {
-    match &mut b {
-        Buffer::F32(v) => v.shrink_to_fit(),
-        Buffer::F16(v) => v.shrink_to_fit(),
-        Buffer::BF16(v) => v.shrink_to_fit(),
-        Buffer::U8(v) => v.shrink_to_fit(),
-        Buffer::I8(v) => v.shrink_to_fit(),
-    }
-    b
 }
 
 impl HostCollectives {
@@ -441,9 +446,24 @@ impl CollectiveBackend for HostCollectives {
             Err(e) => return self.failed(tag, e),
         };
         let device = t.device();
-        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |b| {
+        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |mut b| {
+            // the chunk keeps its input's allocation otherwise, and memory reports count what is
+            // alive
+            b.shrink_to_fit();
             let n = b.len();
-            tensor_of(shrink(b), &[n], device)
+            tensor_of(b, &[n], device)
+        })
+    }
+
+    fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let (buf, _) = match take(input) {
+            Ok(x) => x,
+            Err(e) => return self.failed(tag, e),
+        };
+        let out = output.clone();
+        TensorWork::from_comm(self.comm.reduce_scatter(buf, op, tag), self.timeout(), move |b| {
+            out.copy_from(&tensor_of(b, out.shape(), out.device())?)?;
+            Ok(out)
         })
     }
 
@@ -481,7 +501,7 @@ impl CollectiveBackend for HostCollectives {
             Ok((buf, _)) => buf,
             Err(e) => return self.failed(tag, e),
         };
-        truncate(&mut buf, n);
+        buf.truncate(n);
         let out = output.clone();
         TensorWork::from_comm(self.comm.all_gather(buf, tag), self.timeout(), move |b| {
             put_back(&out, b, true)

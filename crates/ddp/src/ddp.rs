@@ -2,16 +2,16 @@
 
 use std::sync::Arc;
 
-use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamStore};
+use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamStore, Var};
 use brigade_comm::{all_gather_bytes, Communicator};
 use brigade_tensor::Tensor;
 
-use crate::memory::{self, RankMemory};
-use crate::overlap::{ProfilePolicy, WireModel};
+use crate::memory::{self, MemoryReport};
+
 use crate::policy::{
-    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext,
+    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext, WireModel,
 };
-use crate::reducer::{grad_bytes, PassTimes, Reducer};
+use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
 use crate::stream::{BucketStream, HostStream};
 use crate::{DdpConfig, DdpError, Result};
@@ -25,25 +25,6 @@ pub struct BucketInfo {
     pub params: Vec<String>,
     /// Size of the flat buffer (padding included).
     pub bytes: usize,
-}
-
-/// Per-rank gradient memory, measured from the storages alive now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryReport {
-    /// Every gradient storage alive on this rank: full bucket buffers, the shards a policy
-    /// keeps instead of them (ZeRO-2), gradients outside any bucket. The one gradient figure.
-    pub gradient_bytes: usize,
-    /// The part held by full bucket buffers.
-    pub bucket_bytes: usize,
-    /// Gradient bytes held outside the buckets (0: every gradient is a view into one).
-    pub gradient_bytes_outside_buckets: usize,
-}
-
-impl MemoryReport {
-    /// Every gradient storage, counted once.
-    pub fn total_bytes(&self) -> usize {
-        self.gradient_bytes
-    }
 }
 
 /// Wraps one rank's model replica: gradients become views into flat buckets, and each bucket
@@ -160,7 +141,7 @@ impl DistributedDataParallel {
     }
 
     /// Regroups the buckets under new caps, keeping their parameter order (rank 0's ready order
-    /// once rebuilt), e.g. when [`crate::overlap::Autotuner`] picks another cap. Not a collective:
+    /// once rebuilt), e.g. when the autotuner picks another cap. Not a collective:
     /// every rank must call it with the same caps between the same two steps (the autotuner
     /// broadcasts rank 0's choice), and then every rank holds the same buckets. Gradients keep
     /// their values; only between backward passes; refused when the policy fixes its layout.
@@ -191,18 +172,9 @@ impl DistributedDataParallel {
         &self.reducer.comm
     }
 
-    /// The bytes of each parameter's gradient in a bucket, in registration order (0 for a
-    /// frozen parameter), with its shape: the `params` of a step profile.
-    pub fn param_profiles(&self) -> Vec<crate::overlap::ParamProfile> {
-        self.reducer
-            .params
-            .iter()
-            .map(|p| crate::overlap::ParamProfile {
-                name: p.name().unwrap_or("<unnamed>").to_string(),
-                bytes: if p.requires_grad() { grad_bytes(p) } else { 0 },
-                shape: p.shape(),
-            })
-            .collect()
+    /// The parameters, in registration order.
+    pub(crate) fn params(&self) -> &[Var] {
+        &self.reducer.params
     }
 
     /// True once the buckets were rebuilt from the observed ready order.
@@ -226,16 +198,9 @@ impl DistributedDataParallel {
     }
 
     /// How the overlap model costs the policy's collectives (`None`: it cannot).
-    pub fn wire_model(&self) -> Option<WireModel> {
-        self.reducer.lock_policy().wire_model()
-    }
-
-    /// The policy as a step profile records it.
-    pub fn profile_policy(&self) -> ProfilePolicy {
-        ProfilePolicy {
-            name: self.policy_name(),
-            wire: self.wire_model(),
-        }
+    pub(crate) fn wire_model(&self) -> Option<WireModel> {
+        let shapes: Vec<Vec<usize>> = self.reducer.params.iter().map(|p| p.shape()).collect();
+        self.reducer.lock_policy().wire_model(&shapes)
     }
 
     /// What the policy wants its caller to know about the run so far (e.g. that PowerSGD never
@@ -352,37 +317,10 @@ impl DistributedDataParallel {
     }
 
     /// This rank's memory, measured from live allocations: parameters, gradients and buckets,
-    /// `opt`'s state, the policy's state and its communication scratch ([`RankMemory`]).
-    pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<RankMemory> {
+    /// `opt`'s state, the policy's state and its communication scratch ([`MemoryReport`]).
+    pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<MemoryReport> {
         let policy = self.reducer.lock_policy().memory();
         memory::measure(&self.reducer, opt, policy)
-    }
-
-    /// Gradient memory on this rank, measured: buckets and the shards kept instead of them
-    /// are the only gradient storage.
-    pub fn memory(&self) -> MemoryReport {
-        let st = self.reducer.lock();
-        let live = |t: &Tensor| (t.storage_id(), t.storage_numel() * t.dtype().size_in_bytes());
-        let buckets: std::collections::HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
-        let mut all = buckets.clone();
-        all.extend(st.buckets.iter().filter_map(|b| match &b.held {
-            crate::bucket::Held::Shard { tensor, .. } => Some(live(tensor)),
-            _ => None,
-        }));
-        let outside: std::collections::HashMap<usize, usize> = self
-            .reducer
-            .params
-            .iter()
-            .filter_map(|p| p.grad())
-            .filter(|g| !st.buckets.iter().any(|b| b.flat.shares_storage(g)))
-            .map(|g| live(&g))
-            .collect();
-        all.extend(outside.iter().map(|(&k, &v)| (k, v)));
-        MemoryReport {
-            gradient_bytes: all.values().sum(),
-            bucket_bytes: buckets.values().sum(),
-            gradient_bytes_outside_buckets: outside.values().sum(),
-        }
     }
 }
 
@@ -430,12 +368,12 @@ impl Optimizer for DdpOptimizer {
         self.inner.set_lr(lr)
     }
 
-    fn state(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
-        self.inner.state()
+    fn state_dict(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
+        self.inner.state_dict()
     }
 
-    fn load_state(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
-        self.inner.load_state(state)
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
+        self.inner.load_state_dict(state)
     }
 
     fn state_bytes(&self) -> brigade_autograd::Result<usize> {

@@ -30,13 +30,13 @@ mod signature;
 pub mod stream;
 
 pub use bucket::assign_buckets;
-pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel, MemoryReport};
+pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
-pub use memory::RankMemory;
+pub use memory::MemoryReport;
 pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
 pub use reducer::{PassBucket, PassTimes};
 
-use brigade_comm::Recorder;
+use brigade_comm::{CommMeter, Recorder};
 
 /// How DDP buckets gradients. Defaults follow PyTorch. How each bucket is reduced, and what
 /// the optimizer steps, is the [`ReducerPolicy`] given beside it.
@@ -57,6 +57,10 @@ pub struct DdpConfig {
     /// Where to record per-layer backward spans (and nothing else: wrap the communicator
     /// in [`brigade_comm::Traced`] for the comm track).
     pub recorder: Option<Recorder>,
+    /// Counts what DDP sends while it trains: every collective its policy issues (on any
+    /// backend; step profiles record each bucket's part) and the bucket rebuild's broadcast;
+    /// not the parameter check and broadcast of construction, nor checkpoints' gathers.
+    pub meter: CommMeter,
 }
 
 impl Default for DdpConfig {
@@ -68,6 +72,7 @@ impl Default for DdpConfig {
             rebuild_buckets: true,
             broadcast_parameters: true,
             recorder: None,
+            meter: CommMeter::new(),
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::Result;
 /// `parameters 4Ψ + gradients 4Ψ + optimizer_state 8Ψ`; ZeRO-1 `optimizer_state 8Ψ/N`; ZeRO-2
 /// also `gradients 4Ψ/N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RankMemory {
+pub struct MemoryReport {
     /// The parameters' values.
     pub parameters: usize,
     /// Every gradient storage: full bucket buffers, the shards a policy keeps instead of them,
@@ -35,7 +35,7 @@ pub struct RankMemory {
     pub comm_scratch: usize,
 }
 
-impl RankMemory {
+impl MemoryReport {
     /// Everything above, each storage once.
     pub fn total(&self) -> usize {
         self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch
@@ -47,7 +47,7 @@ fn live(t: &Tensor) -> (usize, usize) {
 }
 
 /// Measures `reducer`'s rank with optimizer `opt` and what the policy reports.
-pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemory) -> Result<RankMemory> {
+pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemory) -> Result<MemoryReport> {
     let parameters: HashMap<usize, usize> = reducer.params.iter().map(|p| live(&p.value())).collect();
     let st = reducer.lock();
     let buckets: HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
@@ -57,7 +57,7 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         _ => None,
     }));
     gradients.extend(reducer.params.iter().filter_map(|p| p.grad()).map(|g| live(&g)));
-    Ok(RankMemory {
+    Ok(MemoryReport {
         parameters: parameters.values().sum(),
         gradients: gradients.values().sum(),
         buckets: buckets.values().sum(),

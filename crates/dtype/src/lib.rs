@@ -1,13 +1,17 @@
-//! brigade-dtype: the one element type of Brigade.
+//! brigade-dtype: the element types of Brigade and its host buffer.
 //!
 //! A tensor's storage (`brigade-tensor`) and a collective's flat buffer (`brigade-comm`, which
-//! knows no tensors) name their elements with the same [`DType`], so a bucket's type is spelled
-//! once from the tensor down to the wire.
+//! knows no tensors) name their elements with the same [`DType`] and hold them in the same
+//! [`Buffer`], so a bucket's memory goes from the tensor down to the wire and back as it is.
 
 #![warn(missing_docs)]
 
+mod buffer;
+
 use std::fmt;
 use std::str::FromStr;
+
+pub use buffer::{quantize_i8, Buffer, Element};
 
 /// An element type.
 ///

@@ -6,16 +6,18 @@
 //! the named tensors of a [`Batch`]. Built in: a teacher-labelled classification set for the
 //! MLP and an English-like text corpus for the GPT, both generated from a seed. From files:
 //! safetensors, `.npy`/`.npz` ([`Dataset::open`]), checked against the model's
-//! [`BatchSchema`] when opened; UTF-8 text with a validation split
-//! ([`Dataset::from_text_file`]).
+//! [`BatchSchema`] when opened; UTF-8 text with a validation split, as bytes or GPT-2 tokens
+//! ([`Dataset::from_text_file`]); llm.c's and nanoGPT's token files, read where they lie
+//! ([`Dataset::from_token_files`], [`crate::tokens`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use brigade_tensor::{DType, Rng, Tensor};
 
 use crate::batch::first_out_of_range;
 use crate::io::{tensor_bytes, tensor_from_bytes};
+use crate::tokens::{TokenFormat, TokenStore};
 use crate::{Batch, BatchSchema, ModelError, Result, TensorSpec};
 
 /// Hidden width of the random teacher network that labels [`Dataset::teacher`].
@@ -23,16 +25,25 @@ pub const TEACHER_HIDDEN: usize = 32;
 /// Size of the corpus behind [`Dataset::builtin_text`] (256 KiB).
 pub const BUILTIN_TEXT_BYTES: usize = 256 * 1024;
 
-/// One named column: row `r` is the `row_elems` elements from element `r * stride` of
-/// `bytes` (little-endian). `stride < row_elems` lets rows overlap (text windows).
+/// One named column: row `r` is the `row_elems` elements from element `r * stride` of its
+/// store. `stride < row_elems` lets rows overlap (text windows).
 #[derive(Clone)]
 struct Column {
     name: String,
     dtype: DType,
     row_shape: Vec<usize>,
-    bytes: Vec<u8>,
+    store: Store,
     row_elems: usize,
     stride: usize,
+}
+
+/// Where a column's elements are.
+#[derive(Clone)]
+enum Store {
+    /// In memory, little-endian values of the column's dtype.
+    Bytes(Vec<u8>),
+    /// `uint16` token ids (token files, or GPT-2 tokens of a text), gathered as I64.
+    Tokens(TokenStore),
 }
 
 impl Column {
@@ -44,7 +55,7 @@ impl Column {
             name: name.to_string(),
             dtype: t.dtype(),
             row_shape,
-            bytes: tensor_bytes(t)?,
+            store: Store::Bytes(tensor_bytes(t)?),
             row_elems,
             stride: row_elems,
         })
@@ -52,26 +63,46 @@ impl Column {
 
     /// The rows `idx`, stacked: `[idx.len(), ..row_shape]`.
     fn gather(&self, idx: &[usize]) -> Result<Tensor> {
+        let mut shape = vec![idx.len()];
+        shape.extend_from_slice(&self.row_shape);
+        let bytes = match &self.store {
+            Store::Bytes(bytes) => bytes,
+            Store::Tokens(store) => {
+                let mut out = Vec::with_capacity(idx.len() * self.row_elems);
+                for &r in idx {
+                    store.read_row(r, &mut out)?;
+                }
+                return Ok(Tensor::from_vec(out, &shape)?);
+            }
+        };
         let size = self.dtype.size_in_bytes();
         let (row_bytes, stride_bytes) = (self.row_elems * size, self.stride * size);
         let mut out = Vec::with_capacity(idx.len() * row_bytes);
         for &r in idx {
-            out.extend_from_slice(&self.bytes[r * stride_bytes..][..row_bytes]);
+            out.extend_from_slice(&bytes[r * stride_bytes..][..row_bytes]);
         }
-        let mut shape = vec![idx.len()];
-        shape.extend_from_slice(&self.row_shape);
         tensor_from_bytes(self.dtype, &shape, &out)
     }
 
-    /// The elements that some row covers, as a flat tensor (for range checks).
-    fn covered(&self, rows: usize) -> Result<Tensor> {
+    /// The bytes of a column in memory (none for a token store, which is hashed by its own
+    /// rule).
+    fn memory_bytes(&self) -> &[u8] {
+        match &self.store {
+            Store::Bytes(b) => b,
+            Store::Tokens(_) => &[],
+        }
+    }
+
+    /// The elements that some row covers, as a flat tensor (for range checks of columns in
+    /// memory).
+    fn covered(&self, bytes: &[u8], rows: usize) -> Result<Tensor> {
         let elems = if rows == 0 {
             0
         } else {
             (rows - 1) * self.stride + self.row_elems
         };
         let size = self.dtype.size_in_bytes();
-        tensor_from_bytes(self.dtype, &[elems], &self.bytes[..elems * size])
+        tensor_from_bytes(self.dtype, &[elems], &bytes[..elems * size])
     }
 }
 
@@ -182,11 +213,106 @@ impl Dataset {
             name: "tokens".into(),
             dtype: DType::U8,
             row_shape: vec![row_len],
-            bytes,
+            store: Store::Bytes(bytes),
             row_elems: row_len,
             stride,
         };
         Ok(Self::with_columns("text".into(), vec![column], rows))
+    }
+
+    /// Rows of `context + 1` token ids starting every `stride` ids of `ids` (e.g. a text's GPT-2
+    /// tokens), held as `uint16`: one I64 column, `tokens`. The remainder after the last whole
+    /// row is not read.
+    pub fn token_ids(name: &str, ids: Vec<u16>, context: usize, stride: usize) -> Result<Dataset> {
+        if context == 0 || stride == 0 {
+            return Err(data_err(
+                name,
+                format!("context {context} and stride {stride} must be positive"),
+            ));
+        }
+        Ok(Self::from_store(
+            name,
+            TokenStore::memory(name, ids, context + 1, stride)?,
+        ))
+    }
+
+    /// The rows of llm.c's shards (or nanoGPT's raw `uint16` files, `format`
+    /// [`TokenFormat::NanoGpt`]; `None` is llm.c's) `paths`, in order: windows of `context + 1`
+    /// tokens every `context` tokens within each file, `context` and the vocabulary from
+    /// `schema` (the GPT's `tokens`), every id checked below the vocabulary. Each header is
+    /// checked (magic, version, the count against the file's length), one error line naming
+    /// what is wrong. The files are read by row as batches need them, never whole.
+    pub fn from_token_files(
+        paths: &[PathBuf],
+        format: Option<TokenFormat>,
+        schema: impl Into<BatchSchema>,
+    ) -> Result<Dataset> {
+        let schema = schema.into();
+        let shown = paths.first().map_or("token files".into(), |p| p.display().to_string());
+        let [spec] = &schema.tensors[..] else {
+            return Err(data_err(
+                &shown,
+                format!("a token file holds one sequence of token ids, but the model reads {schema}"),
+            ));
+        };
+        let (&[row_len], true) = (&spec.row_shape[..], spec.dtypes.contains(&DType::I64)) else {
+            return Err(data_err(
+                &shown,
+                format!("a token file's rows are I64 [N, context + 1], but the model reads {schema}"),
+            ));
+        };
+        if paths.is_empty() || row_len < 2 {
+            return Err(data_err(
+                &shown,
+                "needs at least one file and a context of at least 1".into(),
+            ));
+        }
+        let store = TokenStore::open(paths, format, row_len, row_len - 1)?;
+        let mut d = Self::from_store(&store.sources(), store);
+        d.columns[0].name = spec.name.clone();
+        d.check(&schema)?;
+        Ok(d)
+    }
+
+    fn from_store(name: &str, store: TokenStore) -> Dataset {
+        let row_len = store.row_len();
+        let rows = store.len();
+        let column = Column {
+            name: "tokens".into(),
+            dtype: DType::I64,
+            row_shape: vec![row_len],
+            row_elems: row_len,
+            stride: 0, // rows are addressed by the store
+            store: Store::Tokens(store),
+        };
+        Self::with_columns(name.to_string(), vec![column], rows)
+    }
+
+    /// The rows `range` as a dataset of their own, named after them (e.g. a validation split):
+    /// a view over token files (nothing is read), a copy of rows held in memory.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Result<Dataset> {
+        if range.start >= range.end || range.end > self.rows {
+            return Err(data_err(
+                &self.name,
+                format!(
+                    "rows {}..{} are not a part of the {} rows",
+                    range.start, range.end, self.rows
+                ),
+            ));
+        }
+        let name = format!("{} rows {}..{}", self.name, range.start, range.end);
+        if let [Column {
+            store: Store::Tokens(store),
+            name: column,
+            ..
+        }] = &self.columns[..]
+        {
+            let mut d = Self::from_store(&name, store.rows(range));
+            d.columns[0].name = column.clone();
+            return Ok(d);
+        }
+        let batch = self.gather(&range.collect::<Vec<_>>())?;
+        Self::from_tensors(&name, batch.tensors())
     }
 
     /// A dataset of `tensors` held in memory (a user's own data): each `[N, ..]` with the same
@@ -320,8 +446,22 @@ impl Dataset {
                     found.shape_text(None)
                 )));
             }
-            if let Some(range) = &spec.index_range {
-                if let Some((elem, v)) = first_out_of_range(&c.covered(self.rows)?, range.below)? {
+            if let (Some(range), Store::Tokens(store)) = (&spec.index_range, &c.store) {
+                if let Some((row, v)) = store.first_at_or_above(range.below)? {
+                    return Err(err(format!(
+                        "tensor '{}': row {row} has {} {v}, expected 0..{}{}",
+                        spec.name,
+                        range.noun,
+                        range.below,
+                        if range.below == 256 && v < 50_257 {
+                            " (GPT-2's ids? the gpt2 tokenizer's vocabulary is 50257)"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+            } else if let (Some(range), Store::Bytes(bytes)) = (&spec.index_range, &c.store) {
+                if let Some((elem, v)) = first_out_of_range(&c.covered(bytes, self.rows)?, range.below)? {
                     return Err(err(format!(
                         "tensor '{}': row {} has {} {v}, expected 0..{}",
                         spec.name,
@@ -339,11 +479,35 @@ impl Dataset {
     /// e.g. `8192 rows, fnv1a 5f1c…`. A checkpoint stores it, so that a resumed run can
     /// refuse data other than what it started on (another file, or another `--seed`). The
     /// hash of classification and token data is the one earlier versions computed.
+    ///
+    /// Rows read from token files are identified without reading them whole: each file's
+    /// length, its first and last 4 KiB (llm.c's header among them) and 32 windows of 4 KiB
+    /// between, so that another file, another length or other tokens in those windows is
+    /// noticed, and a resume does not read a corpus of gigabytes first.
     pub fn fingerprint(&self) -> &str {
         self.fingerprint.get_or_init(|| self.hash_rows())
     }
 
     fn hash_rows(&self) -> String {
+        if let [Column {
+            store: Store::Tokens(store),
+            ..
+        }] = &self.columns[..]
+        {
+            const PRIME: u64 = 0x100_0000_01b3;
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            let mut eat = |bytes: &[u8]| {
+                for &b in bytes {
+                    h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+                }
+            };
+            // unreadable now: the rows cannot be read either, and the fingerprint says so
+            return match store.fingerprint(&mut eat) {
+                Ok(()) => format!("{} rows, fnv1a {h:016x} (sampled)", self.len()),
+                Err(e) => format!("{} rows, unreadable ({e})", self.len()),
+            };
+        }
+        let bytes = Column::memory_bytes;
         const PRIME: u64 = 0x100_0000_01b3;
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut eat = |bytes: &[u8]| {
@@ -360,13 +524,13 @@ impl Dataset {
                 if self.columns[0].row_shape.len() == 1 && self.columns[1].row_shape.is_empty() =>
             {
                 eat(&u64s(&self.columns[0].row_shape));
-                eat(&self.columns[0].bytes);
-                eat(&self.columns[1].bytes);
+                eat(bytes(&self.columns[0]));
+                eat(bytes(&self.columns[1]));
             }
             (["tokens"], [DType::U8 | DType::I64]) if self.columns[0].row_shape.len() == 1 => {
                 let c = &self.columns[0];
                 eat(&u64s(&[c.row_elems, c.stride, self.rows]));
-                eat(&c.bytes);
+                eat(bytes(c));
             }
             _ => {
                 eat(b"brigade columns v1");
@@ -376,7 +540,7 @@ impl Dataset {
                     eat(format!("{:?}", c.dtype).as_bytes());
                     eat(&u64s(&c.row_shape));
                     eat(&u64s(&[c.stride]));
-                    eat(&c.bytes);
+                    eat(bytes(c));
                 }
             }
         }

@@ -30,7 +30,7 @@ use std::ops::ControlFlow;
 use brigade_tensor::{Rng, Tensor};
 
 use crate::nn::KvCache;
-use crate::{Gpt, ModelError, Result};
+use crate::{Gpt, ModelError, Result, Tokenizer};
 
 /// How to pick each new token.
 #[derive(Debug, Clone, PartialEq)]
@@ -108,19 +108,45 @@ pub fn generate_text(
     model: &Gpt,
     prompt: &str,
     opts: &SampleOptions,
+    on_text: impl FnMut(&str) -> ControlFlow<()>,
+) -> Result<String> {
+    generate_text_with(model, Tokenizer::Bytes, prompt, opts, on_text)
+}
+
+/// [`generate_text`] for a GPT of `tokenizer`'s vocabulary: the prompt encoded by it, each new
+/// token's bytes streamed as whole UTF-8 characters (a GPT-2 token may end inside one).
+pub fn generate_text_with(
+    model: &Gpt,
+    tokenizer: Tokenizer,
+    prompt: &str,
+    opts: &SampleOptions,
     mut on_text: impl FnMut(&str) -> ControlFlow<()>,
 ) -> Result<String> {
     let vocab = model.config().vocab;
-    if vocab > 256 {
-        return Err(ModelError::Generate(format!(
-            "text in and out needs a byte-level model (vocabulary <= 256), this one has {vocab}; use generate() with token ids"
-        )));
+    if vocab > tokenizer.vocab() {
+        return Err(ModelError::Generate(match tokenizer {
+            Tokenizer::Bytes => format!(
+                "text in and out needs a byte-level model (vocabulary <= 256), this one has {vocab}; use generate() with token ids"
+            ),
+            Tokenizer::Gpt2 => format!(
+                "the model's vocabulary {vocab} is larger than the {tokenizer} tokenizer's {}",
+                tokenizer.vocab()
+            ),
+        }));
     }
-    let prompt: Vec<i64> = prompt.bytes().map(i64::from).collect();
+    let prompt: Vec<i64> = tokenizer.encode(prompt).into_iter().map(i64::from).collect();
     let mut stream = Utf8Stream::new();
     let mut text = String::new();
+    let mut failed = None;
     generate(model, &prompt, opts, |token| {
-        let piece = stream.push(token as u8);
+        let bytes = match tokenizer.token_bytes(token as u32) {
+            Ok(b) => b,
+            Err(e) => {
+                failed = Some(e);
+                return ControlFlow::Break(());
+            }
+        };
+        let piece: String = bytes.into_iter().map(|b| stream.push(b)).collect();
         text.push_str(&piece);
         if piece.is_empty() {
             ControlFlow::Continue(())
@@ -128,6 +154,9 @@ pub fn generate_text(
             on_text(&piece)
         }
     })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
     let rest = stream.finish();
     if !rest.is_empty() {
         text.push_str(&rest);

@@ -9,22 +9,23 @@
 //! PyTorch modules described in [`mlp`] and [`gpt`], so state dicts move both ways
 //! through [`io`].
 //!
-//! Data: a [`Dataset`] (built in, safetensors, `.npy`/`.npz` through [`npy`], or UTF-8 text
-//! with a validation split), of which a [`DistributedSampler`] gives each rank its share per
+//! Data: a [`Dataset`] (built in, safetensors, `.npy`/`.npz` through [`npy`], UTF-8 text
+//! with a validation split as bytes or GPT-2 tokens ([`Tokenizer`]), llm.c's and nanoGPT's
+//! token files through [`tokens`]), of which a [`DistributedSampler`] gives each rank its share per
 //! epoch. Text out: [`generate()`] decodes from a [`Gpt`] with a KV cache.
 //!
 //! ```
 //! use std::ops::ControlFlow;
 //!
 //! use brigade_autograd::no_grad;
-//! use brigade_models::{generate_text, Dataset, DistributedSampler, Gpt, GptConfig, Model, SampleOptions, SamplerOptions, ValSplit};
+//! use brigade_models::{generate_text, Dataset, DistributedSampler, Gpt, GptConfig, Model, SampleOptions, SamplerOptions, Tokenizer, ValSplit};
 //!
 //! # let path = std::env::temp_dir().join(format!("brigade-doc-text-{}.txt", std::process::id()));
 //! # std::fs::write(&path, "the cat sat on the mat. ".repeat(50)).unwrap();
 //! let cfg = GptConfig { d_model: 32, n_layers: 1, n_heads: 2, d_ff: 64, context: 16, ..GptConfig::default() };
 //! let mut gpt = Gpt::new(cfg.clone(), 0)?;
 //! // a UTF-8 file: rows of context + 1 bytes, the last 10% for validation
-//! let text = Dataset::from_text_file(&path, cfg.context, &ValSplit::Fraction(0.1))?;
+//! let text = Dataset::from_text_file(&path, cfg.context, &ValSplit::Fraction(0.1), Tokenizer::Bytes)?;
 //! text.train.check(&cfg.batch_schema())?;
 //! // rank 1 of 2 in epoch 3: its share of that epoch's permutation, 8 rows at a time
 //! let mut sampler = DistributedSampler::new(text.train.len(), 2, 1, SamplerOptions::default())?;
@@ -61,13 +62,17 @@ pub mod nn;
 pub mod npy;
 pub mod sampler;
 mod text;
+pub mod tokenizer;
+pub mod tokens;
 
 use brigade_autograd::{ParamStore, Var};
 
 pub use batch::{Batch, BatchSchema, IndexRange, TensorSpec};
 pub use data::Dataset;
 pub use error::{ModelError, Result};
-pub use generate::{generate, generate_text, generate_uncached, Generated, SampleOptions, Utf8Stream};
+pub use generate::{
+    generate, generate_text, generate_text_with, generate_uncached, Generated, SampleOptions, Utf8Stream,
+};
 pub use gpt::{Gpt, GptConfig};
 pub use io::{
     check_finite, load_params, load_params_from_tensors, load_params_from_tensors_nonfinite, load_safetensors,
@@ -78,7 +83,9 @@ pub use mlp::{Mlp, MlpConfig};
 pub use nn::RngState;
 pub use npy::{load_npy, load_npz, save_npy, save_npz};
 pub use sampler::{DistributedSampler, Remainder, SamplerCursor, SamplerOptions, SamplerPosition};
-pub use text::{TextData, ValSplit};
+pub use text::{text_file_tokens, TextData, ValSplit};
+pub use tokenizer::{Tokenizer, GPT2_END_OF_TEXT, GPT2_VOCAB};
+pub use tokens::{write_llmc_shard, TokenFormat};
 
 /// A trainable model as the CLI and the DDP tests drive it.
 ///

@@ -1,9 +1,9 @@
-//! Text in: a byte-level dataset from any UTF-8 file, with a validation split.
+//! Text in: a dataset of bytes or GPT-2 tokens from any UTF-8 file, with a validation split.
 
 use std::path::{Path, PathBuf};
 
 use crate::data::data_err;
-use crate::{Dataset, ModelError, Result};
+use crate::{Dataset, ModelError, Result, Tokenizer};
 
 /// Where the validation text comes from.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,10 +20,12 @@ pub enum ValSplit {
 /// A text file cut into training rows and, if asked, validation rows.
 #[derive(Debug, Clone)]
 pub struct TextData {
-    /// Rows of `context + 1` bytes every `max(context / 2, 1)` bytes (as [`Dataset::text`]).
+    /// Rows of `context + 1` tokens every `max(context / 2, 1)` tokens (as [`Dataset::text`]
+    /// for bytes).
     pub train: Dataset,
-    /// Rows of `context + 1` bytes every `context` bytes, so that each byte after the first is
-    /// a target once ([`Dataset::text_with_stride`]); `None` for [`ValSplit::None`].
+    /// Rows of `context + 1` tokens every `context` tokens, so that each token after the first
+    /// is a target once ([`Dataset::text_with_stride`] for bytes); `None` for
+    /// [`ValSplit::None`].
     pub val: Option<Dataset>,
 }
 
@@ -50,10 +52,11 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
         ));
     }
     if bytes.is_empty() {
-        return Err(data_err(
-            &source,
-            format!("the file is empty; give a UTF-8 text of at least context {context} + 1 bytes"),
-        ));
+        let need = match context {
+            0 => "a UTF-8 text".to_string(),
+            _ => format!("a UTF-8 text of at least context {context} + 1 bytes"),
+        };
+        return Err(data_err(&source, format!("the file is empty; give {need}")));
     }
     if let Err(e) = std::str::from_utf8(&bytes) {
         let at = e.valid_up_to();
@@ -79,12 +82,36 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// The token ids of the UTF-8 text file `path` as `tokenizer` cuts it, as an llm.c shard holds
+/// them: for GPT-2, `<|endoftext|>` first (llm.c starts each document with it), for bytes the
+/// bytes alone. Errors in one line: an empty file, bytes that are not UTF-8, a file over
+/// 1 GiB.
+pub fn text_file_tokens(path: impl AsRef<Path>, tokenizer: Tokenizer) -> Result<Vec<u16>> {
+    let path = path.as_ref();
+    let bytes = read_utf8(path, 1, 0)?;
+    let text =
+        String::from_utf8(bytes).map_err(|e| data_err(&path.display().to_string(), format!("not UTF-8: {e}")))?;
+    let mut ids = match tokenizer {
+        Tokenizer::Gpt2 => vec![crate::GPT2_END_OF_TEXT as u16],
+        Tokenizer::Bytes => vec![],
+    };
+    ids.extend(tokenizer.encode(&text).into_iter().map(|t| t as u16));
+    Ok(ids)
+}
+
 impl Dataset {
-    /// Byte-level training rows (and validation rows) of `context + 1` tokens from the UTF-8
-    /// text file `path`. Errors in one line each: an empty or too short file, bytes that are
+    /// Training rows (and validation rows) of `context + 1` tokens from the UTF-8 text file
+    /// `path`, as `tokenizer` cuts it: bytes (a U8 column) or GPT-2 tokens (I64, held as
+    /// `uint16`; the split is made in the text, at a character boundary, and each part
+    /// tokenized alone). Errors in one line each: an empty or too short file, bytes that are
     /// not UTF-8 (naming the byte offset and line), a fraction outside `(0, 1)`, or a split
     /// whose part cannot fill one row.
-    pub fn from_text_file(path: impl AsRef<Path>, context: usize, val: &ValSplit) -> Result<TextData> {
+    pub fn from_text_file(
+        path: impl AsRef<Path>,
+        context: usize,
+        val: &ValSplit,
+        tokenizer: Tokenizer,
+    ) -> Result<TextData> {
         let path = path.as_ref();
         let source = path.display().to_string();
         if context == 0 {
@@ -131,9 +158,20 @@ impl Dataset {
                 (t.to_vec(), Some((v.to_vec(), vsource)))
             }
         };
-        let train = named(Dataset::text(train, context)?, source);
+        let rows = |bytes: Vec<u8>, name: String, stride: usize| -> Result<Dataset> {
+            match tokenizer {
+                Tokenizer::Bytes => Ok(named(Dataset::text_with_stride(bytes, context, stride)?, name)),
+                Tokenizer::Gpt2 => {
+                    // checked UTF-8 and split at a character boundary, so this holds
+                    let text = String::from_utf8(bytes).map_err(|e| data_err(&name, format!("not UTF-8: {e}")))?;
+                    let ids = tokenizer.encode(&text).into_iter().map(|t| t as u16).collect();
+                    Dataset::token_ids(&name, ids, context, stride)
+                }
+            }
+        };
+        let train = rows(train, source, (context / 2).max(1))?;
         let val = match val {
-            Some((v, name)) => Some(named(Dataset::text_with_stride(v, context, context)?, name)),
+            Some((v, name)) => Some(rows(v, name, context)?),
             None => None,
         };
         Ok(TextData { train, val })

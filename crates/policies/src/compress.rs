@@ -189,7 +189,7 @@ impl ReducerPolicy for Compress {
         self.read_device_checks(comm)
     }
 
-    fn wire_model(&self) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
         Some(WireModel::AllReduce { bytes_per_element: 2.0 })
     }
 }

@@ -41,7 +41,11 @@ impl ReducerPolicy for Int8 {
                 g.narrow(0, p.offset, p.len())?.add_assign(e)?;
             }
         }
-        let scale = g.abs()?.amax(&[0], true)?.clamp(1e-30, f64::INFINITY)?.mul_scalar(1.0 / 127.0)?;
+        let scale = g
+            .abs()?
+            .amax(&[0], true)?
+            .clamp(1e-30, f64::INFINITY)?
+            .mul_scalar(1.0 / 127.0)?;
         let q = g.div(&scale)?.to_dtype(DType::I8)?;
         let error = g.sub(&q.to_dtype(DType::F32)?.mul(&scale)?)?;
         for p in &bucket.params {
@@ -51,7 +55,10 @@ impl ReducerPolicy for Int8 {
         // the payload and its scale in one all-gather: [world, n] int8s and [world, 1] scales
         let gathered = comm.all_gather_with_side(&q, &scale, &bucket.tag());
         Ok(Reduction::Full(gathered.then(move |(q, s)| {
-            Ok(q.to_dtype(DType::F32)?.mul(&s)?.sum(&[0], false)?.mul_scalar(1.0 / world)?)
+            Ok(q.to_dtype(DType::F32)?
+                .mul(&s)?
+                .sum(&[0], false)?
+                .mul_scalar(1.0 / world)?)
         })))
     }
 }

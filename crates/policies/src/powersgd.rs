@@ -285,11 +285,17 @@ impl ReducerPolicy for PowerSgd {
         }
     }
 
-    fn wire_model(&self) -> Option<WireModel> {
+    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
+        let cfg = &self.cfg;
         Some(WireModel::LowRank {
-            rank: self.cfg.rank,
-            min_compression_rate: self.cfg.min_compression_rate,
-            start_iter: self.cfg.start_iter,
+            start_iter: cfg.start_iter,
+            factors: shapes
+                .iter()
+                .map(|s| {
+                    let len = s.iter().product();
+                    low_rank(s, len, cfg).map(|(n, m, r)| (n * r, m * r))
+                })
+                .collect(),
         })
     }
 
@@ -321,6 +327,18 @@ impl ReducerPolicy for PowerSgd {
             message,
         }]
     }
+}
+
+/// PowerSGD's rule for a gradient of `shape` (`len` elements): a matrix `n × m` (n = `shape[0]`)
+/// is sent as factors of rank r' = min(rank, n, m) when `(n + m)·r'·min_compression_rate < n·m`:
+/// `Some((n, m, r'))`; anything else is sent whole.
+fn low_rank(shape: &[usize], len: usize, cfg: &PowerSgdConfig) -> Option<(usize, usize, usize)> {
+    if shape.len() < 2 || len == 0 {
+        return None;
+    }
+    let (n, m) = (shape[0], len / shape[0]);
+    let r = cfg.rank.min(n).min(m);
+    ((((n + m) * r) as f64) * cfg.min_compression_rate < (n * m) as f64).then_some((n, m, r))
 }
 
 /// Issues `bucket`'s collectives (the previous bucket's are done).
@@ -360,21 +378,16 @@ fn reduce_bucket(
     let mut matrices: Vec<Matrix> = vec![];
     for p in &bucket.params {
         let len = p.len();
-        if p.shape.len() >= 2 && len > 0 {
-            let (n, m) = (p.shape[0], len / p.shape[0]);
-            let r = cfg.rank.min(n).min(m);
-            if (((n + m) * r) as f64) * cfg.min_compression_rate < (n * m) as f64 {
-                matrices.push(Matrix {
-                    param: p.index,
-                    offset: p.offset,
-                    n,
-                    m,
-                    r,
-                });
-                continue;
-            }
+        match low_rank(&p.shape, len, &cfg) {
+            Some((n, m, r)) => matrices.push(Matrix {
+                param: p.index,
+                offset: p.offset,
+                n,
+                m,
+                r,
+            }),
+            None => plain.push((p.offset, len)),
         }
-        plain.push((p.offset, len));
     }
 
     let warm = cfg.warm_start

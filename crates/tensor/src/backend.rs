@@ -1,20 +1,22 @@
-//! The device contract: what a backend (`cpu/`, `cuda/`) provides so that every
-//! [`crate::Tensor`] op can run on its device.
+//! The device contract: what a backend (`cpu/`, `cuda/`, the counting fake device `fake/`)
+//! provides so that every [`crate::Tensor`] op, stream and event can run on its device.
 //!
-//! The front end (`Tensor` and `src/ops/`) owns everything device-independent: shape and
-//! dtype checks, broadcasting, views, index validation, errors that name the op. It then
-//! locks the storages, checks that none is lent out, and calls exactly one method of this
-//! contract on the backend that holds them (`storage.rs` dispatches on
-//! [`crate::storage::DeviceStorage`]). A backend therefore only allocates, copies in and
-//! out, and runs the kernels below, and it may rely on the preconditions each method
-//! states: they are checked before it is called.
+//! The front end (`Tensor` and `src/ops/`, `Stream` and `Event` in `stream.rs`) owns everything
+//! device-independent: shape and dtype checks, broadcasting, views, index validation, errors
+//! that name the op. It then locks the storages, checks that none is lent out, and calls exactly
+//! one method of this contract on the backend that holds them, through the one dispatch over
+//! [`crate::storage::DeviceStorage`] (`dispatch!` in `storage.rs`; `on_device!` there for what
+//! is made on a device: allocations, copies in, streams). A backend therefore only allocates,
+//! copies in and out, orders its streams, and runs the kernels below, and it may rely on the
+//! preconditions each method states: they are checked before it is called.
 //!
-//! The contract is spelled once here; each backend's storage implements it directly
-//! (`cpu/mod.rs`, `cuda/ops/mod.rs`, and the counting fake device's `fake/mod.rs`, which runs
-//! the CPU's kernels behind device rules), and `storage.rs` dispatches each method with one
-//! line. A backend runs every call on the stream current for its device
-//! ([`crate::Stream::scope`], else the device's compute stream) and never waits on the host
-//! inside a method, except in [`BackendStorage::to_cpu`].
+//! The contract is spelled once, here: [`BackendStorage`] (memory, copies, streams) with one
+//! supertrait per family of kernels ([`Elementwise`], [`Reduce`], [`Matmul`], [`Nn`],
+//! [`Attention`], [`InPlace`]), and [`BackendStream`] / [`BackendEvent`]. Each backend
+//! implements each trait once, the kernel in the method itself, in the file of its family
+//! (`cpu/elementwise.rs` is `impl Elementwise for Buffer`). A backend runs every call on the
+//! stream current for its device ([`crate::Stream::scope`], else the device's compute stream)
+//! and never waits on the host inside a method, except in [`BackendStorage::to_cpu`].
 //!
 //! Conventions for every method:
 //! - Each storage comes with the [`Layout`] of the view being read or written (shape,
@@ -32,21 +34,36 @@
 //! - Errors are [`crate::TensorError`]s; a device fault is `DeviceUnavailable` naming
 //!   what failed, never a panic.
 //!
-//! Adding a backend: a storage type implementing [`BackendStorage`] with `zeros` and
-//! copy-in constructors, one variant in `DeviceStorage`, and one arm in `on_backend!` and in
-//! `DeviceStorage::zeros` / `from_cpu` (`storage.rs`).
+//! **Adding a backend.**
+//! 1. A folder of its own (`src/<name>/`) with a storage type implementing [`BackendStorage`]:
+//!    its properties (`dtype`, `device`, `len`, `empty_like`, `int_range`); `zeros_on` and
+//!    `upload` (what `Tensor::zeros_on`, `Tensor::to_device` and `Storage::from_buffer` /
+//!    `from_host_vec` reach); `to_cpu` and `into_cpu` (what `Tensor::to_vec` / `to_buffer` and
+//!    `Storage::into_buffer` / `into_host_vec` reach); `copy_strided` and `to_dtype`; `lend_raw`
+//!    (what `Storage::device_memory` reaches); `compute_stream`, `new_stream` and
+//!    `scoped_stream` (what `Stream::compute`, `Stream::new` and `Stream::current` reach).
+//!    Then the six kernel families, one `impl` each, in files named as the CPU's
+//!    (`crate::composed` builds attention from the other families for a backend without a
+//!    fused kernel, as CUDA does).
+//! 2. A stream type implementing [`BackendStream`] and an event type implementing
+//!    [`BackendEvent`]: [`crate::Stream`] and [`crate::Event`] hold them; `Stream::scope`
+//!    pushes [`BackendStream::scoped`] on the scope stack (`scope.rs`), where the backend's
+//!    own ops and its `scoped_stream` find it.
+//! 3. A [`Device`] variant (`device.rs`, with its name in `Display`).
+//! 4. In `storage.rs`: a [`crate::storage::DeviceStorage`] variant, its `variant!` line, and
+//!    its arm in `dispatch!` (both forms) and in `on_device!`.
+//! 5. Its device in `test_device!` (`testing.rs`), so that every op's test and
+//!    `every_piece_of_the_device_contract_answers` (below) run on it.
 //!
-//! Changes since the first committed version (44b734f): `copy_from` was added (an exact
-//! copy through a view; `Tensor::copy_from` uses it), and `reduce` may get an empty
-//! `dims` (a plain copy: `sum` over no dims, or `sum_all` of a 0-d tensor). Issue 20: the
-//! device half (`BackendDevice`) became constructors of each storage, `int_range` was added
-//! (ids validated without a copy back), `cross_entropy_backward` takes its upstream gradient as a
-//! device scalar (no host read inside a step), `causal_attention` and its backward lost their
-//! defaults (a backend without a fused kernel calls `crate::composed`), the NaN rules of
-//! `Max` and `Relu` are PyTorch's (a NaN propagates), and `I8` joined the dtypes.
+//! The compiler refuses a backend that lacks a method, a variant or an arm; the test refuses
+//! one whose piece only answers with an error.
 
-use crate::cpu::storage::CpuStorage;
-use crate::{DType, Device, Layout, Result};
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::scope::ScopedStream;
+use crate::{Buffer, DType, Device, Layout, Result, TensorError};
 
 /// Elementwise maps of one tensor (the front end's `neg`, `exp`, ... `affine`, `powf`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -155,10 +172,12 @@ pub(crate) struct AdamWScalars {
     pub eps: f32,
 }
 
-/// Memory on one device plus the kernels over it: the rest of the contract. Methods
-/// taking `&mut self` write through the given view in place; all others return new
-/// storage. Preconditions named in a method's doc are checked by the front end.
-pub(crate) trait BackendStorage: Sized {
+/// The storage of one backend: memory on one device, how it is allocated, copied and lent, the
+/// streams that order work on it, and (through the supertraits, one per family of kernels) every
+/// kernel the front end calls. Methods taking `&mut self` write through the given view in place;
+/// all others return new storage. Preconditions named in a method's doc are checked by the
+/// front end.
+pub(crate) trait BackendStorage: Sized + Elementwise + Reduce + Matmul + Nn + Attention + InPlace {
     /// The element type.
     fn dtype(&self) -> DType;
 
@@ -180,10 +199,38 @@ pub(crate) trait BackendStorage: Sized {
         None
     }
 
-    // ---- copy out and layout ----
+    /// `n` zeros of `dtype` on device `ordinal` of this backend (the CPU has only 0): the
+    /// allocation half of the contract. A device is opened (and probed) on first use: a
+    /// missing driver, library or GPU is a typed `DeviceUnavailable` naming what is missing.
+    fn zeros_on(ordinal: usize, dtype: DType, n: usize) -> Result<Self>;
+
+    /// Copy in: host data onto device `ordinal` (the buffer itself on the CPU, no copy).
+    fn upload(ordinal: usize, data: Buffer) -> Result<Self>;
+
+    /// The address of the memory for code outside the contract (a collective) that reads and
+    /// writes it on the current stream, which the storage counts as a use there (the
+    /// keep-alive rule of [`crate::Stream`]). Host memory has no device handle: the CPU
+    /// refuses.
+    fn lend_raw(&self) -> Result<u64>;
+
+    /// Device `ordinal`'s compute stream: where its ops run outside any [`crate::Stream::scope`].
+    fn compute_stream(ordinal: usize) -> Result<Arc<dyn BackendStream>>;
+
+    /// A new stream of device `ordinal`, independent of its compute stream.
+    fn new_stream(ordinal: usize) -> Result<Arc<dyn BackendStream>>;
+
+    /// The stream a [`crate::Stream::scope`] of this backend entered, from what the scope
+    /// stack holds for the device ([`BackendStream::scoped`]).
+    fn scoped_stream(entered: &ScopedStream) -> Option<Arc<dyn BackendStream>>;
 
     /// Copy out: the whole storage (not just a view) into host memory.
-    fn to_cpu(&self) -> Result<CpuStorage>;
+    fn to_cpu(&self) -> Result<Buffer>;
+
+    /// Copy out, consuming the storage: [`BackendStorage::to_cpu`], without a copy where the
+    /// memory already is the host's.
+    fn into_cpu(self) -> Result<Buffer> {
+        self.to_cpu()
+    }
 
     /// The elements of the view `layout` (*any layout*: transposed, narrowed, broadcast)
     /// gathered row-major into a new contiguous storage. Behind `contiguous`, `copy`,
@@ -195,9 +242,10 @@ pub(crate) trait BackendStorage: Sized {
     /// `as`; to `I8` rounds half to even and saturates at ±127, a NaN giving 0: the
     /// quantizing cast).
     fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self>;
+}
 
-    // ---- elementwise and reductions ----
-
+/// Elementwise maps (`cpu/elementwise.rs`).
+pub(crate) trait Elementwise: Sized {
     /// `op` applied to each element.
     fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<Self>;
 
@@ -205,14 +253,18 @@ pub(crate) trait BackendStorage: Sized {
     /// front end has broadcast them: broadcast dims have stride 0); the output is
     /// contiguous of that shape.
     fn binary(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, op: BinaryOp) -> Result<Self>;
+}
 
+/// Reductions over dimensions (`cpu/reduce.rs`).
+pub(crate) trait Reduce: Sized {
     /// Reduces `dims` (sorted, distinct, each `< rank`; empty: a copy) of the view (*any
     /// layout*); the output is contiguous over the kept dims in order (the front end
     /// reshapes for `keepdim`).
     fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self>;
+}
 
-    // ---- matrix products ----
-
+/// Matrix products (`cpu/matmul.rs`).
+pub(crate) trait Matmul: Sized + Elementwise {
     /// Batched matrix product `[batch.., m, k] x [batch.., k, n] -> [batch.., m, n]`.
     /// Both layouts have the same rank `>= 2` and the same batch dims, and are *any
     /// layout*: row and column strides are arbitrary (a transposed operand has row stride
@@ -224,7 +276,7 @@ pub(crate) trait BackendStorage: Sized {
 
     /// `lhs [m, k] x rhs [k, n] + bias`, the bias `[n]` (contiguous) added to every row:
     /// a linear layer's forward. Both matrices are rank 2, *any layout*, as for
-    /// [`BackendStorage::matmul`]; `m * n > 0`. The default composes `matmul` and `binary`;
+    /// [`Matmul::matmul`]; `m * n > 0`. The default composes `matmul` and `binary`;
     /// the CPU starts each output row from the bias and lets the GEMM accumulate onto it,
     /// saving a pass over the output.
     fn matmul_bias(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout, bias: (&Self, &Layout)) -> Result<Self> {
@@ -233,14 +285,16 @@ pub(crate) trait BackendStorage: Sized {
         let bl = bias.1.broadcast_to(&shape)?;
         y.binary(&Layout::contiguous(&shape), bias.0, &bl, BinaryOp::Add)
     }
+}
 
-    // ---- rows of the last axis (contiguous layouts, row length = last dim) ----
-
+/// The layers' kernels: rows of the last axis (contiguous layouts, row length = last dim),
+/// embeddings, the causal mask, cross-entropy (`cpu/nn.rs`).
+pub(crate) trait Nn: Sized {
     /// Softmax (or log-softmax when `log`) of each row: `m = max`, `e = exp(x - m)`,
     /// `s = sum e`; softmax `e * (1 / s)`, log-softmax `x - (ln s + m)`.
     fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self>;
 
-    /// Backward of [`BackendStorage::softmax_last`] from its output `y` (self) and the
+    /// Backward of [`Nn::softmax_last`] from its output `y` (self) and the
     /// gradient `g` (same shape): softmax `y * (g - sum(g * y))`, log-softmax
     /// `g - exp(y) * sum(g)`, row-wise.
     fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self>;
@@ -258,7 +312,7 @@ pub(crate) trait BackendStorage: Sized {
         eps: f64,
     ) -> Result<(Self, Self, Self)>;
 
-    /// Gradients `(dx, dweight, dbias)` of [`BackendStorage::layer_norm`] from `x` (self),
+    /// Gradients `(dx, dweight, dbias)` of [`Nn::layer_norm`] from `x` (self),
     /// `weight`, the saved `mean` and `rstd` (`[rows]`) and the output gradient `gy`.
     fn layer_norm_backward(
         &self,
@@ -276,7 +330,7 @@ pub(crate) trait BackendStorage: Sized {
 
     /// Embedding backward: scatter-add of the gradient rows (self, `[ids.numel(), d]`)
     /// into a zeroed `[vocab, d]` table (repeated ids add up, in any order). `ids` as for
-    /// [`BackendStorage::embedding`].
+    /// [`Nn::embedding`].
     fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self>;
 
     /// Causal mask of `[.., t, s]` scores (`t <= s`): element `(i, j)` of each matrix
@@ -287,28 +341,31 @@ pub(crate) trait BackendStorage: Sized {
     /// checked `< c`). Returns `(loss, probs)`: `loss` is one element,
     /// `sum_r (lse_r - x[r, t_r]) / max(n, 1)` with `lse = ln(sum exp(x - m)) + m`
     /// per row, accumulated in f64 and rounded to the dtype; `probs` is the softmax of
-    /// each row, as [`BackendStorage::softmax_last`].
+    /// each row, as [`Nn::softmax_last`].
     fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)>;
 
-    /// Gradient of [`BackendStorage::cross_entropy`] from `probs` (self, `[n, c]`):
+    /// Gradient of [`Nn::cross_entropy`] from `probs` (self, `[n, c]`):
     /// `(probs - onehot(targets)) * scale` with `scale = g / max(n, 1)` computed in f64 and
     /// rounded to the dtype, as `o = probs; o[t] += -1; o *= scale`. The upstream gradient `g`
     /// is a one-element storage of the same dtype and device (the loss's gradient, which lives
     /// on the device: reading it on the host would stall the step).
     fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self>;
+}
 
+/// Fused causal self-attention (`cpu/attention.rs`).
+pub(crate) trait Attention: Sized {
     /// Causal multi-head self-attention from packed projections: `self` is `qkv`
     /// `[B, T, 3d]` (queries, keys, values side by side, each split into `n_heads` heads of
     /// `d / n_heads` columns; contiguous, `B, T >= 1`). Per head, `S = Q Kᵀ` then
     /// `x * scale + 0` (scale rounded to the dtype), positions after the query set to
-    /// `-inf`, `P = softmax` (as [`BackendStorage::softmax_last`]), `Y = P V`. Returns
+    /// `-inf`, `P = softmax` (as [`Nn::softmax_last`]), `Y = P V`. Returns
     /// `(y [B, T, d] with head h in columns h*hd.., probs P [B, n_heads, T, T])`.
     /// A backend without a fused kernel (CUDA) composes it from the contract's `matmul`,
     /// `unary`, `causal_fill`, `softmax_last` and `copy_strided` (`crate::composed`); the
     /// CPU's kernel computes the same steps without the copies.
     fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)>;
 
-    /// Gradient `dqkv [B, T, 3d]` of [`BackendStorage::causal_attention`] from `qkv`
+    /// Gradient `dqkv [B, T, 3d]` of [`Attention::causal_attention`] from `qkv`
     /// (self), the saved `probs` and the output gradient `gy [B, T, d]` (all contiguous):
     /// `dP = dY Vᵀ`, `dS = softmax_backward(P, dP)` zeroed after the query, times the
     /// scale (`x * scale + 0`), then `dQ = dS K`, `dKᵀ = Qᵀ dS`, `dV = Pᵀ dY`.
@@ -320,9 +377,11 @@ pub(crate) trait BackendStorage: Sized {
         n_heads: usize,
         scale: f64,
     ) -> Result<Self>;
+}
 
-    // ---- in place ----
-
+/// In-place updates through a view: fills, copies, gradient accumulation, the fused optimizer
+/// steps (`cpu/inplace.rs`).
+pub(crate) trait InPlace: Sized {
     /// Sets every element of the view (*any layout*, any dtype) to `v` rounded to the dtype.
     fn fill(&mut self, layout: &Layout, v: f64) -> Result<()>;
 
@@ -371,4 +430,104 @@ pub(crate) trait BackendStorage: Sized {
         v: (&mut Self, &Layout),
         s: &AdamWScalars,
     ) -> Result<()>;
+}
+
+/// One stream of a device ([`crate::Stream`] holds one): it runs the work queued on it in order,
+/// and is ordered against the device's other streams only by events.
+pub(crate) trait BackendStream: Send + Sync {
+    /// What [`crate::Stream::scope`] puts on the scope stack for this stream, so that the
+    /// backend's ops find it ([`BackendStorage::scoped_stream`]).
+    fn scoped(&self) -> ScopedStream;
+
+    /// An event recording the work queued on this stream so far (timing enabled).
+    fn record(&self) -> Result<Arc<dyn BackendEvent>>;
+
+    /// Work queued from now on starts only after `event` (of the same backend and device:
+    /// checked by the front end) completed. The host does not wait.
+    fn wait(&self, event: &dyn BackendEvent) -> Result<()>;
+
+    /// The host waits until everything queued so far finished.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Occupies the stream for `duration` of device time (the simulated link).
+    fn spin(&self, duration: Duration) -> Result<()>;
+
+    /// The raw handle: the `CUstream` on CUDA, the stream's number on the fake device, 0 on
+    /// the CPU.
+    fn raw(&self) -> u64;
+}
+
+/// A point in one stream's work ([`crate::Event`] holds one).
+pub(crate) trait BackendEvent: Any + Send + Sync {
+    /// Whether the work it recorded finished (asks, never waits).
+    fn is_complete(&self) -> Result<bool>;
+
+    /// The host waits until the work it recorded finished.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Milliseconds from this event to `end` (of the same backend: checked by the front end)
+    /// on the device's clock.
+    fn elapsed_ms(&self, end: &dyn BackendEvent) -> Result<f64>;
+
+    /// The raw handle: the `CUevent` on CUDA, its number on the fake device, 0 on the CPU.
+    fn raw(&self) -> u64;
+
+    /// The event as `Any`, so that a backend finds its own type behind `&dyn BackendEvent`.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// `event` as backend `E`'s event, or an error naming `op` when it comes from another backend.
+pub(crate) fn event_of<'a, E: BackendEvent>(op: &'static str, event: &'a dyn BackendEvent) -> Result<&'a E> {
+    event.as_any().downcast_ref::<E>().ok_or(TensorError::Invalid {
+        op,
+        msg: "the event comes from another backend".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::{test_device, DType, Device, Storage, Stream, Tensor};
+
+    /// Every piece a backend provides besides its kernels, reached through the front end: an
+    /// allocation, a copy in and out (of a view and of a whole lent storage), raw device memory
+    /// (refused by the CPU only), streams (compute, new, the current one inside a scope) and
+    /// events. A backend missing one of them fails here on its device.
+    fn every_piece_of_the_device_contract_answers(d: Device) {
+        let z = Tensor::zeros_on(&[2, 3], DType::F32, d).unwrap();
+        assert_eq!((z.device(), z.to_vec::<f32>().unwrap()), (d, vec![0.0; 6]));
+        let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])
+            .unwrap()
+            .to_device(d)
+            .unwrap();
+        assert_eq!(t.t().unwrap().to_vec::<f32>().unwrap(), [1.0, 3.0, 2.0, 4.0]);
+        assert_eq!(
+            t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap(),
+            [1.0, 2.0, 3.0, 4.0]
+        );
+        let ids = Tensor::from_vec(vec![3i64, 0], &[2]).unwrap().to_device(d).unwrap();
+        assert_eq!(ids.copy().unwrap().to_vec::<i64>().unwrap(), [3, 0]);
+
+        let (compute, side) = (Stream::compute(d).unwrap(), Stream::new(d).unwrap());
+        assert_eq!(Stream::current(d).unwrap(), compute);
+        side.scope(|| assert_eq!(Stream::current(d).unwrap(), side));
+        let lent = t.lend_storage().unwrap();
+        match lent.device_memory(&side) {
+            Ok(m) => assert_eq!((m.len, m.dtype, m.device), (4, DType::F32, d)),
+            Err(e) => assert!(d == Device::Cpu, "{d}: {e}"),
+        }
+        let done = side.record_event().unwrap();
+        compute.wait_event(&done).unwrap();
+        compute.spin(Duration::from_micros(1)).unwrap();
+        let end = compute.record_event().unwrap();
+        end.synchronize().unwrap();
+        assert!(end.is_complete().unwrap());
+        assert!(done.elapsed_ms(&end).unwrap().is_finite());
+        side.synchronize().unwrap();
+        let back = Storage::from_buffer(lent.into_buffer().unwrap(), d).unwrap();
+        t.restore_storage(back).unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    }
+    test_device!(every_piece_of_the_device_contract_answers);
 }

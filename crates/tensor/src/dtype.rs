@@ -1,9 +1,5 @@
 //! Element types: which ones a tensor can store and which ones kernels compute in.
 
-use half::{bf16, f16};
-
-use crate::cpu::storage::{quantize_i8, CpuStorage};
-
 /// The element type of a tensor's storage: Brigade's one [`DType`] (shared with the
 /// collectives' buffers, `brigade-comm`). Kernels compute in `F32` (and `F64`, used by the
 /// finite-difference gradient checker); `F16` and `BF16` are storage formats converted on the
@@ -11,70 +7,10 @@ use crate::cpu::storage::{quantize_i8, CpuStorage};
 pub use brigade_dtype::DType;
 
 /// A type that a tensor can hold, and that host vectors moved in and out of tensors have.
-pub trait Element: Copy + Send + Sync + std::fmt::Debug + Default + 'static {
-    /// The matching [`DType`].
-    const DTYPE: DType;
-    /// Borrows the storage's elements if it holds this type (host storage is private to
-    /// this crate: other crates cannot name or reach a `CpuStorage`).
-    #[doc(hidden)]
-    fn slice(s: &CpuStorage) -> Option<&[Self]>;
-    /// Borrows the storage's elements mutably if it holds this type.
-    #[doc(hidden)]
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
-    /// Wraps a vector into a storage.
-    #[doc(hidden)]
-    fn wrap(v: Vec<Self>) -> CpuStorage;
-    /// Takes the vector out of a storage if it holds this type (no copy).
-    #[doc(hidden)]
-    fn unwrap(s: CpuStorage) -> Option<Vec<Self>>;
-    /// Converts to f64 (lossless for every supported type but large i64).
-    fn to_f64(self) -> f64;
-    /// Converts from f64, rounding as the type requires.
-    fn from_f64(x: f64) -> Self;
-}
+pub use brigade_dtype::Element;
 
-macro_rules! element {
-    ($t:ty, $variant:ident, $to:expr, $from:expr) => {
-        impl Element for $t {
-            const DTYPE: DType = DType::$variant;
-            fn slice(s: &CpuStorage) -> Option<&[Self]> {
-                match s {
-                    CpuStorage::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
-                match s {
-                    CpuStorage::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            fn wrap(v: Vec<Self>) -> CpuStorage {
-                CpuStorage::$variant(v)
-            }
-            fn unwrap(s: CpuStorage) -> Option<Vec<Self>> {
-                match s {
-                    CpuStorage::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            fn to_f64(self) -> f64 {
-                ($to)(self)
-            }
-            fn from_f64(x: f64) -> Self {
-                ($from)(x)
-            }
-        }
-    };
-}
-
-element!(f32, F32, |x: f32| x as f64, |x: f64| x as f32);
-element!(f64, F64, |x: f64| x, |x: f64| x);
-element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
-element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
-element!(i64, I64, |x: i64| x as f64, |x: f64| x as i64);
-element!(u8, U8, |x: u8| x as f64, |x: f64| x as u8);
-element!(i8, I8, |x: i8| x as f64, quantize_i8);
+/// A host buffer: a CPU tensor's storage, and what a collective moves.
+pub use brigade_dtype::Buffer;
 
 /// A type kernels compute in: `f32` for training, `f64` for gradient checks.
 pub trait Float:

@@ -40,7 +40,7 @@ mod threads;
 
 pub use cpu::gemm_threads_for;
 pub use device::Device;
-pub use dtype::{DType, Element, Float};
+pub use dtype::{Buffer, DType, Element, Float};
 pub use error::{Result, TensorError};
 pub use host_memory::retain_freed_host_memory;
 pub use layout::{broadcast_shape, contiguous_strides, Layout};

@@ -1,21 +1,21 @@
-//! Flat element buffers on some device, and the dispatch from an op to the backend that
-//! holds its operands.
+//! The storage enum every op dispatches on, one variant per backend, and the one dispatch from
+//! an op to the backend that holds its operands ([`dispatch!`], and [`on_device!`] for what is
+//! made on a device: allocations, copies in, streams).
 
-use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::storage::CpuStorage;
+use crate::backend::BackendStorage;
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaStorage;
 use crate::fake::FakeStorage;
 use crate::stream::{DeviceMemory, Stream};
-use crate::{DType, Device, Element, Layout, Result, TensorError};
+use crate::{Buffer, DType, Device, Element, Result, TensorError};
 
 /// Storage on one device: the enum every op dispatches on, one variant per backend. Not
 /// `Clone`: copying CUDA memory can fail, so a copy is the explicit, fallible
-/// [`DeviceStorage::copy_strided`].
+/// [`BackendStorage::copy_strided`].
 #[derive(Debug)]
 pub(crate) enum DeviceStorage {
-    /// Host memory, CPU kernels.
-    Cpu(CpuStorage),
+    /// Host memory, CPU kernels (`crate::cpu`).
+    Cpu(Buffer),
     /// The counting fake device (`crate::fake`): host memory behind the contract (boxed, as
     /// CUDA's: a lent `Storage` moves by value and stays small).
     Fake(Box<FakeStorage>),
@@ -24,47 +24,17 @@ pub(crate) enum DeviceStorage {
     Cuda(Box<CudaStorage>),
 }
 
-impl From<CpuStorage> for DeviceStorage {
-    fn from(s: CpuStorage) -> Self {
-        DeviceStorage::Cpu(s)
-    }
-}
-
-impl From<FakeStorage> for DeviceStorage {
-    fn from(s: FakeStorage) -> Self {
-        DeviceStorage::Fake(Box::new(s))
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl From<CudaStorage> for DeviceStorage {
-    fn from(s: CudaStorage) -> Self {
-        DeviceStorage::Cuda(Box::new(s))
-    }
-}
-
-/// Runs `$e` with `$x` bound to the backend storage inside `$s`, and `$other` /
-/// `$other_mut` bound to functions that take the same backend's storage out of another
-/// `DeviceStorage` operand (a `DeviceMismatch` error if it lives elsewhere).
-macro_rules! on_backend {
-    ($s:expr, $x:ident, $other:ident, $other_mut:ident => $e:expr) => {{
-        #[allow(unused_variables)]
-        match $s {
-            DeviceStorage::Cpu($x) => {
-                let ($other, $other_mut) = (DeviceStorage::cpu, DeviceStorage::cpu_mut);
-                $e
-            }
-            DeviceStorage::Fake($x) => {
-                let ($other, $other_mut) = (DeviceStorage::fake, DeviceStorage::fake_mut);
-                $e
-            }
-            #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda($x) => {
-                let ($other, $other_mut) = (DeviceStorage::cuda, DeviceStorage::cuda_mut);
-                $e
-            }
-        }
-    }};
+/// One backend's storage inside [`DeviceStorage`]: how it is wrapped, and how an op finds the
+/// storage of its other operands (a `DeviceMismatch` error if one lives elsewhere).
+pub(crate) trait Variant: BackendStorage {
+    /// The device an operand of this backend is expected on, for the mismatch error.
+    const WANT: Device;
+    /// Wraps the storage.
+    fn wrap(self) -> DeviceStorage;
+    /// The storage of an operand that must be of this backend.
+    fn of(s: &DeviceStorage) -> Result<&Self>;
+    /// The storage of an operand that must be of this backend, for writing.
+    fn of_mut(s: &mut DeviceStorage) -> Result<&mut Self>;
 }
 
 fn mismatch(found: Device, want: Device) -> TensorError {
@@ -75,352 +45,191 @@ fn mismatch(found: Device, want: Device) -> TensorError {
     }
 }
 
+macro_rules! variant {
+    ($ty:ty, $variant:ident, $want:expr, $wrap:expr) => {
+        impl From<$ty> for DeviceStorage {
+            fn from(s: $ty) -> DeviceStorage {
+                s.wrap()
+            }
+        }
+
+        impl Variant for $ty {
+            const WANT: Device = $want;
+            fn wrap(self) -> DeviceStorage {
+                DeviceStorage::$variant(($wrap)(self))
+            }
+            fn of(s: &DeviceStorage) -> Result<&Self> {
+                match s {
+                    DeviceStorage::$variant(x) => Ok(x),
+                    s => Err(mismatch(s.device(), Self::WANT)),
+                }
+            }
+            fn of_mut(s: &mut DeviceStorage) -> Result<&mut Self> {
+                match s {
+                    DeviceStorage::$variant(x) => Ok(x),
+                    s => Err(mismatch(s.device(), Self::WANT)),
+                }
+            }
+        }
+    };
+}
+
+variant!(Buffer, Cpu, Device::Cpu, |s| s);
+variant!(FakeStorage, Fake, Device::Fake(0), Box::new);
+#[cfg(feature = "cuda")]
+variant!(CudaStorage, Cuda, Device::Cuda(0), Box::new);
+
+/// A backend's result as [`dispatch!`] returns it: its storages wrapped as [`DeviceStorage`].
+pub(crate) trait IntoDevice {
+    /// The wrapped result.
+    type Out;
+    /// Wraps it.
+    fn into_device(self) -> Self::Out;
+}
+
+impl<S: Variant> IntoDevice for S {
+    type Out = DeviceStorage;
+    fn into_device(self) -> DeviceStorage {
+        self.wrap()
+    }
+}
+
+impl<S: Variant> IntoDevice for (S, S) {
+    type Out = (DeviceStorage, DeviceStorage);
+    fn into_device(self) -> Self::Out {
+        (self.0.wrap(), self.1.wrap())
+    }
+}
+
+impl<S: Variant> IntoDevice for (S, S, S) {
+    type Out = (DeviceStorage, DeviceStorage, DeviceStorage);
+    fn into_device(self) -> Self::Out {
+        (self.0.wrap(), self.1.wrap(), self.2.wrap())
+    }
+}
+
+impl IntoDevice for () {
+    type Out = ();
+    fn into_device(self) {}
+}
+
+impl<T: IntoDevice> IntoDevice for Result<T> {
+    type Out = Result<T::Out>;
+    fn into_device(self) -> Self::Out {
+        self.map(T::into_device)
+    }
+}
+
+/// The one dispatch from an op to its backend: runs `$e` with `$s` bound to the backend storage
+/// inside the [`DeviceStorage`] `$storage` (by reference, mutable reference or value, as
+/// `$storage` is), `$other` / `$other_mut` bound to [`Variant::of`] / [`Variant::of_mut`] of
+/// that backend (the storage of another operand), and the backend's storages in the result
+/// wrapped back ([`IntoDevice`]). `dispatch!(plain ...)` returns the result as it is.
+#[collapse_debuginfo(yes)]
+macro_rules! dispatch {
+    (plain $storage:expr, $s:ident => $e:expr) => {{
+        #[allow(unused_imports)]
+        use $crate::backend::{Attention as _, BackendStorage as _, Elementwise as _, InPlace as _, Matmul as _, Nn as _, Reduce as _};
+        match $storage {
+            $crate::storage::DeviceStorage::Cpu($s) => $e,
+            $crate::storage::DeviceStorage::Fake($s) => $e,
+            #[cfg(feature = "cuda")]
+            $crate::storage::DeviceStorage::Cuda($s) => $e,
+        }
+    }};
+    ($storage:expr, $s:ident, $other:ident, $other_mut:ident => $e:expr) => {{
+        #[allow(unused_imports)]
+        use $crate::backend::{Attention as _, BackendStorage as _, Elementwise as _, InPlace as _, Matmul as _, Nn as _, Reduce as _};
+        #[allow(unused_imports)]
+        use $crate::storage::Variant as _;
+        #[allow(unused_variables)]
+        match $storage {
+            $crate::storage::DeviceStorage::Cpu($s) => {
+                let ($other, $other_mut) = ($crate::Buffer::of, $crate::Buffer::of_mut);
+                $crate::storage::IntoDevice::into_device($e)
+            }
+            $crate::storage::DeviceStorage::Fake($s) => {
+                let ($other, $other_mut) = ($crate::fake::FakeStorage::of, $crate::fake::FakeStorage::of_mut);
+                $crate::storage::IntoDevice::into_device($e)
+            }
+            #[cfg(feature = "cuda")]
+            $crate::storage::DeviceStorage::Cuda($s) => {
+                let ($other, $other_mut) = ($crate::cuda::CudaStorage::of, $crate::cuda::CudaStorage::of_mut);
+                $crate::storage::IntoDevice::into_device($e)
+            }
+        }
+    }};
+    ($storage:expr, $s:ident, $other:ident => $e:expr) => {
+        $crate::storage::dispatch!($storage, $s, $other, other_mut => $e)
+    };
+    ($storage:expr, $s:ident => $e:expr) => {
+        $crate::storage::dispatch!($storage, $s, other, other_mut => $e)
+    };
+}
+pub(crate) use dispatch;
+
+/// Runs `$e` with `$B` naming the storage type of the backend that serves `$device` and `$i`
+/// bound to the device's ordinal (0 on the CPU); without the `cuda` feature a CUDA device is
+/// the typed error saying so.
+#[collapse_debuginfo(yes)]
+macro_rules! on_device {
+    ($device:expr, $B:ident, $i:ident => $e:expr) => {{
+        #[allow(unused_imports)]
+        use $crate::backend::BackendStorage as _;
+        #[allow(unused_imports)]
+        use $crate::storage::IntoDevice as _;
+        match $device {
+            $crate::Device::Cpu => {
+                type $B = $crate::Buffer;
+                let $i = 0usize;
+                $e
+            }
+            $crate::Device::Fake($i) => {
+                type $B = $crate::fake::FakeStorage;
+                $e
+            }
+            #[cfg(feature = "cuda")]
+            $crate::Device::Cuda($i) => {
+                type $B = $crate::cuda::CudaStorage;
+                $e
+            }
+            #[cfg(not(feature = "cuda"))]
+            d @ $crate::Device::Cuda(_) => Err($crate::cuda::probe::Unavailable::NotBuilt.on(d)),
+        }
+    }};
+}
+pub(crate) use on_device;
+
 impl DeviceStorage {
-    /// The CPU storage of an operand that must live on the CPU.
-    fn cpu(&self) -> Result<&CpuStorage> {
-        match self {
-            DeviceStorage::Cpu(s) => Ok(s),
-            s => Err(mismatch(s.device(), Device::Cpu)),
-        }
-    }
-
-    /// The CPU storage of an operand that must live on the CPU, for writing.
-    fn cpu_mut(&mut self) -> Result<&mut CpuStorage> {
-        match self {
-            DeviceStorage::Cpu(s) => Ok(s),
-            s => Err(mismatch(s.device(), Device::Cpu)),
-        }
-    }
-
-    /// The fake-device storage of an operand that must live on the fake device.
-    fn fake(&self) -> Result<&FakeStorage> {
-        match self {
-            DeviceStorage::Fake(s) => Ok(&**s),
-            s => Err(mismatch(s.device(), Device::Fake(0))),
-        }
-    }
-
-    /// The fake-device storage of an operand that must live on the fake device, for writing.
-    fn fake_mut(&mut self) -> Result<&mut FakeStorage> {
-        match self {
-            DeviceStorage::Fake(s) => Ok(&mut **s),
-            s => Err(mismatch(s.device(), Device::Fake(0))),
-        }
-    }
-
-    /// The CUDA storage of an operand that must live on the same CUDA device as `self`'s
-    /// first operand (the device itself is compared by the kernels' callers).
-    #[cfg(feature = "cuda")]
-    fn cuda(&self) -> Result<&CudaStorage> {
-        match self {
-            DeviceStorage::Cuda(s) => Ok(&**s),
-            s => Err(mismatch(s.device(), Device::Cuda(0))),
-        }
-    }
-
-    /// The CUDA storage of an operand that must live on a CUDA device, for writing.
-    #[cfg(feature = "cuda")]
-    fn cuda_mut(&mut self) -> Result<&mut CudaStorage> {
-        match self {
-            DeviceStorage::Cuda(s) => Ok(&mut **s),
-            s => Err(mismatch(s.device(), Device::Cuda(0))),
-        }
-    }
-
-    /// `n` zeros of `dtype` on `device`: the allocate half of the contract. A CUDA device
-    /// is opened (and probed) on first use: a missing driver, library or GPU is a typed
-    /// `DeviceUnavailable` naming what is missing.
+    /// `n` zeros of `dtype` on `device` ([`BackendStorage::zeros_on`]).
     pub(crate) fn zeros(device: Device, dtype: DType, n: usize) -> Result<DeviceStorage> {
-        match device {
-            Device::Cpu => Ok(CpuStorage::zeros(dtype, n).into()),
-            Device::Fake(i) => FakeStorage::zeros(i, dtype, n).map(Into::into),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(i) => CudaStorage::zeros(&crate::cuda::CudaDevice::get(i)?, dtype, n).map(Into::into),
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(crate::cuda::probe::Unavailable::NotBuilt.on(device)),
-        }
+        on_device!(device, B, i => B::zeros_on(i, dtype, n).into_device())
     }
 
-    /// Copy in: host data onto `device` (no copy for the CPU).
-    pub(crate) fn from_cpu(device: Device, data: CpuStorage) -> Result<DeviceStorage> {
-        match device {
-            Device::Cpu => Ok(DeviceStorage::Cpu(data)),
-            Device::Fake(i) => Ok(FakeStorage::upload(i, data).into()),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(i) => CudaStorage::from_cpu(&crate::cuda::CudaDevice::get(i)?, &data).map(Into::into),
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(crate::cuda::probe::Unavailable::NotBuilt.on(device)),
-        }
+    /// Copy in: host data onto `device` ([`BackendStorage::upload`]; no copy for the CPU).
+    pub(crate) fn from_cpu(device: Device, data: Buffer) -> Result<DeviceStorage> {
+        on_device!(device, B, i => B::upload(i, data).into_device())
     }
 
     /// The device the memory lives on.
     pub(crate) fn device(&self) -> Device {
-        on_backend!(self, s, other, other_mut => s.device())
+        dispatch!(plain self, s => s.device())
     }
 
     /// The element type.
     pub(crate) fn dtype(&self) -> DType {
-        on_backend!(self, s, other, other_mut => s.dtype())
+        dispatch!(plain self, s => s.dtype())
     }
 
     /// Number of elements.
     pub(crate) fn len(&self) -> usize {
-        on_backend!(self, s, other, other_mut => s.len())
-    }
-
-    /// A zero-length storage of the same dtype and device.
-    pub(crate) fn empty_like(&self) -> DeviceStorage {
-        on_backend!(self, s, other, other_mut => s.empty_like().into())
-    }
-
-    /// See [`BackendStorage::int_range`].
-    pub(crate) fn int_range(&self) -> Option<(i64, i64)> {
-        on_backend!(self, s, other, other_mut => s.int_range())
-    }
-
-    /// The elements of the view, row-major, in host memory: one gather on the CPU; on a
-    /// device one copy out (after a device-side gather unless the view is the whole storage).
-    pub(crate) fn to_host_vec<T: Element>(&self, layout: &Layout, op: &'static str) -> Result<Vec<T>> {
-        fn out<S: BackendStorage, T: Element>(s: &S, l: &Layout, op: &'static str) -> Result<Vec<T>> {
-            let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == s.len();
-            let host = if whole {
-                s.to_cpu()?
-            } else {
-                s.copy_strided(l)?.to_cpu()?
-            };
-            let dtype = host.dtype();
-            T::unwrap(host).ok_or(TensorError::DTypeMismatch {
-                op,
-                lhs: dtype,
-                rhs: T::DTYPE,
-            })
-        }
-        match self {
-            DeviceStorage::Cpu(s) => crate::cpu::gather::<T>(s, layout, op),
-            DeviceStorage::Fake(s) => out(&**s, layout, op),
-            #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda(s) => out(&**s, layout, op),
-        }
-    }
-
-    /// Copy out of the whole storage into host memory.
-    pub(crate) fn to_cpu(&self) -> Result<CpuStorage> {
-        on_backend!(self, s, other, other_mut => s.to_cpu())
-    }
-
-    /// See [`BackendStorage::copy_strided`].
-    pub(crate) fn copy_strided(&self, layout: &Layout) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.copy_strided(layout).map(Into::into))
-    }
-
-    /// See [`BackendStorage::to_dtype`].
-    pub(crate) fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.to_dtype(layout, dtype).map(Into::into))
-    }
-
-    /// See [`BackendStorage::unary`].
-    pub(crate) fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.unary(layout, op).map(Into::into))
-    }
-
-    /// See [`BackendStorage::binary`].
-    pub(crate) fn binary(&self, l: &Layout, rhs: &DeviceStorage, rl: &Layout, op: BinaryOp) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.binary(l, other(rhs)?, rl, op).map(Into::into))
-    }
-
-    /// See [`BackendStorage::reduce`].
-    pub(crate) fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.reduce(layout, dims, op).map(Into::into))
-    }
-
-    /// See [`BackendStorage::matmul`].
-    pub(crate) fn matmul(&self, l: &Layout, rhs: &DeviceStorage, rl: &Layout) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.matmul(l, other(rhs)?, rl).map(Into::into))
-    }
-
-    /// See [`BackendStorage::matmul_bias`].
-    pub(crate) fn matmul_bias(
-        &self,
-        l: &Layout,
-        rhs: &DeviceStorage,
-        rl: &Layout,
-        bias: (&DeviceStorage, &Layout),
-    ) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.matmul_bias(l, other(rhs)?, rl, (other(bias.0)?, bias.1)).map(Into::into))
-    }
-
-    /// See [`BackendStorage::softmax_last`].
-    pub(crate) fn softmax_last(&self, layout: &Layout, log: bool) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.softmax_last(layout, log).map(Into::into))
-    }
-
-    /// See [`BackendStorage::softmax_backward`].
-    pub(crate) fn softmax_backward(
-        &self,
-        l: &Layout,
-        g: &DeviceStorage,
-        gl: &Layout,
-        log: bool,
-    ) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.softmax_backward(l, other(g)?, gl, log).map(Into::into))
-    }
-
-    /// See [`BackendStorage::layer_norm`].
-    pub(crate) fn layer_norm(
-        &self,
-        l: &Layout,
-        w: (&DeviceStorage, &Layout),
-        b: (&DeviceStorage, &Layout),
-        eps: f64,
-    ) -> Result<(DeviceStorage, DeviceStorage, DeviceStorage)> {
-        on_backend!(self, s, other, other_mut => {
-            let (y, mean, rstd) = s.layer_norm(l, (other(w.0)?, w.1), (other(b.0)?, b.1), eps)?;
-            Ok((y.into(), mean.into(), rstd.into()))
-        })
-    }
-
-    /// See [`BackendStorage::layer_norm_backward`].
-    pub(crate) fn layer_norm_backward(
-        &self,
-        l: &Layout,
-        w: (&DeviceStorage, &Layout),
-        mean: (&DeviceStorage, &Layout),
-        rstd: (&DeviceStorage, &Layout),
-        gy: (&DeviceStorage, &Layout),
-    ) -> Result<(DeviceStorage, DeviceStorage, DeviceStorage)> {
-        on_backend!(self, s, other, other_mut => {
-            let (dx, dw, db) = s.layer_norm_backward(
-                l,
-                (other(w.0)?, w.1),
-                (other(mean.0)?, mean.1),
-                (other(rstd.0)?, rstd.1),
-                (other(gy.0)?, gy.1),
-            )?;
-            Ok((dx.into(), dw.into(), db.into()))
-        })
-    }
-
-    /// See [`BackendStorage::embedding`].
-    pub(crate) fn embedding(&self, l: &Layout, ids: (&DeviceStorage, &Layout)) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.embedding(l, (other(ids.0)?, ids.1)).map(Into::into))
-    }
-
-    /// See [`BackendStorage::embedding_backward`].
-    pub(crate) fn embedding_backward(
-        &self,
-        l: &Layout,
-        ids: (&DeviceStorage, &Layout),
-        vocab: usize,
-    ) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.embedding_backward(l, (other(ids.0)?, ids.1), vocab).map(Into::into))
-    }
-
-    /// See [`BackendStorage::causal_fill`].
-    pub(crate) fn causal_fill(&self, l: &Layout, value: f64) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s.causal_fill(l, value).map(Into::into))
-    }
-
-    /// See [`BackendStorage::causal_attention`].
-    pub(crate) fn causal_attention(
-        &self,
-        l: &Layout,
-        n_heads: usize,
-        scale: f64,
-    ) -> Result<(DeviceStorage, DeviceStorage)> {
-        on_backend!(self, s, other, other_mut => {
-            let (y, probs) = s.causal_attention(l, n_heads, scale)?;
-            Ok((y.into(), probs.into()))
-        })
-    }
-
-    /// See [`BackendStorage::causal_attention_backward`].
-    pub(crate) fn causal_attention_backward(
-        &self,
-        l: &Layout,
-        probs: (&DeviceStorage, &Layout),
-        gy: (&DeviceStorage, &Layout),
-        n_heads: usize,
-        scale: f64,
-    ) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s
-            .causal_attention_backward(l, (other(probs.0)?, probs.1), (other(gy.0)?, gy.1), n_heads, scale)
-            .map(Into::into))
-    }
-
-    /// See [`BackendStorage::cross_entropy`].
-    pub(crate) fn cross_entropy(
-        &self,
-        l: &Layout,
-        targets: (&DeviceStorage, &Layout),
-    ) -> Result<(DeviceStorage, DeviceStorage)> {
-        on_backend!(self, s, other, other_mut => {
-            let (loss, probs) = s.cross_entropy(l, (other(targets.0)?, targets.1))?;
-            Ok((loss.into(), probs.into()))
-        })
-    }
-
-    /// See [`BackendStorage::cross_entropy_backward`].
-    pub(crate) fn cross_entropy_backward(
-        &self,
-        l: &Layout,
-        targets: (&DeviceStorage, &Layout),
-        g: (&DeviceStorage, &Layout),
-    ) -> Result<DeviceStorage> {
-        on_backend!(self, s, other, other_mut => s
-            .cross_entropy_backward(l, (other(targets.0)?, targets.1), (other(g.0)?, g.1))
-            .map(Into::into))
-    }
-
-    /// See [`BackendStorage::fill`].
-    pub(crate) fn fill(&mut self, l: &Layout, v: f64) -> Result<()> {
-        on_backend!(self, s, other, other_mut => s.fill(l, v))
-    }
-
-    /// See [`BackendStorage::copy_from`].
-    pub(crate) fn copy_from(&mut self, l: &Layout, src: (&DeviceStorage, &Layout)) -> Result<()> {
-        on_backend!(self, s, other, other_mut => s.copy_from(l, (other(src.0)?, src.1)))
-    }
-
-    /// See [`BackendStorage::add_scaled_assign`].
-    pub(crate) fn add_scaled_assign(&mut self, l: &Layout, src: (&DeviceStorage, &Layout), scale: f64) -> Result<()> {
-        on_backend!(self, s, other, other_mut => s.add_scaled_assign(l, (other(src.0)?, src.1), scale))
-    }
-
-    /// See [`BackendStorage::sgd_step`].
-    pub(crate) fn sgd_step(
-        &mut self,
-        l: &Layout,
-        grad: (&DeviceStorage, &Layout),
-        buf: Option<(&mut DeviceStorage, &Layout)>,
-        sc: &SgdScalars,
-    ) -> Result<()> {
-        on_backend!(self, s, other, other_mut => {
-            let buf = match buf {
-                Some((b, bl)) => Some((other_mut(b)?, bl)),
-                None => None,
-            };
-            s.sgd_step(l, (other(grad.0)?, grad.1), buf, sc)
-        })
-    }
-
-    /// See [`BackendStorage::adamw_step`].
-    pub(crate) fn adamw_step(
-        &mut self,
-        l: &Layout,
-        grad: (&DeviceStorage, &Layout),
-        m: (&mut DeviceStorage, &Layout),
-        v: (&mut DeviceStorage, &Layout),
-        sc: &AdamWScalars,
-    ) -> Result<()> {
-        on_backend!(self, s, other, other_mut => {
-            s.adamw_step(l, (other(grad.0)?, grad.1), (other_mut(m.0)?, m.1), (other_mut(v.0)?, v.1), sc)
-        })
+        dispatch!(plain self, s => s.len())
     }
 }
 
 /// A tensor's memory on some device, as lent out by [`crate::Tensor::lend_storage`] and
 /// given back with [`crate::Tensor::restore_storage`]. Opaque: other crates move its
-/// elements to and from host vectors explicitly, without a copy when it lives on the CPU.
+/// elements to and from host buffers explicitly, without a copy when it lives on the CPU.
 #[derive(Debug)]
 pub struct Storage(pub(crate) DeviceStorage);
 
@@ -445,29 +254,33 @@ impl Storage {
         self.len() == 0
     }
 
-    /// The elements as a host vector: the storage's own vector on the CPU (no copy), a
-    /// copy out of device memory elsewhere (how a device gradient bucket is staged through
-    /// the host for a CPU all-reduce). `T` must be the storage's dtype.
+    /// The elements as a host buffer: the storage's own buffer on the CPU (no copy), a copy
+    /// out of device memory elsewhere (how a device gradient bucket is staged through the host
+    /// for a CPU all-reduce).
+    pub fn into_buffer(self) -> Result<Buffer> {
+        dispatch!(plain self.0, s => s.into_cpu())
+    }
+
+    /// The elements as a host vector of `T`, which must be the storage's dtype (as
+    /// [`Storage::into_buffer`]).
     pub fn into_host_vec<T: Element>(self) -> Result<Vec<T>> {
         let dtype = self.dtype();
-        let wrong = || TensorError::DTypeMismatch {
+        T::unwrap(self.into_buffer()?).ok_or(TensorError::DTypeMismatch {
             op: "into_host_vec",
             lhs: dtype,
             rhs: T::DTYPE,
-        };
-        let host = match self.0 {
-            DeviceStorage::Cpu(s) => s,
-            DeviceStorage::Fake(s) => s.to_cpu()?,
-            #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda(s) => s.to_cpu()?,
-        };
-        T::unwrap(host).ok_or_else(wrong)
+        })
     }
 
-    /// A storage on `device` holding `data`: the vector itself on the CPU (no copy), a
-    /// copy into device memory elsewhere.
+    /// A storage on `device` holding `data`: the buffer itself on the CPU (no copy), a copy
+    /// into device memory elsewhere.
+    pub fn from_buffer(data: Buffer, device: Device) -> Result<Storage> {
+        Ok(Storage(DeviceStorage::from_cpu(device, data)?))
+    }
+
+    /// A storage on `device` holding `data` (as [`Storage::from_buffer`]).
     pub fn from_host_vec<T: Element>(data: Vec<T>, device: Device) -> Result<Storage> {
-        Ok(Storage(DeviceStorage::from_cpu(device, T::wrap(data))?))
+        Storage::from_buffer(T::wrap(data), device)
     }
 
     /// The raw handles of this device memory for code outside the tensor crate (a collective)
@@ -484,17 +297,7 @@ impl Storage {
                 rhs: used_on.device(),
             });
         }
-        let ptr = match &self.0 {
-            DeviceStorage::Cpu(_) => {
-                return Err(TensorError::Invalid {
-                    op: "device_memory",
-                    msg: "host memory has no device handle (lend a CPU storage with into_host_vec)".into(),
-                })
-            }
-            DeviceStorage::Fake(s) => used_on.scope(|| s.lend_raw())?,
-            #[cfg(feature = "cuda")]
-            DeviceStorage::Cuda(s) => used_on.scope(|| s.lend_raw())?,
-        };
+        let ptr = used_on.scope(|| dispatch!(plain &self.0, s => s.lend_raw()))?;
         Ok(DeviceMemory {
             ptr,
             len: self.len(),
@@ -512,7 +315,7 @@ mod tests {
     fn a_lent_cpu_storage_moves_its_vector_out_and_back_without_a_copy() {
         let flat = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap();
         let before = match &*flat.read_guard_for_tests() {
-            super::DeviceStorage::Cpu(super::CpuStorage::F32(v)) => v.as_ptr(),
+            super::DeviceStorage::Cpu(super::Buffer::F32(v)) => v.as_ptr(),
             _ => unreachable!(),
         };
         let v = flat.lend_storage().unwrap().into_host_vec::<f32>().unwrap();
@@ -520,7 +323,7 @@ mod tests {
         let back = Storage::from_host_vec(v, Device::Cpu).unwrap();
         flat.restore_storage(back).unwrap();
         let after = match &*flat.read_guard_for_tests() {
-            super::DeviceStorage::Cpu(super::CpuStorage::F32(v)) => v.as_ptr(),
+            super::DeviceStorage::Cpu(super::Buffer::F32(v)) => v.as_ptr(),
             _ => unreachable!(),
         };
         assert_eq!(after, before);

@@ -2,10 +2,9 @@
 
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::cpu::storage::CpuStorage;
 use crate::layout::contiguous_strides;
-use crate::storage::{DeviceStorage, Storage};
-use crate::{DType, Device, Element, Layout, Result, Rng, TensorError};
+use crate::storage::{dispatch, DeviceStorage, Storage};
+use crate::{Buffer, DType, Device, Element, Layout, Result, Rng, TensorError};
 
 /// An n-d array: a reference-counted storage plus a [`Layout`] (shape, strides, offset).
 ///
@@ -44,16 +43,15 @@ impl Tensor {
 
     /// A contiguous tensor owning `data`, which must hold exactly `shape`'s element count.
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
-        if data.len() != numel {
-            return Err(TensorError::ElementCount {
+        Self::from_buffer(T::wrap(data), shape).map_err(|e| match e {
+            TensorError::ElementCount { len, shape, numel, .. } => TensorError::ElementCount {
                 op: "from_vec",
-                len: data.len(),
-                shape: shape.to_vec(),
+                len,
+                shape,
                 numel,
-            });
-        }
-        Ok(Self::from_storage(T::wrap(data), shape))
+            },
+            e => e,
+        })
     }
 
     /// A contiguous tensor copying `data`.
@@ -68,7 +66,7 @@ impl Tensor {
 
     /// A tensor of zeros (on the CPU).
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
-        Self::from_storage(CpuStorage::zeros(dtype, shape.iter().product()), shape)
+        Self::from_storage(Buffer::zeros(dtype, shape.iter().product()), shape)
     }
 
     /// A tensor of zeros on `device`, allocated there.
@@ -105,7 +103,7 @@ impl Tensor {
     /// A tensor filled with `v` (converted to `dtype`).
     pub fn full(shape: &[usize], v: f64, dtype: DType) -> Tensor {
         let n: usize = shape.iter().product();
-        Self::from_storage(CpuStorage::full(dtype, n, v), shape)
+        Self::from_storage(Buffer::full(dtype, n, v), shape)
     }
 
     /// Standard-normal samples times `std`.
@@ -124,7 +122,7 @@ impl Tensor {
 
     /// A tensor of `dtype` from f64 values (rounded as the type requires).
     pub fn from_f64_vec(v: Vec<f64>, shape: &[usize], dtype: DType) -> Tensor {
-        Self::from_storage(CpuStorage::from_f64_vec(v, dtype), shape)
+        Self::from_storage(Buffer::from_f64_vec(v, dtype), shape)
     }
 
     /// The dimensions.
@@ -275,7 +273,41 @@ impl Tensor {
     /// The elements in row-major order (type must match the dtype).
     /// A copy out of device memory when the tensor lives on a GPU.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        self.storage("to_vec")?.to_host_vec::<T>(&self.layout, "to_vec")
+        let host = self.to_buffer()?;
+        let dtype = host.dtype();
+        T::unwrap(host).ok_or(TensorError::DTypeMismatch {
+            op: "to_vec",
+            lhs: dtype,
+            rhs: T::DTYPE,
+        })
+    }
+
+    /// The elements in row-major order as a host buffer of the tensor's dtype (a copy out of
+    /// device memory when the tensor lives on a GPU).
+    pub fn to_buffer(&self) -> Result<Buffer> {
+        let l = &self.layout;
+        dispatch!(plain &*self.storage("to_buffer")?, s => {
+            if l.is_contiguous() && l.offset() == 0 && l.numel() == s.len() {
+                s.to_cpu()
+            } else {
+                s.copy_strided(l)?.into_cpu()
+            }
+        })
+    }
+
+    /// A contiguous tensor of `shape` on the CPU owning `data` (no copy), which must hold
+    /// exactly `shape`'s element count.
+    pub fn from_buffer(data: Buffer, shape: &[usize]) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if data.len() != numel {
+            return Err(TensorError::ElementCount {
+                op: "from_buffer",
+                len: data.len(),
+                shape: shape.to_vec(),
+                numel,
+            });
+        }
+        Ok(Self::from_storage(data, shape))
     }
 
     /// The elements converted to f64, in row-major order, whatever the dtype.
@@ -320,7 +352,7 @@ impl Tensor {
         if dtype == self.dtype {
             return self.contiguous();
         }
-        let out = self.storage("to_dtype")?.to_dtype(&self.layout, dtype)?;
+        let out = dispatch!(&*self.storage("to_dtype")?, s => s.to_dtype(&self.layout, dtype))?;
         Ok(Self::from_storage(out, self.shape()))
     }
 
@@ -331,8 +363,7 @@ impl Tensor {
         if device == self.device {
             return Ok(self.clone());
         }
-        let host = self.contiguous()?;
-        let host = host.storage("to_device")?.copy_strided(&host.layout)?.to_cpu()?;
+        let host = self.contiguous()?.to_buffer()?;
         Ok(Self::from_storage(DeviceStorage::from_cpu(device, host)?, self.shape()))
     }
 
@@ -346,7 +377,7 @@ impl Tensor {
 
     /// A contiguous copy that shares nothing with `self`.
     pub fn copy(&self) -> Result<Tensor> {
-        let s = self.storage("copy")?.copy_strided(&self.layout)?;
+        let s = dispatch!(&*self.storage("copy")?, s => s.copy_strided(&self.layout))?;
         Ok(Self::from_storage(s, self.shape()))
     }
 
@@ -412,10 +443,10 @@ impl Tensor {
     /// behind until [`Tensor::restore_storage`]. Any access meanwhile is a
     /// [`TensorError::StorageLent`] error, never a read of stale data. This is how a
     /// bucket hands its flat buffer to the comm stream without a copy (on the CPU,
-    /// [`Storage::into_host_vec`] then moves the vector out as it is).
+    /// [`Storage::into_buffer`] then moves the buffer out as it is).
     pub fn lend_storage(&self) -> Result<Storage> {
         let mut g = self.storage_mut("lend_storage")?;
-        let empty = g.empty_like();
+        let empty = dispatch!(&*g, s => s.empty_like());
         Ok(Storage(std::mem::replace(&mut *g, empty)))
     }
 
@@ -477,7 +508,19 @@ mod cast_tests {
     use crate::{test_device, DType, Device, Tensor};
 
     fn the_int8_cast_rounds_half_to_even_and_saturates_at_127(d: Device) {
-        let v = vec![2.5f32, 3.5, -2.5, -0.5, 0.49, 126.5, 127.5, 1e9, -200.0, f32::NAN, f32::NEG_INFINITY];
+        let v = vec![
+            2.5f32,
+            3.5,
+            -2.5,
+            -0.5,
+            0.49,
+            126.5,
+            127.5,
+            1e9,
+            -200.0,
+            f32::NAN,
+            f32::NEG_INFINITY,
+        ];
         let t = Tensor::from_vec(v, &[11]).unwrap().to_device(d).unwrap();
         let q = t.to_dtype(DType::I8).unwrap().to_vec::<i8>().unwrap();
         assert_eq!(q, vec![2, 4, -2, 0, 0, 126, 127, 127, -127, 0, -127]);

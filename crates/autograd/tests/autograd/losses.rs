@@ -26,7 +26,13 @@ fn target_away(input: &Tensor, seed: u64, kinks: &[f64], gap: f64) -> Tensor {
         .unwrap()
         .into_iter()
         .zip(&x)
-        .map(|(y, &x)| if kinks.iter().any(|k| ((x - y).abs() - k).abs() < gap) { y + 3.0 * gap } else { y })
+        .map(|(y, &x)| {
+            if kinks.iter().any(|k| ((x - y).abs() - k).abs() < gap) {
+                y + 3.0 * gap
+            } else {
+                y
+            }
+        })
         .collect();
     Tensor::from_vec(y, input.shape()).unwrap()
 }
@@ -97,7 +103,10 @@ fn binary_cross_entropy_with_logits_gradients_values_and_stability() {
     let x = randn(&[3, 4], 9).mul_scalar(3.0).unwrap();
     let y = Tensor::rand_uniform(&[3, 4], 0.0, 1.0, DType::F64, &mut Rng::new(10));
     for r in REDUCTIONS {
-        check(|v| v[0].binary_cross_entropy_with_logits_with(&v[1], r), &[x.clone(), y.clone()]);
+        check(
+            |v| v[0].binary_cross_entropy_with_logits_with(&v[1], r),
+            &[x.clone(), y.clone()],
+        );
     }
     // x = 0 exactly, where max(x, 0) and |x| have kinks but the loss does not
     let zeros = Tensor::zeros(&[3, 4], DType::F64);
@@ -112,10 +121,15 @@ fn binary_cross_entropy_with_logits_gradients_values_and_stability() {
     // -y ln sigmoid(x) is ln(0) = -inf there)
     let logits = Var::leaf(Tensor::from_vec(vec![100.0f32, -100.0, 100.0, -100.0], &[4]).unwrap());
     let target = Var::constant(Tensor::from_vec(vec![1.0f32, 0.0, 0.0, 1.0], &[4]).unwrap());
-    let l = logits.binary_cross_entropy_with_logits_with(&target, Reduction::None).unwrap();
+    let l = logits
+        .binary_cross_entropy_with_logits_with(&target, Reduction::None)
+        .unwrap();
     assert_eq!(l.value().to_vec::<f32>().unwrap(), vec![0.0, 0.0, 100.0, 100.0]);
     l.sum_all().unwrap().backward().unwrap();
-    assert_eq!(logits.grad().unwrap().to_vec::<f32>().unwrap(), vec![0.0, 0.0, 1.0, -1.0]);
+    assert_eq!(
+        logits.grad().unwrap().to_vec::<f32>().unwrap(),
+        vec![0.0, 0.0, 1.0, -1.0]
+    );
 }
 
 #[test]

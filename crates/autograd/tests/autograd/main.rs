@@ -4,8 +4,8 @@
 
 mod bus;
 mod grad_accumulation;
-mod losses;
 mod gradcheck;
+mod losses;
 mod optim;
 mod profile;
 mod schedule;

@@ -48,7 +48,7 @@ fn adamw_two_steps_and_state_round_trip() {
     // p -= 0.1 * g / (|g| + 1e-8) = 0.1 sign(g)
     let p1 = [1.0 * 0.999 - 0.1, -2.0 * 0.999 + 0.1];
     close(&p.value().to_vec::<f32>().unwrap(), &p1);
-    let saved = opt.state().unwrap();
+    let saved = opt.state_dict().unwrap();
     let after_step1 = p.value().to_vec::<f32>().unwrap();
     // Step 2 with another gradient, so that the result depends on the state: with a constant
     // gradient every AdamW update is lr * sign(g), whatever m, v and the step count hold.
@@ -66,11 +66,11 @@ fn adamw_two_steps_and_state_round_trip() {
     // restoring the state after step 1 into a fresh optimizer reproduces step 2, bit for bit
     let (store2, q, _) = setup(&after_step1, &[0.5, -1.0]);
     let mut opt2 = AdamW::new(store2.params().to_vec(), 0.1);
-    opt2.load_state(&saved).unwrap();
+    opt2.load_state_dict(&saved).unwrap();
     grad_step(&store2, &q, &c2, &mut opt2);
     assert_eq!(q.value().to_vec::<f32>().unwrap(), p.value().to_vec::<f32>().unwrap());
     let bits = |o: &dyn Optimizer| -> Vec<(String, Vec<u64>)> {
-        o.state()
+        o.state_dict()
             .unwrap()
             .into_iter()
             .map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|x| x.to_bits()).collect()))

@@ -1,4 +1,4 @@
-//! Learning-rate schedules against their formulas at every step (issue 23 §1), written out
+//! Learning-rate schedules against their formulas at every step, written out
 //! here independently of the library's code.
 
 use std::f64::consts::PI;

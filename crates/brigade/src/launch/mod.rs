@@ -21,7 +21,7 @@ mod threads;
 pub use binding::binding_note;
 pub use comm_stack::{comm_stack, net_model, SimLink};
 pub use context::{default_threads, CommBackend, LaunchConfig, Launched, OnFatal, RankContext};
-pub use root_cause::{is_peer_gone, root_cause};
+pub use root_cause::root_cause;
 
 use crate::error::Result;
 

@@ -12,7 +12,7 @@ use crate::error::Error;
 /// Whether `e` only reports that a peer is gone (`CommError::RankFailed`, `CommError::Closed`):
 /// the consequence of another rank's failure, not a cause. Walks the source chain, stepping
 /// through the transparent wrappers (whose `source()` skips the error they wrap).
-pub fn is_peer_gone(e: &(dyn StdError + 'static)) -> bool {
+fn is_peer_gone(e: &(dyn StdError + 'static)) -> bool {
     let mut next = Some(e);
     while let Some(e) = next {
         if let Some(c) = e.downcast_ref::<CommError>() {

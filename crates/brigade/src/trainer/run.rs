@@ -4,8 +4,8 @@
 use crate::error::{Error, Result};
 use crate::join;
 use crate::launch::{binding_note, CommBackend};
-use crate::observe::{RunStart, StepRecord, TrainObserver};
-use crate::outcome::{CheckpointFailure, TrainOutcome};
+use crate::observe::{RunStart, TrainObserver};
+use crate::outcome::{CheckpointFailure, StepRecord, TrainOutcome};
 
 use super::{compute_threads, Trainer};
 
@@ -14,23 +14,29 @@ impl Trainer<'_> {
     /// at the end. On rank 0 the run's observer is told when the run starts, after every step and
     /// when it ends (also when it fails).
     pub fn run(self) -> Result<TrainOutcome> {
-        let observer = self.cfg.instrument.observer.clone().filter(|_| self.ctx.rank == 0);
+        let observer = self
+            .cfg
+            .runtime
+            .instrument
+            .observer
+            .clone()
+            .filter(|_| self.ctx.rank == 0);
         if let Some(o) = &observer {
             if self.ctx.launcher == CommBackend::Mpi {
                 if let Some(note) = binding_note(self.ctx.local_ranks, compute_threads(self.cfg, self.ctx)) {
                     o.note(&note);
                 }
             }
-            if !self.resume_changes.is_empty() {
-                o.resumed(&self.resume_changes);
+            if !self.resume.changes.is_empty() {
+                o.resumed(&self.resume.changes);
             }
-            if let Some(note) = &self.resume_note {
+            if let Some(note) = &self.resume.note {
                 o.note(note);
             }
             o.run_started(&RunStart {
                 world_size: self.ctx.world_size,
-                first_step: self.first_step,
-                steps: self.cfg.steps,
+                first_step: self.at.first_step,
+                steps: self.cfg.recipe.steps,
             });
         }
         let outcome = self.run_steps(observer.as_deref());
@@ -40,124 +46,135 @@ impl Trainer<'_> {
         outcome
     }
 
+    /// The steps, one after the other, until `steps`, a stop, an agreed error or the end of
+    /// every rank's data; then the end of the run ([`Trainer::finish`]).
     fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
-        let (mut losses, mut step_ms, mut sent, mut interrupted) = (vec![], vec![], vec![], false);
-        let (mut lrs, mut grad_norms, mut val_losses) = (vec![], vec![], vec![]);
-        let (mut stopped, mut checkpoint_error) = (None, None);
-        while self.next_step < self.cfg.steps {
+        let mut ended = Ended::default();
+        while self.at.next_step < self.cfg.recipe.steps {
             // a join run ends when no rank has data left; its last step is then evaluated as
             // the last step of `steps` is (every rank ends here together)
             if self.agree_on_data()?.is_some_and(|a| a.none_active()) {
-                if let (Some(e), Some(last @ None)) = (&self.cfg.eval, val_losses.last_mut()) {
-                    *last = Some(self.evaluate(e.data.as_ref())?);
-                }
+                self.evaluate_last(&mut ended.steps)?;
                 break;
             }
-            let s = match self.step() {
+            let outcome = match self.step() {
                 Ok(s) => s,
                 Err(e) if e.is_agreed() => {
-                    stopped = Some(e);
+                    ended.stopped = Some(e);
                     break;
                 }
                 Err(e) => return Err(e),
             };
-            let val_loss = match &self.cfg.eval {
-                Some(e) if (s.step + 1) % e.every.max(1) == 0 || s.step + 1 == self.cfg.steps => {
-                    Some(self.evaluate(e.data.as_ref())?)
-                }
-                _ => None,
-            };
-            val_losses.push(val_loss);
-            losses.push(s.loss);
-            lrs.push(s.lr);
-            grad_norms.push(s.grad_norm);
-            step_ms.push(s.ms);
-            sent.push(s.sent);
+            let record = self.keep(outcome.record, &mut ended)?;
             if let Some(o) = observer {
-                o.step_finished(&StepRecord {
-                    step: s.step,
-                    loss: s.loss,
-                    step_ms: s.ms,
-                    lr: s.lr,
-                    grad_norm: s.grad_norm,
-                    val_loss,
-                    sent: s.sent,
-                });
+                o.step_finished(&record);
             }
-            // Rank 0 could not write the step's periodic checkpoint: every rank stops after the
-            // next step (they agree on it then), and the outputs are written before the error.
-            if let Some(error) = self.checkpoint_failed.take() {
-                checkpoint_error.get_or_insert(CheckpointFailure { periodic: true, error });
-                self.stop_requested = true;
-            }
-            if s.stop {
-                interrupted = self.next_step < self.cfg.steps;
+            if outcome.stop {
+                ended.interrupted = self.at.next_step < self.cfg.recipe.steps;
                 break;
             }
             // Due now, written by the next step once its loss is finite (or at the end).
-            self.checkpoint_due = self
+            self.saves.due = self
                 .cfg
+                .runtime
                 .checkpoint
                 .every
-                .is_some_and(|e| e > 0 && self.next_step.is_multiple_of(e));
+                .is_some_and(|e| e > 0 && self.at.next_step.is_multiple_of(e));
         }
-        // The end (also of a run of zero steps, or an interrupted one) is always checkpointed,
-        // unless the run diverged (the last good checkpoint stays). A failed write there is
-        // reported with the other outputs, which are still written.
-        let diverged = matches!(stopped, Some(Error::NonFinite { .. }));
-        if !diverged && checkpoint_error.is_none() && self.checkpointed != Some(self.next_step) {
-            match self.checkpoint() {
-                Ok(()) => {}
-                Err(e) if e.is_agreed() => stopped = stopped.or(Some(e)),
-                Err(error) => checkpoint_error = Some(CheckpointFailure { periodic: false, error }),
+        self.finish(&mut ended)?;
+        self.outcome(ended)
+    }
+
+    /// The step's record, with its validation loss when the step evaluates, kept in `ended`. A
+    /// periodic checkpoint that rank 0 could not write in the step stops every rank after the
+    /// next step (they agree on it then); the outputs are written before the error.
+    fn keep(&mut self, mut record: StepRecord, ended: &mut Ended) -> Result<StepRecord> {
+        record.val_loss = match &self.cfg.recipe.eval {
+            Some(e) if (record.step + 1).is_multiple_of(e.every.max(1)) || record.step + 1 == self.cfg.recipe.steps => {
+                Some(self.evaluate(e.data.as_ref())?)
+            }
+            _ => None,
+        };
+        ended.steps.push(record);
+        if let Some(error) = self.saves.failed.take() {
+            ended
+                .checkpoint_error
+                .get_or_insert(CheckpointFailure { periodic: true, error });
+            self.saves.stop_requested = true;
+        }
+        Ok(record)
+    }
+
+    /// Evaluates after the last step run when it did not (a join run whose data ended).
+    fn evaluate_last(&mut self, steps: &mut [StepRecord]) -> Result<()> {
+        if let (Some(e), Some(last)) = (&self.cfg.recipe.eval, steps.last_mut()) {
+            if last.val_loss.is_none() {
+                last.val_loss = Some(self.evaluate(e.data.as_ref())?);
             }
         }
-        // a join run: the ranks prove they hold the same parameters (a collective)
-        if let (Some(_), Some(_), false) = (&self.join, &self.ddp, diverged) {
-            match join::check_replicas(self.ctx.control.as_ref(), &self.model.params().named_values()) {
+        Ok(())
+    }
+
+    /// The end of the run: the final checkpoint (also of a run of zero steps, or an interrupted
+    /// one), unless the run diverged (the last good checkpoint stays), a failed write reported
+    /// with the other outputs, which are still written; under a join mode, the ranks' proof
+    /// that they hold the same parameters (a collective).
+    fn finish(&mut self, ended: &mut Ended) -> Result<()> {
+        let diverged = matches!(ended.stopped, Some(Error::NonFinite { .. }));
+        if !diverged && ended.checkpoint_error.is_none() && self.saves.written != Some(self.at.next_step) {
+            match self.checkpoint() {
                 Ok(()) => {}
-                Err(e) if e.is_agreed() => stopped = stopped.or(Some(e)),
+                Err(e) if e.is_agreed() => ended.stopped = ended.stopped.take().or(Some(e)),
+                Err(error) => ended.checkpoint_error = Some(CheckpointFailure { periodic: false, error }),
+            }
+        }
+        if let (Some(_), Some(_), false) = (&self.feed.join, &self.replica.ddp, diverged) {
+            let params = self.replica.model.params().named_values();
+            match join::check_replicas(self.ctx.control.as_ref(), &params) {
+                Ok(()) => {}
+                Err(e) if e.is_agreed() => ended.stopped = ended.stopped.take().or(Some(e)),
                 Err(e) => return Err(e),
             }
         }
-        let (buckets, memory, rank_memory) = match &self.ddp {
-            Some(ddp) => (
-                ddp.buckets(),
-                Some(ddp.memory()),
-                Some(ddp.rank_memory(self.opt.as_ref())?),
-            ),
-            None => (vec![], None, None),
-        };
-        let params = if self.ctx.rank == 0 {
-            self.model.params().named_values()
-        } else {
-            vec![]
-        };
+        Ok(())
+    }
+
+    /// The run's outcome on this rank: `ended`, and what the replica, its DDP and the join hold.
+    fn outcome(mut self, ended: Ended) -> Result<TrainOutcome> {
+        let ddp = self.replica.ddp.as_ref();
+        let memory = ddp.map(|d| d.rank_memory(self.replica.opt.as_ref())).transpose()?;
+        let join = self.feed.join.as_ref();
         Ok(TrainOutcome {
-            first_step: self.first_step,
-            losses,
-            lrs,
-            grad_norms,
-            val_losses,
-            resume_changes: std::mem::take(&mut self.resume_changes),
-            step_ms,
-            sent,
-            interrupted,
-            stopped,
-            checkpoint_error,
-            profile: self.profile.take(),
-            profiles: std::mem::take(&mut self.profiles),
-            autotune: self.autotune.as_ref().zip(self.ddp.as_ref()).map(|(t, d)| t.report(d)),
-            buckets,
+            first_step: self.at.first_step,
+            steps: ended.steps,
+            resume_changes: std::mem::take(&mut self.resume.changes),
+            interrupted: ended.interrupted,
+            stopped: ended.stopped,
+            checkpoint_error: ended.checkpoint_error,
+            profile: self.records.profile.take(),
+            profiles: std::mem::take(&mut self.records.profiles),
+            autotune: self.records.autotune.as_ref().zip(ddp).map(|(t, d)| t.report(d)),
+            buckets: ddp.map(|d| d.buckets()).unwrap_or_default(),
             memory,
-            rank_memory,
-            params,
-            rank_lengths: self.lengths.clone(),
-            sampler: self.next_position,
-            policy_diagnostics: self.ddp.as_ref().map(|d| d.policy_diagnostics()).unwrap_or_default(),
-            join: self.join.as_ref().map(|j| j.mode),
-            joined_at: self.join.as_ref().map(|j| j.joined_at.clone()).unwrap_or_default(),
-            data_ended: self.join.as_ref().and_then(|j| j.ended_at),
+            params: match self.ctx.rank {
+                0 => self.replica.model.params().named_values(),
+                _ => vec![],
+            },
+            rank_lengths: self.feed.lengths.clone(),
+            sampler: self.at.next_position,
+            policy_diagnostics: ddp.map(|d| d.policy_diagnostics()).unwrap_or_default(),
+            join: join.map(|j| j.mode),
+            joined_at: join.map(|j| j.joined_at.clone()).unwrap_or_default(),
+            data_ended: join.and_then(|j| j.ended_at),
         })
     }
+}
+
+/// How the steps went, gathered as they run.
+#[derive(Default)]
+struct Ended {
+    steps: Vec<StepRecord>,
+    interrupted: bool,
+    stopped: Option<Error>,
+    checkpoint_error: Option<CheckpointFailure>,
 }

@@ -17,28 +17,18 @@ impl Trainer<'_> {
     /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
     /// never overwrites the last good checkpoint.
     pub fn checkpoint(&mut self) -> Result<()> {
-        let Some(path) = self.cfg.checkpoint.path_at(self.next_step) else {
+        let Some(path) = self.cfg.runtime.checkpoint.path_at(self.at.next_step) else {
             return Ok(());
         };
-        if !self.cfg.allow_nonfinite {
-            // Every rank holds the same parameters under DDP, so every rank reaches the same verdict.
-            for (name, t) in self.model.params().named_values() {
-                if let Some(&v) = t.to_f64_vec()?.iter().find(|v| !v.is_finite()) {
-                    let what = format!("parameter '{name}' after the update");
-                    return Err(Error::NonFinite {
-                        step: self.next_step.saturating_sub(1),
-                        what,
-                        value: v,
-                    });
-                }
-            }
+        if !self.cfg.recipe.allow_nonfinite {
+            self.check_finite()?;
         }
         // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
-        self.opt.consolidate_state()?;
+        self.replica.opt.consolidate_state()?;
         // Every rank's policy state, on rank 0 (a collective unless the step gathered it).
-        let (policy_state, policy_name) = match &self.ddp {
+        let (policy_state, policy_name) = match &self.replica.ddp {
             Some(ddp) => {
-                let state = match self.policy_state_at_start.take() {
+                let state = match self.saves.policy_state_at_start.take() {
                     Some(state) => state,
                     None => ddp.gather_policy_state()?,
                 };
@@ -49,37 +39,50 @@ impl Trainer<'_> {
         // Every rank's dropout generator, on rank 0 (a collective).
         let dropout_rng = self.gather_rngs()?;
         if self.ctx.rank == 0 {
-            let id = CheckpointIdentity {
-                model: &self.cfg.model_name,
-                optimizer: self.cfg.optimizer.name(),
-                seed: self.cfg.seed,
-                data: self.data.fingerprint(),
-                zero: zero_stage(self.cfg),
-                world_size: self.ctx.world_size,
-                data_order: self.cfg.data_order.describe(),
-                sampler: self.next_position,
-                model_config: self.cfg.model_config.clone(),
-                recipe: {
-                    let mut m = recipe_metadata(self.cfg, &self.schedule);
-                    m.extend(self.join.iter().flat_map(|j| j.metadata(self.next_step)));
-                    m
-                },
-                policy: policy_name.as_deref(),
-                dropout_rng,
-                allow_nonfinite: self.cfg.allow_nonfinite,
-            };
-            save_checkpoint(
-                &path,
-                &id,
-                self.model.as_ref(),
-                self.opt.as_ref(),
-                &policy_state,
-                self.next_step,
-            )?;
-            self.cfg.checkpoint.prune()?;
+            let id = self.identity(policy_name.as_deref(), dropout_rng);
+            let (model, opt) = (self.replica.model.as_ref(), self.replica.opt.as_ref());
+            save_checkpoint(&path, &id, model, opt, &policy_state, self.at.next_step)?;
+            self.cfg.runtime.checkpoint.prune()?;
         }
-        self.checkpointed = Some(self.next_step);
+        self.saves.written = Some(self.at.next_step);
         Ok(())
+    }
+
+    /// Every parameter is finite (every rank holds the same parameters under DDP, so every
+    /// rank reaches the same verdict).
+    fn check_finite(&self) -> Result<()> {
+        for (name, t) in self.replica.model.params().named_values() {
+            if let Some(&v) = t.to_f64_vec()?.iter().find(|v| !v.is_finite()) {
+                let what = format!("parameter '{name}' after the update");
+                return Err(Error::NonFinite {
+                    step: self.at.next_step.saturating_sub(1),
+                    what,
+                    value: v,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// What the checkpoint of the state before step `next_step` records of the run.
+    fn identity<'s>(&'s self, policy: Option<&'s str>, dropout_rng: Vec<RngState>) -> CheckpointIdentity<'s> {
+        let mut recipe = recipe_metadata(self.cfg, &self.schedule);
+        recipe.extend(self.feed.join.iter().flat_map(|j| j.metadata(self.at.next_step)));
+        CheckpointIdentity {
+            model: &self.cfg.model.name,
+            optimizer: self.cfg.recipe.optimizer.name(),
+            seed: self.cfg.model.seed,
+            data: self.data.fingerprint(),
+            zero: zero_stage(self.cfg),
+            world_size: self.ctx.world_size,
+            data_order: self.cfg.data.order.describe(),
+            sampler: self.at.next_position,
+            model_config: self.cfg.model.config.clone(),
+            recipe,
+            policy,
+            dropout_rng,
+            allow_nonfinite: self.cfg.recipe.allow_nonfinite,
+        }
     }
 
     /// Every rank's dropout generator as it stood when step `next_step` began, by rank (on
@@ -91,9 +94,9 @@ impl Trainer<'_> {
                 .unwrap_or_default()
         };
         let all = if self.ctx.world_size == 1 {
-            vec![encode(self.next_rng)]
+            vec![encode(self.at.next_rng)]
         } else {
-            all_gather_bytes(self.ctx.control.as_ref(), encode(self.next_rng), "dropout rng")?
+            all_gather_bytes(self.ctx.control.as_ref(), encode(self.at.next_rng), "dropout rng")?
         };
         let decode = |b: &Vec<u8>| -> Option<RngState> {
             let (seed, offset) = b.split_at_checked(8)?;

@@ -9,11 +9,11 @@ use brigade_ddp::overlap::{RankProfile, StepInstants, StepProfile};
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
 
-use crate::data::Microbatch;
 use crate::error::{Error, Result};
 use crate::join::{Agreement, JoinMode};
-use crate::outcome::StepOutcome;
+use crate::outcome::{StepOutcome, StepRecord};
 use crate::recipe::{clip_factor, EvalSource};
+use crate::source::Microbatch;
 
 use super::{batch_on, Trainer, EVAL_TAG, JOIN_SPAN, STEP_STATUS_TAG};
 
@@ -36,84 +36,129 @@ impl Trainer<'_> {
     /// of the step as every rank runs it). Under [`JoinMode::Throw`] a step at which some rank
     /// has no data fails with [`Error::OutOfData`] on every rank; a step at which no rank has
     /// data is a configuration error (the run ends before it).
+    ///
+    /// The phases, in order: [`Trainer::agree_on_data`], `forward_backward`, `agree_on_loss`,
+    /// `scale_for_active`, `checkpoint_if_due`, `clip`, `optimizer_step`, `advance`,
+    /// `record_profile`.
     pub fn step(&mut self) -> Result<StepOutcome> {
-        let s = self.next_step;
-        let (rank, world) = (self.ctx.rank, self.ctx.world_size);
-        let (b, k) = (self.cfg.batch_size, self.cfg.accum);
+        let s = self.at.next_step;
         let t0 = Instant::now();
         let agreement = self.agree_on_data()?;
-        if let Some(a) = &agreement {
-            if let Some(e) = self.join.as_ref().and_then(|j| j.throw(a)) {
-                return Err(e);
-            }
-            if a.none_active() {
-                return Err(Error::Config(format!(
-                    "step {s}: every rank's data has ended, there is nothing to train on"
-                )));
-            }
-        }
-        let has_data = agreement.as_ref().is_none_or(|a| a.active[rank]);
+        let has_data = self.has_data(agreement.as_ref())?;
         // a due checkpoint holds the policy state this step starts from (a collective)
-        self.policy_state_at_start = match (&self.ddp, self.checkpoint_due) {
+        self.saves.policy_state_at_start = match (&self.replica.ddp, self.saves.due) {
             (Some(ddp), true) => Some(ddp.gather_policy_state()?),
             _ => None,
         };
-        let sent_before = self.meter.totals();
-        let step_span = self.begin(EventKind::Step(s));
-        let lr = self.schedule.apply(self.opt.as_mut(), s as u64);
-        self.model.params().zero_grad()?;
+        let sent_before = self.replica.meter.totals();
+        let step_span = self.span(EventKind::Step(s));
+        let lr = self.schedule.apply(self.replica.opt.as_mut(), s as u64);
+        let local_loss = self.forward_backward(has_data)?;
+        let status = self.agree_on_loss(local_loss, agreement.as_ref())?;
+        self.scale_for_active(agreement.as_ref())?;
+        let checkpoint_sent = self.checkpoint_if_due()?;
+        let grad_norm = self.clip()?;
+        let optimizer = self.optimizer_step(has_data)?;
+        drop(step_span);
+        self.advance();
+        self.record_profile(s, t0, optimizer)?;
+        Ok(StepOutcome {
+            record: StepRecord {
+                step: s,
+                loss: status.loss,
+                ms: t0.elapsed().as_secs_f64() * 1e3,
+                lr,
+                grad_norm,
+                val_loss: None,
+                sent: (self.replica.meter.totals() - sent_before) - checkpoint_sent,
+            },
+            stop: status.stop,
+            sampler: self.at.next_position,
+        })
+    }
+
+    /// Whether this rank has data for the step the ranks agreed on (without a join mode,
+    /// always); under [`JoinMode::Throw`] a step some rank has no data for is an error, and a
+    /// step no rank has data for is one under every mode.
+    fn has_data(&self, agreement: Option<&Agreement>) -> Result<bool> {
+        let Some(a) = agreement else {
+            return Ok(true);
+        };
+        if let Some(e) = self.feed.join.as_ref().and_then(|j| j.throw(a)) {
+            return Err(e);
+        }
+        if a.none_active() {
+            return Err(Error::Config(format!(
+                "step {}: every rank's data has ended, there is nothing to train on",
+                self.at.next_step
+            )));
+        }
+        Ok(a.active[self.ctx.rank])
+    }
+
+    /// Forward and backward of the step's microbatches (the first `accum - 1` under
+    /// `no_sync`), or, on a rank without data, DDP's join pass (every bucket reduced from
+    /// zeros, the collectives of the others' backward). Returns this rank's loss of the step
+    /// (0 without data).
+    fn forward_backward(&mut self, has_data: bool) -> Result<f64> {
+        self.replica.model.params().zero_grad()?;
+        if !has_data {
+            if let Some(ddp) = &self.replica.ddp {
+                let _span = self.span(EventKind::Other(JOIN_SPAN.into()));
+                ddp.join()?;
+            }
+            return Ok(0.0);
+        }
+        let k = self.cfg.data.accum;
         // The microbatches' losses add up where they are computed; read back once per step.
         let mut step_loss: Option<Tensor> = None;
-        if !has_data {
-            // joined: every bucket reduced from zeros, the collectives of the others' backward
-            if let Some(ddp) = &self.ddp {
-                let span = self.begin(EventKind::Other(JOIN_SPAN.into()));
-                let joined = ddp.join();
-                self.end(span);
-                if let Err(e) = joined {
-                    self.end(step_span);
-                    return Err(e.into());
-                }
-            }
-        }
-        for j in (0..k).filter(|_| has_data) {
-            let mb = Microbatch {
-                step: s,
-                index: j,
-                accum: k,
-                rank,
-                world_size: world,
-                rows: b,
+        for j in 0..k {
+            let batch = self.microbatch(j)?;
+            let loss = {
+                let _span = self.span(EventKind::Forward);
+                self.replica.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?
             };
-            let batch = match self.cursor.as_mut() {
-                None => self.data.batch(&mb)?,
-                Some(cursor) => self.data.gather(rank, &cursor.next_rows(b))?,
-            };
-            let batch = batch_on(batch, self.device)?;
-            let fwd = self.begin(EventKind::Forward);
-            let loss = self.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?;
-            self.end(fwd);
             // f64, so the sum is the one the host loop computed before (f32 -> f64 is exact).
             let value = loss.value().to_dtype(DType::F64)?;
             step_loss = Some(match step_loss {
                 Some(sum) => sum.add(&value)?,
                 None => value,
             });
-            match (&self.ddp, j + 1 < k) {
+            match (&self.replica.ddp, j + 1 < k) {
                 (Some(ddp), true) => ddp.no_sync(|| loss.backward())?,
                 _ => loss.backward()?,
             }
         }
-        let local_loss = match step_loss {
-            Some(sum) => sum.item()?,
-            None => 0.0,
+        step_loss.map_or(Ok(0.0), |sum| Ok(sum.item()?))
+    }
+
+    /// This rank's microbatch `index` of the step, on the replica's device.
+    fn microbatch(&mut self, index: usize) -> Result<brigade_models::Batch> {
+        let (rank, rows) = (self.ctx.rank, self.cfg.data.batch_size);
+        let batch = match self.feed.cursor.as_mut() {
+            None => self.data.batch(&Microbatch {
+                step: self.at.next_step,
+                index,
+                accum: self.cfg.data.accum,
+                rank,
+                world_size: self.ctx.world_size,
+                rows,
+            })?,
+            Some(cursor) => self.data.gather(rank, &cursor.next_rows(rows))?,
         };
-        let mut status = self.agree(local_loss, agreement.as_ref())?;
-        if let (Some(j), Some(slots)) = (self.join.as_mut(), status.next_active.take()) {
+        batch_on(batch, self.replica.device)
+    }
+
+    /// The ranks' agreement on the step's loss and on stopping ([`Trainer::agree`]), the join's
+    /// record of who has data next; fails with [`Error::NonFinite`] when the mean loss is not
+    /// finite (unless `allow_nonfinite`).
+    fn agree_on_loss(&mut self, local_loss: f64, agreement: Option<&Agreement>) -> Result<StepStatus> {
+        let (s, world) = (self.at.next_step, self.ctx.world_size);
+        let mut status = self.agree(local_loss, agreement)?;
+        if let (Some(j), Some(slots)) = (self.feed.join.as_mut(), status.next_active.take()) {
             j.agreed_next(s, &slots);
         }
-        if status.nonfinite && !self.cfg.allow_nonfinite {
-            self.end(step_span);
+        if status.nonfinite && !self.cfg.recipe.allow_nonfinite {
             let what = if world == 1 {
                 "the loss".to_string()
             } else {
@@ -125,77 +170,99 @@ impl Trainer<'_> {
                 value: status.loss,
             });
         }
-        // divide-active: the policy divided the sum over the ranks with data by the world size
-        if let (Some(a), Some(JoinMode::DivideActive), Some(ddp)) = (&agreement, self.cfg.join, &self.ddp) {
+        Ok(status)
+    }
+
+    /// Under divide-active, the policy divided the sum over the ranks with data by the world
+    /// size: the gradients are scaled to the mean over the ranks with data.
+    fn scale_for_active(&self, agreement: Option<&Agreement>) -> Result<()> {
+        let world = self.ctx.world_size;
+        if let (Some(a), Some(JoinMode::DivideActive), Some(ddp)) = (agreement, self.cfg.data.join, &self.replica.ddp) {
             let active = a.active_count();
             if active < world {
                 ddp.scale_grads(world as f64 / active as f64)?;
             }
         }
-        // what a periodic checkpoint sends (optimizer and policy state to rank 0) is not the step's
-        let mut checkpoint_sent = CommBytes::default();
-        if std::mem::take(&mut self.checkpoint_due) {
-            // the state this step started from gave a finite loss: it is a good checkpoint
-            let before = self.meter.totals();
-            let written = self.checkpoint();
-            checkpoint_sent = self.meter.totals() - before;
-            match written {
-                Ok(()) => {}
-                Err(e) if e.is_agreed() => {
-                    self.end(step_span);
-                    return Err(e);
-                }
-                Err(e) => self.checkpoint_failed = Some(e),
-            }
+        Ok(())
+    }
+
+    /// Writes the periodic checkpoint that is due (the state this step started from gave a
+    /// finite loss: it is a good checkpoint). Returns what it sent (optimizer and policy state
+    /// to rank 0), which is not the step's; a failure of rank 0's write is kept, not returned.
+    fn checkpoint_if_due(&mut self) -> Result<CommBytes> {
+        if !std::mem::take(&mut self.saves.due) {
+            return Ok(CommBytes::default());
         }
-        let grad_norm = match self.cfg.clip_grad_norm {
-            Some(max) => Some(self.clip_grads(max)?),
-            None => None,
+        let before = self.replica.meter.totals();
+        let written = self.checkpoint();
+        let sent = self.replica.meter.totals() - before;
+        match written {
+            Ok(()) => {}
+            Err(e) if e.is_agreed() => return Err(e),
+            Err(e) => self.saves.failed = Some(e),
+        }
+        Ok(sent)
+    }
+
+    /// Clips the gradients when the run clips ([`Trainer::clip_grads`]): the norm before.
+    fn clip(&self) -> Result<Option<f64>> {
+        self.cfg
+            .recipe
+            .clip_grad_norm
+            .map(|max| self.clip_grads(max))
+            .transpose()
+    }
+
+    /// The optimizer's update, in its timeline span; returns when it started and ended. Without
+    /// DDP (ranks training apart) a rank without data has no gradient to step on.
+    fn optimizer_step(&mut self, has_data: bool) -> Result<(Instant, Instant)> {
+        let _span = self.span(EventKind::Optimizer);
+        let start = Instant::now();
+        if has_data || self.replica.ddp.is_some() {
+            self.replica.opt.step()?;
+        }
+        Ok((start, Instant::now()))
+    }
+
+    /// The step is done: the next one starts where the cursor and the dropout generator stand.
+    fn advance(&mut self) {
+        self.at.next_step += 1;
+        self.at.next_position = self.feed.cursor.as_ref().map(SamplerCursor::position);
+        self.at.next_rng = self.replica.model.rng_state();
+    }
+
+    /// Under DDP, step `s`'s profile (when profiling; kept when `s` is in `profile_steps`) and
+    /// what the autotuner learns from it. The profile holds the caps this step ran with: it is
+    /// recorded before the autotuner may change them.
+    fn record_profile(
+        &mut self,
+        s: usize,
+        start: Instant,
+        (optimizer_start, optimizer_end): (Instant, Instant),
+    ) -> Result<()> {
+        let Some(ddp) = &self.replica.ddp else {
+            return Ok(());
         };
-        let os = self.begin(EventKind::Optimizer);
-        let optimizer_start = Instant::now();
-        // without DDP (ranks training apart) a rank without data has no gradient to step on
-        if has_data || self.ddp.is_some() {
-            self.opt.step()?;
-        }
-        let optimizer_end = Instant::now();
-        self.end(os);
-        self.end(step_span);
-        self.next_step += 1;
-        self.next_position = self.cursor.as_ref().map(SamplerCursor::position);
-        self.next_rng = self.model.rng_state();
-        if let Some(ddp) = &self.ddp {
-            let at = StepInstants {
-                start: t0,
-                optimizer_start,
-                optimizer_end,
-                end: Instant::now(),
-            };
-            // the profile holds the caps this step ran with: recorded before the autotuner
-            // may change them
-            let instrument = &self.cfg.instrument;
-            if instrument.profile {
-                self.profile = StepProfile::record(ddp, &at);
-                if let (Some(p), Some(range)) = (&self.profile, &instrument.profile_steps) {
-                    if range.contains(&s) {
-                        self.profiles.push(p.clone());
-                    }
+        let at = StepInstants {
+            start,
+            optimizer_start,
+            optimizer_end,
+            end: Instant::now(),
+        };
+        let instrument = &self.cfg.runtime.instrument;
+        let records = &mut self.records;
+        if instrument.profile {
+            records.profile = StepProfile::record(ddp, &at);
+            if let (Some(p), Some(range)) = (&records.profile, &instrument.profile_steps) {
+                if range.contains(&s) {
+                    records.profiles.push(p.clone());
                 }
             }
-            if let Some(tuner) = self.autotune.as_mut() {
-                tuner.observe(ddp, s, RankProfile::record(ddp, &at))?;
-            }
         }
-        Ok(StepOutcome {
-            step: s,
-            loss: status.loss,
-            ms: t0.elapsed().as_secs_f64() * 1e3,
-            lr,
-            grad_norm,
-            stop: status.stop,
-            sent: (self.meter.totals() - sent_before) - checkpoint_sent,
-            sampler: self.next_position,
-        })
+        if let Some(tuner) = records.autotune.as_mut() {
+            tuner.observe(ddp, s, RankProfile::record(ddp, &at))?;
+        }
+        Ok(())
     }
 
     /// Global-norm clipping of the averaged gradients (`torch.nn.utils.clip_grad_norm_`):
@@ -203,11 +270,11 @@ impl Trainer<'_> {
     /// rank's shard when it shards them: a collective, run by every rank after the same
     /// backward) and what the policy holds is scaled; without DDP, this rank's gradients.
     fn clip_grads(&self, max: f64) -> Result<f64> {
-        let norm = match &self.ddp {
+        let norm = match &self.replica.ddp {
             Some(ddp) => ddp.grad_norm_sq()?.sqrt(),
             None => {
                 let mut sq = 0.0;
-                for p in self.model.params().params() {
+                for p in self.replica.model.params().params() {
                     if let Some(g) = p.grad() {
                         sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?;
                     }
@@ -216,10 +283,10 @@ impl Trainer<'_> {
             }
         };
         if let Some(factor) = clip_factor(norm, max) {
-            match &self.ddp {
+            match &self.replica.ddp {
                 Some(ddp) => ddp.scale_grads(factor)?,
                 None => {
-                    for p in self.model.params().params() {
+                    for p in self.replica.model.params().params() {
                         if let Some(g) = p.grad() {
                             g.copy_from(&g.mul_scalar(factor)?)?;
                         }
@@ -234,18 +301,18 @@ impl Trainer<'_> {
     /// averaged over the ranks (a collective: every rank evaluates after the same step).
     pub fn evaluate(&mut self, data: &dyn EvalSource) -> Result<f64> {
         let batches = data.batches(self.ctx.rank, self.ctx.world_size)?;
-        self.model.eval();
+        self.replica.model.eval();
         let summed = no_grad(|| -> Result<(f64, usize)> {
             let (mut sum, mut rows) = (0.0, 0);
             for batch in batches {
                 let n = batch.rows();
-                let loss = self.model.loss(&batch_on(batch, self.device)?)?;
+                let loss = self.replica.model.loss(&batch_on(batch, self.replica.device)?)?;
                 sum += loss.value().to_dtype(DType::F64)?.item()? * n as f64;
                 rows += n;
             }
             Ok((sum, rows))
         });
-        self.model.train();
+        self.replica.model.train();
         let (sum, rows) = summed?;
         let mine = if rows == 0 { f64::NAN } else { sum / rows as f64 };
         if self.ctx.world_size == 1 {
@@ -266,8 +333,8 @@ impl Trainer<'_> {
     /// Under a join mode, the ranks' agreement on which of them have data for the next step (a
     /// collective, made once a step; [`crate::join`]); `None` without a join mode.
     pub fn agree_on_data(&mut self) -> Result<Option<Agreement>> {
-        let s = self.next_step;
-        match self.join.as_mut() {
+        let s = self.at.next_step;
+        match self.feed.join.as_mut() {
             Some(j) => Ok(Some(j.agree(self.ctx.comm.as_ref(), s)?)),
             None => Ok(None),
         }
@@ -278,7 +345,7 @@ impl Trainer<'_> {
     /// data (`agreement`; a joined rank sends no loss), and a slot per rank carries which ranks
     /// have data for the next step (the next step's agreement, without a collective of its own).
     fn agree(&self, local_loss: f64, agreement: Option<&Agreement>) -> Result<StepStatus> {
-        let stop = self.stop_requested || self.observer().is_some_and(|o| o.stop_requested());
+        let stop = self.saves.stop_requested || self.observer().is_some_and(|o| o.stop_requested());
         let nonfinite = !local_loss.is_finite();
         if self.ctx.world_size == 1 {
             return Ok(StepStatus {
@@ -291,7 +358,11 @@ impl Trainer<'_> {
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         let (rank, world) = (self.ctx.rank, self.ctx.world_size);
         let mut mine = vec![local_loss as f32, flag(nonfinite), flag(stop)];
-        let next = self.join.as_ref().map(|j| j.next_slots(rank, world, self.next_step));
+        let next = self
+            .feed
+            .join
+            .as_ref()
+            .map(|j| j.next_slots(rank, world, self.at.next_step));
         mine.extend(next.iter().flatten());
         let expected = mine.len();
         let all = self

@@ -13,11 +13,10 @@ use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};
 use crate::common::{self, resuming};
 
 fn config(steps: usize) -> TrainConfig {
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        ..TrainConfig::new(steps, 8, OptimizerConfig::adamw(1e-2, None))
-    }
+    let mut c = TrainConfig::new(steps, 8, OptimizerConfig::adamw(1e-2, None));
+    c.model.name = "mlp".into();
+    c.runtime.compute_threads = Some(1);
+    c
 }
 
 fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
@@ -29,16 +28,14 @@ fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
     )
 }
 
-fn every(cfg: TrainConfig, path: &Path, every: usize, keep_last: Option<usize>) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            path: Some(path.to_path_buf()),
-            every: Some(every),
-            keep_last,
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
+fn every(mut cfg: TrainConfig, path: &Path, every: usize, keep_last: Option<usize>) -> TrainConfig {
+    cfg.runtime.checkpoint = CheckpointConfig {
+        path: Some(path.to_path_buf()),
+        every: Some(every),
+        keep_last,
+        ..CheckpointConfig::default()
+    };
+    cfg
 }
 
 fn files(d: &Path) -> Vec<String> {
@@ -52,7 +49,10 @@ fn files(d: &Path) -> Vec<String> {
 
 /// By name (a checkpoint's tensors come in name order).
 fn values(params: &[(String, brigade::tensor::Tensor)]) -> Vec<(String, Vec<f32>)> {
-    let mut v: Vec<_> = params.iter().map(|(n, t)| (n.clone(), t.to_vec::<f32>().unwrap())).collect();
+    let mut v: Vec<_> = params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_vec::<f32>().unwrap()))
+        .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
@@ -63,17 +63,33 @@ fn a_step_path_keeps_each_checkpoint_and_the_step_25_one_resumes_as_the_straight
     let straight = run(&config(50)).unwrap();
     let template: PathBuf = d.join("run-{step}.ckpt");
     let written = run(&every(config(50), &template, 25, None)).unwrap();
-    assert_eq!(written.outcome.losses, straight.outcome.losses, "checkpoints change nothing");
+    assert_eq!(
+        written.outcome.losses(),
+        straight.outcome.losses(),
+        "checkpoints change nothing"
+    );
     // one file per checkpoint, no temporary file left behind (each write is atomic)
     assert_eq!(files(&d), ["run-25.ckpt", "run-50.ckpt"]);
     let last = load_model_tensors(&d.join("run-50.ckpt")).unwrap();
     assert_eq!(last.step, 50);
-    assert_eq!(values(&last.params), values(&straight.outcome.params), "the final checkpoint");
+    assert_eq!(
+        values(&last.params),
+        values(&straight.outcome.params),
+        "the final checkpoint"
+    );
     assert_eq!(load_model_tensors(&d.join("run-25.ckpt")).unwrap().step, 25);
     let resumed = run(&resuming(config(50), &d.join("run-25.ckpt"))).unwrap();
     assert_eq!(resumed.outcome.first_step, 25);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[25..], "losses, bit for bit");
-    assert_eq!(values(&resumed.outcome.params), values(&straight.outcome.params), "parameters, bit for bit");
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[25..],
+        "losses, bit for bit"
+    );
+    assert_eq!(
+        values(&resumed.outcome.params),
+        values(&straight.outcome.params),
+        "parameters, bit for bit"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -104,7 +120,10 @@ fn a_keep_last_or_step_path_that_would_do_nothing_is_refused_in_one_line() {
         (d.join("{step}").join("run.ckpt"), None, "file name only"),
     ];
     for (path, keep, want) in cases {
-        let e = run(&every(config(3), &path, 1, keep)).err().expect("refused").to_string();
+        let e = run(&every(config(3), &path, 1, keep))
+            .err()
+            .expect("refused")
+            .to_string();
         assert!(!e.contains('\n') && e.contains(want), "{}: {e}", path.display());
     }
     assert!(files(&d).is_empty(), "nothing written: {:?}", files(&d));

@@ -15,22 +15,20 @@ pub fn tmp(suite: &str, name: &str) -> PathBuf {
 
 /// `cfg`, writing its checkpoint to `path`.
 pub fn writing(cfg: TrainConfig, path: &Path) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            path: Some(path.to_path_buf()),
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
+    let mut c = cfg;
+    c.runtime.checkpoint = CheckpointConfig {
+        path: Some(path.to_path_buf()),
+        ..CheckpointConfig::default()
+    };
+    c
 }
 
 /// `cfg`, resuming from the checkpoint at `path`.
 pub fn resuming(cfg: TrainConfig, path: &Path) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            resume: Some(path.to_path_buf()),
-            ..CheckpointConfig::default()
-        },
-        ..cfg
-    }
+    let mut c = cfg;
+    c.runtime.checkpoint = CheckpointConfig {
+        resume: Some(path.to_path_buf()),
+        ..CheckpointConfig::default()
+    };
+    c
 }

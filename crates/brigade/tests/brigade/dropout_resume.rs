@@ -12,7 +12,8 @@ use std::sync::Arc;
 use brigade::config::{CheckpointConfig, Instrumentation};
 use brigade::launch::{LaunchConfig, RankContext};
 use brigade::models::{load_safetensors_with_metadata, save_safetensors, Dataset, Mlp, MlpConfig, Model};
-use brigade::observe::{StepRecord, TrainObserver};
+use brigade::observe::TrainObserver;
+use brigade::outcome::StepRecord;
 use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};
 
 /// The drop probability of every test here.
@@ -24,10 +25,11 @@ fn config(steps: usize) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        ..TrainConfig::new(steps, 8, sgd)
+    {
+        let mut c = TrainConfig::new(steps, 8, sgd);
+        c.model.name = "mlp".into();
+        c.runtime.compute_threads = Some(1);
+        c
     }
 }
 
@@ -98,8 +100,8 @@ fn resume_is_exact_at_p_above_zero_on_one_and_two_ranks() {
         let resumed = run(world, &resuming(config(4), &ckpt), seeds).unwrap();
         assert_eq!(resumed.outcome.first_step, 2);
         assert_eq!(
-            resumed.outcome.losses,
-            straight.outcome.losses[2..],
+            resumed.outcome.losses(),
+            straight.outcome.losses()[2..],
             "world {world}: losses of 2 + 2 steps against 4, bit for bit"
         );
         assert_eq!(
@@ -134,27 +136,28 @@ fn a_periodic_checkpoint_holds_the_generator_from_before_the_step_it_resumes() {
     let d = tmp("periodic");
     let (ckpt, copy) = (d.join("run.ckpt"), d.join("at-2.ckpt"));
     let straight = run(2, &config(4), Seeds::PerRank).unwrap();
-    let periodic = TrainConfig {
-        checkpoint: CheckpointConfig {
+    let periodic = {
+        let mut c = config(4);
+        c.runtime.checkpoint = CheckpointConfig {
             path: Some(ckpt.clone()),
             every: Some(2),
             resume: None,
             keep_last: None,
-        },
-        instrument: Instrumentation {
+        };
+        c.runtime.instrument = Instrumentation {
             observer: Some(Arc::new(CopyAfter {
                 after: 2,
                 from: ckpt.clone(),
                 to: copy.clone(),
             })),
             ..Instrumentation::default()
-        },
-        ..config(4)
+        };
+        c
     };
     run(2, &periodic, Seeds::PerRank).unwrap();
     let resumed = run(2, &resuming(config(4), &copy), Seeds::PerRank).unwrap();
     assert_eq!(resumed.outcome.first_step, 2);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[2..], "bit for bit");
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "bit for bit");
     assert_eq!(bits(&resumed), bits(&straight));
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -172,7 +175,7 @@ fn a_checkpoint_without_generators_still_loads() {
     assert!(rng_entries(&ckpt).is_empty());
     let resumed = run(1, &resuming(config(4), &ckpt), Seeds::Shared).unwrap();
     assert_eq!(resumed.outcome.first_step, 2);
-    assert_eq!(resumed.outcome.losses.len(), 2);
+    assert_eq!(resumed.outcome.losses().len(), 2);
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -42,9 +42,9 @@ fn run(steps: usize, world: usize, ordinal: usize, ddp: bool) -> (FakeCounts, Ve
             weight_decay: 0.0,
         },
     );
-    cfg.device = DevicePlacement::Fake(ordinal);
+    cfg.runtime.device = DevicePlacement::Fake(ordinal);
     if !ddp {
-        cfg.ddp = None;
+        cfg.distributed = None;
     }
     let report = fit(
         &LaunchConfig::threads(world),
@@ -53,7 +53,7 @@ fn run(steps: usize, world: usize, ordinal: usize, ddp: bool) -> (FakeCounts, Ve
         |_ctx| Ok(Box::new(Gpt::new(small_gpt(), 0)?)),
     )
     .unwrap();
-    (fake::counts(ordinal), report.outcome.losses)
+    (fake::counts(ordinal), report.outcome.losses())
 }
 
 /// The counts of one step from a 1-step and a 3-step run: (3 steps - 1 step) / 2 (steps 2
@@ -100,7 +100,7 @@ fn a_gpt_step_on_one_rank_reads_back_its_loss_and_nothing_else() {
             weight_decay: 0.0,
         },
     );
-    cpu.ddp = None;
+    cpu.distributed = None;
     let want = fit(
         &LaunchConfig::threads(1),
         &cpu,
@@ -109,7 +109,7 @@ fn a_gpt_step_on_one_rank_reads_back_its_loss_and_nothing_else() {
     )
     .unwrap()
     .outcome
-    .losses;
+    .losses();
     assert_eq!(losses, want);
 }
 

@@ -17,13 +17,13 @@
 
 use std::sync::Arc;
 
-use brigade::comm_hook::MakeCommHook;
 use brigade::config::{OptimizerConfig, TrainConfig};
 use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Gpt, Model};
 use brigade::placement::DevicePlacement;
 use brigade::policies::PolicySpec;
+use brigade::policy::MakePolicy;
 use brigade::tensor::fake::{self, FakeCounts};
 use brigade::{fit, Error};
 
@@ -44,7 +44,7 @@ const LOSS: u64 = 8;
 
 /// Trains the small GPT under `hook` for `steps` steps, two thread ranks, on fake device
 /// `ordinal` (or the CPU); the device's counts and rank 0's losses.
-fn run(steps: usize, ordinal: Option<usize>, hook: Arc<dyn MakeCommHook>) -> (FakeCounts, Vec<f64>) {
+fn run(steps: usize, ordinal: Option<usize>, hook: Arc<dyn MakePolicy>) -> (FakeCounts, Vec<f64>) {
     let mut cfg = TrainConfig::new(
         steps,
         2,
@@ -54,9 +54,9 @@ fn run(steps: usize, ordinal: Option<usize>, hook: Arc<dyn MakeCommHook>) -> (Fa
             weight_decay: 0.0,
         },
     );
-    cfg.comm_hook = hook;
+    cfg.distributed.get_or_insert_default().policy = hook;
     if let Some(o) = ordinal {
-        cfg.device = DevicePlacement::Fake(o);
+        cfg.runtime.device = DevicePlacement::Fake(o);
         fake::reset(o);
     }
     let report = fit(
@@ -66,13 +66,13 @@ fn run(steps: usize, ordinal: Option<usize>, hook: Arc<dyn MakeCommHook>) -> (Fa
         |_ctx| Ok(Box::new(Gpt::new(small_gpt(), 0)?)),
     )
     .unwrap();
-    (ordinal.map(fake::counts).unwrap_or_default(), report.outcome.losses)
+    (ordinal.map(fake::counts).unwrap_or_default(), report.outcome.losses())
 }
 
 /// One step's counts on fake device `ordinal` under `hook`, after checking that its 3 steps'
 /// losses are the CPU's bit for bit.
-fn per_step(ordinal: usize, hook: impl MakeCommHook + 'static) -> FakeCounts {
-    let hook: Arc<dyn MakeCommHook> = Arc::new(hook);
+fn per_step(ordinal: usize, hook: impl MakePolicy + 'static) -> FakeCounts {
+    let hook: Arc<dyn MakePolicy> = Arc::new(hook);
     let (one, _) = run(1, Some(ordinal), hook.clone());
     let (three, losses) = run(3, Some(ordinal), hook.clone());
     let (_, cpu) = run(3, None, hook);
@@ -170,7 +170,7 @@ fn zero_1_and_2_stage_the_reduce_scatter_and_the_parameter_all_gathers() {
 #[test]
 fn the_int8_example_host_staged_sends_its_payload_and_its_device_scale() {
     let p = numel();
-    let hook = |_rank: usize| Box::new(own_hook::Int8::default()) as Box<dyn ReducerPolicy>;
+    let hook = |_rank: usize| own_hook::Int8::default();
     // the int8 payload and its one f32 scale out; every rank's payloads and scales back
     assert_copies(per_step(216, hook), &[p, 4], &[WORLD * p, WORLD * 4]);
 }
@@ -179,7 +179,7 @@ fn the_int8_example_host_staged_sends_its_payload_and_its_device_scale() {
 fn the_local_sgd_example_host_staged_averages_the_models_after_each_step() {
     // K = 1, H = 1: after step 0 no gradient crosses the ranks, and after every step each
     // parameter is averaged in place (its own storage staged out and back)
-    let hook = |_rank: usize| Box::new(local_sgd::LocalSgd::new(1, 1)) as Box<dyn ReducerPolicy>;
+    let hook = |_rank: usize| local_sgd::LocalSgd::new(1, 1);
     let each: Vec<u64> = shapes()
         .iter()
         .map(|s| 4 * s.iter().product::<usize>() as u64)

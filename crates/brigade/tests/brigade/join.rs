@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use brigade::comm::EventKind;
 use brigade::config::CheckpointConfig;
-use brigade::data::{DataOrder, RankShards};
 use brigade::ddp::DdpConfig;
 use brigade::join::JoinMode;
 use brigade::launch::{run_ranks, LaunchConfig};
 use brigade::models::{Dataset, Mlp, MlpConfig, Model};
 use brigade::policies::PolicySpec;
+use brigade::source::{DataOrder, RankShards};
 use brigade::trainer::{Trainer, JOIN_SPAN};
 use brigade::{fit, Error, OptimizerConfig, RunReport, TrainConfig};
 
@@ -54,19 +54,18 @@ fn sgd() -> OptimizerConfig {
 }
 
 fn config(steps: usize, join: Option<JoinMode>, policy: PolicySpec, optimizer: OptimizerConfig) -> TrainConfig {
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        join,
-        comm_hook: Arc::new(policy),
-        // several buckets of this small model (its first layer alone is 384 bytes)
-        ddp: Some(DdpConfig {
-            bucket_cap_mb: 0.0004,
-            first_bucket_cap_mb: 0.0004,
-            ..DdpConfig::default()
-        }),
-        ..TrainConfig::new(steps, BATCH, optimizer)
-    }
+    let mut c = TrainConfig::new(steps, BATCH, optimizer);
+    c.model.name = "mlp".into();
+    c.runtime.compute_threads = Some(1);
+    c.data.join = join;
+    c.distributed.get_or_insert_default().policy = Arc::new(policy);
+    // several buckets of this small model (its first layer alone is 384 bytes)
+    c.distributed.get_or_insert_default().ddp = DdpConfig {
+        bucket_cap_mb: 0.0004,
+        first_bucket_cap_mb: 0.0004,
+        ..DdpConfig::default()
+    };
+    c
 }
 
 fn model() -> brigade::Result<Box<dyn Model>> {
@@ -92,18 +91,18 @@ fn run(rows: &[usize], cfg: TrainConfig) -> brigade::Result<RunReport> {
 /// Returns the final parameters and each step's loss (the mean over the ranks with data).
 fn replay(rows: &[usize], cfg: &TrainConfig) -> (Vec<(String, Vec<f64>)>, Vec<f64>) {
     let data = shards(rows);
-    let (world, k) = (rows.len(), cfg.accum);
+    let (world, k) = (rows.len(), cfg.data.accum);
     let steps_of: Vec<usize> = rows.iter().map(|n| n / (BATCH * k)).collect();
     let m = model().unwrap();
     let params = m.params().params().to_vec();
-    let mut opt = cfg.optimizer.build(params.clone());
+    let mut opt = cfg.recipe.optimizer.build(params.clone());
     let mut losses = vec![];
-    for s in 0..cfg.steps {
+    for s in 0..cfg.recipe.steps {
         let active: Vec<usize> = (0..world).filter(|&r| s < steps_of[r]).collect();
         if active.is_empty() {
             break;
         }
-        let divisor = match cfg.join {
+        let divisor = match cfg.data.join {
             Some(JoinMode::DivideActive) => active.len(),
             _ => world,
         } as f64;
@@ -160,8 +159,8 @@ fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport
     let report = run(rows, cfg.clone()).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
     // each step's loss is the mean over the ranks with data (agreed in f32)
-    assert_eq!(report.outcome.losses.len(), losses.len());
-    for (s, (a, b)) in report.outcome.losses.iter().zip(&losses).enumerate() {
+    assert_eq!(report.outcome.losses().len(), losses.len());
+    for (s, (a, b)) in report.outcome.losses().iter().zip(&losses).enumerate() {
         assert!(
             (a - b).abs() < 1e-5 * b.abs().max(1.0),
             "step {s}: loss {a} vs the replay's {b}"
@@ -171,38 +170,40 @@ fn check_against_replay(rows: &[usize], cfg: TrainConfig, tol: f64) -> RunReport
     assert!(
         d < tol,
         "{:?} under {}: the join run differs from the replay by {d}",
-        cfg.join,
+        cfg.data.join,
         policy_of(&cfg)
     );
-    let other = match cfg.join {
+    let other = match cfg.data.join {
         Some(JoinMode::DivideActive) => JoinMode::DivideInitial,
         _ => JoinMode::DivideActive,
     };
     let d = max_diff(
         &report,
-        &replay(
-            rows,
-            &TrainConfig {
-                join: Some(other),
-                ..cfg.clone()
-            },
-        )
+        &replay(rows, &{
+            let mut c = cfg.clone();
+            c.data.join = Some(other);
+            c
+        })
         .0,
     );
     assert!(d > 1e-4, "the test cannot tell the divisors apart ({d})");
     // every rank's steps, the step each joined at, and where the data ended
-    let k = cfg.accum;
+    let k = cfg.data.accum;
     let steps_of: Vec<usize> = rows.iter().map(|n| n / (BATCH * k)).collect();
     let longest = *steps_of.iter().max().unwrap();
-    assert_eq!(report.outcome.losses.len(), longest.min(cfg.steps));
+    assert_eq!(report.outcome.losses().len(), longest.min(cfg.recipe.steps));
     let joined: Vec<Option<usize>> = steps_of.iter().map(|&n| (n < longest).then_some(n)).collect();
     assert_eq!(report.outcome.joined_at, joined);
-    assert_eq!(report.outcome.data_ended, (longest < cfg.steps).then_some(longest));
+    assert_eq!(
+        report.outcome.data_ended,
+        (longest < cfg.recipe.steps).then_some(longest)
+    );
     report
 }
 
 fn policy_of(cfg: &TrainConfig) -> String {
-    cfg.comm_hook.make(0).map(|p| p.name()).unwrap_or_default()
+    let d = cfg.distributed.as_ref().expect("a DDP run");
+    d.policy.make(0).map(|p| p.name()).unwrap_or_default()
 }
 
 #[test]
@@ -231,9 +232,10 @@ fn four_ranks_join_one_after_another_under_zero_and_accumulation() {
     // two microbatches a step: the same steps from twice the rows, a rank that cannot fill a
     // whole step joins (rank 2's 24 rows are one step and a half)
     let rows = [80, 32, 24, 64];
-    let cfg = TrainConfig {
-        accum: 2,
-        ..config(8, Some(JoinMode::DivideActive), PolicySpec::AllReduce, sgd())
+    let cfg = {
+        let mut c = config(8, Some(JoinMode::DivideActive), PolicySpec::AllReduce, sgd());
+        c.data.accum = 2;
+        c
     };
     check_against_replay(&rows, cfg, 1e-6);
 }
@@ -253,7 +255,7 @@ fn the_steps_flag_stops_before_the_longest_rank_s_data_ends() {
         config(4, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd()),
         1e-6,
     );
-    assert_eq!(report.outcome.losses.len(), 4);
+    assert_eq!(report.outcome.losses().len(), 4);
     assert_eq!(report.outcome.data_ended, None);
 }
 
@@ -274,10 +276,10 @@ fn throw_stops_every_rank_at_the_step_the_first_rank_runs_out() {
     assert_eq!(launched.results.len(), 4);
     for (rank, outcome) in launched.results {
         assert_eq!(
-            outcome.losses.len(),
+            outcome.losses().len(),
             2,
             "rank {rank} ran {} steps",
-            outcome.losses.len()
+            outcome.losses().len()
         );
         match outcome.stopped {
             Some(Error::OutOfData {
@@ -307,7 +309,7 @@ fn without_a_join_mode_uneven_shards_are_refused_before_step_0() {
     );
     // even shards need none: they are read in order, wrapping around
     let report = run(&[16, 16], config(5, None, PolicySpec::AllReduce, sgd())).unwrap();
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
     assert!(report.outcome.joined_at.is_empty());
 }
 
@@ -355,24 +357,25 @@ fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
     let base = config(10, Some(JoinMode::DivideActive), PolicySpec::Zero1, sgd());
     let straight = run(&rows, base.clone()).unwrap();
     // 4 steps (rank 1 joined at step 3), then on to the end
-    let with = |steps: usize, resume: Option<&Path>| TrainConfig {
-        steps,
-        checkpoint: CheckpointConfig {
+    let with = |steps: usize, resume: Option<&Path>| {
+        let mut c = base.clone();
+        c.recipe.steps = steps;
+        c.runtime.checkpoint = CheckpointConfig {
             path: Some(ckpt.clone()),
             resume: resume.map(Path::to_path_buf),
             every: None,
             keep_last: None,
-        },
-        ..base.clone()
+        };
+        c
     };
     let first = run(&rows, with(4, None)).unwrap();
     assert_eq!(first.outcome.joined_at, vec![None, Some(3)]);
     let second = run(&rows, with(10, Some(&ckpt))).unwrap();
     assert_eq!(second.outcome.first_step, 4);
     assert_eq!(second.outcome.joined_at, vec![None, Some(3)]);
-    let mut losses = first.outcome.losses.clone();
-    losses.extend(&second.outcome.losses);
-    assert_eq!(losses, straight.outcome.losses);
+    let mut losses = first.outcome.losses().clone();
+    losses.extend(&second.outcome.losses());
+    assert_eq!(losses, straight.outcome.losses());
     let exact = |a: &RunReport, b: &RunReport| {
         a.outcome
             .params
@@ -385,13 +388,11 @@ fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
         "the resumed run's parameters differ from the straight run's"
     );
     // another join mode is refused, naming both
-    let e = run(
-        &rows,
-        TrainConfig {
-            join: Some(JoinMode::DivideInitial),
-            ..with(10, Some(&ckpt))
-        },
-    )
+    let e = run(&rows, {
+        let mut c = with(10, Some(&ckpt));
+        c.data.join = Some(JoinMode::DivideInitial);
+        c
+    })
     .err()
     .expect("another mode")
     .to_string();
@@ -405,13 +406,14 @@ fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
 #[test]
 fn sampled_shards_join_too() {
     // each rank shuffles its own shard (one pass): the run trains and the ranks agree
-    let cfg = TrainConfig {
-        data_order: DataOrder::shuffle(3, false),
-        ..config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd())
+    let cfg = {
+        let mut c = config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd());
+        c.data.order = DataOrder::shuffle(3, false);
+        c
     };
     let report = run(&[40, 24], cfg).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
     assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
 }
 
@@ -430,9 +432,9 @@ fn every_built_in_policy_joins_without_a_hang_and_the_ranks_end_equal() {
                 "{name} {mode}: {:?}",
                 report.outcome.stopped
             );
-            assert_eq!(report.outcome.losses.len(), 5, "{name} {mode}");
+            assert_eq!(report.outcome.losses().len(), 5, "{name} {mode}");
             assert_eq!(report.outcome.joined_at, vec![None, Some(2), Some(3)], "{name} {mode}");
-            assert!(report.outcome.losses.iter().all(|l| l.is_finite()), "{name} {mode}");
+            assert!(report.outcome.losses().iter().all(|l| l.is_finite()), "{name} {mode}");
         }
     }
 }
@@ -458,9 +460,10 @@ impl brigade::ddp::ReducerPolicy for KeepLocal {
 fn ranks_whose_parameters_drift_apart_are_caught_at_the_end() {
     // the end-of-run checksum is what proves the ranks agree: under a policy that reduces
     // nothing every rank steps its own gradient, and the run ends with one agreed error
-    let cfg = TrainConfig {
-        comm_hook: Arc::new(|_rank: usize| Box::new(KeepLocal) as Box<dyn brigade::ddp::ReducerPolicy>),
-        ..config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd())
+    let cfg = {
+        let mut c = config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd());
+        c.distributed.get_or_insert_default().policy = Arc::new(|_rank: usize| KeepLocal);
+        c
     };
     let report = run(&[40, 24], cfg).unwrap();
     match report.outcome.stopped {
@@ -471,7 +474,7 @@ fn ranks_whose_parameters_drift_apart_are_caught_at_the_end() {
         ref other => panic!("{other:?}"),
     }
     // the losses of the finished steps are kept
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
 }
 
 #[test]
@@ -483,33 +486,34 @@ fn clipping_evaluation_the_profile_and_the_autotuner_run_on_joined_ranks_too() {
     for policy in [PolicySpec::AllReduce, PolicySpec::Zero2] {
         let name = policy.to_string();
         let zero = policy == PolicySpec::Zero2;
-        let cfg = TrainConfig {
-            clip_grad_norm: Some(0.05),
-            eval: Some(brigade::recipe::EvalConfig {
+        let cfg = {
+            let mut c = config(10, Some(JoinMode::DivideActive), policy, sgd());
+            c.recipe.clip_grad_norm = Some(0.05);
+            c.recipe.eval = Some(brigade::recipe::EvalConfig {
                 every: 2,
                 data: Arc::new(brigade::recipe::HeldOut::new(held.clone(), BATCH)),
-            }),
+            });
             // ZeRO fixes its buckets: no autotuner there
-            autotune: (!zero).then(|| brigade::ddp::overlap::AutotuneConfig {
+            c.distributed.get_or_insert_default().autotune = (!zero).then(|| brigade::ddp::overlap::AutotuneConfig {
                 every: Some(1),
                 candidates_mb: vec![0.0002, 0.0004, 0.001],
                 first_bucket_cap_mb: 0.0002,
                 min_gain: -1.0,
                 link: None,
-            }),
-            instrument: brigade::config::Instrumentation {
+            });
+            c.runtime.instrument = brigade::config::Instrumentation {
                 profile: true,
                 ..Default::default()
-            },
-            ..config(10, Some(JoinMode::DivideActive), policy, sgd())
+            };
+            c
         };
         let report = run(&[40, 16, 24], cfg).unwrap();
         let o = &report.outcome;
         assert!(o.stopped.is_none(), "{name}: {:?}", o.stopped);
-        assert_eq!(o.losses.len(), 5, "{name}");
+        assert_eq!(o.losses().len(), 5, "{name}");
         assert_eq!(o.joined_at, vec![None, Some(2), Some(3)], "{name}");
-        assert!(o.grad_norms.iter().all(|n| n.is_some_and(f64::is_finite)), "{name}");
-        let evaluated: Vec<usize> = (0..5).filter(|&s| o.val_losses[s].is_some()).collect();
+        assert!(o.grad_norms().iter().all(|n| n.is_some_and(f64::is_finite)), "{name}");
+        let evaluated: Vec<usize> = (0..5).filter(|&s| o.val_losses()[s].is_some()).collect();
         assert_eq!(evaluated, [1, 3, 4], "{name}: after steps 2 and 4, and the last");
         assert_eq!(o.profile.as_ref().expect("a profile").ranks.len(), 3, "{name}");
         assert_eq!(o.autotune.is_some(), !zero, "{name}");
@@ -520,13 +524,14 @@ fn clipping_evaluation_the_profile_and_the_autotuner_run_on_joined_ranks_too() {
 fn ranks_training_apart_join_too() {
     // no DDP (the sweep's compute-only baseline): a rank without data takes part in the loss
     // agreement only, and does not step; the run still ends where the longest rank's data does
-    let cfg = TrainConfig {
-        ddp: None,
-        ..config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd())
+    let cfg = {
+        let mut c = config(10, Some(JoinMode::DivideInitial), PolicySpec::AllReduce, sgd());
+        c.distributed = None;
+        c
     };
     let report = run(&[40, 24], cfg).unwrap();
     assert!(report.outcome.stopped.is_none(), "{:?}", report.outcome.stopped);
-    assert_eq!(report.outcome.losses.len(), 5);
+    assert_eq!(report.outcome.losses().len(), 5);
     assert_eq!(report.outcome.joined_at, vec![None, Some(3)]);
 }
 

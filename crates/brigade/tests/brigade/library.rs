@@ -11,13 +11,13 @@ use std::sync::{Arc, Mutex};
 use brigade::autograd::{scope, ParamStore, Var};
 use brigade::comm::{EventKind, Recorder};
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataSource, Microbatch};
 use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
 use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
 use brigade::models::{Batch, Model};
 use brigade::policies::AllReduce;
+use brigade::source::{DataSource, Microbatch};
 use brigade::tensor::{DType, Rng, Tensor};
 use brigade::{fit, Error, OptimizerConfig, RunReport, TrainConfig};
 
@@ -105,10 +105,11 @@ pub(crate) fn config(steps: usize, batch: usize) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "tiny".into(),
-        compute_threads: Some(1),
-        ..TrainConfig::new(steps, batch, sgd)
+    {
+        let mut c = TrainConfig::new(steps, batch, sgd);
+        c.model.name = "tiny".into();
+        c.runtime.compute_threads = Some(1);
+        c
     }
 }
 
@@ -141,27 +142,28 @@ fn a_user_model_on_two_ranks_matches_one_rank_on_the_whole_batch_and_accumulatio
     let one = run(1, &config(5, 16), Rows::new()).unwrap();
     let accum = run(
         1,
-        &TrainConfig {
-            accum: 2,
-            ..config(5, 8)
+        &{
+            let mut c = config(5, 8);
+            c.data.accum = 2;
+            c
         },
         Rows::new(),
     )
     .unwrap();
-    assert_eq!(two.outcome.losses.len(), 5);
+    assert_eq!(two.outcome.losses().len(), 5);
     assert!(
-        two.outcome.losses[4] < two.outcome.losses[0],
+        two.outcome.losses()[4] < two.outcome.losses()[0],
         "it learns: {:?}",
-        two.outcome.losses
+        two.outcome.losses()
     );
     assert_close(
-        &two.outcome.losses,
-        &one.outcome.losses,
+        &two.outcome.losses(),
+        &one.outcome.losses(),
         "2 ranks x 8 rows vs 1 rank x 16 rows",
     );
     assert_close(
-        &accum.outcome.losses,
-        &one.outcome.losses,
+        &accum.outcome.losses(),
+        &one.outcome.losses(),
         "2 microbatches of 8 vs one of 16",
     );
     let names: Vec<&str> = two.outcome.params.iter().map(|(n, _)| n.as_str()).collect();
@@ -177,24 +179,26 @@ fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
         fail_at: None,
     };
     let straight = run(2, &config(4, 8), rows()).unwrap();
-    let first = TrainConfig {
-        checkpoint: CheckpointConfig {
+    let first = {
+        let mut c = config(2, 8);
+        c.runtime.checkpoint = CheckpointConfig {
             path: Some(ckpt.clone()),
             ..CheckpointConfig::default()
-        },
-        ..config(2, 8)
+        };
+        c
     };
     run(2, &first, rows()).unwrap();
-    let resume = TrainConfig {
-        checkpoint: CheckpointConfig {
+    let resume = {
+        let mut c = config(4, 8);
+        c.runtime.checkpoint = CheckpointConfig {
             resume: Some(ckpt.clone()),
             ..CheckpointConfig::default()
-        },
-        ..config(4, 8)
+        };
+        c
     };
     let resumed = run(2, &resume, rows()).unwrap();
     assert_eq!(resumed.outcome.first_step, 2);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[2..], "bit for bit");
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "bit for bit");
 
     // Other data, or another model's checkpoint, is refused with the reason.
     let other = Rows {
@@ -203,9 +207,10 @@ fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
     };
     let e = run(2, &resume, other).err().expect("other data").to_string();
     assert!(e.contains("rows v1") && e.contains("rows v2"), "{e}");
-    let renamed = TrainConfig {
-        model_name: "other".into(),
-        ..resume.clone()
+    let renamed = {
+        let mut c = resume.clone();
+        c.model.name = "other".into();
+        c
     };
     let e = run(2, &renamed, rows()).err().expect("another model").to_string();
     assert!(e.contains("model 'tiny'") && e.contains("'other'"), "{e}");
@@ -226,16 +231,17 @@ impl ReducerPolicy for Counting {
 }
 
 #[test]
-fn every_rank_makes_its_own_comm_hook_from_a_closure() {
+fn every_rank_makes_its_own_policy_from_a_closure() {
     let made: Arc<Mutex<BTreeMap<usize, Arc<AtomicUsize>>>> = Arc::default();
     let m = made.clone();
-    let cfg = TrainConfig {
-        comm_hook: Arc::new(move |rank: usize| {
+    let cfg = {
+        let mut c = config(3, 8);
+        c.distributed.get_or_insert_default().policy = Arc::new(move |rank: usize| {
             let calls = Arc::new(AtomicUsize::new(0));
             m.lock().unwrap().insert(rank, calls.clone());
-            Box::new(Counting(calls)) as Box<dyn ReducerPolicy>
-        }),
-        ..config(3, 8)
+            Counting(calls)
+        });
+        c
     };
     let report = run(2, &cfg, Rows::new()).unwrap();
     let made = made.lock().unwrap();
@@ -256,12 +262,13 @@ fn the_timeline_and_profile_cover_every_rank_and_the_user_model_layers() {
         recorder: Some(Recorder::new()),
         ..LaunchConfig::threads(2)
     };
-    let cfg = TrainConfig {
-        instrument: Instrumentation {
+    let cfg = {
+        let mut c = config(3, 8);
+        c.runtime.instrument = Instrumentation {
             profile: true,
             ..Instrumentation::default()
-        },
-        ..config(3, 8)
+        };
+        c
     };
     let report = fit(&launch, &cfg, |_| Ok(Rows::new()), |_| Ok(Box::new(Tiny::new()?))).unwrap();
     let timeline = report.timeline.expect("a recorded last step");
@@ -303,4 +310,30 @@ fn a_failing_data_source_fails_the_run_naming_its_rank() {
         }
         other => panic!("expected rank 1's own error, got {other}"),
     }
+}
+
+#[test]
+fn a_step_that_fails_midway_leaves_no_span_of_the_timeline_open() {
+    // rank 0's data fails at step 1, after the step's span began: every span it began ends
+    let recorder = Recorder::new();
+    let launch = LaunchConfig {
+        recorder: Some(recorder.clone()),
+        ..LaunchConfig::threads(1)
+    };
+    let rows = Rows {
+        fingerprint: None,
+        fail_at: Some((0, 1)),
+    };
+    let e = fit(&launch, &config(3, 8), |_| Ok(rows), |_| Ok(Box::new(Tiny::new()?)))
+        .err()
+        .expect("rank 0 fails at step 1");
+    assert!(e.to_string().contains("no rows for step 1"), "{e}");
+    let compute: Vec<_> = recorder
+        .events()
+        .into_iter()
+        .filter(|e| e.track == brigade::comm::Track::Compute)
+        .collect();
+    assert!(compute.iter().any(|e| e.kind == EventKind::Step(1)), "{compute:?}");
+    let open: Vec<_> = compute.iter().filter(|e| e.end.is_none()).map(|e| &e.kind).collect();
+    assert!(open.is_empty(), "spans left open: {open:?}");
 }

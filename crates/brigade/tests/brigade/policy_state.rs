@@ -25,11 +25,12 @@ fn config(spec: &str, steps: usize) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        comm_hook: Arc::new(spec.parse::<PolicySpec>().unwrap()),
-        ..TrainConfig::new(steps, 8, sgd)
+    {
+        let mut c = TrainConfig::new(steps, 8, sgd);
+        c.model.name = "mlp".into();
+        c.runtime.compute_threads = Some(1);
+        c.distributed.get_or_insert_default().policy = Arc::new(spec.parse::<PolicySpec>().unwrap());
+        c
     }
 }
 
@@ -63,8 +64,8 @@ fn powersgd_resumes_bit_exact_with_every_ranks_state_from_the_checkpoint() {
     let resumed = run(&resuming(config(POWERSGD, 10), &ckpt)).unwrap();
     assert_eq!(resumed.outcome.first_step, 5);
     assert_eq!(
-        resumed.outcome.losses,
-        straight.outcome.losses[5..],
+        resumed.outcome.losses(),
+        straight.outcome.losses()[5..],
         "losses, bit for bit"
     );
     assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
@@ -72,7 +73,7 @@ fn powersgd_resumes_bit_exact_with_every_ranks_state_from_the_checkpoint() {
     // sends what the straight run's steps after the cut sent (not two plain all-reduces
     // again), beside the first step's small agreement on the bucket order that every fresh
     // DDP makes (straight: steps 0 and 1 both plain, 0 with the agreement).
-    let bytes = |r: &RunReport| r.outcome.sent.iter().map(|s| s.payload_bytes).collect::<Vec<_>>();
+    let bytes = |r: &RunReport| r.outcome.sent().iter().map(|s| s.payload_bytes).collect::<Vec<_>>();
     let (straight_b, resumed_b) = (bytes(&straight), bytes(&resumed));
     assert_eq!(resumed_b[1..], straight_b[6..], "compressed steps");
     assert_eq!(
@@ -110,18 +111,14 @@ fn a_checkpoint_resumes_only_under_the_policy_it_was_written_with() {
 }
 
 fn int8_config(steps: usize, declared: bool) -> TrainConfig {
-    let make = move |_rank: usize| -> Box<dyn ReducerPolicy> {
-        let int8 = crate::fake_policies::own_hook::Int8::default();
-        if declared {
-            Box::new(int8)
-        } else {
-            Box::new(Undeclared(int8))
-        }
+    use crate::fake_policies::own_hook::Int8;
+    let policy = match declared {
+        true => brigade::policy::per_rank(|_| Int8::default()),
+        false => brigade::policy::per_rank(|_| Undeclared(Int8::default())),
     };
-    TrainConfig {
-        comm_hook: Arc::new(make),
-        ..config("allreduce", steps)
-    }
+    let mut c = config("allreduce", steps);
+    c.distributed.get_or_insert_default().policy = policy;
+    c
 }
 
 /// The int8 example as a user who copied it without `keeps_state` and `state_dict` has it: it
@@ -146,7 +143,11 @@ fn the_int8_example_resumes_bit_exact_with_its_error_feedback_from_the_checkpoin
     run(&writing(int8_config(5, true), &ckpt)).unwrap();
     let resumed = run(&resuming(int8_config(10, true), &ckpt)).unwrap();
     assert_eq!(resumed.outcome.first_step, 5);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[5..], "losses, bit for bit");
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[5..],
+        "losses, bit for bit"
+    );
     assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -157,13 +158,19 @@ fn a_checkpoint_of_a_policy_that_neither_declares_nor_saves_its_state_is_refused
     let ckpt = d.join("run.ckpt");
     // without a checkpoint the policy trains as the declared one does
     let plain = run(&int8_config(4, false)).unwrap();
-    assert_eq!(plain.outcome.losses, run(&int8_config(4, true)).unwrap().outcome.losses);
+    assert_eq!(
+        plain.outcome.losses(),
+        run(&int8_config(4, true)).unwrap().outcome.losses()
+    );
     let e = run(&writing(int8_config(4, false), &ckpt))
         .err()
         .expect("a checkpoint that would lose the residual")
         .to_string();
     assert!(!e.contains('\n'), "one line: {e}");
-    assert!(e.contains("'int8'") && e.contains("keeps_state") && e.contains("state_dict"), "{e}");
+    assert!(
+        e.contains("'int8'") && e.contains("keeps_state") && e.contains("state_dict"),
+        "{e}"
+    );
     assert!(!ckpt.exists(), "nothing written");
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -174,17 +181,19 @@ fn a_periodic_checkpoint_holds_the_policy_state_its_step_starts_from() {
     // updated the residual: it must hold the residual step 5 started from
     let d = tmp("int8-periodic");
     let straight = run(&int8_config(10, true)).unwrap();
-    let periodic = TrainConfig {
-        checkpoint: brigade::config::CheckpointConfig {
-            path: Some(d.join("run-{step}.ckpt")),
-            every: Some(5),
-            ..Default::default()
-        },
-        ..int8_config(10, true)
+    let mut periodic = int8_config(10, true);
+    periodic.runtime.checkpoint = brigade::config::CheckpointConfig {
+        path: Some(d.join("run-{step}.ckpt")),
+        every: Some(5),
+        ..Default::default()
     };
-    assert_eq!(run(&periodic).unwrap().outcome.losses, straight.outcome.losses);
+    assert_eq!(run(&periodic).unwrap().outcome.losses(), straight.outcome.losses());
     let resumed = run(&resuming(int8_config(10, true), &d.join("run-5.ckpt"))).unwrap();
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[5..], "losses, bit for bit");
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[5..],
+        "losses, bit for bit"
+    );
     assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
     let _ = std::fs::remove_dir_all(&d);
 }

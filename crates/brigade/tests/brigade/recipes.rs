@@ -5,11 +5,11 @@ use std::f64::consts::PI;
 use std::sync::{Arc, Mutex};
 
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::data::{DataSource, Microbatch};
 use brigade::models::{load_params, Model};
 use brigade::observe::TrainObserver;
 use brigade::policies::PolicySpec;
 use brigade::recipe::{EvalConfig, EvalSource, HyperparameterChange};
+use brigade::source::{DataSource, Microbatch};
 use brigade::tensor::DType;
 use brigade::{OptimizerConfig, ScheduleConfig, ScheduleName, TrainConfig};
 
@@ -17,14 +17,13 @@ use crate::library::{config, run, tmp, Rows, Tiny};
 
 /// SGD without momentum: the step is `lr * grad`, so the learning rate shows in the parameters.
 fn plain_sgd(steps: usize, batch: usize, lr: f64) -> TrainConfig {
-    TrainConfig {
-        optimizer: OptimizerConfig::Sgd {
-            lr,
-            momentum: 0.0,
-            weight_decay: 0.0,
-        },
-        ..config(steps, batch)
-    }
+    let mut c = config(steps, batch);
+    c.recipe.optimizer = OptimizerConfig::Sgd {
+        lr,
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    c
 }
 
 fn cosine(warmup: u64, t: Option<u64>, min_lr: f64) -> ScheduleConfig {
@@ -58,33 +57,36 @@ fn assert_lrs(got: &[f64], want: impl Fn(u64) -> f64, first: u64, what: &str) {
 #[test]
 fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
     // cosine with warmup, run past T: warmup, decay, then min_lr held
-    let cfg = TrainConfig {
-        schedule: cosine(2, Some(6), 0.01),
-        ..plain_sgd(9, 8, 0.2)
+    let cfg = {
+        let mut c = plain_sgd(9, 8, 0.2);
+        c.recipe.schedule = cosine(2, Some(6), 0.01);
+        c
     };
     let r = run(1, &cfg, Rows::new()).unwrap();
-    assert_eq!(r.outcome.lrs.len(), 9);
-    assert_lrs(&r.outcome.lrs, |s| cosine_lr(0.2, 0.01, 2, 6, s), 0, "cosine W=2 T=6");
+    assert_eq!(r.outcome.lrs().len(), 9);
+    assert_lrs(&r.outcome.lrs(), |s| cosine_lr(0.2, 0.01, 2, 6, s), 0, "cosine W=2 T=6");
     // W = 0, T defaulting to the run's steps; linear; step
-    let cfg = TrainConfig {
-        schedule: cosine(0, None, 0.0),
-        ..plain_sgd(5, 8, 0.2)
+    let cfg = {
+        let mut c = plain_sgd(5, 8, 0.2);
+        c.recipe.schedule = cosine(0, None, 0.0);
+        c
     };
     let r = run(1, &cfg, Rows::new()).unwrap();
     assert_lrs(
-        &r.outcome.lrs,
+        &r.outcome.lrs(),
         |s| cosine_lr(0.2, 0.0, 0, 5, s),
         0,
         "cosine W=0 T=steps",
     );
-    let cfg = TrainConfig {
-        schedule: ScheduleConfig {
+    let cfg = {
+        let mut c = plain_sgd(6, 8, 0.2);
+        c.recipe.schedule = ScheduleConfig {
             name: ScheduleName::Linear,
             decay_steps: Some(4),
             min_lr: 0.02,
             ..ScheduleConfig::default()
-        },
-        ..plain_sgd(6, 8, 0.2)
+        };
+        c
     };
     let r = run(1, &cfg, Rows::new()).unwrap();
     let linear = |s: u64| {
@@ -94,16 +96,17 @@ fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
             0.2 + (0.02 - 0.2) * s as f64 / 4.0
         }
     };
-    assert_lrs(&r.outcome.lrs, linear, 0, "linear T=4");
-    let cfg = TrainConfig {
-        schedule: ScheduleConfig {
+    assert_lrs(&r.outcome.lrs(), linear, 0, "linear T=4");
+    let cfg = {
+        let mut c = plain_sgd(6, 8, 0.2);
+        c.recipe.schedule = ScheduleConfig {
             name: ScheduleName::Step,
             warmup_steps: 1,
             step_size: 2,
             gamma: 0.5,
             ..ScheduleConfig::default()
-        },
-        ..plain_sgd(6, 8, 0.2)
+        };
+        c
     };
     let r = run(1, &cfg, Rows::new()).unwrap();
     let step = |s: u64| {
@@ -113,18 +116,19 @@ fn every_schedule_sets_the_learning_rate_of_every_step_by_its_formula() {
             0.2 * 0.5f64.powi(((s - 1) / 2) as i32)
         }
     };
-    assert_lrs(&r.outcome.lrs, step, 0, "step W=1");
+    assert_lrs(&r.outcome.lrs(), step, 0, "step W=1");
     // the default is the constant optimizer lr, as before schedules
     let r = run(1, &plain_sgd(3, 8, 0.2), Rows::new()).unwrap();
-    assert_eq!(r.outcome.lrs, [0.2; 3]);
+    assert_eq!(r.outcome.lrs(), [0.2; 3]);
 }
 
 #[test]
 fn the_optimizer_steps_with_the_scheduled_learning_rate() {
     // cosine down to 0 at T = 3: steps 3.. move nothing, so 6 steps end where 3 steps end
-    let cfg = |steps| TrainConfig {
-        schedule: cosine(0, Some(3), 0.0),
-        ..plain_sgd(steps, 8, 0.2)
+    let cfg = |steps| {
+        let mut c = plain_sgd(steps, 8, 0.2);
+        c.recipe.schedule = cosine(0, Some(3), 0.0);
+        c
     };
     let three = run(2, &cfg(3), Rows::new()).unwrap();
     let six = run(2, &cfg(6), Rows::new()).unwrap();
@@ -142,24 +146,24 @@ fn the_optimizer_steps_with_the_scheduled_learning_rate() {
 
 #[test]
 fn a_decaying_schedule_with_t_not_past_the_warmup_is_one_error() {
-    let cfg = TrainConfig {
-        schedule: cosine(5, Some(5), 0.0),
-        ..plain_sgd(8, 8, 0.2)
+    let cfg = {
+        let mut c = plain_sgd(8, 8, 0.2);
+        c.recipe.schedule = cosine(5, Some(5), 0.0);
+        c
     };
     let e = run(1, &cfg, Rows::new()).err().expect("T <= W").to_string();
     assert!(e.contains("T = 5") && e.contains("W = 5") && !e.contains('\n'), "{e}");
 }
 
 fn with_checkpoint(cfg: TrainConfig, write: Option<&std::path::Path>, resume: Option<&std::path::Path>) -> TrainConfig {
-    TrainConfig {
-        checkpoint: CheckpointConfig {
-            path: write.map(Into::into),
-            resume: resume.map(Into::into),
-            every: None,
-            keep_last: None,
-        },
-        ..cfg
-    }
+    let mut c = cfg;
+    c.runtime.checkpoint = CheckpointConfig {
+        path: write.map(Into::into),
+        resume: resume.map(Into::into),
+        every: None,
+        keep_last: None,
+    };
+    c
 }
 
 #[test]
@@ -167,36 +171,40 @@ fn a_resume_that_extends_the_steps_continues_the_same_curve() {
     let d = tmp("schedule-resume");
     let ckpt = d.join("c.ckpt");
     // 4 steps of a cosine over T = 6, then resumed until step 9 with T left to default
-    let first = TrainConfig {
-        schedule: cosine(1, Some(6), 0.01),
-        ..plain_sgd(4, 8, 0.2)
+    let first = {
+        let mut c = plain_sgd(4, 8, 0.2);
+        c.recipe.schedule = cosine(1, Some(6), 0.01);
+        c
     };
     run(2, &with_checkpoint(first, Some(&ckpt), None), Rows::new()).unwrap();
-    let more = TrainConfig {
-        schedule: cosine(1, None, 0.01),
-        ..plain_sgd(9, 8, 0.2)
+    let more = {
+        let mut c = plain_sgd(9, 8, 0.2);
+        c.recipe.schedule = cosine(1, None, 0.01);
+        c
     };
     let resumed = run(2, &with_checkpoint(more, None, Some(&ckpt)), Rows::new()).unwrap();
     assert_eq!(resumed.outcome.first_step, 4);
     assert!(resumed.outcome.resume_changes.is_empty());
-    assert_lrs(&resumed.outcome.lrs, |s| cosine_lr(0.2, 0.01, 1, 6, s), 4, "resumed");
+    assert_lrs(&resumed.outcome.lrs(), |s| cosine_lr(0.2, 0.01, 1, 6, s), 4, "resumed");
     // bit for bit the uninterrupted run of the same curve
-    let straight = TrainConfig {
-        schedule: cosine(1, Some(6), 0.01),
-        ..plain_sgd(9, 8, 0.2)
+    let straight = {
+        let mut c = plain_sgd(9, 8, 0.2);
+        c.recipe.schedule = cosine(1, Some(6), 0.01);
+        c
     };
     let straight = run(2, &straight, Rows::new()).unwrap();
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[4..]);
-    assert_eq!(resumed.outcome.lrs, straight.outcome.lrs[4..]);
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[4..]);
+    assert_eq!(resumed.outcome.lrs(), straight.outcome.lrs()[4..]);
 }
 
 #[test]
 fn a_resume_that_changes_the_schedule_or_its_t_is_refused() {
     let d = tmp("schedule-refused");
     let ckpt = d.join("c.ckpt");
-    let first = TrainConfig {
-        schedule: cosine(1, Some(6), 0.01),
-        ..plain_sgd(2, 8, 0.2)
+    let first = {
+        let mut c = plain_sgd(2, 8, 0.2);
+        c.recipe.schedule = cosine(1, Some(6), 0.01);
+        c
     };
     run(1, &with_checkpoint(first, Some(&ckpt), None), Rows::new()).unwrap();
     for (what, schedule) in [
@@ -210,9 +218,10 @@ fn a_resume_that_changes_the_schedule_or_its_t_is_refused() {
         ),
         ("no schedule", ScheduleConfig::default()),
     ] {
-        let cfg = TrainConfig {
-            schedule,
-            ..plain_sgd(6, 8, 0.2)
+        let cfg = {
+            let mut c = plain_sgd(6, 8, 0.2);
+            c.recipe.schedule = schedule;
+            c
         };
         let e = run(1, &with_checkpoint(cfg, None, Some(&ckpt)), Rows::new())
             .err()
@@ -235,9 +244,10 @@ fn a_resume_that_changes_the_optimizer_kind_is_refused() {
         Rows::new(),
     )
     .unwrap();
-    let adamw = TrainConfig {
-        optimizer: OptimizerConfig::adamw(0.2, None),
-        ..plain_sgd(4, 8, 0.2)
+    let adamw = {
+        let mut c = plain_sgd(4, 8, 0.2);
+        c.recipe.optimizer = OptimizerConfig::adamw(0.2, None);
+        c
     };
     let e = run(1, &with_checkpoint(adamw, None, Some(&ckpt)), Rows::new())
         .err()
@@ -267,28 +277,30 @@ fn a_resume_that_changes_a_hyperparameter_uses_it_and_says_which() {
     )
     .unwrap();
     let seen = Arc::new(Changes::default());
-    let cfg = TrainConfig {
-        clip_grad_norm: Some(0.5),
-        instrument: Instrumentation {
+    let cfg = {
+        let mut c = plain_sgd(4, 8, 0.05);
+        c.recipe.clip_grad_norm = Some(0.5);
+        c.runtime.instrument = Instrumentation {
             observer: Some(seen.clone()),
             ..Instrumentation::default()
-        },
-        ..plain_sgd(4, 8, 0.05)
+        };
+        c
     };
     let r = run(1, &with_checkpoint(cfg, None, Some(&ckpt)), Rows::new()).unwrap();
     let said: Vec<String> = seen.0.lock().unwrap().iter().map(ToString::to_string).collect();
     assert_eq!(said, ["lr 0.2 -> 0.05", "clip_grad_norm none -> 0.5"]);
     assert_eq!(r.outcome.resume_changes.len(), 2);
-    assert_eq!(r.outcome.lrs, [0.05, 0.05], "the new learning rate is used");
-    assert!(r.outcome.grad_norms.iter().all(Option::is_some), "and the clipping");
+    assert_eq!(r.outcome.lrs(), [0.05, 0.05], "the new learning rate is used");
+    assert!(r.outcome.grad_norms().iter().all(Option::is_some), "and the clipping");
     // an unchanged resume says nothing
     let seen = Arc::new(Changes::default());
-    let same = TrainConfig {
-        instrument: Instrumentation {
+    let same = {
+        let mut c = plain_sgd(3, 8, 0.2);
+        c.runtime.instrument = Instrumentation {
             observer: Some(seen.clone()),
             ..Instrumentation::default()
-        },
-        ..plain_sgd(3, 8, 0.2)
+        };
+        c
     };
     run(1, &with_checkpoint(same, None, Some(&ckpt)), Rows::new()).unwrap();
     assert!(seen.0.lock().unwrap().is_empty());
@@ -306,9 +318,10 @@ fn load_params_and_init_read_a_training_checkpoints_model_weights() {
         assert_eq!(want.to_f64_vec().unwrap(), got.to_f64_vec().unwrap(), "{n}");
     }
     // --init: a run that starts from the checkpoint's weights (0 steps: they come out as is)
-    let init = TrainConfig {
-        init: Some(ckpt.clone()),
-        ..config(0, 8)
+    let init = {
+        let mut c = config(0, 8);
+        c.model.init = Some(ckpt.clone());
+        c
     };
     let r = run(1, &init, Rows::new()).unwrap();
     for ((n, want), (_, got)) in trained.outcome.params.iter().zip(&r.outcome.params) {
@@ -346,7 +359,7 @@ fn assert_close6(a: &[f64], b: &[f64], what: &str) {
 
 fn norms(r: &brigade::RunReport) -> Vec<f64> {
     r.outcome
-        .grad_norms
+        .grad_norms()
         .iter()
         .map(|n| n.expect("a norm every step"))
         .collect()
@@ -354,17 +367,19 @@ fn norms(r: &brigade::RunReport) -> Vec<f64> {
 
 #[test]
 fn clipping_is_the_same_on_one_rank_two_ranks_and_accumulation() {
-    let clip = |cfg: TrainConfig| TrainConfig {
-        clip_grad_norm: Some(0.05),
-        ..cfg
+    let clip = |cfg: TrainConfig| {
+        let mut c = cfg;
+        c.recipe.clip_grad_norm = Some(0.05);
+        c
     };
     let one = run(1, &clip(config(6, 16)), Rows::new()).unwrap();
     let two = run(2, &clip(config(6, 8)), Rows::new()).unwrap();
     let accum = run(
         1,
-        &clip(TrainConfig {
-            accum: 2,
-            ..config(6, 8)
+        &clip({
+            let mut c = config(6, 8);
+            c.data.accum = 2;
+            c
         }),
         Rows::new(),
     )
@@ -383,33 +398,34 @@ fn clipping_is_the_same_on_one_rank_two_ranks_and_accumulation() {
     assert_close6(&norms(&two), &norms(&one), "norms: 2 ranks x 8 vs 1 x 16");
     assert_close6(&norms(&accum), &norms(&one), "norms: accum 2 x 8 vs 1 x 16");
     assert_close6(
-        &two.outcome.losses,
-        &one.outcome.losses,
+        &two.outcome.losses(),
+        &one.outcome.losses(),
         "losses: 2 ranks x 8 vs 1 x 16",
     );
     assert_close6(
-        &accum.outcome.losses,
-        &one.outcome.losses,
+        &accum.outcome.losses(),
+        &one.outcome.losses(),
         "losses: accum 2 x 8 vs 1 x 16",
     );
     // clipping changed the run (it is not a no-op)
     let unclipped = run(1, &config(6, 16), Rows::new()).unwrap();
-    assert!((unclipped.outcome.losses[5] - one.outcome.losses[5]).abs() > 1e-4);
-    assert!(unclipped.outcome.grad_norms.iter().all(Option::is_none));
+    assert!((unclipped.outcome.losses()[5] - one.outcome.losses()[5]).abs() > 1e-4);
+    assert!(unclipped.outcome.grad_norms().iter().all(Option::is_none));
 }
 
 #[test]
 fn clipping_under_zero_1_and_2_equals_plain_ddp() {
-    let cfg = |hook: PolicySpec| TrainConfig {
-        clip_grad_norm: Some(0.05),
-        comm_hook: Arc::new(hook),
-        ..config(6, 8)
+    let cfg = |hook: PolicySpec| {
+        let mut c = config(6, 8);
+        c.recipe.clip_grad_norm = Some(0.05);
+        c.distributed.get_or_insert_default().policy = Arc::new(hook);
+        c
     };
     let plain = run(2, &cfg(PolicySpec::AllReduce), Rows::new()).unwrap();
     for (name, hook) in [("zero1", PolicySpec::Zero1), ("zero2", PolicySpec::Zero2)] {
         let z = run(2, &cfg(hook), Rows::new()).unwrap();
         assert_close6(&norms(&z), &norms(&plain), &format!("{name}: norms"));
-        assert_close6(&z.outcome.losses, &plain.outcome.losses, &format!("{name}: losses"));
+        assert_close6(&z.outcome.losses(), &plain.outcome.losses(), &format!("{name}: losses"));
         for ((n, a), (_, b)) in z.outcome.params.iter().zip(&plain.outcome.params) {
             assert_close6(
                 &a.to_f64_vec().unwrap(),
@@ -446,12 +462,13 @@ impl EvalSource for SameRows {
 #[test]
 fn the_eval_loss_equals_the_training_loss_of_the_same_batch_before_the_next_step() {
     for world in [1, 2] {
-        let cfg = TrainConfig {
-            eval: Some(EvalConfig {
+        let cfg = {
+            let mut c = config(7, 8);
+            c.recipe.eval = Some(EvalConfig {
                 every: 2,
                 data: Arc::new(SameRows),
-            }),
-            ..config(7, 8)
+            });
+            c
         };
         let r = brigade::fit(
             &brigade::launch::LaunchConfig::threads(world),
@@ -460,7 +477,7 @@ fn the_eval_loss_equals_the_training_loss_of_the_same_batch_before_the_next_step
             |_| Ok(Box::new(Tiny::new()?)),
         )
         .unwrap();
-        let (val, loss) = (&r.outcome.val_losses, &r.outcome.losses);
+        let (val, loss) = (&r.outcome.val_losses(), &r.outcome.losses());
         // after steps 1, 3, 5 (every 2) and 6 (the last)
         let evaluated: Vec<usize> = (0..7).filter(|&s| val[s].is_some()).collect();
         assert_eq!(evaluated, [1, 3, 5, 6], "world {world}");

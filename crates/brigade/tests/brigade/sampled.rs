@@ -6,9 +6,9 @@
 use std::sync::Mutex;
 
 use brigade::config::CheckpointConfig;
-use brigade::data::{DataLength, DataOrder, DataSource, Microbatch};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Batch, Dataset, DistributedSampler, Mlp, MlpConfig, SamplerOptions, SamplerPosition};
+use brigade::source::{DataLength, DataOrder, DataSource, Microbatch};
 use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};
 
 const ROWS: usize = 48;
@@ -62,11 +62,12 @@ fn config(steps: usize, batch: usize, order: DataOrder) -> TrainConfig {
         momentum: 0.9,
         weight_decay: 0.0,
     };
-    TrainConfig {
-        model_name: "mlp".into(),
-        compute_threads: Some(1),
-        data_order: order,
-        ..TrainConfig::new(steps, batch, sgd)
+    {
+        let mut c = TrainConfig::new(steps, batch, sgd);
+        c.model.name = "mlp".into();
+        c.runtime.compute_threads = Some(1);
+        c.data.order = order;
+        c
     }
 }
 
@@ -131,8 +132,8 @@ fn two_ranks_equal_one_rank_on_the_same_global_batches() {
     let two = run(2, &config(9, 4, DataOrder::shuffle(3, false)), &a).unwrap();
     let one = run(1, &config(9, 8, DataOrder::shuffle(3, false)), &b).unwrap();
     assert_close(
-        &two.outcome.losses,
-        &one.outcome.losses,
+        &two.outcome.losses(),
+        &one.outcome.losses(),
         "2 ranks x 4 rows vs 1 rank x 8 rows, shuffled",
     );
     // the same rows per step: rank 0 and 1 of a step together are the one rank's batch
@@ -163,35 +164,38 @@ fn a_resume_mid_epoch_lands_on_the_same_row_of_the_same_permutation() {
     let straight_data = Recording::new();
     let straight = run(2, &config(10, 4, order), &straight_data).unwrap();
     // 6 steps an epoch: stop at step 8, row 8 of epoch 1
-    let first = TrainConfig {
-        checkpoint: CheckpointConfig {
+    let first = {
+        let mut c = config(8, 4, order);
+        c.runtime.checkpoint = CheckpointConfig {
             path: Some(ckpt.clone()),
             ..CheckpointConfig::default()
-        },
-        ..config(8, 4, order)
+        };
+        c
     };
     let stopped = run(2, &first, &Recording::new()).unwrap();
     assert_eq!(stopped.outcome.sampler, Some(SamplerPosition { epoch: 1, index: 8 }));
-    let resume = TrainConfig {
-        checkpoint: CheckpointConfig {
+    let resume = {
+        let mut c = config(10, 4, order);
+        c.runtime.checkpoint = CheckpointConfig {
             resume: Some(ckpt.clone()),
             ..CheckpointConfig::default()
-        },
-        ..config(10, 4, order)
+        };
+        c
     };
     let resumed_data = Recording::new();
     let resumed = run(2, &resume, &resumed_data).unwrap();
     assert_eq!(resumed.outcome.first_step, 8);
-    assert_eq!(resumed.outcome.losses, straight.outcome.losses[8..], "bit for bit");
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[8..], "bit for bit");
     assert_eq!(resumed_data.rows_of(0), straight_data.rows_of(0)[32..], "the same rows");
     assert_eq!(resumed_data.rows_of(1), straight_data.rows_of(1)[32..], "the same rows");
 
     // in order, another seed, or another world size: refused, naming what differs
     let e = run(
         2,
-        &TrainConfig {
-            data_order: DataOrder::InOrder,
-            ..resume.clone()
+        &{
+            let mut c = resume.clone();
+            c.data.order = DataOrder::InOrder;
+            c
         },
         &Recording::new(),
     )
@@ -201,9 +205,10 @@ fn a_resume_mid_epoch_lands_on_the_same_row_of_the_same_permutation() {
     assert!(e.contains("data order") && e.contains("rows in order"), "{e}");
     let e = run(
         2,
-        &TrainConfig {
-            data_order: DataOrder::shuffle(6, false),
-            ..resume.clone()
+        &{
+            let mut c = resume.clone();
+            c.data.order = DataOrder::shuffle(6, false);
+            c
         },
         &Recording::new(),
     )

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use brigade_autograd::AdamW;
-use brigade_models::{GptConfig, MlpConfig, ModelKind};
+use brigade_models::{GptConfig, MlpConfig, ModelKind, TokenFormat, Tokenizer};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
@@ -148,6 +148,36 @@ fn backend_help(b: CommBackend) -> &'static str {
     }
 }
 
+/// Parses `--tokenizer` (`bytes` or `gpt2`), listing both in `--help`.
+pub fn tokenizer_parser() -> impl TypedValueParser<Value = Tokenizer> {
+    PossibleValuesParser::new(Tokenizer::ALL.map(|t| {
+        PossibleValue::new(t.name()).help(match t {
+            Tokenizer::Bytes => "One token per UTF-8 byte (vocabulary 256)",
+            Tokenizer::Gpt2 => "GPT-2's byte-pair encoding, tiktoken's r50k_base (vocabulary 50257)",
+        })
+    }))
+    .map(|s| s.parse::<Tokenizer>().expect("one of the possible values"))
+}
+
+/// `--data-format`: how a token file lays out its tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DataFormatFlag {
+    /// llm.c's shard: a 256 x int32 header (magic 20240520, version 1, token count), uint16 tokens.
+    Llmc,
+    /// nanoGPT's train.bin / val.bin: raw uint16 tokens, no header.
+    Nanogpt,
+}
+
+impl DataFormatFlag {
+    /// The library's format.
+    pub fn format(self) -> TokenFormat {
+        match self {
+            DataFormatFlag::Llmc => TokenFormat::Llmc,
+            DataFormatFlag::Nanogpt => TokenFormat::NanoGpt,
+        }
+    }
+}
+
 /// Parses `--backend` into the library's [`CommBackend`] (the one backend enum).
 pub fn backend_parser() -> impl TypedValueParser<Value = CommBackend> {
     PossibleValuesParser::new(CommBackend::ALL.map(|b| PossibleValue::new(b.name()).help(backend_help(b))))
@@ -191,12 +221,22 @@ pub struct ModelArgs {
     /// gpt: context length.
     #[arg(long, default_value_t = 128)]
     pub context: usize,
+    /// gpt: how --text becomes tokens, and what --data's token ids are; the GPT's vocabulary
+    /// follows it (256 or 50257) and its checkpoint records it, for `brigade sample`.
+    #[arg(long, value_parser = tokenizer_parser(), default_value_t = Tokenizer::Bytes)]
+    pub tokenizer: Tokenizer,
     /// Dropout probability in [0, 1) (torch.nn.Dropout), in training mode only: mlp after each
     /// hidden activation, gpt after the embeddings and on each block's two residual branches.
     /// Each rank's mask generator is part of a checkpoint, so a continued run draws the masks
     /// an uninterrupted one would. 0 (the default) is bit for bit the run without dropout.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub dropout: f64,
+    /// Seed of the initial parameters and of the built-in data.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Initial parameters (safetensors; PyTorch state-dict names).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -269,50 +309,52 @@ impl ModelArgs {
                 d_ff: self.d_ff,
                 context: self.context,
                 dropout: self.dropout,
+                vocab: self.tokenizer.vocab(),
                 ..GptConfig::default()
             }),
         }
     }
 }
 
-/// Everything about one training run except what to do with its results.
+/// Everything about one training run except what to do with its results, grouped as the
+/// library's `TrainConfig` is: the model, the data, the recipe, the distributed part, how it runs.
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Number of optimizer steps: the run ends at this step.
-    #[arg(long, default_value_t = 100)]
-    pub steps: usize,
+    #[command(flatten)]
+    pub data: DataArgs,
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
+    #[command(flatten)]
+    pub distributed: DistributedArgs,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
+}
+
+/// On what data: the batches, the files, their order, uneven data, the held-out rows.
+#[derive(Args, Clone, Debug)]
+pub struct DataArgs {
     /// Rows per rank per microbatch.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Learning rate (finite, > 0).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3)]
-    pub lr: f64,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerName::Adamw)]
-    pub optimizer: OptimizerName,
-    /// SGD momentum, in [0, 1) (default 0, as `torch.optim.SGD`); an error with AdamW.
-    #[arg(long, allow_negative_numbers = true)]
-    pub momentum: Option<f64>,
-    /// Weight decay, finite and >= 0 (AdamW: decoupled; SGD: L2 added to the gradient).
-    /// Default: 0.01 for AdamW, 0 for SGD.
-    #[arg(long, allow_negative_numbers = true)]
-    pub weight_decay: Option<f64>,
-    /// Seed of the initial parameters and of the built-in data.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Initial parameters (safetensors; PyTorch state-dict names).
-    #[arg(long)]
-    pub init: Option<PathBuf>,
+    /// Microbatches per step: the first K-1 accumulate under no_sync, the K-th reduces.
+    #[arg(long, default_value_t = 1)]
+    pub accum: usize,
     /// Training data (safetensors, or NumPy .npz with an array per tensor, or .npy for gpt's
     /// one tensor; told apart by the file's first bytes): mlp `inputs` F32 [N,in] + `targets`
     /// I64 [N]; gpt `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one
     /// file per rank (`shard-{rank}.safetensors`: rank r reads `shard-r.safetensors`, its rows
     /// in order and once, --batch-size a microbatch; --shuffle for epochs); files of different
-    /// lengths need --join.
+    /// lengths need --join. gpt: token files too, read by row, never whole: llm.c's shards
+    /// (`.bin`, told by their magic) or nanoGPT's raw uint16 (--data-format nanogpt); a `*` or
+    /// `?` in the file name takes every matching shard, sorted (`'fineweb_train_*.bin'`).
     #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
+    /// gpt: the layout of --data's (and --eval-data's) token files: llmc (the default for a file
+    /// with llm.c's magic) or nanogpt (raw uint16).
+    #[arg(long, value_enum)]
+    pub data_format: Option<DataFormatFlag>,
     /// gpt: train on a UTF-8 text file, byte-level (rows of --context + 1 bytes); the last
     /// tenth of the file is kept apart as the validation split, which --eval-every evaluates.
     #[arg(long)]
@@ -336,69 +378,34 @@ pub struct RunArgs {
     /// uneven data is an error before step 0.
     #[arg(long, value_parser = parse_join)]
     pub join: Option<JoinMode>,
-    /// Number of ranks (thread backend).
-    #[arg(long, default_value_t = 1)]
-    pub world_size: usize,
-    /// Communication backend.
-    #[arg(long, value_parser = backend_parser(), default_value_t = CommBackend::Thread)]
-    pub backend: CommBackend,
-    /// Where the model, batches, gradients and optimizer state live: cpu, cuda (rank r on GPU
-    /// r % count) or cuda:N (GPUs from N). DDP stages gradient buckets through the host.
-    #[arg(long, value_parser = parse_device, default_value_t = DevicePlacement::Cpu)]
-    pub device: DevicePlacement,
-    /// Compute threads per rank (default: the cores divided among the ranks).
-    #[arg(long)]
-    pub threads_per_rank: Option<usize>,
-    /// DDP bucket cap in MiB, or `auto` (the overlap model picks it from the recorded steps;
-    /// see --autotune-*). `brigade sweep` takes a comma-separated list of caps.
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_value = "25", value_parser = parse_bucket_cap)]
-    pub bucket_mb: Vec<BucketCap>,
-    #[command(flatten)]
-    pub autotune: AutotuneArgs,
-    /// DDP first-bucket cap in MiB; a smaller --bucket-mb caps the first bucket too (as in
-    /// `brigade sweep`, `brigade predict` and the autotuner).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
-    pub first_bucket_mb: f64,
-    /// Microbatches per step: the first K-1 accumulate under no_sync, the K-th reduces.
-    #[arg(long, default_value_t = 1)]
-    pub accum: usize,
-    /// Simulated network bandwidth in gigabits per second (e.g. 10 for 10GbE), 0.001 to 1e6.
+    /// Hold out this fraction of the training data's rows (its last rows; in (0, 1)) for
+    /// --eval-every: the run trains on the others.
     #[arg(long, allow_negative_numbers = true)]
-    pub net_gbps: Option<f64>,
-    /// Simulated network latency per message in microseconds, 0 to 1e7; needs --net-gbps
-    /// (without a bandwidth there is no simulated network, and a latency is an error).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
-    pub net_latency_us: f64,
-    /// Mark parameters that get no gradient as ready instead of failing.
+    pub val_fraction: Option<f64>,
+    /// Held-out data for --eval-every (the same format as --data).
     #[arg(long)]
-    pub find_unused_parameters: bool,
-    /// Steps excluded from the timing summary.
-    #[arg(long, default_value_t = 0)]
-    pub warmup: usize,
-    /// Seconds any rank waits for the others before failing (finite, > 0, at most 1e6).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
-    pub timeout_s: f64,
-    /// Train on through non-finite losses and parameters (default: stop with an error naming
-    /// the step, keeping the last good checkpoint). A checkpoint such a run wrote, holding
-    /// non-finite values, is continued under this flag only.
-    #[arg(long)]
-    pub allow_nonfinite: bool,
-    /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),
-    /// `fp16` / `bf16` (divide, round to 16 bits, all-reduce half the bytes), `powersgd`
-    /// (low-rank, with error feedback and warm start).
-    #[arg(long, value_enum, default_value_t = CommHookName::Allreduce)]
-    pub comm_hook: CommHookName,
-    /// PowerSGD: rank of the approximation (>= 1).
-    #[arg(long, default_value_t = 1)]
-    pub powersgd_rank: usize,
-    /// PowerSGD: iterations of plain all-reduce before compression starts.
-    #[arg(long, default_value_t = 10)]
-    pub powersgd_start_iter: usize,
-    /// ZeRO stage: 0 plain DDP; 1 shards the optimizer state over the ranks (each bucket
-    /// reduce-scattered, each rank steps its shard, parameters all-gathered); 2 also keeps only
-    /// the rank's shard of the gradients. Needs --comm-hook allreduce.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
-    pub zero: u8,
+    pub eval_data: Option<PathBuf>,
+}
+
+/// The recipe: steps, optimizer, learning-rate schedule, clipping, evaluation.
+#[derive(Args, Clone, Debug)]
+pub struct RecipeArgs {
+    /// Number of optimizer steps: the run ends at this step.
+    #[arg(long, default_value_t = 100)]
+    pub steps: usize,
+    /// Learning rate (finite, > 0).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerName::Adamw)]
+    pub optimizer: OptimizerName,
+    /// SGD momentum, in [0, 1) (default 0, as `torch.optim.SGD`); an error with AdamW.
+    #[arg(long, allow_negative_numbers = true)]
+    pub momentum: Option<f64>,
+    /// Weight decay, finite and >= 0 (AdamW: decoupled; SGD: L2 added to the gradient).
+    /// Default: 0.01 for AdamW, 0 for SGD.
+    #[arg(long, allow_negative_numbers = true)]
+    pub weight_decay: Option<f64>,
     /// Learning-rate schedule, peaking at --lr after --warmup-steps: constant, cosine (to
     /// --min-lr at --lr-decay-steps), linear (likewise) or step (x --lr-gamma every
     /// --lr-step-size steps). Checkpoints record it.
@@ -429,13 +436,82 @@ pub struct RunArgs {
     /// --eval-data, or the last tenth of --text): eval mode, no gradients, averaged over the ranks; the `val_loss` column.
     #[arg(long)]
     pub eval_every: Option<usize>,
-    /// Hold out this fraction of the training data's rows (its last rows; in (0, 1)) for
-    /// --eval-every: the run trains on the others.
-    #[arg(long, allow_negative_numbers = true)]
-    pub val_fraction: Option<f64>,
-    /// Held-out data for --eval-every (the same format as --data).
+    /// Train on through non-finite losses and parameters (default: stop with an error naming
+    /// the step, keeping the last good checkpoint). A checkpoint such a run wrote, holding
+    /// non-finite values, is continued under this flag only.
     #[arg(long)]
-    pub eval_data: Option<PathBuf>,
+    pub allow_nonfinite: bool,
+}
+
+/// The ranks and DDP: how many, over which backend, the buckets, the reducer policy, the
+/// simulated network, the wait for the others.
+#[derive(Args, Clone, Debug)]
+pub struct DistributedArgs {
+    /// Number of ranks (thread backend).
+    #[arg(long, default_value_t = 1)]
+    pub world_size: usize,
+    /// Communication backend.
+    #[arg(long, value_parser = backend_parser(), default_value_t = CommBackend::Thread)]
+    pub backend: CommBackend,
+    /// DDP bucket cap in MiB, or `auto` (the overlap model picks it from the recorded steps;
+    /// see --autotune-*). `brigade sweep` takes a comma-separated list of caps.
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_value = "25", value_parser = parse_bucket_cap)]
+    pub bucket_mb: Vec<BucketCap>,
+    #[command(flatten)]
+    pub autotune: AutotuneArgs,
+    /// DDP first-bucket cap in MiB; a smaller --bucket-mb caps the first bucket too (as in
+    /// `brigade sweep`, `brigade predict` and the autotuner).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
+    pub first_bucket_mb: f64,
+    /// Mark parameters that get no gradient as ready instead of failing.
+    #[arg(long)]
+    pub find_unused_parameters: bool,
+    /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),
+    /// `fp16` / `bf16` (divide, round to 16 bits, all-reduce half the bytes), `powersgd`
+    /// (low-rank, with error feedback and warm start).
+    #[arg(long, value_enum, default_value_t = CommHookName::Allreduce)]
+    pub comm_hook: CommHookName,
+    /// PowerSGD: rank of the approximation (>= 1).
+    #[arg(long, default_value_t = 1)]
+    pub powersgd_rank: usize,
+    /// PowerSGD: iterations of plain all-reduce before compression starts.
+    #[arg(long, default_value_t = 10)]
+    pub powersgd_start_iter: usize,
+    /// ZeRO stage: 0 plain DDP; 1 shards the optimizer state over the ranks (each bucket
+    /// reduce-scattered, each rank steps its shard, parameters all-gathered); 2 also keeps only
+    /// the rank's shard of the gradients. Needs --comm-hook allreduce.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub zero: u8,
+    /// Simulated network bandwidth in gigabits per second (e.g. 10 for 10GbE), 0.001 to 1e6.
+    #[arg(long, allow_negative_numbers = true)]
+    pub net_gbps: Option<f64>,
+    /// Simulated network latency per message in microseconds, 0 to 1e7; needs --net-gbps
+    /// (without a bandwidth there is no simulated network, and a latency is an error).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    pub net_latency_us: f64,
+    /// Seconds any rank waits for the others before failing (finite, > 0, at most 1e6).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
+    pub timeout_s: f64,
+}
+
+/// How the run executes: the device, the compute threads, the steps left out of the timing.
+#[derive(Args, Clone, Debug)]
+pub struct RuntimeArgs {
+    /// Where the model, batches, gradients and optimizer state live: cpu, cuda (rank r on GPU
+    /// r % count) or cuda:N (GPUs from N). DDP stages gradient buckets through the host.
+    #[arg(long, value_parser = parse_device, default_value_t = DevicePlacement::Cpu)]
+    pub device: DevicePlacement,
+    /// Compute threads per rank (default: the cores divided among the ranks).
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
+    /// Steps left out of the timing summary: the first N steps run are not timed (the
+    /// learning rate's warmup is --warmup-steps).
+    #[arg(long, default_value_t = 0)]
+    pub untimed_steps: usize,
+    /// `--warmup`, a hidden spelling of --untimed-steps ([`RunArgs::take_old_spellings`] moves
+    /// it there and names the flag).
+    #[arg(long = "warmup", hide = true, conflicts_with = "untimed_steps")]
+    pub warmup: Option<usize>,
 }
 
 /// `--lr-schedule`.
@@ -465,53 +541,64 @@ pub enum CommHookName {
 }
 
 impl RunArgs {
+    /// Moves a value given under a hidden old spelling to its flag, saying the flag's name on
+    /// stderr (one line per spelling used).
+    pub fn take_old_spellings(&mut self) {
+        if let Some(n) = self.runtime.warmup.take() {
+            self.runtime.untimed_steps = n;
+            eprintln!(
+                "note: --warmup is spelled --untimed-steps (the steps left out of the timing; --warmup-steps is the learning rate's warmup)"
+            );
+        }
+    }
+
     /// The reducer policy these flags choose (`--zero` and `--comm-hook` together).
     pub fn hook_spec(&self) -> PolicySpec {
-        match (self.zero_stage(), self.comm_hook) {
+        match (self.zero_stage(), self.distributed.comm_hook) {
             (ZeroStage::One, _) => PolicySpec::Zero1,
             (ZeroStage::Two, _) => PolicySpec::Zero2,
             (ZeroStage::Off, CommHookName::Allreduce) => PolicySpec::AllReduce,
             (ZeroStage::Off, CommHookName::Fp16) => PolicySpec::Fp16,
             (ZeroStage::Off, CommHookName::Bf16) => PolicySpec::Bf16,
             (ZeroStage::Off, CommHookName::Powersgd) => PolicySpec::PowerSgd {
-                rank: self.powersgd_rank,
-                start_iter: self.powersgd_start_iter,
+                rank: self.distributed.powersgd_rank,
+                start_iter: self.distributed.powersgd_start_iter,
             },
         }
     }
 
     /// The ZeRO stage `--zero` chooses.
     pub fn zero_stage(&self) -> ZeroStage {
-        ZeroStage::from_level(self.zero).unwrap_or_default()
+        ZeroStage::from_level(self.distributed.zero).unwrap_or_default()
     }
 
     /// The learning-rate schedule the flags describe.
     pub fn schedule(&self) -> brigade::ScheduleConfig {
         use brigade::ScheduleName;
         brigade::ScheduleConfig {
-            name: match self.lr_schedule {
+            name: match self.recipe.lr_schedule {
                 ScheduleFlag::Constant => ScheduleName::Constant,
                 ScheduleFlag::Cosine => ScheduleName::Cosine,
                 ScheduleFlag::Linear => ScheduleName::Linear,
                 ScheduleFlag::Step => ScheduleName::Step,
             },
-            warmup_steps: self.warmup_steps,
-            decay_steps: self.lr_decay_steps,
-            min_lr: self.min_lr,
-            step_size: self.lr_step_size,
-            gamma: self.lr_gamma,
+            warmup_steps: self.recipe.warmup_steps,
+            decay_steps: self.recipe.lr_decay_steps,
+            min_lr: self.recipe.min_lr,
+            step_size: self.recipe.lr_step_size,
+            gamma: self.recipe.lr_gamma,
         }
     }
 
     /// SGD's momentum in effect (0 unless given, as in `torch.optim.SGD`).
     pub fn momentum(&self) -> f64 {
-        self.momentum.unwrap_or(0.0)
+        self.recipe.momentum.unwrap_or(0.0)
     }
 
     /// The single bucket cap of a training run (with `auto`, the cap it starts from).
     pub fn bucket_cap(&self) -> Result<f64> {
         self.start_cap().ok_or_else(|| {
-            let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
+            let caps: Vec<String> = self.distributed.bucket_mb.iter().map(|b| b.to_string()).collect();
             Error::Usage(format!(
                 "--bucket-mb takes one value for a training run, got {} (a list is for `brigade sweep`)",
                 caps.join(",")
@@ -522,6 +609,7 @@ impl RunArgs {
     /// `--data`'s path when it names a file per rank (it holds `{rank}`).
     pub fn rank_data(&self) -> Option<&str> {
         self.data
+            .data
             .as_deref()
             .and_then(|p| p.to_str())
             .filter(|p| p.contains(RANK_PLACEHOLDER))
@@ -533,14 +621,19 @@ impl RunArgs {
             .map(|p| PathBuf::from(p.replace(RANK_PLACEHOLDER, &rank.to_string())))
     }
 
+    /// The layout `--data-format` names (`None`: told by the file).
+    pub fn token_format(&self) -> Option<TokenFormat> {
+        self.data.data_format.map(DataFormatFlag::format)
+    }
+
     /// Rows per rank per step (checked not to overflow by [`RunArgs::validate`]).
     pub fn rows_per_rank(&self) -> usize {
-        self.batch_size.saturating_mul(self.accum)
+        self.data.batch_size.saturating_mul(self.data.accum)
     }
 
     /// The weight decay in effect.
     pub fn weight_decay(&self) -> f64 {
-        self.weight_decay.unwrap_or(match self.optimizer {
+        self.recipe.weight_decay.unwrap_or(match self.recipe.optimizer {
             OptimizerName::Adamw => AdamW::DEFAULT_WEIGHT_DECAY,
             OptimizerName::Sgd => 0.0,
         })

@@ -12,20 +12,23 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::footprint;
+use brigade_models::Tokenizer;
 
 impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
-        if self.comm_hook != CommHookName::Powersgd && (self.powersgd_rank != 1 || self.powersgd_start_iter != 10) {
+        if self.distributed.comm_hook != CommHookName::Powersgd
+            && (self.distributed.powersgd_rank != 1 || self.distributed.powersgd_start_iter != 10)
+        {
             return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
         }
-        if self.zero != 0 && self.comm_hook != CommHookName::Allreduce {
+        if self.distributed.zero != 0 && self.distributed.comm_hook != CommHookName::Allreduce {
             return bad(format!(
                 "--zero {} reduce-scatters each bucket itself and does not combine with --comm-hook {}: drop one of them",
-                self.zero,
-                flag_name(&self.comm_hook)
+                self.distributed.zero,
+                flag_name(&self.distributed.comm_hook)
             ));
         }
         self.validate_for(&self.hook_spec())
@@ -38,29 +41,32 @@ impl RunArgs {
         let bad = |m: String| Err(Error::Usage(m));
         let zero = policy.zero_stage().level();
         self.model.validate()?;
-        if self.world_size == 0 {
+        if self.distributed.world_size == 0 {
             return bad("--world-size must be at least 1".into());
         }
-        if self.backend != CommBackend::Mpi && self.world_size > MAX_THREAD_RANKS {
+        if self.distributed.backend != CommBackend::Mpi && self.distributed.world_size > MAX_THREAD_RANKS {
             return bad(format!(
                 "--world-size {} is more ranks than one process runs as threads (at most {MAX_THREAD_RANKS}): \
                  start them under mpirun with --backend mpi",
-                self.world_size
+                self.distributed.world_size
             ));
         }
-        if self.batch_size == 0 || self.accum == 0 {
+        if self.data.batch_size == 0 || self.data.accum == 0 {
             return bad("--batch-size and --accum must be at least 1".into());
         }
-        if self.batch_size.checked_mul(self.accum).is_none() {
+        if self.data.batch_size.checked_mul(self.data.accum).is_none() {
             return bad(format!(
                 "--batch-size {} x --accum {} rows per step is more than this machine can count",
-                self.batch_size, self.accum
+                self.data.batch_size, self.data.accum
             ));
         }
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return bad(format!("--lr must be a finite number > 0, got {}", compact(self.lr)));
+        if !(self.recipe.lr > 0.0 && self.recipe.lr.is_finite()) {
+            return bad(format!(
+                "--lr must be a finite number > 0, got {}",
+                compact(self.recipe.lr)
+            ));
         }
-        if let Some(wd) = self.weight_decay {
+        if let Some(wd) = self.recipe.weight_decay {
             if !(wd >= 0.0 && wd.is_finite()) {
                 return bad(format!(
                     "--weight-decay must be a finite number >= 0, got {}",
@@ -69,17 +75,17 @@ impl RunArgs {
             }
         }
         if let (Some(text), Some(flag)) = (
-            &self.text,
-            (self.val_fraction.map(|_| "--val-fraction")).or(self.eval_data.as_ref().map(|_| "--eval-data")),
+            &self.data.text,
+            (self.data.val_fraction.map(|_| "--val-fraction")).or(self.data.eval_data.as_ref().map(|_| "--eval-data")),
         ) {
             return bad(format!(
                 "--text {} keeps its last tenth apart as the held-out data of --eval-every: drop {flag}",
                 text.display()
             ));
         }
-        match (self.eval_every, self.val_fraction, &self.eval_data) {
+        match (self.recipe.eval_every, self.data.val_fraction, &self.data.eval_data) {
             (Some(0), _, _) => return bad("--eval-every must be at least 1 (steps between evaluations)".into()),
-            (Some(_), None, None) if self.text.is_none() => {
+            (Some(_), None, None) if self.data.text.is_none() => {
                 return bad(
                     "--eval-every needs held-out data: --val-fraction F, --eval-data FILE, or --text FILE's last tenth"
                         .into(),
@@ -93,10 +99,10 @@ impl RunArgs {
             }
             _ => {}
         }
-        if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
+        if let Some(f) = self.data.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
             return bad(format!("--val-fraction must be in (0, 1), got {}", compact(f)));
         }
-        if let Some(c) = self.clip_grad_norm {
+        if let Some(c) = self.recipe.clip_grad_norm {
             if !(c > 0.0 && c.is_finite()) {
                 return bad(format!(
                     "--clip-grad-norm must be a finite number > 0, got {}",
@@ -104,46 +110,51 @@ impl RunArgs {
                 ));
             }
         }
-        let t = self.lr_decay_steps.unwrap_or(self.steps as u64);
-        self.schedule().build(self.lr, t).map_err(|e| {
+        let t = self.recipe.lr_decay_steps.unwrap_or(self.recipe.steps as u64);
+        self.schedule().build(self.recipe.lr, t).map_err(|e| {
             let what = e.to_string();
             let what = what.strip_prefix("configuration: ").unwrap_or(&what).to_string();
             Error::Usage(format!(
                 "--lr-schedule {}: {what} (--lr-decay-steps defaults to --steps)",
-                flag_name(&self.lr_schedule)
+                flag_name(&self.recipe.lr_schedule)
             ))
         })?;
-        if let Some(m) = self.momentum {
-            if self.optimizer != OptimizerName::Sgd {
+        if let Some(m) = self.recipe.momentum {
+            if self.recipe.optimizer != OptimizerName::Sgd {
                 return bad(format!(
                     "--momentum is for --optimizer sgd; {} has its own betas (drop --momentum)",
-                    flag_name(&self.optimizer)
+                    flag_name(&self.recipe.optimizer)
                 ));
             }
             if !(0.0..1.0).contains(&m) {
                 return bad(format!("--momentum must be in [0, 1), got {}", compact(m)));
             }
         }
-        if self.bucket_mb.is_empty()
-            || !(self.bucket_mb.iter().all(|b| b.mib().is_none_or(cap_in_range)) && cap_in_range(self.first_bucket_mb))
+        if self.distributed.bucket_mb.is_empty()
+            || !(self
+                .distributed
+                .bucket_mb
+                .iter()
+                .all(|b| b.mib().is_none_or(cap_in_range))
+                && cap_in_range(self.distributed.first_bucket_mb))
         {
-            let caps: Vec<String> = self.bucket_mb.iter().map(|b| b.to_string()).collect();
+            let caps: Vec<String> = self.distributed.bucket_mb.iter().map(|b| b.to_string()).collect();
             return bad(format!(
                 "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({MIN_BUCKET_MB:e}) and at most {MAX_BUCKET_MB}, got [{}] and {}",
                 caps.join(", "),
-                compact(self.first_bucket_mb)
+                compact(self.distributed.first_bucket_mb)
             ));
         }
-        if self.drop_last && !self.shuffle {
+        if self.data.drop_last && !self.data.shuffle {
             return bad("--drop-last is for --shuffle (rows in order have no epochs to cut): add --shuffle".into());
         }
-        if let (Some(_), Some(f)) = (self.rank_data(), self.val_fraction) {
+        if let (Some(_), Some(f)) = (self.rank_data(), self.data.val_fraction) {
             return bad(format!(
                 "--val-fraction {f} holds out the rows of one file, but --data names a file per rank: give the held-out rows as --eval-data FILE"
             ));
         }
-        if let (Some(mode), None) = (self.join, self.rank_data()) {
-            let data = match (&self.text, &self.data) {
+        if let (Some(mode), None) = (self.data.join, self.rank_data()) {
+            let data = match (&self.data.text, &self.data.data) {
                 (Some(t), _) => format!("--text {}", t.display()),
                 (None, Some(d)) => format!("--data {}", d.display()),
                 (None, None) => "the built-in data".into(),
@@ -153,31 +164,43 @@ impl RunArgs {
             ));
         }
         self.validate_schedule_flags()?;
-        if self.text.is_some() && self.model.model != ModelName::Gpt {
+        if self.data.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
-        self.validate_autotune()?;
-        check_link(self.net_gbps, self.net_latency_us)?;
-        if self.net_latency_us != 0.0 && self.net_gbps.is_none() {
+        if self.model.tokenizer != Tokenizer::Bytes && self.model.model != ModelName::Gpt {
             return bad(format!(
-                "--net-latency-us {} needs --net-gbps: the simulated network is on only with a bandwidth",
-                self.net_latency_us
+                "--tokenizer {} sets the GPT's vocabulary: add --model gpt",
+                self.model.tokenizer
             ));
         }
-        if let Some(t) = self.threads_per_rank {
+        if let (Some(f), None) = (self.data.data_format, &self.data.data) {
+            return bad(format!(
+                "--data-format {} says how --data's token files lay out their tokens: add --data FILE",
+                flag_name(&f)
+            ));
+        }
+        self.validate_autotune()?;
+        check_link(self.distributed.net_gbps, self.distributed.net_latency_us)?;
+        if self.distributed.net_latency_us != 0.0 && self.distributed.net_gbps.is_none() {
+            return bad(format!(
+                "--net-latency-us {} needs --net-gbps: the simulated network is on only with a bandwidth",
+                self.distributed.net_latency_us
+            ));
+        }
+        if let Some(t) = self.runtime.threads_per_rank {
             check_threads("--threads-per-rank", t)?;
         }
-        if !(self.timeout_s > 0.0 && self.timeout_s <= MAX_TIMEOUT_S) {
+        if !(self.distributed.timeout_s > 0.0 && self.distributed.timeout_s <= MAX_TIMEOUT_S) {
             return bad(format!(
                 "--timeout-s must be a number of seconds > 0 and at most {}, got {}",
                 compact(MAX_TIMEOUT_S),
-                compact(self.timeout_s)
+                compact(self.distributed.timeout_s)
             ));
         }
-        if self.warmup >= self.steps && self.steps > 0 {
+        if self.runtime.untimed_steps >= self.recipe.steps && self.recipe.steps > 0 {
             return bad(format!(
-                "--warmup {} leaves no step of --steps {} to time",
-                self.warmup, self.steps
+                "--untimed-steps {} leaves no step of --steps {} to time",
+                self.runtime.untimed_steps, self.recipe.steps
             ));
         }
         if zero != 0 && self.bucket_auto() {
@@ -205,30 +228,39 @@ impl RunArgs {
     /// activations fit in this machine's memory for every rank this process runs (a lower
     /// bound: see [`crate::footprint`]).
     fn check_memory(&self, zero: u8) -> Result<()> {
-        let state = match (self.optimizer, zero) {
+        let state = match (self.recipe.optimizer, zero) {
             (_, 1..) => 0, // sharded over the ranks
             (OptimizerName::Adamw, _) => 2,
             (OptimizerName::Sgd, _) => u64::from(self.momentum() != 0.0),
         };
-        let ranks = if self.backend == CommBackend::Mpi {
+        let ranks = if self.distributed.backend == CommBackend::Mpi {
             1
         } else {
-            self.world_size
+            self.distributed.world_size
         };
         let kind = self.model.kind();
         let bytes =
-            footprint::training_bytes(&kind, self.batch_size, state).and_then(|b| footprint::mul(b, ranks as u64));
+            footprint::training_bytes(&kind, self.data.batch_size, state).and_then(|b| footprint::mul(b, ranks as u64));
         let shape = match self.model.model {
             ModelName::Mlp => format!("--widths {}", join(&self.model.widths)),
             ModelName::Gpt => format!(
-                "--d-model {} --layers {} --d-ff {} --context {}",
-                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context
+                "--d-model {} --layers {} --d-ff {} --context {} --tokenizer {}",
+                self.model.d_model, self.model.layers, self.model.d_ff, self.model.context, self.model.tokenizer
             ),
         };
+        // at a large vocabulary the logits are most of it: say so
+        let logits = match &kind {
+            brigade_models::ModelKind::Gpt(c) => footprint::gpt_vocab(c, self.data.batch_size)
+                .and_then(|v| footprint::f32_bytes(footprint::mul(v.logits, 2 * ranks as u64)))
+                .filter(|l| bytes.is_some_and(|b| *l * 2 > b))
+                .map(|l| format!(", of which {} are the logits and their softmax", footprint::human(l))),
+            _ => None,
+        };
         let what = format!(
-            "the model ({shape}) with --batch-size {} on {ranks} {} in this process",
-            self.batch_size,
-            if ranks == 1 { "rank" } else { "ranks" }
+            "the model ({shape}) with --batch-size {} on {ranks} {} in this process{}",
+            self.data.batch_size,
+            if ranks == 1 { "rank" } else { "ranks" },
+            logits.unwrap_or_default()
         );
         footprint::check_fits(&what, bytes)
     }
@@ -239,27 +271,42 @@ impl RunArgs {
     /// is an error naming the schedules that read it (a flag at its default counts as not given).
     fn validate_schedule_flags(&self) -> Result<()> {
         use crate::args::ScheduleFlag as S;
-        let decays = matches!(self.lr_schedule, S::Cosine | S::Linear);
+        let decays = matches!(self.recipe.lr_schedule, S::Cosine | S::Linear);
         let given = [
-            ("--min-lr", self.min_lr != 0.0, decays, "cosine or linear"),
-            ("--lr-decay-steps", self.lr_decay_steps.is_some(), decays, "cosine or linear"),
-            ("--lr-gamma", self.lr_gamma != 0.1, self.lr_schedule == S::Step, "step"),
-            ("--lr-step-size", self.lr_step_size != 1, self.lr_schedule == S::Step, "step"),
+            ("--min-lr", self.recipe.min_lr != 0.0, decays, "cosine or linear"),
+            (
+                "--lr-decay-steps",
+                self.recipe.lr_decay_steps.is_some(),
+                decays,
+                "cosine or linear",
+            ),
+            (
+                "--lr-gamma",
+                self.recipe.lr_gamma != 0.1,
+                self.recipe.lr_schedule == S::Step,
+                "step",
+            ),
+            (
+                "--lr-step-size",
+                self.recipe.lr_step_size != 1,
+                self.recipe.lr_schedule == S::Step,
+                "step",
+            ),
         ];
         match given.into_iter().find(|&(_, given, read, _)| given && !read) {
             Some((flag, _, _, readers)) => Err(Error::Usage(format!(
                 "{flag} is read by --lr-schedule {readers}, not by {} (the schedule in use): drop {flag} or pick a schedule that reads it",
-                flag_name(&self.lr_schedule)
+                flag_name(&self.recipe.lr_schedule)
             ))),
             None => Ok(()),
         }
     }
 
     fn validate_nccl(&self) -> Result<()> {
-        if self.backend != CommBackend::Nccl {
+        if self.distributed.backend != CommBackend::Nccl {
             return Ok(());
         }
-        if self.device == DevicePlacement::Cpu {
+        if self.runtime.device == DevicePlacement::Cpu {
             return Err(Error::Usage(
                 "--backend nccl reduces gradients in GPU memory: pass --device cuda (or cuda:N); \
                  on the CPU use --backend thread or mpi"

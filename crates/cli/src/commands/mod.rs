@@ -1,5 +1,5 @@
 //! One module per subcommand: `train`, `sweep` (bucket caps; `policy_sweep` for `--policy`; their
-//! flags in `sweep_args`), `predict`, `sample` and `bench`.
+//! flags in `sweep_args`), `predict`, `sample`, `tokenize` and `bench`.
 
 pub mod bench;
 pub mod policy_sweep;
@@ -7,4 +7,5 @@ pub mod predict;
 pub mod sample;
 pub mod sweep;
 pub mod sweep_args;
+pub mod tokenize;
 pub mod train;

@@ -75,10 +75,10 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             i + 1
         ));
     }
-    if s.run.comm_hook != crate::args::CommHookName::Allreduce {
+    if s.run.distributed.comm_hook != crate::args::CommHookName::Allreduce {
         return bad(format!(
             "--comm-hook {} with --policy: name every hook in --policy instead",
-            flag_name(&s.run.comm_hook)
+            flag_name(&s.run.distributed.comm_hook)
         ));
     }
     if s.repeat != 1 {
@@ -87,10 +87,10 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             s.repeat
         ));
     }
-    if s.run.zero != 0 {
+    if s.run.distributed.zero != 0 {
         return bad(format!(
             "--zero {} with --policy: name zero1 or zero2 in --policy instead",
-            s.run.zero
+            s.run.distributed.zero
         ));
     }
     let caps = s.run.fixed_caps()?;
@@ -101,10 +101,10 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
     }
     let psgd = specs.iter().any(|p| matches!(p, PolicySpec::PowerSgd { .. }));
     let d = brigade::policies::PowerSgdConfig::default();
-    if !psgd && (s.run.powersgd_rank != d.rank || s.run.powersgd_start_iter != d.start_iter) {
+    if !psgd && (s.run.distributed.powersgd_rank != d.rank || s.run.distributed.powersgd_start_iter != d.start_iter) {
         return bad("--powersgd-rank and --powersgd-start-iter are for a powersgd policy in --policy".into());
     }
-    if s.run.steps < 2 {
+    if s.run.recipe.steps < 2 {
         return bad("a sweep needs --steps >= 2".into());
     }
     // every row is checked before the first run
@@ -114,10 +114,10 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             s.run
                 .validate_for(&spec)
                 .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
-            let cfg = TrainConfig {
-                comm_hook: Arc::new(spec.clone()),
-                ..train_config(&s.run, opts, late)?
-            };
+            let mut cfg = train_config(&s.run, opts, late)?;
+            if let Some(d) = cfg.distributed.as_mut() {
+                d.policy = Arc::new(spec.clone());
+            }
             Ok((spec, cfg))
         })
         .collect()
@@ -145,25 +145,24 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     let mut rows = vec![];
     for (spec, cfg) in &plan {
         // the same ranks and batches, no gradient communication, a few steps
-        let base = TrainConfig {
-            steps: cfg.steps.min(a.warmup + BASELINE_STEPS),
-            ddp: None,
-            ..cfg.clone()
-        };
+        let mut base = cfg.clone();
+        base.recipe.steps = cfg.recipe.steps.min(a.runtime.untimed_steps + BASELINE_STEPS);
+        base.distributed = None;
         let baseline = finished(run_config(a, &quiet, &base, &late)?)?;
         if baseline.outcome.interrupted {
             interrupted = true;
             break;
         }
-        let compute_ms = median_step(a, &baseline.outcome.step_ms);
+        let compute_ms = median_step(a, &baseline.outcome.ms());
         let report = finished(run_config(a, &quiet, cfg, &late)?)?.outcome;
         if report.interrupted {
             interrupted = true;
             break;
         }
-        let step_ms = median_step(a, &report.step_ms);
-        let sent = SentSummary::of(&report.sent).ok_or_else(|| Error::Usage("no step ran".into()))?;
-        let tail = &report.losses[report.losses.len().saturating_sub(LAST_LOSSES)..];
+        let step_ms = median_step(a, &report.ms());
+        let sent = SentSummary::of(&report.sent()).ok_or_else(|| Error::Usage("no step ran".into()))?;
+        let losses = report.losses();
+        let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
         rows.push(PolicyRow {
             policy: spec.to_string(),
             note: report
@@ -179,7 +178,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             sent_bytes_last_step: sent.payload_last_step,
             sent_bytes_total: sent.payload_total,
             wire_bytes_per_step: sent.wire_per_step,
-            final_loss: report.losses.last().copied().unwrap_or(f64::NAN),
+            final_loss: report.losses().last().copied().unwrap_or(f64::NAN),
             last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
         });
     }
@@ -279,11 +278,16 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs) 
     let caption = format!(
         "{}, world size {}, {} rows/rank, {} steps, bucket {} MiB, net {}",
         flag_name(&a.model.model),
-        a.world_size,
+        a.distributed.world_size,
         a.rows_per_rank(),
-        a.steps,
-        a.bucket_mb.first().map(|b| b.to_string()).unwrap_or_default(),
-        a.net_gbps
+        a.recipe.steps,
+        a.distributed
+            .bucket_mb
+            .first()
+            .map(|b| b.to_string())
+            .unwrap_or_default(),
+        a.distributed
+            .net_gbps
             .map(|g| format!("{g} Gb/s"))
             .unwrap_or_else(|| "unlimited".into()),
     );

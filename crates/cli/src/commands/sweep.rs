@@ -71,7 +71,7 @@ fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
     };
     make_out_dir(out, "sweep.csv")?;
     let out_dir = std::fs::canonicalize(out).map_err(io)?;
-    for (flag, input) in [("--data", &run.data), ("--init", &run.init)] {
+    for (flag, input) in [("--data", &run.data.data), ("--init", &run.model.init)] {
         let Some(path) = input.as_deref() else { continue };
         let Some(at) = crate::outputs::resolved(flag, path) else {
             continue;
@@ -109,15 +109,16 @@ fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
 }
 
 /// Runs `brigade sweep`.
-pub fn sweep(s: SweepArgs) -> Result<()> {
+pub fn sweep(mut s: SweepArgs) -> Result<()> {
     // first: a signal from here on stops the sweep (at once while its first run starts)
     let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(StopOnSignal::install());
+    s.run.take_old_spellings();
     if !s.policy.is_empty() {
         return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
     }
     let caps = s.run.fixed_caps()?;
     s.run.validate()?;
-    if s.run.steps < 2 {
+    if s.run.recipe.steps < 2 {
         return Err(Error::Usage(
             "a sweep needs --steps >= 2 (the last step is the one recorded)".into(),
         ));
@@ -145,8 +146,8 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
     let mut timelines = vec![];
     let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Option<Sample>> {
         let mut a = s.run.clone();
-        a.bucket_mb = vec![BucketCap::Mib(b)];
-        a.first_bucket_mb = a.first_bucket_cap(b);
+        a.distributed.bucket_mb = vec![BucketCap::Mib(b)];
+        a.distributed.first_bucket_mb = a.first_bucket_cap(b);
         // The baseline runs right before each run: this machine's speed drifts over
         // minutes, and the comparison must not.
         let compute_only = finished(run(
@@ -160,7 +161,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             interrupted = true;
             return Ok(None);
         }
-        let compute_ms = median_step(&a, &compute_only.outcome.step_ms);
+        let compute_ms = median_step(&a, &compute_only.outcome.ms());
         let mut report = finished(run(
             &a,
             &RunOptions {
@@ -177,7 +178,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         let buckets = bucket_times(&tl.events);
         let sample = Sample {
             buckets: report.outcome.buckets.len(),
-            step_ms: median_step(&a, &report.outcome.step_ms),
+            step_ms: median_step(&a, &report.outcome.ms()),
             compute_only_ms: compute_ms,
             comm_ms: buckets.iter().map(|(_, d)| d).sum(),
             last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
@@ -187,7 +188,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             let title = format!(
                 "{} world {} bucket {b} MiB: step {:.1} ms, compute-only {:.1} ms",
                 flag_name(&a.model.model),
-                a.world_size,
+                a.distributed.world_size,
                 sample.step_ms,
                 compute_ms
             );
@@ -202,8 +203,8 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
             of: caps.len() * s.repeat,
         });
     }
-    let link = match s.run.net_gbps {
-        Some(g) => LinkCost::Ring(brigade::launch::net_model(g, s.run.net_latency_us)),
+    let link = match s.run.distributed.net_gbps {
+        Some(g) => LinkCost::Ring(brigade::launch::net_model(g, s.run.distributed.net_latency_us)),
         None => LinkCost::Measured,
     };
     let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
@@ -215,7 +216,7 @@ pub fn sweep(s: SweepArgs) -> Result<()> {
         .iter()
         .zip(&samples)
         .filter(|(_, runs)| !runs.is_empty())
-        .map(|(&b, runs)| summarize(b, s.run.first_bucket_mb, runs, &profiles, overhead, link))
+        .map(|(&b, runs)| summarize(b, s.run.distributed.first_bucket_mb, runs, &profiles, overhead, link))
         .collect();
     let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
     for (name, tl, title) in &timelines {
@@ -333,10 +334,13 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
     let caption = format!(
         "{}, world size {}, {} rows/rank, net {} Gb/s, {} us",
         flag_name(&a.model.model),
-        a.world_size,
+        a.distributed.world_size,
         a.rows_per_rank(),
-        a.net_gbps.map(|g| g.to_string()).unwrap_or_else(|| "unlimited".into()),
-        a.net_latency_us
+        a.distributed
+            .net_gbps
+            .map(|g| g.to_string())
+            .unwrap_or_else(|| "unlimited".into()),
+        a.distributed.net_latency_us
     );
     let mut chart = ChartBuilder::on(&root)
         .caption(caption, ("sans-serif", 18))

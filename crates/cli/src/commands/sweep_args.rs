@@ -59,7 +59,7 @@ pub fn make_out_dir(out: &Path, first: &str) -> Result<()> {
 
 /// The median step of a run, after `--warmup`.
 pub fn median_step(args: &RunArgs, step_ms: &[f64]) -> f64 {
-    median_min(&step_ms[args.warmup.min(step_ms.len())..]).0
+    median_min(&step_ms[args.runtime.untimed_steps.min(step_ms.len())..]).0
 }
 
 /// A run that went to its end, or the error that stopped it (a diverged row fails the sweep).

@@ -106,7 +106,11 @@ impl TrainArgs {
             (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
             _ => {}
         }
-        let templated = self.checkpoint.as_ref().and_then(|p| p.file_name()).is_some_and(|n| n.to_string_lossy().contains("{step}"));
+        let templated = self
+            .checkpoint
+            .as_ref()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n.to_string_lossy().contains("{step}"));
         match (self.keep_last, templated) {
             (Some(0), _) => return bad("--keep-last must be at least 1 (checkpoints to keep)".into()),
             (Some(k), false) => {
@@ -122,10 +126,10 @@ impl TrainArgs {
                     "--profile-steps {r:?} needs --profile FILE.json (where to write)"
                 ))
             }
-            (Some(r), Some(_)) if r.end > self.run.steps => {
+            (Some(r), Some(_)) if r.end > self.run.recipe.steps => {
                 return bad(format!(
                     "--profile-steps {r:?} reaches past --steps {} (the run ends before step {})",
-                    self.run.steps,
+                    self.run.recipe.steps,
                     r.end - 1
                 ))
             }
@@ -138,12 +142,20 @@ impl TrainArgs {
         {
             return bad(format!("--plot {} draws SVG: give a FILE.svg", p.display()));
         }
-        if let (Some(resume), Some(init)) = (&self.resume, &self.run.init) {
+        if let (Some(resume), Some(init)) = (&self.resume, &self.run.model.init) {
             return bad(format!(
                 "--resume {} already holds the parameters; drop --init {} (or start afresh without --resume)",
                 resume.display(),
                 init.display()
             ));
+        }
+        if let (Some(resume), crate::args::ModelName::Gpt) = (&self.resume, self.run.model.model) {
+            let given = self.run.model.tokenizer;
+            if let Some(recorded) = crate::commands::sample::recorded_tokenizer(resume)?.filter(|&t| t != given) {
+                return Err(crate::commands::sample::tokenizer_mismatch(
+                    "--resume", resume, recorded, given,
+                ));
+            }
         }
         let outputs = self.outputs();
         check_outputs(&outputs)?;
@@ -165,11 +177,11 @@ impl TrainArgs {
             }
         };
         add("--resume", &self.resume, &["--checkpoint"]);
-        add("--init", &self.run.init, &["--save"]);
-        add("--text", &self.run.text, &[]);
-        add("--eval-data", &self.run.eval_data, &[]);
+        add("--init", &self.run.model.init, &["--save"]);
+        add("--text", &self.run.data.text, &[]);
+        add("--eval-data", &self.run.data.eval_data, &[]);
         if self.run.rank_data().is_none() {
-            add("--data", &self.run.data, &[]);
+            add("--data", &self.run.data.data, &[]);
         }
         for rank in 0..launched_world_size(&self.run) {
             if let Some(p) = self.run.rank_data_path(rank) {
@@ -212,9 +224,9 @@ fn launched_world_size(run: &RunArgs) -> usize {
     let from_mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
-    match (run.backend, from_mpirun) {
+    match (run.distributed.backend, from_mpirun) {
         (brigade::launch::CommBackend::Mpi, Some(n)) => n,
-        _ => run.world_size,
+        _ => run.distributed.world_size,
     }
 }
 
@@ -303,9 +315,10 @@ fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::
 const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
 
 /// Runs `brigade train`.
-pub fn train(t: TrainArgs) -> Result<()> {
+pub fn train(mut t: TrainArgs) -> Result<()> {
     // first: a signal at any point from here on stops the run (at once while it starts)
     let stop_on_signal = StopOnSignal::install();
+    t.run.take_old_spellings();
     t.validate()?;
     let locks = Arc::new(OutputLocks::new(t.outputs()));
     let kept = match (&t.resume, &t.losses) {
@@ -358,10 +371,10 @@ pub fn train(t: TrainArgs) -> Result<()> {
     }
     written?;
     if report.outcome.interrupted {
-        let step = (report.outcome.first_step + report.outcome.losses.len()).saturating_sub(1);
+        let step = (report.outcome.first_step + report.outcome.losses().len()).saturating_sub(1);
         return Err(Error::Interrupted {
             step,
-            steps: t.run.steps,
+            steps: t.run.recipe.steps,
         });
     }
     Ok(())
@@ -385,11 +398,11 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 csv.push_str(row);
                 csv.push('\n');
             }
-            for (i, l) in outcome.losses.iter().enumerate() {
-                let lr = outcome.lrs.get(i).map(f64::to_string).unwrap_or_default();
-                let norm = outcome.grad_norms.get(i).copied().flatten();
+            for (i, l) in outcome.losses().iter().enumerate() {
+                let lr = outcome.lrs().get(i).map(f64::to_string).unwrap_or_default();
+                let norm = outcome.grad_norms().get(i).copied().flatten();
                 let norm = norm.map(|n| format!("{n:.9}")).unwrap_or_default();
-                let val = outcome.val_losses.get(i).copied().flatten();
+                let val = outcome.val_losses().get(i).copied().flatten();
                 let val = val.map(|v| format!("{v:.9}")).unwrap_or_default();
                 csv.push_str(&format!("{},{:.9},{lr},{norm},{val}\n", outcome.first_step + i, l));
             }
@@ -399,7 +412,7 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.timeline {
         match &report.timeline {
-            Some(tl) if !outcome.losses.is_empty() => {
+            Some(tl) if !outcome.losses().is_empty() => {
                 let write = move || {
                     let title = format!(
                         "step {}: {} ranks, bucket cap {} MiB",
@@ -424,11 +437,11 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
             .filter(|(s, _)| *s < outcome.first_step)
             .filter_map(|(_, row)| LossPoint::from_csv_row(row));
         let points: Vec<LossPoint> = earlier
-            .chain(outcome.losses.iter().enumerate().map(|(i, &loss)| LossPoint {
+            .chain(outcome.losses().iter().enumerate().map(|(i, &loss)| LossPoint {
                 step: outcome.first_step + i,
                 loss,
-                lr: outcome.lrs.get(i).copied(),
-                val_loss: outcome.val_losses.get(i).copied().flatten(),
+                lr: outcome.lrs().get(i).copied(),
+                val_loss: outcome.val_losses().get(i).copied().flatten(),
             }))
             .collect();
         if points.is_empty() {
@@ -442,8 +455,8 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 crate::args::flag_name(&t.run.model.model),
                 report.world_size,
                 t.run.rows_per_rank(),
-                crate::args::flag_name(&t.run.optimizer),
-                crate::args::compact(t.run.lr)
+                crate::args::flag_name(&t.run.recipe.optimizer),
+                crate::args::compact(t.run.recipe.lr)
             );
             let write = move || write_loss_chart(path, &points, &title);
             writes.push((Output::new("--plot", path), Box::new(write)));

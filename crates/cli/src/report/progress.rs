@@ -4,7 +4,8 @@
 
 use std::sync::Mutex;
 
-use brigade::observe::{RunStart, StepRecord, TrainObserver};
+use brigade::observe::{RunStart, TrainObserver};
+use brigade::outcome::StepRecord;
 use brigade::outcome::TrainOutcome;
 use indicatif::ProgressStyle;
 
@@ -36,7 +37,7 @@ impl TrainObserver for ProgressBar {
     fn step_finished(&self, r: &StepRecord) {
         self.with_bar(|b| {
             if let Some(bar) = b {
-                bar.set_message(format!("step {} loss {:.4} | {:.1} ms/step", r.step, r.loss, r.step_ms));
+                bar.set_message(format!("step {} loss {:.4} | {:.1} ms/step", r.step, r.loss, r.ms));
                 bar.inc(1);
             }
         });

@@ -28,24 +28,24 @@ pub struct Summary {
     pub first_loss: f64,
     /// The last step's loss.
     pub last_loss: f64,
-    /// Median step time after `--warmup`.
+    /// Median step time after `--untimed-steps`.
     pub median_step_ms: f64,
-    /// Fastest step after `--warmup`.
+    /// Fastest step after `--untimed-steps`.
     pub min_step_ms: f64,
     /// Global rows per second at the median step.
     pub samples_per_s: f64,
 }
 
-/// Summarises an outcome of `world_size` ranks, leaving the first `warmup` steps out of the
+/// Summarises an outcome of `world_size` ranks, leaving the first `--untimed-steps` steps out of the
 /// timing.
 pub fn summarize(args: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> Summary {
-    let timed = &outcome.step_ms[args.warmup.min(outcome.step_ms.len())..];
+    let timed = &outcome.ms()[args.runtime.untimed_steps.min(outcome.ms().len())..];
     let (median, min) = median_min(timed);
     // the run's world size: under MPI it comes from mpirun, not from --world-size
     let global_batch = world_size as f64 * args.rows_per_rank() as f64;
     Summary {
-        first_loss: outcome.losses.first().copied().unwrap_or(f64::NAN),
-        last_loss: outcome.losses.last().copied().unwrap_or(f64::NAN),
+        first_loss: outcome.losses().first().copied().unwrap_or(f64::NAN),
+        last_loss: outcome.losses().last().copied().unwrap_or(f64::NAN),
         median_step_ms: median,
         min_step_ms: min,
         samples_per_s: global_batch / (median / 1e3),
@@ -88,25 +88,25 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "d_model": m.d_model, "layers": m.layers, "heads": m.heads, "d_ff": m.d_ff, "context": m.context,
         }),
     };
-    let hook = match a.comm_hook {
+    let hook = match a.distributed.comm_hook {
         CommHookName::Powersgd => json!({
-            "powersgd_rank": a.powersgd_rank, "powersgd_start_iter": a.powersgd_start_iter,
+            "powersgd_rank": a.distributed.powersgd_rank, "powersgd_start_iter": a.distributed.powersgd_start_iter,
         }),
         _ => json!({}),
     };
     let mut flags = json!({
         "model": flag_name(&a.model.model),
-        "steps": a.steps, "batch_size": a.batch_size, "accum": a.accum, "lr": a.lr,
-        "optimizer": flag_name(&a.optimizer), "seed": a.seed, "comm_hook": flag_name(&a.comm_hook),
-        "backend": a.backend.name(),
+        "steps": a.recipe.steps, "batch_size": a.data.batch_size, "accum": a.data.accum, "lr": a.recipe.lr,
+        "optimizer": flag_name(&a.recipe.optimizer), "seed": a.model.seed, "comm_hook": flag_name(&a.distributed.comm_hook),
+        "backend": a.distributed.backend.name(),
         "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap().ok()) },
-        "first_bucket_mb": a.first_bucket_mb,
-        "net_gbps": a.net_gbps, "net_latency_us": a.net_latency_us, "warmup": a.warmup,
-        "zero": a.zero,
-        "lr_schedule": flag_name(&a.lr_schedule), "warmup_steps": a.warmup_steps, "min_lr": a.min_lr,
-        "lr_decay_steps": a.lr_decay_steps, "lr_gamma": a.lr_gamma, "lr_step_size": a.lr_step_size,
-        "clip_grad_norm": a.clip_grad_norm, "eval_every": a.eval_every, "val_fraction": a.val_fraction,
-        "threads_per_rank": a.threads_per_rank.unwrap_or_else(|| brigade::launch::default_threads(a.world_size)),
+        "first_bucket_mb": a.distributed.first_bucket_mb,
+        "net_gbps": a.distributed.net_gbps, "net_latency_us": a.distributed.net_latency_us, "warmup": a.runtime.untimed_steps,
+        "zero": a.distributed.zero,
+        "lr_schedule": flag_name(&a.recipe.lr_schedule), "warmup_steps": a.recipe.warmup_steps, "min_lr": a.recipe.min_lr,
+        "lr_decay_steps": a.recipe.lr_decay_steps, "lr_gamma": a.recipe.lr_gamma, "lr_step_size": a.recipe.lr_step_size,
+        "clip_grad_norm": a.recipe.clip_grad_norm, "eval_every": a.recipe.eval_every, "val_fraction": a.data.val_fraction,
+        "threads_per_rank": a.runtime.threads_per_rank.unwrap_or_else(|| brigade::launch::default_threads(a.distributed.world_size)),
     });
     // the model's shape and the hook's settings: every flag that changes what trains
     for extra in [shape, hook] {
@@ -118,19 +118,19 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "first_loss": s.first_loss, "last_loss": s.last_loss,
         "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,
         "samples_per_s": s.samples_per_s, "world_size": world_size,
-        "first_step": outcome.first_step, "steps_run": outcome.losses.len(), "buckets": outcome.buckets.len(),
+        "first_step": outcome.first_step, "steps_run": outcome.losses().len(), "buckets": outcome.buckets.len(),
         "epoch": outcome.sampler.map(|p| p.epoch), "epoch_row": outcome.sampler.map(|p| p.index),
-        "lr": outcome.lrs, "last_lr": outcome.lrs.last(),
-        "grad_norm": outcome.grad_norms,
-        "val_loss": outcome.val_losses, "last_val_loss": outcome.val_losses.iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms.last().copied().flatten(),
-        "gradient_bytes": outcome.memory.map(|m| m.gradient_bytes),
-        "gradient_and_bucket_bytes": outcome.memory.map(|m| m.total_bytes()),
+        "lr": outcome.lrs(), "last_lr": outcome.lrs().last(),
+        "grad_norm": outcome.grad_norms(),
+        "val_loss": outcome.val_losses(), "last_val_loss": outcome.val_losses().iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms().last().copied().flatten(),
+        "gradient_bytes": outcome.memory.map(|m| m.gradients),
+        "gradient_and_bucket_bytes": outcome.memory.map(|m| m.gradients),
         "autotune": outcome.autotune,
         // the reducer policy's spec, as checkpoints and profiles record it, and what it says
         "policy": a.hook_spec().to_string(),
         "policy_notes": outcome.policy_diagnostics.iter().map(|d| d.message.clone()).collect::<Vec<_>>(),
-        "memory": outcome.rank_memory.map(|m| json!({
-            "zero": a.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
+        "memory": outcome.memory.map(|m| json!({
+            "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
         })),
@@ -141,7 +141,8 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "data_ended": outcome.data_ended,
     });
     // bytes DDP sent per step on rank 0 (see `sent.rs`)
-    if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent)) {
+    if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent()))
+    {
         o.extend(sent);
     }
     out
@@ -150,30 +151,30 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
 /// The summary as a few lines.
 fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     let s = summarize(a, world_size, outcome);
-    let ran = outcome.losses.len();
+    let ran = outcome.losses().len();
     outln!(
         "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
         flag_name(&a.model.model),
         world_size,
-        a.batch_size,
-        a.accum,
+        a.data.batch_size,
+        a.data.accum,
         outcome.first_step,
-        a.steps,
-        flag_name(&a.optimizer),
-        compact(a.lr)
+        a.recipe.steps,
+        flag_name(&a.recipe.optimizer),
+        compact(a.recipe.lr)
     );
     if ran == 0 {
         outln!(
             "no step run: the run starts at step {} and --steps is {}",
             outcome.first_step,
-            a.steps
+            a.recipe.steps
         );
     } else {
         outln!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
         if let Some(line) = join_line(outcome) {
             outln!("{line}");
         }
-        if let (Some(p), brigade::data::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
+        if let (Some(p), brigade::source::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
             // the position is rank 0's: the ranks stand at the same row only when their
             // epochs are equally long
             match rows.split_first() {
@@ -191,18 +192,18 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
                 ),
             }
         }
-        if let (Some(first), Some(last)) = (outcome.lrs.first(), outcome.lrs.last()) {
-            if a.lr_schedule != crate::args::ScheduleFlag::Constant || a.warmup_steps > 0 {
+        if let (Some(first), Some(last)) = (outcome.lrs().first(), outcome.lrs().last()) {
+            if a.recipe.lr_schedule != crate::args::ScheduleFlag::Constant || a.recipe.warmup_steps > 0 {
                 outln!(
                     "lr: {} schedule, first {} last {}",
-                    flag_name(&a.lr_schedule),
+                    flag_name(&a.recipe.lr_schedule),
                     compact(*first),
                     compact(*last)
                 );
             }
         }
         if let Some((s, v)) = outcome
-            .val_losses
+            .val_losses()
             .iter()
             .enumerate()
             .rev()
@@ -210,25 +211,25 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         {
             outln!("val loss: {v:.4} after step {}", outcome.first_step + s);
         }
-        if let (Some(c), Some(Some(norm))) = (a.clip_grad_norm, outcome.grad_norms.last()) {
-            let clipped = outcome.grad_norms.iter().flatten().filter(|n| **n > c).count();
+        if let (Some(c), Some(Some(norm))) = (a.recipe.clip_grad_norm, outcome.grad_norms().last()) {
+            let clipped = outcome.grad_norms().iter().flatten().filter(|n| **n > c).count();
             outln!(
                 "gradient norm: last {norm:.4}, clipped to {} in {clipped} of {ran} steps",
                 compact(c)
             );
         }
-        let timed = ran.saturating_sub(a.warmup);
+        let timed = ran.saturating_sub(a.runtime.untimed_steps);
         if timed == 0 {
             outln!(
-                "step time: none measured (all {ran} steps run are --warmup {})",
-                a.warmup
+                "step time: none measured (all {ran} steps run are --untimed-steps {})",
+                a.runtime.untimed_steps
             );
         } else {
             outln!(
                 "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
                 s.median_step_ms,
                 s.min_step_ms,
-                a.warmup
+                a.runtime.untimed_steps
             );
             outln!("throughput: {:.1} samples/s", s.samples_per_s);
         }
@@ -238,25 +239,25 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     }
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     // (under ZeRO the measured line below is the account: shards are not whole buckets)
-    if let (Some(m), 0) = (outcome.memory, a.zero) {
+    if let (Some(m), 0) = (outcome.memory, a.distributed.zero) {
         let n = outcome.buckets.len();
         outln!(
             "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
-            mib(m.gradient_bytes),
+            mib(m.gradients),
             if n == 1 { "bucket" } else { "buckets" },
-            mib(m.total_bytes())
+            mib(m.gradients)
         );
-        if let Some(sent) = SentSummary::of(&outcome.sent) {
+        if let Some(sent) = SentSummary::of(&outcome.sent()) {
             outln!("{}", sent.line(world_size));
         }
     }
     for d in &outcome.policy_diagnostics {
         outln!("note: {}", d.message);
     }
-    if let Some(m) = outcome.rank_memory {
+    if let Some(m) = outcome.memory {
         outln!(
             "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
-            a.zero,
+            a.distributed.zero,
             mib(m.parameters),
             mib(m.gradients),
             mib(m.buckets),

@@ -25,5 +25,6 @@ mod resume_drift;
 mod signals;
 mod stdout;
 mod text;
+mod tokens;
 mod train;
 mod zero;

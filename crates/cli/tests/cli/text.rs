@@ -231,7 +231,7 @@ fn eval_every_evaluates_the_text_s_last_tenth() {
         .collect();
     assert!(val[0].is_none() && val[1].is_some(), "{rows:?}");
     // the last one is the saved model's loss on the file's last tenth, as the library cuts it
-    let held = Dataset::from_text_file(&text, 16, &ValSplit::Fraction(0.1))
+    let held = Dataset::from_text_file(&text, 16, &ValSplit::Fraction(0.1), brigade_models::Tokenizer::Bytes)
         .unwrap()
         .val
         .unwrap();

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use brigade_models::{load_safetensors, load_safetensors_with_metadata};
-use common::{dir, fails, losses, mlp_data, ok, s, svg_texts, GPT, MLP};
+use common::{brigade, dir, fails, losses, mlp_data, ok, s, svg_texts, GPT, MLP};
 
 fn params(path: &Path) -> Vec<(String, Vec<f64>)> {
     load_safetensors(path)
@@ -419,7 +419,15 @@ fn a_step_checkpoint_path_keeps_each_checkpoint_or_the_newest_keep_last() {
     let run = |name: &str, keep: &[&str]| {
         let path = d.join(name);
         ok(&[
-            &["train", "--steps", "6", "--checkpoint", s(&path), "--checkpoint-every", "2"],
+            &[
+                "train",
+                "--steps",
+                "6",
+                "--checkpoint",
+                s(&path),
+                "--checkpoint-every",
+                "2",
+            ],
             MLP,
             keep,
         ]
@@ -435,12 +443,55 @@ fn a_step_checkpoint_path_keeps_each_checkpoint_or_the_newest_keep_last() {
     };
     run("all-{step}.ckpt", &[]);
     assert_eq!(listing(), ["all-2.ckpt", "all-4.ckpt", "all-6.ckpt"]);
-    assert_eq!(load_safetensors_with_metadata(&d.join("all-4.ckpt")).unwrap().1["step"], "4");
+    assert_eq!(
+        load_safetensors_with_metadata(&d.join("all-4.ckpt")).unwrap().1["step"],
+        "4"
+    );
     run("last-{step}.ckpt", &["--keep-last", "1"]);
     assert_eq!(listing(), ["all-2.ckpt", "all-4.ckpt", "all-6.ckpt", "last-6.ckpt"]);
-    let e = fails(&[&["train", "--checkpoint", s(&d.join("one.ckpt")), "--keep-last", "2"], MLP].concat());
+    let e = fails(
+        &[
+            &["train", "--checkpoint", s(&d.join("one.ckpt")), "--keep-last", "2"],
+            MLP,
+        ]
+        .concat(),
+    );
     assert!(e.contains("--keep-last 2 needs {step}"), "{e}");
-    let e = fails(&[&["train", "--checkpoint", s(&d.join("r-{step}.ckpt")), "--keep-last", "0"], MLP].concat());
+    let e = fails(
+        &[
+            &["train", "--checkpoint", s(&d.join("r-{step}.ckpt")), "--keep-last", "0"],
+            MLP,
+        ]
+        .concat(),
+    );
     assert!(e.contains("--keep-last must be at least 1"), "{e}");
     let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn untimed_steps_leave_steps_out_of_the_timing_and_warmup_is_its_hidden_spelling() {
+    let run = |flag: &str| {
+        let out = brigade(&[&["train"], MLP, &["--steps", "3", "--json", flag, "2"]].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let json: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+        (json, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (new, quiet) = run("--untimed-steps");
+    assert_eq!(new["flags"]["warmup"], 2, "{new}");
+    assert!(quiet.is_empty(), "{quiet}");
+    let (old, note) = run("--warmup");
+    assert_eq!(old["flags"]["warmup"], 2, "{old}");
+    assert_eq!(note.lines().count(), 1, "{note}");
+    assert!(
+        note.contains("--untimed-steps") && note.contains("--warmup-steps"),
+        "{note}"
+    );
+    // the help lists the flag by its name, not the hidden spelling
+    let help = ok(&["train", "--help"]);
+    assert!(
+        help.contains("--untimed-steps") && !help.contains("--warmup <"),
+        "{help}"
+    );
+    let e = fails(&[&["train"], MLP, &["--steps", "3", "--untimed-steps", "3"]].concat());
+    assert!(e.contains("--untimed-steps 3 leaves no step"), "{e}");
 }

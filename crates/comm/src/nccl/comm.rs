@@ -389,8 +389,10 @@ impl NcclComm {
             let mut buf = buf;
             match &mut buf {
                 Buffer::F32(v) => self.host(v, kind, tag),
+                Buffer::F64(v) => self.host(v, kind, tag),
                 Buffer::F16(v) => self.host::<f16>(v, kind, tag),
                 Buffer::BF16(v) => self.host::<bf16>(v, kind, tag),
+                Buffer::I64(v) => self.host(v, kind, tag),
                 Buffer::U8(v) => self.host(v, kind, tag),
                 Buffer::I8(v) => self.host(v, kind, tag),
             }

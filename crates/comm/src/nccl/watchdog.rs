@@ -407,7 +407,7 @@ mod tests {
 
     /// An enqueue that blocks inside NCCL (a peer that never launches its half) is ended by the
     /// watchdog's abort, from the watchdog's own thread, with the context bound there first.
-    /// (Before issue 20 the abort needed the lock the blocked enqueue held: a deadlock.)
+    /// The abort must not need a lock the blocked enqueue holds, or the two deadlock.
     #[test]
     fn the_watchdog_aborts_an_enqueue_that_blocks_from_its_own_thread_with_the_context_bound() {
         let comm = FakeComm::default();

@@ -3,7 +3,7 @@
 use std::fmt;
 
 pub(crate) use crate::collective::OpKind;
-use crate::collective::{check_runnable, describe};
+use crate::collective::{check_runnable_on_host, describe};
 use crate::{CommError, DType};
 
 /// Address of a rank's buffer, shared with the peers for the duration of one collective.
@@ -54,7 +54,7 @@ pub(crate) fn validate(descs: &[OpDesc]) -> Result<(), CommError> {
             found: found.to_string(),
         });
     }
-    check_runnable(
+    check_runnable_on_host(
         reference.kind,
         reference.dtype,
         reference.len as u64,

@@ -192,7 +192,7 @@ unsafe fn reduce_typed(dtype: DType, srcs: &[*mut u8], dsts: &[*mut u8], lo: usi
         DType::F16 => unsafe { typed::<f16>(srcs, dsts, lo, hi, op) },
         DType::BF16 => unsafe { typed::<bf16>(srcs, dsts, lo, hi, op) },
         DType::U8 | DType::I8 | DType::F64 | DType::I64 => {
-            unreachable!("buffers hold no {dtype}, and validate rejects reductions on u8 and i8")
+            unreachable!("validate rejects reductions on {dtype}")
         }
     }
 }

@@ -252,12 +252,20 @@ fn a_side_buffer_travels_with_its_payload_in_one_all_gather() {
 fn buffers_round_trip_through_their_little_endian_bytes() {
     for d in [DType::F32, DType::F16, DType::BF16, DType::U8, DType::I8] {
         let b = input(d, 1, 9, 4);
-        assert_eq!(Buffer::from_le_bytes(d, &b.to_le_bytes()).as_ref(), Some(&b), "{d}");
+        assert_eq!(
+            brigade_comm::buffer_from_le_bytes(d, &b.to_le_bytes()).as_ref(),
+            Some(&b),
+            "{d}"
+        );
     }
     assert_eq!(
-        Buffer::from_le_bytes(DType::F32, &[0, 0, 0]),
+        brigade_comm::buffer_from_le_bytes(DType::F32, &[0, 0, 0]),
         None,
         "not whole elements"
     );
-    assert_eq!(Buffer::from_le_bytes(DType::I64, &[]), None, "not a buffer type");
+    assert_eq!(
+        brigade_comm::buffer_from_le_bytes(DType::I64, &[]),
+        None,
+        "not a type collectives move"
+    );
 }

@@ -200,7 +200,7 @@ fn mismatched_collectives_are_reported_not_mixed() {
         (
             |c| c.all_reduce(f32s(10, 1.0), ReduceOp::Sum, "x").wait().map(drop),
             |c| {
-                c.all_reduce(Buffer::zeros(brigade_comm::DType::F16, 10).unwrap(), ReduceOp::Sum, "x")
+                c.all_reduce(Buffer::zeros(brigade_comm::DType::F16, 10), ReduceOp::Sum, "x")
                     .wait()
                     .map(drop)
             },

@@ -68,9 +68,9 @@ fn one_rank_sends_nothing_on_the_wire_but_still_hands_its_buffers_over() {
 #[test]
 fn readings_subtract_to_what_happened_between_them() {
     let meter = CommMeter::new();
-    meter.count(brigade_comm::MeteredOp::AllReduce, 400, 2);
+    meter.count(brigade_comm::RingOp::AllReduce, 400, 2);
     let before = meter.totals();
-    meter.count(brigade_comm::MeteredOp::AllGather, 100, 3);
+    meter.count(brigade_comm::RingOp::AllGather, 100, 3);
     // all_gather on 3 ranks sends its 100-byte piece twice
     assert_eq!(
         meter.totals() - before,

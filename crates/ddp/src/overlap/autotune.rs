@@ -17,7 +17,8 @@ use brigade_comm::{Buffer, NetModel};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    replay_with, BucketOrder, LaunchOverhead, LinkCost, RankProfile, ReplayConfig, StepProfile, PROFILE_VERSION,
+    replay_with, BucketOrder, LaunchOverhead, LinkCost, ParamProfile, ProfilePolicy, RankProfile, ReplayConfig,
+    StepProfile, PROFILE_VERSION,
 };
 use crate::{DdpError, DistributedDataParallel, Result};
 
@@ -306,8 +307,8 @@ impl Autotuner {
                 ddp.policy_name()
             )));
         }
-        let params = ddp.param_profiles();
-        let policy = ddp.profile_policy();
+        let params = ParamProfile::all_of(ddp);
+        let policy = ProfilePolicy::of(ddp);
         let n = params.len();
         let observed = std::mem::take(&mut self.observed);
         // Every rank sends the same number of steps of SPANS + n times (NaN: no profile).

@@ -15,11 +15,12 @@ mod profile;
 mod record;
 mod replay;
 
+pub use crate::policy::WireModel;
 pub use autotune::{
     decide, AutotuneConfig, AutotuneDecision, AutotuneReport, Autotuner, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB,
     DEFAULT_MIN_GAIN,
 };
-pub use profile::{BucketProfile, ParamProfile, ProfilePolicy, RankProfile, StepProfile, WireModel, PROFILE_VERSION};
+pub use profile::{BucketProfile, ParamProfile, ProfilePolicy, RankProfile, StepProfile, PROFILE_VERSION};
 pub use record::StepInstants;
 pub use replay::{
     replay, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig, ReplayResult,

@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use std::time::Instant;
 
+use crate::policy::WireModel;
 use crate::{DdpError, PassTimes};
 
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
@@ -47,38 +48,9 @@ pub struct ParamProfile {
     pub name: String,
     /// Bytes of its gradient in a bucket.
     pub bytes: usize,
-    /// Its shape (what a low-rank policy's factors are sized by; empty when not recorded).
+    /// Its shape (empty when not recorded).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shape: Vec<usize>,
-}
-
-/// How a reducer policy's collectives for one bucket are costed by the overlap model (a policy
-/// declares it: [`crate::ReducerPolicy::wire_model`]).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum WireModel {
-    /// One all-reduce per bucket carrying `bytes_per_element` bytes per gradient element (f32:
-    /// 4; fp16 and bf16 compression: 2).
-    AllReduce {
-        /// Bytes per gradient element on the wire.
-        bytes_per_element: f64,
-    },
-    /// PowerSGD (rank `rank`): before `start_iter` one f32 all-reduce per bucket; then each
-    /// matrix gradient n × m (n = `shape[0]`) with r' = min(rank, n, m) and
-    /// `(n + m)·r'·min_compression_rate < n·m` is sent as its factors P (n × r') and Q (m × r'),
-    /// one all-reduce each, the other tensors in one f32 all-reduce.
-    LowRank {
-        /// The approximation's rank.
-        rank: usize,
-        /// The least shrink worth compressing.
-        min_compression_rate: f64,
-        /// Iterations reduced plainly first.
-        start_iter: usize,
-    },
-    /// ZeRO: each (padded) bucket is reduce-scattered in f32 during backward; the updated
-    /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
-    /// span holds them).
-    ReduceScatter,
 }
 
 /// Which reducer policy recorded a step profile.
@@ -294,19 +266,17 @@ impl StepProfile {
                 return Err(format!("{flag} must be a positive number of MiB, got {v}"));
             }
         }
-        match self.policy.as_ref().and_then(|p| p.wire) {
-            Some(WireModel::AllReduce { bytes_per_element: b }) if !(b > 0.0 && b <= 8.0) => {
+        match self.policy.as_ref().and_then(|p| p.wire.as_ref()) {
+            Some(&WireModel::AllReduce { bytes_per_element: b }) if !(b > 0.0 && b <= 8.0) => {
                 return Err(format!(
                     "the policy's wire model sends {b} bytes per gradient element: it must be more than 0 and at most 8"
                 ));
             }
-            Some(WireModel::LowRank {
-                rank,
-                min_compression_rate: rate,
-                ..
-            }) if rank == 0 || !(rate >= 1.0 && rate.is_finite()) => {
+            Some(WireModel::LowRank { factors, .. }) if factors.len() != self.params.len() => {
                 return Err(format!(
-                    "the policy's low-rank wire model has rank {rank} and min_compression_rate {rate}: the rank must be at least 1 and the rate finite and >= 1"
+                    "the policy's low-rank wire model sizes {} parameters' factors, the profile has {} parameters",
+                    factors.len(),
+                    self.params.len()
                 ));
             }
             _ => {}

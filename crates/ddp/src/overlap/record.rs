@@ -4,7 +4,8 @@
 
 use std::time::Instant;
 
-use crate::overlap::{RankProfile, StepProfile, PROFILE_VERSION};
+use crate::overlap::{ParamProfile, ProfilePolicy, RankProfile, StepProfile, PROFILE_VERSION};
+use crate::reducer::grad_bytes;
 use crate::DistributedDataParallel;
 
 /// The instants of one training step that DDP does not see, on this rank's clock.
@@ -48,9 +49,34 @@ impl StepProfile {
             world_size: ddp.comm().world_size(),
             bucket_cap_mb,
             first_bucket_cap_mb,
-            policy: Some(ddp.profile_policy()),
-            params: ddp.param_profiles(),
+            policy: Some(ProfilePolicy::of(ddp)),
+            params: ParamProfile::all_of(ddp),
             ranks: vec![mine],
         })
+    }
+}
+
+impl ProfilePolicy {
+    /// `ddp`'s policy as a step profile records it.
+    pub(crate) fn of(ddp: &DistributedDataParallel) -> ProfilePolicy {
+        ProfilePolicy {
+            name: ddp.policy_name(),
+            wire: ddp.wire_model(),
+        }
+    }
+}
+
+impl ParamProfile {
+    /// The bytes of each of `ddp`'s parameters' gradient in a bucket, in registration order (0
+    /// for a frozen parameter), with its shape: the `params` of a step profile.
+    pub(crate) fn all_of(ddp: &DistributedDataParallel) -> Vec<ParamProfile> {
+        ddp.params()
+            .iter()
+            .map(|p| ParamProfile {
+                name: p.name().unwrap_or("<unnamed>").to_string(),
+                bytes: if p.requires_grad() { grad_bytes(p) } else { 0 },
+                shape: p.shape(),
+            })
+            .collect()
     }
 }

@@ -1,7 +1,7 @@
 //! Replaying a recorded step's communication under another bucket cap, link or world size,
 //! with the collectives of the reducer policy that recorded it ([`WireModel`]).
 
-use brigade_comm::NetModel;
+use brigade_comm::{NetModel, RingOp};
 use serde::Serialize;
 
 use super::{StepProfile, WireModel};
@@ -10,8 +10,8 @@ use crate::{assign_buckets, DdpError};
 /// How a collective of `S` bytes over `n` ranks is costed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LinkCost {
-    /// The ring all-reduce over links of latency α and bandwidth B (what the simulated network
-    /// does): `2(n−1)·α + 2(n−1)/n · S/B`.
+    /// The ring collectives over links of latency α and bandwidth B, as the simulated network
+    /// sleeps them ([`brigade_comm::cost`]).
     Ring(NetModel),
     /// The same formula with α and B fitted (least squares) to the durations of the buckets the
     /// profile recorded, so the replay answers for the link the run really had.
@@ -233,14 +233,15 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
             if n0 < 2 {
                 return Err("a profile of one rank recorded no communication: there is no link to measure".into());
             }
-            // What each recorded bucket sent, as the bytes of the all-reduce that sends as much
-            // (2(n-1)/n of them), so that any policy's recording measures the same link.
-            let q = (n0 - 1) as f64;
+            // What each recorded bucket sent, as the bytes of the all-reduce that sends as much,
+            // so that any policy's recording measures the same link.
+            let ar = RingOp::AllReduce;
+            let share = ar.wire_bytes(1.0, n0);
             let pts: Vec<(f64, f64)> = profile.ranks[0]
                 .buckets
                 .iter()
                 .map(|b| {
-                    let sent = b.wire_bytes.map_or(b.bytes as f64, |w| w * n0 as f64 / (2.0 * q));
+                    let sent = b.wire_bytes.map_or(b.bytes as f64, |w| w / share);
                     (sent, (b.finish_s - b.start_s).max(0.0))
                 })
                 .collect();
@@ -248,9 +249,8 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
                 return Err("the profile recorded no buckets: there is no link to measure".into());
             }
             let (a, b) = fit_line(&pts);
-            // duration = 2(n0-1)·α + 2(n0-1)/n0 · S/B
-            let q = (n0 - 1) as f64;
-            Ok((a / (2.0 * q), b * n0 as f64 / (2.0 * q)))
+            // duration = messages·α + link bytes · (1/B)
+            Ok((a / ar.messages(n0), b / share))
         }
     }
 }
@@ -313,39 +313,34 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     }
     let (alpha, per_byte) = link_params(profile, cfg.link)?;
     let (policy, wire) = wire_model(profile)?;
-    let q = n.saturating_sub(1) as f64;
-    // Ring all-reduce of `bytes`: 2(n-1) latencies, 2(n-1)/n of the bytes each way.
-    let all_reduce = |bytes: f64| 2.0 * q * alpha + 2.0 * q / n as f64 * bytes * per_byte;
-    let shapes: Vec<&[usize]> = profile.params.iter().map(|p| &p.shape[..]).collect();
+    let all_reduce = |bytes: f64| RingOp::AllReduce.seconds(bytes, n, alpha, per_byte);
+    let sent = |op: RingOp, bytes: f64| op.wire_bytes(bytes, n);
     // A bucket's link time and wire bytes under the policy's collectives.
     let cost = |group: &[usize], bytes: usize| -> (f64, f64) {
         if n < 2 {
             return (0.0, 0.0);
         }
-        match wire {
+        match &wire {
             WireModel::AllReduce { bytes_per_element } => {
                 let b = bytes as f64 / 4.0 * bytes_per_element;
-                (all_reduce(b), 2.0 * q / n as f64 * b)
+                (all_reduce(b), sent(RingOp::AllReduce, b))
             }
-            // one reduce-scatter of the padded bucket: (n-1) latencies, (n-1)/n of the bytes
+            // one reduce-scatter of the padded bucket
             WireModel::ReduceScatter => {
                 let padded = ((bytes / 4).div_ceil(n) * n * 4) as f64;
-                (q * alpha + q / n as f64 * padded * per_byte, q / n as f64 * padded)
+                let rs = RingOp::ReduceScatter;
+                (rs.seconds(padded, n, alpha, per_byte), sent(rs, padded))
             }
-            WireModel::LowRank {
-                rank,
-                min_compression_rate,
-                ..
-            } => {
+            WireModel::LowRank { factors, .. } => {
                 let (mut plain, mut p, mut qf) = (0.0, 0.0, 0.0);
                 for &i in group {
-                    match low_rank_factors(shapes[i], rank, min_compression_rate) {
+                    match factors[i] {
                         Some((n_r, m_r)) => (p, qf) = (p + 4.0 * n_r as f64, qf + 4.0 * m_r as f64),
                         None => plain += bytes_of(profile, i),
                     }
                 }
-                let sent: f64 = [plain, p, qf].into_iter().filter(|&b| b > 0.0).map(all_reduce).sum();
-                (sent, 2.0 * q / n as f64 * (plain + p + qf))
+                let link: f64 = [plain, p, qf].into_iter().filter(|&b| b > 0.0).map(all_reduce).sum();
+                (link, sent(RingOp::AllReduce, plain + p + qf))
             }
         }
     };
@@ -473,8 +468,8 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
     match &profile.policy {
         // recorded before policies were: an f32 all-reduce
         None => Ok(("allreduce".into(), WireModel::AllReduce { bytes_per_element: 4.0 })),
-        Some(p) => match p.wire {
-            Some(w) => Ok((p.name.clone(), w)),
+        Some(p) => match &p.wire {
+            Some(w) => Ok((p.name.clone(), w.clone())),
             None => Err(format!(
                 "the profile was recorded under policy '{}', which declares no wire model (ReducerPolicy::wire_model): \
                  the overlap model cannot cost its collectives; replay a profile of allreduce, fp16, bf16, powersgd, \
@@ -487,17 +482,4 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
 
 fn bytes_of(profile: &StepProfile, p: usize) -> f64 {
     profile.params[p].bytes as f64
-}
-
-/// PowerSGD's factors of a gradient of `shape`: `(n·r', m·r')` elements of P and Q when it
-/// compresses (a matrix n × m, n = `shape[0]`, r' = min(r, n, m), `(n + m)·r'·rate < n·m`),
-/// `None` when it is sent whole.
-pub(crate) fn low_rank_factors(shape: &[usize], r: usize, rate: f64) -> Option<(usize, usize)> {
-    let len: usize = shape.iter().product();
-    if shape.len() < 2 || len == 0 {
-        return None;
-    }
-    let (n, m) = (shape[0], len / shape[0]);
-    let r = r.min(n).min(m);
-    ((((n + m) * r) as f64) * rate < (n * m) as f64).then_some((n * r, m * r))
 }

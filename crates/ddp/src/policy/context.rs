@@ -136,7 +136,7 @@ pub struct StepContext<'a> {
 }
 
 /// Memory a policy holds beside DDP's buckets, in bytes (counted in
-/// [`crate::RankMemory`]).
+/// [`crate::MemoryReport`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PolicyMemory {
     /// State kept across steps (PowerSGD's error feedback and factors).

@@ -44,17 +44,17 @@ pub(crate) mod state;
 use brigade_autograd::Optimizer;
 use brigade_comm::ReduceOp;
 use brigade_tensor::{DType, Tensor};
+use serde::{Deserialize, Serialize};
 
 pub use bucket::{bucket_tag, BucketLayout, BucketParam, PerBucket, PolicyBucket, Reduction};
 pub(crate) use context::BucketSource;
-pub use param_state::ParamState;
 pub use context::{
     BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamInfo, PolicyContext, PolicyDiagnostic,
     PolicyMemory, StepContext,
 };
+pub use param_state::ParamState;
 
 pub use crate::collectives::{CollectiveBackend, Collectives, HostCollectives, TensorPromise, TensorWork};
-pub use crate::overlap::WireModel;
 use crate::{DdpError, Result};
 
 /// A reducer policy: how one rank's gradient buckets are reduced, what its optimizer steps,
@@ -152,9 +152,11 @@ pub trait ReducerPolicy: Send {
         PolicyMemory::default()
     }
 
-    /// How the overlap model costs this policy's collectives (step profiles record it); `None`:
-    /// the model cannot, and refuses to replay its profiles.
-    fn wire_model(&self) -> Option<WireModel> {
+    /// How the overlap model costs this policy's collectives for a model whose parameters
+    /// have `shapes` (registration order; step profiles record it); `None`: the model cannot,
+    /// and refuses to replay its profiles.
+    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
+        let _ = shapes;
         None
     }
 
@@ -219,4 +221,32 @@ pub fn default_grad_norm_sq(held: &[HeldGrad], comm: &Collectives) -> Result<f64
     let partial = Tensor::from_vec(vec![sharded as f32], &[1])?.to_device(device)?;
     let summed = comm.all_reduce(&partial, ReduceOp::Sum, "ddp.grad_norm").wait()?;
     Ok(full + summed.item()?)
+}
+
+/// How a reducer policy's collectives for one bucket are costed by the overlap model (a policy
+/// declares it: [`ReducerPolicy::wire_model`]; step profiles record it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WireModel {
+    /// One all-reduce per bucket carrying `bytes_per_element` bytes per gradient element (f32:
+    /// 4; fp16 and bf16 compression: 2).
+    AllReduce {
+        /// Bytes per gradient element on the wire.
+        bytes_per_element: f64,
+    },
+    /// A low-rank policy (PowerSGD): before `start_iter` one f32 all-reduce per bucket; then
+    /// each parameter with `factors` is sent as its two f32 factors P and Q (their elements,
+    /// as the policy sized them), a bucket's P's in one all-reduce and its Q's in another, the
+    /// other tensors in one f32 all-reduce.
+    LowRank {
+        /// Iterations reduced plainly first.
+        start_iter: usize,
+        /// Each parameter's factors `(P, Q)` in elements, in registration order (`None`: sent
+        /// whole).
+        factors: Vec<Option<(usize, usize)>>,
+    },
+    /// ZeRO: each (padded) bucket is reduce-scattered in f32 during backward; the updated
+    /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
+    /// span holds them).
+    ReduceScatter,
 }

@@ -10,7 +10,8 @@ use brigade_comm::nccl::{NcclComm, NcclId};
 use brigade_comm::{Communicator, DeviceSpan, RawStream, ReduceOp};
 use brigade_tensor::{Device, Storage, Stream, Tensor};
 
-use super::device::{DeviceComm, DeviceStream};
+use super::device::DeviceStream;
+use crate::collectives::{CollectiveBackend, TensorWork};
 use crate::DdpError;
 
 /// Buckets reduced by their policy's collectives on NCCL, on a comm stream of their GPU,
@@ -81,7 +82,16 @@ fn with_span<R>(
     r
 }
 
-impl DeviceComm for NcclComm {
+/// The work of a collective NCCL enqueued (or failed to), completing with `out`.
+fn enqueued(comm: &NcclComm, tag: &str, out: &Tensor, r: crate::Result<()>) -> TensorWork<Tensor> {
+    let rank = Communicator::rank(comm);
+    TensorWork::ready(rank, tag, Communicator::timeout(comm), r.map(|()| out.clone()))
+}
+
+/// NCCL serves the collective contract on device memory: each method enqueues on the current
+/// stream (the comm stream the communicator was built on, inside `DeviceStream`'s scope), and
+/// its work completes once enqueued.
+impl CollectiveBackend for NcclComm {
     fn name(&self) -> &'static str {
         "nccl"
     }
@@ -102,38 +112,48 @@ impl DeviceComm for NcclComm {
         Ok(NcclComm::check(self)?)
     }
 
-    fn all_reduce(&self, stream: &Stream, buf: &Tensor, op: ReduceOp, tag: &str) -> crate::Result<()> {
-        with_span(DeviceComm::rank(self), buf, stream, |_, span| {
-            // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of the
-            // tensor (nobody else writes it) and, once restored, kept alive by the tensor the
-            // reduction holds until the compute stream waited on the bucket's done event; the
-            // comm stream is behind the event that ordered the caller's writes.
-            unsafe { Ok(self.all_reduce_device(span, op, None, None, tag)?) }
-        })
+    fn all_reduce(&self, buf: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let r = Stream::current(buf.device())
+            .map_err(DdpError::from)
+            .and_then(|stream| {
+                with_span(Communicator::rank(self), buf, &stream, |_, span| {
+                    // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of
+                    // the tensor (nobody else writes it) and, once restored, kept alive by the tensor
+                    // the reduction holds until the compute stream waited on the bucket's done event;
+                    // the comm stream is behind the event that ordered the caller's writes.
+                    unsafe { Ok(self.all_reduce_device(span, op, None, None, tag)?) }
+                })
+            });
+        enqueued(self, tag, buf, r)
     }
 
-    fn reduce_scatter(
-        &self,
-        stream: &Stream,
-        send: &Tensor,
-        recv: &Tensor,
-        op: ReduceOp,
-        tag: &str,
-    ) -> crate::Result<()> {
-        with_span(DeviceComm::rank(self), send, stream, |_, s| {
-            with_span(DeviceComm::rank(self), recv, stream, |_, r| {
-                // SAFETY: as in `all_reduce`, for two distinct storages.
-                unsafe { Ok(self.reduce_scatter_device(s, r, op, None, None, tag)?) }
-            })
-        })
+    fn reduce_scatter_into(&self, send: &Tensor, recv: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        let rank = Communicator::rank(self);
+        let r = Stream::current(send.device())
+            .map_err(DdpError::from)
+            .and_then(|stream| {
+                with_span(rank, send, &stream, |_, s| {
+                    with_span(rank, recv, &stream, |_, r| {
+                        // SAFETY: as in `all_reduce`, for two distinct storages.
+                        unsafe { Ok(self.reduce_scatter_device(s, r, op, None, None, tag)?) }
+                    })
+                })
+            });
+        enqueued(self, tag, recv, r)
     }
 
-    fn all_gather(&self, stream: &Stream, send: &Tensor, recv: &Tensor, tag: &str) -> crate::Result<()> {
-        with_span(DeviceComm::rank(self), send, stream, |_, s| {
-            with_span(DeviceComm::rank(self), recv, stream, |_, r| {
-                // SAFETY: as in `all_reduce`, for two distinct storages.
-                unsafe { Ok(self.all_gather_device(s, r, None, None, tag)?) }
-            })
-        })
+    fn all_gather_into(&self, send: &Tensor, recv: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        let rank = Communicator::rank(self);
+        let r = Stream::current(send.device())
+            .map_err(DdpError::from)
+            .and_then(|stream| {
+                with_span(rank, send, &stream, |_, s| {
+                    with_span(rank, recv, &stream, |_, r| {
+                        // SAFETY: as in `all_reduce`, for two distinct storages.
+                        unsafe { Ok(self.all_gather_device(s, r, None, None, tag)?) }
+                    })
+                })
+            });
+        enqueued(self, tag, recv, r)
     }
 }

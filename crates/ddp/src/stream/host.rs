@@ -44,8 +44,13 @@ impl BucketStream for HostStream {
         Ok(ReadyEvent::Host)
     }
 
-    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
-        hand_to_policy(&self.collectives, bucket, policy, "host")
+    fn launch(
+        &self,
+        bucket: ReadyBucket,
+        policy: &mut dyn ReducerPolicy,
+        collectives: &Collectives,
+    ) -> crate::Result<InFlight> {
+        hand_to_policy(collectives, bucket, policy, "host")
     }
 
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {

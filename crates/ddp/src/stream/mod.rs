@@ -20,9 +20,9 @@
 //! [`HostStream`] fulfils it over any [`brigade_comm::Communicator`] (a device bucket is staged
 //! through the host by each collective, on the compute side); [`DeviceStream`] on a comm
 //! stream of the bucket's device, every policy's compute and collectives enqueued there behind
-//! the ready event, over a [`DeviceComm`]: `NcclStream` (the `cuda` feature) is NCCL's, and
-//! [`HostStagedComm`] any communicator's, which runs the NCCL stream's own code on the counting
-//! fake device in CPU tests. Streams and events are the tensor crate's
+//! the ready event, over a [`crate::policy::CollectiveBackend`] that enqueues on the device:
+//! `NcclStream` (the `cuda` feature) is NCCL's, and [`HostStagedComm`] any communicator's,
+//! which runs the NCCL stream's own code on the counting fake device in CPU tests. Streams and events are the tensor crate's
 //! ([`brigade_tensor::Stream`], [`brigade_tensor::Event`]), and device memory reaches NCCL as
 //! comm's raw handles: this crate names no CUDA type. [`Recording`] wraps either stream and
 //! writes down the order of the calls, which is how the CPU tests check the logic that also
@@ -31,14 +31,16 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
+mod device_collectives;
 mod gpu_clock;
 mod host;
+mod host_staged;
 mod recording;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_comm::SpanId;
+use brigade_comm::{CommMeter, SpanId};
 use brigade_tensor::{Event, Tensor};
 
 use crate::collectives::Collectives;
@@ -47,8 +49,9 @@ use crate::DdpError;
 
 #[cfg(feature = "cuda")]
 pub use cuda::NcclStream;
-pub use device::{DeviceComm, DeviceStream, HostStagedComm};
+pub use device::DeviceStream;
 pub use host::HostStream;
+pub use host_staged::HostStagedComm;
 pub use recording::{Recording, StreamEvent};
 
 /// What the compute side recorded when a bucket's last gradient was written.
@@ -80,8 +83,8 @@ pub struct InFlight {
     pub launched: Instant,
     /// The policy's reduction.
     pub(crate) reduction: Reduction,
-    /// Wire bytes of the bucket's collectives so far.
-    pub(crate) wire: Option<Arc<Mutex<f64>>>,
+    /// What the bucket's collectives sent so far (its part of DDP's meter).
+    pub(crate) meter: CommMeter,
     /// Which stream launched it.
     pub(crate) launched_by: &'static str,
 }
@@ -134,15 +137,22 @@ pub trait BucketStream: Send + Sync {
     /// A short name for reports (`host`, `nccl`).
     fn name(&self) -> &'static str;
 
-    /// The handle policies issue collectives through on this stream.
+    /// The handle policies issue collectives through on this stream (DDP gives it its meter and
+    /// hands it back to [`BucketStream::launch`]).
     fn collectives(&self) -> Collectives;
 
     /// Compute side: bucket `index`, whose flat buffer is `flat`, is fully written; record its
     /// ready event.
     fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent>;
 
-    /// Comm side: hand `bucket` to `policy` with this stream's collectives; returns at once.
-    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight>;
+    /// Comm side: hand `bucket` to `policy` with `collectives` (this stream's, metered); returns
+    /// at once.
+    fn launch(
+        &self,
+        bucket: ReadyBucket,
+        policy: &mut dyn ReducerPolicy,
+        collectives: &Collectives,
+    ) -> crate::Result<InFlight>;
 
     /// Compute side: wait on the bucket's completion (the host, or the compute stream) and take
     /// what its reduction gave back.
@@ -168,8 +178,13 @@ impl<S: BucketStream + ?Sized> BucketStream for Arc<S> {
     fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
         (**self).record_ready(index, flat)
     }
-    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
-        (**self).launch(bucket, policy)
+    fn launch(
+        &self,
+        bucket: ReadyBucket,
+        policy: &mut dyn ReducerPolicy,
+        collectives: &Collectives,
+    ) -> crate::Result<InFlight> {
+        (**self).launch(bucket, policy, collectives)
     }
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {
         (**self).wait(in_flight)
@@ -199,7 +214,7 @@ pub(crate) fn hand_to_policy(
         index,
         launched,
         reduction,
-        wire: comm.wire_counter(),
+        meter: comm.meter().clone(),
         launched_by,
     })
 }
@@ -207,7 +222,10 @@ pub(crate) fn hand_to_policy(
 /// Waits (on the host) for a reduction's future and turns it into what lands.
 pub(crate) fn wait_reduction(in_flight: InFlight) -> Result<Landed, Failed> {
     let InFlight {
-        index, reduction, wire, ..
+        index,
+        reduction,
+        meter,
+        ..
     } = in_flight;
     let waited = match reduction {
         Reduction::Full(w) => w.wait_timed().map(|(t, timing)| (Landing::Full(t), timing)),
@@ -215,7 +233,7 @@ pub(crate) fn wait_reduction(in_flight: InFlight) -> Result<Landed, Failed> {
             .wait_timed()
             .map(|(tensor, timing)| (Landing::Shard { tensor, keep_full }, timing)),
     };
-    let wire_bytes = wire.map_or(0.0, |w| *w.lock().unwrap_or_else(|e| e.into_inner()));
+    let wire_bytes = meter.totals().wire_bytes;
     match waited {
         Ok((landing, timing)) => Ok(Landed {
             index,

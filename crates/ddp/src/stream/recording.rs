@@ -76,9 +76,14 @@ impl<S: BucketStream> BucketStream for Recording<S> {
         self.inner.record_ready(index, flat)
     }
 
-    fn launch(&self, bucket: ReadyBucket, policy: &mut dyn ReducerPolicy) -> crate::Result<InFlight> {
+    fn launch(
+        &self,
+        bucket: ReadyBucket,
+        policy: &mut dyn ReducerPolicy,
+        collectives: &Collectives,
+    ) -> crate::Result<InFlight> {
         self.lock().push(StreamEvent::Launch(bucket.bucket.index));
-        self.inner.launch(bucket, policy)
+        self.inner.launch(bucket, policy, collectives)
     }
 
     fn wait(&self, in_flight: InFlight) -> Result<Landed, Failed> {

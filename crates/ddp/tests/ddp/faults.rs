@@ -49,14 +49,14 @@ fn an_unused_parameter_is_an_error_unless_find_unused_parameters() {
                 find_unused_parameters: find_unused,
                 ..DdpConfig::default()
             };
-            let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg, common::average()).unwrap();
+            let _ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), cfg, common::average()).unwrap();
             let (x, y) = data(4, 6, 3, 1);
             m.store.zero_grad().unwrap();
             let r = m.loss(&x, &y).backward().map_err(|e| e.to_string());
-            (r, extra.grad().map(|g| g.to_vec::<f32>().unwrap()), ddp.memory())
+            (r, extra.grad().map(|g| g.to_vec::<f32>().unwrap()))
         });
         for r in results {
-            let (r, extra_grad, _) = r.unwrap();
+            let (r, extra_grad) = r.unwrap();
             if find_unused {
                 r.unwrap();
                 assert_eq!(

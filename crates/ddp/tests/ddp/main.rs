@@ -6,6 +6,7 @@ mod autotune;
 mod buckets;
 mod common;
 mod faults;
+mod layers;
 mod overlap;
 mod overlap_model;
 mod parity;

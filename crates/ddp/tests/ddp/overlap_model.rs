@@ -524,9 +524,8 @@ fn the_replay_costs_each_policys_own_collectives() {
         base.clone(),
         "powersgd:4",
         Some(WireModel::LowRank {
-            rank: 4,
-            min_compression_rate: 2.0,
             start_iter: 10,
+            factors: vec![Some((512 * 4, 256 * 4)), None],
         }),
         &shapes,
     );

@@ -1,4 +1,4 @@
-//! The open batch (issue 24 §1): named tensors of any dtype and shape, a model's declaration of
+//! The open batch: named tensors of any dtype and shape, a model's declaration of
 //! them, checked when data is opened; `classify` and `tokens` as ready-made declarations.
 
 use brigade_models::{

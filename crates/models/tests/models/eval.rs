@@ -1,4 +1,4 @@
-//! Evaluation pieces (issue 23 §4): `Model::forward`, train/eval mode, `Dropout` (p = 0 keeps
+//! Evaluation pieces: `Model::forward`, train/eval mode, `Dropout` (p = 0 keeps
 //! the bits, eval mode is the identity, its generator's state makes a resume exact) and an eval
 //! loss under `no_grad` equal to the training loss of the same batch.
 

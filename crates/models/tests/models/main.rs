@@ -16,3 +16,4 @@ mod npy;
 mod sample;
 mod sampler;
 mod text;
+mod tokens;

@@ -1,4 +1,4 @@
-//! NumPy `.npy`/`.npz` data (issue 24 §3): every supported dtype round-trips, files NumPy wrote
+//! NumPy `.npy`/`.npz` data: every supported dtype round-trips, files NumPy wrote
 //! read as NumPy reads them, and a wrong dtype or shape is one error line.
 
 use std::path::{Path, PathBuf};

@@ -1,4 +1,4 @@
-//! Text out (issue 24 §5): decoding with a KV cache, greedy or sampled, streamed token by token.
+//! Text out: decoding with a KV cache, greedy or sampled, streamed token by token.
 
 use std::collections::HashMap;
 use std::ops::ControlFlow;

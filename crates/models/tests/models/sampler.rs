@@ -1,4 +1,4 @@
-//! The distributed sampler (issue 24 §2, library side): PyTorch's `DistributedSampler`
+//! The distributed sampler (library side): PyTorch's `DistributedSampler`
 //! semantics, checked exhaustively over small datasets and worlds.
 
 use std::collections::BTreeMap;

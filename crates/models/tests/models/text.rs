@@ -1,9 +1,9 @@
-//! Text in (issue 24 §4): a byte-level dataset from any UTF-8 file, with a validation split;
+//! Text in: a byte-level dataset from any UTF-8 file, with a validation split;
 //! one clear error line for an empty, too short or non-UTF-8 file.
 
 use std::path::PathBuf;
 
-use brigade_models::{Batch, Dataset, ModelError, ValSplit};
+use brigade_models::{Batch, Dataset, ModelError, Tokenizer, ValSplit};
 
 fn file(name: &str, bytes: &[u8]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("brigade-models-text-{}", std::process::id()));
@@ -30,7 +30,7 @@ fn one_line(e: ModelError) -> String {
 fn a_utf8_file_becomes_rows_of_context_plus_one_bytes() {
     let text = "héllo wörld, ünïcode ☃ text!\n".repeat(3);
     let path = file("plain.txt", text.as_bytes());
-    let data = Dataset::from_text_file(&path, 8, &ValSplit::None).unwrap();
+    let data = Dataset::from_text_file(&path, 8, &ValSplit::None, Tokenizer::Bytes).unwrap();
     assert!(data.val.is_none());
     let train = rows(&data.train);
     // stride context / 2 = 4: row r is bytes[4r .. 4r + 9]
@@ -52,7 +52,7 @@ fn the_last_fraction_is_the_validation_split_cut_at_a_character_boundary() {
     let path = file("split.txt", bytes);
     // 10% of 101 = ceil(10.1) = 11 bytes -> the split at 90, inside the first 'é' (89..91);
     // it moves forward to 91
-    let data = Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.1)).unwrap();
+    let data = Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.1), Tokenizer::Bytes).unwrap();
     let val = data.val.unwrap();
     let val_rows = rows(&val);
     // validation rows: stride = context = 4, rows of 5 over bytes[91..101] (10 bytes): 2 rows
@@ -74,7 +74,7 @@ fn the_last_fraction_is_the_validation_split_cut_at_a_character_boundary() {
 fn a_separate_validation_file() {
     let train = file("train.txt", "the cat sat on the mat. ".repeat(4).as_bytes());
     let val = file("val.txt", b"a dog ran in the fog.");
-    let data = Dataset::from_text_file(&train, 8, &ValSplit::File(val.clone())).unwrap();
+    let data = Dataset::from_text_file(&train, 8, &ValSplit::File(val.clone()), Tokenizer::Bytes).unwrap();
     assert_eq!(data.train.len(), (96 - 9) / 4 + 1, "all of the training file");
     let v = data.val.unwrap();
     assert_eq!(rows(&v)[0], b"a dog ran");
@@ -84,20 +84,25 @@ fn a_separate_validation_file() {
         "bad-val.txt",
         &[b'o', b'k', 0xC0, b'!', b' ', b' ', b' ', b' ', b' ', b' '],
     );
-    let e = one_line(Dataset::from_text_file(&train, 8, &ValSplit::File(bad)).unwrap_err());
+    let e = one_line(Dataset::from_text_file(&train, 8, &ValSplit::File(bad), Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("bad-val.txt") && e.contains("byte offset 2"), "{e}");
 }
 
 #[test]
 fn empty_short_or_non_utf8_files_are_one_error_line() {
-    let e = one_line(Dataset::from_text_file(file("empty.txt", b""), 8, &ValSplit::None).unwrap_err());
+    let e =
+        one_line(Dataset::from_text_file(file("empty.txt", b""), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("empty.txt") && e.contains("the file is empty"), "{e}");
-    let e = one_line(Dataset::from_text_file(file("short.txt", b"tiny"), 8, &ValSplit::None).unwrap_err());
+    let e = one_line(
+        Dataset::from_text_file(file("short.txt", b"tiny"), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err(),
+    );
     assert!(e.contains("4 bytes cannot fill one row of context 8 + 1"), "{e}");
     // an invalid byte on line 3, at byte offset 12
     let mut bytes = b"line one\nok\n\xFFbad".to_vec();
     bytes.extend_from_slice(&[b'x'; 20]);
-    let e = one_line(Dataset::from_text_file(file("latin1.txt", &bytes), 8, &ValSplit::None).unwrap_err());
+    let e = one_line(
+        Dataset::from_text_file(file("latin1.txt", &bytes), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err(),
+    );
     assert!(
         e.contains("not UTF-8") && e.contains("invalid byte 0xff at byte offset 12 (line 3)"),
         "{e}"
@@ -105,10 +110,10 @@ fn empty_short_or_non_utf8_files_are_one_error_line() {
     // a character cut at the end of the file
     let mut cut = "0123456789".repeat(2).into_bytes();
     cut.extend_from_slice(&"€".as_bytes()[..2]);
-    let e = one_line(Dataset::from_text_file(file("cut.txt", &cut), 8, &ValSplit::None).unwrap_err());
+    let e = one_line(Dataset::from_text_file(file("cut.txt", &cut), 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("truncated character at byte offset 20"), "{e}");
     let absent = std::env::temp_dir().join(format!("brigade-models-text-{}-nothing.txt", std::process::id()));
-    let e = one_line(Dataset::from_text_file(absent, 8, &ValSplit::None).unwrap_err());
+    let e = one_line(Dataset::from_text_file(absent, 8, &ValSplit::None, Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("nothing.txt") && e.contains("cannot read"), "{e}");
 }
 
@@ -116,17 +121,17 @@ fn empty_short_or_non_utf8_files_are_one_error_line() {
 fn a_split_that_leaves_a_part_without_a_row_is_one_error_line() {
     let path = file("twenty.txt", "abcdefghijklmnopqrst".as_bytes());
     for f in [0.0, 1.0, -0.5, f64::NAN] {
-        let e = one_line(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(f)).unwrap_err());
+        let e = one_line(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(f), Tokenizer::Bytes).unwrap_err());
         assert!(e.contains("fraction must be in (0, 1)"), "{f}: {e}");
     }
     // 10% of 20 bytes = 2 bytes < one row of 5
-    let e = one_line(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.1)).unwrap_err());
+    let e = one_line(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.1), Tokenizer::Bytes).unwrap_err());
     assert!(
         e.contains("validation part") && e.contains("2 of the file's 20 bytes"),
         "{e}"
     );
     // 90% leaves 2 bytes to train on
-    let e = one_line(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.9)).unwrap_err());
+    let e = one_line(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.9), Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("training part"), "{e}");
-    assert!(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.5)).is_ok());
+    assert!(Dataset::from_text_file(&path, 4, &ValSplit::Fraction(0.5), Tokenizer::Bytes).is_ok());
 }

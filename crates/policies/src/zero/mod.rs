@@ -173,7 +173,7 @@ impl ReducerPolicy for Zero {
         }
     }
 
-    fn wire_model(&self) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
         Some(if self.sharded(self.world.load(Ordering::Relaxed)) {
             WireModel::ReduceScatter
         } else {

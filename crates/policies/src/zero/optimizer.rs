@@ -66,7 +66,7 @@ struct ShardedBucket {
 /// stream while bucket `b + 1` is stepped). Built by the ZeRO policy through
 /// `DistributedDataParallel::optimizer`; every rank must step it together.
 ///
-/// [`Optimizer::state`] is the consolidated state of every shard, under the same names and
+/// [`Optimizer::state_dict`] is the consolidated state of every shard, under the same names and
 /// shapes as the wrapped optimizer's (so a checkpoint holds every shard's state); every rank
 /// must call [`Optimizer::consolidate_state`] first, and only rank 0 keeps the result.
 pub struct ZeroOptimizer {
@@ -123,7 +123,7 @@ impl ZeroOptimizer {
         let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
         let params = ctx.buckets.params();
         let names = names(params);
-        let state = full.state()?;
+        let state = full.state_dict()?;
         let mut shards = vec![];
         for span in ctx.buckets.spans() {
             let bucket: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
@@ -138,7 +138,7 @@ impl ZeroOptimizer {
             let vars = store.params().to_vec();
             let mut opt = build(vars.clone());
             opt.set_lr(full.lr());
-            opt.load_state(&slice_state(&state, &names, &pieces)?)?;
+            opt.load_state_dict(&slice_state(&state, &names, &pieces)?)?;
             shards.push(ShardedBucket {
                 index: span.index,
                 per: shard_len(span.grad_numel, world),
@@ -342,7 +342,7 @@ impl ZeroOptimizer {
         let names = names(&params);
         let mut out: Vec<(String, Tensor)> = vec![];
         for (i, sb) in self.shards.iter().enumerate() {
-            let state = sb.opt.state()?;
+            let state = sb.opt.state_dict()?;
             // The suffixes some rank holds for this bucket (a rank may own no piece of it).
             let mut mine: Vec<String> = state
                 .iter()
@@ -446,7 +446,7 @@ impl Optimizer for ZeroOptimizer {
 
     /// The consolidated state (see the type's docs), handed out once; an error unless
     /// `consolidate_state` ran on every rank since the last call and this is rank 0.
-    fn state(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
+    fn state_dict(&self) -> brigade_autograd::Result<Vec<(String, Tensor)>> {
         self.consolidated.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
             AutogradError::OptimizerState(
                 "a ZeRO optimizer's state is sharded over the ranks: call consolidate_state on every rank, then state on rank 0".into(),
@@ -454,12 +454,12 @@ impl Optimizer for ZeroOptimizer {
         })
     }
 
-    /// Loads whole-parameter state (as [`Optimizer::state`] gives it), keeping this rank's pieces.
-    fn load_state(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
+    /// Loads whole-parameter state (as [`Optimizer::state_dict`] gives it), keeping this rank's pieces.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
         let names = names(self.buckets.params());
         for sb in &mut self.shards {
             let sliced = slice_state(state, &names, &sb.pieces).map_err(optimizer_error)?;
-            sb.opt.load_state(&sliced)?;
+            sb.opt.load_state_dict(&sliced)?;
         }
         Ok(())
     }

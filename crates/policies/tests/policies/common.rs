@@ -32,7 +32,7 @@ pub fn teacher_data(n: usize, d: usize, c: usize, seed: u64) -> (Tensor, Tensor)
 pub struct RankRun {
     pub losses: Vec<f64>,
     pub params: Vec<Vec<f32>>,
-    pub memory: brigade_ddp::RankMemory,
+    pub memory: brigade_ddp::MemoryReport,
     pub diagnostics: Vec<String>,
     pub wire_bytes: f64,
 }
@@ -57,7 +57,7 @@ pub fn optimizer(kind: &str, params: Vec<brigade_autograd::Var>) -> Box<dyn brig
 }
 
 /// `world` thread ranks, each on its shard, each with `policy(rank)`, the optimizer `kind`
-/// through DDP's optimizer; the communicator is metered (DDP's collectives only).
+/// through DDP's optimizer; DDP's meter counts what it sends.
 pub fn train(
     setup: Setup,
     world: usize,
@@ -77,11 +77,12 @@ pub fn train(
         brigade_tensor::set_compute_threads(1);
         let rank = comm.rank();
         let meter = brigade_comm::CommMeter::new();
-        let comm: Arc<dyn brigade_comm::Communicator> = Arc::new(brigade_comm::Metered::new(comm, meter.clone()));
+        let comm: Arc<dyn brigade_comm::Communicator> = Arc::new(comm);
         let m = Mlp::new(setup.widths, 42 + rank as u64);
         let cfg = brigade_ddp::DdpConfig {
             bucket_cap_mb: setup.bucket_cap_mb,
             first_bucket_cap_mb: setup.first_bucket_cap_mb,
+            meter: meter.clone(),
             ..brigade_ddp::DdpConfig::default()
         };
         let ddp = brigade_ddp::DistributedDataParallel::new(&m.store, comm, cfg, policy(rank)).unwrap();

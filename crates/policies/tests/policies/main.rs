@@ -6,6 +6,7 @@
 mod common;
 mod device_stream;
 mod direct;
+mod gradient_way;
 mod pinned;
 mod powersgd;
 mod resume;

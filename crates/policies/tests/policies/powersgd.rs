@@ -57,3 +57,19 @@ fn powersgds_error_feedback_and_factors_are_counted_in_rank_memory() {
     assert_eq!(plain[0].memory.policy_state, 0);
     assert_eq!(run[0].memory.total(), plain[0].memory.total() + 4 * (psi + q));
 }
+
+#[test]
+fn powersgds_wire_model_sizes_the_factors_of_each_matrix_that_compresses() {
+    use brigade_ddp::policy::WireModel;
+    let policy = spec("powersgd:4@10")(0);
+    // [512, 256] compresses at rank 4 ((512 + 256)·4·2 < 512·256): P 512 x 4, Q 256 x 4; a bias
+    // and a [3, 2] matrix that shrinks less than the rate 2 ((3 + 2)·2·2 ≥ 6) are sent whole
+    let shapes = vec![vec![512, 256], vec![256], vec![3, 2]];
+    assert_eq!(
+        policy.wire_model(&shapes),
+        Some(WireModel::LowRank {
+            start_iter: 10,
+            factors: vec![Some((512 * 4, 256 * 4)), None, None],
+        })
+    );
+}

@@ -51,7 +51,7 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
         let ddp = DistributedDataParallel::new(&m.store, comm, cfg, policy).unwrap();
         let mut full = optimizer("adamw", m.store.params().to_vec());
         if let Some(s) = saved {
-            full.load_state(&s.optimizer).unwrap();
+            full.load_state_dict(&s.optimizer).unwrap();
             if !s.policy.is_empty() {
                 ddp.load_gathered_policy_state(&s.policy).unwrap();
             }
@@ -68,7 +68,7 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
         }
         opt.consolidate_state().unwrap();
         let policy = ddp.gather_policy_state().unwrap();
-        let optimizer = if rank == 0 { opt.state().unwrap() } else { vec![] };
+        let optimizer = if rank == 0 { opt.state_dict().unwrap() } else { vec![] };
         (losses, m.values(), optimizer, policy)
     });
     let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();

@@ -160,7 +160,7 @@ fn memory_per_rank_is_the_zero_papers_and_never_more_than_plain_ddps() {
             let (plain, z1, z2) = (rank0("allreduce"), rank0("zero1"), rank0("zero2"));
             let state = if kind == "adamw" { 8 } else { 4 };
             let what = format!("{kind} world {world}");
-            let fig = |m: brigade_ddp::RankMemory| (m.parameters, m.gradients, m.buckets, m.optimizer_state);
+            let fig = |m: brigade_ddp::MemoryReport| (m.parameters, m.gradients, m.buckets, m.optimizer_state);
             assert_eq!(fig(plain), (4 * psi, 4 * psi, 4 * psi, state * psi), "{what} plain");
             // stage 1: the buckets (the gradients) stay whole, padded; state only for the shard
             assert_eq!(

@@ -8,13 +8,14 @@
 //! GEMMs over the same operands, the same scaling, masking and softmax expressions, so
 //! both give the same bits.
 
+use crate::backend::Attention;
 use rayon::prelude::*;
 
 use super::matmul::gemm_strided;
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, same, view};
-use crate::cpu::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
+use crate::Buffer;
 use crate::{Element, Float, Layout, Result};
 
 /// Base pointers shared by the (batch, head) tasks: each task writes only its own
@@ -84,19 +85,6 @@ fn masked_softmax_row<T: Float>(row: &mut [T], i: usize, scale: T) {
     softmax_in_place(now);
 }
 
-/// [`crate::backend::BackendStorage::causal_attention`].
-pub(super) fn causal_attention(
-    qkv: &CpuStorage,
-    l: &Layout,
-    n_heads: usize,
-    scale: f64,
-) -> Result<(CpuStorage, CpuStorage)> {
-    float_kernel!("causal_attention", qkv, xs: T => {
-        let (y, p) = forward::<T>(view(xs, l), Dims::from_layout(l, n_heads), T::from_f64(scale));
-        Ok((T::wrap(y), T::wrap(p)))
-    })
-}
-
 fn forward<T: Float>(x: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
     {
         let Dims { b, t, nh, hd } = dm;
@@ -154,23 +142,6 @@ fn forward<T: Float>(x: &[T], dm: Dims, scale: T) -> (Vec<T>, Vec<T>) {
         });
         (y, probs)
     }
-}
-
-/// [`crate::backend::BackendStorage::causal_attention_backward`].
-pub(super) fn causal_attention_backward(
-    qkv: &CpuStorage,
-    l: &Layout,
-    probs: (&CpuStorage, &Layout),
-    gy: (&CpuStorage, &Layout),
-    n_heads: usize,
-    scale: f64,
-) -> Result<CpuStorage> {
-    let op = "causal_attention_backward";
-    float_kernel!(op, qkv, xs: T => {
-        let (ps, gs) = (view(same::<T>(op, probs.0)?, probs.1), view(same::<T>(op, gy.0)?, gy.1));
-        let dx = backward::<T>(view(xs, l), ps, gs, Dims::from_layout(l, n_heads), T::from_f64(scale));
-        Ok(T::wrap(dx))
-    })
 }
 
 fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec<T> {
@@ -278,4 +249,31 @@ fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec
         }
     });
     dx
+}
+
+impl Attention for Buffer {
+    fn causal_attention(&self, l: &Layout, n_heads: usize, scale: f64) -> Result<(Buffer, Buffer)> {
+        let qkv = self;
+        float_kernel!("causal_attention", qkv, xs: T => {
+            let (y, p) = forward::<T>(view(xs, l), Dims::from_layout(l, n_heads), T::from_f64(scale));
+            Ok((T::wrap(y), T::wrap(p)))
+        })
+    }
+
+    fn causal_attention_backward(
+        &self,
+        l: &Layout,
+        probs: (&Buffer, &Layout),
+        gy: (&Buffer, &Layout),
+        n_heads: usize,
+        scale: f64,
+    ) -> Result<Buffer> {
+        let qkv = self;
+        let op = "causal_attention_backward";
+        float_kernel!(op, qkv, xs: T => {
+            let (ps, gs) = (view(same::<T>(op, probs.0)?, probs.1), view(same::<T>(op, gy.0)?, gy.1));
+            let dx = backward::<T>(view(xs, l), ps, gs, Dims::from_layout(l, n_heads), T::from_f64(scale));
+            Ok(T::wrap(dx))
+        })
+    }
 }

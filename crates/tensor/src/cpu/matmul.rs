@@ -2,14 +2,15 @@
 //! strides: transposed views cost nothing): `gemm-f32` and `gemm-f64`, the kernels the `gemm`
 //! crate's generic entry dispatches to, each picking AVX-512, AVX2 or NEON code at run time.
 
+use crate::backend::Matmul;
 use std::any::TypeId;
 
 use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 use super::{float_kernel, same, view};
-use crate::cpu::storage::CpuStorage;
 use crate::threads::{compute_threads, install};
+use crate::Buffer;
 use crate::{Element, Float, Layout, Result};
 
 /// Pointers into storages that the batch loop shares between threads; each output
@@ -194,60 +195,6 @@ pub(super) unsafe fn gemm_into<T: Float>(
     );
 }
 
-/// [`crate::backend::BackendStorage::matmul`]: `[batch.., m, k] x [batch.., k, n]`, any
-/// strides, into a contiguous `[batch.., m, n]`.
-pub(super) fn matmul(a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<CpuStorage> {
-    float_kernel!("matmul", a, da: T => {
-        let db = same::<T>("matmul", b)?;
-        Ok(T::wrap(matmul_impl::<T>(da, la, db, lb)))
-    })
-}
-
-/// [`crate::backend::BackendStorage::matmul_bias`]: every output row starts as the bias and
-/// the GEMM accumulates the product onto it, so the bias costs no pass of its own.
-pub(super) fn matmul_bias(
-    a: &CpuStorage,
-    la: &Layout,
-    b: &CpuStorage,
-    lb: &Layout,
-    bias: (&CpuStorage, &Layout),
-) -> Result<CpuStorage> {
-    float_kernel!("matmul_bias", a, da: T => {
-        let db = same::<T>("matmul_bias", b)?;
-        let bias = view(same::<T>("matmul_bias", bias.0)?, bias.1);
-        let (m, k, n) = (la.shape()[0], la.shape()[1], lb.shape()[1]);
-        let mut out = Vec::with_capacity(m * n);
-        for _ in 0..m {
-            out.extend_from_slice(bias);
-        }
-        let (sa, sb) = (la.strides(), lb.strides());
-        let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
-        let dst = out.as_mut_slice();
-        install(|| {
-            let (pa, pb) = (pa, pb);
-            // SAFETY: the front end checked both layouts against their storages; `dst`
-            // holds the m*n initialised elements of the output.
-            unsafe {
-                gemm_into::<T>(
-                    m,
-                    n,
-                    k,
-                    (dst.as_mut_ptr(), n, 1),
-                    true,
-                    pa.0.add(la.offset()),
-                    sa[0],
-                    sa[1],
-                    pb.0.add(lb.offset()),
-                    sb[0],
-                    sb[1],
-                    gemm_threads_for(m, n, k),
-                )
-            }
-        });
-        Ok(T::wrap(out))
-    })
-}
-
 fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T> {
     let r = la.rank();
     let (m, k, n) = (la.shape()[r - 2], la.shape()[r - 1], lb.shape()[r - 1]);
@@ -304,4 +251,56 @@ fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T>
         }
     }
     out
+}
+
+impl Matmul for Buffer {
+    /// `matmul`: `[batch.., m, k] x [batch.., k, n]`, any
+    /// strides, into a contiguous `[batch.., m, n]`.
+    fn matmul(&self, la: &Layout, b: &Buffer, lb: &Layout) -> Result<Buffer> {
+        let a = self;
+        float_kernel!("matmul", a, da: T => {
+            let db = same::<T>("matmul", b)?;
+            Ok(T::wrap(matmul_impl::<T>(da, la, db, lb)))
+        })
+    }
+
+    /// `matmul_bias`: every output row starts as the bias and
+    /// the GEMM accumulates the product onto it, so the bias costs no pass of its own.
+    fn matmul_bias(&self, la: &Layout, b: &Buffer, lb: &Layout, bias: (&Buffer, &Layout)) -> Result<Buffer> {
+        let a = self;
+        float_kernel!("matmul_bias", a, da: T => {
+            let db = same::<T>("matmul_bias", b)?;
+            let bias = view(same::<T>("matmul_bias", bias.0)?, bias.1);
+            let (m, k, n) = (la.shape()[0], la.shape()[1], lb.shape()[1]);
+            let mut out = Vec::with_capacity(m * n);
+            for _ in 0..m {
+                out.extend_from_slice(bias);
+            }
+            let (sa, sb) = (la.strides(), lb.strides());
+            let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
+            let dst = out.as_mut_slice();
+            install(|| {
+                let (pa, pb) = (pa, pb);
+                // SAFETY: the front end checked both layouts against their storages; `dst`
+                // holds the m*n initialised elements of the output.
+                unsafe {
+                    gemm_into::<T>(
+                        m,
+                        n,
+                        k,
+                        (dst.as_mut_ptr(), n, 1),
+                        true,
+                        pa.0.add(la.offset()),
+                        sa[0],
+                        sa[1],
+                        pb.0.add(lb.offset()),
+                        sb[0],
+                        sb[1],
+                        gemm_threads_for(m, n, k),
+                    )
+                }
+            });
+            Ok(T::wrap(out))
+        })
+    }
 }

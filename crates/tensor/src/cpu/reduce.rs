@@ -3,18 +3,18 @@
 use std::borrow::Cow;
 
 use super::{float_kernel, gather, same, view};
-use crate::backend::ReduceOp;
-use crate::cpu::storage::CpuStorage;
+use crate::backend::{Reduce, ReduceOp};
 use crate::threads::par_rows_mut;
+use crate::Buffer;
 use crate::{Float, Layout, Result};
 
 /// Reduces `dims` of the view with `row(&[T]) -> T` applied to each run of reduced elements.
 fn reduce_rows<T: Float>(
-    s: &CpuStorage,
+    s: &Buffer,
     l: &Layout,
     dims: &[usize],
     row: impl Fn(&[T]) -> T + Sync + Send,
-) -> Result<CpuStorage> {
+) -> Result<Buffer> {
     let kept: Vec<usize> = (0..l.rank()).filter(|d| !dims.contains(d)).collect();
     let perm: Vec<usize> = kept.iter().chain(dims.iter()).copied().collect();
     let r: usize = dims.iter().map(|&d| l.shape()[d]).product();
@@ -31,7 +31,7 @@ fn reduce_rows<T: Float>(
 }
 
 /// Sum over the leading `k` dims of a contiguous view: adds rows, which vectorises.
-fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> CpuStorage {
+fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> Buffer {
     let lead: usize = l.shape()[..k].iter().product();
     let cols: usize = l.shape()[k..].iter().product();
     let src = view(data, l);
@@ -44,19 +44,21 @@ fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> CpuStorage {
     T::wrap(out)
 }
 
-/// [`crate::backend::BackendStorage::reduce`].
-pub(super) fn reduce(s: &CpuStorage, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<CpuStorage> {
-    float_kernel!("reduce", s, data: T => match op {
-        ReduceOp::Sum => {
-            let leading = !dims.is_empty() && dims.iter().enumerate().all(|(i, &v)| i == v) && dims.len() < l.rank();
-            if leading && l.is_contiguous() {
-                return Ok(sum_leading::<T>(data, l, dims.len()));
+impl Reduce for Buffer {
+    fn reduce(&self, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<Buffer> {
+        let s = self;
+        float_kernel!("reduce", s, data: T => match op {
+            ReduceOp::Sum => {
+                let leading = !dims.is_empty() && dims.iter().enumerate().all(|(i, &v)| i == v) && dims.len() < l.rank();
+                if leading && l.is_contiguous() {
+                    return Ok(sum_leading::<T>(data, l, dims.len()));
+                }
+                reduce_rows::<T>(s, l, dims, |r| r.iter().copied().sum())
             }
-            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().sum())
-        }
-        ReduceOp::Max => {
-            // any NaN wins, wherever it comes (PyTorch's max; the CUDA kernel's rule)
-            reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && (b > a || b.is_nan()) { b } else { a }))
-        }
-    })
+            ReduceOp::Max => {
+                // any NaN wins, wherever it comes (PyTorch's max; the CUDA kernel's rule)
+                reduce_rows::<T>(s, l, dims, |r| r.iter().copied().fold(T::NEG_INFINITY, |a, b| if !a.is_nan() && (b > a || b.is_nan()) { b } else { a }))
+            }
+        })
+    }
 }

@@ -14,7 +14,7 @@ use half::{bf16, f16};
 use super::compare::{compare_outputs, GemmTiming};
 use super::device::fault;
 use super::{CudaDevice, CudaStorage};
-use crate::backend::BackendStorage;
+use crate::backend::{BackendStorage, Matmul};
 use crate::cuda::element::CudaElement;
 use crate::{DType, Layout, Result, TensorError};
 

@@ -22,8 +22,9 @@ struct Deferred {
     events: Vec<CudaEvent>,
 }
 
-/// A stream of one CUDA device (what the scope stack holds for it; its methods are in
+/// A stream of one CUDA device (what the scope stack holds for it; its part of the contract is in
 /// `streams.rs`).
+#[derive(Clone)]
 pub(crate) struct CudaStreamRef {
     pub(crate) dev: Arc<CudaDevice>,
     pub(crate) stream: Arc<CudaStream>,

@@ -14,7 +14,7 @@ use super::device::fault;
 use super::element::CudaElement;
 use super::gemm_plan::{plan_gemm, GemmPlan, Operand, PlanError, Transpose};
 use super::storage::CudaStorage;
-use crate::backend::BackendStorage;
+use crate::backend::{BackendStorage, Matmul};
 use crate::{DType, Layout, Result, TensorError};
 
 /// An element type cuBLAS multiplies, with its `alpha = 1`, `beta = 0`.
@@ -116,52 +116,55 @@ where
     Ok(CudaStorage::from_slice(&dev, out))
 }
 
-/// Batched matrix product `[batch.., m, k] x [batch.., k, n] -> [batch.., m, n]` of two views
-/// (any strides; equal batch dims, broadcast ones with stride 0), through cuBLAS on the
-/// current stream. An operand whose strides no cuBLAS argument can express is gathered first.
-pub(crate) fn matmul(lhs_s: &CudaStorage, lhs: &Layout, rhs: &CudaStorage, rhs_layout: &Layout) -> Result<CudaStorage> {
-    let opname = "matmul";
-    if lhs_s.dtype() != rhs.dtype() {
-        return Err(TensorError::DTypeMismatch {
-            op: opname,
-            lhs: lhs_s.dtype(),
-            rhs: rhs.dtype(),
-        });
-    }
-    lhs_s.check_extent(opname, lhs)?;
-    rhs.check_extent(opname, rhs_layout)?;
-    let plan = match plan_gemm(lhs, rhs_layout) {
-        Ok(p) => p,
-        Err(PlanError::NeedsCopy(Operand::Lhs)) => {
-            let c = lhs_s.copy_strided(lhs)?;
-            return matmul(&c, &Layout::contiguous(lhs.shape()), rhs, rhs_layout);
-        }
-        Err(PlanError::NeedsCopy(Operand::Rhs)) => {
-            let c = rhs.copy_strided(rhs_layout)?;
-            return matmul(lhs_s, lhs, &c, &Layout::contiguous(rhs_layout.shape()));
-        }
-        Err(e) => {
-            return Err(TensorError::Invalid {
+impl Matmul for CudaStorage {
+    /// Batched matrix product `[batch.., m, k] x [batch.., k, n] -> [batch.., m, n]` of two views
+    /// (any strides; equal batch dims, broadcast ones with stride 0), through cuBLAS on the
+    /// current stream. An operand whose strides no cuBLAS argument can express is gathered first.
+    fn matmul(&self, lhs: &Layout, rhs: &CudaStorage, rhs_layout: &Layout) -> Result<CudaStorage> {
+        let lhs_s = self;
+        let opname = "matmul";
+        if lhs_s.dtype() != rhs.dtype() {
+            return Err(TensorError::DTypeMismatch {
                 op: opname,
-                msg: e.to_string(),
-            })
+                lhs: lhs_s.dtype(),
+                rhs: rhs.dtype(),
+            });
         }
-    };
-    let r = lhs.rank();
-    let out_len: usize =
-        lhs.shape()[..r - 2].iter().product::<usize>() * lhs.shape()[r - 2] * rhs_layout.shape()[r - 1];
-    if out_len == 0 {
-        return Ok(lhs_s.empty_like());
-    }
-    match lhs_s.dtype() {
-        DType::F32 => run_plan::<f32>(&plan, lhs_s, rhs, out_len),
-        DType::F64 => run_plan::<f64>(&plan, lhs_s, rhs, out_len),
-        DType::F16 => run_plan::<f16>(&plan, lhs_s, rhs, out_len),
-        DType::BF16 => run_plan::<bf16>(&plan, lhs_s, rhs, out_len),
-        d => Err(TensorError::UnsupportedDType {
-            op: opname,
-            dtype: d,
-            hint: " (cuBLAS GEMMs take f32, f64, f16, bf16)",
-        }),
+        lhs_s.check_extent(opname, lhs)?;
+        rhs.check_extent(opname, rhs_layout)?;
+        let plan = match plan_gemm(lhs, rhs_layout) {
+            Ok(p) => p,
+            Err(PlanError::NeedsCopy(Operand::Lhs)) => {
+                let c = lhs_s.copy_strided(lhs)?;
+                return c.matmul(&Layout::contiguous(lhs.shape()), rhs, rhs_layout);
+            }
+            Err(PlanError::NeedsCopy(Operand::Rhs)) => {
+                let c = rhs.copy_strided(rhs_layout)?;
+                return lhs_s.matmul(lhs, &c, &Layout::contiguous(rhs_layout.shape()));
+            }
+            Err(e) => {
+                return Err(TensorError::Invalid {
+                    op: opname,
+                    msg: e.to_string(),
+                })
+            }
+        };
+        let r = lhs.rank();
+        let out_len: usize =
+            lhs.shape()[..r - 2].iter().product::<usize>() * lhs.shape()[r - 2] * rhs_layout.shape()[r - 1];
+        if out_len == 0 {
+            return Ok(lhs_s.empty_like());
+        }
+        match lhs_s.dtype() {
+            DType::F32 => run_plan::<f32>(&plan, lhs_s, rhs, out_len),
+            DType::F64 => run_plan::<f64>(&plan, lhs_s, rhs, out_len),
+            DType::F16 => run_plan::<f16>(&plan, lhs_s, rhs, out_len),
+            DType::BF16 => run_plan::<bf16>(&plan, lhs_s, rhs, out_len),
+            d => Err(TensorError::UnsupportedDType {
+                op: opname,
+                dtype: d,
+                hint: " (cuBLAS GEMMs take f32, f64, f16, bf16)",
+            }),
+        }
     }
 }

@@ -19,12 +19,13 @@
 //! [`crate::Storage::device_memory`]; no cudarc type appears in a public signature.
 //!
 //! Rooms (with the feature): `device` (context, compute stream, cuBLAS handles, kernel cache,
-//! memory pool, deferred frees), `streams` (other streams, events, the spin kernel), `nvrtc`
-//! (the `.cu` sources in `kernels/` and their compilation), `element` (typed device buffers),
-//! `storage` (allocation, copies in and out, the keep-alive rule), `ops` (the device contract
-//! implemented: every kernel launch), `gemm_plan` (views to cuBLAS arguments, pure) and
-//! `gemm` (the cuBLAS calls), `launch` (grid shapes, the layout argument), `bench` (GEMM
-//! against cuBLAS).
+//! memory pool, deferred frees), `streams` (the contract's streams and events, the spin
+//! kernel), `nvrtc` (the `.cu` sources in `kernels/` and their compilation), `element` (typed
+//! device buffers), `storage` (allocation, copies in and out, the keep-alive rule), `ops` (the
+//! rest of the device contract: memory, elementwise, reductions, attention in `mod.rs`, the
+//! layers in `nn.rs`, in-place updates in `inplace.rs`), `gemm_plan` (views to cuBLAS
+//! arguments, pure) and `gemm` (the contract's matrix products, the cuBLAS calls), `launch`
+//! (grid shapes, the layout argument), `bench` (GEMM against cuBLAS).
 
 mod compare;
 mod handle;

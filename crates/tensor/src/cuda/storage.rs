@@ -8,7 +8,7 @@ use half::{bf16, f16};
 
 use super::device::{fault, CudaDevice};
 use super::element::{CudaBuffer, CudaElement};
-use crate::cpu::storage::CpuStorage;
+use crate::Buffer;
 use crate::{DType, Device, Layout, Result, TensorError};
 
 /// Launches kernel `$name` of `$file` on `$dev`'s current stream with the given arguments,
@@ -185,7 +185,7 @@ impl CudaStorage {
 
     /// The address of the memory for code outside the contract that uses it on the current
     /// stream (noted for the keep-alive rule).
-    pub(crate) fn lend_raw(&self) -> Result<u64> {
+    pub(crate) fn lend_raw_on_current_stream(&self) -> Result<u64> {
         let op = "device_memory";
         let buf = self.buf.as_ref().ok_or(TensorError::StorageLent { op })?;
         self.note_use(buf.stream());
@@ -226,7 +226,7 @@ impl CudaStorage {
     }
 
     /// Copy in: host data onto `dev` (on its current stream); integer data remembers its range.
-    pub(crate) fn from_cpu(dev: &Arc<CudaDevice>, data: &CpuStorage) -> Result<Self> {
+    pub(crate) fn from_cpu(dev: &Arc<CudaDevice>, data: &Buffer) -> Result<Self> {
         fn up<T: CudaElement>(dev: &Arc<CudaDevice>, v: &[T]) -> Result<CudaStorage> {
             if v.is_empty() {
                 return Ok(CudaStorage::empty(dev, T::DTYPE));
@@ -239,15 +239,15 @@ impl CudaStorage {
             Ok(CudaStorage::from_slice(dev, s))
         }
         let s = match data {
-            CpuStorage::F32(v) => up(dev, v),
-            CpuStorage::F64(v) => up(dev, v),
-            CpuStorage::F16(v) => up(dev, v),
-            CpuStorage::BF16(v) => up(dev, v),
-            CpuStorage::I64(v) => up(dev, v),
-            CpuStorage::U8(v) => up(dev, v),
-            CpuStorage::I8(v) => up(dev, v),
+            Buffer::F32(v) => up(dev, v),
+            Buffer::F64(v) => up(dev, v),
+            Buffer::F16(v) => up(dev, v),
+            Buffer::BF16(v) => up(dev, v),
+            Buffer::I64(v) => up(dev, v),
+            Buffer::U8(v) => up(dev, v),
+            Buffer::I8(v) => up(dev, v),
         }?;
-        Ok(s.with_int_range(data.int_range()))
+        Ok(s.with_int_range(crate::cpu::int_range(data)))
     }
 
     /// Copy in from a host slice of any element type (the GEMM benchmark).
@@ -272,19 +272,6 @@ impl CudaStorage {
             .stream()
             .clone_dtoh(d)
             .map_err(|e| fault(self.device(), "copying device data to the host", e))
-    }
-
-    /// Copy out: the whole storage into host memory (the host waits for the current stream).
-    pub(crate) fn download(&self) -> Result<CpuStorage> {
-        Ok(match self.dtype {
-            DType::F32 => CpuStorage::F32(self.to_host()?),
-            DType::F64 => CpuStorage::F64(self.to_host()?),
-            DType::F16 => CpuStorage::F16(self.to_host()?),
-            DType::BF16 => CpuStorage::BF16(self.to_host()?),
-            DType::I64 => CpuStorage::I64(self.to_host()?),
-            DType::U8 => CpuStorage::U8(self.to_host()?),
-            DType::I8 => CpuStorage::I8(self.to_host()?),
-        })
     }
 
     /// Checks that `layout` stays inside this storage (a kernel must never read past it).

@@ -10,6 +10,8 @@ use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
 use super::device::{fault, CudaDevice, CudaStreamRef};
 use super::nvrtc::LINK;
 use super::storage::launch;
+use crate::backend::{event_of, BackendEvent, BackendStream};
+use crate::scope::ScopedStream;
 use crate::Result;
 
 impl CudaStreamRef {
@@ -29,28 +31,33 @@ impl CudaStreamRef {
             .map_err(|e| fault(dev.location(), "creating a stream", e))?;
         Ok(CudaStreamRef { dev, stream })
     }
+}
 
-    /// Records an event (timing enabled) after the work queued so far.
-    pub(crate) fn record(&self) -> Result<CudaEventRef> {
+impl BackendStream for CudaStreamRef {
+    fn scoped(&self) -> ScopedStream {
+        Arc::new(self.clone())
+    }
+
+    fn record(&self) -> Result<Arc<dyn BackendEvent>> {
         let event = self
             .stream
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| fault(self.dev.location(), "recording an event", e))?;
-        Ok(CudaEventRef {
+        Ok(Arc::new(CudaEventRef {
             dev: self.dev.clone(),
             event,
-        })
+        }))
     }
 
-    /// Work queued from now on waits for `e`.
-    pub(crate) fn wait(&self, e: &CudaEventRef) -> Result<()> {
+    fn wait(&self, event: &dyn BackendEvent) -> Result<()> {
+        let e = event_of::<CudaEventRef>("wait_event", event)?;
         self.stream
             .wait(&e.event)
             .map_err(|err| fault(self.dev.location(), "making a stream wait on an event", err))
     }
 
-    /// The host waits for the stream.
-    pub(crate) fn synchronize(&self) -> Result<()> {
+    /// Reaps the frees that waited for the stream.
+    fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
             .map_err(|e| fault(self.dev.location(), "synchronizing a stream", e))?;
@@ -58,8 +65,8 @@ impl CudaStreamRef {
         Ok(())
     }
 
-    /// Queues a one-thread kernel that spins on the GPU's nanosecond clock for `duration`.
-    pub(crate) fn spin(&self, duration: Duration) -> Result<()> {
+    /// A one-thread kernel that spins on the GPU's nanosecond clock.
+    fn spin(&self, duration: Duration) -> Result<()> {
         let ns = duration.as_nanos().min(u64::MAX as u128) as u64;
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -70,8 +77,7 @@ impl CudaStreamRef {
         launch!(this, LINK, "spin_ns", cfg, &ns)
     }
 
-    /// The `CUstream`.
-    pub(crate) fn raw(&self) -> u64 {
+    fn raw(&self) -> u64 {
         self.stream.cu_stream() as u64
     }
 }
@@ -100,31 +106,32 @@ pub(crate) struct CudaEventRef {
     event: CudaEvent,
 }
 
-impl CudaEventRef {
-    /// Whether its work finished (a query, never a wait).
-    pub(crate) fn is_complete(&self) -> Result<bool> {
+impl BackendEvent for CudaEventRef {
+    fn is_complete(&self) -> Result<bool> {
         self.event
             .try_is_complete()
             .map_err(|e| fault(self.dev.location(), "querying an event", e))
     }
 
-    /// The host waits for it.
-    pub(crate) fn synchronize(&self) -> Result<()> {
+    fn synchronize(&self) -> Result<()> {
         self.event
             .synchronize()
             .map_err(|e| fault(self.dev.location(), "waiting for an event", e))
     }
 
-    /// Milliseconds from this event to `end`.
-    pub(crate) fn elapsed_ms(&self, end: &CudaEventRef) -> Result<f64> {
+    fn elapsed_ms(&self, end: &dyn BackendEvent) -> Result<f64> {
+        let end = event_of::<CudaEventRef>("elapsed_ms", end)?;
         self.event
             .elapsed_ms(&end.event)
             .map(f64::from)
             .map_err(|e| fault(self.dev.location(), "timing two events", e))
     }
 
-    /// The `CUevent`.
-    pub(crate) fn raw(&self) -> u64 {
+    fn raw(&self) -> u64 {
         self.event.cu_event() as u64
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -18,14 +18,19 @@
 mod state;
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 pub(crate) use state::{device, FakeDevice, FakeEvent, FakeStream};
 pub use state::{FakeCounts, FakeOp, FakeWhat};
 
 use state::Stamp;
 
-use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::storage::CpuStorage;
+use crate::backend::{
+    event_of, AdamWScalars, Attention, BackendEvent, BackendStorage, BackendStream, BinaryOp, Elementwise, InPlace,
+    Matmul, Nn, Reduce, ReduceOp, SgdScalars, UnaryOp,
+};
+use crate::scope::ScopedStream;
+use crate::Buffer;
 use crate::{DType, Device, Layout, Result, TensorError};
 
 /// What fake device `ordinal` counted so far.
@@ -75,7 +80,7 @@ impl Access {
 
 /// Memory on a fake device: host memory the host may only reach through the contract.
 pub(crate) struct FakeStorage {
-    data: CpuStorage,
+    data: Buffer,
     dev: Arc<FakeDevice>,
     /// The smallest and largest value of integer data uploaded from the host (None once
     /// written on the device).
@@ -108,7 +113,7 @@ impl FakeStorage {
     }
 
     /// A fresh storage written at `stamp`.
-    fn fresh(dev: &Arc<FakeDevice>, data: CpuStorage, stamp: Stamp, int_range: Option<(i64, i64)>) -> Self {
+    fn fresh(dev: &Arc<FakeDevice>, data: Buffer, stamp: Stamp, int_range: Option<(i64, i64)>) -> Self {
         FakeStorage {
             data,
             dev: dev.clone(),
@@ -121,39 +126,8 @@ impl FakeStorage {
         }
     }
 
-    /// `n` zeros of `dtype` on fake device `ordinal` (a memset on the current stream).
-    pub(crate) fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<Self> {
-        let dev = device(ordinal);
-        let stamp = begin(&dev, Kind::Kernel("zeros"), &[], &[])?;
-        Ok(Self::fresh(&dev, CpuStorage::zeros(dtype, n), stamp, None))
-    }
-
-    /// Copy in: `data` onto fake device `ordinal` (counted).
-    pub(crate) fn upload(ordinal: usize, data: CpuStorage) -> Self {
-        let dev = device(ordinal);
-        let stream = current_stream(&dev);
-        let bytes = data.bytes() as u64;
-        let stamp = {
-            let mut d = dev.lock();
-            let stamp = d.issue(stream);
-            d.counts.to_device += 1;
-            d.counts.to_device_bytes += bytes;
-            d.log(stream, FakeWhat::ToDevice(bytes));
-            stamp
-        };
-        let range = data.int_range();
-        Self::fresh(&dev, data, stamp, range)
-    }
-
-    /// The address of the memory, for code outside the contract that reads and writes it on
-    /// the current stream (a collective): recorded as a read and a write there.
-    pub(crate) fn lend_raw(&self) -> Result<u64> {
-        begin(&self.dev, Kind::Lend, &[], &[self])?;
-        Ok(self.data.address())
-    }
-
     /// A result of this device, written by the op stamped `stamp`.
-    fn out(&self, data: CpuStorage, stamp: Stamp) -> Self {
+    fn out(&self, data: Buffer, stamp: Stamp) -> Self {
         Self::fresh(&self.dev, data, stamp, None)
     }
 
@@ -218,7 +192,7 @@ fn begin(dev: &Arc<FakeDevice>, kind: Kind, reads: &[&FakeStorage], writes: &[&F
             d.log(stream, FakeWhat::Kernel(n));
         }
         Kind::ToHost => {
-            let bytes: u64 = reads.iter().map(|s| s.data.bytes() as u64).sum();
+            let bytes: u64 = reads.iter().map(|s| s.data.byte_len() as u64).sum();
             d.counts.to_host += 1;
             d.counts.to_host_bytes += bytes;
             d.log(stream, FakeWhat::ToHost(bytes));
@@ -252,8 +226,83 @@ impl Drop for FakeStorage {
     }
 }
 
+/// Streams and events are tracked exactly: each op is stamped with its stream's clock, and an
+/// event carries the clock of its stream when it was recorded.
+impl BackendStream for FakeStream {
+    fn scoped(&self) -> ScopedStream {
+        Arc::new(self.clone())
+    }
+
+    fn record(&self) -> Result<Arc<dyn BackendEvent>> {
+        let (id, clock) = self.dev.lock().record(self.id);
+        Ok(Arc::new(FakeEvent {
+            dev: self.dev.clone(),
+            id,
+            stream: self.id,
+            clock,
+            at: Instant::now(),
+        }))
+    }
+
+    fn wait(&self, event: &dyn BackendEvent) -> Result<()> {
+        let e = event_of::<FakeEvent>("wait_event", event)?;
+        self.dev.lock().wait(self.id, e.id, e.stream, &e.clock);
+        Ok(())
+    }
+
+    /// Counted: inside a training step this is a stall.
+    fn synchronize(&self) -> Result<()> {
+        let mut d = self.dev.lock();
+        d.host_waited_for_stream(self.id);
+        d.counts.host_waits += 1;
+        d.log(self.id, FakeWhat::HostWait);
+        Ok(())
+    }
+
+    /// Logged.
+    fn spin(&self, duration: Duration) -> Result<()> {
+        let mut d = self.dev.lock();
+        d.issue(self.id);
+        d.counts.kernels += 1;
+        d.log(self.id, FakeWhat::Spin(duration));
+        Ok(())
+    }
+
+    fn raw(&self) -> u64 {
+        self.id
+    }
+}
+
+impl BackendEvent for FakeEvent {
+    /// The fake device runs each op when it is issued.
+    fn is_complete(&self) -> Result<bool> {
+        Ok(true)
+    }
+
+    /// Counted.
+    fn synchronize(&self) -> Result<()> {
+        self.dev.lock().host_wait(self.stream, &self.clock);
+        Ok(())
+    }
+
+    fn elapsed_ms(&self, end: &dyn BackendEvent) -> Result<f64> {
+        Ok(crate::cpu::signed_ms(
+            self.at,
+            event_of::<FakeEvent>("elapsed_ms", end)?.at,
+        ))
+    }
+
+    fn raw(&self) -> u64 {
+        self.id
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// Borrows the CPU storage inside each `(storage, layout)` pair.
-fn cpu<'a>(x: (&'a FakeStorage, &'a Layout)) -> (&'a CpuStorage, &'a Layout) {
+fn cpu<'a>(x: (&'a FakeStorage, &'a Layout)) -> (&'a Buffer, &'a Layout) {
     (&x.0.data, x.1)
 }
 
@@ -272,14 +321,62 @@ impl BackendStorage for FakeStorage {
 
     fn empty_like(&self) -> Self {
         let a = self.access().alloc;
-        Self::fresh(&self.dev, CpuStorage::zeros(self.dtype(), 0), (a, 0), None)
+        Self::fresh(&self.dev, Buffer::zeros(self.dtype(), 0), (a, 0), None)
     }
 
     fn int_range(&self) -> Option<(i64, i64)> {
         self.int_range
     }
 
-    fn to_cpu(&self) -> Result<CpuStorage> {
+    /// A memset on the current stream.
+    fn zeros_on(ordinal: usize, dtype: DType, n: usize) -> Result<Self> {
+        let dev = device(ordinal);
+        let stamp = begin(&dev, Kind::Kernel("zeros"), &[], &[])?;
+        Ok(Self::fresh(&dev, Buffer::zeros(dtype, n), stamp, None))
+    }
+
+    /// Counted.
+    fn upload(ordinal: usize, data: Buffer) -> Result<Self> {
+        let dev = device(ordinal);
+        let stream = current_stream(&dev);
+        let bytes = data.byte_len() as u64;
+        let stamp = {
+            let mut d = dev.lock();
+            let stamp = d.issue(stream);
+            d.counts.to_device += 1;
+            d.counts.to_device_bytes += bytes;
+            d.log(stream, FakeWhat::ToDevice(bytes));
+            stamp
+        };
+        let range = crate::cpu::int_range(&data);
+        Ok(Self::fresh(&dev, data, stamp, range))
+    }
+
+    /// Recorded as a read and a write on the current stream.
+    fn lend_raw(&self) -> Result<u64> {
+        begin(&self.dev, Kind::Lend, &[], &[self])?;
+        Ok(self.data.as_ptr() as u64)
+    }
+
+    fn compute_stream(ordinal: usize) -> Result<Arc<dyn BackendStream>> {
+        Ok(Arc::new(FakeStream {
+            dev: device(ordinal),
+            id: 0,
+        }))
+    }
+
+    fn new_stream(ordinal: usize) -> Result<Arc<dyn BackendStream>> {
+        let dev = device(ordinal);
+        let id = dev.lock().new_stream();
+        Ok(Arc::new(FakeStream { dev, id }))
+    }
+
+    fn scoped_stream(entered: &ScopedStream) -> Option<Arc<dyn BackendStream>> {
+        let s = entered.downcast_ref::<FakeStream>()?;
+        Some(Arc::new(s.clone()))
+    }
+
+    fn to_cpu(&self) -> Result<Buffer> {
         begin(&self.dev, Kind::ToHost, &[self], &[])?;
         Ok(self.data.clone())
     }
@@ -296,10 +393,12 @@ impl BackendStorage for FakeStorage {
             &self.dev,
             d,
             st,
-            crate::cpu::storage::range_in(self.int_range, dtype),
+            crate::cpu::range_in(self.int_range, dtype),
         ))
     }
+}
 
+impl Elementwise for FakeStorage {
     fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<Self> {
         let (d, st) = self.kernel("unary", &[], || self.data.unary(layout, op))?;
         Ok(self.out(d, st))
@@ -309,12 +408,16 @@ impl BackendStorage for FakeStorage {
         let (d, st) = self.kernel("binary", &[rhs], || self.data.binary(lhs, &rhs.data, rhs_layout, op))?;
         Ok(self.out(d, st))
     }
+}
 
+impl Reduce for FakeStorage {
     fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self> {
-        let (d, st) = self.kernel("reduce", &[], || BackendStorage::reduce(&self.data, layout, dims, op))?;
+        let (d, st) = self.kernel("reduce", &[], || self.data.reduce(layout, dims, op))?;
         Ok(self.out(d, st))
     }
+}
 
+impl Matmul for FakeStorage {
     fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self> {
         let (d, st) = self.kernel("matmul", &[rhs], || self.data.matmul(lhs, &rhs.data, rhs_layout))?;
         Ok(self.out(d, st))
@@ -326,7 +429,9 @@ impl BackendStorage for FakeStorage {
         })?;
         Ok(self.out(d, st))
     }
+}
 
+impl Nn for FakeStorage {
     fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
         let (d, st) = self.kernel("softmax_last", &[], || self.data.softmax_last(layout, log))?;
         Ok(self.out(d, st))
@@ -397,7 +502,9 @@ impl BackendStorage for FakeStorage {
         })?;
         Ok(self.out(d, st))
     }
+}
 
+impl Attention for FakeStorage {
     fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)> {
         let ((y, p), st) = self.kernel("causal_attention", &[], || {
             self.data.causal_attention(layout, n_heads, scale)
@@ -419,7 +526,9 @@ impl BackendStorage for FakeStorage {
         })?;
         Ok(self.out(d, st))
     }
+}
 
+impl InPlace for FakeStorage {
     fn fill(&mut self, layout: &Layout, v: f64) -> Result<()> {
         begin(&self.dev, Kind::Kernel("fill"), &[], &[&*self])?;
         self.int_range = None;

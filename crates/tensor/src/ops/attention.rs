@@ -3,6 +3,7 @@
 //! its own backward: no per-head copies, the mask applied inside.
 
 use super::{compute_dtype, same_device, same_dtype};
+use crate::storage::dispatch;
 use crate::{Result, Tensor, TensorError};
 
 /// What the attention forward saves for its backward.
@@ -41,7 +42,7 @@ impl Tensor {
         let op = "causal_attention";
         let (b, t, d) = check_qkv(op, self, n_heads)?;
         let x = self.contiguous_for(op)?;
-        let (y, probs) = x.storage(op)?.causal_attention(x.layout(), n_heads, scale)?;
+        let (y, probs) = dispatch!(&*x.storage(op)?, s => s.causal_attention(x.layout(), n_heads, scale))?;
         Ok((
             Tensor::from_storage(y, &[b, t, d]),
             AttentionSaved {
@@ -75,13 +76,13 @@ impl Tensor {
         let x = self.contiguous_for(op)?;
         let (p, g) = (saved.probs.contiguous_for(op)?, gy.contiguous_for(op)?);
         let (sp, sg) = (p.storage(op)?, g.storage(op)?);
-        let dx = x.storage(op)?.causal_attention_backward(
+        let dx = dispatch!(&*x.storage(op)?, s, other => s.causal_attention_backward(
             x.layout(),
-            (&sp, p.layout()),
-            (&sg, g.layout()),
+            (other(&sp)?, p.layout()),
+            (other(&sg)?, g.layout()),
             n_heads,
             scale,
-        )?;
+        ))?;
         Ok(Tensor::from_storage(dx, self.shape()))
     }
 }
@@ -115,7 +116,7 @@ mod tests {
         y
     }
 
-    fn cpu(t: &Tensor) -> crate::cpu::storage::CpuStorage {
+    fn cpu(t: &Tensor) -> crate::Buffer {
         match &*t.storage("test").unwrap() {
             DeviceStorage::Cpu(s) => s.clone(),
             _ => unreachable!("a CPU tensor"),
@@ -143,7 +144,7 @@ mod tests {
     /// The CPU kernel and the composed path (CUDA's) give the same bits, forward and backward.
     #[test]
     fn fused_kernel_and_composed_path_agree_bit_for_bit() {
-        use crate::backend::BackendStorage;
+        use crate::backend::Attention;
         for dtype in [DType::F32, DType::F64] {
             let (b, t, nh, hd) = (2, 7, 2, 5);
             let mut rng = Rng::new(2);

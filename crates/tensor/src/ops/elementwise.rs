@@ -3,13 +3,14 @@
 use super::{compute_dtype, same_device, same_dtype};
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::layout::broadcast_shape;
+use crate::storage::dispatch;
 use crate::{Result, Tensor};
 
 /// Applies `op` to each element (a strided view is gathered first).
 fn unary(name: &'static str, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     compute_dtype(name, x)?;
     let x = x.contiguous_for(name)?;
-    let out = x.storage(name)?.unary(x.layout(), op)?;
+    let out = dispatch!(&*x.storage(name)?, s => s.unary(x.layout(), op))?;
     Ok(Tensor::from_storage(out, x.shape()))
 }
 
@@ -20,7 +21,7 @@ fn binary(name: &'static str, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Te
     same_device(name, a, b)?;
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
     let (la, lb) = (a.layout().broadcast_to(&shape)?, b.layout().broadcast_to(&shape)?);
-    let out = a.storage(name)?.binary(&la, &*b.storage(name)?, &lb, op)?;
+    let out = dispatch!(&*a.storage(name)?, s, other => s.binary(&la, other(&*b.storage(name)?)?, &lb, op))?;
     Ok(Tensor::from_storage(out, &shape))
 }
 
@@ -207,20 +208,29 @@ mod tests {
     test_device!(unary_maps_and_activation_derivatives);
 
     fn trigonometry_magnitude_rounding_and_clamping(d: Device) {
-        let x = on(Tensor::from_vec(vec![-2.5f64, -0.5, 0.0, 0.5, 1.5, 2.5], &[6]).unwrap(), d);
+        let x = on(
+            Tensor::from_vec(vec![-2.5f64, -0.5, 0.0, 0.5, 1.5, 2.5], &[6]).unwrap(),
+            d,
+        );
         let got = |t: Tensor| t.to_vec::<f64>().unwrap();
         // half to even: -2.5 -> -2, -0.5 -> -0, 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
         assert_eq!(got(x.round().unwrap()), vec![-2.0, -0.0, 0.0, 0.0, 2.0, 2.0]);
         assert_eq!(got(x.abs().unwrap()), vec![2.5, 0.5, 0.0, 0.5, 1.5, 2.5]);
         assert_eq!(got(x.sign().unwrap()), vec![-1.0, -1.0, 0.0, 1.0, 1.0, 1.0]);
         assert_eq!(got(x.clamp(-1.0, 1.0).unwrap()), vec![-1.0, -0.5, 0.0, 0.5, 1.0, 1.0]);
-        assert_eq!(got(x.clamp(f64::NEG_INFINITY, 0.0).unwrap()), vec![-2.5, -0.5, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            got(x.clamp(f64::NEG_INFINITY, 0.0).unwrap()),
+            vec![-2.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+        );
         // the bounds themselves are inside
         assert_eq!(got(x.in_range(-0.5, 1.5).unwrap()), vec![0.0, 1.0, 1.0, 1.0, 1.0, 0.0]);
         assert_eq!(got(x.is_zero().unwrap()), vec![0.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
         assert!(x.clamp(1.0, -1.0).is_err());
         // sin(pi/6) = 1/2, cos(pi/3) = 1/2
-        let a = on(Tensor::from_vec(vec![std::f64::consts::FRAC_PI_6, std::f64::consts::FRAC_PI_3], &[2]).unwrap(), d);
+        let a = on(
+            Tensor::from_vec(vec![std::f64::consts::FRAC_PI_6, std::f64::consts::FRAC_PI_3], &[2]).unwrap(),
+            d,
+        );
         assert!((got(a.sin().unwrap())[0] - 0.5).abs() < 1e-15);
         assert!((got(a.cos().unwrap())[1] - 0.5).abs() < 1e-15);
         // a NaN stays NaN through clamp and sign; it is out of every range

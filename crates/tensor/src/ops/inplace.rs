@@ -1,6 +1,7 @@
 //! In-place updates through a view: gradient accumulation, zeroing, copies.
 
 use super::{compute_dtype, same_device};
+use crate::storage::dispatch;
 use crate::{Result, Tensor, TensorError};
 
 impl Tensor {
@@ -36,8 +37,7 @@ impl Tensor {
             other.contiguous_for(op)?
         };
         let s = src.storage(op)?;
-        self.storage_mut(op)?
-            .add_scaled_assign(self.layout(), (&s, src.layout()), scale)
+        dispatch!(&mut *self.storage_mut(op)?, d, other => d.add_scaled_assign(self.layout(), (other(&s)?, src.layout()), scale))
     }
 
     /// Overwrites this view's elements with `other`'s, bit for bit (same shape and dtype,
@@ -65,12 +65,12 @@ impl Tensor {
             other.contiguous_for(op)?
         };
         let s = src.storage(op)?;
-        self.storage_mut(op)?.copy_from(self.layout(), (&s, src.layout()))
+        dispatch!(&mut *self.storage_mut(op)?, d, other => d.copy_from(self.layout(), (other(&s)?, src.layout())))
     }
 
     /// Sets every element of this view to `v`.
     pub fn fill(&self, v: f64) -> Result<()> {
-        self.storage_mut("fill")?.fill(self.layout(), v)
+        dispatch!(&mut *self.storage_mut("fill")?, d => d.fill(self.layout(), v))
     }
 }
 

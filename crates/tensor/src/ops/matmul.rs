@@ -3,6 +3,7 @@
 
 use super::{compute_dtype, same_device, same_dtype};
 use crate::layout::broadcast_shape;
+use crate::storage::dispatch;
 use crate::storage::DeviceStorage;
 use crate::{Result, Tensor, TensorError};
 
@@ -52,7 +53,7 @@ fn matmul_impl(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             &out_shape,
         ));
     }
-    let out = a.storage(op)?.matmul(&la, &*b.storage(op)?, &lb)?;
+    let out = dispatch!(&*a.storage(op)?, s, other => s.matmul(&la, other(&*b.storage(op)?)?, &lb))?;
     Ok(Tensor::from_storage(out, &out_shape))
 }
 
@@ -96,12 +97,12 @@ impl Tensor {
             ));
         }
         let bias = bias.contiguous()?;
-        let out = self.storage(op)?.matmul_bias(
+        let out = dispatch!(&*self.storage(op)?, s, other => s.matmul_bias(
             self.layout(),
-            &*rhs.storage(op)?,
+            other(&*rhs.storage(op)?)?,
             rhs.layout(),
-            (&*bias.storage(op)?, bias.layout()),
-        )?;
+            (other(&*bias.storage(op)?)?, bias.layout()),
+        ))?;
         Ok(Tensor::from_storage(out, &[m, n]))
     }
 }

@@ -2,6 +2,7 @@
 //! gather/scatter, causal mask, cross-entropy; each with its backward.
 
 use super::{compute_dtype, same_device, same_dtype};
+use crate::storage::dispatch;
 use crate::{DType, Result, Tensor, TensorError};
 
 /// Checks that an index tensor (I64 or U8) holds only values below `bound`, so that a bad id
@@ -18,7 +19,7 @@ pub(crate) fn check_indices(op: &'static str, ids: &Tensor, bound: usize) -> Res
     // upload, so checking them here reads nothing back (no stall inside a training step).
     // Only ids of unknown range (made on the device, or out of range: for the message) are
     // read.
-    if let Some((lo, hi)) = ids.storage(op)?.int_range() {
+    if let Some((lo, hi)) = dispatch!(plain &*ids.storage(op)?, s => s.int_range()) {
         if lo >= 0 && (hi as u64) < bound as u64 {
             return Ok(());
         }
@@ -57,7 +58,7 @@ fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
     compute_dtype(op, x)?;
     last_dim(op, x)?;
     let x = x.contiguous_for(op)?;
-    let out = x.storage(op)?.softmax_last(x.layout(), log)?;
+    let out = dispatch!(&*x.storage(op)?, s => s.softmax_last(x.layout(), log))?;
     Ok(Tensor::from_storage(out, x.shape()))
 }
 
@@ -77,9 +78,7 @@ fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
     }
     last_dim(op, y)?;
     let (y, g) = (y.contiguous_for(op)?, rows_operand(op, y, g)?);
-    let out = y
-        .storage(op)?
-        .softmax_backward(y.layout(), &*g.storage(op)?, g.layout(), log)?;
+    let out = dispatch!(&*y.storage(op)?, s, other => s.softmax_backward(y.layout(), other(&*g.storage(op)?)?, g.layout(), log))?;
     Ok(Tensor::from_storage(out, y.shape()))
 }
 
@@ -109,9 +108,7 @@ fn layer_norm_impl(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tens
     let (w, b) = (rows_operand(op, x, w)?, rows_operand(op, x, b)?);
     let x = x.contiguous_for(op)?;
     let (sw, sb) = (w.storage(op)?, b.storage(op)?);
-    let (y, mean, rstd) = x
-        .storage(op)?
-        .layer_norm(x.layout(), (&sw, w.layout()), (&sb, b.layout()), eps)?;
+    let (y, mean, rstd) = dispatch!(&*x.storage(op)?, s, other => s.layer_norm(x.layout(), (other(&sw)?, w.layout()), (other(&sb)?, b.layout()), eps))?;
     Ok((
         Tensor::from_storage(y, x.shape()),
         LayerNormSaved {
@@ -143,13 +140,13 @@ fn layer_norm_backward_impl(
     let gy = rows_operand(op, x, gy)?;
     let x = x.contiguous_for(op)?;
     let (sw, sm, sr, sg) = (w.storage(op)?, mean.storage(op)?, rstd.storage(op)?, gy.storage(op)?);
-    let (dx, dw, db) = x.storage(op)?.layer_norm_backward(
+    let (dx, dw, db) = dispatch!(&*x.storage(op)?, s, other => s.layer_norm_backward(
         x.layout(),
-        (&sw, w.layout()),
-        (&sm, mean.layout()),
-        (&sr, rstd.layout()),
-        (&sg, gy.layout()),
-    )?;
+        (other(&sw)?, w.layout()),
+        (other(&sm)?, mean.layout()),
+        (other(&sr)?, rstd.layout()),
+        (other(&sg)?, gy.layout()),
+    ))?;
     Ok((
         Tensor::from_storage(dx, x.shape()),
         Tensor::from_storage(dw, &[d]),
@@ -170,9 +167,8 @@ fn embedding_impl(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     check_indices(op, ids, v)?;
     same_device(op, weight, ids)?;
     let w = weight.contiguous_for(op)?;
-    let out = w
-        .storage(op)?
-        .embedding(w.layout(), (&*ids.storage(op)?, ids.layout()))?;
+    let out =
+        dispatch!(&*w.storage(op)?, s, other => s.embedding(w.layout(), (other(&*ids.storage(op)?)?, ids.layout())))?;
     let mut shape = ids.shape().to_vec();
     shape.push(d);
     Ok(Tensor::from_storage(out, &shape))
@@ -192,9 +188,7 @@ fn embedding_backward_impl(ids: &Tensor, g: &Tensor, vocab: usize) -> Result<Ten
     }
     same_device(op, g, ids)?;
     let g = g.contiguous_for(op)?;
-    let out = g
-        .storage(op)?
-        .embedding_backward(g.layout(), (&*ids.storage(op)?, ids.layout()), vocab)?;
+    let out = dispatch!(&*g.storage(op)?, s, other => s.embedding_backward(g.layout(), (other(&*ids.storage(op)?)?, ids.layout()), vocab))?;
     Ok(Tensor::from_storage(out, &[vocab, d]))
 }
 
@@ -215,7 +209,7 @@ fn causal_fill_impl(x: &Tensor, value: f64) -> Result<Tensor> {
         });
     }
     let x = x.contiguous_for(op)?;
-    let out = x.storage(op)?.causal_fill(x.layout(), value)?;
+    let out = dispatch!(&*x.storage(op)?, s => s.causal_fill(x.layout(), value))?;
     Ok(Tensor::from_storage(out, x.shape()))
 }
 
@@ -232,9 +226,7 @@ fn cross_entropy_impl(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tens
     check_indices(op, targets, logits.shape()[1])?;
     same_device(op, logits, targets)?;
     let x = logits.contiguous_for(op)?;
-    let (loss, probs) = x
-        .storage(op)?
-        .cross_entropy(x.layout(), (&*targets.storage(op)?, targets.layout()))?;
+    let (loss, probs) = dispatch!(&*x.storage(op)?, s, other => s.cross_entropy(x.layout(), (other(&*targets.storage(op)?)?, targets.layout())))?;
     Ok((Tensor::from_storage(loss, &[]), Tensor::from_storage(probs, x.shape())))
 }
 
@@ -260,11 +252,11 @@ fn cross_entropy_backward_impl(probs: &Tensor, targets: &Tensor, g: &Tensor) -> 
     same_device(op, probs, targets)?;
     let p = probs.contiguous_for(op)?;
     let g = g.contiguous_for(op)?;
-    let out = p.storage(op)?.cross_entropy_backward(
+    let out = dispatch!(&*p.storage(op)?, s, other => s.cross_entropy_backward(
         p.layout(),
-        (&*targets.storage(op)?, targets.layout()),
-        (&*g.storage(op)?, g.layout()),
-    )?;
+        (other(&*targets.storage(op)?)?, targets.layout()),
+        (other(&*g.storage(op)?)?, g.layout()),
+    ))?;
     Ok(Tensor::from_storage(out, p.shape()))
 }
 

@@ -3,6 +3,7 @@
 //! never touch host memory.
 
 use crate::backend::{AdamWScalars, SgdScalars};
+use crate::storage::dispatch;
 use crate::{DType, Result, Tensor, TensorError};
 
 /// Hyper-parameters of one SGD update (`torch.optim.SGD` with dampening 0, no Nesterov).
@@ -126,12 +127,13 @@ impl Tensor {
         distinct(op, &operands)?;
         let g = grad.storage(op)?;
         let mut b = momentum_buffer.map(|b| b.storage_mut(op)).transpose()?;
-        let buf = match (&mut b, momentum_buffer) {
-            (Some(guard), Some(t)) => Some((&mut **guard, t.layout())),
-            _ => None,
-        };
-        self.storage_mut(op)?
-            .sgd_step(self.layout(), (&g, grad.layout()), buf, &s)
+        dispatch!(&mut *self.storage_mut(op)?, p, other, other_mut => {
+            let buf = match (&mut b, momentum_buffer) {
+                (Some(guard), Some(t)) => Some((other_mut(guard)?, t.layout())),
+                _ => None,
+            };
+            p.sgd_step(self.layout(), (other(&g)?, grad.layout()), buf, &s)
+        })
     }
 
     /// One fused AdamW update of this parameter (f32, contiguous) from `grad`, in place
@@ -147,13 +149,13 @@ impl Tensor {
         distinct(op, &[self, grad, exp_avg, exp_avg_sq])?;
         let g = grad.storage(op)?;
         let (mut m, mut v) = (exp_avg.storage_mut(op)?, exp_avg_sq.storage_mut(op)?);
-        self.storage_mut(op)?.adamw_step(
+        dispatch!(&mut *self.storage_mut(op)?, p, other, other_mut => p.adamw_step(
             self.layout(),
-            (&g, grad.layout()),
-            (&mut m, exp_avg.layout()),
-            (&mut v, exp_avg_sq.layout()),
+            (other(&g)?, grad.layout()),
+            (other_mut(&mut m)?, exp_avg.layout()),
+            (other_mut(&mut v)?, exp_avg_sq.layout()),
             &hp.scalars(),
-        )
+        ))
     }
 }
 

@@ -2,6 +2,7 @@
 
 use super::compute_dtype;
 use crate::backend::ReduceOp;
+use crate::storage::dispatch;
 use crate::{Result, Tensor, TensorError};
 
 /// Normalises a list of dims: checked, sorted, deduplicated.
@@ -34,7 +35,7 @@ fn out_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
 fn reduce(name: &'static str, x: &Tensor, dims: &[usize], keepdim: bool, op: ReduceOp) -> Result<Tensor> {
     compute_dtype(name, x)?;
     let dims = check_dims(name, dims, x.rank())?;
-    let out = x.storage(name)?.reduce(x.layout(), &dims, op)?;
+    let out = dispatch!(&*x.storage(name)?, s => s.reduce(x.layout(), &dims, op))?;
     Ok(Tensor::from_storage(out, &out_shape(x.shape(), &dims, keepdim)))
 }
 
@@ -141,15 +142,28 @@ mod tests {
     fn amax_and_amin_over_several_dims(d: Device) {
         // x[i,j,k] = (-1)^k (100 i + 10 j + k) over [2,3,2]
         let v: Vec<f64> = (0..2)
-            .flat_map(|i| (0..3).flat_map(move |j| (0..2).map(move |k| (if k == 0 { 1.0 } else { -1.0 }) * (100 * i + 10 * j + k) as f64)))
+            .flat_map(|i| {
+                (0..3).flat_map(move |j| {
+                    (0..2).map(move |k| (if k == 0 { 1.0 } else { -1.0 }) * (100 * i + 10 * j + k) as f64)
+                })
+            })
             .collect();
         let x = Tensor::from_vec(v, &[2, 3, 2]).unwrap().to_device(d).unwrap();
         // over j and k: the largest is 100 i + 20 (k = 0, j = 2), the smallest -(100 i + 21)
-        assert_eq!(x.amax(&[1, 2], false).unwrap().to_vec::<f64>().unwrap(), vec![20.0, 120.0]);
-        assert_eq!(x.amin(&[1, 2], false).unwrap().to_vec::<f64>().unwrap(), vec![-21.0, -121.0]);
+        assert_eq!(
+            x.amax(&[1, 2], false).unwrap().to_vec::<f64>().unwrap(),
+            vec![20.0, 120.0]
+        );
+        assert_eq!(
+            x.amin(&[1, 2], false).unwrap().to_vec::<f64>().unwrap(),
+            vec![-21.0, -121.0]
+        );
         let m = x.amin(&[0], true).unwrap();
         assert_eq!(m.shape(), &[1, 3, 2]);
-        assert_eq!(m.to_vec::<f64>().unwrap(), vec![0.0, -101.0, 10.0, -111.0, 20.0, -121.0]);
+        assert_eq!(
+            m.to_vec::<f64>().unwrap(),
+            vec![0.0, -101.0, 10.0, -111.0, 20.0, -121.0]
+        );
         assert!(x.amax(&[3], false).is_err());
     }
     test_device!(amax_and_amin_over_several_dims);

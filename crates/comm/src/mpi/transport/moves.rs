@@ -145,7 +145,9 @@ impl MpiTransport {
                 }
                 result?;
             }
-            Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
+            Buffer::F64(_) | Buffer::I64(_) | Buffer::U8(_) | Buffer::I8(_) => {
+                unreachable!("validate rejects reductions on f64 and the integer types")
+            }
         }
         Ok(())
     }
@@ -163,7 +165,9 @@ impl MpiTransport {
             Buffer::F32(v) => self.hierarchical(desc, v, op, tag, deadline),
             Buffer::F16(v) => self.hierarchical(desc, v, op, tag, deadline),
             Buffer::BF16(v) => self.hierarchical(desc, v, op, tag, deadline),
-            Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
+            Buffer::F64(_) | Buffer::I64(_) | Buffer::U8(_) | Buffer::I8(_) => {
+                unreachable!("validate rejects reductions on f64 and the integer types")
+            }
         }
     }
 
@@ -244,7 +248,9 @@ impl MpiTransport {
                 v.truncate(chunk);
                 finish_into(&self.recv, v, op, world);
             }
-            Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
+            Buffer::F64(_) | Buffer::I64(_) | Buffer::U8(_) | Buffer::I8(_) => {
+                unreachable!("validate rejects reductions on f64 and the integer types")
+            }
         }
         Ok(())
     }
@@ -268,6 +274,8 @@ fn stage_f32(send: &mut Vec<f32>, buf: &Buffer) {
         Buffer::F32(v) => send.extend_from_slice(v),
         Buffer::F16(v) => send.extend(v.iter().map(|x| f16::to_f32(*x))),
         Buffer::BF16(v) => send.extend(v.iter().map(|x| bf16::to_f32(*x))),
-        Buffer::U8(_) | Buffer::I8(_) => unreachable!("validate rejects reductions on u8 and i8"),
+        Buffer::F64(_) | Buffer::I64(_) | Buffer::U8(_) | Buffer::I8(_) => {
+            unreachable!("validate rejects reductions on f64 and the integer types")
+        }
     }
 }

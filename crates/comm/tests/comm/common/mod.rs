@@ -40,6 +40,7 @@ pub fn to_f32(buf: &Buffer) -> Vec<f32> {
         Buffer::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
         Buffer::U8(v) => v.iter().map(|&x| x as f32).collect(),
         Buffer::I8(v) => v.iter().map(|&x| x as f32).collect(),
+        other => panic!("collectives move no {}", other.dtype()),
     }
 }
 

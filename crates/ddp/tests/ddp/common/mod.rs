@@ -107,7 +107,7 @@ impl brigade_ddp::ReducerPolicy for Average {
         )))
     }
 
-    fn wire_model(&self) -> Option<brigade_ddp::policy::WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<brigade_ddp::policy::WireModel> {
         Some(brigade_ddp::policy::WireModel::AllReduce { bytes_per_element: 4.0 })
     }
 }

@@ -4,21 +4,23 @@
 //! calls "contiguous" may start at an offset (a gradient is a view into a flat DDP bucket):
 //! the wrappers slice there instead of copying.
 //!
-//! The layers' kernels (`nn.rs`) and the optimizers' fused steps (`optim.rs`) live in rooms of
-//! their own; the contract's methods for them hand over to those.
+//! This file holds the memory half of the contract and the elementwise maps and reductions;
+//! the layers' kernels (`nn.rs`), the in-place updates (`inplace.rs`) and the GEMMs
+//! (`../gemm.rs`) implement their families of the contract in rooms of their own.
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaView;
 use half::{bf16, f16};
 
-use super::device::CudaDevice;
+use super::device::{CudaDevice, CudaStreamRef};
 use super::element::{CudaElement, CudaFloat};
 use super::launch::{for_elements, for_rows, StridedLayout};
 use super::nvrtc::{COPY, ELEMENTWISE, REDUCE};
 use super::storage::{launch, CudaStorage};
-use crate::backend::{AdamWScalars, BackendStorage, BinaryOp, ReduceOp, SgdScalars, UnaryOp};
-use crate::cpu::storage::CpuStorage;
+use crate::backend::{Attention, BackendStorage, BackendStream, BinaryOp, Elementwise, Reduce, ReduceOp, UnaryOp};
+use crate::scope::ScopedStream;
+use crate::Buffer;
 use crate::{DType, Device, Layout, Result, TensorError};
 
 fn float_only(op: &'static str, dtype: DType) -> TensorError {
@@ -83,8 +85,8 @@ macro_rules! any_dispatch {
 }
 
 // After the dispatch macros: the kernel rooms use them.
+mod inplace;
 mod nn;
-mod optim;
 
 /// The kernel name and scalars of a unary op (`elementwise.cu`).
 fn unary_kernel(op: UnaryOp) -> (&'static str, f64, f64) {
@@ -203,8 +205,43 @@ impl BackendStorage for CudaStorage {
         self.known_int_range()
     }
 
-    fn to_cpu(&self) -> Result<CpuStorage> {
-        self.download()
+    fn zeros_on(ordinal: usize, dtype: DType, n: usize) -> Result<Self> {
+        CudaStorage::zeros(&CudaDevice::get(ordinal)?, dtype, n)
+    }
+
+    /// On the device's current stream; integer data remembers its range.
+    fn upload(ordinal: usize, data: Buffer) -> Result<Self> {
+        CudaStorage::from_cpu(&CudaDevice::get(ordinal)?, &data)
+    }
+
+    fn lend_raw(&self) -> Result<u64> {
+        self.lend_raw_on_current_stream()
+    }
+
+    fn compute_stream(ordinal: usize) -> Result<Arc<dyn BackendStream>> {
+        Ok(Arc::new(CudaStreamRef::compute(ordinal)?))
+    }
+
+    fn new_stream(ordinal: usize) -> Result<Arc<dyn BackendStream>> {
+        Ok(Arc::new(CudaStreamRef::new(ordinal)?))
+    }
+
+    fn scoped_stream(entered: &ScopedStream) -> Option<Arc<dyn BackendStream>> {
+        let s = entered.downcast_ref::<CudaStreamRef>()?;
+        Some(Arc::new(s.clone()))
+    }
+
+    /// The host waits for the current stream.
+    fn to_cpu(&self) -> Result<Buffer> {
+        Ok(match self.dtype() {
+            DType::F32 => Buffer::F32(self.to_host()?),
+            DType::F64 => Buffer::F64(self.to_host()?),
+            DType::F16 => Buffer::F16(self.to_host()?),
+            DType::BF16 => Buffer::BF16(self.to_host()?),
+            DType::I64 => Buffer::I64(self.to_host()?),
+            DType::U8 => Buffer::U8(self.to_host()?),
+            DType::I8 => Buffer::I8(self.to_host()?),
+        })
     }
 
     fn copy_strided(&self, layout: &Layout) -> Result<Self> {
@@ -240,7 +277,7 @@ impl BackendStorage for CudaStorage {
         self.check_extent(op, layout)?;
         let l = StridedLayout::of(op, layout)?;
         let n64 = n as u64;
-        let range = crate::cpu::storage::range_in(self.known_int_range(), dtype);
+        let range = crate::cpu::range_in(self.known_int_range(), dtype);
         any_dispatch!(self.dtype(), S => {
             any_dispatch!(dtype, D => {
                 let x = self.data::<S>(op)?;
@@ -251,7 +288,9 @@ impl BackendStorage for CudaStorage {
             })
         })
     }
+}
 
+impl Elementwise for CudaStorage {
     fn unary(&self, layout: &Layout, op: UnaryOp) -> Result<Self> {
         let (name, p0, p1) = unary_kernel(op);
         let n = layout.numel();
@@ -293,7 +332,9 @@ impl BackendStorage for CudaStorage {
             Ok(Self::from_slice(self.dev(), out))
         })
     }
+}
 
+impl Reduce for CudaStorage {
     /// The reduced dims are permuted last and gathered, then one block reduces each row.
     fn reduce(&self, layout: &Layout, dims: &[usize], op: ReduceOp) -> Result<Self> {
         let max = matches!(op, ReduceOp::Max);
@@ -334,63 +375,9 @@ impl BackendStorage for CudaStorage {
             Ok(Self::from_slice(self.dev(), out))
         })
     }
+}
 
-    fn matmul(&self, lhs: &Layout, rhs: &Self, rhs_layout: &Layout) -> Result<Self> {
-        super::gemm::matmul(self, lhs, rhs, rhs_layout)
-    }
-
-    fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
-        self.launch_softmax_last(layout, log)
-    }
-
-    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
-        self.launch_softmax_backward(layout, g, g_layout, log)
-    }
-
-    fn layer_norm(
-        &self,
-        layout: &Layout,
-        weight: (&Self, &Layout),
-        bias: (&Self, &Layout),
-        eps: f64,
-    ) -> Result<(Self, Self, Self)> {
-        self.launch_layer_norm(layout, weight, bias, eps)
-    }
-
-    /// `dx` one block per row; `dweight`, `dbias` by a two-stage column reduction (chunks of
-    /// rows into partial rows, then the partial rows of each column in order): deterministic.
-    fn layer_norm_backward(
-        &self,
-        layout: &Layout,
-        weight: (&Self, &Layout),
-        mean: (&Self, &Layout),
-        rstd: (&Self, &Layout),
-        gy: (&Self, &Layout),
-    ) -> Result<(Self, Self, Self)> {
-        self.launch_layer_norm_backward(layout, weight, mean, rstd, gy)
-    }
-
-    fn embedding(&self, layout: &Layout, ids: (&Self, &Layout)) -> Result<Self> {
-        self.launch_embedding(layout, ids)
-    }
-
-    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
-        self.launch_embedding_backward(layout, ids, vocab)
-    }
-
-    fn causal_fill(&self, layout: &Layout, value: f64) -> Result<Self> {
-        self.launch_causal_fill(layout, value)
-    }
-
-    /// The loss is accumulated in f64 over the rows, as on the CPU.
-    fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {
-        self.launch_cross_entropy(layout, targets)
-    }
-
-    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self> {
-        self.launch_cross_entropy_backward(layout, targets, g)
-    }
-
+impl Attention for CudaStorage {
     fn causal_attention(&self, layout: &Layout, n_heads: usize, scale: f64) -> Result<(Self, Self)> {
         crate::composed::causal_attention(self, layout, n_heads, scale)
     }
@@ -404,109 +391,6 @@ impl BackendStorage for CudaStorage {
         scale: f64,
     ) -> Result<Self> {
         crate::composed::causal_attention_backward(self, layout, probs, gy, n_heads, scale)
-    }
-
-    fn fill(&mut self, layout: &Layout, v: f64) -> Result<()> {
-        let op = "fill";
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        self.check_extent(op, layout)?;
-        self.forget_int_range();
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        fn go<T: CudaElement, B: cudarc::driver::DeviceRepr>(
-            s: &mut CudaStorage,
-            l: &StridedLayout,
-            n: usize,
-            n64: &u64,
-            bits: B,
-        ) -> Result<()> {
-            let dev = s.cuda_device().clone();
-            let dst = s.data_mut::<T>("fill")?;
-            let name = format!("fill_b{}", std::mem::size_of::<T>());
-            launch!(dev, COPY, name, for_elements(n), dst, l, n64, &bits)
-        }
-        // The value's bits, rounded as the CPU's `from_f64` rounds.
-        match self.dtype() {
-            DType::F32 => go::<f32, u32>(self, &l, n, &n64, (v as f32).to_bits()),
-            DType::F64 => go::<f64, u64>(self, &l, n, &n64, v.to_bits()),
-            DType::F16 => go::<f16, u16>(self, &l, n, &n64, f16::from_f64(v).to_bits()),
-            DType::BF16 => go::<bf16, u16>(self, &l, n, &n64, bf16::from_f64(v).to_bits()),
-            DType::I64 => go::<i64, u64>(self, &l, n, &n64, (v as i64) as u64),
-            DType::U8 => go::<u8, u8>(self, &l, n, &n64, v as u8),
-            DType::I8 => go::<i8, u8>(self, &l, n, &n64, crate::cpu::storage::quantize_i8(v) as u8),
-        }
-    }
-
-    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
-        let op = "copy_from";
-        if src.0.dtype() != self.dtype() {
-            return Err(TensorError::DTypeMismatch {
-                op,
-                lhs: self.dtype(),
-                rhs: src.0.dtype(),
-            });
-        }
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        self.check_extent(op, layout)?;
-        src.0.check_extent(op, src.1)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        let dev = self.cuda_device().clone();
-        any_dispatch!(self.dtype(), T => {
-            let s = Self::source_view::<T>(op, src, n)?;
-            let d = self.data_mut::<T>(op)?;
-            let name = format!("scatter_b{}", std::mem::size_of::<T>());
-            launch!(dev, COPY, name, for_elements(n), d, &s, &l, &n64)
-        })
-    }
-
-    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
-        let op = "add_scaled_assign";
-        let n = layout.numel();
-        if n == 0 {
-            return Ok(());
-        }
-        self.check_extent(op, layout)?;
-        src.0.check_extent(op, src.1)?;
-        let l = StridedLayout::of(op, layout)?;
-        let n64 = n as u64;
-        let dev = self.cuda_device().clone();
-        float_dispatch!(op, self.dtype(), T => {
-            let s = Self::source_view::<T>(op, src, n)?;
-            let d = self.data_mut::<T>(op)?;
-            let scale = <T as CudaFloat>::from_f64(scale);
-            let name = format!("scaled_add_{}", T::SUFFIX);
-            launch!(dev, COPY, name, for_elements(n), d, &s, &l, &n64, &scale)
-        })
-    }
-
-    /// The arithmetic of `Sgd::step` in `crates/autograd/src/optim.rs`, rounding for rounding.
-    fn sgd_step(
-        &mut self,
-        layout: &Layout,
-        grad: (&Self, &Layout),
-        momentum_buffer: Option<(&mut Self, &Layout)>,
-        s: &SgdScalars,
-    ) -> Result<()> {
-        self.launch_sgd_step(layout, grad, momentum_buffer, s)
-    }
-
-    /// The arithmetic of `AdamW::step` in `crates/autograd/src/optim.rs`, rounding for rounding.
-    fn adamw_step(
-        &mut self,
-        layout: &Layout,
-        grad: (&Self, &Layout),
-        m: (&mut Self, &Layout),
-        v: (&mut Self, &Layout),
-        s: &AdamWScalars,
-    ) -> Result<()> {
-        self.launch_adamw_step(layout, grad, m, v, s)
     }
 }
 

@@ -6,11 +6,11 @@ use super::super::launch::{for_column_chunks, for_elements, for_rows, single_blo
 use super::super::nvrtc::NN;
 use super::super::storage::{launch, CudaStorage};
 use super::float_only;
-use crate::backend::BackendStorage;
+use crate::backend::{BackendStorage, Nn};
 use crate::{DType, Layout, Result, TensorError};
 
-impl CudaStorage {
-    pub(super) fn launch_softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
+impl Nn for CudaStorage {
+    fn softmax_last(&self, layout: &Layout, log: bool) -> Result<Self> {
         let op = if log { "log_softmax" } else { "softmax" };
         let (rows, d) = Self::rows_of(layout, op)?;
         if rows * d == 0 {
@@ -25,13 +25,7 @@ impl CudaStorage {
         })
     }
 
-    pub(super) fn launch_softmax_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        g_layout: &Layout,
-        log: bool,
-    ) -> Result<Self> {
+    fn softmax_backward(&self, layout: &Layout, g: &Self, g_layout: &Layout, log: bool) -> Result<Self> {
         let op = if log {
             "log_softmax_backward"
         } else {
@@ -51,7 +45,7 @@ impl CudaStorage {
         })
     }
 
-    pub(super) fn launch_layer_norm(
+    fn layer_norm(
         &self,
         layout: &Layout,
         weight: (&Self, &Layout),
@@ -82,7 +76,7 @@ impl CudaStorage {
 
     /// `dx` one block per row; `dweight`, `dbias` by a two-stage column reduction (chunks of
     /// rows into partial rows, then the partial rows of each column in order): deterministic.
-    pub(super) fn launch_layer_norm_backward(
+    fn layer_norm_backward(
         &self,
         layout: &Layout,
         weight: (&Self, &Layout),
@@ -124,7 +118,7 @@ impl CudaStorage {
         })
     }
 
-    pub(super) fn launch_embedding(&self, layout: &Layout, ids: (&Self, &Layout)) -> Result<Self> {
+    fn embedding(&self, layout: &Layout, ids: (&Self, &Layout)) -> Result<Self> {
         let op = "embedding";
         let (vocab, d) = match layout.shape() {
             &[v, d] => (v, d),
@@ -159,12 +153,7 @@ impl CudaStorage {
         })
     }
 
-    pub(super) fn launch_embedding_backward(
-        &self,
-        layout: &Layout,
-        ids: (&Self, &Layout),
-        vocab: usize,
-    ) -> Result<Self> {
+    fn embedding_backward(&self, layout: &Layout, ids: (&Self, &Layout), vocab: usize) -> Result<Self> {
         let op = "embedding_backward";
         let d = *layout.shape().last().ok_or(TensorError::Invalid {
             op,
@@ -203,7 +192,7 @@ impl CudaStorage {
         })
     }
 
-    pub(super) fn launch_causal_fill(&self, layout: &Layout, value: f64) -> Result<Self> {
+    fn causal_fill(&self, layout: &Layout, value: f64) -> Result<Self> {
         let op = "causal_mask";
         let r = layout.rank();
         if r < 2 || layout.shape()[r - 2] > layout.shape()[r - 1] {
@@ -229,7 +218,7 @@ impl CudaStorage {
     }
 
     /// The loss is accumulated in f64 over the rows, as on the CPU.
-    pub(super) fn launch_cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {
+    fn cross_entropy(&self, layout: &Layout, targets: (&Self, &Layout)) -> Result<(Self, Self)> {
         let op = "cross_entropy";
         let (n, c) = match layout.shape() {
             &[n, c] => (n, c),
@@ -267,12 +256,7 @@ impl CudaStorage {
         })
     }
 
-    pub(super) fn launch_cross_entropy_backward(
-        &self,
-        layout: &Layout,
-        targets: (&Self, &Layout),
-        g: (&Self, &Layout),
-    ) -> Result<Self> {
+    fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self> {
         let op = "cross_entropy_backward";
         let (n, c) = match layout.shape() {
             &[n, c] => (n, c),

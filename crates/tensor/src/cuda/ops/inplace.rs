@@ -1,16 +1,100 @@
-//! The optimizers' fused steps behind the device contract (`optim.cu`), rounding for rounding
-//! as `crates/autograd/src/optim.rs` computes them on the CPU.
+//! In-place updates behind the device contract: fills, copies and gradient accumulation through
+//! a view (`copy.cu`), and the optimizers' fused steps (`optim.cu`), rounding for rounding as
+//! `crates/autograd/src/optim.rs` computes them on the CPU.
 
-use super::super::launch::for_elements;
-use super::super::nvrtc::OPTIM;
+use half::{bf16, f16};
+
+use super::super::element::{CudaElement, CudaFloat};
+use super::super::launch::{for_elements, StridedLayout};
+use super::super::nvrtc::{COPY, OPTIM};
 use super::super::storage::{launch, CudaStorage};
 use super::float_only;
-use crate::backend::{AdamWScalars, SgdScalars};
+use crate::backend::{AdamWScalars, InPlace, SgdScalars};
 use crate::{DType, Layout, Result, TensorError};
 
-impl CudaStorage {
+impl InPlace for CudaStorage {
+    fn fill(&mut self, layout: &Layout, v: f64) -> Result<()> {
+        let op = "fill";
+        let n = layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_extent(op, layout)?;
+        self.forget_int_range();
+        let l = StridedLayout::of(op, layout)?;
+        let n64 = n as u64;
+        fn go<T: CudaElement, B: cudarc::driver::DeviceRepr>(
+            s: &mut CudaStorage,
+            l: &StridedLayout,
+            n: usize,
+            n64: &u64,
+            bits: B,
+        ) -> Result<()> {
+            let dev = s.cuda_device().clone();
+            let dst = s.data_mut::<T>("fill")?;
+            let name = format!("fill_b{}", std::mem::size_of::<T>());
+            launch!(dev, COPY, name, for_elements(n), dst, l, n64, &bits)
+        }
+        // The value's bits, rounded as the CPU's `from_f64` rounds.
+        match self.dtype() {
+            DType::F32 => go::<f32, u32>(self, &l, n, &n64, (v as f32).to_bits()),
+            DType::F64 => go::<f64, u64>(self, &l, n, &n64, v.to_bits()),
+            DType::F16 => go::<f16, u16>(self, &l, n, &n64, f16::from_f64(v).to_bits()),
+            DType::BF16 => go::<bf16, u16>(self, &l, n, &n64, bf16::from_f64(v).to_bits()),
+            DType::I64 => go::<i64, u64>(self, &l, n, &n64, (v as i64) as u64),
+            DType::U8 => go::<u8, u8>(self, &l, n, &n64, v as u8),
+            DType::I8 => go::<i8, u8>(self, &l, n, &n64, brigade_dtype::quantize_i8(v) as u8),
+        }
+    }
+
+    fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()> {
+        let op = "copy_from";
+        if src.0.dtype() != self.dtype() {
+            return Err(TensorError::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: src.0.dtype(),
+            });
+        }
+        let n = layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_extent(op, layout)?;
+        src.0.check_extent(op, src.1)?;
+        let l = StridedLayout::of(op, layout)?;
+        let n64 = n as u64;
+        let dev = self.cuda_device().clone();
+        any_dispatch!(self.dtype(), T => {
+            let s = Self::source_view::<T>(op, src, n)?;
+            let d = self.data_mut::<T>(op)?;
+            let name = format!("scatter_b{}", std::mem::size_of::<T>());
+            launch!(dev, COPY, name, for_elements(n), d, &s, &l, &n64)
+        })
+    }
+
+    fn add_scaled_assign(&mut self, layout: &Layout, src: (&Self, &Layout), scale: f64) -> Result<()> {
+        let op = "add_scaled_assign";
+        let n = layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_extent(op, layout)?;
+        src.0.check_extent(op, src.1)?;
+        let l = StridedLayout::of(op, layout)?;
+        let n64 = n as u64;
+        let dev = self.cuda_device().clone();
+        float_dispatch!(op, self.dtype(), T => {
+            let s = Self::source_view::<T>(op, src, n)?;
+            let d = self.data_mut::<T>(op)?;
+            let scale = <T as CudaFloat>::from_f64(scale);
+            let name = format!("scaled_add_{}", T::SUFFIX);
+            launch!(dev, COPY, name, for_elements(n), d, &s, &l, &n64, &scale)
+        })
+    }
+
     /// The arithmetic of `Sgd::step` in `crates/autograd/src/optim.rs`, rounding for rounding.
-    pub(super) fn launch_sgd_step(
+    fn sgd_step(
         &mut self,
         layout: &Layout,
         grad: (&Self, &Layout),
@@ -89,7 +173,7 @@ impl CudaStorage {
     }
 
     /// The arithmetic of `AdamW::step` in `crates/autograd/src/optim.rs`, rounding for rounding.
-    pub(super) fn launch_adamw_step(
+    fn adamw_step(
         &mut self,
         layout: &Layout,
         grad: (&Self, &Layout),

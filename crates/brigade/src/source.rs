@@ -9,6 +9,9 @@
 //! many rows). A sampled source says before step 0 how many rows each rank reads per epoch
 //! ([`DataSource::rank_lengths`]), and each rank reads its rows as one stream across epochs
 //! through a [`SamplerCursor`](brigade_models::SamplerCursor) whose position checkpoints record.
+//!
+//! What a source serves is its own; the rows of a [`Dataset`] (built in, files, text, token
+//! shards) are [`brigade_models::data`]'s, which this module reads through [`DataSource`].
 
 use brigade_models::{Batch, Dataset, DistributedSampler, Remainder, SamplerOptions};
 
@@ -25,7 +28,7 @@ pub enum DataOrder {
     /// Each rank reads its shard of every epoch's order, as [`DistributedSampler`] deals it
     /// (shuffled from `seed + epoch` when `shuffle`, padded or cut by `remainder`), one stream
     /// across epochs ([`DataSource::gather`]). [`Remainder::Uneven`] gives the ranks different
-    /// lengths: it needs a join mode ([`crate::TrainConfig::join`]).
+    /// lengths: it needs a join mode ([`crate::config::DataConfig::join`]).
     Sampled(SamplerOptions),
 }
 
@@ -213,7 +216,7 @@ forward_data_source! {
 /// microbatch (step `s`, microbatch `j` of `accum`: the rows from `(s * accum + j) * rows`), or
 /// shuffled by a sampler over its own rows alone. Its length per rank is its shard's, known
 /// before step 0 in either order; shards of different lengths need a join mode
-/// ([`crate::TrainConfig::join`]).
+/// ([`crate::config::DataConfig::join`]).
 pub struct RankShards {
     shards: Vec<Dataset>,
 }

@@ -1,0 +1,66 @@
+//! How the trainer gets each rank's reducer policy: a policy holds one rank's state (error
+//! feedback, PowerSGD's factors, ZeRO's shards), so a run carries a recipe, [`MakePolicy`],
+//! and every rank makes its own. A [`PolicySpec`] is one recipe (the built-in policies), and
+//! so is any closure `Fn(rank) -> P` whose `P` is a [`ReducerPolicy`]: that is where a user's
+//! own reducer policy plugs in.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use brigade::policies::AllReduce;
+//! use brigade::policy::MakePolicy;
+//!
+//! // a plain closure: no box, no cast
+//! let make: Arc<dyn MakePolicy> = Arc::new(|_rank: usize| AllReduce);
+//! assert_eq!(make.make(0).unwrap().name(), "allreduce");
+//! // the same, with the rank's type inferred
+//! let make = brigade::policy::per_rank(|_rank| AllReduce);
+//! assert_eq!(make.make(1).unwrap().name(), "allreduce");
+//! ```
+
+use std::sync::Arc;
+
+use brigade_ddp::ReducerPolicy;
+use brigade_policies::{PolicySpec, Registry, ZeroStage};
+
+use crate::error::Result;
+
+/// Makes one rank's [`ReducerPolicy`] (called once per rank, on that rank).
+pub trait MakePolicy: Send + Sync {
+    /// A new policy for `rank`.
+    fn make(&self, rank: usize) -> Result<Box<dyn ReducerPolicy>>;
+
+    /// The ZeRO stage the policy shards at, as checkpoints record it (`Off` unless it is ZeRO).
+    fn zero_stage(&self) -> ZeroStage {
+        ZeroStage::Off
+    }
+}
+
+impl MakePolicy for PolicySpec {
+    fn make(&self, _rank: usize) -> Result<Box<dyn ReducerPolicy>> {
+        Ok(self.build(&Registry::new())?)
+    }
+
+    fn zero_stage(&self) -> ZeroStage {
+        PolicySpec::zero_stage(self)
+    }
+}
+
+impl<F, P> MakePolicy for F
+where
+    F: Fn(usize) -> P + Send + Sync,
+    P: ReducerPolicy + 'static,
+{
+    fn make(&self, rank: usize) -> Result<Box<dyn ReducerPolicy>> {
+        Ok(Box::new(self(rank)))
+    }
+}
+
+/// `make` as a run's policy recipe: `per_rank(|rank| MyPolicy::new(rank))`, the closure's
+/// argument (the rank) inferred.
+pub fn per_rank<F, P>(make: F) -> Arc<dyn MakePolicy>
+where
+    F: Fn(usize) -> P + Send + Sync + 'static,
+    P: ReducerPolicy + 'static,
+{
+    Arc::new(make)
+}

@@ -1,0 +1,316 @@
+//! Setting up one rank: the data's lengths checked, the checkpoint resumed, the recipe checked
+//! against it, the data feed placed, the replica moved to its device and wrapped in DDP.
+
+use std::sync::Arc;
+
+use brigade_autograd::{Optimizer, Var};
+use brigade_comm::{CommMeter, Communicator, Metered};
+use brigade_ddp::overlap::Autotuner;
+use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
+use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
+use brigade_tensor::{set_compute_threads, Device};
+
+use crate::checkpoint::{load_checkpoint, CheckpointIdentity, Resumed};
+use crate::config::{OptimizerConfig, TrainConfig};
+use crate::error::{CheckpointMismatch, Error, Result};
+use crate::join::{self, JoinRun};
+use crate::launch::{nccl, RankContext};
+use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
+use crate::source::{DataLength, DataOrder, DataSource};
+
+use super::{compute_threads, zero_stage, Feed, Progress, Records, Replica, ResumeNotes, Trainer};
+
+impl<'a> Trainer<'a> {
+    /// Takes this rank's `model` (loading `init` into it if given), builds the optimizer,
+    /// resumes from the checkpoint if asked, and wraps the model in DDP over the rank's
+    /// communicator.
+    pub fn new(
+        cfg: &'a TrainConfig,
+        mut model: Box<dyn Model>,
+        data: &'a dyn DataSource,
+        ctx: &'a RankContext,
+    ) -> Result<Self> {
+        set_compute_threads(compute_threads(cfg, ctx));
+        cfg.runtime.checkpoint.validate()?;
+        if let Some(init) = &cfg.model.init {
+            load_params(model.params(), init)?;
+        }
+        let lengths = check_lengths(cfg, data, ctx)?;
+        let mut opt = cfg.recipe.optimizer.build(model.params().params().to_vec());
+        // This rank's policy, made first: a checkpoint names the policy it was written under.
+        let policy = cfg.distributed.as_ref().map(|d| d.policy.make(ctx.rank)).transpose()?;
+        let policy_name = policy.as_ref().map(|p| p.name());
+        // before any step: a checkpoint of a policy that may keep unsaved state would resume inexactly
+        if let (Some(p), Some(_)) = (&policy, &cfg.runtime.checkpoint.path) {
+            brigade_ddp::policy::check_checkpointable(p.as_ref())?;
+        }
+        let mut resumed = resume(cfg, data, ctx, model.as_mut(), opt.as_mut(), policy_name.as_deref())?;
+        let (schedule, changes) = check_recipe(cfg, resumed.as_ref())?;
+        let resume = ResumeNotes {
+            changes,
+            note: resumed.as_ref().and_then(|r| defaulted_t_note(cfg, &r.metadata)),
+        };
+        let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
+        let feed = Feed::new(cfg, data, ctx, lengths, resumed.as_ref(), first_step)?;
+        let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
+        let replica = Replica::new(cfg, ctx, model, opt, policy, policy_state.unwrap_or_default())?;
+        let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
+        Ok(Trainer {
+            at: Progress {
+                first_step,
+                next_step: first_step,
+                next_position: feed.cursor.as_ref().map(SamplerCursor::position),
+                next_rng: replica.model.rng_state(),
+            },
+            cfg,
+            data,
+            ctx,
+            replica,
+            feed,
+            schedule,
+            resume,
+            saves: Default::default(),
+            records: super::Records {
+                autotune: autotune.map(Autotuner::new).transpose()?,
+                ..Records::default()
+            },
+        })
+    }
+}
+
+/// Every rank's length, known before step 0: without a join mode, ranks that would run out at
+/// different steps are refused here (with one, a rank with fewer rows than a step joins at
+/// step 0; when every rank has, no step could run).
+fn check_lengths(cfg: &TrainConfig, data: &dyn DataSource, ctx: &RankContext) -> Result<DataLength> {
+    let lengths = data.rank_lengths(ctx.world_size, &cfg.data.order)?;
+    let DataLength::PerEpoch(rows) = &lengths else {
+        return Ok(lengths);
+    };
+    let rows_per_step = cfg.rows_per_step();
+    match cfg.data.join {
+        None if !lengths.is_even() => Err(join::uneven_refusal(rows)),
+        None if rows[ctx.rank] < cfg.data.batch_size => Err(Error::Config(format!(
+            "rank {} reads {} rows per epoch, fewer than one microbatch of {}",
+            ctx.rank, rows[ctx.rank], cfg.data.batch_size
+        ))),
+        Some(_) if rows.iter().all(|&n| n < rows_per_step) => Err(Error::NoStep {
+            rows: rows.clone(),
+            rows_per_step,
+        }),
+        _ => Ok(lengths),
+    }
+}
+
+/// Loads the checkpoint to resume, if any, into `model` and `opt` (refused if it is not of
+/// this run: another model, optimizer, seed, data, policy...), and this rank's dropout
+/// generator from it.
+fn resume(
+    cfg: &TrainConfig,
+    data: &dyn DataSource,
+    ctx: &RankContext,
+    model: &mut dyn Model,
+    opt: &mut dyn Optimizer,
+    policy: Option<&str>,
+) -> Result<Option<Resumed>> {
+    let Some(path) = &cfg.runtime.checkpoint.resume else {
+        return Ok(None);
+    };
+    let id = CheckpointIdentity {
+        model: &cfg.model.name,
+        optimizer: cfg.recipe.optimizer.name(),
+        seed: cfg.model.seed,
+        data: data.fingerprint(),
+        zero: zero_stage(cfg),
+        world_size: ctx.world_size,
+        data_order: cfg.data.order.describe(),
+        sampler: None,
+        model_config: None,
+        recipe: vec![],
+        policy,
+        dropout_rng: vec![],
+        allow_nonfinite: cfg.recipe.allow_nonfinite,
+    };
+    let resumed = load_checkpoint(path, &id, model, opt)?;
+    // this rank's dropout generator continues where the checkpoint's stood
+    if let Some(state) = resumed.dropout_rng_of(ctx.rank) {
+        model
+            .set_rng_state(state)
+            .map_err(|e| Error::checkpoint(path, CheckpointMismatch::DropoutRng(e.to_string())))?;
+    }
+    Ok(Some(resumed))
+}
+
+/// The schedule (T from the checkpoint unless given) and what this run changed of the
+/// checkpoint's recipe, refused where a resume may not change it; and the clipping norm checked.
+fn check_recipe(
+    cfg: &TrainConfig,
+    resumed: Option<&Resumed>,
+) -> Result<(brigade_autograd::LrSchedule, Vec<crate::recipe::HyperparameterChange>)> {
+    let checked =
+        check_resume(cfg, resumed.map(|r| &r.metadata)).map_err(|e| match (e, &cfg.runtime.checkpoint.resume) {
+            (ResumeError::Refused(mismatch), Some(path)) => Error::checkpoint(path, mismatch),
+            (ResumeError::Refused(mismatch), None) => Error::Config(mismatch.to_string()),
+            (ResumeError::Config(e), _) => e,
+        })?;
+    if let Some(max) = cfg.recipe.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+        return Err(Error::Config(format!(
+            "the gradient clipping norm must be finite and > 0, got {max}"
+        )));
+    }
+    Ok(checked)
+}
+
+impl Feed {
+    /// The join run (under a join mode) and this rank's sampler cursor, standing where the
+    /// resumed checkpoint left them; refused when the checkpoint does not fit them or is past
+    /// the run's end.
+    fn new(
+        cfg: &TrainConfig,
+        data: &dyn DataSource,
+        ctx: &RankContext,
+        lengths: DataLength,
+        resumed: Option<&Resumed>,
+        first_step: usize,
+    ) -> Result<Feed> {
+        let rows_per_step = cfg.rows_per_step();
+        let join = cfg
+            .data
+            .join
+            .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
+        if let (Some(r), Some(path)) = (resumed, &cfg.runtime.checkpoint.resume) {
+            let position_from_step = join.is_some() || matches!(cfg.data.order, DataOrder::InOrder);
+            check_rows_per_step(cfg, &r.metadata, position_from_step)
+                .map_err(|mismatch| Error::checkpoint(path, mismatch))?;
+            join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::checkpoint(path, mismatch))?;
+        }
+        let cursor = sampler_cursor(cfg, data, ctx, join.as_ref(), resumed, first_step)?;
+        if let (Some(path), true) = (&cfg.runtime.checkpoint.resume, first_step > cfg.recipe.steps) {
+            return Err(Error::checkpoint(
+                path,
+                CheckpointMismatch::PastTheEnd {
+                    step: first_step,
+                    steps: cfg.recipe.steps,
+                },
+            ));
+        }
+        Ok(Feed { lengths, cursor, join })
+    }
+}
+
+/// This rank's sampler cursor under a sampled data order, where the run resumes (a join run is
+/// one pass: each rank stands where its own steps left it; the checkpoint records rank 0's
+/// position); `None` for rows in order, and for a rank of a join run whose data holds no step.
+fn sampler_cursor(
+    cfg: &TrainConfig,
+    data: &dyn DataSource,
+    ctx: &RankContext,
+    join: Option<&JoinRun>,
+    resumed: Option<&Resumed>,
+    first_step: usize,
+) -> Result<Option<SamplerCursor>> {
+    let DataOrder::Sampled(options) = cfg.data.order else {
+        return Ok(None);
+    };
+    let own_steps = join.and_then(|j| j.steps_of(ctx.rank));
+    if own_steps == Some(0) {
+        return Ok(None);
+    }
+    let sampler = data.sampler(ctx.rank, ctx.world_size, options)?;
+    let joined_position = own_steps.map(|n| SamplerPosition {
+        epoch: 0,
+        index: first_step.min(n) * cfg.rows_per_step(),
+    });
+    let at = joined_position
+        .or(resumed.and_then(|r| r.sampler))
+        .unwrap_or(SamplerPosition { epoch: 0, index: 0 });
+    Ok(Some(SamplerCursor::new(sampler, at)?))
+}
+
+impl Replica {
+    /// The replica on its device, wrapped in DDP under `policy` (without DDP, as it is), its
+    /// policy's `policy_state` loaded and its optimizer the one the policy builds.
+    fn new(
+        cfg: &TrainConfig,
+        ctx: &RankContext,
+        model: Box<dyn Model>,
+        mut opt: Box<dyn Optimizer>,
+        policy: Option<Box<dyn ReducerPolicy>>,
+        policy_state: Vec<(String, brigade_tensor::Tensor)>,
+    ) -> Result<Replica> {
+        let device = cfg.runtime.device.for_rank(nccl::gpu_rank(ctx))?;
+        if device != Device::Cpu {
+            opt = move_to_device(model.as_ref(), opt.as_ref(), &cfg.recipe.optimizer, device)?;
+        }
+        let meter = CommMeter::new();
+        let ddp = match (cfg.ddp(), policy) {
+            (Some(d), Some(policy)) => Some(wrap(d, ctx, model.as_ref(), device, &meter, policy)?),
+            _ => None,
+        };
+        // Every rank takes its own part of the policy state (before the optimizer is built:
+        // a policy may build it from its state).
+        if let (Some(ddp), false) = (&ddp, policy_state.is_empty()) {
+            ddp.load_gathered_policy_state(&policy_state)
+                .map_err(|e| match &cfg.runtime.checkpoint.resume {
+                    Some(path) => Error::checkpoint(path, CheckpointMismatch::PolicyState(e.to_string())),
+                    None => e.into(),
+                })?;
+        }
+        // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
+        if let Some(ddp) = &ddp {
+            let build = |params: Vec<Var>| cfg.recipe.optimizer.build(params);
+            opt = Box::new(ddp.optimizer(opt, &build)?);
+        }
+        Ok(Replica {
+            model,
+            device,
+            opt,
+            ddp,
+            meter,
+        })
+    }
+}
+
+/// `model` wrapped in DDP under `policy`, its recorder the rank's. NCCL reduces on the GPU's
+/// comm stream (not metered); otherwise the host stream over the communicator, metered by `meter`.
+fn wrap(
+    d: &DdpConfig,
+    ctx: &RankContext,
+    model: &dyn Model,
+    device: Device,
+    meter: &CommMeter,
+    policy: Box<dyn ReducerPolicy>,
+) -> Result<DistributedDataParallel> {
+    let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
+    let d = DdpConfig {
+        recorder: ctx.recorder.clone(),
+        ..d.clone()
+    };
+    Ok(match nccl::bucket_stream(ctx, device, ctx.net)? {
+        Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d, policy)?,
+        None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
+    })
+}
+
+/// Moves the parameters (built, initialised and resumed on the CPU) to `device`, and rebuilds
+/// the optimizer with its state moved there too, its learning rate kept. DDP, built after
+/// this, then allocates its gradient buckets beside the parameters.
+fn move_to_device(
+    model: &dyn Model,
+    opt: &dyn Optimizer,
+    cfg: &OptimizerConfig,
+    device: Device,
+) -> Result<Box<dyn Optimizer>> {
+    let state = opt
+        .state_dict()?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(device)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let params = model.params().params().to_vec();
+    for p in &params {
+        p.set_value(p.value().to_device(device)?)?;
+    }
+    let mut moved = cfg.build(params);
+    moved.load_state_dict(&state)?;
+    moved.set_lr(opt.lr());
+    Ok(moved)
+}
