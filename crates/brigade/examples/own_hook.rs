@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use brigade::ddp::policy::{Collectives, ParamState, PolicyBucket, Reduction};
+use brigade::ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, Reduction};
 use brigade::ddp::{KeepsState, ReducerPolicy};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
@@ -39,12 +39,17 @@ impl ReducerPolicy for Int8 {
         KeepsState::InStateDict
     }
 
+    fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade::ddp::Result<()> {
+        self.error.buckets_built(buckets);
+        Ok(())
+    }
+
     fn state_dict(&self) -> brigade::ddp::Result<Vec<(String, Tensor)>> {
         Ok(self.error.state_dict())
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade::ddp::Result<()> {
-        self.error.load_state_dict(state, None)
+        self.error.load_state_dict(state)
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {

@@ -1,6 +1,6 @@
 //! Int8 quantization with error feedback: a quarter of all-reduce's bytes on the wire.
 
-use brigade_ddp::policy::{Collectives, ParamState, PolicyBucket, ReducerPolicy, Reduction};
+use brigade_ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, ReducerPolicy, Reduction};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
 
@@ -26,12 +26,17 @@ impl ReducerPolicy for Int8 {
         KeepsState::InStateDict
     }
 
+    fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade_ddp::Result<()> {
+        self.error.buckets_built(buckets);
+        Ok(())
+    }
+
     fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
         Ok(self.error.state_dict())
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
-        self.error.load_state_dict(state, None)
+        self.error.load_state_dict(state)
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {

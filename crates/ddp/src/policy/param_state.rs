@@ -4,13 +4,15 @@ use std::collections::BTreeMap;
 
 use brigade_tensor::Tensor;
 
-use super::BucketParam;
+use super::{BucketParam, BucketSpan};
 use crate::{DdpError, Result};
 
 /// One tensor per parameter that a policy keeps from one step to the next (an error-feedback
 /// residual, a warm-start factor), keyed by the parameter's name: it survives DDP's bucket
 /// rebuilds and other bucket caps, and its state dict needs no key of the policy's own making.
-/// A policy with several kinds of state keeps one `ParamState` per kind.
+/// A policy with several kinds of state keeps one `ParamState` per kind. Told the layout
+/// ([`ParamState::buckets_built`], from the policy's own), it loads only a state of the
+/// model's parameters.
 ///
 /// ```
 /// # use brigade_ddp::policy::ParamState;
@@ -22,6 +24,8 @@ use crate::{DdpError, Result};
 #[derive(Debug, Clone, Default)]
 pub struct ParamState {
     by_name: BTreeMap<String, Tensor>,
+    /// Every bucketed parameter's element count, by name, once a layout was announced.
+    params: Option<BTreeMap<String, usize>>,
 }
 
 impl ParamState {
@@ -46,16 +50,38 @@ impl ParamState {
         self.by_name.iter().map(|(k, t)| (k.clone(), t.clone())).collect()
     }
 
-    /// Replaces everything kept with what [`ParamState::state_dict`] gave. `params` are the
-    /// model's parameter names (from [`super::PolicyContext`] or the bucket layout) when the
-    /// policy knows them: an entry naming none of them is refused (a checkpoint of another
-    /// model); with `None` every entry is taken.
-    pub fn load_state_dict(&mut self, state: &[(String, Tensor)], params: Option<&[String]>) -> Result<()> {
-        if let Some(params) = params {
-            if let Some((name, _)) = state.iter().find(|(n, _)| !params.contains(n)) {
-                return Err(DdpError::PolicyState(format!(
-                    "the policy state holds '{name}', which names no parameter of this model"
-                )));
+    /// Learns the model's parameters from the layout DDP announced (call it from
+    /// [`super::ReducerPolicy::buckets_built`]): [`ParamState::load_state_dict`] then refuses
+    /// a state of another model.
+    pub fn buckets_built(&mut self, buckets: &[BucketSpan]) {
+        let params = buckets
+            .iter()
+            .flat_map(|b| &b.params)
+            .map(|p| (p.name.clone(), p.len()));
+        self.params = Some(params.collect());
+    }
+
+    /// Replaces everything kept with what [`ParamState::state_dict`] gave. Once a layout was
+    /// announced ([`ParamState::buckets_built`]), an entry naming no bucketed parameter, or
+    /// holding another number of elements than its parameter, is refused (a checkpoint of
+    /// another model); before, every entry is taken.
+    pub fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        if let Some(params) = &self.params {
+            for (name, t) in state {
+                match params.get(name) {
+                    None => {
+                        return Err(DdpError::PolicyState(format!(
+                            "the policy state holds '{name}', which names no parameter of this model"
+                        )))
+                    }
+                    Some(&n) if n != t.numel() => {
+                        return Err(DdpError::PolicyState(format!(
+                            "the policy state of '{name}' holds {} elements, the parameter {n}",
+                            t.numel()
+                        )))
+                    }
+                    Some(_) => {}
+                }
             }
         }
         self.by_name = state.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
