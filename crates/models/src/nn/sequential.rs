@@ -94,7 +94,7 @@ pub enum Loss {
 /// so its state dict loads into the PyTorch module of the same layers. Each layer's ops run
 /// under the scope of its index (what a timeline shows).
 ///
-/// ```ignore
+/// ```
 /// use brigade_models::nn::{Loss, Sequential};
 /// use brigade_models::{Batch, Model};
 /// use brigade_tensor::Tensor;
@@ -107,7 +107,7 @@ pub enum Loss {
 ///     ("inputs".into(), Tensor::zeros(&[4, 8], brigade_tensor::DType::F32)),
 ///     ("targets".into(), Tensor::zeros(&[4, 1], brigade_tensor::DType::F32)),
 /// ])?;
-/// assert_eq!(model.loss(&batch)?.shape(), Vec::<usize>::new());
+/// assert_eq!(Model::loss(&model, &batch)?.value().shape(), &[] as &[usize]);
 /// # Ok::<(), brigade_models::ModelError>(())
 /// ```
 pub struct Sequential {
