@@ -122,6 +122,105 @@ impl Var {
         }))
     }
 
+    /// `x^2`.
+    pub fn sqr(&self) -> Result<Var> {
+        let x = self.value();
+        // d x^2 = 2 g x
+        Ok(Var::from_op("sqr", x.sqr()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)])
+        }))
+    }
+
+    /// `x^p` for a scalar exponent (`torch.pow(x, p)`).
+    pub fn pow(&self, p: f64) -> Result<Var> {
+        let x = self.value();
+        // d x^p = g p x^(p-1)
+        Ok(Var::from_op("pow", x.powf(p)?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.powf(p - 1.0)?)?.mul_scalar(p)?)])
+        }))
+    }
+
+    /// Sine (radians).
+    pub fn sin(&self) -> Result<Var> {
+        let x = self.value();
+        // d sin x = g cos x
+        Ok(Var::from_op("sin", x.sin()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.cos()?)?)])
+        }))
+    }
+
+    /// Cosine (radians).
+    pub fn cos(&self) -> Result<Var> {
+        let x = self.value();
+        // d cos x = -g sin x
+        Ok(Var::from_op("cos", x.cos()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.sin()?)?.neg()?)])
+        }))
+    }
+
+    /// `|x|`; the gradient is `g * sign(x)`, so 0 at 0 (PyTorch's choice).
+    pub fn abs(&self) -> Result<Var> {
+        let x = self.value();
+        Ok(Var::from_op("abs", x.abs()?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.sign()?)?)])
+        }))
+    }
+
+    /// Each element limited to `[min, max]` (`torch.clamp`; an infinite bound leaves its side
+    /// open). The gradient passes where `min <= x <= max`, bounds included, as in PyTorch,
+    /// and is 0 elsewhere.
+    pub fn clamp(&self, min: f64, max: f64) -> Result<Var> {
+        let x = self.value();
+        Ok(Var::from_op("clamp", x.clamp(min, max)?, &[self], move |g| {
+            Ok(vec![Some(g.mul(&x.in_range(min, max)?)?)])
+        }))
+    }
+
+    /// The nearest integer, half to even (`torch.round`). Its gradient is **zero** everywhere,
+    /// as in PyTorch (the derivative of a step function almost everywhere). For a
+    /// straight-through estimator (quantization-aware training), write
+    /// `x.add(&x.round()?.sub(&x)?.detach())`: the value of `round(x)`, the gradient of `x`.
+    pub fn round(&self) -> Result<Var> {
+        let x = self.value();
+        let (shape, dtype) = (x.shape().to_vec(), x.dtype());
+        Ok(Var::from_op("round", x.round()?, &[self], move |g| {
+            Ok(vec![Some(Tensor::zeros_on(&shape, dtype, g.device())?)])
+        }))
+    }
+
+    /// Maximum over `dims` (`torch.amax`). The gradient goes to the element that is the
+    /// maximum, shared equally among tied maxima (PyTorch's `amax`).
+    pub fn amax(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+        self.extremum("amax", dims, keepdim, Tensor::amax)
+    }
+
+    /// Minimum over `dims` (`torch.amin`), the gradient as for [`Var::amax`].
+    pub fn amin(&self, dims: &[usize], keepdim: bool) -> Result<Var> {
+        self.extremum("amin", dims, keepdim, Tensor::amin)
+    }
+
+    fn extremum(
+        &self,
+        op: &'static str,
+        dims: &[usize],
+        keepdim: bool,
+        reduce: fn(&Tensor, &[usize], bool) -> brigade_tensor::Result<Tensor>,
+    ) -> Result<Var> {
+        let x = self.value();
+        let m = reduce(&x, dims, true)?;
+        let out = if keepdim { m.clone() } else { reduce(&x, dims, false)? };
+        let (shape, dims) = (x.shape().to_vec(), dims.to_vec());
+        Ok(Var::from_op(op, out, &[self], move |g| {
+            // mask = (x == m); grad = g * mask / count(mask)
+            let mask = x.sub(&m)?.is_zero()?;
+            let count = mask.sum(&dims, true)?;
+            let g = g.reshape(m.shape())?;
+            Ok(vec![Some(
+                mask.mul(&g.div(&count)?)?.broadcast_to(&shape)?.contiguous()?,
+            )])
+        }))
+    }
+
     /// Matrix product over the last two dims (batch dims broadcast).
     pub fn matmul(&self, rhs: &Var) -> Result<Var> {
         let (a, b) = (self.value(), rhs.value());
@@ -226,7 +325,7 @@ impl Var {
         let shape = x.shape().to_vec();
         Ok(Var::from_op("max", out, &[self], move |g| {
             // mask = (x == max); grad = g * mask / count(mask)
-            let mask = zero_mask(&x.sub(&m)?)?;
+            let mask = x.sub(&m)?.is_zero()?;
             let count = mask.sum(&[dim], true)?;
             let g = g.reshape(m.shape())?;
             Ok(vec![Some(
@@ -370,15 +469,4 @@ fn keep_shape(shape: &[usize], dims: &[usize]) -> Vec<usize> {
         .enumerate()
         .map(|(i, &s)| if dims.contains(&i) { 1 } else { s })
         .collect()
-}
-
-/// 1 where the element is exactly 0, else 0 (`max_dim`'s backward: which elements were
-/// the maximum).
-fn zero_mask(t: &Tensor) -> brigade_tensor::Result<Tensor> {
-    let v = t.to_f64_vec()?;
-    Ok(Tensor::from_f64_vec(
-        v.into_iter().map(|x| if x == 0.0 { 1.0 } else { 0.0 }).collect(),
-        t.shape(),
-        t.dtype(),
-    ))
 }

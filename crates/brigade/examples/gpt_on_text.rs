@@ -80,6 +80,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 resume: (done > 0).then(|| ckpt.clone()),
                 path: Some(ckpt.clone()),
                 every: None,
+                keep_last: None,
             };
             c
         };

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use brigade::comm::ReduceOp;
 use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction, StepContext};
-use brigade::ddp::{DdpError, ReducerPolicy};
+use brigade::ddp::{DdpError, KeepsState, ReducerPolicy};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
 use brigade::tensor::Tensor;
@@ -34,6 +34,10 @@ impl LocalSgd {
 impl ReducerPolicy for LocalSgd {
     fn name(&self) -> String {
         format!("local-sgd:{}@{}", self.h, self.k)
+    }
+
+    fn keeps_state(&self) -> KeepsState {
+        KeepsState::InStateDict // its step count
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {

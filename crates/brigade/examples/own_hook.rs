@@ -5,27 +5,29 @@
 //! int8s are not summed as int8s: the ranks' pieces are all-gathered, dequantized with their own
 //! scales and summed in f32. Trains the same MLP through the library's loop (`brigade::fit`) on
 //! 2 thread ranks under all-reduce and under int8, and prints loss and wire bytes side by side
-//! (int8 sends a quarter of all-reduce's bytes, plus 4 bytes of scale per bucket).
+//! (int8 sends a quarter of all-reduce's bytes, plus 4 bytes of scale per bucket). The error it
+//! keeps is state across steps: the policy says so ([`ReducerPolicy::keeps_state`]) and saves it
+//! ([`ReducerPolicy::state_dict`]), so that a checkpoint resumes it exactly (a policy that said
+//! nothing and saved nothing would have its checkpoints refused).
 //!
 //! `cargo run --release -p brigade --example own_hook [-- STEPS]`
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
-use brigade::ddp::ReducerPolicy;
+use brigade::ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, Reduction};
+use brigade::ddp::{KeepsState, ReducerPolicy};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
 use brigade::tensor::{DType, Tensor};
 use brigade::{OptimizerConfig, RunReport, TrainConfig};
 
 /// Int8 with error feedback. One policy per rank (the error it keeps is its own), keyed by
-/// parameter index, which survives DDP's bucket rebuild after the first iteration. Every step
+/// parameter name, which survives DDP's bucket rebuild after the first iteration. Every step
 /// is a tensor op on the bucket's device (the scale too: nothing is read back to the host), so
 /// the same policy runs on a GPU.
 #[derive(Default)]
 pub(crate) struct Int8 {
-    error: HashMap<usize, Tensor>,
+    error: ParamState,
 }
 
 impl ReducerPolicy for Int8 {
@@ -33,10 +35,27 @@ impl ReducerPolicy for Int8 {
         "int8".into()
     }
 
+    fn keeps_state(&self) -> KeepsState {
+        KeepsState::InStateDict
+    }
+
+    fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade::ddp::Result<()> {
+        self.error.buckets_built(buckets);
+        Ok(())
+    }
+
+    fn state_dict(&self) -> brigade::ddp::Result<Vec<(String, Tensor)>> {
+        Ok(self.error.state_dict())
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade::ddp::Result<()> {
+        self.error.load_state_dict(state)
+    }
+
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
         let g = bucket.tensor.copy()?;
         for p in &bucket.params {
-            if let Some(e) = self.error.get(&p.index) {
+            if let Some(e) = self.error.get(p) {
                 g.narrow(0, p.offset, p.len())?.add_assign(e)?; // error feedback
             }
         }
@@ -52,7 +71,7 @@ impl ReducerPolicy for Int8 {
         let q = g.div(&scale)?.to_dtype(DType::I8)?;
         let error = g.sub(&q.to_dtype(DType::F32)?.mul(&scale)?)?;
         for p in &bucket.params {
-            self.error.insert(p.index, error.narrow(0, p.offset, p.len())?.copy()?);
+            self.error.insert(p, error.narrow(0, p.offset, p.len())?.copy()?);
         }
         let world = comm.world_size() as f64;
         let scale = scale.reshape(&[1])?;

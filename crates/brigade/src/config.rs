@@ -281,11 +281,18 @@ pub struct RuntimeConfig {
 pub struct CheckpointConfig {
     /// Continue from this checkpoint.
     pub resume: Option<PathBuf>,
-    /// Write a checkpoint here at the end, and every `every` steps.
+    /// Write a checkpoint here at the end, and every `every` steps. `{step}` in the file name
+    /// is replaced by the step the checkpoint resumes at (`run-{step}.ckpt` gives
+    /// `run-25.ckpt` for the state after 25 steps), so that a run keeps each one; without it
+    /// each checkpoint replaces the last. Every write is atomic (a temporary file renamed).
     pub path: Option<PathBuf>,
     /// Checkpoint period in steps (a periodic checkpoint is written during the step it
     /// resumes, once that step's loss is known to be finite).
     pub every: Option<usize>,
+    /// Keep only the newest this many checkpoints of a `{step}` path: after each write, the
+    /// files of its directory that the path names with other steps (digits in place of
+    /// `{step}`), oldest first, are removed until this many remain. Needs `{step}` in `path`.
+    pub keep_last: Option<usize>,
 }
 
 /// What a run records beside training, and who watches it.

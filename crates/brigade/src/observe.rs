@@ -4,7 +4,7 @@
 //! binary's progress bar and summary are one). Rank 0 tells it when the run starts
 //! ([`RunStart`]), after every step ([`StepRecord`]: the ranks agree on each step's loss, so
 //! rank 0's view is the run's) and when the run ends; every rank asks it once a step whether
-//! to stop.
+//! to stop. [`on_step`] makes an observer of a closure called after every step.
 
 use crate::error::Error;
 use crate::outcome::{StepRecord, TrainOutcome};
@@ -80,5 +80,21 @@ impl<A: TrainObserver, B: TrainObserver> TrainObserver for (A, B) {
 
     fn stop_requested(&self) -> bool {
         self.0.stop_requested() || self.1.stop_requested()
+    }
+}
+
+/// An observer that calls `f` after every step (on rank 0) and does nothing else: per-step
+/// printing in one line,
+/// `instrument: Instrumentation { observer: Some(on_step(|s| println!("{} {:.4}", s.step, s.loss))), ..Default::default() }`.
+pub fn on_step<F: Fn(&StepRecord) + Send + Sync + 'static>(f: F) -> std::sync::Arc<dyn TrainObserver> {
+    std::sync::Arc::new(OnStep(f))
+}
+
+/// What [`on_step`] makes.
+struct OnStep<F>(F);
+
+impl<F: Fn(&StepRecord) + Send + Sync> TrainObserver for OnStep<F> {
+    fn step_finished(&self, record: &StepRecord) {
+        (self.0)(record)
     }
 }

@@ -1,5 +1,5 @@
 //! `brigade sweep --policy`'s entries: each is a [`PolicySpec`] as [`FromStr`] reads it
-//! (`allreduce`, `fp16`, `bf16`, `powersgd:R[@START]`, `zero1`, `zero2`), with what an entry
+//! (`allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`, `zero2`), with what an entry
 //! leaves out taken from the sweep's flags: a bare `powersgd` is of `--powersgd-rank`, and a
 //! PowerSGD entry without `@START` starts at `--powersgd-start-iter`.
 
@@ -11,7 +11,7 @@ use crate::args::RunArgs;
 use crate::error::{Error, Result};
 
 /// Every form `--policy` takes, for error messages.
-pub const POLICY_NAMES: &str = "allreduce, fp16, bf16, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2";
+pub const POLICY_NAMES: &str = "allreduce, fp16, bf16, int8, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2";
 
 /// Checks one `--policy` entry (clap's value parser; the message is the rest of clap's line).
 pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
@@ -53,6 +53,7 @@ mod tests {
             "allreduce",
             "fp16",
             "bf16",
+            "int8",
             "powersgd",
             "powersgd:4",
             "powersgd:4@2",

@@ -38,6 +38,8 @@ pub struct RunOptions {
     pub checkpoint: Option<PathBuf>,
     /// Also checkpoint every this many steps.
     pub checkpoint_every: Option<usize>,
+    /// Keep only the newest this many checkpoints of a `{step}` path (`--keep-last`).
+    pub checkpoint_keep_last: Option<usize>,
     /// Record a step profile of the last synchronized step on every rank.
     pub profile: bool,
     /// Also keep the profile of every step in this range (`--profile-steps`).
@@ -342,6 +344,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
                 resume: opts.resume.clone(),
                 path: opts.checkpoint.clone(),
                 every: opts.checkpoint_every,
+                keep_last: opts.checkpoint_keep_last,
             },
             instrument: Instrumentation {
                 profile: opts.profile,

@@ -261,9 +261,12 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// This rank's policy state ([`ReducerPolicy::state_dict`]).
+    /// This rank's policy state ([`ReducerPolicy::state_dict`]) for a checkpoint: refused for a
+    /// policy that does not declare its state ([`crate::policy::check_checkpointable`]).
     pub fn policy_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        self.reducer.lock_policy().state_dict()
+        let policy = self.reducer.lock_policy();
+        crate::policy::check_checkpointable(&**policy)?;
+        policy.state_dict()
     }
 
     /// Restores this rank's policy state ([`ReducerPolicy::load_state_dict`]).

@@ -33,7 +33,7 @@ pub use bucket::assign_buckets;
 pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
 pub use memory::MemoryReport;
-pub use policy::{bucket_tag, Collectives, ReducerPolicy, TensorWork};
+pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
 pub use reducer::{PassBucket, PassTimes};
 
 use brigade_comm::{CommMeter, Recorder};

@@ -4,7 +4,7 @@
 //! Every model implements [`Model`]: it owns a [`ParamStore`] (whose registration order
 //! is the DDP bucket order), computes a mean loss on a [`Batch`] of named tensors (and its
 //! outputs through [`Model::forward`]), declares what its batches hold ([`BatchSchema`]), and
-//! records each layer's ops under a module scope listed by [`Model::layer_names`], so that
+//! records each layer's ops under a module scope (listed by [`Model::layer_names`]), so that
 //! backward can be attributed per layer on a timeline. Parameter names and layouts match the
 //! PyTorch modules described in [`mlp`] and [`gpt`], so state dicts move both ways
 //! through [`io`].
@@ -89,17 +89,22 @@ pub use tokens::{write_llmc_shard, TokenFormat};
 
 /// A trainable model as the CLI and the DDP tests drive it.
 ///
-/// Only [`Model::params`], [`Model::loss`] and [`Model::layer_names`] are required; the others
-/// have defaults for a model without an inference path, without a declared batch, or without
-/// anything that depends on the mode (no dropout).
+/// Only [`Model::params`] and [`Model::loss`] are required; the others have defaults for a
+/// model without an inference path, without a declared batch, without named layers, or without
+/// anything that depends on the mode (no dropout). [`nn::Sequential`] is a whole model built
+/// from layers.
 pub trait Model: Send {
     /// The parameters, in registration order (the DDP bucket order).
     fn params(&self) -> &ParamStore;
     /// Forward pass + mean loss on one batch (graph recorded unless under `no_grad`).
     fn loss(&self, batch: &Batch) -> Result<Var>;
     /// Module scopes in forward order (e.g. `["layers.0", ..]` or
-    /// `["embed", "blocks.0", .., "head"]`), for timelines.
-    fn layer_names(&self) -> Vec<String>;
+    /// `["embed", "blocks.0", .., "head"]`): the scopes its layers' ops run under, as a
+    /// timeline shows them. Nothing in training reads it; the default is an empty list (not
+    /// declared).
+    fn layer_names(&self) -> Vec<String> {
+        vec![]
+    }
 
     /// Inference: the model's outputs (logits) for the batch's inputs, as [`Model::loss`]
     /// computes them before the loss. To evaluate, run it in [`Model::eval`] mode under

@@ -14,6 +14,10 @@ impl ReducerPolicy for AllReduce {
         "allreduce".into()
     }
 
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::Nothing
+    }
+
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
         Ok(Reduction::Full(comm.all_reduce(
             &bucket.tensor,

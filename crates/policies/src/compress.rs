@@ -135,6 +135,10 @@ impl ReducerPolicy for Compress {
         }
     }
 
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::Nothing
+    }
+
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
         let world = comm.world_size();
         let on = bucket.tensor.device();

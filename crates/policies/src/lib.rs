@@ -9,6 +9,7 @@
 mod allreduce;
 mod compress;
 mod error;
+mod int8;
 mod powersgd;
 mod spec;
 pub mod zero;
@@ -16,6 +17,7 @@ pub mod zero;
 pub use allreduce::AllReduce;
 pub use compress::{Compress, HalfType};
 pub use error::{PolicyError, Result};
+pub use int8::Int8;
 pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use spec::{MakeUserPolicy, PolicySpec, Registry, DEFAULT_POWERSGD_START};
 pub use zero::{Zero, ZeroOptimizer, ZeroStage};

@@ -194,6 +194,10 @@ impl ReducerPolicy for PowerSgd {
         .to_string()
     }
 
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::InStateDict
+    }
+
     fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade_ddp::Result<()> {
         for p in buckets.iter().flat_map(|b| &b.params) {
             self.names.insert(p.index, p.name.clone());

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use brigade_ddp::ReducerPolicy;
 
 use crate::error::{PolicyError, Result};
-use crate::{AllReduce, Compress, HalfType, PowerSgd, PowerSgdConfig, Zero, ZeroStage};
+use crate::{AllReduce, Compress, HalfType, Int8, PowerSgd, PowerSgdConfig, Zero, ZeroStage};
 
-/// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `powersgd:R[@START]`, `zero1`,
+/// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`,
 /// `zero2`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`fmt::Display`] writes
 /// the canonical form [`FromStr`] reads back (`powersgd:4` for rank 4 from the default start
 /// iteration 10; `powersgd:4@2` otherwise).
@@ -24,6 +24,8 @@ pub enum PolicySpec {
     Fp16,
     /// bf16 compression ([`Compress`]).
     Bf16,
+    /// int8 quantization with error feedback ([`Int8`]).
+    Int8,
     /// PowerSGD ([`PowerSgd`]) of rank `rank`, compressing from iteration `start_iter`.
     PowerSgd {
         /// The approximation's rank.
@@ -47,7 +49,7 @@ pub enum PolicySpec {
 /// PowerSGD's start iteration when a spec does not give one.
 pub const DEFAULT_POWERSGD_START: usize = 10;
 
-const FORMS: &str = "allreduce, fp16, bf16, powersgd:R[@START], zero1, zero2, or a registered NAME[:ARGS]";
+const FORMS: &str = "allreduce, fp16, bf16, int8, powersgd:R[@START], zero1, zero2, or a registered NAME[:ARGS]";
 
 impl PolicySpec {
     /// The ZeRO stage this spec shards at (`Off` for every other policy).
@@ -71,6 +73,7 @@ impl PolicySpec {
             PolicySpec::AllReduce => Box::new(AllReduce),
             PolicySpec::Fp16 => Box::new(Compress::new(HalfType::F16)),
             PolicySpec::Bf16 => Box::new(Compress::new(HalfType::BF16)),
+            PolicySpec::Int8 => Box::new(Int8::default()),
             PolicySpec::PowerSgd { rank, start_iter } => Box::new(PowerSgd::new(PowerSgdConfig {
                 rank: *rank,
                 start_iter: *start_iter,
@@ -89,6 +92,7 @@ impl fmt::Display for PolicySpec {
             PolicySpec::AllReduce => f.write_str("allreduce"),
             PolicySpec::Fp16 => f.write_str("fp16"),
             PolicySpec::Bf16 => f.write_str("bf16"),
+            PolicySpec::Int8 => f.write_str("int8"),
             PolicySpec::PowerSgd { rank, start_iter } if *start_iter == DEFAULT_POWERSGD_START => {
                 write!(f, "powersgd:{rank}")
             }
@@ -115,7 +119,7 @@ fn valid_name(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-const BUILT_IN: [&str; 6] = ["allreduce", "fp16", "bf16", "powersgd", "zero1", "zero2"];
+const BUILT_IN: [&str; 7] = ["allreduce", "fp16", "bf16", "int8", "powersgd", "zero1", "zero2"];
 
 impl FromStr for PolicySpec {
     type Err = PolicyError;
@@ -136,6 +140,7 @@ impl FromStr for PolicySpec {
             "allreduce" => no_arg(PolicySpec::AllReduce),
             "fp16" => no_arg(PolicySpec::Fp16),
             "bf16" => no_arg(PolicySpec::Bf16),
+            "int8" => no_arg(PolicySpec::Int8),
             "zero1" => no_arg(PolicySpec::Zero1),
             "zero2" => no_arg(PolicySpec::Zero2),
             "powersgd" => {

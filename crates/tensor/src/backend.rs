@@ -87,6 +87,24 @@ pub(crate) enum UnaryOp {
     Affine { mul: f64, add: f64 },
     /// `powf(x, p)`, with `p` rounded to the dtype first.
     Powf(f64),
+    /// `sin(x)`.
+    Sin,
+    /// `cos(x)`.
+    Cos,
+    /// `|x|`.
+    Abs,
+    /// `x > 0 ? 1 : (x < 0 ? -1 : x * 0)`: 0 at 0, a NaN stays NaN.
+    Sign,
+    /// `x` rounded to the nearest integer, half to even (`round_ties_even`, CUDA's `rint`).
+    Round,
+    /// `x < min ? min : (x > max ? max : x)`, bounds rounded to the dtype first (a NaN stays
+    /// NaN; an infinite bound clamps nothing on that side).
+    Clamp { min: f64, max: f64 },
+    /// `min <= x && x <= max ? 1 : 0`, bounds rounded to the dtype first: where a clamp
+    /// passes its gradient.
+    InRange { min: f64, max: f64 },
+    /// `x == 0 ? 1 : 0`: which elements equal a reduction's result once it is subtracted.
+    IsZero,
 }
 
 /// Elementwise maps of two tensors broadcast to one shape.

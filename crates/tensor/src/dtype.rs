@@ -47,6 +47,12 @@ pub trait Float:
     fn max(self, other: Self) -> Self;
     /// True for a NaN.
     fn is_nan(self) -> bool;
+    /// The sine.
+    fn sin(self) -> Self;
+    /// The cosine.
+    fn cos(self) -> Self;
+    /// The nearest integer, half to even.
+    fn round_ties_even(self) -> Self;
     /// `n` in this type (rounded).
     fn from_usize(n: usize) -> Self {
         Self::from_f64(n as f64)
@@ -81,6 +87,15 @@ impl Float for f32 {
     fn is_nan(self) -> bool {
         f32::is_nan(self)
     }
+    fn sin(self) -> Self {
+        f32::sin(self)
+    }
+    fn cos(self) -> Self {
+        f32::cos(self)
+    }
+    fn round_ties_even(self) -> Self {
+        f32::round_ties_even(self)
+    }
 }
 
 impl Float for f64 {
@@ -110,6 +125,15 @@ impl Float for f64 {
     }
     fn is_nan(self) -> bool {
         f64::is_nan(self)
+    }
+    fn sin(self) -> Self {
+        f64::sin(self)
+    }
+    fn cos(self) -> Self {
+        f64::cos(self)
+    }
+    fn round_ties_even(self) -> Self {
+        f64::round_ties_even(self)
     }
 }
 

@@ -337,7 +337,17 @@ impl Tensor {
         Ok(self.to_f64_vec()?[0])
     }
 
-    /// A contiguous copy converted to `dtype` (shares storage when nothing changes).
+    /// A contiguous copy converted to `dtype` (shares storage when nothing changes), on every
+    /// backend alike:
+    /// - to a float type: rounded to nearest, ties to even (values past `F16`'s range become
+    ///   infinities);
+    /// - to `I8`, the quantizing cast: rounded to nearest, **ties to even** (`2.5 -> 2`,
+    ///   `3.5 -> 4`, `-0.5 -> 0`), **saturating at ±127** (the symmetric range: `-128` is
+    ///   never produced, so `-q` is always representable), NaN to 0. PyTorch's
+    ///   `.to(torch.int8)` truncates toward zero and wraps instead; quantize with
+    ///   `(x / scale).to_dtype(DType::I8)` and no explicit round or clamp;
+    /// - to `I64` and `U8`: truncated toward zero and saturating at the type's bounds, NaN to 0
+    ///   (Rust's `as`).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype {
             return self.contiguous();
@@ -491,4 +501,29 @@ mod sole_owner_tests {
         let tr = Tensor::zeros(&[2, 3], DType::F32).t().unwrap();
         assert!(!tr.is_sole_owner());
     }
+}
+
+#[cfg(test)]
+mod cast_tests {
+    use crate::{test_device, DType, Device, Tensor};
+
+    fn the_int8_cast_rounds_half_to_even_and_saturates_at_127(d: Device) {
+        let v = vec![
+            2.5f32,
+            3.5,
+            -2.5,
+            -0.5,
+            0.49,
+            126.5,
+            127.5,
+            1e9,
+            -200.0,
+            f32::NAN,
+            f32::NEG_INFINITY,
+        ];
+        let t = Tensor::from_vec(v, &[11]).unwrap().to_device(d).unwrap();
+        let q = t.to_dtype(DType::I8).unwrap().to_vec::<i8>().unwrap();
+        assert_eq!(q, vec![2, 4, -2, 0, 0, 126, 127, 127, -127, 0, -127]);
+    }
+    test_device!(the_int8_cast_rounds_half_to_even_and_saturates_at_127);
 }

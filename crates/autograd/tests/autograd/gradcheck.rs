@@ -50,6 +50,89 @@ fn unary_ops() {
     check(|v| v[0].relu(), &[Tensor::from_vec(away, &[2, 5]).unwrap()]);
 }
 
+/// `x` with every element within `gap` of a point in `kinks` moved `2 gap` away from it.
+fn away_from(x: Tensor, kinks: &[f64], gap: f64) -> Tensor {
+    let v = x
+        .to_vec::<f64>()
+        .unwrap()
+        .into_iter()
+        .map(|v| {
+            if kinks.iter().any(|k| (v - k).abs() < gap) {
+                v + 2.0 * gap
+            } else {
+                v
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, x.shape()).unwrap()
+}
+
+#[test]
+fn trigonometric_magnitude_power_and_clamping_ops() {
+    let x = randn(&[3, 4], 50);
+    check(|v| v[0].sin(), &[x.clone()]);
+    check(|v| v[0].cos(), &[x.clone()]);
+    check(|v| v[0].sqr(), &[x.clone()]);
+    check(|v| v[0].pow(3.0), &[x.clone()]);
+    check(|v| v[0].pow(-1.5), &[positive(&[3, 4], 51)]);
+    check(|v| v[0].pow(0.5), &[positive(&[3, 4], 52)]);
+    // away from the kinks: abs at 0, clamp at its bounds
+    check(|v| v[0].abs(), &[away_from(x.clone(), &[0.0], 0.05)]);
+    check(|v| v[0].clamp(-0.5, 0.7), &[away_from(x.clone(), &[-0.5, 0.7], 0.05)]);
+    check(
+        |v| v[0].clamp(f64::NEG_INFINITY, 0.2),
+        &[away_from(x.clone(), &[0.2], 0.05)],
+    );
+    // a transposed view through a composition
+    check(|v| v[0].t()?.sin()?.mul(&v[0].t()?.cos()?), &[x]);
+}
+
+#[test]
+fn round_has_a_zero_gradient_and_the_straight_through_form_passes_it() {
+    // away from the half-integers, round is a step: both gradients are 0
+    let x = away_from(
+        randn(&[2, 5], 53).mul_scalar(3.0).unwrap(),
+        &[-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5],
+        0.05,
+    );
+    check(|v| v[0].round(), &[x.clone()]);
+    let v = Var::leaf(x.clone());
+    v.round().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(v.grad().unwrap().to_vec::<f64>().unwrap(), vec![0.0; 10]);
+    // the straight-through estimator the doc gives: round's value, the identity's gradient
+    let v = Var::leaf(x.clone());
+    let ste = v.add(&v.round().unwrap().sub(&v).unwrap().detach()).unwrap();
+    assert_eq!(
+        ste.value().to_vec::<f64>().unwrap(),
+        x.round().unwrap().to_vec::<f64>().unwrap()
+    );
+    ste.sum_all().unwrap().backward().unwrap();
+    assert_eq!(v.grad().unwrap().to_vec::<f64>().unwrap(), vec![1.0; 10]);
+}
+
+#[test]
+fn amax_and_amin_over_dims() {
+    let x = randn(&[2, 3, 4], 54);
+    check(|v| v[0].amax(&[2], false), &[x.clone()]);
+    check(|v| v[0].amax(&[0, 2], true), &[x.clone()]);
+    check(|v| v[0].amin(&[1], false), &[x.clone()]);
+    check(|v| v[0].amin(&[0, 1, 2], false), &[x.clone()]);
+    check(|v| v[0].transpose(0, 2)?.amax(&[1, 2], false), &[x]);
+    // ties share the gradient equally (PyTorch's amax): [3, 1, 3] -> 1/2, 0, 1/2
+    let v = Var::leaf(Tensor::from_vec(vec![3.0f64, 1.0, 3.0, -2.0, -2.0, 0.0], &[2, 3]).unwrap());
+    v.amax(&[1], false).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(
+        v.grad().unwrap().to_vec::<f64>().unwrap(),
+        vec![0.5, 0.0, 0.5, 0.0, 0.0, 1.0]
+    );
+    let v = Var::leaf(Tensor::from_vec(vec![3.0f64, 1.0, 3.0, -2.0, -2.0, 0.0], &[2, 3]).unwrap());
+    v.amin(&[0, 1], false).unwrap().backward().unwrap();
+    assert_eq!(
+        v.grad().unwrap().to_vec::<f64>().unwrap(),
+        vec![0.0, 0.0, 0.0, 0.5, 0.5, 0.0]
+    );
+}
+
 #[test]
 fn matmul_plain_batched_and_transposed() {
     check(|v| v[0].matmul(&v[1]), &[randn(&[3, 4], 9), randn(&[4, 5], 10)]);

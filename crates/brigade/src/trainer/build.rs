@@ -31,6 +31,7 @@ impl<'a> Trainer<'a> {
         ctx: &'a RankContext,
     ) -> Result<Self> {
         set_compute_threads(compute_threads(cfg, ctx));
+        cfg.runtime.checkpoint.validate()?;
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }
@@ -39,6 +40,10 @@ impl<'a> Trainer<'a> {
         // This rank's policy, made first: a checkpoint names the policy it was written under.
         let policy = cfg.distributed.as_ref().map(|d| d.policy.make(ctx.rank)).transpose()?;
         let policy_name = policy.as_ref().map(|p| p.name());
+        // before any step: a checkpoint of a policy that may keep unsaved state would resume inexactly
+        if let (Some(p), Some(_)) = (&policy, &cfg.runtime.checkpoint.path) {
+            brigade_ddp::policy::check_checkpointable(p.as_ref())?;
+        }
         let mut resumed = resume(cfg, data, ctx, model.as_mut(), opt.as_mut(), policy_name.as_deref())?;
         let (schedule, changes) = check_recipe(cfg, resumed.as_ref())?;
         let resume = ResumeNotes {

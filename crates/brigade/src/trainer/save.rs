@@ -11,11 +11,13 @@ use crate::resume::recipe_metadata;
 use super::{zero_stage, Trainer};
 
 impl Trainer<'_> {
-    /// Writes the checkpoint (rank 0) of the state after the last step run. Unless
+    /// Writes the checkpoint (rank 0) of the state after the last step run, to
+    /// [`crate::config::CheckpointConfig::path_at`] that step, then removes the checkpoints
+    /// beyond `keep_last`. Unless
     /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
     /// never overwrites the last good checkpoint.
     pub fn checkpoint(&mut self) -> Result<()> {
-        let Some(path) = &self.cfg.runtime.checkpoint.path else {
+        let Some(path) = self.cfg.runtime.checkpoint.path_at(self.at.next_step) else {
             return Ok(());
         };
         if !self.cfg.recipe.allow_nonfinite {
@@ -23,9 +25,15 @@ impl Trainer<'_> {
         }
         // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
         self.replica.opt.consolidate_state()?;
-        // Every rank's policy state, on rank 0 (a collective).
+        // Every rank's policy state, on rank 0 (a collective unless the step gathered it).
         let (policy_state, policy_name) = match &self.replica.ddp {
-            Some(ddp) => (ddp.gather_policy_state()?, Some(ddp.policy_name())),
+            Some(ddp) => {
+                let state = match self.saves.policy_state_at_start.take() {
+                    Some(state) => state,
+                    None => ddp.gather_policy_state()?,
+                };
+                (state, Some(ddp.policy_name()))
+            }
             None => (vec![], None),
         };
         // Every rank's dropout generator, on rank 0 (a collective).
@@ -33,7 +41,8 @@ impl Trainer<'_> {
         if self.ctx.rank == 0 {
             let id = self.identity(policy_name.as_deref(), dropout_rng);
             let (model, opt) = (self.replica.model.as_ref(), self.replica.opt.as_ref());
-            save_checkpoint(path, &id, model, opt, &policy_state, self.at.next_step)?;
+            save_checkpoint(&path, &id, model, opt, &policy_state, self.at.next_step)?;
+            self.cfg.runtime.checkpoint.prune()?;
         }
         self.saves.written = Some(self.at.next_step);
         Ok(())

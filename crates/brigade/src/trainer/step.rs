@@ -45,6 +45,11 @@ impl Trainer<'_> {
         let t0 = Instant::now();
         let agreement = self.agree_on_data()?;
         let has_data = self.has_data(agreement.as_ref())?;
+        // a due checkpoint holds the policy state this step starts from (a collective)
+        self.saves.policy_state_at_start = match (&self.replica.ddp, self.saves.due) {
+            (Some(ddp), true) => Some(ddp.gather_policy_state()?),
+            _ => None,
+        };
         let sent_before = self.replica.meter.totals();
         let step_span = self.span(EventKind::Step(s));
         let lr = self.schedule.apply(self.replica.opt.as_mut(), s as u64);

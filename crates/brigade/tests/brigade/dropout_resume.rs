@@ -142,6 +142,7 @@ fn a_periodic_checkpoint_holds_the_generator_from_before_the_step_it_resumes() {
             path: Some(ckpt.clone()),
             every: Some(2),
             resume: None,
+            keep_last: None,
         };
         c.runtime.instrument = Instrumentation {
             observer: Some(Arc::new(CopyAfter {

@@ -31,7 +31,7 @@ use crate::fake_device::{small_gpt, step_counts};
 
 #[allow(dead_code)]
 #[path = "../../examples/own_hook.rs"]
-mod own_hook;
+pub(crate) mod own_hook;
 
 #[allow(dead_code)]
 #[path = "../../examples/local_sgd.rs"]

@@ -2,7 +2,9 @@
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
+mod checkpoints;
 mod common;
+mod composition;
 mod dropout_resume;
 mod fake_device;
 mod fake_policies;

@@ -1,12 +1,16 @@
 //! Reducer-policy state in `fit`'s checkpoints: every rank's state (PowerSGD's error feedback,
 //! its warm-start factors and iteration count) is written with the checkpoint and restored on
 //! resume, so that 5 steps + resume + 5 steps is 10 straight steps bit for bit; the checkpoint
-//! records the policy's spec, and a resume under another policy is refused in one line.
+//! records the policy's spec, and a resume under another policy is refused in one line. A
+//! user's policy that keeps state says so: the int8 example resumes exactly from its saved
+//! residual, and the same policy saying nothing and saving nothing has its checkpoint refused.
 
 use crate::common::{self, resuming, writing};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
+use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
 use brigade::policies::PolicySpec;
@@ -103,5 +107,93 @@ fn a_checkpoint_resumes_only_under_the_policy_it_was_written_with() {
         .expect("another policy")
         .to_string();
     assert!(e.contains("'allreduce'") && e.contains(POWERSGD), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+fn int8_config(steps: usize, declared: bool) -> TrainConfig {
+    use crate::fake_policies::own_hook::Int8;
+    let policy = match declared {
+        true => brigade::policy::per_rank(|_| Int8::default()),
+        false => brigade::policy::per_rank(|_| Undeclared(Int8::default())),
+    };
+    let mut c = config("allreduce", steps);
+    c.distributed.get_or_insert_default().policy = policy;
+    c
+}
+
+/// The int8 example as a user who copied it without `keeps_state` and `state_dict` has it: it
+/// keeps its residual across steps and says nothing of it.
+struct Undeclared(crate::fake_policies::own_hook::Int8);
+
+impl ReducerPolicy for Undeclared {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+        self.0.reduce(bucket, comm)
+    }
+}
+
+#[test]
+fn the_int8_example_resumes_bit_exact_with_its_error_feedback_from_the_checkpoint() {
+    let d = tmp("int8");
+    let ckpt = d.join("run.ckpt");
+    let straight = run(&int8_config(10, true)).unwrap();
+    run(&writing(int8_config(5, true), &ckpt)).unwrap();
+    let resumed = run(&resuming(int8_config(10, true), &ckpt)).unwrap();
+    assert_eq!(resumed.outcome.first_step, 5);
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[5..],
+        "losses, bit for bit"
+    );
+    assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_checkpoint_of_a_policy_that_neither_declares_nor_saves_its_state_is_refused_in_one_line() {
+    let d = tmp("undeclared");
+    let ckpt = d.join("run.ckpt");
+    // without a checkpoint the policy trains as the declared one does
+    let plain = run(&int8_config(4, false)).unwrap();
+    assert_eq!(
+        plain.outcome.losses(),
+        run(&int8_config(4, true)).unwrap().outcome.losses()
+    );
+    let e = run(&writing(int8_config(4, false), &ckpt))
+        .err()
+        .expect("a checkpoint that would lose the residual")
+        .to_string();
+    assert!(!e.contains('\n'), "one line: {e}");
+    assert!(
+        e.contains("'int8'") && e.contains("keeps_state") && e.contains("state_dict"),
+        "{e}"
+    );
+    assert!(!ckpt.exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_periodic_checkpoint_holds_the_policy_state_its_step_starts_from() {
+    // the checkpoint after 5 steps is written during step 5, after that step's backward has
+    // updated the residual: it must hold the residual step 5 started from
+    let d = tmp("int8-periodic");
+    let straight = run(&int8_config(10, true)).unwrap();
+    let mut periodic = int8_config(10, true);
+    periodic.runtime.checkpoint = brigade::config::CheckpointConfig {
+        path: Some(d.join("run-{step}.ckpt")),
+        every: Some(5),
+        ..Default::default()
+    };
+    assert_eq!(run(&periodic).unwrap().outcome.losses(), straight.outcome.losses());
+    let resumed = run(&resuming(int8_config(10, true), &d.join("run-5.ckpt"))).unwrap();
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[5..],
+        "losses, bit for bit"
+    );
+    assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
     let _ = std::fs::remove_dir_all(&d);
 }

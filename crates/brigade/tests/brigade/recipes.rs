@@ -161,6 +161,7 @@ fn with_checkpoint(cfg: TrainConfig, write: Option<&std::path::Path>, resume: Op
         path: write.map(Into::into),
         resume: resume.map(Into::into),
         every: None,
+        keep_last: None,
     };
     c
 }

@@ -467,8 +467,9 @@ pub struct DistributedArgs {
     #[arg(long)]
     pub find_unused_parameters: bool,
     /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),
-    /// `fp16` / `bf16` (divide, round to 16 bits, all-reduce half the bytes), `powersgd`
-    /// (low-rank, with error feedback and warm start).
+    /// `fp16` / `bf16` (divide, round to 16 bits, all-reduce half the bytes), `int8` (quantize
+    /// with error feedback, all-gather a quarter of the bytes), `powersgd` (low-rank, with
+    /// error feedback and warm start).
     #[arg(long, value_enum, default_value_t = CommHookName::Allreduce)]
     pub comm_hook: CommHookName,
     /// PowerSGD: rank of the approximation (>= 1).
@@ -536,6 +537,8 @@ pub enum CommHookName {
     Fp16,
     /// Divide, round to bf16, all-reduce, widen.
     Bf16,
+    /// Quantize to int8 with error feedback, all-gather, dequantize and average.
+    Int8,
     /// PowerSGD (`--powersgd-rank`, `--powersgd-start-iter`).
     Powersgd,
 }
@@ -560,6 +563,7 @@ impl RunArgs {
             (ZeroStage::Off, CommHookName::Allreduce) => PolicySpec::AllReduce,
             (ZeroStage::Off, CommHookName::Fp16) => PolicySpec::Fp16,
             (ZeroStage::Off, CommHookName::Bf16) => PolicySpec::Bf16,
+            (ZeroStage::Off, CommHookName::Int8) => PolicySpec::Int8,
             (ZeroStage::Off, CommHookName::Powersgd) => PolicySpec::PowerSgd {
                 rank: self.distributed.powersgd_rank,
                 start_iter: self.distributed.powersgd_start_iter,

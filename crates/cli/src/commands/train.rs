@@ -21,6 +21,11 @@ use crate::signal::StopOnSignal;
 pub struct TrainArgs {
     #[command(flatten)]
     pub run: RunArgs,
+    /// The reducer policy, as one spec: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd`,
+    /// `powersgd:R[@START]`, `zero1`, `zero2` (the same as --comm-hook, --zero and the
+    /// --powersgd-* flags it sets; not with --comm-hook or --zero).
+    #[arg(long, value_parser = crate::policy::parse_entry, conflicts_with_all = ["comm_hook", "zero"])]
+    pub policy: Option<String>,
     /// Write the final parameters here (safetensors, atomically). Every output path is
     /// checked before step 0 (its directory exists and takes files; no two outputs share a
     /// file; none is a file the run reads); a symbolic link is kept and its target written.
@@ -54,12 +59,17 @@ pub struct TrainArgs {
     pub profile_steps: Option<std::ops::Range<usize>>,
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
     /// steps, during the step it resumes once that step's loss is finite); also when no step
-    /// runs.
+    /// runs. `{step}` in the file name becomes the step the checkpoint resumes at
+    /// (`run-{step}.ckpt`), so that each is kept; without it each replaces the last.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Checkpoint period in steps (at least 1; needs --checkpoint).
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
+    /// Keep only the newest N checkpoints of a --checkpoint path holding `{step}` (at least 1;
+    /// older files the path names are removed after each write).
+    #[arg(long, value_name = "N")]
+    pub keep_last: Option<usize>,
     /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
     /// holds the parameters (so --init is an error), the --seed and the data's fingerprint
     /// (a different seed or data is an error), and the rows a step read per rank: data read in
@@ -91,6 +101,31 @@ fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, Stri
 }
 
 impl TrainArgs {
+    /// Sets the flags `--policy` stands for: `--comm-hook`, `--zero` and, for
+    /// `powersgd:R[@START]`, `--powersgd-rank` and `--powersgd-start-iter`.
+    pub fn take_policy(&mut self) -> Result<()> {
+        use crate::args::CommHookName;
+        use brigade::policies::PolicySpec;
+        let Some(entry) = self.policy.take() else {
+            return Ok(());
+        };
+        let spec = crate::policy::resolve(&entry, &self.run)?;
+        let d = &mut self.run.distributed;
+        match spec {
+            PolicySpec::AllReduce => d.comm_hook = CommHookName::Allreduce,
+            PolicySpec::Fp16 => d.comm_hook = CommHookName::Fp16,
+            PolicySpec::Bf16 => d.comm_hook = CommHookName::Bf16,
+            PolicySpec::Int8 => d.comm_hook = CommHookName::Int8,
+            PolicySpec::PowerSgd { rank, start_iter } => {
+                (d.comm_hook, d.powersgd_rank, d.powersgd_start_iter) = (CommHookName::Powersgd, rank, start_iter)
+            }
+            PolicySpec::Zero1 => d.zero = 1,
+            PolicySpec::Zero2 => d.zero = 2,
+            PolicySpec::User { .. } => return Err(Error::Usage(format!("--policy {entry}: not a built-in policy"))),
+        }
+        Ok(())
+    }
+
     /// Checks the flags before any work: numbers, combinations, and every output path.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
@@ -99,6 +134,20 @@ impl TrainArgs {
         match (self.checkpoint_every, &self.checkpoint) {
             (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
             (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
+            _ => {}
+        }
+        let templated = self
+            .checkpoint
+            .as_ref()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n.to_string_lossy().contains("{step}"));
+        match (self.keep_last, templated) {
+            (Some(0), _) => return bad("--keep-last must be at least 1 (checkpoints to keep)".into()),
+            (Some(k), false) => {
+                return bad(format!(
+                    "--keep-last {k} needs {{step}} in the --checkpoint file name (e.g. run-{{step}}.ckpt): without it each checkpoint replaces the last"
+                ))
+            }
             _ => {}
         }
         match (&self.profile_steps, &self.profile) {
@@ -300,6 +349,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     // first: a signal at any point from here on stops the run (at once while it starts)
     let stop_on_signal = StopOnSignal::install();
     t.run.take_old_spellings();
+    t.take_policy()?;
     t.validate()?;
     let locks = Arc::new(OutputLocks::new(t.outputs()));
     let kept = match (&t.resume, &t.losses) {
@@ -319,6 +369,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
         resume: t.resume.clone(),
         checkpoint: t.checkpoint.clone(),
         checkpoint_every: t.checkpoint_every,
+        checkpoint_keep_last: t.keep_last,
         profile: t.profile.is_some(),
         profile_steps: t.profile_steps.clone(),
         observer: Some(observer),

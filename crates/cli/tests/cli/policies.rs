@@ -87,3 +87,45 @@ fn bad_hook_settings_are_one_line_before_step_0() {
     assert!(run(&["--powersgd-rank", "4"]).contains("--comm-hook powersgd"));
     assert!(run(&["--comm-hook", "topk"]).contains("topk"));
 }
+
+#[test]
+fn policy_int8_trains_near_plain_all_reduce_and_policy_spells_the_other_flags() {
+    let plain = losses("policy-plain", &[]);
+    let got = losses("policy-int8", &["--policy", "int8"]);
+    assert_eq!(got[0], plain[0], "step 0's loss comes before any update");
+    let worst = got
+        .iter()
+        .zip(&plain)
+        .map(|(a, b)| (a - b).abs() / b.abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 5e-2, "{got:?} vs {plain:?}");
+    assert!(worst > 0.0, "not a bit changed: int8 did not run");
+    assert_eq!(
+        losses("comm-hook-int8", &["--comm-hook", "int8"]),
+        got,
+        "--comm-hook int8 is the same"
+    );
+    // a spec with its numbers sets the flags they stand for
+    let psgd = [
+        "--comm-hook",
+        "powersgd",
+        "--powersgd-rank",
+        "2",
+        "--powersgd-start-iter",
+        "2",
+    ];
+    assert_eq!(
+        losses("policy-psgd", &["--policy", "powersgd:2@2"]),
+        losses("flags-psgd", &psgd)
+    );
+    assert_eq!(
+        losses("policy-zero2", &["--policy", "zero2"]),
+        losses("flags-zero2", &["--zero", "2"])
+    );
+    let base = ["train", "--model", "mlp", "--widths", "8,4", "--steps", "1"];
+    let run = |extra: &[&str]| fails(&base.iter().copied().chain(extra.iter().copied()).collect::<Vec<_>>());
+    let e = run(&["--policy", "int8", "--comm-hook", "fp16"]);
+    assert!(e.contains("--policy") && e.contains("--comm-hook"), "{e}");
+    let e = run(&["--policy", "int9"]);
+    assert!(e.contains("int9") && e.contains("int8"), "{e}");
+}

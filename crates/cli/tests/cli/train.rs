@@ -414,6 +414,61 @@ fn sweep_writes_the_table_the_chart_and_a_timeline_per_bucket_size() {
 }
 
 #[test]
+fn a_step_checkpoint_path_keeps_each_checkpoint_or_the_newest_keep_last() {
+    let d = dir("keep-last");
+    let run = |name: &str, keep: &[&str]| {
+        let path = d.join(name);
+        ok(&[
+            &[
+                "train",
+                "--steps",
+                "6",
+                "--checkpoint",
+                s(&path),
+                "--checkpoint-every",
+                "2",
+            ],
+            MLP,
+            keep,
+        ]
+        .concat())
+    };
+    let listing = || {
+        let mut v: Vec<String> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    run("all-{step}.ckpt", &[]);
+    assert_eq!(listing(), ["all-2.ckpt", "all-4.ckpt", "all-6.ckpt"]);
+    assert_eq!(
+        load_safetensors_with_metadata(&d.join("all-4.ckpt")).unwrap().1["step"],
+        "4"
+    );
+    run("last-{step}.ckpt", &["--keep-last", "1"]);
+    assert_eq!(listing(), ["all-2.ckpt", "all-4.ckpt", "all-6.ckpt", "last-6.ckpt"]);
+    let e = fails(
+        &[
+            &["train", "--checkpoint", s(&d.join("one.ckpt")), "--keep-last", "2"],
+            MLP,
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--keep-last 2 needs {step}"), "{e}");
+    let e = fails(
+        &[
+            &["train", "--checkpoint", s(&d.join("r-{step}.ckpt")), "--keep-last", "0"],
+            MLP,
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--keep-last must be at least 1"), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
 fn untimed_steps_leave_steps_out_of_the_timing_and_warmup_is_its_hidden_spelling() {
     let run = |flag: &str| {
         let out = brigade(&[&["train"], MLP, &["--steps", "3", "--json", flag, "2"]].concat());

@@ -15,7 +15,8 @@
 //! | what the optimizer steps (full parameters or shard views), built from the user's optimizer config; its learning rate stays settable | [`ReducerPolicy::optimizer`] | the user's optimizer over every parameter |
 //! | the squared norm of the gradients held, summed over ranks when sharded | [`ReducerPolicy::grad_norm_sq`] | exactly that |
 //! | what runs after the optimizer step | [`ReducerPolicy::after_step`] | nothing |
-//! | its state for checkpoints | [`ReducerPolicy::state_dict`], [`ReducerPolicy::load_state_dict`] | none |
+//! | whether it keeps state across steps, and where | [`ReducerPolicy::keeps_state`] | undeclared: checkpoints are refused |
+//! | its state for checkpoints | [`ReducerPolicy::state_dict`], [`ReducerPolicy::load_state_dict`] ([`ParamState`] keys per-parameter state by name) | none |
 //! | what to do when buckets are rebuilt | [`ReducerPolicy::buckets_built`] + [`PerBucket`] | nothing |
 //!
 //! Policies see tensors, never host vectors or communicators: a bucket is a flat [`Tensor`] on
@@ -37,6 +38,7 @@
 
 mod bucket;
 mod context;
+mod param_state;
 pub(crate) mod state;
 
 use brigade_autograd::Optimizer;
@@ -50,6 +52,7 @@ pub use context::{
     BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamInfo, PolicyContext, PolicyDiagnostic,
     PolicyMemory, StepContext,
 };
+pub use param_state::ParamState;
 
 pub use crate::collectives::{CollectiveBackend, Collectives, HostCollectives, TensorPromise, TensorWork};
 use crate::{DdpError, Result};
@@ -118,6 +121,15 @@ pub trait ReducerPolicy: Send {
         Ok(())
     }
 
+    /// Whether this policy keeps state from one step to the next (an error-feedback residual,
+    /// a warm-start factor, a step count), and whether [`ReducerPolicy::state_dict`] holds all
+    /// of it: what decides whether a resume from a checkpoint can be exact. With the default,
+    /// [`KeepsState::Undeclared`], checkpoints of the run are refused ([`check_checkpointable`]);
+    /// every rank must answer alike.
+    fn keeps_state(&self) -> KeepsState {
+        KeepsState::Undeclared
+    }
+
     /// This rank's state, for checkpoints (`name -> tensor`; names are the policy's own).
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         Ok(vec![])
@@ -152,6 +164,39 @@ pub trait ReducerPolicy: Send {
     fn diagnostics(&self) -> Vec<PolicyDiagnostic> {
         vec![]
     }
+}
+
+/// What a policy keeps from one step to the next ([`ReducerPolicy::keeps_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepsState {
+    /// Nothing: each step's reduction depends on that step's gradients alone (all-reduce, a
+    /// cast to fp16). A checkpoint holds no policy state and a resume is exact.
+    Nothing,
+    /// State that [`ReducerPolicy::state_dict`] returns in full and
+    /// [`ReducerPolicy::load_state_dict`] restores (PowerSGD): a resume is exact.
+    InStateDict,
+    /// The policy does not say (the default). It trains as any other, but a checkpoint of it is
+    /// refused ([`check_checkpointable`]): it may keep a residual that a resume would silently
+    /// lose, and an empty or a full `state_dict` does not tell which.
+    Undeclared,
+}
+
+/// Refuses a checkpoint of `policy` when it does not declare what it keeps across steps
+/// ([`KeepsState::Undeclared`]): it may keep a residual that the checkpoint would lose, so that
+/// the resume would silently differ from the run it continues. Decided from the declaration
+/// alone, so every rank answers alike; `fit` asks before its first step when it will write a
+/// checkpoint, and [`crate::DistributedDataParallel::gather_policy_state`] asks again.
+pub fn check_checkpointable(policy: &dyn ReducerPolicy) -> Result<()> {
+    if policy.keeps_state() == KeepsState::Undeclared {
+        return Err(DdpError::PolicyState(format!(
+            "policy '{}' does not declare whether it keeps state across steps, so a checkpoint could \
+             silently lose what it keeps (an error-feedback residual) and its resume would not be exact: \
+             implement ReducerPolicy::keeps_state (KeepsState::Nothing, or KeepsState::InStateDict with \
+             state_dict and load_state_dict)",
+            policy.name()
+        )));
+    }
+    Ok(())
 }
 
 /// Sum of squares of every held gradient (in f64); when any bucket is sharded the partial sums

@@ -416,6 +416,10 @@ impl ReducerPolicy for Stateful {
         Ok(())
     }
 
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::InStateDict
+    }
+
     fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
         let v = vec![self.rank as i64, self.reductions as i64, self.after as i64];
         Ok(vec![("counts".into(), Tensor::from_vec(v, &[3])?)])

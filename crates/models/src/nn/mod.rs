@@ -4,6 +4,9 @@
 //! opened: a model opens one scope per block (`layers.2`, `blocks.0`), which is what the
 //! gradient-ready bus reports and a timeline shows as one backward span.
 //!
+//! [`Sequential`] chains layers (each a [`Layer`]) into a whole model with its [`Loss`], its
+//! parameters in a store of its own: a model without hand-made `ParamStore` wiring.
+//!
 //! Layers whose behaviour depends on the mode ([`Dropout`]) have a `set_training` switch,
 //! passed down by the blocks and models that hold them (PyTorch's `module.train(mode)`).
 //!
@@ -29,9 +32,11 @@ use crate::Result;
 
 mod dropout;
 mod kv_cache;
+mod sequential;
 
 pub use dropout::{Dropout, DropoutRng, RngState};
 pub use kv_cache::{KvCache, LayerKvCache};
+pub use sequential::{Layer, Loss, Sequential};
 
 /// Registers parameters under a name prefix, drawing initial values from one generator in
 /// registration order (so the same seed gives the same model, parameter for parameter).

@@ -117,6 +117,10 @@ impl ReducerPolicy for Zero {
         format!("zero{}", self.stage.level())
     }
 
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::Nothing
+    }
+
     fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
         self.world.store(ctx.world_size, Ordering::Relaxed);
         if !self.sharded(ctx.world_size) {

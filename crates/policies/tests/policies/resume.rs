@@ -117,3 +117,43 @@ fn powersgd_resumed_without_its_state_is_not_the_same_run() {
     let (second, _) = run("powersgd:2@2", 3, 6, Some(&saved));
     assert_ne!(second[0], straight[0][3..].to_vec());
 }
+
+#[test]
+fn int8_loads_only_a_state_of_the_model_s_parameters_and_says_which_entry_is_not() {
+    use brigade_ddp::policy::{BucketParam, BucketSpan};
+    use brigade_ddp::ReducerPolicy;
+    let param = |index: usize, name: &str, offset: usize, shape: &[usize]| BucketParam {
+        index,
+        name: name.into(),
+        offset,
+        shape: shape.to_vec(),
+    };
+    let span = BucketSpan {
+        index: 0,
+        params: vec![param(0, "0.weight", 0, &[4, 2]), param(1, "0.bias", 8, &[4])],
+        numel: 12,
+        grad_numel: 12,
+    };
+    let zeros = |n: usize| brigade_tensor::Tensor::zeros(&[n], brigade_tensor::DType::F32);
+    let mut int8 = brigade_policies::Int8::default();
+    int8.buckets_built(std::slice::from_ref(&span), 0).unwrap();
+    let good = vec![("0.bias".to_string(), zeros(4)), ("0.weight".to_string(), zeros(8))];
+    int8.load_state_dict(&good).unwrap();
+    assert_eq!(int8.state_dict().unwrap().len(), 2);
+    let other = vec![("layers.0.bias".to_string(), zeros(4))];
+    let e = int8.load_state_dict(&other).unwrap_err().to_string();
+    assert!(
+        !e.contains('\n') && e.contains("'layers.0.bias'") && e.contains("no parameter"),
+        "{e}"
+    );
+    let e = int8
+        .load_state_dict(&[("0.bias".to_string(), zeros(5))])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        !e.contains('\n') && e.contains("'0.bias'") && e.contains("5 elements"),
+        "{e}"
+    );
+    // a refused state leaves what was loaded
+    assert_eq!(int8.state_dict().unwrap().len(), 2);
+}

@@ -35,7 +35,7 @@ struct Int8 {
 
 impl ReducerPolicy for Int8 {
     fn name(&self) -> String {
-        "int8".into()
+        "int8-own".into()
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
@@ -101,6 +101,10 @@ impl ReducerPolicy for LocalSgd {
             }
         }
         Ok(())
+    }
+
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::InStateDict
     }
 
     fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
@@ -215,7 +219,7 @@ fn policy_specs_read_back_what_they_write_and_say_what_they_take() {
 fn a_registered_user_policy_is_built_by_name_like_the_built_in_ones() {
     let mut registry = Registry::new();
     registry
-        .register("int8", |_| {
+        .register("int8-own", |_| {
             Ok(Box::new(Int8 { error: HashMap::new() }) as Box<dyn ReducerPolicy>)
         })
         .unwrap();
@@ -231,8 +235,13 @@ fn a_registered_user_policy_is_built_by_name_like_the_built_in_ones() {
     let p = "local-sgd:3".parse::<PolicySpec>().unwrap().build(&registry).unwrap();
     assert_eq!(p.name(), "local-sgd:3@2");
     assert_eq!(
-        "int8".parse::<PolicySpec>().unwrap().build(&registry).unwrap().name(),
-        "int8"
+        "int8-own"
+            .parse::<PolicySpec>()
+            .unwrap()
+            .build(&registry)
+            .unwrap()
+            .name(),
+        "int8-own"
     );
     let e = "local-sgd:x"
         .parse::<PolicySpec>()
@@ -249,11 +258,12 @@ fn a_registered_user_policy_is_built_by_name_like_the_built_in_ones() {
         .unwrap()
         .to_string();
     assert!(
-        e.contains("unknown policy 'topk'") && e.contains("registered: int8, local-sgd"),
+        e.contains("unknown policy 'topk'") && e.contains("registered: int8-own, local-sgd"),
         "{e}"
     );
     // built-in names and registered ones are not taken twice
     let e = registry.register("zero1", |_| unreachable!()).unwrap_err().to_string();
     assert!(e.contains("'zero1' is taken"), "{e}");
+    assert!(registry.register("int8-own", |_| unreachable!()).is_err());
     assert!(registry.register("int8", |_| unreachable!()).is_err());
 }

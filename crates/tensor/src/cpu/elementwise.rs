@@ -97,6 +97,28 @@ impl Elementwise for Buffer {
                     let p = T::from_f64(p);
                     map(src, move |x: T| x.powf(p))
                 }
+                UnaryOp::Sin => map(src, |x: T| x.sin()),
+                UnaryOp::Cos => map(src, |x: T| x.cos()),
+                UnaryOp::Abs => map(src, |x: T| x.abs()),
+                UnaryOp::Sign => map(src, |x: T| {
+                    if x > T::ZERO {
+                        T::ONE
+                    } else if x < T::ZERO {
+                        -T::ONE
+                    } else {
+                        x * T::ZERO
+                    }
+                }),
+                UnaryOp::Round => map(src, |x: T| x.round_ties_even()),
+                UnaryOp::Clamp { min, max } => {
+                    let (lo, hi) = (T::from_f64(min), T::from_f64(max));
+                    map(src, move |x: T| if x < lo { lo } else if x > hi { hi } else { x })
+                }
+                UnaryOp::InRange { min, max } => {
+                    let (lo, hi) = (T::from_f64(min), T::from_f64(max));
+                    map(src, move |x: T| if lo <= x && x <= hi { T::ONE } else { T::ZERO })
+                }
+                UnaryOp::IsZero => map(src, |x: T| if x == T::ZERO { T::ONE } else { T::ZERO }),
             })
         })
     }

@@ -65,6 +65,26 @@ impl Tensor {
     unary_op!(
         /// `x^2`.
         sqr, UnaryOp::Sqr);
+    unary_op!(
+        /// Sine (radians).
+        sin, UnaryOp::Sin);
+    unary_op!(
+        /// Cosine (radians).
+        cos, UnaryOp::Cos);
+    unary_op!(
+        /// `|x|`.
+        abs, UnaryOp::Abs);
+    unary_op!(
+        /// The sign: 1 for positive, -1 for negative, 0 for zero; a NaN stays NaN
+        /// (`torch.sign`).
+        sign, UnaryOp::Sign);
+    unary_op!(
+        /// The nearest integer, half to even (`torch.round`: `round(2.5) = 2`,
+        /// `round(-0.5) = -0`).
+        round, UnaryOp::Round);
+    unary_op!(
+        /// 1 where the element is exactly 0, else 0 (a NaN gives 0).
+        is_zero, UnaryOp::IsZero);
 
     binary_op!(
         /// `a + b`, broadcasting.
@@ -104,6 +124,37 @@ impl Tensor {
     pub fn powf(&self, p: f64) -> Result<Tensor> {
         unary("powf", self, UnaryOp::Powf(p))
     }
+
+    /// `x^p` (`torch.pow` with a scalar exponent): the same as [`Tensor::powf`].
+    pub fn pow(&self, p: f64) -> Result<Tensor> {
+        self.powf(p)
+    }
+
+    /// Each element limited to `[min, max]` (`torch.clamp`); pass `f64::NEG_INFINITY` or
+    /// `f64::INFINITY` for a side without a bound. A NaN stays NaN. `min > max` is an error
+    /// (PyTorch would set every element to `max`).
+    pub fn clamp(&self, min: f64, max: f64) -> Result<Tensor> {
+        check_bounds("clamp", min, max)?;
+        unary("clamp", self, UnaryOp::Clamp { min, max })
+    }
+
+    /// 1 where `min <= x <= max`, else 0 (a NaN gives 0): where [`Tensor::clamp`] passes its
+    /// gradient.
+    pub fn in_range(&self, min: f64, max: f64) -> Result<Tensor> {
+        check_bounds("in_range", min, max)?;
+        unary("in_range", self, UnaryOp::InRange { min, max })
+    }
+}
+
+/// Clamp bounds: neither NaN, `min <= max`.
+fn check_bounds(op: &'static str, min: f64, max: f64) -> Result<()> {
+    if min.is_nan() || max.is_nan() || min > max {
+        return Err(crate::TensorError::Invalid {
+            op,
+            msg: format!("needs min <= max, got min {min} and max {max}"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -155,6 +206,40 @@ mod tests {
         assert!(got(nan.relu().unwrap())[0].is_nan());
     }
     test_device!(unary_maps_and_activation_derivatives);
+
+    fn trigonometry_magnitude_rounding_and_clamping(d: Device) {
+        let x = on(
+            Tensor::from_vec(vec![-2.5f64, -0.5, 0.0, 0.5, 1.5, 2.5], &[6]).unwrap(),
+            d,
+        );
+        let got = |t: Tensor| t.to_vec::<f64>().unwrap();
+        // half to even: -2.5 -> -2, -0.5 -> -0, 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
+        assert_eq!(got(x.round().unwrap()), vec![-2.0, -0.0, 0.0, 0.0, 2.0, 2.0]);
+        assert_eq!(got(x.abs().unwrap()), vec![2.5, 0.5, 0.0, 0.5, 1.5, 2.5]);
+        assert_eq!(got(x.sign().unwrap()), vec![-1.0, -1.0, 0.0, 1.0, 1.0, 1.0]);
+        assert_eq!(got(x.clamp(-1.0, 1.0).unwrap()), vec![-1.0, -0.5, 0.0, 0.5, 1.0, 1.0]);
+        assert_eq!(
+            got(x.clamp(f64::NEG_INFINITY, 0.0).unwrap()),
+            vec![-2.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+        );
+        // the bounds themselves are inside
+        assert_eq!(got(x.in_range(-0.5, 1.5).unwrap()), vec![0.0, 1.0, 1.0, 1.0, 1.0, 0.0]);
+        assert_eq!(got(x.is_zero().unwrap()), vec![0.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
+        assert!(x.clamp(1.0, -1.0).is_err());
+        // sin(pi/6) = 1/2, cos(pi/3) = 1/2
+        let a = on(
+            Tensor::from_vec(vec![std::f64::consts::FRAC_PI_6, std::f64::consts::FRAC_PI_3], &[2]).unwrap(),
+            d,
+        );
+        assert!((got(a.sin().unwrap())[0] - 0.5).abs() < 1e-15);
+        assert!((got(a.cos().unwrap())[1] - 0.5).abs() < 1e-15);
+        // a NaN stays NaN through clamp and sign; it is out of every range
+        let nan = on(Tensor::from_vec(vec![f64::NAN], &[1]).unwrap(), d);
+        assert!(got(nan.clamp(-1.0, 1.0).unwrap())[0].is_nan());
+        assert!(got(nan.sign().unwrap())[0].is_nan());
+        assert_eq!(got(nan.in_range(-1.0, 1.0).unwrap()), vec![0.0]);
+    }
+    test_device!(trigonometry_magnitude_rounding_and_clamping);
 
     fn integer_tensors_are_refused_by_float_kernels(d: Device) {
         let a = on(Tensor::zeros(&[2], DType::I64), d);

@@ -63,6 +63,17 @@ impl Tensor {
         reduce("max", self, &[dim], keepdim, ReduceOp::Max)
     }
 
+    /// Maximum over `dims` (`torch.amax`); a NaN anywhere in a reduced run gives NaN.
+    pub fn amax(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        reduce("amax", self, dims, keepdim, ReduceOp::Max)
+    }
+
+    /// Minimum over `dims` (`torch.amin`): `-amax(-x)`, so the same NaN rule.
+    pub fn amin(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        compute_dtype("amin", self)?;
+        self.neg()?.amax(dims, keepdim)?.neg()
+    }
+
     /// Sums a (broadcast) tensor down to `shape`: the gradient of broadcasting `shape`
     /// up to `self.shape()`.
     pub fn sum_to_shape(&self, shape: &[usize]) -> Result<Tensor> {
@@ -127,4 +138,33 @@ mod tests {
         );
     }
     test_device!(sums_over_middle_and_leading_dims);
+
+    fn amax_and_amin_over_several_dims(d: Device) {
+        // x[i,j,k] = (-1)^k (100 i + 10 j + k) over [2,3,2]
+        let v: Vec<f64> = (0..2)
+            .flat_map(|i| {
+                (0..3).flat_map(move |j| {
+                    (0..2).map(move |k| (if k == 0 { 1.0 } else { -1.0 }) * (100 * i + 10 * j + k) as f64)
+                })
+            })
+            .collect();
+        let x = Tensor::from_vec(v, &[2, 3, 2]).unwrap().to_device(d).unwrap();
+        // over j and k: the largest is 100 i + 20 (k = 0, j = 2), the smallest -(100 i + 21)
+        assert_eq!(
+            x.amax(&[1, 2], false).unwrap().to_vec::<f64>().unwrap(),
+            vec![20.0, 120.0]
+        );
+        assert_eq!(
+            x.amin(&[1, 2], false).unwrap().to_vec::<f64>().unwrap(),
+            vec![-21.0, -121.0]
+        );
+        let m = x.amin(&[0], true).unwrap();
+        assert_eq!(m.shape(), &[1, 3, 2]);
+        assert_eq!(
+            m.to_vec::<f64>().unwrap(),
+            vec![0.0, -101.0, 10.0, -111.0, 20.0, -121.0]
+        );
+        assert!(x.amax(&[3], false).is_err());
+    }
+    test_device!(amax_and_amin_over_several_dims);
 }

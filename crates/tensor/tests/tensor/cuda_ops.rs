@@ -98,6 +98,19 @@ fn parity(device: Device, dtype: DType) -> Vec<Case> {
             t.affine(2.5, -1.0).unwrap(),
         ]
     });
+    h.check("sin/cos/abs/sign/round/clamp/in_range/is_zero", tol, &[&x], |v| {
+        let t = v[0].mul_scalar(3.0).unwrap().t().unwrap();
+        vec![
+            t.sin().unwrap(),
+            t.cos().unwrap(),
+            t.abs().unwrap(),
+            t.sign().unwrap(),
+            t.round().unwrap(),
+            t.clamp(-0.5, 0.75).unwrap(),
+            t.in_range(-0.5, 0.75).unwrap(),
+            t.round().unwrap().is_zero().unwrap(),
+        ]
+    });
     h.check("ln/sqrt/powf", tol, &[&pos], |v| {
         vec![v[0].ln().unwrap(), v[0].sqrt().unwrap(), v[0].powf(1.5).unwrap()]
     });
@@ -133,6 +146,8 @@ fn parity(device: Device, dtype: DType) -> Vec<Case> {
             v[0].sum(&[2], false).unwrap(),
             v[0].max_dim(2, false).unwrap(),
             v[0].max_dim(0, true).unwrap(),
+            v[0].amax(&[0, 2], false).unwrap(),
+            v[0].amin(&[1], true).unwrap(),
             v[0].permute(&[2, 0, 1]).unwrap().copy().unwrap(),
             v[0].sum_to_shape(&[4, 1]).unwrap(),
         ]

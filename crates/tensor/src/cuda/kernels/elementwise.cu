@@ -36,7 +36,18 @@ UNARY(gelu, gelu_fwd<T>(x))
 UNARY(sqr, x * x)
 UNARY(affine, x * p0 + p1)
 UNARY(powf, pow(x, p0))
-// 1 where x is exactly 0 (max_dim's backward: which elements were the maximum).
+UNARY(sin, sin(x))
+UNARY(cos, cos(x))
+UNARY(abs, fabs(x))
+// 0 at 0, a NaN stays NaN (x * 0)
+UNARY(sign, x > T(0) ? T(1) : (x < T(0) ? T(-1) : x * T(0)))
+// half to even, as the CPU's round_ties_even
+UNARY(round, rint(x))
+// p0 = min, p1 = max; a NaN stays NaN
+UNARY(clamp, x < p0 ? p0 : (x > p1 ? p1 : x))
+// 1 where min <= x <= max: where a clamp passes its gradient
+UNARY(in_range, (p0 <= x && x <= p1) ? T(1) : T(0))
+// 1 where x is exactly 0 (the backward of max/amax/amin: which elements were the result).
 UNARY(is_zero, x == T(0) ? T(1) : T(0))
 
 // out[i] = f(a[view_a(i)], b[view_b(i)])

@@ -30,6 +30,14 @@ fn every_launched_kernel_exists_in_its_cubin() {
         UnaryOp::Sqr,
         UnaryOp::Affine { mul: 1.0, add: 0.0 },
         UnaryOp::Powf(2.0),
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Abs,
+        UnaryOp::Sign,
+        UnaryOp::Round,
+        UnaryOp::Clamp { min: -1.0, max: 1.0 },
+        UnaryOp::InRange { min: -1.0, max: 1.0 },
+        UnaryOp::IsZero,
     ];
     let binary = [
         BinaryOp::Add,

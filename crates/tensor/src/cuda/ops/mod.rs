@@ -100,6 +100,14 @@ fn unary_kernel(op: UnaryOp) -> (&'static str, f64, f64) {
         UnaryOp::Sqr => ("sqr", 0.0, 0.0),
         UnaryOp::Affine { mul, add } => ("affine", mul, add),
         UnaryOp::Powf(p) => ("powf", p, 0.0),
+        UnaryOp::Sin => ("sin", 0.0, 0.0),
+        UnaryOp::Cos => ("cos", 0.0, 0.0),
+        UnaryOp::Abs => ("abs", 0.0, 0.0),
+        UnaryOp::Sign => ("sign", 0.0, 0.0),
+        UnaryOp::Round => ("round", 0.0, 0.0),
+        UnaryOp::Clamp { min, max } => ("clamp", min, max),
+        UnaryOp::InRange { min, max } => ("in_range", min, max),
+        UnaryOp::IsZero => ("is_zero", 0.0, 0.0),
     }
 }
 

@@ -1,0 +1,131 @@
+//! Checkpoints inside a run: `{step}` in the path keeps each one, `keep_last` the newest K;
+//! a resume from the step-25 checkpoint of a 50-step run, and that run's final checkpoint,
+//! equal the uninterrupted run bit for bit.
+
+use std::path::{Path, PathBuf};
+
+use brigade::checkpoint::load_model_tensors;
+use brigade::config::CheckpointConfig;
+use brigade::launch::LaunchConfig;
+use brigade::models::{Dataset, Mlp, MlpConfig};
+use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};
+
+use crate::common::{self, resuming};
+
+fn config(steps: usize) -> TrainConfig {
+    let mut c = TrainConfig::new(steps, 8, OptimizerConfig::adamw(1e-2, None));
+    c.model.name = "mlp".into();
+    c.runtime.compute_threads = Some(1);
+    c
+}
+
+fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
+    fit(
+        &LaunchConfig::threads(2),
+        cfg,
+        |_| Dataset::teacher(512, 6, 3, 2).map_err(Into::into),
+        |_| Ok(Box::new(Mlp::new(MlpConfig::new(vec![6, 16, 3]), 3)?)),
+    )
+}
+
+fn every(mut cfg: TrainConfig, path: &Path, every: usize, keep_last: Option<usize>) -> TrainConfig {
+    cfg.runtime.checkpoint = CheckpointConfig {
+        path: Some(path.to_path_buf()),
+        every: Some(every),
+        keep_last,
+        ..CheckpointConfig::default()
+    };
+    cfg
+}
+
+fn files(d: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// By name (a checkpoint's tensors come in name order).
+fn values(params: &[(String, brigade::tensor::Tensor)]) -> Vec<(String, Vec<f32>)> {
+    let mut v: Vec<_> = params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_vec::<f32>().unwrap()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn a_step_path_keeps_each_checkpoint_and_the_step_25_one_resumes_as_the_straight_run() {
+    let d = common::tmp("checkpoints", "step-path");
+    let straight = run(&config(50)).unwrap();
+    let template: PathBuf = d.join("run-{step}.ckpt");
+    let written = run(&every(config(50), &template, 25, None)).unwrap();
+    assert_eq!(
+        written.outcome.losses(),
+        straight.outcome.losses(),
+        "checkpoints change nothing"
+    );
+    // one file per checkpoint, no temporary file left behind (each write is atomic)
+    assert_eq!(files(&d), ["run-25.ckpt", "run-50.ckpt"]);
+    let last = load_model_tensors(&d.join("run-50.ckpt")).unwrap();
+    assert_eq!(last.step, 50);
+    assert_eq!(
+        values(&last.params),
+        values(&straight.outcome.params),
+        "the final checkpoint"
+    );
+    assert_eq!(load_model_tensors(&d.join("run-25.ckpt")).unwrap().step, 25);
+    let resumed = run(&resuming(config(50), &d.join("run-25.ckpt"))).unwrap();
+    assert_eq!(resumed.outcome.first_step, 25);
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[25..],
+        "losses, bit for bit"
+    );
+    assert_eq!(
+        values(&resumed.outcome.params),
+        values(&straight.outcome.params),
+        "parameters, bit for bit"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn keep_last_keeps_the_newest_checkpoints_of_the_path_and_nothing_else_goes() {
+    let d = common::tmp("checkpoints", "keep-last");
+    // files the template does not name stay: another prefix, no digits, a step and more
+    let others = ["other-10.ckpt", "run-x.ckpt", "run-10.ckpt.bak", "run-.ckpt"];
+    for f in others {
+        std::fs::write(d.join(f), b"not mine").unwrap();
+    }
+    // an older run's checkpoint of the same template is the oldest, so it goes first
+    std::fs::write(d.join("run-3.ckpt"), b"an older run").unwrap();
+    run(&every(config(30), &d.join("run-{step}.ckpt"), 5, Some(2))).unwrap();
+    let mut want: Vec<&str> = others.to_vec();
+    want.extend(["run-25.ckpt", "run-30.ckpt"]);
+    want.sort();
+    assert_eq!(files(&d), want);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_keep_last_or_step_path_that_would_do_nothing_is_refused_in_one_line() {
+    let d = common::tmp("checkpoints", "refused");
+    let cases = [
+        (d.join("run.ckpt"), Some(2), "needs {step}"),
+        (d.join("run-{step}.ckpt"), Some(0), "at least 1"),
+        (d.join("{step}").join("run.ckpt"), None, "file name only"),
+    ];
+    for (path, keep, want) in cases {
+        let e = run(&every(config(3), &path, 1, keep))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(!e.contains('\n') && e.contains(want), "{}: {e}", path.display());
+    }
+    assert!(files(&d).is_empty(), "nothing written: {:?}", files(&d));
+    let _ = std::fs::remove_dir_all(&d);
+}

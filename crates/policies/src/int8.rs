@@ -1,0 +1,69 @@
+//! Int8 quantization with error feedback: a quarter of all-reduce's bytes on the wire.
+
+use brigade_ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, ReducerPolicy, Reduction};
+use brigade_ddp::KeepsState;
+use brigade_tensor::{DType, Tensor};
+
+/// Int8 with error feedback, one per rank (the error it keeps is its own). Each rank adds the
+/// rounding error it kept from the last step to its bucket, quantizes it with one scale (its
+/// largest magnitude over 127, at least 1e-30 so that an all-zero bucket gives zeros) by the
+/// int8 cast (half to even, saturating at ±127), keeps the new rounding error, and all-gathers
+/// the int8 payload with the scale beside it; the ranks' pieces are dequantized with their own
+/// scales and averaged in f32 (int8s are not summed as int8s). Every step is a tensor op on the
+/// bucket's device. The error is state across steps, keyed by parameter name and saved in
+/// [`ReducerPolicy::state_dict`], so a checkpoint resumes it exactly.
+#[derive(Debug, Default)]
+pub struct Int8 {
+    error: ParamState,
+}
+
+impl ReducerPolicy for Int8 {
+    fn name(&self) -> String {
+        "int8".into()
+    }
+
+    fn keeps_state(&self) -> KeepsState {
+        KeepsState::InStateDict
+    }
+
+    fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade_ddp::Result<()> {
+        self.error.buckets_built(buckets);
+        Ok(())
+    }
+
+    fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
+        Ok(self.error.state_dict())
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
+        self.error.load_state_dict(state)
+    }
+
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+        let g = bucket.tensor.copy()?;
+        for p in &bucket.params {
+            if let Some(e) = self.error.get(p) {
+                g.narrow(0, p.offset, p.len())?.add_assign(e)?;
+            }
+        }
+        let scale = g
+            .abs()?
+            .amax(&[0], true)?
+            .clamp(1e-30, f64::INFINITY)?
+            .mul_scalar(1.0 / 127.0)?;
+        let q = g.div(&scale)?.to_dtype(DType::I8)?;
+        let error = g.sub(&q.to_dtype(DType::F32)?.mul(&scale)?)?;
+        for p in &bucket.params {
+            self.error.insert(p, error.narrow(0, p.offset, p.len())?.copy()?);
+        }
+        let world = comm.world_size() as f64;
+        // the payload and its scale in one all-gather: [world, n] int8s and [world, 1] scales
+        let gathered = comm.all_gather_with_side(&q, &scale, &bucket.tag());
+        Ok(Reduction::Full(gathered.then(move |(q, s)| {
+            Ok(q.to_dtype(DType::F32)?
+                .mul(&s)?
+                .sum(&[0], false)?
+                .mul_scalar(1.0 / world)?)
+        })))
+    }
+}
