@@ -8,3 +8,4 @@ mod gradcheck;
 mod optim;
 mod profile;
 mod schedule;
+mod scope_hooks;
