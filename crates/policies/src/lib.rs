@@ -18,4 +18,4 @@ pub use compress::{Compress, HalfType};
 pub use error::{PolicyError, Result};
 pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use spec::{MakeUserPolicy, PolicySpec, Registry, DEFAULT_POWERSGD_START};
-pub use zero::{Zero, Zero3, ZeroOptimizer, ZeroStage};
+pub use zero::{Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

@@ -102,12 +102,13 @@ fn the_memory_report_counts_the_shards_and_the_gathered_units() {
     assert_eq!(get(&m0, "parameter_bytes"), 4 * 1732, "{m0}");
     assert_eq!(get(&m0, "gathered_bytes"), 0, "{m0}");
     assert_eq!(get(&m3, "parameter_bytes"), 4 * (272 + 528 + 66), "{m3}");
-    assert_eq!(get(&m3, "gathered_bytes"), 4 * 1056, "{m3}");
+    // a unit and the next, prefetched while it computes: layers 0 and 1 at most
+    assert_eq!(get(&m3, "gathered_bytes"), 4 * (544 + 1056), "{m3}");
     assert!(get(&m3, "total_bytes") < get(&m0, "total_bytes"), "{m3} vs {m0}");
     let text = ok(&cat(&[&base, &MLP[..MLP.len() - 1], &["--zero", "3"]]));
     let line = text.lines().find(|l| l.starts_with("memory per rank")).expect(&text);
     assert!(
-        line.contains("(zero 3, measured)") && line.contains("gathered 0.00 MiB"),
+        line.contains("(zero 3, measured)") && line.contains("gathered 0.01 MiB"),
         "{line}"
     );
 }

@@ -34,7 +34,7 @@ use crate::error::PolicyError;
 
 pub use optimizer::{ZeroOptimizer, ALL_GATHER_CAP_BYTES};
 pub use shard::{padded_len, shard_len};
-pub use zero3::Zero3;
+pub use zero3::{Zero3, DEFAULT_PREFETCH_CAP_BYTES};
 
 /// How much of the training state is sharded over the ranks (`--zero 0|1|2|3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -14,6 +14,11 @@
 //!            the unit's bucket is reduce-scattered into the rank's gradient shard (DDP's reducer)
 //! ```
 //!
+//! Each gather also issues the next unit's (prefetch: forward order in forward, reverse in
+//! backward, [`Zero3::with_prefetch`]), which runs on the comm stream while the unit computes;
+//! a gather still in flight when a pass ends, or when the optimizer steps, is waited for and
+//! dropped (it holds the shards' old values).
+//!
 //! Freeing is in place (FSDP's resize-to-zero): the storage is taken out of the parameter
 //! tensor, which every view and every backward closure shares, so its bytes go while the graph
 //! keeps the tensor; the next gather puts a storage back under the same tensor. A read of a freed
@@ -23,7 +28,7 @@
 //! which units it entered: its backward checks that the scopes cover every parameter the graph
 //! reads (one error line naming the first that is not), then frees the units.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -31,7 +36,7 @@ use brigade_autograd::{GradReady, GradSubscriber, Optimizer, ScopeHooks, Subscri
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
     BucketLayout, BuildOptimizer, Collectives, OptimizerContext, ParamHooks, PolicyBucket, PolicyContext, PolicyMemory,
-    ReducerPolicy, Reduction, StepContext, WireModel,
+    ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
 };
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Tensor};
@@ -88,6 +93,12 @@ struct Gather {
     last_peak: usize,
     /// The first error a hook met (hooks return none): the next backward event returns it.
     error: Option<DdpError>,
+    /// Gathers issued ahead of their unit (prefetch), in issue order.
+    in_flight: VecDeque<(usize, TensorWork<Tensor>)>,
+    /// How many units ahead a gather is issued (0: none).
+    prefetch: usize,
+    /// The most bytes of prefetched parameters in flight at once.
+    prefetch_cap: usize,
 }
 
 /// The hooks of [`Zero3`] (forward scopes and the backward bus).
@@ -134,14 +145,13 @@ impl Gather {
         if self.units[u].gathered {
             return Ok(());
         }
-        let comm = self.comm.clone().expect("active");
+        if !self.in_flight.iter().any(|(v, _)| *v == u) {
+            self.issue(u)?;
+        }
+        let at = self.in_flight.iter().position(|(v, _)| *v == u).expect("issued");
+        let (_, work) = self.in_flight.remove(at).expect("in flight");
+        let full = work.wait()?;
         let unit = &self.units[u];
-        let shard = unit.shard.clone().expect("cut when the optimizer was built");
-        // into a buffer of our own: `all_gather` would consume the shard's storage
-        let full = Tensor::zeros_on(&[comm.world_size() * shard.numel()], DType::F32, shard.device())?;
-        let full = comm
-            .all_gather_into(&shard, &full, &format!("zero3.gather.{}", unit.name))
-            .wait()?;
         let mut offset = 0;
         for &p in &unit.params {
             let value = self.vars[p].value();
@@ -150,11 +160,62 @@ impl Gather {
             value.restore_storage(own.lend_storage()?)?;
             offset += n;
         }
-        let bytes = unit.numel * DType::F32.size_in_bytes();
         self.units[u].gathered = true;
-        self.live += bytes;
+        Ok(())
+    }
+
+    /// Issues unit `u`'s all-gather on the comm stream (its bytes count as gathered from now).
+    fn issue(&mut self, u: usize) -> Result<()> {
+        let comm = self.comm.clone().expect("active");
+        let unit = &self.units[u];
+        let shard = unit.shard.clone().expect("cut when the optimizer was built");
+        // into a buffer of our own: `all_gather` would consume the shard's storage
+        let full = Tensor::zeros_on(&[comm.world_size() * shard.numel()], DType::F32, shard.device())?;
+        let work = comm.all_gather_into(&shard, &full, &format!("zero3.gather.{}", unit.name));
+        self.in_flight.push_back((u, work));
+        self.live += self.unit_bytes(u);
         self.peak = self.peak.max(self.live);
         Ok(())
+    }
+
+    fn unit_bytes(&self, u: usize) -> usize {
+        self.units[u].numel * DType::F32.size_in_bytes()
+    }
+
+    /// Issues the gathers of the next `prefetch` units after `u` in the pass's order (`step`:
+    /// -1 in forward, the units' order; +1 in backward) that are neither gathered, in flight nor
+    /// done, while the bytes in flight stay within the cap.
+    fn prefetch_after(&mut self, u: usize, step: isize) -> Result<()> {
+        let mut next = u as isize;
+        for _ in 0..self.prefetch {
+            next += step;
+            if next < 0 || next as usize >= self.units.len() {
+                return Ok(());
+            }
+            let v = next as usize;
+            let unit = &self.units[v];
+            if unit.gathered || unit.done || self.in_flight.iter().any(|(w, _)| *w == v) {
+                continue;
+            }
+            let in_flight: usize = self.in_flight.iter().map(|(w, _)| self.unit_bytes(*w)).sum();
+            if in_flight + self.unit_bytes(v) > self.prefetch_cap {
+                return Ok(());
+            }
+            self.issue(v)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the gathers still in flight and drops them (a pass ended without using them).
+    fn drain(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        while let Some((u, work)) = self.in_flight.pop_front() {
+            self.live -= self.unit_bytes(u);
+            if let Err(e) = work.wait() {
+                first = first.and(Err(e));
+            }
+        }
+        first
     }
 
     /// Frees unit `u`'s parameters in place (their tensors stay, their storage goes).
@@ -166,11 +227,12 @@ impl Gather {
             drop(self.vars[p].value().lend_storage()?);
         }
         self.units[u].gathered = false;
-        self.live -= self.units[u].numel * DType::F32.size_in_bytes();
+        self.live -= self.unit_bytes(u);
         Ok(())
     }
 
     fn release_all(&mut self) -> Result<()> {
+        self.drain()?;
         (0..self.units.len()).try_for_each(|u| self.release(u))
     }
 
@@ -205,6 +267,7 @@ impl ScopeHooks for Gatherer {
             g.units[u].entered = true;
             if g.active() {
                 g.gather(u)?;
+                g.prefetch_after(u, -1)?;
             }
             Ok(())
         });
@@ -254,8 +317,9 @@ impl GradSubscriber for Gatherer {
             let Some(u) = scope.and_then(|s| g.unit_in(s)) else {
                 return Ok(());
             };
-            if g.active() && !g.units[u].done {
+            if g.active() && !g.units[u].done && !g.units[u].gathered {
                 g.gather(u)?;
+                g.prefetch_after(u, 1)?;
             }
             Ok(())
         });
@@ -330,7 +394,24 @@ impl Default for Zero3 {
     }
 }
 
+/// The most bytes of parameters that [`Zero3`] prefetches at once by default (FSDP limits its
+/// all-gathers in flight in the same spirit).
+pub const DEFAULT_PREFETCH_CAP_BYTES: usize = 64 << 20;
+
 impl Zero3 {
+    /// Gathers each unit `depth` units ahead (forward order in forward, reverse in backward;
+    /// default 1, 0 for none), the next unit's gather running on the comm stream while the
+    /// current one computes, with at most `cap_bytes` of prefetched parameters in flight. Every
+    /// rank must use the same settings.
+    pub fn with_prefetch(self, depth: usize, cap_bytes: usize) -> Zero3 {
+        {
+            let mut g = self.hooks.lock();
+            g.prefetch = depth;
+            g.prefetch_cap = cap_bytes;
+        }
+        self
+    }
+
     /// ZeRO-3 over the units the model's parameters name.
     pub fn new() -> Zero3 {
         Zero3 {
@@ -346,6 +427,9 @@ impl Zero3 {
                     peak: 0,
                     last_peak: 0,
                     error: None,
+                    in_flight: VecDeque::new(),
+                    prefetch: 1,
+                    prefetch_cap: DEFAULT_PREFETCH_CAP_BYTES,
                 }),
             }),
             world: AtomicUsize::new(0),
@@ -525,6 +609,8 @@ impl ReducerPolicy for Zero3 {
         if let Some(e) = g.error.take() {
             return Err(e);
         }
+        // a gather issued before the step holds the old values
+        g.drain()?;
         g.last_peak = g.peak;
         g.peak = g.live;
         Ok(())

@@ -1,6 +1,7 @@
 //! ZeRO-3 against plain all-reduce: the same losses and parameters bit for bit (SGD with
 //! momentum and AdamW, one to three ranks, sizes the world does not divide, microbatches), the
-//! parameters really freed between their units' uses, and one error line for scopes that do not
+//! parameters really freed between their units' uses, the next unit's gather in flight while
+//! one computes (prefetch, within its cap), and one error line for scopes that do not
 //! cover the parameters or units that nest.
 
 use crate::common::{data, max_diff, optimizer, rows, Mlp};
@@ -108,6 +109,20 @@ fn zero_3_matches_plain_ddp_bit_for_bit_with_the_parameters_sharded() {
         for world in [1, 2, 3] {
             let plain = run(kind, world, None, || Box::new(AllReduce));
             let sharded = run(kind, world, None, zero3);
+            // without prefetch: one unit gathered at a time, the largest
+            let unfetched = run(kind, world, None, || Box::new(Zero3::new().with_prefetch(0, 0)));
+            for (u, p) in unfetched.iter().zip(&plain) {
+                assert_eq!(
+                    max_diff(&u.params, &p.params),
+                    0.0,
+                    "{kind} world {world}: without prefetch"
+                );
+                assert_eq!(u.losses, p.losses, "{kind} world {world}: without prefetch");
+                assert_eq!(u.memory.gathered, 4 * 1056, "{kind} world {world}");
+            }
+            // prefetch 1 without room for it is no prefetch
+            let capped = run(kind, world, None, || Box::new(Zero3::new().with_prefetch(1, 4 * 100)));
+            assert_eq!(capped[0].memory.gathered, 4 * 1056, "{kind} world {world}");
             for (rank, (p, z)) in plain.iter().zip(&sharded).enumerate() {
                 let what = format!("{kind} world {world} rank {rank}");
                 assert_eq!(
@@ -132,8 +147,8 @@ fn zero_3_matches_plain_ddp_bit_for_bit_with_the_parameters_sharded() {
                     .sum::<usize>();
                 assert_eq!(z.memory.parameters, shards, "{what}");
                 assert_eq!(p.memory.parameters, 4 * psi, "{what}");
-                // one unit gathered at a time: the largest
-                assert_eq!(z.memory.gathered, 4 * 1056, "{what}");
+                // a unit and the next one, prefetched while it computes: at most layers 1 and 2
+                assert_eq!(z.memory.gathered, 4 * (1056 + 792), "{what}");
                 assert_eq!(p.memory.gathered, 0, "{what}");
             }
             for r in &sharded[1..] {
