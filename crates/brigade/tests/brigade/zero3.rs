@@ -1,7 +1,8 @@
 //! ZeRO-3 through `fit` on the GPT (units: `embed`, `blocks.{i}`, `head`): plain DDP's
 //! training bit for bit (SGD and AdamW, two and three ranks, microbatches, dropout), clipping
 //! within rounding, the memory report's shards and gathered units, a checkpoint of the whole
-//! f32 model that loads as a state dict and resumes bit for bit, and the join mode refused.
+//! f32 model that loads as a state dict and resumes bit for bit, the counting fake device as
+//! the CPU, and the join mode refused.
 
 use std::sync::Arc;
 
@@ -172,4 +173,23 @@ fn zero_3_with_a_join_mode_is_one_error_before_step_0() {
     let e = e.to_string();
     assert!(e.contains("zero3 does not combine with a join mode"), "{e}");
     assert_eq!(e.lines().count(), 1, "{e}");
+}
+
+#[test]
+fn zero_3_on_the_counting_fake_device_trains_as_on_the_cpu() {
+    use brigade::placement::DevicePlacement;
+    use brigade::tensor::fake;
+    // fake device 230: an ordinal no other test of this binary counts on
+    let on = |device: Option<usize>| {
+        let mut c = config(3, "adamw", PolicySpec::Zero3);
+        if let Some(o) = device {
+            c.runtime.device = DevicePlacement::Fake(o);
+            fake::reset(o);
+        }
+        run(2, &c).unwrap()
+    };
+    let (fake_run, cpu) = (on(Some(230)), on(None));
+    assert_eq!(fake_run.outcome.losses(), cpu.outcome.losses());
+    assert_eq!(bits(&fake_run), bits(&cpu));
+    assert!(fake::counts(230).to_host > 0, "the run was on the fake device");
 }
