@@ -32,4 +32,4 @@ pub use optim::{AdamW, Optimizer, Sgd};
 pub use params::ParamStore;
 pub use profile::{profile_ops, OpProfile, OpTime};
 pub use schedule::{LrSchedule, ScheduleKind};
-pub use var::{is_grad_enabled, no_grad, scope, Var};
+pub use var::{is_grad_enabled, no_grad, scope, scope_hooks, set_scope_hooks, ScopeHooks, Var};

@@ -17,6 +17,8 @@ pub(crate) struct ParamInfo {
 #[derive(Clone, Default)]
 pub struct ParamStore {
     params: Vec<Var>,
+    /// Each parameter's unit: the module scope whose forward reads it (see [`ParamStore::set_unit`]).
+    units: Vec<Option<String>>,
     bus: GradBus,
 }
 
@@ -39,7 +41,29 @@ impl ParamStore {
         };
         let v = Var::new_inner(value, true, None, Some(info));
         self.params.push(v.clone());
+        self.units.push(None);
         Ok(v)
+    }
+
+    /// Names the unit of parameter `name`: the module scope ([`crate::scope`], e.g. `blocks.0`)
+    /// under which the model's forward reads it. Units are what a sharding policy gathers and
+    /// frees as one (ZeRO-3): every op that reads the parameter must run inside that scope.
+    pub fn set_unit(&mut self, name: &str, unit: &str) -> Result<()> {
+        let index = self
+            .params
+            .iter()
+            .position(|p| p.name() == Some(name))
+            .ok_or_else(|| AutogradError::Invalid(format!("set_unit: no parameter '{name}'")))?;
+        if unit.is_empty() {
+            return Err(AutogradError::Invalid(format!("set_unit: empty unit for '{name}'")));
+        }
+        self.units[index] = Some(unit.to_string());
+        Ok(())
+    }
+
+    /// The unit of the parameter registered `index`-th, if one was set ([`ParamStore::set_unit`]).
+    pub fn unit(&self, index: usize) -> Option<&str> {
+        self.units.get(index).and_then(|u| u.as_deref())
     }
 
     /// All parameters in registration order.

@@ -44,6 +44,32 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
     static SCOPE: RefCell<Vec<Arc<str>>> = const { RefCell::new(Vec::new()) };
+    static SCOPE_HOOKS: RefCell<Option<Arc<dyn ScopeHooks>>> = const { RefCell::new(None) };
+}
+
+/// Told when the forward enters and leaves a module scope ([`scope`]): where a policy that
+/// shards the parameters gathers a unit's parameters before its forward and frees them after
+/// (ZeRO-3), and where activation checkpointing keeps a unit's input. Installed per thread
+/// ([`set_scope_hooks`]); the methods run on the thread that runs the forward.
+pub trait ScopeHooks: Send + Sync {
+    /// The forward is about to run `f` under `scope` (the full path, `blocks.0.attn`).
+    fn enter(&self, scope: &str) {
+        let _ = scope;
+    }
+    /// The forward under `scope` returned.
+    fn exit(&self, scope: &str) {
+        let _ = scope;
+    }
+}
+
+/// Installs `hooks` for this thread's scopes (`None` removes them); returns what was installed.
+pub fn set_scope_hooks(hooks: Option<Arc<dyn ScopeHooks>>) -> Option<Arc<dyn ScopeHooks>> {
+    SCOPE_HOOKS.with(|h| std::mem::replace(&mut *h.borrow_mut(), hooks))
+}
+
+/// The hooks installed on this thread.
+pub fn scope_hooks() -> Option<Arc<dyn ScopeHooks>> {
+    SCOPE_HOOKS.with(|h| h.borrow().clone())
 }
 
 /// Runs `f` without recording a graph (evaluation, optimizer updates).
@@ -63,16 +89,24 @@ pub fn is_grad_enabled() -> bool {
 /// gives `blocks.0.attn`). Ops record their scope, and backward reports it, so that a
 /// timeline can show the backward of each layer.
 pub fn scope<R>(name: &str, f: impl FnOnce() -> R) -> R {
-    SCOPE.with(|s| {
+    let full = SCOPE.with(|s| {
         let mut s = s.borrow_mut();
         let full: Arc<str> = match s.last() {
             Some(p) => format!("{p}.{name}").into(),
             None => name.into(),
         };
-        s.push(full);
+        s.push(full.clone());
+        full
     });
+    let hooks = scope_hooks();
+    if let Some(h) = &hooks {
+        h.enter(&full);
+    }
     let r = f();
     SCOPE.with(|s| s.borrow_mut().pop());
+    if let Some(h) = &hooks {
+        h.exit(&full);
+    }
     r
 }
 

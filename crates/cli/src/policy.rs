@@ -1,5 +1,5 @@
 //! `brigade sweep --policy`'s entries: each is a [`PolicySpec`] as [`FromStr`] reads it
-//! (`allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`, `zero2`), with what an entry
+//! (`allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`, `zero2`, `zero3`), with what an entry
 //! leaves out taken from the sweep's flags: a bare `powersgd` is of `--powersgd-rank`, and a
 //! PowerSGD entry without `@START` starts at `--powersgd-start-iter`.
 
@@ -11,7 +11,7 @@ use crate::args::RunArgs;
 use crate::error::{Error, Result};
 
 /// Every form `--policy` takes, for error messages.
-pub const POLICY_NAMES: &str = "allreduce, fp16, bf16, int8, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2";
+pub const POLICY_NAMES: &str = "allreduce, fp16, bf16, int8, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2, zero3";
 
 /// Checks one `--policy` entry (clap's value parser; the message is the rest of clap's line).
 pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
@@ -59,6 +59,7 @@ mod tests {
             "powersgd:4@2",
             "zero1",
             "zero2",
+            "zero3",
         ] {
             assert_eq!(parse_entry(name).as_deref(), Ok(name));
         }
@@ -71,7 +72,7 @@ mod tests {
         assert!(parse_entry("powersgd:0").unwrap_err().contains(">= 1"));
         assert!(parse_entry("powersgd:x").unwrap_err().contains("powersgd:R"));
         assert!(parse_entry("powersgd:2@x").unwrap_err().contains("start iteration"));
-        assert!(parse_entry("zero3").unwrap_err().contains("unknown policy"));
+        assert!(parse_entry("zero4").unwrap_err().contains("unknown policy"));
         assert!(parse_entry("").is_err());
     }
 }

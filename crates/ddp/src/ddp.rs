@@ -9,7 +9,8 @@ use brigade_tensor::Tensor;
 use crate::memory::{self, MemoryReport};
 
 use crate::policy::{
-    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, PolicyDiagnostic, ReducerPolicy, StepContext, WireModel,
+    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamHooks, PolicyDiagnostic, ReducerPolicy,
+    StepContext, WireModel,
 };
 use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
@@ -39,6 +40,9 @@ pub struct DistributedDataParallel {
     reducer: Arc<Reducer>,
     bus: GradBus,
     subscriber: Arc<dyn GradSubscriber>,
+    /// The policy's hooks around the parameters' uses (ZeRO-3), installed on the thread that
+    /// built DDP.
+    param_hooks: Option<Arc<dyn ParamHooks>>,
 }
 
 impl DistributedDataParallel {
@@ -81,13 +85,20 @@ impl DistributedDataParallel {
         if cfg.broadcast_parameters {
             broadcast_parameters(&params, comm.as_ref())?;
         }
-        let reducer = Arc::new(Reducer::new(params, comm, stream, cfg, policy)?);
+        let units = (0..params.len()).map(|i| store.unit(i).map(str::to_string)).collect();
+        let reducer = Arc::new(Reducer::new(params, comm, stream, cfg, policy, units)?);
         let subscriber: Arc<dyn GradSubscriber> = reducer.clone();
         store.bus().subscribe(subscriber.clone());
+        let param_hooks = reducer.lock_policy().param_hooks();
+        if let Some(hooks) = &param_hooks {
+            store.bus().subscribe(hooks.clone());
+            brigade_autograd::set_scope_hooks(Some(hooks.clone()));
+        }
         Ok(DistributedDataParallel {
             reducer,
             bus: store.bus().clone(),
             subscriber,
+            param_hooks,
         })
     }
 
@@ -316,6 +327,40 @@ impl DistributedDataParallel {
         self.load_policy_state_dict(&mine)
     }
 
+    /// Runs `f` with every parameter gathered whole into its tensor, then frees them again (FSDP's
+    /// `summon_full_params`): how a checkpoint reads a model whose parameters a policy shards
+    /// (ZeRO-3). A collective: every rank calls it. Under any other policy it just runs `f`.
+    pub fn summon_full_params<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        self.gather_full_params()?;
+        let r = f();
+        self.release_full_params()?;
+        Ok(r)
+    }
+
+    /// The first half of [`DistributedDataParallel::summon_full_params`]: every parameter whole
+    /// until [`DistributedDataParallel::release_full_params`] (a collective; nothing to do when
+    /// the policy does not shard the parameters).
+    pub fn gather_full_params(&self) -> Result<()> {
+        match &self.param_hooks {
+            Some(hooks) => hooks.gather_all(),
+            None => Ok(()),
+        }
+    }
+
+    /// Frees what [`DistributedDataParallel::gather_full_params`] gathered.
+    pub fn release_full_params(&self) -> Result<()> {
+        match &self.param_hooks {
+            Some(hooks) => hooks.release_all(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the policy shards the parameters themselves (ZeRO-3): then they are whole only
+    /// inside their unit's forward and backward, or [`DistributedDataParallel::summon_full_params`].
+    pub fn shards_parameters(&self) -> bool {
+        self.param_hooks.is_some()
+    }
+
     /// This rank's memory, measured from live allocations: parameters, gradients and buckets,
     /// `opt`'s state, the policy's state and its communication scratch ([`MemoryReport`]).
     pub fn rank_memory(&self, opt: &dyn Optimizer) -> Result<MemoryReport> {
@@ -327,6 +372,16 @@ impl DistributedDataParallel {
 impl Drop for DistributedDataParallel {
     fn drop(&mut self) {
         self.bus.unsubscribe(&self.subscriber);
+        if let Some(hooks) = self.param_hooks.take() {
+            let as_sub: Arc<dyn GradSubscriber> = hooks.clone();
+            self.bus.unsubscribe(&as_sub);
+            let ours: Arc<dyn brigade_autograd::ScopeHooks> = hooks;
+            if let Some(installed) = brigade_autograd::set_scope_hooks(None) {
+                if !Arc::ptr_eq(&installed, &ours) {
+                    brigade_autograd::set_scope_hooks(Some(installed));
+                }
+            }
+        }
     }
 }
 

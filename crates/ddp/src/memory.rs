@@ -15,7 +15,8 @@ use crate::Result;
 /// whole length: a freed or lent buffer counts 0). For AdamW in f32 over Ψ parameters on N
 /// ranks the ZeRO paper's accounting is, within the padding of the shards: plain DDP
 /// `parameters 4Ψ + gradients 4Ψ + optimizer_state 8Ψ`; ZeRO-1 `optimizer_state 8Ψ/N`; ZeRO-2
-/// also `gradients 4Ψ/N`.
+/// also `gradients 4Ψ/N`; ZeRO-3 also `parameters 4Ψ/N` between steps (its shards; the
+/// parameter tensors are freed), plus the units `gathered` at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MemoryReport {
     /// The parameters' values.
@@ -33,12 +34,15 @@ pub struct MemoryReport {
     /// held at once beside the gradients (ZeRO's all-gathered parameters; 0 for in-place
     /// all-reduce).
     pub comm_scratch: usize,
+    /// The most bytes of sharded parameters gathered whole at once (ZeRO-3's units, gathered
+    /// for their forward and backward and freed after; 0 when parameters are not sharded).
+    pub gathered: usize,
 }
 
 impl MemoryReport {
     /// Everything above, each storage once.
     pub fn total(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch
+        self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch + self.gathered
     }
 }
 
@@ -58,11 +62,12 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
     }));
     gradients.extend(reducer.params.iter().filter_map(|p| p.grad()).map(|g| live(&g)));
     Ok(MemoryReport {
-        parameters: parameters.values().sum(),
+        parameters: parameters.values().sum::<usize>() + policy.parameter_bytes,
         gradients: gradients.values().sum(),
         buckets: buckets.values().sum(),
         optimizer_state: opt.state_bytes()?,
         policy_state: policy.state_bytes,
         comm_scratch: policy.scratch_bytes,
+        gathered: policy.gathered_bytes,
     })
 }

@@ -142,6 +142,39 @@ fn restore_zeros(flat: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `groups` as a policy fixed them, checked: every trainable parameter in exactly one bucket,
+/// no frozen one, no empty bucket.
+fn check_groups(groups: Vec<Vec<usize>>, trainable: &[bool], policy: &str) -> Result<Vec<Vec<usize>>> {
+    let fail = |reason: String| DdpError::Policy {
+        policy: policy.to_string(),
+        reason,
+    };
+    let mut seen = vec![0usize; trainable.len()];
+    for (b, g) in groups.iter().enumerate() {
+        if g.is_empty() {
+            return Err(fail(format!("its bucket {b} holds no parameter")));
+        }
+        for &p in g {
+            match trainable.get(p) {
+                None => {
+                    return Err(fail(format!(
+                        "its bucket {b} names parameter {p}, which does not exist"
+                    )))
+                }
+                Some(false) => return Err(fail(format!("its bucket {b} holds parameter {p}, which is frozen"))),
+                Some(true) => seen[p] += 1,
+            }
+        }
+    }
+    if let Some(p) = (0..trainable.len()).find(|&p| trainable[p] && seen[p] != 1) {
+        return Err(fail(format!(
+            "its buckets hold parameter {p} {} times, not once",
+            seen[p]
+        )));
+    }
+    Ok(groups)
+}
+
 /// Builds buckets for `groups` and points every parameter's gradient at its slice; each flat
 /// buffer is padded to a multiple of `layout.pad_to` elements.
 pub(crate) fn build_buckets(
@@ -183,6 +216,7 @@ impl Reducer {
         stream: Arc<dyn BucketStream>,
         cfg: DdpConfig,
         policy: Box<dyn ReducerPolicy>,
+        units: Vec<Option<String>>,
     ) -> Result<Reducer> {
         let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
         let ctx = crate::policy::PolicyContext {
@@ -190,7 +224,8 @@ impl Reducer {
             world_size: comm.world_size(),
             params: params
                 .iter()
-                .map(|p| {
+                .enumerate()
+                .map(|(i, p)| {
                     let v = p.value();
                     crate::policy::ParamInfo {
                         name: p.name().unwrap_or("<unnamed>").to_string(),
@@ -198,6 +233,7 @@ impl Reducer {
                         dtype: v.dtype(),
                         device: v.device(),
                         trainable: p.requires_grad(),
+                        unit: units.get(i).cloned().flatten(),
                     }
                 })
                 .collect(),
@@ -220,7 +256,10 @@ impl Reducer {
         }
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
-        let groups = group_params(&params, &order, caps);
+        let groups = match policy.bucket_groups(&ctx)? {
+            Some(groups) => check_groups(groups, &trainable, &policy_name)?,
+            None => group_params(&params, &order, caps),
+        };
         let (buckets, bucket_of) = build_buckets(&params, groups, &layout)?;
         let n = params.len();
         let reducer = Reducer {

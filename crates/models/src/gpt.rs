@@ -150,6 +150,16 @@ impl Gpt {
             .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(&mut p.sub("ln_f"), d, LN_EPS)?;
         let head = Linear::new(&mut p.sub("head"), d, v, false, init)?;
+        // the scopes `logits` runs them under: the embeddings in `embed`, block i in `blocks.{i}`,
+        // the final norm and the head in `head`
+        crate::nn::set_units(&mut store, |name| {
+            let top = name.split('.').next().unwrap_or(name);
+            match top {
+                "tok_emb" | "pos_emb" => "embed".to_string(),
+                "ln_f" | "head" => "head".to_string(),
+                _ => name.split('.').take(2).collect::<Vec<_>>().join("."),
+            }
+        })?;
         Ok(Gpt {
             embed_dropout: Dropout::new(cfg.dropout, &dropout_rng)?,
             cfg,

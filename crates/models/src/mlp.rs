@@ -116,6 +116,10 @@ impl Mlp {
             .enumerate()
             .map(|(i, w)| Linear::new(&mut p.sub(&format!("layers.{i}")), w[0], w[1], true, Init::TorchLinear))
             .collect::<Result<Vec<_>>>()?;
+        // layer i runs under scope `layers.{i}` (`layers.3.weight` -> `layers.3`)
+        crate::nn::set_units(&mut store, |name| {
+            name.rsplit_once('.').map_or(name, |(unit, _)| unit).to_string()
+        })?;
         let dropout_rng = DropoutRng::new(seed ^ DROPOUT_SEED);
         let dropouts = (1..layers.len())
             .map(|_| Dropout::new(cfg.dropout, &dropout_rng))

@@ -23,7 +23,7 @@ pub enum PolicyError {
     },
     /// A user policy's name that no one registered.
     #[error(
-        "unknown policy '{name}': built in are allreduce, fp16, bf16, powersgd:R[@START], zero1, zero2{registered}"
+        "unknown policy '{name}': built in are allreduce, fp16, bf16, powersgd:R[@START], zero1, zero2, zero3{registered}"
     )]
     Unknown {
         /// The name.

@@ -20,4 +20,4 @@ pub use error::{PolicyError, Result};
 pub use int8::Int8;
 pub use powersgd::{PowerSgd, PowerSgdConfig};
 pub use spec::{MakeUserPolicy, PolicySpec, Registry, DEFAULT_POWERSGD_START};
-pub use zero::{Zero, ZeroOptimizer, ZeroStage};
+pub use zero::{Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

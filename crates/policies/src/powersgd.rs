@@ -282,6 +282,7 @@ impl ReducerPolicy for PowerSgd {
         PolicyMemory {
             state_bytes: st.error.values().chain(st.q.values()).map(bytes).sum(),
             scratch_bytes: 0,
+            ..PolicyMemory::default()
         }
     }
 

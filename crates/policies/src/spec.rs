@@ -10,10 +10,10 @@ use std::sync::Arc;
 use brigade_ddp::ReducerPolicy;
 
 use crate::error::{PolicyError, Result};
-use crate::{AllReduce, Compress, HalfType, Int8, PowerSgd, PowerSgdConfig, Zero, ZeroStage};
+use crate::{AllReduce, Compress, HalfType, Int8, PowerSgd, PowerSgdConfig, Zero, Zero3, ZeroStage};
 
 /// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`,
-/// `zero2`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`fmt::Display`] writes
+/// `zero2`, `zero3`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`fmt::Display`] writes
 /// the canonical form [`FromStr`] reads back (`powersgd:4` for rank 4 from the default start
 /// iteration 10; `powersgd:4@2` otherwise).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -37,6 +37,8 @@ pub enum PolicySpec {
     Zero1,
     /// ZeRO stage 2 ([`Zero`]).
     Zero2,
+    /// ZeRO stage 3 ([`Zero3`]): parameters sharded too, gathered per unit.
+    Zero3,
     /// A policy registered by name in a [`Registry`], with its argument (after `:`).
     User {
         /// The registered name.
@@ -49,7 +51,7 @@ pub enum PolicySpec {
 /// PowerSGD's start iteration when a spec does not give one.
 pub const DEFAULT_POWERSGD_START: usize = 10;
 
-const FORMS: &str = "allreduce, fp16, bf16, int8, powersgd:R[@START], zero1, zero2, or a registered NAME[:ARGS]";
+const FORMS: &str = "allreduce, fp16, bf16, int8, powersgd:R[@START], zero1, zero2, zero3, or a registered NAME[:ARGS]";
 
 impl PolicySpec {
     /// The ZeRO stage this spec shards at (`Off` for every other policy).
@@ -57,6 +59,7 @@ impl PolicySpec {
         match self {
             PolicySpec::Zero1 => ZeroStage::One,
             PolicySpec::Zero2 => ZeroStage::Two,
+            PolicySpec::Zero3 => ZeroStage::Three,
             _ => ZeroStage::Off,
         }
     }
@@ -81,6 +84,7 @@ impl PolicySpec {
             })?),
             PolicySpec::Zero1 => Box::new(Zero::new(ZeroStage::One)?),
             PolicySpec::Zero2 => Box::new(Zero::new(ZeroStage::Two)?),
+            PolicySpec::Zero3 => Box::new(Zero3::new()),
             PolicySpec::User { name, arg } => registry.make(name, arg.as_deref())?,
         })
     }
@@ -99,6 +103,7 @@ impl fmt::Display for PolicySpec {
             PolicySpec::PowerSgd { rank, start_iter } => write!(f, "powersgd:{rank}@{start_iter}"),
             PolicySpec::Zero1 => f.write_str("zero1"),
             PolicySpec::Zero2 => f.write_str("zero2"),
+            PolicySpec::Zero3 => f.write_str("zero3"),
             PolicySpec::User { name, arg: None } => f.write_str(name),
             PolicySpec::User { name, arg: Some(a) } => write!(f, "{name}:{a}"),
         }
@@ -119,7 +124,7 @@ fn valid_name(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-const BUILT_IN: [&str; 7] = ["allreduce", "fp16", "bf16", "int8", "powersgd", "zero1", "zero2"];
+const BUILT_IN: [&str; 8] = ["allreduce", "fp16", "bf16", "int8", "powersgd", "zero1", "zero2", "zero3"];
 
 impl FromStr for PolicySpec {
     type Err = PolicyError;
@@ -143,6 +148,7 @@ impl FromStr for PolicySpec {
             "int8" => no_arg(PolicySpec::Int8),
             "zero1" => no_arg(PolicySpec::Zero1),
             "zero2" => no_arg(PolicySpec::Zero2),
+            "zero3" => no_arg(PolicySpec::Zero3),
             "powersgd" => {
                 let arg =
                     arg.ok_or_else(|| spec_error(s, "PowerSGD needs its rank: powersgd:R or powersgd:R@START"))?;

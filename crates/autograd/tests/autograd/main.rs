@@ -9,3 +9,4 @@ mod losses;
 mod optim;
 mod profile;
 mod schedule;
+mod scope_hooks;

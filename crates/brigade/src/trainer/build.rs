@@ -32,6 +32,14 @@ impl<'a> Trainer<'a> {
     ) -> Result<Self> {
         set_compute_threads(compute_threads(cfg, ctx));
         cfg.runtime.checkpoint.validate()?;
+        if zero_stage(cfg) == brigade_policies::ZeroStage::Three && cfg.data.join.is_some() {
+            return Err(Error::Config(
+                "zero3 does not combine with a join mode (DataConfig::join, --join): a rank without data would skip the \
+                 gathers of the units that every forward and backward of the others issues; run without a join mode, \
+                 or under zero2"
+                    .into(),
+            ));
+        }
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }

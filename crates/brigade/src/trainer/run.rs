@@ -143,6 +143,29 @@ impl Trainer<'_> {
     fn outcome(mut self, ended: Ended) -> Result<TrainOutcome> {
         let ddp = self.replica.ddp.as_ref();
         let memory = ddp.map(|d| d.rank_memory(self.replica.opt.as_ref())).transpose()?;
+        // ZeRO-3: rank 0's copy of the whole parameters (gathering them is a collective)
+        let params = match ddp {
+            Some(d) if d.shards_parameters() => {
+                let whole = d.summon_full_params(|| -> Result<Vec<(String, brigade_tensor::Tensor)>> {
+                    match self.ctx.rank {
+                        0 => self
+                            .replica
+                            .model
+                            .params()
+                            .named_values()
+                            .into_iter()
+                            .map(|(n, t)| Ok((n, t.copy()?)))
+                            .collect(),
+                        _ => Ok(vec![]),
+                    }
+                })?;
+                whole?
+            }
+            _ => match self.ctx.rank {
+                0 => self.replica.model.params().named_values(),
+                _ => vec![],
+            },
+        };
         let join = self.feed.join.as_ref();
         Ok(TrainOutcome {
             first_step: self.at.first_step,
@@ -156,10 +179,7 @@ impl Trainer<'_> {
             autotune: self.records.autotune.as_ref().zip(ddp).map(|(t, d)| t.report(d)),
             buckets: ddp.map(|d| d.buckets()).unwrap_or_default(),
             memory,
-            params: match self.ctx.rank {
-                0 => self.replica.model.params().named_values(),
-                _ => vec![],
-            },
+            params,
             rank_lengths: self.feed.lengths.clone(),
             sampler: self.at.next_position,
             policy_diagnostics: ddp.map(|d| d.policy_diagnostics()).unwrap_or_default(),

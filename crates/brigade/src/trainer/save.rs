@@ -20,6 +20,19 @@ impl Trainer<'_> {
         let Some(path) = self.cfg.runtime.checkpoint.path_at(self.at.next_step) else {
             return Ok(());
         };
+        // ZeRO-3: the model whole on every rank while it is checked and written (a collective)
+        if let Some(ddp) = &self.replica.ddp {
+            ddp.gather_full_params()?;
+        }
+        let written = self.checkpoint_whole(&path);
+        if let Some(ddp) = &self.replica.ddp {
+            ddp.release_full_params()?;
+        }
+        written
+    }
+
+    /// [`Trainer::checkpoint`] of the whole parameters.
+    fn checkpoint_whole(&mut self, path: &std::path::Path) -> Result<()> {
         if !self.cfg.recipe.allow_nonfinite {
             self.check_finite()?;
         }

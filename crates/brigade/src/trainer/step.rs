@@ -302,6 +302,11 @@ impl Trainer<'_> {
     pub fn evaluate(&mut self, data: &dyn EvalSource) -> Result<f64> {
         let batches = data.batches(self.ctx.rank, self.ctx.world_size)?;
         self.replica.model.eval();
+        // ZeRO-3: the model whole for the evaluation, whose batches differ between ranks (a
+        // collective before and after, not one per forward)
+        if let Some(ddp) = &self.replica.ddp {
+            ddp.gather_full_params()?;
+        }
         let summed = no_grad(|| -> Result<(f64, usize)> {
             let (mut sum, mut rows) = (0.0, 0);
             for batch in batches {
@@ -313,6 +318,9 @@ impl Trainer<'_> {
             Ok((sum, rows))
         });
         self.replica.model.train();
+        if let Some(ddp) = &self.replica.ddp {
+            ddp.release_full_params()?;
+        }
         let (sum, rows) = summed?;
         let mine = if rows == 0 { f64::NAN } else { sum / rows as f64 };
         if self.ctx.world_size == 1 {

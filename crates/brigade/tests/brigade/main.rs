@@ -16,3 +16,4 @@ mod mpi_launch;
 mod policy_state;
 mod recipes;
 mod sampled;
+mod zero3;

@@ -480,8 +480,9 @@ pub struct DistributedArgs {
     pub powersgd_start_iter: usize,
     /// ZeRO stage: 0 plain DDP; 1 shards the optimizer state over the ranks (each bucket
     /// reduce-scattered, each rank steps its shard, parameters all-gathered); 2 also keeps only
-    /// the rank's shard of the gradients. Needs --comm-hook allreduce.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// the rank's shard of the gradients; 3 also keeps only the rank's shard of the parameters,
+    /// gathered per block for its forward and again for its backward. Needs --comm-hook allreduce.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// Simulated network bandwidth in gigabits per second (e.g. 10 for 10GbE), 0.001 to 1e6.
     #[arg(long, allow_negative_numbers = true)]
@@ -560,6 +561,7 @@ impl RunArgs {
         match (self.zero_stage(), self.distributed.comm_hook) {
             (ZeroStage::One, _) => PolicySpec::Zero1,
             (ZeroStage::Two, _) => PolicySpec::Zero2,
+            (ZeroStage::Three, _) => PolicySpec::Zero3,
             (ZeroStage::Off, CommHookName::Allreduce) => PolicySpec::AllReduce,
             (ZeroStage::Off, CommHookName::Fp16) => PolicySpec::Fp16,
             (ZeroStage::Off, CommHookName::Bf16) => PolicySpec::Bf16,

@@ -31,7 +31,7 @@ pub struct SweepArgs {
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
     /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
-    /// list of policy specs, allreduce, fp16, bf16, powersgd[:R[@START]], zero1, zero2 (a bare
+    /// list of policy specs, allreduce, fp16, bf16, powersgd[:R[@START]], zero1, zero2, zero3 (a bare
     /// powersgd is of --powersgd-rank; without @START PowerSGD starts at
     /// --powersgd-start-iter). Writes policies.csv and policies.svg in --out (see
     /// `policy_sweep.rs`).

@@ -121,6 +121,7 @@ impl TrainArgs {
             }
             PolicySpec::Zero1 => d.zero = 1,
             PolicySpec::Zero2 => d.zero = 2,
+            PolicySpec::Zero3 => d.zero = 3,
             PolicySpec::User { .. } => return Err(Error::Usage(format!("--policy {entry}: not a built-in policy"))),
         }
         Ok(())

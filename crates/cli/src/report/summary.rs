@@ -132,7 +132,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "memory": outcome.memory.map(|m| json!({
             "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
-            "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
+            "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "total_bytes": m.total(),
         })),
         "flags": flags,
         // uneven data: the join mode, the step each rank joined at (null: never), where the data ended
@@ -255,8 +255,13 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         outln!("note: {}", d.message);
     }
     if let Some(m) = outcome.memory {
+        // ZeRO-3: the units gathered at once, beside the shards counted as parameters
+        let gathered = match m.gathered {
+            0 => String::new(),
+            g => format!(", gathered {:.2} MiB", mib(g)),
+        };
         outln!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered}, total {:.2} MiB",
             a.distributed.zero,
             mib(m.parameters),
             mib(m.gradients),

@@ -28,3 +28,4 @@ mod text;
 mod tokens;
 mod train;
 mod zero;
+mod zero3;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use brigade_autograd::{Optimizer, Var};
+use brigade_autograd::{GradSubscriber, Optimizer, ScopeHooks, Var};
 use brigade_tensor::{DType, Device, Tensor};
 
 use super::BucketParam;
@@ -35,6 +35,9 @@ pub struct ParamInfo {
     pub device: Device,
     /// Whether it requires grad (only those are bucketed and reduced).
     pub trainable: bool,
+    /// Its unit, the module scope whose forward reads it, if the model named one
+    /// (`ParamStore::set_unit`): what ZeRO-3 gathers and frees as one.
+    pub unit: Option<String>,
 }
 
 /// One bucket of the current layout.
@@ -143,6 +146,24 @@ pub struct PolicyMemory {
     pub state_bytes: usize,
     /// Communication scratch the last step held at once (ZeRO's all-gathered parameters).
     pub scratch_bytes: usize,
+    /// Parameters the policy holds in place of the parameter tensors (ZeRO-3's f32 shards).
+    pub parameter_bytes: usize,
+    /// The most bytes of parameters gathered at once since the last report (ZeRO-3).
+    pub gathered_bytes: usize,
+}
+
+/// What a policy that shards the parameters themselves (ZeRO-3) does around their uses: as
+/// [`ScopeHooks`] it gathers a unit's parameters into their tensors when the forward enters the
+/// unit's scope and frees them when it leaves; as a [`GradSubscriber`] on the model's bus it
+/// gathers them again when backward reaches the unit and frees them once the unit's gradients
+/// are final. DDP installs both on the thread that builds it ([`crate::ReducerPolicy::param_hooks`]).
+pub trait ParamHooks: ScopeHooks + GradSubscriber {
+    /// Gathers every parameter whole into its tensor (a collective: every rank calls it), for
+    /// reading the full model (a checkpoint, an evaluation whose forwards differ between
+    /// ranks); the hooks gather and free nothing until [`ParamHooks::release_all`].
+    fn gather_all(&self) -> Result<()>;
+    /// Frees what [`ParamHooks::gather_all`] gathered.
+    fn release_all(&self) -> Result<()>;
 }
 
 /// Something a policy wants its caller to know about the run so far (a sweep row and a run's

@@ -18,6 +18,8 @@
 //! | whether it keeps state across steps, and where | [`ReducerPolicy::keeps_state`] | undeclared: checkpoints are refused |
 //! | its state for checkpoints | [`ReducerPolicy::state_dict`], [`ReducerPolicy::load_state_dict`] ([`ParamState`] keys per-parameter state by name) | none |
 //! | what to do when buckets are rebuilt | [`ReducerPolicy::buckets_built`] + [`PerBucket`] | nothing |
+//! | which parameters share a bucket | [`ReducerPolicy::bucket_groups`] | DDP's caps |
+//! | gathering and freeing sharded parameters around their uses | [`ReducerPolicy::param_hooks`] | none: parameters stay whole |
 //!
 //! Policies see tensors, never host vectors or communicators: a bucket is a flat [`Tensor`] on
 //! the parameters' device, computed on with tensor ops, and collectives go through the
@@ -49,8 +51,8 @@ use serde::{Deserialize, Serialize};
 pub use bucket::{bucket_tag, BucketLayout, BucketParam, PerBucket, PolicyBucket, Reduction};
 pub(crate) use context::BucketSource;
 pub use context::{
-    BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamInfo, PolicyContext, PolicyDiagnostic,
-    PolicyMemory, StepContext,
+    BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamHooks, ParamInfo, PolicyContext,
+    PolicyDiagnostic, PolicyMemory, StepContext,
 };
 pub use param_state::ParamState;
 
@@ -77,6 +79,22 @@ pub trait ReducerPolicy: Send {
     fn buckets_built(&mut self, buckets: &[BucketSpan], generation: u64) -> Result<()> {
         let _ = (buckets, generation);
         Ok(())
+    }
+
+    /// The buckets this policy fixes itself, as lists of parameter registration indices in
+    /// launch order (each trainable parameter in exactly one; ZeRO-3: one bucket per unit), or
+    /// `None` for DDP's own grouping by the caps. Asked once, after [`ReducerPolicy::layout`];
+    /// an error here fails DDP's construction.
+    fn bucket_groups(&self, ctx: &PolicyContext) -> Result<Option<Vec<Vec<usize>>>> {
+        let _ = ctx;
+        Ok(None)
+    }
+
+    /// Hooks around the parameters' uses, for a policy that shards the parameters themselves
+    /// (ZeRO-3): DDP installs them when it is built. `None` (the default): the parameters stay
+    /// whole on every rank.
+    fn param_hooks(&self) -> Option<std::sync::Arc<dyn ParamHooks>> {
+        None
     }
 
     /// Reduces a full bucket over the ranks: issues its collectives through `comm` and returns

@@ -384,3 +384,17 @@ impl TransformerBlock {
         Ok(x.add(&self.mlp.forward(&self.ln2.forward(&x)?)?)?)
     }
 }
+
+/// Names each parameter's unit (`ParamStore::set_unit`): the module scope, `unit(name)`, under
+/// which the model's forward reads it (what a parameter-sharding policy gathers as one).
+pub fn set_units(store: &mut ParamStore, unit: impl Fn(&str) -> String) -> Result<()> {
+    let names: Vec<String> = store
+        .params()
+        .iter()
+        .map(|p| p.name().unwrap_or_default().to_string())
+        .collect();
+    for name in names {
+        store.set_unit(&name, &unit(&name))?;
+    }
+    Ok(())
+}

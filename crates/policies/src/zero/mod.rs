@@ -17,6 +17,7 @@
 
 mod optimizer;
 pub mod shard;
+mod zero3;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -33,8 +34,9 @@ use crate::error::PolicyError;
 
 pub use optimizer::{ZeroOptimizer, ALL_GATHER_CAP_BYTES};
 pub use shard::{padded_len, shard_len};
+pub use zero3::{Zero3, DEFAULT_PREFETCH_CAP_BYTES};
 
-/// How much of the training state is sharded over the ranks (`--zero 0|1|2`).
+/// How much of the training state is sharded over the ranks (`--zero 0|1|2|3`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ZeroStage {
     /// Plain DDP: every rank holds everything (stage 0).
@@ -44,15 +46,19 @@ pub enum ZeroStage {
     One,
     /// Stage 2: stage 1, and each rank keeps only its shard of the reduced gradients.
     Two,
+    /// Stage 3: stage 2, and each rank keeps only its shard of the parameters, gathered per
+    /// unit around its forward and backward ([`Zero3`]).
+    Three,
 }
 
 impl ZeroStage {
-    /// The stage for `--zero LEVEL` (0, 1 or 2).
+    /// The stage for `--zero LEVEL` (0, 1, 2 or 3).
     pub fn from_level(level: u8) -> Option<ZeroStage> {
         match level {
             0 => Some(ZeroStage::Off),
             1 => Some(ZeroStage::One),
             2 => Some(ZeroStage::Two),
+            3 => Some(ZeroStage::Three),
             _ => None,
         }
     }
@@ -63,6 +69,7 @@ impl ZeroStage {
             ZeroStage::Off => 0,
             ZeroStage::One => 1,
             ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
         }
     }
 }
@@ -78,12 +85,18 @@ pub struct Zero {
 }
 
 impl Zero {
-    /// ZeRO at `stage` (1 or 2).
+    /// ZeRO at `stage` (1 or 2; stage 3 is [`Zero3`]).
     pub fn new(stage: ZeroStage) -> Result<Zero, PolicyError> {
         if stage == ZeroStage::Off {
             return Err(PolicyError::Config {
                 policy: "zero".into(),
                 reason: "stage 0 is plain DDP: use the allreduce policy".into(),
+            });
+        }
+        if stage == ZeroStage::Three {
+            return Err(PolicyError::Config {
+                policy: "zero".into(),
+                reason: "stage 3 shards the parameters too: use the zero3 policy (Zero3)".into(),
             });
         }
         Ok(Zero {
@@ -163,6 +176,7 @@ impl ReducerPolicy for Zero {
             full.as_ref(),
             build,
             self.all_gather_cap,
+            None,
         )?))
     }
 
@@ -170,6 +184,7 @@ impl ReducerPolicy for Zero {
         PolicyMemory {
             state_bytes: 0,
             scratch_bytes: self.scratch.load(Ordering::Relaxed),
+            ..PolicyMemory::default()
         }
     }
 

@@ -84,6 +84,9 @@ pub struct ZeroOptimizer {
     consolidated: Mutex<Option<Vec<(String, Tensor)>>>,
     /// The most bytes one stage-2 parameter all-gather returns.
     all_gather_cap: usize,
+    /// Stage 3: per bucket, this rank's f32 shard of the bucket's parameters (the master the
+    /// pieces view and the step updates; the parameters are gathered from it, not here).
+    masters: Option<Vec<Tensor>>,
 }
 
 /// The parameter a state entry `NAME.SUFFIX` belongs to (the longest parameter name that
@@ -119,20 +122,24 @@ impl ZeroOptimizer {
         full: &dyn Optimizer,
         build: BuildOptimizer<'_>,
         all_gather_cap: usize,
+        masters: Option<Vec<Tensor>>,
     ) -> Result<ZeroOptimizer> {
         let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
         let params = ctx.buckets.params();
         let names = names(params);
         let state = full.state_dict()?;
         let mut shards = vec![];
-        for span in ctx.buckets.spans() {
+        for (b, span) in ctx.buckets.spans().into_iter().enumerate() {
             let bucket: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
             let pieces = pieces(&bucket, world, rank);
             let mut store = ParamStore::new();
             for piece in &pieces {
-                let value = params[piece.param]
-                    .value()
-                    .flat_view(piece.param_offset, &[piece.len])?;
+                let value = match &masters {
+                    Some(m) => m[b].flat_view(piece.shard_offset, &[piece.len])?,
+                    None => params[piece.param]
+                        .value()
+                        .flat_view(piece.param_offset, &[piece.len])?,
+                };
                 store.add(names[piece.param].clone(), value)?;
             }
             let vars = store.params().to_vec();
@@ -157,6 +164,7 @@ impl ZeroOptimizer {
             scratch,
             consolidated: Mutex::new(None),
             all_gather_cap,
+            masters,
         })
     }
 
@@ -174,8 +182,13 @@ impl ZeroOptimizer {
         };
         let params = self.buckets.params();
         for (piece, var) in sb.pieces.iter().zip(&sb.vars) {
-            let param = params[piece.param].value();
-            var.set_value(param.flat_view(piece.param_offset, &[piece.len])?)?;
+            let value = match &self.masters {
+                Some(m) => m[b].flat_view(piece.shard_offset, &[piece.len])?,
+                None => params[piece.param]
+                    .value()
+                    .flat_view(piece.param_offset, &[piece.len])?,
+            };
+            var.set_value(value)?;
             var.set_grad(Some(grads.flat_view(piece.shard_offset, &[piece.len])?))?;
         }
         sb.opt.step()?;
@@ -291,6 +304,13 @@ impl ZeroOptimizer {
             ));
         }
         let peak = match self.stage {
+            ZeroStage::Three => {
+                // the masters are the shards: nothing to gather here (the units gather them)
+                for b in 0..self.shards.len() {
+                    self.step_bucket(b)?;
+                }
+                0
+            }
             ZeroStage::Two => self.step_chunked()?,
             _ => self.step_in_place()?,
         };

@@ -12,3 +12,4 @@ mod powersgd;
 mod resume;
 mod user;
 mod zero;
+mod zero3;

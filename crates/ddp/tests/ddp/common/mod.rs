@@ -32,6 +32,12 @@ impl Mlp {
                         Tensor::rand_uniform(&[w[1]], -s, s, DType::F32, &mut rng),
                     )
                     .unwrap();
+                // the unit a parameter-sharding policy gathers: the scope `loss` runs it under
+                for p in ["weight", "bias"] {
+                    store
+                        .set_unit(&format!("layers.{i}.{p}"), &format!("layers.{i}"))
+                        .unwrap();
+                }
                 (weight, bias)
             })
             .collect();

@@ -1,0 +1,167 @@
+//! `--zero 3` from the command line: plain DDP's losses and saved parameters bit for bit (mlp
+//! and gpt, SGD and AdamW, 2 and 3 ranks, --accum 2), the memory line and `--json` with the
+//! gathered units, a checkpoint that `--init` and `sample` read, and one error line for a
+//! compressing hook.
+
+use crate::common;
+
+use std::path::Path;
+
+use brigade_models::load_safetensors;
+use brigade_tensor::DType;
+use common::{cat, dir, fails, losses, ok, s, GPT, MLP};
+
+fn params(path: &Path) -> Vec<(String, Vec<u32>)> {
+    let mut v: Vec<(String, Vec<u32>)> = load_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| {
+            let bits = t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+            (n, bits.iter().map(|x| x.to_bits()).collect())
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// 3 steps of 2 microbatches with `extra`: losses and saved parameters.
+fn train(d: &Path, tag: &str, model: &[&str], extra: &[&str]) -> (Vec<(usize, f64)>, Vec<(String, Vec<u32>)>) {
+    let (l, p) = (d.join(format!("{tag}.csv")), d.join(format!("{tag}.safetensors")));
+    let base = [
+        "train",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--accum",
+        "2",
+        "--threads-per-rank",
+        "1",
+        "--losses",
+        s(&l),
+        "--save",
+        s(&p),
+    ];
+    ok(&cat(&[&base, model, extra]));
+    (losses(&l), params(&p))
+}
+
+fn parity(name: &str, model: &[&str]) {
+    let d = dir(name);
+    for opt in [
+        &["--optimizer", "sgd", "--momentum", "0.9"][..],
+        &["--optimizer", "adamw"],
+    ] {
+        for world in ["2", "3"] {
+            let run = |zero: &str| {
+                let tag = format!("{}-{world}-{zero}", opt[1]);
+                train(&d, &tag, model, &cat(&[opt, &["--world-size", world, "--zero", zero]]))
+            };
+            let (plain_losses, plain_params) = run("0");
+            let (l, p) = run("3");
+            let what = format!("{name} {} world {world}", opt[1]);
+            assert_eq!(l.len(), 3, "{what}");
+            for ((step, a), (_, b)) in l.iter().zip(&plain_losses) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what} step {step}: loss {a} vs plain {b}");
+            }
+            assert_eq!(p, plain_params, "{what}: saved parameters differ from plain DDP");
+        }
+    }
+}
+
+#[test]
+fn zero_3_matches_plain_ddp_bit_for_bit_on_the_mlp() {
+    parity("zero3-parity-mlp", MLP);
+}
+
+#[test]
+fn zero_3_matches_plain_ddp_bit_for_bit_on_the_gpt() {
+    parity("zero3-parity-gpt", GPT);
+}
+
+#[test]
+fn the_memory_report_counts_the_shards_and_the_gathered_units() {
+    // Ψ = 16*32+32 + 32*32+32 + 32*4+4 = 1732 parameters in 3 units (544, 1056, 132) on 2 ranks
+    let base = [
+        "train",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--threads-per-rank",
+        "1",
+    ];
+    let json = |zero: &str| -> serde_json::Value {
+        let out = ok(&cat(&[&base, MLP, &["--zero", zero, "--json"]]));
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["memory"].clone()
+    };
+    let get = |m: &serde_json::Value, k: &str| m[k].as_u64().unwrap() as usize;
+    let (m0, m3) = (json("0"), json("3"));
+    assert_eq!(get(&m0, "parameter_bytes"), 4 * 1732, "{m0}");
+    assert_eq!(get(&m0, "gathered_bytes"), 0, "{m0}");
+    assert_eq!(get(&m3, "parameter_bytes"), 4 * (272 + 528 + 66), "{m3}");
+    // a unit and the next, prefetched while it computes: layers 0 and 1 at most
+    assert_eq!(get(&m3, "gathered_bytes"), 4 * (544 + 1056), "{m3}");
+    assert!(get(&m3, "total_bytes") < get(&m0, "total_bytes"), "{m3} vs {m0}");
+    let text = ok(&cat(&[&base, &MLP[..MLP.len() - 1], &["--zero", "3"]]));
+    let line = text.lines().find(|l| l.starts_with("memory per rank")).expect(&text);
+    assert!(
+        line.contains("(zero 3, measured)") && line.contains("gathered 0.01 MiB"),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_zero_3_checkpoint_loads_with_init_and_samples() {
+    let d = dir("zero3-checkpoint");
+    let ck = d.join("gpt.ckpt");
+    ok(&cat(&[
+        &[
+            "train",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+            "--threads-per-rank",
+            "1",
+            "--zero",
+            "3",
+        ],
+        GPT,
+        &["--checkpoint", s(&ck)],
+    ]));
+    let out = ok(&[
+        "sample",
+        "--checkpoint",
+        s(&ck),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(!out.trim().is_empty(), "{out}");
+    let (l, _) = train(&d, "init", GPT, &["--world-size", "2", "--zero", "3", "--init", s(&ck)]);
+    assert_eq!(l.len(), 3);
+}
+
+#[test]
+fn zero_3_with_a_compressing_hook_is_one_error_line() {
+    let e = fails(&cat(&[
+        &[
+            "train",
+            "--world-size",
+            "2",
+            "--batch-size",
+            "2",
+            "--zero",
+            "3",
+            "--comm-hook",
+            "fp16",
+        ],
+        MLP,
+    ]));
+    assert!(e.contains("--zero 3") && e.contains("--comm-hook fp16"), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+}

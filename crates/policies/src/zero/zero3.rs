@@ -1,0 +1,628 @@
+//! ZeRO-3 ([`Zero3`]; PyTorch's FSDP with full sharding, DeepSpeed's stage 3): stage 2, and each
+//! rank keeps only its f32 shard of every unit's parameters; the parameter tensors hold their
+//! values only while a unit runs.
+//!
+//! The units are the model's scopes (`ParamStore::set_unit` names each parameter's). Each unit
+//! is one DDP bucket, padded to a multiple of the world size and fixed for the run, so that a
+//! rank's shard of the unit's flat parameters and its shard of the unit's flat gradients are the
+//! same elements: the optimizer (a [`super::ZeroOptimizer`] over the masters) steps them with the
+//! reduce-scattered gradients, and no all-gather follows the step. Around the uses:
+//!
+//! ```text
+//! forward:   enter unit ── all-gather its shards into the parameters' storage ── ops ── exit: free the storage
+//! backward:  first node of the unit ── all-gather again ── its nodes ── its last gradient final: free;
+//!            the unit's bucket is reduce-scattered into the rank's gradient shard (DDP's reducer)
+//! ```
+//!
+//! Each gather also issues the next unit's (prefetch: forward order in forward, reverse in
+//! backward, [`Zero3::with_prefetch`]), which runs on the comm stream while the unit computes;
+//! a gather still in flight when a pass ends, or when the optimizer steps, is waited for and
+//! dropped (it holds the shards' old values).
+//!
+//! Freeing is in place (FSDP's resize-to-zero): the storage is taken out of the parameter
+//! tensor, which every view and every backward closure shares, so its bytes go while the graph
+//! keeps the tensor; the next gather puts a storage back under the same tensor. A read of a freed
+//! parameter is a `StorageLent` error, never a stale value.
+//!
+//! The first forward after the optimizer is built runs on the whole parameters and only records
+//! which units it entered: its backward checks that the scopes cover every parameter the graph
+//! reads (one error line naming the first that is not), then frees the units.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use brigade_autograd::{GradReady, GradSubscriber, Optimizer, ScopeHooks, SubscriberError, Var};
+use brigade_comm::ReduceOp;
+use brigade_ddp::policy::{
+    BucketLayout, BuildOptimizer, Collectives, OptimizerContext, ParamHooks, PolicyBucket, PolicyContext, PolicyMemory,
+    ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
+};
+use brigade_ddp::DdpError;
+use brigade_tensor::{DType, Tensor};
+
+use super::optimizer::ZeroOptimizer;
+use super::shard::{pieces, shard_len};
+use super::ZeroStage;
+
+type Result<T> = brigade_ddp::Result<T>;
+
+fn zero3_error(reason: String) -> DdpError {
+    DdpError::Policy {
+        policy: "zero3".into(),
+        reason,
+    }
+}
+
+/// One unit: its parameters (in its bucket's order) and this rank's shard of them.
+struct Unit {
+    /// The unit's scope (`blocks.0`).
+    name: String,
+    /// Registration indices, in the order their elements sit in the unit's flat buffer.
+    params: Vec<usize>,
+    /// Elements of the unit's parameters.
+    numel: usize,
+    /// This rank's f32 shard of the unit's flat (padded) parameters: the master.
+    shard: Option<Tensor>,
+    /// Whether the parameter tensors hold their values now.
+    gathered: bool,
+    /// Trainable parameters of the unit whose gradient is not final yet in this backward.
+    pending: usize,
+    /// The unit's backward finished in this pass (it is not gathered again for later nodes).
+    done: bool,
+    /// Entered by the forward since the last check (the first forward's coverage check).
+    entered: bool,
+}
+
+/// What the hooks share: the units, the parameters, the collectives.
+struct Gather {
+    units: Vec<Unit>,
+    /// The unit of each registered parameter (`None`: frozen, or not sharded).
+    unit_of: Vec<Option<usize>>,
+    /// Every registered parameter (set when the optimizer is built).
+    vars: Vec<Var>,
+    comm: Option<Collectives>,
+    /// The first forward after the optimizer was built runs on whole parameters (the check).
+    probing: bool,
+    /// Every unit gathered by `gather_all`: the hooks leave them be until `release_all`.
+    summoned: bool,
+    /// Bytes of parameters gathered now, and the most at once since the last report.
+    live: usize,
+    peak: usize,
+    /// The most bytes gathered at once in the last step (from one optimizer step to the next).
+    last_peak: usize,
+    /// The first error a hook met (hooks return none): the next backward event returns it.
+    error: Option<DdpError>,
+    /// Gathers issued ahead of their unit (prefetch), in issue order.
+    in_flight: VecDeque<(usize, TensorWork<Tensor>)>,
+    /// How many units ahead a gather is issued (0: none).
+    prefetch: usize,
+    /// The most bytes of prefetched parameters in flight at once.
+    prefetch_cap: usize,
+}
+
+/// The hooks of [`Zero3`] (forward scopes and the backward bus).
+pub(crate) struct Gatherer {
+    state: Mutex<Gather>,
+}
+
+impl Gatherer {
+    fn lock(&self) -> MutexGuard<'_, Gather> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f`, keeping its first error for the next backward event.
+    fn record(&self, f: impl FnOnce(&mut Gather) -> Result<()>) {
+        let mut g = self.lock();
+        if let Err(e) = f(&mut g) {
+            g.error.get_or_insert(e);
+        }
+    }
+
+    fn take(&self) -> std::result::Result<(), SubscriberError> {
+        match self.lock().error.take() {
+            Some(e) => Err(Box::new(e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Gather {
+    fn active(&self) -> bool {
+        self.comm.is_some() && !self.probing && !self.summoned
+    }
+
+    /// The unit whose scope is `scope` or holds it (`blocks.0.attn` lies in `blocks.0`).
+    fn unit_in(&self, scope: &str) -> Option<usize> {
+        self.units.iter().position(|u| {
+            scope == u.name
+                || (scope.len() > u.name.len() && scope.starts_with(&u.name) && scope.as_bytes()[u.name.len()] == b'.')
+        })
+    }
+
+    /// All-gathers unit `u`'s shards and puts each parameter's values back under its tensor.
+    fn gather(&mut self, u: usize) -> Result<()> {
+        if self.units[u].gathered {
+            return Ok(());
+        }
+        if !self.in_flight.iter().any(|(v, _)| *v == u) {
+            self.issue(u)?;
+        }
+        let at = self.in_flight.iter().position(|(v, _)| *v == u).expect("issued");
+        let (_, work) = self.in_flight.remove(at).expect("in flight");
+        let full = work.wait()?;
+        let unit = &self.units[u];
+        let mut offset = 0;
+        for &p in &unit.params {
+            let value = self.vars[p].value();
+            let n = value.numel();
+            let own = full.narrow(0, offset, n)?.copy()?;
+            value.restore_storage(own.lend_storage()?)?;
+            offset += n;
+        }
+        self.units[u].gathered = true;
+        Ok(())
+    }
+
+    /// Issues unit `u`'s all-gather on the comm stream (its bytes count as gathered from now).
+    fn issue(&mut self, u: usize) -> Result<()> {
+        let comm = self.comm.clone().expect("active");
+        let unit = &self.units[u];
+        let shard = unit.shard.clone().expect("cut when the optimizer was built");
+        // into a buffer of our own: `all_gather` would consume the shard's storage
+        let full = Tensor::zeros_on(&[comm.world_size() * shard.numel()], DType::F32, shard.device())?;
+        let work = comm.all_gather_into(&shard, &full, &format!("zero3.gather.{}", unit.name));
+        self.in_flight.push_back((u, work));
+        self.live += self.unit_bytes(u);
+        self.peak = self.peak.max(self.live);
+        Ok(())
+    }
+
+    fn unit_bytes(&self, u: usize) -> usize {
+        self.units[u].numel * DType::F32.size_in_bytes()
+    }
+
+    /// Issues the gathers of the next `prefetch` units after `u` in the pass's order (`step`:
+    /// -1 in forward, the units' order; +1 in backward) that are neither gathered, in flight nor
+    /// done, while the bytes in flight stay within the cap.
+    fn prefetch_after(&mut self, u: usize, step: isize) -> Result<()> {
+        let mut next = u as isize;
+        for _ in 0..self.prefetch {
+            next += step;
+            if next < 0 || next as usize >= self.units.len() {
+                return Ok(());
+            }
+            let v = next as usize;
+            let unit = &self.units[v];
+            if unit.gathered || unit.done || self.in_flight.iter().any(|(w, _)| *w == v) {
+                continue;
+            }
+            let in_flight: usize = self.in_flight.iter().map(|(w, _)| self.unit_bytes(*w)).sum();
+            if in_flight + self.unit_bytes(v) > self.prefetch_cap {
+                return Ok(());
+            }
+            self.issue(v)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the gathers still in flight and drops them (a pass ended without using them).
+    fn drain(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        while let Some((u, work)) = self.in_flight.pop_front() {
+            self.live -= self.unit_bytes(u);
+            if let Err(e) = work.wait() {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    /// Frees unit `u`'s parameters in place (their tensors stay, their storage goes).
+    fn release(&mut self, u: usize) -> Result<()> {
+        if !self.units[u].gathered {
+            return Ok(());
+        }
+        for &p in &self.units[u].params {
+            drop(self.vars[p].value().lend_storage()?);
+        }
+        self.units[u].gathered = false;
+        self.live -= self.unit_bytes(u);
+        Ok(())
+    }
+
+    fn release_all(&mut self) -> Result<()> {
+        self.drain()?;
+        (0..self.units.len()).try_for_each(|u| self.release(u))
+    }
+
+    /// The first forward's check: every parameter the graph reads lies in a unit it entered.
+    fn check_coverage(&self, in_graph: &[usize]) -> Result<()> {
+        for &p in in_graph {
+            let Some(u) = self.unit_of.get(p).copied().flatten() else {
+                continue;
+            };
+            let unit = &self.units[u];
+            if !unit.entered {
+                return Err(zero3_error(format!(
+                    "parameter '{}' is read by the forward, but its unit's scope '{}' was never entered: the scopes \
+                     must cover every parameter (run the ops that read it inside scope(\"{}\", ..), or set its unit to \
+                     the scope that does)",
+                    self.vars[p].name().unwrap_or("<unnamed>"),
+                    unit.name,
+                    unit.name
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ScopeHooks for Gatherer {
+    fn enter(&self, scope: &str) {
+        self.record(|g| {
+            let Some(u) = g.units.iter().position(|u| u.name == scope) else {
+                return Ok(());
+            };
+            g.units[u].entered = true;
+            if g.active() {
+                g.gather(u)?;
+                g.prefetch_after(u, -1)?;
+            }
+            Ok(())
+        });
+    }
+
+    fn exit(&self, scope: &str) {
+        self.record(|g| {
+            let Some(u) = g.units.iter().position(|u| u.name == scope) else {
+                return Ok(());
+            };
+            if g.active() {
+                g.release(u)?;
+            }
+            Ok(())
+        });
+    }
+}
+
+impl GradSubscriber for Gatherer {
+    fn backward_started(&self, in_graph: &[usize]) -> std::result::Result<(), SubscriberError> {
+        self.take()?;
+        let mut g = self.lock();
+        if g.comm.is_none() {
+            return Ok(());
+        }
+        if g.probing {
+            // the units stay gathered from the whole parameters; each is freed when its
+            // backward ends, as in every later pass
+            g.check_coverage(in_graph)?;
+            g.probing = false;
+        }
+        for u in &mut g.units {
+            u.pending = 0;
+            u.done = false;
+            u.entered = false;
+        }
+        for &p in in_graph {
+            if let Some(u) = g.unit_of.get(p).copied().flatten() {
+                g.units[u].pending += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn node_backward(&self, scope: Option<&str>, _op: &str) {
+        self.record(|g| {
+            let Some(u) = scope.and_then(|s| g.unit_in(s)) else {
+                return Ok(());
+            };
+            if g.active() && !g.units[u].done && !g.units[u].gathered {
+                g.gather(u)?;
+                g.prefetch_after(u, 1)?;
+            }
+            Ok(())
+        });
+    }
+
+    fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError> {
+        self.take()?;
+        let mut g = self.lock();
+        let Some(u) = g.unit_of.get(ready.index).copied().flatten() else {
+            return Ok(());
+        };
+        if !g.active() {
+            return Ok(());
+        }
+        let unit = &mut g.units[u];
+        unit.pending = unit.pending.saturating_sub(1);
+        if unit.pending == 0 {
+            // every node that reads the unit's parameters has run: they are not needed again
+            unit.done = true;
+            g.release(u)?;
+        }
+        Ok(())
+    }
+
+    fn backward_finished(&self) -> std::result::Result<(), SubscriberError> {
+        self.take()?;
+        let mut g = self.lock();
+        if g.active() {
+            g.release_all()?;
+        }
+        Ok(())
+    }
+
+    fn backward_aborted(&self) {
+        self.record(|g| if g.active() { g.release_all() } else { Ok(()) });
+    }
+}
+
+impl ParamHooks for Gatherer {
+    fn gather_all(&self) -> Result<()> {
+        let mut g = self.lock();
+        if let Some(e) = g.error.take() {
+            return Err(e);
+        }
+        if !g.active() {
+            return Ok(());
+        }
+        (0..g.units.len()).try_for_each(|u| g.gather(u))?;
+        g.summoned = true;
+        Ok(())
+    }
+
+    fn release_all(&self) -> Result<()> {
+        let mut g = self.lock();
+        if !g.summoned {
+            return Ok(());
+        }
+        g.summoned = false;
+        g.release_all()
+    }
+}
+
+/// The ZeRO-3 reducer policy (see the module docs): `PolicySpec` `zero3`, `--zero 3`.
+pub struct Zero3 {
+    hooks: Arc<Gatherer>,
+    world: AtomicUsize,
+}
+
+impl Default for Zero3 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The most bytes of parameters that [`Zero3`] prefetches at once by default (FSDP limits its
+/// all-gathers in flight in the same spirit).
+pub const DEFAULT_PREFETCH_CAP_BYTES: usize = 64 << 20;
+
+impl Zero3 {
+    /// Gathers each unit `depth` units ahead (forward order in forward, reverse in backward;
+    /// default 1, 0 for none), the next unit's gather running on the comm stream while the
+    /// current one computes, with at most `cap_bytes` of prefetched parameters in flight. Every
+    /// rank must use the same settings.
+    pub fn with_prefetch(self, depth: usize, cap_bytes: usize) -> Zero3 {
+        {
+            let mut g = self.hooks.lock();
+            g.prefetch = depth;
+            g.prefetch_cap = cap_bytes;
+        }
+        self
+    }
+
+    /// ZeRO-3 over the units the model's parameters name.
+    pub fn new() -> Zero3 {
+        Zero3 {
+            hooks: Arc::new(Gatherer {
+                state: Mutex::new(Gather {
+                    units: vec![],
+                    unit_of: vec![],
+                    vars: vec![],
+                    comm: None,
+                    probing: true,
+                    summoned: false,
+                    live: 0,
+                    peak: 0,
+                    last_peak: 0,
+                    error: None,
+                    in_flight: VecDeque::new(),
+                    prefetch: 1,
+                    prefetch_cap: DEFAULT_PREFETCH_CAP_BYTES,
+                }),
+            }),
+            world: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// The units of `ctx`'s trainable parameters, in the order they are first registered, each with
+/// its parameters in registration order; an error for a parameter without a unit and for units
+/// that nest (a scope's parameters would be gathered twice).
+fn units_of(ctx: &PolicyContext) -> Result<Vec<(String, Vec<usize>)>> {
+    let mut units: Vec<(String, Vec<usize>)> = vec![];
+    for (i, p) in ctx.params.iter().enumerate().filter(|(_, p)| p.trainable) {
+        let Some(unit) = &p.unit else {
+            return Err(zero3_error(format!(
+                "parameter '{}' belongs to no unit, so ZeRO-3 cannot tell when to gather it: name the scope whose \
+                 forward reads it (ParamStore::set_unit)",
+                p.name
+            )));
+        };
+        match units.iter_mut().find(|(n, _)| n == unit) {
+            Some((_, ps)) => ps.push(i),
+            None => units.push((unit.clone(), vec![i])),
+        }
+    }
+    let names: BTreeMap<&str, ()> = units.iter().map(|(n, _)| (n.as_str(), ())).collect();
+    for (n, _) in &units {
+        if let Some(outer) = names
+            .keys()
+            .find(|o| n.len() > o.len() && n.starts_with(**o) && n.as_bytes()[o.len()] == b'.')
+        {
+            return Err(zero3_error(format!(
+                "unit '{n}' lies inside unit '{outer}': the scope '{n}' would be gathered twice (once for each); \
+                 give its parameters the unit '{outer}' or make the units disjoint"
+            )));
+        }
+    }
+    Ok(units)
+}
+
+impl ReducerPolicy for Zero3 {
+    fn name(&self) -> String {
+        "zero3".into()
+    }
+
+    /// The master shards are the optimizer's parameters, saved with the model and the
+    /// optimizer state: nothing of the policy's own.
+    fn keeps_state(&self) -> brigade_ddp::KeepsState {
+        brigade_ddp::KeepsState::Nothing
+    }
+
+    fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
+        self.world.store(ctx.world_size, Ordering::Relaxed);
+        BucketLayout {
+            pad_to: ctx.world_size.max(1),
+            dtype: DType::F32,
+            regroup: false,
+        }
+    }
+
+    /// One bucket per unit, the last unit first (backward order), each unit's parameters in
+    /// reverse registration order (the order their gradients become final).
+    fn bucket_groups(&self, ctx: &PolicyContext) -> Result<Option<Vec<Vec<usize>>>> {
+        let units = units_of(ctx)?;
+        let groups: Vec<Vec<usize>> = units
+            .iter()
+            .rev()
+            .map(|(_, ps)| ps.iter().rev().copied().collect())
+            .collect();
+        let mut g = self.hooks.lock();
+        g.unit_of = vec![None; ctx.params.len()];
+        g.units = units
+            .iter()
+            .rev()
+            .zip(&groups)
+            .enumerate()
+            .map(|(b, ((name, _), group))| {
+                for &p in group {
+                    g.unit_of[p] = Some(b);
+                }
+                Unit {
+                    name: name.clone(),
+                    params: group.clone(),
+                    numel: group
+                        .iter()
+                        .map(|&p| ctx.params[p].shape.iter().product::<usize>())
+                        .sum(),
+                    shard: None,
+                    gathered: true,
+                    pending: 0,
+                    done: false,
+                    entered: false,
+                }
+            })
+            .collect();
+        Ok(Some(groups))
+    }
+
+    fn param_hooks(&self) -> Option<Arc<dyn ParamHooks>> {
+        Some(self.hooks.clone())
+    }
+
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction> {
+        Ok(Reduction::Shard {
+            shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
+            keep_full: false,
+        })
+    }
+
+    /// Cuts this rank's f32 shard of every unit from the (whole, broadcast) parameters, frees the
+    /// parameter tensors' storage after the first forward, and steps the shards only.
+    fn optimizer(
+        &mut self,
+        full: Box<dyn Optimizer>,
+        build: BuildOptimizer<'_>,
+        ctx: &OptimizerContext,
+    ) -> Result<Box<dyn Optimizer>> {
+        let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
+        let params = ctx.buckets.params().to_vec();
+        let spans = ctx.buckets.spans();
+        let mut g = self.hooks.lock();
+        if g.comm.is_some() {
+            return Err(zero3_error(
+                "its optimizer was built already: the shards are the parameters, so build it once".into(),
+            ));
+        }
+        let mut masters = vec![];
+        for (b, span) in spans.iter().enumerate() {
+            let unit = &g.units[b];
+            if span.params.iter().map(|p| p.index).ne(unit.params.iter().copied()) {
+                return Err(zero3_error(format!("DDP's bucket {b} is not unit '{}'", unit.name)));
+            }
+            let per = shard_len(span.grad_numel, world);
+            let device = params[unit.params[0]].value().device();
+            let master = Tensor::zeros_on(&[per], DType::F32, device)?;
+            let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
+            for piece in pieces(&flat, world, rank) {
+                master.narrow(0, piece.shard_offset, piece.len)?.copy_from(
+                    &params[piece.param]
+                        .value()
+                        .flat_view(piece.param_offset, &[piece.len])?,
+                )?;
+            }
+            masters.push(master);
+        }
+        for (unit, master) in g.units.iter_mut().zip(&masters) {
+            unit.shard = Some(master.clone());
+        }
+        let opt = ZeroOptimizer::new(
+            ctx,
+            ZeroStage::Three,
+            Arc::default(),
+            full.as_ref(),
+            build,
+            usize::MAX,
+            Some(masters),
+        )?;
+        g.vars = params;
+        g.comm = Some(ctx.comm.clone());
+        g.probing = true;
+        g.live = g.units.iter().map(|u| u.numel * DType::F32.size_in_bytes()).sum();
+        g.peak = g.live;
+        Ok(Box::new(opt))
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let g = self.hooks.lock();
+        let shards = g
+            .units
+            .iter()
+            .filter_map(|u| u.shard.as_ref())
+            .map(|s| s.numel() * DType::F32.size_in_bytes())
+            .sum();
+        PolicyMemory {
+            parameter_bytes: shards,
+            gathered_bytes: g.last_peak,
+            ..PolicyMemory::default()
+        }
+    }
+
+    fn after_step(&mut self, _step: &StepContext<'_>, _comm: &Collectives) -> Result<()> {
+        let mut g = self.hooks.lock();
+        if let Some(e) = g.error.take() {
+            return Err(e);
+        }
+        // a gather issued before the step holds the old values
+        g.drain()?;
+        g.last_peak = g.peak;
+        g.peak = g.live;
+        Ok(())
+    }
+
+    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+        None
+    }
+}
