@@ -14,6 +14,7 @@
 
 mod backward;
 mod bus;
+mod checkpoint;
 mod error;
 mod gradcheck;
 mod ops;
@@ -23,6 +24,7 @@ pub mod profile;
 pub mod schedule;
 mod var;
 
+pub use checkpoint::{checkpoint_scope, RecomputeState};
 pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
 pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
