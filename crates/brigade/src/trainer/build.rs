@@ -34,6 +34,7 @@ impl<'a> Trainer<'a> {
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }
+        model.set_activation_checkpointing(cfg.model.activation_checkpointing)?;
         let lengths = check_lengths(cfg, data, ctx)?;
         let mut opt = cfg.recipe.optimizer.build(model.params().params().to_vec());
         // This rank's policy, made first: a checkpoint names the policy it was written under.

@@ -247,7 +247,10 @@ impl Trainer<'_> {
         let instrument = &self.cfg.runtime.instrument;
         let records = &mut self.records;
         if instrument.profile {
-            records.profile = StepProfile::record(ddp, &at);
+            records.profile = StepProfile::record(ddp, &at).map(|mut p| {
+                p.activation_checkpointing = self.cfg.model.activation_checkpointing;
+                p
+            });
             if let (Some(p), Some(range)) = (&records.profile, &instrument.profile_steps) {
                 if range.contains(&s) {
                     records.profiles.push(p.clone());

@@ -86,6 +86,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         ModelName::Mlp => json!({ "widths": m.widths }),
         ModelName::Gpt => json!({
             "d_model": m.d_model, "layers": m.layers, "heads": m.heads, "d_ff": m.d_ff, "context": m.context,
+            "activation_checkpointing": m.activation_checkpointing.unwrap_or(0),
         }),
     };
     let hook = match a.distributed.comm_hook {

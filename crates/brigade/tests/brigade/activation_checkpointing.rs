@@ -1,0 +1,129 @@
+//! Activation checkpointing under `fit`: the GPT with dropout trains to the same losses and
+//! parameters bit for bit with its blocks checkpointed, under DDP at world 2 with each
+//! policy that reduces gradients differently (all-reduce, ZeRO-2, PowerSGD), with `no_sync`
+//! accumulation and with uneven data under `--join`; the checkpoint records it and a resume
+//! may change it.
+
+use std::sync::Arc;
+
+use brigade::join::JoinMode;
+use brigade::launch::{LaunchConfig, RankContext};
+use brigade::models::{Dataset, Gpt, GptConfig, Model};
+use brigade::policies::PolicySpec;
+use brigade::source::RankShards;
+use brigade::{fit, OptimizerConfig, RunReport, TrainConfig};
+
+use crate::common::{self, resuming, writing};
+
+fn gpt() -> GptConfig {
+    GptConfig {
+        vocab: 256,
+        d_model: 16,
+        n_layers: 3,
+        n_heads: 2,
+        d_ff: 32,
+        context: 8,
+        dropout: 0.2,
+        ..GptConfig::default()
+    }
+}
+
+fn config(steps: usize, policy: PolicySpec, accum: usize, every: usize) -> TrainConfig {
+    let mut c = TrainConfig::new(steps, 4, OptimizerConfig::adamw(3e-3, Some(0.01)));
+    c.model.name = "gpt".into();
+    c.model.activation_checkpointing = every;
+    c.data.accum = accum;
+    c.runtime.compute_threads = Some(1);
+    c.distributed.get_or_insert_default().policy = Arc::new(policy);
+    c
+}
+
+/// Rank r's model: seeds apart, so that the ranks' dropout masks differ (DDP starts every
+/// rank from rank 0's parameters).
+fn model(ctx: &RankContext) -> brigade::Result<Box<dyn Model>> {
+    Ok(Box::new(Gpt::new(gpt(), 1 + 100 * ctx.rank as u64)?))
+}
+
+fn run(world: usize, cfg: &TrainConfig) -> RunReport {
+    fit(
+        &LaunchConfig::threads(world),
+        cfg,
+        |_| Dataset::builtin_text(8, 0).map_err(Into::into),
+        model,
+    )
+    .unwrap()
+}
+
+/// Each step's loss and rank 0's final parameters, as bits.
+fn bits(r: &RunReport) -> (Vec<u64>, Vec<Vec<u32>>) {
+    let losses = r.outcome.losses().iter().map(|l| l.to_bits()).collect();
+    let params = r
+        .outcome
+        .params
+        .iter()
+        .map(|(_, t)| t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+        .collect();
+    (losses, params)
+}
+
+#[test]
+fn checkpointed_blocks_train_bit_for_bit_as_plain_ones_under_every_policy_and_no_sync() {
+    let policies = [
+        PolicySpec::AllReduce,
+        PolicySpec::Zero2,
+        PolicySpec::PowerSgd { rank: 1, start_iter: 0 },
+    ];
+    for policy in policies {
+        for accum in [1, 2] {
+            let plain = bits(&run(2, &config(3, policy.clone(), accum, 0)));
+            for every in [1, 2] {
+                let ck = bits(&run(2, &config(3, policy.clone(), accum, every)));
+                assert_eq!(ck.0, plain.0, "losses: {policy}, accum {accum}, every {every}");
+                assert!(ck.1 == plain.1, "parameters differ: {policy}, accum {accum}, every {every}");
+            }
+        }
+    }
+}
+
+#[test]
+fn checkpointed_blocks_train_bit_for_bit_under_join() {
+    // rank 1 runs out of data a step before rank 0 and joins
+    let run_join = |every: usize| {
+        let text = Dataset::builtin_text(8, 0).unwrap();
+        let shards = vec![text.rows(0..12).unwrap(), text.rows(12..20).unwrap()];
+        let mut cfg = config(3, PolicySpec::AllReduce, 1, every);
+        cfg.data.join = Some(JoinMode::DivideActive);
+        bits(&fit(&LaunchConfig::threads(2), &cfg, |_| Ok(RankShards::new(shards)), model).unwrap())
+    };
+    let plain = run_join(0);
+    assert_eq!(plain.0.len(), 3);
+    let ck = run_join(1);
+    assert_eq!(ck.0, plain.0, "losses");
+    assert!(ck.1 == plain.1, "parameters differ under join");
+}
+
+#[test]
+fn a_checkpoint_records_the_checkpointing_and_a_resume_may_change_it() {
+    let d = common::tmp("activation-checkpointing", "resume");
+    let ckpt = d.join("run.ckpt");
+    let straight = bits(&run(2, &config(4, PolicySpec::AllReduce, 1, 0)));
+    run(2, &writing(config(2, PolicySpec::AllReduce, 1, 1), &ckpt));
+    let (_, meta) = brigade::models::load_safetensors_with_metadata(&ckpt).unwrap();
+    assert_eq!(meta.get("activation_checkpointing").map(String::as_str), Some("1"));
+    let resumed = fit(
+        &LaunchConfig::threads(2),
+        &resuming(config(4, PolicySpec::AllReduce, 1, 0), &ckpt),
+        |_| Dataset::builtin_text(8, 0).map_err(Into::into),
+        model,
+    )
+    .unwrap();
+    let changes: Vec<String> = resumed.outcome.resume_changes.iter().map(ToString::to_string).collect();
+    assert!(
+        changes.iter().any(|c| c == "model.activation_checkpointing 1 -> 0"),
+        "{changes:?}"
+    );
+    let resumed = bits(&resumed);
+    assert_eq!(resumed.0, straight.0[2..], "losses of 2 checkpointed + 2 plain steps against 4 plain");
+    assert!(resumed.1 == straight.1);
+    let _ = std::fs::remove_dir_all(&d);
+}
