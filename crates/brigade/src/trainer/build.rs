@@ -8,7 +8,7 @@ use brigade_comm::{CommMeter, Communicator, Metered};
 use brigade_ddp::overlap::Autotuner;
 use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
-use brigade_tensor::{set_compute_threads, Device};
+use brigade_tensor::{set_compute_threads, Device, MemoryMeter};
 
 use crate::checkpoint::{load_checkpoint, CheckpointIdentity, Resumed};
 use crate::config::{OptimizerConfig, TrainConfig};
@@ -31,6 +31,16 @@ impl<'a> Trainer<'a> {
         ctx: &'a RankContext,
     ) -> Result<Self> {
         set_compute_threads(compute_threads(cfg, ctx));
+        // `fit` meters the rank's thread from before the model is built; a trainer made on a
+        // thread without a meter installs its own (the storages made before it not counted)
+        let (memory, installed_meter) = match MemoryMeter::current() {
+            Some(m) => (m, false),
+            None => {
+                let m = MemoryMeter::new();
+                MemoryMeter::install(Some(m.clone()));
+                (m, true)
+            }
+        };
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }
@@ -68,6 +78,8 @@ impl<'a> Trainer<'a> {
             saves: Default::default(),
             records: super::Records {
                 autotune: autotune.map(Autotuner::new).transpose()?,
+                memory,
+                installed_meter,
                 ..Records::default()
             },
         })

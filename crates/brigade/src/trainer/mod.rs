@@ -20,7 +20,9 @@ use brigade_ddp::overlap::{Autotuner, StepProfile};
 use brigade_ddp::DistributedDataParallel;
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
-use brigade_tensor::Device;
+use std::sync::Arc;
+
+use brigade_tensor::{Device, MemoryMeter};
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
@@ -126,6 +128,22 @@ struct Records {
     profiles: Vec<StepProfile>,
     /// Tunes the bucket cap after the steps ([`DistributedConfig::autotune`](crate::config::DistributedConfig::autotune)).
     autotune: Option<Autotuner>,
+    /// Counts the tensor storages of this rank's thread: the activations and the peak of
+    /// each step.
+    memory: Arc<MemoryMeter>,
+    /// The last step's activations and peak, in bytes ([`MemoryReport`](brigade_ddp::MemoryReport)'s).
+    step_memory: StepMemory,
+    /// The meter this trainer installed on its thread (none was), to take off at the end.
+    installed_meter: bool,
+}
+
+/// What the [`MemoryMeter`] measured of one step.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepMemory {
+    /// The most bytes a microbatch's forward left alive (held by its graph).
+    activations: usize,
+    /// The most bytes alive at once.
+    peak: usize,
 }
 
 impl Trainer<'_> {

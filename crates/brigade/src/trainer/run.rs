@@ -1,6 +1,9 @@
 //! The run: steps until `steps` or a stop, evaluating and checkpointing on the way, telling
 //! the observer, and the outcome with every output the run made.
 
+use brigade_ddp::MemoryReport;
+use brigade_tensor::MemoryMeter;
+
 use crate::error::{Error, Result};
 use crate::join;
 use crate::launch::{binding_note, CommBackend};
@@ -142,7 +145,18 @@ impl Trainer<'_> {
     /// The run's outcome on this rank: `ended`, and what the replica, its DDP and the join hold.
     fn outcome(mut self, ended: Ended) -> Result<TrainOutcome> {
         let ddp = self.replica.ddp.as_ref();
-        let memory = ddp.map(|d| d.rank_memory(self.replica.opt.as_ref())).transpose()?;
+        let measured = self.records.step_memory;
+        let memory = ddp
+            .map(|d| d.rank_memory(self.replica.opt.as_ref()))
+            .transpose()?
+            .map(|m| MemoryReport {
+                activations: measured.activations,
+                peak: measured.peak,
+                ..m
+            });
+        if self.records.installed_meter {
+            MemoryMeter::install(None);
+        }
         let join = self.feed.join.as_ref();
         Ok(TrainOutcome {
             first_step: self.at.first_step,

@@ -134,6 +134,8 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
+            "activation_bytes": m.activations, "peak_bytes": m.peak,
+            "activation_checkpointing": a.model.activation_checkpointing.unwrap_or(0),
         })),
         "flags": flags,
         // uneven data: the join mode, the step each rank joined at (null: never), where the data ended
@@ -257,14 +259,21 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     }
     if let Some(m) = outcome.memory {
         outln!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB",
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB, total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",
             a.distributed.zero,
             mib(m.parameters),
             mib(m.gradients),
             mib(m.buckets),
             mib(m.optimizer_state),
             mib(m.comm_scratch),
-            mib(m.total())
+            mib(m.total()),
+            mib(m.activations),
+            match a.model.activation_checkpointing {
+                Some(1) => " (every block checkpointed)".to_string(),
+                Some(n) => format!(" (every {n}th block checkpointed)"),
+                None => String::new(),
+            },
+            mib(m.peak)
         );
     }
 }

@@ -20,7 +20,7 @@ fn checkpointed_blocks_train_the_same_gpt_bit_for_bit_and_json_says_so() {
         GPT,
         &["--world-size", "2", "--batch-size", "4", "--steps", "3", "--dropout", "0.3", "--json"],
     ]);
-    let mut saved = vec![];
+    let (mut saved, mut memory) = (vec![], vec![]);
     for (i, extra) in [&[][..], &["--activation-checkpointing"], &["--activation-checkpointing", "2"]]
         .into_iter()
         .enumerate()
@@ -30,9 +30,22 @@ fn checkpointed_blocks_train_the_same_gpt_bit_for_bit_and_json_says_so() {
         let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         assert_eq!(json["flags"]["activation_checkpointing"], [0, 1, 2][i], "{out}");
         saved.push(params(&path));
+        let m = &json["memory"];
+        memory.push((m["activation_bytes"].as_u64().unwrap(), m["peak_bytes"].as_u64().unwrap()));
+        assert_eq!(m["activation_checkpointing"], [0, 1, 2][i], "{out}");
     }
+    // measured: checkpointing every block holds fewer activation bytes, and a lower peak
+    assert!(memory[1].0 < memory[0].0 && memory[1].1 < memory[0].1, "{memory:?}");
+    assert!(memory[2].0 < memory[0].0, "{memory:?}");
     assert!(saved[1] == saved[0], "every block checkpointed: the parameters differ");
     assert!(saved[2] == saved[0], "every 2nd block checkpointed: the parameters differ");
+}
+
+#[test]
+fn the_memory_line_shows_the_measured_activations_and_peak() {
+    let out = ok(&cat(&[&["train"], GPT, &["--steps", "1", "--activation-checkpointing"]]));
+    let line = out.lines().find(|l| l.starts_with("memory per rank")).unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("activations ") && line.contains("(every block checkpointed)") && line.contains("peak "), "{line}");
 }
 
 #[test]
