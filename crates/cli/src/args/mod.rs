@@ -529,6 +529,12 @@ pub struct RuntimeArgs {
     /// learning rate's warmup is --warmup-steps).
     #[arg(long, default_value_t = 0)]
     pub untimed_steps: usize,
+    /// Refuses, before step 0, a run predicted to hold more than this many MB (MiB, as
+    /// --bucket-cap-mb) per rank at once during a step; the error names the largest part and
+    /// what would make the run fit. The prediction (parameters, gradients, optimizer state,
+    /// activations, backward's working set) is `memory.predicted_peak_bytes` of --json.
+    #[arg(long, value_name = "MB", allow_negative_numbers = true)]
+    pub memory_budget: Option<f64>,
     /// `--warmup`, a hidden spelling of --untimed-steps ([`RunArgs::take_old_spellings`] moves
     /// it there and names the flag).
     #[arg(long = "warmup", hide = true, conflicts_with = "untimed_steps")]

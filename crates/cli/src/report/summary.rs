@@ -135,6 +135,9 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "comm_scratch_bytes": m.comm_scratch, "total_bytes": m.total(),
             "activation_bytes": m.activations, "peak_bytes": m.peak,
+            "predicted_peak_bytes": a
+                .predicted_peak(a.distributed.zero, a.model.activation_checkpointing.unwrap_or(0), a.data.batch_size)
+                .map(|p| p.total()),
             "activation_checkpointing": a.model.activation_checkpointing.unwrap_or(0),
         })),
         "flags": flags,
