@@ -24,8 +24,8 @@ pub mod profile;
 pub mod schedule;
 mod var;
 
-pub use checkpoint::{checkpoint_scope, RecomputeState};
 pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
+pub use checkpoint::{checkpoint_scope, RecomputeState};
 pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
 pub use optim::{AdamW, Optimizer, Sgd};

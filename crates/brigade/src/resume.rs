@@ -132,7 +132,10 @@ pub fn check_resume(
     let changes = changes
         .into_iter()
         .chain(model_changes(meta.get("model_config"), cfg.model.config.as_deref()))
-        .chain(activation_checkpointing_change(meta, cfg.model.activation_checkpointing))
+        .chain(activation_checkpointing_change(
+            meta,
+            cfg.model.activation_checkpointing,
+        ))
         .collect();
     Ok((schedule, changes))
 }

@@ -208,7 +208,10 @@ impl PeakPrediction {
 /// Every parameter of the model, biases and norms included.
 pub fn exact_parameters(kind: &ModelKind) -> Option<u64> {
     match kind {
-        ModelKind::Mlp(c) => sum(c.widths.windows(2).map(|w| sum([matrix(w[0], w[1]), Some(w[1] as u64)]))),
+        ModelKind::Mlp(c) => sum(c
+            .widths
+            .windows(2)
+            .map(|w| sum([matrix(w[0], w[1]), Some(w[1] as u64)]))),
         ModelKind::Gpt(c) => {
             let (d, ff) = (c.d_model as u64, c.d_ff as u64);
             // ln1, qkv, proj, ln2, fc, proj: weights and biases
@@ -263,7 +266,11 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
             let tokens = matrix(q.rows, c.context)?;
             let (d, ff, v) = (c.d_model as u64, c.d_ff as u64, c.vocab as u64);
             let every = q.checkpoint_every;
-            let checkpointed = if every == 0 { 0 } else { c.n_layers.div_ceil(every) as u64 };
+            let checkpointed = if every == 0 {
+                0
+            } else {
+                c.n_layers.div_ceil(every) as u64
+            };
             let plain = c.n_layers as u64 - checkpointed;
             let block = gpt_block_values(c);
             let embed = if c.dropout > 0.0 { 4 * d } else { 2 * d };
@@ -271,7 +278,10 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
             let head = d + 2 + 2 * v;
             let per_token = sum([mul(plain, block), mul(checkpointed, d), Some(embed), Some(head)])?;
             let recompute = if checkpointed > 0 { block } else { 0 };
-            (mul(tokens, per_token)?, mul(tokens, sum([Some(2 * ff + d), Some(recompute)])?)?)
+            (
+                mul(tokens, per_token)?,
+                mul(tokens, sum([Some(2 * ff + d), Some(recompute)])?)?,
+            )
         }
         ModelKind::Mlp(c) => {
             let rows = q.rows as u64;
@@ -340,7 +350,10 @@ mod tests {
             context: 64,
             ..brigade_models::GptConfig::default()
         });
-        assert_eq!(exact_parameters(&small), Some(32_768 + 8_192 + 4 * 198_272 + 256 + 32_768));
+        assert_eq!(
+            exact_parameters(&small),
+            Some(32_768 + 8_192 + 4 * 198_272 + 256 + 32_768)
+        );
         assert_eq!(exact_parameters(&small).map(|p| p * 4), Some(3_468_288));
         let q = PeakQuery {
             kind: &small,
@@ -355,9 +368,20 @@ mod tests {
         // AdamW's two moments
         assert_eq!((p.gradients, p.optimizer_state), (3_468_288 + 867_072, 3_468_288 / 2));
         let one = predict_peak(&PeakQuery { world: 1, ..q }).unwrap();
-        assert_eq!((one.gradients, one.optimizer_state), (3_468_288, 2 * 3_468_288), "nothing to shard with");
-        let ck = predict_peak(&PeakQuery { checkpoint_every: 1, ..q }).unwrap();
-        assert!(ck.activations * 5 < p.activations && ck.backward > p.backward, "{ck:?} {p:?}");
+        assert_eq!(
+            (one.gradients, one.optimizer_state),
+            (3_468_288, 2 * 3_468_288),
+            "nothing to shard with"
+        );
+        let ck = predict_peak(&PeakQuery {
+            checkpoint_every: 1,
+            ..q
+        })
+        .unwrap();
+        assert!(
+            ck.activations * 5 < p.activations && ck.backward > p.backward,
+            "{ck:?} {p:?}"
+        );
         assert_eq!(p.largest().0, "activations");
         let huge = ModelKind::Mlp(brigade_models::MlpConfig::new(vec![16, usize::MAX, 4]));
         assert_eq!(parameters(&huge), None);

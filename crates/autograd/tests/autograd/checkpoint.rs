@@ -5,8 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{
-    checkpoint_scope, scope, AutogradError, GradReady, GradSubscriber, ParamStore, RecomputeState, SubscriberError,
-    Var,
+    checkpoint_scope, scope, AutogradError, GradReady, GradSubscriber, ParamStore, RecomputeState, SubscriberError, Var,
 };
 use brigade_tensor::{DType, Rng, Tensor};
 
@@ -61,9 +60,15 @@ fn model(seed: u64) -> Model {
     let (mut store, mut rng, d, draws) = (ParamStore::new(), Rng::new(seed), 6, Draws::default());
     let units = (0..3)
         .map(|i| Unit {
-            w1: store.add(format!("u{i}.w1"), Tensor::randn(&[8, d], 0.4, DType::F32, &mut rng)).unwrap(),
-            b1: store.add(format!("u{i}.b1"), Tensor::randn(&[8], 0.1, DType::F32, &mut rng)).unwrap(),
-            w2: store.add(format!("u{i}.w2"), Tensor::randn(&[d, 8], 0.4, DType::F32, &mut rng)).unwrap(),
+            w1: store
+                .add(format!("u{i}.w1"), Tensor::randn(&[8, d], 0.4, DType::F32, &mut rng))
+                .unwrap(),
+            b1: store
+                .add(format!("u{i}.b1"), Tensor::randn(&[8], 0.1, DType::F32, &mut rng))
+                .unwrap(),
+            w2: store
+                .add(format!("u{i}.w2"), Tensor::randn(&[d, 8], 0.4, DType::F32, &mut rng))
+                .unwrap(),
             draws: draws.clone(),
         })
         .collect();
@@ -89,7 +94,15 @@ fn grads(m: &Model) -> Vec<Vec<u32>> {
     m.store
         .params()
         .iter()
-        .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+        .map(|p| {
+            p.grad()
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        })
         .collect()
 }
 
@@ -166,7 +179,10 @@ fn a_checkpointed_unit_keeps_only_its_input_and_its_output() {
     })
     .unwrap();
     let hidden = seen.lock().unwrap().take().unwrap();
-    assert!(hidden.is_sole_owner(), "the unit's graph still holds its hidden activation");
+    assert!(
+        hidden.is_sole_owner(),
+        "the unit's graph still holds its hidden activation"
+    );
     y.sum_all().unwrap().backward().unwrap();
     assert!(m.units[0].w1.grad().is_some() && m.units[0].w2.grad().is_some());
 }
@@ -179,6 +195,9 @@ fn a_unit_reading_an_outer_intermediate_is_one_error_naming_the_op() {
     let w2 = m.units[0].w2.clone();
     let o = outer.clone();
     let e = checkpoint_scope("u1", &x, (), move |_x: &Var| o.relu()?.linear(&w2, None)).unwrap_err();
-    assert!(matches!(e, AutogradError::CheckpointInput { ref op, .. } if *op == "linear"), "{e}");
+    assert!(
+        matches!(e, AutogradError::CheckpointInput { ref op, .. } if *op == "linear"),
+        "{e}"
+    );
     assert!(e.to_string().contains("'u1'"), "{e}");
 }

@@ -79,7 +79,10 @@ fn checkpointed_blocks_train_bit_for_bit_as_plain_ones_under_every_policy_and_no
             for every in [1, 2] {
                 let ck = bits(&run(2, &config(3, policy.clone(), accum, every)));
                 assert_eq!(ck.0, plain.0, "losses: {policy}, accum {accum}, every {every}");
-                assert!(ck.1 == plain.1, "parameters differ: {policy}, accum {accum}, every {every}");
+                assert!(
+                    ck.1 == plain.1,
+                    "parameters differ: {policy}, accum {accum}, every {every}"
+                );
             }
         }
     }
@@ -123,7 +126,11 @@ fn a_checkpoint_records_the_checkpointing_and_a_resume_may_change_it() {
         "{changes:?}"
     );
     let resumed = bits(&resumed);
-    assert_eq!(resumed.0, straight.0[2..], "losses of 2 checkpointed + 2 plain steps against 4 plain");
+    assert_eq!(
+        resumed.0,
+        straight.0[2..],
+        "losses of 2 checkpointed + 2 plain steps against 4 plain"
+    );
     assert!(resumed.1 == straight.1);
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -161,12 +168,20 @@ fn checkpointing_lowers_the_measured_activations_and_peak() {
         // each checkpointed block keeps its input [8, 32, 64] instead of ~20 tensors of that
         // size or larger: the GPT's activations fall to well under half
         let ratio = ck.activations as f64 / plain.activations as f64;
-        assert!(ratio < 0.5, "{policy}: activations {} -> {} ({ratio:.2})", plain.activations, ck.activations);
+        assert!(
+            ratio < 0.5,
+            "{policy}: activations {} -> {} ({ratio:.2})",
+            plain.activations,
+            ck.activations
+        );
         assert!(ck.peak < plain.peak, "{policy}: peak {} -> {}", plain.peak, ck.peak);
         // the peak holds at least the state between steps and the activations
         assert!(plain.peak >= plain.activations + plain.parameters, "{plain:?}");
         // what stays between steps does not change
-        assert_eq!((ck.parameters, ck.gradients, ck.optimizer_state), (plain.parameters, plain.gradients, plain.optimizer_state));
+        assert_eq!(
+            (ck.parameters, ck.gradients, ck.optimizer_state),
+            (plain.parameters, plain.gradients, plain.optimizer_state)
+        );
         eprintln!(
             "{policy}: activations {} -> {} bytes ({ratio:.3}), peak {} -> {} bytes ({:.3})",
             plain.activations,

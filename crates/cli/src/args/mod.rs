@@ -260,9 +260,7 @@ impl ModelArgs {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
         if self.activation_checkpointing.is_some() && self.model != ModelName::Gpt {
-            return bad(
-                "--activation-checkpointing checkpoints transformer blocks: it needs --model gpt".to_string(),
-            );
+            return bad("--activation-checkpointing checkpoints transformer blocks: it needs --model gpt".to_string());
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(

@@ -294,7 +294,10 @@ impl RunArgs {
             return Ok(());
         };
         if !(mb.is_finite() && mb > 0.0) {
-            return Err(Error::Usage(format!("--memory-budget must be a positive number of MB, got {}", compact(mb))));
+            return Err(Error::Usage(format!(
+                "--memory-budget must be a positive number of MB, got {}",
+                compact(mb)
+            )));
         }
         let budget = (mb * (1u64 << 20) as f64) as u64;
         let every = self.model.activation_checkpointing.unwrap_or(0);
@@ -316,7 +319,9 @@ impl RunArgs {
         if self.distributed.world_size > 1 && zero < 2 {
             fixes.push(("--zero 2", fits(self.predicted_peak(2, every, rows))));
         }
-        let smaller = (1..rows).rev().find(|&b| fits(self.predicted_peak(zero, every, b)).is_some());
+        let smaller = (1..rows)
+            .rev()
+            .find(|&b| fits(self.predicted_peak(zero, every, b)).is_some());
         let fix = fixes
             .iter()
             .find_map(|(flag, t)| t.map(|t| format!("{flag} would bring it to {}", footprint::human(t))))

@@ -37,7 +37,15 @@ fn run(every: usize) -> (Vec<Vec<u32>>, Vec<u32>, u64) {
         .params()
         .params()
         .iter()
-        .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+        .map(|p| {
+            p.grad()
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        })
         .collect();
     (grads, losses, m.rng_state().unwrap().offset)
 }
@@ -49,7 +57,10 @@ fn checkpointed_blocks_give_the_gradients_of_the_plain_gpt_bit_for_bit_with_drop
         let ck = run(every);
         assert_eq!(ck.1, plain.1, "losses, every {every}");
         assert_eq!(ck.2, plain.2, "dropout masks drawn, every {every}");
-        assert!(ck.0 == plain.0, "gradients differ with every {every}-th block checkpointed");
+        assert!(
+            ck.0 == plain.0,
+            "gradients differ with every {every}-th block checkpointed"
+        );
     }
 }
 
