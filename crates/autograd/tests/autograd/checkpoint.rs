@@ -196,7 +196,7 @@ fn a_unit_reading_an_outer_intermediate_is_one_error_naming_the_op() {
     let o = outer.clone();
     let e = checkpoint_scope("u1", &x, (), move |_x: &Var| o.relu()?.linear(&w2, None)).unwrap_err();
     assert!(
-        matches!(e, AutogradError::CheckpointInput { ref op, .. } if *op == "linear"),
+        matches!(e, AutogradError::CheckpointInput { op, .. } if op == "linear"),
         "{e}"
     );
     assert!(e.to_string().contains("'u1'"), "{e}");

@@ -8,7 +8,7 @@ use brigade_comm::{CommMeter, Communicator, Metered};
 use brigade_ddp::overlap::Autotuner;
 use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
-use brigade_tensor::{set_compute_threads, Device, MemoryMeter};
+use brigade_tensor::{set_compute_threads, Device};
 
 use crate::checkpoint::{load_checkpoint, CheckpointIdentity, Resumed};
 use crate::config::{OptimizerConfig, TrainConfig};
@@ -18,7 +18,7 @@ use crate::launch::{nccl, RankContext};
 use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
 use crate::source::{DataLength, DataOrder, DataSource};
 
-use super::{compute_threads, zero_stage, Feed, Progress, Records, Replica, ResumeNotes, Trainer};
+use super::{compute_threads, zero_stage, Feed, InstalledMeter, Progress, Records, Replica, ResumeNotes, Trainer};
 
 impl<'a> Trainer<'a> {
     /// Takes this rank's `model` (loading `init` into it if given), builds the optimizer,
@@ -33,14 +33,7 @@ impl<'a> Trainer<'a> {
         set_compute_threads(compute_threads(cfg, ctx));
         // `fit` meters the rank's thread from before the model is built; a trainer made on a
         // thread without a meter installs its own (the storages made before it not counted)
-        let (memory, installed_meter) = match MemoryMeter::current() {
-            Some(m) => (m, false),
-            None => {
-                let m = MemoryMeter::new();
-                MemoryMeter::install(Some(m.clone()));
-                (m, true)
-            }
-        };
+        let (memory, installed_meter) = InstalledMeter::on_this_thread();
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }
@@ -79,7 +72,7 @@ impl<'a> Trainer<'a> {
             records: super::Records {
                 autotune: autotune.map(Autotuner::new).transpose()?,
                 memory,
-                installed_meter,
+                _installed_meter: installed_meter,
                 ..Records::default()
             },
         })

@@ -133,8 +133,34 @@ struct Records {
     memory: Arc<MemoryMeter>,
     /// The last step's activations and peak, in bytes ([`MemoryReport`](brigade_ddp::MemoryReport)'s).
     step_memory: StepMemory,
-    /// The meter this trainer installed on its thread (none was), to take off at the end.
-    installed_meter: bool,
+    /// The meter this trainer installed on its thread (none was), taken off when it drops.
+    _installed_meter: Option<InstalledMeter>,
+}
+
+/// A meter a trainer installed on its thread: uninstalled when dropped (also when the trainer
+/// fails to build), if it is still the thread's meter.
+struct InstalledMeter(Arc<MemoryMeter>);
+
+impl InstalledMeter {
+    /// This thread's meter, and the guard of it when there was none and one was installed here.
+    fn on_this_thread() -> (Arc<MemoryMeter>, Option<InstalledMeter>) {
+        match MemoryMeter::current() {
+            Some(m) => (m, None),
+            None => {
+                let m = MemoryMeter::new();
+                MemoryMeter::install(Some(m.clone()));
+                (m.clone(), Some(InstalledMeter(m)))
+            }
+        }
+    }
+}
+
+impl Drop for InstalledMeter {
+    fn drop(&mut self) {
+        if MemoryMeter::current().is_some_and(|m| Arc::ptr_eq(&m, &self.0)) {
+            MemoryMeter::install(None);
+        }
+    }
 }
 
 /// What the [`MemoryMeter`] measured of one step.

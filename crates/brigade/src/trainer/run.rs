@@ -2,7 +2,6 @@
 //! the observer, and the outcome with every output the run made.
 
 use brigade_ddp::MemoryReport;
-use brigade_tensor::MemoryMeter;
 
 use crate::error::{Error, Result};
 use crate::join;
@@ -154,9 +153,6 @@ impl Trainer<'_> {
                 peak: measured.peak,
                 ..m
             });
-        if self.records.installed_meter {
-            MemoryMeter::install(None);
-        }
         let join = self.feed.join.as_ref();
         Ok(TrainOutcome {
             first_step: self.at.first_step,

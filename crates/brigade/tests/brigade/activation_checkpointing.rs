@@ -192,3 +192,30 @@ fn checkpointing_lowers_the_measured_activations_and_peak() {
         );
     }
 }
+
+#[test]
+fn a_run_leaves_no_meter_on_the_thread_and_a_failed_one_neither() {
+    use brigade::tensor::MemoryMeter;
+    assert!(MemoryMeter::current().is_none());
+    let ok = run(1, &config(1, PolicySpec::AllReduce, 1, 1));
+    assert!(ok.outcome.memory.unwrap().peak > 0);
+    assert!(MemoryMeter::current().is_none(), "fit took its meter off");
+    // a trainer built here, on a thread without a meter, that fails to build
+    let mut cfg = config(1, PolicySpec::AllReduce, 1, 1);
+    cfg.model.activation_checkpointing = 1;
+    let data = Dataset::builtin_text(8, 0).unwrap();
+    let e = brigade::launch::run_ranks(
+        &LaunchConfig::threads(1),
+        |_| Ok(data),
+        |ctx, data| {
+            let mlp = brigade::models::Mlp::new(brigade::models::MlpConfig::new(vec![4, 2]), 0)?;
+            let t = brigade::trainer::Trainer::new(&cfg, Box::new(mlp), data, ctx).map(|_| ());
+            assert!(
+                MemoryMeter::current().is_none(),
+                "the failed trainer took its meter off"
+            );
+            t
+        },
+    );
+    assert!(e.is_err());
+}
