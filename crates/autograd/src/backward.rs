@@ -12,7 +12,7 @@ use crate::{AutogradError, GradBus, GradReady, Result, Var};
 
 /// Every var reachable from `root` through vars that require grad, sorted newest first
 /// (a reverse topological order: inputs are always older than their outputs).
-fn reachable(root: &Var) -> Vec<Var> {
+pub(crate) fn reachable(root: &Var) -> Vec<Var> {
     let mut seen = HashSet::new();
     let mut stack = vec![root.clone()];
     let mut out = vec![];
@@ -123,57 +123,14 @@ impl Var {
             }
             return Ok(());
         }
-        let mut grads: HashMap<u64, Tensor> = HashMap::new();
-        grads.insert(self.0.id, seed);
-        let profiling = crate::profile::enabled();
-        for v in order {
-            let Some(node) = &v.0.node else { continue };
-            let g = grads.remove(&v.0.id);
-            let input_grads = match &g {
-                Some(g) => {
-                    for s in subscribers {
-                        s.node_backward(node.scope.as_deref(), node.op);
-                    }
-                    if profiling {
-                        let start = Instant::now();
-                        let grads = (node.backward)(g)?;
-                        crate::profile::backward_op(node.op, start.elapsed());
-                        grads
-                    } else {
-                        (node.backward)(g)?
-                    }
-                }
-                None => vec![None; node.inputs.len()],
-            };
-            for (inp, ig) in node.inputs.iter().zip(input_grads) {
-                if !inp.requires_grad() {
-                    continue;
-                }
-                if let Some(ig) = ig {
-                    let start = profiling.then(Instant::now);
-                    if inp.0.node.is_some() {
-                        match grads.get_mut(&inp.0.id) {
-                            Some(acc) => *acc = acc.add(&ig)?,
-                            None => {
-                                grads.insert(inp.0.id, ig);
-                            }
-                        }
-                    } else {
-                        inp.accumulate_grad(ig)?;
-                    }
-                    if let Some(start) = start {
-                        crate::profile::backward_op("accumulate_grad", start.elapsed());
-                    }
-                }
-                if inp.0.param.is_some() {
-                    let left = pending.get_mut(&inp.0.id).expect("counted above");
-                    *left -= 1;
-                    if *left == 0 {
-                        announce(inp)?;
-                    }
-                }
+        propagate(self, seed, order, subscribers, &mut |inp: &Var| {
+            let left = pending.get_mut(&inp.0.id).expect("counted above");
+            *left -= 1;
+            if *left == 0 {
+                announce(inp)?;
             }
-        }
+            Ok(())
+        })?;
         for s in subscribers {
             s.backward_finished().map_err(|source| AutogradError::Subscriber {
                 param: "<backward end>".into(),
@@ -182,4 +139,66 @@ impl Var {
         }
         Ok(())
     }
+}
+
+/// Runs every node of `order` (reverse topological, `root` first, `root` having a node) from
+/// `seed`: each node's backward, its input gradients summed into the nodes below or added into
+/// the leaves' `.grad`; `contributed` is told each time a parameter has received one
+/// contribution (or a `None` from a node it feeds). The engine of [`Var::backward_with`], and of
+/// a checkpointed scope's recompute, which runs its own nodes without announcing.
+pub(crate) fn propagate(
+    root: &Var,
+    seed: Tensor,
+    order: &[Var],
+    subscribers: &[Arc<dyn GradSubscriber>],
+    contributed: &mut dyn FnMut(&Var) -> Result<()>,
+) -> Result<()> {
+    let mut grads: HashMap<u64, Tensor> = HashMap::new();
+    grads.insert(root.0.id, seed);
+    let profiling = crate::profile::enabled();
+    for v in order {
+        let Some(node) = &v.0.node else { continue };
+        let g = grads.remove(&v.0.id);
+        let input_grads = match &g {
+            Some(g) => {
+                for s in subscribers {
+                    s.node_backward(node.scope.as_deref(), node.op);
+                }
+                if profiling {
+                    let start = Instant::now();
+                    let grads = (node.backward)(g)?;
+                    crate::profile::backward_op(node.op, start.elapsed());
+                    grads
+                } else {
+                    (node.backward)(g)?
+                }
+            }
+            None => vec![None; node.inputs.len()],
+        };
+        for (inp, ig) in node.inputs.iter().zip(input_grads) {
+            if !inp.requires_grad() {
+                continue;
+            }
+            if let Some(ig) = ig {
+                let start = profiling.then(Instant::now);
+                if inp.0.node.is_some() {
+                    match grads.get_mut(&inp.0.id) {
+                        Some(acc) => *acc = acc.add(&ig)?,
+                        None => {
+                            grads.insert(inp.0.id, ig);
+                        }
+                    }
+                } else {
+                    inp.accumulate_grad(ig)?;
+                }
+                if let Some(start) = start {
+                    crate::profile::backward_op("accumulate_grad", start.elapsed());
+                }
+            }
+            if inp.0.param.is_some() {
+                contributed(inp)?;
+            }
+        }
+    }
+    Ok(())
 }

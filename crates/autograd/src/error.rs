@@ -59,6 +59,25 @@ pub enum AutogradError {
     /// negative rate, ...): what is wrong and how to fix it.
     #[error("lr schedule: {0}")]
     Schedule(String),
+    /// A checkpointed scope's forward failed when backward recomputed it; `source` is the
+    /// error its forward returned, typed (downcast it, e.g. to the model's error).
+    #[error("recomputing checkpointed scope '{scope}': {source}")]
+    Recompute {
+        /// The scope's full path (e.g. `blocks.0`).
+        scope: String,
+        /// The forward's error.
+        #[source]
+        source: SubscriberError,
+    },
+    /// A checkpointed scope read a var computed outside it other than its input (it could not
+    /// be recomputed from its input alone).
+    #[error("checkpointed scope '{scope}' reads the result of op '{op}' computed before it; pass everything it computes from as its input")]
+    CheckpointInput {
+        /// The scope's full path.
+        scope: String,
+        /// The op that made the var it reads.
+        op: &'static str,
+    },
     /// Anything else an argument got wrong.
     #[error("{0}")]
     Invalid(String),

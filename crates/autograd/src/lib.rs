@@ -14,6 +14,7 @@
 
 mod backward;
 mod bus;
+mod checkpoint;
 mod error;
 mod gradcheck;
 mod loss;
@@ -25,6 +26,7 @@ pub mod schedule;
 mod var;
 
 pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
+pub use checkpoint::{checkpoint_scope, RecomputeState};
 pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
 pub use loss::Reduction;

@@ -122,3 +122,14 @@ pub(crate) fn backward_op(op: &'static str, took: Duration) {
         }
     });
 }
+
+/// Runs `f` with this thread's per-op timing paused (nothing it records is charged), e.g. a
+/// checkpointed scope's recompute, whose whole time its `checkpoint` node is charged with.
+pub(crate) fn paused<R>(f: impl FnOnce() -> R) -> R {
+    let saved = RECORDER.with(|r| r.borrow_mut().take());
+    let out = f();
+    if let Some(saved) = saved {
+        RECORDER.with(|r| *r.borrow_mut() = Some(saved));
+    }
+    out
+}

@@ -39,7 +39,7 @@ pub(crate) struct VarInner {
 #[derive(Clone)]
 pub struct Var(pub(crate) Arc<VarInner>);
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+pub(crate) static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
@@ -110,8 +110,20 @@ pub fn scope<R>(name: &str, f: impl FnOnce() -> R) -> R {
     r
 }
 
-fn current_scope() -> Option<Arc<str>> {
+pub(crate) fn current_scope() -> Option<Arc<str>> {
     SCOPE.with(|s| s.borrow().last().cloned())
+}
+
+/// Runs `f` recording a graph, under the full scope path `full` whatever the current scope is:
+/// how a checkpointed scope's forward is recomputed inside backward, under the names it first
+/// ran with.
+pub(crate) fn rerun_in_scope<R>(full: Option<Arc<str>>, f: impl FnOnce() -> R) -> R {
+    let prev_grad = GRAD_ENABLED.with(|g| g.replace(true));
+    let prev_scope = SCOPE.with(|s| std::mem::replace(&mut *s.borrow_mut(), full.into_iter().collect()));
+    let r = f();
+    SCOPE.with(|s| *s.borrow_mut() = prev_scope);
+    GRAD_ENABLED.with(|g| g.set(prev_grad));
+    r
 }
 
 impl std::fmt::Debug for Var {

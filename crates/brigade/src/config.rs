@@ -148,16 +148,23 @@ pub struct ModelConfig {
     pub seed: u64,
     /// Initial parameters (safetensors, PyTorch state-dict names).
     pub init: Option<PathBuf>,
+    /// Activation checkpointing of every N-th block (1: every block; 0: none, the default):
+    /// [`brigade_models::Model::set_activation_checkpointing`]. It changes the memory a step
+    /// holds, not its results; a checkpoint records it, and a resume may change it (the change
+    /// is reported).
+    pub activation_checkpointing: usize,
 }
 
 impl Default for ModelConfig {
-    /// A model named `model`, seed 0, its parameters as the model initialises them.
+    /// A model named `model`, seed 0, its parameters as the model initialises them, no
+    /// activation checkpointing.
     fn default() -> Self {
         ModelConfig {
             name: "model".into(),
             config: None,
             seed: 0,
             init: None,
+            activation_checkpointing: 0,
         }
     }
 }

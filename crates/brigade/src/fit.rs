@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use brigade_comm::{all_gather_bytes, Event};
 use brigade_models::Model;
+use brigade_tensor::MemoryMeter;
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
@@ -75,7 +76,13 @@ pub fn fit<D: DataSource>(
     data: impl FnOnce(usize) -> Result<D>,
     model: impl Fn(&RankContext) -> Result<Box<dyn Model>> + Sync,
 ) -> Result<RunReport> {
-    let launched = run_ranks(launch_cfg, data, |ctx, data| rank_main(ctx, cfg, model(ctx)?, data))?;
+    let launched = run_ranks(launch_cfg, data, |ctx, data| {
+        // every tensor this rank's thread makes from its model on counts to its memory
+        let before = MemoryMeter::install(Some(MemoryMeter::new()));
+        let out = model(ctx).and_then(|m| rank_main(ctx, cfg, m, data));
+        MemoryMeter::install(before);
+        out
+    })?;
     let world_size = launched.world_size;
     let (rank, RankOut { train, gathered }) = launched
         .results

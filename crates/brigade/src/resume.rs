@@ -15,7 +15,9 @@
 //!   past `T`, which [`defaulted_t_note`] says);
 //! - the rows a step reads per rank (`batch_size * accum`, [`ROWS_PER_STEP_KEY`]) must be the
 //!   checkpoint's where the data's position follows from the step (in order, or under a join
-//!   mode): another would continue at another row ([`CheckpointMismatch::RowsPerStep`]).
+//!   mode): another would continue at another row ([`CheckpointMismatch::RowsPerStep`]);
+//! - the activation checkpointing ([`ACTIVATION_CHECKPOINTING_KEY`]) may differ: it changes
+//!   memory, not results, and the change is reported as a [`HyperparameterChange`].
 
 use std::collections::HashMap;
 
@@ -37,6 +39,8 @@ fn recorded_t(record: &str) -> Option<u64> {
 const SCHEDULE_KEY: &str = "schedule";
 /// Checkpoint metadata key of the rows a step reads per rank (`batch_size * accum`).
 pub const ROWS_PER_STEP_KEY: &str = "rows_per_step";
+/// Checkpoint metadata key of the activation checkpointing (every N-th block, 0: none).
+pub const ACTIVATION_CHECKPOINTING_KEY: &str = "activation_checkpointing";
 /// Prefix of the hyperparameters' metadata keys.
 const HP_PREFIX: &str = "hp.";
 
@@ -77,6 +81,10 @@ pub(crate) fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(
     [
         (SCHEDULE_KEY.to_string(), schedule_record(schedule)),
         (ROWS_PER_STEP_KEY.to_string(), cfg.rows_per_step().to_string()),
+        (
+            ACTIVATION_CHECKPOINTING_KEY.to_string(),
+            cfg.model.activation_checkpointing.to_string(),
+        ),
     ]
     .into_iter()
     .chain(
@@ -124,6 +132,10 @@ pub fn check_resume(
     let changes = changes
         .into_iter()
         .chain(model_changes(meta.get("model_config"), cfg.model.config.as_deref()))
+        .chain(activation_checkpointing_change(
+            meta,
+            cfg.model.activation_checkpointing,
+        ))
         .collect();
     Ok((schedule, changes))
 }
@@ -165,6 +177,17 @@ pub fn defaulted_t_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Op
              a run that should decay over {} steps sets T (--lr-decay-steps {}) from its start",
             cfg.recipe.steps, cfg.recipe.steps, cfg.recipe.steps
         )
+    })
+}
+
+/// A resume that checkpoints other blocks than the checkpoint's run: allowed (the gradients
+/// are the same), reported. A checkpoint that records none is not compared.
+fn activation_checkpointing_change(meta: &HashMap<String, String>, this_run: usize) -> Option<HyperparameterChange> {
+    let written = meta.get(ACTIVATION_CHECKPOINTING_KEY)?;
+    (*written != this_run.to_string()).then(|| HyperparameterChange {
+        name: "model.activation_checkpointing".to_string(),
+        written: written.clone(),
+        this_run: this_run.to_string(),
     })
 }
 

@@ -310,6 +310,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
             )),
             seed: args.model.seed,
             init: args.model.init.clone(),
+            activation_checkpointing: args.model.activation_checkpointing.unwrap_or(0),
         },
         data: DataConfig {
             batch_size: args.data.batch_size,

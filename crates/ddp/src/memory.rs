@@ -37,10 +37,23 @@ pub struct MemoryReport {
     /// The most bytes of sharded parameters gathered whole at once (ZeRO-3's units, gathered
     /// for their forward and backward and freed after; 0 when parameters are not sharded).
     pub gathered: usize,
+    /// Bytes of the tensors the graph held at the end of forward: what the storages alive on
+    /// the rank's thread grew by across the forward of a microbatch (the most over the
+    /// microbatches of the last step), measured by the tensor crate's
+    /// [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from
+    /// [`crate::DistributedDataParallel::rank_memory`] alone).
+    pub activations: usize,
+    /// The most bytes of tensor storage alive at once on the rank's thread during the last
+    /// step (parameters, gradients, buckets, optimizer state, activations, batches, scratch),
+    /// measured by the [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from
+    /// `rank_memory` alone). Not part of [`MemoryReport::total`], which counts what stays
+    /// between steps.
+    pub peak: usize,
 }
 
 impl MemoryReport {
-    /// Everything above, each storage once.
+    /// What stays between steps, each storage once: parameters, gradients, optimizer state,
+    /// policy state and comm scratch (not `activations` and `peak`, measured within the step).
     pub fn total(&self) -> usize {
         self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch + self.gathered
     }
@@ -69,5 +82,7 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         policy_state: policy.state_bytes,
         comm_scratch: policy.scratch_bytes,
         gathered: policy.gathered_bytes,
+        activations: 0,
+        peak: 0,
     })
 }

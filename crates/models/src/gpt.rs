@@ -15,7 +15,7 @@
 //! `blocks.{i}.mlp.proj.{weight [d, d_ff], bias}`; finally `ln_f.{weight,bias}` and
 //! `head.weight [vocab, d]`. Linear weights are PyTorch `[out, in]`.
 
-use brigade_autograd::{no_grad, scope, ParamStore, Var};
+use brigade_autograd::{checkpoint_scope, no_grad, scope, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
 use crate::nn::{Dropout, DropoutRng, Embedding, Init, KvCache, LayerNorm, Linear, Params, RngState, TransformerBlock};
@@ -127,6 +127,8 @@ pub struct Gpt {
     head: Linear,
     rng: DropoutRng,
     training: bool,
+    /// Every how many blocks one is checkpointed (0: none).
+    checkpoint_every: usize,
 }
 
 impl Gpt {
@@ -171,12 +173,18 @@ impl Gpt {
             head,
             rng: dropout_rng,
             training: true,
+            checkpoint_every: 0,
         })
     }
 
     /// The configuration it was built from.
     pub fn config(&self) -> &GptConfig {
         &self.cfg
+    }
+
+    /// Every how many blocks one is checkpointed (0: none): [`Model::set_activation_checkpointing`].
+    pub fn activation_checkpointing(&self) -> usize {
+        self.checkpoint_every
     }
 
     /// True in training mode (the default), false after [`Model::eval`].
@@ -205,7 +213,9 @@ impl Gpt {
     }
 
     /// Next-token logits `[B, T, vocab]` for I64 or U8 `tokens [B, T]`, `T <= context`.
-    /// Ops run under scopes `embed`, `blocks.{i}` and `head`. Dropout acts in training mode.
+    /// Ops run under scopes `embed`, `blocks.{i}` and `head`; the blocks that
+    /// [`Model::set_activation_checkpointing`] names are checkpointed scopes. Dropout acts in
+    /// training mode.
     pub fn logits(&self, tokens: &Tensor) -> Result<Var> {
         let t = Self::check_tokens(tokens)?;
         if t > self.cfg.context {
@@ -220,7 +230,13 @@ impl Gpt {
                 .forward(&tok.add(&self.pos_emb.weight.narrow(0, 0, t)?)?)
         })?;
         for (i, blk) in self.blocks.iter().enumerate() {
-            x = scope(&format!("blocks.{i}"), || blk.forward(&x))?;
+            let name = format!("blocks.{i}");
+            x = if self.checkpoint_every > 0 && i % self.checkpoint_every == 0 {
+                let blk = blk.clone();
+                checkpoint_scope(&name, &x, self.rng.clone(), move |x: &Var| blk.forward(x))?
+            } else {
+                scope(&name, || blk.forward(&x))?
+            };
         }
         scope("head", || self.head.forward(&self.ln_f.forward(&x)?))
     }
@@ -314,6 +330,11 @@ impl Model for Gpt {
         self.training = training;
         self.embed_dropout.set_training(training);
         self.blocks.iter_mut().for_each(|b| b.set_training(training));
+    }
+
+    fn set_activation_checkpointing(&mut self, every: usize) -> Result<()> {
+        self.checkpoint_every = every;
+        Ok(())
     }
 
     fn rng_state(&self) -> Option<RngState> {

@@ -139,6 +139,20 @@ pub trait Model: Send {
         self.set_training(false);
     }
 
+    /// Activation checkpointing of every `every`-th block (blocks `0, every, 2 * every, ..`;
+    /// 1 = every block, 0 = none, the default): each checkpointed block keeps only its input
+    /// through forward and recomputes its forward inside backward
+    /// ([`brigade_autograd::checkpoint_scope`]), with the same gradients. The default, for a
+    /// model without blocks, accepts 0 only and is an error otherwise.
+    fn set_activation_checkpointing(&mut self, every: usize) -> Result<()> {
+        if every == 0 {
+            return Ok(());
+        }
+        Err(ModelError::Unsupported(
+            "this model has no blocks to checkpoint (activation checkpointing is for the GPT)".into(),
+        ))
+    }
+
     /// The state of the generator the model's dropout draws from, for a checkpoint (`None`,
     /// the default: the model draws nothing at random).
     fn rng_state(&self) -> Option<RngState> {

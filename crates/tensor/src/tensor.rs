@@ -3,6 +3,7 @@
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::layout::contiguous_strides;
+use crate::memory_meter::Charge;
 use crate::storage::{dispatch, DeviceStorage, Storage};
 use crate::{Buffer, DType, Device, Element, Layout, Result, Rng, TensorError};
 
@@ -16,10 +17,24 @@ use crate::{Buffer, DType, Device, Element, Layout, Result, Rng, TensorError};
 /// reach elements only by explicit copies (`to_vec`, `from_vec`, `to_device`).
 #[derive(Clone)]
 pub struct Tensor {
-    storage: Arc<RwLock<DeviceStorage>>,
+    storage: Arc<Stored>,
     layout: Layout,
     dtype: DType,
     device: Device,
+}
+
+/// A storage behind its lock, with the bytes it charged to this thread's [`crate::MemoryMeter`]
+/// (given back when the last view drops it).
+struct Stored {
+    lock: RwLock<DeviceStorage>,
+    _charge: Option<Charge>,
+}
+
+impl std::ops::Deref for Stored {
+    type Target = RwLock<DeviceStorage>;
+    fn deref(&self) -> &RwLock<DeviceStorage> {
+        &self.lock
+    }
 }
 
 impl std::fmt::Debug for Tensor {
@@ -34,7 +49,10 @@ impl Tensor {
         let storage = storage.into();
         let (dtype, device) = (storage.dtype(), storage.device());
         Tensor {
-            storage: Arc::new(RwLock::new(storage)),
+            storage: Arc::new(Stored {
+                _charge: Charge::here(storage.len() * dtype.size_in_bytes()),
+                lock: RwLock::new(storage),
+            }),
             layout: Layout::contiguous(shape),
             dtype,
             device,

@@ -3,6 +3,7 @@
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
 mod bus;
+mod checkpoint;
 mod grad_accumulation;
 mod gradcheck;
 mod losses;

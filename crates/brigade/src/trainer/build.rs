@@ -18,7 +18,7 @@ use crate::launch::{nccl, RankContext};
 use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
 use crate::source::{DataLength, DataOrder, DataSource};
 
-use super::{compute_threads, zero_stage, Feed, Progress, Records, Replica, ResumeNotes, Trainer};
+use super::{compute_threads, zero_stage, Feed, InstalledMeter, Progress, Records, Replica, ResumeNotes, Trainer};
 
 impl<'a> Trainer<'a> {
     /// Takes this rank's `model` (loading `init` into it if given), builds the optimizer,
@@ -40,9 +40,13 @@ impl<'a> Trainer<'a> {
                     .into(),
             ));
         }
+        // `fit` meters the rank's thread from before the model is built; a trainer made on a
+        // thread without a meter installs its own (the storages made before it not counted)
+        let (memory, installed_meter) = InstalledMeter::on_this_thread();
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }
+        model.set_activation_checkpointing(cfg.model.activation_checkpointing)?;
         let lengths = check_lengths(cfg, data, ctx)?;
         let mut opt = cfg.recipe.optimizer.build(model.params().params().to_vec());
         // This rank's policy, made first: a checkpoint names the policy it was written under.
@@ -80,6 +84,8 @@ impl<'a> Trainer<'a> {
             saves: Default::default(),
             records: super::Records {
                 autotune: autotune.map(Autotuner::new).transpose()?,
+                memory,
+                _installed_meter: installed_meter,
                 ..Records::default()
             },
         })

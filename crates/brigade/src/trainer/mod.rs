@@ -20,7 +20,9 @@ use brigade_ddp::overlap::{Autotuner, StepProfile};
 use brigade_ddp::DistributedDataParallel;
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
-use brigade_tensor::Device;
+use std::sync::Arc;
+
+use brigade_tensor::{Device, MemoryMeter};
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
@@ -130,6 +132,48 @@ struct Records {
     profiles: Vec<StepProfile>,
     /// Tunes the bucket cap after the steps ([`DistributedConfig::autotune`](crate::config::DistributedConfig::autotune)).
     autotune: Option<Autotuner>,
+    /// Counts the tensor storages of this rank's thread: the activations and the peak of
+    /// each step.
+    memory: Arc<MemoryMeter>,
+    /// The last step's activations and peak, in bytes ([`MemoryReport`](brigade_ddp::MemoryReport)'s).
+    step_memory: StepMemory,
+    /// The meter this trainer installed on its thread (none was), taken off when it drops.
+    _installed_meter: Option<InstalledMeter>,
+}
+
+/// A meter a trainer installed on its thread: uninstalled when dropped (also when the trainer
+/// fails to build), if it is still the thread's meter.
+struct InstalledMeter(Arc<MemoryMeter>);
+
+impl InstalledMeter {
+    /// This thread's meter, and the guard of it when there was none and one was installed here.
+    fn on_this_thread() -> (Arc<MemoryMeter>, Option<InstalledMeter>) {
+        match MemoryMeter::current() {
+            Some(m) => (m, None),
+            None => {
+                let m = MemoryMeter::new();
+                MemoryMeter::install(Some(m.clone()));
+                (m.clone(), Some(InstalledMeter(m)))
+            }
+        }
+    }
+}
+
+impl Drop for InstalledMeter {
+    fn drop(&mut self) {
+        if MemoryMeter::current().is_some_and(|m| Arc::ptr_eq(&m, &self.0)) {
+            MemoryMeter::install(None);
+        }
+    }
+}
+
+/// What the [`MemoryMeter`] measured of one step.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepMemory {
+    /// The most bytes a microbatch's forward left alive (held by its graph).
+    activations: usize,
+    /// The most bytes alive at once.
+    peak: usize,
 }
 
 impl Trainer<'_> {

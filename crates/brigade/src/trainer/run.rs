@@ -1,6 +1,8 @@
 //! The run: steps until `steps` or a stop, evaluating and checkpointing on the way, telling
 //! the observer, and the outcome with every output the run made.
 
+use brigade_ddp::MemoryReport;
+
 use crate::error::{Error, Result};
 use crate::join;
 use crate::launch::{binding_note, CommBackend};
@@ -142,7 +144,15 @@ impl Trainer<'_> {
     /// The run's outcome on this rank: `ended`, and what the replica, its DDP and the join hold.
     fn outcome(mut self, ended: Ended) -> Result<TrainOutcome> {
         let ddp = self.replica.ddp.as_ref();
-        let memory = ddp.map(|d| d.rank_memory(self.replica.opt.as_ref())).transpose()?;
+        let measured = self.records.step_memory;
+        let memory = ddp
+            .map(|d| d.rank_memory(self.replica.opt.as_ref()))
+            .transpose()?
+            .map(|m| MemoryReport {
+                activations: measured.activations,
+                peak: measured.peak,
+                ..m
+            });
         // ZeRO-3: rank 0's copy of the whole parameters (gathering them is a collective)
         let params = match ddp {
             Some(d) if d.shards_parameters() => {

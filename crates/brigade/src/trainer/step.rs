@@ -15,7 +15,7 @@ use crate::outcome::{StepOutcome, StepRecord};
 use crate::recipe::{clip_factor, EvalSource};
 use crate::source::Microbatch;
 
-use super::{batch_on, Trainer, EVAL_TAG, JOIN_SPAN, STEP_STATUS_TAG};
+use super::{batch_on, StepMemory, Trainer, EVAL_TAG, JOIN_SPAN, STEP_STATUS_TAG};
 
 /// What the ranks agreed on at the end of a step.
 struct StepStatus {
@@ -43,6 +43,8 @@ impl Trainer<'_> {
     pub fn step(&mut self) -> Result<StepOutcome> {
         let s = self.at.next_step;
         let t0 = Instant::now();
+        self.records.memory.reset_peak();
+        self.records.step_memory = StepMemory::default();
         let agreement = self.agree_on_data()?;
         let has_data = self.has_data(agreement.as_ref())?;
         // a due checkpoint holds the policy state this step starts from (a collective)
@@ -59,6 +61,7 @@ impl Trainer<'_> {
         let checkpoint_sent = self.checkpoint_if_due()?;
         let grad_norm = self.clip()?;
         let optimizer = self.optimizer_step(has_data)?;
+        self.records.step_memory.peak = self.records.memory.peak();
         drop(step_span);
         self.advance();
         self.record_profile(s, t0, optimizer)?;
@@ -114,10 +117,14 @@ impl Trainer<'_> {
         let mut step_loss: Option<Tensor> = None;
         for j in 0..k {
             let batch = self.microbatch(j)?;
+            let before = self.records.memory.live();
             let loss = {
                 let _span = self.span(EventKind::Forward);
                 self.replica.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?
             };
+            let held = self.records.memory.live().saturating_sub(before);
+            let m = &mut self.records.step_memory;
+            m.activations = m.activations.max(held);
             // f64, so the sum is the one the host loop computed before (f32 -> f64 is exact).
             let value = loss.value().to_dtype(DType::F64)?;
             step_loss = Some(match step_loss {
@@ -252,7 +259,10 @@ impl Trainer<'_> {
         let instrument = &self.cfg.runtime.instrument;
         let records = &mut self.records;
         if instrument.profile {
-            records.profile = StepProfile::record(ddp, &at);
+            records.profile = StepProfile::record(ddp, &at).map(|mut p| {
+                p.activation_checkpointing = self.cfg.model.activation_checkpointing;
+                p
+            });
             if let (Some(p), Some(range)) = (&records.profile, &instrument.profile_steps) {
                 if range.contains(&s) {
                     records.profiles.push(p.clone());

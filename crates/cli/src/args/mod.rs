@@ -197,6 +197,16 @@ pub fn parse_device(s: &str) -> std::result::Result<DevicePlacement, String> {
     }
 }
 
+/// `--activation-checkpointing N`: a positive count of blocks.
+fn parse_every(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "expected a positive number of blocks (1 = every block, N = every N-th), got '{s}'"
+        )),
+    }
+}
+
 /// The model and its shape.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
@@ -231,6 +241,12 @@ pub struct ModelArgs {
     /// an uninterrupted one would. 0 (the default) is bit for bit the run without dropout.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub dropout: f64,
+    /// gpt: activation checkpointing (torch.utils.checkpoint): a checkpointed block keeps only
+    /// its input through forward and recomputes its forward inside backward, the same gradients
+    /// for less memory. The bare flag checkpoints every block, N every N-th (blocks 0, N, 2N,
+    /// ..); off by default. Not --checkpoint FILE, which saves the run.
+    #[arg(long, num_args = 0..=1, default_missing_value = "1", value_name = "N", value_parser = parse_every)]
+    pub activation_checkpointing: Option<usize>,
     /// Seed of the initial parameters and of the built-in data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -243,6 +259,9 @@ impl ModelArgs {
     /// Checks the shape flags of the chosen model, naming the flag at fault.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Usage(m));
+        if self.activation_checkpointing.is_some() && self.model != ModelName::Gpt {
+            return bad("--activation-checkpointing checkpoints transformer blocks: it needs --model gpt".to_string());
+        }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(
                 "--dropout must be a probability in [0, 1) (1 would drop every activation), got {}",
@@ -510,6 +529,12 @@ pub struct RuntimeArgs {
     /// learning rate's warmup is --warmup-steps).
     #[arg(long, default_value_t = 0)]
     pub untimed_steps: usize,
+    /// Refuses, before step 0, a run predicted to hold more than this many MB (MiB, as
+    /// --bucket-cap-mb) per rank at once during a step; the error names the largest part and
+    /// what would make the run fit. The prediction (parameters, gradients, optimizer state,
+    /// activations, backward's working set) is `memory.predicted_peak_bytes` of --json.
+    #[arg(long, value_name = "MB", allow_negative_numbers = true)]
+    pub memory_budget: Option<f64>,
     /// `--warmup`, a hidden spelling of --untimed-steps ([`RunArgs::take_old_spellings`] moves
     /// it there and names the flag).
     #[arg(long = "warmup", hide = true, conflicts_with = "untimed_steps")]

@@ -262,7 +262,78 @@ impl RunArgs {
             if ranks == 1 { "rank" } else { "ranks" },
             logits.unwrap_or_default()
         );
-        footprint::check_fits(&what, bytes)
+        footprint::check_fits(&what, bytes)?;
+        self.check_budget(zero)
+    }
+
+    /// Optimizer values per parameter before any sharding (AdamW 2, SGD with momentum 1, else 0).
+    fn state_per_param(&self) -> u64 {
+        match self.recipe.optimizer {
+            OptimizerName::Adamw => 2,
+            OptimizerName::Sgd => u64::from(self.momentum() != 0.0),
+        }
+    }
+
+    /// The predicted peak of one rank of this run at `zero`, `checkpoint_every` and `rows`.
+    pub fn predicted_peak(&self, zero: u8, checkpoint_every: usize, rows: usize) -> Option<footprint::PeakPrediction> {
+        footprint::predict_peak(&footprint::PeakQuery {
+            kind: &self.model.kind(),
+            rows,
+            state_per_param: self.state_per_param(),
+            zero,
+            world: self.distributed.world_size,
+            checkpoint_every,
+        })
+    }
+
+    /// `--memory-budget`: refuses a run whose predicted peak per rank exceeds it, naming the
+    /// largest part and the first of activation checkpointing, `--zero 2` and a smaller
+    /// `--batch-size` that would fit.
+    fn check_budget(&self, zero: u8) -> Result<()> {
+        let Some(mb) = self.runtime.memory_budget else {
+            return Ok(());
+        };
+        if !(mb.is_finite() && mb > 0.0) {
+            return Err(Error::Usage(format!(
+                "--memory-budget must be a positive number of MB, got {}",
+                compact(mb)
+            )));
+        }
+        let budget = (mb * (1u64 << 20) as f64) as u64;
+        let every = self.model.activation_checkpointing.unwrap_or(0);
+        let rows = self.data.batch_size;
+        let fits = |p: Option<footprint::PeakPrediction>| p.filter(|p| p.total() <= budget).map(|p| p.total());
+        let Some(p) = self.predicted_peak(zero, every, rows) else {
+            return Err(Error::Usage(format!(
+                "--memory-budget {} MB: this run needs more than 2^64 bytes per rank",
+                compact(mb)
+            )));
+        };
+        if p.total() <= budget {
+            return Ok(());
+        }
+        let mut fixes = vec![];
+        if self.model.model == ModelName::Gpt && every != 1 {
+            fixes.push(("--activation-checkpointing", fits(self.predicted_peak(zero, 1, rows))));
+        }
+        if self.distributed.world_size > 1 && zero < 2 {
+            fixes.push(("--zero 2", fits(self.predicted_peak(2, every, rows))));
+        }
+        let smaller = (1..rows)
+            .rev()
+            .find(|&b| fits(self.predicted_peak(zero, every, b)).is_some());
+        let fix = fixes
+            .iter()
+            .find_map(|(flag, t)| t.map(|t| format!("{flag} would bring it to {}", footprint::human(t))))
+            .or_else(|| smaller.map(|b| format!("--batch-size {b} would fit")))
+            .unwrap_or_else(|| "neither activation checkpointing, --zero 2 nor a smaller --batch-size fits it: a smaller model or more ranks would".to_string());
+        let (part, bytes) = p.largest();
+        Err(Error::Usage(format!(
+            "--memory-budget {} MB: this run is predicted to hold {} per rank at its peak, the largest part {part} ({}); {fix}",
+            compact(mb),
+            footprint::human(p.total()),
+            footprint::human(bytes)
+        )))
     }
 
     /// Flags that cannot work with `--backend nccl` (every reducer policy runs there: its

@@ -86,6 +86,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         ModelName::Mlp => json!({ "widths": m.widths }),
         ModelName::Gpt => json!({
             "d_model": m.d_model, "layers": m.layers, "heads": m.heads, "d_ff": m.d_ff, "context": m.context,
+            "activation_checkpointing": m.activation_checkpointing.unwrap_or(0),
         }),
     };
     let hook = match a.distributed.comm_hook {
@@ -133,6 +134,11 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "total_bytes": m.total(),
+            "activation_bytes": m.activations, "peak_bytes": m.peak,
+            "predicted_peak_bytes": a
+                .predicted_peak(a.distributed.zero, a.model.activation_checkpointing.unwrap_or(0), a.data.batch_size)
+                .map(|p| p.total()),
+            "activation_checkpointing": a.model.activation_checkpointing.unwrap_or(0),
         })),
         "flags": flags,
         // uneven data: the join mode, the step each rank joined at (null: never), where the data ended
@@ -261,14 +267,21 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             g => format!(", gathered {:.2} MiB", mib(g)),
         };
         outln!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered}, total {:.2} MiB",
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered}, total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",
             a.distributed.zero,
             mib(m.parameters),
             mib(m.gradients),
             mib(m.buckets),
             mib(m.optimizer_state),
             mib(m.comm_scratch),
-            mib(m.total())
+            mib(m.total()),
+            mib(m.activations),
+            match a.model.activation_checkpointing {
+                Some(1) => " (every block checkpointed)".to_string(),
+                Some(n) => format!(" (every {n}th block checkpointed)"),
+                None => String::new(),
+            },
+            mib(m.peak)
         );
     }
 }

@@ -330,6 +330,7 @@ mod tests {
                 world_size: 2,
                 bucket_cap_mb: 1.0,
                 first_bucket_cap_mb: 1.0,
+                activation_checkpointing: 0,
                 policy: None,
                 params: vec![ParamProfile {
                     name: "w".into(),

@@ -350,6 +350,7 @@ impl Autotuner {
                         world_size: world,
                         bucket_cap_mb: from_cap,
                         first_bucket_cap_mb: first_cap,
+                        activation_checkpointing: 0,
                         policy: Some(policy.clone()),
                         params: params.clone(),
                         ranks,
@@ -548,6 +549,7 @@ mod rank_profile_tests {
             world_size: 2,
             bucket_cap_mb: 25.0,
             first_bucket_cap_mb: 25.0,
+            activation_checkpointing: 0,
             policy: None,
             params: vec![ParamProfile {
                 name: "w".into(),

@@ -115,6 +115,11 @@ pub struct StepProfile {
     pub bucket_cap_mb: f64,
     /// The first bucket's cap the step ran with, in MiB.
     pub first_bucket_cap_mb: f64,
+    /// Every how many blocks the model checkpointed its activations (0: none; absent in
+    /// profiles that do not record it), so that the recompute inside backward is not read as
+    /// a slower backward.
+    #[serde(default)]
+    pub activation_checkpointing: usize,
     /// The reducer policy that made the step (absent: recorded before policies were; an f32
     /// all-reduce).
     #[serde(default, skip_serializing_if = "Option::is_none")]

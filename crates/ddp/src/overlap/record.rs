@@ -49,6 +49,7 @@ impl StepProfile {
             world_size: ddp.comm().world_size(),
             bucket_cap_mb,
             first_bucket_cap_mb,
+            activation_checkpointing: 0,
             policy: Some(ProfilePolicy::of(ddp)),
             params: ParamProfile::all_of(ddp),
             ranks: vec![mine],

@@ -36,6 +36,7 @@ fn profile() -> StepProfile {
         world_size: 2,
         bucket_cap_mb: 100.0,
         first_bucket_cap_mb: 100.0,
+        activation_checkpointing: 0,
         policy: None,
         params: (0..2)
             .map(|i| ParamProfile {

@@ -45,6 +45,7 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         world_size: 2,
         bucket_cap_mb: 25.0,
         first_bucket_cap_mb: 1.0,
+        activation_checkpointing: 0,
         policy: None,
         params: params
             .iter()

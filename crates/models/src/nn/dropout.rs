@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use brigade_autograd::Var;
+use brigade_autograd::{RecomputeState, Var};
 use brigade_tensor::{Device, Rng, Tensor};
 
 use crate::{ModelError, Result};
@@ -55,6 +55,18 @@ impl DropoutRng {
     }
 }
 
+/// A checkpointed block's recompute draws the masks its forward drew: the generator is put
+/// back where it stood before the forward, then where the recompute found it.
+impl RecomputeState for DropoutRng {
+    type Saved = RngState;
+    fn save(&self) -> RngState {
+        self.state()
+    }
+    fn restore(&self, saved: &RngState) {
+        self.set_state(*saved);
+    }
+}
+
 /// SplitMix64's finaliser: a bijection that scatters nearby inputs.
 fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -65,6 +77,7 @@ fn mix64(mut z: u64) -> u64 {
 /// Inverted dropout (`torch.nn.Dropout`): in training mode each element is zeroed with
 /// probability `p` and the others scaled by `1/(1 - p)`; in evaluation mode, or at `p = 0`, the
 /// input passes through untouched (the same `Var`: no op recorded, the same bits).
+#[derive(Clone)]
 pub struct Dropout {
     p: f64,
     training: bool,

@@ -143,6 +143,7 @@ impl Activation {
 }
 
 /// `y = x Wᵀ + b` over the last dimension, with PyTorch's `[out, in]` weight.
+#[derive(Clone)]
 pub struct Linear {
     /// `weight [out, in]`.
     pub weight: Var,
@@ -181,6 +182,7 @@ impl Linear {
 }
 
 /// A lookup table `weight [num, dim]`: row `i` is token `i`'s vector.
+#[derive(Clone)]
 pub struct Embedding {
     /// `weight [num, dim]`.
     pub weight: Var,
@@ -201,6 +203,7 @@ impl Embedding {
 }
 
 /// Layer normalisation over the last dimension with a learned scale and shift.
+#[derive(Clone)]
 pub struct LayerNorm {
     /// Scale `[d]` (initialised to 1).
     pub weight: Var,
@@ -231,6 +234,7 @@ impl LayerNorm {
 
 /// Causal multi-head self-attention: `qkv` (q, k, v stacked in that order) projects, each head
 /// attends to earlier positions with scores scaled by `1/sqrt(head_dim)`, `proj` mixes heads.
+#[derive(Clone)]
 pub struct CausalSelfAttention {
     /// `[3d, d]` input projection (registered as `qkv`).
     pub qkv: Linear,
@@ -298,6 +302,7 @@ pub fn with_reference_attention<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// A transformer block's feed-forward part: `proj(act(fc(x)))`.
+#[derive(Clone)]
 pub struct MlpBlock {
     /// `[d_ff, d]` (registered as `fc`).
     pub fc: Linear,
@@ -325,6 +330,7 @@ impl MlpBlock {
 /// `x + drop(mlp(ln2(x)))`, parameters under `ln1`, `attn`, `ln2`, `mlp` (GELU feed-forward).
 /// The residual dropouts (nanoGPT's) are off unless [`TransformerBlock::with_dropout`] turns
 /// them on; the attention probabilities are not dropped (the fused attention has no dropout).
+#[derive(Clone)]
 pub struct TransformerBlock {
     /// Normalises the attention's input.
     pub ln1: LayerNorm,
