@@ -5,6 +5,7 @@
 mod bus;
 mod grad_accumulation;
 mod gradcheck;
+mod half_grads;
 mod optim;
 mod profile;
 mod schedule;
