@@ -33,12 +33,20 @@ pub struct MemoryReport {
     /// held at once beside the gradients (ZeRO's all-gathered parameters; 0 for in-place
     /// all-reduce).
     pub comm_scratch: usize,
+    /// f32 master weights kept beside 16-bit parameters (mixed precision; 0 otherwise:
+    /// an f32 run's master is the parameter itself).
+    pub master_weights: usize,
 }
 
 impl MemoryReport {
     /// Everything above, each storage once.
     pub fn total(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch
+        self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.policy_state
+            + self.comm_scratch
+            + self.master_weights
     }
 }
 
@@ -64,5 +72,12 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         optimizer_state: opt.state_bytes()?,
         policy_state: policy.state_bytes,
         comm_scratch: policy.scratch_bytes,
+        master_weights: opt
+            .master_weights()
+            .iter()
+            .map(|(_, t)| live(t))
+            .collect::<HashMap<_, _>>()
+            .values()
+            .sum(),
     })
 }

@@ -157,7 +157,11 @@ impl Trainer<'_> {
             buckets: ddp.map(|d| d.buckets()).unwrap_or_default(),
             memory,
             params: match self.ctx.rank {
-                0 => self.replica.model.params().named_values(),
+                // the full f32 weights: the masters beside 16-bit parameters, else the parameters
+                0 => match self.replica.opt.master_weights() {
+                    m if m.is_empty() => self.replica.model.params().named_values(),
+                    m => m,
+                },
                 _ => vec![],
             },
             rank_lengths: self.feed.lengths.clone(),
