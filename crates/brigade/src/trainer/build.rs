@@ -92,6 +92,12 @@ fn master_weights(
 ) -> Result<Box<dyn Optimizer>> {
     let p = cfg.recipe.precision;
     let refuse = |why: String| Err(Error::Config(format!("--precision {}: {why}", p.name())));
+    if p.reduce_dtype != p.param_dtype {
+        return refuse(format!(
+            "reducing in {} beside {} parameters is not built yet: the buckets hold the parameters' dtype",
+            p.reduce_dtype, p.param_dtype
+        ));
+    }
     if !matches!(
         cfg.runtime.device,
         crate::placement::DevicePlacement::Cpu | crate::placement::DevicePlacement::Fake(_)

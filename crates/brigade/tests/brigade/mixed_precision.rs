@@ -200,6 +200,10 @@ fn fp16_skips_backs_off_and_grows_as_the_scaler_says_and_resumes_bit_for_bit() {
 #[test]
 fn combinations_not_built_are_refused_in_one_line() {
     let mut c = config(2, 8, DType::BF16);
+    c.recipe.precision.reduce_dtype = DType::F32;
+    let e = mlp(&c).err().expect("refused").to_string();
+    assert!(e.contains("reducing in f32") && !e.contains('\n'), "{e}");
+    c.recipe.precision.reduce_dtype = DType::BF16;
     for (spec, says) in [
         ("bf16", "round bf16 gradients again"),
         ("zero2", "does not take 16-bit buckets"),
