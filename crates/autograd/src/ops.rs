@@ -455,6 +455,20 @@ impl Var {
         }))
     }
 
+    /// The elements converted to `dtype` (rounding to nearest even); the gradient is converted
+    /// back to the input's dtype. Mixed precision casts at its boundaries with it: 16-bit
+    /// logits widened to f32 before the loss, as autocast runs the loss in f32.
+    pub fn to_dtype(&self, dtype: brigade_tensor::DType) -> Result<Var> {
+        let x = self.value();
+        let from = x.dtype();
+        if from == dtype {
+            return Ok(self.clone());
+        }
+        Ok(Var::from_op("to_dtype", x.to_dtype(dtype)?, &[self], move |g| {
+            Ok(vec![Some(g.to_dtype(from)?)])
+        }))
+    }
+
     /// A contiguous copy (identity for gradients).
     pub fn contiguous(&self) -> Result<Var> {
         let out = self.value().contiguous()?;

@@ -31,6 +31,22 @@ pub trait Optimizer: Send {
     fn consolidate_state(&mut self) -> Result<()> {
         Ok(())
     }
+    /// The f32 master weights by parameter name when the optimizer steps masters beside
+    /// 16-bit parameters ([`crate::MasterWeights`]): what a checkpoint saves as the model.
+    /// Empty for optimizers that step the parameters themselves.
+    fn master_weights(&self) -> Vec<(String, Tensor)> {
+        vec![]
+    }
+    /// The factor the loss is multiplied by before backward under dynamic loss scaling (fp16:
+    /// [`crate::GradScaler`]); the gradients the optimizer is handed are then that many times
+    /// too large, and it unscales them. `None`: no scaling.
+    fn loss_scale(&self) -> Option<f64> {
+        None
+    }
+    /// Steps skipped so far because the scaled gradients were not finite (loss scaling).
+    fn skipped_steps(&self) -> u64 {
+        0
+    }
 }
 
 /// Bytes of the elements of `t`'s whole storage (what it holds live, not just the view).

@@ -188,7 +188,31 @@ impl Var {
     /// parameters). The shape must stay the same.
     pub fn set_value(&self, t: Tensor) -> Result<()> {
         let mut d = self.0.data.write().unwrap_or_else(|e| e.into_inner());
-        if d.shape() != t.shape() || d.dtype() != t.dtype() {
+        if d.shape() != t.shape() {
+            return Err(brigade_tensor::TensorError::ShapeMismatch {
+                op: "set_value",
+                lhs: d.shape().to_vec(),
+                rhs: t.shape().to_vec(),
+            }
+            .into());
+        }
+        if d.dtype() != t.dtype() {
+            return Err(brigade_tensor::TensorError::DTypeMismatch {
+                op: "set_value",
+                lhs: d.dtype(),
+                rhs: t.dtype(),
+            }
+            .into());
+        }
+        *d = t;
+        Ok(())
+    }
+
+    /// Replaces the value with `t` of the same shape and any dtype: how mixed precision gives a
+    /// parameter its 16-bit compute copy ([`crate::MasterWeights`]), before DDP is built over it.
+    pub(crate) fn set_value_cast(&self, t: Tensor) -> Result<()> {
+        let mut d = self.0.data.write().unwrap_or_else(|e| e.into_inner());
+        if d.shape() != t.shape() {
             return Err(brigade_tensor::TensorError::ShapeMismatch {
                 op: "set_value",
                 lhs: d.shape().to_vec(),

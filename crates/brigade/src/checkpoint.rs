@@ -193,7 +193,9 @@ fn read_rngs(meta: &HashMap<String, String>) -> std::result::Result<Vec<RngState
     Ok(by_rank.into_iter().map(|(_, s)| s).collect())
 }
 
-/// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`.
+/// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`. The
+/// model saved is the optimizer's f32 master weights when it keeps them beside 16-bit
+/// parameters (mixed precision), else the parameters themselves: either way full f32 weights.
 pub fn save_checkpoint(
     path: &Path,
     id: &CheckpointIdentity<'_>,
@@ -202,12 +204,13 @@ pub fn save_checkpoint(
     policy_state: &[(String, Tensor)],
     step: usize,
 ) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = model
-        .params()
-        .named_values()
-        .into_iter()
-        .map(|(n, t)| (format!("model.{n}"), t))
-        .collect();
+    let masters = opt.master_weights();
+    let weights = if masters.is_empty() {
+        model.params().named_values()
+    } else {
+        masters
+    };
+    let mut tensors: Vec<(String, Tensor)> = weights.into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
     tensors.extend(opt.state_dict()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     tensors.extend(
         policy_state

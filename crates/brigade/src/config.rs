@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
+use brigade_autograd::{AdamW, MixedPrecision, Optimizer, Sgd, Var};
 use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
 
@@ -218,6 +218,13 @@ pub struct RecipeConfig {
     pub eval: Option<EvalConfig>,
     /// Train on through non-finite losses and parameters instead of stopping.
     pub allow_nonfinite: bool,
+    /// The run's precision (default f32 throughout). With 16-bit parameters the model computes
+    /// in them, the optimizer steps f32 master weights ([`brigade_autograd::MasterWeights`]),
+    /// the gradient buckets hold the parameters' dtype, and checkpoints save the f32 masters.
+    pub precision: MixedPrecision,
+    /// fp16's dynamic loss scaling: clean steps in a row after which the scale doubles
+    /// (PyTorch's `growth_interval`, default 2000).
+    pub loss_scale_growth_interval: u64,
 }
 
 impl RecipeConfig {
@@ -230,6 +237,8 @@ impl RecipeConfig {
             clip_grad_norm: None,
             eval: None,
             allow_nonfinite: false,
+            precision: MixedPrecision::default(),
+            loss_scale_growth_interval: brigade_autograd::scaler::GROWTH_INTERVAL,
         }
     }
 }

@@ -61,6 +61,7 @@ pub mod source;
 mod trace_gather;
 pub mod trainer;
 
+pub use brigade_autograd::MixedPrecision;
 pub use config::{OptimizerConfig, TrainConfig};
 pub use error::{Error, Result};
 pub use fit::{fit, RunReport};

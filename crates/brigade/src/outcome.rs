@@ -30,6 +30,10 @@ pub struct StepRecord {
     pub grad_norm: Option<f64>,
     /// The validation loss after the step, when the run evaluates after it.
     pub val_loss: Option<f64>,
+    /// fp16's loss scale the step's backward used (`None` without loss scaling).
+    pub scale: Option<f64>,
+    /// The optimizer skipped the step: its scaled gradients held an inf or a NaN (fp16).
+    pub skipped: bool,
     /// What this rank's DDP handed to its collectives during the step (gradient reduction,
     /// bucket rebuilding; not the step's own loss agreement, nor a checkpoint's gathers).
     pub sent: CommBytes,
@@ -75,7 +79,8 @@ pub struct TrainOutcome {
     pub buckets: Vec<BucketInfo>,
     /// This rank's memory after the last step, measured (absent without DDP).
     pub memory: Option<MemoryReport>,
-    /// The final parameters (rank 0 only; empty elsewhere).
+    /// The final weights, full and f32 under mixed precision (its master weights; rank 0 only;
+    /// empty elsewhere).
     pub params: Vec<(String, Tensor)>,
     /// Rows each rank read per epoch (rows in order: endless), as known before step 0.
     pub rank_lengths: DataLength,
@@ -136,6 +141,16 @@ impl TrainOutcome {
     /// The global gradient norm before clipping of each step run (when clipping).
     pub fn grad_norms(&self) -> Vec<Option<f64>> {
         self.steps.iter().map(|r| r.grad_norm).collect()
+    }
+
+    /// fp16's loss scale of each step run (`None` without loss scaling).
+    pub fn scales(&self) -> Vec<Option<f64>> {
+        self.steps.iter().map(|r| r.scale).collect()
+    }
+
+    /// Steps the optimizer skipped for inf/NaN gradients under fp16 loss scaling.
+    pub fn skipped_steps(&self) -> usize {
+        self.steps.iter().filter(|r| r.skipped).count()
     }
 
     /// The validation loss after each step run (on the steps that evaluate).

@@ -332,6 +332,8 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
                 data: late.clone(),
             }),
             allow_nonfinite: args.recipe.allow_nonfinite,
+            precision: args.recipe.precision,
+            loss_scale_growth_interval: brigade::autograd::scaler::GROWTH_INTERVAL,
         },
         distributed: (!opts.compute_only).then(|| DistributedConfig {
             ddp,

@@ -438,4 +438,16 @@ impl Optimizer for DdpOptimizer {
     fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
         self.inner.consolidate_state()
     }
+
+    fn master_weights(&self) -> Vec<(String, Tensor)> {
+        self.inner.master_weights()
+    }
+
+    fn loss_scale(&self) -> Option<f64> {
+        self.inner.loss_scale()
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.inner.skipped_steps()
+    }
 }

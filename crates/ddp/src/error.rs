@@ -40,7 +40,9 @@ pub enum DdpError {
         first_bucket_cap_mb: f64,
     },
     /// A parameter whose dtype DDP cannot reduce.
-    #[error("parameter '{param}' is {dtype:?}; DDP reduces f32 parameters")]
+    #[error(
+        "parameter '{param}' is {dtype:?}; DDP reduces f32 parameters, or parameters all of one 16-bit float dtype"
+    )]
     UnsupportedDType {
         /// The parameter.
         param: String,

@@ -49,13 +49,23 @@ pub struct MemoryReport {
     /// `rank_memory` alone). Not part of [`MemoryReport::total`], which counts what stays
     /// between steps.
     pub peak: usize,
+    /// f32 master weights kept beside 16-bit parameters (mixed precision; 0 otherwise:
+    /// an f32 run's master is the parameter itself).
+    pub master_weights: usize,
 }
 
 impl MemoryReport {
     /// What stays between steps, each storage once: parameters, gradients, optimizer state,
-    /// policy state and comm scratch (not `activations` and `peak`, measured within the step).
+    /// policy state, comm scratch, f32 master weights and the gathered units (not `activations`
+    /// and `peak`, measured within the step).
     pub fn total(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer_state + self.policy_state + self.comm_scratch + self.gathered
+        self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.policy_state
+            + self.comm_scratch
+            + self.master_weights
+            + self.gathered
     }
 }
 
@@ -84,5 +94,12 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         gathered: policy.gathered_bytes,
         activations: 0,
         peak: 0,
+        master_weights: opt
+            .master_weights()
+            .iter()
+            .map(|(_, t)| live(t))
+            .collect::<HashMap<_, _>>()
+            .values()
+            .sum(),
     })
 }

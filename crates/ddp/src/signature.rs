@@ -2,7 +2,7 @@
 //! 0's parameter values.
 
 use brigade_autograd::Var;
-use brigade_comm::{all_gather_bytes, Buffer, Communicator};
+use brigade_comm::{all_gather_bytes, Communicator};
 use brigade_tensor::DType;
 
 use crate::{DdpError, Result};
@@ -53,9 +53,17 @@ pub(crate) fn check_same_model(params: &[Var], comm: &dyn Communicator) -> Resul
     Ok(())
 }
 
-/// Fails naming the first parameter that is not f32 (the dtype of buckets and broadcasts).
+/// Fails naming the first parameter whose dtype buckets cannot hold: every parameter is f32,
+/// or every one is of one 16-bit float dtype (bf16 or f16: a mixed-precision run's compute
+/// copy), the dtype of buckets and broadcasts.
 pub(crate) fn check_f32(params: &[Var]) -> Result<()> {
-    match params.iter().find(|p| p.value().dtype() != DType::F32) {
+    let first = params.first().map_or(DType::F32, |p| p.value().dtype());
+    let want = if matches!(first, DType::BF16 | DType::F16) {
+        first
+    } else {
+        DType::F32
+    };
+    match params.iter().find(|p| p.value().dtype() != want) {
         Some(p) => Err(DdpError::UnsupportedDType {
             param: p.name().unwrap_or("<unnamed>").to_string(),
             dtype: p.value().dtype(),
@@ -64,19 +72,28 @@ pub(crate) fn check_f32(params: &[Var]) -> Result<()> {
     }
 }
 
-/// Overwrites every rank's parameters with rank 0's (one broadcast of all of them; f32,
-/// checked by [`check_f32`]).
+/// Overwrites every rank's parameters with rank 0's (one broadcast of all of them, in their
+/// one dtype, checked by [`check_f32`]).
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
+    match params.first().map(|p| p.value().dtype()) {
+        Some(DType::BF16) => broadcast_as::<half::bf16>(params, comm),
+        Some(DType::F16) => broadcast_as::<half::f16>(params, comm),
+        _ => broadcast_as::<f32>(params, comm),
+    }
+}
+
+fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
     for p in params {
-        flat.extend(p.value().to_vec::<f32>()?);
+        flat.extend(p.value().to_vec::<T>()?);
     }
-    let Buffer::F32(flat) = comm
-        .broadcast(Buffer::F32(flat), 0, "ddp.broadcast_parameters")
-        .wait()?
-    else {
-        unreachable!("f32 in, f32 out")
-    };
+    let back = comm.broadcast(T::wrap(flat), 0, "ddp.broadcast_parameters").wait()?;
+    let found = back.dtype().to_string();
+    let flat = T::unwrap(back).ok_or(DdpError::BufferDType {
+        what: "ddp.broadcast_parameters".into(),
+        expected: T::DTYPE,
+        found,
+    })?;
     let mut offset = 0;
     for p in params {
         let v = p.value();

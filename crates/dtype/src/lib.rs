@@ -16,7 +16,8 @@ pub use buffer::{quantize_i8, Buffer, Element};
 /// An element type.
 ///
 /// Tensor kernels compute in `F32` (and `F64`, for the finite-difference gradient checker);
-/// `F16` and `BF16` are storage and wire formats converted on the way in and out; `I64` and `U8`
+/// `F16` and `BF16` are storage and wire formats: the CPU's kernels read and write them,
+/// computing in f32 and rounding each output (mixed precision); `I64` and `U8`
 /// hold indices and tokens; `I8` holds quantized values (a reducer policy's int8 payload; converted
 /// from floats by rounding half to even and saturating at ±127). Not every type is supported
 /// everywhere: a collective reduces floats only, and says so for the others.

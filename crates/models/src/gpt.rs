@@ -93,9 +93,9 @@ impl GptConfig {
                 self.n_heads, self.d_model
             ));
         }
-        if !self.dtype.is_compute() {
+        if !self.dtype.is_float() {
             return err(format!(
-                "dtype {:?} cannot be trained; use F32 (or F64 for gradient checks)",
+                "dtype {:?} cannot be trained; use F32 (F64 for gradient checks, BF16/F16 for mixed precision)",
                 self.dtype
             ));
         }
@@ -304,9 +304,8 @@ impl Model for Gpt {
         let (inputs, targets) = batch.shifted_tokens("gpt")?;
         let logits = self.logits(&inputs)?;
         scope("head", || -> Result<Var> {
-            Ok(logits
-                .reshape(&[targets.numel(), self.cfg.vocab])?
-                .cross_entropy(&targets)?)
+            let logits = logits.reshape(&[targets.numel(), self.cfg.vocab])?;
+            Ok(crate::nn::loss_in_f32(&logits)?.cross_entropy(&targets)?)
         })
     }
 

@@ -75,9 +75,9 @@ impl MlpConfig {
         if self.widths.contains(&0) {
             return err(format!("widths {:?} must all be positive", self.widths));
         }
-        if !self.dtype.is_compute() {
+        if !self.dtype.is_float() {
             return err(format!(
-                "dtype {:?} cannot be trained; use F32 (or F64 for gradient checks)",
+                "dtype {:?} cannot be trained; use F32 (F64 for gradient checks, BF16/F16 for mixed precision)",
                 self.dtype
             ));
         }
@@ -155,10 +155,12 @@ impl Mlp {
                 message: format!("inputs have shape {:?}, expected [batch, {in_dim}]", inputs.shape()),
             });
         }
-        let x = if inputs.dtype() == self.cfg.dtype {
+        // the parameters' dtype as they are now: a mixed-precision run casts them after building
+        let dtype = self.layers[0].weight.value().dtype();
+        let x = if inputs.dtype() == dtype {
             inputs.clone()
         } else {
-            inputs.to_dtype(self.cfg.dtype)?
+            inputs.to_dtype(dtype)?
         };
         let mut h = Var::constant(x);
         let last = self.layers.len() - 1;
@@ -185,7 +187,9 @@ impl Model for Mlp {
         let targets = batch.tensor("mlp", "targets")?;
         let logits = self.forward(batch)?;
         let last = self.layers.len() - 1;
-        Ok(scope(&format!("layers.{last}"), || logits.cross_entropy(targets))?)
+        scope(&format!("layers.{last}"), || -> Result<Var> {
+            Ok(crate::nn::loss_in_f32(&logits)?.cross_entropy(targets)?)
+        })
     }
 
     /// Class logits `[B, n_classes]` of the batch's `inputs` (its `targets`, if any, unread).

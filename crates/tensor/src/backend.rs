@@ -25,8 +25,13 @@
 //!   nonzero offset: a gradient is a view into a flat DDP bucket.
 //! - Outputs are fresh contiguous storages, offset 0, exactly the output's element
 //!   count, on the same device as the inputs, of the inputs' dtype unless stated.
-//! - Float kernels are called with `F32` or `F64` storages only (`DType::is_compute`);
-//!   all operands of one call share one dtype and one device.
+//! - Float kernels are called with float storages only (`DType::is_float`); all operands
+//!   of one call share one dtype and one device. `F16` and `BF16` storages compute as
+//!   autocast does: the CPU widens the operands to f32 exactly, runs its f32 kernel (f32
+//!   accumulation in GEMMs, reductions, softmax, layer norm and the loss) and rounds each
+//!   output once to the storage's dtype (`cpu/f16_storage.rs`); a backend without 16-bit
+//!   kernels refuses them with a typed `UnsupportedDType` saying so. The fused optimizer
+//!   steps take f32 only.
 //! - The numbers are the CPU backend's (`src/cpu/`): the expressions written in these
 //!   docs, evaluated left to right in the storage's dtype, without fused multiply-add
 //!   unless the doc says "any order". A GPU backend matches them to rounding; the fused

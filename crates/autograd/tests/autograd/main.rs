@@ -7,6 +7,7 @@ mod checkpoint;
 mod grad_accumulation;
 mod gradcheck;
 mod losses;
+mod half_grads;
 mod optim;
 mod profile;
 mod schedule;

@@ -64,6 +64,9 @@ impl<'a> Trainer<'a> {
         };
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
         let feed = Feed::new(cfg, data, ctx, lengths, resumed.as_ref(), first_step)?;
+        if cfg.recipe.precision.is_mixed() {
+            opt = master_weights(cfg, model.as_ref(), opt.as_ref(), policy_name.as_deref())?;
+        }
         let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
         let replica = Replica::new(cfg, ctx, model, opt, policy, policy_state.unwrap_or_default())?;
         let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
@@ -90,6 +93,67 @@ impl<'a> Trainer<'a> {
             },
         })
     }
+}
+
+/// The optimizer of a mixed-precision run: f32 master weights taken from the (built,
+/// initialised, resumed) f32 parameters, which become their rounded 16-bit compute copy, and
+/// `opt`'s kind, state and learning rate stepping the masters (fp16: with dynamic loss
+/// scaling, its scale and counter resumed from the checkpoint). Refused with one line where the
+/// combination is not built: a device other than the CPU
+/// (its kernels compute f32 only), and reducer policies other than `allreduce` (the fp16/bf16
+/// compression policies would round bf16 gradients a second time for nothing; PowerSGD and
+/// ZeRO do not take 16-bit buckets yet).
+fn master_weights(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    opt: &dyn Optimizer,
+    policy: Option<&str>,
+) -> Result<Box<dyn Optimizer>> {
+    let p = cfg.recipe.precision;
+    let refuse = |why: String| Err(Error::Config(format!("--precision {}: {why}", p.name())));
+    if p.reduce_dtype != p.param_dtype {
+        return refuse(format!(
+            "reducing in {} beside {} parameters is not built yet: the buckets hold the parameters' dtype",
+            p.reduce_dtype, p.param_dtype
+        ));
+    }
+    if !matches!(
+        cfg.runtime.device,
+        crate::placement::DevicePlacement::Cpu | crate::placement::DevicePlacement::Fake(_)
+    ) {
+        return refuse("16-bit kernels run on the CPU only so far; use --device cpu".into());
+    }
+    match policy {
+        None | Some("allreduce") => {}
+        Some(name @ ("bf16" | "fp16")) => {
+            return refuse(format!(
+                "the {name} compression policy would round bf16 gradients again for nothing: the buckets already hold bf16; use --policy allreduce"
+            ))
+        }
+        Some(name) => return refuse(format!("policy '{name}' does not take 16-bit buckets yet; use --policy allreduce")),
+    }
+    let mut state = opt.state_dict()?;
+    let params = model.params().params().to_vec();
+    let build = |masters: Vec<Var>| cfg.recipe.optimizer.build(masters);
+    let mut mixed = brigade_autograd::MasterWeights::new(params, p.param_dtype, build, &[])?;
+    if p.param_dtype == brigade_tensor::DType::F16 {
+        mixed = mixed.with_loss_scaling(cfg.recipe.loss_scale_growth_interval);
+        // the f32 optimizer `opt` resumed into keeps no scaler: its entries come from the file
+        if let Some(path) = &cfg.runtime.checkpoint.resume {
+            let saved = brigade_models::load_safetensors(path)?;
+            state.extend(
+                saved
+                    .into_iter()
+                    .filter_map(|(k, t)| Some((k.strip_prefix("optim.")?.to_string(), t)))
+                    .filter(|(k, _)| k.starts_with("grad_scaler.")),
+            );
+        }
+    }
+    if !state.is_empty() {
+        mixed.load_state_dict(&state)?;
+    }
+    mixed.set_lr(opt.lr());
+    Ok(Box::new(mixed))
 }
 
 /// Every rank's length, known before step 0: without a join mode, ranks that would run out at

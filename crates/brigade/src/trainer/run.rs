@@ -172,7 +172,11 @@ impl Trainer<'_> {
                 whole?
             }
             _ => match self.ctx.rank {
-                0 => self.replica.model.params().named_values(),
+                // the full f32 weights: the masters beside 16-bit parameters, else the parameters
+                0 => match self.replica.opt.master_weights() {
+                    m if m.is_empty() => self.replica.model.params().named_values(),
+                    m => m,
+                },
                 _ => vec![],
             },
         };

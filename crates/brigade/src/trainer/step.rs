@@ -55,6 +55,7 @@ impl Trainer<'_> {
         let sent_before = self.replica.meter.totals();
         let step_span = self.span(EventKind::Step(s));
         let lr = self.schedule.apply(self.replica.opt.as_mut(), s as u64);
+        let (scale, skipped_before) = (self.replica.opt.loss_scale(), self.replica.opt.skipped_steps());
         let local_loss = self.forward_backward(has_data)?;
         let status = self.agree_on_loss(local_loss, agreement.as_ref())?;
         self.scale_for_active(agreement.as_ref())?;
@@ -73,6 +74,8 @@ impl Trainer<'_> {
                 lr,
                 grad_norm,
                 val_loss: None,
+                scale,
+                skipped: self.replica.opt.skipped_steps() > skipped_before,
                 sent: (self.replica.meter.totals() - sent_before) - checkpoint_sent,
             },
             stop: status.stop,
@@ -131,6 +134,11 @@ impl Trainer<'_> {
                 Some(sum) => sum.add(&value)?,
                 None => value,
             });
+            // fp16: backward from the loss times the scale (the optimizer unscales)
+            let loss = match self.replica.opt.loss_scale() {
+                Some(scale) => loss.mul_scalar(scale)?,
+                None => loss,
+            };
             match (&self.replica.ddp, j + 1 < k) {
                 (Some(ddp), true) => ddp.no_sync(|| loss.backward())?,
                 _ => loss.backward()?,
@@ -292,6 +300,13 @@ impl Trainer<'_> {
                 sq.sqrt()
             }
         };
+        // under loss scaling the gradients are `scale` times too large: the norm is divided by
+        // it (clipping is a factor, the same on scaled or unscaled gradients); a non-finite
+        // norm means a step the optimizer skips, so nothing is clipped
+        let norm = norm / self.replica.opt.loss_scale().unwrap_or(1.0);
+        if !norm.is_finite() && self.replica.opt.loss_scale().is_some() {
+            return Ok(norm);
+        }
         if let Some(factor) = clip_factor(norm, max) {
             match &self.replica.ddp {
                 Some(ddp) => ddp.scale_grads(factor)?,

@@ -460,6 +460,17 @@ pub struct RecipeArgs {
     /// non-finite values, is continued under this flag only.
     #[arg(long)]
     pub allow_nonfinite: bool,
+    /// Precision: f32 (default), bf16 (parameters, activations, GEMMs and gradient buckets in
+    /// bf16; f32 master weights, AdamW moments and loss; checkpoints hold the f32 masters), or
+    /// fp16 (the same, with dynamic loss scaling: a step with inf/NaN gradients is skipped and
+    /// the scale halved; the `scale` column of --losses).
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    pub precision: brigade::MixedPrecision,
+}
+
+/// `--precision`: f32, bf16 or fp16.
+fn parse_precision(s: &str) -> std::result::Result<brigade::MixedPrecision, String> {
+    brigade::MixedPrecision::parse(s)
 }
 
 /// The ranks and DDP: how many, over which backend, the buckets, the reducer policy, the

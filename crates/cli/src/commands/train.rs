@@ -282,10 +282,9 @@ fn previous_losses(path: &std::path::Path) -> Result<Option<Vec<(usize, String)>
         ))
     };
     // files written before the lr and grad_norm columns start `step,loss`
-    if !lines
-        .next()
-        .is_some_and(|h| h == LOSSES_HEADER || h == "step,loss" || h == "step,loss,lr,grad_norm")
-    {
+    if !lines.next().is_some_and(|h| {
+        h == LOSSES_HEADER || h == LOSSES_HEADER_SCALED || h == "step,loss" || h == "step,loss,lr,grad_norm"
+    }) {
         return Err(not_ours());
     }
     lines
@@ -344,6 +343,9 @@ fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::
 
 /// The header of the `--losses` file.
 const LOSSES_HEADER: &str = "step,loss,lr,grad_norm,val_loss";
+
+/// The header of the `--losses` file of an fp16 run: the loss scale of each step last.
+const LOSSES_HEADER_SCALED: &str = "step,loss,lr,grad_norm,val_loss,scale";
 
 /// Runs `brigade train`.
 pub fn train(mut t: TrainArgs) -> Result<()> {
@@ -425,7 +427,9 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.losses {
         let write = move || {
-            let mut csv = format!("{LOSSES_HEADER}\n");
+            let scaled = outcome.scales().iter().any(Option::is_some);
+            let header = if scaled { LOSSES_HEADER_SCALED } else { LOSSES_HEADER };
+            let mut csv = format!("{header}\n");
             for (_, row) in kept.iter().filter(|(s, _)| *s < outcome.first_step) {
                 csv.push_str(row);
                 csv.push('\n');
@@ -436,7 +440,12 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 let norm = norm.map(|n| format!("{n:.9}")).unwrap_or_default();
                 let val = outcome.val_losses().get(i).copied().flatten();
                 let val = val.map(|v| format!("{v:.9}")).unwrap_or_default();
-                csv.push_str(&format!("{},{:.9},{lr},{norm},{val}\n", outcome.first_step + i, l));
+                csv.push_str(&format!("{},{:.9},{lr},{norm},{val}", outcome.first_step + i, l));
+                if scaled {
+                    let scale = outcome.scales().get(i).copied().flatten();
+                    csv.push_str(&format!(",{}", scale.map(|s| s.to_string()).unwrap_or_default()));
+                }
+                csv.push('\n');
             }
             write_atomic(path, csv.as_bytes())
         };

@@ -123,6 +123,8 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "epoch": outcome.sampler.map(|p| p.epoch), "epoch_row": outcome.sampler.map(|p| p.index),
         "lr": outcome.lrs(), "last_lr": outcome.lrs().last(),
         "grad_norm": outcome.grad_norms(),
+        // fp16 loss scaling: each step's scale (null without it) and the steps skipped
+        "scale": outcome.scales(), "skipped_steps": outcome.skipped_steps(),
         "val_loss": outcome.val_losses(), "last_val_loss": outcome.val_losses().iter().rev().flatten().next(), "last_grad_norm": outcome.grad_norms().last().copied().flatten(),
         "gradient_bytes": outcome.memory.map(|m| m.gradients),
         "gradient_and_bucket_bytes": outcome.memory.map(|m| m.gradients),
@@ -133,7 +135,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "memory": outcome.memory.map(|m| json!({
             "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
-            "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "total_bytes": m.total(),
+            "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "master_weight_bytes": m.master_weights, "total_bytes": m.total(),
             "activation_bytes": m.activations, "peak_bytes": m.peak,
             "predicted_peak_bytes": a
                 .predicted_peak(a.distributed.zero, a.model.activation_checkpointing.unwrap_or(0), a.data.batch_size)
@@ -260,6 +262,13 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     for d in &outcome.policy_diagnostics {
         outln!("note: {}", d.message);
     }
+    if let Some(Some(scale)) = outcome.scales().last() {
+        outln!(
+            "fp16 loss scaling: {} of {} steps skipped (inf/NaN gradients), last scale {scale}",
+            outcome.skipped_steps(),
+            outcome.steps.len()
+        );
+    }
     if let Some(m) = outcome.memory {
         // ZeRO-3: the units gathered at once, beside the shards counted as parameters
         let gathered = match m.gathered {
@@ -267,13 +276,17 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             g => format!(", gathered {:.2} MiB", mib(g)),
         };
         outln!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered}, total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",
             a.distributed.zero,
             mib(m.parameters),
             mib(m.gradients),
             mib(m.buckets),
             mib(m.optimizer_state),
             mib(m.comm_scratch),
+            match m.master_weights {
+                0 => String::new(),
+                b => format!(" master weights {:.2} MiB (f32),", mib(b)),
+            },
             mib(m.total()),
             mib(m.activations),
             match a.model.activation_checkpointing {

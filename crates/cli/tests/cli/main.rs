@@ -21,6 +21,7 @@ mod overlap_tuning;
 mod policies;
 mod policy_bytes;
 mod policy_resume;
+mod precision;
 mod recipes;
 mod resume_drift;
 mod signals;

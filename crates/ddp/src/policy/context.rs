@@ -22,6 +22,14 @@ pub struct PolicyContext {
     pub params: Vec<ParamInfo>,
 }
 
+impl PolicyContext {
+    /// The dtype of the trainable parameters (the first one's; f32 when none is trainable):
+    /// what gradient buckets hold unless a policy says otherwise.
+    pub fn param_dtype(&self) -> DType {
+        self.params.iter().find(|p| p.trainable).map_or(DType::F32, |p| p.dtype)
+    }
+}
+
 /// One parameter as a policy sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamInfo {

@@ -9,7 +9,7 @@
 //!
 //! | decision | method | default |
 //! |---|---|---|
-//! | bucket padding, dtype, whether buckets may be regrouped | [`ReducerPolicy::layout`] | no padding, f32, regroup |
+//! | bucket padding, dtype, whether buckets may be regrouped | [`ReducerPolicy::layout`] | no padding, the parameters' dtype, regroup |
 //! | how a ready bucket is reduced: the averaged bucket or this rank's shard, the full buffer kept or freed | [`ReducerPolicy::reduce`] | (required) |
 //! | how a rank with no data this step takes part | [`ReducerPolicy::reduce_joined`] | `reduce` on a zero bucket |
 //! | what the optimizer steps (full parameters or shard views), built from the user's optimizer config; its learning rate stays settable | [`ReducerPolicy::optimizer`] | the user's optimizer over every parameter |
@@ -68,10 +68,13 @@ pub trait ReducerPolicy: Send {
     fn name(&self) -> String;
 
     /// The buckets this policy needs. Asked once, when DDP is built (a collective every rank
-    /// makes, so every rank must answer alike).
+    /// makes, so every rank must answer alike). The default holds the trainable parameters'
+    /// dtype (gradients accumulate in it): bf16 parameters get bf16 buckets, half the bytes.
     fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
-        let _ = ctx;
-        BucketLayout::default()
+        BucketLayout {
+            dtype: ctx.param_dtype(),
+            ..BucketLayout::default()
+        }
     }
 
     /// The buckets were built: at construction (generation 0) and after every rebuild, before

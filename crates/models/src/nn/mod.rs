@@ -404,3 +404,12 @@ pub fn set_units(store: &mut ParamStore, unit: impl Fn(&str) -> String) -> Resul
     }
     Ok(())
 }
+
+/// The logits a loss reads: 16-bit logits widened to f32 (the gradient narrowed back), as
+/// autocast runs the loss in f32; f32 and f64 logits as they are.
+pub fn loss_in_f32(logits: &Var) -> Result<Var> {
+    Ok(match logits.value().dtype() {
+        DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+        _ => logits.clone(),
+    })
+}

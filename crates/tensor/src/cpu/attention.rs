@@ -11,6 +11,7 @@
 use crate::backend::Attention;
 use rayon::prelude::*;
 
+use super::f16_storage::{half_dtype, narrow, widen};
 use super::matmul::gemm_strided;
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, same, view};
@@ -253,6 +254,11 @@ fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec
 
 impl Attention for Buffer {
     fn causal_attention(&self, l: &Layout, n_heads: usize, scale: f64) -> Result<(Buffer, Buffer)> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            let (y, p) = x.causal_attention(&xl, n_heads, scale)?;
+            return Ok((narrow(y, h), narrow(p, h)));
+        }
         let qkv = self;
         float_kernel!("causal_attention", qkv, xs: T => {
             let (y, p) = forward::<T>(view(xs, l), Dims::from_layout(l, n_heads), T::from_f64(scale));
@@ -268,6 +274,13 @@ impl Attention for Buffer {
         n_heads: usize,
         scale: f64,
     ) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let ((x, xl), (p, pl), (g, gl)) = (widen(self, l), widen(probs.0, probs.1), widen(gy.0, gy.1));
+            return Ok(narrow(
+                x.causal_attention_backward(&xl, (&p, &pl), (&g, &gl), n_heads, scale)?,
+                h,
+            ));
+        }
         let qkv = self;
         let op = "causal_attention_backward";
         float_kernel!(op, qkv, xs: T => {

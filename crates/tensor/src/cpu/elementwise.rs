@@ -1,6 +1,7 @@
 //! Elementwise maps on the CPU: unary, scalar and broadcasting binary ops, activation
 //! derivatives.
 
+use super::f16_storage::{half_dtype, narrow, widen};
 use super::{float_kernel, same, view};
 use crate::backend::{BinaryOp, Elementwise, UnaryOp};
 use crate::threads::{par_chunks_mut, par_rows_mut};
@@ -69,6 +70,10 @@ fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T
 impl Elementwise for Buffer {
     /// `unary` on a contiguous view.
     fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            return Ok(narrow(x.unary(&xl, op)?, h));
+        }
         let s = self;
         if let (UnaryOp::Gelu, Buffer::F32(data)) = (op, s) {
             let src = view(data, l);
@@ -125,6 +130,10 @@ impl Elementwise for Buffer {
 
     /// `binary`: any two layouts of one shape.
     fn binary(&self, la: &Layout, b: &Buffer, lb: &Layout, op: BinaryOp) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let ((x, xl), (y, yl)) = (widen(self, la), widen(b, lb));
+            return Ok(narrow(x.binary(&xl, &y, &yl, op)?, h));
+        }
         let a = self;
         if let (BinaryOp::GeluBackward, Buffer::F32(da), Buffer::F32(db)) = (op, a, b) {
             if la.is_contiguous() && lb.is_contiguous() {

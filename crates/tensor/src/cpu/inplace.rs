@@ -1,6 +1,7 @@
 //! In-place updates through a view on the CPU: gradient accumulation, fills, and the
 //! fused optimizer steps.
 
+use super::f16_storage::{half_dtype, narrow, widen};
 use super::{float_kernel, same, same_mut, view};
 use crate::backend::{AdamWScalars, InPlace, SgdScalars};
 use crate::Buffer;
@@ -65,6 +66,13 @@ impl InPlace for Buffer {
     }
 
     fn add_scaled_assign(&mut self, l: &Layout, src: (&Buffer, &Layout), scale: f64) -> Result<()> {
+        if let Some(h) = half_dtype(self) {
+            let (mut acc, al) = widen(self, l);
+            let (s, sl) = widen(src.0, src.1);
+            acc.to_mut().add_scaled_assign(&al, (&s, &sl), scale)?;
+            let sum = narrow(acc.into_owned(), h);
+            return self.copy_from(l, (&sum, &al));
+        }
         let dst = self;
         float_kernel!("add_assign", dst, data: T => {
             let s = view(same::<T>("add_assign", src.0)?, src.1);

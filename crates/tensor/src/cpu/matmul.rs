@@ -8,6 +8,7 @@ use std::any::TypeId;
 use gemm_common::Parallelism;
 use rayon::prelude::*;
 
+use super::f16_storage::{half_dtype, narrow, widen};
 use super::{float_kernel, same, view};
 use crate::threads::{compute_threads, install};
 use crate::Buffer;
@@ -257,6 +258,10 @@ impl Matmul for Buffer {
     /// `matmul`: `[batch.., m, k] x [batch.., k, n]`, any
     /// strides, into a contiguous `[batch.., m, n]`.
     fn matmul(&self, la: &Layout, b: &Buffer, lb: &Layout) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let ((x, xl), (y, yl)) = (widen(self, la), widen(b, lb));
+            return Ok(narrow(x.matmul(&xl, &y, &yl)?, h));
+        }
         let a = self;
         float_kernel!("matmul", a, da: T => {
             let db = same::<T>("matmul", b)?;
@@ -267,6 +272,10 @@ impl Matmul for Buffer {
     /// `matmul_bias`: every output row starts as the bias and
     /// the GEMM accumulates the product onto it, so the bias costs no pass of its own.
     fn matmul_bias(&self, la: &Layout, b: &Buffer, lb: &Layout, bias: (&Buffer, &Layout)) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let ((x, xl), (y, yl), (c, cl)) = (widen(self, la), widen(b, lb), widen(bias.0, bias.1));
+            return Ok(narrow(x.matmul_bias(&xl, &y, &yl, (&c, &cl))?, h));
+        }
         let a = self;
         float_kernel!("matmul_bias", a, da: T => {
             let db = same::<T>("matmul_bias", b)?;

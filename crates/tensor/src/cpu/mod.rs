@@ -5,6 +5,7 @@
 
 mod attention;
 mod elementwise;
+mod f16_storage;
 mod gelu_f32;
 mod inplace;
 mod matmul;
@@ -22,7 +23,8 @@ use crate::scope::ScopedStream;
 use crate::{Buffer, DType, Device, Element, Layout, Result, TensorError};
 
 /// Runs `$body` with `$v` bound to the storage's elements and `$T` to their Rust type,
-/// for the types kernels compute in (f32, f64).
+/// for the types kernels compute in (f32, f64); 16-bit float storage is widened before it
+/// reaches a kernel body (`f16_storage.rs`).
 macro_rules! float_kernel {
     ($op:expr, $s:expr, $v:ident: $T:ident => $body:expr) => {
         match $s {

@@ -2,6 +2,7 @@
 //! embedding gather/scatter, causal mask, cross-entropy; each with its backward. Every
 //! input arrives contiguous (the front end gathers strided views first).
 
+use super::f16_storage::{half_dtype, narrow, widen};
 use super::softmax_row::softmax_in_place;
 use super::{float_kernel, indices, same, view};
 use crate::backend::Nn;
@@ -133,11 +134,19 @@ unsafe impl<T> Sync for RowPtr<T> {}
 
 impl Nn for Buffer {
     fn softmax_last(&self, l: &Layout, log: bool) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            return Ok(narrow(x.softmax_last(&xl, log)?, h));
+        }
         let s = self;
         float_kernel!("softmax", s, data: T => Ok(T::wrap(softmax_rows(view(data, l), last_dim(l), log))))
     }
 
     fn softmax_backward(&self, l: &Layout, g: &Buffer, gl: &Layout, log: bool) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let ((y, yl), (g, gl)) = (widen(self, l), widen(g, gl));
+            return Ok(narrow(y.softmax_backward(&yl, &g, &gl, log)?, h));
+        }
         let y = self;
         float_kernel!("softmax_backward", y, ys: T => {
             let (ys, gs) = (view(ys, l), view(same::<T>("softmax_backward", g)?, gl));
@@ -170,6 +179,11 @@ impl Nn for Buffer {
         b: (&Buffer, &Layout),
         eps: f64,
     ) -> Result<(Buffer, Buffer, Buffer)> {
+        if let Some(h) = half_dtype(self) {
+            let ((x, xl), (w, wl), (b, bl)) = (widen(self, l), widen(w.0, w.1), widen(b.0, b.1));
+            let (y, mean, rstd) = x.layer_norm(&xl, (&w, &wl), (&b, &bl), eps)?;
+            return Ok((narrow(y, h), narrow(mean, h), narrow(rstd, h)));
+        }
         let x = self;
         let op = "layer_norm";
         float_kernel!(op, x, xs: T => {
@@ -199,6 +213,17 @@ impl Nn for Buffer {
         rstd: (&Buffer, &Layout),
         gy: (&Buffer, &Layout),
     ) -> Result<(Buffer, Buffer, Buffer)> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            let ((w, wl), (m, ml), (r, rl), (g, gl)) = (
+                widen(w.0, w.1),
+                widen(mean.0, mean.1),
+                widen(rstd.0, rstd.1),
+                widen(gy.0, gy.1),
+            );
+            let (dx, dw, db) = x.layer_norm_backward(&xl, (&w, &wl), (&m, &ml), (&r, &rl), (&g, &gl))?;
+            return Ok((narrow(dx, h), narrow(dw, h), narrow(db, h)));
+        }
         let x = self;
         let op = "layer_norm_backward";
         float_kernel!(op, x, xs: T => {
@@ -241,6 +266,20 @@ impl Nn for Buffer {
     fn embedding(&self, l: &Layout, ids: (&Buffer, &Layout)) -> Result<Buffer> {
         let w = self;
         let idx = indices("embedding", ids.0, ids.1)?;
+        if half_dtype(self).is_some() {
+            // a gather copies elements: the 16-bit rows need no widening
+            fn rows<T: Element>(ws: &[T], l: &Layout, idx: &[usize]) -> Buffer {
+                let (ws, d) = (view(ws, l), last_dim(l));
+                let mut out = vec![T::default(); idx.len() * d];
+                par_rows_mut(&mut out, d, |r, o| o.copy_from_slice(&ws[idx[r] * d..(idx[r] + 1) * d]));
+                T::wrap(out)
+            }
+            return Ok(match w {
+                Buffer::BF16(ws) => rows(ws, l, &idx),
+                Buffer::F16(ws) => rows(ws, l, &idx),
+                _ => unreachable!("half_dtype is F16 or BF16"),
+            });
+        }
         float_kernel!("embedding", w, ws: T => {
             let ws = view(ws, l);
             let d = last_dim(l);
@@ -251,6 +290,10 @@ impl Nn for Buffer {
     }
 
     fn embedding_backward(&self, l: &Layout, ids: (&Buffer, &Layout), vocab: usize) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let (g, gl) = widen(self, l);
+            return Ok(narrow(g.embedding_backward(&gl, ids, vocab)?, h));
+        }
         let g = self;
         let idx = indices("embedding_backward", ids.0, ids.1)?;
         float_kernel!("embedding_backward", g, gs: T => {
@@ -267,6 +310,10 @@ impl Nn for Buffer {
     }
 
     fn causal_fill(&self, l: &Layout, value: f64) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            return Ok(narrow(x.causal_fill(&xl, value)?, h));
+        }
         let x = self;
         float_kernel!("causal_mask", x, xs: T => {
             let r = l.rank();
@@ -284,6 +331,11 @@ impl Nn for Buffer {
     }
 
     fn cross_entropy(&self, l: &Layout, targets: (&Buffer, &Layout)) -> Result<(Buffer, Buffer)> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            let (loss, probs) = x.cross_entropy(&xl, targets)?;
+            return Ok((narrow(loss, h), narrow(probs, h)));
+        }
         let logits = self;
         let t = indices("cross_entropy", targets.0, targets.1)?;
         float_kernel!("cross_entropy", logits, ls: T => {
@@ -311,6 +363,10 @@ impl Nn for Buffer {
     }
 
     fn cross_entropy_backward(&self, l: &Layout, targets: (&Buffer, &Layout), g: (&Buffer, &Layout)) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let ((p, pl), (g, gl)) = (widen(self, l), widen(g.0, g.1));
+            return Ok(narrow(p.cross_entropy_backward(&pl, targets, (&g, &gl))?, h));
+        }
         let probs = self;
         let op = "cross_entropy_backward";
         let t = indices(op, targets.0, targets.1)?;

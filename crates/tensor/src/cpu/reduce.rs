@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 
+use super::f16_storage::{half_dtype, narrow, widen};
 use super::{float_kernel, gather, same, view};
 use crate::backend::{Reduce, ReduceOp};
 use crate::threads::par_rows_mut;
@@ -46,6 +47,10 @@ fn sum_leading<T: Float>(data: &[T], l: &Layout, k: usize) -> Buffer {
 
 impl Reduce for Buffer {
     fn reduce(&self, l: &Layout, dims: &[usize], op: ReduceOp) -> Result<Buffer> {
+        if let Some(h) = half_dtype(self) {
+            let (x, xl) = widen(self, l);
+            return Ok(narrow(x.reduce(&xl, dims, op)?, h));
+        }
         let s = self;
         float_kernel!("reduce", s, data: T => match op {
             ReduceOp::Sum => {

@@ -16,15 +16,16 @@ pub use optim::{AdamWStep, SgdStep};
 
 use crate::{Tensor, TensorError};
 
-/// Kernels compute in f32 or f64: anything else is refused with a hint.
+/// Float kernels take floats: f32 and f64 computed as they are, f16 and bf16 storage computed
+/// in f32 and rounded at the output (where a backend has them); integers are refused with a hint.
 pub(crate) fn compute_dtype(op: &'static str, t: &Tensor) -> crate::Result<()> {
-    if t.dtype().is_compute() {
+    if t.dtype().is_float() {
         Ok(())
     } else {
         Err(TensorError::UnsupportedDType {
             op,
             dtype: t.dtype(),
-            hint: " (kernels compute in f32/f64: convert with to_dtype first)",
+            hint: " (float kernels take f32, f64, f16 or bf16: convert with to_dtype first)",
         })
     }
 }

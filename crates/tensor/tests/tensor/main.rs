@@ -10,3 +10,4 @@ mod cuda_nvrtc;
 mod cuda_ops;
 mod cuda_probe;
 mod fake_device;
+mod half_ops;

@@ -27,7 +27,11 @@ fn float_only(op: &'static str, dtype: DType) -> TensorError {
     TensorError::UnsupportedDType {
         op,
         dtype,
-        hint: " (CUDA kernels compute in f32/f64: convert with to_dtype first)",
+        hint: if matches!(dtype, DType::F16 | DType::BF16) {
+            " (not on this device yet: the CUDA backend's elementwise, reduction and layer kernels compute f32/f64 only; run 16-bit storage on the CPU, or convert with to_dtype)"
+        } else {
+            " (CUDA kernels compute in f32/f64: convert with to_dtype first)"
+        },
     }
 }
 

@@ -1,0 +1,87 @@
+//! `brigade train --precision`: bf16 halves the bucket bytes in `--json` and counts the f32
+//! masters; fp16 writes the `scale` column and counts skipped steps; a bf16 checkpoint samples
+//! and initialises an f32 run; bad values and combinations not built fail in one line.
+
+use super::common::{cat, dir, fails, ok, s, GPT, MLP};
+
+/// `--json`'s memory object of a 2-rank, 3-step run at `precision`.
+fn memory(precision: &str) -> serde_json::Value {
+    let out = ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--steps", "3", "--json", "--precision", precision],
+    ]));
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    v["memory"].clone()
+}
+
+#[test]
+fn bf16_halves_the_buckets_and_counts_the_f32_masters() {
+    let (f, b) = (memory("f32"), memory("bf16"));
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    assert_eq!(n(&b, "bucket_bytes") * 2, n(&f, "bucket_bytes"), "{b} vs {f}");
+    assert_eq!(n(&b, "parameter_bytes") * 2, n(&f, "parameter_bytes"));
+    assert_eq!(
+        (n(&f, "master_weight_bytes"), n(&b, "master_weight_bytes")),
+        (0, n(&f, "parameter_bytes"))
+    );
+}
+
+#[test]
+fn fp16_writes_the_scale_column_and_a_bf16_checkpoint_samples() {
+    let d = dir("precision");
+    let losses = d.join("fp16.csv");
+    let out = ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "4", "--precision", "fp16", "--losses", s(&losses), "--json"],
+    ]));
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        (v["skipped_steps"].as_u64(), v["scale"][0].as_f64()),
+        (Some(0), Some(65536.0)),
+        "{v}"
+    );
+    let text = std::fs::read_to_string(&losses).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("step,loss,lr,grad_norm,val_loss,scale"), "{text}");
+    assert!(lines.all(|l| l.ends_with(",65536")), "{text}");
+
+    let ckpt = d.join("gpt.ckpt");
+    ok(&cat(&[
+        &["train"],
+        GPT,
+        &["--steps", "2", "--precision", "bf16", "--checkpoint", s(&ckpt)],
+    ]));
+    ok(&[
+        "sample",
+        "--checkpoint",
+        s(&ckpt),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "4",
+    ]);
+    ok(&cat(&[&["train"], GPT, &["--steps", "1", "--init", s(&ckpt)]]));
+}
+
+#[test]
+fn a_bad_precision_and_combinations_not_built_fail_in_one_line() {
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--precision", "f8"]]));
+    assert!(e.contains("unknown precision 'f8'"), "{e}");
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &[
+            "--steps",
+            "1",
+            "--world-size",
+            "2",
+            "--precision",
+            "bf16",
+            "--zero",
+            "1",
+        ],
+    ]));
+    assert!(e.contains("--precision bf16") && e.trim().lines().count() == 1, "{e}");
+}
