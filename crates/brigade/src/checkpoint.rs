@@ -49,8 +49,8 @@ pub struct CheckpointIdentity<'a> {
     /// The training data's fingerprint ([`crate::source::DataSource::fingerprint`]; `None`:
     /// neither recorded nor checked).
     pub data: Option<String>,
-    /// The ZeRO stage: a checkpoint under ZeRO resumes only with the same stage and
-    /// world size, and a plain one only without ZeRO.
+    /// The ZeRO stage: a checkpoint resumes only under the stage it was written with (on any
+    /// number of ranks).
     pub zero: ZeroStage,
     /// The number of ranks.
     pub world_size: usize,
@@ -388,23 +388,18 @@ fn check_data_order(
     }
 }
 
-/// A checkpoint written under ZeRO resumes with the same stage and world size only, and one
-/// written without ZeRO (or before checkpoints recorded it) only without ZeRO.
+/// A checkpoint written under ZeRO resumes under the same stage, on any number of ranks (it
+/// holds the parameters and the optimizer state whole: each rank cuts its shards again on
+/// load), and one written without ZeRO (or before checkpoints recorded it) only without ZeRO.
 fn check_sharding(
     meta: &std::collections::HashMap<String, String>,
     id: &CheckpointIdentity<'_>,
 ) -> std::result::Result<(), CheckpointMismatch> {
     let zero: u8 = meta.get("zero").and_then(|z| z.parse().ok()).unwrap_or(0);
-    let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());
-    if zero == 0 && id.zero == ZeroStage::Off {
-        return Ok(());
-    }
-    if zero != id.zero.level() || world != Some(id.world_size) {
+    if zero != id.zero.level() {
         return Err(CheckpointMismatch::Sharding {
             written_stage: zero,
-            written_world: world,
             stage: id.zero.level(),
-            world: id.world_size,
         });
     }
     Ok(())

@@ -185,22 +185,16 @@ pub enum CheckpointMismatch {
         /// This run's.
         this_run: String,
     },
-    /// Written under another ZeRO stage or world size: a ZeRO checkpoint holds one rank
-    /// count's optimizer shards.
+    /// Written under another ZeRO stage.
     #[error(
-        "it was written with ZeRO stage {written_stage}{}, this run has ZeRO stage {stage} on {world} ranks: \
-         a ZeRO checkpoint resumes with the stage and world size it was written with",
-        written_world.map(|w| format!(" on {w} ranks")).unwrap_or_default()
+        "it was written with ZeRO stage {written_stage}, this run has ZeRO stage {stage}: a checkpoint resumes \
+         under the ZeRO stage it was written with (on any number of ranks)"
     )]
     Sharding {
         /// The checkpoint's stage (0: no ZeRO).
         written_stage: u8,
-        /// The checkpoint's world size (absent in older checkpoints).
-        written_world: Option<usize>,
         /// This run's stage.
         stage: u8,
-        /// This run's world size.
-        world: usize,
     },
     /// Written under another learning-rate schedule (kind, warmup, `T`, floor or factor).
     #[error("it was written with schedule '{written}', this run has '{this_run}': resume with the schedule it was written with (a resume may change the learning rate, not the schedule)")]

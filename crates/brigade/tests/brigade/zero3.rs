@@ -193,3 +193,42 @@ fn zero_3_on_the_counting_fake_device_trains_as_on_the_cpu() {
     assert_eq!(bits(&fake_run), bits(&cpu));
     assert!(fake::counts(230).to_host > 0, "the run was on the fake device");
 }
+
+/// A checkpoint written under ZeRO-1, 2 or 3 on two ranks resumes on three: the optimizer state
+/// and the parameters are saved whole and cut again for the new world, so the resumed run is
+/// plain DDP's same resume bit for bit (ZeRO equals plain DDP at each world size).
+#[test]
+fn a_zero_checkpoint_resumes_on_another_world_size_as_plain_ddp_does() {
+    let dir = common::tmp("zero3", "reshard");
+    // one seed on every rank and no dropout: generators in different states would tie the
+    // checkpoint to two ranks
+    let run_plain = |world: usize, cfg: &TrainConfig| {
+        fit(
+            &LaunchConfig::threads(world),
+            cfg,
+            |_| Dataset::builtin_text(8, 0).map_err(Error::from),
+            |_| {
+                let c = GptConfig { dropout: 0.0, ..gpt() };
+                Ok(Box::new(Gpt::new(c, 7)?) as Box<dyn Model>)
+            },
+        )
+    };
+    let two_then_three = |policy: PolicySpec| {
+        let path = dir.join(format!("{policy}.safetensors"));
+        let mut first = config(2, "adamw", policy.clone());
+        first.runtime.checkpoint = CheckpointConfig {
+            path: Some(path.clone()),
+            ..CheckpointConfig::default()
+        };
+        run_plain(2, &first).unwrap();
+        let mut then = resuming(config(4, "adamw", policy), &path);
+        then.runtime.checkpoint.path = None;
+        run_plain(3, &then).unwrap()
+    };
+    let plain = two_then_three(PolicySpec::AllReduce);
+    for policy in [PolicySpec::Zero1, PolicySpec::Zero2, PolicySpec::Zero3] {
+        let resharded = two_then_three(policy.clone());
+        assert_eq!(resharded.outcome.losses(), plain.outcome.losses(), "{policy}: losses");
+        assert_eq!(bits(&resharded), bits(&plain), "{policy}: parameters");
+    }
+}
