@@ -31,15 +31,7 @@ impl<'a> Trainer<'a> {
         ctx: &'a RankContext,
     ) -> Result<Self> {
         set_compute_threads(compute_threads(cfg, ctx));
-        cfg.runtime.checkpoint.validate()?;
-        if zero_stage(cfg) == brigade_policies::ZeroStage::Three && cfg.data.join.is_some() {
-            return Err(Error::Config(
-                "zero3 does not combine with a join mode (DataConfig::join, --join): a rank without data would skip the \
-                 gathers of the units that every forward and backward of the others issues; run without a join mode, \
-                 or under zero2"
-                    .into(),
-            ));
-        }
+        refuse_before_any_work(cfg)?;
         // `fit` meters the rank's thread from before the model is built; a trainer made on a
         // thread without a meter installs its own (the storages made before it not counted)
         let (memory, installed_meter) = InstalledMeter::on_this_thread();
@@ -50,12 +42,8 @@ impl<'a> Trainer<'a> {
         let lengths = check_lengths(cfg, data, ctx)?;
         let mut opt = cfg.recipe.optimizer.build(model.params().params().to_vec());
         // This rank's policy, made first: a checkpoint names the policy it was written under.
-        let policy = cfg.distributed.as_ref().map(|d| d.policy.make(ctx.rank)).transpose()?;
+        let policy = make_policy(cfg, ctx)?;
         let policy_name = policy.as_ref().map(|p| p.name());
-        // before any step: a checkpoint of a policy that may keep unsaved state would resume inexactly
-        if let (Some(p), Some(_)) = (&policy, &cfg.runtime.checkpoint.path) {
-            brigade_ddp::policy::check_checkpointable(p.as_ref())?;
-        }
         let mut resumed = resume(cfg, data, ctx, model.as_mut(), opt.as_mut(), policy_name.as_deref())?;
         let (schedule, changes) = check_recipe(cfg, resumed.as_ref())?;
         let resume = ResumeNotes {
@@ -93,6 +81,31 @@ impl<'a> Trainer<'a> {
             },
         })
     }
+}
+
+/// What the configuration alone refuses, before the model or the data is touched: a checkpoint
+/// path that cannot be written, and ZeRO-3 with a join mode.
+fn refuse_before_any_work(cfg: &TrainConfig) -> Result<()> {
+    cfg.runtime.checkpoint.validate()?;
+    if zero_stage(cfg) == brigade_policies::ZeroStage::Three && cfg.data.join.is_some() {
+        return Err(Error::Config(
+            "zero3 does not combine with a join mode (DataConfig::join, --join): a rank without data would skip the \
+             gathers of the units that every forward and backward of the others issues; run without a join mode, \
+             or under zero2"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// This rank's policy (none without DDP), refused before any step when the run checkpoints and
+/// the policy may keep state it does not save (its resume would be inexact).
+fn make_policy(cfg: &TrainConfig, ctx: &RankContext) -> Result<Option<Box<dyn brigade_ddp::ReducerPolicy>>> {
+    let policy = cfg.distributed.as_ref().map(|d| d.policy.make(ctx.rank)).transpose()?;
+    if let (Some(p), Some(_)) = (&policy, &cfg.runtime.checkpoint.path) {
+        brigade_ddp::policy::check_checkpointable(p.as_ref())?;
+    }
+    Ok(policy)
 }
 
 /// The optimizer of a mixed-precision run: f32 master weights taken from the (built,
