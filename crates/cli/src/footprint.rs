@@ -9,8 +9,8 @@
 //! policy keeps them, the tensors a forward pass leaves to its backward (the GPT's counted op by
 //! op, checkpointed blocks keeping only their output) and backward's working set on top of
 //! them. For the GPT it meets the measured peak (`MemoryReport::peak`) within 10% (a test
-//! checks it at world 1 and 2, under DDP, ZeRO-1 and ZeRO-2, with and without activation
-//! checkpointing); for the MLP it is rougher. Communication scratch on the comm stream's
+//! checks it at world 1 and 2 under DDP, ZeRO-1 and ZeRO-2, and at world 2 and 4 under ZeRO-3,
+//! with and without activation checkpointing); for the MLP it is rougher. Communication scratch on the comm stream's
 //! thread is not counted, as the measured peak does not count it.
 
 use brigade_models::{GptConfig, ModelKind};
@@ -161,7 +161,7 @@ pub struct PeakQuery<'a> {
     pub rows: usize,
     /// Optimizer values per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
     pub state_per_param: u64,
-    /// The ZeRO stage (0, 1, 2).
+    /// The ZeRO stage (0, 1, 2, 3).
     pub zero: u8,
     /// Ranks.
     pub world: usize,
@@ -172,7 +172,7 @@ pub struct PeakQuery<'a> {
 /// One rank's predicted peak during a step, by part, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PeakPrediction {
-    /// The parameters.
+    /// The parameters (under ZeRO-3 the rank's shard and the units gathered at once).
     pub parameters: u64,
     /// The gradients at their most (under ZeRO-2 the full gradients of backward and the shards).
     pub gradients: u64,
@@ -245,7 +245,43 @@ fn gpt_block_values(c: &GptConfig) -> u64 {
     10 * d + 2 * ff + 4 + (c.n_heads * c.context) as u64 + dropout
 }
 
-/// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes).
+/// Elements of the model's largest ZeRO-3 unit (its scopes: the GPT's embedding, each block and
+/// the head with the final norm; the MLP's layers), padded to a multiple of `world` as the
+/// unit's flat parameters are.
+pub fn largest_unit(kind: &ModelKind, world: u64) -> Option<u64> {
+    let units: Vec<Option<u64>> = match kind {
+        ModelKind::Mlp(c) => c
+            .widths
+            .windows(2)
+            .map(|w| sum([matrix(w[0], w[1]), Some(w[1] as u64)]))
+            .collect(),
+        ModelKind::Gpt(c) => {
+            let d = c.d_model as u64;
+            let one_block = ModelKind::Gpt(GptConfig {
+                n_layers: 1,
+                ..c.clone()
+            });
+            let no_block = ModelKind::Gpt(GptConfig {
+                n_layers: 0,
+                ..c.clone()
+            });
+            vec![
+                sum([matrix(c.vocab, c.d_model), matrix(c.context, c.d_model)]),
+                exact_parameters(&one_block)?.checked_sub(exact_parameters(&no_block)?),
+                sum([matrix(c.vocab, c.d_model), Some(2 * d)]),
+            ]
+        }
+    };
+    let world = world.max(1);
+    units
+        .into_iter()
+        .try_fold(0u64, |most, u| Some(most.max(mul(u?.div_ceil(world), world)?)))
+}
+
+/// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
+/// the rank's shard and two units gathered at once (the one running and the next, prefetched),
+/// each at most the largest; the gradients are ZeRO-2's, the full gradients of backward beside
+/// the shard (each unit's full gradients stay until backward ends, as the measured peak shows).
 pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;
@@ -292,8 +328,16 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
             (mul(rows, per_row)?, mul(rows, 2 * widest)?)
         }
     };
+    let parameters = if q.zero >= 3 {
+        sum([
+            Some(mul(psi, F32)?.div_ceil(n)),
+            mul(mul(largest_unit(q.kind, n)?, 2)?, F32),
+        ])?
+    } else {
+        mul(psi, F32)?
+    };
     Some(PeakPrediction {
-        parameters: mul(psi, F32)?,
+        parameters,
         gradients,
         optimizer_state: shard(mul(psi, mul(q.state_per_param, F32)?)?),
         activations: mul(activations, F32)?,
@@ -383,6 +427,13 @@ mod tests {
             "{ck:?} {p:?}"
         );
         assert_eq!(p.largest().0, "activations");
+        // ZeRO-3 on 4 ranks: a quarter of the parameters and two blocks (the largest unit,
+        // 198,272 elements) gathered; the gradients and optimizer state as ZeRO-2's
+        assert_eq!(largest_unit(&small, 4), Some(198_272));
+        let z3 = predict_peak(&PeakQuery { zero: 3, ..q }).unwrap();
+        assert_eq!(z3.parameters, 3_468_288 / 4 + 2 * 198_272 * 4);
+        assert_eq!((z3.gradients, z3.optimizer_state), (p.gradients, p.optimizer_state));
+        assert_eq!(z3.total(), p.total() - 3_468_288 + z3.parameters);
         let huge = ModelKind::Mlp(brigade_models::MlpConfig::new(vec![16, usize::MAX, 4]));
         assert_eq!(parameters(&huge), None);
         assert_eq!(human(3 << 29), "1.50 GiB");

@@ -115,4 +115,30 @@ mod tests {
         let _c = Tensor::zeros(&[8], DType::F32);
         assert_eq!(meter.live(), 0, "uninstalled: not charged");
     }
+
+    #[test]
+    fn a_freed_storage_is_given_back_and_a_restored_one_charged_again() {
+        let meter = MemoryMeter::new();
+        let before = MemoryMeter::install(Some(meter.clone()));
+        let p = Tensor::zeros(&[4, 8], DType::F32); // 128 bytes
+        let view = p.reshape(&[32]).unwrap();
+        // lent: still in use elsewhere, still charged
+        let lent = p.lend_storage().unwrap();
+        assert_eq!(meter.live(), 128);
+        p.restore_storage(lent).unwrap();
+        assert_eq!(meter.live(), 128, "restored after a lend: charged once");
+        // freed in place: the bytes go though the tensor and its views stay
+        p.free_storage().unwrap();
+        assert_eq!(meter.live(), 0);
+        assert!(view.to_vec::<f32>().is_err(), "a freed storage is not read");
+        let fill = Tensor::ones(&[32], DType::F32);
+        assert_eq!(meter.live(), 128);
+        p.restore_storage(fill.lend_storage().unwrap()).unwrap();
+        drop(fill);
+        assert_eq!(meter.live(), 128, "restored into a freed tensor: charged to it");
+        assert_eq!(view.to_vec::<f32>().unwrap(), vec![1.0; 32]);
+        drop((p, view));
+        assert_eq!(meter.live(), 0);
+        MemoryMeter::install(before);
+    }
 }

@@ -1,6 +1,6 @@
 //! The tensor: shared storage viewed through a layout.
 
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::layout::contiguous_strides;
 use crate::memory_meter::Charge;
@@ -24,10 +24,11 @@ pub struct Tensor {
 }
 
 /// A storage behind its lock, with the bytes it charged to this thread's [`crate::MemoryMeter`]
-/// (given back when the last view drops it).
+/// (given back when the last view drops it, or when [`Tensor::free_storage`] frees it).
 struct Stored {
     lock: RwLock<DeviceStorage>,
-    _charge: Option<Charge>,
+    /// The bytes charged; `Err(())` while freed by [`Tensor::free_storage`].
+    charge: Mutex<std::result::Result<Option<Charge>, ()>>,
 }
 
 impl std::ops::Deref for Stored {
@@ -50,7 +51,7 @@ impl Tensor {
         let (dtype, device) = (storage.dtype(), storage.device());
         Tensor {
             storage: Arc::new(Stored {
-                _charge: Charge::here(storage.len() * dtype.size_in_bytes()),
+                charge: Mutex::new(Ok(Charge::here(storage.len() * dtype.size_in_bytes()))),
                 lock: RwLock::new(storage),
             }),
             layout: Layout::contiguous(shape),
@@ -468,8 +469,24 @@ impl Tensor {
         Ok(Storage(std::mem::replace(&mut *g, empty)))
     }
 
+    /// Frees this tensor's storage in place (PyTorch's resize-to-zero, as FSDP frees a
+    /// parameter between uses): every view keeps its shape, any access is a
+    /// [`TensorError::StorageLent`] error until [`Tensor::restore_storage`], and the bytes are
+    /// given back to the [`crate::MemoryMeter`] they were charged to. (A storage lent with
+    /// [`Tensor::lend_storage`] stays charged: it is in use elsewhere.)
+    pub fn free_storage(&self) -> Result<()> {
+        drop(self.lend_storage()?);
+        *self.charge() = Err(());
+        Ok(())
+    }
+
+    fn charge(&self) -> std::sync::MutexGuard<'_, std::result::Result<Option<Charge>, ()>> {
+        self.storage.charge.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Gives back storage taken with [`Tensor::lend_storage`]; device, type and length
-    /// must match what the views need.
+    /// must match what the views need. Into a tensor whose storage was freed
+    /// ([`Tensor::free_storage`]), its bytes are charged to this thread's meter.
     pub fn restore_storage(&self, storage: Storage) -> Result<()> {
         if storage.device() != self.device {
             return Err(TensorError::DeviceMismatch {
@@ -495,7 +512,12 @@ impl Tensor {
                 ),
             });
         }
+        let bytes = storage.len() * self.dtype.size_in_bytes();
         *self.write_guard() = storage.0;
+        let mut charge = self.charge();
+        if charge.is_err() {
+            *charge = Ok(Charge::here(bytes));
+        }
         Ok(())
     }
 }

@@ -145,6 +145,19 @@ fn the_predicted_peak_meets_the_measured_one_within_ten_percent() {
             }
         }
     }
+    // ZeRO-3: the parameters' shard and the units gathered at once (measured as they are
+    // gathered and freed)
+    for world in ["2", "4"] {
+        for ck in [&[][..], &["--activation-checkpointing"]] {
+            let (measured, predicted) = peaks(&cat(&[&["--world-size", world, "--zero", "3"], ck]));
+            let err = predicted / measured - 1.0;
+            assert!(
+                err.abs() < 0.10,
+                "world {world} zero 3 {ck:?}: predicted {predicted} against measured {measured} ({:+.1}%)",
+                100.0 * err
+            );
+        }
+    }
     // with dropout the masks count too
     let (measured, predicted) = peaks(&["--dropout", "0.1"]);
     assert!(

@@ -1,7 +1,8 @@
 //! `--zero 3` from the command line: plain DDP's losses and saved parameters bit for bit (mlp
 //! and gpt, SGD and AdamW, 2 and 3 ranks, --accum 2), the memory line and `--json` with the
-//! gathered units, a checkpoint that `--init` and `sample` read, and one error line for a
-//! compressing hook.
+//! gathered units, a checkpoint that `--init` and `sample` read, one error line for a
+//! compressing hook, and under one `--memory-budget` a GPT of over 3x the parameters plain DDP
+//! fits, trained with activation checkpointing.
 
 use crate::common;
 
@@ -164,4 +165,69 @@ fn zero_3_with_a_compressing_hook_is_one_error_line() {
     ]));
     assert!(e.contains("--zero 3") && e.contains("--comm-hook fp16"), "{e}");
     assert_eq!(e.trim().lines().count(), 1, "{e}");
+}
+
+/// `(parameters of the whole model in bytes, measured peak in bytes)` of a 2-step world-4 GPT
+/// run of `layers` blocks under `--memory-budget 10` with `extra` flags.
+fn budget_run(layers: &str, extra: &[&str]) -> (f64, f64) {
+    let out = ok(&cat(&[&budget_args(layers), extra, &["--json"]]));
+    let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let m = &json["memory"];
+    let mut params = m["parameter_bytes"].as_f64().unwrap();
+    if m["zero"] == 3 {
+        params *= 4.0; // the rank's shard
+    }
+    (params, m["peak_bytes"].as_f64().unwrap())
+}
+
+fn budget_args(layers: &str) -> Vec<&str> {
+    vec![
+        "train",
+        "--model",
+        "gpt",
+        "--d-model",
+        "64",
+        "--d-ff",
+        "256",
+        "--context",
+        "32",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "2",
+        "--world-size",
+        "4",
+        "--memory-budget",
+        "10",
+        "--layers",
+        layers,
+    ]
+}
+
+#[test]
+fn zero3_with_checkpointing_trains_three_times_the_gpt_plain_ddp_fits_in_the_same_budget() {
+    let budget = 10.0 * 1024.0 * 1024.0;
+    // plain DDP at world 4 in 10 MB a rank: 4 blocks fit, 5 are refused
+    let (ddp_params, _) = budget_run("4", &[]);
+    let e = fails(&budget_args("5"));
+    assert!(e.contains("--memory-budget 10 MB") && e.contains("predicted"), "{e}");
+    // 14 blocks, over 3x the parameters: ZeRO-3 with every block checkpointed trains it, its
+    // measured peak under the budget
+    let (params, peak) = budget_run("14", &["--zero", "3", "--activation-checkpointing"]);
+    assert!(params >= 3.0 * ddp_params, "{params} against {ddp_params}");
+    assert!(peak < budget, "measured peak {peak} over the budget {budget}");
+    // and neither alone fits it, nor ZeRO-2 with checkpointing
+    for extra in [
+        &["--activation-checkpointing"][..],
+        &["--zero", "2", "--activation-checkpointing"],
+        &["--zero", "3"],
+    ] {
+        let e = fails(&cat(&[&budget_args("14"), extra]));
+        assert!(
+            e.contains("--memory-budget 10 MB: this run is predicted"),
+            "{extra:?}: {e}"
+        );
+    }
 }

@@ -224,7 +224,7 @@ impl Gather {
             return Ok(());
         }
         for &p in &self.units[u].params {
-            drop(self.vars[p].value().lend_storage()?);
+            self.vars[p].value().free_storage()?;
         }
         self.units[u].gathered = false;
         self.live -= self.unit_bytes(u);
