@@ -193,6 +193,15 @@ fn read_rngs(meta: &HashMap<String, String>) -> std::result::Result<Vec<RngState
     Ok(by_rank.into_iter().map(|(_, s)| s).collect())
 }
 
+/// The model's full f32 weights by name: `opt`'s master weights when it keeps them beside
+/// 16-bit parameters (mixed precision), else the parameters themselves.
+pub(crate) fn full_weights(model: &dyn Model, opt: &dyn Optimizer) -> Vec<(String, Tensor)> {
+    match opt.master_weights() {
+        masters if masters.is_empty() => model.params().named_values(),
+        masters => masters,
+    }
+}
+
 /// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`. The
 /// model saved is the optimizer's f32 master weights when it keeps them beside 16-bit
 /// parameters (mixed precision), else the parameters themselves: either way full f32 weights.
@@ -204,12 +213,7 @@ pub fn save_checkpoint(
     policy_state: &[(String, Tensor)],
     step: usize,
 ) -> Result<()> {
-    let masters = opt.master_weights();
-    let weights = if masters.is_empty() {
-        model.params().named_values()
-    } else {
-        masters
-    };
+    let weights = full_weights(model, opt);
     let mut tensors: Vec<(String, Tensor)> = weights.into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
     tensors.extend(opt.state_dict()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
     tensors.extend(

@@ -172,11 +172,7 @@ impl Trainer<'_> {
                 whole?
             }
             _ => match self.ctx.rank {
-                // the full f32 weights: the masters beside 16-bit parameters, else the parameters
-                0 => match self.replica.opt.master_weights() {
-                    m if m.is_empty() => self.replica.model.params().named_values(),
-                    m => m,
-                },
+                0 => crate::checkpoint::full_weights(self.replica.model.as_ref(), self.replica.opt.as_ref()),
                 _ => vec![],
             },
         };
