@@ -19,6 +19,8 @@
 #   probe      cuda:0 opens (BRIGADE_REQUIRE_CUDA=1: a skip is a failure); NVRTC compiles here
 #   ops        every op, forward and backward, CPU vs CUDA, f32 and f64 (tests/tensor cuda_ops::)
 #   parity     the GPT's losses on CUDA vs the CPU reference computed at build time (SGD, 3e-4)
+#   ckpt       the GPT on CUDA with every block's activations checkpointed (recomputed in
+#              backward) against the same run without: the same losses (SGD, 1e-6)
 #   nccl       NCCL world 1 vs host-staged world 1, host-staged world 2 vs world 1 (SGD, 1e-5)
 #   overlap    NCCL world 1 under a simulated 10 Gb/s link (a delay kernel per collective on the
 #              comm stream): fails unless bucket collectives interleave with backward spans on the
@@ -50,7 +52,7 @@ T="$CARRY/tests/tensor"
 
 # Budgets: seconds from the start by which each section must be done (the verdict checks by
 # 260 s, everything by 420 s = 7 minutes).
-SECTIONS="env:30 start:40 probe:75 ops:125 parity:150 nccl:185 overlap:215 policies:260 gemm:315 step:420"
+SECTIONS="env:30 start:40 probe:75 ops:125 parity:150 ckpt:170 nccl:200 overlap:225 policies:265 gemm:315 step:420"
 deadline() { for s in $SECTIONS; do [ "${s%%:*}" = "$1" ] && echo "${s##*:}"; done; }
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -182,6 +184,17 @@ else
   ran parity $rc "$OUT/parity-cuda.log" &&
     judge parity "$OUT/parity-cuda.log" losses "parity CUDA vs CPU reference ($(cat "$CARRY/ref/cpu.txt" 2>/dev/null | sed 's/.*: *//'))" \
       "$OUT/gpt_sgd_cuda.csv" "$CARRY/ref/gpt_sgd_cpu.csv" 3e-4
+fi
+
+# ---- ckpt: activation checkpointing on the GPU: the recompute in backward gives the same losses
+CKPT_GPT=(--model gpt --steps 6 --seed 3 --optimizer sgd --lr 0.05 --momentum 0 --device cuda --batch-size 16 --quiet)
+run ckpt ckpt-off "$B" train "${CKPT_GPT[@]}" --losses "$OUT/ckpt-off.csv"
+r1=$?
+run ckpt ckpt-on "$B" train "${CKPT_GPT[@]}" --activation-checkpointing 1 --losses "$OUT/ckpt-on.csv"
+r2=$?
+if ran ckpt-off $r1 "$OUT/ckpt-off.log" && ran ckpt-on $r2 "$OUT/ckpt-on.log"; then
+  judge ckpt "$OUT/ckpt-on.log" losses "activation checkpointing on CUDA == without (recomputed blocks)" \
+    "$OUT/ckpt-on.csv" "$OUT/ckpt-off.csv" 1e-6
 fi
 
 # ---- nccl: one GPU, so NCCL runs at world size 1; two ranks share the GPU host-staged
