@@ -79,6 +79,10 @@ pub struct CheckpointIdentity<'a> {
     pub allow_nonfinite: bool,
 }
 
+/// The prefix of the caller's metadata keys in a checkpoint
+/// ([`crate::config::CheckpointConfig::metadata`]).
+pub const USER_PREFIX: &str = "user.";
+
 /// A checkpoint's model: its name, its recorded shape and its parameters, for loading it
 /// outside training (e.g. to sample from a GPT).
 #[derive(Debug)]
@@ -91,6 +95,9 @@ pub struct CheckpointModel {
     pub step: usize,
     /// The parameters, by name (without the checkpoint's `model.` prefix).
     pub params: Vec<(String, Tensor)>,
+    /// Every metadata entry of the file (Brigade's and the caller's,
+    /// [`crate::config::CheckpointConfig::metadata`]).
+    pub metadata: HashMap<String, String>,
 }
 
 /// A checkpoint file's tensors, by name, and its metadata.
@@ -126,6 +133,7 @@ pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
         config: meta.get("model_config").cloned(),
         step,
         params,
+        metadata: meta,
     })
 }
 

@@ -309,6 +309,11 @@ pub struct CheckpointConfig {
     /// files of its directory that the path names with other steps (digits in place of
     /// `{step}`), oldest first, are removed until this many remain. Needs `{step}` in `path`.
     pub keep_last: Option<usize>,
+    /// The caller's own entries, written into every checkpoint's metadata beside Brigade's,
+    /// each key under [`crate::checkpoint::USER_PREFIX`] (`plan` is written `user.plan`, so
+    /// that no entry can replace one of Brigade's); read back with
+    /// [`crate::checkpoint::load_model_tensors`]. The CLI records its plan here.
+    pub metadata: Vec<(String, String)>,
 }
 
 /// What a run records beside training, and who watches it.

@@ -81,6 +81,9 @@ impl Trainer<'_> {
     fn identity<'s>(&'s self, policy: Option<&'s str>, dropout_rng: Vec<RngState>) -> CheckpointIdentity<'s> {
         let mut recipe = recipe_metadata(self.cfg, &self.schedule);
         recipe.extend(self.feed.join.iter().flat_map(|j| j.metadata(self.at.next_step)));
+        recipe.extend(
+            self.cfg.runtime.checkpoint.metadata.iter().map(|(k, v)| (format!("{}{k}", crate::checkpoint::USER_PREFIX), v.clone())),
+        );
         CheckpointIdentity {
             model: &self.cfg.model.name,
             optimizer: self.cfg.recipe.optimizer.name(),

@@ -143,6 +143,7 @@ fn a_periodic_checkpoint_holds_the_generator_from_before_the_step_it_resumes() {
             every: Some(2),
             resume: None,
             keep_last: None,
+            metadata: vec![],
         };
         c.runtime.instrument = Instrumentation {
             observer: Some(Arc::new(CopyAfter {

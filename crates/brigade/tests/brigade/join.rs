@@ -365,6 +365,7 @@ fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
             resume: resume.map(Path::to_path_buf),
             every: None,
             keep_last: None,
+            metadata: vec![],
         };
         c
     };

@@ -183,11 +183,17 @@ fn a_user_model_resumes_from_its_checkpoint_as_if_never_stopped() {
         let mut c = config(2, 8);
         c.runtime.checkpoint = CheckpointConfig {
             path: Some(ckpt.clone()),
+            metadata: vec![("plan".into(), "zero2 at 5 MiB".into()), ("step".into(), "mine".into())],
             ..CheckpointConfig::default()
         };
         c
     };
     run(2, &first, rows()).unwrap();
+    // the caller's entries come back under their prefix, never in place of Brigade's
+    let meta = brigade::checkpoint::load_model_tensors(&ckpt).unwrap().metadata;
+    assert_eq!(meta.get("user.plan").map(String::as_str), Some("zero2 at 5 MiB"));
+    assert_eq!(meta.get("user.step").map(String::as_str), Some("mine"));
+    assert_eq!(meta.get("step").map(String::as_str), Some("2"));
     let resume = {
         let mut c = config(4, 8);
         c.runtime.checkpoint = CheckpointConfig {

@@ -162,6 +162,7 @@ fn with_checkpoint(cfg: TrainConfig, write: Option<&std::path::Path>, resume: Op
         resume: resume.map(Into::into),
         every: None,
         keep_last: None,
+        metadata: vec![],
     };
     c
 }
