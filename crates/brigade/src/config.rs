@@ -64,6 +64,15 @@ impl OptimizerConfig {
         }
     }
 
+    /// Optimizer values kept per parameter: AdamW 2 (its moments), SGD with momentum 1, plain
+    /// SGD 0.
+    pub fn state_per_param(&self) -> u64 {
+        match *self {
+            OptimizerConfig::Sgd { momentum, .. } => u64::from(momentum != 0.0),
+            OptimizerConfig::AdamW { .. } => 2,
+        }
+    }
+
     /// The (peak) learning rate.
     pub fn lr(&self) -> f64 {
         match *self {

@@ -44,6 +44,9 @@ pub enum Error {
          libopenmpi-dev libclang-dev) and build with the `mpi` feature"
     )]
     MpiNotBuilt,
+    /// A plan that cannot be made from its profiles ([`crate::plan`]).
+    #[error("{0}")]
+    Plan(String),
     /// A peer's control message was not what this rank expected.
     #[error("{0}")]
     Protocol(String),

@@ -22,6 +22,8 @@
 //!   checkpoint records of them and what a resume may change;
 //! - [`join`]: uneven inputs (PyTorch's `Join`): ranks whose data ends early join the others'
 //!   collectives with zeros until every rank's data has ended;
+//! - [`plan`]: the fastest configuration (policy, bucket cap, activation checkpointing) that
+//!   fits a memory budget, from a few profiled steps, and [`plan::memory`], the memory model;
 //! - [`outcome`]: what a step and a run produced; [`checkpoint`], [`source`], [`placement`], and
 //!   [`Error`], the one error type.
 //!
@@ -54,6 +56,7 @@ pub mod launch;
 pub mod observe;
 pub mod outcome;
 pub mod placement;
+pub mod plan;
 pub mod policy;
 pub mod recipe;
 pub mod resume;

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use brigade_autograd::Optimizer;
 use brigade_tensor::Tensor;
+use serde::{Deserialize, Serialize};
 
 use crate::bucket::Held;
 use crate::policy::PolicyMemory;
@@ -17,7 +18,8 @@ use crate::Result;
 /// `parameters 4Ψ + gradients 4Ψ + optimizer_state 8Ψ`; ZeRO-1 `optimizer_state 8Ψ/N`; ZeRO-2
 /// also `gradients 4Ψ/N`; ZeRO-3 also `parameters 4Ψ/N` between steps (its shards; the
 /// parameter tensors are freed), plus the units `gathered` at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct MemoryReport {
     /// The parameters' values.
     pub parameters: usize,

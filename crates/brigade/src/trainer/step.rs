@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use brigade_autograd::no_grad;
 use brigade_comm::{Buffer, CommBytes, Communicator, EventKind, ReduceOp};
-use brigade_ddp::overlap::{RankProfile, StepInstants, StepProfile};
+use brigade_ddp::overlap::{ProfileRun, RankProfile, StepInstants, StepProfile};
+use brigade_ddp::MemoryReport;
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
 
@@ -265,12 +266,16 @@ impl Trainer<'_> {
             end: Instant::now(),
         };
         let instrument = &self.cfg.runtime.instrument;
-        let records = &mut self.records;
         if instrument.profile {
-            records.profile = StepProfile::record(ddp, &at).map(|mut p| {
+            let run = self.profile_run()?;
+            self.records.profile = StepProfile::record(ddp, &at).map(|mut p| {
                 p.activation_checkpointing = self.cfg.model.activation_checkpointing;
+                p.run = Some(run);
                 p
             });
+        }
+        let records = &mut self.records;
+        if instrument.profile {
             if let (Some(p), Some(range)) = (&records.profile, &instrument.profile_steps) {
                 if range.contains(&s) {
                     records.profiles.push(p.clone());
@@ -281,6 +286,36 @@ impl Trainer<'_> {
             tuner.observe(ddp, s, RankProfile::record(ddp, &at))?;
         }
         Ok(())
+    }
+
+    /// What ran in this step, for its profile: the model, the rows of a microbatch, the
+    /// optimizer's state per parameter, the precision and, on rank 0, the memory it measured.
+    fn profile_run(&self) -> Result<ProfileRun> {
+        let memory = match (&self.replica.ddp, self.ctx.rank) {
+            (Some(ddp), 0) => {
+                let measured = self.records.step_memory;
+                Some(MemoryReport {
+                    activations: measured.activations,
+                    peak: measured.peak,
+                    ..ddp.rank_memory(self.replica.opt.as_ref())?
+                })
+            }
+            _ => None,
+        };
+        Ok(ProfileRun {
+            model: self.cfg.model.name.clone(),
+            model_config: self.cfg.model.config.clone(),
+            rows: self.cfg.data.batch_size,
+            optimizer_state_per_param: self.cfg.recipe.optimizer.state_per_param(),
+            precision: match self.cfg.recipe.precision.param_dtype {
+                DType::BF16 => "bf16",
+                DType::F16 => "fp16",
+                _ => "f32",
+            }
+            .into(),
+            memory,
+            command: vec![],
+        })
     }
 
     /// Global-norm clipping of the averaged gradients (`torch.nn.utils.clip_grad_norm_`):

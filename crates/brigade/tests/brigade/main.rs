@@ -15,6 +15,7 @@ mod library;
 mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi_launch;
+mod plan;
 mod policy_state;
 mod recipes;
 mod sampled;

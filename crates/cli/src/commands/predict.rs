@@ -50,25 +50,74 @@ pub struct PredictArgs {
 
 impl PredictArgs {
     fn link(&self) -> Result<LinkCost> {
-        let bad = |m: String| Err(Error::Usage(m));
-        match (self.net_gbps, self.measured_link) {
-            (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
-            (None, false) => {
-                bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into())
-            }
-            (None, true) if self.net_latency_us != 0.0 => bad(format!(
-                "--net-latency-us {} goes with --net-gbps; --measured-link fits the latency from the profile",
-                self.net_latency_us
-            )),
-            (None, true) => Ok(LinkCost::Measured),
-            (Some(g), false) => {
-                check_link(Some(g), self.net_latency_us)?;
-                Ok(LinkCost::Ring(NetModel {
-                    latency: Duration::from_secs_f64(self.net_latency_us * 1e-6),
-                    bandwidth_bytes_per_s: g * 1e9 / 8.0,
-                }))
-            }
+        link_cost(self.net_gbps, self.net_latency_us, self.measured_link)
+    }
+}
+
+/// The link `--net-gbps G [--net-latency-us L]` or `--measured-link` names (exactly one).
+pub fn link_cost(net_gbps: Option<f64>, net_latency_us: f64, measured_link: bool) -> Result<LinkCost> {
+    let bad = |m: String| Err(Error::Usage(m));
+    match (net_gbps, measured_link) {
+        (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
+        (None, false) => bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into()),
+        (None, true) if net_latency_us != 0.0 => bad(format!(
+            "--net-latency-us {net_latency_us} goes with --net-gbps; --measured-link fits the latency from the profile"
+        )),
+        (None, true) => Ok(LinkCost::Measured),
+        (Some(g), false) => {
+            check_link(Some(g), net_latency_us)?;
+            Ok(LinkCost::Ring(NetModel {
+                latency: Duration::from_secs_f64(net_latency_us * 1e-6),
+                bandwidth_bytes_per_s: g * 1e9 / 8.0,
+            }))
         }
+    }
+}
+
+/// Checks `--world-size` (when given) and the caps of `--bucket-mb` and `--first-bucket-mb`.
+pub fn check_caps_and_world(bucket_mb: &[f64], first_bucket_mb: Option<f64>, world: Option<usize>) -> Result<()> {
+    if let Some(n) = world.filter(|n| !(1..=MAX_WORLD).contains(n)) {
+        return Err(Error::Usage(format!(
+            "--world-size must be between 1 and {MAX_WORLD}, got {n}"
+        )));
+    }
+    if let Some(c) = bucket_mb
+        .iter()
+        .chain(&first_bucket_mb)
+        .find(|&&c| !crate::args::cap_in_range(c))
+    {
+        return Err(Error::Usage(format!(
+            "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({:e}) and at most {}, got {}",
+            crate::args::MIN_BUCKET_MB,
+            crate::args::MAX_BUCKET_MB,
+            if c.is_finite() && c.abs() < 1e7 {
+                c.to_string()
+            } else {
+                format!("{c:e}")
+            }
+        )));
+    }
+    if let Some(c) = crate::args::listed_twice(bucket_mb) {
+        return Err(Error::Usage(format!(
+            "--bucket-mb lists {c} twice: each cap is one row"
+        )));
+    }
+    Ok(())
+}
+
+/// The step profiles of the file at `path`: one step (`--profile`) or a list of steps
+/// (`--profile-steps`); one line when it is neither.
+pub fn read_profiles(path: &Path) -> Result<Vec<StepProfile>> {
+    let text = read_profile(path)?;
+    match serde_json::from_str::<StepProfile>(&text) {
+        Ok(p) => Ok(vec![p]),
+        Err(e) => match serde_json::from_str::<Vec<StepProfile>>(&text) {
+            Ok(list) if !list.is_empty() => Ok(list),
+            _ => Err(Error::Usage(format!(
+                "{}: not a step profile (written by brigade train --profile): {e}",
+                path.display()
+            ))),
+        },
     }
 }
 
@@ -107,47 +156,8 @@ fn read_profile(path: &Path) -> Result<String> {
 /// Runs `brigade predict`.
 pub fn predict(a: PredictArgs) -> Result<()> {
     let link = a.link()?;
-    if let Some(n) = a.world_size.filter(|n| !(1..=MAX_WORLD).contains(n)) {
-        return Err(Error::Usage(format!(
-            "--world-size must be between 1 and {MAX_WORLD}, got {n}"
-        )));
-    }
-    if let Some(c) = a
-        .bucket_mb
-        .iter()
-        .chain(&a.first_bucket_mb)
-        .find(|&&c| !crate::args::cap_in_range(c))
-    {
-        return Err(Error::Usage(format!(
-            "--bucket-mb and --first-bucket-mb must be finite, at least one byte ({:e}) and at most {}, got {}",
-            crate::args::MIN_BUCKET_MB,
-            crate::args::MAX_BUCKET_MB,
-            if c.is_finite() && c.abs() < 1e7 {
-                c.to_string()
-            } else {
-                format!("{c:e}")
-            }
-        )));
-    }
-    if let Some(c) = crate::args::listed_twice(&a.bucket_mb) {
-        return Err(Error::Usage(format!(
-            "--bucket-mb lists {c} twice: each cap is one row"
-        )));
-    }
-    let text = read_profile(&a.profile)?;
-    // one step (--profile) or a list of steps (--profile-steps)
-    let profiles: Vec<StepProfile> = match serde_json::from_str::<StepProfile>(&text) {
-        Ok(p) => vec![p],
-        Err(e) => match serde_json::from_str::<Vec<StepProfile>>(&text) {
-            Ok(list) if !list.is_empty() => list,
-            _ => {
-                return Err(Error::Usage(format!(
-                    "{}: not a step profile (written by brigade train --profile): {e}",
-                    a.profile.display()
-                )))
-            }
-        },
-    };
+    check_caps_and_world(&a.bucket_mb, a.first_bucket_mb, a.world_size)?;
+    let profiles = read_profiles(&a.profile)?;
     let profile = &profiles[0];
     if let Some((i, p)) = profiles
         .iter()
@@ -170,7 +180,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(1.0).min(cap),
             link,
             world_size: a.world_size,
-            order: recorded_order(&profiles[0]),
+            order: BucketOrder::recorded(&profiles[0]),
         };
         let mut steps = profiles
             .iter()
@@ -261,21 +271,5 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
                 exposed.join(", ")
             }
         );
-    }
-}
-
-/// The order the recorded run filled its buckets in: reverse registration order when its
-/// buckets were never regrouped (a policy whose layout forbids it, ZeRO; or a first iteration),
-/// else the ready order DDP rebuilds them in. Both agree when the gradients became ready in
-/// reverse registration order.
-fn recorded_order(profile: &StepProfile) -> BucketOrder {
-    let Some(rank) = profile.ranks.first() else {
-        return BucketOrder::Ready;
-    };
-    let recorded = rank.buckets.iter().flat_map(|b| b.params.iter().copied());
-    if recorded.eq((0..profile.params.len()).rev()) {
-        BucketOrder::Reverse
-    } else {
-        BucketOrder::Ready
     }
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use brigade::observe::TrainObserver;
+use brigade_ddp::overlap::StepProfile;
 use clap::Args;
 
 use crate::args::RunArgs;
@@ -504,10 +505,28 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
         }
     }
     if let Some(path) = &t.profile {
+        // the command line that ran, as `brigade ...` (what `brigade plan` edits into its pick)
+        let command: Vec<String> = std::iter::once("brigade".to_string())
+            .chain(std::env::args().skip(1))
+            .collect();
+        let with_command = |p: &StepProfile| {
+            let mut p = p.clone();
+            if let Some(run) = &mut p.run {
+                run.command = command.clone();
+            }
+            p
+        };
         let text = match &t.profile_steps {
             Some(_) if outcome.profiles.is_empty() => None,
-            Some(_) => Some(serde_json::to_string_pretty(&outcome.profiles)),
-            None => outcome.profile.as_ref().map(serde_json::to_string_pretty),
+            Some(_) => Some(serde_json::to_string_pretty(
+                &outcome.profiles.iter().map(with_command).collect::<Vec<_>>(),
+            )),
+            None => outcome
+                .profile
+                .as_ref()
+                .map(with_command)
+                .as_ref()
+                .map(serde_json::to_string_pretty),
         };
         match text {
             Some(text) => {

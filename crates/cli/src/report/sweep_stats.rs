@@ -332,6 +332,7 @@ mod tests {
                 first_bucket_cap_mb: 1.0,
                 activation_checkpointing: 0,
                 policy: None,
+                run: None,
                 params: vec![ParamProfile {
                     name: "w".into(),
                     bytes: 4,

@@ -352,6 +352,7 @@ impl Autotuner {
                         first_bucket_cap_mb: first_cap,
                         activation_checkpointing: 0,
                         policy: Some(policy.clone()),
+                        run: None,
                         params: params.clone(),
                         ranks,
                     })
@@ -551,6 +552,7 @@ mod rank_profile_tests {
             first_bucket_cap_mb: 25.0,
             activation_checkpointing: 0,
             policy: None,
+            run: None,
             params: vec![ParamProfile {
                 name: "w".into(),
                 bytes: 4 << 20,

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 use crate::policy::WireModel;
-use crate::{DdpError, PassTimes};
+use crate::{DdpError, MemoryReport, PassTimes};
 
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
 /// not a recording).
@@ -60,6 +60,31 @@ pub struct ProfilePolicy {
     pub name: String,
     /// How its collectives are costed; `None`: a user's policy the overlap model cannot replay.
     pub wire: Option<WireModel>,
+}
+
+/// What ran in a recorded step beside its times: what a plan needs to predict the memory of
+/// another configuration of the same run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProfileRun {
+    /// The model's name (`mlp`, `gpt`, a user's).
+    pub model: String,
+    /// The model's shape as its checkpoint records it (`model_config`, a JSON object); `None`:
+    /// the run did not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_config: Option<String>,
+    /// Rows of one microbatch on one rank.
+    pub rows: usize,
+    /// Optimizer values kept per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
+    pub optimizer_state_per_param: u64,
+    /// The parameters' precision: `f32`, `bf16` or `fp16`.
+    pub precision: String,
+    /// What rank 0 measured in the step (its activations and peak included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryReport>,
+    /// The command line that ran it, when a program says (the `brigade` binary's argv); empty
+    /// from the library.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
 }
 
 /// One bucket's collective as it ran in the recorded step.
@@ -124,6 +149,10 @@ pub struct StepProfile {
     /// all-reduce).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<ProfilePolicy>,
+    /// What ran: the model, its batch, its optimizer, its precision and the memory rank 0
+    /// measured in the step (absent in profiles written before runs were recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<ProfileRun>,
     /// The model's parameters in registration order.
     pub params: Vec<ParamProfile>,
     /// One entry per rank, in rank order.

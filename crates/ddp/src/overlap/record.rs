@@ -51,6 +51,7 @@ impl StepProfile {
             first_bucket_cap_mb,
             activation_checkpointing: 0,
             policy: Some(ProfilePolicy::of(ddp)),
+            run: None,
             params: ParamProfile::all_of(ddp),
             ranks: vec![mine],
         })

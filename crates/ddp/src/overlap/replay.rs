@@ -29,6 +29,24 @@ pub enum BucketOrder {
     Reverse,
 }
 
+impl BucketOrder {
+    /// The order `profile`'s run filled its buckets in: reverse registration order when its
+    /// buckets were never regrouped (a policy whose layout forbids it, ZeRO; or a first
+    /// iteration), else the ready order DDP rebuilds them in. Both agree when the gradients
+    /// became ready in reverse registration order.
+    pub fn recorded(profile: &StepProfile) -> BucketOrder {
+        let Some(rank) = profile.ranks.first() else {
+            return BucketOrder::Ready;
+        };
+        let recorded = rank.buckets.iter().flat_map(|b| b.params.iter().copied());
+        if recorded.eq((0..profile.params.len()).rev()) {
+            BucketOrder::Reverse
+        } else {
+            BucketOrder::Ready
+        }
+    }
+}
+
 /// What to replay.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReplayConfig {

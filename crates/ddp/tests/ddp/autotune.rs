@@ -38,6 +38,7 @@ fn profile() -> StepProfile {
         first_bucket_cap_mb: 100.0,
         activation_checkpointing: 0,
         policy: None,
+        run: None,
         params: (0..2)
             .map(|i| ParamProfile {
                 name: format!("p{i}"),

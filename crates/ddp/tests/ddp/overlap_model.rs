@@ -47,6 +47,7 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         first_bucket_cap_mb: 1.0,
         activation_checkpointing: 0,
         policy: None,
+        run: None,
         params: params
             .iter()
             .enumerate()

@@ -1,0 +1,344 @@
+//! The memory model: the most bytes one rank holds at once during a step, part by part, for
+//! a configuration that has not run (`--memory-budget`, [`crate::plan`]): the parameters,
+//! gradients and optimizer state as the policy keeps them, the tensors a forward pass leaves to
+//! its backward (the GPT's counted op by op, checkpointed blocks keeping only their output) and
+//! backward's working set on top of them. For the GPT it meets the measured peak
+//! ([`MemoryReport::peak`](brigade_ddp::MemoryReport::peak)) within 10% (the CLI's tests check
+//! it at world 1 and 2 under DDP, ZeRO-1 and ZeRO-2, and at world 2 and 4 under ZeRO-3, with and
+//! without activation checkpointing); for the MLP it is rougher. Communication scratch on the
+//! comm stream's thread is not counted, as the measured peak does not count it. Every size goes
+//! through checked arithmetic: `None` is more than 2^64 bytes. The parameters are counted in
+//! f32 (a 16-bit run's compute copies and master weights are not modelled apart).
+
+use brigade_models::{GptConfig, MlpConfig, ModelKind};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Bytes of an f32.
+const F32: u64 = 4;
+
+/// `a * b`, or `None` on overflow.
+pub fn mul(a: u64, b: u64) -> Option<u64> {
+    a.checked_mul(b)
+}
+
+/// The sum of `terms`, or `None` on overflow.
+pub fn sum(terms: impl IntoIterator<Item = Option<u64>>) -> Option<u64> {
+    terms.into_iter().try_fold(0u64, |acc, t| acc.checked_add(t?))
+}
+
+/// Elements of a `rows x cols` matrix.
+pub fn matrix(rows: usize, cols: usize) -> Option<u64> {
+    mul(rows as u64, cols as u64)
+}
+
+/// What [`predict_peak`] is asked about: one rank of a run.
+#[derive(Clone, Copy, Debug)]
+pub struct PeakQuery<'a> {
+    /// The model.
+    pub kind: &'a ModelKind,
+    /// Rows a microbatch.
+    pub rows: usize,
+    /// Optimizer values per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
+    pub state_per_param: u64,
+    /// The ZeRO stage (0, 1, 2, 3).
+    pub zero: u8,
+    /// Ranks.
+    pub world: usize,
+    /// Every how many GPT blocks one is checkpointed (0: none).
+    pub checkpoint_every: usize,
+}
+
+/// One rank's predicted peak during a step, by part, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeakPrediction {
+    /// The parameters (under ZeRO-3 the rank's shard and the units gathered at once).
+    pub parameters: u64,
+    /// The gradients at their most (under ZeRO-2 the full gradients of backward and the shards).
+    pub gradients: u64,
+    /// The optimizer's state (sharded under ZeRO-1 and 2).
+    pub optimizer_state: u64,
+    /// What the forward pass leaves for backward.
+    pub activations: u64,
+    /// Backward's working set beside them: the gradients in flight through the widest layer,
+    /// and one checkpointed block recomputed.
+    pub backward: u64,
+}
+
+impl PeakPrediction {
+    /// The predicted peak: every part at once.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer_state + self.activations + self.backward
+    }
+
+    /// The largest part, by name (`activations`, `parameters`, ...).
+    pub fn largest(&self) -> (&'static str, u64) {
+        [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("activations", self.activations),
+            ("backward working set", self.backward),
+        ]
+        .into_iter()
+        .fold(("parameters", 0), |a, b| if b.1 > a.1 { b } else { a })
+    }
+}
+
+/// Every parameter of the model, biases and norms included.
+pub fn exact_parameters(kind: &ModelKind) -> Option<u64> {
+    match kind {
+        ModelKind::Mlp(c) => sum(c
+            .widths
+            .windows(2)
+            .map(|w| sum([matrix(w[0], w[1]), Some(w[1] as u64)]))),
+        ModelKind::Gpt(c) => {
+            let (d, ff) = (c.d_model as u64, c.d_ff as u64);
+            // ln1, qkv, proj, ln2, fc, proj: weights and biases
+            let block = sum([
+                Some(2 * d),
+                sum([mul(3 * d, d), Some(3 * d)]),
+                sum([mul(d, d), Some(d)]),
+                Some(2 * d),
+                sum([mul(ff, d), Some(ff)]),
+                sum([mul(d, ff), Some(d)]),
+            ]);
+            sum([
+                matrix(c.vocab, c.d_model),
+                matrix(c.context, c.d_model),
+                mul(block?, c.n_layers as u64),
+                Some(2 * d),
+                matrix(c.vocab, c.d_model),
+            ])
+        }
+    }
+}
+
+/// f32 values per position a GPT block leaves for backward when it is not checkpointed: the
+/// outputs of its two LayerNorms (with their mean and rstd), the packed projection `3d`, the
+/// attention's output and its probabilities (`heads x context`), the head-major copy the output
+/// projection reads, both projections, the feed-forward's two `d_ff` tensors, the two residual
+/// sums, and with dropout each mask and its product.
+fn gpt_block_values(c: &GptConfig) -> u64 {
+    let (d, ff) = (c.d_model as u64, c.d_ff as u64);
+    let dropout = if c.dropout > 0.0 { 4 * d } else { 0 };
+    10 * d + 2 * ff + 4 + (c.n_heads * c.context) as u64 + dropout
+}
+
+/// Elements of the model's largest ZeRO-3 unit (its scopes: the GPT's embedding, each block and
+/// the head with the final norm; the MLP's layers), padded to a multiple of `world` as the
+/// unit's flat parameters are.
+pub fn largest_unit(kind: &ModelKind, world: u64) -> Option<u64> {
+    let units: Vec<Option<u64>> = match kind {
+        ModelKind::Mlp(c) => c
+            .widths
+            .windows(2)
+            .map(|w| sum([matrix(w[0], w[1]), Some(w[1] as u64)]))
+            .collect(),
+        ModelKind::Gpt(c) => {
+            let d = c.d_model as u64;
+            let one_block = ModelKind::Gpt(GptConfig {
+                n_layers: 1,
+                ..c.clone()
+            });
+            let no_block = ModelKind::Gpt(GptConfig {
+                n_layers: 0,
+                ..c.clone()
+            });
+            vec![
+                sum([matrix(c.vocab, c.d_model), matrix(c.context, c.d_model)]),
+                exact_parameters(&one_block)?.checked_sub(exact_parameters(&no_block)?),
+                sum([matrix(c.vocab, c.d_model), Some(2 * d)]),
+            ]
+        }
+    };
+    let world = world.max(1);
+    units
+        .into_iter()
+        .try_fold(0u64, |most, u| Some(most.max(mul(u?.div_ceil(world), world)?)))
+}
+
+/// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
+/// the rank's shard and two units gathered at once (the one running and the next, prefetched),
+/// each at most the largest; the gradients are ZeRO-2's, the full gradients of backward beside
+/// the shard (each unit's full gradients stay until backward ends, as the measured peak shows).
+pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
+    let psi = exact_parameters(q.kind)?;
+    let n = q.world.max(1) as u64;
+    // one rank has nothing to shard with: ZeRO keeps what DDP keeps
+    let q = &PeakQuery {
+        zero: if n == 1 { 0 } else { q.zero },
+        ..*q
+    };
+    let shard = |b: u64| if q.zero >= 1 { b.div_ceil(n) } else { b };
+    let full_grads = mul(psi, F32)?;
+    let gradients = if q.zero >= 2 {
+        sum([Some(full_grads), Some(full_grads.div_ceil(n))])?
+    } else {
+        full_grads
+    };
+    let (activations, backward) = match q.kind {
+        ModelKind::Gpt(c) => {
+            let tokens = matrix(q.rows, c.context)?;
+            let (d, ff, v) = (c.d_model as u64, c.d_ff as u64, c.vocab as u64);
+            let every = q.checkpoint_every;
+            let checkpointed = if every == 0 {
+                0
+            } else {
+                c.n_layers.div_ceil(every) as u64
+            };
+            let plain = c.n_layers as u64 - checkpointed;
+            let block = gpt_block_values(c);
+            let embed = if c.dropout > 0.0 { 4 * d } else { 2 * d };
+            // ln_f (output, mean, rstd), the logits and the loss's probabilities
+            let head = d + 2 + 2 * v;
+            let per_token = sum([mul(plain, block), mul(checkpointed, d), Some(embed), Some(head)])?;
+            let recompute = if checkpointed > 0 { block } else { 0 };
+            (
+                mul(tokens, per_token)?,
+                mul(tokens, sum([Some(2 * ff + d), Some(recompute)])?)?,
+            )
+        }
+        ModelKind::Mlp(c) => {
+            let rows = q.rows as u64;
+            let dropout = if c.dropout > 0.0 { 2 } else { 0 };
+            // each layer's output and its activation (or the loss's probabilities)
+            let per_row = sum(c.widths.iter().skip(1).map(|&w| mul(w as u64, 2 + dropout)))?;
+            let widest = c.widths.iter().copied().max().unwrap_or(0) as u64;
+            (mul(rows, per_row)?, mul(rows, 2 * widest)?)
+        }
+    };
+    let parameters = if q.zero >= 3 {
+        sum([
+            Some(mul(psi, F32)?.div_ceil(n)),
+            mul(mul(largest_unit(q.kind, n)?, 2)?, F32),
+        ])?
+    } else {
+        mul(psi, F32)?
+    };
+    Some(PeakPrediction {
+        parameters,
+        gradients,
+        optimizer_state: shard(mul(psi, mul(q.state_per_param, F32)?)?),
+        activations: mul(activations, F32)?,
+        backward: mul(backward, F32)?,
+    })
+}
+
+/// The model a step profile's run names (`mlp` or `gpt`) with its shape as a checkpoint records
+/// it (`model_config`: the GPT's `vocab`, `d_model`, `n_layers`, `n_heads`, `d_ff`, `context`,
+/// `dropout`; the MLP's `widths` and `dropout`). One line naming what is missing otherwise.
+pub fn model_kind(name: &str, config: &str) -> Result<ModelKind> {
+    let bad = |why: String| Error::Plan(format!("the recorded model configuration {why}"));
+    let v: serde_json::Value = serde_json::from_str(config).map_err(|e| bad(format!("is not JSON ({e})")))?;
+    let size = |k: &str| {
+        v.get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as usize)
+            .ok_or_else(|| bad(format!("has no size `{k}`: {config}")))
+    };
+    let dropout = v.get("dropout").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+    match name {
+        "gpt" => Ok(ModelKind::Gpt(GptConfig {
+            vocab: size("vocab")?,
+            d_model: size("d_model")?,
+            n_layers: size("n_layers")?,
+            n_heads: size("n_heads")?,
+            d_ff: size("d_ff")?,
+            context: size("context")?,
+            dropout,
+            ..GptConfig::default()
+        })),
+        "mlp" => {
+            let widths: Vec<usize> = v
+                .get("widths")
+                .and_then(serde_json::Value::as_array)
+                .and_then(|w| w.iter().map(|x| x.as_u64().map(|n| n as usize)).collect())
+                .filter(|w: &Vec<usize>| w.len() >= 2)
+                .ok_or_else(|| bad(format!("has no `widths` (at least two): {config}")))?;
+            Ok(ModelKind::Mlp(MlpConfig {
+                dropout,
+                ..MlpConfig::new(widths)
+            }))
+        }
+        _ => Err(Error::Plan(format!(
+            "the memory model knows the mlp and the gpt, not the model '{name}'"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_counts_every_parameter_and_what_zero_and_checkpointing_keep() {
+        // every parameter of a d 128, d_ff 512, context 64, 4-block GPT: tok 256 x 128, pos
+        // 64 x 128, per block 2d + (3d^2 + 3d) + (d^2 + d) + 2d + (ff d + ff) + (d ff + d) =
+        // 198,272, ln_f 2d, head 256 x 128 (the trainer measures 3,468,288 bytes of them)
+        let small = ModelKind::Gpt(brigade_models::GptConfig {
+            d_model: 128,
+            d_ff: 512,
+            context: 64,
+            ..brigade_models::GptConfig::default()
+        });
+        assert_eq!(
+            exact_parameters(&small),
+            Some(32_768 + 8_192 + 4 * 198_272 + 256 + 32_768)
+        );
+        assert_eq!(exact_parameters(&small).map(|p| p * 4), Some(3_468_288));
+        let q = PeakQuery {
+            kind: &small,
+            rows: 8,
+            state_per_param: 2,
+            zero: 2,
+            world: 4,
+            checkpoint_every: 0,
+        };
+        let p = predict_peak(&q).unwrap();
+        // ZeRO-2 on 4 ranks: the full gradients of backward and a quarter shard, a quarter of
+        // AdamW's two moments
+        assert_eq!((p.gradients, p.optimizer_state), (3_468_288 + 867_072, 3_468_288 / 2));
+        let one = predict_peak(&PeakQuery { world: 1, ..q }).unwrap();
+        assert_eq!(
+            (one.gradients, one.optimizer_state),
+            (3_468_288, 2 * 3_468_288),
+            "nothing to shard with"
+        );
+        let ck = predict_peak(&PeakQuery {
+            checkpoint_every: 1,
+            ..q
+        })
+        .unwrap();
+        assert!(
+            ck.activations * 5 < p.activations && ck.backward > p.backward,
+            "{ck:?} {p:?}"
+        );
+        assert_eq!(p.largest().0, "activations");
+        // ZeRO-3 on 4 ranks: a quarter of the parameters and two blocks (the largest unit,
+        // 198,272 elements) gathered; the gradients and optimizer state as ZeRO-2's
+        assert_eq!(largest_unit(&small, 4), Some(198_272));
+        let z3 = predict_peak(&PeakQuery { zero: 3, ..q }).unwrap();
+        assert_eq!(z3.parameters, 3_468_288 / 4 + 2 * 198_272 * 4);
+        assert_eq!((z3.gradients, z3.optimizer_state), (p.gradients, p.optimizer_state));
+        assert_eq!(z3.total(), p.total() - 3_468_288 + z3.parameters);
+    }
+
+    #[test]
+    fn a_recorded_model_configuration_reads_back_or_names_what_is_missing() {
+        let gpt = r#"{"vocab":256,"d_model":32,"n_layers":2,"n_heads":2,"d_ff":64,"context":16,"dropout":0.0,"tokenizer":"bytes"}"#;
+        let ModelKind::Gpt(c) = model_kind("gpt", gpt).unwrap() else {
+            panic!("a gpt")
+        };
+        assert_eq!((c.vocab, c.d_model, c.n_layers, c.context), (256, 32, 2, 16));
+        let ModelKind::Mlp(c) = model_kind("mlp", r#"{"widths":[8,16,4],"dropout":0.1}"#).unwrap() else {
+            panic!("an mlp")
+        };
+        assert_eq!((c.widths, c.dropout), (vec![8, 16, 4], 0.1));
+        let e = model_kind("gpt", r#"{"vocab":256}"#).unwrap_err().to_string();
+        assert!(e.contains("d_model"), "{e}");
+        let e = model_kind("resnet", "{}").unwrap_err().to_string();
+        assert!(e.contains("resnet"), "{e}");
+    }
+}

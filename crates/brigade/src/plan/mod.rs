@@ -1,0 +1,554 @@
+//! The plan: from a few profiled steps of one run (`brigade train --profile`, at most one per
+//! policy family), the fastest configuration that fits a memory budget per rank.
+//!
+//! Every candidate (a reducer policy, a bucket cap, activation checkpointing on or off) gets a
+//! predicted peak per rank from the memory model ([`memory::predict_peak`]) and a predicted step
+//! from the overlap model ([`brigade_ddp::overlap::replay_with`]) replaying the profile **of the
+//! candidate's own policy family** under the candidate's cap, link and world size, so that each
+//! policy's own compute (casts, PowerSGD's matmuls, ZeRO's shard steps) is measured, never
+//! assumed. The families: `allreduce`; compression (`fp16` and `bf16` share one profile: the
+//! same bytes and the same casts); `powersgd:r` (each rank `r` its own); ZeRO-1 and ZeRO-2 (one
+//! profile: the same reduce-scatter and shard step); ZeRO-3. What a profile cannot say is a
+//! reason, not a number: a family nobody profiled, a PowerSGD rank never run, a policy whose
+//! collectives the overlap model cannot cost.
+
+pub mod memory;
+
+use std::collections::BTreeSet;
+
+use brigade_ddp::overlap::{replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
+use brigade_models::ModelKind;
+use brigade_policies::PolicySpec;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use memory::{PeakPrediction, PeakQuery};
+
+/// The bucket caps a plan tries when the query names none, in MiB.
+pub const DEFAULT_PLAN_CAPS_MB: [f64; 3] = [1.0, 5.0, 25.0];
+
+/// What a plan is asked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanQuery {
+    /// Bytes one rank may hold at once during a step.
+    pub budget_bytes: u64,
+    /// Ranks to plan for (default: the profiles').
+    pub world_size: Option<usize>,
+    /// The link the collectives are costed on.
+    pub link: LinkCost,
+    /// Bucket caps to try, in MiB.
+    pub bucket_caps_mb: Vec<f64>,
+    /// The first bucket's cap in MiB (default 1), never above the bucket cap.
+    pub first_bucket_cap_mb: Option<f64>,
+}
+
+impl PlanQuery {
+    /// A budget of `budget_bytes` per rank on `link`, at the profiles' world size, over
+    /// [`DEFAULT_PLAN_CAPS_MB`].
+    pub fn new(budget_bytes: u64, link: LinkCost) -> PlanQuery {
+        PlanQuery {
+            budget_bytes,
+            world_size: None,
+            link,
+            bucket_caps_mb: DEFAULT_PLAN_CAPS_MB.to_vec(),
+            first_bucket_cap_mb: None,
+        }
+    }
+}
+
+/// A candidate's predicted step, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepPrediction {
+    /// The step: compute, and the communication left exposed after backward.
+    pub step_s: f64,
+    /// The step without communication (backward, the optimizer, the rest), as the family's
+    /// profile measured it.
+    pub compute_s: f64,
+    /// Communication left after the last rank's backward compute ended.
+    pub exposed_comm_s: f64,
+    /// Sum of the buckets' link times.
+    pub comm_s: f64,
+    /// What the policy's own work added to the compute over allreduce's (casts, PowerSGD's
+    /// matmuls, ZeRO's shard steps), from its own profile against the allreduce profile at the
+    /// same activation checkpointing; `None` without such an allreduce profile. It can come out
+    /// slightly negative where the policy adds nothing (two measurements' noise).
+    pub policy_compute_s: Option<f64>,
+    /// Which of the plan's profiles was replayed (its index).
+    pub profile: usize,
+}
+
+/// One configuration the plan weighed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// The reducer policy.
+    pub policy: PolicySpec,
+    /// The bucket cap, in MiB.
+    pub bucket_cap_mb: f64,
+    /// The first bucket's cap, in MiB.
+    pub first_bucket_cap_mb: f64,
+    /// Activation checkpointing of every N-th block (0: none).
+    pub activation_checkpointing: usize,
+    /// Ranks.
+    pub world_size: usize,
+    /// The predicted peak per rank.
+    pub memory: PeakPrediction,
+    /// Over the budget: the largest part of the peak (the one to cut) and how many bytes the
+    /// peak exceeds the budget by; `None`: it fits.
+    pub over_budget: Option<(&'static str, u64)>,
+    /// The predicted step, or why it cannot be predicted from the profiles.
+    pub step: std::result::Result<StepPrediction, String>,
+}
+
+impl Candidate {
+    /// Whether it fits the budget and its step was predicted.
+    pub fn is_eligible(&self) -> bool {
+        self.over_budget.is_none() && self.step.is_ok()
+    }
+}
+
+/// The candidates, ranked, and the pick.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Fitting and predicted first, fastest first; then over the budget (smallest peak first);
+    /// then not predicted.
+    pub candidates: Vec<Candidate>,
+    /// The fastest predicted candidate that fits (index into `candidates`: 0 when any).
+    pub winner: Option<usize>,
+    /// The profiles' precision (`f32`, `bf16`, `fp16`): every candidate runs at it.
+    pub precision: String,
+    /// The command line of the first profile that recorded one (empty: none did).
+    pub command: Vec<String>,
+}
+
+/// The policy families whose profiles a candidate can be predicted from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    AllReduce,
+    Compression,
+    PowerSgd(usize),
+    Zero,
+    Zero3,
+}
+
+impl Family {
+    fn of(spec: &PolicySpec) -> Option<Family> {
+        Some(match spec {
+            PolicySpec::AllReduce => Family::AllReduce,
+            PolicySpec::Fp16 | PolicySpec::Bf16 => Family::Compression,
+            PolicySpec::PowerSgd { rank, .. } => Family::PowerSgd(*rank),
+            PolicySpec::Zero1 | PolicySpec::Zero2 => Family::Zero,
+            PolicySpec::Zero3 => Family::Zero3,
+            PolicySpec::Int8 | PolicySpec::User { .. } => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Family::AllReduce => "allreduce",
+            Family::Compression => "fp16/bf16",
+            Family::PowerSgd(_) => "powersgd",
+            Family::Zero => "zero1/zero2",
+            Family::Zero3 => "zero3",
+        }
+    }
+}
+
+/// The policy a profile was recorded under (`allreduce` for one that names none).
+fn profiled_policy(p: &StepProfile) -> Option<PolicySpec> {
+    match &p.policy {
+        None => Some(PolicySpec::AllReduce),
+        Some(pp) => pp.name.parse().ok(),
+    }
+}
+
+/// The model, rows, optimizer state and precision every profile shares.
+struct RunFacts {
+    kind: ModelKind,
+    rows: usize,
+    state_per_param: u64,
+    precision: String,
+    world: usize,
+}
+
+fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
+    let plan_err = |m: String| Err(Error::Plan(m));
+    let Some(first) = profiles.first() else {
+        return plan_err("no step profile to plan from".into());
+    };
+    for (i, p) in profiles.iter().enumerate() {
+        p.validate().map_err(|e| Error::Plan(format!("profile {i}: {e}")))?;
+        if p.run.is_none() {
+            return plan_err(format!(
+                "profile {i} does not record what ran (model, batch, optimizer, precision): \
+                 re-record it with this build's brigade train --profile"
+            ));
+        }
+    }
+    let run = |p: &StepProfile| p.run.clone().expect("checked above");
+    let r0 = run(first);
+    for (i, p) in profiles.iter().enumerate().skip(1) {
+        let r = run(p);
+        let differs = [
+            ("model", r.model != r0.model || r.model_config != r0.model_config),
+            ("world size", p.world_size != first.world_size),
+            ("precision", r.precision != r0.precision),
+            ("rows per microbatch", r.rows != r0.rows),
+            ("optimizer", r.optimizer_state_per_param != r0.optimizer_state_per_param),
+        ];
+        if let Some((what, _)) = differs.iter().find(|(_, d)| *d) {
+            return plan_err(format!(
+                "profile {i} differs from profile 0 in its {what}: a plan compares profiles of one run \
+                 (the same model, world size, precision, batch and optimizer) under other policies"
+            ));
+        }
+    }
+    let Some(config) = r0.model_config.as_deref() else {
+        return plan_err(format!(
+            "the profiles do not record the {} model's configuration (ModelConfig::config): the memory model needs it",
+            r0.model
+        ));
+    };
+    Ok(RunFacts {
+        kind: memory::model_kind(&r0.model, config)?,
+        rows: r0.rows,
+        state_per_param: r0.optimizer_state_per_param,
+        precision: r0.precision,
+        world: first.world_size,
+    })
+}
+
+/// Mean over the ranks of backward's compute span.
+fn backward_span(p: &StepProfile) -> f64 {
+    p.ranks
+        .iter()
+        .map(|r| r.backward_end_s - r.backward_start_s)
+        .sum::<f64>()
+        / p.ranks.len() as f64
+}
+
+/// `p` with its backward compute stretched by `ratio` (every gradient's ready time and
+/// backward's end scaled from backward's start; what follows backward shifted by as much; each
+/// recorded bucket keeps its duration).
+fn stretched(p: &StepProfile, ratio: f64) -> StepProfile {
+    let mut out = p.clone();
+    for r in &mut out.ranks {
+        let (bs, be) = (r.backward_start_s, r.backward_end_s);
+        let delta = (be - bs) * (ratio - 1.0);
+        let map = |t: f64| {
+            if t <= be {
+                bs + (t - bs).max(0.0) * ratio
+            } else {
+                t + delta
+            }
+        };
+        for t in &mut r.grad_ready_s {
+            *t = map(*t);
+        }
+        for b in &mut r.buckets {
+            let d = b.finish_s - b.start_s;
+            b.ready_s = map(b.ready_s);
+            b.launch_s = map(b.launch_s);
+            b.start_s = map(b.start_s);
+            b.finish_s = b.start_s + d;
+        }
+        r.backward_end_s = bs + (be - bs) * ratio;
+        r.optimizer_start_s += delta;
+        r.optimizer_end_s += delta;
+        r.step_end_s += delta;
+    }
+    out
+}
+
+/// Plans from `profiles` (one run's steps under one or more policy families) for `q`: every
+/// candidate's predicted peak and step, ranked (see [`Plan`]).
+///
+/// Activation checkpointing: a candidate whose setting differs from the profile of its family
+/// is predicted only when the profiles include an allreduce pair with checkpointing off (0)
+/// and on (1): the recompute is then measured, and the candidate's profile has its backward
+/// compute stretched by that pair's ratio of backward spans (mean over the ranks) before it is
+/// replayed. Without the pair such a candidate is "not predicted".
+///
+/// Errors (one line each): no profile; a profile that does not validate or records no run
+/// facts ([`brigade_ddp::overlap::ProfileRun`]); profiles of different models, world sizes,
+/// precisions, batches or optimizers; a bucket cap that is not a positive number of MiB.
+pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
+    let facts = run_facts(profiles)?;
+    if q.bucket_caps_mb.is_empty() {
+        return Err(Error::Plan("no bucket cap to try".into()));
+    }
+    if let Some(c) = q
+        .bucket_caps_mb
+        .iter()
+        .chain(&q.first_bucket_cap_mb)
+        .find(|c| !(c.is_finite() && **c > 0.0))
+    {
+        return Err(Error::Plan(format!(
+            "a bucket cap must be a positive number of MiB, got {c}"
+        )));
+    }
+    let world = q.world_size.unwrap_or(facts.world);
+    if world == 0 {
+        return Err(Error::Plan("the world size must be at least 1".into()));
+    }
+    let recorded: Vec<Option<PolicySpec>> = profiles.iter().map(profiled_policy).collect();
+    let family_of_profile: Vec<Option<Family>> = recorded.iter().map(|s| s.as_ref().and_then(Family::of)).collect();
+    let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
+
+    // the policies: the built-in families, PowerSGD at each rank some profile recorded (rank 1
+    // when none did, to say that it was not profiled)
+    let mut powersgd: BTreeSet<(usize, usize)> = recorded
+        .iter()
+        .flatten()
+        .filter_map(|s| match s {
+            PolicySpec::PowerSgd { rank, start_iter } => Some((*rank, *start_iter)),
+            _ => None,
+        })
+        .collect();
+    if powersgd.is_empty() {
+        powersgd.insert((1, brigade_policies::DEFAULT_POWERSGD_START));
+    }
+    let mut policies = vec![PolicySpec::AllReduce, PolicySpec::Fp16, PolicySpec::Bf16];
+    policies.extend(
+        powersgd
+            .into_iter()
+            .map(|(rank, start_iter)| PolicySpec::PowerSgd { rank, start_iter }),
+    );
+    policies.extend([PolicySpec::Zero1, PolicySpec::Zero2, PolicySpec::Zero3]);
+    let checkpointing: &[usize] = match facts.kind {
+        ModelKind::Gpt(_) => &[0, 1],
+        ModelKind::Mlp(_) => &[0],
+    };
+    // the recompute, measured: allreduce at checkpointing 0 and 1
+    let allreduce_at = |ac: usize| {
+        (0..profiles.len())
+            .find(|&i| family_of_profile[i] == Some(Family::AllReduce) && profiles[i].activation_checkpointing == ac)
+    };
+    let ac_pair = allreduce_at(0).zip(allreduce_at(1));
+
+    let mut candidates = vec![];
+    for policy in &policies {
+        let family = Family::of(policy).expect("a built-in family");
+        for &ac in checkpointing {
+            let memory = memory::predict_peak(&PeakQuery {
+                kind: &facts.kind,
+                rows: facts.rows,
+                state_per_param: facts.state_per_param,
+                zero: match policy.zero_stage() {
+                    brigade_policies::ZeroStage::Off => 0,
+                    brigade_policies::ZeroStage::One => 1,
+                    brigade_policies::ZeroStage::Two => 2,
+                    brigade_policies::ZeroStage::Three => 3,
+                },
+                world,
+                checkpoint_every: ac,
+            })
+            .ok_or_else(|| Error::Plan("the model's predicted peak is more than 2^64 bytes per rank".into()))?;
+            let over_budget =
+                (memory.total() > q.budget_bytes).then(|| (memory.largest().0, memory.total() - q.budget_bytes));
+            for &cap in &q.bucket_caps_mb {
+                let first = q.first_bucket_cap_mb.unwrap_or(1.0).min(cap);
+                let step = predict_step(
+                    profiles,
+                    &family_of_profile,
+                    family,
+                    ac,
+                    ac_pair,
+                    overhead,
+                    &ReplayConfig {
+                        bucket_cap_mb: cap,
+                        first_bucket_cap_mb: first,
+                        link: q.link,
+                        world_size: Some(world),
+                        order: BucketOrder::Ready,
+                    },
+                );
+                candidates.push(Candidate {
+                    policy: policy.clone(),
+                    bucket_cap_mb: cap,
+                    first_bucket_cap_mb: first,
+                    activation_checkpointing: ac,
+                    world_size: world,
+                    memory,
+                    over_budget,
+                    step,
+                });
+            }
+        }
+    }
+    // fitting and predicted by step; over budget by peak; not predicted as listed
+    let rank = |c: &Candidate| match (&c.step, c.over_budget) {
+        (Ok(s), None) => (0, s.step_s),
+        (_, Some(_)) => (1, c.memory.total() as f64),
+        (Err(_), None) => (2, 0.0),
+    };
+    candidates.sort_by(|a, b| {
+        let (ra, rb) = (rank(a), rank(b));
+        ra.0.cmp(&rb.0).then(ra.1.total_cmp(&rb.1))
+    });
+    let winner = candidates.first().filter(|c| c.is_eligible()).map(|_| 0);
+    Ok(Plan {
+        candidates,
+        winner,
+        precision: facts.precision,
+        command: profiles
+            .iter()
+            .find_map(|p| {
+                p.run
+                    .as_ref()
+                    .filter(|r| !r.command.is_empty())
+                    .map(|r| r.command.clone())
+            })
+            .unwrap_or_default(),
+    })
+}
+
+/// The step of a candidate of `family` at checkpointing `ac` under `cfg` (its order set here
+/// from the profile replayed), or why it cannot be predicted.
+fn predict_step(
+    profiles: &[StepProfile],
+    families: &[Option<Family>],
+    family: Family,
+    ac: usize,
+    ac_pair: Option<(usize, usize)>,
+    overhead: LaunchOverhead,
+    cfg: &ReplayConfig,
+) -> std::result::Result<StepPrediction, String> {
+    let of_family: Vec<usize> = (0..profiles.len()).filter(|&i| families[i] == Some(family)).collect();
+    if of_family.is_empty() {
+        if let Family::PowerSgd(r) = family {
+            let profiled: Vec<String> = families
+                .iter()
+                .filter_map(|f| match f {
+                    Some(Family::PowerSgd(k)) => Some(k.to_string()),
+                    _ => None,
+                })
+                .collect();
+            if !profiled.is_empty() {
+                return Err(format!(
+                    "PowerSGD rank {r}'s compute was not measured (profiled: {})",
+                    profiled.join(", ")
+                ));
+            }
+        }
+        return Err(format!("no profiled step under {}", family.name()));
+    }
+    let same_ac = of_family
+        .iter()
+        .copied()
+        .find(|&i| profiles[i].activation_checkpointing == ac);
+    let (index, profile) = match same_ac {
+        Some(i) => (i, profiles[i].clone()),
+        None => {
+            let i = of_family[0];
+            let from = profiles[i].activation_checkpointing;
+            let Some((off, on)) = ac_pair.filter(|_| from <= 1 && ac <= 1) else {
+                return Err("no profiled step with activation checkpointing".into());
+            };
+            let span = |k: usize| backward_span(&profiles[k]);
+            let ratio = if ac == 1 {
+                span(on) / span(off)
+            } else {
+                span(off) / span(on)
+            };
+            if !(ratio.is_finite() && ratio > 0.0) {
+                return Err("the profiled backward spans give no recompute ratio".into());
+            }
+            (i, stretched(&profiles[i], ratio))
+        }
+    };
+    let cfg = ReplayConfig {
+        order: BucketOrder::recorded(&profile),
+        ..*cfg
+    };
+    let r = replay_with(&profile, &cfg, overhead).map_err(|e| e.to_string())?;
+    // allreduce's compute at the same checkpointing, from its own profile (or stretched)
+    let base = |i: usize| replay_with(&profiles[i], &cfg, overhead).ok().map(|b| b.compute_step_s);
+    let allreduce = (0..profiles.len())
+        .find(|&i| families[i] == Some(Family::AllReduce) && profiles[i].activation_checkpointing == ac);
+    let policy_compute_s = match family {
+        Family::AllReduce => Some(0.0),
+        _ => allreduce.and_then(base).map(|b| r.compute_step_s - b),
+    };
+    Ok(StepPrediction {
+        step_s: r.predicted_step_s,
+        compute_s: r.compute_step_s,
+        exposed_comm_s: r.exposed_comm_s,
+        comm_s: r.comm_s,
+        policy_compute_s,
+        profile: index,
+    })
+}
+
+/// Flags of `brigade train` that a plan's command sets, each with whether it takes a value
+/// (`--activation-checkpointing` may take one).
+const PLANNED_FLAGS: [(&str, bool); 11] = [
+    ("--policy", true),
+    ("--comm-hook", true),
+    ("--powersgd-rank", true),
+    ("--powersgd-start-iter", true),
+    ("--zero", true),
+    ("--bucket-mb", true),
+    ("--first-bucket-mb", true),
+    ("--activation-checkpointing", false),
+    ("--world-size", true),
+    ("--profile", true),
+    ("--profile-steps", true),
+];
+
+impl Plan {
+    /// The winner, when one fits.
+    pub fn winner(&self) -> Option<&Candidate> {
+        self.winner.map(|i| &self.candidates[i])
+    }
+
+    /// The flags that choose candidate `idx`: `--policy`, `--bucket-mb`, `--first-bucket-mb`,
+    /// `--activation-checkpointing` (when on) and `--world-size`.
+    pub fn flags(&self, idx: usize) -> Vec<String> {
+        let c = &self.candidates[idx];
+        let mut f = vec![
+            "--policy".to_string(),
+            c.policy.to_string(),
+            "--bucket-mb".into(),
+            c.bucket_cap_mb.to_string(),
+            "--first-bucket-mb".into(),
+            c.first_bucket_cap_mb.to_string(),
+        ];
+        if c.activation_checkpointing > 0 {
+            f.extend([
+                "--activation-checkpointing".into(),
+                c.activation_checkpointing.to_string(),
+            ]);
+        }
+        f.extend(["--world-size".into(), c.world_size.to_string()]);
+        f
+    }
+
+    /// The command line that runs candidate `idx`: the profiled command with the flags the
+    /// plan chooses (and `--profile`, `--profile-steps`) replaced by [`Plan::flags`]; the flags
+    /// alone when no profile recorded a command (a library run).
+    pub fn command(&self, idx: usize) -> Vec<String> {
+        let mut out = vec![];
+        let mut args = self.command.iter().peekable();
+        while let Some(a) = args.next() {
+            let (name, inline) = match a.split_once('=') {
+                Some((n, _)) if n.starts_with("--") => (n, true),
+                _ => (a.as_str(), false),
+            };
+            match PLANNED_FLAGS.iter().find(|(f, _)| *f == name) {
+                None => out.push(a.clone()),
+                Some(_) if inline => {}
+                Some((_, true)) => {
+                    args.next();
+                }
+                // an optional value: a number right after it
+                Some((_, false)) => {
+                    if args.peek().is_some_and(|v| v.parse::<usize>().is_ok()) {
+                        args.next();
+                    }
+                }
+            }
+        }
+        out.extend(self.flags(idx));
+        out
+    }
+}
