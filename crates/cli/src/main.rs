@@ -8,6 +8,7 @@ use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod args;
 mod bucket_cap;
+mod plan_auto;
 mod commands;
 mod error;
 mod footprint;

@@ -40,6 +40,8 @@ pub struct RunOptions {
     pub checkpoint_every: Option<usize>,
     /// Keep only the newest this many checkpoints of a `{step}` path (`--keep-last`).
     pub checkpoint_keep_last: Option<usize>,
+    /// This program's entries in every checkpoint's metadata (the plan of `--plan auto`).
+    pub checkpoint_metadata: Vec<(String, String)>,
     /// Record a step profile of the last synchronized step on every rank.
     pub profile: bool,
     /// Also keep the profile of every step in this range (`--profile-steps`).
@@ -348,6 +350,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
                 path: opts.checkpoint.clone(),
                 every: opts.checkpoint_every,
                 keep_last: opts.checkpoint_keep_last,
+                metadata: opts.checkpoint_metadata.clone(),
             },
             instrument: Instrumentation {
                 profile: opts.profile,

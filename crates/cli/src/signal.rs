@@ -207,6 +207,7 @@ pub fn ignore_file_size_signal() {
 }
 
 /// Asks the run to stop once SIGINT or SIGTERM arrived (every rank polls it once a step).
+#[derive(Clone, Copy)]
 pub struct StopOnSignal(());
 
 impl StopOnSignal {

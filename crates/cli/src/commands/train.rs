@@ -27,6 +27,15 @@ pub struct TrainArgs {
     /// --powersgd-* flags it sets; not with --comm-hook or --zero).
     #[arg(long, value_parser = crate::policy::parse_entry, conflicts_with_all = ["comm_hook", "zero"])]
     pub policy: Option<String>,
+    /// `auto`: choose the reducer policy, the bucket cap and activation checkpointing before
+    /// training. One short profiled calibration run per policy family on this model, data and
+    /// ranks (not part of the run: nothing written), then the plan under --memory-budget (as
+    /// `brigade plan` prints it), then training from step 0 under the fastest configuration
+    /// predicted to fit, said in one line (and in --json's `plan`). The caps weighed are
+    /// --bucket-mb's list when it names two or more, else 1,5,25. Every checkpoint records the
+    /// choice; --resume of one keeps it without calibrating.
+    #[arg(long, value_enum)]
+    pub plan: Option<crate::plan_auto::PlanMode>,
     /// Write the final parameters here (safetensors, atomically). Every output path is
     /// checked before step 0 (its directory exists and takes files; no two outputs share a
     /// file; none is a file the run reads); a symbolic link is kept and its target written.
@@ -353,8 +362,20 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     // first: a signal at any point from here on stops the run (at once while it starts)
     let stop_on_signal = StopOnSignal::install();
     t.run.take_old_spellings();
+    let plan = match t.plan {
+        Some(crate::plan_auto::PlanMode::Auto) => Some(crate::plan_auto::choose(
+            &mut t.run,
+            t.policy.is_some(),
+            t.resume.as_deref(),
+            Arc::new(stop_on_signal),
+        )?),
+        None => None,
+    };
     t.take_policy()?;
     t.validate()?;
+    if let (Some(p), false) = (&plan, t.json) {
+        crate::report::stdout::outln!("{}", p.line());
+    }
     let locks = Arc::new(OutputLocks::new(t.outputs()));
     let kept = match (&t.resume, &t.losses) {
         (Some(_), Some(path)) => previous_losses(path)?,
@@ -376,6 +397,13 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
         checkpoint_keep_last: t.keep_last,
         profile: t.profile.is_some(),
         profile_steps: t.profile_steps.clone(),
+        checkpoint_metadata: plan
+            .iter()
+            .map(|p| {
+                let text = serde_json::to_string(p).map_err(|e| Error::json("the plan", e))?;
+                Ok((crate::plan_auto::PLAN_KEY.to_string(), text))
+            })
+            .collect::<Result<_>>()?,
         observer: Some(observer),
         locks: Some(locks.clone()),
     };
@@ -399,7 +427,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
         };
     }
     // the summary once the files are written: a stdout that fails costs nothing else
-    print_summary(&t.run, t.json, report.world_size, &report.outcome);
+    print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());

@@ -10,6 +10,7 @@ use brigade::recipe::HyperparameterChange;
 use serde_json::json;
 
 use crate::args::{compact, flag_name, CommHookName, ModelName, RunArgs};
+use crate::plan_auto::Choice;
 use crate::sent::SentSummary;
 
 /// Median and minimum of a slice (NaN when empty).
@@ -70,9 +71,13 @@ impl TrainObserver for PrintNotes {
 }
 
 /// Prints the summary of a run of `args` over `world_size` ranks (stdout), as JSON when `json`.
-pub fn print_summary(args: &RunArgs, json: bool, world_size: usize, outcome: &TrainOutcome) {
+pub fn print_summary(args: &RunArgs, json: bool, world_size: usize, outcome: &TrainOutcome, plan: Option<&Choice>) {
     if json {
-        outln!("{}", json_summary(args, world_size, outcome));
+        let mut summary = json_summary(args, world_size, outcome);
+        if let (Some(s), Some(plan)) = (summary.as_object_mut(), plan) {
+            s.insert("plan".into(), json!(plan));
+        }
+        outln!("{summary}");
     } else {
         print_lines(args, world_size, outcome);
     }
