@@ -212,11 +212,59 @@ fn link(args: &RunArgs) -> LinkCost {
     }
 }
 
-/// Runs every calibration of `args` ([`CALIBRATION_STEPS`] steps each, no files, no progress
-/// bar) and returns the profiles of those that ran, with a note for each that could not (its
+/// The calibrations worth running under a budget of `budget_mb` per rank, by the memory model
+/// alone (before anything runs): a family none of whose candidates fits is not calibrated, but
+/// allreduce always is (the other families' own compute is measured against it, and so is the
+/// recompute of activation checkpointing). None fits at all: one error line, naming the
+/// smallest configuration and its largest part.
+fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibration>> {
+    let budget = (budget_mb * (1u64 << 20) as f64) as u64;
+    let every: &[usize] = if args.model.model == ModelName::Gpt { &[0, 1] } else { &[0] };
+    let rows = args.data.batch_size;
+    let peak = |zero: u8, ac: usize| args.predicted_peak(zero, ac, rows);
+    let fits = |zeros: &[u8]| {
+        zeros
+            .iter()
+            .any(|&z| every.iter().any(|&ac| peak(z, ac).is_some_and(|p| p.total() <= budget)))
+    };
+    if !fits(&[0, 1, 2, 3]) {
+        let smallest = [0u8, 1, 2, 3]
+            .iter()
+            .flat_map(|&z| every.iter().filter_map(move |&ac| Some((z, ac, peak(z, ac)?))))
+            .min_by_key(|(_, _, p)| p.total());
+        return Err(Error::Usage(match smallest {
+            Some((z, ac, p)) => format!(
+                "--plan auto: no configuration fits --memory-budget {} MB: the smallest, {}{}, is predicted at {} per rank, the largest part {} ({})",
+                compact(budget_mb),
+                if z == 0 { "DDP".to_string() } else { format!("zero{z}") },
+                if ac > 0 { " with activation checkpointing" } else { "" },
+                crate::footprint::human(p.total()),
+                p.largest().0,
+                crate::footprint::human(p.largest().1)
+            ),
+            None => format!("--plan auto: this run needs more than 2^64 bytes per rank under any configuration"),
+        }));
+    }
+    Ok(calibrations(args)
+        .into_iter()
+        .filter(|c| match c.policy.zero_stage().level() {
+            _ if c.policy == PolicySpec::AllReduce => true,
+            0 => fits(&[0]),
+            1 | 2 => fits(&[1, 2]),
+            z => fits(&[z]),
+        })
+        .collect())
+}
+
+/// Runs the calibrations `runs` of `args` ([`CALIBRATION_STEPS`] steps each, no files, no
+/// progress bar) and returns the profiles of those that ran, with a note for each that could not (its
 /// family's candidates then come out "not predicted"). `observer` watches each run: a signal
 /// stops the calibration.
-pub fn calibrate(args: &RunArgs, observer: Arc<dyn TrainObserver>) -> Result<(Vec<StepProfile>, Vec<String>)> {
+pub fn calibrate(
+    args: &RunArgs,
+    runs: &[Calibration],
+    observer: Arc<dyn TrainObserver>,
+) -> Result<(Vec<StepProfile>, Vec<String>)> {
     let mut short = args.clone();
     short.recipe.steps = CALIBRATION_STEPS;
     short.recipe.eval_every = None;
@@ -229,7 +277,8 @@ pub fn calibrate(args: &RunArgs, observer: Arc<dyn TrainObserver>) -> Result<(Ve
     };
     let late = Arc::new(LateHeldOut::default());
     let (mut profiles, mut notes) = (vec![], vec![]);
-    for c in calibrations(args) {
+    for c in runs {
+        let c = c.clone();
         let mut run = short.clone();
         run.model.activation_checkpointing = (c.activation_checkpointing > 0).then_some(c.activation_checkpointing);
         let what = if c.activation_checkpointing > 0 {
@@ -295,7 +344,8 @@ pub fn choose(
         return Ok(choice);
     }
     let caps = caps(args)?;
-    let (profiles, notes) = calibrate(args, observer)?;
+    let runs = fitting_calibrations(args, budget_mb)?;
+    let (profiles, notes) = calibrate(args, &runs, observer)?;
     for n in &notes {
         eprintln!("note: {n}");
     }
