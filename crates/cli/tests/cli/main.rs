@@ -18,6 +18,7 @@ mod nccl;
 mod outputs;
 mod overlap;
 mod overlap_tuning;
+mod plan;
 mod policies;
 mod policy_bytes;
 mod policy_resume;
