@@ -138,6 +138,8 @@ fn the_plan_ranks_what_fits_and_prints_the_winner_as_a_train_command() {
         "{command:?}"
     );
     assert!(!command.contains(&"--comm-hook") && !command.contains(&"--zero") && !command.contains(&"--profile"));
+    // the winner's command runs as it reads: the chosen policy, cap and world size
+    ok(&command[1..]);
     // the table: the same ranking, the over-budget rows marked, the reasons, the winner
     let table = ok(&plan_args(&[
         "--memory-budget",
