@@ -19,7 +19,7 @@ mod run;
 mod sent;
 mod signal;
 
-use commands::{bench, predict, sample, sweep, sweep_args, tokenize, train};
+use commands::{bench, plan, predict, sample, sweep, sweep_args, tokenize, train};
 
 // Collectives' buffers (DDP's buckets) can live in memory the node's other processes map, so
 // that an all-reduce under mpirun runs in place (`brigade_comm::host_vec`).
@@ -44,6 +44,9 @@ enum Command {
     /// Predict step time and exposed communication under other bucket caps, links or world
     /// sizes from one recorded step (`brigade train --profile`), without running anything.
     Predict(Box<predict::PredictArgs>),
+    /// The fastest reducer policy, bucket cap and activation checkpointing that fit a memory
+    /// budget per rank, from one profiled step per policy family, without running anything.
+    Plan(Box<plan::PlanArgs>),
     /// Text out of a trained GPT's checkpoint, streamed to stdout as it is generated.
     Sample(Box<sample::SampleArgs>),
     /// A UTF-8 text file as an llm.c token shard (GPT-2's tokens by default), for --data.
@@ -54,13 +57,16 @@ enum Command {
 }
 
 /// Two rules for every flag of every subcommand, kept in one place: a flag given twice is an
-/// error (a list flag such as `--widths` would otherwise append the second list to the first),
-/// and a value that looks like a negative number goes to the flag's own parser, which names
+/// error (a list flag such as `--widths` would otherwise append the second list to the first;
+/// `plan`'s `--profile`, one file per policy family, is the one flag that repeats), and a value that looks like a negative number goes to the flag's own parser, which names
 /// the flag and says what it takes (instead of "unexpected argument '-1'").
 fn flag_rules(cmd: clap::Command) -> clap::Command {
+    // `brigade plan --profile F --profile G`: one profile per policy family
+    let repeatable = |a: &clap::Arg, plan: bool| plan && a.get_id() == "profile";
+    let plan = cmd.get_name() == "plan";
     cmd.mut_args(|a| {
         let a = match a.get_action() {
-            ArgAction::Append => a.action(ArgAction::Set),
+            ArgAction::Append if !repeatable(&a, plan) => a.action(ArgAction::Set),
             _ => a,
         };
         if a.get_action().takes_values() {
@@ -98,6 +104,7 @@ fn main() -> ExitCode {
         Command::Train(t) => train::train(*t),
         Command::Sweep(s) => sweep::sweep(*s),
         Command::Predict(p) => predict::predict(*p),
+        Command::Plan(p) => plan::run_plan(*p),
         Command::Sample(s) => sample::sample(*s),
         Command::Tokenize(t) => tokenize::tokenize(*t),
         Command::Bench(cmd) => bench::run(cmd),

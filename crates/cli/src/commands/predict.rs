@@ -59,7 +59,9 @@ pub fn link_cost(net_gbps: Option<f64>, net_latency_us: f64, measured_link: bool
     let bad = |m: String| Err(Error::Usage(m));
     match (net_gbps, measured_link) {
         (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
-        (None, false) => bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into()),
+        (None, false) => {
+            bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into())
+        }
         (None, true) if net_latency_us != 0.0 => bad(format!(
             "--net-latency-us {net_latency_us} goes with --net-gbps; --measured-link fits the latency from the profile"
         )),

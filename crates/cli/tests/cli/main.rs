@@ -18,6 +18,7 @@ mod nccl;
 mod outputs;
 mod overlap;
 mod overlap_tuning;
+mod plan;
 mod plan_auto;
 mod policies;
 mod policy_bytes;

@@ -1,0 +1,235 @@
+//! `brigade plan`: the fastest configuration that fits a memory budget per rank, from one
+//! profiled step per policy family (`brigade train --profile`), without running anything
+//! ([`brigade::plan`]).
+
+use std::path::PathBuf;
+
+use brigade::plan::{plan, Candidate, Plan, PlanQuery};
+use clap::Args;
+use serde_json::json;
+
+use crate::args::compact;
+use crate::commands::predict::{check_caps_and_world, link_cost, read_profiles};
+use crate::error::{Error, Result};
+use crate::report::stdout::outln;
+
+/// Options of `brigade plan`.
+#[derive(Args, Clone, Debug)]
+pub struct PlanArgs {
+    /// Step profiles written by `brigade train --profile`, one run under each policy family to
+    /// weigh (allreduce; fp16 or bf16; powersgd:R; zero1 or zero2; zero3; allreduce with
+    /// --activation-checkpointing to measure the recompute). Repeat the flag or list the files;
+    /// a file of several steps (--profile-steps) counts its last step.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    pub profile: Vec<PathBuf>,
+    /// Most MB (MiB) one rank may hold at once during a step.
+    #[arg(long, value_name = "MB", allow_negative_numbers = true)]
+    pub memory_budget: f64,
+    /// Plan for this many ranks (default: the profiles').
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Bucket caps to weigh, in MiB.
+    #[arg(long, value_delimiter = ',', default_value = "1,5,25")]
+    pub bucket_mb: Vec<f64>,
+    /// The first bucket's cap in MiB (default 1), never above the bucket cap.
+    #[arg(long)]
+    pub first_bucket_mb: Option<f64>,
+    /// A ring of links of this many gigabits per second (with --net-latency-us).
+    #[arg(long)]
+    pub net_gbps: Option<f64>,
+    /// Latency per message of those links, in microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub net_latency_us: f64,
+    /// The link the profiled runs had, fitted from their recorded buckets (instead of
+    /// --net-gbps).
+    #[arg(long)]
+    pub measured_link: bool,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const MIB: f64 = 1048576.0;
+
+/// Runs `brigade plan`.
+pub fn run_plan(a: PlanArgs) -> Result<()> {
+    if a.profile.is_empty() {
+        return Err(Error::Usage(
+            "give at least one --profile FILE (written by brigade train --profile) to plan from".into(),
+        ));
+    }
+    let link = link_cost(a.net_gbps, a.net_latency_us, a.measured_link)?;
+    check_caps_and_world(&a.bucket_mb, a.first_bucket_mb, a.world_size)?;
+    let mb = a.memory_budget;
+    if !(mb.is_finite() && mb > 0.0 && mb * MIB < u64::MAX as f64) {
+        return Err(Error::Usage(format!(
+            "--memory-budget must be a positive number of MB, got {}",
+            compact(mb)
+        )));
+    }
+    let mut profiles = vec![];
+    for path in &a.profile {
+        let mut steps = read_profiles(path)?;
+        let last = steps.pop().expect("read_profiles returns at least one step");
+        profiles.push(last);
+    }
+    let query = PlanQuery {
+        budget_bytes: (mb * MIB) as u64,
+        world_size: a.world_size,
+        link,
+        bucket_caps_mb: a.bucket_mb.clone(),
+        first_bucket_cap_mb: a.first_bucket_mb,
+    };
+    let p = plan(&profiles, &query).map_err(|e| {
+        let msg = e.to_string();
+        // the library numbers the profiles: name the files
+        let named = a.profile.iter().enumerate().fold(msg, |m, (i, path)| {
+            m.replace(&format!("profile {i} "), &format!("--profile {} ", path.display()))
+        });
+        Error::Usage(named)
+    })?;
+    if a.json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&plan_json(&p, &query)).map_err(|e| Error::json("the plan", e))?
+        );
+    } else {
+        print_table(&p, &query, &profiles);
+    }
+    match p.winner() {
+        Some(_) => Ok(()),
+        None => Err(Error::Usage(no_winner(&p, mb))),
+    }
+}
+
+/// Why there is no winner: every candidate is over the budget (the smallest named), or none
+/// that fits was predicted.
+fn no_winner(p: &Plan, mb: f64) -> String {
+    let smallest = p.candidates.iter().min_by_key(|c| c.memory.total());
+    match smallest {
+        Some(c) if p.candidates.iter().all(|c| c.over_budget.is_some()) => format!(
+            "--memory-budget {} MB: every candidate is over it; the smallest, {}, is predicted to peak at {:.1} MiB per rank",
+            compact(mb),
+            label(c),
+            c.memory.total() as f64 / MIB
+        ),
+        _ => {
+            let why = p
+                .candidates
+                .iter()
+                .find_map(|c| c.step.as_ref().err().filter(|_| c.over_budget.is_none()))
+                .cloned()
+                .unwrap_or_default();
+            format!(
+                "--memory-budget {} MB: no candidate that fits could be predicted ({why}): profile the family of one that fits",
+                compact(mb)
+            )
+        }
+    }
+}
+
+/// `fp16 5 MiB`, `zero2 25 MiB ac1`.
+fn label(c: &Candidate) -> String {
+    let ac = if c.activation_checkpointing > 0 {
+        format!(" ac{}", c.activation_checkpointing)
+    } else {
+        String::new()
+    };
+    format!("{} {} MiB{ac}", c.policy, c.bucket_cap_mb)
+}
+
+fn print_table(p: &Plan, q: &PlanQuery, profiles: &[brigade::ddp::overlap::StepProfile]) {
+    let ms = |s: f64| format!("{:.2}", s * 1e3);
+    let run = profiles[0].run.as_ref();
+    let recorded: Vec<String> = profiles
+        .iter()
+        .map(|pr| {
+            let name = pr.policy.as_ref().map_or("allreduce", |x| x.name.as_str());
+            match pr.activation_checkpointing {
+                0 => name.to_string(),
+                n => format!("{name} ac{n}"),
+            }
+        })
+        .collect();
+    outln!(
+        "plan: {} at {} ranks, {}, budget {:.1} MiB per rank; profiled: {}",
+        run.map_or("?", |r| r.model.as_str()),
+        p.candidates.first().map_or(profiles[0].world_size, |c| c.world_size),
+        p.precision,
+        q.budget_bytes as f64 / MIB,
+        recorded.join(", ")
+    );
+    outln!(
+        "  {:<24} {:>9} {:>11} {:>10} {:>9}  fits",
+        "candidate",
+        "step_ms",
+        "exposed_ms",
+        "policy_ms",
+        "peak_MiB"
+    );
+    for c in &p.candidates {
+        let peak = format!("{:.1}", c.memory.total() as f64 / MIB);
+        let fits = match c.over_budget {
+            None => "yes".to_string(),
+            Some((part, by)) => format!("over by {} in {part}", crate::footprint::human(by)),
+        };
+        let mark = if c.over_budget.is_some() { "x" } else { " " };
+        match &c.step {
+            Ok(s) => outln!(
+                "{mark} {:<24} {:>9} {:>11} {:>10} {:>9}  {fits}",
+                label(c),
+                ms(s.step_s),
+                ms(s.exposed_comm_s),
+                s.policy_compute_s.map_or("-".to_string(), ms),
+                peak
+            ),
+            Err(why) => outln!(
+                "{mark} {:<24} {:>9} {:>11} {:>10} {:>9}  {fits}; not predicted: {why}",
+                label(c),
+                "-",
+                "-",
+                "-",
+                peak
+            ),
+        }
+    }
+    if let Some(w) = p.winner {
+        outln!("winner: {}", p.command(w).join(" "));
+    }
+}
+
+fn plan_json(p: &Plan, q: &PlanQuery) -> serde_json::Value {
+    let candidates: Vec<serde_json::Value> = p
+        .candidates
+        .iter()
+        .map(|c| {
+            let m = &c.memory;
+            json!({
+                "policy": c.policy.to_string(),
+                "bucket_cap_mb": c.bucket_cap_mb,
+                "first_bucket_cap_mb": c.first_bucket_cap_mb,
+                "activation_checkpointing": c.activation_checkpointing,
+                "world_size": c.world_size,
+                "fits": c.over_budget.is_none(),
+                "over_budget": c.over_budget.map(|(part, bytes)| json!({ "part": part, "bytes": bytes })),
+                "memory": {
+                    "parameters": m.parameters,
+                    "gradients": m.gradients,
+                    "optimizer_state": m.optimizer_state,
+                    "activations": m.activations,
+                    "backward": m.backward,
+                    "total": m.total(),
+                },
+                "step": c.step.as_ref().ok(),
+                "not_predicted": c.step.as_ref().err(),
+            })
+        })
+        .collect();
+    json!({
+        "budget_bytes": q.budget_bytes,
+        "precision": p.precision,
+        "candidates": candidates,
+        "winner": p.winner,
+        "command": p.winner.map(|w| p.command(w)),
+    })
+}
