@@ -357,7 +357,7 @@ impl DistributedDataParallel {
 
     /// The parameter gathers of the last pass whose backward finished (ZeRO-3's; none when
     /// the policy keeps the parameters whole).
-    pub(crate) fn param_gathers(&self) -> Vec<crate::policy::GatherTimes> {
+    pub fn param_gathers(&self) -> Vec<crate::policy::GatherTimes> {
         self.param_hooks.as_ref().map_or_else(Vec::new, |h| h.gathers())
     }
 

@@ -208,6 +208,17 @@ pub struct GatherTimes {
     pub ran: Option<(Instant, Instant)>,
 }
 
+impl GatherTimes {
+    /// What the compute waited for it, in seconds: from when it was needed to when it
+    /// finished (0 when prefetched in time, or never used).
+    pub fn waited_s(&self) -> f64 {
+        match (self.needed, self.ran) {
+            (Some(needed), Some((_, finished))) => finished.saturating_duration_since(needed).as_secs_f64(),
+            _ => 0.0,
+        }
+    }
+}
+
 /// Something a policy wants its caller to know about the run so far (a sweep row and a run's
 /// summary show them): e.g. that PowerSGD never compressed.
 #[derive(Debug, Clone, PartialEq, Eq)]
