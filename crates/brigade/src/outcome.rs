@@ -37,6 +37,9 @@ pub struct StepRecord {
     /// What this rank's DDP handed to its collectives during the step (gradient reduction,
     /// bucket rebuilding; not the step's own loss agreement, nor a checkpoint's gathers).
     pub sent: CommBytes,
+    /// What this rank's compute waited for its parameter gathers in the step's last pass, in
+    /// milliseconds (ZeRO-3: the gather time prefetch did not hide; 0 otherwise).
+    pub gather_wait_ms: f64,
 }
 
 /// What [`Trainer::step`](crate::trainer::Trainer::step) did: the step's record (its
@@ -161,6 +164,12 @@ impl TrainOutcome {
     /// This rank's wall time of each step run, in milliseconds.
     pub fn ms(&self) -> Vec<f64> {
         self.steps.iter().map(|r| r.ms).collect()
+    }
+
+    /// What this rank's compute waited for its parameter gathers in each step run (ZeRO-3),
+    /// in milliseconds.
+    pub fn gather_wait_ms(&self) -> Vec<f64> {
+        self.steps.iter().map(|r| r.gather_wait_ms).collect()
     }
 
     /// What DDP handed to its collectives in each step run, on this rank.

@@ -355,6 +355,12 @@ impl DistributedDataParallel {
         }
     }
 
+    /// The parameter gathers of the last pass whose backward finished (ZeRO-3's; none when
+    /// the policy keeps the parameters whole).
+    pub fn param_gathers(&self) -> Vec<crate::policy::GatherTimes> {
+        self.param_hooks.as_ref().map_or_else(Vec::new, |h| h.gathers())
+    }
+
     /// Whether the policy shards the parameters themselves (ZeRO-3): then they are whole only
     /// inside their unit's forward and backward, or [`DistributedDataParallel::summon_full_params`].
     pub fn shards_parameters(&self) -> bool {

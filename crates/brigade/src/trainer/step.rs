@@ -78,6 +78,9 @@ impl Trainer<'_> {
                 scale,
                 skipped: self.replica.opt.skipped_steps() > skipped_before,
                 sent: (self.replica.meter.totals() - sent_before) - checkpoint_sent,
+                gather_wait_ms: self.replica.ddp.as_ref().map_or(0.0, |d| {
+                    d.param_gathers().iter().map(|g| g.waited_s()).sum::<f64>() * 1e3
+                }),
             },
             stop: status.stop,
             sampler: self.at.next_position,

@@ -274,4 +274,14 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             }
         );
     }
+    if let Some(r) = rows.first().filter(|r| !r.gathers.is_empty()) {
+        let waited: Vec<String> = rows.iter().map(|r| format!("{:.2}", ms(r.exposed_gather_s))).collect();
+        outln!(
+            "parameter gathers: {} per step; the compute waited {:.2} ms for them in the recorded step, \
+             predicted per row: {} ms",
+            r.gathers.len(),
+            ms(profile.gather_waited_s()),
+            waited.join(", ")
+        );
+    }
 }

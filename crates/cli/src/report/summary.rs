@@ -142,6 +142,8 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "master_weight_bytes": m.master_weights, "total_bytes": m.total(),
             "activation_bytes": m.activations, "peak_bytes": m.peak,
+            // ZeRO-3: what the compute waited for the parameter gathers, median over the steps
+            "gather_wait_ms": (m.gathered > 0).then(|| median_min(&outcome.gather_wait_ms()).0),
             "predicted_peak_bytes": a
                 .predicted_peak(a.distributed.zero, a.model.activation_checkpointing.unwrap_or(0), a.data.batch_size)
                 .map(|p| p.total()),
@@ -278,7 +280,11 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         // ZeRO-3: the units gathered at once, beside the shards counted as parameters
         let gathered = match m.gathered {
             0 => String::new(),
-            g => format!(", gathered {:.2} MiB", mib(g)),
+            g => format!(
+                ", gathered {:.2} MiB (the compute waited {:.2} ms a step for the gathers)",
+                mib(g),
+                median_min(&outcome.gather_wait_ms()).0
+            ),
         };
         outln!(
             "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",

@@ -323,6 +323,7 @@ mod tests {
                 start_s: 0.010 + by,
                 finish_s: 0.013 + by,
             }],
+            gathers: vec![],
         };
         let s = Sample {
             profile: Some(StepProfile {

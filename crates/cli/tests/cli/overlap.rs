@@ -247,3 +247,122 @@ fn predict_refuses_a_user_policy_without_a_wire_model_in_one_line() {
     let e = common::fails(&["predict", "--profile", p.to_str().unwrap(), "--measured-link"]);
     assert!(e.contains("'int8'") && e.contains("wire model"), "{e}");
 }
+
+#[test]
+fn a_zero3_profile_records_each_units_gathers_for_forward_and_backward() {
+    let (_, v) = policy_profile("profile-zero3", &["--zero", "3"]);
+    assert_eq!(v["policy"]["name"], "zero3");
+    for r in v["ranks"].as_array().unwrap() {
+        let f = |k: &str| r[k].as_f64().unwrap();
+        let gathers = r["gathers"].as_array().expect("a zero3 profile lists its gathers");
+        let of = |phase: &str| -> Vec<&str> {
+            gathers
+                .iter()
+                .filter(|g| g["phase"] == phase)
+                .map(|g| g["unit"].as_str().unwrap())
+                .collect()
+        };
+        // forward: each unit in turn, the head twice (the MLP's loss runs in its scope);
+        // backward: the reverse
+        assert_eq!(of("forward"), ["layers.0", "layers.1", "layers.2", "layers.2"]);
+        assert_eq!(of("backward"), ["layers.2", "layers.1", "layers.0"]);
+        let mut previous_issue = 0.0;
+        for g in gathers {
+            let t = |k: &str| g[k].as_f64().unwrap();
+            assert!(t("issued_s") >= previous_issue, "in issue order: {g}");
+            previous_issue = t("issued_s");
+            assert!(
+                t("issued_s") <= t("start_s") + 1e-6 && t("start_s") <= t("finish_s"),
+                "{g}"
+            );
+            let needed = t("needed_s");
+            // the compute needs a forward gather before backward begins, a backward one inside it
+            if g["phase"] == "forward" {
+                assert!(needed <= f("backward_start_s"), "{g}");
+            } else {
+                assert!(f("backward_start_s") <= needed && needed <= f("backward_end_s"), "{g}");
+            }
+            assert_eq!(g["bytes"].as_u64().unwrap() % (2 * 4), 0, "padded to the world: {g}");
+        }
+    }
+    // plain DDP records none
+    let (_, plain) = profile("profile-no-gathers");
+    assert!(plain["ranks"][0].get("gathers").is_none());
+}
+
+/// A `--zero 3` profile of [`RUN`] over a simulated link of `gbps`.
+fn zero3_profile(tag: &str, gbps: &str) -> (std::path::PathBuf, serde_json::Value) {
+    let d = dir(tag);
+    let p = d.join("profile.json");
+    let mut run: Vec<&str> = RUN.to_vec();
+    let at = run.iter().position(|a| *a == "--net-gbps").unwrap();
+    run[at + 1] = gbps;
+    ok(&[
+        &["train"],
+        &run[..],
+        &["--zero", "3", "--quiet", "--profile", p.to_str().unwrap()],
+    ]
+    .concat());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    (p, v)
+}
+
+/// The recorded step: the mean over the ranks of their step's end.
+fn recorded_step_s(v: &serde_json::Value) -> f64 {
+    let ranks = v["ranks"].as_array().unwrap();
+    ranks.iter().map(|r| r["step_end_s"].as_f64().unwrap()).sum::<f64>() / ranks.len() as f64
+}
+
+/// What the compute waited for the gathers in the recorded step (mean over the ranks).
+fn recorded_gather_wait_s(v: &serde_json::Value) -> f64 {
+    let ranks = v["ranks"].as_array().unwrap();
+    let waited = |g: &serde_json::Value| (g["finish_s"].as_f64().unwrap() - g["needed_s"].as_f64().unwrap()).max(0.0);
+    ranks
+        .iter()
+        .map(|r| r["gathers"].as_array().unwrap().iter().map(waited).sum::<f64>())
+        .sum::<f64>()
+        / ranks.len() as f64
+}
+
+#[test]
+fn predict_replays_a_zero3_step_with_its_gathers_on_the_measured_and_on_another_link() {
+    // at 0.25 Gb/s the link, not the shared cores' noise, makes most of the step
+    let (p, v) = zero3_profile("predict-zero3", "0.25");
+    let p = p.to_str().unwrap();
+    let row = |extra: &[&str]| -> serde_json::Value {
+        let args = [&["predict", "--profile", p, "--json", "--bucket-mb", "25"][..], extra].concat();
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&args)).unwrap();
+        rows[0].clone()
+    };
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+    // the recorded step, replayed on the link it had
+    let measured = row(&["--measured-link"]);
+    assert_eq!(measured["policy"], "zero3");
+    assert_eq!(measured["gathers"].as_array().unwrap().len(), 7, "{measured}");
+    let recorded = recorded_step_s(&v);
+    let predicted = f(&measured, "predicted_step_s");
+    assert!(
+        (predicted - recorded).abs() <= 0.10 * recorded,
+        "predicted {predicted} s, recorded {recorded} s"
+    );
+    let (waited, predicted_wait) = (recorded_gather_wait_s(&v), f(&measured, "exposed_gather_s"));
+    assert!(waited > 0.0, "the gathers at 0.25 Gb/s are not all hidden");
+    assert!(
+        (predicted_wait - waited).abs() <= 0.20 * waited,
+        "predicted {predicted_wait} s waited for gathers, recorded {waited} s"
+    );
+    // a slower link: a longer step, more of it waiting for gathers, and what a run on that link
+    // records
+    let slow = row(&["--net-gbps", "0.1", "--net-latency-us", "20"]);
+    assert!(f(&slow, "predicted_step_s") > predicted, "{slow}");
+    assert!(f(&slow, "exposed_gather_s") > 2.0 * predicted_wait, "{slow}");
+    let (_, run_slow) = zero3_profile("predict-zero3-slow", "0.1");
+    let (recorded_slow, predicted_slow) = (recorded_step_s(&run_slow), f(&slow, "predicted_step_s"));
+    assert!(
+        (predicted_slow - recorded_slow).abs() <= 0.10 * recorded_slow,
+        "predicted {predicted_slow} s at 0.1 Gb/s, a run there recorded {recorded_slow} s"
+    );
+    // the table says what the gathers cost
+    let table = ok(&["predict", "--profile", p, "--measured-link"]);
+    assert!(table.contains("parameter gathers: 7 per step"), "{table}");
+}

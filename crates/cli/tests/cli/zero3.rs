@@ -115,6 +115,39 @@ fn the_memory_report_counts_the_shards_and_the_gathered_units() {
 }
 
 #[test]
+fn the_report_says_what_the_compute_waited_for_the_gathers() {
+    // 0.1 Gb/s, 20 us: the first unit's gather in each pass is never prefetched, so the compute
+    // waits at least for layer 0's shards in forward (1088 bytes: 107 us) and layer 2's in
+    // backward (264 bytes: 41 us)
+    let base = [
+        "train",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--threads-per-rank",
+        "1",
+        "--net-gbps",
+        "0.1",
+        "--net-latency-us",
+        "20",
+    ];
+    let json = |zero: &str| -> serde_json::Value {
+        let out = ok(&cat(&[&base, MLP, &["--zero", zero, "--json"]]));
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["memory"].clone()
+    };
+    let (m2, m3) = (json("2"), json("3"));
+    assert!(m2["gather_wait_ms"].is_null(), "{m2}");
+    let waited = m3["gather_wait_ms"].as_f64().unwrap();
+    assert!(waited >= 0.148, "{m3}");
+    let text = ok(&cat(&[&base, &MLP[..MLP.len() - 1], &["--zero", "3"]]));
+    let line = text.lines().find(|l| l.starts_with("memory per rank")).expect(&text);
+    assert!(line.contains("ms a step for the gathers"), "{line}");
+}
+
+#[test]
 fn a_zero_3_checkpoint_loads_with_init_and_samples() {
     let d = dir("zero3-checkpoint");
     let ck = d.join("gpt.ckpt");

@@ -210,6 +210,7 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
         step_end_s: v[4],
         grad_ready_s: v[SPANS..].to_vec(),
         buckets: vec![],
+        gathers: vec![],
     }
 }
 
@@ -459,6 +460,7 @@ mod rank_profile_tests {
             step_end_s: 0.42 + skew,
             grad_ready_s: vec![0.08 + skew],
             buckets: buckets.to_vec(),
+            gathers: vec![],
         }
     }
 

@@ -20,8 +20,11 @@ pub use autotune::{
     decide, AutotuneConfig, AutotuneDecision, AutotuneReport, Autotuner, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB,
     DEFAULT_MIN_GAIN,
 };
-pub use profile::{BucketProfile, ParamProfile, ProfilePolicy, ProfileRun, RankProfile, StepProfile, PROFILE_VERSION};
+pub use profile::{
+    BucketProfile, GatherProfile, ParamProfile, ProfilePolicy, ProfileRun, RankProfile, StepProfile, PROFILE_VERSION,
+};
 pub use record::StepInstants;
 pub use replay::{
-    replay, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig, ReplayResult,
+    replay, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig, ReplayGather,
+    ReplayResult,
 };

@@ -13,13 +13,22 @@
 //!                "grad_ready_s": [0.030, 0.029, ...],                  // per parameter
 //!                "buckets": [ { "params": [3, 2], "bytes": 4096, "wire_bytes": 2048.0,
 //!                               "ready_s": 0.021, "launch_s": 0.021, "start_s": 0.021,
-//!                               "finish_s": 0.024 } ] } ] }
+//!                               "finish_s": 0.024 } ],
+//!                "gathers": [ { "unit": "blocks.1", "bytes": 65536, "phase": "forward",
+//!                               "issued_s": 0.002, "needed_s": 0.004, "start_s": 0.002,
+//!                               "finish_s": 0.003 } ] } ] }
 //! ```
 //!
 //! `policy` (which reducer policy made the step, and how its collectives are costed: see
 //! [`WireModel`]), `shape` and `wire_bytes` (what the rank sent for the bucket under the ring
 //! algorithms) are absent from profiles written before policies were recorded: those replay as
 //! the f32 all-reduce they were.
+//!
+//! `gathers` (absent unless the policy shards the parameters: ZeRO-3) lists the all-gathers of a
+//! unit's parameters in issue order: the unit, the gathered buffer's bytes, the pass it served,
+//! when it was issued (before `needed_s` when prefetched), when the compute needed it (the
+//! unit's scope was entered, backward reached the unit; absent for a prefetch the pass never
+//! used) and when it ran on the link.
 //!
 //! `backward_end_s` is when the last backward kernel finished, before the reducer waited for
 //! its buckets; the recorded buckets (what ran, under the recorded caps) let the model fit the
@@ -29,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use std::time::Instant;
 
-use crate::policy::WireModel;
+use crate::policy::{GatherPhase, GatherTimes, WireModel};
 use crate::{DdpError, MemoryReport, PassTimes};
 
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
@@ -108,6 +117,33 @@ pub struct BucketProfile {
     pub finish_s: f64,
 }
 
+/// One all-gather of a unit's parameters (ZeRO-3) as it ran in the recorded step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GatherProfile {
+    /// The unit (its scope: `blocks.0`).
+    pub unit: String,
+    /// Bytes of the gathered buffer (every rank's shard, padding included).
+    pub bytes: usize,
+    /// The pass it served.
+    pub phase: GatherPhase,
+    /// When it was issued on the comm stream.
+    pub issued_s: f64,
+    /// When the compute needed it; absent for a prefetch the pass never used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub needed_s: Option<f64>,
+    /// When it started on the link.
+    pub start_s: f64,
+    /// When it finished.
+    pub finish_s: f64,
+}
+
+impl GatherProfile {
+    /// What the compute waited for it: from when it was needed to when it finished.
+    pub fn waited_s(&self) -> f64 {
+        self.needed_s.map_or(0.0, |n| (self.finish_s - n).max(0.0))
+    }
+}
+
 /// One rank's view of the recorded step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankProfile {
@@ -127,6 +163,9 @@ pub struct RankProfile {
     pub grad_ready_s: Vec<f64>,
     /// The buckets as they ran.
     pub buckets: Vec<BucketProfile>,
+    /// The parameter gathers as they ran, in issue order (ZeRO-3; empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gathers: Vec<GatherProfile>,
 }
 
 /// One recorded step on every rank.
@@ -168,13 +207,14 @@ impl RankProfile {
             .fold(self.backward_end_s, f64::max)
     }
 
-    /// One rank's profile of a step from DDP's [`PassTimes`] of its synchronized backward and
-    /// the training loop's instants, in seconds from `step_start`. `None` when the pass did
-    /// not run to its end.
+    /// One rank's profile of a step from DDP's [`PassTimes`] of its synchronized backward, its
+    /// parameter gathers and the training loop's instants, in seconds from `step_start`. `None`
+    /// when the pass did not run to its end.
     pub fn from_pass(
         rank: usize,
         step_start: Instant,
         pass: &PassTimes,
+        gathers: &[GatherTimes],
         optimizer: (Instant, Instant),
         step_end: Instant,
     ) -> Option<RankProfile> {
@@ -198,6 +238,22 @@ impl RankProfile {
                 }
             })
             .collect();
+        let gathers = gathers
+            .iter()
+            .map(|g| {
+                let issued_s = secs(g.issued);
+                let (start_s, finish_s) = g.ran.map_or((issued_s, issued_s), |(s, f)| (secs(s), secs(f)));
+                GatherProfile {
+                    unit: g.unit.clone(),
+                    bytes: g.bytes,
+                    phase: g.phase,
+                    issued_s,
+                    needed_s: g.needed.map(secs),
+                    start_s,
+                    finish_s,
+                }
+            })
+            .collect();
         Some(RankProfile {
             rank,
             backward_start_s: secs(started),
@@ -207,6 +263,7 @@ impl RankProfile {
             step_end_s: secs(step_end),
             grad_ready_s,
             buckets,
+            gathers,
         })
     }
 }
@@ -235,6 +292,17 @@ impl StepProfile {
             .flat_map(|(r, o)| r.buckets.iter().map(move |b| b.finish_s - o))
             .fold(f64::NEG_INFINITY, f64::max);
         (finish.is_finite() && end.is_finite()).then(|| (finish - end).max(0.0))
+    }
+
+    /// What the compute waited for its parameter gathers (ZeRO-3) in the recorded step: each
+    /// rank's sum, the mean over the ranks (0 without gathers).
+    pub fn gather_waited_s(&self) -> f64 {
+        let sum: f64 = self
+            .ranks
+            .iter()
+            .map(|r| r.gathers.iter().map(GatherProfile::waited_s).sum::<f64>())
+            .sum();
+        sum / self.ranks.len().max(1) as f64
     }
 
     /// How far each rank's clock runs ahead of rank 0's, in seconds: a time `t` in rank `r`'s
@@ -348,10 +416,19 @@ impl StepProfile {
                     ("a bucket's finish_s", b.finish_s),
                 ]
             });
+            let gathers = r.gathers.iter().flat_map(|g| {
+                [
+                    ("a gather's issued_s", g.issued_s),
+                    ("a gather's needed_s", g.needed_s.unwrap_or(g.issued_s)),
+                    ("a gather's start_s", g.start_s),
+                    ("a gather's finish_s", g.finish_s),
+                ]
+            });
             if let Some((what, t)) = spans
                 .into_iter()
                 .chain(ready)
                 .chain(buckets)
+                .chain(gathers)
                 .find(|(_, t)| !(0.0..=MAX_TIME_S).contains(t))
             {
                 return Err(format!(
@@ -383,6 +460,15 @@ impl StepProfile {
                 if b.finish_s < b.start_s {
                     return Err(format!("rank {i}: bucket {k} finishes before it starts"));
                 }
+            }
+            if let Some(k) = r.gathers.iter().position(|g| g.finish_s < g.start_s) {
+                return Err(format!("rank {i}: gather {k} finishes before it starts"));
+            }
+            let g0 = &self.ranks[0].gathers;
+            if r.gathers.len() != g0.len() || r.gathers.iter().zip(g0).any(|(g, h)| g.unit != h.unit) {
+                return Err(format!(
+                    "rank {i}'s parameter gathers differ from rank 0's (every rank runs the same collectives)"
+                ));
             }
             let zero = &self.ranks[0].buckets;
             if !r.buckets.is_empty()

@@ -30,6 +30,7 @@ impl RankProfile {
             rank,
             at.start,
             &ddp.last_pass(),
+            &ddp.param_gathers(),
             (at.optimizer_start, at.optimizer_end),
             at.end,
         )

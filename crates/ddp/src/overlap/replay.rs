@@ -5,6 +5,7 @@ use brigade_comm::{NetModel, RingOp};
 use serde::Serialize;
 
 use super::{StepProfile, WireModel};
+use crate::policy::GatherPhase;
 use crate::{assign_buckets, DdpError};
 
 /// How a collective of `S` bytes over `n` ranks is costed.
@@ -85,6 +86,26 @@ pub struct ReplayBucket {
     pub exposed_s: f64,
 }
 
+/// One parameter gather of the replayed step (ZeRO-3). Times in seconds from the step's start,
+/// on rank 0's clock.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayGather {
+    /// The unit gathered.
+    pub unit: String,
+    /// The pass it serves.
+    pub phase: GatherPhase,
+    /// Bytes of the gathered buffer (padded to the replayed world).
+    pub bytes: usize,
+    /// When the last rank issued it.
+    pub issued_s: f64,
+    /// When it starts on the link.
+    pub start_s: f64,
+    /// When it finishes.
+    pub finish_s: f64,
+    /// What the compute waited for it (mean over the ranks).
+    pub waited_s: f64,
+}
+
 /// The replayed step under one configuration. Times in seconds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayResult {
@@ -112,6 +133,12 @@ pub struct ReplayResult {
     pub lower_bound_exposed_s: f64,
     /// The launch overhead the replay charged (see [`LaunchOverhead`]).
     pub launch_overhead: LaunchOverhead,
+    /// The parameter gathers in issue order (ZeRO-3; empty for the other policies).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gathers: Vec<ReplayGather>,
+    /// What the compute waited for its parameter gathers in the step (mean over the ranks; 0
+    /// without gathers): the gather time prefetch did not hide.
+    pub exposed_gather_s: f64,
 }
 
 /// What it costs the backend to bring a collective onto the link once the last rank has issued
@@ -175,15 +202,16 @@ const IDLE_LINK_S: f64 = 250e-6;
 /// compute is over.
 const BACKWARD_END_S: f64 = 500e-6;
 
-/// The launches measured in `profile`'s recorded buckets (rank 0's), every rank's times on
-/// rank 0's clock (`offsets`, see [`StepProfile::clock_offsets`]), backward ending at
-/// `backward_end`.
+/// The launches measured in `profile`'s recorded collectives (rank 0's buckets and parameter
+/// gathers), every rank's times on rank 0's clock (`offsets`, see
+/// [`StepProfile::clock_offsets`]), backward ending at `backward_end`.
 fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, samples: &mut Samples) {
     let ranks = &profile.ranks;
     let mut issued = vec![f64::NEG_INFINITY; ranks.len()];
     let (during, after) = (&mut samples.0, &mut samples.1);
-    let recorded = &ranks[0].buckets;
-    for (k, b) in recorded.iter().enumerate() {
+    // (start, finish, when the last rank issued it, bytes, whether a gather) of each collective
+    let mut ops: Vec<(f64, f64, f64, usize, bool)> = vec![];
+    for b in &ranks[0].buckets {
         // Each rank issues bucket k once its gradients are ready and bucket k−1 is issued.
         let mut last_issue = f64::NEG_INFINITY;
         for (r, rank) in ranks.iter().enumerate() {
@@ -195,18 +223,39 @@ fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, s
             issued[r] = issued[r].max(ready);
             last_issue = last_issue.max(issued[r]);
         }
-        let since = match k.checked_sub(1).map(|j| &recorded[j]) {
-            Some(prev) if b.start_s <= prev.finish_s + IDLE_LINK_S => continue,
-            Some(prev) => last_issue.max(prev.start_s),
+        ops.push((b.start_s, b.finish_s, last_issue, b.bytes, false));
+    }
+    for (k, g) in ranks[0].gathers.iter().enumerate() {
+        let last_issue = ranks
+            .iter()
+            .zip(offsets)
+            .filter_map(|(r, o)| r.gathers.get(k).map(|g| g.issued_s - o))
+            .fold(f64::NEG_INFINITY, f64::max);
+        ops.push((g.start_s, g.finish_s, last_issue, g.bytes, true));
+    }
+    ops.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut busy_until = f64::NEG_INFINITY;
+    for (i, &(start, finish, last_issue, bytes, gather)) in ops.iter().enumerate() {
+        let busy = busy_until;
+        busy_until = busy_until.max(finish);
+        // the link was busy until it started: the wait was the link's, not the launch's (a
+        // gather is issued by the compute the moment it needs it, often just after the previous
+        // one finished: it waited for the link only if it was issued before that)
+        if i > 0 && start <= busy + IDLE_LINK_S && (!gather || last_issue < busy) {
+            continue;
+        }
+        // the backend brings collectives in order: not before the previous one started
+        let since = match i.checked_sub(1) {
+            Some(j) => last_issue.max(ops[j].0),
             None => last_issue,
         };
-        if since.is_finite() && b.start_s > since {
+        if since.is_finite() && start > since {
             let pts = if since < backward_end - BACKWARD_END_S {
                 &mut *during
             } else {
                 &mut *after
             };
-            pts.push((b.bytes as f64, b.start_s - since));
+            pts.push((bytes as f64, start - since));
         }
     }
 }
@@ -255,6 +304,10 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
             // so that any policy's recording measures the same link.
             let ar = RingOp::AllReduce;
             let share = ar.wire_bytes(1.0, n0);
+            let gathers = profile.ranks[0].gathers.iter().map(|g| {
+                let sent = RingOp::AllGather.wire_bytes(g.bytes as f64 / n0 as f64, n0);
+                (sent / share, (g.finish_s - g.start_s).max(0.0))
+            });
             let pts: Vec<(f64, f64)> = profile.ranks[0]
                 .buckets
                 .iter()
@@ -262,6 +315,7 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
                     let sent = b.wire_bytes.map_or(b.bytes as f64, |w| w / share);
                     (sent, (b.finish_s - b.start_s).max(0.0))
                 })
+                .chain(gathers)
                 .collect();
             if pts.is_empty() {
                 return Err("the profile recorded no buckets: there is no link to measure".into());
@@ -344,7 +398,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
                 (all_reduce(b), sent(RingOp::AllReduce, b))
             }
             // one reduce-scatter of the padded bucket
-            WireModel::ReduceScatter => {
+            WireModel::ReduceScatter | WireModel::Zero3 => {
                 let padded = ((bytes / 4).div_ceil(n) * n * 4) as f64;
                 let rs = RingOp::ReduceScatter;
                 (rs.seconds(padded, n, alpha, per_byte), sent(rs, padded))
@@ -367,68 +421,166 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     let n_params = profile.params.len();
     // Every time on rank 0's clock from here on.
     let offsets = profile.clock_offsets();
-    let backward_end = profile.backward_end_at(&offsets);
-    let ready_at = |r: usize, p: usize| ranks[r].grad_ready_s[p] - offsets[r];
-    // A parameter is ready for the group once the last rank has it.
-    let ready_all: Vec<f64> = (0..n_params)
-        .map(|p| {
-            (0..ranks.len())
-                .map(|r| ready_at(r, p))
-                .fold(f64::NEG_INFINITY, f64::max)
+
+    // ZeRO-3: a unit's compute waits for its gather, so each rank's compute after a gather moves
+    // by what the replayed wait differs from the recorded one (`shift`); and its buckets are its
+    // units, whatever the caps.
+    let gathered = matches!(wire, WireModel::Zero3);
+    let n_gathers = if gathered { ranks[0].gathers.len() } else { 0 };
+    let recorded: Vec<Vec<RecordedGather>> = ranks
+        .iter()
+        .zip(&offsets)
+        .map(|(r, o)| {
+            r.gathers[..n_gathers]
+                .iter()
+                .map(|g| RecordedGather::new(g, *o))
+                .collect()
         })
         .collect();
-    let order: Vec<usize> = match cfg.order {
-        BucketOrder::Reverse => (0..n_params).rev().collect(),
-        BucketOrder::Ready => {
-            let mut o: Vec<usize> = (0..n_params).rev().collect();
-            // stable: ties keep reverse registration order, as the reducer hears them
-            o.sort_by(|&a, &b| ranks[0].grad_ready_s[a].total_cmp(&ranks[0].grad_ready_s[b]));
-            o
-        }
+    // replayed minus recorded wait, per rank and gather, once replayed
+    let mut delta = vec![vec![0.0; n_gathers]; ranks.len()];
+    let shift = |r: usize, t: f64, delta: &[Vec<f64>]| -> f64 {
+        recorded[r]
+            .iter()
+            .zip(&delta[r])
+            .filter(|(g, _)| g.resumed <= t)
+            .map(|(_, d)| d)
+            .sum()
     };
-    let bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
-    let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
-    let groups = assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb));
+    let moved = |r: usize, t: f64, delta: &[Vec<f64>]| t + shift(r, t, delta);
+    let ready_at = |r: usize, p: usize, delta: &[Vec<f64>]| moved(r, ranks[r].grad_ready_s[p] - offsets[r], delta);
+    let backward_end_at = |delta: &[Vec<f64>]| {
+        (0..ranks.len())
+            .map(|r| moved(r, ranks[r].backward_end_s - offsets[r], delta))
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
 
-    // Each rank launches in strict bucket order; the backend brings each bucket to the link, in
-    // order, a launch overhead after the last rank launched it; the link takes it once the
-    // previous bucket has left.
+    let bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
+    let groups: Vec<Vec<usize>> = if gathered {
+        ranks[0].buckets.iter().map(|b| b.params.clone()).collect()
+    } else {
+        let order: Vec<usize> = match cfg.order {
+            BucketOrder::Reverse => (0..n_params).rev().collect(),
+            BucketOrder::Ready => {
+                let mut o: Vec<usize> = (0..n_params).rev().collect();
+                // stable: ties keep reverse registration order, as the reducer hears them
+                o.sort_by(|&a, &b| ranks[0].grad_ready_s[a].total_cmp(&ranks[0].grad_ready_s[b]));
+                o
+            }
+        };
+        let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
+        assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb))
+    };
+    // The collectives in the order the comm stream ran them: the buckets, and the gathers
+    // merged in by when rank 0 issued them.
+    let mut ops: Vec<(f64, Op)> = (0..groups.len())
+        .map(|j| {
+            let at = if gathered { ranks[0].buckets[j].launch_s } else { 0.0 };
+            (at, Op::Bucket(j))
+        })
+        .chain((0..n_gathers).map(|k| (recorded[0][k].issued, Op::Gather(k))))
+        .collect();
+    ops.sort_by(|a, b| a.0.total_cmp(&b.0));
+
+    // Each rank launches in strict bucket order; the backend brings each collective to the link,
+    // in order, a launch overhead after the last rank launched it; the link takes it once the
+    // previous one has left.
     let mut launched = vec![f64::NEG_INFINITY; ranks.len()];
     let mut link_free = f64::NEG_INFINITY;
     let mut brought = f64::NEG_INFINITY;
     let mut buckets = Vec::with_capacity(groups.len());
-    for group in groups {
-        let mut ready_max = f64::NEG_INFINITY;
-        let mut launch_max = f64::NEG_INFINITY;
-        for (r, launched) in launched.iter_mut().enumerate() {
-            let ready = group.iter().map(|&p| ready_at(r, p)).fold(f64::NEG_INFINITY, f64::max);
-            *launched = launched.max(ready);
-            ready_max = ready_max.max(ready);
-            launch_max = launch_max.max(*launched);
+    let mut gathers = Vec::with_capacity(n_gathers);
+    let mut waited = vec![0.0; ranks.len()];
+    for (_, op) in ops {
+        match op {
+            Op::Bucket(j) => {
+                let group = groups[j].clone();
+                let mut ready_max = f64::NEG_INFINITY;
+                let mut launch_max = f64::NEG_INFINITY;
+                for (r, launched) in launched.iter_mut().enumerate() {
+                    let ready = group
+                        .iter()
+                        .map(|&p| ready_at(r, p, &delta))
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    *launched = launched.max(ready);
+                    ready_max = ready_max.max(ready);
+                    launch_max = launch_max.max(*launched);
+                }
+                let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
+                let (link_s, wire_bytes) = cost(&group, b_bytes);
+                let from = launch_max.max(brought);
+                brought = from
+                    + if n < 2 {
+                        0.0
+                    } else {
+                        overhead.of(b_bytes, from, backward_end_at(&delta))
+                    };
+                let start = brought.max(link_free);
+                let finish = start + link_s;
+                link_free = finish;
+                buckets.push(ReplayBucket {
+                    params: group,
+                    bytes: b_bytes,
+                    wire_bytes,
+                    ready_s: ready_max,
+                    launch_s: launch_max,
+                    start_s: start,
+                    finish_s: finish,
+                    exposed_s: 0.0,
+                });
+            }
+            Op::Gather(k) => {
+                let g = &ranks[0].gathers[k];
+                let issued = (0..ranks.len())
+                    .map(|r| moved(r, recorded[r][k].issued, &delta))
+                    .fold(f64::NEG_INFINITY, f64::max);
+                // every rank's shard, padded to the replayed world
+                let g_bytes = (g.bytes / 4).div_ceil(n) * n * 4;
+                let link_s = if n < 2 {
+                    0.0
+                } else {
+                    RingOp::AllGather.seconds((g_bytes / n) as f64, n, alpha, per_byte)
+                };
+                let from = issued.max(brought);
+                brought = from
+                    + if n < 2 {
+                        0.0
+                    } else {
+                        overhead.of(g_bytes, from, backward_end_at(&delta))
+                    };
+                let start = brought.max(link_free);
+                let finish = start + link_s;
+                link_free = finish;
+                let mut sum = 0.0;
+                for r in 0..ranks.len() {
+                    let Some(needed) = recorded[r][k].needed else {
+                        continue;
+                    };
+                    let wait = (finish - moved(r, needed, &delta)).max(0.0);
+                    delta[r][k] = wait - recorded[r][k].waited;
+                    waited[r] += wait;
+                    sum += wait;
+                }
+                gathers.push(ReplayGather {
+                    unit: g.unit.clone(),
+                    phase: g.phase,
+                    bytes: g_bytes,
+                    issued_s: issued,
+                    start_s: start,
+                    finish_s: finish,
+                    waited_s: sum / ranks.len() as f64,
+                });
+            }
         }
-        let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
-        let (link_s, wire_bytes) = cost(&group, b_bytes);
-        let from = launch_max.max(brought);
-        brought = from
-            + if n < 2 {
-                0.0
-            } else {
-                overhead.of(b_bytes, from, backward_end)
-            };
-        let start = brought.max(link_free);
-        let finish = start + link_s;
-        link_free = finish;
-        buckets.push(ReplayBucket {
-            params: group,
-            bytes: b_bytes,
-            wire_bytes,
-            ready_s: ready_max,
-            launch_s: launch_max,
-            start_s: start,
-            finish_s: finish,
-            exposed_s: 0.0,
-        });
     }
+    let backward_end = backward_end_at(&delta);
+    let ready_all: Vec<f64> = (0..n_params)
+        .map(|p| {
+            (0..ranks.len())
+                .map(|r| ready_at(r, p, &delta))
+                .fold(f64::NEG_INFINITY, f64::max)
+        })
+        .collect();
 
     for b in &mut buckets {
         b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
@@ -446,12 +598,23 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     // every step's last bucket, so in the long run each rank's steps take the same time, and the
     // mean over the ranks of one recorded step estimates it best.
     let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
-    let compute_step = mean(ranks.iter().map(|r| r.backward_end_s + after_backward(r)).collect());
+    // without communication the compute waits for no gather either
+    let compute_step = mean(
+        ranks
+            .iter()
+            .enumerate()
+            .map(|(r, p)| p.backward_end_s - recorded[r].iter().map(|g| g.waited).sum::<f64>() + after_backward(p))
+            .collect(),
+    );
     let predicted_step = mean(
         ranks
             .iter()
+            .enumerate()
             .zip(&offsets)
-            .map(|(r, o)| r.backward_end_s.max(last_finish + o) + after_backward(r))
+            .map(|((r, p), o)| {
+                let end = moved(r, p.backward_end_s - o, &delta) + o;
+                end.max(last_finish + o) + after_backward(p)
+            })
             .collect(),
     );
 
@@ -477,7 +640,41 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         exposed_comm_s: (last_finish - backward_end).max(0.0),
         lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
         launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
+        gathers,
+        exposed_gather_s: mean(waited),
     })
+}
+
+/// A collective of the replayed step, as the comm stream runs them.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    /// The bucket of that index.
+    Bucket(usize),
+    /// The parameter gather of that index (rank 0's list).
+    Gather(usize),
+}
+
+/// One rank's recorded gather on rank 0's clock.
+struct RecordedGather {
+    issued: f64,
+    /// When the compute needed it (`None`: an unused prefetch).
+    needed: Option<f64>,
+    /// When the compute went on (it had the parameters); never for an unused prefetch.
+    resumed: f64,
+    /// What the compute waited for it.
+    waited: f64,
+}
+
+impl RecordedGather {
+    fn new(g: &super::GatherProfile, offset: f64) -> RecordedGather {
+        let needed = g.needed_s.map(|t| t - offset);
+        RecordedGather {
+            issued: g.issued_s - offset,
+            needed,
+            resumed: needed.map_or(f64::INFINITY, |t| t.max(g.finish_s - offset)),
+            waited: g.waited_s(),
+        }
+    }
 }
 
 /// The policy a profile was recorded under and how its collectives are costed; one line when
@@ -491,7 +688,7 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
             None => Err(format!(
                 "the profile was recorded under policy '{}', which declares no wire model (ReducerPolicy::wire_model): \
                  the overlap model cannot cost its collectives; replay a profile of allreduce, fp16, bf16, powersgd, \
-                 zero1 or zero2",
+                 zero1, zero2 or zero3",
                 p.name
             )),
         },

@@ -2,6 +2,7 @@
 //! its optimizer reads, the step that just ran, and what it reports back (memory, diagnostics).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use brigade_autograd::{GradSubscriber, Optimizer, ScopeHooks, Var};
 use brigade_tensor::{DType, Device, Tensor};
@@ -172,6 +173,50 @@ pub trait ParamHooks: ScopeHooks + GradSubscriber {
     fn gather_all(&self) -> Result<()>;
     /// Frees what [`ParamHooks::gather_all`] gathered.
     fn release_all(&self) -> Result<()>;
+    /// The gathers of the last pass whose backward finished (its forward's and its backward's),
+    /// in the order they were issued: what a step profile records. The default: none.
+    fn gathers(&self) -> Vec<GatherTimes> {
+        vec![]
+    }
+}
+
+/// Which pass a parameter gather served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatherPhase {
+    /// Before the unit's forward.
+    Forward,
+    /// Before the unit's backward.
+    Backward,
+}
+
+/// One all-gather of a unit's parameters as it ran ([`ParamHooks::gathers`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatherTimes {
+    /// The unit (its scope: `blocks.0`).
+    pub unit: String,
+    /// Bytes of the gathered buffer (every rank's shard, padding included).
+    pub bytes: usize,
+    /// The pass it served.
+    pub phase: GatherPhase,
+    /// When it was issued on the comm stream (before `needed` when prefetched).
+    pub issued: Instant,
+    /// When the compute needed it (the scope was entered, backward reached the unit); `None`:
+    /// prefetched and never used (dropped at the end of the pass).
+    pub needed: Option<Instant>,
+    /// When it ran on the link (first start, last finish).
+    pub ran: Option<(Instant, Instant)>,
+}
+
+impl GatherTimes {
+    /// What the compute waited for it, in seconds: from when it was needed to when it
+    /// finished (0 when prefetched in time, or never used).
+    pub fn waited_s(&self) -> f64 {
+        match (self.needed, self.ran) {
+            (Some(needed), Some((_, finished))) => finished.saturating_duration_since(needed).as_secs_f64(),
+            _ => 0.0,
+        }
+    }
 }
 
 /// Something a policy wants its caller to know about the run so far (a sweep row and a run's

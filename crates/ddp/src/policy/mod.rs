@@ -51,8 +51,8 @@ use serde::{Deserialize, Serialize};
 pub use bucket::{bucket_tag, BucketLayout, BucketParam, PerBucket, PolicyBucket, Reduction};
 pub(crate) use context::BucketSource;
 pub use context::{
-    BucketSpan, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamHooks, ParamInfo, PolicyContext,
-    PolicyDiagnostic, PolicyMemory, StepContext,
+    BucketSpan, Buckets, BuildOptimizer, GatherPhase, GatherTimes, HeldGrad, OptimizerContext, ParamHooks, ParamInfo,
+    PolicyContext, PolicyDiagnostic, PolicyMemory, StepContext,
 };
 pub use param_state::ParamState;
 
@@ -270,4 +270,9 @@ pub enum WireModel {
     /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
     /// span holds them).
     ReduceScatter,
+    /// ZeRO-3: each unit is one (padded) bucket, reduce-scattered in f32 as its backward ends
+    /// (the units fix the buckets, whatever the caps); each unit's parameters are all-gathered
+    /// before its forward and again before its backward (the step profile's `gathers`), on the
+    /// same comm stream, and the unit's compute waits for its gather.
+    Zero3,
 }

@@ -30,6 +30,7 @@ fn profile() -> StepProfile {
         step_end_s: 0.011,
         grad_ready_s: vec![0.010, 0.001],
         buckets: vec![],
+        gathers: vec![],
     };
     StepProfile {
         version: PROFILE_VERSION,
@@ -127,7 +128,7 @@ fn train(tune: bool, recorder: &Recorder) -> Vec<(Vec<Vec<Vec<String>>>, Vec<(us
             let t = Instant::now();
             opt.step().unwrap();
             if tune {
-                let mine = RankProfile::from_pass(rank, t0, &ddp.last_pass(), (t, Instant::now()), Instant::now());
+                let mine = RankProfile::from_pass(rank, t0, &ddp.last_pass(), &[], (t, Instant::now()), Instant::now());
                 if let Some(d) = tuner.observe(&ddp, step, mine).unwrap() {
                     decisions.push((d.after_step, d.changed));
                 }

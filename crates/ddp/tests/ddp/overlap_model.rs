@@ -39,6 +39,7 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         step_end_s: backward_end + 0.001,
         grad_ready_s: params.iter().map(|p| p.1).collect(),
         buckets: vec![],
+        gathers: vec![],
     };
     StepProfile {
         version: PROFILE_VERSION,
@@ -588,4 +589,85 @@ fn a_measured_link_is_fitted_to_what_each_recorded_bucket_sent() {
         1e-6,
         "bucket 1",
     );
+}
+
+/// ZeRO-3 on two identical ranks: one unit `u` of one 1 MiB parameter. Its forward gather is
+/// issued and needed at 0 and finishes at 2 ms; the forward computes until 5 ms, where backward
+/// gathers `u` again (needed at once, finished at 7 ms); the gradient is ready at 10 ms, when
+/// backward ends, and its reduce-scatter runs 10–12 ms; the optimizer runs 12–13 ms.
+fn zero3_profile() -> StepProfile {
+    use brigade_ddp::overlap::{GatherProfile, WireModel};
+    use brigade_ddp::policy::GatherPhase;
+    let mut p = under(
+        profile(&[(MIB, 0.010)], 0.010),
+        "zero3",
+        Some(WireModel::Zero3),
+        &[&[MIB / 4]],
+    );
+    let gather = |phase, at: f64| GatherProfile {
+        unit: "u".into(),
+        bytes: MIB,
+        phase,
+        issued_s: at,
+        needed_s: Some(at),
+        start_s: at,
+        finish_s: at + 0.002,
+    };
+    for r in &mut p.ranks {
+        r.backward_start_s = 0.005;
+        r.optimizer_start_s = 0.012;
+        r.optimizer_end_s = 0.013;
+        r.step_end_s = 0.013;
+        r.buckets = vec![BucketProfile {
+            params: vec![0],
+            bytes: MIB,
+            wire_bytes: Some(MIB as f64 / 2.0),
+            ready_s: 0.010,
+            launch_s: 0.010,
+            start_s: 0.010,
+            finish_s: 0.012,
+        }];
+        r.gathers = vec![gather(GatherPhase::Forward, 0.0), gather(GatherPhase::Backward, 0.005)];
+    }
+    p
+}
+
+#[test]
+fn a_zero3_step_replays_its_gathers_and_moves_the_compute_that_waits_for_them() {
+    let p = zero3_profile();
+    assert!((p.gather_waited_s() - 0.004).abs() < 1e-12);
+    let at = |link: NetModel| {
+        let c = ReplayConfig {
+            link: LinkCost::Ring(link),
+            ..cfg(25.0, 1.0)
+        };
+        replay_with(&p, &c, LaunchOverhead::default()).unwrap()
+    };
+    // On the link the step had (1 ms + 0.5 MiB / B = 2 ms: B = 500 MiB/s) the replay is the
+    // recorded step: 13 ms, 4 ms of it waiting for the gathers.
+    let recorded = at(NetModel {
+        latency: Duration::from_millis(1),
+        bandwidth_bytes_per_s: (500 * MIB) as f64,
+    });
+    close(recorded.predicted_step_s, 0.013, "the recorded step");
+    close(recorded.exposed_gather_s, 0.004, "the recorded wait");
+    close(recorded.compute_step_s, 0.007, "the step without communication");
+    assert_eq!(recorded.gathers.len(), 2);
+    // On the 1 ms, 1 GiB/s link each collective takes g = 1 ms + 0.5 MiB / 1 GiB/s. The forward
+    // waits g (not 2 ms), so backward reaches `u` at 3 ms + g, waits g, the gradient is ready at
+    // 6 ms + 2g and its reduce-scatter finishes at 6 ms + 3g: the step is 7 ms + 3g. With the
+    // gathers left out it would be the recorded compute plus the bucket: 11 ms + g.
+    let g = 0.001 + 0.5 / 1024.0;
+    let fast = at(link());
+    close(fast.exposed_gather_s, 2.0 * g, "the wait on the faster link");
+    close(fast.gathers[1].issued_s, 0.003 + g, "backward's gather");
+    close(fast.buckets[0].finish_s, 0.006 + 3.0 * g, "the bucket");
+    close(fast.predicted_step_s, 0.007 + 3.0 * g, "the step on the faster link");
+    // a slower link: a longer step, more of it waiting for the gathers
+    let slow = at(NetModel {
+        latency: Duration::from_millis(1),
+        bandwidth_bytes_per_s: (64 * MIB) as f64,
+    });
+    assert!(slow.predicted_step_s > recorded.predicted_step_s);
+    assert!(slow.exposed_gather_s > recorded.exposed_gather_s);
 }

@@ -31,12 +31,13 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, Optimizer, ScopeHooks, SubscriberError, Var};
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketLayout, BuildOptimizer, Collectives, OptimizerContext, ParamHooks, PolicyBucket, PolicyContext, PolicyMemory,
-    ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
+    BucketLayout, BuildOptimizer, Collectives, GatherPhase, GatherTimes, OptimizerContext, ParamHooks, PolicyBucket,
+    PolicyContext, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
 };
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Tensor};
@@ -93,8 +94,16 @@ struct Gather {
     last_peak: usize,
     /// The first error a hook met (hooks return none): the next backward event returns it.
     error: Option<DdpError>,
-    /// Gathers issued ahead of their unit (prefetch), in issue order.
-    in_flight: VecDeque<(usize, TensorWork<Tensor>)>,
+    /// Gathers issued ahead of their unit (prefetch), in issue order, each with its entry in
+    /// `log`.
+    in_flight: VecDeque<(usize, TensorWork<Tensor>, usize)>,
+    /// The gathers since the last backward ended or the optimizer stepped, in issue order: the
+    /// pass under way's.
+    log: Vec<GatherTimes>,
+    /// Between a backward's start and its end (a recompute's gathers serve the backward).
+    in_backward: bool,
+    /// The gathers of the last pass whose backward finished.
+    last_log: Vec<GatherTimes>,
     /// How many units ahead a gather is issued (0: none).
     prefetch: usize,
     /// The most bytes of prefetched parameters in flight at once.
@@ -140,17 +149,23 @@ impl Gather {
         })
     }
 
-    /// All-gathers unit `u`'s shards and puts each parameter's values back under its tensor.
-    fn gather(&mut self, u: usize) -> Result<()> {
+    /// All-gathers unit `u`'s shards for `phase` and puts each parameter's values back under
+    /// its tensor.
+    fn gather(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         if self.units[u].gathered {
             return Ok(());
         }
-        if !self.in_flight.iter().any(|(v, _)| *v == u) {
-            self.issue(u)?;
+        let needed = Instant::now();
+        if !self.in_flight.iter().any(|(v, _, _)| *v == u) {
+            self.issue(u, phase)?;
         }
-        let at = self.in_flight.iter().position(|(v, _)| *v == u).expect("issued");
-        let (_, work) = self.in_flight.remove(at).expect("in flight");
-        let full = work.wait()?;
+        let at = self.in_flight.iter().position(|(v, _, _)| *v == u).expect("issued");
+        let (_, work, entry) = self.in_flight.remove(at).expect("in flight");
+        let (full, timing) = work.wait_timed()?;
+        if let Some(times) = self.log.get_mut(entry) {
+            times.needed = Some(needed);
+            times.ran = Some((timing.started, timing.finished));
+        }
         let unit = &self.units[u];
         let mut offset = 0;
         for &p in &unit.params {
@@ -164,15 +179,25 @@ impl Gather {
         Ok(())
     }
 
-    /// Issues unit `u`'s all-gather on the comm stream (its bytes count as gathered from now).
-    fn issue(&mut self, u: usize) -> Result<()> {
+    /// Issues unit `u`'s all-gather for `phase` on the comm stream (its bytes count as gathered
+    /// from now), logged in the pass under way.
+    fn issue(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         let comm = self.comm.clone().expect("active");
         let unit = &self.units[u];
         let shard = unit.shard.clone().expect("cut when the optimizer was built");
         // into a buffer of our own: `all_gather` would consume the shard's storage
         let full = Tensor::zeros_on(&[comm.world_size() * shard.numel()], DType::F32, shard.device())?;
+        let phase = if self.in_backward { GatherPhase::Backward } else { phase };
+        self.log.push(GatherTimes {
+            unit: unit.name.clone(),
+            bytes: full.numel() * DType::F32.size_in_bytes(),
+            phase,
+            issued: Instant::now(),
+            needed: None,
+            ran: None,
+        });
         let work = comm.all_gather_into(&shard, &full, &format!("zero3.gather.{}", unit.name));
-        self.in_flight.push_back((u, work));
+        self.in_flight.push_back((u, work, self.log.len() - 1));
         self.live += self.unit_bytes(u);
         self.peak = self.peak.max(self.live);
         Ok(())
@@ -185,7 +210,7 @@ impl Gather {
     /// Issues the gathers of the next `prefetch` units after `u` in the pass's order (`step`:
     /// -1 in forward, the units' order; +1 in backward) that are neither gathered, in flight nor
     /// done, while the bytes in flight stay within the cap.
-    fn prefetch_after(&mut self, u: usize, step: isize) -> Result<()> {
+    fn prefetch_after(&mut self, u: usize, step: isize, phase: GatherPhase) -> Result<()> {
         let mut next = u as isize;
         for _ in 0..self.prefetch {
             next += step;
@@ -194,14 +219,14 @@ impl Gather {
             }
             let v = next as usize;
             let unit = &self.units[v];
-            if unit.gathered || unit.done || self.in_flight.iter().any(|(w, _)| *w == v) {
+            if unit.gathered || unit.done || self.in_flight.iter().any(|(w, _, _)| *w == v) {
                 continue;
             }
-            let in_flight: usize = self.in_flight.iter().map(|(w, _)| self.unit_bytes(*w)).sum();
+            let in_flight: usize = self.in_flight.iter().map(|(w, _, _)| self.unit_bytes(*w)).sum();
             if in_flight + self.unit_bytes(v) > self.prefetch_cap {
                 return Ok(());
             }
-            self.issue(v)?;
+            self.issue(v, phase)?;
         }
         Ok(())
     }
@@ -209,10 +234,15 @@ impl Gather {
     /// Waits for the gathers still in flight and drops them (a pass ended without using them).
     fn drain(&mut self) -> Result<()> {
         let mut first = Ok(());
-        while let Some((u, work)) = self.in_flight.pop_front() {
+        while let Some((u, work, entry)) = self.in_flight.pop_front() {
             self.live -= self.unit_bytes(u);
-            if let Err(e) = work.wait() {
-                first = first.and(Err(e));
+            match work.wait_timed() {
+                Ok((_, timing)) => {
+                    if let Some(times) = self.log.get_mut(entry) {
+                        times.ran = Some((timing.started, timing.finished));
+                    }
+                }
+                Err(e) => first = first.and(Err(e)),
             }
         }
         first
@@ -266,8 +296,8 @@ impl ScopeHooks for Gatherer {
             };
             g.units[u].entered = true;
             if g.active() {
-                g.gather(u)?;
-                g.prefetch_after(u, -1)?;
+                g.gather(u, GatherPhase::Forward)?;
+                g.prefetch_after(u, -1, GatherPhase::Forward)?;
             }
             Ok(())
         });
@@ -293,6 +323,7 @@ impl GradSubscriber for Gatherer {
         if g.comm.is_none() {
             return Ok(());
         }
+        g.in_backward = true;
         if g.probing {
             // the units stay gathered from the whole parameters; each is freed when its
             // backward ends, as in every later pass
@@ -318,8 +349,8 @@ impl GradSubscriber for Gatherer {
                 return Ok(());
             };
             if g.active() && !g.units[u].done && !g.units[u].gathered {
-                g.gather(u)?;
-                g.prefetch_after(u, 1)?;
+                g.gather(u, GatherPhase::Backward)?;
+                g.prefetch_after(u, 1, GatherPhase::Backward)?;
             }
             Ok(())
         });
@@ -350,11 +381,21 @@ impl GradSubscriber for Gatherer {
         if g.active() {
             g.release_all()?;
         }
+        g.in_backward = false;
+        g.last_log = std::mem::take(&mut g.log);
         Ok(())
     }
 
     fn backward_aborted(&self) {
-        self.record(|g| if g.active() { g.release_all() } else { Ok(()) });
+        self.record(|g| {
+            g.in_backward = false;
+            g.log.clear();
+            if g.active() {
+                g.release_all()
+            } else {
+                Ok(())
+            }
+        });
     }
 }
 
@@ -367,7 +408,9 @@ impl ParamHooks for Gatherer {
         if !g.active() {
             return Ok(());
         }
-        (0..g.units.len()).try_for_each(|u| g.gather(u))?;
+        (0..g.units.len()).try_for_each(|u| g.gather(u, GatherPhase::Forward))?;
+        // not a pass's: a step profile does not record them
+        g.log.clear();
         g.summoned = true;
         Ok(())
     }
@@ -379,6 +422,10 @@ impl ParamHooks for Gatherer {
         }
         g.summoned = false;
         g.release_all()
+    }
+
+    fn gathers(&self) -> Vec<GatherTimes> {
+        self.lock().last_log.clone()
     }
 }
 
@@ -428,6 +475,9 @@ impl Zero3 {
                     last_peak: 0,
                     error: None,
                     in_flight: VecDeque::new(),
+                    log: vec![],
+                    in_backward: false,
+                    last_log: vec![],
                     prefetch: 1,
                     prefetch_cap: DEFAULT_PREFETCH_CAP_BYTES,
                 }),
@@ -617,12 +667,13 @@ impl ReducerPolicy for Zero3 {
         }
         // a gather issued before the step holds the old values
         g.drain()?;
+        g.log.clear();
         g.last_peak = g.peak;
         g.peak = g.live;
         Ok(())
     }
 
     fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
-        None
+        Some(WireModel::Zero3)
     }
 }
