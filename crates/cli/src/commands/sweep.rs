@@ -116,7 +116,14 @@ fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
 pub fn sweep(mut s: SweepArgs) -> Result<()> {
     // first: a signal from here on stops the sweep (at once while its first run starts)
     let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(StopOnSignal::install());
-    s.run.take_old_spellings();
+    if let [entry] = &s.policy[..] {
+        // one policy and several caps: the caps' sweep, under that policy
+        if s.run.fixed_caps()?.len() > 1 {
+            let entry = entry.clone();
+            s.run.set_policy(&entry)?;
+            s.policy.clear();
+        }
+    }
     if !s.policy.is_empty() {
         return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
     }

@@ -20,6 +20,7 @@ mod overlap;
 mod overlap_tuning;
 mod policies;
 mod policy_bytes;
+mod policy_flag;
 mod policy_resume;
 mod precision;
 mod recipes;
