@@ -233,8 +233,8 @@ fi
 # stream) must interleave with backward on the GPU clock
 POLICY_GPT=(--model gpt --steps 6 --seed 3 --optimizer sgd --lr 0.05 --momentum 0 --device cuda --world-size 1
   --batch-size 16 --bucket-mb 1 --first-bucket-mb 1 --quiet)
-POLICIES=("fp16:--comm-hook fp16" "bf16:--comm-hook bf16"
-  "powersgd:--comm-hook powersgd --powersgd-rank 1 --powersgd-start-iter 2" "zero1:--zero 1" "zero2:--zero 2")
+POLICIES=("fp16:--policy fp16" "bf16:--policy bf16"
+  "powersgd:--policy powersgd --powersgd-rank 1 --powersgd-start-iter 2" "zero1:--zero 1" "zero2:--zero 2")
 for entry in "${POLICIES[@]}"; do
   name=${entry%%:*}
   read -r -a flags <<<"${entry#*:}"

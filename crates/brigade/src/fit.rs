@@ -92,7 +92,7 @@ pub fn fit<D: DataSource>(
     let timeline = match (&launch_cfg.recorder, train.last_step()) {
         (Some(rec), Some(step)) => Some(StepTimeline {
             step,
-            events: gathered.unwrap_or_else(|| rec.step_events(step)),
+            events: gathered.unwrap_or_else(|| rec.events_during(&brigade_ddp::Phase::Step(step).kind())),
             origin: rec.origin(),
         }),
         _ => None,

@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{all_gather_bytes, Communicator, Event, EventKind, Recorder, Stamp, Track};
+use brigade_ddp::Phase;
 
 use crate::error::{Error, Result};
 
@@ -59,13 +60,13 @@ fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<Event> {
 /// clock; every rank must call it. `comm` should be the bare communicator (not traced).
 pub fn gather_step_events(comm: &dyn Communicator, recorder: &Recorder, step: usize) -> Result<Vec<Event>> {
     let events: Vec<Event> = recorder
-        .step_events(step)
+        .events_during(&Phase::Step(step).kind())
         .into_iter()
         .filter(|e| e.rank == comm.rank())
         .collect();
     let t0 = events
         .iter()
-        .find(|e| e.kind == EventKind::Step(step))
+        .find(|e| e.kind == Phase::Step(step).kind())
         .and_then(|e| e.start)
         .map(|s| s.at)
         .unwrap_or_else(Instant::now);
@@ -92,8 +93,8 @@ mod tests {
             // One recorder per rank, as with one process per rank.
             let rec = Recorder::new();
             let rank = comm.rank();
-            let step = rec.begin(rank, EventKind::Step(4));
-            rec.span(rank, EventKind::backward(Some("layers.1")));
+            let step = rec.begin(rank, Phase::Step(4).kind());
+            rec.span(rank, Phase::backward(Some("layers.1")).kind());
             let c = rec.comm_issued(rank, "all_reduce", "bucket0", 8, Some(0));
             rec.comm_started(c, Instant::now());
             rec.comm_finished(c, Instant::now(), None);
@@ -104,17 +105,24 @@ mod tests {
             let events = events.unwrap();
             assert_eq!(events.len(), 6, "{events:#?}");
             for rank in 0..2 {
-                let mine: Vec<&EventKind> = events.iter().filter(|e| e.rank == rank).map(|e| &e.kind).collect();
+                let mine: Vec<EventKind> = events
+                    .iter()
+                    .filter(|e| e.rank == rank)
+                    .map(|e| e.kind.clone())
+                    .collect();
                 assert_eq!(
                     mine,
                     [
-                        &EventKind::Step(4),
-                        &EventKind::backward(Some("layers.1")),
-                        &EventKind::Collective { bucket: Some(0) }
+                        Phase::Step(4).kind(),
+                        Phase::backward(Some("layers.1")).kind(),
+                        EventKind::Collective { tag: Some(0) }
                     ]
                 );
             }
-            let bucket = events.iter().find(|e| e.kind.bucket() == Some(0)).unwrap();
+            let bucket = events
+                .iter()
+                .find(|e| brigade_ddp::bucket_of(&e.kind) == Some(0))
+                .unwrap();
             assert_eq!(
                 (bucket.track, bucket.name.as_str(), bucket.bytes),
                 (Track::Comm, "bucket0", 8)

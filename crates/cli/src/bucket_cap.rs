@@ -137,7 +137,7 @@ impl RunArgs {
             ));
         }
         if self.distributed.comm_hook == CommHookName::Powersgd {
-            return bad("--bucket-mb auto regroups the buckets mid-run, and --comm-hook powersgd keeps state per bucket: give a fixed --bucket-mb".into());
+            return bad("--bucket-mb auto regroups the buckets mid-run, and --policy powersgd keeps state per bucket: give a fixed --bucket-mb".into());
         }
         if a.autotune_every == Some(0) {
             return bad("--autotune-every must be at least 1 (steps between checks)".into());

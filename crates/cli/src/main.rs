@@ -19,6 +19,7 @@ mod run;
 mod sent;
 mod signal;
 
+use args::say_old_spellings;
 use commands::{bench, plan, predict, sample, sweep, sweep_args, tokenize, train};
 
 // Collectives' buffers (DDP's buckets) can live in memory the node's other processes map, so
@@ -101,8 +102,14 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Train(t) => train::train(*t),
-        Command::Sweep(s) => sweep::sweep(*s),
+        Command::Train(mut t) => {
+            let notes = t.run.take_old_spellings();
+            train::train(*t).inspect(|()| say_old_spellings(&notes))
+        }
+        Command::Sweep(mut s) => {
+            let notes = s.run.take_old_spellings();
+            sweep::sweep(*s).inspect(|()| say_old_spellings(&notes))
+        }
         Command::Predict(p) => predict::predict(*p),
         Command::Plan(p) => plan::run_plan(*p),
         Command::Sample(s) => sample::sample(*s),

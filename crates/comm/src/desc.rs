@@ -191,7 +191,7 @@ mod tests {
             OpKind::Barrier,
         ];
         for (i, kind) in kinds.into_iter().enumerate() {
-            let d = OpDesc::new(i as u64 + 7, kind, Some(DType::BF16), 1 << 33, "bucket 3");
+            let d = OpDesc::new(i as u64 + 7, kind, Some(DType::BF16), 1 << 33, "grad 3");
             assert_eq!(OpDesc::decode(&d.encode()), Some(d));
         }
         let barrier = OpDesc::new(0, OpKind::Barrier, None, 0, "");

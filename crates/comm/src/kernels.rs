@@ -122,7 +122,7 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
         // One tile as fixed-size arrays: the compiler then keeps it in vector registers without
         // a length check per element (4.5x faster in cache than a loop bounded by
         // `min(16, hi - i)`, 2.6x at 16 MiB, on the AMD EPYC of BENCHMARKS.md).
-        let step = |xa: &[E; PAIR_TILE], xb: &[E; PAIR_TILE]| {
+        let pair = |xa: &[E; PAIR_TILE], xb: &[E; PAIR_TILE]| {
             let mut x = [0f32; PAIR_TILE];
             for k in 0..PAIR_TILE {
                 x[k] = combine(xa[k].to_f32(), xb[k].to_f32());
@@ -133,7 +133,7 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
         while i + PAIR_TILE <= hi {
             // SAFETY: `i + PAIR_TILE <= hi`; the views of the sources end with `step`, before
             // anything is written.
-            let x = unsafe { step(&*a.add(i).cast(), &*b.add(i).cast()) };
+            let x = unsafe { pair(&*a.add(i).cast(), &*b.add(i).cast()) };
             for d in dsts {
                 // SAFETY: as above.
                 unsafe { store(d.add(i), &x, PAIR_TILE) };
@@ -144,7 +144,7 @@ unsafe fn pair<E: Element, O: Element, const M: usize>(
             // The last, shorter tile through padded copies (the padding is never written out).
             let n = hi - i;
             // SAFETY: `i + n == hi`; the copies are taken before anything is written.
-            let x = unsafe { step(&pad(a.add(i), n), &pad(b.add(i), n)) };
+            let x = unsafe { pair(&pad(a.add(i), n), &pad(b.add(i), n)) };
             for d in dsts {
                 // SAFETY: as above.
                 unsafe { store(d.add(i), &x, n) };

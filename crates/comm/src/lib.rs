@@ -68,5 +68,7 @@ pub use stream::{CommStream, Transport};
 pub use thread::{
     run_on_threads, run_on_threads_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT,
 };
-pub use trace::{chrome_trace, reducing_bucket, Event, EventKind, Recorder, SpanGuard, SpanId, Stamp, Traced, Track};
+pub use trace::{
+    chrome_trace, tagging_collectives, Event, EventKind, Recorder, SpanGuard, SpanId, Stamp, Traced, Track,
+};
 pub use work::{OpTiming, Promise, Work, WorkEvent};

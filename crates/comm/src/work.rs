@@ -226,35 +226,35 @@ impl<T> Work<T> {
 }
 
 impl<T: Send + 'static> Work<T> {
-    /// Chains `step` after this work without blocking the caller (PyTorch's
-    /// `torch.futures.Future.then`): the returned work completes with `step(value)` once this one
-    /// succeeded, or with this one's error. `step` runs on the thread that completes this work
+    /// Chains `next` after this work without blocking the caller (PyTorch's
+    /// `torch.futures.Future.then`): the returned work completes with `next(value)` once this one
+    /// succeeded, or with this one's error. `next` runs on the thread that completes this work
     /// (the comm stream's), so keep it short: decompress, divide, copy. The chained work keeps
-    /// this one's start and tag; its finish is when `step` returned.
-    pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
+    /// this one's start and tag; its finish is when `next` returned.
+    pub fn then<U: Send + 'static>(self, next: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
         self.on_complete(move |result, timing| {
             promise.start_at(timing.started);
-            promise.complete(result.and_then(step));
+            promise.complete(result.and_then(next));
         });
         outer
     }
 
     /// Chains a second collective after this one (`torch.futures.Future.then` returning a
-    /// future): once this work succeeded, `step(value)` issues the next collective, and the
-    /// returned work completes with that one's result (or with the first error). `step` runs on
-    /// the thread that completes this work. Collectives issued by `step` join the comm stream
+    /// future): once this work succeeded, `next(value)` issues the next collective, and the
+    /// returned work completes with that one's result (or with the first error). `next` runs on
+    /// the thread that completes this work. Collectives issued by `next` join the comm stream
     /// after everything issued before it: to keep the same order on every rank, issue nothing
-    /// else meanwhile that could interleave (see the DDP hooks, which chain bucket after bucket).
+    /// else meanwhile that could interleave.
     pub fn and_then<U: Send + 'static>(
         self,
-        step: impl FnOnce(T) -> Result<Work<U>, CommError> + Send + 'static,
+        next: impl FnOnce(T) -> Result<Work<U>, CommError> + Send + 'static,
     ) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
         self.on_complete(move |result, timing| {
             promise.start_at(timing.started);
-            match result.and_then(step) {
-                Ok(next) => next.on_complete(move |result, _| promise.complete(result)),
+            match result.and_then(next) {
+                Ok(chained) => chained.on_complete(move |result, _| promise.complete(result)),
                 Err(e) => promise.complete(Err(e)),
             }
         });

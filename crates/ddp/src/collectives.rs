@@ -31,7 +31,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{
-    all_gather_with_side, reducing_bucket, Buffer, CommError, CommMeter, Communicator, OpTiming, ReduceOp, RingOp, Work,
+    all_gather_with_side, tagging_collectives, Buffer, CommError, CommMeter, Communicator, OpTiming, ReduceOp, RingOp,
+    Work,
 };
 use brigade_tensor::{DType, Device, Storage, Tensor};
 
@@ -294,7 +295,7 @@ impl Collectives {
     fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn CollectiveBackend) -> T) -> T {
         self.meter.count(op, bytes, self.world_size());
         match self.bucket {
-            Some(index) => reducing_bucket(index, || f(self.backend.as_ref())),
+            Some(index) => tagging_collectives(index, || f(self.backend.as_ref())),
             None => f(self.backend.as_ref()),
         }
     }

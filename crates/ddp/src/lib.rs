@@ -24,6 +24,7 @@ mod ddp;
 mod error;
 mod memory;
 pub mod overlap;
+mod phase;
 pub mod policy;
 mod reducer;
 mod signature;
@@ -33,6 +34,7 @@ pub use bucket::assign_buckets;
 pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
 pub use memory::MemoryReport;
+pub use phase::{bucket_of, Phase};
 pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
 pub use reducer::{PassBucket, PassTimes};
 

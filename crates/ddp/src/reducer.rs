@@ -24,6 +24,7 @@ use brigade_tensor::{DType, Device, Tensor};
 
 use crate::bucket::{assign_buckets, Bucket, Held};
 use crate::collectives::Collectives;
+use crate::phase::Phase;
 use crate::policy::{BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy};
 use crate::stream::{BucketStream, Failed, Landing, ReadyBucket};
 use crate::{DdpConfig, DdpError, Result};
@@ -492,7 +493,7 @@ impl Reducer {
         let span = self
             .recorder
             .as_ref()
-            .map(|r| r.begin(self.comm.rank(), EventKind::WaitForBuckets));
+            .map(|r| r.begin(self.comm.rank(), Phase::WaitForBuckets.kind()));
         let mut first_err = None;
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             let Some(in_flight) = bucket.work.take() else { continue };
@@ -803,7 +804,7 @@ impl GradSubscriber for Reducer {
     fn node_backward(&self, scope: Option<&str>, _op: &str) {
         let Some(rec) = &self.recorder else { return };
         let mut st = self.lock();
-        let kind = EventKind::backward(scope);
+        let kind = Phase::backward(scope).kind();
         if st.span.as_ref().is_some_and(|(k, _)| *k == kind) {
             return;
         }

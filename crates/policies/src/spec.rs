@@ -1,4 +1,4 @@
-//! [`PolicySpec`]: a reducer policy by name — what `--comm-hook`, `--zero`, `sweep --policy`,
+//! [`PolicySpec`]: a reducer policy by name — what `train --policy` (or `--zero`), `sweep --policy`,
 //! step profiles, checkpoints and `--json` all spell the same way — and the [`Registry`] where a
 //! library user's own policies get a name.
 

@@ -15,9 +15,9 @@
 //! that every collective of the step has a partner on every rank.
 
 use brigade_autograd::{LrSchedule, Optimizer};
-use brigade_comm::{CommMeter, EventKind, SpanGuard};
+use brigade_comm::{CommMeter, SpanGuard};
 use brigade_ddp::overlap::{Autotuner, StepProfile};
-use brigade_ddp::DistributedDataParallel;
+use brigade_ddp::{DistributedDataParallel, Phase};
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
 use std::sync::Arc;
@@ -198,10 +198,10 @@ impl Trainer<'_> {
         &self.resume.changes
     }
 
-    /// A compute span of `kind` on the run's timeline, ended when the guard drops (`None`
+    /// A compute span of `phase` on the run's timeline, ended when the guard drops (`None`
     /// without a recorder).
-    fn span(&self, kind: EventKind) -> Option<SpanGuard> {
-        self.ctx.recorder.as_ref().map(|r| r.span(self.ctx.rank, kind))
+    fn span(&self, phase: Phase) -> Option<SpanGuard> {
+        self.ctx.recorder.as_ref().map(|r| r.span(self.ctx.rank, phase.kind()))
     }
 
     /// The run's observer, if any.

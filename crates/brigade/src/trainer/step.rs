@@ -4,9 +4,9 @@
 use std::time::Instant;
 
 use brigade_autograd::no_grad;
-use brigade_comm::{Buffer, CommBytes, Communicator, EventKind, ReduceOp};
+use brigade_comm::{Buffer, CommBytes, Communicator, ReduceOp};
 use brigade_ddp::overlap::{ProfileRun, RankProfile, StepInstants, StepProfile};
-use brigade_ddp::MemoryReport;
+use brigade_ddp::{MemoryReport, Phase};
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
 
@@ -54,7 +54,7 @@ impl Trainer<'_> {
             _ => None,
         };
         let sent_before = self.replica.meter.totals();
-        let step_span = self.span(EventKind::Step(s));
+        let step_span = self.span(Phase::Step(s));
         let lr = self.schedule.apply(self.replica.opt.as_mut(), s as u64);
         let (scale, skipped_before) = (self.replica.opt.loss_scale(), self.replica.opt.skipped_steps());
         let local_loss = self.forward_backward(has_data)?;
@@ -114,7 +114,7 @@ impl Trainer<'_> {
         self.replica.model.params().zero_grad()?;
         if !has_data {
             if let Some(ddp) = &self.replica.ddp {
-                let _span = self.span(EventKind::Other(JOIN_SPAN.into()));
+                let _span = self.span(Phase::Other(JOIN_SPAN.into()));
                 ddp.join()?;
             }
             return Ok(0.0);
@@ -126,7 +126,7 @@ impl Trainer<'_> {
             let batch = self.microbatch(j)?;
             let before = self.records.memory.live();
             let loss = {
-                let _span = self.span(EventKind::Forward);
+                let _span = self.span(Phase::Forward);
                 self.replica.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?
             };
             let held = self.records.memory.live().saturating_sub(before);
@@ -235,7 +235,7 @@ impl Trainer<'_> {
     /// The optimizer's update, in its timeline span; returns when it started and ended. Without
     /// DDP (ranks training apart) a rank without data has no gradient to step on.
     fn optimizer_step(&mut self, has_data: bool) -> Result<(Instant, Instant)> {
-        let _span = self.span(EventKind::Optimizer);
+        let _span = self.span(Phase::Optimizer);
         let start = Instant::now();
         if has_data || self.replica.ddp.is_some() {
             self.replica.opt.step()?;

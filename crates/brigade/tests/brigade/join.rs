@@ -10,6 +10,7 @@ use std::time::Duration;
 use brigade::comm::EventKind;
 use brigade::config::CheckpointConfig;
 use brigade::ddp::DdpConfig;
+use brigade::ddp::{bucket_of, Phase};
 use brigade::join::JoinMode;
 use brigade::launch::{run_ranks, LaunchConfig};
 use brigade::models::{Dataset, Mlp, MlpConfig, Model};
@@ -327,8 +328,8 @@ fn a_joined_rank_s_timeline_shows_its_shadow_collectives() {
     assert_eq!(tl.step, 4);
     let on =
         |rank: usize, f: &dyn Fn(&EventKind) -> bool| tl.events.iter().filter(|e| e.rank == rank && f(&e.kind)).count();
-    let join_span = |k: &EventKind| matches!(k, EventKind::Other(n) if n == JOIN_SPAN);
-    let bucket = |k: &EventKind| matches!(k, EventKind::Collective { bucket: Some(_) });
+    let join_span = |k: &EventKind| matches!(Phase::of(k), Some(Phase::Other(n)) if n == JOIN_SPAN);
+    let bucket = |k: &EventKind| bucket_of(k).is_some();
     assert_eq!(on(1, &join_span), 1, "rank 1 (joined at step 3) shows its join pass");
     assert_eq!(on(0, &join_span), 0, "rank 0 trains");
     assert!(on(1, &bucket) > 1, "rank 1 reduces every bucket in the others' place");

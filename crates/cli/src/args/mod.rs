@@ -496,12 +496,16 @@ pub struct DistributedArgs {
     /// Mark parameters that get no gradient as ready instead of failing.
     #[arg(long)]
     pub find_unused_parameters: bool,
-    /// How DDP reduces each gradient bucket (PyTorch's communication hooks): `allreduce` (f32),
-    /// `fp16` / `bf16` (divide, round to 16 bits, all-reduce half the bytes), `int8` (quantize
-    /// with error feedback, all-gather a quarter of the bytes), `powersgd` (low-rank, with
-    /// error feedback and warm start).
-    #[arg(long, value_enum, default_value_t = CommHookName::Allreduce)]
+    /// How DDP reduces each gradient bucket without ZeRO (set by `--policy`, or by the hidden
+    /// `--comm-hook`): `allreduce` (f32), `fp16` / `bf16` (divide, round to 16 bits, all-reduce
+    /// half the bytes), `int8` (quantize with error feedback, all-gather a quarter of the
+    /// bytes), `powersgd` (low-rank, with error feedback and warm start).
+    #[arg(skip = CommHookName::Allreduce)]
     pub comm_hook: CommHookName,
+    /// `--comm-hook`, a hidden spelling of the built-in policies of `--policy`
+    /// ([`RunArgs::take_old_spellings`] moves it to `comm_hook` and names the flag).
+    #[arg(long = "comm-hook", value_enum, value_name = "HOOK", hide = true)]
+    pub comm_hook_alias: Option<CommHookName>,
     /// PowerSGD: rank of the approximation (>= 1).
     #[arg(long, default_value_t = 1)]
     pub powersgd_rank: usize,
@@ -511,7 +515,8 @@ pub struct DistributedArgs {
     /// ZeRO stage: 0 plain DDP; 1 shards the optimizer state over the ranks (each bucket
     /// reduce-scattered, each rank steps its shard, parameters all-gathered); 2 also keeps only
     /// the rank's shard of the gradients; 3 also keeps only the rank's shard of the parameters,
-    /// gathered per block for its forward and again for its backward. Needs --comm-hook allreduce.
+    /// gathered per block for its forward and again for its backward. `--policy zero1|zero2|zero3`
+    /// is the same.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// Simulated network bandwidth in gigabits per second (e.g. 10 for 10GbE), 0.001 to 1e6.
@@ -552,6 +557,13 @@ pub struct RuntimeArgs {
     pub warmup: Option<usize>,
 }
 
+/// Says on stderr, one line each, the notes of [`RunArgs::take_old_spellings`].
+pub fn say_old_spellings(notes: &[String]) {
+    for note in notes {
+        eprintln!("note: {note}");
+    }
+}
+
 /// `--lr-schedule`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ScheduleFlag {
@@ -565,7 +577,7 @@ pub enum ScheduleFlag {
     Step,
 }
 
-/// `--comm-hook`.
+/// The bucket reductions of `--policy` that are not ZeRO (and of the hidden `--comm-hook`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum CommHookName {
     /// One f32 all-reduce averaging the bucket (the default).
@@ -581,18 +593,50 @@ pub enum CommHookName {
 }
 
 impl RunArgs {
-    /// Moves a value given under a hidden old spelling to its flag, saying the flag's name on
-    /// stderr (one line per spelling used).
-    pub fn take_old_spellings(&mut self) {
+    /// Moves a value given under a hidden old spelling to its flag, and returns a note per
+    /// spelling used, with the flag's name, for [`say_old_spellings`] (said once the command
+    /// succeeded, so that a refused run still says one line).
+    pub fn take_old_spellings(&mut self) -> Vec<String> {
+        let mut notes = vec![];
         if let Some(n) = self.runtime.warmup.take() {
             self.runtime.untimed_steps = n;
-            eprintln!(
-                "note: --warmup is spelled --untimed-steps (the steps left out of the timing; --warmup-steps is the learning rate's warmup)"
+            notes.push(
+                "--warmup is spelled --untimed-steps (the steps left out of the timing; --warmup-steps is the learning rate's warmup)".into(),
             );
         }
+        if let Some(hook) = self.distributed.comm_hook_alias.take() {
+            self.distributed.comm_hook = hook;
+            notes.push(format!(
+                "--comm-hook is spelled --policy (here --policy {})",
+                flag_name(&hook)
+            ));
+        }
+        notes
     }
 
-    /// The reducer policy these flags choose (`--zero` and `--comm-hook` together).
+    /// Sets the flags a policy spec stands for: the bucket reduction, `--zero` and, for
+    /// `powersgd:R[@START]`, `--powersgd-rank` and `--powersgd-start-iter`; `entry` is what
+    /// `--policy` was given.
+    pub fn set_policy(&mut self, entry: &str) -> Result<()> {
+        let spec = crate::policy::resolve(entry, self)?;
+        let d = &mut self.distributed;
+        match spec {
+            PolicySpec::AllReduce => d.comm_hook = CommHookName::Allreduce,
+            PolicySpec::Fp16 => d.comm_hook = CommHookName::Fp16,
+            PolicySpec::Bf16 => d.comm_hook = CommHookName::Bf16,
+            PolicySpec::Int8 => d.comm_hook = CommHookName::Int8,
+            PolicySpec::PowerSgd { rank, start_iter } => {
+                (d.comm_hook, d.powersgd_rank, d.powersgd_start_iter) = (CommHookName::Powersgd, rank, start_iter)
+            }
+            PolicySpec::Zero1 => d.zero = 1,
+            PolicySpec::Zero2 => d.zero = 2,
+            PolicySpec::Zero3 => d.zero = 3,
+            PolicySpec::User { .. } => return Err(Error::Usage(format!("--policy {entry}: not a built-in policy"))),
+        }
+        Ok(())
+    }
+
+    /// The reducer policy these flags choose (`--policy`, or `--zero` and `--comm-hook`).
     pub fn hook_spec(&self) -> PolicySpec {
         match (self.zero_stage(), self.distributed.comm_hook) {
             (ZeroStage::One, _) => PolicySpec::Zero1,

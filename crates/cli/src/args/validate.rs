@@ -22,7 +22,7 @@ impl RunArgs {
         if self.distributed.comm_hook != CommHookName::Powersgd
             && (self.distributed.powersgd_rank != 1 || self.distributed.powersgd_start_iter != 10)
         {
-            return bad("--powersgd-rank and --powersgd-start-iter are for --comm-hook powersgd".into());
+            return bad("--powersgd-rank and --powersgd-start-iter are for --policy powersgd".into());
         }
         if self.distributed.zero != 0 && self.distributed.comm_hook != CommHookName::Allreduce {
             return bad(format!(
@@ -216,7 +216,7 @@ impl RunArgs {
             };
             cfg.validate().map_err(|e| {
                 Error::Usage(format!(
-                    "--comm-hook powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
+                    "--policy powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
                 ))
             })?;
         }
@@ -401,9 +401,11 @@ mod tests {
     }
 
     fn flags(args: &[&str]) -> RunArgs {
-        Flags::try_parse_from(std::iter::once("brigade").chain(args.iter().copied()))
+        let mut run = Flags::try_parse_from(std::iter::once("brigade").chain(args.iter().copied()))
             .unwrap()
-            .run
+            .run;
+        run.take_old_spellings();
+        run
     }
 
     #[test]

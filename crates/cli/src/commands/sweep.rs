@@ -32,14 +32,18 @@ fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
     let mut buckets: Vec<usize> = events
         .iter()
         .filter(|e| e.rank == 0)
-        .filter_map(|e| e.kind.bucket())
+        .filter_map(|e| brigade::ddp::bucket_of(&e.kind))
         .collect();
     buckets.sort_unstable();
     buckets.dedup();
     buckets
         .into_iter()
         .filter_map(|b| {
-            let same = || events.iter().filter(move |e| e.kind.bucket() == Some(b));
+            let same = || {
+                events
+                    .iter()
+                    .filter(move |e| brigade::ddp::bucket_of(&e.kind) == Some(b))
+            };
             let joined = same().filter_map(|e| e.start).map(|s| s.at).max()?;
             let end = same().find(|e| e.rank == 0)?.end?.at;
             Some((b, end.saturating_duration_since(joined).as_secs_f64() * 1e3))
@@ -112,7 +116,14 @@ fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
 pub fn sweep(mut s: SweepArgs) -> Result<()> {
     // first: a signal from here on stops the sweep (at once while its first run starts)
     let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(StopOnSignal::install());
-    s.run.take_old_spellings();
+    if let [entry] = &s.policy[..] {
+        // one policy and several caps: the caps' sweep, under that policy
+        if s.run.fixed_caps()?.len() > 1 {
+            let entry = entry.clone();
+            s.run.set_policy(&entry)?;
+            s.policy.clear();
+        }
+    }
     if !s.policy.is_empty() {
         return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
     }
@@ -432,7 +443,7 @@ mod tests {
         // Tagged like a bucket but no bucket: not counted.
         comm(0, "bucket7", None, 20, 40);
         comm(1, "bucket7", None, 20, 40);
-        rec.compute_span(0, EventKind::Other("bucket3".into()), ms(0), ms(50));
+        rec.compute_span(0, EventKind::span("bucket3"), ms(0), ms(50));
         let events: Vec<Event> = rec.events();
         let times = bucket_times(&events);
         assert_eq!(times.iter().map(|(b, _)| *b).collect::<Vec<_>>(), [0, 1]);

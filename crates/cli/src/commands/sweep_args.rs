@@ -30,11 +30,11 @@ pub struct SweepArgs {
     /// machine's drift touches every cap alike; the table holds each cap's median and spread.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
-    /// Compare reducer policies at one bucket cap instead of bucket caps: a comma-separated
-    /// list of policy specs, allreduce, fp16, bf16, powersgd[:R[@START]], zero1, zero2, zero3 (a bare
-    /// powersgd is of --powersgd-rank; without @START PowerSGD starts at
-    /// --powersgd-start-iter). Writes policies.csv and policies.svg in --out (see
-    /// `policy_sweep.rs`).
+    /// The reducer policies, as a comma-separated list of the specs of `train --policy`
+    /// (allreduce, fp16, bf16, int8, powersgd[:R[@START]], zero1, zero2, zero3). Several: they
+    /// are compared at one bucket cap, and policies.csv and policies.svg are written in --out
+    /// (see `policy_sweep.rs`). One, with several --bucket-mb caps: the caps are swept under
+    /// that policy (one with one cap is a comparison of one row).
     #[arg(long, value_delimiter = ',', value_parser = parse_entry)]
     pub policy: Vec<String>,
 }

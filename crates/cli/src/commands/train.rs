@@ -22,10 +22,13 @@ use crate::signal::StopOnSignal;
 pub struct TrainArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// The reducer policy, as one spec: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd`,
-    /// `powersgd:R[@START]`, `zero1`, `zero2` (the same as --comm-hook, --zero and the
-    /// --powersgd-* flags it sets; not with --comm-hook or --zero).
-    #[arg(long, value_parser = crate::policy::parse_entry, conflicts_with_all = ["comm_hook", "zero"])]
+    /// How DDP reduces each gradient bucket and what the optimizer steps, as one spec (the
+    /// default `allreduce`): `allreduce` (f32), `fp16` / `bf16` (divide, round to 16 bits,
+    /// all-reduce half the bytes), `int8` (quantize with error feedback, all-gather a quarter of
+    /// the bytes), `powersgd[:R[@START]]` (low-rank with error feedback and warm start; a bare
+    /// powersgd is of --powersgd-rank, without @START it starts at --powersgd-start-iter),
+    /// `zero1`, `zero2`, `zero3` (the same as --zero; not with --zero).
+    #[arg(long, value_parser = crate::policy::parse_entry, conflicts_with_all = ["comm_hook_alias", "zero"])]
     pub policy: Option<String>,
     /// `auto`: choose the reducer policy, the bucket cap and activation checkpointing before
     /// training. One short profiled calibration run per policy family on this model, data and
@@ -111,30 +114,12 @@ fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, Stri
 }
 
 impl TrainArgs {
-    /// Sets the flags `--policy` stands for: `--comm-hook`, `--zero` and, for
-    /// `powersgd:R[@START]`, `--powersgd-rank` and `--powersgd-start-iter`.
+    /// Sets the flags `--policy` stands for ([`RunArgs::set_policy`]).
     pub fn take_policy(&mut self) -> Result<()> {
-        use crate::args::CommHookName;
-        use brigade::policies::PolicySpec;
-        let Some(entry) = self.policy.take() else {
-            return Ok(());
-        };
-        let spec = crate::policy::resolve(&entry, &self.run)?;
-        let d = &mut self.run.distributed;
-        match spec {
-            PolicySpec::AllReduce => d.comm_hook = CommHookName::Allreduce,
-            PolicySpec::Fp16 => d.comm_hook = CommHookName::Fp16,
-            PolicySpec::Bf16 => d.comm_hook = CommHookName::Bf16,
-            PolicySpec::Int8 => d.comm_hook = CommHookName::Int8,
-            PolicySpec::PowerSgd { rank, start_iter } => {
-                (d.comm_hook, d.powersgd_rank, d.powersgd_start_iter) = (CommHookName::Powersgd, rank, start_iter)
-            }
-            PolicySpec::Zero1 => d.zero = 1,
-            PolicySpec::Zero2 => d.zero = 2,
-            PolicySpec::Zero3 => d.zero = 3,
-            PolicySpec::User { .. } => return Err(Error::Usage(format!("--policy {entry}: not a built-in policy"))),
+        match self.policy.take() {
+            Some(entry) => self.run.set_policy(&entry),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Checks the flags before any work: numbers, combinations, and every output path.
@@ -361,7 +346,6 @@ const LOSSES_HEADER_SCALED: &str = "step,loss,lr,grad_norm,val_loss,scale";
 pub fn train(mut t: TrainArgs) -> Result<()> {
     // first: a signal at any point from here on stops the run (at once while it starts)
     let stop_on_signal = StopOnSignal::install();
-    t.run.take_old_spellings();
     let plan = match t.plan {
         Some(crate::plan_auto::PlanMode::Auto) => Some(crate::plan_auto::choose(
             &mut t.run,

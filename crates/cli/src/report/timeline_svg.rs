@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use brigade::ddp::Phase;
 use brigade_comm::{chrome_trace, Event, EventKind, Track};
 use plotters::prelude::*;
 
@@ -20,17 +21,19 @@ pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &st
 
 /// A span worth drawing: leaves only (not the enclosing step).
 fn drawable(e: &Event) -> bool {
-    e.kind.step().is_none()
+    !matches!(Phase::of(&e.kind), Some(Phase::Step(_)))
 }
 
 /// The chart colour of an event's kind.
 fn color_for(e: &Event) -> RGBColor {
-    match &e.kind {
-        EventKind::Collective { .. } => RGBColor(230, 126, 34),
-        EventKind::Forward => RGBColor(52, 152, 219),
-        EventKind::Optimizer => RGBColor(39, 174, 96),
-        EventKind::WaitForBuckets => RGBColor(160, 160, 160),
-        EventKind::Backward { scope } => {
+    if let EventKind::Collective { .. } = e.kind {
+        return RGBColor(230, 126, 34);
+    }
+    match Phase::of(&e.kind) {
+        Some(Phase::Forward) => RGBColor(52, 152, 219),
+        Some(Phase::Optimizer) => RGBColor(39, 174, 96),
+        Some(Phase::WaitForBuckets) => RGBColor(160, 160, 160),
+        Some(Phase::Backward { scope }) => {
             // backward spans alternate two purples so adjacent layers stay apart
             let n: usize = scope.as_deref().unwrap_or("").bytes().map(usize::from).sum();
             if n.is_multiple_of(2) {
@@ -39,7 +42,7 @@ fn color_for(e: &Event) -> RGBColor {
                 RGBColor(187, 143, 206)
             }
         }
-        EventKind::Step(_) | EventKind::Other(_) => RGBColor(120, 120, 120),
+        Some(Phase::Step(_) | Phase::Other(_)) | None => RGBColor(120, 120, 120),
     }
 }
 
@@ -154,8 +157,8 @@ fn render_gantt(svg: &mut String, path: &Path, events: &[Event], title: &str) ->
                 c.filled(),
             )))
             .map_err(|e| err(e.to_string()))?;
-        let label = match &e.kind {
-            EventKind::Backward { scope } => scope.as_deref().unwrap_or("loss").to_string(),
+        let label = match Phase::of(&e.kind) {
+            Some(Phase::Backward { scope }) => scope.unwrap_or_else(|| "loss".to_string()),
             _ => e.name.clone(),
         };
         // Every bucket is named (the comm lane is sparse, and the buckets are what a reader

@@ -22,6 +22,7 @@ mod plan;
 mod plan_auto;
 mod policies;
 mod policy_bytes;
+mod policy_flag;
 mod policy_resume;
 mod precision;
 mod recipes;

@@ -84,7 +84,7 @@ fn bad_hook_settings_are_one_line_before_step_0() {
     assert!(run(&["--comm-hook", "powersgd", "--powersgd-rank", "0"]).contains("at least 1"));
     // (a start iteration of 1 or 0 is fine now: PowerSGD keys its state by parameter, so DDP's
     // bucket rebuild after the first iteration does not strand it)
-    assert!(run(&["--powersgd-rank", "4"]).contains("--comm-hook powersgd"));
+    assert!(run(&["--powersgd-rank", "4"]).contains("--policy powersgd"));
     assert!(run(&["--comm-hook", "topk"]).contains("topk"));
 }
 

@@ -343,33 +343,33 @@ mod tests {
         let comm = FakeComm::default();
         let w = Watched::new(comm.clone(), 1, Duration::from_secs(60));
         let done = Arc::new(Flag::default());
-        w.watch("bucket0", done.clone());
+        w.watch("grad0", done.clone());
         assert_eq!(w.check(), Ok(()));
         done.0.store(true, Ordering::SeqCst);
         assert_eq!(w.check(), Ok(()));
         assert!(w.pending.lock().unwrap().is_empty());
         assert_eq!(comm.aborts(), 0);
-        assert_eq!(w.enqueue("bucket1", |_| Ok(7)), Ok(7));
+        assert_eq!(w.enqueue("grad1", |_| Ok(7)), Ok(7));
     }
 
     #[test]
     fn a_collective_past_the_timeout_aborts_the_communicator_and_names_rank_and_collective() {
         let comm = FakeComm::default();
         let w = Watched::new(comm.clone(), 3, Duration::from_millis(20));
-        w.watch("bucket2", Arc::new(Flag::default()));
+        w.watch("grad2", Arc::new(Flag::default()));
         std::thread::sleep(Duration::from_millis(40));
         let e = w.check().unwrap_err();
         assert_eq!(
             e,
             CommError::Timeout {
                 rank: 3,
-                tag: "bucket2".into(),
+                tag: "grad2".into(),
                 after: Duration::from_millis(20)
             }
         );
         assert_eq!(comm.aborts(), 1);
         // Every later use fails with the first error; nothing is enqueued on a dead communicator.
-        assert_eq!(w.enqueue("bucket3", |_| Ok(())).err(), Some(e.clone()));
+        assert_eq!(w.enqueue("grad3", |_| Ok(())).err(), Some(e.clone()));
         assert_eq!(w.check(), Err(e));
         assert_eq!(comm.aborts(), 1, "aborted once");
     }
@@ -379,13 +379,13 @@ mod tests {
         let comm = FakeComm::default();
         let w = Watched::new(comm.clone(), 1, Duration::from_secs(60));
         let running = Flag::default();
-        w.watch("bucket5", Arc::new(Flag::default()));
+        w.watch("grad5", Arc::new(Flag::default()));
         *comm.async_error.lock().unwrap() = Some("ncclRemoteError".into());
         // A host-staged collective waiting on its event gets the error, not a hang.
-        let e = w.wait_event("ddp.rebuild_buckets", &running).unwrap_err();
+        let e = w.wait_event("ddp.regroup", &running).unwrap_err();
         let text = e.to_string();
         assert!(
-            text.contains("rank 1") && text.contains("`bucket5`") && text.contains("ncclRemoteError"),
+            text.contains("rank 1") && text.contains("`grad5`") && text.contains("ncclRemoteError"),
             "{text}"
         );
         assert_eq!(comm.aborts(), 1);
@@ -395,7 +395,7 @@ mod tests {
     fn the_watchdog_thread_finds_the_fault_without_anyone_asking() {
         let comm = FakeComm::default();
         let w = Watched::start(comm.clone(), 0, Duration::from_millis(10), Box::new(|| Ok(())));
-        w.watch("bucket0", Arc::new(Flag::default()));
+        w.watch("grad0", Arc::new(Flag::default()));
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         while comm.aborts() == 0 {
             assert!(std::time::Instant::now() < deadline, "the watchdog never aborted");
@@ -423,7 +423,7 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let (w2, c2) = (w.clone(), comm.clone());
         let caller = thread::spawn(move || {
-            let _ = tx.send(w2.enqueue("bucket7", |_| c2.blocking_call()));
+            let _ = tx.send(w2.enqueue("grad7", |_| c2.blocking_call()));
         });
         let r = rx
             .recv_timeout(Duration::from_secs(10))
@@ -434,7 +434,7 @@ mod tests {
             e,
             CommError::Timeout {
                 rank: 2,
-                tag: "bucket7 (blocked while being enqueued)".into(),
+                tag: "grad7 (blocked while being enqueued)".into(),
                 after: Duration::from_millis(50)
             }
         );
@@ -463,7 +463,7 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "no failure recorded");
             std::thread::sleep(Duration::from_millis(2));
         }
-        let text = w.enqueue("bucket0", |_| Ok(())).unwrap_err().to_string();
+        let text = w.enqueue("grad0", |_| Ok(())).unwrap_err().to_string();
         assert!(
             text.contains("rank 4") && text.contains("CUDA_ERROR_INVALID_CONTEXT"),
             "{text}"

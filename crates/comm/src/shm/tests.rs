@@ -246,7 +246,7 @@ fn reduce_scatter_then_all_gather_equals_the_all_reduce() {
 #[test]
 fn a_mismatch_fails_every_rank_with_both_descriptions_and_the_next_collective_runs() {
     let results = on_node(3, Duration::from_secs(30), |node, me| {
-        let (n, tag) = if me == 2 { (7, "bucket 2") } else { (8, "bucket 0") };
+        let (n, tag) = if me == 2 { (7, "grad 2") } else { (8, "grad 0") };
         let mut data = vec![me as f32; n];
         let d = desc(0, ReduceOp::Sum, DType::F32, n, tag);
         let first = unsafe { node.all_reduce(&d, data.as_mut_ptr(), n, ReduceOp::Sum, 3.0, tag, 3, far()) };
@@ -266,9 +266,9 @@ fn a_mismatch_fails_every_rank_with_both_descriptions_and_the_next_collective_ru
                 found,
                 tag,
             }) => {
-                assert_eq!(tag, "bucket 0");
-                assert_eq!(expected, "all_reduce(sum, 8 x f32, tag `bucket 0`)");
-                assert_eq!(found, "all_reduce(sum, 7 x f32, tag `bucket 2`)");
+                assert_eq!(tag, "grad 0");
+                assert_eq!(expected, "all_reduce(sum, 8 x f32, tag `grad 0`)");
+                assert_eq!(found, "all_reduce(sum, 7 x f32, tag `grad 2`)");
             }
             other => panic!("rank {me}: expected the mismatch, got {other:?}"),
         }
@@ -282,13 +282,13 @@ fn a_missing_peer_times_out_and_the_late_one_fails_at_once() {
     let timeout = Duration::from_millis(300);
     let gate = std::sync::Barrier::new(2);
     let results = on_node(2, timeout, |node, me| {
-        let d = desc(0, ReduceOp::Sum, DType::F32, 8, "bucket 7");
+        let d = desc(0, ReduceOp::Sum, DType::F32, 8, "grad 7");
         if me == 1 {
             // Joins only after rank 0 gave up.
             gate.wait();
         }
         let t = Instant::now();
-        let got = node.agree(&d, "bucket 7", 2, Instant::now() + timeout);
+        let got = node.agree(&d, "grad 7", 2, Instant::now() + timeout);
         let took = t.elapsed();
         if me == 0 {
             gate.wait();
@@ -297,7 +297,7 @@ fn a_missing_peer_times_out_and_the_late_one_fails_at_once() {
     });
     match &results[0] {
         (Err(CommError::Timeout { rank: 0, tag, .. }), took) => {
-            assert_eq!(tag, "bucket 7");
+            assert_eq!(tag, "grad 7");
             assert!(*took >= timeout && *took < Duration::from_secs(10), "{took:?}");
         }
         other => panic!("rank 0: {other:?}"),

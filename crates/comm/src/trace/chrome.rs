@@ -42,7 +42,7 @@ impl Recorder {
     }
 }
 
-/// `events` (a subset of a recorder's, e.g. one training step) as a Chrome trace, times in
+/// `events` (a subset of a recorder's, e.g. the events during one span) as a Chrome trace, times in
 /// microseconds since `origin`: the format of [`Recorder::to_chrome_trace`].
 pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
     let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;

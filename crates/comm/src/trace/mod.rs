@@ -5,8 +5,9 @@
 //! exactly, without relying on clock resolution. [`Traced`] records every collective of a
 //! communicator; training code records compute spans itself.
 //!
-//! Every event has a typed [`EventKind`] (a step, a forward pass, backward through a scope, a
-//! DDP bucket's all-reduce, ...): readers select events by kind, never by parsing names. The
+//! Every event has a typed [`EventKind`]: a compute span with the caller's label (and, if the
+//! caller gives them, an index and a scope), or a collective with the caller's number. Readers
+//! select events by kind, never by parsing names; the caller's own layer owns the words. The
 //! name stays beside it for people (Chrome trace, charts).
 
 mod chrome;
@@ -26,7 +27,7 @@ pub use traced::Traced;
 /// Which timeline of a rank an event belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Track {
-    /// The rank's compute thread (forward, backward, optimizer, ...).
+    /// The rank's compute thread (the caller's spans).
     Compute,
     /// The rank's comm stream.
     Comm,
@@ -42,94 +43,105 @@ pub struct Stamp {
     pub at: Instant,
 }
 
-/// What an event is, in the training loop's words (PyTorch's profiler uses the same:
-/// `ProfilerStep#N`, forward, backward, `Optimizer.step`, the DDP reducer's bucket all-reduces).
+/// What an event is: a span the caller labelled, or a collective. comm knows no caller's
+/// vocabulary; a training loop, for instance, labels its spans with its phases and tags the
+/// collectives that serve one unit of its work with that unit's number.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EventKind {
-    /// One whole training step (the enclosing compute span of everything the step did).
-    Step(usize),
-    /// A forward pass (one microbatch).
-    Forward,
-    /// Backward through the ops of one scope (e.g. `"layers.3"`); `None`: ops outside every
-    /// scope (the loss).
-    Backward {
-        /// The scope the ops were recorded under.
+    /// A compute span, in the caller's words.
+    Span {
+        /// What ran (e.g. `"forward"`).
+        label: String,
+        /// Which one of a numbered series it is, if any (e.g. an iteration).
+        index: Option<usize>,
+        /// Where it ran, if the caller names a part of its program (e.g. `"layers.3"`).
         scope: Option<String>,
     },
-    /// Waiting for the gradient buckets' all-reduces at the end of backward.
-    WaitForBuckets,
-    /// The optimizer's update.
-    Optimizer,
-    /// A collective on the comm stream; `bucket` is the DDP bucket it reduces, if it reduces one.
+    /// A collective on the comm stream; `tag` is the caller's number for what it serves (set
+    /// by [`tagging_collectives`]), or `None`.
     Collective {
-        /// The bucket's index (launch order), or `None` for any other collective.
-        bucket: Option<usize>,
+        /// The caller's number, or `None` for a collective issued outside every tag.
+        tag: Option<usize>,
     },
-    /// Any other compute span, named by the caller.
-    Other(String),
 }
 
 impl EventKind {
-    /// Backward through the ops of `scope` (`None`: outside every scope).
-    pub fn backward(scope: Option<&str>) -> EventKind {
-        EventKind::Backward {
-            scope: scope.map(str::to_string),
+    /// A span labelled `label`, with no index and no scope.
+    pub fn span(label: &str) -> EventKind {
+        EventKind::Span {
+            label: label.to_string(),
+            index: None,
+            scope: None,
         }
     }
 
-    /// The step this event encloses, if it is a [`EventKind::Step`].
-    pub fn step(&self) -> Option<usize> {
-        match self {
-            EventKind::Step(s) => Some(*s),
-            _ => None,
+    /// A span labelled `label`, the `index`th of its series.
+    pub fn indexed(label: &str, index: usize) -> EventKind {
+        EventKind::Span {
+            label: label.to_string(),
+            index: Some(index),
+            scope: None,
         }
     }
 
-    /// The DDP bucket this collective reduces, if it reduces one.
-    pub fn bucket(&self) -> Option<usize> {
+    /// A span labelled `label` that ran in `scope`.
+    pub fn scoped(label: &str, scope: &str) -> EventKind {
+        EventKind::Span {
+            label: label.to_string(),
+            index: None,
+            scope: Some(scope.to_string()),
+        }
+    }
+
+    /// The caller's tag of this collective, if it is a tagged collective.
+    pub fn tag(&self) -> Option<usize> {
         match self {
-            EventKind::Collective { bucket } => *bucket,
-            _ => None,
+            EventKind::Collective { tag } => *tag,
+            EventKind::Span { .. } => None,
         }
     }
 }
 
-/// The name shown in traces: `"step 3"`, `"forward"`, `"backward layers.0"`, `"backward loss"`,
-/// `"wait for buckets"`, `"optimizer"`; a collective shows as `"collective"` (its event's name
-/// is its tag).
+/// The name shown in traces: a span's label, then its index and its scope when it has them
+/// (`"forward"`, `"step 3"`, `"backward layers.0"`); a collective shows as `"collective"` (its
+/// event's name is its text tag).
 impl fmt::Display for EventKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            EventKind::Step(s) => write!(f, "step {s}"),
-            EventKind::Forward => f.write_str("forward"),
-            EventKind::Backward { scope } => write!(f, "backward {}", scope.as_deref().unwrap_or("loss")),
-            EventKind::WaitForBuckets => f.write_str("wait for buckets"),
-            EventKind::Optimizer => f.write_str("optimizer"),
+            EventKind::Span { label, index, scope } => {
+                f.write_str(label)?;
+                if let Some(i) = index {
+                    write!(f, " {i}")?;
+                }
+                if let Some(s) = scope {
+                    write!(f, " {s}")?;
+                }
+                Ok(())
+            }
             EventKind::Collective { .. } => f.write_str("collective"),
-            EventKind::Other(name) => f.write_str(name),
         }
     }
 }
 
 thread_local! {
-    /// The bucket that collectives issued on this thread reduce (see [`reducing_bucket`]).
-    static BUCKET: Cell<Option<usize>> = const { Cell::new(None) };
+    /// The tag of collectives issued on this thread (see [`tagging_collectives`]).
+    static TAG: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-/// Runs `issue` with every collective it issues on this thread marked as reducing DDP bucket
-/// `bucket`: [`Traced`] records them as [`EventKind::Collective`] `{ bucket: Some(bucket) }`.
-/// (Like `torch.profiler.record_function`, a scope on the calling thread: collectives are
-/// issued on the caller's thread, whatever wrappers lie between it and the backend.)
-pub fn reducing_bucket<R>(bucket: usize, issue: impl FnOnce() -> R) -> R {
-    let outer = BUCKET.with(|b| b.replace(Some(bucket)));
+/// Runs `issue` with every collective it issues on this thread tagged `tag`: [`Traced`]
+/// records them as [`EventKind::Collective`] `{ tag: Some(tag) }`. (Like
+/// `torch.profiler.record_function`, a scope on the calling thread: collectives are issued on
+/// the caller's thread, whatever wrappers lie between it and the backend.)
+pub fn tagging_collectives<R>(tag: usize, issue: impl FnOnce() -> R) -> R {
+    let outer = TAG.with(|t| t.replace(Some(tag)));
     let out = issue();
-    BUCKET.with(|b| b.set(outer));
+    TAG.with(|t| t.set(outer));
     out
 }
 
-/// The bucket set by an enclosing [`reducing_bucket`] on this thread.
-fn current_bucket() -> Option<usize> {
-    BUCKET.with(|b| b.get())
+/// The tag set by an enclosing [`tagging_collectives`] on this thread.
+fn current_tag() -> Option<usize> {
+    TAG.with(|t| t.get())
 }
 
 /// One span on a rank's timeline.
@@ -143,8 +155,8 @@ pub struct Event {
     pub track: Track,
     /// What the event is: select events by this, not by name.
     pub kind: EventKind,
-    /// For people: for compute, the kind's name (e.g. `"backward layers.3"`); for comm, the
-    /// collective's tag.
+    /// For people: for compute, the kind's name (e.g. `"forward"`); for comm, the collective's
+    /// text tag.
     pub name: String,
     /// For comm: the collective (`"all_reduce"`, ...); empty for compute.
     pub op: String,
@@ -272,7 +284,7 @@ impl Recorder {
     }
 
     /// Moves a span's instants to `start` and `end` (measured after the fact, e.g. on a GPU
-    /// clock), keeping the order in which it was recorded, so that it stays in its step.
+    /// clock), keeping the order in which it was recorded, so that it stays inside the spans around it.
     pub fn retime(&self, span: SpanId, start: Instant, end: Instant) {
         let mut events = self.events_mut();
         let e = &mut events[span.0];
@@ -287,10 +299,10 @@ impl Recorder {
     }
 
     /// Records, now, that `rank` issued collective `op` (e.g. `"all_reduce"`) tagged `tag` on
-    /// `bytes` bytes, reducing DDP bucket `bucket` if any. Used by [`Traced`]; other wrappers
-    /// may call it too.
-    pub fn comm_issued(&self, rank: usize, op: &str, tag: &str, bytes: usize, bucket: Option<usize>) -> SpanId {
-        let kind = EventKind::Collective { bucket };
+    /// `bytes` bytes, with the caller's number `number` if any (see [`tagging_collectives`]).
+    /// Used by [`Traced`]; other wrappers may call it too.
+    pub fn comm_issued(&self, rank: usize, op: &str, tag: &str, bytes: usize, number: Option<usize>) -> SpanId {
+        let kind = EventKind::Collective { tag: number };
         let (mut events, id) = self.push(rank, Track::Comm, kind, tag.to_string(), op, bytes);
         events[id].issued = Some(self.stamp(Instant::now()));
         SpanId(id)
@@ -316,14 +328,14 @@ impl Recorder {
         self.events_mut().clone()
     }
 
-    /// The events of step `step` on every rank: each rank's [`EventKind::Step`] span and
-    /// everything that rank issued or began while it lasted (sequence numbers, not clocks,
-    /// decide). Empty when no rank recorded that step.
-    pub fn step_events(&self, step: usize) -> Vec<Event> {
+    /// The events during the compute spans of kind `kind` on every rank: each rank's spans of
+    /// that kind and everything that rank issued or began while one lasted (sequence numbers,
+    /// not clocks, decide). Empty when no rank recorded such a span.
+    pub fn events_during(&self, kind: &EventKind) -> Vec<Event> {
         let events = self.events();
         let bounds: Vec<(usize, u64, u64)> = events
             .iter()
-            .filter(|e| e.track == Track::Compute && e.kind == EventKind::Step(step))
+            .filter(|e| e.track == Track::Compute && e.kind == *kind)
             .filter_map(|e| e.start.map(|s| (e.rank, s.seq, e.end.map_or(u64::MAX, |end| end.seq))))
             .collect();
         events

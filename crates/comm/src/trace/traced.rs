@@ -2,12 +2,12 @@
 
 use std::time::Duration;
 
-use super::{current_bucket, Recorder, SpanId};
+use super::{current_tag, Recorder, SpanId};
 use crate::{Buffer, Communicator, ReduceOp, Work, WorkEvent};
 
 /// Wraps a communicator and records each collective: issued (when called), started and
 /// finished on the comm stream (when they happen, whether or not anyone waits). A collective
-/// issued inside [`super::reducing_bucket`] is recorded with its bucket.
+/// issued inside [`super::tagging_collectives`] is recorded with its tag.
 pub struct Traced<C> {
     inner: C,
     recorder: Recorder,
@@ -40,7 +40,7 @@ impl<C: Communicator> Traced<C> {
 
     fn issue(&self, op: &str, tag: &str, bytes: usize) -> SpanId {
         self.recorder
-            .comm_issued(self.inner.rank(), op, tag, bytes, current_bucket())
+            .comm_issued(self.inner.rank(), op, tag, bytes, current_tag())
     }
 }
 

@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{
-    reducing_bucket, run_on_threads_with_timeout, Buffer, Communicator, Event, EventKind, Recorder, ReduceOp, Traced,
-    Track,
+    run_on_threads_with_timeout, tagging_collectives, Buffer, Communicator, Event, EventKind, Recorder, ReduceOp,
+    Traced, Track,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -30,17 +30,17 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
         let rank = comm.rank();
         let comm = Traced::new(comm, recorder.clone());
-        let layer1 = recorder.begin(rank, EventKind::backward(Some("layer 1")));
-        let work = reducing_bucket(0, || {
-            comm.all_reduce(Buffer::F32(vec![1.0; 1000]), ReduceOp::Sum, "bucket 0")
+        let layer1 = recorder.begin(rank, EventKind::scoped("backward", "layer 1"));
+        let work = tagging_collectives(0, || {
+            comm.all_reduce(Buffer::F32(vec![1.0; 1000]), ReduceOp::Sum, "grad 0")
         });
         recorder.end(layer1);
         {
-            let _span = recorder.span(rank, EventKind::backward(Some("layer 0")));
+            let _span = recorder.span(rank, EventKind::scoped("backward", "layer 0"));
         }
         // Never waited on: the recorder must still learn when it started and finished.
         drop(work);
-        let bad = comm.all_reduce(Buffer::F32(vec![1.0; 1 + rank]), ReduceOp::Sum, "bucket 1");
+        let bad = comm.all_reduce(Buffer::F32(vec![1.0; 1 + rank]), ReduceOp::Sum, "grad 1");
         assert!(bad.wait().is_err());
     })
     .into_iter()
@@ -49,7 +49,7 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     let events = recorder.events();
     assert_eq!(events.len(), 8);
     for rank in 0..2 {
-        let bucket = find(&events, rank, "bucket 0");
+        let bucket = find(&events, rank, "grad 0");
         let (issued, start, end) = (bucket.issued.unwrap(), bucket.start.unwrap(), bucket.end.unwrap());
         assert_eq!(
             (bucket.track, bucket.op.as_str(), bucket.bytes),
@@ -57,8 +57,8 @@ fn traced_collectives_and_compute_spans_are_ordered() {
         );
         assert_eq!(
             bucket.kind,
-            EventKind::Collective { bucket: Some(0) },
-            "issued inside reducing_bucket(0)"
+            EventKind::Collective { tag: Some(0) },
+            "issued inside tagging_collectives(0)"
         );
         assert!(issued.seq < start.seq && start.seq < end.seq);
         assert!(issued.at <= start.at && start.at <= end.at);
@@ -73,16 +73,14 @@ fn traced_collectives_and_compute_spans_are_ordered() {
         assert!(l1.end.unwrap().seq < l0.start.unwrap().seq && l0.start.unwrap().seq < l0.end.unwrap().seq);
         assert_eq!(
             l1.kind,
-            EventKind::Backward {
+            EventKind::Span {
+                label: "backward".into(),
+                index: None,
                 scope: Some("layer 1".into())
             }
         );
-        let bad = find(&events, rank, "bucket 1");
-        assert_eq!(
-            bad.kind,
-            EventKind::Collective { bucket: None },
-            "issued outside any bucket scope"
-        );
+        let bad = find(&events, rank, "grad 1");
+        assert_eq!(bad.kind, EventKind::Collective { tag: None }, "issued outside any tag");
         assert!(bad.error.as_deref().unwrap().contains("mismatch"), "{:?}", bad.error);
     }
     let mut seqs: Vec<u64> = events
@@ -101,9 +99,9 @@ fn traced_collectives_and_compute_spans_are_ordered() {
 fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     let recorder = Recorder::new();
     let t0 = Instant::now();
-    recorder.compute_span(0, EventKind::Forward, t0, t0 + Duration::from_millis(2));
-    recorder.compute_span(1, EventKind::Forward, t0, t0 + Duration::from_millis(3));
-    let c = recorder.comm_issued(1, "all_reduce", "bucket 0", 64, Some(0));
+    recorder.compute_span(0, EventKind::span("forward"), t0, t0 + Duration::from_millis(2));
+    recorder.compute_span(1, EventKind::span("forward"), t0, t0 + Duration::from_millis(3));
+    let c = recorder.comm_issued(1, "all_reduce", "grad 0", 64, Some(0));
     recorder.comm_started(c, t0 + Duration::from_millis(3));
     recorder.comm_finished(c, t0 + Duration::from_millis(5), None);
     let trace = recorder.to_chrome_trace();
@@ -119,8 +117,8 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     let comm = spans.iter().find(|e| e["cat"] == "comm").unwrap();
     assert_eq!((comm["pid"].as_u64(), comm["tid"].as_u64()), (Some(1), Some(1)));
     assert_eq!(comm["args"]["bytes"], 64);
-    assert_eq!(comm["name"], "all_reduce `bucket 0`", "the tag stays readable");
-    assert_eq!(comm["args"]["kind"], serde_json::json!({"Collective": {"bucket": 0}}));
+    assert_eq!(comm["name"], "all_reduce `grad 0`", "the tag stays readable");
+    assert_eq!(comm["args"]["kind"], serde_json::json!({"Collective": {"tag": 0}}));
     assert!((comm["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0, "{comm}");
     let fwd0 = spans.iter().find(|e| e["pid"] == 0).unwrap();
     assert_eq!(fwd0["tid"], 0);
@@ -145,15 +143,15 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
 }
 
 #[test]
-fn step_events_select_each_ranks_step_by_kind() {
+fn events_during_select_each_ranks_span_by_kind() {
     let recorder = Recorder::new();
     // A span named like step 1 but of another kind, around step 0: not a step marker.
-    let fake = recorder.begin(0, EventKind::Other("step 1".into()));
+    let fake = recorder.begin(0, EventKind::span("step 1"));
     for step in 0..2 {
         for rank in 0..2 {
-            let s = recorder.begin(rank, EventKind::Step(step));
-            recorder.span(rank, EventKind::Forward);
-            let c = recorder.comm_issued(rank, "all_reduce", "bucket0", 4, Some(0));
+            let s = recorder.begin(rank, EventKind::indexed("step", step));
+            recorder.span(rank, EventKind::span("forward"));
+            let c = recorder.comm_issued(rank, "all_reduce", "grad0", 4, Some(0));
             recorder.comm_started(c, Instant::now());
             recorder.comm_finished(c, Instant::now(), None);
             recorder.end(s);
@@ -162,35 +160,41 @@ fn step_events_select_each_ranks_step_by_kind() {
             recorder.end(fake);
         }
     }
-    let events = recorder.step_events(1);
+    let events = recorder.events_during(&EventKind::indexed("step", 1));
     assert_eq!(events.len(), 6, "{events:#?}");
     assert!(events.iter().all(|e| e.id >= 7 && e.id < 13), "{events:#?}");
-    assert_eq!(events.iter().filter(|e| e.kind.step() == Some(1)).count(), 2);
-    assert_eq!(events.iter().filter(|e| e.kind.bucket() == Some(0)).count(), 2);
-    assert!(recorder.step_events(2).is_empty());
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind == EventKind::indexed("step", 1))
+            .count(),
+        2
+    );
+    assert_eq!(events.iter().filter(|e| e.kind.tag() == Some(0)).count(), 2);
+    assert!(recorder.events_during(&EventKind::indexed("step", 2)).is_empty());
 }
 
 #[test]
 fn a_retimed_span_takes_the_new_instants_and_stays_in_its_step() {
     let recorder = Recorder::new();
-    let step0 = recorder.begin(0, EventKind::Step(0));
-    let span = recorder.begin(0, EventKind::backward(Some("layers.1")));
+    let step0 = recorder.begin(0, EventKind::indexed("step", 0));
+    let span = recorder.begin(0, EventKind::scoped("backward", "layers.1"));
     recorder.end(span);
     recorder.end(step0);
     // Measured later (a GPU clock read during the next step): earlier instants than the host's.
-    let step1 = recorder.begin(0, EventKind::Step(1));
+    let step1 = recorder.begin(0, EventKind::indexed("step", 1));
     let origin = recorder.origin();
     let (start, end) = (origin + Duration::from_micros(10), origin + Duration::from_micros(30));
     recorder.retime(span, start, end);
     recorder.end(step1);
-    let events = recorder.step_events(0);
+    let events = recorder.events_during(&EventKind::indexed("step", 0));
     let e = events
         .iter()
-        .find(|e| e.kind == EventKind::backward(Some("layers.1")))
+        .find(|e| e.kind == EventKind::scoped("backward", "layers.1"))
         .expect("the retimed span is still in step 0");
     assert_eq!((e.start.unwrap().at, e.end.unwrap().at), (start, end));
     assert!(recorder
-        .step_events(1)
+        .events_during(&EventKind::indexed("step", 1))
         .iter()
-        .all(|e| e.kind != EventKind::backward(Some("layers.1"))));
+        .all(|e| e.kind != EventKind::scoped("backward", "layers.1")));
 }

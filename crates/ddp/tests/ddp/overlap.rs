@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError};
 use brigade_comm::{run_on_threads, Communicator, EventKind, Recorder, Traced, Track};
-use brigade_ddp::{DdpConfig, DistributedDataParallel};
+use brigade_ddp::{bucket_of, DdpConfig, DistributedDataParallel, Phase};
 use brigade_tensor::set_compute_threads;
 use common::{data, rows, Mlp};
 
@@ -113,7 +113,7 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
         let kinds: Vec<Option<usize>> = events
             .iter()
             .filter(|e| e.rank == rank && e.track == Track::Comm && e.op == "all_reduce")
-            .map(|e| e.kind.bucket())
+            .map(|e| bucket_of(&e.kind))
             .collect();
         assert_eq!(
             kinds,
@@ -123,18 +123,18 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
 
         let bucket0: Vec<_> = events
             .iter()
-            .filter(|e| e.rank == rank && e.kind == EventKind::Collective { bucket: Some(0) })
+            .filter(|e| e.rank == rank && e.kind == EventKind::Collective { tag: Some(0) })
             .collect();
         let issued: Vec<u64> = bucket0.iter().map(|e| e.issued.unwrap().seq).collect();
         let started: Vec<u64> = bucket0.iter().map(|e| e.start.unwrap().seq).collect();
         let layer0: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.kind == EventKind::backward(Some("layers.0")))
+            .filter(|e| e.rank == rank && e.kind == Phase::backward(Some("layers.0")).kind())
             .map(|e| e.start.unwrap().seq)
             .collect();
         let layer1: Vec<u64> = events
             .iter()
-            .filter(|e| e.rank == rank && e.kind == EventKind::backward(Some("layers.1")))
+            .filter(|e| e.rank == rank && e.kind == Phase::backward(Some("layers.1")).kind())
             .map(|e| e.start.unwrap().seq)
             .collect();
         // backward's last node ran inside the span of layers.0: its end is the end of backward
