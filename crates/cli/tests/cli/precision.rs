@@ -78,10 +78,10 @@ fn a_bad_precision_and_combinations_not_built_fail_in_one_line() {
             "--world-size",
             "2",
             "--precision",
-            "bf16",
+            "fp16",
             "--zero",
             "1",
         ],
     ]));
-    assert!(e.contains("--precision bf16") && e.trim().lines().count() == 1, "{e}");
+    assert!(e.contains("--precision fp16") && e.trim().lines().count() == 1, "{e}");
 }
