@@ -35,6 +35,7 @@ pub use error::{DdpError, Result};
 pub use memory::MemoryReport;
 pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
 pub use reducer::{PassBucket, PassTimes};
+pub use signature::broadcast_from_rank0;
 
 use brigade_comm::{CommMeter, Recorder};
 

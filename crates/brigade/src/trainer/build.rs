@@ -53,6 +53,11 @@ impl<'a> Trainer<'a> {
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
         let feed = Feed::new(cfg, data, ctx, lengths, resumed.as_ref(), first_step)?;
         if cfg.recipe.precision.is_mixed() {
+            // the masters are made from rank 0's f32 values, as DDP's broadcast makes the
+            // parameters: ranks that initialised differently would otherwise keep their own
+            if cfg.ddp().is_some_and(|d| d.broadcast_parameters) && policy.is_some() {
+                brigade_ddp::broadcast_from_rank0(model.params().params(), ctx.comm.as_ref())?;
+            }
             opt = master_weights(cfg, model.as_ref(), opt.as_ref(), policy_name.as_deref())?;
         }
         let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));

@@ -5,8 +5,8 @@
 //! fp16's loss scale skips, backs off and grows as GradScaler's rule says, and resumes
 //! with the run; ZeRO-1/2 keep f32 master shards and follow the bf16 all-reduce (their
 //! checkpoints resume on another world size), the compression policies and PowerSGD train under
-//! bf16, `reduce_dtype` f32 reduces closer to the f32 run; combinations not built are refused
-//! in one line.
+//! bf16, `reduce_dtype` f32 reduces closer to the f32 run, every rank starts from rank 0's
+//! masters; combinations not built are refused in one line.
 
 use std::path::PathBuf;
 
@@ -412,4 +412,27 @@ fn reducing_bf16_gradients_in_f32_is_closer_to_the_f32_run() {
     // a narrower reduce dtype than the parameters' is refused in one line
     let e = mlp(&sgd_config(DType::F32, DType::BF16)).err().expect("refused").to_string();
     assert!(e.contains("--reduce-dtype bf16") && !e.contains('\n'), "{e}");
+}
+
+/// Ranks that initialise differently start from rank 0's weights, masters included: a bf16 run
+/// whose rank r is seeded r + 1 is the run whose every rank is seeded 1, bit for bit.
+#[test]
+fn every_rank_starts_from_rank_0s_masters() {
+    let seeded = |per_rank: bool| {
+        let mut cfg = config(3, 16, DType::BF16);
+        cfg.model.name = "mlp".into();
+        fit(
+            &LaunchConfig::threads(2),
+            &cfg,
+            |_| Dataset::teacher(1024, 16, 4, 3).map_err(Into::into),
+            move |ctx: &brigade::launch::RankContext| {
+                let seed = if per_rank { ctx.rank as u64 + 1 } else { 1 };
+                Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 64, 4]), seed)?) as Box<dyn Model>)
+            },
+        )
+        .unwrap()
+    };
+    let (same, different) = (seeded(false), seeded(true));
+    assert_eq!(different.outcome.losses(), same.outcome.losses());
+    assert_eq!(master_bits(&different), master_bits(&same));
 }
