@@ -227,4 +227,8 @@ impl Optimizer for MasterWeights {
     fn master_weights(&self) -> Vec<(String, Tensor)> {
         self.masters()
     }
+
+    fn master_weight_bytes(&self) -> usize {
+        self.master_bytes()
+    }
 }

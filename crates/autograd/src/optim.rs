@@ -37,6 +37,11 @@ pub trait Optimizer: Send {
     fn master_weights(&self) -> Vec<(String, Tensor)> {
         vec![]
     }
+    /// Bytes of f32 master weights this optimizer holds live (memory reports): by default
+    /// those of [`Optimizer::master_weights`]; a sharded optimizer counts its own shards.
+    fn master_weight_bytes(&self) -> usize {
+        self.master_weights().iter().map(|(_, t)| tensor_bytes(t)).sum()
+    }
     /// The factor the loss is multiplied by before backward under dynamic loss scaling (fp16:
     /// [`crate::GradScaler`]); the gradients the optimizer is handed are then that many times
     /// too large, and it unscales them. `None`: no scaling.

@@ -4,7 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use brigade_tensor::Tensor;
+use brigade_tensor::{DType, Tensor};
 
 use crate::params::ParamInfo;
 use crate::Result;
@@ -273,10 +273,12 @@ impl Var {
 
     /// Makes `buffer` the storage this leaf's gradient accumulates into (for example a
     /// view into a DDP bucket's flat buffer). Any gradient already accumulated is copied
-    /// over, so nothing is lost.
+    /// over, so nothing is lost. The buffer holds the value's dtype, or f32 beside a 16-bit
+    /// value (mixed precision reducing in f32: the 16-bit gradients are widened as they
+    /// accumulate, the sum exact in f32).
     pub fn set_grad_buffer(&self, buffer: Tensor) -> Result<()> {
         let v = self.value();
-        if buffer.shape() != v.shape() || buffer.dtype() != v.dtype() {
+        if buffer.shape() != v.shape() || !grad_dtype_fits(buffer.dtype(), v.dtype()) {
             return Err(crate::AutogradError::GradBuffer {
                 param: self.name().unwrap_or("<leaf>").to_string(),
                 expected: v.shape().to_vec(),
@@ -286,6 +288,7 @@ impl Var {
         }
         let mut g = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         match g.as_ref() {
+            Some(old) if old.dtype() != buffer.dtype() => buffer.copy_from(&old.to_dtype(buffer.dtype())?)?,
             Some(old) => buffer.copy_from(old)?,
             None => buffer.fill(0.0)?,
         }
@@ -299,7 +302,7 @@ impl Var {
     pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
         if let Some(g) = &grad {
             let v = self.value();
-            if g.shape() != v.shape() || g.dtype() != v.dtype() {
+            if g.shape() != v.shape() || !grad_dtype_fits(g.dtype(), v.dtype()) {
                 return Err(crate::AutogradError::GradBuffer {
                     param: self.name().unwrap_or("<leaf>").to_string(),
                     expected: v.shape().to_vec(),
@@ -328,6 +331,7 @@ impl Var {
     pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
+            Some(acc) if acc.dtype() != g.dtype() => acc.add_assign(&g.to_dtype(acc.dtype())?)?,
             Some(acc) => acc.add_assign(&g)?,
             None if g.is_sole_owner() => *slot = Some(g),
             None => *slot = Some(g.copy()?),
@@ -339,4 +343,10 @@ impl Var {
     pub fn detach(&self) -> Var {
         Var::constant(self.value())
     }
+}
+
+/// True when a gradient of dtype `grad` may stand beside a value of dtype `value`: the same
+/// dtype, or f32 beside a 16-bit float value (a mixed-precision run reducing in f32).
+fn grad_dtype_fits(grad: DType, value: DType) -> bool {
+    grad == value || (grad == DType::F32 && matches!(value, DType::BF16 | DType::F16))
 }

@@ -228,8 +228,10 @@ pub struct RecipeConfig {
     /// Train on through non-finite losses and parameters instead of stopping.
     pub allow_nonfinite: bool,
     /// The run's precision (default f32 throughout). With 16-bit parameters the model computes
-    /// in them, the optimizer steps f32 master weights ([`brigade_autograd::MasterWeights`]),
-    /// the gradient buckets hold the parameters' dtype, and checkpoints save the f32 masters.
+    /// in them, the optimizer steps f32 master weights ([`brigade_autograd::MasterWeights`];
+    /// under ZeRO-1/2 each rank's shard of them), the gradient buckets hold `reduce_dtype` (by
+    /// default the parameters' dtype; f32 keeps the sum exact), and checkpoints save the whole
+    /// f32 masters. Every rank's masters are rank 0's (broadcast before they are made).
     pub precision: MixedPrecision,
     /// fp16's dynamic loss scaling: clean steps in a row after which the scale doubles
     /// (PyTorch's `growth_interval`, default 2000).

@@ -334,7 +334,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
                 data: late.clone(),
             }),
             allow_nonfinite: args.recipe.allow_nonfinite,
-            precision: args.recipe.precision,
+            precision: args.recipe.mixed_precision(),
             loss_scale_growth_interval: brigade::autograd::scaler::GROWTH_INTERVAL,
         },
         distributed: (!opts.compute_only).then(|| DistributedConfig {

@@ -449,6 +449,10 @@ impl Optimizer for DdpOptimizer {
         self.inner.master_weights()
     }
 
+    fn master_weight_bytes(&self) -> usize {
+        self.inner.master_weight_bytes()
+    }
+
     fn loss_scale(&self) -> Option<f64> {
         self.inner.loss_scale()
     }

@@ -37,6 +37,7 @@ pub use memory::MemoryReport;
 pub use phase::{bucket_of, Phase};
 pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
 pub use reducer::{PassBucket, PassTimes};
+pub use signature::broadcast_from_rank0;
 
 use brigade_comm::{CommMeter, Recorder};
 
@@ -63,6 +64,11 @@ pub struct DdpConfig {
     /// backend; step profiles record each bucket's part) and the bucket rebuild's broadcast;
     /// not the parameter check and broadcast of construction, nor checkpoints' gathers.
     pub meter: CommMeter,
+    /// The dtype the gradient buckets hold and are reduced in (FSDP2's
+    /// `MixedPrecisionPolicy.reduce_dtype`) where the policy takes DDP's default layout
+    /// ([`policy::PolicyContext::reduce_dtype`]): `None` for the parameters' dtype; f32 beside 16-bit
+    /// parameters gives f32 buckets, the 16-bit gradients widened as they accumulate.
+    pub reduce_dtype: Option<brigade_tensor::DType>,
 }
 
 impl Default for DdpConfig {
@@ -75,6 +81,7 @@ impl Default for DdpConfig {
             broadcast_parameters: true,
             recorder: None,
             meter: CommMeter::new(),
+            reduce_dtype: None,
         }
     }
 }

@@ -96,12 +96,6 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         gathered: policy.gathered_bytes,
         activations: 0,
         peak: 0,
-        master_weights: opt
-            .master_weights()
-            .iter()
-            .map(|(_, t)| live(t))
-            .collect::<HashMap<_, _>>()
-            .values()
-            .sum(),
+        master_weights: opt.master_weight_bytes(),
     })
 }

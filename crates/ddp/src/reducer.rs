@@ -122,6 +122,12 @@ pub(crate) fn is_lent(t: &Tensor) -> bool {
 /// A bucket's zeros: on the CPU, in the process's shared heap when it has one
 /// ([`brigade_comm::host_vec`]), so that its all-reduce under mpirun runs in place in the
 /// peers' memory instead of copying through the node's segment; elsewhere as any tensor.
+/// True when a bucket of `bucket` dtype can hold the gradients of a parameter of `param` dtype:
+/// the same dtype, or f32 beside 16-bit parameters (mixed precision reducing in f32).
+fn bucket_holds(bucket: DType, param: DType) -> bool {
+    bucket == param || (bucket == DType::F32 && matches!(param, DType::BF16 | DType::F16))
+}
+
 fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
     use brigade_comm::host_vec;
     use half::{bf16, f16};
@@ -238,17 +244,18 @@ impl Reducer {
                     }
                 })
                 .collect(),
+            reduce_dtype: cfg.reduce_dtype,
         };
         let layout = policy.layout(&ctx);
         let policy_name = policy.name();
         if let Some(p) = params
             .iter()
-            .find(|p| p.requires_grad() && p.value().dtype() != layout.dtype)
+            .find(|p| p.requires_grad() && !bucket_holds(layout.dtype, p.value().dtype()))
         {
             return Err(DdpError::Policy {
                 policy: policy_name,
                 reason: format!(
-                    "its buckets hold {}, but parameter '{}' is {} (gradients accumulate in their parameter's dtype)",
+                    "its buckets hold {}, but parameter '{}' is {} (gradients accumulate in their parameter's dtype, or in f32 beside 16-bit parameters)",
                     layout.dtype,
                     p.name().unwrap_or("<unnamed>"),
                     p.value().dtype()

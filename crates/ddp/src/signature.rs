@@ -72,6 +72,17 @@ pub(crate) fn check_f32(params: &[Var]) -> Result<()> {
     }
 }
 
+/// Checks that every rank holds the same parameters ([`check_same_model`], [`check_f32`]) and
+/// overwrites every rank's values with rank 0's, as [`crate::DistributedDataParallel::new`]
+/// does: a collective. Mixed precision calls it on the f32 parameters before their f32 master
+/// copies are made (DDP's own broadcast then moves the 16-bit compute copy), so that every
+/// rank's masters are rank 0's whatever each rank initialised.
+pub fn broadcast_from_rank0(params: &[Var], comm: &dyn Communicator) -> Result<()> {
+    check_same_model(params, comm)?;
+    check_f32(params)?;
+    broadcast_parameters(params, comm)
+}
+
 /// Overwrites every rank's parameters with rank 0's (one broadcast of all of them, in their
 /// one dtype, checked by [`check_f32`]).
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {

@@ -30,7 +30,8 @@ const F16_MAX: f64 = 65504.0;
 
 /// Halves the bytes on the wire: each rank divides its gradients by the world size, rounds
 /// them to 16 bits, the ranks sum the 16-bit buffers (accumulated in f32 by the backends,
-/// rounded to 16 bits once), and the result is widened back into the f32 bucket.
+/// rounded to 16 bits once), and the result is widened back into the bucket (f32, or a
+/// mixed-precision run's bf16 bucket).
 ///
 /// An fp16 sum that overflows (a share of a gradient, or the sum of the shares, beyond ±65504)
 /// is reported as such — the bucket and the largest gradient over the ranks — instead of
@@ -147,17 +148,30 @@ impl ReducerPolicy for Compress {
             // checks left by a pass whose optimizer step was not DDP's (no after_step)
             self.read_device_checks(comm)?;
         }
-        let scaled = bucket
-            .tensor
-            .div(&Tensor::full_on(&[], world as f64, DType::F32, on)?)?;
+        // A 16-bit bucket (mixed precision) is divided in f32 and rounded once to the wire's
+        // type: bf16 on bf16 buckets changes no bytes (the share is rounded, the sum accumulated
+        // in f32 and rounded once), fp16 on bf16 buckets is a cast (exact within fp16's range,
+        // which the overflow check guards). The result comes back in the bucket's dtype.
+        let bucket_dtype = bucket.tensor.dtype();
+        let wide_input = match bucket_dtype {
+            DType::F32 => bucket.tensor.clone(),
+            _ => bucket.tensor.to_dtype(DType::F32)?,
+        };
+        let scaled = wide_input.div(&Tensor::full_on(&[], world as f64, DType::F32, on)?)?;
         let half = scaled.to_dtype(self.half.dtype())?;
-        let (index, input, checked) = (bucket.index, bucket.tensor.clone(), self.half == HalfType::F16);
+        let (index, input, checked) = (bucket.index, wide_input, self.half == HalfType::F16);
         let (comm2, pending) = (comm.clone(), self.pending.clone());
         let summed = comm.all_reduce(&half, ReduceOp::Sum, &bucket.tag());
+        let back = move |wide: Tensor| -> brigade_ddp::Result<Tensor> {
+            Ok(match bucket_dtype {
+                DType::F32 => wide,
+                _ => wide.to_dtype(bucket_dtype)?,
+            })
+        };
         Ok(Reduction::Full(summed.and_then(move |h| {
             let wide = h.to_dtype(DType::F32)?;
             if !checked {
-                return Ok(comm2.ready(wide));
+                return Ok(comm2.ready(back(wide)?));
             }
             // f16 results are at most 65504: their squares sum finitely unless one is not finite
             let reduced_sq = wide.sqr()?.sum_all()?;
@@ -169,10 +183,10 @@ impl ReducerPolicy for Compress {
                     largest: input.sqr()?.max_dim(0, false)?.sqrt()?,
                 };
                 pending.lock().unwrap_or_else(|e| e.into_inner()).push(check);
-                return Ok(comm2.ready(wide));
+                return Ok(comm2.ready(back(wide)?));
             }
             if reduced_sq.item()?.is_finite() {
-                return Ok(comm2.ready(wide));
+                return Ok(comm2.ready(back(wide)?));
             }
             // Every rank holds the same sum, so every rank takes this path: find the largest
             // gradient over the ranks (NaN-propagating max: a non-finite input is not an overflow).
@@ -181,7 +195,7 @@ impl ReducerPolicy for Compress {
             } else {
                 f64::NAN
             };
-            Ok(overflow_over_ranks(&comm2, on, index, local, world).then(move |()| Ok(wide)))
+            Ok(overflow_over_ranks(&comm2, on, index, local, world).then(move |()| back(wide)))
         })))
     }
 

@@ -362,6 +362,13 @@ fn reduce_bucket(
         drop(st);
         return Ok(comm.all_reduce(&input, ReduceOp::Avg, &tag));
     }
+    // A 16-bit bucket (mixed precision) is compressed from an f32 copy: the factors, the error
+    // feedback and the approximation in f32, rounded once into the bucket at the end.
+    let bucket_dtype = input.dtype();
+    let input = match bucket_dtype {
+        DType::F32 => input,
+        _ => input.to_dtype(DType::F32)?,
+    };
     if cfg.use_error_feedback {
         for p in &bucket.params {
             if let Some(e) = st.error.get(&p.index).filter(|e| e.numel() == p.len()) {
@@ -455,7 +462,10 @@ fn reduce_bucket(
                 st.q.insert(param, q);
             }
         }
-        Ok(input)
+        Ok(match bucket_dtype {
+            DType::F32 => input,
+            _ => input.to_dtype(bucket_dtype)?,
+        })
     };
     Ok(first.and_then(move |plain_sum| {
         if let Some(sum) = plain_sum {

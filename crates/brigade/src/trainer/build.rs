@@ -53,6 +53,11 @@ impl<'a> Trainer<'a> {
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
         let feed = Feed::new(cfg, data, ctx, lengths, resumed.as_ref(), first_step)?;
         if cfg.recipe.precision.is_mixed() {
+            // the masters are made from rank 0's f32 values, as DDP's broadcast makes the
+            // parameters: ranks that initialised differently would otherwise keep their own
+            if cfg.ddp().is_some_and(|d| d.broadcast_parameters) && policy.is_some() {
+                brigade_ddp::broadcast_from_rank0(model.params().params(), ctx.comm.as_ref())?;
+            }
             opt = master_weights(cfg, model.as_ref(), opt.as_ref(), policy_name.as_deref())?;
         }
         let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
@@ -84,9 +89,19 @@ impl<'a> Trainer<'a> {
 }
 
 /// What the configuration alone refuses, before the model or the data is touched: a checkpoint
-/// path that cannot be written, and ZeRO-3 with a join mode.
+/// path that cannot be written, a reduce dtype other than the parameters' or f32, and ZeRO-3
+/// with a join mode.
 fn refuse_before_any_work(cfg: &TrainConfig) -> Result<()> {
     cfg.runtime.checkpoint.validate()?;
+    let p = cfg.recipe.precision;
+    if p.reduce_dtype != p.param_dtype && p.reduce_dtype != brigade_tensor::DType::F32 {
+        return Err(Error::Config(format!(
+            "--reduce-dtype {}: beside {} parameters the gradients are reduced in their own dtype or in f32; a \
+             narrower sum would round the accumulated gradients (the fp16/bf16 policies send 16-bit shares of f32 ones)",
+            dtype_name(p.reduce_dtype),
+            dtype_name(p.param_dtype)
+        )));
+    }
     if zero_stage(cfg) == brigade_policies::ZeroStage::Three && cfg.data.join.is_some() {
         return Err(Error::Config(
             "zero3 does not combine with a join mode (DataConfig::join, --join): a rank without data would skip the \
@@ -111,11 +126,10 @@ fn make_policy(cfg: &TrainConfig, ctx: &RankContext) -> Result<Option<Box<dyn br
 /// The optimizer of a mixed-precision run: f32 master weights taken from the (built,
 /// initialised, resumed) f32 parameters, which become their rounded 16-bit compute copy, and
 /// `opt`'s kind, state and learning rate stepping the masters (fp16: with dynamic loss
-/// scaling, its scale and counter resumed from the checkpoint). Refused with one line where the
-/// combination is not built: a device other than the CPU
-/// (its kernels compute f32 only), and reducer policies other than `allreduce` (the fp16/bf16
-/// compression policies would round bf16 gradients a second time for nothing; PowerSGD and
-/// ZeRO do not take 16-bit buckets yet).
+/// scaling, its scale and counter resumed from the checkpoint). Under ZeRO-1/2 the policy keeps
+/// this rank's shard of these masters only. Refused with one line where the combination is not
+/// built: a device other than the CPU (its kernels compute f32 only), and the policies
+/// [`refused_under`] names.
 fn master_weights(
     cfg: &TrainConfig,
     model: &dyn Model,
@@ -124,26 +138,14 @@ fn master_weights(
 ) -> Result<Box<dyn Optimizer>> {
     let p = cfg.recipe.precision;
     let refuse = |why: String| Err(Error::Config(format!("--precision {}: {why}", p.name())));
-    if p.reduce_dtype != p.param_dtype {
-        return refuse(format!(
-            "reducing in {} beside {} parameters is not built yet: the buckets hold the parameters' dtype",
-            p.reduce_dtype, p.param_dtype
-        ));
-    }
     if !matches!(
         cfg.runtime.device,
         crate::placement::DevicePlacement::Cpu | crate::placement::DevicePlacement::Fake(_)
     ) {
         return refuse("16-bit kernels run on the CPU only so far; use --device cpu".into());
     }
-    match policy {
-        None | Some("allreduce") => {}
-        Some(name @ ("bf16" | "fp16")) => {
-            return refuse(format!(
-                "the {name} compression policy would round bf16 gradients again for nothing: the buckets already hold bf16; use --policy allreduce"
-            ))
-        }
-        Some(name) => return refuse(format!("policy '{name}' does not take 16-bit buckets yet; use --policy allreduce")),
+    if let Some(why) = policy.and_then(|name| refused_under(p, name)) {
+        return refuse(why);
     }
     let mut state = opt.state_dict()?;
     let params = model.params().params().to_vec();
@@ -167,6 +169,42 @@ fn master_weights(
     }
     mixed.set_lr(opt.lr());
     Ok(Box::new(mixed))
+}
+
+/// Why policy `name` does not run under `precision` (16-bit parameters), or `None` where it
+/// does: the plain all-reduce, ZeRO-1/2 (f32 master shards), PowerSGD (factors in f32 from the
+/// 16-bit gradients) and, beside bf16 parameters, the fp16/bf16 compression policies.
+fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Option<String> {
+    let fp16 = precision.param_dtype == brigade_tensor::DType::F16;
+    let f32_reduce = precision.reduce_dtype == brigade_tensor::DType::F32;
+    match name {
+        "allreduce" => None,
+        "zero1" | "zero2" if fp16 => Some(format!(
+            "fp16 loss scaling under {name} is not built yet: each rank holds a shard of the gradients, so the ranks \
+             would have to agree on an inf/NaN before skipping a step; use --precision bf16 or --policy allreduce"
+        )),
+        "zero1" | "zero2" => None,
+        "bf16" | "fp16" if f32_reduce => Some(format!(
+            "the {name} compression policy sends 16-bit shares, which defeats --reduce-dtype f32's f32 sum; drop one of the two"
+        )),
+        "bf16" | "fp16" if fp16 => Some(format!(
+            "the {name} compression policy sends no fewer bytes than fp16 gradients, and its overflow stop would \
+             pre-empt the loss scaler's skipped step; use --policy allreduce"
+        )),
+        "bf16" | "fp16" => None,
+        n if n.starts_with("powersgd") && fp16 => Some(
+            "an inf/NaN in loss-scaled fp16 gradients would stay in PowerSGD's error feedback after the skipped step; \
+             use --precision bf16 with powersgd"
+                .into(),
+        ),
+        n if n.starts_with("powersgd") => None,
+        _ => Some(format!("policy '{name}' does not take 16-bit buckets yet; use --policy allreduce")),
+    }
+}
+
+/// The name `--precision` and `--reduce-dtype` give `dtype`.
+fn dtype_name(dtype: brigade_tensor::DType) -> &'static str {
+    brigade_autograd::MixedPrecision::uniform(dtype).name()
 }
 
 /// Every rank's length, known before step 0: without a join mode, ranks that would run out at
@@ -334,7 +372,13 @@ impl Replica {
         }
         let meter = CommMeter::new();
         let ddp = match (cfg.ddp(), policy) {
-            (Some(d), Some(policy)) => Some(wrap(d, ctx, model.as_ref(), device, &meter, policy)?),
+            (Some(d), Some(policy)) => {
+                let d = DdpConfig {
+                    reduce_dtype: Some(cfg.recipe.precision.reduce_dtype),
+                    ..d.clone()
+                };
+                Some(wrap(&d, ctx, model.as_ref(), device, &meter, policy)?)
+            }
             _ => None,
         };
         // Every rank takes its own part of the policy state (before the optimizer is built:

@@ -3,7 +3,10 @@
 //! and f32 master weights sit beside the bf16 parameters; the final weights and the checkpoint
 //! are the f32 masters, and 2 steps + resume + 2 steps are 4 straight steps bit for bit;
 //! fp16's loss scale skips, backs off and grows as GradScaler's rule says, and resumes
-//! with the run; combinations not built are refused in one line.
+//! with the run; ZeRO-1/2 keep f32 master shards and follow the bf16 all-reduce (their
+//! checkpoints resume on another world size), the compression policies and PowerSGD train under
+//! bf16, `reduce_dtype` f32 reduces closer to the f32 run, every rank starts from rank 0's
+//! masters; combinations not built are refused in one line.
 
 use std::path::PathBuf;
 
@@ -201,15 +204,235 @@ fn fp16_skips_backs_off_and_grows_as_the_scaler_says_and_resumes_bit_for_bit() {
 fn combinations_not_built_are_refused_in_one_line() {
     let mut c = config(2, 8, DType::BF16);
     c.recipe.precision.reduce_dtype = DType::F32;
-    let e = mlp(&c).err().expect("refused").to_string();
-    assert!(e.contains("reducing in f32") && !e.contains('\n'), "{e}");
-    c.recipe.precision.reduce_dtype = DType::BF16;
     for (spec, says) in [
-        ("bf16", "round bf16 gradients again"),
-        ("zero2", "does not take 16-bit buckets"),
+        ("bf16", "defeats --reduce-dtype f32"),
+        ("zero3", "does not take 16-bit buckets"),
     ] {
         c.distributed.as_mut().unwrap().policy = std::sync::Arc::new(spec.parse::<PolicySpec>().unwrap());
         let e = mlp(&c).err().expect("refused").to_string();
         assert!(e.contains(says) && !e.contains('\n'), "{spec}: {e}");
     }
+    let mut c = config(2, 8, DType::F16);
+    c.distributed.as_mut().unwrap().policy = std::sync::Arc::new(PolicySpec::Zero2);
+    let e = mlp(&c).err().expect("refused").to_string();
+    assert!(e.contains("agree on an inf/NaN") && !e.contains('\n'), "fp16 zero2: {e}");
+}
+
+/// The small GPT on `world` ranks under `policy` (one seed on every rank, no dropout).
+fn gpt_under(world: usize, cfg: &TrainConfig, policy: PolicySpec) -> brigade::Result<RunReport> {
+    let mut cfg = cfg.clone();
+    cfg.model.name = "gpt".into();
+    cfg.distributed.as_mut().unwrap().policy = std::sync::Arc::new(policy);
+    fit(
+        &LaunchConfig::threads(world),
+        &cfg,
+        |_| Dataset::builtin_text(16, 0).map_err(Error::from),
+        |_| Ok(Box::new(Gpt::new(crate::fake_device::small_gpt(), 0)?) as Box<dyn Model>),
+    )
+}
+
+fn master_bits(r: &RunReport) -> Vec<(String, Vec<u32>)> {
+    r.outcome
+        .params
+        .iter()
+        .map(|(n, t)| {
+            assert_eq!(t.dtype(), DType::F32, "'{n}' is an f32 master");
+            (n.clone(), t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+        })
+        .collect()
+}
+
+/// Largest relative difference of two loss curves.
+fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / x.abs()).fold(0.0, f64::max)
+}
+
+/// ZeRO-1 and ZeRO-2 beside bf16 parameters: each rank steps its f32 master shard from the
+/// reduce-scattered bf16 gradients and gathers the rounded bf16 compute copy, so they follow the
+/// bf16 all-reduce run (the same f32 master arithmetic; only the reduction's rounding may
+/// differ); the masters kept are Ψ·4/N bytes (a shard's padding aside), and the final weights
+/// are the whole f32 masters.
+#[test]
+fn zero1_and_zero2_in_bf16_follow_the_bf16_all_reduce_with_master_shards() {
+    let cfg = config(12, 4, DType::BF16);
+    let plain = gpt_under(2, &cfg, PolicySpec::AllReduce).unwrap();
+    let psi: usize = plain.outcome.params.iter().map(|(_, t)| t.numel()).sum();
+    let plain_mem = plain.outcome.memory.unwrap();
+    assert_eq!(plain_mem.master_weights, psi * 4, "allreduce: whole f32 masters");
+    for policy in [PolicySpec::Zero1, PolicySpec::Zero2] {
+        let zero = gpt_under(2, &cfg, policy.clone()).unwrap();
+        let worst = worst_relative(&plain.outcome.losses(), &zero.outcome.losses());
+        eprintln!("{policy}: worst relative loss difference {worst:e}");
+        assert!(worst < 1e-3, "{policy}: losses {:?} vs {:?}", zero.outcome.losses(), plain.outcome.losses());
+        let m = zero.outcome.memory.unwrap();
+        let buckets = zero.outcome.buckets.len();
+        assert!(
+            m.master_weights >= psi * 4 / 2 && m.master_weights <= psi * 4 / 2 + 4 * buckets,
+            "{policy}: master shards {} bytes, Ψ·4/2 = {}",
+            m.master_weights,
+            psi * 4 / 2
+        );
+        assert_eq!(m.parameters, plain_mem.parameters, "{policy}: the bf16 compute copy, whole");
+        let (a, b) = (master_bits(&plain), master_bits(&zero));
+        assert_eq!(
+            a.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            b.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            "{policy}: the masters of every parameter"
+        );
+        let worst_weight = plain
+            .outcome
+            .params
+            .iter()
+            .zip(&zero.outcome.params)
+            .flat_map(|((_, x), (_, y))| {
+                let (x, y) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
+                x.into_iter().zip(y).map(|(x, y)| (x - y).abs()).collect::<Vec<_>>()
+            })
+            .fold(0.0f32, f32::max);
+        eprintln!("{policy}: worst master difference {worst_weight:e}");
+        assert!(worst_weight < 1e-3, "{policy}: masters differ by {worst_weight}");
+    }
+}
+
+/// A bf16 ZeRO checkpoint holds the whole f32 masters, and resumes on another world size as
+/// the bf16 all-reduce checkpoint does: 2 steps on 2 ranks, then 2 more on 3.
+#[test]
+fn a_bf16_zero_checkpoint_holds_whole_f32_masters_and_resumes_on_three_ranks() {
+    let dir = tmp("zero-reshard");
+    let two_then_three = |policy: PolicySpec| {
+        let path = dir.join(format!("{policy}.safetensors"));
+        gpt_under(2, &writing(config(2, 4, DType::BF16), &path), policy.clone()).unwrap();
+        let (tensors, _) = load_safetensors_with_metadata(&path).unwrap();
+        let model: Vec<_> = tensors.iter().filter(|(n, _)| n.starts_with("model.")).collect();
+        assert!(
+            !model.is_empty() && model.iter().all(|(_, t)| t.dtype() == DType::F32),
+            "{policy}: the model saved is f32"
+        );
+        let saved: Vec<(String, Vec<u32>)> = model
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()))
+            .collect();
+        (saved, gpt_under(3, &resuming(config(4, 4, DType::BF16), &path), policy).unwrap())
+    };
+    let (plain_saved, plain) = two_then_three(PolicySpec::AllReduce);
+    for policy in [PolicySpec::Zero1, PolicySpec::Zero2] {
+        let (saved, resharded) = two_then_three(policy.clone());
+        assert_eq!(
+            saved.iter().map(|(n, t)| (n, t.len())).collect::<Vec<_>>(),
+            plain_saved.iter().map(|(n, t)| (n, t.len())).collect::<Vec<_>>(),
+            "{policy}: every master whole"
+        );
+        assert_eq!(resharded.outcome.losses().len(), 2);
+        let worst = worst_relative(&plain.outcome.losses(), &resharded.outcome.losses());
+        eprintln!("{policy}: resumed on 3, worst relative loss difference {worst:e}");
+        assert!(worst < 1e-3, "{policy}: resumed losses {:?} vs {:?}", resharded.outcome.losses(), plain.outcome.losses());
+        master_bits(&resharded);
+    }
+}
+
+/// The compression policies and PowerSGD beside bf16 parameters, on 2 ranks: bf16 compression
+/// changes no bytes (each share is rounded to bf16 once, the sum accumulated in f32), fp16
+/// compression casts the bf16 gradients to fp16 (exact within its range), PowerSGD computes its
+/// factors and error feedback in f32 from the bf16 gradients (compressing from step 2). Each
+/// trains as the bf16 all-reduce run does, within its own compression's error.
+#[test]
+fn compression_and_powersgd_in_bf16_train_as_the_all_reduce_does() {
+    let cfg = config(20, 4, DType::BF16);
+    let plain = gpt_under(2, &cfg, PolicySpec::AllReduce).unwrap();
+    let l = plain.outcome.losses();
+    assert!(last(&plain) < 0.9 * l[0], "the bf16 all-reduce run learns: {l:?}");
+    for (spec, tolerance) in [("bf16", 0.0), ("fp16", 0.01), ("powersgd:4@2", 0.05)] {
+        let r = gpt_under(2, &cfg, spec.parse::<PolicySpec>().unwrap()).unwrap();
+        let losses = r.outcome.losses();
+        assert!(losses.iter().all(|x| x.is_finite()), "{spec}: {losses:?}");
+        let worst = worst_relative(&l, &losses);
+        eprintln!("{spec}: worst relative loss difference to the bf16 all-reduce {worst:e}");
+        // bf16 on 2 ranks: each half of a bf16 gradient is exact in bf16, and the sum is rounded
+        // once, as the all-reduce's average is: the same run
+        assert!(worst <= tolerance, "{spec}: losses {losses:?} vs {l:?}");
+        assert_eq!(r.outcome.memory.unwrap().buckets, plain.outcome.memory.unwrap().buckets, "{spec}: bf16 buckets");
+        if spec.starts_with("powersgd") {
+            assert!(r.outcome.memory.unwrap().policy_state > 0, "powersgd compressed: its error feedback is kept");
+        }
+    }
+    // under fp16 (loss scaling) they are refused, each with its reason
+    let mut c = config(2, 8, DType::F16);
+    for (spec, says) in [("bf16", "no fewer bytes"), ("fp16", "no fewer bytes"), ("powersgd:2", "error feedback")] {
+        c.distributed.as_mut().unwrap().policy = std::sync::Arc::new(spec.parse::<PolicySpec>().unwrap());
+        let e = mlp(&c).err().expect("refused").to_string();
+        assert!(e.contains(says) && !e.contains('\n'), "fp16 {spec}: {e}");
+    }
+}
+
+fn sgd_config(precision: DType, reduce: DType) -> TrainConfig {
+    let mut c = config(1, 8, precision);
+    c.recipe.optimizer = OptimizerConfig::Sgd {
+        lr: 0.5,
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    c.recipe.precision.reduce_dtype = reduce;
+    // four microbatches accumulated in the bucket before it is reduced
+    c.data.accum = 4;
+    c
+}
+
+/// `--reduce-dtype f32` beside bf16 parameters: f32 buckets (the bf16 gradients widened as they
+/// accumulate, the sum exact in f32), so one SGD step's masters (init − lr·averaged gradient)
+/// lie closer to the f32 run's weights than those of the bf16 reduction do.
+#[test]
+fn reducing_bf16_gradients_in_f32_is_closer_to_the_f32_run() {
+    let f32_run = mlp(&sgd_config(DType::F32, DType::F32)).unwrap();
+    let in_bf16 = mlp(&sgd_config(DType::BF16, DType::BF16)).unwrap();
+    let in_f32 = mlp(&sgd_config(DType::BF16, DType::F32)).unwrap();
+    let distance = |r: &RunReport| -> f64 {
+        f32_run
+            .outcome
+            .params
+            .iter()
+            .zip(&r.outcome.params)
+            .flat_map(|((_, a), (_, b))| {
+                let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+                a.into_iter().zip(b).map(|(a, b)| ((a - b) as f64).powi(2)).collect::<Vec<_>>()
+            })
+            .sum::<f64>()
+            .sqrt()
+    };
+    let (d16, d32) = (distance(&in_bf16), distance(&in_f32));
+    eprintln!("distance to the f32 run's weights after one step: reduce bf16 {d16:e}, reduce f32 {d32:e}");
+    assert!(d32 < d16, "reduce f32 {d32} is not closer than reduce bf16 {d16}");
+    let (m16, m32, mf) = (
+        in_bf16.outcome.memory.unwrap(),
+        in_f32.outcome.memory.unwrap(),
+        f32_run.outcome.memory.unwrap(),
+    );
+    assert_eq!((m32.buckets, m16.buckets * 2), (mf.buckets, mf.buckets), "f32 buckets");
+    assert_eq!(m32.parameters, m16.parameters, "the compute copy stays bf16");
+    // a narrower reduce dtype than the parameters' is refused in one line
+    let e = mlp(&sgd_config(DType::F32, DType::BF16)).err().expect("refused").to_string();
+    assert!(e.contains("--reduce-dtype bf16") && !e.contains('\n'), "{e}");
+}
+
+/// Ranks that initialise differently start from rank 0's weights, masters included: a bf16 run
+/// whose rank r is seeded r + 1 is the run whose every rank is seeded 1, bit for bit.
+#[test]
+fn every_rank_starts_from_rank_0s_masters() {
+    let seeded = |per_rank: bool| {
+        let mut cfg = config(3, 16, DType::BF16);
+        cfg.model.name = "mlp".into();
+        fit(
+            &LaunchConfig::threads(2),
+            &cfg,
+            |_| Dataset::teacher(1024, 16, 4, 3).map_err(Into::into),
+            move |ctx: &brigade::launch::RankContext| {
+                let seed = if per_rank { ctx.rank as u64 + 1 } else { 1 };
+                Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 64, 4]), seed)?) as Box<dyn Model>)
+            },
+        )
+        .unwrap()
+    };
+    let (same, different) = (seeded(false), seeded(true));
+    assert_eq!(different.outcome.losses(), same.outcome.losses());
+    assert_eq!(master_bits(&different), master_bits(&same));
 }

@@ -466,11 +466,34 @@ pub struct RecipeArgs {
     /// the scale halved; the `scale` column of --losses).
     #[arg(long, default_value = "f32", value_parser = parse_precision)]
     pub precision: brigade::MixedPrecision,
+    /// The dtype the gradients are reduced in over the ranks (FSDP2's `reduce_dtype`): f32,
+    /// bf16 or fp16; default: the --precision's parameter dtype. `--precision bf16
+    /// --reduce-dtype f32` keeps f32 gradient buckets (the bf16 gradients widened as they
+    /// accumulate, the sum exact in f32), twice the bucket bytes of bf16.
+    #[arg(long, value_parser = parse_reduce_dtype)]
+    pub reduce_dtype: Option<brigade::tensor::DType>,
+}
+
+impl RecipeArgs {
+    /// `--precision` with `--reduce-dtype` applied.
+    pub fn mixed_precision(&self) -> brigade::MixedPrecision {
+        brigade::MixedPrecision {
+            reduce_dtype: self.reduce_dtype.unwrap_or(self.precision.reduce_dtype),
+            ..self.precision
+        }
+    }
 }
 
 /// `--precision`: f32, bf16 or fp16.
 fn parse_precision(s: &str) -> std::result::Result<brigade::MixedPrecision, String> {
     brigade::MixedPrecision::parse(s)
+}
+
+/// `--reduce-dtype`: f32, bf16 or fp16.
+fn parse_reduce_dtype(s: &str) -> std::result::Result<brigade::tensor::DType, String> {
+    brigade::MixedPrecision::parse(s)
+        .map(|p| p.param_dtype)
+        .map_err(|_| format!("unknown reduce dtype '{s}' (f32, bf16, fp16)"))
 }
 
 /// The ranks and DDP: how many, over which backend, the buckets, the reducer policy, the

@@ -78,10 +78,35 @@ fn a_bad_precision_and_combinations_not_built_fail_in_one_line() {
             "--world-size",
             "2",
             "--precision",
-            "bf16",
+            "fp16",
             "--zero",
             "1",
         ],
     ]));
-    assert!(e.contains("--precision bf16") && e.trim().lines().count() == 1, "{e}");
+    assert!(e.contains("--precision fp16") && e.trim().lines().count() == 1, "{e}");
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--reduce-dtype", "f8"]]));
+    assert!(e.contains("unknown reduce dtype 'f8'"), "{e}");
+}
+
+/// `--reduce-dtype f32` beside bf16 parameters: f32 buckets in `--json`, the compute copy bf16;
+/// ZeRO-2 under bf16 keeps half the f32 masters per rank.
+#[test]
+fn reduce_dtype_f32_keeps_f32_buckets_and_zero2_shards_the_masters() {
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let out = ok(&cat(&[
+            &["train"],
+            MLP,
+            &["--world-size", "2", "--steps", "2", "--json", "--precision", "bf16"],
+            extra,
+        ]));
+        let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        v["memory"].clone()
+    };
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    let (bf16, f32_reduce) = (json(&[]), json(&["--reduce-dtype", "f32"]));
+    assert_eq!(n(&f32_reduce, "bucket_bytes"), 2 * n(&bf16, "bucket_bytes"), "{f32_reduce}");
+    assert_eq!(n(&f32_reduce, "parameter_bytes"), n(&bf16, "parameter_bytes"));
+    let zero2 = json(&["--policy", "zero2"]);
+    let (whole, shard) = (n(&bf16, "master_weight_bytes"), n(&zero2, "master_weight_bytes"));
+    assert!(shard * 2 >= whole && shard * 2 < whole + 64, "{shard} of {whole}");
 }

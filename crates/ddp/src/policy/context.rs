@@ -21,6 +21,9 @@ pub struct PolicyContext {
     /// Every registered parameter, in registration order (frozen ones included: `trainable`
     /// says which are bucketed).
     pub params: Vec<ParamInfo>,
+    /// The dtype asked for the buckets ([`crate::DdpConfig::reduce_dtype`]); `None`: the
+    /// parameters'.
+    pub reduce_dtype: Option<DType>,
 }
 
 impl PolicyContext {
@@ -28,6 +31,12 @@ impl PolicyContext {
     /// what gradient buckets hold unless a policy says otherwise.
     pub fn param_dtype(&self) -> DType {
         self.params.iter().find(|p| p.trainable).map_or(DType::F32, |p| p.dtype)
+    }
+
+    /// The dtype the buckets are reduced in: the one asked for
+    /// ([`crate::DdpConfig::reduce_dtype`]), else the parameters' ([`PolicyContext::param_dtype`]).
+    pub fn reduce_dtype(&self) -> DType {
+        self.reduce_dtype.unwrap_or_else(|| self.param_dtype())
     }
 }
 

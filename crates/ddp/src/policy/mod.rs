@@ -68,11 +68,12 @@ pub trait ReducerPolicy: Send {
     fn name(&self) -> String;
 
     /// The buckets this policy needs. Asked once, when DDP is built (a collective every rank
-    /// makes, so every rank must answer alike). The default holds the trainable parameters'
-    /// dtype (gradients accumulate in it): bf16 parameters get bf16 buckets, half the bytes.
+    /// makes, so every rank must answer alike). The default holds the reduce dtype
+    /// ([`PolicyContext::reduce_dtype`]: the trainable parameters' unless DDP was asked for
+    /// another; gradients accumulate in it): bf16 parameters get bf16 buckets, half the bytes.
     fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
         BucketLayout {
-            dtype: ctx.param_dtype(),
+            dtype: ctx.reduce_dtype(),
             ..BucketLayout::default()
         }
     }

@@ -14,6 +14,12 @@
 //! gathers into the bucket's own idle gradient buffer, stage 2 in chunks of at most a third of a
 //! shard's worth of gathered parameters, three alive at once. On one rank there is nothing to
 //! shard: ZeRO is plain DDP there, buckets, memory and all.
+//!
+//! Beside 16-bit parameters (mixed precision: the optimizer handed over keeps f32 masters) the
+//! buckets hold the reduce dtype, and each rank keeps only its f32 **master shard** of every
+//! bucket: the gradient shard is widened to f32, the shard stepped in f32, and the shard rounded
+//! to the parameters' dtype is what the all-gather brings to every rank (half the bytes in
+//! bf16). A checkpoint gathers the whole masters ([`Optimizer::consolidate_state`]).
 
 mod optimizer;
 pub mod shard;
@@ -28,7 +34,7 @@ use brigade_ddp::policy::{
     BucketLayout, BuildOptimizer, Collectives, OptimizerContext, PolicyBucket, PolicyContext, PolicyMemory,
     ReducerPolicy, Reduction, WireModel,
 };
-use brigade_tensor::DType;
+use brigade_tensor::{DType, Device, Tensor};
 
 use crate::error::PolicyError;
 
@@ -72,6 +78,34 @@ impl ZeroStage {
             ZeroStage::Three => 3,
         }
     }
+}
+
+/// This rank's f32 shard of every bucket cut from the whole f32 `masters` (by parameter
+/// name), zeros where the shard is padding.
+fn master_shards(ctx: &OptimizerContext, masters: &[(String, Tensor)]) -> brigade_ddp::Result<Vec<Tensor>> {
+    let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
+    let params = ctx.buckets.params();
+    let mut out = vec![];
+    for span in ctx.buckets.spans() {
+        let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
+        let device = span.params.first().map_or(Device::Cpu, |p| params[p.index].value().device());
+        let shard = Tensor::zeros_on(&[shard_len(span.grad_numel, world)], DType::F32, device)?;
+        for piece in shard::pieces(&flat, world, rank) {
+            let name = params[piece.param].name().unwrap_or("<unnamed>");
+            let Some((_, master)) = masters.iter().find(|(n, _)| n == name) else {
+                return Err(brigade_ddp::DdpError::Policy {
+                    policy: "zero".into(),
+                    reason: format!("the optimizer keeps no f32 master of parameter '{name}'"),
+                });
+            };
+            let master = master.to_device(device)?.contiguous()?;
+            shard
+                .narrow(0, piece.shard_offset, piece.len)?
+                .copy_from(&master.flat_view(piece.param_offset, &[piece.len])?)?;
+        }
+        out.push(shard);
+    }
+    Ok(out)
 }
 
 /// The ZeRO reducer policy (see the module docs).
@@ -141,7 +175,7 @@ impl ReducerPolicy for Zero {
         }
         BucketLayout {
             pad_to: ctx.world_size,
-            dtype: DType::F32,
+            dtype: ctx.reduce_dtype(),
             regroup: false,
         }
     }
@@ -169,6 +203,10 @@ impl ReducerPolicy for Zero {
         if !self.sharded(ctx.comm.world_size()) {
             return Ok(full);
         }
+        // Beside 16-bit parameters `full` steps f32 masters of every parameter: this rank keeps
+        // its shard of them (dropping `full` frees the rest) and steps that.
+        let masters = full.master_weights();
+        let masters = (!masters.is_empty()).then(|| master_shards(ctx, &masters)).transpose()?;
         Ok(Box::new(ZeroOptimizer::new(
             ctx,
             self.stage,
@@ -176,7 +214,7 @@ impl ReducerPolicy for Zero {
             full.as_ref(),
             build,
             self.all_gather_cap,
-            None,
+            masters,
         )?))
     }
 

@@ -84,9 +84,14 @@ pub struct ZeroOptimizer {
     consolidated: Mutex<Option<Vec<(String, Tensor)>>>,
     /// The most bytes one stage-2 parameter all-gather returns.
     all_gather_cap: usize,
-    /// Stage 3: per bucket, this rank's f32 shard of the bucket's parameters (the master the
-    /// pieces view and the step updates; the parameters are gathered from it, not here).
+    /// Per bucket, this rank's f32 shard of the bucket's parameters: the master the pieces
+    /// view and the step updates. Stage 3: the parameters are gathered from it by the units,
+    /// not here. Stages 1 and 2 beside 16-bit parameters (mixed precision): the shard rounded
+    /// to the parameters' dtype is what the step all-gathers into them.
     masters: Option<Vec<Tensor>>,
+    /// Stages 1 and 2 with masters: every rank's f32 masters, whole, gathered by
+    /// `consolidate_state` (rank 0 only), what [`Optimizer::master_weights`] gives a checkpoint.
+    consolidated_masters: Mutex<Vec<(String, Tensor)>>,
 }
 
 /// The parameter a state entry `NAME.SUFFIX` belongs to (the longest parameter name that
@@ -165,7 +170,19 @@ impl ZeroOptimizer {
             consolidated: Mutex::new(None),
             all_gather_cap,
             masters,
+            consolidated_masters: Mutex::new(vec![]),
         })
+    }
+
+    /// True when the shards step f32 masters beside 16-bit parameters that the step gathers
+    /// (stages 1 and 2 under mixed precision).
+    fn gathers_from_masters(&self) -> bool {
+        self.masters.is_some() && self.stage != ZeroStage::Three
+    }
+
+    /// The dtype the parameters compute in (the dtype stage 2 gathers them in).
+    fn param_dtype(&self) -> DType {
+        self.buckets.params().first().map_or(DType::F32, |p| p.value().dtype())
     }
 
     /// Steps bucket `b`'s shard in place (the pieces are views of the parameters).
@@ -189,7 +206,13 @@ impl ZeroOptimizer {
                     .flat_view(piece.param_offset, &[piece.len])?,
             };
             var.set_value(value)?;
-            var.set_grad(Some(grads.flat_view(piece.shard_offset, &[piece.len])?))?;
+            let grad = grads.flat_view(piece.shard_offset, &[piece.len])?;
+            // a 16-bit gradient shard is widened for the f32 master it steps
+            let grad = match grad.dtype() == var.value().dtype() {
+                true => grad,
+                false => grad.to_dtype(var.value().dtype())?,
+            };
+            var.set_grad(Some(grad))?;
         }
         sb.opt.step()?;
         for var in &sb.vars {
@@ -199,11 +222,20 @@ impl ZeroOptimizer {
         Ok(())
     }
 
-    /// This rank's updated parameters in `chunk` of its shard of bucket `b` (zeros for padding).
-    fn send_chunk(&self, b: usize, chunk: Range<usize>) -> Result<Tensor> {
+    /// This rank's updated parameters in `chunk` of its shard of bucket `b` (zeros for padding),
+    /// in `dtype`. Beside f32 masters: the masters rounded to the parameters' dtype (the
+    /// compute copy every rank then holds), carried in `dtype`.
+    fn send_chunk(&self, b: usize, chunk: Range<usize>, dtype: DType) -> Result<Tensor> {
+        if let (Some(m), true) = (&self.masters, self.gathers_from_masters()) {
+            let rounded = m[b].narrow(0, chunk.start, chunk.len())?.to_dtype(self.param_dtype())?;
+            return Ok(match rounded.dtype() == dtype {
+                true => rounded,
+                false => rounded.to_dtype(dtype)?,
+            });
+        }
         let sb = &self.shards[b];
         let params = self.buckets.params();
-        let send = Tensor::zeros_on(&[chunk.len()], DType::F32, self.device())?;
+        let send = Tensor::zeros_on(&[chunk.len()], dtype, self.device())?;
         let lo = self.comm.rank() * sb.per + chunk.start;
         for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
             send.narrow(0, out, len)?
@@ -218,6 +250,10 @@ impl ZeroOptimizer {
         let sb = &self.shards[b];
         let params = self.buckets.params();
         let gathered = gathered.reshape(&[gathered.numel()])?;
+        let gathered = match gathered.dtype() == self.param_dtype() {
+            true => gathered,
+            false => gathered.to_dtype(self.param_dtype())?,
+        };
         for r in 0..self.comm.world_size() {
             let lo = r * sb.per + chunk.start;
             for (p, at, len, out) in overlaps(&sb.params, lo..lo + chunk.len()) {
@@ -242,9 +278,9 @@ impl ZeroOptimizer {
             self.step_bucket(b)?;
             let finish = in_flight.take().map(|(pb, pc, w)| (pb, pc, w.wait()));
             let per = self.shards[b].per;
-            let send = self.send_chunk(b, 0..per)?;
-            peak = peak.max(per * DType::F32.size_in_bytes());
             let buffer = self.buckets.buffer(self.shards[b].index)?;
+            let send = self.send_chunk(b, 0..per, buffer.dtype())?;
+            peak = peak.max(per * buffer.dtype().size_in_bytes());
             let tag = self.tag(b, &(0..per));
             in_flight = Some((b, 0..per, self.comm.all_gather_into(&send, &buffer, &tag)));
             if let Some((pb, pc, gathered)) = finish {
@@ -268,17 +304,19 @@ impl ZeroOptimizer {
     /// a shard's worth (and the all-gather cap).
     fn step_chunked(&mut self) -> Result<usize> {
         let world = self.comm.world_size().max(1);
-        let f32_bytes = DType::F32.size_in_bytes();
+        // the gathered parameters travel in their own dtype (16-bit under mixed precision)
+        let dtype = self.param_dtype();
+        let elem_bytes = dtype.size_in_bytes();
         let mut in_flight: VecDeque<Gather> = VecDeque::new();
         let mut peak = 0;
-        let alive = |q: &VecDeque<Gather>| -> usize { q.iter().map(|(_, c, _)| c.len() * world * f32_bytes).sum() };
+        let alive = |q: &VecDeque<Gather>| -> usize { q.iter().map(|(_, c, _)| c.len() * world * elem_bytes).sum() };
         for b in 0..self.shards.len() {
             self.step_bucket(b)?;
             let per = self.shards[b].per;
-            let chunk_len = (self.all_gather_cap / f32_bytes / world).min(per / (3 * world)).max(1);
+            let chunk_len = (self.all_gather_cap / elem_bytes / world).min(per / (3 * world)).max(1);
             for start in (0..per).step_by(chunk_len) {
                 let chunk = start..(start + chunk_len).min(per);
-                let send = self.send_chunk(b, chunk.clone())?;
+                let send = self.send_chunk(b, chunk.clone(), dtype)?;
                 let tag = self.tag(b, &chunk);
                 in_flight.push_back((b, chunk, self.comm.all_gather(&send, &tag)));
                 while in_flight.len() > 2 {
@@ -416,7 +454,44 @@ impl ZeroOptimizer {
             }
         }
         *self.consolidated.get_mut().unwrap_or_else(|e| e.into_inner()) = (rank == 0).then_some(out);
+        if self.gathers_from_masters() {
+            let masters = self.gather_masters()?;
+            *self.consolidated_masters.get_mut().unwrap_or_else(|e| e.into_inner()) = masters;
+        }
         Ok(())
+    }
+
+    /// Every rank's f32 master shards gathered into whole tensors named and shaped like the
+    /// parameters (collective; rank 0 keeps them, the other ranks get none).
+    fn gather_masters(&self) -> Result<Vec<(String, Tensor)>> {
+        let Some(masters) = &self.masters else {
+            return Ok(vec![]);
+        };
+        let params = self.buckets.params();
+        let names = names(params);
+        let mut out = vec![];
+        for (sb, master) in self.shards.iter().zip(masters) {
+            let tag = format!("zero.masters{}", sb.index);
+            // a collective may move its input's storage: send a copy, the shard stays
+            let gathered = self
+                .comm
+                .all_gather(&master.copy()?, &tag)
+                .wait()?
+                .to_device(brigade_tensor::Device::Cpu)?;
+            if self.comm.rank() != 0 {
+                continue;
+            }
+            let gathered = gathered.reshape(&[gathered.numel()])?;
+            let mut offset = 0;
+            for &(p, n) in &sb.params {
+                let t = gathered.narrow(0, offset, n)?.reshape(&params[p].shape())?.copy()?;
+                out.push((names[p].clone(), t));
+                offset += n;
+            }
+        }
+        // in the parameters' order, as an f32 model's named values
+        out.sort_by_key(|(n, _)| names.iter().position(|m| m == n));
+        Ok(out)
     }
 }
 
@@ -490,5 +565,23 @@ impl Optimizer for ZeroOptimizer {
 
     fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
         self.consolidate().map_err(optimizer_error)
+    }
+
+    /// Stages 1 and 2 beside 16-bit parameters: the whole f32 masters gathered by the last
+    /// [`Optimizer::consolidate_state`] (rank 0; empty before it and on the other ranks).
+    fn master_weights(&self) -> Vec<(String, Tensor)> {
+        match self.gathers_from_masters() {
+            true => self.consolidated_masters.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            false => vec![],
+        }
+    }
+
+    /// This rank's f32 master shards (stages 1 and 2 beside 16-bit parameters; stage 3's
+    /// shards are the parameters, counted there).
+    fn master_weight_bytes(&self) -> usize {
+        match (&self.masters, self.gathers_from_masters()) {
+            (Some(m), true) => m.iter().map(|t| t.numel() * DType::F32.size_in_bytes()).sum(),
+            _ => 0,
+        }
     }
 }
