@@ -81,6 +81,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 path: Some(ckpt.clone()),
                 every: None,
                 keep_last: None,
+                metadata: vec![],
             };
             c
         };

@@ -8,7 +8,6 @@
 //! checkpoint (`user.plan`), and a `--resume` of such a checkpoint keeps it without
 //! calibrating again.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -102,29 +101,10 @@ impl Choice {
 
     /// Sets the flags it chose in `args`.
     fn apply(&self, args: &mut RunArgs) -> Result<()> {
-        let spec = PolicySpec::from_str(&self.policy)
-            .map_err(|e| Error::Usage(format!("--plan auto: the plan's policy {}: {e}", self.policy)))?;
         let d = &mut args.distributed;
-        d.comm_hook = CommHookName::Allreduce;
-        d.zero = 0;
-        match spec {
-            PolicySpec::AllReduce => {}
-            PolicySpec::Fp16 => d.comm_hook = CommHookName::Fp16,
-            PolicySpec::Bf16 => d.comm_hook = CommHookName::Bf16,
-            PolicySpec::Int8 => d.comm_hook = CommHookName::Int8,
-            PolicySpec::PowerSgd { rank, start_iter } => {
-                (d.comm_hook, d.powersgd_rank, d.powersgd_start_iter) = (CommHookName::Powersgd, rank, start_iter)
-            }
-            PolicySpec::Zero1 => d.zero = 1,
-            PolicySpec::Zero2 => d.zero = 2,
-            PolicySpec::Zero3 => d.zero = 3,
-            PolicySpec::User { .. } => {
-                return Err(Error::Usage(format!(
-                    "--plan auto: the plan's policy {} is not a built-in one",
-                    self.policy
-                )))
-            }
-        }
+        (d.comm_hook, d.zero) = (CommHookName::Allreduce, 0);
+        args.set_policy(&self.policy)?;
+        let d = &mut args.distributed;
         d.bucket_mb = vec![BucketCap::Mib(self.bucket_mb)];
         d.first_bucket_mb = self.first_bucket_mb;
         args.model.activation_checkpointing = (self.activation_checkpointing > 0).then_some(self.activation_checkpointing);
