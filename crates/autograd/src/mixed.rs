@@ -216,6 +216,10 @@ impl Optimizer for MasterWeights {
         self.scaler.map_or(0, |s| s.skipped())
     }
 
+    fn grad_scaler(&self) -> Option<GradScaler> {
+        self.scaler
+    }
+
     fn state_bytes(&self) -> Result<usize> {
         self.inner.state_bytes()
     }

@@ -52,6 +52,11 @@ pub trait Optimizer: Send {
     fn skipped_steps(&self) -> u64 {
         0
     }
+    /// The dynamic loss scaler this optimizer keeps (fp16), as it stands: what a sharded
+    /// optimizer built from this one takes over. `None`: no scaling.
+    fn grad_scaler(&self) -> Option<crate::GradScaler> {
+        None
+    }
 }
 
 /// Bytes of the elements of `t`'s whole storage (what it holds live, not just the view).

@@ -460,4 +460,8 @@ impl Optimizer for DdpOptimizer {
     fn skipped_steps(&self) -> u64 {
         self.inner.skipped_steps()
     }
+
+    fn grad_scaler(&self) -> Option<brigade_autograd::GradScaler> {
+        self.inner.grad_scaler()
+    }
 }

@@ -172,17 +172,14 @@ fn master_weights(
 }
 
 /// Why policy `name` does not run under `precision` (16-bit parameters), or `None` where it
-/// does: the plain all-reduce, ZeRO-1/2 (f32 master shards), PowerSGD (factors in f32 from the
+/// does: the plain all-reduce, ZeRO-1/2 (f32 master shards; under fp16 the ranks agree on a
+/// skipped step), PowerSGD (factors in f32 from the
 /// 16-bit gradients) and, beside bf16 parameters, the fp16/bf16 compression policies.
 fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Option<String> {
     let fp16 = precision.param_dtype == brigade_tensor::DType::F16;
     let f32_reduce = precision.reduce_dtype == brigade_tensor::DType::F32;
     match name {
         "allreduce" => None,
-        "zero1" | "zero2" if fp16 => Some(format!(
-            "fp16 loss scaling under {name} is not built yet: each rank holds a shard of the gradients, so the ranks \
-             would have to agree on an inf/NaN before skipping a step; use --precision bf16 or --policy allreduce"
-        )),
         "zero1" | "zero2" => None,
         "bf16" | "fp16" if f32_reduce => Some(format!(
             "the {name} compression policy sends 16-bit shares, which defeats --reduce-dtype f32's f32 sum; drop one of the two"

@@ -79,8 +79,8 @@ fn a_bad_precision_and_combinations_not_built_fail_in_one_line() {
             "2",
             "--precision",
             "fp16",
-            "--zero",
-            "1",
+            "--policy",
+            "bf16",
         ],
     ]));
     assert!(e.contains("--precision fp16") && e.trim().lines().count() == 1, "{e}");

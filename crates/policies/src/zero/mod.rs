@@ -19,7 +19,10 @@
 //! buckets hold the reduce dtype, and each rank keeps only its f32 **master shard** of every
 //! bucket: the gradient shard is widened to f32, the shard stepped in f32, and the shard rounded
 //! to the parameters' dtype is what the all-gather brings to every rank (half the bytes in
-//! bf16). A checkpoint gathers the whole masters ([`Optimizer::consolidate_state`]).
+//! bf16). A checkpoint gathers the whole masters ([`Optimizer::consolidate_state`]). Under
+//! fp16's loss scaling the optimizer takes over the scaler ([`Optimizer::grad_scaler`]): the
+//! shards are unscaled as they are widened, and the ranks all-reduce their inf/NaN verdicts so
+//! that a step is skipped on every rank or on none.
 
 mod optimizer;
 pub mod shard;

@@ -5,7 +5,8 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use brigade_autograd::{AutogradError, Optimizer, ParamStore, Var};
+use brigade_autograd::{AutogradError, GradScaler, Optimizer, ParamStore, Var};
+use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{Buckets, BuildOptimizer, Collectives, HeldGrad, OptimizerContext, TensorWork};
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Tensor};
@@ -92,6 +93,13 @@ pub struct ZeroOptimizer {
     /// Stages 1 and 2 with masters: every rank's f32 masters, whole, gathered by
     /// `consolidate_state` (rank 0 only), what [`Optimizer::master_weights`] gives a checkpoint.
     consolidated_masters: Mutex<Vec<(String, Tensor)>>,
+    /// fp16's dynamic loss scaler, taken over from the optimizer handed over (stages 1 and 2
+    /// beside masters): the gradient shards are unscaled as they are widened, and a step with an
+    /// inf/NaN in any rank's shard is skipped on every rank.
+    scaler: Option<GradScaler>,
+    /// What this step's gradient shards are multiplied by: 1 / the scale the loss was scaled
+    /// by (taken before the scaler records the step, which may grow it); 1 without a scaler.
+    unscale: f64,
 }
 
 /// The parameter a state entry `NAME.SUFFIX` belongs to (the longest parameter name that
@@ -132,7 +140,11 @@ impl ZeroOptimizer {
         let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
         let params = ctx.buckets.params();
         let names = names(params);
-        let state = full.state_dict()?;
+        let mut scaler = full.grad_scaler().filter(|_| masters.is_some() && stage != ZeroStage::Three);
+        let state = match &mut scaler {
+            Some(s) => s.load_from(&full.state_dict()?)?,
+            None => full.state_dict()?,
+        };
         let mut shards = vec![];
         for (b, span) in ctx.buckets.spans().into_iter().enumerate() {
             let bucket: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
@@ -171,6 +183,8 @@ impl ZeroOptimizer {
             all_gather_cap,
             masters,
             consolidated_masters: Mutex::new(vec![]),
+            scaler,
+            unscale: 1.0,
         })
     }
 
@@ -211,6 +225,10 @@ impl ZeroOptimizer {
             let grad = match grad.dtype() == var.value().dtype() {
                 true => grad,
                 false => grad.to_dtype(var.value().dtype())?,
+            };
+            let grad = match self.scaler {
+                Some(_) => grad.mul_scalar(self.unscale)?,
+                None => grad,
             };
             var.set_grad(Some(grad))?;
         }
@@ -341,6 +359,9 @@ impl ZeroOptimizer {
                     .into(),
             ));
         }
+        if !self.agree_to_step()? {
+            return Ok(());
+        }
         let peak = match self.stage {
             ZeroStage::Three => {
                 // the masters are the shards: nothing to gather here (the units gather them)
@@ -354,6 +375,27 @@ impl ZeroOptimizer {
         };
         self.scratch.store(peak, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Under loss scaling: whether every rank's gradient shards are finite (an all-reduce of
+    /// the ranks' verdicts), recorded in the scaler, which skips the step on every rank alike
+    /// when one is not. Without a scaler: always.
+    fn agree_to_step(&mut self) -> Result<bool> {
+        let Some(mut scaler) = self.scaler else {
+            return Ok(true);
+        };
+        let mut found_inf = false;
+        for sb in &self.shards {
+            if let HeldGrad::Shard { tensor, .. } = self.buckets.held(sb.index)? {
+                found_inf |= !tensor.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?.is_finite();
+            }
+        }
+        let flag = Tensor::from_vec(vec![if found_inf { 1.0f32 } else { 0.0 }], &[1])?.to_device(self.device())?;
+        let any = self.comm.all_reduce(&flag, ReduceOp::Max, "zero.found_inf").wait()?.item()? > 0.0;
+        self.unscale = 1.0 / scaler.scale();
+        let step = scaler.update(any).map_err(|e| zero_error(e.to_string()))?;
+        self.scaler = Some(scaler);
+        Ok(step)
     }
 
     /// The parameters' device, where the collectives move memory (a device stream moves
@@ -451,6 +493,9 @@ impl ZeroOptimizer {
             // Entries of no parameter (AdamW's `step`) are the same in every bucket's optimizer.
             if i == 0 && rank == 0 {
                 out.extend(state.into_iter().filter(|(k, _)| split_key(k, &names).is_none()));
+                if let Some(s) = &self.scaler {
+                    out.extend(s.state_dict().map_err(|e| zero_error(e.to_string()))?);
+                }
             }
         }
         *self.consolidated.get_mut().unwrap_or_else(|e| e.into_inner()) = (rank == 0).then_some(out);
@@ -552,8 +597,12 @@ impl Optimizer for ZeroOptimizer {
     /// Loads whole-parameter state (as [`Optimizer::state_dict`] gives it), keeping this rank's pieces.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_autograd::Result<()> {
         let names = names(self.buckets.params());
+        let state = match &mut self.scaler {
+            Some(s) => s.load_from(state)?,
+            None => state.to_vec(),
+        };
         for sb in &mut self.shards {
-            let sliced = slice_state(state, &names, &sb.pieces).map_err(optimizer_error)?;
+            let sliced = slice_state(&state, &names, &sb.pieces).map_err(optimizer_error)?;
             sb.opt.load_state_dict(&sliced)?;
         }
         Ok(())
@@ -565,6 +614,18 @@ impl Optimizer for ZeroOptimizer {
 
     fn consolidate_state(&mut self) -> brigade_autograd::Result<()> {
         self.consolidate().map_err(optimizer_error)
+    }
+
+    fn loss_scale(&self) -> Option<f64> {
+        self.scaler.map(|s| s.scale())
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.scaler.map_or(0, |s| s.skipped())
+    }
+
+    fn grad_scaler(&self) -> Option<GradScaler> {
+        self.scaler
     }
 
     /// Stages 1 and 2 beside 16-bit parameters: the whole f32 masters gathered by the last
