@@ -266,6 +266,15 @@ fn a_zero3_profile_records_each_units_gathers_for_forward_and_backward() {
         // backward: the reverse
         assert_eq!(of("forward"), ["layers.0", "layers.1", "layers.2", "layers.2"]);
         assert_eq!(of("backward"), ["layers.2", "layers.1", "layers.0"]);
+        // in this step as in the first, each forward gather after the first is issued ahead
+        // of its unit (prefetched while the unit before it computes)
+        let forward: Vec<&serde_json::Value> = gathers.iter().filter(|g| g["phase"] == "forward").collect();
+        for g in &forward[1..3] {
+            assert!(
+                g["issued_s"].as_f64().unwrap() < g["needed_s"].as_f64().unwrap(),
+                "prefetched: {g}"
+            );
+        }
         let mut previous_issue = 0.0;
         for g in gathers {
             let t = |k: &str| g[k].as_f64().unwrap();

@@ -383,6 +383,10 @@ impl GradSubscriber for Gatherer {
         }
         g.in_backward = false;
         g.last_log = std::mem::take(&mut g.log);
+        // the next forward prefetches every unit again
+        for u in &mut g.units {
+            u.done = false;
+        }
         Ok(())
     }
 
@@ -390,6 +394,9 @@ impl GradSubscriber for Gatherer {
         self.record(|g| {
             g.in_backward = false;
             g.log.clear();
+            for u in &mut g.units {
+                u.done = false;
+            }
             if g.active() {
                 g.release_all()
             } else {
