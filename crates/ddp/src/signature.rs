@@ -72,7 +72,7 @@ pub(crate) fn check_f32(params: &[Var]) -> Result<()> {
     }
 }
 
-/// Checks that every rank holds the same parameters ([`check_same_model`], [`check_f32`]) and
+/// Checks that every rank holds the same parameters (`check_same_model`, `check_f32`) and
 /// overwrites every rank's values with rank 0's, as [`crate::DistributedDataParallel::new`]
 /// does: a collective. Mixed precision calls it on the f32 parameters before their f32 master
 /// copies are made (DDP's own broadcast then moves the 16-bit compute copy), so that every
