@@ -7,7 +7,6 @@ use std::str::FromStr;
 
 use brigade::policies::{PolicySpec, DEFAULT_POWERSGD_START};
 
-use crate::args::RunArgs;
 use crate::error::{Error, Result};
 
 /// Every form `--policy` takes, for error messages.
@@ -25,11 +24,12 @@ pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
     }
 }
 
-/// The policy an entry names, its left-out parts from `run`'s flags.
-pub fn resolve(entry: &str, run: &RunArgs) -> Result<PolicySpec> {
+/// The policy an entry names, its left-out parts from the flags `--powersgd-rank` and
+/// `--powersgd-start-iter` (`powersgd_rank`, `powersgd_start_iter`).
+pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) -> Result<PolicySpec> {
     let spec = match entry {
         "powersgd" => PolicySpec::PowerSgd {
-            rank: run.distributed.powersgd_rank,
+            rank: powersgd_rank,
             start_iter: DEFAULT_POWERSGD_START,
         },
         _ => PolicySpec::from_str(entry).map_err(|e| Error::Usage(format!("--policy {entry}: {e}")))?,
@@ -37,7 +37,7 @@ pub fn resolve(entry: &str, run: &RunArgs) -> Result<PolicySpec> {
     Ok(match spec {
         PolicySpec::PowerSgd { rank, .. } if !entry.contains('@') => PolicySpec::PowerSgd {
             rank,
-            start_iter: run.distributed.powersgd_start_iter,
+            start_iter: powersgd_start_iter,
         },
         spec => spec,
     })

@@ -641,7 +641,8 @@ impl RunArgs {
     /// `powersgd:R[@START]`, `--powersgd-rank` and `--powersgd-start-iter`; `entry` is what
     /// `--policy` was given.
     pub fn set_policy(&mut self, entry: &str) -> Result<()> {
-        let spec = crate::policy::resolve(entry, self)?;
+        let d = &self.distributed;
+        let spec = crate::policy::resolve(entry, d.powersgd_rank, d.powersgd_start_iter)?;
         let d = &mut self.distributed;
         match spec {
             PolicySpec::AllReduce => d.comm_hook = CommHookName::Allreduce,

@@ -67,7 +67,10 @@ pub struct PolicyRow {
 /// configuration its row trains (the flags' configuration under that policy).
 fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec<(PolicySpec, TrainConfig)>> {
     let bad = |m: String| Err(Error::Usage(m));
-    let specs: Vec<PolicySpec> = s.policy.iter().map(|e| resolve(e, &s.run)).collect::<Result<_>>()?;
+    let specs: Vec<PolicySpec> = s.policy.iter().map(|e| {
+        let d = &s.run.distributed;
+        resolve(e, d.powersgd_rank, d.powersgd_start_iter)
+    }).collect::<Result<_>>()?;
     if let Some((i, p)) = specs.iter().enumerate().find(|(i, p)| specs[..*i].contains(p)) {
         return bad(format!(
             "--policy lists {p} twice (entries {} and {}): each policy is one row",
