@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use brigade_autograd::{Optimizer, Var};
 use brigade_comm::{CommMeter, Communicator, Metered};
-use brigade_ddp::overlap::Autotuner;
 use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
 use brigade_tensor::{set_compute_threads, Device};
@@ -62,14 +61,8 @@ impl<'a> Trainer<'a> {
         }
         let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
         let replica = Replica::new(cfg, ctx, model, opt, policy, policy_state.unwrap_or_default())?;
-        let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
         Ok(Trainer {
-            at: Progress {
-                first_step,
-                next_step: first_step,
-                next_position: feed.cursor.as_ref().map(SamplerCursor::position),
-                next_rng: replica.model.rng_state(),
-            },
+            at: Progress::at_start(first_step, &feed, &replica),
             cfg,
             data,
             ctx,
@@ -78,12 +71,7 @@ impl<'a> Trainer<'a> {
             schedule,
             resume,
             saves: Default::default(),
-            records: super::Records {
-                autotune: autotune.map(Autotuner::new).transpose()?,
-                memory,
-                _installed_meter: installed_meter,
-                ..Records::default()
-            },
+            records: Records::new(cfg, memory, installed_meter)?,
         })
     }
 }

@@ -95,6 +95,19 @@ struct Progress {
     next_rng: Option<RngState>,
 }
 
+impl Progress {
+    /// Where a run starts: at `first_step` (non-zero after a resume), with the feed's cursor
+    /// and the replica's dropout generator as they stand before it.
+    fn at_start(first_step: usize, feed: &Feed, replica: &Replica) -> Progress {
+        Progress {
+            first_step,
+            next_step: first_step,
+            next_position: feed.cursor.as_ref().map(SamplerCursor::position),
+            next_rng: replica.model.rng_state(),
+        }
+    }
+}
+
 /// What the resume told this run, to tell the observer.
 struct ResumeNotes {
     /// The hyperparameters this run changed from the checkpoint it resumed.
@@ -139,6 +152,21 @@ struct Records {
     step_memory: StepMemory,
     /// The meter this trainer installed on its thread (none was), taken off when it drops.
     _installed_meter: Option<InstalledMeter>,
+}
+
+impl Records {
+    /// The records of a run before its first step: none yet, the autotuner the configuration
+    /// asks for ([`DistributedConfig::autotune`](crate::config::DistributedConfig::autotune)),
+    /// and the thread's `memory` meter with the guard of the one this trainer installed.
+    fn new(cfg: &TrainConfig, memory: Arc<MemoryMeter>, installed_meter: Option<InstalledMeter>) -> Result<Records> {
+        let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
+        Ok(Records {
+            autotune: autotune.map(Autotuner::new).transpose()?,
+            memory,
+            _installed_meter: installed_meter,
+            ..Records::default()
+        })
+    }
 }
 
 /// A meter a trainer installed on its thread: uninstalled when dropped (also when the trainer

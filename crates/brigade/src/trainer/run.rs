@@ -158,29 +158,7 @@ impl Trainer<'_> {
         if ddp.is_some() && self.cfg.recipe.precision.is_mixed() {
             self.replica.opt.consolidate_state()?;
         }
-        // ZeRO-3: rank 0's copy of the whole parameters (gathering them is a collective)
-        let params = match ddp {
-            Some(d) if d.shards_parameters() => {
-                let whole = d.summon_full_params(|| -> Result<Vec<(String, brigade_tensor::Tensor)>> {
-                    match self.ctx.rank {
-                        0 => self
-                            .replica
-                            .model
-                            .params()
-                            .named_values()
-                            .into_iter()
-                            .map(|(n, t)| Ok((n, t.copy()?)))
-                            .collect(),
-                        _ => Ok(vec![]),
-                    }
-                })?;
-                whole?
-            }
-            _ => match self.ctx.rank {
-                0 => crate::checkpoint::full_weights(self.replica.model.as_ref(), self.replica.opt.as_ref()),
-                _ => vec![],
-            },
-        };
+        let params = self.whole_params()?;
         let join = self.feed.join.as_ref();
         Ok(TrainOutcome {
             first_step: self.at.first_step,
@@ -201,6 +179,34 @@ impl Trainer<'_> {
             join: join.map(|j| j.mode),
             joined_at: join.map(|j| j.joined_at.clone()).unwrap_or_default(),
             data_ended: join.and_then(|j| j.ended_at),
+        })
+    }
+
+    /// Rank 0's copy of the whole model as the run ends (the other ranks: none): its full
+    /// weights (the f32 masters beside 16-bit parameters, once consolidated); under ZeRO-3 the
+    /// parameters gathered from every rank's shard (a collective, which every rank joins).
+    fn whole_params(&self) -> Result<Vec<(String, brigade_tensor::Tensor)>> {
+        Ok(match self.replica.ddp.as_ref() {
+            Some(d) if d.shards_parameters() => {
+                let whole = d.summon_full_params(|| -> Result<Vec<(String, brigade_tensor::Tensor)>> {
+                    match self.ctx.rank {
+                        0 => self
+                            .replica
+                            .model
+                            .params()
+                            .named_values()
+                            .into_iter()
+                            .map(|(n, t)| Ok((n, t.copy()?)))
+                            .collect(),
+                        _ => Ok(vec![]),
+                    }
+                })?;
+                whole?
+            }
+            _ => match self.ctx.rank {
+                0 => crate::checkpoint::full_weights(self.replica.model.as_ref(), self.replica.opt.as_ref()),
+                _ => vec![],
+            },
         })
     }
 }
