@@ -11,7 +11,9 @@ use std::sync::Arc;
 use brigade_autograd::{AdamW, MixedPrecision, Optimizer, Sgd, Var};
 use brigade_ddp::overlap::AutotuneConfig;
 use brigade_ddp::DdpConfig;
+use brigade_models::{GptConfig, MlpConfig, ModelKind};
 
+use crate::error::{Error, Result};
 use crate::join::JoinMode;
 use crate::observe::TrainObserver;
 use crate::placement::DevicePlacement;
@@ -178,6 +180,50 @@ impl Default for ModelConfig {
     }
 }
 
+/// The model `name` (`mlp` or `gpt`) of the shape `config` describes, in the text
+/// [`ModelConfig::config`] holds as the `brigade` binary writes it (a checkpoint's
+/// `model_config`, a step profile's): a JSON object of the GPT's `vocab`, `d_model`,
+/// `n_layers`, `n_heads`, `d_ff`, `context` and `dropout`, or of the MLP's `widths` and
+/// `dropout`. One line naming what is missing otherwise.
+pub fn model_kind(name: &str, config: &str) -> Result<ModelKind> {
+    let bad = |why: String| Error::Config(format!("the recorded model configuration {why}"));
+    let v: serde_json::Value = serde_json::from_str(config).map_err(|e| bad(format!("is not JSON ({e})")))?;
+    let size = |k: &str| {
+        v.get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as usize)
+            .ok_or_else(|| bad(format!("has no size `{k}`: {config}")))
+    };
+    let dropout = v.get("dropout").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+    match name {
+        "gpt" => Ok(ModelKind::Gpt(GptConfig {
+            vocab: size("vocab")?,
+            d_model: size("d_model")?,
+            n_layers: size("n_layers")?,
+            n_heads: size("n_heads")?,
+            d_ff: size("d_ff")?,
+            context: size("context")?,
+            dropout,
+            ..GptConfig::default()
+        })),
+        "mlp" => {
+            let widths: Vec<usize> = v
+                .get("widths")
+                .and_then(serde_json::Value::as_array)
+                .and_then(|w| w.iter().map(|x| x.as_u64().map(|n| n as usize)).collect())
+                .filter(|w: &Vec<usize>| w.len() >= 2)
+                .ok_or_else(|| bad(format!("has no `widths` (at least two): {config}")))?;
+            Ok(ModelKind::Mlp(MlpConfig {
+                dropout,
+                ..MlpConfig::new(widths)
+            }))
+        }
+        _ => Err(bad(format!(
+            "is of model '{name}': a recorded shape is read for the mlp and the gpt"
+        ))),
+    }
+}
+
 /// On what data: the batches each rank reads, in which order, and what happens when the
 /// ranks' data ends at different steps.
 #[derive(Clone, Debug)]
@@ -337,4 +383,26 @@ pub struct Instrumentation {
     /// Told when the run starts, after each step and when it ends (on rank 0), and asked once
     /// a step whether to stop (on every rank); see [`TrainObserver`].
     pub observer: Option<Arc<dyn TrainObserver>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recorded_model_configuration_reads_back_or_names_what_is_missing() {
+        let gpt = r#"{"vocab":256,"d_model":32,"n_layers":2,"n_heads":2,"d_ff":64,"context":16,"dropout":0.0,"tokenizer":"bytes"}"#;
+        let ModelKind::Gpt(c) = model_kind("gpt", gpt).unwrap() else {
+            panic!("a gpt")
+        };
+        assert_eq!((c.vocab, c.d_model, c.n_layers, c.context), (256, 32, 2, 16));
+        let ModelKind::Mlp(c) = model_kind("mlp", r#"{"widths":[8,16,4],"dropout":0.1}"#).unwrap() else {
+            panic!("an mlp")
+        };
+        assert_eq!((c.widths, c.dropout), (vec![8, 16, 4], 0.1));
+        let e = model_kind("gpt", r#"{"vocab":256}"#).unwrap_err().to_string();
+        assert!(e.contains("d_model"), "{e}");
+        let e = model_kind("resnet", "{}").unwrap_err().to_string();
+        assert!(e.contains("resnet"), "{e}");
+    }
 }

@@ -10,10 +10,8 @@
 //! through checked arithmetic: `None` is more than 2^64 bytes. The parameters are counted in
 //! f32 (a 16-bit run's compute copies and master weights are not modelled apart).
 
-use brigade_models::{GptConfig, MlpConfig, ModelKind};
+use brigade_models::{GptConfig, ModelKind};
 use serde::{Deserialize, Serialize};
-
-use crate::error::{Error, Result};
 
 /// Bytes of an f32.
 const F32: u64 = 4;
@@ -226,48 +224,6 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     })
 }
 
-/// The model a step profile's run names (`mlp` or `gpt`) with its shape as a checkpoint records
-/// it (`model_config`: the GPT's `vocab`, `d_model`, `n_layers`, `n_heads`, `d_ff`, `context`,
-/// `dropout`; the MLP's `widths` and `dropout`). One line naming what is missing otherwise.
-pub fn model_kind(name: &str, config: &str) -> Result<ModelKind> {
-    let bad = |why: String| Error::Plan(format!("the recorded model configuration {why}"));
-    let v: serde_json::Value = serde_json::from_str(config).map_err(|e| bad(format!("is not JSON ({e})")))?;
-    let size = |k: &str| {
-        v.get(k)
-            .and_then(serde_json::Value::as_u64)
-            .map(|n| n as usize)
-            .ok_or_else(|| bad(format!("has no size `{k}`: {config}")))
-    };
-    let dropout = v.get("dropout").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
-    match name {
-        "gpt" => Ok(ModelKind::Gpt(GptConfig {
-            vocab: size("vocab")?,
-            d_model: size("d_model")?,
-            n_layers: size("n_layers")?,
-            n_heads: size("n_heads")?,
-            d_ff: size("d_ff")?,
-            context: size("context")?,
-            dropout,
-            ..GptConfig::default()
-        })),
-        "mlp" => {
-            let widths: Vec<usize> = v
-                .get("widths")
-                .and_then(serde_json::Value::as_array)
-                .and_then(|w| w.iter().map(|x| x.as_u64().map(|n| n as usize)).collect())
-                .filter(|w: &Vec<usize>| w.len() >= 2)
-                .ok_or_else(|| bad(format!("has no `widths` (at least two): {config}")))?;
-            Ok(ModelKind::Mlp(MlpConfig {
-                dropout,
-                ..MlpConfig::new(widths)
-            }))
-        }
-        _ => Err(Error::Plan(format!(
-            "the memory model knows the mlp and the gpt, not the model '{name}'"
-        ))),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -323,22 +279,5 @@ mod tests {
         assert_eq!(z3.parameters, 3_468_288 / 4 + 2 * 198_272 * 4);
         assert_eq!((z3.gradients, z3.optimizer_state), (p.gradients, p.optimizer_state));
         assert_eq!(z3.total(), p.total() - 3_468_288 + z3.parameters);
-    }
-
-    #[test]
-    fn a_recorded_model_configuration_reads_back_or_names_what_is_missing() {
-        let gpt = r#"{"vocab":256,"d_model":32,"n_layers":2,"n_heads":2,"d_ff":64,"context":16,"dropout":0.0,"tokenizer":"bytes"}"#;
-        let ModelKind::Gpt(c) = model_kind("gpt", gpt).unwrap() else {
-            panic!("a gpt")
-        };
-        assert_eq!((c.vocab, c.d_model, c.n_layers, c.context), (256, 32, 2, 16));
-        let ModelKind::Mlp(c) = model_kind("mlp", r#"{"widths":[8,16,4],"dropout":0.1}"#).unwrap() else {
-            panic!("an mlp")
-        };
-        assert_eq!((c.widths, c.dropout), (vec![8, 16, 4], 0.1));
-        let e = model_kind("gpt", r#"{"vocab":256}"#).unwrap_err().to_string();
-        assert!(e.contains("d_model"), "{e}");
-        let e = model_kind("resnet", "{}").unwrap_err().to_string();
-        assert!(e.contains("resnet"), "{e}");
     }
 }

@@ -209,7 +209,7 @@ fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
         ));
     };
     Ok(RunFacts {
-        kind: memory::model_kind(&r0.model, config)?,
+        kind: crate::config::model_kind(&r0.model, config)?,
         rows: r0.rows,
         state_per_param: r0.optimizer_state_per_param,
         precision: r0.precision,
