@@ -24,7 +24,8 @@ use brigade::{OptimizerConfig, RunReport, TrainConfig};
 /// Int8 with error feedback. One policy per rank (the error it keeps is its own), keyed by
 /// parameter name, which survives DDP's bucket rebuild after the first iteration. Every step
 /// is a tensor op on the bucket's device (the scale too: nothing is read back to the host), so
-/// the same policy runs on a GPU.
+/// the same policy runs on a GPU. The bucket comes in the reduce dtype (f32, or bf16 under
+/// `--precision bf16`): it is quantized from its f32 widening and the result rounded back.
 #[derive(Default)]
 pub(crate) struct Int8 {
     error: ParamState,
@@ -53,7 +54,8 @@ impl ReducerPolicy for Int8 {
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
-        let g = bucket.tensor.copy()?;
+        let dtype = bucket.tensor.dtype();
+        let g = bucket.tensor.to_dtype(DType::F32)?.copy()?;
         for p in &bucket.params {
             if let Some(e) = self.error.get(p) {
                 g.narrow(0, p.offset, p.len())?.add_assign(e)?; // error feedback
@@ -78,10 +80,12 @@ impl ReducerPolicy for Int8 {
         // the payload and its scale in one all-gather: [world, n] int8s and [world, 1] scales
         let gathered = comm.all_gather_with_side(&q, &scale, &bucket.tag());
         Ok(Reduction::Full(gathered.then(move |(q, s)| {
-            Ok(q.to_dtype(DType::F32)?
+            let mean = q
+                .to_dtype(DType::F32)?
                 .mul(&s)?
                 .sum(&[0], false)?
-                .mul_scalar(1.0 / world)?)
+                .mul_scalar(1.0 / world)?;
+            Ok(mean.to_dtype(dtype)?)
         })))
     }
 }

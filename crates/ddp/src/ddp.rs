@@ -9,8 +9,8 @@ use brigade_tensor::Tensor;
 use crate::memory::{self, MemoryReport};
 
 use crate::policy::{
-    state, Buckets, BuildOptimizer, HeldGrad, OptimizerContext, ParamHooks, PolicyDiagnostic, ReducerPolicy,
-    StepContext, WireModel,
+    state, Buckets, BuildOptimizer, HeldGrad, LossScaleStep, OptimizerContext, ParamHooks, PolicyDiagnostic,
+    ReducerPolicy, StepContext, WireModel,
 };
 use crate::reducer::{PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
@@ -411,9 +411,18 @@ fn optimizer_error(e: DdpError) -> AutogradError {
 
 impl Optimizer for DdpOptimizer {
     fn step(&mut self) -> brigade_autograd::Result<()> {
+        let (scale, skipped_before) = (self.inner.loss_scale(), self.inner.skipped_steps());
         self.inner.step()?;
+        let loss_scale = scale
+            .zip(self.inner.loss_scale())
+            .map(|(scale, next_scale)| LossScaleStep {
+                scale,
+                next_scale,
+                skipped: self.inner.skipped_steps() > skipped_before,
+            });
         let ctx = StepContext {
             params: &self.reducer.params,
+            loss_scale,
         };
         self.reducer
             .lock_policy()

@@ -33,10 +33,13 @@ const F16_MAX: f64 = 65504.0;
 /// rounded to 16 bits once), and the result is widened back into the bucket (f32, or a
 /// mixed-precision run's bf16 bucket).
 ///
-/// An fp16 sum that overflows (a share of a gradient, or the sum of the shares, beyond ±65504)
-/// is reported as such — the bucket and the largest gradient over the ranks — instead of
-/// reaching the parameters as infinities unnoticed (PyTorch's hook casts, then divides, so it
-/// overflows too; a lower learning rate does not help). Host-staged (thread, MPI) the bucket's
+/// On a bucket of its own type (bf16 on bf16 gradients, fp16 on fp16 ones) it is a pass-through:
+/// the same bytes as the all-reduce, each share rounded once.
+///
+/// An fp16 sum of wider gradients that overflows (a share of a gradient, or the sum of the
+/// shares, beyond ±65504) is reported as such — the bucket and the largest gradient over the
+/// ranks — instead of reaching the parameters as infinities unnoticed (PyTorch's hook casts,
+/// then divides, so it overflows too; a lower learning rate does not help). Host-staged (thread, MPI) the bucket's
 /// reduction fails with it. On a device stream nothing is read back inside backward: each
 /// bucket's check stays on the device, summed over the step's buckets, and read once after the
 /// optimizer step ([`ReducerPolicy::after_step`]), which then fails with the same report.
@@ -149,9 +152,12 @@ impl ReducerPolicy for Compress {
             self.read_device_checks(comm)?;
         }
         // A 16-bit bucket (mixed precision) is divided in f32 and rounded once to the wire's
-        // type: bf16 on bf16 buckets changes no bytes (the share is rounded, the sum accumulated
-        // in f32 and rounded once), fp16 on bf16 buckets is a cast (exact within fp16's range,
-        // which the overflow check guards). The result comes back in the bucket's dtype.
+        // type: bf16 on bf16 buckets and fp16 on fp16 buckets change no bytes (the share is
+        // rounded, the sum accumulated in f32 and rounded once), fp16 on bf16 buckets is a cast
+        // (exact within fp16's range, which the overflow check guards). The result comes back in
+        // the bucket's dtype. An fp16 bucket needs no overflow check: the average of fp16
+        // gradients fits fp16, and an inf already in it (under loss scaling, a skipped step)
+        // is the run's to see, not an overflow of the wire.
         let bucket_dtype = bucket.tensor.dtype();
         let wide_input = match bucket_dtype {
             DType::F32 => bucket.tensor.clone(),
@@ -159,7 +165,8 @@ impl ReducerPolicy for Compress {
         };
         let scaled = wide_input.div(&Tensor::full_on(&[], world as f64, DType::F32, on)?)?;
         let half = scaled.to_dtype(self.half.dtype())?;
-        let (index, input, checked) = (bucket.index, wide_input, self.half == HalfType::F16);
+        let checked = self.half == HalfType::F16 && bucket_dtype != DType::F16;
+        let (index, input) = (bucket.index, wide_input);
         let (comm2, pending) = (comm.clone(), self.pending.clone());
         let summed = comm.all_reduce(&half, ReduceOp::Sum, &bucket.tag());
         let back = move |wide: Tensor| -> brigade_ddp::Result<Tensor> {

@@ -1,6 +1,6 @@
 //! Int8 quantization with error feedback: a quarter of all-reduce's bytes on the wire.
 
-use brigade_ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, ReducerPolicy, Reduction};
+use brigade_ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
 
@@ -12,9 +12,28 @@ use brigade_tensor::{DType, Tensor};
 /// scales and averaged in f32 (int8s are not summed as int8s). Every step is a tensor op on the
 /// bucket's device. The error is state across steps, keyed by parameter name and saved in
 /// [`ReducerPolicy::state_dict`], so a checkpoint resumes it exactly.
-#[derive(Debug, Default)]
+///
+/// A 16-bit bucket (mixed precision) is quantized from its f32 widening, the error kept in
+/// f32, and the averaged result rounded once into the bucket's dtype. A non-finite gradient
+/// makes its rank's scale non-finite (the largest magnitude propagates an inf or a NaN), so
+/// every rank's dequantized sum is NaN: the run's checks see it (under fp16, the loss scaler
+/// skips the step) instead of a finite int8 value. Under loss scaling the error is kept in the
+/// next step's scaled units (multiplied by each scale change) and put back as it was before a
+/// skipped step ([`brigade_ddp::policy::StepContext::loss_scale`]).
+#[derive(Debug)]
 pub struct Int8 {
     error: ParamState,
+    /// Under loss scaling, the error as the current step started; `None` otherwise.
+    before_step: Option<ParamState>,
+}
+
+impl Default for Int8 {
+    fn default() -> Self {
+        Int8 {
+            error: ParamState::default(),
+            before_step: Some(ParamState::default()),
+        }
+    }
 }
 
 impl ReducerPolicy for Int8 {
@@ -36,11 +55,38 @@ impl ReducerPolicy for Int8 {
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
-        self.error.load_state_dict(state)
+        self.error.load_state_dict(state)?;
+        self.before_step = Some(self.error.clone());
+        Ok(())
+    }
+
+    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Collectives) -> brigade_ddp::Result<()> {
+        let Some(scaling) = step.loss_scale else {
+            self.before_step = None;
+            return Ok(());
+        };
+        if scaling.skipped {
+            if let Some(before) = self.before_step.take() {
+                self.error = before;
+            }
+        }
+        let rescale = scaling.rescale();
+        if rescale != 1.0 {
+            let scaled = (self.error.state_dict().into_iter())
+                .map(|(name, e)| Ok((name, e.mul_scalar(rescale)?)))
+                .collect::<brigade_ddp::Result<Vec<_>>>()?;
+            self.error.load_state_dict(&scaled)?;
+        }
+        self.before_step = Some(self.error.clone());
+        Ok(())
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
-        let g = bucket.tensor.copy()?;
+        let dtype = bucket.tensor.dtype();
+        let g = match dtype {
+            DType::F32 => bucket.tensor.copy()?,
+            _ => bucket.tensor.to_dtype(DType::F32)?,
+        };
         for p in &bucket.params {
             if let Some(e) = self.error.get(p) {
                 g.narrow(0, p.offset, p.len())?.add_assign(e)?;
@@ -60,10 +106,15 @@ impl ReducerPolicy for Int8 {
         // the payload and its scale in one all-gather: [world, n] int8s and [world, 1] scales
         let gathered = comm.all_gather_with_side(&q, &scale, &bucket.tag());
         Ok(Reduction::Full(gathered.then(move |(q, s)| {
-            Ok(q.to_dtype(DType::F32)?
+            let mean = q
+                .to_dtype(DType::F32)?
                 .mul(&s)?
                 .sum(&[0], false)?
-                .mul_scalar(1.0 / world)?)
+                .mul_scalar(1.0 / world)?;
+            Ok(match dtype {
+                DType::F32 => mean,
+                _ => mean.to_dtype(dtype)?,
+            })
         })))
     }
 }

@@ -17,14 +17,21 @@
 //! checkpoints. Buckets are processed one after the other (each bucket's collectives are
 //! issued once the previous bucket's are done), so every rank issues the same collectives in
 //! the same order.
+//!
+//! Under fp16's dynamic loss scaling ([`StepContext::loss_scale`]) the buckets hold scaled
+//! gradients, so the error feedback is kept in the scaled units of the next step: after each
+//! step it is multiplied by the scale change (a power of two, exact), and after a skipped step
+//! (its gradients held an inf or a NaN, which reach every rank's factors) the error feedback
+//! and the warm-start Q are put back as they were before that step. Q needs no rescaling: the
+//! power iteration normalizes P, so Q's scale does not reach the approximation.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketSpan, Collectives, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, TensorWork,
-    WireModel,
+    BucketSpan, Collectives, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, StepContext,
+    TensorWork, WireModel,
 };
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Rng, Tensor};
@@ -109,6 +116,18 @@ struct State {
     compressed: u64,
     /// Completes when the last bucket handed to the policy has been reduced.
     tail: Option<TensorWork<()>>,
+    /// Under loss scaling, `error` and `q` as the current step started (what a skipped step
+    /// puts back); `None` otherwise.
+    before_step: Option<Feedback>,
+}
+
+/// The error feedback and the warm-start factors, as a step started.
+type Feedback = (HashMap<usize, Tensor>, HashMap<usize, Tensor>);
+
+impl State {
+    fn feedback(&self) -> Feedback {
+        (self.error.clone(), self.q.clone())
+    }
 }
 
 /// The PowerSGD reducer policy (see the module docs).
@@ -136,6 +155,7 @@ impl PowerSgd {
                 q: HashMap::new(),
                 compressed: 0,
                 tail: None,
+                before_step: Some(Default::default()),
             })),
             cfg,
             names: HashMap::new(),
@@ -273,6 +293,28 @@ impl ReducerPolicy for PowerSgd {
             map.insert(p, t.to_dtype(DType::F32)?.copy()?);
         }
         st.tail = None;
+        st.before_step = Some(st.feedback());
+        Ok(())
+    }
+
+    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Collectives) -> brigade_ddp::Result<()> {
+        let mut st = lock(&self.state);
+        let Some(scaling) = step.loss_scale else {
+            st.before_step = None;
+            return Ok(());
+        };
+        if scaling.skipped {
+            if let Some((error, q)) = st.before_step.take() {
+                (st.error, st.q) = (error, q);
+            }
+        }
+        let rescale = scaling.rescale();
+        if rescale != 1.0 {
+            for e in st.error.values_mut() {
+                *e = e.mul_scalar(rescale)?;
+            }
+        }
+        st.before_step = Some(st.feedback());
         Ok(())
     }
 

@@ -160,30 +160,27 @@ fn master_weights(
 }
 
 /// Why policy `name` does not run under `precision` (16-bit parameters), or `None` where it
-/// does: the plain all-reduce, ZeRO-1/2 (f32 master shards; under fp16 the ranks agree on a
-/// skipped step), PowerSGD (factors in f32 from the
-/// 16-bit gradients) and, beside bf16 parameters, the fp16/bf16 compression policies.
+/// does: every policy but these two combinations and ZeRO-3. The policies get buckets in the
+/// reduce dtype (user policies too: [`brigade_ddp::policy::PolicyBucket::tensor`]); ZeRO-1/2 keep
+/// f32 master shards (under fp16 the ranks agree on a skipped step), PowerSGD and int8 compute in
+/// f32 from the 16-bit gradients and keep their error feedback through the loss scaler's skipped
+/// steps and scale changes, and a compression policy of the bucket's own type is a pass-through.
+/// Refused: the fp16/bf16 compression policies beside `--reduce-dtype f32` (16-bit shares of an
+/// f32 sum) and bf16 compression of fp16 gradients (the same bytes, fewer mantissa bits).
 fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Option<String> {
     let fp16 = precision.param_dtype == brigade_tensor::DType::F16;
     let f32_reduce = precision.reduce_dtype == brigade_tensor::DType::F32;
     match name {
-        "allreduce" => None,
-        "zero1" | "zero2" => None,
         "bf16" | "fp16" if f32_reduce => Some(format!(
             "the {name} compression policy sends 16-bit shares, which defeats --reduce-dtype f32's f32 sum; drop one of the two"
         )),
-        "bf16" | "fp16" if fp16 => Some(format!(
-            "the {name} compression policy sends no fewer bytes than fp16 gradients, and its overflow stop would \
-             pre-empt the loss scaler's skipped step; use --policy allreduce"
-        )),
-        "bf16" | "fp16" => None,
-        n if n.starts_with("powersgd") && fp16 => Some(
-            "an inf/NaN in loss-scaled fp16 gradients would stay in PowerSGD's error feedback after the skipped step; \
-             use --precision bf16 with powersgd"
+        "bf16" if fp16 => Some(
+            "the bf16 compression policy sends no fewer bytes than fp16 gradients and rounds them to fewer mantissa \
+             bits for nothing; use --policy fp16 (a pass-through) or allreduce"
                 .into(),
         ),
-        n if n.starts_with("powersgd") => None,
-        _ => Some(format!("policy '{name}' does not take 16-bit buckets yet; use --policy allreduce")),
+        "zero3" => Some(format!("policy '{name}' does not take 16-bit buckets yet; use --policy allreduce")),
+        _ => None,
     }
 }
 

@@ -12,6 +12,7 @@ mod fake_policies;
 mod join;
 mod launch;
 mod library;
+mod mixed_policies;
 mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi_launch;

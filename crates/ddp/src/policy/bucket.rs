@@ -45,6 +45,11 @@ pub struct PolicyBucket {
     /// The bucket's flat buffer on the parameters' device: this rank's gradients, **not**
     /// divided by the world size, then zeros up to the layout's padding. The gradients are
     /// views into it: from `reduce` until the end of backward the bucket belongs to the policy.
+    /// Its dtype is the reduce dtype ([`BucketLayout::dtype`]; by default
+    /// [`crate::policy::PolicyContext::reduce_dtype`]): f32 in an f32 run, bf16 or fp16 beside
+    /// 16-bit parameters unless f32 was asked for. Under fp16's dynamic loss scaling it holds the
+    /// scaled gradients, and an inf or a NaN in it is a skipped step, not an error (see
+    /// [`crate::policy::StepContext::loss_scale`]).
     pub tensor: Tensor,
     /// The parameters in the buffer, in buffer order.
     pub params: Vec<BucketParam>,
@@ -89,8 +94,9 @@ pub struct BucketLayout {
     /// Each bucket's buffer is padded with zeros to a multiple of this many elements (1: none;
     /// ZeRO: the world size, for equal shards).
     pub pad_to: usize,
-    /// The buffers' element type: the parameters' (f32) today; a parameter of the contract so
-    /// that reduced-precision gradient buckets need no new reducer.
+    /// The buffers' element type: the reduce dtype unless the policy asks for another
+    /// ([`crate::ReducerPolicy::layout`]; f32 in an f32 run, bf16 or fp16 beside 16-bit
+    /// parameters).
     pub dtype: DType,
     /// Whether DDP may regroup the buckets: rebuild them after the first iteration from the
     /// observed ready order, and under new caps (`set_bucket_caps`, the autotuner). `false` keeps

@@ -154,6 +154,34 @@ pub type BuildOptimizer<'a> = &'a dyn Fn(Vec<Var>) -> Box<dyn Optimizer>;
 pub struct StepContext<'a> {
     /// Every registered parameter, in registration order (`requires_grad` says which train).
     pub params: &'a [Var],
+    /// The optimizer's dynamic loss scaling at this step (fp16), `None` without it: the buckets
+    /// the policy reduced held the gradients times a scale, and the step may have been skipped.
+    pub loss_scale: Option<LossScaleStep>,
+}
+
+/// What dynamic loss scaling ([`brigade_autograd::GradScaler`]) did at one step, for a policy
+/// that keeps state derived from the gradients (an error-feedback residual): such state is in
+/// the scaled units of the step it came from. After a skipped step it should be what it was
+/// before the step (that step's gradients held an inf or a NaN, and no parameter moved); when
+/// the scale changes, state kept in scaled units is multiplied by `next_scale / scale` so that
+/// the next step's gradients find it in their own units.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScaleStep {
+    /// The factor this step's gradients (the buckets reduced) were multiplied by.
+    pub scale: f64,
+    /// The factor the next step's gradients are multiplied by: `scale`, halved after a skipped
+    /// step, doubled after the growth interval's clean steps.
+    pub next_scale: f64,
+    /// Whether the optimizer skipped this step.
+    pub skipped: bool,
+}
+
+impl LossScaleStep {
+    /// What multiplies state kept in this step's scaled units to bring it to the next step's:
+    /// `next_scale / scale` (1 when the scale stays; a power of two, so exact in f32).
+    pub fn rescale(&self) -> f64 {
+        self.next_scale / self.scale
+    }
 }
 
 /// Memory a policy holds beside DDP's buckets, in bytes (counted in

@@ -51,8 +51,8 @@ use serde::{Deserialize, Serialize};
 pub use bucket::{bucket_tag, BucketLayout, BucketParam, PerBucket, PolicyBucket, Reduction};
 pub(crate) use context::BucketSource;
 pub use context::{
-    BucketSpan, Buckets, BuildOptimizer, GatherPhase, GatherTimes, HeldGrad, OptimizerContext, ParamHooks, ParamInfo,
-    PolicyContext, PolicyDiagnostic, PolicyMemory, StepContext,
+    BucketSpan, Buckets, BuildOptimizer, GatherPhase, GatherTimes, HeldGrad, LossScaleStep, OptimizerContext,
+    ParamHooks, ParamInfo, PolicyContext, PolicyDiagnostic, PolicyMemory, StepContext,
 };
 pub use param_state::ParamState;
 
@@ -105,7 +105,11 @@ pub trait ReducerPolicy: Send {
     /// the future of what goes back under the gradients. Called on the compute thread inside
     /// backward, in bucket order, the same on every rank; must not block. An error fails this
     /// rank's backward (every rank must fail alike, or the others time out: return errors that
-    /// depend only on what every rank shares).
+    /// depend only on what every rank shares). The bucket is in the reduce dtype (f32 by
+    /// default; bf16 or fp16 beside 16-bit parameters, see [`PolicyBucket::tensor`]), and what
+    /// the future returns must be too: a policy that computes in f32 widens the bucket and
+    /// rounds its result back, and lets an inf or a NaN reach the result (under fp16 the loss
+    /// scaler skips that step).
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction>;
 
     /// Reduces a bucket for a rank that has no data this step (uneven inputs): its bucket is all
@@ -137,7 +141,10 @@ pub trait ReducerPolicy: Send {
     }
 
     /// Runs after each optimizer step of DDP's optimizer (local SGD averages the models here).
-    /// Every rank runs it after the same step.
+    /// Every rank runs it after the same step. Under dynamic loss scaling (fp16) `step` says
+    /// the step's scale, the next one's and whether the step was skipped
+    /// ([`StepContext::loss_scale`]): what a policy keeping state derived from the gradients
+    /// needs to keep it through skipped steps and scale changes.
     fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> Result<()> {
         let _ = (step, comm);
         Ok(())
