@@ -126,8 +126,9 @@ fn make_policy(cfg: &TrainConfig, ctx: &RankContext) -> Result<Option<Box<dyn br
 /// The optimizer of a mixed-precision run: f32 master weights taken from the (built,
 /// initialised, resumed) f32 parameters, which become their rounded 16-bit compute copy, and
 /// `opt`'s kind, state and learning rate stepping the masters (fp16: with dynamic loss
-/// scaling, its scale and counter resumed from the checkpoint). Under ZeRO-1/2 the policy keeps
-/// this rank's shard of these masters only. Refused with one line where the combination is not
+/// scaling, its scale and counter resumed from the checkpoint). Under ZeRO-1/2/3 the policy keeps
+/// this rank's shard of these masters only (ZeRO-3's shard is its master; the whole masters are
+/// dropped once it is cut). Refused with one line where the combination is not
 /// built: a device other than the CPU (its kernels compute f32 only), and the policies
 /// [`refused_under`] names.
 fn master_weights(
@@ -172,7 +173,7 @@ fn master_weights(
 }
 
 /// Why policy `name` does not run under `precision` (16-bit parameters), or `None` where it
-/// does: the plain all-reduce, ZeRO-1/2 (f32 master shards; under fp16 the ranks agree on a
+/// does: the plain all-reduce, ZeRO-1/2/3 (f32 master shards; under fp16 the ranks agree on a
 /// skipped step), PowerSGD (factors in f32 from the
 /// 16-bit gradients) and, beside bf16 parameters, the fp16/bf16 compression policies.
 fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Option<String> {
@@ -180,7 +181,7 @@ fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Opt
     let f32_reduce = precision.reduce_dtype == brigade_tensor::DType::F32;
     match name {
         "allreduce" => None,
-        "zero1" | "zero2" => None,
+        "zero1" | "zero2" | "zero3" => None,
         "bf16" | "fp16" if f32_reduce => Some(format!(
             "the {name} compression policy sends 16-bit shares, which defeats --reduce-dtype f32's f32 sum; drop one of the two"
         )),

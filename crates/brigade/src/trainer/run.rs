@@ -153,14 +153,15 @@ impl Trainer<'_> {
                 peak: measured.peak,
                 ..m
             });
-        // ZeRO-1/2 beside 16-bit parameters: rank 0 gathers every rank's f32 master shards
+        // ZeRO beside 16-bit parameters: rank 0 gathers every rank's f32 master shards
         // (a collective; a no-op for optimizers holding whole masters)
-        if ddp.is_some() && self.cfg.recipe.precision.is_mixed() {
+        let mixed = self.cfg.recipe.precision.is_mixed();
+        if ddp.is_some() && mixed {
             self.replica.opt.consolidate_state()?;
         }
-        // ZeRO-3: rank 0's copy of the whole parameters (gathering them is a collective)
+        // f32 ZeRO-3: rank 0's copy of the whole parameters (gathering them is a collective)
         let params = match ddp {
-            Some(d) if d.shards_parameters() => {
+            Some(d) if d.shards_parameters() && !mixed => {
                 let whole = d.summon_full_params(|| -> Result<Vec<(String, brigade_tensor::Tensor)>> {
                     match self.ctx.rank {
                         0 => self

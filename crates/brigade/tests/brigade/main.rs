@@ -20,3 +20,4 @@ mod policy_state;
 mod recipes;
 mod sampled;
 mod zero3;
+mod zero3_mixed;
