@@ -114,8 +114,9 @@ fn make_policy(cfg: &TrainConfig, ctx: &RankContext) -> Result<Option<Box<dyn br
 /// The optimizer of a mixed-precision run: f32 master weights taken from the (built,
 /// initialised, resumed) f32 parameters, which become their rounded 16-bit compute copy, and
 /// `opt`'s kind, state and learning rate stepping the masters (fp16: with dynamic loss
-/// scaling, its scale and counter resumed from the checkpoint). Under ZeRO-1/2 the policy keeps
-/// this rank's shard of these masters only. Refused with one line where the combination is not
+/// scaling, its scale and counter resumed from the checkpoint). Under ZeRO-1/2/3 the policy keeps
+/// this rank's shard of these masters only (ZeRO-3's shard is its master; the whole masters are
+/// dropped once it is cut). Refused with one line where the combination is not
 /// built: a device other than the CPU (its kernels compute f32 only), and the policies
 /// [`refused_under`] names.
 fn master_weights(
@@ -160,9 +161,10 @@ fn master_weights(
 }
 
 /// Why policy `name` does not run under `precision` (16-bit parameters), or `None` where it
-/// does: every policy but these two combinations and ZeRO-3. The policies get buckets in the
-/// reduce dtype (user policies too: [`brigade_ddp::policy::PolicyBucket::tensor`]); ZeRO-1/2 keep
-/// f32 master shards (under fp16 the ranks agree on a skipped step), PowerSGD and int8 compute in
+/// does: every policy but two combinations. The policies get buckets in the reduce dtype (user
+/// policies too: [`brigade_ddp::policy::PolicyBucket::tensor`]); ZeRO-1/2/3 keep f32 master
+/// shards (under fp16 the ranks agree on a skipped step; ZeRO-3 gathers its units in the
+/// parameters' dtype), PowerSGD and int8 compute in
 /// f32 from the 16-bit gradients and keep their error feedback through the loss scaler's skipped
 /// steps and scale changes, and a compression policy of the bucket's own type is a pass-through.
 /// Refused: the fp16/bf16 compression policies beside `--reduce-dtype f32` (16-bit shares of an
@@ -179,7 +181,6 @@ fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Opt
              bits for nothing; use --policy fp16 (a pass-through) or allreduce"
                 .into(),
         ),
-        "zero3" => Some(format!("policy '{name}' does not take 16-bit buckets yet; use --policy allreduce")),
         _ => None,
     }
 }

@@ -153,7 +153,7 @@ impl Trainer<'_> {
                 peak: measured.peak,
                 ..m
             });
-        // ZeRO-1/2 beside 16-bit parameters: rank 0 gathers every rank's f32 master shards
+        // ZeRO beside 16-bit parameters: rank 0 gathers every rank's f32 master shards
         // (a collective; a no-op for optimizers holding whole masters)
         if ddp.is_some() && self.cfg.recipe.precision.is_mixed() {
             self.replica.opt.consolidate_state()?;
@@ -186,8 +186,10 @@ impl Trainer<'_> {
     /// weights (the f32 masters beside 16-bit parameters, once consolidated); under ZeRO-3 the
     /// parameters gathered from every rank's shard (a collective, which every rank joins).
     fn whole_params(&self) -> Result<Vec<(String, brigade_tensor::Tensor)>> {
+        // f32 ZeRO-3 gathers the whole parameters (a collective); under mixed precision the
+        // consolidated f32 masters are the whole weights
         Ok(match self.replica.ddp.as_ref() {
-            Some(d) if d.shards_parameters() => {
+            Some(d) if d.shards_parameters() && !self.cfg.recipe.precision.is_mixed() => {
                 let whole = d.summon_full_params(|| -> Result<Vec<(String, brigade_tensor::Tensor)>> {
                     match self.ctx.rank {
                         0 => self

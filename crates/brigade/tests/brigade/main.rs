@@ -21,3 +21,4 @@ mod policy_state;
 mod recipes;
 mod sampled;
 mod zero3;
+mod zero3_mixed;

@@ -206,7 +206,7 @@ fn combinations_not_built_are_refused_in_one_line() {
     c.recipe.precision.reduce_dtype = DType::F32;
     for (spec, says) in [
         ("bf16", "defeats --reduce-dtype f32"),
-        ("zero3", "does not take 16-bit buckets"),
+        ("fp16", "defeats --reduce-dtype f32"),
     ] {
         c.distributed.as_mut().unwrap().policy = std::sync::Arc::new(spec.parse::<PolicySpec>().unwrap());
         let e = mlp(&c).err().expect("refused").to_string();

@@ -90,12 +90,15 @@ pub struct ZeroOptimizer {
     /// not here. Stages 1 and 2 beside 16-bit parameters (mixed precision): the shard rounded
     /// to the parameters' dtype is what the step all-gathers into them.
     masters: Option<Vec<Tensor>>,
-    /// Stages 1 and 2 with masters: every rank's f32 masters, whole, gathered by
-    /// `consolidate_state` (rank 0 only), what [`Optimizer::master_weights`] gives a checkpoint.
+    /// The masters are f32 beside 16-bit parameters (mixed precision, any stage): they are the
+    /// master weights a checkpoint saves and the memory report counts.
+    mixed: bool,
+    /// With `mixed`: every rank's f32 masters, whole, gathered by `consolidate_state` (rank 0
+    /// only), what [`Optimizer::master_weights`] gives a checkpoint.
     consolidated_masters: Mutex<Vec<(String, Tensor)>>,
-    /// fp16's dynamic loss scaler, taken over from the optimizer handed over (stages 1 and 2
-    /// beside masters): the gradient shards are unscaled as they are widened, and a step with an
-    /// inf/NaN in any rank's shard is skipped on every rank.
+    /// fp16's dynamic loss scaler, taken over from the optimizer handed over (beside 16-bit
+    /// parameters): the gradient shards are unscaled as they are widened, and a step with an
+    /// inf/NaN in any rank's shard is skipped on every rank (the shards left as they were).
     scaler: Option<GradScaler>,
     /// What this step's gradient shards are multiplied by: 1 / the scale the loss was scaled
     /// by (taken before the scaler records the step, which may grow it); 1 without a scaler.
@@ -140,7 +143,9 @@ impl ZeroOptimizer {
         let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
         let params = ctx.buckets.params();
         let names = names(params);
-        let mut scaler = full.grad_scaler().filter(|_| masters.is_some() && stage != ZeroStage::Three);
+        let param_dtype = params.first().map_or(DType::F32, |p| p.value().dtype());
+        let mixed = masters.is_some() && param_dtype != DType::F32;
+        let mut scaler = full.grad_scaler().filter(|_| mixed);
         let state = match &mut scaler {
             Some(s) => s.load_from(&full.state_dict()?)?,
             None => full.state_dict()?,
@@ -182,16 +187,11 @@ impl ZeroOptimizer {
             consolidated: Mutex::new(None),
             all_gather_cap,
             masters,
+            mixed,
             consolidated_masters: Mutex::new(vec![]),
             scaler,
             unscale: 1.0,
         })
-    }
-
-    /// True when the shards step f32 masters beside 16-bit parameters that the step gathers
-    /// (stages 1 and 2 under mixed precision).
-    fn gathers_from_masters(&self) -> bool {
-        self.masters.is_some() && self.stage != ZeroStage::Three
     }
 
     /// The dtype the parameters compute in (the dtype stage 2 gathers them in).
@@ -244,7 +244,7 @@ impl ZeroOptimizer {
     /// in `dtype`. Beside f32 masters: the masters rounded to the parameters' dtype (the
     /// compute copy every rank then holds), carried in `dtype`.
     fn send_chunk(&self, b: usize, chunk: Range<usize>, dtype: DType) -> Result<Tensor> {
-        if let (Some(m), true) = (&self.masters, self.gathers_from_masters()) {
+        if let (Some(m), true) = (&self.masters, self.mixed) {
             let rounded = m[b].narrow(0, chunk.start, chunk.len())?.to_dtype(self.param_dtype())?;
             return Ok(match rounded.dtype() == dtype {
                 true => rounded,
@@ -499,7 +499,7 @@ impl ZeroOptimizer {
             }
         }
         *self.consolidated.get_mut().unwrap_or_else(|e| e.into_inner()) = (rank == 0).then_some(out);
-        if self.gathers_from_masters() {
+        if self.mixed {
             let masters = self.gather_masters()?;
             *self.consolidated_masters.get_mut().unwrap_or_else(|e| e.into_inner()) = masters;
         }
@@ -628,19 +628,19 @@ impl Optimizer for ZeroOptimizer {
         self.scaler
     }
 
-    /// Stages 1 and 2 beside 16-bit parameters: the whole f32 masters gathered by the last
+    /// Beside 16-bit parameters: the whole f32 masters gathered by the last
     /// [`Optimizer::consolidate_state`] (rank 0; empty before it and on the other ranks).
     fn master_weights(&self) -> Vec<(String, Tensor)> {
-        match self.gathers_from_masters() {
+        match self.mixed {
             true => self.consolidated_masters.lock().unwrap_or_else(|e| e.into_inner()).clone(),
             false => vec![],
         }
     }
 
-    /// This rank's f32 master shards (stages 1 and 2 beside 16-bit parameters; stage 3's
-    /// shards are the parameters, counted there).
+    /// This rank's f32 master shards beside 16-bit parameters (an f32 stage 3's shards are the
+    /// parameters, counted there).
     fn master_weight_bytes(&self) -> usize {
-        match (&self.masters, self.gathers_from_masters()) {
+        match (&self.masters, self.mixed) {
             (Some(m), true) => m.iter().map(|t| t.numel() * DType::F32.size_in_bytes()).sum(),
             _ => 0,
         }

@@ -27,6 +27,14 @@
 //! The first forward after the optimizer is built runs on the whole parameters and only records
 //! which units it entered: its backward checks that the scopes cover every parameter the graph
 //! reads (one error line naming the first that is not), then frees the units.
+//!
+//! Beside 16-bit parameters (mixed precision, FSDP2's `MixedPrecisionPolicy`) the f32 shard is
+//! the master weights and no other master copy is kept: the shards are cut from the f32 masters
+//! of the optimizer handed over (which is then dropped), each gather sends the shard rounded
+//! once to the parameters' dtype (half the bytes of an f32 gather in bf16 or fp16), the buckets
+//! hold the reduce dtype, and the optimizer widens the gradient shard to f32 for the master's
+//! step. Under fp16's loss scaling the optimizer takes over the scaler and the ranks agree on a
+//! skipped step, which leaves the shards as they were ([`super::ZeroOptimizer`]).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -63,7 +71,8 @@ struct Unit {
     params: Vec<usize>,
     /// Elements of the unit's parameters.
     numel: usize,
-    /// This rank's f32 shard of the unit's flat (padded) parameters: the master.
+    /// This rank's f32 shard of the unit's flat (padded) parameters: the master (whatever the
+    /// parameters' dtype).
     shard: Option<Tensor>,
     /// Whether the parameter tensors hold their values now.
     gathered: bool,
@@ -106,6 +115,8 @@ struct Gather {
     last_log: Vec<GatherTimes>,
     /// How many units ahead a gather is issued (0: none).
     prefetch: usize,
+    /// The parameters' dtype: what a gather sends and brings (the shards stay f32).
+    param_dtype: DType,
     /// The most bytes of prefetched parameters in flight at once.
     prefetch_cap: usize,
 }
@@ -185,26 +196,32 @@ impl Gather {
         let comm = self.comm.clone().expect("active");
         let unit = &self.units[u];
         let shard = unit.shard.clone().expect("cut when the optimizer was built");
+        // the shard rounded once to the parameters' dtype (an f32 shard as it is)
+        let send = match shard.dtype() == self.param_dtype {
+            true => shard,
+            false => shard.to_dtype(self.param_dtype)?,
+        };
         // into a buffer of our own: `all_gather` would consume the shard's storage
-        let full = Tensor::zeros_on(&[comm.world_size() * shard.numel()], DType::F32, shard.device())?;
+        let full = Tensor::zeros_on(&[comm.world_size() * send.numel()], self.param_dtype, send.device())?;
         let phase = if self.in_backward { GatherPhase::Backward } else { phase };
         self.log.push(GatherTimes {
             unit: unit.name.clone(),
-            bytes: full.numel() * DType::F32.size_in_bytes(),
+            bytes: full.numel() * self.param_dtype.size_in_bytes(),
             phase,
             issued: Instant::now(),
             needed: None,
             ran: None,
         });
-        let work = comm.all_gather_into(&shard, &full, &format!("zero3.gather.{}", unit.name));
+        let work = comm.all_gather_into(&send, &full, &format!("zero3.gather.{}", unit.name));
         self.in_flight.push_back((u, work, self.log.len() - 1));
         self.live += self.unit_bytes(u);
         self.peak = self.peak.max(self.live);
         Ok(())
     }
 
+    /// Bytes of unit `u`'s parameters gathered (in the parameters' dtype).
     fn unit_bytes(&self, u: usize) -> usize {
-        self.units[u].numel * DType::F32.size_in_bytes()
+        self.units[u].numel * self.param_dtype.size_in_bytes()
     }
 
     /// Issues the gathers of the next `prefetch` units after `u` in the pass's order (`step`:
@@ -487,6 +504,7 @@ impl Zero3 {
                     last_log: vec![],
                     prefetch: 1,
                     prefetch_cap: DEFAULT_PREFETCH_CAP_BYTES,
+                    param_dtype: DType::F32,
                 }),
             }),
             world: AtomicUsize::new(0),
@@ -542,7 +560,7 @@ impl ReducerPolicy for Zero3 {
         self.world.store(ctx.world_size, Ordering::Relaxed);
         BucketLayout {
             pad_to: ctx.world_size.max(1),
-            dtype: DType::F32,
+            dtype: ctx.reduce_dtype(),
             regroup: false,
         }
     }
@@ -596,8 +614,10 @@ impl ReducerPolicy for Zero3 {
         })
     }
 
-    /// Cuts this rank's f32 shard of every unit from the (whole, broadcast) parameters, frees the
-    /// parameter tensors' storage after the first forward, and steps the shards only.
+    /// Cuts this rank's f32 shard of every unit from the (whole, broadcast) parameters, or
+    /// beside 16-bit parameters from `full`'s f32 master weights (dropping `full` frees the rest
+    /// of them), frees the parameter tensors' storage after the first forward, and steps the
+    /// shards only.
     fn optimizer(
         &mut self,
         full: Box<dyn Optimizer>,
@@ -613,25 +633,36 @@ impl ReducerPolicy for Zero3 {
                 "its optimizer was built already: the shards are the parameters, so build it once".into(),
             ));
         }
-        let mut masters = vec![];
         for (b, span) in spans.iter().enumerate() {
             let unit = &g.units[b];
             if span.params.iter().map(|p| p.index).ne(unit.params.iter().copied()) {
                 return Err(zero3_error(format!("DDP's bucket {b} is not unit '{}'", unit.name)));
             }
-            let per = shard_len(span.grad_numel, world);
-            let device = params[unit.params[0]].value().device();
-            let master = Tensor::zeros_on(&[per], DType::F32, device)?;
-            let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
-            for piece in pieces(&flat, world, rank) {
-                master.narrow(0, piece.shard_offset, piece.len)?.copy_from(
-                    &params[piece.param]
-                        .value()
-                        .flat_view(piece.param_offset, &[piece.len])?,
-                )?;
-            }
-            masters.push(master);
         }
+        let whole_masters = full.master_weights();
+        let masters = match whole_masters.is_empty() {
+            // mixed precision: the masters are f32 beside the 16-bit parameters
+            false => super::master_shards(ctx, &whole_masters)?,
+            true => {
+                let mut masters = vec![];
+                for span in &spans {
+                    let per = shard_len(span.grad_numel, world);
+                    let device = params[span.params[0].index].value().device();
+                    let master = Tensor::zeros_on(&[per], DType::F32, device)?;
+                    let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
+                    for piece in pieces(&flat, world, rank) {
+                        master.narrow(0, piece.shard_offset, piece.len)?.copy_from(
+                            &params[piece.param]
+                                .value()
+                                .flat_view(piece.param_offset, &[piece.len])?,
+                        )?;
+                    }
+                    masters.push(master);
+                }
+                masters
+            }
+        };
+        drop(whole_masters);
         for (unit, master) in g.units.iter_mut().zip(&masters) {
             unit.shard = Some(master.clone());
         }
@@ -644,22 +675,28 @@ impl ReducerPolicy for Zero3 {
             usize::MAX,
             Some(masters),
         )?;
+        g.param_dtype = params.first().map_or(DType::F32, |p| p.value().dtype());
         g.vars = params;
         g.comm = Some(ctx.comm.clone());
         g.probing = true;
-        g.live = g.units.iter().map(|u| u.numel * DType::F32.size_in_bytes()).sum();
+        g.live = (0..g.units.len()).map(|u| g.unit_bytes(u)).sum();
         g.peak = g.live;
         Ok(Box::new(opt))
     }
 
+    /// The shards are the parameters held between steps; beside 16-bit parameters they are the
+    /// f32 master weights instead, which the optimizer counts (each storage once).
     fn memory(&self) -> PolicyMemory {
         let g = self.hooks.lock();
-        let shards = g
-            .units
-            .iter()
-            .filter_map(|u| u.shard.as_ref())
-            .map(|s| s.numel() * DType::F32.size_in_bytes())
-            .sum();
+        let shards = match g.param_dtype {
+            DType::F32 => g
+                .units
+                .iter()
+                .filter_map(|u| u.shard.as_ref())
+                .map(|s| s.numel() * DType::F32.size_in_bytes())
+                .sum(),
+            _ => 0,
+        };
         PolicyMemory {
             parameter_bytes: shards,
             gathered_bytes: g.last_peak,
