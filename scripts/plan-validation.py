@@ -11,7 +11,9 @@ For each setting (the reference MLP and GPT at 2 ranks, the MLP at 4; simulated 
   3. every candidate that fits and was predicted, measured: `brigade train` with its flags,
      --steps STEPS --untimed-steps WARMUP, REPEAT times round-robin (all candidates once, then
      again), so that the machine's drift touches every candidate alike; the median step and the
-     measured peak per rank (`memory.peak_bytes`);
+     measured peak per rank (`memory.peak_bytes`, plus `memory.policy_state_bytes`: PowerSGD's
+     error feedback and factors live on the comm stream's thread, outside the meter's peak, and
+     the plan counts them);
   4. per candidate the predicted against the measured step and peak; per setting the plan's
      pick against the fastest measured candidate.
 One MPI row (with mpirun on PATH and a build with --features mpi): the MLP at 2 ranks under
@@ -116,7 +118,8 @@ def setting(a, brigade, out, model, world, gbps, launcher=(), backend=()):
             js = json.loads(sh(list(launcher) + [brigade, "train"] + common + candidate_flags(c) +
                                ["--steps", str(a.steps), "--untimed-steps", str(a.warmup), "--quiet", "--json"]))
             steps[name_of(c)].append(js["median_step_ms"])
-            peaks[name_of(c)].append(js["memory"]["peak_bytes"])
+            mem = js["memory"]
+            peaks[name_of(c)].append(mem["peak_bytes"] + (mem.get("policy_state_bytes") or 0))
     rows = []
     for i, c in enumerate(p["candidates"]):
         row = {"candidate": name_of(c), "fits": c["fits"], "winner": i == p["winner"],

@@ -201,22 +201,23 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
     let budget = (budget_mb * (1u64 << 20) as f64) as u64;
     let every: &[usize] = if args.model.model == ModelName::Gpt { &[0, 1] } else { &[0] };
     let rows = args.data.batch_size;
-    let peak = |zero: u8, ac: usize| args.predicted_peak(zero, ac, rows);
-    let fits = |zeros: &[u8]| {
-        zeros
+    let peak = |policy: &PolicySpec, ac: usize| args.predicted_peak(policy, ac, rows);
+    let fits = |policies: &[PolicySpec]| {
+        policies
             .iter()
-            .any(|&z| every.iter().any(|&ac| peak(z, ac).is_some_and(|p| p.total() <= budget)))
+            .any(|p| every.iter().any(|&ac| peak(p, ac).is_some_and(|p| p.total() <= budget)))
     };
-    if !fits(&[0, 1, 2, 3]) {
-        let smallest = [0u8, 1, 2, 3]
+    let least = [PolicySpec::AllReduce, PolicySpec::Zero1, PolicySpec::Zero2, PolicySpec::Zero3];
+    if !fits(&least) {
+        let smallest = least
             .iter()
-            .flat_map(|&z| every.iter().filter_map(move |&ac| Some((z, ac, peak(z, ac)?))))
+            .flat_map(|z| every.iter().filter_map(move |&ac| Some((z, ac, peak(z, ac)?))))
             .min_by_key(|(_, _, p)| p.total());
         return Err(Error::Usage(match smallest {
             Some((z, ac, p)) => format!(
                 "--plan auto: no configuration fits --memory-budget {} MB: the smallest, {}{}, is predicted at {} per rank, the largest part {} ({})",
                 compact(budget_mb),
-                if z == 0 { "DDP".to_string() } else { format!("zero{z}") },
+                if *z == PolicySpec::AllReduce { "DDP".to_string() } else { z.to_string() },
                 if ac > 0 { " with activation checkpointing" } else { "" },
                 crate::footprint::human(p.total()),
                 p.largest().0,
@@ -227,11 +228,11 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
     }
     Ok(calibrations(args)
         .into_iter()
-        .filter(|c| match c.policy.zero_stage().level() {
-            _ if c.policy == PolicySpec::AllReduce => true,
-            0 => fits(&[0]),
-            1 | 2 => fits(&[1, 2]),
-            z => fits(&[z]),
+        .filter(|c| match &c.policy {
+            PolicySpec::AllReduce => true,
+            PolicySpec::Fp16 | PolicySpec::Bf16 => fits(&[PolicySpec::Fp16, PolicySpec::Bf16]),
+            PolicySpec::Zero1 | PolicySpec::Zero2 => fits(&[PolicySpec::Zero1, PolicySpec::Zero2]),
+            other => fits(std::slice::from_ref(other)),
         })
         .collect())
 }

@@ -57,6 +57,20 @@ pub struct PowerSgdConfig {
     pub seed: u64,
 }
 
+impl PowerSgdConfig {
+    /// The rule for a gradient of `shape` (`len` elements): a matrix `n × m` (n = `shape[0]`)
+    /// is sent as factors P (`n × r'`) and Q (`m × r'`) of rank r' = min(rank, n, m) when
+    /// `(n + m)·r'·min_compression_rate < n·m`: `Some((n, m, r'))`; anything else is sent whole.
+    pub fn low_rank(&self, shape: &[usize], len: usize) -> Option<(usize, usize, usize)> {
+        if shape.len() < 2 || len == 0 {
+            return None;
+        }
+        let (n, m) = (shape[0], len / shape[0]);
+        let r = self.rank.min(n).min(m);
+        ((((n + m) * r) as f64) * self.min_compression_rate < (n * m) as f64).then_some((n, m, r))
+    }
+}
+
 impl Default for PowerSgdConfig {
     fn default() -> Self {
         PowerSgdConfig {
@@ -336,7 +350,7 @@ impl ReducerPolicy for PowerSgd {
                 .iter()
                 .map(|s| {
                     let len = s.iter().product();
-                    low_rank(s, len, cfg).map(|(n, m, r)| (n * r, m * r))
+                    cfg.low_rank(s, len).map(|(n, m, r)| (n * r, m * r))
                 })
                 .collect(),
         })
@@ -370,18 +384,6 @@ impl ReducerPolicy for PowerSgd {
             message,
         }]
     }
-}
-
-/// PowerSGD's rule for a gradient of `shape` (`len` elements): a matrix `n × m` (n = `shape[0]`)
-/// is sent as factors of rank r' = min(rank, n, m) when `(n + m)·r'·min_compression_rate < n·m`:
-/// `Some((n, m, r'))`; anything else is sent whole.
-fn low_rank(shape: &[usize], len: usize, cfg: &PowerSgdConfig) -> Option<(usize, usize, usize)> {
-    if shape.len() < 2 || len == 0 {
-        return None;
-    }
-    let (n, m) = (shape[0], len / shape[0]);
-    let r = cfg.rank.min(n).min(m);
-    ((((n + m) * r) as f64) * cfg.min_compression_rate < (n * m) as f64).then_some((n, m, r))
 }
 
 /// Issues `bucket`'s collectives (the previous bucket's are done).
@@ -428,7 +430,7 @@ fn reduce_bucket(
     let mut matrices: Vec<Matrix> = vec![];
     for p in &bucket.params {
         let len = p.len();
-        match low_rank(&p.shape, len, &cfg) {
+        match cfg.low_rank(&p.shape, len) {
             Some((n, m, r)) => matrices.push(Matrix {
                 param: p.index,
                 offset: p.offset,

@@ -5,12 +5,18 @@
 //! backward's working set on top of them. For the GPT it meets the measured peak
 //! ([`MemoryReport::peak`](brigade_ddp::MemoryReport::peak)) within 10% (the CLI's tests check
 //! it at world 1 and 2 under DDP, ZeRO-1 and ZeRO-2, and at world 2 and 4 under ZeRO-3, with and
-//! without activation checkpointing); for the MLP it is rougher. Communication scratch on the
-//! comm stream's thread is not counted, as the measured peak does not count it. Every size goes
-//! through checked arithmetic: `None` is more than 2^64 bytes. The parameters are counted in
-//! f32 (a 16-bit run's compute copies and master weights are not modelled apart).
+//! without activation checkpointing); for the MLP it is rougher. A reducer policy's own bytes
+//! are counted where it makes them: fp16/bf16 compression's 16-bit copy of the gradients and
+//! PowerSGD's working copy of a matrix on the rank's thread (in the measured peak), PowerSGD's
+//! error feedback and factors kept across steps as `policy_state` (made on the comm stream's
+//! thread, which the measured peak does not see: the report's `policy_state`). Other
+//! communication scratch on the comm stream's thread is not counted, as the measured peak does
+//! not count it. Every size goes through checked arithmetic: `None` is more than 2^64 bytes.
+//! The parameters are counted in f32 (a 16-bit run's compute copies and master weights are not
+//! modelled apart).
 
 use brigade_models::{GptConfig, ModelKind};
+use brigade_policies::{PolicySpec, ZeroStage};
 use serde::{Deserialize, Serialize};
 
 /// Bytes of an f32.
@@ -40,8 +46,8 @@ pub struct PeakQuery<'a> {
     pub rows: usize,
     /// Optimizer values per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
     pub state_per_param: u64,
-    /// The ZeRO stage (0, 1, 2, 3).
-    pub zero: u8,
+    /// The reducer policy: its ZeRO stage, and what it keeps beside the buckets.
+    pub policy: &'a PolicySpec,
     /// Ranks.
     pub world: usize,
     /// Every how many GPT blocks one is checkpointed (0: none).
@@ -59,15 +65,21 @@ pub struct PeakPrediction {
     pub optimizer_state: u64,
     /// What the forward pass leaves for backward.
     pub activations: u64,
-    /// Backward's working set beside them: the gradients in flight through the widest layer,
-    /// and one checkpointed block recomputed.
+    /// Backward's working set beside them: the gradients in flight through the widest layer
+    /// (for the MLP also its largest weight's gradient, made before it is added into its
+    /// bucket), one checkpointed block recomputed, and the policy's scratch (fp16/bf16
+    /// compression's 16-bit copy of the gradients, PowerSGD's copy of its largest matrix).
     pub backward: u64,
+    /// What the policy keeps across steps: PowerSGD's error feedback (an f32 value per
+    /// gradient value) and its warm-start factors; 0 for the others.
+    #[serde(default)]
+    pub policy_state: u64,
 }
 
 impl PeakPrediction {
     /// The predicted peak: every part at once.
     pub fn total(&self) -> u64 {
-        self.parameters + self.gradients + self.optimizer_state + self.activations + self.backward
+        self.parameters + self.gradients + self.optimizer_state + self.activations + self.backward + self.policy_state
     }
 
     /// The largest part, by name (`activations`, `parameters`, ...).
@@ -78,6 +90,7 @@ impl PeakPrediction {
             ("optimizer state", self.optimizer_state),
             ("activations", self.activations),
             ("backward working set", self.backward),
+            ("policy state", self.policy_state),
         ]
         .into_iter()
         .fold(("parameters", 0), |a, b| if b.1 > a.1 { b } else { a })
@@ -157,6 +170,48 @@ pub fn largest_unit(kind: &ModelKind, world: u64) -> Option<u64> {
         .try_fold(0u64, |most, u| Some(most.max(mul(u?.div_ceil(world), world)?)))
 }
 
+/// Every weight matrix of the model as its gradient is shaped (`[rows, cols]`: Linear weights
+/// `[out, in]`, embeddings `[entries, dim]`), in no particular order.
+fn matrices(kind: &ModelKind) -> Vec<[usize; 2]> {
+    match kind {
+        ModelKind::Mlp(c) => c.widths.windows(2).map(|w| [w[1], w[0]]).collect(),
+        ModelKind::Gpt(c) => {
+            let (d, ff) = (c.d_model, c.d_ff);
+            let block = [[3 * d, d], [d, d], [ff, d], [d, ff]];
+            let mut all = vec![[c.vocab, d], [c.context, d], [c.vocab, d]];
+            for _ in 0..c.n_layers {
+                all.extend(block);
+            }
+            all
+        }
+    }
+}
+
+/// What `policy` holds beside DDP's buckets, in f32 values: its scratch during backward on the
+/// rank's thread, and its state across steps (see [`PeakPrediction`]).
+fn policy_values(policy: &PolicySpec, kind: &ModelKind, psi: u64) -> Option<(u64, u64)> {
+    let largest = matrices(kind)
+        .iter()
+        .try_fold(0u64, |m, &[r, c]| Some(m.max(matrix(r, c)?)))?;
+    Some(match *policy {
+        // a 16-bit value per gradient value: half an f32's
+        PolicySpec::Fp16 | PolicySpec::Bf16 => (psi.div_ceil(2), 0),
+        PolicySpec::PowerSgd { rank, start_iter } => {
+            let cfg = brigade_policies::PowerSgdConfig {
+                rank,
+                start_iter,
+                ..Default::default()
+            };
+            let q = sum(matrices(kind)
+                .iter()
+                .filter_map(|&[r, c]| cfg.low_rank(&[r, c], r * c))
+                .map(|(_, m, k)| matrix(m, k)))?;
+            (largest, sum([Some(psi), Some(q)])?)
+        }
+        _ => (0, 0),
+    })
+}
+
 /// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
 /// the rank's shard and two units gathered at once (the one running and the next, prefetched),
 /// each at most the largest; the gradients are ZeRO-2's, the full gradients of backward beside
@@ -165,13 +220,16 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;
     // one rank has nothing to shard with: ZeRO keeps what DDP keeps
-    let q = &PeakQuery {
-        zero: if n == 1 { 0 } else { q.zero },
-        ..*q
+    let zero = match q.policy.zero_stage() {
+        _ if n == 1 => 0,
+        ZeroStage::Off => 0,
+        ZeroStage::One => 1,
+        ZeroStage::Two => 2,
+        ZeroStage::Three => 3,
     };
-    let shard = |b: u64| if q.zero >= 1 { b.div_ceil(n) } else { b };
+    let shard = |b: u64| if zero >= 1 { b.div_ceil(n) } else { b };
     let full_grads = mul(psi, F32)?;
-    let gradients = if q.zero >= 2 {
+    let gradients = if zero >= 2 {
         sum([Some(full_grads), Some(full_grads.div_ceil(n))])?
     } else {
         full_grads
@@ -204,10 +262,17 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
             // each layer's output and its activation (or the loss's probabilities)
             let per_row = sum(c.widths.iter().skip(1).map(|&w| mul(w as u64, 2 + dropout)))?;
             let widest = c.widths.iter().copied().max().unwrap_or(0) as u64;
-            (mul(rows, per_row)?, mul(rows, 2 * widest)?)
+            // the largest weight's gradient, made whole by its GEMM before it is added into
+            // its bucket's view
+            let weight_grad = c
+                .widths
+                .windows(2)
+                .try_fold(0u64, |m, w| Some(m.max(matrix(w[0], w[1])?)))?;
+            (mul(rows, per_row)?, sum([mul(rows, 2 * widest), Some(weight_grad)])?)
         }
     };
-    let parameters = if q.zero >= 3 {
+    let (scratch, policy_state) = policy_values(q.policy, q.kind, psi)?;
+    let parameters = if zero >= 3 {
         sum([
             Some(mul(psi, F32)?.div_ceil(n)),
             mul(mul(largest_unit(q.kind, n)?, 2)?, F32),
@@ -220,7 +285,8 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
         gradients,
         optimizer_state: shard(mul(psi, mul(q.state_per_param, F32)?)?),
         activations: mul(activations, F32)?,
-        backward: mul(backward, F32)?,
+        backward: mul(sum([Some(backward), Some(scratch)])?, F32)?,
+        policy_state: mul(policy_state, F32)?,
     })
 }
 
@@ -248,7 +314,7 @@ mod tests {
             kind: &small,
             rows: 8,
             state_per_param: 2,
-            zero: 2,
+            policy: &PolicySpec::Zero2,
             world: 4,
             checkpoint_every: 0,
         };
@@ -275,9 +341,51 @@ mod tests {
         // ZeRO-3 on 4 ranks: a quarter of the parameters and two blocks (the largest unit,
         // 198,272 elements) gathered; the gradients and optimizer state as ZeRO-2's
         assert_eq!(largest_unit(&small, 4), Some(198_272));
-        let z3 = predict_peak(&PeakQuery { zero: 3, ..q }).unwrap();
+        let z3 = predict_peak(&PeakQuery {
+            policy: &PolicySpec::Zero3,
+            ..q
+        })
+        .unwrap();
         assert_eq!(z3.parameters, 3_468_288 / 4 + 2 * 198_272 * 4);
         assert_eq!((z3.gradients, z3.optimizer_state), (p.gradients, p.optimizer_state));
         assert_eq!(z3.total(), p.total() - 3_468_288 + z3.parameters);
+    }
+
+    #[test]
+    fn a_policy_s_own_bytes_are_counted_where_it_makes_them() {
+        // the reference MLP's shape: 512 -> 2048 -> 2048 -> 10
+        let mlp = ModelKind::Mlp(brigade_models::MlpConfig {
+            widths: vec![512, 2048, 2048, 10],
+            ..brigade_models::MlpConfig::default()
+        });
+        let psi = exact_parameters(&mlp).unwrap();
+        let at = |policy: &PolicySpec| {
+            predict_peak(&PeakQuery {
+                kind: &mlp,
+                rows: 64,
+                state_per_param: 0,
+                policy,
+                world: 2,
+                checkpoint_every: 0,
+            })
+            .unwrap()
+        };
+        let plain = at(&PolicySpec::AllReduce);
+        // backward: the widest layer's gradients in flight and the largest weight's gradient
+        assert_eq!(plain.backward, (64 * 2 * 2048 + 2048 * 2048) * 4);
+        assert_eq!(plain.policy_state, 0);
+        // fp16 and bf16 compression: a 16-bit copy of every gradient
+        for half in [PolicySpec::Fp16, PolicySpec::Bf16] {
+            let p = at(&half);
+            assert_eq!(p.backward - plain.backward, psi.div_ceil(2) * 4, "{half}");
+            assert_eq!(p.total() - plain.total(), psi.div_ceil(2) * 4);
+        }
+        // PowerSGD rank 2: a copy of the largest matrix while it runs; the error feedback of
+        // every gradient and Q (m x 2) of each matrix that compresses (all three here)
+        let p = at(&PolicySpec::PowerSgd { rank: 2, start_iter: 0 });
+        assert_eq!(p.backward - plain.backward, 2048 * 2048 * 4);
+        assert_eq!(p.policy_state, (psi + (512 + 2048 + 2048) * 2) * 4);
+        // ZeRO keeps nothing of its own beyond its stage
+        assert_eq!(at(&PolicySpec::Zero1).backward, plain.backward);
     }
 }

@@ -333,12 +333,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
                 kind: &facts.kind,
                 rows: facts.rows,
                 state_per_param: facts.state_per_param,
-                zero: match policy.zero_stage() {
-                    brigade_policies::ZeroStage::Off => 0,
-                    brigade_policies::ZeroStage::One => 1,
-                    brigade_policies::ZeroStage::Two => 2,
-                    brigade_policies::ZeroStage::Three => 3,
-                },
+                policy,
                 world,
                 checkpoint_every: ac,
             })

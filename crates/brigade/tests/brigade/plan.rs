@@ -72,12 +72,12 @@ fn link() -> LinkCost {
     })
 }
 
-fn peak(zero: u8, every: usize) -> u64 {
+fn peak(policy: PolicySpec, every: usize) -> u64 {
     predict_peak(&PeakQuery {
         kind: &ModelKind::Gpt(gpt()),
         rows: 4,
         state_per_param: 2,
-        zero,
+        policy: &policy,
         world: 2,
         checkpoint_every: every,
     })
@@ -87,7 +87,7 @@ fn peak(zero: u8, every: usize) -> u64 {
 
 /// A budget between ZeRO-2 without checkpointing and allreduce without it: some fit, some not.
 fn query() -> PlanQuery {
-    PlanQuery::new((peak(2, 0) + peak(0, 0)) / 2, link())
+    PlanQuery::new((peak(PolicySpec::Zero2, 0) + peak(PolicySpec::AllReduce, 0)) / 2, link())
 }
 
 fn reason(p: &Plan, policy: &str) -> Vec<String> {
@@ -196,13 +196,7 @@ fn over_budget_are_exactly_the_candidates_whose_peak_exceeds_it() {
     let p = plan(profiles(), &q).unwrap();
     let mut over = 0;
     for c in &p.candidates {
-        let zero = match c.policy {
-            PolicySpec::Zero1 => 1,
-            PolicySpec::Zero2 => 2,
-            PolicySpec::Zero3 => 3,
-            _ => 0,
-        };
-        let expected = peak(zero, c.activation_checkpointing);
+        let expected = peak(c.policy.clone(), c.activation_checkpointing);
         assert_eq!(
             c.memory.total(),
             expected,

@@ -221,13 +221,14 @@ impl RunArgs {
             })?;
         }
         self.validate_nccl()?;
-        self.check_memory(zero)
+        self.check_memory(policy)
     }
 
     /// Checks that the model, its gradients, the optimizer's state and one microbatch's
     /// activations fit in this machine's memory for every rank this process runs (a lower
     /// bound: see [`crate::footprint`]).
-    fn check_memory(&self, zero: u8) -> Result<()> {
+    fn check_memory(&self, policy: &PolicySpec) -> Result<()> {
+        let zero = policy.zero_stage().level();
         let state = match (self.recipe.optimizer, zero) {
             (_, 1..) => 0, // sharded over the ranks
             (OptimizerName::Adamw, _) => 2,
@@ -263,7 +264,7 @@ impl RunArgs {
             logits.unwrap_or_default()
         );
         footprint::check_fits(&what, bytes)?;
-        self.check_budget(zero)
+        self.check_budget(policy)
     }
 
     /// Optimizer values per parameter before any sharding (AdamW 2, SGD with momentum 1, else 0).
@@ -274,13 +275,18 @@ impl RunArgs {
         }
     }
 
-    /// The predicted peak of one rank of this run at `zero`, `checkpoint_every` and `rows`.
-    pub fn predicted_peak(&self, zero: u8, checkpoint_every: usize, rows: usize) -> Option<footprint::PeakPrediction> {
+    /// The predicted peak of one rank of this run under `policy`, `checkpoint_every` and `rows`.
+    pub fn predicted_peak(
+        &self,
+        policy: &PolicySpec,
+        checkpoint_every: usize,
+        rows: usize,
+    ) -> Option<footprint::PeakPrediction> {
         footprint::predict_peak(&footprint::PeakQuery {
             kind: &self.model.kind(),
             rows,
             state_per_param: self.state_per_param(),
-            zero,
+            policy,
             world: self.distributed.world_size,
             checkpoint_every,
         })
@@ -289,7 +295,8 @@ impl RunArgs {
     /// `--memory-budget`: refuses a run whose predicted peak per rank exceeds it, naming the
     /// largest part and the first of activation checkpointing, `--zero 2` and a smaller
     /// `--batch-size` that would fit.
-    fn check_budget(&self, zero: u8) -> Result<()> {
+    fn check_budget(&self, policy: &PolicySpec) -> Result<()> {
+        let zero = policy.zero_stage().level();
         let Some(mb) = self.runtime.memory_budget else {
             return Ok(());
         };
@@ -303,7 +310,7 @@ impl RunArgs {
         let every = self.model.activation_checkpointing.unwrap_or(0);
         let rows = self.data.batch_size;
         let fits = |p: Option<footprint::PeakPrediction>| p.filter(|p| p.total() <= budget).map(|p| p.total());
-        let Some(p) = self.predicted_peak(zero, every, rows) else {
+        let Some(p) = self.predicted_peak(policy, every, rows) else {
             return Err(Error::Usage(format!(
                 "--memory-budget {} MB: this run needs more than 2^64 bytes per rank",
                 compact(mb)
@@ -314,14 +321,14 @@ impl RunArgs {
         }
         let mut fixes = vec![];
         if self.model.model == ModelName::Gpt && every != 1 {
-            fixes.push(("--activation-checkpointing", fits(self.predicted_peak(zero, 1, rows))));
+            fixes.push(("--activation-checkpointing", fits(self.predicted_peak(policy, 1, rows))));
         }
         if self.distributed.world_size > 1 && zero < 2 {
-            fixes.push(("--zero 2", fits(self.predicted_peak(2, every, rows))));
+            fixes.push(("--zero 2", fits(self.predicted_peak(&PolicySpec::Zero2, every, rows))));
         }
         let smaller = (1..rows)
             .rev()
-            .find(|&b| fits(self.predicted_peak(zero, every, b)).is_some());
+            .find(|&b| fits(self.predicted_peak(policy, every, b)).is_some());
         let fix = fixes
             .iter()
             .find_map(|(flag, t)| t.map(|t| format!("{flag} would bring it to {}", footprint::human(t))))

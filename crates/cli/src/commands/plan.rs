@@ -218,6 +218,7 @@ fn plan_json(p: &Plan, q: &PlanQuery) -> serde_json::Value {
                     "optimizer_state": m.optimizer_state,
                     "activations": m.activations,
                     "backward": m.backward,
+                    "policy_state": m.policy_state,
                     "total": m.total(),
                 },
                 "step": c.step.as_ref().ok(),

@@ -140,12 +140,12 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "memory": outcome.memory.map(|m| json!({
             "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
-            "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "master_weight_bytes": m.master_weights, "total_bytes": m.total(),
+            "policy_state_bytes": m.policy_state, "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "master_weight_bytes": m.master_weights, "total_bytes": m.total(),
             "activation_bytes": m.activations, "peak_bytes": m.peak,
             // ZeRO-3: what the compute waited for the parameter gathers, median over the steps
             "gather_wait_ms": (m.gathered > 0).then(|| median_min(&outcome.gather_wait_ms()).0),
             "predicted_peak_bytes": a
-                .predicted_peak(a.distributed.zero, a.model.activation_checkpointing.unwrap_or(0), a.data.batch_size)
+                .predicted_peak(&a.hook_spec(), a.model.activation_checkpointing.unwrap_or(0), a.data.batch_size)
                 .map(|p| p.total()),
             "activation_checkpointing": a.model.activation_checkpointing.unwrap_or(0),
         })),
