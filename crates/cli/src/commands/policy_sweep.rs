@@ -1,6 +1,6 @@
-//! `brigade sweep --policy allreduce,fp16,bf16,powersgd:4,...`: reducer policies side by side
-//! at one bucket cap — step time, exposed communication, bytes sent per rank, final loss —
-//! written to `policies.csv` and one chart, `policies.svg`.
+//! `brigade sweep --policy allreduce,fp16,bf16,powersgd:4,... [--precisions f32,bf16]`: reducer
+//! policies (and precisions) side by side at one bucket cap — step time, exposed communication,
+//! bytes sent per rank, final loss — written to `policies.csv` and one chart, `policies.svg`.
 //!
 //! Each row is a full training run with that policy. Exposed comm = the row's median step
 //! minus a compute-only baseline (the same ranks and batches, no gradient communication, a
@@ -35,11 +35,13 @@ pub const LAST_LOSSES: usize = 10;
 /// The files a policy sweep writes into `--out`.
 pub const OUTPUTS: [&str; 2] = ["policies.csv", "policies.svg"];
 
-/// One policy's row.
+/// One policy's row, under one precision.
 #[derive(Debug, Clone, Serialize)]
 pub struct PolicyRow {
     /// The policy (`powersgd:4`).
     pub policy: String,
+    /// The precision it trained in (`f32`, `bf16`, `fp16`).
+    pub precision: String,
     /// Median step time, in ms (after `--warmup`).
     pub step_ms: f64,
     /// Median step of the compute-only baseline, in ms.
@@ -63,14 +65,45 @@ pub struct PolicyRow {
     pub note: String,
 }
 
-/// Checks the policy list and the flags against it, and returns each policy with the
-/// configuration its row trains (the flags' configuration under that policy).
+/// What a row is named by: its policy, and its precision where the sweep compares several.
+fn label(row: &PolicyRow, precisions: usize) -> String {
+    if precisions > 1 {
+        format!("{} {}", row.policy, row.precision)
+    } else {
+        row.policy.clone()
+    }
+}
+
+/// Checks the policy and precision lists and the flags against them, and returns each row's
+/// policy with the configuration it trains (the flags' configuration under that policy and
+/// precision), each policy under every precision in turn.
 fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec<(PolicySpec, TrainConfig)>> {
     let bad = |m: String| Err(Error::Usage(m));
-    let specs: Vec<PolicySpec> = s.policy.iter().map(|e| {
-        let d = &s.run.distributed;
-        resolve(e, d.powersgd_rank, d.powersgd_start_iter)
-    }).collect::<Result<_>>()?;
+    if let Some((i, p)) = s
+        .precisions
+        .iter()
+        .enumerate()
+        .find(|(i, p)| s.precisions[..*i].contains(p))
+    {
+        return bad(format!(
+            "--precisions lists {} twice (entries {} and {}): each precision is one row per policy",
+            p.name(),
+            s.precisions.iter().position(|q| q == p).unwrap_or(0) + 1,
+            i + 1
+        ));
+    }
+    if s.policy.is_empty() {
+        // --precisions alone: the run's own policy under each
+        return rows(s, vec![s.run.hook_spec()], opts, late);
+    }
+    let specs: Vec<PolicySpec> = s
+        .policy
+        .iter()
+        .map(|e| {
+            let d = &s.run.distributed;
+            resolve(e, d.powersgd_rank, d.powersgd_start_iter)
+        })
+        .collect::<Result<_>>()?;
     if let Some((i, p)) = specs.iter().enumerate().find(|(i, p)| specs[..*i].contains(p)) {
         return bad(format!(
             "--policy lists {p} twice (entries {} and {}): each policy is one row",
@@ -84,22 +117,10 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             flag_name(&s.run.distributed.comm_hook)
         ));
     }
-    if s.repeat != 1 {
-        return bad(format!(
-            "--repeat {} is for sweeps of bucket caps; a --policy sweep runs each policy once",
-            s.repeat
-        ));
-    }
     if s.run.distributed.zero != 0 {
         return bad(format!(
             "--zero {} with --policy: name zero1 or zero2 in --policy instead",
             s.run.distributed.zero
-        ));
-    }
-    let caps = s.run.fixed_caps()?;
-    if caps.len() != 1 {
-        return bad(format!(
-            "--policy compares policies at one bucket cap, got --bucket-mb {caps:?}: sweep the caps without --policy"
         ));
     }
     let psgd = specs.iter().any(|p| matches!(p, PolicySpec::PowerSgd { .. }));
@@ -107,23 +128,56 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
     if !psgd && (s.run.distributed.powersgd_rank != d.rank || s.run.distributed.powersgd_start_iter != d.start_iter) {
         return bad("--powersgd-rank and --powersgd-start-iter are for a powersgd policy in --policy".into());
     }
-    if s.run.recipe.steps < 2 {
-        return bad("a sweep needs --steps >= 2".into());
+    rows(s, specs, opts, late)
+}
+
+/// Every row of `specs` under every precision (the run's own without --precisions), each
+/// checked before the first runs.
+fn rows(
+    s: &SweepArgs,
+    specs: Vec<PolicySpec>,
+    opts: &RunOptions,
+    late: &Arc<LateHeldOut>,
+) -> Result<Vec<(PolicySpec, TrainConfig)>> {
+    if s.repeat != 1 {
+        return Err(Error::Usage(format!(
+            "--repeat {} is for sweeps of bucket caps; a --policy sweep runs each policy once",
+            s.repeat
+        )));
     }
-    // every row is checked before the first run
-    specs
-        .into_iter()
-        .map(|spec| {
-            s.run
-                .validate_for(&spec)
-                .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
-            let mut cfg = train_config(&s.run, opts, late)?;
+    let caps = s.run.fixed_caps()?;
+    if caps.len() != 1 {
+        return Err(Error::Usage(format!(
+            "--policy and --precisions compare at one bucket cap, got --bucket-mb {caps:?}: sweep the caps without them"
+        )));
+    }
+    if s.run.recipe.steps < 2 {
+        return Err(Error::Usage("a sweep needs --steps >= 2".into()));
+    }
+    let precisions = match &s.precisions[..] {
+        [] => vec![s.run.recipe.precision],
+        some => some.to_vec(),
+    };
+    let mut rows = vec![];
+    for spec in specs {
+        for &precision in &precisions {
+            let mut run = s.run.clone();
+            run.recipe.precision = precision;
+            let at = if s.precisions.is_empty() {
+                format!("--policy {spec}")
+            } else {
+                format!("--policy {spec} --precision {}", precision.name())
+            };
+            run.validate_for(&spec)
+                .map_err(|e| Error::Usage(format!("{at}: {e}")))?;
+            let mut cfg = train_config(&run, opts, late)?;
             if let Some(d) = cfg.distributed.as_mut() {
                 d.policy = Arc::new(spec.clone());
             }
-            Ok((spec, cfg))
-        })
-        .collect()
+            rows.push((spec.clone(), cfg));
+        }
+    }
+    Ok(rows)
 }
 
 /// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
@@ -146,18 +200,33 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     prepare_out(&s.out)?;
     let a = &s.run;
     let mut rows = vec![];
+    // a row that fails (diverged, refused by its policy) ends the sweep with its error, after
+    // the rows that finished are written
+    let mut failed = None;
     for (spec, cfg) in &plan {
         // the same ranks and batches, no gradient communication, a few steps
         let mut base = cfg.clone();
         base.recipe.steps = cfg.recipe.steps.min(a.runtime.untimed_steps + BASELINE_STEPS);
         base.distributed = None;
-        let baseline = finished(run_config(a, &quiet, &base, &late)?)?;
+        let baseline = match run_config(a, &quiet, &base, &late).and_then(finished) {
+            Ok(b) => b,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
         if baseline.outcome.interrupted {
             interrupted = true;
             break;
         }
         let compute_ms = median_step(a, &baseline.outcome.ms());
-        let report = finished(run_config(a, &quiet, cfg, &late)?)?.outcome;
+        let report = match run_config(a, &quiet, cfg, &late).and_then(finished) {
+            Ok(r) => r.outcome,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
         if report.interrupted {
             interrupted = true;
             break;
@@ -168,6 +237,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
         rows.push(PolicyRow {
             policy: spec.to_string(),
+            precision: cfg.recipe.precision.name().to_string(),
             note: report
                 .policy_diagnostics
                 .iter()
@@ -191,8 +261,15 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             of: plan.len(),
         });
     }
+    if let Some(e) = failed {
+        if !rows.is_empty() {
+            write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
+            draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
+        }
+        return Err(e);
+    }
     write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
-    draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run)?;
+    draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
     if s.json {
         outln!(
             "{}",
@@ -200,7 +277,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         );
     } else {
         outln!(
-            "{:>12} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
+            "{:>16} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
             "policy",
             "step_ms",
             "compute_ms",
@@ -212,8 +289,8 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         );
         for r in &rows {
             outln!(
-                "{:>12} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
-                r.policy,
+                "{:>16} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
+                label(r, s.precisions.len()),
                 r.step_ms,
                 r.compute_only_ms,
                 r.exposed_comm_ms,
@@ -224,7 +301,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             );
         }
         for r in rows.iter().filter(|r| !r.note.is_empty()) {
-            outln!("note: {}: {}", r.policy, r.note);
+            outln!("note: {}: {}", label(r, s.precisions.len()), r.note);
         }
         outln!("wrote {}", s.out.join(OUTPUTS[0]).display());
     }
@@ -237,14 +314,14 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     Ok(())
 }
 
-/// The rows as CSV, one line per policy.
+/// The rows as CSV, one line per policy and precision.
 fn csv(rows: &[PolicyRow]) -> String {
     let mut csv = String::from(
-        "policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step,sent_bytes_last_step,sent_bytes_total,wire_bytes_per_step,final_loss,last10_loss,note\n",
+        "policy,step_ms,compute_only_ms,exposed_comm_ms,sent_bytes_per_step,sent_bytes_last_step,sent_bytes_total,wire_bytes_per_step,final_loss,last10_loss,precision,note\n",
     );
     for r in rows {
         csv.push_str(&format!(
-            "{},{:.3},{:.3},{:.3},{:.1},{},{},{:.1},{:.6},{:.6},\"{}\"\n",
+            "{},{:.3},{:.3},{:.3},{:.1},{},{},{:.1},{:.6},{:.6},{},\"{}\"\n",
             r.policy,
             r.step_ms,
             r.compute_only_ms,
@@ -255,6 +332,7 @@ fn csv(rows: &[PolicyRow]) -> String {
             r.wire_bytes_per_step,
             r.final_loss,
             r.last10_loss,
+            r.precision,
             r.note.replace('"', "'")
         ));
     }
@@ -263,15 +341,15 @@ fn csv(rows: &[PolicyRow]) -> String {
 
 /// Three panels side by side, one bar group per policy: step time and exposed comm (ms),
 /// bytes sent per step (MiB: mean and last step), final loss. Written atomically.
-fn draw_chart(path: &Path, rows: &[PolicyRow], a: &RunArgs) -> Result<()> {
+fn draw_chart(path: &Path, rows: &[PolicyRow], a: &RunArgs, precisions: usize) -> Result<()> {
     let mut svg = String::new();
-    render_chart(&mut svg, path, rows, a)?;
+    render_chart(&mut svg, path, rows, a, precisions)?;
     write_atomic(path, svg.as_bytes())
 }
 
 type Metric = (&'static str, RGBColor, fn(&PolicyRow) -> f64);
 
-fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs) -> Result<()> {
+fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, precisions: usize) -> Result<()> {
     let err = |m: String| Error::Chart {
         path: path.display().to_string(),
         msg: m,
@@ -325,7 +403,7 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs) 
             ],
         ),
     ];
-    let names: Vec<String> = rows.iter().map(|r| r.policy.clone()).collect();
+    let names: Vec<String> = rows.iter().map(|r| label(r, precisions)).collect();
     for (panel, (y_desc, metrics)) in panels.iter().zip(groups) {
         let ymax = rows
             .iter()

@@ -124,7 +124,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
             s.policy.clear();
         }
     }
-    if !s.policy.is_empty() {
+    if !s.policy.is_empty() || !s.precisions.is_empty() {
         return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
     }
     let caps = s.run.fixed_caps()?;

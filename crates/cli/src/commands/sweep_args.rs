@@ -37,6 +37,11 @@ pub struct SweepArgs {
     /// that policy (one with one cap is a comparison of one row).
     #[arg(long, value_delimiter = ',', value_parser = parse_entry)]
     pub policy: Vec<String>,
+    /// Precisions compared side by side, a comma-separated list of `train --precision`'s
+    /// (f32, bf16, fp16): every policy of --policy (or the run's own policy, without it) runs
+    /// once under each, at one bucket cap, and policies.csv gains their `precision` column.
+    #[arg(long, value_delimiter = ',', value_parser = brigade::MixedPrecision::parse)]
+    pub precisions: Vec<brigade::MixedPrecision>,
 }
 
 /// Makes `--out` a directory that takes files, creating it (and its parents) when missing;

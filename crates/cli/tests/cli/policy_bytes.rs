@@ -194,6 +194,58 @@ fn the_policy_sweep_puts_each_policy_side_by_side() {
 }
 
 #[test]
+fn the_policy_sweep_puts_each_precision_beside_the_others() {
+    let (rows, out) = sweep_rows("precision-sweep", "allreduce,zero2", &["--precisions", "f32,bf16"]);
+    let names: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r["policy"].as_str().unwrap(), r["precision"].as_str().unwrap()))
+        .collect();
+    // each policy under each precision, in that order
+    assert_eq!(
+        names,
+        [("allreduce", "f32"), ("allreduce", "bf16"), ("zero2", "f32"), ("zero2", "bf16")]
+    );
+    let last = |i: usize| rows[i]["sent_bytes_last_step"].as_u64().unwrap();
+    // bf16 buckets: half the bytes of f32's, under all-reduce and under ZeRO-2
+    assert_eq!(last(0), all_reduce_bytes());
+    assert_eq!(last(1), all_reduce_bytes() / 2);
+    assert_eq!(last(3) * 2, last(2), "{rows:?}");
+    let loss = |i: usize| rows[i]["final_loss"].as_f64().unwrap();
+    // bf16 rounds: not f32's loss, but near it; ZeRO-2 is all-reduce's arithmetic
+    assert_ne!(loss(0), loss(1));
+    assert!((loss(1) - loss(0)).abs() < 0.02 * loss(0).abs(), "{rows:?}");
+    assert!((loss(2) - loss(0)).abs() < 1e-6, "{rows:?}");
+    let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
+    assert!(csv.lines().next().unwrap().contains(",precision,note"), "{csv}");
+    assert!(csv.lines().nth(2).unwrap().starts_with("allreduce,") && csv.contains(",bf16,"), "{csv}");
+    let svg = std::fs::read_to_string(out.join("policies.svg")).unwrap();
+    assert!(svg.contains("zero2 bf16"), "the chart names policy and precision");
+    // --precisions alone: the run's own policy under each
+    let out = dir("precision-sweep-alone");
+    let mut args = vec!["sweep", "--steps", "4", "--json", "--precisions", "f32,fp16", "--out", s(&out)];
+    args.extend(mlp_flags());
+    let rows: Vec<Value> = serde_json::from_str(&ok(&args)).expect("JSON rows");
+    let names: Vec<&str> = rows.iter().map(|r| r["precision"].as_str().unwrap()).collect();
+    assert_eq!(names, ["f32", "fp16"]);
+    assert!(rows.iter().all(|r| r["policy"] == "allreduce"), "{rows:?}");
+    // a precision twice is one line before any run
+    let mut args = vec!["sweep", "--steps", "4", "--precisions", "bf16,bf16", "--out", s(&out)];
+    args.extend(mlp_flags());
+    let e = fails(&args);
+    assert!(e.contains("bf16 twice"), "{e}");
+    // a row its policy refuses (bf16 compression of fp16 gradients) is its one error line, and
+    // the rows that finished before it are written
+    let out = dir("precision-sweep-refused");
+    let mut args = vec!["sweep", "--steps", "4", "--policy", "bf16", "--precisions", "f32,fp16", "--out", s(&out)];
+    args.extend(mlp_flags());
+    let e = fails(&args);
+    assert!(e.contains("--precision fp16") && e.contains("bf16 compression"), "{e}");
+    let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 2, "the header and the f32 row: {csv}");
+    assert!(csv.lines().nth(1).unwrap().starts_with("bf16,") && csv.contains(",f32,"), "{csv}");
+}
+
+#[test]
 fn the_json_summary_names_the_policy_spec_and_what_it_says() {
     let v = train_json(&["--comm-hook", "powersgd", "--powersgd-start-iter", "2"]);
     assert_eq!(v["policy"], "powersgd:1@2");
