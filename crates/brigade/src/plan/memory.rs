@@ -16,7 +16,7 @@
 //! modelled apart).
 
 use brigade_models::{GptConfig, ModelKind};
-use brigade_policies::{PolicySpec, ZeroStage};
+use brigade_policies::PolicySpec;
 use serde::{Deserialize, Serialize};
 
 /// Bytes of an f32.
@@ -187,12 +187,16 @@ fn matrices(kind: &ModelKind) -> Vec<[usize; 2]> {
     }
 }
 
+/// The elements of the model's largest weight matrix.
+fn largest_matrix(kind: &ModelKind) -> Option<u64> {
+    matrices(kind)
+        .iter()
+        .try_fold(0u64, |m, &[r, c]| Some(m.max(matrix(r, c)?)))
+}
+
 /// What `policy` holds beside DDP's buckets, in f32 values: its scratch during backward on the
 /// rank's thread, and its state across steps (see [`PeakPrediction`]).
 fn policy_values(policy: &PolicySpec, kind: &ModelKind, psi: u64) -> Option<(u64, u64)> {
-    let largest = matrices(kind)
-        .iter()
-        .try_fold(0u64, |m, &[r, c]| Some(m.max(matrix(r, c)?)))?;
     Some(match *policy {
         // a 16-bit value per gradient value: half an f32's
         PolicySpec::Fp16 | PolicySpec::Bf16 => (psi.div_ceil(2), 0),
@@ -206,7 +210,7 @@ fn policy_values(policy: &PolicySpec, kind: &ModelKind, psi: u64) -> Option<(u64
                 .iter()
                 .filter_map(|&[r, c]| cfg.low_rank(&[r, c], r * c))
                 .map(|(_, m, k)| matrix(m, k)))?;
-            (largest, sum([Some(psi), Some(q)])?)
+            (largest_matrix(kind)?, sum([Some(psi), Some(q)])?)
         }
         _ => (0, 0),
     })
@@ -220,13 +224,7 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;
     // one rank has nothing to shard with: ZeRO keeps what DDP keeps
-    let zero = match q.policy.zero_stage() {
-        _ if n == 1 => 0,
-        ZeroStage::Off => 0,
-        ZeroStage::One => 1,
-        ZeroStage::Two => 2,
-        ZeroStage::Three => 3,
-    };
+    let zero = if n == 1 { 0 } else { q.policy.zero_stage().level() };
     let shard = |b: u64| if zero >= 1 { b.div_ceil(n) } else { b };
     let full_grads = mul(psi, F32)?;
     let gradients = if zero >= 2 {
@@ -264,11 +262,10 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
             let widest = c.widths.iter().copied().max().unwrap_or(0) as u64;
             // the largest weight's gradient, made whole by its GEMM before it is added into
             // its bucket's view
-            let weight_grad = c
-                .widths
-                .windows(2)
-                .try_fold(0u64, |m, w| Some(m.max(matrix(w[0], w[1])?)))?;
-            (mul(rows, per_row)?, sum([mul(rows, 2 * widest), Some(weight_grad)])?)
+            (
+                mul(rows, per_row)?,
+                sum([mul(rows, 2 * widest), largest_matrix(q.kind)])?,
+            )
         }
     };
     let (scratch, policy_state) = policy_values(q.policy, q.kind, psi)?;
