@@ -74,22 +74,22 @@ fn label(row: &PolicyRow, precisions: usize) -> String {
     }
 }
 
+/// The first entry of `items` that repeats an earlier one, as the 1-based positions of both.
+fn repeated<T: PartialEq>(items: &[T]) -> Option<(usize, usize)> {
+    let again = (1..items.len()).find(|&i| items[..i].contains(&items[i]))?;
+    let first = items.iter().position(|x| *x == items[again])?;
+    Some((first + 1, again + 1))
+}
+
 /// Checks the policy and precision lists and the flags against them, and returns each row's
 /// policy with the configuration it trains (the flags' configuration under that policy and
 /// precision), each policy under every precision in turn.
 fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec<(PolicySpec, TrainConfig)>> {
     let bad = |m: String| Err(Error::Usage(m));
-    if let Some((i, p)) = s
-        .precisions
-        .iter()
-        .enumerate()
-        .find(|(i, p)| s.precisions[..*i].contains(p))
-    {
+    if let Some((first, again)) = repeated(&s.precisions) {
         return bad(format!(
-            "--precisions lists {} twice (entries {} and {}): each precision is one row per policy",
-            p.name(),
-            s.precisions.iter().position(|q| q == p).unwrap_or(0) + 1,
-            i + 1
+            "--precisions lists {} twice (entries {first} and {again}): each precision is one row per policy",
+            s.precisions[again - 1].name()
         ));
     }
     if s.policy.is_empty() {
@@ -104,11 +104,10 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             resolve(e, d.powersgd_rank, d.powersgd_start_iter)
         })
         .collect::<Result<_>>()?;
-    if let Some((i, p)) = specs.iter().enumerate().find(|(i, p)| specs[..*i].contains(p)) {
+    if let Some((first, again)) = repeated(&specs) {
         return bad(format!(
-            "--policy lists {p} twice (entries {} and {}): each policy is one row",
-            specs.iter().position(|q| q == p).unwrap_or(0) + 1,
-            i + 1
+            "--policy lists {} twice (entries {first} and {again}): each policy is one row",
+            specs[again - 1]
         ));
     }
     if s.run.distributed.comm_hook != crate::args::CommHookName::Allreduce {
@@ -261,15 +260,14 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             of: plan.len(),
         });
     }
+    // every row that finished (all of them, unless one failed)
+    if !rows.is_empty() {
+        write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
+        draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
+    }
     if let Some(e) = failed {
-        if !rows.is_empty() {
-            write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
-            draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
-        }
         return Err(e);
     }
-    write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
-    draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
     if s.json {
         outln!(
             "{}",
