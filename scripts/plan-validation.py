@@ -3,9 +3,10 @@
 
 For each setting (the reference MLP and GPT at 2 ranks, the MLP at 4; simulated links of 1 and
 10 Gb/s with 20 us per message):
-  1. calibration: one profiled step per policy family (`brigade train --profile`, 3 steps, the
-     last profiled: allreduce, fp16, powersgd:1@0, zero2, zero3, and for the GPT allreduce with
-     every block checkpointed), the same runs `--plan auto` makes;
+  1. calibration: one short profiled run per policy family (`brigade train --profile`, 5 steps,
+     steps 2-4 profiled, the plan reading their median: allreduce, fp16, powersgd:1@0, zero1,
+     zero2, zero3, and for the GPT allreduce with every block checkpointed), the same runs
+     `--plan auto` makes;
   2. the plan (`brigade plan --json`) under a budget set to the median of the candidates'
      predicted peaks (so that about half of them are struck out), over caps 1, 5 and 25 MiB;
   3. every candidate that fits and was predicted, measured: `brigade train` with its flags,
@@ -15,14 +16,18 @@ For each setting (the reference MLP and GPT at 2 ranks, the MLP at 4; simulated 
      error feedback and factors live on the comm stream's thread, outside the meter's peak, and
      the plan counts them);
   4. per candidate the predicted against the measured step and peak; per setting the plan's
-     pick against the fastest measured candidate.
+     pick against the fastest measured candidate;
+  5. the confirmation: the fastest of a dozen noisy medians is biased fast (the winner's
+     curse), so the pick and the best measured (when they differ) are measured again, head to
+     head, CONFIRM more times each, interleaved; pick / best is given from the sweep and from
+     these independent runs.
 One MPI row (with mpirun on PATH and a build with --features mpi): the MLP at 2 ranks under
 mpirun, its allreduce and zero2 profiles recorded under MPI, the plan under --measured-link,
 the pick and allreduce measured under mpirun.
 
 Timing means nothing on a loaded machine: run it alone (about 15-25 minutes on 2 cores).
 
-Usage: scripts/plan-validation.py [--out DIR] [--repeat 3] [--steps 8] [--warmup 3]
+Usage: scripts/plan-validation.py [--out DIR] [--repeat 3] [--steps 8] [--warmup 3] [--confirm 5]
          [--settings mlp-w2,gpt-w2,mlp-w4] [--gbps 1,10] [--brigade BIN] [--mpi-brigade BIN]
          [--no-mpi] [--smoke]   (tiny models, 1 repeat: checks that the script runs, measures nothing)
 Writes DIR/plan-validation.json and prints the markdown table.
@@ -53,7 +58,7 @@ SMOKE_MODELS = {
 
 
 def calibrations(model):
-    runs = [["--policy", p] for p in ("allreduce", "fp16", "powersgd:1@0", "zero2", "zero3")]
+    runs = [["--policy", p] for p in ("allreduce", "fp16", "powersgd:1@0", "zero1", "zero2", "zero3")]
     if model == "gpt":
         runs.append(["--policy", "allreduce", "--activation-checkpointing", "1"])
     return runs
@@ -94,10 +99,11 @@ def setting(a, brigade, out, model, world, gbps, launcher=(), backend=()):
     print(f"== {name}: calibrating", file=sys.stderr)
     profiles = []
     for i, cal in enumerate(calibrations(model)):
-        if gbps is None and cal[1] not in ("allreduce", "zero2"):
+        if gbps is None and cal[1] not in ("allreduce", "zero1", "zero2"):
             continue
         p = os.path.join(d, f"profile-{i}.json")
-        sh(list(launcher) + [brigade, "train"] + common + cal + ["--steps", "3", "--quiet", "--profile", p])
+        sh(list(launcher) + [brigade, "train"] + common + cal +
+           ["--steps", "5", "--profile-steps", "2..5", "--quiet", "--profile", p])
         profiles.append(p)
     plan_link = link if gbps else ["--measured-link"]
     wide = plan(brigade, profiles, 1 << 20, plan_link)
@@ -113,13 +119,18 @@ def setting(a, brigade, out, model, world, gbps, launcher=(), backend=()):
           f"are predicted; measuring each {a.repeat}x", file=sys.stderr)
     steps = {name_of(c): [] for c in cands}
     peaks = {name_of(c): [] for c in cands}
+
+    def measure(c):
+        js = json.loads(sh(list(launcher) + [brigade, "train"] + common + candidate_flags(c) +
+                           ["--steps", str(a.steps), "--untimed-steps", str(a.warmup), "--quiet", "--json"]))
+        mem = js["memory"]
+        return js["median_step_ms"], mem["peak_bytes"] + (mem.get("policy_state_bytes") or 0)
+
     for r in range(a.repeat):
         for c in cands:
-            js = json.loads(sh(list(launcher) + [brigade, "train"] + common + candidate_flags(c) +
-                               ["--steps", str(a.steps), "--untimed-steps", str(a.warmup), "--quiet", "--json"]))
-            steps[name_of(c)].append(js["median_step_ms"])
-            mem = js["memory"]
-            peaks[name_of(c)].append(mem["peak_bytes"] + (mem.get("policy_state_bytes") or 0))
+            ms, peak = measure(c)
+            steps[name_of(c)].append(ms)
+            peaks[name_of(c)].append(peak)
     rows = []
     for i, c in enumerate(p["candidates"]):
         row = {"candidate": name_of(c), "fits": c["fits"], "winner": i == p["winner"],
@@ -135,10 +146,25 @@ def setting(a, brigade, out, model, world, gbps, launcher=(), backend=()):
     measured = [r for r in rows if "measured_step_ms" in r]
     best = min(measured, key=lambda r: r["measured_step_ms"]) if measured else None
     pick = next((r for r in rows if r["winner"]), None)
+    confirmed = None
+    if pick and best and "measured_step_ms" in pick:
+        confirmed = 1.0
+        if pick is not best and a.confirm > 0:
+            by_name = {name_of(c): c for c in cands}
+            print(f"== {name}: confirming {pick['candidate']} against {best['candidate']} {a.confirm}x",
+                  file=sys.stderr)
+            again = {pick["candidate"]: [], best["candidate"]: []}
+            for _ in range(a.confirm):
+                for n in again:
+                    again[n].append(measure(by_name[n])[0])
+            confirmed = statistics.median(again[pick["candidate"]]) / statistics.median(again[best["candidate"]])
+            pick["confirmed_step_ms"] = statistics.median(again[pick["candidate"]])
+            best["confirmed_step_ms"] = statistics.median(again[best["candidate"]])
     return {"setting": name, "budget_mb": budget_mb, "rows": rows,
             "best_measured": best and best["candidate"], "pick": pick and pick["candidate"],
             "pick_vs_best": (pick["measured_step_ms"] / best["measured_step_ms"]
-                             if pick and best and "measured_step_ms" in pick else None)}
+                             if pick and best and "measured_step_ms" in pick else None),
+            "pick_vs_best_confirmed": confirmed}
 
 
 def pct(a, b):
@@ -153,7 +179,8 @@ def table(results):
     lines = []
     for s in results:
         lines.append(f"\n**{s['setting']}**, budget {s['budget_mb']:.1f} MiB per rank: pick `{s['pick']}`, best "
-                     f"measured `{s['best_measured']}`, pick/best {s['pick_vs_best']:.3f}" if s["pick_vs_best"]
+                     f"measured `{s['best_measured']}`, pick/best {s['pick_vs_best']:.3f} in the sweep, "
+                     f"{s['pick_vs_best_confirmed']:.3f} confirmed" if s["pick_vs_best"]
                      else f"\n**{s['setting']}**, budget {s['budget_mb']:.1f} MiB: pick `{s['pick']}`")
         lines.append("")
         lines.append("| candidate | predicted ms | measured ms (spread) | step error | predicted peak MiB | "
@@ -182,6 +209,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--confirm", type=int, default=5,
+                    help="head-to-head runs of the pick and the best measured, each")
     ap.add_argument("--settings", default="mlp-w2,gpt-w2,mlp-w4")
     ap.add_argument("--gbps", default="1,10")
     ap.add_argument("--brigade", default=None)
@@ -190,7 +219,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
-        a.repeat, a.steps, a.warmup = 1, 3, 1
+        a.repeat, a.steps, a.warmup, a.confirm = 1, 3, 1, 1
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     brigade = a.brigade
     if brigade is None:
@@ -214,6 +243,7 @@ def main():
         results.append(setting(a, mpi, a.out, "mlp", 2, None, launcher, ["--backend", "mpi"]))
     report = {"load_average_before": load, "load_average_after": os.getloadavg(),
               "seconds": time.time() - start, "repeat": a.repeat, "steps": a.steps, "warmup": a.warmup,
+              "confirm": a.confirm,
               "results": results}
     with open(os.path.join(a.out, "plan-validation.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -34,9 +34,13 @@ pub enum PlanMode {
 /// The checkpoint metadata key the choice is recorded under (written `user.plan`).
 pub const PLAN_KEY: &str = "plan";
 
-/// Steps of one calibration run: the first rebuilds the buckets in ready order, the last is
-/// the one profiled.
-pub const CALIBRATION_STEPS: usize = 3;
+/// Steps of one calibration run: the first rebuilds the buckets in ready order, the next
+/// settles the allocator, the rest ([`CALIBRATION_PROFILED`]) are profiled.
+pub const CALIBRATION_STEPS: usize = 5;
+
+/// The calibration steps profiled; the plan reads the median of them
+/// ([`brigade::plan::median_step`]).
+pub const CALIBRATION_PROFILED: std::ops::Range<usize> = 2..CALIBRATION_STEPS;
 
 /// One calibration run: a policy, with or without activation checkpointing.
 #[derive(Clone, Debug, PartialEq)]
@@ -114,9 +118,8 @@ impl Choice {
 
 /// The calibration runs for `args`: allreduce, fp16 (the compression family: bf16 sends the
 /// same bytes after the same casts), PowerSGD at `--powersgd-rank` compressing from its first
-/// step (its steady state), ZeRO-2 (the ZeRO family: ZeRO-1 runs the same reduce-scatter and
-/// shard step), ZeRO-3, and for the GPT allreduce again with every block checkpointed (the
-/// recompute, measured once).
+/// step (its steady state), ZeRO-1, ZeRO-2, ZeRO-3, and for the GPT allreduce again with every
+/// block checkpointed (the recompute, measured once).
 pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
     let plain = |policy| Calibration {
         policy,
@@ -129,6 +132,7 @@ pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
             rank: args.distributed.powersgd_rank,
             start_iter: 0,
         }),
+        plain(PolicySpec::Zero1),
         plain(PolicySpec::Zero2),
         plain(PolicySpec::Zero3),
     ];
@@ -231,14 +235,13 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
         .filter(|c| match &c.policy {
             PolicySpec::AllReduce => true,
             PolicySpec::Fp16 | PolicySpec::Bf16 => fits(&[PolicySpec::Fp16, PolicySpec::Bf16]),
-            PolicySpec::Zero1 | PolicySpec::Zero2 => fits(&[PolicySpec::Zero1, PolicySpec::Zero2]),
             other => fits(std::slice::from_ref(other)),
         })
         .collect())
 }
 
 /// Runs the calibrations `runs` of `args` ([`CALIBRATION_STEPS`] steps each, no files, no
-/// progress bar) and returns the profiles of those that ran, with a note for each that could not (its
+/// progress bar) and returns the median profiled step of each that ran, with a note for each that could not (its
 /// family's candidates then come out "not predicted"). `observer` watches each run: a signal
 /// stops the calibration.
 pub fn calibrate(
@@ -253,6 +256,7 @@ pub fn calibrate(
     short.runtime.memory_budget = None;
     let opts = RunOptions {
         profile: true,
+        profile_steps: Some(CALIBRATION_PROFILED),
         observer: Some(observer),
         ..RunOptions::default()
     };
@@ -288,7 +292,8 @@ pub fn calibrate(
                 steps: args.recipe.steps,
             });
         }
-        match (report.outcome.stopped.take(), report.outcome.profile.take()) {
+        let steps = std::mem::take(&mut report.outcome.profiles);
+        match (report.outcome.stopped.take(), brigade::plan::median_step(steps)) {
             (None, Some(p)) => profiles.push(p),
             (Some(e), _) => notes.push(format!("--plan auto: {what} was not calibrated: {e}")),
             (None, None) => notes.push(format!("--plan auto: {what} was not calibrated: no step was profiled")),

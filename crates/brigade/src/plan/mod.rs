@@ -7,10 +7,15 @@
 //! candidate's own policy family** under the candidate's cap, link and world size, so that each
 //! policy's own compute (casts, PowerSGD's matmuls, ZeRO's shard steps) is measured, never
 //! assumed. The families: `allreduce`; compression (`fp16` and `bf16` share one profile: the
-//! same bytes and the same casts); `powersgd:r` (each rank `r` its own); ZeRO-1 and ZeRO-2 (one
-//! profile: the same reduce-scatter and shard step); ZeRO-3. What a profile cannot say is a
-//! reason, not a number: a family nobody profiled, a PowerSGD rank never run, a policy whose
-//! collectives the overlap model cannot cost.
+//! same bytes and the same casts); `powersgd:r` (each rank `r` its own); ZeRO-1, ZeRO-2 and
+//! ZeRO-3, each its own (the same reduce-scatter, but stage 1 gathers into its whole buffer and
+//! stage 2 in chunks, and the steps measure apart). What a profile cannot say is a reason, not
+//! a number: a family nobody profiled, a PowerSGD rank never run, a policy whose collectives
+//! the overlap model cannot cost.
+//!
+//! A family's profile is one step; from a run that profiled several ([`median_step`]) the one
+//! whose measured step is the median, so that one step slowed by the machine does not become
+//! the family's calibration.
 
 pub mod memory;
 
@@ -126,7 +131,8 @@ enum Family {
     AllReduce,
     Compression,
     PowerSgd(usize),
-    Zero,
+    Zero1,
+    Zero2,
     Zero3,
 }
 
@@ -136,7 +142,8 @@ impl Family {
             PolicySpec::AllReduce => Family::AllReduce,
             PolicySpec::Fp16 | PolicySpec::Bf16 => Family::Compression,
             PolicySpec::PowerSgd { rank, .. } => Family::PowerSgd(*rank),
-            PolicySpec::Zero1 | PolicySpec::Zero2 => Family::Zero,
+            PolicySpec::Zero1 => Family::Zero1,
+            PolicySpec::Zero2 => Family::Zero2,
             PolicySpec::Zero3 => Family::Zero3,
             PolicySpec::Int8 | PolicySpec::User { .. } => return None,
         })
@@ -147,10 +154,21 @@ impl Family {
             Family::AllReduce => "allreduce",
             Family::Compression => "fp16/bf16",
             Family::PowerSgd(_) => "powersgd",
-            Family::Zero => "zero1/zero2",
+            Family::Zero1 => "zero1",
+            Family::Zero2 => "zero2",
             Family::Zero3 => "zero3",
         }
     }
+}
+
+/// The step of one run's profiled steps that a plan reads: the one whose measured step (its
+/// slowest rank's end) is the median, the lower of the two middle ones for an even count.
+/// `None` for no step.
+pub fn median_step(mut steps: Vec<StepProfile>) -> Option<StepProfile> {
+    let measured = |p: &StepProfile| p.ranks.iter().map(|r| r.step_end_s).fold(f64::NEG_INFINITY, f64::max);
+    steps.sort_by(|a, b| measured(a).total_cmp(&measured(b)));
+    let middle = steps.len().checked_sub(1)? / 2;
+    Some(steps.swap_remove(middle))
 }
 
 /// The policy a profile was recorded under (`allreduce` for one that names none).

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use brigade::plan::{plan, Candidate, Plan, PlanQuery};
+use brigade::plan::{median_step, plan, Candidate, Plan, PlanQuery};
 use clap::Args;
 use serde_json::json;
 
@@ -19,7 +19,7 @@ pub struct PlanArgs {
     /// Step profiles written by `brigade train --profile`, one run under each policy family to
     /// weigh (allreduce; fp16 or bf16; powersgd:R; zero1 or zero2; zero3; allreduce with
     /// --activation-checkpointing to measure the recompute). Repeat the flag or list the files;
-    /// a file of several steps (--profile-steps) counts its last step.
+    /// a file of several steps (--profile-steps) counts its median step.
     #[arg(long, num_args = 1.., value_delimiter = ',')]
     pub profile: Vec<PathBuf>,
     /// Most MB (MiB) one rank may hold at once during a step.
@@ -69,9 +69,8 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     }
     let mut profiles = vec![];
     for path in &a.profile {
-        let mut steps = read_profiles(path)?;
-        let last = steps.pop().expect("read_profiles returns at least one step");
-        profiles.push(last);
+        let steps = read_profiles(path)?;
+        profiles.push(median_step(steps).expect("read_profiles returns at least one step"));
     }
     let query = PlanQuery {
         budget_bytes: (mb * MIB) as u64,
