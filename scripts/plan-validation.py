@@ -4,8 +4,8 @@
 For each setting (the reference MLP and GPT at 2 ranks, the MLP at 4; simulated links of 1 and
 10 Gb/s with 20 us per message):
   1. calibration: one short profiled run per policy family (`brigade train --profile`, 5 steps,
-     steps 2-4 profiled, the plan reading their median: allreduce, fp16, powersgd:1@0, zero1,
-     zero2, zero3, and for the GPT allreduce with every block checkpointed), the same runs
+     steps 2-4 profiled, the plan reading their median: allreduce, fp16, bf16, powersgd:1@0,
+     zero1, zero2, zero3, and for the GPT allreduce with every block checkpointed), the same runs
      `--plan auto` makes;
   2. the plan (`brigade plan --json`) under a budget set to the median of the candidates'
      predicted peaks (so that about half of them are struck out), over caps 1, 5 and 25 MiB;
@@ -58,7 +58,7 @@ SMOKE_MODELS = {
 
 
 def calibrations(model):
-    runs = [["--policy", p] for p in ("allreduce", "fp16", "powersgd:1@0", "zero1", "zero2", "zero3")]
+    runs = [["--policy", p] for p in ("allreduce", "fp16", "bf16", "powersgd:1@0", "zero1", "zero2", "zero3")]
     if model == "gpt":
         runs.append(["--policy", "allreduce", "--activation-checkpointing", "1"])
     return runs

@@ -116,10 +116,9 @@ impl Choice {
     }
 }
 
-/// The calibration runs for `args`: allreduce, fp16 (the compression family: bf16 sends the
-/// same bytes after the same casts), PowerSGD at `--powersgd-rank` compressing from its first
-/// step (its steady state), ZeRO-1, ZeRO-2, ZeRO-3, and for the GPT allreduce again with every
-/// block checkpointed (the recompute, measured once).
+/// The calibration runs for `args`: allreduce, fp16, bf16, PowerSGD at `--powersgd-rank`
+/// compressing from its first step (its steady state), ZeRO-1, ZeRO-2, ZeRO-3, and for the GPT
+/// allreduce again with every block checkpointed (the recompute, measured once).
 pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
     let plain = |policy| Calibration {
         policy,
@@ -128,6 +127,7 @@ pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
     let mut runs = vec![
         plain(PolicySpec::AllReduce),
         plain(PolicySpec::Fp16),
+        plain(PolicySpec::Bf16),
         plain(PolicySpec::PowerSgd {
             rank: args.distributed.powersgd_rank,
             start_iter: 0,
@@ -234,7 +234,6 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
         .into_iter()
         .filter(|c| match &c.policy {
             PolicySpec::AllReduce => true,
-            PolicySpec::Fp16 | PolicySpec::Bf16 => fits(&[PolicySpec::Fp16, PolicySpec::Bf16]),
             other => fits(std::slice::from_ref(other)),
         })
         .collect())

@@ -6,10 +6,9 @@
 //! from the overlap model ([`brigade_ddp::overlap::replay_with`]) replaying the profile **of the
 //! candidate's own policy family** under the candidate's cap, link and world size, so that each
 //! policy's own compute (casts, PowerSGD's matmuls, ZeRO's shard steps) is measured, never
-//! assumed. The families: `allreduce`; compression (`fp16` and `bf16` share one profile: the
-//! same bytes and the same casts); `powersgd:r` (each rank `r` its own); ZeRO-1, ZeRO-2 and
-//! ZeRO-3, each its own (the same reduce-scatter, but stage 1 gathers into its whole buffer and
-//! stage 2 in chunks, and the steps measure apart). What a profile cannot say is a reason, not
+//! assumed. Every built-in policy is its own family, PowerSGD one per rank `r`: even the pairs
+//! that send the same bytes measure apart (fp16's casts cost more than bf16's, whose widening
+//! is a shift; ZeRO-1 gathers into its whole buffer where ZeRO-2 gathers in chunks). What a profile cannot say is a reason, not
 //! a number: a family nobody profiled, a PowerSGD rank never run, a policy whose collectives
 //! the overlap model cannot cost.
 //!
@@ -129,7 +128,8 @@ pub struct Plan {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Family {
     AllReduce,
-    Compression,
+    Fp16,
+    Bf16,
     PowerSgd(usize),
     Zero1,
     Zero2,
@@ -140,7 +140,8 @@ impl Family {
     fn of(spec: &PolicySpec) -> Option<Family> {
         Some(match spec {
             PolicySpec::AllReduce => Family::AllReduce,
-            PolicySpec::Fp16 | PolicySpec::Bf16 => Family::Compression,
+            PolicySpec::Fp16 => Family::Fp16,
+            PolicySpec::Bf16 => Family::Bf16,
             PolicySpec::PowerSgd { rank, .. } => Family::PowerSgd(*rank),
             PolicySpec::Zero1 => Family::Zero1,
             PolicySpec::Zero2 => Family::Zero2,
@@ -152,7 +153,8 @@ impl Family {
     fn name(self) -> &'static str {
         match self {
             Family::AllReduce => "allreduce",
-            Family::Compression => "fp16/bf16",
+            Family::Fp16 => "fp16",
+            Family::Bf16 => "bf16",
             Family::PowerSgd(_) => "powersgd",
             Family::Zero1 => "zero1",
             Family::Zero2 => "zero2",

@@ -16,8 +16,8 @@ use crate::report::stdout::outln;
 /// Options of `brigade plan`.
 #[derive(Args, Clone, Debug)]
 pub struct PlanArgs {
-    /// Step profiles written by `brigade train --profile`, one run under each policy family to
-    /// weigh (allreduce; fp16 or bf16; powersgd:R; zero1 or zero2; zero3; allreduce with
+    /// Step profiles written by `brigade train --profile`, one run under each policy to weigh
+    /// (allreduce, fp16, bf16, powersgd:R, zero1, zero2, zero3; allreduce with
     /// --activation-checkpointing to measure the recompute). Repeat the flag or list the files;
     /// a file of several steps (--profile-steps) counts its median step.
     #[arg(long, num_args = 1.., value_delimiter = ',')]

@@ -57,14 +57,14 @@ fn plan_then_direct(name: &str, model: &[&str], calibrations: u64) {
 
 #[test]
 fn the_mlp_trains_under_the_plan_exactly_as_under_its_flags_given_directly() {
-    // allreduce, fp16, powersgd, zero1, zero2, zero3
-    plan_then_direct("plan-auto-mlp", MLP, 6);
+    // allreduce, fp16, bf16, powersgd, zero1, zero2, zero3
+    plan_then_direct("plan-auto-mlp", MLP, 7);
 }
 
 #[test]
 fn the_gpt_trains_under_the_plan_exactly_as_under_its_flags_given_directly() {
     // and allreduce with every block checkpointed
-    plan_then_direct("plan-auto-gpt", GPT, 7);
+    plan_then_direct("plan-auto-gpt", GPT, 8);
 }
 
 #[test]
