@@ -5,9 +5,11 @@
 #
 #   bin/brigade            the release CLI
 #   tests/tensor           the release test binary of brigade-tensor (cuda_probe, cuda_nvrtc,
-#                          cuda_ops, cuda_bench, fake_device)
+#                          cuda_ops, half_ops, cuda_bench, fake_device)
 #   ref/gpt_sgd.args       the GPT parity run's flags, and ref/gpt_sgd_cpu.csv its losses on this
 #                          CPU: the reference the CUDA run is compared with on the GPU
+#   ref/gpt_mixed.args     the same for mixed precision: ref/gpt_bf16_cpu.csv, ref/gpt_fp16_cpu.csv
+#                          (--precision bf16 and fp16 on this CPU)
 #   torchref/              PyTorch's reference model, from ../shared/torchref/ beside the checkout
 #   COMMIT, MANIFEST       the commit, and each binary's size and the newest glibc it needs
 #
@@ -107,6 +109,16 @@ echo "--model gpt --batch-size 8 --steps 20 --seed 0 --optimizer sgd --lr 0.05 -
   --losses "$CARRY/ref/gpt_sgd_cpu.csv" || die "the CPU reference run failed"
 [ "$(wc -l <"$CARRY/ref/gpt_sgd_cpu.csv")" -eq 21 ] || die "the reference holds $(wc -l <"$CARRY/ref/gpt_sgd_cpu.csv") lines, not 21"
 lscpu | grep -m1 "Model name" >"$CARRY/ref/cpu.txt" || true
+
+echo "== the GPT's mixed-precision references on this CPU (bf16; fp16 with loss scaling)"
+echo "--model gpt --batch-size 8 --steps 10 --seed 0 --optimizer adamw --lr 3e-4 --world-size 1" \
+  >"$CARRY/ref/gpt_mixed.args"
+for p in bf16 fp16; do
+  # shellcheck disable=SC2046
+  "$CARRY/bin/brigade" train $(cat "$CARRY/ref/gpt_mixed.args") --precision "$p" --device cpu --quiet \
+    --losses "$CARRY/ref/gpt_${p}_cpu.csv" || die "the CPU $p reference run failed"
+  [ "$(wc -l <"$CARRY/ref/gpt_${p}_cpu.csv")" -eq 11 ] || die "the $p reference holds $(wc -l <"$CARRY/ref/gpt_${p}_cpu.csv") lines, not 11"
+done
 
 echo "== PyTorch's reference model"
 cp "$TORCHREF/workloads.py" "$CARRY/torchref/workloads.py" || die "copying $TORCHREF/workloads.py"

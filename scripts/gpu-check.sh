@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first run of Brigade's CUDA backend on a GPU machine: one command, started cold, done in
-# at most 7 minutes, whose verdict can be trusted.
+# at most 8 minutes, whose verdict can be trusted.
 #
 # Builds nothing (the GPU machine has no Rust toolchain): run scripts/gpu-build.sh HERE first; it
 # fills gpu-carry/ (git-ignored) with the binaries (glibc >= 2.28), the GPT's CPU reference
@@ -18,6 +18,8 @@
 #   start      every carried binary starts (and the glibc it needs)
 #   probe      cuda:0 opens (BRIGADE_REQUIRE_CUDA=1: a skip is a failure); NVRTC compiles here
 #   ops        every op, forward and backward, CPU vs CUDA, f32 and f64 (tests/tensor cuda_ops::)
+#   half       every op in bf16 and f16 on cuda:0 (computed in f32, each output rounded once)
+#              against f64 on the same rounded inputs: within one ulp (tests/tensor half_ops::)
 #   parity     the GPT's losses on CUDA vs the CPU reference computed at build time (SGD, 3e-4)
 #   ckpt       the GPT on CUDA with every block's activations checkpointed (recomputed in
 #              backward) against the same run without: the same losses (SGD, 1e-6)
@@ -28,10 +30,13 @@
 #   policies   each reducer policy (fp16, bf16, PowerSGD 1@2, ZeRO-1, ZeRO-2) on NCCL world 1
 #              under the simulated link: its losses against the same policy host-staged at world
 #              1 (SGD, 1e-5), and its bucket reductions interleaving with backward on the GPU clock
+#   mixed      the GPT under --precision bf16 and fp16 (loss scaling) on CUDA, f32 master weights
+#              on the device, against the same runs on the CPU at build time (AdamW, 1e-2)
 #   gemm       Brigade's GEMM vs cuBLAS, 4096^3, f32 and bf16: outputs compared (FAIL), speed
 #              >= 0.95x (PASS/MISS)
 #   step       the GPT step (d 768, 12 layers, 64x128 tokens, AdamW, f32, TF32 off) vs PyTorch
-#              eager on the same GPU: <= 1.1x (PASS/MISS)
+#              eager on the same GPU: <= 1.1x (PASS/MISS); and under --precision bf16 vs PyTorch's
+#              autocast(bfloat16) step with f32 weights: <= 1.1x (PASS/MISS)
 #
 #   --dry-run  (on any machine) the environment, every carried binary started with the glibc
 #              it needs, and the budget of each section; runs nothing that needs a GPU
@@ -51,8 +56,8 @@ B="$CARRY/bin/brigade"
 T="$CARRY/tests/tensor"
 
 # Budgets: seconds from the start by which each section must be done (the verdict checks by
-# 260 s, everything by 420 s = 7 minutes).
-SECTIONS="env:30 start:40 probe:75 ops:125 parity:150 ckpt:170 nccl:200 overlap:225 policies:265 gemm:315 step:420"
+# 295 s, everything by 480 s = 8 minutes).
+SECTIONS="env:30 start:40 probe:75 ops:125 half:140 parity:160 ckpt:180 nccl:210 overlap:235 policies:270 mixed:295 gemm:345 step:480"
 deadline() { for s in $SECTIONS; do [ "${s%%:*}" = "$1" ] && echo "${s##*:}"; done; }
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -173,6 +178,13 @@ if [ $rc -eq 0 ]; then
   record PASS ops "$(grep -c '^cuda:0 ' "$OUT/test-cuda_ops.log") op outputs within tolerance (worst |diff| ${worst:-?}); $(grep -o '[0-9]* passed' "$OUT/test-cuda_ops.log" | tail -1)"
 else ran ops $rc "$OUT/test-cuda_ops.log"; fi
 
+# ---- half: every op in bf16 and f16 on cuda:0 against f64 on the same rounded inputs
+run half test-half_ops "$T" --test-threads=4 half_ops::
+rc=$?
+if [ $rc -eq 0 ]; then
+  record PASS half "bf16 and f16 ops on cuda:0 within one ulp of f64; $(grep -o '[0-9]* passed' "$OUT/test-half_ops.log" | tail -1)"
+else ran half $rc "$OUT/test-half_ops.log"; fi
+
 # ---- parity: the GPT on CUDA against its CPU losses computed at build time (SGD, no momentum)
 GPT_SGD=$(cat "$CARRY/ref/gpt_sgd.args" 2>/dev/null)
 if [ -z "$GPT_SGD" ]; then
@@ -253,6 +265,21 @@ for entry in "${POLICIES[@]}"; do
   fi
 done
 
+# ---- mixed: bf16 and fp16 (loss scaling) on CUDA against the CPU's runs at build time
+MIXED=$(cat "$CARRY/ref/gpt_mixed.args" 2>/dev/null)
+if [ -z "$MIXED" ]; then
+  record FAIL mixed "$CARRY/ref/gpt_mixed.args is missing (run scripts/gpu-build.sh)"
+else
+  for p in bf16 fp16; do
+    # shellcheck disable=SC2086
+    run mixed "mixed-$p" "$B" train $MIXED --precision "$p" --device cuda --quiet --losses "$OUT/gpt_${p}_cuda.csv"
+    rc=$?
+    ran "mixed-$p" $rc "$OUT/mixed-$p.log" &&
+      judge "mixed-$p" "$OUT/mixed-$p.log" losses "mixed $p: CUDA vs CPU reference (f32 masters, AdamW)" \
+        "$OUT/gpt_${p}_cuda.csv" "$CARRY/ref/gpt_${p}_cpu.csv" 1e-2
+  done
+fi
+
 # ---- gemm: Brigade vs direct cuBLAS, 4096^3, f32 and bf16; outputs compared element by element
 BRIGADE_BENCH_OUT="$OUT/gemm.json" run gemm bench-gemm "$T" --ignored --test-threads=1 cuda_bench::gemm_4096
 rc=$?
@@ -281,14 +308,26 @@ try:
         logits = model(idx[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1))
         loss.backward(); opt.step()
-    for _ in range(3): step()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        s = time.perf_counter(); step(); torch.cuda.synchronize(); ts.append(time.perf_counter() - s)
-    out["torch_gpt_step"] = {"s": sorted(ts)[5], "config": cfg, "batch": [64, 128], "torch": torch.__version__}
+    def timed():
+        for _ in range(3): step()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            s = time.perf_counter(); step(); torch.cuda.synchronize(); ts.append(time.perf_counter() - s)
+        return sorted(ts)[5]
+    out["torch_gpt_step"] = {"s": timed(), "config": cfg, "batch": [64, 128], "torch": torch.__version__}
+    # the same step under autocast(bfloat16): bf16 GEMMs, f32 weights and AdamW state
+    f32_step = step
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            opt.zero_grad(set_to_none=True)
+            logits = model(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256).float(), idx[:, 1:].reshape(-1))
+        loss.backward(); opt.step()
+    out["torch_gpt_step_bf16"] = {"s": timed(), "config": cfg, "batch": [64, 128], "autocast": "bfloat16"}
 except Exception as e:
-    out["torch_gpt_step"] = {"error": repr(e)}
+    out.setdefault("torch_gpt_step", {"error": repr(e)})
+    out.setdefault("torch_gpt_step_bf16", {"error": repr(e)})
 print(json.dumps(out))
 json.dump(out, open(sys.argv[2], "w"))
 PY
@@ -298,6 +337,13 @@ run step gpt-step "$B" train --model gpt --d-model 768 --layers 12 --heads 12 --
 rc=$?
 if ran gpt-step $rc "$OUT/gpt-step.log"; then
   judge step "$OUT/gpt-step.log" step "gpt step vs PyTorch eager" "$OUT/gpt-step.log" "$OUT/torch.json" 1.1
+fi
+run step gpt-step-bf16 "$B" train --model gpt --d-model 768 --layers 12 --heads 12 --d-ff 3072 --context 128 --batch-size 64 \
+  --optimizer adamw --lr 3e-4 --steps 12 --warmup 2 --world-size 1 --device cuda --precision bf16 --json --quiet
+rc=$?
+if ran gpt-step-bf16 $rc "$OUT/gpt-step-bf16.log"; then
+  judge step-bf16 "$OUT/gpt-step-bf16.log" step "gpt bf16 step vs PyTorch autocast(bfloat16)" "$OUT/gpt-step-bf16.log" \
+    "$OUT/torch.json" 1.1 torch_gpt_step_bf16
 fi
 
 say "== done in $((SECONDS - START)) s: $([ $FAILED -eq 0 ] && echo 'no check failed' || echo 'SOME CHECKS FAILED')"

@@ -13,7 +13,8 @@ Every comparison prints one line "STATUS NAME: what was measured" and exits with
     gpu_check.py overlap NAME TRACE.json              bucket collectives interleave with backward spans
     gpu_check.py predict NAME TRAIN.log PREDICT.json  measured step vs `brigade predict` on its profile
     gpu_check.py gemm NAME BENCH.json GOAL            outputs equal cuBLAS's; speed >= GOAL x cuBLAS
-    gpu_check.py step NAME TRAIN.log TORCH.json GOAL  Brigade's step <= GOAL x PyTorch's
+    gpu_check.py step NAME TRAIN.log TORCH.json GOAL [KEY]  Brigade's step <= GOAL x PyTorch's (KEY:
+                                                      torch_gpt_step_bf16 for autocast's)
 """
 
 import csv
@@ -192,14 +193,15 @@ def check_gemm(name, bench_json, goal):
     return verdict(status, name, "; ".join(parts) + f" (goal >= {goal}x, outputs equal)")
 
 
-def check_step(name, train_log, torch_json, goal):
-    """Brigade's median GPT step against PyTorch eager's on the same GPU: PASS at <= goal x."""
+def check_step(name, train_log, torch_json, goal, key="torch_gpt_step"):
+    """Brigade's median GPT step against PyTorch's on the same GPU (`key` of torch_json: eager
+    f32, or torch_gpt_step_bf16 under autocast): PASS at <= goal x."""
     try:
         ms = float(json_from_log(train_log)["median_step_ms"])
     except (OSError, ValueError, KeyError) as e:
         return verdict(FAIL, name, f"Brigade's run gave no step time: {e}")
     try:
-        t = load_json(torch_json)["torch_gpt_step"]
+        t = load_json(torch_json)[key]
         torch_ms = float(t["s"]) * 1e3
     except (OSError, ValueError, KeyError, TypeError) as e:
         return verdict(MISS, name, f"Brigade {ms:.1f} ms; PyTorch's side gave no time: {e}")
@@ -207,7 +209,8 @@ def check_step(name, train_log, torch_json, goal):
     return verdict(
         PASS if ratio <= goal else MISS,
         name,
-        f"Brigade {ms:.1f} ms, PyTorch eager {torch_ms:.1f} ms: {ratio:.2f}x (goal <= {goal}x)",
+        f"Brigade {ms:.1f} ms, PyTorch {'eager' if key == 'torch_gpt_step' else key} {torch_ms:.1f} ms: "
+        f"{ratio:.2f}x (goal <= {goal}x)",
     )
 
 
@@ -320,8 +323,8 @@ def main(argv):
         return check_predict(rest[0], rest[1], rest[2])
     if cmd == "gemm" and len(rest) == 3:
         return check_gemm(rest[0], rest[1], float(rest[2]))
-    if cmd == "step" and len(rest) == 4:
-        return check_step(rest[0], rest[1], rest[2], float(rest[3]))
+    if cmd == "step" and len(rest) in (4, 5):
+        return check_step(rest[0], rest[1], rest[2], float(rest[3]), *rest[4:])
     print(__doc__)
     return FAIL
 

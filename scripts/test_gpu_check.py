@@ -145,6 +145,10 @@ class Numbers(unittest.TestCase):
         self.assertEqual(quiet(g.check_step, "step", log, broken, 1.1)[0], g.MISS)
         nolog = self.f.path("nolog.log", "error: out of memory\n")
         self.assertEqual(quiet(g.check_step, "step", nolog, fast, 1.1)[0], g.FAIL)
+        # the bf16 step reads PyTorch's autocast entry, not the f32 one
+        both = self.f.path("torch4.json", json.dumps({"torch_gpt_step": {"s": 0.020}, "torch_gpt_step_bf16": {"s": 0.010}}))
+        self.assertEqual(quiet(g.check_step, "step", log, both, 1.1)[0], g.PASS)
+        self.assertEqual(quiet(g.check_step, "step", log, both, 1.1, "torch_gpt_step_bf16")[0], g.MISS)
 
     def test_prediction_within_a_quarter_passes(self):
         log = self.f.path("t.log", '{\n  "median_step_ms": 10.0\n}\n')
@@ -166,12 +170,12 @@ class Script(unittest.TestCase):
         line = next(l for l in self.text.splitlines() if l.startswith("SECTIONS="))
         return [(s.split(":")[0], int(s.split(":")[1])) for s in line.split("=", 1)[1].strip('"').split()]
 
-    def test_the_budgets_grow_section_by_section_and_end_within_7_minutes(self):
+    def test_the_budgets_grow_section_by_section_and_end_within_8_minutes(self):
         sections = self.sections()
         ends = [end for _, end in sections]
         self.assertEqual(ends, sorted(ends))
         self.assertEqual(len(set(ends)), len(ends))
-        self.assertEqual(ends[-1], 420)
+        self.assertEqual(ends[-1], 480)
         names = [name for name, _ in sections]
         # the verdict checks (the policies among them) come before the numbers
         self.assertLess(names.index("policies"), names.index("gemm"))

@@ -87,20 +87,54 @@ cuda_element!(i64, I64, "i64");
 cuda_element!(u8, U8, "u8");
 cuda_element!(i8, I8, "i8");
 
-/// A float type Brigade's kernels compute in (f32, f64).
+/// A float type Brigade's kernels take: f32 and f64 compute in themselves, f16 and bf16 are
+/// stored in 16 bits and computed in f32 (each output rounded once).
 pub(crate) trait CudaFloat: CudaElement {
-    /// Rounds an f64 to this type.
-    fn from_f64(x: f64) -> Self;
+    /// The type the kernels compute in and take their scalars in.
+    type Scalar: CudaElement;
+    /// Rounds an f64 scalar to [`CudaFloat::Scalar`].
+    fn scalar(x: f64) -> Self::Scalar;
+    /// Rounds an f64 to an element of this type, through f32 for 16-bit types (as the CPU's
+    /// 16-bit kernels round their f32 outputs).
+    fn element(x: f64) -> Self;
 }
 
 impl CudaFloat for f32 {
-    fn from_f64(x: f64) -> Self {
+    type Scalar = f32;
+    fn scalar(x: f64) -> f32 {
+        x as f32
+    }
+    fn element(x: f64) -> f32 {
         x as f32
     }
 }
 
 impl CudaFloat for f64 {
-    fn from_f64(x: f64) -> Self {
+    type Scalar = f64;
+    fn scalar(x: f64) -> f64 {
         x
+    }
+    fn element(x: f64) -> f64 {
+        x
+    }
+}
+
+impl CudaFloat for f16 {
+    type Scalar = f32;
+    fn scalar(x: f64) -> f32 {
+        x as f32
+    }
+    fn element(x: f64) -> f16 {
+        f16::from_f32(x as f32)
+    }
+}
+
+impl CudaFloat for bf16 {
+    type Scalar = f32;
+    fn scalar(x: f64) -> f32 {
+        x as f32
+    }
+    fn element(x: f64) -> bf16 {
+        bf16::from_f32(x as f32)
     }
 }

@@ -2,11 +2,22 @@
 //! same op in f64 on the same rounded inputs, rounded once. Computing in f32 and rounding at
 //! the output gives the f64 reference rounded to the dtype for nearly every element, and never
 //! more than one unit in the last place away; computing in 16 bits (a GEMM accumulating in
-//! bf16, a softmax summing in bf16) misses by many.
+//! bf16, a softmax summing in bf16) misses by many. On the CPU, the counting fake device and,
+//! where one opens, GPU 0 (the GPU check runs these tests there).
 
 use brigade_tensor::{DType, Device, Rng, Tensor};
 
-const DEVICES: [Device; 2] = [Device::Cpu, Device::Fake(0)];
+/// The CPU, the counting fake device and, where one opens, GPU 0 (`BRIGADE_REQUIRE_CUDA=1`, as
+/// `scripts/gpu-check.sh` sets it, turns a missing GPU into a failure).
+fn devices() -> Vec<Device> {
+    let mut all = vec![Device::Cpu, Device::Fake(0)];
+    match brigade_tensor::testing::device_if_available(Device::Cuda(0)) {
+        Ok(gpu) => all.push(gpu),
+        Err(e) if brigade_tensor::testing::cuda_required() => panic!("BRIGADE_REQUIRE_CUDA=1 but {e}"),
+        Err(_) => {}
+    }
+    all
+}
 const HALVES: [DType; 2] = [DType::BF16, DType::F16];
 
 /// Explicit mantissa bits of a 16-bit float.
@@ -78,7 +89,7 @@ fn check(op: &str, got: &Tensor, reference: &Tensor, abs: f64) {
 #[test]
 fn elementwise_ops_round_the_f32_result_once() {
     let mut rng = Rng::new(1);
-    for dev in DEVICES {
+    for dev in devices() {
         for d in HALVES {
             let (x, xw) = pair(&[37, 29], 1.0, d, dev, &mut rng);
             let (y, yw) = pair(&[37, 29], 1.0, d, dev, &mut rng);
@@ -126,7 +137,7 @@ fn elementwise_ops_round_the_f32_result_once() {
 #[test]
 fn reductions_and_gemms_accumulate_in_f32() {
     let mut rng = Rng::new(2);
-    for dev in DEVICES {
+    for dev in devices() {
         for d in HALVES {
             let (x, xw) = pair(&[8, 300], 1.0, d, dev, &mut rng);
             // a sum of 300 terms: summed in f32 it is the rounded reference to within an ulp
@@ -178,7 +189,7 @@ fn reductions_and_gemms_accumulate_in_f32() {
 #[test]
 fn softmax_layer_norm_and_the_loss_compute_in_f32() {
     let mut rng = Rng::new(3);
-    for dev in DEVICES {
+    for dev in devices() {
         for d in HALVES {
             let (x, xw) = pair(&[12, 200], 2.0, d, dev, &mut rng);
             let (g, gw) = pair(&[12, 200], 1.0, d, dev, &mut rng);
@@ -238,7 +249,7 @@ fn softmax_layer_norm_and_the_loss_compute_in_f32() {
 #[test]
 fn embeddings_masks_attention_and_accumulation_take_16_bit_storage() {
     let mut rng = Rng::new(4);
-    for dev in DEVICES {
+    for dev in devices() {
         for d in HALVES {
             let (table, tablew) = pair(&[50, 16], 1.0, d, dev, &mut rng);
             let ids = Tensor::from_vec(vec![3i64, 7, 3, 49, 0, 7], &[6])

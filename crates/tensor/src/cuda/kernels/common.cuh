@@ -37,6 +37,58 @@ __device__ __forceinline__ u64 strided_offset(const StridedLayout& l, u64 i) {
     return o;
 }
 
+// Round-to-nearest-even conversions through PTX's cvt (no cuda_fp16.h needed, so the
+// kernels compile with NVRTC alone). bf16 conversion needs sm_80 or newer.
+__device__ __forceinline__ u16 f32_to_f16_bits(float x) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+__device__ __forceinline__ u16 f32_to_bf16_bits(float x) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float bf16_bits_to_f32(u16 h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// 16-bit float storage, computed in f32 (as autocast, and as the CPU's kernels do): a kernel
+// templated on its storage type S loads each element with load_c (exact), computes in
+// Compute<S>::T and rounds each output once with store_c<S>, to nearest even. f32 and f64
+// compute in themselves (load_c and store_c are the identity there). The two 16-bit types are
+// distinct structs over the same bits, so that overloads tell them apart.
+struct f16_t { u16 bits; };
+struct bf16_t { u16 bits; };
+
+template <typename S> struct Compute { typedef S T; };
+template <> struct Compute<f16_t> { typedef float T; };
+template <> struct Compute<bf16_t> { typedef float T; };
+
+__device__ __forceinline__ float load_c(float x) { return x; }
+__device__ __forceinline__ double load_c(double x) { return x; }
+__device__ __forceinline__ float load_c(f16_t x) { return f16_bits_to_f32(x.bits); }
+__device__ __forceinline__ float load_c(bf16_t x) { return bf16_bits_to_f32(x.bits); }
+
+template <typename S> __device__ __forceinline__ S store_c(typename Compute<S>::T x);
+template <> __device__ __forceinline__ float store_c<float>(float x) { return x; }
+template <> __device__ __forceinline__ double store_c<double>(double x) { return x; }
+template <> __device__ __forceinline__ f16_t store_c<f16_t>(float x) {
+    f16_t r;
+    r.bits = f32_to_f16_bits(x);
+    return r;
+}
+template <> __device__ __forceinline__ bf16_t store_c<bf16_t>(float x) {
+    bf16_t r;
+    r.bits = f32_to_bf16_bits(x);
+    return r;
+}
+
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
 

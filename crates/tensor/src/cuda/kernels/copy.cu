@@ -28,26 +28,18 @@ extern "C" __global__ void scaled_add_f32(float* dst, const float* src, StridedL
 extern "C" __global__ void scaled_add_f64(double* dst, const double* src, StridedLayout ld, u64 n, double scale) {
     GRID_STRIDE(i, n) dst[strided_offset(ld, i)] += scale * src[i];
 }
-
-// Round-to-nearest-even conversions through PTX's cvt (no cuda_fp16.h needed, so the
-// kernels compile with NVRTC alone). bf16 conversion needs sm_80 or newer.
-__device__ __forceinline__ u16 f32_to_f16_bits(float x) {
-    u16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
+// 16-bit: the sum computed in f32 and rounded once, as the CPU's widened accumulation does.
+extern "C" __global__ void scaled_add_f16(f16_t* dst, const f16_t* src, StridedLayout ld, u64 n, float scale) {
+    GRID_STRIDE(i, n) {
+        u64 o = strided_offset(ld, i);
+        dst[o] = store_c<f16_t>(load_c(dst[o]) + scale * load_c(src[i]));
+    }
 }
-__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
-    float r;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
-    return r;
-}
-__device__ __forceinline__ u16 f32_to_bf16_bits(float x) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-}
-__device__ __forceinline__ float bf16_bits_to_f32(u16 h) {
-    return __uint_as_float(((unsigned int)h) << 16);
+extern "C" __global__ void scaled_add_bf16(bf16_t* dst, const bf16_t* src, StridedLayout ld, u64 n, float scale) {
+    GRID_STRIDE(i, n) {
+        u64 o = strided_offset(ld, i);
+        dst[o] = store_c<bf16_t>(load_c(dst[o]) + scale * load_c(src[i]));
+    }
 }
 
 // Loading any element as a double is exact; storing a double rounds once to the target,

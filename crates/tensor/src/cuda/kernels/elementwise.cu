@@ -16,15 +16,20 @@ template <typename T> __device__ __forceinline__ T gelu_grad(T x) {
     return cdf + x * pdf;
 }
 
-// out[i] = f(x[view(i)], p0, p1)
+// out[i] = f(x[view(i)], p0, p1), one kernel per storage type (16-bit storage computes in
+// f32 and rounds the result once; its scalars arrive as f32)
+#define UNARY_AS(name, S, SUF)                                                                    \
+    extern "C" __global__ void name##_##SUF(const S* x, S* out, StridedLayout lx, u64 n, Compute<S>::T p0, \
+                                            Compute<S>::T p1) {                                   \
+        typedef Compute<S>::T C;                                                                  \
+        GRID_STRIDE(i, n) out[i] = store_c<S>(name##_op<C>(load_c(x[strided_offset(lx, i)]), p0, p1)); \
+    }
 #define UNARY(name, expr)                                                                         \
     template <typename T> __device__ __forceinline__ T name##_op(T x, T p0, T p1) { return (expr); } \
-    extern "C" __global__ void name##_f32(const float* x, float* out, StridedLayout lx, u64 n, float p0, float p1) { \
-        GRID_STRIDE(i, n) out[i] = name##_op<float>(x[strided_offset(lx, i)], p0, p1);            \
-    }                                                                                             \
-    extern "C" __global__ void name##_f64(const double* x, double* out, StridedLayout lx, u64 n, double p0, double p1) { \
-        GRID_STRIDE(i, n) out[i] = name##_op<double>(x[strided_offset(lx, i)], p0, p1);           \
-    }
+    UNARY_AS(name, float, f32)                                                                    \
+    UNARY_AS(name, double, f64)                                                                   \
+    UNARY_AS(name, f16_t, f16)                                                                    \
+    UNARY_AS(name, bf16_t, bf16)
 
 UNARY(neg, -x)
 UNARY(exp, exp(x))
@@ -51,14 +56,17 @@ UNARY(in_range, (p0 <= x && x <= p1) ? T(1) : T(0))
 UNARY(is_zero, x == T(0) ? T(1) : T(0))
 
 // out[i] = f(a[view_a(i)], b[view_b(i)])
+#define BINARY_AS(name, S, SUF)                                                                   \
+    extern "C" __global__ void name##_##SUF(const S* a, const S* b, S* out, StridedLayout la, StridedLayout lb, u64 n) { \
+        typedef Compute<S>::T C;                                                                  \
+        GRID_STRIDE(i, n) out[i] = store_c<S>(name##_op<C>(load_c(a[strided_offset(la, i)]), load_c(b[strided_offset(lb, i)]))); \
+    }
 #define BINARY(name, expr)                                                                        \
     template <typename T> __device__ __forceinline__ T name##_op(T a, T b) { return (expr); }     \
-    extern "C" __global__ void name##_f32(const float* a, const float* b, float* out, StridedLayout la, StridedLayout lb, u64 n) { \
-        GRID_STRIDE(i, n) out[i] = name##_op<float>(a[strided_offset(la, i)], b[strided_offset(lb, i)]); \
-    }                                                                                             \
-    extern "C" __global__ void name##_f64(const double* a, const double* b, double* out, StridedLayout la, StridedLayout lb, u64 n) { \
-        GRID_STRIDE(i, n) out[i] = name##_op<double>(a[strided_offset(la, i)], b[strided_offset(lb, i)]); \
-    }
+    BINARY_AS(name, float, f32)                                                                   \
+    BINARY_AS(name, double, f64)                                                                  \
+    BINARY_AS(name, f16_t, f16)                                                               \
+    BINARY_AS(name, bf16_t, bf16)
 
 BINARY(add, a + b)
 BINARY(sub, a - b)

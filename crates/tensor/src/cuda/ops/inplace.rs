@@ -87,7 +87,7 @@ impl InPlace for CudaStorage {
         float_dispatch!(op, self.dtype(), T => {
             let s = Self::source_view::<T>(op, src, n)?;
             let d = self.data_mut::<T>(op)?;
-            let scale = <T as CudaFloat>::from_f64(scale);
+            let scale = <T as CudaFloat>::scalar(scale);
             let name = format!("scaled_add_{}", T::SUFFIX);
             launch!(dev, COPY, name, for_elements(n), d, &s, &l, &n64, &scale)
         })

@@ -27,15 +27,12 @@ fn float_only(op: &'static str, dtype: DType) -> TensorError {
     TensorError::UnsupportedDType {
         op,
         dtype,
-        hint: if matches!(dtype, DType::F16 | DType::BF16) {
-            " (not on this device yet: the CUDA backend's elementwise, reduction and layer kernels compute f32/f64 only; run 16-bit storage on the CPU, or convert with to_dtype)"
-        } else {
-            " (CUDA kernels compute in f32/f64: convert with to_dtype first)"
-        },
+        hint: " (CUDA kernels take f32, f64, f16 and bf16: convert with to_dtype first)",
     }
 }
 
-/// Runs `$body` with `$T` bound to the storage's compute type (f32 or f64).
+/// Runs `$body` with `$T` bound to the storage's float type (f32, f64, or f16 and bf16, which
+/// the kernels compute in f32: [`CudaFloat`]).
 macro_rules! float_dispatch {
     ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
@@ -45,6 +42,14 @@ macro_rules! float_dispatch {
             }
             DType::F64 => {
                 type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
                 $body
             }
             d => Err(float_only($op, d)),
@@ -306,7 +311,7 @@ impl Elementwise for CudaStorage {
         float_dispatch!(name, self.dtype(), T => {
             let x = self.data::<T>(name)?;
             let mut out = Self::alloc::<T>(self.dev(), n)?;
-            let (n64, p0, p1) = (n as u64, T::from_f64(p0), T::from_f64(p1));
+            let (n64, p0, p1) = (n as u64, T::scalar(p0), T::scalar(p1));
             launch!(self.dev(), ELEMENTWISE, format!("{name}_{}", T::SUFFIX), for_elements(n), x, &mut out, &l, &n64, &p0, &p1)?;
             Ok(Self::from_slice(self.dev(), out))
         })

@@ -1,5 +1,6 @@
 //! The layers' kernels behind the device contract (`nn.cu`): softmax, layer norm, embedding,
-//! the causal mask, cross-entropy, forward and backward.
+//! the causal mask, cross-entropy, forward and backward, in f32, f64, f16 and bf16 (the 16-bit
+//! storages computed in f32, each output rounded once).
 
 use super::super::element::{CudaElement, CudaFloat};
 use super::super::launch::{for_column_chunks, for_elements, for_rows, single_block, COL_CHUNK};
@@ -67,7 +68,7 @@ impl Nn for CudaStorage {
             let mut y = Self::alloc::<T>(self.dev(), rows * d)?;
             let mut mean = Self::alloc::<T>(self.dev(), rows)?;
             let mut rstd = Self::alloc::<T>(self.dev(), rows)?;
-            let (r64, d64, eps) = (rows as u64, d as u64, T::from_f64(eps));
+            let (r64, d64, eps) = (rows as u64, d as u64, T::scalar(eps));
             let name = format!("layer_norm_rows_{}", T::SUFFIX);
             launch!(self.dev(), NN, name, for_rows(rows), &x, &w, &b, &mut y, &mut mean, &mut rstd, &r64, &d64, &eps)?;
             Ok((Self::from_slice(self.dev(), y), Self::from_slice(self.dev(), mean), Self::from_slice(self.dev(), rstd)))
@@ -105,8 +106,9 @@ impl Nn for CudaStorage {
             let name = format!("layer_norm_backward_dx_{}", T::SUFFIX);
             launch!(self.dev(), NN, name, for_rows(rows), &x, &w, &g, &m, &r, &mut dx, &r64, &d64)?;
             let parts = rows.div_ceil(COL_CHUNK).clamp(1, 65535);
-            let mut pw = Self::alloc::<T>(self.dev(), parts * d)?;
-            let mut pb = Self::alloc::<T>(self.dev(), parts * d)?;
+            // the partial rows in the compute type: only the column sums are rounded
+            let mut pw = Self::alloc::<<T as CudaFloat>::Scalar>(self.dev(), parts * d)?;
+            let mut pb = Self::alloc::<<T as CudaFloat>::Scalar>(self.dev(), parts * d)?;
             let name = format!("layer_norm_dwdb_partial_{}", T::SUFFIX);
             launch!(self.dev(), NN, name, for_column_chunks(d, parts), &x, &g, &m, &r, &mut pw, &mut pb, &r64, &d64)?;
             let mut dw = Self::alloc::<T>(self.dev(), d)?;
@@ -168,6 +170,13 @@ impl Nn for CudaStorage {
             });
         }
         let isuf = Self::index_suffix(op, ids.0)?;
+        if matches!(self.dtype(), DType::F16 | DType::BF16) {
+            // repeated ids add up in f32 (the f32 kernel on the widened gradient), and the
+            // table is rounded once, as on the CPU
+            let wide = self.to_dtype(layout, DType::F32)?;
+            let table = wide.embedding_backward(&Layout::contiguous(layout.shape()), ids, vocab)?;
+            return table.to_dtype(&Layout::contiguous(&[vocab, d]), self.dtype());
+        }
         float_dispatch!(op, self.dtype(), T => {
             if vocab * d == 0 {
                 return Ok(self.empty_like());
@@ -210,7 +219,7 @@ impl Nn for CudaStorage {
         float_dispatch!(op, self.dtype(), T => {
             let dev = self.dev().clone();
             let x = out.data_mut::<T>(op)?;
-            let (n64, t64, s64, v) = (n as u64, t as u64, s as u64, T::from_f64(value));
+            let (n64, t64, s64, v) = (n as u64, t as u64, s as u64, T::element(value));
             launch!(dev, NN, format!("causal_fill_{}", T::SUFFIX), for_elements(n), x, &n64, &t64, &s64, &v)?;
             Ok(())
         })?;
