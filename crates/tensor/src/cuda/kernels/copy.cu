@@ -21,26 +21,20 @@ GATHER(4, unsigned int)
 GATHER(8, u64)
 
 // dst[view(i)] += scale * src[i]: gradient accumulation through a view (a view never
-// names one storage element twice, so no atomics are needed).
-extern "C" __global__ void scaled_add_f32(float* dst, const float* src, StridedLayout ld, u64 n, float scale) {
-    GRID_STRIDE(i, n) dst[strided_offset(ld, i)] += scale * src[i];
-}
-extern "C" __global__ void scaled_add_f64(double* dst, const double* src, StridedLayout ld, u64 n, double scale) {
-    GRID_STRIDE(i, n) dst[strided_offset(ld, i)] += scale * src[i];
-}
-// 16-bit: the sum computed in f32 and rounded once, as the CPU's widened accumulation does.
-extern "C" __global__ void scaled_add_f16(f16_t* dst, const f16_t* src, StridedLayout ld, u64 n, float scale) {
-    GRID_STRIDE(i, n) {
-        u64 o = strided_offset(ld, i);
-        dst[o] = store_c<f16_t>(load_c(dst[o]) + scale * load_c(src[i]));
+// names one storage element twice, so no atomics are needed); 16-bit storage sums in f32 and
+// rounds once, as the CPU's widened accumulation does.
+#define SCALED_ADD(S, SUF)                                                                        \
+    extern "C" __global__ void scaled_add_##SUF(S* dst, const S* src, StridedLayout ld, u64 n, Compute<S>::T scale) { \
+        GRID_STRIDE(i, n) {                                                                       \
+            u64 o = strided_offset(ld, i);                                                        \
+            dst[o] = store_c<S>(load_c(dst[o]) + scale * load_c(src[i]));                         \
+        }                                                                                         \
     }
-}
-extern "C" __global__ void scaled_add_bf16(bf16_t* dst, const bf16_t* src, StridedLayout ld, u64 n, float scale) {
-    GRID_STRIDE(i, n) {
-        u64 o = strided_offset(ld, i);
-        dst[o] = store_c<bf16_t>(load_c(dst[o]) + scale * load_c(src[i]));
-    }
-}
+
+SCALED_ADD(float, f32)
+SCALED_ADD(double, f64)
+SCALED_ADD(f16_t, f16)
+SCALED_ADD(bf16_t, bf16)
 
 // Loading any element as a double is exact; storing a double rounds once to the target,
 // as the CPU's to_dtype does (every conversion goes through f64 there).
