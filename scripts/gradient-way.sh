@@ -35,6 +35,7 @@ if not dumps:
 for path in dumps:
     names, fns = {}, {}
     fl = current = fn = None
+    at = 0  # the source line of the cost line (positions are compressed: +n, -n, * for the last)
     for line in open(path, errors="replace"):
         line = line.rstrip("\n")
         m = re.match(r"(c?)(fl|fi|fe|fn)=\((\d+)\)(?: (.*))?$", line)
@@ -52,7 +53,14 @@ for path in dumps:
             else:
                 current = names.get(key)
             continue
-        if current and re.match(r"[0-9+\-*]", line) and any(int(c) for c in line.split()[1:] if c.isdigit()):
+        m = re.match(r"([+\-*]?)(\d*)\s", line)
+        if not m:
+            continue
+        sign, n = m.group(1), m.group(2)
+        at = at + int(n) if sign == "+" else at - int(n) if sign == "-" else at if sign == "*" else int(n)
+        # line 0 is code the compiler placed at no source line (the unit's root file is named
+        # beside it): it is no file's code
+        if current and at and any(int(c) for c in line.split()[1:] if c.isdigit()):
             files.setdefault(current, set()).add(fn)
 def ours(f):
     # the workspace's own sources (relative in the debug info, or under this checkout)

@@ -1,6 +1,4 @@
-//! The flat buffers collectives move, and the reduction operators.
-
-use std::fmt;
+//! The flat buffers collectives move.
 
 use half::{bf16, f16};
 
@@ -16,38 +14,6 @@ use half::{bf16, f16};
 /// collective: [`crate::all_gather_with_side`]), then dequantize each rank's piece with its own
 /// scales and sum in f32 on every rank, in rank order.
 pub use brigade_dtype::DType;
-
-/// How a reduction combines the ranks' elements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// Sum over ranks, accumulated in f32 in rank order (rank 0 first).
-    Sum,
-    /// Sum (as above) divided by the world size.
-    Avg,
-    /// Element-wise maximum; a NaN on any rank makes the result NaN, as `torch.max` and
-    /// `torch.distributed`'s `MAX` do (see `nan_max`), so a diverged rank is never hidden.
-    Max,
-}
-
-/// The maximum of `a` and `b`, NaN when either is NaN (unlike `f32::max`, which drops it).
-/// Both backends reduce `Max` with this, so they agree whatever the order of the ranks.
-pub(crate) fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Avg => "avg",
-            ReduceOp::Max => "max",
-        })
-    }
-}
 
 /// A flat typed buffer handed to a collective by value and handed back by
 /// [`crate::Work::wait`]: the same `Vec`, never a copy, so the caller regains its allocation.

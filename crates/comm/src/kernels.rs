@@ -4,7 +4,7 @@
 
 use half::{bf16, f16};
 
-use crate::buffer::nan_max;
+use crate::collective::nan_max;
 use crate::ReduceOp;
 
 /// An element type reduced through an f32 accumulator.

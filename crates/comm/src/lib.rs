@@ -27,8 +27,6 @@ mod buffer;
 mod collective;
 mod communicator;
 pub mod cost;
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-mod desc;
 mod device;
 mod error;
 // Its peer mapping is used by the MPI backend only.
@@ -54,7 +52,8 @@ mod work;
 #[global_allocator]
 static TEST_HEAP: SharedHeap = SharedHeap;
 
-pub use buffer::{buffer_from_le_bytes, Buffer, DType, ReduceOp};
+pub use buffer::{buffer_from_le_bytes, Buffer, DType};
+pub use collective::ReduceOp;
 pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
 pub use cost::{NetModel, RingOp};
 pub use device::{DeviceSpan, RawEvent, RawStream};

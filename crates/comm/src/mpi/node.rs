@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use super::raw::{self, RawComm, SharedWindow};
-use crate::desc::all_agree;
+use crate::collective::all_agree;
 use crate::heap;
 use crate::shm::{ShmNode, REGION_BYTES};
 use crate::CommError;
@@ -218,9 +218,9 @@ fn map_heaps(node: &RawComm, rank: usize, node_size: usize) -> Result<Option<Vec
 
 /// `[a, b, !a, !b]`: all equal on every rank iff their `MPI_BAND` passes [`all_agree`]'s test
 /// (padded to its width).
-fn setting_words(a: u64, b: u64) -> [u64; 2 * crate::desc::AGREE_WORDS] {
-    let mut w = [0u64; 2 * crate::desc::AGREE_WORDS];
-    let n = crate::desc::AGREE_WORDS;
+fn setting_words(a: u64, b: u64) -> [u64; 2 * crate::collective::AGREE_WORDS] {
+    let mut w = [0u64; 2 * crate::collective::AGREE_WORDS];
+    let n = crate::collective::AGREE_WORDS;
     w[0] = a;
     w[1] = b;
     for i in 0..n {

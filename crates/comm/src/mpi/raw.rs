@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use ::mpi::ffi;
 
-use crate::buffer::nan_max;
+use crate::collective::nan_max;
 use crate::{CommError, DType};
 
 /// Runs an MPI call and turns a non-success code into `CommError::Internal` naming the call,

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use super::node::{ShmNode, BLOCK_SPIN, SPIN};
 use super::segment::{chunk, NOT_IN_HEAP, SLOTS, SLOT_BYTES};
-use crate::desc::OpDesc;
+use crate::collective::OpDesc;
 use crate::kernels::{finish_into, reduce_range, Element};
 use crate::{CommError, ReduceOp};
 

@@ -18,7 +18,7 @@ use super::segment::{
     futex_wait, futex_wake_all, Control, DescSlot, CONTROL_BYTES, MAX_NAP, MAX_REASON_BYTES, MAX_TAG_BYTES,
     NOT_IN_HEAP, SLOTS, SLOT_BYTES,
 };
-use crate::desc::{first_mismatch, validate, OpDesc};
+use crate::collective::{first_mismatch, validate, OpDesc};
 use crate::heap::offset_in;
 use crate::CommError;
 

@@ -12,7 +12,7 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
 
-use crate::desc::DESC_BYTES;
+use crate::collective::DESC_BYTES;
 
 /// Bytes of a rank's control block (page-sized, so that the data halves stay page-aligned).
 pub(crate) const CONTROL_BYTES: usize = 4096;

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use super::segment::SLOT_BYTES;
 use super::{ShmNode, REGION_BYTES};
-use crate::desc::OpDesc;
+use crate::collective::OpDesc;
 use crate::kernels::Element;
 use crate::{CommError, DType, ReduceOp};
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 use ::mpi::ffi;
 
 use super::MpiTransport;
-use crate::desc::{all_agree, first_mismatch, validate, OpDesc, DESC_BYTES};
+use crate::collective::{all_agree, first_mismatch, validate, OpDesc, DESC_BYTES};
 use crate::mpi::raw::{self, mpi_check};
 use crate::CommError;
 

@@ -45,7 +45,7 @@ use super::node::{NodePath, Topology};
 use super::raw::{RawComm, RawOp};
 use super::watchdog::Watchdog;
 use super::world::LiveGuard;
-use crate::desc::{OpDesc, OpKind};
+use crate::collective::{OpDesc, OpKind};
 use crate::heap;
 use crate::shm::Death;
 use crate::stream::Transport;

@@ -8,7 +8,7 @@ use ::mpi::ffi;
 use half::{bf16, f16};
 
 use super::MpiTransport;
-use crate::desc::{OpDesc, OpKind};
+use crate::collective::{OpDesc, OpKind};
 use crate::kernels::{finish_into, Element};
 use crate::mpi::raw::{self, mpi_check};
 use crate::{Buffer, CommError, ReduceOp};
