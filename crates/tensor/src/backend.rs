@@ -391,9 +391,8 @@ pub(crate) trait InPlace: Sized {
     fn fill(&mut self, layout: &Layout, v: f64) -> Result<()>;
 
     /// `dst = src` through the view `layout` (*any layout*, no stride 0), bit for bit, any
-    /// dtype; `src` is contiguous of the same shape and dtype and a different storage.
-    /// (Added after the first version of this contract: `Tensor::copy_from` was
-    /// `fill(0)` then `+= src`, which turned `-0.0` into `0.0` and refused integers.)
+    /// dtype; `src` is contiguous of the same shape and dtype and a different storage. A copy,
+    /// not `fill(0)` then `+= src`: `-0.0` stays `-0.0`, and integers copy.
     fn copy_from(&mut self, layout: &Layout, src: (&Self, &Layout)) -> Result<()>;
 
     /// `dst += scale * src` through the view `layout` (*any layout*, no stride 0); `src`

@@ -1,8 +1,12 @@
-//! In-place updates through a view: gradient accumulation, zeroing, copies.
+//! In-place updates through a view: gradient accumulation, zeroing, copies, and the fused
+//! optimizer updates (one op per parameter that reads its gradient and updates the parameter
+//! and the optimizer state in place, on the parameter's device, so optimizers never touch host
+//! memory). The backend's half is the contract's `InPlace`.
 
 use super::{compute_dtype, same_device};
+use crate::backend::{AdamWScalars, SgdScalars};
 use crate::storage::dispatch;
-use crate::{Result, Tensor, TensorError};
+use crate::{DType, Result, Tensor, TensorError};
 
 impl Tensor {
     /// `self += other` through this view (same shape and dtype).
@@ -74,9 +78,163 @@ impl Tensor {
     }
 }
 
+/// Hyper-parameters of one SGD update (`torch.optim.SGD` with dampening 0, no Nesterov).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor; 0 means no momentum buffer.
+    pub momentum: f64,
+    /// L2 penalty added to the gradient (`g += weight_decay * p`).
+    pub weight_decay: f64,
+    /// True on the buffer's first update, which sets it to the gradient (PyTorch's
+    /// `is_first_step` of its fused SGD) instead of decaying into it.
+    pub is_first_step: bool,
+}
+
+/// Hyper-parameters of one AdamW update (`torch.optim.AdamW`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moments.
+    pub betas: (f64, f64),
+    /// Term added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay (`p *= 1 - lr * weight_decay`).
+    pub weight_decay: f64,
+    /// The step number, 1 on the first update (for bias correction).
+    pub step: u64,
+}
+
+impl AdamWStep {
+    /// The f32 scalars every backend's kernel uses, derived in f64 exactly as PyTorch does.
+    fn scalars(&self) -> AdamWScalars {
+        let t = self.step as i32;
+        let (beta1, beta2) = self.betas;
+        let bc1 = 1.0 - beta1.powi(t);
+        let bc2 = 1.0 - beta2.powi(t);
+        AdamWScalars {
+            decay: (1.0 - self.lr * self.weight_decay) as f32,
+            beta1: beta1 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            step_size: (self.lr / bc1) as f32,
+            bias_correction2_sqrt: bc2.sqrt() as f32,
+            eps: self.eps as f32,
+        }
+    }
+}
+
+/// Checks one operand of a fused step: f32, the parameter's shape and device, a
+/// contiguous view of its own storage.
+fn check_state(op: &'static str, what: &str, p: &Tensor, t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::F32 {
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("{what} is {:?}; optimizer steps run in f32", t.dtype()),
+        });
+    }
+    if t.shape() != p.shape() {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: p.shape().to_vec(),
+            rhs: t.shape().to_vec(),
+        });
+    }
+    if t.device() != p.device() {
+        return Err(TensorError::DeviceMismatch {
+            op,
+            lhs: p.device(),
+            rhs: t.device(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("{what} must be a contiguous view"),
+        });
+    }
+    Ok(())
+}
+
+fn distinct(op: &'static str, ts: &[&Tensor]) -> Result<()> {
+    for (i, a) in ts.iter().enumerate() {
+        if ts[i + 1..].iter().any(|b| a.shares_storage(b)) {
+            return Err(TensorError::Invalid {
+                op,
+                msg: "parameter, gradient and state must not share storage".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// One fused SGD update of this parameter (f32, contiguous) from `grad`, in place on
+    /// the parameter and on `momentum_buffer` (required iff `momentum != 0`):
+    /// `g += wd * p; buf = momentum * buf + g (or g on the first step); p -= lr * buf`.
+    pub fn sgd_step(&self, grad: &Tensor, momentum_buffer: Option<&Tensor>, hp: SgdStep) -> Result<()> {
+        let op = "sgd_step";
+        check_state(op, "the parameter", self, self)?;
+        check_state(op, "the gradient", self, grad)?;
+        let s = SgdScalars {
+            lr: hp.lr as f32,
+            momentum: hp.momentum as f32,
+            weight_decay: hp.weight_decay as f32,
+            is_first_step: hp.is_first_step,
+        };
+        if (s.momentum != 0.0) != momentum_buffer.is_some() {
+            return Err(TensorError::Invalid {
+                op,
+                msg: "a momentum buffer goes with a nonzero momentum, and only then".into(),
+            });
+        }
+        let mut operands = vec![self, grad];
+        if let Some(b) = momentum_buffer {
+            check_state(op, "the momentum buffer", self, b)?;
+            operands.push(b);
+        }
+        distinct(op, &operands)?;
+        let g = grad.storage(op)?;
+        let mut b = momentum_buffer.map(|b| b.storage_mut(op)).transpose()?;
+        dispatch!(&mut *self.storage_mut(op)?, p, other, other_mut => {
+            let buf = match (&mut b, momentum_buffer) {
+                (Some(guard), Some(t)) => Some((other_mut(guard)?, t.layout())),
+                _ => None,
+            };
+            p.sgd_step(self.layout(), (other(&g)?, grad.layout()), buf, &s)
+        })
+    }
+
+    /// One fused AdamW update of this parameter (f32, contiguous) from `grad`, in place
+    /// on the parameter and its moments `exp_avg`, `exp_avg_sq`, with PyTorch's
+    /// arithmetic: `p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    /// p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`.
+    pub fn adamw_step(&self, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, hp: &AdamWStep) -> Result<()> {
+        let op = "adamw_step";
+        check_state(op, "the parameter", self, self)?;
+        check_state(op, "the gradient", self, grad)?;
+        check_state(op, "exp_avg", self, exp_avg)?;
+        check_state(op, "exp_avg_sq", self, exp_avg_sq)?;
+        distinct(op, &[self, grad, exp_avg, exp_avg_sq])?;
+        let g = grad.storage(op)?;
+        let (mut m, mut v) = (exp_avg.storage_mut(op)?, exp_avg_sq.storage_mut(op)?);
+        dispatch!(&mut *self.storage_mut(op)?, p, other, other_mut => p.adamw_step(
+            self.layout(),
+            (other(&g)?, grad.layout()),
+            (other_mut(&mut m)?, exp_avg.layout()),
+            (other_mut(&mut v)?, exp_avg_sq.layout()),
+            &hp.scalars(),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use crate::{test_device, DType, Device, Tensor};
+    use super::{AdamWStep, SgdStep};
+    use crate::{test_device, DType, Device, Rng, Tensor};
 
     fn accumulating_into_a_flat_view_writes_the_shared_buffer(d: Device) {
         let flat = Tensor::zeros_on(&[10], DType::F32, d).unwrap();
@@ -138,4 +296,148 @@ mod tests {
         assert_eq!(ids.to_vec::<i64>().unwrap(), vec![4, 5]);
     }
     test_device!(copy_from_keeps_every_bit_through_a_strided_view);
+
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn randn(n: usize, rng: &mut Rng, d: Device) -> (Vec<f32>, Tensor) {
+        let t = Tensor::randn(&[n], 1.0, DType::F32, rng);
+        (t.to_vec().unwrap(), t.to_device(d).unwrap())
+    }
+
+    /// The loops `crates/autograd/src/optim.rs` ran on host slices before the fused op:
+    /// the fused op must give the same bits.
+    fn sgd_matches_the_host_loop_bit_for_bit(d: Device) {
+        let mut rng = Rng::new(7);
+        let (mut pv, p) = randn(37, &mut rng, d);
+        let mut bv: Option<Vec<f32>> = None;
+        // stale contents: the first step must overwrite them, not decay into them
+        let buf = Tensor::full(&[37], 5.0, DType::F32).to_device(d).unwrap();
+        let (lr, mom, wd) = (0.1f64, 0.9f64, 0.01f64);
+        for step in 0..3 {
+            let (gv, g) = randn(37, &mut rng, d);
+            let mut g2 = gv.clone();
+            for (g, &p) in g2.iter_mut().zip(&pv) {
+                *g += wd as f32 * p;
+            }
+            match &mut bv {
+                None => bv = Some(g2.clone()),
+                Some(b) => {
+                    for (b, gi) in b.iter_mut().zip(g2.iter_mut()) {
+                        *b = mom as f32 * *b + *gi;
+                        *gi = *b;
+                    }
+                }
+            }
+            for (p, &g) in pv.iter_mut().zip(&g2) {
+                *p -= lr as f32 * g;
+            }
+            p.sgd_step(
+                &g,
+                Some(&buf),
+                SgdStep {
+                    lr,
+                    momentum: mom,
+                    weight_decay: wd,
+                    is_first_step: step == 0,
+                },
+            )
+            .unwrap();
+            assert_eq!(bits(&p.to_vec::<f32>().unwrap()), bits(&pv), "step {step}");
+            assert_eq!(
+                bits(&buf.to_vec::<f32>().unwrap()),
+                bits(bv.as_ref().unwrap()),
+                "step {step}"
+            );
+        }
+        // no momentum: no buffer, and a buffer without momentum is refused
+        let (gv, g) = randn(37, &mut rng, d);
+        p.sgd_step(
+            &g,
+            None,
+            SgdStep {
+                lr,
+                momentum: 0.0,
+                weight_decay: 0.0,
+                is_first_step: false,
+            },
+        )
+        .unwrap();
+        let want: Vec<f32> = pv.iter().zip(&gv).map(|(&p, &g)| p - lr as f32 * g).collect();
+        assert_eq!(bits(&p.to_vec::<f32>().unwrap()), bits(&want));
+        assert!(p
+            .sgd_step(
+                &g,
+                Some(&buf),
+                SgdStep {
+                    lr,
+                    momentum: 0.0,
+                    weight_decay: 0.0,
+                    is_first_step: false
+                }
+            )
+            .is_err());
+    }
+    test_device!(sgd_matches_the_host_loop_bit_for_bit);
+
+    fn adamw_matches_the_host_loop_bit_for_bit(d: Device) {
+        let mut rng = Rng::new(8);
+        let (mut pv, p) = randn(41, &mut rng, d);
+        let (mut mv, mut vv) = (vec![0f32; 41], vec![0f32; 41]);
+        let (m, v) = (
+            Tensor::zeros_on(&[41], DType::F32, d).unwrap(),
+            Tensor::zeros_on(&[41], DType::F32, d).unwrap(),
+        );
+        let (lr, beta1, beta2, eps, wd) = (1e-3f64, 0.9f64, 0.999f64, 1e-8f64, 0.01f64);
+        for step in 1..=3u64 {
+            let (gv, g) = randn(41, &mut rng, d);
+            let t = step as i32;
+            let (b1, b2) = (beta1 as f32, beta2 as f32);
+            let (one_m_b1, one_m_b2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+            let step_size = (lr / (1.0 - beta1.powi(t))) as f32;
+            let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt() as f32;
+            let (eps32, decay) = (eps as f32, (1.0 - lr * wd) as f32);
+            for (((p, m), v), &g) in pv.iter_mut().zip(mv.iter_mut()).zip(vv.iter_mut()).zip(&gv) {
+                *p *= decay;
+                *m = b1 * *m + one_m_b1 * g;
+                *v = b2 * *v + one_m_b2 * g * g;
+                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps32);
+            }
+            p.adamw_step(
+                &g,
+                &m,
+                &v,
+                &AdamWStep {
+                    lr,
+                    betas: (beta1, beta2),
+                    eps,
+                    weight_decay: wd,
+                    step,
+                },
+            )
+            .unwrap();
+            assert_eq!(bits(&p.to_vec::<f32>().unwrap()), bits(&pv), "step {step}");
+            assert_eq!(bits(&m.to_vec::<f32>().unwrap()), bits(&mv), "step {step}");
+            assert_eq!(bits(&v.to_vec::<f32>().unwrap()), bits(&vv), "step {step}");
+        }
+        // state aliasing the parameter is refused, not deadlocked
+        let g = Tensor::zeros_on(&[41], DType::F32, d).unwrap();
+        assert!(p
+            .adamw_step(
+                &g,
+                &p,
+                &v,
+                &AdamWStep {
+                    lr,
+                    betas: (beta1, beta2),
+                    eps,
+                    weight_decay: wd,
+                    step: 4
+                }
+            )
+            .is_err());
+    }
+    test_device!(adamw_matches_the_host_loop_bit_for_bit);
 }

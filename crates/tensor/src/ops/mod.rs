@@ -7,12 +7,11 @@ mod elementwise;
 mod inplace;
 mod matmul;
 mod nn;
-mod optim;
 mod reduce;
 
 pub use attention::AttentionSaved;
 pub use nn::LayerNormSaved;
-pub use optim::{AdamWStep, SgdStep};
+pub use inplace::{AdamWStep, SgdStep};
 
 use crate::{Tensor, TensorError};
 
