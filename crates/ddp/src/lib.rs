@@ -18,7 +18,6 @@
 
 #![warn(missing_docs)]
 
-mod bucket;
 mod collectives;
 mod ddp;
 mod error;
@@ -30,13 +29,12 @@ mod reducer;
 mod signature;
 pub mod stream;
 
-pub use bucket::assign_buckets;
 pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
 pub use memory::MemoryReport;
 pub use phase::{bucket_of, Phase};
 pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
-pub use reducer::{PassBucket, PassTimes};
+pub use reducer::{assign_buckets, PassBucket, PassTimes};
 pub use signature::broadcast_from_rank0;
 
 use brigade_comm::{CommMeter, Recorder};

@@ -7,7 +7,7 @@ use brigade_autograd::Optimizer;
 use brigade_tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::bucket::Held;
+use crate::reducer::Held;
 use crate::policy::PolicyMemory;
 use crate::reducer::Reducer;
 use crate::Result;
