@@ -54,10 +54,10 @@
 //!    [`BackendEvent`]: [`crate::Stream`] and [`crate::Event`] hold them; `Stream::scope`
 //!    pushes [`BackendStream::scoped`] on the scope stack (`scope.rs`), where the backend's
 //!    own ops and its `scoped_stream` find it.
-//! 3. A [`Device`] variant (`device.rs`, with its name in `Display`).
-//! 4. In `storage.rs`: a [`crate::storage::DeviceStorage`] variant, its `variant!` line, and
-//!    its arm in `dispatch!` (both forms) and in `on_device!`.
-//! 5. Its device in `test_device!` (`testing.rs`), so that every op's test and
+//! 3. In `storage.rs`: a [`Device`] variant (with its name in `Display`), a
+//!    [`crate::storage::DeviceStorage`] variant, its `variant!` line, and its arm in
+//!    `dispatch!` (both forms) and in `on_device!`.
+//! 4. Its device in `test_device!` (`testing.rs`), so that every op's test and
 //!    `every_piece_of_the_device_contract_answers` (below) run on it.
 //!
 //! The compiler refuses a backend that lacks a method, a variant or an arm; the test refuses

@@ -1,12 +1,54 @@
-//! The storage enum every op dispatches on, one variant per backend, and the one dispatch from
-//! an op to the backend that holds its operands ([`dispatch!`], and [`on_device!`] for what is
+//! Where a tensor's memory lives: the [`Device`] every tensor carries and the storage enum every
+//! op dispatches on, one variant per backend each, and the one dispatch from an op to the
+//! backend that holds its operands ([`dispatch!`], and [`on_device!`] for what is
 //! made on a device: allocations, copies in, streams).
 
 use crate::backend::BackendStorage;
 #[cfg(feature = "cuda")]
 use crate::cuda::CudaStorage;
 use crate::fake::FakeStorage;
-use crate::{Buffer, DType, Device, Element, Result, TensorError};
+use crate::{Buffer, DType, Element, Result, TensorError};
+
+/// A compute device. Every tensor carries one; CPU kernels are built in, and a device
+/// that this build or machine cannot serve answers with [`crate::TensorError::DeviceUnavailable`]
+/// instead of panicking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    /// Host memory, CPU kernels (GEMM through the `gemm` crate, the rest on rayon).
+    #[default]
+    Cpu,
+    /// The CUDA device with this ordinal.
+    Cuda(usize),
+    /// The counting fake device with this ordinal (`brigade_tensor::fake`): host memory behind
+    /// the device contract, for tests. It counts every host<->device transfer and host wait,
+    /// refuses any host access that does not go through the contract, and checks that its
+    /// streams are ordered by events, so the device logic of a training step is tested on the
+    /// CPU. Each ordinal keeps its own counts.
+    Fake(usize),
+}
+
+impl Device {
+    /// True for [`Device::Cpu`].
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Device::Cpu)
+    }
+
+    /// True for memory the host cannot read directly (CUDA, and the fake device that stands
+    /// in for it in tests): every read goes through a copy out.
+    pub fn is_device(&self) -> bool {
+        !self.is_cpu()
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+            Device::Fake(i) => write!(f, "fake:{i}"),
+        }
+    }
+}
 
 /// Storage on one device: the enum every op dispatches on, one variant per backend. Not
 /// `Clone`: copying CUDA memory can fail, so a copy is the explicit, fallible

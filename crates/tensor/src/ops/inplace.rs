@@ -297,7 +297,6 @@ mod tests {
     }
     test_device!(copy_from_keeps_every_bit_through_a_strided_view);
 
-
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }

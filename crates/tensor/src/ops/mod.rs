@@ -10,8 +10,8 @@ mod nn;
 mod reduce;
 
 pub use attention::AttentionSaved;
-pub use nn::LayerNormSaved;
 pub use inplace::{AdamWStep, SgdStep};
+pub use nn::LayerNormSaved;
 
 use crate::{Tensor, TensorError};
 
