@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use brigade_tensor::Tensor;
 
+use crate::backward::GradSubscriber;
 use crate::backward::{propagate, reachable};
-use crate::bus::GradSubscriber;
 use crate::var::{current_scope, rerun_in_scope, NEXT_ID};
 use crate::{is_grad_enabled, scope, AutogradError, GradBus, Result, Var};
 

@@ -2,7 +2,7 @@
 
 use brigade_tensor::TensorError;
 
-use crate::bus::SubscriberError;
+use crate::backward::SubscriberError;
 
 /// What can go wrong while recording, differentiating or optimizing.
 #[derive(Debug, thiserror::Error)]

@@ -13,7 +13,6 @@
 #![warn(missing_docs)]
 
 mod backward;
-mod bus;
 mod checkpoint;
 mod error;
 mod gradcheck;
@@ -27,7 +26,7 @@ pub mod scaler;
 pub mod schedule;
 mod var;
 
-pub use bus::{GradBus, GradReady, GradSubscriber, SubscriberError};
+pub use backward::{GradBus, GradReady, GradSubscriber, SubscriberError};
 pub use checkpoint::{checkpoint_scope, RecomputeState};
 pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
