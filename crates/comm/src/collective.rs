@@ -42,7 +42,6 @@ impl fmt::Display for ReduceOp {
     }
 }
 
-
 /// Which collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum OpKind {

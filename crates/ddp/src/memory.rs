@@ -7,8 +7,8 @@ use brigade_autograd::Optimizer;
 use brigade_tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::reducer::Held;
 use crate::policy::PolicyMemory;
+use crate::reducer::Held;
 use crate::reducer::Reducer;
 use crate::Result;
 
