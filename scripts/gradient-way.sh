@@ -3,7 +3,8 @@
 # bucket, on two thread ranks, the all-reduce policy, one SGD step) under callgrind, which
 # zeroes its counters once both ranks are built and about to call `backward()` and dumps them
 # once both have stepped: every thread's work in between, the comm streams' workers included.
-# Prints the source files under crates/*/src of every function that ran there, and fails when
+# Prints the source files under crates/*/src of every function that ran there (inlined ones
+# included; code at line 0, which the compiler placed at no source line, belongs to none), and fails when
 # there are more than MAX (default 15). WAY_FUNCTIONS=1 also lists each file's functions.
 # Needs: valgrind (apt-get install -y valgrind), python3.
 # Usage: scripts/gradient-way.sh [MAX]
