@@ -110,7 +110,9 @@ fn an_interrupted_policy_sweep_writes_the_policies_that_finished_and_exits_130()
     let mut child = start(&common::cat(&[
         &["sweep"],
         &MLP[..MLP.len() - 1],
-        &["--world-size", "2", "--steps", "6000"],
+        // long enough that no machine finishes all seven runs before the signal (here one run
+        // takes about 3 s, so one or two have finished by then; a slow machine may finish none)
+        &["--world-size", "2", "--steps", "20000"],
         &["--policy", policies, "--out", s(&out)],
     ]));
     std::thread::sleep(Duration::from_secs(4));
