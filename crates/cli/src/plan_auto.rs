@@ -9,13 +9,11 @@
 //! calibrating again.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use brigade::observe::TrainObserver;
 use brigade::plan::{plan, PlanQuery, DEFAULT_PLAN_CAPS_MB};
 use brigade::policies::PolicySpec;
-use brigade_comm::NetModel;
-use brigade_ddp::overlap::{LinkCost, StepProfile};
+use brigade_ddp::overlap::StepProfile;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
@@ -184,18 +182,6 @@ fn caps(args: &RunArgs) -> Result<Vec<f64>> {
     })
 }
 
-/// The link the plan costs collectives on: the simulated one the run trains under, or the one
-/// it has, fitted from the calibration's recorded buckets.
-fn link(args: &RunArgs) -> LinkCost {
-    match args.distributed.net_gbps {
-        Some(g) => LinkCost::Ring(NetModel {
-            latency: Duration::from_secs_f64(args.distributed.net_latency_us * 1e-6),
-            bandwidth_bytes_per_s: g * 1e9 / 8.0,
-        }),
-        None => LinkCost::Measured,
-    }
-}
-
 /// The calibrations worth running under a budget of `budget_mb` per rank, by the memory model
 /// alone (before anything runs): a family none of whose candidates fits is not calibrated, but
 /// allreduce always is (the other families' own compute is measured against it, and so is the
@@ -340,7 +326,7 @@ pub fn choose(
     let query = PlanQuery {
         bucket_caps_mb: caps,
         first_bucket_cap_mb: Some(args.distributed.first_bucket_mb),
-        ..PlanQuery::new((budget_mb * (1u64 << 20) as f64) as u64, link(args))
+        ..PlanQuery::new((budget_mb * (1u64 << 20) as f64) as u64, args.distributed.link())
     };
     let p = plan(&profiles, &query)?;
     let eligible = p.candidates.iter().filter(|c| c.is_eligible()).count();

@@ -9,9 +9,10 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use brigade::join::JoinMode;
-use brigade::launch::CommBackend;
+use brigade::launch::{net_model, CommBackend};
 use brigade::placement::DevicePlacement;
 use brigade::policies::{PolicySpec, ZeroStage};
+use brigade_ddp::overlap::LinkCost;
 
 pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
 use crate::error::{Error, Result};
@@ -552,6 +553,17 @@ pub struct DistributedArgs {
     /// Seconds any rank waits for the others before failing (finite, > 0, at most 1e6).
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0)]
     pub timeout_s: f64,
+}
+
+impl DistributedArgs {
+    /// The link collectives are costed on: the simulated one (`--net-gbps`, `--net-latency-us`),
+    /// or, without one, the machine's own, fitted from the recorded buckets.
+    pub fn link(&self) -> LinkCost {
+        match self.net_gbps {
+            Some(g) => LinkCost::Ring(net_model(g, self.net_latency_us)),
+            None => LinkCost::Measured,
+        }
+    }
 }
 
 /// How the run executes: the device, the compute threads, the steps left out of the timing.

@@ -5,9 +5,7 @@
 use crate::report::stdout::outln;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use brigade_comm::NetModel;
 use brigade_ddp::overlap::{
     replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayConfig, ReplayResult, StepProfile,
 };
@@ -68,10 +66,7 @@ pub fn link_cost(net_gbps: Option<f64>, net_latency_us: f64, measured_link: bool
         (None, true) => Ok(LinkCost::Measured),
         (Some(g), false) => {
             check_link(Some(g), net_latency_us)?;
-            Ok(LinkCost::Ring(NetModel {
-                latency: Duration::from_secs_f64(net_latency_us * 1e-6),
-                bandwidth_bytes_per_s: g * 1e9 / 8.0,
-            }))
+            Ok(LinkCost::Ring(brigade::launch::net_model(g, net_latency_us)))
         }
     }
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::report::stdout::{out, outln};
 use brigade::observe::TrainObserver;
-use brigade_ddp::overlap::{LaunchOverhead, LinkCost, StepProfile};
+use brigade_ddp::overlap::{LaunchOverhead, StepProfile};
 use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
@@ -214,10 +214,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
             of: caps.len() * s.repeat,
         });
     }
-    let link = match s.run.distributed.net_gbps {
-        Some(g) => LinkCost::Ring(brigade::launch::net_model(g, s.run.distributed.net_latency_us)),
-        None => LinkCost::Measured,
-    };
+    let link = s.run.distributed.link();
     let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
     // the backend's launch overhead is the machine's, not a cap's: fitted once from every
     // profile (small caps measure it during backward, large ones after)
