@@ -3,7 +3,7 @@
 //! and the optimizer state in place, on the parameter's device, so optimizers never touch host
 //! memory). The backend's half is the contract's `InPlace`.
 
-use super::{compute_dtype, same_device};
+use super::{compute_dtype, same_device, same_dtype, same_shape};
 use crate::backend::{AdamWScalars, SgdScalars};
 use crate::storage::dispatch;
 use crate::{DType, Result, Tensor, TensorError};
@@ -17,20 +17,8 @@ impl Tensor {
     /// `self += scale * other` through this view (same shape and dtype).
     pub fn add_scaled_assign(&self, other: &Tensor, scale: f64) -> Result<()> {
         let op = "add_assign";
-        if self.shape() != other.shape() {
-            return Err(TensorError::ShapeMismatch {
-                op,
-                lhs: self.shape().to_vec(),
-                rhs: other.shape().to_vec(),
-            });
-        }
-        if self.dtype() != other.dtype() {
-            return Err(TensorError::DTypeMismatch {
-                op,
-                lhs: self.dtype(),
-                rhs: other.dtype(),
-            });
-        }
+        same_shape(op, self, other)?;
+        same_dtype(op, self, other)?;
         compute_dtype(op, self)?;
         same_device(op, self, other)?;
         // `other` may share storage with `self`: gather it first so no read lock is held
@@ -48,20 +36,8 @@ impl Tensor {
     /// any dtype).
     pub fn copy_from(&self, other: &Tensor) -> Result<()> {
         let op = "copy_from";
-        if self.shape() != other.shape() {
-            return Err(TensorError::ShapeMismatch {
-                op,
-                lhs: self.shape().to_vec(),
-                rhs: other.shape().to_vec(),
-            });
-        }
-        if self.dtype() != other.dtype() {
-            return Err(TensorError::DTypeMismatch {
-                op,
-                lhs: self.dtype(),
-                rhs: other.dtype(),
-            });
-        }
+        same_shape(op, self, other)?;
+        same_dtype(op, self, other)?;
         same_device(op, self, other)?;
         let src = if other.shares_storage(self) {
             other.copy()?
@@ -136,20 +112,8 @@ fn check_state(op: &'static str, what: &str, p: &Tensor, t: &Tensor) -> Result<(
             msg: format!("{what} is {:?}; optimizer steps run in f32", t.dtype()),
         });
     }
-    if t.shape() != p.shape() {
-        return Err(TensorError::ShapeMismatch {
-            op,
-            lhs: p.shape().to_vec(),
-            rhs: t.shape().to_vec(),
-        });
-    }
-    if t.device() != p.device() {
-        return Err(TensorError::DeviceMismatch {
-            op,
-            lhs: p.device(),
-            rhs: t.device(),
-        });
-    }
+    same_shape(op, p, t)?;
+    same_device(op, p, t)?;
     if !t.is_contiguous() {
         return Err(TensorError::Invalid {
             op,

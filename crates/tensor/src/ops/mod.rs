@@ -29,6 +29,19 @@ pub(crate) fn compute_dtype(op: &'static str, t: &Tensor) -> crate::Result<()> {
     }
 }
 
+/// Operands of one op have one shape.
+pub(crate) fn same_shape(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
+    if a.shape() == b.shape() {
+        Ok(())
+    } else {
+        Err(TensorError::ShapeMismatch {
+            op,
+            lhs: a.shape().to_vec(),
+            rhs: b.shape().to_vec(),
+        })
+    }
+}
+
 /// Operands of one op share a dtype.
 pub(crate) fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
     if a.dtype() == b.dtype() {

@@ -1,7 +1,7 @@
 //! Neural-network ops over the last axis: softmax, log-softmax, layer norm, embedding
 //! gather/scatter, causal mask, cross-entropy; each with its backward.
 
-use super::{compute_dtype, same_device, same_dtype};
+use super::{compute_dtype, same_device, same_dtype, same_shape};
 use crate::storage::dispatch;
 use crate::{DType, Result, Tensor, TensorError};
 
@@ -69,13 +69,7 @@ fn softmax_backward(y: &Tensor, g: &Tensor, log: bool) -> Result<Tensor> {
         "softmax_backward"
     };
     compute_dtype(op, y)?;
-    if y.shape() != g.shape() {
-        return Err(TensorError::ShapeMismatch {
-            op,
-            lhs: y.shape().to_vec(),
-            rhs: g.shape().to_vec(),
-        });
-    }
+    same_shape(op, y, g)?;
     last_dim(op, y)?;
     let (y, g) = (y.contiguous_for(op)?, rows_operand(op, y, g)?);
     let out = dispatch!(&*y.storage(op)?, s, other => s.softmax_backward(y.layout(), other(&*g.storage(op)?)?, g.layout(), log))?;
