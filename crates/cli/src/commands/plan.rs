@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 
 use crate::args::compact;
-use crate::commands::predict::{check_caps_and_world, link_cost, read_profiles};
+use crate::commands::predict::{check_caps_and_world, read_profiles, LinkArgs};
 use crate::error::{Error, Result};
 use crate::report::stdout::outln;
 
@@ -34,16 +34,9 @@ pub struct PlanArgs {
     /// The first bucket's cap in MiB (default 1), never above the bucket cap.
     #[arg(long)]
     pub first_bucket_mb: Option<f64>,
-    /// A ring of links of this many gigabits per second (with --net-latency-us).
-    #[arg(long)]
-    pub net_gbps: Option<f64>,
-    /// Latency per message of those links, in microseconds.
-    #[arg(long, default_value_t = 0.0)]
-    pub net_latency_us: f64,
-    /// The link the profiled runs had, fitted from their recorded buckets (instead of
-    /// --net-gbps).
-    #[arg(long)]
-    pub measured_link: bool,
+    /// The link to cost the collectives on.
+    #[command(flatten)]
+    pub link: LinkArgs,
     /// Print the plan as JSON.
     #[arg(long)]
     pub json: bool,
@@ -58,7 +51,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
             "give at least one --profile FILE (written by brigade train --profile) to plan from".into(),
         ));
     }
-    let link = link_cost(a.net_gbps, a.net_latency_us, a.measured_link)?;
+    let link = a.link.cost()?;
     check_caps_and_world(&a.bucket_mb, a.first_bucket_mb, a.world_size)?;
     let mb = a.memory_budget;
     if !(mb.is_finite() && mb > 0.0 && mb * MIB < u64::MAX as f64) {

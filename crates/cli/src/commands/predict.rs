@@ -29,15 +29,9 @@ pub struct PredictArgs {
     /// The first bucket's cap in MiB (default 1), never above the bucket cap (as `brigade train`).
     #[arg(long)]
     pub first_bucket_mb: Option<f64>,
-    /// A ring of links of this many gigabits per second (with --net-latency-us).
-    #[arg(long)]
-    pub net_gbps: Option<f64>,
-    /// Latency per message of those links, in microseconds.
-    #[arg(long, default_value_t = 0.0)]
-    pub net_latency_us: f64,
-    /// The link the profiled run had, fitted from its recorded buckets (instead of --net-gbps).
-    #[arg(long)]
-    pub measured_link: bool,
+    /// The link to cost the collectives on.
+    #[command(flatten)]
+    pub link: LinkArgs,
     /// Cost the collectives for this many ranks (default: the profile's).
     #[arg(long)]
     pub world_size: Option<usize>,
@@ -46,27 +40,40 @@ pub struct PredictArgs {
     pub json: bool,
 }
 
-impl PredictArgs {
-    fn link(&self) -> Result<LinkCost> {
-        link_cost(self.net_gbps, self.net_latency_us, self.measured_link)
-    }
+/// The link `brigade predict` and `brigade plan` cost collectives on: a ring of simulated links,
+/// or the one the profiled runs had (exactly one).
+#[derive(Args, Clone, Debug)]
+pub struct LinkArgs {
+    /// A ring of links of this many gigabits per second (with --net-latency-us).
+    #[arg(long)]
+    pub net_gbps: Option<f64>,
+    /// Latency per message of those links, in microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub net_latency_us: f64,
+    /// The link the profiled runs had, fitted from their recorded buckets (instead of
+    /// --net-gbps).
+    #[arg(long)]
+    pub measured_link: bool,
 }
 
-/// The link `--net-gbps G [--net-latency-us L]` or `--measured-link` names (exactly one).
-pub fn link_cost(net_gbps: Option<f64>, net_latency_us: f64, measured_link: bool) -> Result<LinkCost> {
-    let bad = |m: String| Err(Error::Usage(m));
-    match (net_gbps, measured_link) {
-        (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
-        (None, false) => {
-            bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into())
-        }
-        (None, true) if net_latency_us != 0.0 => bad(format!(
+impl LinkArgs {
+    /// The link `--net-gbps G [--net-latency-us L]` or `--measured-link` names.
+    pub fn cost(&self) -> Result<LinkCost> {
+        let (net_gbps, net_latency_us) = (self.net_gbps, self.net_latency_us);
+        let bad = |m: String| Err(Error::Usage(m));
+        match (net_gbps, self.measured_link) {
+            (Some(_), true) => bad("--net-gbps and --measured-link name two links: pick one".into()),
+            (None, false) => {
+                bad("say which link to predict for: --net-gbps G [--net-latency-us L], or --measured-link".into())
+            }
+            (None, true) if net_latency_us != 0.0 => bad(format!(
             "--net-latency-us {net_latency_us} goes with --net-gbps; --measured-link fits the latency from the profile"
         )),
-        (None, true) => Ok(LinkCost::Measured),
-        (Some(g), false) => {
-            check_link(Some(g), net_latency_us)?;
-            Ok(LinkCost::Ring(brigade::launch::net_model(g, net_latency_us)))
+            (None, true) => Ok(LinkCost::Measured),
+            (Some(g), false) => {
+                check_link(Some(g), net_latency_us)?;
+                Ok(LinkCost::Ring(brigade::launch::net_model(g, net_latency_us)))
+            }
         }
     }
 }
@@ -152,7 +159,7 @@ fn read_profile(path: &Path) -> Result<String> {
 
 /// Runs `brigade predict`.
 pub fn predict(a: PredictArgs) -> Result<()> {
-    let link = a.link()?;
+    let link = a.link.cost()?;
     check_caps_and_world(&a.bucket_mb, a.first_bucket_mb, a.world_size)?;
     let profiles = read_profiles(&a.profile)?;
     let profile = &profiles[0];
