@@ -197,6 +197,29 @@ impl LaunchOverhead {
 /// idle: its start measures the launch overhead (the recorded finish can run late by a wake-up).
 const IDLE_LINK_S: f64 = 250e-6;
 
+/// The comm stream's queue as the replay moves it: the backend brings each collective to the
+/// link, in order, a launch overhead after the last rank issued it (no overhead on one rank:
+/// nothing is sent), and the link takes it once the previous one has left.
+struct LinkQueue<'a> {
+    /// When the backend brought the last collective to the link.
+    brought: f64,
+    /// When the link is free of the last collective.
+    free: f64,
+    overhead: Option<&'a LaunchOverhead>,
+}
+
+impl LinkQueue<'_> {
+    /// When a collective of `bytes` that every rank had issued by `issued` starts and finishes
+    /// on the link, taking it `link_s`; backward's compute ends at `backward_end`.
+    fn take(&mut self, issued: f64, bytes: usize, link_s: f64, backward_end: f64) -> (f64, f64) {
+        let from = issued.max(self.brought);
+        self.brought = from + self.overhead.map_or(0.0, |o| o.of(bytes, from, backward_end));
+        let start = self.brought.max(self.free);
+        self.free = start + link_s;
+        (start, self.free)
+    }
+}
+
 /// A collective brought this close to backward's end counts as brought after it: the last
 /// bucket is issued the moment the last gradient is ready, a few microseconds before backward's
 /// compute is over.
@@ -482,12 +505,14 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         .collect();
     ops.sort_by(|a, b| a.0.total_cmp(&b.0));
 
-    // Each rank launches in strict bucket order; the backend brings each collective to the link,
-    // in order, a launch overhead after the last rank launched it; the link takes it once the
-    // previous one has left.
+    // Each rank launches in strict bucket order; the link queue takes each collective once the
+    // last rank issued it.
     let mut launched = vec![f64::NEG_INFINITY; ranks.len()];
-    let mut link_free = f64::NEG_INFINITY;
-    let mut brought = f64::NEG_INFINITY;
+    let mut link = LinkQueue {
+        brought: f64::NEG_INFINITY,
+        free: f64::NEG_INFINITY,
+        overhead: if n < 2 { None } else { Some(&overhead) },
+    };
     let mut buckets = Vec::with_capacity(groups.len());
     let mut gathers = Vec::with_capacity(n_gathers);
     let mut waited = vec![0.0; ranks.len()];
@@ -508,16 +533,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
                 }
                 let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
                 let (link_s, wire_bytes) = cost(&group, b_bytes);
-                let from = launch_max.max(brought);
-                brought = from
-                    + if n < 2 {
-                        0.0
-                    } else {
-                        overhead.of(b_bytes, from, backward_end_at(&delta))
-                    };
-                let start = brought.max(link_free);
-                let finish = start + link_s;
-                link_free = finish;
+                let (start, finish) = link.take(launch_max, b_bytes, link_s, backward_end_at(&delta));
                 buckets.push(ReplayBucket {
                     params: group,
                     bytes: b_bytes,
@@ -541,16 +557,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
                 } else {
                     RingOp::AllGather.seconds((g_bytes / n) as f64, n, alpha, per_byte)
                 };
-                let from = issued.max(brought);
-                brought = from
-                    + if n < 2 {
-                        0.0
-                    } else {
-                        overhead.of(g_bytes, from, backward_end_at(&delta))
-                    };
-                let start = brought.max(link_free);
-                let finish = start + link_s;
-                link_free = finish;
+                let (start, finish) = link.take(issued, g_bytes, link_s, backward_end_at(&delta));
                 let mut sum = 0.0;
                 for r in 0..ranks.len() {
                     let Some(needed) = recorded[r][k].needed else {
