@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use brigade_comm::{all_gather_bytes, Event};
+use brigade_comm::{all_gather_bytes, TraceEvent};
 use brigade_models::Model;
 use brigade_tensor::MemoryMeter;
 
@@ -23,7 +23,7 @@ pub struct StepTimeline {
     /// The step.
     pub step: usize,
     /// Every rank's events of the step.
-    pub events: Vec<Event>,
+    pub events: Vec<TraceEvent>,
     /// Time zero of the trace.
     pub origin: Instant,
 }
@@ -45,7 +45,7 @@ pub struct RunReport {
 /// every rank (each process records only its own).
 struct RankOut {
     train: TrainOutcome,
-    gathered: Option<Vec<Event>>,
+    gathered: Option<Vec<TraceEvent>>,
 }
 
 /// Trains on every rank `launch_cfg` starts. `data(world_size)` prepares the data once per

@@ -5,13 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use brigade_comm::{all_gather_bytes, Communicator, Event, EventKind, Recorder, Stamp, Track};
+use brigade_comm::{all_gather_bytes, Communicator, EventKind, Recorder, Stamp, TraceEvent, Track};
 use brigade_ddp::Phase;
 
 use crate::error::{Error, Result};
 
 /// One event as offsets in seconds from the step's start (JSON).
-fn encode(e: &Event, t0: Instant) -> serde_json::Value {
+fn encode(e: &TraceEvent, t0: Instant) -> serde_json::Value {
     let off = |s: Option<Stamp>| s.map(|s| offset(s.at, t0));
     serde_json::json!({
         "rank": e.rank, "track": e.track, "kind": e.kind, "name": e.name, "op": e.op,
@@ -28,7 +28,7 @@ fn offset(at: Instant, t0: Instant) -> f64 {
     }
 }
 
-fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<Event> {
+fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<TraceEvent> {
     let mut stamp = |k: &str| {
         v[k].as_f64().map(|off| {
             *seq += 1;
@@ -41,7 +41,7 @@ fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<Event> {
         })
     };
     let (issued, start, end) = (stamp("issued"), stamp("start"), stamp("end"));
-    Some(Event {
+    Some(TraceEvent {
         id: 0,
         rank: v["rank"].as_u64()? as usize,
         track: serde_json::from_value::<Track>(v["track"].clone()).ok()?,
@@ -58,8 +58,8 @@ fn decode(v: &serde_json::Value, t0: Instant, seq: &mut u64) -> Option<Event> {
 
 /// Every rank's events of `step` (from each rank's own `recorder`), laid out on this rank's
 /// clock; every rank must call it. `comm` should be the bare communicator (not traced).
-pub fn gather_step_events(comm: &dyn Communicator, recorder: &Recorder, step: usize) -> Result<Vec<Event>> {
-    let events: Vec<Event> = recorder
+pub fn gather_step_events(comm: &dyn Communicator, recorder: &Recorder, step: usize) -> Result<Vec<TraceEvent>> {
+    let events: Vec<TraceEvent> = recorder
         .events_during(&Phase::Step(step).kind())
         .into_iter()
         .filter(|e| e.rank == comm.rank())

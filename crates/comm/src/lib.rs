@@ -68,6 +68,6 @@ pub use thread::{
     run_on_threads, run_on_threads_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT,
 };
 pub use trace::{
-    chrome_trace, tagging_collectives, Event, EventKind, Recorder, SpanGuard, SpanId, Stamp, Traced, Track,
+    chrome_trace, tagging_collectives, EventKind, Recorder, SpanGuard, SpanId, Stamp, TraceEvent, Traced, Track,
 };
 pub use work::{OpTiming, Promise, Work, WorkEvent};

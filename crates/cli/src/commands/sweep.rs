@@ -28,7 +28,7 @@ use crate::signal::StopOnSignal;
 /// Each DDP bucket's all-reduce time in the recorded step, in launch order: from the moment
 /// the last rank started it on its comm stream (before that, the early ranks only wait
 /// for the late ones) until it finished on rank 0.
-fn bucket_times(events: &[brigade_comm::Event]) -> Vec<(usize, f64)> {
+fn bucket_times(events: &[brigade_comm::TraceEvent]) -> Vec<(usize, f64)> {
     let mut buckets: Vec<usize> = events
         .iter()
         .filter(|e| e.rank == 0)
@@ -418,7 +418,7 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
 mod tests {
     use std::time::{Duration, Instant};
 
-    use brigade_comm::{Event, EventKind, Recorder};
+    use brigade_comm::{EventKind, Recorder, TraceEvent};
 
     use super::bucket_times;
 
@@ -441,7 +441,7 @@ mod tests {
         comm(0, "bucket7", None, 20, 40);
         comm(1, "bucket7", None, 20, 40);
         rec.compute_span(0, EventKind::span("bucket3"), ms(0), ms(50));
-        let events: Vec<Event> = rec.events();
+        let events: Vec<TraceEvent> = rec.events();
         let times = bucket_times(&events);
         assert_eq!(times.iter().map(|(b, _)| *b).collect::<Vec<_>>(), [0, 1]);
         assert!(

@@ -5,14 +5,14 @@ use std::path::Path;
 use std::time::Instant;
 
 use brigade::ddp::Phase;
-use brigade_comm::{chrome_trace, Event, EventKind, Track};
+use brigade_comm::{chrome_trace, EventKind, TraceEvent, Track};
 use plotters::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 
 /// Writes `events` as Chrome trace JSON to `path` and a Gantt chart beside it (`.svg`).
-pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &str) -> Result<()> {
+pub fn write_timeline(path: &Path, events: &[TraceEvent], origin: Instant, title: &str) -> Result<()> {
     let json = chrome_trace(events, origin);
     let text = serde_json::to_string(&json).map_err(|e| Error::json("timeline JSON", e))?;
     write_atomic(path, text.as_bytes())?;
@@ -20,12 +20,12 @@ pub fn write_timeline(path: &Path, events: &[Event], origin: Instant, title: &st
 }
 
 /// A span worth drawing: leaves only (not the enclosing step).
-fn drawable(e: &Event) -> bool {
+fn drawable(e: &TraceEvent) -> bool {
     !matches!(Phase::of(&e.kind), Some(Phase::Step(_)))
 }
 
 /// The chart colour of an event's kind.
-fn color_for(e: &Event) -> RGBColor {
+fn color_for(e: &TraceEvent) -> RGBColor {
     if let EventKind::Collective { .. } = e.kind {
         return RGBColor(230, 126, 34);
     }
@@ -75,7 +75,7 @@ fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, plotters::coord::Shift
 
 /// Draws one lane pair per rank: compute (forward, backward per layer, optimizer) and
 /// the comm stream (each bucket's all-reduce), time in ms from the step's start.
-fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
+fn draw_gantt(path: &Path, events: &[TraceEvent], title: &str) -> Result<()> {
     // drawn into memory, then written atomically like every other output
     let mut svg = String::new();
     render_gantt(&mut svg, path, events, title)?;
@@ -83,12 +83,12 @@ fn draw_gantt(path: &Path, events: &[Event], title: &str) -> Result<()> {
 }
 
 /// The chart of [`draw_gantt`] as SVG text (`path` names it in errors).
-fn render_gantt(svg: &mut String, path: &Path, events: &[Event], title: &str) -> Result<()> {
+fn render_gantt(svg: &mut String, path: &Path, events: &[TraceEvent], title: &str) -> Result<()> {
     let err = |msg: String| Error::Chart {
         path: path.display().to_string(),
         msg,
     };
-    let spans: Vec<&Event> = events
+    let spans: Vec<&TraceEvent> = events
         .iter()
         .filter(|e| e.start.is_some() && e.end.is_some() && drawable(e))
         .collect();
@@ -107,7 +107,7 @@ fn render_gantt(svg: &mut String, path: &Path, events: &[Event], title: &str) ->
     let lanes = 2 * ranks.len().max(1);
     // lane 0 is drawn at the top: rank 0 compute, rank 0 comm, rank 1 compute, ...
     let lane_of =
-        |e: &Event| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
+        |e: &TraceEvent| 2 * ranks.iter().position(|&r| r == e.rank).unwrap_or(0) + usize::from(e.track == Track::Comm);
     let y_of = |lane: usize| (lanes - 1 - lane) as f64;
     let height = 120 + 70 * lanes as u32 + LEGEND_HEIGHT;
     let root = SVGBackend::with_string(svg, (1400, height)).into_drawing_area();

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::{Event, Recorder, Track};
+use super::{Recorder, TraceEvent, Track};
 
 /// Thread id of the compute track inside a rank's process.
 const COMPUTE_TID: u64 = 0;
@@ -44,7 +44,7 @@ impl Recorder {
 
 /// `events` (a subset of a recorder's, e.g. the events during one span) as a Chrome trace, times in
 /// microseconds since `origin`: the format of [`Recorder::to_chrome_trace`].
-pub fn chrome_trace(events: &[Event], origin: Instant) -> Value {
+pub fn chrome_trace(events: &[TraceEvent], origin: Instant) -> Value {
     let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
     let mut out = Vec::new();
     let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();

@@ -1,6 +1,6 @@
 //! Tracing: per-rank timelines of compute and communication.
 //!
-//! A [`Recorder`] collects [`Event`]s; every recorded instant gets a global sequence number
+//! A [`Recorder`] collects [`TraceEvent`]s; every recorded instant gets a global sequence number
 //! ([`Stamp::seq`]) taken when the recorder learns of it, so tests can check the order of events
 //! exactly, without relying on clock resolution. [`Traced`] records every collective of a
 //! communicator; training code records compute spans itself.
@@ -146,7 +146,7 @@ fn current_tag() -> Option<usize> {
 
 /// One span on a rank's timeline.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Event {
+pub struct TraceEvent {
     /// Index in recording order (what [`SpanId`] refers to).
     pub id: usize,
     /// The rank.
@@ -179,7 +179,7 @@ pub struct SpanId(pub usize);
 struct Inner {
     origin: Instant,
     seq: AtomicU64,
-    events: Mutex<Vec<Event>>,
+    events: Mutex<Vec<TraceEvent>>,
 }
 
 /// Thread-safe event collector; cloning is cheap and clones share the same events.
@@ -206,7 +206,7 @@ impl Recorder {
         }
     }
 
-    fn events_mut(&self) -> MutexGuard<'_, Vec<Event>> {
+    fn events_mut(&self) -> MutexGuard<'_, Vec<TraceEvent>> {
         self.inner.events.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -227,10 +227,10 @@ impl Recorder {
         name: String,
         op: &str,
         bytes: usize,
-    ) -> (MutexGuard<'_, Vec<Event>>, usize) {
+    ) -> (MutexGuard<'_, Vec<TraceEvent>>, usize) {
         let mut events = self.events_mut();
         let id = events.len();
-        events.push(Event {
+        events.push(TraceEvent {
             id,
             rank,
             track,
@@ -324,14 +324,14 @@ impl Recorder {
     }
 
     /// A snapshot of every event so far, in recording order.
-    pub fn events(&self) -> Vec<Event> {
+    pub fn events(&self) -> Vec<TraceEvent> {
         self.events_mut().clone()
     }
 
     /// The events during the compute spans of kind `kind` on every rank: each rank's spans of
     /// that kind and everything that rank issued or began while one lasted (sequence numbers,
     /// not clocks, decide). Empty when no rank recorded such a span.
-    pub fn events_during(&self, kind: &EventKind) -> Vec<Event> {
+    pub fn events_during(&self, kind: &EventKind) -> Vec<TraceEvent> {
         let events = self.events();
         let bounds: Vec<(usize, u64, u64)> = events
             .iter()

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{
-    run_on_threads_with_timeout, tagging_collectives, Buffer, Communicator, Event, EventKind, Recorder, ReduceOp,
+    run_on_threads_with_timeout, tagging_collectives, Buffer, Communicator, EventKind, Recorder, ReduceOp, TraceEvent,
     Traced, Track,
 };
 
@@ -17,7 +17,7 @@ fn wait_until(mut ready: impl FnMut() -> bool) {
     }
 }
 
-fn find<'a>(events: &'a [Event], rank: usize, name: &str) -> &'a Event {
+fn find<'a>(events: &'a [TraceEvent], rank: usize, name: &str) -> &'a TraceEvent {
     events
         .iter()
         .find(|e| e.rank == rank && e.name == name)
