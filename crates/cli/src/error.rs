@@ -204,8 +204,7 @@ mod tests {
         };
         let line = Error::from(on_rank).to_string();
         assert!(
-            line.starts_with("rank 1 of 2: checkpoint c.ckpt: ")
-                && line.contains("--zero 1, this run has --zero 2"),
+            line.starts_with("rank 1 of 2: checkpoint c.ckpt: ") && line.contains("--zero 1, this run has --zero 2"),
             "{line}"
         );
     }

@@ -8,11 +8,11 @@ use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod args;
 mod bucket_cap;
-mod plan_auto;
 mod commands;
 mod error;
 mod footprint;
 mod outputs;
+mod plan_auto;
 mod policy;
 mod report;
 mod run;

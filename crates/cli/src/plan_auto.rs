@@ -109,7 +109,8 @@ impl Choice {
         let d = &mut args.distributed;
         d.bucket_mb = vec![BucketCap::Mib(self.bucket_mb)];
         d.first_bucket_mb = self.first_bucket_mb;
-        args.model.activation_checkpointing = (self.activation_checkpointing > 0).then_some(self.activation_checkpointing);
+        args.model.activation_checkpointing =
+            (self.activation_checkpointing > 0).then_some(self.activation_checkpointing);
         Ok(())
     }
 }
@@ -189,7 +190,11 @@ fn caps(args: &RunArgs) -> Result<Vec<f64>> {
 /// smallest configuration and its largest part.
 fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibration>> {
     let budget = (budget_mb * (1u64 << 20) as f64) as u64;
-    let every: &[usize] = if args.model.model == ModelName::Gpt { &[0, 1] } else { &[0] };
+    let every: &[usize] = if args.model.model == ModelName::Gpt {
+        &[0, 1]
+    } else {
+        &[0]
+    };
     let rows = args.data.batch_size;
     let peak = |policy: &PolicySpec, ac: usize| args.predicted_peak(policy, ac, rows);
     let fits = |policies: &[PolicySpec]| {
@@ -197,7 +202,12 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
             .iter()
             .any(|p| every.iter().any(|&ac| peak(p, ac).is_some_and(|p| p.total() <= budget)))
     };
-    let least = [PolicySpec::AllReduce, PolicySpec::Zero1, PolicySpec::Zero2, PolicySpec::Zero3];
+    let least = [
+        PolicySpec::AllReduce,
+        PolicySpec::Zero1,
+        PolicySpec::Zero2,
+        PolicySpec::Zero3,
+    ];
     if !fits(&least) {
         let smallest = least
             .iter()
@@ -308,7 +318,10 @@ pub fn choose(
             )));
         };
         let mut choice: Choice = serde_json::from_str(text).map_err(|e| {
-            Error::Usage(format!("--resume {}: its recorded plan is not readable: {e}", path.display()))
+            Error::Usage(format!(
+                "--resume {}: its recorded plan is not readable: {e}",
+                path.display()
+            ))
         })?;
         choice.calibration_runs = 0;
         choice.apply(args)?;
@@ -321,7 +334,9 @@ pub fn choose(
         eprintln!("note: {n}");
     }
     if profiles.is_empty() {
-        return Err(Error::Usage("--plan auto: no calibration run finished, so there is nothing to plan from".into()));
+        return Err(Error::Usage(
+            "--plan auto: no calibration run finished, so there is nothing to plan from".into(),
+        ));
     }
     let query = PlanQuery {
         bucket_caps_mb: caps,
@@ -343,7 +358,10 @@ pub fn choose(
             None => format!("--plan auto: the plan weighed no configuration under --memory-budget {} MB", compact(budget_mb)),
         }));
     };
-    let step = w.step.as_ref().map_err(|why| Error::Usage(format!("--plan auto: {why}")))?;
+    let step = w
+        .step
+        .as_ref()
+        .map_err(|why| Error::Usage(format!("--plan auto: {why}")))?;
     // PowerSGD was calibrated compressing from its first step (its steady state); the run
     // keeps its own start iteration
     let policy = match w.policy {

@@ -10,7 +10,8 @@ use brigade::policies::{PolicySpec, DEFAULT_POWERSGD_START};
 use crate::error::{Error, Result};
 
 /// Every form `--policy` takes, for error messages.
-pub const POLICY_NAMES: &str = "allreduce, fp16, bf16, int8, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2, zero3";
+pub const POLICY_NAMES: &str =
+    "allreduce, fp16, bf16, int8, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2, zero3";
 
 /// Checks one `--policy` entry (clap's value parser; the message is the rest of clap's line).
 pub fn parse_entry(s: &str) -> std::result::Result<String, String> {

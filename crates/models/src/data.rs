@@ -590,4 +590,3 @@ impl Dataset {
         Batch::new(tensors)
     }
 }
-

@@ -88,8 +88,8 @@ fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
 pub fn text_file_tokens(path: impl AsRef<Path>, tokenizer: Tokenizer) -> Result<Vec<u16>> {
     let path = path.as_ref();
     let bytes = read_utf8(path, 1, 0)?;
-    let text =
-        String::from_utf8(bytes).map_err(|e| ModelError::data(&path.display().to_string(), format!("not UTF-8: {e}")))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| ModelError::data(&path.display().to_string(), format!("not UTF-8: {e}")))?;
     let mut ids = match tokenizer {
         Tokenizer::Gpt2 => vec![crate::GPT2_END_OF_TEXT as u16],
         Tokenizer::Bytes => vec![],
@@ -162,7 +162,8 @@ impl Dataset {
                 Tokenizer::Bytes => Ok(named(Dataset::text_with_stride(bytes, context, stride)?, name)),
                 Tokenizer::Gpt2 => {
                     // checked UTF-8 and split at a character boundary, so this holds
-                    let text = String::from_utf8(bytes).map_err(|e| ModelError::data(&name, format!("not UTF-8: {e}")))?;
+                    let text =
+                        String::from_utf8(bytes).map_err(|e| ModelError::data(&name, format!("not UTF-8: {e}")))?;
                     let ids = tokenizer.encode(&text).into_iter().map(|t| t as u16).collect();
                     Dataset::token_ids(&name, ids, context, stride)
                 }

@@ -124,7 +124,16 @@ fn valid_name(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-const BUILT_IN: [&str; 8] = ["allreduce", "fp16", "bf16", "int8", "powersgd", "zero1", "zero2", "zero3"];
+const BUILT_IN: [&str; 8] = [
+    "allreduce",
+    "fp16",
+    "bf16",
+    "int8",
+    "powersgd",
+    "zero1",
+    "zero2",
+    "zero3",
+];
 
 impl FromStr for PolicySpec {
     type Err = PolicyError;

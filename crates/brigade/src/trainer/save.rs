@@ -82,7 +82,12 @@ impl Trainer<'_> {
         let mut recipe = recipe_metadata(self.cfg, &self.schedule);
         recipe.extend(self.feed.join.iter().flat_map(|j| j.metadata(self.at.next_step)));
         recipe.extend(
-            self.cfg.runtime.checkpoint.metadata.iter().map(|(k, v)| (format!("{}{k}", crate::checkpoint::USER_PREFIX), v.clone())),
+            self.cfg
+                .runtime
+                .checkpoint
+                .metadata
+                .iter()
+                .map(|(k, v)| (format!("{}{k}", crate::checkpoint::USER_PREFIX), v.clone())),
         );
         CheckpointIdentity {
             model: &self.cfg.model.name,

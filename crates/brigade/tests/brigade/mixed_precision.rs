@@ -233,7 +233,10 @@ fn master_bits(r: &RunReport) -> Vec<(String, Vec<u32>)> {
         .iter()
         .map(|(n, t)| {
             assert_eq!(t.dtype(), DType::F32, "'{n}' is an f32 master");
-            (n.clone(), t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+            (
+                n.clone(),
+                t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect(),
+            )
         })
         .collect()
 }
@@ -241,7 +244,10 @@ fn master_bits(r: &RunReport) -> Vec<(String, Vec<u32>)> {
 /// Largest relative difference of two loss curves.
 pub(crate) fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / x.abs()).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs())
+        .fold(0.0, f64::max)
 }
 
 /// ZeRO-1 and ZeRO-2 beside bf16 parameters: each rank steps its f32 master shard from the
@@ -260,7 +266,12 @@ fn zero1_and_zero2_in_bf16_follow_the_bf16_all_reduce_with_master_shards() {
         let zero = gpt_under(2, &cfg, policy.clone()).unwrap();
         let worst = worst_relative(&plain.outcome.losses(), &zero.outcome.losses());
         eprintln!("{policy}: worst relative loss difference {worst:e}");
-        assert!(worst < 1e-3, "{policy}: losses {:?} vs {:?}", zero.outcome.losses(), plain.outcome.losses());
+        assert!(
+            worst < 1e-3,
+            "{policy}: losses {:?} vs {:?}",
+            zero.outcome.losses(),
+            plain.outcome.losses()
+        );
         let m = zero.outcome.memory.unwrap();
         let buckets = zero.outcome.buckets.len();
         assert!(
@@ -269,7 +280,10 @@ fn zero1_and_zero2_in_bf16_follow_the_bf16_all_reduce_with_master_shards() {
             m.master_weights,
             psi * 4 / 2
         );
-        assert_eq!(m.parameters, plain_mem.parameters, "{policy}: the bf16 compute copy, whole");
+        assert_eq!(
+            m.parameters, plain_mem.parameters,
+            "{policy}: the bf16 compute copy, whole"
+        );
         let (a, b) = (master_bits(&plain), master_bits(&zero));
         assert_eq!(
             a.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -307,9 +321,17 @@ fn a_bf16_zero_checkpoint_holds_whole_f32_masters_and_resumes_on_three_ranks() {
         );
         let saved: Vec<(String, Vec<u32>)> = model
             .iter()
-            .map(|(n, t)| (n.clone(), t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()))
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect(),
+                )
+            })
             .collect();
-        (saved, gpt_under(3, &resuming(config(4, 4, DType::BF16), &path), policy).unwrap())
+        (
+            saved,
+            gpt_under(3, &resuming(config(4, 4, DType::BF16), &path), policy).unwrap(),
+        )
     };
     let (plain_saved, plain) = two_then_three(PolicySpec::AllReduce);
     for policy in [PolicySpec::Zero1, PolicySpec::Zero2] {
@@ -322,7 +344,12 @@ fn a_bf16_zero_checkpoint_holds_whole_f32_masters_and_resumes_on_three_ranks() {
         assert_eq!(resharded.outcome.losses().len(), 2);
         let worst = worst_relative(&plain.outcome.losses(), &resharded.outcome.losses());
         eprintln!("{policy}: resumed on 3, worst relative loss difference {worst:e}");
-        assert!(worst < 1e-3, "{policy}: resumed losses {:?} vs {:?}", resharded.outcome.losses(), plain.outcome.losses());
+        assert!(
+            worst < 1e-3,
+            "{policy}: resumed losses {:?} vs {:?}",
+            resharded.outcome.losses(),
+            plain.outcome.losses()
+        );
         master_bits(&resharded);
     }
 }
@@ -347,9 +374,16 @@ fn compression_and_powersgd_in_bf16_train_as_the_all_reduce_does() {
         // bf16 on 2 ranks: each half of a bf16 gradient is exact in bf16, and the sum is rounded
         // once, as the all-reduce's average is: the same run
         assert!(worst <= tolerance, "{spec}: losses {losses:?} vs {l:?}");
-        assert_eq!(r.outcome.memory.unwrap().buckets, plain.outcome.memory.unwrap().buckets, "{spec}: bf16 buckets");
+        assert_eq!(
+            r.outcome.memory.unwrap().buckets,
+            plain.outcome.memory.unwrap().buckets,
+            "{spec}: bf16 buckets"
+        );
         if spec.starts_with("powersgd") {
-            assert!(r.outcome.memory.unwrap().policy_state > 0, "powersgd compressed: its error feedback is kept");
+            assert!(
+                r.outcome.memory.unwrap().policy_state > 0,
+                "powersgd compressed: its error feedback is kept"
+            );
         }
     }
     // under fp16 bf16 compression is refused with its reason (fp16 compression and PowerSGD
@@ -392,7 +426,10 @@ fn reducing_bf16_gradients_in_f32_is_closer_to_the_f32_run() {
             .zip(&r.outcome.params)
             .flat_map(|((_, a), (_, b))| {
                 let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
-                a.into_iter().zip(b).map(|(a, b)| ((a - b) as f64).powi(2)).collect::<Vec<_>>()
+                a.into_iter()
+                    .zip(b)
+                    .map(|(a, b)| ((a - b) as f64).powi(2))
+                    .collect::<Vec<_>>()
             })
             .sum::<f64>()
             .sqrt()
@@ -408,7 +445,10 @@ fn reducing_bf16_gradients_in_f32_is_closer_to_the_f32_run() {
     assert_eq!((m32.buckets, m16.buckets * 2), (mf.buckets, mf.buckets), "f32 buckets");
     assert_eq!(m32.parameters, m16.parameters, "the compute copy stays bf16");
     // a narrower reduce dtype than the parameters' is refused in one line
-    let e = mlp(&sgd_config(DType::F32, DType::BF16)).err().expect("refused").to_string();
+    let e = mlp(&sgd_config(DType::F32, DType::BF16))
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(e.contains("--reduce-dtype bf16") && !e.contains('\n'), "{e}");
 }
 
@@ -446,15 +486,25 @@ fn fp16_under_zero1_and_zero2_skips_as_the_all_reduce_does() {
         c.distributed.as_mut().unwrap().policy = std::sync::Arc::new(policy);
         mlp(&c).unwrap()
     };
-    let verdicts = |r: &RunReport| -> Vec<(Option<f64>, bool)> { r.outcome.steps.iter().map(|s| (s.scale, s.skipped)).collect() };
+    let verdicts =
+        |r: &RunReport| -> Vec<(Option<f64>, bool)> { r.outcome.steps.iter().map(|s| (s.scale, s.skipped)).collect() };
     let plain = run(PolicySpec::AllReduce);
-    assert!(plain.outcome.skipped_steps() > 0, "the all-reduce run skips: {:?}", verdicts(&plain));
+    assert!(
+        plain.outcome.skipped_steps() > 0,
+        "the all-reduce run skips: {:?}",
+        verdicts(&plain)
+    );
     for policy in [PolicySpec::Zero1, PolicySpec::Zero2] {
         let zero = run(policy.clone());
         assert_eq!(verdicts(&zero), verdicts(&plain), "{policy}: scales and skips");
         let worst = worst_relative(&plain.outcome.losses(), &zero.outcome.losses());
         eprintln!("{policy}: fp16, worst relative loss difference {worst:e}");
-        assert!(worst < 1e-3, "{policy}: {:?} vs {:?}", zero.outcome.losses(), plain.outcome.losses());
+        assert!(
+            worst < 1e-3,
+            "{policy}: {:?} vs {:?}",
+            zero.outcome.losses(),
+            plain.outcome.losses()
+        );
         master_bits(&zero);
     }
 }

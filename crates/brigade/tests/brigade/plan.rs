@@ -87,7 +87,10 @@ fn peak(policy: PolicySpec, every: usize) -> u64 {
 
 /// A budget between ZeRO-2 without checkpointing and allreduce without it: some fit, some not.
 fn query() -> PlanQuery {
-    PlanQuery::new((peak(PolicySpec::Zero2, 0) + peak(PolicySpec::AllReduce, 0)) / 2, link())
+    PlanQuery::new(
+        (peak(PolicySpec::Zero2, 0) + peak(PolicySpec::AllReduce, 0)) / 2,
+        link(),
+    )
 }
 
 fn reason(p: &Plan, policy: &str) -> Vec<String> {
@@ -312,7 +315,11 @@ fn a_family_of_several_profiled_steps_is_read_at_its_median_step() {
         })
         .collect();
     let median = |s: &[StepProfile]| brigade::plan::median_step(s.to_vec()).map(|p| p.bucket_cap_mb);
-    assert_eq!(median(&steps), Some(1.0), "neither the first, the last nor rank 0's median");
+    assert_eq!(
+        median(&steps),
+        Some(1.0),
+        "neither the first, the last nor rank 0's median"
+    );
     // an even count: the lower of the two middle steps; one step: itself; none: none
     assert_eq!(median(&steps[..2]), Some(1.0));
     assert_eq!(median(&steps[2..]), Some(2.0));

@@ -54,8 +54,18 @@ fn run(model: &str, world: usize, cfg: &TrainConfig) -> RunReport {
     cfg.model.name = model.into();
     let launch = LaunchConfig::threads(world);
     match model {
-        "mlp" => fit(&launch, &cfg, |_| Dataset::teacher(1024, 16, 4, 3).map_err(Into::into), |_| mlp_model()),
-        _ => fit(&launch, &cfg, |_| Dataset::builtin_text(16, 0).map_err(Error::from), |_| gpt_model()),
+        "mlp" => fit(
+            &launch,
+            &cfg,
+            |_| Dataset::teacher(1024, 16, 4, 3).map_err(Into::into),
+            |_| mlp_model(),
+        ),
+        _ => fit(
+            &launch,
+            &cfg,
+            |_| Dataset::builtin_text(16, 0).map_err(Error::from),
+            |_| gpt_model(),
+        ),
     }
     .unwrap_or_else(|e| panic!("{model} on {world} ranks: {e}"))
 }
@@ -67,7 +77,10 @@ fn master_bits(r: &RunReport) -> Vec<(String, Vec<u32>)> {
         .iter()
         .map(|(n, t)| {
             assert_eq!(t.dtype(), DType::F32, "'{n}' is an f32 master");
-            (n.clone(), t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+            (
+                n.clone(),
+                t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect(),
+            )
         })
         .collect()
 }
@@ -100,12 +113,19 @@ fn bf16_zero3_is_bf16_zero2_bit_for_bit_with_one_f32_master_shard() {
             m.master_weights,
             psi * 4 / world
         );
-        assert_eq!(m.parameters, 0, "{what}: the shard is counted once, as the masters: {m:?}");
+        assert_eq!(
+            m.parameters, 0,
+            "{what}: the shard is counted once, as the masters: {m:?}"
+        );
         assert!(m.total() < z2.outcome.memory.unwrap().total(), "{what}: {m:?}");
         if (model, world) == ("gpt", 2) {
             let f32_run = run(model, world, &config(steps, 4, DType::F32, PolicySpec::Zero3));
             let m32 = f32_run.outcome.memory.unwrap();
-            assert_eq!(m.gathered * 2, m32.gathered, "{what}: units gathered in bf16: {m:?} vs {m32:?}");
+            assert_eq!(
+                m.gathered * 2,
+                m32.gathered,
+                "{what}: units gathered in bf16: {m:?} vs {m32:?}"
+            );
             assert_eq!(m32.master_weights, 0, "{what}: f32's shard is the parameter");
             let payload = |r: &RunReport| -> Vec<u64> { r.outcome.sent().iter().map(|s| s.payload_bytes).collect() };
             let (p16, p32) = (payload(&z3), payload(&f32_run));
@@ -125,7 +145,8 @@ fn bf16_zero3_is_bf16_zero2_bit_for_bit_with_one_f32_master_shard() {
 /// run one step shorter).
 #[test]
 fn fp16_zero3_grows_skips_and_backs_off_as_fp16_zero2() {
-    let verdicts = |r: &RunReport| -> Vec<(Option<f64>, bool)> { r.outcome.steps.iter().map(|s| (s.scale, s.skipped)).collect() };
+    let verdicts =
+        |r: &RunReport| -> Vec<(Option<f64>, bool)> { r.outcome.steps.iter().map(|s| (s.scale, s.skipped)).collect() };
     let z2 = run("mlp", 2, &fp16(40, PolicySpec::Zero2));
     let z3 = run("mlp", 2, &fp16(40, PolicySpec::Zero3));
     let v = verdicts(&z3);
@@ -138,8 +159,15 @@ fn fp16_zero3_grows_skips_and_backs_off_as_fp16_zero2() {
     assert!(skipped > 0, "the first step is clean: {v:?}");
     let before = run("mlp", 2, &fp16(skipped, PolicySpec::Zero3));
     let through = run("mlp", 2, &fp16(skipped + 1, PolicySpec::Zero3));
-    assert!(through.outcome.steps.last().unwrap().skipped, "step {skipped} is skipped again");
-    assert_eq!(master_bits(&through), master_bits(&before), "the skipped step {skipped} moved a master");
+    assert!(
+        through.outcome.steps.last().unwrap().skipped,
+        "step {skipped} is skipped again"
+    );
+    assert_eq!(
+        master_bits(&through),
+        master_bits(&before),
+        "the skipped step {skipped} moved a master"
+    );
 }
 
 /// The checkpoint of a 16-bit ZeRO-3 run holds every f32 master whole, loads into a fresh model
@@ -153,12 +181,19 @@ fn a_16_bit_zero3_checkpoint_holds_the_whole_f32_masters_and_resumes_bit_for_bit
         ("mlp", |steps| fp16(steps, PolicySpec::Zero3)),
     ];
     for (model, cfg) in cases {
-        let (straight, half) = (dir.join(format!("{model}-4.safetensors")), dir.join(format!("{model}-2.safetensors")));
+        let (straight, half) = (
+            dir.join(format!("{model}-4.safetensors")),
+            dir.join(format!("{model}-2.safetensors")),
+        );
         let four = run(model, 2, &writing(cfg(4), &straight));
         run(model, 2, &writing(cfg(2), &half));
         let resumed = run(model, 2, &resuming(cfg(4), &half));
         assert_eq!(loss_bits(&resumed), loss_bits(&four)[2..].to_vec(), "{model}: losses");
-        assert_eq!(master_bits(&resumed), master_bits(&four), "{model}: masters after 2 + 2 steps");
+        assert_eq!(
+            master_bits(&resumed),
+            master_bits(&four),
+            "{model}: masters after 2 + 2 steps"
+        );
         let scales = |r: &RunReport| -> Vec<Option<f64>> { r.outcome.steps.iter().map(|s| s.scale).collect() };
         assert_eq!(scales(&resumed), scales(&four)[2..].to_vec(), "{model}: loss scales");
         let saved = load_safetensors(&straight).unwrap();
@@ -183,6 +218,10 @@ fn a_16_bit_zero3_checkpoint_holds_the_whole_f32_masters_and_resumes_bit_for_bit
             .iter()
             .map(|p| p.value().to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
             .collect();
-        assert_eq!(loaded, master_bits(&four).into_iter().map(|(_, b)| b).collect::<Vec<_>>(), "{model}: loaded");
+        assert_eq!(
+            loaded,
+            master_bits(&four).into_iter().map(|(_, b)| b).collect::<Vec<_>>(),
+            "{model}: loaded"
+        );
     }
 }

@@ -101,10 +101,17 @@ fn the_plan_ranks_what_fits_and_prints_the_winner_as_a_train_command() {
     let mut class = vec![];
     for c in v["candidates"].as_array().unwrap() {
         let total = c["memory"]["total"].as_u64().unwrap();
-        let parts: u64 = ["parameters", "gradients", "optimizer_state", "activations", "backward", "policy_state"]
-            .iter()
-            .map(|k| c["memory"][k].as_u64().unwrap())
-            .sum();
+        let parts: u64 = [
+            "parameters",
+            "gradients",
+            "optimizer_state",
+            "activations",
+            "backward",
+            "policy_state",
+        ]
+        .iter()
+        .map(|k| c["memory"][k].as_u64().unwrap())
+        .sum();
         assert_eq!(parts, total, "{c}");
         assert_eq!(c["fits"].as_bool().unwrap(), total <= budget, "{c}");
         if total > budget {

@@ -31,10 +31,22 @@ fn chosen_flags(plan: &serde_json::Value) -> Vec<String> {
 fn plan_then_direct(name: &str, model: &[&str], calibrations: u64) {
     let d = dir(name);
     let (planned, direct) = (d.join("planned.csv"), d.join("direct.csv"));
-    let base = cat(&[&["train"], model, &["--world-size", "2", "--batch-size", "4", "--steps", "4"]]);
+    let base = cat(&[
+        &["train"],
+        model,
+        &["--world-size", "2", "--batch-size", "4", "--steps", "4"],
+    ]);
     let out = ok(&cat(&[
         &base,
-        &["--plan", "auto", "--memory-budget", "512", "--json", "--losses", s(&planned)],
+        &[
+            "--plan",
+            "auto",
+            "--memory-budget",
+            "512",
+            "--json",
+            "--losses",
+            s(&planned),
+        ],
     ]));
     let json = summary(&out);
     let plan = &json["plan"];
@@ -51,8 +63,16 @@ fn plan_then_direct(name: &str, model: &[&str], calibrations: u64) {
     let flags = chosen_flags(plan);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     ok(&cat(&[&base, &flags, &["--losses", s(&direct)]]));
-    assert_eq!(losses(&planned), losses(&direct), "--plan auto == {flags:?} given directly");
-    assert_eq!(losses(&planned).len(), 4, "the calibration steps are not part of the run");
+    assert_eq!(
+        losses(&planned),
+        losses(&direct),
+        "--plan auto == {flags:?} given directly"
+    );
+    assert_eq!(
+        losses(&planned).len(),
+        4,
+        "the calibration steps are not part of the run"
+    );
 }
 
 #[test]
@@ -71,11 +91,21 @@ fn the_gpt_trains_under_the_plan_exactly_as_under_its_flags_given_directly() {
 fn the_plan_is_said_in_one_line_and_a_resume_keeps_it_without_calibrating() {
     let d = dir("plan-auto-resume");
     let ck = d.join("run.ckpt");
-    let base = cat(&[&["train"], MLP, &["--world-size", "2", "--batch-size", "4", "--plan", "auto"]]);
-    let out = ok(&cat(&[&base, &["--memory-budget", "256", "--steps", "2", "--checkpoint", s(&ck)]]));
+    let base = cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--batch-size", "4", "--plan", "auto"],
+    ]);
+    let out = ok(&cat(&[
+        &base,
+        &["--memory-budget", "256", "--steps", "2", "--checkpoint", s(&ck)],
+    ]));
     let line: Vec<&str> = out.lines().filter(|l| l.starts_with("plan: ")).collect();
     assert_eq!(line.len(), 1, "{out}");
-    assert!(line[0].contains("--policy ") && line[0].contains("calibration runs"), "{out}");
+    assert!(
+        line[0].contains("--policy ") && line[0].contains("calibration runs"),
+        "{out}"
+    );
     // the resume takes the recorded choice: no calibration, the same flags
     let resumed = summary(&ok(&cat(&[
         &base,
@@ -87,8 +117,15 @@ fn the_plan_is_said_in_one_line_and_a_resume_keeps_it_without_calibrating() {
     assert_eq!(resumed["policy"], chosen, "{resumed}");
     // a checkpoint of a run without a plan says so
     let plain = d.join("plain.ckpt");
-    ok(&cat(&[&["train"], MLP, &["--world-size", "2", "--steps", "2", "--checkpoint", s(&plain)]]));
-    let e = fails(&cat(&[&base, &["--memory-budget", "256", "--steps", "4", "--resume", s(&plain)]]));
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--steps", "2", "--checkpoint", s(&plain)],
+    ]));
+    let e = fails(&cat(&[
+        &base,
+        &["--memory-budget", "256", "--steps", "4", "--resume", s(&plain)],
+    ]));
     assert!(e.contains("records no plan"), "{e}");
 }
 
@@ -99,16 +136,32 @@ fn what_the_plan_cannot_choose_for_is_one_error_line() {
     for (extra, says) in [
         (&["--world-size", "2"][..], "--memory-budget"),
         (&["--memory-budget", "64"][..], "--world-size 2"),
-        (&[&two[..], &["--memory-budget", "64", "--policy", "zero2"]].concat()[..], "drop --policy"),
-        (&[&two[..], &["--memory-budget", "64", "--zero", "1"]].concat()[..], "drop --policy"),
-        (&[&two[..], &["--memory-budget", "64", "--bucket-mb", "auto"]].concat()[..], "not auto"),
+        (
+            &[&two[..], &["--memory-budget", "64", "--policy", "zero2"]].concat()[..],
+            "drop --policy",
+        ),
+        (
+            &[&two[..], &["--memory-budget", "64", "--zero", "1"]].concat()[..],
+            "drop --policy",
+        ),
+        (
+            &[&two[..], &["--memory-budget", "64", "--bucket-mb", "auto"]].concat()[..],
+            "not auto",
+        ),
         // no configuration fits a budget of a few bytes: the smallest is named
-        (&[&two[..], &["--memory-budget", "0.00001"]].concat()[..], "no configuration fits"),
+        (
+            &[&two[..], &["--memory-budget", "0.00001"]].concat()[..],
+            "no configuration fits",
+        ),
     ] {
         let e = fails(&cat(&[&base, extra]));
         assert!(e.contains(says), "{extra:?}: {e}");
     }
-    let gpt = cat(&[&["train"], GPT, &["--steps", "2", "--plan", "auto", "--world-size", "2"]]);
+    let gpt = cat(&[
+        &["train"],
+        GPT,
+        &["--steps", "2", "--plan", "auto", "--world-size", "2"],
+    ]);
     let e = fails(&cat(&[&gpt, &["--memory-budget", "64", "--activation-checkpointing"]]));
     assert!(e.contains("drop --activation-checkpointing"), "{e}");
 }

@@ -203,7 +203,12 @@ fn the_policy_sweep_puts_each_precision_beside_the_others() {
     // each policy under each precision, in that order
     assert_eq!(
         names,
-        [("allreduce", "f32"), ("allreduce", "bf16"), ("zero2", "f32"), ("zero2", "bf16")]
+        [
+            ("allreduce", "f32"),
+            ("allreduce", "bf16"),
+            ("zero2", "f32"),
+            ("zero2", "bf16")
+        ]
     );
     let last = |i: usize| rows[i]["sent_bytes_last_step"].as_u64().unwrap();
     // bf16 buckets: half the bytes of f32's, under all-reduce and under ZeRO-2
@@ -217,12 +222,24 @@ fn the_policy_sweep_puts_each_precision_beside_the_others() {
     assert!((loss(2) - loss(0)).abs() < 1e-6, "{rows:?}");
     let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
     assert!(csv.lines().next().unwrap().contains(",precision,note"), "{csv}");
-    assert!(csv.lines().nth(2).unwrap().starts_with("allreduce,") && csv.contains(",bf16,"), "{csv}");
+    assert!(
+        csv.lines().nth(2).unwrap().starts_with("allreduce,") && csv.contains(",bf16,"),
+        "{csv}"
+    );
     let svg = std::fs::read_to_string(out.join("policies.svg")).unwrap();
     assert!(svg.contains("zero2 bf16"), "the chart names policy and precision");
     // --precisions alone: the run's own policy under each
     let out = dir("precision-sweep-alone");
-    let mut args = vec!["sweep", "--steps", "4", "--json", "--precisions", "f32,fp16", "--out", s(&out)];
+    let mut args = vec![
+        "sweep",
+        "--steps",
+        "4",
+        "--json",
+        "--precisions",
+        "f32,fp16",
+        "--out",
+        s(&out),
+    ];
     args.extend(mlp_flags());
     let rows: Vec<Value> = serde_json::from_str(&ok(&args)).expect("JSON rows");
     let names: Vec<&str> = rows.iter().map(|r| r["precision"].as_str().unwrap()).collect();
@@ -236,13 +253,26 @@ fn the_policy_sweep_puts_each_precision_beside_the_others() {
     // a row its policy refuses (bf16 compression of fp16 gradients) is its one error line, and
     // the rows that finished before it are written
     let out = dir("precision-sweep-refused");
-    let mut args = vec!["sweep", "--steps", "4", "--policy", "bf16", "--precisions", "f32,fp16", "--out", s(&out)];
+    let mut args = vec![
+        "sweep",
+        "--steps",
+        "4",
+        "--policy",
+        "bf16",
+        "--precisions",
+        "f32,fp16",
+        "--out",
+        s(&out),
+    ];
     args.extend(mlp_flags());
     let e = fails(&args);
     assert!(e.contains("--precision fp16") && e.contains("bf16 compression"), "{e}");
     let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
     assert_eq!(csv.lines().count(), 2, "the header and the f32 row: {csv}");
-    assert!(csv.lines().nth(1).unwrap().starts_with("bf16,") && csv.contains(",f32,"), "{csv}");
+    assert!(
+        csv.lines().nth(1).unwrap().starts_with("bf16,") && csv.contains(",f32,"),
+        "{csv}"
+    );
 }
 
 #[test]

@@ -104,7 +104,11 @@ fn reduce_dtype_f32_keeps_f32_buckets_and_zero2_shards_the_masters() {
     };
     let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
     let (bf16, f32_reduce) = (json(&[]), json(&["--reduce-dtype", "f32"]));
-    assert_eq!(n(&f32_reduce, "bucket_bytes"), 2 * n(&bf16, "bucket_bytes"), "{f32_reduce}");
+    assert_eq!(
+        n(&f32_reduce, "bucket_bytes"),
+        2 * n(&bf16, "bucket_bytes"),
+        "{f32_reduce}"
+    );
     assert_eq!(n(&f32_reduce, "parameter_bytes"), n(&bf16, "parameter_bytes"));
     let zero2 = json(&["--policy", "zero2"]);
     let (whole, shard) = (n(&bf16, "master_weight_bytes"), n(&zero2, "master_weight_bytes"));

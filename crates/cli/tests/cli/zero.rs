@@ -177,7 +177,16 @@ fn resuming_with_another_stage_and_unsupported_combinations_are_one_error_line()
         s(&plain),
     ]));
     // another world size resumes: the checkpoint holds the state whole, cut again on load
-    ok(&small(&["--world-size", "4", "--zero", "1", "--steps", "2", "--resume", s(&ck)]));
+    ok(&small(&[
+        "--world-size",
+        "4",
+        "--zero",
+        "1",
+        "--steps",
+        "2",
+        "--resume",
+        s(&ck),
+    ]));
     for (extra, from, want) in [
         (
             &["--world-size", "2", "--zero", "2"][..],
@@ -186,7 +195,11 @@ fn resuming_with_another_stage_and_unsupported_combinations_are_one_error_line()
         ),
         (&["--world-size", "2"], &ck, "--zero 1, this run has --zero 0"),
         // a plain checkpoint does not resume under ZeRO either
-        (&["--world-size", "2", "--zero", "1"], &plain, "--zero 0, this run has --zero 1"),
+        (
+            &["--world-size", "2", "--zero", "1"],
+            &plain,
+            "--zero 0, this run has --zero 1",
+        ),
     ] {
         let err = fails(&small(&cat(&[extra, &["--steps", "2", "--resume", s(from)]])));
         assert!(err.contains(want), "{err}");

@@ -91,7 +91,10 @@ fn master_shards(ctx: &OptimizerContext, masters: &[(String, Tensor)]) -> brigad
     let mut out = vec![];
     for span in ctx.buckets.spans() {
         let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
-        let device = span.params.first().map_or(Device::Cpu, |p| params[p.index].value().device());
+        let device = span
+            .params
+            .first()
+            .map_or(Device::Cpu, |p| params[p.index].value().device());
         let shard = Tensor::zeros_on(&[shard_len(span.grad_numel, world)], DType::F32, device)?;
         for piece in shard::pieces(&flat, world, rank) {
             let name = params[piece.param].name().unwrap_or("<unnamed>");
@@ -209,7 +212,9 @@ impl ReducerPolicy for Zero {
         // Beside 16-bit parameters `full` steps f32 masters of every parameter: this rank keeps
         // its shard of them (dropping `full` frees the rest) and steps that.
         let masters = full.master_weights();
-        let masters = (!masters.is_empty()).then(|| master_shards(ctx, &masters)).transpose()?;
+        let masters = (!masters.is_empty())
+            .then(|| master_shards(ctx, &masters))
+            .transpose()?;
         Ok(Box::new(ZeroOptimizer::new(
             ctx,
             self.stage,

@@ -391,7 +391,12 @@ impl ZeroOptimizer {
             }
         }
         let flag = Tensor::from_vec(vec![if found_inf { 1.0f32 } else { 0.0 }], &[1])?.to_device(self.device())?;
-        let any = self.comm.all_reduce(&flag, ReduceOp::Max, "zero.found_inf").wait()?.item()? > 0.0;
+        let any = self
+            .comm
+            .all_reduce(&flag, ReduceOp::Max, "zero.found_inf")
+            .wait()?
+            .item()?
+            > 0.0;
         self.unscale = 1.0 / scaler.scale();
         let step = scaler.update(any).map_err(|e| zero_error(e.to_string()))?;
         self.scaler = Some(scaler);
@@ -632,7 +637,11 @@ impl Optimizer for ZeroOptimizer {
     /// [`Optimizer::consolidate_state`] (rank 0; empty before it and on the other ranks).
     fn master_weights(&self) -> Vec<(String, Tensor)> {
         match self.mixed {
-            true => self.consolidated_masters.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            true => self
+                .consolidated_masters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             false => vec![],
         }
     }

@@ -239,7 +239,13 @@ fn an_fp16_overflow_on_the_device_stream_is_reported_after_the_step_with_no_read
         work.wait().unwrap();
         let staged = fake::counts(ordinal).to_host_bytes;
         let e = fp16
-            .after_step(&StepContext { params: &[], loss_scale: None }, &collectives)
+            .after_step(
+                &StepContext {
+                    params: &[],
+                    loss_scale: None,
+                },
+                &collectives,
+            )
             .unwrap_err()
             .to_string();
         (staged, e)
