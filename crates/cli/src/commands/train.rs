@@ -447,16 +447,12 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
                 csv.push_str(row);
                 csv.push('\n');
             }
-            for (i, l) in outcome.losses().iter().enumerate() {
-                let lr = outcome.lrs().get(i).map(f64::to_string).unwrap_or_default();
-                let norm = outcome.grad_norms().get(i).copied().flatten();
-                let norm = norm.map(|n| format!("{n:.9}")).unwrap_or_default();
-                let val = outcome.val_losses().get(i).copied().flatten();
-                let val = val.map(|v| format!("{v:.9}")).unwrap_or_default();
-                csv.push_str(&format!("{},{:.9},{lr},{norm},{val}", outcome.first_step + i, l));
+            for (i, r) in outcome.steps.iter().enumerate() {
+                let norm = r.grad_norm.map(|n| format!("{n:.9}")).unwrap_or_default();
+                let val = r.val_loss.map(|v| format!("{v:.9}")).unwrap_or_default();
+                csv.push_str(&format!("{},{:.9},{},{norm},{val}", outcome.first_step + i, r.loss, r.lr));
                 if scaled {
-                    let scale = outcome.scales().get(i).copied().flatten();
-                    csv.push_str(&format!(",{}", scale.map(|s| s.to_string()).unwrap_or_default()));
+                    csv.push_str(&format!(",{}", r.scale.map(|s| s.to_string()).unwrap_or_default()));
                 }
                 csv.push('\n');
             }
@@ -491,11 +487,11 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
             .filter(|(s, _)| *s < outcome.first_step)
             .filter_map(|(_, row)| LossPoint::from_csv_row(row));
         let points: Vec<LossPoint> = earlier
-            .chain(outcome.losses().iter().enumerate().map(|(i, &loss)| LossPoint {
+            .chain(outcome.steps.iter().enumerate().map(|(i, r)| LossPoint {
                 step: outcome.first_step + i,
-                loss,
-                lr: outcome.lrs().get(i).copied(),
-                val_loss: outcome.val_losses().get(i).copied().flatten(),
+                loss: r.loss,
+                lr: Some(r.lr),
+                val_loss: r.val_loss,
             }))
             .collect();
         if points.is_empty() {
