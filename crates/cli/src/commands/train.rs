@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use brigade::observe::TrainObserver;
 use brigade_ddp::overlap::StepProfile;
+use brigade_models::tokens::expand_glob;
 use clap::Args;
 
 use crate::args::RunArgs;
@@ -191,14 +192,20 @@ impl TrainArgs {
 
     /// Every file this run reads, with the flag that names it: a `--data` path with `{rank}`
     /// is every rank's file (the ranks of --world-size, or of the `mpirun` job this process
-    /// belongs to).
+    /// belongs to), and a `--data` or `--eval-data` pattern (`*`, `?`) every file it matches.
     pub fn inputs(&self) -> Vec<Input<'static>> {
         let mut inputs = vec![];
         let mut add = |flag: &'static str, path: &Option<PathBuf>, may_replace: &'static [&'static str]| {
-            if let Some(p) = path {
+            let Some(p) = path else { return };
+            // a pattern that matches nothing is its own error, when the data is opened
+            let files = match flag {
+                "--data" | "--eval-data" => expand_glob(p).unwrap_or_else(|_| vec![p.clone()]),
+                _ => vec![p.clone()],
+            };
+            for f in files {
                 inputs.push(Input {
                     may_replace,
-                    ..Input::new(flag, p)
+                    ..Input::new(flag, &f)
                 });
             }
         };
@@ -450,7 +457,12 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
             for (i, r) in outcome.steps.iter().enumerate() {
                 let norm = r.grad_norm.map(|n| format!("{n:.9}")).unwrap_or_default();
                 let val = r.val_loss.map(|v| format!("{v:.9}")).unwrap_or_default();
-                csv.push_str(&format!("{},{:.9},{},{norm},{val}", outcome.first_step + i, r.loss, r.lr));
+                csv.push_str(&format!(
+                    "{},{:.9},{},{norm},{val}",
+                    outcome.first_step + i,
+                    r.loss,
+                    r.lr
+                ));
                 if scaled {
                     csv.push_str(&format!(",{}", r.scale.map(|s| s.to_string()).unwrap_or_default()));
                 }

@@ -314,3 +314,35 @@ fn a_resume_on_a_changed_shard_is_refused() {
     let e = fails(&run("4", true));
     assert!(e.contains("it was written with data") && e.contains("(sampled)"), "{e}");
 }
+
+#[test]
+fn no_output_replaces_a_file_a_data_or_eval_data_pattern_matches() {
+    let d = dir("tokens-glob-kept");
+    let ids: Vec<u16> = (0..200u16).map(|i| (i * 7) % 50257).collect();
+    let shards = [d.join("part-000.bin"), d.join("part-001.bin")];
+    for p in &shards {
+        write_llmc(p, &ids);
+    }
+    let bytes = std::fs::read(&shards[1]).unwrap();
+    let glob = d.join("part-*.bin");
+    for data_flag in ["--data", "--eval-data"] {
+        for flag in ["--checkpoint", "--losses", "--save"] {
+            let mut args = cat(&[&["train"], TINY_GPT2, &["--steps", "1", flag, s(&shards[1])]]);
+            if data_flag == "--data" {
+                args.extend(["--data", s(&glob)]);
+            } else {
+                args.extend(["--data", s(&shards[0]), "--eval-data", s(&glob), "--eval-every", "1"]);
+            }
+            let e = fails(&args);
+            assert!(
+                e.contains(&format!("would write over the {data_flag} file")) && e.contains("part-001.bin"),
+                "{data_flag} {flag}: {e}"
+            );
+            assert_eq!(
+                std::fs::read(&shards[1]).unwrap(),
+                bytes,
+                "{data_flag} {flag}: the shard changed"
+            );
+        }
+    }
+}
