@@ -179,6 +179,31 @@ pub fn check_inputs_kept(inputs: &[Input<'_>], outputs: &[Output]) -> Result<()>
     Ok(())
 }
 
+/// Checks that every input but `--text` (which is read once, as a stream, up to its bound) is
+/// a regular file where it exists: the data formats are opened more than once (sniffed, then
+/// read by row), so a pipe, a device or a directory is one line naming the flag. A file that
+/// does not exist is its reader's error.
+pub fn check_inputs_are_files(inputs: &[Input<'_>]) -> Result<()> {
+    for input in inputs.iter().filter(|i| i.flag != "--text") {
+        match std::fs::metadata(&input.path) {
+            Ok(m) if !m.is_file() => {
+                let what = if m.is_dir() {
+                    "a directory"
+                } else {
+                    "not a regular file"
+                };
+                return Err(Error::Usage(format!(
+                    "{} {} is {what}: give the path of a file",
+                    input.flag,
+                    input.path.display()
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// One write of the end of a run.
 pub type Write<'a> = (Output, Box<dyn FnOnce() -> Result<()> + 'a>);
 

@@ -186,7 +186,9 @@ impl TrainArgs {
         }
         let outputs = self.outputs();
         check_outputs(&outputs)?;
-        crate::outputs::check_inputs_kept(&self.inputs(), &outputs)?;
+        let inputs = self.inputs();
+        crate::outputs::check_inputs_are_files(&inputs)?;
+        crate::outputs::check_inputs_kept(&inputs, &outputs)?;
         Ok(())
     }
 

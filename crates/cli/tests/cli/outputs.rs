@@ -709,3 +709,29 @@ fn outputs_never_replace_the_text_the_eval_data_or_any_rank_s_file() {
     assert!(e.contains("would write over the --eval-data file"), "{e}");
     kept(&data, &data_bytes);
 }
+
+#[test]
+fn a_data_path_that_is_not_a_regular_file_is_one_error_line_before_it_is_read() {
+    let d = dir("inputs-regular");
+    let fifo = d.join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    // a directory, a device (`/dev/zero` would be read without end), a pipe (opening it for
+    // reading would wait for a writer; a format is sniffed, then read again)
+    for (flag, path, what) in [
+        ("--data", d.as_path(), "is a directory"),
+        ("--init", Path::new("/dev/zero"), "is not a regular file"),
+        ("--resume", d.as_path(), "is a directory"),
+        ("--data", fifo.as_path(), "is not a regular file"),
+    ] {
+        let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", flag, s(path)]]));
+        assert!(
+            e.contains(&format!("{flag} {} {what}: give the path of a file", path.display())),
+            "{flag} {}: {e}",
+            path.display()
+        );
+    }
+}
