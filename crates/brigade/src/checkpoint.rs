@@ -29,6 +29,9 @@ use brigade_tensor::Tensor;
 
 use crate::error::{CheckpointMismatch, Error, Result};
 
+/// Checkpoint metadata key of the ranks the checkpoint's run trained on.
+pub(crate) const WORLD_SIZE_KEY: &str = "world_size";
+
 /// Prefix of the policy state's tensors.
 const POLICY_PREFIX: &str = "policy.";
 
@@ -236,7 +239,7 @@ pub fn save_checkpoint(
         ("optimizer", id.optimizer.to_string()),
         ("seed", id.seed.to_string()),
         ("zero", id.zero.level().to_string()),
-        ("world_size", id.world_size.to_string()),
+        (WORLD_SIZE_KEY, id.world_size.to_string()),
     ]
     .into_iter()
     .chain(id.data.clone().map(|fp| ("data", fp)))
@@ -336,7 +339,7 @@ pub fn load_checkpoint(
     opt.load_state_dict(&strip("optim."))?;
     let policy_state = strip(POLICY_PREFIX);
     // a policy's state is per rank: it resumes on as many ranks as wrote it
-    let world: Option<usize> = meta.get("world_size").and_then(|w| w.parse().ok());
+    let world: Option<usize> = meta.get(WORLD_SIZE_KEY).and_then(|w| w.parse().ok());
     if !policy_state.is_empty() && world != Some(id.world_size) {
         return Err(err(CheckpointMismatch::PolicyWorld {
             policy: meta.get("policy").cloned().unwrap_or_default(),
@@ -382,7 +385,7 @@ fn check_data_order(
     if id.data_order.is_none() {
         return Ok(None);
     }
-    let written_world = meta.get("world_size").cloned().unwrap_or_default();
+    let written_world = meta.get(WORLD_SIZE_KEY).cloned().unwrap_or_default();
     if written_world != id.world_size.to_string() {
         return Err(CheckpointMismatch::Written {
             what: "world size (a sampled run's position is per rank)",

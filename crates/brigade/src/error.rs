@@ -238,17 +238,23 @@ pub enum CheckpointMismatch {
     /// Its policy state does not fit this run's policy (the policy's own words).
     #[error("its policy state does not fit: {0}")]
     PolicyState(String),
-    /// It was written by a run that read another number of rows a step per rank, and this run's
-    /// data position follows from the step (in order, or under a join mode).
+    /// It was written by a run that read another number of rows a step (over all ranks; under
+    /// a join mode, per rank on as many ranks), and this run's data position follows from the
+    /// step (in order, or under a join mode).
     #[error(
-        "it was written at {written} rows a step per rank (batch size x accum), this run reads {this_run}: \
-         the data would continue at another row; resume with a batch size and accum whose product is {written}"
+        "it was written at {written} rows a step per rank (batch size x accum) on {written_world} ranks, this run \
+         reads {this_run} on {world}: the data would continue at another row; resume with ranks x batch size x accum \
+         = {written_world} x {written} (under a join mode, on {written_world} ranks at {written} rows each)"
     )]
     RowsPerStep {
         /// The checkpoint's rows a step per rank.
         written: usize,
-        /// This run's.
+        /// The checkpoint's ranks.
+        written_world: usize,
+        /// This run's rows a step per rank.
         this_run: usize,
+        /// This run's ranks.
+        world: usize,
     },
     /// It holds a NaN or an infinity (a run that trains on through them wrote it), and this run
     /// does not take them ([`crate::config::RecipeConfig::allow_nonfinite`]).

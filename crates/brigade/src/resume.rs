@@ -13,9 +13,10 @@
 //! - a schedule whose `T` was left to default (`decay_steps: None`) takes the checkpoint's `T`,
 //!   so a resume that extends the run's steps continues the same curve (and holds `min_lr`
 //!   past `T`, which [`defaulted_t_note`] says);
-//! - the rows a step reads per rank (`batch_size * accum`, [`ROWS_PER_STEP_KEY`]) must be the
-//!   checkpoint's where the data's position follows from the step (in order, or under a join
-//!   mode): another would continue at another row ([`CheckpointMismatch::RowsPerStep`]);
+//! - the rows a step reads over all ranks (`world_size * batch_size * accum`, from
+//!   [`ROWS_PER_STEP_KEY`] and the world size the checkpoint records) must be the checkpoint's
+//!   where the data is read in order, and under a join mode the ranks and the rows per rank
+//!   both: another would continue at another row ([`CheckpointMismatch::RowsPerStep`]);
 //! - the activation checkpointing ([`ACTIVATION_CHECKPOINTING_KEY`]) may differ: it changes
 //!   memory, not results, and the change is reported as a [`HyperparameterChange`].
 
@@ -23,6 +24,7 @@ use std::collections::HashMap;
 
 use brigade_autograd::LrSchedule;
 
+use crate::checkpoint::WORLD_SIZE_KEY;
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error};
 use crate::recipe::{schedule_record, HyperparameterChange};
@@ -143,19 +145,39 @@ pub fn check_resume(
 /// Refuses a resume that reads another number of rows a step than the checkpoint's run
 /// (`meta`) when the data's position follows from the step (`position_from_step`: data in
 /// order, or under a join mode): it would continue at another row, and a join run's ranks
-/// would join at other steps. A checkpoint that records no number is not checked.
+/// would join at other steps. In order, step `s` reads the rows from `s` times the rows of a
+/// step over all ranks (`world_size * batch_size * accum`), so that product must be the
+/// checkpoint's (the split among the ranks may change); under a join mode each rank reads its
+/// own file, so the ranks and the rows per rank must both be the checkpoint's. A checkpoint
+/// that records no number is not checked (and one without a world size is compared per rank).
 pub fn check_rows_per_step(
     cfg: &TrainConfig,
     meta: &HashMap<String, String>,
     position_from_step: bool,
+    world_size: usize,
 ) -> std::result::Result<(), CheckpointMismatch> {
     let this_run = cfg.rows_per_step();
-    match meta.get(ROWS_PER_STEP_KEY).and_then(|w| w.parse::<usize>().ok()) {
-        Some(written) if position_from_step && written != this_run => {
-            Err(CheckpointMismatch::RowsPerStep { written, this_run })
-        }
-        _ => Ok(()),
+    let Some(written) = meta.get(ROWS_PER_STEP_KEY).and_then(|w| w.parse::<usize>().ok()) else {
+        return Ok(());
+    };
+    let written_world = meta
+        .get(WORLD_SIZE_KEY)
+        .and_then(|w| w.parse::<usize>().ok())
+        .unwrap_or(world_size);
+    let same = if cfg.data.join.is_some() {
+        written == this_run && written_world == world_size
+    } else {
+        written * written_world == this_run * world_size
+    };
+    if position_from_step && !same {
+        return Err(CheckpointMismatch::RowsPerStep {
+            written,
+            written_world,
+            this_run,
+            world: world_size,
+        });
     }
+    Ok(())
 }
 
 /// What to say when a resumed run goes past the `T` its schedule took from the checkpoint

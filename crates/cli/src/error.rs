@@ -146,10 +146,16 @@ fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {
             "it was written with --zero {written_stage}, this run has --zero {stage}: a checkpoint resumes under \
              the --zero it was written with (on any number of ranks)"
         ),
-        M::RowsPerStep { written, this_run } => format!(
-            "it was written at {written} rows a step per rank (--batch-size x --accum), this run reads {this_run}: \
-             data read in order or under --join would continue at another row; resume with a --batch-size and \
-             --accum whose product is {written}"
+        M::RowsPerStep {
+            written,
+            written_world,
+            this_run,
+            world,
+        } => format!(
+            "it was written at {written} rows a step per rank (--batch-size x --accum) on {written_world} ranks, this \
+             run reads {this_run} on {world}: data read in order would continue at another row; resume with \
+             --world-size x --batch-size x --accum = {} (under --join: {written_world} ranks at {written} rows each)",
+            written_world * written
         ),
         M::NonFinite { tensor, index, value } => format!(
             "tensor '{tensor}' holds {value} at index {index}: a run under --allow-nonfinite wrote it; \

@@ -291,7 +291,7 @@ impl Feed {
             .map(|mode| JoinRun::new(mode, &lengths, rows_per_step, ctx.world_size, first_step));
         if let (Some(r), Some(path)) = (resumed, &cfg.runtime.checkpoint.resume) {
             let position_from_step = join.is_some() || matches!(cfg.data.order, DataOrder::InOrder);
-            check_rows_per_step(cfg, &r.metadata, position_from_step)
+            check_rows_per_step(cfg, &r.metadata, position_from_step, ctx.world_size)
                 .map_err(|mismatch| Error::checkpoint(path, mismatch))?;
             join::check_resume(&r.metadata, join.as_ref()).map_err(|mismatch| Error::checkpoint(path, mismatch))?;
         }

@@ -184,15 +184,22 @@ fn a_checkpoint_without_generators_still_loads() {
 fn another_world_size_continues_a_shared_generator_and_refuses_different_ones() {
     let d = tmp("world");
     let ckpt = d.join("run.ckpt");
+    // one rank at 16 rows reads the 16 rows a step that two ranks at 8 read: the resume reads
+    // on from the row the checkpoint reached
+    let one_rank = |steps| {
+        let mut c = config(steps);
+        c.data.batch_size = 16;
+        c
+    };
     // two ranks seeded alike drew the same masks: one rank continues them
     run(2, &writing(config(2), &ckpt), Seeds::Shared).unwrap();
     let entries = rng_entries(&ckpt);
     assert_eq!(entries[0].1, entries[1].1, "{entries:?}");
-    let resumed = run(1, &resuming(config(4), &ckpt), Seeds::Shared).unwrap();
+    let resumed = run(1, &resuming(one_rank(4), &ckpt), Seeds::Shared).unwrap();
     assert_eq!(resumed.outcome.first_step, 2);
     // two ranks seeded apart: refused, in one line saying how to resume
     run(2, &writing(config(2), &ckpt), Seeds::PerRank).unwrap();
-    let e = run(1, &resuming(config(4), &ckpt), Seeds::PerRank)
+    let e = run(1, &resuming(one_rank(4), &ckpt), Seeds::PerRank)
         .err()
         .expect("refused")
         .to_string();

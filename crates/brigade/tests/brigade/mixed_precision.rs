@@ -306,13 +306,14 @@ fn zero1_and_zero2_in_bf16_follow_the_bf16_all_reduce_with_master_shards() {
 }
 
 /// A bf16 ZeRO checkpoint holds the whole f32 masters, and resumes on another world size as
-/// the bf16 all-reduce checkpoint does: 2 steps on 2 ranks, then 2 more on 3.
+/// the bf16 all-reduce checkpoint does: 2 steps on 2 ranks, then 2 more on 3 (6 rows a rank,
+/// then 4: 12 rows a step both times, so the resume reads on from the row the first run reached).
 #[test]
 fn a_bf16_zero_checkpoint_holds_whole_f32_masters_and_resumes_on_three_ranks() {
     let dir = tmp("zero-reshard");
     let two_then_three = |policy: PolicySpec| {
         let path = dir.join(format!("{policy}.safetensors"));
-        gpt_under(2, &writing(config(2, 4, DType::BF16), &path), policy.clone()).unwrap();
+        gpt_under(2, &writing(config(2, 6, DType::BF16), &path), policy.clone()).unwrap();
         let (tensors, _) = load_safetensors_with_metadata(&path).unwrap();
         let model: Vec<_> = tensors.iter().filter(|(n, _)| n.starts_with("model.")).collect();
         assert!(

@@ -219,3 +219,82 @@ fn a_checkpoint_written_under_allow_nonfinite_resumes_with_it_and_only_with_it()
     let e = fails(&cat(&[&base, &["--steps", "5", "--resume", s(&ck)]]));
     assert!(e.contains("NaN") && e.contains("--allow-nonfinite"), "{e}");
 }
+
+#[test]
+fn a_resume_on_in_order_data_on_other_ranks_reads_on_from_the_row_the_step_reached() {
+    let d = dir("drift-world");
+    let data = mlp_data(&d, None);
+    let ck = d.join("ck.safetensors");
+    let base = cat(&[&["train"], MLP, &["--data", s(&data), "--optimizer", "sgd"]]);
+    // 2 ranks x 4 rows: a step reads 8 rows, 16 by step 2
+    ok(&cat(&[
+        &base,
+        &[
+            "--world-size",
+            "2",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--checkpoint",
+            s(&ck),
+        ],
+    ]));
+    // 1 or 4 ranks at 4 rows a rank would read 4 or 16 rows a step: step 2 would start at row 8
+    // or 32, not 16
+    for world in ["1", "4"] {
+        let e = fails(&cat(&[
+            &base,
+            &[
+                "--world-size",
+                world,
+                "--batch-size",
+                "4",
+                "--steps",
+                "4",
+                "--resume",
+                s(&ck),
+            ],
+        ]));
+        assert!(
+            e.contains("4 rows a step per rank") && e.contains("on 2 ranks") && e.contains("--world-size"),
+            "{world} ranks: {e}"
+        );
+    }
+    // 1 rank x 8 rows reads the same 8 rows a step: that resume is the straight run on 2 ranks
+    let (l, straight) = (d.join("l.csv"), d.join("straight.csv"));
+    ok(&cat(&[
+        &base,
+        &[
+            "--world-size",
+            "1",
+            "--batch-size",
+            "8",
+            "--steps",
+            "4",
+            "--resume",
+            s(&ck),
+            "--losses",
+            s(&l),
+        ],
+    ]));
+    ok(&cat(&[
+        &base,
+        &[
+            "--world-size",
+            "2",
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--losses",
+            s(&straight),
+        ],
+    ]));
+    let (a, b) = (losses(&l), losses(&straight));
+    assert_eq!(a.len(), 2);
+    for ((sa, la), (sb, lb)) in a.iter().zip(&b[2..]) {
+        assert_eq!(sa, sb);
+        assert!((la - lb).abs() < 1e-5, "step {sa}: {la} against {lb}");
+    }
+}
