@@ -111,9 +111,11 @@ pub fn gpt_vocab(c: &GptConfig, rows: usize) -> Option<VocabMemory> {
     })
 }
 
-/// f32 values a forward pass over `rows` rows certainly keeps for backward (a lower bound):
-/// the MLP's input and every layer's output; the GPT's residual stream after every block, its
-/// logits and their softmax (the cross-entropy's saved probabilities).
+/// f32 values a forward pass over `rows` rows certainly holds (a lower bound): the MLP's input
+/// and every layer's output; the GPT's residual stream after every block, its logits and their
+/// softmax (the cross-entropy's saved probabilities), and one layer's attention probabilities
+/// (`rows x heads x context x context`: every layer makes them, so a long context is refused
+/// here rather than by the allocator).
 pub fn activations(kind: &ModelKind, rows: usize) -> Option<u64> {
     match kind {
         ModelKind::Mlp(c) => mul(rows as u64, sum(c.widths.iter().map(|&w| Some(w as u64)))?),
@@ -122,6 +124,7 @@ pub fn activations(kind: &ModelKind, rows: usize) -> Option<u64> {
             sum([
                 mul(mul(tokens, c.d_model as u64)?, c.n_layers as u64),
                 mul(gpt_vocab(c, rows)?.logits, 2),
+                mul(matrix(rows, c.n_heads)?, matrix(c.context, c.context)?),
             ])
         }
     }
@@ -172,8 +175,22 @@ mod tests {
         let kind = ModelKind::Gpt(gpt.clone());
         // the blocks: 4 x (4 d^2 + 2 d d_ff) = 4 x 786,432; positions 128 x 256
         assert_eq!(parameters(&kind), Some(2 * 50_257 * 256 + 128 * 256 + 4 * 786_432));
-        assert_eq!(activations(&kind, 32), Some(32 * 128 * 256 * 4 + 2 * v.logits));
-        assert_eq!(human(training_bytes(&kind, 32, 2).unwrap()), "1.98 GiB");
+        // the residual stream of 4 blocks, the logits twice, one layer's 4 heads of 128 x 128
+        assert_eq!(
+            activations(&kind, 32),
+            Some(32 * 128 * 256 * 4 + 2 * v.logits + 32 * 4 * 128 * 128)
+        );
+        assert_eq!(human(training_bytes(&kind, 32, 2).unwrap()), "1.99 GiB");
+        // a context of 100,000 at 2 rows and 2 heads: 2 x 2 x 10^10 probabilities, 160 GB
+        let long = ModelKind::Gpt(brigade_models::GptConfig {
+            d_model: 32,
+            n_layers: 1,
+            n_heads: 2,
+            d_ff: 64,
+            context: 100_000,
+            ..brigade_models::GptConfig::default()
+        });
+        assert!(training_bytes(&long, 2, 2).unwrap() > 160_000_000_000);
         let huge = ModelKind::Mlp(brigade_models::MlpConfig::new(vec![16, usize::MAX, 4]));
         assert_eq!(parameters(&huge), None);
         assert_eq!(human(3 << 29), "1.50 GiB");

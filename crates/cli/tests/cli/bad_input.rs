@@ -96,6 +96,28 @@ fn sizes_that_overflow_or_exceed_memory_are_one_line_naming_the_flag() {
         "1",
     ]);
     assert!(e.contains("--d-model 65536") && e.contains("this machine has"), "{e}");
+    // a small GPT at a long context: one layer's attention probabilities, 2 rows x 2 heads x
+    // 100,000^2 f32 values, are 160 GB
+    let e = fails(&[
+        "train",
+        "--model",
+        "gpt",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--d-ff",
+        "64",
+        "--context",
+        "100000",
+        "--batch-size",
+        "2",
+        "--steps",
+        "1",
+    ]);
+    assert!(e.contains("--context 100000") && e.contains("this machine has"), "{e}");
     let e = fails(&cat(&[
         &["train"],
         MLP,
