@@ -97,8 +97,54 @@ pub fn save_npz(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -> Result<
     crate::io::write_atomic(path, &bytes).map_err(|e| ModelError::io(path, format!("could not write: {e}")))
 }
 
+/// Refuses a `.npy` header whose shape holds more elements than the file has bytes (every
+/// element takes at least one), before `npyz` multiplies the dimensions (which overflows on a
+/// shape like `(2**62, 2**62)`) or sizes a buffer by them. A header this cannot read is left
+/// to `npyz`'s own error.
+fn check_shape_fits(bytes: &[u8]) -> std::result::Result<(), String> {
+    // the magic and the version (6 + 2 bytes), then the header's length: 2 bytes little-endian
+    // in version 1, 4 in versions 2 and 3
+    let width = match bytes.get(6) {
+        Some(1) => 2,
+        Some(2 | 3) => 4,
+        _ => return Ok(()),
+    };
+    let Some(len) = bytes.get(8..8 + width) else {
+        return Ok(());
+    };
+    let header_len = len.iter().rev().fold(0usize, |acc, &b| acc << 8 | usize::from(b));
+    let start = 8 + width;
+    let Some(header) = bytes.get(start..start.saturating_add(header_len)) else {
+        return Ok(());
+    };
+    let header = String::from_utf8_lossy(header);
+    let Some(tuple) = header
+        .split_once("'shape'")
+        .and_then(|(_, rest)| rest.split_once('('))
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(inside, _)| inside)
+    else {
+        return Ok(());
+    };
+    let dims: Vec<u64> = tuple
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .filter_map(|d| d.trim_end_matches('L').parse().ok())
+        .collect();
+    let elements = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+    match elements {
+        Some(n) if n <= bytes.len() as u64 => Ok(()),
+        _ => Err(format!(
+            "its header's shape ({tuple}) holds more elements than the file's {} bytes (a damaged header?)",
+            bytes.len()
+        )),
+    }
+}
+
 /// The tensor of one `.npy` file's bytes (the error without the path).
 fn npy_to_tensor(bytes: &[u8]) -> std::result::Result<Tensor, String> {
+    check_shape_fits(bytes)?;
     let npy = NpyFile::new(bytes).map_err(|e| format!("{e} (truncated, or not a .npy file?)"))?;
     let npyz::DType::Plain(ts) = npy.dtype() else {
         return Err(format!(

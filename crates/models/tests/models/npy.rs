@@ -231,4 +231,28 @@ fn damaged_or_foreign_files_are_one_error_line() {
     assert!(e.contains("junk.npz") && e.contains("not a .npz"), "{e}");
     let e = one_line(load_npy(tmp("absent.npy")).unwrap_err());
     assert!(e.contains("absent.npy") && e.contains("cannot read"), "{e}");
+    // a header whose shape overflows 2^64 elements, or holds far more than the file: one line,
+    // before anything multiplies the dimensions or sizes a buffer by them
+    for (name, shape) in [
+        ("overflow.npy", "(4611686018427387904, 4611686018427387904)"),
+        ("lying.npy", "(1099511627776,)"),
+    ] {
+        let dict = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': {shape}, }}");
+        let mut header = dict.into_bytes();
+        while (10 + header.len() + 1) % 64 != 0 {
+            header.push(b' ');
+        }
+        header.push(b'\n');
+        let mut file = b"\x93NUMPY\x01\x00".to_vec();
+        file.extend((header.len() as u16).to_le_bytes());
+        file.extend(header);
+        file.extend([0u8; 64]);
+        let path = tmp(name);
+        std::fs::write(&path, file).unwrap();
+        let e = one_line(load_npy(&path).unwrap_err());
+        assert!(
+            e.contains(name) && e.contains("holds more elements than the file"),
+            "{e}"
+        );
+    }
 }
