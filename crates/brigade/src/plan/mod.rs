@@ -122,6 +122,10 @@ pub struct Plan {
     pub precision: String,
     /// The command line of the first profile that recorded one (empty: none did).
     pub command: Vec<String>,
+    /// The flags of the link the plan costed its candidates on (`--net-gbps`,
+    /// `--net-latency-us`), which [`Plan::command`] puts in place of the profiled run's; empty
+    /// on the profiles' measured link.
+    pub link_flags: Vec<String>,
 }
 
 /// The policy families whose profiles a candidate can be predicted from.
@@ -414,6 +418,15 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
                     .map(|r| r.command.clone())
             })
             .unwrap_or_default(),
+        link_flags: match q.link {
+            LinkCost::Ring(m) => vec![
+                "--net-gbps".into(),
+                (m.bandwidth_bytes_per_s * 8.0 / 1e9).to_string(),
+                "--net-latency-us".into(),
+                (m.latency.as_nanos() as f64 / 1e3).to_string(),
+            ],
+            LinkCost::Measured => vec![],
+        },
     })
 }
 
@@ -539,9 +552,12 @@ impl Plan {
     }
 
     /// The command line that runs candidate `idx`: the profiled command with the flags the
-    /// plan chooses (and `--profile`, `--profile-steps`) replaced by [`Plan::flags`]; the flags
-    /// alone when no profile recorded a command (a library run).
+    /// plan chooses (and `--profile`, `--profile-steps`) replaced by [`Plan::flags`], and its
+    /// link by the one the plan costed ([`Plan::link_flags`]); the flags alone when no profile
+    /// recorded a command (a library run).
     pub fn command(&self, idx: usize) -> Vec<String> {
+        const LINK_FLAGS: [(&str, bool); 2] = [("--net-gbps", true), ("--net-latency-us", true)];
+        let link: &[(&str, bool)] = if self.link_flags.is_empty() { &[] } else { &LINK_FLAGS };
         let mut out = vec![];
         let mut args = self.command.iter().peekable();
         while let Some(a) = args.next() {
@@ -549,7 +565,7 @@ impl Plan {
                 Some((n, _)) if n.starts_with("--") => (n, true),
                 _ => (a.as_str(), false),
             };
-            match PLANNED_FLAGS.iter().find(|(f, _)| *f == name) {
+            match PLANNED_FLAGS.iter().chain(link).find(|(f, _)| *f == name) {
                 None => out.push(a.clone()),
                 Some(_) if inline => {}
                 Some((_, true)) => {
@@ -564,6 +580,7 @@ impl Plan {
             }
         }
         out.extend(self.flags(idx));
+        out.extend(self.link_flags.iter().cloned());
         out
     }
 }

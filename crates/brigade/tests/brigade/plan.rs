@@ -330,7 +330,8 @@ fn a_family_of_several_profiled_steps_is_read_at_its_median_step() {
 fn the_winners_command_parses_back_into_the_chosen_flags() {
     let mut ps = profiles().to_vec();
     let argv = "brigade train --model gpt --comm-hook fp16 --zero 0 --bucket-mb=25 --first-bucket-mb 1 \
-                --activation-checkpointing --world-size 2 --profile p.json --profile-steps 1..3 --steps 3";
+                --activation-checkpointing --world-size 2 --profile p.json --profile-steps 1..3 --steps 3 \
+                --net-gbps 10 --net-latency-us=5";
     ps[0].run.as_mut().unwrap().command = argv.split(' ').filter(|s| !s.is_empty()).map(String::from).collect();
     let p = plan(&ps, &query()).unwrap();
     let w = p.winner.unwrap();
@@ -359,10 +360,33 @@ fn the_winners_command_parses_back_into_the_chosen_flags() {
     }
     assert!(!cmd.iter().any(|a| a.starts_with("--bucket-mb=")), "{cmd:?}");
     assert_eq!(value("--steps"), ["3"]);
-    // a library profile has no command: the flags alone
+    // the link the plan costed (1 Gb/s, 20 us), not the profiled run's 10 Gb/s, 5 us
+    assert_eq!(
+        (value("--net-gbps"), value("--net-latency-us")),
+        (vec!["1"], vec!["20"]),
+        "{cmd:?}"
+    );
+    assert!(!cmd.iter().any(|a| a.starts_with("--net-latency-us=")), "{cmd:?}");
+    // a library profile has no command: the flags alone, and the link's
     let lib = plan(profiles(), &query()).unwrap();
-    assert_eq!(lib.command(0), lib.flags(0));
+    assert_eq!(lib.command(0), [lib.flags(0), lib.link_flags.clone()].concat());
     assert_eq!(lib.command(0)[0], "--policy");
+    // on the profiles' measured link the profiled run's link flags stay as they were
+    let measured = plan(
+        &ps,
+        &PlanQuery {
+            link: LinkCost::Measured,
+            ..query()
+        },
+    )
+    .unwrap();
+    if let Some(w) = measured.winner {
+        let cmd = measured.command(w);
+        assert!(
+            cmd.iter().any(|a| a == "--net-gbps") && cmd.iter().any(|a| a == "--net-latency-us=5"),
+            "{cmd:?}"
+        );
+    }
 }
 
 #[test]
