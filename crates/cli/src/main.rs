@@ -85,6 +85,32 @@ fn parse() -> Result<Cli, clap::Error> {
     Cli::from_arg_matches(&matches)
 }
 
+/// A usage error in one line, like every other error: clap's first line (it adds a usage
+/// block), with the values the flag takes and the spelling clap suggests, which clap puts on
+/// lines of their own.
+fn one_line(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    let text = e.render().to_string();
+    let mut line = text.lines().next().unwrap_or("error: bad arguments").to_string();
+    if let Some(ContextValue::Strings(values)) = e.get(ContextKind::ValidValue) {
+        line.push_str(&format!(" (one of: {})", values.join(", ")));
+    }
+    for kind in [
+        ContextKind::SuggestedArg,
+        ContextKind::SuggestedValue,
+        ContextKind::SuggestedSubcommand,
+    ] {
+        match e.get(kind) {
+            Some(ContextValue::String(s)) => line.push_str(&format!(" (did you mean '{s}'?)")),
+            Some(ContextValue::Strings(s)) if !s.is_empty() => {
+                line.push_str(&format!(" (did you mean '{}'?)", s.join("', '")))
+            }
+            _ => {}
+        }
+    }
+    line
+}
+
 fn main() -> ExitCode {
     // before any tensor exists: reuse freed activation memory instead of faulting in fresh pages
     brigade::tensor::retain_freed_host_memory();
@@ -95,9 +121,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {
-            // one line, like every other error (clap adds a usage block)
-            let text = e.render().to_string();
-            eprintln!("{}", text.lines().next().unwrap_or("error: bad arguments"));
+            eprintln!("{}", one_line(&e));
             return ExitCode::from(2);
         }
     };

@@ -388,3 +388,18 @@ fn a_huge_number_in_a_message_is_written_short() {
     ]);
     assert!(e.contains("e300") && e.len() < 300, "{e}");
 }
+
+#[test]
+fn a_mistyped_flag_value_or_command_names_what_was_meant_in_its_one_line() {
+    let e = fails(&["train", "--plan", "foo"]);
+    assert!(e.contains("'foo'") && e.contains("(one of: auto)"), "{e}");
+    let e = fails(&["train", "--model", "gpx"]);
+    assert!(
+        e.contains("one of: mlp, gpt") && e.contains("did you mean 'gpt'"),
+        "{e}"
+    );
+    let e = fails(&["train", "--lrr", "3"]);
+    assert!(e.contains("did you mean '--lr'"), "{e}");
+    let e = fails(&["trian"]);
+    assert!(e.contains("did you mean 'train'"), "{e}");
+}
