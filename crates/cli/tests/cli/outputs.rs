@@ -612,6 +612,16 @@ fn a_failing_sweep_leaves_the_earlier_sweeps_files_as_they_were() {
     assert_eq!(files(&out).len(), before.len());
 }
 
+/// A named pipe at `path`.
+fn mkfifo(path: &Path) -> std::path::PathBuf {
+    assert!(std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap()
+        .success());
+    path.to_path_buf()
+}
+
 #[test]
 fn outputs_never_replace_the_data_or_a_special_file() {
     let d = dir("data-kept");
@@ -626,12 +636,7 @@ fn outputs_never_replace_the_data_or_a_special_file() {
         assert!(e.contains("would write over the --data file"), "{flag}: {e}");
     }
     assert_eq!(std::fs::read(&data).unwrap(), bytes);
-    let fifo = d.join("fifo");
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = mkfifo(&d.join("fifo"));
     let e = fails(&cat(&[&["train"], MLP, &["--steps", "2", "--losses", s(&fifo)]]));
     assert!(e.contains("is not a regular file"), "{e}");
     use std::os::unix::fs::FileTypeExt;
@@ -713,12 +718,7 @@ fn outputs_never_replace_the_text_the_eval_data_or_any_rank_s_file() {
 #[test]
 fn a_data_path_that_is_not_a_regular_file_is_one_error_line_before_it_is_read() {
     let d = dir("inputs-regular");
-    let fifo = d.join("fifo");
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = mkfifo(&d.join("fifo"));
     // a directory, a device (`/dev/zero` would be read without end), a pipe (opening it for
     // reading would wait for a writer; a format is sniffed, then read again)
     for (flag, path, what) in [

@@ -32,28 +32,24 @@ fn a_resume_on_in_order_data_with_other_rows_a_step_is_one_error_line() {
         );
     }
     // the same rows a step, split otherwise, read the same rows: that resume is the straight run
-    let (l, straight) = (d.join("l.csv"), d.join("straight.csv"));
-    ok(&cat(&[
-        &base,
-        &[
-            "--batch-size",
-            "4",
-            "--accum",
-            "2",
-            "--steps",
-            "4",
-            "--resume",
-            s(&ck),
-            "--losses",
-            s(&l),
-        ],
-    ]));
-    ok(&cat(&[
-        &base,
-        &["--batch-size", "8", "--steps", "4", "--losses", s(&straight)],
-    ]));
-    // the first run wrote no --losses: the file holds the resumed steps 2 and 3
-    let (a, b) = (losses(&l), losses(&straight));
+    resumed_is_straight(
+        &d,
+        &cat(&[
+            &base,
+            &["--batch-size", "4", "--accum", "2", "--steps", "4", "--resume", s(&ck)],
+        ]),
+        &cat(&[&base, &["--batch-size", "8", "--steps", "4"]]),
+    );
+}
+
+/// Runs `resumed` (a resume, at step 2, of a run that wrote no `--losses`) and `straight` (the
+/// same 4 steps from step 0), each writing its `--losses` in `d`, and checks that the resumed
+/// file holds steps 2 and 3, with the straight run's losses.
+fn resumed_is_straight(d: &Path, resumed: &[&str], straight: &[&str]) {
+    let (l, straight_l) = (d.join("l.csv"), d.join("straight.csv"));
+    ok(&cat(&[resumed, &["--losses", s(&l)]]));
+    ok(&cat(&[straight, &["--losses", s(&straight_l)]]));
+    let (a, b) = (losses(&l), losses(&straight_l));
     assert_eq!(a.len(), 2);
     for ((sa, la), (sb, lb)) in a.iter().zip(&b[2..]) {
         assert_eq!(sa, sb);
@@ -262,39 +258,21 @@ fn a_resume_on_in_order_data_on_other_ranks_reads_on_from_the_row_the_step_reach
         );
     }
     // 1 rank x 8 rows reads the same 8 rows a step: that resume is the straight run on 2 ranks
-    let (l, straight) = (d.join("l.csv"), d.join("straight.csv"));
-    ok(&cat(&[
-        &base,
-        &[
-            "--world-size",
-            "1",
-            "--batch-size",
-            "8",
-            "--steps",
-            "4",
-            "--resume",
-            s(&ck),
-            "--losses",
-            s(&l),
-        ],
-    ]));
-    ok(&cat(&[
-        &base,
-        &[
-            "--world-size",
-            "2",
-            "--batch-size",
-            "4",
-            "--steps",
-            "4",
-            "--losses",
-            s(&straight),
-        ],
-    ]));
-    let (a, b) = (losses(&l), losses(&straight));
-    assert_eq!(a.len(), 2);
-    for ((sa, la), (sb, lb)) in a.iter().zip(&b[2..]) {
-        assert_eq!(sa, sb);
-        assert!((la - lb).abs() < 1e-5, "step {sa}: {la} against {lb}");
-    }
+    resumed_is_straight(
+        &d,
+        &cat(&[
+            &base,
+            &[
+                "--world-size",
+                "1",
+                "--batch-size",
+                "8",
+                "--steps",
+                "4",
+                "--resume",
+                s(&ck),
+            ],
+        ]),
+        &cat(&[&base, &["--world-size", "2", "--batch-size", "4", "--steps", "4"]]),
+    );
 }
