@@ -21,7 +21,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::args::{flag_name, RunArgs};
-use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
+use crate::commands::sweep_args::{finished, make_out_dir, median_step, remove_stale, SweepArgs, POLICY_OUTPUTS};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 use crate::policy::resolve;
@@ -32,8 +32,6 @@ use crate::sent::{human_bytes, SentSummary};
 pub const BASELINE_STEPS: usize = 5;
 /// The final loss is also given as the mean of this many last steps (one step is noisy).
 pub const LAST_LOSSES: usize = 10;
-/// The files a policy sweep writes into `--out`.
-pub const OUTPUTS: [&str; 2] = ["policies.csv", "policies.svg"];
 
 /// One policy's row, under one precision.
 #[derive(Debug, Clone, Serialize)]
@@ -182,7 +180,7 @@ fn rows(
 /// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
 /// until this sweep replaces both at its end (a failed sweep leaves them as they were).
 fn prepare_out(out: &Path) -> Result<()> {
-    make_out_dir(out, OUTPUTS[0])
+    make_out_dir(out, POLICY_OUTPUTS[0])
 }
 
 /// Runs `brigade sweep --policy`.
@@ -262,8 +260,9 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     }
     // every row that finished (all of them, unless one failed)
     if !rows.is_empty() {
-        write_atomic(&s.out.join(OUTPUTS[0]), csv(&rows).as_bytes())?;
-        draw_chart(&s.out.join(OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
+        write_atomic(&s.out.join(POLICY_OUTPUTS[0]), csv(&rows).as_bytes())?;
+        draw_chart(&s.out.join(POLICY_OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
+        remove_stale(&s.out, &POLICY_OUTPUTS.map(String::from))?;
     }
     if let Some(e) = failed {
         return Err(e);
@@ -301,7 +300,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         for r in rows.iter().filter(|r| !r.note.is_empty()) {
             outln!("note: {}: {}", label(r, s.precisions.len()), r.note);
         }
-        outln!("wrote {}", s.out.join(OUTPUTS[0]).display());
+        outln!("wrote {}", s.out.join(POLICY_OUTPUTS[0]).display());
     }
     if interrupted {
         return Err(Error::SweepInterrupted {

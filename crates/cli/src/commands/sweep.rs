@@ -17,7 +17,7 @@ use brigade_ddp::overlap::{LaunchOverhead, StepProfile};
 use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
-use crate::commands::sweep_args::{finished, make_out_dir, median_step, SweepArgs};
+use crate::commands::sweep_args::{finished, make_out_dir, median_step, remove_stale, written_by_a_sweep, SweepArgs};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
@@ -54,17 +54,6 @@ fn bucket_times(events: &[brigade_comm::TraceEvent]) -> Vec<(usize, f64)> {
 /// Most runs of each cap a sweep takes (`--repeat`).
 const MAX_REPEAT: usize = 1000;
 
-/// Whether `name` is a file that `brigade sweep` writes into its `--out` directory.
-fn written_by_a_sweep(name: &str) -> bool {
-    let timeline = |ext: &str| {
-        name.strip_prefix("timeline_")
-            .and_then(|n| n.strip_suffix(ext))
-            .and_then(|n| n.strip_suffix("MiB"))
-            .is_some_and(|b| b.parse::<f64>().is_ok())
-    };
-    name == "sweep.csv" || name == "sweep.svg" || timeline(".json") || timeline(".svg")
-}
-
 /// Makes `--out` ready before any run: created and takes files; no input of the run (`--data`,
 /// `--init`) lies there under a name a sweep writes. Nothing is removed yet: an earlier sweep's
 /// files stay until this one has all of its own ([`remove_stale`]).
@@ -86,27 +75,6 @@ fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
                 path.display(),
                 out.display()
             )));
-        }
-    }
-    Ok(())
-}
-
-/// Removes from `out` what an earlier sweep wrote there and this one did not (`written`): a
-/// stale timeline must not pass for this sweep's. Regular files only: a symbolic link stays.
-fn remove_stale(out: &std::path::Path, written: &[String]) -> Result<()> {
-    let io = |source| Error::Io {
-        path: format!("--out {}", out.display()),
-        source,
-    };
-    for entry in std::fs::read_dir(out).map_err(io)? {
-        let entry = entry.map_err(io)?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if written_by_a_sweep(name) && !written.iter().any(|w| w == name) && entry.file_type().map_err(io)?.is_file() {
-            std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
-                path: entry.path().display().to_string(),
-                source,
-            })?;
         }
     }
     Ok(())

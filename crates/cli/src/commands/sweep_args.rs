@@ -17,8 +17,9 @@ pub struct SweepArgs {
     #[command(flatten)]
     pub run: RunArgs,
     /// Directory for sweep.csv, sweep.svg and one timeline per bucket size
-    /// (timeline_{B}MiB.json and .svg). Created if missing; what an earlier sweep wrote
-    /// there (those names) is removed first, so the directory holds this sweep alone;
+    /// (timeline_{B}MiB.json and .svg), or a policy sweep's policies.csv and policies.svg.
+    /// Created if missing; what an earlier sweep of either kind wrote there (those names) is
+    /// removed once this sweep's files are written, so the directory holds this sweep alone;
     /// other files are left alone. SIGINT or SIGTERM stops the sweep after a step: the run
     /// in progress is dropped, the runs that finished are written here, and it exits 130.
     #[arg(long)]
@@ -60,6 +61,46 @@ pub fn make_out_dir(out: &Path, first: &str) -> Result<()> {
         source,
     })?;
     crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(first))])
+}
+
+/// The files a policy sweep (`brigade sweep --policy`) writes into `--out`.
+pub const POLICY_OUTPUTS: [&str; 2] = ["policies.csv", "policies.svg"];
+
+/// Whether `name` is a file that `brigade sweep` writes into its `--out` directory: a bucket
+/// sweep's table, chart and timelines, or a policy sweep's table and chart.
+pub fn written_by_a_sweep(name: &str) -> bool {
+    let timeline = |ext: &str| {
+        name.strip_prefix("timeline_")
+            .and_then(|n| n.strip_suffix(ext))
+            .and_then(|n| n.strip_suffix("MiB"))
+            .is_some_and(|b| b.parse::<f64>().is_ok())
+    };
+    name == "sweep.csv"
+        || name == "sweep.svg"
+        || timeline(".json")
+        || timeline(".svg")
+        || POLICY_OUTPUTS.contains(&name)
+}
+
+/// Removes from `out` what an earlier sweep (of either kind) wrote there and this one did not
+/// (`written`): a stale timeline or table must not pass for this sweep's. Regular files only: a symbolic link stays.
+pub fn remove_stale(out: &Path, written: &[String]) -> Result<()> {
+    let io = |source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
+    for entry in std::fs::read_dir(out).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if written_by_a_sweep(name) && !written.iter().any(|w| w == name) && entry.file_type().map_err(io)?.is_file() {
+            std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
+                path: entry.path().display().to_string(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// The median step of a run, after `--warmup`.

@@ -374,3 +374,26 @@ fn a_zero3_row_trains_as_zero2_and_gathers_each_unit_twice_a_step() {
     let csv = std::fs::read_to_string(out.join("policies.csv")).unwrap();
     assert!(csv.lines().nth(2).unwrap().starts_with("zero3,"), "{csv}");
 }
+
+#[test]
+fn a_sweep_s_out_holds_that_sweep_alone_whichever_kind_wrote_there_before() {
+    let out = dir("sweep-kinds");
+    let sweep = |extra: &[&str]| {
+        let mut args = vec!["sweep", "--steps", "3", "--out", s(&out)];
+        args.extend(mlp_flags());
+        args.extend_from_slice(extra);
+        ok(&args);
+        let mut names: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let caps = sweep(&["--bucket-mb", "0.25"]);
+    assert!(caps.contains(&"sweep.csv".to_string()), "{caps:?}");
+    // the policies' sweep leaves its table and chart, none of the caps' sweep's files
+    assert_eq!(sweep(&["--policy", "allreduce,fp16"]), ["policies.csv", "policies.svg"]);
+    // and the caps' sweep after it, its own alone again
+    assert_eq!(sweep(&["--bucket-mb", "0.25"]), caps);
+}
