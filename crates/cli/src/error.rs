@@ -109,8 +109,8 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
     use brigade::Error as E;
     match e {
         E::NonFinite { step, what, value } => format!(
-            "step {step}: {what} is {value}: the run diverged. The last good checkpoint was kept and no \
-             diverged parameters were saved; lower --lr, or pass --allow-nonfinite to train on"
+            "step {step}: {what} is {value}: the run diverged. Nothing was written from the diverged state (a \
+             checkpoint written before it is kept); lower --lr, or pass --allow-nonfinite to train on"
         ),
         E::MpiNotBuilt => "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install \
                            openmpi-bin libopenmpi-dev libclang-dev) and build with `cargo build --release --features mpi`"

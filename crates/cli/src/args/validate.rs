@@ -114,8 +114,16 @@ impl RunArgs {
         self.schedule().build(self.recipe.lr, t).map_err(|e| {
             let what = e.to_string();
             let what = what.strip_prefix("configuration: ").unwrap_or(&what).to_string();
+            // where T is what is wrong (another T would do) and T was left to default, say so
+            let t_defaulted =
+                self.recipe.lr_decay_steps.is_none() && self.schedule().build(self.recipe.lr, 1 << 40).is_ok();
+            let hint = if t_defaulted {
+                " (--lr-decay-steps defaults to --steps)"
+            } else {
+                ""
+            };
             Error::Usage(format!(
-                "--lr-schedule {}: {what} (--lr-decay-steps defaults to --steps)",
+                "--lr-schedule {}: {what}{hint}",
                 flag_name(&self.recipe.lr_schedule)
             ))
         })?;

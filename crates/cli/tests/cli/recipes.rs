@@ -87,6 +87,11 @@ fn a_schedule_that_cannot_decay_is_one_error_line() {
         e.contains("--lr-schedule cosine") && e.contains("T = 4") && e.contains("W = 4"),
         "{e}"
     );
+    // T left to default is what is wrong there: the line says where it came from; not beside
+    // a fault no T mends
+    assert!(e.contains("--lr-decay-steps defaults to --steps"), "{e}");
+    let e = fails(&cat(&[BASE, &["--lr-schedule", "step", "--lr-gamma", "0"]]));
+    assert!(e.contains("gamma") && !e.contains("--lr-decay-steps"), "{e}");
     let e = fails(&cat(&[BASE, &["--clip-grad-norm", "0"]]));
     assert!(e.contains("--clip-grad-norm"), "{e}");
 }
