@@ -21,7 +21,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::args::{flag_name, RunArgs};
-use crate::commands::sweep_args::{finished, make_out_dir, median_step, remove_stale, SweepArgs, POLICY_OUTPUTS};
+use crate::commands::sweep_args::{finished, median_step, prepare_out, remove_stale, SweepArgs, POLICY_OUTPUTS};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 use crate::policy::resolve;
@@ -177,12 +177,6 @@ fn rows(
     Ok(rows)
 }
 
-/// Makes `--out` ready: created and takes files. An earlier policy sweep's table and chart stay
-/// until this sweep replaces both at its end (a failed sweep leaves them as they were).
-fn prepare_out(out: &Path) -> Result<()> {
-    make_out_dir(out, POLICY_OUTPUTS[0])
-}
-
 /// Runs `brigade sweep --policy`.
 pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> Result<()> {
     // a signal stops the run in progress at a step boundary; that run is dropped, and --out
@@ -194,7 +188,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     let mut interrupted = false;
     let late = Arc::new(LateHeldOut::default());
     let plan = plan(s, &quiet, &late)?;
-    prepare_out(&s.out)?;
+    prepare_out(&s.out, POLICY_OUTPUTS[0], &s.run)?;
     let a = &s.run;
     let mut rows = vec![];
     // a row that fails (diverged, refused by its policy) ends the sweep with its error, after

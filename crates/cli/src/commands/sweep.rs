@@ -17,7 +17,7 @@ use brigade_ddp::overlap::{LaunchOverhead, StepProfile};
 use plotters::prelude::*;
 
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
-use crate::commands::sweep_args::{finished, make_out_dir, median_step, remove_stale, written_by_a_sweep, SweepArgs};
+use crate::commands::sweep_args::{finished, median_step, prepare_out, remove_stale, SweepArgs};
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
 use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
@@ -54,32 +54,6 @@ fn bucket_times(events: &[brigade_comm::TraceEvent]) -> Vec<(usize, f64)> {
 /// Most runs of each cap a sweep takes (`--repeat`).
 const MAX_REPEAT: usize = 1000;
 
-/// Makes `--out` ready before any run: created and takes files; no input of the run (`--data`,
-/// `--init`) lies there under a name a sweep writes. Nothing is removed yet: an earlier sweep's
-/// files stay until this one has all of its own ([`remove_stale`]).
-fn prepare_out(out: &std::path::Path, run: &RunArgs) -> Result<()> {
-    let io = |source| Error::Io {
-        path: format!("--out {}", out.display()),
-        source,
-    };
-    make_out_dir(out, "sweep.csv")?;
-    let out_dir = std::fs::canonicalize(out).map_err(io)?;
-    for (flag, input) in [("--data", &run.data.data), ("--init", &run.model.init)] {
-        let Some(path) = input.as_deref() else { continue };
-        let Some(at) = crate::outputs::resolved(flag, path) else {
-            continue;
-        };
-        if at.file_name().and_then(|n| n.to_str()).is_some_and(written_by_a_sweep) && at.parent() == Some(&*out_dir) {
-            return Err(Error::Usage(format!(
-                "{flag} {} lies in --out {} under a name a sweep writes: move it or pick another --out",
-                path.display(),
-                out.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// Runs `brigade sweep`.
 pub fn sweep(mut s: SweepArgs) -> Result<()> {
     // first: a signal from here on stops the sweep (at once while its first run starts)
@@ -113,7 +87,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
             "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
         )));
     }
-    prepare_out(&s.out, &s.run)?;
+    prepare_out(&s.out, "sweep.csv", &s.run)?;
     // a signal stops the run in progress at a step boundary; that run is dropped, and --out
     // gets the runs that finished (during the first run's start-up: an exit at once)
     let quiet = RunOptions {

@@ -82,8 +82,35 @@ pub fn written_by_a_sweep(name: &str) -> bool {
         || POLICY_OUTPUTS.contains(&name)
 }
 
+/// Makes `--out` ready before any run: created and takes files (`first` among them); no input
+/// of the run (`--data`, `--init`) lies there under a name a sweep of either kind writes. Nothing is removed yet: an earlier sweep's
+/// files stay until this one has all of its own ([`remove_stale`]).
+pub fn prepare_out(out: &Path, first: &str, run: &RunArgs) -> Result<()> {
+    let io = |source| Error::Io {
+        path: format!("--out {}", out.display()),
+        source,
+    };
+    make_out_dir(out, first)?;
+    let out_dir = std::fs::canonicalize(out).map_err(io)?;
+    for (flag, input) in [("--data", &run.data.data), ("--init", &run.model.init)] {
+        let Some(path) = input.as_deref() else { continue };
+        let Some(at) = crate::outputs::resolved(flag, path) else {
+            continue;
+        };
+        if at.file_name().and_then(|n| n.to_str()).is_some_and(written_by_a_sweep) && at.parent() == Some(&*out_dir) {
+            return Err(Error::Usage(format!(
+                "{flag} {} lies in --out {} under a name a sweep writes: move it or pick another --out",
+                path.display(),
+                out.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Removes from `out` what an earlier sweep (of either kind) wrote there and this one did not
-/// (`written`): a stale timeline or table must not pass for this sweep's. Regular files only: a symbolic link stays.
+/// (`written`): a stale timeline or table must not pass for this sweep's. Regular files only:
+/// a symbolic link stays.
 pub fn remove_stale(out: &Path, written: &[String]) -> Result<()> {
     let io = |source| Error::Io {
         path: format!("--out {}", out.display()),

@@ -396,4 +396,14 @@ fn a_sweep_s_out_holds_that_sweep_alone_whichever_kind_wrote_there_before() {
     assert_eq!(sweep(&["--policy", "allreduce,fp16"]), ["policies.csv", "policies.svg"]);
     // and the caps' sweep after it, its own alone again
     assert_eq!(sweep(&["--bucket-mb", "0.25"]), caps);
+    // so neither kind takes an input from --out under a name the other writes (it would remove it)
+    let init = out.join("timeline_0.25MiB.json");
+    for kind in [&["--policy", "allreduce,fp16"][..], &["--bucket-mb", "0.25"]] {
+        let mut args = vec!["sweep", "--steps", "3", "--out", s(&out), "--init", s(&init)];
+        args.extend(mlp_flags());
+        args.extend_from_slice(kind);
+        let e = fails(&args);
+        assert!(e.contains("under a name a sweep writes"), "{kind:?}: {e}");
+        assert!(init.exists(), "{kind:?}: the input was removed");
+    }
 }
