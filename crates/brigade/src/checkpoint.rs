@@ -76,6 +76,9 @@ pub struct CheckpointIdentity<'a> {
     /// Every rank's dropout generator after the checkpoint's step, rank `r`'s at index `r`
     /// (written; a resume reads them back from the file); empty when the model draws nothing.
     pub dropout_rng: Vec<RngState>,
+    /// The checkpoint's lineage and generation entries
+    /// ([`crate::checkpoint_files`]; written, not checked).
+    pub lineage: Vec<(String, String)>,
     /// Whether a resume takes non-finite values (a run under
     /// [`crate::config::RecipeConfig::allow_nonfinite`] writes them); otherwise one is refused, naming
     /// the tensor. Not written.
@@ -113,6 +116,30 @@ fn read_checkpoint(path: &Path) -> Result<CheckpointContents> {
         return Err(Error::checkpoint(path, CheckpointMismatch::NotACheckpoint));
     }
     Ok((tensors, meta))
+}
+
+/// The metadata of the Brigade checkpoint at `path`, read from its header alone; `None` when
+/// the file cannot be read or is not a Brigade checkpoint.
+pub(crate) fn read_metadata(path: &Path) -> Option<HashMap<String, String>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).ok()?;
+    // a safetensors header is JSON of at most 100 MB (the format's own limit)
+    let n = u64::from_le_bytes(n);
+    if n > 100_000_000 {
+        return None;
+    }
+    let mut text = vec![0u8; n as usize];
+    f.read_exact(&mut text).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    let meta: HashMap<String, String> = header
+        .get("__metadata__")?
+        .as_object()?
+        .iter()
+        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+        .collect();
+    (meta.get("format").map(String::as_str) == Some(CHECKPOINT_FORMAT)).then_some(meta)
 }
 
 /// The step a checkpoint's metadata records (the step to run next).
@@ -254,6 +281,7 @@ pub fn save_checkpoint(
     }))
     .map(|(k, v)| (k.to_string(), v))
     .chain(id.recipe.iter().cloned())
+    .chain(id.lineage.iter().cloned())
     .chain(
         id.dropout_rng
             .iter()

@@ -358,13 +358,18 @@ pub struct CheckpointConfig {
     /// is replaced by the step the checkpoint resumes at (`run-{step}.ckpt` gives
     /// `run-25.ckpt` for the state after 25 steps), so that a run keeps each one; without it
     /// each checkpoint replaces the last. Every write is atomic (a temporary file renamed).
+    /// [`CheckpointConfig::check_files`] refuses a path that may land on another file of the
+    /// run, before step 0.
     pub path: Option<PathBuf>,
     /// Checkpoint period in steps (a periodic checkpoint is written during the step it
     /// resumes, once that step's loss is known to be finite).
     pub every: Option<usize>,
-    /// Keep only the newest this many checkpoints of a `{step}` path: after each write, the
-    /// files of its directory that the path names with other steps (digits in place of
-    /// `{step}`), oldest first, are removed until this many remain. Needs `{step}` in `path`.
+    /// Keep only the newest this many checkpoints of this run's lineage under a `{step}`
+    /// path: after each write, the checkpoints of the lineage among the files of its directory
+    /// that the path names (digits in place of `{step}`) are removed, oldest first (by
+    /// generation, then step: the order they were written in), until this many remain. A file
+    /// that is not a checkpoint of the lineage is never removed ([`crate::checkpoint_files`]).
+    /// Needs `{step}` in `path`.
     pub keep_last: Option<usize>,
     /// The caller's own entries, written into every checkpoint's metadata beside Brigade's,
     /// each key under [`crate::checkpoint::USER_PREFIX`] (`plan` is written `user.plan`, so

@@ -76,6 +76,10 @@ pub enum Error {
         /// What does not fit.
         mismatch: CheckpointMismatch,
     },
+    /// A checkpoint the run may write would land on another file of the run (found before step
+    /// 0 by [`crate::config::CheckpointConfig::check_files`]).
+    #[error("{}", .0.describe(.0.field, &.0.other))]
+    CheckpointClash(Box<FileClash>),
     /// One rank's failure (the root cause among the ranks' errors).
     #[error("rank {rank} of {world}: {source}")]
     OnRank {
@@ -148,6 +152,61 @@ pub enum Error {
         /// Each rank's parameter checksum, by rank.
         checksums: Vec<u64>,
     },
+}
+
+/// A checkpoint path that may land on another file of the run: which, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileClash {
+    /// The configuration field of the checkpoint path
+    /// ([`crate::checkpoint_files::PATH_FIELD`]).
+    pub field: &'static str,
+    /// The checkpoint path, as given.
+    pub path: String,
+    /// The other file's name ([`crate::checkpoint_files::RunFile::name`]).
+    pub other: String,
+    /// The other file's path, as given.
+    pub other_path: String,
+    /// Whose file it is, when its name stands for several (`rank 1's`).
+    pub whose: Option<String>,
+    /// Whether the run writes the other file (else it reads it).
+    pub other_written: bool,
+    /// How the checkpoint would land on it.
+    pub clash: crate::checkpoint_files::Clash,
+}
+
+impl FileClash {
+    /// The one line that says so, naming the checkpoint path `field` and the other file
+    /// `other` (a program over the library passes its own names for them: its flags).
+    pub fn describe(&self, field: &str, other: &str) -> String {
+        use crate::checkpoint_files::Clash;
+        let (path, other_path) = (&self.path, &self.other_path);
+        let whose = self.whose.as_ref().map(|w| format!(" ({w})")).unwrap_or_default();
+        let (step, via) = match &self.clash {
+            Clash::Lands { step, via } => (step.as_deref(), via.as_deref()),
+            Clash::PatternReads => (None, None),
+        };
+        let via = via
+            .map(|l| format!(" through the link {}", l.display()))
+            .unwrap_or_default();
+        match (&self.clash, self.other_written, step) {
+            (Clash::PatternReads, ..) => format!(
+                "{field} {path} names files that the {other} pattern {other_path} reads (a run would read the \
+                 checkpoints as its data): give it its own path"
+            ),
+            (_, false, step) => format!(
+                "{field} {path} would write over the {other} file {other_path}{whose}{}{via}: give it its own path",
+                step.map(|s| format!(" with its checkpoint of step {s}"))
+                    .unwrap_or_default()
+            ),
+            (_, true, Some(s)) => format!(
+                "{field} {path} would write its checkpoint of step {s} over {other} {other_path}{via}: give each \
+                 output its own path"
+            ),
+            (_, true, None) => {
+                format!("{field} {path} and {other} {other_path} are the same file{via}: give each output its own path")
+            }
+        }
+    }
 }
 
 /// How a checkpoint does not fit the run that tries to resume from it.

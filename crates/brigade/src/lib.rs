@@ -47,7 +47,7 @@ pub use brigade_policies as policies;
 pub use brigade_tensor as tensor;
 
 pub mod checkpoint;
-mod checkpoint_files;
+pub mod checkpoint_files;
 pub mod config;
 pub mod error;
 pub mod fit;

@@ -115,6 +115,7 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
         E::MpiNotBuilt => "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install \
                            openmpi-bin libopenmpi-dev libclang-dev) and build with `cargo build --release --features mpi`"
             .into(),
+        E::CheckpointClash(c) => c.describe(flag_of_field(c.field), flag_of_field(&c.other)),
         E::Checkpoint { path, mismatch } => format!("checkpoint {path}: {}", mismatch_in_flag_terms(mismatch)),
         E::OnRank { rank, world, source } => format!("rank {rank} of {world}: {}", in_flag_terms(source)),
         E::UnevenInputs { rows } => {
@@ -132,6 +133,16 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
             "step {step}: rank {rank}'s data ended ({rows} rows: {steps} steps) while other ranks still have data; --join throw stops every rank here (--join divide-initial or divide-active trains on)"
         ),
         e => e.to_string(),
+    }
+}
+
+/// The flag that sets the library's configuration field `field` (a name of this program's own,
+/// a flag already, as it is).
+fn flag_of_field(field: &str) -> &str {
+    match field {
+        brigade::checkpoint_files::PATH_FIELD => "--checkpoint",
+        brigade::checkpoint_files::INIT_FIELD => "--init",
+        other => other,
     }
 }
 

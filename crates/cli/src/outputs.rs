@@ -4,6 +4,8 @@
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
+use brigade::checkpoint_files::RunFile;
+
 use crate::error::{Error, Result};
 
 /// Writes `bytes` to `path` atomically (see [`brigade_models::write_atomic`]: a unique
@@ -177,6 +179,18 @@ pub fn check_inputs_kept(inputs: &[Input<'_>], outputs: &[Output]) -> Result<()>
         }
     }
     Ok(())
+}
+
+/// The files of a run as the library's check of its checkpoint path takes them
+/// ([`brigade::config::CheckpointConfig::check_files`]), named by their flags: every input but
+/// `--resume` (a checkpoint may continue it in place), every output in `outputs`.
+pub fn run_files(inputs: &[Input<'_>], outputs: &[Output]) -> Vec<RunFile> {
+    let read = inputs.iter().filter(|i| i.flag != "--resume").map(|i| RunFile {
+        whose: i.whose.clone(),
+        ..RunFile::read(i.flag, &i.path)
+    });
+    let written = outputs.iter().map(|o| RunFile::written(&o.flag, &o.path));
+    read.chain(written).collect()
 }
 
 /// Checks that every input but `--text` (which is read once, as a stream, up to its bound) is

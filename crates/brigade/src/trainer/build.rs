@@ -10,6 +10,7 @@ use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
 use brigade_tensor::{set_compute_threads, Device};
 
 use crate::checkpoint::{load_checkpoint, CheckpointIdentity, Resumed};
+use crate::checkpoint_files::{Lineage, RunFile, INIT_FIELD};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error, Result};
 use crate::join::{self, JoinRun};
@@ -17,7 +18,9 @@ use crate::launch::{nccl, RankContext};
 use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
 use crate::source::{DataLength, DataOrder, DataSource};
 
-use super::{compute_threads, zero_stage, Feed, InstalledMeter, Progress, Records, Replica, ResumeNotes, Trainer};
+use super::{
+    compute_threads, zero_stage, Feed, InstalledMeter, Progress, Records, Replica, ResumeNotes, Saves, Trainer,
+};
 
 impl<'a> Trainer<'a> {
     /// Takes this rank's `model` (loading `init` into it if given), builds the optimizer,
@@ -70,17 +73,19 @@ impl<'a> Trainer<'a> {
             feed,
             schedule,
             resume,
-            saves: Default::default(),
+            saves: Saves::new(Lineage::continuing(resumed.as_ref().map(|r| &r.metadata))),
             records: Records::new(cfg, memory, installed_meter)?,
         })
     }
 }
 
 /// What the configuration alone refuses, before the model or the data is touched: a checkpoint
-/// path that cannot be written, a reduce dtype other than the parameters' or f32, and ZeRO-3
-/// with a join mode.
+/// path that cannot be written or may land on the initial parameters, a reduce dtype other
+/// than the parameters' or f32, and ZeRO-3 with a join mode.
 fn refuse_before_any_work(cfg: &TrainConfig) -> Result<()> {
     cfg.runtime.checkpoint.validate()?;
+    let init: Vec<RunFile> = cfg.model.init.iter().map(|p| RunFile::read(INIT_FIELD, p)).collect();
+    cfg.runtime.checkpoint.check_files(&init)?;
     let p = cfg.recipe.precision;
     if p.reduce_dtype != p.param_dtype && p.reduce_dtype != brigade_tensor::DType::F32 {
         return Err(Error::Config(format!(
@@ -240,6 +245,7 @@ fn resume(
         recipe: vec![],
         policy,
         dropout_rng: vec![],
+        lineage: vec![],
         allow_nonfinite: cfg.recipe.allow_nonfinite,
     };
     let resumed = load_checkpoint(path, &id, model, opt)?;

@@ -117,8 +117,9 @@ struct ResumeNotes {
 }
 
 /// The checkpoints of the run so far.
-#[derive(Default)]
 struct Saves {
+    /// The lineage this run's checkpoints continue (its generation taken at the first write).
+    lineage: crate::checkpoint_files::Lineage,
     /// The step of the state last written.
     written: Option<usize>,
     /// A periodic checkpoint of the state the next step starts from is due: it is written in
@@ -134,6 +135,20 @@ struct Saves {
     /// This rank asks every rank to stop after the next step (rank 0 could not write a
     /// periodic checkpoint).
     stop_requested: bool,
+}
+
+impl Saves {
+    /// No checkpoint written yet, in `lineage`.
+    fn new(lineage: crate::checkpoint_files::Lineage) -> Saves {
+        Saves {
+            lineage,
+            written: None,
+            due: false,
+            policy_state_at_start: None,
+            failed: None,
+            stop_requested: false,
+        }
+    }
 }
 
 /// What the run records of its steps beside their outcomes.

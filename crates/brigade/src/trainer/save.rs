@@ -12,8 +12,8 @@ use super::{zero_stage, Trainer};
 
 impl Trainer<'_> {
     /// Writes the checkpoint (rank 0) of the state after the last step run, to
-    /// [`crate::config::CheckpointConfig::path_at`] that step, then removes the checkpoints
-    /// beyond `keep_last`. Unless
+    /// [`crate::config::CheckpointConfig::path_at`] that step, in the run's lineage, then removes
+    /// the lineage's checkpoints beyond `keep_last` ([`crate::checkpoint_files`]). Unless
     /// `allow_nonfinite`, first checks that every parameter is finite, so that a diverged run
     /// never overwrites the last good checkpoint.
     pub fn checkpoint(&mut self) -> Result<()> {
@@ -52,10 +52,17 @@ impl Trainer<'_> {
         // Every rank's dropout generator, on rank 0 (a collective).
         let dropout_rng = self.gather_rngs()?;
         if self.ctx.rank == 0 {
-            let id = self.identity(policy_name.as_deref(), dropout_rng);
+            let files = &self.cfg.runtime.checkpoint;
+            let lineage = &mut self.saves.lineage;
+            let generation = match lineage.generation {
+                Some(g) => g,
+                None => *lineage.generation.insert(files.next_generation(lineage)),
+            };
+            let mut id = self.identity(policy_name.as_deref(), dropout_rng);
+            id.lineage = self.saves.lineage.metadata(generation).to_vec();
             let (model, opt) = (self.replica.model.as_ref(), self.replica.opt.as_ref());
-            save_checkpoint(&path, &id, model, opt, &policy_state, self.at.next_step)?;
-            self.cfg.runtime.checkpoint.prune()?;
+            save_checkpoint(path, &id, model, opt, &policy_state, self.at.next_step)?;
+            files.prune(&self.saves.lineage, path)?;
         }
         self.saves.written = Some(self.at.next_step);
         Ok(())
@@ -102,6 +109,7 @@ impl Trainer<'_> {
             recipe,
             policy,
             dropout_rng,
+            lineage: vec![],
             allow_nonfinite: self.cfg.recipe.allow_nonfinite,
         }
     }

@@ -94,20 +94,52 @@ fn a_step_path_keeps_each_checkpoint_and_the_step_25_one_resumes_as_the_straight
 }
 
 #[test]
-fn keep_last_keeps_the_newest_checkpoints_of_the_path_and_nothing_else_goes() {
+fn keep_last_keeps_the_newest_checkpoints_of_the_run_and_no_other_file() {
     let d = common::tmp("checkpoints", "keep-last");
-    // files the template does not name stay: another prefix, no digits, a step and more
-    let others = ["other-10.ckpt", "run-x.ckpt", "run-10.ckpt.bak", "run-.ckpt"];
+    // files the template does not name stay: another prefix, no digits, a step and more; and
+    // so do those it names that are not this run's checkpoints: a file that is no checkpoint,
+    // an earlier run's checkpoints (another lineage), whatever their steps
+    let others = [
+        "other-10.ckpt",
+        "run-x.ckpt",
+        "run-10.ckpt.bak",
+        "run-.ckpt",
+        "run-3.ckpt",
+    ];
     for f in others {
         std::fs::write(d.join(f), b"not mine").unwrap();
     }
-    // an older run's checkpoint of the same template is the oldest, so it goes first
-    std::fs::write(d.join("run-3.ckpt"), b"an older run").unwrap();
+    run(&every(config(36), &d.join("run-{step}.ckpt"), 12, None)).unwrap();
     run(&every(config(30), &d.join("run-{step}.ckpt"), 5, Some(2))).unwrap();
     let mut want: Vec<&str> = others.to_vec();
-    want.extend(["run-25.ckpt", "run-30.ckpt"]);
+    want.extend([
+        "run-12.ckpt",
+        "run-24.ckpt",
+        "run-25.ckpt",
+        "run-30.ckpt",
+        "run-36.ckpt",
+    ]);
     want.sort();
     assert_eq!(files(&d), want);
+    assert_eq!(std::fs::read(d.join("run-3.ckpt")).unwrap(), b"not mine");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_checkpoint_path_that_may_land_on_the_initial_parameters_names_both_fields() {
+    let d = common::tmp("checkpoints", "clash");
+    let init = d.join("w-4.safetensors");
+    let first = run(&config(1)).unwrap();
+    brigade::models::save_safetensors(&init, &first.outcome.params, None).unwrap();
+    let before = std::fs::read(&init).unwrap();
+    let mut cfg = every(config(4), &d.join("w-{step}.safetensors"), 2, None);
+    cfg.model.init = Some(init.clone());
+    let e = run(&cfg).err().expect("refused").to_string();
+    assert!(
+        e.contains("runtime.checkpoint.path") && e.contains("model.init") && e.contains("of step 4"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&init).unwrap(), before, "the initial parameters are kept");
     let _ = std::fs::remove_dir_all(&d);
 }
 

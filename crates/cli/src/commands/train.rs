@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use brigade::config::CheckpointConfig;
 use brigade::observe::TrainObserver;
 use brigade_ddp::overlap::StepProfile;
 use brigade_models::tokens::expand_glob;
@@ -10,7 +11,7 @@ use clap::Args;
 
 use crate::args::RunArgs;
 use crate::error::{checkpoint_failure, Error, Result};
-use crate::outputs::{check_outputs, write_all, write_atomic, Input, Output, OutputLocks, Write};
+use crate::outputs::{check_outputs, run_files, write_all, write_atomic, Input, Output, OutputLocks, Write};
 use crate::report::loss_chart::{write_loss_chart, LossPoint};
 use crate::report::progress::ProgressBar;
 use crate::report::summary::{print_summary, PrintNotes};
@@ -74,14 +75,19 @@ pub struct TrainArgs {
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
     /// steps, during the step it resumes once that step's loss is finite); also when no step
     /// runs. `{step}` in the file name becomes the step the checkpoint resumes at
-    /// (`run-{step}.ckpt`), so that each is kept; without it each replaces the last.
+    /// (`run-{step}.ckpt`), so that each is kept; without it each replaces the last. Refused
+    /// before step 0 when any step's name (a signal or the end of --join's data writes at
+    /// other steps than the period's) is a file the run reads or another output.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Checkpoint period in steps (at least 1; needs --checkpoint).
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
-    /// Keep only the newest N checkpoints of a --checkpoint path holding `{step}` (at least 1;
-    /// older files the path names are removed after each write).
+    /// Keep only the newest N checkpoints of this run's lineage under a --checkpoint path
+    /// holding `{step}` (at least 1). A lineage starts with a run from step 0 and goes on
+    /// through its resumes; newest is last written (a run resumed from an earlier checkpoint
+    /// writes newer ones than the steps it abandoned). Another run's checkpoints, and any file
+    /// that is not a checkpoint, stay.
     #[arg(long, value_name = "N")]
     pub keep_last: Option<usize>,
     /// Continue from a checkpoint written by --checkpoint, until --steps. The checkpoint
@@ -184,12 +190,43 @@ impl TrainArgs {
                 ));
             }
         }
+        self.check_files()
+    }
+
+    /// Checks every file the run reads and writes before any work: every output can be
+    /// written, no output lands on an input or another output, and no checkpoint the
+    /// --checkpoint path may name does either.
+    pub fn check_files(&self) -> Result<()> {
         let outputs = self.outputs();
         check_outputs(&outputs)?;
         let inputs = self.inputs();
         crate::outputs::check_inputs_are_files(&inputs)?;
-        crate::outputs::check_inputs_kept(&inputs, &outputs)?;
+        // the checkpoints' own check is the library's, by their path's pattern
+        let (checkpoints, others): (Vec<Output>, Vec<Output>) =
+            outputs.into_iter().partition(|o| o.flag == "--checkpoint");
+        crate::outputs::check_inputs_kept(&inputs, &others)?;
+        if !checkpoints.is_empty() {
+            let patterns = [
+                ("--data", &self.run.data.data),
+                ("--eval-data", &self.run.data.eval_data),
+            ]
+            .into_iter()
+            .filter_map(|(flag, p)| Some(Input::new(flag, p.as_ref()?)));
+            let inputs: Vec<Input<'_>> = inputs.iter().cloned().chain(patterns).collect();
+            self.checkpoint_config().check_files(&run_files(&inputs, &others))?;
+        }
         Ok(())
+    }
+
+    /// The checkpoint part of the library's configuration, as the flags give it.
+    pub fn checkpoint_config(&self) -> CheckpointConfig {
+        CheckpointConfig {
+            resume: self.resume.clone(),
+            path: self.checkpoint.clone(),
+            every: self.checkpoint_every,
+            keep_last: self.keep_last,
+            metadata: vec![],
+        }
     }
 
     /// Every file this run reads, with the flag that names it: a `--data` path with `{rank}`
@@ -355,6 +392,8 @@ const LOSSES_HEADER_SCALED: &str = "step,loss,lr,grad_norm,val_loss,scale";
 pub fn train(mut t: TrainArgs) -> Result<()> {
     // first: a signal at any point from here on stops the run (at once while it starts)
     let stop_on_signal = StopOnSignal::install();
+    // the files first: a typo costs no calibration
+    t.check_files()?;
     let plan = match t.plan {
         Some(crate::plan_auto::PlanMode::Auto) => Some(crate::plan_auto::choose(
             &mut t.run,

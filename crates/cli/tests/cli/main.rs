@@ -5,6 +5,7 @@
 mod activation_checkpointing;
 mod bad_input;
 mod bench_gemm;
+mod checkpoint_paths;
 mod common;
 mod data_formats;
 mod device;
