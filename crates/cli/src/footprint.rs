@@ -17,6 +17,23 @@ pub use brigade::plan::memory::{matrix, mul, predict_peak, sum, PeakPrediction, 
 /// Bytes of an f32.
 const F32: u64 = 4;
 
+/// Bytes of a MiB, the unit of `--memory-budget`.
+const MIB: f64 = 1048576.0;
+
+/// `--memory-budget MB` in bytes, checked the one way every command checks it (`train`,
+/// `train --plan auto` before it calibrates, `sweep`, `plan`): a finite number of MB (MiB)
+/// above 0 whose bytes a u64 holds (below 2^44 MB); one line naming the flag otherwise.
+pub fn budget_bytes(mb: f64) -> Result<u64> {
+    let bytes = mb * MIB;
+    if !(mb.is_finite() && mb > 0.0 && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(Error::Usage(format!(
+            "--memory-budget must be a positive number of MB below 2^44 (17592186044416, 2^64 bytes), got {}",
+            crate::args::compact(mb)
+        )));
+    }
+    Ok(bytes as u64)
+}
+
 /// This machine's memory in bytes (`MemTotal` of `/proc/meminfo`), when it can be read.
 pub fn machine_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

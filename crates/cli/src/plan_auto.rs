@@ -151,6 +151,7 @@ fn check(args: &RunArgs, policy_given: bool) -> Result<f64> {
     let Some(mb) = args.runtime.memory_budget else {
         return bad("plans under a memory budget: give --memory-budget MB (per rank)");
     };
+    crate::footprint::budget_bytes(mb)?;
     if args.distributed.world_size < 2 {
         return bad("chooses how ranks share the work: give --world-size 2 or more");
     }

@@ -308,13 +308,7 @@ impl RunArgs {
         let Some(mb) = self.runtime.memory_budget else {
             return Ok(());
         };
-        if !(mb.is_finite() && mb > 0.0) {
-            return Err(Error::Usage(format!(
-                "--memory-budget must be a positive number of MB, got {}",
-                compact(mb)
-            )));
-        }
-        let budget = (mb * (1u64 << 20) as f64) as u64;
+        let budget = footprint::budget_bytes(mb)?;
         let every = self.model.activation_checkpointing.unwrap_or(0);
         let rows = self.data.batch_size;
         let fits = |p: Option<footprint::PeakPrediction>| p.filter(|p| p.total() <= budget).map(|p| p.total());

@@ -54,19 +54,14 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     let link = a.link.cost()?;
     check_caps_and_world(&a.bucket_mb, a.first_bucket_mb, a.world_size)?;
     let mb = a.memory_budget;
-    if !(mb.is_finite() && mb > 0.0 && mb * MIB < u64::MAX as f64) {
-        return Err(Error::Usage(format!(
-            "--memory-budget must be a positive number of MB, got {}",
-            compact(mb)
-        )));
-    }
+    let budget_bytes = crate::footprint::budget_bytes(mb)?;
     let mut profiles = vec![];
     for path in &a.profile {
         let steps = read_profiles(path)?;
         profiles.push(median_step(steps).expect("read_profiles returns at least one step"));
     }
     let query = PlanQuery {
-        budget_bytes: (mb * MIB) as u64,
+        budget_bytes,
         world_size: a.world_size,
         link,
         bucket_caps_mb: a.bucket_mb.clone(),

@@ -210,3 +210,50 @@ fn what_a_plan_cannot_answer_is_one_error_line() {
     let e = run(&[&d.join("missing.json")]);
     assert!(e.contains("missing.json"), "{e}");
 }
+
+#[test]
+fn the_memory_budget_is_checked_one_way_by_plan_train_and_plan_auto_before_anything_runs() {
+    let d = dir("plan-budget-bounds");
+    // `plan` reads no profile before its flags are checked: one that does not exist
+    let missing = d.join("missing.json");
+    for bad in ["0", "-5", "nan", "inf", "1e15", "1e20"] {
+        let lines: Vec<String> = [
+            vec![
+                "plan",
+                "--profile",
+                s(&missing),
+                "--net-gbps",
+                "1",
+                "--memory-budget",
+                bad,
+            ],
+            [&["train"], common::MLP, &["--steps", "1", "--memory-budget", bad]].concat(),
+            [
+                &["train"],
+                common::MLP,
+                &[
+                    "--steps",
+                    "1",
+                    "--world-size",
+                    "2",
+                    "--plan",
+                    "auto",
+                    "--memory-budget",
+                    bad,
+                ],
+            ]
+            .concat(),
+        ]
+        .iter()
+        .map(|args| common::fails(args))
+        .collect();
+        assert!(
+            lines[0].contains("--memory-budget must be a positive number of MB"),
+            "{bad}: {}",
+            lines[0]
+        );
+        assert!(lines.iter().all(|l| *l == lines[0]), "{bad}: {lines:#?}");
+        // before any calibration: no calibration note
+        assert!(!lines[2].contains("calibrat"), "{bad}: {}", lines[2]);
+    }
+}
