@@ -50,7 +50,8 @@ pub struct TrainArgs {
     /// step's update, the step's learning rate, the global gradient norm before clipping with
     /// --clip-grad-norm, the held-out loss after the step with --eval-every; empty when not
     /// computed). With --resume, the rows before the resume step already
-    /// in this file are kept, so the file ends as the uninterrupted run's; a file that lacks
+    /// in this file are kept (with --eval-every, their validation loss where the uninterrupted
+    /// run evaluates only), so the file ends as the uninterrupted run's; a file that lacks
     /// some of them keeps none (a note names the missing steps), and rows past the resume step
     /// are dropped.
     #[arg(long)]
@@ -344,9 +345,23 @@ fn previous_losses(path: &std::path::Path) -> Result<Option<Vec<(usize, String)>
 /// The rows of an existing `--losses` file at `path` that a run resumed at `first_step` keeps:
 /// steps 0 to `first_step - 1`, each once and in order, rows after them dropped (another run's).
 /// A file that lacks some of them (or repeats one) keeps none, so that the file has no gap,
-/// and a note says which steps were missing.
-fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::Path) -> Vec<(usize, String)> {
-    let before: Vec<(usize, String)> = kept.into_iter().filter(|(s, _)| *s < first_step).collect();
+/// and a note says which steps were missing. Under --eval-every (`evaluated`: after which steps
+/// the uninterrupted run evaluates) a kept row's validation loss stays only where the
+/// uninterrupted run has one: the earlier run's evaluation after its own last step goes.
+fn rows_before(
+    kept: Vec<(usize, String)>,
+    first_step: usize,
+    evaluated: Option<&dyn Fn(usize) -> bool>,
+    path: &std::path::Path,
+) -> Vec<(usize, String)> {
+    let before: Vec<(usize, String)> = kept
+        .into_iter()
+        .filter(|(s, _)| *s < first_step)
+        .map(|(s, row)| match evaluated {
+            Some(evaluated) if !evaluated(s) => (s, without_val_loss(&row)),
+            _ => (s, row),
+        })
+        .collect();
     if before.iter().map(|(s, _)| *s).eq(0..first_step) {
         return before;
     }
@@ -380,6 +395,15 @@ fn rows_before(kept: Vec<(usize, String)>, first_step: usize, path: &std::path::
         path.display()
     );
     vec![]
+}
+
+/// A `--losses` row with its validation loss (the fifth cell) emptied.
+fn without_val_loss(row: &str) -> String {
+    let mut cells: Vec<&str> = row.split(',').collect();
+    if let Some(v) = cells.get_mut(4) {
+        *v = "";
+    }
+    cells.join(",")
 }
 
 /// The header of the `--losses` file.
@@ -440,8 +464,20 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
         locks: Some(locks.clone()),
     };
     let mut report = run(&t.run, &opts)?;
+    // the steps after which the uninterrupted run evaluates: every --eval-every, and its last
+    let steps = t.run.recipe.steps;
+    let evaluated = t
+        .run
+        .recipe
+        .eval_every
+        .map(|every| move |s: usize| (s + 1).is_multiple_of(every.max(1)) || s + 1 == steps);
     let kept = match (kept, &t.losses) {
-        (Some(rows), Some(path)) => rows_before(rows, report.outcome.first_step, path),
+        (Some(rows), Some(path)) => rows_before(
+            rows,
+            report.outcome.first_step,
+            evaluated.as_ref().map(|e| e as &dyn Fn(usize) -> bool),
+            path,
+        ),
         _ => vec![],
     };
     let stopped = report.outcome.stopped.take();

@@ -276,3 +276,30 @@ fn a_resume_on_in_order_data_on_other_ranks_reads_on_from_the_row_the_step_reach
         &cat(&[&base, &["--world-size", "2", "--batch-size", "4", "--steps", "4"]]),
     );
 }
+
+#[test]
+fn a_resumed_losses_file_under_eval_every_is_the_straight_runs_file() {
+    let d = dir("drift-eval");
+    let base = cat(&[
+        &["train"],
+        MLP,
+        &["--world-size", "2", "--val-fraction", "0.25", "--eval-every", "4"],
+    ]);
+    let (ck, l, straight) = (d.join("ck.safetensors"), d.join("l.csv"), d.join("straight.csv"));
+    ok(&cat(&[&base, &["--steps", "10", "--losses", s(&straight)]]));
+    // the first part evaluates after its own last step, 5, which the straight run does not
+    ok(&cat(&[
+        &base,
+        &["--steps", "6", "--losses", s(&l), "--checkpoint", s(&ck)],
+    ]));
+    let first = std::fs::read_to_string(&l).unwrap();
+    assert!(first.lines().nth(6).is_some_and(|r| !r.ends_with(',')), "{first}");
+    ok(&cat(&[
+        &base,
+        &["--steps", "10", "--losses", s(&l), "--resume", s(&ck)],
+    ]));
+    assert_eq!(
+        std::fs::read_to_string(&l).unwrap(),
+        std::fs::read_to_string(&straight).unwrap()
+    );
+}
