@@ -201,6 +201,13 @@ fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
     };
     for (i, p) in profiles.iter().enumerate() {
         p.validate().map_err(|e| Error::Plan(format!("profile {i}: {e}")))?;
+        if profiled_policy(p).as_ref().and_then(Family::of).is_none() {
+            let name = p.policy.as_ref().map_or("", |pp| pp.name.as_str());
+            return plan_err(format!(
+                "profile {i} records policy '{name}', which a plan does not weigh (it weighs allreduce, fp16, \
+                 bf16, powersgd, zero1, zero2 and zero3): leave it out"
+            ));
+        }
         if p.run.is_none() {
             return plan_err(format!(
                 "profile {i} does not record what ran (model, batch, optimizer, precision): \
@@ -292,8 +299,9 @@ fn stretched(p: &StepProfile, ratio: f64) -> StepProfile {
 /// compute stretched by that pair's ratio of backward spans (mean over the ranks) before it is
 /// replayed. Without the pair such a candidate is "not predicted".
 ///
-/// Errors (one line each): no profile; a profile that does not validate or records no run
-/// facts ([`brigade_ddp::overlap::ProfileRun`]); profiles of different models, world sizes,
+/// Errors (one line each): no profile; a profile that does not validate, records a policy
+/// outside the families weighed, or records no run facts
+/// ([`brigade_ddp::overlap::ProfileRun`]); profiles of different models, world sizes,
 /// precisions, batches or optimizers; a bucket cap that is not a positive number of MiB.
 pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
     let facts = run_facts(profiles)?;

@@ -113,16 +113,102 @@ pub fn check_caps_and_world(bucket_mb: &[f64], first_bucket_mb: Option<f64>, wor
 /// (`--profile-steps`); one line when it is neither.
 pub fn read_profiles(path: &Path) -> Result<Vec<StepProfile>> {
     let text = read_profile(path)?;
-    match serde_json::from_str::<StepProfile>(&text) {
-        Ok(p) => Ok(vec![p]),
-        Err(e) => match serde_json::from_str::<Vec<StepProfile>>(&text) {
+    let not_a_profile = |e: serde_json::Error| {
+        let at = json_path_at(&text, e.line(), e.column());
+        let field = if at.is_empty() {
+            String::new()
+        } else {
+            format!("field `{at}`: ")
+        };
+        Error::Usage(format!(
+            "{}: not a step profile (written by brigade train --profile): {field}{e}",
+            path.display()
+        ))
+    };
+    // a list of steps (--profile-steps) or one step, told by the first character: the error is
+    // the reading of what the file holds
+    if text.trim_start().starts_with('[') {
+        match serde_json::from_str::<Vec<StepProfile>>(&text) {
             Ok(list) if !list.is_empty() => Ok(list),
-            _ => Err(Error::Usage(format!(
-                "{}: not a step profile (written by brigade train --profile): {e}",
+            Ok(_) => Err(Error::Usage(format!(
+                "{}: not a step profile (written by brigade train --profile): an empty list",
                 path.display()
             ))),
-        },
+            Err(e) => Err(not_a_profile(e)),
+        }
+    } else {
+        serde_json::from_str::<StepProfile>(&text)
+            .map(|p| vec![p])
+            .map_err(not_a_profile)
     }
+}
+
+/// The path (`[1].ranks[0].buckets`) of the value that JSON `text` stands in at one-based
+/// `line` and `column` (where serde_json places an error): the keys and indices of the objects
+/// and lists open there; empty at the top.
+fn json_path_at(text: &str, line: usize, column: usize) -> String {
+    enum Open {
+        Object { key: Option<String>, expects_key: bool },
+        List { index: usize },
+    }
+    let line_start: usize = text
+        .split_inclusive('\n')
+        .take(line.saturating_sub(1))
+        .map(str::len)
+        .sum();
+    let end = (line_start + column).min(text.len());
+    let bytes = text.as_bytes();
+    let mut open: Vec<Open> = vec![];
+    let mut i = 0;
+    while i < end {
+        match bytes[i] {
+            b'{' => open.push(Open::Object {
+                key: None,
+                expects_key: true,
+            }),
+            b'[' => open.push(Open::List { index: 0 }),
+            b'}' | b']' => {
+                open.pop();
+            }
+            b',' => match open.last_mut() {
+                Some(Open::Object { key, expects_key }) => (*key, *expects_key) = (None, true),
+                Some(Open::List { index }) => *index += 1,
+                None => {}
+            },
+            b':' => {
+                if let Some(Open::Object { expects_key, .. }) = open.last_mut() {
+                    *expects_key = false;
+                }
+            }
+            b'"' => {
+                let start = i + 1;
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                // a key cut off by the end of the file names nothing yet
+                if let (Some(Open::Object { key, expects_key: true }), true) = (open.last_mut(), i < bytes.len()) {
+                    *key = text.get(start..i).filter(|k| !k.is_empty()).map(str::to_string);
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    let mut path = String::new();
+    for o in &open {
+        match o {
+            Open::Object { key: Some(k), .. } => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                path.push_str(k);
+            }
+            Open::Object { key: None, .. } => {}
+            Open::List { index } => path.push_str(&format!("[{index}]")),
+        }
+    }
+    path
 }
 
 /// Largest profile file `brigade predict` reads (a step profile is kilobytes; a list of
@@ -285,5 +371,23 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             ms(profile.gather_waited_s()),
             waited.join(", ")
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::json_path_at;
+
+    #[test]
+    fn a_json_position_is_named_by_the_keys_and_indices_open_there() {
+        let text = "{\n  \"a\": 1,\n  \"run\": {\"rows\": \"x\", \"m\": [1, {\"k\": tru";
+        // line 2 is `  "a": 1,`, line 3 ends inside run.m[1].k
+        assert_eq!(json_path_at(text, 2, 8), "a");
+        assert_eq!(json_path_at(text, 3, 20), "run.rows");
+        assert_eq!(json_path_at(text, 3, text.lines().nth(2).unwrap().len()), "run.m[1].k");
+        assert_eq!(json_path_at(text, 1, 0), "");
+        // a key cut off by the end names nothing: the object holding it is named
+        assert_eq!(json_path_at("{\"run\": {\"rows\": 1, \"ro", 1, 24), "run");
+        assert_eq!(json_path_at("[{}, {\"x\": [", 1, 13), "[1].x[0]");
     }
 }

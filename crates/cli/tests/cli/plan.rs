@@ -257,3 +257,30 @@ fn the_memory_budget_is_checked_one_way_by_plan_train_and_plan_auto_before_anyth
         assert!(!lines[2].contains("calibrat"), "{bad}: {}", lines[2]);
     }
 }
+
+#[test]
+fn a_broken_profile_names_its_field_and_an_unknown_policy_names_itself() {
+    let d = dir("plan-broken-profile");
+    let text = std::fs::read_to_string(&profiles()[0]).unwrap();
+    let run = |name: &str, body: String| {
+        let f = d.join(name);
+        std::fs::write(&f, body).unwrap();
+        let e = common::fails(&["plan", "--memory-budget", "100", "--net-gbps", "1", "--profile", s(&f)]);
+        assert!(e.contains(s(&f)), "the file is named: {e}");
+        e
+    };
+    // a value of the wrong type
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["run"]["rows"] = "many".into();
+    let e = run("typed.json", serde_json::to_string_pretty(&v).unwrap());
+    assert!(e.contains("field `run.rows`: invalid type"), "{e}");
+    // a list of steps (--profile-steps) cut off in its second step: read as a list
+    let list = format!("[\n{text},\n{}", &text[..text.len() / 2]);
+    let e = run("cut.json", list);
+    assert!(e.contains("field `[1]") && e.contains("EOF while parsing"), "{e}");
+    // a policy the plan does not know
+    v["run"]["rows"] = 8.into();
+    v["policy"]["name"] = "myhook".into();
+    let e = run("unknown.json", serde_json::to_string_pretty(&v).unwrap());
+    assert!(e.contains("records policy 'myhook'"), "{e}");
+}
