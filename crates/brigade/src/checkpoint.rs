@@ -184,6 +184,8 @@ pub struct Resumed {
     /// Every writing rank's dropout generator, by rank (empty: the checkpoint records none).
     /// When this run has another number of ranks, they are all one state (checked on load).
     pub dropout_rng: Vec<RngState>,
+    /// fp16's loss scale as the checkpoint holds it (`None`: it holds none).
+    pub loss_scale: Option<f64>,
 }
 
 impl Resumed {
@@ -384,12 +386,17 @@ pub fn load_checkpoint(
             world: id.world_size,
         }));
     }
+    let loss_scale = tensors
+        .iter()
+        .find(|(n, _)| n == "optim.grad_scaler.scale")
+        .and_then(|(_, t)| t.to_f64_vec().ok()?.first().copied());
     Ok(Resumed {
         step,
         sampler,
         metadata: meta,
         policy_state,
         dropout_rng,
+        loss_scale,
     })
 }
 

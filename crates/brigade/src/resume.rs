@@ -18,7 +18,13 @@
 //!   where the data is read in order, and under a join mode the ranks and the rows per rank
 //!   both: another would continue at another row ([`CheckpointMismatch::RowsPerStep`]);
 //! - the activation checkpointing ([`ACTIVATION_CHECKPOINTING_KEY`]) may differ: it changes
-//!   memory, not results, and the change is reported as a [`HyperparameterChange`].
+//!   memory, not results, and the change is reported as a [`HyperparameterChange`];
+//! - the precision ([`PRECISION_KEY`]) and the reduce dtype ([`REDUCE_DTYPE_KEY`]) may differ
+//!   (the checkpoint holds f32 master weights and optimizer state whatever its precision): the
+//!   change is reported, and what becomes of fp16's loss scale said ([`loss_scale_note`]);
+//! - a sampled run resumed at another batch ([`sampled_batch_note`]) and a dropout run resumed
+//!   on another number of ranks ([`dropout_world_note`]) continue, and are told how their steps
+//!   differ.
 
 use std::collections::HashMap;
 
@@ -43,6 +49,10 @@ const SCHEDULE_KEY: &str = "schedule";
 pub const ROWS_PER_STEP_KEY: &str = "rows_per_step";
 /// Checkpoint metadata key of the activation checkpointing (every N-th block, 0: none).
 pub const ACTIVATION_CHECKPOINTING_KEY: &str = "activation_checkpointing";
+/// Checkpoint metadata key of the run's precision (the parameters' dtype: `f32`, `bf16`, `fp16`).
+pub const PRECISION_KEY: &str = "precision";
+/// Checkpoint metadata key of the dtype the gradients are reduced in.
+pub const REDUCE_DTYPE_KEY: &str = "reduce_dtype";
 /// Prefix of the hyperparameters' metadata keys.
 const HP_PREFIX: &str = "hp.";
 
@@ -87,6 +97,8 @@ pub(crate) fn recipe_metadata(cfg: &TrainConfig, schedule: &LrSchedule) -> Vec<(
             ACTIVATION_CHECKPOINTING_KEY.to_string(),
             cfg.model.activation_checkpointing.to_string(),
         ),
+        (PRECISION_KEY.to_string(), cfg.recipe.precision.name().to_string()),
+        (REDUCE_DTYPE_KEY.to_string(), reduce_dtype_name(cfg).to_string()),
     ]
     .into_iter()
     .chain(
@@ -134,10 +146,23 @@ pub fn check_resume(
     let changes = changes
         .into_iter()
         .chain(model_changes(meta.get("model_config"), cfg.model.config.as_deref()))
-        .chain(activation_checkpointing_change(
+        .chain(recorded_change(
             meta,
-            cfg.model.activation_checkpointing,
+            ACTIVATION_CHECKPOINTING_KEY,
+            "model.activation_checkpointing",
+            &cfg.model.activation_checkpointing.to_string(),
         ))
+        .chain(recorded_change(
+            meta,
+            PRECISION_KEY,
+            "precision",
+            cfg.recipe.precision.name(),
+        ))
+        // the reduce dtype where it is not the precision's own on either side
+        .chain(
+            recorded_change(meta, REDUCE_DTYPE_KEY, "reduce_dtype", reduce_dtype_name(cfg))
+                .filter(|c| meta.get(PRECISION_KEY) != Some(&c.written) || cfg.recipe.precision.name() != c.this_run),
+        )
         .collect();
     Ok((schedule, changes))
 }
@@ -202,14 +227,87 @@ pub fn defaulted_t_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Op
     })
 }
 
-/// A resume that checkpoints other blocks than the checkpoint's run: allowed (the gradients
-/// are the same), reported. A checkpoint that records none is not compared.
-fn activation_checkpointing_change(meta: &HashMap<String, String>, this_run: usize) -> Option<HyperparameterChange> {
-    let written = meta.get(ACTIVATION_CHECKPOINTING_KEY)?;
-    (*written != this_run.to_string()).then(|| HyperparameterChange {
-        name: "model.activation_checkpointing".to_string(),
+/// A setting a resume may change, reported as `name` when the checkpoint's record under `key`
+/// differs from `this_run`: the activation checkpointing (the gradients are the same), the
+/// precision and the reduce dtype (the f32 master weights and the optimizer state carry over;
+/// see [`loss_scale_note`]). A checkpoint that records none is not compared.
+fn recorded_change(
+    meta: &HashMap<String, String>,
+    key: &str,
+    name: &str,
+    this_run: &str,
+) -> Option<HyperparameterChange> {
+    let written = meta.get(key)?;
+    (written != this_run).then(|| HyperparameterChange {
+        name: name.to_string(),
         written: written.clone(),
         this_run: this_run.to_string(),
+    })
+}
+
+/// The name of the dtype the run reduces its gradients in (`f32`, `bf16`, `fp16`).
+fn reduce_dtype_name(cfg: &TrainConfig) -> &'static str {
+    brigade_autograd::MixedPrecision::uniform(cfg.recipe.precision.reduce_dtype).name()
+}
+
+/// What a resume under another precision does with fp16's loss scale (`written_scale`: the
+/// checkpoint's, when it holds one): both fp16, it is kept (nothing to say); from fp16 to
+/// another precision it is dropped (only fp16 scales its loss); from another precision to fp16
+/// it starts afresh at [`brigade_autograd::scaler::INIT_SCALE`]. A checkpoint that records no
+/// precision counts as fp16 when it holds a scale, and is not compared otherwise.
+pub fn loss_scale_note(
+    cfg: &TrainConfig,
+    meta: &HashMap<String, String>,
+    written_scale: Option<f64>,
+) -> Option<String> {
+    let written = match (meta.get(PRECISION_KEY), written_scale) {
+        (Some(p), _) => p.as_str(),
+        (None, Some(_)) => "fp16",
+        (None, None) => return None,
+    };
+    let this_run = cfg.recipe.precision.name();
+    match (written == "fp16", this_run == "fp16") {
+        (true, false) => Some(format!(
+            "the checkpoint's fp16 loss scale{} is dropped: only fp16 scales its loss",
+            written_scale.map(|s| format!(" ({s})")).unwrap_or_default()
+        )),
+        (false, true) => Some(format!(
+            "the loss scale starts afresh at {} (the checkpoint's {written} run scaled no loss)",
+            brigade_autograd::scaler::INIT_SCALE
+        )),
+        _ => None,
+    }
+}
+
+/// What a sampled run (`--shuffle`) resumed at another number of rows a step per rank does:
+/// the epoch's order goes on from the checkpoint's row, cut into other batches, so its steps
+/// are neither the checkpoint's run's nor those of a run at this batch from step 0.
+pub fn sampled_batch_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Option<String> {
+    if !matches!(cfg.data.order, crate::source::DataOrder::Sampled(_)) {
+        return None;
+    }
+    let written: usize = meta.get(ROWS_PER_STEP_KEY)?.parse().ok()?;
+    let this_run = cfg.rows_per_step();
+    (written != this_run).then(|| {
+        format!(
+            "the shuffled rows go on from where the checkpoint's run stood, {this_run} a step per rank (batch size x \
+             accum) where it read {written}: the steps from here group the rows otherwise than either run at one \
+             batch size would"
+        )
+    })
+}
+
+/// What a resume of a dropout run on another number of ranks does: the ranks of the
+/// checkpoint's run (`written_world` of them) shared one generator state, which every rank of
+/// this run (`world`) continues, so a row draws the mask of its place in its rank's batch, which
+/// moves with the ranks: the masks differ from the checkpoint's run's.
+pub fn dropout_world_note(written_world: usize, world: usize) -> Option<String> {
+    (written_world > 0 && written_world != world).then(|| {
+        format!(
+            "dropout: the checkpoint's run drew its masks on {written_world} ranks, this run on {world}: each rank \
+             goes on from the same generator, but a row's mask follows its place in its rank's batch, so the \
+             masks (and the steps) differ from those of a run on {written_world} ranks"
+        )
     })
 }
 

@@ -15,7 +15,10 @@ use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error, Result};
 use crate::join::{self, JoinRun};
 use crate::launch::{nccl, RankContext};
-use crate::resume::{check_resume, check_rows_per_step, defaulted_t_note, ResumeError};
+use crate::resume::{
+    check_resume, check_rows_per_step, defaulted_t_note, dropout_world_note, loss_scale_note, sampled_batch_note,
+    ResumeError,
+};
 use crate::source::{DataLength, DataOrder, DataSource};
 
 use super::{
@@ -50,7 +53,10 @@ impl<'a> Trainer<'a> {
         let (schedule, changes) = check_recipe(cfg, resumed.as_ref())?;
         let resume = ResumeNotes {
             changes,
-            note: resumed.as_ref().and_then(|r| defaulted_t_note(cfg, &r.metadata)),
+            notes: resumed
+                .as_ref()
+                .map(|r| resume_notes(cfg, r, ctx.world_size, model.rng_state().is_some()))
+                .unwrap_or_default(),
         };
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
         let feed = Feed::new(cfg, data, ctx, lengths, resumed.as_ref(), first_step)?;
@@ -77,6 +83,20 @@ impl<'a> Trainer<'a> {
             records: Records::new(cfg, memory, installed_meter)?,
         })
     }
+}
+
+/// What to tell of a resume from `r` on `world` ranks (`draws`: this run's model draws dropout
+/// masks): see [`crate::resume`].
+fn resume_notes(cfg: &TrainConfig, r: &Resumed, world: usize, draws: bool) -> Vec<String> {
+    [
+        defaulted_t_note(cfg, &r.metadata),
+        loss_scale_note(cfg, &r.metadata, r.loss_scale),
+        sampled_batch_note(cfg, &r.metadata),
+        dropout_world_note(if draws { r.dropout_rng.len() } else { 0 }, world),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// What the configuration alone refuses, before the model or the data is touched: a checkpoint

@@ -112,8 +112,9 @@ impl Progress {
 struct ResumeNotes {
     /// The hyperparameters this run changed from the checkpoint it resumed.
     changes: Vec<HyperparameterChange>,
-    /// What to say of the resumed schedule (a defaulted `T` this run goes past).
-    note: Option<String>,
+    /// What to say of the resume: a defaulted `T` this run goes past, fp16's loss scale under
+    /// another precision, a sampled run at another batch, a dropout run on other ranks.
+    notes: Vec<String>,
 }
 
 /// The checkpoints of the run so far.

@@ -32,7 +32,7 @@ impl Trainer<'_> {
             if !self.resume.changes.is_empty() {
                 o.resumed(&self.resume.changes);
             }
-            if let Some(note) = &self.resume.note {
+            for note in &self.resume.notes {
                 o.note(note);
             }
             o.run_started(&RunStart {

@@ -2,7 +2,9 @@
 //! masters; fp16 writes the `scale` column and counts skipped steps; a bf16 checkpoint samples
 //! and initialises an f32 run; bad values and combinations not built fail in one line.
 
-use super::common::{cat, dir, fails, ok, s, GPT, MLP};
+use std::path::Path;
+
+use super::common::{brigade, cat, dir, fails, ok, s, GPT, MLP};
 
 /// `--json`'s memory object of a 2-rank, 3-step run at `precision`.
 fn memory(precision: &str) -> serde_json::Value {
@@ -113,4 +115,104 @@ fn reduce_dtype_f32_keeps_f32_buckets_and_zero2_shards_the_masters() {
     let zero2 = json(&["--policy", "zero2"]);
     let (whole, shard) = (n(&bf16, "master_weight_bytes"), n(&zero2, "master_weight_bytes"));
     assert!(shard * 2 >= whole && shard * 2 < whole + 64, "{shard} of {whole}");
+}
+
+#[test]
+fn a_resume_under_another_precision_says_so_and_what_becomes_of_the_loss_scale() {
+    let d = dir("precision-resume");
+    let base = cat(&[&["train"], MLP, &["--world-size", "2"]]);
+    let write = |name: &str, flags: &[&str]| {
+        let ck = d.join(name);
+        ok(&cat(&[&base, flags, &["--steps", "2", "--checkpoint", s(&ck)]]));
+        ck
+    };
+    let resume = |ck: &Path, flags: &[&str]| {
+        let out = brigade(&cat(&[&base, flags, &["--steps", "4", "--resume", s(ck)]]));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let fp16 = write("fp16.ckpt", &["--precision", "fp16"]);
+    let note = resume(&fp16, &[]);
+    assert!(note.contains("precision fp16 -> f32"), "{note}");
+    assert!(note.contains("loss scale (65536) is dropped"), "{note}");
+    assert!(
+        !note.contains("reduce_dtype"),
+        "the reduce dtype follows the precision: {note}"
+    );
+    let bf16 = write("bf16.ckpt", &["--precision", "bf16"]);
+    let note = resume(&bf16, &["--precision", "fp16"]);
+    assert!(
+        note.contains("precision bf16 -> fp16") && note.contains("loss scale starts afresh at 65536"),
+        "{note}"
+    );
+    let zero3 = write("zero3.ckpt", &["--precision", "bf16", "--policy", "zero3"]);
+    let note = resume(&zero3, &["--policy", "zero3"]);
+    assert!(
+        note.contains("precision bf16 -> f32") && !note.contains("loss scale"),
+        "{note}"
+    );
+    // both fp16: the scale is kept, nothing to say
+    assert!(resume(&fp16, &["--precision", "fp16"]).is_empty());
+    // an f32 sum of fp16 gradients, then the parameters' own: the reduce dtype alone changed
+    let summed = write("summed.ckpt", &["--precision", "fp16", "--reduce-dtype", "f32"]);
+    let note = resume(&summed, &["--precision", "fp16"]);
+    assert!(
+        note.contains("reduce_dtype f32 -> fp16") && !note.contains("precision"),
+        "{note}"
+    );
+}
+
+#[test]
+fn a_shuffled_run_at_another_batch_and_a_dropout_run_on_other_ranks_say_what_differs() {
+    let d = dir("resume-notes");
+    let ck = d.join("shuffled.ckpt");
+    let shuffled = cat(&[&["train"], MLP, &["--world-size", "2", "--shuffle"]]);
+    ok(&cat(&[
+        &shuffled,
+        &["--steps", "2", "--batch-size", "8", "--checkpoint", s(&ck)],
+    ]));
+    let out = brigade(&cat(&[
+        &shuffled,
+        &["--steps", "4", "--batch-size", "4", "--resume", s(&ck)],
+    ]));
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{note}");
+    assert!(
+        note.contains("4 a step per rank") && note.contains("where it read 8"),
+        "{note}"
+    );
+    let ck = d.join("dropout.ckpt");
+    let dropout = cat(&[&["train"], MLP, &["--dropout", "0.1"]]);
+    ok(&cat(&[
+        &dropout,
+        &[
+            "--world-size",
+            "2",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--checkpoint",
+            s(&ck),
+        ],
+    ]));
+    let out = brigade(&cat(&[
+        &dropout,
+        &[
+            "--world-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--resume",
+            s(&ck),
+        ],
+    ]));
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{note}");
+    assert!(
+        note.contains("drew its masks on 2 ranks, this run on 4") && note.contains("masks (and the steps) differ"),
+        "{note}"
+    );
 }
