@@ -34,6 +34,26 @@ pub fn budget_bytes(mb: f64) -> Result<u64> {
     Ok(bytes as u64)
 }
 
+/// What to say after a run under `--memory-budget mb` whose measured peak per rank (rank 0's,
+/// `measured` bytes) passed it: by how much, beside the memory model's prediction (`None`
+/// when the peak stayed within the budget).
+pub fn over_budget_note(mb: f64, measured: u64, predicted: Option<u64>) -> Option<String> {
+    let budget = budget_bytes(mb).ok()?;
+    (measured > budget).then(|| {
+        let over = measured - budget;
+        format!(
+            "the measured peak per rank, {}, passed --memory-budget {} MB by {} ({:.1}%); the memory model, \
+             which predicted {}, is held to about {}% of the measured peak",
+            human(measured),
+            crate::args::compact(mb),
+            human(over),
+            over as f64 / budget as f64 * 100.0,
+            predicted.map_or_else(|| "nothing".to_string(), human),
+            brigade::plan::memory::ACCURACY * 100.0
+        )
+    })
+}
+
 /// This machine's memory in bytes (`MemTotal` of `/proc/meminfo`), when it can be read.
 pub fn machine_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

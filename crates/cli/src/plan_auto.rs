@@ -1,8 +1,8 @@
 //! `brigade train --plan auto`: before training, one short profiled run per policy family on
 //! the run's own model, data and ranks (the calibration: each family's own compute measured,
 //! its casts, PowerSGD's matmuls, ZeRO's shard steps and gathers), then the plan
-//! ([`brigade::plan`], as `brigade plan` prints it) under `--memory-budget`, then the flags of
-//! the fastest configuration predicted to fit. The calibration runs are not part of the
+//! ([`brigade::plan`], as `brigade plan` prints it) under `--memory-budget` less the memory
+//! model's 10% accuracy, then the flags of the fastest configuration predicted to fit. The calibration runs are not part of the
 //! training: they write nothing, and the training starts from step 0 under the choice, so its
 //! losses are those of the chosen flags given directly. The choice is recorded in every
 //! checkpoint (`user.plan`), and a `--resume` of such a checkpoint keeps it without
@@ -86,7 +86,7 @@ impl Choice {
             )
         };
         format!(
-            "plan: --policy {} --bucket-mb {} --first-bucket-mb {}{}: predicted {:.2} ms a step, peak {} per rank of {} MB; {how}",
+            "plan: --policy {} --bucket-mb {} --first-bucket-mb {}{}: predicted {:.2} ms a step, peak {} per rank of {} MB (the memory model's 10% margin kept); {how}",
             self.policy,
             compact(self.bucket_mb),
             compact(self.first_bucket_mb),
@@ -184,13 +184,25 @@ fn caps(args: &RunArgs) -> Result<Vec<f64>> {
     })
 }
 
+/// How an error says that the plan kept the memory model's margin.
+const MARGIN_SAID: &str = " with the memory model's 10% margin";
+
+/// The bytes a plan under `--memory-budget budget_mb` lets a configuration's predicted peak
+/// reach: the budget less the memory model's accuracy
+/// ([`brigade::plan::memory::ACCURACY`]), so that a run the model underestimates by as much
+/// still fits.
+fn within_margin(budget_mb: f64) -> Result<u64> {
+    let budget = crate::footprint::budget_bytes(budget_mb)?;
+    Ok((budget as f64 / (1.0 + brigade::plan::memory::ACCURACY)) as u64)
+}
+
 /// The calibrations worth running under a budget of `budget_mb` per rank, by the memory model
 /// alone (before anything runs): a family none of whose candidates fits is not calibrated, but
 /// allreduce always is (the other families' own compute is measured against it, and so is the
 /// recompute of activation checkpointing). None fits at all: one error line, naming the
 /// smallest configuration and its largest part.
 fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibration>> {
-    let budget = (budget_mb * (1u64 << 20) as f64) as u64;
+    let budget = within_margin(budget_mb)?;
     let every: &[usize] = if args.model.model == ModelName::Gpt {
         &[0, 1]
     } else {
@@ -216,7 +228,7 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
             .min_by_key(|(_, _, p)| p.total());
         return Err(Error::Usage(match smallest {
             Some((z, ac, p)) => format!(
-                "--plan auto: no configuration fits --memory-budget {} MB: the smallest, {}{}, is predicted at {} per rank, the largest part {} ({})",
+                "--plan auto: no configuration fits --memory-budget {} MB{MARGIN_SAID}: the smallest, {}{}, is predicted at {} per rank, the largest part {} ({})",
                 compact(budget_mb),
                 if *z == PolicySpec::AllReduce { "DDP".to_string() } else { z.to_string() },
                 if ac > 0 { " with activation checkpointing" } else { "" },
@@ -342,7 +354,7 @@ pub fn choose(
     let query = PlanQuery {
         bucket_caps_mb: caps,
         first_bucket_cap_mb: Some(args.distributed.first_bucket_mb),
-        ..PlanQuery::new((budget_mb * (1u64 << 20) as f64) as u64, args.distributed.link())
+        ..PlanQuery::new(within_margin(budget_mb)?, args.distributed.link())
     };
     let p = plan(&profiles, &query)?;
     let eligible = p.candidates.iter().filter(|c| c.is_eligible()).count();
@@ -350,7 +362,7 @@ pub fn choose(
         let smallest = p.candidates.iter().min_by_key(|c| c.memory.total());
         return Err(Error::Usage(match smallest {
             Some(c) => format!(
-                "--plan auto: no configuration fits --memory-budget {} MB: the smallest, {} with {}activation checkpointing, is predicted at {} per rank",
+                "--plan auto: no configuration fits --memory-budget {} MB{MARGIN_SAID}: the smallest, {} with {}activation checkpointing, is predicted at {} per rank",
                 compact(budget_mb),
                 c.policy,
                 if c.activation_checkpointing > 0 { "" } else { "no " },

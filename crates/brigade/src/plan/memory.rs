@@ -19,6 +19,10 @@ use brigade_models::{GptConfig, ModelKind};
 use brigade_policies::PolicySpec;
 use serde::{Deserialize, Serialize};
 
+/// The share of the measured peak within which the model is held to predict it (see the module's
+/// documentation): a plan that must fit a budget keeps this margin under it.
+pub const ACCURACY: f64 = 0.10;
+
 /// Bytes of an f32.
 const F32: u64 = 4;
 

@@ -583,7 +583,8 @@ pub struct RuntimeArgs {
     /// Refuses, before step 0, a run predicted to hold more than this many MB (MiB, as
     /// --bucket-cap-mb) per rank at once during a step; the error names the largest part and
     /// what would make the run fit. The prediction (parameters, gradients, optimizer state,
-    /// activations, backward's working set) is `memory.predicted_peak_bytes` of --json.
+    /// activations, backward's working set) is `memory.predicted_peak_bytes` of --json; a run
+    /// whose measured peak passes the budget says by how much after its end.
     #[arg(long, value_name = "MB", allow_negative_numbers = true)]
     pub memory_budget: Option<f64>,
     /// `--warmup`, a hidden spelling of --untimed-steps ([`RunArgs::take_old_spellings`] moves

@@ -34,9 +34,9 @@ pub struct TrainArgs {
     pub policy: Option<String>,
     /// `auto`: choose the reducer policy, the bucket cap and activation checkpointing before
     /// training. One short profiled calibration run per policy family on this model, data and
-    /// ranks (not part of the run: nothing written), then the plan under --memory-budget (as
-    /// `brigade plan` prints it), then training from step 0 under the fastest configuration
-    /// predicted to fit, said in one line (and in --json's `plan`). The caps weighed are
+    /// ranks (not part of the run: nothing written), then the plan under --memory-budget less
+    /// the memory model's 10% accuracy (as `brigade plan` prints it), then training from step 0
+    /// under the fastest configuration predicted to fit, said in one line (and in --json's `plan`). The caps weighed are
     /// --bucket-mb's list when it names two or more, else 1,5,25. Every checkpoint records the
     /// choice; --resume of one keeps it without calibrating.
     #[arg(long, value_enum)]
@@ -496,6 +496,15 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     }
     // the summary once the files are written: a stdout that fails costs nothing else
     print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
+    if let (Some(mb), Some(m)) = (t.run.runtime.memory_budget, report.outcome.memory) {
+        let policy = t.run.hook_spec();
+        let every = t.run.model.activation_checkpointing.unwrap_or(0);
+        let predicted = t.run.predicted_peak(&policy, every, t.run.data.batch_size);
+        let note = crate::footprint::over_budget_note(mb, m.peak as u64, predicted.map(|p| p.total()));
+        if let Some(note) = note {
+            eprintln!("note: {note}");
+        }
+    }
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());

@@ -165,3 +165,49 @@ fn what_the_plan_cannot_choose_for_is_one_error_line() {
     let e = fails(&cat(&[&gpt, &["--memory-budget", "64", "--activation-checkpointing"]]));
     assert!(e.contains("drop --activation-checkpointing"), "{e}");
 }
+
+/// Stdout and stderr of a run that must succeed.
+fn run_ok(args: &[&str]) -> (String, String) {
+    let out = super::common::brigade(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "brigade {args:?} failed:\n{stderr}");
+    (String::from_utf8_lossy(&out.stdout).into_owned(), stderr)
+}
+
+#[test]
+fn the_plan_keeps_the_memory_models_margin_under_the_budget_and_a_run_over_it_says_by_how_much() {
+    let base = cat(&[&["train"], MLP, &["--world-size", "2", "--steps", "3", "--json"]]);
+    // plain DDP's predicted peak, and a budget just above it: inside the model's 10%
+    let plain = summary(&ok(&base));
+    let predicted = plain["memory"]["predicted_peak_bytes"].as_u64().unwrap();
+    let budget_kib = predicted * 102 / 100 / 1024;
+    let mb = format!("{}", budget_kib as f64 / 1024.0);
+    let (stdout, stderr) = run_ok(&cat(&[&base, &["--plan", "auto", "--memory-budget", &mb]]));
+    let json = summary(&stdout);
+    let budget = budget_kib * 1024;
+    let chosen = json["plan"]["predicted_peak_bytes"].as_u64().unwrap();
+    assert!(
+        chosen as f64 * 1.1 <= budget as f64,
+        "the plan keeps 10% under {budget} B: {}",
+        json["plan"]
+    );
+    let peak = json["memory"]["peak_bytes"].as_u64().unwrap();
+    assert_eq!(
+        stderr.contains("passed --memory-budget"),
+        peak > budget,
+        "a peak of {peak} B against {budget} B: {stderr}"
+    );
+    // a budget under plain DDP's measured peak (and over its prediction, so the run starts):
+    // the run says by how much its peak passed it
+    let measured = plain["memory"]["peak_bytes"].as_u64().unwrap();
+    let budget_kib = (measured - 1) / 1024;
+    assert!(budget_kib * 1024 >= predicted, "{plain}");
+    let mb = format!("{}", budget_kib as f64 / 1024.0);
+    let (stdout, stderr) = run_ok(&cat(&[&base, &["--memory-budget", &mb]]));
+    assert_eq!(summary(&stdout)["memory"]["peak_bytes"], measured);
+    let over = measured - budget_kib * 1024;
+    assert!(
+        stderr.contains(&format!("passed --memory-budget {mb} MB by {over} B")),
+        "{stderr}"
+    );
+}
