@@ -32,6 +32,11 @@ use crate::error::{CheckpointMismatch, Error, Result};
 /// Checkpoint metadata key of the ranks the checkpoint's run trained on.
 pub(crate) const WORLD_SIZE_KEY: &str = "world_size";
 
+/// Checkpoint metadata key of the loss of the step before the checkpoint's (the global mean,
+/// as [`crate::outcome::StepRecord::loss`], written in full): a program that keeps a record of
+/// the losses checks against it that the record is this run's.
+pub const LAST_LOSS_KEY: &str = "last_loss";
+
 /// Prefix of the policy state's tensors.
 const POLICY_PREFIX: &str = "policy.";
 
@@ -120,7 +125,7 @@ fn read_checkpoint(path: &Path) -> Result<CheckpointContents> {
 
 /// The metadata of the Brigade checkpoint at `path`, read from its header alone; `None` when
 /// the file cannot be read or is not a Brigade checkpoint.
-pub(crate) fn read_metadata(path: &Path) -> Option<HashMap<String, String>> {
+pub fn read_metadata(path: &Path) -> Option<HashMap<String, String>> {
     use std::io::Read;
     let mut f = std::fs::File::open(path).ok()?;
     let mut n = [0u8; 8];

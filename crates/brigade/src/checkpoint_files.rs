@@ -360,9 +360,11 @@ impl CheckpointConfig {
             if meta.get(LINEAGE_KEY) != Some(&lineage.id) {
                 continue;
             }
+            // the step it records (a copy under another step's name keeps its own)
+            let step = meta.get("step").unwrap_or(&digits).parse().unwrap_or(u128::MAX);
             found.push(LineageFile {
                 generation: generation_of(&meta),
-                step: digits.parse().unwrap_or(u128::MAX),
+                step,
                 path,
             });
         }

@@ -71,7 +71,14 @@ impl<'a> Trainer<'a> {
         let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
         let replica = Replica::new(cfg, ctx, model, opt, policy, policy_state.unwrap_or_default())?;
         Ok(Trainer {
-            at: Progress::at_start(first_step, &feed, &replica),
+            at: Progress::at_start(
+                first_step,
+                &feed,
+                &replica,
+                resumed
+                    .as_ref()
+                    .and_then(|r| r.metadata.get(crate::checkpoint::LAST_LOSS_KEY).cloned()),
+            ),
             cfg,
             data,
             ctx,

@@ -93,17 +93,22 @@ struct Progress {
     /// The model's dropout generator when step `next_step` began (a periodic checkpoint is
     /// written inside that step, after its forward passes drew their masks).
     next_rng: Option<RngState>,
+    /// The loss of step `next_step - 1`, as a checkpoint records it (`None` before any step of
+    /// the run or of the checkpoint it resumed).
+    last_loss: Option<String>,
 }
 
 impl Progress {
     /// Where a run starts: at `first_step` (non-zero after a resume), with the feed's cursor
-    /// and the replica's dropout generator as they stand before it.
-    fn at_start(first_step: usize, feed: &Feed, replica: &Replica) -> Progress {
+    /// and the replica's dropout generator as they stand before it, and the loss of the step
+    /// before it that the resumed checkpoint records.
+    fn at_start(first_step: usize, feed: &Feed, replica: &Replica, last_loss: Option<String>) -> Progress {
         Progress {
             first_step,
             next_step: first_step,
             next_position: feed.cursor.as_ref().map(SamplerCursor::position),
             next_rng: replica.model.rng_state(),
+            last_loss,
         }
     }
 }

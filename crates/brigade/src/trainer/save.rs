@@ -89,6 +89,12 @@ impl Trainer<'_> {
         let mut recipe = recipe_metadata(self.cfg, &self.schedule);
         recipe.extend(self.feed.join.iter().flat_map(|j| j.metadata(self.at.next_step)));
         recipe.extend(
+            self.at
+                .last_loss
+                .iter()
+                .map(|l| (crate::checkpoint::LAST_LOSS_KEY.to_string(), l.clone())),
+        );
+        recipe.extend(
             self.cfg
                 .runtime
                 .checkpoint

@@ -65,7 +65,7 @@ impl Trainer<'_> {
         let optimizer = self.optimizer_step(has_data)?;
         self.records.step_memory.peak = self.records.memory.peak();
         drop(step_span);
-        self.advance();
+        self.advance(status.loss);
         self.record_profile(s, t0, optimizer)?;
         Ok(StepOutcome {
             record: StepRecord {
@@ -244,8 +244,9 @@ impl Trainer<'_> {
     }
 
     /// The step is done: the next one starts where the cursor and the dropout generator stand.
-    fn advance(&mut self) {
+    fn advance(&mut self, loss: f64) {
         self.at.next_step += 1;
+        self.at.last_loss = Some(loss.to_string());
         self.at.next_position = self.feed.cursor.as_ref().map(SamplerCursor::position);
         self.at.next_rng = self.replica.model.rng_state();
     }

@@ -303,3 +303,36 @@ fn a_resumed_losses_file_under_eval_every_is_the_straight_runs_file() {
         std::fs::read_to_string(&straight).unwrap()
     );
 }
+
+#[test]
+fn a_losses_file_of_another_run_is_not_spliced_before_a_resume() {
+    let d = dir("drift-other-losses");
+    let (ck, l) = (d.join("ck.safetensors"), d.join("l.csv"));
+    // run A writes the file; run B, at another --lr, the checkpoint resumed with A's file
+    ok(&cat(&[&["train"], MLP, &["--steps", "6", "--losses", s(&l)]]));
+    let b = without(MLP, "--lr");
+    let b = cat(&[&["train"], &b, &["--lr", "0.02"]]);
+    ok(&cat(&[&b, &["--steps", "3", "--checkpoint", s(&ck)]]));
+    let out = Command::new(bin())
+        .args(cat(&[&b, &["--steps", "6", "--resume", s(&ck), "--losses", s(&l)]]))
+        .output()
+        .unwrap();
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{note}");
+    assert!(note.contains("holds another run's rows"), "{note}");
+    let steps: Vec<usize> = losses(&l).iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, [3, 4, 5], "this run's rows alone");
+    // its own file, kept before the resume step: no note, every row
+    let own = d.join("own.csv");
+    ok(&cat(&[&b, &["--steps", "3", "--losses", s(&own)]]));
+    let out = Command::new(bin())
+        .args(cat(&[&b, &["--steps", "6", "--resume", s(&ck), "--losses", s(&own)]]))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(losses(&own).len(), 6);
+}
