@@ -215,15 +215,17 @@ impl CheckpointConfig {
     }
 
     /// Refuses what would not do what it says: `{step}` outside the file name (the directory
-    /// is not a template), `keep_last` of 0, or `keep_last` without a path holding `{step}`
-    /// (one file is always the newest alone).
+    /// is not a template) or more than once in it (its files would not be told apart by one
+    /// step), `keep_last` of 0, or `keep_last` without a path holding `{step}` (one file is
+    /// always the newest alone).
     pub(crate) fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         if let Some(path) = &self.path {
             let in_dir = path.parent().is_some_and(|d| d.to_string_lossy().contains(STEP));
-            if in_dir {
+            let twice = file_name(path).is_some_and(|n| n.matches(STEP).count() > 1);
+            if in_dir || twice {
                 return bad(format!(
-                    "checkpoint path '{}': {STEP} may appear in the file name only",
+                    "checkpoint path '{}': {STEP} may appear once, in the file name",
                     path.display()
                 ));
             }
@@ -237,7 +239,8 @@ impl CheckpointConfig {
         }
     }
 
-    /// Refuses, before step 0, a checkpoint path that may land on another file of the run:
+    /// Refuses, before step 0, a checkpoint path that does not do what it says (see the
+    /// configuration's fields) or that may land on another file of the run:
     /// one of `files` (the data it reads, the caller's other outputs, [`INIT_FIELD`]'s initial
     /// parameters), compared where they really are (symbolic links followed, directories
     /// resolved). A path with `{step}` is compared by its pattern: any file of its directory
@@ -247,6 +250,7 @@ impl CheckpointConfig {
     /// The [`CheckpointConfig::resume`] file may be continued in place. One error naming the
     /// pair, [`Error::CheckpointClash`].
     pub fn check_files(&self, files: &[RunFile]) -> Result<()> {
+        self.validate()?;
         let Some(path) = &self.path else {
             return Ok(());
         };

@@ -149,7 +149,8 @@ fn a_keep_last_or_step_path_that_would_do_nothing_is_refused_in_one_line() {
     let cases = [
         (d.join("run.ckpt"), Some(2), "needs {step}"),
         (d.join("run-{step}.ckpt"), Some(0), "at least 1"),
-        (d.join("{step}").join("run.ckpt"), None, "file name only"),
+        (d.join("{step}").join("run.ckpt"), None, "once, in the file name"),
+        (d.join("run-{step}-{step}.ckpt"), Some(1), "once, in the file name"),
     ];
     for (path, keep, want) in cases {
         let e = run(&every(config(3), &path, 1, keep))

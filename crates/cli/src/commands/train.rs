@@ -136,25 +136,6 @@ impl TrainArgs {
         let bad = |m: String| Err(Error::Usage(m));
         self.run.validate()?;
         self.run.bucket_cap()?;
-        match (self.checkpoint_every, &self.checkpoint) {
-            (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
-            (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
-            _ => {}
-        }
-        let templated = self
-            .checkpoint
-            .as_ref()
-            .and_then(|p| p.file_name())
-            .is_some_and(|n| n.to_string_lossy().contains("{step}"));
-        match (self.keep_last, templated) {
-            (Some(0), _) => return bad("--keep-last must be at least 1 (checkpoints to keep)".into()),
-            (Some(k), false) => {
-                return bad(format!(
-                    "--keep-last {k} needs {{step}} in the --checkpoint file name (e.g. run-{{step}}.ckpt): without it each checkpoint replaces the last"
-                ))
-            }
-            _ => {}
-        }
         match (&self.profile_steps, &self.profile) {
             (Some(r), None) => {
                 return bad(format!(
@@ -199,6 +180,7 @@ impl TrainArgs {
     /// written, no output lands on an input or another output, and no checkpoint the
     /// --checkpoint path may name does either.
     pub fn check_files(&self) -> Result<()> {
+        self.check_checkpoint_flags()?;
         let outputs = self.outputs();
         check_outputs(&outputs)?;
         let inputs = self.inputs();
@@ -216,6 +198,43 @@ impl TrainArgs {
             .filter_map(|(flag, p)| Some(Input::new(flag, p.as_ref()?)));
             let inputs: Vec<Input<'_>> = inputs.iter().cloned().chain(patterns).collect();
             self.checkpoint_config().check_files(&run_files(&inputs, &others))?;
+        }
+        Ok(())
+    }
+
+    /// --checkpoint-every and --keep-last: at least 1, and with the --checkpoint they need.
+    fn check_checkpoint_flags(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        match (self.checkpoint_every, &self.checkpoint) {
+            (Some(0), _) => return bad("--checkpoint-every must be at least 1 (steps between checkpoints)".into()),
+            (Some(_), None) => return bad("--checkpoint-every needs --checkpoint FILE (where to write)".into()),
+            _ => {}
+        }
+        if let Some(p) = &self.checkpoint {
+            let in_dir = p.parent().is_some_and(|d| d.to_string_lossy().contains("{step}"));
+            let twice = p
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().matches("{step}").count() > 1);
+            if in_dir || twice {
+                return bad(format!(
+                    "--checkpoint {}: {{step}} may appear once, in the file name (each checkpoint's step)",
+                    p.display()
+                ));
+            }
+        }
+        let templated = self
+            .checkpoint
+            .as_ref()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n.to_string_lossy().contains("{step}"));
+        match (self.keep_last, templated) {
+            (Some(0), _) => return bad("--keep-last must be at least 1 (checkpoints to keep)".into()),
+            (Some(k), false) => {
+                return bad(format!(
+                    "--keep-last {k} needs {{step}} in the --checkpoint file name (e.g. run-{{step}}.ckpt): without it each checkpoint replaces the last"
+                ))
+            }
+            _ => {}
         }
         Ok(())
     }

@@ -304,3 +304,20 @@ fn keep_last_keeps_what_this_run_wrote_after_an_older_run_or_a_rollback() {
     run(&["--steps", "6", "--resume", s(&four), "--keep-last", "1"]);
     assert_eq!(listing(&d2), ["run-6.ckpt"]);
 }
+
+#[test]
+fn a_checkpoint_path_with_step_twice_or_in_its_folder_is_one_error_line() {
+    let d = dir("step-twice");
+    std::fs::create_dir(d.join("{step}")).unwrap();
+    for path in [d.join("c-{step}-{step}.ckpt"), d.join("{step}").join("c.ckpt")] {
+        let e = fails(&cat(&[
+            &["train"],
+            MLP,
+            &["--steps", "4", "--checkpoint-every", "2", "--keep-last", "1"],
+            &["--checkpoint", s(&path)],
+        ]));
+        assert!(e.contains("{step} may appear once, in the file name"), "{e}");
+    }
+    assert_eq!(listing(&d), ["{step}"], "nothing written");
+    assert!(listing(&d.join("{step}")).is_empty());
+}
