@@ -152,6 +152,11 @@ fn check(args: &RunArgs, policy_given: bool) -> Result<f64> {
         return bad("plans under a memory budget: give --memory-budget MB (per rank)");
     };
     crate::footprint::budget_bytes(mb)?;
+    // every other flag before any calibration runs (the plan, not one policy, answers to the
+    // budget; each calibration checks its own policy's combinations)
+    let mut flags = args.clone();
+    flags.runtime.memory_budget = None;
+    flags.validate_for(&PolicySpec::AllReduce)?;
     if args.distributed.world_size < 2 {
         return bad("chooses how ranks share the work: give --world-size 2 or more");
     }

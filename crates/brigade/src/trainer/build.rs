@@ -55,7 +55,7 @@ impl<'a> Trainer<'a> {
             changes,
             notes: resumed
                 .as_ref()
-                .map(|r| resume_notes(cfg, r, ctx.world_size, model.rng_state().is_some()))
+                .map(|r| resume_notes(cfg, r, ctx.world_size))
                 .unwrap_or_default(),
         };
         let first_step = resumed.as_ref().map_or(0, |r: &Resumed| r.step);
@@ -92,14 +92,23 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// What to tell of a resume from `r` on `world` ranks (`draws`: this run's model draws dropout
-/// masks): see [`crate::resume`].
-fn resume_notes(cfg: &TrainConfig, r: &Resumed, world: usize, draws: bool) -> Vec<String> {
+/// What to tell of a resume from `r` on `world` ranks: see [`crate::resume`]. Dropout masks
+/// are told of where the checkpoint's run drew some (its generators moved) and this run's
+/// recorded model configuration, if any, has a dropout above 0.
+fn resume_notes(cfg: &TrainConfig, r: &Resumed, world: usize) -> Vec<String> {
+    let drew = r.dropout_rng.iter().any(|s| s.offset > 0);
+    let draws = cfg
+        .model
+        .config
+        .as_deref()
+        .and_then(|c| serde_json::from_str::<serde_json::Value>(c).ok())
+        .and_then(|c| c.get("dropout")?.as_f64())
+        .is_none_or(|p| p > 0.0);
     [
         defaulted_t_note(cfg, &r.metadata),
         loss_scale_note(cfg, &r.metadata, r.loss_scale),
         sampled_batch_note(cfg, &r.metadata),
-        dropout_world_note(if draws { r.dropout_rng.len() } else { 0 }, world),
+        dropout_world_note(if drew && draws { r.dropout_rng.len() } else { 0 }, world),
     ]
     .into_iter()
     .flatten()

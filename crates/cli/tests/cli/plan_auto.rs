@@ -164,6 +164,9 @@ fn what_the_plan_cannot_choose_for_is_one_error_line() {
     ]);
     let e = fails(&cat(&[&gpt, &["--memory-budget", "64", "--activation-checkpointing"]]));
     assert!(e.contains("drop --activation-checkpointing"), "{e}");
+    // a bad flag is its own one line, before any calibration runs
+    let e = fails(&cat(&[&base, &two, &["--memory-budget", "64", "--batch-size", "0"]]));
+    assert!(e.contains("--batch-size") && !e.contains("calibrat"), "{e}");
 }
 
 /// Stdout and stderr of a run that must succeed.

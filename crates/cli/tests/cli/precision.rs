@@ -215,4 +215,38 @@ fn a_shuffled_run_at_another_batch_and_a_dropout_run_on_other_ranks_say_what_dif
         note.contains("drew its masks on 2 ranks, this run on 4") && note.contains("masks (and the steps) differ"),
         "{note}"
     );
+    // a run without dropout draws no mask: nothing to say
+    let ck = d.join("plain.ckpt");
+    let plain = cat(&[&["train"], MLP]);
+    ok(&cat(&[
+        &plain,
+        &[
+            "--world-size",
+            "2",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--checkpoint",
+            s(&ck),
+        ],
+    ]));
+    let out = brigade(&cat(&[
+        &plain,
+        &[
+            "--world-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--resume",
+            s(&ck),
+        ],
+    ]));
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
