@@ -576,11 +576,23 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
     }
     if let Some(path) = &t.losses {
         let write = move || {
-            let scaled = outcome.scales().iter().any(Option::is_some);
+            let kept: Vec<&str> = kept
+                .iter()
+                .filter(|(s, _)| *s < outcome.first_step)
+                .map(|(_, r)| r.as_str())
+                .collect();
+            // a scale column where any row has one (a resume across fp16 and another
+            // precision), and every row as many cells as the header
+            let scaled = outcome.scales().iter().any(Option::is_some)
+                || kept
+                    .iter()
+                    .any(|r| r.split(',').count() > LOSSES_HEADER.split(',').count());
             let header = if scaled { LOSSES_HEADER_SCALED } else { LOSSES_HEADER };
+            let cells = header.split(',').count();
             let mut csv = format!("{header}\n");
-            for (_, row) in kept.iter().filter(|(s, _)| *s < outcome.first_step) {
+            for row in kept {
                 csv.push_str(row);
+                csv.push_str(&",".repeat(cells.saturating_sub(row.split(',').count())));
                 csv.push('\n');
             }
             for (i, r) in outcome.steps.iter().enumerate() {

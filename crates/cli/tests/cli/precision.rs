@@ -250,3 +250,47 @@ fn a_shuffled_run_at_another_batch_and_a_dropout_run_on_other_ranks_say_what_dif
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_losses_file_resumed_across_fp16_and_another_precision_has_as_many_cells_in_every_row() {
+    let d = dir("precision-losses-cells");
+    let base = cat(&[&["train"], MLP, &["--world-size", "2"]]);
+    for (first, then) in [("fp16", "f32"), ("f32", "fp16")] {
+        let (ck, l) = (d.join(format!("{first}.ckpt")), d.join(format!("{first}.csv")));
+        ok(&cat(&[
+            &base,
+            &[
+                "--precision",
+                first,
+                "--steps",
+                "3",
+                "--checkpoint",
+                s(&ck),
+                "--losses",
+                s(&l),
+            ],
+        ]));
+        let out = brigade(&cat(&[
+            &base,
+            &[
+                "--precision",
+                then,
+                "--steps",
+                "5",
+                "--resume",
+                s(&ck),
+                "--losses",
+                s(&l),
+            ],
+        ]));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = std::fs::read_to_string(&l).unwrap();
+        let header = text.lines().next().unwrap();
+        assert_eq!(header, "step,loss,lr,grad_norm,val_loss,scale", "{first} -> {then}");
+        assert!(
+            text.lines().all(|r| r.split(',').count() == 6),
+            "{first} -> {then}: {text}"
+        );
+        assert_eq!(text.lines().count(), 6, "{text}");
+    }
+}
