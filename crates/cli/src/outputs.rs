@@ -181,6 +181,41 @@ pub fn check_inputs_kept(inputs: &[Input<'_>], outputs: &[Output]) -> Result<()>
     Ok(())
 }
 
+/// Checks that no output of `outputs` is a file that an input pattern of `inputs` (`*` or `?`
+/// in its file name) would read: a later run of the same flags would read it as its data. One
+/// line names the pair.
+pub fn check_patterns_kept(inputs: &[Input<'_>], outputs: &[Output]) -> Result<()> {
+    for input in inputs {
+        let Some(glob) = input.path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if !glob.contains(['*', '?']) {
+            continue;
+        }
+        let dir = match input.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let Ok(dir) = std::fs::canonicalize(dir) else {
+            continue;
+        };
+        for o in outputs {
+            let Ok(at) = landing(o) else { continue };
+            let name = at.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if at.parent() == Some(dir.as_path()) && brigade_models::tokens::glob_matches(glob, name) {
+                return Err(Error::Usage(format!(
+                    "{} {} is a file the {} pattern {} reads (a run would read it as its data): give it its own path",
+                    o.flag,
+                    o.path.display(),
+                    input.flag,
+                    input.path.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The files of a run as the library's check of its checkpoint path takes them
 /// ([`brigade::config::CheckpointConfig::check_files`]), named by their flags: every input but
 /// `--resume` (a checkpoint may continue it in place), every output in `outputs`.

@@ -441,6 +441,12 @@ pub fn expand_glob(pattern: &Path) -> Result<Vec<PathBuf>> {
     Ok(found)
 }
 
+/// Whether the file name `name` matches the pattern `pattern` of [`expand_glob`] (`*`: any run
+/// of bytes, `?`: one byte).
+pub fn glob_matches(pattern: &str, name: &str) -> bool {
+    glob_match(pattern.as_bytes(), name.as_bytes())
+}
+
 /// Whether `name` matches `pattern` (`*`: any run of bytes, `?`: one byte).
 fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
     match (pattern.first(), name.first()) {

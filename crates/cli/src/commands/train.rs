@@ -189,13 +189,15 @@ impl TrainArgs {
         let (checkpoints, others): (Vec<Output>, Vec<Output>) =
             outputs.into_iter().partition(|o| o.flag == "--checkpoint");
         crate::outputs::check_inputs_kept(&inputs, &others)?;
+        let patterns: Vec<Input<'_>> = [
+            ("--data", &self.run.data.data),
+            ("--eval-data", &self.run.data.eval_data),
+        ]
+        .into_iter()
+        .filter_map(|(flag, p)| Some(Input::new(flag, p.as_ref()?)))
+        .collect();
+        crate::outputs::check_patterns_kept(&patterns, &others)?;
         if !checkpoints.is_empty() {
-            let patterns = [
-                ("--data", &self.run.data.data),
-                ("--eval-data", &self.run.data.eval_data),
-            ]
-            .into_iter()
-            .filter_map(|(flag, p)| Some(Input::new(flag, p.as_ref()?)));
             let inputs: Vec<Input<'_>> = inputs.iter().cloned().chain(patterns).collect();
             self.checkpoint_config().check_files(&run_files(&inputs, &others))?;
         }

@@ -147,6 +147,17 @@ fn a_step_checkpoint_path_never_lands_on_an_input_or_another_output() {
         &["--checkpoint", &at("gl/a_x{step}.bin")],
     ]));
     assert!(e.contains("names files that the --data pattern"), "{e}");
+    // and so is any other output the pattern would read
+    let e = fails(&cat(&[
+        &["train"],
+        GPT,
+        &["--steps", "1", "--tokenizer", "bytes", "--data", &at("gl/a_*.bin")],
+        &["--save", &at("gl/a_w.bin")],
+    ]));
+    assert!(
+        e.contains("--save") && e.contains("is a file the --data pattern"),
+        "{e}"
+    );
     // a link at a checkpoint's name is written through: to the text it points at
     std::os::unix::fs::symlink(d.join("c-30.txt"), d.join("gl").join("l-1.ckpt")).unwrap();
     let e = fails(&cat(&[
