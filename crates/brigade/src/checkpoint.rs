@@ -124,9 +124,13 @@ fn read_checkpoint(path: &Path) -> Result<CheckpointContents> {
 }
 
 /// The metadata of the Brigade checkpoint at `path`, read from its header alone; `None` when
-/// the file cannot be read or is not a Brigade checkpoint.
+/// the file cannot be read, is not a regular file (a pipe is not opened: that would wait for a
+/// writer) or is not a Brigade checkpoint.
 pub fn read_metadata(path: &Path) -> Option<HashMap<String, String>> {
     use std::io::Read;
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
     let mut f = std::fs::File::open(path).ok()?;
     let mut n = [0u8; 8];
     f.read_exact(&mut n).ok()?;

@@ -89,6 +89,14 @@ pub enum Clash {
     /// The other file is a pattern of files to read that matches names of the checkpoints (a
     /// later run would read the checkpoints among its data).
     PatternReads,
+    /// What stands at a checkpoint's name is not a file (a folder, a pipe, a device): the
+    /// checkpoint could not be written in its place.
+    NotAFile {
+        /// The step (its digits) of the checkpoint, for a `{step}` path.
+        step: Option<String>,
+        /// What it is.
+        what: &'static str,
+    },
 }
 
 /// The lineage of a run's checkpoints (see the module's documentation).
@@ -264,6 +272,26 @@ impl CheckpointConfig {
             return Ok(());
         };
         let resume = self.resume.as_deref().and_then(read_target);
+        // a checkpoint is written as a file in its name's place: a folder, a pipe or a device
+        // there would fail the write (after training) or be replaced
+        for (entry, digits) in names.entries().unwrap_or_default() {
+            if let Ok(m) = std::fs::metadata(&entry) {
+                if !m.is_file() {
+                    return Err(Error::CheckpointClash(Box::new(crate::error::FileClash {
+                        field: PATH_FIELD,
+                        path: path.display().to_string(),
+                        other: String::new(),
+                        other_path: entry.display().to_string(),
+                        whose: None,
+                        other_written: false,
+                        clash: Clash::NotAFile {
+                            step: (!digits.is_empty()).then_some(digits),
+                            what: if m.is_dir() { "a folder" } else { "not a regular file" },
+                        },
+                    })));
+                }
+            }
+        }
         // what stands at the checkpoints' names now: a symbolic link is written through
         let links: Vec<(PathBuf, String, PathBuf)> = names
             .entries()

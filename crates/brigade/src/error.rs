@@ -183,12 +183,19 @@ impl FileClash {
         let whose = self.whose.as_ref().map(|w| format!(" ({w})")).unwrap_or_default();
         let (step, via) = match &self.clash {
             Clash::Lands { step, via } => (step.as_deref(), via.as_deref()),
-            Clash::PatternReads => (None, None),
+            Clash::PatternReads | Clash::NotAFile { .. } => (None, None),
         };
         let via = via
             .map(|l| format!(" through the link {}", l.display()))
             .unwrap_or_default();
         match (&self.clash, self.other_written, step) {
+            (Clash::NotAFile { step, what }, ..) => format!(
+                "{field} {path} names {other_path}{}, which is {what}: a checkpoint is written as a file in its \
+                 place; move it or give another path",
+                step.as_ref()
+                    .map(|s| format!(" (its checkpoint of step {s})"))
+                    .unwrap_or_default()
+            ),
             (Clash::PatternReads, ..) => format!(
                 "{field} {path} names files that the {other} pattern {other_path} reads (a run would read the \
                  checkpoints as its data): give it its own path"

@@ -332,3 +332,33 @@ fn a_checkpoint_path_with_step_twice_or_in_its_folder_is_one_error_line() {
     assert_eq!(listing(&d), ["{step}"], "nothing written");
     assert!(listing(&d.join("{step}")).is_empty());
 }
+
+#[test]
+fn a_folder_or_a_pipe_at_a_checkpoints_name_is_one_error_line_before_step_0() {
+    let d = dir("step-not-a-file");
+    let template = d.join("run-{step}.ckpt");
+    let train = || {
+        fails(&cat(&[
+            &["train"],
+            MLP,
+            &["--steps", "8", "--checkpoint-every", "2", "--keep-last", "1"],
+            &["--checkpoint", s(&template)],
+        ]))
+    };
+    std::fs::create_dir(d.join("run-6.ckpt")).unwrap();
+    let e = train();
+    assert!(
+        e.contains("run-6.ckpt (its checkpoint of step 6), which is a folder"),
+        "{e}"
+    );
+    std::fs::remove_dir(d.join("run-6.ckpt")).unwrap();
+    // a pipe is not opened (reading it would wait for a writer) and not replaced
+    assert!(std::process::Command::new("mkfifo")
+        .arg(d.join("run-4.ckpt"))
+        .status()
+        .unwrap()
+        .success());
+    let e = train();
+    assert!(e.contains("which is not a regular file"), "{e}");
+    assert_eq!(listing(&d), ["run-4.ckpt"]);
+}
