@@ -52,7 +52,8 @@ pub struct TrainArgs {
     /// computed). With --resume, the rows before the resume step already
     /// in this file are kept (with --eval-every, their validation loss where the uninterrupted
     /// run evaluates only), so the file ends as the uninterrupted run's; a file of another run
-    /// (its row before the resume step holds another loss than the checkpoint's), or one that lacks
+    /// (its row before the resume step holds another loss than the checkpoint's) is refused
+    /// before step 0; one that lacks
     /// some of them keeps none (a note names the missing steps), and rows past the resume step
     /// are dropped.
     #[arg(long)]
@@ -367,31 +368,15 @@ fn previous_losses(path: &std::path::Path) -> Result<Option<Vec<(usize, String)>
 /// The rows of an existing `--losses` file at `path` that a run resumed at `first_step` keeps:
 /// steps 0 to `first_step - 1`, each once and in order, rows after them dropped (another run's).
 /// A file that lacks some of them (or repeats one) keeps none, so that the file has no gap,
-/// and a note says which steps were missing; so does a file whose row before the resume step
-/// holds another loss than the checkpoint records of that step (`resumed_loss`: the rows are
-/// another run's). Under --eval-every (`evaluated`: after which steps the uninterrupted run
-/// evaluates) a kept row's validation loss stays only where the uninterrupted run has one: the
-/// earlier run's evaluation after its own last step goes.
+/// and a note says which steps were missing. Under --eval-every (`evaluated`: after which steps
+/// the uninterrupted run evaluates) a kept row's validation loss stays only where the
+/// uninterrupted run has one: the earlier run's evaluation after its own last step goes.
 fn rows_before(
     kept: Vec<(usize, String)>,
     first_step: usize,
     evaluated: Option<&dyn Fn(usize) -> bool>,
-    resumed_loss: Option<f64>,
     path: &std::path::Path,
 ) -> Vec<(usize, String)> {
-    let last = first_step
-        .checked_sub(1)
-        .and_then(|s| kept.iter().find(|(k, _)| *k == s));
-    if let (Some((s, row)), Some(loss)) = (last, resumed_loss) {
-        let written = row.split(',').nth(1).unwrap_or_default();
-        if written != format!("{loss:.9}") {
-            eprintln!(
-                "note: --losses {} holds another run's rows: its step {s} has loss {written}, the checkpoint's run {loss:.9}; it is written with this run's rows alone, from step {first_step}",
-                path.display()
-            );
-            return vec![];
-        }
-    }
     let before: Vec<(usize, String)> = kept
         .into_iter()
         .filter(|(s, _)| *s < first_step)
@@ -435,6 +420,39 @@ fn rows_before(
     vec![]
 }
 
+/// Refuses, before step 0, a `--losses` file (its `rows`) of another run than the checkpoint
+/// `resume`: its row of the step before the checkpoint's holds another loss than the checkpoint
+/// records of that step. A resume rewrites the file with the rows before its step kept; another
+/// run's rows would be spliced in, or that run's record lost.
+fn check_rows_are_the_checkpoints(
+    rows: &[(usize, String)],
+    resume: &std::path::Path,
+    path: &std::path::Path,
+) -> Result<()> {
+    let Some(meta) = brigade::checkpoint::read_metadata(resume) else {
+        return Ok(());
+    };
+    let recorded = |k: &str| meta.get(k).and_then(|v| v.parse::<f64>().ok());
+    let (Some(step), Some(loss)) = (recorded("step"), recorded(brigade::checkpoint::LAST_LOSS_KEY)) else {
+        return Ok(());
+    };
+    let Some((s, row)) = (step as usize)
+        .checked_sub(1)
+        .and_then(|s| rows.iter().find(|(k, _)| *k == s))
+    else {
+        return Ok(());
+    };
+    let written = row.split(',').nth(1).unwrap_or_default();
+    if written == format!("{loss:.9}") {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "--losses {} holds another run's rows: its step {s} has loss {written}, the run of --resume {} had {loss:.9}; a resume rewrites the file from its rows before step {step}, so move it away or give another file",
+        path.display(),
+        resume.display()
+    )))
+}
+
 /// A `--losses` row with its validation loss (the fifth cell) emptied.
 fn without_val_loss(row: &str) -> String {
     let mut cells: Vec<&str> = row.split(',').collect();
@@ -475,12 +493,9 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
         (Some(_), Some(path)) => previous_losses(path)?,
         _ => None,
     };
-    // the loss of the step before the resumed one, as its checkpoint records it
-    let resumed_loss: Option<f64> = t
-        .resume
-        .as_deref()
-        .and_then(brigade::checkpoint::read_metadata)
-        .and_then(|m| m.get(brigade::checkpoint::LAST_LOSS_KEY)?.parse().ok());
+    if let (Some(rows), Some(resume), Some(path)) = (&kept, &t.resume, &t.losses) {
+        check_rows_are_the_checkpoints(rows, resume, path)?;
+    }
     // who watches: the signals (a stop request), the notes, and unless told otherwise the bar
     let watch = (stop_on_signal, PrintNotes);
     let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
@@ -520,7 +535,6 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
             rows,
             report.outcome.first_step,
             evaluated.as_ref().map(|e| e as &dyn Fn(usize) -> bool),
-            resumed_loss,
             path,
         ),
         _ => vec![],

@@ -305,24 +305,19 @@ fn a_resumed_losses_file_under_eval_every_is_the_straight_runs_file() {
 }
 
 #[test]
-fn a_losses_file_of_another_run_is_not_spliced_before_a_resume() {
+fn a_losses_file_of_another_run_is_refused_by_a_resume_before_step_0() {
     let d = dir("drift-other-losses");
     let (ck, l) = (d.join("ck.safetensors"), d.join("l.csv"));
     // run A writes the file; run B, at another --lr, the checkpoint resumed with A's file
     ok(&cat(&[&["train"], MLP, &["--steps", "6", "--losses", s(&l)]]));
+    let before = std::fs::read(&l).unwrap();
     let b = without(MLP, "--lr");
     let b = cat(&[&["train"], &b, &["--lr", "0.02"]]);
     ok(&cat(&[&b, &["--steps", "3", "--checkpoint", s(&ck)]]));
-    let out = Command::new(bin())
-        .args(cat(&[&b, &["--steps", "6", "--resume", s(&ck), "--losses", s(&l)]]))
-        .output()
-        .unwrap();
-    let note = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{note}");
-    assert!(note.contains("holds another run's rows"), "{note}");
-    let steps: Vec<usize> = losses(&l).iter().map(|(s, _)| *s).collect();
-    assert_eq!(steps, [3, 4, 5], "this run's rows alone");
-    // its own file, kept before the resume step: no note, every row
+    let e = fails(&cat(&[&b, &["--steps", "6", "--resume", s(&ck), "--losses", s(&l)]]));
+    assert!(e.contains("holds another run's rows") && e.contains("step 2"), "{e}");
+    assert_eq!(std::fs::read(&l).unwrap(), before, "run A's record is kept");
+    // its own file, kept before the resume step: every row
     let own = d.join("own.csv");
     ok(&cat(&[&b, &["--steps", "3", "--losses", s(&own)]]));
     let out = Command::new(bin())
