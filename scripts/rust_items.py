@@ -46,6 +46,7 @@ class Impl:
     start: int
     end: int = 0
     test: bool = False
+    header: str = ""  # the tokens from `impl` to its `{`, space-joined
 
 
 @dataclass
@@ -192,9 +193,9 @@ def tokens(src: str) -> List[Tok]:
                 out.append(Tok("ident", m.group(0), line))
                 i = m.end()
                 continue
-        m = _IDENT.match(src, i)
+        m = _IDENT.match(src, i + 1 if c == "$" else i)  # `$name`: a macro's variable
         if m:
-            out.append(Tok("ident", m.group(0), line))
+            out.append(Tok("ident", src[i:m.end()], line))
             i = m.end()
             continue
         m = _NUM.match(src, i)
@@ -381,6 +382,7 @@ def scan(path: str, src: Optional[str] = None) -> FileItems:
                     items.fns.append(obj)
                 elif kind == "impl":
                     obj.trait, obj.self_type = _parse_impl(pending["toks"][:-1])
+                    obj.header = " ".join(tt.text for tt in pending["toks"][:-1])
                     obj.test = fr["test"]
                     fr["impl"] = obj
                     items.impls.append(obj)
