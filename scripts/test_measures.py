@@ -139,5 +139,17 @@ class GradientWay(unittest.TestCase):
             os.unlink(f.name)
 
 
+class HouseFigures(unittest.TestCase):
+    def test_the_built_in_names_come_from_the_registry_entries(self):
+        # an option's `name` inside an entry is no policy
+        here = os.getcwd()
+        os.chdir(HOUSE)
+        try:
+            import house_figures
+            self.assertEqual(house_figures.built_in_policy_names(), ["allreduce", "powersgd", "zero3"])
+        finally:
+            os.chdir(here)
+
+
 if __name__ == "__main__":
     unittest.main()
