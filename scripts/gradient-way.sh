@@ -31,16 +31,19 @@ while [ $# -gt 0 ]; do
 done
 [ -z "${WAY_FUNCTIONS:-}" ] || args+=(--functions)
 command -v valgrind >/dev/null || { echo "gradient-way: valgrind not found: apt-get install -y valgrind" >&2; exit 1; }
-bin="$(cargo test -q -p brigade-policies --test policies --no-run --message-format=json 2>/dev/null |
+# at the workspace's root, not with -p: the features are those of `cargo test`, so its build is
+# reused as it stands
+bin="$(cargo test -q --test policies --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "policies":
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "policies" \
+            and "brigade-policies" in m["package_id"]:
         print(m["executable"])')"
 [ -n "$bin" ] || { echo "gradient-way: cargo built no policies test binary" >&2; exit 1; }
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-# callers up to 100 deep: a chain is cut there (the test's run deepest chain is about 25)
+# callers up to 100 deep: a chain is cut there (the test's deepest is about 25)
 timeout 300 valgrind --tool=callgrind --callgrind-out-file="$out/cg" --dump-instr=no --separate-callers=100 \
   --zero-before='*gradient_way::way_starts' --dump-before='*gradient_way::way_ends' \
   "$bin" --exact gradient_way::one_bucket_on_two_thread_ranks_is_averaged_and_stepped \

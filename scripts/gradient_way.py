@@ -54,9 +54,10 @@ REPRESENTATIONS = ("Tensor", "Storage", "Buffer")
 #
 # Events: a call into an implementation of one of these traits starts an event (the
 # gradient-ready bus telling its subscribers), and so does whatever a method of one of these
-# types calls (a work's promise running the continuations when the collective completes).
+# types calls (a work running its continuations when it completes: from the promise on the comm
+# stream, or at once in `then` when the work had completed already, as timing decides).
 EVENT_TRAITS = ("GradSubscriber",)
-EVENT_CALLERS = ("Promise",)
+EVENT_CALLERS = ("Promise", "Work", "TensorPromise", "TensorWork")
 # -----------------------------------------------------------------------------------------
 
 ROOT = os.getcwd() + "/"
@@ -276,11 +277,13 @@ def reentries(entries, file_of, items):
             steps.append((ours(file_of.get(name)), short(name), event))
         _walk(steps, counted, apart)
         # the innermost function's inlined code from other files: entered from that function
+        # (in an event when that function runs completions: a continuation inlined into it)
+        inlined_event = is_event_caller(e.chain[0])
         for raw in sorted(e.lines):
             f = ours(raw)
             if f and f != ours(e.file) and f in items:
                 fn = next((items[f].fn_at(line) for line in sorted(e.lines[raw]) if items[f].fn_at(line)), None)
-                _walk(steps + [(f, (fn.qualified if fn else "?") + ", inlined", False)], counted, apart)
+                _walk(steps + [(f, (fn.qualified if fn else "?") + ", inlined", inlined_event)], counted, apart)
     return counted, apart
 
 
