@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
 done
 brigade="${BRIGADE:-target/debug/brigade}"
 if [ ! -x "$brigade" ]; then
-  cargo build -q -p brigade-cli --bin brigade
+  cargo build -q --bin brigade  # at the root: the features of `cargo test`, whose build it shares
   brigade=target/debug/brigade
 fi
 python3 scripts/house_figures.py "$brigade" ${check:+--check "$limits"}
