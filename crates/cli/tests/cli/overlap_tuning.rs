@@ -146,7 +146,9 @@ fn train(tag: &str, bucket: &[&str]) -> (Vec<(usize, f64)>, serde_json::Value) {
 #[test]
 fn auto_trains_as_a_fixed_cap_and_reports_the_cap_it_chose() {
     // auto starts at 25 MiB (one bucket after the first) and must adopt its only candidate,
-    // 0.05 MiB (several buckets), at its first check; it re-checks after steps 2 and 4
+    // 0.05 MiB (several buckets), at its first check, however much slower the model predicts
+    // it from the recorded step (a gain of -1e9: a slower candidate is adopted unless it is
+    // predicted a billion times slower); it re-checks after steps 2 and 4
     let (tuned, summary) = train(
         "auto",
         &[
@@ -155,7 +157,7 @@ fn auto_trains_as_a_fixed_cap_and_reports_the_cap_it_chose() {
             "--autotune-caps",
             "0.05",
             "--autotune-min-gain",
-            "-1",
+            "-1e9",
             "--autotune-every",
             "2",
         ],
