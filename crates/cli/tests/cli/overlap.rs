@@ -452,7 +452,8 @@ fn predict_replays_a_zero3_step_with_its_gathers_on_the_measured_and_on_another_
     for r in v["ranks"].as_array().unwrap() {
         for k in [0, 3, 4] {
             let g = &r["gathers"][k];
-            assert!(g["issued_s"].as_f64() >= g["needed_s"].as_f64(), "the fixture: {g}");
+            let t = |k: &str| g[k].as_f64().unwrap();
+            assert!(t("issued_s") >= t("needed_s"), "the fixture: {g}");
         }
     }
     assert!(
