@@ -1,5 +1,18 @@
 #!/usr/bin/env bash
-# The longest functions of the given Rust files, in lines from the `fn` line to its closing brace
-# at the same indent: `scripts/longest-fns.sh crates/brigade/src/trainer/*.rs`.
-awk 'FNR==1{open=0} !open && match($0,/^ *(pub(\([a-z]+\))? )?fn [a-z_0-9]+/){ind=RSTART; m=$0; sub(/^ */,"",m); ind=length($0)-length(m); name=m; sub(/\(.*/,"",name); start=FNR; open=1; if ($0 ~ /;$/) open=0; next}
-open { m=$0; sub(/^ */,"",m); if (m=="}" && length($0)-length(m)==ind) {print FNR-start+1, FILENAME": "name; open=0} }' "$@" | sort -rn | head -5
+# The longest functions, in lines from the `fn` line to the brace that closes its body, one a
+# line: `LINES FILE:LINE NAME`, longest first, the top N (default 25).
+# PATHS are files or folders (default: crates); under a folder, tests/, examples/, benches/ and
+# tests.rs files are left out, and so everywhere is test code (`#[test]`, `#[cfg(test)]` modules
+# and items, files such a module declares). Declarations without a body have no length.
+# The scanner is scripts/rust_items.py (comments, strings and char literals skipped).
+# Usage: scripts/longest-fns.sh [N] [PATHS...]   e.g. scripts/longest-fns.sh 5 crates/ddp/src
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+n=25
+if [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+$ ]]; then
+  n="$1"
+  shift
+fi
+[ $# -gt 0 ] || set -- crates
+list="$(python3 "$here/rust_items.py" fns "$@")"
+printf '%s\n' "$list" | sed '/^$/d' | sort -k1,1nr -k2,2 | awk -v n="$n" 'NR <= n'

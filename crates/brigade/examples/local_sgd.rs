@@ -2,8 +2,10 @@
 //! (`brigade::ddp::ReducerPolicy`) alone: plain averaging all-reduce for the first K steps;
 //! after that no gradient crosses the ranks (each steps on its own), and every H steps the
 //! models are averaged (in `after_step`, which runs after each optimizer step). Its step count
-//! is its state, so a checkpoint resumes it. Trains an MLP on 2 thread ranks through
-//! `brigade::fit` and prints loss and wire bytes against all-reduce.
+//! is its state; between averagings each rank's parameters and momentum are its own, which it
+//! declares (`replicas`), so that a checkpoint keeps every rank's and a resume continues each
+//! exactly. Trains an MLP on 2 thread ranks through `brigade::fit` and prints loss and wire
+//! bytes against all-reduce.
 //!
 //! `cargo run --release -p brigade --example local_sgd [-- STEPS [K H]]`
 
@@ -11,7 +13,7 @@ use std::sync::Arc;
 
 use brigade::comm::ReduceOp;
 use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction, StepContext};
-use brigade::ddp::{DdpError, KeepsState, ReducerPolicy};
+use brigade::ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
 use brigade::tensor::Tensor;
@@ -38,6 +40,12 @@ impl ReducerPolicy for LocalSgd {
 
     fn keeps_state(&self) -> KeepsState {
         KeepsState::InStateDict // its step count
+    }
+
+    fn replicas(&self) -> Replicas {
+        // after the first K steps each rank steps on its own gradients: its parameters differ
+        // until the next averaging, its momentum also after it
+        Replicas::Diverge(RankState::ALL)
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {

@@ -2,10 +2,19 @@
 //! dropout generator with the step they were taken after, in one safetensors file (written
 //! atomically), and loading them back to resume a run.
 //!
-//! Tensors are named `model.<param>`, `optim.<key>` and `policy.rank<r>/<key>` (rank `r`'s
-//! [`brigade_ddp::ReducerPolicy::state_dict`], gathered on rank 0: PowerSGD's error feedback
-//! differs per rank); the metadata records the policy's spec (`powersgd:1@2`), and a resume
-//! under another spec is refused.
+//! Tensors are named `model.<param>`, `optim.<key>` (rank 0's) and `policy.rank<r>/<key>` (rank
+//! `r`'s [`brigade_ddp::ReducerPolicy::state_dict`], gathered on rank 0: PowerSGD's error
+//! feedback differs per rank); the metadata records the policy's spec (`powersgd:1@2`), and a
+//! resume under another spec is refused. Under a policy whose ranks diverge between syncs
+//! ([`brigade_ddp::Replicas::Diverge`]: local SGD, DiLoCo) every rank's own parameters and
+//! optimizer state are `rank.rank<r>/params/<param>` and `rank.rank<r>/optimizer/<key>`, and
+//! such a checkpoint resumes on as many ranks only ([`CheckpointMismatch::DivergedWorld`]).
+//!
+//! Once DDP regrouped its buckets (from the ready order after the first step), the metadata
+//! records the grouping (`buckets`: each bucket's parameter names, a JSON list of lists;
+//! `bucket_caps_mb`: `<cap>,<first cap>`; `bucket_generation`), and a resume reduces on the
+//! same buckets ([`brigade_ddp::DdpConfig::grouping`]): a policy whose reduction depends on
+//! which gradients share a bucket (int8's one scale per bucket) continues exactly.
 //!
 //! Rank `r`'s dropout generator ([`Model::rng_state`]: a seed and a count of masks drawn, two
 //! `u64`s) is the metadata entry `dropout_rng.rank<r>` = `<seed>:<offset>`, so that a resume at
@@ -18,6 +27,7 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
+use brigade_ddp::BucketGrouping;
 use std::collections::HashMap;
 
 use brigade_models::{
@@ -39,6 +49,14 @@ pub const LAST_LOSS_KEY: &str = "last_loss";
 
 /// Prefix of the policy state's tensors.
 const POLICY_PREFIX: &str = "policy.";
+
+/// Prefix of every rank's own parameters and optimizer state (a diverging policy's).
+const RANK_PREFIX: &str = "rank.";
+
+/// Metadata keys of the buckets' grouping.
+const BUCKETS_KEY: &str = "buckets";
+const BUCKET_CAPS_KEY: &str = "bucket_caps_mb";
+const BUCKET_GENERATION_KEY: &str = "bucket_generation";
 
 /// Prefix of the metadata entries of the ranks' dropout generators (`dropout_rng.rank<r>`).
 const RNG_PREFIX: &str = "dropout_rng.rank";
@@ -176,6 +194,23 @@ pub fn load_model_tensors(path: &Path) -> Result<CheckpointModel> {
     })
 }
 
+/// What a checkpoint holds of DDP beside rank 0's model and optimizer state: what a resume
+/// needs to continue every rank bit for bit.
+#[derive(Debug, Clone, Default)]
+pub struct DistributedState {
+    /// Every rank's policy state, entries `rank<r>/<key>`
+    /// ([`brigade_ddp::DistributedDataParallel::gather_policy_state`]); empty when the policy
+    /// keeps none.
+    pub policy: Vec<(String, Tensor)>,
+    /// Every rank's own parameters and optimizer state under a policy whose ranks diverge
+    /// between syncs, entries `rank<r>/params/<name>` and `rank<r>/optimizer/<key>`
+    /// ([`brigade_ddp::DistributedDataParallel::gather_rank_state`]); empty otherwise.
+    pub ranks: Vec<(String, Tensor)>,
+    /// The buckets' grouping once DDP regrouped them
+    /// ([`brigade_ddp::DistributedDataParallel::bucket_grouping`]).
+    pub buckets: Option<BucketGrouping>,
+}
+
 /// What a resume continues from.
 #[derive(Debug)]
 pub struct Resumed {
@@ -186,10 +221,12 @@ pub struct Resumed {
     pub sampler: Option<SamplerPosition>,
     /// The checkpoint's metadata (the recipe's among it).
     pub metadata: HashMap<String, String>,
-    /// Every rank's policy state, entries `rank<r>/<key>` (for
-    /// [`brigade_ddp::DistributedDataParallel::load_gathered_policy_state`]); empty when the
-    /// policy keeps none.
-    pub policy_state: Vec<(String, Tensor)>,
+    /// Every rank's policy state, every rank's own parameters and optimizer state (a diverging
+    /// policy's) and the buckets' grouping, for DDP (its
+    /// [`load_gathered_policy_state`](brigade_ddp::DistributedDataParallel::load_gathered_policy_state),
+    /// [`load_rank_state`](brigade_ddp::DistributedDataParallel::load_rank_state) and
+    /// [`DdpConfig::grouping`](brigade_ddp::DdpConfig::grouping)).
+    pub distributed: DistributedState,
     /// Every writing rank's dropout generator, by rank (empty: the checkpoint records none).
     /// When this run has another number of ranks, they are all one state (checked on load).
     pub dropout_rng: Vec<RngState>,
@@ -251,25 +288,24 @@ pub(crate) fn full_weights(model: &dyn Model, opt: &dyn Optimizer) -> Vec<(Strin
     }
 }
 
-/// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id`. The
-/// model saved is the optimizer's f32 master weights when it keeps them beside 16-bit
-/// parameters (mixed precision), else the parameters themselves: either way full f32 weights.
+/// Writes `model`'s parameters and `opt`'s state after `step` steps to `path`, with `id` and
+/// what it holds of DDP (`distributed`). The model saved is the optimizer's f32 master weights
+/// when it keeps them beside 16-bit parameters (mixed precision), else the parameters
+/// themselves: either way full f32 weights.
 pub fn save_checkpoint(
     path: &Path,
     id: &CheckpointIdentity<'_>,
     model: &dyn Model,
     opt: &dyn Optimizer,
-    policy_state: &[(String, Tensor)],
+    distributed: &DistributedState,
     step: usize,
 ) -> Result<()> {
     let weights = full_weights(model, opt);
     let mut tensors: Vec<(String, Tensor)> = weights.into_iter().map(|(n, t)| (format!("model.{n}"), t)).collect();
     tensors.extend(opt.state_dict()?.into_iter().map(|(n, t)| (format!("optim.{n}"), t)));
-    tensors.extend(
-        policy_state
-            .iter()
-            .map(|(n, t)| (format!("{POLICY_PREFIX}{n}"), t.clone())),
-    );
+    for (prefix, entries) in [(POLICY_PREFIX, &distributed.policy), (RANK_PREFIX, &distributed.ranks)] {
+        tensors.extend(entries.iter().map(|(n, t)| (format!("{prefix}{n}"), t.clone())));
+    }
     let meta = [
         ("format", CHECKPOINT_FORMAT.to_string()),
         ("step", step.to_string()),
@@ -291,6 +327,7 @@ pub fn save_checkpoint(
         ]
     }))
     .map(|(k, v)| (k.to_string(), v))
+    .chain(distributed.buckets.as_ref().map_or_else(Vec::new, grouping_record))
     .chain(id.recipe.iter().cloned())
     .chain(id.lineage.iter().cloned())
     .chain(
@@ -376,10 +413,22 @@ pub fn load_checkpoint(
     };
     load(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state_dict(&strip("optim."))?;
-    let policy_state = strip(POLICY_PREFIX);
-    // a policy's state is per rank: it resumes on as many ranks as wrote it
+    let distributed = DistributedState {
+        policy: strip(POLICY_PREFIX),
+        ranks: strip(RANK_PREFIX),
+        buckets: read_grouping(&meta).map_err(err)?,
+    };
+    // the ranks' own parameters and a policy's state are per rank: they resume on as many
+    // ranks as wrote them
     let world: Option<usize> = meta.get(WORLD_SIZE_KEY).and_then(|w| w.parse().ok());
-    if !policy_state.is_empty() && world != Some(id.world_size) {
+    if !distributed.ranks.is_empty() && world != Some(id.world_size) {
+        return Err(err(CheckpointMismatch::DivergedWorld {
+            policy: meta.get("policy").cloned().unwrap_or_default(),
+            written_world: world,
+            world: id.world_size,
+        }));
+    }
+    if !distributed.policy.is_empty() && world != Some(id.world_size) {
         return Err(err(CheckpointMismatch::PolicyWorld {
             policy: meta.get("policy").cloned().unwrap_or_default(),
             written_world: world,
@@ -403,10 +452,44 @@ pub fn load_checkpoint(
         step,
         sampler,
         metadata: meta,
-        policy_state,
+        distributed,
         dropout_rng,
         loss_scale,
     })
+}
+
+/// The metadata entries of the buckets' grouping (see the module docs).
+fn grouping_record(g: &BucketGrouping) -> Vec<(String, String)> {
+    let names = serde_json::to_string(&g.buckets).expect("lists of strings serialize");
+    vec![
+        (BUCKETS_KEY.to_string(), names),
+        (BUCKET_CAPS_KEY.to_string(), format!("{},{}", g.caps_mb.0, g.caps_mb.1)),
+        (BUCKET_GENERATION_KEY.to_string(), g.generation.to_string()),
+    ]
+}
+
+/// The buckets' grouping the metadata records, if any (a checkpoint written before DDP
+/// regrouped its buckets, or under a policy that fixes them, records none).
+fn read_grouping(meta: &HashMap<String, String>) -> std::result::Result<Option<BucketGrouping>, CheckpointMismatch> {
+    let Some(names) = meta.get(BUCKETS_KEY) else {
+        return Ok(None);
+    };
+    let bad = |what: &str| CheckpointMismatch::BucketGrouping(format!("its {what} cannot be read"));
+    let buckets: Vec<Vec<String>> = serde_json::from_str(names).map_err(|_| bad(BUCKETS_KEY))?;
+    let caps_mb = meta
+        .get(BUCKET_CAPS_KEY)
+        .and_then(|c| c.split_once(','))
+        .and_then(|(cap, first)| Some((cap.parse().ok()?, first.parse().ok()?)))
+        .ok_or_else(|| bad(BUCKET_CAPS_KEY))?;
+    let generation = meta
+        .get(BUCKET_GENERATION_KEY)
+        .and_then(|g| g.parse().ok())
+        .ok_or_else(|| bad(BUCKET_GENERATION_KEY))?;
+    Ok(Some(BucketGrouping {
+        buckets,
+        caps_mb,
+        generation,
+    }))
 }
 
 /// The data order must be the one the checkpoint was written with (in order when it records

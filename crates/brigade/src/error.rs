@@ -286,6 +286,27 @@ pub enum CheckpointMismatch {
         /// This run's world size.
         world: usize,
     },
+    /// It holds every rank's own parameters and optimizer state (a policy whose ranks diverge
+    /// between syncs wrote it), of another number of ranks than this run's.
+    #[error(
+        "it holds each of its {} ranks' own parameters and optimizer state (policy '{policy}' lets its ranks \
+         diverge between syncs), and this run has {world}: resume on as many ranks as wrote it",
+        written_world.map(|w| w.to_string()).unwrap_or_else(|| "(unrecorded)".into())
+    )]
+    DivergedWorld {
+        /// The policy the checkpoint records.
+        policy: String,
+        /// The checkpoint's world size (absent in older checkpoints).
+        written_world: Option<usize>,
+        /// This run's world size.
+        world: usize,
+    },
+    /// Its ranks' own parameters and optimizer state do not fit this run (DDP's words).
+    #[error("its ranks' own parameters and optimizer state do not fit: {0}")]
+    RankState(String),
+    /// Its record of the buckets' grouping cannot be read or does not fit the model.
+    #[error("its bucket grouping does not fit: {0}")]
+    BucketGrouping(String),
     /// It holds the dropout generators of another number of ranks, at different states (the
     /// ranks drew different masks): only as many ranks can continue them.
     #[error(

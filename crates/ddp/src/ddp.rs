@@ -10,9 +10,9 @@ use crate::memory::{self, MemoryReport};
 
 use crate::policy::{
     state, Buckets, BuildOptimizer, HeldGrad, LossScaleStep, OptimizerContext, ParamHooks, PolicyDiagnostic,
-    ReducerPolicy, StepContext, WireModel,
+    ReducerPolicy, Replicas, StepContext, WireModel,
 };
-use crate::reducer::{PassTimes, Reducer};
+use crate::reducer::{BucketGrouping, PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
 use crate::stream::{BucketStream, HostStream};
 use crate::{DdpConfig, DdpError, Result};
@@ -193,6 +193,14 @@ impl DistributedDataParallel {
         self.reducer.lock().rebuilt
     }
 
+    /// The buckets' grouping once DDP regrouped them (after the first iteration, or under new
+    /// caps), for a checkpoint: a resume built with it ([`DdpConfig::grouping`](crate::DdpConfig::grouping)) reduces
+    /// on the same buckets. `None` while the buckets are still the ones construction grouped,
+    /// and under a policy that fixes its buckets: a fresh DDP builds the same ones.
+    pub fn bucket_grouping(&self) -> Option<BucketGrouping> {
+        self.reducer.grouping()
+    }
+
     /// The order (parameter names) in which gradients became ready in the last
     /// synchronized backward.
     pub fn last_ready_order(&self) -> Vec<String> {
@@ -310,12 +318,7 @@ impl DistributedDataParallel {
     pub fn load_gathered_policy_state(&self, all: &[(String, Tensor)]) -> Result<()> {
         let prefix = format!("rank{}/", self.comm().rank());
         let world = self.comm().world_size();
-        if let Some((k, _)) = all.iter().find(|(k, _)| {
-            k.strip_prefix("rank")
-                .and_then(|rest| rest.split('/').next())
-                .and_then(|r| r.parse::<usize>().ok())
-                .is_none_or(|r| r >= world)
-        }) {
+        if let Some((k, _)) = all.iter().find(|(k, _)| rank_of(k).is_none_or(|r| r >= world)) {
             return Err(DdpError::PolicyState(format!(
                 "entry '{k}' belongs to no rank of a group of {world}: the policy state was saved by another group size"
             )));
@@ -325,6 +328,124 @@ impl DistributedDataParallel {
             .filter_map(|(k, t)| k.strip_prefix(&prefix).map(|k| (k.to_string(), t.clone())))
             .collect();
         self.load_policy_state_dict(&mine)
+    }
+
+    /// Whether the policy's ranks hold the same parameters and optimizer state after every step
+    /// ([`ReducerPolicy::replicas`]).
+    pub fn replicas(&self) -> Replicas {
+        self.reducer.lock_policy().replicas()
+    }
+
+    /// Every rank's own parameters and optimizer state, on rank 0, for a checkpoint written by
+    /// rank 0, when the policy lets them diverge between syncs ([`Replicas::Diverge`]; what its
+    /// [`crate::RankState`] names): entries `rank{r}/params/{name}` (the f32 master weights `opt`
+    /// keeps beside 16-bit parameters, else the parameters) and `rank{r}/optimizer/{key}`
+    /// (`opt`'s state dict). A collective then; the other ranks get an empty list. Under
+    /// [`Replicas::Identical`] empty on every rank, with no collective (every rank answers
+    /// alike); refused under [`Replicas::DivergeUnsaved`].
+    pub fn gather_rank_state(&self, opt: &dyn Optimizer) -> Result<Vec<(String, Tensor)>> {
+        let keep = {
+            let policy = self.reducer.lock_policy();
+            crate::policy::check_checkpointable(&**policy)?;
+            match policy.replicas() {
+                Replicas::Diverge(keep) => keep,
+                _ => return Ok(vec![]),
+            }
+        };
+        let mut mine = vec![];
+        if keep.params {
+            let weights = match opt.master_weights() {
+                masters if masters.is_empty() => self.params().iter().enumerate().map(named_value).collect(),
+                masters => masters,
+            };
+            mine.extend(weights.into_iter().map(|(n, t)| (format!("{RANK_PARAMS}{n}"), t)));
+        }
+        if keep.optimizer {
+            let state = opt.state_dict()?;
+            mine.extend(state.into_iter().map(|(k, t)| (format!("{RANK_OPTIMIZER}{k}"), t)));
+        }
+        let all = all_gather_bytes(self.comm().as_ref(), state::encode(&mine)?, "ddp.rank_state")?;
+        if self.comm().rank() != 0 {
+            return Ok(vec![]);
+        }
+        let mut out = vec![];
+        for (r, bytes) in all.iter().enumerate() {
+            out.extend(
+                state::decode(bytes)?
+                    .into_iter()
+                    .map(|(k, t)| (format!("rank{r}/{k}"), t)),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Restores this rank's part of what [`DistributedDataParallel::gather_rank_state`] gave rank
+    /// 0 (every rank reads the same checkpoint): its parameters (and the f32 master weights `opt`
+    /// keeps beside 16-bit parameters, the parameters their rounding) and `opt`'s state. Call it
+    /// after construction, which broadcast rank 0's parameters, and before
+    /// [`DistributedDataParallel::optimizer`], which is handed `opt` (the module docs of
+    /// [`crate::policy`] give the whole load order). Entries of a rank outside this group (a
+    /// checkpoint of another number of ranks) are refused. Not a collective.
+    pub fn load_rank_state(&self, all: &[(String, Tensor)], opt: &mut dyn Optimizer) -> Result<()> {
+        let (rank, world) = (self.comm().rank(), self.comm().world_size());
+        if let Some((k, _)) = all.iter().find(|(k, _)| rank_of(k).is_none_or(|r| r >= world)) {
+            return Err(DdpError::RankState(format!(
+                "entry '{k}' belongs to no rank of a group of {world}: it was saved by another number of ranks"
+            )));
+        }
+        let prefix = format!("rank{rank}/");
+        let mine = || all.iter().filter_map(|(k, t)| Some((k.strip_prefix(&prefix)?, t)));
+        let params: Vec<(&str, &Tensor)> = mine()
+            .filter_map(|(k, t)| Some((k.strip_prefix(RANK_PARAMS)?, t)))
+            .collect();
+        if !params.is_empty() {
+            self.load_rank_params(rank, &params, opt)?;
+        }
+        let optimizer: Vec<(String, Tensor)> = mine()
+            .filter_map(|(k, t)| Some((k.strip_prefix(RANK_OPTIMIZER)?.to_string(), t.clone())))
+            .collect();
+        if !optimizer.is_empty() {
+            let device = self.params().first().map(|p| p.value().device());
+            let on_device = (optimizer.into_iter())
+                .map(|(k, t)| match device {
+                    Some(d) => Ok((k, t.to_device(d)?)),
+                    None => Ok((k, t)),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            opt.load_state_dict(&on_device)?;
+        }
+        Ok(())
+    }
+
+    /// Writes rank `rank`'s saved `params` (every parameter's, by name) into the parameters, or
+    /// into `opt`'s master weights and their rounding into the parameters.
+    fn load_rank_params(&self, rank: usize, params: &[(&str, &Tensor)], opt: &dyn Optimizer) -> Result<()> {
+        let masters: std::collections::HashMap<String, Tensor> = opt.master_weights().into_iter().collect();
+        let saved: std::collections::HashMap<&str, &Tensor> = params.iter().copied().collect();
+        let ours: Vec<(String, Tensor)> = self.params().iter().enumerate().map(named_value).collect();
+        if let Some((name, _)) = params.iter().find(|(n, _)| !ours.iter().any(|(o, _)| o == n)) {
+            return Err(DdpError::RankState(format!(
+                "rank {rank}'s saved parameters hold '{name}', which names no parameter of this model"
+            )));
+        }
+        for (name, value) in ours {
+            let t = saved
+                .get(name.as_str())
+                .ok_or_else(|| DdpError::RankState(format!("rank {rank}'s saved parameters leave out '{name}'")))?;
+            if t.shape() != value.shape() {
+                return Err(DdpError::RankState(format!(
+                    "rank {rank}'s saved '{name}' has shape {:?}, the parameter {:?}",
+                    t.shape(),
+                    value.shape()
+                )));
+            }
+            let t = t.to_device(value.device())?;
+            if let Some(master) = masters.get(&name) {
+                master.copy_from(&t.to_dtype(master.dtype())?)?;
+            }
+            value.copy_from(&t.to_dtype(value.dtype())?)?;
+        }
+        Ok(())
     }
 
     /// Runs `f` with every parameter gathered whole into its tensor, then frees them again (FSDP's
@@ -373,6 +494,22 @@ impl DistributedDataParallel {
         let policy = self.reducer.lock_policy().memory();
         memory::measure(&self.reducer, opt, policy)
     }
+}
+
+/// Prefix of a rank's parameters among its own state ([`DistributedDataParallel::gather_rank_state`]).
+const RANK_PARAMS: &str = "params/";
+/// Prefix of a rank's optimizer state among its own state.
+const RANK_OPTIMIZER: &str = "optimizer/";
+
+/// A parameter's name (`param{i}` when it has none, as the optimizers name it) and value.
+fn named_value((i, p): (usize, &Var)) -> (String, Tensor) {
+    let name = p.name().map(str::to_string).unwrap_or_else(|| format!("param{i}"));
+    (name, p.value())
+}
+
+/// The rank an entry `rank{r}/...` belongs to.
+fn rank_of(key: &str) -> Option<usize> {
+    key.strip_prefix("rank")?.split('/').next()?.parse().ok()
 }
 
 impl Drop for DistributedDataParallel {

@@ -119,6 +119,12 @@ pub enum DdpError {
     /// policy or group size).
     #[error("policy state: {0}")]
     PolicyState(String),
+    /// A recorded bucket grouping ([`crate::DdpConfig::grouping`]) does not fit the model.
+    #[error("the recorded bucket grouping does not fit this model: {0}")]
+    BucketGrouping(String),
+    /// A rank's own parameters or optimizer state (a diverging policy's checkpoint) do not fit.
+    #[error("a rank's own state: {0}")]
+    RankState(String),
     /// A bucket stream was handed a collective another kind of stream launched (a bug in
     /// the caller: one reducer uses one stream).
     #[error("bucket {bucket}: the {stream} stream was handed a collective launched by the {launched_by} stream")]

@@ -33,8 +33,8 @@ pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
 pub use memory::MemoryReport;
 pub use phase::{bucket_of, Phase};
-pub use policy::{bucket_tag, Collectives, KeepsState, ReducerPolicy, TensorWork};
-pub use reducer::{assign_buckets, PassBucket, PassTimes};
+pub use policy::{bucket_tag, Collectives, KeepsState, RankState, ReducerPolicy, Replicas, TensorWork};
+pub use reducer::{assign_buckets, BucketGrouping, PassBucket, PassTimes};
 pub use signature::broadcast_from_rank0;
 
 use brigade_comm::{CommMeter, Recorder};
@@ -67,6 +67,12 @@ pub struct DdpConfig {
     /// ([`policy::PolicyContext::reduce_dtype`]): `None` for the parameters' dtype; f32 beside 16-bit
     /// parameters gives f32 buckets, the 16-bit gradients widened as they accumulate.
     pub reduce_dtype: Option<brigade_tensor::DType>,
+    /// Start from this grouping of the buckets (a checkpoint's,
+    /// [`DistributedDataParallel::bucket_grouping`]) instead of grouping by the caps, and rebuild
+    /// no more: a resume reduces on the buckets the run it continues had. Under other caps than
+    /// the recorded ones the recorded order is regrouped by this configuration's; ignored when
+    /// the policy fixes its buckets (`BucketLayout::regroup: false`, `bucket_groups`).
+    pub grouping: Option<BucketGrouping>,
 }
 
 impl Default for DdpConfig {
@@ -80,6 +86,7 @@ impl Default for DdpConfig {
             recorder: None,
             meter: CommMeter::new(),
             reduce_dtype: None,
+            grouping: None,
         }
     }
 }

@@ -54,6 +54,22 @@ pub fn assign_buckets(param_bytes: &[usize], order: &[usize], first_cap: usize, 
     buckets
 }
 
+/// The buckets' grouping as DDP holds it after regrouping them (from the observed ready order
+/// after the first iteration, or under new caps): what a checkpoint records
+/// ([`crate::DistributedDataParallel::bucket_grouping`]) so that a resume reduces on the same
+/// buckets ([`DdpConfig::grouping`]). A policy whose reduction of a bucket depends on which
+/// gradients share it (one int8 scale per bucket, a top-k over the bucket) continues exactly
+/// only on them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketGrouping {
+    /// Each bucket's parameters by name, in launch order, each in buffer order.
+    pub buckets: Vec<Vec<String>>,
+    /// The bucket caps they were grouped under, in MiB: (every bucket but the first, the first).
+    pub caps_mb: (f64, f64),
+    /// The layout's generation ([`crate::policy::PolicyBucket::generation`]).
+    pub generation: u64,
+}
+
 /// What a bucket holds once its reduction landed.
 #[derive(Debug, Clone)]
 pub(crate) enum Held {
@@ -161,6 +177,8 @@ pub(crate) struct Reducer {
     policy: Mutex<Box<dyn ReducerPolicy>>,
     pub(crate) policy_name: String,
     pub(crate) layout: BucketLayout,
+    /// The policy fixes its buckets itself ([`ReducerPolicy::bucket_groups`]).
+    fixed_groups: bool,
 }
 
 /// Bytes of `p`'s gradient in a bucket (buckets hold the parameter's dtype).
@@ -242,6 +260,52 @@ fn check_groups(groups: Vec<Vec<usize>>, trainable: &[bool], policy: &str) -> Re
         )));
     }
     Ok(groups)
+}
+
+/// The buckets of a recorded grouping ([`DdpConfig::grouping`]) by registration index, and
+/// their generation: the recorded buckets under the recorded caps, or, under other `caps`, the
+/// recorded order grouped by them (a new layout: the next generation). Every trainable
+/// parameter must be named exactly once, and no other.
+fn restore_groups(
+    params: &[Var],
+    trainable: &[bool],
+    recorded: &BucketGrouping,
+    caps: (f64, f64),
+) -> Result<(Vec<Vec<usize>>, u64)> {
+    let fail = |reason: String| DdpError::BucketGrouping(reason);
+    let index: std::collections::HashMap<&str, usize> = (params.iter().enumerate())
+        .filter(|&(p, _)| trainable[p])
+        .map(|(p, v)| (v.name().unwrap_or("<unnamed>"), p))
+        .collect();
+    let mut seen = vec![false; params.len()];
+    let mut groups = Vec::with_capacity(recorded.buckets.len());
+    for names in &recorded.buckets {
+        let mut group = Vec::with_capacity(names.len());
+        for name in names {
+            let &p = index.get(name.as_str()).ok_or_else(|| {
+                fail(format!(
+                    "it names '{name}', which is no trainable parameter of this model"
+                ))
+            })?;
+            if std::mem::replace(&mut seen[p], true) {
+                return Err(fail(format!("it names '{name}' twice")));
+            }
+            group.push(p);
+        }
+        if group.is_empty() {
+            return Err(fail("it holds an empty bucket".into()));
+        }
+        groups.push(group);
+    }
+    if let Some(p) = (0..params.len()).find(|&p| trainable[p] && !seen[p]) {
+        let name = params[p].name().unwrap_or("<unnamed>");
+        return Err(fail(format!("it leaves out the trainable parameter '{name}'")));
+    }
+    if recorded.caps_mb == caps {
+        return Ok((groups, recorded.generation));
+    }
+    let order: Vec<usize> = groups.into_iter().flatten().collect();
+    Ok((group_params(params, &order, caps), recorded.generation + 1))
 }
 
 /// Builds buckets for `groups` and points every parameter's gradient at its slice; each flat
@@ -326,9 +390,19 @@ impl Reducer {
         }
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
-        let groups = match policy.bucket_groups(&ctx)? {
-            Some(groups) => check_groups(groups, &trainable, &policy_name)?,
-            None => group_params(&params, &order, caps),
+        let fixed = policy.bucket_groups(&ctx)?;
+        let fixed_groups = fixed.is_some();
+        // A layout that cannot regroup keeps its first buckets.
+        let mut rebuilt = !cfg.rebuild_buckets || !layout.regroup;
+        let mut generation = 0;
+        let groups = match (fixed, &cfg.grouping) {
+            (Some(groups), _) => check_groups(groups, &trainable, &policy_name)?,
+            (None, Some(recorded)) if layout.regroup => {
+                let (groups, recorded_generation) = restore_groups(&params, &trainable, recorded, caps)?;
+                (rebuilt, generation) = (true, recorded_generation);
+                groups
+            }
+            (None, _) => group_params(&params, &order, caps),
         };
         let (buckets, bucket_of) = build_buckets(&params, groups, &layout)?;
         let n = params.len();
@@ -348,9 +422,8 @@ impl Reducer {
                 sync: true,
                 in_backward: false,
                 joined: false,
-                // A layout that cannot regroup keeps its first buckets.
-                rebuilt: !cfg.rebuild_buckets || !layout.regroup,
-                generation: 0,
+                rebuilt,
+                generation,
                 caps,
                 span: None,
                 pass: PassTimes::default(),
@@ -358,6 +431,7 @@ impl Reducer {
             policy: Mutex::new(policy),
             policy_name,
             layout,
+            fixed_groups,
             cfg,
         };
         reducer.announce(&reducer.lock())?;
@@ -641,6 +715,27 @@ impl Reducer {
         self.regroup(st, groups)?;
         st.rebuilt = true;
         Ok(())
+    }
+}
+
+impl Reducer {
+    /// The grouping to record once the buckets were regrouped (see
+    /// [`crate::DistributedDataParallel::bucket_grouping`]).
+    pub(crate) fn grouping(&self) -> Option<BucketGrouping> {
+        let st = self.lock();
+        if !st.rebuilt || !self.layout.regroup || self.fixed_groups {
+            return None;
+        }
+        let buckets = st
+            .buckets
+            .iter()
+            .map(|b| b.params.iter().map(|&p| self.name(p).to_string()).collect())
+            .collect();
+        Some(BucketGrouping {
+            buckets,
+            caps_mb: st.caps,
+            generation: st.generation,
+        })
     }
 }
 

@@ -9,7 +9,7 @@ use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
 use brigade_tensor::{set_compute_threads, Device};
 
-use crate::checkpoint::{load_checkpoint, CheckpointIdentity, Resumed};
+use crate::checkpoint::{load_checkpoint, CheckpointIdentity, DistributedState, Resumed};
 use crate::checkpoint_files::{Lineage, RunFile, INIT_FIELD};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error, Result};
@@ -68,8 +68,8 @@ impl<'a> Trainer<'a> {
             }
             opt = master_weights(cfg, model.as_ref(), opt.as_ref(), policy_name.as_deref())?;
         }
-        let policy_state = resumed.as_mut().map(|r| std::mem::take(&mut r.policy_state));
-        let replica = Replica::new(cfg, ctx, model, opt, policy, policy_state.unwrap_or_default())?;
+        let distributed = resumed.as_mut().map(|r| std::mem::take(&mut r.distributed));
+        let replica = Replica::new(cfg, ctx, model, opt, policy, distributed.unwrap_or_default())?;
         Ok(Trainer {
             at: Progress::at_start(
                 first_step,
@@ -381,15 +381,17 @@ fn sampler_cursor(
 }
 
 impl Replica {
-    /// The replica on its device, wrapped in DDP under `policy` (without DDP, as it is), its
-    /// policy's `policy_state` loaded and its optimizer the one the policy builds.
+    /// The replica on its device, wrapped in DDP under `policy` (without DDP, as it is) on the
+    /// resumed checkpoint's buckets, each rank's own state and its policy's state loaded from
+    /// `resumed` and its optimizer the one the policy builds (the load order the policy contract
+    /// states, [`brigade_ddp::policy`]).
     fn new(
         cfg: &TrainConfig,
         ctx: &RankContext,
         model: Box<dyn Model>,
         mut opt: Box<dyn Optimizer>,
         policy: Option<Box<dyn ReducerPolicy>>,
-        policy_state: Vec<(String, brigade_tensor::Tensor)>,
+        resumed: DistributedState,
     ) -> Result<Replica> {
         let device = cfg.runtime.device.for_rank(nccl::gpu_rank(ctx))?;
         if device != Device::Cpu {
@@ -400,16 +402,22 @@ impl Replica {
             (Some(d), Some(policy)) => {
                 let d = DdpConfig {
                     reduce_dtype: Some(cfg.recipe.precision.reduce_dtype),
+                    grouping: resumed.buckets,
                     ..d.clone()
                 };
-                Some(wrap(&d, ctx, model.as_ref(), device, &meter, policy)?)
+                Some(wrap(&d, ctx, model.as_ref(), device, &meter, policy).map_err(|e| in_checkpoint(cfg, e))?)
             }
             _ => None,
         };
-        // Every rank takes its own part of the policy state (before the optimizer is built:
-        // a policy may build it from its state).
-        if let (Some(ddp), false) = (&ddp, policy_state.is_empty()) {
-            ddp.load_gathered_policy_state(&policy_state)
+        // A diverging policy's rank takes its own parameters and optimizer state back (after
+        // DDP broadcast rank 0's), then every rank its own part of the policy state (before the
+        // optimizer is built: a policy may build it from its state).
+        if let (Some(ddp), false) = (&ddp, resumed.ranks.is_empty()) {
+            ddp.load_rank_state(&resumed.ranks, opt.as_mut())
+                .map_err(|e| in_checkpoint(cfg, Error::Ddp(e)))?;
+        }
+        if let (Some(ddp), false) = (&ddp, resumed.policy.is_empty()) {
+            ddp.load_gathered_policy_state(&resumed.policy)
                 .map_err(|e| match &cfg.runtime.checkpoint.resume {
                     Some(path) => Error::checkpoint(path, CheckpointMismatch::PolicyState(e.to_string())),
                     None => e.into(),
@@ -427,6 +435,20 @@ impl Replica {
             ddp,
             meter,
         })
+    }
+}
+
+/// `e` as a mismatch of the resumed checkpoint where it is one (DDP refused the checkpoint's
+/// bucket grouping or a rank's own state), else as it is.
+fn in_checkpoint(cfg: &TrainConfig, e: Error) -> Error {
+    let mismatch = match &e {
+        Error::Ddp(brigade_ddp::DdpError::BucketGrouping(why)) => CheckpointMismatch::BucketGrouping(why.clone()),
+        Error::Ddp(brigade_ddp::DdpError::RankState(why)) => CheckpointMismatch::RankState(why.clone()),
+        _ => return e,
+    };
+    match &cfg.runtime.checkpoint.resume {
+        Some(path) => Error::checkpoint(path, mismatch),
+        None => e,
     }
 }
 

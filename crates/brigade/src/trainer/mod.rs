@@ -132,10 +132,10 @@ struct Saves {
     /// that step once its loss is known to be finite, so that a state that diverges is never
     /// written over the last good checkpoint.
     due: bool,
-    /// Every rank's policy state as it stood when the step with a due checkpoint began (on rank
-    /// 0): that step's backward changes a stateful policy's state before the checkpoint is
-    /// written.
-    policy_state_at_start: Option<Vec<(String, brigade_tensor::Tensor)>>,
+    /// Every rank's policy state and the buckets' grouping as they stood when the step with a
+    /// due checkpoint began (on rank 0): that step's backward changes a stateful policy's state
+    /// (and the first one regroups the buckets) before the checkpoint is written.
+    at_start: Option<crate::checkpoint::DistributedState>,
     /// Rank 0 could not write the periodic checkpoint of the last step (not an agreed error).
     failed: Option<Error>,
     /// This rank asks every rank to stop after the next step (rank 0 could not write a
@@ -150,7 +150,7 @@ impl Saves {
             lineage,
             written: None,
             due: false,
-            policy_state_at_start: None,
+            at_start: None,
             failed: None,
             stop_requested: false,
         }

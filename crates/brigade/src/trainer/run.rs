@@ -130,7 +130,9 @@ impl Trainer<'_> {
                 Err(error) => ended.checkpoint_error = Some(CheckpointFailure { periodic: false, error }),
             }
         }
-        if let (Some(_), Some(_), false) = (&self.feed.join, &self.replica.ddp, diverged) {
+        // (a policy whose ranks diverge between syncs may end with other parameters on each)
+        let identical = |d: &brigade_ddp::DistributedDataParallel| d.replicas() == brigade_ddp::Replicas::Identical;
+        if let (Some(_), Some(true), false) = (&self.feed.join, self.replica.ddp.as_ref().map(identical), diverged) {
             let params = self.replica.model.params().named_values();
             match join::check_replicas(self.ctx.control.as_ref(), &params) {
                 Ok(()) => {}

@@ -4,7 +4,7 @@
 use brigade_comm::all_gather_bytes;
 use brigade_models::RngState;
 
-use crate::checkpoint::{save_checkpoint, CheckpointIdentity};
+use crate::checkpoint::{save_checkpoint, CheckpointIdentity, DistributedState};
 use crate::error::{Error, Result};
 use crate::resume::recipe_metadata;
 
@@ -38,16 +38,23 @@ impl Trainer<'_> {
         }
         // ZeRO: every rank sends its shard of the optimizer state to rank 0 (a collective).
         self.replica.opt.consolidate_state()?;
-        // Every rank's policy state, on rank 0 (a collective unless the step gathered it).
-        let (policy_state, policy_name) = match &self.replica.ddp {
+        // Every rank's policy state, on rank 0, and the buckets (a collective unless the step
+        // gathered them); under a diverging policy every rank's own parameters and optimizer
+        // state (a collective; the step has not updated them yet).
+        let (distributed, policy_name) = match &self.replica.ddp {
             Some(ddp) => {
-                let state = match self.saves.policy_state_at_start.take() {
+                let mut state = match self.saves.at_start.take() {
                     Some(state) => state,
-                    None => ddp.gather_policy_state()?,
+                    None => DistributedState {
+                        policy: ddp.gather_policy_state()?,
+                        ranks: vec![],
+                        buckets: ddp.bucket_grouping(),
+                    },
                 };
+                state.ranks = ddp.gather_rank_state(self.replica.opt.as_ref())?;
                 (state, Some(ddp.policy_name()))
             }
-            None => (vec![], None),
+            None => (DistributedState::default(), None),
         };
         // Every rank's dropout generator, on rank 0 (a collective).
         let dropout_rng = self.gather_rngs()?;
@@ -61,27 +68,42 @@ impl Trainer<'_> {
             let mut id = self.identity(policy_name.as_deref(), dropout_rng);
             id.lineage = self.saves.lineage.metadata(generation).to_vec();
             let (model, opt) = (self.replica.model.as_ref(), self.replica.opt.as_ref());
-            save_checkpoint(path, &id, model, opt, &policy_state, self.at.next_step)?;
+            save_checkpoint(path, &id, model, opt, &distributed, self.at.next_step)?;
             files.prune(&self.saves.lineage, path)?;
         }
         self.saves.written = Some(self.at.next_step);
         Ok(())
     }
 
-    /// Every parameter is finite (every rank holds the same parameters under DDP, so every
-    /// rank reaches the same verdict).
+    /// Every parameter is finite. Every rank holds the same parameters under DDP, so every
+    /// rank reaches the same verdict; under a policy whose ranks diverge the ranks agree on the
+    /// first rank's (a collective), so that none goes on to the checkpoint's gathers alone.
     fn check_finite(&self) -> Result<()> {
+        let mut found = None;
         for (name, t) in self.replica.model.params().named_values() {
             if let Some(&v) = t.to_f64_vec()?.iter().find(|v| !v.is_finite()) {
-                let what = format!("parameter '{name}' after the update");
-                return Err(Error::NonFinite {
-                    step: self.at.next_step.saturating_sub(1),
-                    what,
-                    value: v,
-                });
+                found = Some((format!("parameter '{name}' after the update"), v));
+                break;
             }
         }
-        Ok(())
+        let diverging = (self.replica.ddp.as_ref()).is_some_and(|d| d.replicas() != brigade_ddp::Replicas::Identical);
+        if diverging && self.ctx.world_size > 1 {
+            let mine = found.map(|(what, v)| format!("{what}\t{v}")).unwrap_or_default();
+            let all = all_gather_bytes(self.ctx.control.as_ref(), mine.into_bytes(), "parameters finite")?;
+            found = all.iter().enumerate().find(|(_, b)| !b.is_empty()).map(|(r, b)| {
+                let text = String::from_utf8_lossy(b);
+                let (what, v) = text.rsplit_once('\t').unwrap_or((&text, "NaN"));
+                (format!("rank {r}'s {what}"), v.parse().unwrap_or(f64::NAN))
+            });
+        }
+        match found {
+            Some((what, value)) => Err(Error::NonFinite {
+                step: self.at.next_step.saturating_sub(1),
+                what,
+                value,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// What the checkpoint of the state before step `next_step` records of the run.

@@ -10,6 +10,7 @@ use brigade_ddp::{MemoryReport, Phase};
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
 
+use crate::checkpoint::DistributedState;
 use crate::error::{Error, Result};
 use crate::join::{Agreement, JoinMode};
 use crate::outcome::{StepOutcome, StepRecord};
@@ -48,9 +49,14 @@ impl Trainer<'_> {
         self.records.step_memory = StepMemory::default();
         let agreement = self.agree_on_data()?;
         let has_data = self.has_data(agreement.as_ref())?;
-        // a due checkpoint holds the policy state this step starts from (a collective)
-        self.saves.policy_state_at_start = match (&self.replica.ddp, self.saves.due) {
-            (Some(ddp), true) => Some(ddp.gather_policy_state()?),
+        // a due checkpoint holds the policy state and the buckets this step starts from (a
+        // collective)
+        self.saves.at_start = match (&self.replica.ddp, self.saves.due) {
+            (Some(ddp), true) => Some(DistributedState {
+                policy: ddp.gather_policy_state()?,
+                ranks: vec![],
+                buckets: ddp.bucket_grouping(),
+            }),
             _ => None,
         };
         let sent_before = self.replica.meter.totals();

@@ -35,7 +35,7 @@ pub(crate) mod own_hook;
 
 #[allow(dead_code)]
 #[path = "../../examples/local_sgd.rs"]
-mod local_sgd;
+pub(crate) mod local_sgd;
 
 const WORLD: u64 = 2;
 /// Bytes of one rank's tokens a step ([2, 17] bytes) and of its loss (one f64).

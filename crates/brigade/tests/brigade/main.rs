@@ -19,6 +19,7 @@ mod mpi_launch;
 mod plan;
 mod policy_state;
 mod recipes;
+mod replicas;
 mod sampled;
 mod zero3;
 mod zero3_mixed;

@@ -347,6 +347,38 @@ mod tests {
     }
 
     #[test]
+    fn a_rows_prediction_is_the_models_replay_and_its_wait_never_below_its_own_bound() {
+        // A step recorded once (crates/cli/tests/fixtures/record_profiles.sh), the only run of
+        // the 0.05 MiB cap: its row's wait, step and bound are the replay's of that profile
+        // under the cap, on its measured link with the overhead fitted to it; the measured
+        // compute-only step (10 ms) is what the predicted exposed comm subtracts.
+        let p: StepProfile = serde_json::from_str(include_str!("../../tests/fixtures/profile_allreduce.json")).unwrap();
+        let s = Sample {
+            profile: Some(p.clone()),
+            ..sample(20.0, 10.0)
+        };
+        let row = summarize(0.05, 0.05, &[s], &[&p], LaunchOverhead::fit(&[&p]), LinkCost::Measured);
+        let cfg = ReplayConfig {
+            bucket_cap_mb: 0.05,
+            first_bucket_cap_mb: 0.05,
+            link: LinkCost::Measured,
+            world_size: None,
+            order: BucketOrder::Ready,
+        };
+        let r = replay(&p, &cfg).unwrap();
+        assert_eq!(row.predicted_wait_ms, Some(1e3 * r.exposed_comm_s));
+        assert_eq!(row.predicted_step_ms, Some(1e3 * r.predicted_step_s));
+        assert_eq!(row.lower_bound_ms, Some(1e3 * r.lower_bound_exposed_s));
+        assert_eq!(
+            row.predicted_exposed_ms,
+            Some((1e3 * r.predicted_step_s - 10.0).max(0.0))
+        );
+        // the wait the model predicts for a cap is never below the bound of the same step
+        assert!(row.predicted_wait_ms >= row.lower_bound_ms, "{row:?}");
+        assert!(r.exposed_comm_s > 0.0, "a step that waited for its buckets: {r:?}");
+    }
+
+    #[test]
     fn a_row_holds_medians_and_spreads_and_the_csv_names_every_column() {
         // exposed per run: 5, 1, 9 -> median 5, spread 8; steps 30, 31, 35 -> median 31, spread 5
         let samples = [sample(30.0, 25.0), sample(31.0, 30.0), sample(35.0, 26.0)];

@@ -287,8 +287,11 @@ fn a_missing_peer_times_out_and_the_late_one_fails_at_once() {
             // Joins only after rank 0 gave up.
             gate.wait();
         }
+        // Rank 1's own deadline is a minute: failing at once and failing at its deadline are
+        // far apart, whatever the machine's load.
+        let deadline = if me == 0 { timeout } else { Duration::from_secs(60) };
         let t = Instant::now();
-        let got = node.agree(&d, "grad 7", 2, Instant::now() + timeout);
+        let got = node.agree(&d, "grad 7", 2, Instant::now() + deadline);
         let took = t.elapsed();
         if me == 0 {
             gate.wait();
@@ -306,7 +309,7 @@ fn a_missing_peer_times_out_and_the_late_one_fails_at_once() {
         (Err(CommError::RankFailed { rank: 0, reason, .. }), took) => {
             assert!(reason.contains("timed out") && reason.contains("[1]"), "{reason}");
             // At once, not after its own deadline.
-            assert!(*took < timeout, "{took:?}");
+            assert!(*took < Duration::from_secs(30), "{took:?}");
         }
         other => panic!("rank 1: {other:?}"),
     }

@@ -4,9 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use brigade_comm::{
-    run_on_threads_with_timeout, Buffer, CommError, Communicator, NetModel, ReduceOp, SimulatedNetwork, Work,
-};
+use brigade_comm::{run_on_threads_with_timeout, Buffer, CommError, Communicator, ReduceOp, Work};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -29,28 +27,35 @@ fn then_transforms_the_result_once_the_collective_completes() {
 
 #[test]
 fn then_does_not_block_the_caller_and_runs_after_completion() {
-    // A 300 ms simulated latency: `then` must return at once, and its step must run later.
-    let model = NetModel {
-        latency: Duration::from_millis(150),
-        bandwidth_bytes_per_s: 1e9,
-    };
+    // Rank 1 issues its half of the collective only once rank 0's `then` has returned and
+    // rank 0 has seen that its step has not run: a `then` that blocked until the collective
+    // completed would never return (and the test would fail at the deadline), whatever the
+    // machine's load. No clock involved.
+    let returned = AtomicBool::new(false);
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
-        let sim = SimulatedNetwork::new(comm, model);
+        if comm.rank() == 1 {
+            // (a deadline, not a barrier: if rank 0 fails first, this rank fails too, no hang)
+            let deadline = Instant::now() + TIMEOUT;
+            while !returned.load(Ordering::SeqCst) {
+                assert!(Instant::now() < deadline, "rank 0's then never returned");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         let ran = Arc::new(AtomicBool::new(false));
         let flag = ran.clone();
-        let t = Instant::now();
-        let work = sim
-            .all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "slow")
+        let work = comm
+            .all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "late peer")
             .then(move |b| {
                 flag.store(true, Ordering::SeqCst);
                 Ok(b)
             });
-        let issued_in = t.elapsed();
-        assert!(
-            !ran.load(Ordering::SeqCst),
-            "the step ran before the collective completed"
-        );
-        assert!(issued_in < Duration::from_millis(300), "then blocked for {issued_in:?}");
+        if comm.rank() == 0 {
+            assert!(
+                !ran.load(Ordering::SeqCst),
+                "the step ran before the collective completed"
+            );
+            returned.store(true, Ordering::SeqCst);
+        }
         assert_eq!(work.wait().unwrap().as_f32().unwrap(), &[2.0]);
         assert!(ran.load(Ordering::SeqCst));
     })

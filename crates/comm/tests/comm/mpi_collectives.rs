@@ -19,6 +19,10 @@ use brigade_comm::{Buffer, CommError, Communicator, DType, MpiOptions, MpiPath, 
 use common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
+/// The timeout of the scenarios where a peer never joins: short, so the tests end soon, but
+/// long enough that the communicator's own setup (a collective, under the same watchdog) never
+/// trips it on a loaded machine.
+const SHORT: Duration = Duration::from_secs(5);
 const SIZES: [usize; 4] = [0, 1, 1031, (1 << 18) + 3];
 
 /// The shared-memory path off: MPI's blocking collectives only.
@@ -141,7 +145,7 @@ fn a_missing_peer_under_the_blocking_design_ends_the_job_at_the_timeout() {
     assert!(!ok, "the job should have been aborted:\n{out}");
     assert!(
         out.contains("rank 0: collective barrier(tag `lonely`)")
-            && out.contains("did not complete within 500ms; ending the job (MPI_Abort)"),
+            && out.contains("did not complete within 5s; ending the job (MPI_Abort)"),
         "{out}"
     );
     assert!(!out.contains("ok rank"), "{out}");
@@ -159,10 +163,10 @@ fn a_killed_rank_ends_the_job_within_the_timeout_on_every_path() {
         let (_, out) = mpirun_with(2, "killed", env, &["--enable-recovery"], Duration::from_secs(60));
         let took = t.elapsed();
         assert!(!out.contains("ok rank 0"), "{env:?}: {out}");
-        // Rank 0 ended the job at its 2 s deadline: its wait in the segment returned a
+        // Rank 0 ended the job at its 5 s deadline: its wait in the segment returned a
         // timeout, or the watchdog ended the blocking call (whichever came first).
         assert!(
-            out.contains("rank 0 gave up: rank 0: collective `b20` did not complete within 2s")
+            out.contains("rank 0 gave up: rank 0: collective `b20` did not complete within 5s")
                 || out.contains("rank 0: collective all_reduce(sum, 65536 x f32, tag `b20`)"),
             "{env:?}: {out}"
         );
@@ -320,21 +324,21 @@ fn errors(world: &MpiWorld) {
 }
 
 fn timeout(world: &MpiWorld) {
-    let short = Duration::from_millis(500);
+    let short = SHORT;
     let comm = world.communicator(short).unwrap();
     if comm.rank() == 0 {
         // Rank 1 never joins: the transport gives up at its deadline, not later.
         let t = Instant::now();
         let err = comm
             .barrier("lonely")
-            .wait_timeout(Duration::from_secs(30))
+            .wait_timeout(Duration::from_secs(120))
             .unwrap_err();
         let took = t.elapsed();
         assert!(matches!(err, CommError::Timeout { rank: 0, .. }), "{err}");
-        // At the transport's deadline, not at the end of the caller's 60 times longer wait (a
+        // At the transport's deadline, not at the end of the caller's 24 times longer wait (a
         // bound that a loaded machine cannot break).
         assert!(
-            took >= short && took < Duration::from_secs(15),
+            took >= short && took < Duration::from_secs(60),
             "timed out after {took:?}"
         );
         // Broken for good, and says why, at once.
@@ -355,7 +359,7 @@ fn timeout(world: &MpiWorld) {
 }
 
 fn watchdog(world: &MpiWorld) {
-    let comm = world.communicator(Duration::from_millis(500)).unwrap();
+    let comm = world.communicator(SHORT).unwrap();
     if comm.rank() == 0 {
         // Rank 1 never joins: the blocking call outlives its deadline and the watchdog ends
         // the job; this wait would return a `Timeout` only after 30 s.
@@ -367,7 +371,7 @@ fn watchdog(world: &MpiWorld) {
 }
 
 fn killed(world: &MpiWorld) {
-    let comm = world.communicator(Duration::from_secs(2)).unwrap();
+    let comm = world.communicator(SHORT).unwrap();
     let rank = comm.rank();
     for i in 0..1000 {
         if rank == 1 && i == 20 {

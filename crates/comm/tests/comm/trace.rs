@@ -9,8 +9,10 @@ use brigade_comm::{
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Waits until `ready` (generously: a loaded machine may take seconds to run the threads that
+/// record).
 fn wait_until(mut ready: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !ready() {
         assert!(Instant::now() < deadline, "timed out waiting for the recorder");
         std::thread::sleep(Duration::from_millis(1));

@@ -17,6 +17,7 @@
 //! | what runs after the optimizer step | [`ReducerPolicy::after_step`] | nothing |
 //! | whether it keeps state across steps, and where | [`ReducerPolicy::keeps_state`] | undeclared: checkpoints are refused |
 //! | its state for checkpoints | [`ReducerPolicy::state_dict`], [`ReducerPolicy::load_state_dict`] ([`ParamState`] keys per-parameter state by name) | none |
+//! | whether its ranks' parameters and optimizer state diverge between syncs, and what a checkpoint keeps of every rank | [`ReducerPolicy::replicas`] | identical on every rank |
 //! | what to do when buckets are rebuilt | [`ReducerPolicy::buckets_built`] + [`PerBucket`] | nothing |
 //! | which parameters share a bucket | [`ReducerPolicy::bucket_groups`] | DDP's caps |
 //! | gathering and freeing sharded parameters around their uses | [`ReducerPolicy::param_hooks`] | none: parameters stay whole |
@@ -32,6 +33,24 @@
 //! the first bucket of the new layout is reduced, and each [`PolicyBucket`] carries its layout's
 //! generation. State kept per bucket index must live in a [`PerBucket`], which drops it when the
 //! generation changes; state that must survive is keyed by parameter.
+//!
+//! **Checkpoints and resume.** A checkpoint holds rank 0's parameters and optimizer state,
+//! every rank's [`ReducerPolicy::state_dict`], and the buckets' grouping once DDP regrouped
+//! them ([`crate::BucketGrouping`]: a resume reduces on the same buckets, so a policy whose
+//! result depends on which gradients share a bucket, such as one scale per bucket, continues
+//! exactly). A policy whose ranks diverge between syncs (local SGD, DiLoCo) declares it
+//! ([`ReducerPolicy::replicas`], [`Replicas::Diverge`] naming which of each rank's parameters
+//! and optimizer state differ): the checkpoint then keeps those of every rank
+//! ([`crate::DistributedDataParallel::gather_rank_state`]) and resumes on as many ranks only. A
+//! resume loads in this order, which a policy may rely on:
+//! 1. the checkpoint: rank 0's parameters and optimizer state into the model and the user's
+//!    optimizer;
+//! 2. DDP's construction (on the recorded grouping), which broadcasts rank 0's parameters;
+//! 3. under [`Replicas::Diverge`], this rank's own parameters and optimizer state
+//!    ([`crate::DistributedDataParallel::load_rank_state`]);
+//! 4. this rank's policy state ([`ReducerPolicy::load_state_dict`]: it sees the rank's own
+//!    parameters);
+//! 5. [`ReducerPolicy::optimizer`], handed the user's optimizer with this rank's state.
 //!
 //! **Threads.** `reduce` runs on the compute thread inside backward and must return at once;
 //! continuations run on the comm stream's thread. A policy that updates its state from a
@@ -159,6 +178,15 @@ pub trait ReducerPolicy: Send {
         KeepsState::Undeclared
     }
 
+    /// Whether the ranks hold the same parameters and optimizer state after every step (the
+    /// default: every rank reduces the same gradients and steps alike), or let them diverge
+    /// between syncs (local SGD, DiLoCo), and then which of each rank's a checkpoint must keep:
+    /// what decides whether a checkpoint holding rank 0's alone resumes exactly. Asked before
+    /// the first step and at every checkpoint; every rank must answer alike, the same all run.
+    fn replicas(&self) -> Replicas {
+        Replicas::Identical
+    }
+
     /// This rank's state, for checkpoints (`name -> tensor`; names are the policy's own).
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         Ok(vec![])
@@ -210,9 +238,51 @@ pub enum KeepsState {
     Undeclared,
 }
 
+/// Whether a policy's ranks hold the same parameters and optimizer state after every step
+/// ([`ReducerPolicy::replicas`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replicas {
+    /// After every step every rank holds the same parameters and optimizer state (all-reduce,
+    /// compression, PowerSGD, ZeRO, whose sharded state is one state): a checkpoint keeps rank
+    /// 0's, and resumes on any number of ranks.
+    Identical,
+    /// The ranks' replicas differ between syncs (local SGD, DiLoCo: each rank steps on its own
+    /// gradients) in what the [`RankState`] names: a checkpoint keeps that of every rank, each
+    /// rank resumes from its own (see the module docs for the load order), on as many ranks as
+    /// wrote it. State of the policy's own that drifts per rank (DiLoCo's outer optimizer, its
+    /// copy of the last synced parameters) belongs in its [`ReducerPolicy::state_dict`], which
+    /// is every rank's too.
+    Diverge(RankState),
+    /// The ranks' replicas differ between syncs in what a checkpoint cannot keep (neither the
+    /// parameters and optimizer state DDP keeps per rank nor the policy's state dict hold it):
+    /// the policy trains as any other, but a run that would write a checkpoint is refused
+    /// before its first step ([`check_checkpointable`]).
+    DivergeUnsaved,
+}
+
+/// Which of each rank's own state a checkpoint keeps under [`Replicas::Diverge`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankState {
+    /// The parameters (the f32 master weights beside 16-bit parameters): they drift between
+    /// the syncs that average them.
+    pub params: bool,
+    /// The state of the optimizer DDP steps (a momentum or Adam's moments follow the rank's own
+    /// gradients, also across a sync that averages the parameters alone).
+    pub optimizer: bool,
+}
+
+impl RankState {
+    /// Each rank's parameters and optimizer state (local SGD, DiLoCo's inner optimizer).
+    pub const ALL: RankState = RankState {
+        params: true,
+        optimizer: true,
+    };
+}
+
 /// Refuses a checkpoint of `policy` when it does not declare what it keeps across steps
 /// ([`KeepsState::Undeclared`]): it may keep a residual that the checkpoint would lose, so that
-/// the resume would silently differ from the run it continues. Decided from the declaration
+/// the resume would silently differ from the run it continues; and when its ranks diverge in
+/// what a checkpoint cannot keep ([`Replicas::DivergeUnsaved`]). Decided from the declarations
 /// alone, so every rank answers alike; `fit` asks before its first step when it will write a
 /// checkpoint, and [`crate::DistributedDataParallel::gather_policy_state`] asks again.
 pub fn check_checkpointable(policy: &dyn ReducerPolicy) -> Result<()> {
@@ -222,6 +292,15 @@ pub fn check_checkpointable(policy: &dyn ReducerPolicy) -> Result<()> {
              silently lose what it keeps (an error-feedback residual) and its resume would not be exact: \
              implement ReducerPolicy::keeps_state (KeepsState::Nothing, or KeepsState::InStateDict with \
              state_dict and load_state_dict)",
+            policy.name()
+        )));
+    }
+    if policy.replicas() == Replicas::DivergeUnsaved {
+        return Err(DdpError::PolicyState(format!(
+            "policy '{}' lets its ranks diverge between syncs in state a checkpoint cannot keep \
+             (Replicas::DivergeUnsaved), so its resume would not be exact: declare \
+             Replicas::Diverge(RankState) when what differs is the ranks' parameters and optimizer state \
+             (a checkpoint then keeps every rank's), or keep the rest in state_dict, or run without a checkpoint",
             policy.name()
         )));
     }

@@ -93,7 +93,9 @@ fn layout(b: &[BucketInfo]) -> Vec<Vec<String>> {
 }
 
 /// Trains the MLP on 2 ranks for 5 steps of SGD from a 25 MiB cap; with `tune`, an autotuner
-/// that re-checks every 2 steps and must adopt its only candidate (64 floats per bucket).
+/// that re-checks every 2 steps and must adopt its only candidate (64 floats per bucket)
+/// whatever the recorded steps predict of it (a minimum gain of -1e9: adopted unless
+/// predicted a billion times slower than the current cap).
 /// Returns per rank: the layout after each step, the decisions' steps, the final parameters.
 #[allow(clippy::type_complexity)]
 fn train(tune: bool, recorder: &Recorder) -> Vec<(Vec<Vec<Vec<String>>>, Vec<(usize, bool)>, Vec<Vec<f32>>)> {
@@ -115,7 +117,7 @@ fn train(tune: bool, recorder: &Recorder) -> Vec<(Vec<Vec<Vec<String>>>, Vec<(us
             every: Some(2),
             candidates_mb: vec![small],
             first_bucket_cap_mb: small,
-            min_gain: -1.0,
+            min_gain: -1e9,
             link: None,
         })
         .unwrap();

@@ -212,3 +212,78 @@ fn buckets_are_rebuilt_exactly_once_from_rank_0s_ready_order_on_every_rank() {
         assert_eq!(rebuilds, 1, "rank {rank}: rebuilds over 4 steps");
     }
 }
+
+/// DDP built on a recorded grouping (a checkpoint's) holds those buckets from the start and
+/// rebuilds no more; under other caps it regroups the recorded order by them; a grouping that
+/// does not fit the model is one error naming the parameter.
+#[test]
+fn a_recorded_grouping_is_the_buckets_and_is_never_rebuilt() {
+    let caps = DdpConfig {
+        bucket_cap_mb: 0.001,
+        first_bucket_cap_mb: 0.0005,
+        ..DdpConfig::default()
+    };
+    let results = run_on_threads(2, move |comm| {
+        set_compute_threads(1);
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let rank = comm.rank();
+        let (x, y) = data(8, 10, 4, 2);
+        let step = |m: &Mlp| {
+            let (xb, yb) = rows(&x, &y, rank * 4, 4);
+            m.store.zero_grad().unwrap();
+            m.loss(&xb, &yb).backward().unwrap();
+        };
+        let names = |ddp: &DistributedDataParallel| ddp.buckets().into_iter().map(|b| b.params).collect::<Vec<_>>();
+        let m = Mlp::new(&[10, 20, 20, 4], 3);
+        let ddp = DistributedDataParallel::new(&m.store, comm.clone(), caps.clone(), common::average()).unwrap();
+        assert_eq!(ddp.bucket_grouping(), None, "nothing to record before the rebuild");
+        step(&m);
+        let recorded = ddp.bucket_grouping().expect("rebuilt after the first step");
+        assert_eq!(recorded.buckets, names(&ddp));
+        assert_eq!((recorded.caps_mb, recorded.generation), ((0.001, 0.0005), 1));
+        drop(ddp);
+
+        // the same caps: the recorded buckets, generation and all, and no rebuild after a step
+        let m = Mlp::new(&[10, 20, 20, 4], 3);
+        let cfg = DdpConfig {
+            grouping: Some(recorded.clone()),
+            ..caps.clone()
+        };
+        let ddp = DistributedDataParallel::new(&m.store, comm.clone(), cfg, common::average()).unwrap();
+        assert!(ddp.buckets_rebuilt());
+        assert_eq!(names(&ddp), recorded.buckets);
+        step(&m);
+        assert_eq!(ddp.bucket_grouping(), Some(recorded.clone()));
+        assert_gradients_live_in_the_buckets(m.store.params(), &ddp.buckets(), "on the recorded grouping");
+        drop(ddp);
+
+        // other caps: the recorded order, grouped by them (one bucket), a new generation
+        let m = Mlp::new(&[10, 20, 20, 4], 3);
+        let cfg = DdpConfig {
+            grouping: Some(recorded.clone()),
+            ..DdpConfig::default()
+        };
+        let ddp = DistributedDataParallel::new(&m.store, comm.clone(), cfg, common::average()).unwrap();
+        let order: Vec<String> = recorded.buckets.concat();
+        assert_eq!(names(&ddp), vec![order]);
+        assert_eq!(ddp.bucket_grouping().map(|g| g.generation), Some(2));
+        drop(ddp);
+
+        // a grouping of another model
+        let mut other = recorded.clone();
+        other.buckets[0][0] = "layers.9.weight".into();
+        let m = Mlp::new(&[10, 20, 20, 4], 3);
+        let cfg = DdpConfig {
+            grouping: Some(other),
+            ..caps.clone()
+        };
+        let e = DistributedDataParallel::new(&m.store, comm, cfg, common::average())
+            .err()
+            .expect("a grouping naming no parameter")
+            .to_string();
+        assert!(!e.contains('\n') && e.contains("'layers.9.weight'"), "{e}");
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
