@@ -10,7 +10,8 @@
 //! - [`config`]: what a run is asked to do ([`TrainConfig`]: the model, the data, the recipe, the
 //!   distributed part, the runtime with its checkpoint and
 //!   instrumentation parts), and [`observe`]: who watches it ([`observe::TrainObserver`]: progress,
-//!   per-step records, a stop request; the library itself prints nothing);
+//!   per-step records, a stop request; the library itself prints nothing), and
+//!   [`tensorboard`]: an observer that writes every step's scalars as TensorBoard event files;
 //! - [`launch`]: start N ranks as threads (or join the MPI job with the `mpi` feature), hand
 //!   each a [`launch::RankContext`] (rank, world size, communicator stack) and get every rank's
 //!   result back, or the root-cause error naming its rank — what `torch.multiprocessing.spawn`
@@ -61,6 +62,7 @@ pub mod policy;
 pub mod recipe;
 pub mod resume;
 pub mod source;
+pub mod tensorboard;
 mod trace_gather;
 pub mod trainer;
 

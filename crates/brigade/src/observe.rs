@@ -83,6 +83,71 @@ impl<A: TrainObserver, B: TrainObserver> TrainObserver for (A, B) {
     }
 }
 
+/// A shared observer (one the caller keeps a handle to, to read back after the run: a
+/// [`crate::tensorboard::TensorBoard`]'s failure), told everything.
+impl<T: TrainObserver + ?Sized> TrainObserver for std::sync::Arc<T> {
+    fn run_started(&self, start: &RunStart) {
+        (**self).run_started(start);
+    }
+
+    fn note(&self, message: &str) {
+        (**self).note(message);
+    }
+
+    fn resumed(&self, changes: &[HyperparameterChange]) {
+        (**self).resumed(changes);
+    }
+
+    fn step_finished(&self, record: &StepRecord) {
+        (**self).step_finished(record);
+    }
+
+    fn run_finished(&self, outcome: Result<&TrainOutcome, &Error>) {
+        (**self).run_finished(outcome);
+    }
+
+    fn stop_requested(&self) -> bool {
+        (**self).stop_requested()
+    }
+}
+
+/// An observer that may be absent (a flag not given): `None` watches nothing.
+impl<T: TrainObserver> TrainObserver for Option<T> {
+    fn run_started(&self, start: &RunStart) {
+        if let Some(o) = self {
+            o.run_started(start);
+        }
+    }
+
+    fn note(&self, message: &str) {
+        if let Some(o) = self {
+            o.note(message);
+        }
+    }
+
+    fn resumed(&self, changes: &[HyperparameterChange]) {
+        if let Some(o) = self {
+            o.resumed(changes);
+        }
+    }
+
+    fn step_finished(&self, record: &StepRecord) {
+        if let Some(o) = self {
+            o.step_finished(record);
+        }
+    }
+
+    fn run_finished(&self, outcome: Result<&TrainOutcome, &Error>) {
+        if let Some(o) = self {
+            o.run_finished(outcome);
+        }
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.as_ref().is_some_and(|o| o.stop_requested())
+    }
+}
+
 /// An observer that calls `f` after every step (on rank 0) and does nothing else: per-step
 /// printing in one line,
 /// `instrument: Instrumentation { observer: Some(on_step(|s| println!("{} {:.4}", s.step, s.loss))), ..Default::default() }`.
