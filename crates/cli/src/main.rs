@@ -18,6 +18,7 @@ mod report;
 mod run;
 mod sent;
 mod signal;
+mod tensorboard;
 
 use args::say_old_spellings;
 use commands::{bench, plan, predict, sample, sweep, sweep_args, tokenize, train};

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use brigade::observe::TrainObserver;
 use brigade::policies::PolicySpec;
+use brigade::tensorboard::TensorBoard;
 use brigade::TrainConfig;
 
 use plotters::prelude::*;
@@ -189,6 +190,11 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     let late = Arc::new(LateHeldOut::default());
     let plan = plan(s, &quiet, &late)?;
     prepare_out(&s.out, POLICY_OUTPUTS[0], &s.run)?;
+    if let Some(dir) = &s.tensorboard {
+        crate::tensorboard::prepare(dir)?;
+    }
+    // --tensorboard: each row's run directory
+    let mut boards = vec![];
     let a = &s.run;
     let mut rows = vec![];
     // a row that fails (diverged, refused by its policy) ends the sweep with its error, after
@@ -211,7 +217,17 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
             break;
         }
         let compute_ms = median_step(a, &baseline.outcome.ms());
-        let report = match run_config(a, &quiet, cfg, &late).and_then(finished) {
+        let board = s.tensorboard.as_ref().map(|dir| {
+            let name = match s.precisions.len() {
+                0 | 1 => spec.to_string(),
+                _ => format!("{spec}_{}", cfg.recipe.precision.name()),
+            };
+            Arc::new(TensorBoard::new(crate::tensorboard::run_dir(dir, &name)))
+        });
+        boards.extend(board.clone());
+        let mut observed = cfg.clone();
+        observed.runtime.instrument.observer = Some(Arc::new((quiet.observer.clone(), board)));
+        let report = match run_config(a, &quiet, &observed, &late).and_then(finished) {
             Ok(r) => r.outcome,
             Err(e) => {
                 failed = Some(e);
@@ -261,6 +277,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     if let Some(e) = failed {
         return Err(e);
     }
+    crate::tensorboard::with_failures(Ok(()), boards.iter().map(|tb| &**tb))?;
     if s.json {
         outln!(
             "{}",

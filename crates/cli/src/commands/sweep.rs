@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use crate::report::stdout::{out, outln};
 use brigade::observe::TrainObserver;
+use brigade::tensorboard::{TensorBoard, PREDICTED_STEP_MS};
 use brigade_ddp::overlap::{LaunchOverhead, StepProfile};
 use plotters::prelude::*;
 
@@ -88,6 +89,9 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
         )));
     }
     prepare_out(&s.out, "sweep.csv", &s.run)?;
+    if let Some(dir) = &s.tensorboard {
+        crate::tensorboard::prepare(dir)?;
+    }
     // a signal stops the run in progress at a step boundary; that run is dropped, and --out
     // gets the runs that finished (during the first run's start-up: an exit at once)
     let quiet = RunOptions {
@@ -97,6 +101,8 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
     let mut interrupted = false;
     // the last round's timelines, written once every run has succeeded
     let mut timelines = vec![];
+    // --tensorboard: each measured run's directory, by cap
+    let mut boards: Vec<(f64, Arc<TensorBoard>)> = vec![];
     let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Option<Sample>> {
         let mut a = s.run.clone();
         a.distributed.bucket_mb = vec![BucketCap::Mib(b)];
@@ -115,11 +121,24 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
             return Ok(None);
         }
         let compute_ms = median_step(&a, &compute_only.outcome.ms());
+        let board = s.tensorboard.as_ref().map(|dir| {
+            let cap = crate::tensorboard::run_dir(dir, &format!("bucket_{b}MiB"));
+            let at = match s.repeat {
+                1 => cap,
+                _ => cap.join(format!("round_{}", round + 1)),
+            };
+            Arc::new(TensorBoard::new(at))
+        });
+        if let Some(tb) = &board {
+            boards.push((b, tb.clone()));
+        }
+        let observer: Arc<dyn TrainObserver> = Arc::new((quiet.observer.clone(), board));
         let mut report = finished(run(
             &a,
             &RunOptions {
                 record: true,
                 profile: true,
+                observer: Some(observer),
                 ..quiet.clone()
             },
         )?)?;
@@ -168,6 +187,9 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
         .filter(|(_, runs)| !runs.is_empty())
         .map(|(&b, runs)| summarize(b, s.run.distributed.first_bucket_mb, runs, &profiles, overhead, link))
         .collect();
+    if let Some(dir) = &s.tensorboard {
+        predictions(dir, &rows, &mut boards, s.repeat, s.run.recipe.steps);
+    }
     let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
     for (name, tl, title) in &timelines {
         write_timeline(&s.out.join(name), &tl.events, tl.origin, title)?;
@@ -187,6 +209,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
         print_table(&rows);
         outln!("wrote {}", s.out.join("sweep.csv").display());
     }
+    crate::tensorboard::with_failures(Ok(()), boards.iter().map(|(_, tb)| &**tb))?;
     if interrupted {
         return Err(Error::SweepInterrupted {
             runs,
@@ -194,6 +217,33 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The overlap model's predicted step of each cap, as `predicted/step_ms` at the runs' last
+/// step, in the cap's directory of `dir` (the run's own without --repeat; with it, the
+/// directory above its rounds, added to `boards`).
+fn predictions(
+    dir: &std::path::Path,
+    rows: &[SweepRow],
+    boards: &mut Vec<(f64, Arc<TensorBoard>)>,
+    repeat: usize,
+    steps: usize,
+) {
+    for r in rows {
+        let Some(ms) = r.predicted_step_ms else { continue };
+        let tb = match boards.iter().find(|(b, _)| *b == r.bucket_mb) {
+            Some((_, tb)) if repeat == 1 => tb.clone(),
+            _ => {
+                let tb = Arc::new(TensorBoard::new(crate::tensorboard::run_dir(
+                    dir,
+                    &format!("bucket_{}MiB", r.bucket_mb),
+                )));
+                boards.push((r.bucket_mb, tb.clone()));
+                tb
+            }
+        };
+        tb.add_scalars(steps.saturating_sub(1) as u64, &[(PREDICTED_STEP_MS, ms as f32)]);
+    }
 }
 
 /// The table on stdout: measured medians (± spread over the rounds) beside the model's

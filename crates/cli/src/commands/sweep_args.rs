@@ -43,6 +43,14 @@ pub struct SweepArgs {
     /// once under each, at one bucket cap, and policies.csv gains their `precision` column.
     #[arg(long, value_delimiter = ',', value_parser = brigade::MixedPrecision::parse)]
     pub precisions: Vec<brigade::MixedPrecision>,
+    /// Write TensorBoard event files of every measured run (as `train --tensorboard` does),
+    /// one directory each in DIR, so that `tensorboard --logdir DIR` draws one curve per run:
+    /// a cap's `bucket_{B}MiB` (`bucket_{B}MiB/round_{R}` with --repeat), which also holds
+    /// the overlap model's predicted/step_ms for the cap at the last step; a policy's spec
+    /// (`{policy}_{precision}` with several --precisions). The compute-only baselines are not
+    /// written. A directory an earlier sweep wrote and this one does not stays.
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// Makes `--out` a directory that takes files, creating it (and its parents) when missing;

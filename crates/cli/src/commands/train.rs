@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use brigade::config::CheckpointConfig;
 use brigade::observe::TrainObserver;
+use brigade::tensorboard::TensorBoard;
 use brigade_ddp::overlap::StepProfile;
 use brigade_models::tokens::expand_glob;
 use clap::Args;
@@ -63,6 +64,17 @@ pub struct TrainArgs {
     /// the resume read from that file are drawn too.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Write TensorBoard event files into DIR (created if missing) as the run goes, a record
+    /// per step: train/loss, train/lr, train/bytes_sent (payload, as --json's
+    /// sent_bytes_by_step), train/step_ms, and train/val_loss (--eval-every) and
+    /// train/grad_norm (--clip-grad-norm) on the steps that compute them. View with
+    /// `tensorboard --logdir DIR` (or a directory above it: one run per directory). Each run
+    /// adds a new file; a run given the DIR of an earlier one replaces that run's steps from
+    /// its first on (a --resume continues the curve from the checkpoint's step). A write that
+    /// fails does not stop the training: the steps before it stay in the file, and the
+    /// command names the failure at the end with a non-zero exit.
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Write a Chrome trace of the last step (and FILE.svg beside it); nothing when no step runs.
     #[arg(long)]
     pub timeline: Option<PathBuf>,
@@ -158,6 +170,10 @@ impl TrainArgs {
             .filter(|p| !p.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg")))
         {
             return bad(format!("--plot {} draws SVG: give a FILE.svg", p.display()));
+        }
+        // before the outputs' check: an output at DIR is then a directory's
+        if let Some(dir) = &self.tensorboard {
+            crate::tensorboard::prepare(dir)?;
         }
         if let (Some(resume), Some(init)) = (&self.resume, &self.run.model.init) {
             return bad(format!(
@@ -503,6 +519,9 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     } else {
         Arc::new((ProgressBar::default(), watch))
     };
+    // --tensorboard: every step's scalars, as the run goes
+    let tensorboard = t.tensorboard.as_ref().map(|dir| Arc::new(TensorBoard::new(dir)));
+    let observer: Arc<dyn TrainObserver> = Arc::new((observer, tensorboard.clone()));
     let opts = RunOptions {
         compute_only: false,
         record: t.timeline.is_some(),
@@ -553,6 +572,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
             Ok(()) => Err(Error::Outputs(vec![failure])),
         };
     }
+    let written = crate::tensorboard::with_failures(written, tensorboard.as_deref());
     // the summary once the files are written: a stdout that fails costs nothing else
     print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
     if let (Some(mb), Some(m)) = (t.run.runtime.memory_budget, report.outcome.memory) {
