@@ -10,8 +10,8 @@ flags            Brigade's own command-line flags (those `brigade ... --help` li
                  string literals of the non-test code of crates/brigade/src (another program's
                  flags, such as mpirun's `--bind-to`, are not Brigade's);
 longest-fn       the longest function of crates/ outside tests (scripts/longest-fns.sh 1);
-and, printed but not held to a limit (every change of the public API adds a line to the README's
-changelog), the line counts of README.md, docs/ARCHITECTURE.md and the summary table at the top
+and, printed but not held to a limit (every change of the public API adds a line to
+docs/CHANGELOG.md), the line counts of README.md, docs/ARCHITECTURE.md and the summary table at the top
 of docs/BENCHMARKS.md (the first table of a first section named Today, Summary or Current).
 
 Usage: house_figures.py BRIGADE_BINARY [--check LIMITS] [--allow ALLOW]

@@ -199,7 +199,7 @@ mod tests {
         assert_eq!(activations(&mlp, 2), Some(104));
         // AdamW: value, gradient and two moments per parameter, f32
         assert_eq!(training_bytes(&mlp, 2, 2), Some((640 * 4 + 104) * 4));
-        // the default GPT at GPT-2's vocabulary, 32 rows: the README's figures
+        // the default GPT at GPT-2's vocabulary, 32 rows: the figures of docs/MEMORY.md
         let gpt = brigade_models::GptConfig {
             vocab: 50_257,
             ..brigade_models::GptConfig::default()

@@ -310,7 +310,7 @@ fn a_second_run_on_one_checkpoint_refuses_naming_the_file_and_the_other_process(
 }
 
 /// Ctrl-C on `mpirun`: it waits `odls_base_sigkill_timeout` seconds (1 by default), sends the
-/// ranks SIGTERM, and SIGKILL as long after. With the time raised (README, MPI section), the
+/// ranks SIGTERM, and SIGKILL as long after. With the time raised (docs/MPI.md), the
 /// ranks finish their step and rank 0 writes every output.
 #[cfg(feature = "mpi")]
 mod under_mpirun {
