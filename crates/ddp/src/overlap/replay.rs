@@ -4,7 +4,7 @@
 use brigade_comm::{NetModel, RingOp};
 use serde::Serialize;
 
-use super::{StepProfile, WireModel};
+use super::{RankProfile, StepProfile, WireModel};
 use crate::policy::GatherPhase;
 use crate::{assign_buckets, DdpError};
 
@@ -394,6 +394,64 @@ pub fn replay_with(
 }
 
 fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOverhead) -> Result<ReplayResult, String> {
+    let n = checked_world(profile, cfg)?;
+    let (alpha, per_byte) = link_params(profile, cfg.link)?;
+    let (policy, wire) = wire_model(profile)?;
+    let costs = Costs {
+        profile,
+        n,
+        alpha,
+        per_byte,
+        wire,
+    };
+    // ZeRO-3: its buckets are its units, whatever the caps, and its parameter gathers move the
+    // compute (`Clock`).
+    let gathered = matches!(costs.wire, WireModel::Zero3);
+    let mut clock = Clock::new(profile, gathered);
+    let groups = bucket_groups(profile, cfg, gathered);
+    let mut comm = CommRun {
+        launched: vec![f64::NEG_INFINITY; profile.ranks.len()],
+        link: LinkQueue {
+            brought: f64::NEG_INFINITY,
+            free: f64::NEG_INFINITY,
+            overhead: if n < 2 { None } else { Some(&overhead) },
+        },
+        buckets: Vec::with_capacity(groups.len()),
+        gathers: Vec::with_capacity(clock.n_gathers),
+        waited: vec![0.0; profile.ranks.len()],
+    };
+    for op in comm_order(profile, groups.len(), &clock, gathered) {
+        match op {
+            Op::Bucket(j) => comm.bucket(groups[j].clone(), &costs, &clock),
+            Op::Gather(k) => comm.gather(k, &costs, &mut clock),
+        }
+    }
+    let backward_end = clock.backward_end();
+    for b in &mut comm.buckets {
+        b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
+    }
+    let last_finish = comm.buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
+    let (compute_step, predicted_step) = steps(profile, &clock, last_finish);
+    let drained = fluid_drain(&costs, &clock);
+    Ok(ReplayResult {
+        policy,
+        bucket_cap_mb: cfg.bucket_cap_mb,
+        first_bucket_cap_mb: cfg.first_bucket_cap_mb,
+        world_size: n,
+        comm_s: comm.buckets.iter().map(|b| b.finish_s - b.start_s).sum(),
+        buckets: comm.buckets,
+        compute_step_s: compute_step,
+        predicted_step_s: predicted_step,
+        exposed_comm_s: (last_finish - backward_end).max(0.0),
+        lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
+        launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
+        gathers: comm.gathers,
+        exposed_gather_s: mean(comm.waited),
+    })
+}
+
+/// The world size to replay, after checking the caps: one line naming what is wrong.
+fn checked_world(profile: &StepProfile, cfg: &ReplayConfig) -> Result<usize, String> {
     for (flag, v) in [
         ("bucket cap", cfg.bucket_cap_mb),
         ("first bucket cap", cfg.first_bucket_cap_mb),
@@ -406,197 +464,264 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     if n == 0 {
         return Err("world size must be at least 1".into());
     }
-    let (alpha, per_byte) = link_params(profile, cfg.link)?;
-    let (policy, wire) = wire_model(profile)?;
-    let all_reduce = |bytes: f64| RingOp::AllReduce.seconds(bytes, n, alpha, per_byte);
-    let sent = |op: RingOp, bytes: f64| op.wire_bytes(bytes, n);
-    // A bucket's link time and wire bytes under the policy's collectives.
-    let cost = |group: &[usize], bytes: usize| -> (f64, f64) {
+    Ok(n)
+}
+
+/// How the replayed collectives are costed: the policy's wire model on a ring of `n` ranks with
+/// links of latency `alpha` and `per_byte` seconds a byte.
+struct Costs<'a> {
+    profile: &'a StepProfile,
+    n: usize,
+    alpha: f64,
+    per_byte: f64,
+    wire: WireModel,
+}
+
+impl Costs<'_> {
+    fn all_reduce(&self, bytes: f64) -> f64 {
+        RingOp::AllReduce.seconds(bytes, self.n, self.alpha, self.per_byte)
+    }
+
+    /// A bucket's link time and wire bytes under the policy's collectives.
+    fn bucket(&self, group: &[usize], bytes: usize) -> (f64, f64) {
+        let n = self.n;
         if n < 2 {
             return (0.0, 0.0);
         }
-        match &wire {
+        let sent = |op: RingOp, bytes: f64| op.wire_bytes(bytes, n);
+        match &self.wire {
             WireModel::AllReduce { bytes_per_element } => {
                 let b = bytes as f64 / 4.0 * bytes_per_element;
-                (all_reduce(b), sent(RingOp::AllReduce, b))
+                (self.all_reduce(b), sent(RingOp::AllReduce, b))
             }
             // one reduce-scatter of the padded bucket
             WireModel::ReduceScatter | WireModel::Zero3 => {
                 let padded = ((bytes / 4).div_ceil(n) * n * 4) as f64;
                 let rs = RingOp::ReduceScatter;
-                (rs.seconds(padded, n, alpha, per_byte), sent(rs, padded))
+                (rs.seconds(padded, n, self.alpha, self.per_byte), sent(rs, padded))
             }
             WireModel::LowRank { factors, .. } => {
                 let (mut plain, mut p, mut qf) = (0.0, 0.0, 0.0);
                 for &i in group {
                     match factors[i] {
                         Some((n_r, m_r)) => (p, qf) = (p + 4.0 * n_r as f64, qf + 4.0 * m_r as f64),
-                        None => plain += bytes_of(profile, i),
+                        None => plain += bytes_of(self.profile, i),
                     }
                 }
-                let link: f64 = [plain, p, qf].into_iter().filter(|&b| b > 0.0).map(all_reduce).sum();
+                let link: f64 = [plain, p, qf]
+                    .into_iter()
+                    .filter(|&b| b > 0.0)
+                    .map(|b| self.all_reduce(b))
+                    .sum();
                 (link, sent(RingOp::AllReduce, plain + p + qf))
             }
         }
-    };
+    }
 
-    let ranks = &profile.ranks;
-    let n_params = profile.params.len();
-    // Every time on rank 0's clock from here on.
-    let offsets = profile.clock_offsets();
-
-    // ZeRO-3: a unit's compute waits for its gather, so each rank's compute after a gather moves
-    // by what the replayed wait differs from the recorded one (`shift`); and its buckets are its
-    // units, whatever the caps.
-    let gathered = matches!(wire, WireModel::Zero3);
-    let n_gathers = if gathered { ranks[0].gathers.len() } else { 0 };
-    let recorded: Vec<Vec<RecordedGather>> = ranks
-        .iter()
-        .zip(&offsets)
-        .map(|(r, o)| {
-            r.gathers[..n_gathers]
-                .iter()
-                .map(|g| RecordedGather::new(g, *o))
-                .collect()
-        })
-        .collect();
-    // replayed minus recorded wait, per rank and gather, once replayed
-    let mut delta = vec![vec![0.0; n_gathers]; ranks.len()];
-    let shift = |r: usize, t: f64, delta: &[Vec<f64>]| -> f64 {
-        recorded[r]
-            .iter()
-            .zip(&delta[r])
-            .filter(|(g, _)| g.resumed <= t)
-            .map(|(_, d)| d)
-            .sum()
-    };
-    let moved = |r: usize, t: f64, delta: &[Vec<f64>]| t + shift(r, t, delta);
-    let ready_at = |r: usize, p: usize, delta: &[Vec<f64>]| moved(r, ranks[r].grad_ready_s[p] - offsets[r], delta);
-    let backward_end_at = |delta: &[Vec<f64>]| {
-        (0..ranks.len())
-            .map(|r| moved(r, ranks[r].backward_end_s - offsets[r], delta))
-            .fold(f64::NEG_INFINITY, f64::max)
-    };
-
-    let bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
-    let groups: Vec<Vec<usize>> = if gathered {
-        ranks[0].buckets.iter().map(|b| b.params.clone()).collect()
-    } else {
-        let order: Vec<usize> = match cfg.order {
-            BucketOrder::Reverse => (0..n_params).rev().collect(),
-            BucketOrder::Ready => {
-                let mut o: Vec<usize> = (0..n_params).rev().collect();
-                // stable: ties keep reverse registration order, as the reducer hears them
-                o.sort_by(|&a, &b| ranks[0].grad_ready_s[a].total_cmp(&ranks[0].grad_ready_s[b]));
-                o
-            }
-        };
-        let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
-        assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb))
-    };
-    // The collectives in the order the comm stream ran them: the buckets, and the gathers
-    // merged in by when rank 0 issued them.
-    let mut ops: Vec<(f64, Op)> = (0..groups.len())
-        .map(|j| {
-            let at = if gathered { ranks[0].buckets[j].launch_s } else { 0.0 };
-            (at, Op::Bucket(j))
-        })
-        .chain((0..n_gathers).map(|k| (recorded[0][k].issued, Op::Gather(k))))
-        .collect();
-    ops.sort_by(|a, b| a.0.total_cmp(&b.0));
-
-    // Each rank launches in strict bucket order; the link queue takes each collective once the
-    // last rank issued it.
-    let mut launched = vec![f64::NEG_INFINITY; ranks.len()];
-    let mut link = LinkQueue {
-        brought: f64::NEG_INFINITY,
-        free: f64::NEG_INFINITY,
-        overhead: if n < 2 { None } else { Some(&overhead) },
-    };
-    let mut buckets = Vec::with_capacity(groups.len());
-    let mut gathers = Vec::with_capacity(n_gathers);
-    let mut waited = vec![0.0; ranks.len()];
-    for (_, op) in ops {
-        match op {
-            Op::Bucket(j) => {
-                let group = groups[j].clone();
-                let mut ready_max = f64::NEG_INFINITY;
-                let mut launch_max = f64::NEG_INFINITY;
-                for (r, launched) in launched.iter_mut().enumerate() {
-                    let ready = group
-                        .iter()
-                        .map(|&p| ready_at(r, p, &delta))
-                        .fold(f64::NEG_INFINITY, f64::max);
-                    *launched = launched.max(ready);
-                    ready_max = ready_max.max(ready);
-                    launch_max = launch_max.max(*launched);
-                }
-                let b_bytes: usize = group.iter().map(|&p| bytes[p]).sum();
-                let (link_s, wire_bytes) = cost(&group, b_bytes);
-                let (start, finish) = link.take(launch_max, b_bytes, link_s, backward_end_at(&delta));
-                buckets.push(ReplayBucket {
-                    params: group,
-                    bytes: b_bytes,
-                    wire_bytes,
-                    ready_s: ready_max,
-                    launch_s: launch_max,
-                    start_s: start,
-                    finish_s: finish,
-                    exposed_s: 0.0,
-                });
-            }
-            Op::Gather(k) => {
-                let g = &ranks[0].gathers[k];
-                let issued = (0..ranks.len())
-                    .map(|r| moved(r, recorded[r][k].issued, &delta))
-                    .fold(f64::NEG_INFINITY, f64::max);
-                // every rank's shard, padded to the replayed world
-                let g_bytes = (g.bytes / 4).div_ceil(n) * n * 4;
-                let link_s = if n < 2 {
-                    0.0
-                } else {
-                    RingOp::AllGather.seconds((g_bytes / n) as f64, n, alpha, per_byte)
-                };
-                let (start, finish) = link.take(issued, g_bytes, link_s, backward_end_at(&delta));
-                let mut sum = 0.0;
-                for r in 0..ranks.len() {
-                    let Some(needed) = recorded[r][k].needed else {
-                        continue;
-                    };
-                    let wait = (finish - moved(r, needed, &delta)).max(0.0);
-                    delta[r][k] = wait - recorded[r][k].waited;
-                    waited[r] += wait;
-                    sum += wait;
-                }
-                gathers.push(ReplayGather {
-                    unit: g.unit.clone(),
-                    phase: g.phase,
-                    bytes: g_bytes,
-                    issued_s: issued,
-                    start_s: start,
-                    finish_s: finish,
-                    waited_s: sum / ranks.len() as f64,
-                });
-            }
+    /// The link time of a parameter gather of `bytes` (every rank's shard).
+    fn gather(&self, bytes: usize) -> f64 {
+        let n = self.n;
+        if n < 2 {
+            0.0
+        } else {
+            RingOp::AllGather.seconds((bytes / n) as f64, n, self.alpha, self.per_byte)
         }
     }
-    let backward_end = backward_end_at(&delta);
-    let ready_all: Vec<f64> = (0..n_params)
-        .map(|p| {
-            (0..ranks.len())
-                .map(|r| ready_at(r, p, &delta))
-                .fold(f64::NEG_INFINITY, f64::max)
-        })
-        .collect();
+}
 
-    for b in &mut buckets {
-        b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
+/// Every rank's recorded times on rank 0's clock, moved by what the replayed parameter gathers
+/// (ZeRO-3) made the compute wait more or less than the recorded ones: a unit's compute waits
+/// for its gather, so each rank's compute after a gather moves by the difference.
+struct Clock<'a> {
+    ranks: &'a [RankProfile],
+    offsets: Vec<f64>,
+    /// Each rank's recorded gathers (none unless the policy gathers parameters).
+    recorded: Vec<Vec<RecordedGather>>,
+    /// Replayed minus recorded wait, per rank and gather, once replayed.
+    delta: Vec<Vec<f64>>,
+    n_gathers: usize,
+}
+
+impl<'a> Clock<'a> {
+    fn new(profile: &'a StepProfile, gathered: bool) -> Clock<'a> {
+        let ranks = &profile.ranks[..];
+        let offsets = profile.clock_offsets();
+        let n_gathers = if gathered { ranks[0].gathers.len() } else { 0 };
+        let recorded = ranks
+            .iter()
+            .zip(&offsets)
+            .map(|(r, o)| {
+                r.gathers[..n_gathers]
+                    .iter()
+                    .map(|g| RecordedGather::new(g, *o))
+                    .collect()
+            })
+            .collect();
+        Clock {
+            ranks,
+            offsets,
+            recorded,
+            delta: vec![vec![0.0; n_gathers]; ranks.len()],
+            n_gathers,
+        }
     }
-    let last_finish = buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
+
+    /// Rank `r`'s time `t` (on rank 0's clock) moved by the waits of the gathers before it.
+    fn moved(&self, r: usize, t: f64) -> f64 {
+        let shift: f64 = self.recorded[r]
+            .iter()
+            .zip(&self.delta[r])
+            .filter(|(g, _)| g.resumed <= t)
+            .map(|(_, d)| d)
+            .sum();
+        t + shift
+    }
+
+    /// When parameter `p`'s gradient is ready on rank `r`.
+    fn ready_at(&self, r: usize, p: usize) -> f64 {
+        self.moved(r, self.ranks[r].grad_ready_s[p] - self.offsets[r])
+    }
+
+    /// When parameter `p`'s gradient is ready on the last rank to have it.
+    fn ready_everywhere(&self, p: usize) -> f64 {
+        (0..self.ranks.len())
+            .map(|r| self.ready_at(r, p))
+            .fold(f64::NEG_INFINITY, f64::max)
+    }
+
+    /// When backward's compute ends on the last rank.
+    fn backward_end(&self) -> f64 {
+        (0..self.ranks.len())
+            .map(|r| self.moved(r, self.ranks[r].backward_end_s - self.offsets[r]))
+            .fold(f64::NEG_INFINITY, f64::max)
+    }
+}
+
+/// The buckets to replay, each its parameters in bucket order: the recorded units under ZeRO-3
+/// (`gathered`), else the parameters in `cfg`'s order assigned under its caps.
+fn bucket_groups(profile: &StepProfile, cfg: &ReplayConfig, gathered: bool) -> Vec<Vec<usize>> {
+    let rank0 = &profile.ranks[0];
+    if gathered {
+        return rank0.buckets.iter().map(|b| b.params.clone()).collect();
+    }
+    let n_params = profile.params.len();
+    let order: Vec<usize> = match cfg.order {
+        BucketOrder::Reverse => (0..n_params).rev().collect(),
+        BucketOrder::Ready => {
+            let mut o: Vec<usize> = (0..n_params).rev().collect();
+            // stable: ties keep reverse registration order, as the reducer hears them
+            o.sort_by(|&a, &b| rank0.grad_ready_s[a].total_cmp(&rank0.grad_ready_s[b]));
+            o
+        }
+    };
+    let bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
+    let mib = |m: f64| (m * 1024.0 * 1024.0).max(1.0) as usize;
+    assign_buckets(&bytes, &order, mib(cfg.first_bucket_cap_mb), mib(cfg.bucket_cap_mb))
+}
+
+/// The collectives in the order the comm stream ran them: the buckets, and the gathers merged in
+/// by when rank 0 issued them.
+fn comm_order(profile: &StepProfile, n_buckets: usize, clock: &Clock, gathered: bool) -> Vec<Op> {
+    let mut ops: Vec<(f64, Op)> = (0..n_buckets)
+        .map(|j| {
+            let at = if gathered {
+                profile.ranks[0].buckets[j].launch_s
+            } else {
+                0.0
+            };
+            (at, Op::Bucket(j))
+        })
+        .chain((0..clock.n_gathers).map(|k| (clock.recorded[0][k].issued, Op::Gather(k))))
+        .collect();
+    ops.sort_by(|a, b| a.0.total_cmp(&b.0));
+    ops.into_iter().map(|(_, op)| op).collect()
+}
+
+/// The replayed comm stream: each rank launches in strict bucket order; the link queue takes
+/// each collective once the last rank issued it.
+struct CommRun<'a> {
+    /// When each rank launched its last bucket.
+    launched: Vec<f64>,
+    link: LinkQueue<'a>,
+    buckets: Vec<ReplayBucket>,
+    gathers: Vec<ReplayGather>,
+    /// What each rank's compute waited for its parameter gathers.
+    waited: Vec<f64>,
+}
+
+impl CommRun<'_> {
+    /// Replays the bucket of parameters `group`.
+    fn bucket(&mut self, group: Vec<usize>, costs: &Costs, clock: &Clock) {
+        let mut ready_max = f64::NEG_INFINITY;
+        let mut launch_max = f64::NEG_INFINITY;
+        for (r, launched) in self.launched.iter_mut().enumerate() {
+            let ready = group
+                .iter()
+                .map(|&p| clock.ready_at(r, p))
+                .fold(f64::NEG_INFINITY, f64::max);
+            *launched = launched.max(ready);
+            ready_max = ready_max.max(ready);
+            launch_max = launch_max.max(*launched);
+        }
+        let b_bytes: usize = group.iter().map(|&p| costs.profile.params[p].bytes).sum();
+        let (link_s, wire_bytes) = costs.bucket(&group, b_bytes);
+        let (start, finish) = self.link.take(launch_max, b_bytes, link_s, clock.backward_end());
+        self.buckets.push(ReplayBucket {
+            params: group,
+            bytes: b_bytes,
+            wire_bytes,
+            ready_s: ready_max,
+            launch_s: launch_max,
+            start_s: start,
+            finish_s: finish,
+            exposed_s: 0.0,
+        });
+    }
+
+    /// Replays rank 0's parameter gather `k`, and moves every rank's compute after it by what
+    /// it now waits.
+    fn gather(&mut self, k: usize, costs: &Costs, clock: &mut Clock) {
+        let ranks = clock.ranks;
+        let g = &ranks[0].gathers[k];
+        let issued = (0..ranks.len())
+            .map(|r| clock.moved(r, clock.recorded[r][k].issued))
+            .fold(f64::NEG_INFINITY, f64::max);
+        // every rank's shard, padded to the replayed world
+        let n = costs.n;
+        let g_bytes = (g.bytes / 4).div_ceil(n) * n * 4;
+        let (start, finish) = self
+            .link
+            .take(issued, g_bytes, costs.gather(g_bytes), clock.backward_end());
+        let mut sum = 0.0;
+        for r in 0..ranks.len() {
+            let Some(needed) = clock.recorded[r][k].needed else {
+                continue;
+            };
+            let wait = (finish - clock.moved(r, needed)).max(0.0);
+            clock.delta[r][k] = wait - clock.recorded[r][k].waited;
+            self.waited[r] += wait;
+            sum += wait;
+        }
+        self.gathers.push(ReplayGather {
+            unit: g.unit.clone(),
+            phase: g.phase,
+            bytes: g_bytes,
+            issued_s: issued,
+            start_s: start,
+            finish_s: finish,
+            waited_s: sum / ranks.len() as f64,
+        });
+    }
+}
+
+/// The step without communication and the predicted step, the last bucket finishing at
+/// `last_finish`.
+fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
+    let ranks = &profile.ranks;
     // What follows the buckets is taken as recorded: the gap between the recorded end of the
     // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
     // optimizer, and the rest of the step.
-    let after_backward = |r: &super::RankProfile| {
+    let after_backward = |r: &RankProfile| {
         (r.optimizer_start_s - r.waited_until()).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
@@ -604,52 +729,52 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     // Each rank's step on its own clock; the group's step is their mean: the ranks meet at
     // every step's last bucket, so in the long run each rank's steps take the same time, and the
     // mean over the ranks of one recorded step estimates it best.
-    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
-    // without communication the compute waits for no gather either
+    // Without communication the compute waits for no gather either.
     let compute_step = mean(
         ranks
             .iter()
             .enumerate()
-            .map(|(r, p)| p.backward_end_s - recorded[r].iter().map(|g| g.waited).sum::<f64>() + after_backward(p))
+            .map(|(r, p)| {
+                p.backward_end_s - clock.recorded[r].iter().map(|g| g.waited).sum::<f64>() + after_backward(p)
+            })
             .collect(),
     );
     let predicted_step = mean(
         ranks
             .iter()
             .enumerate()
-            .zip(&offsets)
+            .zip(&clock.offsets)
             .map(|((r, p), o)| {
-                let end = moved(r, p.backward_end_s - o, &delta) + o;
+                let end = clock.moved(r, p.backward_end_s - o) + o;
                 end.max(last_finish + o) + after_backward(p)
             })
             .collect(),
     );
+    (compute_step, predicted_step)
+}
 
-    // Lower bound: a fluid link that carries each byte the policy sends from the moment its
-    // gradient is ready.
-    let fluid_rate = if n < 2 { 0.0 } else { per_byte };
-    let sent_of = |p: usize| if n < 2 { 0.0 } else { cost(&[p], bytes[p]).1 };
+/// When the last byte would have left for the lower bound: a fluid link that carries each byte
+/// the policy sends from the moment its gradient is ready.
+fn fluid_drain(costs: &Costs, clock: &Clock) -> f64 {
+    let n_params = costs.profile.params.len();
+    let ready_all: Vec<f64> = (0..n_params).map(|p| clock.ready_everywhere(p)).collect();
+    let fluid_rate = if costs.n < 2 { 0.0 } else { costs.per_byte };
+    let sent_of = |p: usize| {
+        if costs.n < 2 {
+            0.0
+        } else {
+            costs.bucket(&[p], costs.profile.params[p].bytes).1
+        }
+    };
     let mut by_ready: Vec<usize> = (0..n_params).collect();
     by_ready.sort_by(|&a, &b| ready_all[a].total_cmp(&ready_all[b]));
-    let drained = by_ready
+    by_ready
         .iter()
-        .fold(f64::NEG_INFINITY, |t, &p| t.max(ready_all[p]) + sent_of(p) * fluid_rate);
+        .fold(f64::NEG_INFINITY, |t, &p| t.max(ready_all[p]) + sent_of(p) * fluid_rate)
+}
 
-    Ok(ReplayResult {
-        policy,
-        bucket_cap_mb: cfg.bucket_cap_mb,
-        first_bucket_cap_mb: cfg.first_bucket_cap_mb,
-        world_size: n,
-        comm_s: buckets.iter().map(|b| b.finish_s - b.start_s).sum(),
-        buckets,
-        compute_step_s: compute_step,
-        predicted_step_s: predicted_step,
-        exposed_comm_s: (last_finish - backward_end).max(0.0),
-        lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
-        launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
-        gathers,
-        exposed_gather_s: mean(waited),
-    })
+fn mean(v: Vec<f64>) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
 }
 
 /// A collective of the replayed step, as the comm stream runs them.
