@@ -14,7 +14,10 @@
 //! records the grouping (`buckets`: each bucket's parameter names, a JSON list of lists;
 //! `bucket_caps_mb`: `<cap>,<first cap>`; `bucket_generation`), and a resume reduces on the
 //! same buckets ([`brigade_ddp::DdpConfig::grouping`]): a policy whose reduction depends on
-//! which gradients share a bucket (int8's one scale per bucket) continues exactly.
+//! which gradients share a bucket (int8's one scale per bucket) continues exactly. Under the
+//! bucket-cap autotuner the metadata also records where its checks stand (`autotune_checks`,
+//! `autotune_since_check`: [`brigade_ddp::overlap::AutotuneProgress`]), and a resume that tunes
+//! the cap starts from the recorded caps and checks at the steps the checkpoint's run would.
 //!
 //! Rank `r`'s dropout generator ([`Model::rng_state`]: a seed and a count of masks drawn, two
 //! `u64`s) is the metadata entry `dropout_rng.rank<r>` = `<seed>:<offset>`, so that a resume at
@@ -27,6 +30,7 @@
 use std::path::Path;
 
 use brigade_autograd::Optimizer;
+use brigade_ddp::overlap::AutotuneProgress;
 use brigade_ddp::BucketGrouping;
 use std::collections::HashMap;
 
@@ -57,6 +61,10 @@ const RANK_PREFIX: &str = "rank.";
 const BUCKETS_KEY: &str = "buckets";
 const BUCKET_CAPS_KEY: &str = "bucket_caps_mb";
 const BUCKET_GENERATION_KEY: &str = "bucket_generation";
+
+/// Metadata keys of the autotuner's progress.
+const AUTOTUNE_CHECKS_KEY: &str = "autotune_checks";
+const AUTOTUNE_SINCE_CHECK_KEY: &str = "autotune_since_check";
 
 /// Prefix of the metadata entries of the ranks' dropout generators (`dropout_rng.rank<r>`).
 const RNG_PREFIX: &str = "dropout_rng.rank";
@@ -209,6 +217,9 @@ pub struct DistributedState {
     /// The buckets' grouping once DDP regrouped them
     /// ([`brigade_ddp::DistributedDataParallel::bucket_grouping`]).
     pub buckets: Option<BucketGrouping>,
+    /// Where the bucket-cap autotuner's checks stood
+    /// ([`brigade_ddp::overlap::Autotuner::progress`]); `None` without one.
+    pub autotune: Option<AutotuneProgress>,
 }
 
 /// What a resume continues from.
@@ -328,6 +339,12 @@ pub fn save_checkpoint(
     }))
     .map(|(k, v)| (k.to_string(), v))
     .chain(distributed.buckets.as_ref().map_or_else(Vec::new, grouping_record))
+    .chain(distributed.autotune.iter().flat_map(|p| {
+        [
+            (AUTOTUNE_CHECKS_KEY.to_string(), p.checks.to_string()),
+            (AUTOTUNE_SINCE_CHECK_KEY.to_string(), p.since_check.to_string()),
+        ]
+    }))
     .chain(id.recipe.iter().cloned())
     .chain(id.lineage.iter().cloned())
     .chain(
@@ -417,6 +434,7 @@ pub fn load_checkpoint(
         policy: strip(POLICY_PREFIX),
         ranks: strip(RANK_PREFIX),
         buckets: read_grouping(&meta).map_err(err)?,
+        autotune: read_autotune(&meta).map_err(err)?,
     };
     // the ranks' own parameters and a policy's state are per rank: they resume on as many
     // ranks as wrote them
@@ -490,6 +508,22 @@ fn read_grouping(meta: &HashMap<String, String>) -> std::result::Result<Option<B
         caps_mb,
         generation,
     }))
+}
+
+/// The autotuner's progress the metadata records, if any (see the module docs).
+fn read_autotune(meta: &HashMap<String, String>) -> std::result::Result<Option<AutotuneProgress>, CheckpointMismatch> {
+    let read = |key: &str| -> std::result::Result<Option<usize>, CheckpointMismatch> {
+        meta.get(key)
+            .map(|v| {
+                v.parse()
+                    .map_err(|_| CheckpointMismatch::BucketGrouping(format!("its {key} cannot be read")))
+            })
+            .transpose()
+    };
+    Ok(match (read(AUTOTUNE_CHECKS_KEY)?, read(AUTOTUNE_SINCE_CHECK_KEY)?) {
+        (Some(checks), Some(since_check)) => Some(AutotuneProgress { checks, since_check }),
+        _ => None,
+    })
 }
 
 /// The data order must be the one the checkpoint was written with (in order when it records

@@ -139,6 +139,11 @@ impl TrainConfig {
         self.distributed.as_ref().map(|d| &d.ddp)
     }
 
+    /// Whether the bucket-cap autotuner runs ([`DistributedConfig::autotune`]).
+    pub fn autotunes(&self) -> bool {
+        self.distributed.as_ref().is_some_and(|d| d.autotune.is_some())
+    }
+
     /// Rows per rank per step: `batch_size` rows in each of `accum` microbatches.
     pub fn rows_per_step(&self) -> usize {
         self.data.batch_size * self.data.accum

@@ -55,8 +55,9 @@ pub struct AutotuneArgs {
     /// With --bucket-mb auto: the caps to choose from, in MiB (default 0.25,0.5,1,2,5,10,25,50,100).
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     pub autotune_caps: Option<Vec<f64>>,
-    /// With --bucket-mb auto: change the cap only when the predicted step is shorter by more than
-    /// this fraction (default 0.02); a negative value adopts the best candidate even if slower.
+    /// With --bucket-mb auto: change the cap only when the best candidate's predicted step is
+    /// shorter than the current cap's by more than this fraction of it (default 0.02); a negative
+    /// -F also adopts a best candidate predicted slower by less than F (-1e9: whatever it predicts).
     #[arg(long, allow_negative_numbers = true)]
     pub autotune_min_gain: Option<f64>,
 }

@@ -64,7 +64,7 @@ pub struct Choice {
     pub predicted_step_ms: f64,
     /// The predicted peak per rank, in bytes.
     pub predicted_peak_bytes: u64,
-    /// The budget it was chosen under, in MiB.
+    /// The budget it is weighed against, in MiB: the one it was chosen under, or a resume's own.
     pub memory_budget_mb: f64,
     /// Candidates the plan weighed, and how many of them fit and were predicted.
     pub candidates: usize,
@@ -85,8 +85,14 @@ impl Choice {
                 self.eligible, self.candidates, self.calibration_runs
             )
         };
+        // a kept plan is weighed against this run's budget, which may be another
+        let margin = if within_margin(self.memory_budget_mb).is_ok_and(|b| self.predicted_peak_bytes <= b) {
+            "the memory model's 10% margin kept"
+        } else {
+            "within it, but not by the memory model's 10% margin"
+        };
         format!(
-            "plan: --policy {} --bucket-mb {} --first-bucket-mb {}{}: predicted {:.2} ms a step, peak {} per rank of {} MB (the memory model's 10% margin kept); {how}",
+            "plan: --policy {} --bucket-mb {} --first-bucket-mb {}{}: predicted {:.2} ms a step, peak {} per rank of {} MB ({margin}); {how}",
             self.policy,
             compact(self.bucket_mb),
             compact(self.first_bucket_mb),
@@ -341,7 +347,9 @@ pub fn choose(
                 path.display()
             ))
         })?;
+        // weighed against this run's budget, not the one it was chosen under
         choice.calibration_runs = 0;
+        choice.memory_budget_mb = budget_mb;
         choice.apply(args)?;
         return Ok(choice);
     }

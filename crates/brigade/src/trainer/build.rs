@@ -69,7 +69,11 @@ impl<'a> Trainer<'a> {
             opt = master_weights(cfg, model.as_ref(), opt.as_ref(), policy_name.as_deref())?;
         }
         let distributed = resumed.as_mut().map(|r| std::mem::take(&mut r.distributed));
+        let autotuned = distributed.as_ref().and_then(|d| d.autotune);
         let replica = Replica::new(cfg, ctx, model, opt, policy, distributed.unwrap_or_default())?;
+        if let (Some(ddp), true) = (&replica.ddp, cfg.autotunes()) {
+            brigade_ddp::overlap::Autotuner::check(ddp)?;
+        }
         Ok(Trainer {
             at: Progress::at_start(
                 first_step,
@@ -87,7 +91,7 @@ impl<'a> Trainer<'a> {
             schedule,
             resume,
             saves: Saves::new(Lineage::continuing(resumed.as_ref().map(|r| &r.metadata))),
-            records: Records::new(cfg, memory, installed_meter)?,
+            records: Records::new(cfg, autotuned, memory, installed_meter)?,
         })
     }
 }
@@ -400,9 +404,16 @@ impl Replica {
         let meter = CommMeter::new();
         let ddp = match (cfg.ddp(), policy) {
             (Some(d), Some(policy)) => {
+                // the autotuner continues from the caps its checks had set
+                let (bucket_cap_mb, first_bucket_cap_mb) = match (&resumed.buckets, resumed.autotune) {
+                    (Some(g), Some(p)) if p.checks > 0 && cfg.autotunes() => g.caps_mb,
+                    _ => (d.bucket_cap_mb, d.first_bucket_cap_mb),
+                };
                 let d = DdpConfig {
                     reduce_dtype: Some(cfg.recipe.precision.reduce_dtype),
                     grouping: resumed.buckets,
+                    bucket_cap_mb,
+                    first_bucket_cap_mb,
                     ..d.clone()
                 };
                 Some(wrap(&d, ctx, model.as_ref(), device, &meter, policy).map_err(|e| in_checkpoint(cfg, e))?)

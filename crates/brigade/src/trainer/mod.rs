@@ -16,7 +16,7 @@
 
 use brigade_autograd::{LrSchedule, Optimizer};
 use brigade_comm::{CommMeter, SpanGuard};
-use brigade_ddp::overlap::{Autotuner, StepProfile};
+use brigade_ddp::overlap::{AutotuneProgress, Autotuner, StepProfile};
 use brigade_ddp::{DistributedDataParallel, Phase};
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::ZeroStage;
@@ -178,11 +178,19 @@ struct Records {
 impl Records {
     /// The records of a run before its first step: none yet, the autotuner the configuration
     /// asks for ([`DistributedConfig::autotune`](crate::config::DistributedConfig::autotune)),
-    /// and the thread's `memory` meter with the guard of the one this trainer installed.
-    fn new(cfg: &TrainConfig, memory: Arc<MemoryMeter>, installed_meter: Option<InstalledMeter>) -> Result<Records> {
+    /// continuing from a resumed checkpoint's `autotuned` progress, and the thread's `memory`
+    /// meter with the guard of the one this trainer installed.
+    fn new(
+        cfg: &TrainConfig,
+        autotuned: Option<AutotuneProgress>,
+        memory: Arc<MemoryMeter>,
+        installed_meter: Option<InstalledMeter>,
+    ) -> Result<Records> {
         let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
         Ok(Records {
-            autotune: autotune.map(Autotuner::new).transpose()?,
+            autotune: autotune
+                .map(|c| Autotuner::resume(c, autotuned.unwrap_or_default()))
+                .transpose()?,
             memory,
             _installed_meter: installed_meter,
             ..Records::default()

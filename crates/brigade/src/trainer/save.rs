@@ -49,9 +49,12 @@ impl Trainer<'_> {
                         policy: ddp.gather_policy_state()?,
                         ranks: vec![],
                         buckets: ddp.bucket_grouping(),
+                        autotune: None,
                     },
                 };
                 state.ranks = ddp.gather_rank_state(self.replica.opt.as_ref())?;
+                // the autotuner has not observed the step a due checkpoint is written in yet
+                state.autotune = self.records.autotune.as_ref().map(|t| t.progress());
                 (state, Some(ddp.policy_name()))
             }
             None => (DistributedState::default(), None),

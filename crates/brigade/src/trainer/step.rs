@@ -56,6 +56,7 @@ impl Trainer<'_> {
                 policy: ddp.gather_policy_state()?,
                 ranks: vec![],
                 buckets: ddp.bucket_grouping(),
+                autotune: None,
             }),
             _ => None,
         };

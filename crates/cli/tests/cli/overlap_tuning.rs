@@ -201,6 +201,19 @@ fn autotune_flags_refuse_what_they_cannot_do_in_one_line() {
     assert!(err.contains("lists 1 twice"), "{err}");
     let err = fails(&[&base[..], &["--bucket-mb", "auto", "--autotune-caps", "1e-300"]].concat());
     assert!(err.contains("at least one byte"), "{err}");
+    // int8's all-gathers have no wire model for the overlap model to cost: refused before the
+    // first step (it failed at the first check, after step 0)
+    let err = fails(
+        &[
+            &base[..],
+            &["--world-size", "2", "--bucket-mb", "auto", "--policy", "int8"],
+        ]
+        .concat(),
+    );
+    assert!(
+        err.contains("'int8'") && err.contains("wire model") && err.contains("fixed cap"),
+        "{err}"
+    );
     // a --policy sweep runs each policy once, with its own ZeRO stage
     for extra in [["--repeat", "3"], ["--zero", "1"]] {
         let err = fails(

@@ -115,6 +115,16 @@ fn the_plan_is_said_in_one_line_and_a_resume_keeps_it_without_calibrating() {
     assert_eq!(resumed["first_step"], 2);
     let chosen = line[0].split_whitespace().nth(2).unwrap();
     assert_eq!(resumed["policy"], chosen, "{resumed}");
+    // under another budget the line weighs the kept plan against this run's
+    let out = ok(&cat(&[
+        &base,
+        &["--memory-budget", "300", "--steps", "3", "--resume", s(&ck)],
+    ]));
+    let line: Vec<&str> = out.lines().filter(|l| l.starts_with("plan: ")).collect();
+    assert!(
+        line.len() == 1 && line[0].contains("of 300 MB") && line[0].contains("kept from the checkpoint"),
+        "{out}"
+    );
     // a checkpoint of a run without a plan says so
     let plain = d.join("plain.ckpt");
     ok(&cat(&[

@@ -185,3 +185,91 @@ fn int8_resumed_on_the_buckets_ddp_regrouped_is_the_straight_run() {
     assert_eq!(resumed, common::losses(&straight), "losses, bit for bit");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_resume_under_the_autotuner_continues_its_checks_and_buckets_as_the_straight_run() {
+    // auto starts at 25 MiB (one bucket) and must adopt its only candidate, half a MiB (several
+    // buckets), at its first check whatever the recorded step predicts (a gain of -1e9), then
+    // re-checks every 4 steps (after steps 0, 4, 8). The checkpoint at step 6 stands between
+    // two checks: the resume must run on the half-MiB buckets and check after step 8 only.
+    let dir = common::dir("policy-resume-autotune");
+    let base: &[&str] = &[
+        "train",
+        "--model",
+        "mlp",
+        "--widths",
+        "128,512,512,10",
+        "--world-size",
+        "2",
+        "--bucket-mb",
+        "auto",
+        "--autotune-caps",
+        "0.5",
+        "--autotune-min-gain",
+        "-1e9",
+        "--autotune-every",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0.9",
+        "--quiet",
+        "--json",
+    ];
+    let checks = |json: &str| -> Vec<u64> {
+        let summary: serde_json::Value = serde_json::from_str(json).unwrap();
+        let decisions = summary["autotune"]["decisions"].as_array().unwrap().clone();
+        decisions.iter().map(|d| d["after_step"].as_u64().unwrap()).collect()
+    };
+    let (ck, l, straight) = (dir.join("ck.safetensors"), dir.join("l.csv"), dir.join("straight.csv"));
+    let (ck_resumed, ck_straight) = (
+        dir.join("end-resumed.safetensors"),
+        dir.join("end-straight.safetensors"),
+    );
+    ok(&cat(&[
+        base,
+        &["--steps", "6", "--checkpoint", s(&ck), "--losses", s(&l)],
+    ]));
+    let resumed = ok(&cat(&[
+        base,
+        &["--steps", "12", "--resume", s(&ck), "--losses", s(&l)],
+        &["--checkpoint", s(&ck_resumed)],
+    ]));
+    assert_eq!(checks(&resumed), [8], "the resume checks where the straight run does");
+    let whole = ok(&cat(&[
+        base,
+        &[
+            "--steps",
+            "12",
+            "--losses",
+            s(&straight),
+            "--checkpoint",
+            s(&ck_straight),
+        ],
+    ]));
+    assert_eq!(checks(&whole), [0, 4, 8]);
+    assert_eq!(common::losses(&l).len(), 12);
+    assert_eq!(common::losses(&l), common::losses(&straight), "losses, bit for bit");
+    // the final checkpoints: the same tensors, buckets, caps and checks
+    let (end, end_straight) = (
+        load_safetensors_with_metadata(&ck_resumed).unwrap().1,
+        load_safetensors_with_metadata(&ck_straight).unwrap().1,
+    );
+    for key in [
+        "buckets",
+        "bucket_caps_mb",
+        "bucket_generation",
+        "autotune_checks",
+        "autotune_since_check",
+    ] {
+        assert!(end.contains_key(key), "{key}: {end:?}");
+        assert_eq!(end.get(key), end_straight.get(key), "{key}");
+    }
+    assert_eq!(end["autotune_checks"], "3");
+    assert_eq!(end["autotune_since_check"], "3");
+    assert!(
+        tensors(&ck_resumed) == tensors(&ck_straight),
+        "every tensor, bit for bit"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

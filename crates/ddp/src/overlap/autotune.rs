@@ -12,6 +12,12 @@
 //!
 //! The compute in each replay is the recorded one, the same for every candidate, so the choice
 //! depends on how the communication fits behind backward, not on the noise of the minute.
+//!
+//! A checkpoint records where the checks stand ([`Autotuner::progress`]: how many were made, and
+//! how many steps ran since the last) beside the buckets' grouping and caps; a resume continues
+//! from them ([`Autotuner::resume`]), so that its checks fall on the steps an uninterrupted run's
+//! would and its steps run on the same buckets. The profiles of the steps before the resume are
+//! not kept (they are measured times): the next check decides from the steps since the resume.
 
 use brigade_comm::{Buffer, NetModel};
 use serde::{Deserialize, Serialize};
@@ -42,7 +48,8 @@ pub struct AutotuneConfig {
     pub first_bucket_cap_mb: f64,
     /// Change the cap only when the best candidate's predicted step is shorter than the current
     /// cap's by more than this fraction of it. 0 moves on any predicted gain; a negative value
-    /// moves to the best candidate even when it is predicted slower.
+    /// `-f` also moves to a best candidate predicted slower than the current cap, by less than
+    /// `f` of the current cap's step (`-1e9`: whatever the prediction).
     pub min_gain: f64,
     /// The link to cost collectives on (`None`: fitted to the recorded buckets,
     /// [`LinkCost::Measured`]).
@@ -257,10 +264,24 @@ fn from_bytes(b: &[u8]) -> Vec<f64> {
         .collect()
 }
 
+/// Where an autotuner's checks stand, for a checkpoint ([`Autotuner::progress`]) and a resume
+/// ([`Autotuner::resume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AutotuneProgress {
+    /// The checks made so far (the first one follows the first step observed).
+    pub checks: usize,
+    /// The steps observed since the last check.
+    pub since_check: usize,
+}
+
 /// Tunes one rank's DDP bucket cap as training runs (see the module docs). Every rank must call
 /// [`Autotuner::observe`] after every step: the checks are collectives.
 pub struct Autotuner {
     cfg: AutotuneConfig,
+    /// Checks made before a resume (by the run whose checkpoint it continues).
+    checks_before: usize,
+    /// Steps since the last check that ran before a resume (their profiles are not kept).
+    unseen_since_check: usize,
     /// This rank's profiles since the last check (`None`: the step had no synchronized pass).
     observed: Vec<Option<RankProfile>>,
     /// This rank's step times since the cap last changed, in seconds.
@@ -271,13 +292,53 @@ pub struct Autotuner {
 impl Autotuner {
     /// An autotuner choosing as `cfg` says.
     pub fn new(cfg: AutotuneConfig) -> Result<Self> {
+        Self::resume(cfg, AutotuneProgress::default())
+    }
+
+    /// An autotuner choosing as `cfg` says, continuing from a checkpoint's `progress`: its next
+    /// check falls where the checkpoint's run would have made it. The DDP it observes must hold
+    /// the buckets and caps recorded with that progress.
+    pub fn resume(cfg: AutotuneConfig, progress: AutotuneProgress) -> Result<Self> {
         cfg.validate()?;
         Ok(Autotuner {
             cfg,
+            checks_before: progress.checks,
+            unseen_since_check: progress.since_check,
             observed: vec![],
             step_s_at_cap: vec![],
             decisions: vec![],
         })
+    }
+
+    /// Whether `ddp`'s bucket cap can be tuned, in one line naming its policy when not: on more
+    /// than one rank, its policy must let the buckets change and declare how the overlap model
+    /// costs its collectives ([`crate::ReducerPolicy::wire_model`]). A trainer asks before its
+    /// first step, so that the first check does not fail after it.
+    pub fn check(ddp: &DistributedDataParallel) -> Result<()> {
+        if ddp.comm().world_size() < 2 {
+            return Ok(());
+        }
+        let refuse = |why: &str| {
+            Err(DdpError::Autotune(format!(
+                "policy '{}' {why}: the bucket cap cannot be tuned (give a fixed cap)",
+                ddp.policy_name()
+            )))
+        };
+        if !ddp.buckets_can_change() {
+            return refuse("fixes its buckets");
+        }
+        if ddp.wire_model().is_none() {
+            return refuse("declares no wire model, so the overlap model cannot cost its collectives");
+        }
+        Ok(())
+    }
+
+    /// Where the checks stand after the steps observed so far (for a checkpoint).
+    pub fn progress(&self) -> AutotuneProgress {
+        AutotuneProgress {
+            checks: self.checks_before + self.decisions.len(),
+            since_check: self.unseen_since_check + self.observed.len(),
+        }
     }
 
     /// Takes this rank's profile of `step` (just finished); at a check (the first step
@@ -293,9 +354,10 @@ impl Autotuner {
             self.step_s_at_cap.push(p.step_end_s);
         }
         self.observed.push(profile);
-        let due = match (self.decisions.is_empty(), self.cfg.every) {
+        let progress = self.progress();
+        let due = match (progress.checks == 0, self.cfg.every) {
             (true, _) => true,
-            (false, Some(k)) => self.observed.len() >= k,
+            (false, Some(k)) => progress.since_check >= k,
             (false, None) => false,
         };
         let comm = ddp.comm();
@@ -312,6 +374,7 @@ impl Autotuner {
         let policy = ProfilePolicy::of(ddp);
         let n = params.len();
         let observed = std::mem::take(&mut self.observed);
+        self.unseen_since_check = 0;
         // Every rank sends the same number of steps of SPANS + n times (NaN: no profile).
         let mut mine = Vec::with_capacity(observed.len() * (SPANS + n));
         for p in &observed {

@@ -17,8 +17,8 @@ mod replay;
 
 pub use crate::policy::WireModel;
 pub use autotune::{
-    decide, AutotuneConfig, AutotuneDecision, AutotuneReport, Autotuner, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB,
-    DEFAULT_MIN_GAIN,
+    decide, AutotuneConfig, AutotuneDecision, AutotuneProgress, AutotuneReport, Autotuner, AUTOTUNE_CAPS_MB,
+    AUTOTUNE_START_CAP_MB, DEFAULT_MIN_GAIN,
 };
 pub use profile::{
     BucketProfile, GatherProfile, ParamProfile, ProfilePolicy, ProfileRun, RankProfile, StepProfile, PROFILE_VERSION,

@@ -87,6 +87,26 @@ fn the_cap_moves_to_the_predicted_best_only_when_the_gain_beats_the_threshold() 
     assert!(decide(&[], 1.0, &cfg(&[1.0], 0.0), 0).is_err());
 }
 
+#[test]
+fn the_minimum_gain_is_a_fraction_of_the_current_step_on_either_side_of_zero() {
+    // From 1 MiB the only candidate, 100 MiB, is predicted slower by f of the current step;
+    // from 100 MiB, 1 MiB is predicted faster by g of it (see the test above for the numbers).
+    let p = [profile()];
+    let one = 0.011 + 0.002 + 1.0 / 1024.0;
+    let hundred = 0.011 + 0.002 + 2.0 / 1024.0;
+    let f = (hundred - one) / one;
+    let g = (hundred - one) / hundred;
+    let at = |from: f64, to: f64, min_gain: f64| decide(&p, from, &cfg(&[to], min_gain), 0).unwrap().cap_mb;
+    // a negative -x adopts a slower candidate only when it is slower by less than x
+    assert_eq!(at(1.0, 100.0, -f * (1.0 + 1e-9)), 100.0);
+    assert_eq!(at(1.0, 100.0, -f * (1.0 - 1e-9)), 1.0);
+    assert_eq!(at(1.0, 100.0, 0.0), 1.0);
+    assert_eq!(at(1.0, 100.0, -1e9), 100.0);
+    // a positive x adopts a faster candidate only when it is faster by more than x
+    assert_eq!(at(100.0, 1.0, g * (1.0 - 1e-9)), 1.0);
+    assert_eq!(at(100.0, 1.0, g * (1.0 + 1e-9)), 100.0);
+}
+
 /// Parameter names of each bucket.
 fn layout(b: &[BucketInfo]) -> Vec<Vec<String>> {
     b.iter().map(|b| b.params.clone()).collect()
