@@ -30,8 +30,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketSpan, Collectives, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, StepContext,
-    TensorWork, WireModel,
+    BucketSpan, Group, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork,
+    WireModel,
 };
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Rng, Tensor};
@@ -239,7 +239,7 @@ impl ReducerPolicy for PowerSgd {
         Ok(())
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let (tail, tail_done) = TensorWork::<()>::pending(comm.rank(), "powersgd order", comm.timeout());
         let previous = lock(&self.state).tail.replace(tail);
         let start = previous.unwrap_or_else(|| comm.ready(()));
@@ -311,7 +311,7 @@ impl ReducerPolicy for PowerSgd {
         Ok(())
     }
 
-    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
         let mut st = lock(&self.state);
         let Some(scaling) = step.loss_scale else {
             st.before_step = None;
@@ -390,7 +390,7 @@ impl ReducerPolicy for PowerSgd {
 fn reduce_bucket(
     state: &Arc<Mutex<State>>,
     cfg: PowerSgdConfig,
-    comm: &Collectives,
+    comm: &Group,
     bucket: PolicyBucket,
 ) -> brigade_ddp::Result<TensorWork<Tensor>> {
     let tag = bucket.tag();

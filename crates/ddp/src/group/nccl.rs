@@ -1,4 +1,4 @@
-//! The NCCL comm stream: [`super::DeviceStream`] over an NCCL communicator built on a second
+//! NCCL as a process group: [`super::DeviceGroup`] over an NCCL communicator built on a second
 //! stream of the bucket's GPU. Every reducer policy runs there unchanged (see `device.rs`):
 //! its compute on the comm stream behind the bucket's ready event, its all-reduces,
 //! reduce-scatters and all-gathers as NCCL calls on device memory (comm's raw handles,
@@ -10,15 +10,14 @@ use brigade_comm::nccl::{NcclComm, NcclId};
 use brigade_comm::{Communicator, DeviceSpan, RawStream, ReduceOp};
 use brigade_tensor::{Device, Storage, Stream, Tensor};
 
-use super::device::DeviceStream;
-use crate::collectives::{CollectiveBackend, TensorWork};
+use super::{DeviceGroup, ProcessGroup, TensorWork};
 use crate::DdpError;
 
 /// Buckets reduced by their policy's collectives on NCCL, on a comm stream of their GPU,
-/// ordered by events (see [`DeviceStream`]).
-pub type NcclStream = DeviceStream<NcclComm>;
+/// ordered by events (see [`DeviceGroup`]).
+pub type NcclGroup = DeviceGroup<NcclComm>;
 
-impl DeviceStream<NcclComm> {
+impl DeviceGroup<NcclComm> {
     /// Rank `rank` of `world_size` joins the NCCL communicator `id` on CUDA device `device`,
     /// with a new comm stream of that device (the NCCL communicator runs there); the compute
     /// stream is the device's. Blocks until every rank joined (at most `timeout`).
@@ -28,7 +27,7 @@ impl DeviceStream<NcclComm> {
         world_size: usize,
         id: NcclId,
         timeout: Duration,
-    ) -> crate::Result<NcclStream> {
+    ) -> crate::Result<NcclGroup> {
         let Device::Cuda(ordinal) = device else {
             return Err(DdpError::Cuda {
                 rank,
@@ -49,7 +48,7 @@ impl DeviceStream<NcclComm> {
                 timeout,
             )?
         };
-        DeviceStream::from_parts(comm, device, comm_stream)
+        DeviceGroup::from_parts(comm, device, comm_stream)
     }
 }
 
@@ -89,9 +88,9 @@ fn enqueued(comm: &NcclComm, tag: &str, out: &Tensor, r: crate::Result<()>) -> T
 }
 
 /// NCCL serves the collective contract on device memory: each method enqueues on the current
-/// stream (the comm stream the communicator was built on, inside `DeviceStream`'s scope), and
+/// stream (the comm stream the communicator was built on, inside `DeviceGroup`'s scope), and
 /// its work completes once enqueued.
-impl CollectiveBackend for NcclComm {
+impl ProcessGroup for NcclComm {
     fn name(&self) -> &'static str {
         "nccl"
     }
