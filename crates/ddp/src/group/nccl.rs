@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use brigade_comm::nccl::{NcclComm, NcclId};
-use brigade_comm::{Communicator, DeviceSpan, RawStream, ReduceOp};
+use brigade_comm::{DeviceSpan, RawStream, ReduceOp};
 use brigade_tensor::{Device, Storage, Stream, Tensor};
 
 use super::{DeviceGroup, ProcessGroup, TensorWork};
@@ -83,8 +83,8 @@ fn with_span<R>(
 
 /// The work of a collective NCCL enqueued (or failed to), completing with `out`.
 fn enqueued(comm: &NcclComm, tag: &str, out: &Tensor, r: crate::Result<()>) -> TensorWork<Tensor> {
-    let rank = Communicator::rank(comm);
-    TensorWork::ready(rank, tag, Communicator::timeout(comm), r.map(|()| out.clone()))
+    let rank = comm.rank();
+    TensorWork::ready(rank, tag, comm.timeout(), r.map(|()| out.clone()))
 }
 
 /// NCCL serves the collective contract on device memory: each method enqueues on the current
@@ -96,15 +96,15 @@ impl ProcessGroup for NcclComm {
     }
 
     fn rank(&self) -> usize {
-        Communicator::rank(self)
+        NcclComm::rank(self)
     }
 
     fn world_size(&self) -> usize {
-        Communicator::world_size(self)
+        NcclComm::world_size(self)
     }
 
     fn timeout(&self) -> Duration {
-        Communicator::timeout(self)
+        NcclComm::timeout(self)
     }
 
     fn check(&self) -> crate::Result<()> {
@@ -115,7 +115,7 @@ impl ProcessGroup for NcclComm {
         let r = Stream::current(buf.device())
             .map_err(DdpError::from)
             .and_then(|stream| {
-                with_span(Communicator::rank(self), buf, &stream, |_, span| {
+                with_span(NcclComm::rank(self), buf, &stream, |_, span| {
                     // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of
                     // the tensor (nobody else writes it) and, once restored, kept alive by the tensor
                     // the reduction holds until the compute stream waited on the bucket's done event;
@@ -127,7 +127,7 @@ impl ProcessGroup for NcclComm {
     }
 
     fn reduce_scatter_into(&self, send: &Tensor, recv: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        let rank = Communicator::rank(self);
+        let rank = NcclComm::rank(self);
         let r = Stream::current(send.device())
             .map_err(DdpError::from)
             .and_then(|stream| {
@@ -142,7 +142,7 @@ impl ProcessGroup for NcclComm {
     }
 
     fn all_gather_into(&self, send: &Tensor, recv: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        let rank = Communicator::rank(self);
+        let rank = NcclComm::rank(self);
         let r = Stream::current(send.device())
             .map_err(DdpError::from)
             .and_then(|stream| {
