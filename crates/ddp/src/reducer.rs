@@ -508,31 +508,31 @@ impl Reducer {
         let (generation, joined) = (st.generation, st.joined);
         let bucket = &mut st.buckets[b];
         let ready = self.group.record_ready(b, &bucket.flat)?;
-        let mut policy_bucket = Some(PolicyBucket {
+        let policy_bucket = PolicyBucket {
             index: b,
             tensor: bucket.flat.clone(),
             params: self.bucket_params(&bucket.params),
             grad_numel: bucket.grad_numel,
             is_last,
             generation,
-        });
+        };
         bucket.held = None;
         let meter = self.cfg.meter.part();
         let comm: Group = Arc::new(Metered::for_bucket(self.group.clone(), meter.clone(), b));
+        let on = self.group.launch(b, ready)?;
         let launched = Instant::now();
         let reduction = {
             let mut policy = self.lock_policy();
-            self.group.launch(b, ready, &meter, &mut || {
-                let bucket = policy_bucket.take().ok_or_else(|| DdpError::Policy {
-                    policy: policy.name(),
-                    reason: format!("its process group ran bucket {b}'s reduction twice"),
-                })?;
-                match joined {
-                    true => policy.reduce_joined(bucket, &comm),
-                    false => policy.reduce(bucket, &comm),
-                }
-            })?
-        };
+            let reduce = || match joined {
+                true => policy.reduce_joined(policy_bucket, &comm),
+                false => policy.reduce(policy_bucket, &comm),
+            };
+            match on {
+                Some(stream) => stream.scope(reduce),
+                None => reduce(),
+            }
+        }?;
+        self.group.launched(b, &meter)?;
         bucket.work = Some(InFlight { reduction, meter });
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {

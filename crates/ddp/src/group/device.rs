@@ -34,7 +34,6 @@ use brigade_tensor::{DType, Device, Event, Stream, Tensor};
 
 use super::gpu_clock::{GpuClock, GpuTimeline};
 use super::{bytes, Fail, HostStaged, ProcessGroup, ReadyEvent, TensorWork};
-use crate::policy::Reduction;
 use crate::DdpError;
 
 /// Buckets reduced by their policy on a comm stream of their device, ordered by events, with
@@ -49,6 +48,8 @@ pub struct DeviceGroup<G: ProcessGroup + 'static> {
     timeline: OnceLock<Option<GpuTimeline>>,
     /// Whether backward's compute scopes are timed on the compute stream for the timeline.
     time_compute: bool,
+    /// Each bucket being launched: its ready event and, when timed, its start on the comm stream.
+    launching: Mutex<HashMap<usize, (Option<Event>, Option<Event>)>>,
     /// Each launched bucket's done event, recorded on the comm stream after its policy's work.
     done: Mutex<HashMap<usize, Event>>,
 }
@@ -80,6 +81,7 @@ impl<G: ProcessGroup + 'static> DeviceGroup<G> {
             recorder: None,
             timeline: OnceLock::new(),
             time_compute: false,
+            launching: Mutex::new(HashMap::new()),
             done: Mutex::new(HashMap::new()),
         })
     }
@@ -296,13 +298,7 @@ impl<G: ProcessGroup + 'static> ProcessGroup for DeviceGroup<G> {
         Ok(ReadyEvent::Device(compute.record_event()?))
     }
 
-    fn launch(
-        &self,
-        index: usize,
-        ready: ReadyEvent,
-        meter: &CommMeter,
-        reduce: &mut dyn FnMut() -> crate::Result<Reduction>,
-    ) -> crate::Result<Reduction> {
+    fn launch(&self, index: usize, ready: ReadyEvent) -> crate::Result<Option<Stream>> {
         let s = &self.comm_stream;
         let ready = match ready {
             ReadyEvent::Device(event) => Some(event),
@@ -320,12 +316,16 @@ impl<G: ProcessGroup + 'static> ProcessGroup for DeviceGroup<G> {
         }
         // (timed only for the timeline: an event nobody waits on costs a record)
         let started = timeline.map(|_| s.record_event()).transpose()?;
-        let reduction = s.scope(reduce);
-        let done = s.record_event()?;
-        let reduction = reduction?;
-        // what the policy's collectives for the bucket handed over so far (the bucket's meter)
-        let moved = meter.totals().payload_bytes as usize;
-        if let Some(tl) = timeline {
+        lock(&self.launching).insert(index, (ready, started));
+        Ok(Some(s.clone()))
+    }
+
+    fn launched(&self, index: usize, meter: &CommMeter) -> crate::Result<()> {
+        let done = self.comm_stream.record_event()?;
+        let (ready, started) = lock(&self.launching).remove(&index).unwrap_or_default();
+        if let Some(tl) = self.timeline() {
+            // what the policy's collectives for the bucket handed over (the bucket's meter)
+            let moved = meter.totals().payload_bytes as usize;
             tl.issued(
                 index,
                 &crate::bucket_tag(index),
@@ -336,7 +336,7 @@ impl<G: ProcessGroup + 'static> ProcessGroup for DeviceGroup<G> {
             );
         }
         lock(&self.done).insert(index, done);
-        Ok(reduction)
+        Ok(())
     }
 
     fn wait(&self, index: usize) -> crate::Result<()> {

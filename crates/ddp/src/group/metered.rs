@@ -8,10 +8,9 @@
 use std::time::Duration;
 
 use brigade_comm::{tagging_collectives, CommMeter, ReduceOp, RingOp, SpanId};
-use brigade_tensor::Tensor;
+use brigade_tensor::{Stream, Tensor};
 
 use super::{bytes, Group, ProcessGroup, ReadyEvent, TensorWork};
-use crate::policy::Reduction;
 
 /// `inner`, each collective counted into `meter` (and attributed to `bucket`, when set).
 pub struct Metered {
@@ -108,14 +107,11 @@ impl ProcessGroup for Metered {
     fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
         self.inner.record_ready(index, flat)
     }
-    fn launch(
-        &self,
-        index: usize,
-        ready: ReadyEvent,
-        meter: &CommMeter,
-        reduce: &mut dyn FnMut() -> crate::Result<Reduction>,
-    ) -> crate::Result<Reduction> {
-        self.inner.launch(index, ready, meter, reduce)
+    fn launch(&self, index: usize, ready: ReadyEvent) -> crate::Result<Option<Stream>> {
+        self.inner.launch(index, ready)
+    }
+    fn launched(&self, index: usize, meter: &CommMeter) -> crate::Result<()> {
+        self.inner.launched(index, meter)
     }
     fn wait(&self, index: usize) -> crate::Result<()> {
         self.inner.wait(index)

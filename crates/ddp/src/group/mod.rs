@@ -9,11 +9,12 @@
 //! 1. [`ProcessGroup::record_ready`]: on the compute side, the moment the bucket's last
 //!    gradient is written, a *ready event* is recorded (CUDA: an event on the compute stream;
 //!    CPU: the host wrote every gradient before announcing it, so readiness is the call itself).
-//! 2. [`ProcessGroup::launch`]: the reducer hands the bucket to its policy inside the group's
-//!    launch scope (a device group: on its comm stream, behind the ready event); the policy
-//!    issues its collectives through the group and returns the future of its
-//!    [`crate::policy::Reduction`]. Buckets are launched strictly in bucket order, the same on
-//!    every rank.
+//! 2. [`ProcessGroup::launch`]: the group says where the bucket's reduction runs (a device
+//!    group: on its comm stream, behind the ready event), the reducer hands the bucket to its
+//!    policy there, the policy issues its collectives through the group and returns the future
+//!    of its [`crate::policy::Reduction`], and [`ProcessGroup::launched`] closes the launch (a
+//!    device group records its done event). Buckets are launched strictly in bucket order, the
+//!    same on every rank.
 //! 3. [`ProcessGroup::wait`]: at the end of backward, before the reducer waits on each
 //!    reduction's future, the compute side is ordered behind the bucket's collectives (CUDA:
 //!    the compute stream waits on the comm stream's done event; the host does nothing).
@@ -50,15 +51,13 @@ mod metered;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod recording;
-mod work;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{CommError, CommMeter, ReduceOp, SpanId};
-use brigade_tensor::{Event, Tensor};
+use brigade_comm::{CommError, CommMeter, OpTiming, ReduceOp, SpanId, Work};
+use brigade_tensor::{Event, Stream, Tensor};
 
-use crate::policy::Reduction;
 use crate::{DdpError, Result};
 
 pub use device::DeviceGroup;
@@ -68,7 +67,6 @@ pub use metered::Metered;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclGroup;
 pub use recording::{Recording, StreamEvent};
-pub use work::{TensorPromise, TensorWork};
 
 /// A shared process group: what policies hold and clone into their continuations.
 pub type Group = Arc<dyn ProcessGroup>;
@@ -169,19 +167,19 @@ pub trait ProcessGroup: Send + Sync {
         let _ = (index, flat);
         Ok(ReadyEvent::Host)
     }
-    /// Runs `reduce` (the policy's reduction of bucket `index`) where the bucket's work belongs:
-    /// a device group on its comm stream behind `ready`, recording a done event after it;
-    /// `meter` says what the bucket's collectives handed over (for a device timeline). The
-    /// host: runs it.
-    fn launch(
-        &self,
-        index: usize,
-        ready: ReadyEvent,
-        meter: &CommMeter,
-        reduce: &mut dyn FnMut() -> Result<Reduction>,
-    ) -> Result<Reduction> {
-        let _ = (index, ready, meter);
-        reduce()
+    /// Comm side: bucket `index`'s reduction is about to be issued: the stream it runs on (a
+    /// device group: its comm stream, now behind `ready`; the reducer runs the policy in a
+    /// [`Stream::scope`] of it), or `None` for the caller's own (the host).
+    fn launch(&self, index: usize, ready: ReadyEvent) -> Result<Option<Stream>> {
+        let _ = (index, ready);
+        Ok(None)
+    }
+    /// Comm side: the policy issued bucket `index`'s reduction, whose collectives handed over
+    /// what `meter` counted (a device group records its done event, and times it for the
+    /// timeline). The host: nothing.
+    fn launched(&self, index: usize, meter: &CommMeter) -> Result<()> {
+        let _ = (index, meter);
+        Ok(())
     }
     /// Compute side: orders what follows behind bucket `index`'s launched work (a device group:
     /// the compute stream waits on its done event). The host: nothing; the reducer waits on the
@@ -238,4 +236,98 @@ fn unsupported(group: &str, what: &str, tag: &str) -> DdpError {
 /// Bytes of `t`'s elements.
 pub(crate) fn bytes(t: &Tensor) -> usize {
     t.numel() * t.dtype().size_in_bytes()
+}
+
+/// The asynchronous result of collectives and what is chained on them (PyTorch's
+/// `torch.futures.Future`): it completes with a value or a [`DdpError`]. Continuations run on
+/// the thread that completes the work (the comm stream's, or the caller's when it already
+/// completed): keep them short, and never hold a lock in the caller that a continuation takes.
+pub struct TensorWork<T> {
+    work: Work<Result<T>>,
+    timeout: Duration,
+}
+
+/// The producer side of a [`TensorWork`] made with [`TensorWork::pending`]: dropping it without
+/// completing fails the work (never a hang).
+pub struct TensorPromise<T>(brigade_comm::Promise<Result<T>>);
+
+impl<T> TensorPromise<T> {
+    /// Completes the work with `value`.
+    pub fn complete(self, value: Result<T>) {
+        self.0.complete(Ok(value))
+    }
+}
+
+impl<T: Send + 'static> TensorWork<T> {
+    /// A work that completes when its promise does (e.g. "the previous bucket is done", to
+    /// chain one bucket's collectives after another's).
+    pub fn pending(rank: usize, tag: &str, timeout: Duration) -> (TensorWork<T>, TensorPromise<T>) {
+        let (work, promise) = Work::pending(rank, tag, timeout);
+        (TensorWork { work, timeout }, TensorPromise(promise))
+    }
+
+    /// A work that has already completed with `value`.
+    pub fn ready(rank: usize, tag: &str, timeout: Duration, value: Result<T>) -> TensorWork<T> {
+        let (work, promise) = Work::pending(rank, tag, timeout);
+        promise.complete(Ok(value));
+        TensorWork { work, timeout }
+    }
+
+    /// A collective's work whose buffer `f` turns into the value (on the comm stream's thread).
+    pub(crate) fn from_comm<B: Send + 'static>(
+        work: Work<B>,
+        timeout: Duration,
+        f: impl FnOnce(B) -> Result<T> + Send + 'static,
+    ) -> TensorWork<T> {
+        TensorWork {
+            work: work.then(move |b| Ok(f(b))),
+            timeout,
+        }
+    }
+
+    /// Chains `step` after this work (decompress, divide, copy): the returned work completes
+    /// with `step(value)`, or with this work's error.
+    pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U> + Send + 'static) -> TensorWork<U> {
+        TensorWork {
+            work: self.work.then(move |r| Ok(r.and_then(step))),
+            timeout: self.timeout,
+        }
+    }
+
+    /// Chains further collectives after this work: once it succeeded, `step(value)` issues them
+    /// and the returned work completes with theirs. Collectives issued by `step` join the comm
+    /// stream after everything issued before it ran: to keep every rank's order the same, a
+    /// policy chains its buckets one after the other (as PowerSGD does).
+    pub fn and_then<U: Send + 'static>(
+        self,
+        step: impl FnOnce(T) -> Result<TensorWork<U>> + Send + 'static,
+    ) -> TensorWork<U> {
+        let (rank, tag, timeout) = (self.work.rank(), self.work.tag().to_string(), self.timeout);
+        TensorWork {
+            work: self.work.and_then(move |r| {
+                Ok(match r.and_then(step) {
+                    Ok(next) => next.work,
+                    Err(e) => TensorWork::ready(rank, &tag, timeout, Err(e)).work,
+                })
+            }),
+            timeout,
+        }
+    }
+
+    /// Waits (at most the communicator's timeout) for the value.
+    pub fn wait(self) -> Result<T> {
+        self.wait_timed().map(|(v, _)| v)
+    }
+
+    /// Like [`TensorWork::wait`], also returning when the first collective started and when the
+    /// last continuation finished.
+    pub fn wait_timed(self) -> Result<(T, OpTiming)> {
+        let (r, timing) = self.work.wait_timed()?;
+        Ok((r?, timing))
+    }
+
+    /// Whether the work has completed (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
 }

@@ -6,10 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use brigade_comm::{CommMeter, ReduceOp, SpanId};
-use brigade_tensor::Tensor;
+use brigade_tensor::{Stream, Tensor};
 
 use super::{Group, ProcessGroup, ReadyEvent, TensorWork};
-use crate::policy::Reduction;
 
 /// One call of the contract, as [`Recording`] saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,15 +111,13 @@ impl ProcessGroup for Recording {
         self.inner.record_ready(index, flat)
     }
 
-    fn launch(
-        &self,
-        index: usize,
-        ready: ReadyEvent,
-        meter: &CommMeter,
-        reduce: &mut dyn FnMut() -> crate::Result<Reduction>,
-    ) -> crate::Result<Reduction> {
+    fn launch(&self, index: usize, ready: ReadyEvent) -> crate::Result<Option<Stream>> {
         self.lock().push(StreamEvent::Launch(index));
-        self.inner.launch(index, ready, meter, reduce)
+        self.inner.launch(index, ready)
+    }
+
+    fn launched(&self, index: usize, meter: &CommMeter) -> crate::Result<()> {
+        self.inner.launched(index, meter)
     }
 
     fn wait(&self, index: usize) -> crate::Result<()> {
