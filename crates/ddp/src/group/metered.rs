@@ -90,7 +90,7 @@ impl ProcessGroup for Metered {
         self.issue(RingOp::Broadcast, bytes(t), |g| g.broadcast(t, root, tag))
     }
     fn barrier(&self, tag: &str) -> TensorWork<()> {
-        self.inner.barrier(tag)
+        self.issue(RingOp::Barrier, 0, |g| g.barrier(tag))
     }
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
         self.issue(RingOp::ReduceScatter, bytes(t), |g| g.reduce_scatter(t, op, tag))
