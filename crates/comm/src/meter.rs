@@ -1,8 +1,7 @@
 //! What a rank puts on the wire, counted: a [`CommMeter`] adds up every collective it is told
 //! of, so that a communication policy's cost is measured from the buffers it actually issues,
-//! not assumed from its design. DDP counts the collectives its policy issues (on any backend)
-//! into the meter of its configuration; [`Metered`] counts everything a bare communicator is
-//! handed.
+//! not assumed from its design. DDP's process group counts the collectives its policy issues
+//! (on any backend, once each) into the meter of its configuration.
 //!
 //! Two figures per collective on a group of `p` ranks, for a buffer of `n` bytes handed in:
 //! - **payload bytes**: `n`, the buffer this rank handed to the collective (the figure
@@ -12,11 +11,10 @@
 //!   ([`RingOp::wire_bytes`]). With one rank nothing leaves it: 0.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::{Buffer, CommError, Communicator, ReduceOp, RingOp, Work};
+use crate::RingOp;
 
 /// Totals of a rank's collectives (see the module docs for the two byte figures).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]

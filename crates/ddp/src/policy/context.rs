@@ -142,7 +142,7 @@ impl Buckets {
 pub struct OptimizerContext {
     /// The buckets, live.
     pub buckets: Buckets,
-    /// The collectives handle (for a step that communicates: ZeRO's all-gather).
+    /// The process group, metered (for a step that communicates: ZeRO's all-gather).
     pub comm: Group,
 }
 
