@@ -203,9 +203,15 @@ impl dyn ProcessGroup {
     pub fn ready<T: Send + 'static>(&self, value: T) -> TensorWork<T> {
         TensorWork::ready(self.rank(), "ready", self.timeout(), Ok(value))
     }
+
+    /// A work already failed with `error`.
+    pub fn failed<T: Send + 'static>(&self, error: DdpError) -> TensorWork<T> {
+        Fail::failed(self, error)
+    }
 }
 
-/// The failed work every default and every group returns for an error found before issuing.
+/// The failed work every default and every group returns for an error found before issuing
+/// (for any group type, where `dyn ProcessGroup`'s own `failed` needs a trait object).
 trait Fail {
     fn failed<T: Send + 'static>(&self, error: DdpError) -> TensorWork<T>;
 }
@@ -213,13 +219,6 @@ trait Fail {
 impl<G: ProcessGroup + ?Sized> Fail for G {
     fn failed<T: Send + 'static>(&self, error: DdpError) -> TensorWork<T> {
         TensorWork::ready(self.rank(), "failed", self.timeout(), Err(error))
-    }
-}
-
-impl dyn ProcessGroup {
-    /// A work already failed with `error`.
-    pub fn failed<T: Send + 'static>(&self, error: DdpError) -> TensorWork<T> {
-        Fail::failed(self, error)
     }
 }
 
