@@ -489,7 +489,7 @@ impl Tensor {
         if lent {
             return self.restore_storage(Storage::from_buffer(data, self.device)?);
         }
-        self.copy_from(&Tensor::from_buffer(data, &self.shape().to_vec())?.to_device(self.device)?)
+        self.copy_from(&Tensor::from_buffer(data, self.shape())?.to_device(self.device)?)
     }
 
     /// Whether this tensor covers its whole storage, in order: then the storage itself can be

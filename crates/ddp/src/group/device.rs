@@ -49,10 +49,13 @@ pub struct DeviceGroup<G: ProcessGroup + 'static> {
     /// Whether backward's compute scopes are timed on the compute stream for the timeline.
     time_compute: bool,
     /// Each bucket being launched: its ready event and, when timed, its start on the comm stream.
-    launching: Mutex<HashMap<usize, (Option<Event>, Option<Event>)>>,
+    launching: Mutex<HashMap<usize, Launching>>,
     /// Each launched bucket's done event, recorded on the comm stream after its policy's work.
     done: Mutex<HashMap<usize, Event>>,
 }
+
+/// A bucket's ready event and, when timed, its start on the comm stream.
+type Launching = (Option<Event>, Option<Event>);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
