@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use brigade::comm::ReduceOp;
-use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction, StepContext};
+use brigade::ddp::policy::{Group, PolicyBucket, Reduction, StepContext};
 use brigade::ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
@@ -48,7 +48,7 @@ impl ReducerPolicy for LocalSgd {
         Replicas::Diverge(RankState::ALL)
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         if self.steps < self.k {
             let avg = comm.all_reduce(&bucket.tensor, ReduceOp::Avg, &bucket.tag());
             return Ok(Reduction::Full(avg));
@@ -58,7 +58,7 @@ impl ReducerPolicy for LocalSgd {
     }
 
     #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
-    fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> brigade::ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> brigade::ddp::Result<()> {
         self.steps += 1;
         if self.steps > self.k && (self.steps - self.k) % self.h == 0 {
             // every rank averages after the same step (all-reduce in place)

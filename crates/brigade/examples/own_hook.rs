@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use brigade::ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, Reduction};
+use brigade::ddp::policy::{BucketSpan, Group, ParamState, PolicyBucket, Reduction};
 use brigade::ddp::{KeepsState, ReducerPolicy};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
@@ -53,7 +53,7 @@ impl ReducerPolicy for Int8 {
         self.error.load_state_dict(state)
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         let dtype = bucket.tensor.dtype();
         let g = bucket.tensor.to_dtype(DType::F32)?.copy()?;
         for p in &bucket.params {

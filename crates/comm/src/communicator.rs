@@ -128,7 +128,7 @@ pub fn all_gather_bytes(comm: &dyn Communicator, bytes: Vec<u8>, tag: &str) -> R
 /// One all-gather that carries, beside each rank's `payload`, a small `side` buffer of another
 /// type (a quantizing policy's per-bucket scales, a sparsifying one's indices): both travel in the
 /// same message, so the side costs one collective's latency less than a second all-gather and is
-/// counted with the payload by [`crate::Metered`] (as `U8` bytes: the wire bytes are exact).
+/// counted with the payload by a meter (as `U8` bytes: the wire bytes are exact).
 ///
 /// Completes with `(payloads, sides)`, each rank-major as [`Communicator::all_gather`] returns
 /// them: rank `r`'s payload at `r*len..(r+1)*len`, its side at `r*k..(r+1)*k`. Every rank must

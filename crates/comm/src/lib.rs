@@ -11,7 +11,8 @@
 //!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
 //! - [`cost`](mod@cost): the ring collectives' wire-cost model ([`RingOp`], [`NetModel`]), which
 //!   the simulated network, the meter, the benchmark and ddp's overlap model share.
-//! - [`Metered`] / [`CommMeter`]: bytes a rank hands to its collectives and sends on the wire.
+//! - [`CommMeter`]: bytes a rank hands to its collectives and sends on the wire (ddp's process
+//!   group counts into it, once per collective).
 //! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
 //! - [`bench`](mod@bench): the all-reduce bandwidth benchmark behind `brigade bench comm`.
@@ -59,7 +60,7 @@ pub use cost::{NetModel, RingOp};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
 pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR};
-pub use meter::{CommBytes, CommMeter, Metered};
+pub use meter::{CommBytes, CommMeter};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions, MpiPath, MpiTransport, MpiWorld};
 pub use sim::{SharedLink, SimulatedNetwork};

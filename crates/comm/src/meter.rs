@@ -1,8 +1,7 @@
 //! What a rank puts on the wire, counted: a [`CommMeter`] adds up every collective it is told
 //! of, so that a communication policy's cost is measured from the buffers it actually issues,
-//! not assumed from its design. DDP counts the collectives its policy issues (on any backend)
-//! into the meter of its configuration; [`Metered`] counts everything a bare communicator is
-//! handed.
+//! not assumed from its design. DDP's process group counts the collectives its policy issues
+//! (on any backend, once each) into the meter of its configuration.
 //!
 //! Two figures per collective on a group of `p` ranks, for a buffer of `n` bytes handed in:
 //! - **payload bytes**: `n`, the buffer this rank handed to the collective (the figure
@@ -12,11 +11,10 @@
 //!   ([`RingOp::wire_bytes`]). With one rank nothing leaves it: 0.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::{Buffer, CommError, Communicator, ReduceOp, RingOp, Work};
+use crate::RingOp;
 
 /// Totals of a rank's collectives (see the module docs for the two byte figures).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -84,72 +82,5 @@ impl CommMeter {
         if let Some(parent) = &self.parent {
             parent.count(op, bytes, world);
         }
-    }
-}
-
-/// Wraps a communicator and counts every collective issued through it into a [`CommMeter`]
-/// (when issued: a collective that later fails was still handed over).
-pub struct Metered<C> {
-    inner: C,
-    meter: CommMeter,
-}
-
-impl<C: Communicator> Metered<C> {
-    /// Counts `inner`'s collectives into `meter`.
-    pub fn new(inner: C, meter: CommMeter) -> Self {
-        Metered { inner, meter }
-    }
-
-    /// The meter.
-    pub fn meter(&self) -> &CommMeter {
-        &self.meter
-    }
-
-    fn count(&self, op: RingOp, buf: &Buffer) {
-        self.meter.count(op, buf.byte_len(), self.inner.world_size());
-    }
-}
-
-impl<C: Communicator> Communicator for Metered<C> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.count(RingOp::AllReduce, &buf);
-        self.inner.all_reduce(buf, op, tag)
-    }
-
-    fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
-        self.count(RingOp::AllReduce, &buf);
-        self.inner.all_reduce_blocking(buf, op, tag)
-    }
-
-    fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
-        self.count(RingOp::Broadcast, &buf);
-        self.inner.broadcast(buf, root, tag)
-    }
-
-    fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        self.count(RingOp::AllGather, &buf);
-        self.inner.all_gather(buf, tag)
-    }
-
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.count(RingOp::ReduceScatter, &buf);
-        self.inner.reduce_scatter(buf, op, tag)
-    }
-
-    fn barrier(&self, tag: &str) -> Work<()> {
-        self.meter.count(RingOp::Barrier, 0, self.inner.world_size());
-        self.inner.barrier(tag)
     }
 }

@@ -8,13 +8,13 @@ use brigade_tensor::Tensor;
 
 use crate::memory::{self, MemoryReport};
 
+use crate::group::{Group, HostGroup};
 use crate::policy::{
     state, Buckets, BuildOptimizer, HeldGrad, LossScaleStep, OptimizerContext, ParamHooks, PolicyDiagnostic,
     ReducerPolicy, Replicas, StepContext, WireModel,
 };
 use crate::reducer::{BucketGrouping, PassTimes, Reducer};
 use crate::signature::{broadcast_parameters, check_f32, check_same_model};
-use crate::stream::{BucketStream, HostStream};
 use crate::{DdpConfig, DdpError, Result};
 
 /// One bucket as built: which parameters, how many bytes.
@@ -57,18 +57,18 @@ impl DistributedDataParallel {
         cfg: DdpConfig,
         policy: Box<dyn ReducerPolicy>,
     ) -> Result<Self> {
-        let stream = Arc::new(HostStream::new(comm.clone()));
-        Self::with_stream(store, comm, stream, cfg, policy)
+        let group = Arc::new(HostGroup::new(comm.clone()));
+        Self::with_group(store, comm, group, cfg, policy)
     }
 
-    /// Like [`DistributedDataParallel::new`], with the policy's collectives on `stream` (the
-    /// stream/event contract, [`crate::stream`]): e.g. an NCCL stream on the GPU, or a
-    /// [`crate::stream::Recording`] of the host stream in tests. `comm` still carries the
+    /// Like [`DistributedDataParallel::new`], with the policy's collectives on `group` (the
+    /// collective contract, [`crate::group`]): e.g. NCCL's device group on the GPU, or a
+    /// [`crate::group::Recording`] of the host group in tests. `comm` still carries the
     /// model check, the parameter broadcast and the bucket rebuild.
-    pub fn with_stream(
+    pub fn with_group(
         store: &ParamStore,
         comm: Arc<dyn Communicator>,
-        stream: Arc<dyn BucketStream>,
+        group: Group,
         cfg: DdpConfig,
         policy: Box<dyn ReducerPolicy>,
     ) -> Result<Self> {
@@ -86,7 +86,7 @@ impl DistributedDataParallel {
             broadcast_parameters(&params, comm.as_ref())?;
         }
         let units = (0..params.len()).map(|i| store.unit(i).map(str::to_string)).collect();
-        let reducer = Arc::new(Reducer::new(params, comm, stream, cfg, policy, units)?);
+        let reducer = Arc::new(Reducer::new(params, comm, group, cfg, policy, units)?);
         let subscriber: Arc<dyn GradSubscriber> = reducer.clone();
         store.bus().subscribe(subscriber.clone());
         let param_hooks = reducer.lock_policy().param_hooks();
@@ -236,7 +236,7 @@ impl DistributedDataParallel {
     pub fn optimizer(&self, full: Box<dyn Optimizer>, build: BuildOptimizer<'_>) -> Result<DdpOptimizer> {
         let ctx = OptimizerContext {
             buckets: self.bucket_view(),
-            comm: self.reducer.collectives.clone(),
+            comm: self.reducer.metered(),
         };
         let inner = self.reducer.lock_policy().optimizer(full, build, &ctx)?;
         Ok(DdpOptimizer {
@@ -259,9 +259,7 @@ impl DistributedDataParallel {
         let buckets = self.bucket_view();
         let n = self.reducer.lock().buckets.len();
         let held: Vec<HeldGrad> = (0..n).map(|b| buckets.held(b)).collect::<Result<_>>()?;
-        self.reducer
-            .lock_policy()
-            .grad_norm_sq(&held, &self.reducer.collectives)
+        self.reducer.lock_policy().grad_norm_sq(&held, &self.reducer.metered())
     }
 
     /// Multiplies the reduced gradients this rank holds by `factor`, in place: the whole
@@ -563,7 +561,7 @@ impl Optimizer for DdpOptimizer {
         };
         self.reducer
             .lock_policy()
-            .after_step(&ctx, &self.reducer.collectives)
+            .after_step(&ctx, &self.reducer.metered())
             .map_err(optimizer_error)
     }
 

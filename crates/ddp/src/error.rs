@@ -125,17 +125,6 @@ pub enum DdpError {
     /// A rank's own parameters or optimizer state (a diverging policy's checkpoint) do not fit.
     #[error("a rank's own state: {0}")]
     RankState(String),
-    /// A bucket stream was handed a collective another kind of stream launched (a bug in
-    /// the caller: one reducer uses one stream).
-    #[error("bucket {bucket}: the {stream} stream was handed a collective launched by the {launched_by} stream")]
-    WrongStream {
-        /// The bucket.
-        bucket: usize,
-        /// The stream that was asked to wait.
-        stream: &'static str,
-        /// The kind of stream that launched it.
-        launched_by: &'static str,
-    },
     /// A device call of a device bucket stream (NCCL's, or host-staged on a device) failed.
     #[error("rank {rank}: {during} failed: {detail}")]
     Cuda {

@@ -5,35 +5,34 @@
 //! directly into its slice of a flat bucket) and announces it on the gradient-ready bus;
 //! the reducer counts the parameter's bucket down; when the bucket is full, and every
 //! bucket before it has been launched, the bucket is handed (not copied) to the rank's reducer
-//! policy, which issues its collectives through DDP's tensor-level [`Collectives`] handle
-//! (an averaging all-reduce, fp16 compression, PowerSGD, ZeRO's reduce-scatter, a user's
-//! own); backward meanwhile continues with earlier layers. At the end of backward the
+//! policy, which issues its collectives through DDP's tensor-level [`ProcessGroup`] (an
+//! averaging all-reduce, fp16 compression, PowerSGD, ZeRO's reduce-scatter, a user's own); backward meanwhile continues with earlier layers. At the end of backward the
 //! reducer waits for every bucket's future and puts its result back under the gradient views
 //! (or keeps the rank's shard), so the optimizer the policy built sees it.
 //!
-//! The reducer talks to a [`stream::BucketStream`] (ready event, the policy's collectives,
-//! completion event): the host comm stream by default, NCCL on a CUDA comm stream with
-//! `--backend nccl`. The built-in policies live in `brigade-policies`, written against
+//! Three layers from a full bucket to the transport: the reducer, the policy, the process group
+//! ([`group`]: the host group over a communicator's comm stream by default, a device group on a
+//! CUDA comm stream with NCCL or host-staged collectives), then the transport below. The built-in policies live in `brigade-policies`, written against
 //! [`policy`] alone.
 
 #![warn(missing_docs)]
 
-mod collectives;
 mod ddp;
 mod error;
+pub mod group;
 mod memory;
 pub mod overlap;
 mod phase;
 pub mod policy;
 mod reducer;
 mod signature;
-pub mod stream;
 
 pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
+pub use group::{Group, ProcessGroup, TensorWork};
 pub use memory::MemoryReport;
 pub use phase::{bucket_of, Phase};
-pub use policy::{bucket_tag, Collectives, KeepsState, RankState, ReducerPolicy, Replicas, TensorWork};
+pub use policy::{bucket_tag, KeepsState, RankState, ReducerPolicy, Replicas};
 pub use reducer::{assign_buckets, BucketGrouping, PassBucket, PassTimes};
 pub use signature::broadcast_from_rank0;
 

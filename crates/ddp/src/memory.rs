@@ -7,8 +7,8 @@ use brigade_autograd::Optimizer;
 use brigade_tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
+use crate::policy::HeldGrad;
 use crate::policy::PolicyMemory;
-use crate::reducer::Held;
 use crate::reducer::Reducer;
 use crate::Result;
 
@@ -82,7 +82,7 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
     let buckets: HashMap<usize, usize> = st.buckets.iter().map(|b| live(&b.flat)).collect();
     let mut gradients = buckets.clone();
     gradients.extend(st.buckets.iter().filter_map(|b| match &b.held {
-        Held::Shard { tensor, .. } => Some(live(tensor)),
+        Some(HeldGrad::Shard { tensor, .. }) => Some(live(tensor)),
         _ => None,
     }));
     gradients.extend(reducer.params.iter().filter_map(|p| p.grad()).map(|g| live(&g)));

@@ -22,13 +22,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
-use brigade_comm::{Buffer, Communicator, EventKind, Recorder, RingOp, SpanId};
+use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, OpTiming, Recorder, RingOp, SpanId};
 use brigade_tensor::{DType, Device, Tensor};
 
-use crate::collectives::Collectives;
+use crate::group::{Group, Metered};
 use crate::phase::Phase;
-use crate::policy::{BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy};
-use crate::stream::{BucketStream, Failed, InFlight, Landing, ReadyBucket};
+use crate::policy::{
+    BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy, Reduction,
+};
 use crate::{DdpConfig, DdpError, Result};
 
 /// Groups parameters into buckets, visiting them in `order` (PyTorch: reverse
@@ -70,17 +71,12 @@ pub struct BucketGrouping {
     pub generation: u64,
 }
 
-/// What a bucket holds once its reduction landed.
-#[derive(Debug, Clone)]
-pub(crate) enum Held {
-    /// Nothing reduced yet (before the first synchronized pass, or during one).
-    Nothing,
-    /// The full buffer holds the reduced gradients.
-    Full,
-    /// The full buffer holds this rank's reduced shard at `offset..offset + len`, zeros elsewhere.
-    ShardInPlace { offset: usize, len: usize },
-    /// Only this shard is kept; the full buffer is freed until a gradient of the bucket is final.
-    Shard { tensor: Tensor, offset: usize },
+/// A bucket's reduction in flight: what the end of backward waits on.
+pub(crate) struct InFlight {
+    /// The policy's reduction.
+    reduction: Reduction,
+    /// What the bucket's collectives sent so far (its part of DDP's meter).
+    meter: CommMeter,
 }
 
 /// One bucket: a flat buffer whose slices are its parameters' gradients (padded to the policy's
@@ -96,8 +92,9 @@ pub(crate) struct Bucket {
     pub(crate) pending: usize,
     /// The bucket's reduction in flight (the bucket belongs to the policy meanwhile).
     pub(crate) work: Option<InFlight>,
-    /// What the bucket holds once its reduction landed.
-    pub(crate) held: Held,
+    /// What the bucket holds once its reduction landed (`None`: nothing reduced yet, before the
+    /// first synchronized pass or during one).
+    pub(crate) held: Option<HeldGrad>,
 }
 
 impl Bucket {
@@ -166,11 +163,9 @@ pub(crate) struct Reducer {
     /// in every backward pass and reduced (frozen ones are left alone, as in PyTorch).
     trainable: Vec<bool>,
     pub(crate) comm: Arc<dyn Communicator>,
-    /// Where full buckets go: the stream/event contract (host comm stream or NCCL).
-    stream: Arc<dyn BucketStream>,
-    /// The collectives handle policies use (metered by `DdpConfig::meter`); each bucket's
-    /// reduction gets its own part of it.
-    pub(crate) collectives: Collectives,
+    /// Where full buckets go: the process group (the host group, or a device group). Policies
+    /// get it metered by `DdpConfig::meter`; each bucket's reduction counts into its own part.
+    group: Group,
     cfg: DdpConfig,
     recorder: Option<Recorder>,
     pub(crate) state: Mutex<State>,
@@ -336,7 +331,7 @@ pub(crate) fn build_buckets(
             flat,
             grad_numel: numel,
             work: None,
-            held: Held::Nothing,
+            held: None,
         });
     }
     Ok((buckets, bucket_of))
@@ -346,7 +341,7 @@ impl Reducer {
     pub(crate) fn new(
         params: Vec<Var>,
         comm: Arc<dyn Communicator>,
-        stream: Arc<dyn BucketStream>,
+        group: Group,
         cfg: DdpConfig,
         policy: Box<dyn ReducerPolicy>,
         units: Vec<Option<String>>,
@@ -408,11 +403,10 @@ impl Reducer {
         let n = params.len();
         let reducer = Reducer {
             recorder: cfg.recorder.clone(),
-            collectives: stream.collectives().metered(cfg.meter.clone()),
             params,
             trainable,
             comm,
-            stream,
+            group,
             state: Mutex::new(State {
                 buckets,
                 bucket_of,
@@ -513,7 +507,7 @@ impl Reducer {
         let is_last = b + 1 == st.buckets.len();
         let (generation, joined) = (st.generation, st.joined);
         let bucket = &mut st.buckets[b];
-        let ready = self.stream.record_ready(b, &bucket.flat)?;
+        let ready = self.group.record_ready(b, &bucket.flat)?;
         let policy_bucket = PolicyBucket {
             index: b,
             tensor: bucket.flat.clone(),
@@ -522,21 +516,24 @@ impl Reducer {
             is_last,
             generation,
         };
-        bucket.held = Held::Nothing;
-        let in_flight = {
+        bucket.held = None;
+        let meter = self.cfg.meter.part();
+        let comm: Group = Arc::new(Metered::for_bucket(self.group.clone(), meter.clone(), b));
+        let on = self.group.launch(b, ready)?;
+        let launched = Instant::now();
+        let reduction = {
             let mut policy = self.lock_policy();
-            self.stream.launch(
-                ReadyBucket {
-                    bucket: policy_bucket,
-                    ready,
-                    joined,
-                },
-                policy.as_mut(),
-                &self.collectives,
-            )?
-        };
-        let launched = in_flight.launched;
-        bucket.work = Some(in_flight);
+            let reduce = || match joined {
+                true => policy.reduce_joined(policy_bucket, &comm),
+                false => policy.reduce(policy_bucket, &comm),
+            };
+            match on {
+                Some(stream) => stream.scope(reduce),
+                None => reduce(),
+            }
+        }?;
+        self.group.launched(b, &meter)?;
+        bucket.work = Some(InFlight { reduction, meter });
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {
             params,
@@ -552,12 +549,12 @@ impl Reducer {
         if let (Some(rec), Some((_, id))) = (&self.recorder, st.span.take()) {
             rec.end(id);
             // a stream that times the compute stream moves the span onto its clock
-            self.stream.compute_scope(None);
+            self.group.compute_scope(None);
         }
     }
 
     /// Puts what bucket `b`'s reduction returned back under its gradients.
-    fn land(&self, b: usize, bucket: &mut Bucket, landing: Landing) -> Result<()> {
+    fn land(&self, b: usize, bucket: &mut Bucket, landing: Reduction<Tensor>) -> Result<()> {
         let flat = &bucket.flat;
         let wrong = |found: usize, dtype: DType| DdpError::PolicyResult {
             policy: self.policy_name.clone(),
@@ -566,7 +563,7 @@ impl Reducer {
             found: format!("{found} x {dtype}"),
         };
         match landing {
-            Landing::Full(t) => {
+            Reduction::Full(t) => {
                 if t.numel() != flat.numel() || t.dtype() != flat.dtype() {
                     restore_zeros(flat)?;
                     return Err(wrong(t.numel(), t.dtype()));
@@ -581,16 +578,19 @@ impl Reducer {
                             ),
                         });
                     }
-                } else if crate::collectives::spans_storage(&t) && t.device() == flat.device() {
+                } else if t.spans_storage() && t.device() == flat.device() {
                     // moved under the gradient views without a copy
                     flat.restore_storage(t.lend_storage()?)?;
                 } else {
                     restore_zeros(flat)?;
                     flat.copy_from(&t)?;
                 }
-                bucket.held = Held::Full;
+                bucket.held = Some(HeldGrad::Full(flat.narrow(0, 0, bucket.grad_numel)?));
             }
-            Landing::Shard { tensor, keep_full } => {
+            Reduction::Shard {
+                shard: tensor,
+                keep_full,
+            } => {
                 let world = self.comm.world_size();
                 let per = flat.numel() / world.max(1);
                 if tensor.numel() != per || tensor.dtype() != flat.dtype() {
@@ -615,7 +615,10 @@ impl Reducer {
                         flat.fill(0.0)?;
                     }
                     flat.narrow(0, offset, per)?.copy_from(&tensor)?;
-                    bucket.held = Held::ShardInPlace { offset, len: per };
+                    bucket.held = Some(HeldGrad::Shard {
+                        tensor: flat.narrow(0, offset, per)?,
+                        offset,
+                    });
                 } else {
                     if !is_lent(flat) {
                         drop(flat.lend_storage()?);
@@ -624,7 +627,7 @@ impl Reducer {
                     for &p in &bucket.params {
                         self.params[p].set_grad(None)?;
                     }
-                    bucket.held = Held::Shard { tensor, offset };
+                    bucket.held = Some(HeldGrad::Shard { tensor, offset });
                 }
             }
         }
@@ -640,17 +643,17 @@ impl Reducer {
         let mut first_err = None;
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             let Some(in_flight) = bucket.work.take() else { continue };
-            match self.stream.wait(in_flight) {
-                Ok(landed) => {
+            match self.finish(b, in_flight) {
+                Ok((landing, timing, wire_bytes)) => {
                     if let Some(pb) = st.pass.buckets.get_mut(b) {
-                        pb.ran = landed.ran;
-                        pb.wire_bytes = landed.wire_bytes;
+                        pb.ran = Some((timing.started, timing.finished));
+                        pb.wire_bytes = wire_bytes;
                     }
-                    if let Err(e) = self.land(b, bucket, landed.landing) {
+                    if let Err(e) = self.land(b, bucket, landing) {
                         first_err.get_or_insert(e);
                     }
                 }
-                Err(Failed { error }) => {
+                Err(error) => {
                     // Give the views storage back before reporting.
                     restore_zeros(&bucket.flat)?;
                     first_err.get_or_insert(error);
@@ -666,6 +669,21 @@ impl Reducer {
         }
     }
 
+    /// The process group as policies see it outside a bucket's reduction (the optimizer's
+    /// step, the gradient norm, `after_step`): counted into DDP's meter.
+    pub(crate) fn metered(&self) -> Group {
+        Arc::new(Metered::new(self.group.clone(), self.cfg.meter.clone()))
+    }
+
+    /// Bucket `b`'s reduction, once the compute side is ordered behind it and its future
+    /// completed: what it gave, when its collectives ran, and the bytes they sent on the wire.
+    fn finish(&self, b: usize, in_flight: InFlight) -> Result<(Reduction<Tensor>, OpTiming, f64)> {
+        self.group.wait(b)?;
+        let (landing, timing) = in_flight.reduction.wait_timed()?;
+        self.group.check()?;
+        Ok((landing, timing, in_flight.meter.totals().wire_bytes))
+    }
+
     /// Regroups the buckets as `groups`, announces the new layout to the policy.
     fn regroup(&self, st: &mut State, groups: Vec<Vec<usize>>) -> Result<()> {
         // set_grad_buffer copies each gradient (e.g. this step's reduced values) into its new slice.
@@ -673,7 +691,7 @@ impl Reducer {
         st.buckets = buckets;
         st.bucket_of = bucket_of;
         for b in st.buckets.iter_mut() {
-            b.held = Held::Full;
+            b.held = Some(HeldGrad::Full(b.flat.narrow(0, 0, b.grad_numel)?));
         }
         st.generation += 1;
         self.announce(st)
@@ -684,7 +702,7 @@ impl Reducer {
     fn rebuild(&self, st: &mut State) -> Result<()> {
         let bytes: Vec<u8> = st.ready_order.iter().flat_map(|&p| (p as u32).to_le_bytes()).collect();
         let world = self.comm.world_size();
-        self.collectives.meter().count(RingOp::Broadcast, bytes.len(), world);
+        self.cfg.meter.count(RingOp::Broadcast, bytes.len(), world);
         let got = self
             .comm
             .broadcast(Buffer::U8(bytes), 0, "ddp.rebuild_buckets")
@@ -769,24 +787,11 @@ impl BucketSource for Reducer {
             policy: self.policy_name.clone(),
             reason: format!("bucket {index} does not exist ({} buckets)", st.buckets.len()),
         })?;
-        Ok(match &b.held {
-            Held::Full => HeldGrad::Full(b.flat.narrow(0, 0, b.grad_numel)?),
-            Held::ShardInPlace { offset, len } => HeldGrad::Shard {
-                tensor: b.flat.narrow(0, *offset, *len)?,
-                offset: *offset,
-            },
-            Held::Shard { tensor, offset } => HeldGrad::Shard {
-                tensor: tensor.clone(),
-                offset: *offset,
-            },
-            Held::Nothing => {
-                return Err(DdpError::Policy {
-                    policy: self.policy_name.clone(),
-                    reason: format!(
-                        "bucket {index} holds no reduced gradient: the optimizer stepped before a synchronized backward"
-                    ),
-                })
-            }
+        b.held.clone().ok_or_else(|| DdpError::Policy {
+            policy: self.policy_name.clone(),
+            reason: format!(
+                "bucket {index} holds no reduced gradient: the optimizer stepped before a synchronized backward"
+            ),
         })
     }
 }
@@ -942,7 +947,7 @@ impl Reducer {
         let b = st.bucket_of[p];
         let bucket = &mut st.buckets[b];
         if is_lent(&bucket.flat) && bucket.work.is_none() {
-            bucket.held = Held::Nothing;
+            bucket.held = None;
             restore_zeros(&bucket.flat)?;
         }
         if self.params[p].grad().is_some_and(|g| g.shares_storage(&bucket.flat)) {
@@ -974,7 +979,7 @@ impl GradSubscriber for Reducer {
         }
         self.end_span(&mut st);
         let id = rec.begin(self.comm.rank(), kind.clone());
-        self.stream.compute_scope(Some(id));
+        self.group.compute_scope(Some(id));
         st.span = Some((kind, id));
     }
 

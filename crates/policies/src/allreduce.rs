@@ -1,7 +1,7 @@
 //! The default policy: one averaging all-reduce per bucket, in place, in the bucket's dtype.
 
 use brigade_comm::ReduceOp;
-use brigade_ddp::policy::{Collectives, PolicyBucket, ReducerPolicy, Reduction, WireModel};
+use brigade_ddp::policy::{Group, PolicyBucket, ReducerPolicy, Reduction, WireModel};
 
 /// PyTorch's default reduction (DDP without a hook): each full bucket is averaged over the
 /// ranks by one all-reduce on its own buffer (lent to the collective, no copy); the user's
@@ -18,7 +18,7 @@ impl ReducerPolicy for AllReduce {
         brigade_ddp::KeepsState::Nothing
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         Ok(Reduction::Full(comm.all_reduce(
             &bucket.tensor,
             ReduceOp::Avg,

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use brigade_comm::ReduceOp;
-use brigade_ddp::policy::{Collectives, PolicyBucket, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel};
+use brigade_ddp::policy::{Group, PolicyBucket, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel};
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Device, Tensor};
 
@@ -72,7 +72,7 @@ impl Compress {
 
     /// Reads the device checks not read yet (one read when they all pass) and reports the
     /// first overflow over the ranks.
-    fn read_device_checks(&self, comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn read_device_checks(&self, comm: &Group) -> brigade_ddp::Result<()> {
         let checks = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         let Some(first) = checks.first() else {
             return Ok(());
@@ -103,7 +103,7 @@ impl Compress {
 /// The overflow report of `bucket` once the ranks agreed on the largest gradient (`local` is
 /// this rank's, NaN when one of its gradients is not finite: then it is no overflow, and
 /// passes on for the run's own checks).
-fn overflow_over_ranks(comm: &Collectives, on: Device, bucket: usize, local: f64, world: usize) -> TensorWork<()> {
+fn overflow_over_ranks(comm: &Group, on: Device, bucket: usize, local: f64, world: usize) -> TensorWork<()> {
     let largest = match Tensor::from_vec(vec![local as f32], &[1]).and_then(|t| t.to_device(on)) {
         Ok(t) => t,
         Err(e) => return comm.failed(e.into()),
@@ -143,10 +143,10 @@ impl ReducerPolicy for Compress {
         brigade_ddp::KeepsState::Nothing
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let world = comm.world_size();
         let on = bucket.tensor.device();
-        let on_host = comm.backend_name() == "host";
+        let on_host = !comm.enqueues();
         if !on_host && bucket.index == 0 {
             // checks left by a pass whose optimizer step was not DDP's (no after_step)
             self.read_device_checks(comm)?;
@@ -206,7 +206,7 @@ impl ReducerPolicy for Compress {
         })))
     }
 
-    fn after_step(&mut self, _step: &StepContext<'_>, comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn after_step(&mut self, _step: &StepContext<'_>, comm: &Group) -> brigade_ddp::Result<()> {
         self.read_device_checks(comm)
     }
 

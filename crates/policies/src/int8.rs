@@ -1,6 +1,6 @@
 //! Int8 quantization with error feedback: a quarter of all-reduce's bytes on the wire.
 
-use brigade_ddp::policy::{BucketSpan, Collectives, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext};
+use brigade_ddp::policy::{BucketSpan, Group, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
 
@@ -60,7 +60,7 @@ impl ReducerPolicy for Int8 {
         Ok(())
     }
 
-    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
         let Some(scaling) = step.loss_scale else {
             self.before_step = None;
             return Ok(());
@@ -81,7 +81,7 @@ impl ReducerPolicy for Int8 {
         Ok(())
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let dtype = bucket.tensor.dtype();
         let g = match dtype {
             DType::F32 => bucket.tensor.copy()?,

@@ -30,8 +30,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketSpan, Collectives, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, StepContext,
-    TensorWork, WireModel,
+    BucketSpan, Group, PolicyBucket, PolicyDiagnostic, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork,
+    WireModel,
 };
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Rng, Tensor};
@@ -239,7 +239,7 @@ impl ReducerPolicy for PowerSgd {
         Ok(())
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let (tail, tail_done) = TensorWork::<()>::pending(comm.rank(), "powersgd order", comm.timeout());
         let previous = lock(&self.state).tail.replace(tail);
         let start = previous.unwrap_or_else(|| comm.ready(()));
@@ -311,7 +311,7 @@ impl ReducerPolicy for PowerSgd {
         Ok(())
     }
 
-    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
         let mut st = lock(&self.state);
         let Some(scaling) = step.loss_scale else {
             st.before_step = None;
@@ -386,17 +386,15 @@ impl ReducerPolicy for PowerSgd {
     }
 }
 
-/// Issues `bucket`'s collectives (the previous bucket's are done).
+/// Issues `bucket`'s collectives (the previous bucket's are done): a plain average before
+/// `start_iter`, else PowerSGD's three all-reduces (the uncompressed tensors, the P's, the Q's).
 fn reduce_bucket(
     state: &Arc<Mutex<State>>,
     cfg: PowerSgdConfig,
-    comm: &Collectives,
+    comm: &Group,
     bucket: PolicyBucket,
 ) -> brigade_ddp::Result<TensorWork<Tensor>> {
     let tag = bucket.tag();
-    let input = bucket.tensor.clone();
-    let device = input.device();
-    let world = Tensor::full_on(&[], comm.world_size() as f64, DType::F32, device)?;
     let mut st = lock(state);
     let iter = st.iter;
     if bucket.is_last {
@@ -404,158 +402,235 @@ fn reduce_bucket(
     }
     if iter < cfg.start_iter {
         drop(st);
-        return Ok(comm.all_reduce(&input, ReduceOp::Avg, &tag));
+        return Ok(comm.all_reduce(&bucket.tensor, ReduceOp::Avg, &tag));
     }
-    // A 16-bit bucket (mixed precision) is compressed from an f32 copy: the factors, the error
-    // feedback and the approximation in f32, rounded once into the bucket at the end.
-    let bucket_dtype = input.dtype();
-    let input = match bucket_dtype {
-        DType::F32 => input,
-        _ => input.to_dtype(DType::F32)?,
+    let work = BucketWork::new(&mut st, cfg, &bucket)?;
+    drop(st);
+    let world = Tensor::full_on(&[], comm.world_size() as f64, DType::F32, work.input.device())?;
+    let ps = work.pack_ps()?;
+    let first = match work.pack_plain()? {
+        None => comm.ready(None),
+        Some(plain) => comm.all_reduce(&plain, ReduceOp::Sum, &tag).then(|t| Ok(Some(t))),
     };
-    if cfg.use_error_feedback {
+    let finish = Finish {
+        state: state.clone(),
+        cfg,
+        params: bucket.params,
+    };
+    let comm2 = comm.clone();
+    Ok(first.and_then(move |plain_sum| {
+        if let Some(sum) = plain_sum {
+            work.unpack_plain(&sum.div(&world)?)?;
+        }
+        if work.matrices.is_empty() {
+            return Ok(comm2.ready(finish.land(work, vec![])?));
+        }
+        let comm3 = comm2.clone();
+        Ok(comm2.all_reduce(&ps, ReduceOp::Sum, &tag).and_then(move |ps| {
+            let (qflat, pviews) = work.qs_from_ps(&ps)?;
+            Ok(comm3.all_reduce(&qflat, ReduceOp::Sum, &tag).then(move |qsum| {
+                let qs = work.approximate(&pviews, &qsum.div(&world)?)?;
+                finish.land(work, qs)
+            }))
+        }))
+    }))
+}
+
+/// One bucket under compression: its f32 input (the error feedback added), a copy of it for
+/// the next error, its low-rank matrices with their starting Q's, its tensors sent whole.
+struct BucketWork {
+    input: Tensor,
+    input_copy: Option<Tensor>,
+    bucket_dtype: DType,
+    matrices: Vec<Matrix>,
+    qs: Vec<Tensor>,
+    /// `(offset, len)` of each tensor sent whole.
+    plain: Vec<(usize, usize)>,
+}
+
+impl BucketWork {
+    /// `bucket` widened to f32 (a 16-bit bucket is compressed from an f32 copy and rounded
+    /// once at the end), its error feedback added, split into matrices and plain tensors.
+    fn new(st: &mut State, cfg: PowerSgdConfig, bucket: &PolicyBucket) -> brigade_ddp::Result<BucketWork> {
+        let bucket_dtype = bucket.tensor.dtype();
+        let input = match bucket_dtype {
+            DType::F32 => bucket.tensor.clone(),
+            _ => bucket.tensor.to_dtype(DType::F32)?,
+        };
+        let mut input_copy = None;
+        if cfg.use_error_feedback {
+            for p in &bucket.params {
+                if let Some(e) = st.error.get(&p.index).filter(|e| e.numel() == p.len()) {
+                    input.narrow(0, p.offset, p.len())?.add_assign(e)?;
+                }
+            }
+            input_copy = Some(input.copy()?);
+        }
+        let (mut plain, mut matrices) = (vec![], vec![]);
         for p in &bucket.params {
-            if let Some(e) = st.error.get(&p.index).filter(|e| e.numel() == p.len()) {
-                input.narrow(0, p.offset, p.len())?.add_assign(e)?;
+            match cfg.low_rank(&p.shape, p.len()) {
+                Some((n, m, r)) => matrices.push(Matrix {
+                    param: p.index,
+                    offset: p.offset,
+                    n,
+                    m,
+                    r,
+                }),
+                None => plain.push((p.offset, p.len())),
             }
         }
+        let qs = starting_qs(st, cfg, &matrices, input.device())?;
+        st.compressed += matrices.len() as u64;
+        Ok(BucketWork {
+            input,
+            input_copy,
+            bucket_dtype,
+            matrices,
+            qs,
+            plain,
+        })
     }
-    let input_copy = if cfg.use_error_feedback {
-        Some(input.copy()?)
-    } else {
-        None
-    };
 
-    let mut plain: Vec<(usize, usize)> = vec![];
-    let mut matrices: Vec<Matrix> = vec![];
-    for p in &bucket.params {
-        let len = p.len();
-        match cfg.low_rank(&p.shape, len) {
-            Some((n, m, r)) => matrices.push(Matrix {
-                param: p.index,
-                offset: p.offset,
-                n,
-                m,
-                r,
-            }),
-            None => plain.push((p.offset, len)),
+    /// The tensors sent whole, packed in one buffer (`None`: there are none).
+    fn pack_plain(&self) -> brigade_ddp::Result<Option<Tensor>> {
+        if self.plain.is_empty() {
+            return Ok(None);
         }
+        let len: usize = self.plain.iter().map(|&(_, l)| l).sum();
+        let buf = Tensor::zeros_on(&[len], DType::F32, self.input.device())?;
+        let mut at = 0;
+        for &(o, l) in &self.plain {
+            buf.narrow(0, at, l)?.copy_from(&self.input.narrow(0, o, l)?)?;
+            at += l;
+        }
+        Ok(Some(buf))
     }
 
+    /// Writes the averaged plain tensors back into the input.
+    fn unpack_plain(&self, avg: &Tensor) -> brigade_ddp::Result<()> {
+        let mut at = 0;
+        for &(o, l) in &self.plain {
+            self.input.narrow(0, o, l)?.copy_from(&avg.narrow(0, at, l)?)?;
+            at += l;
+        }
+        Ok(())
+    }
+
+    /// Matrix `mx` of the input, `[n, m]`.
+    fn matrix(&self, mx: &Matrix) -> brigade_ddp::Result<Tensor> {
+        Ok(self.input.narrow(0, mx.offset, mx.n * mx.m)?.reshape(&[mx.n, mx.m])?)
+    }
+
+    /// Every matrix's `P = M Q`, packed in one buffer.
+    fn pack_ps(&self) -> brigade_ddp::Result<Tensor> {
+        let len: usize = self.matrices.iter().map(|mx| mx.n * mx.r).sum();
+        let ps = Tensor::zeros_on(&[len], DType::F32, self.input.device())?;
+        let mut at = 0;
+        for (mx, q) in self.matrices.iter().zip(&self.qs) {
+            let p = self.matrix(mx)?.matmul(q)?;
+            ps.narrow(0, at, mx.n * mx.r)?.copy_from(&p.reshape(&[mx.n * mx.r])?)?;
+            at += mx.n * mx.r;
+        }
+        Ok(ps)
+    }
+
+    /// From the summed P's: each P orthogonalized (in place, a view of `ps`) and `Q = Mᵀ P`,
+    /// the Q's packed in one buffer.
+    fn qs_from_ps(&self, ps: &Tensor) -> brigade_ddp::Result<(Tensor, Vec<Tensor>)> {
+        let q_len: usize = self.matrices.iter().map(|mx| mx.m * mx.r).sum();
+        let qflat = Tensor::zeros_on(&[q_len], DType::F32, self.input.device())?;
+        let (mut pat, mut qat) = (0, 0);
+        let mut pviews = vec![];
+        for mx in &self.matrices {
+            let p = ps.narrow(0, pat, mx.n * mx.r)?.reshape(&[mx.n, mx.r])?;
+            orthogonalize_columns(&p)?;
+            let q = self.matrix(mx)?.t()?.matmul(&p)?;
+            qflat
+                .narrow(0, qat, mx.m * mx.r)?
+                .copy_from(&q.reshape(&[mx.m * mx.r])?)?;
+            pviews.push(p);
+            pat += mx.n * mx.r;
+            qat += mx.m * mx.r;
+        }
+        Ok((qflat, pviews))
+    }
+
+    /// Writes each matrix's approximation `P Qᵀ` (from the averaged Q's) into the input;
+    /// returns the Q's, for the next warm start.
+    fn approximate(&self, pviews: &[Tensor], qavg: &Tensor) -> brigade_ddp::Result<Vec<Tensor>> {
+        let mut qat = 0;
+        let mut qs = vec![];
+        for (mx, p) in self.matrices.iter().zip(pviews) {
+            let q = qavg.narrow(0, qat, mx.m * mx.r)?.reshape(&[mx.m, mx.r])?.copy()?;
+            let approx = p.matmul(&q.t()?)?;
+            self.input
+                .narrow(0, mx.offset, mx.n * mx.m)?
+                .copy_from(&approx.reshape(&[mx.n * mx.m])?)?;
+            qs.push(q);
+            qat += mx.m * mx.r;
+        }
+        Ok(qs)
+    }
+}
+
+/// The Q's a bucket's matrices start from: last step's (warm start, when every matrix has one
+/// of its shape), else one draw per bucket from the shared generator, orthogonalized (every
+/// rank gets the same Q's).
+fn starting_qs(
+    st: &mut State,
+    cfg: PowerSgdConfig,
+    matrices: &[Matrix],
+    device: brigade_tensor::Device,
+) -> brigade_ddp::Result<Vec<Tensor>> {
     let warm = cfg.warm_start
         && matrices
             .iter()
             .all(|mx| st.q.get(&mx.param).is_some_and(|q| q.shape() == [mx.m, mx.r]));
-    let qs: Vec<Tensor> = if warm {
-        matrices.iter().map(|mx| st.q[&mx.param].clone()).collect()
-    } else {
-        // one draw per bucket from the shared generator: every rank gets the same Q
-        let mut rng = Rng::new(st.rng.next_u64());
-        st.draws += 1;
-        matrices
-            .iter()
-            .map(|mx| {
-                let v: Vec<f32> = (0..mx.r * mx.m).map(|_| rng.normal() as f32).collect();
-                let q = Tensor::from_vec(v, &[mx.r, mx.m])?
-                    .to_device(device)?
-                    .t()?
-                    .contiguous()?;
-                orthogonalize_columns(&q)?;
-                Ok(q)
-            })
-            .collect::<brigade_ddp::Result<_>>()?
-    };
-    st.compressed += matrices.len() as u64;
-    drop(st);
+    if warm {
+        return Ok(matrices.iter().map(|mx| st.q[&mx.param].clone()).collect());
+    }
+    let mut rng = Rng::new(st.rng.next_u64());
+    st.draws += 1;
+    matrices
+        .iter()
+        .map(|mx| {
+            let v: Vec<f32> = (0..mx.r * mx.m).map(|_| rng.normal() as f32).collect();
+            let q = Tensor::from_vec(v, &[mx.r, mx.m])?
+                .to_device(device)?
+                .t()?
+                .contiguous()?;
+            orthogonalize_columns(&q)?;
+            Ok(q)
+        })
+        .collect()
+}
 
-    let view = |mx: &Matrix| -> brigade_ddp::Result<Tensor> {
-        Ok(input.narrow(0, mx.offset, mx.n * mx.m)?.reshape(&[mx.n, mx.m])?)
-    };
-    let p_len: usize = matrices.iter().map(|mx| mx.n * mx.r).sum();
-    let ps = Tensor::zeros_on(&[p_len], DType::F32, device)?;
-    let mut at = 0;
-    for (mx, q) in matrices.iter().zip(&qs) {
-        let p = view(mx)?.matmul(q)?;
-        ps.narrow(0, at, mx.n * mx.r)?.copy_from(&p.reshape(&[mx.n * mx.r])?)?;
-        at += mx.n * mx.r;
-    }
-    let plain_len: usize = plain.iter().map(|&(_, l)| l).sum();
-    let plain_buf = Tensor::zeros_on(&[plain_len], DType::F32, device)?;
-    let mut at = 0;
-    for &(o, l) in &plain {
-        plain_buf.narrow(0, at, l)?.copy_from(&input.narrow(0, o, l)?)?;
-        at += l;
-    }
-    let first = if plain.is_empty() {
-        comm.ready(None)
-    } else {
-        comm.all_reduce(&plain_buf, ReduceOp::Sum, &tag).then(|t| Ok(Some(t)))
-    };
-    let (comm2, state) = (comm.clone(), state.clone());
-    let (keys, params) = (matrices.iter().map(|mx| mx.param).collect::<Vec<_>>(), bucket.params);
-    let finish = move |input: Tensor, qs_keep: Vec<Tensor>| -> brigade_ddp::Result<Tensor> {
-        let mut st = lock(&state);
-        if let Some(copy) = input_copy {
-            let error = copy.sub(&input)?;
-            for p in &params {
+/// What a bucket's reduction keeps once it landed: the new error feedback and the Q's.
+struct Finish {
+    state: Arc<Mutex<State>>,
+    cfg: PowerSgdConfig,
+    params: Vec<brigade_ddp::policy::BucketParam>,
+}
+
+impl Finish {
+    /// Stores the error (the input before compression minus its approximation) and the Q's
+    /// (`qs`, one per matrix); returns the result in the bucket's dtype.
+    fn land(self, work: BucketWork, qs: Vec<Tensor>) -> brigade_ddp::Result<Tensor> {
+        let mut st = lock(&self.state);
+        if let Some(copy) = &work.input_copy {
+            let error = copy.sub(&work.input)?;
+            for p in &self.params {
                 st.error.insert(p.index, error.narrow(0, p.offset, p.len())?.copy()?);
             }
         }
-        if cfg.warm_start {
-            for (&param, q) in keys.iter().zip(qs_keep) {
-                st.q.insert(param, q);
+        if self.cfg.warm_start {
+            for (mx, q) in work.matrices.iter().zip(qs) {
+                st.q.insert(mx.param, q);
             }
         }
-        Ok(match bucket_dtype {
-            DType::F32 => input,
-            _ => input.to_dtype(bucket_dtype)?,
+        Ok(match work.bucket_dtype {
+            DType::F32 => work.input,
+            _ => work.input.to_dtype(work.bucket_dtype)?,
         })
-    };
-    Ok(first.and_then(move |plain_sum| {
-        if let Some(sum) = plain_sum {
-            let avg = sum.div(&world)?;
-            let mut at = 0;
-            for &(o, l) in &plain {
-                input.narrow(0, o, l)?.copy_from(&avg.narrow(0, at, l)?)?;
-                at += l;
-            }
-        }
-        if matrices.is_empty() {
-            return Ok(comm2.ready(finish(input, vec![])?));
-        }
-        let comm3 = comm2.clone();
-        Ok(comm2.all_reduce(&ps, ReduceOp::Sum, &tag).and_then(move |ps| {
-            let q_len: usize = matrices.iter().map(|mx| mx.m * mx.r).sum();
-            let qflat = Tensor::zeros_on(&[q_len], DType::F32, device)?;
-            let (mut pat, mut qat) = (0, 0);
-            let mut pviews = vec![];
-            for mx in &matrices {
-                let p = ps.narrow(0, pat, mx.n * mx.r)?.reshape(&[mx.n, mx.r])?;
-                orthogonalize_columns(&p)?;
-                let m = input.narrow(0, mx.offset, mx.n * mx.m)?.reshape(&[mx.n, mx.m])?;
-                let q = m.t()?.matmul(&p)?;
-                qflat
-                    .narrow(0, qat, mx.m * mx.r)?
-                    .copy_from(&q.reshape(&[mx.m * mx.r])?)?;
-                pviews.push(p);
-                pat += mx.n * mx.r;
-                qat += mx.m * mx.r;
-            }
-            Ok(comm3.all_reduce(&qflat, ReduceOp::Sum, &tag).then(move |qsum| {
-                let qsum = qsum.div(&world)?;
-                let mut qat = 0;
-                let mut qs_keep = vec![];
-                for (mx, p) in matrices.iter().zip(&pviews) {
-                    let q = qsum.narrow(0, qat, mx.m * mx.r)?.reshape(&[mx.m, mx.r])?.copy()?;
-                    let approx = p.matmul(&q.t()?)?;
-                    input
-                        .narrow(0, mx.offset, mx.n * mx.m)?
-                        .copy_from(&approx.reshape(&[mx.n * mx.m])?)?;
-                    qs_keep.push(q);
-                    qat += mx.m * mx.r;
-                }
-                finish(input, qs_keep)
-            }))
-        }))
-    }))
+    }
 }

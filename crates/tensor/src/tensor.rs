@@ -469,6 +469,35 @@ impl Tensor {
         Ok(Storage(std::mem::replace(&mut *g, empty)))
     }
 
+    /// Lends this tensor's elements out as a host buffer, for a collective to move: its own
+    /// storage, taken out (every view reads [`TensorError::StorageLent`] until
+    /// [`Tensor::restore_buffer`]), when the tensor spans it on the CPU (no copy), copied out of
+    /// device memory when it lives on a GPU; a copy when it is a view of part of its storage
+    /// (the tensor keeps its storage then). `true` beside the buffer: the storage was lent.
+    /// One of the two changes of form a bucket's bytes take on their way to the wire.
+    pub fn lend_buffer(&self) -> Result<(Buffer, bool)> {
+        if self.spans_storage() {
+            return Ok((self.lend_storage()?.into_buffer()?, true));
+        }
+        Ok((self.to_buffer()?, false))
+    }
+
+    /// Puts `data` (the result of an in-place collective, as many elements as the tensor) back
+    /// under this tensor: as its storage when `lent` (what [`Tensor::lend_buffer`] said; no
+    /// copy on the CPU), else copied into the tensor's elements. The other change of form.
+    pub fn restore_buffer(&self, data: Buffer, lent: bool) -> Result<()> {
+        if lent {
+            return self.restore_storage(Storage::from_buffer(data, self.device)?);
+        }
+        self.copy_from(&Tensor::from_buffer(data, self.shape())?.to_device(self.device)?)
+    }
+
+    /// Whether this tensor covers its whole storage, in order: then the storage itself can be
+    /// lent ([`Tensor::lend_buffer`]) or moved under other views.
+    pub fn spans_storage(&self) -> bool {
+        self.is_contiguous() && self.layout.offset() == 0 && self.numel() == self.storage_numel()
+    }
+
     /// Frees this tensor's storage in place (PyTorch's resize-to-zero, as FSDP frees a
     /// parameter between uses): every view keeps its shape, any access is a
     /// [`TensorError::StorageLent`] error until [`Tensor::restore_storage`], and the bytes are

@@ -1,6 +1,6 @@
 //! The NCCL backend ([`CommBackend::Nccl`]): gradient buckets reduced by the run's reducer
 //! policy (any of them: its compute and its collectives) on a CUDA comm stream of each rank's
-//! GPU, NCCL moving the bytes, ordered by events (`ddp::stream::NcclStream`). The ranks are
+//! GPU, NCCL moving the bytes, ordered by events (`ddp::group::NcclGroup`). The ranks are
 //! started as threads or, under `mpirun`, one per process; the launcher's own communicator
 //! still carries the control messages (model check, parameter broadcast, bucket rebuild,
 //! losses) and bootstraps NCCL: rank 0 creates the unique id, the others receive its 128 bytes
@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use brigade_comm::NetModel;
-use brigade_ddp::stream::BucketStream;
+use brigade_ddp::Group;
 use brigade_tensor::cuda::probe;
 use brigade_tensor::Device;
 
@@ -68,15 +68,11 @@ fn local_rank_from(var: impl Fn(&str) -> Option<String>) -> Option<usize> {
         .find_map(|v| var(v).and_then(|s| s.trim().parse().ok()))
 }
 
-/// The bucket stream of this rank when the run asked for NCCL: NCCL on a comm stream of
+/// The process group of this rank when the run asked for NCCL: NCCL on a comm stream of
 /// `device`'s GPU (the id exchanged over the launcher's control communicator), with `link`
-/// simulated on the comm stream by a delay kernel per collective. `None`: the host comm stream that
+/// simulated on the comm stream by a delay kernel per collective. `None`: the host group that
 /// [`brigade_ddp::DistributedDataParallel::new`] builds over the rank's communicator stack.
-pub fn bucket_stream(
-    ctx: &RankContext,
-    device: Device,
-    link: Option<NetModel>,
-) -> Result<Option<Arc<dyn BucketStream>>> {
+pub fn device_group(ctx: &RankContext, device: Device, link: Option<NetModel>) -> Result<Option<Group>> {
     if !ctx.nccl {
         return Ok(None);
     }
@@ -93,15 +89,15 @@ pub fn bucket_stream(
     #[cfg(feature = "cuda")]
     {
         use brigade_comm::nccl::{exchange_id, require_nccl};
-        use brigade_ddp::stream::NcclStream;
+        use brigade_ddp::group::NcclGroup;
         require_nccl()?;
         let id = exchange_id(ctx.control.as_ref())?;
         let timeout = ctx.control.timeout();
-        let stream = NcclStream::join(device, ctx.rank, ctx.world_size, id, timeout)?
+        let group = NcclGroup::join(device, ctx.rank, ctx.world_size, id, timeout)?
             .with_recorder(ctx.recorder.clone())
             .with_compute_timing(true)
             .with_simulated_link(link);
-        Ok(Some(Arc::new(stream)))
+        Ok(Some(Arc::new(group)))
     }
 }
 

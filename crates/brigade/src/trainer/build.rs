@@ -1,10 +1,8 @@
 //! Setting up one rank: the data's lengths checked, the checkpoint resumed, the recipe checked
 //! against it, the data feed placed, the replica moved to its device and wrapped in DDP.
 
-use std::sync::Arc;
-
 use brigade_autograd::{Optimizer, Var};
-use brigade_comm::{CommMeter, Communicator, Metered};
+use brigade_comm::CommMeter;
 use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
 use brigade_tensor::{set_compute_threads, Device};
@@ -463,8 +461,8 @@ fn in_checkpoint(cfg: &TrainConfig, e: Error) -> Error {
     }
 }
 
-/// `model` wrapped in DDP under `policy`, its recorder the rank's. NCCL reduces on the GPU's
-/// comm stream (not metered); otherwise the host stream over the communicator, metered by `meter`.
+/// `model` wrapped in DDP under `policy`, its recorder the rank's and its meter `meter`: NCCL's
+/// device group on the GPU's comm stream, or the host group over the communicator.
 fn wrap(
     d: &DdpConfig,
     ctx: &RankContext,
@@ -473,13 +471,14 @@ fn wrap(
     meter: &CommMeter,
     policy: Box<dyn ReducerPolicy>,
 ) -> Result<DistributedDataParallel> {
-    let comm: Arc<dyn Communicator> = Arc::new(Metered::new(ctx.comm.clone(), meter.clone()));
+    let comm = ctx.comm.clone();
     let d = DdpConfig {
         recorder: ctx.recorder.clone(),
+        meter: meter.clone(),
         ..d.clone()
     };
-    Ok(match nccl::bucket_stream(ctx, device, ctx.net)? {
-        Some(stream) => DistributedDataParallel::with_stream(model.params(), comm, stream, d, policy)?,
+    Ok(match nccl::device_group(ctx, device, ctx.net)? {
+        Some(group) => DistributedDataParallel::with_group(model.params(), comm, group, d, policy)?,
         None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
     })
 }

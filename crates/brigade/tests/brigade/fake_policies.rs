@@ -10,7 +10,7 @@
 //! The counts of one step are the difference between a 3-step and a 1-step run, halved
 //! ([`crate::fake_device::step_counts`]): setup and the first step's one-off work cancel.
 //!
-//! Both examples also run on the device comm stream (`ddp::stream::DeviceStream`, the stream
+//! Both examples also run on the device comm stream (`ddp::group::DeviceGroup`, the stream
 //! NCCL drives, its collectives staged on the comm stream here): the CPU's losses, and nothing
 //! read back on the compute stream in a step but the loss (the int8 example read its scale back
 //! with `item()` and sent it from the host before: that fails there).
@@ -197,7 +197,8 @@ fn on_the_device_stream(
 ) -> Vec<(Vec<f64>, Vec<fake::FakeOp>, u64)> {
     use brigade::autograd::{Optimizer, Sgd};
     use brigade::comm::{run_on_threads, Communicator};
-    use brigade::ddp::stream::{BucketStream, DeviceStream, HostStream};
+    use brigade::ddp::group::{DeviceGroup, HostGroup};
+    use brigade::ddp::Group;
     use brigade::ddp::{DdpConfig, DistributedDataParallel};
     use brigade::models::Batch;
     use brigade::tensor::Device;
@@ -211,16 +212,16 @@ fn on_the_device_stream(
         for p in model.params().params() {
             p.set_value(p.value().to_device(device).unwrap()).unwrap();
         }
-        let (stream, comm_stream): (Arc<dyn BucketStream>, u64) = match ordinal {
+        let (stream, comm_stream): (Group, u64) = match ordinal {
             Some(_) => {
-                let s = DeviceStream::host_staged(device, comm.clone()).unwrap();
+                let s = DeviceGroup::host_staged(device, comm.clone()).unwrap();
                 let id = s.comm_stream().raw_handle();
                 (Arc::new(s), id)
             }
-            None => (Arc::new(HostStream::new(comm.clone())), 0),
+            None => (Arc::new(HostGroup::new(comm.clone())), 0),
         };
         let ddp =
-            DistributedDataParallel::with_stream(model.params(), comm, stream, DdpConfig::default(), policy()).unwrap();
+            DistributedDataParallel::with_group(model.params(), comm, stream, DdpConfig::default(), policy()).unwrap();
         let sgd = |p| Box::new(Sgd::new(p, 0.1, 0.0, 0.0)) as Box<dyn Optimizer>;
         let mut opt = ddp.optimizer(sgd(model.params().params().to_vec()), &sgd).unwrap();
         let (mut losses, mut log) = (vec![], vec![]);

@@ -452,7 +452,7 @@ impl brigade::ddp::ReducerPolicy for KeepLocal {
     fn reduce(
         &mut self,
         bucket: brigade::ddp::policy::PolicyBucket,
-        comm: &brigade::ddp::policy::Collectives,
+        comm: &brigade::ddp::policy::Group,
     ) -> brigade::ddp::Result<brigade::ddp::policy::Reduction> {
         Ok(brigade::ddp::policy::Reduction::Full(comm.ready(bucket.tensor)))
     }

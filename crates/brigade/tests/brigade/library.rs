@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use brigade::autograd::{scope, ParamStore, Var};
 use brigade::comm::Recorder;
 use brigade::config::{CheckpointConfig, Instrumentation};
-use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
+use brigade::ddp::policy::{Group, PolicyBucket, Reduction};
 use brigade::ddp::{Phase, ReducerPolicy};
 use brigade::launch::LaunchConfig;
 use brigade::models::nn::{Activation, Init, Linear, Params};
@@ -230,7 +230,7 @@ impl ReducerPolicy for Counting {
         "counting".into()
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         self.0.fetch_add(1, Ordering::Relaxed);
         AllReduce.reduce(bucket, comm)
     }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use brigade::config::TrainConfig;
 use brigade::ddp::policy::{
-    BucketLayout, BucketSpan, Collectives, PolicyBucket, PolicyContext, PolicyMemory, Reduction, StepContext,
+    BucketLayout, BucketSpan, Group, PolicyBucket, PolicyContext, PolicyMemory, Reduction, StepContext,
 };
 use brigade::ddp::{KeepsState, ReducerPolicy};
 use brigade::policies::{PolicySpec, Registry};
@@ -46,11 +46,11 @@ impl ReducerPolicy for Recorded {
         self.inner.buckets_built(buckets, generation)
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         self.inner.reduce(bucket, comm)
     }
 
-    fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> brigade::ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> brigade::ddp::Result<()> {
         self.inner.after_step(step, comm)?;
         if self.rank == 0 {
             let state = self.inner.state_dict()?;

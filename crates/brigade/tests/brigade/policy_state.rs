@@ -9,7 +9,7 @@ use crate::common::{self, resuming, writing};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction};
+use brigade::ddp::policy::{Group, PolicyBucket, Reduction};
 use brigade::ddp::ReducerPolicy;
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
@@ -127,7 +127,7 @@ impl ReducerPolicy for Undeclared {
         self.0.name()
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         self.0.reduce(bucket, comm)
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use brigade::config::CheckpointConfig;
-use brigade::ddp::policy::{Collectives, PolicyBucket, Reduction, StepContext};
+use brigade::ddp::policy::{Group, PolicyBucket, Reduction, StepContext};
 use brigade::ddp::{KeepsState, RankState, ReducerPolicy, Replicas};
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Mlp, MlpConfig};
@@ -116,11 +116,11 @@ impl ReducerPolicy for Unsaved {
         Replicas::DivergeUnsaved
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         self.0.reduce(bucket, comm)
     }
 
-    fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> brigade::ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> brigade::ddp::Result<()> {
         self.0.after_step(step, comm)
     }
 }
@@ -177,7 +177,7 @@ impl ReducerPolicy for Alone {
         Replicas::Diverge(RankState::ALL)
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade::ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade::ddp::Result<Reduction> {
         Ok(Reduction::Full(comm.ready(bucket.tensor)))
     }
 }

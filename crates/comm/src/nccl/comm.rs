@@ -6,21 +6,20 @@ use std::thread;
 use std::time::Duration;
 
 use cudarc::driver::sys::{CUevent_flags, CUevent_wait_flags};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
-use cudarc::nccl::{result, sys, NcclType};
-use half::{bf16, f16};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::nccl::{result, sys};
 
 use super::id::NcclId;
 use super::raw::{code, RawComm};
 use super::watchdog::Watched;
 use crate::collective::{check_runnable, describe, OpKind};
-use crate::{Buffer, CommError, Communicator, DType, DeviceSpan, RawEvent, RawStream, ReduceOp, Work};
+use crate::{CommError, DType, DeviceSpan, RawEvent, RawStream, ReduceOp};
 
 /// One rank of an NCCL communicator: collectives run on the comm stream the caller gave (a
 /// stream of this rank's GPU), ordered against other streams by events; a watchdog aborts the
 /// communicator on an asynchronous error or a timeout (see the module docs).
 ///
-/// Unlike cudarc's `Comm` it is `Send + Sync` (a [`Communicator`]): it owns the raw NCCL handle
+/// Unlike cudarc's `Comm` it is `Send + Sync`: it owns the raw NCCL handle
 /// and serializes every enqueue on it.
 pub struct NcclComm {
     rank: usize,
@@ -150,6 +149,21 @@ impl NcclComm {
         })
     }
 
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the communicator.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// How long a wait on the device blocks before the watchdog fails it.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The comm stream every collective of this rank runs on.
     pub fn stream(&self) -> RawStream {
         RawStream(self.stream.cu_stream() as u64)
@@ -164,10 +178,6 @@ impl NcclComm {
     /// communicator failed or was aborted.
     pub fn check(&self) -> Result<(), CommError> {
         self.watched.check()
-    }
-
-    fn cuda(&self, tag: &str, during: &str, e: cudarc::driver::DriverError) -> CommError {
-        self.watched.error(tag, format!("{during}: CUDA error {e:?}"))
     }
 
     /// Averages (or sums, or maxes) `buf` over the ranks, in place, on the comm stream: the
@@ -323,123 +333,10 @@ impl NcclComm {
         self.watched.watch(tag, Arc::new(watch));
         Ok(())
     }
-
-    /// Runs one collective on a host vector: copies it to the GPU, runs NCCL on the comm
-    /// stream, waits (polling, bounded by the timeout) and copies the result back.
-    fn host<T: NcclType + DeviceRepr + ValidAsZeroBits + Copy>(
-        &self,
-        v: &mut Vec<T>,
-        kind: OpKind,
-        tag: &str,
-    ) -> Result<(), CommError> {
-        let len = v.len();
-        let world = self.world_size;
-        let up = |e| self.cuda(tag, "copying to the GPU", e);
-        let mut input = self.stream.clone_htod(v.as_slice()).map_err(up)?;
-        let out_len = match kind {
-            OpKind::AllGather => len * world,
-            OpKind::ReduceScatter(_) => len / world,
-            _ => len,
-        };
-        let mut output = match kind {
-            OpKind::AllGather | OpKind::ReduceScatter(_) => Some(self.stream.alloc_zeros::<T>(out_len).map_err(up)?),
-            _ => None,
-        };
-        let done = self.watched.enqueue(tag, |raw| {
-            let s = self.stream.cu_stream() as sys::cudaStream_t;
-            let dt = T::as_nccl_type();
-            let (src, _r) = input.device_ptr_mut(&self.stream);
-            let dst = output.as_mut().map(|o| o.device_ptr_mut(&self.stream));
-            let dst_ptr = dst.as_ref().map_or(src, |(p, _)| *p);
-            let (src, dst_ptr) = (src as *const c_void, dst_ptr as *mut c_void);
-            // SAFETY: `src` holds `len` elements and `dst_ptr` `out_len` elements of T on this
-            // GPU, both alive until the copy back below has waited for the comm stream.
-            let r = unsafe {
-                match kind {
-                    OpKind::AllReduce(op) => result::all_reduce(src, dst_ptr, len, dt, nccl_op(op), raw.handle(), s),
-                    OpKind::Broadcast { root } => {
-                        result::broadcast(src, dst_ptr, len, dt, root as i32, raw.handle(), s)
-                    }
-                    OpKind::AllGather => result::all_gather(src, dst_ptr, len, dt, raw.handle(), s),
-                    OpKind::ReduceScatter(op) => {
-                        result::reduce_scatter(src, dst_ptr, out_len, dt, nccl_op(op), raw.handle(), s)
-                    }
-                    OpKind::Barrier => {
-                        result::all_reduce(src, dst_ptr, len, dt, nccl_op(ReduceOp::Sum), raw.handle(), s)
-                    }
-                }
-            };
-            r.map_err(|e| format!("NCCL call: {}", code(e.0)))?;
-            timed_event(&self.stream).map_err(|e| format!("recording the completion event: CUDA error {e:?}"))
-        })?;
-        self.watched.wait_event(tag, &done)?;
-        let result = match &output {
-            Some(o) => self.stream.clone_dtoh(o),
-            None => self.stream.clone_dtoh(&input),
-        };
-        *v = result.map_err(|e| self.cuda(tag, "copying back to the host", e))?;
-        Ok(())
-    }
-
-    /// One collective on a host [`Buffer`], as a completed [`Work`].
-    fn run(&self, buf: Buffer, kind: OpKind, tag: &str) -> Work<Buffer> {
-        let (work, promise) = Work::pending(self.rank, tag, self.timeout);
-        promise.start();
-        let result = check_runnable(kind, Some(buf.dtype()), buf.len() as u64, self.world_size, tag).and_then(|()| {
-            let mut buf = buf;
-            match &mut buf {
-                Buffer::F32(v) => self.host(v, kind, tag),
-                Buffer::F64(v) => self.host(v, kind, tag),
-                Buffer::F16(v) => self.host::<f16>(v, kind, tag),
-                Buffer::BF16(v) => self.host::<bf16>(v, kind, tag),
-                Buffer::I64(v) => self.host(v, kind, tag),
-                Buffer::U8(v) => self.host(v, kind, tag),
-                Buffer::I8(v) => self.host(v, kind, tag),
-            }
-            .map(|()| buf)
-        });
-        promise.complete(result);
-        work
-    }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
         self.watched.stop();
-    }
-}
-
-impl Communicator for NcclComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.run(buf, OpKind::AllReduce(op), tag)
-    }
-
-    fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
-        self.run(buf, OpKind::Broadcast { root }, tag)
-    }
-
-    fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        self.run(buf, OpKind::AllGather, tag)
-    }
-
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.run(buf, OpKind::ReduceScatter(op), tag)
-    }
-
-    fn barrier(&self, tag: &str) -> Work<()> {
-        let work = self.run(Buffer::F32(vec![0.0]), OpKind::Barrier, tag);
-        work.then(|_| Ok(()))
     }
 }

@@ -3,9 +3,8 @@
 //! - Device memory arrives as raw handles defined in this crate ([`crate::DeviceSpan`]: device
 //!   pointer, element count, dtype, device ordinal; [`crate::RawStream`], [`crate::RawEvent`]):
 //!   comm still knows no tensors. `ddp` takes them from the tensor crate and passes them here.
-//! - [`NcclComm`]: one rank of an NCCL communicator on a comm stream the caller owns. It
-//!   fulfils the [`crate::Communicator`] contract on host buffers (staged through the GPU, for
-//!   control messages), and runs [`NcclComm::all_reduce_device`],
+//! - [`NcclComm`]: one rank of an NCCL communicator on a comm stream the caller owns. It runs
+//!   [`NcclComm::all_reduce_device`],
 //!   [`NcclComm::reduce_scatter_device`] and [`NcclComm::all_gather_device`] on device memory,
 //!   ordered by events only: the comm stream waits on the caller's *ready* event, runs the
 //!   collective, records the caller's *done* event; the host never waits.

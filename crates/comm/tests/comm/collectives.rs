@@ -224,11 +224,10 @@ fn a_side_buffer_travels_with_its_payload_in_one_all_gather() {
     // Each rank sends an int8 payload of 5 and 2 f32 scales; every rank gets every rank's both,
     // rank-major, and the all-gather is one collective of 5 + 8 bytes per rank.
     let world = 3;
-    let meter = brigade_comm::CommMeter::new();
+    let recorder = brigade_comm::Recorder::new();
     let out = all_ok(run_on_threads_with_timeout(world, TIMEOUT, |comm| {
         let r = comm.rank() as i8;
-        let meter = meter.clone();
-        let comm = brigade_comm::Metered::new(comm, meter);
+        let comm = brigade_comm::Traced::new(comm, recorder.clone());
         let payload = Buffer::I8((0..5).map(|i| r * 10 + i - 20).collect());
         let side = Buffer::F32(vec![r as f32 + 0.5, -(r as f32)]);
         brigade_comm::all_gather_with_side(&comm, payload, side, "q")
@@ -242,10 +241,20 @@ fn a_side_buffer_travels_with_its_payload_in_one_all_gather() {
         assert_eq!(payloads, Buffer::I8(want));
         assert_eq!(sides, Buffer::F32(vec![0.5, -0.0, 1.5, -1.0, 2.5, -2.0]));
     }
-    let t = meter.totals();
-    assert_eq!(t.collectives, world as u64, "one collective per rank");
-    assert_eq!(t.payload_bytes, (world * (5 + 8)) as u64);
-    assert_eq!(t.wire_bytes, (world * (world - 1) * (5 + 8)) as f64);
+    let sent: Vec<_> = recorder
+        .events()
+        .into_iter()
+        .filter(|e| e.track == brigade_comm::Track::Comm)
+        .collect();
+    assert_eq!(sent.len(), world, "one collective per rank");
+    assert!(sent.iter().all(|e| e.op == "all_gather"), "{sent:?}");
+    let payload: usize = sent.iter().map(|e| e.bytes).sum();
+    assert_eq!(payload, world * (5 + 8));
+    let wire: f64 = sent
+        .iter()
+        .map(|e| brigade_comm::RingOp::AllGather.wire_bytes(e.bytes as f64, world))
+        .sum();
+    assert_eq!(wire, (world * (world - 1) * (5 + 8)) as f64);
 }
 
 #[test]

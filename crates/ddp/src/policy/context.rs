@@ -8,7 +8,7 @@ use brigade_autograd::{GradSubscriber, Optimizer, ScopeHooks, Var};
 use brigade_tensor::{DType, Device, Tensor};
 
 use super::BucketParam;
-use crate::collectives::Collectives;
+use crate::group::Group;
 use crate::Result;
 
 /// The model and group a policy serves, when DDP is built.
@@ -142,8 +142,8 @@ impl Buckets {
 pub struct OptimizerContext {
     /// The buckets, live.
     pub buckets: Buckets,
-    /// The collectives handle (for a step that communicates: ZeRO's all-gather).
-    pub comm: Collectives,
+    /// The process group, metered (for a step that communicates: ZeRO's all-gather).
+    pub comm: Group,
 }
 
 /// Makes an optimizer of the user's kind (their optimizer config) over a list of parameters.

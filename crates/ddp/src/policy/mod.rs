@@ -24,7 +24,8 @@
 //!
 //! Policies see tensors, never host vectors or communicators: a bucket is a flat [`Tensor`] on
 //! the parameters' device, computed on with tensor ops, and collectives go through the
-//! ddp-owned [`Collectives`] handle, whose futures ([`TensorWork`]) chain continuations. The
+//! ddp-owned [`ProcessGroup`] (shared as a [`Group`]: clone it into a continuation), whose
+//! futures ([`TensorWork`]) chain continuations. The
 //! built-in policies (`brigade-policies`) are written against this module alone.
 //!
 //! **State across the bucket rebuild.** DDP rebuilds its buckets once after the first
@@ -75,7 +76,7 @@ pub use context::{
 };
 pub use param_state::ParamState;
 
-pub use crate::collectives::{CollectiveBackend, Collectives, HostCollectives, TensorPromise, TensorWork};
+pub use crate::group::{Group, ProcessGroup, TensorPromise, TensorWork};
 use crate::{DdpError, Result};
 
 /// A reducer policy: how one rank's gradient buckets are reduced, what its optimizer steps,
@@ -129,13 +130,13 @@ pub trait ReducerPolicy: Send {
     /// the future returns must be too: a policy that computes in f32 widens the bucket and
     /// rounds its result back, and lets an inf or a NaN reach the result (under fp16 the loss
     /// scaler skips that step).
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction>;
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> Result<Reduction>;
 
     /// Reduces a bucket for a rank that has no data this step (uneven inputs): its bucket is all
     /// zeros, and it must issue the same collectives as the ranks that have data, so that the
     /// result is their sum divided by the group's size (PyTorch's `Join` with
     /// `divide_by_initial_world_size`). The default reduces the zero bucket like any other.
-    fn reduce_joined(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction> {
+    fn reduce_joined(&mut self, bucket: PolicyBucket, comm: &Group) -> Result<Reduction> {
         self.reduce(bucket, comm)
     }
 
@@ -155,7 +156,7 @@ pub trait ReducerPolicy: Send {
 
     /// The squared L2 norm of the reduced gradients this rank holds, summed over ranks when they
     /// are sharded (for global gradient clipping). A collective when any bucket is sharded.
-    fn grad_norm_sq(&self, held: &[HeldGrad], comm: &Collectives) -> Result<f64> {
+    fn grad_norm_sq(&self, held: &[HeldGrad], comm: &Group) -> Result<f64> {
         default_grad_norm_sq(held, comm)
     }
 
@@ -164,7 +165,7 @@ pub trait ReducerPolicy: Send {
     /// the step's scale, the next one's and whether the step was skipped
     /// ([`StepContext::loss_scale`]): what a policy keeping state derived from the gradients
     /// needs to keep it through skipped steps and scale changes.
-    fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> Result<()> {
         let _ = (step, comm);
         Ok(())
     }
@@ -309,7 +310,7 @@ pub fn check_checkpointable(policy: &dyn ReducerPolicy) -> Result<()> {
 
 /// Sum of squares of every held gradient (in f64); when any bucket is sharded the partial sums
 /// are all-reduced (each shard counted on the rank that holds it).
-pub fn default_grad_norm_sq(held: &[HeldGrad], comm: &Collectives) -> Result<f64> {
+pub fn default_grad_norm_sq(held: &[HeldGrad], comm: &Group) -> Result<f64> {
     let sq = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.sqr()?.sum_all()?.item()?) };
     let (mut full, mut sharded, mut shard_on) = (0.0, 0.0, None);
     for h in held {
@@ -426,23 +427,41 @@ impl PolicyBucket {
     }
 }
 
-/// How a policy reduces a bucket: the future of what DDP puts back under the gradients.
-pub enum Reduction {
+/// How a policy reduces a bucket: the future of what DDP puts back under the gradients
+/// (`Reduction<Tensor>`: what it gave, once the future completed).
+pub enum Reduction<W = TensorWork<Tensor>> {
     /// The bucket's new contents, normally the average over ranks: a tensor of the bucket's
     /// length and dtype (the bucket tensor itself when reduced in place; another tensor is moved
     /// under the gradient views without a copy when it spans its storage).
-    Full(TensorWork<Tensor>),
+    Full(W),
     /// This rank's shard of the reduced bucket: elements `rank*n..(rank+1)*n` of the padded
     /// buffer, `n = len / world` (ZeRO). With `keep_full` the full buffer stays allocated (the
     /// shard written in place, the rest zeroed: this rank does not know it); without, it is
     /// freed after the collective and the parameters' gradients are dropped until the next
     /// backward makes one of them final (ZeRO-2).
     Shard {
-        /// The shard's future.
-        shard: TensorWork<Tensor>,
+        /// The shard (its future).
+        shard: W,
         /// Keep the full buffer allocated.
         keep_full: bool,
     },
+}
+
+impl Reduction {
+    /// Waits (on the host) for the reduction's future: what it gave, and when its collectives
+    /// ran.
+    pub(crate) fn wait_timed(self) -> Result<(Reduction<Tensor>, brigade_comm::OpTiming)> {
+        Ok(match self {
+            Reduction::Full(w) => {
+                let (t, timing) = w.wait_timed()?;
+                (Reduction::Full(t), timing)
+            }
+            Reduction::Shard { shard, keep_full } => {
+                let (shard, timing) = shard.wait_timed()?;
+                (Reduction::Shard { shard, keep_full }, timing)
+            }
+        })
+    }
 }
 
 /// The buckets a policy needs (asked once, when DDP is built).

@@ -7,6 +7,7 @@ mod buckets;
 mod common;
 mod faults;
 mod layers;
+mod metered;
 mod overlap;
 mod overlap_model;
 mod parity;

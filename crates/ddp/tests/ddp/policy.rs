@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use brigade_autograd::{Optimizer, Sgd};
 use brigade_comm::{run_on_threads, Communicator, ReduceOp};
 use brigade_ddp::policy::{
-    BucketLayout, BucketSpan, Collectives, PerBucket, PolicyBucket, PolicyContext, Reduction, StepContext,
+    BucketLayout, BucketSpan, Group, PerBucket, PolicyBucket, PolicyContext, Reduction, StepContext,
 };
 use brigade_ddp::{DdpConfig, DdpError, DistributedDataParallel, ReducerPolicy};
 use brigade_tensor::{set_compute_threads, DType, Tensor};
@@ -82,7 +82,7 @@ impl ReducerPolicy for LayoutChecker {
         Ok(())
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         // the parameters tile the buffer exactly, in order
         let mut at = 0;
         for p in &bucket.params {
@@ -164,7 +164,7 @@ impl ReducerPolicy for Truncating {
         "truncating".into()
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let short = bucket.tensor.narrow(0, 0, bucket.grad_numel - 1)?.copy()?;
         Ok(Reduction::Full(comm.ready(short)))
     }
@@ -213,7 +213,7 @@ impl ReducerPolicy for ShardsButRegroups {
         }
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         Ok(Reduction::Shard {
             shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
             keep_full: true,
@@ -254,7 +254,7 @@ impl ReducerPolicy for PerBucketState {
         "per-bucket".into()
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let names: Vec<String> = bucket.params.iter().map(|p| p.name.clone()).collect();
         if let Some(kept) = self.state.get(&bucket) {
             *self.found.lock().unwrap() += 1;
@@ -406,12 +406,12 @@ impl ReducerPolicy for Stateful {
         "stateful".into()
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         self.reductions += 1;
         Average.reduce(bucket, comm)
     }
 
-    fn after_step(&mut self, _step: &StepContext<'_>, _comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn after_step(&mut self, _step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
         self.after += 1;
         Ok(())
     }

@@ -6,7 +6,8 @@ use crate::common;
 use std::sync::Arc;
 
 use brigade_comm::{run_on_threads, Communicator};
-use brigade_ddp::stream::{BucketStream, HostStream, Recording, StreamEvent};
+use brigade_ddp::group::{HostGroup, Recording, StreamEvent};
+use brigade_ddp::Group;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
 use common::{data, rows, Mlp};
@@ -47,9 +48,9 @@ fn buckets_launch_in_order_and_every_completion_is_waited_before_the_step() {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 3);
         let cfg = one_param_per_bucket();
-        let stream = Arc::new(Recording::new(HostStream::new(comm.clone())));
-        let as_contract: Arc<dyn BucketStream> = stream.clone();
-        let ddp = DistributedDataParallel::with_stream(&m.store, comm, as_contract, cfg, common::average()).unwrap();
+        let stream = Arc::new(Recording::new(Arc::new(HostGroup::new(comm.clone()))));
+        let as_contract: Group = stream.clone();
+        let ddp = DistributedDataParallel::with_group(&m.store, comm, as_contract, cfg, common::average()).unwrap();
         assert_eq!(ddp.buckets().len(), 6);
         let mut last_grads = vec![];
         for step in 0..3 {
@@ -95,8 +96,8 @@ fn a_failed_collective_gives_the_bucket_storage_back_and_names_the_collective() 
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 3);
         let cfg = one_param_per_bucket();
-        let stream = Arc::new(Recording::new(HostStream::new(comm.clone())));
-        let ddp = DistributedDataParallel::with_stream(&m.store, comm, stream.clone(), cfg, common::average()).unwrap();
+        let stream = Arc::new(Recording::new(Arc::new(HostGroup::new(comm.clone()))));
+        let ddp = DistributedDataParallel::with_group(&m.store, comm, stream.clone(), cfg, common::average()).unwrap();
         if rank == 1 {
             return None;
         }
@@ -138,8 +139,8 @@ fn a_bucket_that_fills_early_waits_for_the_buckets_before_it() {
             rebuild_buckets: false,
             ..one_param_per_bucket()
         };
-        let stream = Arc::new(Recording::new(HostStream::new(comm.clone())));
-        let ddp = DistributedDataParallel::with_stream(&m.store, comm, stream.clone(), cfg, common::average()).unwrap();
+        let stream = Arc::new(Recording::new(Arc::new(HostGroup::new(comm.clone()))));
+        let ddp = DistributedDataParallel::with_group(&m.store, comm, stream.clone(), cfg, common::average()).unwrap();
         let (xb, yb) = rows(&x, &y, rank * 4, 4);
         m.loss(&xb, &yb).backward().unwrap();
         stream.mark_step();
@@ -170,9 +171,9 @@ fn every_backward_span_is_handed_to_the_stream_and_closed_before_the_buckets_are
             recorder: Some(brigade_comm::Recorder::new()),
             ..one_param_per_bucket()
         };
-        let stream = Arc::new(Recording::new(HostStream::new(comm.clone())));
-        let as_contract: Arc<dyn BucketStream> = stream.clone();
-        let _ddp = DistributedDataParallel::with_stream(&m.store, comm, as_contract, cfg, common::average()).unwrap();
+        let stream = Arc::new(Recording::new(Arc::new(HostGroup::new(comm.clone()))));
+        let as_contract: Group = stream.clone();
+        let _ddp = DistributedDataParallel::with_group(&m.store, comm, as_contract, cfg, common::average()).unwrap();
         m.loss(&x, &y).backward().unwrap();
         stream.events()
     })

@@ -34,8 +34,8 @@ use std::sync::Arc;
 use brigade_autograd::Optimizer;
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketLayout, BuildOptimizer, Collectives, OptimizerContext, PolicyBucket, PolicyContext, PolicyMemory,
-    ReducerPolicy, Reduction, WireModel,
+    BucketLayout, BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyContext, PolicyMemory, ReducerPolicy,
+    Reduction, WireModel,
 };
 use brigade_tensor::{DType, Device, Tensor};
 
@@ -186,7 +186,7 @@ impl ReducerPolicy for Zero {
         }
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         if !self.sharded(comm.world_size()) {
             return Ok(Reduction::Full(comm.all_reduce(
                 &bucket.tensor,

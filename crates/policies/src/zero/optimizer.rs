@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{AutogradError, GradScaler, Optimizer, ParamStore, Var};
 use brigade_comm::ReduceOp;
-use brigade_ddp::policy::{Buckets, BuildOptimizer, Collectives, HeldGrad, OptimizerContext, TensorWork};
+use brigade_ddp::policy::{Buckets, BuildOptimizer, Group, HeldGrad, OptimizerContext, TensorWork};
 use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Tensor};
 
@@ -72,7 +72,7 @@ struct ShardedBucket {
 /// must call [`Optimizer::consolidate_state`] first, and only rank 0 keeps the result.
 pub struct ZeroOptimizer {
     buckets: Buckets,
-    comm: Collectives,
+    comm: Group,
     stage: ZeroStage,
     shards: Vec<ShardedBucket>,
     /// The bucket layout the shards were cut from.

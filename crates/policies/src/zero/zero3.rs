@@ -44,7 +44,7 @@ use std::time::Instant;
 use brigade_autograd::{GradReady, GradSubscriber, Optimizer, ScopeHooks, SubscriberError, Var};
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketLayout, BuildOptimizer, Collectives, GatherPhase, GatherTimes, OptimizerContext, ParamHooks, PolicyBucket,
+    BucketLayout, BuildOptimizer, GatherPhase, GatherTimes, Group, OptimizerContext, ParamHooks, PolicyBucket,
     PolicyContext, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
 };
 use brigade_ddp::DdpError;
@@ -91,7 +91,7 @@ struct Gather {
     unit_of: Vec<Option<usize>>,
     /// Every registered parameter (set when the optimizer is built).
     vars: Vec<Var>,
-    comm: Option<Collectives>,
+    comm: Option<Group>,
     /// The first forward after the optimizer was built runs on whole parameters (the check).
     probing: bool,
     /// Every unit gathered by `gather_all`: the hooks leave them be until `release_all`.
@@ -607,7 +607,7 @@ impl ReducerPolicy for Zero3 {
         Some(self.hooks.clone())
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> Result<Reduction> {
         Ok(Reduction::Shard {
             shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
             keep_full: false,
@@ -704,7 +704,7 @@ impl ReducerPolicy for Zero3 {
         }
     }
 
-    fn after_step(&mut self, _step: &StepContext<'_>, _comm: &Collectives) -> Result<()> {
+    fn after_step(&mut self, _step: &StepContext<'_>, _comm: &Group) -> Result<()> {
         let mut g = self.hooks.lock();
         if let Some(e) = g.error.take() {
             return Err(e);

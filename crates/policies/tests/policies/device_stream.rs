@@ -1,6 +1,6 @@
 //! fp16, PowerSGD and ZeRO-1 under the NCCL stream's contract, on the counting fake device:
-//! the same `DeviceStream` code that drives NCCL on a GPU, its collectives staged through the
-//! host (`HostStagedComm`) on the comm stream, two thread ranks each on a fake device of its
+//! the same `DeviceGroup` code that drives NCCL on a GPU, its collectives staged through the
+//! host (`HostStaged`) on the comm stream, two thread ranks each on a fake device of its
 //! own. The fake device refuses, with an error, any access its streams' events do not order
 //! (a race on a GPU), so a collective not behind its bucket's ready event, or a step not
 //! behind a bucket's done event, fails the run; the recorded calls and the device's log then
@@ -14,7 +14,8 @@ use crate::common::{max_diff, optimizer, rows, teacher_data, Mlp};
 use std::sync::Arc;
 
 use brigade_comm::{run_on_threads, Communicator};
-use brigade_ddp::stream::{BucketStream, DeviceStream, HostStream, Recording, StreamEvent};
+use brigade_ddp::group::{DeviceGroup, HostGroup, Recording, StreamEvent};
+use brigade_ddp::Group;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::fake::{self, FakeOp, FakeWhat};
 use brigade_tensor::{set_compute_threads, Device, Tensor};
@@ -57,19 +58,19 @@ fn train(policy: &str, ordinal: Option<usize>) -> Vec<LastStep> {
         for p in m.store.params() {
             p.set_value(p.value().to_device(device).unwrap()).unwrap();
         }
-        let (stream, comm_stream): (Arc<dyn BucketStream>, u64) = match ordinal {
+        let (stream, comm_stream): (Group, u64) = match ordinal {
             Some(_) => {
-                let s = DeviceStream::host_staged(device, comm.clone()).unwrap();
+                let s = DeviceGroup::host_staged(device, comm.clone()).unwrap();
                 let id = s.comm_stream().raw_handle();
                 (Arc::new(s), id)
             }
-            None => (Arc::new(HostStream::new(comm.clone())), 0),
+            None => (Arc::new(HostGroup::new(comm.clone())), 0),
         };
         let recording = Arc::new(Recording::new(stream));
-        let as_contract: Arc<dyn BucketStream> = recording.clone();
+        let as_contract: Group = recording.clone();
         let spec = policy.parse::<brigade_policies::PolicySpec>().unwrap();
         let built = spec.build(&brigade_policies::Registry::new()).unwrap();
-        let ddp = DistributedDataParallel::with_stream(&m.store, comm, as_contract, small_buckets(), built).unwrap();
+        let ddp = DistributedDataParallel::with_group(&m.store, comm, as_contract, small_buckets(), built).unwrap();
         let full = optimizer("plain-sgd", m.store.params().to_vec());
         let mut opt = ddp.optimizer(full, &|p| optimizer("plain-sgd", p)).unwrap();
         let mut losses = vec![];
@@ -211,8 +212,7 @@ fn an_fp16_overflow_on_the_device_stream_is_reported_after_the_step_with_no_read
         let ordinal = 240 + rank;
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let device = Device::Fake(ordinal);
-        let stream = DeviceStream::host_staged(device, comm).unwrap();
-        let collectives = stream.collectives();
+        let collectives: Group = Arc::new(DeviceGroup::host_staged(device, comm).unwrap());
         let mut g: Vec<f32> = (0..64).map(|i| i as f32 * 0.01).collect();
         if rank == 1 {
             g[17] = 2.0e5;
@@ -281,7 +281,7 @@ fn the_simulated_link_spins_each_collectives_modelled_time_on_the_comm_stream_be
                 Tensor::full_on(&[8, 8], 0.5, brigade_tensor::DType::F32, device).unwrap(),
             )
             .unwrap();
-        let stream = DeviceStream::host_staged(device, comm.clone())
+        let stream = DeviceGroup::host_staged(device, comm.clone())
             .unwrap()
             .with_simulated_link(Some(link));
         let comm_stream = stream.comm_stream().raw_handle();
@@ -289,7 +289,7 @@ fn the_simulated_link_spins_each_collectives_modelled_time_on_the_comm_stream_be
             .build(&brigade_policies::Registry::new())
             .unwrap();
         let ddp =
-            DistributedDataParallel::with_stream(&store, comm, Arc::new(stream), DdpConfig::default(), built).unwrap();
+            DistributedDataParallel::with_group(&store, comm, Arc::new(stream), DdpConfig::default(), built).unwrap();
         let mut opt = ddp
             .optimizer(optimizer("plain-sgd", store.params().to_vec()), &|p| {
                 optimizer("plain-sgd", p)

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{run_on_threads_with_timeout, Communicator, ReduceOp};
-use brigade_ddp::policy::{BucketParam, Collectives, PolicyBucket, Reduction};
+use brigade_ddp::group::HostGroup;
+use brigade_ddp::policy::{BucketParam, Group, PolicyBucket, Reduction};
 use brigade_ddp::ReducerPolicy;
 use brigade_policies::{AllReduce, Compress, HalfType, PowerSgd, PowerSgdConfig};
 use brigade_tensor::{Rng, Tensor};
@@ -14,11 +15,11 @@ use half::{bf16, f16};
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs `f(rank, collectives)` on `world` thread ranks and returns each rank's result.
-pub fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, Collectives) -> R + Sync) -> Vec<R> {
+pub fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, Group) -> R + Sync) -> Vec<R> {
     run_on_threads_with_timeout(world, TIMEOUT, |comm| {
         let rank = comm.rank();
         let comm: Arc<dyn Communicator> = Arc::new(comm);
-        f(rank, Collectives::host(comm))
+        f(rank, Arc::new(HostGroup::new(comm)))
     })
     .into_iter()
     .map(|r| r.unwrap())
@@ -60,11 +61,7 @@ pub fn bucket(index: usize, buffer: Vec<f32>, shapes: &[&[usize]], is_last: bool
 }
 
 /// Reduces `bucket` with `policy` and waits: the bucket's new contents.
-pub fn reduce(
-    policy: &mut dyn ReducerPolicy,
-    bucket: PolicyBucket,
-    comm: &Collectives,
-) -> brigade_ddp::Result<Vec<f32>> {
+pub fn reduce(policy: &mut dyn ReducerPolicy, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Vec<f32>> {
     match policy.reduce(bucket, comm)? {
         Reduction::Full(w) => Ok(w.wait()?.to_vec()?),
         Reduction::Shard { .. } => panic!("a full reduction was expected"),

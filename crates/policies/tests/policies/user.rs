@@ -9,7 +9,7 @@ use crate::common::{max_diff, spec, train, RankRun, Setup};
 use std::collections::HashMap;
 
 use brigade_comm::ReduceOp;
-use brigade_ddp::policy::{Collectives, PolicyBucket, Reduction, StepContext};
+use brigade_ddp::policy::{Group, PolicyBucket, Reduction, StepContext};
 use brigade_ddp::{DdpError, ReducerPolicy};
 use brigade_policies::{PolicyError, PolicySpec, Registry};
 use brigade_tensor::{DType, Tensor};
@@ -38,7 +38,7 @@ impl ReducerPolicy for Int8 {
         "int8-own".into()
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let g = bucket.tensor.copy()?;
         for p in &bucket.params {
             if let Some(e) = self.error.get(&p.index) {
@@ -79,7 +79,7 @@ impl ReducerPolicy for LocalSgd {
         format!("local-sgd:{}@{}", self.h, self.k)
     }
 
-    fn reduce(&mut self, bucket: PolicyBucket, comm: &Collectives) -> brigade_ddp::Result<Reduction> {
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         if self.steps < self.k {
             return Ok(Reduction::Full(comm.all_reduce(
                 &bucket.tensor,
@@ -92,7 +92,7 @@ impl ReducerPolicy for LocalSgd {
     }
 
     #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
-    fn after_step(&mut self, step: &StepContext<'_>, comm: &Collectives) -> brigade_ddp::Result<()> {
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> brigade_ddp::Result<()> {
         self.steps += 1;
         if self.steps > self.k && (self.steps - self.k) % self.h == 0 {
             for (i, p) in step.params.iter().enumerate() {

@@ -104,7 +104,7 @@ impl brigade_ddp::ReducerPolicy for Average {
     fn reduce(
         &mut self,
         bucket: brigade_ddp::policy::PolicyBucket,
-        comm: &brigade_ddp::Collectives,
+        comm: &brigade_ddp::Group,
     ) -> brigade_ddp::Result<brigade_ddp::policy::Reduction> {
         Ok(brigade_ddp::policy::Reduction::Full(comm.all_reduce(
             &bucket.tensor,

@@ -1,4 +1,4 @@
-//! The NCCL comm stream: [`super::DeviceStream`] over an NCCL communicator built on a second
+//! NCCL as a process group: [`super::DeviceGroup`] over an NCCL communicator built on a second
 //! stream of the bucket's GPU. Every reducer policy runs there unchanged (see `device.rs`):
 //! its compute on the comm stream behind the bucket's ready event, its all-reduces,
 //! reduce-scatters and all-gathers as NCCL calls on device memory (comm's raw handles,
@@ -7,18 +7,17 @@
 use std::time::Duration;
 
 use brigade_comm::nccl::{NcclComm, NcclId};
-use brigade_comm::{Communicator, DeviceSpan, RawStream, ReduceOp};
+use brigade_comm::{DeviceSpan, RawStream, ReduceOp};
 use brigade_tensor::{Device, Storage, Stream, Tensor};
 
-use super::device::DeviceStream;
-use crate::collectives::{CollectiveBackend, TensorWork};
+use super::{DeviceGroup, ProcessGroup, TensorWork};
 use crate::DdpError;
 
 /// Buckets reduced by their policy's collectives on NCCL, on a comm stream of their GPU,
-/// ordered by events (see [`DeviceStream`]).
-pub type NcclStream = DeviceStream<NcclComm>;
+/// ordered by events (see [`DeviceGroup`]).
+pub type NcclGroup = DeviceGroup<NcclComm>;
 
-impl DeviceStream<NcclComm> {
+impl DeviceGroup<NcclComm> {
     /// Rank `rank` of `world_size` joins the NCCL communicator `id` on CUDA device `device`,
     /// with a new comm stream of that device (the NCCL communicator runs there); the compute
     /// stream is the device's. Blocks until every rank joined (at most `timeout`).
@@ -28,7 +27,7 @@ impl DeviceStream<NcclComm> {
         world_size: usize,
         id: NcclId,
         timeout: Duration,
-    ) -> crate::Result<NcclStream> {
+    ) -> crate::Result<NcclGroup> {
         let Device::Cuda(ordinal) = device else {
             return Err(DdpError::Cuda {
                 rank,
@@ -49,7 +48,7 @@ impl DeviceStream<NcclComm> {
                 timeout,
             )?
         };
-        DeviceStream::from_parts(comm, device, comm_stream)
+        DeviceGroup::from_parts(comm, device, comm_stream)
     }
 }
 
@@ -84,28 +83,28 @@ fn with_span<R>(
 
 /// The work of a collective NCCL enqueued (or failed to), completing with `out`.
 fn enqueued(comm: &NcclComm, tag: &str, out: &Tensor, r: crate::Result<()>) -> TensorWork<Tensor> {
-    let rank = Communicator::rank(comm);
-    TensorWork::ready(rank, tag, Communicator::timeout(comm), r.map(|()| out.clone()))
+    let rank = comm.rank();
+    TensorWork::ready(rank, tag, comm.timeout(), r.map(|()| out.clone()))
 }
 
 /// NCCL serves the collective contract on device memory: each method enqueues on the current
-/// stream (the comm stream the communicator was built on, inside `DeviceStream`'s scope), and
+/// stream (the comm stream the communicator was built on, inside `DeviceGroup`'s scope), and
 /// its work completes once enqueued.
-impl CollectiveBackend for NcclComm {
+impl ProcessGroup for NcclComm {
     fn name(&self) -> &'static str {
         "nccl"
     }
 
     fn rank(&self) -> usize {
-        Communicator::rank(self)
+        NcclComm::rank(self)
     }
 
     fn world_size(&self) -> usize {
-        Communicator::world_size(self)
+        NcclComm::world_size(self)
     }
 
     fn timeout(&self) -> Duration {
-        Communicator::timeout(self)
+        NcclComm::timeout(self)
     }
 
     fn check(&self) -> crate::Result<()> {
@@ -116,7 +115,7 @@ impl CollectiveBackend for NcclComm {
         let r = Stream::current(buf.device())
             .map_err(DdpError::from)
             .and_then(|stream| {
-                with_span(Communicator::rank(self), buf, &stream, |_, span| {
+                with_span(NcclComm::rank(self), buf, &stream, |_, span| {
                     // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of
                     // the tensor (nobody else writes it) and, once restored, kept alive by the tensor
                     // the reduction holds until the compute stream waited on the bucket's done event;
@@ -128,7 +127,7 @@ impl CollectiveBackend for NcclComm {
     }
 
     fn reduce_scatter_into(&self, send: &Tensor, recv: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        let rank = Communicator::rank(self);
+        let rank = NcclComm::rank(self);
         let r = Stream::current(send.device())
             .map_err(DdpError::from)
             .and_then(|stream| {
@@ -143,7 +142,7 @@ impl CollectiveBackend for NcclComm {
     }
 
     fn all_gather_into(&self, send: &Tensor, recv: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        let rank = Communicator::rank(self);
+        let rank = NcclComm::rank(self);
         let r = Stream::current(send.device())
             .map_err(DdpError::from)
             .and_then(|stream| {

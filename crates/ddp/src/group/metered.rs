@@ -1,0 +1,122 @@
+//! DDP's meter, as a wrapper of any [`ProcessGroup`]: every collective a policy issues is
+//! counted once, into the wrapper's [`CommMeter`] (what this rank hands over, and what it sends
+//! under the ring algorithms, [`brigade_comm::RingOp::wire_bytes`]); within a bucket's
+//! reduction each collective, including those issued later from a continuation through a clone
+//! of the group, is attributed to that bucket: in traces, and in the bucket's part of the meter,
+//! which step profiles record.
+
+use std::time::Duration;
+
+use brigade_comm::{tagging_collectives, CommMeter, ReduceOp, RingOp, SpanId};
+use brigade_tensor::{Stream, Tensor};
+
+use super::{bytes, Group, ProcessGroup, ReadyEvent, TensorWork};
+
+/// `inner`, each collective counted into `meter` (and attributed to `bucket`, when set).
+pub struct Metered {
+    inner: Group,
+    meter: CommMeter,
+    bucket: Option<usize>,
+}
+
+impl Metered {
+    /// `inner`, counting into `meter`.
+    pub fn new(inner: Group, meter: CommMeter) -> Metered {
+        Metered {
+            inner,
+            meter,
+            bucket: None,
+        }
+    }
+
+    /// `inner`, its collectives attributed to bucket `index` and counted into `meter` (a part
+    /// of DDP's meter, [`CommMeter::part`]).
+    pub fn for_bucket(inner: Group, meter: CommMeter, index: usize) -> Metered {
+        Metered {
+            inner,
+            meter,
+            bucket: Some(index),
+        }
+    }
+
+    /// What this wrapper's collectives sent so far.
+    pub fn meter(&self) -> &CommMeter {
+        &self.meter
+    }
+
+    fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn ProcessGroup) -> T) -> T {
+        self.meter.count(op, bytes, self.inner.world_size());
+        match self.bucket {
+            Some(index) => tagging_collectives(index, || f(self.inner.as_ref())),
+            None => f(self.inner.as_ref()),
+        }
+    }
+}
+
+impl ProcessGroup for Metered {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn enqueues(&self) -> bool {
+        self.inner.enqueues()
+    }
+    fn check(&self) -> crate::Result<()> {
+        self.inner.check()
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        self.issue(RingOp::AllReduce, bytes(t), |g| g.all_reduce(t, op, tag))
+    }
+    fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        self.issue(RingOp::ReduceScatter, bytes(input), |g| {
+            g.reduce_scatter_into(input, output, op, tag)
+        })
+    }
+    fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        self.issue(RingOp::AllGather, bytes(input), |g| {
+            g.all_gather_into(input, output, tag)
+        })
+    }
+    fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor> {
+        self.issue(RingOp::Broadcast, bytes(t), |g| g.broadcast(t, root, tag))
+    }
+    fn barrier(&self, tag: &str) -> TensorWork<()> {
+        self.issue(RingOp::Barrier, 0, |g| g.barrier(tag))
+    }
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
+        self.issue(RingOp::ReduceScatter, bytes(t), |g| g.reduce_scatter(t, op, tag))
+    }
+    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
+        self.issue(RingOp::AllGather, bytes(t), |g| g.all_gather(t, tag))
+    }
+    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
+        self.issue(RingOp::AllGather, bytes(payload) + bytes(side), |g| {
+            g.all_gather_with_side(payload, side, tag)
+        })
+    }
+
+    fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
+        self.inner.record_ready(index, flat)
+    }
+    fn launch(&self, index: usize, ready: ReadyEvent) -> crate::Result<Option<Stream>> {
+        self.inner.launch(index, ready)
+    }
+    fn launched(&self, index: usize, meter: &CommMeter) -> crate::Result<()> {
+        self.inner.launched(index, meter)
+    }
+    fn wait(&self, index: usize) -> crate::Result<()> {
+        self.inner.wait(index)
+    }
+    fn compute_scope(&self, span: Option<SpanId>) {
+        self.inner.compute_scope(span)
+    }
+}
