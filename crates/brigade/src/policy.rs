@@ -45,6 +45,26 @@ impl MakePolicy for PolicySpec {
     }
 }
 
+/// A spec whose user policies `registry` makes (a bare [`PolicySpec`] knows the built-in
+/// ones alone).
+#[derive(Clone)]
+pub struct Registered {
+    /// The policy.
+    pub spec: PolicySpec,
+    /// Where its user policy is registered.
+    pub registry: Registry,
+}
+
+impl MakePolicy for Registered {
+    fn make(&self, _rank: usize) -> Result<Box<dyn ReducerPolicy>> {
+        Ok(self.spec.build(&self.registry)?)
+    }
+
+    fn zero_stage(&self) -> ZeroStage {
+        self.spec.zero_stage()
+    }
+}
+
 impl<F, P> MakePolicy for F
 where
     F: Fn(usize) -> P + Send + Sync,

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod args;
+mod argv;
 mod bucket_cap;
 mod commands;
 mod error;

@@ -17,7 +17,7 @@ use brigade_ddp::overlap::StepProfile;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::args::{compact, CommHookName, ModelName, RunArgs};
+use crate::args::{compact, ModelName, RunArgs};
 use crate::bucket_cap::BucketCap;
 use crate::error::{Error, Result};
 use crate::run::{run_config, train_config, LateHeldOut, RunOptions};
@@ -104,8 +104,8 @@ impl Choice {
     /// Sets the flags it chose in `args`.
     fn apply(&self, args: &mut RunArgs) -> Result<()> {
         let d = &mut args.distributed;
-        (d.comm_hook, d.zero) = (CommHookName::Allreduce, 0);
-        args.set_policy(&self.policy)?;
+        (d.comm_hook_alias, d.zero) = (None, 0);
+        args.resolve_policy(Some(&self.policy))?;
         let d = &mut args.distributed;
         d.bucket_mb = vec![BucketCap::Mib(self.bucket_mb)];
         d.first_bucket_mb = self.first_bucket_mb;
@@ -166,7 +166,7 @@ fn check(args: &RunArgs, policy_given: bool) -> Result<f64> {
              (brigade train --profile) and give its flags",
         );
     }
-    if policy_given || args.distributed.comm_hook != CommHookName::Allreduce || args.distributed.zero != 0 {
+    if policy_given || args.distributed.comm_hook_alias.is_some() || args.distributed.zero != 0 {
         return bad("chooses the reducer policy: drop --policy, --comm-hook and --zero");
     }
     if args.model.activation_checkpointing.is_some() {

@@ -18,8 +18,6 @@
 
 pub mod memory;
 
-use std::collections::BTreeSet;
-
 use brigade_ddp::overlap::{replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
 use brigade_models::ModelKind;
 use brigade_policies::PolicySpec;
@@ -128,43 +126,11 @@ pub struct Plan {
     pub link_flags: Vec<String>,
 }
 
-/// The policy families whose profiles a candidate can be predicted from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Family {
-    AllReduce,
-    Fp16,
-    Bf16,
-    PowerSgd(usize),
-    Zero1,
-    Zero2,
-    Zero3,
-}
-
-impl Family {
-    fn of(spec: &PolicySpec) -> Option<Family> {
-        Some(match spec {
-            PolicySpec::AllReduce => Family::AllReduce,
-            PolicySpec::Fp16 => Family::Fp16,
-            PolicySpec::Bf16 => Family::Bf16,
-            PolicySpec::PowerSgd { rank, .. } => Family::PowerSgd(*rank),
-            PolicySpec::Zero1 => Family::Zero1,
-            PolicySpec::Zero2 => Family::Zero2,
-            PolicySpec::Zero3 => Family::Zero3,
-            PolicySpec::Int8 | PolicySpec::User { .. } => return None,
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Family::AllReduce => "allreduce",
-            Family::Fp16 => "fp16",
-            Family::Bf16 => "bf16",
-            Family::PowerSgd(_) => "powersgd",
-            Family::Zero1 => "zero1",
-            Family::Zero2 => "zero2",
-            Family::Zero3 => "zero3",
-        }
-    }
+/// The policy family whose profiles a candidate of `spec` is predicted from: the spec a plan
+/// groups it under (its entry in [`brigade_policies::registry`]); `None` when a plan does not
+/// weigh it.
+fn family_of(spec: &PolicySpec) -> Option<PolicySpec> {
+    spec.plan_family()
 }
 
 /// The step of one run's profiled steps that a plan reads: the one whose measured step (its
@@ -201,11 +167,11 @@ fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
     };
     for (i, p) in profiles.iter().enumerate() {
         p.validate().map_err(|e| Error::Plan(format!("profile {i}: {e}")))?;
-        if profiled_policy(p).as_ref().and_then(Family::of).is_none() {
+        if profiled_policy(p).as_ref().and_then(family_of).is_none() {
             let name = p.policy.as_ref().map_or("", |pp| pp.name.as_str());
             return plan_err(format!(
-                "profile {i} records policy '{name}', which a plan does not weigh (it weighs allreduce, fp16, \
-                 bf16, powersgd, zero1, zero2 and zero3): leave it out"
+                "profile {i} records policy '{name}', which a plan does not weigh (it weighs {}): leave it out",
+                brigade_policies::registry::planned_names()
             ));
         }
         if p.run.is_none() {
@@ -323,43 +289,28 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
         return Err(Error::Plan("the world size must be at least 1".into()));
     }
     let recorded: Vec<Option<PolicySpec>> = profiles.iter().map(profiled_policy).collect();
-    let family_of_profile: Vec<Option<Family>> = recorded.iter().map(|s| s.as_ref().and_then(Family::of)).collect();
+    let family_of_profile: Vec<Option<PolicySpec>> = recorded.iter().map(|s| s.as_ref().and_then(family_of)).collect();
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
 
-    // the policies: the built-in families, PowerSGD at each rank some profile recorded (rank 1
-    // when none did, to say that it was not profiled)
-    let mut powersgd: BTreeSet<(usize, usize)> = recorded
-        .iter()
-        .flatten()
-        .filter_map(|s| match s {
-            PolicySpec::PowerSgd { rank, start_iter } => Some((*rank, *start_iter)),
-            _ => None,
-        })
-        .collect();
-    if powersgd.is_empty() {
-        powersgd.insert((1, brigade_policies::DEFAULT_POWERSGD_START));
-    }
-    let mut policies = vec![PolicySpec::AllReduce, PolicySpec::Fp16, PolicySpec::Bf16];
-    policies.extend(
-        powersgd
-            .into_iter()
-            .map(|(rank, start_iter)| PolicySpec::PowerSgd { rank, start_iter }),
-    );
-    policies.extend([PolicySpec::Zero1, PolicySpec::Zero2, PolicySpec::Zero3]);
+    // the policies: the built-in families, each of them at every setting some profile
+    // recorded (PowerSGD at each rank; rank 1 when none did, to say that it was not profiled)
+    let recorded_specs: Vec<PolicySpec> = recorded.iter().flatten().cloned().collect();
+    let policies = brigade_policies::registry::plan_candidates(&recorded_specs);
     let checkpointing: &[usize] = match facts.kind {
         ModelKind::Gpt(_) => &[0, 1],
         ModelKind::Mlp(_) => &[0],
     };
     // the recompute, measured: allreduce at checkpointing 0 and 1
     let allreduce_at = |ac: usize| {
-        (0..profiles.len())
-            .find(|&i| family_of_profile[i] == Some(Family::AllReduce) && profiles[i].activation_checkpointing == ac)
+        (0..profiles.len()).find(|&i| {
+            family_of_profile[i] == Some(PolicySpec::AllReduce) && profiles[i].activation_checkpointing == ac
+        })
     };
     let ac_pair = allreduce_at(0).zip(allreduce_at(1));
 
     let mut candidates = vec![];
     for policy in &policies {
-        let family = Family::of(policy).expect("a built-in family");
+        let family = family_of(policy).expect("a planned policy has a family");
         for &ac in checkpointing {
             let memory = memory::predict_peak(&PeakQuery {
                 kind: &facts.kind,
@@ -377,7 +328,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
                 let step = predict_step(
                     profiles,
                     &family_of_profile,
-                    family,
+                    &family,
                     ac,
                     ac_pair,
                     overhead,
@@ -442,29 +393,29 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
 /// from the profile replayed), or why it cannot be predicted.
 fn predict_step(
     profiles: &[StepProfile],
-    families: &[Option<Family>],
-    family: Family,
+    families: &[Option<PolicySpec>],
+    family: &PolicySpec,
     ac: usize,
     ac_pair: Option<(usize, usize)>,
     overhead: LaunchOverhead,
     cfg: &ReplayConfig,
 ) -> std::result::Result<StepPrediction, String> {
-    let of_family: Vec<usize> = (0..profiles.len()).filter(|&i| families[i] == Some(family)).collect();
+    let of_family: Vec<usize> = (0..profiles.len())
+        .filter(|&i| families[i].as_ref() == Some(family))
+        .collect();
     if of_family.is_empty() {
-        if let Family::PowerSgd(r) = family {
-            let profiled: Vec<String> = families
-                .iter()
-                .filter_map(|f| match f {
-                    Some(Family::PowerSgd(k)) => Some(k.to_string()),
-                    _ => None,
-                })
-                .collect();
-            if !profiled.is_empty() {
-                return Err(format!(
-                    "PowerSGD rank {r}'s compute was not measured (profiled: {})",
-                    profiled.join(", ")
-                ));
-            }
+        // the same policy profiled at other settings (PowerSGD at other ranks)
+        let profiled: Vec<String> = families
+            .iter()
+            .flatten()
+            .filter(|f| f.name() == family.name())
+            .map(|f| f.to_string())
+            .collect();
+        if !profiled.is_empty() {
+            return Err(format!(
+                "{family}'s compute was not measured (profiled: {})",
+                profiled.join(", ")
+            ));
         }
         return Err(format!("no profiled step under {}", family.name()));
     }
@@ -500,9 +451,9 @@ fn predict_step(
     // allreduce's compute at the same checkpointing, from its own profile (or stretched)
     let base = |i: usize| replay_with(&profiles[i], &cfg, overhead).ok().map(|b| b.compute_step_s);
     let allreduce = (0..profiles.len())
-        .find(|&i| families[i] == Some(Family::AllReduce) && profiles[i].activation_checkpointing == ac);
+        .find(|&i| families[i] == Some(PolicySpec::AllReduce) && profiles[i].activation_checkpointing == ac);
     let policy_compute_s = match family {
-        Family::AllReduce => Some(0.0),
+        PolicySpec::AllReduce => Some(0.0),
         _ => allreduce.and_then(base).map(|b| r.compute_step_s - b),
     };
     Ok(StepPrediction {

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use brigade::plan::{median_step, plan, Candidate, Plan, PlanQuery};
+use brigade::policies::PolicySpec;
 use clap::Args;
 use serde_json::json;
 
@@ -131,7 +132,11 @@ fn print_table(p: &Plan, q: &PlanQuery, profiles: &[brigade::ddp::overlap::StepP
     let recorded: Vec<String> = profiles
         .iter()
         .map(|pr| {
-            let name = pr.policy.as_ref().map_or("allreduce", |x| x.name.as_str());
+            // a profile that names no policy ran an f32 all-reduce
+            let name = pr
+                .policy
+                .as_ref()
+                .map_or(PolicySpec::AllReduce.name(), |x| x.name.as_str());
             match pr.activation_checkpointing {
                 0 => name.to_string(),
                 n => format!("{name} ac{n}"),

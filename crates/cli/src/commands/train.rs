@@ -136,12 +136,10 @@ fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, Stri
 }
 
 impl TrainArgs {
-    /// Sets the flags `--policy` stands for ([`RunArgs::set_policy`]).
+    /// Sets the run's policy from `--policy` or its older spellings ([`RunArgs::resolve_policy`]).
     pub fn take_policy(&mut self) -> Result<()> {
-        match self.policy.take() {
-            Some(entry) => self.run.set_policy(&entry),
-            None => Ok(()),
-        }
+        let entry = self.policy.take();
+        self.run.resolve_policy(entry.as_deref())
     }
 
     /// Checks the flags before any work: numbers, combinations, and every output path.

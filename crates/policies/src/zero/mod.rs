@@ -83,6 +83,23 @@ impl ZeroStage {
     }
 }
 
+impl crate::PolicySpec {
+    /// Whether each rank keeps only its shard of the optimizer state (ZeRO-1, 2, 3).
+    pub fn shards_optimizer_state(&self) -> bool {
+        self.zero_stage() != ZeroStage::Off
+    }
+
+    /// Whether each rank keeps only its shard of the reduced gradients (ZeRO-2, 3).
+    pub fn shards_grads(&self) -> bool {
+        matches!(self.zero_stage(), ZeroStage::Two | ZeroStage::Three)
+    }
+
+    /// Whether each rank keeps only its shard of the parameters, gathered per unit (ZeRO-3).
+    pub fn shards_params(&self) -> bool {
+        self.zero_stage() == ZeroStage::Three
+    }
+}
+
 /// This rank's f32 shard of every bucket cut from the whole f32 `masters` (by parameter
 /// name), zeros where the shard is padding.
 fn master_shards(ctx: &OptimizerContext, masters: &[(String, Tensor)]) -> brigade_ddp::Result<Vec<Tensor>> {
