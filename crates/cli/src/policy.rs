@@ -30,6 +30,20 @@ pub fn maker(spec: PolicySpec) -> std::sync::Arc<dyn brigade::policy::MakePolicy
     })
 }
 
+/// `cmd` with every `--policy` flag's help listing the policies (`FORM: what it does`).
+pub fn listed_in_help(cmd: clap::Command) -> clap::Command {
+    let list = registry().help().join("; ");
+    cmd.mut_subcommands(|sub| {
+        if !sub.get_arguments().any(|a| a.get_id() == "policy") {
+            return sub;
+        }
+        sub.mut_arg("policy", |a| {
+            let help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+            a.help(format!("{}. The policies: {list}.", help.trim_end_matches('.')))
+        })
+    })
+}
+
 /// Reads `entry` with the settings flags' values (a bare name with settings takes them).
 pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) -> Result<PolicySpec> {
     let spec = PolicySpec::parse_with_settings(entry, powersgd_rank, powersgd_start_iter)
