@@ -46,11 +46,13 @@ pub fn listed_in_help(cmd: clap::Command) -> clap::Command {
 
 /// Reads `entry` with the settings flags' values (a bare name with settings takes them).
 pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) -> Result<PolicySpec> {
-    let spec = PolicySpec::parse_with_settings(entry, powersgd_rank, powersgd_start_iter)
-        .map_err(|e| Error::Usage(format!("--policy {entry}: {e}")))?;
-    registry()
-        .parse(&spec.to_string())
-        .map_err(|e| Error::Usage(format!("--policy {entry}: {e}")))
+    let usage = |e: brigade::policies::PolicyError| Error::Usage(format!("--policy {entry}: {e}"));
+    let spec = PolicySpec::parse_with_settings(entry, powersgd_rank, powersgd_start_iter).map_err(usage)?;
+    match &spec {
+        // a user policy's name must be registered (a built-in one's settings are checked later)
+        PolicySpec::User { .. } => registry().parse(&spec.to_string()).map_err(usage),
+        _ => Ok(spec),
+    }
 }
 
 /// Checks one `--policy` entry against the registry (clap's value parser; the message is the

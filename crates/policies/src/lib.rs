@@ -22,4 +22,4 @@ pub use int8::Int8;
 pub use powersgd::{PowerSgd, PowerSgdConfig, POWERSGD_SETTINGS};
 pub use registry::{MakeUserPolicy, Registry};
 pub use spec::{PolicySpec, DEFAULT_POWERSGD_START};
-pub use zero::{Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};
+pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

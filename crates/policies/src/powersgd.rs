@@ -180,9 +180,10 @@ impl PolicySpec {
     /// `s` read with PowerSGD's settings given apart ([`POWERSGD_SETTINGS`]): a bare
     /// `powersgd` is of rank `rank`, and a PowerSGD spec without `@START` starts at `start_iter`.
     pub fn parse_with_settings(s: &str, rank: usize, start_iter: usize) -> Result<PolicySpec, PolicyError> {
+        // a bare name is of the settings as given: PowerSgdConfig::validate says what is wrong
         let spec = match s.split_once(':') {
             None if crate::registry::entry(s).is_some_and(|e| !e.args.is_empty()) => {
-                read_spec(s, Some(&rank.to_string()))?
+                PolicySpec::PowerSgd { rank, start_iter }
             }
             _ => s.parse()?,
         };

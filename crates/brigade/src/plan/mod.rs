@@ -118,12 +118,11 @@ pub struct Plan {
     pub winner: Option<usize>,
     /// The profiles' precision (`f32`, `bf16`, `fp16`): every candidate runs at it.
     pub precision: String,
-    /// The command line of the first profile that recorded one (empty: none did).
+    /// The command line of the first profile that recorded one (empty: none did), as the
+    /// program that recorded it wrote it.
     pub command: Vec<String>,
-    /// The flags of the link the plan costed its candidates on (`--net-gbps`,
-    /// `--net-latency-us`), which [`Plan::command`] puts in place of the profiled run's; empty
-    /// on the profiles' measured link.
-    pub link_flags: Vec<String>,
+    /// The link the plan costed its candidates on.
+    pub link: LinkCost,
 }
 
 /// The policy family whose profiles a candidate of `spec` is predicted from: the spec a plan
@@ -177,7 +176,8 @@ fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
         if p.run.is_none() {
             return plan_err(format!(
                 "profile {i} does not record what ran (model, batch, optimizer, precision): \
-                 re-record it with this build's brigade train --profile"
+                 re-record it with this build's {}",
+                crate::field::PROFILE
             ));
         }
     }
@@ -377,15 +377,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
                     .map(|r| r.command.clone())
             })
             .unwrap_or_default(),
-        link_flags: match q.link {
-            LinkCost::Ring(m) => vec![
-                "--net-gbps".into(),
-                (m.bandwidth_bytes_per_s * 8.0 / 1e9).to_string(),
-                "--net-latency-us".into(),
-                (m.latency.as_nanos() as f64 / 1e3).to_string(),
-            ],
-            LinkCost::Measured => vec![],
-        },
+        link: q.link,
     })
 }
 
@@ -466,80 +458,9 @@ fn predict_step(
     })
 }
 
-/// Flags of `brigade train` that a plan's command sets, each with whether it takes a value
-/// (`--activation-checkpointing` may take one).
-const PLANNED_FLAGS: [(&str, bool); 11] = [
-    ("--policy", true),
-    ("--comm-hook", true),
-    ("--powersgd-rank", true),
-    ("--powersgd-start-iter", true),
-    ("--zero", true),
-    ("--bucket-mb", true),
-    ("--first-bucket-mb", true),
-    ("--activation-checkpointing", false),
-    ("--world-size", true),
-    ("--profile", true),
-    ("--profile-steps", true),
-];
-
 impl Plan {
     /// The winner, when one fits.
     pub fn winner(&self) -> Option<&Candidate> {
         self.winner.map(|i| &self.candidates[i])
-    }
-
-    /// The flags that choose candidate `idx`: `--policy`, `--bucket-mb`, `--first-bucket-mb`,
-    /// `--activation-checkpointing` (when on) and `--world-size`.
-    pub fn flags(&self, idx: usize) -> Vec<String> {
-        let c = &self.candidates[idx];
-        let mut f = vec![
-            "--policy".to_string(),
-            c.policy.to_string(),
-            "--bucket-mb".into(),
-            c.bucket_cap_mb.to_string(),
-            "--first-bucket-mb".into(),
-            c.first_bucket_cap_mb.to_string(),
-        ];
-        if c.activation_checkpointing > 0 {
-            f.extend([
-                "--activation-checkpointing".into(),
-                c.activation_checkpointing.to_string(),
-            ]);
-        }
-        f.extend(["--world-size".into(), c.world_size.to_string()]);
-        f
-    }
-
-    /// The command line that runs candidate `idx`: the profiled command with the flags the
-    /// plan chooses (and `--profile`, `--profile-steps`) replaced by [`Plan::flags`], and its
-    /// link by the one the plan costed ([`Plan::link_flags`]); the flags alone when no profile
-    /// recorded a command (a library run).
-    pub fn command(&self, idx: usize) -> Vec<String> {
-        const LINK_FLAGS: [(&str, bool); 2] = [("--net-gbps", true), ("--net-latency-us", true)];
-        let link: &[(&str, bool)] = if self.link_flags.is_empty() { &[] } else { &LINK_FLAGS };
-        let mut out = vec![];
-        let mut args = self.command.iter().peekable();
-        while let Some(a) = args.next() {
-            let (name, inline) = match a.split_once('=') {
-                Some((n, _)) if n.starts_with("--") => (n, true),
-                _ => (a.as_str(), false),
-            };
-            match PLANNED_FLAGS.iter().chain(link).find(|(f, _)| *f == name) {
-                None => out.push(a.clone()),
-                Some(_) if inline => {}
-                Some((_, true)) => {
-                    args.next();
-                }
-                // an optional value: a number right after it
-                Some((_, false)) => {
-                    if args.peek().is_some_and(|v| v.parse::<usize>().is_ok()) {
-                        args.next();
-                    }
-                }
-            }
-        }
-        out.extend(self.flags(idx));
-        out.extend(self.link_flags.iter().cloned());
-        out
     }
 }

@@ -18,14 +18,14 @@ impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
-        self.check_settings_flags(std::slice::from_ref(&self.distributed.policy), "--policy")?;
+        self.check_settings_flags(std::slice::from_ref(&self.distributed.policy), false)?;
         self.validate_for(&self.hook_spec())
     }
 
     /// The settings flags of a policy (`--powersgd-rank`, `--powersgd-start-iter`) given at
-    /// other than their defaults while none of `policies` has those settings; `named_by` is the
-    /// flag that names the policies.
-    pub fn check_settings_flags(&self, policies: &[PolicySpec], named_by: &str) -> Result<()> {
+    /// other than their defaults while none of `policies` has those settings; `listed`: the
+    /// policies are a sweep's list.
+    pub fn check_settings_flags(&self, policies: &[PolicySpec], listed: bool) -> Result<()> {
         let d = &self.distributed;
         let psgd = PowerSgdConfig::default();
         let given = d.powersgd_rank != psgd.rank || d.powersgd_start_iter != psgd.start_iter;
@@ -35,11 +35,11 @@ impl RunArgs {
         };
         if given && !policies.iter().any(|p| p.name() == owner.name()) {
             let flags = crate::policy::settings_flags(&POWERSGD_SETTINGS);
-            return Err(Error::Usage(format!(
-                "{} are for {named_by} {}",
-                flags.join(" and "),
-                owner.name()
-            )));
+            let owner = match listed {
+                true => format!("a {} policy in --policy", owner.name()),
+                false => format!("--policy {}", owner.name()),
+            };
+            return Err(Error::Usage(format!("{} are for {owner}", flags.join(" and "))));
         }
         Ok(())
     }

@@ -74,7 +74,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         let named = a.profile.iter().enumerate().fold(msg, |m, (i, path)| {
             m.replace(&format!("profile {i} "), &format!("--profile {} ", path.display()))
         });
-        Error::Usage(named)
+        Error::Usage(crate::argv::in_flag_terms(&named))
     })?;
     if a.json {
         outln!(
@@ -186,7 +186,7 @@ fn print_table(p: &Plan, q: &PlanQuery, profiles: &[brigade::ddp::overlap::StepP
         }
     }
     if let Some(w) = p.winner {
-        outln!("winner: {}", p.command(w).join(" "));
+        outln!("winner: {}", crate::argv::plan_command(p, w).join(" "));
     }
 }
 
@@ -223,6 +223,6 @@ fn plan_json(p: &Plan, q: &PlanQuery) -> serde_json::Value {
         "precision": p.precision,
         "candidates": candidates,
         "winner": p.winner,
-        "command": p.winner.map(|w| p.command(w)),
+        "command": p.winner.map(|w| crate::argv::plan_command(p, w)),
     })
 }

@@ -122,7 +122,7 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             spec.map_or(String::new(), |p| p.to_string())
         ));
     }
-    s.run.check_settings_flags(&specs, "--policy")?;
+    s.run.check_settings_flags(&specs, true)?;
     rows(s, specs, opts, late)
 }
 

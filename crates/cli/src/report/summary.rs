@@ -60,7 +60,7 @@ pub struct PrintNotes;
 
 impl TrainObserver for PrintNotes {
     fn note(&self, message: &str) {
-        eprintln!("note: {message}");
+        eprintln!("note: {}", crate::argv::in_flag_terms(message));
     }
 
     fn resumed(&self, changes: &[HyperparameterChange]) {

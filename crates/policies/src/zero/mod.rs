@@ -83,7 +83,28 @@ impl ZeroStage {
     }
 }
 
+/// How a policy lays a run's training state out over the ranks, as a checkpoint records it: a
+/// checkpoint resumes only under the layout it was written with. Its record is a number: 0
+/// when every rank holds the whole state, else the ZeRO stage that shards it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateLayout(ZeroStage);
+
+impl StateLayout {
+    /// Every rank holds the whole state.
+    pub const WHOLE: StateLayout = StateLayout(ZeroStage::Off);
+
+    /// The number a checkpoint records.
+    pub fn record(self) -> u8 {
+        self.0.level()
+    }
+}
+
 impl crate::PolicySpec {
+    /// How the policy lays the training state out over the ranks ([`StateLayout`]).
+    pub fn state_layout(&self) -> StateLayout {
+        StateLayout(self.zero_stage())
+    }
+
     /// Whether each rank keeps only its shard of the optimizer state (ZeRO-1, 2, 3).
     pub fn shards_optimizer_state(&self) -> bool {
         self.zero_stage() != ZeroStage::Off
