@@ -115,26 +115,22 @@ impl Choice {
     }
 }
 
-/// The calibration runs for `args`: allreduce, fp16, bf16, PowerSGD at `--powersgd-rank`
-/// compressing from its first step (its steady state), ZeRO-1, ZeRO-2, ZeRO-3, and for the GPT
+/// The calibration runs for `args`: every policy a plan weighs (the registry's), PowerSGD at
+/// `--powersgd-rank` compressing from its first step (its steady state), and for the GPT
 /// allreduce again with every block checkpointed (the recompute, measured once).
 pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
     let plain = |policy| Calibration {
         policy,
         activation_checkpointing: 0,
     };
-    let mut runs = vec![
-        plain(PolicySpec::AllReduce),
-        plain(PolicySpec::Fp16),
-        plain(PolicySpec::Bf16),
-        plain(PolicySpec::PowerSgd {
-            rank: args.distributed.powersgd_rank,
-            start_iter: 0,
-        }),
-        plain(PolicySpec::Zero1),
-        plain(PolicySpec::Zero2),
-        plain(PolicySpec::Zero3),
-    ];
+    let powersgd = PolicySpec::PowerSgd {
+        rank: args.distributed.powersgd_rank,
+        start_iter: 0,
+    };
+    let mut runs: Vec<Calibration> = brigade::policies::registry::plan_candidates(&[powersgd])
+        .into_iter()
+        .map(plain)
+        .collect();
     if args.model.model == ModelName::Gpt {
         runs.push(Calibration {
             policy: PolicySpec::AllReduce,
@@ -220,12 +216,11 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
             .iter()
             .any(|p| every.iter().any(|&ac| peak(p, ac).is_some_and(|p| p.total() <= budget)))
     };
-    let least = [
-        PolicySpec::AllReduce,
-        PolicySpec::Zero1,
-        PolicySpec::Zero2,
-        PolicySpec::Zero3,
-    ];
+    // the plain run and every policy that shards: what holds least
+    let least: Vec<PolicySpec> = brigade::policies::registry::plan_candidates(&[])
+        .into_iter()
+        .filter(|p| *p == PolicySpec::AllReduce || p.shards_optimizer_state())
+        .collect();
     if !fits(&least) {
         let smallest = least
             .iter()
