@@ -236,7 +236,7 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
                 p.largest().0,
                 crate::footprint::human(p.largest().1)
             ),
-            None => format!("--plan auto: this run needs more than 2^64 bytes per rank under any configuration"),
+            None => "--plan auto: this run needs more than 2^64 bytes per rank under any configuration".to_string(),
         }));
     }
     Ok(calibrations(args)
