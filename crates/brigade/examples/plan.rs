@@ -73,7 +73,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let winner = p.winner().ok_or("nothing fits the budget")?;
     assert!(winner.over_budget.is_none() && winner.memory.total() <= budget);
-    println!("pick: {}", p.command(0).join(" "));
+    println!(
+        "pick: {} at a {} MiB bucket cap (first {} MiB), activation checkpointing {}, {} ranks",
+        winner.policy,
+        winner.bucket_cap_mb,
+        winner.first_bucket_cap_mb,
+        winner.activation_checkpointing,
+        winner.world_size
+    );
 
     // a budget one byte under the pick's peak strikes it out
     let tighter = plan(&profiles, &PlanQuery::new(winner.memory.total() - 1, link))?;

@@ -38,7 +38,7 @@ use brigade_models::{
     load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, RngState, SamplerPosition,
     TRAINING_CHECKPOINT_FORMAT,
 };
-use brigade_policies::ZeroStage;
+use brigade_policies::StateLayout;
 use brigade_tensor::Tensor;
 
 use crate::error::{CheckpointMismatch, Error, Result};
@@ -83,9 +83,9 @@ pub struct CheckpointIdentity<'a> {
     /// The training data's fingerprint ([`crate::source::DataSource::fingerprint`]; `None`:
     /// neither recorded nor checked).
     pub data: Option<String>,
-    /// The ZeRO stage: a checkpoint resumes only under the stage it was written with (on any
-    /// number of ranks).
-    pub zero: ZeroStage,
+    /// How the policy lays the state out over the ranks: a checkpoint resumes only under the
+    /// layout it was written with (on any number of ranks).
+    pub layout: StateLayout,
     /// The number of ranks.
     pub world_size: usize,
     /// How the run orders its rows ([`crate::source::DataOrder::describe`]; `None`: in order,
@@ -323,7 +323,7 @@ pub fn save_checkpoint(
         ("model", id.model.to_string()),
         ("optimizer", id.optimizer.to_string()),
         ("seed", id.seed.to_string()),
-        ("zero", id.zero.level().to_string()),
+        ("zero", id.layout.record().to_string()),
         (WORLD_SIZE_KEY, id.world_size.to_string()),
     ]
     .into_iter()
@@ -572,10 +572,10 @@ fn check_sharding(
     id: &CheckpointIdentity<'_>,
 ) -> std::result::Result<(), CheckpointMismatch> {
     let zero: u8 = meta.get("zero").and_then(|z| z.parse().ok()).unwrap_or(0);
-    if zero != id.zero.level() {
+    if zero != id.layout.record() {
         return Err(CheckpointMismatch::Sharding {
             written_stage: zero,
-            stage: id.zero.level(),
+            stage: id.layout.record(),
         });
     }
     Ok(())

@@ -51,6 +51,7 @@ pub mod checkpoint;
 pub mod checkpoint_files;
 pub mod config;
 pub mod error;
+pub mod field;
 pub mod fit;
 pub mod join;
 pub mod launch;

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use brigade_ddp::ReducerPolicy;
-use brigade_policies::{PolicySpec, Registry, ZeroStage};
+use brigade_policies::{PolicySpec, Registry, StateLayout};
 
 use crate::error::Result;
 
@@ -29,9 +29,21 @@ pub trait MakePolicy: Send + Sync {
     /// A new policy for `rank`.
     fn make(&self, rank: usize) -> Result<Box<dyn ReducerPolicy>>;
 
-    /// The ZeRO stage the policy shards at, as checkpoints record it (`Off` unless it is ZeRO).
-    fn zero_stage(&self) -> ZeroStage {
-        ZeroStage::Off
+    /// How the policy lays the training state out over the ranks, as checkpoints record it
+    /// (the whole state on every rank unless it shards).
+    fn state_layout(&self) -> StateLayout {
+        StateLayout::WHOLE
+    }
+
+    /// Whether each rank keeps only its shard of the parameters, gathered per unit around
+    /// their forward and backward (so every rank must issue every gather).
+    fn shards_params(&self) -> bool {
+        false
+    }
+
+    /// The policy's name, for messages (`None`: a recipe that does not say).
+    fn name(&self) -> Option<String> {
+        None
     }
 }
 
@@ -40,8 +52,44 @@ impl MakePolicy for PolicySpec {
         Ok(self.build(&Registry::new())?)
     }
 
-    fn zero_stage(&self) -> ZeroStage {
-        PolicySpec::zero_stage(self)
+    fn state_layout(&self) -> StateLayout {
+        PolicySpec::state_layout(self)
+    }
+
+    fn shards_params(&self) -> bool {
+        PolicySpec::shards_params(self)
+    }
+
+    fn name(&self) -> Option<String> {
+        Some(self.to_string())
+    }
+}
+
+/// A spec whose user policies `registry` makes (a bare [`PolicySpec`] knows the built-in
+/// ones alone).
+#[derive(Clone)]
+pub struct Registered {
+    /// The policy.
+    pub spec: PolicySpec,
+    /// Where its user policy is registered.
+    pub registry: Registry,
+}
+
+impl MakePolicy for Registered {
+    fn make(&self, _rank: usize) -> Result<Box<dyn ReducerPolicy>> {
+        Ok(self.spec.build(&self.registry)?)
+    }
+
+    fn state_layout(&self) -> StateLayout {
+        self.spec.state_layout()
+    }
+
+    fn shards_params(&self) -> bool {
+        self.spec.shards_params()
+    }
+
+    fn name(&self) -> Option<String> {
+        Some(self.spec.to_string())
     }
 }
 

@@ -221,8 +221,11 @@ pub fn defaulted_t_note(cfg: &TrainConfig, meta: &HashMap<String, String>) -> Op
         format!(
             "the schedule's T was left to default, so it is the checkpoint's T = {t} (its run's steps): \
              from step {t} to this run's end at step {} the learning rate holds min_lr {min_lr}; \
-             a run that should decay over {} steps sets T (--lr-decay-steps {}) from its start",
-            cfg.recipe.steps, cfg.recipe.steps, cfg.recipe.steps
+             a run that should decay over {} steps sets T ({} {}) from its start",
+            cfg.recipe.steps,
+            cfg.recipe.steps,
+            crate::field::DECAY_STEPS,
+            cfg.recipe.steps
         )
     })
 }

@@ -4,7 +4,7 @@ use crate::report::stdout::outln;
 use brigade_ddp::overlap::{AutotuneConfig, AutotuneReport, AUTOTUNE_CAPS_MB, AUTOTUNE_START_CAP_MB, DEFAULT_MIN_GAIN};
 use clap::Args;
 
-use crate::args::{compact, CommHookName, RunArgs};
+use crate::args::{compact, RunArgs};
 use crate::error::{Error, Result};
 
 /// One `--bucket-mb` value.
@@ -137,8 +137,11 @@ impl RunArgs {
                     .join(",")
             ));
         }
-        if self.distributed.comm_hook == CommHookName::Powersgd {
-            return bad("--bucket-mb auto regroups the buckets mid-run, and --policy powersgd keeps state per bucket: give a fixed --bucket-mb".into());
+        if self.distributed.policy.keeps_state_per_bucket() {
+            return bad(format!(
+                "--bucket-mb auto regroups the buckets mid-run, and {} keeps state per bucket: give a fixed --bucket-mb",
+                self.policy_flag()
+            ));
         }
         if a.autotune_every == Some(0) {
             return bad("--autotune-every must be at least 1 (steps between checks)".into());

@@ -132,18 +132,17 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
         E::OutOfData { step, rank, rows, steps } => format!(
             "step {step}: rank {rank}'s data ended ({rows} rows: {steps} steps) while other ranks still have data; --join throw stops every rank here (--join divide-initial or divide-active trains on)"
         ),
-        e => e.to_string(),
+        e => crate::argv::in_flag_terms(&e.to_string()),
     }
 }
 
 /// The flag that sets the library's configuration field `field` (a name of this program's own,
 /// a flag already, as it is).
 fn flag_of_field(field: &str) -> &str {
-    match field {
-        brigade::checkpoint_files::PATH_FIELD => "--checkpoint",
-        brigade::checkpoint_files::INIT_FIELD => "--init",
-        other => other,
-    }
+    crate::argv::FIELD_FLAGS
+        .iter()
+        .find(|(f, _)| *f == field)
+        .map_or(field, |(_, flag)| flag)
 }
 
 fn mismatch_in_flag_terms(m: &CheckpointMismatch) -> String {

@@ -17,7 +17,7 @@ use brigade_ddp::overlap::StepProfile;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::args::{compact, CommHookName, ModelName, RunArgs};
+use crate::args::{compact, ModelName, RunArgs};
 use crate::bucket_cap::BucketCap;
 use crate::error::{Error, Result};
 use crate::run::{run_config, train_config, LateHeldOut, RunOptions};
@@ -110,8 +110,8 @@ impl Choice {
     /// Sets the flags it chose in `args`.
     fn apply(&self, args: &mut RunArgs) -> Result<()> {
         let d = &mut args.distributed;
-        (d.comm_hook, d.zero) = (CommHookName::Allreduce, 0);
-        args.set_policy(&self.policy)?;
+        (d.comm_hook_alias, d.zero) = (None, 0);
+        args.resolve_policy(Some(&self.policy))?;
         let d = &mut args.distributed;
         d.bucket_mb = vec![BucketCap::Mib(self.bucket_mb)];
         d.first_bucket_mb = self.first_bucket_mb;
@@ -121,26 +121,22 @@ impl Choice {
     }
 }
 
-/// The calibration runs for `args`: allreduce, fp16, bf16, PowerSGD at `--powersgd-rank`
-/// compressing from its first step (its steady state), ZeRO-1, ZeRO-2, ZeRO-3, and for the GPT
+/// The calibration runs for `args`: every policy a plan weighs (the registry's), PowerSGD at
+/// `--powersgd-rank` compressing from its first step (its steady state), and for the GPT
 /// allreduce again with every block checkpointed (the recompute, measured once).
 pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
     let plain = |policy| Calibration {
         policy,
         activation_checkpointing: 0,
     };
-    let mut runs = vec![
-        plain(PolicySpec::AllReduce),
-        plain(PolicySpec::Fp16),
-        plain(PolicySpec::Bf16),
-        plain(PolicySpec::PowerSgd {
-            rank: args.distributed.powersgd_rank,
-            start_iter: 0,
-        }),
-        plain(PolicySpec::Zero1),
-        plain(PolicySpec::Zero2),
-        plain(PolicySpec::Zero3),
-    ];
+    let powersgd = PolicySpec::PowerSgd {
+        rank: args.distributed.powersgd_rank,
+        start_iter: 0,
+    };
+    let mut runs: Vec<Calibration> = brigade::policies::registry::plan_candidates(&[powersgd])
+        .into_iter()
+        .map(plain)
+        .collect();
     if args.model.model == ModelName::Gpt {
         runs.push(Calibration {
             policy: PolicySpec::AllReduce,
@@ -172,7 +168,7 @@ fn check(args: &RunArgs, policy_given: bool) -> Result<f64> {
              (brigade train --profile) and give its flags",
         );
     }
-    if policy_given || args.distributed.comm_hook != CommHookName::Allreduce || args.distributed.zero != 0 {
+    if policy_given || args.distributed.comm_hook_alias.is_some() || args.distributed.zero != 0 {
         return bad("chooses the reducer policy: drop --policy, --comm-hook and --zero");
     }
     if args.model.activation_checkpointing.is_some() {
@@ -226,12 +222,11 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
             .iter()
             .any(|p| every.iter().any(|&ac| peak(p, ac).is_some_and(|p| p.total() <= budget)))
     };
-    let least = [
-        PolicySpec::AllReduce,
-        PolicySpec::Zero1,
-        PolicySpec::Zero2,
-        PolicySpec::Zero3,
-    ];
+    // the plain run and every policy that shards: what holds least
+    let least: Vec<PolicySpec> = brigade::policies::registry::plan_candidates(&[])
+        .into_iter()
+        .filter(|p| *p == PolicySpec::AllReduce || p.shards_optimizer_state())
+        .collect();
     if !fits(&least) {
         let smallest = least
             .iter()
@@ -247,7 +242,7 @@ fn fitting_calibrations(args: &RunArgs, budget_mb: f64) -> Result<Vec<Calibratio
                 p.largest().0,
                 crate::footprint::human(p.largest().1)
             ),
-            None => format!("--plan auto: this run needs more than 2^64 bytes per rank under any configuration"),
+            None => "--plan auto: this run needs more than 2^64 bytes per rank under any configuration".to_string(),
         }));
     }
     Ok(calibrations(args)

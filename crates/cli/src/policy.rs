@@ -1,47 +1,77 @@
-//! `brigade sweep --policy`'s entries: each is a [`PolicySpec`] as [`FromStr`] reads it
-//! (`allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`, `zero2`, `zero3`), with what an entry
-//! leaves out taken from the sweep's flags: a bare `powersgd` is of `--powersgd-rank`, and a
-//! PowerSGD entry without `@START` starts at `--powersgd-start-iter`.
+//! The policies the command line knows: the built-in ones and those of the [`Registry`] the
+//! binary was started with ([`crate::main_with`]). `--policy` (and the hidden `--comm-hook`)
+//! takes a spec as [`Registry::parse`] reads it, plus a bare name whose settings come from
+//! flags of their own (`--powersgd-rank`, `--powersgd-start-iter`: [`settings_flags`]).
 
-use std::str::FromStr;
+use std::sync::OnceLock;
 
-use brigade::policies::{PolicySpec, DEFAULT_POWERSGD_START};
+use brigade::policies::{PolicySpec, Registry};
 
 use crate::error::{Error, Result};
 
-/// Every form `--policy` takes, for error messages.
-pub const POLICY_NAMES: &str =
-    "allreduce, fp16, bf16, int8, powersgd, powersgd:R[@START] (R >= 1), zero1, zero2, zero3";
+static REGISTRY: OnceLock<Registry> = OnceLock::new();
 
-/// Checks one `--policy` entry (clap's value parser; the message is the rest of clap's line).
-pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
-    if s == "powersgd" {
-        return Ok(s.to_string());
-    }
-    match PolicySpec::from_str(s) {
-        Ok(spec) if spec.is_built_in() => Ok(s.to_string()),
-        Ok(_) => Err(format!("unknown policy '{s}': expected one of {POLICY_NAMES}")),
-        Err(e) => Err(format!("{e} (expected one of {POLICY_NAMES})")),
+/// Makes `registry` the one the command line reads policies from (the first call wins).
+pub fn install(registry: Registry) {
+    let _ = REGISTRY.set(registry);
+}
+
+/// The registry the command line reads policies from: the installed one, else the built-in
+/// policies alone.
+pub fn registry() -> &'static Registry {
+    REGISTRY.get_or_init(Registry::new)
+}
+
+/// The recipe that makes `spec`'s policy on each rank, user policies from [`registry`].
+pub fn maker(spec: PolicySpec) -> std::sync::Arc<dyn brigade::policy::MakePolicy> {
+    std::sync::Arc::new(brigade::policy::Registered {
+        spec,
+        registry: registry().clone(),
+    })
+}
+
+/// `cmd` with every `--policy` flag's help listing the policies (`FORM: what it does`).
+pub fn listed_in_help(cmd: clap::Command) -> clap::Command {
+    let list = registry().help().join("; ");
+    cmd.mut_subcommands(|sub| {
+        if !sub.get_arguments().any(|a| a.get_id() == "policy") {
+            return sub;
+        }
+        sub.mut_arg("policy", |a| {
+            let help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+            a.help(format!("{}. The policies: {list}.", help.trim_end_matches('.')))
+        })
+    })
+}
+
+/// Reads `entry` with the settings flags' values (a bare name with settings takes them).
+pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) -> Result<PolicySpec> {
+    let usage = |e: brigade::policies::PolicyError| Error::Usage(format!("--policy {entry}: {e}"));
+    let spec = PolicySpec::parse_with_settings(entry, powersgd_rank, powersgd_start_iter).map_err(usage)?;
+    match &spec {
+        // a user policy's name must be registered (a built-in one's settings are checked later)
+        PolicySpec::User { .. } => registry().parse(&spec.to_string()).map_err(usage),
+        _ => Ok(spec),
     }
 }
 
-/// The policy an entry names, its left-out parts from the flags `--powersgd-rank` and
-/// `--powersgd-start-iter` (`powersgd_rank`, `powersgd_start_iter`).
-pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) -> Result<PolicySpec> {
-    let spec = match entry {
-        "powersgd" => PolicySpec::PowerSgd {
-            rank: powersgd_rank,
-            start_iter: DEFAULT_POWERSGD_START,
+/// Checks one `--policy` entry against the registry (clap's value parser; the message is the
+/// rest of clap's line).
+pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
+    let forms = registry().forms();
+    match PolicySpec::parse_with_settings(s, 1, 0) {
+        Ok(spec) => match registry().parse(&spec.to_string()) {
+            Ok(_) => Ok(s.to_string()),
+            Err(_) => Err(format!("unknown policy '{s}': expected one of {forms}")),
         },
-        _ => PolicySpec::from_str(entry).map_err(|e| Error::Usage(format!("--policy {entry}: {e}")))?,
-    };
-    Ok(match spec {
-        PolicySpec::PowerSgd { rank, .. } if !entry.contains('@') => PolicySpec::PowerSgd {
-            rank,
-            start_iter: powersgd_start_iter,
-        },
-        spec => spec,
-    })
+        Err(e) => Err(format!("{e} (expected one of {forms})")),
+    }
+}
+
+/// A policy's settings as the command line spells them: the flag of each setting name
+/// (`powersgd_rank` is `--powersgd-rank`).
+pub fn settings_flags(names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| crate::argv::flag_of(n)).collect()
 }
 
 #[cfg(test)]

@@ -339,7 +339,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
         },
         distributed: (!opts.compute_only).then(|| DistributedConfig {
             ddp,
-            policy: Arc::new(args.hook_spec()),
+            policy: crate::policy::maker(args.hook_spec()),
             autotune: args.autotune_config(),
         }),
         runtime: RuntimeConfig {

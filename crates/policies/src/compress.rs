@@ -17,6 +17,13 @@ pub enum HalfType {
 }
 
 impl HalfType {
+    /// The type of the compression policy named `name` (`None`: not a compression policy).
+    pub fn of_policy(name: &str) -> Option<HalfType> {
+        [HalfType::F16, HalfType::BF16]
+            .into_iter()
+            .find(|&h| Compress::new(h).name() == name)
+    }
+
     fn dtype(self) -> DType {
         match self {
             HalfType::F16 => DType::F16,

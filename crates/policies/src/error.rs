@@ -22,12 +22,12 @@ pub enum PolicyError {
         reason: String,
     },
     /// A user policy's name that no one registered.
-    #[error(
-        "unknown policy '{name}': built in are allreduce, fp16, bf16, powersgd:R[@START], zero1, zero2, zero3{registered}"
-    )]
+    #[error("unknown policy '{name}': built in are {built_in}{registered}")]
     Unknown {
         /// The name.
         name: String,
+        /// The built-in forms, listed.
+        built_in: String,
         /// `; registered: a, b` (or nothing).
         registered: String,
     },

@@ -11,6 +11,7 @@ mod compress;
 mod error;
 mod int8;
 mod powersgd;
+pub mod registry;
 mod spec;
 pub mod zero;
 
@@ -18,6 +19,7 @@ pub use allreduce::AllReduce;
 pub use compress::{Compress, HalfType};
 pub use error::{PolicyError, Result};
 pub use int8::Int8;
-pub use powersgd::{PowerSgd, PowerSgdConfig};
-pub use spec::{MakeUserPolicy, PolicySpec, Registry, DEFAULT_POWERSGD_START};
-pub use zero::{Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};
+pub use powersgd::{PowerSgd, PowerSgdConfig, POWERSGD_SETTINGS};
+pub use registry::{MakeUserPolicy, Registry};
+pub use spec::{PolicySpec, DEFAULT_POWERSGD_START};
+pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

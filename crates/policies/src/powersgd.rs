@@ -37,6 +37,7 @@ use brigade_ddp::DdpError;
 use brigade_tensor::{DType, Rng, Tensor};
 
 use crate::error::PolicyError;
+use crate::spec::{spec_error, PolicySpec, DEFAULT_POWERSGD_START};
 
 /// PowerSGD's settings; defaults follow PyTorch's `PowerSGDState` except `start_iter`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -103,6 +104,109 @@ impl PowerSgdConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// `powersgd:R[@START]` read (`spec` is the whole spec, for the error).
+pub(crate) fn read_spec(spec: &str, arg: Option<&str>) -> Result<PolicySpec, PolicyError> {
+    let arg = arg.ok_or_else(|| spec_error(spec, "PowerSGD needs its rank: powersgd:R or powersgd:R@START"))?;
+    let (rank, start) = match arg.split_once('@') {
+        Some((r, st)) => (r, Some(st)),
+        None => (arg, None),
+    };
+    let rank: usize = rank.parse().ok().filter(|&r| r > 0).ok_or_else(|| {
+        spec_error(
+            spec,
+            format!("PowerSGD's rank must be a whole number >= 1, got '{rank}'"),
+        )
+    })?;
+    let start_iter = match start {
+        None => DEFAULT_POWERSGD_START,
+        Some(st) => st.parse().map_err(|_| {
+            spec_error(
+                spec,
+                format!("PowerSGD's start iteration must be a whole number, got '{st}'"),
+            )
+        })?,
+    };
+    Ok(PolicySpec::PowerSgd { rank, start_iter })
+}
+
+/// `R[@START]` of a PowerSGD spec (`@START` left out at the default start).
+pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
+    match *spec {
+        PolicySpec::PowerSgd { rank, start_iter } if start_iter == DEFAULT_POWERSGD_START => Some(rank.to_string()),
+        PolicySpec::PowerSgd { rank, start_iter } => Some(format!("{rank}@{start_iter}")),
+        _ => None,
+    }
+}
+
+/// A plan measures PowerSGD per rank: the start does not change a profiled step's compute.
+pub(crate) fn family(spec: &PolicySpec) -> PolicySpec {
+    match *spec {
+        PolicySpec::PowerSgd { rank, .. } => PolicySpec::PowerSgd {
+            rank,
+            start_iter: DEFAULT_POWERSGD_START,
+        },
+        ref other => other.clone(),
+    }
+}
+
+/// What a plan tries when no profile recorded PowerSGD: rank 1, to say it was not profiled.
+pub(crate) fn plan_default() -> PolicySpec {
+    PolicySpec::PowerSgd {
+        rank: 1,
+        start_iter: DEFAULT_POWERSGD_START,
+    }
+}
+
+/// One rank's PowerSGD of `spec`.
+pub(crate) fn build_spec(spec: &PolicySpec) -> Result<Box<dyn ReducerPolicy>, PolicyError> {
+    let PolicySpec::PowerSgd { rank, start_iter } = *spec else {
+        unreachable!("the powersgd entry builds PowerSGD specs")
+    };
+    Ok(Box::new(PowerSgd::new(PowerSgdConfig {
+        rank,
+        start_iter,
+        ..PowerSgdConfig::default()
+    })?))
+}
+
+/// PowerSGD's settings as values of their own (a report's keys, an older command line's
+/// flags): its rank and its start iteration.
+pub const POWERSGD_SETTINGS: [&str; 2] = ["powersgd_rank", "powersgd_start_iter"];
+
+impl PolicySpec {
+    /// `s` read with PowerSGD's settings given apart ([`POWERSGD_SETTINGS`]): a bare
+    /// `powersgd` is of rank `rank`, and a PowerSGD spec without `@START` starts at `start_iter`.
+    pub fn parse_with_settings(s: &str, rank: usize, start_iter: usize) -> Result<PolicySpec, PolicyError> {
+        // a bare name is of the settings as given: PowerSgdConfig::validate says what is wrong
+        let spec = match s.split_once(':') {
+            None if crate::registry::entry(s).is_some_and(|e| !e.args.is_empty()) => {
+                PolicySpec::PowerSgd { rank, start_iter }
+            }
+            _ => s.parse()?,
+        };
+        Ok(match spec {
+            PolicySpec::PowerSgd { rank, .. } if !s.contains('@') => PolicySpec::PowerSgd { rank, start_iter },
+            spec => spec,
+        })
+    }
+
+    /// The spec's settings as values of their own, by name ([`POWERSGD_SETTINGS`] for
+    /// PowerSGD; none for the others).
+    pub fn settings(&self) -> Vec<(&'static str, usize)> {
+        match *self {
+            PolicySpec::PowerSgd { rank, start_iter } => {
+                vec![(POWERSGD_SETTINGS[0], rank), (POWERSGD_SETTINGS[1], start_iter)]
+            }
+            _ => vec![],
+        }
+    }
+
+    /// Whether the policy keeps state per bucket, so that its buckets may not regroup mid-run.
+    pub fn keeps_state_per_bucket(&self) -> bool {
+        matches!(self, PolicySpec::PowerSgd { .. })
     }
 }
 

@@ -1,22 +1,21 @@
-//! [`PolicySpec`]: a reducer policy by name — what `train --policy` (or `--zero`), `sweep --policy`,
-//! step profiles, checkpoints and `--json` all spell the same way — and the [`Registry`] where a
-//! library user's own policies get a name.
+//! [`PolicySpec`]: a reducer policy by name, as a command line, a sweep, step profiles,
+//! checkpoints and reports all spell it; its names and forms are the entries of
+//! [`crate::registry`].
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Arc;
 
 use brigade_ddp::ReducerPolicy;
 
 use crate::error::{PolicyError, Result};
-use crate::{AllReduce, Compress, HalfType, Int8, PowerSgd, PowerSgdConfig, Zero, Zero3, ZeroStage};
+use crate::registry::{self, Registry};
+use crate::ZeroStage;
 
 /// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`,
 /// `zero2`, `zero3`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`fmt::Display`] writes
 /// the canonical form [`FromStr`] reads back (`powersgd:4` for rank 4 from the default start
 /// iteration 10; `powersgd:4@2` otherwise).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PolicySpec {
     /// One averaging all-reduce per bucket ([`AllReduce`]).
     AllReduce,
@@ -51,8 +50,6 @@ pub enum PolicySpec {
 /// PowerSGD's start iteration when a spec does not give one.
 pub const DEFAULT_POWERSGD_START: usize = 10;
 
-const FORMS: &str = "allreduce, fp16, bf16, int8, powersgd:R[@START], zero1, zero2, zero3, or a registered NAME[:ARGS]";
-
 impl PolicySpec {
     /// The ZeRO stage this spec shards at (`Off` for every other policy).
     pub fn zero_stage(&self) -> ZeroStage {
@@ -64,76 +61,66 @@ impl PolicySpec {
         }
     }
 
+    /// The ZeRO policy of `stage` (`None` for `Off`).
+    pub fn zero(stage: ZeroStage) -> Option<PolicySpec> {
+        match stage {
+            ZeroStage::Off => None,
+            ZeroStage::One => Some(PolicySpec::Zero1),
+            ZeroStage::Two => Some(PolicySpec::Zero2),
+            ZeroStage::Three => Some(PolicySpec::Zero3),
+        }
+    }
+
     /// Whether this names a built-in policy.
     pub fn is_built_in(&self) -> bool {
         !matches!(self, PolicySpec::User { .. })
     }
 
+    /// The policy's name: the spec without its argument.
+    pub fn name(&self) -> &str {
+        match self {
+            PolicySpec::User { name, .. } => name,
+            _ => registry::entry_of(self).map_or("", |(e, _)| e.name),
+        }
+    }
+
+    /// The spec a plan groups this one's profiles under (the settings that change what a step
+    /// measures, PowerSGD's rank but not its start); `None` for a policy a plan does not weigh.
+    pub fn plan_family(&self) -> Option<PolicySpec> {
+        registry::plan_family(self)
+    }
+
     /// A new policy of this kind for one rank (a policy holds one rank's state); user policies
     /// are made by `registry`.
     pub fn build(&self, registry: &Registry) -> Result<Box<dyn ReducerPolicy>> {
-        Ok(match self {
-            PolicySpec::AllReduce => Box::new(AllReduce),
-            PolicySpec::Fp16 => Box::new(Compress::new(HalfType::F16)),
-            PolicySpec::Bf16 => Box::new(Compress::new(HalfType::BF16)),
-            PolicySpec::Int8 => Box::new(Int8::default()),
-            PolicySpec::PowerSgd { rank, start_iter } => Box::new(PowerSgd::new(PowerSgdConfig {
-                rank: *rank,
-                start_iter: *start_iter,
-                ..PowerSgdConfig::default()
-            })?),
-            PolicySpec::Zero1 => Box::new(Zero::new(ZeroStage::One)?),
-            PolicySpec::Zero2 => Box::new(Zero::new(ZeroStage::Two)?),
-            PolicySpec::Zero3 => Box::new(Zero3::new()),
-            PolicySpec::User { name, arg } => registry.make(name, arg.as_deref())?,
-        })
+        match self {
+            PolicySpec::User { name, arg } => registry.make(name, arg.as_deref()),
+            _ => registry::build_built_in(self).expect("every built-in spec has its entry"),
+        }
     }
 }
 
 impl fmt::Display for PolicySpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PolicySpec::AllReduce => f.write_str("allreduce"),
-            PolicySpec::Fp16 => f.write_str("fp16"),
-            PolicySpec::Bf16 => f.write_str("bf16"),
-            PolicySpec::Int8 => f.write_str("int8"),
-            PolicySpec::PowerSgd { rank, start_iter } if *start_iter == DEFAULT_POWERSGD_START => {
-                write!(f, "powersgd:{rank}")
-            }
-            PolicySpec::PowerSgd { rank, start_iter } => write!(f, "powersgd:{rank}@{start_iter}"),
-            PolicySpec::Zero1 => f.write_str("zero1"),
-            PolicySpec::Zero2 => f.write_str("zero2"),
-            PolicySpec::Zero3 => f.write_str("zero3"),
-            PolicySpec::User { name, arg: None } => f.write_str(name),
-            PolicySpec::User { name, arg: Some(a) } => write!(f, "{name}:{a}"),
+        let (name, arg) = match self {
+            PolicySpec::User { name, arg } => (name.as_str(), arg.clone()),
+            _ => registry::entry_of(self)
+                .map(|(e, a)| (e.name, a))
+                .expect("every built-in spec has its entry"),
+        };
+        match arg {
+            None => f.write_str(name),
+            Some(a) => write!(f, "{name}:{a}"),
         }
     }
 }
 
-fn spec_error(spec: &str, reason: impl Into<String>) -> PolicyError {
+pub(crate) fn spec_error(spec: &str, reason: impl Into<String>) -> PolicyError {
     PolicyError::Spec {
         spec: spec.to_string(),
         reason: reason.into(),
     }
 }
-
-/// Names a user policy may take: a letter, then letters, digits, `_` or `-`.
-fn valid_name(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-}
-
-const BUILT_IN: [&str; 8] = [
-    "allreduce",
-    "fp16",
-    "bf16",
-    "int8",
-    "powersgd",
-    "zero1",
-    "zero2",
-    "zero3",
-];
 
 impl FromStr for PolicySpec {
     type Err = PolicyError;
@@ -143,103 +130,16 @@ impl FromStr for PolicySpec {
             Some((n, a)) => (n, Some(a)),
             None => (s, None),
         };
-        let no_arg = |spec: PolicySpec| match arg {
-            None => Ok(spec),
-            Some(_) => Err(spec_error(
-                s,
-                format!("'{name}' takes no argument (the forms: {FORMS})"),
-            )),
-        };
-        match name {
-            "allreduce" => no_arg(PolicySpec::AllReduce),
-            "fp16" => no_arg(PolicySpec::Fp16),
-            "bf16" => no_arg(PolicySpec::Bf16),
-            "int8" => no_arg(PolicySpec::Int8),
-            "zero1" => no_arg(PolicySpec::Zero1),
-            "zero2" => no_arg(PolicySpec::Zero2),
-            "zero3" => no_arg(PolicySpec::Zero3),
-            "powersgd" => {
-                let arg =
-                    arg.ok_or_else(|| spec_error(s, "PowerSGD needs its rank: powersgd:R or powersgd:R@START"))?;
-                let (rank, start) = match arg.split_once('@') {
-                    Some((r, st)) => (r, Some(st)),
-                    None => (arg, None),
-                };
-                let rank: usize = rank.parse().ok().filter(|&r| r > 0).ok_or_else(|| {
-                    spec_error(s, format!("PowerSGD's rank must be a whole number >= 1, got '{rank}'"))
-                })?;
-                let start_iter = match start {
-                    None => DEFAULT_POWERSGD_START,
-                    Some(st) => st.parse().map_err(|_| {
-                        spec_error(
-                            s,
-                            format!("PowerSGD's start iteration must be a whole number, got '{st}'"),
-                        )
-                    })?,
-                };
-                Ok(PolicySpec::PowerSgd { rank, start_iter })
-            }
-            _ if valid_name(name) => Ok(PolicySpec::User {
+        match registry::read_built_in(s, name, arg) {
+            Some(spec) => spec,
+            None if registry::valid_name(name) => Ok(PolicySpec::User {
                 name: name.to_string(),
                 arg: arg.map(str::to_string),
             }),
-            _ => Err(spec_error(s, format!("not a policy name (the forms: {FORMS})"))),
-        }
-    }
-}
-
-/// Makes one rank's instance of a registered user policy from the spec's argument.
-pub type MakeUserPolicy = Arc<dyn Fn(Option<&str>) -> Result<Box<dyn ReducerPolicy>> + Send + Sync>;
-
-/// User policies by name, so that a [`PolicySpec`] (from a command line, a sweep, a checkpoint)
-/// can name them like the built-in ones. Cheap to clone.
-#[derive(Clone, Default)]
-pub struct Registry {
-    makers: BTreeMap<String, MakeUserPolicy>,
-}
-
-impl Registry {
-    /// No user policies.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Registers `make` under `name` (a letter, then letters, digits, `_`, `-`; not a built-in
-    /// name, not taken).
-    pub fn register(
-        &mut self,
-        name: &str,
-        make: impl Fn(Option<&str>) -> Result<Box<dyn ReducerPolicy>> + Send + Sync + 'static,
-    ) -> Result<()> {
-        if !valid_name(name) {
-            return Err(spec_error(
-                name,
-                "a policy name is a letter, then letters, digits, '_' or '-'",
-            ));
-        }
-        if BUILT_IN.contains(&name) || self.makers.contains_key(name) {
-            return Err(PolicyError::Taken(name.to_string()));
-        }
-        self.makers.insert(name.to_string(), Arc::new(make));
-        Ok(())
-    }
-
-    /// The registered names, sorted.
-    pub fn names(&self) -> Vec<String> {
-        self.makers.keys().cloned().collect()
-    }
-
-    fn make(&self, name: &str, arg: Option<&str>) -> Result<Box<dyn ReducerPolicy>> {
-        match self.makers.get(name) {
-            Some(make) => make(arg),
-            None => Err(PolicyError::Unknown {
-                name: name.to_string(),
-                registered: if self.makers.is_empty() {
-                    String::new()
-                } else {
-                    format!("; registered: {}", self.names().join(", "))
-                },
-            }),
+            None => Err(spec_error(
+                s,
+                format!("not a policy name (the forms: {})", registry::forms()),
+            )),
         }
     }
 }

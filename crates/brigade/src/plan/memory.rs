@@ -50,7 +50,7 @@ pub struct PeakQuery<'a> {
     pub rows: usize,
     /// Optimizer values per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
     pub state_per_param: u64,
-    /// The reducer policy: its ZeRO stage, and what it keeps beside the buckets.
+    /// The reducer policy: what it shards over the ranks, and what it keeps beside the buckets.
     pub policy: &'a PolicySpec,
     /// Ranks.
     pub world: usize,
@@ -227,11 +227,17 @@ fn policy_values(policy: &PolicySpec, kind: &ModelKind, psi: u64) -> Option<(u64
 pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;
-    // one rank has nothing to shard with: ZeRO keeps what DDP keeps
-    let zero = if n == 1 { 0 } else { q.policy.zero_stage().level() };
-    let shard = |b: u64| if zero >= 1 { b.div_ceil(n) } else { b };
+    // one rank has nothing to shard with: a sharding policy keeps what DDP keeps
+    let sharded = |yes: bool| yes && n > 1;
+    let shard = |b: u64| {
+        if sharded(q.policy.shards_optimizer_state()) {
+            b.div_ceil(n)
+        } else {
+            b
+        }
+    };
     let full_grads = mul(psi, F32)?;
-    let gradients = if zero >= 2 {
+    let gradients = if sharded(q.policy.shards_grads()) {
         sum([Some(full_grads), Some(full_grads.div_ceil(n))])?
     } else {
         full_grads
@@ -273,7 +279,7 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
         }
     };
     let (scratch, policy_state) = policy_values(q.policy, q.kind, psi)?;
-    let parameters = if zero >= 3 {
+    let parameters = if sharded(q.policy.shards_params()) {
         sum([
             Some(mul(psi, F32)?.div_ceil(n)),
             mul(mul(largest_unit(q.kind, n)?, 2)?, F32),

@@ -18,8 +18,6 @@
 
 pub mod memory;
 
-use std::collections::BTreeSet;
-
 use brigade_ddp::overlap::{replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
 use brigade_models::ModelKind;
 use brigade_policies::PolicySpec;
@@ -120,51 +118,18 @@ pub struct Plan {
     pub winner: Option<usize>,
     /// The profiles' precision (`f32`, `bf16`, `fp16`): every candidate runs at it.
     pub precision: String,
-    /// The command line of the first profile that recorded one (empty: none did).
+    /// The command line of the first profile that recorded one (empty: none did), as the
+    /// program that recorded it wrote it.
     pub command: Vec<String>,
-    /// The flags of the link the plan costed its candidates on (`--net-gbps`,
-    /// `--net-latency-us`), which [`Plan::command`] puts in place of the profiled run's; empty
-    /// on the profiles' measured link.
-    pub link_flags: Vec<String>,
+    /// The link the plan costed its candidates on.
+    pub link: LinkCost,
 }
 
-/// The policy families whose profiles a candidate can be predicted from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Family {
-    AllReduce,
-    Fp16,
-    Bf16,
-    PowerSgd(usize),
-    Zero1,
-    Zero2,
-    Zero3,
-}
-
-impl Family {
-    fn of(spec: &PolicySpec) -> Option<Family> {
-        Some(match spec {
-            PolicySpec::AllReduce => Family::AllReduce,
-            PolicySpec::Fp16 => Family::Fp16,
-            PolicySpec::Bf16 => Family::Bf16,
-            PolicySpec::PowerSgd { rank, .. } => Family::PowerSgd(*rank),
-            PolicySpec::Zero1 => Family::Zero1,
-            PolicySpec::Zero2 => Family::Zero2,
-            PolicySpec::Zero3 => Family::Zero3,
-            PolicySpec::Int8 | PolicySpec::User { .. } => return None,
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Family::AllReduce => "allreduce",
-            Family::Fp16 => "fp16",
-            Family::Bf16 => "bf16",
-            Family::PowerSgd(_) => "powersgd",
-            Family::Zero1 => "zero1",
-            Family::Zero2 => "zero2",
-            Family::Zero3 => "zero3",
-        }
-    }
+/// The policy family whose profiles a candidate of `spec` is predicted from: the spec a plan
+/// groups it under (its entry in [`brigade_policies::registry`]); `None` when a plan does not
+/// weigh it.
+fn family_of(spec: &PolicySpec) -> Option<PolicySpec> {
+    spec.plan_family()
 }
 
 /// The step of one run's profiled steps that a plan reads: the one whose measured step (its
@@ -201,17 +166,18 @@ fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
     };
     for (i, p) in profiles.iter().enumerate() {
         p.validate().map_err(|e| Error::Plan(format!("profile {i}: {e}")))?;
-        if profiled_policy(p).as_ref().and_then(Family::of).is_none() {
+        if profiled_policy(p).as_ref().and_then(family_of).is_none() {
             let name = p.policy.as_ref().map_or("", |pp| pp.name.as_str());
             return plan_err(format!(
-                "profile {i} records policy '{name}', which a plan does not weigh (it weighs allreduce, fp16, \
-                 bf16, powersgd, zero1, zero2 and zero3): leave it out"
+                "profile {i} records policy '{name}', which a plan does not weigh (it weighs {}): leave it out",
+                brigade_policies::registry::planned_names()
             ));
         }
         if p.run.is_none() {
             return plan_err(format!(
                 "profile {i} does not record what ran (model, batch, optimizer, precision): \
-                 re-record it with this build's brigade train --profile"
+                 re-record it with this build's {}",
+                crate::field::PROFILE
             ));
         }
     }
@@ -323,43 +289,28 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
         return Err(Error::Plan("the world size must be at least 1".into()));
     }
     let recorded: Vec<Option<PolicySpec>> = profiles.iter().map(profiled_policy).collect();
-    let family_of_profile: Vec<Option<Family>> = recorded.iter().map(|s| s.as_ref().and_then(Family::of)).collect();
+    let family_of_profile: Vec<Option<PolicySpec>> = recorded.iter().map(|s| s.as_ref().and_then(family_of)).collect();
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
 
-    // the policies: the built-in families, PowerSGD at each rank some profile recorded (rank 1
-    // when none did, to say that it was not profiled)
-    let mut powersgd: BTreeSet<(usize, usize)> = recorded
-        .iter()
-        .flatten()
-        .filter_map(|s| match s {
-            PolicySpec::PowerSgd { rank, start_iter } => Some((*rank, *start_iter)),
-            _ => None,
-        })
-        .collect();
-    if powersgd.is_empty() {
-        powersgd.insert((1, brigade_policies::DEFAULT_POWERSGD_START));
-    }
-    let mut policies = vec![PolicySpec::AllReduce, PolicySpec::Fp16, PolicySpec::Bf16];
-    policies.extend(
-        powersgd
-            .into_iter()
-            .map(|(rank, start_iter)| PolicySpec::PowerSgd { rank, start_iter }),
-    );
-    policies.extend([PolicySpec::Zero1, PolicySpec::Zero2, PolicySpec::Zero3]);
+    // the policies: the built-in families, each of them at every setting some profile
+    // recorded (PowerSGD at each rank; rank 1 when none did, to say that it was not profiled)
+    let recorded_specs: Vec<PolicySpec> = recorded.iter().flatten().cloned().collect();
+    let policies = brigade_policies::registry::plan_candidates(&recorded_specs);
     let checkpointing: &[usize] = match facts.kind {
         ModelKind::Gpt(_) => &[0, 1],
         ModelKind::Mlp(_) => &[0],
     };
     // the recompute, measured: allreduce at checkpointing 0 and 1
     let allreduce_at = |ac: usize| {
-        (0..profiles.len())
-            .find(|&i| family_of_profile[i] == Some(Family::AllReduce) && profiles[i].activation_checkpointing == ac)
+        (0..profiles.len()).find(|&i| {
+            family_of_profile[i] == Some(PolicySpec::AllReduce) && profiles[i].activation_checkpointing == ac
+        })
     };
     let ac_pair = allreduce_at(0).zip(allreduce_at(1));
 
     let mut candidates = vec![];
     for policy in &policies {
-        let family = Family::of(policy).expect("a built-in family");
+        let family = family_of(policy).expect("a planned policy has a family");
         for &ac in checkpointing {
             let memory = memory::predict_peak(&PeakQuery {
                 kind: &facts.kind,
@@ -377,7 +328,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
                 let step = predict_step(
                     profiles,
                     &family_of_profile,
-                    family,
+                    &family,
                     ac,
                     ac_pair,
                     overhead,
@@ -426,15 +377,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
                     .map(|r| r.command.clone())
             })
             .unwrap_or_default(),
-        link_flags: match q.link {
-            LinkCost::Ring(m) => vec![
-                "--net-gbps".into(),
-                (m.bandwidth_bytes_per_s * 8.0 / 1e9).to_string(),
-                "--net-latency-us".into(),
-                (m.latency.as_nanos() as f64 / 1e3).to_string(),
-            ],
-            LinkCost::Measured => vec![],
-        },
+        link: q.link,
     })
 }
 
@@ -442,29 +385,29 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
 /// from the profile replayed), or why it cannot be predicted.
 fn predict_step(
     profiles: &[StepProfile],
-    families: &[Option<Family>],
-    family: Family,
+    families: &[Option<PolicySpec>],
+    family: &PolicySpec,
     ac: usize,
     ac_pair: Option<(usize, usize)>,
     overhead: LaunchOverhead,
     cfg: &ReplayConfig,
 ) -> std::result::Result<StepPrediction, String> {
-    let of_family: Vec<usize> = (0..profiles.len()).filter(|&i| families[i] == Some(family)).collect();
+    let of_family: Vec<usize> = (0..profiles.len())
+        .filter(|&i| families[i].as_ref() == Some(family))
+        .collect();
     if of_family.is_empty() {
-        if let Family::PowerSgd(r) = family {
-            let profiled: Vec<String> = families
-                .iter()
-                .filter_map(|f| match f {
-                    Some(Family::PowerSgd(k)) => Some(k.to_string()),
-                    _ => None,
-                })
-                .collect();
-            if !profiled.is_empty() {
-                return Err(format!(
-                    "PowerSGD rank {r}'s compute was not measured (profiled: {})",
-                    profiled.join(", ")
-                ));
-            }
+        // the same policy profiled at other settings (PowerSGD at other ranks)
+        let profiled: Vec<String> = families
+            .iter()
+            .flatten()
+            .filter(|f| f.name() == family.name())
+            .map(|f| f.to_string())
+            .collect();
+        if !profiled.is_empty() {
+            return Err(format!(
+                "{family}'s compute was not measured (profiled: {})",
+                profiled.join(", ")
+            ));
         }
         return Err(format!("no profiled step under {}", family.name()));
     }
@@ -500,9 +443,9 @@ fn predict_step(
     // allreduce's compute at the same checkpointing, from its own profile (or stretched)
     let base = |i: usize| replay_with(&profiles[i], &cfg, overhead).ok().map(|b| b.compute_step_s);
     let allreduce = (0..profiles.len())
-        .find(|&i| families[i] == Some(Family::AllReduce) && profiles[i].activation_checkpointing == ac);
+        .find(|&i| families[i] == Some(PolicySpec::AllReduce) && profiles[i].activation_checkpointing == ac);
     let policy_compute_s = match family {
-        Family::AllReduce => Some(0.0),
+        PolicySpec::AllReduce => Some(0.0),
         _ => allreduce.and_then(base).map(|b| r.compute_step_s - b),
     };
     Ok(StepPrediction {
@@ -515,80 +458,9 @@ fn predict_step(
     })
 }
 
-/// Flags of `brigade train` that a plan's command sets, each with whether it takes a value
-/// (`--activation-checkpointing` may take one).
-const PLANNED_FLAGS: [(&str, bool); 11] = [
-    ("--policy", true),
-    ("--comm-hook", true),
-    ("--powersgd-rank", true),
-    ("--powersgd-start-iter", true),
-    ("--zero", true),
-    ("--bucket-mb", true),
-    ("--first-bucket-mb", true),
-    ("--activation-checkpointing", false),
-    ("--world-size", true),
-    ("--profile", true),
-    ("--profile-steps", true),
-];
-
 impl Plan {
     /// The winner, when one fits.
     pub fn winner(&self) -> Option<&Candidate> {
         self.winner.map(|i| &self.candidates[i])
-    }
-
-    /// The flags that choose candidate `idx`: `--policy`, `--bucket-mb`, `--first-bucket-mb`,
-    /// `--activation-checkpointing` (when on) and `--world-size`.
-    pub fn flags(&self, idx: usize) -> Vec<String> {
-        let c = &self.candidates[idx];
-        let mut f = vec![
-            "--policy".to_string(),
-            c.policy.to_string(),
-            "--bucket-mb".into(),
-            c.bucket_cap_mb.to_string(),
-            "--first-bucket-mb".into(),
-            c.first_bucket_cap_mb.to_string(),
-        ];
-        if c.activation_checkpointing > 0 {
-            f.extend([
-                "--activation-checkpointing".into(),
-                c.activation_checkpointing.to_string(),
-            ]);
-        }
-        f.extend(["--world-size".into(), c.world_size.to_string()]);
-        f
-    }
-
-    /// The command line that runs candidate `idx`: the profiled command with the flags the
-    /// plan chooses (and `--profile`, `--profile-steps`) replaced by [`Plan::flags`], and its
-    /// link by the one the plan costed ([`Plan::link_flags`]); the flags alone when no profile
-    /// recorded a command (a library run).
-    pub fn command(&self, idx: usize) -> Vec<String> {
-        const LINK_FLAGS: [(&str, bool); 2] = [("--net-gbps", true), ("--net-latency-us", true)];
-        let link: &[(&str, bool)] = if self.link_flags.is_empty() { &[] } else { &LINK_FLAGS };
-        let mut out = vec![];
-        let mut args = self.command.iter().peekable();
-        while let Some(a) = args.next() {
-            let (name, inline) = match a.split_once('=') {
-                Some((n, _)) if n.starts_with("--") => (n, true),
-                _ => (a.as_str(), false),
-            };
-            match PLANNED_FLAGS.iter().chain(link).find(|(f, _)| *f == name) {
-                None => out.push(a.clone()),
-                Some(_) if inline => {}
-                Some((_, true)) => {
-                    args.next();
-                }
-                // an optional value: a number right after it
-                Some((_, false)) => {
-                    if args.peek().is_some_and(|v| v.parse::<usize>().is_ok()) {
-                        args.next();
-                    }
-                }
-            }
-        }
-        out.extend(self.flags(idx));
-        out.extend(self.link_flags.iter().cloned());
-        out
     }
 }

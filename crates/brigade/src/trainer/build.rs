@@ -11,6 +11,7 @@ use crate::checkpoint::{load_checkpoint, CheckpointIdentity, DistributedState, R
 use crate::checkpoint_files::{Lineage, RunFile, INIT_FIELD};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error, Result};
+use crate::field::{DEVICE, JOIN, POLICY, PRECISION, REDUCE_DTYPE};
 use crate::join::{self, JoinRun};
 use crate::launch::{nccl, RankContext};
 use crate::resume::{
@@ -20,7 +21,7 @@ use crate::resume::{
 use crate::source::{DataLength, DataOrder, DataSource};
 
 use super::{
-    compute_threads, zero_stage, Feed, InstalledMeter, Progress, Records, Replica, ResumeNotes, Saves, Trainer,
+    compute_threads, state_layout, Feed, InstalledMeter, Progress, Records, Replica, ResumeNotes, Saves, Trainer,
 };
 
 impl<'a> Trainer<'a> {
@@ -127,19 +128,23 @@ fn refuse_before_any_work(cfg: &TrainConfig) -> Result<()> {
     let p = cfg.recipe.precision;
     if p.reduce_dtype != p.param_dtype && p.reduce_dtype != brigade_tensor::DType::F32 {
         return Err(Error::Config(format!(
-            "--reduce-dtype {}: beside {} parameters the gradients are reduced in their own dtype or in f32; a \
-             narrower sum would round the accumulated gradients (the fp16/bf16 policies send 16-bit shares of f32 ones)",
+            "{REDUCE_DTYPE} {}: beside {} parameters the gradients are reduced in their own dtype or in f32; a \
+             narrower sum would round the accumulated gradients (the compression policies send 16-bit shares of \
+             f32 ones)",
             dtype_name(p.reduce_dtype),
             dtype_name(p.param_dtype)
         )));
     }
-    if zero_stage(cfg) == brigade_policies::ZeroStage::Three && cfg.data.join.is_some() {
-        return Err(Error::Config(
-            "zero3 does not combine with a join mode (DataConfig::join, --join): a rank without data would skip the \
-             gathers of the units that every forward and backward of the others issues; run without a join mode, \
-             or under zero2"
-                .into(),
-        ));
+    let policy = cfg.distributed.as_ref().map(|d| &d.policy);
+    if let (Some(policy), Some(_)) = (policy.filter(|p| p.shards_params()), cfg.data.join) {
+        return Err(Error::Config(format!(
+            "{} does not combine with a join mode ({JOIN}): a rank without data would skip the gathers of the \
+             units that every forward and backward of the others issues; run without a join mode, or under a \
+             policy that keeps the whole parameters on every rank",
+            policy
+                .name()
+                .unwrap_or_else(|| "a policy that shards the parameters".into())
+        )));
     }
     Ok(())
 }
@@ -169,12 +174,12 @@ fn master_weights(
     policy: Option<&str>,
 ) -> Result<Box<dyn Optimizer>> {
     let p = cfg.recipe.precision;
-    let refuse = |why: String| Err(Error::Config(format!("--precision {}: {why}", p.name())));
+    let refuse = |why: String| Err(Error::Config(format!("{PRECISION} {}: {why}", p.name())));
     if !matches!(
         cfg.runtime.device,
         crate::placement::DevicePlacement::Cpu | crate::placement::DevicePlacement::Fake(_)
     ) {
-        return refuse("16-bit kernels run on the CPU only so far; use --device cpu".into());
+        return refuse(format!("16-bit kernels run on the CPU only so far; use {DEVICE} cpu"));
     }
     if let Some(why) = policy.and_then(|name| refused_under(p, name)) {
         return refuse(why);
@@ -210,22 +215,25 @@ fn master_weights(
 /// parameters' dtype), PowerSGD and int8 compute in
 /// f32 from the 16-bit gradients and keep their error feedback through the loss scaler's skipped
 /// steps and scale changes, and a compression policy of the bucket's own type is a pass-through.
-/// Refused: the fp16/bf16 compression policies beside `--reduce-dtype f32` (16-bit shares of an
-/// f32 sum) and bf16 compression of fp16 gradients (the same bytes, fewer mantissa bits).
+/// Refused: the compression policies beside an f32 reduce dtype (16-bit shares of an f32 sum)
+/// and bf16 compression of fp16 gradients (the same bytes, fewer mantissa bits).
 fn refused_under(precision: brigade_autograd::MixedPrecision, name: &str) -> Option<String> {
-    let fp16 = precision.param_dtype == brigade_tensor::DType::F16;
-    let f32_reduce = precision.reduce_dtype == brigade_tensor::DType::F32;
-    match name {
-        "bf16" | "fp16" if f32_reduce => Some(format!(
-            "the {name} compression policy sends 16-bit shares, which defeats --reduce-dtype f32's f32 sum; drop one of the two"
-        )),
-        "bf16" if fp16 => Some(
-            "the bf16 compression policy sends no fewer bytes than fp16 gradients and rounds them to fewer mantissa \
-             bits for nothing; use --policy fp16 (a pass-through) or allreduce"
-                .into(),
-        ),
-        _ => None,
+    use brigade_policies::{AllReduce, Compress, HalfType};
+    let half = HalfType::of_policy(name)?;
+    if precision.reduce_dtype == brigade_tensor::DType::F32 {
+        return Some(format!(
+            "the {name} compression policy sends 16-bit shares, which defeats {REDUCE_DTYPE} f32's f32 sum; drop one of the two"
+        ));
     }
+    (half == HalfType::BF16 && precision.param_dtype == brigade_tensor::DType::F16).then(|| {
+        format!(
+            "the {name} compression policy sends no fewer bytes than {} gradients and rounds them to fewer \
+             mantissa bits for nothing; use {POLICY} {} (a pass-through) or {}",
+            dtype_name(precision.param_dtype),
+            Compress::new(HalfType::F16).name(),
+            AllReduce.name()
+        )
+    })
 }
 
 /// The name `--precision` and `--reduce-dtype` give `dtype`.
@@ -275,7 +283,7 @@ fn resume(
         optimizer: cfg.recipe.optimizer.name(),
         seed: cfg.model.seed,
         data: data.fingerprint(),
-        zero: zero_stage(cfg),
+        layout: state_layout(cfg),
         world_size: ctx.world_size,
         data_order: cfg.data.order.describe(),
         sampler: None,

@@ -19,7 +19,7 @@ use brigade_comm::{CommMeter, SpanGuard};
 use brigade_ddp::overlap::{AutotuneProgress, Autotuner, StepProfile};
 use brigade_ddp::{DistributedDataParallel, Phase};
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
-use brigade_policies::ZeroStage;
+use brigade_policies::StateLayout;
 use std::sync::Arc;
 
 use brigade_tensor::{Device, MemoryMeter};
@@ -275,11 +275,12 @@ fn compute_threads(cfg: &TrainConfig, ctx: &RankContext) -> usize {
         .unwrap_or_else(|| ctx.default_compute_threads())
 }
 
-/// The ZeRO stage of a run (plain DDP, or no DDP at all: `Off`).
-fn zero_stage(cfg: &TrainConfig) -> ZeroStage {
+/// How a run's policy lays the training state out over the ranks (plain DDP, or no DDP at all:
+/// the whole state on every rank).
+fn state_layout(cfg: &TrainConfig) -> StateLayout {
     cfg.distributed
         .as_ref()
-        .map_or(ZeroStage::Off, |d| d.policy.zero_stage())
+        .map_or(StateLayout::WHOLE, |d| d.policy.state_layout())
 }
 
 /// `batch` on `device` (the same tensors on the CPU).

@@ -8,7 +8,7 @@ use crate::checkpoint::{save_checkpoint, CheckpointIdentity, DistributedState};
 use crate::error::{Error, Result};
 use crate::resume::recipe_metadata;
 
-use super::{zero_stage, Trainer};
+use super::{state_layout, Trainer};
 
 impl Trainer<'_> {
     /// Writes the checkpoint (rank 0) of the state after the last step run, to
@@ -132,7 +132,7 @@ impl Trainer<'_> {
             optimizer: self.cfg.recipe.optimizer.name(),
             seed: self.cfg.model.seed,
             data: self.data.fingerprint(),
-            zero: zero_stage(self.cfg),
+            layout: state_layout(self.cfg),
             world_size: self.ctx.world_size,
             data_order: self.cfg.data.order.describe(),
             sampler: self.at.next_position,

@@ -205,8 +205,8 @@ fn combinations_not_built_are_refused_in_one_line() {
     let mut c = config(2, 8, DType::BF16);
     c.recipe.precision.reduce_dtype = DType::F32;
     for (spec, says) in [
-        ("bf16", "defeats --reduce-dtype f32"),
-        ("fp16", "defeats --reduce-dtype f32"),
+        ("bf16", "defeats recipe.precision.reduce_dtype f32"),
+        ("fp16", "defeats recipe.precision.reduce_dtype f32"),
     ] {
         c.distributed.as_mut().unwrap().policy = std::sync::Arc::new(spec.parse::<PolicySpec>().unwrap());
         let e = mlp(&c).err().expect("refused").to_string();
@@ -450,7 +450,10 @@ fn reducing_bf16_gradients_in_f32_is_closer_to_the_f32_run() {
         .err()
         .expect("refused")
         .to_string();
-    assert!(e.contains("--reduce-dtype bf16") && !e.contains('\n'), "{e}");
+    assert!(
+        e.contains("recipe.precision.reduce_dtype bf16") && !e.contains('\n'),
+        "{e}"
+    );
 }
 
 /// Ranks that initialise differently start from rank 0's weights, masters included: a bf16 run

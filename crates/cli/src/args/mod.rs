@@ -12,6 +12,7 @@ use brigade::join::JoinMode;
 use brigade::launch::{net_model, CommBackend};
 use brigade::placement::DevicePlacement;
 use brigade::policies::{PolicySpec, ZeroStage};
+
 use brigade_ddp::overlap::LinkCost;
 
 pub use crate::bucket_cap::{parse_bucket_cap, AutotuneArgs, BucketCap};
@@ -520,16 +521,18 @@ pub struct DistributedArgs {
     /// Mark parameters that get no gradient as ready instead of failing.
     #[arg(long)]
     pub find_unused_parameters: bool,
-    /// How DDP reduces each gradient bucket without ZeRO (set by `--policy`, or by the hidden
-    /// `--comm-hook`): `allreduce` (f32), `fp16` / `bf16` (divide, round to 16 bits, all-reduce
-    /// half the bytes), `int8` (quantize with error feedback, all-gather a quarter of the
-    /// bytes), `powersgd` (low-rank, with error feedback and warm start).
-    #[arg(skip = CommHookName::Allreduce)]
-    pub comm_hook: CommHookName,
-    /// `--comm-hook`, a hidden spelling of the built-in policies of `--policy`
-    /// ([`RunArgs::take_old_spellings`] moves it to `comm_hook` and names the flag).
-    #[arg(long = "comm-hook", value_enum, value_name = "HOOK", hide = true)]
-    pub comm_hook_alias: Option<CommHookName>,
+    /// The reducer policy of the run: `train --policy`, a sweep's row, or the older spellings
+    /// `--zero` and `--comm-hook` ([`RunArgs::resolve_policy`] sets it).
+    #[arg(skip = PolicySpec::AllReduce)]
+    pub policy: PolicySpec,
+    /// How the command line named the policy (`--policy fp16`, `--zero 2`), for errors;
+    /// `None`: the default.
+    #[arg(skip)]
+    pub policy_given: Option<String>,
+    /// `--comm-hook`, a hidden spelling of `--policy` ([`RunArgs::take_old_spellings`] names
+    /// the flag).
+    #[arg(long = "comm-hook", value_name = "HOOK", hide = true, value_parser = crate::policy::parse_entry)]
+    pub comm_hook_alias: Option<String>,
     /// PowerSGD: rank of the approximation (>= 1).
     #[arg(long, default_value_t = 1)]
     pub powersgd_rank: usize,
@@ -613,21 +616,6 @@ pub enum ScheduleFlag {
     Step,
 }
 
-/// The bucket reductions of `--policy` that are not ZeRO (and of the hidden `--comm-hook`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CommHookName {
-    /// One f32 all-reduce averaging the bucket (the default).
-    Allreduce,
-    /// Divide, round to fp16, all-reduce, widen.
-    Fp16,
-    /// Divide, round to bf16, all-reduce, widen.
-    Bf16,
-    /// Quantize to int8 with error feedback, all-gather, dequantize and average.
-    Int8,
-    /// PowerSGD (`--powersgd-rank`, `--powersgd-start-iter`).
-    Powersgd,
-}
-
 impl RunArgs {
     /// Moves a value given under a hidden old spelling to its flag, and returns a note per
     /// spelling used, with the flag's name, for [`say_old_spellings`] (said once the command
@@ -640,59 +628,48 @@ impl RunArgs {
                 "--warmup is spelled --untimed-steps (the steps left out of the timing; --warmup-steps is the learning rate's warmup)".into(),
             );
         }
-        if let Some(hook) = self.distributed.comm_hook_alias.take() {
-            self.distributed.comm_hook = hook;
-            notes.push(format!(
-                "--comm-hook is spelled --policy (here --policy {})",
-                flag_name(&hook)
-            ));
+        if let Some(hook) = &self.distributed.comm_hook_alias {
+            notes.push(format!("--comm-hook is spelled --policy (here --policy {hook})"));
         }
         notes
     }
 
-    /// Sets the flags a policy spec stands for: the bucket reduction, `--zero` and, for
-    /// `powersgd:R[@START]`, `--powersgd-rank` and `--powersgd-start-iter`; `entry` is what
-    /// `--policy` was given.
-    pub fn set_policy(&mut self, entry: &str) -> Result<()> {
+    /// Sets the run's policy from `entry` (what `--policy` was given), else from the older
+    /// spellings `--comm-hook` and `--zero`; a bare policy name takes its settings from their
+    /// own flags (`--powersgd-rank`, `--powersgd-start-iter`).
+    pub fn resolve_policy(&mut self, entry: Option<&str>) -> Result<()> {
         let d = &self.distributed;
-        let spec = crate::policy::resolve(entry, d.powersgd_rank, d.powersgd_start_iter)?;
-        let d = &mut self.distributed;
-        match spec {
-            PolicySpec::AllReduce => d.comm_hook = CommHookName::Allreduce,
-            PolicySpec::Fp16 => d.comm_hook = CommHookName::Fp16,
-            PolicySpec::Bf16 => d.comm_hook = CommHookName::Bf16,
-            PolicySpec::Int8 => d.comm_hook = CommHookName::Int8,
-            PolicySpec::PowerSgd { rank, start_iter } => {
-                (d.comm_hook, d.powersgd_rank, d.powersgd_start_iter) = (CommHookName::Powersgd, rank, start_iter)
+        let (given, spec) = match (entry, &d.comm_hook_alias, d.zero) {
+            (Some(e), _, _) => (format!("--policy {e}"), e.to_string()),
+            (None, Some(h), 0) => (format!("--comm-hook {h}"), h.clone()),
+            (None, Some(h), z) => {
+                return Err(Error::Usage(format!(
+                    "--zero {z} reduce-scatters each bucket itself and does not combine with --comm-hook {h}: drop one of them"
+                )))
             }
-            PolicySpec::Zero1 => d.zero = 1,
-            PolicySpec::Zero2 => d.zero = 2,
-            PolicySpec::Zero3 => d.zero = 3,
-            PolicySpec::User { .. } => return Err(Error::Usage(format!("--policy {entry}: not a built-in policy"))),
-        }
+            (None, None, 0) => return Ok(()),
+            (None, None, z) => {
+                let stage = ZeroStage::from_level(z).unwrap_or_default();
+                let spec = PolicySpec::zero(stage).expect("--zero 1 to 3");
+                (format!("--zero {z}"), spec.to_string())
+            }
+        };
+        self.distributed.policy = crate::policy::resolve(&spec, d.powersgd_rank, d.powersgd_start_iter)?;
+        self.distributed.policy_given = Some(given);
         Ok(())
     }
 
-    /// The reducer policy these flags choose (`--policy`, or `--zero` and `--comm-hook`).
+    /// The reducer policy of the run.
     pub fn hook_spec(&self) -> PolicySpec {
-        match (self.zero_stage(), self.distributed.comm_hook) {
-            (ZeroStage::One, _) => PolicySpec::Zero1,
-            (ZeroStage::Two, _) => PolicySpec::Zero2,
-            (ZeroStage::Three, _) => PolicySpec::Zero3,
-            (ZeroStage::Off, CommHookName::Allreduce) => PolicySpec::AllReduce,
-            (ZeroStage::Off, CommHookName::Fp16) => PolicySpec::Fp16,
-            (ZeroStage::Off, CommHookName::Bf16) => PolicySpec::Bf16,
-            (ZeroStage::Off, CommHookName::Int8) => PolicySpec::Int8,
-            (ZeroStage::Off, CommHookName::Powersgd) => PolicySpec::PowerSgd {
-                rank: self.distributed.powersgd_rank,
-                start_iter: self.distributed.powersgd_start_iter,
-            },
-        }
+        self.distributed.policy.clone()
     }
 
-    /// The ZeRO stage `--zero` chooses.
-    pub fn zero_stage(&self) -> ZeroStage {
-        ZeroStage::from_level(self.distributed.zero).unwrap_or_default()
+    /// How the command line named the run's policy (`--policy SPEC` when it did not).
+    pub fn policy_flag(&self) -> String {
+        self.distributed
+            .policy_given
+            .clone()
+            .unwrap_or_else(|| format!("--policy {}", self.distributed.policy))
     }
 
     /// The learning-rate schedule the flags describe.

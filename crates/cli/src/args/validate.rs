@@ -4,10 +4,10 @@
 
 use brigade::launch::CommBackend;
 use brigade::placement::DevicePlacement;
-use brigade::policies::{PolicySpec, PowerSgdConfig};
+use brigade::policies::{PolicySpec, PowerSgdConfig, POWERSGD_SETTINGS};
 
 use super::{
-    cap_in_range, check_link, check_threads, compact, flag_name, join, CommHookName, ModelName, OptimizerName, RunArgs,
+    cap_in_range, check_link, check_threads, compact, flag_name, join, ModelName, OptimizerName, RunArgs,
     MAX_BUCKET_MB, MAX_THREAD_RANKS, MAX_TIMEOUT_S, MIN_BUCKET_MB,
 };
 use crate::error::{Error, Result};
@@ -18,29 +18,51 @@ impl RunArgs {
     /// Checks values that clap cannot: every number finite and in range, flags that only
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::Usage(m));
-        if self.distributed.comm_hook != CommHookName::Powersgd
-            && (self.distributed.powersgd_rank != 1 || self.distributed.powersgd_start_iter != 10)
-        {
-            return bad("--powersgd-rank and --powersgd-start-iter are for --policy powersgd".into());
-        }
-        if self.distributed.zero != 0 && self.distributed.comm_hook != CommHookName::Allreduce {
-            return bad(format!(
-                "--zero {} reduce-scatters each bucket itself and does not combine with --comm-hook {}: drop one of them",
-                self.distributed.zero,
-                flag_name(&self.distributed.comm_hook)
-            ));
-        }
+        self.check_settings_flags(std::slice::from_ref(&self.distributed.policy), false)?;
         self.validate_for(&self.hook_spec())
     }
 
-    /// [`RunArgs::validate`] for a run under `policy` rather than the one `--comm-hook` and
-    /// `--zero` choose (a policy sweep's rows): every flag but those two, and the flags that
-    /// do not combine with `policy`.
+    /// The settings flags of a policy (`--powersgd-rank`, `--powersgd-start-iter`) given at
+    /// other than their defaults while none of `policies` has those settings; `listed`: the
+    /// policies are a sweep's list.
+    pub fn check_settings_flags(&self, policies: &[PolicySpec], listed: bool) -> Result<()> {
+        let d = &self.distributed;
+        let psgd = PowerSgdConfig::default();
+        let given = d.powersgd_rank != psgd.rank || d.powersgd_start_iter != psgd.start_iter;
+        let owner = PolicySpec::PowerSgd {
+            rank: psgd.rank,
+            start_iter: psgd.start_iter,
+        };
+        if given && !policies.iter().any(|p| p.name() == owner.name()) {
+            let flags = crate::policy::settings_flags(&POWERSGD_SETTINGS);
+            let owner = match listed {
+                true => format!("a {} policy in --policy", owner.name()),
+                false => format!("--policy {}", owner.name()),
+            };
+            return Err(Error::Usage(format!("{} are for {owner}", flags.join(" and "))));
+        }
+        Ok(())
+    }
+
+    /// [`RunArgs::validate`] for a run under `policy` rather than the run's own (a policy
+    /// sweep's rows): every flag, and the flags that do not combine with `policy`.
     pub fn validate_for(&self, policy: &PolicySpec) -> Result<()> {
-        let bad = |m: String| Err(Error::Usage(m));
-        let zero = policy.zero_stage().level();
         self.model.validate()?;
+        self.check_ranks()?;
+        self.check_recipe()?;
+        self.check_data()?;
+        self.validate_schedule_flags()?;
+        self.check_model_data()?;
+        self.validate_autotune()?;
+        self.check_runtime()?;
+        self.check_policy(policy)?;
+        self.validate_nccl()?;
+        self.check_memory(policy)
+    }
+
+    /// `--world-size` against the backend, `--batch-size` and `--accum`.
+    fn check_ranks(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
         if self.distributed.world_size == 0 {
             return bad("--world-size must be at least 1".into());
         }
@@ -60,20 +82,70 @@ impl RunArgs {
                 self.data.batch_size, self.data.accum
             ));
         }
+        Ok(())
+    }
+
+    /// The optimizer's numbers, the schedule and the clipping.
+    fn check_recipe(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
         if !(self.recipe.lr > 0.0 && self.recipe.lr.is_finite()) {
             return bad(format!(
                 "--lr must be a finite number > 0, got {}",
                 compact(self.recipe.lr)
             ));
         }
-        if let Some(wd) = self.recipe.weight_decay {
-            if !(wd >= 0.0 && wd.is_finite()) {
+        if let Some(wd) = self.recipe.weight_decay.filter(|wd| !(*wd >= 0.0 && wd.is_finite())) {
+            return bad(format!(
+                "--weight-decay must be a finite number >= 0, got {}",
+                compact(wd)
+            ));
+        }
+        if let Some(c) = self.recipe.clip_grad_norm.filter(|c| !(*c > 0.0 && c.is_finite())) {
+            return bad(format!(
+                "--clip-grad-norm must be a finite number > 0, got {}",
+                compact(c)
+            ));
+        }
+        self.check_schedule()?;
+        if let Some(m) = self.recipe.momentum {
+            if self.recipe.optimizer != OptimizerName::Sgd {
                 return bad(format!(
-                    "--weight-decay must be a finite number >= 0, got {}",
-                    compact(wd)
+                    "--momentum is for --optimizer sgd; {} has its own betas (drop --momentum)",
+                    flag_name(&self.recipe.optimizer)
                 ));
             }
+            if !(0.0..1.0).contains(&m) {
+                return bad(format!("--momentum must be in [0, 1), got {}", compact(m)));
+            }
         }
+        Ok(())
+    }
+
+    /// The learning-rate schedule builds over the run's steps.
+    fn check_schedule(&self) -> Result<()> {
+        let t = self.recipe.lr_decay_steps.unwrap_or(self.recipe.steps as u64);
+        self.schedule().build(self.recipe.lr, t).map_err(|e| {
+            let what = e.to_string();
+            let what = what.strip_prefix("configuration: ").unwrap_or(&what).to_string();
+            // where T is what is wrong (another T would do) and T was left to default, say so
+            let t_defaulted =
+                self.recipe.lr_decay_steps.is_none() && self.schedule().build(self.recipe.lr, 1 << 40).is_ok();
+            let hint = if t_defaulted {
+                " (--lr-decay-steps defaults to --steps)"
+            } else {
+                ""
+            };
+            Error::Usage(format!(
+                "--lr-schedule {}: {what}{hint}",
+                flag_name(&self.recipe.lr_schedule)
+            ))
+        })?;
+        Ok(())
+    }
+
+    /// The held-out data and its evaluation.
+    fn check_held_out(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
         if let (Some(text), Some(flag)) = (
             &self.data.text,
             (self.data.val_fraction.map(|_| "--val-fraction")).or(self.data.eval_data.as_ref().map(|_| "--eval-data")),
@@ -102,42 +174,13 @@ impl RunArgs {
         if let Some(f) = self.data.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
             return bad(format!("--val-fraction must be in (0, 1), got {}", compact(f)));
         }
-        if let Some(c) = self.recipe.clip_grad_norm {
-            if !(c > 0.0 && c.is_finite()) {
-                return bad(format!(
-                    "--clip-grad-norm must be a finite number > 0, got {}",
-                    compact(c)
-                ));
-            }
-        }
-        let t = self.recipe.lr_decay_steps.unwrap_or(self.recipe.steps as u64);
-        self.schedule().build(self.recipe.lr, t).map_err(|e| {
-            let what = e.to_string();
-            let what = what.strip_prefix("configuration: ").unwrap_or(&what).to_string();
-            // where T is what is wrong (another T would do) and T was left to default, say so
-            let t_defaulted =
-                self.recipe.lr_decay_steps.is_none() && self.schedule().build(self.recipe.lr, 1 << 40).is_ok();
-            let hint = if t_defaulted {
-                " (--lr-decay-steps defaults to --steps)"
-            } else {
-                ""
-            };
-            Error::Usage(format!(
-                "--lr-schedule {}: {what}{hint}",
-                flag_name(&self.recipe.lr_schedule)
-            ))
-        })?;
-        if let Some(m) = self.recipe.momentum {
-            if self.recipe.optimizer != OptimizerName::Sgd {
-                return bad(format!(
-                    "--momentum is for --optimizer sgd; {} has its own betas (drop --momentum)",
-                    flag_name(&self.recipe.optimizer)
-                ));
-            }
-            if !(0.0..1.0).contains(&m) {
-                return bad(format!("--momentum must be in [0, 1), got {}", compact(m)));
-            }
-        }
+        Ok(())
+    }
+
+    /// The held-out data, the bucket caps, the data's order and files.
+    fn check_data(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
+        self.check_held_out()?;
         if self.distributed.bucket_mb.is_empty()
             || !(self
                 .distributed
@@ -171,7 +214,12 @@ impl RunArgs {
                 "--join {mode} is for a file per rank of any length (--data 'shard-{{rank}}.safetensors'); {data} is one dataset cut evenly among the ranks, so no rank's data ends early: drop --join"
             ));
         }
-        self.validate_schedule_flags()?;
+        Ok(())
+    }
+
+    /// The data flags that only the GPT reads.
+    fn check_model_data(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
         if self.data.text.is_some() && self.model.model != ModelName::Gpt {
             return bad("--text trains the byte-level GPT: add --model gpt".into());
         }
@@ -187,7 +235,12 @@ impl RunArgs {
                 flag_name(&f)
             ));
         }
-        self.validate_autotune()?;
+        Ok(())
+    }
+
+    /// The simulated link, the threads, the wait and the steps timed.
+    fn check_runtime(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Usage(m));
         check_link(self.distributed.net_gbps, self.distributed.net_latency_us)?;
         if self.distributed.net_latency_us != 0.0 && self.distributed.net_gbps.is_none() {
             return bad(format!(
@@ -211,10 +264,19 @@ impl RunArgs {
                 self.runtime.untimed_steps, self.recipe.steps
             ));
         }
-        if zero != 0 && self.bucket_auto() {
-            return bad(format!(
-                "--zero {zero} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB"
-            ));
+        Ok(())
+    }
+
+    /// The flags that do not combine with `policy`, and the policy's own settings.
+    fn check_policy(&self, policy: &PolicySpec) -> Result<()> {
+        if policy.shards_optimizer_state() && self.bucket_auto() {
+            let named = match &self.distributed.policy_given {
+                Some(given) if *policy == self.distributed.policy => given.clone(),
+                _ => format!("--policy {policy}"),
+            };
+            return Err(Error::Usage(format!(
+                "{named} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB"
+            )));
         }
         if let PolicySpec::PowerSgd { rank, start_iter } = *policy {
             let cfg = PowerSgdConfig {
@@ -223,24 +285,22 @@ impl RunArgs {
                 ..PowerSgdConfig::default()
             };
             cfg.validate().map_err(|e| {
-                Error::Usage(format!(
-                    "--policy powersgd: {e} (--powersgd-rank, --powersgd-start-iter)"
-                ))
+                let flags = crate::policy::settings_flags(&POWERSGD_SETTINGS);
+                Error::Usage(format!("--policy {}: {e} ({})", policy.name(), flags.join(", ")))
             })?;
         }
-        self.validate_nccl()?;
-        self.check_memory(policy)
+        Ok(())
     }
 
     /// Checks that the model, its gradients, the optimizer's state and one microbatch's
     /// activations fit in this machine's memory for every rank this process runs (a lower
     /// bound: see [`crate::footprint`]).
     fn check_memory(&self, policy: &PolicySpec) -> Result<()> {
-        let zero = policy.zero_stage().level();
-        let state = match (self.recipe.optimizer, zero) {
-            (_, 1..) => 0, // sharded over the ranks
-            (OptimizerName::Adamw, _) => 2,
-            (OptimizerName::Sgd, _) => u64::from(self.momentum() != 0.0),
+        // sharded over the ranks, or optimizer values per parameter
+        let state = if policy.shards_optimizer_state() {
+            0
+        } else {
+            self.state_per_param()
         };
         let ranks = if self.distributed.backend == CommBackend::Mpi {
             1
@@ -304,7 +364,6 @@ impl RunArgs {
     /// largest part and the first of activation checkpointing, `--zero 2` and a smaller
     /// `--batch-size` that would fit.
     fn check_budget(&self, policy: &PolicySpec) -> Result<()> {
-        let zero = policy.zero_stage().level();
         let Some(mb) = self.runtime.memory_budget else {
             return Ok(());
         };
@@ -325,7 +384,7 @@ impl RunArgs {
         if self.model.model == ModelName::Gpt && every != 1 {
             fixes.push(("--activation-checkpointing", fits(self.predicted_peak(policy, 1, rows))));
         }
-        if self.distributed.world_size > 1 && zero < 2 {
+        if self.distributed.world_size > 1 && !policy.shards_grads() {
             fixes.push(("--zero 2", fits(self.predicted_peak(&PolicySpec::Zero2, every, rows))));
         }
         let smaller = (1..rows)

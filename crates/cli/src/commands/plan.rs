@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use brigade::plan::{median_step, plan, Candidate, Plan, PlanQuery};
+use brigade::policies::PolicySpec;
 use clap::Args;
 use serde_json::json;
 
@@ -73,7 +74,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         let named = a.profile.iter().enumerate().fold(msg, |m, (i, path)| {
             m.replace(&format!("profile {i} "), &format!("--profile {} ", path.display()))
         });
-        Error::Usage(named)
+        Error::Usage(crate::argv::in_flag_terms(&named))
     })?;
     if a.json {
         outln!(
@@ -131,7 +132,11 @@ fn print_table(p: &Plan, q: &PlanQuery, profiles: &[brigade::ddp::overlap::StepP
     let recorded: Vec<String> = profiles
         .iter()
         .map(|pr| {
-            let name = pr.policy.as_ref().map_or("allreduce", |x| x.name.as_str());
+            // a profile that names no policy ran an f32 all-reduce
+            let name = pr
+                .policy
+                .as_ref()
+                .map_or(PolicySpec::AllReduce.name(), |x| x.name.as_str());
             match pr.activation_checkpointing {
                 0 => name.to_string(),
                 n => format!("{name} ac{n}"),
@@ -181,7 +186,7 @@ fn print_table(p: &Plan, q: &PlanQuery, profiles: &[brigade::ddp::overlap::StepP
         }
     }
     if let Some(w) = p.winner {
-        outln!("winner: {}", p.command(w).join(" "));
+        outln!("winner: {}", crate::argv::plan_command(p, w).join(" "));
     }
 }
 
@@ -218,6 +223,6 @@ fn plan_json(p: &Plan, q: &PlanQuery) -> serde_json::Value {
         "precision": p.precision,
         "candidates": candidates,
         "winner": p.winner,
-        "command": p.winner.map(|w| p.command(w)),
+        "command": p.winner.map(|w| crate::argv::plan_command(p, w)),
     })
 }

@@ -109,23 +109,20 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             specs[again - 1]
         ));
     }
-    if s.run.distributed.comm_hook != crate::args::CommHookName::Allreduce {
+    if let Some(hook) = &s.run.distributed.comm_hook_alias {
         return bad(format!(
-            "--comm-hook {} with --policy: name every hook in --policy instead",
-            flag_name(&s.run.distributed.comm_hook)
+            "--comm-hook {hook} with --policy: name every hook in --policy instead"
         ));
     }
     if s.run.distributed.zero != 0 {
+        let z = s.run.distributed.zero;
+        let spec = brigade::policies::ZeroStage::from_level(z).and_then(PolicySpec::zero);
         return bad(format!(
-            "--zero {} with --policy: name zero1 or zero2 in --policy instead",
-            s.run.distributed.zero
+            "--zero {z} with --policy: name {} in --policy instead",
+            spec.map_or(String::new(), |p| p.to_string())
         ));
     }
-    let psgd = specs.iter().any(|p| matches!(p, PolicySpec::PowerSgd { .. }));
-    let d = brigade::policies::PowerSgdConfig::default();
-    if !psgd && (s.run.distributed.powersgd_rank != d.rank || s.run.distributed.powersgd_start_iter != d.start_iter) {
-        return bad("--powersgd-rank and --powersgd-start-iter are for a powersgd policy in --policy".into());
-    }
+    s.run.check_settings_flags(&specs, true)?;
     rows(s, specs, opts, late)
 }
 
@@ -170,7 +167,7 @@ fn rows(
                 .map_err(|e| Error::Usage(format!("{at}: {e}")))?;
             let mut cfg = train_config(&run, opts, late)?;
             if let Some(d) = cfg.distributed.as_mut() {
-                d.policy = Arc::new(spec.clone());
+                d.policy = crate::policy::maker(spec.clone());
             }
             rows.push((spec.clone(), cfg));
         }

@@ -59,11 +59,14 @@ const MAX_REPEAT: usize = 1000;
 pub fn sweep(mut s: SweepArgs) -> Result<()> {
     // first: a signal from here on stops the sweep (at once while its first run starts)
     let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(StopOnSignal::install());
+    if s.policy.is_empty() {
+        s.run.resolve_policy(None)?;
+    }
     if let [entry] = &s.policy[..] {
         // one policy and several caps: the caps' sweep, under that policy
         if s.run.fixed_caps()?.len() > 1 {
             let entry = entry.clone();
-            s.run.set_policy(&entry)?;
+            s.run.resolve_policy(Some(&entry))?;
             s.policy.clear();
         }
     }

@@ -31,8 +31,7 @@ pub struct SweepArgs {
     /// machine's drift touches every cap alike; the table holds each cap's median and spread.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
-    /// The reducer policies, as a comma-separated list of the specs of `train --policy`
-    /// (allreduce, fp16, bf16, int8, powersgd[:R[@START]], zero1, zero2, zero3). Several: they
+    /// The reducer policies, as a comma-separated list of the specs of `train --policy`. Several: they
     /// are compared at one bucket cap, and policies.csv and policies.svg are written in --out
     /// (see `policy_sweep.rs`). One, with several --bucket-mb caps: the caps are swept under
     /// that policy (one with one cap is a comparison of one row).

@@ -25,12 +25,9 @@ use crate::signal::StopOnSignal;
 pub struct TrainArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// How DDP reduces each gradient bucket and what the optimizer steps, as one spec (the
-    /// default `allreduce`): `allreduce` (f32), `fp16` / `bf16` (divide, round to 16 bits,
-    /// all-reduce half the bytes), `int8` (quantize with error feedback, all-gather a quarter of
-    /// the bytes), `powersgd[:R[@START]]` (low-rank with error feedback and warm start; a bare
-    /// powersgd is of --powersgd-rank, without @START it starts at --powersgd-start-iter),
-    /// `zero1`, `zero2`, `zero3` (the same as --zero; not with --zero).
+    /// How DDP reduces each gradient bucket and what the optimizer steps, as one spec (default:
+    /// an f32 all-reduce). A bare name whose policy takes settings takes them from their flags
+    /// (--powersgd-rank, --powersgd-start-iter); not with --zero.
     #[arg(long, value_parser = crate::policy::parse_entry, conflicts_with_all = ["comm_hook_alias", "zero"])]
     pub policy: Option<String>,
     /// `auto`: choose the reducer policy, the bucket cap and activation checkpointing before
@@ -136,12 +133,10 @@ fn parse_step_range(s: &str) -> std::result::Result<std::ops::Range<usize>, Stri
 }
 
 impl TrainArgs {
-    /// Sets the flags `--policy` stands for ([`RunArgs::set_policy`]).
+    /// Sets the run's policy from `--policy` or its older spellings ([`RunArgs::resolve_policy`]).
     pub fn take_policy(&mut self) -> Result<()> {
-        match self.policy.take() {
-            Some(entry) => self.run.set_policy(&entry),
-            None => Ok(()),
-        }
+        let entry = self.policy.take();
+        self.run.resolve_policy(entry.as_deref())
     }
 
     /// Checks the flags before any work: numbers, combinations, and every output path.

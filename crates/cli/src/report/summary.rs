@@ -9,7 +9,9 @@ use brigade::outcome::TrainOutcome;
 use brigade::recipe::HyperparameterChange;
 use serde_json::json;
 
-use crate::args::{compact, flag_name, CommHookName, ModelName, RunArgs};
+use brigade::policies::{PolicySpec, ZeroStage};
+
+use crate::args::{compact, flag_name, ModelName, RunArgs};
 use crate::plan_auto::Choice;
 use crate::sent::SentSummary;
 
@@ -58,7 +60,7 @@ pub struct PrintNotes;
 
 impl TrainObserver for PrintNotes {
     fn note(&self, message: &str) {
-        eprintln!("note: {message}");
+        eprintln!("note: {}", crate::argv::in_flag_terms(message));
     }
 
     fn resumed(&self, changes: &[HyperparameterChange]) {
@@ -84,6 +86,15 @@ pub fn print_summary(args: &RunArgs, json: bool, world_size: usize, outcome: &Tr
 }
 
 /// The summary as one JSON object (NaN as null: a run of no step has no loss or time).
+/// The report's `zero` (the ZeRO stage, 0 without ZeRO) and `comm_hook` (the bucket reduction
+/// beside it: the policy's name, an f32 all-reduce under ZeRO) of `policy`.
+fn zero_and_hook(policy: &PolicySpec) -> (u8, String) {
+    match policy.zero_stage() {
+        ZeroStage::Off => (0, policy.name().to_string()),
+        stage => (stage.level(), PolicySpec::AllReduce.name().to_string()),
+    }
+}
+
 fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde_json::Value {
     let s = summarize(a, world_size, outcome);
     let m = &a.model;
@@ -94,21 +105,24 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "activation_checkpointing": m.activation_checkpointing.unwrap_or(0),
         }),
     };
-    let hook = match a.distributed.comm_hook {
-        CommHookName::Powersgd => json!({
-            "powersgd_rank": a.distributed.powersgd_rank, "powersgd_start_iter": a.distributed.powersgd_start_iter,
-        }),
-        _ => json!({}),
-    };
+    // the policy's settings, each under its own name (PowerSGD's rank and start)
+    let policy = a.hook_spec();
+    let hook: serde_json::Map<String, serde_json::Value> = policy
+        .settings()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
+    let hook = serde_json::Value::Object(hook);
+    let (zero, comm_hook) = zero_and_hook(&policy);
     let mut flags = json!({
         "model": flag_name(&a.model.model),
         "steps": a.recipe.steps, "batch_size": a.data.batch_size, "accum": a.data.accum, "lr": a.recipe.lr,
-        "optimizer": flag_name(&a.recipe.optimizer), "seed": a.model.seed, "comm_hook": flag_name(&a.distributed.comm_hook),
+        "optimizer": flag_name(&a.recipe.optimizer), "seed": a.model.seed, "comm_hook": comm_hook,
         "backend": a.distributed.backend.name(),
         "bucket_mb": if a.bucket_auto() { json!("auto") } else { json!(a.bucket_cap().ok()) },
         "first_bucket_mb": a.distributed.first_bucket_mb,
         "net_gbps": a.distributed.net_gbps, "net_latency_us": a.distributed.net_latency_us, "warmup": a.runtime.untimed_steps,
-        "zero": a.distributed.zero,
+        "zero": zero,
         "lr_schedule": flag_name(&a.recipe.lr_schedule), "warmup_steps": a.recipe.warmup_steps, "min_lr": a.recipe.min_lr,
         "lr_decay_steps": a.recipe.lr_decay_steps, "lr_gamma": a.recipe.lr_gamma, "lr_step_size": a.recipe.lr_step_size,
         "clip_grad_norm": a.recipe.clip_grad_norm, "eval_every": a.recipe.eval_every, "val_fraction": a.data.val_fraction,
@@ -138,7 +152,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "policy": a.hook_spec().to_string(),
         "policy_notes": outcome.policy_diagnostics.iter().map(|d| d.message.clone()).collect::<Vec<_>>(),
         "memory": outcome.memory.map(|m| json!({
-            "zero": a.distributed.zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
+            "zero": zero, "parameter_bytes": m.parameters, "gradient_bytes": m.gradients,
             "bucket_bytes": m.buckets, "optimizer_state_bytes": m.optimizer_state,
             "policy_state_bytes": m.policy_state, "comm_scratch_bytes": m.comm_scratch, "gathered_bytes": m.gathered, "master_weight_bytes": m.master_weights, "total_bytes": m.total(),
             "activation_bytes": m.activations, "peak_bytes": m.peak,
@@ -254,7 +268,8 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     }
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     // (under ZeRO the measured line below is the account: shards are not whole buckets)
-    if let (Some(m), 0) = (outcome.memory, a.distributed.zero) {
+    let (zero, _) = zero_and_hook(&a.hook_spec());
+    if let (Some(m), 0) = (outcome.memory, zero) {
         let n = outcome.buckets.len();
         outln!(
             "gradient memory per rank: {:.2} MiB in {n} {} (gradients + buckets: {:.2} MiB, one copy)",
@@ -288,7 +303,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
         };
         outln!(
             "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",
-            a.distributed.zero,
+            zero,
             mib(m.parameters),
             mib(m.gradients),
             mib(m.buckets),

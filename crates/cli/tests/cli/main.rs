@@ -34,5 +34,6 @@ mod tensorboard;
 mod text;
 mod tokens;
 mod train;
+mod user_main;
 mod zero;
 mod zero3;

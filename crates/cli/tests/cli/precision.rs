@@ -86,6 +86,35 @@ fn a_bad_precision_and_combinations_not_built_fail_in_one_line() {
         ],
     ]));
     assert!(e.contains("--precision fp16") && e.trim().lines().count() == 1, "{e}");
+    assert!(
+        e.contains("use --policy fp16 (a pass-through)"),
+        "the library's fields said as flags: {e}"
+    );
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &[
+            "--steps",
+            "1",
+            "--world-size",
+            "2",
+            "--precision",
+            "bf16",
+            "--reduce-dtype",
+            "f32",
+            "--policy",
+            "fp16",
+        ],
+    ]));
+    assert!(
+        e.contains("defeats --reduce-dtype f32") && e.trim().lines().count() == 1,
+        "{e}"
+    );
+    let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--reduce-dtype", "bf16"]]));
+    assert!(
+        e.contains("--reduce-dtype bf16") && e.trim().lines().count() == 1,
+        "{e}"
+    );
     let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--reduce-dtype", "f8"]]));
     assert!(e.contains("unknown reduce dtype 'f8'"), "{e}");
 }

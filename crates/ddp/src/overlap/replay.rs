@@ -819,8 +819,7 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
             Some(w) => Ok((p.name.clone(), w.clone())),
             None => Err(format!(
                 "the profile was recorded under policy '{}', which declares no wire model (ReducerPolicy::wire_model): \
-                 the overlap model cannot cost its collectives; replay a profile of allreduce, fp16, bf16, powersgd, \
-                 zero1, zero2 or zero3",
+                 the overlap model cannot cost its collectives; replay a profile of a policy that declares one",
                 p.name
             )),
         },

@@ -83,6 +83,44 @@ impl ZeroStage {
     }
 }
 
+/// How a policy lays a run's training state out over the ranks, as a checkpoint records it: a
+/// checkpoint resumes only under the layout it was written with. Its record is a number: 0
+/// when every rank holds the whole state, else the ZeRO stage that shards it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateLayout(ZeroStage);
+
+impl StateLayout {
+    /// Every rank holds the whole state.
+    pub const WHOLE: StateLayout = StateLayout(ZeroStage::Off);
+
+    /// The number a checkpoint records.
+    pub fn record(self) -> u8 {
+        self.0.level()
+    }
+}
+
+impl crate::PolicySpec {
+    /// How the policy lays the training state out over the ranks ([`StateLayout`]).
+    pub fn state_layout(&self) -> StateLayout {
+        StateLayout(self.zero_stage())
+    }
+
+    /// Whether each rank keeps only its shard of the optimizer state (ZeRO-1, 2, 3).
+    pub fn shards_optimizer_state(&self) -> bool {
+        self.zero_stage() != ZeroStage::Off
+    }
+
+    /// Whether each rank keeps only its shard of the reduced gradients (ZeRO-2, 3).
+    pub fn shards_grads(&self) -> bool {
+        matches!(self.zero_stage(), ZeroStage::Two | ZeroStage::Three)
+    }
+
+    /// Whether each rank keeps only its shard of the parameters, gathered per unit (ZeRO-3).
+    pub fn shards_params(&self) -> bool {
+        self.zero_stage() == ZeroStage::Three
+    }
+}
+
 /// This rank's f32 shard of every bucket cut from the whole f32 `masters` (by parameter
 /// name), zeros where the shard is padding.
 fn master_shards(ctx: &OptimizerContext, masters: &[(String, Tensor)]) -> brigade_ddp::Result<Vec<Tensor>> {

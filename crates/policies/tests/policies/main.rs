@@ -9,6 +9,7 @@ mod direct;
 mod gradient_way;
 mod pinned;
 mod powersgd;
+mod registry;
 mod resume;
 mod user;
 mod zero;
