@@ -182,7 +182,9 @@ pub(crate) struct AdamWScalars {
 /// kernel the front end calls. Methods taking `&mut self` write through the given view in place;
 /// all others return new storage. Preconditions named in a method's doc are checked by the
 /// front end.
-pub(crate) trait BackendStorage: Sized + Elementwise + Reduce + Matmul + Nn + Attention + InPlace + Indexing {
+pub(crate) trait BackendStorage:
+    Sized + Elementwise + Reduce + Matmul + Nn + Attention + InPlace + Indexing
+{
     /// The element type.
     fn dtype(&self) -> DType;
 

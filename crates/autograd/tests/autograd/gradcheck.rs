@@ -300,11 +300,20 @@ fn gather_and_index_select_add_up_the_gradient_of_repeated_indices() {
 #[test]
 fn scatter_add_and_index_add_gradients_reach_both_inputs() {
     let ids = index(&[6, 4], 3, 53);
-    check(|v| v[0].scatter_add(0, &ids, &v[1]), &[randn(&[3, 4], 54), randn(&[6, 4], 55)]);
+    check(
+        |v| v[0].scatter_add(0, &ids, &v[1]),
+        &[randn(&[3, 4], 54), randn(&[6, 4], 55)],
+    );
     let ids = index(&[2, 5], 4, 56);
-    check(|v| v[0].scatter_add(1, &ids, &v[1]), &[randn(&[3, 4], 57), randn(&[2, 5], 58)]);
+    check(
+        |v| v[0].scatter_add(1, &ids, &v[1]),
+        &[randn(&[3, 4], 57), randn(&[2, 5], 58)],
+    );
     let ids = index(&[5], 4, 59);
-    check(|v| v[0].index_add(1, &ids, &v[1]), &[randn(&[3, 4], 60), randn(&[3, 5], 61)]);
+    check(
+        |v| v[0].index_add(1, &ids, &v[1]),
+        &[randn(&[3, 4], 60), randn(&[3, 5], 61)],
+    );
     // a sparse update of a flat vector, as a top-k policy applies one
     let x = randn(&[10], 62);
     check(

@@ -12,7 +12,11 @@ use crate::{contiguous_strides, Buffer, Element, Float, Layout, Result};
 /// The sort's total order: numbers as `<` orders them (`-0.0 == 0.0`), NaN above every
 /// number and equal to another NaN.
 fn nan_last<T: Float>(a: T, b: T) -> Ordering {
-    match (a.partial_cmp(&b), a.partial_cmp(&a).is_none(), b.partial_cmp(&b).is_none()) {
+    match (
+        a.partial_cmp(&b),
+        a.partial_cmp(&a).is_none(),
+        b.partial_cmp(&b).is_none(),
+    ) {
         (Some(o), _, _) => o,
         (None, true, true) => Ordering::Equal,
         (None, true, false) => Ordering::Greater,
@@ -52,7 +56,13 @@ fn target(at: &[usize], strides: &[usize], dim: usize, id: usize) -> usize {
 }
 
 /// Calls `f(element, offset in self)` for each element of the index tensor in row-major order.
-fn for_each_target(self_shape: &[usize], ids_shape: &[usize], dim: usize, idx: &[usize], mut f: impl FnMut(usize, usize)) {
+fn for_each_target(
+    self_shape: &[usize],
+    ids_shape: &[usize],
+    dim: usize,
+    idx: &[usize],
+    mut f: impl FnMut(usize, usize),
+) {
     let strides = contiguous_strides(self_shape);
     let mut at = vec![0usize; ids_shape.len()];
     for (e, &id) in idx.iter().enumerate() {

@@ -26,8 +26,8 @@ pub use state::{FakeCounts, FakeOp, FakeWhat};
 use state::Stamp;
 
 use crate::backend::{
-    event_of, AdamWScalars, Attention, BackendEvent, BackendStorage, BackendStream, BinaryOp, Elementwise, InPlace, Indexing,
-    Matmul, Nn, Reduce, ReduceOp, SgdScalars, UnaryOp,
+    event_of, AdamWScalars, Attention, BackendEvent, BackendStorage, BackendStream, BinaryOp, Elementwise, InPlace,
+    Indexing, Matmul, Nn, Reduce, ReduceOp, SgdScalars, UnaryOp,
 };
 use crate::scope::ScopedStream;
 use crate::Buffer;

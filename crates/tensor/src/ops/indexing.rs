@@ -36,10 +36,13 @@ fn sort_impl(op: &'static str, x: &Tensor, descending: bool, k: usize) -> Result
 /// An index tensor fits `x` along `dim`: same rank, no larger in any other dim, `dim < rank`.
 fn check_index_shape(op: &'static str, x: &Tensor, dim: usize, ids: &Tensor) -> Result<()> {
     if dim >= x.rank() {
-        return Err(TensorError::DimOutOfRange { op, dim, rank: x.rank() });
+        return Err(TensorError::DimOutOfRange {
+            op,
+            dim,
+            rank: x.rank(),
+        });
     }
-    let fits = ids.rank() == x.rank()
-        && (0..x.rank()).all(|d| d == dim || ids.shape()[d] <= x.shape()[d]);
+    let fits = ids.rank() == x.rank() && (0..x.rank()).all(|d| d == dim || ids.shape()[d] <= x.shape()[d]);
     if fits {
         Ok(())
     } else {
@@ -109,7 +112,11 @@ impl Tensor {
     pub fn index_add(&self, dim: usize, ids: &Tensor, src: &Tensor) -> Result<Tensor> {
         let op = "index_add";
         if dim >= self.rank() {
-            return Err(TensorError::DimOutOfRange { op, dim, rank: self.rank() });
+            return Err(TensorError::DimOutOfRange {
+                op,
+                dim,
+                rank: self.rank(),
+            });
         }
         let n = match ids.shape() {
             [n] => *n,
@@ -138,7 +145,11 @@ impl Tensor {
     pub fn index_select(&self, dim: usize, ids: &Tensor) -> Result<Tensor> {
         let op = "index_select";
         if dim >= self.rank() {
-            return Err(TensorError::DimOutOfRange { op, dim, rank: self.rank() });
+            return Err(TensorError::DimOutOfRange {
+                op,
+                dim,
+                rank: self.rank(),
+            });
         }
         let [n] = ids.shape() else {
             return Err(TensorError::Invalid {
@@ -212,7 +223,9 @@ mod tests {
     fn tied_with_nans(rows: usize, n: usize, seed: u64) -> Vec<f64> {
         let pool = [-1.5, -0.0, 0.0, 2.0, 3.25, f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
         let mut rng = Rng::new(seed);
-        (0..rows * n).map(|_| pool[rng.below(pool.len() as u64) as usize]).collect()
+        (0..rows * n)
+            .map(|_| pool[rng.below(pool.len() as u64) as usize])
+            .collect()
     }
 
     /// The reference order, written apart from the kernel's: NaN above every number.
@@ -244,7 +257,10 @@ mod tests {
     }
 
     fn same_bits(a: &[f64], b: &[f64]) -> bool {
-        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
     }
 
     fn sort_argsort_and_topk_match_a_brute_force_reference(d: Device) {
@@ -252,7 +268,9 @@ mod tests {
         let v = tied_with_nans(rows, n, 7);
         let x = Tensor::from_vec(v.clone(), &[rows, n]).unwrap().to_device(d).unwrap();
         for descending in [false, true] {
-            let Some((vals, ids)) = not_on_cuda(d, x.sort(descending)) else { return };
+            let Some((vals, ids)) = not_on_cuda(d, x.sort(descending)) else {
+                return;
+            };
             let (vals, ids) = (vals.to_vec::<f64>().unwrap(), ids.to_vec::<i64>().unwrap());
             let args = x.argsort(descending).unwrap().to_vec::<i64>().unwrap();
             for r in 0..rows {
@@ -327,7 +345,9 @@ mod tests {
                 want_g[e] = xv[offset(&c, &shape)];
                 want_s[offset(&c, &shape)] += src[e];
             }
-            let Some(g) = not_on_cuda(d, x.gather(dim, &it)) else { return };
+            let Some(g) = not_on_cuda(d, x.gather(dim, &it)) else {
+                return;
+            };
             assert_eq!(g.to_vec::<f64>().unwrap(), want_g, "gather along {dim}");
             let s = x.scatter_add(dim, &it, &st).unwrap().to_vec::<f64>().unwrap();
             assert_eq!(s, want_s, "scatter_add along {dim}");
@@ -369,15 +389,24 @@ mod tests {
             }
             let ids = on(Tensor::from_vec(vec![bad], &[1]).unwrap());
             let one = on(Tensor::from_vec(vec![1.0f32, 2.0], &[2, 1]).unwrap());
-            assert!(matches!(x.index_add(1, &ids, &one), Err(TensorError::OutOfRange { .. })));
+            assert!(matches!(
+                x.index_add(1, &ids, &one),
+                Err(TensorError::OutOfRange { .. })
+            ));
             assert!(matches!(x.index_select(1, &ids), Err(TensorError::OutOfRange { .. })));
         }
         let e = x.topk(4).unwrap_err();
-        assert_eq!(e.to_string(), "topk: k = 4 is larger than the last dim (3) of shape [2, 3]");
+        assert_eq!(
+            e.to_string(),
+            "topk: k = 4 is larger than the last dim (3) of shape [2, 3]"
+        );
         let ids = on(Tensor::from_vec(vec![0i64, 1], &[2]).unwrap());
         assert!(matches!(x.scatter_add(1, &ids, &src), Err(TensorError::Invalid { .. })));
         assert!(matches!(x.gather(2, &ids), Err(TensorError::DimOutOfRange { .. })));
-        assert!(matches!(x.index_add(1, &ids, &src), Err(TensorError::ShapeMismatch { .. })));
+        assert!(matches!(
+            x.index_add(1, &ids, &src),
+            Err(TensorError::ShapeMismatch { .. })
+        ));
     }
     test_device!(an_index_outside_its_dim_is_one_clear_error);
 }

@@ -19,7 +19,13 @@ impl Indexing for CudaStorage {
         not_yet("gather", self)
     }
 
-    fn scatter_add(&self, _layout: &Layout, _dim: usize, _ids: (&Self, &Layout), _src: (&Self, &Layout)) -> Result<Self> {
+    fn scatter_add(
+        &self,
+        _layout: &Layout,
+        _dim: usize,
+        _ids: (&Self, &Layout),
+        _src: (&Self, &Layout),
+    ) -> Result<Self> {
         not_yet("scatter_add", self)
     }
 }
