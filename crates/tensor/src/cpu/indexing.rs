@@ -87,7 +87,7 @@ impl Indexing for Buffer {
         float_kernel!("sort", self, xs: T => {
             let xs = view(xs, l);
             let n = l.shape().last().copied().unwrap_or(1);
-            let rows = if n == 0 { 0 } else { xs.len() / n };
+            let rows = xs.len().checked_div(n).unwrap_or(0);
             let (mut vals, mut ids) = (Vec::with_capacity(rows * k), Vec::with_capacity(rows * k));
             for r in 0..rows {
                 let row = &xs[r * n..(r + 1) * n];
