@@ -367,7 +367,8 @@ pub(crate) trait Indexing: Sized {
     /// positions in the row. The order is total and stable: NaN is larger than every number
     /// (NaNs equal among themselves), `-0.0` equals `0.0`, and equal values keep their
     /// positions' order (lower index first) whether `descending` or not. `topk` is the
-    /// descending sort cut at `k`.
+    /// descending sort cut at `k`. A backend may record the indices' range (`0..n`, as the
+    /// fake device does), so that checking them before a scatter reads nothing back.
     fn sort_last(&self, layout: &Layout, descending: bool, k: usize) -> Result<(Self, Self)>;
 
     /// `out[i][j][k] = self[ids[i][j][k]][j][k]` for `dim = 0` (likewise for any `dim`): `self`
