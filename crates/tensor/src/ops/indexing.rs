@@ -302,11 +302,18 @@ mod tests {
             t.argsort(false).unwrap().to_vec::<i64>().unwrap(),
             t.copy().unwrap().argsort(false).unwrap().to_vec::<i64>().unwrap()
         );
-        let x32 = x.to_dtype(crate::DType::F32).unwrap();
-        assert_eq!(
-            x32.topk(3).unwrap().1.to_vec::<i64>().unwrap(),
-            x.topk(3).unwrap().1.to_vec::<i64>().unwrap()
-        );
+        // f32 and bf16 (widened exactly) sort as f64: the pool's values are exact in both
+        for dtype in [crate::DType::F32, crate::DType::BF16] {
+            let xd = x.to_dtype(dtype).unwrap();
+            assert_eq!(
+                xd.topk(3).unwrap().1.to_vec::<i64>().unwrap(),
+                x.topk(3).unwrap().1.to_vec::<i64>().unwrap()
+            );
+            let (v, _) = xd.sort(true).unwrap();
+            assert_eq!(v.dtype(), dtype);
+            let back = v.to_dtype(crate::DType::F64).unwrap().to_vec::<f64>().unwrap();
+            assert!(same_bits(&back, &x.sort(true).unwrap().0.to_vec::<f64>().unwrap()));
+        }
     }
     test_device!(sort_argsort_and_topk_match_a_brute_force_reference);
 
@@ -351,6 +358,17 @@ mod tests {
             assert_eq!(g.to_vec::<f64>().unwrap(), want_g, "gather along {dim}");
             let s = x.scatter_add(dim, &it, &st).unwrap().to_vec::<f64>().unwrap();
             assert_eq!(s, want_s, "scatter_add along {dim}");
+            // bf16 adds in f32 and rounds once: within bf16's rounding of the f64 sums
+            let bf = crate::DType::BF16;
+            let sb = x
+                .to_dtype(bf)
+                .unwrap()
+                .scatter_add(dim, &it, &st.to_dtype(bf).unwrap())
+                .unwrap();
+            let sb = sb.to_dtype(crate::DType::F64).unwrap().to_vec::<f64>().unwrap();
+            for (a, b) in sb.iter().zip(&want_s) {
+                assert!((a - b).abs() <= 0.02 * (1.0 + b.abs()), "bf16 scatter_add {a} vs {b}");
+            }
 
             // index_add: slice i of src added to slice ids[i]; index_select picks them back
             let n = 6;
