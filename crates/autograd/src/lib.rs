@@ -16,6 +16,7 @@ mod backward;
 mod checkpoint;
 mod error;
 mod gradcheck;
+mod indexing;
 mod loss;
 mod mixed;
 mod ops;

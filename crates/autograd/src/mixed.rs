@@ -146,6 +146,11 @@ impl MasterWeights {
 }
 
 impl Optimizer for MasterWeights {
+    /// The f32 masters: what the inner optimizer steps.
+    fn params(&self) -> &[Var] {
+        self.inner.params()
+    }
+
     fn step(&mut self) -> Result<()> {
         let inv = self.scaler.map(|s| 1.0 / s.scale());
         let mut found_inf = false;

@@ -11,6 +11,14 @@ use crate::{AutogradError, Result, Var};
 pub trait Optimizer: Send {
     /// Applies one update from the parameters' current gradients.
     fn step(&mut self) -> Result<()>;
+    /// The parameters this optimizer steps, in its order: what a reducer policy snapshots or
+    /// averages between syncs (DiLoCo's outer step) without browsing the model. An optimizer
+    /// stepping f32 masters beside 16-bit parameters ([`crate::MasterWeights`]) lists the
+    /// masters; one wrapping another lists the inner one's. The default is empty: an
+    /// optimizer that keeps no list of its own says so by listing nothing.
+    fn params(&self) -> &[Var] {
+        &[]
+    }
     /// The learning rate.
     fn lr(&self) -> f64;
     /// Changes the learning rate (schedules).
@@ -113,6 +121,10 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+
     fn step(&mut self) -> Result<()> {
         let with_momentum = self.momentum as f32 != 0.0;
         for (i, p) in self.params.iter().enumerate() {
@@ -225,6 +237,10 @@ impl AdamW {
 }
 
 impl Optimizer for AdamW {
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+
     fn step(&mut self) -> Result<()> {
         self.step += 1;
         let hp = AdamWStep {

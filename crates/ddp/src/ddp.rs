@@ -565,6 +565,10 @@ impl Optimizer for DdpOptimizer {
             .map_err(optimizer_error)
     }
 
+    fn params(&self) -> &[Var] {
+        self.inner.params()
+    }
+
     fn lr(&self) -> f64 {
         self.inner.lr()
     }

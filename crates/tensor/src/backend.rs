@@ -12,7 +12,7 @@
 //!
 //! The contract is spelled once, here: [`BackendStorage`] (memory, copies, streams) with one
 //! supertrait per family of kernels ([`Elementwise`], [`Reduce`], [`Matmul`], [`Nn`],
-//! [`Attention`], [`InPlace`]), and [`BackendStream`] / [`BackendEvent`]. Each backend
+//! [`Attention`], [`InPlace`], [`Indexing`]), and [`BackendStream`] / [`BackendEvent`]. Each backend
 //! implements each trait once, the kernel in the method itself, in the file of its family
 //! (`cpu/elementwise.rs` is `impl Elementwise for Buffer`). A backend runs every call on the
 //! stream current for its device ([`crate::Stream::scope`], else the device's compute stream)
@@ -47,7 +47,7 @@
 //!    `Storage::into_buffer` / `into_host_vec` reach); `copy_strided` and `to_dtype`; `lend_raw`
 //!    (what `Storage::device_memory` reaches); `compute_stream`, `new_stream` and
 //!    `scoped_stream` (what `Stream::compute`, `Stream::new` and `Stream::current` reach).
-//!    Then the six kernel families, one `impl` each, in files named as the CPU's
+//!    Then the seven kernel families, one `impl` each, in files named as the CPU's
 //!    (`crate::composed` builds attention from the other families for a backend without a
 //!    fused kernel, as CUDA does).
 //! 2. A stream type implementing [`BackendStream`] and an event type implementing
@@ -182,7 +182,9 @@ pub(crate) struct AdamWScalars {
 /// kernel the front end calls. Methods taking `&mut self` write through the given view in place;
 /// all others return new storage. Preconditions named in a method's doc are checked by the
 /// front end.
-pub(crate) trait BackendStorage: Sized + Elementwise + Reduce + Matmul + Nn + Attention + InPlace {
+pub(crate) trait BackendStorage:
+    Sized + Elementwise + Reduce + Matmul + Nn + Attention + InPlace + Indexing
+{
     /// The element type.
     fn dtype(&self) -> DType;
 
@@ -355,6 +357,30 @@ pub(crate) trait Nn: Sized {
     /// is a one-element storage of the same dtype and device (the loss's gradient, which lives
     /// on the device: reading it on the host would stall the step).
     fn cross_entropy_backward(&self, layout: &Layout, targets: (&Self, &Layout), g: (&Self, &Layout)) -> Result<Self>;
+}
+
+/// Sorting and moving elements by integer index (`cpu/indexing.rs`). Index operands are `I64`
+/// (or `U8`) storages on the same device, every value checked by the front end to lie in range.
+pub(crate) trait Indexing: Sized {
+    /// Sorts each row of the last axis (self contiguous, rows of `n = last dim`) and keeps the
+    /// first `k <= n` of each: `(values, indices)`, both `[rows.., k]`, the indices `I64`
+    /// positions in the row. The order is total and stable: NaN is larger than every number
+    /// (NaNs equal among themselves), `-0.0` equals `0.0`, and equal values keep their
+    /// positions' order (lower index first) whether `descending` or not. `topk` is the
+    /// descending sort cut at `k`. A backend may record the indices' range (`0..n`, as the
+    /// fake device does), so that checking them before a scatter reads nothing back.
+    fn sort_last(&self, layout: &Layout, descending: bool, k: usize) -> Result<(Self, Self)>;
+
+    /// `out[i][j][k] = self[ids[i][j][k]][j][k]` for `dim = 0` (likewise for any `dim`): `self`
+    /// contiguous, `ids` *any layout* (a broadcast index has stride 0) of the output's shape,
+    /// of self's rank, no larger than self in any dim but `dim`.
+    fn gather(&self, layout: &Layout, dim: usize, ids: (&Self, &Layout)) -> Result<Self>;
+
+    /// A copy of `self` (contiguous) with `src[i][j][k]` added at `[ids[i][j][k]][j][k]` for
+    /// `dim = 0` (likewise for any `dim`): `ids` *any layout* and `src` contiguous, both of
+    /// one shape, of self's rank, no larger than self in any dim but `dim`. Repeated indices
+    /// add up, in the index's row-major order on the CPU (any order elsewhere).
+    fn scatter_add(&self, layout: &Layout, dim: usize, ids: (&Self, &Layout), src: (&Self, &Layout)) -> Result<Self>;
 }
 
 /// Fused causal self-attention (`cpu/attention.rs`).

@@ -101,6 +101,14 @@ pub enum TensorError {
         /// The op that found the storage gone.
         op: &'static str,
     },
+    /// An op whose kernel this device's backend does not have yet.
+    #[error("{op}: no kernel on {device} yet: copy the operands to the CPU (to_device(Device::Cpu)) for this op")]
+    NotOnDevice {
+        /// The op that has no kernel there.
+        op: &'static str,
+        /// The device it was asked to run on.
+        device: Device,
+    },
     /// Anything else that an argument got wrong.
     #[error("{op}: {msg}")]
     Invalid {

@@ -170,7 +170,7 @@ impl<T: IntoDevice> IntoDevice for Result<T> {
 macro_rules! dispatch {
     (plain $storage:expr, $s:ident => $e:expr) => {{
         #[allow(unused_imports)]
-        use $crate::backend::{Attention as _, BackendStorage as _, Elementwise as _, InPlace as _, Matmul as _, Nn as _, Reduce as _};
+        use $crate::backend::{Attention as _, BackendStorage as _, Elementwise as _, InPlace as _, Indexing as _, Matmul as _, Nn as _, Reduce as _};
         match $storage {
             $crate::storage::DeviceStorage::Cpu($s) => $e,
             $crate::storage::DeviceStorage::Fake($s) => $e,
@@ -180,7 +180,7 @@ macro_rules! dispatch {
     }};
     ($storage:expr, $s:ident, $other:ident, $other_mut:ident => $e:expr) => {{
         #[allow(unused_imports)]
-        use $crate::backend::{Attention as _, BackendStorage as _, Elementwise as _, InPlace as _, Matmul as _, Nn as _, Reduce as _};
+        use $crate::backend::{Attention as _, BackendStorage as _, Elementwise as _, InPlace as _, Indexing as _, Matmul as _, Nn as _, Reduce as _};
         #[allow(unused_imports)]
         use $crate::storage::Variant as _;
         #[allow(unused_variables)]

@@ -266,3 +266,61 @@ fn a_nan_or_infinite_gradient_fails_the_check() {
         "an infinite gradient must fail the check"
     );
 }
+
+/// An `I64` index tensor of `shape` with values below `bound` (repeats certain when the
+/// index is longer than `bound`).
+fn index(shape: &[usize], bound: u64, seed: u64) -> Tensor {
+    let mut rng = Rng::new(seed);
+    let n: usize = shape.iter().product();
+    Tensor::from_vec((0..n).map(|_| rng.below(bound) as i64).collect(), shape).unwrap()
+}
+
+#[test]
+fn topk_and_sort_pass_the_gradient_to_the_picked_elements() {
+    // distinct random values: the order does not change within +-h
+    check(|v| Ok(v[0].topk(3)?.0), &[randn(&[4, 7], 40)]);
+    check(|v| Ok(v[0].topk(7)?.0), &[randn(&[2, 7], 41)]);
+    check(|v| Ok(v[0].sort(false)?.0), &[randn(&[3, 5], 42)]);
+    check(|v| Ok(v[0].sort(true)?.0), &[randn(&[3, 5], 43)]);
+    // a transposed view: rows of the view are columns of the storage
+    check(|v| Ok(v[0].topk(2)?.0), &[randn(&[6, 3], 44).t().unwrap()]);
+}
+
+#[test]
+fn gather_and_index_select_add_up_the_gradient_of_repeated_indices() {
+    let ids = index(&[5, 4], 3, 45);
+    check(|v| v[0].gather(0, &ids), &[randn(&[3, 4], 46)]);
+    let ids = index(&[2, 6], 4, 47);
+    check(|v| v[0].gather(1, &ids), &[randn(&[3, 4], 48)]);
+    let ids = index(&[7], 3, 49);
+    check(|v| v[0].index_select(0, &ids), &[randn(&[3, 4], 50)]);
+    check(|v| v[0].index_select(1, &index(&[5], 4, 51)), &[randn(&[3, 4], 52)]);
+}
+
+#[test]
+fn scatter_add_and_index_add_gradients_reach_both_inputs() {
+    let ids = index(&[6, 4], 3, 53);
+    check(
+        |v| v[0].scatter_add(0, &ids, &v[1]),
+        &[randn(&[3, 4], 54), randn(&[6, 4], 55)],
+    );
+    let ids = index(&[2, 5], 4, 56);
+    check(
+        |v| v[0].scatter_add(1, &ids, &v[1]),
+        &[randn(&[3, 4], 57), randn(&[2, 5], 58)],
+    );
+    let ids = index(&[5], 4, 59);
+    check(
+        |v| v[0].index_add(1, &ids, &v[1]),
+        &[randn(&[3, 4], 60), randn(&[3, 5], 61)],
+    );
+    // a sparse update of a flat vector, as a top-k policy applies one
+    let x = randn(&[10], 62);
+    check(
+        |v| {
+            let (vals, at) = v[1].topk(3)?;
+            v[0].scatter_add(0, &at, &vals)
+        },
+        &[x, randn(&[10], 63)],
+    );
+}

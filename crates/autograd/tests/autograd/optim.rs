@@ -135,3 +135,31 @@ fn optimizers_leave_a_frozen_parameter_unchanged() {
         );
     }
 }
+
+#[test]
+fn an_optimizer_lists_the_parameters_it_steps() {
+    use brigade_autograd::MasterWeights;
+    use brigade_tensor::DType;
+
+    let (store, p, c) = setup(&[1.0, -2.0], &[0.5, 1.0]);
+    let q = Var::leaf(Tensor::from_slice(&[3.0f32], &[1]).unwrap());
+    let mut sgd = Sgd::new(vec![p.clone(), q.clone()], 0.1, 0.0, 0.0);
+    let adamw = AdamW::new(vec![q.clone()], 0.1);
+    assert_eq!(sgd.params().len(), 2);
+    assert_eq!(adamw.params().len(), 1);
+    // the listed parameters are the ones stepped: the update shows through them
+    grad_step(&store, &p, &c, &mut sgd);
+    close(&sgd.params()[0].value().to_vec::<f32>().unwrap(), &[0.95, -2.1]);
+    close(&sgd.params()[1].value().to_vec::<f32>().unwrap(), &[3.0]);
+
+    // under master weights the listed parameters are the f32 masters the inner one steps
+    let (store, p, c) = setup(&[1.0, -2.0], &[0.5, 1.0]);
+    let build = |ps: Vec<Var>| Box::new(Sgd::new(ps, 0.1, 0.0, 0.0)) as Box<dyn Optimizer>;
+    let mut mixed = MasterWeights::new(store.params().to_vec(), DType::BF16, build, &[]).unwrap();
+    let c = Var::constant(c.value().to_dtype(DType::BF16).unwrap());
+    grad_step(&store, &p, &c, &mut mixed);
+    let masters = mixed.params();
+    assert_eq!((masters.len(), masters[0].value().dtype()), (1, DType::F32));
+    close(&masters[0].value().to_vec::<f32>().unwrap(), &[0.95, -2.1]);
+    assert_eq!(p.value().dtype(), DType::BF16);
+}

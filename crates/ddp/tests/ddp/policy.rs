@@ -509,3 +509,18 @@ fn policy_state_is_gathered_on_rank_0_per_rank_and_restored_to_each_rank() {
     let e = e.into_iter().next().unwrap().unwrap();
     assert!(e.contains("average") && e.contains("counts"), "{e}");
 }
+
+#[test]
+fn ddps_optimizer_lists_the_parameters_its_inner_optimizer_steps() {
+    run_on_threads(2, |comm| {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let m = Mlp::new(&WIDTHS, 7);
+        let ddp = DistributedDataParallel::new(&m.store, comm, small(), average()).unwrap();
+        let full = Box::new(Sgd::new(m.store.params().to_vec(), 0.1, 0.0, 0.0));
+        let opt = ddp.optimizer(full, &|p| Box::new(Sgd::new(p, 0.1, 0.0, 0.0))).unwrap();
+        let names = |ps: &[brigade_autograd::Var]| ps.iter().map(|p| p.name().map(str::to_string)).collect::<Vec<_>>();
+        assert_eq!(names(opt.params()), names(m.store.params()));
+    })
+    .into_iter()
+    .for_each(|r| r.unwrap());
+}

@@ -579,6 +579,11 @@ impl Optimizer for ZeroOptimizer {
         self.step_all().map_err(optimizer_error)
     }
 
+    /// The model's parameters, whose shards this rank's optimizers step.
+    fn params(&self) -> &[Var] {
+        self.buckets.params()
+    }
+
     fn lr(&self) -> f64 {
         self.shards.first().map_or(0.0, |b| b.opt.lr())
     }

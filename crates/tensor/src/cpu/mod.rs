@@ -7,6 +7,7 @@ mod attention;
 mod elementwise;
 mod f16_storage;
 mod gelu_f32;
+mod indexing;
 mod inplace;
 mod matmul;
 mod nn;

@@ -27,7 +27,7 @@ use state::Stamp;
 
 use crate::backend::{
     event_of, AdamWScalars, Attention, BackendEvent, BackendStorage, BackendStream, BinaryOp, Elementwise, InPlace,
-    Matmul, Nn, Reduce, ReduceOp, SgdScalars, UnaryOp,
+    Indexing, Matmul, Nn, Reduce, ReduceOp, SgdScalars, UnaryOp,
 };
 use crate::scope::ScopedStream;
 use crate::Buffer;
@@ -582,5 +582,27 @@ impl InPlace for FakeStorage {
         )?;
         self.data
             .adamw_step(layout, cpu(grad), (&mut m.0.data, m.1), (&mut v.0.data, v.1), s)
+    }
+}
+
+impl Indexing for FakeStorage {
+    /// The indices output knows its range without a read: positions in a row of `n`.
+    fn sort_last(&self, layout: &Layout, descending: bool, k: usize) -> Result<(Self, Self)> {
+        let ((v, i), st) = self.kernel("sort", &[], || self.data.sort_last(layout, descending, k))?;
+        let n = layout.shape().last().copied().unwrap_or(1) as i64;
+        let range = (k > 0 && n > 0).then_some((0, n - 1));
+        Ok((self.out(v, st), Self::fresh(&self.dev, i, st, range)))
+    }
+
+    fn gather(&self, layout: &Layout, dim: usize, ids: (&Self, &Layout)) -> Result<Self> {
+        let (d, st) = self.kernel("gather", &[ids.0], || self.data.gather(layout, dim, cpu(ids)))?;
+        Ok(self.out(d, st))
+    }
+
+    fn scatter_add(&self, layout: &Layout, dim: usize, ids: (&Self, &Layout), src: (&Self, &Layout)) -> Result<Self> {
+        let (d, st) = self.kernel("scatter_add", &[ids.0, src.0], || {
+            self.data.scatter_add(layout, dim, cpu(ids), cpu(src))
+        })?;
+        Ok(self.out(d, st))
     }
 }

@@ -4,6 +4,7 @@
 
 mod attention;
 mod elementwise;
+mod indexing;
 mod inplace;
 mod matmul;
 mod nn;

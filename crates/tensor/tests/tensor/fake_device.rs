@@ -91,6 +91,24 @@ fn uploaded_ids_are_checked_without_a_copy_back_and_unknown_ones_are_read() {
 }
 
 #[test]
+fn topk_indices_feed_a_scatter_add_without_a_copy_back() {
+    // a top-k policy's sparse round trip on the device: select, then add back at the indices
+    let d = fresh(106);
+    let g: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32 - 500.0).collect();
+    let g = Tensor::from_vec(g, &[1000]).unwrap().to_device(d).unwrap();
+    let (vals, ids) = g.topk(10).unwrap();
+    let dense = Tensor::zeros_on(&[1000], DType::F32, d).unwrap();
+    let back = dense.scatter_add(0, &ids, &vals).unwrap();
+    let back = back.index_add(0, &ids, &vals).unwrap();
+    assert_eq!(fake::counts(106).to_host, 0, "the sort's indices carry their range");
+    let v = back.to_vec::<f32>().unwrap();
+    // 7919 i mod 1000 takes every value once: the ten largest are 490..=499, each added twice
+    let mut kept: Vec<f32> = v.into_iter().filter(|&x| x != 0.0).collect();
+    kept.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    assert_eq!(kept, (490..500).map(|x| 2.0 * x as f32).collect::<Vec<_>>());
+}
+
+#[test]
 fn ops_run_on_the_scoped_stream_and_an_unordered_access_is_refused() {
     let d = fresh(104);
     let compute = Stream::compute(d).unwrap();

@@ -94,6 +94,7 @@ macro_rules! any_dispatch {
 }
 
 // After the dispatch macros: the kernel rooms use them.
+mod indexing;
 mod inplace;
 mod nn;
 
