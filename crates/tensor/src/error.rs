@@ -101,6 +101,9 @@ pub enum TensorError {
         /// The op that found the storage gone.
         op: &'static str,
     },
+    /// The CPU GEMM library asked for (`BRIGADE_GEMM`) cannot be used.
+    #[error("CPU GEMM: {0}")]
+    CpuGemm(String),
     /// Anything else that an argument got wrong.
     #[error("{op}: {msg}")]
     Invalid {
