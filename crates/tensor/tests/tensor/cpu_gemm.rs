@@ -120,15 +120,22 @@ fn onednn_results_are_the_same_run_to_run_with_two_rank_threads() {
     let x = Tensor::randn(&[256, 384], 1.0, DType::F32, &mut rng);
     let w = Tensor::randn(&[320, 384], 1.0, DType::F32, &mut rng);
     let h = Tensor::randn(&[4, 64, 96], 1.0, DType::F32, &mut rng);
+    // one row times a long inner dimension: oneDNN's threads split the sum itself here, so its
+    // bits depend on the thread count
+    let (u, v) = (
+        Tensor::randn(&[1, 65536], 1.0, DType::F32, &mut rng),
+        Tensor::randn(&[65536, 48], 1.0, DType::F32, &mut rng),
+    );
     let run = || {
-        let (x, w, h) = (x.clone(), w.clone(), h.clone());
+        let (x, w, h, u, v) = (x.clone(), w.clone(), h.clone(), u.clone(), v.clone());
         std::thread::spawn(move || {
             set_compute_threads(2);
             (0..3)
                 .map(|_| {
                     let y = x.matmul(&w.t().unwrap()).unwrap().to_vec::<f32>().unwrap();
                     let z = h.matmul(&h.transpose(1, 2).unwrap()).unwrap().to_vec::<f32>().unwrap();
-                    (y, z)
+                    let s = u.matmul(&v).unwrap().to_vec::<f32>().unwrap();
+                    (y, z, s)
                 })
                 .collect::<Vec<_>>()
         })
@@ -143,6 +150,10 @@ fn onednn_results_are_the_same_run_to_run_with_two_rank_threads() {
         assert!(
             r.1.iter().zip(&all[0].1).all(|(a, b)| a.to_bits() == b.to_bits()),
             "run {i}: the batched product differs from the first run's"
+        );
+        assert!(
+            r.2.iter().zip(&all[0].2).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "run {i}: the long-sum product differs from the first run's"
         );
     }
 }
