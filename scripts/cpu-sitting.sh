@@ -4,7 +4,8 @@
 # `a @ b` (1 and 2 threads, f32 and bf16, the issue's four shapes and the models' own), rounds
 # interleaved, median of ROUNDS with the spread (min-max); then the DDP step at world 2 (MLP,
 # GPT) against PyTorch DDP over gloo, and one process's step in f32 against bf16 on both sides.
-# Every command is printed (stderr) before it runs. About 4-6 minutes on 2 quiet cores.
+# Every command is printed (stderr) before it runs. About 5 minutes on 2 quiet cores (15 on a
+# machine at load average 10).
 #
 #   scripts/cpu-sitting.sh [OUT_DIR]      (from anywhere; nothing else running, ideally)
 #
@@ -47,24 +48,24 @@ print(json.dumps(rows))
 EOF
 for r in $(seq 1 "$ROUNDS"); do
   for t in 1 2; do
-    BRIGADE_GEMM=onednn run "$B" bench gemm --shapes "$shapes" --threads $t --reps 5 --dtypes f32,bf16 --json \
+    run env BRIGADE_GEMM=onednn "$B" bench gemm --shapes "$shapes" --threads $t --reps 5 --dtypes f32,bf16 --json \
       >"$OUT/gemm_onednn_t${t}_$r.json"
-    BRIGADE_GEMM=gemm run "$B" bench gemm --shapes "$shapes" --threads $t --reps 5 --json >"$OUT/gemm_crate_t${t}_$r.json"
+    run env BRIGADE_GEMM=gemm "$B" bench gemm --shapes "$shapes" --threads $t --reps 5 --json >"$OUT/gemm_crate_t${t}_$r.json"
     run "$PY" "$OUT/torch_gemm.py" $t "$shapes" >"$OUT/gemm_torch_t${t}_$r.json"
   done
 done
 
 # training steps: Brigade's commands as ../shared/torchref/README.md matches them to ddp_bench.py
-gpt=(--model gpt --batch-size 8 --optimizer adamw --lr 3e-4 --warmup 5 --steps 25 --json)
-mlp=(--model mlp --batch-size 64 --optimizer sgd --momentum 0 --lr 0.01 --warmup 5 --steps 25 --json)
+gpt=(--model gpt --batch-size 8 --optimizer adamw --lr 3e-4 --untimed-steps 5 --steps 25 --json)
+mlp=(--model mlp --batch-size 64 --optimizer sgd --momentum 0 --lr 0.01 --untimed-steps 5 --steps 25 --json)
 for w in mlp gpt; do
   declare -n args=$w
-  run "$B" train "${args[@]}" --world-size 2 --bucket-mb 25 >"$OUT/step_${w}_ws2_onednn.json"
-  BRIGADE_GEMM=gemm run "$B" train "${args[@]}" --world-size 2 --bucket-mb 25 >"$OUT/step_${w}_ws2_gemm.json"
+  run env BRIGADE_GEMM=onednn "$B" train "${args[@]}" --world-size 2 --bucket-mb 25 >"$OUT/step_${w}_ws2_onednn.json"
+  run env BRIGADE_GEMM=gemm "$B" train "${args[@]}" --world-size 2 --bucket-mb 25 >"$OUT/step_${w}_ws2_gemm.json"
   (cd "$TORCHREF" && run "$PY" ddp_bench.py --workload $w --buckets 25 --tag cpu-sitting) >/dev/null
   cp "$TORCHREF/results/ddp_bench_${w}_cpu-sitting.json" "$OUT/torch_ddp_$w.json"
   for p in f32 bf16; do
-    run "$B" train "${args[@]}" --world-size 1 --threads-per-rank 1 --precision $p >"$OUT/step_${w}_ws1_$p.json"
+    run env BRIGADE_GEMM=onednn "$B" train "${args[@]}" --world-size 1 --threads-per-rank 1 --precision $p >"$OUT/step_${w}_ws1_$p.json"
   done
 done
 cat >"$OUT/torch_precision.py" <<'EOF'
