@@ -161,6 +161,11 @@ where
             return 2;
         }
     };
+    // a GEMM library that BRIGADE_GEMM names and this machine cannot use: said before any work
+    if let Err(e) = std::env::var_os("BRIGADE_GEMM").map_or(Ok(()), |_| brigade::tensor::cpu_gemm().map(drop)) {
+        eprintln!("error: {e}");
+        return 1;
+    }
     let result = match cli.command {
         Command::Train(mut t) => {
             let notes = t.run.take_old_spellings();

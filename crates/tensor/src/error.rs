@@ -109,6 +109,9 @@ pub enum TensorError {
         /// The device it was asked to run on.
         device: Device,
     },
+    /// The CPU GEMM library asked for (`BRIGADE_GEMM`) cannot be used.
+    #[error("CPU GEMM: {0}")]
+    CpuGemm(String),
     /// Anything else that an argument got wrong.
     #[error("{op}: {msg}")]
     Invalid {

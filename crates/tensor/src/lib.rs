@@ -38,7 +38,7 @@ mod tensor;
 pub mod testing;
 mod threads;
 
-pub use cpu::gemm_threads_for;
+pub use cpu::{cpu_gemm, cpu_gemm_name, gemm_threads_for, set_cpu_gemm, CpuGemm};
 pub use dtype::{Buffer, DType, Element, Float};
 pub use error::{Result, TensorError};
 pub use host_memory::retain_freed_host_memory;

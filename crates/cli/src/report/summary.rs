@@ -164,6 +164,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             "activation_checkpointing": a.model.activation_checkpointing.unwrap_or(0),
         })),
         "flags": flags,
+        "cpu_gemm": cpu_gemm(a),
         // uneven data: the join mode, the step each rank joined at (null: never), where the data ended
         "join": outcome.join.map(|m| m.name()),
         "joined_at": outcome.joined_at,
@@ -175,6 +176,16 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         o.extend(sent);
     }
     out
+}
+
+/// The library under the CPU's matrix products, in words (`None` on a GPU run).
+fn cpu_gemm(a: &RunArgs) -> Option<String> {
+    match a.runtime.device {
+        brigade::placement::DevicePlacement::Cpu => {
+            Some(brigade::tensor::cpu_gemm_name().unwrap_or_else(|e| e.to_string()))
+        }
+        _ => None,
+    }
 }
 
 /// The summary as a few lines.
@@ -261,6 +272,9 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
                 a.runtime.untimed_steps
             );
             outln!("throughput: {:.1} samples/s", s.samples_per_s);
+        }
+        if let Some(gemm) = cpu_gemm(a) {
+            outln!("CPU GEMM: {gemm}");
         }
     }
     if let Some(t) = &outcome.autotune {

@@ -1,14 +1,19 @@
-//! Matrix products on the CPU through the `gemm` family of crates (packed, SIMD, arbitrary
-//! strides: transposed views cost nothing): `gemm-f32` and `gemm-f64`, the kernels the `gemm`
-//! crate's generic entry dispatches to, each picking AVX-512, AVX2 or NEON code at run time.
+//! Matrix products on the CPU: f32 through oneDNN's `dnnl_sgemm` where it is the path chosen
+//! ([`super::onednn`]), otherwise (and f64 always) through the `gemm` family of crates (packed,
+//! SIMD, arbitrary strides): `gemm-f32` and `gemm-f64`, the kernels the `gemm` crate's generic
+//! entry dispatches to, each picking AVX-512, AVX2 or NEON code at run time. Both read
+//! transposed views in place. bf16 goes through oneDNN's AMX matmul where it has one, 16-bit
+//! storage otherwise widened to f32 (`f16_storage.rs`).
 
 use crate::backend::Matmul;
 use std::any::TypeId;
 
 use gemm_common::Parallelism;
+use half::bf16;
 use rayon::prelude::*;
 
 use super::f16_storage::{half_dtype, narrow, widen};
+use super::onednn::{onednn, OneDnn};
 use super::{float_kernel, same, view};
 use crate::threads::{compute_threads, install};
 use crate::Buffer;
@@ -171,6 +176,21 @@ pub(super) unsafe fn gemm_into<T: Float>(
         }
         return;
     }
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        if let Some(d) = onednn() {
+            let f = |p: *const T| p as *const f32;
+            if d.sgemm(
+                (m, n, k),
+                (dst as *mut f32, dst_rs, dst_cs),
+                accumulate,
+                (f(lhs), lhs_rs, lhs_cs),
+                (f(rhs), rhs_rs, rhs_cs),
+                threads,
+            ) {
+                return;
+            }
+        }
+    }
     let par = if threads > 1 {
         Parallelism::Rayon(threads)
     } else {
@@ -196,30 +216,65 @@ pub(super) unsafe fn gemm_into<T: Float>(
     );
 }
 
+/// Offset of batch `i` in a layout whose last two dims are the matrix.
+fn batch_offset(l: &Layout, mut i: usize) -> usize {
+    let r = l.rank();
+    let mut o = l.offset();
+    for d in (0..r - 2).rev() {
+        o += (i % l.shape()[d]) * l.strides()[d];
+        i /= l.shape()[d];
+    }
+    o
+}
+
+/// Calls `f(a_offset, b_offset, out_block, threads)` for every matrix of a batched product
+/// `[batch.., m, k] x [batch.., k, n]` (each output block `m*n` elements of `out`): in parallel,
+/// one thread each, when there are at least as many matrices as compute threads, otherwise one
+/// after the other with the threads a product of this size is worth. `in_pool`: run in this
+/// thread's rayon pool (the `gemm` crate forks there; oneDNN forks its own OpenMP threads).
+fn for_each_batch<U: Send>(
+    la: &Layout,
+    lb: &Layout,
+    out: &mut [U],
+    in_pool: bool,
+    f: impl Fn(usize, usize, &mut [U], usize) + Sync + Send,
+) {
+    let r = la.rank();
+    let (m, k, n) = (la.shape()[r - 2], la.shape()[r - 1], lb.shape()[r - 1]);
+    if m * n == 0 {
+        return;
+    }
+    let threads = compute_threads();
+    let nb = out.len() / (m * n);
+    if nb >= threads && threads > 1 {
+        install(|| {
+            out.par_chunks_mut(m * n)
+                .enumerate()
+                .for_each(|(i, dst)| f(batch_offset(la, i), batch_offset(lb, i), dst, 1))
+        });
+    } else {
+        let t = gemm_threads_for(m, n, k);
+        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+            let mut run = || f(batch_offset(la, i), batch_offset(lb, i), dst, t);
+            if in_pool {
+                install(run)
+            } else {
+                run()
+            }
+        }
+    }
+}
+
 fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T> {
     let r = la.rank();
     let (m, k, n) = (la.shape()[r - 2], la.shape()[r - 1], lb.shape()[r - 1]);
     let nb: usize = la.shape()[..r - 2].iter().product();
     let mut out = vec![T::ZERO; nb * m * n];
-    if m * n == 0 {
-        return out;
-    }
-    // Offset of batch `i` in a layout whose last two dims are the matrix.
-    let batch_offset = |l: &Layout, mut i: usize| {
-        let r = l.rank();
-        let mut o = l.offset();
-        for d in (0..r - 2).rev() {
-            o += (i % l.shape()[d]) * l.strides()[d];
-            i /= l.shape()[d];
-        }
-        o
-    };
     let (sa, sb) = (la.strides(), lb.strides());
     let (a_rs, a_cs, b_rs, b_cs) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 2], sb[sb.len() - 1]);
     let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
-    let threads = compute_threads();
-    let run = |i: usize, dst: &mut [T], t: usize| {
-        let (oa, ob) = (batch_offset(la, i), batch_offset(lb, i));
+    let in_pool = TypeId::of::<T>() != TypeId::of::<f32>() || onednn().is_none();
+    for_each_batch(la, lb, &mut out, in_pool, |oa, ob, dst: &mut [T], t| {
         // SAFETY: the front end checked both layouts against their storages, and `dst`
         // is this batch's own m*n output block.
         unsafe {
@@ -238,26 +293,65 @@ fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T>
                 t,
             )
         }
-    };
-    if nb >= threads && threads > 1 {
-        install(|| {
-            out.par_chunks_mut(m * n)
-                .enumerate()
-                .for_each(|(i, dst)| run(i, dst, 1))
-        });
-    } else {
-        let t = gemm_threads_for(m, n, k);
-        for (i, dst) in out.chunks_mut(m * n).enumerate() {
-            install(|| run(i, dst, t));
-        }
-    }
+    });
     out
+}
+
+/// A bf16 product (and bias) through oneDNN's AMX matmul, each output rounded once from its
+/// f32 sum; `None` where oneDNN has no AMX implementation for it (the caller widens instead).
+fn bf16_matmul(
+    d: &OneDnn,
+    (da, la): (&[bf16], &Layout),
+    (db, lb): (&[bf16], &Layout),
+    bias: Option<(&[bf16], &Layout)>,
+) -> Option<Vec<bf16>> {
+    let r = la.rank();
+    let (m, k, n) = (la.shape()[r - 2], la.shape()[r - 1], lb.shape()[r - 1]);
+    let nb: usize = la.shape()[..r - 2].iter().product();
+    let mut out = vec![bf16::ZERO; nb * m * n];
+    let (sa, sb) = (la.strides(), lb.strides());
+    let (a_rs, a_cs, b_rs, b_cs) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 2], sb[sb.len() - 1]);
+    let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
+    let bias = bias.map(|(b, l)| (SendPtr(b[l.offset()..].as_ptr()), l.strides()[0]));
+    let ok = std::sync::atomic::AtomicBool::new(true);
+    for_each_batch(la, lb, &mut out, false, |oa, ob, dst: &mut [bf16], t| {
+        let (pa, pb, bias) = (pa, pb, bias);
+        // SAFETY: the front end checked the layouts against their storages (the bias: `n`
+        // elements along its stride); `dst` is this batch's own m*n block.
+        let done = unsafe {
+            d.bf16_matmul(
+                (m, n, k),
+                (dst.as_mut_ptr() as *mut u16, n),
+                (pa.0.add(oa) as *const u16, a_rs, a_cs),
+                (pb.0.add(ob) as *const u16, b_rs, b_cs),
+                bias.map(|(p, s)| (p.0 as *const u16, s)),
+                t,
+            )
+        };
+        if !done {
+            ok.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    ok.into_inner().then_some(out)
+}
+
+/// The bf16 operands of a product as slices, when oneDNN's AMX matmul may take them.
+fn amx_operands<'a>(a: &'a Buffer, b: &'a Buffer) -> Option<(&'static OneDnn, &'a [bf16], &'a [bf16])> {
+    match (a, b, onednn()) {
+        (Buffer::BF16(x), Buffer::BF16(y), Some(d)) if d.has_amx() => Some((d, x, y)),
+        _ => None,
+    }
 }
 
 impl Matmul for Buffer {
     /// `matmul`: `[batch.., m, k] x [batch.., k, n]`, any
     /// strides, into a contiguous `[batch.., m, n]`.
     fn matmul(&self, la: &Layout, b: &Buffer, lb: &Layout) -> Result<Buffer> {
+        if let Some((d, x, y)) = amx_operands(self, b) {
+            if let Some(out) = bf16_matmul(d, (x, la), (y, lb), None) {
+                return Ok(Buffer::BF16(out));
+            }
+        }
         if let Some(h) = half_dtype(self) {
             let ((x, xl), (y, yl)) = (widen(self, la), widen(b, lb));
             return Ok(narrow(x.matmul(&xl, &y, &yl)?, h));
@@ -272,6 +366,11 @@ impl Matmul for Buffer {
     /// `matmul_bias`: every output row starts as the bias and
     /// the GEMM accumulates the product onto it, so the bias costs no pass of its own.
     fn matmul_bias(&self, la: &Layout, b: &Buffer, lb: &Layout, bias: (&Buffer, &Layout)) -> Result<Buffer> {
+        if let (Some((d, x, y)), Buffer::BF16(c)) = (amx_operands(self, b), bias.0) {
+            if let Some(out) = bf16_matmul(d, (x, la), (y, lb), Some((c, bias.1))) {
+                return Ok(Buffer::BF16(out));
+            }
+        }
         if let Some(h) = half_dtype(self) {
             let ((x, xl), (y, yl), (c, cl)) = (widen(self, la), widen(b, lb), widen(bias.0, bias.1));
             return Ok(narrow(x.matmul_bias(&xl, &y, &yl, (&c, &cl))?, h));
@@ -288,7 +387,7 @@ impl Matmul for Buffer {
             let (sa, sb) = (la.strides(), lb.strides());
             let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
             let dst = out.as_mut_slice();
-            install(|| {
+            let mut gemm = || {
                 let (pa, pb) = (pa, pb);
                 // SAFETY: the front end checked both layouts against their storages; `dst`
                 // holds the m*n initialised elements of the output.
@@ -308,7 +407,13 @@ impl Matmul for Buffer {
                         gemm_threads_for(m, n, k),
                     )
                 }
-            });
+            };
+            // the gemm crate forks in this thread's pool, oneDNN its own OpenMP threads
+            if TypeId::of::<T>() == TypeId::of::<f32>() && onednn().is_some() {
+                gemm()
+            } else {
+                install(gemm)
+            }
             Ok(T::wrap(out))
         })
     }

@@ -1,6 +1,7 @@
 //! The CPU backend: host buffers ([`Buffer`]) and the kernels of the device contract
-//! ([`crate::backend`]). GEMM goes through the `gemm` crate; large elementwise and row
-//! kernels split across the calling thread's compute pool ([`crate::set_compute_threads`]).
+//! ([`crate::backend`]). GEMM goes through oneDNN where it loads, the `gemm` crate otherwise
+//! (`onednn.rs`); large elementwise and row kernels split across the calling thread's compute
+//! pool ([`crate::set_compute_threads`]).
 //! Each file is one family of kernels.
 
 mod attention;
@@ -11,10 +12,12 @@ mod indexing;
 mod inplace;
 mod matmul;
 mod nn;
+mod onednn;
 mod reduce;
 mod softmax_row;
 
 pub use matmul::gemm_threads_for;
+pub use onednn::{cpu_gemm, cpu_gemm_name, set_cpu_gemm, CpuGemm};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

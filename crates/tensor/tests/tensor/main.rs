@@ -3,6 +3,7 @@
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
+mod cpu_gemm;
 #[cfg(feature = "cuda")]
 mod cuda_bench;
 #[cfg(feature = "cuda")]

@@ -1,7 +1,8 @@
-//! `brigade bench gemm`: Brigade's matmul beside a direct call of the library under it, on
-//! the same shapes in the same run: on the CPU the `gemm` crate in f32 (numpy's figure, from
-//! `../shared/tools/roofline.py`, printed beside it when given); on a GPU cuBLAS, in f32, f16
-//! and bf16.
+//! `brigade bench gemm`: Brigade's matmul beside a direct call of a library, on the same shapes
+//! in the same run: on the CPU Brigade's matmul (through the library it chose: oneDNN or the
+//! `gemm` crate, named in the output; `BRIGADE_GEMM` forces either) in f32, bf16 or f16, beside
+//! the `gemm` crate called directly in f32 (numpy's figure, from `../shared/tools/roofline.py`,
+//! printed beside it when given); on a GPU cuBLAS, in f32, f16 and bf16.
 
 use crate::report::stdout::outln;
 use std::time::Instant;
@@ -36,8 +37,8 @@ pub struct GemmArgs {
     /// `cpu`, or `cuda` / `cuda:N` (needs a GPU).
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Dtypes to time, comma-separated: `f32`, and on a GPU also `f16`, `bf16` (f32
-    /// accumulation).
+    /// Dtypes to time, comma-separated: `f32`, `f16`, `bf16` (16-bit: f32 accumulation, one
+    /// rounding per output).
     #[arg(long, value_delimiter = ',', default_value = "f32")]
     pub dtypes: Vec<String>,
     /// Print JSON instead of a table.
@@ -45,14 +46,18 @@ pub struct GemmArgs {
     pub json: bool,
 }
 
-/// One shape's figures.
+/// One shape's figures on the CPU.
 #[derive(Debug, Serialize)]
 pub struct GemmRow {
     /// `[m, k, n]`.
     pub shape: [usize; 3],
+    /// `f32`, `bf16` or `f16`: the dtype of Brigade's operands.
+    pub dtype: String,
+    /// The library under Brigade's matmul: `"onednn 2.6.3 (avx512_core)"` or `"gemm crate"`.
+    pub cpu_gemm: String,
     /// Brigade's `Tensor::matmul`, GFLOP/s.
     pub brigade_gflops: f64,
-    /// The library called directly, GFLOP/s.
+    /// The `gemm` crate called directly in f32, GFLOP/s.
     pub direct_gflops: f64,
     /// numpy's figure, when given.
     pub numpy_gflops: Option<f64>,
@@ -215,11 +220,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
     if let Device::Cuda(ordinal) = device {
         return bench_cuda(&a, &shapes, &dtypes, ordinal);
     }
-    if dtypes != [DType::F32] {
-        return Err(Error::Usage(
-            "--dtypes: the CPU GEMM is f32 only (f16/bf16 are storage dtypes there)".into(),
-        ));
-    }
+    let cpu_gemm = brigade_tensor::cpu_gemm_name()?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -238,7 +239,11 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
             Tensor::randn(&[m, k], 1.0, DType::F32, &mut rng),
             Tensor::randn(&[k, n], 1.0, DType::F32, &mut rng),
         );
-        let brigade = median_secs(a.reps, || x.matmul(&y).map(|_| ()).map_err(Into::into))?;
+        let mut brigade = vec![];
+        for &dtype in &dtypes {
+            let (x, y) = (x.to_dtype(dtype)?, y.to_dtype(dtype)?);
+            brigade.push(median_secs(a.reps, || x.matmul(&y).map(|_| ()).map_err(Into::into))?);
+        }
         let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
         // m * n fits: checked against memory above
         let mut out = vec![0f32; m * n];
@@ -277,12 +282,16 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
             });
             Ok(())
         })?;
-        rows.push(GemmRow {
-            shape: [m, k, n],
-            brigade_gflops: flops / brigade / 1e9,
-            direct_gflops: flops / direct / 1e9,
-            numpy_gflops: a.numpy_gflops.as_ref().map(|g| g[i]),
-        });
+        for (&dtype, brigade) in dtypes.iter().zip(brigade) {
+            rows.push(GemmRow {
+                shape: [m, k, n],
+                dtype: format!("{dtype:?}").to_lowercase(),
+                cpu_gemm: cpu_gemm.clone(),
+                brigade_gflops: flops / brigade / 1e9,
+                direct_gflops: flops / direct / 1e9,
+                numpy_gflops: a.numpy_gflops.as_ref().map(|g| g[i]),
+            });
+        }
     }
     if a.json {
         outln!(
@@ -291,10 +300,14 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         );
         return Ok(());
     }
-    outln!("f32 GEMM on the CPU, {threads} threads, median of {} calls", a.reps);
     outln!(
-        "{:>18} {:>14} {:>17} {:>9} {:>13} {:>9}",
+        "GEMM on the CPU through {cpu_gemm}, {threads} threads, median of {} calls (the gemm crate called directly in f32 beside it)",
+        a.reps
+    );
+    outln!(
+        "{:>18} {:>6} {:>14} {:>17} {:>9} {:>13} {:>9}",
         "m x k x n",
+        "dtype",
         "brigade GF/s",
         "gemm crate GF/s",
         "ratio",
@@ -306,8 +319,9 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
             (format!("{g:.1}"), format!("{:.2}", r.brigade_gflops / g))
         });
         outln!(
-            "{:>18} {:>14.1} {:>17.1} {:>9.2} {:>13} {:>9}",
+            "{:>18} {:>6} {:>14.1} {:>17.1} {:>9.2} {:>13} {:>9}",
             format!("{}x{}x{}", r.shape[0], r.shape[1], r.shape[2]),
+            r.dtype,
             r.brigade_gflops,
             r.direct_gflops,
             r.brigade_gflops / r.direct_gflops,
