@@ -125,7 +125,7 @@ pub enum DdpError {
     /// A rank's own parameters or optimizer state (a diverging policy's checkpoint) do not fit.
     #[error("a rank's own state: {0}")]
     RankState(String),
-    /// A device call of a device bucket stream (NCCL's, or host-staged on a device) failed.
+    /// A device call of a device process group (NCCL's, or host-staged on a device) failed.
     #[error("rank {rank}: {during} failed: {detail}")]
     Cuda {
         /// This rank.
