@@ -71,6 +71,19 @@ unsafe fn fill_new<T: Copy>(n: usize, write: impl FnOnce(*mut T)) -> Vec<T> {
     v
 }
 
+/// One f32 rounded to bf16: `bf16::from_f32`'s bits without its branches, so that a loop of
+/// it vectorizes (the element kernels of a reduction, one tile at a time).
+#[inline(always)]
+pub fn round_bf16(x: f32) -> bf16 {
+    bf16::from_bits(bf16_bits(x.to_bits()))
+}
+
+/// One bf16 widened to f32: `bf16::to_f32`'s bits, branch-free.
+#[inline(always)]
+pub fn widen_bf16(h: bf16) -> f32 {
+    f32::from_bits(bf16_widen_bits(h.to_bits()))
+}
+
 /// True when this CPU runs the AVX-512 kernels (AVX-512F: the integer rounding for bf16,
 /// `vcvtps2ph`/`vcvtph2ps` for f16).
 fn has_avx512() -> bool {
@@ -115,11 +128,8 @@ fn bf16_bits(x: u32) -> u16 {
 #[inline(always)]
 fn bf16_widen_bits(h: u16) -> u32 {
     let x = u32::from(h) << 16;
-    if x & 0x7fff_ffff > 0x7f80_0000 {
-        x | 0x0040_0000
-    } else {
-        x
-    }
+    let quiet = if x & 0x7fff_ffff > 0x7f80_0000 { 0x0040_0000 } else { 0 };
+    x | quiet
 }
 
 /// # Safety
@@ -146,7 +156,7 @@ unsafe fn f32_to_bf16_raw(src: &[f32], dst: *mut bf16) {
 unsafe fn f32_to_bf16_any(src: &[f32], dst: *mut bf16) {
     for (i, &x) in src.iter().enumerate() {
         // SAFETY: `i < src.len()`, within `dst` as the caller promised.
-        unsafe { dst.add(i).write(bf16::from_bits(bf16_bits(x.to_bits()))) };
+        unsafe { dst.add(i).write(round_bf16(x)) };
     }
 }
 
@@ -174,7 +184,7 @@ unsafe fn bf16_to_f32_raw(src: &[bf16], dst: *mut f32) {
 unsafe fn bf16_to_f32_any(src: &[bf16], dst: *mut f32) {
     for (i, &h) in src.iter().enumerate() {
         // SAFETY: `i < src.len()`, within `dst` as the caller promised.
-        unsafe { dst.add(i).write(f32::from_bits(bf16_widen_bits(h.to_bits()))) };
+        unsafe { dst.add(i).write(widen_bf16(h)) };
     }
 }
 
