@@ -223,8 +223,37 @@ fn length_mismatch(op: &'static str) -> TensorError {
     }
 }
 
-/// The SGD update of [`InPlace::sgd_step`] over slices of one length.
+/// The SGD update of [`InPlace::sgd_step`] over slices of one length, compiled for AVX-512 or
+/// AVX2 where the CPU has it (the same bits: no fused multiply-add).
 fn sgd_loop(pv: &mut [f32], bv: Option<&mut [f32]>, gv: &[f32], s: &SgdScalars) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return unsafe { sgd_loop_avx512(pv, bv, gv, s) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { sgd_loop_avx2(pv, bv, gv, s) };
+        }
+    }
+    sgd_loop_any(pv, bv, gv, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sgd_loop_avx512(pv: &mut [f32], bv: Option<&mut [f32]>, gv: &[f32], s: &SgdScalars) {
+    sgd_loop_any(pv, bv, gv, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sgd_loop_avx2(pv: &mut [f32], bv: Option<&mut [f32]>, gv: &[f32], s: &SgdScalars) {
+    sgd_loop_any(pv, bv, gv, s)
+}
+
+#[inline(always)]
+fn sgd_loop_any(pv: &mut [f32], bv: Option<&mut [f32]>, gv: &[f32], s: &SgdScalars) {
     let (lr, mom, wd) = (s.lr, s.momentum, s.weight_decay);
     match bv {
         Some(bv) => {
