@@ -3,7 +3,7 @@
 forward and backward, on the torchref workloads (CPU, one thread by default).
 
     <torchref venv>/bin/python scripts/torch_ops_profile.py --workload gpt [--threads 1]
-        [--steps 10] [--warmup 3] [--torchref ../shared/torchref]
+        [--steps 10] [--warmup 3] [--torchref ../shared/torchref] [--precision f32|bf16|fp16]
 
 Prints (1) the plain step split (forward / backward / optimizer, no profiler, medians),
 (2) a table in Brigade's op kinds (`linear`, `layer_norm`, `attention`, `gelu`, `add`,
@@ -11,7 +11,9 @@ Prints (1) the plain step split (forward / backward / optimizer, no profiler, me
 forward = the CPU total of each top-level aten op under the forward, backward = the CPU total
 of each autograd node (`autograd::engine::evaluate_function: XBackward0`), and (3) the raw
 per-name rows behind it. The profiler adds overhead to every op; compare shares and the
-plain split, not the profiled milliseconds, with Brigade's table.
+plain split, not the profiled milliseconds, with Brigade's table. `--precision bf16` (or fp16)
+runs the forward under `torch.autocast("cpu", dtype)`, the f32 parameters and optimizer as
+they are: PyTorch's mixed-precision recipe, beside `brigade bench ops --precision bf16`.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", choices=("f32", "bf16", "fp16"), default="f32")
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--torchref", default=os.path.join(here, "..", "..", "shared", "torchref"))
     a = ap.parse_args()
@@ -76,12 +79,19 @@ def main() -> int:
     model = wl.build_model(0)
     opt = wl.make_optimizer(model)
     (batch,) = [wl.make_batches(0, 1)[0]]
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+
+    def forward():
+        if autocast is None:
+            return wl.loss(model, batch)
+        with torch.autocast("cpu", dtype=autocast):
+            return wl.loss(model, batch)
 
     def step(timed):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with record_function("## forward"):
-            loss = wl.loss(model, batch)
+            loss = forward()
         t1 = time.perf_counter()
         with record_function("## backward"):
             loss.backward()
@@ -98,7 +108,7 @@ def main() -> int:
         step(plain)
     med = [statistics.median(x[i] for x in plain) * 1e3 for i in range(3)]
     total = statistics.median(sum(x) for x in plain) * 1e3
-    print(f"PyTorch {torch.__version__}, {a.workload}, {a.threads} thread(s), median of {a.steps} steps "
+    print(f"PyTorch {torch.__version__}, {a.workload}, {a.precision}, {a.threads} thread(s), median of {a.steps} steps "
           f"without the profiler: forward {med[0]:.3f} ms, backward {med[1]:.3f} ms, "
           f"optimizer {med[2]:.3f} ms, step {total:.3f} ms")
 

@@ -259,6 +259,12 @@ pub(crate) fn propagate(
                 let start = profiling.then(Instant::now);
                 if inp.0.node.is_some() {
                     match grads.get_mut(&inp.0.id) {
+                        // in place when nothing else holds the sum so far (PyTorch's input
+                        // buffer does the same): no new tensor per extra use of a value; the
+                        // same bits as `acc + ig`
+                        Some(acc) if acc.is_sole_owner() && acc.dtype() == ig.dtype() && acc.shape() == ig.shape() => {
+                            acc.add_assign(&ig)?
+                        }
                         Some(acc) => *acc = acc.add(&ig)?,
                         None => {
                             grads.insert(inp.0.id, ig);

@@ -68,7 +68,9 @@ impl Default for MixedPrecision {
 /// An optimizer stepping f32 master weights beside 16-bit parameters: each step widens the
 /// parameters' gradients to f32 onto the masters, runs the inner optimizer on the masters,
 /// and writes the masters rounded to the parameters' dtype back into the parameters (in
-/// place: the parameter tensors stay the ones the model and DDP hold). Its state is the inner
+/// place: the parameter tensors stay the ones the model and DDP hold). Without loss scaling,
+/// an inner optimizer that fuses it ([`Optimizer::step_with_copies`]: SGD and AdamW) does all
+/// three in one pass over memory, with the same bits. Its state is the inner
 /// optimizer's, under the parameters' names, so a checkpoint of it reads as an f32 run's.
 ///
 /// With loss scaling ([`MasterWeights::with_loss_scaling`], fp16) the widened gradients are
@@ -152,6 +154,17 @@ impl Optimizer for MasterWeights {
     }
 
     fn step(&mut self) -> Result<()> {
+        // Without loss scaling the inner optimizer reads the 16-bit gradients and writes the
+        // rounded masters into the parameters in its own pass, where it can.
+        if self.scaler.is_none() {
+            let copies: Vec<Tensor> = self.compute.iter().map(Var::value).collect();
+            if copies.iter().all(Tensor::is_contiguous) {
+                let grads: Vec<Option<Tensor>> = self.compute.iter().map(Var::grad).collect();
+                if self.inner.step_with_copies(&grads, &copies)? {
+                    return Ok(());
+                }
+            }
+        }
         let inv = self.scaler.map(|s| 1.0 / s.scale());
         let mut found_inf = false;
         for (p, m) in self.compute.iter().zip(self.masters.params()) {

@@ -65,6 +65,27 @@ pub trait Optimizer: Send {
     fn grad_scaler(&self) -> Option<crate::GradScaler> {
         None
     }
+    /// One step from `grads` (f32, or the copies' 16-bit dtype) in place of the parameters'
+    /// own gradients, writing each updated parameter, rounded to nearest even, into `copies[i]`
+    /// in the same pass over memory: how [`crate::MasterWeights`] steps f32 masters beside
+    /// their 16-bit compute copy. `Ok(false)`: this optimizer does not fuse the copy and did
+    /// nothing (the caller then widens, steps and rounds in separate passes).
+    fn step_with_copies(&mut self, grads: &[Option<Tensor>], copies: &[Tensor]) -> Result<bool> {
+        let _ = (grads, copies);
+        Ok(false)
+    }
+}
+
+/// The gradients and copies of [`Optimizer::step_with_copies`]: one of each per parameter.
+fn check_copies(n: usize, grads: &[Option<Tensor>], copies: &[Tensor]) -> Result<()> {
+    if grads.len() != n || copies.len() != n {
+        return Err(AutogradError::Invalid(format!(
+            "a step with copies takes one gradient and one copy per parameter: {n} parameters, {} gradients, {} copies",
+            grads.len(),
+            copies.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Bytes of the elements of `t`'s whole storage (what it holds live, not just the view).
@@ -120,16 +141,17 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn params(&self) -> &[Var] {
-        &self.params
-    }
-
-    fn step(&mut self) -> Result<()> {
+impl Sgd {
+    /// One update of every parameter that has a gradient (`grads[i]`, else its own),
+    /// rounded into `copies[i]` too when copies are given.
+    fn update(&mut self, grads: Option<&[Option<Tensor>]>, copies: Option<&[Tensor]>) -> Result<()> {
         let with_momentum = self.momentum as f32 != 0.0;
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = p.grad() else { continue };
-            let g = g.to_dtype(DType::F32)?;
+            let g = match grads {
+                Some(gs) => gs[i].clone(),
+                None => p.grad(),
+            };
+            let Some(g) = g else { continue };
             let w = p.value();
             let is_first_step = with_momentum && self.bufs[i].is_none();
             if is_first_step {
@@ -142,9 +164,28 @@ impl Optimizer for Sgd {
                 weight_decay: self.weight_decay,
                 is_first_step,
             };
-            w.sgd_step(&g, buf, hp)?;
+            match copies {
+                Some(c) => w.sgd_step_with_copy(&g.contiguous()?, buf, hp, &c[i])?,
+                None => w.sgd_step(&g.to_dtype(DType::F32)?, buf, hp)?,
+            }
         }
         Ok(())
+    }
+}
+
+impl Optimizer for Sgd {
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    fn step(&mut self) -> Result<()> {
+        self.update(None, None)
+    }
+
+    fn step_with_copies(&mut self, grads: &[Option<Tensor>], copies: &[Tensor]) -> Result<bool> {
+        check_copies(self.params.len(), grads, copies)?;
+        self.update(Some(grads), Some(copies))?;
+        Ok(true)
     }
 
     fn lr(&self) -> f64 {
@@ -236,12 +277,10 @@ impl AdamW {
     }
 }
 
-impl Optimizer for AdamW {
-    fn params(&self) -> &[Var] {
-        &self.params
-    }
-
-    fn step(&mut self) -> Result<()> {
+impl AdamW {
+    /// One update of every parameter that has a gradient (`grads[i]`, else its own),
+    /// rounded into `copies[i]` too when copies are given.
+    fn update(&mut self, grads: Option<&[Option<Tensor>]>, copies: Option<&[Tensor]>) -> Result<()> {
         self.step += 1;
         let hp = AdamWStep {
             lr: self.lr,
@@ -251,10 +290,34 @@ impl Optimizer for AdamW {
             step: self.step,
         };
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = p.grad() else { continue };
-            p.value().adamw_step(&g.contiguous()?, &self.m[i], &self.v[i], &hp)?;
+            let g = match grads {
+                Some(gs) => gs[i].clone(),
+                None => p.grad(),
+            };
+            let Some(g) = g else { continue };
+            let g = g.contiguous()?;
+            match copies {
+                Some(c) => p.value().adamw_step_with_copy(&g, &self.m[i], &self.v[i], &hp, &c[i])?,
+                None => p.value().adamw_step(&g, &self.m[i], &self.v[i], &hp)?,
+            }
         }
         Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    fn step(&mut self) -> Result<()> {
+        self.update(None, None)
+    }
+
+    fn step_with_copies(&mut self, grads: &[Option<Tensor>], copies: &[Tensor]) -> Result<bool> {
+        check_copies(self.params.len(), grads, copies)?;
+        self.update(Some(grads), Some(copies))?;
+        Ok(true)
     }
 
     fn lr(&self) -> f64 {

@@ -11,6 +11,8 @@ use std::str::FromStr;
 
 use half::{bf16, f16};
 
+pub mod convert;
+
 /// An element type.
 ///
 /// Tensor kernels compute in `F32` (and `F64`, for the finite-difference gradient checker);

@@ -460,6 +460,43 @@ pub(crate) trait InPlace: Sized {
         v: (&mut Self, &Layout),
         s: &AdamWScalars,
     ) -> Result<()>;
+
+    /// [`InPlace::sgd_step`] of f32 master weights (self) beside their 16-bit compute copy
+    /// `copy` (`F16` or `BF16`, contiguous, the same shape): the gradient is f32 or in the
+    /// copy's dtype (widened exactly, per element), and each updated master is written, rounded
+    /// to nearest even, into `copy` in the same pass over memory. The same bits as widening the
+    /// gradient, stepping, and rounding the masters as three passes. Backends without it say so
+    /// (the front end then runs those passes).
+    fn sgd_step_with_copy(
+        &mut self,
+        _layout: &Layout,
+        _grad: (&Self, &Layout),
+        _momentum_buffer: Option<(&mut Self, &Layout)>,
+        _copy: (&mut Self, &Layout),
+        _s: &SgdScalars,
+    ) -> Result<()> {
+        Err(TensorError::Invalid {
+            op: "sgd_step_with_copy",
+            msg: "not fused on this device".into(),
+        })
+    }
+
+    /// [`InPlace::adamw_step`] of f32 master weights beside their 16-bit copy, as
+    /// [`InPlace::sgd_step_with_copy`].
+    fn adamw_step_with_copy(
+        &mut self,
+        _layout: &Layout,
+        _grad: (&Self, &Layout),
+        _m: (&mut Self, &Layout),
+        _v: (&mut Self, &Layout),
+        _copy: (&mut Self, &Layout),
+        _s: &AdamWScalars,
+    ) -> Result<()> {
+        Err(TensorError::Invalid {
+            op: "adamw_step_with_copy",
+            msg: "not fused on this device".into(),
+        })
+    }
 }
 
 /// One stream of a device ([`crate::Stream`] holds one): it runs the work queued on it in order,

@@ -160,6 +160,12 @@ fn a_sweep_out_that_is_a_file_says_so() {
 }
 
 #[test]
+fn an_unknown_bench_ops_precision_is_refused_in_one_line() {
+    let e = fails(&["bench", "ops", "--precision", "f8", "--steps", "1", "--warmup", "0"]);
+    assert!(e.contains("--precision") && e.contains("bf16"), "{e}");
+}
+
+#[test]
 fn an_attention_ab_on_a_model_without_attention_is_refused() {
     let e = fails(&[
         "bench", "ops", "--model", "mlp", "--ab", "--steps", "1", "--warmup", "0",

@@ -1,7 +1,7 @@
 //! Elementwise maps on the CPU: unary, scalar and broadcasting binary ops, activation
 //! derivatives.
 
-use super::f16_storage::{half_dtype, narrow, widen};
+use super::f16_storage::{half_dtype, narrow, widen, zip_half};
 use super::{float_kernel, same, view};
 use crate::backend::{BinaryOp, Elementwise, UnaryOp};
 use crate::threads::{par_chunks_mut, par_rows_mut};
@@ -70,6 +70,11 @@ fn zip_with<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout, f: impl Fn(T
 impl Elementwise for Buffer {
     /// `unary` on a contiguous view.
     fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Buffer> {
+        if let (Some(_), UnaryOp::Gelu) = (half_dtype(self), op) {
+            if let Some(out) = zip_half((self, l), None, |x, _, o| super::gelu_f32::gelu_slice(x, o)) {
+                return Ok(out);
+            }
+        }
         if let Some(h) = half_dtype(self) {
             let (x, xl) = widen(self, l);
             return Ok(narrow(x.unary(&xl, op)?, h));
@@ -130,6 +135,27 @@ impl Elementwise for Buffer {
 
     /// `binary`: any two layouts of one shape.
     fn binary(&self, la: &Layout, b: &Buffer, lb: &Layout, op: BinaryOp) -> Result<Buffer> {
+        if half_dtype(self).is_some() {
+            let fused = match op {
+                BinaryOp::GeluBackward => zip_half((self, la), Some((b, lb)), |x, g, o| {
+                    super::gelu_f32::gelu_backward_slice(x, g, o)
+                }),
+                BinaryOp::Add => zip_half((self, la), Some((b, lb)), |x, y, o| {
+                    for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                        *o = x + y;
+                    }
+                }),
+                BinaryOp::Mul => zip_half((self, la), Some((b, lb)), |x, y, o| {
+                    for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                        *o = x * y;
+                    }
+                }),
+                _ => None,
+            };
+            if let Some(out) = fused {
+                return Ok(out);
+            }
+        }
         if let Some(h) = half_dtype(self) {
             let ((x, xl), (y, yl)) = (widen(self, la), widen(b, lb));
             return Ok(narrow(x.binary(&xl, &y, &yl, op)?, h));

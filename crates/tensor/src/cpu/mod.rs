@@ -269,18 +269,30 @@ impl BackendStorage for Buffer {
         // f32 to 16 bits directly: `half`'s f64 -> bf16 drops the low 32 bits before rounding,
         // so a value just above a tie would round down through f64 (as PyTorch and the
         // collectives' kernels, which round from f32, never do).
-        if let Buffer::F32(_) = self {
-            match dtype {
-                DType::BF16 => {
-                    let v = gather::<f32>(self, layout, "to_dtype")?;
-                    return Ok(Buffer::BF16(v.into_iter().map(half::bf16::from_f32).collect()));
-                }
-                DType::F16 => {
-                    let v = gather::<f32>(self, layout, "to_dtype")?;
-                    return Ok(Buffer::F16(v.into_iter().map(half::f16::from_f32).collect()));
-                }
-                _ => {}
+        // f32 to and from 16 bits directly, a contiguous view sixteen elements an instruction
+        // (`brigade_dtype::convert`): `half`'s f64 -> bf16 drops the low 32 bits before
+        // rounding, so a value just above a tie would round down through f64 (as PyTorch and
+        // the collectives' kernels, which round from f32, never do).
+        use brigade_dtype::convert;
+        match (self, dtype) {
+            (Buffer::F32(d), DType::BF16) => {
+                return Ok(Buffer::BF16(if layout.is_contiguous() {
+                    convert::to_bf16_vec(view(d, layout))
+                } else {
+                    convert::to_bf16_vec(&gather::<f32>(self, layout, "to_dtype")?)
+                }));
             }
+            (Buffer::F32(d), DType::F16) => {
+                return Ok(Buffer::F16(if layout.is_contiguous() {
+                    convert::to_f16_vec(view(d, layout))
+                } else {
+                    convert::to_f16_vec(&gather::<f32>(self, layout, "to_dtype")?)
+                }));
+            }
+            (Buffer::BF16(_) | Buffer::F16(_), DType::F32) => {
+                return Ok(f16_storage::widen(self, layout).0.into_owned());
+            }
+            _ => {}
         }
         fn conv<T: Element>(s: &Buffer, l: &Layout) -> Result<Vec<f64>> {
             Ok(gather::<T>(s, l, "to_dtype")?

@@ -341,7 +341,8 @@ impl Nn for Buffer {
         float_kernel!("cross_entropy", logits, ls: T => {
             let ls = view(ls, l);
             let (n, c) = (l.shape()[0], l.shape()[1]);
-            // one pass per row: the probabilities and the log-sum-exp the loss needs
+            // one pass per row: the probabilities and the log-sum-exp the loss needs (f32: the
+            // vectorized softmax of `softmax_row.rs`)
             let mut probs = vec![T::ZERO; ls.len()];
             let mut lse = vec![T::ZERO; n];
             let pl = RowPtr(lse.as_mut_ptr());
@@ -349,7 +350,9 @@ impl Nn for Buffer {
                 // The closure captures the whole `RowPtr` (Send), not its raw pointer field.
                 #[allow(clippy::redundant_locals)]
                 let pl = pl;
-                let v = softmax_row(&ls[r * c..(r + 1) * c], o, false);
+                o.copy_from_slice(&ls[r * c..(r + 1) * c]);
+                let (m, sum) = softmax_in_place(o);
+                let v = sum.ln() + m;
                 // SAFETY: `lse` holds one element per row; only row `r`'s call writes element `r`.
                 unsafe { *pl.0.add(r) = v };
             });

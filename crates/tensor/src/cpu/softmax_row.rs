@@ -11,15 +11,17 @@ use crate::{DType, Float};
 /// Interleaved partial maxima and sums: two AVX2 registers of f32.
 const LANES: usize = 16;
 
-/// Replaces `row` by its softmax: `m = max`, `e = exp(x - m)`, `s = sum e`, `e * (1 / s)`.
+/// Replaces `row` by its softmax: `m = max`, `e = exp(x - m)`, `s = sum e`, `e * (1 / s)`,
+/// and returns `(m, s)` (the row's log-sum-exp is `ln s + m`).
 /// A `-inf` score gets exactly 0, so a row of scores followed by masked `-inf` ones gives,
 /// on its unmasked prefix, the bits of the prefix alone (f32: element `j` always adds into
 /// lane `j % LANES`, and the masked ones add zeros).
-pub(super) fn softmax_in_place<T: Float>(row: &mut [T]) {
+pub(super) fn softmax_in_place<T: Float>(row: &mut [T]) -> (T, T) {
     if T::DTYPE == DType::F32 {
         // SAFETY: `T` is `f32` (the dtype says so), so the slice is a `[f32]`.
         let row = unsafe { &mut *(row as *mut [T] as *mut [f32]) };
-        return softmax_f32(row);
+        let (m, s) = softmax_f32(row);
+        return (T::from_f64(f64::from(m)), T::from_f64(f64::from(s)));
     }
     let m = row
         .iter()
@@ -34,6 +36,7 @@ pub(super) fn softmax_in_place<T: Float>(row: &mut [T]) {
     for v in row.iter_mut() {
         *v *= inv;
     }
+    (m, sum)
 }
 
 /// `e^a` for `a <= 0`, and exactly 0 below -87 (where [`exp_nonpositive`] stops at
@@ -48,7 +51,7 @@ fn exp_softmax(a: f32) -> f32 {
     }
 }
 
-fn softmax_f32(row: &mut [f32]) {
+fn softmax_f32(row: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2, checked just above.
@@ -59,12 +62,12 @@ fn softmax_f32(row: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn softmax_f32_avx2(row: &mut [f32]) {
+unsafe fn softmax_f32_avx2(row: &mut [f32]) -> (f32, f32) {
     softmax_f32_any(row)
 }
 
 #[inline(always)]
-fn softmax_f32_any(row: &mut [f32]) {
+fn softmax_f32_any(row: &mut [f32]) -> (f32, f32) {
     let mut mx = [f32::NEG_INFINITY; LANES];
     for (j, &v) in row.iter().enumerate() {
         let l = j % LANES;
@@ -96,6 +99,7 @@ fn softmax_f32_any(row: &mut [f32]) {
     for v in row.iter_mut() {
         *v *= inv;
     }
+    (m, sum)
 }
 
 #[cfg(test)]

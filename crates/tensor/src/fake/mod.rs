@@ -583,6 +583,55 @@ impl InPlace for FakeStorage {
         self.data
             .adamw_step(layout, cpu(grad), (&mut m.0.data, m.1), (&mut v.0.data, v.1), s)
     }
+
+    fn sgd_step_with_copy(
+        &mut self,
+        layout: &Layout,
+        grad: (&Self, &Layout),
+        momentum_buffer: Option<(&mut Self, &Layout)>,
+        copy: (&mut Self, &Layout),
+        s: &SgdScalars,
+    ) -> Result<()> {
+        let kind = Kind::Kernel("sgd_step_with_copy");
+        match momentum_buffer {
+            Some((buf, bl)) => {
+                begin(&self.dev, kind, &[grad.0], &[&*self, &*buf, &*copy.0])?;
+                let c = (&mut copy.0.data, copy.1);
+                self.data
+                    .sgd_step_with_copy(layout, cpu(grad), Some((&mut buf.data, bl)), c, s)
+            }
+            None => {
+                begin(&self.dev, kind, &[grad.0], &[&*self, &*copy.0])?;
+                let c = (&mut copy.0.data, copy.1);
+                self.data.sgd_step_with_copy(layout, cpu(grad), None, c, s)
+            }
+        }
+    }
+
+    fn adamw_step_with_copy(
+        &mut self,
+        layout: &Layout,
+        grad: (&Self, &Layout),
+        m: (&mut Self, &Layout),
+        v: (&mut Self, &Layout),
+        copy: (&mut Self, &Layout),
+        s: &AdamWScalars,
+    ) -> Result<()> {
+        begin(
+            &self.dev,
+            Kind::Kernel("adamw_step_with_copy"),
+            &[grad.0],
+            &[&*self, &*m.0, &*v.0, &*copy.0],
+        )?;
+        self.data.adamw_step_with_copy(
+            layout,
+            cpu(grad),
+            (&mut m.0.data, m.1),
+            (&mut v.0.data, v.1),
+            (&mut copy.0.data, copy.1),
+            s,
+        )
+    }
 }
 
 impl Indexing for FakeStorage {

@@ -195,6 +195,122 @@ impl Tensor {
     }
 }
 
+/// Checks the operands of a master-weight step beside [`check_state`]'s: the copy is `F16` or
+/// `BF16`, contiguous, of the parameter's shape and device; the gradient is f32 or the copy's
+/// dtype, contiguous, of the parameter's shape and device.
+fn check_copy(op: &'static str, p: &Tensor, grad: &Tensor, copy: &Tensor) -> Result<()> {
+    check_state(op, "the parameter", p, p)?;
+    if !matches!(copy.dtype(), DType::BF16 | DType::F16) {
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!("the copy is {:?}; master weights keep a bf16 or f16 copy", copy.dtype()),
+        });
+    }
+    if grad.dtype() != DType::F32 && grad.dtype() != copy.dtype() {
+        return Err(TensorError::Invalid {
+            op,
+            msg: format!(
+                "the gradient is {:?}; expected f32 or the copy's {:?}",
+                grad.dtype(),
+                copy.dtype()
+            ),
+        });
+    }
+    for (what, t) in [("the copy", copy), ("the gradient", grad)] {
+        same_shape(op, p, t)?;
+        same_device(op, p, t)?;
+        if !t.is_contiguous() {
+            return Err(TensorError::Invalid {
+                op,
+                msg: format!("{what} must be a contiguous view"),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// [`Tensor::sgd_step`] of f32 master weights (this tensor) beside their 16-bit compute
+    /// copy `copy` (bf16 or f16, contiguous): `grad` is f32 or in the copy's dtype, and the
+    /// updated masters are written, rounded to nearest even, into `copy`. On the CPU one pass
+    /// over memory (the gradient widened and the masters rounded a cache-sized chunk at a
+    /// time); elsewhere the three passes. The same bits either way.
+    pub fn sgd_step_with_copy(
+        &self,
+        grad: &Tensor,
+        momentum_buffer: Option<&Tensor>,
+        hp: SgdStep,
+        copy: &Tensor,
+    ) -> Result<()> {
+        let op = "sgd_step_with_copy";
+        check_copy(op, self, grad, copy)?;
+        if matches!(self.device(), crate::Device::Cuda(_)) {
+            self.sgd_step(&grad.to_dtype(DType::F32)?, momentum_buffer, hp)?;
+            return copy.copy_from(&self.to_dtype(copy.dtype())?);
+        }
+        let s = SgdScalars {
+            lr: hp.lr as f32,
+            momentum: hp.momentum as f32,
+            weight_decay: hp.weight_decay as f32,
+            is_first_step: hp.is_first_step,
+        };
+        if (s.momentum != 0.0) != momentum_buffer.is_some() {
+            return Err(TensorError::Invalid {
+                op,
+                msg: "a momentum buffer goes with a nonzero momentum, and only then".into(),
+            });
+        }
+        let mut operands = vec![self, grad, copy];
+        if let Some(b) = momentum_buffer {
+            check_state(op, "the momentum buffer", self, b)?;
+            operands.push(b);
+        }
+        distinct(op, &operands)?;
+        let g = grad.storage(op)?;
+        let mut b = momentum_buffer.map(|b| b.storage_mut(op)).transpose()?;
+        let mut c = copy.storage_mut(op)?;
+        dispatch!(&mut *self.storage_mut(op)?, p, other, other_mut => {
+            let buf = match (&mut b, momentum_buffer) {
+                (Some(guard), Some(t)) => Some((other_mut(guard)?, t.layout())),
+                _ => None,
+            };
+            p.sgd_step_with_copy(self.layout(), (other(&g)?, grad.layout()), buf, (other_mut(&mut c)?, copy.layout()), &s)
+        })
+    }
+
+    /// [`Tensor::adamw_step`] of f32 master weights beside their 16-bit compute copy, as
+    /// [`Tensor::sgd_step_with_copy`].
+    pub fn adamw_step_with_copy(
+        &self,
+        grad: &Tensor,
+        exp_avg: &Tensor,
+        exp_avg_sq: &Tensor,
+        hp: &AdamWStep,
+        copy: &Tensor,
+    ) -> Result<()> {
+        let op = "adamw_step_with_copy";
+        check_copy(op, self, grad, copy)?;
+        if matches!(self.device(), crate::Device::Cuda(_)) {
+            self.adamw_step(&grad.to_dtype(DType::F32)?, exp_avg, exp_avg_sq, hp)?;
+            return copy.copy_from(&self.to_dtype(copy.dtype())?);
+        }
+        check_state(op, "exp_avg", self, exp_avg)?;
+        check_state(op, "exp_avg_sq", self, exp_avg_sq)?;
+        distinct(op, &[self, grad, exp_avg, exp_avg_sq, copy])?;
+        let g = grad.storage(op)?;
+        let (mut m, mut v) = (exp_avg.storage_mut(op)?, exp_avg_sq.storage_mut(op)?);
+        let mut c = copy.storage_mut(op)?;
+        dispatch!(&mut *self.storage_mut(op)?, p, other, other_mut => p.adamw_step_with_copy(
+            self.layout(),
+            (other(&g)?, grad.layout()),
+            (other_mut(&mut m)?, exp_avg.layout()),
+            (other_mut(&mut v)?, exp_avg_sq.layout()),
+            (other_mut(&mut c)?, copy.layout()),
+            &hp.scalars(),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{AdamWStep, SgdStep};
@@ -403,4 +519,81 @@ mod tests {
             .is_err());
     }
     test_device!(adamw_matches_the_host_loop_bit_for_bit);
+
+    /// The 16-bit copy's bits, whatever its dtype.
+    fn half_bits(t: &Tensor) -> Vec<u16> {
+        match t.dtype() {
+            DType::BF16 => t.to_vec::<half::bf16>().unwrap().iter().map(|x| x.to_bits()).collect(),
+            _ => t.to_vec::<half::f16>().unwrap().iter().map(|x| x.to_bits()).collect(),
+        }
+    }
+
+    /// The fused master-weight steps against the three passes they replace (the gradient
+    /// widened, the f32 step, the masters rounded), over lengths that end inside and on a
+    /// chunk of the CPU kernel, with f32 and 16-bit gradients.
+    fn master_weight_steps_give_the_bits_of_three_passes(d: Device) {
+        let mut rng = Rng::new(9);
+        for dtype in [DType::BF16, DType::F16] {
+            for n in [5, 1024, 2500] {
+                for wide_grad in [true, false] {
+                    let (_, p) = randn(n, &mut rng, d);
+                    let (want_p, copy) = (p.copy().unwrap(), p.to_dtype(dtype).unwrap());
+                    let zeros = || Tensor::zeros_on(&[n], DType::F32, d).unwrap();
+                    let (m, v, want_m, want_v) = (zeros(), zeros(), zeros(), zeros());
+                    let (buf, want_buf) = (zeros(), zeros());
+                    for step in 1..=2u64 {
+                        let (_, g) = randn(n, &mut rng, d);
+                        let g = if wide_grad { g } else { g.to_dtype(dtype).unwrap() };
+                        let hp = AdamWStep {
+                            lr: 1e-2,
+                            betas: (0.9, 0.999),
+                            eps: 1e-8,
+                            weight_decay: 0.01,
+                            step,
+                        };
+                        p.adamw_step_with_copy(&g, &m, &v, &hp, &copy).unwrap();
+                        want_p
+                            .adamw_step(&g.to_dtype(DType::F32).unwrap(), &want_m, &want_v, &hp)
+                            .unwrap();
+                        let sgd = SgdStep {
+                            lr: 0.1,
+                            momentum: 0.9,
+                            weight_decay: 0.01,
+                            is_first_step: step == 1,
+                        };
+                        p.sgd_step_with_copy(&g, Some(&buf), sgd, &copy).unwrap();
+                        want_p
+                            .sgd_step(&g.to_dtype(DType::F32).unwrap(), Some(&want_buf), sgd)
+                            .unwrap();
+                        let what = format!("{dtype:?}, n {n}, f32 grad {wide_grad}, step {step}");
+                        for (got, want) in [(&p, &want_p), (&m, &want_m), (&v, &want_v), (&buf, &want_buf)] {
+                            assert_eq!(
+                                bits(&got.to_vec::<f32>().unwrap()),
+                                bits(&want.to_vec::<f32>().unwrap()),
+                                "{what}"
+                            );
+                        }
+                        assert_eq!(half_bits(&copy), half_bits(&want_p.to_dtype(dtype).unwrap()), "{what}");
+                    }
+                }
+            }
+        }
+        // an f32 copy, or a gradient of the other 16-bit dtype, is refused
+        let (_, p) = randn(4, &mut rng, d);
+        let (m, v) = (p.zeros_like().unwrap(), p.zeros_like().unwrap());
+        let hp = AdamWStep {
+            lr: 1e-2,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            step: 1,
+        };
+        assert!(p
+            .adamw_step_with_copy(&p.copy().unwrap(), &m, &v, &hp, &p.copy().unwrap())
+            .is_err());
+        let f16_grad = p.to_dtype(DType::F16).unwrap();
+        let bf16_copy = p.to_dtype(DType::BF16).unwrap();
+        assert!(p.adamw_step_with_copy(&f16_grad, &m, &v, &hp, &bf16_copy).is_err());
+    }
+    test_device!(master_weight_steps_give_the_bits_of_three_passes);
 }

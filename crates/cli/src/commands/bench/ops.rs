@@ -6,7 +6,7 @@ use crate::report::stdout::outln;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::profile::mark_forward_start;
-use brigade_autograd::{profile_ops, AdamW, OpProfile, Optimizer, Sgd};
+use brigade_autograd::{profile_ops, AdamW, MasterWeights, MixedPrecision, OpProfile, Optimizer, Sgd, Var};
 use brigade_models::nn::with_reference_attention;
 use brigade_models::{Batch, GptConfig, MlpConfig, ModelKind};
 use brigade_tensor::{set_compute_threads, DType, Rng, Tensor};
@@ -40,6 +40,10 @@ pub struct OpsArgs {
     /// tables and the ratio of their median steps.
     #[arg(long)]
     pub ab: bool,
+    /// `f32`, or `bf16`/`fp16`: the parameters and activations in 16 bits, the optimizer
+    /// stepping f32 master weights (as `train --precision`; fp16 without loss scaling here).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
 }
 
 /// Forward, backward and optimizer wall time of one step.
@@ -76,12 +80,20 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         &format!("--model {} with --batch-size {batch_size}", a.model),
         footprint::training_bytes(&kind, batch_size, state),
     )?;
+    let precision = MixedPrecision::parse(&a.precision).map_err(|e| Error::Usage(format!("--precision: {e}")))?;
     set_compute_threads(a.threads);
     let model = kind.build(0)?;
     let params = model.params().params().to_vec();
-    let mut opt: Box<dyn Optimizer> = match kind {
-        ModelKind::Gpt(_) => Box::new(AdamW::with_options(params, 3e-4, (0.9, 0.999), 1e-8, 0.01)),
-        ModelKind::Mlp(_) => Box::new(Sgd::new(params, 0.01, 0.0, 0.0)),
+    let build = |params: Vec<Var>| -> Box<dyn Optimizer> {
+        match kind {
+            ModelKind::Gpt(_) => Box::new(AdamW::with_options(params, 3e-4, (0.9, 0.999), 1e-8, 0.01)),
+            ModelKind::Mlp(_) => Box::new(Sgd::new(params, 0.01, 0.0, 0.0)),
+        }
+    };
+    let mut opt: Box<dyn Optimizer> = if precision.is_mixed() {
+        Box::new(MasterWeights::new(params, precision.param_dtype, build, &[])?)
+    } else {
+        build(params)
     };
     let mut rng = Rng::new(0);
     let batch = match &kind {
@@ -168,8 +180,9 @@ fn print_table(a: &OpsArgs, batch: usize, p: &OpProfile, walls: &[StepWall]) -> 
     let mut steps: Vec<f64> = walls.iter().map(|w| (w.0 + w.1 + w.2).as_secs_f64() * 1e3).collect();
     steps.sort_by(f64::total_cmp);
     outln!(
-        "{} step, batch {batch}, {} thread(s): mean of {n} profiled steps (median step {:.2} ms)",
+        "{} step, {}, batch {batch}, {} thread(s): mean of {n} profiled steps (median step {:.2} ms)",
         a.model,
+        a.precision,
         a.threads,
         steps[n / 2]
     );
