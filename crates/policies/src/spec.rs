@@ -17,26 +17,26 @@ use crate::ZeroStage;
 /// iteration 10; `powersgd:4@2` otherwise).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PolicySpec {
-    /// One averaging all-reduce per bucket ([`AllReduce`]).
+    /// One averaging all-reduce per bucket ([`AllReduce`](crate::AllReduce)).
     AllReduce,
-    /// fp16 compression ([`Compress`]).
+    /// fp16 compression ([`Compress`](crate::Compress)).
     Fp16,
-    /// bf16 compression ([`Compress`]).
+    /// bf16 compression ([`Compress`](crate::Compress)).
     Bf16,
-    /// int8 quantization with error feedback ([`Int8`]).
+    /// int8 quantization with error feedback ([`Int8`](crate::Int8)).
     Int8,
-    /// PowerSGD ([`PowerSgd`]) of rank `rank`, compressing from iteration `start_iter`.
+    /// PowerSGD ([`PowerSgd`](crate::PowerSgd)) of rank `rank`, compressing from iteration `start_iter`.
     PowerSgd {
         /// The approximation's rank.
         rank: usize,
         /// Iterations reduced plainly first.
         start_iter: usize,
     },
-    /// ZeRO stage 1 ([`Zero`]).
+    /// ZeRO stage 1 ([`Zero`](crate::Zero)).
     Zero1,
-    /// ZeRO stage 2 ([`Zero`]).
+    /// ZeRO stage 2 ([`Zero`](crate::Zero)).
     Zero2,
-    /// ZeRO stage 3 ([`Zero3`]): parameters sharded too, gathered per unit.
+    /// ZeRO stage 3 ([`Zero3`](crate::Zero3)): parameters sharded too, gathered per unit.
     Zero3,
     /// A policy registered by name in a [`Registry`], with its argument (after `:`).
     User {
