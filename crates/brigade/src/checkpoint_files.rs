@@ -75,29 +75,9 @@ impl RunFile {
     }
 }
 
-/// How a checkpoint would land on another file of the run ([`Error::CheckpointClash`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Clash {
-    /// A checkpoint would be written in the other file's place: at this step (`None`: the path
-    /// holds no `{step}`), through the symbolic link `via` when one stands at that name.
-    Lands {
-        /// The step (its digits) of the checkpoint, for a `{step}` path.
-        step: Option<String>,
-        /// The link at the checkpoint's name that points at the file.
-        via: Option<PathBuf>,
-    },
-    /// The other file is a pattern of files to read that matches names of the checkpoints (a
-    /// later run would read the checkpoints among its data).
-    PatternReads,
-    /// What stands at a checkpoint's name is not a file (a folder, a pipe, a device): the
-    /// checkpoint could not be written in its place.
-    NotAFile {
-        /// The step (its digits) of the checkpoint, for a `{step}` path.
-        step: Option<String>,
-        /// What it is.
-        what: &'static str,
-    },
-}
+/// How a checkpoint would land on another file of the run: its type lives with the error that
+/// carries it.
+pub use crate::error::Clash;
 
 /// The lineage of a run's checkpoints (see the module's documentation).
 #[derive(Clone, Debug)]

@@ -2,6 +2,8 @@
 //! checkpoints can fail with, typed per cause, in the library's own terms (a program over it
 //! words them for its users: the `brigade` binary names its flags).
 
+use std::path::PathBuf;
+
 use brigade_autograd::AutogradError;
 use brigade_comm::CommError;
 use brigade_ddp::DdpError;
@@ -44,7 +46,7 @@ pub enum Error {
          libopenmpi-dev libclang-dev) and build with the `mpi` feature"
     )]
     MpiNotBuilt,
-    /// A plan that cannot be made from its profiles ([`crate::plan`]).
+    /// A plan that cannot be made from its profiles (the `plan` module).
     #[error("{0}")]
     Plan(String),
     /// A peer's control message was not what this rank expected.
@@ -77,7 +79,7 @@ pub enum Error {
         mismatch: CheckpointMismatch,
     },
     /// A checkpoint the run may write would land on another file of the run (found before step
-    /// 0 by [`crate::config::CheckpointConfig::check_files`]).
+    /// 0 by `CheckpointConfig::check_files`).
     #[error("{}", .0.describe(.0.field, &.0.other))]
     CheckpointClash(Box<FileClash>),
     /// One rank's failure (the root cause among the ranks' errors).
@@ -158,11 +160,11 @@ pub enum Error {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileClash {
     /// The configuration field of the checkpoint path
-    /// ([`crate::checkpoint_files::PATH_FIELD`]).
+    /// (`checkpoint_files::PATH_FIELD`).
     pub field: &'static str,
     /// The checkpoint path, as given.
     pub path: String,
-    /// The other file's name ([`crate::checkpoint_files::RunFile::name`]).
+    /// The other file's name (`RunFile::name`).
     pub other: String,
     /// The other file's path, as given.
     pub other_path: String,
@@ -171,14 +173,37 @@ pub struct FileClash {
     /// Whether the run writes the other file (else it reads it).
     pub other_written: bool,
     /// How the checkpoint would land on it.
-    pub clash: crate::checkpoint_files::Clash,
+    pub clash: Clash,
+}
+
+/// How a checkpoint would land on another file of the run ([`Error::CheckpointClash`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Clash {
+    /// A checkpoint would be written in the other file's place: at this step (`None`: the path
+    /// holds no `{step}`), through the symbolic link `via` when one stands at that name.
+    Lands {
+        /// The step (its digits) of the checkpoint, for a `{step}` path.
+        step: Option<String>,
+        /// The link at the checkpoint's name that points at the file.
+        via: Option<PathBuf>,
+    },
+    /// The other file is a pattern of files to read that matches names of the checkpoints (a
+    /// later run would read the checkpoints among its data).
+    PatternReads,
+    /// What stands at a checkpoint's name is not a file (a folder, a pipe, a device): the
+    /// checkpoint could not be written in its place.
+    NotAFile {
+        /// The step (its digits) of the checkpoint, for a `{step}` path.
+        step: Option<String>,
+        /// What it is.
+        what: &'static str,
+    },
 }
 
 impl FileClash {
     /// The one line that says so, naming the checkpoint path `field` and the other file
     /// `other` (a program over the library passes its own names for them: its flags).
     pub fn describe(&self, field: &str, other: &str) -> String {
-        use crate::checkpoint_files::Clash;
         let (path, other_path) = (&self.path, &self.other_path);
         let whose = self.whose.as_ref().map(|w| format!(" ({w})")).unwrap_or_default();
         let (step, via) = match &self.clash {
@@ -344,7 +369,7 @@ pub enum CheckpointMismatch {
         world: usize,
     },
     /// It holds a NaN or an infinity (a run that trains on through them wrote it), and this run
-    /// does not take them ([`crate::config::RecipeConfig::allow_nonfinite`]).
+    /// does not take them (`RecipeConfig::allow_nonfinite`).
     #[error(
         "tensor '{tensor}' holds {value} at index {index}: a run that trains on through non-finite values \
          (allow_nonfinite) wrote it; resume with allow_nonfinite to continue it"

@@ -177,22 +177,6 @@ pub(crate) fn build_spec(spec: &PolicySpec) -> Result<Box<dyn ReducerPolicy>, Po
 pub const POWERSGD_SETTINGS: [&str; 2] = ["powersgd_rank", "powersgd_start_iter"];
 
 impl PolicySpec {
-    /// `s` read with PowerSGD's settings given apart ([`POWERSGD_SETTINGS`]): a bare
-    /// `powersgd` is of rank `rank`, and a PowerSGD spec without `@START` starts at `start_iter`.
-    pub fn parse_with_settings(s: &str, rank: usize, start_iter: usize) -> Result<PolicySpec, PolicyError> {
-        // a bare name is of the settings as given: PowerSgdConfig::validate says what is wrong
-        let spec = match s.split_once(':') {
-            None if crate::registry::entry(s).is_some_and(|e| !e.args.is_empty()) => {
-                PolicySpec::PowerSgd { rank, start_iter }
-            }
-            _ => s.parse()?,
-        };
-        Ok(match spec {
-            PolicySpec::PowerSgd { rank, .. } if !s.contains('@') => PolicySpec::PowerSgd { rank, start_iter },
-            spec => spec,
-        })
-    }
-
     /// The spec's settings as values of their own, by name ([`POWERSGD_SETTINGS`] for
     /// PowerSGD; none for the others).
     pub fn settings(&self) -> Vec<(&'static str, usize)> {
@@ -325,7 +309,7 @@ fn scalar_i64(x: u64) -> brigade_ddp::Result<Tensor> {
 
 impl ReducerPolicy for PowerSgd {
     fn name(&self) -> String {
-        crate::PolicySpec::PowerSgd {
+        PolicySpec::PowerSgd {
             rank: self.cfg.rank,
             start_iter: self.cfg.start_iter,
         }

@@ -4,6 +4,8 @@
 //! file, its [`PolicySpec`] variant and one entry here.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use brigade_ddp::ReducerPolicy;
@@ -331,6 +333,79 @@ impl Registry {
         match self.makers.get(name) {
             Some((make, _)) => make(arg),
             None => Err(self.unknown(name)),
+        }
+    }
+}
+
+impl PolicySpec {
+    /// The policy's name: the spec without its argument.
+    pub fn name(&self) -> &str {
+        match self {
+            PolicySpec::User { name, .. } => name,
+            _ => entry_of(self).map_or("", |(e, _)| e.name),
+        }
+    }
+
+    /// The spec a plan groups this one's profiles under (the settings that change what a step
+    /// measures, PowerSGD's rank but not its start); `None` for a policy a plan does not weigh.
+    pub fn plan_family(&self) -> Option<PolicySpec> {
+        plan_family(self)
+    }
+
+    /// A new policy of this kind for one rank (a policy holds one rank's state); user policies
+    /// are made by `registry`.
+    pub fn build(&self, registry: &Registry) -> Result<Box<dyn ReducerPolicy>> {
+        match self {
+            PolicySpec::User { name, arg } => registry.make(name, arg.as_deref()),
+            _ => build_built_in(self).expect("every built-in spec has its entry"),
+        }
+    }
+
+    /// `s` read with PowerSGD's settings given apart ([`POWERSGD_SETTINGS`](powersgd::POWERSGD_SETTINGS)): a bare
+    /// `powersgd` is of rank `rank`, and a PowerSGD spec without `@START` starts at `start_iter`.
+    pub fn parse_with_settings(s: &str, rank: usize, start_iter: usize) -> Result<PolicySpec> {
+        // a bare name is of the settings as given: PowerSgdConfig::validate says what is wrong
+        let spec = match s.split_once(':') {
+            None if entry(s).is_some_and(|e| !e.args.is_empty()) => PolicySpec::PowerSgd { rank, start_iter },
+            _ => s.parse()?,
+        };
+        Ok(match spec {
+            PolicySpec::PowerSgd { rank, .. } if !s.contains('@') => PolicySpec::PowerSgd { rank, start_iter },
+            spec => spec,
+        })
+    }
+}
+
+impl fmt::Display for PolicySpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (name, arg) = match self {
+            PolicySpec::User { name, arg } => (name.as_str(), arg.clone()),
+            _ => entry_of(self)
+                .map(|(e, a)| (e.name, a))
+                .expect("every built-in spec has its entry"),
+        };
+        match arg {
+            None => f.write_str(name),
+            Some(a) => write!(f, "{name}:{a}"),
+        }
+    }
+}
+
+impl FromStr for PolicySpec {
+    type Err = PolicyError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let (name, arg) = match s.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (s, None),
+        };
+        match read_built_in(s, name, arg) {
+            Some(spec) => spec,
+            None if valid_name(name) => Ok(PolicySpec::User {
+                name: name.to_string(),
+                arg: arg.map(str::to_string),
+            }),
+            None => Err(spec_error(s, format!("not a policy name (the forms: {})", forms()))),
         }
     }
 }

@@ -40,6 +40,7 @@ use brigade_ddp::policy::{
 use brigade_tensor::{DType, Device, Tensor};
 
 use crate::error::PolicyError;
+use crate::spec::PolicySpec;
 
 pub use optimizer::{ZeroOptimizer, ALL_GATHER_CAP_BYTES};
 pub use shard::{padded_len, shard_len};
@@ -99,7 +100,27 @@ impl StateLayout {
     }
 }
 
-impl crate::PolicySpec {
+impl PolicySpec {
+    /// The ZeRO stage this spec shards at (`Off` for every other policy).
+    pub fn zero_stage(&self) -> ZeroStage {
+        match self {
+            PolicySpec::Zero1 => ZeroStage::One,
+            PolicySpec::Zero2 => ZeroStage::Two,
+            PolicySpec::Zero3 => ZeroStage::Three,
+            _ => ZeroStage::Off,
+        }
+    }
+
+    /// The ZeRO policy of `stage` (`None` for `Off`).
+    pub fn zero(stage: ZeroStage) -> Option<PolicySpec> {
+        match stage {
+            ZeroStage::Off => None,
+            ZeroStage::One => Some(PolicySpec::Zero1),
+            ZeroStage::Two => Some(PolicySpec::Zero2),
+            ZeroStage::Three => Some(PolicySpec::Zero3),
+        }
+    }
+
     /// How the policy lays the training state out over the ranks ([`StateLayout`]).
     pub fn state_layout(&self) -> StateLayout {
         StateLayout(self.zero_stage())
