@@ -112,6 +112,12 @@ fn check_state(op: &'static str, what: &str, p: &Tensor, t: &Tensor) -> Result<(
             msg: format!("{what} is {:?}; optimizer steps run in f32", t.dtype()),
         });
     }
+    check_layout(op, what, p, t)
+}
+
+/// Checks that one operand of a fused step is laid out as the parameter: its shape and device,
+/// a contiguous view of its own storage.
+fn check_layout(op: &'static str, what: &str, p: &Tensor, t: &Tensor) -> Result<()> {
     same_shape(op, p, t)?;
     same_device(op, p, t)?;
     if !t.is_contiguous() {
@@ -217,14 +223,7 @@ fn check_copy(op: &'static str, p: &Tensor, grad: &Tensor, copy: &Tensor) -> Res
         });
     }
     for (what, t) in [("the copy", copy), ("the gradient", grad)] {
-        same_shape(op, p, t)?;
-        same_device(op, p, t)?;
-        if !t.is_contiguous() {
-            return Err(TensorError::Invalid {
-                op,
-                msg: format!("{what} must be a contiguous view"),
-            });
-        }
+        check_layout(op, what, p, t)?;
     }
     Ok(())
 }
