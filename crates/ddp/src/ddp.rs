@@ -286,6 +286,14 @@ impl DistributedDataParallel {
         policy.state_dict()
     }
 
+    /// Finishes the collectives the policy holds across steps ([`ReducerPolicy::finish_in_flight`]),
+    /// waiting at most the group's timeout: every rank calls it before a checkpoint gathers the
+    /// policy state.
+    pub fn finish_in_flight(&self) -> Result<()> {
+        let timeout = self.reducer.metered().timeout();
+        self.reducer.lock_policy().finish_in_flight(timeout)
+    }
+
     /// Restores this rank's policy state ([`ReducerPolicy::load_state_dict`]).
     pub fn load_policy_state_dict(&self, state: &[(String, Tensor)]) -> Result<()> {
         self.reducer.lock_policy().load_state_dict(state)
@@ -293,8 +301,10 @@ impl DistributedDataParallel {
 
     /// Every rank's policy state, on rank 0, for a checkpoint written by rank 0: entries
     /// `rank{r}/{name}` (a policy's state differs per rank: PowerSGD's error feedback). A
-    /// collective; the other ranks get an empty list.
+    /// collective; the other ranks get an empty list. The collectives the policy holds across
+    /// steps are finished first ([`DistributedDataParallel::finish_in_flight`]).
     pub fn gather_policy_state(&self) -> Result<Vec<(String, Tensor)>> {
+        self.finish_in_flight()?;
         let mine = state::encode(&self.policy_state_dict()?)?;
         let all = all_gather_bytes(self.comm().as_ref(), mine, "ddp.policy_state")?;
         if self.comm().rank() != 0 {

@@ -1,5 +1,6 @@
 //! brigade-policies: Brigade's built-in reducer policies — [`AllReduce`], [`Compress`] (fp16,
-//! bf16), [`PowerSgd`] and [`Zero`] (stages 1 and 2) — written only against `brigade-ddp`'s
+//! bf16), [`PowerSgd`], [`Zero`] (stages 1 and 2), [`Diloco`] and
+//! [`StreamingDiloco`] — written only against `brigade-ddp`'s
 //! public policy contract ([`brigade_ddp::policy`]), so the compiler checks that a user can
 //! write each of them; and [`PolicySpec`], the one way every part of Brigade names a policy,
 //! with a [`Registry`] for user policies.
@@ -8,18 +9,22 @@
 
 mod allreduce;
 mod compress;
+mod diloco;
 mod error;
 mod int8;
 mod powersgd;
 pub mod registry;
 mod spec;
+mod streaming_diloco;
 pub mod zero;
 
 pub use allreduce::AllReduce;
 pub use compress::{Compress, HalfType};
+pub use diloco::{Diloco, DilocoConfig, OuterSgd, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM};
 pub use error::{PolicyError, Result};
 pub use int8::Int8;
 pub use powersgd::{PowerSgd, PowerSgdConfig, POWERSGD_SETTINGS};
 pub use registry::{MakeUserPolicy, Registry};
 pub use spec::{PolicySpec, DEFAULT_POWERSGD_START};
+pub use streaming_diloco::{StreamingConfig, StreamingDiloco, DEFAULT_DELAY};
 pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

@@ -12,7 +12,7 @@ use brigade_ddp::ReducerPolicy;
 
 use crate::error::{PolicyError, Result};
 use crate::spec::{spec_error, PolicySpec};
-use crate::{powersgd, AllReduce, Compress, HalfType, Int8, Zero, Zero3, ZeroStage};
+use crate::{diloco, powersgd, streaming_diloco, AllReduce, Compress, HalfType, Int8, Zero, Zero3, ZeroStage};
 
 /// How an entry's spec is written: its name alone, or its name and an argument.
 enum Form {
@@ -94,7 +94,7 @@ impl Entry {
 }
 
 /// Every built-in policy, in the order help and errors list them.
-pub static BUILT_IN: [Entry; 8] = [
+pub static BUILT_IN: [Entry; 10] = [
     Entry::plain(
         "allreduce",
         "one f32 all-reduce averaging each bucket",
@@ -157,6 +157,32 @@ pub static BUILT_IN: [Entry; 8] = [
         PolicySpec::Zero3,
         |_| Ok(Box::new(Zero3::new())),
     ),
+    Entry {
+        name: "diloco",
+        args: "H[:OUTER_LR[:MOMENTUM]]",
+        about: "DiLoCo: H local steps, then the averaged pseudo-gradient through outer Nesterov SGD (0.7, 0.9)",
+        planned: false,
+        form: Form::Args {
+            read: diloco::read_spec,
+            write: diloco::write_spec,
+            family: diloco::family,
+            plan_default: diloco::plan_default,
+        },
+        build: diloco::build_spec,
+    },
+    Entry {
+        name: "streaming-diloco",
+        args: "H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]",
+        about: "streaming DiLoCo: fragments synced on a staggered schedule, each overlapping DELAY (1) local steps",
+        planned: false,
+        form: Form::Args {
+            read: streaming_diloco::read_spec,
+            write: streaming_diloco::write_spec,
+            family: streaming_diloco::family,
+            plan_default: streaming_diloco::plan_default,
+        },
+        build: streaming_diloco::build_spec,
+    },
 ];
 
 /// The built-in entry named `name`.

@@ -5,7 +5,8 @@
 use crate::error::PolicyError;
 
 /// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`,
-/// `zero2`, `zero3`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`std::fmt::Display`] writes
+/// `zero2`, `zero3`, `diloco:H[:OUTER_LR[:MOMENTUM]]`,
+/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`std::fmt::Display`] writes
 /// the canonical form [`std::str::FromStr`] reads back (`powersgd:4` for rank 4 from the default start
 /// iteration 10; `powersgd:4@2` otherwise).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -31,6 +32,13 @@ pub enum PolicySpec {
     Zero2,
     /// ZeRO stage 3 (`Zero3`): parameters sharded too, gathered per unit.
     Zero3,
+    /// DiLoCo (`Diloco`): H inner steps, then the averaged pseudo-gradient through an outer
+    /// Nesterov SGD (`diloco:H[:OUTER_LR[:MOMENTUM]]`).
+    Diloco(crate::DilocoConfig),
+    /// Streaming DiLoCo (`StreamingDiloco`): DiLoCo in fragments synced on a staggered
+    /// schedule, each sync overlapping the next inner steps
+    /// (`streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`).
+    StreamingDiloco(crate::StreamingConfig),
     /// A policy registered by name in a `Registry`, with its argument (after `:`).
     User {
         /// The registered name.

@@ -374,6 +374,17 @@ impl StepProfile {
                     "the policy's wire model sends {b} bytes per gradient element: it must be more than 0 and at most 8"
                 ));
             }
+            Some(&WireModel::AfterStep {
+                period,
+                fragments,
+                bytes_per_element: b,
+                ..
+            }) if period == 0 || fragments == 0 || !(b > 0.0 && b <= 8.0) => {
+                return Err(format!(
+                    "the policy's after-step wire model syncs every {period} steps in {fragments} fragments of \
+                     {b} bytes per element: each must be at least 1, the bytes more than 0 and at most 8"
+                ));
+            }
             Some(WireModel::LowRank { factors, .. }) if factors.len() != self.params.len() => {
                 return Err(format!(
                     "the policy's low-rank wire model sizes {} parameters' factors, the profile has {} parameters",

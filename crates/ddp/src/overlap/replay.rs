@@ -432,6 +432,8 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     }
     let last_finish = comm.buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
     let (compute_step, predicted_step) = steps(profile, &clock, last_finish);
+    let after_step = costs.after_step(compute_step);
+    let predicted_step = predicted_step + after_step;
     let drained = fluid_drain(&costs, &clock);
     Ok(ReplayResult {
         policy,
@@ -442,7 +444,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         buckets: comm.buckets,
         compute_step_s: compute_step,
         predicted_step_s: predicted_step,
-        exposed_comm_s: (last_finish - backward_end).max(0.0),
+        exposed_comm_s: (last_finish - backward_end).max(0.0) + after_step,
         lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
         launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
         gathers: comm.gathers,
@@ -482,6 +484,31 @@ impl Costs<'_> {
         RingOp::AllReduce.seconds(bytes, self.n, self.alpha, self.per_byte)
     }
 
+    /// What a step waits, on average, for collectives a policy issues after the optimizer step
+    /// ([`WireModel::AfterStep`]; 0 for the others): each fragment's all-reduce, less the
+    /// compute of the steps it overlaps, `fragments / period` times a step.
+    fn after_step(&self, compute_step: f64) -> f64 {
+        let WireModel::AfterStep {
+            period,
+            fragments,
+            overlap_steps,
+            bytes_per_element,
+        } = self.wire
+        else {
+            return 0.0;
+        };
+        if self.n < 2 {
+            return 0.0;
+        }
+        let elements: f64 = (0..self.profile.params.len())
+            .map(|p| bytes_of(self.profile, p) / 4.0)
+            .sum();
+        let fragments = fragments.max(1) as f64;
+        let link = self.all_reduce(elements * bytes_per_element / fragments);
+        let exposed = (link - overlap_steps as f64 * compute_step).max(0.0);
+        exposed * fragments / period.max(1) as f64
+    }
+
     /// A bucket's link time and wire bytes under the policy's collectives.
     fn bucket(&self, group: &[usize], bytes: usize) -> (f64, f64) {
         let n = self.n;
@@ -500,6 +527,8 @@ impl Costs<'_> {
                 let rs = RingOp::ReduceScatter;
                 (rs.seconds(padded, n, self.alpha, self.per_byte), sent(rs, padded))
             }
+            // nothing crosses the ranks during backward (`after_step`, amortised in the step)
+            WireModel::AfterStep { .. } => (0.0, 0.0),
             WireModel::LowRank { factors, .. } => {
                 let (mut plain, mut p, mut qf) = (0.0, 0.0, 0.0);
                 for &i in group {

@@ -15,6 +15,7 @@
 //! | what the optimizer steps (full parameters or shard views), built from the user's optimizer config; its learning rate stays settable | [`ReducerPolicy::optimizer`] | the user's optimizer over every parameter |
 //! | the squared norm of the gradients held, summed over ranks when sharded | [`ReducerPolicy::grad_norm_sq`] | exactly that |
 //! | what runs after the optimizer step | [`ReducerPolicy::after_step`] | nothing |
+//! | finishing collectives it holds across steps before a checkpoint | [`ReducerPolicy::finish_in_flight`] | nothing held |
 //! | whether it keeps state across steps, and where | [`ReducerPolicy::keeps_state`] | undeclared: checkpoints are refused |
 //! | its state for checkpoints | [`ReducerPolicy::state_dict`], [`ReducerPolicy::load_state_dict`] ([`ParamState`] keys per-parameter state by name) | none |
 //! | whether its ranks' parameters and optimizer state diverge between syncs, and what a checkpoint keeps of every rank | [`ReducerPolicy::replicas`] | identical on every rank |
@@ -52,6 +53,14 @@
 //! 4. this rank's policy state ([`ReducerPolicy::load_state_dict`]: it sees the rank's own
 //!    parameters);
 //! 5. [`ReducerPolicy::optimizer`], handed the user's optimizer with this rank's state.
+//!
+//! A policy may hold collectives across steps (streaming DiLoCo issues a fragment's sync in one
+//! [`ReducerPolicy::after_step`] and merges it some steps later). [`ReducerPolicy::state_dict`]
+//! takes `&self` and cannot wait on them, so every checkpoint first calls
+//! [`ReducerPolicy::finish_in_flight`] on every rank
+//! ([`crate::DistributedDataParallel::finish_in_flight`]): the policy waits for what it holds,
+//! within the timeout, and keeps the landed results (still unmerged) in its state, so that a
+//! resume merges them at the step the straight run does.
 //!
 //! **Threads.** `reduce` runs on the compute thread inside backward and must return at once;
 //! continuations run on the comm stream's thread. A policy that updates its state from a
@@ -167,6 +176,18 @@ pub trait ReducerPolicy: Send {
     /// needs to keep it through skipped steps and scale changes.
     fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> Result<()> {
         let _ = (step, comm);
+        Ok(())
+    }
+
+    /// Waits, at most `timeout` in all, for the collectives this policy issued and still holds
+    /// across steps (a streaming sync issued in one [`ReducerPolicy::after_step`] and merged in a
+    /// later one), keeping their landed results for the step that uses them: called on every
+    /// rank before every checkpoint's [`ReducerPolicy::state_dict`], which cannot wait (it takes
+    /// `&self`) and may then refuse state still in flight. Finishing must not change what the
+    /// policy computes, only when it waits: the straight run and a resumed one merge the same
+    /// values at the same step. The default holds nothing and returns at once.
+    fn finish_in_flight(&mut self, timeout: std::time::Duration) -> Result<()> {
+        let _ = timeout;
         Ok(())
     }
 
@@ -363,6 +384,23 @@ pub enum WireModel {
     /// before its forward and again before its backward (the step profile's `gathers`), on the
     /// same comm stream, and the unit's compute waits for its gather.
     Zero3,
+    /// A policy that communicates after the optimizer step, not during backward (DiLoCo,
+    /// streaming DiLoCo): no collective per bucket; every `period` steps each trainable
+    /// parameter crosses the ranks once, in one all-reduce per fragment (`fragments` of about
+    /// equal bytes at staggered steps) of `bytes_per_element` bytes per element, each of which
+    /// runs behind the next `overlap_steps` steps' compute before the step that merges it waits
+    /// for it. The overlap model charges each step `fragments / period` fragment syncs, less the
+    /// compute of `overlap_steps` recorded steps each.
+    AfterStep {
+        /// Steps between two syncs of the same parameter (at least 1).
+        period: usize,
+        /// Fragments synced apart (at least 1).
+        fragments: usize,
+        /// Steps each fragment's sync overlaps (0: the step waits for it at once).
+        overlap_steps: usize,
+        /// Bytes per parameter element on the wire.
+        bytes_per_element: f64,
+    },
 }
 
 /// Where one parameter's gradient sits in its bucket.

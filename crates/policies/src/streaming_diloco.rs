@@ -1,0 +1,412 @@
+//! Streaming DiLoCo (Douillard et al. 2025): DiLoCo whose parameters are cut into FRAGMENTS
+//! fragments (runs of the optimizer's parameters in its order, of about equal elements), each
+//! synced once every H inner steps on a staggered schedule, so that the link carries one
+//! fragment at a time. Fragment `f` is issued after every step `c` (counted from 1) with
+//! `c % H == f·H / FRAGMENTS` (fragment 0 at `c % H == 0`): the all-reduce of its
+//! pseudo-gradient is issued and held while the next DELAY inner steps run, and merged after
+//! step `c + DELAY`: the step waits for it (it has normally landed), the outer Nesterov SGD steps
+//! the fragment's snapshot, and the snapshot replaces the fragment's parameters (torchft's
+//! `fragment_update_alpha = 0`: the fragment's inner steps during the overlap are dropped). With
+//! one fragment and DELAY 0 it is `diloco:H` bit for bit.
+//!
+//! A checkpoint taken while a sync is in flight first waits for it
+//! ([`ReducerPolicy::finish_in_flight`]) and keeps the landed, unmerged average beside the step
+//! that merges it: the resumed run merges the same values at the same step.
+
+use std::time::{Duration, Instant};
+
+use brigade_autograd::Optimizer;
+use brigade_ddp::policy::WireModel;
+use brigade_ddp::policy::{
+    BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
+};
+use brigade_ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
+use brigade_tensor::Tensor;
+
+use crate::diloco::{read_steps, whole, Outer, OuterSgd};
+use crate::error::PolicyError;
+use crate::spec::{spec_error, PolicySpec};
+
+/// Inner steps a fragment's sync overlaps when a spec does not say.
+pub const DEFAULT_DELAY: usize = 1;
+
+/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamingConfig {
+    /// The DiLoCo each fragment follows: its period H and outer optimizer.
+    pub diloco: crate::DilocoConfig,
+    /// Fragments (1 to H, and at most the parameters the optimizer steps).
+    pub fragments: usize,
+    /// Inner steps each fragment's sync overlaps before it is merged (under H).
+    pub delay: usize,
+}
+
+impl StreamingConfig {
+    /// Refuses fragments outside `1..=H`, a delay of H or more, and a bad DiLoCo.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        let bad = |reason: String| PolicyError::Config {
+            policy: "streaming-diloco".into(),
+            reason,
+        };
+        let h = self.diloco.period;
+        if h == 0 {
+            return Err(bad("the period H must be at least 1 inner step".into()));
+        }
+        if self.fragments == 0 || self.fragments > h {
+            return Err(bad(format!(
+                "FRAGMENTS must be 1 to H = {h} (each fragment syncs at its own step of the period), got {}",
+                self.fragments
+            )));
+        }
+        if self.delay >= h {
+            return Err(bad(format!(
+                "DELAY must be under H = {h} (a fragment's sync lands before it syncs again), got {}",
+                self.delay
+            )));
+        }
+        self.diloco.outer.validate("streaming-diloco")
+    }
+
+    /// The step within the period (`c % H`) at which fragment `f` is issued.
+    pub fn offset(&self, f: usize) -> u64 {
+        (f * self.diloco.period / self.fragments) as u64
+    }
+}
+
+/// The spec of `streaming-diloco:ARGS`.
+pub(crate) fn read_spec(spec: &str, arg: Option<&str>) -> Result<PolicySpec, PolicyError> {
+    let form = "streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]";
+    let arg =
+        arg.ok_or_else(|| spec_error(spec, format!("streaming DiLoCo needs its period and fragments: {form}")))?;
+    let fields: Vec<&str> = arg.split(':').collect();
+    if fields.len() < 2 {
+        return Err(spec_error(
+            spec,
+            format!("streaming DiLoCo needs its period and fragments: {form}"),
+        ));
+    }
+    let period = whole(spec, "streaming DiLoCo's period H", fields[0])?;
+    let fragments = whole(spec, "streaming DiLoCo's FRAGMENTS", fields[1])?;
+    let delay = match fields.get(2) {
+        None => DEFAULT_DELAY,
+        Some(d) => d
+            .parse()
+            .map_err(|_| spec_error(spec, format!("DELAY must be a whole number of inner steps, got '{d}'")))?,
+    };
+    let cfg = StreamingConfig {
+        diloco: crate::DilocoConfig {
+            period,
+            outer: OuterSgd::read(spec, fields.get(3..).unwrap_or(&[]))?,
+        },
+        fragments,
+        delay,
+    };
+    cfg.validate().map_err(|e| spec_error(spec, e.to_string()))?;
+    Ok(PolicySpec::StreamingDiloco(cfg))
+}
+
+/// `H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]` of a streaming DiLoCo spec.
+pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
+    match spec {
+        PolicySpec::StreamingDiloco(c) => {
+            let outer = c.diloco.outer.write();
+            let delay = match (c.delay, outer.is_empty()) {
+                (DEFAULT_DELAY, true) => String::new(),
+                (d, _) => format!(":{d}"),
+            };
+            Some(format!("{}:{}{delay}{outer}", c.diloco.period, c.fragments))
+        }
+        _ => None,
+    }
+}
+
+/// A plan groups streaming DiLoCo by itself (a plan does not weigh it).
+pub(crate) fn family(spec: &PolicySpec) -> PolicySpec {
+    spec.clone()
+}
+
+/// What a plan would try unrecorded.
+pub(crate) fn plan_default() -> PolicySpec {
+    PolicySpec::StreamingDiloco(StreamingConfig {
+        diloco: crate::DilocoConfig::new(10),
+        fragments: 2,
+        delay: DEFAULT_DELAY,
+    })
+}
+
+/// One rank's streaming DiLoCo of `spec`.
+pub(crate) fn build_spec(spec: &PolicySpec) -> Result<Box<dyn ReducerPolicy>, PolicyError> {
+    let PolicySpec::StreamingDiloco(cfg) = *spec else {
+        unreachable!("the streaming-diloco entry builds streaming DiLoCo specs")
+    };
+    Ok(Box::new(StreamingDiloco::new(cfg)?))
+}
+
+/// One parameter's average in a fragment's sync.
+enum Landing {
+    /// Issued, perhaps not landed.
+    InFlight(TensorWork<Tensor>),
+    /// Landed (waited for before a checkpoint, or loaded from one).
+    Landed(Tensor),
+}
+
+/// A fragment's sync between its issue and its merge.
+struct Pending {
+    /// The step count after which it is merged.
+    merge_at: u64,
+    /// Its parameters' averages, by the parameter's place in the optimizer's list.
+    averages: Vec<(usize, Landing)>,
+}
+
+/// Streaming DiLoCo on one rank (see the module docs).
+pub struct StreamingDiloco {
+    cfg: StreamingConfig,
+    outer: Outer,
+    /// Each fragment's parameters (places in the optimizer's list), once the optimizer is known.
+    fragments: Vec<Vec<usize>>,
+    /// Each fragment's sync in flight.
+    pending: Vec<Option<Pending>>,
+    /// Inner steps taken since the run began.
+    steps: u64,
+}
+
+impl StreamingDiloco {
+    /// One rank's streaming DiLoCo of `cfg` (refused when [`StreamingConfig::validate`] refuses).
+    pub fn new(cfg: StreamingConfig) -> Result<StreamingDiloco, PolicyError> {
+        cfg.validate()?;
+        Ok(StreamingDiloco {
+            cfg,
+            outer: Outer::new(cfg.diloco.outer),
+            fragments: vec![],
+            pending: (0..cfg.fragments).map(|_| None).collect(),
+            steps: 0,
+        })
+    }
+
+    /// Merges fragment `f`'s sync: waits for what is in flight, steps the snapshot, writes it.
+    fn merge(&mut self, f: usize, step: &StepContext<'_>) -> brigade_ddp::Result<()> {
+        let Some(pending) = self.pending[f].take() else {
+            return Ok(());
+        };
+        for (i, landing) in pending.averages {
+            let avg = match landing {
+                Landing::InFlight(w) => w.wait()?,
+                Landing::Landed(t) => t,
+            };
+            self.outer.merge(i, &avg)?;
+        }
+        self.outer.round_into_model(&self.fragments[f], step)
+    }
+}
+
+/// `sizes` cut into `n` runs in order, each of about `total / n` elements and none empty.
+pub(crate) fn split(sizes: &[usize], n: usize) -> Vec<Vec<usize>> {
+    let total: usize = sizes.iter().sum();
+    let mut out: Vec<Vec<usize>> = vec![vec![]; n];
+    let (mut f, mut seen) = (0, 0usize);
+    for (i, &s) in sizes.iter().enumerate() {
+        // move on once this fragment holds its share, keeping a parameter for each one left
+        let left = sizes.len() - i;
+        if !out[f].is_empty() && f + 1 < n && (seen * n >= (f + 1) * total || left <= n - 1 - f) {
+            f += 1;
+        }
+        out[f].push(i);
+        seen += s;
+    }
+    out
+}
+
+impl ReducerPolicy for StreamingDiloco {
+    fn name(&self) -> String {
+        PolicySpec::StreamingDiloco(self.cfg).to_string()
+    }
+
+    fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
+        Ok(Reduction::Full(comm.ready(bucket.tensor)))
+    }
+
+    fn optimizer(
+        &mut self,
+        full: Box<dyn Optimizer>,
+        _build: BuildOptimizer<'_>,
+        _ctx: &OptimizerContext,
+    ) -> brigade_ddp::Result<Box<dyn Optimizer>> {
+        let name = self.name();
+        self.outer.attach(full.as_ref(), &name)?;
+        if self.outer.len() < self.cfg.fragments {
+            return Err(DdpError::Policy {
+                policy: name,
+                reason: format!(
+                    "{} fragments, but the optimizer steps {} parameters: at most that many fragments",
+                    self.cfg.fragments,
+                    self.outer.len()
+                ),
+            });
+        }
+        self.fragments = split(&self.outer.sizes(), self.cfg.fragments);
+        let n = self.outer.len();
+        let beyond = (self.pending.iter().flatten()).any(|p| p.averages.iter().any(|(i, _)| *i >= n));
+        if beyond {
+            return Err(DdpError::PolicyState(format!(
+                "{name}: the checkpoint's fragment sync names a parameter beyond the optimizer's {n}"
+            )));
+        }
+        Ok(full)
+    }
+
+    fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> brigade_ddp::Result<()> {
+        self.steps += 1;
+        let c = self.steps;
+        let h = self.cfg.diloco.period as u64;
+        for f in 0..self.cfg.fragments {
+            if self.pending[f].as_ref().is_some_and(|p| p.merge_at == c) {
+                self.merge(f, step)?;
+            }
+            if c % h == self.cfg.offset(f) {
+                let tag = format!("streaming-diloco.fragment{f}");
+                let averages = (self.fragments[f].iter())
+                    .map(|&i| Ok((i, Landing::InFlight(self.outer.issue(i, comm, &tag)?))))
+                    .collect::<brigade_ddp::Result<_>>()?;
+                self.pending[f] = Some(Pending {
+                    merge_at: c + self.cfg.delay as u64,
+                    averages,
+                });
+                if self.cfg.delay == 0 {
+                    self.merge(f, step)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish_in_flight(&mut self, timeout: Duration) -> brigade_ddp::Result<()> {
+        let deadline = Instant::now() + timeout;
+        for (f, pending) in self.pending.iter_mut().enumerate() {
+            for (_, landing) in pending.iter_mut().flat_map(|p| p.averages.iter_mut()) {
+                let Landing::InFlight(w) = landing else { continue };
+                while !w.is_completed() {
+                    if Instant::now() >= deadline {
+                        return Err(DdpError::Policy {
+                            policy: "streaming-diloco".into(),
+                            reason: format!(
+                                "fragment {f}'s sync did not land within {timeout:?} before the checkpoint"
+                            ),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                let Landing::InFlight(w) =
+                    std::mem::replace(landing, Landing::Landed(Tensor::from_vec(vec![0f32], &[1])?))
+                else {
+                    unreachable!("in flight")
+                };
+                *landing = Landing::Landed(w.wait()?);
+            }
+        }
+        Ok(())
+    }
+
+    fn keeps_state(&self) -> KeepsState {
+        KeepsState::InStateDict
+    }
+
+    fn replicas(&self) -> Replicas {
+        Replicas::Diverge(RankState::ALL)
+    }
+
+    /// The step count, the snapshot, the outer momentum and each landed, unmerged fragment
+    /// sync (`pending.F.merge_at`, `pending.F.I`); refused while a sync is in flight (the
+    /// checkpoint finishes them first).
+    fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
+        let mut out = vec![("steps".to_string(), Tensor::from_vec(vec![self.steps as i64], &[1])?)];
+        out.extend(self.outer.state_dict());
+        for (f, p) in self.pending.iter().enumerate() {
+            let Some(p) = p else { continue };
+            out.push((
+                format!("pending.{f}.merge_at"),
+                Tensor::from_vec(vec![p.merge_at as i64], &[1])?,
+            ));
+            for (i, landing) in &p.averages {
+                match landing {
+                    Landing::Landed(t) => out.push((format!("pending.{f}.{i}"), t.clone())),
+                    Landing::InFlight(_) => {
+                        return Err(DdpError::PolicyState(format!(
+                            "{}: fragment {f}'s sync is still in flight: finish_in_flight before state_dict",
+                            self.name()
+                        )))
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
+        let name = self.name();
+        self.steps = read_steps(state, &name)?;
+        self.outer.load_state_dict(state, &name)?;
+        let mut pending: Vec<Option<Pending>> = (0..self.cfg.fragments).map(|_| None).collect();
+        for (k, t) in state {
+            let Some(rest) = k.strip_prefix("pending.") else {
+                continue;
+            };
+            let parsed = rest
+                .split_once('.')
+                .and_then(|(f, what)| Some((f.parse::<usize>().ok()?, what)));
+            let Some((f, what)) = parsed.filter(|(f, _)| *f < self.cfg.fragments) else {
+                return Err(DdpError::PolicyState(format!(
+                    "{name}: '{k}' names no fragment of {}",
+                    self.cfg.fragments
+                )));
+            };
+            let p = pending[f].get_or_insert_with(|| Pending {
+                merge_at: 0,
+                averages: vec![],
+            });
+            match what {
+                "merge_at" => p.merge_at = t.item()? as u64,
+                i => {
+                    let i = i.parse::<usize>().map_err(|_| {
+                        DdpError::PolicyState(format!("{name}: '{k}' names no parameter of fragment {f}"))
+                    })?;
+                    p.averages.push((i, Landing::Landed(t.clone())));
+                }
+            }
+        }
+        for p in pending.iter_mut().flatten() {
+            if p.merge_at <= self.steps {
+                return Err(DdpError::PolicyState(format!(
+                    "{name}: a fragment sync merged after step {} in a state of step {}",
+                    p.merge_at, self.steps
+                )));
+            }
+            p.averages.sort_by_key(|(i, _)| *i);
+        }
+        self.pending = pending;
+        Ok(())
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let bytes = |t: &Tensor| t.numel() * t.dtype().size_in_bytes();
+        let landed: usize = (self.pending.iter().flatten())
+            .flat_map(|p| &p.averages)
+            .map(|(_, l)| match l {
+                Landing::Landed(t) => bytes(t),
+                Landing::InFlight(_) => 0,
+            })
+            .sum();
+        PolicyMemory {
+            state_bytes: self.outer.state_bytes() + landed,
+            ..PolicyMemory::default()
+        }
+    }
+
+    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+        Some(WireModel::AfterStep {
+            period: self.cfg.diloco.period,
+            fragments: self.cfg.fragments,
+            overlap_steps: self.cfg.delay,
+            bytes_per_element: 4.0,
+        })
+    }
+}
