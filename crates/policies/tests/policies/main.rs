@@ -5,6 +5,7 @@
 
 mod common;
 mod device_stream;
+mod diloco;
 mod direct;
 mod gradient_way;
 mod pinned;

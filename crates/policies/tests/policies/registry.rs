@@ -7,11 +7,13 @@ use brigade_policies::{AllReduce, PolicySpec, Registry};
 
 #[test]
 fn every_built_in_entry_reads_writes_and_builds_its_policy() {
-    assert_eq!(BUILT_IN.len(), 8);
+    assert_eq!(BUILT_IN.len(), 10);
     for e in &BUILT_IN {
         // the form with a sample argument where it takes one
-        let spec_text = match e.args {
-            "" => e.name.to_string(),
+        let spec_text = match (e.name, e.args) {
+            (_, "") => e.name.to_string(),
+            ("diloco", _) => "diloco:3:0.5".to_string(),
+            ("streaming-diloco", _) => "streaming-diloco:3:2:2".to_string(),
             _ => format!("{}:3@2", e.name),
         };
         let spec: PolicySpec = spec_text.parse().unwrap();
@@ -73,10 +75,14 @@ fn a_registry_reads_its_users_policies_and_lists_them_in_help_and_errors() {
         "{e}"
     );
     assert!(e.contains("powersgd:R[@START]") && e.contains("int8"), "{e}");
-    assert!(r.forms().ends_with("zero3, mean[:ARGS]"), "{}", r.forms());
+    assert!(
+        r.forms().ends_with("streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]], mean[:ARGS]"),
+        "{}",
+        r.forms()
+    );
     let help = r.help();
-    assert_eq!(help.len(), 9);
-    assert_eq!(help[8], "mean[:ARGS]: an averaging all-reduce");
+    assert_eq!(help.len(), 11);
+    assert_eq!(help[10], "mean[:ARGS]: an averaging all-reduce");
     // without the user's registry the name is unknown
     assert!(Registry::new().parse("mean").is_err());
 }
