@@ -392,7 +392,7 @@ impl PolicySpec {
     pub fn parse_with_settings(s: &str, rank: usize, start_iter: usize) -> Result<PolicySpec> {
         // a bare name is of the settings as given: PowerSgdConfig::validate says what is wrong
         let spec = match s.split_once(':') {
-            None if entry(s).is_some_and(|e| !e.args.is_empty()) => PolicySpec::PowerSgd { rank, start_iter },
+            None if s == "powersgd" => PolicySpec::PowerSgd { rank, start_iter },
             _ => s.parse()?,
         };
         Ok(match spec {

@@ -6,6 +6,7 @@ mod activation_checkpointing;
 mod checkpoints;
 mod common;
 mod composition;
+mod diloco_resume;
 mod dropout_resume;
 mod fake_device;
 mod fake_policies;

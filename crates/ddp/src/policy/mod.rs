@@ -56,9 +56,10 @@
 //!
 //! A policy may hold collectives across steps (streaming DiLoCo issues a fragment's sync in one
 //! [`ReducerPolicy::after_step`] and merges it some steps later). [`ReducerPolicy::state_dict`]
-//! takes `&self` and cannot wait on them, so every checkpoint first calls
-//! [`ReducerPolicy::finish_in_flight`] on every rank
-//! ([`crate::DistributedDataParallel::finish_in_flight`]): the policy waits for what it holds,
+//! takes `&self` and cannot wait on them, so every rank calls [`ReducerPolicy::finish_in_flight`]
+//! before its state is gathered for a checkpoint
+//! ([`crate::DistributedDataParallel::gather_policy_state`] does, through
+//! [`crate::DistributedDataParallel::finish_in_flight`]): the policy waits for what it holds,
 //! within the timeout, and keeps the landed results (still unmerged) in its state, so that a
 //! resume merges them at the step the straight run does.
 //!

@@ -38,7 +38,10 @@ fn diloco_with_sgd_inside_h_1_outer_lr_1_and_no_momentum_is_ddp_within_f32_round
         let diloco = train(SETUP, world, "plain-sgd", spec("diloco:1:1:0"));
         // every rank holds the same model after each sync
         for r in 1..world {
-            assert_eq!(diloco[r].params, diloco[0].params, "{world} ranks: rank {r} after the last sync");
+            assert_eq!(
+                diloco[r].params, diloco[0].params,
+                "{world} ranks: rank {r} after the last sync"
+            );
         }
         // Each step DDP subtracts fl(η·mean g); DiLoCo subtracts the average of
         // fl(θ − fl(θ − η·g_r)), which is η·g_r rounded to the grid of θ (the inner step's
@@ -49,7 +52,10 @@ fn diloco_with_sgd_inside_h_1_outer_lr_1_and_no_momentum_is_ddp_within_f32_round
         let d = max_diff(&diloco[0].params, &ddp[0].params);
         assert!(d <= 16.0 * ulp, "{world} ranks: parameters {d} apart, ulp {ulp}");
         for (a, b) in diloco[0].losses.iter().zip(&ddp[0].losses) {
-            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{world} ranks: losses {a} and {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{world} ranks: losses {a} and {b}"
+            );
         }
         // and it is not DDP by accident: a period of 2 leaves the ranks apart between syncs
         let two = train(SETUP, world, "plain-sgd", spec("diloco:2:1:0"));
@@ -92,7 +98,12 @@ fn streaming_diloco_with_one_fragment_and_no_overlap_is_diloco_bit_for_bit() {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     assert!(mean(&s[0].losses[20..]) < mean(&s[0].losses[..4]), "it trains");
     // the same bytes as DiLoCo of the same period: each fragment once a period
-    assert!((s[0].wire_bytes - d[0].wire_bytes).abs() < 1e-6, "{} {}", s[0].wire_bytes, d[0].wire_bytes);
+    assert!(
+        (s[0].wire_bytes - d[0].wire_bytes).abs() < 1e-6,
+        "{} {}",
+        s[0].wire_bytes,
+        d[0].wire_bytes
+    );
 }
 
 /// Two ranks of streaming DiLoCo (H = 4, two fragments, syncs overlapping one step): fragment 1
@@ -128,7 +139,10 @@ fn a_streaming_sync_in_flight_is_finished_before_the_policy_state_is_gathered() 
     let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
     for (rank, (refused, _)) in out.iter().enumerate() {
         let e = refused.as_ref().expect("a sync in flight cannot be saved as it is");
-        assert!(e.contains("in flight") && e.contains("finish_in_flight"), "rank {rank}: {e}");
+        assert!(
+            e.contains("in flight") && e.contains("finish_in_flight"),
+            "rank {rank}: {e}"
+        );
     }
     let gathered = &out[0].1;
     let merge_at = gathered
@@ -137,7 +151,10 @@ fn a_streaming_sync_in_flight_is_finished_before_the_policy_state_is_gathered() 
         .map(|(_, t)| t.item().unwrap());
     assert_eq!(merge_at, Some(3.0), "merged after step 3");
     assert!(gathered.iter().any(|(k, _)| k.starts_with("rank0/pending.1.")));
-    assert!(!gathered.iter().any(|(k, _)| k.starts_with("rank0/pending.0.")), "fragment 0 is not due yet");
+    assert!(
+        !gathered.iter().any(|(k, _)| k.starts_with("rank0/pending.0.")),
+        "fragment 0 is not due yet"
+    );
 }
 
 #[test]
@@ -173,9 +190,18 @@ fn diloco_specs_read_write_and_refuse() {
         ("streaming-diloco:4:2:4", "DELAY must be under H = 4"),
         ("streaming-diloco:4:2:x", "DELAY"),
     ] {
-        let e = bad.parse::<PolicySpec>().err().unwrap_or_else(|| panic!("{bad} parsed")).to_string();
+        let e = bad
+            .parse::<PolicySpec>()
+            .err()
+            .unwrap_or_else(|| panic!("{bad} parsed"))
+            .to_string();
         assert!(e.contains(says) && !e.contains('\n'), "{bad}: {e}");
     }
+    // PowerSGD's settings flags give a bare `powersgd` its rank, not a bare `diloco`
+    let e = PolicySpec::parse_with_settings("diloco", 4, 10)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("period"), "{e}");
 }
 
 #[test]
@@ -190,7 +216,9 @@ fn streaming_diloco_with_more_fragments_than_parameters_is_one_error() {
             .unwrap();
         let ddp = DistributedDataParallel::new(&m.store, comm, DdpConfig::default(), policy).unwrap();
         let full = crate::common::optimizer("sgd", m.store.params().to_vec());
-        ddp.optimizer(full, &|p| crate::common::optimizer("sgd", p)).err().map(|e| e.to_string())
+        ddp.optimizer(full, &|p| crate::common::optimizer("sgd", p))
+            .err()
+            .map(|e| e.to_string())
     });
     let e = out.into_iter().next().unwrap().unwrap().expect("refused");
     assert!(e.contains("3 fragments") && e.contains("2 parameters"), "{e}");
