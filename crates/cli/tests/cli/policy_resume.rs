@@ -273,3 +273,80 @@ fn a_resume_under_the_autotuner_continues_its_checks_and_buckets_as_the_straight
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn diloco_and_streaming_diloco_resume_exactly_at_a_sync_and_mid_period() {
+    // H = 4: DiLoCo syncs after steps 4 and 8; streaming DiLoCo issues fragment 0 after steps 4
+    // and 8 and fragment 1 after steps 2, 6 and 10, each merged one step later: the checkpoint
+    // after step 4 is at a sync (streaming: fragment 0 in flight), after step 6 mid-period
+    // (streaming: fragment 1 in flight)
+    let dir = common::dir("policy-resume-diloco");
+    for policy in ["diloco:4", "streaming-diloco:4:2"] {
+        let base: &[&str] = &[
+            "train",
+            "--model",
+            "mlp",
+            "--widths",
+            "16,32,32,4",
+            "--world-size",
+            "2",
+            "--policy",
+            policy,
+            "--optimizer",
+            "sgd",
+            "--momentum",
+            "0.9",
+            "--quiet",
+        ];
+        let (straight, ck_straight) = (dir.join("straight.csv"), dir.join("end-straight.safetensors"));
+        ok(&cat(&[
+            base,
+            &[
+                "--steps",
+                "10",
+                "--losses",
+                s(&straight),
+                "--checkpoint",
+                s(&ck_straight),
+            ],
+        ]));
+        for at in ["4", "6"] {
+            let (ck, l1, l2, ck_end) = (
+                dir.join(format!("ck{at}.safetensors")),
+                dir.join("l1.csv"),
+                dir.join("l2.csv"),
+                dir.join("end.safetensors"),
+            );
+            ok(&cat(&[
+                base,
+                &["--steps", at, "--checkpoint", s(&ck), "--losses", s(&l1)],
+            ]));
+            let (saved, recorded) = tensors(&ck);
+            assert_eq!(recorded.as_deref(), Some(policy));
+            for r in 0..2 {
+                let snapshot = format!("policy.rank{r}/snapshot.0");
+                assert!(
+                    saved.iter().any(|(k, _)| *k == snapshot),
+                    "{policy}: rank {r}'s snapshot"
+                );
+            }
+            ok(&cat(&[
+                base,
+                &["--steps", "10", "--resume", s(&ck), "--losses", s(&l2)],
+                &["--checkpoint", s(&ck_end)],
+            ]));
+            let mut resumed = common::losses(&l1);
+            resumed.extend(common::losses(&l2));
+            assert_eq!(
+                resumed,
+                common::losses(&straight),
+                "{policy} resumed at {at}: losses, bit for bit"
+            );
+            assert!(
+                tensors(&ck_end) == tensors(&ck_straight),
+                "{policy} resumed at {at}: every tensor of the final checkpoints, bit for bit"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
