@@ -671,3 +671,56 @@ fn a_zero3_step_replays_its_gathers_and_moves_the_compute_that_waits_for_them() 
     assert!(slow.predicted_step_s > recorded.predicted_step_s);
     assert!(slow.exposed_gather_s > recorded.exposed_gather_s);
 }
+
+#[test]
+fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
+    use brigade_ddp::overlap::WireModel;
+    // The profile of the test above (512 KiB + 1 KiB of f32 parameters, one bucket, 2 ranks on
+    // the 1 ms, 1 GiB/s link), recorded under DiLoCo: no bucket traffic; every 10 steps one
+    // all-reduce of every parameter (2 ms + S/B), a tenth of it on each step.
+    let (w, b) = (512 * 256 * 4, 256 * 4);
+    let base = profile(&[(w, 0.010), (b, 0.010)], 0.010);
+    let shapes: [&[usize]; 2] = [&[512, 256], &[256]];
+    let gib = (1u64 << 30) as f64;
+    let s = (w + b) as f64;
+    let after = |period, fragments, overlap_steps| {
+        let p = under(
+            base.clone(),
+            "diloco",
+            Some(WireModel::AfterStep {
+                period,
+                fragments,
+                overlap_steps,
+                bytes_per_element: 4.0,
+            }),
+            &shapes,
+        );
+        replay(&p, &cfg(100.0, 100.0)).unwrap()
+    };
+    let r = after(10, 1, 0);
+    assert_eq!(r.buckets.len(), 1);
+    close(r.buckets[0].wire_bytes, 0.0, "nothing in backward");
+    close(r.comm_s, 0.0, "no bucket on the link");
+    let sync = 0.002 + s / gib;
+    close(r.predicted_step_s - r.compute_step_s, sync / 10.0, "a tenth of a sync a step");
+    // two fragments, each synced once a period and waited for at once: two latencies
+    let r2 = after(10, 2, 0);
+    close(r2.predicted_step_s - r2.compute_step_s, 2.0 * (0.002 + s / 2.0 / gib) / 10.0, "two fragments");
+    // overlapping a step's compute (over 10 ms) hides each fragment's sync (about 2.25 ms)
+    let hidden = after(10, 2, 1);
+    close(hidden.predicted_step_s - hidden.compute_step_s, 0.0, "hidden behind the next step");
+    // a period of 0 is refused in one line
+    let bad = under(
+        base.clone(),
+        "diloco",
+        Some(WireModel::AfterStep {
+            period: 0,
+            fragments: 1,
+            overlap_steps: 0,
+            bytes_per_element: 4.0,
+        }),
+        &shapes,
+    );
+    let e = replay(&bad, &cfg(100.0, 100.0)).unwrap_err().to_string();
+    assert!(e.contains("every 0 steps") && !e.contains('\n'), "{e}");
+}
