@@ -426,6 +426,7 @@ impl ReducerPolicy for Diloco {
         Ok(full)
     }
 
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
     fn after_step(&mut self, step: &StepContext<'_>, comm: &Group) -> brigade_ddp::Result<()> {
         self.steps += 1;
         if self.steps % self.cfg.period as u64 != 0 {
