@@ -99,3 +99,33 @@ fn diloco_and_streaming_diloco_resume_bit_exact_at_a_sync_mid_period_and_with_a_
         let _ = std::fs::remove_dir_all(&d);
     }
 }
+
+#[test]
+fn beside_bf16_parameters_diloco_syncs_the_f32_masters_and_resumes_bit_exact() {
+    let d = tmp("bf16");
+    let ckpt = d.join("run.ckpt");
+    let bf16 = |steps| {
+        let mut c = config(steps, "diloco:4");
+        c.recipe.precision = brigade::MixedPrecision::uniform(brigade::tensor::DType::BF16);
+        c
+    };
+    let straight = run(&bf16(10)).unwrap();
+    // the parameters are the rounding of the synced f32 masters
+    let plain = run(&config(10, "diloco:4")).unwrap();
+    assert_ne!(straight.outcome.losses(), plain.outcome.losses(), "bf16 computes in bf16");
+    // after step 8, a sync: the step after it computes with the rounding of the synced masters
+    let mut eight = bf16(8);
+    eight.runtime.checkpoint = CheckpointConfig {
+        path: Some(ckpt.clone()),
+        ..Default::default()
+    };
+    run(&eight).unwrap();
+    let resumed = run(&resuming(bf16(10), &ckpt)).unwrap();
+    assert_eq!(
+        resumed.outcome.losses(),
+        straight.outcome.losses()[8..],
+        "losses, bit for bit"
+    );
+    assert_eq!(values(&resumed), values(&straight), "rank 0's master weights, bit for bit");
+    let _ = std::fs::remove_dir_all(&d);
+}
