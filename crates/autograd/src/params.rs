@@ -1,8 +1,10 @@
 //! Parameters: named leaves with stable registration indices, sharing one gradient bus.
 
-use brigade_tensor::Tensor;
+use std::sync::{Arc, Mutex};
 
-use crate::{AutogradError, GradBus, Result, Var};
+use brigade_tensor::{DType, Tensor};
+
+use crate::{AutogradError, GradBus, ParamInit, Result, Var};
 
 /// What makes a leaf a parameter.
 #[derive(Clone)]
@@ -10,6 +12,8 @@ pub(crate) struct ParamInfo {
     pub(crate) index: usize,
     pub(crate) name: String,
     pub(crate) bus: GradBus,
+    /// The recipe of its initial values while they are not drawn ([`crate::deferred`]).
+    pub(crate) init: Arc<Mutex<Option<ParamInit>>>,
 }
 
 /// The parameters of one model (one rank's replica), in registration order, with the
@@ -30,7 +34,23 @@ impl ParamStore {
 
     /// Registers a parameter; names must be unique.
     pub fn add(&mut self, name: impl Into<String>, value: Tensor) -> Result<Var> {
-        let name = name.into();
+        self.register(name.into(), value, None)
+    }
+
+    /// Registers a parameter of `shape` and `dtype` whose values are not drawn yet: its tensor
+    /// holds no storage until `init` draws them, whole ([`Var::materialize`]) or a shard at a
+    /// time by a policy that shards the parameters ([`crate::deferred`]).
+    pub fn add_deferred(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        dtype: DType,
+        init: ParamInit,
+    ) -> Result<Var> {
+        self.register(name.into(), Tensor::unallocated(shape, dtype), Some(init))
+    }
+
+    fn register(&mut self, name: String, value: Tensor, init: Option<ParamInit>) -> Result<Var> {
         if self.get(&name).is_some() {
             return Err(AutogradError::Invalid(format!("parameter '{name}' registered twice")));
         }
@@ -38,6 +58,7 @@ impl ParamStore {
             index: self.params.len(),
             name,
             bus: self.bus.clone(),
+            init: Arc::new(Mutex::new(init)),
         };
         let v = Var::new_inner(value, true, None, Some(info));
         self.params.push(v.clone());

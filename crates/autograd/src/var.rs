@@ -185,7 +185,8 @@ impl Var {
     }
 
     /// Replaces the value of a leaf (loading a checkpoint, broadcasting rank 0's
-    /// parameters). The shape must stay the same.
+    /// parameters). The shape must stay the same. A deferred parameter's recipe is forgotten:
+    /// it holds `t` ([`crate::deferred`]).
     pub fn set_value(&self, t: Tensor) -> Result<()> {
         let mut d = self.0.data.write().unwrap_or_else(|e| e.into_inner());
         if d.shape() != t.shape() {
@@ -205,6 +206,8 @@ impl Var {
             .into());
         }
         *d = t;
+        drop(d);
+        self.end_deferral();
         Ok(())
     }
 
@@ -221,6 +224,8 @@ impl Var {
             .into());
         }
         *d = t;
+        drop(d);
+        self.end_deferral();
         Ok(())
     }
 

@@ -83,6 +83,16 @@ impl Tensor {
         Self::full(&[], v, dtype)
     }
 
+    /// A tensor of `shape` and `dtype` on the CPU that holds no storage yet, as one freed by
+    /// [`Tensor::free_storage`]: any access is a [`TensorError::StorageLent`] error until
+    /// [`Tensor::restore_storage`] gives it its elements. How a parameter whose initial values
+    /// are drawn later, shard by shard, exists before it is ever whole.
+    pub fn unallocated(shape: &[usize], dtype: DType) -> Tensor {
+        let t = Self::from_storage(Buffer::zeros(dtype, 0), shape);
+        *t.charge() = Err(());
+        t
+    }
+
     /// A tensor of zeros (on the CPU).
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
         Self::from_storage(Buffer::zeros(dtype, shape.iter().product()), shape)

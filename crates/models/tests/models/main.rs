@@ -7,6 +7,7 @@ mod attention;
 mod batch;
 mod checkpoint;
 mod data;
+mod deferred_init;
 mod eval;
 mod grads_to_none;
 mod layers;
