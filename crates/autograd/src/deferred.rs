@@ -1,57 +1,121 @@
 //! Parameters registered before their values exist (PyTorch's meta-device construction, as
 //! FSDP starts a model too large for one rank): the parameter's tensor has its shape and dtype
-//! but no storage, and a [`ParamInit`] draws any flat range of its initial values on demand,
-//! bit for bit what the whole draw would give there. A policy that shards the parameters
-//! (ZeRO-3) draws only its rank's shard of each, so no rank ever holds the whole model.
+//! but no storage, and its [`ParamInit`] draws any flat range of its initial values on demand,
+//! bit for bit what the whole draw gives there. A policy that shards the parameters (ZeRO-3)
+//! draws only its rank's shard of each, so no rank ever holds the whole model.
 //!
 //! Models register this way inside [`defer_param_init`] (the layers ask
 //! [`param_init_deferred`]); [`Var::materialize`] draws a deferred parameter whole, and
-//! [`Var::set_value`] (a load) ends the deferral.
+//! [`Var::set_value`] (a load) ends the deferral. A recipe is data (a distribution and where
+//! the generator stood), written and read back as one line ([`ParamInit::describe`],
+//! [`ParamInit::parse`]), so that every rank can draw from rank 0's.
 
 use std::cell::Cell;
-use std::fmt;
-use std::sync::Arc;
+use std::str::FromStr;
 
-use brigade_tensor::Tensor;
+use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::{Result, Var};
+use crate::{AutogradError, Result, Var};
 
-/// The recipe of a deferred parameter's initial values.
-#[derive(Clone)]
-pub struct ParamInit {
-    describe: String,
-    draw: Arc<dyn Fn(usize, usize) -> Result<Tensor> + Send + Sync>,
+/// The distribution of a deferred parameter's elements.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum InitDraw {
+    /// `N(0, std²)`: two generator outputs per element (Box-Muller, [`Tensor::randn`]).
+    Normal {
+        /// The standard deviation.
+        std: f64,
+    },
+    /// `U(lo, hi)`: one generator output per element ([`Tensor::rand_uniform`]).
+    Uniform {
+        /// The lower bound.
+        lo: f64,
+        /// The upper bound.
+        hi: f64,
+    },
+    /// Every element `value` (no draw).
+    Full {
+        /// The value.
+        value: f64,
+    },
 }
 
-impl fmt::Debug for ParamInit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ParamInit({})", self.describe)
-    }
+/// The recipe of a deferred parameter's initial values: its elements in order, drawn from a
+/// generator standing at `from` when the parameter's first element is drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamInit {
+    /// The distribution.
+    pub draw: InitDraw,
+    /// The parameter's dtype (each element rounded from f64 to it).
+    pub dtype: DType,
+    /// [`Rng::position`] before the first element's draw.
+    pub from: u64,
 }
 
 impl ParamInit {
-    /// `draw(start, len)` gives elements `start..start + len` of the parameter's flattened
-    /// values (a 1-d tensor of its dtype on the CPU); `describe` names the recipe so that ranks
-    /// can tell whether they would draw the same values (the same description must mean the
-    /// same values: a generator's state, a distribution and its parameters).
-    pub fn new(
-        describe: impl Into<String>,
-        draw: impl Fn(usize, usize) -> Result<Tensor> + Send + Sync + 'static,
-    ) -> Self {
+    /// The recipe of drawing the parameter from `rng` as it stands now.
+    pub fn new(draw: InitDraw, dtype: DType, rng: &Rng) -> ParamInit {
         ParamInit {
-            describe: describe.into(),
-            draw: Arc::new(draw),
+            draw,
+            dtype,
+            from: rng.position(),
         }
     }
 
-    /// What the ranks compare (`normal std=0.02 from Rng { state: .. }`).
-    pub fn describe(&self) -> &str {
-        &self.describe
+    /// Generator outputs each element takes.
+    pub fn outputs_per_element(&self) -> u64 {
+        match self.draw {
+            InitDraw::Normal { .. } => 2,
+            InitDraw::Uniform { .. } => 1,
+            InitDraw::Full { .. } => 0,
+        }
     }
 
-    /// Elements `start..start + len` of the parameter's flattened initial values.
-    pub fn draw(&self, start: usize, len: usize) -> Result<Tensor> {
-        (self.draw)(start, len)
+    /// Elements `start..start + len` of the parameter's flattened initial values, as a 1-d
+    /// tensor of its dtype on the CPU.
+    pub fn draw(&self, start: usize, len: usize) -> Tensor {
+        let mut rng = Rng::at(self.from);
+        rng.skip(self.outputs_per_element() * start as u64);
+        match self.draw {
+            InitDraw::Normal { std } => Tensor::randn(&[len], std, self.dtype, &mut rng),
+            InitDraw::Uniform { lo, hi } => Tensor::rand_uniform(&[len], lo, hi, self.dtype, &mut rng),
+            InitDraw::Full { value } => Tensor::full(&[len], value, self.dtype),
+        }
+    }
+
+    /// One line that [`ParamInit::parse`] reads back to the same recipe
+    /// (`normal 0.02 f32 @1234`).
+    pub fn describe(&self) -> String {
+        let (dtype, from) = (self.dtype, self.from);
+        match self.draw {
+            InitDraw::Normal { std } => format!("normal {std} {dtype} @{from}"),
+            InitDraw::Uniform { lo, hi } => format!("uniform {lo} {hi} {dtype} @{from}"),
+            InitDraw::Full { value } => format!("full {value} {dtype} @{from}"),
+        }
+    }
+
+    /// The recipe [`ParamInit::describe`] wrote.
+    pub fn parse(line: &str) -> Result<ParamInit> {
+        let bad = || AutogradError::Invalid(format!("not a parameter's initialisation recipe: '{line}'"));
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let num = |w: &str| f64::from_str(w).map_err(|_| bad());
+        let (draw, rest) = match words.as_slice() {
+            ["normal", std, rest @ ..] => (InitDraw::Normal { std: num(std)? }, rest),
+            ["uniform", lo, hi, rest @ ..] => (
+                InitDraw::Uniform {
+                    lo: num(lo)?,
+                    hi: num(hi)?,
+                },
+                rest,
+            ),
+            ["full", value, rest @ ..] => (InitDraw::Full { value: num(value)? }, rest),
+            _ => return Err(bad()),
+        };
+        let [dtype, from] = rest else { return Err(bad()) };
+        Ok(ParamInit {
+            draw,
+            dtype: DType::from_str(dtype).map_err(|_| bad())?,
+            from: from.strip_prefix('@').and_then(|f| f.parse().ok()).ok_or_else(bad)?,
+        })
     }
 }
 
@@ -86,6 +150,26 @@ impl Var {
         info.init.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Replaces the recipe of a parameter still deferred (every rank drawing rank 0's); an
+    /// error for one that holds its values, or a recipe of another dtype.
+    pub fn set_deferred_init(&self, init: ParamInit) -> Result<()> {
+        let name = self.name().unwrap_or("<unnamed>");
+        let (Some(info), true) = (&self.0.param, self.deferred_init().is_some()) else {
+            return Err(AutogradError::Invalid(format!(
+                "parameter '{name}' holds its values: it has no recipe to replace"
+            )));
+        };
+        if init.dtype != self.value().dtype() {
+            return Err(AutogradError::Invalid(format!(
+                "parameter '{name}' is {}, the recipe draws {}",
+                self.value().dtype(),
+                init.dtype
+            )));
+        }
+        *info.init.lock().unwrap_or_else(|e| e.into_inner()) = Some(init);
+        Ok(())
+    }
+
     /// Draws a deferred parameter's whole initial values into its tensor (a no-op for a
     /// parameter that has its values).
     pub fn materialize(&self) -> Result<()> {
@@ -93,16 +177,41 @@ impl Var {
             return Ok(());
         };
         let value = self.value();
-        let whole = init.draw(0, value.numel())?;
-        value.restore_storage(whole.contiguous()?.lend_storage()?)?;
+        let whole = init.draw(0, value.numel()).to_device(value.device())?;
+        value.restore_storage(whole.lend_storage()?)?;
         self.end_deferral();
         Ok(())
     }
 
-    /// Forgets the recipe: the parameter holds (or is about to hold) its values.
-    pub(crate) fn end_deferral(&self) {
+    /// Forgets the recipe: the parameter holds (or is about to hold) its values, or a policy
+    /// drew the part of them it keeps ([`crate::deferred`]).
+    pub fn end_deferral(&self) {
         if let Some(info) = &self.0.param {
             *info.init.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{InitDraw, ParamInit};
+    use brigade_tensor::{DType, Rng};
+
+    #[test]
+    fn a_recipe_reads_back_from_its_line() {
+        let rng = Rng::new(9);
+        for draw in [
+            InitDraw::Normal { std: 0.02 },
+            InitDraw::Uniform {
+                lo: -0.1,
+                hi: 1.0 / 3.0,
+            },
+            InitDraw::Full { value: 1.0 },
+        ] {
+            let init = ParamInit::new(draw, DType::F32, &rng);
+            assert_eq!(ParamInit::parse(&init.describe()).unwrap(), init);
+        }
+        assert!(ParamInit::parse("normal x f32 @1").is_err());
+        assert!(ParamInit::parse("normal 0.1 f32").is_err());
     }
 }

@@ -39,7 +39,7 @@ impl ParamStore {
 
     /// Registers a parameter of `shape` and `dtype` whose values are not drawn yet: its tensor
     /// holds no storage until `init` draws them, whole ([`Var::materialize`]) or a shard at a
-    /// time by a policy that shards the parameters ([`crate::deferred`]).
+    /// time by a policy that shards the parameters ([`crate::ParamInit`]).
     pub fn add_deferred(
         &mut self,
         name: impl Into<String>,

@@ -14,7 +14,7 @@ use crate::policy::{
     ReducerPolicy, Replicas, StepContext, WireModel,
 };
 use crate::reducer::{BucketGrouping, PassTimes, Reducer};
-use crate::signature::{broadcast_parameters, check_f32, check_same_model};
+use crate::signature::{adopt_rank0_recipes, broadcast_parameters, check_f32, check_same_model};
 use crate::{DdpConfig, DdpError, Result};
 
 /// One bucket as built: which parameters, how many bytes.
@@ -50,7 +50,9 @@ impl DistributedDataParallel {
     /// require grad), broadcasts rank 0's values, builds the buckets of the parameters that
     /// require grad as `policy` lays them out (frozen ones are left out: freeze before
     /// wrapping) and subscribes to the store's gradient-ready bus. Collectives run on the host
-    /// comm stream over `comm`.
+    /// comm stream over `comm`. Parameters whose values are not drawn yet are drawn whole here,
+    /// unless the policy starts sharded ([`ReducerPolicy::starts_sharded`]): then each rank takes
+    /// rank 0's recipes of them (with the broadcast), and the policy draws its shards.
     pub fn new(
         store: &ParamStore,
         comm: Arc<dyn Communicator>,
@@ -80,10 +82,14 @@ impl DistributedDataParallel {
             });
         }
         let params = store.params().to_vec();
+        if !policy.starts_sharded() {
+            params.iter().try_for_each(Var::materialize)?;
+        }
         check_same_model(&params, comm.as_ref())?;
         check_f32(&params)?;
         if cfg.broadcast_parameters {
             broadcast_parameters(&params, comm.as_ref())?;
+            adopt_rank0_recipes(&params, comm.as_ref())?;
         }
         let units = (0..params.len()).map(|i| store.unit(i).map(str::to_string)).collect();
         let reducer = Arc::new(Reducer::new(params, comm, group, cfg, policy, units)?);

@@ -1,7 +1,7 @@
 //! Construction-time agreement: every rank holds the same model, and starts from rank
 //! 0's parameter values.
 
-use brigade_autograd::Var;
+use brigade_autograd::{ParamInit, Var};
 use brigade_comm::{all_gather_bytes, Communicator};
 use brigade_tensor::DType;
 
@@ -15,8 +15,13 @@ fn entries(params: &[Var]) -> Vec<String> {
         .map(|p| {
             let v = p.value();
             let frozen = if p.requires_grad() { "" } else { " frozen" };
+            let init = if p.deferred_init().is_some() {
+                " not drawn yet"
+            } else {
+                ""
+            };
             format!(
-                "'{}' {:?} {:?}{frozen}",
+                "'{}' {:?} {:?}{frozen}{init}",
                 p.name().unwrap_or("<unnamed>"),
                 v.shape(),
                 v.dtype()
@@ -84,7 +89,8 @@ pub fn broadcast_from_rank0(params: &[Var], comm: &dyn Communicator) -> Result<(
 }
 
 /// Overwrites every rank's parameters with rank 0's (one broadcast of all of them, in their
-/// one dtype, checked by [`check_f32`]).
+/// one dtype, checked by [`check_f32`]), but for those not drawn yet: they take rank 0's
+/// recipes ([`adopt_rank0_recipes`]).
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     match params.first().map(|p| p.value().dtype()) {
         Some(DType::BF16) => broadcast_as::<half::bf16>(params, comm),
@@ -94,6 +100,9 @@ pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> R
 }
 
 fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communicator) -> Result<()> {
+    // parameters not drawn yet get rank 0's recipes instead ([`adopt_rank0_recipes`])
+    let drawn: Vec<Var> = params.iter().filter(|p| p.deferred_init().is_none()).cloned().collect();
+    let params = drawn.as_slice();
     let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
     for p in params {
         flat.extend(p.value().to_vec::<T>()?);
@@ -111,6 +120,24 @@ fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communica
         let n = v.numel();
         v.copy_from(&brigade_tensor::Tensor::from_slice(&flat[offset..offset + n], v.shape())?.to_device(v.device())?)?;
         offset += n;
+    }
+    Ok(())
+}
+
+/// Gives every rank's parameters that are not drawn yet rank 0's recipes of their initial
+/// values (one line each, gathered once), so that each rank's shard of them is drawn from
+/// rank 0's values, as the broadcast of drawn ones does. [`check_same_model`] first: the ranks
+/// agree on which parameters are not drawn yet.
+pub(crate) fn adopt_rank0_recipes(params: &[Var], comm: &dyn Communicator) -> Result<()> {
+    let deferred: Vec<&Var> = params.iter().filter(|p| p.deferred_init().is_some()).collect();
+    let mine: Vec<String> = deferred
+        .iter()
+        .filter_map(|p| Some(p.deferred_init()?.describe()))
+        .collect();
+    let all = all_gather_bytes(comm, mine.join("\n").into_bytes(), "ddp.recipes")?;
+    let rank0 = String::from_utf8_lossy(&all[0]).into_owned();
+    for (p, line) in deferred.iter().zip(rank0.lines()) {
+        p.set_deferred_init(ParamInit::parse(line)?)?;
     }
     Ok(())
 }

@@ -15,6 +15,16 @@ impl Rng {
         }
     }
 
+    /// Where the generator stands: [`Rng::at`] of it continues from here.
+    pub fn position(&self) -> u64 {
+        self.state
+    }
+
+    /// A generator standing where one whose [`Rng::position`] was `position` stood.
+    pub fn at(position: u64) -> Self {
+        Rng { state: position }
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -39,6 +39,10 @@ impl<'a> Trainer<'a> {
         // `fit` meters the rank's thread from before the model is built; a trainer made on a
         // thread without a meter installs its own (the storages made before it not counted)
         let (memory, installed_meter) = InstalledMeter::on_this_thread();
+        if !cfg.starts_sharded() {
+            // a model built with deferred parameters, in a run that does not start sharded
+            model.params().params().iter().try_for_each(Var::materialize)?;
+        }
         if let Some(init) = &cfg.model.init {
             load_params(model.params(), init)?;
         }

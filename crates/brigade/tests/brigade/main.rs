@@ -24,3 +24,4 @@ mod replicas;
 mod sampled;
 mod zero3;
 mod zero3_mixed;
+mod zero3_start;

@@ -130,11 +130,14 @@ fn bf16_zero3_is_bf16_zero2_bit_for_bit_with_one_f32_master_shard() {
             let payload = |r: &RunReport| -> Vec<u64> { r.outcome.sent().iter().map(|s| s.payload_bytes).collect() };
             let (p16, p32) = (payload(&z3), payload(&f32_run));
             assert!(p16.iter().all(|&b| b > 0), "{what}: {p16:?}");
+            // from step 1: the f32 run starts sharded, so its first forward gathers too, where
+            // the bf16 run's (its masters made from the whole model) runs on the whole parameters
             assert_eq!(
-                p16.iter().map(|b| 2 * b).collect::<Vec<_>>(),
-                p32,
+                p16.iter().skip(1).map(|b| 2 * b).collect::<Vec<_>>(),
+                p32[1..],
                 "{what}: bf16 gathers and reduce-scatters send half the bytes"
             );
+            assert!(2 * p16[0] < p32[0], "{what}: {p16:?} {p32:?}");
         }
     }
 }

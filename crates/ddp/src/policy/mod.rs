@@ -131,6 +131,14 @@ pub trait ReducerPolicy: Send {
         None
     }
 
+    /// Whether the policy takes parameters whose values are not drawn yet (registered inside
+    /// `brigade_autograd::defer_param_init`) and draws each rank's shard of them itself, from
+    /// their recipes, when it builds the optimizer: a sharded start, no rank ever holding the
+    /// whole model. `false` (the default): DDP draws them whole when it is built.
+    fn starts_sharded(&self) -> bool {
+        false
+    }
+
     /// Reduces a full bucket over the ranks: issues its collectives through `comm` and returns
     /// the future of what goes back under the gradients. Called on the compute thread inside
     /// backward, in bucket order, the same on every rank; must not block. An error fails this

@@ -25,7 +25,7 @@
 
 use std::cell::Cell;
 
-use brigade_autograd::{param_init_deferred, ParamInit, ParamStore, Var};
+use brigade_autograd::{param_init_deferred, InitDraw, ParamInit, ParamStore, Var};
 use brigade_tensor::{DType, Rng, Tensor};
 
 use crate::Result;
@@ -93,51 +93,29 @@ impl<'a> Params<'a> {
         Ok(self.store.add(self.full_name(name), value)?)
     }
 
-    /// Registers `prefix.name` without values, drawn later by `init` ([`brigade_autograd::ParamInit`]).
-    fn add_deferred(&mut self, name: &str, shape: &[usize], init: ParamInit) -> Result<Var> {
+    /// Registers `prefix.name` of `shape` without values, drawn later by the recipe of `draw`
+    /// from the generator as it stands; the generator moves past the whole parameter now, as
+    /// drawing it would have moved it ([`brigade_autograd::ParamInit`]).
+    fn add_deferred(&mut self, name: &str, shape: &[usize], draw: InitDraw) -> Result<Var> {
+        let init = ParamInit::new(draw, self.dtype, self.rng);
+        let numel: usize = shape.iter().product();
+        self.rng.skip(init.outputs_per_element() * numel as u64);
         Ok(self.store.add_deferred(self.full_name(name), shape, self.dtype, init)?)
     }
 
-    /// The recipe of a parameter of `shape` whose elements `draw(len, dtype, rng)` takes from
-    /// the generator, `per` outputs each: any range of it is drawn from where the whole draw
-    /// would stand there, and the generator moves past the whole parameter now, as drawing it
-    /// would have moved it.
-    fn deferred(
-        &mut self,
-        what: String,
-        shape: &[usize],
-        per: u64,
-        draw: impl Fn(usize, DType, &mut Rng) -> Tensor + Send + Sync + 'static,
-    ) -> ParamInit {
-        let (at, dtype) = (self.rng.clone(), self.dtype);
-        let numel: usize = shape.iter().product();
-        self.rng.skip(per * numel as u64);
-        ParamInit::new(format!("{what} {dtype:?} from {at:?}"), move |start, len| {
-            let mut rng = at.clone();
-            rng.skip(per * start as u64);
-            Ok(draw(len, dtype, &mut rng))
-        })
-    }
-
-    /// A parameter drawn from `U(-bound, bound)` (one generator output per element).
+    /// A parameter drawn from `U(-bound, bound)`.
     pub fn uniform(&mut self, name: &str, shape: &[usize], bound: f64) -> Result<Var> {
         if param_init_deferred() {
-            let init = self.deferred(format!("uniform bound={bound}"), shape, 1, move |len, dtype, rng| {
-                Tensor::rand_uniform(&[len], -bound, bound, dtype, rng)
-            });
-            return self.add_deferred(name, shape, init);
+            return self.add_deferred(name, shape, InitDraw::Uniform { lo: -bound, hi: bound });
         }
         let t = Tensor::rand_uniform(shape, -bound, bound, self.dtype, self.rng);
         self.add(name, t)
     }
 
-    /// A parameter drawn from `N(0, std²)` (two generator outputs per element).
+    /// A parameter drawn from `N(0, std²)`.
     pub fn normal(&mut self, name: &str, shape: &[usize], std: f64) -> Result<Var> {
         if param_init_deferred() {
-            let init = self.deferred(format!("normal std={std}"), shape, 2, move |len, dtype, rng| {
-                Tensor::randn(&[len], std, dtype, rng)
-            });
-            return self.add_deferred(name, shape, init);
+            return self.add_deferred(name, shape, InitDraw::Normal { std });
         }
         let t = Tensor::randn(shape, std, self.dtype, self.rng);
         self.add(name, t)
@@ -146,11 +124,7 @@ impl<'a> Params<'a> {
     /// A parameter filled with `v` (draws nothing).
     pub fn full(&mut self, name: &str, shape: &[usize], v: f64) -> Result<Var> {
         if param_init_deferred() {
-            let dtype = self.dtype;
-            let init = ParamInit::new(format!("full {v} {dtype:?}"), move |_, len| {
-                Ok(Tensor::full(&[len], v, dtype))
-            });
-            return self.add_deferred(name, shape, init);
+            return self.add_deferred(name, shape, InitDraw::Full { value: v });
         }
         let t = Tensor::full(shape, v, self.dtype);
         self.add(name, t)

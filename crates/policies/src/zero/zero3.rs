@@ -24,9 +24,15 @@
 //! keeps the tensor; the next gather puts a storage back under the same tensor. A read of a freed
 //! parameter is a `StorageLent` error, never a stale value.
 //!
-//! The first forward after the optimizer is built runs on the whole parameters and only records
-//! which units it entered: its backward checks that the scopes cover every parameter the graph
-//! reads (one error line naming the first that is not), then frees the units.
+//! A sharded start: parameters registered without values (`brigade_autograd::defer_param_init`)
+//! are never whole on any rank: each rank draws only its shard of each unit from the
+//! parameters' recipes (bit for bit the whole draw's elements there), and the first forward
+//! gathers the units as every later one does. A model built whole instead is cut into shards,
+//! and its first forward after the optimizer is built runs on the whole parameters. Either
+//! way the first forward records which units it entered, and its backward checks that the
+//! scopes cover every parameter the graph reads (one error line naming the first that is
+//! not; after a sharded start, a read outside the unit's scope meets the freed parameter in
+//! the forward already), then frees the units.
 //!
 //! Beside 16-bit parameters (mixed precision, FSDP2's `MixedPrecisionPolicy`) the f32 shard is
 //! the master weights and no other master copy is kept: the shards are cut from the f32 masters
@@ -92,8 +98,11 @@ struct Gather {
     /// Every registered parameter (set when the optimizer is built).
     vars: Vec<Var>,
     comm: Option<Group>,
-    /// The first forward after the optimizer was built runs on whole parameters (the check).
+    /// The first forward after the optimizer was built runs on whole parameters (a model
+    /// built whole: its first backward checks the scopes' coverage).
     probing: bool,
+    /// The first backward checks that the scopes cover the parameters the graph reads.
+    unchecked: bool,
     /// Every unit gathered by `gather_all`: the hooks leave them be until `release_all`.
     summoned: bool,
     /// Bytes of parameters gathered now, and the most at once since the last report.
@@ -341,10 +350,11 @@ impl GradSubscriber for Gatherer {
             return Ok(());
         }
         g.in_backward = true;
-        if g.probing {
-            // the units stay gathered from the whole parameters; each is freed when its
-            // backward ends, as in every later pass
+        if g.unchecked {
+            // after a probing forward the units stay gathered from the whole parameters; each
+            // is freed when its backward ends, as in every later pass
             g.check_coverage(in_graph)?;
+            g.unchecked = false;
             g.probing = false;
         }
         for u in &mut g.units {
@@ -493,6 +503,7 @@ impl Zero3 {
                     vars: vec![],
                     comm: None,
                     probing: true,
+                    unchecked: true,
                     summoned: false,
                     live: 0,
                     peak: 0,
@@ -607,6 +618,12 @@ impl ReducerPolicy for Zero3 {
         Some(self.hooks.clone())
     }
 
+    /// Each rank draws its shard of every unit from the recipes of parameters not drawn yet
+    /// (see the module docs).
+    fn starts_sharded(&self) -> bool {
+        true
+    }
+
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> Result<Reduction> {
         Ok(Reduction::Shard {
             shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
@@ -651,11 +668,13 @@ impl ReducerPolicy for Zero3 {
                     let master = Tensor::zeros_on(&[per], DType::F32, device)?;
                     let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
                     for piece in pieces(&flat, world, rank) {
-                        master.narrow(0, piece.shard_offset, piece.len)?.copy_from(
-                            &params[piece.param]
-                                .value()
-                                .flat_view(piece.param_offset, &[piece.len])?,
-                        )?;
+                        let param = &params[piece.param];
+                        // a parameter not drawn yet: only this rank's piece of it is drawn
+                        let values = match param.deferred_init() {
+                            Some(init) => init.draw(piece.param_offset, piece.len).to_device(device)?,
+                            None => param.value().flat_view(piece.param_offset, &[piece.len])?,
+                        };
+                        master.narrow(0, piece.shard_offset, piece.len)?.copy_from(&values)?;
                     }
                     masters.push(master);
                 }
@@ -676,10 +695,37 @@ impl ReducerPolicy for Zero3 {
             Some(masters),
         )?;
         g.param_dtype = params.first().map_or(DType::F32, |p| p.value().dtype());
+        // a sharded start: the trainable parameters were never whole, so nothing is gathered
+        // and the first forward gathers each unit as every later one does
+        let started_sharded = g
+            .units
+            .iter()
+            .flat_map(|u| &u.params)
+            .any(|&p| params[p].deferred_init().is_some());
+        for (i, param) in params.iter().enumerate() {
+            match g.unit_of.get(i).copied().flatten() {
+                // its shard is drawn: the tensor stays without storage until a gather
+                Some(_) => {
+                    param.end_deferral();
+                    if started_sharded && param.value().storage_numel() > 0 {
+                        param.value().free_storage()?;
+                    }
+                }
+                // frozen: whole on every rank
+                None => param.materialize()?,
+            }
+        }
         g.vars = params;
         g.comm = Some(ctx.comm.clone());
-        g.probing = true;
-        g.live = (0..g.units.len()).map(|u| g.unit_bytes(u)).sum();
+        g.probing = !started_sharded;
+        g.unchecked = true;
+        for u in &mut g.units {
+            u.gathered = !started_sharded;
+        }
+        g.live = (0..g.units.len())
+            .filter(|&u| g.units[u].gathered)
+            .map(|u| g.unit_bytes(u))
+            .sum();
         g.peak = g.live;
         Ok(Box::new(opt))
     }
