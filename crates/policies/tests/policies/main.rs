@@ -15,3 +15,4 @@ mod resume;
 mod user;
 mod zero;
 mod zero3;
+mod zero3_start;
