@@ -28,6 +28,11 @@ pub struct MemoryReport {
     pub gradients: usize,
     /// The part of `gradients` held by full bucket buffers (0 under ZeRO-2 between steps).
     pub buckets: usize,
+    /// The most bytes of full bucket buffers alive at once in the last synchronized backward
+    /// (and the `no_sync` passes before it): every bucket under plain DDP, under ZeRO-2 and 3 the
+    /// buckets being filled and those whose reduce-scatter has not landed yet (each is freed as
+    /// its reduce-scatter lands).
+    pub gradients_in_flight: usize,
     /// The optimizer's state ([`Optimizer::state_bytes`]).
     pub optimizer_state: usize,
     /// The policy's own state (PowerSGD's error feedback and factors).
@@ -90,6 +95,7 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         parameters: parameters.values().sum::<usize>() + policy.parameter_bytes,
         gradients: gradients.values().sum(),
         buckets: buckets.values().sum(),
+        gradients_in_flight: st.full_peak.max(st.full_bytes()),
         optimizer_state: opt.state_bytes()?,
         policy_state: policy.state_bytes,
         comm_scratch: policy.scratch_bytes,

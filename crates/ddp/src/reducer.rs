@@ -124,6 +124,24 @@ pub(crate) struct State {
     span: Option<(EventKind, SpanId)>,
     /// When things happened in the current (or last) synchronized pass.
     pub(crate) pass: PassTimes,
+    /// The most bytes of full bucket buffers alive at once since the last synchronized
+    /// backward started ([`State::full_bytes`]).
+    pub(crate) full_peak: usize,
+}
+
+impl State {
+    /// Bytes of the full bucket buffers alive now: those holding their storage, and those lent
+    /// to a reduction in flight (on the comm stream until it lands).
+    pub(crate) fn full_bytes(&self) -> usize {
+        (self.buckets.iter())
+            .filter(|b| !is_lent(&b.flat) || b.work.is_some())
+            .map(Bucket::bytes)
+            .sum()
+    }
+
+    fn note_full(&mut self) {
+        self.full_peak = self.full_peak.max(self.full_bytes());
+    }
 }
 
 /// When things happened in one synchronized backward pass, for step profiles
@@ -421,6 +439,7 @@ impl Reducer {
                 caps,
                 span: None,
                 pass: PassTimes::default(),
+                full_peak: 0,
             }),
             policy: Mutex::new(policy),
             policy_name,
@@ -842,6 +861,7 @@ impl Reducer {
         for b in st.buckets.iter_mut() {
             b.pending = b.params.len();
         }
+        st.full_peak = st.full_bytes();
         let mut used = vec![false; self.params.len()];
         for &p in in_graph {
             used[p] = true;
@@ -949,7 +969,9 @@ impl Reducer {
         if is_lent(&bucket.flat) && bucket.work.is_none() {
             bucket.held = None;
             restore_zeros(&bucket.flat)?;
+            st.note_full();
         }
+        let bucket = &mut st.buckets[b];
         if self.params[p].grad().is_some_and(|g| g.shares_storage(&bucket.flat)) {
             return Ok(());
         }
