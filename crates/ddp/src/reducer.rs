@@ -517,6 +517,7 @@ impl Reducer {
         while st.next_launch < st.buckets.len() && st.buckets[st.next_launch].pending == 0 {
             self.launch(st, st.next_launch)?;
             st.next_launch += 1;
+            self.land_freed_before(st, st.next_launch - 1)?;
         }
         Ok(())
     }
@@ -639,9 +640,8 @@ impl Reducer {
                         offset,
                     });
                 } else {
-                    if !is_lent(flat) {
-                        drop(flat.lend_storage()?);
-                    }
+                    // its bytes go now (a consuming collective took them already)
+                    flat.free_storage()?;
                     // PyTorch's `p.grad = None`: the gradients went with the full buffer.
                     for &p in &bucket.params {
                         self.params[p].set_grad(None)?;
@@ -660,23 +660,9 @@ impl Reducer {
             .as_ref()
             .map(|r| r.begin(self.comm.rank(), Phase::WaitForBuckets.kind()));
         let mut first_err = None;
-        for (b, bucket) in st.buckets.iter_mut().enumerate() {
-            let Some(in_flight) = bucket.work.take() else { continue };
-            match self.finish(b, in_flight) {
-                Ok((landing, timing, wire_bytes)) => {
-                    if let Some(pb) = st.pass.buckets.get_mut(b) {
-                        pb.ran = Some((timing.started, timing.finished));
-                        pb.wire_bytes = wire_bytes;
-                    }
-                    if let Err(e) = self.land(b, bucket, landing) {
-                        first_err.get_or_insert(e);
-                    }
-                }
-                Err(error) => {
-                    // Give the views storage back before reporting.
-                    restore_zeros(&bucket.flat)?;
-                    first_err.get_or_insert(error);
-                }
+        for b in 0..st.buckets.len() {
+            if let Err(e) = self.wait_one(st, b) {
+                first_err.get_or_insert(e);
             }
         }
         if let (Some(r), Some(s)) = (&self.recorder, span) {
@@ -686,6 +672,54 @@ impl Reducer {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Waits for bucket `b`'s reduction, if one is in flight, and puts its result back under
+    /// the gradients (on an error, the views get zeros back before it is reported).
+    fn wait_one(&self, st: &mut State, b: usize) -> Result<()> {
+        let bucket = &mut st.buckets[b];
+        let Some(in_flight) = bucket.work.take() else {
+            return Ok(());
+        };
+        match self.finish(b, in_flight) {
+            Ok((landing, timing, wire_bytes)) => {
+                if let Some(pb) = st.pass.buckets.get_mut(b) {
+                    pb.ran = Some((timing.started, timing.finished));
+                    pb.wire_bytes = wire_bytes;
+                }
+                self.land(b, &mut st.buckets[b], landing)
+            }
+            Err(error) => {
+                restore_zeros(&bucket.flat)?;
+                Err(error)
+            }
+        }
+    }
+
+    /// After bucket `b` was launched with a reduction that frees its full buffer (a shard
+    /// without `keep_full`): lands the buckets before it whose reductions free theirs, so that
+    /// at most two full buffers of such buckets are alive at once, the one being reduced and the
+    /// one being filled (FSDP's reduce-scatter of each unit as its backward ends). The wait
+    /// for the bucket before overlaps bucket `b`'s collective and the backward up to here.
+    fn land_freed_before(&self, st: &mut State, b: usize) -> Result<()> {
+        let frees = |bucket: &Bucket| {
+            matches!(
+                bucket.work,
+                Some(InFlight {
+                    reduction: Reduction::Shard { keep_full: false, .. },
+                    ..
+                })
+            )
+        };
+        if !frees(&st.buckets[b]) {
+            return Ok(());
+        }
+        for before in 0..b {
+            if frees(&st.buckets[before]) {
+                self.wait_one(st, before)?;
+            }
+        }
+        Ok(())
     }
 
     /// The process group as policies see it outside a bucket's reduction (the optimizer's

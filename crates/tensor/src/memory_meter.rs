@@ -141,4 +141,23 @@ mod tests {
         assert_eq!(meter.live(), 0);
         MemoryMeter::install(before);
     }
+
+    #[test]
+    fn freeing_a_tensor_whose_storage_is_lent_gives_its_bytes_back() {
+        let meter = MemoryMeter::new();
+        let before = MemoryMeter::install(Some(meter.clone()));
+        let bucket = Tensor::zeros(&[32], DType::F32); // 128 bytes
+        let (buffer, lent) = bucket.lend_buffer().unwrap();
+        assert!(lent);
+        assert_eq!(meter.live(), 128, "lent: in use elsewhere");
+        // a collective consumed it: it will not come back
+        drop(buffer);
+        bucket.free_storage().unwrap();
+        assert_eq!(meter.live(), 0);
+        bucket
+            .restore_storage(Tensor::zeros(&[32], DType::F32).lend_storage().unwrap())
+            .unwrap();
+        assert_eq!(meter.live(), 128, "a new storage is charged again");
+        MemoryMeter::install(before);
+    }
 }

@@ -330,7 +330,10 @@ fn a_units_full_gradients_live_only_until_its_reduce_scatter_lands() {
         // from the second step on (the first starts from the whole model)
         for (peak, in_flight) in r.unwrap().into_iter().skip(1) {
             // one unit's bucket filling while the one before it is reduce-scattered
-            assert!(in_flight <= 2 * unit, "{in_flight} bytes of full gradients at once, a unit is {unit}");
+            assert!(
+                in_flight <= 2 * unit,
+                "{in_flight} bytes of full gradients at once, a unit is {unit}"
+            );
             // the shards and the gradient shards, three units gathered (one running, one
             // prefetched, one being freed), four of gradients (two buckets, the gradients being
             // computed, their reduced shard), the rows and their activations (a few units)
