@@ -79,7 +79,11 @@ pub fn fit<D: DataSource>(
     let launched = run_ranks(launch_cfg, data, |ctx, data| {
         // every tensor this rank's thread makes from its model on counts to its memory
         let before = MemoryMeter::install(Some(MemoryMeter::new()));
-        let out = model(ctx).and_then(|m| rank_main(ctx, cfg, m, data));
+        let built = {
+            let _part = brigade_ddp::MemoryPart::Parameters.enter();
+            model(ctx)
+        };
+        let out = built.and_then(|m| rank_main(ctx, cfg, m, data));
         MemoryMeter::install(before);
         out
     })?;

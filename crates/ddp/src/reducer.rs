@@ -26,6 +26,7 @@ use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, OpTiming, Recorde
 use brigade_tensor::{DType, Device, Tensor};
 
 use crate::group::{Group, Metered};
+use crate::memory::MemoryPart;
 use crate::phase::Phase;
 use crate::policy::{
     BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy, Reduction,
@@ -224,6 +225,7 @@ fn bucket_holds(bucket: DType, param: DType) -> bool {
 fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
     use brigade_comm::host_vec;
     use half::{bf16, f16};
+    let _part = MemoryPart::BucketGradients.enter();
     let shape = [numel];
     Ok(match (device, dtype) {
         (Device::Cpu, DType::F32) => Tensor::from_vec(host_vec(numel, 0f32), &shape)?,
@@ -542,6 +544,8 @@ impl Reducer {
         let on = self.group.launch(b, ready)?;
         let launched = Instant::now();
         let reduction = {
+            // the shard, a policy's scratch: here and on the comm stream's thread
+            let _part = MemoryPart::Reductions.enter();
             let mut policy = self.lock_policy();
             let reduce = || match joined {
                 true => policy.reduce_joined(policy_bucket, &comm),

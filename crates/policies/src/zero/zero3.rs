@@ -47,7 +47,7 @@ use brigade_ddp::policy::{
     BucketLayout, BuildOptimizer, GatherPhase, GatherTimes, Group, OptimizerContext, ParamHooks, PolicyBucket,
     PolicyContext, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
 };
-use brigade_ddp::DdpError;
+use brigade_ddp::{DdpError, MemoryPart};
 use brigade_tensor::{DType, Tensor};
 
 use super::optimizer::ZeroOptimizer;
@@ -167,6 +167,7 @@ impl Gather {
             return Ok(());
         }
         let needed = Instant::now();
+        let _part = MemoryPart::Gathered.enter();
         if !self.in_flight.iter().any(|(v, _, _)| *v == u) {
             self.issue(u, phase)?;
         }
@@ -194,6 +195,7 @@ impl Gather {
     /// from now), logged in the pass under way.
     fn issue(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         let comm = self.comm.clone().expect("active");
+        let _part = MemoryPart::Gathered.enter();
         let unit = &self.units[u];
         let shard = unit.shard.clone().expect("cut when the optimizer was built");
         // the shard rounded once to the parameters' dtype (an f32 shard as it is)
@@ -639,6 +641,7 @@ impl ReducerPolicy for Zero3 {
                 return Err(zero3_error(format!("DDP's bucket {b} is not unit '{}'", unit.name)));
             }
         }
+        let _part = MemoryPart::Parameters.enter();
         let whole_masters = full.master_weights();
         let masters = match whole_masters.is_empty() {
             // mixed precision: the masters are f32 beside the 16-bit parameters
