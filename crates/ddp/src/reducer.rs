@@ -419,7 +419,16 @@ impl Reducer {
             }
             (None, _) => group_params(&params, &order, caps),
         };
+        let had_grad: Vec<bool> = params.iter().map(|p| p.grad().is_some()).collect();
         let (buckets, bucket_of) = build_buckets(&params, groups, &layout)?;
+        if !layout.regroup {
+            // a fixed layout (ZeRO) makes each buffer as its first gradient arrives: under
+            // ZeRO-2 and 3 a bucket's full buffer lives from there until its reduce-scatter lands
+            for b in buckets.iter().filter(|b| b.params.iter().all(|&p| !had_grad[p])) {
+                b.flat.free_storage()?;
+                b.params.iter().try_for_each(|&p| params[p].set_grad(None))?;
+            }
+        }
         let n = params.len();
         let reducer = Reducer {
             recorder: cfg.recorder.clone(),
