@@ -50,20 +50,21 @@ pub struct MemoryReport {
     /// [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from
     /// [`crate::DistributedDataParallel::rank_memory`] alone).
     pub activations: usize,
-    /// The most bytes of tensor storage alive at once on the rank over the whole run, from the
-    /// model's construction to its last step (parameters, gradients, buckets, optimizer state,
-    /// activations, batches, scratch; what its collectives make on the comm stream's thread
-    /// too), measured by the [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from
-    /// `rank_memory` alone). Not part of [`MemoryReport::total`], which counts what stays
-    /// between steps.
+    /// The most bytes of tensor storage alive at once on the rank over the run's steps, the
+    /// first to the last (parameters, gradients, buckets, optimizer state, activations,
+    /// batches, scratch; what its collectives make on the comm stream's thread too), measured
+    /// by the [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from `rank_memory`
+    /// alone). Not part of [`MemoryReport::total`], which counts what stays between steps.
     pub peak: usize,
     /// What held `peak`'s bytes at its moment ([`MemoryPart`]).
     pub peak_parts: PeakParts,
-    /// The step whose peak is `peak` (`None`: before the first step, while the model, its
-    /// optimizer and DDP were built).
+    /// The step whose peak is `peak` (`None`: no step ran).
     pub peak_step: Option<usize>,
     /// The most bytes alive at once during the last step (`peak` is the run's).
     pub last_step_peak: usize,
+    /// The most bytes alive at once before the first step, while the model, its optimizer and
+    /// DDP were built (what a run needs to start).
+    pub construction_peak: usize,
     /// f32 master weights kept beside 16-bit parameters (mixed precision; 0 otherwise:
     /// an f32 run's master is the parameter itself).
     pub master_weights: usize,
@@ -113,6 +114,7 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         peak_parts: PeakParts::default(),
         peak_step: None,
         last_step_peak: 0,
+        construction_peak: 0,
         master_weights: opt.master_weight_bytes(),
     })
 }

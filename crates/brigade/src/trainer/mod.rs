@@ -189,9 +189,11 @@ impl Records {
         installed_meter: Option<InstalledMeter>,
     ) -> Result<Records> {
         let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
-        let mut run_peak = RunPeak::default();
-        // what building the model, its optimizer and DDP held at once
-        run_peak.observe(&memory, None);
+        let run_peak = RunPeak {
+            // what building the model, its optimizer and DDP held at once
+            construction: memory.peak(),
+            ..RunPeak::default()
+        };
         Ok(Records {
             run_peak,
             autotune: autotune
@@ -230,23 +232,25 @@ impl Drop for InstalledMeter {
     }
 }
 
-/// The most bytes alive at once over the run, what held them, and when.
+/// The most bytes alive at once over the run's steps, what held them, and when; and what
+/// building the model, its optimizer and DDP held at once before them.
 #[derive(Debug, Clone, Copy, Default)]
 struct RunPeak {
     bytes: usize,
     parts: PeakParts,
     step: Option<usize>,
+    construction: usize,
 }
 
 impl RunPeak {
-    /// Takes `meter`'s peak since its last reset (of `step`; `None`: before the first) if it is
-    /// the run's.
-    fn observe(&mut self, meter: &MemoryMeter, step: Option<usize>) {
-        if meter.peak() > self.bytes || self.bytes == 0 {
+    /// Takes `meter`'s peak since its last reset (of `step`) if it is the run's.
+    fn observe(&mut self, meter: &MemoryMeter, step: usize) {
+        if meter.peak() > self.bytes || self.step.is_none() {
             *self = RunPeak {
                 bytes: meter.peak(),
                 parts: PeakParts::of(meter),
-                step,
+                step: Some(step),
+                construction: self.construction,
             };
         }
     }
@@ -260,6 +264,7 @@ impl RunPeak {
             peak_parts: self.parts,
             peak_step: self.step,
             last_step_peak: last.peak,
+            construction_peak: self.construction,
             ..measured
         }
     }

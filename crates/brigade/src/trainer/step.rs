@@ -73,7 +73,7 @@ impl Trainer<'_> {
             (self.clip()?, self.optimizer_step(has_data)?)
         };
         self.records.step_memory.peak = self.records.memory.peak();
-        self.records.run_peak.observe(&self.records.memory, Some(s));
+        self.records.run_peak.observe(&self.records.memory, s);
         drop(step_span);
         self.advance(status.loss);
         self.record_profile(s, t0, optimizer)?;

@@ -254,14 +254,15 @@ fn the_memory_report_holds_the_runs_peak_split_into_what_held_it() {
             &LaunchConfig::threads(2),
             &c,
             |_| Dataset::builtin_text(16, 0).map_err(Error::from),
-            |_| Ok(Box::new(Gpt::new(model, 7)?) as Box<dyn Model>),
+            |_| Ok(Box::new(Gpt::new(model.clone(), 7)?) as Box<dyn Model>),
         )
         .unwrap();
         r.outcome.memory.unwrap()
     };
     let (one, three) = (peak_of(1), peak_of(3));
     // the three steps' run holds its first step: its peak is no lower than the one step's (up to
-    // the timing of what the comm stream's thread makes), whichever step is the higher
+    // the timing of what the comm stream's thread makes), whichever step is the higher (the
+    // first starts from the whole model)
     assert!(
         three.peak as f64 >= 0.995 * one.peak as f64,
         "three steps peak at {} bytes, their first alone at {}",
@@ -278,5 +279,6 @@ fn the_memory_report_holds_the_runs_peak_split_into_what_held_it() {
         three.peak
     );
     assert!(parts.parameters > 0 && parts.optimizer > 0, "{parts:?}");
+    assert!(three.construction_peak > 0, "{three:?}");
     assert!(parts.other < three.peak / 4, "{parts:?}");
 }

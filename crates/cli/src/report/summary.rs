@@ -181,6 +181,7 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             ("peak_step".to_string(), json!(m.peak_step)),
             ("peak_parts".to_string(), json!(m.peak_parts)),
             ("last_step_peak_bytes".to_string(), json!(m.last_step_peak)),
+            ("construction_peak_bytes".to_string(), json!(m.construction_peak)),
             ("gradients_in_flight_bytes".to_string(), json!(m.gradients_in_flight)),
         ]);
     }
@@ -370,9 +371,14 @@ fn run_peak(m: &brigade::ddp::MemoryReport) -> String {
         .collect();
     let when = match m.peak_step {
         Some(s) => format!("at step {s}"),
-        None => "before the first step".to_string(),
+        None => "(no step ran)".to_string(),
     };
-    format!("{:.2} MiB {when} = {}", mib(m.peak), split.join(" + "))
+    format!(
+        "{:.2} MiB {when} = {} (building the model, its optimizer and DDP: {:.2} MiB)",
+        mib(m.peak),
+        split.join(" + "),
+        mib(m.construction_peak)
+    )
 }
 
 /// The join's line of the summary (uneven data): the step each rank joined at, and where every
