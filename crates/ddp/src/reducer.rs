@@ -238,6 +238,8 @@ fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
 /// Zeros of `flat`'s length as its storage, if it has none (a failed or consuming collective).
 fn restore_zeros(flat: &Tensor) -> Result<()> {
     if is_lent(flat) {
+        // charged to the buffer's part when its storage was freed
+        let _part = MemoryPart::BucketGradients.enter();
         let zeros = bucket_zeros(flat.numel(), flat.dtype(), flat.device())?;
         flat.restore_storage(zeros.lend_storage()?)?;
     }
