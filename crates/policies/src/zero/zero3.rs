@@ -641,7 +641,7 @@ impl ReducerPolicy for Zero3 {
                 return Err(zero3_error(format!("DDP's bucket {b} is not unit '{}'", unit.name)));
             }
         }
-        let _part = MemoryPart::Parameters.enter();
+        let part = MemoryPart::Parameters.enter();
         let whole_masters = full.master_weights();
         let masters = match whole_masters.is_empty() {
             // mixed precision: the masters are f32 beside the 16-bit parameters
@@ -666,6 +666,8 @@ impl ReducerPolicy for Zero3 {
             }
         };
         drop(whole_masters);
+        // the optimizer's state is its own part
+        drop(part);
         for (unit, master) in g.units.iter_mut().zip(&masters) {
             unit.shard = Some(master.clone());
         }
