@@ -271,14 +271,14 @@ fn the_memory_report_holds_the_runs_peak_split_into_what_held_it() {
     );
     assert!(three.peak >= three.last_step_peak, "{three:?}");
     // the parts add up to the peak (up to what the comm stream's thread made or freed at its
-    // moment), and the model's state is named: the shards, the optimizer's state
+    // moment), and the model's state is named
     let parts = three.peak_parts;
     assert!(
         (parts.total() as f64 - three.peak as f64).abs() <= 0.01 * three.peak as f64,
         "{parts:?} against {}",
         three.peak
     );
-    assert!(parts.parameters > 0 && parts.optimizer > 0, "{parts:?}");
+    assert!(parts.parameters > 0 && parts.activations > 0, "{parts:?}");
     assert!(three.construction_peak > 0, "{three:?}");
     assert!(parts.other < three.peak / 4, "{parts:?}");
 }
