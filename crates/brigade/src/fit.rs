@@ -80,9 +80,12 @@ pub fn fit<D: DataSource>(
         // every tensor this rank's thread makes from its model on counts to its memory
         let before = MemoryMeter::install(Some(MemoryMeter::new()));
         // under a sharded start the model's parameters are recipes until each rank draws its shards
-        let built = match cfg.starts_sharded() {
-            true => brigade_autograd::defer_param_init(|| model(ctx)),
-            false => model(ctx),
+        let built = {
+            let _part = brigade_ddp::MemoryPart::Parameters.enter();
+            match cfg.starts_sharded() {
+                true => brigade_autograd::defer_param_init(|| model(ctx)),
+                false => model(ctx),
+            }
         };
         let out = built.and_then(|m| rank_main(ctx, cfg, m, data));
         MemoryMeter::install(before);

@@ -244,7 +244,11 @@ impl DistributedDataParallel {
             buckets: self.bucket_view(),
             comm: self.reducer.metered(),
         };
-        let inner = self.reducer.lock_policy().optimizer(full, build, &ctx)?;
+        // the policy's optimizer state (a policy names its own parts inside, e.g. ZeRO-3's shards)
+        let inner = {
+            let _part = crate::memory::MemoryPart::Optimizer.enter();
+            self.reducer.lock_policy().optimizer(full, build, &ctx)?
+        };
         Ok(DdpOptimizer {
             inner,
             reducer: self.reducer.clone(),

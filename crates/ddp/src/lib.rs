@@ -30,7 +30,7 @@ mod signature;
 pub use ddp::{BucketInfo, DdpOptimizer, DistributedDataParallel};
 pub use error::{DdpError, Result};
 pub use group::{Group, ProcessGroup, TensorWork};
-pub use memory::MemoryReport;
+pub use memory::{MemoryPart, MemoryReport, PeakParts};
 pub use phase::{bucket_of, Phase};
 pub use policy::{bucket_tag, KeepsState, RankState, ReducerPolicy, Replicas};
 pub use reducer::{assign_buckets, BucketGrouping, PassBucket, PassTimes};

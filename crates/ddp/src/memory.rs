@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use brigade_autograd::Optimizer;
-use brigade_tensor::Tensor;
+use brigade_tensor::{MemoryMeter, PartGuard, Tensor, MEMORY_PARTS};
 use serde::{Deserialize, Serialize};
 
 use crate::policy::HeldGrad;
@@ -28,6 +28,11 @@ pub struct MemoryReport {
     pub gradients: usize,
     /// The part of `gradients` held by full bucket buffers (0 under ZeRO-2 between steps).
     pub buckets: usize,
+    /// The most bytes of full bucket buffers alive at once in the last synchronized backward
+    /// (and the `no_sync` passes before it): every bucket under plain DDP, under ZeRO-2 and 3 the
+    /// buckets being filled and those whose reduce-scatter has not landed yet (each is freed as
+    /// its reduce-scatter lands).
+    pub gradients_in_flight: usize,
     /// The optimizer's state ([`Optimizer::state_bytes`]).
     pub optimizer_state: usize,
     /// The policy's own state (PowerSGD's error feedback and factors).
@@ -45,12 +50,21 @@ pub struct MemoryReport {
     /// [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from
     /// [`crate::DistributedDataParallel::rank_memory`] alone).
     pub activations: usize,
-    /// The most bytes of tensor storage alive at once on the rank's thread during the last
-    /// step (parameters, gradients, buckets, optimizer state, activations, batches, scratch),
-    /// measured by the [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from
-    /// `rank_memory` alone). Not part of [`MemoryReport::total`], which counts what stays
-    /// between steps.
+    /// The most bytes of tensor storage alive at once on the rank over the run's steps, the
+    /// first to the last (parameters, gradients, buckets, optimizer state, activations,
+    /// batches, scratch; what its collectives make on the comm stream's thread too), measured
+    /// by the [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from `rank_memory`
+    /// alone). Not part of [`MemoryReport::total`], which counts what stays between steps.
     pub peak: usize,
+    /// What held `peak`'s bytes at its moment ([`MemoryPart`]).
+    pub peak_parts: PeakParts,
+    /// The step whose peak is `peak` (`None`: no step ran).
+    pub peak_step: Option<usize>,
+    /// The most bytes alive at once during the last step (`peak` is the run's).
+    pub last_step_peak: usize,
+    /// The most bytes alive at once before the first step, while the model, its optimizer and
+    /// DDP were built (what a run needs to start).
+    pub construction_peak: usize,
     /// f32 master weights kept beside 16-bit parameters (mixed precision; 0 otherwise:
     /// an f32 run's master is the parameter itself).
     pub master_weights: usize,
@@ -90,12 +104,103 @@ pub(crate) fn measure(reducer: &Reducer, opt: &dyn Optimizer, policy: PolicyMemo
         parameters: parameters.values().sum::<usize>() + policy.parameter_bytes,
         gradients: gradients.values().sum(),
         buckets: buckets.values().sum(),
+        gradients_in_flight: st.full_peak.max(st.full_bytes()),
         optimizer_state: opt.state_bytes()?,
         policy_state: policy.state_bytes,
         comm_scratch: policy.scratch_bytes,
         gathered: policy.gathered_bytes,
         activations: 0,
         peak: 0,
+        peak_parts: PeakParts::default(),
+        peak_step: None,
+        last_step_peak: 0,
+        construction_peak: 0,
         master_weights: opt.master_weight_bytes(),
     })
+}
+
+/// What a rank's tensor storages are for, as its [`MemoryMeter`] splits the peak: the part set
+/// on the thread that makes a storage ([`MemoryPart::enter`]; the innermost wins, so a unit
+/// gathered inside the forward counts as gathered, not as activations). What a collective makes
+/// on the comm stream's thread counts to the part that issued it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryPart {
+    /// Made outside every other part (batches, the data, DDP's own bookkeeping).
+    Other = 0,
+    /// The model's parameters as built, and ZeRO-3's shards of them (cut when the optimizer is
+    /// built).
+    Parameters = 1,
+    /// ZeRO-3's units, gathered whole for their forward and backward.
+    Gathered = 2,
+    /// Full bucket buffers: the gradients as backward makes them final, until their reduction
+    /// lands (under ZeRO-2 and 3, the units' gradients in flight).
+    BucketGradients = 3,
+    /// What a bucket's reduction makes: ZeRO's gradient shards, a policy's scratch.
+    Reductions = 4,
+    /// What the forward keeps for backward (activations, the loss's logits and softmax) and
+    /// makes meanwhile.
+    Activations = 5,
+    /// Backward's own tensors: the activations' gradients, recomputed blocks.
+    Backward = 6,
+    /// The optimizer's state and its step's scratch (clipping included).
+    Optimizer = 7,
+}
+
+impl MemoryPart {
+    /// Charges the storages this thread makes to this part until the guard drops.
+    pub fn enter(self) -> PartGuard {
+        MemoryMeter::enter_part(self as usize)
+    }
+}
+
+/// A peak split by [`MemoryPart`]: each part's bytes alive at the peak's moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PeakParts {
+    /// [`MemoryPart::Parameters`].
+    pub parameters: usize,
+    /// [`MemoryPart::Gathered`].
+    pub gathered: usize,
+    /// [`MemoryPart::BucketGradients`].
+    pub bucket_gradients: usize,
+    /// [`MemoryPart::Reductions`].
+    pub reductions: usize,
+    /// [`MemoryPart::Activations`].
+    pub activations: usize,
+    /// [`MemoryPart::Backward`].
+    pub backward: usize,
+    /// [`MemoryPart::Optimizer`].
+    pub optimizer: usize,
+    /// [`MemoryPart::Other`].
+    pub other: usize,
+}
+
+impl PeakParts {
+    /// The split a meter recorded at its peak ([`MemoryMeter::peak_parts`]).
+    pub fn of(meter: &MemoryMeter) -> PeakParts {
+        let p: [usize; MEMORY_PARTS] = meter.peak_parts();
+        PeakParts {
+            other: p[MemoryPart::Other as usize],
+            parameters: p[MemoryPart::Parameters as usize],
+            gathered: p[MemoryPart::Gathered as usize],
+            bucket_gradients: p[MemoryPart::BucketGradients as usize],
+            reductions: p[MemoryPart::Reductions as usize],
+            activations: p[MemoryPart::Activations as usize],
+            backward: p[MemoryPart::Backward as usize],
+            optimizer: p[MemoryPart::Optimizer as usize],
+        }
+    }
+
+    /// The parts' sum (the peak, but for storages made or freed on another thread at its
+    /// moment).
+    pub fn total(&self) -> usize {
+        self.parameters
+            + self.gathered
+            + self.bucket_gradients
+            + self.reductions
+            + self.activations
+            + self.backward
+            + self.optimizer
+            + self.other
+    }
 }

@@ -26,6 +26,7 @@ use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, OpTiming, Recorde
 use brigade_tensor::{DType, Device, Tensor};
 
 use crate::group::{Group, Metered};
+use crate::memory::MemoryPart;
 use crate::phase::Phase;
 use crate::policy::{
     BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy, Reduction,
@@ -124,6 +125,24 @@ pub(crate) struct State {
     span: Option<(EventKind, SpanId)>,
     /// When things happened in the current (or last) synchronized pass.
     pub(crate) pass: PassTimes,
+    /// The most bytes of full bucket buffers alive at once since the last synchronized
+    /// backward started ([`State::full_bytes`]).
+    pub(crate) full_peak: usize,
+}
+
+impl State {
+    /// Bytes of the full bucket buffers alive now: those holding their storage, and those lent
+    /// to a reduction in flight (on the comm stream until it lands).
+    pub(crate) fn full_bytes(&self) -> usize {
+        (self.buckets.iter())
+            .filter(|b| !is_lent(&b.flat) || b.work.is_some())
+            .map(Bucket::bytes)
+            .sum()
+    }
+
+    fn note_full(&mut self) {
+        self.full_peak = self.full_peak.max(self.full_bytes());
+    }
 }
 
 /// When things happened in one synchronized backward pass, for step profiles
@@ -206,6 +225,7 @@ fn bucket_holds(bucket: DType, param: DType) -> bool {
 fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
     use brigade_comm::host_vec;
     use half::{bf16, f16};
+    let _part = MemoryPart::BucketGradients.enter();
     let shape = [numel];
     Ok(match (device, dtype) {
         (Device::Cpu, DType::F32) => Tensor::from_vec(host_vec(numel, 0f32), &shape)?,
@@ -218,6 +238,8 @@ fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
 /// Zeros of `flat`'s length as its storage, if it has none (a failed or consuming collective).
 fn restore_zeros(flat: &Tensor) -> Result<()> {
     if is_lent(flat) {
+        // charged to the buffer's part when its storage was freed
+        let _part = MemoryPart::BucketGradients.enter();
         let zeros = bucket_zeros(flat.numel(), flat.dtype(), flat.device())?;
         flat.restore_storage(zeros.lend_storage()?)?;
     }
@@ -399,7 +421,16 @@ impl Reducer {
             }
             (None, _) => group_params(&params, &order, caps),
         };
+        let had_grad: Vec<bool> = params.iter().map(|p| p.grad().is_some()).collect();
         let (buckets, bucket_of) = build_buckets(&params, groups, &layout)?;
+        if !layout.regroup {
+            // a fixed layout (ZeRO) makes each buffer as its first gradient arrives: under
+            // ZeRO-2 and 3 a bucket's full buffer lives from there until its reduce-scatter lands
+            for b in buckets.iter().filter(|b| b.params.iter().all(|&p| !had_grad[p])) {
+                b.flat.free_storage()?;
+                b.params.iter().try_for_each(|&p| params[p].set_grad(None))?;
+            }
+        }
         let n = params.len();
         let reducer = Reducer {
             recorder: cfg.recorder.clone(),
@@ -421,6 +452,7 @@ impl Reducer {
                 caps,
                 span: None,
                 pass: PassTimes::default(),
+                full_peak: 0,
             }),
             policy: Mutex::new(policy),
             policy_name,
@@ -498,6 +530,7 @@ impl Reducer {
         while st.next_launch < st.buckets.len() && st.buckets[st.next_launch].pending == 0 {
             self.launch(st, st.next_launch)?;
             st.next_launch += 1;
+            self.land_freed_before(st, st.next_launch - 1)?;
         }
         Ok(())
     }
@@ -522,6 +555,8 @@ impl Reducer {
         let on = self.group.launch(b, ready)?;
         let launched = Instant::now();
         let reduction = {
+            // the shard, a policy's scratch: here and on the comm stream's thread
+            let _part = MemoryPart::Reductions.enter();
             let mut policy = self.lock_policy();
             let reduce = || match joined {
                 true => policy.reduce_joined(policy_bucket, &comm),
@@ -620,9 +655,8 @@ impl Reducer {
                         offset,
                     });
                 } else {
-                    if !is_lent(flat) {
-                        drop(flat.lend_storage()?);
-                    }
+                    // its bytes go now (a consuming collective took them already)
+                    flat.free_storage()?;
                     // PyTorch's `p.grad = None`: the gradients went with the full buffer.
                     for &p in &bucket.params {
                         self.params[p].set_grad(None)?;
@@ -641,23 +675,9 @@ impl Reducer {
             .as_ref()
             .map(|r| r.begin(self.comm.rank(), Phase::WaitForBuckets.kind()));
         let mut first_err = None;
-        for (b, bucket) in st.buckets.iter_mut().enumerate() {
-            let Some(in_flight) = bucket.work.take() else { continue };
-            match self.finish(b, in_flight) {
-                Ok((landing, timing, wire_bytes)) => {
-                    if let Some(pb) = st.pass.buckets.get_mut(b) {
-                        pb.ran = Some((timing.started, timing.finished));
-                        pb.wire_bytes = wire_bytes;
-                    }
-                    if let Err(e) = self.land(b, bucket, landing) {
-                        first_err.get_or_insert(e);
-                    }
-                }
-                Err(error) => {
-                    // Give the views storage back before reporting.
-                    restore_zeros(&bucket.flat)?;
-                    first_err.get_or_insert(error);
-                }
+        for b in 0..st.buckets.len() {
+            if let Err(e) = self.wait_one(st, b) {
+                first_err.get_or_insert(e);
             }
         }
         if let (Some(r), Some(s)) = (&self.recorder, span) {
@@ -667,6 +687,54 @@ impl Reducer {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Waits for bucket `b`'s reduction, if one is in flight, and puts its result back under
+    /// the gradients (on an error, the views get zeros back before it is reported).
+    fn wait_one(&self, st: &mut State, b: usize) -> Result<()> {
+        let bucket = &mut st.buckets[b];
+        let Some(in_flight) = bucket.work.take() else {
+            return Ok(());
+        };
+        match self.finish(b, in_flight) {
+            Ok((landing, timing, wire_bytes)) => {
+                if let Some(pb) = st.pass.buckets.get_mut(b) {
+                    pb.ran = Some((timing.started, timing.finished));
+                    pb.wire_bytes = wire_bytes;
+                }
+                self.land(b, &mut st.buckets[b], landing)
+            }
+            Err(error) => {
+                restore_zeros(&bucket.flat)?;
+                Err(error)
+            }
+        }
+    }
+
+    /// After bucket `b` was launched with a reduction that frees its full buffer (a shard
+    /// without `keep_full`): lands the buckets before it whose reductions free theirs, so that
+    /// at most two full buffers of such buckets are alive at once, the one being reduced and the
+    /// one being filled (FSDP's reduce-scatter of each unit as its backward ends). The wait
+    /// for the bucket before overlaps bucket `b`'s collective and the backward up to here.
+    fn land_freed_before(&self, st: &mut State, b: usize) -> Result<()> {
+        let frees = |bucket: &Bucket| {
+            matches!(
+                bucket.work,
+                Some(InFlight {
+                    reduction: Reduction::Shard { keep_full: false, .. },
+                    ..
+                })
+            )
+        };
+        if !frees(&st.buckets[b]) {
+            return Ok(());
+        }
+        for before in 0..b {
+            if frees(&st.buckets[before]) {
+                self.wait_one(st, before)?;
+            }
+        }
+        Ok(())
     }
 
     /// The process group as policies see it outside a bucket's reduction (the optimizer's
@@ -842,6 +910,7 @@ impl Reducer {
         for b in st.buckets.iter_mut() {
             b.pending = b.params.len();
         }
+        st.full_peak = st.full_bytes();
         let mut used = vec![false; self.params.len()];
         for &p in in_graph {
             used[p] = true;
@@ -949,7 +1018,9 @@ impl Reducer {
         if is_lent(&bucket.flat) && bucket.work.is_none() {
             bucket.held = None;
             restore_zeros(&bucket.flat)?;
+            st.note_full();
         }
+        let bucket = &mut st.buckets[b];
         if self.params[p].grad().is_some_and(|g| g.shares_storage(&bucket.flat)) {
             return Ok(());
         }

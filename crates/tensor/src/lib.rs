@@ -43,7 +43,7 @@ pub use dtype::{Buffer, DType, Element, Float};
 pub use error::{Result, TensorError};
 pub use host_memory::retain_freed_host_memory;
 pub use layout::{broadcast_shape, contiguous_strides, Layout};
-pub use memory_meter::MemoryMeter;
+pub use memory_meter::{MemoryMeter, PartGuard, MEMORY_PARTS};
 pub use ops::{AdamWStep, AttentionSaved, LayerNormSaved, SgdStep};
 pub use rng::Rng;
 pub use storage::{Device, Storage};

@@ -512,9 +512,17 @@ impl Tensor {
     /// parameter between uses): every view keeps its shape, any access is a
     /// [`TensorError::StorageLent`] error until [`Tensor::restore_storage`], and the bytes are
     /// given back to the [`crate::MemoryMeter`] they were charged to. (A storage lent with
-    /// [`Tensor::lend_storage`] stays charged: it is in use elsewhere.)
+    /// [`Tensor::lend_storage`] stays charged while it is in use elsewhere; freeing the tensor
+    /// whose storage is lent says it will not come back, e.g. a collective consumed it, and
+    /// gives its bytes back.)
     pub fn free_storage(&self) -> Result<()> {
-        drop(self.lend_storage()?);
+        {
+            let mut g = self.write_guard();
+            if self.layout.storage_extent() <= g.len() {
+                let empty = dispatch!(&*g, s => s.empty_like());
+                drop(std::mem::replace(&mut *g, empty));
+            }
+        }
         *self.charge() = Err(());
         Ok(())
     }

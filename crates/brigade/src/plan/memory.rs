@@ -222,8 +222,10 @@ fn policy_values(policy: &PolicySpec, kind: &ModelKind, psi: u64) -> Option<(u64
 
 /// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
 /// the rank's shard and two units gathered at once (the one running and the next, prefetched),
-/// each at most the largest; the gradients are ZeRO-2's, the full gradients of backward beside
-/// the shard (each unit's full gradients stay until backward ends, as the measured peak shows).
+/// each at most the largest; the gradients are the shard and two units' full gradients (the
+/// unit being filled and the one whose reduce-scatter is in flight: each is freed as it lands).
+/// Under ZeRO-2 the full gradients of backward beside the shard (its buckets, of the default
+/// caps, hold most of a model of this size).
 pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;
@@ -237,7 +239,13 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
         }
     };
     let full_grads = mul(psi, F32)?;
-    let gradients = if sharded(q.policy.shards_grads()) {
+    let gradients = if sharded(q.policy.shards_params()) {
+        sum([
+            Some(full_grads.div_ceil(n)),
+            mul(mul(largest_unit(q.kind, n)?, 2)?, F32),
+        ])?
+        .min(sum([Some(full_grads), Some(full_grads.div_ceil(n))])?)
+    } else if sharded(q.policy.shards_grads()) {
         sum([Some(full_grads), Some(full_grads.div_ceil(n))])?
     } else {
         full_grads
@@ -354,8 +362,15 @@ mod tests {
         })
         .unwrap();
         assert_eq!(z3.parameters, 3_468_288 / 4 + 2 * 198_272 * 4);
-        assert_eq!((z3.gradients, z3.optimizer_state), (p.gradients, p.optimizer_state));
-        assert_eq!(z3.total(), p.total() - 3_468_288 + z3.parameters);
+        // the gradients' shard and two units' full gradients in flight
+        assert_eq!(
+            (z3.gradients, z3.optimizer_state),
+            (3_468_288 / 4 + 2 * 198_272 * 4, p.optimizer_state)
+        );
+        assert_eq!(
+            z3.total(),
+            p.total() - 3_468_288 + z3.parameters - p.gradients + z3.gradients
+        );
     }
 
     #[test]

@@ -48,7 +48,10 @@ impl<'a> Trainer<'a> {
         }
         model.set_activation_checkpointing(cfg.model.activation_checkpointing)?;
         let lengths = check_lengths(cfg, data, ctx)?;
-        let mut opt = cfg.recipe.optimizer.build(model.params().params().to_vec());
+        let mut opt = {
+            let _part = brigade_ddp::MemoryPart::Optimizer.enter();
+            cfg.recipe.optimizer.build(model.params().params().to_vec())
+        };
         // This rank's policy, made first: a checkpoint names the policy it was written under.
         let policy = make_policy(cfg, ctx)?;
         let policy_name = policy.as_ref().map(|p| p.name());

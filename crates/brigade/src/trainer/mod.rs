@@ -17,7 +17,7 @@
 use brigade_autograd::{LrSchedule, Optimizer};
 use brigade_comm::{CommMeter, SpanGuard};
 use brigade_ddp::overlap::{AutotuneProgress, Autotuner, StepProfile};
-use brigade_ddp::{DistributedDataParallel, Phase};
+use brigade_ddp::{DistributedDataParallel, MemoryReport, PeakParts, Phase};
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::StateLayout;
 use std::sync::Arc;
@@ -171,6 +171,8 @@ struct Records {
     memory: Arc<MemoryMeter>,
     /// The last step's activations and peak, in bytes ([`MemoryReport`](brigade_ddp::MemoryReport)'s).
     step_memory: StepMemory,
+    /// The run's peak so far, from the model's construction on.
+    run_peak: RunPeak,
     /// The meter this trainer installed on its thread (none was), taken off when it drops.
     _installed_meter: Option<InstalledMeter>,
 }
@@ -187,7 +189,13 @@ impl Records {
         installed_meter: Option<InstalledMeter>,
     ) -> Result<Records> {
         let autotune = cfg.distributed.as_ref().and_then(|d| d.autotune.clone());
+        let run_peak = RunPeak {
+            // what building the model, its optimizer and DDP held at once
+            construction: memory.peak(),
+            ..RunPeak::default()
+        };
         Ok(Records {
+            run_peak,
             autotune: autotune
                 .map(|c| Autotuner::resume(c, autotuned.unwrap_or_default()))
                 .transpose()?,
@@ -220,6 +228,44 @@ impl Drop for InstalledMeter {
     fn drop(&mut self) {
         if MemoryMeter::current().is_some_and(|m| Arc::ptr_eq(&m, &self.0)) {
             MemoryMeter::install(None);
+        }
+    }
+}
+
+/// The most bytes alive at once over the run's steps, what held them, and when; and what
+/// building the model, its optimizer and DDP held at once before them.
+#[derive(Debug, Clone, Copy, Default)]
+struct RunPeak {
+    bytes: usize,
+    parts: PeakParts,
+    step: Option<usize>,
+    construction: usize,
+}
+
+impl RunPeak {
+    /// Takes `meter`'s peak since its last reset (of `step`) if it is the run's.
+    fn observe(&mut self, meter: &MemoryMeter, step: usize) {
+        if meter.peak() > self.bytes || self.step.is_none() {
+            *self = RunPeak {
+                bytes: meter.peak(),
+                parts: PeakParts::of(meter),
+                step: Some(step),
+                construction: self.construction,
+            };
+        }
+    }
+
+    /// `measured` (DDP's report of the rank) with the last step's activations and peak and the
+    /// run's peak.
+    fn report(&self, last: StepMemory, measured: MemoryReport) -> MemoryReport {
+        MemoryReport {
+            activations: last.activations,
+            peak: self.bytes.max(last.peak),
+            peak_parts: self.parts,
+            peak_step: self.step,
+            last_step_peak: last.peak,
+            construction_peak: self.construction,
+            ..measured
         }
     }
 }

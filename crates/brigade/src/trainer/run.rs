@@ -1,8 +1,6 @@
 //! The run: steps until `steps` or a stop, evaluating and checkpointing on the way, telling
 //! the observer, and the outcome with every output the run made.
 
-use brigade_ddp::MemoryReport;
-
 use crate::error::{Error, Result};
 use crate::join;
 use crate::launch::{binding_note, CommBackend};
@@ -150,11 +148,7 @@ impl Trainer<'_> {
         let memory = ddp
             .map(|d| d.rank_memory(self.replica.opt.as_ref()))
             .transpose()?
-            .map(|m| MemoryReport {
-                activations: measured.activations,
-                peak: measured.peak,
-                ..m
-            });
+            .map(|m| self.records.run_peak.report(measured, m));
         // ZeRO beside 16-bit parameters: rank 0 gathers every rank's f32 master shards
         // (a collective; a no-op for optimizers holding whole masters)
         if ddp.is_some() && self.cfg.recipe.precision.is_mixed() {

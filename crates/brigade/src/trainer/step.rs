@@ -6,7 +6,7 @@ use std::time::Instant;
 use brigade_autograd::no_grad;
 use brigade_comm::{Buffer, CommBytes, Communicator, ReduceOp};
 use brigade_ddp::overlap::{ProfileRun, RankProfile, StepInstants, StepProfile};
-use brigade_ddp::{MemoryReport, Phase};
+use brigade_ddp::{MemoryPart, Phase};
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
 
@@ -68,9 +68,12 @@ impl Trainer<'_> {
         let status = self.agree_on_loss(local_loss, agreement.as_ref())?;
         self.scale_for_active(agreement.as_ref())?;
         let checkpoint_sent = self.checkpoint_if_due()?;
-        let grad_norm = self.clip()?;
-        let optimizer = self.optimizer_step(has_data)?;
+        let (grad_norm, optimizer) = {
+            let _part = MemoryPart::Optimizer.enter();
+            (self.clip()?, self.optimizer_step(has_data)?)
+        };
         self.records.step_memory.peak = self.records.memory.peak();
+        self.records.run_peak.observe(&self.records.memory, s);
         drop(step_span);
         self.advance(status.loss);
         self.record_profile(s, t0, optimizer)?;
@@ -134,6 +137,7 @@ impl Trainer<'_> {
             let before = self.records.memory.live();
             let loss = {
                 let _span = self.span(Phase::Forward);
+                let _part = MemoryPart::Activations.enter();
                 self.replica.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?
             };
             let held = self.records.memory.live().saturating_sub(before);
@@ -150,6 +154,7 @@ impl Trainer<'_> {
                 Some(scale) => loss.mul_scalar(scale)?,
                 None => loss,
             };
+            let _part = MemoryPart::Backward.enter();
             match (&self.replica.ddp, j + 1 < k) {
                 (Some(ddp), true) => ddp.no_sync(|| loss.backward())?,
                 _ => loss.backward()?,
@@ -305,11 +310,11 @@ impl Trainer<'_> {
         let memory = match (&self.replica.ddp, self.ctx.rank) {
             (Some(ddp), 0) => {
                 let measured = self.records.step_memory;
-                Some(MemoryReport {
-                    activations: measured.activations,
-                    peak: measured.peak,
-                    ..ddp.rank_memory(self.replica.opt.as_ref())?
-                })
+                Some(
+                    self.records
+                        .run_peak
+                        .report(measured, ddp.rank_memory(self.replica.opt.as_ref())?),
+                )
             }
             _ => None,
         };

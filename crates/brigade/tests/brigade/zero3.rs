@@ -236,3 +236,49 @@ fn a_zero_checkpoint_resumes_on_another_world_size_as_plain_ddp_does() {
         assert_eq!(bits(&resharded), bits(&plain), "{policy}: parameters");
     }
 }
+
+#[test]
+fn the_memory_report_holds_the_runs_peak_split_into_what_held_it() {
+    let peak_of = |steps: usize| {
+        let mut c = config(steps, "adamw", PolicySpec::Zero3);
+        c.data.accum = 1;
+        let model = GptConfig {
+            d_model: 64,
+            n_layers: 4,
+            d_ff: 128,
+            context: 16,
+            dropout: 0.0,
+            ..gpt()
+        };
+        let r = fit(
+            &LaunchConfig::threads(2),
+            &c,
+            |_| Dataset::builtin_text(16, 0).map_err(Error::from),
+            |_| Ok(Box::new(Gpt::new(model.clone(), 7)?) as Box<dyn Model>),
+        )
+        .unwrap();
+        r.outcome.memory.unwrap()
+    };
+    let (one, three) = (peak_of(1), peak_of(3));
+    // the three steps' run holds its first step: its peak is no lower than the one step's (up to
+    // the timing of what the comm stream's thread makes), whichever step is the higher (the
+    // first starts from the whole model)
+    assert!(
+        three.peak as f64 >= 0.995 * one.peak as f64,
+        "three steps peak at {} bytes, their first alone at {}",
+        three.peak,
+        one.peak
+    );
+    assert!(three.peak >= three.last_step_peak, "{three:?}");
+    // the parts add up to the peak (up to what the comm stream's thread made or freed at its
+    // moment), and the model's state is named
+    let parts = three.peak_parts;
+    assert!(
+        (parts.total() as f64 - three.peak as f64).abs() <= 0.01 * three.peak as f64,
+        "{parts:?} against {}",
+        three.peak
+    );
+    assert!(parts.parameters > 0 && parts.activations > 0, "{parts:?}");
+    assert!(three.construction_peak > 0, "{three:?}");
+    assert!(parts.other < three.peak / 4, "{parts:?}");
+}

@@ -175,6 +175,16 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
     {
         o.extend(sent);
     }
+    // the run's peak (from the model's construction on): when, what held it, the last step's
+    if let (Some(m), Some(serde_json::Value::Object(o))) = (outcome.memory, out.get_mut("memory")) {
+        o.extend([
+            ("peak_step".to_string(), json!(m.peak_step)),
+            ("peak_parts".to_string(), json!(m.peak_parts)),
+            ("last_step_peak_bytes".to_string(), json!(m.last_step_peak)),
+            ("construction_peak_bytes".to_string(), json!(m.construction_peak)),
+            ("gradients_in_flight_bytes".to_string(), json!(m.gradients_in_flight)),
+        ]);
+    }
     out
 }
 
@@ -316,7 +326,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             ),
         };
         outln!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB",
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB; the run's peak {}",
             zero,
             mib(m.parameters),
             mib(m.gradients),
@@ -334,9 +344,41 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
                 Some(n) => format!(" (every {n}th block checkpointed)"),
                 None => String::new(),
             },
-            mib(m.peak)
+            mib(m.last_step_peak),
+            run_peak(&m)
         );
     }
+}
+
+/// The run's peak, when it was reached and what held it: `19.33 MiB at step 2 = parameters
+/// 1.33 + gathered 2.52 + ...` (parts of 0 bytes left out).
+fn run_peak(m: &brigade::ddp::MemoryReport) -> String {
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    let p = &m.peak_parts;
+    let parts = [
+        ("parameters", p.parameters),
+        ("gathered units", p.gathered),
+        ("gradients in flight", p.bucket_gradients),
+        ("reductions", p.reductions),
+        ("activations", p.activations),
+        ("backward", p.backward),
+        ("optimizer", p.optimizer),
+        ("other", p.other),
+    ];
+    let split: Vec<String> = (parts.iter())
+        .filter(|(_, b)| *b > 0)
+        .map(|(name, b)| format!("{name} {:.2}", mib(*b)))
+        .collect();
+    let when = match m.peak_step {
+        Some(s) => format!("at step {s}"),
+        None => "(no step ran)".to_string(),
+    };
+    format!(
+        "{:.2} MiB {when} = {} (building the model, its optimizer and DDP: {:.2} MiB)",
+        mib(m.peak),
+        split.join(" + "),
+        mib(m.construction_peak)
+    )
 }
 
 /// The join's line of the summary (uneven data): the step each rank joined at, and where every

@@ -56,7 +56,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{CommError, CommMeter, OpTiming, ReduceOp, SpanId, Work};
-use brigade_tensor::{Event, Stream, Tensor};
+use brigade_tensor::{Event, MemoryMeter, Stream, Tensor};
 
 use crate::{DdpError, Result};
 
@@ -272,23 +272,27 @@ impl<T: Send + 'static> TensorWork<T> {
         TensorWork { work, timeout }
     }
 
-    /// A collective's work whose buffer `f` turns into the value (on the comm stream's thread).
+    /// A collective's work whose buffer `f` turns into the value (on the comm stream's thread,
+    /// its storages charged to the issuing thread's memory meter).
     pub(crate) fn from_comm<B: Send + 'static>(
         work: Work<B>,
         timeout: Duration,
         f: impl FnOnce(B) -> Result<T> + Send + 'static,
     ) -> TensorWork<T> {
+        let metered = IssuerMeter::here();
         TensorWork {
-            work: work.then(move |b| Ok(f(b))),
+            work: work.then(move |b| Ok(metered.run(|| f(b)))),
             timeout,
         }
     }
 
     /// Chains `step` after this work (decompress, divide, copy): the returned work completes
-    /// with `step(value)`, or with this work's error.
+    /// with `step(value)`, or with this work's error. What `step` makes is charged to the
+    /// memory meter of the thread that chains it.
     pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U> + Send + 'static) -> TensorWork<U> {
+        let metered = IssuerMeter::here();
         TensorWork {
-            work: self.work.then(move |r| Ok(r.and_then(step))),
+            work: self.work.then(move |r| Ok(metered.run(|| r.and_then(step)))),
             timeout: self.timeout,
         }
     }
@@ -328,5 +332,23 @@ impl<T: Send + 'static> TensorWork<T> {
     /// Whether the work has completed (successfully or not).
     pub fn is_completed(&self) -> bool {
         self.work.is_completed()
+    }
+}
+
+/// The memory meter and part of the thread that issues a collective: a continuation running on
+/// the comm stream's thread charges what it makes to them, so that a rank's meter sees the
+/// storages its collectives make (a reduce-scatter's shard, a gather's result).
+struct IssuerMeter(Option<Arc<MemoryMeter>>, usize);
+
+impl IssuerMeter {
+    fn here() -> IssuerMeter {
+        IssuerMeter(MemoryMeter::current(), MemoryMeter::current_part())
+    }
+
+    fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        let before = MemoryMeter::install(self.0);
+        let r = MemoryMeter::in_part(self.1, f);
+        MemoryMeter::install(before);
+        r
     }
 }

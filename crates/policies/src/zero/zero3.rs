@@ -53,7 +53,7 @@ use brigade_ddp::policy::{
     BucketLayout, BuildOptimizer, GatherPhase, GatherTimes, Group, OptimizerContext, ParamHooks, PolicyBucket,
     PolicyContext, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
 };
-use brigade_ddp::DdpError;
+use brigade_ddp::{DdpError, MemoryPart};
 use brigade_tensor::{DType, Tensor};
 
 use super::optimizer::ZeroOptimizer;
@@ -176,6 +176,7 @@ impl Gather {
             return Ok(());
         }
         let needed = Instant::now();
+        let _part = MemoryPart::Gathered.enter();
         if !self.in_flight.iter().any(|(v, _, _)| *v == u) {
             self.issue(u, phase)?;
         }
@@ -203,6 +204,7 @@ impl Gather {
     /// from now), logged in the pass under way.
     fn issue(&mut self, u: usize, phase: GatherPhase) -> Result<()> {
         let comm = self.comm.clone().expect("active");
+        let _part = MemoryPart::Gathered.enter();
         let unit = &self.units[u];
         let shard = unit.shard.clone().expect("cut when the optimizer was built");
         // the shard rounded once to the parameters' dtype (an f32 shard as it is)
@@ -656,6 +658,7 @@ impl ReducerPolicy for Zero3 {
                 return Err(zero3_error(format!("DDP's bucket {b} is not unit '{}'", unit.name)));
             }
         }
+        let part = MemoryPart::Parameters.enter();
         let whole_masters = full.master_weights();
         let masters = match whole_masters.is_empty() {
             // mixed precision: the masters are f32 beside the 16-bit parameters
@@ -682,6 +685,8 @@ impl ReducerPolicy for Zero3 {
             }
         };
         drop(whole_masters);
+        // the optimizer's state is its own part
+        drop(part);
         for (unit, master) in g.units.iter_mut().zip(&masters) {
             unit.shard = Some(master.clone());
         }

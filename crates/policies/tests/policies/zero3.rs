@@ -12,7 +12,7 @@ use brigade_autograd::{scope, ParamStore, Var};
 use brigade_comm::{run_on_threads, Communicator, Recorder, Traced, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel, MemoryReport, ReducerPolicy};
 use brigade_policies::{AllReduce, Zero, Zero3, ZeroStage};
-use brigade_tensor::{set_compute_threads, Tensor};
+use brigade_tensor::{set_compute_threads, MemoryMeter, Tensor};
 
 // 416 + 1056 + 792 + 125 parameters: no unit divides evenly by 2 or 3, so shards are padded.
 const WIDTHS: [usize; 5] = [12, 32, 32, 24, 5];
@@ -287,5 +287,61 @@ fn scopes_that_miss_a_parameter_and_units_that_nest_are_one_error_each() {
         let e = r.into_iter().next().unwrap().unwrap().expect("refused");
         assert!(e.contains(want), "{e}");
         assert_eq!(e.lines().count(), 1, "{e}");
+    }
+}
+
+#[test]
+fn a_units_full_gradients_live_only_until_its_reduce_scatter_lands() {
+    // 24 equal units, one row a rank: the model's gradients are many times one unit's, and
+    // everything beside the model's state is small
+    const LAYERS: usize = 24;
+    const WIDTH: usize = 64;
+    const WORLD: usize = 4;
+    let widths = [WIDTH; LAYERS + 1];
+    let unit = (WIDTH * WIDTH + WIDTH) * 4;
+    let psi = LAYERS * unit;
+    let shards = LAYERS * (WIDTH * WIDTH + WIDTH).div_ceil(WORLD) * 4;
+    let (x, y) = data(WORLD * 3, WIDTH, WIDTH, 3);
+    let seen = run_on_threads(WORLD, |comm| {
+        set_compute_threads(1);
+        let rank = comm.rank();
+        let meter = MemoryMeter::new();
+        let before = MemoryMeter::install(Some(meter.clone()));
+        let m = Mlp::new(&widths, 42);
+        let ddp = DistributedDataParallel::new(&m.store, Arc::new(comm), DdpConfig::default(), zero3()).unwrap();
+        let mut opt = ddp
+            .optimizer(optimizer("plain-sgd", m.store.params().to_vec()), &|p| {
+                optimizer("plain-sgd", p)
+            })
+            .unwrap();
+        let mut peaks = vec![];
+        for s in 0..3 {
+            meter.reset_peak();
+            let (xb, yb) = rows(&x, &y, s * WORLD + rank, 1);
+            m.store.zero_grad().unwrap();
+            m.loss(&xb, &yb).backward().unwrap();
+            brigade_autograd::Optimizer::step(&mut opt).unwrap();
+            peaks.push((meter.peak(), ddp.rank_memory(&opt).unwrap().gradients_in_flight));
+        }
+        MemoryMeter::install(before);
+        peaks
+    });
+    for r in seen {
+        // from the second step on (the first starts from the whole model)
+        for (peak, in_flight) in r.unwrap().into_iter().skip(1) {
+            // one unit's bucket filling while the one before it is reduce-scattered
+            assert!(
+                in_flight <= 2 * unit,
+                "{in_flight} bytes of full gradients at once, a unit is {unit}"
+            );
+            // the shards and the gradient shards, three units gathered (one running, one
+            // prefetched, one being freed), four of gradients (two buckets, the gradients being
+            // computed, their reduced shard), the rows and their activations (a few units)
+            let bound = 2 * shards + 10 * unit;
+            assert!(
+                peak <= bound,
+                "peak {peak} bytes over {bound} (model {psi}, shards {shards}, a unit {unit})"
+            );
+        }
     }
 }
