@@ -286,31 +286,30 @@ fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T>
     let (a_rs, a_cs, b_rs, b_cs) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 2], sb[sb.len() - 1]);
     let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
     let in_pool = TypeId::of::<T>() != TypeId::of::<f32>() || onednn().is_none();
-    // SAFETY: every m*n block is written whole: the GEMM replaces (never reads) its output.
-    unsafe {
-        filled(nb * m * n, |out| {
-            for_each_batch(la, lb, out, in_pool, |oa, ob, dst: &mut [MaybeUninit<T>], t| {
-                // SAFETY: the front end checked both layouts against their storages, and `dst`
-                // is this batch's own m*n output block.
-                unsafe {
-                    let (pa, pb) = (pa, pb);
-                    gemm_one::<T>(
-                        m,
-                        n,
-                        k,
-                        dst.as_mut_ptr() as *mut T,
-                        pa.0.add(oa),
-                        a_rs,
-                        a_cs,
-                        pb.0.add(ob),
-                        b_rs,
-                        b_cs,
-                        t,
-                    )
-                }
-            })
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        for_each_batch(la, lb, out, in_pool, |oa, ob, dst: &mut [MaybeUninit<T>], t| {
+            // SAFETY: the front end checked both layouts against their storages, and `dst`
+            // is this batch's own m*n output block.
+            unsafe {
+                let (pa, pb) = (pa, pb);
+                gemm_one::<T>(
+                    m,
+                    n,
+                    k,
+                    dst.as_mut_ptr() as *mut T,
+                    pa.0.add(oa),
+                    a_rs,
+                    a_cs,
+                    pb.0.add(ob),
+                    b_rs,
+                    b_cs,
+                    t,
+                )
+            }
         })
-    }
+    };
+    // SAFETY: every m*n block is written whole: the GEMM replaces (never reads) its output.
+    unsafe { filled(nb * m * n, fill) }
 }
 
 /// A bf16 product (and bias) through oneDNN's AMX matmul, each output rounded once from its
