@@ -183,7 +183,6 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         observer: Some(stop_on_signal),
         ..RunOptions::default()
     };
-    let mut interrupted = false;
     let late = Arc::new(LateHeldOut::default());
     let plan = plan(s, &quiet, &late)?;
     prepare_out(&s.out, POLICY_OUTPUTS[0], &s.run)?;
@@ -192,72 +191,23 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     }
     // --tensorboard: each row's run directory
     let mut boards = vec![];
-    let a = &s.run;
     let mut rows = vec![];
     // a row that fails (diverged, refused by its policy) ends the sweep with its error, after
     // the rows that finished are written
     let mut failed = None;
+    let mut interrupted = false;
     for (spec, cfg) in &plan {
-        // the same ranks and batches, no gradient communication, a few steps
-        let mut base = cfg.clone();
-        base.recipe.steps = cfg.recipe.steps.min(a.runtime.untimed_steps + BASELINE_STEPS);
-        base.distributed = None;
-        let baseline = match run_config(a, &quiet, &base, &late).and_then(finished) {
-            Ok(b) => b,
-            Err(e) => {
+        match run_row(s, &quiet, &late, (spec, cfg), &mut boards)? {
+            RowRun::Done(row) => rows.push(row),
+            RowRun::Interrupted => {
+                interrupted = true;
+                break;
+            }
+            RowRun::Failed(e) => {
                 failed = Some(e);
                 break;
             }
-        };
-        if baseline.outcome.interrupted {
-            interrupted = true;
-            break;
         }
-        let compute_ms = median_step(a, &baseline.outcome.ms());
-        let board = s.tensorboard.as_ref().map(|dir| {
-            let name = match s.precisions.len() {
-                0 | 1 => spec.to_string(),
-                _ => format!("{spec}_{}", cfg.recipe.precision.name()),
-            };
-            Arc::new(TensorBoard::new(crate::tensorboard::run_dir(dir, &name)))
-        });
-        boards.extend(board.clone());
-        let mut observed = cfg.clone();
-        observed.runtime.instrument.observer = Some(Arc::new((quiet.observer.clone(), board)));
-        let report = match run_config(a, &quiet, &observed, &late).and_then(finished) {
-            Ok(r) => r.outcome,
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        };
-        if report.interrupted {
-            interrupted = true;
-            break;
-        }
-        let step_ms = median_step(a, &report.ms());
-        let sent = SentSummary::of(&report.sent()).ok_or_else(|| Error::Usage("no step ran".into()))?;
-        let losses = report.losses();
-        let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
-        rows.push(PolicyRow {
-            policy: spec.to_string(),
-            precision: cfg.recipe.precision.name().to_string(),
-            note: report
-                .policy_diagnostics
-                .iter()
-                .map(|d| d.message.clone())
-                .collect::<Vec<_>>()
-                .join("; "),
-            step_ms,
-            compute_only_ms: compute_ms,
-            exposed_comm_ms: (step_ms - compute_ms).max(0.0),
-            sent_bytes_per_step: sent.payload_per_step,
-            sent_bytes_last_step: sent.payload_last_step,
-            sent_bytes_total: sent.payload_total,
-            wire_bytes_per_step: sent.wire_per_step,
-            final_loss: report.losses().last().copied().unwrap_or(f64::NAN),
-            last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
-        });
     }
     if interrupted && rows.is_empty() {
         return Err(Error::SweepInterrupted {
@@ -275,47 +225,137 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         return Err(e);
     }
     crate::tensorboard::with_failures(Ok(()), boards.iter().map(|tb| &**tb))?;
-    if s.json {
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the policy rows", e))?
-        );
-    } else {
-        outln!(
-            "{:>16} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
-            "policy",
-            "step_ms",
-            "compute_ms",
-            "exposed_ms",
-            "sent/step",
-            "last step",
-            "final_loss",
-            "last10_loss"
-        );
-        for r in &rows {
-            outln!(
-                "{:>16} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
-                label(r, s.precisions.len()),
-                r.step_ms,
-                r.compute_only_ms,
-                r.exposed_comm_ms,
-                human_bytes(r.sent_bytes_per_step),
-                human_bytes(r.sent_bytes_last_step as f64),
-                r.final_loss,
-                r.last10_loss
-            );
-        }
-        for r in rows.iter().filter(|r| !r.note.is_empty()) {
-            outln!("note: {}: {}", label(r, s.precisions.len()), r.note);
-        }
-        outln!("wrote {}", s.out.join(POLICY_OUTPUTS[0]).display());
-    }
+    print_rows(s, &rows)?;
     if interrupted {
         return Err(Error::SweepInterrupted {
             runs: rows.len(),
             of: plan.len(),
         });
     }
+    Ok(())
+}
+
+/// How one row's runs ended.
+enum RowRun {
+    /// Both runs finished.
+    Done(PolicyRow),
+    /// A signal stopped one.
+    Interrupted,
+    /// One failed (diverged, refused by its policy): the sweep ends with this error.
+    Failed(Error),
+}
+
+/// One row: the compute-only baseline (the same ranks and batches, no gradient communication, a
+/// few steps), then the policy's run, observed by its --tensorboard directory (kept in `boards`).
+fn run_row(
+    s: &SweepArgs,
+    quiet: &RunOptions,
+    late: &Arc<LateHeldOut>,
+    (spec, cfg): (&PolicySpec, &TrainConfig),
+    boards: &mut Vec<Arc<TensorBoard>>,
+) -> Result<RowRun> {
+    let a = &s.run;
+    let mut base = cfg.clone();
+    base.recipe.steps = cfg.recipe.steps.min(a.runtime.untimed_steps + BASELINE_STEPS);
+    base.distributed = None;
+    let baseline = match run_config(a, quiet, &base, late).and_then(finished) {
+        Ok(b) => b,
+        Err(e) => return Ok(RowRun::Failed(e)),
+    };
+    if baseline.outcome.interrupted {
+        return Ok(RowRun::Interrupted);
+    }
+    let compute_ms = median_step(a, &baseline.outcome.ms());
+    let board = s.tensorboard.as_ref().map(|dir| {
+        let name = match s.precisions.len() {
+            0 | 1 => spec.to_string(),
+            _ => format!("{spec}_{}", cfg.recipe.precision.name()),
+        };
+        Arc::new(TensorBoard::new(crate::tensorboard::run_dir(dir, &name)))
+    });
+    boards.extend(board.clone());
+    let mut observed = cfg.clone();
+    observed.runtime.instrument.observer = Some(Arc::new((quiet.observer.clone(), board)));
+    let report = match run_config(a, quiet, &observed, late).and_then(finished) {
+        Ok(r) => r.outcome,
+        Err(e) => return Ok(RowRun::Failed(e)),
+    };
+    if report.interrupted {
+        return Ok(RowRun::Interrupted);
+    }
+    Ok(RowRun::Done(policy_row(a, spec, cfg, &report, compute_ms)?))
+}
+
+/// A row's figures from its run's outcome and its baseline's median step.
+fn policy_row(
+    a: &RunArgs,
+    spec: &PolicySpec,
+    cfg: &TrainConfig,
+    report: &brigade::outcome::TrainOutcome,
+    compute_ms: f64,
+) -> Result<PolicyRow> {
+    let step_ms = median_step(a, &report.ms());
+    let sent = SentSummary::of(&report.sent()).ok_or_else(|| Error::Usage("no step ran".into()))?;
+    let losses = report.losses();
+    let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
+    Ok(PolicyRow {
+        policy: spec.to_string(),
+        precision: cfg.recipe.precision.name().to_string(),
+        note: report
+            .policy_diagnostics
+            .iter()
+            .map(|d| d.message.clone())
+            .collect::<Vec<_>>()
+            .join("; "),
+        step_ms,
+        compute_only_ms: compute_ms,
+        exposed_comm_ms: (step_ms - compute_ms).max(0.0),
+        sent_bytes_per_step: sent.payload_per_step,
+        sent_bytes_last_step: sent.payload_last_step,
+        sent_bytes_total: sent.payload_total,
+        wire_bytes_per_step: sent.wire_per_step,
+        final_loss: report.losses().last().copied().unwrap_or(f64::NAN),
+        last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
+    })
+}
+
+/// The rows on stdout: JSON, or a table, the policies' notes and where the CSV went.
+fn print_rows(s: &SweepArgs, rows: &[PolicyRow]) -> Result<()> {
+    if s.json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(rows).map_err(|e| Error::json("the policy rows", e))?
+        );
+        return Ok(());
+    }
+    outln!(
+        "{:>16} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
+        "policy",
+        "step_ms",
+        "compute_ms",
+        "exposed_ms",
+        "sent/step",
+        "last step",
+        "final_loss",
+        "last10_loss"
+    );
+    for r in rows {
+        outln!(
+            "{:>16} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
+            label(r, s.precisions.len()),
+            r.step_ms,
+            r.compute_only_ms,
+            r.exposed_comm_ms,
+            human_bytes(r.sent_bytes_per_step),
+            human_bytes(r.sent_bytes_last_step as f64),
+            r.final_loss,
+            r.last10_loss
+        );
+    }
+    for r in rows.iter().filter(|r| !r.note.is_empty()) {
+        outln!("note: {}: {}", label(r, s.precisions.len()), r.note);
+    }
+    outln!("wrote {}", s.out.join(POLICY_OUTPUTS[0]).display());
     Ok(())
 }
 
