@@ -401,7 +401,21 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, 
     };
     let root = SVGBackend::with_string(svg, (1260, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let caption = format!(
+    let root = root
+        .titled(&caption(a), ("sans-serif", 18))
+        .map_err(|e| err(e.to_string()))?;
+    let panels = root.split_evenly((1, 3));
+    let names: Vec<String> = rows.iter().map(|r| label(r, precisions)).collect();
+    for (panel, (y_desc, metrics)) in panels.iter().zip(metric_groups()) {
+        draw_panel(panel, rows, &names, y_desc, metrics).map_err(err)?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+/// The chart's title: the workload, its layout and the network.
+fn caption(a: &RunArgs) -> String {
+    format!(
         "{}, world size {}, {} rows/rank, {} steps, bucket {} MiB, net {}",
         flag_name(&a.model.model),
         a.distributed.world_size,
@@ -416,12 +430,12 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, 
             .net_gbps
             .map(|g| format!("{g} Gb/s"))
             .unwrap_or_else(|| "unlimited".into()),
-    );
-    let root = root
-        .titled(&caption, ("sans-serif", 18))
-        .map_err(|e| err(e.to_string()))?;
-    let panels = root.split_evenly((1, 3));
-    let groups: [(&str, Vec<Metric>); 3] = [
+    )
+}
+
+/// The three panels' axis names and bars: time, bytes sent, loss.
+fn metric_groups() -> [(&'static str, Vec<Metric>); 3] {
+    [
         (
             "ms per step",
             vec![
@@ -447,62 +461,69 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, 
                 ("last 10 steps", RGBColor(22, 160, 133), |r| r.last10_loss),
             ],
         ),
-    ];
-    let names: Vec<String> = rows.iter().map(|r| label(r, precisions)).collect();
-    for (panel, (y_desc, metrics)) in panels.iter().zip(groups) {
-        let ymax = rows
-            .iter()
-            .flat_map(|r| metrics.iter().map(move |(_, _, f)| f(r)))
-            .filter(|v| v.is_finite())
-            .fold(0.0, f64::max)
-            * 1.15
-            + 1e-9;
-        let n = rows.len() as f64;
-        let mut chart = ChartBuilder::on(panel)
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)
-            .map_err(|e| err(e.to_string()))?;
-        let labels = names.clone();
+    ]
+}
+
+/// One panel: a group of bars per row (one bar per metric, labelled by `names`), with a legend;
+/// the error in words.
+fn draw_panel<DB: DrawingBackend>(
+    panel: &DrawingArea<DB, plotters::coord::Shift>,
+    rows: &[PolicyRow],
+    names: &[String],
+    y_desc: &str,
+    metrics: Vec<Metric>,
+) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let ymax = rows
+        .iter()
+        .flat_map(|r| metrics.iter().map(move |(_, _, f)| f(r)))
+        .filter(|v| v.is_finite())
+        .fold(0.0, f64::max)
+        * 1.15
+        + 1e-9;
+    let n = rows.len() as f64;
+    let mut chart = ChartBuilder::on(panel)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)
+        .map_err(err)?;
+    let labels = names.to_vec();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(rows.len().max(1))
+        .x_label_formatter(&move |x| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 {
+                labels.get(i as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(y_desc)
+        .draw()
+        .map_err(err)?;
+    let width = 0.8 / metrics.len() as f64;
+    for (k, (name, color, f)) in metrics.into_iter().enumerate() {
+        let bars = rows.iter().enumerate().map(move |(i, r)| {
+            let x0 = i as f64 - 0.4 + k as f64 * width;
+            let v = f(r);
+            Rectangle::new(
+                [(x0, 0.0), (x0 + width * 0.9, if v.is_finite() { v } else { 0.0 })],
+                color.filled(),
+            )
+        });
         chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(rows.len().max(1))
-            .x_label_formatter(&move |x| {
-                let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 {
-                    labels.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(y_desc)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        let width = 0.8 / metrics.len() as f64;
-        for (k, (name, color, f)) in metrics.into_iter().enumerate() {
-            let bars = rows.iter().enumerate().map(move |(i, r)| {
-                let x0 = i as f64 - 0.4 + k as f64 * width;
-                let v = f(r);
-                Rectangle::new(
-                    [(x0, 0.0), (x0 + width * 0.9, if v.is_finite() { v } else { 0.0 })],
-                    color.filled(),
-                )
-            });
-            chart
-                .draw_series(bars)
-                .map_err(|e| err(e.to_string()))?
-                .label(name)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
-        }
-        chart
-            .configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
+            .draw_series(bars)
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    root.present().map_err(|e| err(e.to_string()))?;
-    Ok(())
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(err)
 }
