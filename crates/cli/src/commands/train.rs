@@ -507,52 +507,11 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     if let (Some(rows), Some(resume), Some(path)) = (&kept, &t.resume, &t.losses) {
         check_rows_are_the_checkpoints(rows, resume, path)?;
     }
-    // who watches: the signals (a stop request), the notes, and unless told otherwise the bar
-    let watch = (stop_on_signal, PrintNotes);
-    let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
-        Arc::new(watch)
-    } else {
-        Arc::new((ProgressBar::default(), watch))
-    };
     // --tensorboard: every step's scalars, as the run goes
     let tensorboard = t.tensorboard.as_ref().map(|dir| Arc::new(TensorBoard::new(dir)));
-    let observer: Arc<dyn TrainObserver> = Arc::new((observer, tensorboard.clone()));
-    let opts = RunOptions {
-        compute_only: false,
-        record: t.timeline.is_some(),
-        resume: t.resume.clone(),
-        checkpoint: t.checkpoint.clone(),
-        checkpoint_every: t.checkpoint_every,
-        checkpoint_keep_last: t.keep_last,
-        profile: t.profile.is_some(),
-        profile_steps: t.profile_steps.clone(),
-        checkpoint_metadata: plan
-            .iter()
-            .map(|p| {
-                let text = serde_json::to_string(p).map_err(|e| Error::json("the plan", e))?;
-                Ok((crate::plan_auto::PLAN_KEY.to_string(), text))
-            })
-            .collect::<Result<_>>()?,
-        observer: Some(observer),
-        locks: Some(locks.clone()),
-    };
+    let opts = run_options(&t, stop_on_signal, tensorboard.clone(), plan.as_ref(), locks)?;
     let mut report = run(&t.run, &opts)?;
-    // the steps after which the uninterrupted run evaluates: every --eval-every, and its last
-    let steps = t.run.recipe.steps;
-    let evaluated = t
-        .run
-        .recipe
-        .eval_every
-        .map(|every| move |s: usize| (s + 1).is_multiple_of(every.max(1)) || s + 1 == steps);
-    let kept = match (kept, &t.losses) {
-        (Some(rows), Some(path)) => rows_before(
-            rows,
-            report.outcome.first_step,
-            evaluated.as_ref().map(|e| e as &dyn Fn(usize) -> bool),
-            path,
-        ),
-        _ => vec![],
-    };
+    let kept = kept_rows(&t, kept, report.outcome.first_step);
     let stopped = report.outcome.stopped.take();
     let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
     let mut written = write_outputs(&t, &report, &kept, diverged);
@@ -570,15 +529,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     let written = crate::tensorboard::with_failures(written, tensorboard.as_deref());
     // the summary once the files are written: a stdout that fails costs nothing else
     print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
-    if let (Some(mb), Some(m)) = (t.run.runtime.memory_budget, report.outcome.memory) {
-        let policy = t.run.hook_spec();
-        let every = t.run.model.activation_checkpointing.unwrap_or(0);
-        let predicted = t.run.predicted_peak(&policy, every, t.run.data.batch_size);
-        let note = crate::footprint::over_budget_note(mb, m.peak as u64, predicted.map(|p| p.total()));
-        if let Some(note) = note {
-            eprintln!("note: {note}");
-        }
-    }
+    note_over_budget(&t, &report);
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());
@@ -592,6 +543,78 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The run's options from the command's: who watches (the signals, the notes, unless told
+/// otherwise the bar, and --tensorboard), what is recorded and checkpointed, the plan kept in
+/// the checkpoints.
+fn run_options(
+    t: &TrainArgs,
+    stop_on_signal: StopOnSignal,
+    tensorboard: Option<Arc<TensorBoard>>,
+    plan: Option<&crate::plan_auto::Choice>,
+    locks: Arc<OutputLocks>,
+) -> Result<RunOptions> {
+    let watch = (stop_on_signal, PrintNotes);
+    let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
+        Arc::new(watch)
+    } else {
+        Arc::new((ProgressBar::default(), watch))
+    };
+    let observer: Arc<dyn TrainObserver> = Arc::new((observer, tensorboard));
+    Ok(RunOptions {
+        compute_only: false,
+        record: t.timeline.is_some(),
+        resume: t.resume.clone(),
+        checkpoint: t.checkpoint.clone(),
+        checkpoint_every: t.checkpoint_every,
+        checkpoint_keep_last: t.keep_last,
+        profile: t.profile.is_some(),
+        profile_steps: t.profile_steps.clone(),
+        checkpoint_metadata: plan
+            .iter()
+            .map(|p| {
+                let text = serde_json::to_string(p).map_err(|e| Error::json("the plan", e))?;
+                Ok((crate::plan_auto::PLAN_KEY.to_string(), text))
+            })
+            .collect::<Result<_>>()?,
+        observer: Some(observer),
+        locks: Some(locks),
+    })
+}
+
+/// The rows of an existing `--losses` file that a resumed run writes again: those before its
+/// first step, with the evaluations the uninterrupted run would have made (every
+/// --eval-every, and its last step).
+fn kept_rows(t: &TrainArgs, kept: Option<Vec<(usize, String)>>, first_step: usize) -> Vec<(usize, String)> {
+    let steps = t.run.recipe.steps;
+    let evaluated = t
+        .run
+        .recipe
+        .eval_every
+        .map(|every| move |s: usize| (s + 1).is_multiple_of(every.max(1)) || s + 1 == steps);
+    match (kept, &t.losses) {
+        (Some(rows), Some(path)) => rows_before(
+            rows,
+            first_step,
+            evaluated.as_ref().map(|e| e as &dyn Fn(usize) -> bool),
+            path,
+        ),
+        _ => vec![],
+    }
+}
+
+/// A note on stderr when the measured peak passed --memory-budget.
+fn note_over_budget(t: &TrainArgs, report: &RunReport) {
+    if let (Some(mb), Some(m)) = (t.run.runtime.memory_budget, report.outcome.memory) {
+        let policy = t.run.hook_spec();
+        let every = t.run.model.activation_checkpointing.unwrap_or(0);
+        let predicted = t.run.predicted_peak(&policy, every, t.run.data.batch_size);
+        let note = crate::footprint::over_budget_note(mb, m.peak as u64, predicted.map(|p| p.total()));
+        if let Some(note) = note {
+            eprintln!("note: {note}");
+        }
+    }
 }
 
 /// `--save`, `--losses`, `--timeline`, written from rank 0's view of the run, every one
