@@ -126,70 +126,6 @@ unsafe fn layer_norm_rows_avx2<T: Float>(
     layer_norm_rows(xs, ws, bs, eps, out, mean, rstd)
 }
 
-/// The gradients [`layer_norm_backward_rows`] writes: `dx` per element, `dw` and `db` per column.
-struct LayerNormGrads<'a, T> {
-    dx: &'a mut [T],
-    dw: &'a mut [T],
-    db: &'a mut [T],
-}
-
-/// `sum f(i)` over `i < d` in the order of [`lane_sum`]: [`LANES`] partial sums, added in order,
-/// then the tail (a loop that vectorizes, the same bits on every CPU).
-#[inline(always)]
-fn lane_sum_at<T: Float>(d: usize, f: impl Fn(usize) -> T) -> T {
-    let mut acc = [T::ZERO; LANES];
-    let full = d / LANES * LANES;
-    for c in (0..full).step_by(LANES) {
-        for (l, a) in acc.iter_mut().enumerate() {
-            *a += f(c + l);
-        }
-    }
-    let mut s = T::ZERO;
-    for a in acc {
-        s += a;
-    }
-    for i in full..d {
-        s += f(i);
-    }
-    s
-}
-
-/// Layer norm's backward over every row: `dx` row by row in parallel (its two row sums in
-/// lanes), then `dw` and `db` summed over the rows in row order.
-#[inline(always)]
-fn layer_norm_backward_rows<T: Float>(xs: &[T], ws: &[T], (ms, rs): (&[T], &[T]), gs: &[T], g: LayerNormGrads<'_, T>) {
-    let d = ws.len();
-    let inv_d = T::ONE / T::from_usize(d);
-    par_rows_mut(g.dx, d, |r, o| {
-        let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-        let (mean, rstd) = (ms[r], rs[r]);
-        let s1 = lane_sum_at(d, |i| gr[i] * ws[i]) * inv_d;
-        let s2 = lane_sum_at(d, |i| gr[i] * ws[i] * (xr[i] - mean) * rstd) * inv_d;
-        for i in 0..d {
-            let xhat = (xr[i] - mean) * rstd;
-            o[i] = rstd * (gr[i] * ws[i] - s1 - xhat * s2);
-        }
-    });
-    for (r, (xr, gr)) in xs.chunks_exact(d).zip(gs.chunks_exact(d)).enumerate() {
-        for i in 0..d {
-            g.dw[i] += gr[i] * (xr[i] - ms[r]) * rs[r];
-            g.db[i] += gr[i];
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn layer_norm_backward_rows_avx2<T: Float>(
-    xs: &[T],
-    ws: &[T],
-    saved: (&[T], &[T]),
-    gs: &[T],
-    g: LayerNormGrads<'_, T>,
-) {
-    layer_norm_backward_rows(xs, ws, saved, gs, g)
-}
-
 /// A per-row output that the row tasks share: each writes only its own element.
 #[derive(Clone, Copy)]
 struct RowPtr<T>(*mut T);
@@ -296,17 +232,33 @@ impl Nn for Buffer {
             let (ms, rs) = (view(same::<T>(op, mean.0)?, mean.1), view(same::<T>(op, rstd.0)?, rstd.1));
             let gs = view(same::<T>(op, gy.0)?, gy.1);
             let d = last_dim(l);
+            let rows = xs.len() / d.max(1);
             let mut dx = vec![T::ZERO; xs.len()];
             let mut dw = vec![T::ZERO; d];
             let mut db = vec![T::ZERO; d];
-            let grads = LayerNormGrads { dx: &mut dx, dw: &mut dw, db: &mut db };
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2, checked just above.
-                unsafe { layer_norm_backward_rows_avx2(xs, ws, (ms, rs), gs, grads) };
-                return Ok((T::wrap(dx), T::wrap(dw), T::wrap(db)));
+            let inv_d = T::ONE / T::from_usize(d);
+            par_rows_mut(&mut dx, d, |r, o| {
+                let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                let (mean, rstd) = (ms[r], rs[r]);
+                let (mut s1, mut s2) = (T::ZERO, T::ZERO);
+                for i in 0..d {
+                    let dxhat = gr[i] * ws[i];
+                    s1 += dxhat;
+                    s2 += dxhat * (xr[i] - mean) * rstd;
+                }
+                let (s1, s2) = (s1 * inv_d, s2 * inv_d);
+                for i in 0..d {
+                    let xhat = (xr[i] - mean) * rstd;
+                    o[i] = rstd * (gr[i] * ws[i] - s1 - xhat * s2);
+                }
+            });
+            for r in 0..rows {
+                let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                for i in 0..d {
+                    dw[i] += gr[i] * (xr[i] - ms[r]) * rs[r];
+                    db[i] += gr[i];
+                }
             }
-            layer_norm_backward_rows(xs, ws, (ms, rs), gs, grads);
             Ok((T::wrap(dx), T::wrap(dw), T::wrap(db)))
         })
     }
