@@ -368,42 +368,7 @@ pub fn load_checkpoint(
 ) -> Result<Resumed> {
     let err = |mismatch| Error::checkpoint(path, mismatch);
     let (tensors, meta) = read_checkpoint(path)?;
-    for (what, want) in [("model", id.model), ("optimizer", id.optimizer)] {
-        let written = meta.get(what).cloned().unwrap_or_default();
-        if written != want {
-            return Err(err(CheckpointMismatch::Written {
-                what,
-                written,
-                this_run: want.to_string(),
-            }));
-        }
-    }
-    // the seed chooses the built-in data; the fingerprint tells any data apart (older
-    // checkpoints have neither)
-    if let Some(written) = meta.get("seed").filter(|got| **got != id.seed.to_string()) {
-        return Err(err(CheckpointMismatch::Seed {
-            written: written.clone(),
-            this_run: id.seed,
-        }));
-    }
-    if let (Some(written), Some(this_run)) = (meta.get("data"), &id.data) {
-        if written != this_run {
-            return Err(err(CheckpointMismatch::Data {
-                written: written.clone(),
-                this_run: this_run.clone(),
-            }));
-        }
-    }
-    check_sharding(&meta, id).map_err(err)?;
-    if let (Some(written), Some(this_run)) = (meta.get("policy"), id.policy) {
-        if written != this_run {
-            return Err(err(CheckpointMismatch::Written {
-                what: "policy",
-                written: written.clone(),
-                this_run: this_run.to_string(),
-            }));
-        }
-    }
+    check_written_for(&meta, id).map_err(err)?;
     let sampler = check_data_order(&meta, id).map_err(err)?;
     if !id.allow_nonfinite {
         brigade_models::check_finite(path, &tensors).map_err(|e| match e {
@@ -436,32 +401,8 @@ pub fn load_checkpoint(
         buckets: read_grouping(&meta).map_err(err)?,
         autotune: read_autotune(&meta).map_err(err)?,
     };
-    // the ranks' own parameters and a policy's state are per rank: they resume on as many
-    // ranks as wrote them
-    let world: Option<usize> = meta.get(WORLD_SIZE_KEY).and_then(|w| w.parse().ok());
-    if !distributed.ranks.is_empty() && world != Some(id.world_size) {
-        return Err(err(CheckpointMismatch::DivergedWorld {
-            policy: meta.get("policy").cloned().unwrap_or_default(),
-            written_world: world,
-            world: id.world_size,
-        }));
-    }
-    if !distributed.policy.is_empty() && world != Some(id.world_size) {
-        return Err(err(CheckpointMismatch::PolicyWorld {
-            policy: meta.get("policy").cloned().unwrap_or_default(),
-            written_world: world,
-            world: id.world_size,
-        }));
-    }
-    // each rank continues its own generator; on another number of ranks only a state they
-    // all shared can be continued
-    let dropout_rng = read_rngs(&meta).map_err(err)?;
-    if dropout_rng.len() > 1 && dropout_rng.len() != id.world_size && dropout_rng.iter().any(|s| *s != dropout_rng[0]) {
-        return Err(err(CheckpointMismatch::DropoutRngWorld {
-            written_world: dropout_rng.len(),
-            world: id.world_size,
-        }));
-    }
+    check_world(&meta, &distributed, id).map_err(err)?;
+    let dropout_rng = read_dropout_rngs(&meta, id).map_err(err)?;
     let loss_scale = tensors
         .iter()
         .find(|(n, _)| n == "optim.grad_scaler.scale")
@@ -474,6 +415,91 @@ pub fn load_checkpoint(
         dropout_rng,
         loss_scale,
     })
+}
+
+/// That the checkpoint was written for this run: its model, optimizer, seed, data, sharding
+/// and policy (the seed chooses the built-in data; the fingerprint tells any data apart; older
+/// checkpoints have neither).
+fn check_written_for(
+    meta: &HashMap<String, String>,
+    id: &CheckpointIdentity<'_>,
+) -> std::result::Result<(), CheckpointMismatch> {
+    for (what, want) in [("model", id.model), ("optimizer", id.optimizer)] {
+        let written = meta.get(what).cloned().unwrap_or_default();
+        if written != want {
+            return Err(CheckpointMismatch::Written {
+                what,
+                written,
+                this_run: want.to_string(),
+            });
+        }
+    }
+    if let Some(written) = meta.get("seed").filter(|got| **got != id.seed.to_string()) {
+        return Err(CheckpointMismatch::Seed {
+            written: written.clone(),
+            this_run: id.seed,
+        });
+    }
+    if let (Some(written), Some(this_run)) = (meta.get("data"), &id.data) {
+        if written != this_run {
+            return Err(CheckpointMismatch::Data {
+                written: written.clone(),
+                this_run: this_run.clone(),
+            });
+        }
+    }
+    check_sharding(meta, id)?;
+    if let (Some(written), Some(this_run)) = (meta.get("policy"), id.policy) {
+        if written != this_run {
+            return Err(CheckpointMismatch::Written {
+                what: "policy",
+                written: written.clone(),
+                this_run: this_run.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The ranks' own parameters and a policy's state are per rank: they resume on as many ranks
+/// as wrote them.
+fn check_world(
+    meta: &HashMap<String, String>,
+    distributed: &DistributedState,
+    id: &CheckpointIdentity<'_>,
+) -> std::result::Result<(), CheckpointMismatch> {
+    let world: Option<usize> = meta.get(WORLD_SIZE_KEY).and_then(|w| w.parse().ok());
+    if !distributed.ranks.is_empty() && world != Some(id.world_size) {
+        return Err(CheckpointMismatch::DivergedWorld {
+            policy: meta.get("policy").cloned().unwrap_or_default(),
+            written_world: world,
+            world: id.world_size,
+        });
+    }
+    if !distributed.policy.is_empty() && world != Some(id.world_size) {
+        return Err(CheckpointMismatch::PolicyWorld {
+            policy: meta.get("policy").cloned().unwrap_or_default(),
+            written_world: world,
+            world: id.world_size,
+        });
+    }
+    Ok(())
+}
+
+/// The dropout generators: each rank continues its own; on another number of ranks only a
+/// state they all shared can be continued.
+fn read_dropout_rngs(
+    meta: &HashMap<String, String>,
+    id: &CheckpointIdentity<'_>,
+) -> std::result::Result<Vec<RngState>, CheckpointMismatch> {
+    let dropout_rng = read_rngs(meta)?;
+    if dropout_rng.len() > 1 && dropout_rng.len() != id.world_size && dropout_rng.iter().any(|s| *s != dropout_rng[0]) {
+        return Err(CheckpointMismatch::DropoutRngWorld {
+            written_world: dropout_rng.len(),
+            world: id.world_size,
+        });
+    }
+    Ok(dropout_rng)
 }
 
 /// The metadata entries of the buckets' grouping (see the module docs).

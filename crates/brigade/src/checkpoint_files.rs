@@ -252,37 +252,8 @@ impl CheckpointConfig {
             return Ok(());
         };
         let resume = self.resume.as_deref().and_then(read_target);
-        // a checkpoint is written as a file in its name's place: a folder, a pipe or a device
-        // there would fail the write (after training) or be replaced
-        for (entry, digits) in names.entries().unwrap_or_default() {
-            if let Ok(m) = std::fs::metadata(&entry) {
-                if !m.is_file() {
-                    return Err(Error::CheckpointClash(Box::new(crate::error::FileClash {
-                        field: PATH_FIELD,
-                        path: path.display().to_string(),
-                        other: String::new(),
-                        other_path: entry.display().to_string(),
-                        whose: None,
-                        other_written: false,
-                        clash: Clash::NotAFile {
-                            step: (!digits.is_empty()).then_some(digits),
-                            what: if m.is_dir() { "a folder" } else { "not a regular file" },
-                        },
-                    })));
-                }
-            }
-        }
-        // what stands at the checkpoints' names now: a symbolic link is written through
-        let links: Vec<(PathBuf, String, PathBuf)> = names
-            .entries()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|(p, _)| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink()))
-            .filter_map(|(p, digits)| {
-                let target = brigade_models::io::write_target(&p).ok()?;
-                Some((p, digits, resolved(&target)?))
-            })
-            .collect();
+        not_files(path, &names)?;
+        let links = links_at(&names);
         let clash = |file: &RunFile, clash: Clash| {
             Err(Error::CheckpointClash(Box::new(crate::error::FileClash {
                 field: PATH_FIELD,
@@ -296,24 +267,8 @@ impl CheckpointConfig {
         };
         let step = |digits: &str| (!digits.is_empty()).then(|| digits.to_string());
         for file in files {
-            let pattern = !file.written && file_name(&file.path).is_some_and(|n| n.contains(['*', '?']));
-            let landings: Vec<PathBuf> = if pattern {
-                if reads_checkpoints(&file.path, &names) {
-                    return clash(file, Clash::PatternReads);
-                }
-                brigade_models::tokens::expand_glob(&file.path)
-                    .unwrap_or_default()
-                    .iter()
-                    .filter_map(|p| read_target(p))
-                    .collect()
-            } else if file.written {
-                brigade_models::io::write_target(&file.path)
-                    .ok()
-                    .and_then(|t| resolved(&t))
-                    .into_iter()
-                    .collect()
-            } else {
-                read_target(&file.path).into_iter().collect()
+            let Some(landings) = landings(file, &names) else {
+                return clash(file, Clash::PatternReads);
             };
             for at in landings.iter().filter(|at| Some(*at) != resume.as_ref()) {
                 let direct = (at.parent() == Some(names.dir.as_path()))
@@ -518,6 +473,69 @@ fn glob_meets_names(glob: &[u8], names: &Names) -> bool {
 
 fn file_name(path: &Path) -> Option<&str> {
     path.file_name()?.to_str()
+}
+
+/// A checkpoint is written as a file in its name's place: a folder, a pipe or a device at one
+/// of `names` would fail the write (after training) or be replaced.
+fn not_files(path: &Path, names: &Names) -> Result<()> {
+    for (entry, digits) in names.entries().unwrap_or_default() {
+        if let Ok(m) = std::fs::metadata(&entry) {
+            if !m.is_file() {
+                return Err(Error::CheckpointClash(Box::new(crate::error::FileClash {
+                    field: PATH_FIELD,
+                    path: path.display().to_string(),
+                    other: String::new(),
+                    other_path: entry.display().to_string(),
+                    whose: None,
+                    other_written: false,
+                    clash: Clash::NotAFile {
+                        step: (!digits.is_empty()).then_some(digits),
+                        what: if m.is_dir() { "a folder" } else { "not a regular file" },
+                    },
+                })));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The symbolic links that stand at the checkpoints' names now (a write goes through them):
+/// each with its step's digits and where it leads.
+fn links_at(names: &Names) -> Vec<(PathBuf, String, PathBuf)> {
+    names
+        .entries()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(p, _)| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink()))
+        .filter_map(|(p, digits)| {
+            let target = brigade_models::io::write_target(&p).ok()?;
+            Some((p, digits, resolved(&target)?))
+        })
+        .collect()
+}
+
+/// Where a run's file really is (symbolic links followed): every file a pattern of files to
+/// read matches, or the one file; `None` when the pattern would read the checkpoints.
+fn landings(file: &RunFile, names: &Names) -> Option<Vec<PathBuf>> {
+    let pattern = !file.written && file_name(&file.path).is_some_and(|n| n.contains(['*', '?']));
+    Some(if pattern {
+        if reads_checkpoints(&file.path, names) {
+            return None;
+        }
+        brigade_models::tokens::expand_glob(&file.path)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|p| read_target(p))
+            .collect()
+    } else if file.written {
+        brigade_models::io::write_target(&file.path)
+            .ok()
+            .and_then(|t| resolved(&t))
+            .into_iter()
+            .collect()
+    } else {
+        read_target(&file.path).into_iter().collect()
+    })
 }
 
 #[cfg(test)]

@@ -59,7 +59,7 @@ pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
 pub use cost::{NetModel, RingOp};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;
-pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR};
+pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR, LINE_FROM_BYTES};
 pub use meter::{CommBytes, CommMeter};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions, MpiPath, MpiTransport, MpiWorld};

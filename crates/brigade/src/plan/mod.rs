@@ -271,6 +271,60 @@ fn stretched(p: &StepProfile, ratio: f64) -> StepProfile {
 /// precisions, batches or optimizers; a bucket cap that is not a positive number of MiB.
 pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
     let facts = run_facts(profiles)?;
+    let world = check_query(q, &facts)?;
+    let recorded: Vec<Option<PolicySpec>> = profiles.iter().map(profiled_policy).collect();
+    let family_of_profile: Vec<Option<PolicySpec>> = recorded.iter().map(|s| s.as_ref().and_then(family_of)).collect();
+    // the recompute, measured: allreduce at checkpointing 0 and 1
+    let allreduce_at = |ac: usize| {
+        (0..profiles.len()).find(|&i| {
+            family_of_profile[i] == Some(PolicySpec::AllReduce) && profiles[i].activation_checkpointing == ac
+        })
+    };
+    let weighing = Weighing {
+        profiles,
+        q,
+        facts: &facts,
+        world,
+        ac_pair: allreduce_at(0).zip(allreduce_at(1)),
+        overhead: LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>()),
+        family_of_profile: &family_of_profile,
+    };
+    // the policies: the built-in families, each of them at every setting some profile
+    // recorded (PowerSGD at each rank; rank 1 when none did, to say that it was not profiled)
+    let recorded_specs: Vec<PolicySpec> = recorded.iter().flatten().cloned().collect();
+    let policies = brigade_policies::registry::plan_candidates(&recorded_specs);
+    let checkpointing: &[usize] = match facts.kind {
+        ModelKind::Gpt(_) => &[0, 1],
+        ModelKind::Mlp(_) => &[0],
+    };
+    let mut candidates = vec![];
+    for policy in &policies {
+        for &ac in checkpointing {
+            candidates.extend(weighing.candidates(policy, ac)?);
+        }
+    }
+    rank_candidates(&mut candidates);
+    let winner = candidates.first().filter(|c| c.is_eligible()).map(|_| 0);
+    Ok(Plan {
+        candidates,
+        winner,
+        precision: facts.precision,
+        command: profiles
+            .iter()
+            .find_map(|p| {
+                p.run
+                    .as_ref()
+                    .filter(|r| !r.command.is_empty())
+                    .map(|r| r.command.clone())
+            })
+            .unwrap_or_default(),
+        link: q.link,
+    })
+}
+
+/// The query's bucket caps checked, and the world size it plans for (the profiles' unless it
+/// names one).
+fn check_query(q: &PlanQuery, facts: &RunFacts) -> Result<usize> {
     if q.bucket_caps_mb.is_empty() {
         return Err(Error::Plan("no bucket cap to try".into()));
     }
@@ -288,72 +342,76 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
     if world == 0 {
         return Err(Error::Plan("the world size must be at least 1".into()));
     }
-    let recorded: Vec<Option<PolicySpec>> = profiles.iter().map(profiled_policy).collect();
-    let family_of_profile: Vec<Option<PolicySpec>> = recorded.iter().map(|s| s.as_ref().and_then(family_of)).collect();
-    let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
+    Ok(world)
+}
 
-    // the policies: the built-in families, each of them at every setting some profile
-    // recorded (PowerSGD at each rank; rank 1 when none did, to say that it was not profiled)
-    let recorded_specs: Vec<PolicySpec> = recorded.iter().flatten().cloned().collect();
-    let policies = brigade_policies::registry::plan_candidates(&recorded_specs);
-    let checkpointing: &[usize] = match facts.kind {
-        ModelKind::Gpt(_) => &[0, 1],
-        ModelKind::Mlp(_) => &[0],
-    };
-    // the recompute, measured: allreduce at checkpointing 0 and 1
-    let allreduce_at = |ac: usize| {
-        (0..profiles.len()).find(|&i| {
-            family_of_profile[i] == Some(PolicySpec::AllReduce) && profiles[i].activation_checkpointing == ac
-        })
-    };
-    let ac_pair = allreduce_at(0).zip(allreduce_at(1));
+/// What every candidate is weighed against: the profiles (with each one's policy family),
+/// the query, the run's facts, the world planned for, the allreduce pair that measures the
+/// recompute, and the backend's launch overhead.
+struct Weighing<'a> {
+    profiles: &'a [StepProfile],
+    q: &'a PlanQuery,
+    facts: &'a RunFacts,
+    world: usize,
+    ac_pair: Option<(usize, usize)>,
+    overhead: LaunchOverhead,
+    family_of_profile: &'a [Option<PolicySpec>],
+}
 
-    let mut candidates = vec![];
-    for policy in &policies {
+impl Weighing<'_> {
+    /// The candidates of `policy` at checkpointing `ac`, one per bucket cap: its predicted
+    /// peak (and how far over the budget), and its predicted step.
+    fn candidates(&self, policy: &PolicySpec, ac: usize) -> Result<Vec<Candidate>> {
+        let (q, facts) = (self.q, self.facts);
         let family = family_of(policy).expect("a planned policy has a family");
-        for &ac in checkpointing {
-            let memory = memory::predict_peak(&PeakQuery {
-                kind: &facts.kind,
-                rows: facts.rows,
-                state_per_param: facts.state_per_param,
-                policy,
-                world,
-                checkpoint_every: ac,
-            })
-            .ok_or_else(|| Error::Plan("the model's predicted peak is more than 2^64 bytes per rank".into()))?;
-            let over_budget =
-                (memory.total() > q.budget_bytes).then(|| (memory.largest().0, memory.total() - q.budget_bytes));
-            for &cap in &q.bucket_caps_mb {
+        let memory = memory::predict_peak(&PeakQuery {
+            kind: &facts.kind,
+            rows: facts.rows,
+            state_per_param: facts.state_per_param,
+            policy,
+            world: self.world,
+            checkpoint_every: ac,
+        })
+        .ok_or_else(|| Error::Plan("the model's predicted peak is more than 2^64 bytes per rank".into()))?;
+        let over_budget =
+            (memory.total() > q.budget_bytes).then(|| (memory.largest().0, memory.total() - q.budget_bytes));
+        Ok(q.bucket_caps_mb
+            .iter()
+            .map(|&cap| {
                 let first = q.first_bucket_cap_mb.unwrap_or(1.0).min(cap);
                 let step = predict_step(
-                    profiles,
-                    &family_of_profile,
+                    self.profiles,
+                    self.family_of_profile,
                     &family,
                     ac,
-                    ac_pair,
-                    overhead,
+                    self.ac_pair,
+                    self.overhead,
                     &ReplayConfig {
                         bucket_cap_mb: cap,
                         first_bucket_cap_mb: first,
                         link: q.link,
-                        world_size: Some(world),
+                        world_size: Some(self.world),
                         order: BucketOrder::Ready,
                     },
                 );
-                candidates.push(Candidate {
+                Candidate {
                     policy: policy.clone(),
                     bucket_cap_mb: cap,
                     first_bucket_cap_mb: first,
                     activation_checkpointing: ac,
-                    world_size: world,
+                    world_size: self.world,
                     memory,
                     over_budget,
                     step,
-                });
-            }
-        }
+                }
+            })
+            .collect())
     }
-    // fitting and predicted by step; over budget by peak; not predicted as listed
+}
+
+/// Fitting and predicted candidates first, by step; then those over budget, by peak; then
+/// those not predicted, as listed.
+fn rank_candidates(candidates: &mut [Candidate]) {
     let rank = |c: &Candidate| match (&c.step, c.over_budget) {
         (Ok(s), None) => (0, s.step_s),
         (_, Some(_)) => (1, c.memory.total() as f64),
@@ -363,22 +421,6 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
         let (ra, rb) = (rank(a), rank(b));
         ra.0.cmp(&rb.0).then(ra.1.total_cmp(&rb.1))
     });
-    let winner = candidates.first().filter(|c| c.is_eligible()).map(|_| 0);
-    Ok(Plan {
-        candidates,
-        winner,
-        precision: facts.precision,
-        command: profiles
-            .iter()
-            .find_map(|p| {
-                p.run
-                    .as_ref()
-                    .filter(|r| !r.command.is_empty())
-                    .map(|r| r.command.clone())
-            })
-            .unwrap_or_default(),
-        link: q.link,
-    })
 }
 
 /// The step of a candidate of `family` at checkpointing `ac` under `cfg` (its order set here

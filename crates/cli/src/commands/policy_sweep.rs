@@ -183,7 +183,6 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         observer: Some(stop_on_signal),
         ..RunOptions::default()
     };
-    let mut interrupted = false;
     let late = Arc::new(LateHeldOut::default());
     let plan = plan(s, &quiet, &late)?;
     prepare_out(&s.out, POLICY_OUTPUTS[0], &s.run)?;
@@ -192,72 +191,23 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     }
     // --tensorboard: each row's run directory
     let mut boards = vec![];
-    let a = &s.run;
     let mut rows = vec![];
     // a row that fails (diverged, refused by its policy) ends the sweep with its error, after
     // the rows that finished are written
     let mut failed = None;
+    let mut interrupted = false;
     for (spec, cfg) in &plan {
-        // the same ranks and batches, no gradient communication, a few steps
-        let mut base = cfg.clone();
-        base.recipe.steps = cfg.recipe.steps.min(a.runtime.untimed_steps + BASELINE_STEPS);
-        base.distributed = None;
-        let baseline = match run_config(a, &quiet, &base, &late).and_then(finished) {
-            Ok(b) => b,
-            Err(e) => {
+        match run_row(s, &quiet, &late, (spec, cfg), &mut boards)? {
+            RowRun::Done(row) => rows.push(row),
+            RowRun::Interrupted => {
+                interrupted = true;
+                break;
+            }
+            RowRun::Failed(e) => {
                 failed = Some(e);
                 break;
             }
-        };
-        if baseline.outcome.interrupted {
-            interrupted = true;
-            break;
         }
-        let compute_ms = median_step(a, &baseline.outcome.ms());
-        let board = s.tensorboard.as_ref().map(|dir| {
-            let name = match s.precisions.len() {
-                0 | 1 => spec.to_string(),
-                _ => format!("{spec}_{}", cfg.recipe.precision.name()),
-            };
-            Arc::new(TensorBoard::new(crate::tensorboard::run_dir(dir, &name)))
-        });
-        boards.extend(board.clone());
-        let mut observed = cfg.clone();
-        observed.runtime.instrument.observer = Some(Arc::new((quiet.observer.clone(), board)));
-        let report = match run_config(a, &quiet, &observed, &late).and_then(finished) {
-            Ok(r) => r.outcome,
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        };
-        if report.interrupted {
-            interrupted = true;
-            break;
-        }
-        let step_ms = median_step(a, &report.ms());
-        let sent = SentSummary::of(&report.sent()).ok_or_else(|| Error::Usage("no step ran".into()))?;
-        let losses = report.losses();
-        let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
-        rows.push(PolicyRow {
-            policy: spec.to_string(),
-            precision: cfg.recipe.precision.name().to_string(),
-            note: report
-                .policy_diagnostics
-                .iter()
-                .map(|d| d.message.clone())
-                .collect::<Vec<_>>()
-                .join("; "),
-            step_ms,
-            compute_only_ms: compute_ms,
-            exposed_comm_ms: (step_ms - compute_ms).max(0.0),
-            sent_bytes_per_step: sent.payload_per_step,
-            sent_bytes_last_step: sent.payload_last_step,
-            sent_bytes_total: sent.payload_total,
-            wire_bytes_per_step: sent.wire_per_step,
-            final_loss: report.losses().last().copied().unwrap_or(f64::NAN),
-            last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
-        });
     }
     if interrupted && rows.is_empty() {
         return Err(Error::SweepInterrupted {
@@ -275,47 +225,137 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         return Err(e);
     }
     crate::tensorboard::with_failures(Ok(()), boards.iter().map(|tb| &**tb))?;
-    if s.json {
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the policy rows", e))?
-        );
-    } else {
-        outln!(
-            "{:>16} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
-            "policy",
-            "step_ms",
-            "compute_ms",
-            "exposed_ms",
-            "sent/step",
-            "last step",
-            "final_loss",
-            "last10_loss"
-        );
-        for r in &rows {
-            outln!(
-                "{:>16} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
-                label(r, s.precisions.len()),
-                r.step_ms,
-                r.compute_only_ms,
-                r.exposed_comm_ms,
-                human_bytes(r.sent_bytes_per_step),
-                human_bytes(r.sent_bytes_last_step as f64),
-                r.final_loss,
-                r.last10_loss
-            );
-        }
-        for r in rows.iter().filter(|r| !r.note.is_empty()) {
-            outln!("note: {}: {}", label(r, s.precisions.len()), r.note);
-        }
-        outln!("wrote {}", s.out.join(POLICY_OUTPUTS[0]).display());
-    }
+    print_rows(s, &rows)?;
     if interrupted {
         return Err(Error::SweepInterrupted {
             runs: rows.len(),
             of: plan.len(),
         });
     }
+    Ok(())
+}
+
+/// How one row's runs ended.
+enum RowRun {
+    /// Both runs finished.
+    Done(PolicyRow),
+    /// A signal stopped one.
+    Interrupted,
+    /// One failed (diverged, refused by its policy): the sweep ends with this error.
+    Failed(Error),
+}
+
+/// One row: the compute-only baseline (the same ranks and batches, no gradient communication, a
+/// few steps), then the policy's run, observed by its --tensorboard directory (kept in `boards`).
+fn run_row(
+    s: &SweepArgs,
+    quiet: &RunOptions,
+    late: &Arc<LateHeldOut>,
+    (spec, cfg): (&PolicySpec, &TrainConfig),
+    boards: &mut Vec<Arc<TensorBoard>>,
+) -> Result<RowRun> {
+    let a = &s.run;
+    let mut base = cfg.clone();
+    base.recipe.steps = cfg.recipe.steps.min(a.runtime.untimed_steps + BASELINE_STEPS);
+    base.distributed = None;
+    let baseline = match run_config(a, quiet, &base, late).and_then(finished) {
+        Ok(b) => b,
+        Err(e) => return Ok(RowRun::Failed(e)),
+    };
+    if baseline.outcome.interrupted {
+        return Ok(RowRun::Interrupted);
+    }
+    let compute_ms = median_step(a, &baseline.outcome.ms());
+    let board = s.tensorboard.as_ref().map(|dir| {
+        let name = match s.precisions.len() {
+            0 | 1 => spec.to_string(),
+            _ => format!("{spec}_{}", cfg.recipe.precision.name()),
+        };
+        Arc::new(TensorBoard::new(crate::tensorboard::run_dir(dir, &name)))
+    });
+    boards.extend(board.clone());
+    let mut observed = cfg.clone();
+    observed.runtime.instrument.observer = Some(Arc::new((quiet.observer.clone(), board)));
+    let report = match run_config(a, quiet, &observed, late).and_then(finished) {
+        Ok(r) => r.outcome,
+        Err(e) => return Ok(RowRun::Failed(e)),
+    };
+    if report.interrupted {
+        return Ok(RowRun::Interrupted);
+    }
+    Ok(RowRun::Done(policy_row(a, spec, cfg, &report, compute_ms)?))
+}
+
+/// A row's figures from its run's outcome and its baseline's median step.
+fn policy_row(
+    a: &RunArgs,
+    spec: &PolicySpec,
+    cfg: &TrainConfig,
+    report: &brigade::outcome::TrainOutcome,
+    compute_ms: f64,
+) -> Result<PolicyRow> {
+    let step_ms = median_step(a, &report.ms());
+    let sent = SentSummary::of(&report.sent()).ok_or_else(|| Error::Usage("no step ran".into()))?;
+    let losses = report.losses();
+    let tail = &losses[losses.len().saturating_sub(LAST_LOSSES)..];
+    Ok(PolicyRow {
+        policy: spec.to_string(),
+        precision: cfg.recipe.precision.name().to_string(),
+        note: report
+            .policy_diagnostics
+            .iter()
+            .map(|d| d.message.clone())
+            .collect::<Vec<_>>()
+            .join("; "),
+        step_ms,
+        compute_only_ms: compute_ms,
+        exposed_comm_ms: (step_ms - compute_ms).max(0.0),
+        sent_bytes_per_step: sent.payload_per_step,
+        sent_bytes_last_step: sent.payload_last_step,
+        sent_bytes_total: sent.payload_total,
+        wire_bytes_per_step: sent.wire_per_step,
+        final_loss: report.losses().last().copied().unwrap_or(f64::NAN),
+        last10_loss: tail.iter().sum::<f64>() / tail.len() as f64,
+    })
+}
+
+/// The rows on stdout: JSON, or a table, the policies' notes and where the CSV went.
+fn print_rows(s: &SweepArgs, rows: &[PolicyRow]) -> Result<()> {
+    if s.json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(rows).map_err(|e| Error::json("the policy rows", e))?
+        );
+        return Ok(());
+    }
+    outln!(
+        "{:>16} {:>9} {:>12} {:>11} {:>14} {:>14} {:>11} {:>11}",
+        "policy",
+        "step_ms",
+        "compute_ms",
+        "exposed_ms",
+        "sent/step",
+        "last step",
+        "final_loss",
+        "last10_loss"
+    );
+    for r in rows {
+        outln!(
+            "{:>16} {:>9.2} {:>12.2} {:>11.2} {:>14} {:>14} {:>11.4} {:>11.4}",
+            label(r, s.precisions.len()),
+            r.step_ms,
+            r.compute_only_ms,
+            r.exposed_comm_ms,
+            human_bytes(r.sent_bytes_per_step),
+            human_bytes(r.sent_bytes_last_step as f64),
+            r.final_loss,
+            r.last10_loss
+        );
+    }
+    for r in rows.iter().filter(|r| !r.note.is_empty()) {
+        outln!("note: {}: {}", label(r, s.precisions.len()), r.note);
+    }
+    outln!("wrote {}", s.out.join(POLICY_OUTPUTS[0]).display());
     Ok(())
 }
 
@@ -361,7 +401,21 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, 
     };
     let root = SVGBackend::with_string(svg, (1260, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let caption = format!(
+    let root = root
+        .titled(&caption(a), ("sans-serif", 18))
+        .map_err(|e| err(e.to_string()))?;
+    let panels = root.split_evenly((1, 3));
+    let names: Vec<String> = rows.iter().map(|r| label(r, precisions)).collect();
+    for (panel, (y_desc, metrics)) in panels.iter().zip(metric_groups()) {
+        draw_panel(panel, rows, &names, y_desc, metrics).map_err(err)?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+/// The chart's title: the workload, its layout and the network.
+fn caption(a: &RunArgs) -> String {
+    format!(
         "{}, world size {}, {} rows/rank, {} steps, bucket {} MiB, net {}",
         flag_name(&a.model.model),
         a.distributed.world_size,
@@ -376,12 +430,12 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, 
             .net_gbps
             .map(|g| format!("{g} Gb/s"))
             .unwrap_or_else(|| "unlimited".into()),
-    );
-    let root = root
-        .titled(&caption, ("sans-serif", 18))
-        .map_err(|e| err(e.to_string()))?;
-    let panels = root.split_evenly((1, 3));
-    let groups: [(&str, Vec<Metric>); 3] = [
+    )
+}
+
+/// The three panels' axis names and bars: time, bytes sent, loss.
+fn metric_groups() -> [(&'static str, Vec<Metric>); 3] {
+    [
         (
             "ms per step",
             vec![
@@ -407,62 +461,69 @@ fn render_chart(svg: &mut String, path: &Path, rows: &[PolicyRow], a: &RunArgs, 
                 ("last 10 steps", RGBColor(22, 160, 133), |r| r.last10_loss),
             ],
         ),
-    ];
-    let names: Vec<String> = rows.iter().map(|r| label(r, precisions)).collect();
-    for (panel, (y_desc, metrics)) in panels.iter().zip(groups) {
-        let ymax = rows
-            .iter()
-            .flat_map(|r| metrics.iter().map(move |(_, _, f)| f(r)))
-            .filter(|v| v.is_finite())
-            .fold(0.0, f64::max)
-            * 1.15
-            + 1e-9;
-        let n = rows.len() as f64;
-        let mut chart = ChartBuilder::on(panel)
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)
-            .map_err(|e| err(e.to_string()))?;
-        let labels = names.clone();
+    ]
+}
+
+/// One panel: a group of bars per row (one bar per metric, labelled by `names`), with a legend;
+/// the error in words.
+fn draw_panel<DB: DrawingBackend>(
+    panel: &DrawingArea<DB, plotters::coord::Shift>,
+    rows: &[PolicyRow],
+    names: &[String],
+    y_desc: &str,
+    metrics: Vec<Metric>,
+) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let ymax = rows
+        .iter()
+        .flat_map(|r| metrics.iter().map(move |(_, _, f)| f(r)))
+        .filter(|v| v.is_finite())
+        .fold(0.0, f64::max)
+        * 1.15
+        + 1e-9;
+    let n = rows.len() as f64;
+    let mut chart = ChartBuilder::on(panel)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)
+        .map_err(err)?;
+    let labels = names.to_vec();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(rows.len().max(1))
+        .x_label_formatter(&move |x| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 {
+                labels.get(i as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(y_desc)
+        .draw()
+        .map_err(err)?;
+    let width = 0.8 / metrics.len() as f64;
+    for (k, (name, color, f)) in metrics.into_iter().enumerate() {
+        let bars = rows.iter().enumerate().map(move |(i, r)| {
+            let x0 = i as f64 - 0.4 + k as f64 * width;
+            let v = f(r);
+            Rectangle::new(
+                [(x0, 0.0), (x0 + width * 0.9, if v.is_finite() { v } else { 0.0 })],
+                color.filled(),
+            )
+        });
         chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(rows.len().max(1))
-            .x_label_formatter(&move |x| {
-                let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 {
-                    labels.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(y_desc)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
-        let width = 0.8 / metrics.len() as f64;
-        for (k, (name, color, f)) in metrics.into_iter().enumerate() {
-            let bars = rows.iter().enumerate().map(move |(i, r)| {
-                let x0 = i as f64 - 0.4 + k as f64 * width;
-                let v = f(r);
-                Rectangle::new(
-                    [(x0, 0.0), (x0 + width * 0.9, if v.is_finite() { v } else { 0.0 })],
-                    color.filled(),
-                )
-            });
-            chart
-                .draw_series(bars)
-                .map_err(|e| err(e.to_string()))?
-                .label(name)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
-        }
-        chart
-            .configure_series_labels()
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
+            .draw_series(bars)
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    root.present().map_err(|e| err(e.to_string()))?;
-    Ok(())
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.8))
+        .draw()
+        .map_err(err)
 }

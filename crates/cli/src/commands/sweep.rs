@@ -59,21 +59,48 @@ const MAX_REPEAT: usize = 1000;
 pub fn sweep(mut s: SweepArgs) -> Result<()> {
     // first: a signal from here on stops the sweep (at once while its first run starts)
     let stop_on_signal: Arc<dyn TrainObserver> = Arc::new(StopOnSignal::install());
+    if sweeps_policies(&mut s)? {
+        return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
+    }
+    let caps = s.run.fixed_caps()?;
+    check_caps_sweep(&s, &caps)?;
+    prepare_out(&s.out, "sweep.csv", &s.run)?;
+    if let Some(dir) = &s.tensorboard {
+        crate::tensorboard::prepare(dir)?;
+    }
+    // a signal stops the run in progress at a step boundary; that run is dropped, and --out
+    // gets the runs that finished (during the first run's start-up: an exit at once)
+    let mut runs = CapRuns {
+        quiet: RunOptions {
+            observer: Some(stop_on_signal),
+            ..RunOptions::default()
+        },
+        interrupted: false,
+        timelines: vec![],
+        boards: vec![],
+    };
+    let samples = run_rounds(&caps, s.repeat, |round, b| runs.run_cap(&s, round, b))?;
+    write_sweep(&s, &caps, &samples, runs)
+}
+
+/// Whether this sweep is one of policies (or precisions) rather than of bucket caps; one policy
+/// with several caps is the caps' sweep under that policy, which becomes the run's.
+fn sweeps_policies(s: &mut SweepArgs) -> Result<bool> {
     if s.policy.is_empty() {
         s.run.resolve_policy(None)?;
     }
     if let [entry] = &s.policy[..] {
-        // one policy and several caps: the caps' sweep, under that policy
         if s.run.fixed_caps()?.len() > 1 {
             let entry = entry.clone();
             s.run.resolve_policy(Some(&entry))?;
             s.policy.clear();
         }
     }
-    if !s.policy.is_empty() || !s.precisions.is_empty() {
-        return crate::commands::policy_sweep::sweep_policies(&s, stop_on_signal);
-    }
-    let caps = s.run.fixed_caps()?;
+    Ok(!s.policy.is_empty() || !s.precisions.is_empty())
+}
+
+/// The options a sweep of bucket caps needs, each checked before any run.
+fn check_caps_sweep(s: &SweepArgs, caps: &[f64]) -> Result<()> {
     s.run.validate()?;
     if s.run.recipe.steps < 2 {
         return Err(Error::Usage(
@@ -86,67 +113,60 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
             s.repeat
         )));
     }
-    if let Some(b) = crate::args::listed_twice(&caps) {
+    if let Some(b) = crate::args::listed_twice(caps) {
         return Err(Error::Usage(format!(
             "--bucket-mb lists {b} twice: each bucket cap is one row and one timeline"
         )));
     }
-    prepare_out(&s.out, "sweep.csv", &s.run)?;
-    if let Some(dir) = &s.tensorboard {
-        crate::tensorboard::prepare(dir)?;
-    }
-    // a signal stops the run in progress at a step boundary; that run is dropped, and --out
-    // gets the runs that finished (during the first run's start-up: an exit at once)
-    let quiet = RunOptions {
-        observer: Some(stop_on_signal),
-        ..RunOptions::default()
-    };
-    let mut interrupted = false;
-    // the last round's timelines, written once every run has succeeded
-    let mut timelines = vec![];
-    // --tensorboard: each measured run's directory, by cap
-    let mut boards: Vec<(f64, Arc<TensorBoard>)> = vec![];
-    let samples = run_rounds(&caps, s.repeat, |round, b| -> Result<Option<Sample>> {
+    Ok(())
+}
+
+/// What the runs of a caps' sweep leave beside their samples.
+struct CapRuns {
+    /// The options of every run: the observer that stops on a signal, nothing printed.
+    quiet: RunOptions,
+    /// Whether a signal stopped a run.
+    interrupted: bool,
+    /// The last round's timelines (file name, timeline, title), written once every run has
+    /// succeeded.
+    timelines: Vec<(String, brigade::fit::StepTimeline, String)>,
+    /// --tensorboard: each measured run's directory, by cap.
+    boards: Vec<(f64, Arc<TensorBoard>)>,
+}
+
+impl CapRuns {
+    /// One round of cap `b`: the compute-only baseline right before the recorded DDP run (this
+    /// machine's speed drifts over minutes, and the comparison must not); `None` when a signal
+    /// stopped either.
+    fn run_cap(&mut self, s: &SweepArgs, round: usize, b: f64) -> Result<Option<Sample>> {
         let mut a = s.run.clone();
         a.distributed.bucket_mb = vec![BucketCap::Mib(b)];
         a.distributed.first_bucket_mb = a.first_bucket_cap(b);
-        // The baseline runs right before each run: this machine's speed drifts over
-        // minutes, and the comparison must not.
         let compute_only = finished(run(
             &a,
             &RunOptions {
                 compute_only: true,
-                ..quiet.clone()
+                ..self.quiet.clone()
             },
         )?)?;
         if compute_only.outcome.interrupted {
-            interrupted = true;
+            self.interrupted = true;
             return Ok(None);
         }
         let compute_ms = median_step(&a, &compute_only.outcome.ms());
-        let board = s.tensorboard.as_ref().map(|dir| {
-            let cap = crate::tensorboard::run_dir(dir, &format!("bucket_{b}MiB"));
-            let at = match s.repeat {
-                1 => cap,
-                _ => cap.join(format!("round_{}", round + 1)),
-            };
-            Arc::new(TensorBoard::new(at))
-        });
-        if let Some(tb) = &board {
-            boards.push((b, tb.clone()));
-        }
-        let observer: Arc<dyn TrainObserver> = Arc::new((quiet.observer.clone(), board));
+        let board = self.board(s, round, b);
+        let observer: Arc<dyn TrainObserver> = Arc::new((self.quiet.observer.clone(), board));
         let mut report = finished(run(
             &a,
             &RunOptions {
                 record: true,
                 profile: true,
                 observer: Some(observer),
-                ..quiet.clone()
+                ..self.quiet.clone()
             },
         )?)?;
         if report.outcome.interrupted {
-            interrupted = true;
+            self.interrupted = true;
             return Ok(None);
         }
         let tl = report.timeline.take().expect("recording was on and steps ran");
@@ -167,34 +187,42 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
                 sample.step_ms,
                 compute_ms
             );
-            timelines.push((format!("timeline_{b}MiB.json"), tl, title));
+            self.timelines.push((format!("timeline_{b}MiB.json"), tl, title));
         }
         Ok(Some(sample))
-    })?;
-    let runs: usize = samples.iter().map(Vec::len).sum();
-    if interrupted && runs == 0 {
-        return Err(Error::SweepInterrupted {
-            runs,
-            of: caps.len() * s.repeat,
-        });
     }
-    let link = s.run.distributed.link();
-    let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
-    // the backend's launch overhead is the machine's, not a cap's: fitted once from every
-    // profile (small caps measure it during backward, large ones after)
-    let overhead = LaunchOverhead::fit(&profiles);
-    // an interrupted sweep's caps that never finished a run have no row
-    let rows: Vec<SweepRow> = caps
-        .iter()
-        .zip(&samples)
-        .filter(|(_, runs)| !runs.is_empty())
-        .map(|(&b, runs)| summarize(b, s.run.distributed.first_bucket_mb, runs, &profiles, overhead, link))
-        .collect();
+
+    /// --tensorboard: the directory of cap `b`'s measured run in this round (kept in `boards`).
+    fn board(&mut self, s: &SweepArgs, round: usize, b: f64) -> Option<Arc<TensorBoard>> {
+        let dir = s.tensorboard.as_ref()?;
+        let cap = crate::tensorboard::run_dir(dir, &format!("bucket_{b}MiB"));
+        let at = match s.repeat {
+            1 => cap,
+            _ => cap.join(format!("round_{}", round + 1)),
+        };
+        let tb = Arc::new(TensorBoard::new(at));
+        self.boards.push((b, tb.clone()));
+        Some(tb)
+    }
+}
+
+/// The sweep's rows from its samples, written to --out (CSV, chart, timelines) and stdout;
+/// an error when a signal stopped it (after what finished is written).
+fn write_sweep(s: &SweepArgs, caps: &[f64], samples: &[Vec<Sample>], mut runs: CapRuns) -> Result<()> {
+    let finished_runs: usize = samples.iter().map(Vec::len).sum();
+    let stopped = || Error::SweepInterrupted {
+        runs: finished_runs,
+        of: caps.len() * s.repeat,
+    };
+    if runs.interrupted && finished_runs == 0 {
+        return Err(stopped());
+    }
+    let rows = sweep_rows(s, caps, samples);
     if let Some(dir) = &s.tensorboard {
-        predictions(dir, &rows, &mut boards, s.repeat, s.run.recipe.steps);
+        predictions(dir, &rows, &mut runs.boards, s.repeat, s.run.recipe.steps);
     }
     let mut written = vec!["sweep.csv".to_string(), "sweep.svg".to_string()];
-    for (name, tl, title) in &timelines {
+    for (name, tl, title) in &runs.timelines {
         write_timeline(&s.out.join(name), &tl.events, tl.origin, title)?;
         written.push(name.clone());
         written.push(name.replace(".json", ".svg"));
@@ -212,14 +240,26 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
         print_table(&rows);
         outln!("wrote {}", s.out.join("sweep.csv").display());
     }
-    crate::tensorboard::with_failures(Ok(()), boards.iter().map(|(_, tb)| &**tb))?;
-    if interrupted {
-        return Err(Error::SweepInterrupted {
-            runs,
-            of: caps.len() * s.repeat,
-        });
+    crate::tensorboard::with_failures(Ok(()), runs.boards.iter().map(|(_, tb)| &**tb))?;
+    if runs.interrupted {
+        return Err(stopped());
     }
     Ok(())
+}
+
+/// One row per cap that finished a run (an interrupted sweep's others have none), with the
+/// overlap model's figures.
+fn sweep_rows(s: &SweepArgs, caps: &[f64], samples: &[Vec<Sample>]) -> Vec<SweepRow> {
+    let link = s.run.distributed.link();
+    let profiles: Vec<&StepProfile> = samples.iter().flatten().filter_map(|x| x.profile.as_ref()).collect();
+    // the backend's launch overhead is the machine's, not a cap's: fitted once from every
+    // profile (small caps measure it during backward, large ones after)
+    let overhead = LaunchOverhead::fit(&profiles);
+    caps.iter()
+        .zip(samples)
+        .filter(|(_, runs)| !runs.is_empty())
+        .map(|(&b, runs)| summarize(b, s.run.distributed.first_bucket_mb, runs, &profiles, overhead, link))
+        .collect()
 }
 
 /// The overlap model's predicted step of each cap, as `predicted/step_ms` at the runs' last

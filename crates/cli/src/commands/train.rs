@@ -507,52 +507,11 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     if let (Some(rows), Some(resume), Some(path)) = (&kept, &t.resume, &t.losses) {
         check_rows_are_the_checkpoints(rows, resume, path)?;
     }
-    // who watches: the signals (a stop request), the notes, and unless told otherwise the bar
-    let watch = (stop_on_signal, PrintNotes);
-    let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
-        Arc::new(watch)
-    } else {
-        Arc::new((ProgressBar::default(), watch))
-    };
     // --tensorboard: every step's scalars, as the run goes
     let tensorboard = t.tensorboard.as_ref().map(|dir| Arc::new(TensorBoard::new(dir)));
-    let observer: Arc<dyn TrainObserver> = Arc::new((observer, tensorboard.clone()));
-    let opts = RunOptions {
-        compute_only: false,
-        record: t.timeline.is_some(),
-        resume: t.resume.clone(),
-        checkpoint: t.checkpoint.clone(),
-        checkpoint_every: t.checkpoint_every,
-        checkpoint_keep_last: t.keep_last,
-        profile: t.profile.is_some(),
-        profile_steps: t.profile_steps.clone(),
-        checkpoint_metadata: plan
-            .iter()
-            .map(|p| {
-                let text = serde_json::to_string(p).map_err(|e| Error::json("the plan", e))?;
-                Ok((crate::plan_auto::PLAN_KEY.to_string(), text))
-            })
-            .collect::<Result<_>>()?,
-        observer: Some(observer),
-        locks: Some(locks.clone()),
-    };
+    let opts = run_options(&t, stop_on_signal, tensorboard.clone(), plan.as_ref(), locks)?;
     let mut report = run(&t.run, &opts)?;
-    // the steps after which the uninterrupted run evaluates: every --eval-every, and its last
-    let steps = t.run.recipe.steps;
-    let evaluated = t
-        .run
-        .recipe
-        .eval_every
-        .map(|every| move |s: usize| (s + 1).is_multiple_of(every.max(1)) || s + 1 == steps);
-    let kept = match (kept, &t.losses) {
-        (Some(rows), Some(path)) => rows_before(
-            rows,
-            report.outcome.first_step,
-            evaluated.as_ref().map(|e| e as &dyn Fn(usize) -> bool),
-            path,
-        ),
-        _ => vec![],
-    };
+    let kept = kept_rows(&t, kept, report.outcome.first_step);
     let stopped = report.outcome.stopped.take();
     let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
     let mut written = write_outputs(&t, &report, &kept, diverged);
@@ -570,15 +529,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     let written = crate::tensorboard::with_failures(written, tensorboard.as_deref());
     // the summary once the files are written: a stdout that fails costs nothing else
     print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
-    if let (Some(mb), Some(m)) = (t.run.runtime.memory_budget, report.outcome.memory) {
-        let policy = t.run.hook_spec();
-        let every = t.run.model.activation_checkpointing.unwrap_or(0);
-        let predicted = t.run.predicted_peak(&policy, every, t.run.data.batch_size);
-        let note = crate::footprint::over_budget_note(mb, m.peak as u64, predicted.map(|p| p.total()));
-        if let Some(note) = note {
-            eprintln!("note: {note}");
-        }
-    }
+    note_over_budget(&t, &report);
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());
@@ -594,6 +545,78 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// The run's options from the command's: who watches (the signals, the notes, unless told
+/// otherwise the bar, and --tensorboard), what is recorded and checkpointed, the plan kept in
+/// the checkpoints.
+fn run_options(
+    t: &TrainArgs,
+    stop_on_signal: StopOnSignal,
+    tensorboard: Option<Arc<TensorBoard>>,
+    plan: Option<&crate::plan_auto::Choice>,
+    locks: Arc<OutputLocks>,
+) -> Result<RunOptions> {
+    let watch = (stop_on_signal, PrintNotes);
+    let observer: Arc<dyn TrainObserver> = if t.quiet || t.json {
+        Arc::new(watch)
+    } else {
+        Arc::new((ProgressBar::default(), watch))
+    };
+    let observer: Arc<dyn TrainObserver> = Arc::new((observer, tensorboard));
+    Ok(RunOptions {
+        compute_only: false,
+        record: t.timeline.is_some(),
+        resume: t.resume.clone(),
+        checkpoint: t.checkpoint.clone(),
+        checkpoint_every: t.checkpoint_every,
+        checkpoint_keep_last: t.keep_last,
+        profile: t.profile.is_some(),
+        profile_steps: t.profile_steps.clone(),
+        checkpoint_metadata: plan
+            .iter()
+            .map(|p| {
+                let text = serde_json::to_string(p).map_err(|e| Error::json("the plan", e))?;
+                Ok((crate::plan_auto::PLAN_KEY.to_string(), text))
+            })
+            .collect::<Result<_>>()?,
+        observer: Some(observer),
+        locks: Some(locks),
+    })
+}
+
+/// The rows of an existing `--losses` file that a resumed run writes again: those before its
+/// first step, with the evaluations the uninterrupted run would have made (every
+/// --eval-every, and its last step).
+fn kept_rows(t: &TrainArgs, kept: Option<Vec<(usize, String)>>, first_step: usize) -> Vec<(usize, String)> {
+    let steps = t.run.recipe.steps;
+    let evaluated = t
+        .run
+        .recipe
+        .eval_every
+        .map(|every| move |s: usize| (s + 1).is_multiple_of(every.max(1)) || s + 1 == steps);
+    match (kept, &t.losses) {
+        (Some(rows), Some(path)) => rows_before(
+            rows,
+            first_step,
+            evaluated.as_ref().map(|e| e as &dyn Fn(usize) -> bool),
+            path,
+        ),
+        _ => vec![],
+    }
+}
+
+/// A note on stderr when the measured peak passed --memory-budget.
+fn note_over_budget(t: &TrainArgs, report: &RunReport) {
+    if let (Some(mb), Some(m)) = (t.run.runtime.memory_budget, report.outcome.memory) {
+        let policy = t.run.hook_spec();
+        let every = t.run.model.activation_checkpointing.unwrap_or(0);
+        let predicted = t.run.predicted_peak(&policy, every, t.run.data.batch_size);
+        let note = crate::footprint::over_budget_note(mb, m.peak as u64, predicted.map(|p| p.total()));
+        if let Some(note) = note {
+            eprintln!("note: {note}");
+        }
+    }
+}
+
 /// `--save`, `--losses`, `--timeline`, written from rank 0's view of the run, every one
 /// attempted even when another fails. `kept` are the rows of an existing `--losses` file:
 /// those before the first step run are written again (a resumed run). A `diverged` run's
@@ -606,133 +629,164 @@ pub fn write_outputs(t: &TrainArgs, report: &RunReport, kept: &[(usize, String)]
         writes.push((Output::new("--save", path), Box::new(write)));
     }
     if let Some(path) = &t.losses {
-        let write = move || {
-            let kept: Vec<&str> = kept
-                .iter()
-                .filter(|(s, _)| *s < outcome.first_step)
-                .map(|(_, r)| r.as_str())
-                .collect();
-            // a scale column where any row has one (a resume across fp16 and another
-            // precision), and every row as many cells as the header
-            let scaled = outcome.scales().iter().any(Option::is_some)
-                || kept
-                    .iter()
-                    .any(|r| r.split(',').count() > LOSSES_HEADER.split(',').count());
-            let header = if scaled { LOSSES_HEADER_SCALED } else { LOSSES_HEADER };
-            let cells = header.split(',').count();
-            let mut csv = format!("{header}\n");
-            for row in kept {
-                csv.push_str(row);
-                csv.push_str(&",".repeat(cells.saturating_sub(row.split(',').count())));
-                csv.push('\n');
-            }
-            for (i, r) in outcome.steps.iter().enumerate() {
-                let norm = r.grad_norm.map(|n| format!("{n:.9}")).unwrap_or_default();
-                let val = r.val_loss.map(|v| format!("{v:.9}")).unwrap_or_default();
-                csv.push_str(&format!(
-                    "{},{:.9},{},{norm},{val}",
-                    outcome.first_step + i,
-                    r.loss,
-                    r.lr
-                ));
-                if scaled {
-                    csv.push_str(&format!(",{}", r.scale.map(|s| s.to_string()).unwrap_or_default()));
-                }
-                csv.push('\n');
-            }
-            write_atomic(path, csv.as_bytes())
-        };
+        let write = move || write_atomic(path, losses_csv(outcome, kept).as_bytes());
         writes.push((Output::new("--losses", path), Box::new(write)));
     }
     if let Some(path) = &t.timeline {
-        match &report.timeline {
-            Some(tl) if !outcome.losses().is_empty() => {
-                let write = move || {
-                    let title = format!(
-                        "step {}: {} ranks, bucket cap {} MiB",
-                        tl.step,
-                        report.world_size,
-                        t.run.bucket_cap()?
-                    );
-                    write_timeline(path, &tl.events, tl.origin, &title)
-                };
-                writes.push((Output::new("--timeline", path), Box::new(write)));
-            }
-            _ => eprintln!(
-                "note: no step was run, so there is no timeline to write to {}",
-                path.display()
-            ),
-        }
+        writes.extend(timeline_write(t, report, path));
     }
     if let Some(path) = &t.plot {
-        // the rows before a resume, as --losses keeps them, then this run's steps
-        let earlier = kept
-            .iter()
-            .filter(|(s, _)| *s < outcome.first_step)
-            .filter_map(|(_, row)| LossPoint::from_csv_row(row));
-        let points: Vec<LossPoint> = earlier
-            .chain(outcome.steps.iter().enumerate().map(|(i, r)| LossPoint {
-                step: outcome.first_step + i,
-                loss: r.loss,
-                lr: Some(r.lr),
-                val_loss: r.val_loss,
-            }))
-            .collect();
-        if points.is_empty() {
-            eprintln!(
-                "note: no step was run, so there is no loss chart to draw in {}",
-                path.display()
-            );
-        } else {
-            let title = format!(
-                "{}, world size {}, {} rows/rank, {} --lr {}",
-                crate::args::flag_name(&t.run.model.model),
-                report.world_size,
-                t.run.rows_per_rank(),
-                crate::args::flag_name(&t.run.recipe.optimizer),
-                crate::args::compact(t.run.recipe.lr)
-            );
-            let write = move || write_loss_chart(path, &points, &title);
-            writes.push((Output::new("--plot", path), Box::new(write)));
-        }
+        writes.extend(plot_write(t, report, kept, path));
     }
     if let Some(path) = &t.profile {
-        // the command line that ran, as `brigade ...` (what `brigade plan` edits into its pick)
-        let command: Vec<String> = std::iter::once("brigade".to_string())
-            .chain(std::env::args().skip(1))
-            .collect();
-        let with_command = |p: &StepProfile| {
-            let mut p = p.clone();
-            if let Some(run) = &mut p.run {
-                run.command = command.clone();
-            }
-            p
-        };
-        let text = match &t.profile_steps {
-            Some(_) if outcome.profiles.is_empty() => None,
-            Some(_) => Some(serde_json::to_string_pretty(
-                &outcome.profiles.iter().map(with_command).collect::<Vec<_>>(),
-            )),
-            None => outcome
-                .profile
-                .as_ref()
-                .map(with_command)
-                .as_ref()
-                .map(serde_json::to_string_pretty),
-        };
-        match text {
-            Some(text) => {
-                let write = move || {
-                    let text = text.map_err(|e| Error::json("step profile", e))?;
-                    write_atomic(path, text.as_bytes())
-                };
-                writes.push((Output::new("--profile", path), Box::new(write)));
-            }
-            None => eprintln!(
-                "note: no synchronized step was run (or no DDP), so there is no profile to write to {}",
-                path.display()
-            ),
-        }
+        writes.extend(profile_write(t, outcome, path));
     }
     write_all(writes)
+}
+
+/// The `--losses` file: the `kept` rows before the first step run, then this run's steps.
+fn losses_csv(outcome: &brigade::outcome::TrainOutcome, kept: &[(usize, String)]) -> String {
+    let kept: Vec<&str> = kept
+        .iter()
+        .filter(|(s, _)| *s < outcome.first_step)
+        .map(|(_, r)| r.as_str())
+        .collect();
+    // a scale column where any row has one (a resume across fp16 and another
+    // precision), and every row as many cells as the header
+    let scaled = outcome.scales().iter().any(Option::is_some)
+        || kept
+            .iter()
+            .any(|r| r.split(',').count() > LOSSES_HEADER.split(',').count());
+    let header = if scaled { LOSSES_HEADER_SCALED } else { LOSSES_HEADER };
+    let cells = header.split(',').count();
+    let mut csv = format!("{header}\n");
+    for row in kept {
+        csv.push_str(row);
+        csv.push_str(&",".repeat(cells.saturating_sub(row.split(',').count())));
+        csv.push('\n');
+    }
+    for (i, r) in outcome.steps.iter().enumerate() {
+        let norm = r.grad_norm.map(|n| format!("{n:.9}")).unwrap_or_default();
+        let val = r.val_loss.map(|v| format!("{v:.9}")).unwrap_or_default();
+        csv.push_str(&format!(
+            "{},{:.9},{},{norm},{val}",
+            outcome.first_step + i,
+            r.loss,
+            r.lr
+        ));
+        if scaled {
+            csv.push_str(&format!(",{}", r.scale.map(|s| s.to_string()).unwrap_or_default()));
+        }
+        csv.push('\n');
+    }
+    csv
+}
+
+/// `--timeline`'s write (`None`, said in a note, when no step ran).
+fn timeline_write<'a>(t: &'a TrainArgs, report: &'a RunReport, path: &'a PathBuf) -> Option<Write<'a>> {
+    match &report.timeline {
+        Some(tl) if !report.outcome.losses().is_empty() => {
+            let write = move || {
+                let title = format!(
+                    "step {}: {} ranks, bucket cap {} MiB",
+                    tl.step,
+                    report.world_size,
+                    t.run.bucket_cap()?
+                );
+                write_timeline(path, &tl.events, tl.origin, &title)
+            };
+            Some((Output::new("--timeline", path), Box::new(write)))
+        }
+        _ => {
+            eprintln!(
+                "note: no step was run, so there is no timeline to write to {}",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// `--plot`'s write: the rows before a resume, as --losses keeps them, then this run's steps
+/// (`None`, said in a note, when there are none).
+fn plot_write<'a>(
+    t: &'a TrainArgs,
+    report: &'a RunReport,
+    kept: &'a [(usize, String)],
+    path: &'a PathBuf,
+) -> Option<Write<'a>> {
+    let outcome = &report.outcome;
+    let earlier = kept
+        .iter()
+        .filter(|(s, _)| *s < outcome.first_step)
+        .filter_map(|(_, row)| LossPoint::from_csv_row(row));
+    let points: Vec<LossPoint> = earlier
+        .chain(outcome.steps.iter().enumerate().map(|(i, r)| LossPoint {
+            step: outcome.first_step + i,
+            loss: r.loss,
+            lr: Some(r.lr),
+            val_loss: r.val_loss,
+        }))
+        .collect();
+    if points.is_empty() {
+        eprintln!(
+            "note: no step was run, so there is no loss chart to draw in {}",
+            path.display()
+        );
+        return None;
+    }
+    let title = format!(
+        "{}, world size {}, {} rows/rank, {} --lr {}",
+        crate::args::flag_name(&t.run.model.model),
+        report.world_size,
+        t.run.rows_per_rank(),
+        crate::args::flag_name(&t.run.recipe.optimizer),
+        crate::args::compact(t.run.recipe.lr)
+    );
+    let write = move || write_loss_chart(path, &points, &title);
+    Some((Output::new("--plot", path), Box::new(write)))
+}
+
+/// `--profile`'s write: the recorded step profiles, each naming the command line that ran
+/// (`None`, said in a note, when no synchronized step ran).
+fn profile_write<'a>(
+    t: &'a TrainArgs,
+    outcome: &'a brigade::outcome::TrainOutcome,
+    path: &'a PathBuf,
+) -> Option<Write<'a>> {
+    // the command line that ran, as `brigade ...` (what `brigade plan` edits into its pick)
+    let command: Vec<String> = std::iter::once("brigade".to_string())
+        .chain(std::env::args().skip(1))
+        .collect();
+    let with_command = |p: &StepProfile| {
+        let mut p = p.clone();
+        if let Some(run) = &mut p.run {
+            run.command = command.clone();
+        }
+        p
+    };
+    let text = match &t.profile_steps {
+        Some(_) if outcome.profiles.is_empty() => None,
+        Some(_) => Some(serde_json::to_string_pretty(
+            &outcome.profiles.iter().map(with_command).collect::<Vec<_>>(),
+        )),
+        None => outcome
+            .profile
+            .as_ref()
+            .map(with_command)
+            .as_ref()
+            .map(serde_json::to_string_pretty),
+    };
+    let Some(text) = text else {
+        eprintln!(
+            "note: no synchronized step was run (or no DDP), so there is no profile to write to {}",
+            path.display()
+        );
+        return None;
+    };
+    let write = move || {
+        let text = text.map_err(|e| Error::json("step profile", e))?;
+        write_atomic(path, text.as_bytes())
+    };
+    Some((Output::new("--profile", path), Box::new(write)))
 }

@@ -200,7 +200,6 @@ fn cpu_gemm(a: &RunArgs) -> Option<String> {
 
 /// The summary as a few lines.
 fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
-    let s = summarize(a, world_size, outcome);
     let ran = outcome.losses().len();
     outln!(
         "model {} | world size {} | {} rows/rank x accum {} | steps {}..{} | {} lr {}",
@@ -220,69 +219,14 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             a.recipe.steps
         );
     } else {
+        let s = summarize(a, world_size, outcome);
         outln!("loss: first {:.4}  last {:.4}", s.first_loss, s.last_loss);
         if let Some(line) = join_line(outcome) {
             outln!("{line}");
         }
-        if let (Some(p), brigade::source::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
-            // the position is rank 0's: the ranks stand at the same row only when their
-            // epochs are equally long
-            match rows.split_first() {
-                Some((first, rest)) if rest.iter().any(|r| r != first) => outln!(
-                    "data: shuffled, rows per epoch by rank: {}; next (rank 0): epoch {} row {}",
-                    rows.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
-                    p.epoch,
-                    p.index
-                ),
-                _ => outln!(
-                    "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
-                    rows.first().copied().unwrap_or(0),
-                    p.epoch,
-                    p.index
-                ),
-            }
-        }
-        if let (Some(first), Some(last)) = (outcome.lrs().first(), outcome.lrs().last()) {
-            if a.recipe.lr_schedule != crate::args::ScheduleFlag::Constant || a.recipe.warmup_steps > 0 {
-                outln!(
-                    "lr: {} schedule, first {} last {}",
-                    flag_name(&a.recipe.lr_schedule),
-                    compact(*first),
-                    compact(*last)
-                );
-            }
-        }
-        if let Some((s, v)) = outcome
-            .val_losses()
-            .iter()
-            .enumerate()
-            .rev()
-            .find_map(|(i, v)| Some((i, (*v)?)))
-        {
-            outln!("val loss: {v:.4} after step {}", outcome.first_step + s);
-        }
-        if let (Some(c), Some(Some(norm))) = (a.recipe.clip_grad_norm, outcome.grad_norms().last()) {
-            let clipped = outcome.grad_norms().iter().flatten().filter(|n| **n > c).count();
-            outln!(
-                "gradient norm: last {norm:.4}, clipped to {} in {clipped} of {ran} steps",
-                compact(c)
-            );
-        }
-        let timed = ran.saturating_sub(a.runtime.untimed_steps);
-        if timed == 0 {
-            outln!(
-                "step time: none measured (all {ran} steps run are --untimed-steps {})",
-                a.runtime.untimed_steps
-            );
-        } else {
-            outln!(
-                "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
-                s.median_step_ms,
-                s.min_step_ms,
-                a.runtime.untimed_steps
-            );
-            outln!("throughput: {:.1} samples/s", s.samples_per_s);
-        }
+        print_data_line(outcome);
+        print_recipe_lines(a, outcome);
+        print_time_lines(a, &s, ran);
         if let Some(gemm) = cpu_gemm(a) {
             outln!("CPU GEMM: {gemm}");
         }
@@ -290,7 +234,100 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     if let Some(t) = &outcome.autotune {
         crate::bucket_cap::print_autotune(t);
     }
-    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    print_gradient_memory_lines(a, world_size, outcome);
+    for d in &outcome.policy_diagnostics {
+        outln!("note: {}", d.message);
+    }
+    if let Some(Some(scale)) = outcome.scales().last() {
+        outln!(
+            "fp16 loss scaling: {} of {} steps skipped (inf/NaN gradients), last scale {scale}",
+            outcome.skipped_steps(),
+            outcome.steps.len()
+        );
+    }
+    print_memory_line(a, outcome);
+}
+
+/// A shuffled run's data line: rows per epoch, and where the next step reads.
+fn print_data_line(outcome: &TrainOutcome) {
+    if let (Some(p), brigade::source::DataLength::PerEpoch(rows)) = (outcome.sampler, &outcome.rank_lengths) {
+        // the position is rank 0's: the ranks stand at the same row only when their
+        // epochs are equally long
+        match rows.split_first() {
+            Some((first, rest)) if rest.iter().any(|r| r != first) => outln!(
+                "data: shuffled, rows per epoch by rank: {}; next (rank 0): epoch {} row {}",
+                rows.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+                p.epoch,
+                p.index
+            ),
+            _ => outln!(
+                "data: shuffled, {} rows per rank per epoch; next: epoch {} row {}",
+                rows.first().copied().unwrap_or(0),
+                p.epoch,
+                p.index
+            ),
+        }
+    }
+}
+
+/// The schedule's learning rates, the last validation loss and the gradient clipping, where the
+/// run has them.
+fn print_recipe_lines(a: &RunArgs, outcome: &TrainOutcome) {
+    let ran = outcome.losses().len();
+    if let (Some(first), Some(last)) = (outcome.lrs().first(), outcome.lrs().last()) {
+        if a.recipe.lr_schedule != crate::args::ScheduleFlag::Constant || a.recipe.warmup_steps > 0 {
+            outln!(
+                "lr: {} schedule, first {} last {}",
+                flag_name(&a.recipe.lr_schedule),
+                compact(*first),
+                compact(*last)
+            );
+        }
+    }
+    if let Some((s, v)) = outcome
+        .val_losses()
+        .iter()
+        .enumerate()
+        .rev()
+        .find_map(|(i, v)| Some((i, (*v)?)))
+    {
+        outln!("val loss: {v:.4} after step {}", outcome.first_step + s);
+    }
+    if let (Some(c), Some(Some(norm))) = (a.recipe.clip_grad_norm, outcome.grad_norms().last()) {
+        let clipped = outcome.grad_norms().iter().flatten().filter(|n| **n > c).count();
+        outln!(
+            "gradient norm: last {norm:.4}, clipped to {} in {clipped} of {ran} steps",
+            compact(c)
+        );
+    }
+}
+
+/// The step time and throughput (or that no step was timed).
+fn print_time_lines(a: &RunArgs, s: &Summary, ran: usize) {
+    let timed = ran.saturating_sub(a.runtime.untimed_steps);
+    if timed == 0 {
+        outln!(
+            "step time: none measured (all {ran} steps run are --untimed-steps {})",
+            a.runtime.untimed_steps
+        );
+    } else {
+        outln!(
+            "step time: median {:.2} ms  min {:.2} ms  (first {} steps excluded)",
+            s.median_step_ms,
+            s.min_step_ms,
+            a.runtime.untimed_steps
+        );
+        outln!("throughput: {:.1} samples/s", s.samples_per_s);
+    }
+}
+
+/// MiB of `b` bytes.
+fn mib(b: usize) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+/// Without ZeRO: the gradients' memory in buckets, and the bytes sent a step.
+fn print_gradient_memory_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     // (under ZeRO the measured line below is the account: shards are not whole buckets)
     let (zero, _) = zero_and_hook(&a.hook_spec());
     if let (Some(m), 0) = (outcome.memory, zero) {
@@ -305,16 +342,11 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             outln!("{}", sent.line(world_size));
         }
     }
-    for d in &outcome.policy_diagnostics {
-        outln!("note: {}", d.message);
-    }
-    if let Some(Some(scale)) = outcome.scales().last() {
-        outln!(
-            "fp16 loss scaling: {} of {} steps skipped (inf/NaN gradients), last scale {scale}",
-            outcome.skipped_steps(),
-            outcome.steps.len()
-        );
-    }
+}
+
+/// The measured memory per rank, part by part.
+fn print_memory_line(a: &RunArgs, outcome: &TrainOutcome) {
+    let (zero, _) = zero_and_hook(&a.hook_spec());
     if let Some(m) = outcome.memory {
         // ZeRO-3: the units gathered at once, beside the shards counted as parameters
         let gathered = match m.gathered {

@@ -11,6 +11,7 @@ mod chain;
 mod collectives;
 mod common;
 mod faults;
+mod heap_lines;
 mod meter;
 #[cfg(feature = "mpi")]
 mod mpi_collectives;

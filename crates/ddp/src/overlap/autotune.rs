@@ -221,6 +221,82 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
     }
 }
 
+/// The figures of rank 0's verdict: `[ok, cap, best cap, predicted at from, predicted at best,
+/// steps observed]`.
+const VERDICT: usize = 6;
+
+/// A decision as the verdict rank 0 broadcasts (`ok` = 1).
+fn to_verdict(d: &AutotuneDecision) -> [f64; VERDICT] {
+    [
+        1.0,
+        d.cap_mb,
+        d.best_cap_mb,
+        d.predicted_from_step_s,
+        d.predicted_best_step_s,
+        d.steps_observed as f64,
+    ]
+}
+
+/// Every rank's observed steps, gathered: this rank's encoding's length and all ranks'
+/// values. Every rank sends the same number of steps of SPANS + n times (NaN: no profile).
+fn gather_profiles(ddp: &DistributedDataParallel, observed: &[Option<RankProfile>]) -> Result<(usize, Vec<f64>)> {
+    let n = ParamProfile::all_of(ddp).len();
+    let mut mine = Vec::with_capacity(observed.len() * (SPANS + n));
+    for p in observed {
+        match p {
+            Some(p) if p.grad_ready_s.len() == n => encode(p, &mut mine),
+            _ => mine.extend(std::iter::repeat_n(f64::NAN, SPANS + n)),
+        }
+    }
+    let gathered = ddp
+        .comm()
+        .all_gather(Buffer::U8(to_bytes(&mine)), "ddp.autotune.profiles")
+        .wait()?;
+    let Buffer::U8(gathered) = gathered else {
+        return Err(DdpError::Autotune("the profiles came back as another dtype".into()));
+    };
+    Ok((mine.len(), from_bytes(&gathered)))
+}
+
+/// The observed steps that every rank profiled, each as one step's profile of all ranks
+/// (`all`: the gathered values, `per_rank` of them from each rank).
+fn step_profiles(
+    ddp: &DistributedDataParallel,
+    observed: &[Option<RankProfile>],
+    per_rank: usize,
+    all: &[f64],
+) -> Vec<StepProfile> {
+    let params = ParamProfile::all_of(ddp);
+    let policy = ProfilePolicy::of(ddp);
+    let (from_cap, first_cap) = ddp.bucket_caps();
+    let world = ddp.comm().world_size();
+    let row = SPANS + params.len();
+    (0..observed.len())
+        .filter_map(|i| {
+            let ranks = (0..world)
+                .map(|r| {
+                    let v = &all[r * per_rank + i * row..r * per_rank + (i + 1) * row];
+                    if v.iter().any(|x| x.is_nan()) {
+                        return None;
+                    }
+                    Some(rank_profile(r, v, &observed[i].as_ref()?.buckets))
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Some(StepProfile {
+                version: PROFILE_VERSION,
+                world_size: world,
+                bucket_cap_mb: from_cap,
+                first_bucket_cap_mb: first_cap,
+                activation_checkpointing: 0,
+                policy: Some(policy.clone()),
+                run: None,
+                params: params.clone(),
+                ranks,
+            })
+        })
+        .collect()
+}
+
 /// Rank `rank`'s profile from its encoded spans `v`, with rank 0's buckets `rank0_buckets`: another
 /// rank ran the same collectives, whose last one ended at one instant on every rank, on its clock
 /// at `v[5]`, so they are shifted there (the replay charges what followed the rank's wait as
@@ -354,14 +430,7 @@ impl Autotuner {
             self.step_s_at_cap.push(p.step_end_s);
         }
         self.observed.push(profile);
-        let progress = self.progress();
-        let due = match (progress.checks == 0, self.cfg.every) {
-            (true, _) => true,
-            (false, Some(k)) => progress.since_check >= k,
-            (false, None) => false,
-        };
-        let comm = ddp.comm();
-        if !due || comm.world_size() < 2 {
+        if !self.due() || ddp.comm().world_size() < 2 {
             return Ok(None);
         }
         if !ddp.buckets_can_change() {
@@ -370,73 +439,21 @@ impl Autotuner {
                 ddp.policy_name()
             )));
         }
-        let params = ParamProfile::all_of(ddp);
-        let policy = ProfilePolicy::of(ddp);
-        let n = params.len();
         let observed = std::mem::take(&mut self.observed);
         self.unseen_since_check = 0;
-        // Every rank sends the same number of steps of SPANS + n times (NaN: no profile).
-        let mut mine = Vec::with_capacity(observed.len() * (SPANS + n));
-        for p in &observed {
-            match p {
-                Some(p) if p.grad_ready_s.len() == n => encode(p, &mut mine),
-                _ => mine.extend(std::iter::repeat_n(f64::NAN, SPANS + n)),
-            }
-        }
-        let world = comm.world_size();
-        let gathered = comm
-            .all_gather(Buffer::U8(to_bytes(&mine)), "ddp.autotune.profiles")
-            .wait()?;
-        let Buffer::U8(gathered) = gathered else {
-            return Err(DdpError::Autotune("the profiles came back as another dtype".into()));
-        };
-        let all = from_bytes(&gathered);
-        let (from_cap, first_cap) = ddp.bucket_caps();
-        // [ok, cap, best cap, predicted at from, predicted at best, steps observed]
-        let mut verdict = [0.0f64; 6];
+        let (own, all) = gather_profiles(ddp, &observed)?;
+        // rank 0 decides from every rank's profiles and tells the others
+        let mut verdict = [0.0f64; VERDICT];
         let mut own_error = None;
-        if comm.rank() == 0 {
-            let per_rank = mine.len();
-            let row = SPANS + n;
-            let profiles: Vec<StepProfile> = (0..observed.len())
-                .filter_map(|i| {
-                    let ranks = (0..world)
-                        .map(|r| {
-                            let v = &all[r * per_rank + i * row..r * per_rank + (i + 1) * row];
-                            if v.iter().any(|x| x.is_nan()) {
-                                return None;
-                            }
-                            Some(rank_profile(r, v, &observed[i].as_ref()?.buckets))
-                        })
-                        .collect::<Option<Vec<_>>>()?;
-                    Some(StepProfile {
-                        version: PROFILE_VERSION,
-                        world_size: world,
-                        bucket_cap_mb: from_cap,
-                        first_bucket_cap_mb: first_cap,
-                        activation_checkpointing: 0,
-                        policy: Some(policy.clone()),
-                        run: None,
-                        params: params.clone(),
-                        ranks,
-                    })
-                })
-                .collect();
-            match decide(&profiles, from_cap, &self.cfg, step) {
-                Ok(d) => {
-                    verdict = [
-                        1.0,
-                        d.cap_mb,
-                        d.best_cap_mb,
-                        d.predicted_from_step_s,
-                        d.predicted_best_step_s,
-                        d.steps_observed as f64,
-                    ]
-                }
+        if ddp.comm().rank() == 0 {
+            let profiles = step_profiles(ddp, &observed, own, &all);
+            match decide(&profiles, ddp.bucket_caps().0, &self.cfg, step) {
+                Ok(d) => verdict = to_verdict(&d),
                 Err(e) => own_error = Some(e),
             }
         }
-        let got = comm
+        let got = ddp
+            .comm()
             .broadcast(Buffer::U8(to_bytes(&verdict)), 0, "ddp.autotune.decision")
             .wait()?;
         let Buffer::U8(got) = got else {
@@ -451,6 +468,23 @@ impl Autotuner {
                 "rank 0 could not decide (its error names why)".into(),
             ));
         }
+        self.apply(ddp, step, &v).map(Some)
+    }
+
+    /// Whether the step just observed is a check: the first step observed, then every `every`.
+    fn due(&self) -> bool {
+        let progress = self.progress();
+        match (progress.checks == 0, self.cfg.every) {
+            (true, _) => true,
+            (false, Some(k)) => progress.since_check >= k,
+            (false, None) => false,
+        }
+    }
+
+    /// Rank 0's verdict `v` (as [`to_verdict`] lays it out) applied: the caps changed when it
+    /// says so, and the decision recorded.
+    fn apply(&mut self, ddp: &DistributedDataParallel, step: usize, v: &[f64]) -> Result<AutotuneDecision> {
+        let (from_cap, _) = ddp.bucket_caps();
         let changed = v[1] != from_cap;
         if changed {
             ddp.set_bucket_caps(v[1], self.cfg.first_bucket_cap_mb.min(v[1]))?;
@@ -467,7 +501,7 @@ impl Autotuner {
             changed,
         };
         self.decisions.push(decision.clone());
-        Ok(Some(decision))
+        Ok(decision)
     }
 
     /// What the autotuner did, with `ddp`'s caps at the end.

@@ -191,11 +191,9 @@ fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec
                     let (now, future) = row.split_at_mut(i + 1);
                     future.fill(T::ZERO);
                     let dot: T = pr.iter().zip(now.iter()).map(|(&a, &b)| a * b).sum();
+                    // one pass: the product rounded, then scaled, as two passes would
                     for (o, &y) in now.iter_mut().zip(pr) {
-                        *o = y * (*o - dot);
-                    }
-                    for o in now.iter_mut() {
-                        *o = *o * scale + T::ZERO;
+                        *o = y * (*o - dot) * scale + T::ZERO;
                     }
                 }
                 // dQ = dS K  ([r, r1] x [r1, hd])

@@ -7,6 +7,7 @@
 
 use crate::backend::Matmul;
 use std::any::TypeId;
+use std::mem::MaybeUninit;
 
 use gemm_common::Parallelism;
 use half::bf16;
@@ -265,36 +266,50 @@ fn for_each_batch<U: Send>(
     }
 }
 
+/// A vector of `len` elements, each written by `fill` (which must write every one of them): the
+/// output of a product is not zeroed first only for the GEMM to overwrite it.
+///
+/// # Safety
+/// `fill` must initialise all `len` elements of the slice it is given.
+unsafe fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    out.set_len(len);
+    out
+}
+
 fn matmul_impl<T: Float>(da: &[T], la: &Layout, db: &[T], lb: &Layout) -> Vec<T> {
     let r = la.rank();
     let (m, k, n) = (la.shape()[r - 2], la.shape()[r - 1], lb.shape()[r - 1]);
     let nb: usize = la.shape()[..r - 2].iter().product();
-    let mut out = vec![T::ZERO; nb * m * n];
     let (sa, sb) = (la.strides(), lb.strides());
     let (a_rs, a_cs, b_rs, b_cs) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 2], sb[sb.len() - 1]);
     let (pa, pb) = (SendPtr(da.as_ptr()), SendPtr(db.as_ptr()));
     let in_pool = TypeId::of::<T>() != TypeId::of::<f32>() || onednn().is_none();
-    for_each_batch(la, lb, &mut out, in_pool, |oa, ob, dst: &mut [T], t| {
-        // SAFETY: the front end checked both layouts against their storages, and `dst`
-        // is this batch's own m*n output block.
-        unsafe {
-            let (pa, pb) = (pa, pb);
-            gemm_one::<T>(
-                m,
-                n,
-                k,
-                dst.as_mut_ptr(),
-                pa.0.add(oa),
-                a_rs,
-                a_cs,
-                pb.0.add(ob),
-                b_rs,
-                b_cs,
-                t,
-            )
-        }
-    });
-    out
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        for_each_batch(la, lb, out, in_pool, |oa, ob, dst: &mut [MaybeUninit<T>], t| {
+            // SAFETY: the front end checked both layouts against their storages, and `dst`
+            // is this batch's own m*n output block.
+            unsafe {
+                let (pa, pb) = (pa, pb);
+                gemm_one::<T>(
+                    m,
+                    n,
+                    k,
+                    dst.as_mut_ptr() as *mut T,
+                    pa.0.add(oa),
+                    a_rs,
+                    a_cs,
+                    pb.0.add(ob),
+                    b_rs,
+                    b_cs,
+                    t,
+                )
+            }
+        })
+    };
+    // SAFETY: every m*n block is written whole: the GEMM replaces (never reads) its output.
+    unsafe { filled(nb * m * n, fill) }
 }
 
 /// A bf16 product (and bias) through oneDNN's AMX matmul, each output rounded once from its

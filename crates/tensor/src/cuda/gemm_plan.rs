@@ -154,9 +154,38 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
     let (transa, lda) = transposed_operand(k, n, sr[rb - 2], sr[rb - 1]).ok_or(PlanError::NeedsCopy(Operand::Rhs))?;
     let (transb, ldb) = transposed_operand(m, k, sl[ra - 2], sl[ra - 1]).ok_or(PlanError::NeedsCopy(Operand::Lhs))?;
 
-    // Batch dims (size-1 dims dropped), output strides contiguous.
     let batch_shape = &lhs.shape()[..ra - 2];
-    let mut out_stride = m * n;
+    let (inner, outer) = split_batch(merged_batch_dims(batch_shape, sl, sr, m * n));
+    let total: usize = batch_shape.iter().product::<usize>() * m * n;
+    let calls = if total > 0 {
+        call_offsets(&outer, lhs, rhs)
+    } else {
+        Vec::new()
+    };
+    let plan = GemmPlan {
+        transa,
+        transb,
+        m: n,
+        n: m,
+        k,
+        lda,
+        ldb,
+        ldc: n.max(1),
+        stride_a: inner.rhs,
+        stride_b: inner.lhs,
+        stride_c: inner.out,
+        batch_count: inner.size,
+        calls,
+    };
+    check_fits_cublas(&plan)?;
+    Ok(plan)
+}
+
+/// The batch dims of `batch_shape` (size-1 dims dropped) with each operand's stride and the
+/// contiguous output's, neighbours merged where every operand steps evenly across both
+/// (`mn`: the elements of one output matrix).
+fn merged_batch_dims(batch_shape: &[usize], sl: &[usize], sr: &[usize], mn: usize) -> Vec<BatchDim> {
+    let mut out_stride = mn;
     let mut dims: Vec<BatchDim> = Vec::new();
     for d in (0..batch_shape.len()).rev() {
         let size = batch_shape[d];
@@ -186,6 +215,12 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
         }
     }
     merged.reverse();
+    merged
+}
+
+/// The largest merged dim, which one strided-batched call covers (size 1 when there is none),
+/// and the others, looped over by separate calls.
+fn split_batch(merged: Vec<BatchDim>) -> (BatchDim, Vec<BatchDim>) {
     let batched = merged.iter().enumerate().max_by_key(|(_, d)| d.size).map(|(i, _)| i);
     let inner = batched.map(|i| merged[i]).unwrap_or(BatchDim {
         size: 1,
@@ -199,12 +234,15 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
         .filter(|(i, _)| Some(*i) != batched)
         .map(|(_, d)| *d)
         .collect();
+    (inner, outer)
+}
 
-    let total: usize = batch_shape.iter().product::<usize>() * m * n;
-    let mut calls = Vec::new();
-    if total > 0 {
-        let n_calls: usize = outer.iter().map(|d| d.size).product();
-        for mut idx in 0..n_calls {
+/// The operands' offsets of each call, one per index of the `outer` dims (cuBLAS's A is
+/// Brigade's rhs, its B the lhs).
+fn call_offsets(outer: &[BatchDim], lhs: &Layout, rhs: &Layout) -> Vec<CallOffsets> {
+    let n_calls: usize = outer.iter().map(|d| d.size).product();
+    (0..n_calls)
+        .map(|mut idx| {
             let mut at = CallOffsets {
                 a: rhs.offset(),
                 b: lhs.offset(),
@@ -217,24 +255,13 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
                 at.b += i * d.lhs;
                 at.c += i * d.out;
             }
-            calls.push(at);
-        }
-    }
-    let plan = GemmPlan {
-        transa,
-        transb,
-        m: n,
-        n: m,
-        k,
-        lda,
-        ldb,
-        ldc: n.max(1),
-        stride_a: inner.rhs,
-        stride_b: inner.lhs,
-        stride_c: inner.out,
-        batch_count: inner.size,
-        calls,
-    };
+            at
+        })
+        .collect()
+}
+
+/// Every size and leading dimension of the plan within cuBLAS's `int`.
+fn check_fits_cublas(plan: &GemmPlan) -> Result<(), PlanError> {
     let limit = i32::MAX as usize;
     for (what, value) in [
         ("m", plan.m),
@@ -249,7 +276,7 @@ pub fn plan_gemm(lhs: &Layout, rhs: &Layout) -> Result<GemmPlan, PlanError> {
             return Err(PlanError::TooLarge { what, value });
         }
     }
-    Ok(plan)
+    Ok(())
 }
 
 #[cfg(test)]

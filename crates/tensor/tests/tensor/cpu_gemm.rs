@@ -208,3 +208,52 @@ fn bf16_products_round_once_on_both_paths() {
         }
     }
 }
+
+/// A product's output is written whole, whatever its memory held before: each product runs just
+/// after a tensor of NaNs of the output's size is freed (the allocator hands that memory out
+/// again), on both paths, f32 and f64, plain, batched (one thread and two) and with `k = 0`.
+#[test]
+fn a_product_writes_every_element_of_its_output() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(9);
+    let cases: [(&[usize], &[usize]); 4] = [
+        (&[64, 48], &[48, 40]),
+        (&[300, 70], &[70, 200]),
+        (&[4, 16, 24], &[4, 24, 20]),
+        (&[6, 0], &[0, 7]),
+    ];
+    for path in paths() {
+        set_cpu_gemm(path).unwrap();
+        for threads in [1, 2] {
+            set_compute_threads(threads);
+            for dtype in [DType::F32, DType::F64] {
+                for (sa, sb) in cases {
+                    let a = Tensor::randn(sa, 1.0, dtype, &mut rng);
+                    let b = Tensor::randn(sb, 1.0, dtype, &mut rng);
+                    let want = a
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .matmul(&b.to_dtype(DType::F64).unwrap())
+                        .unwrap();
+                    let len: usize = want.shape().iter().product();
+                    for _ in 0..3 {
+                        drop(
+                            Tensor::from_vec(vec![f64::NAN; len], &[len])
+                                .unwrap()
+                                .to_dtype(dtype)
+                                .unwrap(),
+                        );
+                        let got = a.matmul(&b).unwrap();
+                        close(
+                            &format!("{sa:?} x {sb:?} {dtype:?}, {threads} threads"),
+                            path,
+                            &got,
+                            &want,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    set_compute_threads(1);
+}

@@ -187,6 +187,59 @@ fn median_secs(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 
 /// Runs `brigade bench gemm`.
 pub fn bench_gemm(a: GemmArgs) -> Result<()> {
+    let (shapes, device, dtypes) = parse_gemm_args(&a)?;
+    if let Device::Cuda(ordinal) = device {
+        return bench_cuda(&a, &shapes, &dtypes, ordinal);
+    }
+    let cpu_gemm = brigade_tensor::cpu_gemm_name()?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    check_threads("--threads", threads)?;
+    for shape in &shapes {
+        // Brigade's three matrices, and the copies the direct call works on
+        let bytes = footprint::f32_bytes(elements(shape)).and_then(|b| footprint::mul(b, 2));
+        footprint::check_fits(&format!("--shapes {}", shape_name(shape)), bytes)?;
+    }
+    set_compute_threads(threads);
+    let mut rng = Rng::new(0);
+    let mut rows = vec![];
+    for (i, &[m, k, n]) in shapes.iter().enumerate() {
+        let flops = 2.0 * m as f64 * k as f64 * n as f64;
+        let (x, y) = (
+            Tensor::randn(&[m, k], 1.0, DType::F32, &mut rng),
+            Tensor::randn(&[k, n], 1.0, DType::F32, &mut rng),
+        );
+        let mut brigade = vec![];
+        for &dtype in &dtypes {
+            let (x, y) = (x.to_dtype(dtype)?, y.to_dtype(dtype)?);
+            brigade.push(median_secs(a.reps, || x.matmul(&y).map(|_| ()).map_err(Into::into))?);
+        }
+        let direct = time_gemm_crate(&x, &y, threads, a.reps)?;
+        for (&dtype, brigade) in dtypes.iter().zip(brigade) {
+            rows.push(GemmRow {
+                shape: [m, k, n],
+                dtype: format!("{dtype:?}").to_lowercase(),
+                cpu_gemm: cpu_gemm.clone(),
+                brigade_gflops: flops / brigade / 1e9,
+                direct_gflops: flops / direct / 1e9,
+                numpy_gflops: a.numpy_gflops.as_ref().map(|g| g[i]),
+            });
+        }
+    }
+    if a.json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
+        );
+        return Ok(());
+    }
+    print_cpu_rows(&rows, &cpu_gemm, threads, a.reps);
+    Ok(())
+}
+
+/// The shapes, device and dtypes the options name, each option checked.
+fn parse_gemm_args(a: &GemmArgs) -> Result<(Vec<[usize; 3]>, Device, Vec<DType>)> {
     let shapes: Vec<[usize; 3]> = a.shapes.iter().map(|s| parse_shape(s)).collect::<Result<_>>()?;
     if !(1..=MAX_REPS).contains(&a.reps) {
         return Err(Error::Usage(format!(
@@ -217,92 +270,58 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
             shape_name(shape)
         )));
     }
-    if let Device::Cuda(ordinal) = device {
-        return bench_cuda(&a, &shapes, &dtypes, ordinal);
-    }
-    let cpu_gemm = brigade_tensor::cpu_gemm_name()?;
-    let threads = a
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    check_threads("--threads", threads)?;
-    for shape in &shapes {
-        // Brigade's three matrices, and the copies the direct call works on
-        let bytes = footprint::f32_bytes(elements(shape)).and_then(|b| footprint::mul(b, 2));
-        footprint::check_fits(&format!("--shapes {}", shape_name(shape)), bytes)?;
-    }
-    set_compute_threads(threads);
-    let mut rng = Rng::new(0);
-    let mut rows = vec![];
-    for (i, &[m, k, n]) in shapes.iter().enumerate() {
-        let flops = 2.0 * m as f64 * k as f64 * n as f64;
-        let (x, y) = (
-            Tensor::randn(&[m, k], 1.0, DType::F32, &mut rng),
-            Tensor::randn(&[k, n], 1.0, DType::F32, &mut rng),
-        );
-        let mut brigade = vec![];
-        for &dtype in &dtypes {
-            let (x, y) = (x.to_dtype(dtype)?, y.to_dtype(dtype)?);
-            brigade.push(median_secs(a.reps, || x.matmul(&y).map(|_| ()).map_err(Into::into))?);
-        }
-        let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
-        // m * n fits: checked against memory above
-        let mut out = vec![0f32; m * n];
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| Error::Usage(format!("a pool of {threads} threads: {e}")))?;
-        let direct = median_secs(a.reps, || {
-            pool.install(|| unsafe {
-                // SAFETY: row-major buffers of exactly m*k, k*n and m*n elements.
-                gemm_f32::gemm::f32::get_gemm_fn()(
-                    m,
-                    n,
-                    k,
-                    out.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    xv.as_ptr(),
-                    1,
-                    k as isize,
-                    yv.as_ptr(),
-                    1,
-                    n as isize,
-                    0.0f32,
-                    1.0f32,
-                    false,
-                    false,
-                    false,
-                    if threads > 1 {
-                        gemm_common::Parallelism::Rayon(threads)
-                    } else {
-                        gemm_common::Parallelism::None
-                    },
-                )
-            });
-            Ok(())
-        })?;
-        for (&dtype, brigade) in dtypes.iter().zip(brigade) {
-            rows.push(GemmRow {
-                shape: [m, k, n],
-                dtype: format!("{dtype:?}").to_lowercase(),
-                cpu_gemm: cpu_gemm.clone(),
-                brigade_gflops: flops / brigade / 1e9,
-                direct_gflops: flops / direct / 1e9,
-                numpy_gflops: a.numpy_gflops.as_ref().map(|g| g[i]),
-            });
-        }
-    }
-    if a.json {
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&rows).map_err(|e| Error::json("the GEMM rows", e))?
-        );
-        return Ok(());
-    }
+    Ok((shapes, device, dtypes))
+}
+
+/// The median seconds of the `gemm` crate called directly on copies of `x [m, k]` and
+/// `y [k, n]` (f32), with `threads` threads.
+fn time_gemm_crate(x: &Tensor, y: &Tensor, threads: usize, reps: usize) -> Result<f64> {
+    let (m, k, n) = (x.shape()[0], x.shape()[1], y.shape()[1]);
+    let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
+    // m * n fits: checked against memory above
+    let mut out = vec![0f32; m * n];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::Usage(format!("a pool of {threads} threads: {e}")))?;
+    median_secs(reps, || {
+        pool.install(|| unsafe {
+            // SAFETY: row-major buffers of exactly m*k, k*n and m*n elements.
+            gemm_f32::gemm::f32::get_gemm_fn()(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                xv.as_ptr(),
+                1,
+                k as isize,
+                yv.as_ptr(),
+                1,
+                n as isize,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                if threads > 1 {
+                    gemm_common::Parallelism::Rayon(threads)
+                } else {
+                    gemm_common::Parallelism::None
+                },
+            )
+        });
+        Ok(())
+    })
+}
+
+/// The CPU's table: Brigade's GFLOP/s beside the `gemm` crate's (and numpy's, when given).
+fn print_cpu_rows(rows: &[GemmRow], cpu_gemm: &str, threads: usize, reps: usize) {
     outln!(
         "GEMM on the CPU through {cpu_gemm}, {threads} threads, median of {} calls (the gemm crate called directly in f32 beside it)",
-        a.reps
+        reps
     );
     outln!(
         "{:>18} {:>6} {:>14} {:>17} {:>9} {:>13} {:>9}",
@@ -314,7 +333,7 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
         "numpy GF/s",
         "ratio"
     );
-    for r in &rows {
+    for r in rows {
         let np = r.numpy_gflops.map_or(("-".to_string(), "-".to_string()), |g| {
             (format!("{g:.1}"), format!("{:.2}", r.brigade_gflops / g))
         });
@@ -329,5 +348,4 @@ pub fn bench_gemm(a: GemmArgs) -> Result<()> {
             np.1
         );
     }
-    Ok(())
 }

@@ -51,6 +51,54 @@ type StepWall = (Duration, Duration, Duration);
 
 /// Runs `brigade bench ops`.
 pub fn bench_ops(a: OpsArgs) -> Result<()> {
+    let (kind, batch_size) = workload(&a)?;
+    let precision = MixedPrecision::parse(&a.precision).map_err(|e| Error::Usage(format!("--precision: {e}")))?;
+    set_compute_threads(a.threads);
+    let model = kind.build(0)?;
+    let mut opt = optimizer(&kind, model.params().params().to_vec(), precision)?;
+    let batch = batch(&kind, batch_size)?;
+    let mut step = |walls: &mut Vec<StepWall>, reference: bool| -> Result<()> {
+        let start = Instant::now();
+        // as PyTorch's reference loop (zero_grad(set_to_none=True)): no DDP buckets here
+        model.params().set_grads_to_none()?;
+        mark_forward_start();
+        let loss = if reference {
+            with_reference_attention(|| model.loss(&batch))?
+        } else {
+            model.loss(&batch)?
+        };
+        let fwd_end = Instant::now();
+        loss.backward()?;
+        let bwd_end = Instant::now();
+        opt.step()?;
+        let end = Instant::now();
+        walls.push((fwd_end - start, bwd_end - fwd_end, end - bwd_end));
+        Ok(())
+    };
+    let variants: &[bool] = if a.ab { &[false, true] } else { &[false] };
+    let results = profile_interleaved(&a, variants, &mut step)?;
+    let mut medians = vec![];
+    for (k, (profile, walls)) in results.iter().enumerate() {
+        if a.ab {
+            outln!(
+                "\n== {} attention ==",
+                if variants[k] { "reference (unfused)" } else { "fused" }
+            );
+        }
+        medians.push(print_table(&a, batch_size, profile, walls));
+    }
+    if let [fused, reference] = medians[..] {
+        outln!(
+            "\nA/B, interleaved: median step fused {fused:.2} ms, reference {reference:.2} ms, fused / reference {:.3}",
+            fused / reference
+        );
+    }
+    Ok(())
+}
+
+/// The model and rows per step the options name, each option checked, and the training's
+/// memory checked against the machine's.
+fn workload(a: &OpsArgs) -> Result<(ModelKind, usize)> {
     if a.steps == 0 {
         return Err(Error::Usage("--steps must be at least 1".into()));
     }
@@ -80,23 +128,29 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         &format!("--model {} with --batch-size {batch_size}", a.model),
         footprint::training_bytes(&kind, batch_size, state),
     )?;
-    let precision = MixedPrecision::parse(&a.precision).map_err(|e| Error::Usage(format!("--precision: {e}")))?;
-    set_compute_threads(a.threads);
-    let model = kind.build(0)?;
-    let params = model.params().params().to_vec();
+    Ok((kind, batch_size))
+}
+
+/// The workload's optimizer (the GPT's AdamW, the MLP's SGD), on f32 master weights under a
+/// 16-bit precision.
+fn optimizer(kind: &ModelKind, params: Vec<Var>, precision: MixedPrecision) -> Result<Box<dyn Optimizer>> {
     let build = |params: Vec<Var>| -> Box<dyn Optimizer> {
         match kind {
             ModelKind::Gpt(_) => Box::new(AdamW::with_options(params, 3e-4, (0.9, 0.999), 1e-8, 0.01)),
             ModelKind::Mlp(_) => Box::new(Sgd::new(params, 0.01, 0.0, 0.0)),
         }
     };
-    let mut opt: Box<dyn Optimizer> = if precision.is_mixed() {
+    Ok(if precision.is_mixed() {
         Box::new(MasterWeights::new(params, precision.param_dtype, build, &[])?)
     } else {
         build(params)
-    };
+    })
+}
+
+/// One batch of random tokens (GPT) or features and labels (MLP), the same every step.
+fn batch(kind: &ModelKind, batch_size: usize) -> Result<Batch> {
     let mut rng = Rng::new(0);
-    let batch = match &kind {
+    Ok(match kind {
         ModelKind::Gpt(c) => {
             let n = batch_size
                 .checked_mul(c.context + 1)
@@ -111,26 +165,16 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
                 &[batch_size],
             )?,
         ),
-    };
-    let mut step = |walls: &mut Vec<StepWall>, reference: bool| -> Result<()> {
-        let start = Instant::now();
-        // as PyTorch's reference loop (zero_grad(set_to_none=True)): no DDP buckets here
-        model.params().set_grads_to_none()?;
-        mark_forward_start();
-        let loss = if reference {
-            with_reference_attention(|| model.loss(&batch))?
-        } else {
-            model.loss(&batch)?
-        };
-        let fwd_end = Instant::now();
-        loss.backward()?;
-        let bwd_end = Instant::now();
-        opt.step()?;
-        let end = Instant::now();
-        walls.push((fwd_end - start, bwd_end - fwd_end, end - bwd_end));
-        Ok(())
-    };
-    let variants: &[bool] = if a.ab { &[false, true] } else { &[false] };
+    })
+}
+
+/// The warm-up steps, then the profiled steps of each variant (`true`: the reference
+/// attention), alternating which goes first so that neither always follows the other.
+fn profile_interleaved(
+    a: &OpsArgs,
+    variants: &[bool],
+    step: &mut dyn FnMut(&mut Vec<StepWall>, bool) -> Result<()>,
+) -> Result<Vec<(OpProfile, Vec<StepWall>)>> {
     let mut scratch = vec![];
     for _ in 0..a.warmup {
         for &r in variants {
@@ -139,7 +183,6 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     }
     let mut results: Vec<(OpProfile, Vec<StepWall>)> = variants.iter().map(|_| Default::default()).collect();
     for i in 0..a.steps {
-        // alternate which variant goes first, so that neither always follows the other
         for k in 0..variants.len() {
             let k = (k + i) % variants.len();
             let (profile, walls) = &mut results[k];
@@ -148,23 +191,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
             profile.merge(&p);
         }
     }
-    let mut medians = vec![];
-    for (k, (profile, walls)) in results.iter().enumerate() {
-        if a.ab {
-            outln!(
-                "\n== {} attention ==",
-                if variants[k] { "reference (unfused)" } else { "fused" }
-            );
-        }
-        medians.push(print_table(&a, batch_size, profile, walls));
-    }
-    if let [fused, reference] = medians[..] {
-        outln!(
-            "\nA/B, interleaved: median step fused {fused:.2} ms, reference {reference:.2} ms, fused / reference {:.3}",
-            fused / reference
-        );
-    }
-    Ok(())
+    Ok(results)
 }
 
 fn ms(d: Duration, steps: usize) -> f64 {
