@@ -3,8 +3,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{
-    run_on_threads_with_timeout, tagging_collectives, Buffer, Communicator, EventKind, Recorder, ReduceOp, TraceEvent,
-    Traced, Track,
+    run_on_threads_with_timeout, tagging_collectives, Buffer, EventKind, Recorder, ReduceOp, TraceEvent, Track,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -31,7 +30,7 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     let recorder = Recorder::new();
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
         let rank = comm.rank();
-        let comm = Traced::new(comm, recorder.clone());
+        let comm = comm.traced(recorder.clone());
         let layer1 = recorder.begin(rank, EventKind::scoped("backward", "layer 1"));
         let work = tagging_collectives(0, || {
             comm.all_reduce(Buffer::F32(vec![1.0; 1000]), ReduceOp::Sum, "grad 0")
