@@ -206,7 +206,7 @@ fn on_the_device_stream(
     run_on_threads(WORLD as usize, |comm| {
         brigade::tensor::set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let device = ordinal.map_or(Device::Cpu, |o| Device::Fake(o + rank));
         let model = Gpt::new(small_gpt(), 0).unwrap();
         for p in model.params().params() {
