@@ -196,7 +196,7 @@ fn on_the_device_stream(
     ordinal: Option<usize>,
 ) -> Vec<(Vec<f64>, Vec<fake::FakeOp>, u64)> {
     use brigade::autograd::{Optimizer, Sgd};
-    use brigade::comm::{run_on_threads, Communicator};
+    use brigade::comm::run_on_threads;
     use brigade::ddp::group::{DeviceGroup, HostGroup};
     use brigade::ddp::Group;
     use brigade::ddp::{DdpConfig, DistributedDataParallel};
