@@ -30,7 +30,8 @@
 //!   on the counting fake device in CPU tests.
 //! - Wrappers, each written once over any group: [`Metered`] (DDP's meter, and each
 //!   collective attributed to its bucket) and [`Recording`] (the order of the stream hooks, for
-//!   tests). Tracing and the simulated link are options of the comm stream below a host group
+//!   tests); what they and the device group pass through unchanged is written once
+//!   (`forward.rs`). Tracing and the simulated link are options of the comm stream below a host group
 //!   (one implementation each in `brigade-comm`, shared with the trainer's control messages).
 //!
 //! What each collective does with its input:
@@ -43,6 +44,9 @@
 //! - `reduce_scatter` and `all_gather` complete with a new tensor (this rank's chunk; every
 //!   rank's input as `[world, n]`).
 
+// first: the wrappers below use its macro
+#[macro_use]
+mod forward;
 mod device;
 mod gpu_clock;
 mod host;
