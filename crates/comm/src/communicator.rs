@@ -12,7 +12,9 @@ use crate::{Buffer, CommError, DType, ReduceOp, Work};
 /// [`crate::CommError::Mismatch`]. The tag names the collective (e.g. `"bucket 3"`) in traces
 /// and error messages.
 ///
-/// Object safe: data-parallel code holds an `Arc<dyn Communicator>`.
+/// Object safe: the training's control messages (loss agreement, parameter broadcast,
+/// checkpoint gathers) hold an `Arc<dyn Communicator>`. Its implementation is the comm stream's
+/// ([`crate::CommStream`], which a process group calls directly).
 pub trait Communicator: Send + Sync {
     /// This rank, in `0..world_size()`.
     fn rank(&self) -> usize;

@@ -199,3 +199,40 @@ fn a_retimed_span_takes_the_new_instants_and_stays_in_its_step() {
         .iter()
         .all(|e| e.kind != EventKind::scoped("backward", "layers.1")));
 }
+
+#[test]
+fn a_plain_handle_shares_the_traced_stream_without_being_traced_and_keeps_it_open() {
+    let recorder = Recorder::new();
+    let sums = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
+        let plain = comm.plain();
+        let traced = comm.traced(recorder.clone());
+        let a = traced
+            .all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "traced")
+            .wait()
+            .unwrap();
+        let b = plain
+            .all_reduce(Buffer::F32(vec![2.0]), ReduceOp::Sum, "control")
+            .wait()
+            .unwrap();
+        // the stream stays open for the plain handle once the traced one is gone
+        drop(traced);
+        let c = plain
+            .all_reduce(Buffer::F32(vec![3.0]), ReduceOp::Sum, "after")
+            .wait()
+            .unwrap();
+        [a, b, c].map(|x| match x {
+            Buffer::F32(v) => v[0],
+            other => panic!("an f32 all-reduce returned {}", other.dtype()),
+        })
+    });
+    for s in sums {
+        assert_eq!(s.unwrap(), [2.0, 4.0, 6.0]);
+    }
+    wait_until(|| recorder.events().iter().all(|e| e.end.is_some()));
+    let names: Vec<String> = recorder.events().into_iter().map(|e| e.name).collect();
+    assert_eq!(
+        names,
+        ["traced", "traced"],
+        "only the traced handle's collective, on each rank"
+    );
+}
