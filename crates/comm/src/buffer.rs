@@ -58,7 +58,7 @@ pub fn buffer_from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
 
 #[cfg(test)]
 mod tests {
-    use crate::{run_on_threads, Buffer, CommError, Communicator, ReduceOp};
+    use crate::{run_on_threads, Buffer, CommError, ReduceOp};
 
     #[test]
     fn host_collectives_move_f64_and_i64_buffers_and_refuse_to_reduce_them() {

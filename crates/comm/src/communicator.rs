@@ -12,7 +12,9 @@ use crate::{Buffer, CommError, DType, ReduceOp, Work};
 /// [`crate::CommError::Mismatch`]. The tag names the collective (e.g. `"bucket 3"`) in traces
 /// and error messages.
 ///
-/// Object safe: data-parallel code holds an `Arc<dyn Communicator>`.
+/// Object safe: the training's control messages (loss agreement, parameter broadcast,
+/// checkpoint gathers) hold an `Arc<dyn Communicator>`. Its implementation is the comm stream's
+/// ([`crate::CommStream`], which a process group calls directly).
 pub trait Communicator: Send + Sync {
     /// This rank, in `0..world_size()`.
     fn rank(&self) -> usize;
@@ -143,32 +145,63 @@ pub fn all_gather_with_side(
     side: Buffer,
     tag: &str,
 ) -> Work<(Buffer, Buffer)> {
+    let (packed, unpack) = pack_with_side(payload, side);
+    comm.all_gather(packed, tag)
+        .then(move |all| unpack_with_side(all, unpack))
+}
+
+/// What [`unpack_with_side`] needs to split an all-gathered message: the payload's and the
+/// side's dtypes, the side's bytes and the message's.
+pub(crate) struct SideLayout {
+    pdtype: DType,
+    sdtype: DType,
+    side_bytes: usize,
+    message: usize,
+}
+
+/// `side` then `payload` as one byte message, and how to split it again.
+pub(crate) fn pack_with_side(payload: Buffer, side: Buffer) -> (Buffer, SideLayout) {
     let (pdtype, sdtype) = (payload.dtype(), side.dtype());
     let side_bytes = side.byte_len();
     let mut packed = side.to_le_bytes();
     packed.extend(payload.to_le_bytes());
     let message = packed.len();
-    comm.all_gather(Buffer::U8(packed), tag).then(move |all| {
-        let all = all
-            .into_u8()
-            .map_err(|b| CommError::Internal(format!("all_gather of u8 returned {}", b.dtype())))?;
-        let world = all.len().checked_div(message).unwrap_or(0);
-        let (mut payloads, mut sides) = (
-            Vec::with_capacity(world * (message - side_bytes)),
-            Vec::with_capacity(world * side_bytes),
-        );
-        for piece in all.chunks_exact(message.max(1)) {
-            sides.extend_from_slice(&piece[..side_bytes]);
-            payloads.extend_from_slice(&piece[side_bytes..]);
-        }
-        let unpack = |dtype: DType, bytes: &[u8]| {
-            crate::buffer_from_le_bytes(dtype, bytes).ok_or_else(|| {
-                CommError::Internal(format!(
-                    "{} bytes are not a whole number of {dtype} elements",
-                    bytes.len()
-                ))
-            })
-        };
-        Ok((unpack(pdtype, &payloads)?, unpack(sdtype, &sides)?))
-    })
+    let layout = SideLayout {
+        pdtype,
+        sdtype,
+        side_bytes,
+        message,
+    };
+    (Buffer::U8(packed), layout)
+}
+
+/// Every rank's message, gathered, split into the payloads and the sides, each rank-major.
+pub(crate) fn unpack_with_side(all: Buffer, layout: SideLayout) -> Result<(Buffer, Buffer), CommError> {
+    let SideLayout {
+        pdtype,
+        sdtype,
+        side_bytes,
+        message,
+    } = layout;
+    let all = all
+        .into_u8()
+        .map_err(|b| CommError::Internal(format!("all_gather of u8 returned {}", b.dtype())))?;
+    let world = all.len().checked_div(message).unwrap_or(0);
+    let (mut payloads, mut sides) = (
+        Vec::with_capacity(world * (message - side_bytes)),
+        Vec::with_capacity(world * side_bytes),
+    );
+    for piece in all.chunks_exact(message.max(1)) {
+        sides.extend_from_slice(&piece[..side_bytes]);
+        payloads.extend_from_slice(&piece[side_bytes..]);
+    }
+    let unpack = |dtype: DType, bytes: &[u8]| {
+        crate::buffer_from_le_bytes(dtype, bytes).ok_or_else(|| {
+            CommError::Internal(format!(
+                "{} bytes are not a whole number of {dtype} elements",
+                bytes.len()
+            ))
+        })
+    };
+    Ok((unpack(pdtype, &payloads)?, unpack(sdtype, &sides)?))
 }

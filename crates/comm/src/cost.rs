@@ -1,6 +1,6 @@
 //! The wire-cost model of the ring collectives, said once: how many messages a rank waits for
 //! and how many bytes it sends for each collective on `p` ranks. The simulated network
-//! ([`crate::SimulatedNetwork`]) sleeps its time, the meter ([`crate::CommMeter`]) adds up its
+//! ([`crate::CommStream::simulated`]) sleeps its time, the meter ([`crate::CommMeter`]) adds up its
 //! bytes, the bandwidth benchmark reports its bus bandwidth, and the overlap model replays a
 //! step with it.
 //!
@@ -35,6 +35,18 @@ pub enum RingOp {
 }
 
 impl RingOp {
+    /// The collective's name in traces (`all_reduce`, `reduce_scatter`, `all_gather`,
+    /// `broadcast`, `barrier`).
+    pub fn name(self) -> &'static str {
+        match self {
+            RingOp::AllReduce => "all_reduce",
+            RingOp::ReduceScatter => "reduce_scatter",
+            RingOp::AllGather => "all_gather",
+            RingOp::Broadcast => "broadcast",
+            RingOp::Barrier => "barrier",
+        }
+    }
+
     /// Messages (latencies) one collective on `p` ranks waits for.
     pub fn messages(self, p: usize) -> f64 {
         let q = p.saturating_sub(1) as f64;

@@ -5,15 +5,17 @@
 //!   [`all_gather_with_side`] carries a small side buffer (scales, indices) beside a payload, and
 //!   [`DType`]'s docs say how integer payloads are reduced (gathered, summed in f32).
 //! - [`CommStream`]: the per-rank comm stream that runs collectives in issue order on a worker
-//!   thread over a synchronous [`Transport`]; a backend implements only the transport.
+//!   thread over a synchronous [`Transport`]; a backend implements only the transport. Its
+//!   collectives are its own methods (the [`Communicator`] face forwards to them); tracing and a
+//!   simulated link are options of it.
 //! - [`ThreadGroup`] / [`run_on_threads`]: the thread backend, `n` ranks as threads of one process.
-//! - [`SimulatedNetwork`]: makes any communicator as slow as a network of latency `alpha` and
-//!   bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
+//! - [`CommStream::simulated`], [`SharedLink`]: a comm stream as slow as a network of latency
+//!   `alpha` and bandwidth `B` (ring model), to study overlap and bucket sizes on one machine.
 //! - [`cost`](mod@cost): the ring collectives' wire-cost model ([`RingOp`], [`NetModel`]), which
 //!   the simulated network, the meter, the benchmark and ddp's overlap model share.
 //! - [`CommMeter`]: bytes a rank hands to its collectives and sends on the wire (ddp's process
 //!   group counts into it, once per collective).
-//! - [`Recorder`] / [`Traced`]: per-rank timelines of compute and communication, exported as
+//! - [`Recorder`] / [`CommStream::traced`]: per-rank timelines of compute and communication, exported as
 //!   Chrome trace JSON.
 //! - [`bench`](mod@bench): the all-reduce bandwidth benchmark behind `brigade bench comm`.
 //! - [`nccl`] (the `cuda` feature, on by default): NCCL on GPU memory ([`nccl::NcclComm`]:
@@ -63,12 +65,10 @@ pub use heap::{host_vec, in_shared_heap, SharedHeap, HEAP_BYTES, HEAP_VAR, LINE_
 pub use meter::{CommBytes, CommMeter};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiOptions, MpiPath, MpiTransport, MpiWorld};
-pub use sim::{SharedLink, SimulatedNetwork};
+pub use sim::SharedLink;
 pub use stream::{CommStream, Transport};
 pub use thread::{
     run_on_threads, run_on_threads_with_timeout, ThreadComm, ThreadGroup, ThreadTransport, DEFAULT_TIMEOUT,
 };
-pub use trace::{
-    chrome_trace, tagging_collectives, EventKind, Recorder, SpanGuard, SpanId, Stamp, TraceEvent, Traced, Track,
-};
+pub use trace::{chrome_trace, tagging_collectives, EventKind, Recorder, SpanGuard, SpanId, Stamp, TraceEvent, Track};
 pub use work::{OpTiming, Promise, Work, WorkEvent};

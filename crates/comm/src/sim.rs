@@ -1,22 +1,23 @@
-//! Simulated network: makes any communicator as slow as links of latency `alpha` and bandwidth
-//! `B` (the ring model of [`crate::cost`]), while the data still moves for real. The extra wait
-//! sleeps, so compute keeps the CPU.
+//! Simulated network: makes a comm stream as slow as links of latency `alpha` and bandwidth `B`
+//! (the ring model of [`crate::cost`]), while the data still moves for real
+//! ([`crate::CommStream::simulated`], [`crate::CommStream::on_link`]). The extra wait sleeps, so
+//! compute keeps the CPU.
 
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{Buffer, Communicator, NetModel, ReduceOp, Work};
+use crate::{NetModel, RingOp, Work};
 
 type SimJob = Box<dyn FnOnce(&mut LinkClock) + Send>;
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
-/// (the `k`-th collective each rank issues through its [`SimulatedNetwork`]) starts on the link
+/// (the `k`-th collective each rank issues through its simulated stream) starts on the link
 /// once every rank has joined it and the link is free, and finishes at the same instant on every
-/// rank. Create one per group and hand a clone to each rank's [`SimulatedNetwork::on_link`].
+/// rank. Create one per group and hand it to each rank's [`crate::CommStream::on_link`].
 ///
-/// Without it (plain [`SimulatedNetwork::new`]) each rank keeps its own link clock, and ranks
+/// Without it ([`crate::CommStream::simulated`]) each rank keeps its own link clock, and ranks
 /// drift apart by scheduling noise: a collective can start on one rank's link while another's is
 /// still busy. Ranks in other processes (MPI) cannot share an `Instant`, so they keep their own
 /// clocks; the inner collective still lines them up at every call.
@@ -99,70 +100,66 @@ impl LinkClock {
     }
 }
 
-/// Wraps a communicator so that each collective completes its [`NetModel`] time after it
-/// starts on the (simulated) link, which is when every rank has joined it and the previous
-/// collective has left the link: `sim_start = max(inner finished, previous sim_finish)`,
-/// `sim_finish = sim_start + model time`. On a [`SharedLink`] every rank of a collective gets
-/// the same start and finish; on a rank's own link (`new`) they agree up to scheduling noise.
-/// The returned [`Work`] reports `sim_start`/`sim_finish` as its timing. A helper thread per
-/// wrapper sleeps until `sim_finish` (no spinning), so the caller's compute keeps the core.
-pub struct SimulatedNetwork<C> {
-    inner: C,
+/// A simulated stream's delay stage: each collective's work, completed by the transport, is
+/// completed again at its modelled finish on the link, `sim_start = max(transfer finished,
+/// previous sim_finish)`, `sim_finish = sim_start + model time`, by a helper thread that sleeps
+/// until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
+/// its timing.
+pub(crate) struct LinkStage {
     model: NetModel,
+    world: usize,
     jobs: mpsc::Sender<SimJob>,
 }
 
-impl<C: Communicator> SimulatedNetwork<C> {
-    /// Wraps `inner` with the link model `model`, on a link of this rank's own.
-    pub fn new(inner: C, model: NetModel) -> Self {
-        Self::with_clock(inner, model, LinkClock::Own { free: Instant::now() })
+impl LinkStage {
+    /// A stage on a link of rank `rank`'s own.
+    pub(crate) fn own(model: NetModel, rank: usize, world: usize) -> Self {
+        Self::with_clock(model, rank, world, LinkClock::Own { free: Instant::now() })
     }
 
-    /// Wraps `inner` on `link`, the link every rank of the group shares (see [`SharedLink`]).
-    pub fn on_link(inner: C, link: &SharedLink) -> Self {
-        let world = inner.world_size();
-        Self::with_clock(
-            inner,
-            link.model,
-            LinkClock::Shared {
-                link: link.clone(),
-                next: 0,
-                world,
-            },
-        )
+    /// A stage on `link`, shared by the `world` ranks of the group.
+    pub(crate) fn shared(link: &SharedLink, rank: usize, world: usize) -> Self {
+        let clock = LinkClock::Shared {
+            link: link.clone(),
+            next: 0,
+            world,
+        };
+        Self::with_clock(link.model, rank, world, clock)
     }
 
-    fn with_clock(inner: C, model: NetModel, mut clock: LinkClock) -> Self {
+    fn with_clock(model: NetModel, rank: usize, world: usize, mut clock: LinkClock) -> Self {
         let (tx, rx) = mpsc::channel::<SimJob>();
         thread::Builder::new()
-            .name(format!("sim-net-{}", inner.rank()))
+            .name(format!("sim-net-{rank}"))
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
                     job(&mut clock);
                 }
             })
             .expect("spawn simulated network thread");
-        SimulatedNetwork { inner, model, jobs: tx }
+        LinkStage { model, world, jobs: tx }
     }
 
     /// The link model.
-    pub fn model(&self) -> NetModel {
+    pub(crate) fn model(&self) -> NetModel {
         self.model
     }
 
-    /// The wrapped communicator.
-    pub fn inner(&self) -> &C {
-        &self.inner
-    }
-
-    /// Delays `inner`'s completion to the model's finish time.
-    fn delay<T: Send + 'static>(&self, inner: Work<T>, model_time: Duration) -> Work<T> {
-        let (outer, promise) = Work::pending(inner.rank(), inner.tag(), self.inner.timeout());
+    /// `inner` (collective `kind` on `bytes` bytes) completed at its modelled finish.
+    pub(crate) fn delay<T: Send + 'static>(
+        &self,
+        inner: Work<T>,
+        kind: RingOp,
+        bytes: usize,
+        timeout: Duration,
+    ) -> Work<T> {
+        let model_time = self.model.time(kind, bytes, self.world);
+        let (outer, promise) = Work::pending(inner.rank(), inner.tag(), timeout);
         let job: SimJob = Box::new(move |clock: &mut LinkClock| {
-            // The inner backend bounds its own waits, so this returns.
+            // The transport bounds its own waits, so this returns.
             match inner.wait_timed_timeout(Duration::MAX) {
                 Ok((value, timing)) => {
-                    // Data can flow only once every rank has joined, and the inner op's
+                    // Data can flow only once every rank has joined, and the transfer's
                     // finish is the first instant this rank knows they all have: a rank
                     // that arrived early waits for the late one, then for the link.
                     // (This counts the real transfer on top of the model's; in shared
@@ -188,44 +185,5 @@ fn sleep_until(t: Instant) {
             return;
         }
         thread::sleep(t - now);
-    }
-}
-
-impl<C: Communicator> Communicator for SimulatedNetwork<C> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        let t = self.model.all_reduce_time(buf.byte_len(), self.world_size());
-        self.delay(self.inner.all_reduce(buf, op, tag), t)
-    }
-
-    fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
-        let t = self.model.broadcast_time(buf.byte_len(), self.world_size());
-        self.delay(self.inner.broadcast(buf, root, tag), t)
-    }
-
-    fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        let t = self.model.all_gather_time(buf.byte_len(), self.world_size());
-        self.delay(self.inner.all_gather(buf, tag), t)
-    }
-
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        let t = self.model.reduce_scatter_time(buf.byte_len(), self.world_size());
-        self.delay(self.inner.reduce_scatter(buf, op, tag), t)
-    }
-
-    fn barrier(&self, tag: &str) -> Work<()> {
-        let t = self.model.barrier_time(self.world_size());
-        self.delay(self.inner.barrier(tag), t)
     }
 }

@@ -10,6 +10,13 @@
 //! that finds nothing to do still takes a core, on a small machine from a peer rank mid-collective).
 //! Collectives issued ahead, as DDP issues its buckets during backward, run on the
 //! worker while the caller computes, as before.
+//!
+//! Two options of a stream, each written once and applied to every collective issued through
+//! it: tracing ([`CommStream::traced`]: the issue recorded on the caller's thread with its tag,
+//! the start and finish as they happen) and a simulated link ([`CommStream::simulated`],
+//! [`CommStream::on_link`]: a collective completes at its modelled finish, on a helper
+//! thread, while the stream goes on). [`CommStream::plain`] is a handle on the same stream
+//! without them, for control messages.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -17,8 +24,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread;
 use std::time::Duration;
 
+use crate::communicator::{pack_with_side, unpack_with_side};
 use crate::error::panic_message;
-use crate::{Buffer, CommError, Communicator, ReduceOp, Work};
+use crate::sim::{LinkStage, SharedLink};
+use crate::trace::Tracing;
+use crate::{Buffer, CommError, Communicator, NetModel, Recorder, ReduceOp, RingOp, Work};
 
 /// A synchronous, blocking per-rank backend: each call performs one collective with the peers
 /// and returns when this rank's part is done. A backend implements only this; [`CommStream`]
@@ -60,8 +70,10 @@ struct Core<T> {
     transport: Option<T>,
     /// Issue number of the next collective.
     next: u64,
-    /// Why the stream is closing, once its communicator was dropped.
+    /// Why the stream is closing, once its last handle was dropped.
     closing: Option<String>,
+    /// Handles on the stream (the stream and its plain views) not yet dropped.
+    handles: usize,
 }
 
 struct Shared<T> {
@@ -83,13 +95,22 @@ impl<T> Shared<T> {
 /// stream is idle, see the module docs), are stamped when each started and finished, and
 /// complete their [`Work`], handing the same buffer back.
 ///
-/// Dropping the stream lets the worker finish what was queued, then closes the transport (for
-/// the thread backend, peers then fail promptly with [`CommError::RankFailed`]).
+/// The collectives are the stream's own methods (what a process group calls); its
+/// [`Communicator`] implementation, the object-safe face for control messages, forwards to
+/// them. Tracing and a simulated link are options of the stream (see the module docs).
+///
+/// Dropping the stream (and its plain views) lets the worker finish what was queued, then
+/// closes the transport (for the thread backend, peers then fail promptly with
+/// [`CommError::RankFailed`]).
 pub struct CommStream<T: Transport> {
     shared: Arc<Shared<T>>,
     rank: usize,
     world_size: usize,
     timeout: Duration,
+    /// Records every collective issued through this handle.
+    tracing: Option<Tracing>,
+    /// Delays every collective issued through this handle to its modelled finish.
+    link: Option<Arc<LinkStage>>,
 }
 
 impl<T: Transport> CommStream<T> {
@@ -103,6 +124,7 @@ impl<T: Transport> CommStream<T> {
                 transport: Some(transport),
                 next: 0,
                 closing: None,
+                handles: 1,
             }),
             work: Condvar::new(),
         });
@@ -116,6 +138,148 @@ impl<T: Transport> CommStream<T> {
             rank,
             world_size,
             timeout,
+            tracing: None,
+            link: None,
+        }
+    }
+
+    /// This stream recording each collective into `recorder`: issued (when called, with the
+    /// caller's tag from [`crate::tagging_collectives`]), started and finished on the stream
+    /// (when they happen, whether or not anyone waits; with a simulated link, its times).
+    pub fn traced(mut self, recorder: Recorder) -> Self {
+        self.tracing = Some(Tracing::new(recorder));
+        self
+    }
+
+    /// This stream as slow as links of `model` (the ring model of [`crate::cost`]), on a link
+    /// of this rank's own: each collective starts on the link once its transfer finished and
+    /// the previous one left the link (`sim_start = max(finished, previous sim_finish)`) and
+    /// completes `model`'s time later, which its work reports as its timing. A helper thread
+    /// sleeps until then (no spinning), so the caller's compute keeps the core. Ranks drift
+    /// apart by scheduling noise: [`CommStream::on_link`] shares one link among them.
+    pub fn simulated(mut self, model: NetModel) -> Self {
+        self.link = Some(Arc::new(LinkStage::own(model, self.rank, self.world_size)));
+        self
+    }
+
+    /// Like [`CommStream::simulated`], on `link`, the link every rank of the group shares (see
+    /// [`SharedLink`]): every rank of a collective gets the same start and finish.
+    pub fn on_link(mut self, link: &SharedLink) -> Self {
+        self.link = Some(Arc::new(LinkStage::shared(link, self.rank, self.world_size)));
+        self
+    }
+
+    /// The recorder of a traced stream.
+    pub fn recorder(&self) -> Option<&Recorder> {
+        self.tracing.as_ref().map(Tracing::recorder)
+    }
+
+    /// The link model of a simulated stream.
+    pub fn net_model(&self) -> Option<NetModel> {
+        self.link.as_ref().map(|l| l.model())
+    }
+
+    /// Another handle on this stream, neither traced nor simulated: its collectives join the
+    /// same issue order (control messages beside a traced, simulated training stream).
+    pub fn plain(&self) -> CommStream<T> {
+        self.shared.lock().handles += 1;
+        CommStream {
+            shared: self.shared.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+            timeout: self.timeout,
+            tracing: None,
+            link: None,
+        }
+    }
+
+    /// This rank, in `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// How long [`Work::wait`] and the transport's waits block before failing.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// See [`Communicator::all_reduce`].
+    pub fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
+        let bytes = buf.byte_len();
+        self.issue(RingOp::AllReduce, bytes, tag, all_reduce_op(buf, op))
+    }
+
+    /// See [`Communicator::all_reduce_blocking`]: on an idle stream that is neither traced nor
+    /// simulated, run on the calling thread.
+    pub fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        if self.tracing.is_some() || self.link.is_some() {
+            return self.all_reduce(buf, op, tag).wait();
+        }
+        self.run_now(tag, all_reduce_op(buf, op))
+    }
+
+    /// See [`Communicator::broadcast`].
+    pub fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
+        let bytes = buf.byte_len();
+        self.issue(RingOp::Broadcast, bytes, tag, move |t, tag| {
+            let mut buf = buf;
+            t.broadcast(&mut buf, root, tag).map(|()| buf)
+        })
+    }
+
+    /// See [`Communicator::all_gather`].
+    pub fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
+        let bytes = buf.byte_len();
+        self.issue(RingOp::AllGather, bytes, tag, move |t, tag| {
+            let mut buf = buf;
+            t.all_gather(&mut buf, tag).map(|()| buf)
+        })
+    }
+
+    /// See [`crate::all_gather_with_side`]: `payload` and `side` in one all-gather.
+    pub fn all_gather_with_side(&self, payload: Buffer, side: Buffer, tag: &str) -> Work<(Buffer, Buffer)> {
+        let (packed, unpack) = pack_with_side(payload, side);
+        self.all_gather(packed, tag)
+            .then(move |all| unpack_with_side(all, unpack))
+    }
+
+    /// See [`Communicator::reduce_scatter`].
+    pub fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
+        let bytes = buf.byte_len();
+        self.issue(RingOp::ReduceScatter, bytes, tag, move |t, tag| {
+            let mut buf = buf;
+            t.reduce_scatter(&mut buf, op, tag).map(|()| buf)
+        })
+    }
+
+    /// See [`Communicator::barrier`].
+    pub fn barrier(&self, tag: &str) -> Work<()> {
+        self.issue(RingOp::Barrier, 0, tag, move |t, tag| t.barrier(tag))
+    }
+
+    /// Issues collective `kind` on `bytes` bytes: traced (its issue recorded now, on the
+    /// caller's thread), queued, delayed by the simulated link, and watched by the tracer as it
+    /// starts and finishes (the link's times, when simulated).
+    fn issue<R: Send + 'static>(
+        &self,
+        kind: RingOp,
+        bytes: usize,
+        tag: &str,
+        op: impl FnOnce(&mut T, &str) -> Result<R, CommError> + Send + 'static,
+    ) -> Work<R> {
+        let span = self.tracing.as_ref().map(|t| t.issue(self.rank, kind, tag, bytes));
+        let mut work = self.submit(tag, op);
+        if let Some(link) = &self.link {
+            work = link.delay(work, kind, bytes, self.timeout);
+        }
+        match (&self.tracing, span) {
+            (Some(t), Some(span)) => t.watch(span, work),
+            _ => work,
         }
     }
 
@@ -239,59 +403,55 @@ fn run_if_next<T: Transport>(shared: &Weak<Shared<T>>, seq: u64) {
 
 impl<T: Transport> Drop for CommStream<T> {
     fn drop(&mut self) {
-        let reason = if thread::panicking() {
+        let mut core = self.shared.lock();
+        core.handles -= 1;
+        if core.handles > 0 {
+            return;
+        }
+        core.closing = Some(if thread::panicking() {
             format!("rank {}'s thread panicked while holding its communicator", self.rank)
         } else {
             format!("rank {} dropped its communicator", self.rank)
-        };
-        self.shared.lock().closing = Some(reason);
+        });
+        drop(core);
         self.shared.work.notify_one();
     }
 }
 
 impl<T: Transport> Communicator for CommStream<T> {
     fn rank(&self) -> usize {
-        self.rank
+        CommStream::rank(self)
     }
 
     fn world_size(&self) -> usize {
-        self.world_size
+        CommStream::world_size(self)
     }
 
     fn timeout(&self) -> Duration {
-        self.timeout
+        CommStream::timeout(self)
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.submit(tag, all_reduce_op(buf, op))
+        CommStream::all_reduce(self, buf, op, tag)
     }
 
     fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
-        self.run_now(tag, all_reduce_op(buf, op))
+        CommStream::all_reduce_blocking(self, buf, op, tag)
     }
 
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
-        self.submit(tag, move |t, tag| {
-            let mut buf = buf;
-            t.broadcast(&mut buf, root, tag).map(|()| buf)
-        })
+        CommStream::broadcast(self, buf, root, tag)
     }
 
     fn all_gather(&self, buf: Buffer, tag: &str) -> Work<Buffer> {
-        self.submit(tag, move |t, tag| {
-            let mut buf = buf;
-            t.all_gather(&mut buf, tag).map(|()| buf)
-        })
+        CommStream::all_gather(self, buf, tag)
     }
 
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Work<Buffer> {
-        self.submit(tag, move |t, tag| {
-            let mut buf = buf;
-            t.reduce_scatter(&mut buf, op, tag).map(|()| buf)
-        })
+        CommStream::reduce_scatter(self, buf, op, tag)
     }
 
     fn barrier(&self, tag: &str) -> Work<()> {
-        self.submit(tag, move |t, tag| t.barrier(tag))
+        CommStream::barrier(self, tag)
     }
 }

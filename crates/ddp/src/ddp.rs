@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use brigade_autograd::{AutogradError, GradBus, GradSubscriber, Optimizer, ParamStore, Var};
-use brigade_comm::{all_gather_bytes, Communicator};
+use brigade_comm::{all_gather_bytes, CommStream, Communicator, Transport};
 use brigade_tensor::Tensor;
 
 use crate::memory::{self, MemoryReport};
@@ -50,12 +50,14 @@ impl DistributedDataParallel {
     /// require grad), broadcasts rank 0's values, builds the buckets of the parameters that
     /// require grad as `policy` lays them out (frozen ones are left out: freeze before
     /// wrapping) and subscribes to the store's gradient-ready bus. Collectives run on the host
-    /// comm stream over `comm`. Parameters whose values are not drawn yet are drawn whole here,
-    /// unless the policy starts sharded ([`ReducerPolicy::starts_sharded`]): then each rank takes
-    /// rank 0's recipes of them (with the broadcast), and the policy draws its shards.
-    pub fn new(
+    /// group over the rank's comm stream `comm` (traced or simulated as the stream is), which
+    /// also carries the model check, the parameter broadcast and the bucket rebuild. Parameters
+    /// whose values are not drawn yet are drawn whole here, unless the policy starts sharded
+    /// ([`ReducerPolicy::starts_sharded`]): then each rank takes rank 0's recipes of them (with
+    /// the broadcast), and the policy draws its shards.
+    pub fn new<T: Transport>(
         store: &ParamStore,
-        comm: Arc<dyn Communicator>,
+        comm: Arc<CommStream<T>>,
         cfg: DdpConfig,
         policy: Box<dyn ReducerPolicy>,
     ) -> Result<Self> {

@@ -11,7 +11,7 @@
 //! (or keeps the rank's shard), so the optimizer the policy built sees it.
 //!
 //! Three layers from a full bucket to the transport: the reducer, the policy, the process group
-//! ([`group`]: the host group over a communicator's comm stream by default, a device group on a
+//! ([`group`]: the host group over the rank's comm stream by default, a device group on a
 //! CUDA comm stream with NCCL or host-staged collectives), then the transport below. The built-in policies live in `brigade-policies`, written against
 //! [`policy`] alone.
 
@@ -54,8 +54,8 @@ pub struct DdpConfig {
     pub rebuild_buckets: bool,
     /// Start every rank from rank 0's parameter values.
     pub broadcast_parameters: bool,
-    /// Where to record per-layer backward spans (and nothing else: wrap the communicator
-    /// in [`brigade_comm::Traced`] for the comm track).
+    /// Where to record per-layer backward spans (and nothing else: trace the comm stream,
+    /// [`brigade_comm::CommStream::traced`], for the comm track).
     pub recorder: Option<Recorder>,
     /// Counts what DDP sends while it trains: every collective its policy issues (on any
     /// backend; step profiles record each bucket's part) and the bucket rebuild's broadcast;

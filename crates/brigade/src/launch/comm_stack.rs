@@ -1,10 +1,11 @@
-//! A rank's communicator stack: the backend's communicator, then the simulated network, then
-//! tracing outermost (so the trace shows what the caller saw).
+//! A rank's communicator stack: the backend's comm stream, on the simulated link and traced
+//! when configured, handed to DDP's host group and to the control collectives alike.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{Communicator, NetModel, Recorder, SharedLink, SimulatedNetwork, Traced};
+use brigade_comm::{CommStream, Communicator, NetModel, Recorder, SharedLink, Transport};
+use brigade_ddp::group::{Group, HostGroup};
 
 /// The simulated network under a rank's collectives.
 pub enum SimLink<'a> {
@@ -15,22 +16,26 @@ pub enum SimLink<'a> {
     Own(NetModel),
 }
 
-/// The one place the communicator stack is built: `base` (a thread or MPI communicator), then
-/// the simulated network, then tracing outermost.
-pub fn comm_stack(
-    base: Arc<dyn Communicator>,
+/// The one place a rank's training stream is built: `stream` (a thread or MPI comm stream) on
+/// the simulated link and traced when configured; returned as the communicator of the
+/// training's control collectives (loss agreement, parameter broadcast, DDP's model check)
+/// and, the same stream, as the host group DDP reduces its buckets on.
+pub fn comm_stack<T: Transport>(
+    stream: CommStream<T>,
     net: Option<SimLink<'_>>,
     recorder: Option<&Recorder>,
-) -> Arc<dyn Communicator> {
-    let c: Arc<dyn Communicator> = match net {
-        Some(SimLink::Shared(link)) => Arc::new(SimulatedNetwork::on_link(base, link)),
-        Some(SimLink::Own(model)) => Arc::new(SimulatedNetwork::new(base, model)),
-        None => base,
+) -> (Arc<dyn Communicator>, Group) {
+    let stream = match net {
+        Some(SimLink::Shared(link)) => stream.on_link(link),
+        Some(SimLink::Own(model)) => stream.simulated(model),
+        None => stream,
     };
-    match recorder {
-        Some(r) => Arc::new(Traced::new(c, r.clone())),
-        None => c,
-    }
+    let stream = Arc::new(match recorder {
+        Some(r) => stream.traced(r.clone()),
+        None => stream,
+    });
+    let group: Group = Arc::new(HostGroup::new(stream.clone()));
+    (stream, group)
 }
 
 /// A link of `gbps` gigabits per second and `latency_us` microseconds per message.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{Communicator, NetModel, Recorder};
+use brigade_ddp::Group;
 
 use crate::error::Error;
 
@@ -114,11 +115,13 @@ pub struct RankContext {
     pub world_size: usize,
     /// Ranks sharing this machine's cores (threads: all of them; MPI: this host's).
     pub local_ranks: usize,
-    /// The communicator stack for training: the backend, then the simulated network and the
-    /// tracing wrapper when configured.
+    /// The communicator for training: the backend's comm stream, on the simulated network and
+    /// traced when configured.
     pub comm: Arc<dyn Communicator>,
-    /// The bare backend communicator (not simulated, not traced), for control messages such as
-    /// gathering the timeline.
+    /// DDP's host group over the same stream as `comm` (its collectives are the stream's own).
+    pub group: Group,
+    /// The same stream, neither simulated nor traced, for control messages such as gathering
+    /// the timeline.
     pub control: Arc<dyn Communicator>,
     /// Where to record compute spans (shared with the comm stack's tracing).
     pub recorder: Option<Recorder>,

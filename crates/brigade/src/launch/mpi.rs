@@ -51,7 +51,9 @@ mod enabled {
     ) -> Result<Launched<T>> {
         let world = MpiWorld::init()?;
         let (rank, size) = (world.rank(), world.world_size());
-        let base = Arc::new(world.communicator(cfg.timeout)?);
+        // the training stream (simulated, traced) and a plain handle on it for control messages
+        let stream = world.communicator(cfg.timeout)?;
+        let base = Arc::new(stream.plain());
         let report = |e: &Error| {
             if let Some(on_fatal) = &cfg.on_fatal {
                 on_fatal(e);
@@ -61,15 +63,18 @@ mod enabled {
         if let Err(e) = agree(&base, rank, shared.as_ref().err().map(|e| e.to_string())) {
             // Every rank reports before any exits: mpirun ends the job at the first non-zero exit.
             report(&e);
+            drop(stream);
             exit_together(base, world, 1);
         }
         let shared = shared.expect("agreed: every rank's setup succeeded");
         let control: Arc<dyn Communicator> = base.clone();
+        let (comm, group) = comm_stack(stream, cfg.net.map(SimLink::Own), cfg.recorder.as_ref());
         let ctx = RankContext {
             rank,
             world_size: size,
             local_ranks: local_ranks(size),
-            comm: comm_stack(control.clone(), cfg.net.map(SimLink::Own), cfg.recorder.as_ref()),
+            comm,
+            group,
             control,
             recorder: cfg.recorder.clone(),
             launcher: CommBackend::Mpi,

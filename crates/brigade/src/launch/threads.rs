@@ -21,13 +21,15 @@ pub fn run_ranks<S: Sync, T: Send>(
     let link = cfg.net.map(SharedLink::new);
     let results = run_on_threads_with_timeout(world, cfg.timeout, |comm| {
         let rank = comm.rank();
-        let base: Arc<dyn Communicator> = Arc::new(comm);
+        let control: Arc<dyn Communicator> = Arc::new(comm.plain());
+        let (comm, group) = comm_stack(comm, link.as_ref().map(SimLink::Shared), cfg.recorder.as_ref());
         let ctx = RankContext {
             rank,
             world_size: world,
             local_ranks: world,
-            comm: comm_stack(base.clone(), link.as_ref().map(SimLink::Shared), cfg.recorder.as_ref()),
-            control: base,
+            comm,
+            group,
+            control,
             recorder: cfg.recorder.clone(),
             launcher: CommBackend::Thread,
             nccl: cfg.backend == CommBackend::Nccl,

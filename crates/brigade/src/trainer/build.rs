@@ -494,7 +494,7 @@ fn wrap(
     };
     Ok(match nccl::device_group(ctx, device, ctx.net)? {
         Some(group) => DistributedDataParallel::with_group(model.params(), comm, group, d, policy)?,
-        None => DistributedDataParallel::new(model.params(), comm, d, policy)?,
+        None => DistributedDataParallel::with_group(model.params(), comm, ctx.group.clone(), d, policy)?,
     })
 }
 

@@ -196,7 +196,7 @@ fn on_the_device_stream(
     ordinal: Option<usize>,
 ) -> Vec<(Vec<f64>, Vec<fake::FakeOp>, u64)> {
     use brigade::autograd::{Optimizer, Sgd};
-    use brigade::comm::{run_on_threads, Communicator};
+    use brigade::comm::run_on_threads;
     use brigade::ddp::group::{DeviceGroup, HostGroup};
     use brigade::ddp::Group;
     use brigade::ddp::{DdpConfig, DistributedDataParallel};
@@ -206,7 +206,7 @@ fn on_the_device_stream(
     run_on_threads(WORLD as usize, |comm| {
         brigade::tensor::set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let device = ordinal.map_or(Device::Cpu, |o| Device::Fake(o + rank));
         let model = Gpt::new(small_gpt(), 0).unwrap();
         for p in model.params().params() {

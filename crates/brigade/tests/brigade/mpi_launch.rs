@@ -135,11 +135,9 @@ impl brigade::autograd::GradSubscriber for AwaitBucket0Start {
 /// [`an_mpi_rank_reduces_bucket0_while_backward_still_runs`] on one rank: a 16-32-32-32-8 MLP
 /// under DDP, bucket 0 = layers 3 and 2, 3 steps of 8 rows.
 fn overlap(ctx: &brigade::launch::RankContext) -> brigade::Result<String> {
-    use brigade::comm::{Recorder, Traced};
     use brigade::ddp::{DdpConfig, DistributedDataParallel};
     use brigade::models::{Dataset, Mlp, MlpConfig, Model};
-    let recorder = Recorder::new();
-    let comm: Arc<dyn Communicator> = Arc::new(Traced::new(ctx.comm.clone(), recorder.clone()));
+    let recorder = ctx.recorder.clone().expect("the launch records the collectives");
     let m = Mlp::new(MlpConfig::new(vec![16, 32, 32, 32, 8]), 1)?;
     // floats of layers 3 and 2: 32 x 8 + 8 and 32 x 32 + 32; layers 1 and 0 go to bucket 1
     let two_layers_mib = ((264 + 1056) * 4) as f64 / (1024.0 * 1024.0);
@@ -150,7 +148,7 @@ fn overlap(ctx: &brigade::launch::RankContext) -> brigade::Result<String> {
         ..DdpConfig::default()
     };
     let policy = brigade::policies::PolicySpec::AllReduce.build(&brigade::policies::Registry::new())?;
-    let _ddp = DistributedDataParallel::new(m.params(), comm, cfg, policy)?;
+    let _ddp = DistributedDataParallel::with_group(m.params(), ctx.comm.clone(), ctx.group.clone(), cfg, policy)?;
     let hold = Arc::new(AwaitBucket0Start {
         recorder,
         rank: ctx.rank,
@@ -178,6 +176,7 @@ fn mpi_worker() {
     if scenario == "overlap" {
         let cfg = LaunchConfig {
             timeout: Duration::from_secs(120),
+            recorder: Some(brigade::comm::Recorder::new()),
             on_fatal: Some(Arc::new(|e| eprintln!("error: {e}"))),
             ..LaunchConfig::mpi()
         };

@@ -2,7 +2,7 @@
 //!
 //! A [`Recorder`] collects [`TraceEvent`]s; every recorded instant gets a global sequence number
 //! ([`Stamp::seq`]) taken when the recorder learns of it, so tests can check the order of events
-//! exactly, without relying on clock resolution. [`Traced`] records every collective of a
+//! exactly, without relying on clock resolution. A traced comm stream ([`crate::CommStream::traced`]) records every collective of a
 //! communicator; training code records compute spans itself.
 //!
 //! Every event has a typed [`EventKind`]: a compute span with the caller's label (and, if the
@@ -22,7 +22,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 pub use chrome::chrome_trace;
-pub use traced::Traced;
+pub(crate) use traced::Tracing;
 
 /// Which timeline of a rank an event belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -128,8 +128,8 @@ thread_local! {
     static TAG: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-/// Runs `issue` with every collective it issues on this thread tagged `tag`: [`Traced`]
-/// records them as [`EventKind::Collective`] `{ tag: Some(tag) }`. (Like
+/// Runs `issue` with every collective it issues on this thread tagged `tag`: a traced comm
+/// stream ([`crate::CommStream::traced`]) records them as [`EventKind::Collective`] `{ tag: Some(tag) }`. (Like
 /// `torch.profiler.record_function`, a scope on the calling thread: collectives are issued on
 /// the caller's thread, whatever wrappers lie between it and the backend.)
 pub fn tagging_collectives<R>(tag: usize, issue: impl FnOnce() -> R) -> R {
@@ -300,7 +300,7 @@ impl Recorder {
 
     /// Records, now, that `rank` issued collective `op` (e.g. `"all_reduce"`) tagged `tag` on
     /// `bytes` bytes, with the caller's number `number` if any (see [`tagging_collectives`]).
-    /// Used by [`Traced`]; other wrappers may call it too.
+    /// Used by a traced comm stream ([`crate::CommStream::traced`]).
     pub fn comm_issued(&self, rank: usize, op: &str, tag: &str, bytes: usize, number: Option<usize>) -> SpanId {
         let kind = EventKind::Collective { tag: number };
         let (mut events, id) = self.push(rank, Track::Comm, kind, tag.to_string(), op, bytes);

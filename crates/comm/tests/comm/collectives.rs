@@ -4,7 +4,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use brigade_comm::{run_on_threads_with_timeout, Buffer, CommError, Communicator, DType, ReduceOp};
+use brigade_comm::{run_on_threads_with_timeout, Buffer, CommError, DType, ReduceOp};
 use common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -227,7 +227,7 @@ fn a_side_buffer_travels_with_its_payload_in_one_all_gather() {
     let recorder = brigade_comm::Recorder::new();
     let out = all_ok(run_on_threads_with_timeout(world, TIMEOUT, |comm| {
         let r = comm.rank() as i8;
-        let comm = brigade_comm::Traced::new(comm, recorder.clone());
+        let comm = comm.traced(recorder.clone());
         let payload = Buffer::I8((0..5).map(|i| r * 10 + i - 20).collect());
         let side = Buffer::F32(vec![r as f32 + 0.5, -(r as f32)]);
         brigade_comm::all_gather_with_side(&comm, payload, side, "q")

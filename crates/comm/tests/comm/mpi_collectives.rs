@@ -15,7 +15,7 @@ use crate::common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use brigade_comm::{Buffer, CommError, Communicator, DType, MpiOptions, MpiPath, MpiWorld, ReduceOp, Transport};
+use brigade_comm::{Buffer, CommError, DType, MpiOptions, MpiPath, MpiWorld, ReduceOp, Transport};
 use common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use brigade_comm::{run_on_threads_with_timeout, Buffer, Communicator, NetModel, ReduceOp, SimulatedNetwork};
+use brigade_comm::{run_on_threads_with_timeout, Buffer, NetModel, ReduceOp};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -31,7 +31,7 @@ fn all_reduce_takes_at_least_the_model_time_and_queues_on_the_link() {
     let n = 1 << 18; // 1 MiB of f32
     let expected = model.all_reduce_time(4 * n, 2); // 6 ms + 10.5 ms
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
-        let sim = SimulatedNetwork::new(comm, model);
+        let sim = comm.simulated(model);
         let t = Instant::now();
         let a = sim.all_reduce(Buffer::F32(vec![1.0; n]), ReduceOp::Sum, "bucket 0");
         let b = sim.all_reduce(Buffer::F32(vec![2.0; n]), ReduceOp::Sum, "bucket 1");
@@ -70,7 +70,7 @@ fn an_early_rank_waits_for_the_late_one_before_the_link_time_starts() {
     let t0 = Instant::now();
     let finished: Vec<Instant> = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
         let rank = comm.rank();
-        let sim = SimulatedNetwork::new(comm, model);
+        let sim = comm.simulated(model);
         if rank == 1 {
             std::thread::sleep(late);
         }
@@ -125,7 +125,7 @@ fn the_simulated_wait_does_not_burn_a_core() {
     };
     let expected = model.all_reduce_time(4, 2); // 400 ms of pure latency
     let results = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
-        let sim = SimulatedNetwork::new(comm, model);
+        let sim = comm.simulated(model);
         let t = Instant::now();
         let compute0 = thread_cpu_time();
         let work = sim.all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "slow link");

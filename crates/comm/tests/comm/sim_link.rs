@@ -4,9 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use brigade_comm::{
-    run_on_threads_with_timeout, Buffer, Communicator, NetModel, OpTiming, ReduceOp, SharedLink, SimulatedNetwork,
-};
+use brigade_comm::{run_on_threads_with_timeout, Buffer, NetModel, OpTiming, ReduceOp, SharedLink};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -28,9 +26,9 @@ fn run(shared: bool) -> Vec<Vec<OpTiming>> {
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
         let rank = comm.rank();
         let sim = if shared {
-            SimulatedNetwork::on_link(comm, &link)
+            comm.on_link(&link)
         } else {
-            SimulatedNetwork::new(comm, model())
+            comm.simulated(model())
         };
         let mut works = vec![];
         for (i, &n) in BUCKETS.iter().enumerate() {

@@ -103,7 +103,7 @@ fn works_through_arc_dyn_communicator_and_handles_are_send() {
     assert_send::<Work<Buffer>>();
     assert_send::<Work<()>>();
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let work = comm.all_reduce(Buffer::F32(vec![comm.rank() as f32; 4]), ReduceOp::Max, "dyn");
         let buf = std::thread::scope(|s| s.spawn(move || work.wait()).join().unwrap()).unwrap();
         assert_eq!(buf, Buffer::F32(vec![1.0; 4]));

@@ -3,8 +3,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_comm::{
-    run_on_threads_with_timeout, tagging_collectives, Buffer, Communicator, EventKind, Recorder, ReduceOp, TraceEvent,
-    Traced, Track,
+    run_on_threads_with_timeout, tagging_collectives, Buffer, EventKind, Recorder, ReduceOp, TraceEvent, Track,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -31,7 +30,7 @@ fn traced_collectives_and_compute_spans_are_ordered() {
     let recorder = Recorder::new();
     run_on_threads_with_timeout(2, TIMEOUT, |comm| {
         let rank = comm.rank();
-        let comm = Traced::new(comm, recorder.clone());
+        let comm = comm.traced(recorder.clone());
         let layer1 = recorder.begin(rank, EventKind::scoped("backward", "layer 1"));
         let work = tagging_collectives(0, || {
             comm.all_reduce(Buffer::F32(vec![1.0; 1000]), ReduceOp::Sum, "grad 0")
@@ -199,4 +198,41 @@ fn a_retimed_span_takes_the_new_instants_and_stays_in_its_step() {
         .events_during(&EventKind::indexed("step", 1))
         .iter()
         .all(|e| e.kind != EventKind::scoped("backward", "layers.1")));
+}
+
+#[test]
+fn a_plain_handle_shares_the_traced_stream_without_being_traced_and_keeps_it_open() {
+    let recorder = Recorder::new();
+    let sums = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
+        let plain = comm.plain();
+        let traced = comm.traced(recorder.clone());
+        let a = traced
+            .all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "traced")
+            .wait()
+            .unwrap();
+        let b = plain
+            .all_reduce(Buffer::F32(vec![2.0]), ReduceOp::Sum, "control")
+            .wait()
+            .unwrap();
+        // the stream stays open for the plain handle once the traced one is gone
+        drop(traced);
+        let c = plain
+            .all_reduce(Buffer::F32(vec![3.0]), ReduceOp::Sum, "after")
+            .wait()
+            .unwrap();
+        [a, b, c].map(|x| match x {
+            Buffer::F32(v) => v[0],
+            other => panic!("an f32 all-reduce returned {}", other.dtype()),
+        })
+    });
+    for s in sums {
+        assert_eq!(s.unwrap(), [2.0, 4.0, 6.0]);
+    }
+    wait_until(|| recorder.events().iter().all(|e| e.end.is_some()));
+    let names: Vec<String> = recorder.events().into_iter().map(|e| e.name).collect();
+    assert_eq!(
+        names,
+        ["traced", "traced"],
+        "only the traced handle's collective, on each rank"
+    );
 }

@@ -207,28 +207,10 @@ impl DeviceGroup<HostStaged> {
 }
 
 impl<G: ProcessGroup + 'static> ProcessGroup for DeviceGroup<G> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
+    forward_group!(inner: identity);
 
     fn enqueues(&self) -> bool {
         true
-    }
-
-    fn check(&self) -> crate::Result<()> {
-        self.inner.check()
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {

@@ -1,6 +1,6 @@
-//! The host group: a [`ProcessGroup`] over any [`Communicator`] (threads, MPI; traced or on a
-//! simulated link below it), whose comm stream runs the collectives in issue order on a worker
-//! thread and whose work handles complete with them. A tensor that spans its storage is lent to
+//! The host group: a [`ProcessGroup`] over a rank's [`CommStream`] (threads, MPI; traced or on a
+//! simulated link as options of the stream), which runs the collectives in issue order on a
+//! worker thread and whose work handles complete with them. A tensor that spans its storage is lent to
 //! the collective without a copy and restored under its views when the collective completes
 //! ([`Tensor::lend_buffer`], [`Tensor::restore_buffer`]); device memory is staged through the
 //! host by the same two calls.
@@ -8,34 +8,30 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{all_gather_with_side, Buffer, CommError, Communicator, ReduceOp, Work};
+use brigade_comm::{Buffer, CommError, CommStream, ReduceOp, Transport, Work};
 use brigade_tensor::{DType, Device, Tensor};
 
 use super::{Fail, ProcessGroup, TensorWork};
 use crate::{DdpError, Result};
 
-/// Collectives on a [`Communicator`]'s comm stream, completing when their work does.
-pub struct HostGroup {
-    comm: Arc<dyn Communicator>,
+/// Collectives on a rank's comm stream, completing when their work does.
+pub struct HostGroup<T: Transport> {
+    comm: Arc<CommStream<T>>,
 }
 
-impl HostGroup {
-    /// A group over `comm`.
-    pub fn new(comm: Arc<dyn Communicator>) -> HostGroup {
+impl<T: Transport> HostGroup<T> {
+    /// A group over `comm` (the same stream may carry control messages beside it, as an
+    /// `Arc<dyn Communicator>`).
+    pub fn new(comm: Arc<CommStream<T>>) -> HostGroup<T> {
         HostGroup { comm }
     }
 
-    /// The communicator below (for the host-staged device path).
-    pub(crate) fn communicator(&self) -> &dyn Communicator {
-        self.comm.as_ref()
-    }
-
     /// `work`'s buffer turned into the value by `f` on the comm stream's thread.
-    fn then<B: Send + 'static, T: Send + 'static>(
+    fn then<B: Send + 'static, V: Send + 'static>(
         &self,
         work: Work<B>,
-        f: impl FnOnce(B) -> Result<T> + Send + 'static,
-    ) -> TensorWork<T> {
+        f: impl FnOnce(B) -> Result<V> + Send + 'static,
+    ) -> TensorWork<V> {
         TensorWork::from_comm(work, self.timeout(), f)
     }
 }
@@ -57,7 +53,7 @@ pub(crate) fn tensor_of(b: Buffer, shape: &[usize], device: Device) -> Result<Te
     Ok(Tensor::from_buffer(b, shape)?.to_device(device)?)
 }
 
-impl ProcessGroup for HostGroup {
+impl<T: Transport> ProcessGroup for HostGroup<T> {
     fn name(&self) -> &'static str {
         "host"
     }
@@ -178,7 +174,7 @@ impl ProcessGroup for HostGroup {
             Err(e) => return self.failed(e),
         };
         let (device, n, k, world) = (payload.device(), payload.numel(), side.numel(), self.world_size());
-        let work = all_gather_with_side(self.comm.as_ref(), p, s, tag);
+        let work = self.comm.all_gather_with_side(p, s, tag);
         self.then(work, move |(p, s)| {
             Ok((tensor_of(p, &[world, n], device)?, tensor_of(s, &[world, k], device)?))
         })

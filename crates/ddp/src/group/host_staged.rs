@@ -7,25 +7,23 @@ use std::time::Duration;
 use brigade_comm::{Communicator, ReduceOp};
 use brigade_tensor::Tensor;
 
-use super::host::{lend, tensor_of, HostGroup};
+use super::host::{lend, tensor_of};
 use super::{ProcessGroup, TensorWork};
 
-/// A [`ProcessGroup`] for a [`super::DeviceGroup`] over a [`HostGroup`]: each collective copies
-/// its input out of device memory on the current stream (the comm stream, inside the device
-/// group's scope), runs on the host group's communicator while the caller waits, and copies the
+/// A [`ProcessGroup`] for a [`super::DeviceGroup`] over a host communicator: each collective
+/// copies its input out of device memory on the current stream (the comm stream, inside the
+/// device group's scope), runs on the communicator while the caller waits, and copies the
 /// result back in on that stream; its work has completed when the method returns. On the
 /// counting fake device this runs the device group's exact event logic with thread ranks (every
 /// staged copy counted); on a GPU without NCCL it is a correct, slow, device comm stream.
 pub struct HostStaged {
-    host: HostGroup,
+    comm: Arc<dyn Communicator>,
 }
 
 impl HostStaged {
     /// Collectives over `comm`, staged.
     pub fn new(comm: Arc<dyn Communicator>) -> HostStaged {
-        HostStaged {
-            host: HostGroup::new(comm),
-        }
+        HostStaged { comm }
     }
 
     /// `t`'s elements on the host, copied out on the current stream (`t` keeps its memory).
@@ -44,19 +42,19 @@ impl ProcessGroup for HostStaged {
     }
 
     fn rank(&self) -> usize {
-        self.host.rank()
+        self.comm.rank()
     }
 
     fn world_size(&self) -> usize {
-        self.host.world_size()
+        self.comm.world_size()
     }
 
     fn timeout(&self) -> Duration {
-        self.host.timeout()
+        self.comm.timeout()
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        let comm = self.host.communicator();
+        let comm = &self.comm;
         let done = (|| {
             let (b, lent) = lend(t)?;
             t.restore_buffer(comm.all_reduce_blocking(b, op, tag)?, lent)?;
@@ -66,7 +64,7 @@ impl ProcessGroup for HostStaged {
     }
 
     fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        let comm = self.host.communicator();
+        let comm = &self.comm;
         let done = (|| {
             let b = comm.reduce_scatter(Self::stage_out(input)?, op, tag).wait()?;
             output.copy_from(&tensor_of(b, output.shape(), output.device())?)?;
@@ -76,7 +74,7 @@ impl ProcessGroup for HostStaged {
     }
 
     fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        let comm = self.host.communicator();
+        let comm = &self.comm;
         let done = (|| {
             let b = comm.all_gather(Self::stage_out(input)?, tag).wait()?;
             output.copy_from(&tensor_of(b, output.shape(), output.device())?)?;

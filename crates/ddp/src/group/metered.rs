@@ -5,8 +5,6 @@
 //! of the group, is attributed to that bucket: in traces, and in the bucket's part of the meter,
 //! which step profiles record.
 
-use std::time::Duration;
-
 use brigade_comm::{tagging_collectives, CommMeter, ReduceOp, RingOp, SpanId};
 use brigade_tensor::{Stream, Tensor};
 
@@ -54,24 +52,7 @@ impl Metered {
 }
 
 impl ProcessGroup for Metered {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-    fn enqueues(&self) -> bool {
-        self.inner.enqueues()
-    }
-    fn check(&self) -> crate::Result<()> {
-        self.inner.check()
-    }
+    forward_group!(inner: identity, enqueues, hooks);
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
         self.issue(RingOp::AllReduce, bytes(t), |g| g.all_reduce(t, op, tag))
@@ -102,21 +83,5 @@ impl ProcessGroup for Metered {
         self.issue(RingOp::AllGather, bytes(payload) + bytes(side), |g| {
             g.all_gather_with_side(payload, side, tag)
         })
-    }
-
-    fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
-        self.inner.record_ready(index, flat)
-    }
-    fn launch(&self, index: usize, ready: ReadyEvent) -> crate::Result<Option<Stream>> {
-        self.inner.launch(index, ready)
-    }
-    fn launched(&self, index: usize, meter: &CommMeter) -> crate::Result<()> {
-        self.inner.launched(index, meter)
-    }
-    fn wait(&self, index: usize) -> crate::Result<()> {
-        self.inner.wait(index)
-    }
-    fn compute_scope(&self, span: Option<SpanId>) {
-        self.inner.compute_scope(span)
     }
 }

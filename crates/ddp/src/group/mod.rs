@@ -20,8 +20,8 @@
 //!    the compute stream waits on the comm stream's done event; the host does nothing).
 //!
 //! The groups:
-//! - [`HostGroup`]: any [`brigade_comm::Communicator`] (threads, MPI), its comm stream and
-//!   work handles; a tensor that spans its storage is lent to the collective without a copy
+//! - [`HostGroup`]: a rank's [`brigade_comm::CommStream`] (threads, MPI) and its work
+//!   handles, calling the stream's own collectives; a tensor that spans its storage is lent to the collective without a copy
 //!   ([`Tensor::lend_buffer`], [`Tensor::restore_buffer`]: the bucket's bytes change form twice),
 //!   device memory is staged through the host.
 //! - [`DeviceGroup`]: a device's comm stream, ordered by events, over a group whose work
@@ -30,8 +30,9 @@
 //!   on the counting fake device in CPU tests.
 //! - Wrappers, each written once over any group: [`Metered`] (DDP's meter, and each
 //!   collective attributed to its bucket) and [`Recording`] (the order of the stream hooks, for
-//!   tests). Tracing and the simulated link wrap the communicator below a host group (one
-//!   implementation each in `brigade-comm`, shared with the trainer's control messages).
+//!   tests); what they and the device group pass through unchanged is written once
+//!   (`forward.rs`). Tracing and the simulated link are options of the comm stream below a host group
+//!   (one implementation each in `brigade-comm`, shared with the trainer's control messages).
 //!
 //! What each collective does with its input:
 //! - `all_reduce` and `broadcast` work in place: the result lands in the tensor's own storage
@@ -43,6 +44,9 @@
 //! - `reduce_scatter` and `all_gather` complete with a new tensor (this rank's chunk; every
 //!   rank's input as `[world, n]`).
 
+// first: the wrappers below use its macro
+#[macro_use]
+mod forward;
 mod device;
 mod gpu_clock;
 mod host;

@@ -3,8 +3,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use std::time::Duration;
-
 use brigade_comm::{CommMeter, ReduceOp, SpanId};
 use brigade_tensor::{Stream, Tensor};
 
@@ -63,48 +61,7 @@ impl Recording {
 }
 
 impl ProcessGroup for Recording {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-    fn enqueues(&self) -> bool {
-        self.inner.enqueues()
-    }
-    fn check(&self) -> crate::Result<()> {
-        self.inner.check()
-    }
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.inner.all_reduce(t, op, tag)
-    }
-    fn reduce_scatter_into(&self, input: &Tensor, output: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.inner.reduce_scatter_into(input, output, op, tag)
-    }
-    fn all_gather_into(&self, input: &Tensor, output: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        self.inner.all_gather_into(input, output, tag)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize, tag: &str) -> TensorWork<Tensor> {
-        self.inner.broadcast(t, root, tag)
-    }
-    fn barrier(&self, tag: &str) -> TensorWork<()> {
-        self.inner.barrier(tag)
-    }
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp, tag: &str) -> TensorWork<Tensor> {
-        self.inner.reduce_scatter(t, op, tag)
-    }
-    fn all_gather(&self, t: &Tensor, tag: &str) -> TensorWork<Tensor> {
-        self.inner.all_gather(t, tag)
-    }
-    fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
-        self.inner.all_gather_with_side(payload, side, tag)
-    }
+    forward_group!(inner: identity, enqueues, collectives);
 
     fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {
         self.lock().push(StreamEvent::Ready(index));

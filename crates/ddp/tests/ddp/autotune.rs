@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::{Optimizer, Sgd};
-use brigade_comm::{run_on_threads, Communicator, NetModel, Recorder, Traced};
+use brigade_comm::{run_on_threads, NetModel, Recorder};
 use brigade_ddp::overlap::{
     decide, AutotuneConfig, Autotuner, ParamProfile, RankProfile, StepProfile, PROFILE_VERSION,
 };
@@ -125,7 +125,7 @@ fn train(tune: bool, recorder: &Recorder) -> Vec<(Vec<Vec<Vec<String>>>, Vec<(us
         set_compute_threads(1);
         let rank = comm.rank();
         let m = Mlp::new(&[6, 16, 16, 3], 4);
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         let ddp_cfg = DdpConfig {
             bucket_cap_mb: if tune { 25.0 } else { small },
             first_bucket_cap_mb: small,

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use brigade_autograd::{ParamStore, Var};
-use brigade_comm::{run_on_threads, Communicator, Recorder, Traced};
+use brigade_comm::{run_on_threads, Communicator, Recorder};
 use brigade_ddp::{BucketInfo, DdpConfig, DistributedDataParallel};
 use brigade_tensor::{set_compute_threads, DType, Rng, Tensor};
 use common::{data, rows, Mlp};
@@ -161,7 +161,7 @@ fn buckets_are_rebuilt_exactly_once_from_rank_0s_ready_order_on_every_rank() {
         set_compute_threads(1);
         let rank = comm.rank();
         let m = Branches::new(5);
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         // 200-byte buckets: each holds one or two of the parameters (128 or 192 bytes each)
         let cfg = DdpConfig {
             bucket_cap_mb: 200.0 / 1048576.0,
@@ -225,7 +225,7 @@ fn a_recorded_grouping_is_the_buckets_and_is_never_rebuilt() {
     };
     let results = run_on_threads(2, move |comm| {
         set_compute_threads(1);
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let rank = comm.rank();
         let (x, y) = data(8, 10, 4, 2);
         let step = |m: &Mlp| {

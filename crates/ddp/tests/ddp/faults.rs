@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::{AutogradError, GradReady, GradSubscriber, Optimizer, ParamStore, Sgd, SubscriberError};
-use brigade_comm::{run_on_threads, run_on_threads_with_timeout, CommError, Communicator};
+use brigade_comm::{run_on_threads, run_on_threads_with_timeout, CommError};
 use brigade_ddp::{DdpConfig, DdpError, DistributedDataParallel};
 use brigade_tensor::{set_compute_threads, DType, Tensor};
 use common::{data, max_diff, rows, Mlp};

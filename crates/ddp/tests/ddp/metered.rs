@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{run_on_threads_with_timeout, CommBytes, CommMeter, Communicator, ReduceOp};
+use brigade_comm::{run_on_threads_with_timeout, CommBytes, CommMeter, ReduceOp};
 use brigade_ddp::group::{HostGroup, Metered};
 use brigade_ddp::{Group, ProcessGroup};
 use brigade_tensor::{DType, Tensor};
@@ -16,7 +16,7 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 fn one_of_each(world: usize) -> Vec<CommBytes> {
     run_on_threads_with_timeout(world, TIMEOUT, |comm| {
         let meter = CommMeter::new();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let host: Group = Arc::new(HostGroup::new(comm));
         let group = Metered::new(host, meter.clone());
         let p = group.world_size();

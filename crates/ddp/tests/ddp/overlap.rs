@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use brigade_autograd::{GradReady, GradSubscriber, SubscriberError};
-use brigade_comm::{run_on_threads, Communicator, EventKind, Recorder, Traced, Track};
+use brigade_comm::{run_on_threads, EventKind, Recorder, Track};
 use brigade_ddp::{bucket_of, DdpConfig, DistributedDataParallel, Phase};
 use brigade_tensor::set_compute_threads;
 use common::{data, rows, Mlp};
@@ -60,7 +60,7 @@ fn bucket0_starts_before_the_first_layer_runs_backward_and_bucket_order_agrees()
     let buckets = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         let m = Mlp::new(&WIDTHS, 1);
         let cfg = DdpConfig {
             first_bucket_cap_mb: TWO_LAYERS_BYTES / (1024.0 * 1024.0),

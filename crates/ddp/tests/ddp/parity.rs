@@ -5,7 +5,7 @@ use crate::common;
 use std::sync::Arc;
 
 use brigade_autograd::{AdamW, Optimizer, Sgd};
-use brigade_comm::{run_on_threads, run_on_threads_with_timeout, Communicator, Recorder, Traced, Track};
+use brigade_comm::{run_on_threads, run_on_threads_with_timeout, Recorder, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::set_compute_threads;
 use common::{data, max_diff, rows, Mlp};
@@ -43,7 +43,7 @@ fn distributed(kind: &str, world: usize, per_rank: usize, cfg: DdpConfig) -> Vec
     run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         // Different seeds per rank: DDP must broadcast rank 0's parameters.
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
         let ddp = DistributedDataParallel::new(&m.store, comm, cfg.clone(), common::average()).unwrap();
@@ -112,7 +112,7 @@ fn no_sync_accumulation_matches_the_larger_batch() {
         set_compute_threads(1);
         let rank = comm.rank();
         let m = Mlp::new(&WIDTHS, 42);
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         let ddp = DistributedDataParallel::new(&m.store, comm, small_buckets(), common::average()).unwrap();
         let mut opt = make_opt("sgd", &m);
         let mut losses = vec![];
@@ -296,7 +296,7 @@ fn frozen_parameters_are_left_out_of_the_buckets_and_keep_their_values() {
         // different seeds: the frozen values too come from rank 0
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
         freeze(&m);
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         let ddp = DistributedDataParallel::new(&m.store, comm, small_buckets(), common::average()).unwrap();
         train(&m, "sgd", world, rank, per_rank);
         let bucketed: Vec<String> = ddp.buckets().into_iter().flat_map(|b| b.params).collect();
@@ -467,7 +467,7 @@ fn a_tied_parameter_gets_one_summed_gradient_announced_and_reduced_once() {
         set_compute_threads(1);
         let rank = comm.rank();
         let m = Tied::new(42 + rank as u64);
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         // one bucket per parameter: w's bucket must be launched once, after both uses
         let cfg = DdpConfig {
             bucket_cap_mb: 1e-6,

@@ -8,7 +8,7 @@ use crate::common;
 use std::sync::{Arc, Mutex};
 
 use brigade_autograd::{Optimizer, Sgd};
-use brigade_comm::{run_on_threads, Communicator, ReduceOp};
+use brigade_comm::{run_on_threads, ReduceOp};
 use brigade_ddp::policy::{
     BucketLayout, BucketSpan, Group, PerBucket, PolicyBucket, PolicyContext, Reduction, StepContext,
 };
@@ -37,7 +37,7 @@ fn train(policy: impl Fn(usize) -> Box<dyn ReducerPolicy> + Sync) -> Vec<(Vec<f6
     run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 7);
         let ddp = DistributedDataParallel::new(&m.store, comm, small(), policy(rank)).unwrap();
         let full = Box::new(Sgd::new(m.store.params().to_vec(), 0.1, 0.0, 0.0));
@@ -185,7 +185,7 @@ fn ddp_error(err: &(dyn std::error::Error + 'static)) -> String {
 #[test]
 fn a_policy_that_returns_the_wrong_length_is_a_typed_error_naming_it() {
     let results = run_on_threads(1, |comm| {
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 7);
         let _ddp = DistributedDataParallel::new(&m.store, comm, DdpConfig::default(), Box::new(Truncating)).unwrap();
         let (x, y) = data(4, WIDTHS[0], WIDTHS[3], 1);
@@ -513,7 +513,7 @@ fn policy_state_is_gathered_on_rank_0_per_rank_and_restored_to_each_rank() {
 #[test]
 fn ddps_optimizer_lists_the_parameters_its_inner_optimizer_steps() {
     run_on_threads(2, |comm| {
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 7);
         let ddp = DistributedDataParallel::new(&m.store, comm, small(), average()).unwrap();
         let full = Box::new(Sgd::new(m.store.params().to_vec(), 0.1, 0.0, 0.0));

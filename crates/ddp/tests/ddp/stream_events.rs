@@ -5,7 +5,7 @@ use crate::common;
 
 use std::sync::Arc;
 
-use brigade_comm::{run_on_threads, Communicator};
+use brigade_comm::run_on_threads;
 use brigade_ddp::group::{HostGroup, Recording, StreamEvent};
 use brigade_ddp::Group;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
@@ -45,7 +45,7 @@ fn buckets_launch_in_order_and_every_completion_is_waited_before_the_step() {
     let grads = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 3);
         let cfg = one_param_per_bucket();
         let stream = Arc::new(Recording::new(Arc::new(HostGroup::new(comm.clone()))));
@@ -93,7 +93,7 @@ fn a_failed_collective_gives_the_bucket_storage_back_and_names_the_collective() 
     let out = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 3);
         let cfg = one_param_per_bucket();
         let stream = Arc::new(Recording::new(Arc::new(HostGroup::new(comm.clone()))));
@@ -133,7 +133,7 @@ fn a_bucket_that_fills_early_waits_for_the_buckets_before_it() {
     let out = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 3);
         let cfg = DdpConfig {
             rebuild_buckets: false,
@@ -165,7 +165,7 @@ fn every_backward_span_is_handed_to_the_stream_and_closed_before_the_buckets_are
     let (x, y) = data(4, WIDTHS[0], WIDTHS[3], 7);
     let events = run_on_threads(1, |comm| {
         set_compute_threads(1);
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 3);
         let cfg = DdpConfig {
             recorder: Some(brigade_comm::Recorder::new()),

@@ -73,11 +73,10 @@ pub fn train(
         3,
     );
     brigade_comm::run_on_threads(world, |comm| {
-        use brigade_comm::Communicator;
         brigade_tensor::set_compute_threads(1);
         let rank = comm.rank();
         let meter = brigade_comm::CommMeter::new();
-        let comm: Arc<dyn brigade_comm::Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(setup.widths, 42 + rank as u64);
         let cfg = brigade_ddp::DdpConfig {
             bucket_cap_mb: setup.bucket_cap_mb,

@@ -13,7 +13,7 @@ use crate::common::{max_diff, optimizer, rows, teacher_data, Mlp};
 
 use std::sync::Arc;
 
-use brigade_comm::{run_on_threads, Communicator};
+use brigade_comm::run_on_threads;
 use brigade_ddp::group::{DeviceGroup, HostGroup, Recording, StreamEvent};
 use brigade_ddp::Group;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
@@ -52,7 +52,7 @@ fn train(policy: &str, ordinal: Option<usize>) -> Vec<LastStep> {
     run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let device = ordinal.map_or(Device::Cpu, |o| Device::Fake(o + rank));
         let m = Mlp::new(&WIDTHS, 42);
         for p in m.store.params() {
@@ -210,7 +210,7 @@ fn an_fp16_overflow_on_the_device_stream_is_reported_after_the_step_with_no_read
     let out = run_on_threads(2, |comm| {
         let rank = comm.rank();
         let ordinal = 240 + rank;
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let device = Device::Fake(ordinal);
         let collectives: Group = Arc::new(DeviceGroup::host_staged(device, comm).unwrap());
         let mut g: Vec<f32> = (0..64).map(|i| i as f32 * 0.01).collect();
@@ -272,7 +272,7 @@ fn the_simulated_link_spins_each_collectives_modelled_time_on_the_comm_stream_be
         set_compute_threads(1);
         let rank = comm.rank();
         let ordinal = 250 + rank;
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let device = Device::Fake(ordinal);
         let mut store = brigade_autograd::ParamStore::new();
         let w = store

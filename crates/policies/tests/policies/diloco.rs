@@ -7,7 +7,6 @@ use crate::common::{max_diff, spec, train, RankRun, Setup};
 
 use std::sync::Arc;
 
-use brigade_comm::Communicator;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_policies::{PolicySpec, Registry};
 
@@ -115,7 +114,7 @@ fn a_streaming_sync_in_flight_is_finished_before_the_policy_state_is_gathered() 
     let out = brigade_comm::run_on_threads(2, |comm| {
         brigade_tensor::set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = crate::common::Mlp::new(&WIDTHS, 42 + rank as u64);
         let policy = "streaming-diloco:4:2"
             .parse::<PolicySpec>()
@@ -207,7 +206,7 @@ fn diloco_specs_read_write_and_refuse() {
 #[test]
 fn streaming_diloco_with_more_fragments_than_parameters_is_one_error() {
     let out = brigade_comm::run_on_threads(1, |comm| {
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = crate::common::Mlp::new(&[4, 3], 1); // a weight and a bias
         let policy = "streaming-diloco:6:3"
             .parse::<PolicySpec>()

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use brigade_comm::{run_on_threads_with_timeout, Communicator, ReduceOp};
+use brigade_comm::{run_on_threads_with_timeout, ReduceOp};
 use brigade_ddp::group::HostGroup;
 use brigade_ddp::policy::{BucketParam, Group, PolicyBucket, Reduction};
 use brigade_ddp::ReducerPolicy;
@@ -18,7 +18,7 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 pub fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, Group) -> R + Sync) -> Vec<R> {
     run_on_threads_with_timeout(world, TIMEOUT, |comm| {
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         f(rank, Arc::new(HostGroup::new(comm)))
     })
     .into_iter()

@@ -9,7 +9,7 @@ use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 
 use brigade_autograd::{Optimizer, ParamStore, Sgd};
-use brigade_comm::{run_on_threads, Communicator};
+use brigade_comm::run_on_threads;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_tensor::Tensor;
 
@@ -38,7 +38,7 @@ fn one_bucket_on_two_thread_ranks_is_averaged_and_stepped() {
         let w = store
             .add("w", Tensor::from_vec(vec![1.0f32; 4], &[4]).unwrap())
             .unwrap();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         // the buckets as built (no rebuild after the first step), the same values on every rank
         let cfg = DdpConfig {
             rebuild_buckets: false,

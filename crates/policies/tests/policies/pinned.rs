@@ -40,7 +40,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use brigade_autograd::{AdamW, Optimizer, Sgd, Var};
-use brigade_comm::{run_on_threads, Communicator};
+use brigade_comm::run_on_threads;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_policies::{PolicySpec, Registry};
 use brigade_tensor::set_compute_threads;
@@ -64,7 +64,7 @@ fn train(policy: &str, kind: &str, world: usize, accum: usize) -> (Vec<f64>, Vec
     let out = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         // different seeds per rank: rank 0's parameters are broadcast
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
         let cfg = DdpConfig {

@@ -9,7 +9,7 @@ use crate::common::{data, max_diff, optimizer, rows, Mlp};
 use std::sync::Arc;
 
 use brigade_autograd::Optimizer;
-use brigade_comm::{run_on_threads, Communicator};
+use brigade_comm::run_on_threads;
 use brigade_ddp::{DdpConfig, DistributedDataParallel};
 use brigade_policies::{PolicySpec, Registry};
 use brigade_tensor::{set_compute_threads, Tensor};
@@ -34,7 +34,7 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
     let out = run_on_threads(WORLD, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         let m = Mlp::new(&WIDTHS, 42);
         if let Some(s) = saved {
             for (p, v) in m.store.params().iter().zip(&s.params) {

@@ -8,7 +8,7 @@ use crate::common::{data, max_diff, optimizer, rows, spec, train, Mlp, Setup};
 use std::sync::Arc;
 
 use brigade_autograd::Var;
-use brigade_comm::{run_on_threads, Communicator, Recorder, Traced, Track};
+use brigade_comm::{run_on_threads, Recorder, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_policies::{AllReduce, Zero, ZeroStage};
 use brigade_tensor::set_compute_threads;
@@ -36,7 +36,7 @@ fn traced(kind: &str, world: usize, policy: impl Fn() -> Box<dyn ReducerPolicy> 
     let ranks = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
         let cfg = DdpConfig {
             bucket_cap_mb: SETUP.bucket_cap_mb,

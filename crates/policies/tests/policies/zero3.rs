@@ -9,7 +9,7 @@ use crate::common::{data, max_diff, optimizer, rows, Mlp};
 use std::sync::Arc;
 
 use brigade_autograd::{scope, ParamStore, Var};
-use brigade_comm::{run_on_threads, Communicator, Recorder, Traced, Track};
+use brigade_comm::{run_on_threads, Recorder, Track};
 use brigade_ddp::{DdpConfig, DistributedDataParallel, MemoryReport, ReducerPolicy};
 use brigade_policies::{AllReduce, Zero, Zero3, ZeroStage};
 use brigade_tensor::{set_compute_threads, MemoryMeter, Tensor};
@@ -44,7 +44,7 @@ fn run(
     let ranks = run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(Traced::new(comm, recorder.clone()));
+        let comm = Arc::new(comm.traced(recorder.clone()));
         let m = Mlp::new(&WIDTHS, 42 + rank as u64);
         let ddp = DistributedDataParallel::new(&m.store, comm, DdpConfig::default(), policy()).unwrap();
         let full = optimizer(kind, m.store.params().to_vec());

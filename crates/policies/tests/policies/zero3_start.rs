@@ -9,7 +9,7 @@ use crate::common::{data, optimizer, rows, Mlp};
 use std::sync::Arc;
 
 use brigade_autograd::{InitDraw, Optimizer, ParamInit, ParamStore};
-use brigade_comm::{run_on_threads, Communicator};
+use brigade_comm::run_on_threads;
 use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_policies::{AllReduce, Zero3};
 use brigade_tensor::{set_compute_threads, DType, Rng};
@@ -55,7 +55,7 @@ fn run(
     run_on_threads(world, |comm| {
         set_compute_threads(1);
         let rank = comm.rank();
-        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let comm = Arc::new(comm);
         // a different seed per rank: every rank starts from rank 0's parameters
         let m = match deferred {
             true => deferred_mlp(42 + rank as u64),
