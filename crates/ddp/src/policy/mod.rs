@@ -76,7 +76,7 @@ pub use context::{
 };
 pub use param_state::ParamState;
 
-pub use crate::group::{Group, ProcessGroup, TensorPromise, TensorWork};
+pub use crate::group::{Group, ProcessGroup, SparseGather, TensorPromise, TensorWork};
 use crate::{DdpError, Result};
 
 /// A reducer policy: how one rank's gradient buckets are reduced, what its optimizer steps,
