@@ -1,5 +1,5 @@
 //! brigade-policies: Brigade's built-in reducer policies — [`AllReduce`], [`Compress`] (fp16,
-//! bf16), [`PowerSgd`] and [`Zero`] (stages 1 and 2) — written only against `brigade-ddp`'s
+//! bf16), [`PowerSgd`], [`TopK`], [`EfSign`] and [`Zero`] (stages 1 and 2) — written only against `brigade-ddp`'s
 //! public policy contract ([`brigade_ddp::policy`]), so the compiler checks that a user can
 //! write each of them; and [`PolicySpec`], the one way every part of Brigade names a policy,
 //! with a [`Registry`] for user policies.
@@ -8,18 +8,22 @@
 
 mod allreduce;
 mod compress;
+mod efsign;
 mod error;
 mod int8;
 mod powersgd;
 pub mod registry;
 mod spec;
+mod topk;
 pub mod zero;
 
 pub use allreduce::AllReduce;
 pub use compress::{Compress, HalfType};
+pub use efsign::EfSign;
 pub use error::{PolicyError, Result};
 pub use int8::Int8;
 pub use powersgd::{PowerSgd, PowerSgdConfig, POWERSGD_SETTINGS};
 pub use registry::{MakeUserPolicy, Registry};
-pub use spec::{PolicySpec, DEFAULT_POWERSGD_START};
+pub use spec::{PolicySpec, Ratio, DEFAULT_POWERSGD_START};
+pub use topk::TopK;
 pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

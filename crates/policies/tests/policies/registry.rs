@@ -7,11 +7,12 @@ use brigade_policies::{AllReduce, PolicySpec, Registry};
 
 #[test]
 fn every_built_in_entry_reads_writes_and_builds_its_policy() {
-    assert_eq!(BUILT_IN.len(), 8);
+    assert_eq!(BUILT_IN.len(), 10);
     for e in &BUILT_IN {
         // the form with a sample argument where it takes one
         let spec_text = match e.args {
             "" => e.name.to_string(),
+            "RATIO" => format!("{}:0.25", e.name),
             _ => format!("{}:3@2", e.name),
         };
         let spec: PolicySpec = spec_text.parse().unwrap();
