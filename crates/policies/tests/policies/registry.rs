@@ -76,8 +76,8 @@ fn a_registry_reads_its_users_policies_and_lists_them_in_help_and_errors() {
     assert!(e.contains("powersgd:R[@START]") && e.contains("int8"), "{e}");
     assert!(r.forms().ends_with("zero3, mean[:ARGS]"), "{}", r.forms());
     let help = r.help();
-    assert_eq!(help.len(), 9);
-    assert_eq!(help[8], "mean[:ARGS]: an averaging all-reduce");
+    assert_eq!(help.len(), 11);
+    assert_eq!(help[10], "mean[:ARGS]: an averaging all-reduce");
     // without the user's registry the name is unknown
     assert!(Registry::new().parse("mean").is_err());
 }
