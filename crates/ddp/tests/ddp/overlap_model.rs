@@ -536,7 +536,7 @@ fn the_replay_costs_each_policys_own_collectives() {
     let (_, t, sent) = one(&psgd);
     close(t, 3.0 * 0.002 + (p_bytes + q_bytes + plain) / gib, "powersgd");
     close(sent, p_bytes + q_bytes + plain, "powersgd bytes");
-    // top-k 1%: one all-gather of ceil(0.01 x 65792) = 658 entries of 12 bytes and an 8-byte
+    // top-k 1%: one all-gather of ceil(0.01 x 131328) = 1314 entries of 12 bytes and an 8-byte
     // count from each rank: (n-1) latencies, and (n-1) pieces over the link: it grows with the
     // ranks where an all-reduce's bytes do not
     let topk = under(
@@ -549,7 +549,7 @@ fn the_replay_costs_each_policys_own_collectives() {
         }),
         &shapes,
     );
-    let piece = 658.0 * 12.0 + 8.0;
+    let piece = 1314.0 * 12.0 + 8.0;
     let (name, t, sent) = one(&topk);
     assert_eq!(name, "topk:0.01");
     close(t, 0.001 + piece / gib, "topk");
