@@ -110,7 +110,7 @@ fn efsign_averages_every_rank_s_scaled_signs_and_keeps_the_rest_for_the_next_ste
     // every rank's p = g + residual, step by step, computed here in f64
     let mut residual = [vec![0.0f64; N], vec![0.0f64; N]];
     for s in 0..2 {
-        let mut mean = vec![0.0f64; N];
+        let mut mean = [0.0f64; N];
         for (r, (steps, _)) in out.iter().enumerate() {
             let p: Vec<f64> = steps[s].iter().zip(&residual[r]).map(|(g, e)| *g as f64 + e).collect();
             let c = scaled_signs(&p);
