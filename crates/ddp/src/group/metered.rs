@@ -10,7 +10,7 @@ use std::time::Duration;
 use brigade_comm::{tagging_collectives, CommMeter, ReduceOp, RingOp, SpanId};
 use brigade_tensor::{Stream, Tensor};
 
-use super::{bytes, Group, ProcessGroup, ReadyEvent, TensorWork};
+use super::{bytes, Group, ProcessGroup, ReadyEvent, SparseGather, TensorWork};
 
 /// `inner`, each collective counted into `meter` (and attributed to `bucket`, when set).
 pub struct Metered {
@@ -101,6 +101,19 @@ impl ProcessGroup for Metered {
     fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
         self.issue(RingOp::AllGather, bytes(payload) + bytes(side), |g| {
             g.all_gather_with_side(payload, side, tag)
+        })
+    }
+    fn all_gather_sparse(
+        &self,
+        values: &Tensor,
+        indices: &Tensor,
+        capacity: usize,
+        tag: &str,
+    ) -> TensorWork<SparseGather> {
+        // the capacity's values and indices, and the count, as they go on the wire
+        let sent = capacity * (values.dtype().size_in_bytes() + indices.dtype().size_in_bytes()) + 8;
+        self.issue(RingOp::AllGather, sent, |g| {
+            g.all_gather_sparse(values, indices, capacity, tag)
         })
     }
 

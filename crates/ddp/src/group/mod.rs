@@ -41,7 +41,11 @@
 //!   group they consume their input's storage when they could lend it (the input reads
 //!   `StorageLent` afterwards);
 //! - `reduce_scatter` and `all_gather` complete with a new tensor (this rank's chunk; every
-//!   rank's input as `[world, n]`).
+//!   rank's input as `[world, n]`); `all_gather_sparse` with every rank's values and `I64`
+//!   indices ([`SparseGather`]).
+//!
+//! Collectives move f32, f16, bf16 and the integer types (u8, i8, i64: indices, quantized
+//! payloads) and f64; reductions take the floating types only.
 
 mod device;
 mod gpu_clock;
@@ -51,6 +55,7 @@ mod metered;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod recording;
+mod sparse;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,6 +72,7 @@ pub use metered::Metered;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclGroup;
 pub use recording::{Recording, StreamEvent};
+pub use sparse::SparseGather;
 
 /// A shared process group: what policies hold and clone into their continuations.
 pub type Group = Arc<dyn ProcessGroup>;
@@ -159,6 +165,26 @@ pub trait ProcessGroup: Send + Sync {
             .wait()
             .and_then(|p| Ok((p, self.all_gather(side, tag).wait()?)));
         TensorWork::ready(self.rank(), tag, self.timeout(), both)
+    }
+    /// Every rank's sparse payload: `values` (1-d) and their positions `indices` (1-d `I64`, as
+    /// long), at most `capacity` entries, a count that may differ on every rank (every rank
+    /// passes the same `capacity` and dtype). One all-gather of `capacity` values and `1 +
+    /// capacity` `I64`s (the count, the indices) per rank, through
+    /// [`ProcessGroup::all_gather_with_side`]; completes with every rank's entries as
+    /// [`SparseGather`] (rows padded to the capacity), never reading back to the host.
+    fn all_gather_sparse(
+        &self,
+        values: &Tensor,
+        indices: &Tensor,
+        capacity: usize,
+        tag: &str,
+    ) -> TensorWork<SparseGather> {
+        match sparse::pack(values, indices, capacity, tag) {
+            Ok((v, side)) => self
+                .all_gather_with_side(&v, &side, tag)
+                .then(move |(v, side)| sparse::unpack(v, side, capacity)),
+            Err(e) => self.failed(e),
+        }
     }
 
     /// Compute side: bucket `index`, whose flat buffer is `flat`, is fully written; record its

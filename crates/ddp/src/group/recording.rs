@@ -8,7 +8,7 @@ use std::time::Duration;
 use brigade_comm::{CommMeter, ReduceOp, SpanId};
 use brigade_tensor::{Stream, Tensor};
 
-use super::{Group, ProcessGroup, ReadyEvent, TensorWork};
+use super::{Group, ProcessGroup, ReadyEvent, SparseGather, TensorWork};
 
 /// One call of the contract, as [`Recording`] saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +104,15 @@ impl ProcessGroup for Recording {
     }
     fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
         self.inner.all_gather_with_side(payload, side, tag)
+    }
+    fn all_gather_sparse(
+        &self,
+        values: &Tensor,
+        indices: &Tensor,
+        capacity: usize,
+        tag: &str,
+    ) -> TensorWork<SparseGather> {
+        self.inner.all_gather_sparse(values, indices, capacity, tag)
     }
 
     fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {

@@ -385,6 +385,16 @@ impl StepProfile {
                      {b} bytes per element: each must be at least 1, the bytes more than 0 and at most 8"
                 ));
             }
+            Some(&WireModel::AllGather {
+                density,
+                bytes_per_entry,
+                header_bytes,
+            }) if !(density > 0.0 && density <= 1.0 && bytes_per_entry > 0.0 && header_bytes >= 0.0) => {
+                return Err(format!(
+                    "the policy's all-gather wire model sends a fraction {density} of the entries, {bytes_per_entry} \
+                     bytes each and {header_bytes} beside: the fraction must be in (0, 1], the bytes positive"
+                ));
+            }
             Some(WireModel::LowRank { factors, .. }) if factors.len() != self.params.len() => {
                 return Err(format!(
                     "the policy's low-rank wire model sizes {} parameters' factors, the profile has {} parameters",

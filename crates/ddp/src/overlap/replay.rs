@@ -521,6 +521,16 @@ impl Costs<'_> {
                 let b = bytes as f64 / 4.0 * bytes_per_element;
                 (self.all_reduce(b), sent(RingOp::AllReduce, b))
             }
+            WireModel::AllGather {
+                density,
+                bytes_per_entry,
+                header_bytes,
+            } => {
+                let entries = (density * (bytes / 4) as f64).ceil();
+                let each = entries * bytes_per_entry + header_bytes;
+                let ag = RingOp::AllGather;
+                (ag.seconds(each, n, self.alpha, self.per_byte), sent(ag, each))
+            }
             // one reduce-scatter of the padded bucket
             WireModel::ReduceScatter | WireModel::Zero3 => {
                 let padded = ((bytes / 4).div_ceil(n) * n * 4) as f64;

@@ -86,7 +86,7 @@ pub use context::{
 };
 pub use param_state::ParamState;
 
-pub use crate::group::{Group, ProcessGroup, TensorPromise, TensorWork};
+pub use crate::group::{Group, ProcessGroup, SparseGather, TensorPromise, TensorWork};
 use crate::{DdpError, Result};
 
 /// A reducer policy: how one rank's gradient buckets are reduced, what its optimizer steps,
@@ -383,6 +383,19 @@ pub enum WireModel {
         /// Each parameter's factors `(P, Q)` in elements, in registration order (`None`: sent
         /// whole).
         factors: Vec<Option<(usize, usize)>>,
+    },
+    /// One all-gather per bucket (a sparse or quantized policy): of a bucket of `n` gradient
+    /// elements each rank sends `header_bytes` and `bytes_per_entry` for each of `ceil(density
+    /// × n)` entries (top-k: its ratio, an f32 value and an i64 index each, its count; 1-bit
+    /// signs: an eighth, one byte, the scale), and receives every other rank's: its bytes grow
+    /// with the ranks.
+    AllGather {
+        /// The fraction of the bucket's elements sent as entries, in `(0, 1]`.
+        density: f64,
+        /// Bytes per entry.
+        bytes_per_entry: f64,
+        /// Bytes per bucket beside the entries.
+        header_bytes: f64,
     },
     /// ZeRO: each (padded) bucket is reduce-scattered in f32 during backward; the updated
     /// parameters are all-gathered within the optimizer step (the recorded step's optimizer

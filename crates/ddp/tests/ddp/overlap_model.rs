@@ -536,6 +536,34 @@ fn the_replay_costs_each_policys_own_collectives() {
     let (_, t, sent) = one(&psgd);
     close(t, 3.0 * 0.002 + (p_bytes + q_bytes + plain) / gib, "powersgd");
     close(sent, p_bytes + q_bytes + plain, "powersgd bytes");
+    // top-k 1%: one all-gather of ceil(0.01 x 131328) = 1314 entries of 12 bytes and an 8-byte
+    // count from each rank: (n-1) latencies, and (n-1) pieces over the link: it grows with the
+    // ranks where an all-reduce's bytes do not
+    let topk = under(
+        base.clone(),
+        "topk:0.01",
+        Some(WireModel::AllGather {
+            density: 0.01,
+            bytes_per_entry: 12.0,
+            header_bytes: 8.0,
+        }),
+        &shapes,
+    );
+    let piece = 1314.0 * 12.0 + 8.0;
+    let (name, t, sent) = one(&topk);
+    assert_eq!(name, "topk:0.01");
+    close(t, 0.001 + piece / gib, "topk");
+    close(sent, piece, "topk bytes");
+    let at4 = replay(
+        &topk,
+        &ReplayConfig {
+            world_size: Some(4),
+            ..cfg(100.0, 100.0)
+        },
+    )
+    .unwrap();
+    close(at4.comm_s, 3.0 * 0.001 + 3.0 * piece / gib, "topk at 4 ranks");
+    close(at4.buckets[0].wire_bytes, 3.0 * piece, "topk bytes at 4 ranks");
     // a user policy that declared no model is refused in one line naming it
     let user = under(base, "int8-ef", None, &shapes);
     let e = replay(&user, &cfg(100.0, 100.0)).unwrap_err().to_string();
@@ -702,13 +730,25 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
     close(r.buckets[0].wire_bytes, 0.0, "nothing in backward");
     close(r.comm_s, 0.0, "no bucket on the link");
     let sync = 0.002 + s / gib;
-    close(r.predicted_step_s - r.compute_step_s, sync / 10.0, "a tenth of a sync a step");
+    close(
+        r.predicted_step_s - r.compute_step_s,
+        sync / 10.0,
+        "a tenth of a sync a step",
+    );
     // two fragments, each synced once a period and waited for at once: two latencies
     let r2 = after(10, 2, 0);
-    close(r2.predicted_step_s - r2.compute_step_s, 2.0 * (0.002 + s / 2.0 / gib) / 10.0, "two fragments");
+    close(
+        r2.predicted_step_s - r2.compute_step_s,
+        2.0 * (0.002 + s / 2.0 / gib) / 10.0,
+        "two fragments",
+    );
     // overlapping a step's compute (over 10 ms) hides each fragment's sync (about 2.25 ms)
     let hidden = after(10, 2, 1);
-    close(hidden.predicted_step_s - hidden.compute_step_s, 0.0, "hidden behind the next step");
+    close(
+        hidden.predicted_step_s - hidden.compute_step_s,
+        0.0,
+        "hidden behind the next step",
+    );
     // a period of 0 is refused in one line
     let bad = under(
         base.clone(),

@@ -7,11 +7,12 @@ use brigade_policies::{AllReduce, PolicySpec, Registry};
 
 #[test]
 fn every_built_in_entry_reads_writes_and_builds_its_policy() {
-    assert_eq!(BUILT_IN.len(), 10);
+    assert_eq!(BUILT_IN.len(), 12);
     for e in &BUILT_IN {
         // the form with a sample argument where it takes one
         let spec_text = match (e.name, e.args) {
             (_, "") => e.name.to_string(),
+            (_, "RATIO") => format!("{}:0.25", e.name),
             ("diloco", _) => "diloco:3:0.5".to_string(),
             ("streaming-diloco", _) => "streaming-diloco:3:2:2".to_string(),
             _ => format!("{}:3@2", e.name),

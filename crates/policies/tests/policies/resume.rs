@@ -82,7 +82,16 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
 
 #[test]
 fn resuming_is_bit_exact_under_every_policy() {
-    for spec in ["allreduce", "fp16", "bf16", "powersgd:2@2", "zero1", "zero2"] {
+    for spec in [
+        "allreduce",
+        "fp16",
+        "bf16",
+        "powersgd:2@2",
+        "zero1",
+        "zero2",
+        "topk:0.1",
+        "efsign",
+    ] {
         let (straight, end) = run(spec, 0, 6, None);
         let (first, saved) = run(spec, 0, 3, None);
         let (second, resumed_end) = run(spec, 3, 6, Some(&saved));
@@ -92,6 +101,12 @@ fn resuming_is_bit_exact_under_every_policy() {
             assert_eq!(resumed, straight[rank], "{spec} rank {rank}: losses");
         }
         assert_eq!(max_diff(&resumed_end.params, &end.params), 0.0, "{spec}: parameters");
+        if spec.starts_with("topk") || spec == "efsign" {
+            // every rank's residual was in the checkpoint
+            for r in 0..WORLD {
+                assert!(saved.policy.iter().any(|(k, _)| k.starts_with(&format!("rank{r}/"))));
+            }
+        }
         if spec.starts_with("powersgd") {
             // every rank's error feedback and factors were in the checkpoint
             for r in 0..WORLD {
