@@ -210,11 +210,20 @@ pub trait ReducerPolicy: Send {
         PolicyMemory::default()
     }
 
-    /// How the overlap model costs this policy's collectives for a model whose parameters
-    /// have `shapes` (registration order; step profiles record it); `None`: the model cannot,
-    /// and refuses to replay its profiles.
-    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
-        let _ = shapes;
+    /// How the overlap model costs the collectives this policy issues for each bucket, for a
+    /// model whose parameters have `shapes` (registration order; step profiles record it) on
+    /// `world_size` ranks; `None`: the model cannot, and refuses to replay its profiles. The
+    /// replay prices what it says on the ring cost model at any world size.
+    fn wire_model(&self, shapes: &[Vec<usize>], world_size: usize) -> Option<WireModel> {
+        let _ = (shapes, world_size);
+        None
+    }
+
+    /// What this policy sends in [`ReducerPolicy::after_step`], for a model whose parameters
+    /// have `shapes` on `world_size` ranks: the overlap model charges it, amortised over its
+    /// period, after the optimizer. `None` (the default): nothing.
+    fn after_step_wire(&self, shapes: &[Vec<usize>], world_size: usize) -> Option<AfterStepWire> {
+        let _ = (shapes, world_size);
         None
     }
 
@@ -358,11 +367,63 @@ pub enum WireModel {
     /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
     /// span holds them).
     ReduceScatter,
+    /// Each rank's piece of every bucket is all-gathered (int8's payload and scale; a sparse
+    /// top-k's values and indices): `bytes_per_element` bytes per gradient element of the
+    /// bucket (for a sparse payload of a fraction `r` of the elements, `r` times the bytes of a
+    /// value and its index) plus `bytes_per_bucket` (a scale). The ring sends each rank's piece
+    /// to every other rank: the bytes grow with the ranks.
+    AllGather {
+        /// Bytes per gradient element of each rank's piece.
+        bytes_per_element: f64,
+        /// Bytes each rank adds once per bucket.
+        #[serde(default)]
+        bytes_per_bucket: f64,
+    },
     /// ZeRO-3: each unit is one (padded) bucket, reduce-scattered in f32 as its backward ends
     /// (the units fix the buckets, whatever the caps); each unit's parameters are all-gathered
     /// before its forward and again before its backward (the step profile's `gathers`), on the
     /// same comm stream, and the unit's compute waits for its gather.
     Zero3,
+}
+
+/// A collective of the ring cost model, as a wire model names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WireOp {
+    /// Every rank ends with the reduction of every rank's buffer.
+    AllReduce,
+    /// Every rank ends with its shard of the reduction.
+    ReduceScatter,
+    /// Every rank ends with every rank's piece.
+    AllGather,
+    /// Every rank ends with the root's buffer.
+    Broadcast,
+}
+
+impl WireOp {
+    /// The ring collective the cost model prices.
+    pub fn ring(self) -> brigade_comm::RingOp {
+        use brigade_comm::RingOp;
+        match self {
+            WireOp::AllReduce => RingOp::AllReduce,
+            WireOp::ReduceScatter => RingOp::ReduceScatter,
+            WireOp::AllGather => RingOp::AllGather,
+            WireOp::Broadcast => RingOp::Broadcast,
+        }
+    }
+}
+
+/// What a policy sends in [`ReducerPolicy::after_step`] ([`ReducerPolicy::after_step_wire`]):
+/// one collective of every parameter's elements, `bytes_per_element` bytes each (the buffer
+/// each rank hands in; for an all-gather, its piece), every `every` steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AfterStepWire {
+    /// The collective.
+    pub op: WireOp,
+    /// Bytes per parameter element of the buffer each rank hands in.
+    pub bytes_per_element: f64,
+    /// Every how many steps it runs (1: every step).
+    pub every: usize,
 }
 
 /// Where one parameter's gradient sits in its bucket.

@@ -13,3 +13,4 @@ mod overlap_model;
 mod parity;
 mod policy;
 mod stream_events;
+mod wire_price;

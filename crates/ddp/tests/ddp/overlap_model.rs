@@ -40,6 +40,7 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         grad_ready_s: params.iter().map(|p| p.1).collect(),
         buckets: vec![],
         gathers: vec![],
+        policy_s: None,
     };
     StepProfile {
         version: PROFILE_VERSION,
@@ -47,7 +48,11 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         bucket_cap_mb: 25.0,
         first_bucket_cap_mb: 1.0,
         activation_checkpointing: 0,
-        policy: None,
+        policy: Some(brigade_ddp::overlap::ProfilePolicy {
+            name: "allreduce".into(),
+            wire: Some(brigade_ddp::overlap::WireModel::AllReduce { bytes_per_element: 4.0 }),
+            after_step: None,
+        }),
         run: None,
         params: params
             .iter()
@@ -205,6 +210,7 @@ fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
                 launch_s: 0.0,
                 start_s: 0.0,
                 finish_s: d,
+                link_s: None,
             }
         })
         .collect();
@@ -338,6 +344,7 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
             launch_s: 0.010,
             start_s: 0.010,
             finish_s: 0.012,
+            link_s: None,
         }];
         (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.013, 0.014, 0.014);
     }
@@ -357,6 +364,7 @@ fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f6
         launch_s: ready,
         start_s: start,
         finish_s: finish,
+        link_s: None,
     }
 }
 
@@ -477,6 +485,7 @@ fn under(
     p.policy = Some(brigade_ddp::overlap::ProfilePolicy {
         name: policy.into(),
         wire,
+        after_step: None,
     });
     for (param, s) in p.params.iter_mut().zip(shapes) {
         param.shape = s.to_vec();
@@ -565,6 +574,7 @@ fn a_measured_link_is_fitted_to_what_each_recorded_bucket_sent() {
         launch_s: start,
         start_s: start,
         finish_s: start + secs,
+        link_s: None,
     };
     for r in &mut p.ranks {
         r.buckets = vec![
@@ -626,6 +636,7 @@ fn zero3_profile() -> StepProfile {
             launch_s: 0.010,
             start_s: 0.010,
             finish_s: 0.012,
+            link_s: None,
         }];
         r.gathers = vec![gather(GatherPhase::Forward, 0.0), gather(GatherPhase::Backward, 0.005)];
     }
