@@ -70,8 +70,17 @@ fn profile(tag: &str) -> (std::path::PathBuf, serde_json::Value) {
 #[test]
 fn a_profile_records_every_ranks_step_in_order() {
     let (_, v) = profile("profile-shape");
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2);
     assert_eq!(v["world_size"], 2);
+    // what the policy computed itself: inside reduce, and its buckets' time on the comm stream
+    for r in v["ranks"].as_array().unwrap() {
+        assert!(r["policy_s"]["reduce_s"].as_f64().unwrap() > 0.0, "{r}");
+        for b in r["buckets"].as_array().unwrap() {
+            let link = b["link_s"].as_f64().unwrap();
+            let span = b["finish_s"].as_f64().unwrap() - b["start_s"].as_f64().unwrap();
+            assert!(link > 0.0 && link <= span + 1e-9, "{b}");
+        }
+    }
     let params = v["params"].as_array().unwrap();
     assert_eq!(params.len(), 6);
     assert_eq!(params[0]["name"], "layers.0.weight");
