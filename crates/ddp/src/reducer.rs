@@ -1040,6 +1040,15 @@ impl GradSubscriber for Reducer {
     }
 }
 
+/// Adds the seconds since its start to its total when dropped (also on an error's return).
+struct ReduceTime<'a>(&'a mut f64, Instant);
+
+impl Drop for ReduceTime<'_> {
+    fn drop(&mut self) {
+        *self.0 += self.1.elapsed().as_secs_f64();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::assign_buckets;
@@ -1059,14 +1068,5 @@ mod tests {
             assign_buckets(&sizes, &order, 1, 1 << 30),
             vec![vec![4], vec![3, 2, 1, 0]]
         );
-    }
-}
-
-/// Adds the seconds since its start to its total when dropped (also on an error's return).
-struct ReduceTime<'a>(&'a mut f64, Instant);
-
-impl Drop for ReduceTime<'_> {
-    fn drop(&mut self) {
-        *self.0 += self.1.elapsed().as_secs_f64();
     }
 }
