@@ -682,3 +682,74 @@ fn a_zero3_step_replays_its_gathers_and_moves_the_compute_that_waits_for_them() 
     assert!(slow.predicted_step_s > recorded.predicted_step_s);
     assert!(slow.exposed_gather_s > recorded.exposed_gather_s);
 }
+
+/// The profile of `what_followed_the_recorded_buckets_is_kept_as_recorded`: both 1 MiB
+/// gradients ready at 10 ms, one recorded bucket on the comm stream 10..12 ms, 1 ms agreeing on
+/// the loss, the optimizer 13..14 ms.
+fn one_bucket_step() -> StepProfile {
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        r.buckets = vec![recorded(vec![1, 0], 2 * MIB, 0.010, 0.010, 0.012)];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.013, 0.014, 0.014);
+    }
+    p
+}
+
+#[test]
+fn a_policys_compute_between_its_collectives_is_replayed_per_byte() {
+    // The recorded bucket held the comm stream 2 ms, its collectives 1.5 ms of them: the policy
+    // computed 0.5 ms for 2 MiB. Replayed in one bucket of the same 2 MiB on the ring: its
+    // all-reduce (2 ms + 2 MiB / 1 GiB/s) and the 0.5 ms of compute, then as recorded.
+    let mut p = one_bucket_step();
+    for r in &mut p.ranks {
+        r.buckets[0].link_s = Some(0.0015);
+    }
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let comm = 0.002 + 2.0 / 1024.0;
+    close(r.policy_compute_s, 0.0005, "the policy's compute");
+    close(r.predicted_step_s, 0.010 + comm + 0.0005 + 0.002, "predicted step");
+    close(r.comm_s, comm + 0.0005, "the bucket's time on the comm stream");
+}
+
+#[test]
+fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period() {
+    // The policy all-reduces every parameter in f32 every 4 steps after the optimizer; the
+    // recorded step's optimizer span (1 ms) held 0.4 ms of it. Replayed: that 0.4 ms leaves,
+    // and a quarter of the all-reduce of 2 MiB on the ring (2 ms + 2 MiB / 1 GiB/s) comes in.
+    let mut p = one_bucket_step();
+    p.policy.as_mut().unwrap().after_step = Some(brigade_ddp::policy::AfterStepWire {
+        op: brigade_ddp::policy::WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 4,
+    });
+    for r in &mut p.ranks {
+        r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
+            reduce_s: 0.0,
+            after_step_s: 0.0005,
+            after_step_link_s: 0.0004,
+        });
+    }
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let comm = 0.002 + 2.0 / 1024.0;
+    let after = comm / 4.0;
+    close(
+        r.after_step_comm_s,
+        after,
+        "a step's share of the after-step all-reduce",
+    );
+    close(
+        r.predicted_step_s,
+        0.010 + comm + 0.001 + (0.001 - 0.0004) + after,
+        "predicted step",
+    );
+    // at 4 ranks the all-reduce waits 2·3 latencies and sends 2·3/4 of its buffer
+    let at4 = replay(
+        &p,
+        &ReplayConfig {
+            world_size: Some(4),
+            ..cfg(100.0, 100.0)
+        },
+    )
+    .unwrap();
+    close(at4.after_step_comm_s, (0.006 + 1.5 * 2.0 / 1024.0) / 4.0, "at 4 ranks");
+}
