@@ -25,7 +25,7 @@ use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, OpTiming, Recorder, RingOp, SpanId};
 use brigade_tensor::{DType, Device, Tensor};
 
-use crate::group::{Group, Metered};
+use crate::group::{Group, LinkTime, Metered};
 use crate::phase::Phase;
 use crate::policy::{
     BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy, Reduction,
@@ -77,6 +77,8 @@ pub(crate) struct InFlight {
     reduction: Reduction,
     /// What the bucket's collectives sent so far (its part of DDP's meter).
     meter: CommMeter,
+    /// How long its collectives ran so far.
+    link: LinkTime,
 }
 
 /// One bucket: a flat buffer whose slices are its parameters' gradients (padded to the policy's
@@ -139,6 +141,12 @@ pub struct PassTimes {
     pub grad_ready: Vec<Option<Instant>>,
     /// The buckets in launch order.
     pub buckets: Vec<PassBucket>,
+    /// Seconds the policy spent inside [`crate::ReducerPolicy::reduce`] (on the compute thread,
+    /// within backward), summed over the buckets.
+    pub reduce_s: f64,
+    /// The policy's [`crate::ReducerPolicy::after_step`] after the step's optimizer: its
+    /// seconds, and the seconds its collectives held the comm stream (`None` until it ran).
+    pub after_step: Option<(f64, f64)>,
 }
 
 /// One bucket of a [`PassTimes`].
@@ -155,6 +163,9 @@ pub struct PassBucket {
     pub launched: Instant,
     /// When its collectives ran (first start, last finish), once it completed.
     pub ran: Option<(Instant, Instant)>,
+    /// Seconds its collectives held the comm stream, once it completed: the rest of `ran` is
+    /// the policy's own compute between them (PowerSGD's orthogonalisation).
+    pub link_s: f64,
 }
 
 pub(crate) struct Reducer {
@@ -518,10 +529,12 @@ impl Reducer {
         };
         bucket.held = None;
         let meter = self.cfg.meter.part();
-        let comm: Group = Arc::new(Metered::for_bucket(self.group.clone(), meter.clone(), b));
+        let link = LinkTime::default();
+        let comm: Group = Arc::new(Metered::for_bucket(self.group.clone(), meter.clone(), b).timing_into(link.clone()));
         let on = self.group.launch(b, ready)?;
         let launched = Instant::now();
         let reduction = {
+            let _time = ReduceTime(&mut st.pass.reduce_s, launched);
             let mut policy = self.lock_policy();
             let reduce = || match joined {
                 true => policy.reduce_joined(policy_bucket, &comm),
@@ -533,7 +546,8 @@ impl Reducer {
             }
         }?;
         self.group.launched(b, &meter)?;
-        bucket.work = Some(InFlight { reduction, meter });
+        let bucket = &mut st.buckets[b];
+        bucket.work = Some(InFlight { reduction, meter, link });
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {
             params,
@@ -541,6 +555,7 @@ impl Reducer {
             wire_bytes: 0.0,
             launched,
             ran: None,
+            link_s: 0.0,
         });
         Ok(())
     }
@@ -644,10 +659,11 @@ impl Reducer {
         for (b, bucket) in st.buckets.iter_mut().enumerate() {
             let Some(in_flight) = bucket.work.take() else { continue };
             match self.finish(b, in_flight) {
-                Ok((landing, timing, wire_bytes)) => {
+                Ok((landing, timing, wire_bytes, link_s)) => {
                     if let Some(pb) = st.pass.buckets.get_mut(b) {
                         pb.ran = Some((timing.started, timing.finished));
                         pb.wire_bytes = wire_bytes;
+                        pb.link_s = link_s;
                     }
                     if let Err(e) = self.land(b, bucket, landing) {
                         first_err.get_or_insert(e);
@@ -675,13 +691,24 @@ impl Reducer {
         Arc::new(Metered::new(self.group.clone(), self.cfg.meter.clone()))
     }
 
+    /// [`Reducer::metered`], also adding up into `link` how long its collectives ran.
+    pub(crate) fn metered_timing(&self, link: LinkTime) -> Group {
+        Arc::new(Metered::new(self.group.clone(), self.cfg.meter.clone()).timing_into(link))
+    }
+
     /// Bucket `b`'s reduction, once the compute side is ordered behind it and its future
-    /// completed: what it gave, when its collectives ran, and the bytes they sent on the wire.
-    fn finish(&self, b: usize, in_flight: InFlight) -> Result<(Reduction<Tensor>, OpTiming, f64)> {
+    /// completed: what it gave, when its collectives ran, the bytes they sent on the wire and
+    /// the seconds they held the comm stream.
+    fn finish(&self, b: usize, in_flight: InFlight) -> Result<(Reduction<Tensor>, OpTiming, f64, f64)> {
         self.group.wait(b)?;
         let (landing, timing) = in_flight.reduction.wait_timed()?;
         self.group.check()?;
-        Ok((landing, timing, in_flight.meter.totals().wire_bytes))
+        Ok((
+            landing,
+            timing,
+            in_flight.meter.totals().wire_bytes,
+            in_flight.link.seconds(),
+        ))
     }
 
     /// Regroups the buckets as `groups`, announces the new layout to the policy.
@@ -1010,6 +1037,15 @@ impl GradSubscriber for Reducer {
         let mut st = self.lock();
         self.end_span(&mut st);
         self.abort_pass(&mut st);
+    }
+}
+
+/// Adds the seconds since its start to its total when dropped (also on an error's return).
+struct ReduceTime<'a>(&'a mut f64, Instant);
+
+impl Drop for ReduceTime<'_> {
+    fn drop(&mut self) {
+        *self.0 += self.1.elapsed().as_secs_f64();
     }
 }
 

@@ -129,11 +129,11 @@ impl ReducerPolicy for EfSign {
         })))
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::AllGather {
+            bytes_per_element: 1.0,
+            bytes_per_bucket: 4.0,
             density: 1.0 / BITS as f64,
-            bytes_per_entry: 1.0,
-            header_bytes: 4.0,
         })
     }
 }

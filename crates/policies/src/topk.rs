@@ -112,11 +112,11 @@ impl ReducerPolicy for TopK {
         })))
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::AllGather {
+            bytes_per_element: ENTRY_BYTES,
+            bytes_per_bucket: COUNT_BYTES,
             density: self.ratio,
-            bytes_per_entry: ENTRY_BYTES,
-            header_bytes: COUNT_BYTES,
         })
     }
 }

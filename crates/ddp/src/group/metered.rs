@@ -17,6 +17,23 @@ pub struct Metered {
     inner: Group,
     meter: CommMeter,
     bucket: Option<usize>,
+    link: Option<LinkTime>,
+}
+
+/// Seconds the collectives of one wrapper held the comm stream, added up as they complete
+/// (clones share it): what a step profile separates from a policy's own compute.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LinkTime(std::sync::Arc<std::sync::Mutex<f64>>);
+
+impl LinkTime {
+    fn add(&self, d: Duration) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) += d.as_secs_f64();
+    }
+
+    /// The seconds added so far.
+    pub(crate) fn seconds(&self) -> f64 {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Metered {
@@ -26,6 +43,7 @@ impl Metered {
             inner,
             meter,
             bucket: None,
+            link: None,
         }
     }
 
@@ -36,7 +54,14 @@ impl Metered {
             inner,
             meter,
             bucket: Some(index),
+            link: None,
         }
+    }
+
+    /// This wrapper, also adding up into `link` how long its collectives ran.
+    pub(crate) fn timing_into(mut self, link: LinkTime) -> Metered {
+        self.link = Some(link);
+        self
     }
 
     /// What this wrapper's collectives sent so far.
@@ -44,12 +69,22 @@ impl Metered {
         &self.meter
     }
 
-    fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn ProcessGroup) -> T) -> T {
+    fn issue<T: Send + 'static>(
+        &self,
+        op: RingOp,
+        bytes: usize,
+        f: impl FnOnce(&dyn ProcessGroup) -> TensorWork<T>,
+    ) -> TensorWork<T> {
         self.meter.count(op, bytes, self.inner.world_size());
-        match self.bucket {
+        let work = match self.bucket {
             Some(index) => tagging_collectives(index, || f(self.inner.as_ref())),
             None => f(self.inner.as_ref()),
+        };
+        if let Some(link) = &self.link {
+            let link = link.clone();
+            work.on_ran(move |d| link.add(d));
         }
+        work
     }
 }
 

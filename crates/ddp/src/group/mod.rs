@@ -68,6 +68,7 @@ use crate::{DdpError, Result};
 pub use device::DeviceGroup;
 pub use host::HostGroup;
 pub use host_staged::HostStaged;
+pub(crate) use metered::LinkTime;
 pub use metered::Metered;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclGroup;
@@ -354,5 +355,21 @@ impl<T: Send + 'static> TensorWork<T> {
     /// Whether the work has completed (successfully or not).
     pub fn is_completed(&self) -> bool {
         self.work.is_completed()
+    }
+
+    /// Calls `told` with how long the work ran on the comm stream (from its start to its
+    /// completion), once it completed; never for a work that failed.
+    pub(crate) fn on_ran(&self, told: impl FnOnce(Duration) + Send + 'static) {
+        let mut started = None;
+        let mut told = Some(told);
+        self.work.observe(move |event| match event {
+            brigade_comm::WorkEvent::Started(at) => started = Some(at),
+            brigade_comm::WorkEvent::Finished { at, error: None } => {
+                if let (Some(s), Some(f)) = (started, told.take()) {
+                    f(at.saturating_duration_since(s));
+                }
+            }
+            brigade_comm::WorkEvent::Finished { .. } => {}
+        });
     }
 }

@@ -14,3 +14,4 @@ mod parity;
 mod policy;
 mod sparse_gather;
 mod stream_events;
+mod wire_price;
