@@ -83,8 +83,8 @@ fn a_registry_reads_its_users_policies_and_lists_them_in_help_and_errors() {
         r.forms()
     );
     let help = r.help();
-    assert_eq!(help.len(), 11);
-    assert_eq!(help[10], "mean[:ARGS]: an averaging all-reduce");
+    assert_eq!(help.len(), 13);
+    assert_eq!(help[12], "mean[:ARGS]: an averaging all-reduce");
     // without the user's registry the name is unknown
     assert!(Registry::new().parse("mean").is_err());
 }

@@ -25,6 +25,8 @@ struct Saved {
     params: Vec<Vec<f32>>,
     optimizer: Vec<(String, Tensor)>,
     policy: Vec<(String, Tensor)>,
+    /// The buckets the run reduced on (a per-bucket policy such as top-k resumes on them).
+    grouping: Option<brigade_ddp::BucketGrouping>,
 }
 
 /// Steps `from..to` of `spec` with AdamW on `WORLD` ranks, starting from `saved` if given;
@@ -45,6 +47,7 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
         let cfg = DdpConfig {
             bucket_cap_mb: 0.002,
             first_bucket_cap_mb: 0.001,
+            grouping: saved.and_then(|s| s.grouping.clone()),
             ..DdpConfig::default()
         };
         let policy = spec.parse::<PolicySpec>().unwrap().build(&Registry::new()).unwrap();
@@ -69,13 +72,14 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
         opt.consolidate_state().unwrap();
         let policy = ddp.gather_policy_state().unwrap();
         let optimizer = if rank == 0 { opt.state_dict().unwrap() } else { vec![] };
-        (losses, m.values(), optimizer, policy)
+        (losses, m.values(), optimizer, policy, ddp.bucket_grouping())
     });
     let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
     let saved = Saved {
         params: out[0].1.clone(),
         optimizer: out[0].2.clone(),
         policy: out[0].3.clone(),
+        grouping: out[0].4.clone(),
     };
     (out.into_iter().map(|o| o.0).collect(), saved)
 }
