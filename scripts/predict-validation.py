@@ -17,6 +17,10 @@ median error is within its target:
   zero3-other-link    that profile replayed at 0.1 Gb/s against a run recorded there (30%)
   zero3-wait-grows    the predicted gather wait at 0.1 Gb/s over the one on the measured link
                       (at least 2)
+  own-step:POLICY     each built-in policy (allreduce, fp16, bf16, int8, powersgd:4@1, zero1,
+                      zero2, zero3) on the same MLP over a simulated 1 Gb/s, 20 us link: its own
+                      profile replayed on the measured link at the recorded caps, the predicted
+                      step against the recorded one, the mean over the ranks of its end (5%)
   mpi-own-link        (with mpirun on PATH and a build with --features mpi) a 64,512,512,512,4
                       MLP on 2 MPI ranks, buckets of 0.5 MiB: as allreduce-own-link (25%)
 
@@ -24,7 +28,7 @@ Timing means nothing on a loaded machine: run it alone (a minute or two on 2 cor
 and the load average before and after are printed with the table.
 
 Usage: scripts/predict-validation.py [--repeat 5] [--out DIR] [--brigade BIN] [--mpi-brigade BIN]
-         [--no-mpi]
+         [--no-mpi] [--own-only]
 Writes DIR/predict-validation.json and prints the markdown table.
 """
 
@@ -79,9 +83,26 @@ def error(predicted, measured):
     return abs(predicted - measured) / measured
 
 
-def one_round(brigade, mpi, d, i):
-    """One fresh recording of every check: {check: (value, predicted, measured)}."""
+OWN_POLICIES = ["allreduce", "fp16", "bf16", "int8", "powersgd:4@1", "zero1", "zero2", "zero3"]
+
+
+def own_steps(brigade, d, i):
+    """Each built-in policy's own profile replayed: {check: (error, predicted, measured)}."""
     out = {}
+    caps = ["--bucket-mb", "0.1", "--first-bucket-mb", "0.05"]
+    for policy in OWN_POLICIES:
+        p = os.path.join(d, f"own-{policy.replace(':', '-').replace('@', '-')}-{i}.json")
+        v = record([brigade, "train", *RUN, "--net-gbps", "1", *caps, "--policy", policy], p)
+        row = predict(brigade, p, "--measured-link", *caps)
+        out[f"own-step:{policy}"] = (error(row["predicted_step_s"], step_s(v)), row["predicted_step_s"], step_s(v))
+    return out
+
+
+def one_round(brigade, mpi, d, i, own_only=False):
+    """One fresh recording of every check: {check: (value, predicted, measured)}."""
+    out = own_steps(brigade, d, i)
+    if own_only:
+        return out
     p = os.path.join(d, f"allreduce-{i}.json")
     v = record([brigade, "train", *RUN, "--net-gbps", "1", "--bucket-mb", "0.1", "--first-bucket-mb", "0.05"], p)
     row = predict(brigade, p, "--measured-link", "--bucket-mb", "0.1", "--first-bucket-mb", "0.05")
@@ -117,6 +138,7 @@ TARGETS = {
     "zero3-other-link": ("error", lambda e: e <= 0.30, "<= 30%"),
     "zero3-wait-grows": ("ratio", lambda r: r >= 2.0, ">= 2"),
     "mpi-own-link": ("error", lambda e: e <= 0.25, "<= 25%"),
+    **{f"own-step:{p}": ("error", lambda e: e <= 0.05, "<= 5%") for p in OWN_POLICIES},
 }
 
 
@@ -137,6 +159,7 @@ def main():
     ap.add_argument("--brigade", default=None)
     ap.add_argument("--mpi-brigade", default=None)
     ap.add_argument("--no-mpi", action="store_true", help="leave out the MPI check")
+    ap.add_argument("--own-only", action="store_true", help="only the built-in policies' own-profile checks")
     a = ap.parse_args()
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     brigade = a.brigade
@@ -149,7 +172,7 @@ def main():
         mpi = "target/mpi/release/brigade"
     os.makedirs(a.out, exist_ok=True)
     load, start = os.getloadavg(), time.time()
-    rounds = [one_round(brigade, mpi, a.out, i) for i in range(a.repeat)]
+    rounds = [one_round(brigade, mpi, a.out, i, a.own_only) for i in range(a.repeat)]
     lines = ["| check | target | median | worst | predicted / measured (median round) | result |",
              "|---|---|---|---|---|---|"]
     results = {}

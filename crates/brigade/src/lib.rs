@@ -63,6 +63,7 @@ pub mod policy;
 pub mod recipe;
 pub mod resume;
 pub mod source;
+pub mod study;
 pub mod tensorboard;
 mod trace_gather;
 pub mod trainer;

@@ -32,8 +32,8 @@ impl ReducerPolicy for Mean {
         AllReduce.reduce(bucket, comm)
     }
 
-    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
-        AllReduce.wire_model(shapes)
+    fn wire_model(&self, shapes: &[Vec<usize>], world_size: usize) -> Option<WireModel> {
+        AllReduce.wire_model(shapes, world_size)
     }
 }
 

@@ -36,7 +36,7 @@ mod signal;
 mod tensorboard;
 
 use args::say_old_spellings;
-use commands::{bench, plan, predict, sample, sweep, sweep_args, tokenize, train};
+use commands::{bench, plan, predict, sample, study, sweep, sweep_args, tokenize, train};
 
 // Collectives' buffers (DDP's buckets) can live in memory the node's other processes map, so
 // that an all-reduce under mpirun runs in place (`brigade_comm::host_vec`).
@@ -64,6 +64,9 @@ enum Command {
     /// The fastest reducer policy, bucket cap and activation checkpointing that fit a memory
     /// budget per rank, from one profiled step per policy family, without running anything.
     Plan(Box<plan::PlanArgs>),
+    /// Which reducer policy reaches a target loss soonest at a target world size and link:
+    /// each trains there on thread ranks, its steps are profiled and its step predicted.
+    Study(Box<study::StudyArgs>),
     /// Text out of a trained GPT's checkpoint, streamed to stdout as it is generated.
     Sample(Box<sample::SampleArgs>),
     /// A UTF-8 text file as an llm.c token shard (GPT-2's tokens by default), for --data.
@@ -177,6 +180,10 @@ where
         }
         Command::Predict(p) => predict::predict(*p),
         Command::Plan(p) => plan::run_plan(*p),
+        Command::Study(mut s) => {
+            let notes = s.run.take_old_spellings();
+            study::study(*s).inspect(|()| say_old_spellings(&notes))
+        }
         Command::Sample(s) => sample::sample(*s),
         Command::Tokenize(t) => tokenize::tokenize(*t),
         Command::Bench(cmd) => bench::run(cmd),

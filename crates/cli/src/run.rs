@@ -203,7 +203,7 @@ fn load_rank_shards(args: &RunArgs, kind: &ModelKind, world: usize) -> Result<Ra
 
 /// What every process needs before its ranks start: under MPI the world size comes from
 /// `mpirun`, and every file the run reads must exist on every rank.
-fn setup(
+pub(crate) fn setup(
     args: &RunArgs,
     opts: &RunOptions,
     kind: &ModelKind,
@@ -270,7 +270,7 @@ fn setup(
 }
 
 /// How to start the ranks.
-fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
+pub(crate) fn launch_config(args: &RunArgs, opts: &RunOptions) -> LaunchConfig {
     LaunchConfig {
         backend: args.distributed.backend,
         world_size: args.distributed.world_size,
@@ -406,7 +406,7 @@ pub fn run_config(
 
 /// A setup error of this program's (worded for its user) as the library carries it: under MPI
 /// every rank reports the first failing rank's message.
-fn into_library(e: Error) -> brigade::Error {
+pub(crate) fn into_library(e: Error) -> brigade::Error {
     match e {
         Error::Run(e) => e,
         e => brigade::Error::Config(e.to_string()),

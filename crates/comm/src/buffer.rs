@@ -23,7 +23,7 @@ pub use brigade_dtype::DType;
 pub use brigade_dtype::Buffer;
 
 /// A buffer of `dtype` from little-endian bytes (a whole number of elements), or `None` for a
-/// type collectives do not move or a length that is not a multiple of the element size (how a
+/// length that is not a multiple of the element size (how a
 /// side buffer travels packed beside its payload in [`crate::all_gather_with_side`]).
 #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
 pub fn buffer_from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
@@ -52,7 +52,18 @@ pub fn buffer_from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
         ),
         DType::U8 => Buffer::U8(bytes.to_vec()),
         DType::I8 => Buffer::I8(bytes.iter().map(|&b| b as i8).collect()),
-        DType::F64 | DType::I64 => return None,
+        DType::F64 => Buffer::F64(
+            bytes
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        ),
+        DType::I64 => Buffer::I64(
+            bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        ),
     })
 }
 

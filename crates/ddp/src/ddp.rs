@@ -10,8 +10,8 @@ use crate::memory::{self, MemoryReport};
 
 use crate::group::{Group, HostGroup};
 use crate::policy::{
-    state, Buckets, BuildOptimizer, HeldGrad, LossScaleStep, OptimizerContext, ParamHooks, PolicyDiagnostic,
-    ReducerPolicy, Replicas, StepContext, WireModel,
+    state, AfterStepWire, Buckets, BuildOptimizer, HeldGrad, LossScaleStep, OptimizerContext, ParamHooks,
+    PolicyDiagnostic, ReducerPolicy, Replicas, StepContext, WireModel,
 };
 use crate::reducer::{BucketGrouping, PassTimes, Reducer};
 use crate::signature::{adopt_rank0_recipes, broadcast_parameters, check_f32, check_same_model};
@@ -224,10 +224,16 @@ impl DistributedDataParallel {
         self.reducer.policy_name.clone()
     }
 
-    /// How the overlap model costs the policy's collectives (`None`: it cannot).
-    pub(crate) fn wire_model(&self) -> Option<WireModel> {
+    /// How the overlap model costs the policy's collectives (`None`: it cannot), and what it
+    /// sends after the step.
+    pub(crate) fn wire_model(&self) -> (Option<WireModel>, Option<AfterStepWire>) {
         let shapes: Vec<Vec<usize>> = self.reducer.params.iter().map(|p| p.shape()).collect();
-        self.reducer.lock_policy().wire_model(&shapes)
+        let world = self.reducer.comm.world_size();
+        let policy = self.reducer.lock_policy();
+        (
+            policy.wire_model(&shapes, world),
+            policy.after_step_wire(&shapes, world),
+        )
     }
 
     /// What the policy wants its caller to know about the run so far (e.g. that PowerSGD never
@@ -581,10 +587,15 @@ impl Optimizer for DdpOptimizer {
             params: &self.reducer.params,
             loss_scale,
         };
-        self.reducer
+        let link = crate::group::LinkTime::default();
+        let began = std::time::Instant::now();
+        let done = self
+            .reducer
             .lock_policy()
-            .after_step(&ctx, &self.reducer.metered())
-            .map_err(optimizer_error)
+            .after_step(&ctx, &self.reducer.metered_timing(link.clone()));
+        let took = began.elapsed().as_secs_f64();
+        self.reducer.lock().pass.after_step = Some((took, link.seconds()));
+        done.map_err(optimizer_error)
     }
 
     fn params(&self) -> &[Var] {

@@ -25,7 +25,7 @@ use brigade_autograd::{GradReady, GradSubscriber, SubscriberError, Var};
 use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, OpTiming, Recorder, RingOp, SpanId};
 use brigade_tensor::{DType, Device, Tensor};
 
-use crate::group::{Group, Metered};
+use crate::group::{Group, LinkTime, Metered};
 use crate::memory::MemoryPart;
 use crate::phase::Phase;
 use crate::policy::{
@@ -78,6 +78,8 @@ pub(crate) struct InFlight {
     reduction: Reduction,
     /// What the bucket's collectives sent so far (its part of DDP's meter).
     meter: CommMeter,
+    /// How long its collectives ran so far.
+    link: LinkTime,
 }
 
 /// One bucket: a flat buffer whose slices are its parameters' gradients (padded to the policy's
@@ -158,6 +160,12 @@ pub struct PassTimes {
     pub grad_ready: Vec<Option<Instant>>,
     /// The buckets in launch order.
     pub buckets: Vec<PassBucket>,
+    /// Seconds the policy spent inside [`crate::ReducerPolicy::reduce`] (on the compute thread,
+    /// within backward), summed over the buckets.
+    pub reduce_s: f64,
+    /// The policy's [`crate::ReducerPolicy::after_step`] after the step's optimizer: its
+    /// seconds, and the seconds its collectives held the comm stream (`None` until it ran).
+    pub after_step: Option<(f64, f64)>,
 }
 
 /// One bucket of a [`PassTimes`].
@@ -174,6 +182,9 @@ pub struct PassBucket {
     pub launched: Instant,
     /// When its collectives ran (first start, last finish), once it completed.
     pub ran: Option<(Instant, Instant)>,
+    /// Seconds its collectives held the comm stream, once it completed: the rest of `ran` is
+    /// the policy's own compute between them (PowerSGD's orthogonalisation).
+    pub link_s: f64,
 }
 
 pub(crate) struct Reducer {
@@ -551,12 +562,14 @@ impl Reducer {
         };
         bucket.held = None;
         let meter = self.cfg.meter.part();
-        let comm: Group = Arc::new(Metered::for_bucket(self.group.clone(), meter.clone(), b));
+        let link = LinkTime::default();
+        let comm: Group = Arc::new(Metered::for_bucket(self.group.clone(), meter.clone(), b).timing_into(link.clone()));
         let on = self.group.launch(b, ready)?;
         let launched = Instant::now();
         let reduction = {
             // the shard, a policy's scratch: here and on the comm stream's thread
             let _part = MemoryPart::Reductions.enter();
+            let _time = ReduceTime(&mut st.pass.reduce_s, launched);
             let mut policy = self.lock_policy();
             let reduce = || match joined {
                 true => policy.reduce_joined(policy_bucket, &comm),
@@ -568,7 +581,8 @@ impl Reducer {
             }
         }?;
         self.group.launched(b, &meter)?;
-        bucket.work = Some(InFlight { reduction, meter });
+        let bucket = &mut st.buckets[b];
+        bucket.work = Some(InFlight { reduction, meter, link });
         let (params, bytes) = (bucket.params.clone(), bucket.bytes());
         st.pass.buckets.push(PassBucket {
             params,
@@ -576,6 +590,7 @@ impl Reducer {
             wire_bytes: 0.0,
             launched,
             ran: None,
+            link_s: 0.0,
         });
         Ok(())
     }
@@ -697,10 +712,11 @@ impl Reducer {
             return Ok(());
         };
         match self.finish(b, in_flight) {
-            Ok((landing, timing, wire_bytes)) => {
+            Ok((landing, timing, wire_bytes, link_s)) => {
                 if let Some(pb) = st.pass.buckets.get_mut(b) {
                     pb.ran = Some((timing.started, timing.finished));
                     pb.wire_bytes = wire_bytes;
+                    pb.link_s = link_s;
                 }
                 self.land(b, &mut st.buckets[b], landing)
             }
@@ -743,13 +759,24 @@ impl Reducer {
         Arc::new(Metered::new(self.group.clone(), self.cfg.meter.clone()))
     }
 
+    /// [`Reducer::metered`], also adding up into `link` how long its collectives ran.
+    pub(crate) fn metered_timing(&self, link: LinkTime) -> Group {
+        Arc::new(Metered::new(self.group.clone(), self.cfg.meter.clone()).timing_into(link))
+    }
+
     /// Bucket `b`'s reduction, once the compute side is ordered behind it and its future
-    /// completed: what it gave, when its collectives ran, and the bytes they sent on the wire.
-    fn finish(&self, b: usize, in_flight: InFlight) -> Result<(Reduction<Tensor>, OpTiming, f64)> {
+    /// completed: what it gave, when its collectives ran, the bytes they sent on the wire and
+    /// the seconds they held the comm stream.
+    fn finish(&self, b: usize, in_flight: InFlight) -> Result<(Reduction<Tensor>, OpTiming, f64, f64)> {
         self.group.wait(b)?;
         let (landing, timing) = in_flight.reduction.wait_timed()?;
         self.group.check()?;
-        Ok((landing, timing, in_flight.meter.totals().wire_bytes))
+        Ok((
+            landing,
+            timing,
+            in_flight.meter.totals().wire_bytes,
+            in_flight.link.seconds(),
+        ))
     }
 
     /// Regroups the buckets as `groups`, announces the new layout to the policy.
@@ -1081,6 +1108,15 @@ impl GradSubscriber for Reducer {
         let mut st = self.lock();
         self.end_span(&mut st);
         self.abort_pass(&mut st);
+    }
+}
+
+/// Adds the seconds since its start to its total when dropped (also on an error's return).
+struct ReduceTime<'a>(&'a mut f64, Instant);
+
+impl Drop for ReduceTime<'_> {
+    fn drop(&mut self) {
+        *self.0 += self.1.elapsed().as_secs_f64();
     }
 }
 

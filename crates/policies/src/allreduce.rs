@@ -26,7 +26,7 @@ impl ReducerPolicy for AllReduce {
         )))
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::AllReduce { bytes_per_element: 4.0 })
     }
 }

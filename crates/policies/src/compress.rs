@@ -217,7 +217,7 @@ impl ReducerPolicy for Compress {
         self.read_device_checks(comm)
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::AllReduce { bytes_per_element: 2.0 })
     }
 }

@@ -16,7 +16,7 @@ use std::hash::{Hash, Hasher};
 
 use brigade_autograd::{Optimizer, Var};
 use brigade_comm::ReduceOp;
-use brigade_ddp::policy::WireModel;
+use brigade_ddp::policy::{AfterStepWire, WireModel, WireOp};
 use brigade_ddp::policy::{
     BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
 };
@@ -469,12 +469,17 @@ impl ReducerPolicy for Diloco {
         }
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
-        Some(WireModel::AfterStep {
-            period: self.cfg.period,
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
+        Some(WireModel::Local)
+    }
+
+    fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
+        Some(AfterStepWire {
+            op: WireOp::AllReduce,
+            bytes_per_element: 4.0,
+            every: self.cfg.period,
             fragments: 1,
             overlap_steps: 0,
-            bytes_per_element: 4.0,
         })
     }
 }

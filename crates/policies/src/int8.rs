@@ -1,6 +1,8 @@
 //! Int8 quantization with error feedback: a quarter of all-reduce's bytes on the wire.
 
-use brigade_ddp::policy::{BucketSpan, Group, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext};
+use brigade_ddp::policy::{
+    BucketSpan, Group, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel,
+};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
 
@@ -79,6 +81,15 @@ impl ReducerPolicy for Int8 {
         }
         self.before_step = Some(self.error.clone());
         Ok(())
+    }
+
+    /// Each rank's int8 payload (a byte per element) and its f32 scale, all-gathered.
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
+        Some(WireModel::AllGather {
+            bytes_per_element: 1.0,
+            bytes_per_bucket: 4.0,
+            density: 1.0,
+        })
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {

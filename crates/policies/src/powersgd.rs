@@ -430,7 +430,7 @@ impl ReducerPolicy for PowerSgd {
         }
     }
 
-    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         let cfg = &self.cfg;
         Some(WireModel::LowRank {
             start_iter: cfg.start_iter,

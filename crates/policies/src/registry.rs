@@ -12,7 +12,9 @@ use brigade_ddp::ReducerPolicy;
 
 use crate::error::{PolicyError, Result};
 use crate::spec::{spec_error, PolicySpec};
-use crate::{diloco, powersgd, streaming_diloco, AllReduce, Compress, HalfType, Int8, Zero, Zero3, ZeroStage};
+use crate::{
+    diloco, powersgd, streaming_diloco, topk, AllReduce, Compress, EfSign, HalfType, Int8, Zero, Zero3, ZeroStage,
+};
 
 /// How an entry's spec is written: its name alone, or its name and an argument.
 enum Form {
@@ -94,7 +96,7 @@ impl Entry {
 }
 
 /// Every built-in policy, in the order help and errors list them.
-pub static BUILT_IN: [Entry; 10] = [
+pub static BUILT_IN: [Entry; 12] = [
     Entry::plain(
         "allreduce",
         "one f32 all-reduce averaging each bucket",
@@ -136,6 +138,28 @@ pub static BUILT_IN: [Entry; 10] = [
         },
         build: powersgd::build_spec,
     },
+    Entry {
+        name: "topk",
+        args: "RATIO",
+        about: "top-k (the fraction RATIO of each bucket) with error feedback, values and indices all-gathered",
+        planned: false,
+        form: Form::Args {
+            read: topk::read_spec,
+            write: topk::write_spec,
+            family: |s| s.clone(),
+            plan_default: || PolicySpec::TopK {
+                ratio: crate::spec::Ratio(0.01),
+            },
+        },
+        build: topk::build_spec,
+    },
+    Entry::plain(
+        "efsign",
+        "EF-SignSGD: one bit per element and a scale per bucket, with error feedback, all-gathered",
+        false,
+        PolicySpec::EfSign,
+        |_| Ok(Box::new(EfSign::default())),
+    ),
     Entry::plain(
         "zero1",
         "ZeRO-1: optimizer state sharded over the ranks",

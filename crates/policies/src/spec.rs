@@ -4,7 +4,7 @@
 
 use crate::error::PolicyError;
 
-/// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `zero1`,
+/// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `topk:RATIO`, `efsign`, `zero1`,
 /// `zero2`, `zero3`, `diloco:H[:OUTER_LR[:MOMENTUM]]`,
 /// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`std::fmt::Display`] writes
 /// the canonical form [`std::str::FromStr`] reads back (`powersgd:4` for rank 4 from the default start
@@ -26,6 +26,13 @@ pub enum PolicySpec {
         /// Iterations reduced plainly first.
         start_iter: usize,
     },
+    /// Top-k with error feedback (`TopK`), sending the fraction `ratio` of each bucket.
+    TopK {
+        /// The fraction of each bucket's entries sent, in `(0, 1]`.
+        ratio: Ratio,
+    },
+    /// EF-SignSGD (`EfSign`): one bit per element and a scale per bucket, with error feedback.
+    EfSign,
     /// ZeRO stage 1 (`Zero`).
     Zero1,
     /// ZeRO stage 2 (`Zero`).
@@ -62,5 +69,32 @@ pub(crate) fn spec_error(spec: &str, reason: impl Into<String>) -> PolicyError {
     PolicyError::Spec {
         spec: spec.to_string(),
         reason: reason.into(),
+    }
+}
+
+/// A ratio in a [`PolicySpec`]: an f64 compared, ordered and hashed by its bits (specs are
+/// keys), read from and written as the number.
+#[derive(Debug, Clone, Copy)]
+pub struct Ratio(pub f64);
+
+impl PartialEq for Ratio {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_bits() == other.0.to_bits()
+    }
+}
+impl Eq for Ratio {}
+impl std::hash::Hash for Ratio {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.0.to_bits().hash(h)
+    }
+}
+impl PartialOrd for Ratio {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Ratio {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
     }
 }

@@ -16,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use brigade_autograd::Optimizer;
-use brigade_ddp::policy::WireModel;
+use brigade_ddp::policy::{AfterStepWire, WireModel, WireOp};
 use brigade_ddp::policy::{
     BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
 };
@@ -401,12 +401,17 @@ impl ReducerPolicy for StreamingDiloco {
         }
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
-        Some(WireModel::AfterStep {
-            period: self.cfg.diloco.period,
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
+        Some(WireModel::Local)
+    }
+
+    fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
+        Some(AfterStepWire {
+            op: WireOp::AllReduce,
+            bytes_per_element: 4.0,
+            every: self.cfg.diloco.period,
             fragments: self.cfg.fragments,
             overlap_steps: self.cfg.delay,
-            bytes_per_element: 4.0,
         })
     }
 }

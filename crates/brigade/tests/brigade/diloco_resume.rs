@@ -112,7 +112,11 @@ fn beside_bf16_parameters_diloco_syncs_the_f32_masters_and_resumes_bit_exact() {
     let straight = run(&bf16(10)).unwrap();
     // the parameters are the rounding of the synced f32 masters
     let plain = run(&config(10, "diloco:4")).unwrap();
-    assert_ne!(straight.outcome.losses(), plain.outcome.losses(), "bf16 computes in bf16");
+    assert_ne!(
+        straight.outcome.losses(),
+        plain.outcome.losses(),
+        "bf16 computes in bf16"
+    );
     // after step 8, a sync: the step after it computes with the rounding of the synced masters
     let mut eight = bf16(8);
     eight.runtime.checkpoint = CheckpointConfig {
@@ -126,6 +130,10 @@ fn beside_bf16_parameters_diloco_syncs_the_f32_masters_and_resumes_bit_exact() {
         straight.outcome.losses()[8..],
         "losses, bit for bit"
     );
-    assert_eq!(values(&resumed), values(&straight), "rank 0's master weights, bit for bit");
+    assert_eq!(
+        values(&resumed),
+        values(&straight),
+        "rank 0's master weights, bit for bit"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -199,7 +199,12 @@ fn a_periodic_checkpoint_holds_the_policy_state_its_step_starts_from() {
 /// ready order puts each layer's weight before its bias, so a half-MiB cap closes the buckets
 /// at other parameters than the reverse registration order did), on `world` ranks.
 fn regrouped_int8(steps: usize, world: usize) -> (TrainConfig, LaunchConfig) {
-    let mut c = config("int8", steps);
+    regrouped("int8", steps, world)
+}
+
+/// `spec` on the regrouped MLP of [`regrouped_int8`].
+fn regrouped(spec: &str, steps: usize, world: usize) -> (TrainConfig, LaunchConfig) {
+    let mut c = config(spec, steps);
     c.data.batch_size = 6;
     let ddp = &mut c.distributed.get_or_insert_default().ddp;
     (ddp.bucket_cap_mb, ddp.first_bucket_cap_mb) = (0.5, 0.5);
@@ -252,6 +257,39 @@ fn int8_resumes_bit_exact_on_the_buckets_ddp_regrouped() {
                 "{world} ranks: parameters, bit for bit"
             );
             assert_eq!(buckets(&resumed), buckets(&straight), "{world} ranks: the same buckets");
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+#[test]
+fn topk_and_efsign_resume_bit_exact_with_their_residuals_on_the_buckets_ddp_regrouped() {
+    for spec in ["topk:0.05", "efsign"] {
+        let d = tmp(&format!("{}-regrouped", spec.replace(':', "-")));
+        let (straight_cfg, launch) = regrouped(spec, 6, 2);
+        let straight = run_regrouped(&straight_cfg, &launch).unwrap();
+        // a periodic checkpoint written inside step 3, and the final one after 4 steps
+        let mut periodic = regrouped(spec, 6, 2).0;
+        periodic.runtime.checkpoint = brigade::config::CheckpointConfig {
+            path: Some(d.join("run-{step}.ckpt")),
+            every: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(
+            run_regrouped(&periodic, &launch).unwrap().outcome.losses(),
+            straight.outcome.losses()
+        );
+        let ckpt = d.join("run.ckpt");
+        run_regrouped(&writing(regrouped(spec, 4, 2).0, &ckpt), &launch).unwrap();
+        for (at, path) in [(4, ckpt), (3, d.join("run-3.ckpt"))] {
+            let resumed = run_regrouped(&resuming(regrouped(spec, 6, 2).0, &path), &launch).unwrap();
+            assert_eq!(resumed.outcome.first_step, at);
+            assert_eq!(
+                resumed.outcome.losses(),
+                straight.outcome.losses()[at..],
+                "{spec}, resumed at {at}: losses, bit for bit"
+            );
+            assert_eq!(values(&resumed), values(&straight), "{spec}: parameters, bit for bit");
         }
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -6,6 +6,7 @@ pub mod plan;
 pub mod policy_sweep;
 pub mod predict;
 pub mod sample;
+pub mod study;
 pub mod sweep;
 pub mod sweep_args;
 pub mod tokenize;

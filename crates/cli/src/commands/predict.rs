@@ -127,8 +127,15 @@ pub fn read_profiles(path: &Path) -> Result<Vec<StepProfile>> {
     };
     // a list of steps (--profile-steps) or one step, told by the first character: the error is
     // the reading of what the file holds
+    let mut list = read_list(&text, path, not_a_profile)?;
+    list.iter_mut().for_each(brigade::policies::name_default_policy);
+    Ok(list)
+}
+
+/// The profiles `text` (read from `path`) holds: a list of steps or one step.
+fn read_list(text: &str, path: &Path, not_a_profile: impl Fn(serde_json::Error) -> Error) -> Result<Vec<StepProfile>> {
     if text.trim_start().starts_with('[') {
-        match serde_json::from_str::<Vec<StepProfile>>(&text) {
+        match serde_json::from_str::<Vec<StepProfile>>(text) {
             Ok(list) if !list.is_empty() => Ok(list),
             Ok(_) => Err(Error::Usage(format!(
                 "{}: not a step profile (written by brigade train --profile): an empty list",
@@ -137,7 +144,7 @@ pub fn read_profiles(path: &Path) -> Result<Vec<StepProfile>> {
             Err(e) => Err(not_a_profile(e)),
         }
     } else {
-        serde_json::from_str::<StepProfile>(&text)
+        serde_json::from_str::<StepProfile>(text)
             .map(|p| vec![p])
             .map_err(not_a_profile)
     }

@@ -322,8 +322,10 @@ mod tests {
                 launch_s: 0.009 + by,
                 start_s: 0.010 + by,
                 finish_s: 0.013 + by,
+                link_s: None,
             }],
             gathers: vec![],
+            policy_s: None,
         };
         let s = Sample {
             profile: Some(StepProfile {

@@ -30,6 +30,7 @@ mod recipes;
 mod resume_drift;
 mod signals;
 mod stdout;
+mod study;
 mod tensorboard;
 mod text;
 mod tokens;

@@ -70,8 +70,17 @@ fn profile(tag: &str) -> (std::path::PathBuf, serde_json::Value) {
 #[test]
 fn a_profile_records_every_ranks_step_in_order() {
     let (_, v) = profile("profile-shape");
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2);
     assert_eq!(v["world_size"], 2);
+    // what the policy computed itself: inside reduce, and its buckets' time on the comm stream
+    for r in v["ranks"].as_array().unwrap() {
+        assert!(r["policy_s"]["reduce_s"].as_f64().unwrap() > 0.0, "{r}");
+        for b in r["buckets"].as_array().unwrap() {
+            let link = b["link_s"].as_f64().unwrap();
+            let span = b["finish_s"].as_f64().unwrap() - b["start_s"].as_f64().unwrap();
+            assert!(link > 0.0 && link <= span + 1e-9, "{b}");
+        }
+    }
     let params = v["params"].as_array().unwrap();
     assert_eq!(params.len(), 6);
     assert_eq!(params[0]["name"], "layers.0.weight");
@@ -267,7 +276,7 @@ fn policy_profile(tag: &str, policy: &[&str]) -> (std::path::PathBuf, serde_json
 }
 
 #[test]
-fn predict_replays_fp16_powersgd_and_zero1_profiles_under_their_own_collectives() {
+fn predict_replays_fp16_powersgd_zero1_and_int8_profiles_under_their_own_collectives() {
     for (spec, flags) in [
         ("fp16", &["--comm-hook", "fp16"][..]),
         (
@@ -275,6 +284,7 @@ fn predict_replays_fp16_powersgd_and_zero1_profiles_under_their_own_collectives(
             &["--comm-hook", "powersgd", "--powersgd-start-iter", "2"][..],
         ),
         ("zero1", &["--zero", "1"][..]),
+        ("int8", &["--policy", "int8"][..]),
     ] {
         let (p, v) = policy_profile(&format!("predict-{}", spec.replace([':', '@'], "-")), flags);
         assert_eq!(v["policy"]["name"], spec, "the profile names its policy");
@@ -488,4 +498,25 @@ fn predict_replays_a_zero3_step_with_its_gathers_on_the_measured_and_on_another_
         f(&measured, "exposed_gather_s") * 1e3
     );
     assert!(table.contains(&line), "{line} not in:\n{table}");
+}
+
+#[test]
+fn a_version_1_profile_that_names_no_policy_replays_as_the_default_policy() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/profile_allreduce.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    assert_eq!(v["version"], 1, "the fixture is a version 1 profile");
+    v.as_object_mut().unwrap().remove("policy");
+    let p = dir("predict-v1-no-policy").join("profile.json");
+    std::fs::write(&p, serde_json::to_string(&v).unwrap()).unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&[
+        "predict",
+        "--profile",
+        p.to_str().unwrap(),
+        "--json",
+        "--net-gbps",
+        "1",
+    ]))
+    .unwrap();
+    assert_eq!(rows[0]["policy"], "allreduce");
+    assert!(rows[0]["predicted_step_s"].as_f64().unwrap() > 0.0);
 }

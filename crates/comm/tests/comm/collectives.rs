@@ -259,11 +259,13 @@ fn a_side_buffer_travels_with_its_payload_in_one_all_gather() {
 
 #[test]
 fn buffers_round_trip_through_their_little_endian_bytes() {
-    for d in [DType::F32, DType::F16, DType::BF16, DType::U8, DType::I8] {
-        let b = input(d, 1, 9, 4);
+    let wide = [Buffer::F64(vec![-1.5, 1e300]), Buffer::I64(vec![-3, 1 << 40])];
+    let narrow = [DType::F32, DType::F16, DType::BF16, DType::U8, DType::I8].map(|d| input(d, 1, 9, 4));
+    for b in narrow.iter().chain(&wide) {
+        let d = b.dtype();
         assert_eq!(
             brigade_comm::buffer_from_le_bytes(d, &b.to_le_bytes()).as_ref(),
-            Some(&b),
+            Some(b),
             "{d}"
         );
     }
@@ -273,8 +275,8 @@ fn buffers_round_trip_through_their_little_endian_bytes() {
         "not whole elements"
     );
     assert_eq!(
-        brigade_comm::buffer_from_le_bytes(DType::I64, &[]),
+        brigade_comm::buffer_from_le_bytes(DType::I64, &[0; 12]),
         None,
-        "not a type collectives move"
+        "not whole i64s"
     );
 }

@@ -151,12 +151,13 @@ impl<G: ProcessGroup + 'static> DeviceGroup<G> {
     fn check_tensor(&self, t: &Tensor, op: RingOp, tag: &str) -> crate::Result<()> {
         let device = self.comm_stream.device();
         let float = matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
-        let movable = float || (matches!(op, RingOp::AllGather) && matches!(t.dtype(), DType::U8 | DType::I8));
+        let movable =
+            float || (matches!(op, RingOp::AllGather) && matches!(t.dtype(), DType::U8 | DType::I8 | DType::I64));
         if t.device() != device || !t.spans_storage() || !movable {
             return Err(self.device_error(
                 format!("handing `{tag}` to {} ({op:?})", self.inner.name()),
                 format!(
-                    "expected a whole f32, f16 or bf16 buffer (u8 and i8 too for an all-gather) on {device}, found \
+                    "expected a whole f32, f16 or bf16 buffer (u8, i8 and i64 too for an all-gather) on {device}, found \
                      {} on {} ({} of {} elements)",
                     t.dtype(),
                     t.device(),

@@ -59,6 +59,15 @@ macro_rules! forward_group {
         fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
             self.$inner.all_gather_with_side(payload, side, tag)
         }
+        fn all_gather_sparse(
+            &self,
+            values: &Tensor,
+            indices: &Tensor,
+            capacity: usize,
+            tag: &str,
+        ) -> TensorWork<crate::group::SparseGather> {
+            self.$inner.all_gather_sparse(values, indices, capacity, tag)
+        }
     };
     (@hooks $inner:ident) => {
         fn record_ready(&self, index: usize, flat: &Tensor) -> crate::Result<ReadyEvent> {

@@ -39,9 +39,12 @@ impl<T: Transport> HostGroup<T> {
 /// `t`'s elements lent out as a host buffer (see [`Tensor::lend_buffer`]), for a dtype the
 /// collectives move.
 pub(crate) fn lend(t: &Tensor) -> Result<(Buffer, bool)> {
-    if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::U8 | DType::I8) {
+    if !matches!(
+        t.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::U8 | DType::I8 | DType::I64 | DType::F64
+    ) {
         return Err(DdpError::Comm(CommError::Unsupported(format!(
-            "a collective on a {} tensor (collectives move f32, f16, bf16, u8 and i8)",
+            "a collective on a {} tensor (collectives move f32, f16, bf16, f64, u8, i8 and i64)",
             t.dtype()
         ))));
     }

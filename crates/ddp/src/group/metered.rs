@@ -5,16 +5,35 @@
 //! of the group, is attributed to that bucket: in traces, and in the bucket's part of the meter,
 //! which step profiles record.
 
+use std::time::Duration;
+
 use brigade_comm::{tagging_collectives, CommMeter, ReduceOp, RingOp, SpanId};
 use brigade_tensor::{Stream, Tensor};
 
-use super::{bytes, Group, ProcessGroup, ReadyEvent, TensorWork};
+use super::{bytes, Group, ProcessGroup, ReadyEvent, SparseGather, TensorWork};
 
 /// `inner`, each collective counted into `meter` (and attributed to `bucket`, when set).
 pub struct Metered {
     inner: Group,
     meter: CommMeter,
     bucket: Option<usize>,
+    link: Option<LinkTime>,
+}
+
+/// Seconds the collectives of one wrapper held the comm stream, added up as they complete
+/// (clones share it): what a step profile separates from a policy's own compute.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LinkTime(std::sync::Arc<std::sync::Mutex<f64>>);
+
+impl LinkTime {
+    fn add(&self, d: Duration) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) += d.as_secs_f64();
+    }
+
+    /// The seconds added so far.
+    pub(crate) fn seconds(&self) -> f64 {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Metered {
@@ -24,6 +43,7 @@ impl Metered {
             inner,
             meter,
             bucket: None,
+            link: None,
         }
     }
 
@@ -34,7 +54,14 @@ impl Metered {
             inner,
             meter,
             bucket: Some(index),
+            link: None,
         }
+    }
+
+    /// This wrapper, also adding up into `link` how long its collectives ran.
+    pub(crate) fn timing_into(mut self, link: LinkTime) -> Metered {
+        self.link = Some(link);
+        self
     }
 
     /// What this wrapper's collectives sent so far.
@@ -42,12 +69,22 @@ impl Metered {
         &self.meter
     }
 
-    fn issue<T>(&self, op: RingOp, bytes: usize, f: impl FnOnce(&dyn ProcessGroup) -> T) -> T {
+    fn issue<T: Send + 'static>(
+        &self,
+        op: RingOp,
+        bytes: usize,
+        f: impl FnOnce(&dyn ProcessGroup) -> TensorWork<T>,
+    ) -> TensorWork<T> {
         self.meter.count(op, bytes, self.inner.world_size());
-        match self.bucket {
+        let work = match self.bucket {
             Some(index) => tagging_collectives(index, || f(self.inner.as_ref())),
             None => f(self.inner.as_ref()),
+        };
+        if let Some(link) = &self.link {
+            let link = link.clone();
+            work.on_ran(move |d| link.add(d));
         }
+        work
     }
 }
 
@@ -82,6 +119,19 @@ impl ProcessGroup for Metered {
     fn all_gather_with_side(&self, payload: &Tensor, side: &Tensor, tag: &str) -> TensorWork<(Tensor, Tensor)> {
         self.issue(RingOp::AllGather, bytes(payload) + bytes(side), |g| {
             g.all_gather_with_side(payload, side, tag)
+        })
+    }
+    fn all_gather_sparse(
+        &self,
+        values: &Tensor,
+        indices: &Tensor,
+        capacity: usize,
+        tag: &str,
+    ) -> TensorWork<SparseGather> {
+        // the capacity's values and indices, and the count, as they go on the wire
+        let sent = capacity * (values.dtype().size_in_bytes() + indices.dtype().size_in_bytes()) + 8;
+        self.issue(RingOp::AllGather, sent, |g| {
+            g.all_gather_sparse(values, indices, capacity, tag)
         })
     }
 }

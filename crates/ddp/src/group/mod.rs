@@ -42,7 +42,11 @@
 //!   group they consume their input's storage when they could lend it (the input reads
 //!   `StorageLent` afterwards);
 //! - `reduce_scatter` and `all_gather` complete with a new tensor (this rank's chunk; every
-//!   rank's input as `[world, n]`).
+//!   rank's input as `[world, n]`); `all_gather_sparse` with every rank's values and `I64`
+//!   indices ([`SparseGather`]).
+//!
+//! Collectives move f32, f16, bf16 and the integer types (u8, i8, i64: indices, quantized
+//! payloads) and f64; reductions take the floating types only.
 
 // first: the wrappers below use its macro
 #[macro_use]
@@ -55,6 +59,7 @@ mod metered;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod recording;
+mod sparse;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,10 +72,12 @@ use crate::{DdpError, Result};
 pub use device::DeviceGroup;
 pub use host::HostGroup;
 pub use host_staged::HostStaged;
+pub(crate) use metered::LinkTime;
 pub use metered::Metered;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclGroup;
 pub use recording::{Recording, StreamEvent};
+pub use sparse::SparseGather;
 
 /// A shared process group: what policies hold and clone into their continuations.
 pub type Group = Arc<dyn ProcessGroup>;
@@ -163,6 +170,26 @@ pub trait ProcessGroup: Send + Sync {
             .wait()
             .and_then(|p| Ok((p, self.all_gather(side, tag).wait()?)));
         TensorWork::ready(self.rank(), tag, self.timeout(), both)
+    }
+    /// Every rank's sparse payload: `values` (1-d) and their positions `indices` (1-d `I64`, as
+    /// long), at most `capacity` entries, a count that may differ on every rank (every rank
+    /// passes the same `capacity` and dtype). One all-gather of `capacity` values and `1 +
+    /// capacity` `I64`s (the count, the indices) per rank, through
+    /// [`ProcessGroup::all_gather_with_side`]; completes with every rank's entries as
+    /// [`SparseGather`] (rows padded to the capacity), never reading back to the host.
+    fn all_gather_sparse(
+        &self,
+        values: &Tensor,
+        indices: &Tensor,
+        capacity: usize,
+        tag: &str,
+    ) -> TensorWork<SparseGather> {
+        match sparse::pack(values, indices, capacity, tag) {
+            Ok((v, side)) => self
+                .all_gather_with_side(&v, &side, tag)
+                .then(move |(v, side)| sparse::unpack(v, side, capacity)),
+            Err(e) => self.failed(e),
+        }
     }
 
     /// Compute side: bucket `index`, whose flat buffer is `flat`, is fully written; record its
@@ -336,6 +363,22 @@ impl<T: Send + 'static> TensorWork<T> {
     /// Whether the work has completed (successfully or not).
     pub fn is_completed(&self) -> bool {
         self.work.is_completed()
+    }
+
+    /// Calls `told` with how long the work ran on the comm stream (from its start to its
+    /// completion), once it completed; never for a work that failed.
+    pub(crate) fn on_ran(&self, told: impl FnOnce(Duration) + Send + 'static) {
+        let mut started = None;
+        let mut told = Some(told);
+        self.work.observe(move |event| match event {
+            brigade_comm::WorkEvent::Started(at) => started = Some(at),
+            brigade_comm::WorkEvent::Finished { at, error: None } => {
+                if let (Some(s), Some(f)) = (started, told.take()) {
+                    f(at.saturating_duration_since(s));
+                }
+            }
+            brigade_comm::WorkEvent::Finished { .. } => {}
+        });
     }
 }
 

@@ -192,7 +192,7 @@ pub fn decide(
 }
 
 /// The times of a rank profile other ranks need (everything but its buckets), as f64s.
-const SPANS: usize = 6;
+const SPANS: usize = 9;
 
 fn encode(p: &RankProfile, out: &mut Vec<f64>) {
     out.extend_from_slice(&[
@@ -203,6 +203,10 @@ fn encode(p: &RankProfile, out: &mut Vec<f64>) {
         p.step_end_s,
         // the instant its collectives ended, which rank 0 knows on its own clock (NaN: none)
         p.buckets.iter().map(|b| b.finish_s).fold(f64::NAN, f64::max),
+        // what the policy computed itself (NaN: not recorded)
+        p.policy_s.map_or(f64::NAN, |t| t.reduce_s),
+        p.policy_s.map_or(f64::NAN, |t| t.after_step_s),
+        p.policy_s.map_or(f64::NAN, |t| t.after_step_link_s),
     ]);
     out.extend_from_slice(&p.grad_ready_s);
 }
@@ -218,6 +222,11 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
         grad_ready_s: v[SPANS..].to_vec(),
         buckets: vec![],
         gathers: vec![],
+        policy_s: v[6].is_finite().then(|| super::PolicyTimes {
+            reduce_s: v[6],
+            after_step_s: v[7],
+            after_step_link_s: v[8],
+        }),
     }
 }
 
@@ -403,7 +412,7 @@ impl Autotuner {
         if !ddp.buckets_can_change() {
             return refuse("fixes its buckets");
         }
-        if ddp.wire_model().is_none() {
+        if ddp.wire_model().0.is_none() {
             return refuse("declares no wire model, so the overlap model cannot cost its collectives");
         }
         Ok(())
@@ -558,6 +567,7 @@ mod rank_profile_tests {
             grad_ready_s: vec![0.08 + skew],
             buckets: buckets.to_vec(),
             gathers: vec![],
+            policy_s: None,
         }
     }
 
@@ -574,6 +584,7 @@ mod rank_profile_tests {
             launch_s: 0.076,
             start_s: 0.08,
             finish_s: 0.09,
+            link_s: None,
         };
         let rank0 = spans(0.0, std::slice::from_ref(&bucket));
         let mut rank1 = spans(-0.005, &[]);
@@ -629,6 +640,7 @@ mod rank_profile_tests {
             launch_s: 0.08,
             start_s: 0.1,
             finish_s: 0.4,
+            link_s: None,
         };
         let rank0 = spans(0.0, std::slice::from_ref(&bucket));
         let mut rank1 = spans(-0.005, &[]);
@@ -650,7 +662,12 @@ mod rank_profile_tests {
             bucket_cap_mb: 25.0,
             first_bucket_cap_mb: 25.0,
             activation_checkpointing: 0,
-            policy: None,
+            // an f32 all-reduce
+            policy: Some(crate::overlap::ProfilePolicy {
+                name: "allreduce".into(),
+                wire: Some(crate::policy::WireModel::AllReduce { bytes_per_element: 4.0 }),
+                after_step: None,
+            }),
             run: None,
             params: vec![ParamProfile {
                 name: "w".into(),

@@ -11,6 +11,7 @@
 //! independent of the noise of the minute: one recorded step answers every cap.
 
 mod autotune;
+mod price;
 mod profile;
 mod record;
 mod replay;
@@ -20,8 +21,10 @@ pub use autotune::{
     decide, AutotuneConfig, AutotuneDecision, AutotuneProgress, AutotuneReport, Autotuner, AUTOTUNE_CAPS_MB,
     AUTOTUNE_START_CAP_MB, DEFAULT_MIN_GAIN,
 };
+pub use price::RingPrice;
 pub use profile::{
-    BucketProfile, GatherProfile, ParamProfile, ProfilePolicy, ProfileRun, RankProfile, StepProfile, PROFILE_VERSION,
+    BucketProfile, GatherProfile, ParamProfile, PolicyTimes, ProfilePolicy, ProfileRun, RankProfile, StepProfile,
+    PROFILE_VERSION,
 };
 pub use record::StepInstants;
 pub use replay::{

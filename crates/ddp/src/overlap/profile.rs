@@ -4,16 +4,19 @@
 //! the start of that rank's step:
 //!
 //! ```text
-//! { "version": 1, "world_size": 2, "bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0,
-//!   "policy": { "name": "fp16", "wire": { "kind": "all_reduce", "bytes_per_element": 2.0 } },
+//! { "version": 2, "world_size": 2, "bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0,
+//!   "policy": { "name": "fp16", "wire": { "kind": "all_reduce", "bytes_per_element": 2.0 },
+//!               "after_step": { "op": "all_reduce", "bytes_per_element": 4.0, "every": 10 } },
 //!   "params": [ { "name": "layers.0.weight", "bytes": 1048576, "shape": [512, 512] }, ... ],
 //!   "ranks": [ { "rank": 0,
 //!                "backward_start_s": 0.010, "backward_end_s": 0.031,   // compute only
 //!                "optimizer_start_s": 0.034, "optimizer_end_s": 0.036, "step_end_s": 0.036,
 //!                "grad_ready_s": [0.030, 0.029, ...],                  // per parameter
+//!                "policy_s": { "reduce_s": 0.001, "after_step_s": 0.0004,
+//!                              "after_step_link_s": 0.0 },
 //!                "buckets": [ { "params": [3, 2], "bytes": 4096, "wire_bytes": 2048.0,
 //!                               "ready_s": 0.021, "launch_s": 0.021, "start_s": 0.021,
-//!                               "finish_s": 0.024 } ],
+//!                               "finish_s": 0.024, "link_s": 0.0025 } ],
 //!                "gathers": [ { "unit": "blocks.1", "bytes": 65536, "phase": "forward",
 //!                               "issued_s": 0.002, "needed_s": 0.004, "start_s": 0.002,
 //!                               "finish_s": 0.003 } ] } ] }
@@ -23,6 +26,14 @@
 //! [`WireModel`]), `shape` and `wire_bytes` (what the rank sent for the bucket under the ring
 //! algorithms) are absent from profiles written before policies were recorded: those replay as
 //! the f32 all-reduce they were.
+//!
+//! Version 2 adds what the policy computes itself: each bucket's `link_s` (the seconds its
+//! collectives held the comm stream; the rest of `start_s..finish_s` is the policy's own
+//! compute between them, which the replay charges beside the priced collectives), each rank's
+//! `policy_s` (the seconds inside the policy's `reduce`, within backward, and inside its
+//! `after_step`, within the optimizer span, with the part of it its collectives held the comm
+//! stream) and the policy's `after_step` wire (what it sends after the step, every how many
+//! steps). Version 1 profiles, without them, are read as before.
 //!
 //! `gathers` (absent unless the policy shards the parameters: ZeRO-3) lists the all-gathers of a
 //! unit's parameters in issue order: the unit, the gathered buffer's bytes, the pass it served,
@@ -38,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use std::time::Instant;
 
-use crate::policy::{GatherPhase, GatherTimes, WireModel};
+use crate::policy::{AfterStepWire, GatherPhase, GatherTimes, WireModel};
 use crate::{DdpError, MemoryReport, PassTimes};
 
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
@@ -47,8 +58,8 @@ const MAX_TIME_S: f64 = 1e6;
 /// Most bytes one parameter's gradient may have (1 TiB): sums of them stay far from overflow.
 const MAX_PARAM_BYTES: usize = 1 << 40;
 
-/// Version of the profile schema this build reads and writes.
-pub const PROFILE_VERSION: u32 = 1;
+/// Version of the profile schema this build writes; it reads it and every earlier one.
+pub const PROFILE_VERSION: u32 = 2;
 
 /// One parameter of the model, in registration order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +80,9 @@ pub struct ProfilePolicy {
     pub name: String,
     /// How its collectives are costed; `None`: a user's policy the overlap model cannot replay.
     pub wire: Option<WireModel>,
+    /// What it sends after each optimizer step (`None`: nothing, or a version 1 profile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after_step: Option<AfterStepWire>,
 }
 
 /// What ran in a recorded step beside its times: what a plan needs to predict the memory of
@@ -115,6 +129,30 @@ pub struct BucketProfile {
     pub start_s: f64,
     /// When it finished.
     pub finish_s: f64,
+    /// Seconds its collectives held the comm stream (absent before version 2): the rest of
+    /// `start_s..finish_s` is the policy's own compute between them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_s: Option<f64>,
+}
+
+impl BucketProfile {
+    /// The policy's own compute between the bucket's collectives (0 when not recorded).
+    pub fn policy_compute_s(&self) -> f64 {
+        // a chained policy's collectives may be counted from before the bucket was handed over
+        self.link_s
+            .map_or(0.0, |l| (self.finish_s - self.start_s.max(self.launch_s) - l).max(0.0))
+    }
+}
+
+/// What one rank's policy computed itself in the recorded step (version 2).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct PolicyTimes {
+    /// Seconds inside its `reduce`, summed over the buckets (within backward's span).
+    pub reduce_s: f64,
+    /// Seconds inside its `after_step` (within the optimizer's span).
+    pub after_step_s: f64,
+    /// The part of `after_step_s` its collectives held the comm stream.
+    pub after_step_link_s: f64,
 }
 
 /// One all-gather of a unit's parameters (ZeRO-3) as it ran in the recorded step.
@@ -166,6 +204,9 @@ pub struct RankProfile {
     /// The parameter gathers as they ran, in issue order (ZeRO-3; empty otherwise).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gathers: Vec<GatherProfile>,
+    /// What the policy computed itself (absent before version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_s: Option<PolicyTimes>,
 }
 
 /// One recorded step on every rank.
@@ -235,6 +276,7 @@ impl RankProfile {
                     launch_s,
                     start_s: start,
                     finish_s: finish,
+                    link_s: b.ran.map(|_| b.link_s),
                 }
             })
             .collect();
@@ -264,6 +306,11 @@ impl RankProfile {
             grad_ready_s,
             buckets,
             gathers,
+            policy_s: Some(PolicyTimes {
+                reduce_s: pass.reduce_s,
+                after_step_s: pass.after_step.map_or(0.0, |a| a.0),
+                after_step_link_s: pass.after_step.map_or(0.0, |a| a.1),
+            }),
         })
     }
 }
@@ -344,9 +391,19 @@ impl StepProfile {
     }
 
     fn check(&self) -> Result<(), String> {
-        if self.version != PROFILE_VERSION {
+        self.check_header()?;
+        self.check_policy()?;
+        for (i, r) in self.ranks.iter().enumerate() {
+            self.check_rank(i, r)?;
+        }
+        Ok(())
+    }
+
+    /// The version, the world, the caps and the parameters.
+    fn check_header(&self) -> Result<(), String> {
+        if self.version == 0 || self.version > PROFILE_VERSION {
             return Err(format!(
-                "profile schema version {} (this build reads version {PROFILE_VERSION})",
+                "profile schema version {} (this build reads versions 1 to {PROFILE_VERSION})",
                 self.version
             ));
         }
@@ -368,129 +425,156 @@ impl StepProfile {
                 return Err(format!("{flag} must be a positive number of MiB, got {v}"));
             }
         }
-        match self.policy.as_ref().and_then(|p| p.wire.as_ref()) {
-            Some(&WireModel::AllReduce { bytes_per_element: b }) if !(b > 0.0 && b <= 8.0) => {
-                return Err(format!(
-                    "the policy's wire model sends {b} bytes per gradient element: it must be more than 0 and at most 8"
-                ));
-            }
-            Some(&WireModel::AfterStep {
-                period,
-                fragments,
-                bytes_per_element: b,
-                ..
-            }) if period == 0 || fragments == 0 || !(b > 0.0 && b <= 8.0) => {
-                return Err(format!(
-                    "the policy's after-step wire model syncs every {period} steps in {fragments} fragments of \
-                     {b} bytes per element: each must be at least 1, the bytes more than 0 and at most 8"
-                ));
-            }
-            Some(WireModel::LowRank { factors, .. }) if factors.len() != self.params.len() => {
-                return Err(format!(
-                    "the policy's low-rank wire model sizes {} parameters' factors, the profile has {} parameters",
-                    factors.len(),
-                    self.params.len()
-                ));
-            }
-            _ => {}
-        }
         if let Some((i, p)) = self.params.iter().enumerate().find(|(_, p)| p.bytes > MAX_PARAM_BYTES) {
             return Err(format!(
                 "parameter {i} ({}) has {} bytes, more than {MAX_PARAM_BYTES}",
                 p.name, p.bytes
             ));
         }
-        for (i, r) in self.ranks.iter().enumerate() {
-            if r.rank != i {
-                return Err(format!("rank entry {i} says rank {}", r.rank));
+        Ok(())
+    }
+
+    /// The policy's wire model fits the parameters and sends a sane number of bytes.
+    fn check_policy(&self) -> Result<(), String> {
+        let per_element = |b: f64| b > 0.0 && b <= 8.0;
+        let policy = self.policy.as_ref();
+        match policy.and_then(|p| p.wire.as_ref()) {
+            Some(&WireModel::AllReduce { bytes_per_element: b }) if !per_element(b) => Err(format!(
+                "the policy's wire model sends {b} bytes per gradient element: it must be more than 0 and at most 8"
+            )),
+            Some(&WireModel::AllGather {
+                bytes_per_element: b,
+                bytes_per_bucket: c,
+                density: d,
+            }) if !(b > 0.0 && b <= 16.0 && d > 0.0 && d <= 1.0 && (0.0..=MAX_PARAM_BYTES as f64).contains(&c)) => {
+                Err(format!(
+                    "the policy's all-gather wire model sends a fraction {d} of the elements, {b} bytes each, and {c} \
+                     per bucket: the fraction in (0, 1], more than 0 and at most 16 bytes each, at least 0 per bucket"
+                ))
             }
-            if r.grad_ready_s.len() != self.params.len() {
-                return Err(format!(
-                    "rank {i}: {} ready times for {} parameters",
-                    r.grad_ready_s.len(),
-                    self.params.len()
-                ));
-            }
-            let spans = [
-                ("backward_start_s", r.backward_start_s),
-                ("backward_end_s", r.backward_end_s),
-                ("optimizer_start_s", r.optimizer_start_s),
-                ("optimizer_end_s", r.optimizer_end_s),
-                ("step_end_s", r.step_end_s),
-            ];
-            let ready = r.grad_ready_s.iter().map(|&t| ("grad_ready_s", t));
-            let buckets = r.buckets.iter().flat_map(|b| {
-                [
-                    ("a bucket's ready_s", b.ready_s),
-                    ("a bucket's launch_s", b.launch_s),
-                    ("a bucket's start_s", b.start_s),
-                    ("a bucket's finish_s", b.finish_s),
-                ]
-            });
-            let gathers = r.gathers.iter().flat_map(|g| {
-                [
-                    ("a gather's issued_s", g.issued_s),
-                    ("a gather's needed_s", g.needed_s.unwrap_or(g.issued_s)),
-                    ("a gather's start_s", g.start_s),
-                    ("a gather's finish_s", g.finish_s),
-                ]
-            });
-            if let Some((what, t)) = spans
-                .into_iter()
-                .chain(ready)
-                .chain(buckets)
-                .chain(gathers)
-                .find(|(_, t)| !(0.0..=MAX_TIME_S).contains(t))
-            {
-                return Err(format!(
-                    "rank {i}: {what} is {t}: a time is negative, not finite or past {MAX_TIME_S} s"
-                ));
-            }
-            if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {
-                return Err(format!("rank {i}: a span ends before it starts"));
-            }
-            let mut seen = vec![false; self.params.len()];
-            for (k, b) in r.buckets.iter().enumerate() {
-                if b.params.iter().any(|&p| p >= self.params.len()) {
-                    return Err(format!(
-                        "rank {i}: a bucket names a parameter past {}",
-                        self.params.len()
-                    ));
-                }
-                if let Some(&p) = b.params.iter().find(|&&p| std::mem::replace(&mut seen[p], true)) {
-                    return Err(format!("rank {i}: parameter {p} is in two buckets"));
-                }
-                // ZeRO pads a bucket to a multiple of the world size: a few elements per rank
-                let bytes: usize = b.params.iter().map(|&p| self.params[p].bytes).sum();
-                if b.bytes < bytes || b.bytes - bytes > 16 * self.world_size {
-                    return Err(format!(
-                        "rank {i}: bucket {k} says {} bytes, its parameters hold {bytes}",
-                        b.bytes
-                    ));
-                }
-                if b.finish_s < b.start_s {
-                    return Err(format!("rank {i}: bucket {k} finishes before it starts"));
-                }
-            }
-            if let Some(k) = r.gathers.iter().position(|g| g.finish_s < g.start_s) {
-                return Err(format!("rank {i}: gather {k} finishes before it starts"));
-            }
-            let g0 = &self.ranks[0].gathers;
-            if r.gathers.len() != g0.len() || r.gathers.iter().zip(g0).any(|(g, h)| g.unit != h.unit) {
-                return Err(format!(
-                    "rank {i}'s parameter gathers differ from rank 0's (every rank runs the same collectives)"
-                ));
-            }
-            let zero = &self.ranks[0].buckets;
-            if !r.buckets.is_empty()
-                && !zero.is_empty()
-                && (r.buckets.len() != zero.len() || r.buckets.iter().zip(zero).any(|(b, b0)| b.params != b0.params))
-            {
-                return Err(format!(
-                    "rank {i}'s buckets differ from rank 0's (every rank runs the same collectives)"
-                ));
-            }
+            Some(WireModel::LowRank { factors, .. }) if factors.len() != self.params.len() => Err(format!(
+                "the policy's low-rank wire model sizes {} parameters' factors, the profile has {} parameters",
+                factors.len(),
+                self.params.len()
+            )),
+            _ => match policy.and_then(|p| p.after_step.as_ref()) {
+                Some(a) if !(per_element(a.bytes_per_element) && a.every > 0 && a.fragments > 0) => Err(format!(
+                    "the policy's after-step wire sends {} bytes per element every {} steps in {} fragments: \
+                     more than 0 and at most 8 bytes, every 1 step or more, 1 fragment or more",
+                    a.bytes_per_element, a.every, a.fragments
+                )),
+                _ => Ok(()),
+            },
+        }
+    }
+
+    /// One rank's entry: its times, its buckets and gathers, the same collectives as rank 0's.
+    fn check_rank(&self, i: usize, r: &RankProfile) -> Result<(), String> {
+        if r.rank != i {
+            return Err(format!("rank entry {i} says rank {}", r.rank));
+        }
+        if r.grad_ready_s.len() != self.params.len() {
+            return Err(format!(
+                "rank {i}: {} ready times for {} parameters",
+                r.grad_ready_s.len(),
+                self.params.len()
+            ));
+        }
+        if let Some((what, t)) = r.times().find(|(_, t)| !(0.0..=MAX_TIME_S).contains(t)) {
+            return Err(format!(
+                "rank {i}: {what} is {t}: a time is negative, not finite or past {MAX_TIME_S} s"
+            ));
+        }
+        if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {
+            return Err(format!("rank {i}: a span ends before it starts"));
+        }
+        let mut seen = vec![false; self.params.len()];
+        for (k, b) in r.buckets.iter().enumerate() {
+            self.check_bucket(b, &mut seen)
+                .map_err(|e| format!("rank {i}: bucket {k} {e}"))?;
+        }
+        if let Some(k) = r.gathers.iter().position(|g| g.finish_s < g.start_s) {
+            return Err(format!("rank {i}: gather {k} finishes before it starts"));
+        }
+        let g0 = &self.ranks[0].gathers;
+        if r.gathers.len() != g0.len() || r.gathers.iter().zip(g0).any(|(g, h)| g.unit != h.unit) {
+            return Err(format!(
+                "rank {i}'s parameter gathers differ from rank 0's (every rank runs the same collectives)"
+            ));
+        }
+        let zero = &self.ranks[0].buckets;
+        if !r.buckets.is_empty()
+            && !zero.is_empty()
+            && (r.buckets.len() != zero.len() || r.buckets.iter().zip(zero).any(|(b, b0)| b.params != b0.params))
+        {
+            return Err(format!(
+                "rank {i}'s buckets differ from rank 0's (every rank runs the same collectives)"
+            ));
         }
         Ok(())
+    }
+
+    /// One bucket: its parameters exist and are in no other bucket (`seen`), its bytes are
+    /// theirs, it finishes after it starts.
+    fn check_bucket(&self, b: &BucketProfile, seen: &mut [bool]) -> Result<(), String> {
+        if b.params.iter().any(|&p| p >= self.params.len()) {
+            return Err(format!("names a parameter past {}", self.params.len()));
+        }
+        if let Some(&p) = b.params.iter().find(|&&p| std::mem::replace(&mut seen[p], true)) {
+            return Err(format!("holds parameter {p}, which is in another bucket"));
+        }
+        // ZeRO pads a bucket to a multiple of the world size: a few elements per rank
+        let bytes: usize = b.params.iter().map(|&p| self.params[p].bytes).sum();
+        if b.bytes < bytes || b.bytes - bytes > 16 * self.world_size {
+            return Err(format!("says {} bytes, its parameters hold {bytes}", b.bytes));
+        }
+        if b.finish_s < b.start_s {
+            return Err("finishes before it starts".into());
+        }
+        Ok(())
+    }
+}
+
+impl RankProfile {
+    /// Every time the entry holds, each with what it is (for the range check).
+    fn times(&self) -> impl Iterator<Item = (&'static str, f64)> + '_ {
+        let spans = [
+            ("backward_start_s", self.backward_start_s),
+            ("backward_end_s", self.backward_end_s),
+            ("optimizer_start_s", self.optimizer_start_s),
+            ("optimizer_end_s", self.optimizer_end_s),
+            ("step_end_s", self.step_end_s),
+        ];
+        let ready = self.grad_ready_s.iter().map(|&t| ("grad_ready_s", t));
+        let buckets = self.buckets.iter().flat_map(|b| {
+            [
+                ("a bucket's ready_s", b.ready_s),
+                ("a bucket's launch_s", b.launch_s),
+                ("a bucket's start_s", b.start_s),
+                ("a bucket's finish_s", b.finish_s),
+                ("a bucket's link_s", b.link_s.unwrap_or(0.0)),
+            ]
+        });
+        let gathers = self.gathers.iter().flat_map(|g| {
+            [
+                ("a gather's issued_s", g.issued_s),
+                ("a gather's needed_s", g.needed_s.unwrap_or(g.issued_s)),
+                ("a gather's start_s", g.start_s),
+                ("a gather's finish_s", g.finish_s),
+            ]
+        });
+        let policy = self.policy_s.iter().flat_map(|p| {
+            [
+                ("the policy's reduce_s", p.reduce_s),
+                ("the policy's after_step_s", p.after_step_s),
+                ("the policy's after_step_link_s", p.after_step_link_s),
+            ]
+        });
+        spans
+            .into_iter()
+            .chain(ready)
+            .chain(buckets)
+            .chain(gathers)
+            .chain(policy)
     }
 }

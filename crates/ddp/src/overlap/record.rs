@@ -62,9 +62,11 @@ impl StepProfile {
 impl ProfilePolicy {
     /// `ddp`'s policy as a step profile records it.
     pub(crate) fn of(ddp: &DistributedDataParallel) -> ProfilePolicy {
+        let (wire, after_step) = ddp.wire_model();
         ProfilePolicy {
             name: ddp.policy_name(),
-            wire: ddp.wire_model(),
+            wire,
+            after_step,
         }
     }
 }

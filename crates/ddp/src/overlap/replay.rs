@@ -4,7 +4,7 @@
 use brigade_comm::{NetModel, RingOp};
 use serde::Serialize;
 
-use super::{RankProfile, StepProfile, WireModel};
+use super::{RankProfile, RingPrice, StepProfile, WireModel};
 use crate::policy::GatherPhase;
 use crate::{assign_buckets, DdpError};
 
@@ -109,7 +109,7 @@ pub struct ReplayGather {
 /// The replayed step under one configuration. Times in seconds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayResult {
-    /// The reducer policy replayed (the profile's; `allreduce` for a profile that names none).
+    /// The reducer policy replayed (the profile's).
     pub policy: String,
     /// The bucket cap replayed, in MiB.
     pub bucket_cap_mb: f64,
@@ -124,8 +124,16 @@ pub struct ReplayResult {
     pub compute_step_s: f64,
     /// The predicted step: the optimizer waits for the last bucket (slowest rank).
     pub predicted_step_s: f64,
-    /// Sum of the buckets' link times.
+    /// Sum of the buckets' times on the comm stream (their collectives and the policy's own
+    /// compute between them).
     pub comm_s: f64,
+    /// The part of `comm_s` that is the policy's own compute between its collectives, as
+    /// recorded (per byte of bucket; 0 for a profile that did not record it).
+    pub policy_compute_s: f64,
+    /// What a step waits, on average, for the policy's after-step collectives, priced on the
+    /// replayed link and world: each fragment's less the compute of the steps it overlaps, a
+    /// step's share of them (0 for a policy that sends nothing after the step).
+    pub after_step_comm_s: f64,
     /// Communication left after the last rank's backward compute ended.
     pub exposed_comm_s: f64,
     /// The exposed communication if every byte could leave the moment its gradient was ready
@@ -336,7 +344,7 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
                 .iter()
                 .map(|b| {
                     let sent = b.wire_bytes.map_or(b.bytes as f64, |w| w / share);
-                    (sent, (b.finish_s - b.start_s).max(0.0))
+                    (sent, (b.finish_s - b.start_s - b.policy_compute_s()).max(0.0))
                 })
                 .chain(gathers)
                 .collect();
@@ -397,12 +405,15 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     let n = checked_world(profile, cfg)?;
     let (alpha, per_byte) = link_params(profile, cfg.link)?;
     let (policy, wire) = wire_model(profile)?;
+    let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
     let costs = Costs {
         profile,
         n,
         alpha,
         per_byte,
         wire,
+        compute_per_byte: compute_per_byte(profile),
+        param_bytes,
     };
     // ZeRO-3: its buckets are its units, whatever the caps, and its parameter gathers move the
     // compute (`Clock`).
@@ -432,8 +443,8 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     }
     let last_finish = comm.buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
     let (compute_step, predicted_step) = steps(profile, &clock, last_finish);
-    let after_step = costs.after_step(compute_step);
-    let predicted_step = predicted_step + after_step;
+    let after_step_comm = after_step_comm(profile, &costs, compute_step);
+    let predicted_step = predicted_step + after_step_comm;
     let drained = fluid_drain(&costs, &clock);
     Ok(ReplayResult {
         policy,
@@ -441,10 +452,12 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         first_bucket_cap_mb: cfg.first_bucket_cap_mb,
         world_size: n,
         comm_s: comm.buckets.iter().map(|b| b.finish_s - b.start_s).sum(),
+        policy_compute_s: comm.buckets.iter().map(|b| costs.compute(b.bytes)).sum(),
+        after_step_comm_s: after_step_comm,
         buckets: comm.buckets,
         compute_step_s: compute_step,
         predicted_step_s: predicted_step,
-        exposed_comm_s: (last_finish - backward_end).max(0.0) + after_step,
+        exposed_comm_s: (last_finish - backward_end).max(0.0),
         lower_bound_exposed_s: if n < 2 { 0.0 } else { (drained - backward_end).max(0.0) },
         launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
         gathers: comm.gathers,
@@ -470,91 +483,66 @@ fn checked_world(profile: &StepProfile, cfg: &ReplayConfig) -> Result<usize, Str
 }
 
 /// How the replayed collectives are costed: the policy's wire model on a ring of `n` ranks with
-/// links of latency `alpha` and `per_byte` seconds a byte.
+/// links of latency `alpha` and `per_byte` seconds a byte, and the policy's own compute between
+/// a bucket's collectives at the recorded rate.
 struct Costs<'a> {
     profile: &'a StepProfile,
     n: usize,
     alpha: f64,
     per_byte: f64,
     wire: WireModel,
+    /// The policy's recorded compute on the comm stream, per byte of bucket.
+    compute_per_byte: f64,
+    /// Each parameter's gradient bytes.
+    param_bytes: Vec<usize>,
 }
 
 impl Costs<'_> {
-    fn all_reduce(&self, bytes: f64) -> f64 {
-        RingOp::AllReduce.seconds(bytes, self.n, self.alpha, self.per_byte)
-    }
-
-    /// What a step waits, on average, for collectives a policy issues after the optimizer step
-    /// ([`WireModel::AfterStep`]; 0 for the others): each fragment's all-reduce, less the
-    /// compute of the steps it overlaps, `fragments / period` times a step.
-    fn after_step(&self, compute_step: f64) -> f64 {
-        let WireModel::AfterStep {
-            period,
-            fragments,
-            overlap_steps,
-            bytes_per_element,
-        } = self.wire
-        else {
-            return 0.0;
-        };
+    /// The policy's own compute for a bucket of `bytes` (none on one rank: nothing is reduced).
+    fn compute(&self, bytes: usize) -> f64 {
         if self.n < 2 {
-            return 0.0;
+            0.0
+        } else {
+            bytes as f64 * self.compute_per_byte
         }
-        let elements: f64 = (0..self.profile.params.len())
-            .map(|p| bytes_of(self.profile, p) / 4.0)
-            .sum();
-        let fragments = fragments.max(1) as f64;
-        let link = self.all_reduce(elements * bytes_per_element / fragments);
-        let exposed = (link - overlap_steps as f64 * compute_step).max(0.0);
-        exposed * fragments / period.max(1) as f64
     }
 
-    /// A bucket's link time and wire bytes under the policy's collectives.
+    /// A bucket's time on the comm stream (its collectives and the policy's compute between
+    /// them) and its wire bytes.
     fn bucket(&self, group: &[usize], bytes: usize) -> (f64, f64) {
-        let n = self.n;
-        if n < 2 {
+        if self.n < 2 {
             return (0.0, 0.0);
         }
-        let sent = |op: RingOp, bytes: f64| op.wire_bytes(bytes, n);
-        match &self.wire {
-            WireModel::AllReduce { bytes_per_element } => {
-                let b = bytes as f64 / 4.0 * bytes_per_element;
-                (self.all_reduce(b), sent(RingOp::AllReduce, b))
-            }
-            // one reduce-scatter of the padded bucket
-            WireModel::ReduceScatter | WireModel::Zero3 => {
-                let padded = ((bytes / 4).div_ceil(n) * n * 4) as f64;
-                let rs = RingOp::ReduceScatter;
-                (rs.seconds(padded, n, self.alpha, self.per_byte), sent(rs, padded))
-            }
-            // nothing crosses the ranks during backward (`after_step`, amortised in the step)
-            WireModel::AfterStep { .. } => (0.0, 0.0),
-            WireModel::LowRank { factors, .. } => {
-                let (mut plain, mut p, mut qf) = (0.0, 0.0, 0.0);
-                for &i in group {
-                    match factors[i] {
-                        Some((n_r, m_r)) => (p, qf) = (p + 4.0 * n_r as f64, qf + 4.0 * m_r as f64),
-                        None => plain += bytes_of(self.profile, i),
-                    }
-                }
-                let link: f64 = [plain, p, qf]
-                    .into_iter()
-                    .filter(|&b| b > 0.0)
-                    .map(|b| self.all_reduce(b))
-                    .sum();
-                (link, sent(RingOp::AllReduce, plain + p + qf))
-            }
-        }
+        let price = self.wire.bucket_price(group, &self.param_bytes, self.n);
+        (
+            price.seconds(self.alpha, self.per_byte) + self.compute(bytes),
+            price.wire_bytes,
+        )
     }
 
     /// The link time of a parameter gather of `bytes` (every rank's shard).
     fn gather(&self, bytes: usize) -> f64 {
-        let n = self.n;
-        if n < 2 {
-            0.0
-        } else {
-            RingOp::AllGather.seconds((bytes / n) as f64, n, self.alpha, self.per_byte)
-        }
+        RingPrice::of(RingOp::AllGather, (bytes / self.n.max(1)) as f64, self.n).seconds(self.alpha, self.per_byte)
+    }
+}
+
+/// The policy's compute between its buckets' collectives, per byte of bucket: what rank 0's
+/// recorded buckets spent on the comm stream beyond their collectives (0 before version 2).
+fn compute_per_byte(profile: &StepProfile) -> f64 {
+    let buckets = &profile.ranks[0].buckets;
+    let bytes: usize = buckets.iter().map(|b| b.bytes).sum();
+    if bytes == 0 {
+        return 0.0;
+    }
+    buckets.iter().map(|b| b.policy_compute_s()).sum::<f64>() / bytes as f64
+}
+
+/// The policy's after-step collectives on the replayed link and world: what a step waits for
+/// them, on average, when it computes `compute_step` ([`crate::policy::AfterStepWire::step_share`]).
+fn after_step_comm(profile: &StepProfile, costs: &Costs, compute_step: f64) -> f64 {
+    match profile.policy.as_ref().and_then(|p| p.after_step.as_ref()) {
+        Some(a) => a.step_share(&costs.param_bytes, costs.n, costs.alpha, costs.per_byte, compute_step),
+        None => 0.0,
     }
 }
 
@@ -743,16 +731,18 @@ impl CommRun<'_> {
     }
 }
 
-/// The step without communication and the predicted step, the last bucket finishing at
-/// `last_finish`.
+/// The step without communication and the predicted step before the policy's after-step
+/// collectives, the last bucket finishing at `last_finish`.
 fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
     let ranks = &profile.ranks;
     // What follows the buckets is taken as recorded: the gap between the recorded end of the
     // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
-    // optimizer, and the rest of the step.
+    // optimizer with the policy's after-step compute, and the rest of the step; the after-step
+    // collectives it recorded are replaced by their priced share.
     let after_backward = |r: &RankProfile| {
+        let recorded_link = r.policy_s.map_or(0.0, |p| p.after_step_link_s);
         (r.optimizer_start_s - r.waited_until()).max(0.0)
-            + (r.optimizer_end_s - r.optimizer_start_s)
+            + (r.optimizer_end_s - r.optimizer_start_s - recorded_link).max(0.0)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
     // Each rank's step on its own clock; the group's step is their mean: the ranks meet at
@@ -839,11 +829,15 @@ impl RecordedGather {
 }
 
 /// The policy a profile was recorded under and how its collectives are costed; one line when
-/// it is a user policy that declared no model.
+/// it names none (a profile recorded before policies were: its reader names the default
+/// policy, [`StepProfile::policy`]) or is a user policy that declared no model.
 fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
     match &profile.policy {
-        // recorded before policies were: an f32 all-reduce
-        None => Ok(("allreduce".into(), WireModel::AllReduce { bytes_per_element: 4.0 })),
+        None => Err(
+            "the profile names no reducer policy (it was recorded before policies were): give it the policy it \
+             ran under (the default's) before replaying it"
+                .into(),
+        ),
         Some(p) => match &p.wire {
             Some(w) => Ok((p.name.clone(), w.clone())),
             None => Err(format!(
@@ -853,8 +847,4 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
             )),
         },
     }
-}
-
-fn bytes_of(profile: &StepProfile, p: usize) -> f64 {
-    profile.params[p].bytes as f64
 }

@@ -86,7 +86,7 @@ pub use context::{
 };
 pub use param_state::ParamState;
 
-pub use crate::group::{Group, ProcessGroup, TensorPromise, TensorWork};
+pub use crate::group::{Group, ProcessGroup, SparseGather, TensorPromise, TensorWork};
 use crate::{DdpError, Result};
 
 /// A reducer policy: how one rank's gradient buckets are reduced, what its optimizer steps,
@@ -240,11 +240,20 @@ pub trait ReducerPolicy: Send {
         PolicyMemory::default()
     }
 
-    /// How the overlap model costs this policy's collectives for a model whose parameters
-    /// have `shapes` (registration order; step profiles record it); `None`: the model cannot,
-    /// and refuses to replay its profiles.
-    fn wire_model(&self, shapes: &[Vec<usize>]) -> Option<WireModel> {
-        let _ = shapes;
+    /// How the overlap model costs the collectives this policy issues for each bucket, for a
+    /// model whose parameters have `shapes` (registration order; step profiles record it) on
+    /// `world_size` ranks; `None`: the model cannot, and refuses to replay its profiles. The
+    /// replay prices what it says on the ring cost model at any world size.
+    fn wire_model(&self, shapes: &[Vec<usize>], world_size: usize) -> Option<WireModel> {
+        let _ = (shapes, world_size);
+        None
+    }
+
+    /// What this policy sends in [`ReducerPolicy::after_step`], for a model whose parameters
+    /// have `shapes` on `world_size` ranks: the overlap model charges it, amortised over its
+    /// period, after the optimizer. `None` (the default): nothing.
+    fn after_step_wire(&self, shapes: &[Vec<usize>], world_size: usize) -> Option<AfterStepWire> {
+        let _ = (shapes, world_size);
         None
     }
 
@@ -388,28 +397,90 @@ pub enum WireModel {
     /// parameters are all-gathered within the optimizer step (the recorded step's optimizer
     /// span holds them).
     ReduceScatter,
+    /// Each rank's piece of every bucket is all-gathered: of a bucket of `n` gradient elements
+    /// each rank sends `bytes_per_element` bytes for each of `ceil(density × n)` entries plus
+    /// `bytes_per_bucket` (int8: every element, one byte each, and an f32 scale; top-k: its
+    /// ratio, an f32 value and an i64 index each, and its count; 1-bit signs: an eighth, one
+    /// byte, and the scale). The ring sends each rank's piece to every other rank: the bytes
+    /// grow with the ranks.
+    AllGather {
+        /// Bytes per entry of each rank's piece (per gradient element when `density` is 1).
+        bytes_per_element: f64,
+        /// Bytes each rank adds once per bucket.
+        #[serde(default)]
+        bytes_per_bucket: f64,
+        /// The fraction of the bucket's elements sent as entries, in `(0, 1]` (1: all).
+        #[serde(default = "all_entries")]
+        density: f64,
+    },
     /// ZeRO-3: each unit is one (padded) bucket, reduce-scattered in f32 as its backward ends
     /// (the units fix the buckets, whatever the caps); each unit's parameters are all-gathered
     /// before its forward and again before its backward (the step profile's `gathers`), on the
     /// same comm stream, and the unit's compute waits for its gather.
     Zero3,
-    /// A policy that communicates after the optimizer step, not during backward (DiLoCo,
-    /// streaming DiLoCo): no collective per bucket; every `period` steps each trainable
-    /// parameter crosses the ranks once, in one all-reduce per fragment (`fragments` of about
-    /// equal bytes at staggered steps) of `bytes_per_element` bytes per element, each of which
-    /// runs behind the next `overlap_steps` steps' compute before the step that merges it waits
-    /// for it. The overlap model charges each step `fragments / period` fragment syncs, less the
-    /// compute of `overlap_steps` recorded steps each.
-    AfterStep {
-        /// Steps between two syncs of the same parameter (at least 1).
-        period: usize,
-        /// Fragments synced apart (at least 1).
-        fragments: usize,
-        /// Steps each fragment's sync overlaps (0: the step waits for it at once).
-        overlap_steps: usize,
-        /// Bytes per parameter element on the wire.
-        bytes_per_element: f64,
-    },
+    /// No collective per bucket: the gradients stay on each rank during backward (DiLoCo,
+    /// streaming DiLoCo); what the policy sends, it sends after the optimizer step
+    /// ([`ReducerPolicy::after_step_wire`]).
+    Local,
+}
+
+/// The density of a dense all-gather (serde's default for [`WireModel::AllGather`]).
+fn all_entries() -> f64 {
+    1.0
+}
+
+/// A collective of the ring cost model, as a wire model names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WireOp {
+    /// Every rank ends with the reduction of every rank's buffer.
+    AllReduce,
+    /// Every rank ends with its shard of the reduction.
+    ReduceScatter,
+    /// Every rank ends with every rank's piece.
+    AllGather,
+    /// Every rank ends with the root's buffer.
+    Broadcast,
+}
+
+impl WireOp {
+    /// The ring collective the cost model prices.
+    pub fn ring(self) -> brigade_comm::RingOp {
+        use brigade_comm::RingOp;
+        match self {
+            WireOp::AllReduce => RingOp::AllReduce,
+            WireOp::ReduceScatter => RingOp::ReduceScatter,
+            WireOp::AllGather => RingOp::AllGather,
+            WireOp::Broadcast => RingOp::Broadcast,
+        }
+    }
+}
+
+/// What a policy sends in [`ReducerPolicy::after_step`] ([`ReducerPolicy::after_step_wire`]):
+/// every `every` steps each parameter element crosses the ranks once, `bytes_per_element` bytes
+/// each (the buffer each rank hands in; for an all-gather, its piece), in `fragments`
+/// collectives of about equal bytes at staggered steps, each of which runs behind the next
+/// `overlap_steps` steps' compute before the step that needs it waits for it. A step is charged
+/// `fragments / every` fragment collectives, less the compute of `overlap_steps` steps each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AfterStepWire {
+    /// The collective.
+    pub op: WireOp,
+    /// Bytes per parameter element of the buffer each rank hands in.
+    pub bytes_per_element: f64,
+    /// Every how many steps each parameter is sent (1: every step).
+    pub every: usize,
+    /// Collectives the parameters are sent in, at staggered steps (1: all at once).
+    #[serde(default = "one_fragment")]
+    pub fragments: usize,
+    /// Steps of compute each fragment's collective runs behind (0: the step waits for it).
+    #[serde(default)]
+    pub overlap_steps: usize,
+}
+
+/// Serde's default for [`AfterStepWire::fragments`].
+fn one_fragment() -> usize {
+    1
 }
 
 /// Where one parameter's gradient sits in its bucket.

@@ -31,6 +31,7 @@ fn profile() -> StepProfile {
         grad_ready_s: vec![0.010, 0.001],
         buckets: vec![],
         gathers: vec![],
+        policy_s: None,
     };
     StepProfile {
         version: PROFILE_VERSION,
@@ -38,7 +39,11 @@ fn profile() -> StepProfile {
         bucket_cap_mb: 100.0,
         first_bucket_cap_mb: 100.0,
         activation_checkpointing: 0,
-        policy: None,
+        policy: Some(brigade_ddp::overlap::ProfilePolicy {
+            name: "allreduce".into(),
+            wire: Some(brigade_ddp::overlap::WireModel::AllReduce { bytes_per_element: 4.0 }),
+            after_step: None,
+        }),
         run: None,
         params: (0..2)
             .map(|i| ParamProfile {

@@ -12,4 +12,6 @@ mod overlap;
 mod overlap_model;
 mod parity;
 mod policy;
+mod sparse_gather;
 mod stream_events;
+mod wire_price;

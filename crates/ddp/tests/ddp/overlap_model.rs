@@ -40,6 +40,7 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         grad_ready_s: params.iter().map(|p| p.1).collect(),
         buckets: vec![],
         gathers: vec![],
+        policy_s: None,
     };
     StepProfile {
         version: PROFILE_VERSION,
@@ -47,7 +48,11 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         bucket_cap_mb: 25.0,
         first_bucket_cap_mb: 1.0,
         activation_checkpointing: 0,
-        policy: None,
+        policy: Some(brigade_ddp::overlap::ProfilePolicy {
+            name: "allreduce".into(),
+            wire: Some(brigade_ddp::overlap::WireModel::AllReduce { bytes_per_element: 4.0 }),
+            after_step: None,
+        }),
         run: None,
         params: params
             .iter()
@@ -205,6 +210,7 @@ fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
                 launch_s: 0.0,
                 start_s: 0.0,
                 finish_s: d,
+                link_s: None,
             }
         })
         .collect();
@@ -338,6 +344,7 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
             launch_s: 0.010,
             start_s: 0.010,
             finish_s: 0.012,
+            link_s: None,
         }];
         (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.013, 0.014, 0.014);
     }
@@ -357,6 +364,7 @@ fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f6
         launch_s: ready,
         start_s: start,
         finish_s: finish,
+        link_s: None,
     }
 }
 
@@ -477,6 +485,7 @@ fn under(
     p.policy = Some(brigade_ddp::overlap::ProfilePolicy {
         name: policy.into(),
         wire,
+        after_step: None,
     });
     for (param, s) in p.params.iter_mut().zip(shapes) {
         param.shape = s.to_vec();
@@ -536,6 +545,34 @@ fn the_replay_costs_each_policys_own_collectives() {
     let (_, t, sent) = one(&psgd);
     close(t, 3.0 * 0.002 + (p_bytes + q_bytes + plain) / gib, "powersgd");
     close(sent, p_bytes + q_bytes + plain, "powersgd bytes");
+    // top-k 1%: one all-gather of ceil(0.01 x 131328) = 1314 entries of 12 bytes and an 8-byte
+    // count from each rank: (n-1) latencies, and (n-1) pieces over the link: it grows with the
+    // ranks where an all-reduce's bytes do not
+    let topk = under(
+        base.clone(),
+        "topk:0.01",
+        Some(WireModel::AllGather {
+            bytes_per_element: 12.0,
+            bytes_per_bucket: 8.0,
+            density: 0.01,
+        }),
+        &shapes,
+    );
+    let piece = 1314.0 * 12.0 + 8.0;
+    let (name, t, sent) = one(&topk);
+    assert_eq!(name, "topk:0.01");
+    close(t, 0.001 + piece / gib, "topk");
+    close(sent, piece, "topk bytes");
+    let at4 = replay(
+        &topk,
+        &ReplayConfig {
+            world_size: Some(4),
+            ..cfg(100.0, 100.0)
+        },
+    )
+    .unwrap();
+    close(at4.comm_s, 3.0 * 0.001 + 3.0 * piece / gib, "topk at 4 ranks");
+    close(at4.buckets[0].wire_bytes, 3.0 * piece, "topk bytes at 4 ranks");
     // a user policy that declared no model is refused in one line naming it
     let user = under(base, "int8-ef", None, &shapes);
     let e = replay(&user, &cfg(100.0, 100.0)).unwrap_err().to_string();
@@ -565,6 +602,7 @@ fn a_measured_link_is_fitted_to_what_each_recorded_bucket_sent() {
         launch_s: start,
         start_s: start,
         finish_s: start + secs,
+        link_s: None,
     };
     for r in &mut p.ranks {
         r.buckets = vec![
@@ -626,6 +664,7 @@ fn zero3_profile() -> StepProfile {
             launch_s: 0.010,
             start_s: 0.010,
             finish_s: 0.012,
+            link_s: None,
         }];
         r.gathers = vec![gather(GatherPhase::Forward, 0.0), gather(GatherPhase::Backward, 0.005)];
     }
@@ -675,7 +714,8 @@ fn a_zero3_step_replays_its_gathers_and_moves_the_compute_that_waits_for_them() 
 #[test]
 fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
     use brigade_ddp::overlap::WireModel;
-    // The profile of the test above (512 KiB + 1 KiB of f32 parameters, one bucket, 2 ranks on
+    use brigade_ddp::policy::{AfterStepWire, WireOp};
+    // The profile of `a_zero3_step_replays_its_gathers_and_its_units_buckets` (512 KiB + 1 KiB of f32 parameters, one bucket, 2 ranks on
     // the 1 ms, 1 GiB/s link), recorded under DiLoCo: no bucket traffic; every 10 steps one
     // all-reduce of every parameter (2 ms + S/B), a tenth of it on each step.
     let (w, b) = (512 * 256 * 4, 256 * 4);
@@ -683,44 +723,118 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
     let shapes: [&[usize]; 2] = [&[512, 256], &[256]];
     let gib = (1u64 << 30) as f64;
     let s = (w + b) as f64;
-    let after = |period, fragments, overlap_steps| {
-        let p = under(
-            base.clone(),
-            "diloco",
-            Some(WireModel::AfterStep {
-                period,
-                fragments,
-                overlap_steps,
-                bytes_per_element: 4.0,
-            }),
-            &shapes,
-        );
-        replay(&p, &cfg(100.0, 100.0)).unwrap()
+    let diloco = |every, fragments, overlap_steps| {
+        let mut p = under(base.clone(), "diloco", Some(WireModel::Local), &shapes);
+        p.policy.as_mut().unwrap().after_step = Some(AfterStepWire {
+            op: WireOp::AllReduce,
+            bytes_per_element: 4.0,
+            every,
+            fragments,
+            overlap_steps,
+        });
+        p
     };
+    let after =
+        |every, fragments, overlap_steps| replay(&diloco(every, fragments, overlap_steps), &cfg(100.0, 100.0)).unwrap();
     let r = after(10, 1, 0);
     assert_eq!(r.buckets.len(), 1);
     close(r.buckets[0].wire_bytes, 0.0, "nothing in backward");
     close(r.comm_s, 0.0, "no bucket on the link");
     let sync = 0.002 + s / gib;
-    close(r.predicted_step_s - r.compute_step_s, sync / 10.0, "a tenth of a sync a step");
+    close(
+        r.predicted_step_s - r.compute_step_s,
+        sync / 10.0,
+        "a tenth of a sync a step",
+    );
+    close(r.after_step_comm_s, sync / 10.0, "reported as the after-step share");
     // two fragments, each synced once a period and waited for at once: two latencies
     let r2 = after(10, 2, 0);
-    close(r2.predicted_step_s - r2.compute_step_s, 2.0 * (0.002 + s / 2.0 / gib) / 10.0, "two fragments");
+    close(
+        r2.predicted_step_s - r2.compute_step_s,
+        2.0 * (0.002 + s / 2.0 / gib) / 10.0,
+        "two fragments",
+    );
     // overlapping a step's compute (over 10 ms) hides each fragment's sync (about 2.25 ms)
     let hidden = after(10, 2, 1);
-    close(hidden.predicted_step_s - hidden.compute_step_s, 0.0, "hidden behind the next step");
-    // a period of 0 is refused in one line
-    let bad = under(
-        base.clone(),
-        "diloco",
-        Some(WireModel::AfterStep {
-            period: 0,
-            fragments: 1,
-            overlap_steps: 0,
-            bytes_per_element: 4.0,
-        }),
-        &shapes,
+    close(
+        hidden.predicted_step_s - hidden.compute_step_s,
+        0.0,
+        "hidden behind the next step",
     );
-    let e = replay(&bad, &cfg(100.0, 100.0)).unwrap_err().to_string();
+    // a period of 0 is refused in one line
+    let e = replay(&diloco(0, 1, 0), &cfg(100.0, 100.0)).unwrap_err().to_string();
     assert!(e.contains("every 0 steps") && !e.contains('\n'), "{e}");
+}
+
+/// The profile of `what_followed_the_recorded_buckets_is_kept_as_recorded`: both 1 MiB
+/// gradients ready at 10 ms, one recorded bucket on the comm stream 10..12 ms, 1 ms agreeing on
+/// the loss, the optimizer 13..14 ms.
+fn one_bucket_step() -> StepProfile {
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        r.buckets = vec![recorded(vec![1, 0], 2 * MIB, 0.010, 0.010, 0.012)];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.013, 0.014, 0.014);
+    }
+    p
+}
+
+#[test]
+fn a_policys_compute_between_its_collectives_is_replayed_per_byte() {
+    // The recorded bucket held the comm stream 2 ms, its collectives 1.5 ms of them: the policy
+    // computed 0.5 ms for 2 MiB. Replayed in one bucket of the same 2 MiB on the ring: its
+    // all-reduce (2 ms + 2 MiB / 1 GiB/s) and the 0.5 ms of compute, then as recorded.
+    let mut p = one_bucket_step();
+    for r in &mut p.ranks {
+        r.buckets[0].link_s = Some(0.0015);
+    }
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let comm = 0.002 + 2.0 / 1024.0;
+    close(r.policy_compute_s, 0.0005, "the policy's compute");
+    close(r.predicted_step_s, 0.010 + comm + 0.0005 + 0.002, "predicted step");
+    close(r.comm_s, comm + 0.0005, "the bucket's time on the comm stream");
+}
+
+#[test]
+fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period() {
+    // The policy all-reduces every parameter in f32 every 4 steps after the optimizer; the
+    // recorded step's optimizer span (1 ms) held 0.4 ms of it. Replayed: that 0.4 ms leaves,
+    // and a quarter of the all-reduce of 2 MiB on the ring (2 ms + 2 MiB / 1 GiB/s) comes in.
+    let mut p = one_bucket_step();
+    p.policy.as_mut().unwrap().after_step = Some(brigade_ddp::policy::AfterStepWire {
+        op: brigade_ddp::policy::WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 4,
+        fragments: 1,
+        overlap_steps: 0,
+    });
+    for r in &mut p.ranks {
+        r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
+            reduce_s: 0.0,
+            after_step_s: 0.0005,
+            after_step_link_s: 0.0004,
+        });
+    }
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let comm = 0.002 + 2.0 / 1024.0;
+    let after = comm / 4.0;
+    close(
+        r.after_step_comm_s,
+        after,
+        "a step's share of the after-step all-reduce",
+    );
+    close(
+        r.predicted_step_s,
+        0.010 + comm + 0.001 + (0.001 - 0.0004) + after,
+        "predicted step",
+    );
+    // at 4 ranks the all-reduce waits 2·3 latencies and sends 2·3/4 of its buffer
+    let at4 = replay(
+        &p,
+        &ReplayConfig {
+            world_size: Some(4),
+            ..cfg(100.0, 100.0)
+        },
+    )
+    .unwrap();
+    close(at4.after_step_comm_s, (0.006 + 1.5 * 2.0 / 1024.0) / 4.0, "at 4 ranks");
 }

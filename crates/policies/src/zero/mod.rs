@@ -293,7 +293,7 @@ impl ReducerPolicy for Zero {
         }
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(if self.sharded(self.world.load(Ordering::Relaxed)) {
             WireModel::ReduceScatter
         } else {

@@ -768,7 +768,7 @@ impl ReducerPolicy for Zero3 {
         Ok(())
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::Zero3)
     }
 }

@@ -12,6 +12,7 @@ mod pinned;
 mod powersgd;
 mod registry;
 mod resume;
+mod sparse;
 mod user;
 mod zero;
 mod zero3;

@@ -66,7 +66,7 @@ fn powersgds_wire_model_sizes_the_factors_of_each_matrix_that_compresses() {
     // and a [3, 2] matrix that shrinks less than the rate 2 ((3 + 2)·2·2 ≥ 6) are sent whole
     let shapes = vec![vec![512, 256], vec![256], vec![3, 2]];
     assert_eq!(
-        policy.wire_model(&shapes),
+        policy.wire_model(&shapes, 2),
         Some(WireModel::LowRank {
             start_iter: 10,
             factors: vec![Some((512 * 4, 256 * 4)), None, None],

@@ -7,11 +7,12 @@ use brigade_policies::{AllReduce, PolicySpec, Registry};
 
 #[test]
 fn every_built_in_entry_reads_writes_and_builds_its_policy() {
-    assert_eq!(BUILT_IN.len(), 10);
+    assert_eq!(BUILT_IN.len(), 12);
     for e in &BUILT_IN {
         // the form with a sample argument where it takes one
         let spec_text = match (e.name, e.args) {
             (_, "") => e.name.to_string(),
+            (_, "RATIO") => format!("{}:0.25", e.name),
             ("diloco", _) => "diloco:3:0.5".to_string(),
             ("streaming-diloco", _) => "streaming-diloco:3:2:2".to_string(),
             _ => format!("{}:3@2", e.name),
@@ -82,8 +83,8 @@ fn a_registry_reads_its_users_policies_and_lists_them_in_help_and_errors() {
         r.forms()
     );
     let help = r.help();
-    assert_eq!(help.len(), 11);
-    assert_eq!(help[10], "mean[:ARGS]: an averaging all-reduce");
+    assert_eq!(help.len(), 13);
+    assert_eq!(help[12], "mean[:ARGS]: an averaging all-reduce");
     // without the user's registry the name is unknown
     assert!(Registry::new().parse("mean").is_err());
 }

@@ -25,6 +25,8 @@ struct Saved {
     params: Vec<Vec<f32>>,
     optimizer: Vec<(String, Tensor)>,
     policy: Vec<(String, Tensor)>,
+    /// The buckets the run reduced on (a per-bucket policy such as top-k resumes on them).
+    grouping: Option<brigade_ddp::BucketGrouping>,
 }
 
 /// Steps `from..to` of `spec` with AdamW on `WORLD` ranks, starting from `saved` if given;
@@ -45,6 +47,7 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
         let cfg = DdpConfig {
             bucket_cap_mb: 0.002,
             first_bucket_cap_mb: 0.001,
+            grouping: saved.and_then(|s| s.grouping.clone()),
             ..DdpConfig::default()
         };
         let policy = spec.parse::<PolicySpec>().unwrap().build(&Registry::new()).unwrap();
@@ -69,20 +72,30 @@ fn run(spec: &str, from: usize, to: usize, saved: Option<&Saved>) -> (Vec<Vec<f6
         opt.consolidate_state().unwrap();
         let policy = ddp.gather_policy_state().unwrap();
         let optimizer = if rank == 0 { opt.state_dict().unwrap() } else { vec![] };
-        (losses, m.values(), optimizer, policy)
+        (losses, m.values(), optimizer, policy, ddp.bucket_grouping())
     });
     let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
     let saved = Saved {
         params: out[0].1.clone(),
         optimizer: out[0].2.clone(),
         policy: out[0].3.clone(),
+        grouping: out[0].4.clone(),
     };
     (out.into_iter().map(|o| o.0).collect(), saved)
 }
 
 #[test]
 fn resuming_is_bit_exact_under_every_policy() {
-    for spec in ["allreduce", "fp16", "bf16", "powersgd:2@2", "zero1", "zero2"] {
+    for spec in [
+        "allreduce",
+        "fp16",
+        "bf16",
+        "powersgd:2@2",
+        "zero1",
+        "zero2",
+        "topk:0.1",
+        "efsign",
+    ] {
         let (straight, end) = run(spec, 0, 6, None);
         let (first, saved) = run(spec, 0, 3, None);
         let (second, resumed_end) = run(spec, 3, 6, Some(&saved));
@@ -92,6 +105,12 @@ fn resuming_is_bit_exact_under_every_policy() {
             assert_eq!(resumed, straight[rank], "{spec} rank {rank}: losses");
         }
         assert_eq!(max_diff(&resumed_end.params, &end.params), 0.0, "{spec}: parameters");
+        if spec.starts_with("topk") || spec == "efsign" {
+            // every rank's residual was in the checkpoint
+            for r in 0..WORLD {
+                assert!(saved.policy.iter().any(|(k, _)| k.starts_with(&format!("rank{r}/"))));
+            }
+        }
         if spec.starts_with("powersgd") {
             // every rank's error feedback and factors were in the checkpoint
             for r in 0..WORLD {

@@ -250,7 +250,7 @@ fn a_registered_user_policy_is_built_by_name_like_the_built_in_ones() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("whole number"), "{e}");
-    let e = "topk"
+    let e = "signum"
         .parse::<PolicySpec>()
         .unwrap()
         .build(&registry)
@@ -258,7 +258,7 @@ fn a_registered_user_policy_is_built_by_name_like_the_built_in_ones() {
         .unwrap()
         .to_string();
     assert!(
-        e.contains("unknown policy 'topk'") && e.contains("registered: int8-own, local-sgd"),
+        e.contains("unknown policy 'signum'") && e.contains("registered: int8-own, local-sgd"),
         "{e}"
     );
     // built-in names and registered ones are not taken twice

@@ -113,7 +113,7 @@ impl brigade_ddp::ReducerPolicy for Average {
         )))
     }
 
-    fn wire_model(&self, _shapes: &[Vec<usize>]) -> Option<brigade_ddp::policy::WireModel> {
+    fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<brigade_ddp::policy::WireModel> {
         Some(brigade_ddp::policy::WireModel::AllReduce { bytes_per_element: 4.0 })
     }
 }

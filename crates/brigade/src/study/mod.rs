@@ -1,0 +1,215 @@
+//! A study of reducer policies: at a target world size and link, which policy reaches a target
+//! loss soonest? Each policy trains at the target world size on thread ranks (the losses are
+//! real; the same configuration, data, seed and initial weights for every policy), its steps
+//! are profiled, and the overlap model predicts its step on each target link, and from the same
+//! profiles at other world sizes ([`crate::ddp::overlap`]). Per policy the study reports its
+//! losses, the steps and predicted seconds to each target loss, the bytes it sent per step, and
+//! the prediction's error band: its own profiles replayed on the link they were recorded on,
+//! against the steps they measured.
+//!
+//! ```no_run
+//! use brigade::launch::{net_model, LaunchConfig};
+//! use brigade::models::{Dataset, Mlp, MlpConfig};
+//! use brigade::policies::Registry;
+//! use brigade::study::{study, StudyConfig};
+//! use brigade::{OptimizerConfig, TrainConfig};
+//!
+//! let sgd = OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, weight_decay: 0.0 };
+//! let cfg = TrainConfig::new(40, 32, sgd);
+//! let sc = StudyConfig::new(vec![net_model(1.0, 20.0)], vec![0.5]);
+//! let policies = ["allreduce".to_string(), "fp16".to_string()];
+//! let results = study(
+//!     &LaunchConfig::threads(2),
+//!     &cfg,
+//!     &Registry::new(),
+//!     &policies,
+//!     &sc,
+//!     |_world| Dataset::teacher(4096, 16, 4, 0).map_err(Into::into),
+//!     |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 4]), 0)?)),
+//! )?;
+//! for r in &results {
+//!     println!("{}: {:?}", r.policy, r.predictions[0].reached);
+//! }
+//! # Ok::<(), brigade::Error>(())
+//! ```
+
+mod predict;
+
+use std::sync::Arc;
+
+use brigade_comm::NetModel;
+use brigade_models::Model;
+use brigade_policies::Registry;
+use serde::Serialize;
+
+use crate::config::TrainConfig;
+use crate::error::{Error, Result};
+use crate::launch::{LaunchConfig, RankContext};
+use crate::outcome::TrainOutcome;
+use crate::policy::Registered;
+use crate::source::DataSource;
+
+pub use predict::{reach, OwnBand};
+
+/// What a study predicts for, beside the training configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StudyConfig {
+    /// The links to predict each policy's step on (at least one).
+    pub links: Vec<NetModel>,
+    /// World sizes to predict the step at beside the trained one (from the same profiles; the
+    /// losses are the trained world's, so time to a target is given at the trained world only).
+    pub other_worlds: Vec<usize>,
+    /// The target losses.
+    pub targets: Vec<f64>,
+    /// Steps at the start that are not profiled (the first steps build the buckets and warm
+    /// the caches).
+    pub warmup: usize,
+}
+
+impl StudyConfig {
+    /// A study of `targets` on `links`, at the trained world size alone, two warm-up steps.
+    pub fn new(links: Vec<NetModel>, targets: Vec<f64>) -> StudyConfig {
+        StudyConfig {
+            links,
+            other_worlds: vec![],
+            targets,
+            warmup: 2,
+        }
+    }
+}
+
+/// A policy's predicted step at one world size on one link.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Ranks.
+    pub world_size: usize,
+    /// The link's bandwidth, in Gb/s.
+    pub net_gbps: f64,
+    /// Its latency per message, in µs.
+    pub net_latency_us: f64,
+    /// The predicted step, in seconds (the median over the profiled steps' replays); `None`
+    /// when the overlap model cannot cost the policy (a user policy without a wire model).
+    pub step_s: Option<f64>,
+    /// Each target loss reached at this prediction (the trained world only; empty at others).
+    pub reached: Vec<Reached>,
+}
+
+/// When a run first reached a target loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Reached {
+    /// The target loss.
+    pub target: f64,
+    /// Steps run up to and including the first whose loss is at most the target; `None`: never.
+    pub steps: Option<usize>,
+    /// Those steps at the predicted step time, in seconds.
+    pub seconds: Option<f64>,
+}
+
+/// One policy's study.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyStudy {
+    /// The policy (its spec).
+    pub policy: String,
+    /// The loss of each step (the global mean over the ranks, before its update).
+    pub losses: Vec<f64>,
+    /// Mean payload bytes rank 0 handed to its collectives per step.
+    pub payload_bytes_per_step: f64,
+    /// Mean bytes rank 0 sent per step under the ring algorithms.
+    pub wire_bytes_per_step: f64,
+    /// The profiled steps' measured step, in seconds (median).
+    pub measured_step_s: f64,
+    /// The prediction's error band on its own profiles (`None`: not predicted).
+    pub own_band: Option<OwnBand>,
+    /// The predictions: the trained world on every link, then each other world on every link.
+    pub predictions: Vec<Prediction>,
+    /// Why the policy was not predicted (the overlap model's words), empty when it was.
+    pub note: String,
+}
+
+/// Trains every policy of `policies` (specs: the built-ins' and those `registry` registers) in
+/// turn under `cfg` on the ranks `launch` starts, each from the same data (`data(world_size)`),
+/// model (`model(ctx)`) and seed, profiling its steps after `sc.warmup`, and predicts each on
+/// `sc`'s links and worlds. The first error (a bad spec, a run that fails) ends the study.
+pub fn study<D: DataSource>(
+    launch: &LaunchConfig,
+    cfg: &TrainConfig,
+    registry: &Registry,
+    policies: &[String],
+    sc: &StudyConfig,
+    data: impl Fn(usize) -> Result<D>,
+    model: impl Fn(&RankContext) -> Result<Box<dyn Model>> + Sync,
+) -> Result<Vec<PolicyStudy>> {
+    check(cfg, policies, sc)?;
+    let specs = policies
+        .iter()
+        .map(|p| registry.parse(p).map_err(Error::from))
+        .collect::<Result<Vec<_>>>()?;
+    let mut out = vec![];
+    for spec in specs {
+        let mut run = cfg.clone();
+        let d = run
+            .distributed
+            .get_or_insert_with(|| crate::config::DistributedConfig::with_policy(spec.clone()));
+        d.policy = Arc::new(Registered {
+            spec: spec.clone(),
+            registry: registry.clone(),
+        });
+        run.runtime.instrument.profile = true;
+        run.runtime.instrument.profile_steps = Some(sc.warmup..cfg.recipe.steps);
+        let report = crate::fit(launch, &run, &data, &model)?;
+        out.push(of_run(spec.to_string(), &report.outcome, report.world_size, sc));
+    }
+    Ok(out)
+}
+
+/// The study of one policy's finished run on `world` ranks.
+pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyConfig) -> PolicyStudy {
+    let losses = outcome.losses();
+    let sent = outcome.sent();
+    let per_step = |f: fn(&brigade_comm::CommBytes) -> f64| sent.iter().map(f).sum::<f64>() / sent.len().max(1) as f64;
+    let predicted = predict::predict(&outcome.profiles, world, &losses, sc);
+    PolicyStudy {
+        policy,
+        payload_bytes_per_step: per_step(|b| b.payload_bytes as f64),
+        wire_bytes_per_step: per_step(|b| b.wire_bytes),
+        measured_step_s: predicted.measured_step_s,
+        own_band: predicted.own_band,
+        predictions: predicted.predictions,
+        note: predicted.note,
+        losses,
+    }
+}
+
+/// One line naming what is wrong with a study's request.
+fn check(cfg: &TrainConfig, policies: &[String], sc: &StudyConfig) -> Result<()> {
+    let bad = |m: String| Err(Error::Config(m));
+    if policies.is_empty() {
+        return bad("a study needs at least one policy".into());
+    }
+    if sc.links.is_empty() {
+        return bad("a study needs at least one link to predict for".into());
+    }
+    if let Some(l) = sc
+        .links
+        .iter()
+        .find(|l| !(l.bandwidth_bytes_per_s > 0.0 && l.bandwidth_bytes_per_s.is_finite()))
+    {
+        return bad(format!(
+            "a link's bandwidth must be positive and finite, got {} B/s",
+            l.bandwidth_bytes_per_s
+        ));
+    }
+    if let Some(t) = sc.targets.iter().find(|t| !t.is_finite()) {
+        return bad(format!("a target loss must be a finite number, got {t}"));
+    }
+    if sc.other_worlds.contains(&0) {
+        return bad("a world size to predict at must be at least 1".into());
+    }
+    if cfg.recipe.steps <= sc.warmup {
+        return bad(format!(
+            "a study profiles the steps after its {} warm-up steps: give it more than {} steps",
+            sc.warmup, sc.warmup
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,313 @@
+//! `brigade study --policy allreduce,fp16,powersgd:4 --world-size 8 --net-gbps 1 --target-loss
+//! 0.5,0.3 --out DIR`: which reducer policy reaches a target loss soonest at a target scale.
+//! Every policy trains at --world-size on thread ranks (the same data, seed and initial
+//! weights; real losses), its steps after the first two are profiled, and the overlap model
+//! predicts its step on each link (the run's --net-gbps, and --predict-gbps) and at
+//! --predict-world-sizes ([`brigade::study`]). Prints, per policy and link, the steps and
+//! predicted seconds to each target, the bytes sent per step and the prediction's error band
+//! on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
+//! policy, link and step), `study_summary.csv` (the table) and `study.svg` (the loss curves).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use brigade::launch::net_model;
+use brigade::study::{PolicyStudy, StudyConfig};
+use clap::Args;
+use plotters::prelude::*;
+
+use crate::args::RunArgs;
+use crate::commands::sweep_args::make_out_dir;
+use crate::error::{Error, Result};
+use crate::outputs::write_atomic;
+use crate::policy::{parse_entry, registry, resolve};
+use crate::report::stdout::outln;
+use crate::run::{into_library, launch_config, setup, train_config, LateHeldOut, RunOptions};
+
+/// The files a study writes in --out.
+pub const STUDY_OUTPUTS: [&str; 3] = ["study.csv", "study_summary.csv", "study.svg"];
+
+/// `brigade study`'s flags: the run's (as `train`'s), the policies, the targets and where to
+/// predict.
+#[derive(Args)]
+pub struct StudyArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// The reducer policies to compare, as a comma-separated list of the specs of `train
+    /// --policy` (user policies registered with the program included).
+    #[arg(long, value_delimiter = ',', value_parser = parse_entry, required = true)]
+    pub policy: Vec<String>,
+    /// The target losses, comma-separated: the steps and predicted seconds until each policy's
+    /// loss first is at most each.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub target_loss: Vec<f64>,
+    /// More links to predict for, in Gb/s (comma-separated; the latency of --net-latency-us),
+    /// beside the run's --net-gbps.
+    #[arg(long, value_delimiter = ',')]
+    pub predict_gbps: Vec<f64>,
+    /// World sizes to predict each policy's step at beside --world-size (comma-separated),
+    /// from the same profiles.
+    #[arg(long, value_delimiter = ',')]
+    pub predict_world_sizes: Vec<usize>,
+    /// Directory for study.csv, study_summary.csv and study.svg (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `brigade study`.
+pub fn study(s: StudyArgs) -> Result<()> {
+    let a = &s.run;
+    a.validate()?;
+    let specs = s
+        .policy
+        .iter()
+        .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
+        .collect::<Result<Vec<_>>>()?;
+    a.check_settings_flags(&specs, true)?;
+    for spec in &specs {
+        a.validate_for(spec)
+            .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
+    }
+    let latency = a.distributed.net_latency_us;
+    let links: Vec<_> = a
+        .distributed
+        .net_gbps
+        .iter()
+        .chain(&s.predict_gbps)
+        .map(|&g| {
+            crate::args::check_link(Some(g), latency)?;
+            Ok(net_model(g, latency))
+        })
+        .collect::<Result<_>>()?;
+    if links.is_empty() {
+        return Err(Error::Usage(
+            "say which link to predict for: --net-gbps G (the run's link) or --predict-gbps LIST".into(),
+        ));
+    }
+    let sc = StudyConfig {
+        links,
+        other_worlds: s.predict_world_sizes.clone(),
+        targets: s.target_loss.clone(),
+        ..StudyConfig::new(vec![], vec![])
+    };
+    make_out_dir(&s.out, STUDY_OUTPUTS[0])?;
+    let opts = RunOptions::default();
+    let late = Arc::new(LateHeldOut::default());
+    let cfg = train_config(a, &opts, &late)?;
+    let kind = a.model.kind();
+    let names: Vec<String> = specs.iter().map(|p| p.to_string()).collect();
+    let results = brigade::study::study(
+        &launch_config(a, &opts),
+        &cfg,
+        registry(),
+        &names,
+        &sc,
+        |world| setup(a, &opts, &kind, world, &late).map_err(into_library),
+        |_ctx| Ok(kind.build(a.model.seed)?),
+    )?;
+    write_atomic(&s.out.join(STUDY_OUTPUTS[0]), curves_csv(&results).as_bytes())?;
+    write_atomic(&s.out.join(STUDY_OUTPUTS[1]), summary_csv(&results).as_bytes())?;
+    draw_chart(&s.out.join(STUDY_OUTPUTS[2]), &results)?;
+    if s.json {
+        let text = serde_json::to_string_pretty(&results).map_err(|e| Error::json("the study", e))?;
+        outln!("{text}");
+    } else {
+        print_table(&results);
+        outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
+    }
+    Ok(())
+}
+
+/// `x` with `digits` decimals, or `-` when absent.
+fn or_dash(x: Option<f64>, digits: usize) -> String {
+    x.map_or("-".into(), |v| format!("{v:.digits$}"))
+}
+
+/// The summary rows: one per policy and prediction (world, link).
+fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
+    let mut rows = vec![];
+    for r in results {
+        let band = r
+            .own_band
+            .map(|b| format!("{:+.1}%..{:+.1}%", 100.0 * b.low, 100.0 * b.high));
+        for p in &r.predictions {
+            let mut row = vec![
+                r.policy.clone(),
+                p.world_size.to_string(),
+                format!("{}", p.net_gbps),
+                format!("{}", p.net_latency_us),
+                or_dash(p.step_s.map(|s| 1e3 * s), 3),
+                format!("{:.3}", 1e3 * r.measured_step_s),
+                band.clone().unwrap_or_else(|| "-".into()),
+                format!("{:.0}", r.wire_bytes_per_step),
+                format!("{:.0}", r.payload_bytes_per_step),
+            ];
+            for t in &p.reached {
+                row.push(t.steps.map_or("-".into(), |n| n.to_string()));
+                row.push(or_dash(t.seconds, 3));
+            }
+            rows.push(row);
+        }
+    }
+    rows
+}
+
+/// The summary table's header, with two columns per target.
+fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
+    let mut h: Vec<String> = [
+        "policy",
+        "world_size",
+        "net_gbps",
+        "net_latency_us",
+        "predicted_step_ms",
+        "measured_step_ms",
+        "own_band",
+        "wire_bytes_per_step",
+        "payload_bytes_per_step",
+    ]
+    .map(String::from)
+    .to_vec();
+    let targets = results
+        .first()
+        .and_then(|r| r.predictions.first())
+        .map(|p| p.reached.iter().map(|t| t.target).collect::<Vec<_>>())
+        .unwrap_or_default();
+    for t in targets {
+        h.push(format!("steps_to_{t}"));
+        h.push(format!("seconds_to_{t}"));
+    }
+    h
+}
+
+fn summary_csv(results: &[PolicyStudy]) -> String {
+    let mut out = summary_header(results).join(",") + "\n";
+    for row in summary_rows(results) {
+        out += &(row.join(",") + "\n");
+    }
+    out
+}
+
+/// Loss against predicted wall-clock time: one row per policy, predicted link (at the trained
+/// world) and step; `predicted_s` is the steps run so far (this one included) at the
+/// predicted step.
+fn curves_csv(results: &[PolicyStudy]) -> String {
+    let mut out = String::from("policy,net_gbps,net_latency_us,step,loss,predicted_s\n");
+    for r in results {
+        for p in r
+            .predictions
+            .iter()
+            .filter(|p| !p.reached.is_empty() || r.predictions.len() == 1)
+        {
+            for (i, loss) in r.losses.iter().enumerate() {
+                out += &format!(
+                    "{},{},{},{},{:.6},{}\n",
+                    r.policy,
+                    p.net_gbps,
+                    p.net_latency_us,
+                    i,
+                    loss,
+                    or_dash(p.step_s.map(|s| (i + 1) as f64 * s), 6)
+                );
+            }
+        }
+    }
+    out
+}
+
+fn print_table(results: &[PolicyStudy]) {
+    let header = summary_header(results);
+    let rows = summary_rows(results);
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, String::len))
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[String]| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:>w$}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    outln!("{}", line(&header));
+    for r in &rows {
+        outln!("{}", line(r));
+    }
+    for r in results.iter().filter(|r| !r.note.is_empty()) {
+        outln!("note: {}: not predicted: {}", r.policy, r.note);
+    }
+}
+
+/// The loss of each policy against its predicted wall-clock time on the first link at the
+/// trained world, one curve per policy. Written atomically.
+fn draw_chart(path: &Path, results: &[PolicyStudy]) -> Result<()> {
+    let err = |m: String| Error::Chart {
+        path: path.display().to_string(),
+        msg: m,
+    };
+    let curves: Vec<(String, Vec<(f64, f64)>)> = results
+        .iter()
+        .filter_map(|r| {
+            let step = r.predictions.first()?.step_s?;
+            let pts = r
+                .losses
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.is_finite())
+                .map(|(i, &l)| ((i + 1) as f64 * step, l))
+                .collect();
+            Some((r.policy.clone(), pts))
+        })
+        .collect();
+    let all = curves.iter().flat_map(|(_, c)| c.iter());
+    let (xmax, ymax) = all.fold((0.0f64, 0.0f64), |(x, y), &(a, b)| (x.max(a), y.max(b)));
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 560)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+        let link = results.first().and_then(|r| r.predictions.first());
+        let caption = link.map_or(String::new(), |p| {
+            format!(
+                "loss against predicted time, {} ranks, {} Gb/s, {} us",
+                p.world_size, p.net_gbps, p.net_latency_us
+            )
+        });
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 20))
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..xmax * 1.05 + 1e-9, 0.0..ymax * 1.05 + 1e-9)
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("predicted seconds")
+            .y_desc("loss")
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        for (k, (name, pts)) in curves.into_iter().enumerate() {
+            let color = Palette99::pick(k).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        root.present().map_err(|e| err(e.to_string()))?;
+    }
+    write_atomic(path, svg.as_bytes())
+}

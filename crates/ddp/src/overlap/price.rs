@@ -1,0 +1,120 @@
+//! Pricing a policy's collectives on the one ring cost model ([`brigade_comm::RingOp`]): what
+//! each bucket's collectives and the after-step collective of a [`WireModel`] cost on `n`
+//! ranks, in messages (each waits a link latency α), link bytes (each takes `1/B`) and wire
+//! bytes (what a rank sends).
+
+use brigade_comm::RingOp;
+use serde::Serialize;
+
+use crate::policy::{AfterStepWire, WireModel};
+
+/// One collective (or a sum of them) as the ring prices it on `n` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct RingPrice {
+    /// Messages it waits for, one after the other (each costs the link's latency).
+    pub messages: f64,
+    /// Bytes that cross one link one after the other (each costs `1/B`).
+    pub link_bytes: f64,
+    /// Bytes one rank sends.
+    pub wire_bytes: f64,
+}
+
+impl RingPrice {
+    /// `op` on a buffer of `payload` bytes handed in by each rank (an all-gather's: its piece),
+    /// on `n` ranks; zero on one rank.
+    pub fn of(op: RingOp, payload: f64, n: usize) -> RingPrice {
+        if n < 2 {
+            return RingPrice::default();
+        }
+        RingPrice {
+            messages: op.messages(n),
+            link_bytes: op.link_bytes(payload, n),
+            wire_bytes: op.wire_bytes(payload, n),
+        }
+    }
+
+    /// Seconds on links of latency `alpha` and `per_byte` seconds a byte.
+    pub fn seconds(&self, alpha: f64, per_byte: f64) -> f64 {
+        self.messages * alpha + self.link_bytes * per_byte
+    }
+
+    /// This price and `other`'s, one after the other.
+    pub fn then(self, other: RingPrice) -> RingPrice {
+        RingPrice {
+            messages: self.messages + other.messages,
+            link_bytes: self.link_bytes + other.link_bytes,
+            wire_bytes: self.wire_bytes + other.wire_bytes,
+        }
+    }
+}
+
+impl WireModel {
+    /// The collectives one bucket issues on `n` ranks, each as `(op, bytes each rank hands
+    /// in)`: the bucket holds the parameters `group` (registration indices) whose f32
+    /// gradients have `param_bytes[i]` bytes. Zero-byte pieces are left out.
+    pub fn bucket_ops(&self, group: &[usize], param_bytes: &[usize], n: usize) -> Vec<(RingOp, f64)> {
+        let bytes: usize = group.iter().map(|&i| param_bytes[i]).sum();
+        let elements = bytes as f64 / 4.0;
+        let ops = match self {
+            WireModel::AllReduce { bytes_per_element } => vec![(RingOp::AllReduce, elements * bytes_per_element)],
+            // one reduce-scatter of the bucket padded to a multiple of the ranks
+            WireModel::ReduceScatter | WireModel::Zero3 => {
+                let padded = ((bytes / 4).div_ceil(n.max(1)) * n.max(1) * 4) as f64;
+                vec![(RingOp::ReduceScatter, padded)]
+            }
+            // each rank's piece: its entries and the bucket's header
+            WireModel::AllGather {
+                bytes_per_element,
+                bytes_per_bucket,
+                density,
+            } => vec![(
+                RingOp::AllGather,
+                (density * elements).ceil() * bytes_per_element + bytes_per_bucket,
+            )],
+            WireModel::Local => vec![],
+            // the uncompressed tensors, the P factors and the Q factors: three all-reduces
+            WireModel::LowRank { factors, .. } => {
+                let (mut plain, mut p, mut q) = (0.0, 0.0, 0.0);
+                for &i in group {
+                    match factors.get(i).copied().flatten() {
+                        Some((n_p, n_q)) => (p, q) = (p + 4.0 * n_p as f64, q + 4.0 * n_q as f64),
+                        None => plain += param_bytes[i] as f64,
+                    }
+                }
+                vec![
+                    (RingOp::AllReduce, plain),
+                    (RingOp::AllReduce, p),
+                    (RingOp::AllReduce, q),
+                ]
+            }
+        };
+        ops.into_iter().filter(|&(_, b)| b > 0.0).collect()
+    }
+
+    /// What one bucket's collectives cost on `n` ranks (see [`WireModel::bucket_ops`]).
+    pub fn bucket_price(&self, group: &[usize], param_bytes: &[usize], n: usize) -> RingPrice {
+        self.bucket_ops(group, param_bytes, n)
+            .into_iter()
+            .map(|(op, b)| RingPrice::of(op, b, n))
+            .fold(RingPrice::default(), RingPrice::then)
+    }
+}
+
+impl AfterStepWire {
+    /// What one fragment's collective costs on `n` ranks for parameters of `param_bytes` f32
+    /// bytes (all of them when [`AfterStepWire::fragments`] is 1).
+    pub fn price(&self, param_bytes: &[usize], n: usize) -> RingPrice {
+        let elements = param_bytes.iter().sum::<usize>() as f64 / 4.0;
+        let fragments = self.fragments.max(1) as f64;
+        RingPrice::of(self.op.ring(), elements * self.bytes_per_element / fragments, n)
+    }
+
+    /// What a step waits for, on average, on links of latency `alpha` and `per_byte` seconds a
+    /// byte when a step computes `compute_step` seconds: each fragment's collective less the
+    /// compute of the steps it overlaps, `fragments / every` of them a step.
+    pub fn step_share(&self, param_bytes: &[usize], n: usize, alpha: f64, per_byte: f64, compute_step: f64) -> f64 {
+        let link = self.price(param_bytes, n).seconds(alpha, per_byte);
+        let exposed = (link - self.overlap_steps as f64 * compute_step).max(0.0);
+        exposed * self.fragments.max(1) as f64 / self.every.max(1) as f64
+    }
+}
