@@ -316,6 +316,29 @@ pub fn calibrate(
     Ok((profiles, notes))
 }
 
+/// The plan recorded in the checkpoint at `path`, weighed against this run's `budget_mb`.
+fn recorded_choice(path: &std::path::Path, budget_mb: f64) -> Result<Choice> {
+    let meta = brigade::checkpoint::load_model_tensors(path)?.metadata;
+    let key = format!("{}{PLAN_KEY}", brigade::checkpoint::USER_PREFIX);
+    let Some(text) = meta.get(&key) else {
+        return Err(Error::Usage(format!(
+            "--resume {}: the checkpoint records no plan (it was not written by a --plan auto run): \
+             drop --plan auto and give the run's --policy, --bucket-mb and --activation-checkpointing",
+            path.display()
+        )));
+    };
+    let mut choice: Choice = serde_json::from_str(text).map_err(|e| {
+        Error::Usage(format!(
+            "--resume {}: its recorded plan is not readable: {e}",
+            path.display()
+        ))
+    })?;
+    // weighed against this run's budget, not the one it was chosen under
+    choice.calibration_runs = 0;
+    choice.memory_budget_mb = budget_mb;
+    Ok(choice)
+}
+
 /// `--plan auto`: chooses the policy, the caps and the checkpointing of `args` (kept from the
 /// checkpoint `resume` when it records a plan; else calibrated and planned), sets them in
 /// `args`, and returns the choice.
@@ -327,24 +350,7 @@ pub fn choose(
 ) -> Result<Choice> {
     let budget_mb = check(args, policy_given)?;
     if let Some(path) = resume {
-        let meta = brigade::checkpoint::load_model_tensors(path)?.metadata;
-        let key = format!("{}{PLAN_KEY}", brigade::checkpoint::USER_PREFIX);
-        let Some(text) = meta.get(&key) else {
-            return Err(Error::Usage(format!(
-                "--resume {}: the checkpoint records no plan (it was not written by a --plan auto run): \
-                 drop --plan auto and give the run's --policy, --bucket-mb and --activation-checkpointing",
-                path.display()
-            )));
-        };
-        let mut choice: Choice = serde_json::from_str(text).map_err(|e| {
-            Error::Usage(format!(
-                "--resume {}: its recorded plan is not readable: {e}",
-                path.display()
-            ))
-        })?;
-        // weighed against this run's budget, not the one it was chosen under
-        choice.calibration_runs = 0;
-        choice.memory_budget_mb = budget_mb;
+        let choice = recorded_choice(path, budget_mb)?;
         choice.apply(args)?;
         return Ok(choice);
     }

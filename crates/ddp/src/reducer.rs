@@ -370,6 +370,54 @@ pub(crate) fn build_buckets(
     Ok((buckets, bucket_of))
 }
 
+/// What a policy is told of the run: this rank, the world, and every parameter as it sees it.
+fn policy_context(
+    params: &[Var],
+    comm: &dyn Communicator,
+    units: &[Option<String>],
+    reduce_dtype: Option<DType>,
+) -> crate::policy::PolicyContext {
+    crate::policy::PolicyContext {
+        rank: comm.rank(),
+        world_size: comm.world_size(),
+        params: params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let v = p.value();
+                crate::policy::ParamInfo {
+                    name: p.name().unwrap_or("<unnamed>").to_string(),
+                    shape: v.shape().to_vec(),
+                    dtype: v.dtype(),
+                    device: v.device(),
+                    trainable: p.requires_grad(),
+                    unit: units.get(i).cloned().flatten(),
+                }
+            })
+            .collect(),
+        reduce_dtype,
+    }
+}
+
+/// Checks that the buckets of `layout` can hold every trainable parameter's gradient.
+fn check_bucket_dtype(params: &[Var], layout: &BucketLayout, policy_name: &str) -> Result<()> {
+    if let Some(p) = params
+        .iter()
+        .find(|p| p.requires_grad() && !bucket_holds(layout.dtype, p.value().dtype()))
+    {
+        return Err(DdpError::Policy {
+        policy: policy_name.to_string(),
+        reason: format!(
+            "its buckets hold {}, but parameter '{}' is {} (gradients accumulate in their parameter's dtype, or in f32 beside 16-bit parameters)",
+            layout.dtype,
+            p.name().unwrap_or("<unnamed>"),
+            p.value().dtype()
+        ),
+    });
+    }
+    Ok(())
+}
+
 impl Reducer {
     pub(crate) fn new(
         params: Vec<Var>,
@@ -380,42 +428,10 @@ impl Reducer {
         units: Vec<Option<String>>,
     ) -> Result<Reducer> {
         let trainable: Vec<bool> = params.iter().map(Var::requires_grad).collect();
-        let ctx = crate::policy::PolicyContext {
-            rank: comm.rank(),
-            world_size: comm.world_size(),
-            params: params
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let v = p.value();
-                    crate::policy::ParamInfo {
-                        name: p.name().unwrap_or("<unnamed>").to_string(),
-                        shape: v.shape().to_vec(),
-                        dtype: v.dtype(),
-                        device: v.device(),
-                        trainable: p.requires_grad(),
-                        unit: units.get(i).cloned().flatten(),
-                    }
-                })
-                .collect(),
-            reduce_dtype: cfg.reduce_dtype,
-        };
+        let ctx = policy_context(&params, comm.as_ref(), &units, cfg.reduce_dtype);
         let layout = policy.layout(&ctx);
         let policy_name = policy.name();
-        if let Some(p) = params
-            .iter()
-            .find(|p| p.requires_grad() && !bucket_holds(layout.dtype, p.value().dtype()))
-        {
-            return Err(DdpError::Policy {
-                policy: policy_name,
-                reason: format!(
-                    "its buckets hold {}, but parameter '{}' is {} (gradients accumulate in their parameter's dtype, or in f32 beside 16-bit parameters)",
-                    layout.dtype,
-                    p.name().unwrap_or("<unnamed>"),
-                    p.value().dtype()
-                ),
-            });
-        }
+        check_bucket_dtype(&params, &layout, &policy_name)?;
         let order: Vec<usize> = (0..params.len()).rev().filter(|&p| trainable[p]).collect();
         let caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb);
         let fixed = policy.bucket_groups(&ctx)?;

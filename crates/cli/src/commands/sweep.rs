@@ -356,6 +356,30 @@ fn draw_chart(path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<
     write_atomic(path, svg.as_bytes())
 }
 
+/// The top of the chart's y axis: the tallest measured or predicted point, with headroom.
+fn y_top(rows: &[SweepRow]) -> f64 {
+    rows.iter()
+        .map(|r| r.step_ms.max(r.comm_ms).max(r.predicted_step_ms.unwrap_or(0.0)))
+        .fold(0.0, f64::max)
+        * 1.15
+        + 1e-3
+}
+
+/// The chart's caption: the model and the simulated world it ran in.
+fn chart_caption(a: &RunArgs) -> String {
+    format!(
+        "{}, world size {}, {} rows/rank, net {} Gb/s, {} us",
+        flag_name(&a.model.model),
+        a.distributed.world_size,
+        a.rows_per_rank(),
+        a.distributed
+            .net_gbps
+            .map(|g| g.to_string())
+            .unwrap_or_else(|| "unlimited".into()),
+        a.distributed.net_latency_us
+    )
+}
+
 fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: &RunArgs) -> Result<()> {
     let err = |m: String| Error::Chart {
         path: path.display().to_string(),
@@ -366,27 +390,11 @@ fn render_chart(svg: &mut String, path: &std::path::Path, rows: &[SweepRow], a: 
         xs.iter().copied().fold(f64::INFINITY, f64::min),
         xs.iter().copied().fold(0.0, f64::max),
     );
-    let ymax = rows
-        .iter()
-        .map(|r| r.step_ms.max(r.comm_ms).max(r.predicted_step_ms.unwrap_or(0.0)))
-        .fold(0.0, f64::max)
-        * 1.15
-        + 1e-3;
+    let ymax = y_top(rows);
     let root = SVGBackend::with_string(svg, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let caption = format!(
-        "{}, world size {}, {} rows/rank, net {} Gb/s, {} us",
-        flag_name(&a.model.model),
-        a.distributed.world_size,
-        a.rows_per_rank(),
-        a.distributed
-            .net_gbps
-            .map(|g| g.to_string())
-            .unwrap_or_else(|| "unlimited".into()),
-        a.distributed.net_latency_us
-    );
     let mut chart = ChartBuilder::on(&root)
-        .caption(caption, ("sans-serif", 18))
+        .caption(chart_caption(a), ("sans-serif", 18))
         .margin(20)
         .x_label_area_size(45)
         .y_label_area_size(60)

@@ -68,6 +68,29 @@ pub fn write_loss_chart(path: &Path, points: &[LossPoint], title: &str) -> Resul
     write_atomic(path, svg.as_bytes())
 }
 
+/// The top of the learning-rate axis: the largest finite rate with headroom (1 without one).
+fn lr_top(points: &[LossPoint]) -> f64 {
+    let top = points
+        .iter()
+        .filter_map(|p| p.lr)
+        .filter(|v| v.is_finite())
+        .fold(0.0, f64::max);
+    if top > 0.0 {
+        top * 1.1
+    } else {
+        1.0
+    }
+}
+
+/// One curve of the chart: `(step, f(point))` for each point where `f` has a finite value.
+fn curve(points: &[LossPoint], f: &dyn Fn(&LossPoint) -> Option<f64>) -> Vec<(f64, f64)> {
+    points
+        .iter()
+        .filter_map(|p| Some((p.step as f64, f(p)?)))
+        .filter(|(_, v)| v.is_finite())
+        .collect()
+}
+
 /// The chart of [`write_loss_chart`] as SVG text (`path` names it in errors).
 fn render(svg: &mut String, path: &Path, points: &[LossPoint], title: &str) -> Result<()> {
     let err = |msg: String| Error::Chart {
@@ -80,12 +103,7 @@ fn render(svg: &mut String, path: &Path, points: &[LossPoint], title: &str) -> R
     };
     let (y0, y1) = span(points.iter().flat_map(|p| [Some(p.loss), p.val_loss]).flatten())
         .ok_or_else(|| err("no finite loss to draw".into()))?;
-    let lr_top = points
-        .iter()
-        .filter_map(|p| p.lr)
-        .filter(|v| v.is_finite())
-        .fold(0.0, f64::max);
-    let lr_top = if lr_top > 0.0 { lr_top * 1.1 } else { 1.0 };
+    let lr_top = lr_top(points);
     let root = SVGBackend::with_string(svg, (960, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let x = (first - 0.5)..(last + 0.5);
@@ -112,13 +130,7 @@ fn render(svg: &mut String, path: &Path, points: &[LossPoint], title: &str) -> R
         .y_label_formatter(&|v| format!("{v:.2e}"))
         .draw()
         .map_err(|e| err(e.to_string()))?;
-    let curve = |f: &dyn Fn(&LossPoint) -> Option<f64>| -> Vec<(f64, f64)> {
-        points
-            .iter()
-            .filter_map(|p| Some((p.step as f64, f(p)?)))
-            .filter(|(_, v)| v.is_finite())
-            .collect()
-    };
+    let curve = |f: &dyn Fn(&LossPoint) -> Option<f64>| curve(points, f);
     let legend =
         |color: RGBColor| move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2));
     let train = curve(&|p: &LossPoint| Some(p.loss));

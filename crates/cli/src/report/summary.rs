@@ -85,7 +85,6 @@ pub fn print_summary(args: &RunArgs, json: bool, world_size: usize, outcome: &Tr
     }
 }
 
-/// The summary as one JSON object (NaN as null: a run of no step has no loss or time).
 /// The report's `zero` (the ZeRO stage, 0 without ZeRO) and `comm_hook` (the bucket reduction
 /// beside it: the policy's name, an f32 all-reduce under ZeRO) of `policy`.
 fn zero_and_hook(policy: &PolicySpec) -> (u8, String) {
@@ -95,8 +94,8 @@ fn zero_and_hook(policy: &PolicySpec) -> (u8, String) {
     }
 }
 
-fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde_json::Value {
-    let s = summarize(a, world_size, outcome);
+/// The run's flags as the summary's `flags` object, with the ZeRO stage the report names `zero`.
+fn json_flags(a: &RunArgs) -> (u8, serde_json::Value) {
     let m = &a.model;
     let shape = match m.model {
         ModelName::Mlp => json!({ "widths": m.widths }),
@@ -134,6 +133,13 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
             f.extend(extra);
         }
     }
+    (zero, flags)
+}
+
+/// The summary as one JSON object (NaN as null: a run of no step has no loss or time).
+fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde_json::Value {
+    let s = summarize(a, world_size, outcome);
+    let (zero, flags) = json_flags(a);
     let mut out = json!({
         "first_loss": s.first_loss, "last_loss": s.last_loss,
         "median_step_ms": s.median_step_ms, "min_step_ms": s.min_step_ms,

@@ -148,31 +148,46 @@ fn render_gantt(svg: &mut String, path: &Path, events: &[TraceEvent], title: &st
         .draw()
         .map_err(|e| err(e.to_string()))?;
     for e in &spans {
-        let lane = y_of(lane_of(e));
         let (a, b) = (ms(e.start.expect("filtered").at), ms(e.end.expect("filtered").at));
-        let c = color_for(e);
-        chart
-            .draw_series(std::iter::once(Rectangle::new(
-                [(a, lane + 0.15), (b.max(a + t_end * 1e-3), lane + 0.85)],
-                c.filled(),
-            )))
-            .map_err(|e| err(e.to_string()))?;
-        let label = match Phase::of(&e.kind) {
-            Some(Phase::Backward { scope }) => scope.unwrap_or_else(|| "loss".to_string()),
-            _ => e.name.clone(),
-        };
-        // Every bucket is named (the comm lane is sparse, and the buckets are what a reader
-        // looks for); compute spans only when wide enough to hold the name.
-        if e.track == Track::Comm || (b - a) / t_end > 0.004 * label.len() as f64 {
-            chart
-                .draw_series(std::iter::once(Text::new(
-                    label,
-                    (a + t_end * 0.002, lane + 0.45),
-                    ("sans-serif", 11).into_font(),
-                )))
-                .map_err(|e| err(e.to_string()))?;
-        }
+        draw_span(&mut chart, e, y_of(lane_of(e)), (a, b), t_end).map_err(err)?;
     }
     root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+/// One span of the Gantt chart: its bar from `a` to `b` ms on `lane`, and its name when the
+/// reader looks for it (every bucket) or when the bar is wide enough to hold it.
+fn draw_span<DB: DrawingBackend>(
+    chart: &mut ChartContext<
+        '_,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    e: &TraceEvent,
+    lane: f64,
+    (a, b): (f64, f64),
+    t_end: f64,
+) -> std::result::Result<(), String> {
+    chart
+        .draw_series(std::iter::once(Rectangle::new(
+            [(a, lane + 0.15), (b.max(a + t_end * 1e-3), lane + 0.85)],
+            color_for(e).filled(),
+        )))
+        .map_err(|e| e.to_string())?;
+    let label = match Phase::of(&e.kind) {
+        Some(Phase::Backward { scope }) => scope.unwrap_or_else(|| "loss".to_string()),
+        _ => e.name.clone(),
+    };
+    // Every bucket is named (the comm lane is sparse, and the buckets are what a reader
+    // looks for); compute spans only when wide enough to hold the name.
+    if e.track == Track::Comm || (b - a) / t_end > 0.004 * label.len() as f64 {
+        chart
+            .draw_series(std::iter::once(Text::new(
+                label,
+                (a + t_end * 0.002, lane + 0.45),
+                ("sans-serif", 11).into_font(),
+            )))
+            .map_err(|e| e.to_string())?;
+    }
     Ok(())
 }

@@ -58,19 +58,14 @@ pub(crate) struct Topology {
     pub(crate) nodes: Option<usize>,
 }
 
-/// Finds the nodes and, if `shared_memory` and some node holds more than one rank, maps the
-/// node's segment. Collective over `world`; every rank returns the same verdict (errors name
-/// the offending setting).
-#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
-pub(crate) fn discover(
+/// Checks that every rank was given the same node size and shared-memory setting: every rank
+/// must take the same path through `discover`. Collective over `world`.
+fn agree_on_settings(
     world: &RawComm,
     rank: usize,
-    size: usize,
     declared: Option<usize>,
     shared_memory: bool,
-    timeout: Duration,
-) -> Result<(Topology, Option<NodePath>), CommError> {
-    // Every rank must take the same path through the calls below: agree on the settings first.
+) -> Result<(), CommError> {
     let mut words = setting_words(declared.map_or(0, |k| k as u64), u64::from(shared_memory));
     world.all_reduce_u64(rank, &mut words, raw::band_op(), "MPI_Allreduce(settings)")?;
     if !all_agree(&words) {
@@ -81,31 +76,51 @@ pub(crate) fn discover(
             if shared_memory { "on" } else { "off" },
         )));
     }
+    Ok(())
+}
+
+/// The node of `rank` when the user declared nodes of `k` ranks: checked to divide the job
+/// and to share memory. Collective over `world`.
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace MSRV
+fn declared_node(world: &RawComm, rank: usize, size: usize, k: usize) -> Result<RawComm, CommError> {
+    if k == 0 || size % k != 0 {
+        return Err(CommError::InvalidArgument(format!(
+            "{NODE_SIZE_VAR}={k} does not divide the {size} ranks of the job into nodes of equal size"
+        )));
+    }
+    let node = world.split(rank, rank / k, rank)?;
+    // The declared node must really share memory.
+    let shared = node.split_shared(rank)?;
+    let (_, shared_size) = shared.rank_and_size();
+    shared.free();
+    let mut ok = [u64::from(shared_size == k)];
+    world.all_reduce_u64(rank, &mut ok, raw::band_op(), "MPI_Allreduce(node check)")?;
+    if ok[0] == 0 {
+        node.free();
+        return Err(CommError::InvalidArgument(format!(
+            "{NODE_SIZE_VAR}={k} groups ranks that do not share memory (ranks {}..{} are not all on one \
+             host); unset it to group ranks by host",
+            rank / k * k,
+            rank / k * k + k - 1
+        )));
+    }
+    Ok(node)
+}
+
+/// Finds the nodes and, if `shared_memory` and some node holds more than one rank, maps the
+/// node's segment. Collective over `world`; every rank returns the same verdict (errors name
+/// the offending setting).
+pub(crate) fn discover(
+    world: &RawComm,
+    rank: usize,
+    size: usize,
+    declared: Option<usize>,
+    shared_memory: bool,
+    timeout: Duration,
+) -> Result<(Topology, Option<NodePath>), CommError> {
+    agree_on_settings(world, rank, declared, shared_memory)?;
     let node_comm = match declared {
-        Some(k) => {
-            if k == 0 || size % k != 0 {
-                return Err(CommError::InvalidArgument(format!(
-                    "{NODE_SIZE_VAR}={k} does not divide the {size} ranks of the job into nodes of equal size"
-                )));
-            }
-            let node = world.split(rank, rank / k, rank)?;
-            // The declared node must really share memory.
-            let shared = node.split_shared(rank)?;
-            let (_, shared_size) = shared.rank_and_size();
-            shared.free();
-            let mut ok = [u64::from(shared_size == k)];
-            world.all_reduce_u64(rank, &mut ok, raw::band_op(), "MPI_Allreduce(node check)")?;
-            if ok[0] == 0 {
-                node.free();
-                return Err(CommError::InvalidArgument(format!(
-                    "{NODE_SIZE_VAR}={k} groups ranks that do not share memory (ranks {}..{} are not all on one \
-                     host); unset it to group ranks by host",
-                    rank / k * k,
-                    rank / k * k + k - 1
-                )));
-            }
-            node
-        }
+        Some(k) => declared_node(world, rank, size, k)?,
         None => world.split_shared(rank)?,
     };
     let (local, node_size) = node_comm.rank_and_size();

@@ -30,6 +30,17 @@ fn blocks_of<E>(n: usize) -> (usize, impl Fn(usize) -> (usize, usize)) {
     })
 }
 
+/// The elements of `n` that rank `me` of `size` reduces: its chunk of every block.
+fn shard_len<E>(n: usize, size: usize, me: usize) -> usize {
+    let (blocks, block) = blocks_of::<E>(n);
+    (0..blocks)
+        .map(|s| {
+            let (a, b) = chunk(block(s).1, size, me);
+            b - a
+        })
+        .sum()
+}
+
 impl ShmNode {
     /// Copies the parts of a block (`m` elements at `data`) that the peers reduce into slot
     /// `slot` of this rank.
@@ -264,15 +275,7 @@ impl ShmNode {
         };
         let size = self.size();
         shard.clear();
-        shard.resize(
-            (0..blocks)
-                .map(|s| {
-                    let (a, b) = chunk(block(s).1, size, self.me);
-                    b - a
-                })
-                .sum(),
-            0.0,
-        );
+        shard.resize(shard_len::<E>(n, size, self.me), 0.0);
         self.gather_into = None;
         if blocks == 0 {
             return Ok(());

@@ -50,8 +50,8 @@ use std::time::Instant;
 use brigade_autograd::{GradReady, GradSubscriber, Optimizer, ScopeHooks, SubscriberError, Var};
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{
-    BucketLayout, BuildOptimizer, GatherPhase, GatherTimes, Group, OptimizerContext, ParamHooks, PolicyBucket,
-    PolicyContext, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
+    BucketLayout, BucketSpan, BuildOptimizer, GatherPhase, GatherTimes, Group, OptimizerContext, ParamHooks,
+    PolicyBucket, PolicyContext, PolicyMemory, ReducerPolicy, Reduction, StepContext, TensorWork, WireModel,
 };
 use brigade_ddp::{DdpError, MemoryPart};
 use brigade_tensor::{DType, Tensor};
@@ -663,26 +663,7 @@ impl ReducerPolicy for Zero3 {
         let masters = match whole_masters.is_empty() {
             // mixed precision: the masters are f32 beside the 16-bit parameters
             false => super::master_shards(ctx, &whole_masters)?,
-            true => {
-                let mut masters = vec![];
-                for span in &spans {
-                    let per = shard_len(span.grad_numel, world);
-                    let device = params[span.params[0].index].value().device();
-                    let master = Tensor::zeros_on(&[per], DType::F32, device)?;
-                    let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
-                    for piece in pieces(&flat, world, rank) {
-                        let param = &params[piece.param];
-                        // a parameter not drawn yet: only this rank's piece of it is drawn
-                        let values = match param.deferred_init() {
-                            Some(init) => init.draw(piece.param_offset, piece.len).to_device(device)?,
-                            None => param.value().flat_view(piece.param_offset, &[piece.len])?,
-                        };
-                        master.narrow(0, piece.shard_offset, piece.len)?.copy_from(&values)?;
-                    }
-                    masters.push(master);
-                }
-                masters
-            }
+            true => own_master_shards(&spans, &params, world, rank)?,
         };
         drop(whole_masters);
         // the optimizer's state is its own part
@@ -771,4 +752,27 @@ impl ReducerPolicy for Zero3 {
     fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::Zero3)
     }
+}
+
+/// This rank's f32 shard of every unit, cut from the (whole, broadcast) parameters; a
+/// parameter not drawn yet has only this rank's piece of it drawn.
+fn own_master_shards(spans: &[BucketSpan], params: &[Var], world: usize, rank: usize) -> Result<Vec<Tensor>> {
+    let mut masters = vec![];
+    for span in spans {
+        let per = shard_len(span.grad_numel, world);
+        let device = params[span.params[0].index].value().device();
+        let master = Tensor::zeros_on(&[per], DType::F32, device)?;
+        let flat: Vec<(usize, usize)> = span.params.iter().map(|p| (p.index, p.len())).collect();
+        for piece in pieces(&flat, world, rank) {
+            let param = &params[piece.param];
+            // a parameter not drawn yet: only this rank's piece of it is drawn
+            let values = match param.deferred_init() {
+                Some(init) => init.draw(piece.param_offset, piece.len).to_device(device)?,
+                None => param.value().flat_view(piece.param_offset, &[piece.len])?,
+            };
+            master.narrow(0, piece.shard_offset, piece.len)?.copy_from(&values)?;
+        }
+        masters.push(master);
+    }
+    Ok(masters)
 }

@@ -184,18 +184,7 @@ fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec
                     w,
                     1,
                 );
-                // dS = P * (dP - sum(dP * P)), zero in the future, times the scale
-                for i in r0..r1 {
-                    let pr = std::slice::from_raw_parts(p.add(i * t), i + 1);
-                    let row = std::slice::from_raw_parts_mut(dsp.add(i * t), r1);
-                    let (now, future) = row.split_at_mut(i + 1);
-                    future.fill(T::ZERO);
-                    let dot: T = pr.iter().zip(now.iter()).map(|(&a, &b)| a * b).sum();
-                    // one pass: the product rounded, then scaled, as two passes would
-                    for (o, &y) in now.iter_mut().zip(pr) {
-                        *o = y * (*o - dot) * scale + T::ZERO;
-                    }
-                }
+                softmax_grad_rows(p, dsp, t, (r0, r1), scale);
                 // dQ = dS K  ([r, r1] x [r1, hd])
                 gemm_strided(
                     r1 - r0,
@@ -211,43 +200,82 @@ fn backward<T: Float>(x: &[T], probs: &[T], gy: &[T], dm: Dims, scale: T) -> Vec
                     1,
                 );
             }
-            // Per block of keys c0..c1, only the queries c0..t that see them.
-            for (c0, c1) in row_blocks(t) {
-                let rows = t - c0;
-                // dK^T = Q^T dS  ([hd, rows] x [rows, c]), written transposed into the k columns
-                let dk = dbase.add(d + c0 * w);
-                gemm_strided(
-                    hd,
-                    c1 - c0,
-                    rows,
-                    (dk, 1, w),
-                    base.add(c0 * w),
-                    1,
-                    w,
-                    dsp.add(c0 * t + c0),
-                    t,
-                    1,
-                    1,
-                );
-                // dV = P^T dY  ([c, rows] x [rows, hd])
-                let dv = dbase.add(2 * d + c0 * w);
-                gemm_strided(
-                    c1 - c0,
-                    hd,
-                    rows,
-                    (dv, w, 1),
-                    p.add(c0 * t + c0),
-                    1,
-                    t,
-                    g.add(c0 * d),
-                    d,
-                    1,
-                    1,
-                );
-            }
+            key_value_grads(dm, base, p, g, dsp, dbase);
         }
     });
     dx
+}
+
+/// dS = P * (dP - sum(dP * P)) for query rows `r0..r1` of `ds` (holding dP for keys `0..r1`),
+/// zero in the future, times the scale.
+///
+/// # Safety
+/// `p` holds `t * t` probabilities and `dsp` `t * t` values, rows `r0..r1` of which only this
+/// task touches.
+unsafe fn softmax_grad_rows<T: Float>(p: *const T, dsp: *mut T, t: usize, (r0, r1): (usize, usize), scale: T) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        // dS = P * (dP - sum(dP * P)), zero in the future, times the scale
+        for i in r0..r1 {
+            let pr = std::slice::from_raw_parts(p.add(i * t), i + 1);
+            let row = std::slice::from_raw_parts_mut(dsp.add(i * t), r1);
+            let (now, future) = row.split_at_mut(i + 1);
+            future.fill(T::ZERO);
+            let dot: T = pr.iter().zip(now.iter()).map(|(&a, &b)| a * b).sum();
+            // one pass: the product rounded, then scaled, as two passes would
+            for (o, &y) in now.iter_mut().zip(pr) {
+                *o = y * (*o - dot) * scale + T::ZERO;
+            }
+        }
+    }
+}
+
+/// dK and dV of one head from its dS (`dsp`), probabilities `p` and output gradient `g`,
+/// written into the k and v columns at `dbase`.
+///
+/// # Safety
+/// The pointers are those of `backward`'s task for one head: `base` its q, k, v columns of
+/// `x`, `dbase` the same columns of `dx`, which this task alone writes.
+unsafe fn key_value_grads<T: Float>(dm: Dims, base: *const T, p: *const T, g: *const T, dsp: *mut T, dbase: *mut T) {
+    let Dims { t, hd, .. } = dm;
+    let (d, w) = (dm.d(), 3 * dm.d());
+    // SAFETY: as the caller promises.
+    unsafe {
+        // Per block of keys c0..c1, only the queries c0..t that see them.
+        for (c0, c1) in row_blocks(t) {
+            let rows = t - c0;
+            // dK^T = Q^T dS  ([hd, rows] x [rows, c]), written transposed into the k columns
+            let dk = dbase.add(d + c0 * w);
+            gemm_strided(
+                hd,
+                c1 - c0,
+                rows,
+                (dk, 1, w),
+                base.add(c0 * w),
+                1,
+                w,
+                dsp.add(c0 * t + c0),
+                t,
+                1,
+                1,
+            );
+            // dV = P^T dY  ([c, rows] x [rows, hd])
+            let dv = dbase.add(2 * d + c0 * w);
+            gemm_strided(
+                c1 - c0,
+                hd,
+                rows,
+                (dv, w, 1),
+                p.add(c0 * t + c0),
+                1,
+                t,
+                g.add(c0 * d),
+                d,
+                1,
+                1,
+            );
+        }
+    }
 }
 
 impl Attention for Buffer {
