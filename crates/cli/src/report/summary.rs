@@ -9,7 +9,7 @@ use brigade::outcome::TrainOutcome;
 use brigade::recipe::HyperparameterChange;
 use serde_json::json;
 
-use brigade::policies::{PolicySpec, ZeroStage};
+use brigade::policies::PolicySpec;
 
 use crate::args::{compact, flag_name, ModelName, RunArgs};
 use crate::plan_auto::Choice;
@@ -87,10 +87,11 @@ pub fn print_summary(args: &RunArgs, json: bool, world_size: usize, outcome: &Tr
 
 /// The report's `zero` (the ZeRO stage, 0 without ZeRO) and `comm_hook` (the bucket reduction
 /// beside it: the policy's name, an f32 all-reduce under ZeRO) of `policy`.
+/// The stage is the number the policy's state layout records (what a checkpoint records).
 fn zero_and_hook(policy: &PolicySpec) -> (u8, String) {
-    match policy.zero_stage() {
-        ZeroStage::Off => (0, policy.name().to_string()),
-        stage => (stage.level(), PolicySpec::AllReduce.name().to_string()),
+    match policy.state_layout().record() {
+        0 => (0, policy.name().to_string()),
+        stage => (stage, PolicySpec::AllReduce.name().to_string()),
     }
 }
 
