@@ -254,7 +254,7 @@ impl DistributedDataParallel {
         };
         // the policy's optimizer state (a policy names its own parts inside, e.g. ZeRO-3's shards)
         let inner = {
-            let _part = crate::memory::MemoryPart::Optimizer.enter();
+            let _part = crate::peak_parts::MemoryPart::Optimizer.enter();
             self.reducer.lock_policy().optimizer(full, build, &ctx)?
         };
         Ok(DdpOptimizer {

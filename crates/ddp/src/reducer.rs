@@ -26,7 +26,7 @@ use brigade_comm::{Buffer, CommMeter, Communicator, EventKind, OpTiming, Recorde
 use brigade_tensor::{DType, Device, Tensor};
 
 use crate::group::{Group, LinkTime, Metered};
-use crate::memory::MemoryPart;
+use crate::peak_parts::MemoryPart;
 use crate::phase::Phase;
 use crate::policy::{
     BucketLayout, BucketParam, BucketSource, BucketSpan, HeldGrad, PolicyBucket, ReducerPolicy, Reduction,
