@@ -184,7 +184,7 @@ impl Var {
     }
 
     /// Forgets the recipe: the parameter holds (or is about to hold) its values, or a policy
-    /// drew the part of them it keeps ([`crate::deferred`]).
+    /// drew the part of them it keeps ([`crate::defer_param_init`]).
     pub fn end_deferral(&self) {
         if let Some(info) = &self.0.param {
             *info.init.lock().unwrap_or_else(|e| e.into_inner()) = None;

@@ -186,7 +186,7 @@ impl Var {
 
     /// Replaces the value of a leaf (loading a checkpoint, broadcasting rank 0's
     /// parameters). The shape must stay the same. A deferred parameter's recipe is forgotten:
-    /// it holds `t` ([`crate::deferred`]).
+    /// it holds `t` ([`crate::defer_param_init`]).
     pub fn set_value(&self, t: Tensor) -> Result<()> {
         let mut d = self.0.data.write().unwrap_or_else(|e| e.into_inner());
         if d.shape() != t.shape() {

@@ -57,7 +57,7 @@ pub struct MemoryReport {
     /// by the [`brigade_tensor::MemoryMeter`]. Set by the trainer (0 from `rank_memory`
     /// alone). Not part of [`MemoryReport::total`], which counts what stays between steps.
     pub peak: usize,
-    /// What held `peak`'s bytes at its moment ([`MemoryPart`]).
+    /// What held `peak`'s bytes at its moment ([`crate::MemoryPart`]).
     pub peak_parts: PeakParts,
     /// The step whose peak is `peak` (`None`: no step ran).
     pub peak_step: Option<usize>,
