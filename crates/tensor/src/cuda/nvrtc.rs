@@ -47,6 +47,11 @@ pub const OPTIM: KernelFile = KernelFile {
     name: "optim.cu",
     source: include_str!("kernels/optim.cu"),
 };
+/// The sort of rows (sort, argsort, topk), gather and scatter-add along a dim.
+pub const INDEXING: KernelFile = KernelFile {
+    name: "indexing.cu",
+    source: include_str!("kernels/indexing.cu"),
+};
 /// The simulated link's spin kernel.
 pub const LINK: KernelFile = KernelFile {
     name: "link.cu",
@@ -54,7 +59,7 @@ pub const LINK: KernelFile = KernelFile {
 };
 
 /// Every kernel file, in the order the NVRTC test compiles them.
-pub const KERNEL_FILES: [KernelFile; 6] = [ELEMENTWISE, COPY, REDUCE, NN, OPTIM, LINK];
+pub const KERNEL_FILES: [KernelFile; 7] = [ELEMENTWISE, COPY, REDUCE, NN, OPTIM, INDEXING, LINK];
 
 /// Why a kernel file did not compile cleanly.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

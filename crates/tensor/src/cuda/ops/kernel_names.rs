@@ -2,7 +2,7 @@
 //! would otherwise first show on a GPU. Needs NVRTC (CI has it; elsewhere the test says it
 //! skipped).
 
-use super::super::nvrtc::{self, KernelFile, COPY, ELEMENTWISE, LINK, NN, OPTIM, REDUCE};
+use super::super::nvrtc::{self, KernelFile, COPY, ELEMENTWISE, INDEXING, LINK, NN, OPTIM, REDUCE};
 use super::{binary_kernel, unary_kernel};
 use crate::backend::{BinaryOp, UnaryOp};
 
@@ -81,12 +81,21 @@ fn every_launched_kernel_exists_in_its_cubin() {
             }
             if matches!(t, "f32" | "f64") {
                 want.push((NN, format!("embedding_backward_{t}_{i}")));
+                want.push((INDEXING, format!("scatter_add_lines_{t}_{i}")));
             }
+        }
+        for k in ["sort_tiles", "merge_runs"] {
+            want.push((INDEXING, format!("{k}_{t}")));
         }
     }
     for b in [1, 2, 4, 8] {
         for k in ["gather", "fill", "scatter"] {
             want.push((COPY, format!("{k}_b{b}")));
+        }
+    }
+    for b in [2, 4, 8] {
+        for i in ["i64", "u8"] {
+            want.push((INDEXING, format!("gather_along_b{b}_{i}")));
         }
     }
     for s in all {
