@@ -18,6 +18,7 @@
 #   start      every carried binary starts (and the glibc it needs)
 #   probe      cuda:0 opens (BRIGADE_REQUIRE_CUDA=1: a skip is a failure); NVRTC compiles here
 #   ops        every op, forward and backward, CPU vs CUDA, f32 and f64 (tests/tensor cuda_ops::)
+#              (sort, topk, gather, scatter-add: values and indices bit for bit, NaNs included)
 #   half       every op in bf16 and f16 on cuda:0 (computed in f32, each output rounded once)
 #              against f64 on the same rounded inputs: within one ulp (tests/tensor half_ops::)
 #   parity     the GPT's losses on CUDA vs the CPU reference computed at build time (SGD, 3e-4)

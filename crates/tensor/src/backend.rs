@@ -379,7 +379,8 @@ pub(crate) trait Indexing: Sized {
     /// A copy of `self` (contiguous) with `src[i][j][k]` added at `[ids[i][j][k]][j][k]` for
     /// `dim = 0` (likewise for any `dim`): `ids` *any layout* and `src` contiguous, both of
     /// one shape, of self's rank, no larger than self in any dim but `dim`. Repeated indices
-    /// add up, in the index's row-major order on the CPU (any order elsewhere).
+    /// add up in the index's row-major order (on the CPU and on CUDA: the same bits, on
+    /// every run).
     fn scatter_add(&self, layout: &Layout, dim: usize, ids: (&Self, &Layout), src: (&Self, &Layout)) -> Result<Self>;
 }
 

@@ -243,6 +243,7 @@ fn parity(device: Device, dtype: DType) -> Vec<Case> {
         let dqkv = v[0].causal_attention_backward(&saved, &v[1], nh, scale).unwrap();
         vec![y, saved.probs, dqkv]
     });
+    indexing_cases(&mut h);
     // in place through a narrowed view of a flat buffer (a bucket)
     let src = h.randn(&[2, 3], 22);
     h.check("fill/copy_from/add_assign through a bucket view", tol, &[&src], |v| {
@@ -291,6 +292,76 @@ fn parity(device: Device, dtype: DType) -> Vec<Case> {
         });
     }
     h.cases
+}
+
+/// Sorting and moving by index, forward and backward, bit for bit on every device: rows
+/// sorted in one block (300) and in tiles then merged (4500, and a flat 10000), with ties
+/// (kept in position order); gather and scatter-add along each dim with repeated ids (added
+/// in the CPU's order, not by atomics), strided and broadcast indices, and a 1-d index_add
+/// of 3000 ids, longer than a block.
+fn indexing_cases(h: &mut Harness) {
+    let ids = |v: Vec<i64>, shape: &[usize]| Tensor::from_vec(v, shape).unwrap();
+    let tied = |t: Tensor| t.mul_scalar(2.0).unwrap().round().unwrap();
+    let (short, long) = (tied(h.randn(&[5, 300], 25)), tied(h.randn(&[2, 4500], 26)));
+    h.check("sort/argsort/topk (rows of 300 and 4500, tied)", 0.0, &[&short, &long], |v| {
+        let mut out = vec![];
+        for x in v {
+            for descending in [false, true] {
+                let (s, i) = x.sort(descending).unwrap();
+                out.extend([s, i, x.argsort(descending).unwrap()]);
+            }
+            let (t, i) = x.topk(37).unwrap();
+            out.extend([t, i]);
+        }
+        out
+    });
+    let (flat, gk) = (h.randn(&[10000], 27), h.randn(&[100], 28));
+    h.check("topk of 10000 and its backward (scatter_add)", 0.0, &[&flat, &gk], |v| {
+        let (vals, i) = v[0].topk(100).unwrap();
+        let zeros = Tensor::zeros_on(&[10000], v[0].dtype(), v[0].device()).unwrap();
+        let back = zeros.scatter_add(0, &i, &v[1]).unwrap();
+        vec![vals, i, back]
+    });
+    let base = h.randn(&[6, 9], 29);
+    let i1 = ids((0..72).map(|i| (i * 7 + 3) % 9).collect(), &[6, 12]);
+    let i0 = ids((0..45).map(|i| (i * 5 + 1) % 6).collect(), &[5, 9]);
+    let (s1, s0, gy) = (h.randn(&[6, 12], 30), h.randn(&[5, 9], 31), h.randn(&[6, 9], 32));
+    h.check(
+        "gather/scatter_add along each dim and backwards (repeated ids)",
+        0.0,
+        &[&base, &i1, &s1, &i0, &s0, &gy],
+        |v| {
+            let zeros = Tensor::zeros_on(&[6, 9], v[0].dtype(), v[0].device()).unwrap();
+            vec![
+                v[0].gather(1, &v[1]).unwrap(),
+                v[0].gather(0, &v[3]).unwrap(),
+                // a strided index on a strided tensor
+                v[0].t().unwrap().gather(0, &v[1].t().unwrap()).unwrap(),
+                v[0].scatter_add(1, &v[1], &v[2]).unwrap(),
+                v[0].scatter_add(0, &v[3], &v[4]).unwrap(),
+                // gather's backward adds the gradient back at its index; scatter_add's
+                // gradient for src gathers the output's
+                zeros.scatter_add(1, &v[1], &v[2]).unwrap(),
+                v[5].gather(0, &v[3]).unwrap(),
+            ]
+        },
+    );
+    let sel = ids(vec![4, 0, 4, 2, 5, 4, 1], &[7]);
+    let (add, flat_base, flat_src) = (h.randn(&[7, 9], 33), h.randn(&[500], 34), h.randn(&[3000], 35));
+    let long_ids = ids((0..3000).map(|i| (i * 37) % 500).collect(), &[3000]);
+    h.check(
+        "index_add/index_select (broadcast index; 3000 ids into 500)",
+        0.0,
+        &[&base, &sel, &add, &flat_base, &long_ids, &flat_src],
+        |v| {
+            vec![
+                v[0].index_add(0, &v[1], &v[2]).unwrap(),
+                v[0].index_select(0, &v[1]).unwrap(),
+                v[3].index_add(0, &v[4], &v[5]).unwrap(),
+                v[3].gather(0, &v[4]).unwrap(),
+            ]
+        },
+    );
 }
 
 /// Compares every case (exactly when `exact`), printing one line per case; the failures.
@@ -412,3 +483,46 @@ fn nan_propagates_through_relu_max_softmax_and_cross_entropy(d: Device) {
     }
 }
 test_device!(nan_propagates_through_relu_max_softmax_and_cross_entropy);
+
+/// The sort's order, as the CPU's, on every device and float dtype: NaN above every number
+/// (first when descending), `-0.0` equal to `0.0` (so their positions decide), ties by
+/// lower position, in rows sorted in one block and in rows of several tiles merged; and
+/// scatter-add's sums with repeated ids, 16-bit storages widened to f32 and rounded once.
+/// Values and indices equal the CPU's bit for bit.
+fn sort_and_scatter_add_match_the_cpu_bit_for_bit_with_nans_and_signed_zeros(d: Device) {
+    let pool = [-1.5, -0.0, 0.0, 2.0, 3.25, f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let v = t.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap();
+        v.into_iter().map(|x| if x.is_nan() { 1 } else { x.to_bits() }).collect()
+    };
+    let mut rng = Rng::new(41);
+    for (rows, n) in [(4, 50), (3, 2600)] {
+        let v: Vec<f64> = (0..rows * n).map(|_| pool[rng.below(8) as usize]).collect();
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let cpu = Tensor::from_f64_vec(v.clone(), &[rows, n], dtype);
+            let dev = cpu.to_device(d).unwrap();
+            for descending in [false, true] {
+                let (cv, ci) = cpu.sort(descending).unwrap();
+                let (dv, di) = dev.sort(descending).unwrap();
+                assert_eq!(di.to_vec::<i64>().unwrap(), ci.to_vec::<i64>().unwrap(), "{dtype} {rows}x{n}");
+                assert_eq!(bits(&dv), bits(&cv), "{dtype} {rows}x{n} descending {descending}");
+            }
+            let (cv, ci) = cpu.topk(7).unwrap();
+            let (dv, di) = dev.topk(7).unwrap();
+            assert_eq!(di.to_vec::<i64>().unwrap(), ci.to_vec::<i64>().unwrap(), "{dtype} topk");
+            assert_eq!(bits(&dv), bits(&cv), "{dtype} topk");
+        }
+    }
+    let ids: Vec<i64> = (0..600).map(|_| rng.below(40) as i64).collect();
+    let src: Vec<f64> = (0..600).map(|_| rng.normal()).collect();
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+        let i = Tensor::from_vec(ids.clone(), &[600]).unwrap();
+        let s = Tensor::from_f64_vec(src.clone(), &[600], dtype);
+        let base = Tensor::from_f64_vec((0..40).map(|x| x as f64 * 0.1).collect(), &[40], dtype);
+        let want = base.index_add(0, &i, &s).unwrap();
+        let on = |t: &Tensor| t.to_device(d).unwrap();
+        let got = on(&base).index_add(0, &on(&i), &on(&s)).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{dtype} index_add");
+    }
+}
+test_device!(sort_and_scatter_add_match_the_cpu_bit_for_bit_with_nans_and_signed_zeros);

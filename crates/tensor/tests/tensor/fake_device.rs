@@ -109,6 +109,28 @@ fn topk_indices_feed_a_scatter_add_without_a_copy_back() {
 }
 
 #[test]
+fn a_sort_and_the_gathers_and_scatters_of_its_indices_read_nothing_back() {
+    // sort a [rows, n] block, pick the rows' values in sorted order and add a gradient back
+    // at them: every index came from the sort (its range known), so nothing is read
+    let d = fresh(107);
+    let x: Vec<f32> = (0..60).map(|i| ((i * 37) % 60) as f32).collect();
+    let x = Tensor::from_vec(x, &[4, 15]).unwrap().to_device(d).unwrap();
+    let order = x.argsort(true).unwrap();
+    let picked = x.gather(1, &order).unwrap();
+    let back = Tensor::zeros_on(&[4, 15], DType::F32, d)
+        .unwrap()
+        .scatter_add(1, &order, &picked)
+        .unwrap();
+    let first = order.narrow(1, 0, 1).unwrap().reshape(&[4]).unwrap();
+    let cols = x.index_select(1, &first).unwrap();
+    let summed = back.index_add(1, &first, &cols).unwrap();
+    assert_eq!(fake::counts(107).to_host, 0, "an index of known range is not read");
+    assert_eq!(picked.sort(true).unwrap().0.to_vec::<f32>().unwrap(), picked.to_vec::<f32>().unwrap());
+    assert_eq!(back.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
+    assert_eq!(summed.shape(), &[4, 15]);
+}
+
+#[test]
 fn ops_run_on_the_scoped_stream_and_an_unordered_access_is_refused() {
     let d = fresh(104);
     let compute = Stream::compute(d).unwrap();
