@@ -18,21 +18,27 @@ bool check_sort(u64 rows, u64 n, u64 k, int desc, unsigned blocks, std::mt19937&
     for (auto& v : x) v = (T)pool[rng() % 8];
     std::vector<T> vals(rows * k);
     std::vector<i64> ids(rows * k);
-    u64 tiles = (n + SORT_TILE - 1) / SORT_TILE;
-    if (tiles == 1) {
-        run_grid(blocks, [&] { sort_tiles_impl<T>(x.data(), vals.data(), ids.data(), rows, n, k, k, desc); });
-    } else {
-        std::vector<T> va(rows * n), vb(rows * n);
-        std::vector<i64> ia(rows * n), ib(rows * n);
-        run_grid(blocks, [&] { sort_tiles_impl<T>(x.data(), va.data(), ia.data(), rows, n, n, n, desc); });
-        for (u64 w = SORT_TILE; w < n; w *= 2) {
-            run_grid(blocks, [&] { merge_runs_impl<T>(va.data(), ia.data(), vb.data(), ib.data(), rows, n, w, desc); });
-            std::swap(va, vb);
-            std::swap(ia, ib);
-        }
-        for (u64 r = 0; r < rows; ++r)
-            for (u64 j = 0; j < k; ++j) { vals[r * k + j] = va[r * n + j]; ids[r * k + j] = ia[r * n + j]; }
+    // the launches of CudaStorage::sort_rows (crates/tensor/src/cuda/ops/indexing.rs)
+    u64 tiles = (n + SORT_TILE - 1) / SORT_TILE, keep = std::min<u64>(k, SORT_TILE);
+    u64 len = (tiles - 1) * keep + std::min<u64>(n - (tiles - 1) * SORT_TILE, keep);
+    std::vector<T> va(rows * len), vb(rows * len);
+    std::vector<i64> ia(rows * len), ib(rows * len);
+    run_grid(blocks, [&] { sort_tiles_impl<T>(x.data(), va.data(), ia.data(), rows, n, len, keep, desc); });
+    for (u64 w = keep; len > w;) {
+        u64 next = std::min<u64>(2 * w, k), pairs = (len + 2 * w - 1) / (2 * w);
+        u64 out = (pairs - 1) * next + std::min<u64>(len - (pairs - 1) * 2 * w, next);
+        run_grid(blocks, [&] { merge_runs_impl<T>(va.data(), ia.data(), vb.data(), ib.data(), rows, len, w, next, out, desc); });
+        std::swap(va, vb);
+        std::swap(ia, ib);
+        len = out;
+        w = next;
     }
+    if (len != k) {
+        printf("sort FAIL: %llu left a row, want %llu\n", len, k);
+        return false;
+    }
+    std::copy(va.begin(), va.begin() + rows * k, vals.begin());
+    std::copy(ia.begin(), ia.begin() + rows * k, ids.begin());
     for (u64 r = 0; r < rows; ++r) {
         std::vector<i64> p(n);
         for (u64 i = 0; i < n; ++i) p[i] = i;
@@ -100,6 +106,10 @@ int main() {
         ok &= check_sort<double>(2, 2048, 2048, desc, 1, rng);
         ok &= check_sort<double>(2, 2600, 2600, desc, 3, rng);
         ok &= check_sort<float>(1, 9000, 100, desc, 4, rng);
+        ok &= check_sort<float>(2, 9000, 3000, desc, 4, rng);
+        ok &= check_sort<double>(1, 20000, 1, desc, 7, rng);
+        ok &= check_sort<float>(3, 6200, 5000, desc, 4, rng);
+        ok &= check_sort<float>(2, 2049, 2048, desc, 2, rng);
         ok &= check_sort<float>(2, 4097, 4097, desc, 5, rng);
         ok &= check_sort<float>(1, 1, 1, desc, 1, rng);
     }

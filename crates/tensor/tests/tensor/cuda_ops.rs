@@ -303,25 +303,35 @@ fn indexing_cases(h: &mut Harness) {
     let ids = |v: Vec<i64>, shape: &[usize]| Tensor::from_vec(v, shape).unwrap();
     let tied = |t: Tensor| t.mul_scalar(2.0).unwrap().round().unwrap();
     let (short, long) = (tied(h.randn(&[5, 300], 25)), tied(h.randn(&[2, 4500], 26)));
-    h.check("sort/argsort/topk (rows of 300 and 4500, tied)", 0.0, &[&short, &long], |v| {
-        let mut out = vec![];
-        for x in v {
-            for descending in [false, true] {
-                let (s, i) = x.sort(descending).unwrap();
-                out.extend([s, i, x.argsort(descending).unwrap()]);
+    h.check(
+        "sort/argsort/topk (rows of 300 and 4500, tied)",
+        0.0,
+        &[&short, &long],
+        |v| {
+            let mut out = vec![];
+            for x in v {
+                for descending in [false, true] {
+                    let (s, i) = x.sort(descending).unwrap();
+                    out.extend([s, i, x.argsort(descending).unwrap()]);
+                }
+                let (t, i) = x.topk(37).unwrap();
+                out.extend([t, i]);
             }
-            let (t, i) = x.topk(37).unwrap();
-            out.extend([t, i]);
-        }
-        out
-    });
+            out
+        },
+    );
     let (flat, gk) = (h.randn(&[10000], 27), h.randn(&[100], 28));
-    h.check("topk of 10000 and its backward (scatter_add)", 0.0, &[&flat, &gk], |v| {
-        let (vals, i) = v[0].topk(100).unwrap();
-        let zeros = Tensor::zeros_on(&[10000], v[0].dtype(), v[0].device()).unwrap();
-        let back = zeros.scatter_add(0, &i, &v[1]).unwrap();
-        vec![vals, i, back]
-    });
+    h.check(
+        "topk of 10000 and its backward (scatter_add)",
+        0.0,
+        &[&flat, &gk],
+        |v| {
+            let (vals, i) = v[0].topk(100).unwrap();
+            let zeros = Tensor::zeros_on(&[10000], v[0].dtype(), v[0].device()).unwrap();
+            let back = zeros.scatter_add(0, &i, &v[1]).unwrap();
+            vec![vals, i, back]
+        },
+    );
     let base = h.randn(&[6, 9], 29);
     let i1 = ids((0..72).map(|i| (i * 7 + 3) % 9).collect(), &[6, 12]);
     let i0 = ids((0..45).map(|i| (i * 5 + 1) % 6).collect(), &[5, 9]);
@@ -493,7 +503,9 @@ fn sort_and_scatter_add_match_the_cpu_bit_for_bit_with_nans_and_signed_zeros(d: 
     let pool = [-1.5, -0.0, 0.0, 2.0, 3.25, f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
     let bits = |t: &Tensor| -> Vec<u64> {
         let v = t.to_dtype(DType::F64).unwrap().to_f64_vec().unwrap();
-        v.into_iter().map(|x| if x.is_nan() { 1 } else { x.to_bits() }).collect()
+        v.into_iter()
+            .map(|x| if x.is_nan() { 1 } else { x.to_bits() })
+            .collect()
     };
     let mut rng = Rng::new(41);
     for (rows, n) in [(4, 50), (3, 2600)] {
@@ -504,7 +516,11 @@ fn sort_and_scatter_add_match_the_cpu_bit_for_bit_with_nans_and_signed_zeros(d: 
             for descending in [false, true] {
                 let (cv, ci) = cpu.sort(descending).unwrap();
                 let (dv, di) = dev.sort(descending).unwrap();
-                assert_eq!(di.to_vec::<i64>().unwrap(), ci.to_vec::<i64>().unwrap(), "{dtype} {rows}x{n}");
+                assert_eq!(
+                    di.to_vec::<i64>().unwrap(),
+                    ci.to_vec::<i64>().unwrap(),
+                    "{dtype} {rows}x{n}"
+                );
                 assert_eq!(bits(&dv), bits(&cv), "{dtype} {rows}x{n} descending {descending}");
             }
             let (cv, ci) = cpu.topk(7).unwrap();

@@ -125,7 +125,10 @@ fn a_sort_and_the_gathers_and_scatters_of_its_indices_read_nothing_back() {
     let cols = x.index_select(1, &first).unwrap();
     let summed = back.index_add(1, &first, &cols).unwrap();
     assert_eq!(fake::counts(107).to_host, 0, "an index of known range is not read");
-    assert_eq!(picked.sort(true).unwrap().0.to_vec::<f32>().unwrap(), picked.to_vec::<f32>().unwrap());
+    assert_eq!(
+        picked.sort(true).unwrap().0.to_vec::<f32>().unwrap(),
+        picked.to_vec::<f32>().unwrap()
+    );
     assert_eq!(back.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
     assert_eq!(summed.shape(), &[4, 15]);
 }

@@ -5,8 +5,11 @@
 
 // A row of at most SORT_TILE elements is sorted in shared memory by one block (bitonic); a
 // longer row is sorted in tiles of SORT_TILE, then the sorted runs are merged pairwise in
-// global memory, one pass per doubling (merge_runs). Two arrays of 2048 elements (values in
-// the compute type, positions as i64) take 32 KiB of shared memory for f64.
+// global memory, one pass per doubling (merge_runs). Only the first k of a row are asked
+// for, and they are among the first k of any run holding them: each tile and each merged
+// run keeps its first k only, so top-k of a long row moves less with each pass once runs
+// outgrow k. Two arrays of 2048 elements (values in the compute type, positions as i64)
+// take 32 KiB of shared memory for f64.
 #define SORT_TILE 2048
 // The position of a padding slot of a tile: after every element.
 #define SORT_PAD 0x7fffffffffffffffLL
@@ -31,9 +34,9 @@ __device__ __forceinline__ bool sorts_before(T a, i64 pa, T b, i64 pb, int desce
 
 // Rows [rows, n] of x cut into tiles of SORT_TILE: one block sorts one tile (row r, tile t)
 // in shared memory and writes its first `keep` elements (the values' own bits, and their
-// positions in the row) at vals/ids + r * out_len + t * SORT_TILE. A row of one tile is
-// sorted whole: out_len = keep = k gives the answer directly; longer rows write every
-// element (out_len = keep = n) for merge_runs. Launched with BRIGADE_BLOCK threads.
+// positions in the row) at vals/ids + r * out_len + t * keep: runs of `keep` (the last one
+// maybe shorter), out_len of them a row. A row of one tile gives the answer with out_len =
+// keep = k. Launched with BRIGADE_BLOCK threads.
 template <typename S>
 __device__ void sort_tiles_impl(const S* x, S* vals, i64* ids, u64 rows, u64 n, u64 out_len, u64 keep,
                                 int descending) {
@@ -80,7 +83,7 @@ __device__ void sort_tiles_impl(const S* x, S* vals, i64* ids, u64 rows, u64 n, 
         }
         u64 w = len < keep ? len : keep;
         for (u64 i = threadIdx.x; i < w; i += blockDim.x) {
-            u64 o = r * out_len + start + i;
+            u64 o = r * out_len + (b % tiles) * keep + i;
             vals[o] = row[si[i]];
             ids[o] = si[i];
         }
@@ -89,17 +92,18 @@ __device__ void sort_tiles_impl(const S* x, S* vals, i64* ids, u64 rows, u64 n, 
 }
 
 // One merge pass over rows [rows, n] of sorted runs of w elements (the last run of a row may
-// be shorter): runs 2j and 2j+1 become one run of 2w. Each element's place in the merged run
-// is its rank in its own run plus the number of elements of the other run that sort before
-// it (a binary search: the order is strict, so no two elements claim one place).
+// be shorter): runs 2j and 2j+1 become run j of the output, of which the first `keep` are
+// written, at vout/iout + r * n_out + j * keep. Each element's place in the merged run is
+// its rank in its own run plus the number of elements of the other run that sort before it
+// (a binary search: the order is strict, so no two elements claim one place).
 template <typename S>
 __device__ void merge_runs_impl(const S* vin, const i64* iin, S* vout, i64* iout, u64 rows, u64 n, u64 w,
-                                int descending) {
+                                u64 keep, u64 n_out, int descending) {
     typedef typename Compute<S>::T T;
     GRID_STRIDE(e, rows * n) {
         u64 r = e / n, p = e % n;
         u64 q = p / w;
-        u64 other = (q ^ 1ULL) * w, base = (q & ~1ULL) * w;
+        u64 other = (q ^ 1ULL) * w;
         const S* rv = vin + r * n;
         const i64* ri = iin + r * n;
         T v = load_c(rv[p]);
@@ -117,9 +121,12 @@ __device__ void merge_runs_impl(const S* vin, const i64* iin, S* vout, i64* iout
             }
             before = lo - other;
         }
-        u64 dst = r * n + base + (p - q * w) + before;
-        vout[dst] = rv[p];
-        iout[dst] = pos;
+        u64 rank = (p - q * w) + before;
+        if (rank < keep) {
+            u64 dst = r * n_out + (q >> 1) * keep + rank;
+            vout[dst] = rv[p];
+            iout[dst] = pos;
+        }
     }
 }
 
@@ -204,8 +211,8 @@ __device__ void scatter_add_lines_impl(T* out, const T* src, const I* ids, Strid
         sort_tiles_impl<S>(x, vals, ids, rows, n, out_len, keep, descending);                                    \
     }                                                                                                            \
     extern "C" __global__ void merge_runs_##SUF(const S* vin, const i64* iin, S* vout, i64* iout, u64 rows,      \
-                                                u64 n, u64 w, int descending) {                                  \
-        merge_runs_impl<S>(vin, iin, vout, iout, rows, n, w, descending);                                        \
+                                                u64 n, u64 w, u64 keep, u64 n_out, int descending) {             \
+        merge_runs_impl<S>(vin, iin, vout, iout, rows, n, w, keep, n_out, descending);                           \
     }
 
 #define GATHER_ALONG(BYTES, B, I, ISUF)                                                                          \

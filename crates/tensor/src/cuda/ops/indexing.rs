@@ -18,39 +18,76 @@ const SORT_TILE: usize = 2048;
 
 impl CudaStorage {
     /// The first `k` of each of `rows` rows of `n` sorted (`k >= 1`): one block per row when a
-    /// row fits a tile, else tiles then `ceil(log2(n / SORT_TILE))` merge passes over two
-    /// scratch copies of the rows, then the first `k` columns copied out.
-    fn sort_rows<T: CudaElement>(&self, layout: &Layout, (rows, n): (usize, usize), descending: bool, k: usize) -> Result<(Self, Self)> {
+    /// row fits a tile; else tiles, each keeping its first `k`, then merge passes, each
+    /// merged run keeping its first `k`, until one run of `k` is left in each row.
+    fn sort_rows<T: CudaElement>(
+        &self,
+        layout: &Layout,
+        (rows, n): (usize, usize),
+        descending: bool,
+        k: usize,
+    ) -> Result<(Self, Self)> {
         let op = "sort";
         let dev = self.dev();
         let x = self.contiguous_view::<T>(op, layout)?;
         let (r64, n64, flag) = (rows as u64, n as u64, i32::from(descending));
         let tiles = n.div_ceil(SORT_TILE);
+        let keep = k.min(SORT_TILE);
+        // a row after the tiles: runs of `keep`, the last tile's maybe shorter
+        let mut len = (tiles - 1) * keep + (n - (tiles - 1) * SORT_TILE).min(keep);
+        let (mut va, mut ia) = (Self::alloc::<T>(dev, rows * len)?, Self::alloc::<i64>(dev, rows * len)?);
+        let (len64, keep64) = (len as u64, keep as u64);
         let name = format!("sort_tiles_{}", T::SUFFIX);
-        if tiles == 1 {
-            let (mut v, mut i) = (Self::alloc::<T>(dev, rows * k)?, Self::alloc::<i64>(dev, rows * k)?);
-            let k64 = k as u64;
-            launch!(dev, INDEXING, name, for_rows(rows), &x, &mut v, &mut i, &r64, &n64, &k64, &k64, &flag)?;
-            return Ok((Self::from_slice(dev, v), Self::from_slice(dev, i)));
+        launch!(
+            dev,
+            INDEXING,
+            name,
+            for_rows(rows * tiles),
+            &x,
+            &mut va,
+            &mut ia,
+            &r64,
+            &n64,
+            &len64,
+            &keep64,
+            &flag
+        )?;
+        if len > keep {
+            let (mut vb, mut ib) = (Self::alloc::<T>(dev, rows * len)?, Self::alloc::<i64>(dev, rows * len)?);
+            let name = format!("merge_runs_{}", T::SUFFIX);
+            let mut w = keep;
+            while len > w {
+                let (next, pairs) = ((2 * w).min(k), len.div_ceil(2 * w));
+                let out = (pairs - 1) * next + (len - (pairs - 1) * 2 * w).min(next);
+                let (l64, w64, k64, o64) = (len as u64, w as u64, next as u64, out as u64);
+                launch!(
+                    dev,
+                    INDEXING,
+                    name,
+                    for_elements(rows * len),
+                    &va,
+                    &ia,
+                    &mut vb,
+                    &mut ib,
+                    &r64,
+                    &l64,
+                    &w64,
+                    &k64,
+                    &o64,
+                    &flag
+                )?;
+                std::mem::swap(&mut va, &mut vb);
+                std::mem::swap(&mut ia, &mut ib);
+                (len, w) = (out, next);
+            }
         }
-        let (mut va, mut ia) = (Self::alloc::<T>(dev, rows * n)?, Self::alloc::<i64>(dev, rows * n)?);
-        launch!(dev, INDEXING, name, for_rows(rows * tiles), &x, &mut va, &mut ia, &r64, &n64, &n64, &n64, &flag)?;
-        let (mut vb, mut ib) = (Self::alloc::<T>(dev, rows * n)?, Self::alloc::<i64>(dev, rows * n)?);
-        let name = format!("merge_runs_{}", T::SUFFIX);
-        let mut w = SORT_TILE;
-        while w < n {
-            let w64 = w as u64;
-            launch!(dev, INDEXING, name, for_elements(rows * n), &va, &ia, &mut vb, &mut ib, &r64, &n64, &w64, &flag)?;
-            std::mem::swap(&mut va, &mut vb);
-            std::mem::swap(&mut ia, &mut ib);
-            w *= 2;
-        }
+        // one run of k a row, at a row stride of k; the scratch may be longer: its head
         let (v, i) = (Self::from_slice(dev, va), Self::from_slice(dev, ia));
-        if k == n {
+        if v.len() == rows * k {
             return Ok((v, i));
         }
-        let first = Layout::new(vec![rows, k], vec![n, 1], 0);
-        Ok((v.copy_strided(&first)?, i.copy_strided(&first)?))
+        let head = Layout::contiguous(&[rows, k]);
+        Ok((v.copy_strided(&head)?, i.copy_strided(&head)?))
     }
 
     /// [`Indexing::scatter_add`] into `out` (a contiguous copy of self) for f32 and f64.
@@ -65,7 +102,10 @@ impl CudaStorage {
         let n = ids.1.numel();
         // one line per position of the index outside dim; n > 0, so the dim is not empty
         let lines = n / ids.1.shape()[dim];
-        let (lx, li) = (StridedLayout::of(op, &Layout::contiguous(shape))?, StridedLayout::of(op, ids.1)?);
+        let (lx, li) = (
+            StridedLayout::of(op, &Layout::contiguous(shape))?,
+            StridedLayout::of(op, ids.1)?,
+        );
         let (d32, l64) = (dim as u32, lines as u64);
         let s = Self::source_view::<T>(op, src, n)?;
         let dev = out.dev().clone();
@@ -84,17 +124,48 @@ impl CudaStorage {
     fn gather_bits<T: CudaElement>(&self, layout: &Layout, dim: usize, ids: (&Self, &Layout)) -> Result<Self> {
         let op = "gather";
         let n = ids.1.numel();
-        let (lx, li) = (StridedLayout::of(op, &Layout::contiguous(layout.shape()))?, StridedLayout::of(op, ids.1)?);
+        let (lx, li) = (
+            StridedLayout::of(op, &Layout::contiguous(layout.shape()))?,
+            StridedLayout::of(op, ids.1)?,
+        );
         let (d32, n64) = (dim as u32, n as u64);
         let x = self.contiguous_view::<T>(op, layout)?;
         let mut out = Self::alloc::<T>(self.dev(), n)?;
-        let name = format!("gather_along_b{}_{}", std::mem::size_of::<T>(), Self::index_suffix(op, ids.0)?);
+        let name = format!(
+            "gather_along_b{}_{}",
+            std::mem::size_of::<T>(),
+            Self::index_suffix(op, ids.0)?
+        );
         if ids.0.dtype() == DType::I64 {
             let iv = ids.0.data::<i64>(op)?;
-            launch!(self.dev(), INDEXING, name, for_elements(n), &x, iv, &mut out, &lx, &li, &d32, &n64)?;
+            launch!(
+                self.dev(),
+                INDEXING,
+                name,
+                for_elements(n),
+                &x,
+                iv,
+                &mut out,
+                &lx,
+                &li,
+                &d32,
+                &n64
+            )?;
         } else {
             let iv = ids.0.data::<u8>(op)?;
-            launch!(self.dev(), INDEXING, name, for_elements(n), &x, iv, &mut out, &lx, &li, &d32, &n64)?;
+            launch!(
+                self.dev(),
+                INDEXING,
+                name,
+                for_elements(n),
+                &x,
+                iv,
+                &mut out,
+                &lx,
+                &li,
+                &d32,
+                &n64
+            )?;
         }
         Ok(Self::from_slice(self.dev(), out))
     }
