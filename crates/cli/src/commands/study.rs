@@ -2,10 +2,12 @@
 //! 0.5,0.3 --out DIR`: which reducer policy reaches a target loss soonest at a target scale.
 //! Every policy trains at --world-size on thread ranks (the same data, seed and initial
 //! weights; real losses), its steps after the first two are profiled, and the overlap model
-//! predicts its step on each link (the run's --net-gbps, and --predict-gbps) and at
+//! predicts its step on each link (the run's --net-gbps, and --predict-gbps at
+//! --predict-latency-us; without --net-gbps the runs train on the machine's own link) and at
 //! --predict-world-sizes ([`brigade::study`]). Prints, per policy and link, the steps and
-//! predicted seconds to each target, the bytes sent per step and the prediction's error band
-//! on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
+//! predicted seconds to each target (steps measured at --world-size, which the table names; at
+//! the other world sizes the step alone), the bytes sent per step and the prediction's error
+//! band on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
 //! policy, link and step), `study_summary.csv` (the table) and `study.svg` (the loss curves).
 
 use std::path::{Path, PathBuf};
