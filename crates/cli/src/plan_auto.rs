@@ -133,8 +133,17 @@ pub fn calibrations(args: &RunArgs) -> Vec<Calibration> {
         rank: args.distributed.powersgd_rank,
         start_iter: 0,
     };
+    // not the policies that train another run (top-k and sign compression with error
+    // feedback, DiLoCo's local steps): their steps to a loss differ from the run's as asked,
+    // which a plan by step time cannot weigh (`brigade study` does)
     let mut runs: Vec<Calibration> = brigade::policies::registry::plan_candidates(&[powersgd])
         .into_iter()
+        .filter(|p| {
+            !matches!(
+                p,
+                PolicySpec::TopK { .. } | PolicySpec::EfSign | PolicySpec::Diloco(_) | PolicySpec::StreamingDiloco(_)
+            )
+        })
         .map(plain)
         .collect();
     if args.model.model == ModelName::Gpt {

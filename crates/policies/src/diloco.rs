@@ -190,12 +190,12 @@ pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
     }
 }
 
-/// A plan groups DiLoCo by itself (a plan does not weigh it).
+/// A plan groups DiLoCo by its whole spec (every setting changes what a step measures).
 pub(crate) fn family(spec: &PolicySpec) -> PolicySpec {
     spec.clone()
 }
 
-/// What a plan would try unrecorded.
+/// What a plan tries when no profile recorded it.
 pub(crate) fn plan_default() -> PolicySpec {
     PolicySpec::Diloco(DilocoConfig::new(10))
 }

@@ -142,7 +142,7 @@ pub static BUILT_IN: [Entry; 12] = [
         name: "topk",
         args: "RATIO",
         about: "top-k (the fraction RATIO of each bucket) with error feedback, values and indices all-gathered",
-        planned: false,
+        planned: true,
         form: Form::Args {
             read: topk::read_spec,
             write: topk::write_spec,
@@ -156,7 +156,7 @@ pub static BUILT_IN: [Entry; 12] = [
     Entry::plain(
         "efsign",
         "EF-SignSGD: one bit per element and a scale per bucket, with error feedback, all-gathered",
-        false,
+        true,
         PolicySpec::EfSign,
         |_| Ok(Box::new(EfSign::default())),
     ),
@@ -185,7 +185,7 @@ pub static BUILT_IN: [Entry; 12] = [
         name: "diloco",
         args: "H[:OUTER_LR[:MOMENTUM]]",
         about: "DiLoCo: H local steps, then the averaged pseudo-gradient through outer Nesterov SGD (0.7, 0.9)",
-        planned: false,
+        planned: true,
         form: Form::Args {
             read: diloco::read_spec,
             write: diloco::write_spec,
@@ -198,7 +198,7 @@ pub static BUILT_IN: [Entry; 12] = [
         name: "streaming-diloco",
         args: "H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]",
         about: "streaming DiLoCo: fragments synced on a staggered schedule, each overlapping DELAY (1) local steps",
-        planned: false,
+        planned: true,
         form: Form::Args {
             read: streaming_diloco::read_spec,
             write: streaming_diloco::write_spec,

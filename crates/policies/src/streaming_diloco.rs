@@ -120,12 +120,12 @@ pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
     }
 }
 
-/// A plan groups streaming DiLoCo by itself (a plan does not weigh it).
+/// A plan groups streaming DiLoCo by its whole spec (every setting changes what a step measures).
 pub(crate) fn family(spec: &PolicySpec) -> PolicySpec {
     spec.clone()
 }
 
-/// What a plan would try unrecorded.
+/// What a plan tries when no profile recorded it.
 pub(crate) fn plan_default() -> PolicySpec {
     PolicySpec::StreamingDiloco(StreamingConfig {
         diloco: crate::DilocoConfig::new(10),

@@ -216,6 +216,15 @@ fn policy_values(policy: &PolicySpec, kind: &ModelKind, psi: u64) -> Option<(u64
                 .map(|(_, m, k)| matrix(m, k)))?;
             (largest_matrix(kind)?, sum([Some(psi), Some(q)])?)
         }
+        // the error-feedback residual: a value per parameter
+        PolicySpec::TopK { .. } | PolicySpec::EfSign => (0, psi),
+        // the snapshot at the last sync and the outer momentum
+        PolicySpec::Diloco(_) => (0, sum([Some(psi), Some(psi)])?),
+        // and a fragment's average in flight
+        PolicySpec::StreamingDiloco(ref c) => (
+            0,
+            sum([Some(psi), Some(psi), Some(psi.div_ceil(c.fragments.max(1) as u64))])?,
+        ),
         _ => (0, 0),
     })
 }

@@ -110,6 +110,9 @@ pub struct Reached {
 pub struct PolicyStudy {
     /// The policy (its spec).
     pub policy: String,
+    /// The world size it trained at: its losses, and so the steps to each target, are this
+    /// world's (at the other worlds of `predictions` only the step is predicted).
+    pub world_size: usize,
     /// The loss of each step (the global mean over the ranks, before its update).
     pub losses: Vec<f64>,
     /// Mean payload bytes rank 0 handed to its collectives per step.
@@ -170,6 +173,7 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
     let predicted = predict::predict(&outcome.profiles, world, &losses, sc);
     PolicyStudy {
         policy,
+        world_size: world,
         payload_bytes_per_step: per_step(|b| b.payload_bytes as f64),
         wire_bytes_per_step: per_step(|b| b.wire_bytes),
         measured_step_s: predicted.measured_step_s,

@@ -130,8 +130,9 @@ fn each_candidate_is_its_familys_replay_and_the_ranking_follows_it() {
     let q = query();
     let p = plan(ps, &q).unwrap();
     let overhead = LaunchOverhead::fit(&ps.iter().collect::<Vec<_>>());
-    // 3 caps x (allreduce, fp16, bf16, powersgd:1, zero1, zero2, zero3) x checkpointing 0, 1
-    assert_eq!(p.candidates.len(), 3 * 7 * 2);
+    // 3 caps x (allreduce, fp16, bf16, powersgd:1, topk:0.01, efsign, zero1, zero2, zero3,
+    // diloco:10, streaming-diloco:10:2) x checkpointing 0, 1
+    assert_eq!(p.candidates.len(), 3 * 11 * 2);
     let mut same_ac = 0;
     for c in &p.candidates {
         let Ok(s) = &c.step else { continue };
@@ -245,7 +246,14 @@ fn what_no_profile_measured_is_not_predicted_with_its_reason() {
     let profiled = |c: &&brigade::plan::Candidate| {
         !matches!(
             c.policy,
-            PolicySpec::PowerSgd { .. } | PolicySpec::Bf16 | PolicySpec::Zero1 | PolicySpec::Zero3
+            PolicySpec::PowerSgd { .. }
+                | PolicySpec::Bf16
+                | PolicySpec::Zero1
+                | PolicySpec::Zero3
+                | PolicySpec::TopK { .. }
+                | PolicySpec::EfSign
+                | PolicySpec::Diloco(_)
+                | PolicySpec::StreamingDiloco(_)
         )
     };
     let checkpointed: Vec<_> = p
@@ -361,4 +369,82 @@ fn profiles_a_plan_cannot_compare_are_one_error_each() {
     let mut q = query();
     q.bucket_caps_mb = vec![f64::NAN];
     assert!(plan(ps, &q).unwrap_err().to_string().contains("positive number of MiB"));
+}
+
+/// The last of 3 steps of a small MLP at world 2 under `policy` (SGD).
+fn mlp_profile(policy: &str) -> StepProfile {
+    let mut c = TrainConfig::new(
+        3,
+        8,
+        OptimizerConfig::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+    );
+    c.model.name = "mlp".into();
+    c.model.config = Some(r#"{"widths":[16,64,4],"dropout":0.0}"#.into());
+    c.runtime.compute_threads = Some(1);
+    c.runtime.instrument.profile = true;
+    let d = c.distributed.get_or_insert_default();
+    d.policy = Arc::new(policy.parse::<PolicySpec>().unwrap());
+    let r = fit(
+        &LaunchConfig::threads(2),
+        &c,
+        |_| Dataset::teacher(256, 16, 4, 0).map_err(Into::into),
+        |_ctx: &RankContext| {
+            Ok(Box::new(brigade::models::Mlp::new(
+                brigade::models::MlpConfig::new(vec![16, 64, 4]),
+                0,
+            )?) as Box<dyn Model>)
+        },
+    )
+    .unwrap();
+    r.outcome.profile.expect("a profile")
+}
+
+#[test]
+fn a_plan_weighs_top_k_ef_sign_and_both_dilocos_from_their_own_profiles() {
+    let recorded = ["allreduce", "topk:0.01", "efsign", "diloco:2", "streaming-diloco:2:2"];
+    let ps: Vec<StepProfile> = recorded.iter().map(|p| mlp_profile(p)).collect();
+    let p = plan(&ps, &PlanQuery::new(u64::MAX, link())).unwrap();
+    let overhead = LaunchOverhead::fit(&ps.iter().collect::<Vec<_>>());
+    for (i, name) in recorded.iter().enumerate() {
+        let of: Vec<_> = p.candidates.iter().filter(|c| c.policy.to_string() == *name).collect();
+        assert_eq!(of.len(), 3, "{name}: one candidate per default cap");
+        for c in of {
+            // each replays its own profile, on the plan's link
+            let s = c.step.as_ref().unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(s.profile, i, "{name}");
+            let r = replay_with(
+                &ps[i],
+                &ReplayConfig {
+                    bucket_cap_mb: c.bucket_cap_mb,
+                    first_bucket_cap_mb: c.first_bucket_cap_mb,
+                    link: link(),
+                    world_size: Some(2),
+                    order: BucketOrder::recorded(&ps[i]),
+                },
+                overhead,
+            )
+            .unwrap();
+            assert_eq!(s.step_s, r.predicted_step_s, "{name}");
+        }
+    }
+    // the memory model counts what each keeps across steps beside DDP's: the error-feedback
+    // residual (a value per parameter), DiLoCo's snapshot and outer momentum (two)
+    let state = |name: &str| {
+        p.candidates
+            .iter()
+            .find(|c| c.policy.to_string() == name)
+            .unwrap()
+            .memory
+            .policy_state
+    };
+    let psi = (16 * 64 + 64 + 64 * 4 + 4) as u64;
+    assert_eq!(state("allreduce"), 0);
+    assert_eq!(state("topk:0.01"), 4 * psi);
+    assert_eq!(state("efsign"), 4 * psi);
+    assert_eq!(state("diloco:2"), 8 * psi);
+    assert!(state("streaming-diloco:2:2") >= 8 * psi);
 }

@@ -2,10 +2,12 @@
 //! 0.5,0.3 --out DIR`: which reducer policy reaches a target loss soonest at a target scale.
 //! Every policy trains at --world-size on thread ranks (the same data, seed and initial
 //! weights; real losses), its steps after the first two are profiled, and the overlap model
-//! predicts its step on each link (the run's --net-gbps, and --predict-gbps) and at
+//! predicts its step on each link (the run's --net-gbps, and --predict-gbps at
+//! --predict-latency-us; without --net-gbps the runs train on the machine's own link) and at
 //! --predict-world-sizes ([`brigade::study`]). Prints, per policy and link, the steps and
-//! predicted seconds to each target, the bytes sent per step and the prediction's error band
-//! on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
+//! predicted seconds to each target (steps measured at --world-size, which the table names; at
+//! the other world sizes the step alone), the bytes sent per step and the prediction's error
+//! band on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
 //! policy, link and step), `study_summary.csv` (the table) and `study.svg` (the loss curves).
 
 use std::path::{Path, PathBuf};
@@ -41,10 +43,15 @@ pub struct StudyArgs {
     /// loss first is at most each.
     #[arg(long, value_delimiter = ',', required = true)]
     pub target_loss: Vec<f64>,
-    /// More links to predict for, in Gb/s (comma-separated; the latency of --net-latency-us),
-    /// beside the run's --net-gbps.
+    /// More links to predict for, in Gb/s (comma-separated; the latency of --predict-latency-us,
+    /// else --net-latency-us), beside the run's --net-gbps. Without --net-gbps the policies
+    /// train on the machine's own link and are predicted on these alone.
     #[arg(long, value_delimiter = ',')]
     pub predict_gbps: Vec<f64>,
+    /// The latency per message of each --predict-gbps link, in µs (comma-separated: one for
+    /// all, or one per link; default --net-latency-us).
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    pub predict_latency_us: Vec<f64>,
     /// World sizes to predict each policy's step at beside --world-size (comma-separated),
     /// from the same profiles.
     #[arg(long, value_delimiter = ',')]
@@ -71,17 +78,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         a.validate_for(spec)
             .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
     }
-    let latency = a.distributed.net_latency_us;
-    let links: Vec<_> = a
-        .distributed
-        .net_gbps
-        .iter()
-        .chain(&s.predict_gbps)
-        .map(|&g| {
-            crate::args::check_link(Some(g), latency)?;
-            Ok(net_model(g, latency))
-        })
-        .collect::<Result<_>>()?;
+    let links = links(&s)?;
     if links.is_empty() {
         return Err(Error::Usage(
             "say which link to predict for: --net-gbps G (the run's link) or --predict-gbps LIST".into(),
@@ -121,6 +118,41 @@ pub fn study(s: StudyArgs) -> Result<()> {
     Ok(())
 }
 
+/// The links to predict for: the run's (--net-gbps at --net-latency-us), then each of
+/// --predict-gbps at its --predict-latency-us.
+fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
+    let own = s.run.distributed.net_latency_us;
+    let latencies = &s.predict_latency_us;
+    if !latencies.is_empty() && s.predict_gbps.is_empty() {
+        return Err(Error::Usage(
+            "--predict-latency-us is the latency of the --predict-gbps links: give --predict-gbps too".into(),
+        ));
+    }
+    if !(latencies.len() <= 1 || latencies.len() == s.predict_gbps.len()) {
+        return Err(Error::Usage(format!(
+            "--predict-latency-us gives {} latencies for {} --predict-gbps links: give one for all, or one per link",
+            latencies.len(),
+            s.predict_gbps.len()
+        )));
+    }
+    let run = s.run.distributed.net_gbps.map(|g| (g, own));
+    let predicted = s.predict_gbps.iter().enumerate().map(|(i, &g)| {
+        let us = match latencies.len() {
+            0 => own,
+            1 => latencies[0],
+            _ => latencies[i],
+        };
+        (g, us)
+    });
+    run.into_iter()
+        .chain(predicted)
+        .map(|(g, us)| {
+            crate::args::check_link(Some(g), us)?;
+            Ok(net_model(g, us))
+        })
+        .collect()
+}
+
 /// `x` with `digits` decimals, or `-` when absent.
 fn or_dash(x: Option<f64>, digits: usize) -> String {
     x.map_or("-".into(), |v| format!("{v:.digits$}"))
@@ -128,6 +160,7 @@ fn or_dash(x: Option<f64>, digits: usize) -> String {
 
 /// The summary rows: one per policy and prediction (world, link).
 fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
+    let targets = summary_targets(results).len();
     let mut rows = vec![];
     for r in results {
         let band = r
@@ -137,6 +170,7 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
             let mut row = vec![
                 r.policy.clone(),
                 p.world_size.to_string(),
+                r.world_size.to_string(),
                 format!("{}", p.net_gbps),
                 format!("{}", p.net_latency_us),
                 or_dash(p.step_s.map(|s| 1e3 * s), 3),
@@ -145,9 +179,11 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
                 format!("{:.0}", r.wire_bytes_per_step),
                 format!("{:.0}", r.payload_bytes_per_step),
             ];
-            for t in &p.reached {
-                row.push(t.steps.map_or("-".into(), |n| n.to_string()));
-                row.push(or_dash(t.seconds, 3));
+            // steps to a target are the trained world's: at another world only the step
+            for k in 0..targets {
+                let t = p.reached.get(k);
+                row.push(t.and_then(|t| t.steps).map_or("-".into(), |n| n.to_string()));
+                row.push(or_dash(t.and_then(|t| t.seconds), 3));
             }
             rows.push(row);
         }
@@ -155,11 +191,23 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
     rows
 }
 
-/// The summary table's header, with two columns per target.
+/// The target losses (those of the trained world's first prediction).
+fn summary_targets(results: &[PolicyStudy]) -> Vec<f64> {
+    results
+        .first()
+        .and_then(|r| r.predictions.first())
+        .map(|p| p.reached.iter().map(|t| t.target).collect())
+        .unwrap_or_default()
+}
+
+/// The summary table's header, with two columns per target. `world_size` is the prediction's,
+/// `steps_at_world_size` the world the policy trained at, whose losses give the steps to each
+/// target (empty at the other worlds: only their step is predicted).
 fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
     let mut h: Vec<String> = [
         "policy",
         "world_size",
+        "steps_at_world_size",
         "net_gbps",
         "net_latency_us",
         "predicted_step_ms",
@@ -170,12 +218,7 @@ fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
     ]
     .map(String::from)
     .to_vec();
-    let targets = results
-        .first()
-        .and_then(|r| r.predictions.first())
-        .map(|p| p.reached.iter().map(|t| t.target).collect::<Vec<_>>())
-        .unwrap_or_default();
-    for t in targets {
+    for t in summary_targets(results) {
         h.push(format!("steps_to_{t}"));
         h.push(format!("seconds_to_{t}"));
     }
@@ -240,6 +283,18 @@ fn print_table(results: &[PolicyStudy]) {
     outln!("{}", line(&header));
     for r in &rows {
         outln!("{}", line(r));
+    }
+    if let Some(r) = results.first() {
+        let others = r.predictions.iter().any(|p| p.world_size != r.world_size);
+        outln!(
+            "steps to each target: trained and measured at {} ranks{}",
+            r.world_size,
+            if others {
+                "; at the other world sizes the step alone is predicted"
+            } else {
+                ""
+            }
+        );
     }
     for r in results.iter().filter(|r| !r.note.is_empty()) {
         outln!("note: {}: not predicted: {}", r.policy, r.note);

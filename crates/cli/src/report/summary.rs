@@ -177,6 +177,11 @@ fn json_summary(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) -> serde
         "joined_at": outcome.joined_at,
         "data_ended": outcome.data_ended,
     });
+    // each step's loss (before its update) and rank 0's wall time of it, in milliseconds
+    if let Some(o) = out.as_object_mut() {
+        o.insert("loss".into(), json!(outcome.losses()));
+        o.insert("step_ms".into(), json!(outcome.ms()));
+    }
     // bytes DDP sent per step on rank 0 (see `sent.rs`)
     if let (Some(o), serde_json::Value::Object(sent)) = (out.as_object_mut(), SentSummary::json_fields(&outcome.sent()))
     {

@@ -86,8 +86,9 @@ fn a_profile_records_the_command_that_ran_it() {
 fn the_plan_ranks_what_fits_and_prints_the_winner_as_a_train_command() {
     let all = plan_json("100000");
     let candidates = all["candidates"].as_array().unwrap();
-    // 3 caps x (allreduce, fp16, bf16, powersgd:1, zero1, zero2, zero3); the MLP has no blocks
-    assert_eq!(candidates.len(), 21);
+    // 3 caps x (allreduce, fp16, bf16, powersgd:1, topk:0.01, efsign, zero1, zero2, zero3,
+    // diloco:10, streaming-diloco:10:2); the MLP has no blocks
+    assert_eq!(candidates.len(), 33);
     let totals: Vec<u64> = candidates
         .iter()
         .map(|c| c["memory"]["total"].as_u64().unwrap())

@@ -104,9 +104,22 @@ fn a_studys_steps_to_each_target_are_its_runs_first_step_at_or_below_it() {
             .split(',')
             .collect();
         let steps_col = |target: f64| first_at_most(&losses, target).map_or("-".to_string(), |n| n.to_string());
-        assert_eq!(row[9], steps_col(1e9), "{policy}");
-        assert_eq!(row[11], steps_col(-1.0), "{policy}");
-        assert_eq!(row[13], steps_col(1.3), "{policy}");
+        assert_eq!(row[2], "2", "{policy}: the steps' world");
+        assert_eq!(row[10], steps_col(1e9), "{policy}");
+        assert_eq!(row[12], steps_col(-1.0), "{policy}");
+        assert_eq!(row[14], steps_col(1.3), "{policy}");
+        // at 4 ranks the step alone: the steps to a target are the trained world's, not 4's
+        let header = summary.lines().next().unwrap().split(',').count();
+        let row4: Vec<&str> = summary
+            .lines()
+            .find(|l| l.starts_with(&format!("{policy},4,")))
+            .unwrap()
+            .split(',')
+            .collect();
+        assert_eq!(row4.len(), header, "{policy}: {summary}");
+        assert_eq!(row4[2], "2", "{policy}");
+        assert!(row4[5] != "-", "{policy}: its step is predicted");
+        assert!(row4[10..].iter().all(|c| *c == "-"), "{policy}: {row4:?}");
     }
     // fp16 sends half of allreduce's bytes
     let wire = |i: usize| results[i]["wire_bytes_per_step"].as_f64().unwrap();
@@ -121,4 +134,103 @@ fn a_study_without_a_link_to_predict_for_is_one_usage_error() {
     let e = fails(&[RUN, &["--target-loss", "0.5", "--out", d.to_str().unwrap()]].concat());
     assert!(e.contains("say which link to predict for"), "{e}");
     assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+}
+
+/// The run's flags without the command and its policy: a small MLP at 2 ranks.
+const SMALL: &[&str] = &[
+    "--model",
+    "mlp",
+    "--widths",
+    "16,32,4",
+    "--world-size",
+    "2",
+    "--threads-per-rank",
+    "1",
+    "--batch-size",
+    "8",
+    "--optimizer",
+    "sgd",
+    "--momentum",
+    "0.9",
+    "--lr",
+    "0.1",
+    "--steps",
+    "10",
+];
+
+/// The losses of a JSON list of numbers.
+fn numbers(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
+}
+
+#[test]
+fn a_run_on_the_simulated_link_loses_the_studys_losses_bit_for_bit() {
+    // the study trains on the machine's own link and predicts for 1 Gb/s, 20 us; the same
+    // runs on the simulated link are only delayed: the same losses, to the bit, so that a
+    // study's prediction and the measured run differ in their time axis alone
+    let d = dir("study-bits");
+    let policies = ["allreduce", "topk:0.25", "diloco:2"];
+    let json = ok(&[
+        &["study"],
+        SMALL,
+        &[
+            "--policy",
+            &policies.join(","),
+            "--predict-gbps",
+            "1",
+            "--predict-latency-us",
+            "20",
+            "--target-loss",
+            "1",
+            "--out",
+            d.to_str().unwrap(),
+            "--json",
+        ],
+    ]
+    .concat());
+    let results: Vec<Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(results.len(), policies.len());
+    for (policy, r) in policies.iter().zip(&results) {
+        assert_eq!(r["predictions"][0]["net_latency_us"].as_f64(), Some(20.0), "{policy}");
+        let run: Value = serde_json::from_str(&ok(&[
+            &["train"],
+            SMALL,
+            &[
+                "--policy",
+                policy,
+                "--net-gbps",
+                "1",
+                "--net-latency-us",
+                "20",
+                "--json",
+                "--quiet",
+            ],
+        ]
+        .concat()))
+        .unwrap();
+        let (studied, measured) = (numbers(&r["losses"]), numbers(&run["loss"]));
+        assert_eq!(measured.len(), 10, "{policy}");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&studied), bits(&measured), "{policy}");
+        // and each step's wall time, for the time to a target
+        let ms = numbers(&run["step_ms"]);
+        assert_eq!(ms.len(), 10, "{policy}");
+        assert!(ms.iter().all(|&m| m > 0.0), "{policy}: {ms:?}");
+    }
+}
+
+#[test]
+fn a_latency_for_links_not_given_is_one_usage_error() {
+    let d = dir("study-latency");
+    let out = d.to_str().unwrap();
+    let run = [
+        &["study"],
+        SMALL,
+        &["--policy", "allreduce", "--target-loss", "1", "--out", out],
+    ]
+    .concat();
+    let e = fails(&[&run[..], &["--net-gbps", "1", "--predict-latency-us", "5"]].concat());
+    assert!(e.contains("give --predict-gbps too"), "{e}");
+    let e = fails(&[&run[..], &["--predict-gbps", "1,2,3", "--predict-latency-us", "5,6"]].concat());
+    assert!(e.contains("one per link"), "{e}");
 }

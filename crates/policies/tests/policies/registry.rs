@@ -29,14 +29,26 @@ fn every_built_in_entry_reads_writes_and_builds_its_policy() {
     }
     assert_eq!(
         planned_names(),
-        "allreduce, fp16, bf16, powersgd, zero1, zero2 and zero3"
+        "allreduce, fp16, bf16, powersgd, topk, efsign, zero1, zero2, zero3, diloco and streaming-diloco"
     );
     // what a plan weighs: each planned entry once, PowerSGD at each recorded rank (rank 1 when
     // none was recorded)
     let none = plan_candidates(&[]);
     assert_eq!(
         none.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
-        ["allreduce", "fp16", "bf16", "powersgd:1", "zero1", "zero2", "zero3"]
+        [
+            "allreduce",
+            "fp16",
+            "bf16",
+            "powersgd:1",
+            "topk:0.01",
+            "efsign",
+            "zero1",
+            "zero2",
+            "zero3",
+            "diloco:10",
+            "streaming-diloco:10:2"
+        ]
     );
     let recorded: Vec<PolicySpec> = ["powersgd:4", "powersgd:2", "powersgd:4", "int8"]
         .iter()
@@ -51,9 +63,13 @@ fn every_built_in_entry_reads_writes_and_builds_its_policy() {
             "bf16",
             "powersgd:2",
             "powersgd:4",
+            "topk:0.01",
+            "efsign",
             "zero1",
             "zero2",
-            "zero3"
+            "zero3",
+            "diloco:10",
+            "streaming-diloco:10:2"
         ]
     );
     // the family drops PowerSGD's start, keeps its rank
