@@ -305,12 +305,13 @@ fn zero_3_gathers() -> Vec<u64> {
 
 #[test]
 fn zero_3_stages_each_units_gathers_and_reduce_scatter_and_reads_nothing_back() {
-    // each gather: this rank's shard out, every rank's back; each unit's bucket reduce-scattered
-    // once (the whole bucket out, the rank's shard back); no host wait, nothing freed behind a
-    // collective still running
+    // through the host group (the thread backend): each gather stages its output buffer out
+    // (this rank's shard copied to its head) and every rank's shards back; each unit's bucket
+    // is reduce-scattered once (the whole bucket out, the rank's shard back); no host wait,
+    // nothing freed behind a collective still running
     let (mut out, mut back) = (vec![], vec![]);
     for len in zero_3_gathers() {
-        out.push(4 * len / WORLD);
+        out.push(4 * len);
         back.push(4 * len);
     }
     for (_, len) in units().iter().rev() {
