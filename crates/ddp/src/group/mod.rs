@@ -467,7 +467,10 @@ impl IssuerMeter {
 
     fn run<R>(self, f: impl FnOnce() -> R) -> R {
         let before = MemoryMeter::install(self.0);
-        let r = MemoryMeter::in_part(self.1, f);
+        // a guard, not `in_part`'s closure: `f` runs from here, not from inside the meter
+        let part = MemoryMeter::enter_part(self.1);
+        let r = f();
+        drop(part);
         MemoryMeter::install(before);
         r
     }
