@@ -12,8 +12,8 @@
 # FAIL: something is wrong (every failing comparison fails the run: exit 1). MISS: the numbers
 # are right but a speed goal was not reached (reported, exit 0).
 #
-# Order (the environment first, then the verdict checks, cheapest first, within the first 4
-# minutes and a third; then the numbers):
+# Order (the environment first, then the verdict checks, cheapest first, within the first 5
+# minutes and a tenth; then the numbers):
 #   env        driver, CUDA, NCCL, PyTorch, glibc; the comparison code's own tests
 #   start      every carried binary starts (and the glibc it needs)
 #   probe      cuda:0 opens (BRIGADE_REQUIRE_CUDA=1: a skip is a failure); NVRTC compiles here
@@ -31,6 +31,10 @@
 #   policies   each reducer policy (fp16, bf16, PowerSGD 1@2, ZeRO-1, ZeRO-2) on NCCL world 1
 #              under the simulated link: its losses against the same policy host-staged at world
 #              1 (SGD, 1e-5), and its bucket reductions interleaving with backward on the GPU clock
+#   zero3      ZeRO-3 (parameters gathered per unit, gradients reduce-scattered, both on the comm
+#              stream behind events; units freed on the device) on NCCL world 1 against ZeRO-3
+#              host-staged at world 1 and against plain DDP on NCCL world 1 (SGD, 1e-5); its memory
+#              line must show units gathered and freed: gathered peak above 0, below the parameters
 #   mixed      the GPT under --precision bf16 and fp16 (loss scaling) on CUDA, f32 master weights
 #              on the device, against the same runs on the CPU at build time (AdamW, 1e-2)
 #   gemm       Brigade's GEMM vs cuBLAS, 4096^3, f32 and bf16: outputs compared (FAIL), speed
@@ -57,8 +61,8 @@ B="$CARRY/bin/brigade"
 T="$CARRY/tests/tensor"
 
 # Budgets: seconds from the start by which each section must be done (the verdict checks by
-# 295 s, everything by 480 s = 8 minutes).
-SECTIONS="env:30 start:40 probe:75 ops:125 half:140 parity:160 ckpt:180 nccl:210 overlap:235 policies:270 mixed:295 gemm:345 step:480"
+# 310 s, everything by 480 s = 8 minutes).
+SECTIONS="env:30 start:40 probe:75 ops:125 half:140 parity:160 ckpt:180 nccl:210 overlap:235 policies:270 zero3:290 mixed:310 gemm:355 step:480"
 deadline() { for s in $SECTIONS; do [ "${s%%:*}" = "$1" ] && echo "${s##*:}"; done; }
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -265,6 +269,27 @@ for entry in "${POLICIES[@]}"; do
       "$OUT/policy-$name.trace.json"
   fi
 done
+
+# ---- zero3: ZeRO-3's gathers and reduce-scatters on the NCCL comm stream (world 1) against the
+# same run host-staged and against plain DDP on NCCL; its memory line shows units freed
+ZERO3_GPT=(--model gpt --steps 6 --seed 3 --optimizer sgd --lr 0.05 --momentum 0 --device cuda --world-size 1
+  --batch-size 16 --quiet)
+run zero3 zero3-nccl "$B" train "${ZERO3_GPT[@]}" --zero 3 --backend nccl --json --losses "$OUT/zero3-nccl.csv"
+r1=$?
+run zero3 zero3-staged "$B" train "${ZERO3_GPT[@]}" --zero 3 --backend thread --losses "$OUT/zero3-staged.csv"
+r2=$?
+run zero3 zero3-plain "$B" train "${ZERO3_GPT[@]}" --backend nccl --losses "$OUT/zero3-plain.csv"
+r3=$?
+if ran zero3-nccl $r1 "$OUT/zero3-nccl.log"; then
+  judge zero3-units "$OUT/zero3-nccl.log" zero3 "zero3: units gathered and freed on the device (NCCL world 1)" \
+    "$OUT/zero3-nccl.log"
+  ran zero3-staged $r2 "$OUT/zero3-staged.log" &&
+    judge zero3-vs-staged "$OUT/zero3-nccl.log" losses "zero3: NCCL world 1 == host-staged world 1" \
+      "$OUT/zero3-nccl.csv" "$OUT/zero3-staged.csv" 1e-5
+  ran zero3-plain $r3 "$OUT/zero3-plain.log" &&
+    judge zero3-vs-plain "$OUT/zero3-nccl.log" losses "zero3 == plain DDP (NCCL world 1)" \
+      "$OUT/zero3-nccl.csv" "$OUT/zero3-plain.csv" 1e-5
+fi
 
 # ---- mixed: bf16 and fp16 (loss scaling) on CUDA against the CPU's runs at build time
 MIXED=$(cat "$CARRY/ref/gpt_mixed.args" 2>/dev/null)

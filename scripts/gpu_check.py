@@ -12,6 +12,8 @@ Every comparison prints one line "STATUS NAME: what was measured" and exits with
     gpu_check.py losses NAME A.csv B.csv TOL          loss curves (step,loss) agree within TOL (relative)
     gpu_check.py overlap NAME TRACE.json              bucket collectives interleave with backward spans
     gpu_check.py predict NAME TRAIN.log PREDICT.json  measured step vs `brigade predict` on its profile
+    gpu_check.py zero3 NAME TRAIN.log                 a ZeRO-3 run's `--json` memory: units gathered (peak
+                                                      above 0) and freed (below the parameters' bytes)
     gpu_check.py gemm NAME BENCH.json GOAL            outputs equal cuBLAS's; speed >= GOAL x cuBLAS
     gpu_check.py step NAME TRAIN.log TORCH.json GOAL [KEY]  Brigade's step <= GOAL x PyTorch's (KEY:
                                                       torch_gpt_step_bf16 for autocast's)
@@ -171,6 +173,23 @@ def check_predict(name, train_log, predict_json, within=0.25):
     )
 
 
+def check_zero3(name, train_log):
+    """ZeRO-3 gathered its units (the most bytes gathered at once is above 0) and freed them on
+    the device (that most is below the parameters' bytes: never the whole model at once)."""
+    try:
+        memory = json_from_log(train_log)["memory"]
+        gathered, params = int(memory["gathered_bytes"]), int(memory["parameter_bytes"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return verdict(FAIL, name, f"no ZeRO-3 memory line to read: {e}")
+    ok = 0 < gathered < params
+    return verdict(
+        PASS if ok else FAIL,
+        name,
+        f"most parameters gathered at once {gathered} B against {params} B of parameters "
+        f"({gathered / params if params else float('inf'):.2f}; goal above 0, below 1)",
+    )
+
+
 def check_gemm(name, bench_json, goal):
     """Each dtype's outputs must equal cuBLAS's (else FAIL); speed >= goal x cuBLAS (else MISS)."""
     try:
@@ -321,6 +340,8 @@ def main(argv):
         return check_overlap(rest[0], rest[1])
     if cmd == "predict" and len(rest) == 3:
         return check_predict(rest[0], rest[1], rest[2])
+    if cmd == "zero3" and len(rest) == 2:
+        return check_zero3(rest[0], rest[1])
     if cmd == "gemm" and len(rest) == 3:
         return check_gemm(rest[0], rest[1], float(rest[2]))
     if cmd == "step" and len(rest) in (4, 5):

@@ -157,6 +157,18 @@ class Numbers(unittest.TestCase):
         far = self.f.path("p2.json", json.dumps([{"predicted_step_s": 0.02}]))
         self.assertEqual(quiet(g.check_predict, "predict", log, far)[0], g.MISS)
 
+    def test_zero3_passes_units_gathered_and_freed_and_fails_a_whole_model_gathered_or_none(self):
+        def log(gathered, params=2_000_000):
+            memory = {"zero": 3, "gathered_bytes": gathered, "parameter_bytes": params}
+            return self.f.path("z.log", json.dumps({"median_step_ms": 9.0, "memory": memory}, indent=2) + "\n")
+        self.assertEqual(quiet(g.check_zero3, "zero3", log(600_000))[0], g.PASS)
+        # every unit gathered at once (never freed), or none gathered at all
+        self.assertEqual(quiet(g.check_zero3, "zero3", log(2_000_000))[0], g.FAIL)
+        self.assertEqual(quiet(g.check_zero3, "zero3", log(0))[0], g.FAIL)
+        # a run without the memory line (plain DDP, or a crash)
+        bare = self.f.path("bare.log", '{"median_step_ms": 9.0}\n')
+        self.assertEqual(quiet(g.check_zero3, "zero3", bare)[0], g.FAIL)
+
 
 class Script(unittest.TestCase):
     """gpu-check.sh itself: its budgets and its policy sections (read from the script's text)."""
@@ -180,6 +192,14 @@ class Script(unittest.TestCase):
         # the verdict checks (the policies among them) come before the numbers
         self.assertLess(names.index("policies"), names.index("gemm"))
         self.assertLessEqual(dict(sections)["policies"], 270)
+        self.assertLess(names.index("zero3"), names.index("gemm"))
+
+    def test_zero3_runs_on_nccl_against_itself_host_staged_and_plain_ddp_and_checks_its_units(self):
+        start = self.text.index("# ---- zero3:")
+        block = self.text[start:self.text.index("# ---- mixed:")]
+        for needle in ["--zero 3 --backend nccl --json", "--zero 3 --backend thread", "run zero3 zero3-plain",
+                       "judge zero3-units", "judge zero3-vs-staged", "judge zero3-vs-plain"]:
+            self.assertIn(needle, block)
 
     def test_every_built_in_policy_has_a_section_against_itself_host_staged_and_an_overlap_check(self):
         line = next(l for l in self.text.splitlines() if l.startswith("POLICIES=("))

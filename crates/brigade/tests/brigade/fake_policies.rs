@@ -275,3 +275,100 @@ fn the_int8_and_local_sgd_examples_run_unchanged_on_the_device_comm_stream() {
     assert_runs_on_the_device_stream(|| Box::new(own_hook::Int8::default()), 218);
     assert_runs_on_the_device_stream(|| Box::new(local_sgd::LocalSgd::new(1, 1)), 220);
 }
+
+/// The small GPT's ZeRO-3 units in forward order, each with its flat length padded to the
+/// world size.
+fn units() -> Vec<(String, u64)> {
+    let model = Gpt::new(small_gpt(), 0).unwrap();
+    let store = model.params();
+    let mut units: Vec<(String, u64)> = vec![];
+    for (i, p) in store.params().iter().enumerate() {
+        let unit = store.unit(i).expect("every GPT parameter has a unit").to_string();
+        let n = p.value().numel() as u64;
+        match units.iter_mut().find(|(u, _)| *u == unit) {
+            Some((_, len)) => *len += n,
+            None => units.push((unit, n)),
+        }
+    }
+    units.into_iter().map(|(u, n)| (u, n.div_ceil(WORLD) * WORLD)).collect()
+}
+
+/// Each ZeRO-3 gather of a step, in order, as the length of the unit it gathers: in forward
+/// every unit as its scope is entered (the head's twice: its projection, then the loss), in
+/// backward every unit again, the last first.
+fn zero_3_gathers() -> Vec<u64> {
+    let units = units();
+    assert_eq!(units.len(), 4, "embed, two blocks, head: {units:?}");
+    let len: Vec<u64> = units.iter().map(|(_, n)| *n).collect();
+    vec![len[0], len[1], len[2], len[3], len[3], len[3], len[2], len[1], len[0]]
+}
+
+#[test]
+fn zero_3_stages_each_units_gathers_and_reduce_scatter_and_reads_nothing_back() {
+    // through the host group (the thread backend): each gather stages its output buffer out
+    // (this rank's shard copied to its head) and every rank's shards back; each unit's bucket
+    // is reduce-scattered once (the whole bucket out, the rank's shard back); no host wait,
+    // nothing freed behind a collective still running
+    let (mut out, mut back) = (vec![], vec![]);
+    for len in zero_3_gathers() {
+        out.push(4 * len);
+        back.push(4 * len);
+    }
+    for (_, len) in units().iter().rev() {
+        out.push(4 * len);
+        back.push(4 * len / WORLD);
+    }
+    assert_copies(per_step(222, PolicySpec::Zero3), &out, &back);
+}
+
+#[test]
+fn zero_3_on_the_device_comm_stream_computes_while_its_prefetched_gathers_run() {
+    use brigade::policies::Zero3;
+    use fake::FakeWhat;
+    let policy = || Box::new(Zero3::new()) as Box<dyn ReducerPolicy>;
+    let device = on_the_device_stream(policy, Some(224));
+    let cpu = on_the_device_stream(policy, None);
+    for ((losses, log, comm), (want, _, _)) in device.iter().zip(&cpu) {
+        assert_eq!(losses, want, "the device stream's losses are not the CPU's");
+        let back: Vec<_> = log
+            .iter()
+            .filter(|op| matches!(op.what, FakeWhat::ToHost(_)) && op.stream != *comm)
+            .collect();
+        assert_eq!(back.len(), 1, "copies back on the compute stream: {back:?}");
+        assert!(!log.iter().any(|op| op.what == FakeWhat::HostWait), "{log:?}");
+        // each collective on the comm stream ends with its done event; a gather brings back
+        // more than it sends (every rank's shard), a reduce-scatter less
+        let (mut sent, mut brought) = (0, 0);
+        let mut gathers = vec![];
+        for (at, op) in log.iter().enumerate().filter(|(_, op)| op.stream == *comm) {
+            match op.what {
+                FakeWhat::ToHost(b) => sent = b,
+                FakeWhat::ToDevice(b) => brought = b,
+                FakeWhat::Record(event) if brought > sent => {
+                    gathers.push((at, event, brought / 4));
+                    (sent, brought) = (0, 0);
+                }
+                FakeWhat::Record(_) => (sent, brought) = (0, 0),
+                _ => {}
+            }
+        }
+        let lengths: Vec<u64> = gathers.iter().map(|g| g.2).collect();
+        assert_eq!(lengths, zero_3_gathers(), "{log:?}");
+        // the compute stream waits on each gather's done event only when its unit is needed:
+        // a prefetched gather (every one but the first of each pass and the loss's regather of
+        // the head) runs while the compute stream runs the unit before it
+        let mut overlapped = 0;
+        for &(at, event, _) in &gathers {
+            let wait = log
+                .iter()
+                .position(|op| op.stream != *comm && matches!(op.what, FakeWhat::Wait { event: e, .. } if e == event))
+                .unwrap_or_else(|| panic!("the compute stream never waits on gather event {event}: {log:?}"));
+            assert!(wait > at, "{log:?}");
+            let computed = log[at..wait]
+                .iter()
+                .any(|op| op.stream != *comm && matches!(op.what, FakeWhat::Kernel(_)));
+            overlapped += computed as usize;
+        }
+        assert_eq!(overlapped, gathers.len() - 3, "{log:?}");
+    }
+}

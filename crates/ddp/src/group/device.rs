@@ -13,12 +13,16 @@
 //! device, where the fake device's vector clocks refuse any access the events do not order (a
 //! race on a GPU): how the CPU tests check NCCL's event logic.
 //!
-//! A collective issued outside a bucket's launch (ZeRO's parameter all-gather in its optimizer
-//! step, a sharded gradient norm, local SGD's model averaging) is ordered the same way from the
+//! A collective issued outside a bucket's launch (ZeRO's parameter all-gathers, ZeRO-3's per
+//! unit, a sharded gradient norm, local SGD's model averaging) is ordered the same way from the
 //! issuing stream: the comm stream waits on an event recorded on the caller's current stream,
-//! and the caller's stream waits on an event recorded after the collective (so those
-//! collectives do not overlap the caller's next kernels). With a simulated link, a delay kernel
-//! of the modelled time runs on the comm stream before each collective.
+//! and an event recorded after the collective goes with its work
+//! ([`TensorWork::ordered_on_wait`]): the stream of the thread that waits for the work waits
+//! on it then. So a gather issued ahead of its use (ZeRO-3's prefetch) runs on the comm stream
+//! while the caller's kernels run, and the caller's stream reads its result only behind it; the
+//! buffers it used, freed after the wait, are freed behind it too (the keep-alive rule). With a
+//! simulated link, a delay kernel of the modelled time runs on the comm stream before each
+//! collective.
 //!
 //! Streams and events are the tensor crate's; a tensor's memory reaches NCCL as comm's raw
 //! handles ([`brigade_comm::DeviceSpan`]), and stays alive in the tensor the policy's reduction
@@ -180,6 +184,7 @@ impl<G: ProcessGroup + 'static> DeviceGroup<G> {
         enqueue: impl FnOnce() -> crate::Result<Tensor>,
     ) -> TensorWork<Tensor> {
         let s = &self.comm_stream;
+        let mut after = None;
         let done = (|| {
             let caller = Stream::current(s.device())?;
             let outside = caller != *s;
@@ -191,11 +196,16 @@ impl<G: ProcessGroup + 'static> DeviceGroup<G> {
             }
             s.scope(enqueue)?;
             if outside {
-                caller.wait_event(&s.record_event()?)?;
+                after = Some(s.record_event()?);
             }
             Ok(out.clone())
         })();
-        TensorWork::ready(self.rank(), tag, self.timeout(), done)
+        let work = TensorWork::ready(self.rank(), tag, self.timeout(), done);
+        match after {
+            // the caller's stream waits when it waits for the work (or chains on it)
+            Some(done) => work.ordered_on_wait(s.device(), done),
+            None => work,
+        }
     }
 }
 

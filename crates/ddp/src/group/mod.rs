@@ -65,7 +65,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use brigade_comm::{CommError, CommMeter, OpTiming, ReduceOp, SpanId, Work};
-use brigade_tensor::{Event, MemoryMeter, Stream, Tensor};
+use brigade_tensor::{Device, Event, MemoryMeter, Stream, Tensor};
 
 use crate::{DdpError, Result};
 
@@ -275,6 +275,35 @@ pub(crate) fn bytes(t: &Tensor) -> usize {
 pub struct TensorWork<T> {
     work: Work<Result<T>>,
     timeout: Duration,
+    /// A device collective's done event, waited on by the waiting thread's stream (see
+    /// [`TensorWork::ordered_on_wait`]).
+    order: Option<StreamOrder>,
+}
+
+/// A device collective's done event for the stream that takes its value: the stream current on
+/// the thread that waits for the work (or chains on it, or drops it unwaited) waits on the event
+/// then, so whatever that stream runs next reads the collective's result, and the buffers the
+/// collective used are freed behind it (the keep-alive rule of `brigade_tensor::Stream`).
+struct StreamOrder {
+    device: Device,
+    done: Option<Event>,
+}
+
+impl StreamOrder {
+    fn apply(&mut self) -> Result<()> {
+        match self.done.take() {
+            Some(done) => Ok(Stream::current(self.device)?.wait_event(&done)?),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for StreamOrder {
+    fn drop(&mut self) {
+        // dropped unwaited: ordered now (a failure here has no caller to tell; the stream then
+        // runs unordered, which the fake device reports as a race)
+        let _ = self.apply();
+    }
 }
 
 /// The producer side of a [`TensorWork`] made with [`TensorWork::pending`]: dropping it without
@@ -293,14 +322,49 @@ impl<T: Send + 'static> TensorWork<T> {
     /// chain one bucket's collectives after another's).
     pub fn pending(rank: usize, tag: &str, timeout: Duration) -> (TensorWork<T>, TensorPromise<T>) {
         let (work, promise) = Work::pending(rank, tag, timeout);
-        (TensorWork { work, timeout }, TensorPromise(promise))
+        (
+            TensorWork {
+                work,
+                timeout,
+                order: None,
+            },
+            TensorPromise(promise),
+        )
     }
 
     /// A work that has already completed with `value`.
     pub fn ready(rank: usize, tag: &str, timeout: Duration, value: Result<T>) -> TensorWork<T> {
         let (work, promise) = Work::pending(rank, tag, timeout);
         promise.complete(Ok(value));
-        TensorWork { work, timeout }
+        TensorWork {
+            work,
+            timeout,
+            order: None,
+        }
+    }
+
+    /// This work, whose value is read on `device` only behind `done` (an event recorded on the
+    /// comm stream after the collective): the stream current on the thread that waits for the
+    /// work waits on `done` then, not before, so a collective issued ahead of its use (ZeRO-3's
+    /// prefetched gathers) runs on the comm stream while the caller's stream computes. Chaining
+    /// on the work, or dropping it unwaited, orders the caller's stream at once.
+    pub fn ordered_on_wait(mut self, device: Device, done: Event) -> TensorWork<T> {
+        if let Some(mut earlier) = self.order.take() {
+            let _ = earlier.apply();
+        }
+        self.order = Some(StreamOrder {
+            device,
+            done: Some(done),
+        });
+        self
+    }
+
+    /// Orders the current stream behind the collective now (see [`TensorWork::ordered_on_wait`]).
+    fn order_now(&mut self) -> Result<()> {
+        match self.order.take() {
+            Some(mut order) => order.apply(),
+            None => Ok(()),
+        }
     }
 
     /// A collective's work whose buffer `f` turns into the value (on the comm stream's thread,
@@ -314,17 +378,22 @@ impl<T: Send + 'static> TensorWork<T> {
         TensorWork {
             work: work.then(move |b| Ok(metered.run(|| f(b)))),
             timeout,
+            order: None,
         }
     }
 
     /// Chains `step` after this work (decompress, divide, copy): the returned work completes
     /// with `step(value)`, or with this work's error. What `step` makes is charged to the
     /// memory meter of the thread that chains it.
-    pub fn then<U: Send + 'static>(self, step: impl FnOnce(T) -> Result<U> + Send + 'static) -> TensorWork<U> {
+    pub fn then<U: Send + 'static>(mut self, step: impl FnOnce(T) -> Result<U> + Send + 'static) -> TensorWork<U> {
         let metered = IssuerMeter::here();
+        let ordered = self.order_now();
         TensorWork {
-            work: self.work.then(move |r| Ok(metered.run(|| r.and_then(step)))),
+            work: self
+                .work
+                .then(move |r| Ok(metered.run(|| ordered.and(r).and_then(step)))),
             timeout: self.timeout,
+            order: None,
         }
     }
 
@@ -333,18 +402,20 @@ impl<T: Send + 'static> TensorWork<T> {
     /// stream after everything issued before it ran: to keep every rank's order the same, a
     /// policy chains its buckets one after the other (as PowerSGD does).
     pub fn and_then<U: Send + 'static>(
-        self,
+        mut self,
         step: impl FnOnce(T) -> Result<TensorWork<U>> + Send + 'static,
     ) -> TensorWork<U> {
         let (rank, tag, timeout) = (self.work.rank(), self.work.tag().to_string(), self.timeout);
+        let ordered = self.order_now();
         TensorWork {
             work: self.work.and_then(move |r| {
-                Ok(match r.and_then(step) {
+                Ok(match ordered.and(r).and_then(step) {
                     Ok(next) => next.work,
                     Err(e) => TensorWork::ready(rank, &tag, timeout, Err(e)).work,
                 })
             }),
             timeout,
+            order: None,
         }
     }
 
@@ -355,8 +426,10 @@ impl<T: Send + 'static> TensorWork<T> {
 
     /// Like [`TensorWork::wait`], also returning when the first collective started and when the
     /// last continuation finished.
-    pub fn wait_timed(self) -> Result<(T, OpTiming)> {
+    pub fn wait_timed(mut self) -> Result<(T, OpTiming)> {
+        let ordered = self.order_now();
         let (r, timing) = self.work.wait_timed()?;
+        ordered?;
         Ok((r?, timing))
     }
 
@@ -394,7 +467,10 @@ impl IssuerMeter {
 
     fn run<R>(self, f: impl FnOnce() -> R) -> R {
         let before = MemoryMeter::install(self.0);
-        let r = MemoryMeter::in_part(self.1, f);
+        // a guard, not `in_part`'s closure: `f` runs from here, not from inside the meter
+        let part = MemoryMeter::enter_part(self.1);
+        let r = f();
+        drop(part);
         MemoryMeter::install(before);
         r
     }

@@ -119,7 +119,9 @@ impl ProcessGroup for NcclComm {
                     // SAFETY: `span` is `buf`'s whole memory on the communicator's GPU, lent out of
                     // the tensor (nobody else writes it) and, once restored, kept alive by the tensor
                     // the reduction holds until the compute stream waited on the bucket's done event;
-                    // the comm stream is behind the event that ordered the caller's writes.
+                    // the comm stream is behind the event that ordered the caller's writes. Outside a
+                    // bucket (ZeRO-3's gathers) a buffer dropped before the caller's stream waited on the
+                    // done event is freed behind it: `device_memory` noted its use on the comm stream.
                     unsafe { Ok(self.all_reduce_device(span, op, None, None, tag)?) }
                 })
             });

@@ -200,3 +200,50 @@ fn every_backward_span_is_handed_to_the_stream_and_closed_before_the_buckets_are
     let first_wait = events.iter().position(|e| matches!(e, StreamEvent::Wait(_))).unwrap();
     assert!(last_close < first_wait, "{events:?}");
 }
+
+/// One all-gather issued on a host-staged device group on fake device `ordinal` from its compute
+/// stream, then one kernel on the compute stream, with the work waited for after the kernel
+/// (`wait`) or dropped before it; the device's log, and the comm stream's handle.
+fn gather_then_compute(ordinal: usize, wait: bool) -> (Vec<brigade_tensor::fake::FakeOp>, u64) {
+    use brigade_ddp::group::DeviceGroup;
+    use brigade_ddp::ProcessGroup;
+    use brigade_tensor::{fake, DType, Device, Tensor};
+    let device = Device::Fake(ordinal);
+    fake::reset(ordinal);
+    run_on_threads(1, |comm| {
+        let group = DeviceGroup::host_staged(device, Arc::new(comm)).unwrap();
+        let shard = Tensor::full_on(&[4], 1.5, DType::F32, device).unwrap();
+        let full = Tensor::zeros_on(&[4], DType::F32, device).unwrap();
+        fake::start_log(ordinal);
+        let work = group.all_gather_into(&shard, &full, "gather");
+        if !wait {
+            drop(work);
+            Tensor::zeros_on(&[3], DType::F32, device).unwrap();
+        } else {
+            Tensor::zeros_on(&[3], DType::F32, device).unwrap();
+            work.wait().unwrap();
+        }
+        (fake::take_log(ordinal), group.comm_stream().raw_handle())
+    })
+    .pop()
+    .unwrap()
+    .unwrap()
+}
+
+#[test]
+fn the_compute_stream_waits_on_a_device_gather_when_its_work_is_waited_for_or_dropped() {
+    use brigade_tensor::fake::FakeWhat;
+    for (wait, ordinal) in [(true, 254), (false, 255)] {
+        let (log, comm) = gather_then_compute(ordinal, wait);
+        let on_compute = |f: &dyn Fn(&FakeWhat) -> bool| {
+            log.iter()
+                .position(|op| op.stream != comm && f(&op.what))
+                .unwrap_or_else(|| panic!("{log:?}"))
+        };
+        let waited = on_compute(&|w| matches!(w, FakeWhat::Wait { recorded_on, .. } if *recorded_on == comm));
+        let kernel = on_compute(&|w| *w == FakeWhat::Kernel("zeros"));
+        // waited for: the kernel issued before the wait runs beside the gather; dropped: the
+        // compute stream is ordered behind the gather at once
+        assert_eq!(waited > kernel, wait, "{log:?}");
+    }
+}

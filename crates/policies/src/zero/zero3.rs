@@ -24,6 +24,16 @@
 //! keeps the tensor; the next gather puts a storage back under the same tensor. A read of a freed
 //! parameter is a `StorageLent` error, never a stale value.
 //!
+//! On a device (NCCL, or the host-staged device group; `brigade_ddp::group::DeviceGroup`) every
+//! gather and every reduce-scatter runs on the comm stream, ordered by events, and the host
+//! never waits: a gather waits on an event of the compute stream before it reads the shard, and
+//! the compute stream waits on the gather's done event only when the unit is needed (so a
+//! prefetched gather runs while the unit before it computes); the reduce-scatters run in the
+//! buckets' launches, the optimizer's kernels behind their done events. A unit's parameters
+//! are freed on the compute stream after their last use there; a buffer a collective still
+//! reads or writes (a shard rounded to 16 bits for its gather) is freed behind the
+//! collective's event (the keep-alive rule of `brigade_tensor::Stream`).
+//!
 //! A sharded start: parameters registered without values (`brigade_autograd::defer_param_init`)
 //! are never whole on any rank: each rank draws only its shard of each unit from the
 //! parameters' recipes (bit for bit the whole draw's elements there), and the first forward
