@@ -4,6 +4,7 @@
 
 mod activation_checkpointing;
 mod bad_input;
+mod bench_fit;
 mod bench_gemm;
 mod checkpoint_paths;
 mod common;

@@ -143,7 +143,10 @@ pub fn bench_fit(a: FitArgs) -> Result<()> {
         _ => format!("  {what}: no member fits"),
     };
     outln!("{}", line("plain DDP, whole-run peak", Way::Plain, plain));
-    outln!("{}", line("ZeRO-3 + checkpointing, whole-run peak", Way::Zero3, z3_whole));
+    outln!(
+        "{}",
+        line("ZeRO-3 + checkpointing, whole-run peak", Way::Zero3, z3_whole)
+    );
     outln!("{}", line("ZeRO-3 + checkpointing, steady peak", Way::Zero3, z3_steady));
     let shown = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{r:.2}x"));
     outln!(
@@ -158,7 +161,10 @@ pub fn bench_fit(a: FitArgs) -> Result<()> {
 fn check(a: &FitArgs) -> Result<()> {
     let bad = |m: String| Err(Error::Usage(m));
     if !(a.budget_mib.is_finite() && a.budget_mib > 0.0) {
-        return bad(format!("--budget-mib must be a positive number of MiB, got {}", a.budget_mib));
+        return bad(format!(
+            "--budget-mib must be a positive number of MiB, got {}",
+            a.budget_mib
+        ));
     }
     if a.world_size == 0 || a.world_size > MAX_THREAD_RANKS {
         return bad(format!(
