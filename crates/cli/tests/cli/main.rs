@@ -14,6 +14,7 @@ mod faults;
 mod finished_work;
 mod join;
 mod lifecycle;
+mod memory_model;
 #[cfg(feature = "mpi")]
 mod mpi_train;
 mod nccl;
