@@ -212,9 +212,11 @@ fn param_sizes(kind: &ModelKind) -> Vec<u64> {
     }
 }
 
-/// Bytes of the largest DDP bucket under the default caps ([`brigade_ddp::DdpConfig`]), its
-/// parameters grouped in reverse registration order as DDP groups them before any rebuild.
-fn largest_bucket(kind: &ModelKind) -> Option<u64> {
+/// Bytes of the DDP bucket that lands last under the default caps ([`brigade_ddp::DdpConfig`]:
+/// the parameters grouped in reverse registration order as DDP groups them before any
+/// rebuild, the last bucket holding the first registered), `None` inside when the model is
+/// one bucket.
+fn last_bucket(kind: &ModelKind) -> Option<Option<u64>> {
     let bytes: Vec<usize> = (param_sizes(kind).iter())
         .map(|&n| usize::try_from(mul(n, F32)?).ok())
         .collect::<Option<_>>()?;
@@ -222,10 +224,11 @@ fn largest_bucket(kind: &ModelKind) -> Option<u64> {
     let mib = |m: f64| (m * (1u64 << 20) as f64) as usize;
     let order: Vec<usize> = (0..bytes.len()).rev().collect();
     let groups = brigade_ddp::assign_buckets(&bytes, &order, mib(caps.first_bucket_cap_mb), mib(caps.bucket_cap_mb));
-    groups
-        .iter()
-        .map(|g| sum(g.iter().map(|&p| Some(bytes[p] as u64))))
-        .try_fold(0u64, |most, b| Some(most.max(b?)))
+    if groups.len() < 2 {
+        return Some(None);
+    }
+    let last = groups.last()?;
+    Some(Some(sum(last.iter().map(|&p| Some(bytes[p] as u64)))?))
 }
 
 /// The elements of the model's largest weight matrix.
@@ -318,10 +321,10 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
 /// backward (plain DDP, the compressing policies; ZeRO on one rank), the new buckets are made
 /// and the gradients copied into them while the old ones and the whole graph's activations
 /// are alive: the gradients twice, nothing of backward's working set. Under ZeRO-1 and 2 (more
-/// than one rank), the first backward makes each bucket's full buffer as its first gradient
-/// arrives, and its largest bucket lands beside a second full buffer of its size (the shard in
-/// place, zeros elsewhere) and its reduce-scatter's shard, the other buckets' full gradients
-/// alive, with the activations and backward's working set (no checkpointed block recomputed).
+/// than one rank) and more than one bucket, the first backward's last bucket lands with a
+/// second buffer of its size alive beside every full gradient (measured as bucket gradients;
+/// a model of one bucket shows none) and its reduce-scatter's shard, with the activations and
+/// backward's working set (no checkpointed block recomputed).
 fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<PeakPrediction>> {
     let n = q.world.max(1) as u64;
     let full_grads = mul(exact_parameters(q.kind)?, F32)?;
@@ -335,7 +338,9 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
             ..*steady
         }));
     }
-    let bucket = largest_bucket(q.kind)?;
+    let Some(bucket) = last_bucket(q.kind)? else {
+        return Some(None);
+    };
     let (_, backward, _) = activation_values(q)?;
     Some(Some(PeakPrediction {
         gradients: sum([Some(full_grads), Some(bucket), Some(bucket.div_ceil(n))])?,
@@ -526,14 +531,20 @@ mod tests {
         let (steady, first) = at(&PolicySpec::AllReduce, 2);
         assert_eq!(first.gradients, 2 * g);
         assert_eq!(first.total(), steady.total() + g - steady.backward);
-        // ZeRO-1 on 2 ranks: the largest bucket (the default caps, the first 1 MiB: layers 4
+        // ZeRO-1 on 2 ranks: the last bucket (the default caps, the first 1 MiB: layers 4
         // and 3 first, then layers 2 and 1 together under 25 MiB) lands beside a second buffer
         // of its size and its half shard
         let bucket = (2048 * 2048 + 2048 + 512 * 2048 + 2048) * 4;
-        assert_eq!(largest_bucket(&mlp), Some(bucket));
+        assert_eq!(last_bucket(&mlp), Some(Some(bucket)));
         let (steady, first) = at(&PolicySpec::Zero1, 2);
         assert_eq!(first.gradients, g + bucket + bucket / 2);
         assert!(first.total() > steady.total());
+        // a model of one bucket: ZeRO-1's steady step
+        let one = ModelKind::Mlp(brigade_models::MlpConfig {
+            widths: vec![16, 32, 32, 4],
+            ..brigade_models::MlpConfig::default()
+        });
+        assert_eq!(last_bucket(&one), Some(None));
         // ZeRO-3 makes no bucket whole at once; on one rank it still gathers its units
         let (steady, first) = at(&PolicySpec::Zero3, 1);
         assert_eq!(steady, first);
