@@ -25,8 +25,8 @@ fn zero_3_with_checkpointing_fits_a_model_several_times_larger_than_plain_ddp() 
     let budget = 4u64 << 20;
     for (row, peak) in [
         ("plain", "whole_run_peak_bytes"),
-        ("zero3_whole_run", "whole_run_peak_bytes"),
-        ("zero3_steady", "steady_peak_bytes"),
+        ("zero_3_whole_run", "whole_run_peak_bytes"),
+        ("zero_3_steady", "steady_peak_bytes"),
     ] {
         let p = r[row][peak].as_u64().unwrap_or_else(|| panic!("{row}: {r}"));
         assert!(p <= budget, "{row}: its peak {p} is over the budget: {r}");

@@ -27,7 +27,10 @@ fn within_ten_percent(model: &[&str], worlds: &[&str], extra: &[&[&str]]) {
                 let (measured, predicted) = peaks(&flags);
                 let err = predicted / measured - 1.0;
                 if err.abs() > worst.0.abs() {
-                    worst = (err, format!("{flags:?}: predicted {predicted} against measured {measured}"));
+                    worst = (
+                        err,
+                        format!("{flags:?}: predicted {predicted} against measured {measured}"),
+                    );
                 }
             }
         }
@@ -37,15 +40,34 @@ fn within_ten_percent(model: &[&str], worlds: &[&str], extra: &[&[&str]]) {
 
 #[test]
 fn the_mlp_s_predicted_peak_meets_the_measured_one_within_ten_percent_at_every_world_and_stage() {
-    let mlp = ["--model", "mlp", "--widths", "128,1024,1024,1024,10", "--batch-size", "16"];
+    let mlp = [
+        "--model",
+        "mlp",
+        "--widths",
+        "128,1024,1024,1024,10",
+        "--batch-size",
+        "16",
+    ];
     within_ten_percent(&mlp, &["1", "2", "4", "8"], &[&[]]);
 }
 
 #[test]
 fn the_gpt_s_predicted_peak_meets_the_measured_one_within_ten_percent_at_world_8() {
     let gpt = [
-        "--model", "gpt", "--d-model", "64", "--d-ff", "256", "--context", "32", "--layers", "3", "--heads", "2",
-        "--batch-size", "8",
+        "--model",
+        "gpt",
+        "--d-model",
+        "64",
+        "--d-ff",
+        "256",
+        "--context",
+        "32",
+        "--layers",
+        "3",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
     ];
     within_ten_percent(&gpt, &["8"], &[&[], &["--activation-checkpointing"]]);
 }

@@ -98,6 +98,14 @@ pub fn bench_fit(a: FitArgs) -> Result<()> {
     let plain = largest(a.heads, |w| Ok(peaks(Way::Plain, w)?.whole <= budget))?;
     let z3_whole = largest(a.heads, |w| Ok(peaks(Way::Zero3, w)?.whole <= budget))?;
     let z3_steady = largest(a.heads, |w| Ok(peaks(Way::Zero3, w)?.steady <= budget))?;
+    report(&a, &family, &seen, [plain, z3_whole, z3_steady]);
+    Ok(())
+}
+
+/// Prints the search's outcome: the widest plain DDP member, the widest ZeRO-3 member on the
+/// whole-run and on the steady peak, their measured peaks and the ratios of their parameters.
+fn report(a: &FitArgs, family: &GptFamily, seen: &HashMap<(Way, usize), Peaks>, found: [Option<usize>; 3]) {
+    let [plain, z3_whole, z3_steady] = found;
     let params = |w: Option<usize>| w.map(|w| family.parameters(w));
     let ratio = |z: Option<usize>| match (params(plain), params(z)) {
         (Some(p), Some(z)) => Some(z as f64 / p as f64),
@@ -116,13 +124,13 @@ pub fn bench_fit(a: FitArgs) -> Result<()> {
             "budget_mib": a.budget_mib, "world_size": a.world_size, "blocks": a.blocks,
             "heads": a.heads, "context": a.context, "batch_size": a.batch_size, "steps": a.steps,
             "plain": row(Way::Plain, plain),
-            "zero3_whole_run": row(Way::Zero3, z3_whole),
-            "zero3_steady": row(Way::Zero3, z3_steady),
+            "zero_3_whole_run": row(Way::Zero3, z3_whole),
+            "zero_3_steady": row(Way::Zero3, z3_steady),
             "ratio_whole_run": ratio(z3_whole), "ratio_steady": ratio(z3_steady),
             "runs": seen.len(),
         });
         outln!("{out}");
-        return Ok(());
+        return;
     }
     outln!(
         "GPT family of {} blocks ({} heads, context {}, batch {} per rank), world {}, budget {} MiB per rank:",
@@ -155,7 +163,6 @@ pub fn bench_fit(a: FitArgs) -> Result<()> {
         shown(ratio(z3_steady)),
         seen.len()
     );
-    Ok(())
 }
 
 fn check(a: &FitArgs) -> Result<()> {
