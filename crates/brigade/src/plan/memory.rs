@@ -307,7 +307,8 @@ fn activation_values(q: &PeakQuery<'_>) -> Option<(u64, u64, u64)> {
 
 /// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes): the higher of a steady step's
 /// peak ([`steady_peak`]) and the first step's moments that no later step repeats
-/// ([`first_step_peak`]), the parts of the higher one.
+/// (the bucket rebuild of a regrouping policy, ZeRO-1/2's last bucket landing), the parts of
+/// the higher one.
 pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let steady = steady_peak(q)?;
     Some(match first_step_peak(q, &steady)? {
