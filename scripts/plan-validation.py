@@ -21,6 +21,13 @@ For each setting (the reference MLP and GPT at 2 ranks, the MLP at 4; simulated 
      curse), so the pick and the best measured (when they differ) are measured again, head to
      head, CONFIRM more times each, interleaved; pick / best is given from the sweep and from
      these independent runs.
+With --memory-grid, only the memory model: the reference MLP and GPT at world 1, 2, 4 and 8 under
+zero 0, 1, 2 and 3, the GPT with and without activation checkpointing (every block), each run
+`brigade train --steps 3 --json` once; its predicted peak (`memory.predicted_peak_bytes`) against
+its measured whole-run peak (`memory.peak_bytes`, with the parts that held it), and the worst
+errors. No timing: any load will do. With --reuse FILE (an earlier run's memory-grid.json), the
+measured peaks are taken from it and the predictions asked of BIN without training (the
+`--memory-budget 0.001` refusal names the predicted peak): for a change to the model alone.
 One MPI row (with mpirun on PATH and a build with --features mpi): the MLP at 2 ranks under
 mpirun, its allreduce and zero2 profiles recorded under MPI, the plan under --measured-link,
 the pick and allreduce measured under mpirun.
@@ -29,13 +36,14 @@ Timing means nothing on a loaded machine: run it alone (about 15-25 minutes on 2
 
 Usage: scripts/plan-validation.py [--out DIR] [--repeat 3] [--steps 8] [--warmup 3] [--confirm 5]
          [--settings mlp-w2,gpt-w2,mlp-w4] [--gbps 1,10] [--brigade BIN] [--mpi-brigade BIN]
-         [--no-mpi] [--smoke]   (tiny models, 1 repeat: checks that the script runs, measures nothing)
+         [--no-mpi] [--smoke] [--memory-grid [--reuse FILE]]   (tiny models, 1 repeat: checks that the script runs, measures nothing)
 Writes DIR/plan-validation.json and prints the markdown table.
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -203,6 +211,67 @@ def table(results):
     return "\n".join(lines)
 
 
+GRID_WORLDS = (1, 2, 4, 8)
+
+
+def predicted_only(brigade, flags):
+    """The predicted peak in bytes, from the refusal of a budget every run exceeds."""
+    r = subprocess.run([brigade, "train"] + flags + ["--steps", "1", "--memory-budget", "0.001"],
+                       capture_output=True, text=True)
+    m = re.search(r"predicted to hold ([0-9.]+) MiB", r.stderr)
+    if r.returncode == 0 or not m:
+        raise RuntimeError(f"no predicted peak in: {r.stderr.strip()[-300:]}")
+    return float(m.group(1)) * (1 << 20)
+
+
+def memory_grid(a, brigade):
+    """The predicted against the measured whole-run peak over the grid (see the docstring)."""
+    earlier = None
+    if a.reuse:
+        with open(a.reuse) as f:
+            earlier = {(r["model"], r["world"], r["zero"], r["checkpointing"]): r for r in json.load(f)["rows"]}
+    rows = []
+    for model in ("mlp", "gpt"):
+        for ck in ((0, 1) if model == "gpt" else (0,)):
+            for world in GRID_WORLDS:
+                for zero in (0, 1, 2, 3):
+                    flags = (SMOKE_MODELS if a.smoke else MODELS)[model] + [
+                        "--world-size", str(world), "--zero", str(zero)]
+                    if ck:
+                        flags += ["--activation-checkpointing", str(ck)]
+                    if earlier:
+                        old = earlier[(model, world, zero, ck)]
+                        row = dict(old, predicted=predicted_only(brigade, flags))
+                    else:
+                        js = json.loads(sh([brigade, "train"] + flags + ["--steps", "3", "--quiet", "--json"]))
+                        m = js["memory"]
+                        row = {"model": model, "world": world, "zero": zero, "checkpointing": ck,
+                               "predicted": m["predicted_peak_bytes"], "measured": m["peak_bytes"],
+                               "parts": m.get("peak_parts")}
+                    row["error"] = row["predicted"] / row["measured"] - 1
+                    print(f"{model} w{world} zero{zero} ac{ck}: predicted {mib(row['predicted'])} MiB, measured "
+                          f"{mib(row['measured'])} ({row['error'] * 100:+.1f}%)", file=sys.stderr, flush=True)
+                    rows.append(row)
+    return rows
+
+
+def grid_table(rows):
+    lines = ["| model | checkpointing | world | zero 0 | zero 1 | zero 2 | zero 3 |", "|---|---|---|---|---|---|---|"]
+    for model in ("mlp", "gpt"):
+        for ck in (0, 1):
+            for world in GRID_WORLDS:
+                cells = {r["zero"]: r for r in rows if (r["model"], r["checkpointing"], r["world"]) == (model, ck, world)}
+                if cells:
+                    lines.append(f"| {model} | {'every block' if ck else 'off'} | {world} | " + " | ".join(
+                        f"{mib(cells[z]['predicted'])} / {mib(cells[z]['measured'])} ({cells[z]['error'] * 100:+.1f}%)"
+                        for z in sorted(cells)) + " |")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    lines.append(f"\nPredicted / measured MiB per rank (error). Worst: {worst['model']} world {worst['world']} zero "
+                 f"{worst['zero']} checkpointing {worst['checkpointing']}: {worst['error'] * 100:+.1f}%; "
+                 f"{sum(abs(r['error']) < 0.10 for r in rows)} of {len(rows)} within 10%.")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/plan-validation")
@@ -217,6 +286,8 @@ def main():
     ap.add_argument("--mpi-brigade", default=None)
     ap.add_argument("--no-mpi", action="store_true", help="leave out the MPI row")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--memory-grid", action="store_true", help="only the memory model over the grid")
+    ap.add_argument("--reuse", default=None, help="with --memory-grid: measured peaks from this memory-grid.json")
     a = ap.parse_args()
     if a.smoke:
         a.repeat, a.steps, a.warmup, a.confirm = 1, 3, 1, 1
@@ -226,6 +297,12 @@ def main():
         sh(["cargo", "build", "--release", "-q", "-p", "brigade-cli"])
         brigade = "target/release/brigade"
     os.makedirs(a.out, exist_ok=True)
+    if a.memory_grid:
+        rows = memory_grid(a, brigade)
+        with open(os.path.join(a.out, "memory-grid.json"), "w") as f:
+            json.dump({"load_average": os.getloadavg(), "rows": rows}, f, indent=1)
+        print(grid_table(rows))
+        return
     start = time.time()
     load = os.getloadavg()
     results = []

@@ -54,6 +54,7 @@ mod batch;
 mod corpus;
 pub mod data;
 mod error;
+pub mod family;
 pub mod generate;
 pub mod gpt;
 pub mod io;
@@ -70,6 +71,7 @@ use brigade_autograd::{ParamStore, Var};
 pub use batch::{Batch, BatchSchema, IndexRange, TensorSpec};
 pub use data::Dataset;
 pub use error::{ModelError, Result};
+pub use family::GptFamily;
 pub use generate::{
     generate, generate_text, generate_text_with, generate_uncached, Generated, SampleOptions, Utf8Stream,
 };

@@ -4,6 +4,7 @@
 
 mod activation_checkpointing;
 mod bad_input;
+mod bench_fit;
 mod bench_gemm;
 mod checkpoint_paths;
 mod common;
@@ -13,6 +14,7 @@ mod faults;
 mod finished_work;
 mod join;
 mod lifecycle;
+mod memory_model;
 #[cfg(feature = "mpi")]
 mod mpi_train;
 mod nccl;

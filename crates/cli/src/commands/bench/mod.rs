@@ -1,5 +1,6 @@
 //! `brigade bench ...` subcommands.
 
+mod fit;
 mod gemm;
 mod ops;
 
@@ -24,6 +25,10 @@ pub enum BenchCommand {
     /// Where one training step's time goes, per op kind, forward and backward (the
     /// torchref workloads; `scripts/torch_ops_profile.py` prints PyTorch's side).
     Ops(ops::OpsArgs),
+    /// The largest member of a GPT family of many blocks that trains under a memory budget
+    /// per rank with plain DDP, against the largest with ZeRO-3 and activation checkpointing
+    /// (measured peaks, bisected widths), and the ratio of their sizes.
+    Fit(fit::FitArgs),
 }
 
 /// Options of `brigade bench comm`.
@@ -56,6 +61,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Comm(args) => bench_comm(args),
         BenchCommand::Gemm(args) => gemm::bench_gemm(args),
         BenchCommand::Ops(args) => ops::bench_ops(args),
+        BenchCommand::Fit(args) => fit::bench_fit(args),
     }
 }
 
