@@ -166,8 +166,9 @@ def main():
     if brigade is None:
         sh(["cargo", "build", "--release", "-q", "-p", "brigade-cli"])
         brigade = "target/release/brigade"
-    mpi = None if a.no_mpi else a.mpi_brigade
-    if mpi is None and not a.no_mpi and shutil.which("mpirun"):
+    no_mpi = a.no_mpi or a.own_only
+    mpi = None if no_mpi else a.mpi_brigade
+    if mpi is None and not no_mpi and shutil.which("mpirun"):
         sh(["cargo", "build", "--release", "-q", "-p", "brigade-cli", "--features", "mpi", "--target-dir", "target/mpi"])
         mpi = "target/mpi/release/brigade"
     os.makedirs(a.out, exist_ok=True)
