@@ -939,3 +939,53 @@ fn a_powersgd_step_before_its_start_step_is_priced_as_the_all_reduce_it_ran() {
         "three all-reduces",
     );
 }
+
+#[test]
+fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_synced() {
+    use brigade_ddp::overlap::{PolicyTimes, WireModel};
+    use brigade_ddp::policy::{AfterStepWire, WireOp};
+    // DiLoCo on 2 ranks: its bucket sends nothing in backward; the recorded step synced, its
+    // optimizer span holding the all-reduce of every parameter on the 1 ms, 1 GiB/s link
+    // (2 ms + S/B). Its one sample passes through that time: the step is charged a tenth of it,
+    // as on the true link; fitted from the empty bucket alone, the link cost nothing.
+    let (w, b) = (512 * 256 * 4, 256 * 4);
+    let mut p = under(
+        profile(&[(w, 0.010), (b, 0.010)], 0.010),
+        "diloco:10",
+        Some(WireModel::Local),
+        &[&[512, 256], &[256]],
+    );
+    p.policy.as_mut().unwrap().after_step = Some(AfterStepWire {
+        op: WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 10,
+        fragments: 1,
+        overlap_steps: 0,
+    });
+    let sync = 0.002 + (w + b) as f64 / (1u64 << 30) as f64;
+    for r in &mut p.ranks {
+        r.buckets = vec![recorded(vec![1, 0], w + b, 0.010, 0.010, 0.010)];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.010, 0.011 + sync, 0.011 + sync);
+        r.policy_s = Some(PolicyTimes {
+            reduce_s: 0.0,
+            after_step_s: sync,
+            after_step_link_s: sync,
+        });
+    }
+    let measured = replay(
+        &p,
+        &ReplayConfig {
+            link: LinkCost::Measured,
+            ..cfg(100.0, 100.0)
+        },
+    )
+    .unwrap();
+    close_to(measured.after_step_comm_s, sync / 10.0, 1e-6, "a tenth of the sync");
+    close_to(measured.predicted_step_s, 0.011 + sync / 10.0, 1e-6, "the step");
+    // a step between syncs recorded nothing on the link: no link to measure, said in one line
+    for r in &mut p.ranks {
+        r.policy_s = None;
+    }
+    let e = brigade_ddp::overlap::measured_link(&[&p]).unwrap_err().to_string();
+    assert!(e.contains("no link to measure") && !e.contains('\n'), "{e}");
+}
