@@ -271,16 +271,16 @@ pub fn predict(a: PredictArgs) -> Result<()> {
     }
     // the backend's launch overhead and the measured link, fitted once from every recorded step
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
-    let link = match link {
-        LinkCost::Measured => fitted_link(&a.profile, &profiles)?,
-        ring => ring,
+    let links = match link {
+        LinkCost::Measured => measured_links(&a.profile, &profiles)?,
+        ring => vec![ring; profiles.len()],
     };
     let mut rows = vec![];
     for &cap in &a.bucket_mb {
         let cfg = ReplayConfig {
             bucket_cap_mb: cap,
             first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(1.0).min(cap),
-            link,
+            link: links[0],
             world_size: a.world_size,
             order: BucketOrder::recorded(&profiles[0]),
         };
@@ -288,6 +288,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             .iter()
             .enumerate()
             .map(|(i, p)| {
+                let cfg = ReplayConfig { link: links[i], ..cfg };
                 replay_with(p, &cfg, overhead).map_err(|e| {
                     let step = if profiles.len() > 1 {
                         format!(" (step {i} of the list)")
@@ -348,16 +349,35 @@ fn row_of(mut steps: Vec<ReplayResult>, profile: &StepProfile) -> ReplayResult {
     row
 }
 
-/// `--measured-link`: the link fitted to every recorded step's collectives at once (a policy
-/// that syncs every few steps records them only in the steps that sync). A run that recorded
-/// none on the link (DiLoCo's steps between syncs) falls back to the link its command line
-/// stated, with a note; one line when it stated none.
-fn fitted_link(path: &Path, profiles: &[StepProfile]) -> Result<LinkCost> {
-    let why = match measured_link(&profiles.iter().collect::<Vec<_>>()) {
-        Ok(m) => return Ok(LinkCost::Ring(m)),
-        Err(e) => e.to_string(),
+/// `--measured-link` for each of `profiles`: the link its own recorded collectives measured;
+/// for a step that recorded none on the link (DiLoCo's steps between syncs), the link fitted to
+/// every step of the list at once; when no step recorded any, the link the run's command line
+/// stated, with a note. One line when it stated none.
+fn measured_links(path: &Path, profiles: &[StepProfile]) -> Result<Vec<LinkCost>> {
+    let usage = |e: brigade_ddp::DdpError| Error::Usage(format!("{}: {e}", path.display()));
+    let own: Vec<bool> = profiles
+        .iter()
+        .map(|p| measured_link(&[p]).map(|m| m.is_some()))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(usage)?;
+    if own.iter().all(|&o| o) {
+        return Ok(vec![LinkCost::Measured; profiles.len()]);
+    }
+    let joint = match measured_link(&profiles.iter().collect::<Vec<_>>()).map_err(usage)? {
+        Some(m) => LinkCost::Ring(m),
+        None => stated_link(path, &profiles[0])?,
     };
-    let command = profiles[0].run.as_ref().map_or(&[][..], |r| &r.command[..]);
+    Ok(own
+        .into_iter()
+        .map(|o| if o { LinkCost::Measured } else { joint })
+        .collect())
+}
+
+/// The link `profile`'s run stated on its command line (`--net-gbps`, `--net-latency-us`), for
+/// a run that recorded nothing on the link to measure, with a note; one line when it stated
+/// none.
+fn stated_link(path: &Path, profile: &StepProfile) -> Result<LinkCost> {
+    let command = profile.run.as_ref().map_or(&[][..], |r| &r.command[..]);
     let flag = |name: &str| {
         command
             .iter()
@@ -368,6 +388,7 @@ fn fitted_link(path: &Path, profiles: &[StepProfile]) -> Result<LinkCost> {
                 None => None,
             })
     };
+    let why = "the profile recorded no collective on the link to measure it by";
     let Some(gbps) = flag("--net-gbps") else {
         return Err(Error::Usage(format!(
             "{}: --measured-link: {why}, and its run stated no --net-gbps to fall back to: give --net-gbps G \

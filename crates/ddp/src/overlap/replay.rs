@@ -351,23 +351,23 @@ const NO_LINK_SAMPLES: &str = "the profile recorded no collective on the link (n
 
 /// The link every profile of `profiles` measured, fitted to all their recorded collectives at
 /// once ([`LinkCost::Measured`] fits one profile's): a policy that communicates every few steps
-/// (DiLoCo) records its collectives only in the steps that sync. One line when none recorded
-/// any.
-pub fn measured_link(profiles: &[&StepProfile]) -> Result<NetModel, DdpError> {
+/// (DiLoCo) records its collectives only in the steps that sync. `None` when none recorded any
+/// on the link.
+pub fn measured_link(profiles: &[&StepProfile]) -> Result<Option<NetModel>, DdpError> {
     let mut pts = vec![];
     for p in profiles.iter().filter(|p| p.world_size > 1) {
         p.validate()?;
         link_samples(p, &mut pts).map_err(DdpError::Replay)?;
     }
     if pts.is_empty() {
-        return Err(DdpError::Replay(NO_LINK_SAMPLES.into()));
+        return Ok(None);
     }
     let (alpha, per_byte) = fit_link(&pts);
-    Ok(NetModel {
+    Ok(Some(NetModel {
         latency: std::time::Duration::from_secs_f64(alpha),
         // a link fitted to no measurable byte time carries bytes for free
         bandwidth_bytes_per_s: if per_byte > 0.0 { 1.0 / per_byte } else { f64::MAX },
-    })
+    }))
 }
 
 /// What `profile`'s recorded collectives took on the link, each as `(messages, link bytes,

@@ -908,7 +908,7 @@ fn a_measured_link_charges_each_collective_of_a_bucket_its_latency() {
     );
     close_to(measured.predicted_step_s, truth.predicted_step_s, 1e-6, "the step");
     // the link fitted from every profile of a list is the same link
-    let link = brigade_ddp::overlap::measured_link(&[&p, &p]).unwrap();
+    let link = brigade_ddp::overlap::measured_link(&[&p, &p]).unwrap().unwrap();
     close_to(link.latency.as_secs_f64(), 0.001, 1e-6, "latency");
     close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 1e-6, "bandwidth");
 }
@@ -986,6 +986,11 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
     for r in &mut p.ranks {
         r.policy_s = None;
     }
-    let e = brigade_ddp::overlap::measured_link(&[&p]).unwrap_err().to_string();
+    assert_eq!(brigade_ddp::overlap::measured_link(&[&p]).unwrap(), None);
+    let measured = ReplayConfig {
+        link: LinkCost::Measured,
+        ..cfg(100.0, 100.0)
+    };
+    let e = replay(&p, &measured).unwrap_err().to_string();
     assert!(e.contains("no link to measure") && !e.contains('\n'), "{e}");
 }
