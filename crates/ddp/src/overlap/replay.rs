@@ -346,8 +346,9 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
 }
 
 /// Why a profile measures no link: nothing it recorded crossed one.
-const NO_LINK_SAMPLES: &str = "the profile recorded no collective on the link (no bucket that sent bytes, no \
-                               parameter gather, no after-step collective): there is no link to measure";
+const NO_LINK_SAMPLES: &str =
+    "the profile recorded no buckets, parameter gathers or after-step collectives that crossed the link: there \
+     is no link to measure";
 
 /// The link every profile of `profiles` measured, fitted to all their recorded collectives at
 /// once ([`LinkCost::Measured`] fits one profile's): a policy that communicates every few steps
