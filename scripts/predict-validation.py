@@ -18,9 +18,11 @@ median error is within its target:
   zero3-wait-grows    the predicted gather wait at 0.1 Gb/s over the one on the measured link
                       (at least 2)
   own-step:POLICY     each built-in policy (allreduce, fp16, bf16, int8, powersgd:4@1, zero1,
-                      zero2, zero3) on the same MLP over a simulated 1 Gb/s, 20 us link: its own
-                      profile replayed on the measured link at the recorded caps, the predicted
-                      step against the recorded one, the mean over the ranks of its end (5%)
+                      zero2, zero3, topk:0.01, efsign, diloco:10, streaming-diloco:10:2) on the
+                      same MLP over a simulated 1 Gb/s, 20 us link: its own profile replayed on
+                      the measured link at the recorded caps, the predicted step against the
+                      recorded one, the mean over the ranks of its end (5%); the two DiLoCos
+                      record a whole period of 10 steps and are compared by their mean step
   mpi-own-link        (with mpirun on PATH and a build with --features mpi) a 64,512,512,512,4
                       MLP on 2 MPI ranks, buckets of 0.5 MiB: as allreduce-own-link (25%)
 
@@ -83,7 +85,15 @@ def error(predicted, measured):
     return abs(predicted - measured) / measured
 
 
-OWN_POLICIES = ["allreduce", "fp16", "bf16", "int8", "powersgd:4@1", "zero1", "zero2", "zero3"]
+OWN_POLICIES = ["allreduce", "fp16", "bf16", "int8", "powersgd:4@1", "zero1", "zero2", "zero3", "topk:0.01",
+                "efsign", "diloco:10", "streaming-diloco:10:2"]
+# policies that communicate after the step every PERIOD steps: a whole period is recorded
+# (after two warm-up steps) and its mean step compared with the predicted one
+PERIODS = {"diloco:10": 10, "streaming-diloco:10:2": 10}
+
+
+def mean_step_s(profiles):
+    return sum(step_s(p) for p in profiles) / len(profiles)
 
 
 def own_steps(brigade, d, i):
@@ -92,9 +102,16 @@ def own_steps(brigade, d, i):
     caps = ["--bucket-mb", "0.1", "--first-bucket-mb", "0.05"]
     for policy in OWN_POLICIES:
         p = os.path.join(d, f"own-{policy.replace(':', '-').replace('@', '-')}-{i}.json")
-        v = record([brigade, "train", *RUN, "--net-gbps", "1", *caps, "--policy", policy], p)
+        cmd = [brigade, "train", *RUN, "--net-gbps", "1", *caps, "--policy", policy]
+        if policy in PERIODS:
+            steps = PERIODS[policy] + 2
+            cmd[cmd.index("--steps") + 1] = str(steps)
+            cmd += ["--profile-steps", f"2..{steps}"]
+            measured = mean_step_s(record(cmd, p))
+        else:
+            measured = step_s(record(cmd, p))
         row = predict(brigade, p, "--measured-link", *caps)
-        out[f"own-step:{policy}"] = (error(row["predicted_step_s"], step_s(v)), row["predicted_step_s"], step_s(v))
+        out[f"own-step:{policy}"] = (error(row["predicted_step_s"], measured), row["predicted_step_s"], measured)
     return out
 
 
@@ -166,8 +183,9 @@ def main():
     if brigade is None:
         sh(["cargo", "build", "--release", "-q", "-p", "brigade-cli"])
         brigade = "target/release/brigade"
-    mpi = None if a.no_mpi else a.mpi_brigade
-    if mpi is None and not a.no_mpi and shutil.which("mpirun"):
+    no_mpi = a.no_mpi or a.own_only
+    mpi = None if no_mpi else a.mpi_brigade
+    if mpi is None and not no_mpi and shutil.which("mpirun"):
         sh(["cargo", "build", "--release", "-q", "-p", "brigade-cli", "--features", "mpi", "--target-dir", "target/mpi"])
         mpi = "target/mpi/release/brigade"
     os.makedirs(a.out, exist_ok=True)

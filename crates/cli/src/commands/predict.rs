@@ -7,7 +7,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use brigade_ddp::overlap::{
-    replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayConfig, ReplayResult, StepProfile,
+    measured_link, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayConfig, ReplayResult,
+    StepProfile,
 };
 use clap::Args;
 
@@ -268,14 +269,18 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             profile.world_size
         )));
     }
-    // the backend's launch overhead, fitted once from every recorded step
+    // the backend's launch overhead and the measured link, fitted once from every recorded step
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
+    let links = match link {
+        LinkCost::Measured => measured_links(&a.profile, &profiles)?,
+        ring => vec![ring; profiles.len()],
+    };
     let mut rows = vec![];
     for &cap in &a.bucket_mb {
         let cfg = ReplayConfig {
             bucket_cap_mb: cap,
             first_bucket_cap_mb: a.first_bucket_mb.unwrap_or(1.0).min(cap),
-            link,
+            link: links[0],
             world_size: a.world_size,
             order: BucketOrder::recorded(&profiles[0]),
         };
@@ -283,6 +288,7 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             .iter()
             .enumerate()
             .map(|(i, p)| {
+                let cfg = ReplayConfig { link: links[i], ..cfg };
                 replay_with(p, &cfg, overhead).map_err(|e| {
                     let step = if profiles.len() > 1 {
                         format!(" (step {i} of the list)")
@@ -295,7 +301,14 @@ pub fn predict(a: PredictArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         // several steps: the one whose predicted step time is the median
         steps.sort_by(|x, y| x.predicted_step_s.total_cmp(&y.predicted_step_s));
-        rows.push(steps.swap_remove(steps.len() / 2));
+        for note in steps
+            .iter()
+            .filter_map(|s| s.wire_note.as_ref())
+            .take(usize::from(rows.is_empty()))
+        {
+            eprintln!("note: {note}");
+        }
+        rows.push(row_of(steps, profile));
     }
     if a.json {
         outln!(
@@ -305,13 +318,91 @@ pub fn predict(a: PredictArgs) -> Result<()> {
     } else {
         if profiles.len() > 1 {
             outln!(
-                "{} steps recorded: each row is the step with the median predicted step time",
+                "{} steps recorded: each row is the step with the median predicted step time (a policy that \
+                 syncs after the step every few steps: the steps' mean step times)",
                 profiles.len()
             );
         }
         print_table(profile, &rows);
     }
     Ok(())
+}
+
+/// The row of one cap from its replayed steps (sorted by predicted step time): the median step;
+/// for a policy that communicates after the step every few steps (DiLoCo), with the steps'
+/// mean predicted and compute-only step times, since one step in a period syncs and does its
+/// outer step, and the others do neither.
+fn row_of(mut steps: Vec<ReplayResult>, profile: &StepProfile) -> ReplayResult {
+    let periodic = profile
+        .policy
+        .as_ref()
+        .and_then(|p| p.after_step.as_ref())
+        .is_some_and(|a| a.every > 1);
+    let n = steps.len() as f64;
+    let (predicted, compute) = steps
+        .iter()
+        .fold((0.0, 0.0), |(p, c), s| (p + s.predicted_step_s, c + s.compute_step_s));
+    let mut row = steps.swap_remove(steps.len() / 2);
+    if periodic && n > 1.0 {
+        (row.predicted_step_s, row.compute_step_s) = (predicted / n, compute / n);
+    }
+    row
+}
+
+/// `--measured-link` for each of `profiles`: the link its own recorded collectives measured;
+/// for a step that recorded none on the link (DiLoCo's steps between syncs), the link fitted to
+/// every step of the list at once; when no step recorded any, the link the run's command line
+/// stated, with a note. One line when it stated none.
+fn measured_links(path: &Path, profiles: &[StepProfile]) -> Result<Vec<LinkCost>> {
+    let usage = |e: brigade_ddp::DdpError| Error::Usage(format!("{}: {e}", path.display()));
+    let own: Vec<bool> = profiles
+        .iter()
+        .map(|p| measured_link(&[p]).map(|m| m.is_some()))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(usage)?;
+    if own.iter().all(|&o| o) {
+        return Ok(vec![LinkCost::Measured; profiles.len()]);
+    }
+    let joint = match measured_link(&profiles.iter().collect::<Vec<_>>()).map_err(usage)? {
+        Some(m) => LinkCost::Ring(m),
+        None => stated_link(path, &profiles[0])?,
+    };
+    Ok(own
+        .into_iter()
+        .map(|o| if o { LinkCost::Measured } else { joint })
+        .collect())
+}
+
+/// The link `profile`'s run stated on its command line (`--net-gbps`, `--net-latency-us`), for
+/// a run that recorded nothing on the link to measure, with a note; one line when it stated
+/// none.
+fn stated_link(path: &Path, profile: &StepProfile) -> Result<LinkCost> {
+    let command = profile.run.as_ref().map_or(&[][..], |r| &r.command[..]);
+    let flag = |name: &str| {
+        command
+            .iter()
+            .enumerate()
+            .find_map(|(i, w)| match w.strip_prefix(name) {
+                Some("") => command.get(i + 1).and_then(|v| v.parse::<f64>().ok()),
+                Some(v) => v.strip_prefix('=').and_then(|v| v.parse::<f64>().ok()),
+                None => None,
+            })
+    };
+    let why = "the profile recorded no collective on the link to measure it by";
+    let Some(gbps) = flag("--net-gbps") else {
+        return Err(Error::Usage(format!(
+            "{}: --measured-link: {why}, and its run stated no --net-gbps to fall back to: give --net-gbps G \
+             [--net-latency-us L]",
+            path.display()
+        )));
+    };
+    let latency_us = flag("--net-latency-us").unwrap_or(0.0);
+    eprintln!(
+        "note: {}: {why}; the link its run stated is used instead ({gbps} Gb/s, {latency_us} us)",
+        path.display()
+    );
+    check_link(Some(gbps), latency_us)?;
+    Ok(LinkCost::Ring(brigade::launch::net_model(gbps, latency_us)))
 }
 
 fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {

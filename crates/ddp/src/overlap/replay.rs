@@ -147,6 +147,11 @@ pub struct ReplayResult {
     /// What the compute waited for its parameter gathers in the step (mean over the ranks; 0
     /// without gathers): the gather time prefetch did not hide.
     pub exposed_gather_s: f64,
+    /// Why the recorded step was priced under another model than the policy's steady one (a
+    /// PowerSGD step before its start step, priced as the plain all-reduce it ran); `None`
+    /// when it was not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wire_note: Option<String>,
 }
 
 /// What it costs the backend to bring a collective onto the link once the last rank has issued
@@ -327,34 +332,109 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
             Ok((m.latency.as_secs_f64(), 1.0 / m.bandwidth_bytes_per_s))
         }
         LinkCost::Measured => {
-            let n0 = profile.world_size;
-            if n0 < 2 {
+            if profile.world_size < 2 {
                 return Err("a profile of one rank recorded no communication: there is no link to measure".into());
             }
-            // What each recorded bucket sent, as the bytes of the all-reduce that sends as much,
-            // so that any policy's recording measures the same link.
-            let ar = RingOp::AllReduce;
-            let share = ar.wire_bytes(1.0, n0);
-            let gathers = profile.ranks[0].gathers.iter().map(|g| {
-                let sent = RingOp::AllGather.wire_bytes(g.bytes as f64 / n0 as f64, n0);
-                (sent / share, (g.finish_s - g.start_s).max(0.0))
-            });
-            let pts: Vec<(f64, f64)> = profile.ranks[0]
-                .buckets
-                .iter()
-                .map(|b| {
-                    let sent = b.wire_bytes.map_or(b.bytes as f64, |w| w / share);
-                    (sent, (b.finish_s - b.start_s - b.policy_compute_s()).max(0.0))
-                })
-                .chain(gathers)
-                .collect();
+            let mut pts = vec![];
+            link_samples(profile, &mut pts)?;
             if pts.is_empty() {
-                return Err("the profile recorded no buckets: there is no link to measure".into());
+                return Err(NO_LINK_SAMPLES.into());
             }
-            let (a, b) = fit_line(&pts);
-            // duration = messages·α + link bytes · (1/B)
-            Ok((a / ar.messages(n0), b / share))
+            Ok(fit_link(&pts))
         }
+    }
+}
+
+/// Why a profile measures no link: nothing it recorded crossed one.
+const NO_LINK_SAMPLES: &str =
+    "the profile recorded no buckets, parameter gathers or after-step collectives that crossed the link: there \
+     is no link to measure";
+
+/// The link every profile of `profiles` measured, fitted to all their recorded collectives at
+/// once ([`LinkCost::Measured`] fits one profile's): a policy that communicates every few steps
+/// (DiLoCo) records its collectives only in the steps that sync. `None` when none recorded any
+/// on the link.
+pub fn measured_link(profiles: &[&StepProfile]) -> Result<Option<NetModel>, DdpError> {
+    let mut pts = vec![];
+    for p in profiles.iter().filter(|p| p.world_size > 1) {
+        p.validate()?;
+        link_samples(p, &mut pts).map_err(DdpError::Replay)?;
+    }
+    if pts.is_empty() {
+        return Ok(None);
+    }
+    let (alpha, per_byte) = fit_link(&pts);
+    Ok(Some(NetModel {
+        latency: std::time::Duration::from_secs_f64(alpha),
+        // a link fitted to no measurable byte time carries bytes for free
+        bandwidth_bytes_per_s: if per_byte > 0.0 { 1.0 / per_byte } else { f64::MAX },
+    }))
+}
+
+/// What `profile`'s recorded collectives took on the link, each as `(messages, link bytes,
+/// seconds)` priced as the ring prices them at the recorded world size: each bucket's
+/// collectives as its policy's wire model issues them (several per bucket for PowerSGD, with
+/// a latency each), scaled to the bytes the bucket recorded sending; ZeRO-3's parameter
+/// gathers; and the after-step collectives of a step that synced (rank 0's).
+fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result<(), String> {
+    let n0 = profile.world_size;
+    let (_, wire, _) = wire_model(profile)?;
+    let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
+    let rank0 = &profile.ranks[0];
+    for b in &rank0.buckets {
+        let price = wire.bucket_price(&b.params, &param_bytes, n0);
+        if price.messages == 0.0 {
+            continue;
+        }
+        let scale = match b.wire_bytes {
+            Some(w) if price.wire_bytes > 0.0 => w / price.wire_bytes,
+            _ => 1.0,
+        };
+        let secs = (b.finish_s - b.start_s - b.policy_compute_s()).max(0.0);
+        pts.push((price.messages, price.link_bytes * scale, secs));
+    }
+    for g in &rank0.gathers {
+        let price = RingPrice::of(RingOp::AllGather, g.bytes as f64 / n0 as f64, n0);
+        pts.push((price.messages, price.link_bytes, (g.finish_s - g.start_s).max(0.0)));
+    }
+    let after = profile.policy.as_ref().and_then(|p| p.after_step.as_ref());
+    let after_link = rank0.policy_s.map_or(0.0, |p| p.after_step_link_s);
+    if let Some(a) = after.filter(|_| after_link > 0.0) {
+        let price = a.price(&param_bytes, n0);
+        pts.push((price.messages, price.link_bytes, after_link));
+    }
+    Ok(())
+}
+
+/// Least squares `seconds = α·messages + β·link bytes` with `α, β ≥ 0` over `pts` of
+/// `(messages, link bytes, seconds)`: the latency (s) and seconds per byte of the ring's links.
+/// Buckets of one kind of collective at one world size share one count of messages: α is then
+/// the intercept of `y = a + b·x`, per message.
+fn fit_link(pts: &[(f64, f64, f64)]) -> (f64, f64) {
+    let (smm, sml, sll) = pts.iter().fold((0.0, 0.0, 0.0), |(a, b, c), p| {
+        (a + p.0 * p.0, b + p.0 * p.1, c + p.1 * p.1)
+    });
+    let (smy, sly) = pts.iter().fold((0.0, 0.0), |(a, b), p| (a + p.0 * p.2, b + p.1 * p.2));
+    let det = smm * sll - sml * sml;
+    if det > 1e-9 * smm * sll {
+        let alpha = (smy * sll - sly * sml) / det;
+        let beta = (sly * smm - smy * sml) / det;
+        if alpha >= 0.0 && beta >= 0.0 {
+            return (alpha, beta);
+        }
+    }
+    // one of the two alone, whichever leaves the smaller squared error
+    let sse = |alpha: f64, beta: f64| {
+        pts.iter()
+            .map(|p| (p.2 - alpha * p.0 - beta * p.1).powi(2))
+            .sum::<f64>()
+    };
+    let alpha_only = if smm > 0.0 { (smy / smm).max(0.0) } else { 0.0 };
+    let beta_only = if sll > 0.0 { (sly / sll).max(0.0) } else { 0.0 };
+    if sse(alpha_only, 0.0) < sse(0.0, beta_only) {
+        (alpha_only, 0.0)
+    } else {
+        (0.0, beta_only)
     }
 }
 
@@ -404,7 +484,7 @@ pub fn replay_with(
 fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOverhead) -> Result<ReplayResult, String> {
     let n = checked_world(profile, cfg)?;
     let (alpha, per_byte) = link_params(profile, cfg.link)?;
-    let (policy, wire) = wire_model(profile)?;
+    let (policy, wire, wire_note) = wire_model(profile)?;
     let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
     let costs = Costs {
         profile,
@@ -462,6 +542,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         launch_overhead: if n < 2 { LaunchOverhead::default() } else { overhead },
         gathers: comm.gathers,
         exposed_gather_s: mean(comm.waited),
+        wire_note,
     })
 }
 
@@ -828,10 +909,13 @@ impl RecordedGather {
     }
 }
 
-/// The policy a profile was recorded under and how its collectives are costed; one line when
-/// it names none (a profile recorded before policies were: its reader names the default
-/// policy, [`StepProfile::policy`]) or is a user policy that declared no model.
-fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
+/// The policy a profile was recorded under, how its collectives are costed, and a note when the
+/// recorded step ran under another model than the policy's steady one; one line when it names
+/// none (a profile recorded before policies were: its reader names the default policy,
+/// [`StepProfile::policy`]) or is a user policy that declared no model. PowerSGD all-reduces
+/// its gradients uncompressed before its start step: a step recorded then (its buckets sent
+/// the plain all-reduce's bytes) is priced as what it was.
+fn wire_model(profile: &StepProfile) -> Result<(String, WireModel, Option<String>), String> {
     match &profile.policy {
         None => Err(
             "the profile names no reducer policy (it was recorded before policies were): give it the policy it \
@@ -839,7 +923,17 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
                 .into(),
         ),
         Some(p) => match &p.wire {
-            Some(w) => Ok((p.name.clone(), w.clone())),
+            Some(w @ WireModel::LowRank { start_iter, .. }) if recorded_uncompressed(profile, w) => Ok((
+                p.name.clone(),
+                WireModel::AllReduce { bytes_per_element: 4.0 },
+                Some(format!(
+                    "the profile's step ran before {}'s start step ({start_iter}): its buckets sent the plain \
+                     all-reduce's bytes, and it is priced as a plain all-reduce (profile a step from {start_iter} on \
+                     for the compressed one)",
+                    p.name
+                )),
+            )),
+            Some(w) => Ok((p.name.clone(), w.clone(), None)),
             None => Err(format!(
                 "the profile was recorded under policy '{}', which declares no wire model (ReducerPolicy::wire_model): \
                  the overlap model cannot cost its collectives; replay a profile of a policy that declares one",
@@ -847,4 +941,23 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel), String> {
             )),
         },
     }
+}
+
+/// Whether `profile`'s buckets recorded sending what a plain f32 all-reduce sends rather than
+/// what the low-rank model `wire` sends (a PowerSGD step before its start step).
+fn recorded_uncompressed(profile: &StepProfile, wire: &WireModel) -> bool {
+    let n = profile.world_size;
+    let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
+    let (mut sent, mut plain, mut low_rank) = (0.0, 0.0, 0.0);
+    for b in &profile.ranks[0].buckets {
+        let Some(w) = b.wire_bytes else {
+            return false;
+        };
+        sent += w;
+        plain += WireModel::AllReduce { bytes_per_element: 4.0 }
+            .bucket_price(&b.params, &param_bytes, n)
+            .wire_bytes;
+        low_rank += wire.bucket_price(&b.params, &param_bytes, n).wire_bytes;
+    }
+    plain > low_rank && (sent - plain).abs() < (sent - low_rank).abs()
 }

@@ -838,3 +838,159 @@ fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period(
     .unwrap();
     close(at4.after_step_comm_s, (0.006 + 1.5 * 2.0 / 1024.0) / 4.0, "at 4 ranks");
 }
+
+/// A PowerSGD profile on 2 ranks whose buckets were recorded on the 1 ms, 1 GiB/s link: a
+/// matrix [512, 256] and its bias [256] in one bucket (three all-reduces: the bias, P [512 x 4],
+/// Q [256 x 4]), a matrix [256, 128] in another (two: P and Q). Each all-reduce waits two
+/// latencies (2(n−1)), so the buckets took 6 ms and 4 ms besides their bytes.
+fn powersgd_profile(start_iter: usize) -> StepProfile {
+    use brigade_ddp::overlap::WireModel;
+    let (w0, b0, w1) = (512 * 256 * 4, 256 * 4, 256 * 128 * 4);
+    let mut p = under(
+        profile(&[(w0, 0.010), (b0, 0.010), (w1, 0.004)], 0.010),
+        "powersgd:4",
+        Some(WireModel::LowRank {
+            start_iter,
+            factors: vec![Some((512 * 4, 256 * 4)), None, Some((256 * 4, 128 * 4))],
+        }),
+        &[&[512, 256], &[256], &[256, 128]],
+    );
+    let gib = (1u64 << 30) as f64;
+    let (sent0, sent1) = ((512.0 + 256.0) * 16.0 + 1024.0, (256.0 + 128.0) * 16.0);
+    let bucket = |params: Vec<usize>, bytes: usize, start: f64, sent: f64, secs: f64| BucketProfile {
+        params,
+        bytes,
+        wire_bytes: Some(sent),
+        ready_s: start,
+        launch_s: start,
+        start_s: start,
+        finish_s: start + secs,
+        link_s: Some(secs),
+    };
+    for r in &mut p.ranks {
+        r.buckets = vec![
+            bucket(vec![2], w1, 0.004, sent1, 0.004 + sent1 / gib),
+            bucket(vec![1, 0], w0 + b0, 0.010, sent0, 0.006 + sent0 / gib),
+        ];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.017, 0.018, 0.018);
+    }
+    p
+}
+
+#[test]
+fn a_measured_link_charges_each_collective_of_a_bucket_its_latency() {
+    // Fitted per collective, the link is the 1 ms, 1 GiB/s one the buckets were recorded on,
+    // and the replay at the recorded caps gives back their times; a fit of one latency per
+    // bucket charges PowerSGD's three all-reduces three times the intercept of its buckets.
+    let p = powersgd_profile(1);
+    let caps = ReplayConfig {
+        order: BucketOrder::recorded(&p),
+        ..cfg(0.1, 0.1)
+    };
+    let truth = replay(&p, &caps).unwrap();
+    let measured = replay(
+        &p,
+        &ReplayConfig {
+            link: LinkCost::Measured,
+            ..caps
+        },
+    )
+    .unwrap();
+    assert_eq!(measured.buckets.len(), 2);
+    for (m, t) in measured.buckets.iter().zip(&truth.buckets) {
+        close_to(m.finish_s - m.start_s, t.finish_s - t.start_s, 1e-6, "a bucket's time");
+    }
+    close_to(
+        truth.buckets[1].finish_s - truth.buckets[1].start_s,
+        0.006 + ((512.0 + 256.0) * 16.0 + 1024.0) / (1u64 << 30) as f64,
+        1e-6,
+        "the three all-reduces on the true link",
+    );
+    close_to(measured.predicted_step_s, truth.predicted_step_s, 1e-6, "the step");
+    // the link fitted from every profile of a list is the same link
+    let link = brigade_ddp::overlap::measured_link(&[&p, &p]).unwrap().unwrap();
+    close_to(link.latency.as_secs_f64(), 0.001, 1e-6, "latency");
+    close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 1e-6, "bandwidth");
+}
+
+#[test]
+fn a_powersgd_step_before_its_start_step_is_priced_as_the_all_reduce_it_ran() {
+    // The profile of `a_measured_link_charges_each_collective_of_a_bucket_its_latency`, recorded
+    // at a step before PowerSGD's start: its buckets sent the gradients' bytes uncompressed.
+    // Replayed on the true link in one bucket, that is one f32 all-reduce (2 ms + S/B), said so;
+    // a step from the start on is the three all-reduces of the factors, and says nothing.
+    let mut p = powersgd_profile(10);
+    for r in &mut p.ranks {
+        for b in &mut r.buckets {
+            b.wire_bytes = Some(b.bytes as f64);
+        }
+    }
+    let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
+    let s: usize = p.params.iter().map(|q| q.bytes).sum();
+    close(r.comm_s, 0.002 + s as f64 / (1u64 << 30) as f64, "a plain all-reduce");
+    let note = r.wire_note.expect("a note saying how the step was priced");
+    assert!(note.contains("start step (10)") && !note.contains('\n'), "{note}");
+    let compressed = replay(&powersgd_profile(10), &cfg(100.0, 100.0)).unwrap();
+    assert_eq!(compressed.wire_note, None);
+    let factors = (512.0 + 256.0 + 256.0 + 128.0) * 16.0 + 1024.0;
+    close(
+        compressed.comm_s,
+        0.006 + factors / (1u64 << 30) as f64,
+        "three all-reduces",
+    );
+}
+
+#[test]
+fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_synced() {
+    use brigade_ddp::overlap::{PolicyTimes, WireModel};
+    use brigade_ddp::policy::{AfterStepWire, WireOp};
+    // DiLoCo on 2 ranks: its bucket sends nothing in backward; the recorded step synced, its
+    // optimizer span holding the all-reduce of every parameter on the 1 ms, 1 GiB/s link
+    // (2 ms + S/B). Its one sample passes through that time: the step is charged a tenth of it,
+    // as on the true link; fitted from the empty bucket alone, the link cost nothing.
+    let (w, b) = (512 * 256 * 4, 256 * 4);
+    let mut p = under(
+        profile(&[(w, 0.010), (b, 0.010)], 0.010),
+        "diloco:10",
+        Some(WireModel::Local),
+        &[&[512, 256], &[256]],
+    );
+    p.policy.as_mut().unwrap().after_step = Some(AfterStepWire {
+        op: WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 10,
+        fragments: 1,
+        overlap_steps: 0,
+    });
+    let sync = 0.002 + (w + b) as f64 / (1u64 << 30) as f64;
+    for r in &mut p.ranks {
+        r.buckets = vec![recorded(vec![1, 0], w + b, 0.010, 0.010, 0.010)];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.010, 0.011 + sync, 0.011 + sync);
+        r.policy_s = Some(PolicyTimes {
+            reduce_s: 0.0,
+            after_step_s: sync,
+            after_step_link_s: sync,
+        });
+    }
+    let measured = replay(
+        &p,
+        &ReplayConfig {
+            link: LinkCost::Measured,
+            ..cfg(100.0, 100.0)
+        },
+    )
+    .unwrap();
+    close_to(measured.after_step_comm_s, sync / 10.0, 1e-6, "a tenth of the sync");
+    close_to(measured.predicted_step_s, 0.011 + sync / 10.0, 1e-6, "the step");
+    // a step between syncs recorded nothing on the link: no link to measure, said in one line
+    for r in &mut p.ranks {
+        r.policy_s = None;
+    }
+    assert_eq!(brigade_ddp::overlap::measured_link(&[&p]).unwrap(), None);
+    let measured = ReplayConfig {
+        link: LinkCost::Measured,
+        ..cfg(100.0, 100.0)
+    };
+    let e = replay(&p, &measured).unwrap_err().to_string();
+    assert!(e.contains("no link to measure") && !e.contains('\n'), "{e}");
+}
