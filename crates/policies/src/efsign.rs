@@ -1,13 +1,11 @@
 //! EF-SignSGD (Karimireddy et al., 2019): one bit per element and one scale per bucket, with
 //! error feedback; what it does not send it keeps for the next step.
 
-use brigade_ddp::policy::{
-    BucketSpan, Group, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel,
-};
+use brigade_ddp::policy::{BucketSpan, Group, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
 
-use crate::topk::{keep_through_loss_scaling, with_residual};
+use crate::residual::Residual;
 
 /// Bits packed into each byte sent.
 const BITS: usize = 8;
@@ -22,20 +20,9 @@ const BITS: usize = 8;
 /// bytes. The residual is saved in [`ReducerPolicy::state_dict`] (a resume is exact) and kept
 /// through loss scaling as int8's error is. A non-finite gradient makes its rank's scale
 /// non-finite, so every rank's result is NaN: the run's checks see it.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct EfSign {
-    residual: ParamState,
-    /// Under loss scaling, the residual as the current step started; `None` otherwise.
-    before_step: Option<ParamState>,
-}
-
-impl Default for EfSign {
-    fn default() -> Self {
-        EfSign {
-            residual: ParamState::default(),
-            before_step: Some(ParamState::default()),
-        }
-    }
+    residual: Residual,
 }
 
 /// `p`'s signs (a set bit: at least 0; `bits01` holds them as 0 or 1) as `ceil(n / 8)`
@@ -132,13 +119,11 @@ impl ReducerPolicy for EfSign {
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
-        self.residual.load_state_dict(state)?;
-        self.before_step = Some(self.residual.clone());
-        Ok(())
+        self.residual.load_state_dict(state)
     }
 
     fn after_step(&mut self, step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
-        keep_through_loss_scaling(&mut self.residual, &mut self.before_step, step)
+        self.residual.after_step(step)
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
@@ -147,15 +132,13 @@ impl ReducerPolicy for EfSign {
         if n == 0 {
             return Ok(Reduction::Full(comm.ready(bucket.tensor)));
         }
-        let p = with_residual(&bucket, &self.residual)?;
+        let p = self.residual.added_to(&bucket)?;
         let scale = p.abs()?.mean(&[0], true)?;
         // a set bit: at least 0 (+1); a clear one: below 0, or NaN (whose scale is NaN anyway)
         let bits = p.in_range(0.0, f64::INFINITY)?;
         let sent = bits.mul_scalar(2.0)?.add_scalar(-1.0)?.mul(&scale)?;
         let residual = p.sub(&sent)?;
-        for q in &bucket.params {
-            self.residual.insert(q, residual.narrow(0, q.offset, q.len())?.copy()?);
-        }
+        self.residual.keep(&bucket, &residual)?;
         let gathered = comm.all_gather_with_side(&pack(&p, &bits, n)?, &scale, &bucket.tag());
         Ok(Reduction::Full(gathered.then(move |(bytes, scales)| {
             let mean = mean_of_signs(&bytes, &scales, n)?;

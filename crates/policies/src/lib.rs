@@ -16,6 +16,7 @@ mod int8;
 mod powersgd;
 mod profiled;
 pub mod registry;
+mod residual;
 mod spec;
 mod streaming_diloco;
 mod topk;
