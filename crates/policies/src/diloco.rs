@@ -279,8 +279,13 @@ impl Outer {
     /// Issues the average over the ranks of parameter `i`'s pseudo-gradient (snapshot minus
     /// this rank's value), all-reduced in place in a tensor of its own.
     pub(crate) fn issue(&self, i: usize, comm: &Group, tag: &str) -> brigade_ddp::Result<TensorWork<Tensor>> {
-        let delta = self.snapshot[i].sub(&self.params[i].value())?;
+        let delta = self.delta(i)?;
         Ok(comm.all_reduce(&delta, ReduceOp::Avg, &format!("{tag}.param{i}")))
+    }
+
+    /// Parameter `i`'s pseudo-gradient on this rank: its snapshot minus its value (f32).
+    pub(crate) fn delta(&self, i: usize) -> brigade_ddp::Result<Tensor> {
+        Ok(self.snapshot[i].sub(&self.params[i].value())?)
     }
 
     /// Steps parameter `i`'s snapshot with its averaged pseudo-gradient `avg` (Nesterov: `b ←

@@ -32,6 +32,6 @@ pub use powersgd::{PowerSgd, PowerSgdConfig, POWERSGD_SETTINGS};
 pub use profiled::{name_default_policy, profile_policy};
 pub use registry::{MakeUserPolicy, Registry};
 pub use spec::{PolicySpec, Ratio, DEFAULT_POWERSGD_START};
-pub use streaming_diloco::{StreamingConfig, StreamingDiloco, DEFAULT_DELAY};
+pub use streaming_diloco::{OuterPrecision, StreamingConfig, StreamingDiloco, DEFAULT_DELAY};
 pub use topk::TopK;
 pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};
