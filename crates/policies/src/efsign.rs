@@ -20,6 +20,15 @@ const BITS: usize = 8;
 /// bytes. The residual is saved in [`ReducerPolicy::state_dict`] (a resume is exact) and kept
 /// through loss scaling as int8's error is. A non-finite gradient makes its rank's scale
 /// non-finite, so every rank's result is NaN: the run's checks see it.
+///
+/// Use it with SGD (with or without momentum), the optimizer its error feedback is proven
+/// for. Under Adam or AdamW it trains poorly, as expected of sign compression there: every
+/// element of a bucket arrives with the same magnitude (the bucket's mean), so Adam's
+/// per-coordinate second moment sees one magnitude and its per-coordinate scaling is lost,
+/// and Adam's division by that moment is not linear, so what error feedback adds back later
+/// does not sum to the gradient it held back (1-bit Adam, Tang et al. 2021, freezes Adam's
+/// variance before compressing for this reason). Measured on the default MLP at 2 ranks,
+/// AdamW, 200 steps: final loss 2.06 against 0.76 for all-reduce and 0.84 for `topk:0.01`.
 #[derive(Debug, Default)]
 pub struct EfSign {
     residual: Residual,
