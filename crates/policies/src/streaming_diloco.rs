@@ -31,7 +31,7 @@ use crate::spec::{spec_error, PolicySpec};
 /// Inner steps a fragment's sync overlaps when a spec does not say.
 pub const DEFAULT_DELAY: usize = 1;
 
-/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`.
+/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamingConfig {
     /// The DiLoCo each fragment follows: its period H and outer optimizer.
