@@ -1,10 +1,10 @@
 //! Int8 quantization with error feedback: a quarter of all-reduce's bytes on the wire.
 
-use brigade_ddp::policy::{
-    BucketSpan, Group, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel,
-};
+use brigade_ddp::policy::{BucketSpan, Group, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
+
+use crate::residual::Residual;
 
 /// Int8 with error feedback, one per rank (the error it keeps is its own). Each rank adds the
 /// rounding error it kept from the last step to its bucket, quantizes it with one scale (its
@@ -22,20 +22,10 @@ use brigade_tensor::{DType, Tensor};
 /// skips the step) instead of a finite int8 value. Under loss scaling the error is kept in the
 /// next step's scaled units (multiplied by each scale change) and put back as it was before a
 /// skipped step ([`brigade_ddp::policy::StepContext::loss_scale`]).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Int8 {
-    error: ParamState,
-    /// Under loss scaling, the error as the current step started; `None` otherwise.
-    before_step: Option<ParamState>,
-}
-
-impl Default for Int8 {
-    fn default() -> Self {
-        Int8 {
-            error: ParamState::default(),
-            before_step: Some(ParamState::default()),
-        }
-    }
+    /// The rounding error kept.
+    residual: Residual,
 }
 
 impl ReducerPolicy for Int8 {
@@ -48,42 +38,22 @@ impl ReducerPolicy for Int8 {
     }
 
     fn buckets_built(&mut self, buckets: &[BucketSpan], _generation: u64) -> brigade_ddp::Result<()> {
-        self.error.buckets_built(buckets);
+        self.residual.buckets_built(buckets);
         Ok(())
     }
 
     fn state_dict(&self) -> brigade_ddp::Result<Vec<(String, Tensor)>> {
-        Ok(self.error.state_dict())
+        Ok(self.residual.state_dict())
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
-        self.error.load_state_dict(state)?;
-        self.before_step = Some(self.error.clone());
-        Ok(())
+        self.residual.load_state_dict(state)
     }
 
     fn after_step(&mut self, step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
-        let Some(scaling) = step.loss_scale else {
-            self.before_step = None;
-            return Ok(());
-        };
-        if scaling.skipped {
-            if let Some(before) = self.before_step.take() {
-                self.error = before;
-            }
-        }
-        let rescale = scaling.rescale();
-        if rescale != 1.0 {
-            let scaled = (self.error.state_dict().into_iter())
-                .map(|(name, e)| Ok((name, e.mul_scalar(rescale)?)))
-                .collect::<brigade_ddp::Result<Vec<_>>>()?;
-            self.error.load_state_dict(&scaled)?;
-        }
-        self.before_step = Some(self.error.clone());
-        Ok(())
+        self.residual.after_step(step)
     }
 
-    /// Each rank's int8 payload (a byte per element) and its f32 scale, all-gathered.
     fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::AllGather {
             bytes_per_element: 1.0,
@@ -94,15 +64,7 @@ impl ReducerPolicy for Int8 {
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
         let dtype = bucket.tensor.dtype();
-        let g = match dtype {
-            DType::F32 => bucket.tensor.copy()?,
-            _ => bucket.tensor.to_dtype(DType::F32)?,
-        };
-        for p in &bucket.params {
-            if let Some(e) = self.error.get(p) {
-                g.narrow(0, p.offset, p.len())?.add_assign(e)?;
-            }
-        }
+        let g = self.residual.added_to(&bucket)?;
         let scale = g
             .abs()?
             .amax(&[0], true)?
@@ -110,9 +72,7 @@ impl ReducerPolicy for Int8 {
             .mul_scalar(1.0 / 127.0)?;
         let q = g.div(&scale)?.to_dtype(DType::I8)?;
         let error = g.sub(&q.to_dtype(DType::F32)?.mul(&scale)?)?;
-        for p in &bucket.params {
-            self.error.insert(p, error.narrow(0, p.offset, p.len())?.copy()?);
-        }
+        self.residual.keep(&bucket, &error)?;
         let world = comm.world_size() as f64;
         // the payload and its scale in one all-gather: [world, n] int8s and [world, 1] scales
         let gathered = comm.all_gather_with_side(&q, &scale, &bucket.tag());

@@ -155,7 +155,7 @@ pub static BUILT_IN: [Entry; 12] = [
     },
     Entry::plain(
         "efsign",
-        "EF-SignSGD: one bit per element and a scale per bucket, with error feedback, all-gathered",
+        "EF-SignSGD: one bit per element and a scale per bucket, with error feedback, all-gathered (for SGD: trains poorly under Adam/AdamW)",
         true,
         PolicySpec::EfSign,
         |_| Ok(Box::new(EfSign::default())),
@@ -196,8 +196,8 @@ pub static BUILT_IN: [Entry; 12] = [
     },
     Entry {
         name: "streaming-diloco",
-        args: "H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]",
-        about: "streaming DiLoCo: fragments synced on a staggered schedule, each overlapping DELAY (1) local steps",
+        args: "H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]",
+        about: "streaming DiLoCo: fragments synced on a staggered schedule, each overlapping DELAY (1) local steps; outer gradients in f32, bf16 or int8",
         planned: true,
         form: Form::Args {
             read: streaming_diloco::read_spec,

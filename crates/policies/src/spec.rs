@@ -6,7 +6,7 @@ use crate::error::PolicyError;
 
 /// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `topk:RATIO`, `efsign`, `zero1`,
 /// `zero2`, `zero3`, `diloco:H[:OUTER_LR[:MOMENTUM]]`,
-/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`std::fmt::Display`] writes
+/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`std::fmt::Display`] writes
 /// the canonical form [`std::str::FromStr`] reads back (`powersgd:4` for rank 4 from the default start
 /// iteration 10; `powersgd:4@2` otherwise).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -44,7 +44,7 @@ pub enum PolicySpec {
     Diloco(crate::DilocoConfig),
     /// Streaming DiLoCo (`StreamingDiloco`): DiLoCo in fragments synced on a staggered
     /// schedule, each sync overlapping the next inner steps
-    /// (`streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`).
+    /// (`streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]`).
     StreamingDiloco(crate::StreamingConfig),
     /// A policy registered by name in a `Registry`, with its argument (after `:`).
     User {

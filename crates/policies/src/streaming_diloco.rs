@@ -16,12 +16,13 @@
 use std::time::{Duration, Instant};
 
 use brigade_autograd::Optimizer;
+use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{AfterStepWire, WireModel, WireOp};
 use brigade_ddp::policy::{
     BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
 };
 use brigade_ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
-use brigade_tensor::Tensor;
+use brigade_tensor::{DType, Tensor};
 
 use crate::diloco::{read_steps, whole, Outer, OuterSgd};
 use crate::error::PolicyError;
@@ -30,7 +31,7 @@ use crate::spec::{spec_error, PolicySpec};
 /// Inner steps a fragment's sync overlaps when a spec does not say.
 pub const DEFAULT_DELAY: usize = 1;
 
-/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]`.
+/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamingConfig {
     /// The DiLoCo each fragment follows: its period H and outer optimizer.
@@ -39,6 +40,53 @@ pub struct StreamingConfig {
     pub fragments: usize,
     /// Inner steps each fragment's sync overlaps before it is merged (under H).
     pub delay: usize,
+    /// What a fragment's pseudo-gradient is sent as.
+    pub outer_precision: OuterPrecision,
+}
+
+/// What streaming DiLoCo sends a fragment's pseudo-gradient as (the paper quantizes it: the
+/// outer step tolerates coarse outer gradients). Spelled as the spec's last field,
+/// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]`, with the names
+/// of the policies that compress the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum OuterPrecision {
+    /// f32, all-reduced (the default).
+    #[default]
+    F32,
+    /// Rounded to bf16 and all-reduced (the backends sum in f32 and round once): half the bytes.
+    Bf16,
+    /// Each rank's pseudo-gradient quantized to int8 with one scale per fragment (its largest
+    /// magnitude over 127, by the int8 cast: half to even), all-gathered with the scale and
+    /// dequantized and averaged in f32 in rank order: a quarter of the bytes per rank (an
+    /// all-gather: each rank receives every rank's piece).
+    Int8,
+}
+
+impl OuterPrecision {
+    /// The spec's word for it (`None`: f32, written as nothing).
+    pub fn word(self) -> Option<&'static str> {
+        match self {
+            OuterPrecision::F32 => None,
+            OuterPrecision::Bf16 => Some("bf16"),
+            OuterPrecision::Int8 => Some("int8"),
+        }
+    }
+
+    /// The precision a spec field names (`None`: not a precision's word).
+    fn read(field: &str) -> Option<OuterPrecision> {
+        [OuterPrecision::Bf16, OuterPrecision::Int8]
+            .into_iter()
+            .find(|p| p.word() == Some(field))
+    }
+
+    /// Bytes each rank sends per element.
+    fn bytes_per_element(self) -> f64 {
+        match self {
+            OuterPrecision::F32 => 4.0,
+            OuterPrecision::Bf16 => 2.0,
+            OuterPrecision::Int8 => 1.0,
+        }
+    }
 }
 
 impl StreamingConfig {
@@ -75,10 +123,17 @@ impl StreamingConfig {
 
 /// The spec of `streaming-diloco:ARGS`.
 pub(crate) fn read_spec(spec: &str, arg: Option<&str>) -> Result<PolicySpec, PolicyError> {
-    let form = "streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]";
+    let form = "streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]";
     let arg =
         arg.ok_or_else(|| spec_error(spec, format!("streaming DiLoCo needs its period and fragments: {form}")))?;
-    let fields: Vec<&str> = arg.split(':').collect();
+    let mut fields: Vec<&str> = arg.split(':').collect();
+    let outer_precision = match fields.last().and_then(|f| OuterPrecision::read(f)) {
+        Some(p) if fields.len() > 2 => {
+            fields.pop();
+            p
+        }
+        _ => OuterPrecision::F32,
+    };
     if fields.len() < 2 {
         return Err(spec_error(
             spec,
@@ -100,12 +155,13 @@ pub(crate) fn read_spec(spec: &str, arg: Option<&str>) -> Result<PolicySpec, Pol
         },
         fragments,
         delay,
+        outer_precision,
     };
     cfg.validate().map_err(|e| spec_error(spec, e.to_string()))?;
     Ok(PolicySpec::StreamingDiloco(cfg))
 }
 
-/// `H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]]` of a streaming DiLoCo spec.
+/// `H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]` of a streaming DiLoCo spec.
 pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
     match spec {
         PolicySpec::StreamingDiloco(c) => {
@@ -114,7 +170,8 @@ pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
                 (DEFAULT_DELAY, true) => String::new(),
                 (d, _) => format!(":{d}"),
             };
-            Some(format!("{}:{}{delay}{outer}", c.diloco.period, c.fragments))
+            let precision = c.outer_precision.word().map(|w| format!(":{w}")).unwrap_or_default();
+            Some(format!("{}:{}{delay}{outer}{precision}", c.diloco.period, c.fragments))
         }
         _ => None,
     }
@@ -131,6 +188,7 @@ pub(crate) fn plan_default() -> PolicySpec {
         diloco: crate::DilocoConfig::new(10),
         fragments: 2,
         delay: DEFAULT_DELAY,
+        outer_precision: OuterPrecision::F32,
     })
 }
 
@@ -197,6 +255,62 @@ impl StreamingDiloco {
         }
         self.outer.round_into_model(&self.fragments[f], step)
     }
+
+    /// Issues the average over the ranks of fragment `f`'s pseudo-gradients, sent as
+    /// [`StreamingConfig::outer_precision`] says; each lands in f32, in its parameter's shape.
+    fn issue(&self, f: usize, comm: &Group) -> brigade_ddp::Result<Vec<(usize, Landing)>> {
+        let tag = format!("streaming-diloco.fragment{f}");
+        let ids = &self.fragments[f];
+        let landing = |w: TensorWork<Tensor>| Landing::InFlight(w);
+        match self.cfg.outer_precision {
+            OuterPrecision::F32 => (ids.iter())
+                .map(|&i| Ok((i, landing(self.outer.issue(i, comm, &tag)?))))
+                .collect(),
+            OuterPrecision::Bf16 => (ids.iter())
+                .map(|&i| {
+                    let delta = self.outer.delta(i)?.to_dtype(DType::BF16)?;
+                    let avg = comm.all_reduce(&delta, ReduceOp::Avg, &format!("{tag}.param{i}"));
+                    Ok((i, landing(avg.then(|t| Ok(t.to_dtype(DType::F32)?)))))
+                })
+                .collect(),
+            OuterPrecision::Int8 => {
+                let deltas = ids
+                    .iter()
+                    .map(|&i| self.outer.delta(i))
+                    .collect::<brigade_ddp::Result<Vec<_>>>()?;
+                let scale = fragment_scale(&deltas)?;
+                let world = comm.world_size() as f64;
+                (ids.iter().zip(deltas))
+                    .map(|(&i, d)| {
+                        let shape = d.shape().to_vec();
+                        let q = d.reshape(&[d.numel()])?.div(&scale)?.to_dtype(DType::I8)?;
+                        // its own scale: a collective holds what it sends until it lands
+                        let gathered = comm.all_gather_with_side(&q, &scale.copy()?, &format!("{tag}.param{i}"));
+                        let avg = gathered.then(move |(q, s)| {
+                            let sum = q.to_dtype(DType::F32)?.mul(&s)?.sum(&[0], false)?;
+                            Ok(sum.mul_scalar(1.0 / world)?.reshape(&shape)?)
+                        });
+                        Ok((i, landing(avg)))
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// One int8 scale for a fragment's pseudo-gradients: their largest magnitude over 127 (at
+/// least 1e-30 / 127, so that an all-zero fragment sends zeros), shape `[1]`.
+fn fragment_scale(deltas: &[Tensor]) -> brigade_ddp::Result<Tensor> {
+    let on = deltas.first().map(|d| d.device()).unwrap_or_default();
+    let largest = Tensor::zeros_on(&[deltas.len()], DType::F32, on)?;
+    for (j, d) in deltas.iter().enumerate() {
+        let flat = d.reshape(&[d.numel()])?;
+        largest.narrow(0, j, 1)?.copy_from(&flat.abs()?.amax(&[0], true)?)?;
+    }
+    Ok(largest
+        .amax(&[0], true)?
+        .clamp(1e-30, f64::INFINITY)?
+        .mul_scalar(1.0 / 127.0)?)
 }
 
 /// `sizes` cut into `n` runs in order, each of about `total / n` elements and none empty.
@@ -263,10 +377,7 @@ impl ReducerPolicy for StreamingDiloco {
                 self.merge(f, step)?;
             }
             if c % h == self.cfg.offset(f) {
-                let tag = format!("streaming-diloco.fragment{f}");
-                let averages = (self.fragments[f].iter())
-                    .map(|&i| Ok((i, Landing::InFlight(self.outer.issue(i, comm, &tag)?))))
-                    .collect::<brigade_ddp::Result<_>>()?;
+                let averages = self.issue(f, comm)?;
                 self.pending[f] = Some(Pending {
                     merge_at: c + self.cfg.delay as u64,
                     averages,
@@ -407,8 +518,11 @@ impl ReducerPolicy for StreamingDiloco {
 
     fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
         Some(AfterStepWire {
-            op: WireOp::AllReduce,
-            bytes_per_element: 4.0,
+            op: match self.cfg.outer_precision {
+                OuterPrecision::Int8 => WireOp::AllGather,
+                _ => WireOp::AllReduce,
+            },
+            bytes_per_element: self.cfg.outer_precision.bytes_per_element(),
             every: self.cfg.diloco.period,
             fragments: self.cfg.fragments,
             overlap_steps: self.cfg.delay,

@@ -1,13 +1,12 @@
 //! Top-k sparsification with error feedback (DGC-style): each rank sends its largest entries,
 //! values and indices, and keeps the rest for the next step.
 
-use brigade_ddp::policy::{
-    BucketSpan, Group, ParamState, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel,
-};
+use brigade_ddp::policy::{BucketSpan, Group, PolicyBucket, ReducerPolicy, Reduction, StepContext, WireModel};
 use brigade_ddp::KeepsState;
 use brigade_tensor::{DType, Tensor};
 
 use crate::error::Result;
+use crate::residual::Residual;
 use crate::spec::{spec_error, PolicySpec, Ratio};
 
 /// Bytes each rank sends per kept entry: an f32 value and an `I64` index.
@@ -28,9 +27,7 @@ const COUNT_BYTES: f64 = 8.0;
 #[derive(Debug)]
 pub struct TopK {
     ratio: f64,
-    residual: ParamState,
-    /// Under loss scaling, the residual as the current step started; `None` otherwise.
-    before_step: Option<ParamState>,
+    residual: Residual,
 }
 
 impl TopK {
@@ -44,8 +41,7 @@ impl TopK {
         }
         Ok(TopK {
             ratio,
-            residual: ParamState::default(),
-            before_step: Some(ParamState::default()),
+            residual: Residual::default(),
         })
     }
 
@@ -74,13 +70,11 @@ impl ReducerPolicy for TopK {
     }
 
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> brigade_ddp::Result<()> {
-        self.residual.load_state_dict(state)?;
-        self.before_step = Some(self.residual.clone());
-        Ok(())
+        self.residual.load_state_dict(state)
     }
 
     fn after_step(&mut self, step: &StepContext<'_>, _comm: &Group) -> brigade_ddp::Result<()> {
-        keep_through_loss_scaling(&mut self.residual, &mut self.before_step, step)
+        self.residual.after_step(step)
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> brigade_ddp::Result<Reduction> {
@@ -89,15 +83,13 @@ impl ReducerPolicy for TopK {
         if n == 0 {
             return Ok(Reduction::Full(comm.ready(bucket.tensor)));
         }
-        let g = with_residual(&bucket, &self.residual)?;
+        let g = self.residual.added_to(&bucket)?;
         let k = self.k(n);
         let (_, idx) = g.abs()?.topk(k)?;
         let values = g.gather(0, &idx)?;
         // the sent positions become exactly zero (x + -x)
         let residual = g.scatter_add(0, &idx, &values.mul_scalar(-1.0)?)?;
-        for p in &bucket.params {
-            self.residual.insert(p, residual.narrow(0, p.offset, p.len())?.copy()?);
-        }
+        self.residual.keep(&bucket, &residual)?;
         let (world, on) = (comm.world_size(), g.device());
         let gathered = comm.all_gather_sparse(&values, &idx, k, &bucket.tag());
         Ok(Reduction::Full(gathered.then(move |s| {
@@ -119,47 +111,6 @@ impl ReducerPolicy for TopK {
             density: self.ratio,
         })
     }
-}
-
-/// The bucket widened to f32 (a copy), with each parameter's kept residual added.
-pub(crate) fn with_residual(bucket: &PolicyBucket, residual: &ParamState) -> brigade_ddp::Result<Tensor> {
-    let g = match bucket.tensor.dtype() {
-        DType::F32 => bucket.tensor.copy()?,
-        _ => bucket.tensor.to_dtype(DType::F32)?,
-    };
-    for p in &bucket.params {
-        if let Some(e) = residual.get(p) {
-            g.narrow(0, p.offset, p.len())?.add_assign(e)?;
-        }
-    }
-    Ok(g)
-}
-
-/// Under loss scaling, a residual in the next step's scaled units, put back as it was before a
-/// skipped step (what int8 does with its error).
-pub(crate) fn keep_through_loss_scaling(
-    residual: &mut ParamState,
-    before_step: &mut Option<ParamState>,
-    step: &StepContext<'_>,
-) -> brigade_ddp::Result<()> {
-    let Some(scaling) = step.loss_scale else {
-        *before_step = None;
-        return Ok(());
-    };
-    if scaling.skipped {
-        if let Some(before) = before_step.take() {
-            *residual = before;
-        }
-    }
-    let rescale = scaling.rescale();
-    if rescale != 1.0 {
-        let scaled = (residual.state_dict().into_iter())
-            .map(|(name, e)| Ok((name, e.mul_scalar(rescale)?)))
-            .collect::<brigade_ddp::Result<Vec<_>>>()?;
-        residual.load_state_dict(&scaled)?;
-    }
-    *before_step = Some(residual.clone());
-    Ok(())
 }
 
 /// `topk:RATIO`'s spec from its argument.

@@ -55,7 +55,13 @@ fn values(r: &RunReport) -> Vec<Vec<f32>> {
 /// run of 9.
 #[test]
 fn diloco_and_streaming_diloco_resume_bit_exact_at_a_sync_mid_period_and_with_a_sync_in_flight() {
-    for policy in ["diloco:4", "streaming-diloco:4:2", "streaming-diloco:4:2:2"] {
+    for policy in [
+        "diloco:4",
+        "streaming-diloco:4:2",
+        "streaming-diloco:4:2:2",
+        "streaming-diloco:4:2:bf16",
+        "streaming-diloco:4:2:2:int8",
+    ] {
         let d = tmp(&policy.replace(':', "-"));
         let straight = run(&config(12, policy)).unwrap();
         let mut periodic = config(12, policy);

@@ -94,7 +94,7 @@ fn a_registry_reads_its_users_policies_and_lists_them_in_help_and_errors() {
     assert!(e.contains("powersgd:R[@START]") && e.contains("int8"), "{e}");
     assert!(
         r.forms()
-            .ends_with("streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]], mean[:ARGS]"),
+            .ends_with("streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8], mean[:ARGS]"),
         "{}",
         r.forms()
     );
