@@ -123,6 +123,13 @@ fn a_model_whose_whole_parameters_pass_the_budget_starts_sharded_and_trains() {
     assert!(z3.outcome.losses().iter().all(|l| l.is_finite()));
     let m = z3.outcome.memory.unwrap();
     assert!(m.parameters * world <= psi + 64 * world, "{m:?}");
+    // the whole parameters and AdamW's two moments of them pass a budget the start keeps to
+    let states_budget = 3 * psi * 3 / 4;
+    assert!(
+        m.construction_peak <= states_budget / 4,
+        "built at {} bytes against a budget of {states_budget}",
+        m.construction_peak
+    );
     eprintln!("psi {psi} budget {budget} peak {} {m:?}", m.peak);
 }
 
