@@ -105,16 +105,16 @@ fn find<'a>(state: &'a [(String, Tensor)], key: &str) -> Result<&'a Tensor> {
         .ok_or_else(|| AutogradError::OptimizerState(format!("missing entry '{key}'")))
 }
 
-fn load_into(slot: &mut Tensor, t: &Tensor, key: &str) -> Result<()> {
-    if t.shape() != slot.shape() {
+/// An f32 copy of the state entry `t` named `key`, which must have `shape`.
+fn loaded_as(shape: &[usize], t: &Tensor, key: &str) -> Result<Tensor> {
+    if t.shape() != shape {
         return Err(AutogradError::OptimizerState(format!(
             "'{key}' has shape {:?}, expected {:?}",
             t.shape(),
-            slot.shape()
+            shape
         )));
     }
-    *slot = t.to_dtype(DType::F32)?.copy()?;
-    Ok(())
+    Ok(t.to_dtype(DType::F32)?.copy()?)
 }
 
 /// Stochastic gradient descent: `g += wd * p; buf = momentum * buf + g; p -= lr * buf`
@@ -214,11 +214,7 @@ impl Optimizer for Sgd {
         for (i, p) in self.params.iter().enumerate() {
             let key = format!("{}.momentum_buffer", name_of(p, i));
             self.bufs[i] = match find(state, &key) {
-                Ok(t) => {
-                    let mut slot = Tensor::zeros(&p.shape(), DType::F32);
-                    load_into(&mut slot, t, &key)?;
-                    Some(slot)
-                }
+                Ok(t) => Some(loaded_as(&p.shape(), t, &key)?),
                 Err(_) => None,
             };
         }
@@ -228,6 +224,11 @@ impl Optimizer for Sgd {
 
 /// AdamW (`torch.optim.AdamW`): decoupled weight decay `p *= 1 - lr*wd`, then Adam with
 /// bias correction. Defaults ([`AdamW::DEFAULT_BETAS`], ...): PyTorch's.
+///
+/// A parameter's moments are made (zeros) at its first update or when a state holding them is
+/// loaded, as PyTorch's are: an optimizer that never steps a parameter (the whole-model one a
+/// sharding policy takes its shards' state from) holds no bytes for it, and its state lists no
+/// entry for it.
 pub struct AdamW {
     params: Vec<Var>,
     lr: f64,
@@ -236,8 +237,8 @@ pub struct AdamW {
     eps: f64,
     weight_decay: f64,
     step: u64,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    m: Vec<Option<Tensor>>,
+    v: Vec<Option<Tensor>>,
 }
 
 impl AdamW {
@@ -261,8 +262,7 @@ impl AdamW {
 
     /// AdamW with every hyper-parameter given.
     pub fn with_options(params: Vec<Var>, lr: f64, betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
-        let m = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
-        let v = params.iter().map(|p| Tensor::zeros(&p.shape(), DType::F32)).collect();
+        let (m, v) = (vec![None; params.len()], vec![None; params.len()]);
         AdamW {
             params,
             lr,
@@ -296,9 +296,16 @@ impl AdamW {
             };
             let Some(g) = g else { continue };
             let g = g.contiguous()?;
+            let w = p.value();
+            for moment in [&mut self.m[i], &mut self.v[i]] {
+                if moment.is_none() {
+                    *moment = Some(Tensor::zeros_on(&w.shape(), DType::F32, w.device())?);
+                }
+            }
+            let (m, v) = (self.m[i].as_ref().expect("made"), self.v[i].as_ref().expect("made"));
             match copies {
-                Some(c) => p.value().adamw_step_with_copy(&g, &self.m[i], &self.v[i], &hp, &c[i])?,
-                None => p.value().adamw_step(&g, &self.m[i], &self.v[i], &hp)?,
+                Some(c) => w.adamw_step_with_copy(&g, m, v, &hp, &c[i])?,
+                None => w.adamw_step(&g, m, v, &hp)?,
             }
         }
         Ok(())
@@ -332,24 +339,41 @@ impl Optimizer for AdamW {
         let mut out = vec![("step".to_string(), Tensor::from_vec(vec![self.step as f64], &[1])?)];
         for (i, p) in self.params.iter().enumerate() {
             let n = name_of(p, i);
-            out.push((format!("{n}.exp_avg"), self.m[i].copy()?));
-            out.push((format!("{n}.exp_avg_sq"), self.v[i].copy()?));
+            if let (Some(m), Some(v)) = (&self.m[i], &self.v[i]) {
+                out.push((format!("{n}.exp_avg"), m.copy()?));
+                out.push((format!("{n}.exp_avg_sq"), v.copy()?));
+            }
         }
         Ok(out)
     }
 
     fn state_bytes(&self) -> Result<usize> {
-        Ok(self.m.iter().chain(&self.v).map(tensor_bytes).sum())
+        Ok(self.m.iter().chain(&self.v).flatten().map(tensor_bytes).sum())
     }
 
+    /// Restores the step and each parameter's moments; a parameter without entries keeps none
+    /// (it was never updated), which only a state of no step may say of a parameter.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
-        self.step = find(state, "step")?.item()? as u64;
+        let step = find(state, "step")?.item()? as u64;
+        let mut loaded = vec![];
         for (i, p) in self.params.iter().enumerate() {
             let n = name_of(p, i);
             let (km, kv) = (format!("{n}.exp_avg"), format!("{n}.exp_avg_sq"));
-            load_into(&mut self.m[i], find(state, &km)?, &km)?;
-            load_into(&mut self.v[i], find(state, &kv)?, &kv)?;
+            let (m, v) = match (find(state, &km), find(state, &kv)) {
+                (Ok(m), Ok(v)) => (m, v),
+                (Err(_), Err(_)) if step == 0 => {
+                    loaded.push((None, None));
+                    continue;
+                }
+                (Err(e), _) | (_, Err(e)) => return Err(e),
+            };
+            loaded.push((
+                Some(loaded_as(&p.shape(), m, &km)?),
+                Some(loaded_as(&p.shape(), v, &kv)?),
+            ));
         }
+        self.step = step;
+        (self.m, self.v) = loaded.into_iter().unzip();
         Ok(())
     }
 }

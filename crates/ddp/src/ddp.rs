@@ -84,14 +84,15 @@ impl DistributedDataParallel {
             });
         }
         let params = store.params().to_vec();
-        if !policy.starts_sharded() {
-            params.iter().try_for_each(Var::materialize)?;
-        }
         check_same_model(&params, comm.as_ref())?;
         check_f32(&params)?;
         if cfg.broadcast_parameters {
             broadcast_parameters(&params, comm.as_ref())?;
             adopt_rank0_recipes(&params, comm.as_ref())?;
+        }
+        // drawn from rank 0's recipes: rank 0's values, with nothing whole sent
+        if !policy.starts_sharded() {
+            params.iter().try_for_each(Var::materialize)?;
         }
         let units = (0..params.len()).map(|i| store.unit(i).map(str::to_string)).collect();
         let reducer = Arc::new(Reducer::new(params, comm, group, cfg, policy, units)?);

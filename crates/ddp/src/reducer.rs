@@ -337,11 +337,14 @@ fn restore_groups(
 }
 
 /// Builds buckets for `groups` and points every parameter's gradient at its slice; each flat
-/// buffer is padded to a multiple of `layout.pad_to` elements.
+/// buffer is padded to a multiple of `layout.pad_to` elements. A group `later` says so of is
+/// left without storage (and its parameters without gradients) as soon as it is made, so that
+/// no more than one such buffer is ever whole here: it is made as its first gradient arrives.
 pub(crate) fn build_buckets(
     params: &[Var],
     groups: Vec<Vec<usize>>,
     layout: &BucketLayout,
+    later: &dyn Fn(&[usize]) -> bool,
 ) -> Result<(Vec<Bucket>, Vec<usize>)> {
     let mut bucket_of = vec![usize::MAX; params.len()];
     let mut buckets = Vec::with_capacity(groups.len());
@@ -350,13 +353,27 @@ pub(crate) fn build_buckets(
         // The bucket lives beside its parameters (a CUDA model gets CUDA buckets).
         let device = group.first().map_or(Device::Cpu, |&p| params[p].value().device());
         let pad = layout.pad_to.max(1);
-        let flat = bucket_zeros(numel.div_ceil(pad) * pad, layout.dtype, device)?;
-        let mut offset = 0;
-        for &p in &group {
-            let shape = params[p].shape();
-            params[p].set_grad_buffer(flat.flat_view(offset, &shape)?)?;
-            offset += shape.iter().product::<usize>();
-            bucket_of[p] = b;
+        let padded = numel.div_ceil(pad) * pad;
+        group.iter().for_each(|&p| bucket_of[p] = b);
+        // the gradients are moved into their slices as they arrive
+        let flat = match (later(&group), device) {
+            (true, Device::Cpu) => Tensor::unallocated(&[padded], layout.dtype),
+            (later, _) => {
+                let flat = bucket_zeros(padded, layout.dtype, device)?;
+                let mut offset = 0;
+                for &p in &group {
+                    let shape = params[p].shape();
+                    params[p].set_grad_buffer(flat.flat_view(offset, &shape)?)?;
+                    offset += shape.iter().product::<usize>();
+                }
+                if later {
+                    flat.free_storage()?;
+                }
+                flat
+            }
+        };
+        if later(&group) {
+            group.iter().try_for_each(|&p| params[p].set_grad(None))?;
         }
         buckets.push(Bucket {
             pending: group.len(),
@@ -449,15 +466,10 @@ impl Reducer {
             (None, _) => group_params(&params, &order, caps),
         };
         let had_grad: Vec<bool> = params.iter().map(|p| p.grad().is_some()).collect();
-        let (buckets, bucket_of) = build_buckets(&params, groups, &layout)?;
-        if !layout.regroup {
-            // a fixed layout (ZeRO) makes each buffer as its first gradient arrives: under
-            // ZeRO-2 and 3 a bucket's full buffer lives from there until its reduce-scatter lands
-            for b in buckets.iter().filter(|b| b.params.iter().all(|&p| !had_grad[p])) {
-                b.flat.free_storage()?;
-                b.params.iter().try_for_each(|&p| params[p].set_grad(None))?;
-            }
-        }
+        // a fixed layout (ZeRO) makes each buffer as its first gradient arrives: under ZeRO-2
+        // and 3 a bucket's full buffer lives from there until its reduce-scatter lands
+        let later = |group: &[usize]| !layout.regroup && group.iter().all(|&p| !had_grad[p]);
+        let (buckets, bucket_of) = build_buckets(&params, groups, &layout, &later)?;
         let n = params.len();
         let reducer = Reducer {
             recorder: cfg.recorder.clone(),
@@ -798,7 +810,7 @@ impl Reducer {
     /// Regroups the buckets as `groups`, announces the new layout to the policy.
     fn regroup(&self, st: &mut State, groups: Vec<Vec<usize>>) -> Result<()> {
         // set_grad_buffer copies each gradient (e.g. this step's reduced values) into its new slice.
-        let (buckets, bucket_of) = build_buckets(&self.params, groups, &self.layout)?;
+        let (buckets, bucket_of) = build_buckets(&self.params, groups, &self.layout, &|_| false)?;
         st.buckets = buckets;
         st.bucket_of = bucket_of;
         for b in st.buckets.iter_mut() {

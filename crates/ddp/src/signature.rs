@@ -88,7 +88,7 @@ pub fn broadcast_from_rank0(params: &[Var], comm: &dyn Communicator) -> Result<(
     broadcast_parameters(params, comm)
 }
 
-/// Overwrites every rank's parameters with rank 0's (one broadcast of all of them, in their
+/// Overwrites every rank's parameters with rank 0's (one broadcast per parameter, in their
 /// one dtype, checked by [`check_f32`]), but for those not drawn yet: they take rank 0's
 /// recipes ([`adopt_rank0_recipes`]).
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
@@ -101,25 +101,18 @@ pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> R
 
 fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     // parameters not drawn yet get rank 0's recipes instead ([`adopt_rank0_recipes`])
-    let drawn: Vec<Var> = params.iter().filter(|p| p.deferred_init().is_none()).cloned().collect();
-    let params = drawn.as_slice();
-    let mut flat = Vec::with_capacity(params.iter().map(|p| p.value().numel()).sum());
-    for p in params {
-        flat.extend(p.value().to_vec::<T>()?);
-    }
-    let back = comm.broadcast(T::wrap(flat), 0, "ddp.broadcast_parameters").wait()?;
-    let found = back.dtype().to_string();
-    let flat = T::unwrap(back).ok_or(DdpError::BufferDType {
-        what: "ddp.broadcast_parameters".into(),
-        expected: T::DTYPE,
-        found,
-    })?;
-    let mut offset = 0;
-    for p in params {
+    // one parameter at a time: no copy of the whole model is made beside it
+    for (i, p) in params.iter().filter(|p| p.deferred_init().is_none()).enumerate() {
         let v = p.value();
-        let n = v.numel();
-        v.copy_from(&brigade_tensor::Tensor::from_slice(&flat[offset..offset + n], v.shape())?.to_device(v.device())?)?;
-        offset += n;
+        let tag = format!("ddp.broadcast_parameters.{i}");
+        let back = comm.broadcast(T::wrap(v.to_vec::<T>()?), 0, &tag).wait()?;
+        let found = back.dtype().to_string();
+        let flat = T::unwrap(back).ok_or(DdpError::BufferDType {
+            what: "ddp.broadcast_parameters".into(),
+            expected: T::DTYPE,
+            found,
+        })?;
+        v.copy_from(&brigade_tensor::Tensor::from_slice(&flat, v.shape())?.to_device(v.device())?)?;
     }
     Ok(())
 }

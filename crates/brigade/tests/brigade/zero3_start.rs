@@ -123,5 +123,46 @@ fn a_model_whose_whole_parameters_pass_the_budget_starts_sharded_and_trains() {
     assert!(z3.outcome.losses().iter().all(|l| l.is_finite()));
     let m = z3.outcome.memory.unwrap();
     assert!(m.parameters * world <= psi + 64 * world, "{m:?}");
+    // the whole parameters and AdamW's two moments of them pass a budget the start keeps to
+    let states_budget = 3 * psi * 3 / 4;
+    assert!(
+        m.construction_peak <= states_budget / 4,
+        "built at {} bytes against a budget of {states_budget}",
+        m.construction_peak
+    );
     eprintln!("psi {psi} budget {budget} peak {} {m:?}", m.peak);
+}
+
+#[test]
+fn building_a_zero_run_peaks_within_its_shards_and_no_higher_than_a_steady_step() {
+    // AdamW holds two moments per element: a rank builds only its shard of them (2Ψ/N), beside
+    // the parameters it holds (Ψ, or its shards Ψ/N under ZeRO-3) and, under ZeRO-1, the whole
+    // gradient buckets it keeps (Ψ); a quarter of Ψ covers the rest (the model's buffers, the
+    // ranks' plumbing, the shards' padding)
+    let (world, n_layers) = (4, 4);
+    let psi = psi_bytes(n_layers);
+    for (policy, held, buckets) in [
+        (PolicySpec::Zero1, psi, psi),
+        (PolicySpec::Zero2, psi, 0),
+        (PolicySpec::Zero3, psi / world, 0),
+    ] {
+        let name = policy.to_string();
+        let m = run(world, n_layers, &config(3, policy)).0.outcome.memory.unwrap();
+        let bound = held + buckets + 2 * psi / world + psi / 4;
+        eprintln!(
+            "{name}: construction {} peak {} bound {bound} psi {psi}",
+            m.construction_peak, m.peak
+        );
+        assert!(
+            m.construction_peak <= bound,
+            "{name}: built at {} bytes > {bound}",
+            m.construction_peak
+        );
+        assert!(
+            m.construction_peak <= m.peak,
+            "{name}: built at {} bytes, stepped at {}",
+            m.construction_peak,
+            m.peak
+        );
+    }
 }
