@@ -57,6 +57,7 @@ use brigade_ddp::{DdpError, MemoryPart};
 use brigade_tensor::{DType, Tensor};
 
 use super::optimizer::ZeroOptimizer;
+use super::quantized::{self, QgzState, ZeroPlusPlus};
 use super::shard::{pieces, shard_len};
 use super::ZeroStage;
 
@@ -128,6 +129,10 @@ struct Gather {
     param_dtype: DType,
     /// The most bytes of prefetched parameters in flight at once.
     prefetch_cap: usize,
+    /// qwZ: the pass's gathers in blockwise int8 ([`quantized`]).
+    qwz: bool,
+    /// Gathers for `gather_all` (a checkpoint, an evaluation): exact whatever `qwz`.
+    exact: bool,
 }
 
 /// The hooks of [`Zero3`] (forward scopes and the backward bus).
@@ -207,23 +212,35 @@ impl Gather {
         let _part = MemoryPart::Gathered.enter();
         let unit = &self.units[u];
         let shard = unit.shard.clone().expect("cut when the optimizer was built");
-        // the shard rounded once to the parameters' dtype (an f32 shard as it is)
-        let send = match shard.dtype() == self.param_dtype {
-            true => shard,
-            false => shard.to_dtype(self.param_dtype)?,
-        };
-        // into a buffer of our own: `all_gather` would consume the shard's storage
-        let full = Tensor::zeros_on(&[comm.world_size() * send.numel()], self.param_dtype, send.device())?;
+        let tag = format!("zero3.gather.{}", unit.name);
+        let world = comm.world_size();
         let phase = if self.in_backward { GatherPhase::Backward } else { phase };
+        let quantize = self.qwz && !self.exact && world > 1;
+        let bytes = match quantize {
+            true => world * quantized::chunk_bytes(shard.numel()),
+            false => world * shard.numel() * self.param_dtype.size_in_bytes(),
+        };
         self.log.push(GatherTimes {
             unit: unit.name.clone(),
-            bytes: full.numel() * self.param_dtype.size_in_bytes(),
+            bytes,
             phase,
             issued: Instant::now(),
             needed: None,
             ran: None,
         });
-        let work = comm.all_gather_into(&send, &full, &format!("zero3.gather.{}", unit.name));
+        let work = match quantize {
+            true => quantized::gather_weights(&comm, &shard, self.param_dtype, &tag)?,
+            false => {
+                // the shard rounded once to the parameters' dtype (an f32 shard as it is)
+                let send = match shard.dtype() == self.param_dtype {
+                    true => shard,
+                    false => shard.to_dtype(self.param_dtype)?,
+                };
+                // into a buffer of our own: `all_gather` would consume the shard's storage
+                let full = Tensor::zeros_on(&[world * send.numel()], self.param_dtype, send.device())?;
+                comm.all_gather_into(&send, &full, &tag)
+            }
+        };
         self.in_flight.push_back((u, work, self.log.len() - 1));
         self.live += self.unit_bytes(u);
         self.peak = self.peak.max(self.live);
@@ -444,7 +461,10 @@ impl ParamHooks for Gatherer {
         if !g.active() {
             return Ok(());
         }
-        (0..g.units.len()).try_for_each(|u| g.gather(u, GatherPhase::Forward))?;
+        g.exact = true;
+        let gathered = (0..g.units.len()).try_for_each(|u| g.gather(u, GatherPhase::Forward));
+        g.exact = false;
+        gathered?;
         // not a pass's: a step profile does not record them
         g.log.clear();
         g.summoned = true;
@@ -469,6 +489,9 @@ impl ParamHooks for Gatherer {
 pub struct Zero3 {
     hooks: Arc<Gatherer>,
     world: AtomicUsize,
+    options: ZeroPlusPlus,
+    /// qgZ's rounding draws.
+    qgz: QgzState,
 }
 
 impl Default for Zero3 {
@@ -495,6 +518,14 @@ impl Zero3 {
         self
     }
 
+    /// ZeRO++'s quantized gathers (qwZ) and reductions (qgZ), see [`quantized`]; on one rank
+    /// nothing is sent, so nothing is quantized. Every rank must use the same options.
+    pub fn with_options(mut self, options: ZeroPlusPlus) -> Zero3 {
+        self.hooks.lock().qwz = options.qwz;
+        self.options = options;
+        self
+    }
+
     /// ZeRO-3 over the units the model's parameters name.
     pub fn new() -> Zero3 {
         Zero3 {
@@ -518,9 +549,13 @@ impl Zero3 {
                     prefetch: 1,
                     prefetch_cap: DEFAULT_PREFETCH_CAP_BYTES,
                     param_dtype: DType::F32,
+                    qwz: false,
+                    exact: false,
                 }),
             }),
             world: AtomicUsize::new(0),
+            options: ZeroPlusPlus::default(),
+            qgz: QgzState::default(),
         }
     }
 }
@@ -560,13 +595,30 @@ fn units_of(ctx: &PolicyContext) -> Result<Vec<(String, Vec<usize>)>> {
 
 impl ReducerPolicy for Zero3 {
     fn name(&self) -> String {
-        "zero3".into()
+        self.options.spec().to_string()
     }
 
     /// The master shards are the optimizer's parameters, saved with the model and the
-    /// optimizer state: nothing of the policy's own.
+    /// optimizer state: nothing of the policy's own but qgZ's draw counter.
     fn keeps_state(&self) -> brigade_ddp::KeepsState {
-        brigade_ddp::KeepsState::Nothing
+        match self.options.qgz {
+            true => brigade_ddp::KeepsState::InStateDict,
+            false => brigade_ddp::KeepsState::Nothing,
+        }
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(match self.options.qgz {
+            true => self.qgz.state_dict(),
+            false => vec![],
+        })
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        if self.options.qgz {
+            self.qgz = QgzState::load(state)?;
+        }
+        Ok(())
     }
 
     fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
@@ -627,8 +679,12 @@ impl ReducerPolicy for Zero3 {
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> Result<Reduction> {
+        let shard = match self.options.qgz && comm.world_size() > 1 {
+            true => quantized::reduce_gradients(comm, &bucket.tensor, &mut self.qgz, &bucket.tag())?,
+            false => comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
+        };
         Ok(Reduction::Shard {
-            shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
+            shard,
             keep_full: false,
         })
     }
@@ -750,7 +806,10 @@ impl ReducerPolicy for Zero3 {
     }
 
     fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
-        Some(WireModel::Zero3)
+        Some(WireModel::Zero3 {
+            quantized_gradients: self.options.qgz.then_some(quantized::BLOCK),
+            quantized_gathers: self.options.qwz.then_some(quantized::BLOCK),
+        })
     }
 }
 
