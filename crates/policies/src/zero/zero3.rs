@@ -41,6 +41,10 @@
 //! hold the reduce dtype, and the optimizer widens the gradient shard to f32 for the master's
 //! step. Under fp16's loss scaling the optimizer takes over the scaler and the ranks agree on a
 //! skipped step, which leaves the shards as they were ([`super::ZeroOptimizer`]).
+//!
+//! ZeRO++'s options ([`Zero3::with_options`], [`super::quantized`]): qwZ gathers the shards as
+//! blockwise int8 (the masters stay f32 and exact; gathers for `summon_full_params` stay exact),
+//! qgZ reduces the units' gradients as blockwise int8 with stochastic rounding.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
