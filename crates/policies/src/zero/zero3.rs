@@ -748,12 +748,15 @@ impl ReducerPolicy for Zero3 {
             .iter()
             .flat_map(|u| &u.params)
             .any(|&p| params[p].deferred_init().is_some());
+        // under qwZ the first forward gathers too, so that every pass reads quantized
+        // parameters (a resumed run's first step reads what the straight run's did)
+        let gather_first = started_sharded || (g.qwz && world > 1);
         for (i, param) in params.iter().enumerate() {
             match g.unit_of.get(i).copied().flatten() {
                 // its shard is drawn: the tensor stays without storage until a gather
                 Some(_) => {
                     param.end_deferral();
-                    if started_sharded && param.value().storage_numel() > 0 {
+                    if gather_first && param.value().storage_numel() > 0 {
                         param.value().free_storage()?;
                     }
                 }
@@ -763,10 +766,10 @@ impl ReducerPolicy for Zero3 {
         }
         g.vars = params;
         g.comm = Some(ctx.comm.clone());
-        g.probing = !started_sharded;
+        g.probing = !gather_first;
         g.unchecked = true;
         for u in &mut g.units {
-            u.gathered = !started_sharded;
+            u.gathered = !gather_first;
         }
         g.live = (0..g.units.len())
             .filter(|&u| g.units[u].gathered)

@@ -136,9 +136,9 @@ fn qwz_gathers_the_exact_masters_quantized_blockwise_and_steps_the_masters_in_f3
             Box::new(Zero3::new().with_options(options(true, false)))
         });
         for (rank, r) in runs.iter().enumerate() {
-            // the first forward runs on the whole parameters (the scopes' check): from the second
+            // the first forward too (a resumed run's first step reads what the straight one did)
             let mut off_grid = 0;
-            for s in 1..STEPS {
+            for s in 0..STEPS {
                 for (i, (w, b)) in r.read[s].iter().enumerate() {
                     let (ew, eb) = (&r.exact[s][2 * i], &r.exact[s][2 * i + 1]);
                     let flat: Vec<f32> = eb.iter().chain(ew).copied().collect();
