@@ -748,8 +748,7 @@ impl ReducerPolicy for Zero3 {
             .iter()
             .flat_map(|u| &u.params)
             .any(|&p| params[p].deferred_init().is_some());
-        // under qwZ the first forward gathers too, so that every pass reads quantized
-        // parameters (a resumed run's first step reads what the straight run's did)
+        // under qwZ the first forward gathers too: a resumed run's first step reads as the straight run's
         let gather_first = started_sharded || (g.qwz && world > 1);
         for (i, param) in params.iter().enumerate() {
             match g.unit_of.get(i).copied().flatten() {
