@@ -34,4 +34,4 @@ pub use registry::{MakeUserPolicy, Registry};
 pub use spec::{PolicySpec, Ratio, DEFAULT_POWERSGD_START};
 pub use streaming_diloco::{OuterPrecision, StreamingConfig, StreamingDiloco, DEFAULT_DELAY};
 pub use topk::TopK;
-pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};
+pub use zero::{StateLayout, Zero, Zero3, ZeroOptimizer, ZeroPlusPlus, ZeroStage, DEFAULT_PREFETCH_CAP_BYTES};

@@ -13,7 +13,8 @@ use brigade_ddp::ReducerPolicy;
 use crate::error::{PolicyError, Result};
 use crate::spec::{spec_error, PolicySpec};
 use crate::{
-    diloco, powersgd, streaming_diloco, topk, AllReduce, Compress, EfSign, HalfType, Int8, Zero, Zero3, ZeroStage,
+    diloco, powersgd, streaming_diloco, topk, AllReduce, Compress, EfSign, HalfType, Int8, Zero, Zero3, ZeroPlusPlus,
+    ZeroStage,
 };
 
 /// How an entry's spec is written: its name alone, or its name and an argument.
@@ -90,7 +91,8 @@ impl Entry {
     fn write(&self, spec: &PolicySpec) -> Option<Option<String>> {
         match &self.form {
             Form::Plain(p) => (p == spec).then_some(None),
-            Form::Args { write, .. } => write(spec).map(Some),
+            // an empty argument: the name alone
+            Form::Args { write, .. } => write(spec).map(|a| (!a.is_empty()).then_some(a)),
         }
     }
 }
@@ -174,13 +176,25 @@ pub static BUILT_IN: [Entry; 12] = [
         PolicySpec::Zero2,
         |_| Ok(Box::new(Zero::new(ZeroStage::Two)?)),
     ),
-    Entry::plain(
-        "zero3",
-        "ZeRO-3: parameters sharded too, gathered per unit",
-        true,
-        PolicySpec::Zero3,
-        |_| Ok(Box::new(Zero3::new())),
-    ),
+    Entry {
+        name: "zero3",
+        args: "[qwz][:qgz]",
+        about: "ZeRO-3: parameters sharded too, gathered per unit; ZeRO++'s int8 gathers (qwz), int8 gradients (qgz)",
+        planned: true,
+        form: Form::Args {
+            read: ZeroPlusPlus::read,
+            write: ZeroPlusPlus::write,
+            family: |s| s.clone(),
+            plan_default: || PolicySpec::Zero3,
+        },
+        build: |s| {
+            let options = match s {
+                PolicySpec::Zero3Quantized(o) => *o,
+                _ => ZeroPlusPlus::default(),
+            };
+            Ok(Box::new(Zero3::new().with_options(options)))
+        },
+    },
     Entry {
         name: "diloco",
         args: "H[:OUTER_LR[:MOMENTUM]]",

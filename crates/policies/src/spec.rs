@@ -5,7 +5,7 @@
 use crate::error::PolicyError;
 
 /// A reducer policy by name: `allreduce`, `fp16`, `bf16`, `int8`, `powersgd:R[@START]`, `topk:RATIO`, `efsign`, `zero1`,
-/// `zero2`, `zero3`, `diloco:H[:OUTER_LR[:MOMENTUM]]`,
+/// `zero2`, `zero3[:qwz][:qgz]`, `diloco:H[:OUTER_LR[:MOMENTUM]]`,
 /// `streaming-diloco:H:FRAGMENTS[:DELAY[:OUTER_LR[:MOMENTUM]]][:bf16|:int8]`, or a user policy registered by name (`NAME` or `NAME:ARGS`). [`std::fmt::Display`] writes
 /// the canonical form [`std::str::FromStr`] reads back (`powersgd:4` for rank 4 from the default start
 /// iteration 10; `powersgd:4@2` otherwise).
@@ -39,6 +39,9 @@ pub enum PolicySpec {
     Zero2,
     /// ZeRO stage 3 (`Zero3`): parameters sharded too, gathered per unit.
     Zero3,
+    /// ZeRO-3 with ZeRO++'s quantized gathers and/or reductions (`zero3:qwz`, `zero3:qgz`,
+    /// `zero3:qwz:qgz`; at least one on).
+    Zero3Quantized(crate::ZeroPlusPlus),
     /// DiLoCo (`Diloco`): H inner steps, then the averaged pseudo-gradient through an outer
     /// Nesterov SGD (`diloco:H[:OUTER_LR[:MOMENTUM]]`).
     Diloco(crate::DilocoConfig),

@@ -58,7 +58,16 @@ impl WireModel {
         let ops = match self {
             WireModel::AllReduce { bytes_per_element } => vec![(RingOp::AllReduce, elements * bytes_per_element)],
             // one reduce-scatter of the bucket padded to a multiple of the ranks
-            WireModel::ReduceScatter | WireModel::Zero3 => {
+            // qgZ: each rank's whole bucket, a byte an element and a scale a block of its chunks
+            WireModel::Zero3 {
+                quantized_gradients: Some(block),
+                ..
+            } => {
+                let n = n.max(1);
+                let blocks = (bytes / 4).div_ceil(n).div_ceil((*block).max(1));
+                vec![(RingOp::AllGather, (n * blocks * (block + 4)) as f64)]
+            }
+            WireModel::ReduceScatter | WireModel::Zero3 { .. } => {
                 let padded = ((bytes / 4).div_ceil(n.max(1)) * n.max(1) * 4) as f64;
                 vec![(RingOp::ReduceScatter, padded)]
             }

@@ -497,7 +497,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     };
     // ZeRO-3: its buckets are its units, whatever the caps, and its parameter gathers move the
     // compute (`Clock`).
-    let gathered = matches!(costs.wire, WireModel::Zero3);
+    let gathered = matches!(costs.wire, WireModel::Zero3 { .. });
     let mut clock = Clock::new(profile, gathered);
     let groups = bucket_groups(profile, cfg, gathered);
     let mut comm = CommRun {

@@ -416,8 +416,20 @@ pub enum WireModel {
     /// ZeRO-3: each unit is one (padded) bucket, reduce-scattered in f32 as its backward ends
     /// (the units fix the buckets, whatever the caps); each unit's parameters are all-gathered
     /// before its forward and again before its backward (the step profile's `gathers`), on the
-    /// same comm stream, and the unit's compute waits for its gather.
-    Zero3,
+    /// same comm stream, and the unit's compute waits for its gather (priced from the bytes the
+    /// profile recorded for each gather).
+    Zero3 {
+        /// ZeRO++'s qgZ: instead of the f32 reduce-scatter, each rank's whole padded bucket is
+        /// all-gathered as int8 with an f32 scale per block of this many elements of each rank's
+        /// chunk (`None`: the reduce-scatter).
+        #[serde(default)]
+        quantized_gradients: Option<usize>,
+        /// ZeRO++'s qwZ: each gather sends the rank's shard as int8 with an f32 scale per block
+        /// of this many elements (`None`: in the parameters' dtype); the recorded gathers hold
+        /// the bytes sent.
+        #[serde(default)]
+        quantized_gathers: Option<usize>,
+    },
     /// No collective per bucket: the gradients stay on each rank during backward (DiLoCo,
     /// streaming DiLoCo); what the policy sends, it sends after the optimizer step
     /// ([`ReducerPolicy::after_step_wire`]).

@@ -639,7 +639,10 @@ fn zero3_profile() -> StepProfile {
     let mut p = under(
         profile(&[(MIB, 0.010)], 0.010),
         "zero3",
-        Some(WireModel::Zero3),
+        Some(WireModel::Zero3 {
+            quantized_gradients: None,
+            quantized_gathers: None,
+        }),
         &[&[MIB / 4]],
     );
     let gather = |phase, at: f64| GatherProfile {

@@ -25,6 +25,7 @@
 //! that a step is skipped on every rank or on none.
 
 mod optimizer;
+pub mod quantized;
 pub mod shard;
 mod zero3;
 
@@ -43,6 +44,7 @@ use crate::error::PolicyError;
 use crate::spec::PolicySpec;
 
 pub use optimizer::{ZeroOptimizer, ALL_GATHER_CAP_BYTES};
+pub use quantized::ZeroPlusPlus;
 pub use shard::{padded_len, shard_len};
 pub use zero3::{Zero3, DEFAULT_PREFETCH_CAP_BYTES};
 
@@ -106,7 +108,7 @@ impl PolicySpec {
         match self {
             PolicySpec::Zero1 => ZeroStage::One,
             PolicySpec::Zero2 => ZeroStage::Two,
-            PolicySpec::Zero3 => ZeroStage::Three,
+            PolicySpec::Zero3 | PolicySpec::Zero3Quantized(_) => ZeroStage::Three,
             _ => ZeroStage::Off,
         }
     }

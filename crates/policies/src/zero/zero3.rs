@@ -51,6 +51,10 @@
 //! hold the reduce dtype, and the optimizer widens the gradient shard to f32 for the master's
 //! step. Under fp16's loss scaling the optimizer takes over the scaler and the ranks agree on a
 //! skipped step, which leaves the shards as they were ([`super::ZeroOptimizer`]).
+//!
+//! ZeRO++'s options ([`Zero3::with_options`], [`super::quantized`]): qwZ gathers the shards as
+//! blockwise int8 (the masters stay f32 and exact; gathers for `summon_full_params` stay exact),
+//! qgZ reduces the units' gradients as blockwise int8 with stochastic rounding.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,6 +71,7 @@ use brigade_ddp::{DdpError, MemoryPart};
 use brigade_tensor::{DType, Tensor};
 
 use super::optimizer::ZeroOptimizer;
+use super::quantized::{self, QgzState, ZeroPlusPlus};
 use super::shard::{pieces, shard_len};
 use super::ZeroStage;
 
@@ -138,6 +143,10 @@ struct Gather {
     param_dtype: DType,
     /// The most bytes of prefetched parameters in flight at once.
     prefetch_cap: usize,
+    /// qwZ: the pass's gathers in blockwise int8 ([`quantized`]).
+    qwz: bool,
+    /// Gathers for `gather_all` (a checkpoint, an evaluation): exact whatever `qwz`.
+    exact: bool,
 }
 
 /// The hooks of [`Zero3`] (forward scopes and the backward bus).
@@ -217,23 +226,35 @@ impl Gather {
         let _part = MemoryPart::Gathered.enter();
         let unit = &self.units[u];
         let shard = unit.shard.clone().expect("cut when the optimizer was built");
-        // the shard rounded once to the parameters' dtype (an f32 shard as it is)
-        let send = match shard.dtype() == self.param_dtype {
-            true => shard,
-            false => shard.to_dtype(self.param_dtype)?,
-        };
-        // into a buffer of our own: `all_gather` would consume the shard's storage
-        let full = Tensor::zeros_on(&[comm.world_size() * send.numel()], self.param_dtype, send.device())?;
+        let tag = format!("zero3.gather.{}", unit.name);
+        let world = comm.world_size();
         let phase = if self.in_backward { GatherPhase::Backward } else { phase };
+        let quantize = self.qwz && !self.exact && world > 1;
+        let bytes = match quantize {
+            true => world * quantized::chunk_bytes(shard.numel()),
+            false => world * shard.numel() * self.param_dtype.size_in_bytes(),
+        };
         self.log.push(GatherTimes {
             unit: unit.name.clone(),
-            bytes: full.numel() * self.param_dtype.size_in_bytes(),
+            bytes,
             phase,
             issued: Instant::now(),
             needed: None,
             ran: None,
         });
-        let work = comm.all_gather_into(&send, &full, &format!("zero3.gather.{}", unit.name));
+        let work = match quantize {
+            true => quantized::gather_weights(&comm, &shard, self.param_dtype, &tag)?,
+            false => {
+                // the shard rounded once to the parameters' dtype (an f32 shard as it is)
+                let send = match shard.dtype() == self.param_dtype {
+                    true => shard,
+                    false => shard.to_dtype(self.param_dtype)?,
+                };
+                // into a buffer of our own: `all_gather` would consume the shard's storage
+                let full = Tensor::zeros_on(&[world * send.numel()], self.param_dtype, send.device())?;
+                comm.all_gather_into(&send, &full, &tag)
+            }
+        };
         self.in_flight.push_back((u, work, self.log.len() - 1));
         self.live += self.unit_bytes(u);
         self.peak = self.peak.max(self.live);
@@ -454,7 +475,10 @@ impl ParamHooks for Gatherer {
         if !g.active() {
             return Ok(());
         }
-        (0..g.units.len()).try_for_each(|u| g.gather(u, GatherPhase::Forward))?;
+        g.exact = true;
+        let gathered = (0..g.units.len()).try_for_each(|u| g.gather(u, GatherPhase::Forward));
+        g.exact = false;
+        gathered?;
         // not a pass's: a step profile does not record them
         g.log.clear();
         g.summoned = true;
@@ -479,6 +503,9 @@ impl ParamHooks for Gatherer {
 pub struct Zero3 {
     hooks: Arc<Gatherer>,
     world: AtomicUsize,
+    options: ZeroPlusPlus,
+    /// qgZ's rounding draws.
+    qgz: QgzState,
 }
 
 impl Default for Zero3 {
@@ -505,6 +532,14 @@ impl Zero3 {
         self
     }
 
+    /// ZeRO++'s quantized gathers (qwZ) and reductions (qgZ), see [`quantized`]; on one rank
+    /// nothing is sent, so nothing is quantized. Every rank must use the same options.
+    pub fn with_options(mut self, options: ZeroPlusPlus) -> Zero3 {
+        self.hooks.lock().qwz = options.qwz;
+        self.options = options;
+        self
+    }
+
     /// ZeRO-3 over the units the model's parameters name.
     pub fn new() -> Zero3 {
         Zero3 {
@@ -528,9 +563,13 @@ impl Zero3 {
                     prefetch: 1,
                     prefetch_cap: DEFAULT_PREFETCH_CAP_BYTES,
                     param_dtype: DType::F32,
+                    qwz: false,
+                    exact: false,
                 }),
             }),
             world: AtomicUsize::new(0),
+            options: ZeroPlusPlus::default(),
+            qgz: QgzState::default(),
         }
     }
 }
@@ -570,13 +609,30 @@ fn units_of(ctx: &PolicyContext) -> Result<Vec<(String, Vec<usize>)>> {
 
 impl ReducerPolicy for Zero3 {
     fn name(&self) -> String {
-        "zero3".into()
+        self.options.spec().to_string()
     }
 
     /// The master shards are the optimizer's parameters, saved with the model and the
-    /// optimizer state: nothing of the policy's own.
+    /// optimizer state: nothing of the policy's own but qgZ's draw counter.
     fn keeps_state(&self) -> brigade_ddp::KeepsState {
-        brigade_ddp::KeepsState::Nothing
+        match self.options.qgz {
+            true => brigade_ddp::KeepsState::InStateDict,
+            false => brigade_ddp::KeepsState::Nothing,
+        }
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(match self.options.qgz {
+            true => self.qgz.state_dict(),
+            false => vec![],
+        })
+    }
+
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        if self.options.qgz {
+            self.qgz = QgzState::load(state)?;
+        }
+        Ok(())
     }
 
     fn layout(&self, ctx: &PolicyContext) -> BucketLayout {
@@ -637,8 +693,12 @@ impl ReducerPolicy for Zero3 {
     }
 
     fn reduce(&mut self, bucket: PolicyBucket, comm: &Group) -> Result<Reduction> {
+        let shard = match self.options.qgz && comm.world_size() > 1 {
+            true => quantized::reduce_gradients(comm, &bucket.tensor, &mut self.qgz, &bucket.tag())?,
+            false => comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
+        };
         Ok(Reduction::Shard {
-            shard: comm.reduce_scatter(&bucket.tensor, ReduceOp::Avg, &bucket.tag()),
+            shard,
             keep_full: false,
         })
     }
@@ -698,12 +758,14 @@ impl ReducerPolicy for Zero3 {
             .iter()
             .flat_map(|u| &u.params)
             .any(|&p| params[p].deferred_init().is_some());
+        // under qwZ the first forward gathers too: a resumed run's first step reads as the straight run's
+        let gather_first = started_sharded || (g.qwz && world > 1);
         for (i, param) in params.iter().enumerate() {
             match g.unit_of.get(i).copied().flatten() {
                 // its shard is drawn: the tensor stays without storage until a gather
                 Some(_) => {
                     param.end_deferral();
-                    if started_sharded && param.value().storage_numel() > 0 {
+                    if gather_first && param.value().storage_numel() > 0 {
                         param.value().free_storage()?;
                     }
                 }
@@ -713,10 +775,10 @@ impl ReducerPolicy for Zero3 {
         }
         g.vars = params;
         g.comm = Some(ctx.comm.clone());
-        g.probing = !started_sharded;
+        g.probing = !gather_first;
         g.unchecked = true;
         for u in &mut g.units {
-            u.gathered = !started_sharded;
+            u.gathered = !gather_first;
         }
         g.live = (0..g.units.len())
             .filter(|&u| g.units[u].gathered)
@@ -760,7 +822,10 @@ impl ReducerPolicy for Zero3 {
     }
 
     fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
-        Some(WireModel::Zero3)
+        Some(WireModel::Zero3 {
+            quantized_gradients: self.options.qgz.then_some(quantized::BLOCK),
+            quantized_gathers: self.options.qwz.then_some(quantized::BLOCK),
+        })
     }
 }
 

@@ -16,4 +16,5 @@ mod sparse;
 mod user;
 mod zero;
 mod zero3;
+mod zero3_quantized;
 mod zero3_start;

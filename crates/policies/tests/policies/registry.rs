@@ -15,6 +15,7 @@ fn every_built_in_entry_reads_writes_and_builds_its_policy() {
             (_, "RATIO") => format!("{}:0.25", e.name),
             ("diloco", _) => "diloco:3:0.5".to_string(),
             ("streaming-diloco", _) => "streaming-diloco:3:2:2".to_string(),
+            ("zero3", _) => "zero3:qwz:qgz".to_string(),
             _ => format!("{}:3@2", e.name),
         };
         let spec: PolicySpec = spec_text.parse().unwrap();
