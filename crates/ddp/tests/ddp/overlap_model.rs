@@ -731,6 +731,7 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
             every,
             fragments,
             overlap_steps,
+            collectives: 1,
         });
         p
     };
@@ -806,6 +807,7 @@ fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period(
         every: 4,
         fragments: 1,
         overlap_steps: 0,
+        collectives: 1,
     });
     for r in &mut p.ranks {
         r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
@@ -961,6 +963,7 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
         every: 10,
         fragments: 1,
         overlap_steps: 0,
+        collectives: 1,
     });
     let sync = 0.002 + (w + b) as f64 / (1u64 << 30) as f64;
     for r in &mut p.ranks {
