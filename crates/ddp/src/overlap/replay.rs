@@ -382,7 +382,17 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
     let (_, wire, _) = wire_model(profile)?;
     let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
     let rank0 = &profile.ranks[0];
-    for b in &rank0.buckets {
+    // A bucket issued while the one before still held the comm stream (its continuation: the
+    // policy's compute after its collectives) may have waited for it to finish: its recorded
+    // collective time is then not the link's. Left out, unless that leaves no bucket.
+    let waited: Vec<bool> = (0..rank0.buckets.len())
+        .map(|k| {
+            let (b, before) = (&rank0.buckets[k], k.checked_sub(1).map(|j| &rank0.buckets[j]));
+            b.link_s.is_some() && before.is_some_and(|before| b.start_s < before.finish_s)
+        })
+        .collect();
+    let all_waited = waited.iter().all(|&w| w);
+    for (b, _) in rank0.buckets.iter().zip(&waited).filter(|(_, &w)| all_waited || !w) {
         let price = wire.bucket_price(&b.params, &param_bytes, n0);
         if price.messages == 0.0 {
             continue;

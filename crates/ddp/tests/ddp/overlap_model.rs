@@ -1040,3 +1040,25 @@ fn a_policys_compute_after_its_collective_does_not_hold_the_link_for_the_next_bu
         "predicted step",
     );
 }
+
+#[test]
+fn a_collective_that_waited_for_the_previous_buckets_continuation_does_not_measure_the_link() {
+    // Buckets of 1 MiB and 256 KiB recorded one after the other on the 1 ms, 1 GiB/s link fix
+    // it; a third bucket, issued while the second's continuation still held the comm stream,
+    // could only finish after it: its recorded collective time (5 ms) is not the link's.
+    let mut p = profile(&[(MIB, 0.010), (MIB / 4, 0.020), (MIB / 4, 0.020)], 0.020);
+    let on_link = |bytes: usize| 0.002 + bytes as f64 / (1u64 << 30) as f64;
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![0], MIB, 0.010, 0.010, 0.010 + on_link(MIB));
+        b0.link_s = Some(on_link(MIB));
+        let mut b1 = recorded(vec![1], MIB / 4, 0.020, 0.020, 0.030);
+        b1.link_s = Some(on_link(MIB / 4));
+        let mut b2 = recorded(vec![2], MIB / 4, 0.025, 0.025, 0.0305);
+        b2.link_s = Some(0.005);
+        r.buckets = vec![b0, b1, b2];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.031, 0.032, 0.032);
+    }
+    let link = brigade_ddp::overlap::measured_link(&[&p]).unwrap().unwrap();
+    close_to(link.latency.as_secs_f64(), 0.001, 1e-6, "latency");
+    close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 1e-6, "bandwidth");
+}
