@@ -10,9 +10,9 @@ use super::{Prediction, Reached, StudyConfig};
 
 /// The relative error of a policy's own profiles replayed on the link they were recorded on
 /// (each step's own fit where it recorded something on the link, else the fit to every
-/// profiled step at once: a policy that syncs every few steps sends nothing in the others; see
-/// [`own_links`]) against the steps they measured: `(predicted - measured) /
-/// measured`, the lowest and the highest over the profiled steps.
+/// profiled step at once, [`brigade_ddp::overlap::measured_link`]: a policy that syncs every
+/// few steps sends nothing in the others) against the steps they measured: `(predicted -
+/// measured) / measured`, the lowest and the highest over the profiled steps.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct OwnBand {
     /// The lowest relative error.
