@@ -482,13 +482,15 @@ impl ReducerPolicy for Diloco {
         Some(WireModel::Local)
     }
 
-    fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
+    fn after_step_wire(&self, shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
         Some(AfterStepWire {
             op: WireOp::AllReduce,
             bytes_per_element: 4.0,
             every: self.cfg.period,
             fragments: 1,
             overlap_steps: 0,
+            // one all-reduce per parameter (`Outer::issue`)
+            collectives: shapes.len().max(1),
         })
     }
 }

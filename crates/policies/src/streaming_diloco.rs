@@ -526,6 +526,7 @@ impl ReducerPolicy for StreamingDiloco {
             every: self.cfg.diloco.period,
             fragments: self.cfg.fragments,
             overlap_steps: self.cfg.delay,
+            collectives: 1,
         })
     }
 }

@@ -1,14 +1,18 @@
 //! A study's predictions from a policy's profiled steps: its step on each link and world, the
 //! steps and seconds to each target loss, and the error band of its own profiles' replays.
 
-use brigade_ddp::overlap::{replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
+use brigade_ddp::overlap::{
+    measured_link, replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile,
+};
 use serde::Serialize;
 
 use super::{Prediction, Reached, StudyConfig};
 
 /// The relative error of a policy's own profiles replayed on the link they were recorded on
-/// (fitted from their buckets) against the steps they measured: `(predicted - measured) /
-/// measured`, the lowest and the highest over the profiled steps.
+/// (each step's own fit where it recorded something on the link, else the fit to every
+/// profiled step at once, [`brigade_ddp::overlap::measured_link`]: a policy that syncs every
+/// few steps sends nothing in the others) against the steps they measured: `(predicted -
+/// measured) / measured`, the lowest and the highest over the profiled steps.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct OwnBand {
     /// The lowest relative error.
@@ -69,6 +73,22 @@ fn replayed(
     Ok(median(steps))
 }
 
+/// The link each of `profiles` was recorded on, as `brigade predict --measured-link` takes it:
+/// the step's own fit where it recorded something on the link, else the fit to every profile
+/// at once ([`measured_link`]); one line when none recorded anything on the link.
+fn own_links(profiles: &[StepProfile]) -> Result<Vec<LinkCost>, String> {
+    let joint = measured_link(&profiles.iter().collect::<Vec<_>>()).map_err(|e| e.to_string())?;
+    profiles
+        .iter()
+        .map(|p| match measured_link(&[p]).map_err(|e| e.to_string())? {
+            Some(_) => Ok(LinkCost::Measured),
+            None => joint.map(LinkCost::Ring).ok_or_else(|| {
+                "no profiled step recorded anything on the link: there is no link to replay its own steps on".into()
+            }),
+        })
+        .collect()
+}
+
 /// Predicts from the profiled steps `profiles` of a run on `world` ranks whose losses were
 /// `losses`.
 pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc: &StudyConfig) -> Predicted {
@@ -78,13 +98,15 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
     let own_band = if world < 2 || profiles.is_empty() {
         None
     } else {
-        let errors: Result<Vec<f64>, String> = profiles
-            .iter()
-            .map(|p| {
-                replayed(std::slice::from_ref(p), overhead, LinkCost::Measured, None)
-                    .map(|s| (s - measured(p)) / measured(p))
-            })
-            .collect();
+        let errors: Result<Vec<f64>, String> = own_links(profiles).and_then(|links| {
+            profiles
+                .iter()
+                .zip(links)
+                .map(|(p, link)| {
+                    replayed(std::slice::from_ref(p), overhead, link, None).map(|s| (s - measured(p)) / measured(p))
+                })
+                .collect()
+        });
         match errors {
             Ok(e) => Some(OwnBand {
                 low: e.iter().copied().fold(f64::INFINITY, f64::min),
@@ -140,5 +162,47 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
         own_band,
         predictions,
         note,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step of a policy that sends every parameter after every second optimizer step (one
+    /// 1 MiB parameter, 2 ranks, 10 ms of backward): `after_link_s` of the optimizer's span on
+    /// the link (0 in a step that did not sync).
+    fn step(after_link_s: f64) -> StepProfile {
+        let rank = |r: usize| {
+            serde_json::json!({
+                "rank": r, "backward_start_s": 0.0, "backward_end_s": 0.010,
+                "optimizer_start_s": 0.010, "optimizer_end_s": 0.011 + after_link_s,
+                "step_end_s": 0.011 + after_link_s, "grad_ready_s": [0.010], "buckets": [],
+                "policy_s": { "reduce_s": 0.0, "after_step_s": after_link_s, "after_step_link_s": after_link_s }
+            })
+        };
+        serde_json::from_value(serde_json::json!({
+            "version": 2, "world_size": 2, "bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0,
+            "policy": { "name": "periodic", "wire": { "kind": "local" },
+                        "after_step": { "op": "all_reduce", "bytes_per_element": 4.0, "every": 2 } },
+            "params": [ { "name": "w", "bytes": 1 << 20, "shape": [512, 512] } ],
+            "ranks": [rank(0), rank(1)]
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_step_that_sent_nothing_is_replayed_on_the_link_the_others_measured() {
+        // The step that did not sync measured no link of its own: it is replayed on the one
+        // the syncing step measured, and the band covers both steps.
+        let profiles = [step(0.004), step(0.0)];
+        let sc = StudyConfig::new(vec![], vec![]);
+        let p = predict(&profiles, 2, &[], &sc);
+        assert_eq!(p.note, "");
+        let band = p.own_band.expect("an error band over both steps");
+        assert!(band.low.is_finite() && band.high.is_finite() && band.low <= band.high);
+        // both steps are charged half the sync (every 2 steps): the syncing step measured all
+        // of it, the other none, so one replays under its step and the other over it
+        assert!(band.low < 0.0 && band.high > 0.0, "{band:?}");
     }
 }

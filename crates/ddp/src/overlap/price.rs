@@ -110,12 +110,17 @@ impl WireModel {
 }
 
 impl AfterStepWire {
-    /// What one fragment's collective costs on `n` ranks for parameters of `param_bytes` f32
-    /// bytes (all of them when [`AfterStepWire::fragments`] is 1).
+    /// What one fragment's collectives cost on `n` ranks for parameters of `param_bytes` f32
+    /// bytes (all of them when [`AfterStepWire::fragments`] is 1): its bytes, and the latency of
+    /// each of its [`AfterStepWire::collectives`].
     pub fn price(&self, param_bytes: &[usize], n: usize) -> RingPrice {
         let elements = param_bytes.iter().sum::<usize>() as f64 / 4.0;
         let fragments = self.fragments.max(1) as f64;
-        RingPrice::of(self.op.ring(), elements * self.bytes_per_element / fragments, n)
+        let one = RingPrice::of(self.op.ring(), elements * self.bytes_per_element / fragments, n);
+        RingPrice {
+            messages: one.messages * self.collectives.max(1) as f64,
+            ..one
+        }
     }
 
     /// What a step waits for, on average, on links of latency `alpha` and `per_byte` seconds a

@@ -458,11 +458,16 @@ impl StepProfile {
                 self.params.len()
             )),
             _ => match policy.and_then(|p| p.after_step.as_ref()) {
-                Some(a) if !(per_element(a.bytes_per_element) && a.every > 0 && a.fragments > 0) => Err(format!(
-                    "the policy's after-step wire sends {} bytes per element every {} steps in {} fragments: \
-                     more than 0 and at most 8 bytes, every 1 step or more, 1 fragment or more",
-                    a.bytes_per_element, a.every, a.fragments
-                )),
+                Some(a)
+                    if !(per_element(a.bytes_per_element) && a.every > 0 && a.fragments > 0 && a.collectives > 0) =>
+                {
+                    Err(format!(
+                        "the policy's after-step wire sends {} bytes per element every {} steps in {} fragments of {} \
+                         collectives: more than 0 and at most 8 bytes, every 1 step or more, 1 fragment or more, 1 \
+                         collective or more",
+                        a.bytes_per_element, a.every, a.fragments, a.collectives
+                    ))
+                }
                 _ => Ok(()),
             },
         }

@@ -80,7 +80,8 @@ pub struct ReplayBucket {
     /// When it starts on the link: every rank has issued it, the backend has brought it to the
     /// link (the launch overhead fitted from the profile) and the link is free.
     pub start_s: f64,
-    /// When it finishes on every rank.
+    /// When it finishes on every rank: its collectives left the link, then the policy's compute
+    /// after them (which does not hold the link: the next bucket's collective runs beside it).
     pub finish_s: f64,
     /// The part of its transfer after backward's compute ended (what the step waits for).
     pub exposed_s: f64,
@@ -381,7 +382,17 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
     let (_, wire, _) = wire_model(profile)?;
     let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
     let rank0 = &profile.ranks[0];
-    for b in &rank0.buckets {
+    // A bucket issued while the one before still held the comm stream (its continuation: the
+    // policy's compute after its collectives) may have waited for it to finish: its recorded
+    // collective time is then not the link's. Left out, unless that leaves no bucket.
+    let waited: Vec<bool> = (0..rank0.buckets.len())
+        .map(|k| {
+            let (b, before) = (&rank0.buckets[k], k.checked_sub(1).map(|j| &rank0.buckets[j]));
+            b.link_s.is_some() && before.is_some_and(|before| b.start_s < before.finish_s)
+        })
+        .collect();
+    let all_waited = waited.iter().all(|&w| w);
+    for (b, _) in rank0.buckets.iter().zip(&waited).filter(|(_, &w)| all_waited || !w) {
         let price = wire.bucket_price(&b.params, &param_bytes, n0);
         if price.messages == 0.0 {
             continue;
@@ -508,6 +519,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
             overhead: if n < 2 { None } else { Some(&overhead) },
         },
         buckets: Vec::with_capacity(groups.len()),
+        computed: f64::NEG_INFINITY,
         gathers: Vec::with_capacity(clock.n_gathers),
         waited: vec![0.0; profile.ranks.len()],
     };
@@ -564,8 +576,11 @@ fn checked_world(profile: &StepProfile, cfg: &ReplayConfig) -> Result<usize, Str
 }
 
 /// How the replayed collectives are costed: the policy's wire model on a ring of `n` ranks with
-/// links of latency `alpha` and `per_byte` seconds a byte, and the policy's own compute between
-/// a bucket's collectives at the recorded rate.
+/// links of latency `alpha` and `per_byte` seconds a byte, and the policy's own compute on the
+/// comm stream at the recorded rate. That compute runs in the collectives' continuations
+/// (decompressing, converting back, checking), off the link: the replay charges it after the
+/// bucket's collectives, beside the next bucket's. (The compute before the collectives, inside
+/// the policy's `reduce`, is part of what the launch overhead measures.)
 struct Costs<'a> {
     profile: &'a StepProfile,
     n: usize,
@@ -588,17 +603,13 @@ impl Costs<'_> {
         }
     }
 
-    /// A bucket's time on the comm stream (its collectives and the policy's compute between
-    /// them) and its wire bytes.
-    fn bucket(&self, group: &[usize], bytes: usize) -> (f64, f64) {
+    /// A bucket's time on the link (its collectives) and its wire bytes.
+    fn bucket(&self, group: &[usize]) -> (f64, f64) {
         if self.n < 2 {
             return (0.0, 0.0);
         }
         let price = self.wire.bucket_price(group, &self.param_bytes, self.n);
-        (
-            price.seconds(self.alpha, self.per_byte) + self.compute(bytes),
-            price.wire_bytes,
-        )
+        (price.seconds(self.alpha, self.per_byte), price.wire_bytes)
     }
 
     /// The link time of a parameter gather of `bytes` (every rank's shard).
@@ -742,6 +753,10 @@ struct CommRun<'a> {
     launched: Vec<f64>,
     link: LinkQueue<'a>,
     buckets: Vec<ReplayBucket>,
+    /// When the policy's compute after the last bucket's collectives ended: it runs in the
+    /// collectives' continuations, one bucket after another, beside the link (the next bucket's
+    /// collective takes the link meanwhile).
+    computed: f64,
     gathers: Vec<ReplayGather>,
     /// What each rank's compute waited for its parameter gathers.
     waited: Vec<f64>,
@@ -762,8 +777,10 @@ impl CommRun<'_> {
             launch_max = launch_max.max(*launched);
         }
         let b_bytes: usize = group.iter().map(|&p| costs.profile.params[p].bytes).sum();
-        let (link_s, wire_bytes) = costs.bucket(&group, b_bytes);
-        let (start, finish) = self.link.take(launch_max, b_bytes, link_s, clock.backward_end());
+        let (link_s, wire_bytes) = costs.bucket(&group);
+        let (start, left) = self.link.take(launch_max, b_bytes, link_s, clock.backward_end());
+        let finish = left.max(self.computed) + costs.compute(b_bytes);
+        self.computed = finish;
         self.buckets.push(ReplayBucket {
             params: group,
             bytes: b_bytes,
@@ -863,7 +880,7 @@ fn fluid_drain(costs: &Costs, clock: &Clock) -> f64 {
         if costs.n < 2 {
             0.0
         } else {
-            costs.bucket(&[p], costs.profile.params[p].bytes).1
+            costs.bucket(&[p]).1
         }
     };
     let mut by_ready: Vec<usize> = (0..n_params).collect();

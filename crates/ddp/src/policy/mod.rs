@@ -488,9 +488,14 @@ pub struct AfterStepWire {
     /// Steps of compute each fragment's collective runs behind (0: the step waits for it).
     #[serde(default)]
     pub overlap_steps: usize,
+    /// Collectives each fragment is sent in, one after the other, each waiting the link's
+    /// latency (1: one collective of the whole fragment; a policy that all-reduces each
+    /// parameter in a tensor of its own issues one per parameter).
+    #[serde(default = "one_fragment")]
+    pub collectives: usize,
 }
 
-/// Serde's default for [`AfterStepWire::fragments`].
+/// Serde's default for [`AfterStepWire::fragments`] and [`AfterStepWire::collectives`].
 fn one_fragment() -> usize {
     1
 }

@@ -734,6 +734,7 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
             every,
             fragments,
             overlap_steps,
+            collectives: 1,
         });
         p
     };
@@ -809,6 +810,7 @@ fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period(
         every: 4,
         fragments: 1,
         overlap_steps: 0,
+        collectives: 1,
     });
     for r in &mut p.ranks {
         r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
@@ -964,6 +966,7 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
         every: 10,
         fragments: 1,
         overlap_steps: 0,
+        collectives: 1,
     });
     let sync = 0.002 + (w + b) as f64 / (1u64 << 30) as f64;
     for r in &mut p.ranks {
@@ -996,4 +999,69 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
     };
     let e = replay(&p, &measured).unwrap_err().to_string();
     assert!(e.contains("no link to measure") && !e.contains('\n'), "{e}");
+}
+
+#[test]
+fn a_policys_compute_after_its_collective_does_not_hold_the_link_for_the_next_bucket() {
+    // Two 1 MiB gradients ready when backward ends (10 ms), one per bucket (1 MiB caps); the
+    // recorded buckets spent 0.5 ms per MiB on the policy's compute besides their collectives
+    // (converting the sum back, as fp16 does in the collective's continuation). The comm stream
+    // runs bucket 0's all-reduce 10..12.977 ms (2 ms + 1 MiB / 1 GiB/s), its continuation
+    // 12.977..13.477 ms beside the link, bucket 1's all-reduce from 12.977 ms to 15.953 ms and
+    // its continuation to 16.453 ms; then the recorded 1 ms gap and 1 ms optimizer. Charging
+    // the compute on the link would predict 0.5 ms more.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.010, 0.0125);
+        b0.link_s = Some(0.002);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.012, 0.0145);
+        b1.link_s = Some(0.002);
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.0155, 0.0165, 0.0165);
+    }
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    assert_eq!(r.buckets.len(), 2);
+    let link_s = 0.002 + 1.0 / 1024.0;
+    close(
+        r.buckets[1].start_s,
+        0.010 + link_s,
+        "bucket 1 takes the link when bucket 0's collective left it",
+    );
+    close(
+        r.buckets[1].finish_s,
+        0.010 + 2.0 * link_s + 0.0005,
+        "bucket 1 with its compute",
+    );
+    close(r.policy_compute_s, 0.001, "the policy's compute");
+    close(
+        r.predicted_step_s,
+        0.010 + 2.0 * link_s + 0.0005 + 0.002,
+        "predicted step",
+    );
+}
+
+#[test]
+fn a_collective_that_waited_for_the_previous_buckets_continuation_does_not_measure_the_link() {
+    // Buckets of 1 MiB and 256 KiB recorded one after the other on the 1 ms, 1 GiB/s link fix
+    // it; a third bucket, issued while the second's continuation still held the comm stream,
+    // could only finish after it: its recorded collective time (5 ms) is not the link's.
+    let mut p = profile(&[(MIB, 0.010), (MIB / 4, 0.020), (MIB / 4, 0.020)], 0.020);
+    let on_link = |bytes: usize| 0.002 + bytes as f64 / (1u64 << 30) as f64;
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![0], MIB, 0.010, 0.010, 0.010 + on_link(MIB));
+        b0.link_s = Some(on_link(MIB));
+        let mut b1 = recorded(vec![1], MIB / 4, 0.020, 0.020, 0.030);
+        b1.link_s = Some(on_link(MIB / 4));
+        let mut b2 = recorded(vec![2], MIB / 4, 0.025, 0.025, 0.0305);
+        b2.link_s = Some(0.005);
+        r.buckets = vec![b0, b1, b2];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.031, 0.032, 0.032);
+    }
+    let link = brigade_ddp::overlap::measured_link(&[&p]).unwrap().unwrap();
+    close_to(link.latency.as_secs_f64(), 0.001, 1e-6, "latency");
+    close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 1e-6, "bandwidth");
 }

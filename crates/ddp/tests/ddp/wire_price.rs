@@ -116,6 +116,7 @@ fn a_broadcast_after_the_step_crosses_each_link_once_in_a_chain() {
         every: 10,
         fragments: 1,
         overlap_steps: 0,
+        collectives: 1,
     };
     for n in [2usize, 3, 4] {
         let q = (n - 1) as f64;
@@ -138,6 +139,7 @@ fn an_all_reduce_after_the_step_is_priced_like_a_buckets() {
         every: 1,
         fragments: 1,
         overlap_steps: 0,
+        collectives: 1,
     };
     for n in [2usize, 3, 4] {
         let bucket = WireModel::AllReduce { bytes_per_element: 4.0 };
@@ -157,4 +159,27 @@ fn one_rank_sends_nothing() {
         RingPrice::of(RingOp::AllGather, 100.0, 4).seconds(1e-3, 1e-6),
         3.0 * 1e-3 + 300.0 * 1e-6
     );
+}
+
+#[test]
+fn an_after_step_sent_in_several_collectives_waits_each_ones_latency() {
+    // One all-reduce per parameter: the same bytes as one all-reduce of them all, and the
+    // ring's 2(n−1) messages for each of the collectives.
+    let one = AfterStepWire {
+        op: WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 1,
+        fragments: 1,
+        overlap_steps: 0,
+        collectives: 1,
+    };
+    let each = AfterStepWire {
+        collectives: 3,
+        ..one.clone()
+    };
+    for n in [2usize, 3, 4] {
+        let (a, b) = (one.price(&PARAMS, n), each.price(&PARAMS, n));
+        assert_eq!(b.messages, 3.0 * a.messages, "on {n}");
+        assert_eq!((b.link_bytes, b.wire_bytes), (a.link_bytes, a.wire_bytes), "on {n}");
+    }
 }
