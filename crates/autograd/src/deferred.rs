@@ -283,11 +283,40 @@ mod tests {
                 hi: 1.0 / 3.0,
             },
             InitDraw::Full { value: 1.0 },
+            InitDraw::Stored {
+                path: "a dir/with  spaces.safetensors".into(),
+                offset: 120,
+                dtype: DType::BF16,
+            },
         ] {
             let init = ParamInit::new(draw, DType::F32, &rng);
             assert_eq!(ParamInit::parse(&init.describe()).unwrap(), init);
         }
         assert!(ParamInit::parse("normal x f32 @1").is_err());
         assert!(ParamInit::parse("normal 0.1 f32").is_err());
+        assert!(ParamInit::parse("stored 8 f32 f32 @0").is_err());
+    }
+
+    #[test]
+    fn a_stored_recipe_reads_its_range_of_the_file_and_refuses_a_nan() {
+        let path = std::env::temp_dir().join(format!("brigade-stored-{}.bin", std::process::id()));
+        let values = [1.5f32, -2.0, 0.25, 8.0, f32::NAN];
+        let mut bytes = vec![7u8; 5]; // bytes before the tensor
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        std::fs::write(&path, &bytes).unwrap();
+        let init = ParamInit {
+            draw: InitDraw::Stored {
+                path: path.clone(),
+                offset: 5,
+                dtype: DType::F32,
+            },
+            dtype: DType::F32,
+            from: 0,
+        };
+        assert_eq!(init.draw(1, 3).unwrap().to_vec::<f32>().unwrap(), [-2.0, 0.25, 8.0]);
+        let e = init.draw(2, 3).unwrap_err().to_string();
+        assert!(e.contains("element 4") && e.contains("NaN"), "{e}");
+        assert!(init.draw(3, 4).is_err(), "past the file's end");
+        std::fs::remove_file(&path).unwrap();
     }
 }
