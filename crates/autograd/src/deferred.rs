@@ -11,14 +11,17 @@
 //! [`ParamInit::parse`]), so that every rank can draw from rank 0's.
 
 use std::cell::Cell;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use brigade_tensor::{DType, Rng, Tensor};
 
 use crate::{AutogradError, Result, Var};
 
-/// The distribution of a deferred parameter's elements.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The distribution of a deferred parameter's elements, or the file that holds them.
+#[derive(Debug, Clone, PartialEq)]
 pub enum InitDraw {
     /// `N(0, std²)`: two generator outputs per element (Box-Muller, [`Tensor::randn`]).
     Normal {
@@ -36,6 +39,16 @@ pub enum InitDraw {
     Full {
         /// The value.
         value: f64,
+    },
+    /// The elements stored in a file, little-endian, from byte `offset` on (a safetensors
+    /// tensor's data): a range is read from the file, never the whole tensor.
+    Stored {
+        /// The file.
+        path: PathBuf,
+        /// The byte offset of the first element in the file.
+        offset: u64,
+        /// The dtype stored (each element converted to the parameter's).
+        dtype: DType,
     },
 }
 
@@ -66,30 +79,41 @@ impl ParamInit {
         match self.draw {
             InitDraw::Normal { .. } => 2,
             InitDraw::Uniform { .. } => 1,
-            InitDraw::Full { .. } => 0,
+            InitDraw::Full { .. } | InitDraw::Stored { .. } => 0,
         }
     }
 
     /// Elements `start..start + len` of the parameter's flattened initial values, as a 1-d
-    /// tensor of its dtype on the CPU.
-    pub fn draw(&self, start: usize, len: usize) -> Tensor {
+    /// tensor of its dtype on the CPU. Stored elements are read from their file (an error for
+    /// a file that cannot be read there, or a NaN or infinity among them).
+    pub fn draw(&self, start: usize, len: usize) -> Result<Tensor> {
         let mut rng = Rng::at(self.from);
         rng.skip(self.outputs_per_element() * start as u64);
-        match self.draw {
-            InitDraw::Normal { std } => Tensor::randn(&[len], std, self.dtype, &mut rng),
-            InitDraw::Uniform { lo, hi } => Tensor::rand_uniform(&[len], lo, hi, self.dtype, &mut rng),
-            InitDraw::Full { value } => Tensor::full(&[len], value, self.dtype),
-        }
+        Ok(match &self.draw {
+            &InitDraw::Normal { std } => Tensor::randn(&[len], std, self.dtype, &mut rng),
+            &InitDraw::Uniform { lo, hi } => Tensor::rand_uniform(&[len], lo, hi, self.dtype, &mut rng),
+            &InitDraw::Full { value } => Tensor::full(&[len], value, self.dtype),
+            InitDraw::Stored { path, offset, dtype } => {
+                read_stored(path, *offset, *dtype, start, len)?.to_dtype(self.dtype)?
+            }
+        })
     }
 
     /// One line that [`ParamInit::parse`] reads back to the same recipe
     /// (`normal 0.02 f32 @1234`).
     pub fn describe(&self) -> String {
         let (dtype, from) = (self.dtype, self.from);
-        match self.draw {
+        match &self.draw {
             InitDraw::Normal { std } => format!("normal {std} {dtype} @{from}"),
             InitDraw::Uniform { lo, hi } => format!("uniform {lo} {hi} {dtype} @{from}"),
             InitDraw::Full { value } => format!("full {value} {dtype} @{from}"),
+            InitDraw::Stored {
+                path,
+                offset,
+                dtype: stored,
+            } => {
+                format!("stored {offset} {stored} {dtype} @{from} {}", path.display())
+            }
         }
     }
 
@@ -98,6 +122,20 @@ impl ParamInit {
         let bad = || AutogradError::Invalid(format!("not a parameter's initialisation recipe: '{line}'"));
         let words: Vec<&str> = line.split_whitespace().collect();
         let num = |w: &str| f64::from_str(w).map_err(|_| bad());
+        let dtype_of = |w: &str| DType::from_str(w).map_err(|_| bad());
+        if let ["stored", offset, stored, dtype, from, ..] = words.as_slice() {
+            // the path is the rest of the line, spaces and all
+            let path = line.splitn(6, ' ').nth(5).filter(|p| !p.is_empty()).ok_or_else(bad)?;
+            return Ok(ParamInit {
+                draw: InitDraw::Stored {
+                    path: PathBuf::from(path),
+                    offset: offset.parse().map_err(|_| bad())?,
+                    dtype: dtype_of(stored)?,
+                },
+                dtype: dtype_of(dtype)?,
+                from: from.strip_prefix('@').and_then(|f| f.parse().ok()).ok_or_else(bad)?,
+            });
+        }
         let (draw, rest) = match words.as_slice() {
             ["normal", std, rest @ ..] => (InitDraw::Normal { std: num(std)? }, rest),
             ["uniform", lo, hi, rest @ ..] => (
@@ -135,6 +173,44 @@ pub fn defer_param_init<T>(f: impl FnOnce() -> T) -> T {
     }
     let _restore = Restore(DEFER.with(|d| d.replace(true)));
     f()
+}
+
+/// Elements `start..start + len` of a tensor stored in `path` from byte `offset` on, as `dtype`:
+/// only their bytes are read.
+fn read_stored(path: &Path, offset: u64, dtype: DType, start: usize, len: usize) -> Result<Tensor> {
+    let size = dtype.size_in_bytes();
+    let fail = |what: String| AutogradError::Invalid(format!("{}: {what}", path.display()));
+    let mut bytes = vec![0u8; len * size];
+    let at = offset + (start * size) as u64;
+    File::open(path)
+        .and_then(|mut f| {
+            f.seek(SeekFrom::Start(at))?;
+            f.read_exact(&mut bytes)
+        })
+        .map_err(|e| fail(format!("cannot read {} bytes at byte {at}: {e}", bytes.len())))?;
+    fn words<const N: usize>(bytes: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
+        bytes.chunks_exact(N).map(|c| c.try_into().expect("chunk of N bytes"))
+    }
+    let t = match dtype {
+        DType::F32 => Tensor::from_vec(words(&bytes).map(f32::from_le_bytes).collect::<Vec<_>>(), &[len])?,
+        DType::F64 => Tensor::from_vec(words(&bytes).map(f64::from_le_bytes).collect::<Vec<_>>(), &[len])?,
+        DType::F16 => Tensor::from_vec(words(&bytes).map(half::f16::from_le_bytes).collect::<Vec<_>>(), &[len])?,
+        DType::BF16 => Tensor::from_vec(words(&bytes).map(half::bf16::from_le_bytes).collect::<Vec<_>>(), &[len])?,
+        other => {
+            return Err(fail(format!(
+                "a stored parameter of dtype {other}: expected a float dtype"
+            )))
+        }
+    };
+    let values = t.to_dtype(DType::F64)?.to_vec::<f64>()?;
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(fail(format!(
+            "element {} of the tensor at byte {offset} is {}: a parameter must be finite",
+            start + i,
+            values[i]
+        )));
+    }
+    Ok(t)
 }
 
 /// Whether parameters registered now on this thread should be deferred ([`defer_param_init`]).
@@ -177,7 +253,7 @@ impl Var {
             return Ok(());
         };
         let value = self.value();
-        let whole = init.draw(0, value.numel()).to_device(value.device())?;
+        let whole = init.draw(0, value.numel())?.to_device(value.device())?;
         value.restore_storage(whole.lend_storage()?)?;
         self.end_deferral();
         Ok(())
@@ -207,11 +283,40 @@ mod tests {
                 hi: 1.0 / 3.0,
             },
             InitDraw::Full { value: 1.0 },
+            InitDraw::Stored {
+                path: "a dir/with  spaces.safetensors".into(),
+                offset: 120,
+                dtype: DType::BF16,
+            },
         ] {
             let init = ParamInit::new(draw, DType::F32, &rng);
             assert_eq!(ParamInit::parse(&init.describe()).unwrap(), init);
         }
         assert!(ParamInit::parse("normal x f32 @1").is_err());
         assert!(ParamInit::parse("normal 0.1 f32").is_err());
+        assert!(ParamInit::parse("stored 8 f32 f32 @0").is_err());
+    }
+
+    #[test]
+    fn a_stored_recipe_reads_its_range_of_the_file_and_refuses_a_nan() {
+        let path = std::env::temp_dir().join(format!("brigade-stored-{}.bin", std::process::id()));
+        let values = [1.5f32, -2.0, 0.25, 8.0, f32::NAN];
+        let mut bytes = vec![7u8; 5]; // bytes before the tensor
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        std::fs::write(&path, &bytes).unwrap();
+        let init = ParamInit {
+            draw: InitDraw::Stored {
+                path: path.clone(),
+                offset: 5,
+                dtype: DType::F32,
+            },
+            dtype: DType::F32,
+            from: 0,
+        };
+        assert_eq!(init.draw(1, 3).unwrap().to_vec::<f32>().unwrap(), [-2.0, 0.25, 8.0]);
+        let e = init.draw(2, 3).unwrap_err().to_string();
+        assert!(e.contains("element 4") && e.contains("NaN"), "{e}");
+        assert!(init.draw(3, 4).is_err(), "past the file's end");
+        std::fs::remove_file(&path).unwrap();
     }
 }

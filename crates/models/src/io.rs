@@ -26,7 +26,7 @@ fn to_st_dtype(d: DType) -> Dtype {
     }
 }
 
-fn from_st_dtype(d: Dtype) -> Option<DType> {
+pub(crate) fn from_st_dtype(d: Dtype) -> Option<DType> {
     Some(match d {
         Dtype::F32 => DType::F32,
         Dtype::F64 => DType::F64,

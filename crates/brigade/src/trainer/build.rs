@@ -39,12 +39,17 @@ impl<'a> Trainer<'a> {
         // `fit` meters the rank's thread from before the model is built; a trainer made on a
         // thread without a meter installs its own (the storages made before it not counted)
         let (memory, installed_meter) = InstalledMeter::on_this_thread();
-        if !cfg.starts_sharded() {
+        let params = model.params().params();
+        // started sharded from a file: each rank reads only its shards' bytes of it
+        let read_shards = cfg.starts_sharded() && params.iter().all(|p| p.deferred_init().is_some());
+        if !cfg.starts_sharded() || (cfg.model.init.is_some() && !read_shards) {
             // a model built with deferred parameters, in a run that does not start sharded
-            model.params().params().iter().try_for_each(Var::materialize)?;
+            params.iter().try_for_each(Var::materialize)?;
         }
-        if let Some(init) = &cfg.model.init {
-            load_params(model.params(), init)?;
+        match &cfg.model.init {
+            Some(init) if read_shards => brigade_models::defer_params_to_file(model.params(), init)?,
+            Some(init) => load_params(model.params(), init)?,
+            None => {}
         }
         model.set_activation_checkpointing(cfg.model.activation_checkpointing)?;
         let lengths = check_lengths(cfg, data, ctx)?;

@@ -25,3 +25,4 @@ mod sampled;
 mod zero3;
 mod zero3_mixed;
 mod zero3_start;
+mod zero3_start_file;

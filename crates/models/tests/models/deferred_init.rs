@@ -21,7 +21,7 @@ fn whole_and_deferred(build: impl Fn() -> Box<dyn Model>) {
         let n = values.len();
         // ranges that start and end anywhere, as a rank's shard does
         for (start, len) in [(0, n), (n / 3, n / 2), (n - 1, 1), (1, n - 1)] {
-            let drawn = init.draw(start, len).to_vec::<f32>().unwrap();
+            let drawn = init.draw(start, len).unwrap().to_vec::<f32>().unwrap();
             assert_eq!(drawn, values[start..start + len], "{name} [{start}, +{len})");
         }
         d.materialize().unwrap();

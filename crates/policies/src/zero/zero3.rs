@@ -842,7 +842,7 @@ fn own_master_shards(spans: &[BucketSpan], params: &[Var], world: usize, rank: u
             let param = &params[piece.param];
             // a parameter not drawn yet: only this rank's piece of it is drawn
             let values = match param.deferred_init() {
-                Some(init) => init.draw(piece.param_offset, piece.len).to_device(device)?,
+                Some(init) => init.draw(piece.param_offset, piece.len)?.to_device(device)?,
                 None => param.value().flat_view(piece.param_offset, &[piece.len])?,
             };
             master.narrow(0, piece.shard_offset, piece.len)?.copy_from(&values)?;
