@@ -253,6 +253,16 @@ fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
     })
 }
 
+/// A bucket's landed `shard` added into the one the step's microbatches before it left, when
+/// accumulating into the shard (`carried`), or alone.
+fn add_carried(carried: Option<Tensor>, shard: Tensor) -> Result<Tensor> {
+    let Some(sum) = carried else {
+        return Ok(shard);
+    };
+    sum.add_assign(&shard)?;
+    Ok(sum)
+}
+
 /// Zeros of `flat`'s length as its storage, if it has none (a failed or consuming collective).
 fn restore_zeros(flat: &Tensor) -> Result<()> {
     if is_lent(flat) {
@@ -707,14 +717,7 @@ impl Reducer {
                         offset,
                     });
                 } else {
-                    // the step's microbatches before this one, when accumulating into the shard
-                    let tensor = match bucket.carry.take() {
-                        Some(sum) => {
-                            sum.add_assign(&tensor)?;
-                            sum
-                        }
-                        None => tensor,
-                    };
+                    let tensor = add_carried(bucket.carry.take(), tensor)?;
                     // its bytes go now (a consuming collective took them already)
                     flat.free_storage()?;
                     // PyTorch's `p.grad = None`: the gradients went with the full buffer.
