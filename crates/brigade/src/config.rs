@@ -253,7 +253,7 @@ pub struct DataConfig {
     pub accum: usize,
     /// Under a policy that shards the gradients (ZeRO-2, ZeRO-3) and `accum` of 2 or more:
     /// every microbatch's backward reduce-scatters its buckets as they fill and adds them into
-    /// the rank's gradient shard ([`brigade_ddp::Ddp::accumulate_into_shard`]), so a bucket's
+    /// the rank's gradient shard ([`brigade_ddp::DistributedDataParallel::accumulate_into_shard`]), so a bucket's
     /// full gradients live only while it is reduced, as in a step of one microbatch, instead
     /// of the whole model's across the microbatches. The shards sum the microbatches in
     /// another order than the full buffers do (within rounding, not bit for bit), and each

@@ -121,7 +121,7 @@ pub(crate) struct State {
     pub(crate) ready_order: Vec<usize>,
     pub(crate) sync: bool,
     /// The synchronized passes add their shards into the ones the passes before left
-    /// ([`crate::Ddp::accumulate_into_shard`]).
+    /// ([`crate::DistributedDataParallel::accumulate_into_shard`]).
     pub(crate) into_shard: bool,
     in_backward: bool,
     /// The current pass is a rank without data taking part ([`Reducer::join_pass`]).
