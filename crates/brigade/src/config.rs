@@ -251,6 +251,14 @@ pub struct DataConfig {
     pub batch_size: usize,
     /// Microbatches per step: the first `accum - 1` accumulate under `no_sync`.
     pub accum: usize,
+    /// Under a policy that shards the gradients (ZeRO-2, ZeRO-3) and `accum` of 2 or more:
+    /// every microbatch's backward reduce-scatters its buckets as they fill and adds them into
+    /// the rank's gradient shard ([`brigade_ddp::DistributedDataParallel::accumulate_into_shard`]), so a bucket's
+    /// full gradients live only while it is reduced, as in a step of one microbatch, instead
+    /// of the whole model's across the microbatches. The shards sum the microbatches in
+    /// another order than the full buffers do (within rounding, not bit for bit), and each
+    /// microbatch's gradients cross the wire. `false` (the default): `no_sync` accumulation.
+    pub accum_into_shard: bool,
     /// In which order the ranks read the data: in order (the default) or through a
     /// distributed sampler (`DataOrder::shuffle` for `--shuffle`).
     pub order: DataOrder,
@@ -268,6 +276,7 @@ impl DataConfig {
         DataConfig {
             batch_size,
             accum: 1,
+            accum_into_shard: false,
             order: DataOrder::InOrder,
             join: None,
         }

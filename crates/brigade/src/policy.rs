@@ -41,6 +41,13 @@ pub trait MakePolicy: Send + Sync {
         false
     }
 
+    /// Whether each rank keeps only its shard of the reduced gradients, their full buckets
+    /// freed as they are reduced (ZeRO-2, ZeRO-3): what [`crate::config::DataConfig::accum_into_shard`]
+    /// accumulates into.
+    fn shards_grads(&self) -> bool {
+        self.shards_params()
+    }
+
     /// The policy's name, for messages (`None`: a recipe that does not say).
     fn name(&self) -> Option<String> {
         None
@@ -58,6 +65,10 @@ impl MakePolicy for PolicySpec {
 
     fn shards_params(&self) -> bool {
         PolicySpec::shards_params(self)
+    }
+
+    fn shards_grads(&self) -> bool {
+        PolicySpec::shards_grads(self)
     }
 
     fn name(&self) -> Option<String> {
@@ -86,6 +97,10 @@ impl MakePolicy for Registered {
 
     fn shards_params(&self) -> bool {
         self.spec.shards_params()
+    }
+
+    fn shards_grads(&self) -> bool {
+        self.spec.shards_grads()
     }
 
     fn name(&self) -> Option<String> {

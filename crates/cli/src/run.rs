@@ -317,6 +317,7 @@ pub fn train_config(args: &RunArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) 
         data: DataConfig {
             batch_size: args.data.batch_size,
             accum: args.data.accum,
+            accum_into_shard: args.data.accum_into_shard,
             order: if args.data.shuffle {
                 DataOrder::shuffle(args.model.seed, args.data.drop_last)
             } else {

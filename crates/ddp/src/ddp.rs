@@ -127,6 +127,28 @@ impl DistributedDataParallel {
         f()
     }
 
+    /// Runs `f` (forward and backward of a microbatch after the step's first) as a
+    /// synchronized pass whose reduced shards add into the ones the passes before it left:
+    /// each bucket is reduced as it fills and its full buffer freed, as in a step of one
+    /// microbatch, and the rank's gradient shard accumulates the microbatches (in the order
+    /// they ran: another summation order than `no_sync`'s full buffers, equal within rounding).
+    /// Run the step's first microbatch as a plain synchronized pass; with k microbatches,
+    /// scale each loss by 1/k for the mean. Only for a policy that reduces each bucket to a
+    /// shard and frees its full buffer (ZeRO-2, ZeRO-3): under another, the pass fails with
+    /// [`DdpError::Policy`] once a bucket lands.
+    pub fn accumulate_into_shard<R>(&self, f: impl FnOnce() -> R) -> R {
+        /// Ends the accumulation even if `f` panics.
+        struct Restore<'a>(&'a Reducer);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                self.0.lock().into_shard = false;
+            }
+        }
+        self.reducer.lock().into_shard = true;
+        let _restore = Restore(&self.reducer);
+        f()
+    }
+
     /// Takes part in a step without data (uneven inputs, PyTorch's `Join`): instead of a
     /// backward pass, every bucket is reduced from zeros through the policy's
     /// [`ReducerPolicy::reduce_joined`], so this rank issues the collectives the ranks with data

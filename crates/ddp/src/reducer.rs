@@ -98,6 +98,10 @@ pub(crate) struct Bucket {
     /// What the bucket holds once its reduction landed (`None`: nothing reduced yet, before the
     /// first synchronized pass or during one).
     pub(crate) held: Option<HeldGrad>,
+    /// Under [`State::into_shard`]: the shard the step's passes before this one reduced, taken
+    /// from `held` when this pass gave the bucket its zeros again; the pass's own shard adds
+    /// into it when it lands.
+    pub(crate) carry: Option<Tensor>,
 }
 
 impl Bucket {
@@ -116,6 +120,9 @@ pub(crate) struct State {
     /// Order in which parameters became ready in the current synchronized backward.
     pub(crate) ready_order: Vec<usize>,
     pub(crate) sync: bool,
+    /// The synchronized passes add their shards into the ones the passes before left
+    /// ([`crate::DistributedDataParallel::accumulate_into_shard`]).
+    pub(crate) into_shard: bool,
     in_backward: bool,
     /// The current pass is a rank without data taking part ([`Reducer::join_pass`]).
     joined: bool,
@@ -244,6 +251,16 @@ fn bucket_zeros(numel: usize, dtype: DType, device: Device) -> Result<Tensor> {
         (Device::Cpu, DType::BF16) => Tensor::from_vec(host_vec(numel, bf16::ZERO), &shape)?,
         _ => Tensor::zeros_on(&shape, dtype, device)?,
     })
+}
+
+/// A bucket's landed `shard` added into the one the step's microbatches before it left, when
+/// accumulating into the shard (`carried`), or alone.
+fn add_carried(carried: Option<Tensor>, shard: Tensor) -> Result<Tensor> {
+    let Some(sum) = carried else {
+        return Ok(shard);
+    };
+    sum.add_assign(&shard)?;
+    Ok(sum)
 }
 
 /// Zeros of `flat`'s length as its storage, if it has none (a failed or consuming collective).
@@ -382,6 +399,7 @@ pub(crate) fn build_buckets(
             grad_numel: numel,
             work: None,
             held: None,
+            carry: None,
         });
     }
     Ok((buckets, bucket_of))
@@ -484,6 +502,7 @@ impl Reducer {
                 ready: vec![false; n],
                 ready_order: vec![],
                 sync: true,
+                into_shard: false,
                 in_backward: false,
                 joined: false,
                 rebuilt,
@@ -698,6 +717,7 @@ impl Reducer {
                         offset,
                     });
                 } else {
+                    let tensor = add_carried(bucket.carry.take(), tensor)?;
                     // its bytes go now (a consuming collective took them already)
                     flat.free_storage()?;
                     // PyTorch's `p.grad = None`: the gradients went with the full buffer.
@@ -741,6 +761,16 @@ impl Reducer {
         };
         match self.finish(b, in_flight) {
             Ok((landing, timing, wire_bytes, link_s)) => {
+                if st.into_shard && !matches!(landing, Reduction::Shard { keep_full: false, .. }) {
+                    restore_zeros(&st.buckets[b].flat)?;
+                    return Err(DdpError::Policy {
+                        policy: self.policy_name.clone(),
+                        reason: format!(
+                            "bucket {b} came back whole, not as a shard with its full buffer freed: there is no \
+                             gradient shard to accumulate the microbatches into (accumulate under no_sync)"
+                        ),
+                    });
+                }
                 if let Some(pb) = st.pass.buckets.get_mut(b) {
                     pb.ran = Some((timing.started, timing.finished));
                     pb.wire_bytes = wire_bytes;
@@ -952,6 +982,9 @@ impl Reducer {
         if !st.sync {
             return Ok(());
         }
+        if !st.into_shard {
+            st.buckets.iter_mut().for_each(|b| b.carry = None);
+        }
         st.in_backward = true;
         st.joined = false;
         st.next_launch = 0;
@@ -1069,9 +1102,12 @@ impl Reducer {
             return Ok(());
         }
         let b = st.bucket_of[p];
+        let into_shard = st.into_shard;
         let bucket = &mut st.buckets[b];
         if is_lent(&bucket.flat) && bucket.work.is_none() {
-            bucket.held = None;
+            if let (true, Some(HeldGrad::Shard { tensor, .. })) = (into_shard, bucket.held.take()) {
+                bucket.carry = Some(tensor);
+            }
             restore_zeros(&bucket.flat)?;
             st.note_full();
         }

@@ -158,6 +158,32 @@ fn refuse_before_any_work(cfg: &TrainConfig) -> Result<()> {
                 .unwrap_or_else(|| "a policy that shards the parameters".into())
         )));
     }
+    refuse_accum_into_shard(cfg)
+}
+
+/// Accumulation into the gradient shard without a policy that shards the gradients, or
+/// without microbatches to accumulate.
+fn refuse_accum_into_shard(cfg: &TrainConfig) -> Result<()> {
+    if !cfg.data.accum_into_shard {
+        return Ok(());
+    }
+    let policy = cfg.distributed.as_ref().map(|d| &d.policy);
+    if !policy.is_some_and(|p| p.shards_grads()) {
+        let under = policy
+            .and_then(|p| p.name())
+            .map_or_else(|| "without DDP".to_string(), |n| format!("under {n}"));
+        return Err(Error::Config(format!(
+            "accumulating into the gradient shard needs a policy that keeps each rank's shard of the gradients \
+             (ZeRO stage 2 or 3); {under} there is no shard to accumulate into"
+        )));
+    }
+    if cfg.data.accum < 2 {
+        return Err(Error::Config(format!(
+            "accumulating into the gradient shard needs 2 or more microbatches a step (accum is {}): one \
+             microbatch already reduces straight into the shard",
+            cfg.data.accum
+        )));
+    }
     Ok(())
 }
 

@@ -156,7 +156,10 @@ impl Trainer<'_> {
             };
             let _part = MemoryPart::Backward.enter();
             match (&self.replica.ddp, j + 1 < k) {
-                (Some(ddp), true) => ddp.no_sync(|| loss.backward())?,
+                (Some(ddp), _) if self.cfg.data.accum_into_shard && j > 0 => {
+                    ddp.accumulate_into_shard(|| loss.backward())?
+                }
+                (Some(ddp), true) if !self.cfg.data.accum_into_shard => ddp.no_sync(|| loss.backward())?,
                 _ => loss.backward()?,
             }
         }

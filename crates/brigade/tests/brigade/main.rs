@@ -2,6 +2,7 @@
 //!
 //! One test binary for the crate (integration tests as modules: one link, not one per file).
 
+mod accum_into_shard;
 mod activation_checkpointing;
 mod checkpoints;
 mod common;

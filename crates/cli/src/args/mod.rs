@@ -362,6 +362,13 @@ pub struct DataArgs {
     /// Microbatches per step: the first K-1 accumulate under no_sync, the K-th reduces.
     #[arg(long, default_value_t = 1)]
     pub accum: usize,
+    /// Under a policy that shards the gradients (ZeRO stage 2 or 3) with --accum 2 or more:
+    /// reduce-scatter every microbatch's gradients as they fill and add them into the rank's
+    /// gradient shard, so the whole model's full gradients are not held across the
+    /// microbatches (a lower peak; each microbatch's gradients cross the wire; the sum equals
+    /// no_sync's within rounding, not bit for bit).
+    #[arg(long)]
+    pub accum_into_shard: bool,
     /// Training data (safetensors, or NumPy .npz with an array per tensor, or .npy for gpt's
     /// one tensor; told apart by the file's first bytes): mlp `inputs` F32 [N,in] + `targets`
     /// I64 [N]; gpt `tokens` I64/U8 [N, context+1]. Default: built-in data. A path with `{rank}` names one

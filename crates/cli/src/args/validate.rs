@@ -269,11 +269,23 @@ impl RunArgs {
 
     /// The flags that do not combine with `policy`, and the policy's own settings.
     fn check_policy(&self, policy: &PolicySpec) -> Result<()> {
+        let named = match &self.distributed.policy_given {
+            Some(given) if *policy == self.distributed.policy => given.clone(),
+            _ => format!("--policy {policy}"),
+        };
+        if self.data.accum_into_shard && !policy.shards_grads() {
+            return Err(Error::Usage(format!(
+                "--accum-into-shard adds each microbatch's reduced gradients into the rank's gradient shard: \
+                 {named} keeps no such shard (ZeRO stage 2 or 3 does)"
+            )));
+        }
+        if self.data.accum_into_shard && self.data.accum < 2 {
+            return Err(Error::Usage(format!(
+                "--accum-into-shard needs --accum 2 or more (got {}): one microbatch already reduces into the shard",
+                self.data.accum
+            )));
+        }
         if policy.shards_optimizer_state() && self.bucket_auto() {
-            let named = match &self.distributed.policy_given {
-                Some(given) if *policy == self.distributed.policy => given.clone(),
-                _ => format!("--policy {policy}"),
-            };
             return Err(Error::Usage(format!(
                 "{named} cuts its optimizer shards from fixed buckets and does not combine with --bucket-mb auto: give a cap in MiB"
             )));

@@ -251,3 +251,31 @@ fn the_memory_report_follows_the_zero_paper() {
     assert!(within(get(&m2, "optimizer_state_bytes"), 8 * psi / 2), "{m2}");
     assert_eq!(get(&m2, "bucket_bytes"), 0, "{m2}");
 }
+
+#[test]
+fn accum_into_shard_without_a_gradient_shard_or_microbatches_is_one_error_line() {
+    for (extra, want) in [
+        (&["--zero", "1", "--accum", "2"][..], "ZeRO stage 2 or 3"),
+        (&["--accum", "2"], "ZeRO stage 2 or 3"),
+        (&["--zero", "2"], "--accum 2 or more"),
+        (&["--zero", "3", "--accum", "1"], "--accum 2 or more"),
+    ] {
+        let args = cat(&[extra, &["--world-size", "2", "--steps", "1", "--accum-into-shard"]]);
+        let err = fails(&small(&args));
+        assert!(
+            err.contains("--accum-into-shard") && err.contains(want),
+            "{extra:?}: {err}"
+        );
+    }
+    ok(&small(&[
+        "--world-size",
+        "2",
+        "--steps",
+        "1",
+        "--zero",
+        "2",
+        "--accum",
+        "2",
+        "--accum-into-shard",
+    ]));
+}
