@@ -335,9 +335,11 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
 /// activations are alive: the gradients twice, nothing of backward's working set. Under ZeRO-1
 /// and 2 (more than one rank) and more than one bucket, the last bucket lands with a second
 /// buffer of its size alive beside every full gradient (measured as bucket gradients; a model
-/// of one bucket shows none) and its reduce-scatter's shard: in the first step with
-/// backward's working set (no checkpointed block recomputed), in every later one after it,
-/// beside the optimizer's state.
+/// of one bucket shows none) and its reduce-scatter's shard, with backward's working set (no
+/// checkpointed block recomputed). ZeRO-2 frees each bucket as it lands, so every step makes
+/// the last one anew beside the optimizer's state; ZeRO-1 keeps its buckets, so that moment is
+/// the first step's (no optimizer state yet), and in every later step the bucket lands after
+/// backward's working set is gone, beside the optimizer's state.
 fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<PeakPrediction>> {
     let n = q.world.max(1) as u64;
     let full_grads = mul(exact_parameters(q.kind)?, F32)?;
@@ -358,19 +360,19 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
     let (_, backward, _) = activation_values(q)?;
     let landing = PeakPrediction {
         gradients: sum([Some(full_grads), Some(bucket), Some(bucket.div_ceil(n))])?,
-        backward: 0,
+        backward: mul(backward, F32)?,
         ..*steady
     };
+    if q.policy.shards_grads() {
+        // ZeRO-2 frees each bucket as it lands: every step makes the last one anew
+        return Some(Some(landing));
+    }
     let first = PeakPrediction {
         optimizer_state: 0,
-        backward: mul(backward, F32)?,
         ..landing
     };
-    Some(Some(if first.total() > landing.total() {
-        first
-    } else {
-        landing
-    }))
+    let later = PeakPrediction { backward: 0, ..landing };
+    Some(Some(if first.total() > later.total() { first } else { later }))
 }
 
 /// A steady step's [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
