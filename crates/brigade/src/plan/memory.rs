@@ -326,15 +326,20 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     })
 }
 
-/// The first step's peak where it passes a steady one's, from `steady`'s parts (`None` inside
-/// the option: no such moment). Under a policy whose buckets are regrouped after the first
-/// backward (plain DDP, the compressing policies; ZeRO on one rank), the new buckets are made
-/// and the gradients copied into them while the old ones and the whole graph's activations
-/// are alive: the gradients twice, nothing of backward's working set. Under ZeRO-1 and 2 (more
-/// than one rank) and more than one bucket, the first backward's last bucket lands with a
-/// second buffer of its size alive beside every full gradient (measured as bucket gradients;
-/// a model of one bucket shows none) and its reduce-scatter's shard, with the activations and
-/// backward's working set (no checkpointed block recomputed).
+/// The peak of the moments a steady step's parts do not describe, where it passes a steady
+/// step's, from `steady`'s parts (`None` inside the option: no such moment). The first step's
+/// come before the first update, when the optimizer has made no state yet (AdamW makes a
+/// parameter's moments at its first update). Under a policy whose buckets are regrouped after
+/// the first backward (plain DDP, the compressing policies; ZeRO on one rank), the new buckets
+/// are made and the gradients copied into them while the old ones and the whole graph's
+/// activations are alive: the gradients twice, nothing of backward's working set. Under ZeRO-1
+/// and 2 (more than one rank) and more than one bucket, the last bucket lands with a second
+/// buffer of its size alive beside every full gradient (measured as bucket gradients; a model
+/// of one bucket shows none) and its reduce-scatter's shard, with backward's working set (no
+/// checkpointed block recomputed). ZeRO-2 frees each bucket as it lands, so every step makes
+/// the last one anew beside the optimizer's state; ZeRO-1 keeps its buckets, so that moment is
+/// the first step's (no optimizer state yet), and in every later step the bucket lands after
+/// backward's working set is gone, beside the optimizer's state.
 fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<PeakPrediction>> {
     let n = q.world.max(1) as u64;
     let full_grads = mul(exact_parameters(q.kind)?, F32)?;
@@ -344,6 +349,7 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
     if n == 1 || !q.policy.shards_optimizer_state() {
         return Some(Some(PeakPrediction {
             gradients: mul(full_grads, 2)?,
+            optimizer_state: 0,
             backward: 0,
             ..*steady
         }));
@@ -352,11 +358,21 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
         return Some(None);
     };
     let (_, backward, _) = activation_values(q)?;
-    Some(Some(PeakPrediction {
+    let landing = PeakPrediction {
         gradients: sum([Some(full_grads), Some(bucket), Some(bucket.div_ceil(n))])?,
         backward: mul(backward, F32)?,
         ..*steady
-    }))
+    };
+    if q.policy.shards_grads() {
+        // ZeRO-2 frees each bucket as it lands: every step makes the last one anew
+        return Some(Some(landing));
+    }
+    let first = PeakPrediction {
+        optimizer_state: 0,
+        ..landing
+    };
+    let later = PeakPrediction { backward: 0, ..landing };
+    Some(Some(if first.total() > later.total() { first } else { later }))
 }
 
 /// A steady step's [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
@@ -525,22 +541,26 @@ mod tests {
             ..brigade_models::MlpConfig::default()
         });
         let g = exact_parameters(&mlp).unwrap() * 4;
-        let at = |policy: &PolicySpec, world| {
+        let at_with = |policy: &PolicySpec, world, state_per_param| {
             let q = PeakQuery {
                 kind: &mlp,
                 rows: 64,
-                state_per_param: 2,
+                state_per_param,
                 policy,
                 world,
                 checkpoint_every: 0,
             };
             (steady_peak(&q).unwrap(), predict_peak(&q).unwrap())
         };
-        // plain DDP regroups its buckets after the first backward: the gradients twice beside
-        // the whole graph's activations, more than backward's working set
-        let (steady, first) = at(&PolicySpec::AllReduce, 2);
+        let at = |policy: &PolicySpec, world| at_with(policy, world, 2);
+        // plain DDP regroups its buckets after the first backward, before the first update:
+        // the gradients twice beside the whole graph's activations and no optimizer state,
+        // more than a steady step under plain SGD, less under AdamW (its two moments)
+        let (steady, first) = at_with(&PolicySpec::AllReduce, 2, 0);
         assert_eq!(first.gradients, 2 * g);
         assert_eq!(first.total(), steady.total() + g - steady.backward);
+        let (steady, first) = at(&PolicySpec::AllReduce, 2);
+        assert_eq!(first, steady);
         // ZeRO-1 on 2 ranks: the last bucket (the default caps, the first 1 MiB: layers 4
         // and 3 first, then layers 2 and 1 together under 25 MiB) lands beside a second buffer
         // of its size and its half shard
