@@ -217,6 +217,13 @@ impl Gpt {
     /// [`Model::set_activation_checkpointing`] names are checkpointed scopes. Dropout acts in
     /// training mode.
     pub fn logits(&self, tokens: &Tensor) -> Result<Var> {
+        self.logits_then(tokens, Ok)
+    }
+
+    /// [`Gpt::logits`], then `then` of them inside the `head` scope: a loss computed there
+    /// runs while a sharded head is still gathered, not in a second entry of its scope that
+    /// would gather it again.
+    fn logits_then(&self, tokens: &Tensor, then: impl FnOnce(Var) -> Result<Var>) -> Result<Var> {
         let t = Self::check_tokens(tokens)?;
         if t > self.cfg.context {
             return Err(ModelError::ContextTooLong {
@@ -238,7 +245,7 @@ impl Gpt {
                 scope(&name, || blk.forward(&x))?
             };
         }
-        scope("head", || self.head.forward(&self.ln_f.forward(&x)?))
+        scope("head", || then(self.head.forward(&self.ln_f.forward(&x)?)?))
     }
 
     /// An empty KV cache for `batch` sequences of up to `context` positions, beside the
@@ -302,8 +309,7 @@ impl Model for Gpt {
 
     fn loss(&self, batch: &Batch) -> Result<Var> {
         let (inputs, targets) = batch.shifted_tokens("gpt")?;
-        let logits = self.logits(&inputs)?;
-        scope("head", || -> Result<Var> {
+        self.logits_then(&inputs, |logits| {
             let logits = logits.reshape(&[targets.numel(), self.cfg.vocab])?;
             Ok(crate::nn::loss_in_f32(&logits)?.cross_entropy(&targets)?)
         })

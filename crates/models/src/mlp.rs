@@ -148,6 +148,13 @@ impl Mlp {
     /// the parameters' dtype). Layer `i` runs under scope `layers.{i}`. Dropout acts in
     /// training mode.
     pub fn logits(&self, inputs: &Tensor) -> Result<Var> {
+        self.logits_then(inputs, Ok)
+    }
+
+    /// [`Mlp::logits`], then `then` of them inside the last layer's scope: a loss computed
+    /// there runs while a sharded last layer is still gathered, not in a second entry of its
+    /// scope that would gather it again.
+    fn logits_then(&self, inputs: &Tensor, then: impl FnOnce(Var) -> Result<Var>) -> Result<Var> {
         let in_dim = self.cfg.in_dim();
         if inputs.rank() != 2 || inputs.shape()[1] != in_dim {
             return Err(ModelError::BadBatch {
@@ -164,17 +171,12 @@ impl Mlp {
         };
         let mut h = Var::constant(x);
         let last = self.layers.len() - 1;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers[..last].iter().enumerate() {
             h = scope(&format!("layers.{i}"), || -> Result<Var> {
-                let y = layer.forward(&h)?;
-                if i < last {
-                    self.dropouts[i].forward(&Activation::Relu.apply(&y)?)
-                } else {
-                    Ok(y)
-                }
+                self.dropouts[i].forward(&Activation::Relu.apply(&layer.forward(&h)?)?)
             })?;
         }
-        Ok(h)
+        scope(&format!("layers.{last}"), || then(self.layers[last].forward(&h)?))
     }
 }
 
@@ -185,9 +187,7 @@ impl Model for Mlp {
 
     fn loss(&self, batch: &Batch) -> Result<Var> {
         let targets = batch.tensor("mlp", "targets")?;
-        let logits = self.forward(batch)?;
-        let last = self.layers.len() - 1;
-        scope(&format!("layers.{last}"), || -> Result<Var> {
+        self.logits_then(batch.tensor("mlp", "inputs")?, |logits| {
             Ok(crate::nn::loss_in_f32(&logits)?.cross_entropy(targets)?)
         })
     }

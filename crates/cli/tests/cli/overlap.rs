@@ -345,9 +345,9 @@ fn a_zero3_profile_records_each_units_gathers_for_forward_and_backward() {
                 .map(|g| g["unit"].as_str().unwrap())
                 .collect()
         };
-        // forward: each unit in turn, the head twice (the MLP's loss runs in its scope);
-        // backward: the reverse
-        assert_eq!(of("forward"), ["layers.0", "layers.1", "layers.2", "layers.2"]);
+        // forward: each unit in turn (the MLP's loss runs in the last one's gather); backward:
+        // the reverse
+        assert_eq!(of("forward"), ["layers.0", "layers.1", "layers.2"]);
         assert_eq!(of("backward"), ["layers.2", "layers.1", "layers.0"]);
         // in this step as in the first, each forward gather after the first is issued ahead
         // of its unit (prefetched while the unit before it computes)
@@ -404,7 +404,8 @@ fn predict_replays_a_zero3_step_with_its_gathers_on_the_measured_and_on_another_
     };
     // layers.0 holds 256 x 64 + 256 floats (66,560 bytes), layers.1 256 x 256 + 256 (263,168),
     // layers.2 4 x 256 + 4 (4,112; 1,028 floats, even: no padding for 2 ranks). Forward
-    // gathers each unit in turn, the head twice (the MLP's loss runs in its scope); backward
+    // gathers each unit in turn, the head twice (recorded when the MLP's loss entered the head's
+    // scope a second time); backward
     // the reverse. ZeRO-3's buckets are its units' gradients, whatever the cap.
     let (l0, l1, l2) = (66_560, 263_168, 4_112);
     let expected = [

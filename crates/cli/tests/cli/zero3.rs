@@ -147,6 +147,41 @@ fn the_report_says_what_the_compute_waited_for_the_gathers() {
     assert!(line.contains("ms a step for the gathers"), "{line}");
 }
 
+/// The units a ZeRO-3 step of `model` gathered for its forward, rank by rank, from its profile.
+fn forward_gathers(tag: &str, model: &[&str]) -> Vec<Vec<String>> {
+    let d = dir(tag);
+    let p = d.join("profile.json");
+    let base = ["train", "--world-size", "2", "--batch-size", "2", "--steps", "2", "--zero", "3"];
+    ok(&cat(&[&base, model, &["--threads-per-rank", "1", "--profile", s(&p)]]));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    v["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r["gathers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|g| g["phase"] == "forward")
+                .map(|g| g["unit"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_forward_gathers_each_unit_once_the_loss_running_in_the_last_ones_gather() {
+    // the loss runs in the last unit's scope while its parameters are still gathered: it is
+    // not entered, gathered and freed a second time
+    for rank in forward_gathers("zero3-gathers-mlp", MLP) {
+        assert_eq!(rank, ["layers.0", "layers.1", "layers.2"]);
+    }
+    for rank in forward_gathers("zero3-gathers-gpt", GPT) {
+        assert_eq!(rank, ["embed", "blocks.0", "blocks.1", "head"]);
+    }
+}
+
 #[test]
 fn a_zero_3_checkpoint_loads_with_init_and_samples() {
     let d = dir("zero3-checkpoint");
