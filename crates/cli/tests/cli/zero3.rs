@@ -151,7 +151,17 @@ fn the_report_says_what_the_compute_waited_for_the_gathers() {
 fn forward_gathers(tag: &str, model: &[&str]) -> Vec<Vec<String>> {
     let d = dir(tag);
     let p = d.join("profile.json");
-    let base = ["train", "--world-size", "2", "--batch-size", "2", "--steps", "2", "--zero", "3"];
+    let base = [
+        "train",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--zero",
+        "3",
+    ];
     ok(&cat(&[&base, model, &["--threads-per-rank", "1", "--profile", s(&p)]]));
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     v["ranks"]
