@@ -1,15 +1,19 @@
 //! Accumulation into the gradient shard (`DataConfig::accum_into_shard`) under ZeRO-2 and
 //! ZeRO-3 at two ranks: the trained parameters within rounding of `no_sync` accumulation, a
 //! whole-run peak lower by at least the full gradients it no longer holds across the
-//! microbatches, and the combinations it does not make sense in refused before any step.
+//! microbatches, and the combinations it does not make sense in refused before any step; with
+//! clipping and in bf16 and fp16 within their rounding of `no_sync`; a resume bit for bit.
 
 use std::sync::Arc;
 
+use brigade::config::CheckpointConfig;
 use brigade::launch::LaunchConfig;
 use brigade::models::{Dataset, Gpt, GptConfig, Model};
 use brigade::policies::PolicySpec;
 use brigade::tensor::DType;
-use brigade::{fit, Error, OptimizerConfig, RunReport, TrainConfig};
+use brigade::{fit, Error, MixedPrecision, OptimizerConfig, RunReport, TrainConfig};
+
+use crate::common::{self, resuming};
 
 /// Sixteen equal blocks beside the embedding and the head: each unit is a small part of the model.
 fn gpt() -> GptConfig {
@@ -131,5 +135,96 @@ fn accumulating_into_the_shard_without_a_gradient_shard_or_microbatches_is_refus
             err.contains(want) && !err.contains('\n'),
             "{policy} accum {accum}: {err}"
         );
+    }
+}
+
+/// `||a - b|| / ||b - start||` over every parameter: how far apart two runs ended, against how
+/// far the second moved.
+fn apart_over_moved(a: &RunReport, b: &RunReport) -> f64 {
+    let start = Gpt::new(gpt(), 7).unwrap();
+    let (mut apart, mut moved) = (0.0, 0.0);
+    assert_eq!(a.outcome.params.len(), b.outcome.params.len());
+    let starts = start.params().params();
+    for (((n, a), (_, b)), p0) in a.outcome.params.iter().zip(&b.outcome.params).zip(starts) {
+        let (a, b) = (a.to_f64_vec().unwrap(), b.to_f64_vec().unwrap());
+        let p0 = p0.value().to_f64_vec().unwrap();
+        assert_eq!((a.len(), b.len()), (p0.len(), p0.len()), "{n}");
+        for ((x, y), z) in a.iter().zip(&b).zip(&p0) {
+            apart += (x - y) * (x - y);
+            moved += (y - z) * (y - z);
+        }
+    }
+    (apart / moved).sqrt()
+}
+
+#[test]
+fn accumulating_into_the_shard_clips_and_runs_in_bf16_and_fp16_as_no_sync_does_within_rounding() {
+    // f32 with clipping: the norm is summed over the shards in another order and the clipped
+    // step scales by it, so the runs part by f32 rounding of the movement (1e-6 of it here);
+    // bf16 and fp16: the sums of the 2 x 2 gradients round to 8 and 11 bits in another order,
+    // about 2^-8 and 2^-11 of a step. A microbatch lost or counted twice moves the parameters by
+    // a third or more of their movement: 1e-3 and 2e-2 of it are margins both ways.
+    type Set = fn(&mut TrainConfig);
+    let cases: [(&str, Set, f64); 3] = [
+        ("f32 clipped", |c| c.recipe.clip_grad_norm = Some(0.05), 1e-3),
+        (
+            "bf16",
+            |c| c.recipe.precision = MixedPrecision::uniform(DType::BF16),
+            2e-2,
+        ),
+        (
+            "fp16",
+            |c| c.recipe.precision = MixedPrecision::uniform(DType::F16),
+            2e-2,
+        ),
+    ];
+    for policy in [PolicySpec::Zero2, PolicySpec::Zero3] {
+        for (what, set, tolerance) in cases {
+            let trained = |into_shard| {
+                let mut c = config(policy.clone(), 2, into_shard);
+                set(&mut c);
+                run(&c).unwrap_or_else(|e| panic!("{policy} {what}: {e}"))
+            };
+            let (default, shard) = (trained(false), trained(true));
+            for (a, b) in shard.outcome.losses().iter().zip(default.outcome.losses()) {
+                assert!((a - b).abs() <= tolerance * b.abs(), "{policy} {what}: loss {a} vs {b}");
+            }
+            if what == "f32 clipped" {
+                for (a, b) in shard.outcome.grad_norms().iter().zip(default.outcome.grad_norms()) {
+                    let (a, b) = (a.unwrap(), b.unwrap());
+                    assert!(
+                        b > 0.05 && (a - b).abs() <= 1e-5 * b,
+                        "{policy}: clipped norm {a} vs {b}"
+                    );
+                }
+            }
+            let ratio = apart_over_moved(&shard, &default);
+            assert!(ratio <= tolerance, "{policy} {what}: {ratio} of the movement apart");
+        }
+    }
+}
+
+#[test]
+fn accumulating_into_the_shard_resumes_bit_for_bit() {
+    let dir = common::tmp("accum_into_shard", "resume");
+    for policy in [PolicySpec::Zero2, PolicySpec::Zero3] {
+        let path = dir.join(format!("{policy}.safetensors"));
+        let steps = |n: usize| {
+            let mut c = config(policy.clone(), 2, true);
+            c.recipe.steps = n;
+            c
+        };
+        let straight = run(&steps(4)).unwrap();
+        let mut half = steps(2);
+        half.runtime.checkpoint = CheckpointConfig {
+            path: Some(path.clone()),
+            ..CheckpointConfig::default()
+        };
+        run(&half).unwrap();
+        let resumed = run(&resuming(steps(4), &path)).unwrap();
+        assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "{policy}");
+        for ((n, a), (_, b)) in resumed.outcome.params.iter().zip(&straight.outcome.params) {
+            assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap(), "{policy} {n}");
+        }
     }
 }
