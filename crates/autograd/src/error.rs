@@ -20,7 +20,8 @@ pub enum AutogradError {
     /// typed (downcast it, e.g. to `brigade_ddp::DdpError`).
     #[error("gradient-ready subscriber failed at {param}: {source}")]
     Subscriber {
-        /// Where backward was: `parameter 'NAME'`, `<backward start>` or `<backward end>`.
+        /// Where backward was: `parameter 'NAME'`, `<backward start>` or `<backward end>`; or
+        /// `<forward>` for a parameter hook's error in a forward.
         param: String,
         /// The subscriber's error.
         #[source]

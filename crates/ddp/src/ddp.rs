@@ -531,6 +531,13 @@ impl DistributedDataParallel {
         self.param_hooks.as_ref().map_or_else(Vec::new, |h| h.gathers())
     }
 
+    /// The error the policy's parameter hooks met in this forward and have not reported yet (a
+    /// ZeRO-3 gather that failed, e.g. because a peer is gone), taken; `None` without hooks. A
+    /// forward that failed calls it: the hooks' error, when there is one, is the cause.
+    pub fn take_hooks_error(&self) -> Option<brigade_autograd::SubscriberError> {
+        self.param_hooks.as_ref().and_then(|h| h.take_error())
+    }
+
     /// Whether the policy shards the parameters themselves (ZeRO-3): then they are whole only
     /// inside their unit's forward and backward, or [`DistributedDataParallel::summon_full_params`].
     pub fn shards_parameters(&self) -> bool {

@@ -138,7 +138,12 @@ impl Trainer<'_> {
             let loss = {
                 let _span = self.span(Phase::Forward);
                 let _part = MemoryPart::Activations.enter();
-                self.replica.model.loss(&batch)?.mul_scalar(1.0 / k as f64)?
+                let loss = self
+                    .replica
+                    .model
+                    .loss(&batch)
+                    .map_err(|e| self.forward_cause(e.into()))?;
+                loss.mul_scalar(1.0 / k as f64)?
             };
             let held = self.records.memory.live().saturating_sub(before);
             let m = &mut self.records.step_memory;
@@ -164,6 +169,19 @@ impl Trainer<'_> {
             }
         }
         step_loss.map_or(Ok(0.0), |sum| Ok(sum.item()?))
+    }
+
+    /// What made a forward fail: the error the policy's parameter hooks met in it (a ZeRO-3
+    /// gather that failed, leaving its parameters without their values) when there is one, or
+    /// the forward's own error.
+    fn forward_cause(&self, e: Error) -> Error {
+        match self.replica.ddp.as_ref().and_then(|d| d.take_hooks_error()) {
+            Some(source) => Error::Autograd(brigade_autograd::AutogradError::Subscriber {
+                param: "<forward>".into(),
+                source,
+            }),
+            None => e,
+        }
     }
 
     /// This rank's microbatch `index` of the step, on the replica's device.

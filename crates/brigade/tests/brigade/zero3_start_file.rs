@@ -1,7 +1,8 @@
 //! ZeRO-3 started from a file (`model.init`): each rank reads only its shard's bytes of each
 //! parameter, so the run trains bit for bit as plain DDP initialised from the same file does
 //! (two and three ranks; a state dict in f32 and one in bf16, and a training checkpoint), its
-//! construction peaks within the shards, and a file that does not fit the model is one error.
+//! construction peaks within the shards, and a file that does not fit the model is one error;
+//! a NaN in one rank's range stops every rank at once with that rank's reason.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -143,5 +144,40 @@ fn a_file_that_does_not_fit_the_model_is_one_error_under_zero_3() {
         e.contains("missing parameter") && e.contains("small.safetensors"),
         "{e}"
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_nan_in_one_ranks_range_of_the_file_stops_every_rank_at_once_with_its_reason() {
+    let d = common::tmp("zero3_start_file", "nan");
+    let init = d.join("nan.safetensors");
+    let m = Gpt::new(gpt(2), 99).unwrap();
+    // the head's last weight: the end of the last unit, in rank 1's shard of it
+    let tensors: Vec<(String, brigade::tensor::Tensor)> = (m.params().named_values().into_iter())
+        .map(|(n, t)| {
+            let mut v = t.to_vec::<f32>().unwrap();
+            if n == "head.weight" {
+                *v.last_mut().unwrap() = f32::NAN;
+            }
+            (n, brigade::tensor::Tensor::from_vec(v, t.shape()).unwrap())
+        })
+        .collect();
+    save_safetensors(&init, &tensors, None).unwrap();
+    let mut launch = LaunchConfig::threads(2);
+    // rank 0 reads a clean range: before the ranks agreed on the start it went on to the first
+    // forward's gathers and waited there for the collective timeout
+    launch.timeout = std::time::Duration::from_secs(20);
+    let e = fit(
+        &launch,
+        &config(1, PolicySpec::Zero3, &init),
+        |_| Dataset::builtin_text(8, 0).map_err(Error::from),
+        |ctx| Ok(Box::new(Gpt::new(gpt(2), 7 + ctx.rank as u64)?) as Box<dyn Model>),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(e.contains("NaN") && e.contains("head.weight"), "{e}");
+    assert!(!e.to_lowercase().contains("time"), "a rank waited for the timeout: {e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use brigade_autograd::{GradSubscriber, Optimizer, ScopeHooks, Var};
+use brigade_autograd::{GradSubscriber, Optimizer, ScopeHooks, SubscriberError, Var};
 use brigade_tensor::{DType, Device, Tensor};
 
 use super::BucketParam;
@@ -214,6 +214,13 @@ pub trait ParamHooks: ScopeHooks + GradSubscriber {
     /// in the order they were issued: what a step profile records. The default: none.
     fn gathers(&self) -> Vec<GatherTimes> {
         vec![]
+    }
+    /// The error a hook met since the last pass began and has not reported yet (scope hooks
+    /// return nothing: a gather that failed in forward is reported at backward's start), taken.
+    /// A forward that fails on a parameter such a gather left without its values asks for it:
+    /// it is the cause. The default: none.
+    fn take_error(&self) -> Option<SubscriberError> {
+        None
     }
 }
 

@@ -497,6 +497,10 @@ impl ParamHooks for Gatherer {
     fn gathers(&self) -> Vec<GatherTimes> {
         self.lock().last_log.clone()
     }
+
+    fn take_error(&self) -> Option<SubscriberError> {
+        self.take().err()
+    }
 }
 
 /// The ZeRO-3 reducer policy (see the module docs): `PolicySpec` `zero3`, `--zero 3`.
@@ -842,7 +846,9 @@ fn own_master_shards(spans: &[BucketSpan], params: &[Var], world: usize, rank: u
             let param = &params[piece.param];
             // a parameter not drawn yet: only this rank's piece of it is drawn
             let values = match param.deferred_init() {
-                Some(init) => init.draw(piece.param_offset, piece.len)?.to_device(device)?,
+                Some(init) => (init.draw(piece.param_offset, piece.len))
+                    .map_err(|e| zero3_error(format!("parameter '{}': {e}", param.name().unwrap_or("?"))))?
+                    .to_device(device)?,
                 None => param.value().flat_view(piece.param_offset, &[piece.len])?,
             };
             master.narrow(0, piece.shard_offset, piece.len)?.copy_from(&values)?;
