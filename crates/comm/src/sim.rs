@@ -1,7 +1,8 @@
 //! Simulated network: makes a comm stream as slow as links of latency `alpha` and bandwidth `B`
 //! (the ring model of [`crate::cost`]), while the data still moves for real
 //! ([`crate::CommStream::simulated`], [`crate::CommStream::on_link`]). The extra wait sleeps, so
-//! compute keeps the CPU.
+//! compute keeps the CPU, but for its last 100 us, where it yields the core until the modelled
+//! finish: a sleep alone ends late by the timer's slack and the wake-up.
 
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
@@ -178,12 +179,22 @@ impl LinkStage {
     }
 }
 
+/// How much of a wait [`sleep_until`] spins rather than sleeps: a sleep wakes late by the
+/// kernel's timer slack and the thread's wake-up (50 us and more), which every collective on the
+/// link would add to the time its model states.
+const SPIN_TAIL: Duration = Duration::from_micros(100);
+
+/// Returns at `t`: sleeps until `SPIN_TAIL` before it, then yields the core until `t` (another
+/// runnable thread, a rank's compute, runs meanwhile).
 fn sleep_until(t: Instant) {
     loop {
         let now = Instant::now();
-        if now >= t {
-            return;
+        if now + SPIN_TAIL >= t {
+            break;
         }
-        thread::sleep(t - now);
+        thread::sleep(t - SPIN_TAIL - now);
+    }
+    while Instant::now() < t {
+        thread::yield_now();
     }
 }

@@ -155,8 +155,9 @@ impl<T: Transport> CommStream<T> {
     /// of this rank's own: each collective starts on the link once its transfer finished and
     /// the previous one left the link (`sim_start = max(finished, previous sim_finish)`) and
     /// completes `model`'s time later, which its work reports as its timing. A helper thread
-    /// sleeps until then (no spinning), so the caller's compute keeps the core. Ranks drift
-    /// apart by scheduling noise: [`CommStream::on_link`] shares one link among them.
+    /// sleeps until then (yielding the core for the last 100 us), so the caller's compute keeps
+    /// the core. Ranks drift apart by scheduling noise: [`CommStream::on_link`] shares one link
+    /// among them.
     pub fn simulated(mut self, model: NetModel) -> Self {
         self.link = Some(Arc::new(LinkStage::own(model, self.rank, self.world_size)));
         self
