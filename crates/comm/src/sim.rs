@@ -1,16 +1,18 @@
 //! Simulated network: makes a comm stream as slow as links of latency `alpha` and bandwidth `B`
 //! (the ring model of [`crate::cost`]), while the data still moves for real
 //! ([`crate::CommStream::simulated`], [`crate::CommStream::on_link`]). The extra wait sleeps, so
-//! compute keeps the CPU.
+//! compute keeps the CPU, but for its last 100 us, where it yields the core until the modelled
+//! finish: a sleep alone ends late by the timer's slack and the wake-up.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{NetModel, RingOp, Work};
+use crate::{CommError, NetModel, RingOp, Work};
 
-type SimJob = Box<dyn FnOnce(&mut LinkClock) + Send>;
+type SimJob = Box<dyn FnOnce() + Send>;
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
@@ -104,11 +106,24 @@ impl LinkClock {
 /// completed again at its modelled finish on the link, `sim_start = max(transfer finished,
 /// previous sim_finish)`, `sim_finish = sim_start + model time`, by a helper thread that sleeps
 /// until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
-/// its timing.
+/// its timing. A blocking collective issued while nothing is in flight runs on the caller
+/// instead ([`LinkStage::hold`]), as on a stream without a link.
 pub(crate) struct LinkStage {
     model: NetModel,
     world: usize,
     jobs: mpsc::Sender<SimJob>,
+    clock: Arc<Mutex<LinkClock>>,
+    /// Collectives handed to the helper thread and not yet completed.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Counts a collective in flight on the link until dropped (completed, or never sent).
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl LinkStage {
@@ -127,17 +142,46 @@ impl LinkStage {
         Self::with_clock(link.model, rank, world, clock)
     }
 
-    fn with_clock(model: NetModel, rank: usize, world: usize, mut clock: LinkClock) -> Self {
+    fn with_clock(model: NetModel, rank: usize, world: usize, clock: LinkClock) -> Self {
         let (tx, rx) = mpsc::channel::<SimJob>();
         thread::Builder::new()
             .name(format!("sim-net-{rank}"))
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
-                    job(&mut clock);
+                    job();
                 }
             })
             .expect("spawn simulated network thread");
-        LinkStage { model, world, jobs: tx }
+        LinkStage {
+            model,
+            world,
+            jobs: tx,
+            clock: Arc::new(Mutex::new(clock)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Whether no collective is in flight on the link (each has taken its slot and completed).
+    pub(crate) fn idle(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == 0
+    }
+
+    /// The link's part of a blocking collective `kind` on `bytes` bytes whose transfer the
+    /// caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
+    /// as the helper thread would and returns at the slot's finish, on the caller's thread: no
+    /// helper thread wakes, and the caller wakes on its own at the modelled finish (a hand-over
+    /// from the helper costs a wake-up, which on shared cores is often longer than the link).
+    pub(crate) fn hold<T>(
+        &self,
+        kind: RingOp,
+        bytes: usize,
+        transferred: Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let value = transferred?;
+        let model_time = self.model.time(kind, bytes, self.world);
+        let (_, finish) = lock(&self.clock).next_slot(Instant::now(), model_time);
+        sleep_until(finish);
+        Ok(value)
     }
 
     /// The link model.
@@ -155,7 +199,10 @@ impl LinkStage {
     ) -> Work<T> {
         let model_time = self.model.time(kind, bytes, self.world);
         let (outer, promise) = Work::pending(inner.rank(), inner.tag(), timeout);
-        let job: SimJob = Box::new(move |clock: &mut LinkClock| {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let counted = InFlight(self.in_flight.clone());
+        let clock = self.clock.clone();
+        let job: SimJob = Box::new(move || {
             // The transport bounds its own waits, so this returns.
             match inner.wait_timed_timeout(Duration::MAX) {
                 Ok((value, timing)) => {
@@ -164,12 +211,18 @@ impl LinkStage {
                     // that arrived early waits for the late one, then for the link.
                     // (This counts the real transfer on top of the model's; in shared
                     // memory it is far shorter than the simulated links.)
-                    let (sim_start, sim_finish) = clock.next_slot(timing.finished, model_time);
+                    let (sim_start, sim_finish) = lock(&clock).next_slot(timing.finished, model_time);
                     promise.start_at(sim_start);
                     sleep_until(sim_finish);
+                    // off the link before the waiter wakes: its next blocking collective may
+                    // take the link on its own thread
+                    drop(counted);
                     promise.complete_at(Ok(value), sim_finish);
                 }
-                Err(err) => promise.complete(Err(err)),
+                Err(err) => {
+                    drop(counted);
+                    promise.complete(Err(err))
+                }
             }
         });
         // A send error drops the promise, completing `outer` with `CommError::Closed`.
@@ -178,12 +231,26 @@ impl LinkStage {
     }
 }
 
+/// How much of a wait [`sleep_until`] spins rather than sleeps: a sleep wakes late by the
+/// kernel's timer slack and the thread's wake-up (50 us and more), which every collective on the
+/// link would add to the time its model states.
+const SPIN_TAIL: Duration = Duration::from_micros(100);
+
+/// Returns at `t`: sleeps until `SPIN_TAIL` before it, then yields the core until `t` (another
+/// runnable thread, a rank's compute, runs meanwhile).
+fn lock(clock: &Mutex<LinkClock>) -> std::sync::MutexGuard<'_, LinkClock> {
+    clock.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn sleep_until(t: Instant) {
     loop {
         let now = Instant::now();
-        if now >= t {
-            return;
+        if now + SPIN_TAIL >= t {
+            break;
         }
-        thread::sleep(t - now);
+        thread::sleep(t - SPIN_TAIL - now);
+    }
+    while Instant::now() < t {
+        thread::yield_now();
     }
 }

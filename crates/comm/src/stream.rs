@@ -155,8 +155,9 @@ impl<T: Transport> CommStream<T> {
     /// of this rank's own: each collective starts on the link once its transfer finished and
     /// the previous one left the link (`sim_start = max(finished, previous sim_finish)`) and
     /// completes `model`'s time later, which its work reports as its timing. A helper thread
-    /// sleeps until then (no spinning), so the caller's compute keeps the core. Ranks drift
-    /// apart by scheduling noise: [`CommStream::on_link`] shares one link among them.
+    /// sleeps until then (yielding the core for the last 100 us), so the caller's compute keeps
+    /// the core. Ranks drift apart by scheduling noise: [`CommStream::on_link`] shares one link
+    /// among them.
     pub fn simulated(mut self, model: NetModel) -> Self {
         self.link = Some(Arc::new(LinkStage::own(model, self.rank, self.world_size)));
         self
@@ -214,13 +215,37 @@ impl<T: Transport> CommStream<T> {
         self.issue(RingOp::AllReduce, bytes, tag, all_reduce_op(buf, op))
     }
 
-    /// See [`Communicator::all_reduce_blocking`]: on an idle stream that is neither traced nor
-    /// simulated, run on the calling thread.
+    /// See [`Communicator::all_reduce_blocking`]: on an idle stream that is not traced, run on
+    /// the calling thread (simulated: nothing in flight on the link, and the caller then waits
+    /// the link's time itself).
     pub fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        if let (None, Some(link)) = (&self.tracing, &self.link) {
+            // simulated and idle: the transfer on this thread, then the link's time
+            if link.idle() {
+                let bytes = buf.byte_len();
+                if let Some(mut transport) = self.take_if_idle() {
+                    let result = run_caught(all_reduce_op(buf, op), &mut transport, tag);
+                    hand_back(&self.shared, transport);
+                    return link.hold(RingOp::AllReduce, bytes, result);
+                }
+            }
+        }
         if self.tracing.is_some() || self.link.is_some() {
             return self.all_reduce(buf, op, tag).wait();
         }
         self.run_now(tag, all_reduce_op(buf, op))
+    }
+
+    /// The transport, taken from the stream if it is idle (nothing queued, nothing running),
+    /// for the caller to run one collective on and hand back.
+    fn take_if_idle(&self) -> Option<T> {
+        let mut core = self.shared.lock();
+        if !core.queue.is_empty() || core.transport.is_none() {
+            return None;
+        }
+        let transport = core.transport.take()?;
+        core.next += 1;
+        Some(transport)
     }
 
     /// See [`Communicator::broadcast`].

@@ -16,7 +16,7 @@
 
 use brigade_autograd::{LrSchedule, Optimizer};
 use brigade_comm::{CommMeter, SpanGuard};
-use brigade_ddp::overlap::{AutotuneProgress, Autotuner, StepProfile};
+use brigade_ddp::overlap::{AutotuneProgress, Autotuner, ControlProfile, StepProfile};
 use brigade_ddp::{DistributedDataParallel, MemoryReport, PeakParts, Phase};
 use brigade_models::{Batch, Model, RngState, SamplerCursor, SamplerPosition};
 use brigade_policies::StateLayout;
@@ -164,6 +164,8 @@ struct Records {
     profile: Option<StepProfile>,
     /// The profiles of the steps in `profile_steps` so far.
     profiles: Vec<StepProfile>,
+    /// The collectives the last step issued itself (the agreement on the loss), for its profile.
+    step_control: Vec<ControlProfile>,
     /// Tunes the bucket cap after the steps ([`DistributedConfig::autotune`](crate::config::DistributedConfig::autotune)).
     autotune: Option<Autotuner>,
     /// Counts the tensor storages of this rank's thread: the activations and the peak of

@@ -4,8 +4,9 @@
 use std::time::Instant;
 
 use brigade_autograd::no_grad;
-use brigade_comm::{Buffer, CommBytes, Communicator, ReduceOp};
-use brigade_ddp::overlap::{ProfileRun, RankProfile, StepInstants, StepProfile};
+use brigade_comm::{Buffer, CommBytes, Communicator, ReduceOp, RingOp};
+use brigade_ddp::overlap::{ControlProfile, ProfileRun, RankProfile, StepInstants, StepProfile};
+use brigade_ddp::policy::WireOp;
 use brigade_ddp::{MemoryPart, Phase};
 use brigade_models::SamplerCursor;
 use brigade_tensor::{DType, Tensor};
@@ -26,6 +27,8 @@ struct StepStatus {
     stop: bool,
     /// Under a join mode, the averaged slots of which ranks have data for the next step.
     next_active: Option<Vec<f32>>,
+    /// Bytes each rank handed to the agreement's all-reduce (0 on one rank: none ran).
+    bytes: usize,
 }
 
 impl Trainer<'_> {
@@ -207,6 +210,7 @@ impl Trainer<'_> {
     fn agree_on_loss(&mut self, local_loss: f64, agreement: Option<&Agreement>) -> Result<StepStatus> {
         let (s, world) = (self.at.next_step, self.ctx.world_size);
         let mut status = self.agree(local_loss, agreement)?;
+        self.records.step_control = self.control_collective(status.bytes);
         if let (Some(j), Some(slots)) = (self.feed.join.as_mut(), status.next_active.take()) {
             j.agreed_next(s, &slots);
         }
@@ -223,6 +227,22 @@ impl Trainer<'_> {
             });
         }
         Ok(status)
+    }
+
+    /// The agreement's all-reduce of `bytes` as the step's profile records it, with the time it
+    /// held a simulated link (none when it did not run).
+    fn control_collective(&self, bytes: usize) -> Vec<ControlProfile> {
+        if bytes == 0 {
+            return vec![];
+        }
+        let link_s = self.ctx.net.map_or(0.0, |m| {
+            m.time(RingOp::AllReduce, bytes, self.ctx.world_size).as_secs_f64()
+        });
+        vec![ControlProfile {
+            op: WireOp::AllReduce,
+            bytes,
+            link_s,
+        }]
     }
 
     /// Under divide-active, the policy divided the sum over the ranks with data by the world
@@ -308,6 +328,9 @@ impl Trainer<'_> {
             self.records.profile = StepProfile::record(ddp, &at).map(|mut p| {
                 p.activation_checkpointing = self.cfg.model.activation_checkpointing;
                 p.run = Some(run);
+                if let Some(mine) = p.ranks.first_mut() {
+                    mine.control = self.records.step_control.clone();
+                }
                 p
             });
         }
@@ -458,6 +481,7 @@ impl Trainer<'_> {
                 nonfinite,
                 stop,
                 next_active: None,
+                bytes: 0,
             });
         }
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
@@ -496,6 +520,7 @@ impl Trainer<'_> {
             nonfinite: nonfinite > 0.0 || !loss.is_finite(),
             stop: stop > 0.0,
             next_active: next.map(|_| slots.to_vec()),
+            bytes: 4 * expected,
         })
     }
 }

@@ -325,6 +325,7 @@ mod tests {
                 link_s: None,
             }],
             gathers: vec![],
+            control: vec![],
             policy_s: None,
         };
         let s = Sample {

@@ -234,3 +234,27 @@ fn a_latency_for_links_not_given_is_one_usage_error() {
     let e = fails(&[&run[..], &["--predict-gbps", "1,2,3", "--predict-latency-us", "5,6"]].concat());
     assert!(e.contains("one per link"), "{e}");
 }
+
+#[test]
+fn a_profile_records_the_steps_agreement_on_the_loss_with_the_time_it_held_the_link() {
+    // the step's own all-reduce of the loss (three f32: the loss, non-finite, stop) crosses the
+    // link the run has: on the simulated link it held the ring's time, on the machine's own
+    // none the replay could price apart
+    let d = dir("study-control");
+    for (link, want) in [(LINK, 2.0 * 20e-6 + 12.0 / 125e6), (&[][..], 0.0)] {
+        let p = d.join("p.json");
+        ok(&[&["train"], SMALL, link, &["--profile", p.to_str().unwrap(), "--quiet"]].concat());
+        let profile: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        for rank in profile["ranks"].as_array().unwrap() {
+            let control = rank["control"].as_array().expect("the step's control collectives");
+            assert_eq!(control.len(), 1, "{control:?}");
+            assert_eq!(control[0]["op"], "all_reduce");
+            assert_eq!(control[0]["bytes"], 12);
+            let held = control[0]["link_s"].as_f64().unwrap();
+            assert!(
+                (held - want).abs() < 1e-12,
+                "held {held} s, the ring's time is {want} s"
+            );
+        }
+    }
+}

@@ -103,3 +103,35 @@ fn a_new_rank_local_link_is_not_shared() {
         "per-rank links agreed to the nanosecond: the control cannot tell them apart"
     );
 }
+
+#[test]
+fn a_blocking_all_reduce_on_the_caller_takes_its_slot_on_the_shared_link() {
+    // rank 0 agrees through the blocking call (on its own thread: its stream and link are
+    // idle), rank 1 through the stream's work; the next collective of each is the same slot
+    let link = SharedLink::new(model());
+    let t = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
+        let sim = comm.on_link(&link);
+        let agreed = if sim.rank() == 0 {
+            sim.all_reduce_blocking(Buffer::F32(vec![1.0; 3]), ReduceOp::Sum, "agree")
+                .unwrap()
+        } else {
+            sim.all_reduce(Buffer::F32(vec![1.0; 3]), ReduceOp::Sum, "agree")
+                .wait()
+                .unwrap()
+        };
+        assert_eq!(agreed.as_f32().unwrap(), &[2.0; 3]);
+        let next = sim.all_reduce(Buffer::F32(vec![1.0; 1 << 12]), ReduceOp::Sum, "next");
+        next.wait_timed().unwrap().1
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect::<Vec<_>>();
+    assert_eq!(t[0].started, t[1].started, "the next collective took other slots");
+    assert_eq!(t[0].finished, t[1].finished);
+    let link_s = (t[0].finished - t[0].started).as_secs_f64();
+    let want = model().time(brigade_comm::RingOp::AllReduce, 4 << 12, 2).as_secs_f64();
+    assert!(
+        (link_s - want).abs() < 1e-6,
+        "{link_s} s on the link, the model says {want} s"
+    );
+}

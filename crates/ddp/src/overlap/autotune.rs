@@ -222,6 +222,7 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
         grad_ready_s: v[SPANS..].to_vec(),
         buckets: vec![],
         gathers: vec![],
+        control: vec![],
         policy_s: v[6].is_finite().then(|| super::PolicyTimes {
             reduce_s: v[6],
             after_step_s: v[7],
@@ -567,6 +568,7 @@ mod rank_profile_tests {
             grad_ready_s: vec![0.08 + skew],
             buckets: buckets.to_vec(),
             gathers: vec![],
+            control: vec![],
             policy_s: None,
         }
     }

@@ -23,8 +23,8 @@ pub use autotune::{
 };
 pub use price::RingPrice;
 pub use profile::{
-    BucketProfile, GatherProfile, ParamProfile, PolicyTimes, ProfilePolicy, ProfileRun, RankProfile, StepProfile,
-    PROFILE_VERSION,
+    BucketProfile, ControlProfile, GatherProfile, ParamProfile, PolicyTimes, ProfilePolicy, ProfileRun, RankProfile,
+    StepProfile, PROFILE_VERSION,
 };
 pub use record::StepInstants;
 pub use replay::{

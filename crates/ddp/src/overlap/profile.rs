@@ -35,6 +35,12 @@
 //! stream) and the policy's `after_step` wire (what it sends after the step, every how many
 //! steps). Version 1 profiles, without them, are read as before.
 //!
+//! `control` (absent when none was recorded) lists the collectives the training step issues
+//! itself, outside DDP's buckets and the policy (the ranks' agreement on the loss, between the
+//! last bucket and the optimizer): `{ "op": "all_reduce", "bytes": 12, "link_s": 4.0e-5 }`, with
+//! the seconds it held a simulated link (0 on a link that was not simulated), so that the replay
+//! prices it on another link and world.
+//!
 //! `gathers` (absent unless the policy shards the parameters: ZeRO-3) lists the all-gathers of a
 //! unit's parameters in issue order: the unit, the gathered buffer's bytes, the pass it served,
 //! when it was issued (before `needed_s` when prefetched), when the compute needed it (the
@@ -49,7 +55,7 @@ use serde::{Deserialize, Serialize};
 
 use std::time::Instant;
 
-use crate::policy::{AfterStepWire, GatherPhase, GatherTimes, WireModel};
+use crate::policy::{AfterStepWire, GatherPhase, GatherTimes, WireModel, WireOp};
 use crate::{DdpError, MemoryReport, PassTimes};
 
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
@@ -207,6 +213,23 @@ pub struct RankProfile {
     /// What the policy computed itself (absent before version 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_s: Option<PolicyTimes>,
+    /// The step's own collectives beside DDP's and the policy's (the ranks' agreement on the
+    /// loss), in issue order; absent when none was recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub control: Vec<ControlProfile>,
+}
+
+/// One collective the training step issues itself, between the buckets and the optimizer (the
+/// ranks' agreement on the loss): the replay prices it on the replayed link and world.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlProfile {
+    /// The collective.
+    pub op: WireOp,
+    /// Bytes of the buffer each rank handed in.
+    pub bytes: usize,
+    /// Seconds it held the link as the run's link priced it: the simulated link's ring time, 0
+    /// on a link that was not simulated (its time is then in the recorded span).
+    pub link_s: f64,
 }
 
 /// One recorded step on every rank.
@@ -311,6 +334,7 @@ impl RankProfile {
                 after_step_s: pass.after_step.map_or(0.0, |a| a.0),
                 after_step_link_s: pass.after_step.map_or(0.0, |a| a.1),
             }),
+            control: vec![],
         })
     }
 }
@@ -497,6 +521,16 @@ impl StepProfile {
         for (k, b) in r.buckets.iter().enumerate() {
             self.check_bucket(b, &mut seen)
                 .map_err(|e| format!("rank {i}: bucket {k} {e}"))?;
+        }
+        if let Some(k) = r
+            .control
+            .iter()
+            .position(|c| c.bytes > MAX_PARAM_BYTES || !(0.0..=MAX_TIME_S).contains(&c.link_s))
+        {
+            return Err(format!(
+                "rank {i}: control collective {k} has {} bytes and {} s on the link",
+                r.control[k].bytes, r.control[k].link_s
+            ));
         }
         if let Some(k) = r.gathers.iter().position(|g| g.finish_s < g.start_s) {
             return Err(format!("rank {i}: gather {k} finishes before it starts"));

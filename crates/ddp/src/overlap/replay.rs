@@ -534,7 +534,8 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         b.exposed_s = (b.finish_s - b.start_s.max(backward_end)).max(0.0);
     }
     let last_finish = comm.buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
-    let (compute_step, predicted_step) = steps(profile, &clock, last_finish);
+    let control = |r: &RankProfile| control_delta(r, &costs, cfg.link);
+    let (compute_step, predicted_step) = steps(profile, &clock, last_finish, &control);
     let after_step_comm = after_step_comm(profile, &costs, compute_step);
     let predicted_step = predicted_step + after_step_comm;
     let drained = fluid_drain(&costs, &clock);
@@ -829,17 +830,34 @@ impl CommRun<'_> {
     }
 }
 
+/// What a rank's step collectives of its own ([`RankProfile::control`]: the ranks' agreement on
+/// the loss) take on the replayed link beyond what they held the recorded one: their ring price
+/// on the replayed link and world less their recorded link time. Nothing on the measured link
+/// (the recorded span is that link's).
+fn control_delta(r: &RankProfile, costs: &Costs, link: LinkCost) -> f64 {
+    if matches!(link, LinkCost::Measured) {
+        return 0.0;
+    }
+    r.control
+        .iter()
+        .map(|c| RingPrice::of(c.op.ring(), c.bytes as f64, costs.n).seconds(costs.alpha, costs.per_byte) - c.link_s)
+        .sum()
+}
+
 /// The step without communication and the predicted step before the policy's after-step
-/// collectives, the last bucket finishing at `last_finish`.
-fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
+/// collectives, the last bucket finishing at `last_finish`; `control` is what a rank's own
+/// step collectives take beyond their recorded link time ([`control_delta`]).
+fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64, control: &dyn Fn(&RankProfile) -> f64) -> (f64, f64) {
     let ranks = &profile.ranks;
     // What follows the buckets is taken as recorded: the gap between the recorded end of the
-    // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
-    // optimizer with the policy's after-step compute, and the rest of the step; the after-step
-    // collectives it recorded are replaced by their priced share.
+    // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss, whose
+    // collective is priced apart), the optimizer with the policy's after-step compute, and the
+    // rest of the step; the after-step collectives it recorded are replaced by their priced
+    // share.
     let after_backward = |r: &RankProfile| {
         let recorded_link = r.policy_s.map_or(0.0, |p| p.after_step_link_s);
-        (r.optimizer_start_s - r.waited_until()).max(0.0)
+        let control_link: f64 = r.control.iter().map(|c| c.link_s).sum();
+        (r.optimizer_start_s - r.waited_until() - control_link).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s - recorded_link).max(0.0)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
@@ -863,7 +881,8 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
             .zip(&clock.offsets)
             .map(|((r, p), o)| {
                 let end = clock.moved(r, p.backward_end_s - o) + o;
-                end.max(last_finish + o) + after_backward(p)
+                let control_s = p.control.iter().map(|c| c.link_s).sum::<f64>() + control(p);
+                end.max(last_finish + o) + after_backward(p) + control_s.max(0.0)
             })
             .collect(),
     );
@@ -977,4 +996,83 @@ fn recorded_uncompressed(profile: &StepProfile, wire: &WireModel) -> bool {
         low_rank += wire.bucket_price(&b.params, &param_bytes, n).wire_bytes;
     }
     plain > low_rank && (sent - plain).abs() < (sent - low_rank).abs()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A step of an f32 all-reduce on 2 ranks (one 1 MiB parameter, 10 ms of backward, the
+    /// bucket 1 ms on the link) whose ranks then agreed on the loss: `control` is each rank's
+    /// recorded step collectives.
+    fn step(control: serde_json::Value) -> StepProfile {
+        let rank = |r: usize| {
+            serde_json::json!({
+                "rank": r, "backward_start_s": 0.0, "backward_end_s": 0.010,
+                "optimizer_start_s": 0.0115, "optimizer_end_s": 0.012, "step_end_s": 0.012,
+                "grad_ready_s": [0.010],
+                "buckets": [ { "params": [0], "bytes": 1 << 20, "wire_bytes": 1048576.0, "ready_s": 0.010,
+                               "launch_s": 0.010, "start_s": 0.010, "finish_s": 0.011, "link_s": 0.001 } ],
+                "control": control.clone()
+            })
+        };
+        serde_json::from_value(serde_json::json!({
+            "version": 2, "world_size": 2, "bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0,
+            "policy": { "name": "allreduce", "wire": { "kind": "all_reduce", "bytes_per_element": 4.0 } },
+            "params": [ { "name": "w", "bytes": 1 << 20, "shape": [512, 512] } ],
+            "ranks": [rank(0), rank(1)]
+        }))
+        .unwrap()
+    }
+
+    fn predicted(p: &StepProfile, model: NetModel, world: usize) -> f64 {
+        let cfg = ReplayConfig {
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: 1.0,
+            link: LinkCost::Ring(model),
+            world_size: Some(world),
+            order: BucketOrder::Ready,
+        };
+        replay_with(p, &cfg, LaunchOverhead::default())
+            .unwrap()
+            .predicted_step_s
+    }
+
+    fn link(latency_us: u64) -> NetModel {
+        NetModel {
+            latency: Duration::from_micros(latency_us),
+            bandwidth_bytes_per_s: 0.25e9 / 8.0,
+        }
+    }
+
+    #[test]
+    fn the_steps_agreement_on_the_loss_waits_the_replayed_links_latencies() {
+        // recorded on no simulated link: the agreement's 12 bytes held none
+        let none = step(serde_json::json!([]));
+        let agreed = step(serde_json::json!([{ "op": "all_reduce", "bytes": 12, "link_s": 0.0 }]));
+        let (l, n) = (link(100), 4);
+        let want = RingPrice::of(RingOp::AllReduce, 12.0, n).seconds(100e-6, 8.0 / 0.25e9);
+        let got = predicted(&agreed, l, n) - predicted(&none, l, n);
+        // six messages of 100 us on four ranks, and 18 bytes at 0.25 Gb/s
+        assert!(
+            (got - want).abs() < 1e-9,
+            "the agreement added {got} s, the ring prices it {want} s"
+        );
+        assert!(want > 6.0 * 100e-6);
+    }
+
+    #[test]
+    fn an_agreement_recorded_on_the_replayed_link_is_not_charged_twice() {
+        // recorded on the simulated link it is replayed on: its span already holds the link
+        let l = link(100);
+        let on_link = l.time(RingOp::AllReduce, 12, 2).as_secs_f64();
+        let none = step(serde_json::json!([]));
+        let agreed = step(serde_json::json!([{ "op": "all_reduce", "bytes": 12, "link_s": on_link }]));
+        let got = predicted(&agreed, l, 2) - predicted(&none, l, 2);
+        assert!(
+            got.abs() < 1e-9,
+            "replayed on its own link the agreement moved the step by {got} s"
+        );
+    }
 }

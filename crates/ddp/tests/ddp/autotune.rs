@@ -31,6 +31,7 @@ fn profile() -> StepProfile {
         grad_ready_s: vec![0.010, 0.001],
         buckets: vec![],
         gathers: vec![],
+        control: vec![],
         policy_s: None,
     };
     StepProfile {

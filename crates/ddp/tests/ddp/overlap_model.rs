@@ -40,6 +40,7 @@ fn profile(params: &[(usize, f64)], backward_end: f64) -> StepProfile {
         grad_ready_s: params.iter().map(|p| p.1).collect(),
         buckets: vec![],
         gathers: vec![],
+        control: vec![],
         policy_s: None,
     };
     StepProfile {
