@@ -18,7 +18,7 @@ use std::str::FromStr;
 
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::{AutogradError, Result, Var};
+use crate::{AutogradError, Optimizer, Result, Var};
 
 /// The distribution of a deferred parameter's elements, or the file that holds them.
 #[derive(Debug, Clone, PartialEq)]
@@ -265,6 +265,121 @@ impl Var {
         if let Some(info) = &self.0.param {
             *info.init.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
+    }
+}
+
+/// An optimizer state entry whose values are still in a file: its name (as
+/// [`Optimizer::state_dict`] names it), its shape and the recipe that reads any flat range of
+/// it ([`InitDraw::Stored`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredState {
+    /// The entry's name (`<param>.exp_avg`, `step`).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Where its values are.
+    pub init: ParamInit,
+}
+
+impl StoredState {
+    /// The entry's values, whole, in its shape.
+    pub fn read(&self) -> Result<Tensor> {
+        let numel = self.shape.iter().product();
+        Ok(self.init.draw(0, numel)?.reshape(&self.shape)?)
+    }
+}
+
+/// An optimizer resumed with its state left in the checkpoint file (a resume under a policy
+/// that keeps only each rank's shard of the state, ZeRO-3): the entries are listed by
+/// [`Optimizer::state_in_file`], and a policy that shards the state reads its ranges of them
+/// and nothing more. Whatever else asks for the state ([`Optimizer::state_dict`], a step of
+/// this optimizer itself) reads it whole first, so the wrapper is the inner optimizer resumed,
+/// only later.
+pub struct StateInFile {
+    inner: Box<dyn Optimizer>,
+    entries: Vec<StoredState>,
+}
+
+impl StateInFile {
+    /// `inner` (built, not stepped), its state `entries` in a file.
+    pub fn new(inner: Box<dyn Optimizer>, entries: Vec<StoredState>) -> StateInFile {
+        StateInFile { inner, entries }
+    }
+
+    /// Every entry read whole.
+    fn whole(&self) -> Result<Vec<(String, Tensor)>> {
+        self.entries.iter().map(|e| Ok((e.name.clone(), e.read()?))).collect()
+    }
+
+    /// Loads the entries whole into the inner optimizer (once).
+    fn load_whole(&mut self) -> Result<()> {
+        if !self.entries.is_empty() {
+            let state = self.whole()?;
+            self.inner.load_state_dict(&state)?;
+            self.entries.clear();
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for StateInFile {
+    fn step(&mut self) -> Result<()> {
+        self.load_whole()?;
+        self.inner.step()
+    }
+
+    fn params(&self) -> &[Var] {
+        self.inner.params()
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr);
+    }
+
+    /// The state read whole from the file (the inner optimizer's once it was loaded).
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        match self.entries.is_empty() {
+            true => self.inner.state_dict(),
+            false => self.whole(),
+        }
+    }
+
+    /// Replaces the state in the file by `state`.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        self.entries.clear();
+        self.inner.load_state_dict(state)
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        self.inner.state_bytes()
+    }
+
+    fn state_in_file(&self) -> &[StoredState] {
+        &self.entries
+    }
+
+    fn consolidate_state(&mut self) -> Result<()> {
+        self.inner.consolidate_state()
+    }
+
+    fn master_weights(&self) -> Vec<(String, Tensor)> {
+        self.inner.master_weights()
+    }
+
+    fn loss_scale(&self) -> Option<f64> {
+        self.inner.loss_scale()
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.inner.skipped_steps()
+    }
+
+    fn grad_scaler(&self) -> Option<crate::GradScaler> {
+        self.inner.grad_scaler()
     }
 }
 

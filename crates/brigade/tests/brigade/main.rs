@@ -26,4 +26,5 @@ mod sampled;
 mod zero3;
 mod zero3_mixed;
 mod zero3_start;
+mod zero3_resume_shards;
 mod zero3_start_file;
