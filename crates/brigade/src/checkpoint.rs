@@ -397,7 +397,14 @@ pub fn load_checkpoint(
         .iter()
         .find(|(n, _)| n == "optim.grad_scaler.scale")
         .and_then(|(_, t)| t.to_f64_vec().ok()?.first().copied());
-    resumed(path, meta, id, (step, sampler), (strip(POLICY_PREFIX), strip(RANK_PREFIX)), loss_scale)
+    resumed(
+        path,
+        meta,
+        id,
+        (step, sampler),
+        (strip(POLICY_PREFIX), strip(RANK_PREFIX)),
+        loss_scale,
+    )
 }
 
 /// Resumes from the checkpoint at `path` as [`load_checkpoint`] does, under a policy that
@@ -441,7 +448,14 @@ pub fn load_checkpoint_by_shards(
         Some(s) => s.read()?.to_f64_vec()?.first().copied(),
         None => None,
     };
-    let resumed = resumed(path, meta, id, at, (read(POLICY_PREFIX)?, read(RANK_PREFIX)?), loss_scale)?;
+    let resumed = resumed(
+        path,
+        meta,
+        id,
+        at,
+        (read(POLICY_PREFIX)?, read(RANK_PREFIX)?),
+        loss_scale,
+    )?;
     Ok((resumed, Box::new(StateInFile::new(opt, state))))
 }
 

@@ -153,7 +153,10 @@ pub fn stored_tensors(path: impl AsRef<Path>) -> Result<(Vec<StoredTensor>, Hash
         let info = meta.info(&name).expect("a key of the header");
         let dtype = from_st_dtype(info.dtype).ok_or_else(|| ModelError::Corrupt {
             path: path.to_path_buf(),
-            message: format!("tensor '{name}' has dtype {:?}, which Brigade does not read", info.dtype),
+            message: format!(
+                "tensor '{name}' has dtype {:?}, which Brigade does not read",
+                info.dtype
+            ),
         })?;
         tensors.push(StoredTensor {
             offset: data_start + info.data_offsets.0 as u64,

@@ -109,9 +109,7 @@ fn start_parameters(cfg: &TrainConfig, model: &dyn Model) -> Result<bool> {
     // started sharded: each rank reads only its shards' bytes of a file
     let read_shards = cfg.starts_sharded() && params.iter().all(|p| p.deferred_init().is_some());
     let resume_by_shards = read_shards && resumes && !cfg.recipe.allow_nonfinite;
-    let whole = !cfg.starts_sharded()
-        || (!read_shards && cfg.model.init.is_some())
-        || (resumes && !resume_by_shards);
+    let whole = !cfg.starts_sharded() || (!read_shards && cfg.model.init.is_some()) || (resumes && !resume_by_shards);
     if whole {
         // a model built with deferred parameters, in a run that loads them whole
         params.iter().try_for_each(Var::materialize)?;

@@ -170,3 +170,38 @@ fn a_truncated_or_corrupt_checkpoint_is_one_error_line_under_zero_3() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_nan_in_one_rank_s_range_of_the_checkpoint_stops_every_rank_with_one_error_line() {
+    // each element of a parameter lies in one rank's shard: only that rank reads it, and the
+    // others must stop with it rather than wait for it at the next collective
+    let dir = common::tmp("zero3_resume_shards", "nan");
+    let path = dir.join("half.safetensors");
+    run(2, 2, &writing(config(2, "adamw", PolicySpec::Zero3), &path)).unwrap();
+    let (stored, _) = brigade::models::stored_tensors(&path).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    // an element near a tensor's start and one at its end: held by different ranks
+    for (name, first) in [
+        ("model.blocks.1.mlp.fc.weight", true),
+        ("optim.blocks.0.attn.qkv.weight.exp_avg", false),
+    ] {
+        let t = stored
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("{name}"));
+        let numel: usize = t.shape.iter().product();
+        let at = t.offset as usize + 4 * if first { 5 } else { numel - 1 };
+        bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let bad = dir.join("nan.safetensors");
+        std::fs::write(&bad, &bytes).unwrap();
+        let e = resume(2, 2, config(4, "adamw", PolicySpec::Zero3), &bad)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains("NaN") && e.contains("nan.safetensors"), "{name}: {e}");
+        eprintln!("{name}: {e}");
+        bytes = std::fs::read(&path).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
