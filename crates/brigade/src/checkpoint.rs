@@ -19,6 +19,15 @@
 //! `autotune_since_check`: [`brigade_ddp::overlap::AutotuneProgress`]), and a resume that tunes
 //! the cap starts from the recorded caps and checks at the steps the checkpoint's run would.
 //!
+//! The parameters and the optimizer state are saved whole, under the parameters' names, whatever
+//! the writing run's policy and world size. A resume under ZeRO-3 that starts sharded (f32
+//! parameters on the CPU, the model built from recipes: [`crate::TrainConfig::starts_sharded`])
+//! reads only its ranges of both from the file ([`load_checkpoint_by_shards`]), on any number of
+//! ranks; every other resume loads the file whole and a ZeRO policy cuts its shards from it:
+//! 16-bit parameters (the f32 master weights are made whole from the parameters before the
+//! policy cuts them), a device (the parameters move whole before DDP is built), a model built
+//! without recipes, and a run that takes non-finite values (the ranged reads refuse them).
+//!
 //! Rank `r`'s dropout generator ([`Model::rng_state`]: a seed and a count of masks drawn, two
 //! `u64`s) is the metadata entry `dropout_rng.rank<r>` = `<seed>:<offset>`, so that a resume at
 //! `p > 0` draws the masks an uninterrupted run would. A checkpoint without these entries (a

@@ -90,6 +90,14 @@ fn a_zero_3_resume_by_shards_is_the_uninterrupted_run_bit_for_bit() {
             assert_eq!(bits(&resumed), bits(&straight), "{what}");
         }
     }
+    // ZeRO++'s options: qgZ's rounding state is the policy's, per rank, read whole
+    let both = PolicySpec::Zero3Quantized(brigade::policies::ZeroPlusPlus { qwz: true, qgz: true });
+    let half = dir.join("zeropp.safetensors");
+    let straight = run(2, 2, &config(4, "adamw", both.clone())).unwrap();
+    run(2, 2, &writing(config(2, "adamw", both.clone()), &half)).unwrap();
+    let resumed = resume(2, 2, config(4, "adamw", both), &half).unwrap();
+    assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "zero++");
+    assert_eq!(bits(&resumed), bits(&straight), "zero++");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
