@@ -44,8 +44,8 @@ use brigade_ddp::BucketGrouping;
 use std::collections::HashMap;
 
 use brigade_models::{
-    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, RngState, SamplerPosition,
-    TRAINING_CHECKPOINT_FORMAT,
+    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, NamedTensors, RngState,
+    SamplerPosition, TRAINING_CHECKPOINT_FORMAT,
 };
 use brigade_policies::StateLayout;
 use brigade_tensor::Tensor;
@@ -490,7 +490,7 @@ fn resumed(
     meta: HashMap<String, String>,
     id: &CheckpointIdentity<'_>,
     (step, sampler): (usize, Option<SamplerPosition>),
-    (policy, ranks): (Vec<(String, Tensor)>, Vec<(String, Tensor)>),
+    (policy, ranks): (NamedTensors, NamedTensors),
     loss_scale: Option<f64>,
 ) -> Result<Resumed> {
     let err = |mismatch| Error::checkpoint(path, mismatch);
