@@ -1,7 +1,8 @@
 //! ZeRO-3 resumed from a checkpoint by shards: each rank reads only its ranges of the
 //! parameters and of the optimizer state (AdamW's moments, SGD's momentum) from the file, so
 //! the resumed run is the uninterrupted one bit for bit (two and three ranks, and on another
-//! number of ranks than wrote it), its construction peaks within its shards, and a truncated
+//! number of ranks than wrote it), its construction peaks within its shards and its run no
+//! higher than the uninterrupted run, and a truncated
 //! or corrupt checkpoint is one error line.
 
 use std::path::Path;
@@ -131,7 +132,7 @@ fn a_zero_3_checkpoint_resumes_by_shards_on_another_world_size_as_plain_ddp_does
 }
 
 #[test]
-fn a_zero_3_resume_builds_within_its_shards() {
+fn a_zero_3_resume_builds_within_its_shards_and_peaks_no_higher_than_the_uninterrupted_run() {
     // as a sharded start: the shards (Ψ/N), AdamW's two moments of them (2Ψ/N) and a quarter
     // of Ψ for the rest; the whole model (Ψ) alone is more than that at world 4, and the whole
     // model with its whole moments (3Ψ) three times more
@@ -140,6 +141,15 @@ fn a_zero_3_resume_builds_within_its_shards() {
     let path = dir.join("half.safetensors");
     run(world, n_layers, &writing(config(2, "adamw", PolicySpec::Zero3), &path)).unwrap();
     let psi = 4 * Gpt::new(gpt(n_layers), 0).unwrap().params().numel();
+    let straight = run(world, n_layers, &config(3, "adamw", PolicySpec::Zero3))
+        .unwrap()
+        .outcome
+        .memory
+        .unwrap();
+    // the whole load (what a run that takes non-finite values still does) passes both bounds
+    let mut whole = config(3, "adamw", PolicySpec::Zero3);
+    whole.recipe.allow_nonfinite = true;
+    let w = resume(world, n_layers, whole, &path).unwrap().outcome.memory.unwrap();
     let m = resume(world, n_layers, config(3, "adamw", PolicySpec::Zero3), &path)
         .unwrap()
         .outcome
@@ -147,13 +157,22 @@ fn a_zero_3_resume_builds_within_its_shards() {
         .unwrap();
     let bound = psi / world + 2 * psi / world + psi / 4;
     eprintln!(
-        "resume: construction {} peak {} bound {bound} psi {psi}",
-        m.construction_peak, m.peak
+        "resume: construction {} peak {} (whole load {} {}; uninterrupted peak {}) bound {bound} psi {psi}",
+        m.construction_peak, m.peak, w.construction_peak, w.peak, straight.peak
     );
+    assert!(w.construction_peak > bound && w.peak > straight.peak, "{w:?}");
     assert!(
         m.construction_peak <= bound,
         "resumed at {} bytes > {bound} (psi {psi})",
         m.construction_peak
+    );
+    // its first step gathers each unit as every later one does: the resumed run's peak is
+    // no higher than the uninterrupted run's
+    assert!(
+        m.peak <= straight.peak,
+        "the resumed run peaks at {} bytes, the uninterrupted one at {}",
+        m.peak,
+        straight.peak
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
