@@ -2,8 +2,8 @@
 //! parameters and of the optimizer state (AdamW's moments, SGD's momentum) from the file, so
 //! the resumed run is the uninterrupted one bit for bit (two and three ranks, and on another
 //! number of ranks than wrote it), its construction peaks within its shards and its run no
-//! higher than the uninterrupted run, and a truncated
-//! or corrupt checkpoint is one error line.
+//! higher than the uninterrupted run, and a truncated, corrupt or non-finite checkpoint is one
+//! error line on every rank.
 
 use std::path::Path;
 use std::sync::Arc;
