@@ -717,7 +717,7 @@ impl ReducerPolicy for Zero3 {
         build: BuildOptimizer<'_>,
         ctx: &OptimizerContext,
     ) -> Result<Box<dyn Optimizer>> {
-        let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
+        let world = ctx.comm.world_size();
         let params = ctx.buckets.params().to_vec();
         let spans = ctx.buckets.spans();
         let mut g = self.hooks.lock();
@@ -739,28 +739,7 @@ impl ReducerPolicy for Zero3 {
             .iter()
             .flat_map(|u| &u.params)
             .any(|&p| params[p].deferred_init().is_some());
-        let part = MemoryPart::Parameters.enter();
-        let whole_masters = full.master_weights();
-        let masters = match whole_masters.is_empty() {
-            // mixed precision: the masters are f32 beside the 16-bit parameters
-            false => super::master_shards(ctx, &whole_masters),
-            true => own_master_shards(&spans, &params, world, rank),
-        };
-        drop(whole_masters);
-        // the optimizer's state is its own part
-        drop(part);
-        let built = masters.and_then(|masters| {
-            let opt = ZeroOptimizer::new(
-                ctx,
-                ZeroStage::Three,
-                Arc::default(),
-                full.as_ref(),
-                build,
-                usize::MAX,
-                Some(masters.clone()),
-            )?;
-            Ok((masters, opt))
-        });
+        let built = build_shards(ctx, full.as_ref(), build, &spans, &params);
         let (masters, opt) = agree_on_shards(&ctx.comm, built, started_sharded)?;
         for (unit, master) in g.units.iter_mut().zip(&masters) {
             unit.shard = Some(master.clone());
@@ -835,6 +814,38 @@ impl ReducerPolicy for Zero3 {
             quantized_gathers: self.options.qwz.then_some(quantized::BLOCK),
         })
     }
+}
+
+/// This rank's f32 shard of every unit (the masters), cut from the parameters or beside 16-bit
+/// parameters from `full`'s f32 master weights, and the optimizer that steps them, its state
+/// cut from `full`'s.
+fn build_shards(
+    ctx: &OptimizerContext,
+    full: &dyn Optimizer,
+    build: BuildOptimizer<'_>,
+    spans: &[BucketSpan],
+    params: &[Var],
+) -> Result<(Vec<Tensor>, ZeroOptimizer)> {
+    let part = MemoryPart::Parameters.enter();
+    let whole_masters = full.master_weights();
+    let masters = match whole_masters.is_empty() {
+        // mixed precision: the masters are f32 beside the 16-bit parameters
+        false => super::master_shards(ctx, &whole_masters)?,
+        true => own_master_shards(spans, params, ctx.comm.world_size(), ctx.comm.rank())?,
+    };
+    drop(whole_masters);
+    // the optimizer's state is its own part
+    drop(part);
+    let opt = ZeroOptimizer::new(
+        ctx,
+        ZeroStage::Three,
+        Arc::default(),
+        full,
+        build,
+        usize::MAX,
+        Some(masters.clone()),
+    )?;
+    Ok((masters, opt))
 }
 
 /// `built` (this rank's shards and their optimizer), once every rank has built its own: under
