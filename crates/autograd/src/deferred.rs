@@ -412,6 +412,72 @@ mod tests {
         assert!(ParamInit::parse("stored 8 f32 f32 @0").is_err());
     }
 
+    /// An optimizer whose state is left in a file reads it whole when asked for it or stepped
+    /// itself: the same state and the same step as the optimizer that wrote it.
+    #[test]
+    fn an_optimizer_with_its_state_in_a_file_steps_as_the_one_that_wrote_it() {
+        use super::{StateInFile, StoredState};
+        use crate::{AdamW, Optimizer, ParamStore};
+        use brigade_tensor::Tensor;
+        let params = |values: &[f32]| {
+            let mut store = ParamStore::new();
+            store
+                .add("w", Tensor::from_vec(values.to_vec(), &[2, 2]).unwrap())
+                .unwrap();
+            store.params().to_vec()
+        };
+        let grad = |p: &crate::Var, g: f32| {
+            let t = Tensor::from_vec(vec![g, -g, 2.0 * g, 0.5], &[2, 2]).unwrap();
+            p.set_grad(Some(t)).unwrap();
+        };
+        let start = [0.5f32, -1.0, 2.0, 0.25];
+        let (written, later) = (params(&start), params(&start));
+        let mut opt = AdamW::new(written.clone(), 1e-2);
+        grad(&written[0], 0.3);
+        opt.step().unwrap();
+        let state = opt.state_dict().unwrap();
+        // every entry's bytes, one after another, in a file: f64 `step`, f32 moments
+        let path = std::env::temp_dir().join(format!("brigade-state-in-file-{}.bin", std::process::id()));
+        let (mut bytes, mut entries) = (vec![], vec![]);
+        for (name, t) in &state {
+            let dtype = t.dtype();
+            let draw = InitDraw::Stored {
+                path: path.clone(),
+                offset: bytes.len() as u64,
+                dtype,
+            };
+            match dtype {
+                DType::F64 => bytes.extend(t.to_vec::<f64>().unwrap().iter().flat_map(|v| v.to_le_bytes())),
+                _ => bytes.extend(t.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes())),
+            }
+            let init = ParamInit { draw, dtype, from: 0 };
+            entries.push(StoredState {
+                name: name.clone(),
+                shape: t.shape().to_vec(),
+                init,
+            });
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        later[0].set_value(written[0].value().copy().unwrap()).unwrap();
+        let mut in_file = StateInFile::new(Box::new(AdamW::new(later.clone(), 1e-2)), entries.clone());
+        assert_eq!(in_file.state_in_file(), entries.as_slice());
+        let bits = |s: Vec<(String, Tensor)>| -> Vec<(String, Vec<u64>)> {
+            (s.into_iter())
+                .map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|v| v.to_bits()).collect()))
+                .collect()
+        };
+        assert_eq!(bits(in_file.state_dict().unwrap()), bits(state));
+        for (p, o) in [(&written[0], &mut opt as &mut dyn Optimizer), (&later[0], &mut in_file)] {
+            grad(p, -0.7);
+            o.step().unwrap();
+        }
+        assert!(in_file.state_in_file().is_empty(), "loaded whole by its own step");
+        let values = |p: &crate::Var| p.value().to_vec::<f32>().unwrap();
+        assert_eq!(values(&later[0]), values(&written[0]));
+        assert_eq!(bits(in_file.state_dict().unwrap()), bits(opt.state_dict().unwrap()));
+        std::fs::remove_file(&path).unwrap();
+    }
+
     #[test]
     fn a_stored_recipe_reads_its_range_of_the_file_and_refuses_a_nan() {
         let path = std::env::temp_dir().join(format!("brigade-stored-{}.bin", std::process::id()));
