@@ -227,6 +227,11 @@ fn a_nan_in_one_rank_s_range_of_the_checkpoint_stops_every_rank_with_one_error_l
             .to_string();
         assert_eq!(e.lines().count(), 1, "{e}");
         assert!(e.contains("NaN") && e.contains("nan.safetensors"), "{name}: {e}");
+        // the tensor is named: the parameter, or the optimizer state's entry
+        assert!(
+            e.contains(&format!("'{}'", name.split_once('.').unwrap().1)),
+            "{name}: {e}"
+        );
         eprintln!("{name}: {e}");
         bytes = std::fs::read(&path).unwrap();
     }

@@ -579,7 +579,9 @@ fn stored_pieces(stored: &[StoredState], names: &[String], pieces: &[Piece]) -> 
                 entry.name
             )));
         }
-        let v = entry.init.draw(piece.param_offset, piece.len)?.to_dtype(DType::F32)?;
+        let v = (entry.init.draw(piece.param_offset, piece.len))
+            .map_err(|e| zero_error(format!("optimizer state '{}': {e}", entry.name)))?
+            .to_dtype(DType::F32)?;
         out.push((entry.name.clone(), v));
     }
     Ok(out)
