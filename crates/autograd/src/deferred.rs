@@ -18,7 +18,7 @@ use std::str::FromStr;
 
 use brigade_tensor::{DType, Rng, Tensor};
 
-use crate::{AutogradError, Result, Var};
+use crate::{AutogradError, Optimizer, Result, Var};
 
 /// The distribution of a deferred parameter's elements, or the file that holds them.
 #[derive(Debug, Clone, PartialEq)]
@@ -205,7 +205,7 @@ fn read_stored(path: &Path, offset: u64, dtype: DType, start: usize, len: usize)
     let values = t.to_dtype(DType::F64)?.to_vec::<f64>()?;
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
         return Err(fail(format!(
-            "element {} of the tensor at byte {offset} is {}: a parameter must be finite",
+            "element {} of the tensor at byte {offset} is {}: a stored parameter or optimizer state must be finite",
             start + i,
             values[i]
         )));
@@ -268,6 +268,121 @@ impl Var {
     }
 }
 
+/// An optimizer state entry whose values are still in a file: its name (as
+/// [`Optimizer::state_dict`] names it), its shape and the recipe that reads any flat range of
+/// it ([`InitDraw::Stored`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredState {
+    /// The entry's name (`<param>.exp_avg`, `step`).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Where its values are.
+    pub init: ParamInit,
+}
+
+impl StoredState {
+    /// The entry's values, whole, in its shape.
+    pub fn read(&self) -> Result<Tensor> {
+        let numel = self.shape.iter().product();
+        Ok(self.init.draw(0, numel)?.reshape(&self.shape)?)
+    }
+}
+
+/// An optimizer resumed with its state left in the checkpoint file (a resume under a policy
+/// that keeps only each rank's shard of the state, ZeRO-3): the entries are listed by
+/// [`Optimizer::state_in_file`], and a policy that shards the state reads its ranges of them
+/// and nothing more. Whatever else asks for the state ([`Optimizer::state_dict`], a step of
+/// this optimizer itself) reads it whole first, so the wrapper is the inner optimizer resumed,
+/// only later.
+pub struct StateInFile {
+    inner: Box<dyn Optimizer>,
+    entries: Vec<StoredState>,
+}
+
+impl StateInFile {
+    /// `inner` (built, not stepped), its state `entries` in a file.
+    pub fn new(inner: Box<dyn Optimizer>, entries: Vec<StoredState>) -> StateInFile {
+        StateInFile { inner, entries }
+    }
+
+    /// Every entry read whole.
+    fn whole(&self) -> Result<Vec<(String, Tensor)>> {
+        self.entries.iter().map(|e| Ok((e.name.clone(), e.read()?))).collect()
+    }
+
+    /// Loads the entries whole into the inner optimizer (once).
+    fn load_whole(&mut self) -> Result<()> {
+        if !self.entries.is_empty() {
+            let state = self.whole()?;
+            self.inner.load_state_dict(&state)?;
+            self.entries.clear();
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for StateInFile {
+    fn step(&mut self) -> Result<()> {
+        self.load_whole()?;
+        self.inner.step()
+    }
+
+    fn params(&self) -> &[Var] {
+        self.inner.params()
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr);
+    }
+
+    /// The state read whole from the file (the inner optimizer's once it was loaded).
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        match self.entries.is_empty() {
+            true => self.inner.state_dict(),
+            false => self.whole(),
+        }
+    }
+
+    /// Replaces the state in the file by `state`.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        self.entries.clear();
+        self.inner.load_state_dict(state)
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        self.inner.state_bytes()
+    }
+
+    fn state_in_file(&self) -> &[StoredState] {
+        &self.entries
+    }
+
+    fn consolidate_state(&mut self) -> Result<()> {
+        self.inner.consolidate_state()
+    }
+
+    fn master_weights(&self) -> Vec<(String, Tensor)> {
+        self.inner.master_weights()
+    }
+
+    fn loss_scale(&self) -> Option<f64> {
+        self.inner.loss_scale()
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.inner.skipped_steps()
+    }
+
+    fn grad_scaler(&self) -> Option<crate::GradScaler> {
+        self.inner.grad_scaler()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{InitDraw, ParamInit};
@@ -295,6 +410,72 @@ mod tests {
         assert!(ParamInit::parse("normal x f32 @1").is_err());
         assert!(ParamInit::parse("normal 0.1 f32").is_err());
         assert!(ParamInit::parse("stored 8 f32 f32 @0").is_err());
+    }
+
+    /// An optimizer whose state is left in a file reads it whole when asked for it or stepped
+    /// itself: the same state and the same step as the optimizer that wrote it.
+    #[test]
+    fn an_optimizer_with_its_state_in_a_file_steps_as_the_one_that_wrote_it() {
+        use super::{StateInFile, StoredState};
+        use crate::{AdamW, Optimizer, ParamStore};
+        use brigade_tensor::Tensor;
+        let params = |values: &[f32]| {
+            let mut store = ParamStore::new();
+            store
+                .add("w", Tensor::from_vec(values.to_vec(), &[2, 2]).unwrap())
+                .unwrap();
+            store.params().to_vec()
+        };
+        let grad = |p: &crate::Var, g: f32| {
+            let t = Tensor::from_vec(vec![g, -g, 2.0 * g, 0.5], &[2, 2]).unwrap();
+            p.set_grad(Some(t)).unwrap();
+        };
+        let start = [0.5f32, -1.0, 2.0, 0.25];
+        let (written, later) = (params(&start), params(&start));
+        let mut opt = AdamW::new(written.clone(), 1e-2);
+        grad(&written[0], 0.3);
+        opt.step().unwrap();
+        let state = opt.state_dict().unwrap();
+        // every entry's bytes, one after another, in a file: f64 `step`, f32 moments
+        let path = std::env::temp_dir().join(format!("brigade-state-in-file-{}.bin", std::process::id()));
+        let (mut bytes, mut entries) = (vec![], vec![]);
+        for (name, t) in &state {
+            let dtype = t.dtype();
+            let draw = InitDraw::Stored {
+                path: path.clone(),
+                offset: bytes.len() as u64,
+                dtype,
+            };
+            match dtype {
+                DType::F64 => bytes.extend(t.to_vec::<f64>().unwrap().iter().flat_map(|v| v.to_le_bytes())),
+                _ => bytes.extend(t.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes())),
+            }
+            let init = ParamInit { draw, dtype, from: 0 };
+            entries.push(StoredState {
+                name: name.clone(),
+                shape: t.shape().to_vec(),
+                init,
+            });
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        later[0].set_value(written[0].value().copy().unwrap()).unwrap();
+        let mut in_file = StateInFile::new(Box::new(AdamW::new(later.clone(), 1e-2)), entries.clone());
+        assert_eq!(in_file.state_in_file(), entries.as_slice());
+        let bits = |s: Vec<(String, Tensor)>| -> Vec<(String, Vec<u64>)> {
+            (s.into_iter())
+                .map(|(n, t)| (n, t.to_f64_vec().unwrap().iter().map(|v| v.to_bits()).collect()))
+                .collect()
+        };
+        assert_eq!(bits(in_file.state_dict().unwrap()), bits(state));
+        for (p, o) in [(&written[0], &mut opt as &mut dyn Optimizer), (&later[0], &mut in_file)] {
+            grad(p, -0.7);
+            o.step().unwrap();
+        }
+        assert!(in_file.state_in_file().is_empty(), "loaded whole by its own step");
+        let values = |p: &crate::Var| p.value().to_vec::<f32>().unwrap();
+        assert_eq!(values(&later[0]), values(&written[0]));
+        assert_eq!(bits(in_file.state_dict().unwrap()), bits(opt.state_dict().unwrap()));
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

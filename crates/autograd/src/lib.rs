@@ -30,7 +30,7 @@ mod var;
 
 pub use backward::{GradBus, GradReady, GradSubscriber, SubscriberError};
 pub use checkpoint::{checkpoint_scope, RecomputeState};
-pub use deferred::{defer_param_init, param_init_deferred, InitDraw, ParamInit};
+pub use deferred::{defer_param_init, param_init_deferred, InitDraw, ParamInit, StateInFile, StoredState};
 pub use error::{AutogradError, Result};
 pub use gradcheck::{gradcheck, GradcheckReport};
 pub use loss::Reduction;

@@ -27,6 +27,13 @@ pub trait Optimizer: Send {
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>>;
     /// Restores state produced by [`Optimizer::state_dict`] for the same parameters.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+    /// The state entries this optimizer left in a file ([`crate::StateInFile`]: a resume under
+    /// a policy that keeps each rank's shard of the state): such a policy reads its ranges of
+    /// them and nothing more, where [`Optimizer::state_dict`] reads them whole. Empty by
+    /// default.
+    fn state_in_file(&self) -> &[crate::StoredState] {
+        &[]
+    }
     /// Bytes of state this optimizer holds live (memory reports). The default measures a copy
     /// of [`Optimizer::state_dict`]; the built-in optimizers measure their own tensors.
     fn state_bytes(&self) -> Result<usize> {

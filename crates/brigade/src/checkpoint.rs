@@ -19,6 +19,15 @@
 //! `autotune_since_check`: [`brigade_ddp::overlap::AutotuneProgress`]), and a resume that tunes
 //! the cap starts from the recorded caps and checks at the steps the checkpoint's run would.
 //!
+//! The parameters and the optimizer state are saved whole, under the parameters' names, whatever
+//! the writing run's policy and world size. A resume under ZeRO-3 that starts sharded (f32
+//! parameters on the CPU, the model built from recipes: [`crate::TrainConfig::starts_sharded`])
+//! reads only its ranges of both from the file ([`load_checkpoint_by_shards`]), on any number of
+//! ranks; every other resume loads the file whole and a ZeRO policy cuts its shards from it:
+//! 16-bit parameters (the f32 master weights are made whole from the parameters before the
+//! policy cuts them), a device (the parameters move whole before DDP is built), a model built
+//! without recipes, and a run that takes non-finite values (the ranged reads refuse them).
+//!
 //! Rank `r`'s dropout generator ([`Model::rng_state`]: a seed and a count of masks drawn, two
 //! `u64`s) is the metadata entry `dropout_rng.rank<r>` = `<seed>:<offset>`, so that a resume at
 //! `p > 0` draws the masks an uninterrupted run would. A checkpoint without these entries (a
@@ -29,14 +38,14 @@
 
 use std::path::Path;
 
-use brigade_autograd::Optimizer;
+use brigade_autograd::{Optimizer, StateInFile, StoredState};
 use brigade_ddp::overlap::AutotuneProgress;
 use brigade_ddp::BucketGrouping;
 use std::collections::HashMap;
 
 use brigade_models::{
-    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, RngState, SamplerPosition,
-    TRAINING_CHECKPOINT_FORMAT,
+    load_params_from_tensors, load_safetensors_with_metadata, save_safetensors, Model, NamedTensors, RngState,
+    SamplerPosition, TRAINING_CHECKPOINT_FORMAT,
 };
 use brigade_policies::StateLayout;
 use brigade_tensor::Tensor;
@@ -368,8 +377,7 @@ pub fn load_checkpoint(
 ) -> Result<Resumed> {
     let err = |mismatch| Error::checkpoint(path, mismatch);
     let (tensors, meta) = read_checkpoint(path)?;
-    check_written_for(&meta, id).map_err(err)?;
-    let sampler = check_data_order(&meta, id).map_err(err)?;
+    let (step, sampler) = check_identity(path, &meta, id)?;
     if !id.allow_nonfinite {
         brigade_models::check_finite(path, &tensors).map_err(|e| match e {
             brigade_models::ModelError::NonFinite {
@@ -382,7 +390,6 @@ pub fn load_checkpoint(
             e => e.into(),
         })?;
     }
-    let step = step_of(&meta).ok_or_else(|| err(CheckpointMismatch::NoStep))?;
     let strip = |prefix: &str| -> Vec<(String, Tensor)> {
         tensors
             .iter()
@@ -395,18 +402,106 @@ pub fn load_checkpoint(
     };
     load(model.params(), &strip("model.")).map_err(|e| e.at_path(path))?;
     opt.load_state_dict(&strip("optim."))?;
+    let loss_scale = tensors
+        .iter()
+        .find(|(n, _)| n == "optim.grad_scaler.scale")
+        .and_then(|(_, t)| t.to_f64_vec().ok()?.first().copied());
+    resumed(
+        path,
+        meta,
+        id,
+        (step, sampler),
+        (strip(POLICY_PREFIX), strip(RANK_PREFIX)),
+        loss_scale,
+    )
+}
+
+/// Resumes from the checkpoint at `path` as [`load_checkpoint`] does, under a policy that
+/// keeps each rank's shard of the parameters and of the optimizer state (ZeRO-3 started
+/// sharded: `model`'s parameters still deferred), holding nothing whole: only the file's
+/// header is read here, and the entries of no parameter (the policy's state per rank, the
+/// optimizer's step counter); every parameter's recipe becomes its bytes in the file
+/// ([`brigade_models::defer_params_to_file`]) and the optimizer state is left there beside
+/// `opt` ([`StateInFile`]), so that each rank reads only its ranges of both as it cuts its
+/// shards. A truncated file is refused here, from its header; a NaN or infinity is found by
+/// the rank whose range holds it (so a run that takes non-finite values loads whole).
+pub fn load_checkpoint_by_shards(
+    path: &Path,
+    id: &CheckpointIdentity<'_>,
+    model: &dyn Model,
+    opt: Box<dyn Optimizer>,
+) -> Result<(Resumed, Box<dyn Optimizer>)> {
+    let (stored, meta) = brigade_models::stored_tensors(path)?;
+    if meta.get("format").map(String::as_str) != Some(CHECKPOINT_FORMAT) {
+        return Err(Error::checkpoint(path, CheckpointMismatch::NotACheckpoint));
+    }
+    let at = check_identity(path, &meta, id)?;
+    brigade_models::defer_params_to_file(model.params(), path)?;
+    let read = |prefix: &str| -> Result<Vec<(String, Tensor)>> {
+        (stored.iter())
+            .filter_map(|s| Some((s.name.strip_prefix(prefix)?, s)))
+            .map(|(n, s)| Ok((n.to_string(), s.read()?)))
+            .collect()
+    };
+    let state = (stored.iter())
+        .filter_map(|s| Some((s.name.strip_prefix("optim.")?, s)))
+        .map(|(n, s)| {
+            Ok(StoredState {
+                name: n.to_string(),
+                shape: s.shape.clone(),
+                init: s.recipe()?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let loss_scale = match state.iter().find(|s| s.name == "grad_scaler.scale") {
+        Some(s) => s.read()?.to_f64_vec()?.first().copied(),
+        None => None,
+    };
+    let resumed = resumed(
+        path,
+        meta,
+        id,
+        at,
+        (read(POLICY_PREFIX)?, read(RANK_PREFIX)?),
+        loss_scale,
+    )?;
+    Ok((resumed, Box::new(StateInFile::new(opt, state))))
+}
+
+/// The step a checkpoint's metadata `meta` resumes at and where its sampler stood, after
+/// checking it was written for `id`.
+fn check_identity(
+    path: &Path,
+    meta: &HashMap<String, String>,
+    id: &CheckpointIdentity<'_>,
+) -> Result<(usize, Option<SamplerPosition>)> {
+    let err = |mismatch| Error::checkpoint(path, mismatch);
+    check_written_for(meta, id).map_err(err)?;
+    let sampler = check_data_order(meta, id).map_err(err)?;
+    let step = step_of(meta).ok_or_else(|| err(CheckpointMismatch::NoStep))?;
+    Ok((step, sampler))
+}
+
+/// What a resume continues from: the checkpoint's metadata, `(step, sampler)`, the policy's
+/// and the ranks' own entries (`(policy, ranks)`, prefixes stripped) and the loss scale,
+/// checked against this run's world and its dropout generators read.
+fn resumed(
+    path: &Path,
+    meta: HashMap<String, String>,
+    id: &CheckpointIdentity<'_>,
+    (step, sampler): (usize, Option<SamplerPosition>),
+    (policy, ranks): (NamedTensors, NamedTensors),
+    loss_scale: Option<f64>,
+) -> Result<Resumed> {
+    let err = |mismatch| Error::checkpoint(path, mismatch);
     let distributed = DistributedState {
-        policy: strip(POLICY_PREFIX),
-        ranks: strip(RANK_PREFIX),
+        policy,
+        ranks,
         buckets: read_grouping(&meta).map_err(err)?,
         autotune: read_autotune(&meta).map_err(err)?,
     };
     check_world(&meta, &distributed, id).map_err(err)?;
     let dropout_rng = read_dropout_rngs(&meta, id).map_err(err)?;
-    let loss_scale = tensors
-        .iter()
-        .find(|(n, _)| n == "optim.grad_scaler.scale")
-        .and_then(|(_, t)| t.to_f64_vec().ok()?.first().copied());
     Ok(Resumed {
         step,
         sampler,

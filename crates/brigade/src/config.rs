@@ -152,12 +152,11 @@ impl TrainConfig {
     /// Whether the run starts sharded: its policy shards the parameters (ZeRO-3) over f32
     /// parameters on the CPU, so each rank's model is built inside
     /// [`brigade_autograd::defer_param_init`] and every rank draws only its shard of each unit
-    /// (a model too large for one rank starts); initialised from a file (`model.init`), every
-    /// rank reads only its shard's bytes of each parameter there. A resumed run loads its
-    /// parameters whole, then shards them.
+    /// (a model too large for one rank starts); initialised from a file (`model.init`) or
+    /// resumed from a checkpoint, every rank reads only its shard's bytes of each parameter
+    /// there (and of the optimizer state).
     pub fn starts_sharded(&self) -> bool {
-        self.runtime.checkpoint.resume.is_none()
-            && self.ddp().is_some()
+        self.ddp().is_some()
             && self.distributed.as_ref().is_some_and(|d| d.policy.shards_params())
             && !self.recipe.precision.is_mixed()
             && self.runtime.device == crate::placement::DevicePlacement::Cpu

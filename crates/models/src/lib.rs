@@ -86,7 +86,7 @@ pub use mlp::{Mlp, MlpConfig};
 pub use nn::RngState;
 pub use npy::{load_npy, load_npz, save_npy, save_npz};
 pub use sampler::{DistributedSampler, Remainder, SamplerCursor, SamplerOptions, SamplerPosition};
-pub use stored::defer_params_to_file;
+pub use stored::{defer_params_to_file, stored_tensors, StoredTensor};
 pub use text::{text_file_tokens, TextData, ValSplit};
 pub use tokenizer::{Tokenizer, GPT2_END_OF_TEXT, GPT2_VOCAB};
 pub use tokens::{write_llmc_shard, TokenFormat};

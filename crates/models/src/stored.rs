@@ -4,15 +4,16 @@
 //! ([`brigade_autograd::InitDraw::Stored`]), so that a policy drawing only its shard of each
 //! parameter (ZeRO-3) reads only those bytes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::Read;
-use std::path::Path;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
 
 use brigade_autograd::{InitDraw, ParamInit, ParamStore};
+use brigade_tensor::{DType, Tensor};
 use safetensors::tensor::Metadata;
 
-use crate::io::{from_st_dtype, TRAINING_CHECKPOINT_FORMAT};
+use crate::io::{from_st_dtype, tensor_from_bytes, TRAINING_CHECKPOINT_FORMAT};
 use crate::{ModelError, Result};
 
 /// Points every parameter of `store` (each still deferred: registered inside
@@ -87,6 +88,85 @@ pub fn defer_params_to_file(store: &ParamStore, path: impl AsRef<Path>) -> Resul
         p.set_deferred_init(init)?;
     }
     Ok(())
+}
+
+/// One tensor of a safetensors file as its header places it: what [`stored_tensors`] lists
+/// and [`StoredTensor::read`] or [`StoredTensor::recipe`] reads without the rest of the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredTensor {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype in the file.
+    pub dtype: DType,
+    /// The file.
+    pub path: PathBuf,
+    /// The byte of the file its first element starts at.
+    pub offset: u64,
+}
+
+impl StoredTensor {
+    /// The tensor, whole: only its bytes are read from the file.
+    pub fn read(&self) -> Result<Tensor> {
+        let numel: usize = self.shape.iter().product();
+        let mut bytes = vec![0u8; numel * self.dtype.size_in_bytes()];
+        File::open(&self.path)
+            .and_then(|mut f| {
+                f.seek(SeekFrom::Start(self.offset))?;
+                f.read_exact(&mut bytes)
+            })
+            .map_err(|e| ModelError::io(&self.path, format!("cannot read tensor '{}': {e}", self.name)))?;
+        tensor_from_bytes(self.dtype, &self.shape, &bytes)
+    }
+
+    /// The tensor's values as a recipe that reads any flat range of them from the file
+    /// ([`InitDraw::Stored`], each element kept in the file's float dtype); an error for a
+    /// tensor of another dtype.
+    pub fn recipe(&self) -> Result<ParamInit> {
+        if !self.dtype.is_float() {
+            return Err(ModelError::Corrupt {
+                path: self.path.clone(),
+                message: format!("tensor '{}' is {}, expected a float dtype", self.name, self.dtype),
+            });
+        }
+        Ok(ParamInit {
+            draw: InitDraw::Stored {
+                path: self.path.clone(),
+                offset: self.offset,
+                dtype: self.dtype,
+            },
+            dtype: self.dtype,
+            from: 0,
+        })
+    }
+}
+
+/// Every tensor of the safetensors file at `path`, in file order, and the file's string
+/// metadata, from its header alone: every tensor's bytes are checked to lie inside the file
+/// (a truncated file is an error here, before any is read).
+pub fn stored_tensors(path: impl AsRef<Path>) -> Result<(Vec<StoredTensor>, HashMap<String, String>)> {
+    let path = path.as_ref();
+    let (data_start, meta) = read_header(path)?;
+    let mut tensors = vec![];
+    for name in meta.offset_keys() {
+        let info = meta.info(&name).expect("a key of the header");
+        let dtype = from_st_dtype(info.dtype).ok_or_else(|| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            message: format!(
+                "tensor '{name}' has dtype {:?}, which Brigade does not read",
+                info.dtype
+            ),
+        })?;
+        tensors.push(StoredTensor {
+            offset: data_start + info.data_offsets.0 as u64,
+            shape: info.shape.clone(),
+            dtype,
+            path: path.to_path_buf(),
+            name,
+        });
+    }
+    Ok((tensors, meta.metadata().clone().unwrap_or_default()))
 }
 
 /// The byte where the file's tensor data starts, and its header, checked against the file's

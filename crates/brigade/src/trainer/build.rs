@@ -7,7 +7,7 @@ use brigade_ddp::{DdpConfig, DistributedDataParallel, ReducerPolicy};
 use brigade_models::{load_params, Model, SamplerCursor, SamplerPosition};
 use brigade_tensor::{set_compute_threads, Device};
 
-use crate::checkpoint::{load_checkpoint, CheckpointIdentity, DistributedState, Resumed};
+use crate::checkpoint::{load_checkpoint, load_checkpoint_by_shards, CheckpointIdentity, DistributedState, Resumed};
 use crate::checkpoint_files::{Lineage, RunFile, INIT_FIELD};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error, Result};
@@ -39,28 +39,17 @@ impl<'a> Trainer<'a> {
         // `fit` meters the rank's thread from before the model is built; a trainer made on a
         // thread without a meter installs its own (the storages made before it not counted)
         let (memory, installed_meter) = InstalledMeter::on_this_thread();
-        let params = model.params().params();
-        // started sharded from a file: each rank reads only its shards' bytes of it
-        let read_shards = cfg.starts_sharded() && params.iter().all(|p| p.deferred_init().is_some());
-        if !cfg.starts_sharded() || (cfg.model.init.is_some() && !read_shards) {
-            // a model built with deferred parameters, in a run that does not start sharded
-            params.iter().try_for_each(Var::materialize)?;
-        }
-        match &cfg.model.init {
-            Some(init) if read_shards => brigade_models::defer_params_to_file(model.params(), init)?,
-            Some(init) => load_params(model.params(), init)?,
-            None => {}
-        }
+        let by_shards = start_parameters(cfg, model.as_ref())?;
         model.set_activation_checkpointing(cfg.model.activation_checkpointing)?;
         let lengths = check_lengths(cfg, data, ctx)?;
-        let mut opt = {
+        let opt = {
             let _part = brigade_ddp::MemoryPart::Optimizer.enter();
             cfg.recipe.optimizer.build(model.params().params().to_vec())
         };
         // This rank's policy, made first: a checkpoint names the policy it was written under.
         let policy = make_policy(cfg, ctx)?;
         let policy_name = policy.as_ref().map(|p| p.name());
-        let mut resumed = resume(cfg, data, ctx, model.as_mut(), opt.as_mut(), policy_name.as_deref())?;
+        let (mut resumed, mut opt) = resume(cfg, data, ctx, model.as_mut(), opt, policy_name.as_deref(), by_shards)?;
         let (schedule, changes) = check_recipe(cfg, resumed.as_ref())?;
         let resume = ResumeNotes {
             changes,
@@ -105,6 +94,32 @@ impl<'a> Trainer<'a> {
             records: Records::new(cfg, autotuned, memory, installed_meter)?,
         })
     }
+}
+
+/// Where the parameters start: drawn whole from their recipes (a run that does not start
+/// sharded), or left deferred for each rank to draw its shards, and loaded from `model.init`,
+/// whole or (started sharded) by the ranges each rank reads. Returns whether the run resumes
+/// by shards too ([`crate::checkpoint::load_checkpoint_by_shards`]): started sharded, unless
+/// it takes non-finite values (the ranged reads refuse them) or some parameter holds its
+/// values already (a model built without recipes), where the checkpoint loads whole and is
+/// then sharded.
+fn start_parameters(cfg: &TrainConfig, model: &dyn Model) -> Result<bool> {
+    let params = model.params().params();
+    let resumes = cfg.runtime.checkpoint.resume.is_some();
+    // started sharded: each rank reads only its shards' bytes of a file
+    let read_shards = cfg.starts_sharded() && params.iter().all(|p| p.deferred_init().is_some());
+    let resume_by_shards = read_shards && resumes && !cfg.recipe.allow_nonfinite;
+    let whole = !cfg.starts_sharded() || (!read_shards && cfg.model.init.is_some()) || (resumes && !resume_by_shards);
+    if whole {
+        // a model built with deferred parameters, in a run that loads them whole
+        params.iter().try_for_each(Var::materialize)?;
+    }
+    match &cfg.model.init {
+        Some(init) if !whole => brigade_models::defer_params_to_file(model.params(), init)?,
+        Some(init) => load_params(model.params(), init)?,
+        None => {}
+    }
+    Ok(resume_by_shards)
 }
 
 /// What to tell of a resume from `r` on `world` ranks: see [`crate::resume`]. Dropout masks
@@ -303,18 +318,20 @@ fn check_lengths(cfg: &TrainConfig, data: &dyn DataSource, ctx: &RankContext) ->
 }
 
 /// Loads the checkpoint to resume, if any, into `model` and `opt` (refused if it is not of
-/// this run: another model, optimizer, seed, data, policy...), and this rank's dropout
-/// generator from it.
+/// this run: another model, optimizer, seed, data, policy...), whole or, `by_shards`, left in
+/// the file for each rank to read its shards of ([`load_checkpoint_by_shards`]), and this
+/// rank's dropout generator from it; returns the optimizer resumed.
 fn resume(
     cfg: &TrainConfig,
     data: &dyn DataSource,
     ctx: &RankContext,
     model: &mut dyn Model,
-    opt: &mut dyn Optimizer,
+    mut opt: Box<dyn Optimizer>,
     policy: Option<&str>,
-) -> Result<Option<Resumed>> {
+    by_shards: bool,
+) -> Result<(Option<Resumed>, Box<dyn Optimizer>)> {
     let Some(path) = &cfg.runtime.checkpoint.resume else {
-        return Ok(None);
+        return Ok((None, opt));
     };
     let id = CheckpointIdentity {
         model: &cfg.model.name,
@@ -332,14 +349,21 @@ fn resume(
         lineage: vec![],
         allow_nonfinite: cfg.recipe.allow_nonfinite,
     };
-    let resumed = load_checkpoint(path, &id, model, opt)?;
+    let resumed = match by_shards {
+        true => {
+            let (resumed, in_file) = load_checkpoint_by_shards(path, &id, model, opt)?;
+            opt = in_file;
+            resumed
+        }
+        false => load_checkpoint(path, &id, model, opt.as_mut())?,
+    };
     // this rank's dropout generator continues where the checkpoint's stood
     if let Some(state) = resumed.dropout_rng_of(ctx.rank) {
         model
             .set_rng_state(state)
             .map_err(|e| Error::checkpoint(path, CheckpointMismatch::DropoutRng(e.to_string())))?;
     }
-    Ok(Some(resumed))
+    Ok((Some(resumed), opt))
 }
 
 /// The schedule (T from the checkpoint unless given) and what this run changed of the

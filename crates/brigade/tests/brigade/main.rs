@@ -25,5 +25,6 @@ mod replicas;
 mod sampled;
 mod zero3;
 mod zero3_mixed;
+mod zero3_resume_shards;
 mod zero3_start;
 mod zero3_start_file;

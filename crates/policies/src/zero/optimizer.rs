@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use brigade_autograd::{AutogradError, GradScaler, Optimizer, ParamStore, Var};
+use brigade_autograd::{AutogradError, GradScaler, Optimizer, ParamStore, StoredState, Var};
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{Buckets, BuildOptimizer, Group, HeldGrad, OptimizerContext, TensorWork};
 use brigade_ddp::DdpError;
@@ -148,7 +148,7 @@ impl ZeroOptimizer {
         let mut scaler = full.grad_scaler().filter(|_| mixed);
         let state = match &mut scaler {
             Some(s) => s.load_from(&full.state_dict()?)?,
-            None => full.state_dict()?,
+            None => whole_state(full, &names)?,
         };
         let mut shards = vec![];
         for (b, span) in ctx.buckets.spans().into_iter().enumerate() {
@@ -167,7 +167,9 @@ impl ZeroOptimizer {
             let vars = store.params().to_vec();
             let mut opt = build(vars.clone());
             opt.set_lr(full.lr());
-            opt.load_state_dict(&slice_state(&state, &names, &pieces)?)?;
+            let mut sliced = slice_state(&state, &names, &pieces)?;
+            sliced.extend(stored_pieces(full.state_in_file(), &names, &pieces)?);
+            opt.load_state_dict(&sliced)?;
             shards.push(ShardedBucket {
                 index: span.index,
                 per: shard_len(span.grad_numel, world),
@@ -543,6 +545,46 @@ impl ZeroOptimizer {
         out.sort_by_key(|(n, _)| names.iter().position(|m| m == n));
         Ok(out)
     }
+}
+
+/// The whole-parameter state of `full` that the shards' states are cut from: its state dict,
+/// or where it left its state in a file ([`Optimizer::state_in_file`]) the entries of no
+/// parameter read whole (AdamW's `step`); the parameters' entries are then read by range
+/// ([`stored_pieces`]), never whole.
+fn whole_state(full: &dyn Optimizer, names: &[String]) -> Result<Vec<(String, Tensor)>> {
+    if full.state_in_file().is_empty() {
+        return Ok(full.state_dict()?);
+    }
+    (full.state_in_file().iter())
+        .filter(|e| split_key(&e.name, names).is_none())
+        .map(|e| Ok((e.name.clone(), e.read()?)))
+        .collect()
+}
+
+/// This rank's `pieces` of the parameters' entries left in a file (`stored`), each read from
+/// the file alone (shape `[len]`, f32), as [`slice_state`] cuts them from whole entries.
+fn stored_pieces(stored: &[StoredState], names: &[String], pieces: &[Piece]) -> Result<Vec<(String, Tensor)>> {
+    let mut out = vec![];
+    for entry in stored {
+        let Some((p, _)) = split_key(&entry.name, names) else {
+            continue;
+        };
+        let Some(piece) = pieces.iter().find(|piece| piece.param == p) else {
+            continue;
+        };
+        let numel: usize = entry.shape.iter().product();
+        if numel < piece.param_offset + piece.len {
+            return Err(zero_error(format!(
+                "optimizer state '{}' has {numel} elements, its parameter more",
+                entry.name
+            )));
+        }
+        let v = (entry.init.draw(piece.param_offset, piece.len))
+            .map_err(|e| zero_error(format!("optimizer state '{}': {e}", entry.name)))?
+            .to_dtype(DType::F32)?;
+        out.push((entry.name.clone(), v));
+    }
+    Ok(out)
 }
 
 /// The entries of the whole-parameter `state` that belong to `pieces`, cut to them (shape

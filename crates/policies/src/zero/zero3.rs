@@ -717,7 +717,7 @@ impl ReducerPolicy for Zero3 {
         build: BuildOptimizer<'_>,
         ctx: &OptimizerContext,
     ) -> Result<Box<dyn Optimizer>> {
-        let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
+        let world = ctx.comm.world_size();
         let params = ctx.buckets.params().to_vec();
         let spans = ctx.buckets.spans();
         let mut g = self.hooks.lock();
@@ -732,29 +732,6 @@ impl ReducerPolicy for Zero3 {
                 return Err(zero3_error(format!("DDP's bucket {b} is not unit '{}'", unit.name)));
             }
         }
-        let part = MemoryPart::Parameters.enter();
-        let whole_masters = full.master_weights();
-        let masters = match whole_masters.is_empty() {
-            // mixed precision: the masters are f32 beside the 16-bit parameters
-            false => super::master_shards(ctx, &whole_masters)?,
-            true => own_master_shards(&spans, &params, world, rank)?,
-        };
-        drop(whole_masters);
-        // the optimizer's state is its own part
-        drop(part);
-        for (unit, master) in g.units.iter_mut().zip(&masters) {
-            unit.shard = Some(master.clone());
-        }
-        let opt = ZeroOptimizer::new(
-            ctx,
-            ZeroStage::Three,
-            Arc::default(),
-            full.as_ref(),
-            build,
-            usize::MAX,
-            Some(masters),
-        )?;
-        g.param_dtype = params.first().map_or(DType::F32, |p| p.value().dtype());
         // a sharded start: the trainable parameters were never whole, so nothing is gathered
         // and the first forward gathers each unit as every later one does
         let started_sharded = g
@@ -762,6 +739,12 @@ impl ReducerPolicy for Zero3 {
             .iter()
             .flat_map(|u| &u.params)
             .any(|&p| params[p].deferred_init().is_some());
+        let built = build_shards(ctx, full.as_ref(), build, &spans, &params);
+        let (masters, opt) = agree_on_shards(&ctx.comm, built, started_sharded)?;
+        for (unit, master) in g.units.iter_mut().zip(&masters) {
+            unit.shard = Some(master.clone());
+        }
+        g.param_dtype = params.first().map_or(DType::F32, |p| p.value().dtype());
         // under qwZ the first forward gathers too: a resumed run's first step reads as the straight run's
         let gather_first = started_sharded || (g.qwz && world > 1);
         for (i, param) in params.iter().enumerate() {
@@ -830,6 +813,64 @@ impl ReducerPolicy for Zero3 {
             quantized_gradients: self.options.qgz.then_some(quantized::BLOCK),
             quantized_gathers: self.options.qwz.then_some(quantized::BLOCK),
         })
+    }
+}
+
+/// This rank's f32 shard of every unit (the masters), cut from the parameters or beside 16-bit
+/// parameters from `full`'s f32 master weights, and the optimizer that steps them, its state
+/// cut from `full`'s.
+fn build_shards(
+    ctx: &OptimizerContext,
+    full: &dyn Optimizer,
+    build: BuildOptimizer<'_>,
+    spans: &[BucketSpan],
+    params: &[Var],
+) -> Result<(Vec<Tensor>, ZeroOptimizer)> {
+    let part = MemoryPart::Parameters.enter();
+    let whole_masters = full.master_weights();
+    let masters = match whole_masters.is_empty() {
+        // mixed precision: the masters are f32 beside the 16-bit parameters
+        false => super::master_shards(ctx, &whole_masters)?,
+        true => own_master_shards(spans, params, ctx.comm.world_size(), ctx.comm.rank())?,
+    };
+    drop(whole_masters);
+    // the optimizer's state is its own part
+    drop(part);
+    let opt = ZeroOptimizer::new(
+        ctx,
+        ZeroStage::Three,
+        Arc::default(),
+        full,
+        build,
+        usize::MAX,
+        Some(masters.clone()),
+    )?;
+    Ok((masters, opt))
+}
+
+/// `built` (this rank's shards and their optimizer), once every rank has built its own: under
+/// a sharded start each rank reads only its ranges of the recipes or of a file (`--init`, a
+/// resumed checkpoint), so a rank may fail alone (a NaN in its range), and the others stop
+/// with it, told which rank failed, rather than wait for it at the next collective.
+fn agree_on_shards<T>(comm: &Group, built: Result<T>, started_sharded: bool) -> Result<T> {
+    if !started_sharded || comm.world_size() < 2 {
+        return built;
+    }
+    let rank = comm.rank();
+    // the highest failed rank, plus one (0: none failed)
+    let mine = if built.is_err() { rank as f32 + 1.0 } else { 0.0 };
+    let tag = "zero3.shards_built";
+    let failed = comm
+        .all_reduce(&Tensor::from_vec(vec![mine], &[1])?, ReduceOp::Max, tag)
+        .wait()?
+        .item()?;
+    match built {
+        Ok(_) if failed > 0.0 => Err(DdpError::Comm(brigade_comm::CommError::RankFailed {
+            rank: failed as usize - 1,
+            tag: tag.into(),
+            reason: "it could not draw or read its shards of the parameters or of the optimizer state".into(),
+        })),
+        built => built,
     }
 }
 
