@@ -173,6 +173,10 @@ pub struct PassTimes {
     /// The policy's [`crate::ReducerPolicy::after_step`] after the step's optimizer: its
     /// seconds, and the seconds its collectives held the comm stream (`None` until it ran).
     pub after_step: Option<(f64, f64)>,
+    /// When the collectives the policy issued in earlier steps' `after_step` had last left the
+    /// comm stream, as this step's `after_step` began (`None`: it issued none yet). One still in
+    /// flight at the step's start holds the stream against the step's own collectives.
+    pub earlier_after_step_left: Option<Instant>,
 }
 
 /// One bucket of a [`PassTimes`].

@@ -226,6 +226,7 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
             reduce_s: v[6],
             after_step_s: v[7],
             after_step_link_s: v[8],
+            ..Default::default()
         }),
     }
 }

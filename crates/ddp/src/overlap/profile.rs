@@ -13,7 +13,7 @@
 //!                "optimizer_start_s": 0.034, "optimizer_end_s": 0.036, "step_end_s": 0.036,
 //!                "grad_ready_s": [0.030, 0.029, ...],                  // per parameter
 //!                "policy_s": { "reduce_s": 0.001, "after_step_s": 0.0004,
-//!                              "after_step_link_s": 0.0 },
+//!                              "after_step_link_s": 0.0, "in_flight_until_s": 0.012 },
 //!                "buckets": [ { "params": [3, 2], "bytes": 4096, "wire_bytes": 2048.0,
 //!                               "ready_s": 0.021, "launch_s": 0.021, "start_s": 0.021,
 //!                               "finish_s": 0.024, "link_s": 0.0025 } ],
@@ -33,7 +33,10 @@
 //! `policy_s` (the seconds inside the policy's `reduce`, within backward, and inside its
 //! `after_step`, within the optimizer span, with the part of it its collectives held the comm
 //! stream) and the policy's `after_step` wire (what it sends after the step, every how many
-//! steps). Version 1 profiles, without them, are read as before.
+//! steps). Version 1 profiles, without them, are read as before. `policy_s`'s
+//! `in_flight_until_s` (when the after-step collectives of earlier steps left the comm stream,
+//! absent when none held it in the step) and the after-step wire's `parts` (each fragment's
+//! share of the parameters) are absent from profiles written before them: those replay as before.
 //!
 //! `gathers` (absent unless the policy shards the parameters: ZeRO-3) lists the all-gathers of a
 //! unit's parameters in issue order: the unit, the gathered buffer's bytes, the pass it served,
@@ -153,6 +156,12 @@ pub struct PolicyTimes {
     pub after_step_s: f64,
     /// The part of `after_step_s` its collectives held the comm stream.
     pub after_step_link_s: f64,
+    /// When the collectives it issued in earlier steps' `after_step` left the comm stream, when
+    /// that was within this step (absent: none was on it then). The step's own collectives
+    /// (its buckets, the ranks' agreement after backward) queued behind them: the replay
+    /// charges that wait as the priced share of the after-step collectives instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight_until_s: Option<f64>,
 }
 
 /// One all-gather of a unit's parameters (ZeRO-3) as it ran in the recorded step.
@@ -310,6 +319,7 @@ impl RankProfile {
                 reduce_s: pass.reduce_s,
                 after_step_s: pass.after_step.map_or(0.0, |a| a.0),
                 after_step_link_s: pass.after_step.map_or(0.0, |a| a.1),
+                in_flight_until_s: pass.earlier_after_step_left.filter(|&t| t > step_start).map(secs),
             }),
         })
     }
@@ -573,6 +583,7 @@ impl RankProfile {
                 ("the policy's reduce_s", p.reduce_s),
                 ("the policy's after_step_s", p.after_step_s),
                 ("the policy's after_step_link_s", p.after_step_link_s),
+                ("the policy's in_flight_until_s", p.in_flight_until_s.unwrap_or(0.0)),
             ]
         });
         spans

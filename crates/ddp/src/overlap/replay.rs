@@ -132,8 +132,8 @@ pub struct ReplayResult {
     /// recorded (per byte of bucket; 0 for a profile that did not record it).
     pub policy_compute_s: f64,
     /// What a step waits, on average, for the policy's after-step collectives, priced on the
-    /// replayed link and world: each fragment's less the compute of the steps it overlaps, a
-    /// step's share of them (0 for a policy that sends nothing after the step).
+    /// replayed link and world: each fragment's less the compute it runs behind, a step's share
+    /// of them (0 for a policy that sends nothing after the step).
     pub after_step_comm_s: f64,
     /// Communication left after the last rank's backward compute ended.
     pub exposed_comm_s: f64,
@@ -410,7 +410,8 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
     }
     let after = profile.policy.as_ref().and_then(|p| p.after_step.as_ref());
     let after_link = rank0.policy_s.map_or(0.0, |p| p.after_step_link_s);
-    if let Some(a) = after.filter(|_| after_link > 0.0) {
+    // a collective that runs behind the next steps had not all run when its `after_step` returned
+    if let Some(a) = after.filter(|a| after_link > 0.0 && a.overlap_steps == 0) {
         let price = a.price(&param_bytes, n0);
         pts.push((price.messages, price.link_bytes, after_link));
     }
@@ -535,7 +536,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     }
     let last_finish = comm.buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
     let (compute_step, predicted_step) = steps(profile, &clock, last_finish);
-    let after_step_comm = after_step_comm(profile, &costs, compute_step);
+    let after_step_comm = after_step_comm(profile, &costs);
     let predicted_step = predicted_step + after_step_comm;
     let drained = fluid_drain(&costs, &clock);
     Ok(ReplayResult {
@@ -630,12 +631,30 @@ fn compute_per_byte(profile: &StepProfile) -> f64 {
 }
 
 /// The policy's after-step collectives on the replayed link and world: what a step waits for
-/// them, on average, when it computes `compute_step` ([`crate::policy::AfterStepWire::step_share`]).
-fn after_step_comm(profile: &StepProfile, costs: &Costs, compute_step: f64) -> f64 {
-    match profile.policy.as_ref().and_then(|p| p.after_step.as_ref()) {
-        Some(a) => a.step_share(&costs.param_bytes, costs.n, costs.alpha, costs.per_byte, compute_step),
-        None => 0.0,
-    }
+/// them, on average ([`crate::policy::AfterStepWire::step_share`]), each running behind the
+/// compute of the step after it up to that step's first collective on the comm stream (its
+/// first bucket's launch, or the wait for its buckets when the policy sends none: the ranks'
+/// agreement follows), the mean over the ranks.
+fn after_step_comm(profile: &StepProfile, costs: &Costs) -> f64 {
+    let Some(a) = profile.policy.as_ref().and_then(|p| p.after_step.as_ref()) else {
+        return 0.0;
+    };
+    let on_link = !matches!(costs.wire, WireModel::Local);
+    let head = mean(
+        profile
+            .ranks
+            .iter()
+            .map(|r| {
+                let first = r
+                    .buckets
+                    .first()
+                    .filter(|_| on_link)
+                    .map_or(f64::INFINITY, |b| b.launch_s);
+                first.min(r.waited_until())
+            })
+            .collect(),
+    );
+    a.step_share(&costs.param_bytes, costs.n, costs.alpha, costs.per_byte, head)
 }
 
 /// Every rank's recorded times on rank 0's clock, moved by what the replayed parameter gathers
@@ -839,7 +858,9 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
     // collectives it recorded are replaced by their priced share.
     let after_backward = |r: &RankProfile| {
         let recorded_link = r.policy_s.map_or(0.0, |p| p.after_step_link_s);
-        (r.optimizer_start_s - r.waited_until()).max(0.0)
+        // the wait behind earlier steps' after-step collectives is their priced share's
+        let held = r.policy_s.and_then(|p| p.in_flight_until_s).unwrap_or(0.0);
+        (r.optimizer_start_s - r.waited_until().max(held)).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s - recorded_link).max(0.0)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };

@@ -735,6 +735,7 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
             fragments,
             overlap_steps,
             collectives: 1,
+            parts: vec![],
         });
         p
     };
@@ -768,6 +769,95 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
     // a period of 0 is refused in one line
     let e = replay(&diloco(0, 1, 0), &cfg(100.0, 100.0)).unwrap_err().to_string();
     assert!(e.contains("every 0 steps") && !e.contains('\n'), "{e}");
+}
+
+/// The profile of the DiLoCo test (512 KiB + 1 KiB of f32 parameters, backward's compute
+/// ending at 10 ms, 2 ranks) under streaming DiLoCo on a 32 MiB/s, 1 ms link: two fragments
+/// sent every 10 steps, each behind the compute that follows it, of `parts` (empty: equal).
+fn streaming(parts: Vec<brigade_ddp::policy::FragmentPart>) -> (StepProfile, ReplayConfig) {
+    use brigade_ddp::overlap::WireModel;
+    use brigade_ddp::policy::{AfterStepWire, WireOp};
+    let (w, b) = (512 * 256 * 4, 256 * 4);
+    let shapes: [&[usize]; 2] = [&[512, 256], &[256]];
+    let mut p = under(
+        profile(&[(w, 0.010), (b, 0.010)], 0.010),
+        "streaming",
+        Some(WireModel::Local),
+        &shapes,
+    );
+    p.policy.as_mut().unwrap().after_step = Some(AfterStepWire {
+        op: WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 10,
+        fragments: 2,
+        overlap_steps: 1,
+        collectives: 1,
+        parts,
+    });
+    let slow = ReplayConfig {
+        link: LinkCost::Ring(NetModel {
+            latency: Duration::from_millis(1),
+            bandwidth_bytes_per_s: (32 * MIB) as f64,
+        }),
+        ..cfg(100.0, 100.0)
+    };
+    (p, slow)
+}
+
+#[test]
+fn each_fragment_of_an_after_step_sync_is_priced_at_its_own_share() {
+    use brigade_ddp::policy::FragmentPart;
+    // The first fragment holds the 512 KiB weight, the second the 1 KiB bias. Each runs behind
+    // the 10 ms of backward's compute of the step after it (the ranks' agreement then queues
+    // behind it): the weight's all-reduce (2 ms + 512 KiB at 32 MiB/s = 17.6 ms) is exposed
+    // 7.6 ms once a period, the bias's (2.03 ms) not at all. Two equal halves (9.8 ms each)
+    // would be hidden whole.
+    let (w, b) = (512.0 * 256.0 * 4.0, 256.0 * 4.0);
+    let parts = vec![
+        FragmentPart {
+            share: w / (w + b),
+            collectives: 1,
+        },
+        FragmentPart {
+            share: b / (w + b),
+            collectives: 1,
+        },
+    ];
+    let (p, slow) = streaming(parts);
+    let r = replay(&p, &slow).unwrap();
+    let weight = 0.002 + w / (32.0 * MIB as f64);
+    close(
+        r.after_step_comm_s,
+        (weight - 0.010) / 10.0,
+        "the weight's fragment exposed",
+    );
+    let (p, slow) = streaming(vec![]);
+    let halves = replay(&p, &slow).unwrap();
+    close(halves.after_step_comm_s, 0.0, "two equal halves");
+}
+
+#[test]
+fn a_wait_behind_an_earlier_steps_sync_is_charged_as_the_syncs_priced_share() {
+    // The recorded step's agreement after backward (10 ms) queued behind a fragment sync that
+    // an earlier step issued and that left the comm stream at 19 ms: the optimizer began at
+    // 20 ms. Replayed, the 9 ms of waiting leave (the 1 ms agreement stays) and the syncs'
+    // priced share comes in: the same on every step, whether its recorded step waited or not.
+    let (quiet, slow) = streaming(vec![]);
+    let mut waited = quiet.clone();
+    for r in &mut waited.ranks {
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.020, 0.021, 0.021);
+        r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
+            in_flight_until_s: Some(0.019),
+            ..Default::default()
+        });
+    }
+    let (a, b) = (replay(&quiet, &slow).unwrap(), replay(&waited, &slow).unwrap());
+    close(
+        b.compute_step_s,
+        a.compute_step_s + 0.001,
+        "the agreement stays, the wait leaves",
+    );
+    close(b.predicted_step_s, a.predicted_step_s + 0.001, "the priced share alone");
 }
 
 /// The profile of `what_followed_the_recorded_buckets_is_kept_as_recorded`: both 1 MiB
@@ -811,12 +901,14 @@ fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period(
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     });
     for r in &mut p.ranks {
         r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
             reduce_s: 0.0,
             after_step_s: 0.0005,
             after_step_link_s: 0.0004,
+            in_flight_until_s: None,
         });
     }
     let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
@@ -967,6 +1059,7 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     });
     let sync = 0.002 + (w + b) as f64 / (1u64 << 30) as f64;
     for r in &mut p.ranks {
@@ -976,6 +1069,7 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
             reduce_s: 0.0,
             after_step_s: sync,
             after_step_link_s: sync,
+            in_flight_until_s: None,
         });
     }
     let measured = replay(
