@@ -856,11 +856,10 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
     // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss), the
     // optimizer with the policy's after-step compute, and the rest of the step; the after-step
     // collectives it recorded are replaced by their priced share.
+    let held = held_by_earlier_syncs(ranks);
     let after_backward = |r: &RankProfile| {
         let recorded_link = r.policy_s.map_or(0.0, |p| p.after_step_link_s);
-        // the wait behind earlier steps' after-step collectives is their priced share's
-        let held = r.policy_s.and_then(|p| p.in_flight_until_s).unwrap_or(0.0);
-        (r.optimizer_start_s - r.waited_until().max(held)).max(0.0)
+        (r.optimizer_start_s - r.waited_until() - held).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s - recorded_link).max(0.0)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
@@ -889,6 +888,22 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64) -> (f64, f64) {
             .collect(),
     );
     (compute_step, predicted_step)
+}
+
+/// What the recorded step waited after backward for the after-step collectives of earlier
+/// steps (a sync overlapped with the steps after it) to leave the comm stream, which the replay
+/// charges as their priced share instead: the least such wait over the ranks (they left the
+/// stream together; a rank that waited longer had reached the agreement earlier, and would have
+/// waited for the last rank as in any step). 0 when a rank recorded none.
+fn held_by_earlier_syncs(ranks: &[RankProfile]) -> f64 {
+    ranks
+        .iter()
+        .map(|r| match r.policy_s.and_then(|p| p.in_flight_until_s) {
+            Some(left) => (left.min(r.optimizer_start_s) - r.waited_until()).max(0.0),
+            None => 0.0,
+        })
+        .reduce(f64::min)
+        .unwrap_or(0.0)
 }
 
 /// When the last byte would have left for the lower bound: a fluid link that carries each byte

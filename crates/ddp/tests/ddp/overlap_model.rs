@@ -858,6 +858,18 @@ fn a_wait_behind_an_earlier_steps_sync_is_charged_as_the_syncs_priced_share() {
         "the agreement stays, the wait leaves",
     );
     close(b.predicted_step_s, a.predicted_step_s + 0.001, "the priced share alone");
+    // Rank 1 reached the agreement 3 ms after rank 0: the sync left at 16 ms on its clock, its
+    // optimizer began at 17 ms. Rank 0 would have waited those 3 ms for it in any step: each
+    // rank's wait for the sync is the last rank's 6 ms, and rank 0 keeps 3 ms + 1 ms.
+    let r1 = &mut waited.ranks[1];
+    (r1.optimizer_start_s, r1.optimizer_end_s, r1.step_end_s) = (0.017, 0.018, 0.018);
+    r1.policy_s.as_mut().unwrap().in_flight_until_s = Some(0.016);
+    let c = replay(&waited, &slow).unwrap();
+    close(
+        c.compute_step_s,
+        a.compute_step_s + (0.004 + 0.001) / 2.0,
+        "rank 0 waited for rank 1",
+    );
 }
 
 /// The profile of `what_followed_the_recorded_buckets_is_kept_as_recorded`: both 1 MiB
