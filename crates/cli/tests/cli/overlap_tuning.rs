@@ -325,7 +325,8 @@ fn a_streaming_diloco_profile_records_its_fragments_and_the_wait_behind_an_earli
     let d = dir("streaming-profile");
     let p = d.join("steps.json");
     let mut run = RUN.to_vec();
-    run[run.iter().position(|a| *a == "--net-gbps").unwrap() + 1] = "0.05";
+    let gbps = run.iter().position(|a| *a == "--net-gbps").unwrap() + 1;
+    run[gbps] = "0.05";
     ok(&[
         &["train"],
         &run[..],

@@ -797,7 +797,13 @@ impl CommRun<'_> {
         }
         let b_bytes: usize = group.iter().map(|&p| costs.profile.params[p].bytes).sum();
         let (link_s, wire_bytes) = costs.bucket(&group);
-        let (start, left) = self.link.take(launch_max, b_bytes, link_s, clock.backward_end());
+        // a low-rank policy (PowerSGD) issues a bucket's collectives once the previous bucket's
+        // reduction, its compute between and after its collectives included, is done
+        let issued = match costs.wire {
+            WireModel::LowRank { .. } => launch_max.max(self.computed),
+            _ => launch_max,
+        };
+        let (start, left) = self.link.take(issued, b_bytes, link_s, clock.backward_end());
         let finish = left.max(self.computed) + costs.compute(b_bytes);
         self.computed = finish;
         self.buckets.push(ReplayBucket {

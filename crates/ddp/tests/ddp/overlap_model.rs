@@ -1151,6 +1151,52 @@ fn a_policys_compute_after_its_collective_does_not_hold_the_link_for_the_next_bu
 }
 
 #[test]
+fn a_low_rank_bucket_waits_for_the_previous_buckets_compute_between_its_collectives() {
+    // The profile of the test above under PowerSGD at rank 1 (a bucket's all-reduces of the P
+    // and Q factors of its [512, 512] gradient, 2 KiB each, 2 ms of latency each): it issues
+    // bucket 1's collectives once bucket 0's reduction, its compute included, is done. Bucket
+    // 0 runs from 10 ms for 4 ms + 4 KiB on the link, then 0.5 ms of compute; bucket 1 only
+    // then, and as long.
+    use brigade_ddp::overlap::WireModel;
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.010, 0.0125);
+        b0.link_s = Some(0.002);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.0125, 0.015);
+        b1.link_s = Some(0.002);
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.016, 0.017, 0.017);
+    }
+    let shapes: [&[usize]; 2] = [&[512, 512], &[512, 512]];
+    let low_rank = WireModel::LowRank {
+        factors: vec![Some((512, 512)), Some((512, 512))],
+        start_iter: 0,
+    };
+    let p = under(p, "powersgd:1", Some(low_rank), &shapes);
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    let link_s = 0.004 + 4096.0 / (1u64 << 30) as f64;
+    close(
+        r.buckets[0].finish_s,
+        0.010 + link_s + 0.0005,
+        "bucket 0 with its compute",
+    );
+    close(
+        r.buckets[1].start_s,
+        0.010 + link_s + 0.0005,
+        "bucket 1 once bucket 0 is done",
+    );
+    close(
+        r.buckets[1].finish_s,
+        0.010 + 2.0 * (link_s + 0.0005),
+        "bucket 1 with its compute",
+    );
+}
+
+#[test]
 fn a_collective_that_waited_for_the_previous_buckets_continuation_does_not_measure_the_link() {
     // Buckets of 1 MiB and 256 KiB recorded one after the other on the 1 ms, 1 GiB/s link fix
     // it; a third bucket, issued while the second's continuation still held the comm stream,
