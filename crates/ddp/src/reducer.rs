@@ -191,6 +191,9 @@ pub struct PassBucket {
     pub wire_bytes: f64,
     /// When it was handed to the policy.
     pub launched: Instant,
+    /// When the policy's `reduce` returned (its compute before its collectives done, they
+    /// issued).
+    pub issued: Instant,
     /// When its collectives ran (first start, last finish), once it completed.
     pub ran: Option<(Instant, Instant)>,
     /// Seconds its collectives held the comm stream, once it completed: the rest of `ran` is
@@ -631,6 +634,7 @@ impl Reducer {
                 None => reduce(),
             }
         }?;
+        let issued = Instant::now();
         self.group.launched(b, &meter)?;
         let bucket = &mut st.buckets[b];
         bucket.work = Some(InFlight { reduction, meter, link });
@@ -640,6 +644,7 @@ impl Reducer {
             bytes,
             wire_bytes: 0.0,
             launched,
+            issued,
             ran: None,
             link_s: 0.0,
         });

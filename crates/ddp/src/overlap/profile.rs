@@ -128,6 +128,10 @@ pub struct BucketProfile {
     pub ready_s: f64,
     /// When the reducer issued its collective (strict bucket order may delay it past `ready_s`).
     pub launch_s: f64,
+    /// When the policy's `reduce` returned, its compute before its collectives done (a top-k
+    /// selection, packing signs); absent in profiles written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_s: Option<f64>,
     /// When it started on the link (every rank had joined and the link was free).
     pub start_s: f64,
     /// When it finished.
@@ -139,6 +143,12 @@ pub struct BucketProfile {
 }
 
 impl BucketProfile {
+    /// The policy's compute before the bucket's collectives, inside its `reduce` (0 when not
+    /// recorded).
+    pub fn reduce_s(&self) -> f64 {
+        self.issued_s.map_or(0.0, |i| (i - self.launch_s).max(0.0))
+    }
+
     /// The policy's own compute between the bucket's collectives (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
         // a chained policy's collectives may be counted from before the bucket was handed over
@@ -283,6 +293,7 @@ impl RankProfile {
                     wire_bytes: Some(b.wire_bytes),
                     ready_s: b.params.iter().map(|&p| grad_ready_s[p]).fold(0.0, f64::max),
                     launch_s,
+                    issued_s: Some(secs(b.issued)),
                     start_s: start,
                     finish_s: finish,
                     link_s: b.ran.map(|_| b.link_s),
@@ -565,6 +576,7 @@ impl RankProfile {
             [
                 ("a bucket's ready_s", b.ready_s),
                 ("a bucket's launch_s", b.launch_s),
+                ("a bucket's issued_s", b.issued_s.unwrap_or(b.launch_s)),
                 ("a bucket's start_s", b.start_s),
                 ("a bucket's finish_s", b.finish_s),
                 ("a bucket's link_s", b.link_s.unwrap_or(0.0)),

@@ -4,7 +4,7 @@
 use brigade_comm::{NetModel, RingOp};
 use serde::Serialize;
 
-use super::{RankProfile, RingPrice, StepProfile, WireModel};
+use super::{BucketProfile, RankProfile, RingPrice, StepProfile, WireModel};
 use crate::policy::GatherPhase;
 use crate::{assign_buckets, DdpError};
 
@@ -248,8 +248,9 @@ fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, s
     let (during, after) = (&mut samples.0, &mut samples.1);
     // (start, finish, when the last rank issued it, bytes, whether a gather) of each collective
     let mut ops: Vec<(f64, f64, f64, usize, bool)> = vec![];
-    for b in &ranks[0].buckets {
-        // Each rank issues bucket k once its gradients are ready and bucket k−1 is issued.
+    for (k, b) in ranks[0].buckets.iter().enumerate() {
+        // Each rank issues bucket k once its gradients are ready, bucket k−1 is issued and the
+        // policy's `reduce` has computed what it sends.
         let mut last_issue = f64::NEG_INFINITY;
         for (r, rank) in ranks.iter().enumerate() {
             let ready = b
@@ -257,7 +258,8 @@ fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, s
                 .iter()
                 .map(|&p| rank.grad_ready_s[p] - offsets[r])
                 .fold(f64::NEG_INFINITY, f64::max);
-            issued[r] = issued[r].max(ready);
+            let reduce = rank.buckets.get(k).map_or(0.0, BucketProfile::reduce_s);
+            issued[r] = issued[r].max(ready) + reduce;
             last_issue = last_issue.max(issued[r]);
         }
         ops.push((b.start_s, b.finish_s, last_issue, b.bytes, false));
@@ -604,6 +606,27 @@ impl Costs<'_> {
         }
     }
 
+    /// Rank `r`'s compute inside the policy's `reduce` for the bucket of parameters `group`,
+    /// before its collectives: as recorded for a recorded bucket of the same parameters, else
+    /// at the rank's recorded rate per byte (0 when not recorded, or on one rank).
+    fn reduce(&self, r: usize, group: &[usize]) -> f64 {
+        let recorded = &self.profile.ranks[r].buckets;
+        if self.n < 2 {
+            return 0.0;
+        }
+        if let Some(b) = recorded.iter().find(|b| b.params == group) {
+            return b.reduce_s();
+        }
+        let bytes: usize = recorded.iter().map(|b| b.bytes).sum();
+        let secs: f64 = recorded.iter().map(BucketProfile::reduce_s).sum();
+        let group_bytes: usize = group.iter().map(|&p| self.param_bytes[p]).sum();
+        if bytes == 0 {
+            0.0
+        } else {
+            secs * group_bytes as f64 / bytes as f64
+        }
+    }
+
     /// A bucket's time on the link (its collectives) and its wire bytes.
     fn bucket(&self, group: &[usize]) -> (f64, f64) {
         if self.n < 2 {
@@ -791,7 +814,7 @@ impl CommRun<'_> {
                 .iter()
                 .map(|&p| clock.ready_at(r, p))
                 .fold(f64::NEG_INFINITY, f64::max);
-            *launched = launched.max(ready);
+            *launched = launched.max(ready) + costs.reduce(r, &group);
             ready_max = ready_max.max(ready);
             launch_max = launch_max.max(*launched);
         }

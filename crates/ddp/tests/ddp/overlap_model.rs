@@ -208,6 +208,7 @@ fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
                 wire_bytes: None,
                 ready_s: 0.0,
                 launch_s: 0.0,
+                issued_s: None,
                 start_s: 0.0,
                 finish_s: d,
                 link_s: None,
@@ -342,6 +343,7 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
             wire_bytes: None,
             ready_s: 0.010,
             launch_s: 0.010,
+            issued_s: None,
             start_s: 0.010,
             finish_s: 0.012,
             link_s: None,
@@ -362,6 +364,7 @@ fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f6
         wire_bytes: None,
         ready_s: ready,
         launch_s: ready,
+        issued_s: None,
         start_s: start,
         finish_s: finish,
         link_s: None,
@@ -600,6 +603,7 @@ fn a_measured_link_is_fitted_to_what_each_recorded_bucket_sent() {
         wire_bytes: Some(bytes as f64 / 2.0),
         ready_s: start,
         launch_s: start,
+        issued_s: None,
         start_s: start,
         finish_s: start + secs,
         link_s: None,
@@ -665,6 +669,7 @@ fn zero3_profile() -> StepProfile {
             wire_bytes: Some(MIB as f64 / 2.0),
             ready_s: 0.010,
             launch_s: 0.010,
+            issued_s: None,
             start_s: 0.010,
             finish_s: 0.012,
             link_s: None,
@@ -972,6 +977,7 @@ fn powersgd_profile(start_iter: usize) -> StepProfile {
         wire_bytes: Some(sent),
         ready_s: start,
         launch_s: start,
+        issued_s: None,
         start_s: start,
         finish_s: start + secs,
         link_s: Some(secs),
@@ -1194,6 +1200,34 @@ fn a_low_rank_bucket_waits_for_the_previous_buckets_compute_between_its_collecti
         0.010 + 2.0 * (link_s + 0.0005),
         "bucket 1 with its compute",
     );
+}
+
+#[test]
+fn a_policys_compute_before_its_collective_delays_the_collective() {
+    // Two 1 MiB gradients ready at 10 ms, one per bucket; the policy's `reduce` computed 1 ms
+    // of each (a top-k selection) before issuing its collectives: bucket 0 is issued at 11 ms,
+    // bucket 1 after it, at 12 ms. On the link each takes 2 ms + 1 MiB / 1 GiB/s.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.012);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.011, 0.014);
+        b0.issued_s = Some(0.011);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.014, 0.017);
+        (b1.launch_s, b1.issued_s) = (0.011, Some(0.012));
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.017, 0.018, 0.018);
+    }
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    let link_s = 0.002 + 1.0 / 1024.0;
+    close(r.buckets[0].start_s, 0.011, "bucket 0 once its selection is done");
+    close(r.buckets[1].launch_s, 0.012, "bucket 1 once its own is");
+    close(r.buckets[1].finish_s, 0.011 + 2.0 * link_s, "bucket 1 behind bucket 0");
+    // at another cap, one bucket of both: its selection at the recorded rate per byte
+    let one = replay_with(&p, &cfg(2.0, 2.0), LaunchOverhead::default()).unwrap();
+    close(one.buckets[0].start_s, 0.012, "2 ms of selection for 2 MiB");
 }
 
 #[test]
