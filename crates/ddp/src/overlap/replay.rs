@@ -390,7 +390,14 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
     let waited: Vec<bool> = (0..rank0.buckets.len())
         .map(|k| {
             let (b, before) = (&rank0.buckets[k], k.checked_sub(1).map(|j| &rank0.buckets[j]));
-            b.link_s.is_some() && before.is_some_and(|before| b.start_s < before.finish_s)
+            // it started after the previous bucket's collectives left the link, before its
+            // continuation ended (one that started earlier found the link free: the previous
+            // bucket's recorded finish ran a little late, as a ZeRO bucket's landing does)
+            b.link_s.is_some()
+                && before.is_some_and(|before| {
+                    let left_link = before.finish_s - before.policy_compute_s();
+                    b.start_s < before.finish_s && b.start_s >= left_link - IDLE_LINK_S
+                })
         })
         .collect();
     let all_waited = waited.iter().all(|&w| w);
