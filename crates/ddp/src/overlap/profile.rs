@@ -149,11 +149,14 @@ impl BucketProfile {
         self.issued_s.map_or(0.0, |i| (i - self.launch_s).max(0.0))
     }
 
-    /// The policy's own compute between the bucket's collectives (0 when not recorded).
+    /// The policy's own compute between and after the bucket's collectives, once its `reduce`
+    /// returned (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
-        // a chained policy's collectives may be counted from before the bucket was handed over
+        // a chained policy's collectives may be counted from before the bucket was handed over;
+        // the compute inside `reduce`, before them, is `reduce_s`
+        let issued = self.issued_s.unwrap_or(self.launch_s).max(self.launch_s);
         self.link_s
-            .map_or(0.0, |l| (self.finish_s - self.start_s.max(self.launch_s) - l).max(0.0))
+            .map_or(0.0, |l| (self.finish_s - self.start_s.max(issued) - l).max(0.0))
     }
 }
 

@@ -396,7 +396,7 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
             b.link_s.is_some()
                 && before.is_some_and(|before| {
                     let left_link = before.finish_s - before.policy_compute_s();
-                    b.start_s < before.finish_s && b.start_s >= left_link - IDLE_LINK_S
+                    b.start_s < before.finish_s && b.start_s >= left_link
                 })
         })
         .collect();
