@@ -392,7 +392,9 @@ impl StepProfile {
                     .buckets
                     .iter()
                     .zip(zero)
-                    .filter(|(b, b0)| b.params == b0.params)
+                    // a start before the bucket was handed over is not its collective's (a
+                    // chained policy's wait for the previous step's last bucket)
+                    .filter(|(b, b0)| b.params == b0.params && b.start_s >= b.launch_s && b0.start_s >= b0.launch_s)
                     .map(|(b, b0)| b.start_s - b0.start_s)
                     .collect();
                 if d.is_empty() {

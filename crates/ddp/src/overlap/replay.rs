@@ -410,7 +410,10 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
             Some(w) if price.wire_bytes > 0.0 => w / price.wire_bytes,
             _ => 1.0,
         };
-        let secs = (b.finish_s - b.start_s - b.policy_compute_s()).max(0.0);
+        // what its collectives held the comm stream, when recorded
+        let secs = b
+            .link_s
+            .unwrap_or((b.finish_s - b.start_s - b.policy_compute_s()).max(0.0));
         pts.push((price.messages, price.link_bytes * scale, secs));
     }
     for g in &rank0.gathers {

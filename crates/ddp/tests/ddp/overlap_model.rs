@@ -1279,3 +1279,19 @@ fn a_collective_that_started_before_the_previous_ones_recorded_finish_measures_t
     close_to(link.latency.as_secs_f64(), 0.001, 0.3, "latency");
     close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 0.5, "bandwidth");
 }
+
+#[test]
+fn a_bucket_start_from_before_it_was_handed_over_does_not_set_the_clocks() {
+    // Rank 1's clock runs 1 ms behind rank 0's: bucket 1 started on the link at 12 ms on rank
+    // 0's clock, 11 ms on rank 1's. Bucket 0's recorded starts (0 ms, before it was handed
+    // over: a chained policy's wait for the previous step's last bucket) say nothing of it.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for (r, rank) in p.ranks.iter_mut().enumerate() {
+        let shift = if r == 1 { -0.001 } else { 0.0 };
+        rank.buckets = vec![
+            recorded(vec![1], MIB, 0.010, 0.0, 0.011 + shift),
+            recorded(vec![0], MIB, 0.010, 0.012 + shift, 0.014 + shift),
+        ];
+    }
+    close(p.clock_offsets()[1], -0.001, "rank 1's clock");
+}
