@@ -283,6 +283,7 @@ impl DistributedDataParallel {
         Ok(DdpOptimizer {
             inner,
             reducer: self.reducer.clone(),
+            after_steps: Default::default(),
         })
     }
 
@@ -589,6 +590,9 @@ impl Drop for DistributedDataParallel {
 pub struct DdpOptimizer {
     inner: Box<dyn Optimizer>,
     reducer: Arc<Reducer>,
+    /// The link time of every step's `after_step` collectives (when the last of them left the
+    /// comm stream: a later step's first collective may have waited for it).
+    after_steps: crate::group::LinkTime,
 }
 
 impl DdpOptimizer {
@@ -617,14 +621,19 @@ impl Optimizer for DdpOptimizer {
             params: &self.reducer.params,
             loss_scale,
         };
-        let link = crate::group::LinkTime::default();
+        // the earlier steps' after-step collectives, as far as they had left the comm stream
+        let earlier_left = self.after_steps.left();
+        let link = crate::group::LinkTime::within(&self.after_steps);
         let began = std::time::Instant::now();
         let done = self
             .reducer
             .lock_policy()
             .after_step(&ctx, &self.reducer.metered_timing(link.clone()));
         let took = began.elapsed().as_secs_f64();
-        self.reducer.lock().pass.after_step = Some((took, link.seconds()));
+        let mut st = self.reducer.lock();
+        st.pass.after_step = Some((took, link.seconds()));
+        st.pass.earlier_after_step_left = earlier_left;
+        drop(st);
         done.map_err(optimizer_error)
     }
 

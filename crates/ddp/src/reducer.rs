@@ -173,6 +173,10 @@ pub struct PassTimes {
     /// The policy's [`crate::ReducerPolicy::after_step`] after the step's optimizer: its
     /// seconds, and the seconds its collectives held the comm stream (`None` until it ran).
     pub after_step: Option<(f64, f64)>,
+    /// When the collectives the policy issued in earlier steps' `after_step` had last left the
+    /// comm stream, as this step's `after_step` began (`None`: it issued none yet). One still in
+    /// flight at the step's start holds the stream against the step's own collectives.
+    pub earlier_after_step_left: Option<Instant>,
 }
 
 /// One bucket of a [`PassTimes`].
@@ -187,6 +191,9 @@ pub struct PassBucket {
     pub wire_bytes: f64,
     /// When it was handed to the policy.
     pub launched: Instant,
+    /// When the policy's `reduce` returned (its compute before its collectives done, they
+    /// issued).
+    pub issued: Instant,
     /// When its collectives ran (first start, last finish), once it completed.
     pub ran: Option<(Instant, Instant)>,
     /// Seconds its collectives held the comm stream, once it completed: the rest of `ran` is
@@ -627,6 +634,7 @@ impl Reducer {
                 None => reduce(),
             }
         }?;
+        let issued = Instant::now();
         self.group.launched(b, &meter)?;
         let bucket = &mut st.buckets[b];
         bucket.work = Some(InFlight { reduction, meter, link });
@@ -636,6 +644,7 @@ impl Reducer {
             bytes,
             wire_bytes: 0.0,
             launched,
+            issued,
             ran: None,
             link_s: 0.0,
         });

@@ -491,6 +491,7 @@ impl ReducerPolicy for Diloco {
             overlap_steps: 0,
             // one all-reduce per parameter (`Outer::issue`)
             collectives: shapes.len().max(1),
+            parts: vec![],
         })
     }
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use brigade_autograd::Optimizer;
 use brigade_comm::ReduceOp;
-use brigade_ddp::policy::{AfterStepWire, WireModel, WireOp};
+use brigade_ddp::policy::{AfterStepWire, FragmentPart, WireModel, WireOp};
 use brigade_ddp::policy::{
     BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
 };
@@ -516,7 +516,27 @@ impl ReducerPolicy for StreamingDiloco {
         Some(WireModel::Local)
     }
 
-    fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
+    fn after_step_wire(&self, shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
+        // the fragments as cut (over the optimizer's parameters), else as they will be
+        let sizes: Vec<usize> = if self.fragments.is_empty() {
+            shapes.iter().map(|s| s.iter().product()).collect()
+        } else {
+            self.outer.sizes()
+        };
+        let fragments = if self.fragments.is_empty() {
+            split(&sizes, self.cfg.fragments.min(sizes.len()).max(1))
+        } else {
+            self.fragments.clone()
+        };
+        let total = sizes.iter().sum::<usize>().max(1) as f64;
+        // each of a fragment's parameters is sent in a collective of its own (`issue`)
+        let parts = fragments
+            .iter()
+            .map(|ids| FragmentPart {
+                share: ids.iter().map(|&i| sizes[i]).sum::<usize>() as f64 / total,
+                collectives: ids.len().max(1),
+            })
+            .collect();
         Some(AfterStepWire {
             op: match self.cfg.outer_precision {
                 OuterPrecision::Int8 => WireOp::AllGather,
@@ -527,6 +547,7 @@ impl ReducerPolicy for StreamingDiloco {
             fragments: self.cfg.fragments,
             overlap_steps: self.cfg.delay,
             collectives: 1,
+            parts,
         })
     }
 }

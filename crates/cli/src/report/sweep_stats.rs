@@ -320,6 +320,7 @@ mod tests {
                 wire_bytes: None,
                 ready_s: 0.009 + by,
                 launch_s: 0.009 + by,
+                issued_s: None,
                 start_s: 0.010 + by,
                 finish_s: 0.013 + by,
                 link_s: None,

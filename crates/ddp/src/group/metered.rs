@@ -21,18 +21,52 @@ pub struct Metered {
 }
 
 /// Seconds the collectives of one wrapper held the comm stream, added up as they complete
-/// (clones share it): what a step profile separates from a policy's own compute.
+/// (clones share it): what a step profile separates from a policy's own compute; with when the
+/// last of them left the stream, and a wrapper it also reports to ([`LinkTime::within`]).
 #[derive(Debug, Clone, Default)]
-pub(crate) struct LinkTime(std::sync::Arc<std::sync::Mutex<f64>>);
+pub(crate) struct LinkTime(std::sync::Arc<std::sync::Mutex<Held>>);
+
+/// What a [`LinkTime`] has added up.
+#[derive(Debug, Default)]
+struct Held {
+    seconds: f64,
+    left: Option<std::time::Instant>,
+    outer: Option<LinkTime>,
+}
 
 impl LinkTime {
-    fn add(&self, d: Duration) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) += d.as_secs_f64();
+    /// A new count that also adds into `outer` (which outlives it: the collectives of every
+    /// step's `after_step`).
+    pub(crate) fn within(outer: &LinkTime) -> LinkTime {
+        let t = LinkTime::default();
+        t.lock().outer = Some(outer.clone());
+        t
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add(&self, d: Duration, left: std::time::Instant) {
+        let outer = {
+            let mut h = self.lock();
+            h.seconds += d.as_secs_f64();
+            h.left = Some(h.left.map_or(left, |l| l.max(left)));
+            h.outer.clone()
+        };
+        if let Some(o) = outer {
+            o.add(d, left);
+        }
     }
 
     /// The seconds added so far.
     pub(crate) fn seconds(&self) -> f64 {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.lock().seconds
+    }
+
+    /// When the last of its collectives left the comm stream (`None`: none has yet).
+    pub(crate) fn left(&self) -> Option<std::time::Instant> {
+        self.lock().left
     }
 }
 
@@ -82,7 +116,7 @@ impl Metered {
         };
         if let Some(link) = &self.link {
             let link = link.clone();
-            work.on_ran(move |d| link.add(d));
+            work.on_ran(move |d, left| link.add(d, left));
         }
         work
     }

@@ -439,15 +439,15 @@ impl<T: Send + 'static> TensorWork<T> {
     }
 
     /// Calls `told` with how long the work ran on the comm stream (from its start to its
-    /// completion), once it completed; never for a work that failed.
-    pub(crate) fn on_ran(&self, told: impl FnOnce(Duration) + Send + 'static) {
+    /// completion) and when it completed, once it completed; never for a work that failed.
+    pub(crate) fn on_ran(&self, told: impl FnOnce(Duration, std::time::Instant) + Send + 'static) {
         let mut started = None;
         let mut told = Some(told);
         self.work.observe(move |event| match event {
             brigade_comm::WorkEvent::Started(at) => started = Some(at),
             brigade_comm::WorkEvent::Finished { at, error: None } => {
                 if let (Some(s), Some(f)) = (started, told.take()) {
-                    f(at.saturating_duration_since(s));
+                    f(at.saturating_duration_since(s), at);
                 }
             }
             brigade_comm::WorkEvent::Finished { .. } => {}

@@ -227,6 +227,7 @@ fn decode(rank: usize, v: &[f64]) -> RankProfile {
             reduce_s: v[6],
             after_step_s: v[7],
             after_step_link_s: v[8],
+            ..Default::default()
         }),
     }
 }
@@ -329,6 +330,8 @@ fn rank_profile(rank: usize, v: &[f64], rank0_buckets: &[super::BucketProfile]) 
             let mut b = b.clone();
             b.ready_s = b.params.iter().map(|&q| p.grad_ready_s[q]).fold(0.0, f64::max);
             issued = issued.max(b.ready_s);
+            // rank 0's compute inside `reduce`, from this rank's launch
+            b.issued_s = b.issued_s.map(|_| issued + b.reduce_s());
             b.launch_s = issued;
             // where the collectives' start is not one instant on every rank (no shared link),
             // the shift is approximate: no collective starts on this rank before it issued it
@@ -584,6 +587,7 @@ mod rank_profile_tests {
             wire_bytes: None,
             ready_s: 0.076,
             launch_s: 0.076,
+            issued_s: None,
             start_s: 0.08,
             finish_s: 0.09,
             link_s: None,
@@ -640,6 +644,7 @@ mod rank_profile_tests {
             wire_bytes: None,
             ready_s: 0.08,
             launch_s: 0.08,
+            issued_s: None,
             start_s: 0.1,
             finish_s: 0.4,
             link_s: None,

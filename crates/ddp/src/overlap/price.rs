@@ -6,7 +6,7 @@
 use brigade_comm::RingOp;
 use serde::Serialize;
 
-use crate::policy::{AfterStepWire, WireModel};
+use crate::policy::{AfterStepWire, FragmentPart, WireModel};
 
 /// One collective (or a sum of them) as the ring prices it on `n` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
@@ -110,25 +110,58 @@ impl WireModel {
 }
 
 impl AfterStepWire {
-    /// What one fragment's collectives cost on `n` ranks for parameters of `param_bytes` f32
-    /// bytes (all of them when [`AfterStepWire::fragments`] is 1): its bytes, and the latency of
-    /// each of its [`AfterStepWire::collectives`].
-    pub fn price(&self, param_bytes: &[usize], n: usize) -> RingPrice {
+    /// Each fragment's collectives on `n` ranks for parameters of `param_bytes` f32 bytes, in
+    /// the order they are sent: its share of the bytes, and the latency of each of its
+    /// collectives ([`AfterStepWire::parts`]; `fragments` equal ones when it names none).
+    pub fn fragment_prices(&self, param_bytes: &[usize], n: usize) -> Vec<RingPrice> {
         let elements = param_bytes.iter().sum::<usize>() as f64 / 4.0;
-        let fragments = self.fragments.max(1) as f64;
-        let one = RingPrice::of(self.op.ring(), elements * self.bytes_per_element / fragments, n);
+        let fragments = self.fragments.max(1);
+        let equal = FragmentPart {
+            share: 1.0 / fragments as f64,
+            collectives: self.collectives,
+        };
+        let parts = if self.parts.is_empty() {
+            vec![equal; fragments]
+        } else {
+            self.parts.clone()
+        };
+        parts
+            .iter()
+            .map(|p| {
+                let one = RingPrice::of(self.op.ring(), elements * self.bytes_per_element * p.share, n);
+                RingPrice {
+                    messages: one.messages * p.collectives.max(1) as f64,
+                    ..one
+                }
+            })
+            .collect()
+    }
+
+    /// What one fragment's collectives cost on `n` ranks, on average over the fragments (all
+    /// the parameters when [`AfterStepWire::fragments`] is 1): its bytes, and the latency of
+    /// each of its collectives (see [`AfterStepWire::fragment_prices`]).
+    pub fn price(&self, param_bytes: &[usize], n: usize) -> RingPrice {
+        let all = self.fragment_prices(param_bytes, n);
+        let k = all.len().max(1) as f64;
+        let sum = all.into_iter().fold(RingPrice::default(), RingPrice::then);
         RingPrice {
-            messages: one.messages * self.collectives.max(1) as f64,
-            ..one
+            messages: sum.messages / k,
+            link_bytes: sum.link_bytes / k,
+            wire_bytes: sum.wire_bytes / k,
         }
     }
 
     /// What a step waits for, on average, on links of latency `alpha` and `per_byte` seconds a
-    /// byte when a step computes `compute_step` seconds: each fragment's collective less the
-    /// compute of the steps it overlaps, `fragments / every` of them a step.
-    pub fn step_share(&self, param_bytes: &[usize], n: usize, alpha: f64, per_byte: f64, compute_step: f64) -> f64 {
-        let link = self.price(param_bytes, n).seconds(alpha, per_byte);
-        let exposed = (link - self.overlap_steps as f64 * compute_step).max(0.0);
-        exposed * self.fragments.max(1) as f64 / self.every.max(1) as f64
+    /// byte: each fragment's collectives, `fragments / every` of them a step, less `hidden`
+    /// seconds of compute each runs behind when it overlaps the steps that follow it (the
+    /// compute before the next collective on the comm stream queues behind it).
+    pub fn step_share(&self, param_bytes: &[usize], n: usize, alpha: f64, per_byte: f64, hidden: f64) -> f64 {
+        let hidden = if self.overlap_steps > 0 { hidden } else { 0.0 };
+        let exposed: f64 = self
+            .fragment_prices(param_bytes, n)
+            .iter()
+            .map(|p| (p.seconds(alpha, per_byte) - hidden).max(0.0))
+            .sum();
+        exposed / self.every.max(1) as f64
     }
 }

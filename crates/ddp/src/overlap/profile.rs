@@ -13,7 +13,7 @@
 //!                "optimizer_start_s": 0.034, "optimizer_end_s": 0.036, "step_end_s": 0.036,
 //!                "grad_ready_s": [0.030, 0.029, ...],                  // per parameter
 //!                "policy_s": { "reduce_s": 0.001, "after_step_s": 0.0004,
-//!                              "after_step_link_s": 0.0 },
+//!                              "after_step_link_s": 0.0, "in_flight_until_s": 0.012 },
 //!                "buckets": [ { "params": [3, 2], "bytes": 4096, "wire_bytes": 2048.0,
 //!                               "ready_s": 0.021, "launch_s": 0.021, "start_s": 0.021,
 //!                               "finish_s": 0.024, "link_s": 0.0025 } ],
@@ -33,7 +33,10 @@
 //! `policy_s` (the seconds inside the policy's `reduce`, within backward, and inside its
 //! `after_step`, within the optimizer span, with the part of it its collectives held the comm
 //! stream) and the policy's `after_step` wire (what it sends after the step, every how many
-//! steps). Version 1 profiles, without them, are read as before.
+//! steps). Version 1 profiles, without them, are read as before. `policy_s`'s
+//! `in_flight_until_s` (when the after-step collectives of earlier steps left the comm stream,
+//! absent when none held it in the step) and the after-step wire's `parts` (each fragment's
+//! share of the parameters) are absent from profiles written before them: those replay as before.
 //!
 //! `control` (absent when none was recorded) lists the collectives the training step issues
 //! itself, outside DDP's buckets and the policy (the ranks' agreement on the loss, between the
@@ -131,6 +134,10 @@ pub struct BucketProfile {
     pub ready_s: f64,
     /// When the reducer issued its collective (strict bucket order may delay it past `ready_s`).
     pub launch_s: f64,
+    /// When the policy's `reduce` returned, its compute before its collectives done (a top-k
+    /// selection, packing signs); absent in profiles written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_s: Option<f64>,
     /// When it started on the link (every rank had joined and the link was free).
     pub start_s: f64,
     /// When it finished.
@@ -142,11 +149,20 @@ pub struct BucketProfile {
 }
 
 impl BucketProfile {
-    /// The policy's own compute between the bucket's collectives (0 when not recorded).
+    /// The policy's compute before the bucket's collectives, inside its `reduce` (0 when not
+    /// recorded).
+    pub fn reduce_s(&self) -> f64 {
+        self.issued_s.map_or(0.0, |i| (i - self.launch_s).max(0.0))
+    }
+
+    /// The policy's own compute between and after the bucket's collectives, once its `reduce`
+    /// returned (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
-        // a chained policy's collectives may be counted from before the bucket was handed over
+        // a chained policy's collectives may be counted from before the bucket was handed over;
+        // the compute inside `reduce`, before them, is `reduce_s`
+        let issued = self.issued_s.unwrap_or(self.launch_s).max(self.launch_s);
         self.link_s
-            .map_or(0.0, |l| (self.finish_s - self.start_s.max(self.launch_s) - l).max(0.0))
+            .map_or(0.0, |l| (self.finish_s - self.start_s.max(issued) - l).max(0.0))
     }
 }
 
@@ -159,6 +175,12 @@ pub struct PolicyTimes {
     pub after_step_s: f64,
     /// The part of `after_step_s` its collectives held the comm stream.
     pub after_step_link_s: f64,
+    /// When the collectives it issued in earlier steps' `after_step` left the comm stream, when
+    /// that was within this step (absent: none was on it then). The step's own collectives
+    /// (its buckets, the ranks' agreement after backward) queued behind them: the replay
+    /// charges that wait as the priced share of the after-step collectives instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight_until_s: Option<f64>,
 }
 
 /// One all-gather of a unit's parameters (ZeRO-3) as it ran in the recorded step.
@@ -297,6 +319,7 @@ impl RankProfile {
                     wire_bytes: Some(b.wire_bytes),
                     ready_s: b.params.iter().map(|&p| grad_ready_s[p]).fold(0.0, f64::max),
                     launch_s,
+                    issued_s: Some(secs(b.issued)),
                     start_s: start,
                     finish_s: finish,
                     link_s: b.ran.map(|_| b.link_s),
@@ -333,6 +356,7 @@ impl RankProfile {
                 reduce_s: pass.reduce_s,
                 after_step_s: pass.after_step.map_or(0.0, |a| a.0),
                 after_step_link_s: pass.after_step.map_or(0.0, |a| a.1),
+                in_flight_until_s: pass.earlier_after_step_left.filter(|&t| t > step_start).map(secs),
             }),
             control: vec![],
         })
@@ -392,7 +416,9 @@ impl StepProfile {
                     .buckets
                     .iter()
                     .zip(zero)
-                    .filter(|(b, b0)| b.params == b0.params)
+                    // a start before the bucket was handed over is not its collective's (a
+                    // chained policy's wait for the previous step's last bucket)
+                    .filter(|(b, b0)| b.params == b0.params && b.start_s >= b.launch_s && b0.start_s >= b0.launch_s)
                     .map(|(b, b0)| b.start_s - b0.start_s)
                     .collect();
                 if d.is_empty() {
@@ -589,6 +615,7 @@ impl RankProfile {
             [
                 ("a bucket's ready_s", b.ready_s),
                 ("a bucket's launch_s", b.launch_s),
+                ("a bucket's issued_s", b.issued_s.unwrap_or(b.launch_s)),
                 ("a bucket's start_s", b.start_s),
                 ("a bucket's finish_s", b.finish_s),
                 ("a bucket's link_s", b.link_s.unwrap_or(0.0)),
@@ -607,6 +634,7 @@ impl RankProfile {
                 ("the policy's reduce_s", p.reduce_s),
                 ("the policy's after_step_s", p.after_step_s),
                 ("the policy's after_step_link_s", p.after_step_link_s),
+                ("the policy's in_flight_until_s", p.in_flight_until_s.unwrap_or(0.0)),
             ]
         });
         spans

@@ -4,7 +4,7 @@
 use brigade_comm::{NetModel, RingOp};
 use serde::Serialize;
 
-use super::{RankProfile, RingPrice, StepProfile, WireModel};
+use super::{BucketProfile, RankProfile, RingPrice, StepProfile, WireModel};
 use crate::policy::GatherPhase;
 use crate::{assign_buckets, DdpError};
 
@@ -132,8 +132,8 @@ pub struct ReplayResult {
     /// recorded (per byte of bucket; 0 for a profile that did not record it).
     pub policy_compute_s: f64,
     /// What a step waits, on average, for the policy's after-step collectives, priced on the
-    /// replayed link and world: each fragment's less the compute of the steps it overlaps, a
-    /// step's share of them (0 for a policy that sends nothing after the step).
+    /// replayed link and world: each fragment's less the compute it runs behind, a step's share
+    /// of them (0 for a policy that sends nothing after the step).
     pub after_step_comm_s: f64,
     /// Communication left after the last rank's backward compute ended.
     pub exposed_comm_s: f64,
@@ -248,8 +248,9 @@ fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, s
     let (during, after) = (&mut samples.0, &mut samples.1);
     // (start, finish, when the last rank issued it, bytes, whether a gather) of each collective
     let mut ops: Vec<(f64, f64, f64, usize, bool)> = vec![];
-    for b in &ranks[0].buckets {
-        // Each rank issues bucket k once its gradients are ready and bucket k−1 is issued.
+    for (k, b) in ranks[0].buckets.iter().enumerate() {
+        // Each rank issues bucket k once its gradients are ready, bucket k−1 is issued and the
+        // policy's `reduce` has computed what it sends.
         let mut last_issue = f64::NEG_INFINITY;
         for (r, rank) in ranks.iter().enumerate() {
             let ready = b
@@ -257,7 +258,8 @@ fn overhead_samples(profile: &StepProfile, offsets: &[f64], backward_end: f64, s
                 .iter()
                 .map(|&p| rank.grad_ready_s[p] - offsets[r])
                 .fold(f64::NEG_INFINITY, f64::max);
-            issued[r] = issued[r].max(ready);
+            let reduce = rank.buckets.get(k).map_or(0.0, BucketProfile::reduce_s);
+            issued[r] = issued[r].max(ready) + reduce;
             last_issue = last_issue.max(issued[r]);
         }
         ops.push((b.start_s, b.finish_s, last_issue, b.bytes, false));
@@ -388,7 +390,14 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
     let waited: Vec<bool> = (0..rank0.buckets.len())
         .map(|k| {
             let (b, before) = (&rank0.buckets[k], k.checked_sub(1).map(|j| &rank0.buckets[j]));
-            b.link_s.is_some() && before.is_some_and(|before| b.start_s < before.finish_s)
+            // it started after the previous bucket's collectives left the link, before its
+            // continuation ended (one that started earlier found the link free: the previous
+            // bucket's recorded finish ran a little late, as a ZeRO bucket's landing does)
+            b.link_s.is_some()
+                && before.is_some_and(|before| {
+                    let left_link = before.finish_s - before.policy_compute_s();
+                    b.start_s < before.finish_s && b.start_s >= left_link
+                })
         })
         .collect();
     let all_waited = waited.iter().all(|&w| w);
@@ -401,7 +410,10 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
             Some(w) if price.wire_bytes > 0.0 => w / price.wire_bytes,
             _ => 1.0,
         };
-        let secs = (b.finish_s - b.start_s - b.policy_compute_s()).max(0.0);
+        // what its collectives held the comm stream, when recorded
+        let secs = b
+            .link_s
+            .unwrap_or((b.finish_s - b.start_s - b.policy_compute_s()).max(0.0));
         pts.push((price.messages, price.link_bytes * scale, secs));
     }
     for g in &rank0.gathers {
@@ -410,7 +422,8 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
     }
     let after = profile.policy.as_ref().and_then(|p| p.after_step.as_ref());
     let after_link = rank0.policy_s.map_or(0.0, |p| p.after_step_link_s);
-    if let Some(a) = after.filter(|_| after_link > 0.0) {
+    // a collective that runs behind the next steps had not all run when its `after_step` returned
+    if let Some(a) = after.filter(|a| after_link > 0.0 && a.overlap_steps == 0) {
         let price = a.price(&param_bytes, n0);
         pts.push((price.messages, price.link_bytes, after_link));
     }
@@ -536,7 +549,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
     let last_finish = comm.buckets.last().map_or(f64::NEG_INFINITY, |b| b.finish_s);
     let control = |r: &RankProfile| control_delta(r, &costs, cfg.link);
     let (compute_step, predicted_step) = steps(profile, &clock, last_finish, &control);
-    let after_step_comm = after_step_comm(profile, &costs, compute_step);
+    let after_step_comm = after_step_comm(profile, &costs);
     let predicted_step = predicted_step + after_step_comm;
     let drained = fluid_drain(&costs, &clock);
     Ok(ReplayResult {
@@ -604,6 +617,27 @@ impl Costs<'_> {
         }
     }
 
+    /// Rank `r`'s compute inside the policy's `reduce` for the bucket of parameters `group`,
+    /// before its collectives: as recorded for a recorded bucket of the same parameters, else
+    /// at the rank's recorded rate per byte (0 when not recorded, or on one rank).
+    fn reduce(&self, r: usize, group: &[usize]) -> f64 {
+        let recorded = &self.profile.ranks[r].buckets;
+        if self.n < 2 {
+            return 0.0;
+        }
+        if let Some(b) = recorded.iter().find(|b| b.params == group) {
+            return b.reduce_s();
+        }
+        let bytes: usize = recorded.iter().map(|b| b.bytes).sum();
+        let secs: f64 = recorded.iter().map(BucketProfile::reduce_s).sum();
+        let group_bytes: usize = group.iter().map(|&p| self.param_bytes[p]).sum();
+        if bytes == 0 {
+            0.0
+        } else {
+            secs * group_bytes as f64 / bytes as f64
+        }
+    }
+
     /// A bucket's time on the link (its collectives) and its wire bytes.
     fn bucket(&self, group: &[usize]) -> (f64, f64) {
         if self.n < 2 {
@@ -631,12 +665,30 @@ fn compute_per_byte(profile: &StepProfile) -> f64 {
 }
 
 /// The policy's after-step collectives on the replayed link and world: what a step waits for
-/// them, on average, when it computes `compute_step` ([`crate::policy::AfterStepWire::step_share`]).
-fn after_step_comm(profile: &StepProfile, costs: &Costs, compute_step: f64) -> f64 {
-    match profile.policy.as_ref().and_then(|p| p.after_step.as_ref()) {
-        Some(a) => a.step_share(&costs.param_bytes, costs.n, costs.alpha, costs.per_byte, compute_step),
-        None => 0.0,
-    }
+/// them, on average ([`crate::policy::AfterStepWire::step_share`]), each running behind the
+/// compute of the step after it up to that step's first collective on the comm stream (its
+/// first bucket's launch, or the wait for its buckets when the policy sends none: the ranks'
+/// agreement follows), the mean over the ranks.
+fn after_step_comm(profile: &StepProfile, costs: &Costs) -> f64 {
+    let Some(a) = profile.policy.as_ref().and_then(|p| p.after_step.as_ref()) else {
+        return 0.0;
+    };
+    let on_link = !matches!(costs.wire, WireModel::Local);
+    let head = mean(
+        profile
+            .ranks
+            .iter()
+            .map(|r| {
+                let first = r
+                    .buckets
+                    .first()
+                    .filter(|_| on_link)
+                    .map_or(f64::INFINITY, |b| b.launch_s);
+                first.min(r.waited_until())
+            })
+            .collect(),
+    );
+    a.step_share(&costs.param_bytes, costs.n, costs.alpha, costs.per_byte, head)
 }
 
 /// Every rank's recorded times on rank 0's clock, moved by what the replayed parameter gathers
@@ -773,13 +825,19 @@ impl CommRun<'_> {
                 .iter()
                 .map(|&p| clock.ready_at(r, p))
                 .fold(f64::NEG_INFINITY, f64::max);
-            *launched = launched.max(ready);
+            *launched = launched.max(ready) + costs.reduce(r, &group);
             ready_max = ready_max.max(ready);
             launch_max = launch_max.max(*launched);
         }
         let b_bytes: usize = group.iter().map(|&p| costs.profile.params[p].bytes).sum();
         let (link_s, wire_bytes) = costs.bucket(&group);
-        let (start, left) = self.link.take(launch_max, b_bytes, link_s, clock.backward_end());
+        // a low-rank policy (PowerSGD) issues a bucket's collectives once the previous bucket's
+        // reduction, its compute between and after its collectives included, is done
+        let issued = match costs.wire {
+            WireModel::LowRank { .. } => launch_max.max(self.computed),
+            _ => launch_max,
+        };
+        let (start, left) = self.link.take(issued, b_bytes, link_s, clock.backward_end());
         let finish = left.max(self.computed) + costs.compute(b_bytes);
         self.computed = finish;
         self.buckets.push(ReplayBucket {
@@ -851,13 +909,14 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64, control: &dyn F
     let ranks = &profile.ranks;
     // What follows the buckets is taken as recorded: the gap between the recorded end of the
     // last bucket (or of backward) and the optimizer (the ranks' agreement on the loss, whose
-    // collective is priced apart), the optimizer with the policy's after-step compute, and the
-    // rest of the step; the after-step collectives it recorded are replaced by their priced
-    // share.
+    // collective is priced apart, and a wait behind an earlier step's sync, whose priced share
+    // is charged apart), the optimizer with the policy's after-step compute, and the rest of
+    // the step; the after-step collectives it recorded are replaced by their priced share.
+    let held = held_by_earlier_syncs(ranks);
     let after_backward = |r: &RankProfile| {
         let recorded_link = r.policy_s.map_or(0.0, |p| p.after_step_link_s);
         let control_link: f64 = r.control.iter().map(|c| c.link_s).sum();
-        (r.optimizer_start_s - r.waited_until() - control_link).max(0.0)
+        (r.optimizer_start_s - r.waited_until() - held - control_link).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s - recorded_link).max(0.0)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
@@ -887,6 +946,22 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64, control: &dyn F
             .collect(),
     );
     (compute_step, predicted_step)
+}
+
+/// What the recorded step waited after backward for the after-step collectives of earlier
+/// steps (a sync overlapped with the steps after it) to leave the comm stream, which the replay
+/// charges as their priced share instead: the least such wait over the ranks (they left the
+/// stream together; a rank that waited longer had reached the agreement earlier, and would have
+/// waited for the last rank as in any step). 0 when a rank recorded none.
+fn held_by_earlier_syncs(ranks: &[RankProfile]) -> f64 {
+    ranks
+        .iter()
+        .map(|r| match r.policy_s.and_then(|p| p.in_flight_until_s) {
+            Some(left) => (left.min(r.optimizer_start_s) - r.waited_until()).max(0.0),
+            None => 0.0,
+        })
+        .reduce(f64::min)
+        .unwrap_or(0.0)
 }
 
 /// When the last byte would have left for the lower bound: a fluid link that carries each byte

@@ -471,9 +471,11 @@ impl WireOp {
 /// What a policy sends in [`ReducerPolicy::after_step`] ([`ReducerPolicy::after_step_wire`]):
 /// every `every` steps each parameter element crosses the ranks once, `bytes_per_element` bytes
 /// each (the buffer each rank hands in; for an all-gather, its piece), in `fragments`
-/// collectives of about equal bytes at staggered steps, each of which runs behind the next
-/// `overlap_steps` steps' compute before the step that needs it waits for it. A step is charged
-/// `fragments / every` fragment collectives, less the compute of `overlap_steps` steps each.
+/// collectives at staggered steps (of about equal bytes, or as [`AfterStepWire::parts`] says).
+/// A fragment's collective with `overlap_steps` > 0 runs behind the compute that follows it
+/// until the next collective on the comm stream (the next step's first: its buckets, or the
+/// ranks' agreement after backward) queues behind it. A step is charged `fragments / every`
+/// fragment collectives, each less the compute it runs behind.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AfterStepWire {
     /// The collective.
@@ -492,6 +494,19 @@ pub struct AfterStepWire {
     /// latency (1: one collective of the whole fragment; a policy that all-reduces each
     /// parameter in a tensor of its own issues one per parameter).
     #[serde(default = "one_fragment")]
+    pub collectives: usize,
+    /// Each fragment's part, in the order they are sent (empty: `fragments` equal shares of the
+    /// parameters' elements, of `collectives` collectives each).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<FragmentPart>,
+}
+
+/// One fragment of an [`AfterStepWire`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FragmentPart {
+    /// Its share of the parameters' elements (the parts' shares add up to 1).
+    pub share: f64,
+    /// Collectives it is sent in, one after the other, each waiting the link's latency.
     pub collectives: usize,
 }
 

@@ -209,6 +209,7 @@ fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
                 wire_bytes: None,
                 ready_s: 0.0,
                 launch_s: 0.0,
+                issued_s: None,
                 start_s: 0.0,
                 finish_s: d,
                 link_s: None,
@@ -343,6 +344,7 @@ fn what_followed_the_recorded_buckets_is_kept_as_recorded() {
             wire_bytes: None,
             ready_s: 0.010,
             launch_s: 0.010,
+            issued_s: None,
             start_s: 0.010,
             finish_s: 0.012,
             link_s: None,
@@ -363,6 +365,7 @@ fn recorded(params: Vec<usize>, bytes: usize, ready: f64, start: f64, finish: f6
         wire_bytes: None,
         ready_s: ready,
         launch_s: ready,
+        issued_s: None,
         start_s: start,
         finish_s: finish,
         link_s: None,
@@ -601,6 +604,7 @@ fn a_measured_link_is_fitted_to_what_each_recorded_bucket_sent() {
         wire_bytes: Some(bytes as f64 / 2.0),
         ready_s: start,
         launch_s: start,
+        issued_s: None,
         start_s: start,
         finish_s: start + secs,
         link_s: None,
@@ -666,6 +670,7 @@ fn zero3_profile() -> StepProfile {
             wire_bytes: Some(MIB as f64 / 2.0),
             ready_s: 0.010,
             launch_s: 0.010,
+            issued_s: None,
             start_s: 0.010,
             finish_s: 0.012,
             link_s: None,
@@ -736,6 +741,7 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
             fragments,
             overlap_steps,
             collectives: 1,
+            parts: vec![],
         });
         p
     };
@@ -769,6 +775,107 @@ fn a_policy_that_syncs_after_the_step_is_charged_its_share_of_each_sync() {
     // a period of 0 is refused in one line
     let e = replay(&diloco(0, 1, 0), &cfg(100.0, 100.0)).unwrap_err().to_string();
     assert!(e.contains("every 0 steps") && !e.contains('\n'), "{e}");
+}
+
+/// The profile of the DiLoCo test (512 KiB + 1 KiB of f32 parameters, backward's compute
+/// ending at 10 ms, 2 ranks) under streaming DiLoCo on a 32 MiB/s, 1 ms link: two fragments
+/// sent every 10 steps, each behind the compute that follows it, of `parts` (empty: equal).
+fn streaming(parts: Vec<brigade_ddp::policy::FragmentPart>) -> (StepProfile, ReplayConfig) {
+    use brigade_ddp::overlap::WireModel;
+    use brigade_ddp::policy::{AfterStepWire, WireOp};
+    let (w, b) = (512 * 256 * 4, 256 * 4);
+    let shapes: [&[usize]; 2] = [&[512, 256], &[256]];
+    let mut p = under(
+        profile(&[(w, 0.010), (b, 0.010)], 0.010),
+        "streaming",
+        Some(WireModel::Local),
+        &shapes,
+    );
+    p.policy.as_mut().unwrap().after_step = Some(AfterStepWire {
+        op: WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 10,
+        fragments: 2,
+        overlap_steps: 1,
+        collectives: 1,
+        parts,
+    });
+    let slow = ReplayConfig {
+        link: LinkCost::Ring(NetModel {
+            latency: Duration::from_millis(1),
+            bandwidth_bytes_per_s: (32 * MIB) as f64,
+        }),
+        ..cfg(100.0, 100.0)
+    };
+    (p, slow)
+}
+
+#[test]
+fn each_fragment_of_an_after_step_sync_is_priced_at_its_own_share() {
+    use brigade_ddp::policy::FragmentPart;
+    // The first fragment holds the 512 KiB weight, the second the 1 KiB bias. Each runs behind
+    // the 10 ms of backward's compute of the step after it (the ranks' agreement then queues
+    // behind it): the weight's all-reduce (2 ms + 512 KiB at 32 MiB/s = 17.6 ms) is exposed
+    // 7.6 ms once a period, the bias's (2.03 ms) not at all. Two equal halves (9.8 ms each)
+    // would be hidden whole.
+    let (w, b) = (512.0 * 256.0 * 4.0, 256.0 * 4.0);
+    let parts = vec![
+        FragmentPart {
+            share: w / (w + b),
+            collectives: 1,
+        },
+        FragmentPart {
+            share: b / (w + b),
+            collectives: 1,
+        },
+    ];
+    let (p, slow) = streaming(parts);
+    let r = replay(&p, &slow).unwrap();
+    let weight = 0.002 + w / (32.0 * MIB as f64);
+    close(
+        r.after_step_comm_s,
+        (weight - 0.010) / 10.0,
+        "the weight's fragment exposed",
+    );
+    let (p, slow) = streaming(vec![]);
+    let halves = replay(&p, &slow).unwrap();
+    close(halves.after_step_comm_s, 0.0, "two equal halves");
+}
+
+#[test]
+fn a_wait_behind_an_earlier_steps_sync_is_charged_as_the_syncs_priced_share() {
+    // The recorded step's agreement after backward (10 ms) queued behind a fragment sync that
+    // an earlier step issued and that left the comm stream at 19 ms: the optimizer began at
+    // 20 ms. Replayed, the 9 ms of waiting leave (the 1 ms agreement stays) and the syncs'
+    // priced share comes in: the same on every step, whether its recorded step waited or not.
+    let (quiet, slow) = streaming(vec![]);
+    let mut waited = quiet.clone();
+    for r in &mut waited.ranks {
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.020, 0.021, 0.021);
+        r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
+            in_flight_until_s: Some(0.019),
+            ..Default::default()
+        });
+    }
+    let (a, b) = (replay(&quiet, &slow).unwrap(), replay(&waited, &slow).unwrap());
+    close(
+        b.compute_step_s,
+        a.compute_step_s + 0.001,
+        "the agreement stays, the wait leaves",
+    );
+    close(b.predicted_step_s, a.predicted_step_s + 0.001, "the priced share alone");
+    // Rank 1 reached the agreement 3 ms after rank 0: the sync left at 16 ms on its clock, its
+    // optimizer began at 17 ms. Rank 0 would have waited those 3 ms for it in any step: each
+    // rank's wait for the sync is the last rank's 6 ms, and rank 0 keeps 3 ms + 1 ms.
+    let r1 = &mut waited.ranks[1];
+    (r1.optimizer_start_s, r1.optimizer_end_s, r1.step_end_s) = (0.017, 0.018, 0.018);
+    r1.policy_s.as_mut().unwrap().in_flight_until_s = Some(0.016);
+    let c = replay(&waited, &slow).unwrap();
+    close(
+        c.compute_step_s,
+        a.compute_step_s + (0.004 + 0.001) / 2.0,
+        "rank 0 waited for rank 1",
+    );
 }
 
 /// The profile of `what_followed_the_recorded_buckets_is_kept_as_recorded`: both 1 MiB
@@ -812,12 +919,14 @@ fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period(
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     });
     for r in &mut p.ranks {
         r.policy_s = Some(brigade_ddp::overlap::PolicyTimes {
             reduce_s: 0.0,
             after_step_s: 0.0005,
             after_step_link_s: 0.0004,
+            in_flight_until_s: None,
         });
     }
     let r = replay(&p, &cfg(100.0, 100.0)).unwrap();
@@ -869,6 +978,7 @@ fn powersgd_profile(start_iter: usize) -> StepProfile {
         wire_bytes: Some(sent),
         ready_s: start,
         launch_s: start,
+        issued_s: None,
         start_s: start,
         finish_s: start + secs,
         link_s: Some(secs),
@@ -968,6 +1078,7 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     });
     let sync = 0.002 + (w + b) as f64 / (1u64 << 30) as f64;
     for r in &mut p.ranks {
@@ -977,6 +1088,7 @@ fn a_measured_link_is_fitted_from_the_after_step_collectives_of_a_step_that_sync
             reduce_s: 0.0,
             after_step_s: sync,
             after_step_link_s: sync,
+            in_flight_until_s: None,
         });
     }
     let measured = replay(
@@ -1046,6 +1158,85 @@ fn a_policys_compute_after_its_collective_does_not_hold_the_link_for_the_next_bu
 }
 
 #[test]
+fn a_low_rank_bucket_waits_for_the_previous_buckets_compute_between_its_collectives() {
+    // The profile of the test above under PowerSGD at rank 1 (a bucket's all-reduces of the P
+    // and Q factors of its [512, 512] gradient, 2 KiB each, 2 ms of latency each): it issues
+    // bucket 1's collectives once bucket 0's reduction, its compute included, is done. Bucket
+    // 0 runs from 10 ms for 4 ms + 4 KiB on the link, then 0.5 ms of compute; bucket 1 only
+    // then, and as long.
+    use brigade_ddp::overlap::WireModel;
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.010, 0.0125);
+        b0.link_s = Some(0.002);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.0125, 0.015);
+        b1.link_s = Some(0.002);
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.016, 0.017, 0.017);
+    }
+    let shapes: [&[usize]; 2] = [&[512, 512], &[512, 512]];
+    let low_rank = WireModel::LowRank {
+        factors: vec![Some((512, 512)), Some((512, 512))],
+        start_iter: 0,
+    };
+    let p = under(p, "powersgd:1", Some(low_rank), &shapes);
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    let link_s = 0.004 + 4096.0 / (1u64 << 30) as f64;
+    close(
+        r.buckets[0].finish_s,
+        0.010 + link_s + 0.0005,
+        "bucket 0 with its compute",
+    );
+    close(
+        r.buckets[1].start_s,
+        0.010 + link_s + 0.0005,
+        "bucket 1 once bucket 0 is done",
+    );
+    close(
+        r.buckets[1].finish_s,
+        0.010 + 2.0 * (link_s + 0.0005),
+        "bucket 1 with its compute",
+    );
+}
+
+#[test]
+fn a_policys_compute_before_its_collective_delays_the_collective() {
+    // Two 1 MiB gradients ready at 10 ms, one per bucket; the policy's `reduce` computed 1 ms
+    // of each (a top-k selection) before issuing its collectives: bucket 0 is issued at 11 ms,
+    // bucket 1 after it, at 12 ms. On the link each takes 2 ms + 1 MiB / 1 GiB/s.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.012);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.011, 0.014);
+        b0.issued_s = Some(0.011);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.014, 0.017);
+        (b1.launch_s, b1.issued_s) = (0.011, Some(0.012));
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.017, 0.018, 0.018);
+    }
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    let link_s = 0.002 + 1.0 / 1024.0;
+    close(r.buckets[0].start_s, 0.011, "bucket 0 once its selection is done");
+    close(r.buckets[1].launch_s, 0.012, "bucket 1 once its own is");
+    close(r.buckets[1].finish_s, 0.011 + 2.0 * link_s, "bucket 1 behind bucket 0");
+    // at another cap, one bucket of both: its selection at the recorded rate per byte
+    let one = replay_with(&p, &cfg(2.0, 2.0), LaunchOverhead::default()).unwrap();
+    close(one.buckets[0].start_s, 0.012, "2 ms of selection for 2 MiB");
+    // a chained policy's collectives counted from before the bucket was handed over: its
+    // compute after its collectives is what is left once its `reduce` and they are done
+    let mut b = recorded(vec![0], MIB, 0.010, 0.0, 0.014);
+    (b.issued_s, b.link_s) = (Some(0.011), Some(0.0025));
+    close(b.policy_compute_s(), 0.0005, "after the selection and the collectives");
+}
+
+#[test]
 fn a_collective_that_waited_for_the_previous_buckets_continuation_does_not_measure_the_link() {
     // Buckets of 1 MiB and 256 KiB recorded one after the other on the 1 ms, 1 GiB/s link fix
     // it; a third bucket, issued while the second's continuation still held the comm stream,
@@ -1065,4 +1256,43 @@ fn a_collective_that_waited_for_the_previous_buckets_continuation_does_not_measu
     let link = brigade_ddp::overlap::measured_link(&[&p]).unwrap().unwrap();
     close_to(link.latency.as_secs_f64(), 0.001, 1e-6, "latency");
     close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 1e-6, "bandwidth");
+}
+
+#[test]
+fn a_collective_that_started_before_the_previous_ones_recorded_finish_measures_the_link() {
+    // Buckets of 1 MiB and 256 KiB on the 1 ms, 1 GiB/s link; the first computed nothing after
+    // its collective, but its recorded finish came 0.1 ms after the second had started on the
+    // link (its landing, as ZeRO lands a bucket into the shard): the second did not wait for
+    // it, and both measure the link.
+    let mut p = profile(&[(MIB, 0.010), (MIB / 4, 0.010)], 0.010);
+    let on_link = |bytes: usize| 0.002 + bytes as f64 / (1u64 << 30) as f64;
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![0], MIB, 0.010, 0.010, 0.010 + on_link(MIB) + 0.0001);
+        b0.link_s = Some(on_link(MIB) + 0.0001);
+        let start = 0.010 + on_link(MIB);
+        let mut b1 = recorded(vec![1], MIB / 4, 0.010, start, start + on_link(MIB / 4));
+        b1.link_s = Some(on_link(MIB / 4));
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.020, 0.021, 0.021);
+    }
+    let link = brigade_ddp::overlap::measured_link(&[&p]).unwrap().unwrap();
+    // least squares over both: within the first one's 0.1 ms of landing
+    close_to(link.latency.as_secs_f64(), 0.001, 0.3, "latency");
+    close_to(link.bandwidth_bytes_per_s, (1u64 << 30) as f64, 0.5, "bandwidth");
+}
+
+#[test]
+fn a_bucket_start_from_before_it_was_handed_over_does_not_set_the_clocks() {
+    // Rank 1's clock runs 1 ms behind rank 0's: bucket 1 started on the link at 12 ms on rank
+    // 0's clock, 11 ms on rank 1's. Bucket 0's recorded starts (0 ms, before it was handed
+    // over: a chained policy's wait for the previous step's last bucket) say nothing of it.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for (r, rank) in p.ranks.iter_mut().enumerate() {
+        let shift = if r == 1 { -0.001 } else { 0.0 };
+        rank.buckets = vec![
+            recorded(vec![1], MIB, 0.010, 0.0, 0.011 + shift),
+            recorded(vec![0], MIB, 0.010, 0.012 + shift, 0.014 + shift),
+        ];
+    }
+    close(p.clock_offsets()[1], -0.001, "rank 1's clock");
 }

@@ -117,6 +117,7 @@ fn a_broadcast_after_the_step_crosses_each_link_once_in_a_chain() {
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     };
     for n in [2usize, 3, 4] {
         let q = (n - 1) as f64;
@@ -140,6 +141,7 @@ fn an_all_reduce_after_the_step_is_priced_like_a_buckets() {
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     };
     for n in [2usize, 3, 4] {
         let bucket = WireModel::AllReduce { bytes_per_element: 4.0 };
@@ -172,9 +174,11 @@ fn an_after_step_sent_in_several_collectives_waits_each_ones_latency() {
         fragments: 1,
         overlap_steps: 0,
         collectives: 1,
+        parts: vec![],
     };
     let each = AfterStepWire {
         collectives: 3,
+        parts: vec![],
         ..one.clone()
     };
     for n in [2usize, 3, 4] {
