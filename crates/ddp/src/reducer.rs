@@ -269,7 +269,11 @@ fn restore_zeros(flat: &Tensor) -> Result<()> {
         // charged to the buffer's part when its storage was freed
         let _part = MemoryPart::BucketGradients.enter();
         let zeros = bucket_zeros(flat.numel(), flat.dtype(), flat.device())?;
-        flat.restore_storage(zeros.lend_storage()?)?;
+        let storage = zeros.lend_storage()?;
+        // the bytes are charged once, to `flat`: the tensor that lent them goes first (it
+        // would count them a second time until it dropped, a full buffer the peak never held)
+        drop(zeros);
+        flat.restore_storage(storage)?;
     }
     Ok(())
 }
@@ -1143,6 +1147,14 @@ impl GradSubscriber for Reducer {
         let id = rec.begin(self.comm.rank(), kind.clone());
         self.group.compute_scope(Some(id));
         st.span = Some((kind, id));
+    }
+
+    fn grad_arriving(&self, arriving: GradReady<'_>) -> std::result::Result<(), SubscriberError> {
+        // a bucket whose full buffer was freed gets it back now, not at `grad_ready`: inside a
+        // checkpointed scope the gradients add into it as they arrive instead of each staying
+        // a tensor of its own until the scope ends (ZeRO-2 then holds no more than ZeRO-1)
+        let mut st = self.lock();
+        Ok(self.attach(&mut st, arriving.index)?)
     }
 
     fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError> {

@@ -27,3 +27,4 @@ mod zero3;
 mod zero3_mixed;
 mod zero3_start;
 mod zero3_start_file;
+mod zero_peaks;
