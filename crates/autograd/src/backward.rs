@@ -42,15 +42,6 @@ pub trait GradSubscriber: Send + Sync {
     /// A parameter's gradient is final for this backward pass. An error aborts the
     /// backward pass and is returned from `backward()`.
     fn grad_ready(&self, ready: GradReady<'_>) -> std::result::Result<(), SubscriberError>;
-    /// A parameter that holds no gradient is about to receive its first contribution of a
-    /// pass (a checkpointed scope's recompute adds several before the scope's end announces
-    /// them ready). A subscriber may give it the storage to accumulate into here
-    /// ([`Var::set_grad_buffer`]), as the DDP reducer gives a bucket whose full buffer was
-    /// freed its zeros back: the contribution then adds into that storage instead of staying
-    /// a tensor of its own beside it until `grad_ready`. An error aborts the pass.
-    fn grad_arriving(&self, _arriving: GradReady<'_>) -> std::result::Result<(), SubscriberError> {
-        Ok(())
-    }
     /// Backward ran its last node (after every `grad_ready`). A subscriber may finish
     /// its own work here (the DDP reducer waits for its buckets); an error is returned
     /// from `backward()`.
@@ -202,7 +193,7 @@ impl Var {
         };
         // The output itself may be a parameter (a loss that is just a weight).
         if self.0.node.is_none() {
-            add_into_leaf(self, seed)?;
+            self.accumulate_grad(seed)?;
             if self.0.param.is_some() {
                 announce(self)?;
             }
@@ -224,24 +215,6 @@ impl Var {
         }
         Ok(())
     }
-}
-
-/// Adds `g` into `leaf`'s gradient; a parameter that holds none yet is first offered to its
-/// bus's subscribers ([`GradSubscriber::grad_arriving`]), which may give it storage to add into.
-pub(crate) fn add_into_leaf(leaf: &Var, g: Tensor) -> Result<()> {
-    if let Some(info) = leaf.0.param.as_ref().filter(|_| leaf.grad().is_none()) {
-        for s in info.bus.snapshot() {
-            s.grad_arriving(GradReady {
-                index: info.index,
-                name: &info.name,
-            })
-            .map_err(|source| AutogradError::Subscriber {
-                param: format!("parameter '{}'", info.name),
-                source,
-            })?;
-        }
-    }
-    leaf.accumulate_grad(g)
 }
 
 /// Runs every node of `order` (reverse topological, `root` first, `root` having a node) from
@@ -298,7 +271,7 @@ pub(crate) fn propagate(
                         }
                     }
                 } else {
-                    add_into_leaf(inp, ig)?;
+                    inp.accumulate_grad(ig)?;
                 }
                 if let Some(start) = start {
                     crate::profile::backward_op("accumulate_grad", start.elapsed());

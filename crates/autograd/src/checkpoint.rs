@@ -166,7 +166,7 @@ where
     }
     if y.0.node.is_none() {
         // the unit returned one of its leaves as it is
-        crate::backward::add_into_leaf(&y, g.clone())?;
+        y.accumulate_grad(g.clone())?;
         return Ok(None);
     }
     let order = reachable(&y);
