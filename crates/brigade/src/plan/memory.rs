@@ -395,7 +395,7 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
 /// the rank's shard and two units gathered at once (the one running and the next, prefetched);
 /// the gradients are the shard and two units' full gradients (the unit being filled and the one
 /// whose reduce-scatter is in flight: each is freed as it lands), at the unit of backward where
-/// the four add up to the most ([`units_in_flight`]).
+/// the four add up to the most.
 /// Under ZeRO-2 the full gradients of backward beside the shard (its buckets, of the default
 /// caps, hold most of a model of this size).
 pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
