@@ -255,6 +255,24 @@ def memory_grid(a, brigade):
     return rows
 
 
+def grid_order(rows):
+    """The stages ordered at the measured peak as ZeRO promises (ZeRO-2 <= ZeRO-1 <= plain DDP):
+    each setting of the grid where they are not."""
+    measured = {(r["model"], r["checkpointing"], r["world"], r["zero"]): r["measured"] for r in rows}
+    out = []
+    for (model, ck, world, zero), plain in sorted(measured.items()):
+        z1, z2 = measured.get((model, ck, world, 1)), measured.get((model, ck, world, 2))
+        if zero != 0 or z1 is None or z2 is None:
+            continue
+        if z2 > z1:
+            out.append(f"{model} checkpointing {ck} world {world}: ZeRO-2 {mib(z2)} > ZeRO-1 {mib(z1)} MiB")
+        if z1 > plain:
+            out.append(f"{model} checkpointing {ck} world {world}: ZeRO-1 {mib(z1)} > plain DDP {mib(plain)} MiB")
+    settings = len({k[:3] for k in measured})
+    head = f"ZeRO-2 <= ZeRO-1 <= plain DDP at the measured peak: {settings - len({o.split(':')[0] for o in out})} of {settings} settings"
+    return "\n".join([head + (":" if out else ".")] + [f"- {o}" for o in out])
+
+
 def grid_table(rows):
     lines = ["| model | checkpointing | world | zero 0 | zero 1 | zero 2 | zero 3 |", "|---|---|---|---|---|---|---|"]
     for model in ("mlp", "gpt"):
@@ -265,6 +283,7 @@ def grid_table(rows):
                     lines.append(f"| {model} | {'every block' if ck else 'off'} | {world} | " + " | ".join(
                         f"{mib(cells[z]['predicted'])} / {mib(cells[z]['measured'])} ({cells[z]['error'] * 100:+.1f}%)"
                         for z in sorted(cells)) + " |")
+    lines += ["", grid_order(rows), ""]
     worst = max(rows, key=lambda r: abs(r["error"]))
     lines.append(f"\nPredicted / measured MiB per rank (error). Worst: {worst['model']} world {worst['world']} zero "
                  f"{worst['zero']} checkpointing {worst['checkpointing']}: {worst['error'] * 100:+.1f}%; "

@@ -276,7 +276,11 @@ fn restore_zeros(flat: &Tensor) -> Result<()> {
         // charged to the buffer's part when its storage was freed
         let _part = MemoryPart::BucketGradients.enter();
         let zeros = bucket_zeros(flat.numel(), flat.dtype(), flat.device())?;
-        flat.restore_storage(zeros.lend_storage()?)?;
+        let storage = zeros.lend_storage()?;
+        // the bytes are charged once, to `flat`: the tensor that lent them goes first (it
+        // would count them a second time until it dropped, a full buffer the peak never held)
+        drop(zeros);
+        flat.restore_storage(storage)?;
     }
     Ok(())
 }
@@ -1103,9 +1107,12 @@ impl Reducer {
     }
 
     /// When parameter `p`'s gradient becomes final: if its bucket's full buffer was freed by a
-    /// shard reduction (ZeRO-2), gives it zeros again (the last step's shard is dropped), and
-    /// moves the gradient into its slice unless it already accumulates there. In synchronized
-    /// and `no_sync` passes alike.
+    /// shard reduction (ZeRO-2), gives it zeros again (the last step's shard is dropped) and
+    /// points every parameter of the bucket at its slice, as a bucket that was never freed
+    /// holds them: gradients made already (inside a checkpointed scope, before the scope's end
+    /// announces them) move in, and the contributions still to come add in place instead of
+    /// each becoming a tensor of its own beside the buffer. Else moves `p`'s gradient into its
+    /// slice unless it already accumulates there. In synchronized and `no_sync` passes alike.
     fn attach(&self, st: &mut State, p: usize) -> Result<()> {
         if !self.trainable[p] {
             return Ok(());
@@ -1113,14 +1120,21 @@ impl Reducer {
         let b = st.bucket_of[p];
         let into_shard = st.into_shard;
         let bucket = &mut st.buckets[b];
-        if is_lent(&bucket.flat) && bucket.work.is_none() {
-            if let (true, Some(HeldGrad::Shard { tensor, .. })) = (into_shard, bucket.held.take()) {
-                bucket.carry = Some(tensor);
-            }
-            restore_zeros(&bucket.flat)?;
-            st.note_full();
+        if !(is_lent(&bucket.flat) && bucket.work.is_none()) {
+            return self.point_at_slice(bucket, p);
         }
-        let bucket = &mut st.buckets[b];
+        if let (true, Some(HeldGrad::Shard { tensor, .. })) = (into_shard, bucket.held.take()) {
+            bucket.carry = Some(tensor);
+        }
+        restore_zeros(&bucket.flat)?;
+        st.note_full();
+        let bucket = &st.buckets[b];
+        bucket.params.iter().try_for_each(|&q| self.point_at_slice(bucket, q))
+    }
+
+    /// Makes `bucket`'s slice of parameter `p` the storage its gradient accumulates into (the
+    /// gradient it holds, if any, copied in), unless it already is.
+    fn point_at_slice(&self, bucket: &Bucket, p: usize) -> Result<()> {
         if self.params[p].grad().is_some_and(|g| g.shares_storage(&bucket.flat)) {
             return Ok(());
         }

@@ -147,6 +147,24 @@ fn gpt_block_values(c: &GptConfig) -> u64 {
 /// the head with the final norm; the MLP's layers), padded to a multiple of `world` as the
 /// unit's flat parameters are.
 pub fn largest_unit(kind: &ModelKind, world: u64) -> Option<u64> {
+    Some(units(kind, world)?.into_iter().max().unwrap_or(0))
+}
+
+/// Elements ZeRO-3 holds whole at once in backward, at the unit where they are the most:
+/// `(gathered, gradients)`. While unit `i`'s backward runs (the units run last to first), its
+/// parameters and the prefetched ones of unit `i - 1` are gathered, and its full gradients are
+/// being filled beside unit `i + 1`'s, whose reduce-scatter is in flight.
+fn units_in_flight(kind: &ModelKind, world: u64) -> Option<(u64, u64)> {
+    let u = units(kind, world)?;
+    let at = |i: Option<usize>| i.and_then(|i| u.get(i)).copied().unwrap_or(0);
+    (0..u.len())
+        .map(|i| (u[i] + at(i.checked_sub(1)), u[i] + at(Some(i + 1))))
+        .max_by_key(|&(gathered, grads)| gathered + grads)
+        .or(Some((0, 0)))
+}
+
+/// Elements of each ZeRO-3 unit in registration order ([`largest_unit`]'s units, padded alike).
+fn units(kind: &ModelKind, world: u64) -> Option<Vec<u64>> {
     let units: Vec<Option<u64>> = match kind {
         ModelKind::Mlp(c) => c
             .widths
@@ -163,17 +181,15 @@ pub fn largest_unit(kind: &ModelKind, world: u64) -> Option<u64> {
                 n_layers: 0,
                 ..c.clone()
             });
-            vec![
-                sum([matrix(c.vocab, c.d_model), matrix(c.context, c.d_model)]),
-                exact_parameters(&one_block)?.checked_sub(exact_parameters(&no_block)?),
-                sum([matrix(c.vocab, c.d_model), Some(2 * d)]),
-            ]
+            let block = exact_parameters(&one_block)?.checked_sub(exact_parameters(&no_block)?);
+            let mut units = vec![sum([matrix(c.vocab, c.d_model), matrix(c.context, c.d_model)])];
+            units.extend(std::iter::repeat_n(block, c.n_layers));
+            units.push(sum([matrix(c.vocab, c.d_model), Some(2 * d)]));
+            units
         }
     };
     let world = world.max(1);
-    units
-        .into_iter()
-        .try_fold(0u64, |most, u| Some(most.max(mul(u?.div_ceil(world), world)?)))
+    units.into_iter().map(|u| mul(u?.div_ceil(world), world)).collect()
 }
 
 /// Every weight matrix of the model as its gradient is shaped (`[rows, cols]`: Linear weights
@@ -316,7 +332,7 @@ fn activation_values(q: &PeakQuery<'_>) -> Option<(u64, u64, u64)> {
 
 /// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes): the higher of a steady step's
 /// peak ([`steady_peak`]) and the first step's moments that no later step repeats
-/// (the bucket rebuild of a regrouping policy, ZeRO-1/2's last bucket landing), the parts of
+/// (the bucket rebuild of a regrouping policy, ZeRO-1's last bucket landing), the parts of
 /// the higher one.
 pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let steady = steady_peak(q)?;
@@ -333,13 +349,13 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
 /// the first backward (plain DDP, the compressing policies; ZeRO on one rank), the new buckets
 /// are made and the gradients copied into them while the old ones and the whole graph's
 /// activations are alive: the gradients twice, nothing of backward's working set. Under ZeRO-1
-/// and 2 (more than one rank) and more than one bucket, the last bucket lands with a second
+/// (more than one rank) and more than one bucket, the last bucket lands with a second
 /// buffer of its size alive beside every full gradient (measured as bucket gradients; a model
 /// of one bucket shows none) and its reduce-scatter's shard, with backward's working set (no
-/// checkpointed block recomputed). ZeRO-2 frees each bucket as it lands, so every step makes
-/// the last one anew beside the optimizer's state; ZeRO-1 keeps its buckets, so that moment is
-/// the first step's (no optimizer state yet), and in every later step the bucket lands after
-/// backward's working set is gone, beside the optimizer's state.
+/// checkpointed block recomputed): the first step's (no optimizer state yet), and in every
+/// later step the bucket lands after backward's working set is gone, beside the optimizer's
+/// state. ZeRO-2 lands each bucket into its shard and frees the buffer, with no second one
+/// beside it: a steady step describes it.
 fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<PeakPrediction>> {
     let n = q.world.max(1) as u64;
     let full_grads = mul(exact_parameters(q.kind)?, F32)?;
@@ -357,16 +373,16 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
     let Some(bucket) = last_bucket(q.kind)? else {
         return Some(None);
     };
+    if q.policy.shards_grads() {
+        // ZeRO-2 lands each bucket into its shard without a second buffer: a steady step
+        return Some(None);
+    }
     let (_, backward, _) = activation_values(q)?;
     let landing = PeakPrediction {
         gradients: sum([Some(full_grads), Some(bucket), Some(bucket.div_ceil(n))])?,
         backward: mul(backward, F32)?,
         ..*steady
     };
-    if q.policy.shards_grads() {
-        // ZeRO-2 frees each bucket as it lands: every step makes the last one anew
-        return Some(Some(landing));
-    }
     let first = PeakPrediction {
         optimizer_state: 0,
         ..landing
@@ -376,9 +392,10 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
 }
 
 /// A steady step's [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes). Under ZeRO-3 the parameters are
-/// the rank's shard and two units gathered at once (the one running and the next, prefetched),
-/// each at most the largest; the gradients are the shard and two units' full gradients (the
-/// unit being filled and the one whose reduce-scatter is in flight: each is freed as it lands).
+/// the rank's shard and two units gathered at once (the one running and the next, prefetched);
+/// the gradients are the shard and two units' full gradients (the unit being filled and the one
+/// whose reduce-scatter is in flight: each is freed as it lands), at the unit of backward where
+/// the four add up to the most.
 /// Under ZeRO-2 the full gradients of backward beside the shard (its buckets, of the default
 /// caps, hold most of a model of this size).
 pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
@@ -395,12 +412,10 @@ pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     };
     let full_grads = mul(psi, F32)?;
     // ZeRO-3 gathers its units (copies of its own whole shard) on one rank too
+    let (gathered, grads_in_flight) = units_in_flight(q.kind, n)?;
     let gradients = if q.policy.shards_params() {
-        sum([
-            Some(full_grads.div_ceil(n)),
-            mul(mul(largest_unit(q.kind, n)?, 2)?, F32),
-        ])?
-        .min(sum([Some(full_grads), Some(full_grads.div_ceil(n))])?)
+        sum([Some(full_grads.div_ceil(n)), mul(grads_in_flight, F32)])?
+            .min(sum([Some(full_grads), Some(full_grads.div_ceil(n))])?)
     } else if sharded(q.policy.shards_grads()) {
         sum([Some(full_grads), Some(full_grads.div_ceil(n))])?
     } else {
@@ -410,10 +425,7 @@ pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let backward = sum([Some(backward), Some(recompute)])?;
     let (scratch, policy_state) = policy_values(q.policy, q.kind, psi)?;
     let parameters = if q.policy.shards_params() {
-        sum([
-            Some(mul(psi, F32)?.div_ceil(n)),
-            mul(mul(largest_unit(q.kind, n)?, 2)?, F32),
-        ])?
+        sum([Some(mul(psi, F32)?.div_ceil(n)), mul(gathered, F32)])?
     } else {
         mul(psi, F32)?
     };
@@ -578,7 +590,10 @@ mod tests {
         // ZeRO-3 makes no bucket whole at once; on one rank it still gathers its units
         let (steady, first) = at(&PolicySpec::Zero3, 1);
         assert_eq!(steady, first);
-        let unit = 2048 * 2048 + 2048;
-        assert_eq!(first.parameters, g + 2 * unit * 4);
+        // (the most at the second layer's backward: it and the first, prefetched, gathered;
+        // its gradients and the third's, in flight)
+        let (first_layer, unit) = (512 * 2048 + 2048, 2048 * 2048 + 2048);
+        assert_eq!(first.parameters, g + (unit + first_layer) * 4);
+        assert_eq!(first.gradients, g.min(2 * unit * 4) + g);
     }
 }

@@ -28,3 +28,4 @@ mod zero3_mixed;
 mod zero3_resume_shards;
 mod zero3_start;
 mod zero3_start_file;
+mod zero_peaks;
