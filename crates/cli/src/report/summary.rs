@@ -257,7 +257,7 @@ fn print_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
             outcome.steps.len()
         );
     }
-    print_memory_line(a, outcome);
+    print_memory_line(a, world_size, outcome);
 }
 
 /// A shuffled run's data line: rows per epoch, and where the next step reads.
@@ -357,7 +357,7 @@ fn print_gradient_memory_lines(a: &RunArgs, world_size: usize, outcome: &TrainOu
 }
 
 /// The measured memory per rank, part by part.
-fn print_memory_line(a: &RunArgs, outcome: &TrainOutcome) {
+fn print_memory_line(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     let (zero, _) = zero_and_hook(&a.hook_spec());
     if let Some(m) = outcome.memory {
         // ZeRO-3: the units gathered at once, beside the shards counted as parameters
@@ -370,7 +370,7 @@ fn print_memory_line(a: &RunArgs, outcome: &TrainOutcome) {
             ),
         };
         outln!(
-            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB; the run's peak {}",
+            "memory per rank (zero {}, measured): parameters {:.2} MiB, gradients {:.2} MiB (buckets {:.2}), optimizer state {:.2} MiB, comm scratch {:.2} MiB{gathered},{} total {:.2} MiB; in the last step: activations {:.2} MiB{}, peak {:.2} MiB; the run's peak {}{}",
             zero,
             mib(m.parameters),
             mib(m.gradients),
@@ -389,9 +389,26 @@ fn print_memory_line(a: &RunArgs, outcome: &TrainOutcome) {
                 None => String::new(),
             },
             mib(m.last_step_peak),
-            run_peak(&m)
+            run_peak(&m),
+            gathered_outweigh_shards(&m, world_size).map_or_else(String::new, |note| format!("; {note}")),
         );
     }
+}
+
+/// Under ZeRO-3, when the units gathered at the run's peak hold more than sharding the
+/// parameters saves (the whole parameters every rank of ZeRO-2 holds, less this rank's shards):
+/// a model whose units are large beside it, where ZeRO-2 may peak lower.
+fn gathered_outweigh_shards(m: &brigade::ddp::MemoryReport, world_size: usize) -> Option<String> {
+    let gathered = m.peak_parts.gathered;
+    let saved = m.parameters * world_size.saturating_sub(1);
+    (gathered > saved).then(|| {
+        format!(
+            "the units gathered at the peak ({:.2} MiB) cost more than sharding the parameters saves ({:.2} MiB): \
+             with units this large beside the model, ZeRO-2 may peak lower",
+            mib(gathered),
+            mib(saved)
+        )
+    })
 }
 
 /// The run's peak, when it was reached and what held it: `19.33 MiB at step 2 = parameters

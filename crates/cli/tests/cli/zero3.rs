@@ -192,6 +192,41 @@ fn a_forward_gathers_each_unit_once_the_loss_running_in_the_last_ones_gather() {
     }
 }
 
+/// The memory line of a 2-step ZeRO-3 run of `model` on `world` ranks.
+fn zero_3_memory_line(model: &[&str], world: &str) -> String {
+    let base = [
+        "train",
+        "--world-size",
+        world,
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--zero",
+        "3",
+    ];
+    let text = ok(&cat(&[&base, &model[..model.len() - 1], &["--threads-per-rank", "1"]]));
+    let line = text.lines().find(|l| l.starts_with("memory per rank")).expect(&text);
+    line.to_string()
+}
+
+#[test]
+fn the_memory_line_says_when_the_gathered_units_outweigh_what_the_shards_save() {
+    // the small MLP's units are most of it (layers.1 alone is 61% of its 1,732 parameters): at
+    // 2 ranks the shards save 3,464 bytes, and two units gathered at once hold more
+    let mlp = zero_3_memory_line(MLP, "2");
+    assert!(
+        mlp.contains("cost more than sharding the parameters saves") && mlp.contains("ZeRO-2 may peak lower"),
+        "{mlp}"
+    );
+    // the GPT's units are each a small part of it: at 4 ranks the shards save three quarters
+    let gpt = zero_3_memory_line(GPT, "4");
+    assert!(
+        gpt.contains("gathered") && !gpt.contains("ZeRO-2 may peak lower"),
+        "{gpt}"
+    );
+}
+
 #[test]
 fn a_zero_3_checkpoint_loads_with_init_and_samples() {
     let d = dir("zero3-checkpoint");
