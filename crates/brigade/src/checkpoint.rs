@@ -669,10 +669,9 @@ fn check_data_order(
     }
     let written_world = meta.get(WORLD_SIZE_KEY).cloned().unwrap_or_default();
     if written_world != id.world_size.to_string() {
-        return Err(CheckpointMismatch::Written {
-            what: "world size (a sampled run's position is per rank)",
+        return Err(CheckpointMismatch::SampledWorldSize {
             written: written_world,
-            this_run: id.world_size.to_string(),
+            this_run: id.world_size,
         });
     }
     let field = |k: &str| meta.get(k).and_then(|v| v.parse::<u64>().ok());

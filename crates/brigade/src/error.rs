@@ -263,6 +263,15 @@ pub enum CheckpointMismatch {
         /// What this run has.
         this_run: String,
     },
+    /// A sampled run's checkpoint resumed on another number of ranks: its position in the
+    /// data is per rank.
+    #[error("it was written at world size {written} and this run uses {this_run}: a sampled (shuffled) run's position in its data is per rank, so it resumes on as many ranks only")]
+    SampledWorldSize {
+        /// The world size it was written at (as recorded).
+        written: String,
+        /// This run's.
+        this_run: usize,
+    },
     /// Written with another seed (which chooses the built-in data).
     #[error("it was written with seed {written}, this run has seed {this_run}: resume with what it was written with")]
     Seed {

@@ -198,6 +198,27 @@ fn shuffle_reports_the_epoch_and_resumes_only_shuffled() {
         &["--steps", "5", "--batch-size", "8", "--resume", s(&ckpt)],
     ]));
     assert!(e.contains("data order"), "{e}");
+    // a sampled run's position is per rank: on another number of ranks, one plain line
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &[
+            "--steps",
+            "5",
+            "--batch-size",
+            "8",
+            "--shuffle",
+            "--world-size",
+            "2",
+            "--resume",
+            s(&ckpt),
+        ],
+    ]));
+    assert!(
+        e.contains("written at world size 1") && e.contains("this run uses 2") && e.contains("per rank"),
+        "{e}"
+    );
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
     ok(&cat(&[
         &["train"],
         MLP,
