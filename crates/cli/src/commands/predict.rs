@@ -426,14 +426,19 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             cost(o.after_backward)
         );
     }
+    // The after-step sync (DiLoCo's outer step, a streaming fragment) is part of the step but
+    // of no bucket: its column shows when some row has one, so that each row adds up.
+    let sync = rows.iter().any(|r| r.after_step_comm_s > 0.0);
+    let sync_ms = |v: String| if sync { format!(" {v:>8}") } else { String::new() };
     outln!(
-        "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11} {:>13}  exposed buckets",
+        "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11}{} {:>13}  exposed buckets",
         "bucket_MiB",
         "buckets",
         "step_ms",
         "compute_ms",
         "comm_ms",
         "exposed_ms",
+        sync_ms("sync_ms".into()),
         "lower_bound_ms"
     );
     for r in rows {
@@ -445,13 +450,14 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             .map(|(i, b)| format!("{i} ({:.2} ms)", ms(b.exposed_s)))
             .collect();
         outln!(
-            "{:>10} {:>7} {:>10.2} {:>12.2} {:>9.2} {:>11.2} {:>13.2}  {}",
+            "{:>10} {:>7} {:>10.2} {:>12.2} {:>9.2} {:>11.2}{} {:>13.2}  {}",
             r.bucket_cap_mb,
             r.buckets.len(),
             ms(r.predicted_step_s),
             ms(r.compute_step_s),
             ms(r.comm_s),
             ms(r.exposed_comm_s),
+            sync_ms(format!("{:.2}", ms(r.after_step_comm_s))),
             ms(r.lower_bound_exposed_s),
             if exposed.is_empty() {
                 "none".to_string()

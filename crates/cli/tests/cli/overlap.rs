@@ -521,3 +521,62 @@ fn a_version_1_profile_that_names_no_policy_replays_as_the_default_policy() {
     assert_eq!(rows[0]["policy"], "allreduce");
     assert!(rows[0]["predicted_step_s"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn the_predict_table_shows_the_after_step_sync_so_each_row_adds_up() {
+    // On a 0.01 Gb/s link DiLoCo's outer sync (every 2 steps) is most of the predicted step,
+    // and it belongs to no bucket: the table gives it a column of its own.
+    let d = dir("predict-sync-column");
+    for policy in ["diloco:2", "streaming-diloco:4:2"] {
+        let p = d.join(format!("{}.json", policy.replace(':', "-")));
+        let p = p.to_str().unwrap();
+        ok(&[
+            "train",
+            "--model",
+            "mlp",
+            "--widths",
+            "16,32,32,4",
+            "--policy",
+            policy,
+            "--world-size",
+            "2",
+            "--steps",
+            "4",
+            "--profile",
+            p,
+        ]);
+        let args = ["predict", "--profile", p, "--net-gbps", "0.01", "--bucket-mb", "25"];
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&[&args[..], &["--json"]].concat())).unwrap();
+        let sync_ms = rows[0]["after_step_comm_s"].as_f64().unwrap() * 1e3;
+        assert!(sync_ms > 0.1, "{policy}: {sync_ms} ms");
+        let table = ok(&args);
+        let mut lines = table.lines().skip_while(|l| !l.contains("bucket_MiB"));
+        let head: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        let col = |name: &str| -> f64 {
+            let i = head
+                .iter()
+                .position(|h| *h == name)
+                .unwrap_or_else(|| panic!("no {name} in {table}"));
+            row[i].parse().unwrap()
+        };
+        assert!((col("sync_ms") - sync_ms).abs() <= 0.006, "{policy}: {table}");
+        // the step is its compute, the exposed bucket time and the sync (within the rounding
+        // of the printed columns and the agreement collective's share)
+        let parts = col("compute_ms") + col("exposed_ms") + col("sync_ms");
+        assert!(
+            (col("step_ms") - parts).abs() <= 0.05,
+            "{policy}: {parts} ms of parts:\n{table}"
+        );
+    }
+}
+
+#[test]
+fn the_predict_table_has_no_sync_column_without_an_after_step_sync() {
+    let d = dir("predict-no-sync-column");
+    let p = d.join("allreduce.json");
+    let p = p.to_str().unwrap();
+    ok(&[&["train"], RUN, &["--profile", p]].concat());
+    let table = ok(&["predict", "--profile", p, "--net-gbps", "1", "--bucket-mb", "25"]);
+    assert!(table.contains("exposed_ms") && !table.contains("sync_ms"), "{table}");
+}

@@ -64,6 +64,16 @@ use crate::{DdpError, MemoryReport, PassTimes};
 /// Latest time a profile may hold, in seconds from a step's start (a step of over 11 days is
 /// not a recording).
 const MAX_TIME_S: f64 = 1e6;
+
+/// A time for an error line: as written in plain form between 1e-6 and 1e9 (and 0), in
+/// exponent form outside (`1e300`, `-2.5e-12`), never three hundred digits.
+fn short(t: f64) -> String {
+    if t == 0.0 || !t.is_finite() || (1e-6..1e9).contains(&t.abs()) {
+        format!("{t}")
+    } else {
+        format!("{t:e}")
+    }
+}
 /// Most bytes one parameter's gradient may have (1 TiB): sums of them stay far from overflow.
 const MAX_PARAM_BYTES: usize = 1 << 40;
 
@@ -537,7 +547,8 @@ impl StepProfile {
         }
         if let Some((what, t)) = r.times().find(|(_, t)| !(0.0..=MAX_TIME_S).contains(t)) {
             return Err(format!(
-                "rank {i}: {what} is {t}: a time is negative, not finite or past {MAX_TIME_S} s"
+                "rank {i}: {what} is {}: a time is negative, not finite or past {MAX_TIME_S} s",
+                short(t)
             ));
         }
         if r.backward_end_s < r.backward_start_s || r.optimizer_end_s < r.optimizer_start_s {
@@ -555,7 +566,8 @@ impl StepProfile {
         {
             return Err(format!(
                 "rank {i}: control collective {k} has {} bytes and {} s on the link",
-                r.control[k].bytes, r.control[k].link_s
+                r.control[k].bytes,
+                short(r.control[k].link_s)
             ));
         }
         if let Some(k) = r.gathers.iter().position(|g| g.finish_s < g.start_s) {

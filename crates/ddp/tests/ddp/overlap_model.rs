@@ -308,6 +308,17 @@ fn inconsistent_profiles_are_errors_that_say_what_is_wrong() {
     recorded_both(&mut p);
     p.ranks[0].buckets[0].finish_s = 1e308;
     assert!(err(&p).contains("past 1000000 s"), "{}", err(&p));
+    // a time far out of range is printed in exponent form, not in hundreds of digits
+    assert!(err(&p).contains("finish_s is 1e308:"), "{}", err(&p));
+    recorded_both(&mut p);
+    let end = p.ranks[0].step_end_s;
+    p.ranks[0].step_end_s = 1e300;
+    assert!(err(&p).contains("rank 0: step_end_s is 1e300:"), "{}", err(&p));
+    p.ranks[0].step_end_s = -2.5e-12;
+    assert!(err(&p).contains("step_end_s is -2.5e-12:"), "{}", err(&p));
+    p.ranks[0].step_end_s = -0.5;
+    assert!(err(&p).contains("step_end_s is -0.5:"), "{}", err(&p));
+    p.ranks[0].step_end_s = end;
     recorded_both(&mut p);
     p.ranks[0].buckets[0].finish_s = 0.001;
     assert!(err(&p).contains("finishes before it starts"), "{}", err(&p));
