@@ -67,12 +67,12 @@ pub struct StudyArgs {
 /// Runs `brigade study`.
 pub fn study(s: StudyArgs) -> Result<()> {
     let a = &s.run;
-    a.validate()?;
     let specs = s
         .policy
         .iter()
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
+    // every flag is checked under each policy of the list, not the run's own (`train --policy`)
     a.check_settings_flags(&specs, true)?;
     for spec in &specs {
         a.validate_for(spec)

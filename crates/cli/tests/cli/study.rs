@@ -258,3 +258,47 @@ fn a_profile_records_the_steps_agreement_on_the_loss_with_the_time_it_held_the_l
         }
     }
 }
+
+/// The study's flags but its policies: a small MLP on 2 ranks over a simulated link.
+fn small(policy: &str, more: &[&str], out: &str) -> Vec<String> {
+    let base = [
+        "study",
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,32,4",
+        "--world-size",
+        "2",
+        "--net-gbps",
+        "10",
+        "--policy",
+        policy,
+        "--out",
+        out,
+    ];
+    base.iter().chain(more).map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn accumulating_into_the_shard_is_checked_against_the_studys_policies() {
+    let d = dir("study_accum_shard");
+    let out = d.to_str().unwrap();
+    let more = [
+        "--steps",
+        "4",
+        "--accum",
+        "2",
+        "--accum-into-shard",
+        "--target-loss",
+        "1.36",
+        "--json",
+    ];
+    let args = small("zero2,zero3", &more, out);
+    let json = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let results: Vec<Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(results.len(), 2);
+    // a policy of the list that keeps no gradient shard is named
+    let args = small("zero3,fp16", &more, out);
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("--policy fp16") && !e.contains("allreduce"), "{e}");
+}
