@@ -120,6 +120,9 @@ fn a_studys_steps_to_each_target_are_its_runs_first_step_at_or_below_it() {
         assert_eq!(row4[2], "2", "{policy}");
         assert!(row4[5] != "-", "{policy}: its step is predicted");
         assert!(row4[10..].iter().all(|c| *c == "-"), "{policy}: {row4:?}");
+        // nor what was measured at 2 ranks: the measured step, its band and the bytes sent
+        assert!(row[6..10].iter().all(|c| *c != "-"), "{policy}: {row:?}");
+        assert!(row4[6..10].iter().all(|c| *c == "-"), "{policy}: {row4:?}");
     }
     // fp16 sends half of allreduce's bytes
     let wire = |i: usize| results[i]["wire_bytes_per_step"].as_f64().unwrap();
