@@ -301,7 +301,7 @@ fn print_table(results: &[PolicyStudy]) {
         );
     }
     for r in results.iter().filter(|r| !r.note.is_empty()) {
-        outln!("note: {}: not predicted: {}", r.policy, r.note);
+        outln!("note: {}: {}", r.policy, r.note);
     }
 }
 

@@ -305,3 +305,23 @@ fn accumulating_into_the_shard_is_checked_against_the_studys_policies() {
     let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(e.contains("--policy fp16") && !e.contains("allreduce"), "{e}");
 }
+
+#[test]
+fn a_predicted_policy_without_an_error_band_is_not_called_unpredicted() {
+    // 3 steps, 2 of warm-up: the one profiled step of a policy that syncs every second step
+    // sends nothing, so there is no link to replay its own step on; its step on the study's
+    // link is still predicted
+    let d = dir("study_no_band");
+    let out = d.to_str().unwrap();
+    let more = ["--steps", "3", "--target-loss", "1.37", "--predict-world-sizes", "3"];
+    let args = small("diloco:2", &more, out);
+    let text = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = summary.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 2, "{summary}");
+    assert!(rows.iter().all(|r| r[5] != "-"), "its step is predicted: {summary}");
+    assert_eq!(rows[0][7], "-", "no error band: {summary}");
+    assert!(!text.contains("not predicted"), "{text}");
+    let note = text.lines().find(|l| l.starts_with("note: diloco:2: ")).expect(&text);
+    assert!(note.contains("error band"), "{note}");
+}
