@@ -125,7 +125,9 @@ pub struct PolicyStudy {
     pub own_band: Option<OwnBand>,
     /// The predictions: the trained world on every link, then each other world on every link.
     pub predictions: Vec<Prediction>,
-    /// Why the policy was not predicted (the overlap model's words), empty when it was.
+    /// What the study could not predict for the policy and why (the overlap model's words):
+    /// `not predicted: ...` when its step was not, `no error band: ...` when only its own
+    /// profiles could not be replayed; empty when both were.
     pub note: String,
 }
 

@@ -113,7 +113,7 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
                 high: e.iter().copied().fold(f64::NEG_INFINITY, f64::max),
             }),
             Err(e) => {
-                note = e;
+                note = format!("no error band: {e}");
                 None
             }
         }
@@ -128,7 +128,7 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
                 match replayed(profiles, overhead, LinkCost::Ring(*link), Some(w)) {
                     Ok(s) => Some(s),
                     Err(e) => {
-                        note = e;
+                        note = format!("not predicted: {e}");
                         None
                     }
                 }

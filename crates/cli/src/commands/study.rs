@@ -67,12 +67,12 @@ pub struct StudyArgs {
 /// Runs `brigade study`.
 pub fn study(s: StudyArgs) -> Result<()> {
     let a = &s.run;
-    a.validate()?;
     let specs = s
         .policy
         .iter()
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
+    // every flag is checked under each policy of the list, not the run's own (`train --policy`)
     a.check_settings_flags(&specs, true)?;
     for spec in &specs {
         a.validate_for(spec)
@@ -167,6 +167,9 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
             .own_band
             .map(|b| format!("{:+.1}%..{:+.1}%", 100.0 * b.low, 100.0 * b.high));
         for p in &r.predictions {
+            // measured at the trained world only: empty at the others
+            let trained = p.world_size == r.world_size;
+            let measured = |x: String| if trained { x } else { "-".into() };
             let mut row = vec![
                 r.policy.clone(),
                 p.world_size.to_string(),
@@ -174,10 +177,10 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
                 format!("{}", p.net_gbps),
                 format!("{}", p.net_latency_us),
                 or_dash(p.step_s.map(|s| 1e3 * s), 3),
-                format!("{:.3}", 1e3 * r.measured_step_s),
-                band.clone().unwrap_or_else(|| "-".into()),
-                format!("{:.0}", r.wire_bytes_per_step),
-                format!("{:.0}", r.payload_bytes_per_step),
+                measured(format!("{:.3}", 1e3 * r.measured_step_s)),
+                measured(band.clone().unwrap_or_else(|| "-".into())),
+                measured(format!("{:.0}", r.wire_bytes_per_step)),
+                measured(format!("{:.0}", r.payload_bytes_per_step)),
             ];
             // steps to a target are the trained world's: at another world only the step
             for k in 0..targets {
@@ -202,7 +205,8 @@ fn summary_targets(results: &[PolicyStudy]) -> Vec<f64> {
 
 /// The summary table's header, with two columns per target. `world_size` is the prediction's,
 /// `steps_at_world_size` the world the policy trained at, whose losses give the steps to each
-/// target (empty at the other worlds: only their step is predicted).
+/// target (empty at the other worlds: only their step is predicted, and the measured step,
+/// its band and the bytes sent are the trained world's, empty there too).
 fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
     let mut h: Vec<String> = [
         "policy",
@@ -297,7 +301,7 @@ fn print_table(results: &[PolicyStudy]) {
         );
     }
     for r in results.iter().filter(|r| !r.note.is_empty()) {
-        outln!("note: {}: not predicted: {}", r.policy, r.note);
+        outln!("note: {}: {}", r.policy, r.note);
     }
 }
 

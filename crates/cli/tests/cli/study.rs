@@ -120,6 +120,9 @@ fn a_studys_steps_to_each_target_are_its_runs_first_step_at_or_below_it() {
         assert_eq!(row4[2], "2", "{policy}");
         assert!(row4[5] != "-", "{policy}: its step is predicted");
         assert!(row4[10..].iter().all(|c| *c == "-"), "{policy}: {row4:?}");
+        // nor what was measured at 2 ranks: the measured step, its band and the bytes sent
+        assert!(row[6..10].iter().all(|c| *c != "-"), "{policy}: {row:?}");
+        assert!(row4[6..10].iter().all(|c| *c == "-"), "{policy}: {row4:?}");
     }
     // fp16 sends half of allreduce's bytes
     let wire = |i: usize| results[i]["wire_bytes_per_step"].as_f64().unwrap();
@@ -257,4 +260,68 @@ fn a_profile_records_the_steps_agreement_on_the_loss_with_the_time_it_held_the_l
             );
         }
     }
+}
+
+/// The study's flags but its policies: a small MLP on 2 ranks over a simulated link.
+fn small(policy: &str, more: &[&str], out: &str) -> Vec<String> {
+    let base = [
+        "study",
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,32,4",
+        "--world-size",
+        "2",
+        "--net-gbps",
+        "10",
+        "--policy",
+        policy,
+        "--out",
+        out,
+    ];
+    base.iter().chain(more).map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn accumulating_into_the_shard_is_checked_against_the_studys_policies() {
+    let d = dir("study_accum_shard");
+    let out = d.to_str().unwrap();
+    let more = [
+        "--steps",
+        "4",
+        "--accum",
+        "2",
+        "--accum-into-shard",
+        "--target-loss",
+        "1.36",
+        "--json",
+    ];
+    let args = small("zero2,zero3", &more, out);
+    let json = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let results: Vec<Value> = serde_json::from_str(&json).unwrap();
+    assert_eq!(results.len(), 2);
+    // a policy of the list that keeps no gradient shard is named
+    let args = small("zero3,fp16", &more, out);
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("--policy fp16") && !e.contains("allreduce"), "{e}");
+}
+
+#[test]
+fn a_predicted_policy_without_an_error_band_is_not_called_unpredicted() {
+    // 3 steps, 2 of warm-up: the one profiled step of a policy that syncs every second step
+    // sends nothing, so there is no link to replay its own step on; its step on the study's
+    // link is still predicted
+    let d = dir("study_no_band");
+    let out = d.to_str().unwrap();
+    let more = ["--steps", "3", "--target-loss", "1.37", "--predict-world-sizes", "3"];
+    let args = small("diloco:2", &more, out);
+    let text = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = summary.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 2, "{summary}");
+    assert!(rows.iter().all(|r| r[5] != "-"), "its step is predicted: {summary}");
+    assert_eq!(rows[0][7], "-", "no error band: {summary}");
+    assert!(!text.contains("not predicted"), "{text}");
+    let note = text.lines().find(|l| l.starts_with("note: diloco:2: ")).expect(&text);
+    assert!(note.contains("error band"), "{note}");
 }
