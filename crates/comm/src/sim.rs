@@ -16,8 +16,10 @@ type SimJob = Box<dyn FnOnce() + Send>;
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
-/// once every rank has joined it and the link is free, and finishes at the same instant on every
-/// rank. Create one per group and hand it to each rank's [`crate::CommStream::on_link`].
+/// once every rank has issued it and the link is free, and finishes at the same instant on every
+/// rank. The data's real transfer runs inside that slot, as a network's transfer is its link
+/// time: a comm thread that wakes late on a busy core delays its waiter only where the transfer
+/// outlasts the slot, and never the link's later slots. Create one per group and hand it to each rank's [`crate::CommStream::on_link`].
 ///
 /// Without it ([`crate::CommStream::simulated`]) each rank keeps its own link clock, and ranks
 /// drift apart by scheduling noise: a collective can start on one rank's link while another's is
@@ -32,9 +34,19 @@ pub struct SharedLink {
 struct SharedState {
     /// When the link is free again (the last slot's finish).
     free: Instant,
-    /// Slots decided by the first rank to reach them and not yet read by every other rank:
-    /// (collective index, start, finish, ranks still to read it).
-    slots: VecDeque<(u64, Instant, Instant, usize)>,
+    /// Collectives issued by some rank and not yet read by every rank, oldest first.
+    slots: VecDeque<Slot>,
+}
+
+/// Collective `k` on the shared link.
+struct Slot {
+    k: u64,
+    /// The latest issue instant of the ranks that issued it so far.
+    issued: Instant,
+    /// Start and finish, decided by the first rank whose transfer finished.
+    decided: Option<(Instant, Instant)>,
+    /// Ranks that have read the decision (the decider included).
+    read: usize,
 }
 
 impl SharedLink {
@@ -54,26 +66,57 @@ impl SharedLink {
         self.model
     }
 
+    /// Collective `k` issued by one rank at `at`: every rank does so before its transfer is
+    /// queued, so by the time any rank's transfer finishes every rank's issue is known.
+    fn issue(&self, k: u64, at: Instant) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match st.slots.iter_mut().find(|s| s.k == k) {
+            Some(slot) => slot.issued = slot.issued.max(at),
+            None => st.slots.push_back(Slot {
+                k,
+                issued: at,
+                decided: None,
+                read: 0,
+            }),
+        }
+    }
+
     /// The start and finish of collective `k`, whose inner transfer finished at `joined` on the
-    /// calling rank (every rank has joined by then). The first rank to ask decides the slot:
-    /// `start = max(joined, link free)`, `finish = start + model_time`; the others read it.
+    /// calling rank. The first rank to ask decides the slot: `start = max(last rank's issue, link
+    /// free)`, `finish = start + model_time`; the others read it. (The work completes once its
+    /// data has moved too: a transfer that outlasts its slot delays the waiter, not the link.)
     fn slot(&self, k: u64, joined: Instant, model_time: Duration, world: usize) -> (Instant, Instant) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = st.slots.iter().position(|s| s.0 == k) {
-            let (_, start, finish, left) = &mut st.slots[i];
-            let out = (*start, *finish);
-            *left -= 1;
-            if *left == 0 {
-                st.slots.remove(i);
+        let i = match st.slots.iter().position(|s| s.k == k) {
+            Some(i) => i,
+            None => {
+                // not issued through `issue` (cannot happen on a stream): the transfer's finish
+                // is the first instant every rank is known to have joined
+                st.slots.push_back(Slot {
+                    k,
+                    issued: joined,
+                    decided: None,
+                    read: 0,
+                });
+                st.slots.len() - 1
             }
-            return out;
+        };
+        let free = st.free;
+        let slot = &mut st.slots[i];
+        let (start, finish) = match slot.decided {
+            Some(decided) => decided,
+            None => {
+                let start = slot.issued.max(free);
+                let decided = (start, start + model_time);
+                slot.decided = Some(decided);
+                decided
+            }
+        };
+        slot.read += 1;
+        if slot.read >= world {
+            st.slots.remove(i);
         }
-        let start = joined.max(st.free);
-        let finish = start + model_time;
-        st.free = finish;
-        if world > 1 {
-            st.slots.push_back((k, start, finish, world - 1));
-        }
+        st.free = st.free.max(finish);
         (start, finish)
     }
 }
@@ -84,28 +127,44 @@ enum LinkClock {
     Shared { link: SharedLink, next: u64, world: usize },
 }
 
+/// A collective's place on the link, taken when it is issued, before its transfer is queued.
+pub(crate) struct Ticket {
+    /// Its index among the rank's collectives on a shared link.
+    k: u64,
+}
+
 impl LinkClock {
-    /// Start and finish of the rank's next collective.
-    fn next_slot(&mut self, joined: Instant, model_time: Duration) -> (Instant, Instant) {
+    /// The rank's next collective, issued now.
+    fn ticket(&mut self) -> Ticket {
+        match self {
+            LinkClock::Own { .. } => Ticket { k: 0 },
+            LinkClock::Shared { link, next, .. } => {
+                let k = *next;
+                *next += 1;
+                link.issue(k, Instant::now());
+                Ticket { k }
+            }
+        }
+    }
+
+    /// Start and finish of the collective of `ticket`, whose transfer finished at `joined`.
+    /// On a rank's own link the transfer's finish is the first instant this rank knows every
+    /// rank has joined (ranks in other processes share no clock): `start = max(joined, free)`.
+    fn slot(&mut self, ticket: Ticket, joined: Instant, model_time: Duration) -> (Instant, Instant) {
         match self {
             LinkClock::Own { free } => {
                 let start = joined.max(*free);
                 *free = start + model_time;
                 (start, *free)
             }
-            LinkClock::Shared { link, next, world } => {
-                let k = *next;
-                *next += 1;
-                link.slot(k, joined, model_time, *world)
-            }
+            LinkClock::Shared { link, world, .. } => link.slot(ticket.k, joined, model_time, *world),
         }
     }
 }
 
 /// A simulated stream's delay stage: each collective's work, completed by the transport, is
-/// completed again at its modelled finish on the link, `sim_start = max(transfer finished,
-/// previous sim_finish)`, `sim_finish = sim_start + model time`, by a helper thread that sleeps
-/// until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
+/// completed again at its modelled finish on the link (the slot of [`SharedLink`] or of a
+/// rank's own link), by a helper thread that sleeps until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
 /// its timing. A blocking collective issued while nothing is in flight runs on the caller
 /// instead ([`LinkStage::hold`]), as on a stream without a link.
 pub(crate) struct LinkStage {
@@ -166,20 +225,27 @@ impl LinkStage {
         self.in_flight.load(Ordering::Acquire) == 0
     }
 
-    /// The link's part of a blocking collective `kind` on `bytes` bytes whose transfer the
-    /// caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
+    /// A place on the link for the collective the caller issues now, before its transfer is
+    /// queued (or run).
+    pub(crate) fn ticket(&self) -> Ticket {
+        lock(&self.clock).ticket()
+    }
+
+    /// The link's part of a blocking collective `kind` on `bytes` bytes, issued with `ticket`,
+    /// whose transfer the caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
     /// as the helper thread would and returns at the slot's finish, on the caller's thread: no
     /// helper thread wakes, and the caller wakes on its own at the modelled finish (a hand-over
     /// from the helper costs a wake-up, which on shared cores is often longer than the link).
     pub(crate) fn hold<T>(
         &self,
+        ticket: Ticket,
         kind: RingOp,
         bytes: usize,
         transferred: Result<T, CommError>,
     ) -> Result<T, CommError> {
         let value = transferred?;
         let model_time = self.model.time(kind, bytes, self.world);
-        let (_, finish) = lock(&self.clock).next_slot(Instant::now(), model_time);
+        let (_, finish) = lock(&self.clock).slot(ticket, Instant::now(), model_time);
         sleep_until(finish);
         Ok(value)
     }
@@ -189,9 +255,11 @@ impl LinkStage {
         self.model
     }
 
-    /// `inner` (collective `kind` on `bytes` bytes) completed at its modelled finish.
+    /// `inner` (collective `kind` on `bytes` bytes, issued with `ticket`) completed at its
+    /// modelled finish.
     pub(crate) fn delay<T: Send + 'static>(
         &self,
+        ticket: Ticket,
         inner: Work<T>,
         kind: RingOp,
         bytes: usize,
@@ -206,12 +274,8 @@ impl LinkStage {
             // The transport bounds its own waits, so this returns.
             match inner.wait_timed_timeout(Duration::MAX) {
                 Ok((value, timing)) => {
-                    // Data can flow only once every rank has joined, and the transfer's
-                    // finish is the first instant this rank knows they all have: a rank
-                    // that arrived early waits for the late one, then for the link.
-                    // (This counts the real transfer on top of the model's; in shared
-                    // memory it is far shorter than the simulated links.)
-                    let (sim_start, sim_finish) = lock(&clock).next_slot(timing.finished, model_time);
+                    // A rank that issued early waits for the late one, then for the link.
+                    let (sim_start, sim_finish) = lock(&clock).slot(ticket, timing.finished, model_time);
                     promise.start_at(sim_start);
                     sleep_until(sim_finish);
                     // off the link before the waiter wakes: its next blocking collective may

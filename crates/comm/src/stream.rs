@@ -224,9 +224,10 @@ impl<T: Transport> CommStream<T> {
             if link.idle() {
                 let bytes = buf.byte_len();
                 if let Some(mut transport) = self.take_if_idle() {
+                    let ticket = link.ticket();
                     let result = run_caught(all_reduce_op(buf, op), &mut transport, tag);
                     hand_back(&self.shared, transport);
-                    return link.hold(RingOp::AllReduce, bytes, result);
+                    return link.hold(ticket, RingOp::AllReduce, bytes, result);
                 }
             }
         }
@@ -298,9 +299,11 @@ impl<T: Transport> CommStream<T> {
         op: impl FnOnce(&mut T, &str) -> Result<R, CommError> + Send + 'static,
     ) -> Work<R> {
         let span = self.tracing.as_ref().map(|t| t.issue(self.rank, kind, tag, bytes));
+        // the link's slot counts from the issue, taken before the transfer can start
+        let ticket = self.link.as_ref().map(|link| link.ticket());
         let mut work = self.submit(tag, op);
-        if let Some(link) = &self.link {
-            work = link.delay(work, kind, bytes, self.timeout);
+        if let (Some(link), Some(ticket)) = (&self.link, ticket) {
+            work = link.delay(ticket, work, kind, bytes, self.timeout);
         }
         match (&self.tracing, span) {
             (Some(t), Some(span)) => t.watch(span, work),

@@ -135,3 +135,39 @@ fn a_blocking_all_reduce_on_the_caller_takes_its_slot_on_the_shared_link() {
         "{link_s} s on the link, the model says {want} s"
     );
 }
+
+#[test]
+fn a_collectives_slot_counts_from_the_last_ranks_issue_not_from_its_transfers_finish() {
+    // The real transfer of 64 MiB takes milliseconds of copying and summing; the link is so
+    // fast that the model's time is a few microseconds. The slot starts when the last rank
+    // issued (the transfer runs inside it, as a network's transfer is its link time), so a
+    // comm thread that is slow to move the data does not push the link's start back.
+    let model = NetModel {
+        latency: Duration::ZERO,
+        bandwidth_bytes_per_s: 1e15,
+    };
+    let n = 16 << 20;
+    let link = SharedLink::new(model);
+    let t = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
+        let sim = comm.on_link(&link);
+        let buf = Buffer::F32(vec![1.0; n]);
+        let before = Instant::now();
+        let work = sim.all_reduce(buf, ReduceOp::Sum, "big");
+        let issued = Instant::now();
+        let (sum, timing) = work.wait_timed().unwrap();
+        assert_eq!(sum.as_f32().unwrap()[n - 1], 2.0);
+        (before, issued, timing)
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect::<Vec<_>>();
+    let last_before = t.iter().map(|r| r.0).max().unwrap();
+    let last_issued = t.iter().map(|r| r.1).max().unwrap();
+    let started = t[0].2.started;
+    assert!(
+        started >= last_before && started <= last_issued,
+        "the slot started {:?} after the last rank called the collective, which returned after {:?}",
+        started.duration_since(last_before),
+        last_issued.duration_since(last_before)
+    );
+}
