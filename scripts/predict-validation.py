@@ -19,10 +19,11 @@ median error is within its target:
                       (at least 2)
   own-step:POLICY     each built-in policy (allreduce, fp16, bf16, int8, powersgd:4@1, zero1,
                       zero2, zero3, topk:0.01, efsign, diloco:10, streaming-diloco:10:2) on the
-                      same MLP over a simulated 1 Gb/s, 20 us link: its own profile replayed on
-                      the measured link at the recorded caps, the predicted step against the
-                      recorded one, the mean over the ranks of its end (5%); the two DiLoCos
-                      record a whole period of 10 steps and are compared by their mean step
+                      same MLP over a simulated 1 Gb/s, 20 us link: its own profile of 10 steps
+                      replayed on the measured link at the recorded caps, the median predicted
+                      step against the median recorded one, a step's time being the mean over
+                      the ranks of its end (5%); the two DiLoCos record a whole period of 10
+                      steps and are compared by their mean step
   mpi-own-link        (with mpirun on PATH and a build with --features mpi) a 64,512,512,512,4
                       MLP on 2 MPI ranks, buckets of 0.5 MiB: as allreduce-own-link (25%)
 
@@ -92,8 +93,17 @@ OWN_POLICIES = ["allreduce", "fp16", "bf16", "int8", "powersgd:4@1", "zero1", "z
 PERIODS = {"diloco:10": 10, "streaming-diloco:10:2": 10}
 
 
+# the other policies: steps recorded (after two warm-up steps), the median recorded step against
+# the median predicted one (`predict` gives the step with the median prediction)
+OWN_STEPS = 10
+
+
 def mean_step_s(profiles):
     return sum(step_s(p) for p in profiles) / len(profiles)
+
+
+def median_step_s(profiles):
+    return statistics.median(step_s(p) for p in profiles)
 
 
 def own_steps(brigade, d, i):
@@ -103,13 +113,13 @@ def own_steps(brigade, d, i):
     for policy in OWN_POLICIES:
         p = os.path.join(d, f"own-{policy.replace(':', '-').replace('@', '-')}-{i}.json")
         cmd = [brigade, "train", *RUN, "--net-gbps", "1", *caps, "--policy", policy]
+        steps = PERIODS.get(policy, OWN_STEPS) + 2
+        cmd[cmd.index("--steps") + 1] = str(steps)
+        cmd += ["--profile-steps", f"2..{steps}"]
         if policy in PERIODS:
-            steps = PERIODS[policy] + 2
-            cmd[cmd.index("--steps") + 1] = str(steps)
-            cmd += ["--profile-steps", f"2..{steps}"]
             measured = mean_step_s(record(cmd, p))
         else:
-            measured = step_s(record(cmd, p))
+            measured = median_step_s(record(cmd, p))
         row = predict(brigade, p, "--measured-link", *caps)
         out[f"own-step:{policy}"] = (error(row["predicted_step_s"], measured), row["predicted_step_s"], measured)
     return out
