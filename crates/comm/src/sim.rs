@@ -17,9 +17,10 @@ type SimJob = Box<dyn FnOnce() + Send>;
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
 /// once every rank has issued it and the link is free, and finishes at the same instant on every
-/// rank. The data's real transfer runs inside that slot, as a network's transfer is its link
-/// time: a comm thread that wakes late on a busy core delays its waiter only where the transfer
-/// outlasts the slot, and never the link's later slots. Create one per group and hand it to each rank's [`crate::CommStream::on_link`].
+/// rank. The slot counts from the instant the last rank's comm thread took the collective up
+/// (its hand-over to the link, as a network's transfer starts when the backend hands it to the
+/// wire), and the data's real transfer in memory runs inside it: copying and summing on a busy
+/// core delays its waiter only where it outlasts the slot, and never the link's later slots. Create one per group and hand it to each rank's [`crate::CommStream::on_link`].
 ///
 /// Without it ([`crate::CommStream::simulated`]) each rank keeps its own link clock, and ranks
 /// drift apart by scheduling noise: a collective can start on one rank's link while another's is
@@ -34,15 +35,15 @@ pub struct SharedLink {
 struct SharedState {
     /// When the link is free again (the last slot's finish).
     free: Instant,
-    /// Collectives issued by some rank and not yet read by every rank, oldest first.
+    /// Collectives taken up by some rank and not yet read by every rank, oldest first.
     slots: VecDeque<Slot>,
 }
 
 /// Collective `k` on the shared link.
 struct Slot {
     k: u64,
-    /// The latest issue instant of the ranks that issued it so far.
-    issued: Instant,
+    /// The latest instant a rank's comm thread took it up, of the ranks that have.
+    entered: Instant,
     /// Start and finish, decided by the first rank whose transfer finished.
     decided: Option<(Instant, Instant)>,
     /// Ranks that have read the decision (the decider included).
@@ -66,15 +67,16 @@ impl SharedLink {
         self.model
     }
 
-    /// Collective `k` issued by one rank at `at`: every rank does so before its transfer is
-    /// queued, so by the time any rank's transfer finishes every rank's issue is known.
-    fn issue(&self, k: u64, at: Instant) {
+    /// Collective `k` taken up by one rank's comm thread at `at`, as its transfer begins: a
+    /// collective's transfer finishes on no rank before every rank has begun it, so by then
+    /// every rank's instant is known.
+    fn enter(&self, k: u64, at: Instant) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match st.slots.iter_mut().find(|s| s.k == k) {
-            Some(slot) => slot.issued = slot.issued.max(at),
+            Some(slot) => slot.entered = slot.entered.max(at),
             None => st.slots.push_back(Slot {
                 k,
-                issued: at,
+                entered: at,
                 decided: None,
                 read: 0,
             }),
@@ -82,7 +84,7 @@ impl SharedLink {
     }
 
     /// The start and finish of collective `k`, whose inner transfer finished at `joined` on the
-    /// calling rank. The first rank to ask decides the slot: `start = max(last rank's issue, link
+    /// calling rank. The first rank to ask decides the slot: `start = max(last rank's entry, link
     /// free)`, `finish = start + model_time`; the others read it. (The work completes once its
     /// data has moved too: a transfer that outlasts its slot delays the waiter, not the link.)
     fn slot(&self, k: u64, joined: Instant, model_time: Duration, world: usize) -> (Instant, Instant) {
@@ -90,11 +92,11 @@ impl SharedLink {
         let i = match st.slots.iter().position(|s| s.k == k) {
             Some(i) => i,
             None => {
-                // not issued through `issue` (cannot happen on a stream): the transfer's finish
-                // is the first instant every rank is known to have joined
+                // no rank's entry recorded (a transport that finished without every rank, as a
+                // broadcast's root may): the transfer's finish is the instant this rank knows of
                 st.slots.push_back(Slot {
                     k,
-                    issued: joined,
+                    entered: joined,
                     decided: None,
                     read: 0,
                 });
@@ -106,7 +108,7 @@ impl SharedLink {
         let (start, finish) = match slot.decided {
             Some(decided) => decided,
             None => {
-                let start = slot.issued.max(free);
+                let start = slot.entered.max(free);
                 let decided = (start, start + model_time);
                 slot.decided = Some(decided);
                 decided
@@ -127,22 +129,35 @@ enum LinkClock {
     Shared { link: SharedLink, next: u64, world: usize },
 }
 
-/// A collective's place on the link, taken when it is issued, before its transfer is queued.
+/// A collective's place on the link, taken when it is issued (in issue order, as every rank
+/// issues them), whose [`Ticket::enter`] the comm thread calls as it takes the collective up.
 pub(crate) struct Ticket {
     /// Its index among the rank's collectives on a shared link.
     k: u64,
+    shared: Option<SharedLink>,
+}
+
+impl Ticket {
+    /// The rank's comm thread takes the collective up now: its transfer begins.
+    pub(crate) fn enter(&self) {
+        if let Some(link) = &self.shared {
+            link.enter(self.k, Instant::now());
+        }
+    }
 }
 
 impl LinkClock {
     /// The rank's next collective, issued now.
     fn ticket(&mut self) -> Ticket {
         match self {
-            LinkClock::Own { .. } => Ticket { k: 0 },
+            LinkClock::Own { .. } => Ticket { k: 0, shared: None },
             LinkClock::Shared { link, next, .. } => {
                 let k = *next;
                 *next += 1;
-                link.issue(k, Instant::now());
-                Ticket { k }
+                Ticket {
+                    k,
+                    shared: Some(link.clone()),
+                }
             }
         }
     }
@@ -150,7 +165,7 @@ impl LinkClock {
     /// Start and finish of the collective of `ticket`, whose transfer finished at `joined`.
     /// On a rank's own link the transfer's finish is the first instant this rank knows every
     /// rank has joined (ranks in other processes share no clock): `start = max(joined, free)`.
-    fn slot(&mut self, ticket: Ticket, joined: Instant, model_time: Duration) -> (Instant, Instant) {
+    fn slot(&mut self, ticket: &Ticket, joined: Instant, model_time: Duration) -> (Instant, Instant) {
         match self {
             LinkClock::Own { free } => {
                 let start = joined.max(*free);
@@ -225,8 +240,8 @@ impl LinkStage {
         self.in_flight.load(Ordering::Acquire) == 0
     }
 
-    /// A place on the link for the collective the caller issues now, before its transfer is
-    /// queued (or run).
+    /// A place on the link for the collective the caller issues now; the comm thread that runs
+    /// its transfer calls [`Ticket::enter`] as it begins.
     pub(crate) fn ticket(&self) -> Ticket {
         lock(&self.clock).ticket()
     }
@@ -245,7 +260,7 @@ impl LinkStage {
     ) -> Result<T, CommError> {
         let value = transferred?;
         let model_time = self.model.time(kind, bytes, self.world);
-        let (_, finish) = lock(&self.clock).slot(ticket, Instant::now(), model_time);
+        let (_, finish) = lock(&self.clock).slot(&ticket, Instant::now(), model_time);
         sleep_until(finish);
         Ok(value)
     }
@@ -259,7 +274,7 @@ impl LinkStage {
     /// modelled finish.
     pub(crate) fn delay<T: Send + 'static>(
         &self,
-        ticket: Ticket,
+        ticket: Arc<Ticket>,
         inner: Work<T>,
         kind: RingOp,
         bytes: usize,
@@ -274,8 +289,8 @@ impl LinkStage {
             // The transport bounds its own waits, so this returns.
             match inner.wait_timed_timeout(Duration::MAX) {
                 Ok((value, timing)) => {
-                    // A rank that issued early waits for the late one, then for the link.
-                    let (sim_start, sim_finish) = lock(&clock).slot(ticket, timing.finished, model_time);
+                    // A rank that came early waits for the late one, then for the link.
+                    let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
                     promise.start_at(sim_start);
                     sleep_until(sim_finish);
                     // off the link before the waiter wakes: its next blocking collective may

@@ -164,7 +164,8 @@ impl<T: Transport> CommStream<T> {
     }
 
     /// Like [`CommStream::simulated`], on `link`, the link every rank of the group shares (see
-    /// [`SharedLink`]): every rank of a collective gets the same start and finish.
+    /// [`SharedLink`]): every rank of a collective gets the same start (when the last rank's
+    /// comm thread took it up, the data's real transfer running inside the slot) and finish.
     pub fn on_link(mut self, link: &SharedLink) -> Self {
         self.link = Some(Arc::new(LinkStage::shared(link, self.rank, self.world_size)));
         self
@@ -225,6 +226,7 @@ impl<T: Transport> CommStream<T> {
                 let bytes = buf.byte_len();
                 if let Some(mut transport) = self.take_if_idle() {
                     let ticket = link.ticket();
+                    ticket.enter();
                     let result = run_caught(all_reduce_op(buf, op), &mut transport, tag);
                     hand_back(&self.shared, transport);
                     return link.hold(ticket, RingOp::AllReduce, bytes, result);
@@ -299,12 +301,19 @@ impl<T: Transport> CommStream<T> {
         op: impl FnOnce(&mut T, &str) -> Result<R, CommError> + Send + 'static,
     ) -> Work<R> {
         let span = self.tracing.as_ref().map(|t| t.issue(self.rank, kind, tag, bytes));
-        // the link's slot counts from the issue, taken before the transfer can start
-        let ticket = self.link.as_ref().map(|link| link.ticket());
-        let mut work = self.submit(tag, op);
-        if let (Some(link), Some(ticket)) = (&self.link, ticket) {
-            work = link.delay(ticket, work, kind, bytes, self.timeout);
-        }
+        let work = match &self.link {
+            Some(link) => {
+                // the link's slot counts from the instant the comm thread takes the collective up
+                let ticket = Arc::new(link.ticket());
+                let entry = ticket.clone();
+                let work = self.submit(tag, move |t: &mut T, tag: &str| {
+                    entry.enter();
+                    op(t, tag)
+                });
+                link.delay(ticket, work, kind, bytes, self.timeout)
+            }
+            None => self.submit(tag, op),
+        };
         match (&self.tracing, span) {
             (Some(t), Some(span)) => t.watch(span, work),
             _ => work,

@@ -137,11 +137,12 @@ fn a_blocking_all_reduce_on_the_caller_takes_its_slot_on_the_shared_link() {
 }
 
 #[test]
-fn a_collectives_slot_counts_from_the_last_ranks_issue_not_from_its_transfers_finish() {
-    // The real transfer of 64 MiB takes milliseconds of copying and summing; the link is so
-    // fast that the model's time is a few microseconds. The slot starts when the last rank
-    // issued (the transfer runs inside it, as a network's transfer is its link time), so a
-    // comm thread that is slow to move the data does not push the link's start back.
+fn a_collectives_slot_counts_from_when_the_last_comm_thread_took_it_up() {
+    // Each rank first queues a 64 MiB all-reduce on a plain handle of its stream (no link), then
+    // a 64 MiB one on the link, so fast that its model time is microseconds. The comm thread
+    // takes the second up only once the first is done: the slot cannot start before that. Its
+    // real transfer (tens of milliseconds of copying and summing) then runs inside the slot, as
+    // a network's transfer is its link time: the slot starts well before the data has moved.
     let model = NetModel {
         latency: Duration::ZERO,
         bandwidth_bytes_per_s: 1e15,
@@ -150,24 +151,30 @@ fn a_collectives_slot_counts_from_the_last_ranks_issue_not_from_its_transfers_fi
     let link = SharedLink::new(model);
     let t = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
         let sim = comm.on_link(&link);
-        let buf = Buffer::F32(vec![1.0; n]);
-        let before = Instant::now();
-        let work = sim.all_reduce(buf, ReduceOp::Sum, "big");
-        let issued = Instant::now();
+        let (first, second) = (Buffer::F32(vec![1.0; n]), Buffer::F32(vec![1.0; n]));
+        let busy = sim.plain().all_reduce(first, ReduceOp::Sum, "busy");
+        let work = sim.all_reduce(second, ReduceOp::Sum, "big");
+        let (_, busy) = busy.wait_timed().unwrap();
         let (sum, timing) = work.wait_timed().unwrap();
+        let moved = Instant::now();
         assert_eq!(sum.as_f32().unwrap()[n - 1], 2.0);
-        (before, issued, timing)
+        (busy.finished, timing, moved)
     })
     .into_iter()
     .map(|r| r.unwrap())
     .collect::<Vec<_>>();
-    let last_before = t.iter().map(|r| r.0).max().unwrap();
-    let last_issued = t.iter().map(|r| r.1).max().unwrap();
-    let started = t[0].2.started;
+    let started = t[0].1.started;
+    for (rank, (busy_done, _, _)) in t.iter().enumerate() {
+        assert!(
+            started >= *busy_done,
+            "the slot started {:?} before rank {rank}'s comm thread was free to take it up",
+            busy_done.duration_since(started)
+        );
+    }
+    let moved = t.iter().map(|r| r.2).min().unwrap();
     assert!(
-        started >= last_before && started <= last_issued,
-        "the slot started {:?} after the last rank called the collective, which returned after {:?}",
-        started.duration_since(last_before),
-        last_issued.duration_since(last_before)
+        moved.duration_since(started) >= Duration::from_millis(1),
+        "the slot started only {:?} before the data had moved: it waited for the transfer",
+        moved.duration_since(started)
     );
 }

@@ -157,8 +157,9 @@ pub struct ReplayResult {
 
 /// What it costs the backend to bring a collective onto the link once the last rank has issued
 /// it (and the backend has brought the previous one: it runs them in order). In the thread
-/// backend this is the real in-memory reduction under the simulated link; on a real network,
-/// the launch and the late ranks' scheduling. Both compete with backward for the cores, so the
+/// backend this is the comm threads' wake-up and queue (the simulated link starts a slot when
+/// the last rank's comm thread takes the collective up); on a real network, the launch and the
+/// late ranks' scheduling. Both compete with backward for the cores, so the
 /// cost is fitted apart for collectives brought while backward still computed on some rank and
 /// for those brought after: from the recorded buckets that started on an idle link, the time
 /// from when the last rank issued them (or the previous bucket started, if later) to their
