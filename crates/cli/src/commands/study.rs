@@ -40,8 +40,10 @@ pub struct StudyArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_entry, required = true)]
     pub policy: Vec<String>,
     /// The target losses, comma-separated: the steps and predicted seconds until each policy's
-    /// loss first is at most each.
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// loss first is at most each. Each is 0 or more: the command line's models train on
+    /// cross-entropy, which is never negative (the library's `brigade::study` takes any finite
+    /// target, for a model whose loss can be).
+    #[arg(long, value_delimiter = ',', required = true, allow_hyphen_values = true, value_parser = target_loss)]
     pub target_loss: Vec<f64>,
     /// More links to predict for, in Gb/s (comma-separated; the latency of --predict-latency-us,
     /// else --net-latency-us), beside the run's --net-gbps. Without --net-gbps the policies
@@ -90,7 +92,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         targets: s.target_loss.clone(),
         ..StudyConfig::new(vec![], vec![])
     };
-    make_out_dir(&s.out, STUDY_OUTPUTS[0])?;
+    make_out_dir(&s.out, STUDY_OUTPUTS[0], "study")?;
     let opts = RunOptions::default();
     let late = Arc::new(LateHeldOut::default());
     let cfg = train_config(a, &opts, &late)?;
@@ -153,13 +155,58 @@ fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
         .collect()
 }
 
-/// `x` with `digits` decimals, or `-` when absent.
-fn or_dash(x: Option<f64>, digits: usize) -> String {
-    x.map_or("-".into(), |v| format!("{v:.digits$}"))
+/// One `--target-loss` entry: a number of 0 or more (clap's value parser; the message is the
+/// rest of clap's line).
+fn target_loss(s: &str) -> std::result::Result<f64, String> {
+    let t: f64 = s.trim().parse().map_err(|_| "not a number".to_string())?;
+    if t < 0.0 {
+        return Err(
+            "a loss of the command line's models (cross-entropy) is never negative, so no run reaches it: give targets of 0 or more"
+                .into(),
+        );
+    }
+    Ok(t)
 }
 
-/// The summary rows: one per policy and prediction (world, link).
-fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
+/// How a summary cell prints a time: for the CSV every digit (Rust's shortest round-trip
+/// form), for the table three decimals, or as many as show three significant digits of a
+/// smaller value (a predicted step or time to target under a millisecond).
+#[derive(Clone, Copy)]
+enum Digits {
+    Full,
+    Table,
+}
+
+impl Digits {
+    fn time(self, v: f64) -> String {
+        match self {
+            Digits::Full => format!("{v}"),
+            Digits::Table => significant(v),
+        }
+    }
+}
+
+/// `v` with three decimals, or with three significant digits where that needs more (down to
+/// 1e-9, then in exponent form).
+fn significant(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v:.3}");
+    }
+    let magnitude = v.abs().log10().floor() as i32;
+    if magnitude < -9 {
+        return format!("{v:.2e}");
+    }
+    let decimals = (2 - magnitude).max(3) as usize;
+    format!("{v:.decimals$}")
+}
+
+/// `x` as `digits` prints a time, or `-` when absent.
+fn or_dash(x: Option<f64>, digits: Digits) -> String {
+    x.map_or("-".into(), |v| digits.time(v))
+}
+
+/// The summary rows: one per policy and prediction (world, link), times printed as `digits` says.
+fn summary_rows(results: &[PolicyStudy], digits: Digits) -> Vec<Vec<String>> {
     let targets = summary_targets(results).len();
     let mut rows = vec![];
     for r in results {
@@ -176,8 +223,8 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
                 r.world_size.to_string(),
                 format!("{}", p.net_gbps),
                 format!("{}", p.net_latency_us),
-                or_dash(p.step_s.map(|s| 1e3 * s), 3),
-                measured(format!("{:.3}", 1e3 * r.measured_step_s)),
+                or_dash(p.step_s.map(|s| 1e3 * s), digits),
+                measured(digits.time(1e3 * r.measured_step_s)),
                 measured(band.clone().unwrap_or_else(|| "-".into())),
                 measured(format!("{:.0}", r.wire_bytes_per_step)),
                 measured(format!("{:.0}", r.payload_bytes_per_step)),
@@ -186,7 +233,7 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
             for k in 0..targets {
                 let t = p.reached.get(k);
                 row.push(t.and_then(|t| t.steps).map_or("-".into(), |n| n.to_string()));
-                row.push(or_dash(t.and_then(|t| t.seconds), 3));
+                row.push(or_dash(t.and_then(|t| t.seconds), digits));
             }
             rows.push(row);
         }
@@ -231,7 +278,7 @@ fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
 
 fn summary_csv(results: &[PolicyStudy]) -> String {
     let mut out = summary_header(results).join(",") + "\n";
-    for row in summary_rows(results) {
+    for row in summary_rows(results, Digits::Full) {
         out += &(row.join(",") + "\n");
     }
     out
@@ -256,7 +303,7 @@ fn curves_csv(results: &[PolicyStudy]) -> String {
                     p.net_latency_us,
                     i,
                     loss,
-                    or_dash(p.step_s.map(|s| (i + 1) as f64 * s), 6)
+                    or_dash(p.step_s.map(|s| (i + 1) as f64 * s), Digits::Full)
                 );
             }
         }
@@ -266,7 +313,7 @@ fn curves_csv(results: &[PolicyStudy]) -> String {
 
 fn print_table(results: &[PolicyStudy]) {
     let header = summary_header(results);
-    let rows = summary_rows(results);
+    let rows = summary_rows(results, Digits::Table);
     let widths: Vec<usize> = (0..header.len())
         .map(|c| {
             rows.iter()
