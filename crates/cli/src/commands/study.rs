@@ -74,8 +74,10 @@ pub fn study(s: StudyArgs) -> Result<()> {
         .iter()
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
-    // every flag is checked under each policy of the list, not the run's own (`train --policy`)
+    // every flag is checked under each policy of the list, not the run's own (`train --policy`);
+    // one wrong under any policy is the run's, said without naming a policy
     a.check_settings_flags(&specs, true)?;
+    a.validate_run()?;
     for spec in &specs {
         a.validate_for(spec)
             .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
@@ -137,28 +139,31 @@ fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
             s.predict_gbps.len()
         )));
     }
-    let run = s.run.distributed.net_gbps.map(|g| (g, own));
+    let run = (s.run.distributed.net_gbps).map(|g| (("--net-gbps", g), ("--net-latency-us", own)));
     let predicted = s.predict_gbps.iter().enumerate().map(|(i, &g)| {
         let us = match latencies.len() {
-            0 => own,
-            1 => latencies[0],
-            _ => latencies[i],
+            0 => ("--net-latency-us", own),
+            1 => ("--predict-latency-us", latencies[0]),
+            _ => ("--predict-latency-us", latencies[i]),
         };
-        (g, us)
+        (("--predict-gbps", g), us)
     });
     run.into_iter()
         .chain(predicted)
-        .map(|(g, us)| {
-            crate::args::check_link(Some(g), us)?;
-            Ok(net_model(g, us))
+        .map(|((gbps_flag, g), us)| {
+            crate::args::check_link_of((gbps_flag, Some(g)), us)?;
+            Ok(net_model(g, us.1))
         })
         .collect()
 }
 
-/// One `--target-loss` entry: a number of 0 or more (clap's value parser; the message is the
+/// One `--target-loss` entry: a finite number of 0 or more (clap's value parser; the message is the
 /// rest of clap's line).
 fn target_loss(s: &str) -> std::result::Result<f64, String> {
     let t: f64 = s.trim().parse().map_err(|_| "not a number".to_string())?;
+    if !t.is_finite() {
+        return Err("a target loss must be a finite number".into());
+    }
     if t < 0.0 {
         return Err(
             "a loss of the command line's models (cross-entropy) is never negative, so no run reaches it: give targets of 0 or more"

@@ -442,3 +442,31 @@ fn a_study_out_that_is_a_file_is_refused_as_the_studys() {
     assert!(e.contains("study's files") && !e.contains("sweep"), "{e}");
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "kept");
 }
+
+#[test]
+fn a_studys_bad_numbers_name_their_own_flag_and_no_policy() {
+    let d = dir("study_bad_numbers");
+    let out = d.to_str().unwrap();
+    let cases: [(&[&str], &str); 6] = [
+        (&["--predict-gbps", "-1"], "--predict-gbps must be"),
+        (
+            &["--predict-gbps", "1", "--predict-latency-us", "-5"],
+            "--predict-latency-us must be",
+        ),
+        (
+            &["--predict-gbps", "1,2", "--predict-latency-us", "1,2e9"],
+            "--predict-latency-us must be",
+        ),
+        (&["--net-gbps", "0"], "--net-gbps must be"),
+        (&["--target-loss", "nan"], "--target-loss"),
+        (&["--target-loss", "1e400"], "--target-loss"),
+    ];
+    for (flags, says) in cases {
+        let mut args = [RUN, flags, &["--out", out]].concat();
+        if !flags.contains(&"--target-loss") {
+            args.extend(["--target-loss", "0.5"]);
+        }
+        let e = fails(&args);
+        assert!(e.contains(says) && !e.contains("--policy"), "{flags:?}: {e}");
+    }
+}
