@@ -422,3 +422,27 @@ fn draw_chart(path: &Path, results: &[PolicyStudy]) -> Result<()> {
     }
     write_atomic(path, svg.as_bytes())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_time_keeps_three_decimals_or_three_significant_digits() {
+        assert_eq!(significant(449.8894), "449.889");
+        assert_eq!(significant(0.0627), "0.0627");
+        assert_eq!(significant(0.000374123), "0.000374");
+        assert_eq!(significant(1.5e-12), "1.50e-12");
+        assert_eq!(significant(0.0), "0.000");
+        assert_eq!(Digits::Full.time(0.000374123), "0.000374123");
+    }
+
+    #[test]
+    fn a_target_loss_is_a_finite_number_of_zero_or_more() {
+        assert_eq!(target_loss("0.3"), Ok(0.3));
+        assert_eq!(target_loss("0"), Ok(0.0));
+        assert!(target_loss("-1").unwrap_err().contains("never negative"));
+        assert!(target_loss("nan").unwrap_err().contains("finite"));
+        assert!(target_loss("x").is_err());
+    }
+}
