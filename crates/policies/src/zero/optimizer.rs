@@ -134,6 +134,8 @@ fn names(params: &[Var]) -> Vec<String> {
 type Gather = (usize, Range<usize>, TensorWork<Tensor>);
 
 impl ZeroOptimizer {
+    /// `policy` is the policy's name (its spec), which the optimizer's errors give.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ctx: &OptimizerContext,
         policy: String,
