@@ -160,7 +160,11 @@ fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
 /// One `--target-loss` entry: a finite number of 0 or more (clap's value parser; the message is the
 /// rest of clap's line).
 fn target_loss(s: &str) -> std::result::Result<f64, String> {
-    let t: f64 = s.trim().parse().map_err(|_| "not a number".to_string())?;
+    let t: f64 = s.trim().parse().map_err(|_| match s.starts_with("--") {
+        // a value may start with a hyphen (a negative number): a flag there is a value left out
+        true => "not a number: give the targets right after --target-loss".to_string(),
+        false => "not a number".to_string(),
+    })?;
     if !t.is_finite() {
         return Err("a target loss must be a finite number".into());
     }
