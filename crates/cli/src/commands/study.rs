@@ -320,6 +320,11 @@ fn curves_csv(results: &[PolicyStudy]) -> String {
     out
 }
 
+/// `n ranks`, or `1 rank`.
+fn ranks(n: usize) -> String {
+    format!("{n} rank{}", if n == 1 { "" } else { "s" })
+}
+
 fn print_table(results: &[PolicyStudy]) {
     let header = summary_header(results);
     let rows = summary_rows(results, Digits::Table);
@@ -347,8 +352,8 @@ fn print_table(results: &[PolicyStudy]) {
     if let Some(r) = results.first() {
         let others = r.predictions.iter().any(|p| p.world_size != r.world_size);
         outln!(
-            "steps to each target: trained and measured at {} ranks{}",
-            r.world_size,
+            "steps to each target: trained and measured at {}{}",
+            ranks(r.world_size),
             if others {
                 "; at the other world sizes the step alone is predicted"
             } else {
@@ -391,8 +396,10 @@ fn draw_chart(path: &Path, results: &[PolicyStudy]) -> Result<()> {
         let link = results.first().and_then(|r| r.predictions.first());
         let caption = link.map_or(String::new(), |p| {
             format!(
-                "loss against predicted time, {} ranks, {} Gb/s, {} us",
-                p.world_size, p.net_gbps, p.net_latency_us
+                "loss against predicted time, {}, {} Gb/s, {} us",
+                ranks(p.world_size),
+                p.net_gbps,
+                p.net_latency_us
             )
         });
         let mut chart = ChartBuilder::on(&root)

@@ -470,3 +470,14 @@ fn a_studys_bad_numbers_name_their_own_flag_and_no_policy() {
         assert!(e.contains(says) && !e.contains("--policy"), "{flags:?}: {e}");
     }
 }
+
+#[test]
+fn a_study_at_one_rank_says_rank() {
+    let d = dir("study_one_rank");
+    let out = d.to_str().unwrap();
+    let run = without(RUN, "--world-size");
+    let text = ok(&[&run, LINK, &["--world-size", "1", "--target-loss", "0.5", "--out", out]].concat());
+    assert!(text.contains("trained and measured at 1 rank\n"), "{text}");
+    let svg = std::fs::read_to_string(d.join("study.svg")).unwrap();
+    assert!(svg.contains("1 rank,") && !svg.contains("1 ranks"), "{svg}");
+}
