@@ -116,7 +116,11 @@ fn one_line(e: &clap::Error) -> String {
     use clap::error::{ContextKind, ContextValue};
     let text = e.render().to_string();
     let mut line = text.lines().next().unwrap_or("error: bad arguments").to_string();
-    if let Some(ContextValue::Strings(values)) = e.get(ContextKind::ValidValue) {
+    // (clap gives an empty list for a flag that takes any value)
+    if let Some(ContextValue::Strings(values)) = e
+        .get(ContextKind::ValidValue)
+        .filter(|v| !matches!(v, ContextValue::Strings(s) if s.is_empty()))
+    {
         line.push_str(&format!(" (one of: {})", values.join(", ")));
     }
     for kind in [

@@ -59,11 +59,16 @@ pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) ->
 /// rest of clap's line).
 pub fn parse_entry(s: &str) -> std::result::Result<String, String> {
     let forms = registry().forms();
+    if s.trim().is_empty() {
+        return Err(format!("an empty entry names no policy: expected one of {forms}"));
+    }
     match PolicySpec::parse_with_settings(s, 1, 0) {
         Ok(spec) => match registry().parse(&spec.to_string()) {
             Ok(_) => Ok(s.to_string()),
             Err(_) => Err(format!("unknown policy '{s}': expected one of {forms}")),
         },
+        // a spec that names no policy lists the forms itself
+        Err(e) if e.to_string().contains("the forms: ") => Err(e.to_string()),
         Err(e) => Err(format!("{e} (expected one of {forms})")),
     }
 }

@@ -95,7 +95,11 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
     let measured_step_s = median(profiles.iter().map(measured).collect());
     let mut note = String::new();
-    let own_band = if world < 2 || profiles.is_empty() {
+    let own_band = if world < 2 {
+        note =
+            "no error band: on one rank nothing crosses a link, so there is no link to replay its own steps on".into();
+        None
+    } else if profiles.is_empty() {
         None
     } else {
         let errors: Result<Vec<f64>, String> = own_links(profiles).and_then(|links| {
@@ -204,5 +208,16 @@ mod tests {
         // both steps are charged half the sync (every 2 steps): the syncing step measured all
         // of it, the other none, so one replays under its step and the other over it
         assert!(band.low < 0.0 && band.high > 0.0, "{band:?}");
+    }
+
+    #[test]
+    fn a_run_on_one_rank_says_why_it_has_no_error_band() {
+        let p = predict(&[step(0.0)], 1, &[], &StudyConfig::new(vec![], vec![]));
+        assert!(p.own_band.is_none());
+        assert!(
+            p.note.starts_with("no error band: ") && p.note.contains("one rank"),
+            "{}",
+            p.note
+        );
     }
 }

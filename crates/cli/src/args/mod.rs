@@ -101,10 +101,16 @@ pub fn listed_twice(caps: &[f64]) -> Option<f64> {
 
 /// Checks `--net-gbps` and `--net-latency-us` (shared by `train`, `sweep` and `predict`).
 pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
+    check_link_of(("--net-gbps", gbps), ("--net-latency-us", latency_us))
+}
+
+/// Checks a link's bandwidth and latency, each given by the flag it is paired with (a study's
+/// `--predict-gbps` and `--predict-latency-us`, the run's `--net-gbps` and `--net-latency-us`).
+pub fn check_link_of((gbps_flag, gbps): (&str, Option<f64>), (latency_flag, latency_us): (&str, f64)) -> Result<()> {
     if let Some(g) = gbps {
         if !(NET_GBPS.0..=NET_GBPS.1).contains(&g) {
             return Err(Error::Usage(format!(
-                "--net-gbps must be between {} and {} (so that simulated transfer times stay representable), got {}",
+                "{gbps_flag} must be between {} and {} (so that simulated transfer times stay representable), got {}",
                 compact(NET_GBPS.0),
                 compact(NET_GBPS.1),
                 compact(g)
@@ -113,7 +119,7 @@ pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     }
     if !(0.0..=MAX_LATENCY_US).contains(&latency_us) {
         return Err(Error::Usage(format!(
-            "--net-latency-us must be between 0 and {}, got {}",
+            "{latency_flag} must be between 0 and {}, got {}",
             compact(MAX_LATENCY_US),
             compact(latency_us)
         )));

@@ -47,6 +47,15 @@ impl RunArgs {
     /// [`RunArgs::validate`] for a run under `policy` rather than the run's own (a policy
     /// sweep's rows): every flag, and the flags that do not combine with `policy`.
     pub fn validate_for(&self, policy: &PolicySpec) -> Result<()> {
+        self.validate_run()?;
+        self.check_policy(policy)?;
+        self.validate_nccl()?;
+        self.check_memory(policy)
+    }
+
+    /// The checks of [`RunArgs::validate_for`] that no policy changes: a flag they refuse is
+    /// wrong under every policy.
+    pub fn validate_run(&self) -> Result<()> {
         self.model.validate()?;
         self.check_ranks()?;
         self.check_recipe()?;
@@ -54,10 +63,7 @@ impl RunArgs {
         self.validate_schedule_flags()?;
         self.check_model_data()?;
         self.validate_autotune()?;
-        self.check_runtime()?;
-        self.check_policy(policy)?;
-        self.validate_nccl()?;
-        self.check_memory(policy)
+        self.check_runtime()
     }
 
     /// `--world-size` against the backend, `--batch-size` and `--accum`.

@@ -40,8 +40,10 @@ pub struct StudyArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_entry, required = true)]
     pub policy: Vec<String>,
     /// The target losses, comma-separated: the steps and predicted seconds until each policy's
-    /// loss first is at most each.
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// loss first is at most each. Each is 0 or more: the command line's models train on
+    /// cross-entropy, which is never negative (the library's `brigade::study` takes any finite
+    /// target, for a model whose loss can be).
+    #[arg(long, value_delimiter = ',', required = true, allow_hyphen_values = true, value_parser = target_loss)]
     pub target_loss: Vec<f64>,
     /// More links to predict for, in Gb/s (comma-separated; the latency of --predict-latency-us,
     /// else --net-latency-us), beside the run's --net-gbps. Without --net-gbps the policies
@@ -72,8 +74,10 @@ pub fn study(s: StudyArgs) -> Result<()> {
         .iter()
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
-    // every flag is checked under each policy of the list, not the run's own (`train --policy`)
+    // every flag is checked under each policy of the list, not the run's own (`train --policy`);
+    // one wrong under any policy is the run's, said without naming a policy
     a.check_settings_flags(&specs, true)?;
+    a.validate_run()?;
     for spec in &specs {
         a.validate_for(spec)
             .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
@@ -90,7 +94,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         targets: s.target_loss.clone(),
         ..StudyConfig::new(vec![], vec![])
     };
-    make_out_dir(&s.out, STUDY_OUTPUTS[0])?;
+    make_out_dir(&s.out, STUDY_OUTPUTS[0], "study")?;
     let opts = RunOptions::default();
     let late = Arc::new(LateHeldOut::default());
     let cfg = train_config(a, &opts, &late)?;
@@ -135,31 +139,83 @@ fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
             s.predict_gbps.len()
         )));
     }
-    let run = s.run.distributed.net_gbps.map(|g| (g, own));
+    let run = (s.run.distributed.net_gbps).map(|g| (("--net-gbps", g), ("--net-latency-us", own)));
     let predicted = s.predict_gbps.iter().enumerate().map(|(i, &g)| {
         let us = match latencies.len() {
-            0 => own,
-            1 => latencies[0],
-            _ => latencies[i],
+            0 => ("--net-latency-us", own),
+            1 => ("--predict-latency-us", latencies[0]),
+            _ => ("--predict-latency-us", latencies[i]),
         };
-        (g, us)
+        (("--predict-gbps", g), us)
     });
     run.into_iter()
         .chain(predicted)
-        .map(|(g, us)| {
-            crate::args::check_link(Some(g), us)?;
-            Ok(net_model(g, us))
+        .map(|((gbps_flag, g), us)| {
+            crate::args::check_link_of((gbps_flag, Some(g)), us)?;
+            Ok(net_model(g, us.1))
         })
         .collect()
 }
 
-/// `x` with `digits` decimals, or `-` when absent.
-fn or_dash(x: Option<f64>, digits: usize) -> String {
-    x.map_or("-".into(), |v| format!("{v:.digits$}"))
+/// One `--target-loss` entry: a finite number of 0 or more (clap's value parser; the message is the
+/// rest of clap's line).
+fn target_loss(s: &str) -> std::result::Result<f64, String> {
+    let t: f64 = s.trim().parse().map_err(|_| match s.starts_with("--") {
+        // a value may start with a hyphen (a negative number): a flag there is a value left out
+        true => "not a number: give the targets right after --target-loss".to_string(),
+        false => "not a number".to_string(),
+    })?;
+    if !t.is_finite() {
+        return Err("a target loss must be a finite number".into());
+    }
+    if t < 0.0 {
+        return Err(
+            "a loss of the command line's models (cross-entropy) is never negative, so no run reaches it: give targets of 0 or more"
+                .into(),
+        );
+    }
+    Ok(t)
 }
 
-/// The summary rows: one per policy and prediction (world, link).
-fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
+/// How a summary cell prints a time: for the CSV every digit (Rust's shortest round-trip
+/// form), for the table three decimals, or as many as show three significant digits of a
+/// smaller value (a predicted step or time to target under a millisecond).
+#[derive(Clone, Copy)]
+enum Digits {
+    Full,
+    Table,
+}
+
+impl Digits {
+    fn time(self, v: f64) -> String {
+        match self {
+            Digits::Full => format!("{v}"),
+            Digits::Table => significant(v),
+        }
+    }
+}
+
+/// `v` with three decimals, or with three significant digits where that needs more (down to
+/// 1e-9, then in exponent form).
+fn significant(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v:.3}");
+    }
+    let magnitude = v.abs().log10().floor() as i32;
+    if magnitude < -9 {
+        return format!("{v:.2e}");
+    }
+    let decimals = (2 - magnitude).max(3) as usize;
+    format!("{v:.decimals$}")
+}
+
+/// `x` as `digits` prints a time, or `-` when absent.
+fn or_dash(x: Option<f64>, digits: Digits) -> String {
+    x.map_or("-".into(), |v| digits.time(v))
+}
+
+/// The summary rows: one per policy and prediction (world, link), times printed as `digits` says.
+fn summary_rows(results: &[PolicyStudy], digits: Digits) -> Vec<Vec<String>> {
     let targets = summary_targets(results).len();
     let mut rows = vec![];
     for r in results {
@@ -176,8 +232,8 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
                 r.world_size.to_string(),
                 format!("{}", p.net_gbps),
                 format!("{}", p.net_latency_us),
-                or_dash(p.step_s.map(|s| 1e3 * s), 3),
-                measured(format!("{:.3}", 1e3 * r.measured_step_s)),
+                or_dash(p.step_s.map(|s| 1e3 * s), digits),
+                measured(digits.time(1e3 * r.measured_step_s)),
                 measured(band.clone().unwrap_or_else(|| "-".into())),
                 measured(format!("{:.0}", r.wire_bytes_per_step)),
                 measured(format!("{:.0}", r.payload_bytes_per_step)),
@@ -186,7 +242,7 @@ fn summary_rows(results: &[PolicyStudy]) -> Vec<Vec<String>> {
             for k in 0..targets {
                 let t = p.reached.get(k);
                 row.push(t.and_then(|t| t.steps).map_or("-".into(), |n| n.to_string()));
-                row.push(or_dash(t.and_then(|t| t.seconds), 3));
+                row.push(or_dash(t.and_then(|t| t.seconds), digits));
             }
             rows.push(row);
         }
@@ -231,7 +287,7 @@ fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
 
 fn summary_csv(results: &[PolicyStudy]) -> String {
     let mut out = summary_header(results).join(",") + "\n";
-    for row in summary_rows(results) {
+    for row in summary_rows(results, Digits::Full) {
         out += &(row.join(",") + "\n");
     }
     out
@@ -256,7 +312,7 @@ fn curves_csv(results: &[PolicyStudy]) -> String {
                     p.net_latency_us,
                     i,
                     loss,
-                    or_dash(p.step_s.map(|s| (i + 1) as f64 * s), 6)
+                    or_dash(p.step_s.map(|s| (i + 1) as f64 * s), Digits::Full)
                 );
             }
         }
@@ -264,9 +320,14 @@ fn curves_csv(results: &[PolicyStudy]) -> String {
     out
 }
 
+/// `n ranks`, or `1 rank`.
+fn ranks(n: usize) -> String {
+    format!("{n} rank{}", if n == 1 { "" } else { "s" })
+}
+
 fn print_table(results: &[PolicyStudy]) {
     let header = summary_header(results);
-    let rows = summary_rows(results);
+    let rows = summary_rows(results, Digits::Table);
     let widths: Vec<usize> = (0..header.len())
         .map(|c| {
             rows.iter()
@@ -291,8 +352,8 @@ fn print_table(results: &[PolicyStudy]) {
     if let Some(r) = results.first() {
         let others = r.predictions.iter().any(|p| p.world_size != r.world_size);
         outln!(
-            "steps to each target: trained and measured at {} ranks{}",
-            r.world_size,
+            "steps to each target: trained and measured at {}{}",
+            ranks(r.world_size),
             if others {
                 "; at the other world sizes the step alone is predicted"
             } else {
@@ -335,8 +396,10 @@ fn draw_chart(path: &Path, results: &[PolicyStudy]) -> Result<()> {
         let link = results.first().and_then(|r| r.predictions.first());
         let caption = link.map_or(String::new(), |p| {
             format!(
-                "loss against predicted time, {} ranks, {} Gb/s, {} us",
-                p.world_size, p.net_gbps, p.net_latency_us
+                "loss against predicted time, {}, {} Gb/s, {} us",
+                ranks(p.world_size),
+                p.net_gbps,
+                p.net_latency_us
             )
         });
         let mut chart = ChartBuilder::on(&root)
@@ -369,4 +432,28 @@ fn draw_chart(path: &Path, results: &[PolicyStudy]) -> Result<()> {
         root.present().map_err(|e| err(e.to_string()))?;
     }
     write_atomic(path, svg.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_time_keeps_three_decimals_or_three_significant_digits() {
+        assert_eq!(significant(449.8894), "449.889");
+        assert_eq!(significant(0.0627), "0.0627");
+        assert_eq!(significant(0.000374123), "0.000374");
+        assert_eq!(significant(1.5e-12), "1.50e-12");
+        assert_eq!(significant(0.0), "0.000");
+        assert_eq!(Digits::Full.time(0.000374123), "0.000374123");
+    }
+
+    #[test]
+    fn a_target_loss_is_a_finite_number_of_zero_or_more() {
+        assert_eq!(target_loss("0.3"), Ok(0.3));
+        assert_eq!(target_loss("0"), Ok(0.0));
+        assert!(target_loss("-1").unwrap_err().contains("never negative"));
+        assert!(target_loss("nan").unwrap_err().contains("finite"));
+        assert!(target_loss("x").is_err());
+    }
 }

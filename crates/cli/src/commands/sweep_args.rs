@@ -53,12 +53,12 @@ pub struct SweepArgs {
 }
 
 /// Makes `--out` a directory that takes files, creating it (and its parents) when missing;
-/// `first` is the first file the sweep will write there. A path that is a file, or lies under
-/// one, is one usage error.
-pub fn make_out_dir(out: &Path, first: &str) -> Result<()> {
+/// `first` is the first file `command` (`sweep`, `study`) will write there. A path that is a
+/// file, or lies under one, is one usage error.
+pub fn make_out_dir(out: &Path, first: &str, command: &str) -> Result<()> {
     if let Some(file) = out.ancestors().find(|p| p.is_file()) {
         return Err(Error::Usage(format!(
-            "--out {}: {} is a file; --out names a directory (created if missing) for the sweep's files",
+            "--out {}: {} is a file; --out names a directory (created if missing) for the {command}'s files",
             out.display(),
             file.display()
         )));
@@ -97,7 +97,7 @@ pub fn prepare_out(out: &Path, first: &str, run: &RunArgs) -> Result<()> {
         path: format!("--out {}", out.display()),
         source,
     };
-    make_out_dir(out, first)?;
+    make_out_dir(out, first, "sweep")?;
     let out_dir = std::fs::canonicalize(out).map_err(io)?;
     for (flag, input) in [("--data", &run.data.data), ("--init", &run.model.init)] {
         let Some(path) = input.as_deref() else { continue };

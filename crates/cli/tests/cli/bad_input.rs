@@ -409,3 +409,15 @@ fn a_mistyped_flag_value_or_command_names_what_was_meant_in_its_one_line() {
     let e = fails(&["trian"]);
     assert!(e.contains("did you mean 'train'"), "{e}");
 }
+
+#[test]
+fn a_flag_left_without_its_value_lists_no_empty_choice() {
+    for flag in ["--seed", "--steps", "--lr"] {
+        let e = fails(&["train", "--model", "mlp", flag]);
+        assert!(e.contains("a value is required") && e.contains(flag), "{flag}: {e}");
+        assert!(!e.contains("one of: )"), "{flag}: {e}");
+    }
+    // a flag whose values are listed still lists them
+    let e = fails(&["train", "--model"]);
+    assert!(e.contains("(one of: mlp, gpt)"), "{e}");
+}

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::common::{dir, fails, ok};
+use crate::common::{dir, fails, ok, without};
 
 const RUN: &[&str] = &[
     "study",
@@ -45,7 +45,7 @@ fn a_studys_steps_to_each_target_are_its_runs_first_step_at_or_below_it() {
         LINK,
         &[
             "--target-loss",
-            "1e9,-1,1.3",
+            "1e9,1e-6,1.3",
             "--predict-world-sizes",
             "4",
             "--out",
@@ -106,7 +106,7 @@ fn a_studys_steps_to_each_target_are_its_runs_first_step_at_or_below_it() {
         let steps_col = |target: f64| first_at_most(&losses, target).map_or("-".to_string(), |n| n.to_string());
         assert_eq!(row[2], "2", "{policy}: the steps' world");
         assert_eq!(row[10], steps_col(1e9), "{policy}");
-        assert_eq!(row[12], steps_col(-1.0), "{policy}");
+        assert_eq!(row[12], steps_col(1e-6), "{policy}");
         assert_eq!(row[14], steps_col(1.3), "{policy}");
         // at 4 ranks the step alone: the steps to a target are the trained world's, not 4's
         let header = summary.lines().next().unwrap().split(',').count();
@@ -324,4 +324,160 @@ fn a_predicted_policy_without_an_error_band_is_not_called_unpredicted() {
     assert!(!text.contains("not predicted"), "{text}");
     let note = text.lines().find(|l| l.starts_with("note: diloco:2: ")).expect(&text);
     assert!(note.contains("error band"), "{note}");
+}
+
+/// The cells of `text`'s table (the lines from its header, `policy ...`, to the first line
+/// that is not a row), split at whitespace.
+fn table(text: &str) -> Vec<Vec<&str>> {
+    let mut lines = text.lines().skip_while(|l| !l.trim_start().starts_with("policy "));
+    let header: Vec<&str> = lines.next().expect(text).split_whitespace().collect();
+    let mut out = vec![header.clone()];
+    out.extend(
+        lines
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .take_while(|r| r.len() == header.len()),
+    );
+    out
+}
+
+#[test]
+fn a_studys_times_print_three_significant_digits_and_the_csv_all_of_them() {
+    // a fast predicted link, and a target reached at the first step: a time to target of one
+    // step, under a millisecond for this small MLP
+    let d = dir("study_digits");
+    let out = d.to_str().unwrap();
+    let more = [
+        "--predict-gbps",
+        "100",
+        "--predict-latency-us",
+        "1",
+        "--target-loss",
+        "1e9,1.3",
+        "--out",
+        out,
+    ];
+    let text = ok(&[RUN, LINK, &more].concat());
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    let csv: Vec<Vec<&str>> = summary.lines().map(|l| l.split(',').collect()).collect();
+    let table = table(&text);
+    assert_eq!(table[0], csv[0], "{text}");
+    assert_eq!(table.len(), csv.len(), "{text}\n{summary}");
+    let times: Vec<usize> = (0..csv[0].len())
+        .filter(|&c| csv[0][c].ends_with("_ms") || csv[0][c].starts_with("seconds_to_"))
+        .collect();
+    assert_eq!(times.len(), 4, "{summary}");
+    for (t, c) in table.iter().zip(&csv).skip(1) {
+        for &k in &times {
+            if c[k] == "-" {
+                assert_eq!(t[k], "-", "{}: {text}", csv[0][k]);
+                continue;
+            }
+            let (shown, exact): (f64, f64) = (t[k].parse().unwrap(), c[k].parse().unwrap());
+            assert!(exact > 0.0, "{}: {summary}", csv[0][k]);
+            assert!(
+                (shown - exact).abs() <= 5e-3 * exact,
+                "{}: the table shows {shown}, the CSV {exact}: {text}",
+                csv[0][k]
+            );
+        }
+        // the CSV's time to a target is its steps at the predicted step, every digit kept
+        let step_ms: f64 = c[5].parse().unwrap();
+        for k in times
+            .iter()
+            .copied()
+            .filter(|&k| csv[0][k].starts_with("seconds_to_") && c[k] != "-")
+        {
+            let steps: f64 = c[k - 1].parse().unwrap();
+            let seconds: f64 = c[k].parse().unwrap();
+            assert!(
+                (seconds - steps * step_ms / 1e3).abs() <= 1e-9 * seconds,
+                "{}: {seconds} s for {steps} steps of {step_ms} ms",
+                csv[0][k]
+            );
+        }
+    }
+}
+
+#[test]
+fn a_negative_target_loss_is_read_as_a_value_and_refused_in_one_line() {
+    let d = dir("study_negative_target");
+    let out = d.to_str().unwrap();
+    for targets in ["-1", "-1,0.5", "0.5,-0.25", "-1e-3"] {
+        let e = fails(&[RUN, LINK, &["--target-loss", targets, "--out", out]].concat());
+        assert!(
+            e.contains("--target-loss") && e.contains("never negative"),
+            "{targets}: {e}"
+        );
+    }
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing is written");
+}
+
+#[test]
+fn an_empty_policy_says_so_and_lists_the_forms_once() {
+    let d = dir("study_empty_policy");
+    let out = d.to_str().unwrap();
+    let run = without(RUN, "--policy");
+    for policies in ["", "allreduce,,fp16", "9lives"] {
+        let e = fails(
+            &[
+                &run,
+                LINK,
+                &["--policy", policies, "--target-loss", "0.5", "--out", out],
+            ]
+            .concat(),
+        );
+        assert_eq!(e.matches("topk:RATIO").count(), 1, "{policies:?}: {e}");
+        if policies != "9lives" {
+            assert!(e.contains("empty"), "{policies:?}: {e}");
+        }
+    }
+}
+
+#[test]
+fn a_study_out_that_is_a_file_is_refused_as_the_studys() {
+    let d = dir("study_out_file");
+    let file = d.join("taken.csv");
+    std::fs::write(&file, "kept").unwrap();
+    let e = fails(&[RUN, LINK, &["--target-loss", "0.5", "--out", file.to_str().unwrap()]].concat());
+    assert!(e.contains("study's files") && !e.contains("sweep"), "{e}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "kept");
+}
+
+#[test]
+fn a_studys_bad_numbers_name_their_own_flag_and_no_policy() {
+    let d = dir("study_bad_numbers");
+    let out = d.to_str().unwrap();
+    let cases: [(&[&str], &str); 6] = [
+        (&["--predict-gbps", "-1"], "--predict-gbps must be"),
+        (
+            &["--predict-gbps", "1", "--predict-latency-us", "-5"],
+            "--predict-latency-us must be",
+        ),
+        (
+            &["--predict-gbps", "1,2", "--predict-latency-us", "1,2e9"],
+            "--predict-latency-us must be",
+        ),
+        (&["--net-gbps", "0"], "--net-gbps must be"),
+        (&["--target-loss", "nan"], "--target-loss"),
+        (&["--target-loss", "1e400"], "--target-loss"),
+    ];
+    for (flags, says) in cases {
+        let mut args = [RUN, flags, &["--out", out]].concat();
+        if !flags.contains(&"--target-loss") {
+            args.extend(["--target-loss", "0.5"]);
+        }
+        let e = fails(&args);
+        assert!(e.contains(says) && !e.contains("--policy"), "{flags:?}: {e}");
+    }
+}
+
+#[test]
+fn a_study_at_one_rank_says_rank() {
+    let d = dir("study_one_rank");
+    let out = d.to_str().unwrap();
+    let run = without(RUN, "--world-size");
+    let text = ok(&[&run, LINK, &["--world-size", "1", "--target-loss", "0.5", "--out", out]].concat());
+    assert!(text.contains("trained and measured at 1 rank\n"), "{text}");
+    let svg = std::fs::read_to_string(d.join("study.svg")).unwrap();
+    assert!(svg.contains("1 rank,") && !svg.contains("1 ranks"), "{svg}");
 }

@@ -344,3 +344,40 @@ fn zero3_with_checkpointing_trains_three_times_the_gpt_plain_ddp_fits_in_the_sam
         );
     }
 }
+
+/// `path` copied to `to` with the last element of its f32 tensor `name` made NaN.
+fn with_a_nan(path: &Path, name: &str, to: &Path) {
+    let (stored, _) = brigade_models::stored_tensors(path).unwrap();
+    let t = stored
+        .iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("{name}"));
+    let at = t.offset as usize + 4 * (t.shape.iter().product::<usize>() - 1);
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(to, bytes).unwrap();
+}
+
+#[test]
+fn a_nan_read_into_the_shards_names_the_policy_as_given_on_init_and_on_resume() {
+    let d = dir("zero3-nan-name");
+    let ck = d.join("run.ckpt");
+    let spec = "zero3:qwz";
+    fn run<'a>(spec: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+        let base = ["train", "--world-size", "2", "--threads-per-rank", "1"];
+        cat(&[&base, MLP, &["--optimizer", "adamw", "--policy", spec], more])
+    }
+    ok(&run(spec, &["--steps", "2", "--checkpoint", s(&ck)]));
+    // a parameter read by --init, an optimizer state read by --resume: each read by one rank
+    // into its shard, so each stops the run with that rank's error
+    let (bad_init, bad_resume) = (d.join("init.ckpt"), d.join("resume.ckpt"));
+    with_a_nan(&ck, "model.layers.2.weight", &bad_init);
+    with_a_nan(&ck, "optim.layers.2.weight.exp_avg_sq", &bad_resume);
+    for (flag, file) in [("--init", &bad_init), ("--resume", &bad_resume)] {
+        let e = fails(&run(spec, &["--steps", "3", flag, s(file)]));
+        assert!(
+            e.contains("NaN") && e.contains(&format!("policy '{spec}'")),
+            "{flag}: {e}"
+        );
+    }
+}

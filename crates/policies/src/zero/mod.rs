@@ -145,8 +145,12 @@ impl PolicySpec {
 }
 
 /// This rank's f32 shard of every bucket cut from the whole f32 `masters` (by parameter
-/// name), zeros where the shard is padding.
-fn master_shards(ctx: &OptimizerContext, masters: &[(String, Tensor)]) -> brigade_ddp::Result<Vec<Tensor>> {
+/// name), zeros where the shard is padding; its errors name the policy `policy`.
+fn master_shards(
+    ctx: &OptimizerContext,
+    policy: &str,
+    masters: &[(String, Tensor)],
+) -> brigade_ddp::Result<Vec<Tensor>> {
     let (rank, world) = (ctx.comm.rank(), ctx.comm.world_size());
     let params = ctx.buckets.params();
     let mut out = vec![];
@@ -161,7 +165,7 @@ fn master_shards(ctx: &OptimizerContext, masters: &[(String, Tensor)]) -> brigad
             let name = params[piece.param].name().unwrap_or("<unnamed>");
             let Some((_, master)) = masters.iter().find(|(n, _)| n == name) else {
                 return Err(brigade_ddp::DdpError::Policy {
-                    policy: "zero".into(),
+                    policy: policy.into(),
                     reason: format!("the optimizer keeps no f32 master of parameter '{name}'"),
                 });
             };
@@ -274,10 +278,11 @@ impl ReducerPolicy for Zero {
         // its shard of them (dropping `full` frees the rest) and steps that.
         let masters = full.master_weights();
         let masters = (!masters.is_empty())
-            .then(|| master_shards(ctx, &masters))
+            .then(|| master_shards(ctx, &self.name(), &masters))
             .transpose()?;
         Ok(Box::new(ZeroOptimizer::new(
             ctx,
+            self.name(),
             self.stage,
             self.scratch.clone(),
             full.as_ref(),

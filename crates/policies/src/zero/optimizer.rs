@@ -21,9 +21,10 @@ pub const ALL_GATHER_CAP_BYTES: usize = 4 << 20;
 
 type Result<T> = brigade_ddp::Result<T>;
 
-fn zero_error(reason: String) -> DdpError {
+/// An error of the ZeRO policy named `policy` (its spec, as the user gave it).
+fn zero_error(policy: &str, reason: String) -> DdpError {
     DdpError::Policy {
-        policy: "zero".into(),
+        policy: policy.into(),
         reason,
     }
 }
@@ -71,6 +72,8 @@ struct ShardedBucket {
 /// shapes as the wrapped optimizer's (so a checkpoint holds every shard's state); every rank
 /// must call [`Optimizer::consolidate_state`] first, and only rank 0 keeps the result.
 pub struct ZeroOptimizer {
+    /// The policy's name (its spec), which every error of the optimizer gives.
+    policy: String,
     buckets: Buckets,
     comm: Group,
     stage: ZeroStage,
@@ -131,8 +134,11 @@ fn names(params: &[Var]) -> Vec<String> {
 type Gather = (usize, Range<usize>, TensorWork<Tensor>);
 
 impl ZeroOptimizer {
+    /// `policy` is the policy's name (its spec), which the optimizer's errors give.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ctx: &OptimizerContext,
+        policy: String,
         stage: ZeroStage,
         scratch: Arc<AtomicUsize>,
         full: &dyn Optimizer,
@@ -167,8 +173,8 @@ impl ZeroOptimizer {
             let vars = store.params().to_vec();
             let mut opt = build(vars.clone());
             opt.set_lr(full.lr());
-            let mut sliced = slice_state(&state, &names, &pieces)?;
-            sliced.extend(stored_pieces(full.state_in_file(), &names, &pieces)?);
+            let mut sliced = slice_state(&policy, &state, &names, &pieces)?;
+            sliced.extend(stored_pieces(&policy, full.state_in_file(), &names, &pieces)?);
             opt.load_state_dict(&sliced)?;
             shards.push(ShardedBucket {
                 index: span.index,
@@ -180,6 +186,7 @@ impl ZeroOptimizer {
             });
         }
         Ok(ZeroOptimizer {
+            policy,
             generation: ctx.buckets.generation(),
             buckets: ctx.buckets.clone(),
             comm: ctx.comm.clone(),
@@ -207,10 +214,10 @@ impl ZeroOptimizer {
         let grads = match self.buckets.held(sb.index)? {
             HeldGrad::Shard { tensor, .. } => tensor,
             HeldGrad::Full(_) => {
-                return Err(zero_error(format!(
-                    "bucket {} holds whole gradients, not this rank's shard",
-                    sb.index
-                )))
+                return Err(zero_error(
+                    &self.policy,
+                    format!("bucket {} holds whole gradients, not this rank's shard", sb.index),
+                ))
             }
         };
         let params = self.buckets.params();
@@ -355,7 +362,7 @@ impl ZeroOptimizer {
 
     fn step_all(&mut self) -> Result<()> {
         if self.buckets.generation() != self.generation {
-            return Err(zero_error(
+            return Err(zero_error(&self.policy,
                 "the DDP buckets were regrouped after the ZeRO optimizer was built; its shards and their optimizer state \
                  are cut from the buckets, so the bucket caps must stay fixed under ZeRO"
                     .into(),
@@ -400,7 +407,9 @@ impl ZeroOptimizer {
             .item()?
             > 0.0;
         self.unscale = 1.0 / scaler.scale();
-        let step = scaler.update(any).map_err(|e| zero_error(e.to_string()))?;
+        let step = scaler
+            .update(any)
+            .map_err(|e| zero_error(&self.policy, e.to_string()))?;
         self.scaler = Some(scaler);
         Ok(step)
     }
@@ -501,7 +510,7 @@ impl ZeroOptimizer {
             if i == 0 && rank == 0 {
                 out.extend(state.into_iter().filter(|(k, _)| split_key(k, &names).is_none()));
                 if let Some(s) = &self.scaler {
-                    out.extend(s.state_dict().map_err(|e| zero_error(e.to_string()))?);
+                    out.extend(s.state_dict().map_err(|e| zero_error(&self.policy, e.to_string()))?);
                 }
             }
         }
@@ -563,7 +572,12 @@ fn whole_state(full: &dyn Optimizer, names: &[String]) -> Result<Vec<(String, Te
 
 /// This rank's `pieces` of the parameters' entries left in a file (`stored`), each read from
 /// the file alone (shape `[len]`, f32), as [`slice_state`] cuts them from whole entries.
-fn stored_pieces(stored: &[StoredState], names: &[String], pieces: &[Piece]) -> Result<Vec<(String, Tensor)>> {
+fn stored_pieces(
+    policy: &str,
+    stored: &[StoredState],
+    names: &[String],
+    pieces: &[Piece],
+) -> Result<Vec<(String, Tensor)>> {
     let mut out = vec![];
     for entry in stored {
         let Some((p, _)) = split_key(&entry.name, names) else {
@@ -574,13 +588,16 @@ fn stored_pieces(stored: &[StoredState], names: &[String], pieces: &[Piece]) -> 
         };
         let numel: usize = entry.shape.iter().product();
         if numel < piece.param_offset + piece.len {
-            return Err(zero_error(format!(
-                "optimizer state '{}' has {numel} elements, its parameter more",
-                entry.name
-            )));
+            return Err(zero_error(
+                policy,
+                format!(
+                    "optimizer state '{}' has {numel} elements, its parameter more",
+                    entry.name
+                ),
+            ));
         }
         let v = (entry.init.draw(piece.param_offset, piece.len))
-            .map_err(|e| zero_error(format!("optimizer state '{}': {e}", entry.name)))?
+            .map_err(|e| zero_error(policy, format!("optimizer state '{}': {e}", entry.name)))?
             .to_dtype(DType::F32)?;
         out.push((entry.name.clone(), v));
     }
@@ -589,7 +606,12 @@ fn stored_pieces(stored: &[StoredState], names: &[String], pieces: &[Piece]) -> 
 
 /// The entries of the whole-parameter `state` that belong to `pieces`, cut to them (shape
 /// `[len]`), and every entry of no parameter as it is.
-fn slice_state(state: &[(String, Tensor)], names: &[String], pieces: &[Piece]) -> Result<Vec<(String, Tensor)>> {
+fn slice_state(
+    policy: &str,
+    state: &[(String, Tensor)],
+    names: &[String],
+    pieces: &[Piece],
+) -> Result<Vec<(String, Tensor)>> {
     let mut out = vec![];
     for (key, t) in state {
         match split_key(key, names) {
@@ -600,10 +622,13 @@ fn slice_state(state: &[(String, Tensor)], names: &[String], pieces: &[Piece]) -
                 };
                 let flat = t.contiguous()?.to_dtype(DType::F32)?;
                 if flat.numel() < piece.param_offset + piece.len {
-                    return Err(zero_error(format!(
-                        "optimizer state '{key}' has {} elements, its parameter more",
-                        flat.numel()
-                    )));
+                    return Err(zero_error(
+                        policy,
+                        format!(
+                            "optimizer state '{key}' has {} elements, its parameter more",
+                            flat.numel()
+                        ),
+                    ));
                 }
                 let v = flat
                     .reshape(&[flat.numel()])?
@@ -654,7 +679,7 @@ impl Optimizer for ZeroOptimizer {
             None => state.to_vec(),
         };
         for sb in &mut self.shards {
-            let sliced = slice_state(&state, &names, &sb.pieces).map_err(optimizer_error)?;
+            let sliced = slice_state(&self.policy, &state, &names, &sb.pieces).map_err(optimizer_error)?;
             sb.opt.load_state_dict(&sliced)?;
         }
         Ok(())

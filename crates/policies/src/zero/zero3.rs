@@ -739,7 +739,7 @@ impl ReducerPolicy for Zero3 {
             .iter()
             .flat_map(|u| &u.params)
             .any(|&p| params[p].deferred_init().is_some());
-        let built = build_shards(ctx, full.as_ref(), build, &spans, &params);
+        let built = build_shards(ctx, &self.name(), full.as_ref(), build, &spans, &params);
         let (masters, opt) = agree_on_shards(&ctx.comm, built, started_sharded)?;
         for (unit, master) in g.units.iter_mut().zip(&masters) {
             unit.shard = Some(master.clone());
@@ -818,9 +818,10 @@ impl ReducerPolicy for Zero3 {
 
 /// This rank's f32 shard of every unit (the masters), cut from the parameters or beside 16-bit
 /// parameters from `full`'s f32 master weights, and the optimizer that steps them, its state
-/// cut from `full`'s.
+/// cut from `full`'s; the errors name the policy `policy` (its spec).
 fn build_shards(
     ctx: &OptimizerContext,
+    policy: &str,
     full: &dyn Optimizer,
     build: BuildOptimizer<'_>,
     spans: &[BucketSpan],
@@ -830,14 +831,15 @@ fn build_shards(
     let whole_masters = full.master_weights();
     let masters = match whole_masters.is_empty() {
         // mixed precision: the masters are f32 beside the 16-bit parameters
-        false => super::master_shards(ctx, &whole_masters)?,
-        true => own_master_shards(spans, params, ctx.comm.world_size(), ctx.comm.rank())?,
+        false => super::master_shards(ctx, policy, &whole_masters)?,
+        true => own_master_shards(policy, spans, params, ctx.comm.world_size(), ctx.comm.rank())?,
     };
     drop(whole_masters);
     // the optimizer's state is its own part
     drop(part);
     let opt = ZeroOptimizer::new(
         ctx,
+        policy.to_string(),
         ZeroStage::Three,
         Arc::default(),
         full,
@@ -876,7 +878,13 @@ fn agree_on_shards<T>(comm: &Group, built: Result<T>, started_sharded: bool) -> 
 
 /// This rank's f32 shard of every unit, cut from the (whole, broadcast) parameters; a
 /// parameter not drawn yet has only this rank's piece of it drawn.
-fn own_master_shards(spans: &[BucketSpan], params: &[Var], world: usize, rank: usize) -> Result<Vec<Tensor>> {
+fn own_master_shards(
+    policy: &str,
+    spans: &[BucketSpan],
+    params: &[Var],
+    world: usize,
+    rank: usize,
+) -> Result<Vec<Tensor>> {
     let mut masters = vec![];
     for span in spans {
         let per = shard_len(span.grad_numel, world);
@@ -888,7 +896,10 @@ fn own_master_shards(spans: &[BucketSpan], params: &[Var], world: usize, rank: u
             // a parameter not drawn yet: only this rank's piece of it is drawn
             let values = match param.deferred_init() {
                 Some(init) => (init.draw(piece.param_offset, piece.len))
-                    .map_err(|e| zero3_error(format!("parameter '{}': {e}", param.name().unwrap_or("?"))))?
+                    .map_err(|e| DdpError::Policy {
+                        policy: policy.into(),
+                        reason: format!("parameter '{}': {e}", param.name().unwrap_or("?")),
+                    })?
                     .to_device(device)?,
                 None => param.value().flat_view(piece.param_offset, &[piece.len])?,
             };
