@@ -74,13 +74,12 @@ fn powersgds_wire_model_sizes_the_factors_of_each_matrix_that_compresses() {
     );
 }
 
-/// Each rank's collectives (`op`, bytes) for one bucket of `shapes` reduced by `cfg`'s PowerSGD
-/// on 2 thread ranks, traced, `steps` times; and each rank's results.
-fn traced_steps(
-    cfg: brigade_policies::PowerSgdConfig,
-    shapes: &[&[usize]],
-    steps: usize,
-) -> Vec<(Vec<(String, usize)>, Vec<Vec<f32>>)> {
+/// One rank's collectives (`op`, bytes) and its result of each step.
+type TracedRank = (Vec<(String, usize)>, Vec<Vec<f32>>);
+
+/// Each rank's collectives and results for one bucket of `shapes` reduced by `cfg`'s PowerSGD
+/// on 2 thread ranks, traced, `steps` times.
+fn traced_steps(cfg: brigade_policies::PowerSgdConfig, shapes: &[&[usize]], steps: usize) -> Vec<TracedRank> {
     use crate::direct::{bucket, randn, reduce};
     use brigade_comm::{run_on_threads_with_timeout, Recorder, Track};
     use brigade_ddp::group::HostGroup;
