@@ -5,7 +5,8 @@
 //! Per bucket, once `start_iter` iterations have run with plain all-reduce:
 //! 1. error feedback: add the error each parameter left last time; keep a copy of the input;
 //! 2. tensors that would not compress (1-D, or `(n + m)·r·min_compression_rate ≥ n·m`) are
-//!    all-reduced together uncompressed and divided by the world size;
+//!    sent uncompressed, in the all-reduce of step 3 (one buffer: these tensors, then the
+//!    P's), and divided by the world size;
 //! 3. P = M·Q, with Q from the last iteration (warm start) or drawn from a generator that every
 //!    rank seeds alike; all-reduce P; orthogonalize P's columns (Gram–Schmidt);
 //! 4. Q = Mᵀ·P; all-reduce Q; divide by the world size;
@@ -475,7 +476,8 @@ impl ReducerPolicy for PowerSgd {
 }
 
 /// Issues `bucket`'s collectives (the previous bucket's are done): a plain average before
-/// `start_iter`, else PowerSGD's three all-reduces (the uncompressed tensors, the P's, the Q's).
+/// `start_iter`, else PowerSGD's two all-reduces: the tensors sent whole together with the
+/// P's in one buffer, then the Q's (a bucket with no matrix to compress: the first alone).
 fn reduce_bucket(
     state: &Arc<Mutex<State>>,
     cfg: PowerSgdConfig,
@@ -495,10 +497,10 @@ fn reduce_bucket(
     let work = BucketWork::new(&mut st, cfg, &bucket)?;
     drop(st);
     let world = Tensor::full_on(&[], comm.world_size() as f64, DType::F32, work.input.device())?;
-    let ps = work.pack_ps()?;
-    let first = match work.pack_plain()? {
-        None => comm.ready(None),
-        Some(plain) => comm.all_reduce(&plain, ReduceOp::Sum, &tag).then(|t| Ok(Some(t))),
+    let sent = work.pack_plain_and_ps()?;
+    let first = match sent.numel() {
+        0 => comm.ready(sent),
+        _ => comm.all_reduce(&sent, ReduceOp::Sum, &tag),
     };
     let finish = Finish {
         state: state.clone(),
@@ -506,20 +508,19 @@ fn reduce_bucket(
         params: bucket.params,
     };
     let comm2 = comm.clone();
-    Ok(first.and_then(move |plain_sum| {
-        if let Some(sum) = plain_sum {
-            work.unpack_plain(&sum.div(&world)?)?;
+    Ok(first.and_then(move |sum| {
+        let plain_len = work.plain_len();
+        if plain_len > 0 {
+            work.unpack_plain(&sum.narrow(0, 0, plain_len)?.div(&world)?)?;
         }
         if work.matrices.is_empty() {
             return Ok(comm2.ready(finish.land(work, vec![])?));
         }
-        let comm3 = comm2.clone();
-        Ok(comm2.all_reduce(&ps, ReduceOp::Sum, &tag).and_then(move |ps| {
-            let (qflat, pviews) = work.qs_from_ps(&ps)?;
-            Ok(comm3.all_reduce(&qflat, ReduceOp::Sum, &tag).then(move |qsum| {
-                let qs = work.approximate(&pviews, &qsum.div(&world)?)?;
-                finish.land(work, qs)
-            }))
+        let ps = sum.narrow(0, plain_len, sum.numel() - plain_len)?;
+        let (qflat, pviews) = work.qs_from_ps(&ps)?;
+        Ok(comm2.all_reduce(&qflat, ReduceOp::Sum, &tag).then(move |qsum| {
+            let qs = work.approximate(&pviews, &qsum.div(&world)?)?;
+            finish.land(work, qs)
         }))
     }))
 }
@@ -579,19 +580,27 @@ impl BucketWork {
         })
     }
 
-    /// The tensors sent whole, packed in one buffer (`None`: there are none).
-    fn pack_plain(&self) -> brigade_ddp::Result<Option<Tensor>> {
-        if self.plain.is_empty() {
-            return Ok(None);
-        }
-        let len: usize = self.plain.iter().map(|&(_, l)| l).sum();
-        let buf = Tensor::zeros_on(&[len], DType::F32, self.input.device())?;
+    /// Elements of the tensors sent whole.
+    fn plain_len(&self) -> usize {
+        self.plain.iter().map(|&(_, l)| l).sum()
+    }
+
+    /// What the first all-reduce sends, in one buffer: the tensors sent whole, then every
+    /// matrix's `P = M Q` (empty: the bucket holds neither).
+    fn pack_plain_and_ps(&self) -> brigade_ddp::Result<Tensor> {
+        let p_len: usize = self.matrices.iter().map(|mx| mx.n * mx.r).sum();
+        let buf = Tensor::zeros_on(&[self.plain_len() + p_len], DType::F32, self.input.device())?;
         let mut at = 0;
         for &(o, l) in &self.plain {
             buf.narrow(0, at, l)?.copy_from(&self.input.narrow(0, o, l)?)?;
             at += l;
         }
-        Ok(Some(buf))
+        for (mx, q) in self.matrices.iter().zip(&self.qs) {
+            let p = self.matrix(mx)?.matmul(q)?;
+            buf.narrow(0, at, mx.n * mx.r)?.copy_from(&p.reshape(&[mx.n * mx.r])?)?;
+            at += mx.n * mx.r;
+        }
+        Ok(buf)
     }
 
     /// Writes the averaged plain tensors back into the input.
@@ -607,19 +616,6 @@ impl BucketWork {
     /// Matrix `mx` of the input, `[n, m]`.
     fn matrix(&self, mx: &Matrix) -> brigade_ddp::Result<Tensor> {
         Ok(self.input.narrow(0, mx.offset, mx.n * mx.m)?.reshape(&[mx.n, mx.m])?)
-    }
-
-    /// Every matrix's `P = M Q`, packed in one buffer.
-    fn pack_ps(&self) -> brigade_ddp::Result<Tensor> {
-        let len: usize = self.matrices.iter().map(|mx| mx.n * mx.r).sum();
-        let ps = Tensor::zeros_on(&[len], DType::F32, self.input.device())?;
-        let mut at = 0;
-        for (mx, q) in self.matrices.iter().zip(&self.qs) {
-            let p = self.matrix(mx)?.matmul(q)?;
-            ps.narrow(0, at, mx.n * mx.r)?.copy_from(&p.reshape(&[mx.n * mx.r])?)?;
-            at += mx.n * mx.r;
-        }
-        Ok(ps)
     }
 
     /// From the summed P's: each P orthogonalized (in place, a view of `ps`) and `Q = Mᵀ P`,

@@ -130,7 +130,7 @@ pub static BUILT_IN: [Entry; 12] = [
     Entry {
         name: "powersgd",
         args: "R[@START]",
-        about: "low-rank (rank R) with error feedback and warm start, from iteration START",
+        about: "low-rank (rank R) with error feedback and warm start, from iteration START; two all-reduces a bucket",
         planned: true,
         form: Form::Args {
             read: powersgd::read_spec,

@@ -121,8 +121,8 @@ fn fp16_and_bf16_stage_their_half_bucket_and_fp16_reads_its_overflow_check() {
 
 #[test]
 fn powersgd_stages_its_uncompressed_tensors_and_its_two_factors() {
-    // rank 1 from the first step (start 0): the 1-D and too-small tensors in one all-reduce,
-    // P (n x 1 per matrix) in another, Q (m x 1) in a third; Q is warm-started from step 0, so
+    // rank 1 from the first step (start 0): the 1-D and too-small tensors with P (n x 1 per
+    // matrix) in one all-reduce, Q (m x 1) in another; Q is warm-started from step 0, so
     // nothing is drawn (uploaded) after it
     let (mut plain, mut p_len, mut q_len) = (0u64, 0u64, 0u64);
     for s in shapes() {
@@ -139,7 +139,7 @@ fn powersgd_stages_its_uncompressed_tensors_and_its_two_factors() {
     }
     assert!(plain > 0 && p_len > 0, "the GPT has both kinds of tensors");
     let c = per_step(213, PolicySpec::PowerSgd { rank: 1, start_iter: 0 });
-    let staged = [4 * plain, 4 * p_len, 4 * q_len];
+    let staged = [4 * (plain + p_len), 4 * q_len];
     assert_copies(c, &staged, &staged);
 }
 

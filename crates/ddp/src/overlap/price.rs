@@ -81,7 +81,8 @@ impl WireModel {
                 (density * elements).ceil() * bytes_per_element + bytes_per_bucket,
             )],
             WireModel::Local => vec![],
-            // the uncompressed tensors, the P factors and the Q factors: three all-reduces
+            // the uncompressed tensors with the P factors in one all-reduce, the Q factors in
+            // another (none when nothing compresses)
             WireModel::LowRank { factors, .. } => {
                 let (mut plain, mut p, mut q) = (0.0, 0.0, 0.0);
                 for &i in group {
@@ -90,11 +91,7 @@ impl WireModel {
                         None => plain += param_bytes[i] as f64,
                     }
                 }
-                vec![
-                    (RingOp::AllReduce, plain),
-                    (RingOp::AllReduce, p),
-                    (RingOp::AllReduce, q),
-                ]
+                vec![(RingOp::AllReduce, plain + p), (RingOp::AllReduce, q)]
             }
         };
         ops.into_iter().filter(|&(_, b)| b > 0.0).collect()

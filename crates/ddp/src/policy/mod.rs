@@ -384,8 +384,8 @@ pub enum WireModel {
     },
     /// A low-rank policy (PowerSGD): before `start_iter` one f32 all-reduce per bucket; then
     /// each parameter with `factors` is sent as its two f32 factors P and Q (their elements,
-    /// as the policy sized them), a bucket's P's in one all-reduce and its Q's in another, the
-    /// other tensors in one f32 all-reduce.
+    /// as the policy sized them), the other tensors whole in f32: a bucket's whole tensors and
+    /// P's in one all-reduce, its Q's in another (none when no parameter of it has factors).
     LowRank {
         /// Iterations reduced plainly first.
         start_iter: usize,

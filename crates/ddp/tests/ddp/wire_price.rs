@@ -87,7 +87,7 @@ fn a_sparse_all_gathers_bytes_grow_with_the_ranks() {
 }
 
 #[test]
-fn a_low_rank_bucket_is_three_all_reduces_of_the_plain_tensors_and_the_factors() {
+fn a_low_rank_bucket_is_two_all_reduces_the_plain_tensors_with_the_ps_then_the_qs() {
     // parameter 0 compresses into P of 40 and Q of 30 elements, parameter 1 is sent whole
     let w = WireModel::LowRank {
         start_iter: 0,
@@ -95,17 +95,15 @@ fn a_low_rank_bucket_is_three_all_reduces_of_the_plain_tensors_and_the_factors()
     };
     assert_eq!(
         w.bucket_ops(&BUCKET, &PARAMS, 3),
-        vec![
-            (RingOp::AllReduce, 400.0),
-            (RingOp::AllReduce, 160.0),
-            (RingOp::AllReduce, 120.0)
-        ]
+        vec![(RingOp::AllReduce, 400.0 + 160.0), (RingOp::AllReduce, 120.0)]
     );
     for n in [2usize, 3, 4] {
         let q = (n - 1) as f64;
         let share = 2.0 * q / n as f64 * (400.0 + 160.0 + 120.0);
-        assert_price(price(&w, n), 3.0 * 2.0 * q, share, share, &format!("low rank on {n}"));
+        assert_price(price(&w, n), 2.0 * 2.0 * q, share, share, &format!("low rank on {n}"));
     }
+    // a bucket of the plain tensor alone: its one all-reduce
+    assert_eq!(w.bucket_ops(&[1], &PARAMS, 3), vec![(RingOp::AllReduce, 400.0)]);
 }
 
 #[test]

@@ -313,7 +313,7 @@ fn error_feedback_keeps_the_error_bounded_and_the_mean_converges() {
 
 #[test]
 fn powersgd_keeps_every_ranks_collectives_in_the_same_order_across_buckets() {
-    // Three buckets handed over back to back: each issues up to three collectives, chained after
+    // Three buckets handed over back to back: each issues up to two collectives, chained after
     // the previous bucket's, so no rank interleaves them differently (the backend would report a
     // mismatch).
     let out = on_ranks(2, |rank, comm| {

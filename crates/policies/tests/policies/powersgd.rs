@@ -73,3 +73,98 @@ fn powersgds_wire_model_sizes_the_factors_of_each_matrix_that_compresses() {
         })
     );
 }
+
+/// One rank's collectives (`op`, bytes) and its result of each step.
+type TracedRank = (Vec<(String, usize)>, Vec<Vec<f32>>);
+
+/// Each rank's collectives and results for one bucket of `shapes` reduced by `cfg`'s PowerSGD
+/// on 2 thread ranks, traced, `steps` times.
+fn traced_steps(cfg: brigade_policies::PowerSgdConfig, shapes: &[&[usize]], steps: usize) -> Vec<TracedRank> {
+    use crate::direct::{bucket, randn, reduce};
+    use brigade_comm::{run_on_threads_with_timeout, Recorder, Track};
+    use brigade_ddp::group::HostGroup;
+    use std::sync::Arc;
+    use std::time::Duration;
+    let len: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let recorder = Recorder::new();
+    let outs = run_on_threads_with_timeout(2, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let group: brigade_ddp::Group = Arc::new(HostGroup::new(Arc::new(comm.traced(recorder.clone()))));
+        let mut p = brigade_policies::PowerSgd::new(cfg).unwrap();
+        (0..steps)
+            .map(|s| {
+                reduce(
+                    &mut p,
+                    bucket(0, randn(len, (10 * s + rank) as u64), shapes, true),
+                    &group,
+                )
+                .unwrap()
+            })
+            .collect::<Vec<_>>()
+    });
+    let events = recorder.events();
+    outs.into_iter()
+        .enumerate()
+        .map(|(rank, out)| {
+            let ops = events
+                .iter()
+                .filter(|e| e.rank == rank && e.track == Track::Comm)
+                .map(|e| (e.op.clone(), e.bytes))
+                .collect();
+            (ops, out.unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn a_compressed_bucket_is_two_all_reduces_the_plain_tensors_riding_with_the_ps() {
+    let cfg = brigade_policies::PowerSgdConfig {
+        rank: 2,
+        start_iter: 1,
+        ..Default::default()
+    };
+    let ar = |bytes: usize| ("all_reduce".to_string(), bytes);
+    // a bias [7] and a [3, 2] matrix that shrinks too little are sent whole (13 elements); a
+    // [12, 10] matrix at rank 2 as P 12 x 2 and Q 10 x 2. Step 0 (before the start) is one
+    // plain all-reduce of the bucket; step 1 the plain tensors with the P's, then the Q's.
+    let mixed = traced_steps(cfg, &[&[7], &[12, 10], &[3, 2]], 2);
+    for (ops, _) in &mixed {
+        assert_eq!(ops, &[ar(4 * 133), ar(4 * (13 + 24)), ar(4 * 20)]);
+    }
+    assert_eq!(mixed[0].1, mixed[1].1, "every rank ends with the same result");
+    // a bucket of matrices only: P, then Q
+    let matrices = traced_steps(cfg, &[&[12, 10], &[8, 16]], 2);
+    for (ops, _) in &matrices {
+        assert_eq!(ops, &[ar(4 * 248), ar(4 * (24 + 16)), ar(4 * (20 + 32))]);
+    }
+    // a bucket with nothing to compress: one all-reduce of the plain tensors, every step
+    let plain = traced_steps(cfg, &[&[7], &[3, 2]], 2);
+    let (g0, g1) = (crate::direct::randn(13, 10), crate::direct::randn(13, 11));
+    let avg: Vec<f32> = g0.iter().zip(&g1).map(|(a, b)| (a + b) / 2.0).collect();
+    for (ops, out) in &plain {
+        assert_eq!(ops, &[ar(4 * 13), ar(4 * 13)]);
+        assert_eq!(out[1], avg, "step 1 is the exact average");
+    }
+}
+
+#[test]
+fn powersgds_wire_model_prices_a_compressed_bucket_as_two_all_reduces() {
+    use brigade_comm::RingOp;
+    let policy = spec("powersgd:4@10")(0);
+    // [512, 256] as P 512 x 4 and Q 256 x 4; the bias [256] and the [3, 2] matrix whole
+    let shapes = vec![vec![512, 256], vec![256], vec![3, 2]];
+    let bytes: Vec<usize> = shapes.iter().map(|s| 4 * s.iter().product::<usize>()).collect();
+    let wire = policy.wire_model(&shapes, 2).unwrap();
+    let plain = 4.0 * (256.0 + 6.0);
+    assert_eq!(
+        wire.bucket_ops(&[0, 1, 2], &bytes, 2),
+        vec![
+            (RingOp::AllReduce, plain + 4.0 * 512.0 * 4.0),
+            (RingOp::AllReduce, 4.0 * 256.0 * 4.0)
+        ]
+    );
+    // two latencies of the ring a collective: 2(n - 1) messages each
+    assert_eq!(wire.bucket_price(&[0, 1, 2], &bytes, 3).messages, 2.0 * 4.0);
+    // nothing to compress: the plain all-reduce alone
+    assert_eq!(wire.bucket_ops(&[1, 2], &bytes, 2), vec![(RingOp::AllReduce, plain)]);
+}
