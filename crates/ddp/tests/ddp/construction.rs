@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use brigade_comm::{run_on_threads, Communicator, Recorder};
+use brigade_comm::{run_on_threads, Recorder};
 use brigade_ddp::{DdpConfig, DistributedDataParallel, PARAMETER_BROADCAST_CAP_BYTES};
 use brigade_tensor::set_compute_threads;
 
