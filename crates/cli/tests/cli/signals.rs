@@ -82,7 +82,8 @@ fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
 fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks() {
     let d = common::dir("signal-twice");
     let (ck, l) = (d.join("ck.safetensors"), d.join("losses.csv"));
-    // a slow link: every message takes 0.5 s, so a step outlasts the signals' gap
+    // a slow link: every message takes 0.35 s, so that after the first checkpoint the run
+    // trains on for about 8 messages (2.8 s), past the signals' gap of 1.5 s
     let mut child = start(&common::cat(&[
         &["train"],
         MLP,
@@ -94,7 +95,7 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
             "--net-gbps",
             "1",
             "--net-latency-us",
-            "500000",
+            "350000",
         ],
         &["--checkpoint", s(&ck), "--checkpoint-every", "1", "--losses", s(&l)],
     ]));
