@@ -9,10 +9,13 @@ use brigade_tensor::set_compute_threads;
 
 use crate::common::{self, Mlp};
 
+/// Each rank's collectives: (tag, op, bytes).
+type Sent = Vec<Vec<(String, String, usize)>>;
+
 /// Builds DDP over `widths` on 2 ranks (each rank's parameters drawn from its own seed) on a
 /// traced stream; returns each rank's parameter values after construction and, per rank, the
 /// (name, op, bytes) of each collective construction issued.
-fn construct(widths: &[usize]) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<(String, String, usize)>>) {
+fn construct(widths: &[usize]) -> (Vec<Vec<Vec<f32>>>, Sent) {
     let recorder = Recorder::new();
     let values = run_on_threads(2, |comm| {
         set_compute_threads(1);
