@@ -43,7 +43,7 @@ fn construct(widths: &[usize]) -> (Vec<Vec<Vec<f32>>>, Sent) {
 
 #[test]
 fn construction_sends_a_model_of_small_parameters_in_one_broadcast_after_the_model_check() {
-    // ten parameters, 1,115 floats in all
+    // ten parameters, 979 floats in all
     let widths = [6, 16, 16, 16, 16, 3];
     let (values, sent) = construct(&widths);
     assert_eq!(values[1], values[0], "every rank starts from rank 0's parameters");
