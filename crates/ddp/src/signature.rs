@@ -88,9 +88,17 @@ pub fn broadcast_from_rank0(params: &[Var], comm: &dyn Communicator) -> Result<(
     broadcast_parameters(params, comm)
 }
 
-/// Overwrites every rank's parameters with rank 0's (one broadcast per parameter, in their
-/// one dtype, checked by [`check_f32`]), but for those not drawn yet: they take rank 0's
-/// recipes ([`adopt_rank0_recipes`]).
+/// The most bytes one broadcast of DDP's construction carries ([`broadcast_from_rank0`],
+/// [`crate::DistributedDataParallel::new`]): rank 0's parameters go in registration order,
+/// packed into flat buffers of up to this size (a parameter larger than it goes alone), so
+/// that a model of many small parameters pays a link's per-message latency a few times, not
+/// once per parameter (PyTorch's `_sync_module_states` packs up to 250 MB), while the host
+/// copy made beside the model stays within one default gradient bucket (25 MiB).
+pub const PARAMETER_BROADCAST_CAP_BYTES: usize = 25 << 20;
+
+/// Overwrites every rank's parameters with rank 0's (in flat broadcasts of up to
+/// [`PARAMETER_BROADCAST_CAP_BYTES`], in their one dtype, checked by [`check_f32`]), but for
+/// those not drawn yet: they take rank 0's recipes ([`adopt_rank0_recipes`]).
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     match params.first().map(|p| p.value().dtype()) {
         Some(DType::BF16) => broadcast_as::<half::bf16>(params, comm),
@@ -99,20 +107,53 @@ pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> R
     }
 }
 
+/// Consecutive runs of `numels` whose elements together fit `cap` (a run of one where a
+/// single one does not), in order.
+fn packs(numels: &[usize], cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut filled = 0;
+    for (i, &n) in numels.iter().enumerate() {
+        match out.last_mut() {
+            Some(last) if filled + n <= cap => {
+                last.end = i + 1;
+                filled += n;
+            }
+            _ => {
+                out.push(i..i + 1);
+                filled = n;
+            }
+        }
+    }
+    out
+}
+
 fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     // parameters not drawn yet get rank 0's recipes instead ([`adopt_rank0_recipes`])
-    // one parameter at a time: no copy of the whole model is made beside it
-    for (i, p) in params.iter().filter(|p| p.deferred_init().is_none()).enumerate() {
-        let v = p.value();
+    let drawn: Vec<&Var> = params.iter().filter(|p| p.deferred_init().is_none()).collect();
+    let numels: Vec<usize> = drawn.iter().map(|p| p.value().numel()).collect();
+    let cap = (PARAMETER_BROADCAST_CAP_BYTES / std::mem::size_of::<T>()).max(1);
+    for (i, pack) in packs(&numels, cap).into_iter().enumerate() {
+        let pack = &drawn[pack];
+        let mut flat = Vec::with_capacity(pack.iter().map(|p| p.value().numel()).sum());
+        for p in pack {
+            flat.extend(p.value().to_vec::<T>()?);
+        }
         let tag = format!("ddp.broadcast_parameters.{i}");
-        let back = comm.broadcast(T::wrap(v.to_vec::<T>()?), 0, &tag).wait()?;
+        let back = comm.broadcast(T::wrap(flat), 0, &tag).wait()?;
         let found = back.dtype().to_string();
         let flat = T::unwrap(back).ok_or(DdpError::BufferDType {
             what: "ddp.broadcast_parameters".into(),
             expected: T::DTYPE,
             found,
         })?;
-        v.copy_from(&brigade_tensor::Tensor::from_slice(&flat, v.shape())?.to_device(v.device())?)?;
+        let mut offset = 0;
+        for p in pack {
+            let v = p.value();
+            let n = v.numel();
+            let values = brigade_tensor::Tensor::from_slice(&flat[offset..offset + n], v.shape())?;
+            v.copy_from(&values.to_device(v.device())?)?;
+            offset += n;
+        }
     }
     Ok(())
 }
@@ -120,9 +161,13 @@ fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communica
 /// Gives every rank's parameters that are not drawn yet rank 0's recipes of their initial
 /// values (one line each, gathered once), so that each rank's shard of them is drawn from
 /// rank 0's values, as the broadcast of drawn ones does. [`check_same_model`] first: the ranks
-/// agree on which parameters are not drawn yet.
+/// agree on which parameters are not drawn yet (and so all skip the gather when none is).
 pub(crate) fn adopt_rank0_recipes(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     let deferred: Vec<&Var> = params.iter().filter(|p| p.deferred_init().is_some()).collect();
+    // every rank alike: the model check compared which parameters are not drawn yet
+    if deferred.is_empty() {
+        return Ok(());
+    }
     let mine: Vec<String> = deferred
         .iter()
         .filter_map(|p| Some(p.deferred_init()?.describe()))

@@ -33,9 +33,9 @@ fn start(args: &[&str]) -> Child {
 /// sweep says so, exits 130 and writes nothing, as it must) is made again with twice the wait,
 /// so that a loaded machine makes the test slower, not failed.
 fn interrupt_once_a_run_finished(args: &[&str], csv: &Path) -> (String, String) {
-    for wait in [4, 8, 16, 32] {
+    for wait_ms in [1500, 3000, 6000, 12000, 24000, 48000] {
         let mut child = start(args);
-        std::thread::sleep(Duration::from_secs(wait));
+        std::thread::sleep(Duration::from_millis(wait_ms));
         send_signal(&child, "INT");
         let (status, err) = wait_to_end(&mut child);
         assert_eq!(status.code(), Some(130), "{err}");
@@ -45,7 +45,7 @@ fn interrupt_once_a_run_finished(args: &[&str], csv: &Path) -> (String, String) 
             Err(_) => assert!(err.contains("nothing was written"), "{err}"),
         }
     }
-    panic!("no run of the sweep finished within 32 s, in four tries");
+    panic!("no run of the sweep finished within 48 s, in six tries");
 }
 
 #[test]
@@ -82,7 +82,8 @@ fn an_interrupted_sweep_writes_the_runs_that_finished_and_exits_130() {
 fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks() {
     let d = common::dir("signal-twice");
     let (ck, l) = (d.join("ck.safetensors"), d.join("losses.csv"));
-    // a slow link: every message takes 0.5 s, so a step outlasts the signals' gap
+    // a slow link: every message takes 0.35 s, so that after the first checkpoint the run
+    // trains on for about 8 messages (2.8 s), past the signals' gap of 1.5 s
     let mut child = start(&common::cat(&[
         &["train"],
         MLP,
@@ -94,7 +95,7 @@ fn a_second_sigint_after_the_grace_still_writes_the_losses_and_removes_the_locks
             "--net-gbps",
             "1",
             "--net-latency-us",
-            "500000",
+            "350000",
         ],
         &["--checkpoint", s(&ck), "--checkpoint-every", "1", "--losses", s(&l)],
     ]));
@@ -130,10 +131,10 @@ fn an_interrupted_policy_sweep_writes_the_policies_that_finished_and_exits_130()
             &["sweep"],
             &MLP[..MLP.len() - 1],
             // long enough that no machine finishes all seven runs before the signal (here one
-            // run takes about 3 s, so one or two have finished after the first try's 4 s; a
-            // machine that finished none by then is slower than that, and so after the longer
-            // waits of the next tries)
-            &["--world-size", "2", "--steps", "20000"],
+            // run takes about 1 s, so one has finished after the first try's 1.5 s; a machine
+            // that finished none by then is slower than that, and so after the longer waits of
+            // the next tries)
+            &["--world-size", "2", "--steps", "5000"],
             &["--policy", policies, "--out", s(&out)],
         ]),
         &out.join("policies.csv"),

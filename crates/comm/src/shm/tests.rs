@@ -175,10 +175,12 @@ fn check_all_reduce<E: Element>(dtype: DType, placement: Placement) {
             );
         }
         let results: Vec<_> = results.into_iter().map(|(out, _)| out).collect();
-        for (me, rank_results) in results.iter().enumerate() {
-            for (op, n, salt, data) in rank_results {
-                let want = reference::<E>(size, *n, *salt, *op);
-                assert_eq!(bits(data), bits(&want), "{dtype} {op} x {n}, {size} ranks, rank {me}");
+        // each case's reference once, against every rank's result
+        for (case, &(op, n, salt, _)) in results[0].iter().enumerate() {
+            let want = bits(&reference::<E>(size, n, salt, op));
+            for (me, rank_results) in results.iter().enumerate() {
+                let data = &rank_results[case].3;
+                assert_eq!(bits(data), want, "{dtype} {op} x {n}, {size} ranks, rank {me}");
             }
         }
     }

@@ -19,6 +19,26 @@ fn all_ok<R>(results: Vec<Result<R, CommError>>) -> Vec<R> {
         .collect()
 }
 
+/// `f(index, item)` of every item, in order, on two threads: the serial references are most
+/// of these tests' time, and the ranks' threads wait for them.
+fn on_two_threads<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> R + Sync) -> Vec<R> {
+    let half = items.len() / 2;
+    let f = &f;
+    std::thread::scope(|s| {
+        let first = s.spawn(move || {
+            items[..half]
+                .iter()
+                .enumerate()
+                .map(|(i, x)| f(i, x))
+                .collect::<Vec<R>>()
+        });
+        let second: Vec<R> = items[half..].iter().enumerate().map(|(i, x)| f(half + i, x)).collect();
+        let mut all = first.join().unwrap();
+        all.extend(second);
+        all
+    })
+}
+
 #[test]
 fn all_reduce_matches_serial_reference() {
     for world in 1..=8 {
@@ -26,14 +46,10 @@ fn all_reduce_matches_serial_reference() {
             .iter()
             .flat_map(|&d| OPS.iter().flat_map(move |&op| SIZES.iter().map(move |&n| (d, op, n))))
             .collect();
-        let refs: Vec<Buffer> = cases
-            .iter()
-            .enumerate()
-            .map(|(salt, &(d, op, n))| {
-                let inputs: Vec<Buffer> = (0..world).map(|r| input(d, r, n, salt)).collect();
-                reference_reduce(&inputs, op)
-            })
-            .collect();
+        let refs: Vec<Buffer> = on_two_threads(&cases, |salt, &(d, op, n)| {
+            let inputs: Vec<Buffer> = (0..world).map(|r| input(d, r, n, salt)).collect();
+            reference_reduce(&inputs, op)
+        });
         all_ok(run_on_threads_with_timeout(world, TIMEOUT, |comm| {
             for (salt, &(d, op, n)) in cases.iter().enumerate() {
                 let buf = input(d, comm.rank(), n, salt);
@@ -79,26 +95,37 @@ fn reduce_scatter_matches_serial_reference() {
 #[test]
 fn all_gather_and_broadcast_match_serial_reference() {
     for world in 1..=8 {
-        for &d in DTYPES.iter().chain([DType::U8, DType::I8].iter()) {
-            for (salt, n) in [0usize, 1, 1031, (1 << 19) + 1].into_iter().enumerate() {
-                let inputs: Vec<Buffer> = (0..world).map(|r| input(d, r, n, salt)).collect();
-                let gathered = from_f32(d, inputs.iter().flat_map(to_f32).collect());
-                all_ok(run_on_threads_with_timeout(world, TIMEOUT, |comm| {
-                    let r = comm.rank();
-                    let what = format!("world {world} rank {r} {d} x {n}");
-                    let out = comm.all_gather(inputs[r].clone(), "ag").wait().unwrap();
-                    assert_same(&out, &gathered, &format!("{what} all_gather"));
-                    let roots: Vec<usize> = if n > 1000 {
-                        vec![world - 1]
-                    } else {
-                        (0..world).collect()
-                    };
-                    for root in roots {
-                        let out = comm.broadcast(inputs[r].clone(), root, "bc").wait().unwrap();
-                        assert_same(&out, &inputs[root], &format!("{what} broadcast root {root}"));
-                    }
-                }));
-            }
+        let cases: Vec<(DType, usize, usize)> = DTYPES
+            .iter()
+            .chain([DType::U8, DType::I8].iter())
+            .flat_map(|&d| {
+                [0usize, 1, 1031, (1 << 19) + 1]
+                    .into_iter()
+                    .enumerate()
+                    .map(move |(salt, n)| (d, salt, n))
+            })
+            .collect();
+        let built = on_two_threads(&cases, |_, &(d, salt, n)| {
+            let inputs: Vec<Buffer> = (0..world).map(|r| input(d, r, n, salt)).collect();
+            let gathered = from_f32(d, inputs.iter().flat_map(to_f32).collect());
+            (inputs, gathered)
+        });
+        for (&(d, _, n), (inputs, gathered)) in cases.iter().zip(built) {
+            all_ok(run_on_threads_with_timeout(world, TIMEOUT, |comm| {
+                let r = comm.rank();
+                let what = format!("world {world} rank {r} {d} x {n}");
+                let out = comm.all_gather(inputs[r].clone(), "ag").wait().unwrap();
+                assert_same(&out, &gathered, &format!("{what} all_gather"));
+                let roots: Vec<usize> = if n > 1000 {
+                    vec![world - 1]
+                } else {
+                    (0..world).collect()
+                };
+                for root in roots {
+                    let out = comm.broadcast(inputs[r].clone(), root, "bc").wait().unwrap();
+                    assert_same(&out, &inputs[root], &format!("{what} broadcast root {root}"));
+                }
+            }));
         }
     }
 }

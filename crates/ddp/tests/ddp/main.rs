@@ -5,6 +5,7 @@
 mod autotune;
 mod buckets;
 mod common;
+mod construction;
 mod faults;
 mod layers;
 mod metered;
