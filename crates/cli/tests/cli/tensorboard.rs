@@ -298,14 +298,26 @@ fn a_tensorboard_path_that_is_a_file_is_one_line_before_step_0() {
         let err = common::fails(&cat(&[
             &["study"],
             SWEEP_MLP,
-            &["--steps", "3", "--policy", "allreduce", "--net-gbps", "1", "--target-loss", "0.5"],
+            &[
+                "--steps",
+                "3",
+                "--policy",
+                "allreduce",
+                "--net-gbps",
+                "1",
+                "--target-loss",
+                "0.5",
+            ],
             &["--out", s(&dir.join("study-out")), "--tensorboard", s(&under)],
         ]));
         assert!(
             err.contains("--tensorboard") && err.contains("not a directory"),
             "{err}"
         );
-        assert!(!dir.join("study-out").join("study.csv").exists(), "refused before a study's run");
+        assert!(
+            !dir.join("study-out").join("study.csv").exists(),
+            "refused before a study's run"
+        );
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"x", "the file is left alone");
 }
@@ -358,13 +370,26 @@ fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_e
         &["study"],
         SWEEP_MLP,
         &["--world-size", "2", "--steps", "4", "--policy", "allreduce,fp16"],
-        &["--net-gbps", "1", "--net-latency-us", "20", "--predict-gbps", "10", "--predict-latency-us", "5"],
+        &[
+            "--net-gbps",
+            "1",
+            "--net-latency-us",
+            "20",
+            "--predict-gbps",
+            "10",
+            "--predict-latency-us",
+            "5",
+        ],
         &["--predict-world-sizes", "4", "--target-loss", "0.5"],
         &["--out", s(&dir.join("out")), "--json", "--tensorboard", s(&logdir)],
     ]));
     let results: Vec<Value> = serde_json::from_str(out.trim()).unwrap();
     let runs = read(&python, &logdir);
-    assert_eq!(runs.keys().collect::<Vec<_>>(), ["allreduce", "fp16"], "one run per policy");
+    assert_eq!(
+        runs.keys().collect::<Vec<_>>(),
+        ["allreduce", "fp16"],
+        "one run per policy"
+    );
     let all: Vec<u64> = (0..4).collect();
     for r in &results {
         let run = &runs[r["policy"].as_str().unwrap()];
@@ -380,7 +405,12 @@ fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_e
                 "train/step_ms"
             ]
         );
-        let losses: Vec<f64> = r["losses"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+        let losses: Vec<f64> = r["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .collect();
         assert_eq!(steps(&run["train/loss"]), all);
         for ((step, v), want) in run["train/loss"].iter().zip(&losses) {
             f32_equal(*v, *want, &format!("train/loss at step {step}"));
