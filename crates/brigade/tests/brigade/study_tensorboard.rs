@@ -34,6 +34,19 @@ fn run(tensorboard: std::path::PathBuf) -> Vec<PolicyStudy> {
     .unwrap()
 }
 
+/// How many records an event file holds (each: a `u64` length, 4 bytes of CRC, the data, 4
+/// bytes of CRC).
+fn records(bytes: &[u8]) -> usize {
+    let (mut at, mut n) = (0, 0);
+    while at + 8 <= bytes.len() {
+        let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        at += 16 + len;
+        n += 1;
+    }
+    assert_eq!(at, bytes.len(), "whole records");
+    n
+}
+
 #[test]
 fn a_study_writes_one_event_file_per_policy_in_a_directory_named_by_its_spec() {
     let dir = tmp("study-tensorboard", "written").join("tb");
@@ -43,8 +56,12 @@ fn a_study_writes_one_event_file_per_policy_in_a_directory_named_by_its_spec() {
         assert_eq!(r.tensorboard_failure, None, "{}", r.policy);
         let files: Vec<_> = std::fs::read_dir(dir.join(&r.policy)).unwrap().collect();
         assert_eq!(files.len(), 1, "{}: one event file", r.policy);
-        let name = files[0].as_ref().unwrap().file_name();
+        let file = files[0].as_ref().unwrap();
+        let name = file.file_name();
         assert!(name.to_string_lossy().starts_with("events.out.tfevents."), "{name:?}");
+        // the file's version, the run's start, then each of the 4 steps' scalars as it ran and
+        // its predictions after the run
+        assert_eq!(records(&std::fs::read(file.path()).unwrap()), 2 + 2 * 4, "{}", r.policy);
     }
 }
 
