@@ -45,6 +45,33 @@ pub const STEP_MS: &str = "train/step_ms";
 /// overlap model's of `brigade sweep`'s bucket caps).
 pub const PREDICTED_STEP_MS: &str = "predicted/step_ms";
 
+/// The group of a study's predicted step on each link, in milliseconds: one tag per link,
+/// [`predicted_ms_tag`].
+pub const PREDICTED_MS: &str = "predicted_ms";
+
+/// The tag of a prediction of the step on a link of `gbps` Gb/s at `latency_us` µs per
+/// message: `predicted_ms/1gbps_20us` (the numbers as Rust prints them: `0.5gbps`).
+pub fn predicted_ms_tag(gbps: f64, latency_us: f64) -> String {
+    format!("{PREDICTED_MS}/{gbps}gbps_{latency_us}us")
+}
+
+/// The directory in `dir` of one run among several (a command's run per policy or setting),
+/// named `name` as a file name may hold it: a policy's spec keeps its `:` and `@`; anything
+/// that would make a path (or that a shell would need quoted) is `_`.
+pub fn run_dir(dir: &Path, name: &str) -> PathBuf {
+    let name: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._:@+=-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    dir.join(name)
+}
+
 /// The CRC-32C (Castagnoli) table, reflected polynomial `0x82F63B78`, one entry per byte.
 const CRC32C_TABLE: [u32; 256] = {
     let mut table = [0u32; 256];
@@ -483,6 +510,15 @@ mod tests {
         let again = EventWriter::create(&dir.join("run")).unwrap();
         assert_ne!(again.path(), w.path());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_run_directory_keeps_a_specs_characters_and_no_path() {
+        let dir = Path::new("tb");
+        assert_eq!(run_dir(dir, "powersgd:4@2"), dir.join("powersgd:4@2"));
+        assert_eq!(run_dir(dir, "../a/b c"), dir.join(".._a_b_c"));
+        assert_eq!(predicted_ms_tag(1.0, 20.0), "predicted_ms/1gbps_20us");
+        assert_eq!(predicted_ms_tag(0.5, 2.5), "predicted_ms/0.5gbps_2.5us");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `--tensorboard DIR` (`train`, `sweep`): the run's scalars as TensorBoard event files,
+//! `--tensorboard DIR` (`train`, `sweep`, `study`): the run's scalars as TensorBoard event files,
 //! written by the library's observer ([`brigade::tensorboard::TensorBoard`]) as the run goes.
 //! Here: DIR checked before any run, a sweep's run directories, and a failed write worded with
 //! its flag (the run goes on; the failure ends the command's exit status, once).
@@ -27,20 +27,9 @@ pub fn prepare(dir: &Path) -> Result<()> {
     check_outputs(&[Output::new("--tensorboard", &dir.join("events.out.tfevents"))])
 }
 
-/// The directory of one run of a sweep in `dir`, named `name` as a file name may hold it (a
-/// policy's spec keeps its `:` and `@`; anything that would make a path is `_`).
+/// The directory of one run of a sweep or study in `dir` ([`brigade::tensorboard::run_dir`]).
 pub fn run_dir(dir: &Path, name: &str) -> std::path::PathBuf {
-    let name: String = name
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "._:@+=-".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    dir.join(name)
+    brigade::tensorboard::run_dir(dir, name)
 }
 
 /// `written` (the other outputs' result) with the first write `boards` could not make, named

@@ -5,7 +5,9 @@
 //! profiles at other world sizes ([`crate::ddp::overlap`]). Per policy the study reports its
 //! losses, the steps and predicted seconds to each target loss, the bytes it sent per step, and
 //! the prediction's error band: its own profiles replayed on the link they were recorded on,
-//! against the steps they measured.
+//! against the steps they measured. With [`StudyConfig::tensorboard`] each policy's run writes
+//! its scalars as TensorBoard event files, one run directory per policy
+//! ([`crate::tensorboard`]).
 //!
 //! ```no_run
 //! use brigade::launch::{net_model, LaunchConfig};
@@ -35,6 +37,7 @@
 
 mod predict;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use brigade_comm::NetModel;
@@ -48,6 +51,7 @@ use crate::launch::{LaunchConfig, RankContext};
 use crate::outcome::TrainOutcome;
 use crate::policy::Registered;
 use crate::source::DataSource;
+use crate::tensorboard::{predicted_ms_tag, run_dir, TensorBoard};
 
 pub use predict::{reach, OwnBand};
 
@@ -64,6 +68,12 @@ pub struct StudyConfig {
     /// Steps at the start that are not profiled (the first steps build the buckets and warm
     /// the caches).
     pub warmup: usize,
+    /// A TensorBoard log directory: each policy's run writes its scalars in a directory of its
+    /// own there, named by its spec ([`crate::tensorboard::run_dir`]), so that `tensorboard
+    /// --logdir` draws one curve per policy: every step's [`crate::tensorboard::step_scalars`]
+    /// as the run goes, then at every step its predicted step on each link at the trained world
+    /// ([`crate::tensorboard::predicted_ms_tag`]). `None`: none are written.
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl StudyConfig {
@@ -74,6 +84,7 @@ impl StudyConfig {
             other_worlds: vec![],
             targets,
             warmup: 2,
+            tensorboard: None,
         }
     }
 }
@@ -129,12 +140,18 @@ pub struct PolicyStudy {
     /// `not predicted: ...` when its step was not, `no error band: ...` when only its own
     /// profiles could not be replayed; empty when both were.
     pub note: String,
+    /// The first write of its TensorBoard events that failed ([`StudyConfig::tensorboard`]),
+    /// in words: the events before it were written, and the run went on. Not serialized.
+    #[serde(skip)]
+    pub tensorboard_failure: Option<String>,
 }
 
 /// Trains every policy of `policies` (specs: the built-ins' and those `registry` registers) in
 /// turn under `cfg` on the ranks `launch` starts, each from the same data (`data(world_size)`),
 /// model (`model(ctx)`) and seed, profiling its steps after `sc.warmup`, and predicts each on
-/// `sc`'s links and worlds. The first error (a bad spec, a run that fails) ends the study.
+/// `sc`'s links and worlds, writing each run's TensorBoard events where `sc` says (a write
+/// that fails is kept in [`PolicyStudy::tensorboard_failure`], and the study goes on). The
+/// first error (a bad spec, a run that fails) ends the study.
 pub fn study<D: DataSource>(
     launch: &LaunchConfig,
     cfg: &TrainConfig,
@@ -161,10 +178,41 @@ pub fn study<D: DataSource>(
         });
         run.runtime.instrument.profile = true;
         run.runtime.instrument.profile_steps = Some(sc.warmup..cfg.recipe.steps);
+        let board = sc
+            .tensorboard
+            .as_ref()
+            .map(|dir| Arc::new(TensorBoard::new(run_dir(dir, &spec.to_string()))));
+        if let Some(b) = &board {
+            let theirs = run.runtime.instrument.observer.take();
+            run.runtime.instrument.observer = Some(Arc::new((theirs, b.clone())));
+        }
         let report = crate::fit(launch, &run, &data, &model)?;
-        out.push(of_run(spec.to_string(), &report.outcome, report.world_size, sc));
+        let mut s = of_run(spec.to_string(), &report.outcome, report.world_size, sc);
+        if let Some(b) = &board {
+            add_predictions(b, &report.outcome, &s);
+            s.tensorboard_failure = b.take_failure().map(|e| e.to_string());
+        }
+        out.push(s);
     }
     Ok(out)
+}
+
+/// The predicted step on each link at the trained world, in milliseconds, at every step the run
+/// ran (one tag per link: a flat line beside the measured `train/step_ms`).
+fn add_predictions(board: &TensorBoard, outcome: &TrainOutcome, s: &PolicyStudy) {
+    let links: Vec<(String, f32)> = s
+        .predictions
+        .iter()
+        .filter(|p| p.world_size == s.world_size)
+        .filter_map(|p| Some((predicted_ms_tag(p.net_gbps, p.net_latency_us), (1e3 * p.step_s?) as f32)))
+        .collect();
+    if links.is_empty() {
+        return;
+    }
+    let scalars: Vec<(&str, f32)> = links.iter().map(|(tag, v)| (tag.as_str(), *v)).collect();
+    for r in &outcome.steps {
+        board.add_scalars(r.step as u64, &scalars);
+    }
 }
 
 /// The study of one policy's finished run on `world` ranks.
@@ -183,6 +231,7 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
         predictions: predicted.predictions,
         note: predicted.note,
         losses,
+        tensorboard_failure: None,
     }
 }
 

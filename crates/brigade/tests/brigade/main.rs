@@ -23,6 +23,7 @@ mod policy_state;
 mod recipes;
 mod replicas;
 mod sampled;
+mod study_tensorboard;
 mod zero3;
 mod zero3_mixed;
 mod zero3_resume_shards;

@@ -8,7 +8,8 @@
 //! predicted seconds to each target (steps measured at --world-size, which the table names; at
 //! the other world sizes the step alone), the bytes sent per step and the prediction's error
 //! band on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
-//! policy, link and step), `study_summary.csv` (the table) and `study.svg` (the loss curves).
+//! policy, link and step), `study_summary.csv` (the table) and `study.svg` (the loss curves);
+//! with --tensorboard, each policy's run as TensorBoard event files.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,6 +65,12 @@ pub struct StudyArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Write TensorBoard event files of every policy's run (as `train --tensorboard` does),
+    /// one directory each in DIR named by the policy's spec, so that `tensorboard --logdir
+    /// DIR` draws one curve per policy: every step's train/ scalars, and at every step the
+    /// predicted step on each link at --world-size (`predicted_ms/{G}gbps_{L}us`).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// Runs `brigade study`.
@@ -92,9 +99,13 @@ pub fn study(s: StudyArgs) -> Result<()> {
         links,
         other_worlds: s.predict_world_sizes.clone(),
         targets: s.target_loss.clone(),
+        tensorboard: s.tensorboard.clone(),
         ..StudyConfig::new(vec![], vec![])
     };
     make_out_dir(&s.out, STUDY_OUTPUTS[0], "study")?;
+    if let Some(dir) = &s.tensorboard {
+        crate::tensorboard::prepare(dir)?;
+    }
     let opts = RunOptions::default();
     let late = Arc::new(LateHeldOut::default());
     let cfg = train_config(a, &opts, &late)?;
@@ -119,7 +130,24 @@ pub fn study(s: StudyArgs) -> Result<()> {
         print_table(&results);
         outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
     }
-    Ok(())
+    tensorboard_failures(s.tensorboard.as_deref(), &results)
+}
+
+/// The TensorBoard writes that failed (the study went on, and its other outputs are written),
+/// one line each, named by --tensorboard and the policy.
+fn tensorboard_failures(dir: Option<&Path>, results: &[PolicyStudy]) -> Result<()> {
+    let Some(dir) = dir else { return Ok(()) };
+    let failures: Vec<String> = results
+        .iter()
+        .filter_map(|r| {
+            let e = r.tensorboard_failure.as_ref()?;
+            Some(format!("--tensorboard {} ({}): {e}", dir.display(), r.policy))
+        })
+        .collect();
+    match failures.is_empty() {
+        true => Ok(()),
+        false => Err(Error::Outputs(failures)),
+    }
 }
 
 /// The links to predict for: the run's (--net-gbps at --net-latency-us), then each of

@@ -295,6 +295,29 @@ fn a_tensorboard_path_that_is_a_file_is_one_line_before_step_0() {
             err.contains("--tensorboard") && err.contains("not a directory"),
             "{err}"
         );
+        let err = common::fails(&cat(&[
+            &["study"],
+            SWEEP_MLP,
+            &[
+                "--steps",
+                "3",
+                "--policy",
+                "allreduce",
+                "--net-gbps",
+                "1",
+                "--target-loss",
+                "0.5",
+            ],
+            &["--out", s(&dir.join("study-out")), "--tensorboard", s(&under)],
+        ]));
+        assert!(
+            err.contains("--tensorboard") && err.contains("not a directory"),
+            "{err}"
+        );
+        assert!(
+            !dir.join("study-out").join("study.csv").exists(),
+            "refused before a study's run"
+        );
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"x", "the file is left alone");
 }
@@ -333,5 +356,74 @@ fn a_failed_event_write_is_named_once_and_the_training_goes_on() {
         for ((step, v), (_, want)) in loss.iter().zip(common::losses(&losses)) {
             f32_equal(*v, want, &format!("train/loss at step {step}"));
         }
+    }
+}
+
+#[test]
+fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_each_link() {
+    let Some(python) = tensorboard_python("a_study_writes_one_run_per_policy") else {
+        return;
+    };
+    let dir = common::dir("tensorboard-study");
+    let logdir = dir.join("tb");
+    let out = common::ok(&cat(&[
+        &["study"],
+        SWEEP_MLP,
+        &["--world-size", "2", "--steps", "4", "--policy", "allreduce,fp16"],
+        &[
+            "--net-gbps",
+            "1",
+            "--net-latency-us",
+            "20",
+            "--predict-gbps",
+            "10",
+            "--predict-latency-us",
+            "5",
+        ],
+        &["--predict-world-sizes", "4", "--target-loss", "0.5"],
+        &["--out", s(&dir.join("out")), "--json", "--tensorboard", s(&logdir)],
+    ]));
+    let results: Vec<Value> = serde_json::from_str(out.trim()).unwrap();
+    let runs = read(&python, &logdir);
+    assert_eq!(
+        runs.keys().collect::<Vec<_>>(),
+        ["allreduce", "fp16"],
+        "one run per policy"
+    );
+    let all: Vec<u64> = (0..4).collect();
+    for r in &results {
+        let run = &runs[r["policy"].as_str().unwrap()];
+        // the trained world's links, one tag each; the other world size has no curve
+        assert_eq!(
+            run.keys().map(String::as_str).collect::<Vec<_>>(),
+            [
+                "predicted_ms/10gbps_5us",
+                "predicted_ms/1gbps_20us",
+                "train/bytes_sent",
+                "train/loss",
+                "train/lr",
+                "train/step_ms"
+            ]
+        );
+        let losses: Vec<f64> = r["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .collect();
+        assert_eq!(steps(&run["train/loss"]), all);
+        for ((step, v), want) in run["train/loss"].iter().zip(&losses) {
+            f32_equal(*v, *want, &format!("train/loss at step {step}"));
+        }
+        for (tag, p) in [("predicted_ms/1gbps_20us", 0), ("predicted_ms/10gbps_5us", 1)] {
+            let want = r["predictions"][p]["step_s"].as_f64().unwrap() * 1e3;
+            assert_eq!(steps(&run[tag]), all, "{tag}: every step");
+            for (step, v) in &run[tag] {
+                f32_equal(*v, want, &format!("{tag} at step {step}"));
+            }
+        }
+        let sent = r["payload_bytes_per_step"].as_f64().unwrap();
+        let mean = run["train/bytes_sent"].iter().map(|(_, v)| v).sum::<f64>() / 4.0;
+        f32_equal(mean, sent, "the mean train/bytes_sent");
     }
 }
