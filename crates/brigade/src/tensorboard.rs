@@ -45,14 +45,11 @@ pub const STEP_MS: &str = "train/step_ms";
 /// overlap model's of `brigade sweep`'s bucket caps).
 pub const PREDICTED_STEP_MS: &str = "predicted/step_ms";
 
-/// The group of a study's predicted step on each link, in milliseconds: one tag per link,
-/// [`predicted_ms_tag`].
-pub const PREDICTED_MS: &str = "predicted_ms";
-
 /// The tag of a prediction of the step on a link of `gbps` Gb/s at `latency_us` µs per
-/// message: `predicted_ms/1gbps_20us` (the numbers as Rust prints them: `0.5gbps`).
+/// message, in milliseconds (a study's, one per link), beside [`PREDICTED_STEP_MS`] in its
+/// group: `predicted/step_ms_1gbps_20us` (the numbers as Rust prints them: `0.5gbps`).
 pub fn predicted_ms_tag(gbps: f64, latency_us: f64) -> String {
-    format!("{PREDICTED_MS}/{gbps}gbps_{latency_us}us")
+    format!("{PREDICTED_STEP_MS}_{gbps}gbps_{latency_us}us")
 }
 
 /// The directory in `dir` of one run among several (a command's run per policy or setting),
@@ -517,8 +514,8 @@ mod tests {
         let dir = Path::new("tb");
         assert_eq!(run_dir(dir, "powersgd:4@2"), dir.join("powersgd:4@2"));
         assert_eq!(run_dir(dir, "../a/b c"), dir.join(".._a_b_c"));
-        assert_eq!(predicted_ms_tag(1.0, 20.0), "predicted_ms/1gbps_20us");
-        assert_eq!(predicted_ms_tag(0.5, 2.5), "predicted_ms/0.5gbps_2.5us");
+        assert_eq!(predicted_ms_tag(1.0, 20.0), "predicted/step_ms_1gbps_20us");
+        assert_eq!(predicted_ms_tag(0.5, 2.5), "predicted/step_ms_0.5gbps_2.5us");
     }
 
     #[test]

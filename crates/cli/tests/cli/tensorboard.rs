@@ -397,8 +397,8 @@ fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_e
         assert_eq!(
             run.keys().map(String::as_str).collect::<Vec<_>>(),
             [
-                "predicted_ms/10gbps_5us",
-                "predicted_ms/1gbps_20us",
+                "predicted/step_ms_10gbps_5us",
+                "predicted/step_ms_1gbps_20us",
                 "train/bytes_sent",
                 "train/loss",
                 "train/lr",
@@ -415,7 +415,7 @@ fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_e
         for ((step, v), want) in run["train/loss"].iter().zip(&losses) {
             f32_equal(*v, *want, &format!("train/loss at step {step}"));
         }
-        for (tag, p) in [("predicted_ms/1gbps_20us", 0), ("predicted_ms/10gbps_5us", 1)] {
+        for (tag, p) in [("predicted/step_ms_1gbps_20us", 0), ("predicted/step_ms_10gbps_5us", 1)] {
             let want = r["predictions"][p]["step_s"].as_f64().unwrap() * 1e3;
             assert_eq!(steps(&run[tag]), all, "{tag}: every step");
             for (step, v) in &run[tag] {
