@@ -8,14 +8,14 @@ use brigade_models::{
 };
 use brigade_tensor::{DType, Tensor};
 
+use crate::common::Scratch;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-models-npy-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+fn tmp(name: &str) -> Scratch {
+    Scratch::file(&format!("npy-{name}"))
 }
 
 /// Little-endian bytes of every element: equal bytes mean a bit-exact round trip (NaN too).
