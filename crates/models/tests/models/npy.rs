@@ -103,9 +103,10 @@ fn bf16_has_no_numpy_dtype_and_names_must_be_unique() {
         matches!(e, ModelError::Npy { .. }) && e.to_string().contains("BF16 has no NumPy dtype"),
         "{e}"
     );
-    let e = save_npz(tmp("bf16.npz"), &[("w".into(), t)]).unwrap_err().to_string();
+    let npz = tmp("bf16.npz");
+    let e = save_npz(&npz, &[("w".into(), t)]).unwrap_err().to_string();
     assert!(e.contains("array 'w'") && e.contains("BF16"), "{e}");
-    assert!(!tmp("bf16.npz").exists(), "nothing written on error");
+    assert!(!npz.exists(), "nothing written on error");
     let x = Tensor::zeros(&[1], DType::F32);
     let e = save_npz(tmp("twice.npz"), &[("x".into(), x.clone()), ("x".into(), x)]).unwrap_err();
     assert!(e.to_string().contains("appears twice"), "{e}");
