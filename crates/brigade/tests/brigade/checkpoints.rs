@@ -90,7 +90,6 @@ fn a_step_path_keeps_each_checkpoint_and_the_step_25_one_resumes_as_the_straight
         values(&straight.outcome.params),
         "parameters, bit for bit"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -122,7 +121,6 @@ fn keep_last_keeps_the_newest_checkpoints_of_the_run_and_no_other_file() {
     want.sort();
     assert_eq!(files(&d), want);
     assert_eq!(std::fs::read(d.join("run-3.ckpt")).unwrap(), b"not mine");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -140,7 +138,6 @@ fn a_checkpoint_path_that_may_land_on_the_initial_parameters_names_both_fields()
         "{e}"
     );
     assert_eq!(std::fs::read(&init).unwrap(), before, "the initial parameters are kept");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -160,5 +157,4 @@ fn a_keep_last_or_step_path_that_would_do_nothing_is_refused_in_one_line() {
         assert!(!e.contains('\n') && e.contains(want), "{}: {e}", path.display());
     }
     assert!(files(&d).is_empty(), "nothing written: {:?}", files(&d));
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -6,7 +6,6 @@
 //! for bit.
 
 use crate::common::{self, resuming};
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use brigade::config::CheckpointConfig;
@@ -37,7 +36,7 @@ fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
+fn tmp(name: &str) -> common::Scratch {
     common::tmp("diloco-resume", name)
 }
 
@@ -102,7 +101,6 @@ fn diloco_and_streaming_diloco_resume_bit_exact_at_a_sync_mid_period_and_with_a_
                 "{policy}, resumed at {at}: parameters, bit for bit"
             );
         }
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -141,5 +139,4 @@ fn beside_bf16_parameters_diloco_syncs_the_f32_masters_and_resumes_bit_exact() {
         values(&straight),
         "rank 0's master weights, bit for bit"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -60,7 +60,7 @@ fn run(world: usize, cfg: &TrainConfig, seeds: Seeds) -> brigade::Result<RunRepo
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
+fn tmp(name: &str) -> common::Scratch {
     common::tmp("dropout", name)
 }
 
@@ -109,7 +109,6 @@ fn resume_is_exact_at_p_above_zero_on_one_and_two_ranks() {
             bits(&straight),
             "world {world}: parameters, bit for bit"
         );
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -160,7 +159,6 @@ fn a_periodic_checkpoint_holds_the_generator_from_before_the_step_it_resumes() {
     assert_eq!(resumed.outcome.first_step, 2);
     assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "bit for bit");
     assert_eq!(bits(&resumed), bits(&straight));
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -177,7 +175,6 @@ fn a_checkpoint_without_generators_still_loads() {
     let resumed = run(1, &resuming(config(4), &ckpt), Seeds::Shared).unwrap();
     assert_eq!(resumed.outcome.first_step, 2);
     assert_eq!(resumed.outcome.losses().len(), 2);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -208,5 +205,4 @@ fn another_world_size_continues_a_shared_generator_and_refuses_different_ones() 
         e.contains("dropout generators of 2 ranks") && e.contains("resume on 2 ranks"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -350,9 +350,7 @@ fn a_joined_rank_s_timeline_shows_its_shadow_collectives() {
 
 #[test]
 fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
-    let dir = std::env::temp_dir().join(format!("brigade-join-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::tmp("join", "resume");
     let ckpt = dir.join("c.safetensors");
     let rows = [40, 24];
     let base = config(10, Some(JoinMode::DivideActive), PolicySpec::Zero1, sgd());
@@ -402,7 +400,6 @@ fn a_join_run_resumes_where_it_stopped_with_the_ranks_that_had_joined() {
         e.contains("join mode") && e.contains("divide-active") && e.contains("divide-initial"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

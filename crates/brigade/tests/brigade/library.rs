@@ -4,7 +4,6 @@
 //! rank named.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -122,11 +121,8 @@ pub(crate) fn run(world: usize, cfg: &TrainConfig, rows: Rows) -> brigade::Resul
     )
 }
 
-pub(crate) fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("brigade-library-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+pub(crate) fn tmp(name: &str) -> crate::common::Scratch {
+    crate::common::tmp("library", name)
 }
 
 fn assert_close(a: &[f64], b: &[f64], what: &str) {

@@ -8,8 +8,6 @@
 //! bf16, `reduce_dtype` f32 reduces closer to the f32 run, every rank starts from rank 0's
 //! masters; combinations not built are refused in one line.
 
-use std::path::PathBuf;
-
 use crate::common::{self, resuming, writing};
 use brigade::config::TrainConfig;
 use brigade::launch::LaunchConfig;
@@ -60,7 +58,7 @@ fn last(r: &RunReport) -> f64 {
     *r.outcome.losses().last().unwrap()
 }
 
-fn tmp(name: &str) -> PathBuf {
+fn tmp(name: &str) -> common::Scratch {
     common::tmp("mixed", name)
 }
 

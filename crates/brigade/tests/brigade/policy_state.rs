@@ -6,7 +6,6 @@
 //! residual, and the same policy saying nothing and saving nothing has its checkpoint refused.
 
 use crate::common::{self, resuming, writing};
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use brigade::ddp::policy::{Group, PolicyBucket, Reduction};
@@ -43,7 +42,7 @@ fn run(cfg: &TrainConfig) -> brigade::Result<RunReport> {
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
+fn tmp(name: &str) -> common::Scratch {
     common::tmp("policy-state", name)
 }
 
@@ -78,7 +77,6 @@ fn powersgd_resumes_bit_exact_with_every_ranks_state_from_the_checkpoint() {
     let (straight_b, resumed_b) = (bytes(&straight), bytes(&resumed));
     assert_eq!(resumed_b, straight_b[5..], "compressed steps, no second agreement");
     assert!(straight_b[0] > straight_b[1], "{straight_b:?}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -104,7 +102,6 @@ fn a_checkpoint_resumes_only_under_the_policy_it_was_written_with() {
         .expect("another policy")
         .to_string();
     assert!(e.contains("'allreduce'") && e.contains(POWERSGD), "{e}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 fn int8_config(steps: usize, declared: bool) -> TrainConfig {
@@ -146,7 +143,6 @@ fn the_int8_example_resumes_bit_exact_with_its_error_feedback_from_the_checkpoin
         "losses, bit for bit"
     );
     assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -169,7 +165,6 @@ fn a_checkpoint_of_a_policy_that_neither_declares_nor_saves_its_state_is_refused
         "{e}"
     );
     assert!(!ckpt.exists(), "nothing written");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -192,7 +187,6 @@ fn a_periodic_checkpoint_holds_the_policy_state_its_step_starts_from() {
         "losses, bit for bit"
     );
     assert_eq!(values(&resumed), values(&straight), "parameters, bit for bit");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// The shipped int8 policy on an MLP whose buckets DDP regroups after the first step (the
@@ -258,7 +252,6 @@ fn int8_resumes_bit_exact_on_the_buckets_ddp_regrouped() {
             );
             assert_eq!(buckets(&resumed), buckets(&straight), "{world} ranks: the same buckets");
         }
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -291,6 +284,5 @@ fn topk_and_efsign_resume_bit_exact_with_their_residuals_on_the_buckets_ddp_regr
             );
             assert_eq!(values(&resumed), values(&straight), "{spec}: parameters, bit for bit");
         }
-        let _ = std::fs::remove_dir_all(&d);
     }
 }

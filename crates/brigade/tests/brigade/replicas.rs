@@ -7,7 +7,6 @@
 //! diverge in what no checkpoint keeps is refused before step 0 of a run that checkpoints.
 
 use crate::common::{self, resuming, writing};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -47,7 +46,7 @@ fn run(cfg: &TrainConfig, world: usize) -> brigade::Result<RunReport> {
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
+fn tmp(name: &str) -> common::Scratch {
     common::tmp("replicas", name)
 }
 
@@ -96,7 +95,6 @@ fn local_sgd_resumes_bit_exact_mid_period_and_at_a_sync_step_with_every_ranks_mo
                 "{world} ranks, resumed at {at}: parameters, bit for bit"
             );
         }
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -157,7 +155,6 @@ fn a_policy_that_diverges_in_what_no_checkpoint_keeps_is_refused_before_step_0_w
     assert!(e.contains("'local-sgd:4@2'") && e.contains("Replicas::Diverge"), "{e}");
     assert_eq!(steps.load(Ordering::Relaxed), 0, "refused before step 0");
     assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing written");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Each rank trains alone, never syncing: its ranks diverge from the first step, and it keeps
@@ -212,7 +209,6 @@ fn a_diverged_checkpoint_resumed_on_another_number_of_ranks_is_one_error_line() 
             "{e}"
         );
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -238,5 +234,4 @@ fn beside_bf16_parameters_each_rank_resumes_its_own_f32_master_weights() {
         values(&straight),
         "rank 0's master weights, bit for bit"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -157,8 +157,7 @@ fn two_ranks_equal_one_rank_on_the_same_global_batches() {
 
 #[test]
 fn a_resume_mid_epoch_lands_on_the_same_row_of_the_same_permutation() {
-    let dir = std::env::temp_dir().join(format!("brigade-sampled-resume-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::tmp("sampled", "resume");
     let ckpt = dir.join("run.ckpt");
     let order = DataOrder::shuffle(5, false);
     let straight_data = Recording::new();
@@ -218,7 +217,6 @@ fn a_resume_mid_epoch_lands_on_the_same_row_of_the_same_permutation() {
     assert!(e.contains("seed=5") && e.contains("seed=6"), "{e}");
     let e = run(1, &resume, &Recording::new()).err().expect("one rank").to_string();
     assert!(e.contains("world size"), "{e}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

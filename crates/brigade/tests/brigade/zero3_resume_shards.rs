@@ -99,7 +99,6 @@ fn a_zero_3_resume_by_shards_is_the_uninterrupted_run_bit_for_bit() {
     let resumed = resume(2, 2, config(4, "adamw", both), &half).unwrap();
     assert_eq!(resumed.outcome.losses(), straight.outcome.losses()[2..], "zero++");
     assert_eq!(bits(&resumed), bits(&straight), "zero++");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -128,7 +127,6 @@ fn a_zero_3_checkpoint_resumes_by_shards_on_another_world_size_as_plain_ddp_does
     let z3 = two_then_three(PolicySpec::Zero3);
     assert_eq!(z3.outcome.losses(), plain.outcome.losses());
     assert_eq!(bits(&z3), bits(&plain));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -174,7 +172,6 @@ fn a_zero_3_resume_builds_within_its_shards_and_peaks_no_higher_than_the_uninter
         m.peak,
         straight.peak
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -195,7 +192,6 @@ fn a_truncated_or_corrupt_checkpoint_is_one_error_line_under_zero_3() {
         assert_eq!(e.lines().count(), 1, "{e}");
         assert!(e.contains(&*bad.file_name().unwrap().to_string_lossy()), "{e}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -235,5 +231,4 @@ fn a_nan_in_one_rank_s_range_of_the_checkpoint_stops_every_rank_with_one_error_l
         eprintln!("{name}: {e}");
         bytes = std::fs::read(&path).unwrap();
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

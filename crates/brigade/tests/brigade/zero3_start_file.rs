@@ -101,7 +101,6 @@ fn zero_3_initialised_from_a_file_trains_as_plain_ddp_from_it_bit_for_bit() {
             assert_eq!(bits(&z3), bits(&plain), "world {world} {dtype}");
         }
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -128,7 +127,6 @@ fn zero_3_initialised_from_a_file_builds_within_its_shards() {
         "built at {} bytes > {bound} (psi {psi})",
         m.construction_peak
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -144,7 +142,6 @@ fn a_file_that_does_not_fit_the_model_is_one_error_under_zero_3() {
         e.contains("missing parameter") && e.contains("small.safetensors"),
         "{e}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -179,5 +176,4 @@ fn a_nan_in_one_ranks_range_of_the_file_stops_every_rank_at_once_with_its_reason
     assert!(e.contains("NaN") && e.contains("head.weight"), "{e}");
     assert!(!e.to_lowercase().contains("time"), "a rank waited for the timeout: {e}");
     assert_eq!(e.lines().count(), 1, "{e}");
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -98,7 +98,6 @@ fn per_rank_files_of_different_lengths_train_with_join() {
         &["--join", "throw", "--eval-every", "2", "--val-fraction", "0.2"],
     ]));
     assert!(e.contains("--val-fraction") && e.contains("--eval-data"), "{e}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// `rows` rows for the reference MLP (512 inputs, 10 classes), rank `rank`'s own.
@@ -208,7 +207,6 @@ fn three_reference_ranks_of_8_5_and_3_batches_train_as_the_replay_under_either_d
         std::fs::read(d.join("divide-active.safetensors")).unwrap(),
     );
     assert_ne!(a, b);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -232,7 +230,6 @@ fn per_rank_files_read_past_their_end_without_join_are_refused() {
     ok(&cat(&[&base, &["--steps", "2"]]));
     // a sampler's epochs are what --shuffle asks for
     ok(&cat(&[&base, &["--steps", "3", "--shuffle"]]));
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -260,5 +257,4 @@ fn the_shuffled_summary_names_each_rank_s_rows() {
         out.contains("data: shuffled, rows per epoch by rank: 40, 24; next (rank 0): epoch 0 row 16"),
         "{out}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -5,7 +5,7 @@
 use crate::common;
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -34,16 +34,9 @@ fn stderr(out: &Output) -> String {
 }
 
 /// A fresh directory for one test (tests of this binary run as threads of one process).
-fn tmp_dir(test: &str) -> PathBuf {
+fn tmp_dir(test: &str) -> common::Scratch {
     static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "brigade-lifecycle-{}-{}-{test}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::dir(&format!("lifecycle-{}-{test}", N.fetch_add(1, Ordering::SeqCst)))
 }
 
 fn s(p: &Path) -> &str {

@@ -28,10 +28,10 @@ fn text(out: &Output) -> String {
     )
 }
 
+/// `name` in a directory the tests here share (each its own names), removed at exit.
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-mpi-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| crate::common::shared_dir("mpi-test")).join(name)
 }
 
 fn losses(path: &Path) -> Vec<f64> {

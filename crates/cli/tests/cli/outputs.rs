@@ -722,9 +722,9 @@ fn a_data_path_that_is_not_a_regular_file_is_one_error_line_before_it_is_read() 
     // a directory, a device (`/dev/zero` would be read without end), a pipe (opening it for
     // reading would wait for a writer; a format is sniffed, then read again)
     for (flag, path, what) in [
-        ("--data", d.as_path(), "is a directory"),
+        ("--data", &*d, "is a directory"),
         ("--init", Path::new("/dev/zero"), "is not a regular file"),
-        ("--resume", d.as_path(), "is a directory"),
+        ("--resume", &*d, "is a directory"),
         ("--data", fifo.as_path(), "is not a regular file"),
     ] {
         let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", flag, s(path)]]));

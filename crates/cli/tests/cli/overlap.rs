@@ -62,14 +62,15 @@ fn the_sweeps_bucket_times_add_up_to_the_ring_model_of_the_gradient() {
     }
 }
 
-/// Trains 2 ranks on a 1 Gb/s, 20 us simulated link and writes the last step's profile.
-fn profile(tag: &str) -> (std::path::PathBuf, serde_json::Value) {
+/// Trains 2 ranks on a 1 Gb/s, 20 us simulated link and writes the last step's profile: its
+/// directory, its path and its contents.
+fn profile(tag: &str) -> (common::Scratch, std::path::PathBuf, serde_json::Value) {
     policy_profile(tag, &[])
 }
 
 #[test]
 fn a_profile_records_every_ranks_step_in_order() {
-    let (_, v) = profile("profile-shape");
+    let (_, _, v) = profile("profile-shape");
     assert_eq!(v["version"], 2);
     assert_eq!(v["world_size"], 2);
     // what the policy computed itself: inside reduce, and its buckets' time on the comm stream
@@ -236,7 +237,8 @@ fn predict_refuses_what_it_cannot_answer_in_one_line() {
         common::fails(&["predict", "--profile", "/nonexistent/p.json", "--measured-link"])
             .contains("/nonexistent/p.json")
     );
-    let junk = dir("predict-junk").join("junk.json");
+    let junk_dir = dir("predict-junk");
+    let junk = junk_dir.join("junk.json");
     std::fs::write(&junk, "{\"version\": 7}").unwrap();
     assert!(
         common::fails(&["predict", "--profile", junk.to_str().unwrap(), "--measured-link"])
@@ -252,7 +254,7 @@ fn predict_refuses_what_it_cannot_answer_in_one_line() {
 }
 
 /// [`profile`] under `policy` (its flags).
-fn policy_profile(tag: &str, policy: &[&str]) -> (std::path::PathBuf, serde_json::Value) {
+fn policy_profile(tag: &str, policy: &[&str]) -> (common::Scratch, std::path::PathBuf, serde_json::Value) {
     let d = dir(tag);
     let p = d.join("profile.json");
     let args = [
@@ -272,7 +274,7 @@ fn policy_profile(tag: &str, policy: &[&str]) -> (std::path::PathBuf, serde_json
     .concat();
     ok(&args);
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    (p, v)
+    (d, p, v)
 }
 
 #[test]
@@ -286,7 +288,7 @@ fn predict_replays_fp16_powersgd_zero1_and_int8_profiles_under_their_own_collect
         ("zero1", &["--zero", "1"][..]),
         ("int8", &["--policy", "int8"][..]),
     ] {
-        let (p, v) = policy_profile(&format!("predict-{}", spec.replace([':', '@'], "-")), flags);
+        let (_d, p, v) = policy_profile(&format!("predict-{}", spec.replace([':', '@'], "-")), flags);
         assert_eq!(v["policy"]["name"], spec, "the profile names its policy");
         let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&[
             "predict",
@@ -323,7 +325,7 @@ fn predict_replays_fp16_powersgd_zero1_and_int8_profiles_under_their_own_collect
 
 #[test]
 fn predict_refuses_a_user_policy_without_a_wire_model_in_one_line() {
-    let (p, mut v) = policy_profile("predict-user", &[]);
+    let (_d, p, mut v) = policy_profile("predict-user", &[]);
     // as a user's policy that declares no wire model records itself
     v["policy"] = serde_json::json!({ "name": "int8", "wire": null });
     std::fs::write(&p, serde_json::to_string(&v).unwrap()).unwrap();
@@ -333,7 +335,7 @@ fn predict_refuses_a_user_policy_without_a_wire_model_in_one_line() {
 
 #[test]
 fn a_zero3_profile_records_each_units_gathers_for_forward_and_backward() {
-    let (_, v) = policy_profile("profile-zero3", &["--zero", "3"]);
+    let (_, _, v) = policy_profile("profile-zero3", &["--zero", "3"]);
     assert_eq!(v["policy"]["name"], "zero3");
     for r in v["ranks"].as_array().unwrap() {
         let f = |k: &str| r[k].as_f64().unwrap();
@@ -378,7 +380,7 @@ fn a_zero3_profile_records_each_units_gathers_for_forward_and_backward() {
         }
     }
     // plain DDP records none
-    let (_, plain) = profile("profile-no-gathers");
+    let (_, _, plain) = profile("profile-no-gathers");
     assert!(plain["ranks"][0].get("gathers").is_none());
 }
 
@@ -507,7 +509,8 @@ fn a_version_1_profile_that_names_no_policy_replays_as_the_default_policy() {
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
     assert_eq!(v["version"], 1, "the fixture is a version 1 profile");
     v.as_object_mut().unwrap().remove("policy");
-    let p = dir("predict-v1-no-policy").join("profile.json");
+    let d = dir("predict-v1-no-policy");
+    let p = d.join("profile.json");
     std::fs::write(&p, serde_json::to_string(&v).unwrap()).unwrap();
     let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&[
         "predict",

@@ -9,7 +9,7 @@ use crate::common::{self, dir, ok, s};
 /// The small MLP on 2 ranks (1 thread each), 3 steps of 8 rows per rank, with `policy`'s
 /// flags; the last step's profile.
 fn record(tag: &str, policy: &[&str]) -> PathBuf {
-    let p = dir(tag).join("profile.json");
+    let p = common::shared_dir(tag).join("profile.json");
     let args = [
         &[
             "train",

@@ -18,7 +18,8 @@ const MLP: &[&str] = &[
 
 /// Losses of a 2-rank run with `extra` flags.
 fn losses(tag: &str, extra: &[&str]) -> Vec<f64> {
-    let path = dir(tag).join("losses.csv");
+    let d = dir(tag);
+    let path = d.join("losses.csv");
     let mut args = vec![
         "train",
         "--world-size",

@@ -143,7 +143,7 @@ fn the_text_summary_names_the_bytes_sent_per_rank() {
 }
 
 /// `brigade sweep --policy ... --json` with `extra` flags into a fresh directory.
-fn sweep_rows(tag: &str, policies: &str, extra: &[&str]) -> (Vec<Value>, std::path::PathBuf) {
+fn sweep_rows(tag: &str, policies: &str, extra: &[&str]) -> (Vec<Value>, common::Scratch) {
     let out = dir(tag);
     let mut args = vec![
         "sweep",

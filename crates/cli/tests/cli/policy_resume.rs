@@ -102,7 +102,6 @@ fn powersgd_stopped_by_sigint_resumes_exactly() {
         tensors(&ck2) == tensors(&ck3),
         "every tensor of the final checkpoints, bit for bit"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -138,7 +137,6 @@ fn a_resume_under_another_policy_is_one_error_line_naming_both() {
         &["--steps", "5", "--resume", s(&ck)],
     ]));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -183,7 +181,6 @@ fn int8_resumed_on_the_buckets_ddp_regrouped_is_the_straight_run() {
     resumed.extend(common::losses(&l2));
     assert_eq!(resumed.len(), 60);
     assert_eq!(resumed, common::losses(&straight), "losses, bit for bit");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -271,7 +268,6 @@ fn a_resume_under_the_autotuner_continues_its_checks_and_buckets_as_the_straight
         tensors(&ck_resumed) == tensors(&ck_straight),
         "every tensor, bit for bit"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -348,5 +344,4 @@ fn diloco_and_streaming_diloco_resume_exactly_at_a_sync_and_mid_period() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -306,7 +306,7 @@ fn a_bad_plot_path_is_one_error_line_before_training() {
     for (plot, says) in [
         (d.join("no-such-dir").join("p.svg"), "--plot"),
         (d.join("p.png"), "give a FILE.svg"),
-        (d.clone(), "--plot"),
+        (d.to_path_buf(), "--plot"),
     ] {
         let e = fails(&cat(&[
             BASE,

@@ -261,7 +261,8 @@ fn same_seed_same_losses_and_the_summary_json() {
 
 #[test]
 fn timeline_has_compute_and_comm_tracks_for_every_rank() {
-    let tl = dir("timeline").join("tl.json");
+    let d = dir("timeline");
+    let tl = d.join("tl.json");
     ok(&[
         &["train"],
         MLP,
@@ -381,7 +382,8 @@ fn bad_input_gets_one_clear_line() {
 
 #[test]
 fn sweep_writes_the_table_the_chart_and_a_timeline_per_bucket_size() {
-    let out = dir("sweep").join("out");
+    let d = dir("sweep");
+    let out = d.join("out");
     let model: Vec<&str> = MLP.iter().copied().filter(|a| *a != "--quiet").collect();
     let stdout = ok(&[
         &["sweep"],
@@ -465,7 +467,6 @@ fn a_step_checkpoint_path_keeps_each_checkpoint_or_the_newest_keep_last() {
         .concat(),
     );
     assert!(e.contains("--keep-last must be at least 1"), "{e}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]

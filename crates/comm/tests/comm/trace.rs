@@ -127,8 +127,7 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
     assert!((fwd0["dur"].as_f64().unwrap() - 2000.0).abs() < 1.0);
     assert!(evs.iter().any(|e| e["ph"] == "i" && e["pid"] == 1 && e["tid"] == 0));
 
-    let dir = std::env::temp_dir().join(format!("brigade-trace-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::Scratch::dir("trace-test");
     let path = dir.join("trace.json");
     recorder.write_chrome_trace(&path).unwrap();
     let text = std::fs::read_to_string(&path).unwrap();
@@ -140,7 +139,6 @@ fn chrome_trace_has_a_process_per_rank_and_two_tracks() {
         1,
         "temporary file left behind"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -18,10 +18,8 @@ fn regression() -> BatchSchema {
     ])
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-models-batch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+fn tmp(name: &str) -> crate::common::Scratch {
+    crate::common::Scratch::file(&format!("batch-{name}"))
 }
 
 #[test]

@@ -2,7 +2,6 @@
 //! corrupt and mismatched files, dtype conversion on load.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use brigade_models::{
     load_params, load_safetensors, load_safetensors_with_metadata, save_params, save_safetensors, Gpt, GptConfig, Mlp,
@@ -10,12 +9,11 @@ use brigade_models::{
 };
 use brigade_tensor::{DType, Rng, Tensor};
 
+use crate::common::Scratch;
+
 /// A fresh, empty directory for one test.
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("brigade-models-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmpdir(name: &str) -> Scratch {
+    Scratch::dir(name)
 }
 
 fn mlp() -> Mlp {
@@ -269,7 +267,8 @@ fn half_precision_state_dicts_are_converted_to_the_param_dtype() {
 
 /// Saves `tensors`, loads them into the reference-shaped small MLP, returns the error.
 fn mismatch(name: &str, tensors: Vec<(String, Tensor)>) -> String {
-    let path = tmpdir(name).join("m.safetensors");
+    let dir = tmpdir(name);
+    let path = dir.join("m.safetensors");
     save_safetensors(&path, &tensors, None).unwrap();
     let m = mlp();
     let before = m

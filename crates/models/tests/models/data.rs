@@ -56,10 +56,8 @@ fn teacher_labels_are_deterministic_and_use_every_class() {
     assert_eq!(t, again.to_vec::<i64>().unwrap());
 }
 
-fn file(name: &str, tensors: Vec<(&str, Tensor)>) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-models-data-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+fn file(name: &str, tensors: Vec<(&str, Tensor)>) -> crate::common::Scratch {
+    let path = crate::common::Scratch::file(&format!("data-{name}"));
     let tensors: Vec<(String, Tensor)> = tensors.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
     save_safetensors(&path, &tensors, None).unwrap();
     path

@@ -6,6 +6,7 @@ mod activation_checkpointing;
 mod attention;
 mod batch;
 mod checkpoint;
+mod common;
 mod data;
 mod deferred_init;
 mod eval;

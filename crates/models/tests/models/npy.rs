@@ -8,14 +8,14 @@ use brigade_models::{
 };
 use brigade_tensor::{DType, Tensor};
 
+use crate::common::Scratch;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-models-npy-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+fn tmp(name: &str) -> Scratch {
+    Scratch::file(&format!("npy-{name}"))
 }
 
 /// Little-endian bytes of every element: equal bytes mean a bit-exact round trip (NaN too).
@@ -103,9 +103,10 @@ fn bf16_has_no_numpy_dtype_and_names_must_be_unique() {
         matches!(e, ModelError::Npy { .. }) && e.to_string().contains("BF16 has no NumPy dtype"),
         "{e}"
     );
-    let e = save_npz(tmp("bf16.npz"), &[("w".into(), t)]).unwrap_err().to_string();
+    let npz = tmp("bf16.npz");
+    let e = save_npz(&npz, &[("w".into(), t)]).unwrap_err().to_string();
     assert!(e.contains("array 'w'") && e.contains("BF16"), "{e}");
-    assert!(!tmp("bf16.npz").exists(), "nothing written on error");
+    assert!(!npz.exists(), "nothing written on error");
     let x = Tensor::zeros(&[1], DType::F32);
     let e = save_npz(tmp("twice.npz"), &[("x".into(), x.clone()), ("x".into(), x)]).unwrap_err();
     assert!(e.to_string().contains("appears twice"), "{e}");

@@ -1,14 +1,12 @@
 //! Text in: a byte-level dataset from any UTF-8 file, with a validation split;
 //! one clear error line for an empty, too short or non-UTF-8 file.
 
-use std::path::PathBuf;
-
 use brigade_models::{Batch, Dataset, ModelError, Tokenizer, ValSplit};
 
-fn file(name: &str, bytes: &[u8]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("brigade-models-text-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+use crate::common::Scratch;
+
+fn file(name: &str, bytes: &[u8]) -> Scratch {
+    let path = Scratch::file(&format!("text-{name}"));
     std::fs::write(&path, bytes).unwrap();
     path
 }
@@ -74,7 +72,7 @@ fn the_last_fraction_is_the_validation_split_cut_at_a_character_boundary() {
 fn a_separate_validation_file() {
     let train = file("train.txt", "the cat sat on the mat. ".repeat(4).as_bytes());
     let val = file("val.txt", b"a dog ran in the fog.");
-    let data = Dataset::from_text_file(&train, 8, &ValSplit::File(val.clone()), Tokenizer::Bytes).unwrap();
+    let data = Dataset::from_text_file(&train, 8, &ValSplit::File(val.to_path_buf()), Tokenizer::Bytes).unwrap();
     assert_eq!(data.train.len(), (96 - 9) / 4 + 1, "all of the training file");
     let v = data.val.unwrap();
     assert_eq!(rows(&v)[0], b"a dog ran");
@@ -84,7 +82,8 @@ fn a_separate_validation_file() {
         "bad-val.txt",
         &[b'o', b'k', 0xC0, b'!', b' ', b' ', b' ', b' ', b' ', b' '],
     );
-    let e = one_line(Dataset::from_text_file(&train, 8, &ValSplit::File(bad), Tokenizer::Bytes).unwrap_err());
+    let e =
+        one_line(Dataset::from_text_file(&train, 8, &ValSplit::File(bad.to_path_buf()), Tokenizer::Bytes).unwrap_err());
     assert!(e.contains("bad-val.txt") && e.contains("byte offset 2"), "{e}");
 }
 

@@ -12,10 +12,8 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
-fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("brigade-models-tokens-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn dir(name: &str) -> crate::common::Scratch {
+    crate::common::Scratch::dir(&format!("tokens-{name}"))
 }
 
 fn one_line(e: ModelError) -> String {
@@ -79,8 +77,9 @@ fn gpt2_ids_match_gpt2s_own_encoder_over_its_encoder_json() {
 
 #[test]
 fn a_shard_brigade_writes_is_an_llmc_shard_and_reads_back_by_row() {
+    let scratch = dir("written");
     let ids: Vec<u16> = (0..1000u32).map(|i| ((i * 7919) % 50_257) as u16).collect();
-    let path = dir().join("written.bin");
+    let path = scratch.join("written.bin");
     write_llmc_shard(&path, &ids).unwrap();
     assert_eq!(read_llmc_to_spec(&path), ids);
     // rows of context + 1 every context tokens (llm.c's windows)
@@ -99,11 +98,12 @@ fn a_shard_brigade_writes_is_an_llmc_shard_and_reads_back_by_row() {
 
 #[test]
 fn several_shards_are_one_dataset_whose_rows_stay_within_a_file() {
-    let d0 = dir().join("glob_000.bin");
-    let d1 = dir().join("glob_001.bin");
+    let scratch = dir("glob");
+    let d0 = scratch.join("glob_000.bin");
+    let d1 = scratch.join("glob_001.bin");
     write_llmc_shard(&d0, &(0..40).collect::<Vec<u16>>()).unwrap();
     write_llmc_shard(&d1, &(100..125).collect::<Vec<u16>>()).unwrap();
-    let paths = brigade_models::tokens::expand_glob(&dir().join("glob_*.bin")).unwrap();
+    let paths = brigade_models::tokens::expand_glob(&scratch.join("glob_*.bin")).unwrap();
     assert_eq!(paths, vec![d0, d1]);
     let d = Dataset::from_token_files(&paths, None, BatchSchema::tokens(8, 256)).unwrap();
     // 40 tokens: rows at 0, 8, .., 31 (4 rows); 25: rows at 0, 8, 16 (3 rows)
@@ -116,13 +116,14 @@ fn several_shards_are_one_dataset_whose_rows_stay_within_a_file() {
     let v = d.rows(3..5).unwrap();
     assert_eq!(rows(&v), r[3..5].to_vec());
     assert_ne!(v.fingerprint(), d.fingerprint());
-    let e = one_line(brigade_models::tokens::expand_glob(&dir().join("none_*.bin")).unwrap_err());
+    let e = one_line(brigade_models::tokens::expand_glob(&scratch.join("none_*.bin")).unwrap_err());
     assert!(e.contains("matches no file"), "{e}");
 }
 
 #[test]
 fn nanogpts_raw_uint16_files_read_with_their_format() {
-    let path = dir().join("train.bin");
+    let scratch = dir("nanogpt");
+    let path = scratch.join("train.bin");
     let ids: Vec<u16> = (0..50).map(|i| 50_000 + i).collect();
     std::fs::write(&path, ids.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     let d = Dataset::from_token_files(
@@ -147,11 +148,12 @@ fn nanogpts_raw_uint16_files_read_with_their_format() {
 
 #[test]
 fn a_bad_header_is_one_line_naming_what_is_wrong() {
-    let good = dir().join("good.bin");
+    let scratch = dir("header");
+    let good = scratch.join("good.bin");
     write_llmc_shard(&good, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).unwrap();
     let bytes = std::fs::read(&good).unwrap();
     let open = |name: &str, b: &[u8]| {
-        let p = dir().join(name);
+        let p = scratch.join(name);
         std::fs::write(&p, b).unwrap();
         one_line(Dataset::from_token_files(&[p], None, BatchSchema::tokens(4, 256)).unwrap_err())
     };
@@ -165,7 +167,7 @@ fn a_bad_header_is_one_line_naming_what_is_wrong() {
     assert!(e.contains("header is 1024 bytes"), "{e}");
     let e = open("odd.bin", b"hello");
     assert!(e.contains("not an llm.c shard"), "{e}");
-    let odd = dir().join("odd.bin");
+    let odd = scratch.join("odd.bin");
     let e = one_line(
         Dataset::from_token_files(&[odd], Some(TokenFormat::NanoGpt), BatchSchema::tokens(1, 256)).unwrap_err(),
     );
@@ -176,9 +178,10 @@ fn a_bad_header_is_one_line_naming_what_is_wrong() {
 
 #[test]
 fn a_shards_fingerprint_samples_the_file_and_notices_other_tokens() {
+    let scratch = dir("print");
     // 300k tokens (600 KB): the fingerprint reads 34 windows of 4 KiB, not the file
     let ids: Vec<u16> = (0..300_000u32).map(|i| (i % 256) as u16).collect();
-    let path = dir().join("print.bin");
+    let path = scratch.join("print.bin");
     write_llmc_shard(&path, &ids).unwrap();
     let open = || Dataset::from_token_files(std::slice::from_ref(&path), None, BatchSchema::tokens(8, 256)).unwrap();
     let a = open().fingerprint().to_string();
@@ -199,8 +202,9 @@ fn a_shards_fingerprint_samples_the_file_and_notices_other_tokens() {
 
 #[test]
 fn a_text_file_becomes_gpt2_tokens_with_its_validation_split() {
+    let scratch = dir("text");
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(40);
-    let path = dir().join("fox.txt");
+    let path = scratch.join("fox.txt");
     std::fs::write(&path, &text).unwrap();
     let data = Dataset::from_text_file(&path, 8, &ValSplit::Fraction(0.1), Tokenizer::Gpt2).unwrap();
     let n = text.len();
@@ -216,7 +220,7 @@ fn a_text_file_becomes_gpt2_tokens_with_its_validation_split() {
     assert_eq!(val[1], val_ids[8..17]);
     data.train.check(&BatchSchema::tokens(8, GPT2_VOCAB)).unwrap();
     // 10 bytes of text are fewer tokens than a row
-    let short = dir().join("short.txt");
+    let short = scratch.join("short.txt");
     std::fs::write(&short, "aaaa bbbb cccc").unwrap();
     let e = one_line(Dataset::from_text_file(&short, 8, &ValSplit::None, Tokenizer::Gpt2).unwrap_err());
     assert!(e.contains("tokens cannot fill one row of context 8"), "{e}");

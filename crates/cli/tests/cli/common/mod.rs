@@ -1,10 +1,13 @@
 //! What every CLI test file needs: run the binary, expect success or one clean error line,
-//! and a fresh directory per test (tests of one binary run in parallel).
+//! and a fresh directory per test (tests of one binary run in parallel), removed after a
+//! passing test.
 
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use brigade_models::save_safetensors;
@@ -50,11 +53,85 @@ pub fn fails(args: &[&str]) -> String {
     err
 }
 
-/// A fresh, empty directory for the test `name` (its own: no two tests share a file).
-pub fn dir(name: &str) -> PathBuf {
+/// A fresh, empty directory for the test `name` (its own: no two tests share a file), removed
+/// when the test passes: bind it for the whole test, past the end of every `brigade` it runs.
+pub fn dir(name: &str) -> Scratch {
+    Scratch { path: fresh(name) }
+}
+
+/// `brigade-cli-{name}-{pid}` in the system temp dir, made empty.
+fn fresh(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("brigade-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A test's scratch directory: dropped while its test panics it stays, its path printed, so
+/// that what the failed test (and the `brigade` it ran) wrote can be read; otherwise it is
+/// removed.
+pub struct Scratch {
+    path: PathBuf,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept the failed test's files: {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Whether a thread of this test binary panicked (a test failed) since the first
+/// [`shared_dir`].
+static PANICKED: AtomicBool = AtomicBool::new(false);
+/// The directories [`shared_dir`] made, removed when the binary exits.
+static SHARED: Mutex<Vec<PathBuf>> = Mutex::new(vec![]);
+
+/// A fresh, empty directory `name` for inputs that several tests of this binary read (written
+/// once, kept in a static, which is never dropped): removed when the test binary exits, unless
+/// a test failed meanwhile; then it stays, its path printed.
+pub fn shared_dir(name: &str) -> PathBuf {
+    extern "C" {
+        fn atexit(f: extern "C" fn()) -> i32;
+    }
+    extern "C" fn remove_shared() {
+        for d in SHARED.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            if PANICKED.load(Ordering::SeqCst) {
+                eprintln!("kept the files the tests shared: {}", d.display());
+            } else {
+                let _ = std::fs::remove_dir_all(&d);
+            }
+        }
+    }
+    let d = fresh(name);
+    let mut dirs = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    if dirs.is_empty() {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICKED.store(true, Ordering::SeqCst);
+            report(info)
+        }));
+        // SAFETY: registers a function without arguments to run at exit (the tests have ended).
+        assert_eq!(unsafe { atexit(remove_shared) }, 0, "atexit");
+    }
+    dirs.push(d.clone());
     d
 }
 

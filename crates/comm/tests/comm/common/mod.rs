@@ -1,4 +1,5 @@
-//! Helpers shared by the comm tests: deterministic inputs and a serial reference.
+//! Helpers shared by the comm tests: deterministic inputs, a serial reference, a scratch
+//! directory.
 #![allow(dead_code)]
 
 use brigade_comm::{Buffer, DType, ReduceOp};
@@ -86,5 +87,46 @@ pub fn assert_same(got: &Buffer, want: &Buffer, what: &str) {
         let (g, w) = (to_f32(got), to_f32(want));
         let i = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()).unwrap();
         panic!("{what}: element {i} is {} but the reference says {}", g[i], w[i]);
+    }
+}
+
+/// A fresh, empty directory `brigade-{name}-{pid}` in the system temp dir: dropped while its
+/// test panics it stays, its path printed, so that what the failed test wrote can be read;
+/// otherwise it is removed. Bind it for as long as the test uses the path.
+pub struct Scratch {
+    path: std::path::PathBuf,
+}
+
+impl Scratch {
+    /// The directory `brigade-{name}-{pid}`, made empty.
+    pub fn dir(name: &str) -> Scratch {
+        let path = std::env::temp_dir().join(format!("brigade-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        Scratch { path }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept the failed test's files: {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
