@@ -5,11 +5,14 @@
 //! finish: a sleep alone ends late by the timer's slack and the wake-up.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{NetModel, RingOp};
+use crate::{CommError, NetModel, RingOp, Work};
+
+type SimJob = Box<dyn FnOnce() + Send>;
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
@@ -174,48 +177,92 @@ impl LinkClock {
     }
 }
 
-/// A simulated stream's link: the slot of each collective it issues (on [`SharedLink`] or on a
-/// rank's own link). The stream's comm thread, or the caller that runs a collective itself,
-/// holds the transport through the slot: it takes the collective up ([`Ticket::enter`]), moves
-/// the data, waits until the slot's finish, then completes the work, whose continuations run
-/// there, as on a stream without a link. A chained collective (PowerSGD's, issued by the
-/// previous one's continuation) is then taken up at once, with no hand-over between threads;
-/// and the next collective's transfer starts once this one has left the link, which a link
-/// that carries one collective at a time does anyway.
+/// A simulated stream's delay stage: each collective's work, completed by the transport, is
+/// completed again at its modelled finish on the link (the slot of [`SharedLink`] or of a
+/// rank's own link), by a helper thread that sleeps until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
+/// its timing. A blocking collective issued while nothing is in flight runs on the caller
+/// instead ([`LinkStage::hold`]), as on a stream without a link.
 pub(crate) struct LinkStage {
     model: NetModel,
     world: usize,
-    clock: Mutex<LinkClock>,
+    jobs: mpsc::Sender<SimJob>,
+    clock: Arc<Mutex<LinkClock>>,
+    /// Collectives handed to the helper thread and not yet completed.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Counts a collective in flight on the link until dropped (completed, or never sent).
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl LinkStage {
-    /// A stage on a link of this rank's own.
-    pub(crate) fn own(model: NetModel, world: usize) -> Self {
-        Self::with_clock(model, world, LinkClock::Own { free: Instant::now() })
+    /// A stage on a link of rank `rank`'s own.
+    pub(crate) fn own(model: NetModel, rank: usize, world: usize) -> Self {
+        Self::with_clock(model, rank, world, LinkClock::Own { free: Instant::now() })
     }
 
     /// A stage on `link`, shared by the `world` ranks of the group.
-    pub(crate) fn shared(link: &SharedLink, world: usize) -> Self {
+    pub(crate) fn shared(link: &SharedLink, rank: usize, world: usize) -> Self {
         let clock = LinkClock::Shared {
             link: link.clone(),
             next: 0,
             world,
         };
-        Self::with_clock(link.model, world, clock)
+        Self::with_clock(link.model, rank, world, clock)
     }
 
-    fn with_clock(model: NetModel, world: usize, clock: LinkClock) -> Self {
+    fn with_clock(model: NetModel, rank: usize, world: usize, clock: LinkClock) -> Self {
+        let (tx, rx) = mpsc::channel::<SimJob>();
+        thread::Builder::new()
+            .name(format!("sim-net-{rank}"))
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    job();
+                }
+            })
+            .expect("spawn simulated network thread");
         LinkStage {
             model,
             world,
-            clock: Mutex::new(clock),
+            jobs: tx,
+            clock: Arc::new(Mutex::new(clock)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         }
     }
 
-    /// A place on the link for the collective the caller issues now; whoever runs its transfer
-    /// calls [`Ticket::enter`] as it begins.
+    /// Whether no collective is in flight on the link (each has taken its slot and completed).
+    pub(crate) fn idle(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == 0
+    }
+
+    /// A place on the link for the collective the caller issues now; the comm thread that runs
+    /// its transfer calls [`Ticket::enter`] as it begins.
     pub(crate) fn ticket(&self) -> Ticket {
         lock(&self.clock).ticket()
+    }
+
+    /// The link's part of a blocking collective `kind` on `bytes` bytes, issued with `ticket`,
+    /// whose transfer the caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
+    /// as the helper thread would and returns at the slot's finish, on the caller's thread: no
+    /// helper thread wakes, and the caller wakes on its own at the modelled finish (a hand-over
+    /// from the helper costs a wake-up, which on shared cores is often longer than the link).
+    pub(crate) fn hold<T>(
+        &self,
+        ticket: Ticket,
+        kind: RingOp,
+        bytes: usize,
+        transferred: Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let value = transferred?;
+        let model_time = self.model.time(kind, bytes, self.world);
+        let (_, finish) = lock(&self.clock).slot(&ticket, Instant::now(), model_time);
+        sleep_until(finish);
+        Ok(value)
     }
 
     /// The link model.
@@ -223,11 +270,43 @@ impl LinkStage {
         self.model
     }
 
-    /// The start and finish on the link of collective `kind` on `bytes` bytes, issued with
-    /// `ticket`, whose transfer this rank finished just now.
-    pub(crate) fn slot(&self, ticket: &Ticket, kind: RingOp, bytes: usize) -> (Instant, Instant) {
+    /// `inner` (collective `kind` on `bytes` bytes, issued with `ticket`) completed at its
+    /// modelled finish.
+    pub(crate) fn delay<T: Send + 'static>(
+        &self,
+        ticket: Arc<Ticket>,
+        inner: Work<T>,
+        kind: RingOp,
+        bytes: usize,
+        timeout: Duration,
+    ) -> Work<T> {
         let model_time = self.model.time(kind, bytes, self.world);
-        lock(&self.clock).slot(ticket, Instant::now(), model_time)
+        let (outer, promise) = Work::pending(inner.rank(), inner.tag(), timeout);
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let counted = InFlight(self.in_flight.clone());
+        let clock = self.clock.clone();
+        let job: SimJob = Box::new(move || {
+            // The transport bounds its own waits, so this returns.
+            match inner.wait_timed_timeout(Duration::MAX) {
+                Ok((value, timing)) => {
+                    // A rank that came early waits for the late one, then for the link.
+                    let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
+                    promise.start_at(sim_start);
+                    sleep_until(sim_finish);
+                    // off the link before the waiter wakes: its next blocking collective may
+                    // take the link on its own thread
+                    drop(counted);
+                    promise.complete_at(Ok(value), sim_finish);
+                }
+                Err(err) => {
+                    drop(counted);
+                    promise.complete(Err(err))
+                }
+            }
+        });
+        // A send error drops the promise, completing `outer` with `CommError::Closed`.
+        let _ = self.jobs.send(job);
+        outer
     }
 }
 
@@ -242,7 +321,7 @@ fn lock(clock: &Mutex<LinkClock>) -> std::sync::MutexGuard<'_, LinkClock> {
     clock.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub(crate) fn sleep_until(t: Instant) {
+fn sleep_until(t: Instant) {
     loop {
         let now = Instant::now();
         if now + SPIN_TAIL >= t {

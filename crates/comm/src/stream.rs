@@ -14,8 +14,8 @@
 //! Two options of a stream, each written once and applied to every collective issued through
 //! it: tracing ([`CommStream::traced`]: the issue recorded on the caller's thread with its tag,
 //! the start and finish as they happen) and a simulated link ([`CommStream::simulated`],
-//! [`CommStream::on_link`]: whoever runs a collective, the worker or a waiting caller, holds
-//! the transport until its modelled finish, sleeping, then completes it). [`CommStream::plain`] is a handle on the same stream
+//! [`CommStream::on_link`]: a collective completes at its modelled finish, on a helper
+//! thread, while the stream goes on). [`CommStream::plain`] is a handle on the same stream
 //! without them, for control messages.
 
 use std::collections::VecDeque;
@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use crate::communicator::{pack_with_side, unpack_with_side};
 use crate::error::panic_message;
-use crate::sim::{sleep_until, LinkStage, SharedLink};
+use crate::sim::{LinkStage, SharedLink};
 use crate::trace::Tracing;
 use crate::{Buffer, CommError, Communicator, NetModel, Recorder, ReduceOp, RingOp, Work};
 
@@ -154,12 +154,12 @@ impl<T: Transport> CommStream<T> {
     /// This stream as slow as links of `model` (the ring model of [`crate::cost`]), on a link
     /// of this rank's own: each collective starts on the link once its transfer finished and
     /// the previous one left the link (`sim_start = max(finished, previous sim_finish)`) and
-    /// completes `model`'s time later, which its work reports as its timing. The thread that
-    /// runs it (the stream's worker, or a caller waiting for it) sleeps until then (yielding
-    /// the core for the last 100 us), so compute keeps the core. Ranks drift apart by
-    /// scheduling noise: [`CommStream::on_link`] shares one link among them.
+    /// completes `model`'s time later, which its work reports as its timing. A helper thread
+    /// sleeps until then (yielding the core for the last 100 us), so the caller's compute keeps
+    /// the core. Ranks drift apart by scheduling noise: [`CommStream::on_link`] shares one link
+    /// among them.
     pub fn simulated(mut self, model: NetModel) -> Self {
-        self.link = Some(Arc::new(LinkStage::own(model, self.world_size)));
+        self.link = Some(Arc::new(LinkStage::own(model, self.rank, self.world_size)));
         self
     }
 
@@ -167,7 +167,7 @@ impl<T: Transport> CommStream<T> {
     /// [`SharedLink`]): every rank of a collective gets the same start (when the last rank's
     /// comm thread took it up, the data's real transfer running inside the slot) and finish.
     pub fn on_link(mut self, link: &SharedLink) -> Self {
-        self.link = Some(Arc::new(LinkStage::shared(link, self.world_size)));
+        self.link = Some(Arc::new(LinkStage::shared(link, self.rank, self.world_size)));
         self
     }
 
@@ -216,14 +216,39 @@ impl<T: Transport> CommStream<T> {
         self.issue(RingOp::AllReduce, bytes, tag, all_reduce_op(buf, op))
     }
 
-    /// See [`Communicator::all_reduce_blocking`]: on an idle stream that is not traced or
-    /// simulated, run on the calling thread; otherwise issued and waited for (a caller that
-    /// waits for the next collective of an idle stream runs it itself, the link's time included).
+    /// See [`Communicator::all_reduce_blocking`]: on an idle stream that is not traced, run on
+    /// the calling thread (simulated: nothing in flight on the link, and the caller then waits
+    /// the link's time itself).
     pub fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        if let (None, Some(link)) = (&self.tracing, &self.link) {
+            // simulated and idle: the transfer on this thread, then the link's time
+            if link.idle() {
+                let bytes = buf.byte_len();
+                if let Some(mut transport) = self.take_if_idle() {
+                    let ticket = link.ticket();
+                    ticket.enter();
+                    let result = run_caught(all_reduce_op(buf, op), &mut transport, tag);
+                    hand_back(&self.shared, transport);
+                    return link.hold(ticket, RingOp::AllReduce, bytes, result);
+                }
+            }
+        }
         if self.tracing.is_some() || self.link.is_some() {
             return self.all_reduce(buf, op, tag).wait();
         }
         self.run_now(tag, all_reduce_op(buf, op))
+    }
+
+    /// The transport, taken from the stream if it is idle (nothing queued, nothing running),
+    /// for the caller to run one collective on and hand back.
+    fn take_if_idle(&self) -> Option<T> {
+        let mut core = self.shared.lock();
+        if !core.queue.is_empty() || core.transport.is_none() {
+            return None;
+        }
+        let transport = core.transport.take()?;
+        core.next += 1;
+        Some(transport)
     }
 
     /// See [`Communicator::broadcast`].
@@ -277,7 +302,16 @@ impl<T: Transport> CommStream<T> {
     ) -> Work<R> {
         let span = self.tracing.as_ref().map(|t| t.issue(self.rank, kind, tag, bytes));
         let work = match &self.link {
-            Some(link) => self.submit_on_link(link.clone(), kind, bytes, tag, op),
+            Some(link) => {
+                // the link's slot counts from the instant the comm thread takes the collective up
+                let ticket = Arc::new(link.ticket());
+                let entry = ticket.clone();
+                let work = self.submit(tag, move |t: &mut T, tag: &str| {
+                    entry.enter();
+                    op(t, tag)
+                });
+                link.delay(ticket, work, kind, bytes, self.timeout)
+            }
             None => self.submit(tag, op),
         };
         match (&self.tracing, span) {
@@ -294,43 +328,10 @@ impl<T: Transport> CommStream<T> {
     ) -> Work<R> {
         let (work, promise) = Work::pending(self.rank, tag, self.timeout);
         let tag = tag.to_string();
-        self.queue(work, move |transport: &mut T| {
+        let job: Job<T> = Box::new(move |transport: &mut T| {
             promise.start();
             promise.complete(run_caught(op, transport, &tag));
-        })
-    }
-
-    /// Queues collective `kind` on `bytes` bytes (`op`) on `link`: its slot on the link counts
-    /// from when the thread that runs it takes it up, and that thread holds the transport until
-    /// the slot's finish, then completes the work (see [`LinkStage`]).
-    fn submit_on_link<R: Send + 'static>(
-        &self,
-        link: Arc<LinkStage>,
-        kind: RingOp,
-        bytes: usize,
-        tag: &str,
-        op: impl FnOnce(&mut T, &str) -> Result<R, CommError> + Send + 'static,
-    ) -> Work<R> {
-        let (work, promise) = Work::pending(self.rank, tag, self.timeout);
-        let ticket = link.ticket();
-        let tag = tag.to_string();
-        self.queue(work, move |transport: &mut T| {
-            ticket.enter();
-            match run_caught(op, transport, &tag) {
-                Ok(value) => {
-                    let (start, finish) = link.slot(&ticket, kind, bytes);
-                    promise.start_at(start);
-                    sleep_until(finish);
-                    promise.complete_at(Ok(value), finish);
-                }
-                Err(err) => promise.complete(Err(err)),
-            }
-        })
-    }
-
-    /// Queues `job` (the collective of `work`) behind the stream's others.
-    fn queue<R: Send + 'static>(&self, work: Work<R>, job: impl FnOnce(&mut T) + Send + 'static) -> Work<R> {
-        let job: Job<T> = Box::new(job);
+        });
         let mut core = self.shared.lock();
         let seq = core.next;
         core.next += 1;

@@ -129,8 +129,8 @@ fn the_simulated_wait_does_not_burn_a_core() {
         let t = Instant::now();
         let compute0 = thread_cpu_time();
         let work = sim.all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum, "slow link");
-        // The stream's worker runs the collective and waits out the model time before it
-        // completes the work: the observer runs there and reads that thread's own CPU time.
+        // The simulated link completes the work on its own thread, the one that waits out the
+        // model time: the observer runs there and reads that thread's own CPU time.
         let seen: Arc<Mutex<Option<(String, Duration)>>> = Arc::default();
         let sink = seen.clone();
         work.observe(move |e| {
@@ -168,10 +168,11 @@ fn the_simulated_wait_does_not_burn_a_core() {
         );
         assert_eq!(
             thread,
-            &format!("comm-stream-{rank}"),
-            "the finish must be observed on the thread that held the link"
+            &format!("sim-net-{rank}"),
+            "the finish must be observed on the link's thread"
         );
-        // The worker's whole life (the collective, then the model's 400 ms) against the compute thread's CPU over the same wait. Both would be runnable
+        // The link thread's whole life (waiting for the inner collective, then the model's
+        // 400 ms) against the compute thread's CPU over the same wait. Both would be runnable
         // all along if the link spun, and the scheduler would give them similar shares of a
         // core, however loaded the machine; a sleeping link costs microseconds.
         assert!(
