@@ -36,7 +36,7 @@ pub use peak_parts::{MemoryPart, PeakParts};
 pub use phase::{bucket_of, Phase};
 pub use policy::{bucket_tag, KeepsState, RankState, ReducerPolicy, Replicas};
 pub use reducer::{assign_buckets, BucketGrouping, PassBucket, PassTimes};
-pub use signature::{broadcast_from_rank0, PARAMETER_BROADCAST_CAP_BYTES};
+pub use signature::{broadcast_from_rank0, PARAMETER_BROADCAST_MIN_PACK_BYTES};
 
 use brigade_comm::{CommMeter, Recorder};
 

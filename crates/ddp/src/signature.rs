@@ -88,16 +88,17 @@ pub fn broadcast_from_rank0(params: &[Var], comm: &dyn Communicator) -> Result<(
     broadcast_parameters(params, comm)
 }
 
-/// The most bytes one broadcast of DDP's construction carries ([`broadcast_from_rank0`],
+/// The fewest bytes one broadcast of DDP's construction may pack ([`broadcast_from_rank0`],
 /// [`crate::DistributedDataParallel::new`]): rank 0's parameters go in registration order,
-/// packed into flat buffers of up to this size (a parameter larger than it goes alone), so
-/// that a model of many small parameters pays a link's per-message latency a few times, not
-/// once per parameter (PyTorch's `_sync_module_states` packs up to 250 MB), while the host
-/// copy made beside the model stays within one default gradient bucket (25 MiB).
-pub const PARAMETER_BROADCAST_CAP_BYTES: usize = 25 << 20;
+/// packed into flat buffers of up to this size or the largest parameter's, whichever is larger
+/// (a parameter larger than the pack goes alone), so that a model of many small parameters pays
+/// a link's per-message latency a few times, not once per parameter (PyTorch's
+/// `_sync_module_states` packs up to 250 MB), while the host copy made beside the model stays
+/// within what broadcasting the largest parameter alone would take, or 1 MiB.
+pub const PARAMETER_BROADCAST_MIN_PACK_BYTES: usize = 1 << 20;
 
-/// Overwrites every rank's parameters with rank 0's (in flat broadcasts of up to
-/// [`PARAMETER_BROADCAST_CAP_BYTES`], in their one dtype, checked by [`check_f32`]), but for
+/// Overwrites every rank's parameters with rank 0's (in flat broadcasts packed as
+/// [`PARAMETER_BROADCAST_MIN_PACK_BYTES`] says, in their one dtype, checked by [`check_f32`]), but for
 /// those not drawn yet: they take rank 0's recipes ([`adopt_rank0_recipes`]).
 pub(crate) fn broadcast_parameters(params: &[Var], comm: &dyn Communicator) -> Result<()> {
     match params.first().map(|p| p.value().dtype()) {
@@ -131,7 +132,8 @@ fn broadcast_as<T: brigade_tensor::Element>(params: &[Var], comm: &dyn Communica
     // parameters not drawn yet get rank 0's recipes instead ([`adopt_rank0_recipes`])
     let drawn: Vec<&Var> = params.iter().filter(|p| p.deferred_init().is_none()).collect();
     let numels: Vec<usize> = drawn.iter().map(|p| p.value().numel()).collect();
-    let cap = (PARAMETER_BROADCAST_CAP_BYTES / std::mem::size_of::<T>()).max(1);
+    let floor = (PARAMETER_BROADCAST_MIN_PACK_BYTES / std::mem::size_of::<T>()).max(1);
+    let cap = numels.iter().copied().max().unwrap_or(0).max(floor);
     for (i, pack) in packs(&numels, cap).into_iter().enumerate() {
         let pack = &drawn[pack];
         let mut flat = Vec::with_capacity(pack.iter().map(|p| p.value().numel()).sum());

@@ -1,10 +1,10 @@
 //! What DDP's construction sends: the model check, and rank 0's parameters packed into few
-//! broadcasts of at most [`PARAMETER_BROADCAST_CAP_BYTES`] each.
+//! broadcasts, each at most [`PARAMETER_BROADCAST_MIN_PACK_BYTES`] or the largest parameter.
 
 use std::sync::Arc;
 
 use brigade_comm::{run_on_threads, Recorder};
-use brigade_ddp::{DdpConfig, DistributedDataParallel, PARAMETER_BROADCAST_CAP_BYTES};
+use brigade_ddp::{DdpConfig, DistributedDataParallel, PARAMETER_BROADCAST_MIN_PACK_BYTES};
 use brigade_tensor::set_compute_threads;
 
 use crate::common::{self, Mlp};
@@ -67,15 +67,17 @@ fn construction_sends_a_model_of_small_parameters_in_one_broadcast_after_the_mod
 }
 
 #[test]
-fn construction_broadcasts_pack_parameters_up_to_the_cap_and_a_larger_one_goes_alone() {
-    // 2,560 x 2,560 floats = 25 MiB exactly: a weight fills a broadcast by itself, and the
-    // broadcast before it holds the first layer's weight and bias, the one after it its bias
-    // and the last layer
-    let widths = [4, 2560, 2560, 2];
+fn construction_packs_up_to_the_largest_parameter_and_one_larger_than_the_floor_goes_alone() {
+    // the middle weight, 600 x 600 floats (1.37 MiB), is the largest parameter and above the
+    // 1 MiB floor: it is the pack's size and fills a broadcast by itself; the broadcast before
+    // it holds the first layer's weight and bias, the one after it its bias and the last layer
+    let widths = [4, 600, 600, 2];
     let (values, sent) = construct(&widths);
     assert_eq!(values[1], values[0], "every rank starts from rank 0's parameters");
     let numels: Vec<usize> = values[0].iter().map(Vec::len).collect();
-    assert_eq!(4 * numels[2], PARAMETER_BROADCAST_CAP_BYTES);
+    let largest = 4 * numels.iter().max().unwrap();
+    assert_eq!(largest, 4 * numels[2]);
+    assert!(largest > PARAMETER_BROADCAST_MIN_PACK_BYTES);
     let bytes = |r: std::ops::Range<usize>| 4 * numels[r].iter().sum::<usize>();
     for (rank, sent) in sent.iter().enumerate() {
         let broadcasts: Vec<usize> = sent
@@ -88,6 +90,27 @@ fn construction_broadcasts_pack_parameters_up_to_the_cap_and_a_larger_one_goes_a
             [bytes(0..2), bytes(2..3), bytes(3..6)],
             "rank {rank}: {sent:?}"
         );
-        assert!(broadcasts.iter().all(|&b| b <= PARAMETER_BROADCAST_CAP_BYTES));
+        // the host copy beside the model: never more than the largest parameter
+        assert!(broadcasts.iter().all(|&b| b <= largest));
+    }
+}
+
+#[test]
+fn construction_packs_small_parameters_up_to_the_floor() {
+    // 300 x 300 floats (352 KiB) weights: two layers fit the 1 MiB floor, the next two make a
+    // second pack
+    let widths = [300, 300, 300, 300, 300];
+    let (values, sent) = construct(&widths);
+    assert_eq!(values[1], values[0], "every rank starts from rank 0's parameters");
+    let numels: Vec<usize> = values[0].iter().map(Vec::len).collect();
+    for (rank, sent) in sent.iter().enumerate() {
+        let broadcasts: Vec<usize> = sent
+            .iter()
+            .filter(|(_, op, _)| op == "broadcast")
+            .map(|&(_, _, b)| b)
+            .collect();
+        assert_eq!(broadcasts.len(), 2, "rank {rank}: {sent:?}");
+        assert!(broadcasts.iter().all(|&b| b <= PARAMETER_BROADCAST_MIN_PACK_BYTES));
+        assert_eq!(broadcasts.iter().sum::<usize>(), 4 * numels.iter().sum::<usize>());
     }
 }
