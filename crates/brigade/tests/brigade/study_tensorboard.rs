@@ -49,7 +49,8 @@ fn records(bytes: &[u8]) -> usize {
 
 #[test]
 fn a_study_writes_one_event_file_per_policy_in_a_directory_named_by_its_spec() {
-    let dir = tmp("study-tensorboard", "written").join("tb");
+    let scratch = tmp("study-tensorboard", "written");
+    let dir = scratch.join("tb");
     let results = run(dir.clone());
     assert_eq!(results.len(), 2);
     for r in &results {
@@ -67,7 +68,8 @@ fn a_study_writes_one_event_file_per_policy_in_a_directory_named_by_its_spec() {
 
 #[test]
 fn a_tensorboard_directory_that_cannot_be_made_is_kept_per_policy_and_the_study_goes_on() {
-    let file = tmp("study-tensorboard", "under-a-file").join("taken");
+    let scratch = tmp("study-tensorboard", "under-a-file");
+    let file = scratch.join("taken");
     std::fs::write(&file, b"x").unwrap();
     let results = run(file.join("tb"));
     assert_eq!(results.len(), 2, "every policy still trains");
