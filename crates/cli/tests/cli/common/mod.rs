@@ -13,6 +13,10 @@ use std::time::{Duration, Instant};
 use brigade_models::save_safetensors;
 use brigade_tensor::{DType, Rng, Tensor};
 
+#[path = "../../../../test-support/scratch.rs"]
+mod scratch;
+pub use scratch::Scratch;
+
 /// The binary under test: this build's, or `$BRIGADE_BIN` (to run the suite against
 /// another build, e.g. to see a test fail without the fix it tests).
 pub fn bin() -> PathBuf {
@@ -56,46 +60,12 @@ pub fn fails(args: &[&str]) -> String {
 /// A fresh, empty directory for the test `name` (its own: no two tests share a file), removed
 /// when the test passes: bind it for the whole test, past the end of every `brigade` it runs.
 pub fn dir(name: &str) -> Scratch {
-    Scratch { path: fresh(name) }
+    Scratch::empty_dir(path_of(name))
 }
 
-/// `brigade-cli-{name}-{pid}` in the system temp dir, made empty.
-fn fresh(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("brigade-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// A test's scratch directory: dropped while its test panics it stays, its path printed, so
-/// that what the failed test (and the `brigade` it ran) wrote can be read; otherwise it is
-/// removed.
-pub struct Scratch {
-    path: PathBuf,
-}
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-
-    fn deref(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("kept the failed test's files: {}", self.path.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
+/// `brigade-cli-{name}-{pid}` in the system temp dir.
+fn path_of(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("brigade-cli-{name}-{}", std::process::id()))
 }
 
 /// Whether a thread of this test binary panicked (a test failed) since the first
@@ -120,7 +90,9 @@ pub fn shared_dir(name: &str) -> PathBuf {
             }
         }
     }
-    let d = fresh(name);
+    let d = path_of(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
     let mut dirs = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     if dirs.is_empty() {
         let report = std::panic::take_hook();

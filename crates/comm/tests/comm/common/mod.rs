@@ -5,6 +5,10 @@
 use brigade_comm::{Buffer, DType, ReduceOp};
 use half::{bf16, f16};
 
+#[path = "../../../../test-support/scratch.rs"]
+mod scratch;
+pub use scratch::Scratch;
+
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 pub const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
 
@@ -90,43 +94,9 @@ pub fn assert_same(got: &Buffer, want: &Buffer, what: &str) {
     }
 }
 
-/// A fresh, empty directory `brigade-{name}-{pid}` in the system temp dir: dropped while its
-/// test panics it stays, its path printed, so that what the failed test wrote can be read;
-/// otherwise it is removed. Bind it for as long as the test uses the path.
-pub struct Scratch {
-    path: std::path::PathBuf,
-}
-
 impl Scratch {
-    /// The directory `brigade-{name}-{pid}`, made empty.
+    /// The directory `brigade-{name}-{pid}` in the system temp dir, made empty.
     pub fn dir(name: &str) -> Scratch {
-        let path = std::env::temp_dir().join(format!("brigade-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        Scratch { path }
-    }
-}
-
-impl std::ops::Deref for Scratch {
-    type Target = std::path::Path;
-
-    fn deref(&self) -> &std::path::Path {
-        &self.path
-    }
-}
-
-impl AsRef<std::path::Path> for Scratch {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("kept the failed test's files: {}", self.path.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
+        Scratch::empty_dir(std::env::temp_dir().join(format!("brigade-{name}-{}", std::process::id())))
     }
 }
