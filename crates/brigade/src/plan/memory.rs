@@ -331,12 +331,12 @@ fn activation_values(q: &PeakQuery<'_>) -> Option<(u64, u64, u64)> {
 }
 
 /// [`PeakPrediction`] of `q` (`None`: more than 2^64 bytes): the higher of a steady step's
-/// peak ([`steady_peak`]) and the first step's moments that no later step repeats
-/// (the bucket rebuild of a regrouping policy, ZeRO-1's last bucket landing), the parts of
+/// peak ([`steady_peak`]) and the moments its parts do not describe (the first step's bucket
+/// rebuild of a regrouping policy, ZeRO-1's and ZeRO-2's last bucket landing), the parts of
 /// the higher one.
 pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let steady = steady_peak(q)?;
-    Some(match first_step_peak(q, &steady)? {
+    Some(match landing_peak(q, &steady)? {
         Some(first) if first.total() > steady.total() => first,
         _ => steady,
     })
@@ -354,9 +354,10 @@ pub fn predict_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
 /// of one bucket shows none) and its reduce-scatter's shard, with backward's working set (no
 /// checkpointed block recomputed): the first step's (no optimizer state yet), and in every
 /// later step the bucket lands after backward's working set is gone, beside the optimizer's
-/// state. ZeRO-2 lands each bucket into its shard and frees the buffer, with no second one
-/// beside it: a steady step describes it.
-fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<PeakPrediction>> {
+/// state. ZeRO-2 lands each bucket into its shard with no second buffer beside it; its last
+/// bucket's shard is made after backward's working set is gone: every full gradient and the
+/// whole shard, without backward's working set.
+fn landing_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<PeakPrediction>> {
     let n = q.world.max(1) as u64;
     let full_grads = mul(exact_parameters(q.kind)?, F32)?;
     if q.policy.shards_params() {
@@ -373,11 +374,17 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
     let Some(bucket) = last_bucket(q.kind)? else {
         return Some(None);
     };
-    if q.policy.shards_grads() {
-        // ZeRO-2 lands each bucket into its shard without a second buffer: a steady step
-        return Some(None);
-    }
     let (_, backward, _) = activation_values(q)?;
+    if q.policy.shards_grads() {
+        // ZeRO-2 lands each bucket into its shard without a second buffer; the last bucket's
+        // shard is made after backward's working set is gone
+        let landed = PeakPrediction {
+            gradients: sum([Some(full_grads), Some(full_grads.div_ceil(n))])?,
+            backward: 0,
+            ..*steady
+        };
+        return Some((landed.total() > steady.total()).then_some(landed));
+    }
     let landing = PeakPrediction {
         gradients: sum([Some(full_grads), Some(bucket), Some(bucket.div_ceil(n))])?,
         backward: mul(backward, F32)?,
@@ -396,8 +403,8 @@ fn first_step_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<
 /// the gradients are the shard and two units' full gradients (the unit being filled and the one
 /// whose reduce-scatter is in flight: each is freed as it lands), at the unit of backward where
 /// the four add up to the most.
-/// Under ZeRO-2 the full gradients of backward beside the shard (its buckets, of the default
-/// caps, hold most of a model of this size).
+/// Under ZeRO-2 the full gradients of backward beside the shards of every bucket but the last,
+/// which lands after backward ([`landing_peak`]'s moment; a model of one bucket has none).
 pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;
@@ -417,7 +424,10 @@ pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
         sum([Some(full_grads.div_ceil(n)), mul(grads_in_flight, F32)])?
             .min(sum([Some(full_grads), Some(full_grads.div_ceil(n))])?)
     } else if sharded(q.policy.shards_grads()) {
-        sum([Some(full_grads), Some(full_grads.div_ceil(n))])?
+        // backward's working set is alive while every bucket but the last lands into its
+        // shard (the last lands after it: `landing_peak`'s moment)
+        let last = last_bucket(q.kind)?.unwrap_or(full_grads);
+        sum([Some(full_grads), Some((full_grads - last.min(full_grads)).div_ceil(n))])?
     } else {
         full_grads
     };
@@ -468,9 +478,19 @@ mod tests {
             checkpoint_every: 0,
         };
         let p = steady_peak(&q).unwrap();
-        // ZeRO-2 on 4 ranks: the full gradients of backward and a quarter shard, a quarter of
-        // AdamW's two moments
-        assert_eq!((p.gradients, p.optimizer_state), (3_468_288 + 867_072, 3_468_288 / 2));
+        // ZeRO-2 on 4 ranks: in backward, the full gradients and a quarter shard of every bucket
+        // but the last (the default caps' first, past 1 MiB: the head, ln_f, the last block and
+        // the third block's second feed-forward bias and weight), a quarter of AdamW's two
+        // moments
+        let last = 3_468_288 - (32_768 + 256 + 198_272 + 128 + 65_536) * 4;
+        assert_eq!(last_bucket(&small), Some(Some(last)));
+        assert_eq!(
+            (p.gradients, p.optimizer_state),
+            (3_468_288 + (3_468_288 - last) / 4, 3_468_288 / 2)
+        );
+        // the last bucket lands into the whole shard after backward's working set is gone,
+        // which held more
+        assert_eq!(predict_peak(&q), Some(p));
         let one = steady_peak(&PeakQuery { world: 1, ..q }).unwrap();
         assert_eq!(
             (one.gradients, one.optimizer_state),
@@ -581,6 +601,28 @@ mod tests {
         let (steady, first) = at(&PolicySpec::Zero1, 2);
         assert_eq!(first.gradients, g + bucket + bucket / 2);
         assert!(first.total() > steady.total());
+        // ZeRO-2 on 2 ranks, a last bucket of four 1024 x 1024 layers and the first: in
+        // backward the shard of the first bucket (the head and one 1024 x 1024 layer); the
+        // last bucket's half shard, made after backward's working set is gone, is more
+        let deep = ModelKind::Mlp(brigade_models::MlpConfig {
+            widths: vec![64, 1024, 1024, 1024, 1024, 1024, 1024, 10],
+            ..brigade_models::MlpConfig::default()
+        });
+        let deep_g = exact_parameters(&deep).unwrap() * 4;
+        let last = (4 * (1024 * 1024 + 1024) + 64 * 1024 + 1024) * 4;
+        assert_eq!(last_bucket(&deep), Some(Some(last)));
+        let q = PeakQuery {
+            kind: &deep,
+            rows: 64,
+            state_per_param: 2,
+            policy: &PolicySpec::Zero2,
+            world: 2,
+            checkpoint_every: 0,
+        };
+        let (steady, landed) = (steady_peak(&q).unwrap(), predict_peak(&q).unwrap());
+        assert_eq!(steady.gradients, deep_g + (deep_g - last) / 2);
+        assert_eq!((landed.gradients, landed.backward), (deep_g + deep_g / 2, 0));
+        assert!(landed.total() > steady.total());
         // a model of one bucket: ZeRO-1's steady step
         let one = ModelKind::Mlp(brigade_models::MlpConfig {
             widths: vec![16, 32, 32, 4],
