@@ -31,6 +31,9 @@ mod plan_auto;
 mod policy;
 mod report;
 mod run;
+#[cfg(test)] // a test's path in the system temp dir, removed when it passes
+#[path = "../../test-support/scratch.rs"]
+mod scratch;
 mod sent;
 mod signal;
 mod tensorboard;
