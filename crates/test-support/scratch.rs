@@ -1,6 +1,6 @@
 //! A test's scratch path in the system temp dir, one type for every test crate of the
-//! workspace (each includes this file: `#[path = ".../crates/test-support/scratch.rs"] mod
-//! scratch;`). Dropped while its test panics it stays, its path printed, so that what the
+//! workspace and for the unit tests of the crates that have any (each includes this file:
+//! `#[path = ".../crates/test-support/scratch.rs"] mod scratch;`). Dropped while its test panics it stays, its path printed, so that what the
 //! failed test (and any process it ran) wrote can be read; otherwise it is removed. Bind it for
 //! as long as the test uses the path.
 
@@ -21,6 +21,13 @@ impl Scratch {
 
     /// `path`, a file not there yet.
     pub fn absent_file(path: PathBuf) -> Scratch {
+        let _ = std::fs::remove_file(&path);
+        Scratch { path }
+    }
+
+    /// `path`, nothing there yet: a file or a directory the test makes.
+    pub fn absent(path: PathBuf) -> Scratch {
+        let _ = std::fs::remove_dir_all(&path);
         let _ = std::fs::remove_file(&path);
         Scratch { path }
     }

@@ -388,22 +388,6 @@ mod tests {
     use super::{InitDraw, ParamInit};
     use brigade_tensor::{DType, Rng};
 
-    /// A path in the system temp dir (a file or a directory) that a passing test removes; a
-    /// failing one keeps it, its path printed, so that what the test wrote can be read.
-    struct Scratch(std::path::PathBuf);
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                eprintln!("kept the failed test's files: {}", self.0.display());
-            } else if self.0.is_dir() {
-                let _ = std::fs::remove_dir_all(&self.0);
-            } else {
-                let _ = std::fs::remove_file(&self.0);
-            }
-        }
-    }
-
     #[test]
     fn a_recipe_reads_back_from_its_line() {
         let rng = Rng::new(9);
@@ -454,7 +438,7 @@ mod tests {
         let state = opt.state_dict().unwrap();
         // every entry's bytes, one after another, in a file: f64 `step`, f32 moments
         let path = std::env::temp_dir().join(format!("brigade-state-in-file-{}.bin", std::process::id()));
-        let _scratch = Scratch(path.clone());
+        let _scratch = crate::scratch::Scratch::absent(path.clone());
         let (mut bytes, mut entries) = (vec![], vec![]);
         for (name, t) in &state {
             let dtype = t.dtype();
@@ -497,7 +481,7 @@ mod tests {
     #[test]
     fn a_stored_recipe_reads_its_range_of_the_file_and_refuses_a_nan() {
         let path = std::env::temp_dir().join(format!("brigade-stored-{}.bin", std::process::id()));
-        let _scratch = Scratch(path.clone());
+        let _scratch = crate::scratch::Scratch::absent(path.clone());
         let values = [1.5f32, -2.0, 0.25, 8.0, f32::NAN];
         let mut bytes = vec![7u8; 5]; // bytes before the tensor
         bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));

@@ -26,6 +26,9 @@ mod params;
 pub mod profile;
 pub mod scaler;
 pub mod schedule;
+#[cfg(test)] // a test's path in the system temp dir, removed when it passes
+#[path = "../../test-support/scratch.rs"]
+mod scratch;
 mod var;
 
 pub use backward::{GradBus, GradReady, GradSubscriber, SubscriberError};

@@ -62,6 +62,9 @@ pub mod plan;
 pub mod policy;
 pub mod recipe;
 pub mod resume;
+#[cfg(test)] // a test's path in the system temp dir, removed when it passes
+#[path = "../../test-support/scratch.rs"]
+mod scratch;
 pub mod source;
 pub mod study;
 pub mod tensorboard;

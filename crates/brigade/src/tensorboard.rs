@@ -399,22 +399,6 @@ impl TrainObserver for TensorBoard {
 mod tests {
     use super::*;
 
-    /// A path in the system temp dir (a file or a directory) that a passing test removes; a
-    /// failing one keeps it, its path printed, so that what the test wrote can be read.
-    struct Scratch(std::path::PathBuf);
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                eprintln!("kept the failed test's files: {}", self.0.display());
-            } else if self.0.is_dir() {
-                let _ = std::fs::remove_dir_all(&self.0);
-            } else {
-                let _ = std::fs::remove_file(&self.0);
-            }
-        }
-    }
-
     #[test]
     fn crc32c_matches_the_published_check_values() {
         // the CRC catalogue's check value for CRC-32C, and RFC 3720's (iSCSI) B.4 vectors
@@ -498,8 +482,7 @@ mod tests {
     #[test]
     fn a_writer_appends_records_that_read_back_in_order() {
         let dir = std::env::temp_dir().join(format!("brigade-tensorboard-unit-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let _scratch = Scratch(dir.clone());
+        let _scratch = crate::scratch::Scratch::absent(dir.clone());
         let mut w = EventWriter::create(&dir.join("run")).unwrap();
         w.add_scalars(3, &[(LOSS, 0.5)]).unwrap();
         let name = w.path().file_name().unwrap().to_string_lossy().into_owned();
@@ -538,7 +521,7 @@ mod tests {
     fn a_failed_write_is_kept_once_and_ends_the_writing() {
         // a directory that cannot be made: under a file
         let file = std::env::temp_dir().join(format!("brigade-tensorboard-file-{}", std::process::id()));
-        let _scratch = Scratch(file.clone());
+        let _scratch = crate::scratch::Scratch::absent(file.clone());
         std::fs::write(&file, b"x").unwrap();
         let tb = TensorBoard::new(file.join("run"));
         tb.add_scalars(0, &[(LOSS, 1.0)]);

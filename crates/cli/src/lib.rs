@@ -31,6 +31,9 @@ mod plan_auto;
 mod policy;
 mod report;
 mod run;
+#[cfg(test)] // a test's path in the system temp dir, removed when it passes
+#[path = "../../test-support/scratch.rs"]
+mod scratch;
 mod sent;
 mod signal;
 mod tensorboard;
@@ -105,8 +108,41 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
+    let args = negative_values_attached(args.into_iter().map(Into::into).collect());
     let matches = policy::listed_in_help(flag_rules(Cli::command())).try_get_matches_from(args)?;
     Cli::from_arg_matches(&matches)
+}
+
+/// `args` with a value that starts with a negative number (`-1,0.5`, `-1e-3`) joined to the
+/// long flag before it (`--target-loss=-1,0.5`): clap reads a plain negative number as the
+/// flag's value ([`flag_rules`]), but a list or an exponent with a sign as short flags;
+/// joined, the flag's parser names the flag and what it takes. A flag's name is never taken
+/// as a value, and nothing after `--` is touched.
+fn negative_values_attached(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let negative_list = |a: &str| {
+        let rest = a.strip_prefix('-').unwrap_or_default();
+        rest.starts_with(|c: char| c.is_ascii_digit() || c == '.')
+    };
+    let mut out: Vec<std::ffi::OsString> = Vec::with_capacity(args.len());
+    let mut escaped = false;
+    for a in args {
+        let text = a.to_str().unwrap_or_default();
+        let flag = out
+            .last()
+            .and_then(|f| f.to_str())
+            .filter(|f| f.starts_with("--") && f.len() > 2 && !f.contains('='));
+        match flag {
+            Some(f) if !escaped && negative_list(text) => {
+                let joined = format!("{f}={text}");
+                *out.last_mut().expect("a flag before") = joined.into();
+            }
+            _ => {
+                escaped |= text == "--";
+                out.push(a);
+            }
+        }
+    }
+    out
 }
 
 /// A usage error in one line, like every other error: clap's first line (it adds a usage

@@ -407,33 +407,11 @@ impl OutputLocks {
 mod tests {
     use super::*;
 
-    /// A fresh, empty directory in the system temp dir that a passing test removes; a failing
-    /// one keeps it, its path printed, so that what the test wrote can be read.
-    struct Scratch(PathBuf);
+    use crate::scratch::Scratch;
 
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                eprintln!("kept the failed test's files: {}", self.0.display());
-            } else {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
-    }
-
-    impl std::ops::Deref for Scratch {
-        type Target = Path;
-
-        fn deref(&self) -> &Path {
-            &self.0
-        }
-    }
-
+    /// A fresh, empty directory in the system temp dir that a passing test removes.
     fn dir(name: &str) -> Scratch {
-        let d = std::env::temp_dir().join(format!("brigade-outputs-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
+        Scratch::empty_dir(std::env::temp_dir().join(format!("brigade-outputs-{name}-{}", std::process::id())))
     }
 
     #[test]

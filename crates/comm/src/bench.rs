@@ -28,18 +28,32 @@ pub struct CommBenchConfig {
     pub sizes: Vec<usize>,
     /// Timed iterations per size; `None` picks `clamp(512 MiB / size, 5, 1000)`.
     pub iters: Option<usize>,
-    /// Bytes copied by the memcpy yardstick.
+    /// Bytes copied by the memcpy yardstick (it allocates twice this).
     pub memcpy_bytes: usize,
 }
 
-impl Default for CommBenchConfig {
-    fn default() -> Self {
+/// The largest memcpy yardstick, in bytes.
+pub const MAX_MEMCPY_BYTES: usize = 256 << 20;
+
+impl CommBenchConfig {
+    /// All-reduces of `sizes` on `world_size` ranks, `iters` each (`None`: the default), the
+    /// memcpy yardstick copying as many bytes as the largest size (at most
+    /// [`MAX_MEMCPY_BYTES`]): a run of small sizes allocates no large buffers.
+    pub fn new(world_size: usize, sizes: Vec<usize>, iters: Option<usize>) -> Self {
+        let memcpy_bytes = sizes.iter().copied().max().unwrap_or(0).min(MAX_MEMCPY_BYTES);
         CommBenchConfig {
-            world_size: 2,
-            sizes: default_sizes(),
-            iters: None,
-            memcpy_bytes: 256 << 20,
+            world_size,
+            sizes,
+            iters,
+            memcpy_bytes,
         }
+    }
+}
+
+impl Default for CommBenchConfig {
+    /// [`default_sizes`] on 2 ranks.
+    fn default() -> Self {
+        CommBenchConfig::new(2, default_sizes(), None)
     }
 }
 

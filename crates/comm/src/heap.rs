@@ -489,22 +489,6 @@ mod sys {
 pub(crate) mod tests {
     use super::*;
 
-    /// A path in the system temp dir (a file or a directory) that a passing test removes; a
-    /// failing one keeps it, its path printed, so that what the test wrote can be read.
-    struct Scratch(std::path::PathBuf);
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                eprintln!("kept the failed test's files: {}", self.0.display());
-            } else if self.0.is_dir() {
-                let _ = std::fs::remove_dir_all(&self.0);
-            } else {
-                let _ = std::fs::remove_file(&self.0);
-            }
-        }
-    }
-
     fn made() -> &'static Heap {
         heap_or_make().expect("the comm tests install SharedHeap; the heap is made")
     }
@@ -620,7 +604,7 @@ pub(crate) mod tests {
         assert!(err.contains("is not that process's heap"), "{err}");
         // A file of ours under that pid and fd: never opened for writing.
         let path = std::env::temp_dir().join(format!("brigade-heap-test-{}", std::process::id()));
-        let _scratch = Scratch(path.clone());
+        let _scratch = crate::scratch::Scratch::absent(path.clone());
         std::fs::write(&path, [7u8; 64]).unwrap();
         let file = std::fs::File::open(&path).unwrap();
         let err = map_peer(Exposure {

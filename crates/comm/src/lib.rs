@@ -33,7 +33,6 @@ pub mod cost;
 mod device;
 mod error;
 // Its peer mapping is used by the MPI backend only.
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod heap;
 mod kernels;
 mod meter;
@@ -41,6 +40,10 @@ mod meter;
 mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+#[cfg(test)] // a test's path in the system temp dir, removed when it passes
+#[path = "../../test-support/scratch.rs"]
+mod scratch;
 // Used by the MPI backend (and by its own tests, threads standing in for processes).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
 mod shm;

@@ -33,11 +33,34 @@ pub struct TextData {
 pub const MAX_TEXT_BYTES: u64 = 1 << 30;
 
 /// The bytes of `path`, which must be non-empty UTF-8 text of at least `min_bytes` bytes and
-/// at most [`MAX_TEXT_BYTES`].
+/// at most [`MAX_TEXT_BYTES`]: a device (`/dev/zero`), a directory or a larger file is refused
+/// before it is read; a pipe is read up to the bound.
 fn read_utf8(path: &Path, min_bytes: usize, context: usize) -> Result<Vec<u8>> {
     use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
     let source = path.display().to_string();
     let cannot = |e: std::io::Error| ModelError::io(path, format!("cannot read: {e}"));
+    let kind = std::fs::metadata(path).map_err(cannot)?;
+    if !(kind.is_file() || kind.file_type().is_fifo()) {
+        let what = if kind.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a device or a socket)"
+        };
+        return Err(ModelError::data(
+            &source,
+            format!("it is {what}; give the path of a UTF-8 text file"),
+        ));
+    }
+    if kind.len() > MAX_TEXT_BYTES {
+        return Err(ModelError::data(
+            &source,
+            format!(
+                "it is {} bytes, more than {MAX_TEXT_BYTES} bytes (1 GiB), the most a text file may hold (it is read whole into memory); give a smaller file",
+                kind.len()
+            ),
+        ));
+    }
     let mut bytes = vec![];
     std::fs::File::open(path)
         .and_then(|f| f.take(MAX_TEXT_BYTES + 1).read_to_end(&mut bytes))

@@ -32,6 +32,9 @@ mod memory_meter;
 mod ops;
 mod rng;
 mod scope;
+#[cfg(all(test, feature = "cuda"))] // a test's path in the system temp dir, removed when it passes
+#[path = "../../test-support/scratch.rs"]
+mod scratch;
 mod storage;
 mod stream;
 mod tensor;

@@ -404,7 +404,7 @@ fn landing_peak(q: &PeakQuery<'_>, steady: &PeakPrediction) -> Option<Option<Pea
 /// whose reduce-scatter is in flight: each is freed as it lands), at the unit of backward where
 /// the four add up to the most.
 /// Under ZeRO-2 the full gradients of backward beside the shards of every bucket but the last,
-/// which lands after backward ([`landing_peak`]'s moment; a model of one bucket has none).
+/// which lands after backward (`landing_peak`'s moment; a model of one bucket has none).
 pub fn steady_peak(q: &PeakQuery<'_>) -> Option<PeakPrediction> {
     let psi = exact_parameters(q.kind)?;
     let n = q.world.max(1) as u64;

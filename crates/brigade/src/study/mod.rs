@@ -151,7 +151,7 @@ pub struct PolicyStudy {
 /// model (`model(ctx)`) and seed, profiling its steps after `sc.warmup`, and predicts each on
 /// `sc`'s links and worlds, writing each run's TensorBoard events where `sc` says (a write
 /// that fails is kept in [`PolicyStudy::tensorboard_failure`], and the study goes on). The
-/// first error (a bad spec, a run that fails) ends the study.
+/// first error (a bad spec, a policy listed twice, a run that fails) ends the study.
 pub fn study<D: DataSource>(
     launch: &LaunchConfig,
     cfg: &TrainConfig,
@@ -166,6 +166,17 @@ pub fn study<D: DataSource>(
         .iter()
         .map(|p| registry.parse(p).map_err(Error::from))
         .collect::<Result<Vec<_>>>()?;
+    // one policy twice would be one run twice, its TensorBoard events in one directory
+    let names: Vec<String> = specs.iter().map(ToString::to_string).collect();
+    if let Some(again) = (1..names.len()).find(|&i| names[..i].contains(&names[i])) {
+        let first = names.iter().position(|n| *n == names[again]).unwrap_or(0);
+        return Err(Error::Config(format!(
+            "a study lists the policy {} twice (entries {} and {}): each policy is one run",
+            names[again],
+            first + 1,
+            again + 1
+        )));
+    }
     let mut out = vec![];
     for spec in specs {
         let mut run = cfg.clone();

@@ -12,6 +12,11 @@ use crate::common::tmp;
 /// A study of `allreduce` and `fp16` over 4 steps of a small MLP on 2 thread ranks, writing
 /// its events in `tensorboard`.
 fn run(tensorboard: std::path::PathBuf) -> Vec<PolicyStudy> {
+    run_of(&["allreduce", "fp16"], tensorboard).unwrap()
+}
+
+/// A study of `policies` as [`run`]'s.
+fn run_of(policies: &[&str], tensorboard: std::path::PathBuf) -> brigade::Result<Vec<PolicyStudy>> {
     let sgd = OptimizerConfig::Sgd {
         lr: 0.05,
         momentum: 0.0,
@@ -21,7 +26,7 @@ fn run(tensorboard: std::path::PathBuf) -> Vec<PolicyStudy> {
         tensorboard: Some(tensorboard),
         ..StudyConfig::new(vec![net_model(1.0, 20.0)], vec![0.5])
     };
-    let policies = ["allreduce".to_string(), "fp16".to_string()];
+    let policies: Vec<String> = policies.iter().map(|p| p.to_string()).collect();
     study(
         &LaunchConfig::threads(2),
         &TrainConfig::new(4, 16, sgd),
@@ -31,7 +36,6 @@ fn run(tensorboard: std::path::PathBuf) -> Vec<PolicyStudy> {
         |_world| Dataset::teacher(512, 8, 3, 0).map_err(Into::into),
         |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![8, 16, 3]), 0)?)),
     )
-    .unwrap()
 }
 
 /// How many records an event file holds (each: a `u64` length, 4 bytes of CRC, the data, 4
@@ -79,4 +83,15 @@ fn a_tensorboard_directory_that_cannot_be_made_is_kept_per_policy_and_the_study_
         assert!(e.contains(&r.policy), "names the policy's directory: {e}");
     }
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}
+
+#[test]
+fn a_policy_listed_twice_is_refused_before_any_run_or_directory() {
+    let scratch = tmp("study-tensorboard", "twice");
+    let dir = scratch.join("tb");
+    let e = run_of(&["allreduce", "fp16", "allreduce"], dir.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("allreduce") && e.contains("twice (entries 1 and 3)"), "{e}");
+    assert!(!dir.exists(), "no TensorBoard directory is made");
 }

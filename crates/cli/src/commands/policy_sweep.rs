@@ -74,7 +74,7 @@ fn label(row: &PolicyRow, precisions: usize) -> String {
 }
 
 /// The first entry of `items` that repeats an earlier one, as the 1-based positions of both.
-fn repeated<T: PartialEq>(items: &[T]) -> Option<(usize, usize)> {
+pub(crate) fn repeated<T: PartialEq>(items: &[T]) -> Option<(usize, usize)> {
     let again = (1..items.len()).find(|&i| items[..i].contains(&items[i]))?;
     let first = items.iter().position(|x| *x == items[again])?;
     Some((first + 1, again + 1))

@@ -223,25 +223,45 @@ fn json_path_at(text: &str, line: usize, column: usize) -> String {
 /// thousands of steps, megabytes).
 const MAX_PROFILE_BYTES: u64 = 256 << 20;
 
-/// The text of the profile file at `path`, reading at most [`MAX_PROFILE_BYTES`] (so that a
-/// device such as `/dev/zero` or `/dev/urandom` is refused instead of read forever).
+/// The text of the profile file at `path` (`--profile`), reading at most
+/// [`MAX_PROFILE_BYTES`]: a device (`/dev/zero`), a directory or a larger file is refused
+/// before it is read; a pipe is read up to the bound.
 fn read_profile(path: &Path) -> Result<String> {
     let io = |source| Error::Io {
         path: path.display().to_string(),
         source,
     };
-    let mut bytes = vec![];
-    std::fs::File::open(path)
-        .map_err(io)?
-        .take(MAX_PROFILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io)?;
     let not_a_profile = |why: String| {
         Error::Usage(format!(
             "{}: not a step profile (written by brigade train --profile): {why}",
             path.display()
         ))
     };
+    let kind = std::fs::metadata(path).map_err(io)?;
+    if !(kind.is_file() || std::os::unix::fs::FileTypeExt::is_fifo(&kind.file_type())) {
+        let what = if kind.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::Usage(format!(
+            "--profile {} is {what}: give the path of a file",
+            path.display()
+        )));
+    }
+    if kind.len() > MAX_PROFILE_BYTES {
+        return Err(not_a_profile(format!(
+            "it is {} bytes, larger than {} MiB",
+            kind.len(),
+            MAX_PROFILE_BYTES >> 20
+        )));
+    }
+    let mut bytes = vec![];
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_PROFILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
     if bytes.len() as u64 > MAX_PROFILE_BYTES {
         return Err(not_a_profile(format!(
             "it is larger than {} MiB",

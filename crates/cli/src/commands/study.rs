@@ -44,7 +44,7 @@ pub struct StudyArgs {
     /// loss first is at most each. Each is 0 or more: the command line's models train on
     /// cross-entropy, which is never negative (the library's `brigade::study` takes any finite
     /// target, for a model whose loss can be).
-    #[arg(long, value_delimiter = ',', required = true, allow_hyphen_values = true, value_parser = target_loss)]
+    #[arg(long, value_delimiter = ',', required = true, value_parser = target_loss)]
     pub target_loss: Vec<f64>,
     /// More links to predict for, in Gb/s (comma-separated; the latency of --predict-latency-us,
     /// else --net-latency-us), beside the run's --net-gbps. Without --net-gbps the policies
@@ -81,6 +81,13 @@ pub fn study(s: StudyArgs) -> Result<()> {
         .iter()
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
+    // one policy twice would be one run twice, its TensorBoard events in one directory
+    if let Some((first, again)) = crate::commands::policy_sweep::repeated(&specs) {
+        return Err(Error::Usage(format!(
+            "--policy lists {} twice (entries {first} and {again}): each policy is one run",
+            specs[again - 1]
+        )));
+    }
     // every flag is checked under each policy of the list, not the run's own (`train --policy`);
     // one wrong under any policy is the run's, said without naming a policy
     a.check_settings_flags(&specs, true)?;
@@ -188,11 +195,7 @@ fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
 /// One `--target-loss` entry: a finite number of 0 or more (clap's value parser; the message is the
 /// rest of clap's line).
 fn target_loss(s: &str) -> std::result::Result<f64, String> {
-    let t: f64 = s.trim().parse().map_err(|_| match s.starts_with("--") {
-        // a value may start with a hyphen (a negative number): a flag there is a value left out
-        true => "not a number: give the targets right after --target-loss".to_string(),
-        false => "not a number".to_string(),
-    })?;
+    let t: f64 = s.trim().parse().map_err(|_| "not a number".to_string())?;
     if !t.is_finite() {
         return Err("a target loss must be a finite number".into());
     }

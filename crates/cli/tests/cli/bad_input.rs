@@ -128,10 +128,37 @@ fn sizes_that_overflow_or_exceed_memory_are_one_line_naming_the_flag() {
 
 #[test]
 fn predict_reads_a_bounded_profile_and_refuses_a_device() {
+    // a device is refused before a byte of it is read
     for device in ["/dev/zero", "/dev/urandom"] {
         let e = fails(&["predict", "--profile", device, "--net-gbps", "10"]);
-        assert!(e.contains(device) && e.contains("not a step profile"), "{e}");
+        assert!(e.contains(&format!("--profile {device} is not a regular file")), "{e}");
     }
+    // a file larger than any profile is refused from its size, before it is read
+    let d = dir("predict-huge-profile");
+    let huge = d.join("huge.json");
+    let size = (256u64 << 20) + 1;
+    std::fs::File::create(&huge).unwrap().set_len(size).unwrap();
+    let e = fails(&["predict", "--profile", s(&huge), "--net-gbps", "10"]);
+    assert!(
+        e.contains("not a step profile") && e.contains(&format!("it is {size} bytes")),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_text_that_is_a_device_or_too_large_is_refused_before_it_is_read() {
+    let e = fails(&cat(&[
+        &["train"],
+        common::GPT,
+        &["--steps", "1", "--text", "/dev/zero"],
+    ]));
+    assert!(e.contains("/dev/zero") && e.contains("not a regular file"), "{e}");
+    let d = dir("text-huge");
+    let huge = d.join("huge.txt");
+    let size = (1u64 << 30) + 1;
+    std::fs::File::create(&huge).unwrap().set_len(size).unwrap();
+    let e = fails(&cat(&[&["train"], common::GPT, &["--steps", "1", "--text", s(&huge)]]));
+    assert!(e.contains(&format!("is {size} bytes")) && e.contains("1 GiB"), "{e}");
 }
 
 #[test]
@@ -357,13 +384,6 @@ fn sizes_without_a_bound_are_refused_in_one_line() {
     assert!(e.contains("does not describe them"), "{e}");
     let e = fails(&["bench", "comm", "--sizes", "1K", "--iters", "18446744073709551615"]);
     assert!(e.contains("--iters must be between 1 and"), "{e}");
-    // a text without an end
-    let e = fails(&cat(&[
-        &["train"],
-        common::GPT,
-        &["--steps", "1", "--text", "/dev/zero"],
-    ]));
-    assert!(e.contains("/dev/zero") && e.contains("1 GiB"), "{e}");
 }
 
 #[test]

@@ -477,6 +477,13 @@ fn bench_comm_refuses_what_it_cannot_measure() {
 }
 
 #[test]
+fn bench_comm_copies_no_more_than_its_largest_size_for_its_memcpy_yardstick() {
+    let json = ok(&["bench", "comm", "--sizes", "1K,64K", "--iters", "2", "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&json).expect("JSON report");
+    assert_eq!(report["memcpy_bytes"], 64 * 1024, "{json}");
+}
+
+#[test]
 fn a_sweep_replaces_what_an_earlier_sweep_left_and_labels_every_bucket_cap() {
     let out = dir("sweep-out");
     for old in ["timeline_7MiB.json", "timeline_7MiB.svg", "sweep.csv", "notes.txt"] {

@@ -481,3 +481,66 @@ fn a_study_at_one_rank_says_rank() {
     let svg = std::fs::read_to_string(d.join("study.svg")).unwrap();
     assert!(svg.contains("1 rank,") && !svg.contains("1 ranks"), "{svg}");
 }
+
+#[test]
+fn a_flag_after_target_loss_is_not_read_as_its_value() {
+    let d = dir("study_target_then_flag");
+    let out = d.to_str().unwrap();
+    // `--out` (or `--json`) right after `--target-loss` is the next flag, not a target
+    for next in [&["--out", out][..], &["--json", "--out", out]] {
+        let e = fails(&[RUN, LINK, &["--target-loss"], next].concat());
+        assert!(e.contains("a value is required for '--target-loss"), "{next:?}: {e}");
+        assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    }
+    // a list that starts with a negative number is still read as the flag's value, on any
+    // flag that takes a list
+    let e = fails(
+        &[
+            RUN,
+            LINK,
+            &[
+                "--target-loss",
+                "0.5",
+                "--predict-gbps",
+                "1,2",
+                "--predict-latency-us",
+                "-1,5",
+                "--out",
+                out,
+            ],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--predict-latency-us must be"), "{e}");
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing is written");
+}
+
+#[test]
+fn a_policy_listed_twice_is_refused_in_one_line_before_anything_runs() {
+    let d = dir("study_policy_twice");
+    let (out, tb) = (d.join("out"), d.join("tb"));
+    let run = without(RUN, "--policy");
+    let e = fails(
+        &[
+            &run,
+            LINK,
+            &["--policy", "allreduce,fp16,allreduce", "--target-loss", "0.5"],
+            &["--out", out.to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--policy lists allreduce twice (entries 1 and 3)"), "{e}");
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    // and a sweep of policies alike
+    let sweep = [&["sweep"], &run[1..]].concat();
+    let e = fails(
+        &[
+            &sweep[..],
+            &["--policy", "allreduce,fp16,allreduce"],
+            &["--out", out.to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--policy lists allreduce twice (entries 1 and 3)"), "{e}");
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing is written");
+}

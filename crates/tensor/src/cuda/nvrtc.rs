@@ -279,22 +279,6 @@ pub fn compile_cached(file: KernelFile, arch: &str) -> Result<Vec<u8>, CompileFa
 mod cache_tests {
     use super::{compile_cached, CACHE_ENV, COPY, LINK};
 
-    /// A path in the system temp dir (a file or a directory) that a passing test removes; a
-    /// failing one keeps it, its path printed, so that what the test wrote can be read.
-    struct Scratch(std::path::PathBuf);
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            if std::thread::panicking() {
-                eprintln!("kept the failed test's files: {}", self.0.display());
-            } else if self.0.is_dir() {
-                let _ = std::fs::remove_dir_all(&self.0);
-            } else {
-                let _ = std::fs::remove_file(&self.0);
-            }
-        }
-    }
-
     #[test]
     fn a_compiled_file_is_kept_and_read_back_and_the_key_follows_the_source() {
         if !super::probe::nvrtc_present() {
@@ -302,8 +286,7 @@ mod cache_tests {
             return;
         }
         let dir = std::env::temp_dir().join(format!("brigade-kernel-cache-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let _scratch = Scratch(dir.clone());
+        let _scratch = crate::scratch::Scratch::absent(dir.clone());
         // no other test of this binary reads the variable
         std::env::set_var(CACHE_ENV, &dir);
         let first = compile_cached(LINK, "sm_80").unwrap();

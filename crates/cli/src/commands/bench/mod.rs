@@ -104,12 +104,7 @@ fn bench_comm(args: CommArgs) -> Result<()> {
             footprint::mul(size as u64, ranks as u64),
         )?;
     }
-    let cfg = CommBenchConfig {
-        world_size: args.world_size,
-        sizes: args.sizes.unwrap_or_else(default_sizes),
-        iters: args.iters,
-        ..CommBenchConfig::default()
-    };
+    let cfg = CommBenchConfig::new(args.world_size, args.sizes.unwrap_or_else(default_sizes), args.iters);
     let report = match args.backend {
         CommBackend::Thread => run_comm_bench(&cfg)?,
         CommBackend::Mpi => match mpi_bench(&cfg)? {
