@@ -33,6 +33,7 @@ pub mod cost;
 mod device;
 mod error;
 // Its peer mapping is used by the MPI backend only.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 mod heap;
 mod kernels;
 mod meter;
@@ -40,7 +41,6 @@ mod meter;
 mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 #[cfg(test)] // a test's path in the system temp dir, removed when it passes
 #[path = "../../test-support/scratch.rs"]
 mod scratch;
