@@ -6,7 +6,6 @@
 //! losses) and bootstraps NCCL: rank 0 creates the unique id, the others receive its 128 bytes
 //! (in memory between threads, by one `MPI_Bcast` between processes).
 
-use std::sync::Arc;
 
 use brigade_comm::NetModel;
 use brigade_ddp::Group;
@@ -97,7 +96,7 @@ pub fn device_group(ctx: &RankContext, device: Device, link: Option<NetModel>) -
             .with_recorder(ctx.recorder.clone())
             .with_compute_timing(true)
             .with_simulated_link(link);
-        Ok(Some(Arc::new(group)))
+        Ok(Some(std::sync::Arc::new(group)))
     }
 }
 
