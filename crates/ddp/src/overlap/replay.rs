@@ -519,6 +519,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         wire,
         compute_per_byte: profile.ranks.iter().map(compute_per_byte).collect(),
         param_bytes,
+        fitted_link: matches!(cfg.link, LinkCost::Measured),
     };
     // ZeRO-3: its buckets are its units, whatever the caps, and its parameter gathers move the
     // compute (`Clock`).
@@ -604,6 +605,8 @@ struct Costs<'a> {
     wire: WireModel,
     /// Each rank's recorded compute on the comm stream, per byte of bucket.
     compute_per_byte: Vec<f64>,
+    /// Whether the link is fitted to rank 0's recorded collectives ([`LinkCost::Measured`]).
+    fitted_link: bool,
     /// Each parameter's gradient bytes.
     param_bytes: Vec<usize>,
 }
@@ -614,8 +617,10 @@ impl Costs<'_> {
     /// collectives (orthogonalising P, `Q = Mᵀ·P`) and each of them starts once the last rank
     /// has issued it: the bucket takes the slowest rank's compute, each rank's as recorded for
     /// a recorded bucket of the same parameters (its matrices' compute, whatever their bytes),
-    /// else at that rank's recorded rate per byte. The others compute in their collectives'
-    /// continuations, beside the link: rank 0's recorded rate per byte.
+    /// else at that rank's recorded rate per byte. On the link fitted to rank 0's collectives,
+    /// whose recorded times hold its waits for the slower ranks, rank 0's compute alone. The
+    /// other policies compute in their collectives' continuations, beside the link: rank 0's
+    /// recorded rate per byte.
     fn compute(&self, group: &[usize], bytes: usize) -> f64 {
         if self.n < 2 {
             return 0.0;
@@ -623,8 +628,8 @@ impl Costs<'_> {
         if !matches!(self.wire, WireModel::LowRank { .. }) {
             return bytes as f64 * self.compute_per_byte[0];
         }
-        self.profile
-            .ranks
+        let ranks = if self.fitted_link { 1 } else { self.profile.ranks.len() };
+        self.profile.ranks[..ranks]
             .iter()
             .zip(&self.compute_per_byte)
             .map(|(r, per_byte)| match r.buckets.iter().find(|b| b.params == group) {
