@@ -129,7 +129,8 @@ pub struct ReplayResult {
     /// compute between them).
     pub comm_s: f64,
     /// The part of `comm_s` that is the policy's own compute between its collectives, as
-    /// recorded (per byte of bucket; 0 for a profile that did not record it).
+    /// recorded (rank 0's per byte of bucket; a low-rank policy's, the slowest rank's recorded
+    /// for each bucket on a priced link; 0 for a profile that did not record it).
     pub policy_compute_s: f64,
     /// What a step waits, on average, for the policy's after-step collectives, priced on the
     /// replayed link and world: each fragment's less the compute it runs behind, a step's share
