@@ -129,7 +129,8 @@ pub struct ReplayResult {
     /// compute between them).
     pub comm_s: f64,
     /// The part of `comm_s` that is the policy's own compute between its collectives, as
-    /// recorded (per byte of bucket; 0 for a profile that did not record it).
+    /// recorded (rank 0's per byte of bucket; a low-rank policy's, the slowest rank's recorded
+    /// for each bucket on a priced link; 0 for a profile that did not record it).
     pub policy_compute_s: f64,
     /// What a step waits, on average, for the policy's after-step collectives, priced on the
     /// replayed link and world: each fragment's less the compute it runs behind, a step's share
@@ -517,8 +518,9 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         alpha,
         per_byte,
         wire,
-        compute_per_byte: compute_per_byte(profile),
+        compute_per_byte: profile.ranks.iter().map(compute_per_byte).collect(),
         param_bytes,
+        fitted_link: matches!(cfg.link, LinkCost::Measured),
     };
     // ZeRO-3: its buckets are its units, whatever the caps, and its parameter gathers move the
     // compute (`Clock`).
@@ -559,7 +561,7 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         first_bucket_cap_mb: cfg.first_bucket_cap_mb,
         world_size: n,
         comm_s: comm.buckets.iter().map(|b| b.finish_s - b.start_s).sum(),
-        policy_compute_s: comm.buckets.iter().map(|b| costs.compute(b.bytes)).sum(),
+        policy_compute_s: comm.buckets.iter().map(|b| costs.compute(&b.params, b.bytes)).sum(),
         after_step_comm_s: after_step_comm,
         buckets: comm.buckets,
         compute_step_s: compute_step,
@@ -592,30 +594,50 @@ fn checked_world(profile: &StepProfile, cfg: &ReplayConfig) -> Result<usize, Str
 
 /// How the replayed collectives are costed: the policy's wire model on a ring of `n` ranks with
 /// links of latency `alpha` and `per_byte` seconds a byte, and the policy's own compute on the
-/// comm stream at the recorded rate. That compute runs in the collectives' continuations
-/// (decompressing, converting back, checking), off the link: the replay charges it after the
-/// bucket's collectives, beside the next bucket's. (The compute before the collectives, inside
-/// the policy's `reduce`, is part of what the launch overhead measures.)
+/// comm stream as recorded ([`Costs::compute`]). That compute runs in the collectives'
+/// continuations (decompressing, converting back, checking), off the link: the replay charges
+/// it after the bucket's collectives, beside the next bucket's. (The compute before the
+/// collectives, inside the policy's `reduce`, is part of what the launch overhead measures.)
 struct Costs<'a> {
     profile: &'a StepProfile,
     n: usize,
     alpha: f64,
     per_byte: f64,
     wire: WireModel,
-    /// The policy's recorded compute on the comm stream, per byte of bucket.
-    compute_per_byte: f64,
+    /// Each rank's recorded compute on the comm stream, per byte of bucket.
+    compute_per_byte: Vec<f64>,
+    /// Whether the link is fitted to rank 0's recorded collectives ([`LinkCost::Measured`]).
+    fitted_link: bool,
     /// Each parameter's gradient bytes.
     param_bytes: Vec<usize>,
 }
 
 impl Costs<'_> {
-    /// The policy's own compute for a bucket of `bytes` (none on one rank: nothing is reduced).
-    fn compute(&self, bytes: usize) -> f64 {
+    /// The policy's own compute for the bucket of parameters `group` (`bytes`), none on one
+    /// rank (nothing is reduced). A low-rank policy (PowerSGD) computes between its
+    /// collectives (orthogonalising P, `Q = Mᵀ·P`) and each of them starts once the last rank
+    /// has issued it: the bucket takes the slowest rank's compute, each rank's as recorded for
+    /// a recorded bucket of the same parameters (its matrices' compute, whatever their bytes),
+    /// else at that rank's recorded rate per byte. On the link fitted to rank 0's collectives,
+    /// whose recorded times hold its waits for the slower ranks, rank 0's compute alone. The
+    /// other policies compute in their collectives' continuations, beside the link: rank 0's
+    /// recorded rate per byte.
+    fn compute(&self, group: &[usize], bytes: usize) -> f64 {
         if self.n < 2 {
-            0.0
-        } else {
-            bytes as f64 * self.compute_per_byte
+            return 0.0;
         }
+        if !matches!(self.wire, WireModel::LowRank { .. }) {
+            return bytes as f64 * self.compute_per_byte[0];
+        }
+        let ranks = if self.fitted_link { 1 } else { self.profile.ranks.len() };
+        self.profile.ranks[..ranks]
+            .iter()
+            .zip(&self.compute_per_byte)
+            .map(|(r, per_byte)| match r.buckets.iter().find(|b| b.params == group) {
+                Some(b) => b.policy_compute_s(),
+                None => bytes as f64 * per_byte,
+            })
+            .fold(0.0, f64::max)
     }
 
     /// Rank `r`'s compute inside the policy's `reduce` for the bucket of parameters `group`,
@@ -654,10 +676,10 @@ impl Costs<'_> {
     }
 }
 
-/// The policy's compute between its buckets' collectives, per byte of bucket: what rank 0's
+/// The policy's compute between its buckets' collectives, per byte of bucket: what `rank`'s
 /// recorded buckets spent on the comm stream beyond their collectives (0 before version 2).
-fn compute_per_byte(profile: &StepProfile) -> f64 {
-    let buckets = &profile.ranks[0].buckets;
+fn compute_per_byte(rank: &RankProfile) -> f64 {
+    let buckets = &rank.buckets;
     let bytes: usize = buckets.iter().map(|b| b.bytes).sum();
     if bytes == 0 {
         return 0.0;
@@ -839,7 +861,7 @@ impl CommRun<'_> {
             _ => launch_max,
         };
         let (start, left) = self.link.take(issued, b_bytes, link_s, clock.backward_end());
-        let finish = left.max(self.computed) + costs.compute(b_bytes);
+        let finish = left.max(self.computed) + costs.compute(&group, b_bytes);
         self.computed = finish;
         self.buckets.push(ReplayBucket {
             params: group,

@@ -1215,6 +1215,79 @@ fn a_low_rank_bucket_waits_for_the_previous_buckets_compute_between_its_collecti
     );
 }
 
+/// The profile of the test above, its ranks computing unlike amounts between their collectives:
+/// rank 0 0.5 ms in bucket 0 and 1 ms in bucket 1, rank 1 1.5 ms and 0.25 ms; each bucket's
+/// collectives held the comm stream 2 ms.
+fn unlike_ranks_under_powersgd() -> StepProfile {
+    use brigade_ddp::overlap::WireModel;
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for (r, (c0, c1)) in p.ranks.iter_mut().zip([(0.0005, 0.001), (0.0015, 0.00025)]) {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.010, 0.012 + c0);
+        b0.link_s = Some(0.002);
+        // bucket 1's collectives began on both ranks once rank 1 was done with bucket 0
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.0135, 0.0155 + c1);
+        b1.link_s = Some(0.002);
+        let waited = b1.finish_s;
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (waited + 0.001, waited + 0.002, waited + 0.002);
+    }
+    let shapes: [&[usize]; 2] = [&[512, 512], &[512, 512]];
+    let low_rank = WireModel::LowRank {
+        factors: vec![Some((512, 512)), Some((512, 512))],
+        start_iter: 0,
+    };
+    under(p, "powersgd:1", Some(low_rank), &shapes)
+}
+
+#[test]
+fn a_low_rank_bucket_is_charged_the_slowest_ranks_compute_recorded_for_that_bucket() {
+    // Each collective of a bucket starts when the last rank has issued it, so a bucket takes
+    // the slowest rank's compute for it: bucket 0 runs from 10 ms for 4 ms + 4 KiB on the link,
+    // then 1.5 ms (rank 1's); bucket 1 then, with 1 ms (rank 0's). Rank 0's compute spread
+    // per byte (0.75 ms a bucket) would predict 1 ms less.
+    let p = unlike_ranks_under_powersgd();
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    let link_s = 0.004 + 4096.0 / (1u64 << 30) as f64;
+    close(
+        r.buckets[0].finish_s,
+        0.010 + link_s + 0.0015,
+        "bucket 0 with rank 1's compute",
+    );
+    close(
+        r.buckets[1].finish_s,
+        0.010 + 2.0 * link_s + 0.0025,
+        "bucket 1 with rank 0's compute",
+    );
+    close(r.policy_compute_s, 0.0025, "the policy's compute");
+    close(
+        r.predicted_step_s,
+        0.010 + 2.0 * link_s + 0.0025 + 0.002,
+        "predicted step",
+    );
+}
+
+#[test]
+fn on_the_measured_link_a_low_rank_bucket_is_charged_rank_0s_compute_recorded_for_it() {
+    // Rank 0's recorded collectives hold its waits for the slower rank (2 ms each, fitted as
+    // the link), so rank 0's compute for each bucket completes the chain: bucket 0 runs from
+    // 10 ms for 2 ms, then 0.5 ms; bucket 1 for 2 ms, then 1 ms. The slowest rank's compute on
+    // top of the fitted link would count the waits twice (1.5 ms + 1 ms).
+    let p = unlike_ranks_under_powersgd();
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        link: LinkCost::Measured,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    close(r.buckets[0].finish_s, 0.0125, "bucket 0 with rank 0's compute");
+    close(r.buckets[1].finish_s, 0.0155, "bucket 1 with rank 0's compute");
+    close(r.policy_compute_s, 0.0015, "the policy's compute");
+}
+
 #[test]
 fn a_policys_compute_before_its_collective_delays_the_collective() {
     // Two 1 MiB gradients ready at 10 ms, one per bucket; the policy's `reduce` computed 1 ms
