@@ -33,10 +33,10 @@ for feature in $(qemu-x86_64 -cpu "$cpu" /bin/true 2>&1 | sed -n 's/.*CPUID[^ ]*
 done
 qemu-x86_64 -cpu "$model" /bin/true || { echo "error: qemu-x86_64 has no CPU model '$cpu'" >&2; exit 1; }
 
-# the same build as `cargo test`: its test binaries, listed by cargo
+# the same build as the README's test command (`cargo test --tests`): its test binaries, listed by cargo
 list="$(mktemp)"
 trap 'rm -f "$list" "${wrapper:-}"' EXIT
-cargo test --no-run --message-format=json |
+cargo test --tests --no-run --message-format=json |
   python3 -c '
 import json, sys
 for line in sys.stdin:
