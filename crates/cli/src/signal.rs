@@ -132,6 +132,7 @@ mod unix {
         fn pthread_sigmask(how: i32, set: *const SigSet, old: *mut SigSet) -> i32;
         fn sigemptyset(set: *mut SigSet) -> i32;
         fn sigaddset(set: *mut SigSet, signum: i32) -> i32;
+        #[cfg(test)]
         fn sigismember(set: *const SigSet, signum: i32) -> i32;
         fn pause() -> i32;
     }
@@ -156,6 +157,7 @@ mod unix {
     }
 
     /// Whether the calling thread blocks SIGINT and SIGTERM.
+    #[cfg(test)]
     pub(super) fn stop_signals_blocked() -> bool {
         let mut now = SigSet([0; 16]);
         // SAFETY: a null `set` only reads the calling thread's mask into `now`.
