@@ -17,6 +17,13 @@
 //!
 //! The handler touches only atomics and async-signal-safe libc calls (`clock_gettime`, `write`,
 //! `unlink`, `_exit`, `signal`, `raise`), which the standard library already links.
+//!
+//! It runs on a thread of its own: [`StopOnSignal::install`] blocks SIGINT and SIGTERM in the
+//! calling thread, and so in every thread started after it (the ranks, their compute pools,
+//! OpenMP's and MPI's threads), and starts one thread that takes them. A signal handled on a
+//! thread inside oneDNN's JIT-compiled `dnnl_sgemm` corrupts the heap (glibc then aborts with
+//! "corrupted size vs. prev_size while consolidating" in the GEMM's `free`), so no compute thread
+//! may ever run the handler.
 //! [`StopOnSignal`] hands the flag to the run as its observer's stop request.
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -96,8 +103,11 @@ pub fn unregister_cleanup(path: &std::path::Path) {
     }
 }
 
+/// The name of the thread that SIGINT and SIGTERM are handled on.
+const SIGNAL_THREAD: &str = "brigade-signals";
+
 mod unix {
-    use super::{Ordering, CLEANUP, CREATING, FIRST_NS, GRACE, STOP, TRAINING};
+    use super::{Ordering, CLEANUP, CREATING, FIRST_NS, GRACE, SIGNAL_THREAD, STOP, TRAINING};
 
     const SIGINT: i32 = 2;
     const SIGTERM: i32 = 15;
@@ -119,6 +129,67 @@ mod unix {
         fn write(fd: i32, buf: *const u8, count: usize) -> isize;
         fn unlink(path: *const std::ffi::c_char) -> i32;
         fn _exit(status: i32) -> !;
+        fn pthread_sigmask(how: i32, set: *const SigSet, old: *mut SigSet) -> i32;
+        fn sigemptyset(set: *mut SigSet) -> i32;
+        fn sigaddset(set: *mut SigSet, signum: i32) -> i32;
+        #[cfg(test)]
+        fn sigismember(set: *const SigSet, signum: i32) -> i32;
+        fn pause() -> i32;
+    }
+
+    const SIG_BLOCK: i32 = 0;
+    const SIG_UNBLOCK: i32 = 1;
+
+    /// glibc's `sigset_t` (1024 bits).
+    #[repr(C)]
+    pub(super) struct SigSet([u64; 16]);
+
+    /// SIGINT and SIGTERM.
+    fn stop_signals() -> SigSet {
+        let mut set = SigSet([0; 16]);
+        // SAFETY: `set` is a valid sigset_t; both numbers are valid signals.
+        unsafe {
+            sigemptyset(&mut set);
+            sigaddset(&mut set, SIGINT);
+            sigaddset(&mut set, SIGTERM);
+        }
+        set
+    }
+
+    /// Whether the calling thread blocks SIGINT and SIGTERM.
+    #[cfg(test)]
+    pub(super) fn stop_signals_blocked() -> bool {
+        let mut now = SigSet([0; 16]);
+        // SAFETY: a null `set` only reads the calling thread's mask into `now`.
+        unsafe { pthread_sigmask(SIG_BLOCK, std::ptr::null(), &mut now) };
+        // SAFETY: `now` is a valid sigset_t.
+        unsafe { sigismember(&now, SIGINT) == 1 && sigismember(&now, SIGTERM) == 1 }
+    }
+
+    /// Blocks SIGINT and SIGTERM in the calling thread (and so in the threads it starts from
+    /// now on) and starts, once per process, the thread that takes them: it unblocks them and
+    /// sleeps, so the handler runs there and never on a thread inside a kernel.
+    fn route_to_own_thread() {
+        static STARTED: std::sync::Once = std::sync::Once::new();
+        let set = stop_signals();
+        // SAFETY: changes the calling thread's signal mask only.
+        unsafe { pthread_sigmask(SIG_BLOCK, &set, std::ptr::null_mut()) };
+        STARTED.call_once(|| {
+            let started = std::thread::Builder::new().name(SIGNAL_THREAD.into()).spawn(|| {
+                let set = stop_signals();
+                // SAFETY: changes this thread's signal mask only.
+                unsafe { pthread_sigmask(SIG_UNBLOCK, &set, std::ptr::null_mut()) };
+                loop {
+                    // SAFETY: sleeps until a signal's handler returned.
+                    unsafe { pause() };
+                }
+            });
+            if started.is_err() {
+                // no thread to take them: unblocked again, handled wherever they land
+                // SAFETY: changes the calling thread's signal mask only.
+                unsafe { pthread_sigmask(SIG_UNBLOCK, &set, std::ptr::null_mut()) };
+            }
+        });
     }
 
     fn now_ns() -> u64 {
@@ -182,6 +253,7 @@ mod unix {
     }
 
     pub fn install() {
+        route_to_own_thread();
         for signum in [SIGINT, SIGTERM] {
             // SAFETY: `on_signal` only touches atomics and async-signal-safe libc calls.
             unsafe {
@@ -225,5 +297,51 @@ impl TrainObserver for StopOnSignal {
         // flag is read after the phase changes, so a signal is seen by one path or the other
         TRAINING.store(true, Ordering::SeqCst);
         STOP.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names and blocked-signal masks (`SigBlk`, hex) of this process's threads.
+    fn thread_masks() -> Vec<(String, u64)> {
+        let mut out = vec![];
+        for task in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+            let dir = task.expect("a task").path();
+            let (Ok(name), Ok(status)) = (
+                std::fs::read_to_string(dir.join("comm")),
+                std::fs::read_to_string(dir.join("status")),
+            ) else {
+                continue; // ended meanwhile
+            };
+            let blocked = status
+                .lines()
+                .find_map(|l| l.strip_prefix("SigBlk:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+                .expect("SigBlk");
+            out.push((name.trim().to_string(), blocked));
+        }
+        out
+    }
+
+    /// SIGINT (2) and SIGTERM (15) as bits of a `SigBlk` mask.
+    const STOP_BITS: u64 = (1 << (2 - 1)) | (1 << (15 - 1));
+
+    #[test]
+    fn the_handler_runs_on_its_own_thread_never_on_a_compute_thread() {
+        StopOnSignal::install();
+        assert!(unix::stop_signals_blocked(), "the installing thread blocks them");
+        let compute = std::thread::spawn(unix::stop_signals_blocked).join().unwrap();
+        assert!(compute, "a thread started afterwards (a rank, a pool) blocks them");
+        let takers: Vec<String> = thread_masks()
+            .into_iter()
+            .filter(|(_, blocked)| blocked & STOP_BITS == 0)
+            .map(|(name, _)| name)
+            .collect();
+        assert!(
+            takers.iter().any(|n| n == SIGNAL_THREAD),
+            "one thread takes them: {takers:?}"
+        );
     }
 }

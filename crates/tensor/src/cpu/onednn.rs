@@ -558,7 +558,7 @@ pub fn set_cpu_gemm(choice: CpuGemm) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::row_major;
+    use super::{loaded, row_major};
 
     #[test]
     fn strides_map_to_transposes() {
@@ -570,5 +570,88 @@ mod tests {
         assert_eq!(row_major(3, 1, 5, 0), Some(('N', 5)));
         assert_eq!(row_major(3, 4, 0, 1), None);
         assert_eq!(row_major(3, 4, 8, 2), None);
+    }
+
+    /// The elements a `rows x cols` view with these strides names: its last one's index + 1.
+    fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * rs + (cols - 1) * cs + 1
+        }
+    }
+
+    /// `dnnl_sgemm` on exactly-sized operands with a guard region after each: for every shape
+    /// and stride the kernels pass (plain, transposed, rows of a wider matrix, one row, one
+    /// column, one inner dim, a strided output), nothing outside the named elements is written
+    /// and the product is right. Skipped where oneDNN does not load.
+    #[test]
+    fn sgemm_stays_inside_the_named_elements() {
+        let Ok(d) = loaded() else {
+            eprintln!("oneDNN not loaded: skipped");
+            return;
+        };
+        const GUARD: usize = 64;
+        const SENTINEL: f32 = -7.25;
+        // (m, n, k), lhs (rs, cs), rhs (rs, cs), dst (rs, cs)
+        type Case = ((usize, usize, usize), (usize, usize), (usize, usize), (usize, usize));
+        let cases: &[Case] = &[
+            ((3, 4, 5), (5, 1), (4, 1), (4, 1)),
+            ((3, 4, 5), (1, 3), (1, 5), (4, 1)),
+            ((3, 4, 5), (7, 1), (1, 6), (9, 1)),
+            ((1, 4, 5), (0, 1), (4, 1), (0, 1)),
+            ((1, 4, 5), (9, 2), (1, 5), (4, 1)),
+            ((3, 1, 5), (5, 1), (1, 0), (2, 0)),
+            ((3, 4, 1), (1, 0), (0, 1), (4, 1)),
+            ((1, 1, 7), (0, 1), (1, 0), (1, 1)),
+            ((33, 17, 65), (65, 1), (1, 65), (20, 1)),
+            ((64, 64, 64), (1, 64), (64, 1), (64, 1)),
+        ];
+        for &((m, n, k), (ars, acs), (brs, bcs), (crs, ccs)) in cases {
+            for (threads, accumulate) in [(1, false), (2, false), (2, true)] {
+                let (na, nb, nc) = (span(m, k, ars, acs), span(k, n, brs, bcs), span(m, n, crs, ccs));
+                let a: Vec<f32> = (0..na + GUARD)
+                    .map(|i| if i < na { (i % 7) as f32 - 3.0 } else { SENTINEL })
+                    .collect();
+                let b: Vec<f32> = (0..nb + GUARD)
+                    .map(|i| if i < nb { (i % 5) as f32 - 2.0 } else { SENTINEL })
+                    .collect();
+                let mut c = vec![SENTINEL; nc + GUARD];
+                for i in 0..m {
+                    for j in 0..n {
+                        c[i * crs + j * ccs] = 0.5;
+                    }
+                }
+                // SAFETY: each buffer holds every element its shape and strides name.
+                let done = unsafe {
+                    d.sgemm(
+                        (m, n, k),
+                        (c.as_mut_ptr(), crs, ccs),
+                        accumulate,
+                        (a.as_ptr(), ars, acs),
+                        (b.as_ptr(), brs, bcs),
+                        threads,
+                    )
+                };
+                assert!(done, "{m}x{n}x{k}: oneDNN took it");
+                let case = format!("{m}x{n}x{k} a({ars},{acs}) b({brs},{bcs}) c({crs},{ccs}) threads {threads}");
+                assert!(c[nc..].iter().all(|&x| x == SENTINEL), "{case}: wrote past the output");
+                for i in 0..m {
+                    for j in 0..n {
+                        let sum: f32 = (0..k).map(|l| a[i * ars + l * acs] * b[l * brs + j * bcs]).sum();
+                        let want = sum + if accumulate { 0.5 } else { 0.0 };
+                        assert_eq!(c[i * crs + j * ccs], want, "{case}: element {i},{j}");
+                    }
+                }
+                let named: std::collections::HashSet<usize> =
+                    (0..m).flat_map(|i| (0..n).map(move |j| i * crs + j * ccs)).collect();
+                for (i, &x) in c[..nc].iter().enumerate() {
+                    assert!(
+                        named.contains(&i) || x == SENTINEL,
+                        "{case}: wrote element {i} between rows"
+                    );
+                }
+            }
+        }
     }
 }
