@@ -234,23 +234,29 @@ pub fn run_files(inputs: &[Input<'_>], outputs: &[Output]) -> Vec<RunFile> {
 /// does not exist is its reader's error.
 pub fn check_inputs_are_files(inputs: &[Input<'_>]) -> Result<()> {
     for input in inputs.iter().filter(|i| i.flag != "--text") {
-        match std::fs::metadata(&input.path) {
-            Ok(m) if !m.is_file() => {
-                let what = if m.is_dir() {
-                    "a directory"
-                } else {
-                    "not a regular file"
-                };
-                return Err(Error::Usage(format!(
-                    "{} {} is {what}: give the path of a file",
-                    input.flag,
-                    input.path.display()
-                )));
-            }
-            _ => {}
+        if let Ok(m) = std::fs::metadata(&input.path) {
+            check_is_file(input.flag, &input.path, &m, false)?;
         }
     }
     Ok(())
+}
+
+/// One line naming `flag` when `path` (whose metadata is `m`) is a directory or something else
+/// than a regular file (a pipe passes when `pipe_ok`: an input read once, as a stream).
+pub fn check_is_file(flag: &str, path: &Path, m: &std::fs::Metadata, pipe_ok: bool) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    if m.is_file() || (pipe_ok && m.file_type().is_fifo()) {
+        return Ok(());
+    }
+    let what = if m.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    };
+    Err(Error::Usage(format!(
+        "{flag} {} is {what}: give the path of a file",
+        path.display()
+    )))
 }
 
 /// One write of the end of a run.

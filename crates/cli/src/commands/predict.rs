@@ -238,17 +238,7 @@ fn read_profile(path: &Path) -> Result<String> {
         ))
     };
     let kind = std::fs::metadata(path).map_err(io)?;
-    if !(kind.is_file() || std::os::unix::fs::FileTypeExt::is_fifo(&kind.file_type())) {
-        let what = if kind.is_dir() {
-            "a directory"
-        } else {
-            "not a regular file"
-        };
-        return Err(Error::Usage(format!(
-            "--profile {} is {what}: give the path of a file",
-            path.display()
-        )));
-    }
+    crate::outputs::check_is_file("--profile", path, &kind, true)?;
     if kind.len() > MAX_PROFILE_BYTES {
         return Err(not_a_profile(format!(
             "it is {} bytes, larger than {} MiB",

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::common::{dir, fails, ok, without};
+use crate::common::{dir, fails, numbers, ok, without};
 
 const RUN: &[&str] = &[
     "study",
@@ -60,12 +60,7 @@ fn a_studys_steps_to_each_target_are_its_runs_first_step_at_or_below_it() {
     let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
     for r in &results {
         let policy = r["policy"].as_str().unwrap();
-        let losses: Vec<f64> = r["losses"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l.as_f64().unwrap())
-            .collect();
+        let losses = numbers(&r["losses"]);
         assert_eq!(losses.len(), 12, "{policy}");
         // the CSV behind the chart holds the run's losses, in order
         let csv: Vec<f64> = curves
@@ -160,11 +155,6 @@ const SMALL: &[&str] = &[
     "--steps",
     "10",
 ];
-
-/// The losses of a JSON list of numbers.
-fn numbers(v: &Value) -> Vec<f64> {
-    v.as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
-}
 
 #[test]
 fn a_run_on_the_simulated_link_loses_the_studys_losses_bit_for_bit() {

@@ -157,12 +157,7 @@ fn train_tensorboard_holds_every_steps_scalars_as_its_losses_file_and_summary() 
         f32_equal(*v, *want, &format!("train/val_loss at step {step}"));
     }
     // the payload of each step, as --json gives it (integers, exact in f32 at this size)
-    let sent: Vec<f64> = summary["sent_bytes_by_step"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b.as_f64().unwrap())
-        .collect();
+    let sent = common::numbers(&summary["sent_bytes_by_step"]);
     assert_eq!(steps(&run["train/bytes_sent"]), all);
     assert_eq!(
         run["train/bytes_sent"].iter().map(|(_, v)| *v).collect::<Vec<_>>(),
@@ -405,12 +400,7 @@ fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_e
                 "train/step_ms"
             ]
         );
-        let losses: Vec<f64> = r["losses"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l.as_f64().unwrap())
-            .collect();
+        let losses = common::numbers(&r["losses"]);
         assert_eq!(steps(&run["train/loss"]), all);
         for ((step, v), want) in run["train/loss"].iter().zip(&losses) {
             f32_equal(*v, *want, &format!("train/loss at step {step}"));

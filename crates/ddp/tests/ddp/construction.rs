@@ -41,6 +41,14 @@ fn construct(widths: &[usize]) -> (Vec<Vec<Vec<f32>>>, Sent) {
     (values, sent)
 }
 
+/// The bytes of each broadcast one rank sent, in order.
+fn broadcast_bytes(sent: &[(String, String, usize)]) -> Vec<usize> {
+    sent.iter()
+        .filter(|(_, op, _)| op == "broadcast")
+        .map(|&(_, _, b)| b)
+        .collect()
+}
+
 #[test]
 fn construction_sends_a_model_of_small_parameters_in_one_broadcast_after_the_model_check() {
     // ten parameters, 979 floats in all
@@ -80,11 +88,7 @@ fn construction_packs_up_to_the_largest_parameter_and_one_larger_than_the_floor_
     assert!(largest > PARAMETER_BROADCAST_MIN_PACK_BYTES);
     let bytes = |r: std::ops::Range<usize>| 4 * numels[r].iter().sum::<usize>();
     for (rank, sent) in sent.iter().enumerate() {
-        let broadcasts: Vec<usize> = sent
-            .iter()
-            .filter(|(_, op, _)| op == "broadcast")
-            .map(|&(_, _, b)| b)
-            .collect();
+        let broadcasts = broadcast_bytes(sent);
         assert_eq!(
             broadcasts,
             [bytes(0..2), bytes(2..3), bytes(3..6)],
@@ -104,11 +108,7 @@ fn construction_packs_small_parameters_up_to_the_floor() {
     assert_eq!(values[1], values[0], "every rank starts from rank 0's parameters");
     let numels: Vec<usize> = values[0].iter().map(Vec::len).collect();
     for (rank, sent) in sent.iter().enumerate() {
-        let broadcasts: Vec<usize> = sent
-            .iter()
-            .filter(|(_, op, _)| op == "broadcast")
-            .map(|&(_, _, b)| b)
-            .collect();
+        let broadcasts = broadcast_bytes(sent);
         assert_eq!(broadcasts.len(), 2, "rank {rank}: {sent:?}");
         assert!(broadcasts.iter().all(|&b| b <= PARAMETER_BROADCAST_MIN_PACK_BYTES));
         assert_eq!(broadcasts.iter().sum::<usize>(), 4 * numels.iter().sum::<usize>());

@@ -191,6 +191,11 @@ pub fn losses(path: &Path) -> Vec<(usize, f64)> {
         .collect()
 }
 
+/// The numbers of a JSON list (`--json`'s losses, bytes by step).
+pub fn numbers(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
+}
+
 /// `base` without `flag` and its value (to give that flag another value).
 pub fn without<'a>(base: &[&'a str], flag: &str) -> Vec<&'a str> {
     let mut out = vec![];
