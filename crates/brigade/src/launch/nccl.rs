@@ -6,7 +6,6 @@
 //! losses) and bootstraps NCCL: rank 0 creates the unique id, the others receive its 128 bytes
 //! (in memory between threads, by one `MPI_Bcast` between processes).
 
-
 use brigade_comm::NetModel;
 use brigade_ddp::Group;
 use brigade_tensor::cuda::probe;

@@ -168,13 +168,10 @@ pub fn study<D: DataSource>(
         .collect::<Result<Vec<_>>>()?;
     // one policy twice would be one run twice, its TensorBoard events in one directory
     let names: Vec<String> = specs.iter().map(ToString::to_string).collect();
-    if let Some(again) = (1..names.len()).find(|&i| names[..i].contains(&names[i])) {
-        let first = names.iter().position(|n| *n == names[again]).unwrap_or(0);
+    if let Some((first, again)) = repeated(&names) {
         return Err(Error::Config(format!(
-            "a study lists the policy {} twice (entries {} and {}): each policy is one run",
-            names[again],
-            first + 1,
-            again + 1
+            "a study lists the policy {} twice (entries {first} and {again}): each policy is one run",
+            names[again - 1]
         )));
     }
     let mut out = vec![];
@@ -206,6 +203,14 @@ pub fn study<D: DataSource>(
         out.push(s);
     }
     Ok(out)
+}
+
+/// The first entry of `items` that repeats an earlier one, as the 1-based positions of both
+/// (a list flag's entries are one run or row each: the CLI's `--policy` and `--precisions`).
+pub fn repeated<T: PartialEq>(items: &[T]) -> Option<(usize, usize)> {
+    let again = (1..items.len()).find(|&i| items[..i].contains(&items[i]))?;
+    let first = items.iter().position(|x| *x == items[again])?;
+    Some((first + 1, again + 1))
 }
 
 /// The predicted step on each link at the trained world, in milliseconds, at every step the run

@@ -73,19 +73,12 @@ fn label(row: &PolicyRow, precisions: usize) -> String {
     }
 }
 
-/// The first entry of `items` that repeats an earlier one, as the 1-based positions of both.
-pub(crate) fn repeated<T: PartialEq>(items: &[T]) -> Option<(usize, usize)> {
-    let again = (1..items.len()).find(|&i| items[..i].contains(&items[i]))?;
-    let first = items.iter().position(|x| *x == items[again])?;
-    Some((first + 1, again + 1))
-}
-
 /// Checks the policy and precision lists and the flags against them, and returns each row's
 /// policy with the configuration it trains (the flags' configuration under that policy and
 /// precision), each policy under every precision in turn.
 fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec<(PolicySpec, TrainConfig)>> {
     let bad = |m: String| Err(Error::Usage(m));
-    if let Some((first, again)) = repeated(&s.precisions) {
+    if let Some((first, again)) = brigade::study::repeated(&s.precisions) {
         return bad(format!(
             "--precisions lists {} twice (entries {first} and {again}): each precision is one row per policy",
             s.precisions[again - 1].name()
@@ -103,7 +96,7 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             resolve(e, d.powersgd_rank, d.powersgd_start_iter)
         })
         .collect::<Result<_>>()?;
-    if let Some((first, again)) = repeated(&specs) {
+    if let Some((first, again)) = brigade::study::repeated(&specs) {
         return bad(format!(
             "--policy lists {} twice (entries {first} and {again}): each policy is one row",
             specs[again - 1]

@@ -82,7 +82,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
     // one policy twice would be one run twice, its TensorBoard events in one directory
-    if let Some((first, again)) = crate::commands::policy_sweep::repeated(&specs) {
+    if let Some((first, again)) = brigade::study::repeated(&specs) {
         return Err(Error::Usage(format!(
             "--policy lists {} twice (entries {first} and {again}): each policy is one run",
             specs[again - 1]
