@@ -204,11 +204,12 @@ fn read_stored(path: &Path, offset: u64, dtype: DType, start: usize, len: usize)
     };
     let values = t.to_dtype(DType::F64)?.to_vec::<f64>()?;
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        return Err(fail(format!(
-            "element {} of the tensor at byte {offset} is {}: a stored parameter or optimizer state must be finite",
-            start + i,
-            values[i]
-        )));
+        return Err(AutogradError::NonFiniteStored {
+            path: path.to_path_buf(),
+            offset,
+            element: start + i,
+            value: values[i],
+        });
     }
     Ok(t)
 }

@@ -79,6 +79,22 @@ pub enum AutogradError {
         /// The op that made the var it reads.
         op: &'static str,
     },
+    /// A ranged read of a stored parameter or optimizer state found a NaN or an infinity.
+    #[error(
+        "{}: element {element} of the tensor at byte {offset} is {value}: a stored parameter or optimizer state \
+         must be finite",
+        path.display()
+    )]
+    NonFiniteStored {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The byte of the file the tensor's first element starts at.
+        offset: u64,
+        /// The element's index in the tensor, flattened.
+        element: usize,
+        /// That element (NaN, inf or -inf).
+        value: f64,
+    },
     /// Anything else an argument got wrong.
     #[error("{0}")]
     Invalid(String),

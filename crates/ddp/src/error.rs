@@ -95,6 +95,20 @@ pub enum DdpError {
     /// A step profile the overlap model cannot replay, or a replay setting out of range.
     #[error("overlap model: {0}")]
     Replay(String),
+    /// A policy could not draw its piece of a parameter's initial values (from the
+    /// parameter's recipe, or read from the file that holds them).
+    #[error("policy '{policy}': parameter '{param}': {source}")]
+    InitialValues {
+        /// The policy's name.
+        policy: String,
+        /// The parameter's name.
+        param: String,
+        /// The parameter's shape.
+        shape: Vec<usize>,
+        /// Why the draw failed: a file that cannot be read, or a NaN or infinity in it
+        /// ([`AutogradError::NonFiniteStored`]).
+        source: AutogradError,
+    },
     /// A reducer policy refused something or failed (what, and what to change).
     #[error("policy '{policy}': {reason}")]
     Policy {

@@ -305,13 +305,17 @@ pub fn first_non_finite(t: &Tensor) -> Result<Option<(Vec<usize>, f64)>> {
     let Some(flat) = values.iter().position(|v| !v.is_finite()) else {
         return Ok(None);
     };
-    let mut index = vec![0; t.shape().len()];
-    let mut rest = flat;
-    for (i, &dim) in t.shape().iter().enumerate().rev() {
-        index[i] = rest % dim.max(1);
-        rest /= dim.max(1);
+    Ok(Some((row_major_index(flat, t.shape()), values[flat])))
+}
+
+/// The row-major multi-index of element `flat` of a tensor of `shape`.
+pub fn row_major_index(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; shape.len()];
+    for (i, &dim) in shape.iter().enumerate().rev() {
+        index[i] = flat % dim.max(1);
+        flat /= dim.max(1);
     }
-    Ok(Some((index, values[flat])))
+    index
 }
 
 /// Errors with [`ModelError::NonFinite`] (naming `path`, the tensor and the first index)

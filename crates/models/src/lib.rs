@@ -79,8 +79,8 @@ pub use generate::{
 pub use gpt::{Gpt, GptConfig};
 pub use io::{
     check_finite, load_params, load_params_from_tensors, load_params_from_tensors_nonfinite, load_safetensors,
-    load_safetensors_with_metadata, model_state_of_checkpoint, save_params, save_safetensors, write_atomic,
-    NamedTensors, TRAINING_CHECKPOINT_FORMAT,
+    load_safetensors_with_metadata, model_state_of_checkpoint, row_major_index, save_params, save_safetensors,
+    write_atomic, NamedTensors, TRAINING_CHECKPOINT_FORMAT,
 };
 pub use mlp::{Mlp, MlpConfig};
 pub use nn::RngState;

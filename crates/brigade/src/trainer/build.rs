@@ -505,7 +505,7 @@ impl Replica {
         // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
         if let Some(ddp) = &ddp {
             let build = |params: Vec<Var>| cfg.recipe.optimizer.build(params);
-            opt = Box::new(ddp.optimizer(opt, &build)?);
+            opt = Box::new(ddp.optimizer(opt, &build).map_err(|e| in_checkpoint(cfg, Error::Ddp(e)))?);
         }
         Ok(Replica {
             model,
@@ -518,17 +518,32 @@ impl Replica {
 }
 
 /// `e` as a mismatch of the resumed checkpoint where it is one (DDP refused the checkpoint's
-/// bucket grouping or a rank's own state), else as it is.
+/// bucket grouping or a rank's own state, or a policy reading its shards of the checkpoint's
+/// parameters found a NaN or an infinity, as the whole read names it), else as it is.
 fn in_checkpoint(cfg: &TrainConfig, e: Error) -> Error {
+    use brigade_autograd::AutogradError::NonFiniteStored;
+    use brigade_ddp::DdpError;
+    let Some(resumed) = &cfg.runtime.checkpoint.resume else {
+        return e;
+    };
     let mismatch = match &e {
-        Error::Ddp(brigade_ddp::DdpError::BucketGrouping(why)) => CheckpointMismatch::BucketGrouping(why.clone()),
-        Error::Ddp(brigade_ddp::DdpError::RankState(why)) => CheckpointMismatch::RankState(why.clone()),
+        Error::Ddp(DdpError::BucketGrouping(why)) => CheckpointMismatch::BucketGrouping(why.clone()),
+        Error::Ddp(DdpError::RankState(why)) => CheckpointMismatch::RankState(why.clone()),
+        Error::Ddp(DdpError::InitialValues {
+            param,
+            shape,
+            source: NonFiniteStored {
+                path, element, value, ..
+            },
+            ..
+        }) if path == resumed => CheckpointMismatch::NonFinite {
+            tensor: format!("model.{param}"),
+            index: format!("{:?}", brigade_models::row_major_index(*element, shape)),
+            value: value.to_string(),
+        },
         _ => return e,
     };
-    match &cfg.runtime.checkpoint.resume {
-        Some(path) => Error::checkpoint(path, mismatch),
-        None => e,
-    }
+    Error::checkpoint(resumed, mismatch)
 }
 
 /// `model` wrapped in DDP under `policy`, its recorder the rank's and its meter `meter`: NCCL's

@@ -217,6 +217,31 @@ fn a_checkpoint_written_under_allow_nonfinite_resumes_with_it_and_only_with_it()
 }
 
 #[test]
+fn a_zero_3_resume_reading_its_shards_names_a_non_finite_value_as_the_whole_read_does() {
+    let d = dir("drift-nonfinite-zero3");
+    let ck = d.join("ck.safetensors");
+    let base = cat(&[
+        &["train"],
+        &without(MLP, "--lr"),
+        &["--lr", "1e300", "--batch-size", "8", "--world-size", "2", "--zero", "3"],
+    ]);
+    ok(&cat(&[
+        &base,
+        &["--steps", "3", "--allow-nonfinite", "--checkpoint", s(&ck)],
+    ]));
+    // each rank reads only its shards of the parameters, and finds the NaN there
+    let e = fails(&cat(&[&base, &["--steps", "5", "--resume", s(&ck)]]));
+    assert!(
+        e.contains("tensor 'model.layers.") && e.contains("NaN at index [") && e.contains("--allow-nonfinite"),
+        "{e}"
+    );
+    ok(&cat(&[
+        &base,
+        &["--steps", "5", "--allow-nonfinite", "--resume", s(&ck)],
+    ]));
+}
+
+#[test]
 fn a_resume_on_in_order_data_on_other_ranks_reads_on_from_the_row_the_step_reached() {
     let d = dir("drift-world");
     let data = mlp_data(&d, None);

@@ -896,9 +896,11 @@ fn own_master_shards(
             // a parameter not drawn yet: only this rank's piece of it is drawn
             let values = match param.deferred_init() {
                 Some(init) => (init.draw(piece.param_offset, piece.len))
-                    .map_err(|e| DdpError::Policy {
+                    .map_err(|source| DdpError::InitialValues {
                         policy: policy.into(),
-                        reason: format!("parameter '{}': {e}", param.name().unwrap_or("?")),
+                        param: param.name().unwrap_or("?").into(),
+                        shape: param.shape().to_vec(),
+                        source,
                     })?
                     .to_device(device)?,
                 None => param.value().flat_view(piece.param_offset, &[piece.len])?,
