@@ -48,6 +48,26 @@ impl CommBenchConfig {
             memcpy_bytes,
         }
     }
+
+    /// Refuses a run that would report no figure or a meaningless one: no size, a size too
+    /// small to give each of `world` ranks one f32, or a memcpy yardstick of no bytes (its
+    /// bandwidth, every row's denominator, would be 0/0).
+    pub fn check(&self, world: usize) -> Result<(), CommError> {
+        let least = 4 * world.max(1);
+        let bad = |what: String| Err(CommError::InvalidArgument(format!("comm bench: {what}")));
+        if self.sizes.is_empty() {
+            return bad("no buffer size to time; give at least one".into());
+        }
+        if let Some(small) = self.sizes.iter().find(|&&b| b < least) {
+            return bad(format!(
+                "a size of {small} B is too small to split among {world} ranks; each needs at least {least} B"
+            ));
+        }
+        if self.memcpy_bytes == 0 {
+            return bad("the memcpy yardstick copies no bytes; give it at least one".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for CommBenchConfig {
@@ -201,6 +221,7 @@ pub fn time_contenders(
     contenders: &mut [Contender<'_>],
 ) -> Result<Vec<Vec<AllReduceRow>>, CommError> {
     let world = sync.world_size();
+    cfg.check(world)?;
     let mut rows: Vec<Vec<AllReduceRow>> = contenders.iter().map(|_| Vec::new()).collect();
     for &bytes in &cfg.sizes {
         let len = bytes / 4;
@@ -268,6 +289,7 @@ pub fn bench_all_reduce(cfg: &CommBenchConfig) -> Result<Vec<AllReduceRow>, Comm
 
 /// Runs the memcpy yardstick and the all-reduce sizes.
 pub fn run_comm_bench(cfg: &CommBenchConfig) -> Result<CommBenchReport, CommError> {
+    cfg.check(cfg.world_size)?;
     let memcpy_bw = memcpy_bandwidth(cfg.memcpy_bytes, 5);
     let rows = bench_all_reduce(cfg)?;
     Ok(CommBenchReport {
@@ -395,7 +417,27 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::steal_ticks;
+    use super::{run_comm_bench, steal_ticks, CommBenchConfig};
+
+    #[test]
+    fn a_bench_with_nothing_to_time_is_refused_before_it_runs() {
+        for (cfg, says) in [
+            (CommBenchConfig::new(2, vec![], Some(1)), "no buffer size"),
+            (CommBenchConfig::new(2, vec![1024, 4], Some(1)), "4 B is too small"),
+            (
+                CommBenchConfig {
+                    memcpy_bytes: 0,
+                    ..CommBenchConfig::new(2, vec![1024], Some(1))
+                },
+                "copies no bytes",
+            ),
+        ] {
+            let e = run_comm_bench(&cfg).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+        let ran = run_comm_bench(&CommBenchConfig::new(2, vec![1024], Some(1))).unwrap();
+        assert!(ran.memcpy_bw.is_finite() && ran.memcpy_bw > 0.0);
+    }
 
     #[test]
     fn steal_is_the_eighth_number_of_the_aggregate_cpu_line() {

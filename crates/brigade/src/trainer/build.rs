@@ -505,7 +505,10 @@ impl Replica {
         // The policy builds what is stepped (ZeRO: this rank's shard of every bucket only).
         if let Some(ddp) = &ddp {
             let build = |params: Vec<Var>| cfg.recipe.optimizer.build(params);
-            opt = Box::new(ddp.optimizer(opt, &build).map_err(|e| in_checkpoint(cfg, Error::Ddp(e)))?);
+            opt = Box::new(
+                ddp.optimizer(opt, &build)
+                    .map_err(|e| in_checkpoint(cfg, Error::Ddp(e)))?,
+            );
         }
         Ok(Replica {
             model,
