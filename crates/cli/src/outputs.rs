@@ -48,6 +48,12 @@ impl Output {
 /// resolved, so that two spellings of one file compare equal.
 fn landing(o: &Output) -> Result<PathBuf> {
     let usage = |m: String| Error::Usage(format!("{} {}: {m}", o.flag, o.path.display()));
+    // `out/` or `out/.` names a directory, though the path's last component reads `out`: the
+    // write would fail (not a directory) after the whole run
+    let spelled = o.path.as_os_str().as_encoded_bytes();
+    if spelled.ends_with(b"/") || spelled.ends_with(b"/.") || spelled == b"." {
+        return Err(usage("names a directory, not a file; give a file name".into()));
+    }
     let target = brigade_models::io::write_target(&o.path).map_err(|e| usage(e.to_string()))?;
     if target.is_dir() {
         return Err(usage("is a directory; give a file name".into()));

@@ -69,6 +69,13 @@ fn every_output_path_is_checked_before_step_0() {
     // an output that is a directory
     let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", "--losses", s(&d)]]));
     assert!(e.contains("is a directory"), "{e}");
+    // a path spelled as a directory that does not exist yet: its write would fail after the run
+    for flag in ["--save", "--losses", "--timeline", "--checkpoint", "--profile"] {
+        for spelled in [format!("{}/new/", d.display()), format!("{}/new/.", d.display())] {
+            let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", flag, &spelled]]));
+            assert!(e.contains(&format!("{flag} {spelled}: names a directory")), "{e}");
+        }
+    }
     // two outputs on one file, however spelled
     let e = fails(&cat(&[
         &["train"],
