@@ -44,6 +44,26 @@ impl RunArgs {
         Ok(())
     }
 
+    /// Refuses the run's own policy spelled as `--comm-hook` or `--zero` beside a command's
+    /// list of policies (sweep's and study's `--policy`), which would otherwise go unread.
+    pub fn check_no_policy_alias(&self) -> Result<()> {
+        let d = &self.distributed;
+        if let Some(hook) = &d.comm_hook_alias {
+            return Err(Error::Usage(format!(
+                "--comm-hook {hook} with --policy: name every hook in --policy instead"
+            )));
+        }
+        if d.zero != 0 {
+            let spec = brigade::policies::ZeroStage::from_level(d.zero).and_then(PolicySpec::zero);
+            return Err(Error::Usage(format!(
+                "--zero {} with --policy: name {} in --policy instead",
+                d.zero,
+                spec.map_or(String::new(), |p| p.to_string())
+            )));
+        }
+        Ok(())
+    }
+
     /// [`RunArgs::validate`] for a run under `policy` rather than the run's own (a policy
     /// sweep's rows): every flag, and the flags that do not combine with `policy`.
     pub fn validate_for(&self, policy: &PolicySpec) -> Result<()> {

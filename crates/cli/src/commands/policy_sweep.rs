@@ -102,19 +102,7 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             specs[again - 1]
         ));
     }
-    if let Some(hook) = &s.run.distributed.comm_hook_alias {
-        return bad(format!(
-            "--comm-hook {hook} with --policy: name every hook in --policy instead"
-        ));
-    }
-    if s.run.distributed.zero != 0 {
-        let z = s.run.distributed.zero;
-        let spec = brigade::policies::ZeroStage::from_level(z).and_then(PolicySpec::zero);
-        return bad(format!(
-            "--zero {z} with --policy: name {} in --policy instead",
-            spec.map_or(String::new(), |p| p.to_string())
-        ));
-    }
+    s.run.check_no_policy_alias()?;
     s.run.check_settings_flags(&specs, true)?;
     rows(s, specs, opts, late)
 }

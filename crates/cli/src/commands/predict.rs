@@ -16,7 +16,7 @@ use crate::args::check_link;
 use crate::error::{Error, Result};
 
 /// Largest `--world-size` to predict for.
-const MAX_WORLD: usize = 1 << 20;
+pub(crate) const MAX_WORLD: usize = 1 << 20;
 
 /// Options of `brigade predict`.
 #[derive(Args, Clone, Debug)]

@@ -20,6 +20,7 @@ use clap::Args;
 use plotters::prelude::*;
 
 use crate::args::RunArgs;
+use crate::commands::predict::MAX_WORLD;
 use crate::commands::sweep_args::make_out_dir;
 use crate::error::{Error, Result};
 use crate::outputs::write_atomic;
@@ -88,6 +89,24 @@ pub fn study(s: StudyArgs) -> Result<()> {
             specs[again - 1]
         )));
     }
+    if let Some((first, again)) = brigade::study::repeated(&s.target_loss) {
+        return Err(Error::Usage(format!(
+            "--target-loss lists {} twice (entries {first} and {again}): give each once",
+            s.target_loss[again - 1]
+        )));
+    }
+    if let Some((first, again)) = brigade::study::repeated(&s.predict_world_sizes) {
+        return Err(Error::Usage(format!(
+            "--predict-world-sizes lists {} twice (entries {first} and {again}): give each once",
+            s.predict_world_sizes[again - 1]
+        )));
+    }
+    if let Some(n) = s.predict_world_sizes.iter().find(|n| !(1..=MAX_WORLD).contains(*n)) {
+        return Err(Error::Usage(format!(
+            "--predict-world-sizes must each be between 1 and {MAX_WORLD}, got {n}"
+        )));
+    }
+    a.check_no_policy_alias()?;
     // every flag is checked under each policy of the list, not the run's own (`train --policy`);
     // one wrong under any policy is the run's, said without naming a policy
     a.check_settings_flags(&specs, true)?;
@@ -183,13 +202,21 @@ fn links(s: &StudyArgs) -> Result<Vec<brigade::comm::NetModel>> {
         };
         (("--predict-gbps", g), us)
     });
-    run.into_iter()
-        .chain(predicted)
-        .map(|((gbps_flag, g), us)| {
-            crate::args::check_link_of((gbps_flag, Some(g)), us)?;
-            Ok(net_model(g, us.1))
-        })
-        .collect()
+    let links: Vec<_> = run.into_iter().chain(predicted).collect();
+    for ((gbps_flag, g), us) in &links {
+        crate::args::check_link_of((gbps_flag, Some(*g)), *us)?;
+    }
+    // one link twice would be one prediction twice, in every table and chart
+    let values: Vec<(f64, f64)> = links.iter().map(|((_, g), (_, us))| (*g, *us)).collect();
+    if let Some((first, again)) = brigade::study::repeated(&values) {
+        let ((flag, g), (_, us)) = links[again - 1];
+        let ((earlier, _), _) = links[first - 1];
+        return Err(Error::Usage(match earlier == flag {
+            true => format!("{flag} lists the link {g} Gb/s at {us} µs twice: give each link once"),
+            false => format!("{flag} {g} at {us} µs repeats the link of {earlier}: give each link once"),
+        }));
+    }
+    Ok(values.into_iter().map(|(g, us)| net_model(g, us)).collect())
 }
 
 /// One `--target-loss` entry: a finite number of 0 or more (clap's value parser; the message is the

@@ -534,3 +534,79 @@ fn a_policy_listed_twice_is_refused_in_one_line_before_anything_runs() {
     assert!(e.contains("--policy lists allreduce twice (entries 1 and 3)"), "{e}");
     assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing is written");
 }
+
+#[test]
+fn a_flag_the_study_would_not_read_or_would_read_twice_is_refused_before_anything_runs() {
+    let d = dir("study_unread");
+    let out = d.join("out");
+    let run = without(RUN, "--policy");
+    let study = |extra: &[&str]| {
+        fails(
+            &[
+                &run[..],
+                &["--policy", "allreduce,fp16", "--out", out.to_str().unwrap()],
+                extra,
+            ]
+            .concat(),
+        )
+    };
+    for (extra, says) in [
+        (
+            &["--net-gbps", "1", "--target-loss", "0.5", "--zero", "1"][..],
+            "--zero 1 with --policy: name zero1 in --policy instead",
+        ),
+        (
+            &["--net-gbps", "1", "--target-loss", "0.5", "--comm-hook", "fp16"],
+            "--comm-hook fp16 with --policy",
+        ),
+        (
+            &["--net-gbps", "1", "--target-loss", "0.5,0.3,0.5"],
+            "--target-loss lists 0.5 twice (entries 1 and 3)",
+        ),
+        (
+            &[
+                "--net-gbps",
+                "1",
+                "--target-loss",
+                "0.5",
+                "--predict-world-sizes",
+                "4,8,4",
+            ],
+            "--predict-world-sizes lists 4 twice (entries 1 and 3)",
+        ),
+        (
+            &[
+                "--net-gbps",
+                "1",
+                "--target-loss",
+                "0.5",
+                "--predict-world-sizes",
+                "100000000",
+            ],
+            "--predict-world-sizes must each be between 1 and",
+        ),
+        (
+            &["--net-gbps", "1", "--target-loss", "0.5", "--predict-gbps", "10,1"],
+            "--predict-gbps 1 at 0 µs repeats the link of --net-gbps",
+        ),
+    ] {
+        let e = study(extra);
+        assert!(e.contains(says), "{extra:?}: {e}");
+        assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    }
+    // one bandwidth at two latencies is two links
+    let e = study(&[
+        "--net-gbps",
+        "1",
+        "--target-loss",
+        "0.5",
+        "--predict-gbps",
+        "1",
+        "--predict-latency-us",
+        "100",
+        "--zero",
+        "2",
+    ]);
+    assert!(e.contains("--zero 2 with --policy"), "{e}");
+    assert!(!out.exists(), "nothing is written");
+}
