@@ -22,7 +22,10 @@ pub struct Metered {
 
 /// Seconds the collectives of one wrapper held the comm stream, added up as they complete
 /// (clones share it): what a step profile separates from a policy's own compute; with when the
-/// last of them left the stream, and a wrapper it also reports to ([`LinkTime::within`]).
+/// last of them left the stream, and a wrapper it also reports to ([`LinkTime::within`]). A
+/// span that overlaps those counted before it (collectives issued together, each timed from
+/// when the stream took it up while the one before still held the link) adds only its part
+/// after them: the seconds are the union of the spans, never more than the time they covered.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct LinkTime(std::sync::Arc<std::sync::Mutex<Held>>);
 
@@ -50,7 +53,11 @@ impl LinkTime {
     fn add(&self, d: Duration, left: std::time::Instant) {
         let outer = {
             let mut h = self.lock();
-            h.seconds += d.as_secs_f64();
+            // the stream starts and completes its collectives in order: what this span shares
+            // with the union so far lies before the last one left
+            let start = left.checked_sub(d).unwrap_or(left);
+            let from = h.left.map_or(start, |l| l.max(start));
+            h.seconds += left.saturating_duration_since(from).as_secs_f64();
             h.left = Some(h.left.map_or(left, |l| l.max(left)));
             h.outer.clone()
         };
@@ -167,5 +174,29 @@ impl ProcessGroup for Metered {
         self.issue(RingOp::AllGather, sent, |g| {
             g.all_gather_sparse(values, indices, capacity, tag)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn spans_that_overlap_are_counted_once() {
+        // Three collectives issued together: the first on the link 0..1 ms, the second timed
+        // from 0.5 ms (taken up while the first held the link) to 2 ms, the third 3..4 ms after
+        // a gap. Their union is 0..2 and 3..4 ms: 3 ms, where their durations add up to 3.5 ms.
+        let t0 = Instant::now();
+        let ms = |m: f64| t0 + Duration::from_secs_f64(m * 1e-3);
+        let outer = LinkTime::default();
+        let link = LinkTime::within(&outer);
+        link.add(Duration::from_micros(1000), ms(1.0));
+        link.add(Duration::from_micros(1500), ms(2.0));
+        link.add(Duration::from_micros(1000), ms(4.0));
+        for (what, l) in [("the wrapper", &link), ("the one it reports to", &outer)] {
+            assert!((l.seconds() - 3e-3).abs() < 1e-9, "{what}: {} s", l.seconds());
+        }
+        assert_eq!(link.left(), Some(ms(4.0)));
     }
 }

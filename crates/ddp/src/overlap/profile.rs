@@ -162,17 +162,29 @@ impl BucketProfile {
     /// The policy's compute before the bucket's collectives, inside its `reduce` (0 when not
     /// recorded).
     pub fn reduce_s(&self) -> f64 {
-        self.issued_s.map_or(0.0, |i| (i - self.launch_s).max(0.0))
+        self.issued_s.map_or(0.0, |_| self.issued_by() - self.launch_s)
     }
 
-    /// The policy's own compute between and after the bucket's collectives, once its `reduce`
-    /// returned (0 when not recorded).
+    /// The policy's own compute between and after the bucket's collectives, once it had issued
+    /// them (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
-        // a chained policy's collectives may be counted from before the bucket was handed over;
-        // the compute inside `reduce`, before them, is `reduce_s`
-        let issued = self.issued_s.unwrap_or(self.launch_s).max(self.launch_s);
         self.link_s
-            .map_or(0.0, |l| (self.finish_s - self.start_s.max(issued) - l).max(0.0))
+            .map_or(0.0, |l| (self.finish_s - self.start_s.max(self.issued_by()) - l).max(0.0))
+    }
+
+    /// When the policy had issued the bucket's collectives: when its `reduce` returned, or when
+    /// they started on the link if that came first. A collective starts only once this rank
+    /// issued it, so what `reduce` spent after the start (its thread kept from returning, on
+    /// busy cores by the transfer it set off) was not compute before it. A start before the
+    /// bucket was handed over is an earlier bucket's (a chained policy's collectives are
+    /// counted from the chain's first) and bounds nothing.
+    fn issued_by(&self) -> f64 {
+        let issued = self.issued_s.unwrap_or(self.launch_s).max(self.launch_s);
+        if self.start_s >= self.launch_s {
+            issued.min(self.start_s)
+        } else {
+            issued
+        }
     }
 }
 

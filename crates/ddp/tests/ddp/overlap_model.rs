@@ -1322,6 +1322,29 @@ fn a_policys_compute_before_its_collective_delays_the_collective() {
 }
 
 #[test]
+fn what_reduce_spent_after_its_collective_started_does_not_delay_the_collective() {
+    // One 1 MiB gradient ready at 10 ms on both ranks. Rank 1's `reduce` returned at 10.8 ms,
+    // but its collective started on the link at 10.2 ms (rank 0 had issued it at 10.1 ms): rank
+    // 1 had issued it by then, and the 0.6 ms after it were not compute before it. On the ring
+    // the bucket starts when the last rank issued it, 10.2 ms, and takes 2 ms + 1 MiB / 1 GiB/s;
+    // the recorded bucket held the comm stream 10.2..13.5 ms, its collective 3 ms of it: 0.3 ms
+    // of compute after the collective, replayed after the ring's time.
+    let mut p = profile(&[(MIB, 0.010)], 0.0102);
+    for (r, issued) in p.ranks.iter_mut().zip([0.0101, 0.0108]) {
+        let mut b = recorded(vec![0], MIB, 0.010, 0.0102, 0.0135);
+        (b.issued_s, b.link_s) = (Some(issued), Some(0.003));
+        r.buckets = vec![b];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.0135, 0.0145, 0.0145);
+    }
+    close(p.ranks[1].buckets[0].reduce_s(), 0.0002, "rank 1's compute before its collective");
+    close(p.ranks[1].buckets[0].policy_compute_s(), 0.0003, "its compute after the collective");
+    let r = replay_with(&p, &cfg(25.0, 25.0), LaunchOverhead::default()).unwrap();
+    let link_s = 0.002 + 1.0 / 1024.0;
+    close(r.buckets[0].start_s, 0.0102, "the bucket starts when rank 1 had issued it");
+    close(r.buckets[0].finish_s, 0.0102 + link_s + 0.0003, "its collective, then the compute after it");
+}
+
+#[test]
 fn a_collective_that_waited_for_the_previous_buckets_continuation_does_not_measure_the_link() {
     // Buckets of 1 MiB and 256 KiB recorded one after the other on the 1 ms, 1 GiB/s link fix
     // it; a third bucket, issued while the second's continuation still held the comm stream,
