@@ -284,6 +284,16 @@ impl RunArgs {
                 compact(self.distributed.timeout_s)
             ));
         }
+        let latency_s = self.distributed.net_latency_us * 1e-6;
+        if self.distributed.net_gbps.is_some() && latency_s >= self.distributed.timeout_s {
+            return bad(format!(
+                "--net-latency-us {} is {} s a message, at least --timeout-s {}: every collective would time out; \
+                 raise --timeout-s or lower the latency",
+                compact(self.distributed.net_latency_us),
+                compact(latency_s),
+                compact(self.distributed.timeout_s)
+            ));
+        }
         if self.runtime.untimed_steps >= self.recipe.steps && self.recipe.steps > 0 {
             return bad(format!(
                 "--untimed-steps {} leaves no step of --steps {} to time",

@@ -116,10 +116,10 @@ fn rows(
     late: &Arc<LateHeldOut>,
 ) -> Result<Vec<(PolicySpec, TrainConfig)>> {
     if s.repeat != 1 {
-        return Err(Error::Usage(format!(
-            "--repeat {} is for sweeps of bucket caps; a --policy sweep runs each policy once",
-            s.repeat
-        )));
+        return Err(Error::Usage(match s.repeat {
+            0 => "--repeat must be at least 1, got 0 (and a --policy sweep runs each policy once)".into(),
+            n => format!("--repeat {n} is for sweeps of bucket caps; a --policy sweep runs each policy once"),
+        }));
     }
     let caps = s.run.fixed_caps()?;
     if caps.len() != 1 {

@@ -200,6 +200,10 @@ fn numeric_flags_are_checked_before_step_0() {
         (&["--net-gbps", "inf"], "--net-gbps"),
         (&["--net-gbps", "1", "--net-latency-us", "1e300"], "--net-latency-us"),
         (&["--net-latency-us", "5"], "needs --net-gbps"),
+        (
+            &["--net-gbps", "1", "--net-latency-us", "3e6", "--timeout-s", "1"],
+            "--net-latency-us 3e6 is 3 s a message, at least --timeout-s 1",
+        ),
         (&["--bucket-mb", "inf"], "--bucket-mb"),
         (&["--first-bucket-mb", "nan"], "--first-bucket-mb"),
         (
@@ -615,6 +619,8 @@ fn a_failing_sweep_leaves_the_earlier_sweeps_files_as_they_were() {
     // and before any run
     let e = fails(&refs(&sweep(&["--bucket-mb", "4", "--repeat", "18446744073709551615"])));
     assert!(e.contains("--repeat must be between 1 and"), "{e}");
+    let e = fails(&refs(&sweep(&["--policy", "allreduce,fp16", "--repeat", "0"])));
+    assert!(e.contains("--repeat must be at least 1, got 0"), "{e}");
     let init = out.join("timeline_9MiB.json");
     std::fs::write(&init, b"the user's own file").unwrap();
     let e = fails(&refs(&sweep(&["--bucket-mb", "4", "--init", s(&init)])));

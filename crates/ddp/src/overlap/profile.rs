@@ -168,8 +168,9 @@ impl BucketProfile {
     /// The policy's own compute between and after the bucket's collectives, once it had issued
     /// them (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
-        self.link_s
-            .map_or(0.0, |l| (self.finish_s - self.start_s.max(self.issued_by()) - l).max(0.0))
+        self.link_s.map_or(0.0, |l| {
+            (self.finish_s - self.start_s.max(self.issued_by()) - l).max(0.0)
+        })
     }
 
     /// When the policy had issued the bucket's collectives: when its `reduce` returned, or when

@@ -1336,12 +1336,28 @@ fn what_reduce_spent_after_its_collective_started_does_not_delay_the_collective(
         r.buckets = vec![b];
         (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.0135, 0.0145, 0.0145);
     }
-    close(p.ranks[1].buckets[0].reduce_s(), 0.0002, "rank 1's compute before its collective");
-    close(p.ranks[1].buckets[0].policy_compute_s(), 0.0003, "its compute after the collective");
+    close(
+        p.ranks[1].buckets[0].reduce_s(),
+        0.0002,
+        "rank 1's compute before its collective",
+    );
+    close(
+        p.ranks[1].buckets[0].policy_compute_s(),
+        0.0003,
+        "its compute after the collective",
+    );
     let r = replay_with(&p, &cfg(25.0, 25.0), LaunchOverhead::default()).unwrap();
     let link_s = 0.002 + 1.0 / 1024.0;
-    close(r.buckets[0].start_s, 0.0102, "the bucket starts when rank 1 had issued it");
-    close(r.buckets[0].finish_s, 0.0102 + link_s + 0.0003, "its collective, then the compute after it");
+    close(
+        r.buckets[0].start_s,
+        0.0102,
+        "the bucket starts when rank 1 had issued it",
+    );
+    close(
+        r.buckets[0].finish_s,
+        0.0102 + link_s + 0.0003,
+        "its collective, then the compute after it",
+    );
 }
 
 #[test]
