@@ -27,6 +27,37 @@ pub fn prepare(dir: &Path) -> Result<()> {
     check_outputs(&[Output::new("--tensorboard", &dir.join("events.out.tfevents"))])
 }
 
+/// [`prepare`] for a run that writes `outputs` too, whose own checks (`check`) follow: refuses a
+/// directory on the path of one of them, and removes the directories it made when `check`
+/// fails (a refused run leaves nothing behind).
+pub fn prepare_then(dir: &Path, outputs: &[Output], check: impl FnOnce() -> Result<()>) -> Result<()> {
+    let here = crate::outputs::resolved("--tensorboard", dir);
+    if let Some(o) = outputs
+        .iter()
+        .find(|o| here.is_some() && crate::outputs::resolved(&o.flag, &o.path) == here)
+    {
+        return Err(Error::Usage(format!(
+            "--tensorboard {} and {} {} are the same path: give the event files' directory its own",
+            dir.display(),
+            o.flag,
+            o.path.display()
+        )));
+    }
+    let made: Vec<std::path::PathBuf> = dir
+        .ancestors()
+        .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
+        .map(Path::to_path_buf)
+        .collect();
+    let checked = prepare(dir).and_then(|()| check());
+    if checked.is_err() {
+        // deepest first; a directory that holds anything now is not ours to remove
+        for d in &made {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+    checked
+}
+
 /// The directory of one run of a sweep or study in `dir` ([`brigade::tensorboard::run_dir`]).
 pub fn run_dir(dir: &Path, name: &str) -> std::path::PathBuf {
     brigade::tensorboard::run_dir(dir, name)

@@ -166,16 +166,22 @@ impl TrainArgs {
         {
             return bad(format!("--plot {} draws SVG: give a FILE.svg", p.display()));
         }
-        // before the outputs' check: an output at DIR is then a directory's
-        if let Some(dir) = &self.tensorboard {
-            crate::tensorboard::prepare(dir)?;
+        // made before the outputs' check (an output at DIR is then a directory's), and removed
+        // again when a check fails
+        match &self.tensorboard {
+            Some(dir) => crate::tensorboard::prepare_then(dir, &self.outputs(), || self.check_inputs_and_files()),
+            None => self.check_inputs_and_files(),
         }
+    }
+
+    /// The checks of [`TrainArgs::validate`] on the files the run reads and writes.
+    fn check_inputs_and_files(&self) -> Result<()> {
         if let (Some(resume), Some(init)) = (&self.resume, &self.run.model.init) {
-            return bad(format!(
+            return Err(Error::Usage(format!(
                 "--resume {} already holds the parameters; drop --init {} (or start afresh without --resume)",
                 resume.display(),
                 init.display()
-            ));
+            )));
         }
         if let (Some(resume), crate::args::ModelName::Gpt) = (&self.resume, self.run.model.model) {
             let given = self.run.model.tokenizer;

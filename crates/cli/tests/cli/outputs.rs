@@ -121,6 +121,27 @@ fn every_output_path_is_checked_before_step_0() {
 }
 
 #[test]
+fn a_refused_run_leaves_no_tensorboard_directory_and_names_a_clash_with_it() {
+    let d = dir("tb-refused");
+    let (t, tb) = (d.join("t.json"), d.join("new").join("tb"));
+    // the chart of --timeline on the path of --tensorboard
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "1", "--timeline", s(&t), "--tensorboard", s(&d.join("t.svg"))],
+    ]));
+    assert!(e.contains("are the same path") && e.contains("--timeline (its chart)"), "{e}");
+    // another output refused: the directories --tensorboard made are gone again
+    let e = fails(&cat(&[
+        &["train"],
+        MLP,
+        &["--steps", "1", "--losses", "/proc/x.csv", "--tensorboard", s(&tb)],
+    ]));
+    assert!(e.contains("--losses /proc/x.csv"), "{e}");
+    assert_eq!(files(&d), Vec::<String>::new());
+}
+
+#[test]
 fn writing_through_a_symbolic_link_writes_its_target() {
     let d = dir("symlink");
     let real = d.join("real.csv");
