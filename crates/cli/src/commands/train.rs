@@ -200,6 +200,18 @@ impl TrainArgs {
     pub fn check_files(&self) -> Result<()> {
         self.check_checkpoint_flags()?;
         let outputs = self.outputs();
+        // `{step}` is a checkpoint's (one file a step); any other output is written once
+        if let Some(o) = outputs
+            .iter()
+            .find(|o| o.flag != "--checkpoint" && o.path.to_string_lossy().contains("{step}"))
+        {
+            return Err(Error::Usage(format!(
+                "{} {}: {{step}} names each checkpoint's step in --checkpoint; {} is written once, at the end",
+                o.flag,
+                o.path.display(),
+                o.flag
+            )));
+        }
         check_outputs(&outputs)?;
         let inputs = self.inputs();
         crate::outputs::check_inputs_are_files(&inputs)?;

@@ -128,9 +128,19 @@ fn a_refused_run_leaves_no_tensorboard_directory_and_names_a_clash_with_it() {
     let e = fails(&cat(&[
         &["train"],
         MLP,
-        &["--steps", "1", "--timeline", s(&t), "--tensorboard", s(&d.join("t.svg"))],
+        &[
+            "--steps",
+            "1",
+            "--timeline",
+            s(&t),
+            "--tensorboard",
+            s(&d.join("t.svg")),
+        ],
     ]));
-    assert!(e.contains("are the same path") && e.contains("--timeline (its chart)"), "{e}");
+    assert!(
+        e.contains("are the same path") && e.contains("--timeline (its chart)"),
+        "{e}"
+    );
     // another output refused: the directories --tensorboard made are gone again
     let e = fails(&cat(&[
         &["train"],
@@ -138,6 +148,13 @@ fn a_refused_run_leaves_no_tensorboard_directory_and_names_a_clash_with_it() {
         &["--steps", "1", "--losses", "/proc/x.csv", "--tensorboard", s(&tb)],
     ]));
     assert!(e.contains("--losses /proc/x.csv"), "{e}");
+    assert_eq!(files(&d), Vec::<String>::new());
+    // {step} is a checkpoint's; another output would keep it as a literal name
+    for flag in ["--losses", "--save", "--timeline"] {
+        let p = d.join("at-{step}.out");
+        let e = fails(&cat(&[&["train"], MLP, &["--steps", "1", flag, s(&p)]]));
+        assert!(e.contains(&format!("{flag} {}: {{step}} names", p.display())), "{e}");
+    }
     assert_eq!(files(&d), Vec::<String>::new());
 }
 
