@@ -10,9 +10,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::work::Due;
 use crate::{CommError, NetModel, RingOp, Work};
-
-type SimJob = Box<dyn FnOnce() + Send>;
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
@@ -179,15 +178,19 @@ impl LinkClock {
 
 /// A simulated stream's delay stage: each collective's work, completed by the transport, is
 /// completed again at its modelled finish on the link (the slot of [`SharedLink`] or of a
-/// rank's own link), by a helper thread that sleeps until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
-/// its timing. A blocking collective issued while nothing is in flight runs on the caller
-/// instead ([`LinkStage::hold`]), as on a stream without a link.
+/// rank's own link), and reports `sim_start`/`sim_finish` as its timing. The slot is decided on
+/// the thread that ran the transfer, as it finishes; the completion at the slot's finish (with
+/// whatever is chained on the work) runs on the thread that waits for the work, or for a work
+/// chained on it, which sleeps until then on its own, as a thread rank's waiter is woken by the
+/// comm thread that finished; with no such waiter, the link's timer thread runs it at the
+/// finish while the stream goes on. A blocking collective issued while nothing is in flight
+/// runs on the caller instead ([`LinkStage::hold`]), as on a stream without a link.
 pub(crate) struct LinkStage {
     model: NetModel,
     world: usize,
-    jobs: mpsc::Sender<SimJob>,
+    timer: mpsc::Sender<Arc<Due>>,
     clock: Arc<Mutex<LinkClock>>,
-    /// Collectives handed to the helper thread and not yet completed.
+    /// Collectives issued on the link and not yet completed.
     in_flight: Arc<AtomicUsize>,
 }
 
@@ -217,19 +220,24 @@ impl LinkStage {
     }
 
     fn with_clock(model: NetModel, rank: usize, world: usize, clock: LinkClock) -> Self {
-        let (tx, rx) = mpsc::channel::<SimJob>();
+        let (tx, rx) = mpsc::channel::<Arc<Due>>();
         thread::Builder::new()
             .name(format!("sim-net-{rank}"))
             .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    job();
+                while let Ok(due) = rx.recv() {
+                    complete_unclaimed(&due);
                 }
             })
             .expect("spawn simulated network thread");
+        Self::with_timer(model, world, clock, tx)
+    }
+
+    /// A stage whose due completions go to `timer` when no waiter takes them.
+    fn with_timer(model: NetModel, world: usize, clock: LinkClock, timer: mpsc::Sender<Arc<Due>>) -> Self {
         LinkStage {
             model,
             world,
-            jobs: tx,
+            timer,
             clock: Arc::new(Mutex::new(clock)),
             in_flight: Arc::new(AtomicUsize::new(0)),
         }
@@ -248,9 +256,7 @@ impl LinkStage {
 
     /// The link's part of a blocking collective `kind` on `bytes` bytes, issued with `ticket`,
     /// whose transfer the caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
-    /// as the helper thread would and returns at the slot's finish, on the caller's thread: no
-    /// helper thread wakes, and the caller wakes on its own at the modelled finish (a hand-over
-    /// from the helper costs a wake-up, which on shared cores is often longer than the link).
+    /// as [`LinkStage::delay`] would and returns at the slot's finish, on the caller's thread.
     pub(crate) fn hold<T>(
         &self,
         ticket: Ticket,
@@ -271,7 +277,8 @@ impl LinkStage {
     }
 
     /// `inner` (collective `kind` on `bytes` bytes, issued with `ticket`) completed at its
-    /// modelled finish.
+    /// modelled finish. A waiter of the returned work (or of one chained on it) may run the
+    /// transfer, as it may on a stream without a link, and the completion at the finish.
     pub(crate) fn delay<T: Send + 'static>(
         &self,
         ticket: Arc<Ticket>,
@@ -282,31 +289,52 @@ impl LinkStage {
     ) -> Work<T> {
         let model_time = self.model.time(kind, bytes, self.world);
         let (outer, promise) = Work::pending(inner.rank(), inner.tag(), timeout);
+        let outer = outer.lending_helper(inner.take_helper());
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let counted = InFlight(self.in_flight.clone());
         let clock = self.clock.clone();
-        let job: SimJob = Box::new(move || {
-            // The transport bounds its own waits, so this returns.
-            match inner.wait_timed_timeout(Duration::MAX) {
-                Ok((value, timing)) => {
-                    // A rank that came early waits for the late one, then for the link.
-                    let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
-                    promise.start_at(sim_start);
-                    sleep_until(sim_finish);
-                    // off the link before the waiter wakes: its next blocking collective may
-                    // take the link on its own thread
-                    drop(counted);
-                    promise.complete_at(Ok(value), sim_finish);
-                }
-                Err(err) => {
-                    drop(counted);
-                    promise.complete(Err(err))
+        let timer = self.timer.clone();
+        // on the thread that ran the transfer, as it finishes
+        inner.on_complete(move |result, timing| match result {
+            Ok(value) => {
+                // A rank that came early waits for the late one, then for the link.
+                let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
+                promise.start_at(sim_start);
+                let due = promise.complete_due(sim_finish, move |promise| {
+                    Box::new(move || {
+                        sleep_until(sim_finish);
+                        // off the link before the waiter goes on: its next blocking collective
+                        // may take the link on its own thread
+                        drop(counted);
+                        promise.complete_at(Ok(value), sim_finish);
+                    })
+                });
+                if let Err(unsent) = timer.send(due) {
+                    // no timer thread (it panicked): complete it here
+                    if let Some(job) = unsent.0.take() {
+                        job();
+                    }
                 }
             }
+            Err(err) => {
+                drop(counted);
+                promise.complete(Err(err))
+            }
         });
-        // A send error drops the promise, completing `outer` with `CommError::Closed`.
-        let _ = self.jobs.send(job);
         outer
+    }
+}
+
+/// The timer's part of `due`: unless a waiter takes it first, runs its job at its instant.
+/// The timer waits on the job (a waiter taking it wakes it at once, inside the slot) until
+/// `SPIN_TAIL` before the instant, so it does not wake at the finish beside the waiter.
+fn complete_unclaimed(due: &Due) {
+    let until = due.at().checked_sub(SPIN_TAIL).unwrap_or(due.at());
+    if due.wait_taken(until) {
+        return;
+    }
+    if let Some(job) = due.take() {
+        job();
     }
 }
 
