@@ -361,3 +361,135 @@ fn sleep_until(t: Instant) {
         thread::yield_now();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The link's completion path, with its timer thread replaced by a channel nobody serves
+    //! (so only the waiter can complete a collective) or kept (so only the timer can): which
+    //! thread completes a collective, and when, never depends on scheduling here.
+
+    use std::sync::mpsc::Receiver;
+    use std::thread::ThreadId;
+
+    use super::*;
+    use crate::{Promise, WorkEvent};
+
+    const TIMEOUT: Duration = Duration::from_secs(20);
+
+    fn model() -> NetModel {
+        NetModel {
+            latency: Duration::from_millis(2),
+            bandwidth_bytes_per_s: 1e9,
+        }
+    }
+
+    /// A stage of world 2 on a rank's own link whose timer never fires: the receiver is kept.
+    fn unserved_stage() -> (LinkStage, Receiver<Arc<Due>>) {
+        let (tx, rx) = mpsc::channel();
+        let clock = LinkClock::Own { free: Instant::now() };
+        (LinkStage::with_timer(model(), 2, clock, tx), rx)
+    }
+
+    /// A collective of 1 KiB issued on `stage`, whose transfer the returned promise finishes.
+    fn issue(stage: &LinkStage) -> (Work<u32>, Promise<u32>) {
+        let (inner, transfer) = Work::pending(0, "bucket", TIMEOUT);
+        let ticket = Arc::new(stage.ticket());
+        (stage.delay(ticket, inner, RingOp::AllReduce, 1024, TIMEOUT), transfer)
+    }
+
+    /// When `work` finishes, as its observers are told.
+    fn finish_of<T>(work: &Work<T>) -> Arc<Mutex<Option<Instant>>> {
+        let at = Arc::new(Mutex::new(None));
+        let seen = at.clone();
+        work.observe(move |event| {
+            if let WorkEvent::Finished { at, .. } = event {
+                *seen.lock().unwrap() = Some(at);
+            }
+        });
+        at
+    }
+
+
+    #[test]
+    fn the_waiter_of_a_chained_work_completes_the_collective_at_its_slots_finish_on_its_own_thread() {
+        let (stage, timer) = unserved_stage();
+        let (work, transfer) = issue(&stage);
+        let finished = finish_of(&work);
+        let chained = work.then(|v| Ok((v, thread::current().id())));
+        transfer.start();
+        transfer.complete(Ok(7));
+        // the slot was decided as the transfer finished, and its completion handed to the timer
+        let due = timer.try_recv().expect("the link handed the completion to its timer");
+        let ((value, ran_on), timing) = chained.wait_timed().expect("the waiter completes it");
+        let returned = Instant::now();
+        assert_eq!(value, 7);
+        assert_eq!(ran_on, thread::current().id(), "the continuation ran on another thread");
+        assert!(due.take().is_none(), "the waiter left the completion to the timer");
+        let finished = finished.lock().unwrap().expect("the collective finished");
+        assert_eq!(finished, due.at(), "the work's finish is not the slot's");
+        assert_eq!(finished - timing.started, model().time(RingOp::AllReduce, 1024, 2));
+        assert!(returned >= finished, "the waiter returned before the slot's finish");
+        assert!(stage.idle(), "the collective is still counted on the link");
+    }
+
+    #[test]
+    fn the_waiter_of_an_and_then_runs_the_chained_collectives_transfer_and_completion_after_the_first() {
+        let (stage, timer) = unserved_stage();
+        let stage = Arc::new(stage);
+        let (first, transfer) = issue(&stage);
+        let first_finish = finish_of(&first);
+        let ran = Arc::new(Mutex::new(Vec::<(&str, ThreadId)>::new()));
+        let (log, issuer) = (ran.clone(), stage.clone());
+        let chained = first
+            .and_then(move |v| {
+                log.lock().unwrap().push(("issued", thread::current().id()));
+                let (second, transfer) = issue(&issuer);
+                // the transfer as the comm stream's helper runs it: on whichever thread asks
+                let transfer = Mutex::new(Some(transfer));
+                let log2 = log.clone();
+                let second = second.lending_helper(Some(Box::new(move || {
+                    if let Some(t) = transfer.lock().unwrap().take() {
+                        log2.lock().unwrap().push(("transferred", thread::current().id()));
+                        t.complete(Ok(v + 1));
+                    }
+                })));
+                Ok(second)
+            })
+            .then(|v| Ok((v, thread::current().id())));
+        transfer.complete(Ok(1));
+        let ((value, ran_on), timing) = chained.wait_timed().expect("the waiter completes both");
+        let me = thread::current().id();
+        assert_eq!(value, 2);
+        assert_eq!(ran_on, me);
+        assert_eq!(
+            *ran.lock().unwrap(),
+            vec![("issued", me), ("transferred", me)],
+            "the chained collective was not issued and run by the waiter, in that order"
+        );
+        let first_finish = first_finish.lock().unwrap().expect("the first finished");
+        let dues: Vec<Arc<Due>> = timer.try_iter().collect();
+        assert_eq!(dues.len(), 2, "one completion per collective");
+        assert!(dues.iter().all(|d| d.take().is_none()), "a completion was left to the timer");
+        assert_eq!(dues[0].at(), first_finish);
+        assert!(
+            dues[1].at() >= first_finish + model().time(RingOp::AllReduce, 1024, 2),
+            "the chained collective's slot overlapped the first's"
+        );
+        assert_eq!(timing.started, first_finish - model().time(RingOp::AllReduce, 1024, 2));
+    }
+
+    #[test]
+    fn with_no_waiter_the_links_timer_completes_the_collective_and_runs_its_continuation() {
+        let stage = LinkStage::own(model(), 0, 2);
+        let (work, transfer) = issue(&stage);
+        let (tx, rx) = mpsc::channel();
+        let _chained = work.then(move |v| {
+            let _ = tx.send((v, thread::current().name().map(str::to_string)));
+            Ok(())
+        });
+        transfer.complete(Ok(3));
+        let (value, name) = rx.recv_timeout(TIMEOUT).expect("the timer completed the collective");
+        assert_eq!(value, 3);
+        assert_eq!(name.as_deref(), Some("sim-net-0"));
+    }
+}
