@@ -377,7 +377,8 @@ impl<T: Send + 'static> Work<T> {
     /// Chains `next` after this work without blocking the caller (PyTorch's
     /// `torch.futures.Future.then`): the returned work completes with `next(value)` once this one
     /// succeeded, or with this one's error. `next` runs on the thread that completes this work
-    /// (the comm stream's), so keep it short: decompress, divide, copy. The chained work keeps
+    /// (the comm stream's; on a simulated link, the thread waiting for the chain, or the link's
+    /// timer thread), so keep it short: decompress, divide, copy. The chained work keeps
     /// this one's start and tag; its finish is when `next` returned.
     pub fn then<U: Send + 'static>(self, next: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
