@@ -124,7 +124,8 @@ pub struct PolicyStudy {
     /// The world size it trained at: its losses, and so the steps to each target, are this
     /// world's (at the other worlds of `predictions` only the step is predicted).
     pub world_size: usize,
-    /// The loss of each step (the global mean over the ranks, before its update).
+    /// The loss of each step (the global mean over the ranks, before its update), up to the
+    /// first that was not finite.
     pub losses: Vec<f64>,
     /// Mean payload bytes rank 0 handed to its collectives per step.
     pub payload_bytes_per_step: f64,
@@ -251,14 +252,17 @@ fn add_predictions(board: &TensorBoard, outcome: &TrainOutcome, s: &PolicyStudy)
     }
 }
 
-/// The study of one policy's finished run on `world` ranks (one that diverged, its
-/// [`TrainOutcome::stopped`] a non-finite loss or update, reaches no target).
+/// The study of one policy's finished run on `world` ranks. One that diverged (its
+/// [`TrainOutcome::stopped`] a non-finite loss or update, or a loss that is not finite in a run
+/// that allows them) reaches no target, and keeps the losses before the first that was not finite.
 pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyConfig) -> PolicyStudy {
-    let losses = outcome.losses();
+    let mut losses = outcome.losses();
+    let first_bad = losses.iter().position(|l| !l.is_finite());
     let diverged_at = match &outcome.stopped {
         Some(Error::NonFinite { step, .. }) => Some(*step),
-        _ => None,
+        _ => first_bad.map(|i| outcome.first_step + i),
     };
+    losses.truncate(first_bad.unwrap_or(losses.len()));
     let sent = outcome.sent();
     let per_step = |f: fn(&brigade_comm::CommBytes) -> f64| sent.iter().map(f).sum::<f64>() / sent.len().max(1) as f64;
     let reaching: &[f64] = if diverged_at.is_some() { &[] } else { &losses };

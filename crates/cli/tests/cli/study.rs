@@ -640,6 +640,19 @@ fn a_study_whose_every_policy_diverged_fails_in_one_line_after_writing_its_rows(
     assert!(!summary.to_lowercase().contains("nan"), "{summary}");
     assert_eq!(cell(&summary, "fp16", "diverged_at_step"), "1", "{summary}");
     assert_eq!(cell(&summary, "fp16", "steps_to_2.45"), "-", "{summary}");
+    // a run that trains on past a non-finite loss diverged there all the same
+    let mut args = args;
+    args.push("--allow-nonfinite".into());
+    let run = crate::common::brigade(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    let curves = std::fs::read_to_string(d.join("study.csv")).unwrap();
+    for t in [&summary, &curves] {
+        assert!(!t.to_lowercase().contains("nan"), "{t}");
+    }
+    assert_eq!(cell(&summary, "allreduce", "diverged_at_step"), "1", "{summary}");
+    assert_eq!(cell(&summary, "allreduce", "steps_to_2.45"), "-", "{summary}");
 }
 
 #[test]
