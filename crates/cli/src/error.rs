@@ -59,6 +59,18 @@ pub enum Error {
         /// Runs the sweep was to make.
         of: usize,
     },
+    /// SIGINT or SIGTERM stopped a study (exit status 130): `--out` holds the `policies` of the
+    /// `of` asked for that finished, written before this error (none: nothing written).
+    #[error("{}", match .policies {
+        0 => "interrupted before a policy of the study finished: nothing was written to --out".to_string(),
+        n => format!("interrupted after {n} of {} policies: --out holds the policies that finished", .of),
+    })]
+    StudyInterrupted {
+        /// Policies whose run finished.
+        policies: usize,
+        /// Policies the study was to run.
+        of: usize,
+    },
     /// The library's error (launching, training, checkpoints, models, collectives).
     #[error("{}", in_flag_terms(.0))]
     Run(#[from] brigade::Error),
@@ -69,7 +81,7 @@ impl Error {
     /// SIGINT), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Error::Interrupted { .. } | Error::SweepInterrupted { .. } => 130,
+            Error::Interrupted { .. } | Error::SweepInterrupted { .. } | Error::StudyInterrupted { .. } => 130,
             _ => 1,
         }
     }

@@ -409,7 +409,6 @@ mod tests {
         at
     }
 
-
     #[test]
     fn the_waiter_of_a_chained_work_completes_the_collective_at_its_slots_finish_on_its_own_thread() {
         let (stage, timer) = unserved_stage();
@@ -469,7 +468,10 @@ mod tests {
         let first_finish = first_finish.lock().unwrap().expect("the first finished");
         let dues: Vec<Arc<Due>> = timer.try_iter().collect();
         assert_eq!(dues.len(), 2, "one completion per collective");
-        assert!(dues.iter().all(|d| d.take().is_none()), "a completion was left to the timer");
+        assert!(
+            dues.iter().all(|d| d.take().is_none()),
+            "a completion was left to the timer"
+        );
         assert_eq!(dues[0].at(), first_finish);
         assert!(
             dues[1].at() >= first_finish + model().time(RingOp::AllReduce, 1024, 2),

@@ -98,7 +98,7 @@ pub struct Prediction {
     pub net_gbps: f64,
     /// Its latency per message, in µs.
     pub net_latency_us: f64,
-    /// The predicted step, in seconds (the median over the profiled steps' replays); `None`
+    /// The predicted step, in seconds (the mean over the profiled steps' replays); `None`
     /// when the overlap model cannot cost the policy (a user policy without a wire model).
     pub step_s: Option<f64>,
     /// Each target loss reached at this prediction (the trained world only; empty at others).
@@ -124,21 +124,29 @@ pub struct PolicyStudy {
     /// The world size it trained at: its losses, and so the steps to each target, are this
     /// world's (at the other worlds of `predictions` only the step is predicted).
     pub world_size: usize,
-    /// The loss of each step (the global mean over the ranks, before its update).
+    /// The loss of each step (the global mean over the ranks, before its update), up to the
+    /// first that was not finite.
     pub losses: Vec<f64>,
     /// Mean payload bytes rank 0 handed to its collectives per step.
     pub payload_bytes_per_step: f64,
     /// Mean bytes rank 0 sent per step under the ring algorithms.
     pub wire_bytes_per_step: f64,
-    /// The profiled steps' measured step, in seconds (median).
-    pub measured_step_s: f64,
+    /// The profiled steps' measured step, in seconds: their mean, as the time to a target
+    /// counts every step (`None`: no step was profiled, the run diverged before).
+    pub measured_step_s: Option<f64>,
     /// The prediction's error band on its own profiles (`None`: not predicted).
     pub own_band: Option<OwnBand>,
     /// The predictions: the trained world on every link, then each other world on every link.
+    /// A diverged run reaches no target.
     pub predictions: Vec<Prediction>,
-    /// What the study could not predict for the policy and why (the overlap model's words):
-    /// `not predicted: ...` when its step was not, `no error band: ...` when only its own
-    /// profiles could not be replayed; empty when both were.
+    /// The step whose loss or update was not finite: the run diverged there, and its losses are
+    /// those of the steps before it (`None`: it ran every step).
+    pub diverged_at: Option<usize>,
+    /// What the policy says about its run (e.g. that PowerSGD never compressed, its
+    /// [`TrainOutcome::policy_diagnostics`]), then what the study could not predict for it and
+    /// why (the overlap model's words): `not predicted: ...` when its step was not, `no error
+    /// band: ...` when only its own profiles could not be replayed; joined by `; `, empty when
+    /// there is nothing to say.
     pub note: String,
     /// The first write of its TensorBoard events that failed ([`StudyConfig::tensorboard`]),
     /// in words: the events before it were written, and the run went on. Not serialized.
@@ -150,8 +158,11 @@ pub struct PolicyStudy {
 /// turn under `cfg` on the ranks `launch` starts, each from the same data (`data(world_size)`),
 /// model (`model(ctx)`) and seed, profiling its steps after `sc.warmup`, and predicts each on
 /// `sc`'s links and worlds, writing each run's TensorBoard events where `sc` says (a write
-/// that fails is kept in [`PolicyStudy::tensorboard_failure`], and the study goes on). The
-/// first error (a bad spec, a policy listed twice, a run that fails) ends the study.
+/// that fails is kept in [`PolicyStudy::tensorboard_failure`], and the study goes on). A run
+/// that diverges is kept, with [`PolicyStudy::diverged_at`], and the study goes on. A run that a
+/// stop request of `cfg`'s observer stops ends the study: the policies that finished before it
+/// are returned (fewer than `policies`). The first error (a bad spec, a policy listed twice, a
+/// run that fails) ends the study.
 pub fn study<D: DataSource>(
     launch: &LaunchConfig,
     cfg: &TrainConfig,
@@ -194,7 +205,17 @@ pub fn study<D: DataSource>(
             let theirs = run.runtime.instrument.observer.take();
             run.runtime.instrument.observer = Some(Arc::new((theirs, b.clone())));
         }
-        let report = crate::fit(launch, &run, &data, &model)?;
+        let mut report = crate::fit(launch, &run, &data, &model)?;
+        if report.outcome.interrupted {
+            break;
+        }
+        if let Some(e) = report
+            .outcome
+            .stopped
+            .take_if(|e| !matches!(e, Error::NonFinite { .. }))
+        {
+            return Err(e);
+        }
         let mut s = of_run(spec.to_string(), &report.outcome, report.world_size, sc);
         if let Some(b) = &board {
             add_predictions(b, &report.outcome, &s);
@@ -231,12 +252,21 @@ fn add_predictions(board: &TensorBoard, outcome: &TrainOutcome, s: &PolicyStudy)
     }
 }
 
-/// The study of one policy's finished run on `world` ranks.
+/// The study of one policy's finished run on `world` ranks. One that diverged (its
+/// [`TrainOutcome::stopped`] a non-finite loss or update, or a loss that is not finite in a run
+/// that allows them) reaches no target, and keeps the losses before the first that was not finite.
 pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyConfig) -> PolicyStudy {
-    let losses = outcome.losses();
+    let mut losses = outcome.losses();
+    let first_bad = losses.iter().position(|l| !l.is_finite());
+    let diverged_at = match &outcome.stopped {
+        Some(Error::NonFinite { step, .. }) => Some(*step),
+        _ => first_bad.map(|i| outcome.first_step + i),
+    };
+    losses.truncate(first_bad.unwrap_or(losses.len()));
     let sent = outcome.sent();
     let per_step = |f: fn(&brigade_comm::CommBytes) -> f64| sent.iter().map(f).sum::<f64>() / sent.len().max(1) as f64;
-    let predicted = predict::predict(&outcome.profiles, world, &losses, sc);
+    let reaching: &[f64] = if diverged_at.is_some() { &[] } else { &losses };
+    let predicted = predict::predict(&outcome.profiles, world, reaching, sc);
     PolicyStudy {
         policy,
         world_size: world,
@@ -245,8 +275,15 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
         measured_step_s: predicted.measured_step_s,
         own_band: predicted.own_band,
         predictions: predicted.predictions,
-        note: predicted.note,
+        note: outcome
+            .policy_diagnostics
+            .iter()
+            .map(|d| d.message.clone())
+            .chain(Some(predicted.note).filter(|n| !n.is_empty()))
+            .collect::<Vec<_>>()
+            .join("; "),
         losses,
+        diverged_at,
         tensorboard_failure: None,
     }
 }

@@ -23,7 +23,7 @@ pub struct OwnBand {
 
 /// What [`predict`] found.
 pub(super) struct Predicted {
-    pub measured_step_s: f64,
+    pub measured_step_s: Option<f64>,
     pub own_band: Option<OwnBand>,
     pub predictions: Vec<Prediction>,
     pub note: String,
@@ -39,16 +39,14 @@ fn measured(p: &StepProfile) -> f64 {
     p.ranks.iter().map(|r| r.step_end_s).sum::<f64>() / p.ranks.len().max(1) as f64
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
-    }
+/// The mean of `v` (`None`: empty): a step's time to a target counts every step, so the step
+/// it is measured and predicted at is the mean, a policy's rare slow step (a sync every few
+/// steps) included.
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
-/// The median over `profiles` of their replays under `link` at `world` ranks, each at its
+/// The mean over `profiles` (at least one) of their replays under `link` at `world` ranks, each at its
 /// recorded caps and bucket order.
 fn replayed(
     profiles: &[StepProfile],
@@ -70,7 +68,7 @@ fn replayed(
         })
         .collect::<Result<Vec<f64>, _>>()
         .map_err(|e| e.to_string())?;
-    Ok(median(steps))
+    mean(&steps).ok_or_else(|| "no profiled step".into())
 }
 
 /// The link each of `profiles` was recorded on, as `brigade predict --measured-link` takes it:
@@ -93,7 +91,7 @@ fn own_links(profiles: &[StepProfile]) -> Result<Vec<LinkCost>, String> {
 /// `losses`.
 pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc: &StudyConfig) -> Predicted {
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
-    let measured_step_s = median(profiles.iter().map(measured).collect());
+    let measured_step_s = mean(&profiles.iter().map(measured).collect::<Vec<_>>());
     let mut note = String::new();
     let own_band = if world < 2 {
         note =
@@ -208,6 +206,38 @@ mod tests {
         // both steps are charged half the sync (every 2 steps): the syncing step measured all
         // of it, the other none, so one replays under its step and the other over it
         assert!(band.low < 0.0 && band.high > 0.0, "{band:?}");
+    }
+
+    #[test]
+    fn the_measured_and_predicted_step_are_the_mean_of_the_profiled_steps() {
+        // one step in three syncs: the time to a target counts it, and so must the step
+        let profiles = [step(0.030), step(0.0), step(0.0)];
+        let sc = StudyConfig::new(vec![crate::launch::net_model(1.0, 20.0)], vec![]);
+        let p = predict(&profiles, 2, &[], &sc);
+        let each: Vec<f64> = profiles.iter().map(measured).collect();
+        let mean = each.iter().sum::<f64>() / 3.0;
+        let got = p.measured_step_s.expect("three profiled steps");
+        assert!(
+            (got - mean).abs() <= 1e-12 * mean,
+            "{got} against the mean {mean} of {each:?}"
+        );
+        let (link, overhead) = (
+            LinkCost::Ring(sc.links[0]),
+            LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>()),
+        );
+        let one = |q: &StepProfile| replayed(std::slice::from_ref(q), overhead, link, Some(2)).unwrap();
+        let predicted: f64 = profiles.iter().map(one).sum::<f64>() / 3.0;
+        let step_s = p.predictions[0].step_s.expect("predicted");
+        assert!(
+            (step_s - predicted).abs() <= 1e-12 * predicted,
+            "{step_s} against {predicted}"
+        );
+    }
+
+    #[test]
+    fn a_run_with_no_profiled_step_has_no_measured_step() {
+        let p = predict(&[], 2, &[], &StudyConfig::new(vec![], vec![]));
+        assert_eq!(p.measured_step_s, None);
     }
 
     #[test]

@@ -166,7 +166,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     };
     let late = Arc::new(LateHeldOut::default());
     let plan = plan(s, &quiet, &late)?;
-    prepare_out(&s.out, POLICY_OUTPUTS[0], &s.run)?;
+    prepare_out(&s.out, &POLICY_OUTPUTS, &s.run)?;
     if let Some(dir) = &s.tensorboard {
         crate::tensorboard::prepare(dir)?;
     }

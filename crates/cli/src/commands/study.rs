@@ -9,7 +9,14 @@
 //! the other world sizes the step alone), the bytes sent per step and the prediction's error
 //! band on its own profiles; writes `study.csv` (loss against predicted wall-clock time, one row per
 //! policy, link and step), `study_summary.csv` (the table) and `study.svg` (the loss curves);
-//! with --tensorboard, each policy's run as TensorBoard event files.
+//! with --tensorboard, each policy's run as TensorBoard event files. Every output is checked
+//! before the first policy trains.
+//!
+//! A policy whose loss or update stops being finite keeps its row, marked diverged at that step
+//! (it reaches no target), and gets a note on stderr; the study exits 0 while one policy ran
+//! every step, and with one error line when every policy diverged. SIGINT or SIGTERM stops the
+//! policy in progress at a step boundary: --out gets the policies that finished before it, and
+//! the study exits 130 ([`crate::signal`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,10 +30,11 @@ use crate::args::RunArgs;
 use crate::commands::predict::MAX_WORLD;
 use crate::commands::sweep_args::make_out_dir;
 use crate::error::{Error, Result};
-use crate::outputs::write_atomic;
+use crate::outputs::{check_outputs, write_atomic, Output};
 use crate::policy::{parse_entry, registry, resolve};
 use crate::report::stdout::outln;
 use crate::run::{into_library, launch_config, setup, train_config, LateHeldOut, RunOptions};
+use crate::signal::StopOnSignal;
 
 /// The files a study writes in --out.
 pub const STUDY_OUTPUTS: [&str; 3] = ["study.csv", "study_summary.csv", "study.svg"];
@@ -76,6 +84,8 @@ pub struct StudyArgs {
 
 /// Runs `brigade study`.
 pub fn study(s: StudyArgs) -> Result<()> {
+    // first: a signal from here on stops the study (at once while its first policy starts)
+    let stop_on_signal = StopOnSignal::install();
     let a = &s.run;
     let specs = s
         .policy
@@ -128,11 +138,13 @@ pub fn study(s: StudyArgs) -> Result<()> {
         tensorboard: s.tensorboard.clone(),
         ..StudyConfig::new(vec![], vec![])
     };
-    make_out_dir(&s.out, STUDY_OUTPUTS[0], "study")?;
-    if let Some(dir) = &s.tensorboard {
-        crate::tensorboard::prepare(dir)?;
-    }
-    let opts = RunOptions::default();
+    check_study_outputs(&s, &specs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
+    // a signal stops the policy in progress at a step boundary; that run is dropped, and --out
+    // gets the policies that finished
+    let opts = RunOptions {
+        observer: Some(Arc::new(stop_on_signal)),
+        ..RunOptions::default()
+    };
     let late = Arc::new(LateHeldOut::default());
     let cfg = train_config(a, &opts, &late)?;
     let kind = a.model.kind();
@@ -146,6 +158,13 @@ pub fn study(s: StudyArgs) -> Result<()> {
         |world| setup(a, &opts, &kind, world, &late).map_err(into_library),
         |_ctx| Ok(kind.build(a.model.seed)?),
     )?;
+    let interrupted = results.len() < names.len();
+    if results.is_empty() {
+        return Err(Error::StudyInterrupted {
+            policies: 0,
+            of: names.len(),
+        });
+    }
     write_atomic(&s.out.join(STUDY_OUTPUTS[0]), curves_csv(&results).as_bytes())?;
     write_atomic(&s.out.join(STUDY_OUTPUTS[1]), summary_csv(&results).as_bytes())?;
     draw_chart(&s.out.join(STUDY_OUTPUTS[2]), &results)?;
@@ -156,7 +175,60 @@ pub fn study(s: StudyArgs) -> Result<()> {
         print_table(&results);
         outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
     }
-    tensorboard_failures(s.tensorboard.as_deref(), &results)
+    for r in &results {
+        if let Some(step) = r.diverged_at {
+            eprintln!(
+                "note: {}: diverged at step {step} (its loss or update was not finite): the steps before are kept, and it reaches no target",
+                r.policy
+            );
+        }
+    }
+    tensorboard_failures(s.tensorboard.as_deref(), &results)?;
+    if interrupted {
+        return Err(Error::StudyInterrupted {
+            policies: results.len(),
+            of: names.len(),
+        });
+    }
+    if results.iter().all(|r| r.diverged_at.is_some()) {
+        return Err(Error::Usage(
+            "every policy diverged, so none reached a target (each has a note above): lower --lr".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the study's outputs before any policy trains: --out's files, and --tensorboard's
+/// directory and its run directory per policy (`policies`, their specs), none of them one of
+/// --out's files. Creates --out and --tensorboard when missing.
+fn check_study_outputs(s: &StudyArgs, policies: &[String]) -> Result<()> {
+    if let Some(dir) = &s.tensorboard {
+        let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        let tb = absolute(dir);
+        if let Some(f) = STUDY_OUTPUTS.iter().find(|f| tb.starts_with(absolute(&s.out.join(f)))) {
+            return Err(Error::Usage(format!(
+                "--tensorboard {} is --out's {f}: give the event files a directory of their own",
+                dir.display()
+            )));
+        }
+    }
+    make_out_dir(&s.out, &STUDY_OUTPUTS, "study")?;
+    let Some(dir) = &s.tensorboard else { return Ok(()) };
+    crate::tensorboard::prepare(dir)?;
+    for p in policies {
+        let run = crate::tensorboard::run_dir(dir, p);
+        if run.exists() && !run.is_dir() {
+            return Err(Error::Usage(format!(
+                "--tensorboard {}: {} (the policy {p}'s run directory) is not a directory: move it or pick another --tensorboard",
+                dir.display(),
+                run.display()
+            )));
+        }
+        if run.is_dir() {
+            check_outputs(&[Output::new("--tensorboard", &run.join("events.out.tfevents"))])?;
+        }
+    }
+    Ok(())
 }
 
 /// The TensorBoard writes that failed (the study went on, and its other outputs are written),
@@ -291,7 +363,7 @@ fn summary_rows(results: &[PolicyStudy], digits: Digits) -> Vec<Vec<String>> {
                 format!("{}", p.net_gbps),
                 format!("{}", p.net_latency_us),
                 or_dash(p.step_s.map(|s| 1e3 * s), digits),
-                measured(digits.time(1e3 * r.measured_step_s)),
+                measured(or_dash(r.measured_step_s.map(|s| 1e3 * s), digits)),
                 measured(band.clone().unwrap_or_else(|| "-".into())),
                 measured(format!("{:.0}", r.wire_bytes_per_step)),
                 measured(format!("{:.0}", r.payload_bytes_per_step)),
@@ -302,6 +374,7 @@ fn summary_rows(results: &[PolicyStudy], digits: Digits) -> Vec<Vec<String>> {
                 row.push(t.and_then(|t| t.steps).map_or("-".into(), |n| n.to_string()));
                 row.push(or_dash(t.and_then(|t| t.seconds), digits));
             }
+            row.push(measured(r.diverged_at.map_or("-".into(), |n| n.to_string())));
             rows.push(row);
         }
     }
@@ -320,7 +393,8 @@ fn summary_targets(results: &[PolicyStudy]) -> Vec<f64> {
 /// The summary table's header, with two columns per target. `world_size` is the prediction's,
 /// `steps_at_world_size` the world the policy trained at, whose losses give the steps to each
 /// target (empty at the other worlds: only their step is predicted, and the measured step,
-/// its band and the bytes sent are the trained world's, empty there too).
+/// its band and the bytes sent are the trained world's, empty there too); `diverged_at_step`
+/// last, the step where the policy's run diverged (`-`: it ran every step).
 fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
     let mut h: Vec<String> = [
         "policy",
@@ -340,6 +414,7 @@ fn summary_header(results: &[PolicyStudy]) -> Vec<String> {
         h.push(format!("steps_to_{t}"));
         h.push(format!("seconds_to_{t}"));
     }
+    h.push("diverged_at_step".into());
     h
 }
 

@@ -64,7 +64,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
     }
     let caps = s.run.fixed_caps()?;
     check_caps_sweep(&s, &caps)?;
-    prepare_out(&s.out, "sweep.csv", &s.run)?;
+    prepare_out(&s.out, &["sweep.csv", "sweep.svg"], &s.run)?;
     if let Some(dir) = &s.tensorboard {
         crate::tensorboard::prepare(dir)?;
     }

@@ -53,9 +53,9 @@ pub struct SweepArgs {
 }
 
 /// Makes `--out` a directory that takes files, creating it (and its parents) when missing;
-/// `first` is the first file `command` (`sweep`, `study`) will write there. A path that is a
-/// file, or lies under one, is one usage error.
-pub fn make_out_dir(out: &Path, first: &str, command: &str) -> Result<()> {
+/// `files` are those `command` (`sweep`, `study`) will write there, each checked as an output
+/// before any run. A path that is a file, or lies under one, is one usage error.
+pub fn make_out_dir(out: &Path, files: &[&str], command: &str) -> Result<()> {
     if let Some(file) = out.ancestors().find(|p| p.is_file()) {
         return Err(Error::Usage(format!(
             "--out {}: {} is a file; --out names a directory (created if missing) for the {command}'s files",
@@ -67,7 +67,11 @@ pub fn make_out_dir(out: &Path, first: &str, command: &str) -> Result<()> {
         path: format!("--out {}", out.display()),
         source,
     })?;
-    crate::outputs::check_outputs(&[crate::outputs::Output::new("--out", &out.join(first))])
+    let outputs: Vec<crate::outputs::Output> = files
+        .iter()
+        .map(|f| crate::outputs::Output::new("--out", &out.join(f)))
+        .collect();
+    crate::outputs::check_outputs(&outputs)
 }
 
 /// The files a policy sweep (`brigade sweep --policy`) writes into `--out`.
@@ -89,15 +93,15 @@ pub fn written_by_a_sweep(name: &str) -> bool {
         || POLICY_OUTPUTS.contains(&name)
 }
 
-/// Makes `--out` ready before any run: created and takes files (`first` among them); no input
+/// Makes `--out` ready before any run: created and takes `files`; no input
 /// of the run (`--data`, `--init`) lies there under a name a sweep of either kind writes. Nothing is removed yet: an earlier sweep's
 /// files stay until this one has all of its own ([`remove_stale`]).
-pub fn prepare_out(out: &Path, first: &str, run: &RunArgs) -> Result<()> {
+pub fn prepare_out(out: &Path, files: &[&str], run: &RunArgs) -> Result<()> {
     let io = |source| Error::Io {
         path: format!("--out {}", out.display()),
         source,
     };
-    make_out_dir(out, first, "sweep")?;
+    make_out_dir(out, files, "sweep")?;
     let out_dir = std::fs::canonicalize(out).map_err(io)?;
     for (flag, input) in [("--data", &run.data.data), ("--init", &run.model.init)] {
         let Some(path) = input.as_deref() else { continue };

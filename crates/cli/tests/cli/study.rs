@@ -610,3 +610,240 @@ fn a_flag_the_study_would_not_read_or_would_read_twice_is_refused_before_anythin
     assert!(e.contains("--zero 2 with --policy"), "{e}");
     assert!(!out.exists(), "nothing is written");
 }
+
+/// A study of `policies` on the small MLP of 10 classes at `lr`, 6 steps on 2 ranks, into `out`.
+fn at_lr(policies: &str, lr: &str, out: &str) -> Vec<String> {
+    [
+        "study",
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,10",
+        "--batch-size",
+        "8",
+        "--world-size",
+        "2",
+        "--steps",
+        "6",
+        "--net-gbps",
+        "1",
+        "--target-loss",
+        "2.45",
+        "--lr",
+        lr,
+        "--policy",
+        policies,
+        "--out",
+        out,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The rows of `summary` (a study_summary.csv) by column name: `column(row, name)`.
+fn cell<'a>(summary: &'a str, policy: &str, name: &str) -> &'a str {
+    let header: Vec<&str> = summary.lines().next().unwrap().split(',').collect();
+    let k = header.iter().position(|h| *h == name).expect(summary);
+    let row = summary
+        .lines()
+        .find(|l| l.starts_with(&format!("{policy},")))
+        .expect(summary);
+    row.split(',').nth(k).unwrap()
+}
+
+#[test]
+fn a_diverged_policy_is_named_reaches_no_target_and_the_others_are_kept() {
+    // at this learning rate allreduce's loss overflows at step 5 of 6; top-k's, which sends 1%
+    // of the gradient, grows slower and stays finite (both orders of magnitude from the edge)
+    let d = dir("study_diverged");
+    let out = d.to_str().unwrap();
+    let args = at_lr("allreduce,topk:0.01", "2e5", out);
+    let run = crate::common::brigade(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (text, err) = (
+        String::from_utf8_lossy(&run.stdout).into_owned(),
+        String::from_utf8_lossy(&run.stderr).into_owned(),
+    );
+    assert!(run.status.success(), "one policy finished: {err}");
+    let notes: Vec<&str> = err.lines().filter(|l| l.contains("diverged")).collect();
+    assert_eq!(notes.len(), 1, "{err}");
+    assert!(
+        notes[0].starts_with("note: allreduce: ") && notes[0].contains("diverged at step 5"),
+        "{err}"
+    );
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    let curves = std::fs::read_to_string(d.join("study.csv")).unwrap();
+    let chart = std::fs::read_to_string(d.join("study.svg")).unwrap();
+    for (name, t) in [
+        ("stdout", &text),
+        ("summary", &summary),
+        ("curves", &curves),
+        ("chart", &chart),
+    ] {
+        assert!(!t.to_lowercase().contains("nan"), "{name}: {t}");
+    }
+    assert_eq!(cell(&summary, "allreduce", "diverged_at_step"), "5", "{summary}");
+    assert_eq!(cell(&summary, "allreduce", "steps_to_2.45"), "-", "{summary}");
+    assert_eq!(cell(&summary, "topk:0.01", "diverged_at_step"), "-", "{summary}");
+    assert_eq!(cell(&summary, "topk:0.01", "steps_to_2.45"), "1", "{summary}");
+    // the steps before the divergence are kept
+    assert_eq!(
+        curves.lines().filter(|l| l.starts_with("allreduce,")).count(),
+        5,
+        "{curves}"
+    );
+}
+
+#[test]
+fn a_study_whose_every_policy_diverged_fails_in_one_line_after_writing_its_rows() {
+    let d = dir("study_all_diverged");
+    let out = d.to_str().unwrap();
+    let args = at_lr("allreduce,fp16", "1e30", out);
+    let run = crate::common::brigade(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("every policy diverged"), "{err}");
+    for policy in ["allreduce", "fp16"] {
+        assert!(
+            err.lines()
+                .any(|l| l.starts_with(&format!("note: {policy}: ")) && l.contains("diverged at step 1")),
+            "{err}"
+        );
+    }
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    assert!(!summary.to_lowercase().contains("nan"), "{summary}");
+    assert_eq!(cell(&summary, "fp16", "diverged_at_step"), "1", "{summary}");
+    assert_eq!(cell(&summary, "fp16", "steps_to_2.45"), "-", "{summary}");
+    // a run that trains on past a non-finite loss diverged there all the same
+    let mut args = args;
+    args.push("--allow-nonfinite".into());
+    let run = crate::common::brigade(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let err = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    let summary = std::fs::read_to_string(d.join("study_summary.csv")).unwrap();
+    let curves = std::fs::read_to_string(d.join("study.csv")).unwrap();
+    for t in [&summary, &curves] {
+        assert!(!t.to_lowercase().contains("nan"), "{t}");
+    }
+    assert_eq!(cell(&summary, "allreduce", "diverged_at_step"), "1", "{summary}");
+    assert_eq!(cell(&summary, "allreduce", "steps_to_2.45"), "-", "{summary}");
+}
+
+#[test]
+fn an_interrupted_study_writes_the_policies_that_finished_and_exits_130() {
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let d = dir("study_interrupted");
+    let out = d.join("out");
+    let policies = "allreduce,fp16,bf16,int8,powersgd:1,powersgd:2,zero1,zero2";
+    // a study writes nothing until it ends, so whether a policy has finished when the signal
+    // comes is the machine's pace: a try where none had (the study says so, exits 130 and
+    // writes nothing) is made again with twice the wait, so that a loaded machine makes the
+    // test slower, not failed
+    for wait_ms in [1500, 3000, 6000, 12000, 24000, 48000] {
+        let mut cmd = Command::new(crate::common::bin());
+        // SAFETY: `signal` is async-signal-safe, which is all a pre-exec hook may call.
+        unsafe {
+            cmd.pre_exec(|| {
+                crate::common::default_disposition();
+                Ok(())
+            });
+        }
+        let args = small(
+            policies,
+            &["--steps", "3000", "--target-loss", "1.3"],
+            out.to_str().unwrap(),
+        );
+        let mut child = cmd
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start brigade");
+        std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+        crate::common::send_signal(&child, "INT");
+        let (status, err) = crate::common::wait_to_end(&mut child);
+        assert_eq!(status.code(), Some(130), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        match std::fs::read_to_string(out.join("study_summary.csv")) {
+            Ok(summary) => {
+                // one row per policy that finished (one link, one world)
+                let rows = summary.lines().skip(1).count();
+                assert!((1..8).contains(&rows), "{summary}");
+                assert!(
+                    err.contains(&format!("interrupted after {rows} of 8 policies")),
+                    "{err}"
+                );
+                assert!(out.join("study.csv").exists() && out.join("study.svg").exists());
+                return;
+            }
+            Err(_) => assert!(err.contains("nothing was written"), "{err}"),
+        }
+    }
+    panic!("no policy of the study finished within 48 s, in six tries");
+}
+
+#[test]
+fn a_studys_outputs_are_checked_before_its_first_policy_trains() {
+    let d = dir("study_outputs_first");
+    let (out, tb) = (d.join("out"), d.join("tb"));
+    let run = |more: &[&str]| {
+        let mut args = small(
+            "allreduce,fp16",
+            &["--steps", "3", "--target-loss", "1.3"],
+            out.to_str().unwrap(),
+        );
+        args.extend(more.iter().map(|s| s.to_string()));
+        fails(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // nothing trained: no policy wrote its TensorBoard events
+    let trained = || tb.join("allreduce").exists();
+    // one of --out's files is a directory
+    std::fs::create_dir_all(out.join("study.svg")).unwrap();
+    let e = run(&["--tensorboard", tb.to_str().unwrap()]);
+    assert!(
+        e.contains("--out") && e.contains("study.svg") && e.lines().count() == 1,
+        "{e}"
+    );
+    assert!(!trained(), "{e}");
+    std::fs::remove_dir(out.join("study.svg")).unwrap();
+    // a policy's TensorBoard entry is a file
+    std::fs::create_dir_all(&tb).unwrap();
+    std::fs::write(tb.join("fp16"), "not a directory").unwrap();
+    let e = run(&["--tensorboard", tb.to_str().unwrap()]);
+    assert!(
+        e.contains("--tensorboard") && e.contains("fp16") && e.lines().count() == 1,
+        "{e}"
+    );
+    assert!(!trained() && !out.join("study.csv").exists(), "{e}");
+    std::fs::remove_file(tb.join("fp16")).unwrap();
+    // --tensorboard is one of --out's files
+    let inside = out.join("study.csv");
+    let e = run(&["--tensorboard", inside.to_str().unwrap()]);
+    assert!(
+        e.contains("--tensorboard") && e.contains("--out") && e.lines().count() == 1,
+        "{e}"
+    );
+    assert!(!inside.join("allreduce").exists(), "{e}");
+}
+
+#[test]
+fn a_policy_that_never_did_its_thing_says_so_in_the_studys_notes() {
+    // PowerSGD from iteration 100 in a 3-step run never compresses: the study says so, as
+    // `train` and `sweep` do
+    let d = dir("study_never_compressed");
+    let out = d.to_str().unwrap();
+    let args = small(
+        "allreduce,powersgd:4@100",
+        &["--steps", "3", "--target-loss", "1.3"],
+        out,
+    );
+    let text = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let notes: Vec<&str> = text.lines().filter(|l| l.starts_with("note: ")).collect();
+    assert!(
+        notes.len() == 1 && notes[0].starts_with("note: powersgd:4@100: ") && notes[0].contains("never compressed"),
+        "{text}"
+    );
+}
