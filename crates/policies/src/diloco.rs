@@ -1,9 +1,11 @@
 //! DiLoCo (Douillard et al. 2023, as torchft runs it): each rank's optimizer (the inner one)
 //! takes H steps on its own gradients, no gradient crossing the ranks; after every H-th step the
 //! pseudo-gradient, the last synced parameters (the snapshot) minus the rank's current ones, is
-//! averaged over the ranks (one all-reduce per parameter, in `after_step`), an outer Nesterov
-//! SGD steps the snapshot with it, and the stepped snapshot becomes every rank's parameters. The
-//! inner optimizer's state stays each rank's own. The ranks diverge between syncs, so a
+//! averaged over the ranks (in `after_step`, one all-reduce of one flat buffer holding every
+//! parameter's, as torchft's DiLoCo all-reduces a fragment in buckets rather than a tensor at a
+//! time: on a link of high latency the sync costs one latency, not one a parameter), an outer
+//! Nesterov SGD steps the snapshot with it, and the stepped snapshot becomes every rank's
+//! parameters. The inner optimizer's state stays each rank's own. The ranks diverge between syncs, so a
 //! checkpoint keeps every rank's parameters and optimizer state ([`Replicas::Diverge`]), and the
 //! snapshot, the outer momentum and the step count are the policy's state.
 //!
@@ -280,11 +282,57 @@ impl Outer {
         self.snapshot.iter().map(Tensor::numel).collect()
     }
 
-    /// Issues the average over the ranks of parameter `i`'s pseudo-gradient (snapshot minus
-    /// this rank's value), all-reduced in place in a tensor of its own.
-    pub(crate) fn issue(&self, i: usize, comm: &Group, tag: &str) -> brigade_ddp::Result<TensorWork<Tensor>> {
-        let delta = self.delta(i)?;
-        Ok(comm.all_reduce(&delta, ReduceOp::Avg, &format!("{tag}.param{i}")))
+    /// Issues the average over the ranks of the pseudo-gradients of parameters `ids` (snapshot
+    /// minus this rank's values), all-reduced in one collective of one flat f32 buffer (the
+    /// parameters in `ids`' order, as [`Outer::flat_delta`] lays them out).
+    pub(crate) fn issue(&self, ids: &[usize], comm: &Group, tag: &str) -> brigade_ddp::Result<TensorWork<Tensor>> {
+        let delta = self.flat_delta(ids)?;
+        Ok(comm.all_reduce(&delta, ReduceOp::Avg, tag))
+    }
+
+    /// The pseudo-gradients of parameters `ids` on this rank, one after the other in one flat
+    /// f32 tensor (parameter `ids[k]` at the elements after those of `ids[..k]`).
+    pub(crate) fn flat_delta(&self, ids: &[usize]) -> brigade_ddp::Result<Tensor> {
+        let total = ids.iter().map(|&i| self.snapshot[i].numel()).sum::<usize>();
+        let on = self.snapshot.first().map(|t| t.device()).unwrap_or_default();
+        let flat = Tensor::zeros_on(&[total], DType::F32, on)?;
+        let mut offset = 0;
+        for &i in ids {
+            let n = self.snapshot[i].numel();
+            flat.narrow(0, offset, n)?.copy_from(&self.delta(i)?.reshape(&[n])?)?;
+            offset += n;
+        }
+        Ok(flat)
+    }
+
+    /// Parameter `ids[k]`'s part of a flat buffer laid out as [`Outer::flat_delta`] lays out
+    /// `ids`, in the parameter's shape, for each `k` (views of `flat`).
+    pub(crate) fn unflatten(&self, ids: &[usize], flat: &Tensor) -> brigade_ddp::Result<Vec<(usize, Tensor)>> {
+        let total = ids.iter().map(|&i| self.snapshot[i].numel()).sum::<usize>();
+        if flat.numel() != total {
+            return Err(DdpError::PolicyState(format!(
+                "an outer average of {} elements for parameters of {total}",
+                flat.numel()
+            )));
+        }
+        let flat = flat.reshape(&[total])?;
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(ids.len());
+        for &i in ids {
+            let n = self.snapshot[i].numel();
+            out.push((i, flat.narrow(0, offset, n)?.reshape(self.snapshot[i].shape())?));
+            offset += n;
+        }
+        Ok(out)
+    }
+
+    /// Merges the averaged pseudo-gradients of parameters `ids`, one flat buffer laid out as
+    /// [`Outer::flat_delta`] lays out `ids` (see [`Outer::merge`]).
+    pub(crate) fn merge_flat(&mut self, ids: &[usize], flat: &Tensor) -> brigade_ddp::Result<()> {
+        for (i, avg) in self.unflatten(ids, flat)? {
+            self.merge(i, &avg)?;
+        }
+        Ok(())
     }
 
     /// Parameter `i`'s pseudo-gradient on this rank: its snapshot minus its value (f32).
@@ -442,12 +490,8 @@ impl ReducerPolicy for Diloco {
             return Ok(());
         }
         let all: Vec<usize> = (0..self.outer.len()).collect();
-        let works: Vec<TensorWork<Tensor>> = (all.iter())
-            .map(|&i| self.outer.issue(i, comm, "diloco"))
-            .collect::<brigade_ddp::Result<_>>()?;
-        for (i, w) in works.into_iter().enumerate() {
-            self.outer.merge(i, &w.wait()?)?;
-        }
+        let avg = self.outer.issue(&all, comm, "diloco")?.wait()?;
+        self.outer.merge_flat(&all, &avg)?;
         self.outer.round_into_model(&all, step)
     }
 
@@ -482,15 +526,15 @@ impl ReducerPolicy for Diloco {
         Some(WireModel::Local)
     }
 
-    fn after_step_wire(&self, shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
+    fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {
         Some(AfterStepWire {
             op: WireOp::AllReduce,
             bytes_per_element: 4.0,
             every: self.cfg.period,
             fragments: 1,
             overlap_steps: 0,
-            // one all-reduce per parameter (`Outer::issue`)
-            collectives: shapes.len().max(1),
+            // one all-reduce of every parameter in one flat buffer (`Outer::issue`)
+            collectives: 1,
             parts: vec![],
         })
     }

@@ -2,12 +2,13 @@
 //! fragments (runs of the optimizer's parameters in its order, of about equal elements), each
 //! synced once every H inner steps on a staggered schedule, so that the link carries one
 //! fragment at a time. Fragment `f` is issued after every step `c` (counted from 1) with
-//! `c % H == f·H / FRAGMENTS` (fragment 0 at `c % H == 0`): the all-reduce of its
-//! pseudo-gradient is issued and held while the next DELAY inner steps run, and merged after
-//! step `c + DELAY`: the step waits for it (it has normally landed), the outer Nesterov SGD steps
-//! the fragment's snapshot, and the snapshot replaces the fragment's parameters (torchft's
-//! `fragment_update_alpha = 0`: the fragment's inner steps during the overlap are dropped). With
-//! one fragment and DELAY 0 it is `diloco:H` bit for bit.
+//! `c % H == f·H / FRAGMENTS` (fragment 0 at `c % H == 0`): the average of its
+//! pseudo-gradients, one all-reduce of one flat buffer of the fragment's parameters, is issued
+//! and held while the next DELAY inner steps run, and merged after step `c + DELAY`: the step
+//! waits for it (it has normally landed), the outer Nesterov SGD steps the fragment's snapshot,
+//! and the snapshot replaces the fragment's parameters (torchft's `fragment_update_alpha = 0`:
+//! the fragment's inner steps during the overlap are dropped). With one fragment and DELAY 0 it
+//! is `diloco:H` bit for bit.
 //!
 //! A checkpoint taken while a sync is in flight first waits for it
 //! ([`ReducerPolicy::finish_in_flight`]) and keeps the landed, unmerged average beside the step
@@ -200,7 +201,8 @@ pub(crate) fn build_spec(spec: &PolicySpec) -> Result<Box<dyn ReducerPolicy>, Po
     Ok(Box::new(StreamingDiloco::new(cfg)?))
 }
 
-/// One parameter's average in a fragment's sync.
+/// A fragment's average: one flat f32 buffer of its parameters' (as
+/// [`Outer::flat_delta`] lays them out).
 enum Landing {
     /// Issued, perhaps not landed.
     InFlight(TensorWork<Tensor>),
@@ -212,8 +214,10 @@ enum Landing {
 struct Pending {
     /// The step count after which it is merged.
     merge_at: u64,
-    /// Its parameters' averages, by the parameter's place in the optimizer's list.
-    averages: Vec<(usize, Landing)>,
+    /// Its parameters, by their places in the optimizer's list, in the order of the average.
+    ids: Vec<usize>,
+    /// Its parameters' averaged pseudo-gradients.
+    average: Landing,
 }
 
 /// Streaming DiLoCo on one rank (see the module docs).
@@ -246,71 +250,65 @@ impl StreamingDiloco {
         let Some(pending) = self.pending[f].take() else {
             return Ok(());
         };
-        for (i, landing) in pending.averages {
-            let avg = match landing {
-                Landing::InFlight(w) => w.wait()?,
-                Landing::Landed(t) => t,
-            };
-            self.outer.merge(i, &avg)?;
-        }
+        let avg = match pending.average {
+            Landing::InFlight(w) => w.wait()?,
+            Landing::Landed(t) => t,
+        };
+        self.outer.merge_flat(&pending.ids, &avg)?;
         self.outer.round_into_model(&self.fragments[f], step)
     }
 
-    /// Issues the average over the ranks of fragment `f`'s pseudo-gradients, sent as
-    /// [`StreamingConfig::outer_precision`] says; each lands in f32, in its parameter's shape.
-    fn issue(&self, f: usize, comm: &Group) -> brigade_ddp::Result<Vec<(usize, Landing)>> {
+    /// Issues the average over the ranks of fragment `f`'s pseudo-gradients in one collective
+    /// of one flat buffer, sent as [`StreamingConfig::outer_precision`] says; it lands in f32.
+    fn issue(&self, f: usize, comm: &Group) -> brigade_ddp::Result<Landing> {
         let tag = format!("streaming-diloco.fragment{f}");
         let ids = &self.fragments[f];
-        let landing = |w: TensorWork<Tensor>| Landing::InFlight(w);
-        match self.cfg.outer_precision {
-            OuterPrecision::F32 => (ids.iter())
-                .map(|&i| Ok((i, landing(self.outer.issue(i, comm, &tag)?))))
-                .collect(),
-            OuterPrecision::Bf16 => (ids.iter())
-                .map(|&i| {
-                    let delta = self.outer.delta(i)?.to_dtype(DType::BF16)?;
-                    let avg = comm.all_reduce(&delta, ReduceOp::Avg, &format!("{tag}.param{i}"));
-                    Ok((i, landing(avg.then(|t| Ok(t.to_dtype(DType::F32)?)))))
-                })
-                .collect(),
-            OuterPrecision::Int8 => {
-                let deltas = ids
-                    .iter()
-                    .map(|&i| self.outer.delta(i))
-                    .collect::<brigade_ddp::Result<Vec<_>>>()?;
-                let scale = fragment_scale(&deltas)?;
-                let world = comm.world_size() as f64;
-                (ids.iter().zip(deltas))
-                    .map(|(&i, d)| {
-                        let shape = d.shape().to_vec();
-                        let q = d.reshape(&[d.numel()])?.div(&scale)?.to_dtype(DType::I8)?;
-                        // its own scale: a collective holds what it sends until it lands
-                        let gathered = comm.all_gather_with_side(&q, &scale.copy()?, &format!("{tag}.param{i}"));
-                        let avg = gathered.then(move |(q, s)| {
-                            let sum = q.to_dtype(DType::F32)?.mul(&s)?.sum(&[0], false)?;
-                            Ok(sum.mul_scalar(1.0 / world)?.reshape(&shape)?)
-                        });
-                        Ok((i, landing(avg)))
-                    })
-                    .collect()
+        let work = match self.cfg.outer_precision {
+            OuterPrecision::F32 => self.outer.issue(ids, comm, &tag)?,
+            OuterPrecision::Bf16 => {
+                let delta = self.outer.flat_delta(ids)?.to_dtype(DType::BF16)?;
+                let avg = comm.all_reduce(&delta, ReduceOp::Avg, &tag);
+                avg.then(|t| Ok(t.to_dtype(DType::F32)?))
             }
-        }
+            OuterPrecision::Int8 => {
+                let delta = self.outer.flat_delta(ids)?;
+                let scale = fragment_scale(&delta)?;
+                let world = comm.world_size() as f64;
+                let q = delta.div(&scale)?.to_dtype(DType::I8)?;
+                let gathered = comm.all_gather_with_side(&q, &scale, &tag);
+                gathered.then(move |(q, s)| {
+                    let sum = q.to_dtype(DType::F32)?.mul(&s)?.sum(&[0], false)?;
+                    Ok(sum.mul_scalar(1.0 / world)?)
+                })
+            }
+        };
+        Ok(Landing::InFlight(work))
     }
 }
 
-/// One int8 scale for a fragment's pseudo-gradients: their largest magnitude over 127 (at
+/// One int8 scale for a fragment's flat pseudo-gradients: their largest magnitude over 127 (at
 /// least 1e-30 / 127, so that an all-zero fragment sends zeros), shape `[1]`.
-fn fragment_scale(deltas: &[Tensor]) -> brigade_ddp::Result<Tensor> {
-    let on = deltas.first().map(|d| d.device()).unwrap_or_default();
-    let largest = Tensor::zeros_on(&[deltas.len()], DType::F32, on)?;
-    for (j, d) in deltas.iter().enumerate() {
-        let flat = d.reshape(&[d.numel()])?;
-        largest.narrow(0, j, 1)?.copy_from(&flat.abs()?.amax(&[0], true)?)?;
-    }
-    Ok(largest
+fn fragment_scale(delta: &Tensor) -> brigade_ddp::Result<Tensor> {
+    Ok(delta
+        .abs()?
         .amax(&[0], true)?
         .clamp(1e-30, f64::INFINITY)?
         .mul_scalar(1.0 / 127.0)?)
+}
+
+/// The tensors one after the other in one flat f32 tensor (a fragment's average as a checkpoint
+/// lists it, a tensor per parameter, laid out as [`Outer::flat_delta`] lays out the parameters).
+fn concat(parts: &[(usize, Tensor)]) -> brigade_ddp::Result<Tensor> {
+    let total = parts.iter().map(|(_, t)| t.numel()).sum::<usize>();
+    let on = parts.first().map(|(_, t)| t.device()).unwrap_or_default();
+    let flat = Tensor::zeros_on(&[total], DType::F32, on)?;
+    let mut offset = 0;
+    for (_, t) in parts {
+        let n = t.numel();
+        flat.narrow(0, offset, n)?.copy_from(&t.reshape(&[n])?)?;
+        offset += n;
+    }
+    Ok(flat)
 }
 
 /// `sizes` cut into `n` runs in order, each of about `total / n` elements and none empty.
@@ -359,11 +357,24 @@ impl ReducerPolicy for StreamingDiloco {
         }
         self.fragments = split(&self.outer.sizes(), self.cfg.fragments);
         let n = self.outer.len();
-        let beyond = (self.pending.iter().flatten()).any(|p| p.averages.iter().any(|(i, _)| *i >= n));
+        let beyond = (self.pending.iter().flatten()).any(|p| p.ids.iter().any(|i| *i >= n));
         if beyond {
             return Err(DdpError::PolicyState(format!(
                 "{name}: the checkpoint's fragment sync names a parameter beyond the optimizer's {n}"
             )));
+        }
+        let sizes = self.outer.sizes();
+        let device = full.params()[0].value().device();
+        for p in self.pending.iter_mut().flatten() {
+            let Landing::Landed(t) = &p.average else { continue };
+            let want: usize = p.ids.iter().map(|&i| sizes[i]).sum();
+            if t.numel() != want {
+                return Err(DdpError::PolicyState(format!(
+                    "{name}: the checkpoint's fragment sync holds {} elements for parameters of {want}",
+                    t.numel()
+                )));
+            }
+            p.average = Landing::Landed(t.to_device(device)?);
         }
         Ok(full)
     }
@@ -377,10 +388,11 @@ impl ReducerPolicy for StreamingDiloco {
                 self.merge(f, step)?;
             }
             if c % h == self.cfg.offset(f) {
-                let averages = self.issue(f, comm)?;
+                let average = self.issue(f, comm)?;
                 self.pending[f] = Some(Pending {
                     merge_at: c + self.cfg.delay as u64,
-                    averages,
+                    ids: self.fragments[f].clone(),
+                    average,
                 });
                 if self.cfg.delay == 0 {
                     self.merge(f, step)?;
@@ -393,7 +405,7 @@ impl ReducerPolicy for StreamingDiloco {
     fn finish_in_flight(&mut self, timeout: Duration) -> brigade_ddp::Result<()> {
         let deadline = Instant::now() + timeout;
         for (f, pending) in self.pending.iter_mut().enumerate() {
-            for (_, landing) in pending.iter_mut().flat_map(|p| p.averages.iter_mut()) {
+            for landing in pending.iter_mut().map(|p| &mut p.average) {
                 let Landing::InFlight(w) = landing else { continue };
                 while !w.is_completed() {
                     if Instant::now() >= deadline {
@@ -437,15 +449,17 @@ impl ReducerPolicy for StreamingDiloco {
                 format!("pending.{f}.merge_at"),
                 Tensor::from_vec(vec![p.merge_at as i64], &[1])?,
             ));
-            for (i, landing) in &p.averages {
-                match landing {
-                    Landing::Landed(t) => out.push((format!("pending.{f}.{i}"), t.clone())),
-                    Landing::InFlight(_) => {
-                        return Err(DdpError::PolicyState(format!(
-                            "{}: fragment {f}'s sync is still in flight: finish_in_flight before state_dict",
-                            self.name()
-                        )))
+            match &p.average {
+                Landing::Landed(t) => {
+                    for (i, avg) in self.outer.unflatten(&p.ids, t)? {
+                        out.push((format!("pending.{f}.{i}"), avg.copy()?));
                     }
+                }
+                Landing::InFlight(_) => {
+                    return Err(DdpError::PolicyState(format!(
+                        "{}: fragment {f}'s sync is still in flight: finish_in_flight before state_dict",
+                        self.name()
+                    )))
                 }
             }
         }
@@ -456,7 +470,8 @@ impl ReducerPolicy for StreamingDiloco {
         let name = self.name();
         self.steps = read_steps(state, &name)?;
         self.outer.load_state_dict(state, &name)?;
-        let mut pending: Vec<Option<Pending>> = (0..self.cfg.fragments).map(|_| None).collect();
+        // each fragment's step to merge at and its parameters' averages, as the state lists them
+        let mut pending: Vec<Option<(u64, Vec<(usize, Tensor)>)>> = (0..self.cfg.fragments).map(|_| None).collect();
         for (k, t) in state {
             let Some(rest) = k.strip_prefix("pending.") else {
                 continue;
@@ -470,38 +485,41 @@ impl ReducerPolicy for StreamingDiloco {
                     self.cfg.fragments
                 )));
             };
-            let p = pending[f].get_or_insert_with(|| Pending {
-                merge_at: 0,
-                averages: vec![],
-            });
+            let (merge_at, averages) = pending[f].get_or_insert_with(|| (0, vec![]));
             match what {
-                "merge_at" => p.merge_at = t.item()? as u64,
+                "merge_at" => *merge_at = t.item()? as u64,
                 i => {
                     let i = i.parse::<usize>().map_err(|_| {
                         DdpError::PolicyState(format!("{name}: '{k}' names no parameter of fragment {f}"))
                     })?;
-                    p.averages.push((i, Landing::Landed(t.clone())));
+                    averages.push((i, t.to_dtype(DType::F32)?));
                 }
             }
         }
-        for p in pending.iter_mut().flatten() {
-            if p.merge_at <= self.steps {
+        let mut flat: Vec<Option<Pending>> = (0..self.cfg.fragments).map(|_| None).collect();
+        for (slot, p) in flat.iter_mut().zip(pending) {
+            let Some((merge_at, mut averages)) = p else { continue };
+            if merge_at <= self.steps {
                 return Err(DdpError::PolicyState(format!(
-                    "{name}: a fragment sync merged after step {} in a state of step {}",
-                    p.merge_at, self.steps
+                    "{name}: a fragment sync merged after step {merge_at} in a state of step {}",
+                    self.steps
                 )));
             }
-            p.averages.sort_by_key(|(i, _)| *i);
+            averages.sort_by_key(|(i, _)| *i);
+            *slot = Some(Pending {
+                merge_at,
+                ids: averages.iter().map(|(i, _)| *i).collect(),
+                average: Landing::Landed(concat(&averages)?),
+            });
         }
-        self.pending = pending;
+        self.pending = flat;
         Ok(())
     }
 
     fn memory(&self) -> PolicyMemory {
         let bytes = |t: &Tensor| t.numel() * t.dtype().size_in_bytes();
         let landed: usize = (self.pending.iter().flatten())
-            .flat_map(|p| &p.averages)
-            .map(|(_, l)| match l {
+            .map(|p| match &p.average {
                 Landing::Landed(t) => bytes(t),
                 Landing::InFlight(_) => 0,
             })
@@ -529,12 +547,12 @@ impl ReducerPolicy for StreamingDiloco {
             self.fragments.clone()
         };
         let total = sizes.iter().sum::<usize>().max(1) as f64;
-        // each of a fragment's parameters is sent in a collective of its own (`issue`)
+        // each fragment is sent in one collective of one flat buffer (`issue`)
         let parts = fragments
             .iter()
             .map(|ids| FragmentPart {
                 share: ids.iter().map(|&i| sizes[i]).sum::<usize>() as f64 / total,
-                collectives: ids.len().max(1),
+                collectives: 1,
             })
             .collect();
         Some(AfterStepWire {

@@ -35,6 +35,8 @@ pub struct RankRun {
     pub memory: brigade_ddp::MemoryReport,
     pub diagnostics: Vec<String>,
     pub wire_bytes: f64,
+    /// Collectives the steps issued.
+    pub collectives: u64,
 }
 
 /// What a test trains: widths, steps, microbatches, rows per microbatch, caps.
@@ -113,6 +115,7 @@ pub fn train(
             memory: ddp.rank_memory(&opt).unwrap(),
             diagnostics: ddp.policy_diagnostics().into_iter().map(|d| d.message).collect(),
             wire_bytes: (meter.totals() - built).wire_bytes,
+            collectives: (meter.totals() - built).collectives,
         }
     })
     .into_iter()

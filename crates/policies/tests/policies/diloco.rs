@@ -69,12 +69,32 @@ fn diloco_sends_nothing_between_syncs_and_the_ranks_meet_at_every_sync() {
     let plain = train(SETUP, 2, "sgd", spec("allreduce"));
     assert_eq!(runs[0].params, runs[1].params, "the ranks meet at the last step's sync");
     let ratio = runs[0].wire_bytes / plain[0].wire_bytes;
-    // (a ring's wire bytes round each tensor's chunks: per parameter, not per bucket)
+    // (a ring's wire bytes round each buffer's chunks: one flat buffer a sync, buckets a step)
     assert!((ratio - 0.25).abs() < 1e-3, "a quarter of all-reduce's bytes: {ratio}");
     // each rank trained on its own shard: the losses differ between syncs
     assert_ne!(runs[0].losses, runs[1].losses);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     assert!(mean(&runs[0].losses[20..]) < mean(&runs[0].losses[..4]), "it trains");
+}
+
+#[test]
+fn a_diloco_sync_is_one_collective_and_a_streaming_one_is_one_a_fragment() {
+    // 24 steps of a 3-layer MLP (6 parameter tensors) at H = 4: 6 syncs, each one all-reduce of
+    // one flat buffer of every parameter (not one a tensor, each paying the link's latency);
+    // counted beside a period longer than the run, which never syncs
+    let base = train(SETUP, 2, "sgd", spec("diloco:25"))[0].collectives;
+    for (policy, syncs) in [
+        ("diloco:4", 6),
+        ("streaming-diloco:4:2", 12),
+        ("streaming-diloco:4:2:1:bf16", 12),
+        // each fragment's int8 and its scale in one all-gather
+        ("streaming-diloco:4:2:1:int8", 12),
+    ] {
+        let runs = train(SETUP, 2, "sgd", spec(policy));
+        for (r, run) in runs.iter().enumerate() {
+            assert_eq!(run.collectives - base, syncs, "{policy}: rank {r}'s collectives");
+        }
+    }
 }
 
 #[test]
