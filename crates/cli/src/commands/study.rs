@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use brigade::launch::net_model;
+use brigade::policies::PolicySpec;
 use brigade::study::{PolicyStudy, StudyConfig};
 use clap::Args;
 use plotters::prelude::*;
@@ -92,52 +93,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         .iter()
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
-    // one policy twice would be one run twice, its TensorBoard events in one directory
-    if let Some((first, again)) = brigade::study::repeated(&specs) {
-        return Err(Error::Usage(format!(
-            "--policy lists {} twice (entries {first} and {again}): each policy is one run",
-            specs[again - 1]
-        )));
-    }
-    if let Some((first, again)) = brigade::study::repeated(&s.target_loss) {
-        return Err(Error::Usage(format!(
-            "--target-loss lists {} twice (entries {first} and {again}): give each once",
-            s.target_loss[again - 1]
-        )));
-    }
-    if let Some((first, again)) = brigade::study::repeated(&s.predict_world_sizes) {
-        return Err(Error::Usage(format!(
-            "--predict-world-sizes lists {} twice (entries {first} and {again}): give each once",
-            s.predict_world_sizes[again - 1]
-        )));
-    }
-    if let Some(n) = s.predict_world_sizes.iter().find(|n| !(1..=MAX_WORLD).contains(*n)) {
-        return Err(Error::Usage(format!(
-            "--predict-world-sizes must each be between 1 and {MAX_WORLD}, got {n}"
-        )));
-    }
-    a.check_no_policy_alias()?;
-    // every flag is checked under each policy of the list, not the run's own (`train --policy`);
-    // one wrong under any policy is the run's, said without naming a policy
-    a.check_settings_flags(&specs, true)?;
-    a.validate_run()?;
-    for spec in &specs {
-        a.validate_for(spec)
-            .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
-    }
-    let links = links(&s)?;
-    if links.is_empty() {
-        return Err(Error::Usage(
-            "say which link to predict for: --net-gbps G (the run's link) or --predict-gbps LIST".into(),
-        ));
-    }
-    let sc = StudyConfig {
-        links,
-        other_worlds: s.predict_world_sizes.clone(),
-        targets: s.target_loss.clone(),
-        tensorboard: s.tensorboard.clone(),
-        ..StudyConfig::new(vec![], vec![])
-    };
+    let sc = check_flags(&s, &specs)?;
     check_study_outputs(&s, &specs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
     // a signal stops the policy in progress at a step boundary; that run is dropped, and --out
     // gets the policies that finished
@@ -196,6 +152,54 @@ pub fn study(s: StudyArgs) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Checks every flag before any policy trains (each under every policy of the list), and
+/// returns the study's configuration: the links, the other world sizes and the targets.
+fn check_flags(s: &StudyArgs, specs: &[PolicySpec]) -> Result<StudyConfig> {
+    let a = &s.run;
+    // one policy twice would be one run twice, its TensorBoard events in one directory
+    listed_once("--policy", specs, "each policy is one run")?;
+    listed_once("--target-loss", &s.target_loss, "give each once")?;
+    listed_once("--predict-world-sizes", &s.predict_world_sizes, "give each once")?;
+    if let Some(n) = s.predict_world_sizes.iter().find(|n| !(1..=MAX_WORLD).contains(*n)) {
+        return Err(Error::Usage(format!(
+            "--predict-world-sizes must each be between 1 and {MAX_WORLD}, got {n}"
+        )));
+    }
+    a.check_no_policy_alias()?;
+    // every flag is checked under each policy of the list, not the run's own (`train --policy`);
+    // one wrong under any policy is the run's, said without naming a policy
+    a.check_settings_flags(specs, true)?;
+    a.validate_run()?;
+    for spec in specs {
+        a.validate_for(spec)
+            .map_err(|e| Error::Usage(format!("--policy {spec}: {e}")))?;
+    }
+    let links = links(s)?;
+    if links.is_empty() {
+        return Err(Error::Usage(
+            "say which link to predict for: --net-gbps G (the run's link) or --predict-gbps LIST".into(),
+        ));
+    }
+    Ok(StudyConfig {
+        links,
+        other_worlds: s.predict_world_sizes.clone(),
+        targets: s.target_loss.clone(),
+        tensorboard: s.tensorboard.clone(),
+        ..StudyConfig::new(vec![], vec![])
+    })
+}
+
+/// Refuses a list flag that gives one entry twice, naming both places and `why` not.
+fn listed_once<T: PartialEq + std::fmt::Display>(flag: &str, values: &[T], why: &str) -> Result<()> {
+    match brigade::study::repeated(values) {
+        Some((first, again)) => Err(Error::Usage(format!(
+            "{flag} lists {} twice (entries {first} and {again}): {why}",
+            values[again - 1]
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Checks the study's outputs before any policy trains: --out's files, and --tensorboard's

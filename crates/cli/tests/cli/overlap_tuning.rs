@@ -350,7 +350,10 @@ fn a_streaming_diloco_profile_records_its_fragments_and_the_wait_behind_an_earli
     let share = |k: usize| parts[k]["share"].as_f64().unwrap();
     assert_eq!(parts.len(), 2);
     assert!((share(0) + share(1) - 1.0).abs() < 1e-9 && share(0) > 0.95, "{parts:?}");
-    assert_eq!(parts[0]["collectives"], 1, "one all-reduce of one flat buffer a fragment");
+    assert_eq!(
+        parts[0]["collectives"], 1,
+        "one all-reduce of one flat buffer a fragment"
+    );
     // step 5 is the fifth step (from 0: the list's fourth, steps 1..6)
     for r in v[3]["ranks"].as_array().unwrap() {
         let left = r["policy_s"]["in_flight_until_s"].as_f64().unwrap_or(0.0);
