@@ -76,12 +76,24 @@ fn replayed(
 /// at once ([`measured_link`]); one line when none recorded anything on the link.
 fn own_links(profiles: &[StepProfile]) -> Result<Vec<LinkCost>, String> {
     let joint = measured_link(&profiles.iter().collect::<Vec<_>>()).map_err(|e| e.to_string())?;
+    // syncs that run behind the next steps: a step's profile holds only what had run of them
+    // when its `after_step` returned
+    let overlapped = profiles.iter().any(|p| {
+        (p.policy.as_ref())
+            .and_then(|p| p.after_step.as_ref())
+            .is_some_and(|a| a.overlap_steps > 0)
+    });
     profiles
         .iter()
         .map(|p| match measured_link(&[p]).map_err(|e| e.to_string())? {
             Some(_) => Ok(LinkCost::Measured),
-            None => joint.map(LinkCost::Ring).ok_or_else(|| {
-                "no profiled step recorded anything on the link: there is no link to replay its own steps on".into()
+            None => joint.map(LinkCost::Ring).ok_or_else(|| match overlapped {
+                true => "its collectives run behind the next steps, and a profiled step holds only what had run of \
+                         them when it ended: there is no whole collective on the link to replay its own steps on"
+                    .into(),
+                false => {
+                    "no profiled step recorded anything on the link: there is no link to replay its own steps on".into()
+                }
             }),
         })
         .collect()

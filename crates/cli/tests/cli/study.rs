@@ -847,3 +847,22 @@ fn a_policy_that_never_did_its_thing_says_so_in_the_studys_notes() {
         "{text}"
     );
 }
+
+#[test]
+fn a_policy_whose_syncs_all_run_behind_later_steps_is_told_why_it_has_no_band() {
+    // streaming DiLoCo sends nothing in its buckets; each fragment's sync overlaps the next
+    // step, so no profiled step holds a whole collective to fit its link to
+    let d = dir("study_overlapped_band");
+    let out = d.to_str().unwrap();
+    let args = small(
+        "streaming-diloco:2:2",
+        &["--steps", "8", "--target-loss", "1.3"],
+        out,
+    );
+    let text = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let notes: Vec<&str> = text.lines().filter(|l| l.starts_with("note: ")).collect();
+    assert!(
+        notes.len() == 1 && notes[0].contains("run behind the next steps") && notes[0].contains("no error band"),
+        "{text}"
+    );
+}
