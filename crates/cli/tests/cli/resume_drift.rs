@@ -242,6 +242,23 @@ fn a_zero_3_resume_reading_its_shards_names_a_non_finite_value_as_the_whole_read
 }
 
 #[test]
+fn profiled_steps_before_the_step_a_resume_continues_from_are_refused() {
+    let d = dir("drift-profile-steps");
+    let (ck, p) = (d.join("ck.safetensors"), d.join("steps.json"));
+    let base = cat(&[&["train"], MLP]);
+    ok(&cat(&[&base, &["--steps", "4", "--checkpoint", s(&ck)]]));
+    let resumed = cat(&[&base, &["--steps", "8", "--resume", s(&ck), "--profile", s(&p)]]);
+    let e = fails(&cat(&[&resumed, &["--profile-steps", "2..6"]]));
+    assert!(
+        e.contains("--profile-steps 2..6 starts before step 4, where --resume continues"),
+        "{e}"
+    );
+    assert!(!p.exists());
+    ok(&cat(&[&resumed, &["--profile-steps", "4..6"]]));
+    assert!(p.exists());
+}
+
+#[test]
 fn a_resume_on_in_order_data_on_other_ranks_reads_on_from_the_row_the_step_reached() {
     let d = dir("drift-world");
     let data = mlp_data(&d, None);

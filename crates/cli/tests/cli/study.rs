@@ -854,11 +854,7 @@ fn a_policy_whose_syncs_all_run_behind_later_steps_is_told_why_it_has_no_band() 
     // step, so no profiled step holds a whole collective to fit its link to
     let d = dir("study_overlapped_band");
     let out = d.to_str().unwrap();
-    let args = small(
-        "streaming-diloco:2:2",
-        &["--steps", "8", "--target-loss", "1.3"],
-        out,
-    );
+    let args = small("streaming-diloco:2:2", &["--steps", "8", "--target-loss", "1.3"], out);
     let text = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let notes: Vec<&str> = text.lines().filter(|l| l.starts_with("note: ")).collect();
     assert!(
