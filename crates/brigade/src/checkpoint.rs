@@ -186,6 +186,11 @@ pub fn read_metadata(path: &Path) -> Option<HashMap<String, String>> {
     (meta.get("format").map(String::as_str) == Some(CHECKPOINT_FORMAT)).then_some(meta)
 }
 
+/// The step the checkpoint at `path` continues from, from its header alone ([`read_metadata`]).
+pub fn checkpoint_step(path: &Path) -> Option<usize> {
+    step_of(&read_metadata(path)?)
+}
+
 /// The step a checkpoint's metadata records (the step to run next).
 fn step_of(meta: &HashMap<String, String>) -> Option<usize> {
     meta.get("step").and_then(|s| s.parse().ok())

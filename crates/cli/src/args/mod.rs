@@ -99,6 +99,17 @@ pub fn listed_twice(caps: &[f64]) -> Option<f64> {
         .map(|(_, c)| *c)
 }
 
+/// Refuses a list flag that gives one entry twice, naming both places and `why` not.
+pub fn listed_once<T: PartialEq + std::fmt::Display>(flag: &str, values: &[T], why: &str) -> Result<()> {
+    match brigade::study::repeated(values) {
+        Some((first, again)) => Err(Error::Usage(format!(
+            "{flag} lists {} twice (entries {first} and {again}): {why}",
+            values[again - 1]
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Checks `--net-gbps` and `--net-latency-us` (shared by `train`, `sweep` and `predict`).
 pub fn check_link(gbps: Option<f64>, latency_us: f64) -> Result<()> {
     check_link_of(("--net-gbps", gbps), ("--net-latency-us", latency_us))

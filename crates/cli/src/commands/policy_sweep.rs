@@ -96,12 +96,7 @@ fn plan(s: &SweepArgs, opts: &RunOptions, late: &Arc<LateHeldOut>) -> Result<Vec
             resolve(e, d.powersgd_rank, d.powersgd_start_iter)
         })
         .collect::<Result<_>>()?;
-    if let Some((first, again)) = brigade::study::repeated(&specs) {
-        return bad(format!(
-            "--policy lists {} twice (entries {first} and {again}): each policy is one row",
-            specs[again - 1]
-        ));
-    }
+    crate::args::listed_once("--policy", &specs, "each policy is one row")?;
     s.run.check_no_policy_alias()?;
     s.run.check_settings_flags(&specs, true)?;
     rows(s, specs, opts, late)

@@ -27,7 +27,7 @@ use brigade::study::{PolicyStudy, StudyConfig};
 use clap::Args;
 use plotters::prelude::*;
 
-use crate::args::RunArgs;
+use crate::args::{listed_once, RunArgs};
 use crate::commands::predict::MAX_WORLD;
 use crate::commands::sweep_args::make_out_dir;
 use crate::error::{Error, Result};
@@ -189,17 +189,6 @@ fn check_flags(s: &StudyArgs, specs: &[PolicySpec]) -> Result<StudyConfig> {
         tensorboard: s.tensorboard.clone(),
         ..StudyConfig::new(vec![], vec![])
     })
-}
-
-/// Refuses a list flag that gives one entry twice, naming both places and `why` not.
-fn listed_once<T: PartialEq + std::fmt::Display>(flag: &str, values: &[T], why: &str) -> Result<()> {
-    match brigade::study::repeated(values) {
-        Some((first, again)) => Err(Error::Usage(format!(
-            "{flag} lists {} twice (entries {first} and {again}): {why}",
-            values[again - 1]
-        ))),
-        None => Ok(()),
-    }
 }
 
 /// Checks the study's outputs before any policy trains: --out's files, and --tensorboard's

@@ -159,9 +159,7 @@ impl TrainArgs {
             }
             (Some(r), Some(_)) => {
                 // a resume runs from the checkpoint's step on: a step before it is not run here
-                let resumed_at = (self.resume.as_deref())
-                    .and_then(|c| brigade_models::stored_tensors(c).ok())
-                    .and_then(|(_, meta)| meta.get("step")?.parse::<usize>().ok());
+                let resumed_at = self.resume.as_deref().and_then(brigade::checkpoint::checkpoint_step);
                 if let Some(at) = resumed_at.filter(|&at| r.start < at) {
                     return bad(format!(
                         "--profile-steps {r:?} starts before step {at}, where --resume continues: give steps from {at} on"
