@@ -10,9 +10,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::work::Due;
 use crate::{CommError, NetModel, RingOp, Work};
-
-type SimJob = Box<dyn FnOnce() + Send>;
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
@@ -179,15 +178,19 @@ impl LinkClock {
 
 /// A simulated stream's delay stage: each collective's work, completed by the transport, is
 /// completed again at its modelled finish on the link (the slot of [`SharedLink`] or of a
-/// rank's own link), by a helper thread that sleeps until then while the stream goes on; the delayed work reports `sim_start`/`sim_finish` as
-/// its timing. A blocking collective issued while nothing is in flight runs on the caller
-/// instead ([`LinkStage::hold`]), as on a stream without a link.
+/// rank's own link), and reports `sim_start`/`sim_finish` as its timing. The slot is decided on
+/// the thread that ran the transfer, as it finishes; the completion at the slot's finish (with
+/// whatever is chained on the work) runs on the thread that waits for the work, or for a work
+/// chained on it, which sleeps until then on its own, as a thread rank's waiter is woken by the
+/// comm thread that finished; with no such waiter, the link's timer thread runs it at the
+/// finish while the stream goes on. A blocking collective issued while nothing is in flight
+/// runs on the caller instead ([`LinkStage::hold`]), as on a stream without a link.
 pub(crate) struct LinkStage {
     model: NetModel,
     world: usize,
-    jobs: mpsc::Sender<SimJob>,
+    timer: mpsc::Sender<Arc<Due>>,
     clock: Arc<Mutex<LinkClock>>,
-    /// Collectives handed to the helper thread and not yet completed.
+    /// Collectives issued on the link and not yet completed.
     in_flight: Arc<AtomicUsize>,
 }
 
@@ -217,19 +220,24 @@ impl LinkStage {
     }
 
     fn with_clock(model: NetModel, rank: usize, world: usize, clock: LinkClock) -> Self {
-        let (tx, rx) = mpsc::channel::<SimJob>();
+        let (tx, rx) = mpsc::channel::<Arc<Due>>();
         thread::Builder::new()
             .name(format!("sim-net-{rank}"))
             .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    job();
+                while let Ok(due) = rx.recv() {
+                    complete_unclaimed(&due);
                 }
             })
             .expect("spawn simulated network thread");
+        Self::with_timer(model, world, clock, tx)
+    }
+
+    /// A stage whose due completions go to `timer` when no waiter takes them.
+    fn with_timer(model: NetModel, world: usize, clock: LinkClock, timer: mpsc::Sender<Arc<Due>>) -> Self {
         LinkStage {
             model,
             world,
-            jobs: tx,
+            timer,
             clock: Arc::new(Mutex::new(clock)),
             in_flight: Arc::new(AtomicUsize::new(0)),
         }
@@ -248,9 +256,7 @@ impl LinkStage {
 
     /// The link's part of a blocking collective `kind` on `bytes` bytes, issued with `ticket`,
     /// whose transfer the caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
-    /// as the helper thread would and returns at the slot's finish, on the caller's thread: no
-    /// helper thread wakes, and the caller wakes on its own at the modelled finish (a hand-over
-    /// from the helper costs a wake-up, which on shared cores is often longer than the link).
+    /// as [`LinkStage::delay`] would and returns at the slot's finish, on the caller's thread.
     pub(crate) fn hold<T>(
         &self,
         ticket: Ticket,
@@ -271,7 +277,8 @@ impl LinkStage {
     }
 
     /// `inner` (collective `kind` on `bytes` bytes, issued with `ticket`) completed at its
-    /// modelled finish.
+    /// modelled finish. A waiter of the returned work (or of one chained on it) may run the
+    /// transfer, as it may on a stream without a link, and the completion at the finish.
     pub(crate) fn delay<T: Send + 'static>(
         &self,
         ticket: Arc<Ticket>,
@@ -282,31 +289,52 @@ impl LinkStage {
     ) -> Work<T> {
         let model_time = self.model.time(kind, bytes, self.world);
         let (outer, promise) = Work::pending(inner.rank(), inner.tag(), timeout);
+        let outer = outer.lending_helper(inner.take_helper());
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let counted = InFlight(self.in_flight.clone());
         let clock = self.clock.clone();
-        let job: SimJob = Box::new(move || {
-            // The transport bounds its own waits, so this returns.
-            match inner.wait_timed_timeout(Duration::MAX) {
-                Ok((value, timing)) => {
-                    // A rank that came early waits for the late one, then for the link.
-                    let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
-                    promise.start_at(sim_start);
-                    sleep_until(sim_finish);
-                    // off the link before the waiter wakes: its next blocking collective may
-                    // take the link on its own thread
-                    drop(counted);
-                    promise.complete_at(Ok(value), sim_finish);
-                }
-                Err(err) => {
-                    drop(counted);
-                    promise.complete(Err(err))
+        let timer = self.timer.clone();
+        // on the thread that ran the transfer, as it finishes
+        inner.on_complete(move |result, timing| match result {
+            Ok(value) => {
+                // A rank that came early waits for the late one, then for the link.
+                let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
+                promise.start_at(sim_start);
+                let due = promise.complete_due(sim_finish, move |promise| {
+                    Box::new(move || {
+                        sleep_until(sim_finish);
+                        // off the link before the waiter goes on: its next blocking collective
+                        // may take the link on its own thread
+                        drop(counted);
+                        promise.complete_at(Ok(value), sim_finish);
+                    })
+                });
+                if let Err(unsent) = timer.send(due) {
+                    // no timer thread (it panicked): complete it here
+                    if let Some(job) = unsent.0.take() {
+                        job();
+                    }
                 }
             }
+            Err(err) => {
+                drop(counted);
+                promise.complete(Err(err))
+            }
         });
-        // A send error drops the promise, completing `outer` with `CommError::Closed`.
-        let _ = self.jobs.send(job);
         outer
+    }
+}
+
+/// The timer's part of `due`: unless a waiter takes it first, runs its job at its instant.
+/// The timer waits on the job (a waiter taking it wakes it at once, inside the slot) until
+/// `SPIN_TAIL` before the instant, so it does not wake at the finish beside the waiter.
+fn complete_unclaimed(due: &Due) {
+    let until = due.at().checked_sub(SPIN_TAIL).unwrap_or(due.at());
+    if due.wait_taken(until) {
+        return;
+    }
+    if let Some(job) = due.take() {
+        job();
     }
 }
 
@@ -331,5 +359,139 @@ fn sleep_until(t: Instant) {
     }
     while Instant::now() < t {
         thread::yield_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The link's completion path, with its timer thread replaced by a channel nobody serves
+    //! (so only the waiter can complete a collective) or kept (so only the timer can): which
+    //! thread completes a collective, and when, never depends on scheduling here.
+
+    use std::sync::mpsc::Receiver;
+    use std::thread::ThreadId;
+
+    use super::*;
+    use crate::{Promise, WorkEvent};
+
+    const TIMEOUT: Duration = Duration::from_secs(20);
+
+    fn model() -> NetModel {
+        NetModel {
+            latency: Duration::from_millis(2),
+            bandwidth_bytes_per_s: 1e9,
+        }
+    }
+
+    /// A stage of world 2 on a rank's own link whose timer never fires: the receiver is kept.
+    fn unserved_stage() -> (LinkStage, Receiver<Arc<Due>>) {
+        let (tx, rx) = mpsc::channel();
+        let clock = LinkClock::Own { free: Instant::now() };
+        (LinkStage::with_timer(model(), 2, clock, tx), rx)
+    }
+
+    /// A collective of 1 KiB issued on `stage`, whose transfer the returned promise finishes.
+    fn issue(stage: &LinkStage) -> (Work<u32>, Promise<u32>) {
+        let (inner, transfer) = Work::pending(0, "bucket", TIMEOUT);
+        let ticket = Arc::new(stage.ticket());
+        (stage.delay(ticket, inner, RingOp::AllReduce, 1024, TIMEOUT), transfer)
+    }
+
+    /// When `work` finishes, as its observers are told.
+    fn finish_of<T>(work: &Work<T>) -> Arc<Mutex<Option<Instant>>> {
+        let at = Arc::new(Mutex::new(None));
+        let seen = at.clone();
+        work.observe(move |event| {
+            if let WorkEvent::Finished { at, .. } = event {
+                *seen.lock().unwrap() = Some(at);
+            }
+        });
+        at
+    }
+
+    #[test]
+    fn the_waiter_of_a_chained_work_completes_the_collective_at_its_slots_finish_on_its_own_thread() {
+        let (stage, timer) = unserved_stage();
+        let (work, transfer) = issue(&stage);
+        let finished = finish_of(&work);
+        let chained = work.then(|v| Ok((v, thread::current().id())));
+        transfer.start();
+        transfer.complete(Ok(7));
+        // the slot was decided as the transfer finished, and its completion handed to the timer
+        let due = timer.try_recv().expect("the link handed the completion to its timer");
+        let ((value, ran_on), timing) = chained.wait_timed().expect("the waiter completes it");
+        let returned = Instant::now();
+        assert_eq!(value, 7);
+        assert_eq!(ran_on, thread::current().id(), "the continuation ran on another thread");
+        assert!(due.take().is_none(), "the waiter left the completion to the timer");
+        let finished = finished.lock().unwrap().expect("the collective finished");
+        assert_eq!(finished, due.at(), "the work's finish is not the slot's");
+        assert_eq!(finished - timing.started, model().time(RingOp::AllReduce, 1024, 2));
+        assert!(returned >= finished, "the waiter returned before the slot's finish");
+        assert!(stage.idle(), "the collective is still counted on the link");
+    }
+
+    #[test]
+    fn the_waiter_of_an_and_then_runs_the_chained_collectives_transfer_and_completion_after_the_first() {
+        let (stage, timer) = unserved_stage();
+        let stage = Arc::new(stage);
+        let (first, transfer) = issue(&stage);
+        let first_finish = finish_of(&first);
+        let ran = Arc::new(Mutex::new(Vec::<(&str, ThreadId)>::new()));
+        let (log, issuer) = (ran.clone(), stage.clone());
+        let chained = first
+            .and_then(move |v| {
+                log.lock().unwrap().push(("issued", thread::current().id()));
+                let (second, transfer) = issue(&issuer);
+                // the transfer as the comm stream's helper runs it: on whichever thread asks
+                let transfer = Mutex::new(Some(transfer));
+                let log2 = log.clone();
+                let second = second.lending_helper(Some(Box::new(move || {
+                    if let Some(t) = transfer.lock().unwrap().take() {
+                        log2.lock().unwrap().push(("transferred", thread::current().id()));
+                        t.complete(Ok(v + 1));
+                    }
+                })));
+                Ok(second)
+            })
+            .then(|v| Ok((v, thread::current().id())));
+        transfer.complete(Ok(1));
+        let ((value, ran_on), timing) = chained.wait_timed().expect("the waiter completes both");
+        let me = thread::current().id();
+        assert_eq!(value, 2);
+        assert_eq!(ran_on, me);
+        assert_eq!(
+            *ran.lock().unwrap(),
+            vec![("issued", me), ("transferred", me)],
+            "the chained collective was not issued and run by the waiter, in that order"
+        );
+        let first_finish = first_finish.lock().unwrap().expect("the first finished");
+        let dues: Vec<Arc<Due>> = timer.try_iter().collect();
+        assert_eq!(dues.len(), 2, "one completion per collective");
+        assert!(
+            dues.iter().all(|d| d.take().is_none()),
+            "a completion was left to the timer"
+        );
+        assert_eq!(dues[0].at(), first_finish);
+        assert!(
+            dues[1].at() >= first_finish + model().time(RingOp::AllReduce, 1024, 2),
+            "the chained collective's slot overlapped the first's"
+        );
+        assert_eq!(timing.started, first_finish - model().time(RingOp::AllReduce, 1024, 2));
+    }
+
+    #[test]
+    fn with_no_waiter_the_links_timer_completes_the_collective_and_runs_its_continuation() {
+        let stage = LinkStage::own(model(), 0, 2);
+        let (work, transfer) = issue(&stage);
+        let (tx, rx) = mpsc::channel();
+        let _chained = work.then(move |v| {
+            let _ = tx.send((v, thread::current().name().map(str::to_string)));
+            Ok(())
+        });
+        transfer.complete(Ok(3));
+        let (value, name) = rx.recv_timeout(TIMEOUT).expect("the timer completed the collective");
+        assert_eq!(value, 3);
+        assert_eq!(name.as_deref(), Some("sim-net-0"));
     }
 }

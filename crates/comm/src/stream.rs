@@ -14,8 +14,9 @@
 //! Two options of a stream, each written once and applied to every collective issued through
 //! it: tracing ([`CommStream::traced`]: the issue recorded on the caller's thread with its tag,
 //! the start and finish as they happen) and a simulated link ([`CommStream::simulated`],
-//! [`CommStream::on_link`]: a collective completes at its modelled finish, on a helper
-//! thread, while the stream goes on). [`CommStream::plain`] is a handle on the same stream
+//! [`CommStream::on_link`]: a collective completes at its modelled finish, on the thread
+//! that waits for it (or for a work chained on it), else on the link's timer thread, while the
+//! stream goes on). [`CommStream::plain`] is a handle on the same stream
 //! without them, for control messages.
 
 use std::collections::VecDeque;
@@ -154,8 +155,11 @@ impl<T: Transport> CommStream<T> {
     /// This stream as slow as links of `model` (the ring model of [`crate::cost`]), on a link
     /// of this rank's own: each collective starts on the link once its transfer finished and
     /// the previous one left the link (`sim_start = max(finished, previous sim_finish)`) and
-    /// completes `model`'s time later, which its work reports as its timing. A helper thread
-    /// sleeps until then (yielding the core for the last 100 us), so the caller's compute keeps
+    /// completes `model`'s time later, which its work reports as its timing. The thread that
+    /// waits for the work (or for one chained on it) sleeps until then and completes it itself,
+    /// running what is chained on it, as a waiter on a stream without a link is woken by the
+    /// comm thread that finished; with no waiter, the link's timer thread does, while the
+    /// stream goes on. Either sleeps (yielding the core for the last 100 us), so compute keeps
     /// the core. Ranks drift apart by scheduling noise: [`CommStream::on_link`] shares one link
     /// among them.
     pub fn simulated(mut self, model: NetModel) -> Self {

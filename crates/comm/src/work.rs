@@ -47,6 +47,20 @@ struct State<T> {
     finished: Option<Instant>,
     observers: Vec<Observer>,
     continuation: Option<Continuation<T>>,
+    /// Runs the collective on a waiting thread, taken by the first wait long enough to run it.
+    helper: Option<Helper>,
+    /// Whether a waiter of a work chained on this one may take `helper` too (a collective on a
+    /// simulated link, whose chained collectives a waiter runs as the comm thread would).
+    lends_helper: bool,
+    /// The completion, decided ahead of its instant, that a waiter may run (see [`Due`]).
+    due: Option<Arc<Due>>,
+    /// The work this one is chained on (by [`Work::then`] or [`Work::and_then`]), whose helper
+    /// and due completion a waiter of this one may run.
+    upstream: Option<Arc<dyn Claim>>,
+    /// Wake the waiters of the works chained on this one when a due completion appears here.
+    wakers: Vec<Waker>,
+    /// Counts the wake-ups, so that a waiter misses none between its look and its sleep.
+    generation: u64,
 }
 
 struct Shared<T> {
@@ -59,11 +73,116 @@ impl<T> Shared<T> {
         // Observers run under this lock; a panicking observer must not wedge every waiter.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Wakes this work's waiters and those of every work chained on it: something they may run
+    /// appeared (a due completion, a newly chained collective).
+    fn wake(&self) {
+        let wakers = {
+            let mut st = self.lock();
+            st.generation += 1;
+            st.wakers.clone()
+        };
+        self.done.notify_all();
+        for waker in wakers {
+            waker();
+        }
+    }
 }
 
 /// Runs the collective behind a [`Work`] on the waiting thread when it can start at once (see
 /// [`crate::CommStream`]).
 pub(crate) type Helper = Box<dyn Fn() + Send + Sync>;
+
+/// Something a waiting thread runs in place of another thread: a collective's transfer, or a
+/// due completion.
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+type Waker = Arc<dyn Fn() + Send + Sync>;
+
+/// A work's completion decided ahead of the instant it happens: a collective on a simulated
+/// link whose slot's finish is known once its transfer finished. Its job waits until
+/// [`Due::at`] and completes the work (and runs what is chained on it). The first to take it
+/// runs it: a thread waiting for the work, or for a work chained on it, on its own thread (as a
+/// thread rank's comm thread completes a collective and runs its continuation on the thread
+/// that ran it), or else the link's timer thread at the instant.
+pub(crate) struct Due {
+    at: Instant,
+    job: Mutex<Option<Job>>,
+    taken: Condvar,
+}
+
+impl Due {
+    /// When the job completes the work.
+    pub(crate) fn at(&self) -> Instant {
+        self.at
+    }
+
+    /// The job, to the first caller only.
+    pub(crate) fn take(&self) -> Option<Job> {
+        let job = self.job.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if job.is_some() {
+            self.taken.notify_all();
+        }
+        job
+    }
+
+    /// Blocks until someone took the job or `until` passed; returns whether it was taken.
+    pub(crate) fn wait_taken(&self, until: Instant) -> bool {
+        let mut job = self.job.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let now = Instant::now();
+            if job.is_none() || now >= until {
+                return job.is_none();
+            }
+            job = self
+                .taken
+                .wait_timeout(job, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A work a waiter can help along: the first job it may run, its own or its upstream's.
+pub(crate) trait Claim: Send + Sync {
+    /// The job a waiter may run now for this work or the works it is chained on: a due
+    /// completion no later than `deadline`, or (`may_run`) a collective's transfer; `chained`
+    /// when asked through a work chained on this one.
+    fn claim(&self, deadline: Option<Instant>, may_run: bool, chained: bool) -> Option<Job>;
+}
+
+impl<T: Send + 'static> Claim for Shared<T> {
+    fn claim(&self, deadline: Option<Instant>, may_run: bool, chained: bool) -> Option<Job> {
+        let mut st = self.lock();
+        if st.completed {
+            return None;
+        }
+        if let Some(job) = own_claim(&mut st, deadline, may_run, chained) {
+            return Some(job);
+        }
+        let upstream = st.upstream.clone();
+        drop(st);
+        upstream?.claim(deadline, may_run, true)
+    }
+}
+
+/// The job of `st` itself a waiter may run (see [`Claim::claim`]).
+fn own_claim<T>(st: &mut State<T>, deadline: Option<Instant>, may_run: bool, chained: bool) -> Option<Job> {
+    if let Some(due) = st.due.clone() {
+        if deadline.is_none_or(|d| due.at() <= d) {
+            st.due = None;
+            if let Some(job) = due.take() {
+                return Some(job);
+            }
+        }
+    }
+    if may_run && (!chained || st.lends_helper) {
+        if let Some(helper) = st.helper.take() {
+            return Some(Box::new(move || helper()));
+        }
+    }
+    None
+}
 
 /// Handle to a collective that was issued and runs on the comm stream. `wait` hands back the
 /// result (for buffer collectives, the caller's own `Vec`); it never blocks for longer than the
@@ -73,7 +192,6 @@ pub struct Work<T> {
     rank: usize,
     tag: String,
     timeout: Duration,
-    helper: Option<Helper>,
 }
 
 /// Producer side of a [`Work`]: the comm stream (or a wrapper) stamps the start and completes
@@ -98,6 +216,12 @@ impl<T> Work<T> {
                 finished: None,
                 observers: Vec::new(),
                 continuation: None,
+                helper: None,
+                lends_helper: false,
+                due: None,
+                upstream: None,
+                wakers: Vec::new(),
+                generation: 0,
             }),
             done: Condvar::new(),
         });
@@ -106,7 +230,6 @@ impl<T> Work<T> {
             rank,
             tag: tag.to_string(),
             timeout,
-            helper: None,
         };
         let promise = Promise {
             shared,
@@ -118,9 +241,23 @@ impl<T> Work<T> {
     }
 
     /// Lets a waiter run the collective itself with `helper` when it is next in line.
-    pub(crate) fn with_helper(mut self, helper: Helper) -> Self {
-        self.helper = Some(helper);
+    pub(crate) fn with_helper(self, helper: Helper) -> Self {
+        self.shared.lock().helper = Some(helper);
         self
+    }
+
+    /// Like [`Work::with_helper`], and a waiter of a work chained on this one may run it too.
+    pub(crate) fn lending_helper(self, helper: Option<Helper>) -> Self {
+        let mut st = self.shared.lock();
+        st.helper = helper;
+        st.lends_helper = true;
+        drop(st);
+        self
+    }
+
+    /// The helper, taken away (a wrapper's work runs the collective instead).
+    pub(crate) fn take_helper(&self) -> Option<Helper> {
+        self.shared.lock().helper.take()
     }
 
     /// The rank that issued the collective.
@@ -170,13 +307,9 @@ impl<T> Work<T> {
         let deadline = Instant::now().checked_add(timeout);
         // Running the collective here is bounded by the backend's own timeout, which is the
         // communicator's: only a wait at least that long may do it.
-        if timeout >= self.timeout {
-            if let Some(helper) = &self.helper {
-                helper();
-            }
-        }
-        let mut st = self.shared.lock();
+        let may_run = timeout >= self.timeout;
         loop {
+            let mut st = self.shared.lock();
             if st.completed {
                 let timing = OpTiming {
                     started: st.started.expect("completed work has a start"),
@@ -185,8 +318,22 @@ impl<T> Work<T> {
                 let result = st.result.take().expect("a Work's result is taken once");
                 return result.map(|value| (value, timing));
             }
-            st = match deadline {
-                None => self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner()),
+            // run what this thread may run instead of waiting for another thread to
+            let seen = st.generation;
+            let own = own_claim(&mut st, deadline, may_run, false);
+            let upstream = st.upstream.clone();
+            drop(st);
+            let job = own.or_else(|| upstream.and_then(|u| u.claim(deadline, may_run, true)));
+            if let Some(job) = job {
+                job();
+                continue;
+            }
+            let st = self.shared.lock();
+            if st.completed || st.generation != seen {
+                continue;
+            }
+            match deadline {
+                None => drop(self.shared.done.wait(st).unwrap_or_else(|e| e.into_inner())),
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
@@ -196,13 +343,14 @@ impl<T> Work<T> {
                             after: timeout,
                         });
                     }
-                    self.shared
-                        .done
-                        .wait_timeout(st, deadline - now)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
+                    drop(
+                        self.shared
+                            .done
+                            .wait_timeout(st, deadline - now)
+                            .unwrap_or_else(|e| e.into_inner()),
+                    );
                 }
-            };
+            }
         }
     }
 
@@ -229,10 +377,12 @@ impl<T: Send + 'static> Work<T> {
     /// Chains `next` after this work without blocking the caller (PyTorch's
     /// `torch.futures.Future.then`): the returned work completes with `next(value)` once this one
     /// succeeded, or with this one's error. `next` runs on the thread that completes this work
-    /// (the comm stream's), so keep it short: decompress, divide, copy. The chained work keeps
+    /// (the comm stream's; on a simulated link, the thread waiting for the chain, or the link's
+    /// timer thread), so keep it short: decompress, divide, copy. The chained work keeps
     /// this one's start and tag; its finish is when `next` returned.
     pub fn then<U: Send + 'static>(self, next: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
+        chain(&self.shared, &outer.shared);
         self.on_complete(move |result, timing| {
             promise.start_at(timing.started);
             promise.complete(result.and_then(next));
@@ -251,10 +401,15 @@ impl<T: Send + 'static> Work<T> {
         next: impl FnOnce(T) -> Result<Work<U>, CommError> + Send + 'static,
     ) -> Work<U> {
         let (outer, promise) = Work::pending(self.rank, &self.tag, self.timeout);
+        chain(&self.shared, &outer.shared);
         self.on_complete(move |result, timing| {
             promise.start_at(timing.started);
             match result.and_then(next) {
-                Ok(chained) => chained.on_complete(move |result, _| promise.complete(result)),
+                Ok(chained) => {
+                    chain(&chained.shared, &promise.shared);
+                    promise.shared.wake();
+                    chained.on_complete(move |result, _| promise.complete(result))
+                }
                 Err(e) => promise.complete(Err(e)),
             }
         });
@@ -262,7 +417,7 @@ impl<T: Send + 'static> Work<T> {
     }
 
     /// Runs `f` with the result once the work completes: at once, on this thread, if it has.
-    fn on_complete(self, f: impl FnOnce(Result<T, CommError>, OpTiming) + Send + 'static) {
+    pub(crate) fn on_complete(self, f: impl FnOnce(Result<T, CommError>, OpTiming) + Send + 'static) {
         let mut st = self.shared.lock();
         if st.completed {
             let timing = OpTiming {
@@ -275,6 +430,35 @@ impl<T: Send + 'static> Work<T> {
         } else {
             st.continuation = Some(Box::new(f));
         }
+    }
+}
+
+/// Makes `outer` chained on `inner`: a waiter of `outer` may run what `inner` (or what it is
+/// chained on) lets it, and is woken when something appears there.
+fn chain<T: Send + 'static, U: Send + 'static>(inner: &Arc<Shared<T>>, outer: &Arc<Shared<U>>) {
+    outer.lock().upstream = Some(inner.clone() as Arc<dyn Claim>);
+    let downstream = Arc::downgrade(outer);
+    inner.lock().wakers.push(Arc::new(move || {
+        if let Some(outer) = downstream.upgrade() {
+            outer.wake();
+        }
+    }));
+}
+
+impl<T: Send + 'static> Promise<T> {
+    /// Completes the work at `at` by the job `make` builds from this promise (which sleeps
+    /// until `at`, then completes it): the job goes to whoever takes the returned [`Due`] first,
+    /// a waiter of this work or of a work chained on it, or the caller's timer.
+    pub(crate) fn complete_due(self, at: Instant, make: impl FnOnce(Promise<T>) -> Job) -> Arc<Due> {
+        let shared = self.shared.clone();
+        let due = Arc::new(Due {
+            at,
+            job: Mutex::new(Some(make(self))),
+            taken: Condvar::new(),
+        });
+        shared.lock().due = Some(due.clone());
+        shared.wake();
+        due
     }
 }
 
@@ -322,6 +506,9 @@ impl<T> Promise<T> {
             }
         };
         let mut observers = std::mem::take(&mut st.observers);
+        st.due = None;
+        st.helper = None;
+        st.upstream = None;
         st.finished = Some(now.max(started));
         st.result = Some(result);
         st.completed = true;
