@@ -6,8 +6,8 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
-use std::thread;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::thread::{self, ThreadId};
 use std::time::{Duration, Instant};
 
 use crate::work::Due;
@@ -134,6 +134,8 @@ pub(crate) struct Ticket {
     /// Its index among the rank's collectives on a shared link.
     k: u64,
     shared: Option<SharedLink>,
+    /// Its place in the order the stage completes its collectives in (see [`Turns`]).
+    turn: u64,
 }
 
 impl Ticket {
@@ -149,13 +151,18 @@ impl LinkClock {
     /// The rank's next collective, issued now.
     fn ticket(&mut self) -> Ticket {
         match self {
-            LinkClock::Own { .. } => Ticket { k: 0, shared: None },
+            LinkClock::Own { .. } => Ticket {
+                k: 0,
+                shared: None,
+                turn: 0,
+            },
             LinkClock::Shared { link, next, .. } => {
                 let k = *next;
                 *next += 1;
                 Ticket {
                     k,
                     shared: Some(link.clone()),
+                    turn: 0,
                 }
             }
         }
@@ -183,15 +190,142 @@ impl LinkClock {
 /// whatever is chained on the work) runs on the thread that waits for the work, or for a work
 /// chained on it, which sleeps until then on its own, as a thread rank's waiter is woken by the
 /// comm thread that finished; with no such waiter, the link's timer thread runs it at the
-/// finish while the stream goes on. A blocking collective issued while nothing is in flight
-/// runs on the caller instead ([`LinkStage::hold`]), as on a stream without a link.
+/// finish while the stream goes on. Either way the stage's collectives complete in issue order,
+/// as one comm thread completes them ([`Turns`]). A blocking collective issued while nothing is
+/// in flight runs on the caller instead ([`LinkStage::hold`]), as on a stream without a link.
 pub(crate) struct LinkStage {
     model: NetModel,
     world: usize,
     timer: mpsc::Sender<Arc<Due>>,
     clock: Arc<Mutex<LinkClock>>,
+    turns: Arc<Turns>,
     /// Collectives issued on the link and not yet completed.
     in_flight: Arc<AtomicUsize>,
+}
+
+/// The order a stage completes its collectives in: the order they were issued, as a stream's
+/// comm thread completes one after another. Each collective holds a turn from its issue until
+/// its completion (with what is chained on it) has run. Whoever runs a collective's completion,
+/// a waiter or the timer, first completes every earlier collective still pending: on its own
+/// thread where that one's completion is decided and not yet taken (its slot finishes no later,
+/// so the sleep to it is no longer), else it waits for the thread that took it, or for its
+/// transfer to finish, at most the stream's timeout.
+struct Turns {
+    state: Mutex<TurnState>,
+    /// Signalled when a turn ends or its completion is decided.
+    changed: Condvar,
+}
+
+struct TurnState {
+    /// The turn the next collective issued gets.
+    next: u64,
+    /// The collectives issued and not yet completed, oldest first.
+    pending: VecDeque<Pending>,
+}
+
+/// A collective issued on the stage and not yet completed.
+struct Pending {
+    turn: u64,
+    /// Its completion, once its slot is decided.
+    due: Option<Arc<Due>>,
+    /// The thread running its completion, once one does.
+    runner: Option<ThreadId>,
+}
+
+impl Turns {
+    fn new() -> Self {
+        Turns {
+            state: Mutex::new(TurnState {
+                next: 0,
+                pending: VecDeque::new(),
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, TurnState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The next turn, for a collective issued now.
+    fn take(&self) -> u64 {
+        let mut st = self.lock();
+        let turn = st.next;
+        st.next += 1;
+        st.pending.push_back(Pending {
+            turn,
+            due: None,
+            runner: None,
+        });
+        turn
+    }
+
+    /// The completion of `turn`'s collective is decided: `due`.
+    fn decided(&self, turn: u64, due: Arc<Due>) {
+        let mut st = self.lock();
+        if let Some(p) = st.pending.iter_mut().find(|p| p.turn == turn) {
+            p.due = Some(due);
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The calling thread runs `turn`'s completion now: first every earlier turn's, each
+    /// taken if it is not yet, or waited for until `deadline` if another thread runs it or its
+    /// transfer has not finished. Turns the calling thread is running further up its stack
+    /// (a continuation that waits for a later collective) are not waited for.
+    fn run_after_earlier(&self, turn: u64, deadline: Instant) {
+        let me = thread::current().id();
+        let mut st = self.lock();
+        if let Some(p) = st.pending.iter_mut().find(|p| p.turn == turn) {
+            p.runner = Some(me);
+        }
+        loop {
+            let earlier = st
+                .pending
+                .iter()
+                .take_while(|p| p.turn < turn)
+                .find(|p| p.runner != Some(me));
+            let Some(earlier) = earlier else { return };
+            if let Some(due) = earlier.due.clone().filter(|d| !d.is_taken()) {
+                drop(st);
+                if let Some(job) = due.take() {
+                    job();
+                }
+                st = self.lock();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// `turn`'s collective completed (or failed, or was never sent).
+    fn end(&self, turn: u64) {
+        let mut st = self.lock();
+        st.pending.retain(|p| p.turn != turn);
+        drop(st);
+        self.changed.notify_all();
+    }
+}
+
+/// A collective's turn, ended when dropped: once its completion has run, or when it failed.
+struct Turn {
+    turns: Arc<Turns>,
+    turn: u64,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.turns.end(self.turn);
+    }
 }
 
 /// Counts a collective in flight on the link until dropped (completed, or never sent).
@@ -239,6 +373,7 @@ impl LinkStage {
             world,
             timer,
             clock: Arc::new(Mutex::new(clock)),
+            turns: Arc::new(Turns::new()),
             in_flight: Arc::new(AtomicUsize::new(0)),
         }
     }
@@ -251,7 +386,19 @@ impl LinkStage {
     /// A place on the link for the collective the caller issues now; the comm thread that runs
     /// its transfer calls [`Ticket::enter`] as it begins.
     pub(crate) fn ticket(&self) -> Ticket {
-        lock(&self.clock).ticket()
+        let mut clock = lock(&self.clock);
+        let mut ticket = clock.ticket();
+        // under the clock's lock: the turns follow the link's order
+        ticket.turn = self.turns.take();
+        ticket
+    }
+
+    /// The turn of `ticket`, ended when dropped.
+    fn turn(&self, ticket: &Ticket) -> Turn {
+        Turn {
+            turns: self.turns.clone(),
+            turn: ticket.turn,
+        }
     }
 
     /// The link's part of a blocking collective `kind` on `bytes` bytes, issued with `ticket`,
@@ -264,6 +411,7 @@ impl LinkStage {
         bytes: usize,
         transferred: Result<T, CommError>,
     ) -> Result<T, CommError> {
+        let _turn = self.turn(&ticket);
         let value = transferred?;
         let model_time = self.model.time(kind, bytes, self.world);
         let (_, finish) = lock(&self.clock).slot(&ticket, Instant::now(), model_time);
@@ -292,6 +440,8 @@ impl LinkStage {
         let outer = outer.lending_helper(inner.take_helper());
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         let counted = InFlight(self.in_flight.clone());
+        let turn = self.turn(&ticket);
+        let turns = self.turns.clone();
         let clock = self.clock.clone();
         let timer = self.timer.clone();
         // on the thread that ran the transfer, as it finishes
@@ -300,15 +450,19 @@ impl LinkStage {
                 // A rank that came early waits for the late one, then for the link.
                 let (sim_start, sim_finish) = lock(&clock).slot(&ticket, timing.finished, model_time);
                 promise.start_at(sim_start);
+                let number = turn.turn;
                 let due = promise.complete_due(sim_finish, move |promise| {
                     Box::new(move || {
+                        turn.turns.run_after_earlier(turn.turn, Instant::now() + timeout);
                         sleep_until(sim_finish);
                         // off the link before the waiter goes on: its next blocking collective
                         // may take the link on its own thread
                         drop(counted);
                         promise.complete_at(Ok(value), sim_finish);
+                        drop(turn);
                     })
                 });
+                turns.decided(number, due.clone());
                 if let Err(unsent) = timer.send(due) {
                     // no timer thread (it panicked): complete it here
                     if let Some(job) = unsent.0.take() {
@@ -318,6 +472,7 @@ impl LinkStage {
             }
             Err(err) => {
                 drop(counted);
+                drop(turn);
                 promise.complete(Err(err))
             }
         });
@@ -478,6 +633,92 @@ mod tests {
             "the chained collective's slot overlapped the first's"
         );
         assert_eq!(timing.started, first_finish - model().time(RingOp::AllReduce, 1024, 2));
+    }
+
+    /// Two collectives issued on `stage` and transferred, each chained on a continuation that
+    /// records its name and thread in `log` as it completes; with the dues the timer was handed.
+    fn two_in_flight(
+        stage: &LinkStage,
+        timer: &Receiver<Arc<Due>>,
+        log: &Arc<Mutex<Vec<(&'static str, ThreadId)>>>,
+    ) -> (Work<()>, Work<()>, Vec<Arc<Due>>) {
+        let mut chained = Vec::new();
+        for name in ["first", "second"] {
+            let (work, transfer) = issue(stage);
+            let log = log.clone();
+            chained.push(work.then(move |_| {
+                log.lock().unwrap().push((name, thread::current().id()));
+                Ok(())
+            }));
+            transfer.start();
+            transfer.complete(Ok(0));
+        }
+        let dues: Vec<Arc<Due>> = timer.try_iter().collect();
+        assert_eq!(dues.len(), 2, "one completion per collective");
+        assert!(dues[0].at() <= dues[1].at(), "the second's slot finished first");
+        let second = chained.pop().unwrap();
+        (chained.pop().unwrap(), second, dues)
+    }
+
+    #[test]
+    fn the_waiter_of_a_later_collective_completes_the_earlier_pending_one_first_on_its_thread() {
+        let (stage, timer) = unserved_stage();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (first, second, dues) = two_in_flight(&stage, &timer, &log);
+        second.wait().expect("the waiter completes the second");
+        let me = thread::current().id();
+        assert_eq!(
+            *log.lock().unwrap(),
+            vec![("first", me), ("second", me)],
+            "the stream's collectives did not complete in issue order, both on the waiter"
+        );
+        assert!(first.is_completed(), "the first is still pending behind the second");
+        assert!(dues.iter().all(|d| d.take().is_none()), "a completion was left to the timer");
+        assert!(stage.idle(), "a collective is still counted on the link");
+    }
+
+    #[test]
+    fn the_waiter_of_a_later_collective_waits_for_the_thread_that_took_the_earlier_ones_completion() {
+        let (stage, timer) = unserved_stage();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (_first, second, dues) = two_in_flight(&stage, &timer, &log);
+        // the first's completion, taken as the timer takes it, not yet run
+        let first_job = dues[0].take().expect("nobody took the first's completion");
+        let waiter = thread::spawn(move || {
+            second.wait().expect("the waiter completes the second");
+            thread::current().id()
+        });
+        // the waiter, whenever it runs, may not complete the second before this job ran
+        first_job();
+        let waiter_id = waiter.join().expect("the waiter panicked");
+        let me = thread::current().id();
+        assert_eq!(*log.lock().unwrap(), vec![("first", me), ("second", waiter_id)]);
+        assert!(stage.idle(), "a collective is still counted on the link");
+    }
+
+    #[test]
+    fn a_continuation_that_waits_for_a_later_collective_completes_it_after_its_own() {
+        let (stage, timer) = unserved_stage();
+        let (first, first_transfer) = issue(&stage);
+        let (second, second_transfer) = issue(&stage);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (o1, o2) = (order.clone(), order.clone());
+        let second = second.then(move |v| {
+            o2.lock().unwrap().push("second");
+            Ok(v)
+        });
+        // the first's continuation blocks on the second, as a comm thread's would never
+        let chained = first.then(move |v| {
+            o1.lock().unwrap().push("first");
+            let w = second.wait()?;
+            Ok(v + w)
+        });
+        first_transfer.complete(Ok(1));
+        second_transfer.complete(Ok(2));
+        // the timer is never served: only waiters complete
+        let _timer = timer;
+        assert_eq!(chained.wait().expect("no deadlock between the turns"), 3);
+        assert_eq!(*order.lock().unwrap(), vec!["first", "second"]);
     }
 
     #[test]

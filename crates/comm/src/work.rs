@@ -126,6 +126,11 @@ impl Due {
         job
     }
 
+    /// Whether someone took the job.
+    pub(crate) fn is_taken(&self) -> bool {
+        self.job.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
     /// Blocks until someone took the job or `until` passed; returns whether it was taken.
     pub(crate) fn wait_taken(&self, until: Instant) -> bool {
         let mut job = self.job.lock().unwrap_or_else(|e| e.into_inner());
