@@ -209,7 +209,8 @@ pub(crate) struct LinkStage {
 /// a waiter or the timer, first completes every earlier collective still pending: on its own
 /// thread where that one's completion is decided and not yet taken (its slot finishes no later,
 /// so the sleep to it is no longer), else it waits for the thread that took it, or for its
-/// transfer to finish, at most the stream's timeout.
+/// transfer to finish, at most the stream's timeout. A failed collective completes at once, on
+/// the thread that ran its transfer, and ends its turn.
 struct Turns {
     state: Mutex<TurnState>,
     /// Signalled when a turn ends or its completion is decided.

@@ -15,8 +15,8 @@
 //! it: tracing ([`CommStream::traced`]: the issue recorded on the caller's thread with its tag,
 //! the start and finish as they happen) and a simulated link ([`CommStream::simulated`],
 //! [`CommStream::on_link`]: a collective completes at its modelled finish, on the thread
-//! that waits for it (or for a work chained on it), else on the link's timer thread, while the
-//! stream goes on). [`CommStream::plain`] is a handle on the same stream
+//! that waits for it (or for a work chained on it), else on the link's timer thread, in issue
+//! order, while the stream goes on). [`CommStream::plain`] is a handle on the same stream
 //! without them, for control messages.
 
 use std::collections::VecDeque;
@@ -159,7 +159,8 @@ impl<T: Transport> CommStream<T> {
     /// waits for the work (or for one chained on it) sleeps until then and completes it itself,
     /// running what is chained on it, as a waiter on a stream without a link is woken by the
     /// comm thread that finished; with no waiter, the link's timer thread does, while the
-    /// stream goes on. Either sleeps (yielding the core for the last 100 us), so compute keeps
+    /// stream goes on. Either completes the earlier collectives still pending first: the
+    /// stream's collectives complete in issue order. Either sleeps (yielding the core for the last 100 us), so compute keeps
     /// the core. Ranks drift apart by scheduling noise: [`CommStream::on_link`] shares one link
     /// among them.
     pub fn simulated(mut self, model: NetModel) -> Self {
