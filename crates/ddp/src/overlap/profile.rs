@@ -168,8 +168,22 @@ impl BucketProfile {
     /// The policy's own compute between and after the bucket's collectives, once it had issued
     /// them (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
+        self.policy_compute_after(None)
+    }
+
+    /// [`BucketProfile::policy_compute_s`] less what it waited for `before` (the bucket before
+    /// it on the same rank): the continuations of a rank's collectives run one after another
+    /// on one thread, so a bucket whose collectives left the link while the previous bucket's
+    /// continuation still ran began its own at that one's finish. Only for a bucket whose
+    /// start is its own (not a chain's, see [`BucketProfile::issued_by`]).
+    pub fn policy_compute_after(&self, before: Option<&BucketProfile>) -> f64 {
         self.link_s.map_or(0.0, |l| {
-            (self.finish_s - self.start_s.max(self.issued_by()) - l).max(0.0)
+            let left = self.start_s.max(self.issued_by()) + l;
+            let from = match before {
+                Some(b) if self.start_s >= self.launch_s => left.max(b.finish_s),
+                _ => left,
+            };
+            (self.finish_s - from).max(0.0)
         })
     }
 

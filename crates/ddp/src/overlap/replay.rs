@@ -677,14 +677,21 @@ impl Costs<'_> {
 }
 
 /// The policy's compute between its buckets' collectives, per byte of bucket: what `rank`'s
-/// recorded buckets spent on the comm stream beyond their collectives (0 before version 2).
+/// recorded buckets spent on the comm stream beyond their collectives and their wait for the
+/// bucket before's compute (0 before version 2).
 fn compute_per_byte(rank: &RankProfile) -> f64 {
     let buckets = &rank.buckets;
     let bytes: usize = buckets.iter().map(|b| b.bytes).sum();
     if bytes == 0 {
         return 0.0;
     }
-    buckets.iter().map(|b| b.policy_compute_s()).sum::<f64>() / bytes as f64
+    let before = |k: usize| k.checked_sub(1).map(|j| &buckets[j]);
+    let secs: f64 = buckets
+        .iter()
+        .enumerate()
+        .map(|(k, b)| b.policy_compute_after(before(k)))
+        .sum();
+    secs / bytes as f64
 }
 
 /// The policy's after-step collectives on the replayed link and world: what a step waits for

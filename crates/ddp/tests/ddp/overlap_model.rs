@@ -1322,6 +1322,38 @@ fn a_policys_compute_before_its_collective_delays_the_collective() {
 }
 
 #[test]
+fn a_buckets_wait_for_the_compute_of_the_bucket_before_is_not_its_compute() {
+    // Two 1 MiB buckets issued at 10 ms (a top-k's sparse gathers). Bucket 0 holds the link
+    // 10.0..10.1 ms, then its continuation (summing the gathered entries) runs 10.1..11.0 ms;
+    // bucket 1 holds the link 10.1..10.2 ms, but its continuation runs on the same thread, after
+    // bucket 0's: 11.0..11.5 ms. Its own compute is 0.5 ms, not the 1.3 ms from its link's end:
+    // 0.9 + 0.5 = 1.4 ms of compute for 2 MiB, 0.7 ms per bucket at the recorded caps.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.0100, 0.0110);
+        b0.link_s = Some(0.0001);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.0101, 0.0115);
+        b1.link_s = Some(0.0001);
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.0115, 0.0125, 0.0125);
+    }
+    let (b0, b1) = (&p.ranks[0].buckets[0], &p.ranks[0].buckets[1]);
+    close(b1.policy_compute_after(Some(b0)), 0.0005, "bucket 1's own compute");
+    close(b0.policy_compute_after(None), 0.0009, "bucket 0's");
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    close(r.policy_compute_s, 0.0014, "the policy's compute in the step");
+    // on the 1 GiB/s ring each bucket holds the link 2 ms + 1 MiB / 1 GiB/s; bucket 1's compute
+    // follows bucket 0's
+    let link_s = 0.002 + 1.0 / 1024.0;
+    close(r.buckets[0].finish_s, 0.010 + link_s + 0.0007, "bucket 0");
+    close(r.buckets[1].finish_s, 0.010 + 2.0 * link_s + 0.0007, "bucket 1");
+}
+
+#[test]
 fn what_reduce_spent_after_its_collective_started_does_not_delay_the_collective() {
     // One 1 MiB gradient ready at 10 ms on both ranks. Rank 1's `reduce` returned at 10.8 ms,
     // but its collective started on the link at 10.2 ms (rank 0 had issued it at 10.1 ms): rank
