@@ -152,15 +152,17 @@ pub fn all_gather_with_side(
 
 /// What [`unpack_with_side`] needs to split an all-gathered message: the payload's and the
 /// side's dtypes, the side's bytes and the message's.
-pub(crate) struct SideLayout {
+pub struct SideLayout {
     pdtype: DType,
     sdtype: DType,
     side_bytes: usize,
     message: usize,
 }
 
-/// `side` then `payload` as one byte message, and how to split it again.
-pub(crate) fn pack_with_side(payload: Buffer, side: Buffer) -> (Buffer, SideLayout) {
+/// `side` then `payload` as one byte message, and how to split it again: the message
+/// [`all_gather_with_side`] gathers, for a caller that issues the all-gather itself (and keeps
+/// its work's timing, which a chained split would end at the split's return).
+pub fn pack_with_side(payload: Buffer, side: Buffer) -> (Buffer, SideLayout) {
     let (pdtype, sdtype) = (payload.dtype(), side.dtype());
     let side_bytes = side.byte_len();
     let mut packed = side.to_le_bytes();
@@ -176,7 +178,7 @@ pub(crate) fn pack_with_side(payload: Buffer, side: Buffer) -> (Buffer, SideLayo
 }
 
 /// Every rank's message, gathered, split into the payloads and the sides, each rank-major.
-pub(crate) fn unpack_with_side(all: Buffer, layout: SideLayout) -> Result<(Buffer, Buffer), CommError> {
+pub fn unpack_with_side(all: Buffer, layout: SideLayout) -> Result<(Buffer, Buffer), CommError> {
     let SideLayout {
         pdtype,
         sdtype,

@@ -60,7 +60,9 @@ static TEST_HEAP: SharedHeap = SharedHeap;
 
 pub use buffer::{buffer_from_le_bytes, Buffer, DType};
 pub use collective::ReduceOp;
-pub use communicator::{all_gather_bytes, all_gather_with_side, Communicator};
+pub use communicator::{
+    all_gather_bytes, all_gather_with_side, pack_with_side, unpack_with_side, Communicator, SideLayout,
+};
 pub use cost::{NetModel, RingOp};
 pub use device::{DeviceSpan, RawEvent, RawStream};
 pub use error::CommError;

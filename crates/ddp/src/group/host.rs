@@ -177,8 +177,12 @@ impl<T: Transport> ProcessGroup for HostGroup<T> {
             Err(e) => return self.failed(e),
         };
         let (device, n, k, world) = (payload.device(), payload.numel(), side.numel(), self.world_size());
-        let work = self.comm.all_gather_with_side(p, s, tag);
-        self.then(work, move |(p, s)| {
+        // the split in this work's continuation, not a chained one of the stream's: the work
+        // keeps the all-gather's own span on the link
+        let (packed, layout) = brigade_comm::pack_with_side(p, s);
+        let work = self.comm.all_gather(packed, tag);
+        self.then(work, move |all| {
+            let (p, s) = brigade_comm::unpack_with_side(all, layout)?;
             Ok((tensor_of(p, &[world, n], device)?, tensor_of(s, &[world, k], device)?))
         })
     }

@@ -20,12 +20,13 @@ pub struct Metered {
     link: Option<LinkTime>,
 }
 
-/// Seconds the collectives of one wrapper held the comm stream, added up as they complete
-/// (clones share it): what a step profile separates from a policy's own compute; with when the
-/// last of them left the stream, and a wrapper it also reports to ([`LinkTime::within`]). A
-/// span that overlaps those counted before it (collectives issued together, each timed from
-/// when the stream took it up while the one before still held the link) adds only its part
-/// after them: the seconds are the union of the spans, never more than the time they covered.
+/// Seconds the collectives of one wrapper held the link, added up as they complete (clones
+/// share it), each its comm-level work's span ([`super::TensorWork::on_ran`]: a simulated
+/// link's slot, not the continuations after it): what a step profile separates from a policy's
+/// own compute; with when the last of them left the link, and a wrapper it also reports to
+/// ([`LinkTime::within`]). A span that overlaps those counted before it (a link that does not
+/// serialise them, a stream timed from its take-up) adds only its part after them: the seconds
+/// are the union of the spans, never more than the time they covered.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct LinkTime(std::sync::Arc<std::sync::Mutex<Held>>);
 

@@ -278,7 +278,15 @@ pub struct TensorWork<T> {
     /// A device collective's done event, waited on by the waiting thread's stream (see
     /// [`TensorWork::ordered_on_wait`]).
     order: Option<StreamOrder>,
+    /// When the collective under this work held the link, as its comm-level work reports it
+    /// (a simulated link's slot), once it has: what [`TensorWork::on_ran`] tells, where the
+    /// work's own finish also holds its continuations and their wait for the comm thread.
+    /// `None` for work not made from one collective.
+    slot: Option<Slot>,
 }
+
+/// The start and finish of a collective's comm-level work, once it completed without error.
+type Slot = Arc<std::sync::Mutex<Option<(std::time::Instant, std::time::Instant)>>>;
 
 /// A device collective's done event for the stream that takes its value: the stream current on
 /// the thread that waits for the work (or chains on it, or drops it unwaited) waits on the event
@@ -327,6 +335,7 @@ impl<T: Send + 'static> TensorWork<T> {
                 work,
                 timeout,
                 order: None,
+                slot: None,
             },
             TensorPromise(promise),
         )
@@ -340,6 +349,7 @@ impl<T: Send + 'static> TensorWork<T> {
             work,
             timeout,
             order: None,
+            slot: None,
         }
     }
 
@@ -375,10 +385,23 @@ impl<T: Send + 'static> TensorWork<T> {
         f: impl FnOnce(B) -> Result<T> + Send + 'static,
     ) -> TensorWork<T> {
         let metered = IssuerMeter::here();
+        let slot = Slot::default();
+        let seen = slot.clone();
+        let mut started = None;
+        work.observe(move |event| match event {
+            brigade_comm::WorkEvent::Started(at) => started = Some(at),
+            brigade_comm::WorkEvent::Finished { at, error: None } => {
+                if let Some(s) = started {
+                    *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some((s, at));
+                }
+            }
+            brigade_comm::WorkEvent::Finished { .. } => {}
+        });
         TensorWork {
             work: work.then(move |b| Ok(metered.run(|| f(b)))),
             timeout,
             order: None,
+            slot: Some(slot),
         }
     }
 
@@ -394,6 +417,7 @@ impl<T: Send + 'static> TensorWork<T> {
                 .then(move |r| Ok(metered.run(|| ordered.and(r).and_then(step)))),
             timeout: self.timeout,
             order: None,
+            slot: self.slot.take(),
         }
     }
 
@@ -416,6 +440,7 @@ impl<T: Send + 'static> TensorWork<T> {
             }),
             timeout,
             order: None,
+            slot: None,
         }
     }
 
@@ -438,16 +463,22 @@ impl<T: Send + 'static> TensorWork<T> {
         self.work.is_completed()
     }
 
-    /// Calls `told` with how long the work ran on the comm stream (from its start to its
-    /// completion) and when it completed, once it completed; never for a work that failed.
+    /// Calls `told` with how long the collective under the work held the link and when it left
+    /// it, once the work completed; never for a work that failed. For a work made from one
+    /// collective (and what is chained on it with [`TensorWork::then`]) that is its comm-level
+    /// work's span (a simulated link's slot), not the work's own: its continuations run after
+    /// the slot, behind the earlier collectives' continuations on the same thread, and are the
+    /// policy's compute; for other work, from its start to its completion.
     pub(crate) fn on_ran(&self, told: impl FnOnce(Duration, std::time::Instant) + Send + 'static) {
         let mut started = None;
         let mut told = Some(told);
+        let slot = self.slot.clone();
         self.work.observe(move |event| match event {
             brigade_comm::WorkEvent::Started(at) => started = Some(at),
             brigade_comm::WorkEvent::Finished { at, error: None } => {
-                if let (Some(s), Some(f)) = (started, told.take()) {
-                    f(at.saturating_duration_since(s), at);
+                let held = slot.as_ref().and_then(|s| *s.lock().unwrap_or_else(|e| e.into_inner()));
+                if let (Some((s, f)), Some(told)) = (held.or(started.map(|s| (s, at))), told.take()) {
+                    told(f.saturating_duration_since(s), f);
                 }
             }
             brigade_comm::WorkEvent::Finished { .. } => {}
@@ -473,5 +504,31 @@ impl IssuerMeter {
         drop(part);
         MemoryMeter::install(before);
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    #[test]
+    fn a_collective_is_told_as_its_slot_on_the_link_not_as_its_continuations_finish() {
+        // A collective whose comm-level work held the link from t0 to t0 + 1 ms (a simulated
+        // link's slot, stamped after the fact) and whose continuations (the group's own, a
+        // policy's `then`) ran only now, seconds later, on the comm thread. What it held the
+        // link is the slot: 1 ms, leaving at t0 + 1 ms.
+        let t0 = Instant::now() - Duration::from_secs(5);
+        let slot_end = t0 + Duration::from_millis(1);
+        let (comm, promise) = Work::<u32>::pending(0, "bucket", Duration::from_secs(5));
+        let work = TensorWork::from_comm(comm, Duration::from_secs(5), |b| Ok(b + 1)).then(|v| Ok(v * 2));
+        let told = Arc::new(Mutex::new(None));
+        let into = told.clone();
+        work.on_ran(move |d, left| *into.lock().unwrap() = Some((d, left)));
+        promise.start_at(t0);
+        promise.complete_at(Ok(1), slot_end);
+        assert_eq!(work.wait().unwrap(), 4);
+        assert_eq!(*told.lock().unwrap(), Some((Duration::from_millis(1), slot_end)));
     }
 }

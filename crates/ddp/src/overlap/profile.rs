@@ -28,7 +28,8 @@
 //! the f32 all-reduce they were.
 //!
 //! Version 2 adds what the policy computes itself: each bucket's `link_s` (the seconds its
-//! collectives held the comm stream; the rest of `start_s..finish_s` is the policy's own
+//! collectives held the link, each as its comm-level work reports it: a simulated link's slot,
+//! not the continuations after it; the rest of `start_s..finish_s` is the policy's own
 //! compute between them, which the replay charges beside the priced collectives), each rank's
 //! `policy_s` (the seconds inside the policy's `reduce`, within backward, and inside its
 //! `after_step`, within the optimizer span, with the part of it its collectives held the comm
@@ -152,8 +153,9 @@ pub struct BucketProfile {
     pub start_s: f64,
     /// When it finished.
     pub finish_s: f64,
-    /// Seconds its collectives held the comm stream (absent before version 2): the rest of
-    /// `start_s..finish_s` is the policy's own compute between them.
+    /// Seconds its collectives held the link (absent before version 2), each its comm-level
+    /// work's span (a simulated link's slot): the rest of `start_s..finish_s` is the policy's
+    /// own compute between and after them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link_s: Option<f64>,
 }
@@ -168,8 +170,22 @@ impl BucketProfile {
     /// The policy's own compute between and after the bucket's collectives, once it had issued
     /// them (0 when not recorded).
     pub fn policy_compute_s(&self) -> f64 {
+        self.policy_compute_after(None)
+    }
+
+    /// [`BucketProfile::policy_compute_s`] less what it waited for `before` (the bucket before
+    /// it on the same rank): the continuations of a rank's collectives run one after another
+    /// on one thread, so a bucket whose collectives left the link while the previous bucket's
+    /// continuation still ran began its own at that one's finish. Only for a bucket whose
+    /// start is its own (not a chain's, see [`BucketProfile::issued_by`]).
+    pub fn policy_compute_after(&self, before: Option<&BucketProfile>) -> f64 {
         self.link_s.map_or(0.0, |l| {
-            (self.finish_s - self.start_s.max(self.issued_by()) - l).max(0.0)
+            let left = self.start_s.max(self.issued_by()) + l;
+            let from = match before {
+                Some(b) if self.start_s >= self.launch_s => left.max(b.finish_s),
+                _ => left,
+            };
+            (self.finish_s - from).max(0.0)
         })
     }
 

@@ -341,8 +341,7 @@ fn link_params(profile: &StepProfile, link: LinkCost) -> Result<(f64, f64), Stri
                 return Err("a profile of one rank recorded no communication: there is no link to measure".into());
             }
             let mut pts = vec![];
-            link_samples(profile, &mut pts)?;
-            if pts.is_empty() {
+            if !link_samples(profile, &mut pts)? {
                 return Err(NO_LINK_SAMPLES.into());
             }
             Ok(fit_link(&pts))
@@ -358,14 +357,16 @@ const NO_LINK_SAMPLES: &str =
 /// The link every profile of `profiles` measured, fitted to all their recorded collectives at
 /// once ([`LinkCost::Measured`] fits one profile's): a policy that communicates every few steps
 /// (DiLoCo) records its collectives only in the steps that sync. `None` when none recorded any
-/// on the link.
+/// of its policy's collectives on the link (the step's own, a few bytes each, measure the
+/// latency, not a link the policy's collectives can be priced on).
 pub fn measured_link(profiles: &[&StepProfile]) -> Result<Option<NetModel>, DdpError> {
     let mut pts = vec![];
+    let mut any = false;
     for p in profiles.iter().filter(|p| p.world_size > 1) {
         p.validate()?;
-        link_samples(p, &mut pts).map_err(DdpError::Replay)?;
+        any |= link_samples(p, &mut pts).map_err(DdpError::Replay)?;
     }
-    if pts.is_empty() {
+    if !any {
         return Ok(None);
     }
     let (alpha, per_byte) = fit_link(&pts);
@@ -380,8 +381,12 @@ pub fn measured_link(profiles: &[&StepProfile]) -> Result<Option<NetModel>, DdpE
 /// seconds)` priced as the ring prices them at the recorded world size: each bucket's
 /// collectives as its policy's wire model issues them (several per bucket for PowerSGD, with
 /// a latency each), scaled to the bytes the bucket recorded sending; ZeRO-3's parameter
-/// gathers; and the after-step collectives of a step that synced (rank 0's).
-fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result<(), String> {
+/// gathers; the step's own collectives that a simulated link timed (a few bytes each: what
+/// separates the latency from the bytes when the rest is one large collective, a DiLoCo
+/// sync); and the after-step collectives of a step that synced (rank 0's). Whether any of the
+/// policy's collectives (not the step's own alone) were among them.
+fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result<bool, String> {
+    let from = pts.len();
     let n0 = profile.world_size;
     let (_, wire, _) = wire_model(profile)?;
     let param_bytes: Vec<usize> = profile.params.iter().map(|p| p.bytes).collect();
@@ -429,7 +434,14 @@ fn link_samples(profile: &StepProfile, pts: &mut Vec<(f64, f64, f64)>) -> Result
         let price = a.price(&param_bytes, n0);
         pts.push((price.messages, price.link_bytes, after_link));
     }
-    Ok(())
+    let policy = pts.len() > from;
+    // the step's own collectives (the ranks' agreement on the loss), as the simulated link
+    // priced them (0 on a link that was not simulated: their time is not recorded apart)
+    for c in rank0.control.iter().filter(|c| c.link_s > 0.0) {
+        let price = RingPrice::of(c.op.ring(), c.bytes as f64, n0);
+        pts.push((price.messages, price.link_bytes, c.link_s));
+    }
+    Ok(policy)
 }
 
 /// Least squares `seconds = α·messages + β·link bytes` with `α, β ≥ 0` over `pts` of
@@ -619,9 +631,10 @@ impl Costs<'_> {
     /// has issued it: the bucket takes the slowest rank's compute, each rank's as recorded for
     /// a recorded bucket of the same parameters (its matrices' compute, whatever their bytes),
     /// else at that rank's recorded rate per byte. On the link fitted to rank 0's collectives,
-    /// whose recorded times hold its waits for the slower ranks, rank 0's compute alone. The
-    /// other policies compute in their collectives' continuations, beside the link: rank 0's
-    /// recorded rate per byte.
+    /// whose recorded times hold its waits for the slower ranks, rank 0's compute alone, less
+    /// its wait for the last rank to issue the bucket's first collective (the replay starts the
+    /// bucket there already). The other policies compute in their collectives' continuations,
+    /// beside the link: rank 0's recorded rate per byte.
     fn compute(&self, group: &[usize], bytes: usize) -> f64 {
         if self.n < 2 {
             return 0.0;
@@ -634,10 +647,28 @@ impl Costs<'_> {
             .iter()
             .zip(&self.compute_per_byte)
             .map(|(r, per_byte)| match r.buckets.iter().find(|b| b.params == group) {
+                Some(b) if self.fitted_link => (b.policy_compute_s() - self.issue_wait(b)).max(0.0),
                 Some(b) => b.policy_compute_s(),
                 None => bytes as f64 * per_byte,
             })
             .fold(0.0, f64::max)
+    }
+
+    /// What rank 0's recorded bucket `b` waited, after it had issued it, for the last rank to
+    /// issue it (their recorded issue on rank 0's clock): a collective starts only once every
+    /// rank issued it, and rank 0's compute after its issue ([`BucketProfile::policy_compute_s`],
+    /// for a bucket whose recorded start is an earlier chain's) holds that wait.
+    fn issue_wait(&self, b: &BucketProfile) -> f64 {
+        let offsets = self.profile.clock_offsets();
+        let own = b.launch_s + b.reduce_s();
+        let last = self
+            .profile
+            .ranks
+            .iter()
+            .zip(&offsets)
+            .filter_map(|(r, o)| r.buckets.iter().find(|x| x.params == b.params).map(|x| x.launch_s + x.reduce_s() - o))
+            .fold(own, f64::max);
+        (last - own.max(b.start_s)).max(0.0)
     }
 
     /// Rank `r`'s compute inside the policy's `reduce` for the bucket of parameters `group`,
@@ -677,14 +708,21 @@ impl Costs<'_> {
 }
 
 /// The policy's compute between its buckets' collectives, per byte of bucket: what `rank`'s
-/// recorded buckets spent on the comm stream beyond their collectives (0 before version 2).
+/// recorded buckets spent on the comm stream beyond their collectives and their wait for the
+/// bucket before's compute (0 before version 2).
 fn compute_per_byte(rank: &RankProfile) -> f64 {
     let buckets = &rank.buckets;
     let bytes: usize = buckets.iter().map(|b| b.bytes).sum();
     if bytes == 0 {
         return 0.0;
     }
-    buckets.iter().map(|b| b.policy_compute_s()).sum::<f64>() / bytes as f64
+    let before = |k: usize| k.checked_sub(1).map(|j| &buckets[j]);
+    let secs: f64 = buckets
+        .iter()
+        .enumerate()
+        .map(|(k, b)| b.policy_compute_after(before(k)))
+        .sum();
+    secs / bytes as f64
 }
 
 /// The policy's after-step collectives on the replayed link and world: what a step waits for

@@ -965,6 +965,52 @@ fn an_after_step_collective_is_priced_on_the_link_and_amortised_over_its_period(
     close(at4.after_step_comm_s, (0.006 + 1.5 * 2.0 / 1024.0) / 4.0, "at 4 ranks");
 }
 
+#[test]
+fn the_steps_own_collectives_separate_the_latency_from_the_bytes_of_one_sync() {
+    // A policy that sends nothing with its buckets and all-reduces its 2 MiB after the step
+    // (a DiLoCo sync): on the 1 ms, 1 GiB/s link that all-reduce takes 2 ms + 2 MiB / 1 GiB/s,
+    // and the ranks' agreement on the loss (12 bytes) 2 ms + 12 B / 1 GiB/s. The sync alone
+    // cannot tell the latency from the bytes; with the agreement, the fit recovers both, and the
+    // agreement of a step that did not sync is priced at its 2 ms, not at its bytes alone.
+    use brigade_ddp::overlap::{ControlProfile, PolicyTimes, RingPrice, WireModel};
+    use brigade_ddp::policy::{AfterStepWire, WireOp};
+    let mut p = under(
+        profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010),
+        "diloco:10",
+        Some(WireModel::Local),
+        &[&[MIB / 4], &[MIB / 4]],
+    );
+    p.policy.as_mut().unwrap().after_step = Some(AfterStepWire {
+        op: WireOp::AllReduce,
+        bytes_per_element: 4.0,
+        every: 10,
+        fragments: 1,
+        overlap_steps: 0,
+        collectives: 1,
+        parts: vec![],
+    });
+    let (alpha, per_byte) = (0.001, 1.0 / (1u64 << 30) as f64);
+    let sync = RingPrice::of(brigade_comm::RingOp::AllReduce, (2 * MIB) as f64, 2).seconds(alpha, per_byte);
+    let agree = RingPrice::of(brigade_comm::RingOp::AllReduce, 12.0, 2).seconds(alpha, per_byte);
+    close(sync, 0.002 + 2.0 / 1024.0, "the sync on the link");
+    for r in &mut p.ranks {
+        r.policy_s = Some(PolicyTimes {
+            reduce_s: 0.0,
+            after_step_s: sync + 0.0005,
+            after_step_link_s: sync,
+            in_flight_until_s: None,
+        });
+        r.control = vec![ControlProfile {
+            op: WireOp::AllReduce,
+            bytes: 12,
+            link_s: agree,
+        }];
+    }
+    let link = brigade_ddp::overlap::measured_link(&[&p]).unwrap().unwrap();
+    close_to(link.latency.as_secs_f64(), alpha, 1e-6, "the latency");
+    close_to(1.0 / link.bandwidth_bytes_per_s, per_byte, 1e-6, "seconds per byte");
+}
+
 /// A PowerSGD profile on 2 ranks whose buckets were recorded on the 1 ms, 1 GiB/s link: a
 /// matrix [512, 256] and its bias [256] in one bucket (two all-reduces: the bias with P
 /// [512 x 4], then Q [256 x 4]), a matrix [256, 128] in another (two: P and Q). Each all-reduce
@@ -1240,6 +1286,29 @@ fn unlike_ranks_under_powersgd() -> StepProfile {
 }
 
 #[test]
+fn on_the_measured_link_a_low_rank_bucket_waits_once_for_the_last_rank_to_issue_it() {
+    // The profile above, with bucket 0's recorded start an earlier chain's (0 ms, before it was
+    // handed over at 10 ms) and rank 1's `reduce` issuing it 0.3 ms after rank 0 did. Rank 0's
+    // recorded compute after its issue (12.5 − 10 − 2 = 0.5 ms) holds 0.3 ms of waiting for rank
+    // 1: the replay starts the bucket at rank 1's issue, 10.3 ms, then 2 ms on the link fitted to
+    // the recorded ones and 0.2 ms of compute, finishing at 12.5 ms as recorded (12.8 ms if the
+    // wait were counted twice).
+    let mut p = unlike_ranks_under_powersgd();
+    for (r, issued) in p.ranks.iter_mut().zip([0.010, 0.0103]) {
+        r.buckets[0].start_s = 0.0;
+        r.buckets[0].issued_s = Some(issued);
+    }
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        link: LinkCost::Measured,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    close(r.buckets[0].launch_s, 0.0103, "bucket 0 issued by rank 1");
+    close(r.buckets[0].finish_s, 0.0125, "bucket 0 with rank 0's compute less its wait");
+}
+
+#[test]
 fn a_low_rank_bucket_is_charged_the_slowest_ranks_compute_recorded_for_that_bucket() {
     // Each collective of a bucket starts when the last rank has issued it, so a bucket takes
     // the slowest rank's compute for it: bucket 0 runs from 10 ms for 4 ms + 4 KiB on the link,
@@ -1319,6 +1388,38 @@ fn a_policys_compute_before_its_collective_delays_the_collective() {
     let mut b = recorded(vec![0], MIB, 0.010, 0.0, 0.014);
     (b.issued_s, b.link_s) = (Some(0.011), Some(0.0025));
     close(b.policy_compute_s(), 0.0005, "after the selection and the collectives");
+}
+
+#[test]
+fn a_buckets_wait_for_the_compute_of_the_bucket_before_is_not_its_compute() {
+    // Two 1 MiB buckets issued at 10 ms (a top-k's sparse gathers). Bucket 0 holds the link
+    // 10.0..10.1 ms, then its continuation (summing the gathered entries) runs 10.1..11.0 ms;
+    // bucket 1 holds the link 10.1..10.2 ms, but its continuation runs on the same thread, after
+    // bucket 0's: 11.0..11.5 ms. Its own compute is 0.5 ms, not the 1.3 ms from its link's end:
+    // 0.9 + 0.5 = 1.4 ms of compute for 2 MiB, 0.7 ms per bucket at the recorded caps.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for r in &mut p.ranks {
+        let mut b0 = recorded(vec![1], MIB, 0.010, 0.0100, 0.0110);
+        b0.link_s = Some(0.0001);
+        let mut b1 = recorded(vec![0], MIB, 0.010, 0.0101, 0.0115);
+        b1.link_s = Some(0.0001);
+        r.buckets = vec![b0, b1];
+        (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.0115, 0.0125, 0.0125);
+    }
+    let (b0, b1) = (&p.ranks[0].buckets[0], &p.ranks[0].buckets[1]);
+    close(b1.policy_compute_after(Some(b0)), 0.0005, "bucket 1's own compute");
+    close(b0.policy_compute_after(None), 0.0009, "bucket 0's");
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    close(r.policy_compute_s, 0.0014, "the policy's compute in the step");
+    // on the 1 GiB/s ring each bucket holds the link 2 ms + 1 MiB / 1 GiB/s; bucket 1's compute
+    // follows bucket 0's
+    let link_s = 0.002 + 1.0 / 1024.0;
+    close(r.buckets[0].finish_s, 0.010 + link_s + 0.0007, "bucket 0");
+    close(r.buckets[1].finish_s, 0.010 + 2.0 * link_s + 0.0007, "bucket 1");
 }
 
 #[test]
