@@ -830,6 +830,22 @@ fn a_studys_outputs_are_checked_before_its_first_policy_trains() {
 }
 
 #[test]
+fn a_study_refused_after_its_outputs_were_checked_removes_the_tensorboard_directories_it_made() {
+    let d = dir("study_refused_tensorboard");
+    let tb = d.join("tb").join("runs");
+    // two steps are the study's warm-up alone: the library refuses them, after the outputs'
+    // checks made --tensorboard's directories
+    let args = small(
+        "allreduce,fp16",
+        &["--steps", "2", "--target-loss", "1.3", "--tensorboard", tb.to_str().unwrap()],
+        d.join("out").to_str().unwrap(),
+    );
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("warm-up steps") && e.trim_end().lines().count() == 1, "{e}");
+    assert!(!d.join("tb").exists(), "{e}");
+}
+
+#[test]
 fn a_policy_that_never_did_its_thing_says_so_in_the_studys_notes() {
     // PowerSGD from iteration 100 in a 3-step run never compresses: the study says so, as
     // `train` and `sweep` do
