@@ -211,7 +211,10 @@ fn check_study_outputs(s: &StudyArgs, policies: &[String], then: impl FnOnce() -
     }
     make_out_dir(&s.out, &STUDY_OUTPUTS, "study")?;
     let Some(dir) = &s.tensorboard else { return then() };
-    let outputs: Vec<Output> = STUDY_OUTPUTS.iter().map(|f| Output::new("--out", &s.out.join(f))).collect();
+    let outputs: Vec<Output> = STUDY_OUTPUTS
+        .iter()
+        .map(|f| Output::new("--out", &s.out.join(f)))
+        .collect();
     crate::tensorboard::prepare_then(dir, &outputs, || {
         for p in policies {
             let run = crate::tensorboard::run_dir(dir, p);

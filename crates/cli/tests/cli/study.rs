@@ -837,7 +837,14 @@ fn a_study_refused_after_its_outputs_were_checked_removes_the_tensorboard_direct
     // checks made --tensorboard's directories
     let args = small(
         "allreduce,fp16",
-        &["--steps", "2", "--target-loss", "1.3", "--tensorboard", tb.to_str().unwrap()],
+        &[
+            "--steps",
+            "2",
+            "--target-loss",
+            "1.3",
+            "--tensorboard",
+            tb.to_str().unwrap(),
+        ],
         d.join("out").to_str().unwrap(),
     );
     let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
@@ -862,8 +869,9 @@ fn a_diloco_that_never_synced_says_so_in_the_studys_notes() {
             .find(|l| l.starts_with(&format!("note: {policy}: ")))
             .expect(&text);
         assert!(
-            note.contains(&format!("{policy} never synced in 4 steps (its first sync comes after {first})"))
-                && note.contains("prices the sync from its wire model"),
+            note.contains(&format!(
+                "{policy} never synced in 4 steps (its first sync comes after {first})"
+            )) && note.contains("prices the sync from its wire model"),
             "{note}"
         );
     }

@@ -503,7 +503,12 @@ fn untimed_steps_that_cover_the_steps_a_resume_has_left_are_refused_naming_the_r
     let ck = d.join("ck.safetensors");
     ok(&[&["train"], MLP, &["--steps", "2", "--checkpoint", s(&ck)]].concat());
     let resumed = |untimed: &'static str| {
-        [&["train"], MLP, &["--steps", "4", "--untimed-steps", untimed, "--resume", s(&ck)]].concat()
+        [
+            &["train"],
+            MLP,
+            &["--steps", "4", "--untimed-steps", untimed, "--resume", s(&ck)],
+        ]
+        .concat()
     };
     // the resume runs steps 2 and 3: two untimed steps leave none to time
     let e = fails(&resumed("2"));
