@@ -20,7 +20,8 @@ use brigade_autograd::{Optimizer, Var};
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{AfterStepWire, WireModel, WireOp};
 use brigade_ddp::policy::{
-    BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
+    BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyDiagnostic, PolicyMemory, Reduction, StepContext,
+    TensorWork,
 };
 use brigade_ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
 use brigade_tensor::{DType, Tensor};
@@ -437,6 +438,22 @@ impl Outer {
 }
 
 /// The step count a DiLoCo state holds.
+/// The note of a run of `policy` that took `steps` inner steps, all before its first sync (after
+/// `first` steps): none when it took none or synced.
+pub(crate) fn never_synced(policy: &str, steps: u64, first: u64) -> Vec<PolicyDiagnostic> {
+    if steps == 0 || steps >= first {
+        return vec![];
+    }
+    vec![PolicyDiagnostic {
+        code: "never-synced",
+        message: format!(
+            "{policy} never synced in {steps} steps (its first sync comes after {first}): every rank trained on its \
+             own gradients alone, and a prediction prices the sync from its wire model, with no measured sync to \
+             check it against"
+        ),
+    }]
+}
+
 pub(crate) fn read_steps(state: &[(String, Tensor)], policy: &str) -> brigade_ddp::Result<u64> {
     let steps = state.iter().find(|(k, _)| k == "steps").map(|(_, t)| t);
     let steps = steps.ok_or_else(|| DdpError::PolicyState(format!("{policy}: no 'steps' in its state")))?;
@@ -524,6 +541,10 @@ impl ReducerPolicy for Diloco {
 
     fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::Local)
+    }
+
+    fn diagnostics(&self) -> Vec<PolicyDiagnostic> {
+        never_synced(&self.name(), self.steps, self.cfg.period as u64)
     }
 
     fn after_step_wire(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {

@@ -20,12 +20,13 @@ use brigade_autograd::Optimizer;
 use brigade_comm::ReduceOp;
 use brigade_ddp::policy::{AfterStepWire, FragmentPart, WireModel, WireOp};
 use brigade_ddp::policy::{
-    BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyMemory, Reduction, StepContext, TensorWork,
+    BuildOptimizer, Group, OptimizerContext, PolicyBucket, PolicyDiagnostic, PolicyMemory, Reduction, StepContext,
+    TensorWork,
 };
 use brigade_ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
 use brigade_tensor::{DType, Tensor};
 
-use crate::diloco::{read_steps, whole, Outer, OuterSgd};
+use crate::diloco::{never_synced, read_steps, whole, Outer, OuterSgd};
 use crate::error::PolicyError;
 use crate::spec::{spec_error, PolicySpec};
 
@@ -532,6 +533,17 @@ impl ReducerPolicy for StreamingDiloco {
 
     fn wire_model(&self, _shapes: &[Vec<usize>], _world_size: usize) -> Option<WireModel> {
         Some(WireModel::Local)
+    }
+
+    fn diagnostics(&self) -> Vec<PolicyDiagnostic> {
+        // fragment f is issued after the steps c with c % H == its offset: the first at its
+        // offset, or at H for the fragment whose offset is 0
+        let h = self.cfg.diloco.period as u64;
+        let first = (0..self.cfg.fragments)
+            .map(|f| Some(self.cfg.offset(f)).filter(|&o| o > 0).unwrap_or(h))
+            .min()
+            .unwrap_or(h);
+        never_synced(&self.name(), self.steps, first)
     }
 
     fn after_step_wire(&self, shapes: &[Vec<usize>], _world_size: usize) -> Option<AfterStepWire> {

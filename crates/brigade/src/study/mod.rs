@@ -288,8 +288,9 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
     }
 }
 
-/// One line naming what is wrong with a study's request.
-fn check(cfg: &TrainConfig, policies: &[String], sc: &StudyConfig) -> Result<()> {
+/// One line naming what is wrong with a study's request: what [`study`] checks before its first
+/// policy trains, for a caller that prepares outputs first and undoes them when it fails.
+pub fn check(cfg: &TrainConfig, policies: &[String], sc: &StudyConfig) -> Result<()> {
     let bad = |m: String| Err(Error::Config(m));
     if policies.is_empty() {
         return bad("a study needs at least one policy".into());

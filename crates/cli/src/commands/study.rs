@@ -94,7 +94,6 @@ pub fn study(s: StudyArgs) -> Result<()> {
         .map(|e| resolve(e, a.distributed.powersgd_rank, a.distributed.powersgd_start_iter))
         .collect::<Result<Vec<_>>>()?;
     let sc = check_flags(&s, &specs)?;
-    check_study_outputs(&s, &specs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
     // a signal stops the policy in progress at a step boundary; that run is dropped, and --out
     // gets the policies that finished
     let opts = RunOptions {
@@ -105,6 +104,9 @@ pub fn study(s: StudyArgs) -> Result<()> {
     let cfg = train_config(a, &opts, &late)?;
     let kind = a.model.kind();
     let names: Vec<String> = specs.iter().map(|p| p.to_string()).collect();
+    // the library's own checks of the request last, so that --tensorboard's directories are
+    // removed again when it refuses
+    check_study_outputs(&s, &names, || Ok(brigade::study::check(&cfg, &names, &sc)?))?;
     let results = brigade::study::study(
         &launch_config(a, &opts),
         &cfg,
@@ -193,8 +195,10 @@ fn check_flags(s: &StudyArgs, specs: &[PolicySpec]) -> Result<StudyConfig> {
 
 /// Checks the study's outputs before any policy trains: --out's files, and --tensorboard's
 /// directory and its run directory per policy (`policies`, their specs), none of them one of
-/// --out's files. Creates --out and --tensorboard when missing.
-fn check_study_outputs(s: &StudyArgs, policies: &[String]) -> Result<()> {
+/// --out's files; then `then` (the checks that follow). Creates --out and --tensorboard when
+/// missing, and removes the --tensorboard directories it made when a check after them fails
+/// ([`crate::tensorboard::prepare_then`]).
+fn check_study_outputs(s: &StudyArgs, policies: &[String], then: impl FnOnce() -> Result<()>) -> Result<()> {
     if let Some(dir) = &s.tensorboard {
         let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
         let tb = absolute(dir);
@@ -206,22 +210,27 @@ fn check_study_outputs(s: &StudyArgs, policies: &[String]) -> Result<()> {
         }
     }
     make_out_dir(&s.out, &STUDY_OUTPUTS, "study")?;
-    let Some(dir) = &s.tensorboard else { return Ok(()) };
-    crate::tensorboard::prepare(dir)?;
-    for p in policies {
-        let run = crate::tensorboard::run_dir(dir, p);
-        if run.exists() && !run.is_dir() {
-            return Err(Error::Usage(format!(
-                "--tensorboard {}: {} (the policy {p}'s run directory) is not a directory: move it or pick another --tensorboard",
-                dir.display(),
-                run.display()
-            )));
+    let Some(dir) = &s.tensorboard else { return then() };
+    let outputs: Vec<Output> = STUDY_OUTPUTS
+        .iter()
+        .map(|f| Output::new("--out", &s.out.join(f)))
+        .collect();
+    crate::tensorboard::prepare_then(dir, &outputs, || {
+        for p in policies {
+            let run = crate::tensorboard::run_dir(dir, p);
+            if run.exists() && !run.is_dir() {
+                return Err(Error::Usage(format!(
+                    "--tensorboard {}: {} (the policy {p}'s run directory) is not a directory: move it or pick another --tensorboard",
+                    dir.display(),
+                    run.display()
+                )));
+            }
+            if run.is_dir() {
+                check_outputs(&[Output::new("--tensorboard", &run.join("events.out.tfevents"))])?;
+            }
         }
-        if run.is_dir() {
-            check_outputs(&[Output::new("--tensorboard", &run.join("events.out.tfevents"))])?;
-        }
-    }
-    Ok(())
+        then()
+    })
 }
 
 /// The TensorBoard writes that failed (the study went on, and its other outputs are written),

@@ -144,6 +144,19 @@ impl TrainArgs {
         let bad = |m: String| Err(Error::Usage(m));
         self.run.validate()?;
         self.run.bucket_cap()?;
+        // --untimed-steps counts the steps this run runs: after a resume, those from its step on
+        let untimed = self.run.runtime.untimed_steps;
+        let resumed_at = self.resume.as_deref().and_then(brigade::checkpoint::checkpoint_step);
+        if let Some(at) = resumed_at.filter(|&at| untimed > 0 && at < self.run.recipe.steps) {
+            let left = self.run.recipe.steps - at;
+            if untimed >= left {
+                return bad(format!(
+                    "--untimed-steps {untimed} leaves no step to time: --resume continues from step {at}, so this run \
+                     runs the {left} steps to --steps {}; give --untimed-steps below {left} or more --steps",
+                    self.run.recipe.steps
+                ));
+            }
+        }
         match (&self.profile_steps, &self.profile) {
             (Some(r), None) => {
                 return bad(format!(

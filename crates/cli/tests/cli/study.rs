@@ -830,6 +830,54 @@ fn a_studys_outputs_are_checked_before_its_first_policy_trains() {
 }
 
 #[test]
+fn a_study_refused_after_its_outputs_were_checked_removes_the_tensorboard_directories_it_made() {
+    let d = dir("study_refused_tensorboard");
+    let tb = d.join("tb").join("runs");
+    // two steps are the study's warm-up alone: the library refuses them, after the outputs'
+    // checks made --tensorboard's directories
+    let args = small(
+        "allreduce,fp16",
+        &[
+            "--steps",
+            "2",
+            "--target-loss",
+            "1.3",
+            "--tensorboard",
+            tb.to_str().unwrap(),
+        ],
+        d.join("out").to_str().unwrap(),
+    );
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("warm-up steps") && e.trim_end().lines().count() == 1, "{e}");
+    assert!(!d.join("tb").exists(), "{e}");
+}
+
+#[test]
+fn a_diloco_that_never_synced_says_so_in_the_studys_notes() {
+    // diloco:10 first syncs after 10 steps, streaming-diloco:10:2 after 5 (fragment 1's
+    // offset): a 4-step run reaches neither, and each prediction prices a sync never measured
+    let d = dir("study_never_synced");
+    let args = small(
+        "diloco:10,streaming-diloco:10:2",
+        &["--steps", "4", "--target-loss", "1.3"],
+        d.to_str().unwrap(),
+    );
+    let text = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    for (policy, first) in [("diloco:10", 10), ("streaming-diloco:10:2", 5)] {
+        let note = text
+            .lines()
+            .find(|l| l.starts_with(&format!("note: {policy}: ")))
+            .expect(&text);
+        assert!(
+            note.contains(&format!(
+                "{policy} never synced in 4 steps (its first sync comes after {first})"
+            )) && note.contains("prices the sync from its wire model"),
+            "{note}"
+        );
+    }
+}
+
+#[test]
 fn a_policy_that_never_did_its_thing_says_so_in_the_studys_notes() {
     // PowerSGD from iteration 100 in a 3-step run never compresses: the study says so, as
     // `train` and `sweep` do

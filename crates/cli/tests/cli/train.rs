@@ -496,3 +496,29 @@ fn untimed_steps_leave_steps_out_of_the_timing_and_warmup_is_its_hidden_spelling
     let e = fails(&[&["train"], MLP, &["--steps", "3", "--untimed-steps", "3"]].concat());
     assert!(e.contains("--untimed-steps 3 leaves no step"), "{e}");
 }
+
+#[test]
+fn untimed_steps_that_cover_the_steps_a_resume_has_left_are_refused_naming_the_resume() {
+    let d = dir("untimed_after_resume");
+    let ck = d.join("ck.safetensors");
+    ok(&[&["train"], MLP, &["--steps", "2", "--checkpoint", s(&ck)]].concat());
+    let resumed = |untimed: &'static str| {
+        [
+            &["train"],
+            MLP,
+            &["--steps", "4", "--untimed-steps", untimed, "--resume", s(&ck)],
+        ]
+        .concat()
+    };
+    // the resume runs steps 2 and 3: two untimed steps leave none to time
+    let e = fails(&resumed("2"));
+    assert!(
+        e.contains("--untimed-steps 2 leaves no step to time") && e.contains("--resume continues from step 2"),
+        "{e}"
+    );
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    // one leaves one
+    let text = ok(&[resumed("1"), vec!["--json"]].concat());
+    let json: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    assert!(json["median_step_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{json}");
+}
