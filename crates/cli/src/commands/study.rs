@@ -78,7 +78,7 @@ pub struct StudyArgs {
     /// Write TensorBoard event files of every policy's run (as `train --tensorboard` does),
     /// one directory each in DIR named by the policy's spec, so that `tensorboard --logdir
     /// DIR` draws one curve per policy: every step's train/ scalars, and at every step the
-    /// predicted step on each link at --world-size (`predicted_ms/{G}gbps_{L}us`).
+    /// predicted step on each link at --world-size (`predicted/step_ms_{G}gbps_{L}us`).
     #[arg(long, value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
 }
@@ -147,9 +147,15 @@ pub fn study(s: StudyArgs) -> Result<()> {
         });
     }
     if results.iter().all(|r| r.diverged_at.is_some()) {
-        return Err(Error::Usage(
-            "every policy diverged, so none reached a target (each has a note above): lower --lr".into(),
-        ));
+        // the advice of a policy with an outer optimizer names its outer lr too
+        let advice = specs
+            .iter()
+            .map(crate::error::lower_lr_advice)
+            .max_by_key(String::len)
+            .unwrap_or_default();
+        return Err(Error::Usage(format!(
+            "every policy diverged, so none reached a target (each has a note above): {advice}"
+        )));
     }
     Ok(())
 }
