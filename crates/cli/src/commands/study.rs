@@ -129,6 +129,18 @@ pub fn study(s: StudyArgs) -> Result<()> {
         outln!("{text}");
     } else {
         print_table(&results);
+        if a.distributed.net_gbps.is_none() {
+            outln!(
+                "note: measured_step_ms is each policy's step on this machine's own link (the study has no \
+                 --net-gbps), the same on every row; predicted_step_ms is the step on the row's link"
+            );
+        }
+        if (a.data.val_fraction.is_some() || a.recipe.eval_every.is_some()) && s.tensorboard.is_none() {
+            outln!(
+                "note: the validation loss (--val-fraction, --eval-every) is in none of the study's files: \
+                 --tensorboard DIR writes it (train/val_loss)"
+            );
+        }
         outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
     }
     for r in &results {
