@@ -113,6 +113,40 @@ through_the_library!(
     brigade::autograd::AutogradError
 );
 
+/// A diverged run's error (the library's [`brigade::Error::NonFinite`]) as one line that
+/// advises `lower`; `None` for any other error.
+fn diverged_line(e: &brigade::Error, lower: &str) -> Option<String> {
+    let brigade::Error::NonFinite { step, what, value } = e else {
+        return None;
+    };
+    Some(format!(
+        "step {step}: {what} is {value}: the run diverged. Nothing was written from the diverged state (a \
+         checkpoint written before it is kept); {lower}, or pass --allow-nonfinite to train on"
+    ))
+}
+
+/// What to lower when a run under `policy` diverges: `--lr`, and the policy's outer lr when it
+/// steps an outer optimizer of its own (DiLoCo's, a streaming DiLoCo's).
+pub fn lower_lr_advice(policy: &brigade::policies::PolicySpec) -> String {
+    use brigade::policies::PolicySpec as P;
+    match policy {
+        P::Diloco(_) => "lower --lr or the policy's outer lr (diloco:H:OUTER_LR)".into(),
+        P::StreamingDiloco(_) => {
+            "lower --lr or the policy's outer lr (streaming-diloco:H:FRAGMENTS:DELAY:OUTER_LR)".into()
+        }
+        _ => "lower --lr".into(),
+    }
+}
+
+/// The library's error `e` from a run under `policy`: a divergence advises what to lower for
+/// that policy ([`lower_lr_advice`]); any other error as [`Error::Run`].
+pub fn under_policy(e: brigade::Error, policy: &brigade::policies::PolicySpec) -> Error {
+    match diverged_line(&e, &lower_lr_advice(policy)) {
+        Some(line) => Error::Usage(line),
+        None => Error::Run(e),
+    }
+}
+
 /// Result alias for the command line.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -120,10 +154,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub fn in_flag_terms(e: &brigade::Error) -> String {
     use brigade::Error as E;
     match e {
-        E::NonFinite { step, what, value } => format!(
-            "step {step}: {what} is {value}: the run diverged. Nothing was written from the diverged state (a \
-             checkpoint written before it is kept); lower --lr, or pass --allow-nonfinite to train on"
-        ),
+        E::NonFinite { .. } => diverged_line(e, "lower --lr").unwrap_or_default(),
         E::MpiNotBuilt => "--backend mpi needs a build with MPI support: install OpenMPI (apt-get install \
                            openmpi-bin libopenmpi-dev libclang-dev) and build with `cargo build --release --features mpi`"
             .into(),

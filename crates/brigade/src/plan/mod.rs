@@ -199,6 +199,21 @@ fn run_facts(profiles: &[StepProfile]) -> Result<RunFacts> {
             ));
         }
     }
+    // one profile per policy and checkpointing setting: of two, which one counts would be
+    // the order of the list
+    for (i, p) in profiles.iter().enumerate() {
+        let spec = profiled_policy(p);
+        if let Some(j) = profiles[..i]
+            .iter()
+            .position(|q| profiled_policy(q) == spec && q.activation_checkpointing == p.activation_checkpointing)
+        {
+            let spec = spec.map_or_else(String::new, |s| s.to_string());
+            return plan_err(format!(
+                "profile {i} records {spec} as profile {j} does: a plan weighs one profile per policy (and \
+                 activation checkpointing setting): leave one out"
+            ));
+        }
+    }
     let Some(config) = r0.model_config.as_deref() else {
         return plan_err(format!(
             "the profiles do not record the {} model's configuration (ModelConfig::config): the memory model needs it",
@@ -268,7 +283,8 @@ fn stretched(p: &StepProfile, ratio: f64) -> StepProfile {
 /// Errors (one line each): no profile; a profile that does not validate, records a policy
 /// outside the families weighed, or records no run facts
 /// ([`brigade_ddp::overlap::ProfileRun`]); profiles of different models, world sizes,
-/// precisions, batches or optimizers; a bucket cap that is not a positive number of MiB.
+/// precisions, batches or optimizers; two profiles of one policy at one checkpointing setting;
+/// a bucket cap that is not a positive number of MiB.
 pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
     let facts = run_facts(profiles)?;
     let world = check_query(q, &facts)?;

@@ -19,7 +19,7 @@ impl RunArgs {
     /// make sense together. One line naming the flag and the value.
     pub fn validate(&self) -> Result<()> {
         self.check_settings_flags(std::slice::from_ref(&self.distributed.policy), false)?;
-        self.validate_for(&self.hook_spec())
+        self.validate_under(&self.hook_spec(), true)
     }
 
     /// The settings flags of a policy (`--powersgd-rank`, `--powersgd-start-iter`) given at
@@ -67,10 +67,16 @@ impl RunArgs {
     /// [`RunArgs::validate`] for a run under `policy` rather than the run's own (a policy
     /// sweep's rows): every flag, and the flags that do not combine with `policy`.
     pub fn validate_for(&self, policy: &PolicySpec) -> Result<()> {
+        self.validate_under(policy, false)
+    }
+
+    /// [`RunArgs::validate_for`]; `own`: `policy` is the run's own (its `--policy`, `--zero`
+    /// or the default), not one of a command's list, which decides the flag a fix names.
+    fn validate_under(&self, policy: &PolicySpec, own: bool) -> Result<()> {
         self.validate_run()?;
         self.check_policy(policy)?;
         self.validate_nccl()?;
-        self.check_memory(policy)
+        self.check_memory(policy, own)
     }
 
     /// The checks of [`RunArgs::validate_for`] that no policy changes: a flag they refuse is
@@ -343,7 +349,7 @@ impl RunArgs {
     /// Checks that the model, its gradients, the optimizer's state and one microbatch's
     /// activations fit in this machine's memory for every rank this process runs (a lower
     /// bound: see [`crate::footprint`]).
-    fn check_memory(&self, policy: &PolicySpec) -> Result<()> {
+    fn check_memory(&self, policy: &PolicySpec, own: bool) -> Result<()> {
         // sharded over the ranks, or optimizer values per parameter
         let state = if policy.shards_optimizer_state() {
             0
@@ -380,7 +386,7 @@ impl RunArgs {
             logits.unwrap_or_default()
         );
         footprint::check_fits(&what, bytes)?;
-        self.check_budget(policy)
+        self.check_budget(policy, own)
     }
 
     /// Optimizer values per parameter before any sharding (AdamW 2, SGD with momentum 1, else 0).
@@ -409,9 +415,9 @@ impl RunArgs {
     }
 
     /// `--memory-budget`: refuses a run whose predicted peak per rank exceeds it, naming the
-    /// largest part and the first of activation checkpointing, `--zero 2` and a smaller
-    /// `--batch-size` that would fit.
-    fn check_budget(&self, policy: &PolicySpec) -> Result<()> {
+    /// largest part and the first of activation checkpointing, ZeRO-2 and a smaller
+    /// `--batch-size` that would fit; ZeRO-2 as the run can ask for it ([`RunArgs::zero2_fix`]).
+    fn check_budget(&self, policy: &PolicySpec, own: bool) -> Result<()> {
         let Some(mb) = self.runtime.memory_budget else {
             return Ok(());
         };
@@ -430,10 +436,16 @@ impl RunArgs {
         }
         let mut fixes = vec![];
         if self.model.model == ModelName::Gpt && every != 1 {
-            fixes.push(("--activation-checkpointing", fits(self.predicted_peak(policy, 1, rows))));
+            fixes.push((
+                "--activation-checkpointing".to_string(),
+                fits(self.predicted_peak(policy, 1, rows)),
+            ));
         }
         if self.distributed.world_size > 1 && !policy.shards_grads() {
-            fixes.push(("--zero 2", fits(self.predicted_peak(&PolicySpec::Zero2, every, rows))));
+            fixes.push((
+                self.zero2_fix(policy, own),
+                fits(self.predicted_peak(&PolicySpec::Zero2, every, rows)),
+            ));
         }
         let smaller = (1..rows)
             .rev()
@@ -442,7 +454,7 @@ impl RunArgs {
             .iter()
             .find_map(|(flag, t)| t.map(|t| format!("{flag} would bring it to {}", footprint::human(t))))
             .or_else(|| smaller.map(|b| format!("--batch-size {b} would fit")))
-            .unwrap_or_else(|| "neither activation checkpointing, --zero 2 nor a smaller --batch-size fits it: a smaller model or more ranks would".to_string());
+            .unwrap_or_else(|| "neither activation checkpointing, ZeRO-2 nor a smaller --batch-size fits it: a smaller model or more ranks would".to_string());
         let (part, bytes) = p.largest();
         Err(Error::Usage(format!(
             "--memory-budget {} MB: this run is predicted to hold {} per rank at its peak, the largest part {part} ({}); {fix}",
@@ -450,6 +462,19 @@ impl RunArgs {
             footprint::human(p.total()),
             footprint::human(bytes)
         )))
+    }
+
+    /// ZeRO-2 in place of `policy`, spelled as this command takes it: `--zero 2` for the run's
+    /// own policy when it was the default or given as `--zero` (`--zero` does not combine with
+    /// `--policy` or `--comm-hook`), else `--policy zero2` in place of the flag that named it; for a
+    /// policy of a command's list, zero2 in place of it there.
+    fn zero2_fix(&self, policy: &PolicySpec, own: bool) -> String {
+        match (&self.distributed.policy_given, own) {
+            (None, true) => "--zero 2".into(),
+            (Some(given), true) if given.starts_with("--zero") => "--zero 2".into(),
+            (Some(given), true) => format!("--policy zero2 in place of {given}"),
+            (_, false) => format!("zero2 in place of {policy}"),
+        }
     }
 
     /// Flags that cannot work with `--backend nccl` (every reducer policy runs there: its

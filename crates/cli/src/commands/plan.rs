@@ -4,13 +4,14 @@
 
 use std::path::PathBuf;
 
+use brigade::ddp::overlap::{LinkCost, StepProfile};
 use brigade::plan::{median_step, plan, Candidate, Plan, PlanQuery};
 use brigade::policies::PolicySpec;
 use clap::Args;
 use serde_json::json;
 
 use crate::args::compact;
-use crate::commands::predict::{check_caps_and_world, read_profiles, LinkArgs};
+use crate::commands::predict::{check_caps_and_world, read_profiles, recorded_link, LinkArgs, RecordedLink};
 use crate::error::{Error, Result};
 use crate::report::stdout::outln;
 
@@ -61,6 +62,9 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         let steps = read_profiles(path)?;
         profiles.push(median_step(steps).expect("read_profiles returns at least one step"));
     }
+    if matches!(link, LinkCost::Measured) {
+        check_one_link(&a.profile, &profiles)?;
+    }
     let query = PlanQuery {
         budget_bytes,
         world_size: a.world_size,
@@ -87,6 +91,30 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     match p.winner() {
         Some(_) => Ok(()),
         None => Err(Error::Usage(no_winner(&p, mb))),
+    }
+}
+
+/// `--measured-link` prices each policy on the link its own profile measured: profiles of
+/// runs on different links (as their command lines state them) would compare the links, not
+/// the policies. One line naming both.
+fn check_one_link(paths: &[PathBuf], profiles: &[StepProfile]) -> Result<()> {
+    let links: Vec<(&PathBuf, RecordedLink)> = paths
+        .iter()
+        .zip(profiles)
+        .filter_map(|(path, p)| recorded_link(p).map(|l| (path, l)))
+        .collect();
+    let Some((first_path, first)) = links.first() else {
+        return Ok(());
+    };
+    match links.iter().find(|(_, l)| l != first) {
+        None => Ok(()),
+        Some((path, l)) => Err(Error::Usage(format!(
+            "--measured-link: --profile {} was recorded on {l}, --profile {} on {first}: each policy would be \
+             priced on its own run's link, so the plan would compare the links; price them on one link with \
+             --net-gbps G [--net-latency-us L], or profile every policy on one link",
+            path.display(),
+            first_path.display()
+        ))),
     }
 }
 

@@ -383,11 +383,36 @@ fn measured_links(path: &Path, profiles: &[StepProfile]) -> Result<Vec<LinkCost>
         .collect())
 }
 
-/// The link `profile`'s run stated on its command line (`--net-gbps`, `--net-latency-us`), for
-/// a run that recorded nothing on the link to measure, with a note; one line when it stated
-/// none.
-fn stated_link(path: &Path, profile: &StepProfile) -> Result<LinkCost> {
+/// The link a profiled run had, as its command line stated it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum RecordedLink {
+    /// `--net-gbps G [--net-latency-us L]`: a simulated link.
+    Simulated {
+        /// Its bandwidth in Gb/s.
+        gbps: f64,
+        /// Its latency per message in µs.
+        latency_us: f64,
+    },
+    /// No `--net-gbps`: the machine's own link (or the network mpirun spans).
+    Own,
+}
+
+impl std::fmt::Display for RecordedLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecordedLink::Simulated { gbps, latency_us } => write!(f, "a simulated {gbps} Gb/s, {latency_us} us link"),
+            RecordedLink::Own => write!(f, "the machine's own link (no --net-gbps)"),
+        }
+    }
+}
+
+/// The link `profile`'s run had, read from the command line it recorded (`--net-gbps`,
+/// `--net-latency-us`); `None` when it recorded none (a profile written by the library).
+pub(crate) fn recorded_link(profile: &StepProfile) -> Option<RecordedLink> {
     let command = profile.run.as_ref().map_or(&[][..], |r| &r.command[..]);
+    if command.is_empty() {
+        return None;
+    }
     let flag = |name: &str| {
         command
             .iter()
@@ -398,15 +423,27 @@ fn stated_link(path: &Path, profile: &StepProfile) -> Result<LinkCost> {
                 None => None,
             })
     };
+    Some(match flag("--net-gbps") {
+        Some(gbps) => RecordedLink::Simulated {
+            gbps,
+            latency_us: flag("--net-latency-us").unwrap_or(0.0),
+        },
+        None => RecordedLink::Own,
+    })
+}
+
+/// The link `profile`'s run stated on its command line (`--net-gbps`, `--net-latency-us`), for
+/// a run that recorded nothing on the link to measure, with a note; one line when it stated
+/// none.
+fn stated_link(path: &Path, profile: &StepProfile) -> Result<LinkCost> {
     let why = "the profile recorded no collective on the link to measure it by";
-    let Some(gbps) = flag("--net-gbps") else {
+    let Some(RecordedLink::Simulated { gbps, latency_us }) = recorded_link(profile) else {
         return Err(Error::Usage(format!(
             "{}: --measured-link: {why}, and its run stated no --net-gbps to fall back to: give --net-gbps G \
              [--net-latency-us L]",
             path.display()
         )));
     };
-    let latency_us = flag("--net-latency-us").unwrap_or(0.0);
     eprintln!(
         "note: {}: {why}; the link its run stated is used instead ({gbps} Gb/s, {latency_us} us)",
         path.display()
@@ -440,8 +477,11 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
     // of no bucket: its column shows when some row has one, so that each row adds up.
     let sync = rows.iter().any(|r| r.after_step_comm_s > 0.0);
     let sync_ms = |v: String| if sync { format!(" {v:>8}") } else { String::new() };
+    // So is the ranks' agreement on the loss, every step after the buckets.
+    let agree = rows.iter().any(|r| r.agreement_comm_s > 0.0);
+    let agree_ms = |v: String| if agree { format!(" {v:>9}") } else { String::new() };
     outln!(
-        "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11}{} {:>13}  exposed buckets",
+        "{:>10} {:>7} {:>10} {:>12} {:>9} {:>11}{}{} {:>13}  exposed buckets",
         "bucket_MiB",
         "buckets",
         "step_ms",
@@ -449,6 +489,7 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
         "comm_ms",
         "exposed_ms",
         sync_ms("sync_ms".into()),
+        agree_ms("agree_ms".into()),
         "lower_bound_ms"
     );
     for r in rows {
@@ -460,7 +501,7 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             .map(|(i, b)| format!("{i} ({:.2} ms)", ms(b.exposed_s)))
             .collect();
         outln!(
-            "{:>10} {:>7} {:>10.2} {:>12.2} {:>9.2} {:>11.2}{} {:>13.2}  {}",
+            "{:>10} {:>7} {:>10.2} {:>12.2} {:>9.2} {:>11.2}{}{} {:>13.2}  {}",
             r.bucket_cap_mb,
             r.buckets.len(),
             ms(r.predicted_step_s),
@@ -468,6 +509,7 @@ fn print_table(profile: &StepProfile, rows: &[ReplayResult]) {
             ms(r.comm_s),
             ms(r.exposed_comm_s),
             sync_ms(format!("{:.2}", ms(r.after_step_comm_s))),
+            agree_ms(format!("{:.2}", ms(r.agreement_comm_s))),
             ms(r.lower_bound_exposed_s),
             if exposed.is_empty() {
                 "none".to_string()

@@ -78,7 +78,7 @@ pub struct StudyArgs {
     /// Write TensorBoard event files of every policy's run (as `train --tensorboard` does),
     /// one directory each in DIR named by the policy's spec, so that `tensorboard --logdir
     /// DIR` draws one curve per policy: every step's train/ scalars, and at every step the
-    /// predicted step on each link at --world-size (`predicted_ms/{G}gbps_{L}us`).
+    /// predicted step on each link at --world-size (`predicted/step_ms_{G}gbps_{L}us`).
     #[arg(long, value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
 }
@@ -131,6 +131,18 @@ pub fn study(s: StudyArgs) -> Result<()> {
         outln!("{text}");
     } else {
         print_table(&results);
+        if a.distributed.net_gbps.is_none() {
+            outln!(
+                "note: measured_step_ms is each policy's step on this machine's own link (the study has no \
+                 --net-gbps), the same on every row; predicted_step_ms is the step on the row's link"
+            );
+        }
+        if (a.data.val_fraction.is_some() || a.recipe.eval_every.is_some()) && s.tensorboard.is_none() {
+            outln!(
+                "note: the validation loss (--val-fraction, --eval-every) is in none of the study's files: \
+                 --tensorboard DIR writes it (train/val_loss)"
+            );
+        }
         outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
     }
     for r in &results {
@@ -149,9 +161,15 @@ pub fn study(s: StudyArgs) -> Result<()> {
         });
     }
     if results.iter().all(|r| r.diverged_at.is_some()) {
-        return Err(Error::Usage(
-            "every policy diverged, so none reached a target (each has a note above): lower --lr".into(),
-        ));
+        // the advice of a policy with an outer optimizer names its outer lr too
+        let advice = specs
+            .iter()
+            .map(crate::error::lower_lr_advice)
+            .max_by_key(String::len)
+            .unwrap_or_default();
+        return Err(Error::Usage(format!(
+            "every policy diverged, so none reached a target (each has a note above): {advice}"
+        )));
     }
     Ok(())
 }

@@ -572,7 +572,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     note_over_budget(&t, &report);
     // a diverged run's finished steps are written above; then its error
     if let Some(e) = stopped {
-        return Err(e.into());
+        return Err(crate::error::under_policy(e, &t.run.hook_spec()));
     }
     written?;
     if report.outcome.interrupted {
@@ -787,6 +787,23 @@ fn plot_write<'a>(
     Some((Output::new("--plot", path), Box::new(write)))
 }
 
+/// Why a run wrote no profile: it stopped before `--profile-steps`' window (interrupted,
+/// diverged or failed), or ran no synchronized step (one rank, no DDP).
+fn no_profile_why(t: &TrainArgs, outcome: &brigade::outcome::TrainOutcome) -> String {
+    let last = outcome.steps.last().map(|s| s.step);
+    match (&t.profile_steps, last) {
+        (Some(w), Some(last)) if last < w.start => format!(
+            "the run stopped after step {last}, before --profile-steps {}..{} was reached",
+            w.start, w.end
+        ),
+        (Some(w), None) => format!(
+            "the run stopped before its first step, before --profile-steps {}..{} was reached",
+            w.start, w.end
+        ),
+        _ => "no synchronized step was run (or no DDP)".into(),
+    }
+}
+
 /// `--profile`'s write: the recorded step profiles, each naming the command line that ran
 /// (`None`, said in a note, when no synchronized step ran).
 fn profile_write<'a>(
@@ -818,10 +835,7 @@ fn profile_write<'a>(
             .map(serde_json::to_string_pretty),
     };
     let Some(text) = text else {
-        eprintln!(
-            "note: no synchronized step was run (or no DDP), so there is no profile to write to {}",
-            path.display()
-        );
+        eprintln!("note: {}, so there is no profile to write to {}", no_profile_why(t, outcome), path.display());
         return None;
     };
     let write = move || {

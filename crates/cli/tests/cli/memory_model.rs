@@ -74,3 +74,38 @@ fn the_gpt_s_predicted_peak_meets_the_measured_one_within_ten_percent_at_world_8
     ];
     within_ten_percent(&gpt, &["8"], &[&[], &["--activation-checkpointing"]]);
 }
+
+#[test]
+fn the_memory_budget_advises_only_flags_that_combine_with_the_policy_given() {
+    // DiLoCo keeps an outer copy of the parameters: 7.19 MiB predicted, over 6 MB; ZeRO-2 would
+    // fit, but `--zero` does not combine with `--policy`
+    let base = [
+        "--model",
+        "mlp",
+        "--widths",
+        "512,512,10",
+        "--world-size",
+        "2",
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--memory-budget",
+        "6",
+    ];
+    let e = super::common::fails(&super::common::cat(&[&["train"], &base, &["--policy", "diloco:2"]]));
+    assert!(
+        !e.contains("--zero") && e.contains("--policy zero2 in place of --policy diloco:2 would bring it to"),
+        "{e}"
+    );
+    let d = super::common::dir("budget-advice-study");
+    let e = super::common::fails(&super::common::cat(&[
+        &["study"],
+        &base,
+        &["--policy", "allreduce,diloco:2", "--target-loss", "1", "--out", super::common::s(&d)],
+    ]));
+    assert!(
+        !e.contains("--zero") && e.contains("zero2 in place of diloco:2 would bring it to"),
+        "{e}"
+    );
+}

@@ -583,3 +583,119 @@ fn the_predict_table_has_no_sync_column_without_an_after_step_sync() {
     let table = ok(&["predict", "--profile", p, "--net-gbps", "1", "--bucket-mb", "25"]);
     assert!(table.contains("exposed_ms") && !table.contains("sync_ms"), "{table}");
 }
+
+#[test]
+fn the_lower_bound_is_below_the_exposed_time_of_every_row_at_any_world_size() {
+    // A bucket's fixed costs (ZeRO's padding to a multiple of the ranks, qgZ's scale per
+    // block, int8's scale, top-k's count) are paid once per bucket, not once per parameter:
+    // the bound no cap can beat stays below what each cap's replay exposes.
+    for (i, policy) in ["zero1", "zero3:qgz", "int8", "topk:0.1"].into_iter().enumerate() {
+        let (_d, p, _) = policy_profile(&format!("predict-bound-{i}"), &["--policy", policy]);
+        for world in ["64", "1048576"] {
+            let out = ok(&[
+                "predict",
+                "--profile",
+                p.to_str().unwrap(),
+                "--json",
+                "--net-gbps",
+                "10",
+                "--bucket-mb",
+                "0.1,1,25",
+                "--world-size",
+                world,
+            ]);
+            let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+            for r in &rows {
+                let (bound, exposed) = (
+                    r["lower_bound_exposed_s"].as_f64().unwrap(),
+                    r["exposed_comm_s"].as_f64().unwrap(),
+                );
+                assert!(
+                    bound <= exposed + 1e-12,
+                    "{policy} at {world} ranks, cap {}: bound {bound} > exposed {exposed}",
+                    r["bucket_cap_mb"]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_predict_table_shows_the_loss_agreement_so_each_row_adds_up() {
+    // Every step the ranks all-reduce their loss: on 64 ranks at 100 us a message that is
+    // 2·63·0.1 ms = 12.6 ms, in no bucket; the table gives it a column of its own.
+    let (d, _, mut v) = profile("predict-agreement-column");
+    // rank 1 as rank 0: the ranks' spread at backward's end (a loaded machine's) would part the
+    // mean step from the exposed time, which counts from the last rank's backward
+    let mut twin = v["ranks"][0].clone();
+    twin["rank"] = 1.into();
+    v["ranks"][1] = twin;
+    let p = d.join("twins.json");
+    std::fs::write(&p, v.to_string()).unwrap();
+    let args = [
+        "predict",
+        "--profile",
+        p.to_str().unwrap(),
+        "--net-gbps",
+        "1",
+        "--net-latency-us",
+        "100",
+        "--bucket-mb",
+        "1",
+        "--world-size",
+        "64",
+    ];
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&ok(&[&args[..], &["--json"]].concat())).unwrap();
+    let agree_ms = rows[0]["agreement_comm_s"].as_f64().unwrap() * 1e3;
+    assert!((12.6..13.0).contains(&agree_ms), "{agree_ms} ms");
+    let table = ok(&args);
+    let mut lines = table.lines().skip_while(|l| !l.contains("bucket_MiB"));
+    let head: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    let col = |name: &str| -> f64 {
+        let i = head
+            .iter()
+            .position(|h| *h == name)
+            .unwrap_or_else(|| panic!("no {name} in {table}"));
+        row[i].parse().unwrap()
+    };
+    // the step is its compute, the exposed bucket time and the agreement (within the rounding
+    // of the printed columns)
+    let parts = col("compute_ms") + col("exposed_ms") + col("agree_ms");
+    assert!((col("step_ms") - parts).abs() <= 0.02, "{parts} ms of parts:\n{table}");
+}
+
+#[test]
+fn a_run_that_stops_before_its_profile_window_says_the_window_was_not_reached() {
+    // --lr 1e30 diverges the run at step 1: steps 5..10 are never run
+    let d = dir("profile-window-not-reached");
+    let p = d.join("p.json");
+    let out = common::brigade(&[
+        "train",
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,32,4",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "10",
+        "--lr",
+        "1e30",
+        "--quiet",
+        "--profile-steps",
+        "5..10",
+        "--profile",
+        p.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the run stopped after step 0, before --profile-steps 5..10"),
+        "{err}"
+    );
+    assert!(!err.contains("no synchronized step"), "{err}");
+    assert!(!p.exists());
+}

@@ -285,3 +285,38 @@ fn a_broken_profile_names_its_field_and_an_unknown_policy_names_itself() {
     let e = run("unknown.json", serde_json::to_string_pretty(&v).unwrap());
     assert!(e.contains("records policy 'myhook'"), "{e}");
 }
+
+#[test]
+fn a_measured_link_plan_refuses_profiles_of_two_links_and_a_policy_profiled_twice() {
+    let d = dir("plan-two-links");
+    // the fp16 profile as if its run had a simulated link of 0.01 Gb/s and 500 us
+    let text = std::fs::read_to_string(&profiles()[1]).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let command = v["run"]["command"].as_array_mut().unwrap();
+    command.extend(["--net-gbps", "0.01", "--net-latency-us=500"].map(serde_json::Value::from));
+    let slow = d.join("fp16-slow.json");
+    std::fs::write(&slow, v.to_string()).unwrap();
+    fn plan<'a>(link: &[&'a str], files: &[&'a PathBuf]) -> Vec<&'a str> {
+        let mut a = vec!["plan", "--memory-budget", "100"];
+        a.extend(link);
+        for f in files {
+            a.extend(["--profile", s(f)]);
+        }
+        a
+    }
+    let e = common::fails(&plan(&["--measured-link"], &[&profiles()[0], &slow]));
+    assert!(
+        e.contains(s(&slow)) && e.contains("0.01 Gb/s, 500 us") && e.contains("the machine's own link"),
+        "{e}"
+    );
+    // on a link the plan names, the profiles' own links are not read
+    ok(&plan(&["--net-gbps", "1"], &[&profiles()[0], &slow]));
+    // one policy profiled twice: which profile would count is not the user's choice
+    for link in [&["--measured-link"][..], &["--net-gbps", "1"][..]] {
+        let e = common::fails(&plan(link, &[&profiles()[0], &profiles()[1], &profiles()[0]]));
+        assert!(
+            e.contains("records allreduce as") && e.contains("one profile per policy") && e.contains(s(&profiles()[0])),
+            "{e}"
+        );
+    }
+}

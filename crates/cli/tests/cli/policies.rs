@@ -130,3 +130,29 @@ fn policy_int8_trains_near_plain_all_reduce_and_policy_spells_the_other_flags() 
     let e = run(&["--policy", "int9"]);
     assert!(e.contains("int9") && e.contains("int8"), "{e}");
 }
+
+#[test]
+fn a_diverged_run_under_an_outer_optimizer_names_its_outer_lr_too() {
+    // diloco's outer lr of 1e30 diverges the run at its first sync: --lr is not the cause
+    let base = [
+        "train",
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,32,4",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--quiet",
+    ];
+    let e = fails(&common::cat(&[&base, &["--policy", "diloco:2:1e30"]]));
+    assert!(
+        e.contains("the run diverged") && e.contains("lower --lr or the policy's outer lr (diloco:H:OUTER_LR)"),
+        "{e}"
+    );
+    let e = fails(&common::cat(&[&base, &["--lr", "1e30"]]));
+    assert!(e.contains("lower --lr,") && !e.contains("outer"), "{e}");
+}

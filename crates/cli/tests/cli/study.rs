@@ -910,3 +910,42 @@ fn a_policy_whose_syncs_all_run_behind_later_steps_is_told_why_it_has_no_band() 
         "{text}"
     );
 }
+
+#[test]
+fn a_study_on_the_machines_own_link_says_what_its_measured_step_is_and_where_validation_went() {
+    let d = dir("study-own-link-notes");
+    let args = [
+        "study",
+        "--model",
+        "mlp",
+        "--widths",
+        "16,32,32,4",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "3",
+        "--policy",
+        "allreduce",
+        "--target-loss",
+        "1",
+        "--predict-gbps",
+        "1,10",
+        "--val-fraction",
+        "0.25",
+        "--eval-every",
+        "1",
+        "--out",
+        d.to_str().unwrap(),
+    ];
+    let out = ok(&args);
+    assert!(
+        out.contains("note: measured_step_ms is each policy's step on this machine's own link"),
+        "{out}"
+    );
+    assert!(out.contains("--tensorboard DIR writes it (train/val_loss)"), "{out}");
+    // on a simulated link the measured step is that link's: no note
+    let out = ok(&[&args[..], &["--net-gbps", "5"]].concat());
+    assert!(!out.contains("own link"), "{out}");
+}

@@ -417,3 +417,30 @@ fn a_study_writes_one_run_per_policy_with_its_losses_and_its_predicted_step_on_e
         f32_equal(mean, sent, "the mean train/bytes_sent");
     }
 }
+
+#[test]
+fn every_tag_a_help_text_names_is_a_tag_the_runs_write() {
+    // the tags the tests above read back from the event files (a study's, one per link)
+    let written = [
+        "train/loss",
+        "train/val_loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/bytes_sent",
+        "train/step_ms",
+        "predicted/step_ms",
+        "predicted/step_ms_{G}gbps_{L}us",
+    ];
+    for command in ["train", "sweep", "study"] {
+        let help = common::ok(&[command, "--help"]);
+        let named: Vec<&str> = help
+            .split(|c: char| c.is_whitespace() || "(),;`".contains(c))
+            .map(|w| w.trim_end_matches(['.', ':']))
+            .filter(|w| ["train/", "predicted/", "predicted_"].iter().any(|p| w.starts_with(p)) && w.len() > 6)
+            .filter(|w| *w != "train/")
+            .collect();
+        for tag in &named {
+            assert!(written.contains(tag), "brigade {command} --help names {tag}, which no run writes");
+        }
+    }
+}

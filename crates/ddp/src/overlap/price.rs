@@ -97,6 +97,41 @@ impl WireModel {
         ops.into_iter().filter(|&(_, b)| b > 0.0).collect()
     }
 
+    /// The link bytes the parameters `group` cost on `n` ranks however they are bucketed: the
+    /// part of [`WireModel::bucket_price`]'s `link_bytes` that grows with the bytes, without
+    /// what a bucket pays once (padding to a multiple of the ranks, a header or a scale, a
+    /// count rounded up). Over a bucket's parameters it never exceeds that bucket's
+    /// `link_bytes`, so a link draining each parameter's floor bounds any bucketing from below.
+    pub fn link_bytes_floor(&self, group: &[usize], param_bytes: &[usize], n: usize) -> f64 {
+        if n < 2 {
+            return 0.0;
+        }
+        let bytes = group.iter().map(|&i| param_bytes[i]).sum::<usize>() as f64;
+        let elements = bytes / 4.0;
+        match self {
+            WireModel::AllReduce { bytes_per_element } => RingOp::AllReduce.link_bytes(elements * bytes_per_element, n),
+            // each rank's chunk of `elements / n` in blocks: a byte an element and a 4-byte
+            // scale a block, at least
+            WireModel::Zero3 {
+                quantized_gradients: Some(block),
+                ..
+            } => {
+                let block = (*block).max(1) as f64;
+                RingOp::AllGather.link_bytes(elements * (block + 4.0) / block, n)
+            }
+            WireModel::ReduceScatter | WireModel::Zero3 { .. } => RingOp::ReduceScatter.link_bytes(bytes, n),
+            WireModel::AllGather {
+                bytes_per_element,
+                density,
+                ..
+            } => RingOp::AllGather.link_bytes(density * elements * bytes_per_element, n),
+            WireModel::Local => 0.0,
+            // each parameter's factors (or whole tensor) in the bucket's two all-reduces: no
+            // cost a bucket pays once
+            WireModel::LowRank { .. } => self.bucket_price(group, param_bytes, n).link_bytes,
+        }
+    }
+
     /// What one bucket's collectives cost on `n` ranks (see [`WireModel::bucket_ops`]).
     pub fn bucket_price(&self, group: &[usize], param_bytes: &[usize], n: usize) -> RingPrice {
         self.bucket_ops(group, param_bytes, n)

@@ -136,10 +136,15 @@ pub struct ReplayResult {
     /// replayed link and world: each fragment's less the compute it runs behind, a step's share
     /// of them (0 for a policy that sends nothing after the step).
     pub after_step_comm_s: f64,
+    /// The step's own collectives after its buckets ([`RankProfile::control`]: the ranks'
+    /// agreement on the loss), priced on the replayed link and world, mean over the ranks: part
+    /// of `predicted_step_s`, in no bucket.
+    pub agreement_comm_s: f64,
     /// Communication left after the last rank's backward compute ended.
     pub exposed_comm_s: f64,
     /// The exposed communication if every byte could leave the moment its gradient was ready
-    /// (no buckets, no latency): no cap can do better.
+    /// (no buckets, no latency, no launch): no cap can do better; a bound on `exposed_comm_s`,
+    /// not on the step.
     pub lower_bound_exposed_s: f64,
     /// The launch overhead the replay charged (see [`LaunchOverhead`]).
     pub launch_overhead: LaunchOverhead,
@@ -575,6 +580,13 @@ fn replay_checked(profile: &StepProfile, cfg: &ReplayConfig, overhead: LaunchOve
         comm_s: comm.buckets.iter().map(|b| b.finish_s - b.start_s).sum(),
         policy_compute_s: comm.buckets.iter().map(|b| costs.compute(&b.params, b.bytes)).sum(),
         after_step_comm_s: after_step_comm,
+        agreement_comm_s: mean(
+            profile
+                .ranks
+                .iter()
+                .map(|r| (r.control.iter().map(|c| c.link_s).sum::<f64>() + control(r)).max(0.0))
+                .collect(),
+        ),
         buckets: comm.buckets,
         compute_step_s: compute_step,
         predicted_step_s: predicted_step,
@@ -1025,19 +1037,16 @@ fn held_by_earlier_syncs(ranks: &[RankProfile]) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// When the last byte would have left for the lower bound: a fluid link that carries each byte
-/// the policy sends from the moment its gradient is ready.
+/// When the last byte would have left for the lower bound: a fluid link that carries each
+/// parameter's link bytes from the moment its gradient is ready, at the bandwidth alone (no
+/// latency, no launch, no policy compute), each parameter at its floor
+/// ([`WireModel::link_bytes_floor`]: what a bucket pays once, such as ZeRO's padding to a
+/// multiple of the ranks, is left out; a bucket of one parameter would pay it per parameter).
 fn fluid_drain(costs: &Costs, clock: &Clock) -> f64 {
     let n_params = costs.profile.params.len();
     let ready_all: Vec<f64> = (0..n_params).map(|p| clock.ready_everywhere(p)).collect();
     let fluid_rate = if costs.n < 2 { 0.0 } else { costs.per_byte };
-    let sent_of = |p: usize| {
-        if costs.n < 2 {
-            0.0
-        } else {
-            costs.bucket(&[p]).1
-        }
-    };
+    let sent_of = |p: usize| costs.wire.link_bytes_floor(&[p], &costs.param_bytes, costs.n);
     let mut by_ready: Vec<usize> = (0..n_params).collect();
     by_ready.sort_by(|&a, &b| ready_all[a].total_cmp(&ready_all[b]));
     by_ready

@@ -194,6 +194,63 @@ fn the_lower_bound_never_exceeds_any_caps_exposed_comm() {
 }
 
 #[test]
+fn the_lower_bound_holds_for_every_wire_model_at_any_world_size() {
+    // A bucket's fixed costs (ZeRO's padding to a multiple of the ranks, an all-gather's
+    // per-bucket header, top-k's rounding up of its entries) are paid once per bucket: the
+    // bound charges every byte at the bandwidth as if the whole model were one bucket, which no
+    // partition into buckets undercuts. Small parameters (16 bytes) beside large ones, at 2, 64
+    // and 2^20 ranks.
+    use brigade_ddp::overlap::WireModel;
+    let wires = [
+        WireModel::AllReduce { bytes_per_element: 4.0 },
+        WireModel::ReduceScatter,
+        WireModel::AllGather {
+            bytes_per_element: 1.0,
+            bytes_per_bucket: 4.0,
+            density: 1.0,
+        },
+        WireModel::AllGather {
+            bytes_per_element: 12.0,
+            bytes_per_bucket: 8.0,
+            density: 0.1,
+        },
+    ];
+    let mut x = 777u64;
+    let mut next = || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) as f64 / (1u64 << 31) as f64
+    };
+    for _ in 0..8 {
+        let params: Vec<(usize, f64)> = (0..10)
+            .map(|i| (if i % 2 == 0 { 16 } else { 4 * (1 + (next() * 4096.0) as usize) }, next() * 0.02))
+            .collect();
+        let backward_end = 0.02 + next() * 0.005;
+        for wire in &wires {
+            let mut p = profile(&params, backward_end);
+            p.policy.as_mut().unwrap().wire = Some(wire.clone());
+            for world in [2, 64, 1 << 20] {
+                for cap in [0.001, 1.0, 25.0] {
+                    // no latency: the bound leaves it out, and at 2^20 ranks it would dwarf the rest
+                    let mut c = cfg(cap, cap.min(1.0));
+                    c.world_size = Some(world);
+                    c.link = LinkCost::Ring(NetModel {
+                        latency: Duration::ZERO,
+                        ..link()
+                    });
+                    let r = replay(&p, &c).unwrap();
+                    assert!(
+                        r.lower_bound_exposed_s <= r.exposed_comm_s + 1e-12,
+                        "{wire:?} at {world} ranks, cap {cap}: bound {} > exposed {}",
+                        r.lower_bound_exposed_s,
+                        r.exposed_comm_s
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn a_measured_link_recovers_the_link_that_recorded_the_buckets() {
     // Buckets recorded on the 1 ms / 1 GiB/s link: fitting them gives back that link, so the
     // replay agrees with the ring model of the true link at any cap.
