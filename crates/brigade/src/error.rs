@@ -114,6 +114,18 @@ pub enum Error {
         /// Why it failed.
         source: Box<Error>,
     },
+    /// A rank failed after steps had finished (a collective that timed out): `source` is the
+    /// failure, `outcome` rank 0's record of the steps that finished (no parameters: gathering
+    /// them needs the collectives that failed). [`crate::fit()`] returns it as a report whose
+    /// [`crate::outcome::TrainOutcome::stopped`] is `source`.
+    #[error("{source}")]
+    Partway {
+        /// Rank 0's outcome of the finished steps.
+        outcome: Box<crate::outcome::TrainOutcome>,
+        /// Why the run stopped.
+        #[source]
+        source: Box<Error>,
+    },
     /// A loss or parameter stopped being finite: the run diverged (every rank stops at the same
     /// step, before that step's update).
     #[error(
@@ -448,6 +460,12 @@ impl Error {
     pub fn on_rank(self, rank: usize, world: usize) -> Error {
         if world == 1 || self.is_agreed() {
             return self;
+        }
+        if let Error::Partway { outcome, source } = self {
+            return Error::Partway {
+                outcome,
+                source: Box::new(source.on_rank(rank, world)),
+            };
         }
         Error::OnRank {
             rank,

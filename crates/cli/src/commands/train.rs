@@ -540,7 +540,8 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     let mut report = run(&t.run, &opts)?;
     let kept = kept_rows(&t, kept, report.outcome.first_step);
     let stopped = report.outcome.stopped.take();
-    let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
+    // a run that diverged, or that a rank's failure stopped partway, has no model to --save
+    let diverged = matches!(&stopped, Some(e) if matches!(e, brigade::Error::NonFinite { .. }) || !e.is_agreed());
     let mut written = write_outputs(&t, &report, &kept, diverged);
     if let Some(failure) = report.outcome.checkpoint_error.take() {
         let failure = checkpoint_failure(&failure);
@@ -557,7 +558,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     // the summary once the files are written: a stdout that fails costs nothing else
     print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
     note_over_budget(&t, &report);
-    // a diverged run's finished steps are written above; then its error
+    // a diverged or failed run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(e.into());
     }

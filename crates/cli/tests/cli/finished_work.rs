@@ -6,7 +6,7 @@ use crate::common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{bin, brigade, dir, s};
+use common::{bin, brigade, dir, s, without};
 
 const MLP: &[&str] = &["--model", "mlp", "--widths", "8,16,4", "--batch-size", "4", "--quiet"];
 
@@ -180,4 +180,37 @@ fn a_study_whose_policy_fails_while_training_writes_the_policies_that_finished()
     let policies: Vec<&str> = summary.lines().skip(1).map(|l| l.split(',').next().unwrap()).collect();
     assert_eq!(policies, ["diloco:100"], "the finished policy alone:\n{summary}");
     assert!(out.join("study.csv").exists() && out.join("study.svg").exists());
+}
+
+#[test]
+fn a_run_that_a_collective_timeout_stops_partway_writes_its_finished_steps() {
+    let d = dir("train-fails-partway");
+    let (losses, timeline) = (d.join("l.csv"), d.join("t.json"));
+    // DiLoCo every 3 steps: steps 0 and 1 sync nothing; step 2's all-reduce of the 16-1024-4
+    // MLP's parameters (1.75 x 86 kB at 0.001 Gb/s: 1.2 s) is past --timeout-s 0.95 every time,
+    // where building DDP broadcasts them once (86 kB: 0.69 s)
+    let slow = [
+        &without(&without(SLOW_LINK, "--timeout-s"), "--widths")[..],
+        &["--timeout-s", "0.95", "--widths", "16,1024,4"],
+    ]
+    .concat();
+    let run = brigade(
+        &[
+            &["train"],
+            &slow[..],
+            &["--steps", "6", "--policy", "diloco:3", "--quiet"],
+            &["--losses", s(&losses), "--timeline", s(&timeline)],
+        ]
+        .concat(),
+    );
+    assert_eq!(run.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("did not complete within"), "{err}");
+    let rows = common::losses(&losses);
+    assert_eq!(
+        rows.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        [0, 1],
+        "the finished steps' losses"
+    );
+    assert!(timeline.exists(), "the last finished step's timeline");
 }
