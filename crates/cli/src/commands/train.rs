@@ -539,10 +539,11 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     let opts = run_options(&t, stop_on_signal, tensorboard.clone(), plan.as_ref(), locks)?;
     let mut report = run(&t.run, &opts)?;
     let kept = kept_rows(&t, kept, report.outcome.first_step);
-    let stopped = report.outcome.stopped.take();
     // a run that diverged, or that a rank's failure stopped partway, has no model to --save
-    let diverged = matches!(&stopped, Some(e) if matches!(e, brigade::Error::NonFinite { .. }) || !e.is_agreed());
+    let diverged =
+        matches!(&report.outcome.stopped, Some(e) if matches!(e, brigade::Error::NonFinite { .. }) || !e.is_agreed());
     let mut written = write_outputs(&t, &report, &kept, diverged);
+    let stopped = report.outcome.stopped.take();
     if let Some(failure) = report.outcome.checkpoint_error.take() {
         let failure = checkpoint_failure(&failure);
         written = match written {
@@ -806,10 +807,13 @@ fn profile_write<'a>(
             .map(serde_json::to_string_pretty),
     };
     let Some(text) = text else {
-        eprintln!(
-            "note: no synchronized step was run (or no DDP), so there is no profile to write to {}",
-            path.display()
-        );
+        let why = match &outcome.stopped {
+            Some(e) if !e.is_agreed() => {
+                "a rank failed partway, and every rank's profile entries are gathered over its collectives"
+            }
+            _ => "no synchronized step was run (or no DDP)",
+        };
+        eprintln!("note: {why}, so there is no profile to write to {}", path.display());
         return None;
     };
     let write = move || {
