@@ -92,6 +92,40 @@ pub enum Error {
         /// That rank's own error.
         source: Box<Error>,
     },
+    /// A study's policy that cannot run on the study's model and ranks (its construction
+    /// failed): found by building every policy before the first trains, so nothing trained.
+    #[error(
+        "policy {policy} cannot run in this study (each policy is built before any trains, so none did): {source}"
+    )]
+    StudyPolicyRefused {
+        /// The policy's spec.
+        policy: String,
+        /// Why its construction failed.
+        source: Box<Error>,
+    },
+    /// A study's policy failed while it trained: the study stopped there. `finished` holds the
+    /// policies that finished before it, whole; the policies after it did not run.
+    #[error("policy {policy} failed, so the study stopped ({} policies finished before it): {source}", .finished.len())]
+    StudyPolicyFailed {
+        /// The policy's spec.
+        policy: String,
+        /// The studies of the policies that finished before it.
+        finished: Vec<crate::study::PolicyStudy>,
+        /// Why it failed.
+        source: Box<Error>,
+    },
+    /// A rank failed after steps had finished (a collective that timed out): `source` is the
+    /// failure, `outcome` rank 0's record of the steps that finished (no parameters: gathering
+    /// them needs the collectives that failed). [`crate::fit()`] returns it as a report whose
+    /// [`crate::outcome::TrainOutcome::stopped`] is `source`.
+    #[error("{source}")]
+    Partway {
+        /// Rank 0's outcome of the finished steps.
+        outcome: Box<crate::outcome::TrainOutcome>,
+        /// Why the run stopped.
+        #[source]
+        source: Box<Error>,
+    },
     /// A loss or parameter stopped being finite: the run diverged (every rank stops at the same
     /// step, before that step's update).
     #[error(
@@ -426,6 +460,12 @@ impl Error {
     pub fn on_rank(self, rank: usize, world: usize) -> Error {
         if world == 1 || self.is_agreed() {
             return self;
+        }
+        if let Error::Partway { outcome, source } = self {
+            return Error::Partway {
+                outcome,
+                source: Box::new(source.on_rank(rank, world)),
+            };
         }
         Error::OnRank {
             rank,

@@ -52,7 +52,9 @@ struct RankOut {
 /// process (under MPI every process's must succeed, or all fail with the first failing rank's
 /// error); `model(ctx)` builds rank `ctx.rank`'s own model (DDP then starts every rank from rank
 /// 0's values). Returns this process's lowest rank's view of the run, or the root-cause error
-/// naming its rank.
+/// naming its rank. A rank that fails after a step finished (a collective timeout) still
+/// returns rank 0's record of the finished steps: [`TrainOutcome::stopped`] holds the error,
+/// and the report has no parameters (nor, on more than one rank, profiles).
 ///
 /// ```
 /// use brigade::launch::LaunchConfig;
@@ -76,7 +78,7 @@ pub fn fit<D: DataSource>(
     data: impl FnOnce(usize) -> Result<D>,
     model: impl Fn(&RankContext) -> Result<Box<dyn Model>> + Sync,
 ) -> Result<RunReport> {
-    let launched = run_ranks(launch_cfg, data, |ctx, data| {
+    let launched = match run_ranks(launch_cfg, data, |ctx, data| {
         // every tensor this rank's thread makes from its model on counts to its memory
         let before = MemoryMeter::install(Some(MemoryMeter::new()));
         // under a sharded start the model's parameters are recipes until each rank draws its shards
@@ -90,7 +92,11 @@ pub fn fit<D: DataSource>(
         let out = built.and_then(|m| rank_main(ctx, cfg, m, data));
         MemoryMeter::install(before);
         out
-    })?;
+    }) {
+        Ok(l) => l,
+        Err(Error::Partway { outcome, source }) => return Ok(partway(launch_cfg, *outcome, *source)),
+        Err(e) => return Err(e),
+    };
     let world_size = launched.world_size;
     let (rank, RankOut { train, gathered }) = launched
         .results
@@ -111,6 +117,32 @@ pub fn fit<D: DataSource>(
         outcome: train,
         timeline,
     })
+}
+
+/// Rank 0's report of a run that a rank's failure (`error`) stopped after `outcome`'s steps
+/// had finished: those steps, the last one's timeline, and the error in
+/// [`TrainOutcome::stopped`]. Its profiles hold every rank's entries only on one rank (gathering
+/// the others' needs the collectives that failed): with more, none are kept.
+fn partway(launch_cfg: &LaunchConfig, mut outcome: TrainOutcome, error: Error) -> RunReport {
+    if launch_cfg.world_size > 1 {
+        outcome.profile = None;
+        outcome.profiles.clear();
+    }
+    outcome.stopped = Some(error);
+    let timeline = match (&launch_cfg.recorder, outcome.last_step()) {
+        (Some(rec), Some(step)) => Some(StepTimeline {
+            step,
+            events: rec.events_during(&brigade_ddp::Phase::Step(step).kind()),
+            origin: rec.origin(),
+        }),
+        _ => None,
+    };
+    RunReport {
+        rank: 0,
+        world_size: launch_cfg.world_size,
+        outcome,
+        timeline,
+    }
 }
 
 /// One rank: train; gather every rank's profile entry, and under MPI the recorded last step.

@@ -71,6 +71,23 @@ pub enum Error {
         /// Policies the study was to run.
         of: usize,
     },
+    /// A study's policy failed while it trained: the study stopped there, and `--out` holds the
+    /// `finished` policies of the `of` asked for that finished before it, written before this
+    /// error (none: nothing written); the later policies did not run.
+    #[error("--policy {policy} failed, so the study stopped: {}; {}", in_flag_terms(.source), match .finished {
+        0 => "no policy finished before it: nothing was written to --out".to_string(),
+        n => format!("--out holds the {n} of {} policies that finished before it", .of),
+    })]
+    StudyPolicyFailed {
+        /// The policy's spec.
+        policy: String,
+        /// Why it failed (the library's error).
+        source: Box<brigade::Error>,
+        /// Policies whose run finished before it.
+        finished: usize,
+        /// Policies the study was to run.
+        of: usize,
+    },
     /// The library's error (launching, training, checkpoints, models, collectives).
     #[error("{}", in_flag_terms(.0))]
     Run(#[from] brigade::Error),
@@ -161,6 +178,15 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
         E::CheckpointClash(c) => c.describe(flag_of_field(c.field), flag_of_field(&c.other)),
         E::Checkpoint { path, mismatch } => format!("checkpoint {path}: {}", mismatch_in_flag_terms(mismatch)),
         E::OnRank { rank, world, source } => format!("rank {rank} of {world}: {}", in_flag_terms(source)),
+        E::StudyPolicyRefused { policy, source } => format!(
+            "--policy {policy} cannot run in this study (each policy is built before any trains, so none did): {}",
+            in_flag_terms(source)
+        ),
+        E::StudyPolicyFailed { policy, finished, source } => format!(
+            "--policy {policy} failed, so the study stopped ({} policies finished before it): {}",
+            finished.len(),
+            in_flag_terms(source)
+        ),
         E::UnevenInputs { rows } => {
             let (short, long) = e.shortest_and_longest().unwrap_or_default();
             format!(

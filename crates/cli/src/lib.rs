@@ -72,9 +72,10 @@ enum Command {
     ///
     /// A policy whose loss or update stops being finite keeps its row, marked diverged at that
     /// step (it reaches no target), with a note on stderr. Exit status: 0 when at least one
-    /// policy ran every step; 1, with one error line, when every policy diverged (or on any
-    /// other error); 130 when SIGINT or SIGTERM stopped it, --out then holding the policies
-    /// that finished.
+    /// policy ran every step; 1, with one error line, when every policy diverged, when a policy
+    /// failed while it trained (the study stops there, --out then holding the policies that
+    /// finished before it), or on any other error; 130 when SIGINT or SIGTERM stopped it, --out
+    /// then holding the policies that finished.
     Study(Box<study::StudyArgs>),
     /// Text out of a trained GPT's checkpoint, streamed to stdout as it is generated.
     Sample(Box<sample::SampleArgs>),

@@ -27,7 +27,7 @@ use brigade_ddp::{DdpError, KeepsState, RankState, ReducerPolicy, Replicas};
 use brigade_tensor::{DType, Tensor};
 
 use crate::error::PolicyError;
-use crate::spec::{spec_error, PolicySpec};
+use crate::spec::{compact, spec_error, PolicySpec};
 
 /// The DiLoCo paper's outer learning rate.
 pub const DEFAULT_OUTER_LR: f64 = 0.7;
@@ -89,9 +89,9 @@ impl OuterSgd {
         if *self == OuterSgd::default() {
             String::new()
         } else if self.momentum == DEFAULT_OUTER_MOMENTUM {
-            format!(":{}", self.lr)
+            format!(":{}", compact(self.lr))
         } else {
-            format!(":{}:{}", self.lr, self.momentum)
+            format!(":{}:{}", compact(self.lr), compact(self.momentum))
         }
     }
 

@@ -75,6 +75,19 @@ pub(crate) fn spec_error(spec: &str, reason: impl Into<String>) -> PolicyError {
     }
 }
 
+/// A number as a spec writes it: Rust's shortest round-trip form where that is short, else its
+/// exponent form where that is shorter (`1e-30`, not 32 characters); both read back as the same
+/// number, so a written spec parses to the same policy.
+pub(crate) fn compact(v: f64) -> String {
+    let plain = v.to_string();
+    let exponent = format!("{v:e}");
+    if plain.len() > 10 && exponent.len() < plain.len() {
+        exponent
+    } else {
+        plain
+    }
+}
+
 /// A ratio in a [`PolicySpec`]: an f64 compared, ordered and hashed by its bits (specs are
 /// keys), read from and written as the number.
 #[derive(Debug, Clone, Copy)]

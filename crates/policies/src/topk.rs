@@ -131,7 +131,7 @@ pub(crate) fn read_spec(spec: &str, args: Option<&str>) -> Result<PolicySpec> {
 /// `RATIO` of a `topk:RATIO` spec.
 pub(crate) fn write_spec(spec: &PolicySpec) -> Option<String> {
     match spec {
-        PolicySpec::TopK { ratio } => Some(ratio.0.to_string()),
+        PolicySpec::TopK { ratio } => Some(crate::spec::compact(ratio.0)),
         _ => None,
     }
 }

@@ -42,7 +42,7 @@ use std::sync::Arc;
 
 use brigade_comm::NetModel;
 use brigade_models::Model;
-use brigade_policies::Registry;
+use brigade_policies::{PolicySpec, Registry};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
@@ -161,8 +161,12 @@ pub struct PolicyStudy {
 /// that fails is kept in [`PolicyStudy::tensorboard_failure`], and the study goes on). A run
 /// that diverges is kept, with [`PolicyStudy::diverged_at`], and the study goes on. A run that a
 /// stop request of `cfg`'s observer stops ends the study: the policies that finished before it
-/// are returned (fewer than `policies`). The first error (a bad spec, a policy listed twice, a
-/// run that fails) ends the study.
+/// are returned (fewer than `policies`). A bad spec or a policy listed twice is refused before
+/// anything runs; so is a policy that cannot be built on the model and ranks (e.g. more
+/// fragments than parameters: [`Error::StudyPolicyRefused`]), as every policy is built once,
+/// for no step, before the first trains. A run that fails while it trains (a collective that
+/// times out) stops the study there: [`Error::StudyPolicyFailed`] names the policy and holds
+/// the studies of the policies that finished before it; the later policies do not run.
 pub fn study<D: DataSource>(
     launch: &LaunchConfig,
     cfg: &TrainConfig,
@@ -185,16 +189,24 @@ pub fn study<D: DataSource>(
             names[again - 1]
         )));
     }
+    // every policy built for no step first: one that cannot run here costs no policy's training
+    for spec in &specs {
+        let mut dry = with_policy(cfg, spec, registry);
+        dry.recipe.steps = 0;
+        dry.runtime.instrument.profile = false;
+        dry.runtime.instrument.profile_steps = None;
+        dry.runtime.instrument.observer = None;
+        dry.runtime.checkpoint = crate::config::CheckpointConfig::default();
+        if let Err(e) = crate::fit(launch, &dry, &data, &model) {
+            return Err(Error::StudyPolicyRefused {
+                policy: spec.to_string(),
+                source: Box::new(e),
+            });
+        }
+    }
     let mut out = vec![];
     for spec in specs {
-        let mut run = cfg.clone();
-        let d = run
-            .distributed
-            .get_or_insert_with(|| crate::config::DistributedConfig::with_policy(spec.clone()));
-        d.policy = Arc::new(Registered {
-            spec: spec.clone(),
-            registry: registry.clone(),
-        });
+        let mut run = with_policy(cfg, &spec, registry);
         run.runtime.instrument.profile = true;
         run.runtime.instrument.profile_steps = Some(sc.warmup..cfg.recipe.steps);
         let board = sc
@@ -205,7 +217,15 @@ pub fn study<D: DataSource>(
             let theirs = run.runtime.instrument.observer.take();
             run.runtime.instrument.observer = Some(Arc::new((theirs, b.clone())));
         }
-        let mut report = crate::fit(launch, &run, &data, &model)?;
+        let failed = |source: Error, finished: Vec<PolicyStudy>| Error::StudyPolicyFailed {
+            policy: spec.to_string(),
+            finished,
+            source: Box::new(source),
+        };
+        let mut report = match crate::fit(launch, &run, &data, &model) {
+            Ok(r) => r,
+            Err(e) => return Err(failed(e, out)),
+        };
         if report.outcome.interrupted {
             break;
         }
@@ -214,7 +234,7 @@ pub fn study<D: DataSource>(
             .stopped
             .take_if(|e| !matches!(e, Error::NonFinite { .. }))
         {
-            return Err(e);
+            return Err(failed(e, out));
         }
         let mut s = of_run(spec.to_string(), &report.outcome, report.world_size, sc);
         if let Some(b) = &board {
@@ -224,6 +244,19 @@ pub fn study<D: DataSource>(
         out.push(s);
     }
     Ok(out)
+}
+
+/// `cfg` with `spec` (of `registry`) as its reducer policy.
+fn with_policy(cfg: &TrainConfig, spec: &PolicySpec, registry: &Registry) -> TrainConfig {
+    let mut run = cfg.clone();
+    let d = run
+        .distributed
+        .get_or_insert_with(|| crate::config::DistributedConfig::with_policy(spec.clone()));
+    d.policy = Arc::new(Registered {
+        spec: spec.clone(),
+        registry: registry.clone(),
+    });
+    run
 }
 
 /// The first entry of `items` that repeats an earlier one, as the 1-based positions of both

@@ -63,6 +63,13 @@ impl Trainer<'_> {
                     ended.stopped = Some(e);
                     break;
                 }
+                // rank 0 keeps what finished: its steps, for the caller to write
+                Err(e) if self.ctx.rank == 0 && !ended.steps.is_empty() => {
+                    return Err(Error::Partway {
+                        outcome: Box::new(self.finished_part(ended)),
+                        source: Box::new(e),
+                    });
+                }
                 Err(e) => return Err(e),
             };
             let record = self.keep(outcome.record, &mut ended)?;
@@ -176,6 +183,32 @@ impl Trainer<'_> {
             joined_at: join.map(|j| j.joined_at.clone()).unwrap_or_default(),
             data_ended: join.and_then(|j| j.ended_at),
         })
+    }
+
+    /// The outcome of the steps that finished before a rank failed, made without a collective
+    /// (they may be what failed): the steps and this rank's profiles; no parameters, buckets
+    /// or memory.
+    fn finished_part(mut self, ended: Ended) -> TrainOutcome {
+        TrainOutcome {
+            first_step: self.at.first_step,
+            steps: ended.steps,
+            resume_changes: std::mem::take(&mut self.resume.changes),
+            interrupted: false,
+            stopped: None,
+            checkpoint_error: ended.checkpoint_error,
+            profile: self.records.profile.take(),
+            profiles: std::mem::take(&mut self.records.profiles),
+            autotune: None,
+            buckets: vec![],
+            memory: None,
+            params: vec![],
+            rank_lengths: self.feed.lengths.clone(),
+            sampler: self.at.next_position,
+            policy_diagnostics: vec![],
+            join: self.feed.join.as_ref().map(|j| j.mode),
+            joined_at: vec![],
+            data_ended: None,
+        }
     }
 
     /// Rank 0's copy of the whole model as the run ends (the other ranks: none): its full

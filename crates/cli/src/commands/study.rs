@@ -16,7 +16,10 @@
 //! (it reaches no target), and gets a note on stderr; the study exits 0 while one policy ran
 //! every step, and with one error line when every policy diverged. SIGINT or SIGTERM stops the
 //! policy in progress at a step boundary: --out gets the policies that finished before it, and
-//! the study exits 130 ([`crate::signal`]).
+//! the study exits 130 ([`crate::signal`]). A policy that fails while it trains (a collective
+//! that times out) stops the study there: --out gets the policies that finished before it, the
+//! later ones do not run, and the error names the policy (exit 1). Every policy is built for no
+//! step before the first trains, so one that cannot run on the model fails before any trained.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -107,7 +110,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
     // the library's own checks of the request last, so that --tensorboard's directories are
     // removed again when it refuses
     check_study_outputs(&s, &names, || Ok(brigade::study::check(&cfg, &names, &sc)?))?;
-    let results = brigade::study::study(
+    let studied = brigade::study::study(
         &launch_config(a, &opts),
         &cfg,
         registry(),
@@ -115,9 +118,30 @@ pub fn study(s: StudyArgs) -> Result<()> {
         &sc,
         |world| setup(a, &opts, &kind, world, &late).map_err(into_library),
         |_ctx| Ok(kind.build(a.model.seed)?),
-    )?;
-    let interrupted = results.len() < names.len();
+    );
+    // a policy that failed while it trained: the policies before it are written, then its error
+    let (results, failed) = match studied {
+        Ok(r) => (r, None),
+        Err(brigade::Error::StudyPolicyFailed {
+            policy,
+            finished,
+            source,
+        }) => {
+            let failed = Error::StudyPolicyFailed {
+                policy,
+                source,
+                finished: finished.len(),
+                of: names.len(),
+            };
+            (finished, Some(failed))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let interrupted = failed.is_none() && results.len() < names.len();
     if results.is_empty() {
+        if let Some(failed) = failed {
+            return Err(failed);
+        }
         return Err(Error::StudyInterrupted {
             policies: 0,
             of: names.len(),
@@ -153,7 +177,14 @@ pub fn study(s: StudyArgs) -> Result<()> {
             );
         }
     }
-    tensorboard_failures(s.tensorboard.as_deref(), &results)?;
+    let tensorboard = tensorboard_failures(s.tensorboard.as_deref(), &results);
+    if let Some(failed) = failed {
+        if let Err(e) = tensorboard {
+            eprintln!("error: {e}");
+        }
+        return Err(failed);
+    }
+    tensorboard?;
     if interrupted {
         return Err(Error::StudyInterrupted {
             policies: results.len(),
@@ -245,6 +276,18 @@ fn check_study_outputs(s: &StudyArgs, policies: &[String], then: impl FnOnce() -
             }
             if run.is_dir() {
                 check_outputs(&[Output::new("--tensorboard", &run.join("events.out.tfevents"))])?;
+            } else {
+                // made and removed: a name the file system refuses (too long) fails here, not
+                // after every policy trained
+                std::fs::create_dir(&run)
+                    .and_then(|()| std::fs::remove_dir(&run))
+                    .map_err(|e| {
+                        Error::Usage(format!(
+                            "--tensorboard {}: the policy {p}'s run directory {} cannot be made: {e}",
+                            dir.display(),
+                            run.display()
+                        ))
+                    })?;
             }
         }
         then()

@@ -552,9 +552,11 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     let opts = run_options(&t, stop_on_signal, tensorboard.clone(), plan.as_ref(), locks)?;
     let mut report = run(&t.run, &opts)?;
     let kept = kept_rows(&t, kept, report.outcome.first_step);
-    let stopped = report.outcome.stopped.take();
-    let diverged = matches!(stopped, Some(brigade::Error::NonFinite { .. }));
+    // a run that diverged, or that a rank's failure stopped partway, has no model to --save
+    let diverged =
+        matches!(&report.outcome.stopped, Some(e) if matches!(e, brigade::Error::NonFinite { .. }) || !e.is_agreed());
     let mut written = write_outputs(&t, &report, &kept, diverged);
+    let stopped = report.outcome.stopped.take();
     if let Some(failure) = report.outcome.checkpoint_error.take() {
         let failure = checkpoint_failure(&failure);
         written = match written {
@@ -570,7 +572,7 @@ pub fn train(mut t: TrainArgs) -> Result<()> {
     // the summary once the files are written: a stdout that fails costs nothing else
     print_summary(&t.run, t.json, report.world_size, &report.outcome, plan.as_ref());
     note_over_budget(&t, &report);
-    // a diverged run's finished steps are written above; then its error
+    // a diverged or failed run's finished steps are written above; then its error
     if let Some(e) = stopped {
         return Err(crate::error::under_policy(e, &t.run.hook_spec()));
     }
@@ -800,7 +802,12 @@ fn no_profile_why(t: &TrainArgs, outcome: &brigade::outcome::TrainOutcome) -> St
             "the run stopped before its first step, before --profile-steps {}..{} was reached",
             w.start, w.end
         ),
-        _ => "no synchronized step was run (or no DDP)".into(),
+        _ => match &outcome.stopped {
+            Some(e) if !e.is_agreed() => {
+                "a rank failed partway, and every rank's profile entries are gathered over its collectives".into()
+            }
+            _ => "no synchronized step was run (or no DDP)".into(),
+        },
     }
 }
 

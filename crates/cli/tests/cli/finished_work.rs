@@ -135,3 +135,79 @@ fn a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_nothing_else() {
     );
     assert!(save.exists(), "--save is written too");
 }
+
+/// A simulated link on which a collective of the 16-256-4 MLP's parameters (5,380 f32, 21.5 kB)
+/// takes 172 ms at least: building DDP broadcasts them once (172 ms, well within
+/// --timeout-s 1), and top-k at ratio 1 all-gathers values and indices from 8 ranks (2.4 s,
+/// past it, every time).
+const SLOW_LINK: &[&str] = &[
+    "--model",
+    "mlp",
+    "--widths",
+    "16,256,4",
+    "--batch-size",
+    "4",
+    "--world-size",
+    "8",
+    "--threads-per-rank",
+    "1",
+    "--net-gbps",
+    "0.001",
+    "--timeout-s",
+    "1",
+];
+
+#[test]
+fn a_study_whose_policy_fails_while_training_writes_the_policies_that_finished() {
+    let d = dir("study-fails-partway");
+    let out = d.join("out");
+    // diloco:100 syncs nothing in 4 steps; topk:1 times out in its first step
+    let run = brigade(
+        &[
+            &["study"],
+            SLOW_LINK,
+            &["--steps", "4", "--target-loss", "1", "--out", s(&out)],
+            &["--policy", "diloco:100,topk:1,allreduce"],
+        ]
+        .concat(),
+    );
+    assert_eq!(run.status.code(), Some(1));
+    let line = error_line(&run);
+    assert!(line.contains("--policy topk:1 failed"), "{line}");
+    assert!(line.contains("did not complete within"), "{line}");
+    assert!(line.contains("--out holds the 1 of 3 policies"), "{line}");
+    let summary = std::fs::read_to_string(out.join("study_summary.csv")).expect("the finished policy is written");
+    let policies: Vec<&str> = summary.lines().skip(1).map(|l| l.split(',').next().unwrap()).collect();
+    assert_eq!(policies, ["diloco:100"], "the finished policy alone:\n{summary}");
+    assert!(out.join("study.csv").exists() && out.join("study.svg").exists());
+}
+
+#[test]
+fn a_run_that_a_collective_timeout_stops_partway_writes_its_finished_steps() {
+    let d = dir("train-fails-partway");
+    let (losses, timeline, ck) = (d.join("l.csv"), d.join("t.json"), d.join("c.ckpt"));
+    // DiLoCo every 3 steps: steps 0 and 1 sync nothing; the checkpoint after step 1 gathers
+    // every rank's DiLoCo state (8 ranks' copies of the parameters, past --timeout-s 1 on this
+    // link every time, where building DDP's one broadcast of them takes 172 ms)
+    let run = brigade(
+        &[
+            &["train"],
+            SLOW_LINK,
+            &["--steps", "6", "--policy", "diloco:3", "--quiet"],
+            &["--losses", s(&losses), "--timeline", s(&timeline)],
+            &["--checkpoint", s(&ck), "--checkpoint-every", "2"],
+        ]
+        .concat(),
+    );
+    assert_eq!(run.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("did not complete within"), "{err}");
+    let rows = common::losses(&losses);
+    assert_eq!(
+        rows.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        [0, 1],
+        "the finished steps' losses"
+    );
+    assert!(timeline.exists(), "the last finished step's timeline");
+    assert!(!ck.exists(), "no checkpoint from a state whose gather failed");
+}

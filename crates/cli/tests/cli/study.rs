@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::common::{dir, fails, numbers, ok, without};
+use crate::common::{dir, fails, numbers, ok, s, without};
 
 const RUN: &[&str] = &[
     "study",
@@ -948,4 +948,53 @@ fn a_study_on_the_machines_own_link_says_what_its_measured_step_is_and_where_val
     // on a simulated link the measured step is that link's: no note
     let out = ok(&[&args[..], &["--net-gbps", "5"]].concat());
     assert!(!out.contains("own link"), "{out}");
+}
+
+#[test]
+fn a_policy_that_cannot_run_on_the_model_is_refused_before_any_policy_trains() {
+    let d = dir("study-refused");
+    let (out, tb) = (d.join("out"), d.join("tb"));
+    // the MLP has 4 parameters: 8 fragments cannot be made, found when the policy is built
+    let line = fails(
+        &[
+            &without(RUN, "--policy")[..],
+            LINK,
+            &["--target-loss", "1", "--out", s(&out), "--tensorboard", s(&tb)],
+            &["--policy", "allreduce,streaming-diloco:8:8"],
+        ]
+        .concat(),
+    );
+    assert!(
+        line.contains("streaming-diloco:8:8") && line.contains("8 fragments"),
+        "{line}"
+    );
+    assert!(line.contains("before any trains"), "{line}");
+    // nothing trained: no policy's events, no outputs
+    assert!(!tb.join("allreduce").exists(), "allreduce trained before the refusal");
+    assert!(std::fs::read_dir(&out).map_or(true, |mut e| e.next().is_none()));
+}
+
+#[test]
+fn a_policy_spec_of_a_tiny_number_names_its_tensorboard_directory_in_exponent_form() {
+    let d = dir("study-tb-exponent");
+    let (out, tb) = (d.join("out"), d.join("tb"));
+    let json = ok(&[
+        &without(RUN, "--policy")[..],
+        LINK,
+        &[
+            "--target-loss",
+            "1",
+            "--out",
+            s(&out),
+            "--tensorboard",
+            s(&tb),
+            "--json",
+        ],
+        &["--policy", "topk:1e-300"],
+    ]
+    .concat());
+    let results: Vec<Value> = serde_json::from_str(&json).unwrap();
+    // 1e-300 in Rust's plain form is 302 characters, longer than a file name may be
+    assert_eq!(results[0]["policy"], "topk:1e-300");
+    assert!(tb.join("topk:1e-300").is_dir());
 }

@@ -103,3 +103,29 @@ fn a_users_main_runs_the_cli_with_its_policy_added() {
         "{e}"
     );
 }
+
+#[test]
+fn a_study_refuses_a_policy_whose_tensorboard_directory_cannot_be_named_before_any_trains() {
+    let d = crate::common::dir("user-study-tb-name");
+    let (out, tb) = (d.join("out"), d.join("tb"));
+    // a user policy's spec is its argument as typed: 300 digits make a name longer than a
+    // file name may be (NAME_MAX, 255 bytes on Linux)
+    let long = format!("mean:{}2", "0".repeat(300));
+    let policies = format!("allreduce,{long}");
+    let args = [
+        &["study"][..],
+        &RUN[5..],
+        &["--steps", "4", "--net-gbps", "1", "--target-loss", "1"],
+        &["--out", out.to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()],
+        &["--policy", &policies],
+    ]
+    .concat();
+    let run = user_main(&args);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("run directory") && stderr.contains("cannot be made"),
+        "{stderr}"
+    );
+    assert!(!tb.join("allreduce").exists(), "allreduce trained before the refusal");
+}

@@ -79,6 +79,24 @@ fn every_built_in_entry_reads_writes_and_builds_its_policy() {
 }
 
 #[test]
+fn a_spec_writes_a_tiny_or_huge_number_in_exponent_form_and_reads_it_back() {
+    // 1e-30 in Rust's plain form is 32 characters (a directory name per policy holds the spec)
+    for (typed, written) in [
+        ("topk:1e-30", "topk:1e-30"),
+        ("topk:0.001", "topk:0.001"),
+        ("topk:0.00012", "topk:0.00012"),
+        ("topk:0.000012345", "topk:1.2345e-5"),
+        ("diloco:2:1e30", "diloco:2:1e30"),
+        ("diloco:2:0.5:1e-20", "diloco:2:0.5:1e-20"),
+        ("streaming-diloco:4:2:1:3e-25", "streaming-diloco:4:2:1:3e-25"),
+    ] {
+        let spec: PolicySpec = typed.parse().unwrap();
+        assert_eq!(spec.to_string(), written);
+        assert_eq!(written.parse::<PolicySpec>().unwrap(), spec);
+    }
+}
+
+#[test]
 fn a_registry_reads_its_users_policies_and_lists_them_in_help_and_errors() {
     let mut r = Registry::new();
     r.register_about("mean", "an averaging all-reduce", |_| {
