@@ -301,7 +301,12 @@ fn a_failing_data_source_fails_the_run_naming_its_rank() {
         fingerprint: None,
         fail_at: Some((1, 2)),
     };
-    let e = run(2, &config(4, 8), rows).err().expect("rank 1 fails at step 2");
+    // steps 0 and 1 finished: the report holds them, with the failure that stopped the run
+    let report = run(2, &config(4, 8), rows).expect("the finished steps' report");
+    let steps: Vec<usize> = report.outcome.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, [0, 1]);
+    assert!(report.outcome.params.is_empty(), "no parameters from a failed run");
+    let e = report.outcome.stopped.expect("rank 1 fails at step 2");
     match &e {
         Error::OnRank {
             rank: 1,
@@ -326,9 +331,9 @@ fn a_step_that_fails_midway_leaves_no_span_of_the_timeline_open() {
         fingerprint: None,
         fail_at: Some((0, 1)),
     };
-    let e = fit(&launch, &config(3, 8), |_| Ok(rows), |_| Ok(Box::new(Tiny::new()?)))
-        .err()
-        .expect("rank 0 fails at step 1");
+    let report = fit(&launch, &config(3, 8), |_| Ok(rows), |_| Ok(Box::new(Tiny::new()?)))
+        .expect("step 0's report");
+    let e = report.outcome.stopped.expect("rank 0 fails at step 1");
     assert!(e.to_string().contains("no rows for step 1"), "{e}");
     let compute: Vec<_> = recorder
         .events()
