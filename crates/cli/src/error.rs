@@ -145,13 +145,9 @@ fn diverged_line(e: &brigade::Error, lower: &str) -> Option<String> {
 /// What to lower when a run under `policy` diverges: `--lr`, and the policy's outer lr when it
 /// steps an outer optimizer of its own (DiLoCo's, a streaming DiLoCo's).
 pub fn lower_lr_advice(policy: &brigade::policies::PolicySpec) -> String {
-    use brigade::policies::PolicySpec as P;
-    match policy {
-        P::Diloco(_) => "lower --lr or the policy's outer lr (diloco:H:OUTER_LR)".into(),
-        P::StreamingDiloco(_) => {
-            "lower --lr or the policy's outer lr (streaming-diloco:H:FRAGMENTS:DELAY:OUTER_LR)".into()
-        }
-        _ => "lower --lr".into(),
+    match policy.outer_lr_form() {
+        Some(form) => format!("lower --lr or the policy's outer lr ({form})"),
+        None => "lower --lr".into(),
     }
 }
 

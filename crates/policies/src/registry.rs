@@ -410,6 +410,16 @@ impl PolicySpec {
         }
     }
 
+    /// The spec's form (`NAME:ARGS`, where the outer lr goes) when the policy steps an outer
+    /// optimizer of its own (DiLoCo's, a streaming DiLoCo's), whose lr a divergence can be
+    /// lowered in as well as `--lr`; `None` otherwise.
+    pub fn outer_lr_form(&self) -> Option<String> {
+        match self {
+            PolicySpec::Diloco(_) | PolicySpec::StreamingDiloco(_) => entry_of(self).map(|(e, _)| e.form()),
+            _ => None,
+        }
+    }
+
     /// The spec a plan groups this one's profiles under (the settings that change what a step
     /// measures, PowerSGD's rank but not its start); `None` for a policy a plan does not weigh.
     pub fn plan_family(&self) -> Option<PolicySpec> {

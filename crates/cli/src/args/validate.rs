@@ -472,8 +472,8 @@ impl RunArgs {
         match (&self.distributed.policy_given, own) {
             (None, true) => "--zero 2".into(),
             (Some(given), true) if given.starts_with("--zero") => "--zero 2".into(),
-            (Some(given), true) => format!("--policy zero2 in place of {given}"),
-            (_, false) => format!("zero2 in place of {policy}"),
+            (Some(given), true) => format!("--policy {} in place of {given}", PolicySpec::Zero2),
+            (_, false) => format!("{} in place of {policy}", PolicySpec::Zero2),
         }
     }
 

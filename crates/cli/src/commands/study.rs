@@ -120,23 +120,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         |_ctx| Ok(kind.build(a.model.seed)?),
     );
     // a policy that failed while it trained: the policies before it are written, then its error
-    let (results, failed) = match studied {
-        Ok(r) => (r, None),
-        Err(brigade::Error::StudyPolicyFailed {
-            policy,
-            finished,
-            source,
-        }) => {
-            let failed = Error::StudyPolicyFailed {
-                policy,
-                source,
-                finished: finished.len(),
-                of: names.len(),
-            };
-            (finished, Some(failed))
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let (results, failed) = finished_policies(studied, names.len())?;
     let interrupted = failed.is_none() && results.len() < names.len();
     if results.is_empty() {
         if let Some(failed) = failed {
@@ -147,36 +131,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
             of: names.len(),
         });
     }
-    write_atomic(&s.out.join(STUDY_OUTPUTS[0]), curves_csv(&results).as_bytes())?;
-    write_atomic(&s.out.join(STUDY_OUTPUTS[1]), summary_csv(&results).as_bytes())?;
-    draw_chart(&s.out.join(STUDY_OUTPUTS[2]), &results)?;
-    if s.json {
-        let text = serde_json::to_string_pretty(&results).map_err(|e| Error::json("the study", e))?;
-        outln!("{text}");
-    } else {
-        print_table(&results);
-        if a.distributed.net_gbps.is_none() {
-            outln!(
-                "note: measured_step_ms is each policy's step on this machine's own link (the study has no \
-                 --net-gbps), the same on every row; predicted_step_ms is the step on the row's link"
-            );
-        }
-        if (a.data.val_fraction.is_some() || a.recipe.eval_every.is_some()) && s.tensorboard.is_none() {
-            outln!(
-                "note: the validation loss (--val-fraction, --eval-every) is in none of the study's files: \
-                 --tensorboard DIR writes it (train/val_loss)"
-            );
-        }
-        outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
-    }
-    for r in &results {
-        if let Some(step) = r.diverged_at {
-            eprintln!(
-                "note: {}: diverged at step {step} (its loss or update was not finite): the steps before are kept, and it reaches no target",
-                r.policy
-            );
-        }
-    }
+    write_results(&s, &results)?;
     let tensorboard = tensorboard_failures(s.tensorboard.as_deref(), &results);
     if let Some(failed) = failed {
         if let Err(e) = tensorboard {
@@ -201,6 +156,68 @@ pub fn study(s: StudyArgs) -> Result<()> {
         return Err(Error::Usage(format!(
             "every policy diverged, so none reached a target (each has a note above): {advice}"
         )));
+    }
+    Ok(())
+}
+
+/// The policies a study finished, and the error of the one that failed while it trained (the
+/// study stopped there); any other error of the study is returned.
+fn finished_policies(
+    studied: brigade::Result<Vec<PolicyStudy>>,
+    of: usize,
+) -> Result<(Vec<PolicyStudy>, Option<Error>)> {
+    match studied {
+        Ok(r) => Ok((r, None)),
+        Err(brigade::Error::StudyPolicyFailed {
+            policy,
+            finished,
+            source,
+        }) => {
+            let failed = Error::StudyPolicyFailed {
+                policy,
+                source,
+                finished: finished.len(),
+                of,
+            };
+            Ok((finished, Some(failed)))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Writes `--out`'s files of the finished policies and prints the table (or the JSON) with its
+/// notes, and each diverged policy's note.
+fn write_results(s: &StudyArgs, results: &[PolicyStudy]) -> Result<()> {
+    let a = &s.run;
+    write_atomic(&s.out.join(STUDY_OUTPUTS[0]), curves_csv(results).as_bytes())?;
+    write_atomic(&s.out.join(STUDY_OUTPUTS[1]), summary_csv(results).as_bytes())?;
+    draw_chart(&s.out.join(STUDY_OUTPUTS[2]), results)?;
+    if s.json {
+        let text = serde_json::to_string_pretty(results).map_err(|e| Error::json("the study", e))?;
+        outln!("{text}");
+    } else {
+        print_table(results);
+        if a.distributed.net_gbps.is_none() {
+            outln!(
+                "note: measured_step_ms is each policy's step on this machine's own link (the study has no \
+                 --net-gbps), the same on every row; predicted_step_ms is the step on the row's link"
+            );
+        }
+        if (a.data.val_fraction.is_some() || a.recipe.eval_every.is_some()) && s.tensorboard.is_none() {
+            outln!(
+                "note: the validation loss (--val-fraction, --eval-every) is in none of the study's files: \
+                 --tensorboard DIR writes it (train/val_loss)"
+            );
+        }
+        outln!("wrote {}", s.out.join(STUDY_OUTPUTS[1]).display());
+    }
+    for r in results {
+        if let Some(step) = r.diverged_at {
+            eprintln!(
+                "note: {}: diverged at step {step} (its loss or update was not finite): the steps before are kept, and it reaches no target",
+                r.policy
+            );
+        }
     }
     Ok(())
 }

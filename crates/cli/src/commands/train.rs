@@ -842,7 +842,11 @@ fn profile_write<'a>(
             .map(serde_json::to_string_pretty),
     };
     let Some(text) = text else {
-        eprintln!("note: {}, so there is no profile to write to {}", no_profile_why(t, outcome), path.display());
+        eprintln!(
+            "note: {}, so there is no profile to write to {}",
+            no_profile_why(t, outcome),
+            path.display()
+        );
         return None;
     };
     let write = move || {

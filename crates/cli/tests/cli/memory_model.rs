@@ -102,7 +102,14 @@ fn the_memory_budget_advises_only_flags_that_combine_with_the_policy_given() {
     let e = super::common::fails(&super::common::cat(&[
         &["study"],
         &base,
-        &["--policy", "allreduce,diloco:2", "--target-loss", "1", "--out", super::common::s(&d)],
+        &[
+            "--policy",
+            "allreduce,diloco:2",
+            "--target-loss",
+            "1",
+            "--out",
+            super::common::s(&d),
+        ],
     ]));
     assert!(
         !e.contains("--zero") && e.contains("zero2 in place of diloco:2 would bring it to"),

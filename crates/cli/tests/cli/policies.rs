@@ -150,7 +150,8 @@ fn a_diverged_run_under_an_outer_optimizer_names_its_outer_lr_too() {
     ];
     let e = fails(&common::cat(&[&base, &["--policy", "diloco:2:1e30"]]));
     assert!(
-        e.contains("the run diverged") && e.contains("lower --lr or the policy's outer lr (diloco:H:OUTER_LR)"),
+        e.contains("the run diverged")
+            && e.contains("lower --lr or the policy's outer lr (diloco:H[:OUTER_LR[:MOMENTUM]])"),
         "{e}"
     );
     let e = fails(&common::cat(&[&base, &["--lr", "1e30"]]));

@@ -440,7 +440,10 @@ fn every_tag_a_help_text_names_is_a_tag_the_runs_write() {
             .filter(|w| *w != "train/")
             .collect();
         for tag in &named {
-            assert!(written.contains(tag), "brigade {command} --help names {tag}, which no run writes");
+            assert!(
+                written.contains(tag),
+                "brigade {command} --help names {tag}, which no run writes"
+            );
         }
     }
 }

@@ -177,7 +177,7 @@ impl BucketProfile {
     /// it on the same rank): the continuations of a rank's collectives run one after another
     /// on one thread, so a bucket whose collectives left the link while the previous bucket's
     /// continuation still ran began its own at that one's finish. Only for a bucket whose
-    /// start is its own (not a chain's, see [`BucketProfile::issued_by`]).
+    /// start is its own (not a chain's, see `BucketProfile::issued_by`).
     pub fn policy_compute_after(&self, before: Option<&BucketProfile>) -> f64 {
         self.link_s.map_or(0.0, |l| {
             let left = self.start_s.max(self.issued_by()) + l;
