@@ -553,7 +553,18 @@ fn an_mpi_profile_predicts_its_own_buckets_on_the_measured_link() {
             })
             .collect()
     };
-    let (recorded, replayed) = (buckets(&v["ranks"][0]["buckets"]), buckets(&rows[0]["buckets"]));
+    let replayed = buckets(&rows[0]["buckets"]);
+    // a recorded bucket's time on the link is its collective's (`link_s`); the rest of its span
+    // (the copy back into the gradients) is compute, which the replay charges at the recorded
+    // rate per byte beside the link's time
+    let spans = buckets(&v["ranks"][0]["buckets"]);
+    let recorded: Vec<_> = spans
+        .iter()
+        .zip(v["ranks"][0]["buckets"].as_array().unwrap())
+        .map(|((params, bytes, _), b)| (params.clone(), *bytes, b["link_s"].as_f64().unwrap()))
+        .collect();
+    let copy_per_byte =
+        spans.iter().zip(&recorded).map(|(s, r)| s.2 - r.2).sum::<f64>() / recorded.iter().map(|r| r.1).sum::<f64>();
     // 64,512,512,512,4 in 0.5 MiB buckets: the head's weight and bias with layers.2's weight,
     // layers.2's bias with layers.1's weight, then the rest: three buckets of different sizes
     assert_eq!(recorded.len(), 3, "{recorded:?}");
@@ -570,12 +581,12 @@ fn an_mpi_profile_predicts_its_own_buckets_on_the_measured_link() {
     for (_, x, t) in &replayed {
         assert!((t - (intercept + slope * x)).abs() <= 1e-12, "{replayed:?}");
     }
-    // and that line is the recorded times' least squares: its residuals are orthogonal to the
-    // sizes (the normal equation of the slope, which holds with or without an intercept)
+    // and that line, less the copy, is the recorded link times' least squares: its residuals
+    // are orthogonal to the sizes (the normal equation of the slope, which holds with or without an intercept)
     let weighted: f64 = recorded
         .iter()
         .zip(&replayed)
-        .map(|((_, x, y), (_, _, t))| x * (y - t))
+        .map(|((_, x, y), (_, _, t))| x * (y - (t - copy_per_byte * x)))
         .sum();
     let scale: f64 = recorded.iter().map(|(_, x, y)| x * y).sum();
     assert!(
