@@ -642,11 +642,11 @@ impl Costs<'_> {
     /// collectives (orthogonalising P, `Q = Mᵀ·P`) and each of them starts once the last rank
     /// has issued it: the bucket takes the slowest rank's compute, each rank's as recorded for
     /// a recorded bucket of the same parameters (its matrices' compute, whatever their bytes),
-    /// else at that rank's recorded rate per byte. On the link fitted to rank 0's collectives,
-    /// whose recorded times hold its waits for the slower ranks, rank 0's compute alone, less
-    /// its wait for the last rank to issue the bucket's first collective (the replay starts the
-    /// bucket there already). The other policies compute in their collectives' continuations,
-    /// beside the link: rank 0's recorded rate per byte.
+    /// less that rank's wait for the last rank to issue the bucket's first collective (the
+    /// replay starts the bucket there already), else at that rank's recorded rate per byte. On
+    /// the link fitted to rank 0's collectives, whose recorded times hold its waits for the
+    /// slower ranks, rank 0's compute alone. The other policies compute in their collectives'
+    /// continuations, beside the link: rank 0's recorded rate per byte.
     fn compute(&self, group: &[usize], bytes: usize) -> f64 {
         if self.n < 2 {
             return 0.0;
@@ -655,32 +655,33 @@ impl Costs<'_> {
             return bytes as f64 * self.compute_per_byte[0];
         }
         let ranks = if self.fitted_link { 1 } else { self.profile.ranks.len() };
+        let offsets = self.profile.clock_offsets();
         self.profile.ranks[..ranks]
             .iter()
             .zip(&self.compute_per_byte)
-            .map(|(r, per_byte)| match r.buckets.iter().find(|b| b.params == group) {
-                Some(b) if self.fitted_link => (b.policy_compute_s() - self.issue_wait(b)).max(0.0),
-                Some(b) => b.policy_compute_s(),
+            .zip(&offsets)
+            .map(|((r, per_byte), &o)| match r.buckets.iter().find(|b| b.params == group) {
+                Some(b) => (b.policy_compute_s() - self.issue_wait(b, o, &offsets)).max(0.0),
                 None => bytes as f64 * per_byte,
             })
             .fold(0.0, f64::max)
     }
 
-    /// What rank 0's recorded bucket `b` waited, after it had issued it, for the last rank to
-    /// issue it (their recorded issue on rank 0's clock): a collective starts only once every
-    /// rank issued it, and rank 0's compute after its issue ([`BucketProfile::policy_compute_s`],
-    /// for a bucket whose recorded start is an earlier chain's) holds that wait.
-    fn issue_wait(&self, b: &BucketProfile) -> f64 {
-        let offsets = self.profile.clock_offsets();
-        let own = b.launch_s + b.reduce_s();
+    /// What a rank's recorded bucket `b` waited, after it had issued it, for the last rank to
+    /// issue it (their recorded issues on rank 0's clock; `own_offset` is the rank's, `offsets`
+    /// every rank's): a collective starts only once every rank issued it, and the rank's compute
+    /// after its issue ([`BucketProfile::policy_compute_s`], for a bucket whose recorded start
+    /// is an earlier chain's) holds that wait.
+    fn issue_wait(&self, b: &BucketProfile, own_offset: f64, offsets: &[f64]) -> f64 {
+        let own = b.launch_s + b.reduce_s() - own_offset;
         let last = self
             .profile
             .ranks
             .iter()
-            .zip(&offsets)
+            .zip(offsets)
             .filter_map(|(r, o)| r.buckets.iter().find(|x| x.params == b.params).map(|x| x.launch_s + x.reduce_s() - o))
             .fold(own, f64::max);
-        (last - own.max(b.start_s)).max(0.0)
+        (last - own.max(b.start_s - own_offset)).max(0.0)
     }
 
     /// Rank `r`'s compute inside the policy's `reduce` for the bucket of parameters `group`,

@@ -1366,6 +1366,33 @@ fn on_the_measured_link_a_low_rank_bucket_waits_once_for_the_last_rank_to_issue_
 }
 
 #[test]
+fn a_low_rank_bucket_waits_once_for_the_last_rank_to_issue_it_on_any_link() {
+    // The profile above, with bucket 0's recorded start an earlier chain's (0 ms, before it was
+    // handed over at 10 ms) and rank 0's `reduce` issuing it 0.3 ms after rank 1 did. Rank 1's
+    // recorded compute after its issue (13.5 − 10 − 2 = 1.5 ms) holds 0.3 ms of waiting for rank
+    // 0, rank 0's (12.5 − 10.3 − 2 = 0.2 ms) none: the replay starts the bucket at rank 0's
+    // issue, 10.3 ms, then 4 ms + 4 KiB on the priced link and the slowest rank's compute less
+    // its wait, 1.2 ms (1.5 ms if the wait were counted twice).
+    let mut p = unlike_ranks_under_powersgd();
+    for (r, issued) in p.ranks.iter_mut().zip([0.0103, 0.010]) {
+        r.buckets[0].start_s = 0.0;
+        r.buckets[0].issued_s = Some(issued);
+    }
+    let caps = ReplayConfig {
+        order: BucketOrder::Reverse,
+        ..cfg(1.0, 1.0)
+    };
+    let r = replay_with(&p, &caps, LaunchOverhead::default()).unwrap();
+    let link_s = 0.004 + 4096.0 / (1u64 << 30) as f64;
+    close(r.buckets[0].launch_s, 0.0103, "bucket 0 issued by rank 0");
+    close(
+        r.buckets[0].finish_s,
+        0.0103 + link_s + 0.0012,
+        "bucket 0 with rank 1's compute less its wait",
+    );
+}
+
+#[test]
 fn a_low_rank_bucket_is_charged_the_slowest_ranks_compute_recorded_for_that_bucket() {
     // Each collective of a bucket starts when the last rank has issued it, so a bucket takes
     // the slowest rank's compute for it: bucket 0 runs from 10 ms for 4 ms + 4 KiB on the link,
