@@ -67,7 +67,7 @@ fn main() -> Result<(), brigade::Error> {
         ..StudyConfig::new(vec![link], vec![target])
     };
     let policies = ["allreduce", "fp16", "bf16mean"].map(String::from);
-    let results = study(
+    let studied = study(
         &launch,
         &cfg,
         &registry,
@@ -76,6 +76,12 @@ fn main() -> Result<(), brigade::Error> {
         |_world| Dataset::teacher(4096, 32, 4, 0).map_err(Into::into),
         |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![32, 128, 128, 4]), 0)?)),
     )?;
+    // a policy that failed while it trained stopped the study (`studied.policies` holds the
+    // ones that finished before it)
+    if let Some(e) = studied.stopped {
+        return Err(e.into());
+    }
+    let results = studied.policies;
     println!(
         "{:>10} {:>13} {:>12} {:>16} {:>14} {:>16} {:>12}",
         "policy", "steps to 0.9", "seconds", "ms/step 2 ranks", "own band", "ms/step 8 ranks", "wire/step"

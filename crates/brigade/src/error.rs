@@ -103,27 +103,16 @@ pub enum Error {
         /// Why its construction failed.
         source: Box<Error>,
     },
-    /// A study's policy failed while it trained: the study stopped there. `finished` holds the
-    /// policies that finished before it, whole; the policies after it did not run.
-    #[error("policy {policy} failed, so the study stopped ({} policies finished before it): {source}", .finished.len())]
+    /// A study's policy failed while it trained: the study stopped there (the studies of the
+    /// `finished` policies before it are [`crate::study::Studied::policies`]); the policies after
+    /// it did not run.
+    #[error("policy {policy} failed, so the study stopped ({finished} policies finished before it): {source}")]
     StudyPolicyFailed {
         /// The policy's spec.
         policy: String,
-        /// The studies of the policies that finished before it.
-        finished: Vec<crate::study::PolicyStudy>,
+        /// How many policies finished before it.
+        finished: usize,
         /// Why it failed.
-        source: Box<Error>,
-    },
-    /// A rank failed after steps had finished (a collective that timed out): `source` is the
-    /// failure, `outcome` rank 0's record of the steps that finished (no parameters: gathering
-    /// them needs the collectives that failed). [`crate::fit()`] returns it as a report whose
-    /// [`crate::outcome::TrainOutcome::stopped`] is `source`.
-    #[error("{source}")]
-    Partway {
-        /// Rank 0's outcome of the finished steps.
-        outcome: Box<crate::outcome::TrainOutcome>,
-        /// Why the run stopped.
-        #[source]
         source: Box<Error>,
     },
     /// A loss or parameter stopped being finite: the run diverged (every rank stops at the same
@@ -460,12 +449,6 @@ impl Error {
     pub fn on_rank(self, rank: usize, world: usize) -> Error {
         if world == 1 || self.is_agreed() {
             return self;
-        }
-        if let Error::Partway { outcome, source } = self {
-            return Error::Partway {
-                outcome,
-                source: Box::new(source.on_rank(rank, world)),
-            };
         }
         Error::OnRank {
             rank,

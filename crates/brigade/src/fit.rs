@@ -4,6 +4,7 @@
 //! runs, with the same sharding, `no_sync` accumulation, checkpoint/resume, timeline and step
 //! profile. Progress goes to the configuration's observer ([`crate::observe`]).
 
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use brigade_comm::{all_gather_bytes, TraceEvent};
@@ -78,6 +79,8 @@ pub fn fit<D: DataSource>(
     data: impl FnOnce(usize) -> Result<D>,
     model: impl Fn(&RankContext) -> Result<Box<dyn Model>> + Sync,
 ) -> Result<RunReport> {
+    // rank 0's finished steps, when a rank's failure stops the run after some
+    let finished = Mutex::new(None);
     let launched = match run_ranks(launch_cfg, data, |ctx, data| {
         // every tensor this rank's thread makes from its model on counts to its memory
         let before = MemoryMeter::install(Some(MemoryMeter::new()));
@@ -89,13 +92,17 @@ pub fn fit<D: DataSource>(
                 false => model(ctx),
             }
         };
-        let out = built.and_then(|m| rank_main(ctx, cfg, m, data));
+        let out = built.and_then(|m| rank_main(ctx, cfg, m, data, &finished));
         MemoryMeter::install(before);
         out
     }) {
         Ok(l) => l,
-        Err(Error::Partway { outcome, source }) => return Ok(partway(launch_cfg, *outcome, *source)),
-        Err(e) => return Err(e),
+        Err(e) => {
+            return match finished.into_inner().unwrap_or_else(PoisonError::into_inner) {
+                Some(outcome) => Ok(partway(launch_cfg, outcome, e)),
+                None => Err(e),
+            }
+        }
     };
     let world_size = launched.world_size;
     let (rank, RankOut { train, gathered }) = launched
@@ -146,8 +153,14 @@ fn partway(launch_cfg: &LaunchConfig, mut outcome: TrainOutcome, error: Error) -
 }
 
 /// One rank: train; gather every rank's profile entry, and under MPI the recorded last step.
-fn rank_main(ctx: &RankContext, cfg: &TrainConfig, model: Box<dyn Model>, data: &dyn DataSource) -> Result<RankOut> {
-    let mut train = Trainer::new(cfg, model, data, ctx)?.run()?;
+fn rank_main(
+    ctx: &RankContext,
+    cfg: &TrainConfig,
+    model: Box<dyn Model>,
+    data: &dyn DataSource,
+    finished: &Mutex<Option<TrainOutcome>>,
+) -> Result<RankOut> {
+    let mut train = Trainer::new(cfg, model, data, ctx)?.run_keeping(finished)?;
     // every rank's entries, on every rank (rank 0 writes the file); every rank kept as many
     for profile in train.profile.iter_mut().chain(train.profiles.iter_mut()) {
         let mine = serde_json::to_vec(&profile.ranks[0]).map_err(|e| Error::json("step profile", e))?;

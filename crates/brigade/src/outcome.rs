@@ -69,7 +69,7 @@ pub struct TrainOutcome {
     /// The error every rank agreed on that ended the run early (a non-finite loss or
     /// parameters): the steps before it are kept, the last good checkpoint is not overwritten.
     /// Also a rank's failure after a step finished (not agreed: a collective timeout), in the
-    /// report [`crate::fit()`] makes of the finished steps ([`crate::Error::Partway`]).
+    /// report [`crate::fit()`] makes of the finished steps ([`crate::trainer::Trainer::run_keeping`]).
     pub stopped: Option<Error>,
     /// Why rank 0 could not write a checkpoint, so that the run's other outputs are still
     /// written and the failure is named beside theirs.

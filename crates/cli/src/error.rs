@@ -179,8 +179,7 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
             in_flag_terms(source)
         ),
         E::StudyPolicyFailed { policy, finished, source } => format!(
-            "--policy {policy} failed, so the study stopped ({} policies finished before it): {}",
-            finished.len(),
+            "--policy {policy} failed, so the study stopped ({finished} policies finished before it): {}",
             in_flag_terms(source)
         ),
         E::UnevenInputs { rows } => {

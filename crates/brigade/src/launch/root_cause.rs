@@ -34,26 +34,7 @@ fn is_peer_gone(e: &(dyn StdError + 'static)) -> bool {
 /// their own.
 pub fn root_cause(mut errors: Vec<(usize, Error)>) -> (usize, Error) {
     let i = errors.iter().position(|(_, e)| !is_peer_gone(e)).unwrap_or(0);
-    // the finished steps rank 0 kept ([`Error::Partway`]) go with the cause, whichever rank's
-    let kept = errors.iter().position(|(_, e)| matches!(e, Error::Partway { .. }));
-    let (rank, cause) = errors.swap_remove(i);
-    match (kept.filter(|&k| k != i), cause) {
-        (Some(k), cause) => {
-            let k = if k == errors.len() { i } else { k };
-            let (_, partway) = errors.swap_remove(k);
-            let Error::Partway { outcome, .. } = partway else {
-                unreachable!("found above")
-            };
-            (
-                rank,
-                Error::Partway {
-                    outcome,
-                    source: Box::new(cause),
-                },
-            )
-        }
-        (None, cause) => (rank, cause),
-    }
+    errors.swap_remove(i)
 }
 
 #[cfg(test)]

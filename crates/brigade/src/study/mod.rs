@@ -20,7 +20,7 @@
 //! let cfg = TrainConfig::new(40, 32, sgd);
 //! let sc = StudyConfig::new(vec![net_model(1.0, 20.0)], vec![0.5]);
 //! let policies = ["allreduce".to_string(), "fp16".to_string()];
-//! let results = study(
+//! let studied = study(
 //!     &LaunchConfig::threads(2),
 //!     &cfg,
 //!     &Registry::new(),
@@ -29,8 +29,12 @@
 //!     |_world| Dataset::teacher(4096, 16, 4, 0).map_err(Into::into),
 //!     |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![16, 64, 4]), 0)?)),
 //! )?;
-//! for r in &results {
+//! for r in &studied.policies {
 //!     println!("{}: {:?}", r.policy, r.predictions[0].reached);
+//! }
+//! // a policy that failed while it trained stopped the study after the ones above
+//! if let Some(e) = studied.stopped {
+//!     return Err(e);
 //! }
 //! # Ok::<(), brigade::Error>(())
 //! ```
@@ -154,6 +158,17 @@ pub struct PolicyStudy {
     pub tensorboard_failure: Option<String>,
 }
 
+/// What [`study()`] ran: the studies of the policies that finished, in the order given, and
+/// the error that stopped the study early, if one did (a policy that failed while it trained:
+/// [`Error::StudyPolicyFailed`]). A stop request ends it with fewer policies and no error.
+#[derive(Debug)]
+pub struct Studied {
+    /// The policies that finished.
+    pub policies: Vec<PolicyStudy>,
+    /// Why the study stopped before its last policy.
+    pub stopped: Option<Error>,
+}
+
 /// Trains every policy of `policies` (specs: the built-ins' and those `registry` registers) in
 /// turn under `cfg` on the ranks `launch` starts, each from the same data (`data(world_size)`),
 /// model (`model(ctx)`) and seed, profiling its steps after `sc.warmup`, and predicts each on
@@ -165,8 +180,8 @@ pub struct PolicyStudy {
 /// anything runs; so is a policy that cannot be built on the model and ranks (e.g. more
 /// fragments than parameters: [`Error::StudyPolicyRefused`]), as every policy is built once,
 /// for no step, before the first trains. A run that fails while it trains (a collective that
-/// times out) stops the study there: [`Error::StudyPolicyFailed`] names the policy and holds
-/// the studies of the policies that finished before it; the later policies do not run.
+/// times out) stops the study there, the studies of the policies before it returned with
+/// [`Studied::stopped`] an [`Error::StudyPolicyFailed`] naming it; the later policies do not run.
 pub fn study<D: DataSource>(
     launch: &LaunchConfig,
     cfg: &TrainConfig,
@@ -175,7 +190,7 @@ pub fn study<D: DataSource>(
     sc: &StudyConfig,
     data: impl Fn(usize) -> Result<D>,
     model: impl Fn(&RankContext) -> Result<Box<dyn Model>> + Sync,
-) -> Result<Vec<PolicyStudy>> {
+) -> Result<Studied> {
     check(cfg, policies, sc)?;
     let specs = policies
         .iter()
@@ -190,20 +205,7 @@ pub fn study<D: DataSource>(
         )));
     }
     // every policy built for no step first: one that cannot run here costs no policy's training
-    for spec in &specs {
-        let mut dry = with_policy(cfg, spec, registry);
-        dry.recipe.steps = 0;
-        dry.runtime.instrument.profile = false;
-        dry.runtime.instrument.profile_steps = None;
-        dry.runtime.instrument.observer = None;
-        dry.runtime.checkpoint = crate::config::CheckpointConfig::default();
-        if let Err(e) = crate::fit(launch, &dry, &data, &model) {
-            return Err(Error::StudyPolicyRefused {
-                policy: spec.to_string(),
-                source: Box::new(e),
-            });
-        }
-    }
+    build_each(launch, cfg, registry, &specs, &data, &model)?;
     let mut out = vec![];
     for spec in specs {
         let mut run = with_policy(cfg, &spec, registry);
@@ -217,14 +219,17 @@ pub fn study<D: DataSource>(
             let theirs = run.runtime.instrument.observer.take();
             run.runtime.instrument.observer = Some(Arc::new((theirs, b.clone())));
         }
-        let failed = |source: Error, finished: Vec<PolicyStudy>| Error::StudyPolicyFailed {
-            policy: spec.to_string(),
-            finished,
-            source: Box::new(source),
+        let failed = |source: Error, finished: Vec<PolicyStudy>| Studied {
+            stopped: Some(Error::StudyPolicyFailed {
+                policy: spec.to_string(),
+                finished: finished.len(),
+                source: Box::new(source),
+            }),
+            policies: finished,
         };
         let mut report = match crate::fit(launch, &run, &data, &model) {
             Ok(r) => r,
-            Err(e) => return Err(failed(e, out)),
+            Err(e) => return Ok(failed(e, out)),
         };
         if report.outcome.interrupted {
             break;
@@ -234,7 +239,7 @@ pub fn study<D: DataSource>(
             .stopped
             .take_if(|e| !matches!(e, Error::NonFinite { .. }))
         {
-            return Err(failed(e, out));
+            return Ok(failed(e, out));
         }
         let mut s = of_run(spec.to_string(), &report.outcome, report.world_size, sc);
         if let Some(b) = &board {
@@ -243,7 +248,37 @@ pub fn study<D: DataSource>(
         }
         out.push(s);
     }
-    Ok(out)
+    Ok(Studied {
+        policies: out,
+        stopped: None,
+    })
+}
+
+/// Builds every policy of `specs` for no step (each's ranks, model and policy, as `fit` would):
+/// one that cannot be built on the model and ranks fails as [`Error::StudyPolicyRefused`].
+fn build_each<D: DataSource>(
+    launch: &LaunchConfig,
+    cfg: &TrainConfig,
+    registry: &Registry,
+    specs: &[PolicySpec],
+    data: impl Fn(usize) -> Result<D>,
+    model: impl Fn(&RankContext) -> Result<Box<dyn Model>> + Sync,
+) -> Result<()> {
+    for spec in specs {
+        let mut dry = with_policy(cfg, spec, registry);
+        dry.recipe.steps = 0;
+        dry.runtime.instrument.profile = false;
+        dry.runtime.instrument.profile_steps = None;
+        dry.runtime.instrument.observer = None;
+        dry.runtime.checkpoint = crate::config::CheckpointConfig::default();
+        if let Err(e) = crate::fit(launch, &dry, &data, &model) {
+            return Err(Error::StudyPolicyRefused {
+                policy: spec.to_string(),
+                source: Box::new(e),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `cfg` with `spec` (of `registry`) as its reducer policy.

@@ -9,11 +9,21 @@ use crate::outcome::{CheckpointFailure, StepRecord, TrainOutcome};
 
 use super::{compute_threads, Trainer};
 
+use std::sync::{Mutex, PoisonError};
+
 impl Trainer<'_> {
     /// Steps until `steps` (or a stop request), checkpointing every `checkpoint.every` steps and
     /// at the end. On rank 0 the run's observer is told when the run starts, after every step and
     /// when it ends (also when it fails).
     pub fn run(self) -> Result<TrainOutcome> {
+        self.run_keeping(&Mutex::new(None))
+    }
+
+    /// [`Trainer::run`], and when a failure that is not agreed (a collective that timed out)
+    /// stops rank 0 after steps finished, rank 0 leaves its outcome of those steps in
+    /// `finished` (no parameters: gathering them needs the collectives that failed) before it
+    /// returns the error: what [`crate::fit()`] reports of such a run.
+    pub fn run_keeping(self, finished: &Mutex<Option<TrainOutcome>>) -> Result<TrainOutcome> {
         let observer = self
             .cfg
             .runtime
@@ -39,7 +49,7 @@ impl Trainer<'_> {
                 steps: self.cfg.recipe.steps,
             });
         }
-        let outcome = self.run_steps(observer.as_deref());
+        let outcome = self.run_steps(observer.as_deref(), finished);
         if let Some(o) = &observer {
             o.run_finished(outcome.as_ref());
         }
@@ -48,7 +58,11 @@ impl Trainer<'_> {
 
     /// The steps, one after the other, until `steps`, a stop, an agreed error or the end of
     /// every rank's data; then the end of the run ([`Trainer::finish`]).
-    fn run_steps(mut self, observer: Option<&dyn TrainObserver>) -> Result<TrainOutcome> {
+    fn run_steps(
+        mut self,
+        observer: Option<&dyn TrainObserver>,
+        finished: &Mutex<Option<TrainOutcome>>,
+    ) -> Result<TrainOutcome> {
         let mut ended = Ended::default();
         while self.at.next_step < self.cfg.recipe.steps {
             // a join run ends when no rank has data left; its last step is then evaluated as
@@ -65,10 +79,8 @@ impl Trainer<'_> {
                 }
                 // rank 0 keeps what finished: its steps, for the caller to write
                 Err(e) if self.ctx.rank == 0 && !ended.steps.is_empty() => {
-                    return Err(Error::Partway {
-                        outcome: Box::new(self.finished_part(ended)),
-                        source: Box::new(e),
-                    });
+                    *finished.lock().unwrap_or_else(PoisonError::into_inner) = Some(self.finished_part(ended));
+                    return Err(e);
                 }
                 Err(e) => return Err(e),
             };

@@ -331,8 +331,7 @@ fn a_step_that_fails_midway_leaves_no_span_of_the_timeline_open() {
         fingerprint: None,
         fail_at: Some((0, 1)),
     };
-    let report = fit(&launch, &config(3, 8), |_| Ok(rows), |_| Ok(Box::new(Tiny::new()?)))
-        .expect("step 0's report");
+    let report = fit(&launch, &config(3, 8), |_| Ok(rows), |_| Ok(Box::new(Tiny::new()?))).expect("step 0's report");
     let e = report.outcome.stopped.expect("rank 0 fails at step 1");
     assert!(e.to_string().contains("no rows for step 1"), "{e}");
     let compute: Vec<_> = recorder

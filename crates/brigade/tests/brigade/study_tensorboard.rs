@@ -36,6 +36,7 @@ fn run_of(policies: &[&str], tensorboard: std::path::PathBuf) -> brigade::Result
         |_world| Dataset::teacher(512, 8, 3, 0).map_err(Into::into),
         |_ctx| Ok(Box::new(Mlp::new(MlpConfig::new(vec![8, 16, 3]), 0)?)),
     )
+    .and_then(|s| s.stopped.map_or(Ok(s.policies), Err))
 }
 
 /// How many records an event file holds (each: a `u64` length, 4 bytes of CRC, the data, 4

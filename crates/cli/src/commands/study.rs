@@ -120,7 +120,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         |_ctx| Ok(kind.build(a.model.seed)?),
     );
     // a policy that failed while it trained: the policies before it are written, then its error
-    let (results, failed) = finished_policies(studied, names.len())?;
+    let (results, failed) = finished_policies(studied?, names.len());
     let interrupted = failed.is_none() && results.len() < names.len();
     if results.is_empty() {
         if let Some(failed) = failed {
@@ -160,29 +160,23 @@ pub fn study(s: StudyArgs) -> Result<()> {
     Ok(())
 }
 
-/// The policies a study finished, and the error of the one that failed while it trained (the
-/// study stopped there); any other error of the study is returned.
-fn finished_policies(
-    studied: brigade::Result<Vec<PolicyStudy>>,
-    of: usize,
-) -> Result<(Vec<PolicyStudy>, Option<Error>)> {
-    match studied {
-        Ok(r) => Ok((r, None)),
-        Err(brigade::Error::StudyPolicyFailed {
+/// The policies a study finished, and the error that stopped it early (a policy that failed
+/// while it trained, in the flags' terms).
+fn finished_policies(studied: brigade::study::Studied, of: usize) -> (Vec<PolicyStudy>, Option<Error>) {
+    let failed = studied.stopped.map(|e| match e {
+        brigade::Error::StudyPolicyFailed {
             policy,
             finished,
             source,
-        }) => {
-            let failed = Error::StudyPolicyFailed {
-                policy,
-                source,
-                finished: finished.len(),
-                of,
-            };
-            Ok((finished, Some(failed)))
-        }
-        Err(e) => Err(e.into()),
-    }
+        } => Error::StudyPolicyFailed {
+            policy,
+            source,
+            finished,
+            of,
+        },
+        e => e.into(),
+    });
+    (studied.policies, failed)
 }
 
 /// Writes `--out`'s files of the finished policies and prints the table (or the JSON) with its
