@@ -135,6 +135,43 @@ fn fresh_lineage_id() -> String {
     format!("{:016x}", h.finish())
 }
 
+/// The first `{...}` in `path` other than `{step}` (`{STEP}`, `{rank}`, `{}`), braces included:
+/// `None` when every brace pair is a `{step}`.
+pub fn stray_placeholder(path: &Path) -> Option<String> {
+    let text = path.to_string_lossy();
+    let mut rest = text.as_ref();
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let Some(close) = after.find(['{', '}']) else {
+            return None;
+        };
+        if after.as_bytes()[close] == b'{' {
+            rest = &after[close..];
+            continue;
+        }
+        let token = &rest[open..open + close + 2];
+        if token != STEP {
+            return Some(token.to_string());
+        }
+        rest = &after[close + 1..];
+    }
+    None
+}
+
+/// Refuses a path of the configuration field `field` that takes `{step}` but holds another
+/// `{...}` ([`stray_placeholder`]): typed as a placeholder, it would stay in the file name as it
+/// is. [`Error::NotAPlaceholder`].
+pub fn check_placeholders(field: &'static str, path: &Path) -> Result<()> {
+    match stray_placeholder(path) {
+        Some(token) => Err(Error::NotAPlaceholder {
+            field,
+            path: path.display().to_string(),
+            token,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A checkpoint path's file names: its directory, and its file name split at `{step}` (`tail`
 /// `None`: a plain name, `head` the whole of it).
 struct Names {
@@ -202,13 +239,15 @@ impl CheckpointConfig {
         })
     }
 
-    /// Refuses what would not do what it says: `{step}` outside the file name (the directory
+    /// Refuses what would not do what it says: a `{...}` other than `{step}`
+    /// ([`check_placeholders`]), `{step}` outside the file name (the directory
     /// is not a template) or more than once in it (its files would not be told apart by one
     /// step), `keep_last` of 0, or `keep_last` without a path holding `{step}` (one file is
     /// always the newest alone).
     pub(crate) fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         if let Some(path) = &self.path {
+            check_placeholders(PATH_FIELD, path)?;
             let in_dir = path.parent().is_some_and(|d| d.to_string_lossy().contains(STEP));
             let twice = file_name(path).is_some_and(|n| n.matches(STEP).count() > 1);
             if in_dir || twice {
@@ -575,6 +614,22 @@ mod tests {
         let plain = names("last.ckpt");
         assert!(glob_meets_names(b"*.ckpt", &plain) && glob_meets_names(b"last.ckpt", &plain));
         assert!(!glob_meets_names(b"last-*.ckpt", &plain));
+    }
+
+    #[test]
+    fn a_stray_placeholder_is_the_first_brace_token_other_than_step() {
+        for (path, stray) in [
+            ("run-{step}.ckpt", None),
+            ("run.ckpt", None),
+            ("run-{STEP}.ckpt", Some("{STEP}")),
+            ("d/{rank}/run-{step}.ckpt", Some("{rank}")),
+            ("run-{step}-{}.ckpt", Some("{}")),
+            ("run-{{step}.ckpt", None),
+            ("run-{step.ckpt", None),
+            ("run-{a}-{b}.ckpt", Some("{a}")),
+        ] {
+            assert_eq!(stray_placeholder(Path::new(path)).as_deref(), stray, "{path}");
+        }
     }
 
     #[test]

@@ -82,6 +82,17 @@ pub enum Error {
     /// 0 by `CheckpointConfig::check_files`).
     #[error("{}", .0.describe(.0.field, &.0.other))]
     CheckpointClash(Box<FileClash>),
+    /// A path that takes `{step}` holds another `{...}` token (`{STEP}`, `{rank}`): typed as a
+    /// placeholder, it would stay in the file name as it is (found before step 0).
+    #[error("{field} '{path}': {token} is not a placeholder; the one placeholder there is {{step}} (the checkpoint's step)")]
+    NotAPlaceholder {
+        /// The configuration field of the path (`checkpoint_files::PATH_FIELD`).
+        field: &'static str,
+        /// The path, as given.
+        path: String,
+        /// The token, braces included.
+        token: String,
+    },
     /// One rank's failure (the root cause among the ranks' errors).
     #[error("rank {rank} of {world}: {source}")]
     OnRank {

@@ -172,6 +172,10 @@ pub fn in_flag_terms(e: &brigade::Error) -> String {
                            openmpi-bin libopenmpi-dev libclang-dev) and build with `cargo build --release --features mpi`"
             .into(),
         E::CheckpointClash(c) => c.describe(flag_of_field(c.field), flag_of_field(&c.other)),
+        E::NotAPlaceholder { field, path, token } => format!(
+            "{} {path}: {token} is not a placeholder; the one placeholder there is {{step}} (each checkpoint's step: run-{{step}}.ckpt)",
+            flag_of_field(field)
+        ),
         E::Checkpoint { path, mismatch } => format!("checkpoint {path}: {}", mismatch_in_flag_terms(mismatch)),
         E::OnRank { rank, world, source } => format!("rank {rank} of {world}: {}", in_flag_terms(source)),
         E::StudyPolicyRefused { policy, source } => format!(

@@ -158,3 +158,30 @@ fn a_keep_last_or_step_path_that_would_do_nothing_is_refused_in_one_line() {
     }
     assert!(files(&d).is_empty(), "nothing written: {:?}", files(&d));
 }
+
+#[test]
+fn a_brace_token_other_than_step_in_the_path_is_refused_as_no_placeholder() {
+    let d = common::tmp("checkpoints", "stray-token");
+    for (name, token) in [
+        ("run-{STEP}.ckpt", "{STEP}"),
+        ("run-{rank}.ckpt", "{rank}"),
+        ("run-{step}-{}.ckpt", "{}"),
+    ] {
+        let e = run(&every(config(2), &d.join(name), 1, None)).err().expect("refused");
+        // each rank refuses it before any work: the error names the rank
+        let own = match &e {
+            brigade::Error::OnRank { source, .. } => source.as_ref(),
+            e => e,
+        };
+        assert!(
+            matches!(own, brigade::Error::NotAPlaceholder { token: t, .. } if t == token),
+            "{name}: {e}"
+        );
+        let line = e.to_string();
+        assert!(
+            !line.contains('\n') && line.contains("runtime.checkpoint.path") && line.contains("{step}"),
+            "{line}"
+        );
+    }
+    assert!(files(&d).is_empty(), "nothing written: {:?}", files(&d));
+}

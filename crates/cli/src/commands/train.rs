@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use brigade::checkpoint_files::{stray_placeholder, PATH_FIELD};
 use brigade::config::CheckpointConfig;
 use brigade::observe::TrainObserver;
 use brigade::tensorboard::TensorBoard;
@@ -222,17 +223,19 @@ impl TrainArgs {
     pub fn check_files(&self) -> Result<()> {
         self.check_checkpoint_flags()?;
         let outputs = self.outputs();
-        // `{step}` is a checkpoint's (one file a step); any other output is written once
-        if let Some(o) = outputs
-            .iter()
-            .find(|o| o.flag != "--checkpoint" && o.path.to_string_lossy().contains("{step}"))
-        {
-            return Err(Error::Usage(format!(
-                "{} {}: {{step}} names each checkpoint's step in --checkpoint; {} is written once, at the end",
-                o.flag,
-                o.path.display(),
-                o.flag
-            )));
+        // `{step}` is a checkpoint's (one file a step); any other output is written once, and
+        // no other `{...}` is a placeholder in an output
+        for o in outputs.iter().filter(|o| o.flag != "--checkpoint") {
+            let token = stray_placeholder(&o.path)
+                .or_else(|| o.path.to_string_lossy().contains("{step}").then(|| "{step}".to_string()));
+            if let Some(token) = token {
+                return Err(Error::Usage(format!(
+                    "{} {}: {token} is not a placeholder there: {} is written once, at the end ({{step}} names each checkpoint's step in --checkpoint)",
+                    o.flag,
+                    o.path.display(),
+                    o.flag
+                )));
+            }
         }
         check_outputs(&outputs)?;
         let inputs = self.inputs();
@@ -265,6 +268,8 @@ impl TrainArgs {
             _ => {}
         }
         if let Some(p) = &self.checkpoint {
+            brigade::checkpoint_files::check_placeholders(PATH_FIELD, p)
+                .map_err(|e| Error::Usage(crate::error::in_flag_terms(&e)))?;
             let in_dir = p.parent().is_some_and(|d| d.to_string_lossy().contains("{step}"));
             let twice = p
                 .file_name()

@@ -362,3 +362,23 @@ fn a_folder_or_a_pipe_at_a_checkpoints_name_is_one_error_line_before_step_0() {
     assert!(e.contains("which is not a regular file"), "{e}");
     assert_eq!(listing(&d), ["run-4.ckpt"]);
 }
+
+#[test]
+fn a_brace_token_other_than_step_in_a_path_is_refused_naming_the_flag_and_the_token() {
+    let d = dir("stray-token");
+    let at = |name: &str| d.join(name).to_string_lossy().into_owned();
+    for (flag, name, token) in [
+        ("--checkpoint", "run-{STEP}.ckpt", "{STEP}"),
+        ("--checkpoint", "run-{rank}.ckpt", "{rank}"),
+        ("--save", "w-{STEP}.safetensors", "{STEP}"),
+        ("--losses", "l-{rank}.csv", "{rank}"),
+    ] {
+        let path = at(name);
+        let e = fails(&cat(&[&["train"], MLP, &["--steps", "2", flag, &path]]));
+        assert!(
+            e.contains(&format!("{flag} {path}: {token} is not a placeholder")) && e.contains("{step}"),
+            "{flag} {name}: {e}"
+        );
+    }
+    assert!(listing(&d).is_empty(), "nothing written: {:?}", listing(&d));
+}
