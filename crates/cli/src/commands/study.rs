@@ -33,6 +33,7 @@ use plotters::prelude::*;
 use crate::args::{listed_once, RunArgs};
 use crate::commands::predict::MAX_WORLD;
 use crate::commands::sweep_args::make_out_dir;
+use crate::outputs::MadeDirs;
 use crate::error::{Error, Result};
 use crate::outputs::{check_outputs, write_atomic, Output};
 use crate::policy::{parse_entry, registry, resolve};
@@ -109,6 +110,9 @@ pub fn study(s: StudyArgs) -> Result<()> {
     let names: Vec<String> = specs.iter().map(|p| p.to_string()).collect();
     // the library's own checks of the request last, so that --tensorboard's directories are
     // removed again when it refuses
+    // --out (and its parents) made here are removed again when the study is refused or ends
+    // with nothing written
+    let made = MadeDirs::missing(&s.out);
     check_study_outputs(&s, &names, || Ok(brigade::study::check(&cfg, &names, &sc)?))?;
     let studied = brigade::study::study(
         &launch_config(a, &opts),
@@ -132,6 +136,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         });
     }
     write_results(&s, &results)?;
+    made.keep();
     let tensorboard = tensorboard_failures(s.tensorboard.as_deref(), &results);
     if let Some(failed) = failed {
         if let Err(e) = tensorboard {

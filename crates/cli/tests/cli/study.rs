@@ -998,3 +998,27 @@ fn a_policy_spec_of_a_tiny_number_names_its_tensorboard_directory_in_exponent_fo
     assert_eq!(results[0]["policy"], "topk:1e-300");
     assert!(tb.join("topk:1e-300").is_dir());
 }
+
+#[test]
+fn a_refused_study_leaves_no_directory_it_made() {
+    let d = dir("study_refused_out");
+    let out = d.join("new").join("out");
+    let tb = d.join("tb").join("runs");
+    // refused by the library's check of the request, after --out and --tensorboard are made:
+    // 1 step is no step past the warm-up
+    let run = without(RUN, "--steps");
+    let e = fails(
+        &[
+            &run,
+            LINK,
+            &["--steps", "1", "--target-loss", "0.5", "--out", s(&out), "--tensorboard", s(&tb)],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("warm-up"), "{e}");
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing is left in {}", d.display());
+    // a directory that was there stays
+    std::fs::create_dir(d.join("was")).unwrap();
+    fails(&[&run, LINK, &["--steps", "1", "--target-loss", "0.5", "--out", s(&d.join("was"))]].concat());
+    assert!(d.join("was").is_dir());
+}
