@@ -173,17 +173,68 @@ impl RunArgs {
 }
 
 /// The summary line of `--bucket-mb auto`: the cap chosen, and the predicted against the
-/// measured step time at it.
+/// measured step time at it, with the steps each covers ([`autotune_steps`]).
 pub fn print_autotune(t: &AutotuneReport) {
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} ms"));
     let changes = t.decisions.iter().filter(|d| d.changed).count();
     outln!(
-        "bucket cap (auto): {} MiB after {} {} ({changes} {}); step at that cap: predicted {}, measured {} (median since it was set)",
+        "bucket cap (auto): {} MiB after {} {} ({changes} {}); step at that cap: predicted {}, measured {} {}",
         compact(t.cap_mb),
         t.decisions.len(),
         if t.decisions.len() == 1 { "check" } else { "checks" },
         if changes == 1 { "change" } else { "changes" },
         ms(t.predicted_step_ms),
-        ms(t.measured_step_ms)
+        ms(t.measured_step_ms),
+        autotune_steps(t)
     );
+}
+
+/// Which steps the autotuner's predicted and measured step at its final cap cover, in
+/// parentheses: one range when they are the same steps; each its own when the prediction came
+/// from steps run before the cap was set.
+pub fn autotune_steps(t: &AutotuneReport) -> String {
+    let steps = |r: &std::ops::Range<usize>| match r.len() {
+        1 => format!("step {}", r.start),
+        _ => format!("steps {}..{}", r.start, r.end),
+    };
+    match (&t.predicted_steps, &t.measured_steps) {
+        (Some(p), Some(m)) if p == m => format!("(medians over {})", steps(m)),
+        (Some(p), Some(m)) => format!(
+            "(predicted from {} at the cap before, replayed at this one; measured over {} at this one)",
+            steps(p),
+            steps(m)
+        ),
+        (None, Some(m)) => format!("(measured over {})", steps(m)),
+        (Some(p), None) => format!("(predicted from {})", steps(p)),
+        (None, None) => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(predicted: Option<std::ops::Range<usize>>, measured: Option<std::ops::Range<usize>>) -> AutotuneReport {
+        AutotuneReport {
+            cap_mb: 1.0,
+            first_bucket_cap_mb: 1.0,
+            predicted_step_ms: predicted.as_ref().map(|_| 1.0),
+            predicted_steps: predicted,
+            measured_step_ms: measured.as_ref().map(|_| 1.0),
+            measured_steps: measured,
+            decisions: vec![],
+        }
+    }
+
+    #[test]
+    fn the_summary_says_which_steps_the_predicted_and_the_measured_step_cover() {
+        assert_eq!(autotune_steps(&report(Some(0..1), Some(0..1))), "(medians over step 0)");
+        assert_eq!(autotune_steps(&report(Some(0..5), Some(0..5))), "(medians over steps 0..5)");
+        let apart = autotune_steps(&report(Some(0..1), Some(1..3)));
+        assert!(
+            apart.contains("predicted from step 0 at the cap before") && apart.contains("measured over steps 1..3"),
+            "{apart}"
+        );
+        assert_eq!(autotune_steps(&report(None, Some(2..4))), "(measured over steps 2..4)");
+    }
 }

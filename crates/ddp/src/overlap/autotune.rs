@@ -19,6 +19,8 @@
 //! would and its steps run on the same buckets. The profiles of the steps before the resume are
 //! not kept (they are measured times): the next check decides from the steps since the resume.
 
+use std::ops::Range;
+
 use brigade_comm::{Buffer, NetModel};
 use serde::{Deserialize, Serialize};
 
@@ -124,12 +126,20 @@ pub struct AutotuneReport {
     /// The first bucket's cap in effect at the end, in MiB.
     pub first_bucket_cap_mb: f64,
     /// The predicted step time at that cap, in milliseconds: the median of the checks'
-    /// predictions from steps run at it (the steps `measured_step_ms` covers), or the last
-    /// check's when that check set it.
+    /// predictions from steps run at it, or the last check's when that check set it (from
+    /// steps run at the cap before).
     pub predicted_step_ms: Option<f64>,
-    /// This rank's median measured step time since the cap last changed, in milliseconds
-    /// (compare with `predicted_step_ms`).
+    /// The steps whose profiles `predicted_step_ms` was replayed from (half-open).
+    #[serde(default)]
+    pub predicted_steps: Option<Range<usize>>,
+    /// This rank's median measured step time at that cap, in milliseconds: over the steps
+    /// `predicted_step_ms` was replayed from when they ran at it (compare the two), else over
+    /// every step since the cap was set.
     pub measured_step_ms: Option<f64>,
+    /// The steps `measured_step_ms` covers (half-open): `predicted_steps` when they ran at the
+    /// cap, else the steps since the cap was set.
+    #[serde(default)]
+    pub measured_steps: Option<Range<usize>>,
     /// Every check, in order.
     pub decisions: Vec<AutotuneDecision>,
 }
@@ -373,8 +383,10 @@ pub struct Autotuner {
     unseen_since_check: usize,
     /// This rank's profiles since the last check (`None`: the step had no synchronized pass).
     observed: Vec<Option<RankProfile>>,
-    /// This rank's step times since the cap last changed, in seconds.
-    step_s_at_cap: Vec<f64>,
+    /// This rank's step times since the cap last changed: (step, seconds).
+    step_s_at_cap: Vec<(usize, f64)>,
+    /// The first step observed (since the start or the resume).
+    first_step: Option<usize>,
     decisions: Vec<AutotuneDecision>,
 }
 
@@ -395,6 +407,7 @@ impl Autotuner {
             unseen_since_check: progress.since_check,
             observed: vec![],
             step_s_at_cap: vec![],
+            first_step: None,
             decisions: vec![],
         })
     }
@@ -439,8 +452,9 @@ impl Autotuner {
         step: usize,
         profile: Option<RankProfile>,
     ) -> Result<Option<AutotuneDecision>> {
+        self.first_step.get_or_insert(step);
         if let Some(p) = &profile {
-            self.step_s_at_cap.push(p.step_end_s);
+            self.step_s_at_cap.push((step, p.step_end_s));
         }
         self.observed.push(profile);
         if !self.due() || ddp.comm().world_size() < 2 {
@@ -520,15 +534,60 @@ impl Autotuner {
     /// What the autotuner did, with `ddp`'s caps at the end.
     pub fn report(&self, ddp: &DistributedDataParallel) -> AutotuneReport {
         let (cap_mb, first_bucket_cap_mb) = ddp.bucket_caps();
-        let predicted_step_ms = predicted_at_final_cap(&self.decisions).map(|s| 1e3 * s);
-        let mut at_cap = self.step_s_at_cap.clone();
+        let at = at_final_cap(&self.decisions, self.first_step.unwrap_or(0), &self.step_s_at_cap);
         AutotuneReport {
             cap_mb,
             first_bucket_cap_mb,
-            predicted_step_ms,
-            measured_step_ms: (!at_cap.is_empty()).then(|| 1e3 * median(&mut at_cap)),
+            predicted_step_ms: at.predicted_s.map(|s| 1e3 * s),
+            predicted_steps: at.predicted_steps,
+            measured_step_ms: at.measured_s.map(|s| 1e3 * s),
+            measured_steps: at.measured_steps,
             decisions: self.decisions.clone(),
         }
+    }
+}
+
+/// The predicted and the measured step at the final cap, each with the steps it covers.
+#[derive(Debug, Clone, PartialEq)]
+struct AtFinalCap {
+    predicted_s: Option<f64>,
+    predicted_steps: Option<Range<usize>>,
+    measured_s: Option<f64>,
+    measured_steps: Option<Range<usize>>,
+}
+
+/// The step at the cap in effect after the last of `decisions` (the first observed step was
+/// `first_step`; `step_s_at_cap`: (step, seconds) of the steps run at that cap): predicted as
+/// [`predicted_at_final_cap`] says, and measured over the same steps when the predictions came
+/// from steps run at the cap (the checks since it was set); when the last check set it, its
+/// prediction came from the steps before, and the measurement covers every step since.
+fn at_final_cap(decisions: &[AutotuneDecision], first_step: usize, step_s_at_cap: &[(usize, f64)]) -> AtFinalCap {
+    // a check's steps: those after the check before it (or from the first observed) to its own
+    let window = |i: usize| {
+        let start = if i == 0 { first_step } else { decisions[i - 1].after_step + 1 };
+        start..decisions[i].after_step + 1
+    };
+    let since = decisions.iter().rposition(|d| d.changed).map_or(0, |i| i + 1);
+    let last = decisions.len().checked_sub(1);
+    // the checks since the cap was set, or the one that set it
+    let predicted_steps = last.map(|l| window(since.min(l)).start..window(l).end);
+    let ran_at_cap = since < decisions.len();
+    let measured: Vec<(usize, f64)> = step_s_at_cap
+        .iter()
+        .copied()
+        .filter(|(s, _)| !ran_at_cap || predicted_steps.as_ref().is_some_and(|r| r.contains(s)))
+        .collect();
+    let mut secs: Vec<f64> = measured.iter().map(|&(_, s)| s).collect();
+    let measured_steps = match (measured.first(), measured.last()) {
+        (Some(_), _) if ran_at_cap => predicted_steps.clone(),
+        (Some(&(a, _)), Some(&(b, _))) => Some(a..b + 1),
+        _ => None,
+    };
+    AtFinalCap {
+        predicted_s: predicted_at_final_cap(decisions),
+        predicted_steps,
+        measured_s: (!secs.is_empty()).then(|| median(&mut secs)),
+        measured_steps,
     }
 }
 
@@ -634,6 +693,46 @@ mod rank_profile_tests {
         ]);
         assert_eq!(super::predicted_at_final_cap(&ds), Some(0.33));
         assert_eq!(super::predicted_at_final_cap(&[]), None);
+    }
+
+    #[test]
+    fn the_measured_step_covers_the_steps_the_prediction_came_from() {
+        let d = |after_step: usize, changed: bool, from_s: f64, best_s: f64| super::AutotuneDecision {
+            after_step,
+            steps_observed: 1,
+            from_cap_mb: 25.0,
+            best_cap_mb: 1.0,
+            cap_mb: if changed { 1.0 } else { 25.0 },
+            predicted_from_step_s: from_s,
+            predicted_best_step_s: best_s,
+            changed,
+        };
+        // 3 steps, one check after the cold step 0 (0.9 s), which kept 25 MiB and predicted
+        // 0.8 s from it: the measurement is step 0's too, not the median of the warm 0.2 s ones
+        let times = [(0, 0.9), (1, 0.2), (2, 0.2)];
+        let kept = super::at_final_cap(&[d(0, false, 0.8, 0.85)], 0, &times);
+        assert_eq!(kept.predicted_s, Some(0.8));
+        assert_eq!((kept.predicted_steps, kept.measured_steps), (Some(0..1), Some(0..1)));
+        assert_eq!(kept.measured_s, Some(0.9));
+        // with checks every 2 steps (after 0, 2, 4) of 6: the checks' steps 0..5, not step 5
+        let times = [(0, 0.9), (1, 0.3), (2, 0.3), (3, 0.2), (4, 0.2), (5, 0.1)];
+        let ds = [d(0, false, 0.8, 0.8), d(2, false, 0.3, 0.3), d(4, false, 0.2, 0.2)];
+        let every = super::at_final_cap(&ds, 0, &times);
+        assert_eq!((every.predicted_steps, every.measured_steps), (Some(0..5), Some(0..5)));
+        // median of 0.9, 0.3, 0.3, 0.2, 0.2
+        assert_eq!(every.measured_s, Some(0.3));
+        // the check after step 0 set 1 MiB from step 0's profile: steps 1 and 2 ran at it (the
+        // times of the steps since), and each says which steps it covers
+        let changed = super::at_final_cap(&[d(0, true, 0.8, 0.5)], 0, &[(1, 0.2), (2, 0.4)]);
+        assert_eq!(changed.predicted_s, Some(0.5));
+        assert_eq!(
+            (changed.predicted_steps, changed.measured_steps),
+            (Some(0..1), Some(1..3))
+        );
+        assert_eq!(changed.measured_s, Some(0.4));
+        // no check: nothing predicted, every step measured
+        let none = super::at_final_cap(&[], 3, &[(3, 0.2)]);
+        assert_eq!((none.predicted_steps, none.measured_steps), (None, Some(3..4)));
     }
 
     #[test]
