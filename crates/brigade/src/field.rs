@@ -17,6 +17,21 @@ pub const DECAY_STEPS: &str = "recipe.schedule.decay_steps";
 /// Whether a run records step profiles.
 pub const PROFILE: &str = "runtime.instrument.profile";
 
+/// The bucket cap, in MiB (every bucket but the first).
+pub const BUCKET_CAP: &str = "distributed.ddp.bucket_cap_mb";
+/// The first bucket's cap, in MiB.
+pub const FIRST_BUCKET_CAP: &str = "distributed.ddp.first_bucket_cap_mb";
+
 /// Every field above, longest path first (so that a path is never read as the start of a
 /// longer one).
-pub const ALL: [&str; 7] = [REDUCE_DTYPE, DECAY_STEPS, PROFILE, PRECISION, DEVICE, POLICY, JOIN];
+pub const ALL: [&str; 9] = [
+    FIRST_BUCKET_CAP,
+    BUCKET_CAP,
+    REDUCE_DTYPE,
+    DECAY_STEPS,
+    PROFILE,
+    PRECISION,
+    DEVICE,
+    POLICY,
+    JOIN,
+];

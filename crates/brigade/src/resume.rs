@@ -24,15 +24,19 @@
 //!   change is reported, and what becomes of fp16's loss scale said ([`loss_scale_note`]);
 //! - a sampled run resumed at another batch ([`sampled_batch_note`]) and a dropout run resumed
 //!   on another number of ranks ([`dropout_world_note`]) continue, and are told how their steps
-//!   differ.
+//!   differ;
+//! - other bucket caps than the checkpoint's regroup its buckets, and a policy's state with them
+//!   ([`regrouped_buckets_note`]): the run continues, told it is not the uninterrupted run's bit
+//!   for bit.
 
 use std::collections::HashMap;
 
 use brigade_autograd::LrSchedule;
 
-use crate::checkpoint::WORLD_SIZE_KEY;
+use crate::checkpoint::{DistributedState, WORLD_SIZE_KEY};
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{CheckpointMismatch, Error};
+use crate::field::{BUCKET_CAP, FIRST_BUCKET_CAP};
 use crate::recipe::{schedule_record, HyperparameterChange};
 
 /// `T` of a recorded schedule, if it has one.
@@ -280,6 +284,28 @@ pub fn loss_scale_note(
         )),
         _ => None,
     }
+}
+
+/// What a resume under other bucket caps than its checkpoint's does to a policy that keeps
+/// state (`resumed`: the checkpoint's distributed state): the recorded buckets are regrouped
+/// under this run's caps, and the state with them (error feedback, whatever the policy keeps
+/// beside the buckets it reduces), so the run is not the uninterrupted run's bit for bit from
+/// there. `None` under the recorded caps (a run that tunes the cap continues from them), without
+/// a recorded grouping, or without policy state.
+pub fn regrouped_buckets_note(cfg: &TrainConfig, resumed: &DistributedState) -> Option<String> {
+    let (grouping, ddp) = (resumed.buckets.as_ref()?, cfg.ddp()?);
+    let tuned_from_recorded = cfg.autotunes() && resumed.autotune.is_some_and(|p| p.checks > 0);
+    let caps = (ddp.bucket_cap_mb, ddp.first_bucket_cap_mb);
+    if resumed.policy.is_empty() || tuned_from_recorded || grouping.caps_mb == caps {
+        return None;
+    }
+    let ((was, was_first), (now, now_first)) = (grouping.caps_mb, caps);
+    Some(format!(
+        "the checkpoint's buckets were grouped under {BUCKET_CAP} {was} and {FIRST_BUCKET_CAP} {was_first}; \
+         this run's {BUCKET_CAP} {now} and {FIRST_BUCKET_CAP} {now_first} regroup them, and the policy's state \
+         with them, so the run is not the uninterrupted run's bit for bit from here (resume under the \
+         checkpoint's caps for that)"
+    ))
 }
 
 /// What a sampled run (`--shuffle`) resumed at another number of rows a step per rank does:

@@ -7,7 +7,9 @@ use brigade::field;
 use brigade::plan::{Candidate, Plan};
 
 /// The flag (or the command) that sets each configuration field the library's messages name.
-pub const FIELD_FLAGS: [(&str, &str); 9] = [
+pub const FIELD_FLAGS: [(&str, &str); 11] = [
+    (field::FIRST_BUCKET_CAP, "--first-bucket-mb"),
+    (field::BUCKET_CAP, "--bucket-mb"),
     (field::REDUCE_DTYPE, "--reduce-dtype"),
     (field::DECAY_STEPS, "--lr-decay-steps"),
     (field::PROFILE, "brigade train --profile"),

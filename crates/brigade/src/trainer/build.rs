@@ -15,8 +15,8 @@ use crate::field::{DEVICE, JOIN, POLICY, PRECISION, REDUCE_DTYPE};
 use crate::join::{self, JoinRun};
 use crate::launch::{nccl, RankContext};
 use crate::resume::{
-    check_resume, check_rows_per_step, defaulted_t_note, dropout_world_note, loss_scale_note, sampled_batch_note,
-    ResumeError,
+    check_resume, check_rows_per_step, defaulted_t_note, dropout_world_note, loss_scale_note, regrouped_buckets_note,
+    sampled_batch_note, ResumeError,
 };
 use crate::source::{DataLength, DataOrder, DataSource};
 
@@ -139,6 +139,7 @@ fn resume_notes(cfg: &TrainConfig, r: &Resumed, world: usize) -> Vec<String> {
         loss_scale_note(cfg, &r.metadata, r.loss_scale),
         sampled_batch_note(cfg, &r.metadata),
         dropout_world_note(if drew && draws { r.dropout_rng.len() } else { 0 }, world),
+        regrouped_buckets_note(cfg, &r.distributed),
     ]
     .into_iter()
     .flatten()
