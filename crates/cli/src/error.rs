@@ -73,10 +73,13 @@ pub enum Error {
     },
     /// A study's policy failed while it trained: the study stopped there, and `--out` holds the
     /// `finished` policies of the `of` asked for that finished before it, written before this
-    /// error (none: nothing written); the later policies did not run.
-    #[error("--policy {policy} failed, so the study stopped: {}; {}", in_flag_terms(.source), match .finished {
+    /// error (none: nothing written); the `not_run` policies after it did not run.
+    #[error("--policy {policy} failed, so the study stopped: {}; {}{}", in_flag_terms(.source), match .finished {
         0 => "no policy finished before it: nothing was written to --out".to_string(),
         n => format!("--out holds the {n} of {} policies that finished before it", .of),
+    }, match .not_run.len() {
+        0 => String::new(),
+        _ => format!("; not run: {}", .not_run.join(", ")),
     })]
     StudyPolicyFailed {
         /// The policy's spec.
@@ -87,6 +90,8 @@ pub enum Error {
         finished: usize,
         /// Policies the study was to run.
         of: usize,
+        /// The specs of the policies after it, which did not run.
+        not_run: Vec<String>,
     },
     /// The library's error (launching, training, checkpoints, models, collectives).
     #[error("{}", in_flag_terms(.0))]
@@ -291,5 +296,26 @@ mod tests {
             line.starts_with("rank 1 of 2: checkpoint c.ckpt: ") && line.contains("--zero 1, this run has --zero 2"),
             "{line}"
         );
+    }
+    #[test]
+    fn a_study_stopped_by_a_failed_policy_names_the_policies_that_did_not_run() {
+        let failed = |not_run: &[&str]| {
+            Error::StudyPolicyFailed {
+                policy: "int8".into(),
+                source: Box::new(brigade::Error::Launch("rank 1 is gone".into())),
+                finished: 1,
+                of: 2 + not_run.len(),
+                not_run: not_run.iter().map(|p| p.to_string()).collect(),
+            }
+            .to_string()
+        };
+        let line = failed(&["topk:0.01", "fp16"]);
+        assert!(
+            line.starts_with("--policy int8 failed, so the study stopped: rank 1 is gone; ")
+                && line.contains("the 1 of 4 policies that finished before it")
+                && line.ends_with("; not run: topk:0.01, fp16"),
+            "{line}"
+        );
+        assert!(!failed(&[]).contains("not run"), "the last policy leaves none unrun");
     }
 }

@@ -124,7 +124,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
         |_ctx| Ok(kind.build(a.model.seed)?),
     );
     // a policy that failed while it trained: the policies before it are written, then its error
-    let (results, failed) = finished_policies(studied?, names.len());
+    let (results, failed) = finished_policies(studied?, &names);
     let interrupted = failed.is_none() && results.len() < names.len();
     if results.is_empty() {
         if let Some(failed) = failed {
@@ -165,19 +165,20 @@ pub fn study(s: StudyArgs) -> Result<()> {
     Ok(())
 }
 
-/// The policies a study finished, and the error that stopped it early (a policy that failed
-/// while it trained, in the flags' terms).
-fn finished_policies(studied: brigade::study::Studied, of: usize) -> (Vec<PolicyStudy>, Option<Error>) {
+/// The policies a study of `names` finished, and the error that stopped it early (a policy that
+/// failed while it trained, in the flags' terms, naming the policies after it that did not run).
+fn finished_policies(studied: brigade::study::Studied, names: &[String]) -> (Vec<PolicyStudy>, Option<Error>) {
     let failed = studied.stopped.map(|e| match e {
         brigade::Error::StudyPolicyFailed {
             policy,
             finished,
             source,
         } => Error::StudyPolicyFailed {
+            not_run: names.iter().skip_while(|n| **n != policy).skip(1).cloned().collect(),
             policy,
             source,
             finished,
-            of,
+            of: names.len(),
         },
         e => e.into(),
     });
