@@ -384,7 +384,9 @@ pub struct CheckpointConfig {
     /// Write a checkpoint here at the end, and every `every` steps. `{step}` in the file name
     /// is replaced by the step the checkpoint resumes at (`run-{step}.ckpt` gives
     /// `run-25.ckpt` for the state after 25 steps), so that a run keeps each one; without it
-    /// each checkpoint replaces the last. Every write is atomic (a temporary file renamed).
+    /// each checkpoint replaces the last. `{step}` is the one placeholder: another `{...}`
+    /// (`{STEP}`, `{rank}`) is refused ([`Error::NotAPlaceholder`]).
+    /// Every write is atomic (a temporary file renamed).
     /// [`CheckpointConfig::check_files`] refuses a path that may land on another file of the
     /// run, before step 0.
     pub path: Option<PathBuf>,

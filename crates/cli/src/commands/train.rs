@@ -88,7 +88,8 @@ pub struct TrainArgs {
     /// Write parameters and optimizer state here at the end (and every --checkpoint-every
     /// steps, during the step it resumes once that step's loss is finite); also when no step
     /// runs. `{step}` in the file name becomes the step the checkpoint resumes at
-    /// (`run-{step}.ckpt`), so that each is kept; without it each replaces the last. Refused
+    /// (`run-{step}.ckpt`), so that each is kept; without it each replaces the last. It is the
+    /// one placeholder: another `{...}` (`{STEP}`, `{rank}`) is refused. Refused
     /// before step 0 when any step's name (a signal or the end of --join's data writes at
     /// other steps than the period's) is a file the run reads or another output.
     #[arg(long)]
