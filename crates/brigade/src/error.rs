@@ -84,7 +84,9 @@ pub enum Error {
     CheckpointClash(Box<FileClash>),
     /// A path that takes `{step}` holds another `{...}` token (`{STEP}`, `{rank}`): typed as a
     /// placeholder, it would stay in the file name as it is (found before step 0).
-    #[error("{field} '{path}': {token} is not a placeholder; the one placeholder there is {{step}} (the checkpoint's step)")]
+    #[error(
+        "{field} '{path}': {token} is not a placeholder; the one placeholder there is {{step}} (the checkpoint's step)"
+    )]
     NotAPlaceholder {
         /// The configuration field of the path (`checkpoint_files::PATH_FIELD`).
         field: &'static str,

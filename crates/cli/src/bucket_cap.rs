@@ -229,7 +229,10 @@ mod tests {
     #[test]
     fn the_summary_says_which_steps_the_predicted_and_the_measured_step_cover() {
         assert_eq!(autotune_steps(&report(Some(0..1), Some(0..1))), "(medians over step 0)");
-        assert_eq!(autotune_steps(&report(Some(0..5), Some(0..5))), "(medians over steps 0..5)");
+        assert_eq!(
+            autotune_steps(&report(Some(0..5), Some(0..5))),
+            "(medians over steps 0..5)"
+        );
         let apart = autotune_steps(&report(Some(0..1), Some(1..3)));
         assert!(
             apart.contains("predicted from step 0 at the cap before") && apart.contains("measured over steps 1..3"),

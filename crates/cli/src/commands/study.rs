@@ -33,9 +33,8 @@ use plotters::prelude::*;
 use crate::args::{listed_once, RunArgs};
 use crate::commands::predict::MAX_WORLD;
 use crate::commands::sweep_args::make_out_dir;
-use crate::outputs::MadeDirs;
 use crate::error::{Error, Result};
-use crate::outputs::{check_outputs, write_atomic, Output};
+use crate::outputs::{check_outputs, write_atomic, MadeDirs, Output};
 use crate::policy::{parse_entry, registry, resolve};
 use crate::report::stdout::outln;
 use crate::run::{into_library, launch_config, setup, train_config, LateHeldOut, RunOptions};
@@ -108,11 +107,11 @@ pub fn study(s: StudyArgs) -> Result<()> {
     let cfg = train_config(a, &opts, &late)?;
     let kind = a.model.kind();
     let names: Vec<String> = specs.iter().map(|p| p.to_string()).collect();
-    // the library's own checks of the request last, so that --tensorboard's directories are
-    // removed again when it refuses
     // --out (and its parents) made here are removed again when the study is refused or ends
     // with nothing written
     let made = MadeDirs::missing(&s.out);
+    // the library's own checks of the request last, so that --tensorboard's directories are
+    // removed again when it refuses
     check_study_outputs(&s, &names, || Ok(brigade::study::check(&cfg, &names, &sc)?))?;
     let studied = brigade::study::study(
         &launch_config(a, &opts),

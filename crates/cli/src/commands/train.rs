@@ -227,8 +227,12 @@ impl TrainArgs {
         // `{step}` is a checkpoint's (one file a step); any other output is written once, and
         // no other `{...}` is a placeholder in an output
         for o in outputs.iter().filter(|o| o.flag != "--checkpoint") {
-            let token = stray_placeholder(&o.path)
-                .or_else(|| o.path.to_string_lossy().contains("{step}").then(|| "{step}".to_string()));
+            let token = stray_placeholder(&o.path).or_else(|| {
+                o.path
+                    .to_string_lossy()
+                    .contains("{step}")
+                    .then(|| "{step}".to_string())
+            });
             if let Some(token) = token {
                 return Err(Error::Usage(format!(
                     "{} {}: {token} is not a placeholder there: {} is written once, at the end ({{step}} names each checkpoint's step in --checkpoint)",

@@ -350,13 +350,36 @@ fn diloco_and_streaming_diloco_resume_exactly_at_a_sync_and_mid_period() {
 fn a_resume_under_other_bucket_caps_notes_that_the_policys_state_is_regrouped() {
     let dir = common::dir("policy-resume-regrouped");
     let ck = dir.join("ck.safetensors");
-    let int8 = ["--policy", "int8", "--world-size", "2", "--bucket-mb", "0.01", "--first-bucket-mb", "0.01"];
-    ok(&cat(&[&["train"], MLP, &int8, &["--steps", "2", "--checkpoint", s(&ck)]]));
+    let int8 = [
+        "--policy",
+        "int8",
+        "--world-size",
+        "2",
+        "--bucket-mb",
+        "0.01",
+        "--first-bucket-mb",
+        "0.01",
+    ];
+    ok(&cat(&[
+        &["train"],
+        MLP,
+        &int8,
+        &["--steps", "2", "--checkpoint", s(&ck)],
+    ]));
     let resume = |caps: &[&str]| {
         let out = brigade(&cat(&[
             &["train"],
             MLP,
-            &["--policy", "int8", "--world-size", "2", "--steps", "4", "--resume", s(&ck)],
+            &[
+                "--policy",
+                "int8",
+                "--world-size",
+                "2",
+                "--steps",
+                "4",
+                "--resume",
+                s(&ck),
+            ],
             caps,
         ]));
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -366,7 +389,10 @@ fn a_resume_under_other_bucket_caps_notes_that_the_policys_state_is_regrouped() 
     let same = resume(&["--bucket-mb", "0.01", "--first-bucket-mb", "0.01"]);
     assert!(!same.contains(note), "{same}");
     let other = resume(&["--bucket-mb", "25", "--first-bucket-mb", "1"]);
-    let line = other.lines().find(|l| l.contains(note)).unwrap_or_else(|| panic!("{other}"));
+    let line = other
+        .lines()
+        .find(|l| l.contains(note))
+        .unwrap_or_else(|| panic!("{other}"));
     assert!(
         line.starts_with("note: ")
             && line.contains("grouped under --bucket-mb 0.01 and --first-bucket-mb 0.01")

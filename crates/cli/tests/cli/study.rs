@@ -1011,14 +1011,35 @@ fn a_refused_study_leaves_no_directory_it_made() {
         &[
             &run,
             LINK,
-            &["--steps", "1", "--target-loss", "0.5", "--out", s(&out), "--tensorboard", s(&tb)],
+            &[
+                "--steps",
+                "1",
+                "--target-loss",
+                "0.5",
+                "--out",
+                s(&out),
+                "--tensorboard",
+                s(&tb),
+            ],
         ]
         .concat(),
     );
     assert!(e.contains("warm-up"), "{e}");
-    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "nothing is left in {}", d.display());
+    assert_eq!(
+        std::fs::read_dir(&d).unwrap().count(),
+        0,
+        "nothing is left in {}",
+        d.display()
+    );
     // a directory that was there stays
     std::fs::create_dir(d.join("was")).unwrap();
-    fails(&[&run, LINK, &["--steps", "1", "--target-loss", "0.5", "--out", s(&d.join("was"))]].concat());
+    fails(
+        &[
+            &run,
+            LINK,
+            &["--steps", "1", "--target-loss", "0.5", "--out", s(&d.join("was"))],
+        ]
+        .concat(),
+    );
     assert!(d.join("was").is_dir());
 }

@@ -564,7 +564,11 @@ struct AtFinalCap {
 fn at_final_cap(decisions: &[AutotuneDecision], first_step: usize, step_s_at_cap: &[(usize, f64)]) -> AtFinalCap {
     // a check's steps: those after the check before it (or from the first observed) to its own
     let window = |i: usize| {
-        let start = if i == 0 { first_step } else { decisions[i - 1].after_step + 1 };
+        let start = if i == 0 {
+            first_step
+        } else {
+            decisions[i - 1].after_step + 1
+        };
         start..decisions[i].after_step + 1
     };
     let since = decisions.iter().rposition(|d| d.changed).map_or(0, |i| i + 1);
