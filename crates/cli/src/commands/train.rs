@@ -225,20 +225,18 @@ impl TrainArgs {
         self.check_checkpoint_flags()?;
         let outputs = self.outputs();
         // `{step}` is a checkpoint's (one file a step); any other output is written once, and
-        // no other `{...}` is a placeholder in an output
+        // no `{...}` is a placeholder there
         for o in outputs.iter().filter(|o| o.flag != "--checkpoint") {
-            let token = stray_placeholder(&o.path).or_else(|| {
-                o.path
-                    .to_string_lossy()
-                    .contains("{step}")
-                    .then(|| "{step}".to_string())
-            });
-            if let Some(token) = token {
+            let (flag, path) = (&o.flag, o.path.display());
+            let once = format!("{flag} is written once, at the end");
+            if o.path.to_string_lossy().contains("{step}") {
                 return Err(Error::Usage(format!(
-                    "{} {}: {token} is not a placeholder there: {} is written once, at the end ({{step}} names each checkpoint's step in --checkpoint)",
-                    o.flag,
-                    o.path.display(),
-                    o.flag
+                    "{flag} {path}: {{step}} names each checkpoint's step in --checkpoint; {once}"
+                )));
+            }
+            if let Some(token) = stray_placeholder(&o.path) {
+                return Err(Error::Usage(format!(
+                    "{flag} {path}: {token} is not a placeholder ({{step}}, in --checkpoint, is the one there is); {once}"
                 )));
             }
         }
