@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Buffer, CommError, DType, ReduceOp, Work};
+use crate::{Buffer, CommError, DType, OpTiming, ReduceOp, Work};
 
 /// One rank's view of a group of `world_size` ranks. Every collective is issued at once and
 /// returns a [`Work`] handle; collectives execute on this rank's comm stream in the order they
@@ -39,6 +39,14 @@ pub trait Communicator: Send + Sync {
         self.all_reduce(buf, op, tag).wait()
     }
 
+    /// [`Communicator::all_reduce_blocking`], also returning when the collective started and
+    /// finished on the comm stream: on a simulated link, its slot, the same instants on every
+    /// rank sharing the link (the instant the call returns is each rank's own, later where a
+    /// busy core kept the transfer in memory past the slot or the thread from waking).
+    fn all_reduce_blocking_timed(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<(Buffer, OpTiming), CommError> {
+        self.all_reduce(buf, op, tag).wait_timed()
+    }
+
     /// Copies `root`'s buffer into every rank's buffer (same length on every rank).
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer>;
 
@@ -71,6 +79,14 @@ macro_rules! forward_communicator {
             }
             fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
                 (**self).all_reduce_blocking(buf, op, tag)
+            }
+            fn all_reduce_blocking_timed(
+                &self,
+                buf: Buffer,
+                op: ReduceOp,
+                tag: &str,
+            ) -> Result<(Buffer, OpTiming), CommError> {
+                (**self).all_reduce_blocking_timed(buf, op, tag)
             }
             fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {
                 (**self).broadcast(buf, root, tag)

@@ -11,7 +11,7 @@ use std::thread::{self, ThreadId};
 use std::time::{Duration, Instant};
 
 use crate::work::Due;
-use crate::{CommError, NetModel, RingOp, Work};
+use crate::{CommError, NetModel, OpTiming, RingOp, Work};
 
 /// One simulated link shared by every rank of a group: what a real ring is. Collective `k`
 /// (the `k`-th collective each rank issues through its simulated stream) starts on the link
@@ -404,20 +404,21 @@ impl LinkStage {
 
     /// The link's part of a blocking collective `kind` on `bytes` bytes, issued with `ticket`,
     /// whose transfer the caller just ran (`transferred`), while the link was [`LinkStage::idle`]: it takes its slot
-    /// as [`LinkStage::delay`] would and returns at the slot's finish, on the caller's thread.
+    /// as [`LinkStage::delay`] would and returns at the slot's finish, on the caller's thread,
+    /// with the slot (the same instants on every rank of a [`SharedLink`]).
     pub(crate) fn hold<T>(
         &self,
         ticket: Ticket,
         kind: RingOp,
         bytes: usize,
         transferred: Result<T, CommError>,
-    ) -> Result<T, CommError> {
+    ) -> Result<(T, OpTiming), CommError> {
         let _turn = self.turn(&ticket);
         let value = transferred?;
         let model_time = self.model.time(kind, bytes, self.world);
-        let (_, finish) = lock(&self.clock).slot(&ticket, Instant::now(), model_time);
-        sleep_until(finish);
-        Ok(value)
+        let (started, finished) = lock(&self.clock).slot(&ticket, Instant::now(), model_time);
+        sleep_until(finished);
+        Ok((value, OpTiming { started, finished }))
     }
 
     /// The link model.

@@ -23,13 +23,13 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::communicator::{pack_with_side, unpack_with_side};
 use crate::error::panic_message;
 use crate::sim::{LinkStage, SharedLink};
 use crate::trace::Tracing;
-use crate::{Buffer, CommError, Communicator, NetModel, Recorder, ReduceOp, RingOp, Work};
+use crate::{Buffer, CommError, Communicator, NetModel, OpTiming, Recorder, ReduceOp, RingOp, Work};
 
 /// A synchronous, blocking per-rank backend: each call performs one collective with the peers
 /// and returns when this rank's part is done. A backend implements only this; [`CommStream`]
@@ -225,6 +225,17 @@ impl<T: Transport> CommStream<T> {
     /// the calling thread (simulated: nothing in flight on the link, and the caller then waits
     /// the link's time itself).
     pub fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
+        self.all_reduce_blocking_timed(buf, op, tag).map(|(buf, _)| buf)
+    }
+
+    /// See [`Communicator::all_reduce_blocking_timed`]: [`CommStream::all_reduce_blocking`] with
+    /// when the collective started and finished (on a simulated link, its slot).
+    pub fn all_reduce_blocking_timed(
+        &self,
+        buf: Buffer,
+        op: ReduceOp,
+        tag: &str,
+    ) -> Result<(Buffer, OpTiming), CommError> {
         if let (None, Some(link)) = (&self.tracing, &self.link) {
             // simulated and idle: the transfer on this thread, then the link's time
             if link.idle() {
@@ -239,9 +250,11 @@ impl<T: Transport> CommStream<T> {
             }
         }
         if self.tracing.is_some() || self.link.is_some() {
-            return self.all_reduce(buf, op, tag).wait();
+            return self.all_reduce(buf, op, tag).wait_timed();
         }
-        self.run_now(tag, all_reduce_op(buf, op))
+        let started = Instant::now();
+        let buf = self.run_now(tag, all_reduce_op(buf, op))?;
+        Ok((buf, OpTiming { started, finished: Instant::now() }))
     }
 
     /// The transport, taken from the stream if it is idle (nothing queued, nothing running),
@@ -479,6 +492,10 @@ impl<T: Transport> Communicator for CommStream<T> {
 
     fn all_reduce_blocking(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<Buffer, CommError> {
         CommStream::all_reduce_blocking(self, buf, op, tag)
+    }
+
+    fn all_reduce_blocking_timed(&self, buf: Buffer, op: ReduceOp, tag: &str) -> Result<(Buffer, OpTiming), CommError> {
+        CommStream::all_reduce_blocking_timed(self, buf, op, tag)
     }
 
     fn broadcast(&self, buf: Buffer, root: usize, tag: &str) -> Work<Buffer> {

@@ -29,6 +29,9 @@ struct StepStatus {
     next_active: Option<Vec<f32>>,
     /// Bytes each rank handed to the agreement's all-reduce (0 on one rank: none ran).
     bytes: usize,
+    /// When the agreement's all-reduce finished (its slot's finish on a simulated link, the
+    /// same instant on every rank); `None` on one rank.
+    finished: Option<Instant>,
 }
 
 impl Trainer<'_> {
@@ -68,7 +71,7 @@ impl Trainer<'_> {
         let lr = self.schedule.apply(self.replica.opt.as_mut(), s as u64);
         let (scale, skipped_before) = (self.replica.opt.loss_scale(), self.replica.opt.skipped_steps());
         let local_loss = self.forward_backward(has_data)?;
-        let status = self.agree_on_loss(local_loss, agreement.as_ref())?;
+        let status = self.agree_on_loss(local_loss, agreement.as_ref(), t0)?;
         self.scale_for_active(agreement.as_ref())?;
         let checkpoint_sent = self.checkpoint_if_due()?;
         let (grad_norm, optimizer) = {
@@ -206,11 +209,20 @@ impl Trainer<'_> {
 
     /// The ranks' agreement on the step's loss and on stopping ([`Trainer::agree`]), the join's
     /// record of who has data next; fails with [`Error::NonFinite`] when the mean loss is not
-    /// finite (unless `allow_nonfinite`).
-    fn agree_on_loss(&mut self, local_loss: f64, agreement: Option<&Agreement>) -> Result<StepStatus> {
+    /// finite (unless `allow_nonfinite`). `step_start`: when the step started, the origin of its
+    /// profile's times.
+    fn agree_on_loss(
+        &mut self,
+        local_loss: f64,
+        agreement: Option<&Agreement>,
+        step_start: Instant,
+    ) -> Result<StepStatus> {
         let (s, world) = (self.at.next_step, self.ctx.world_size);
         let mut status = self.agree(local_loss, agreement)?;
-        self.records.step_control = self.control_collective(status.bytes);
+        let finish_s = status
+            .finished
+            .map(|f| f.saturating_duration_since(step_start).as_secs_f64());
+        self.records.step_control = self.control_collective(status.bytes, finish_s);
         if let (Some(j), Some(slots)) = (self.feed.join.as_mut(), status.next_active.take()) {
             j.agreed_next(s, &slots);
         }
@@ -230,8 +242,9 @@ impl Trainer<'_> {
     }
 
     /// The agreement's all-reduce of `bytes` as the step's profile records it, with the time it
-    /// held a simulated link (none when it did not run).
-    fn control_collective(&self, bytes: usize) -> Vec<ControlProfile> {
+    /// held a simulated link and when it finished (`finish_s`, from the step's start); none when
+    /// it did not run.
+    fn control_collective(&self, bytes: usize, finish_s: Option<f64>) -> Vec<ControlProfile> {
         if bytes == 0 {
             return vec![];
         }
@@ -242,6 +255,7 @@ impl Trainer<'_> {
             op: WireOp::AllReduce,
             bytes,
             link_s,
+            finish_s,
         }]
     }
 
@@ -482,6 +496,7 @@ impl Trainer<'_> {
                 stop,
                 next_active: None,
                 bytes: 0,
+                finished: None,
             });
         }
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
@@ -494,10 +509,10 @@ impl Trainer<'_> {
             .map(|j| j.next_slots(rank, world, self.at.next_step));
         mine.extend(next.iter().flatten());
         let expected = mine.len();
-        let all = self
+        let (all, timing) = self
             .ctx
             .comm
-            .all_reduce_blocking(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)?;
+            .all_reduce_blocking_timed(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)?;
         let Some((&[loss, nonfinite, stop], slots)) = all
             .as_f32()
             .filter(|v| v.len() == expected)
@@ -521,6 +536,7 @@ impl Trainer<'_> {
             stop: stop > 0.0,
             next_active: next.map(|_| slots.to_vec()),
             bytes: 4 * expected,
+            finished: Some(timing.finished),
         })
     }
 }

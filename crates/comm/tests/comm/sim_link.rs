@@ -137,6 +137,36 @@ fn a_blocking_all_reduce_on_the_caller_takes_its_slot_on_the_shared_link() {
 }
 
 #[test]
+fn a_timed_blocking_all_reduce_returns_the_slot_every_rank_shares() {
+    // rank 0 agrees through the blocking call on its own thread, rank 1 after a pause (it comes
+    // late) through the same call: each returns when its own thread got back, and both report
+    // the one slot, starting when the last rank came and lasting the model's time
+    let link = SharedLink::new(model());
+    let t = run_on_threads_with_timeout(2, TIMEOUT, |comm| {
+        let sim = comm.on_link(&link);
+        if sim.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        let (agreed, timing) = sim
+            .all_reduce_blocking_timed(Buffer::F32(vec![1.0; 3]), ReduceOp::Sum, "agree")
+            .unwrap();
+        assert_eq!(agreed.as_f32().unwrap(), &[2.0; 3]);
+        timing
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect::<Vec<_>>();
+    assert_eq!(t[0].started, t[1].started, "the ranks report other slots");
+    assert_eq!(t[0].finished, t[1].finished);
+    let link_s = (t[0].finished - t[0].started).as_secs_f64();
+    let want = model().time(brigade_comm::RingOp::AllReduce, 12, 2).as_secs_f64();
+    assert!(
+        (link_s - want).abs() < 1e-6,
+        "{link_s} s on the link, the model says {want} s"
+    );
+}
+
+#[test]
 fn a_collectives_slot_counts_from_when_the_last_comm_thread_took_it_up() {
     // Each rank first queues a 64 MiB all-reduce on a plain handle of its stream (no link), then
     // a 64 MiB one on the link, so fast that its model time is microseconds. The comm thread

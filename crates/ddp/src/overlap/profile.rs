@@ -43,7 +43,9 @@
 //! itself, outside DDP's buckets and the policy (the ranks' agreement on the loss, between the
 //! last bucket and the optimizer): `{ "op": "all_reduce", "bytes": 12, "link_s": 4.0e-5 }`, with
 //! the seconds it held a simulated link (0 on a link that was not simulated), so that the replay
-//! prices it on another link and world.
+//! prices it on another link and world. Its `finish_s` (when it finished on the rank's clock,
+//! an instant every rank shares: [`StepProfile::clock_offsets`]) is absent from profiles written
+//! before it was recorded: those take the ranks' clocks from their buckets as before.
 //!
 //! `gathers` (absent unless the policy shards the parameters: ZeRO-3) lists the all-gathers of a
 //! unit's parameters in issue order: the unit, the gathered buffer's bytes, the pass it served,
@@ -291,6 +293,11 @@ pub struct ControlProfile {
     /// Seconds it held the link as the run's link priced it: the simulated link's ring time, 0
     /// on a link that was not simulated (its time is then in the recorded span).
     pub link_s: f64,
+    /// When it finished, on the rank's step clock: a simulated link's slot finish (the same
+    /// instant on every rank: a blocking collective every rank leaves together), else the
+    /// instant it returned. Absent from profiles written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_s: Option<f64>,
 }
 
 /// One recorded step on every rank.
@@ -442,11 +449,35 @@ impl StepProfile {
     /// How far each rank's clock runs ahead of rank 0's, in seconds: a time `t` in rank `r`'s
     /// entry is `t - offsets[r]` on rank 0's clock. Every rank stamps its times from the start of
     /// its own step, and the steps do not start together (each rank starts its next step after
-    /// its own optimizer, and ranks sharing cores start them far apart), while a collective
-    /// starts on the link at one instant on every rank: the offset is the median over the
-    /// buckets both ranks recorded of the difference of their starts. A rank with no recorded
-    /// buckets gets 0.
+    /// its own optimizer, and ranks sharing cores start them far apart): the offsets come from an
+    /// instant every rank shares. The ranks' agreement on the loss, a blocking collective every
+    /// rank leaves together, gives one when every rank recorded its finish
+    /// ([`ControlProfile::finish_s`]); a bucket's start does not always (a chained policy's
+    /// bucket, PowerSGD's, starts on each rank when its own previous chain ended). Without it, a
+    /// collective starts on the link at one instant on every rank: the offset is the median over
+    /// the buckets both ranks recorded of the difference of their starts. A rank with neither
+    /// gets 0.
     pub fn clock_offsets(&self) -> Vec<f64> {
+        match self.agreement_finishes() {
+            Some(ends) => ends.iter().map(|e| e - ends[0]).collect(),
+            None => self.bucket_start_offsets(),
+        }
+    }
+
+    /// Whether [`StepProfile::clock_offsets`] come from the ranks' agreement on the loss (every
+    /// rank recorded its finish), not from the buckets' starts.
+    pub fn agreed_clocks(&self) -> bool {
+        self.agreement_finishes().is_some()
+    }
+
+    /// Each rank's finish of the agreement on the loss, when every rank recorded it.
+    fn agreement_finishes(&self) -> Option<Vec<f64>> {
+        let finish = |r: &RankProfile| r.control.first().and_then(|c| c.finish_s);
+        self.ranks.iter().map(finish).collect()
+    }
+
+    /// [`StepProfile::clock_offsets`] from the buckets' starts alone.
+    fn bucket_start_offsets(&self) -> Vec<f64> {
         let zero = self.ranks.first().map(|r| &r.buckets[..]).unwrap_or(&[]);
         self.ranks
             .iter()
@@ -678,11 +709,16 @@ impl RankProfile {
                 ("the policy's in_flight_until_s", p.in_flight_until_s.unwrap_or(0.0)),
             ]
         });
+        let control = self
+            .control
+            .iter()
+            .map(|c| ("a control collective's finish_s", c.finish_s.unwrap_or(0.0)));
         spans
             .into_iter()
             .chain(ready)
             .chain(buckets)
             .chain(gathers)
             .chain(policy)
+            .chain(control)
     }
 }

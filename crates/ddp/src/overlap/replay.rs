@@ -986,11 +986,12 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64, control: &dyn F
     // collective is priced apart, and a wait behind an earlier step's sync, whose priced share
     // is charged apart), the optimizer with the policy's after-step compute, and the rest of
     // the step; the after-step collectives it recorded are replaced by their priced share.
+    // `waited`: what of the gap the rank waited for the others, which the replay charges itself.
     let held = held_by_earlier_syncs(ranks);
-    let after_backward = |r: &RankProfile| {
+    let after_backward = |r: &RankProfile, waited: f64| {
         let recorded_link = r.policy_s.map_or(0.0, |p| p.after_step_link_s);
         let control_link: f64 = r.control.iter().map(|c| c.link_s).sum();
-        (r.optimizer_start_s - r.waited_until() - held - control_link).max(0.0)
+        (r.optimizer_start_s - r.waited_until() - held - control_link - waited).max(0.0)
             + (r.optimizer_end_s - r.optimizer_start_s - recorded_link).max(0.0)
             + (r.step_end_s - r.optimizer_end_s).max(0.0)
     };
@@ -1003,19 +1004,36 @@ fn steps(profile: &StepProfile, clock: &Clock, last_finish: f64, control: &dyn F
             .iter()
             .enumerate()
             .map(|(r, p)| {
-                p.backward_end_s - clock.recorded[r].iter().map(|g| g.waited).sum::<f64>() + after_backward(p)
+                p.backward_end_s - clock.recorded[r].iter().map(|g| g.waited).sum::<f64>() + after_backward(p, 0.0)
             })
             .collect(),
     );
+    // On clocks set by the agreement ([`StepProfile::agreed_clocks`]) each rank's gap holds its
+    // wait there for the last rank to arrive (on a chained policy or on buckets that moved
+    // nothing the ranks leave their buckets apart): the replay charges the wait for the last
+    // rank's predicted end instead. On clocks set by the buckets' starts the ranks left their
+    // last bucket together, and each rank goes on from its own end.
+    let agreed = profile.agreed_clocks();
+    let arrived = ranks
+        .iter()
+        .zip(&clock.offsets)
+        .map(|(p, o)| p.waited_until() - o)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let last_end = clock.backward_end().max(last_finish);
     let predicted_step = mean(
         ranks
             .iter()
             .enumerate()
             .zip(&clock.offsets)
             .map(|((r, p), o)| {
-                let end = clock.moved(r, p.backward_end_s - o) + o;
                 let control_s = p.control.iter().map(|c| c.link_s).sum::<f64>() + control(p);
-                end.max(last_finish + o) + after_backward(p) + control_s.max(0.0)
+                let through = if agreed {
+                    last_end + o + after_backward(p, arrived - (p.waited_until() - o))
+                } else {
+                    let end = clock.moved(r, p.backward_end_s - o) + o;
+                    end.max(last_finish + o) + after_backward(p, 0.0)
+                };
+                through + control_s.max(0.0)
             })
             .collect(),
     );

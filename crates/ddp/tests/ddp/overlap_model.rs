@@ -1061,6 +1061,7 @@ fn the_steps_own_collectives_separate_the_latency_from_the_bytes_of_one_sync() {
             op: WireOp::AllReduce,
             bytes: 12,
             link_s: agree,
+            finish_s: None,
         }];
     }
     let link = brigade_ddp::overlap::measured_link(&[&p]).unwrap().unwrap();
@@ -1604,4 +1605,69 @@ fn a_bucket_start_from_before_it_was_handed_over_does_not_set_the_clocks() {
         ];
     }
     close(p.clock_offsets()[1], -0.001, "rank 1's clock");
+}
+
+#[test]
+fn a_ranks_wait_at_the_agreement_for_the_last_rank_is_charged_once() {
+    use brigade_ddp::overlap::ControlProfile;
+    use brigade_ddp::policy::WireOp;
+    // Both 1 MiB gradients ready at 10 ms on both ranks. Rank 0 left its bucket at 12 ms, rank
+    // 1 at 11 ms (its own compute after the collective ended sooner); both met at the loss
+    // agreement, which finished at 12.5 ms on both, and stepped 13..14 ms: rank 1's gap after
+    // its bucket holds 1 ms of waiting for rank 0. Replayed, the bucket ends at 13.953125 ms
+    // on both and both wait for it there: the step is the one with rank 1 leaving at 12 ms.
+    let step = |rank1_left: f64| {
+        let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+        for (i, r) in p.ranks.iter_mut().enumerate() {
+            let left = if i == 1 { rank1_left } else { 0.012 };
+            r.buckets = vec![recorded(vec![1, 0], 2 * MIB, 0.010, 0.010, left)];
+            r.control = vec![ControlProfile {
+                op: WireOp::AllReduce,
+                bytes: 12,
+                link_s: 0.0,
+                finish_s: Some(0.0125),
+            }];
+            (r.optimizer_start_s, r.optimizer_end_s, r.step_end_s) = (0.013, 0.014, 0.014);
+        }
+        replay(&p, &cfg(100.0, 100.0)).unwrap().predicted_step_s
+    };
+    close(step(0.011), step(0.012), "the step with rank 1's wait in its gap");
+}
+
+#[test]
+fn the_ranks_clocks_are_set_by_the_agreement_every_rank_leaves_together() {
+    use brigade_ddp::overlap::ControlProfile;
+    use brigade_ddp::policy::WireOp;
+    // Rank 1's clock runs 1 ms behind rank 0's. A chained policy's buckets (PowerSGD's P and Q
+    // all-reduces, a bucket at a time) start on each rank when its own previous chain ended:
+    // bucket 1 at 12 ms on rank 0, at 12.5 ms (rank 0's clock) on rank 1, whose orthogonalising
+    // took 0.5 ms longer. The loss agreement, a blocking all-reduce, finished at 15 ms on rank
+    // 0's clock on both: 14 ms on rank 1's. The bucket starts alone would say 0.5 ms.
+    let mut p = profile(&[(MIB, 0.010), (MIB, 0.010)], 0.010);
+    for (r, rank) in p.ranks.iter_mut().enumerate() {
+        let (shift, late) = if r == 1 { (-0.001, 0.0005) } else { (0.0, 0.0) };
+        rank.buckets = vec![
+            recorded(vec![1], MIB, 0.010, 0.0, 0.012 + late + shift),
+            recorded(vec![0], MIB, 0.010, 0.012 + late + shift, 0.014 + shift),
+        ];
+        rank.control = vec![ControlProfile {
+            op: WireOp::AllReduce,
+            bytes: 12,
+            link_s: 0.0,
+            finish_s: Some(0.015 + shift),
+        }];
+    }
+    close(p.clock_offsets()[1], -0.001, "rank 1's clock");
+    // a profile written before the agreement's finish was recorded reads, and takes the clocks
+    // from the bucket starts
+    let mut json = serde_json::to_value(&p).unwrap();
+    for rank in json["ranks"].as_array_mut().unwrap() {
+        rank["control"][0].as_object_mut().unwrap().remove("finish_s").unwrap();
+    }
+    let old: StepProfile = serde_json::from_value(json).unwrap();
+    assert!(old.ranks.iter().all(|r| r.control[0].finish_s.is_none()));
+    close(old.clock_offsets()[1], -0.0005, "rank 1's clock from the buckets");
+    // one rank without it: every rank's clock from the buckets
+    p.ranks[1].control[0].finish_s = None;
+    close(p.clock_offsets()[1], -0.0005, "rank 1's clock from the buckets");
 }
