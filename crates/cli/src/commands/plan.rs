@@ -80,6 +80,9 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         });
         Error::Usage(crate::argv::in_flag_terms(&named))
     })?;
+    for note in &p.notes {
+        eprintln!("note: {note}");
+    }
     if a.json {
         outln!(
             "{}",

@@ -998,3 +998,49 @@ fn a_policy_spec_of_a_tiny_number_names_its_tensorboard_directory_in_exponent_fo
     assert_eq!(results[0]["policy"], "topk:1e-300");
     assert!(tb.join("topk:1e-300").is_dir());
 }
+
+#[test]
+fn a_powersgd_run_that_never_compressed_is_predicted_as_the_all_reduce_it_ran_at_every_world() {
+    // at one rank nothing crosses a link, so the profiled buckets cannot tell a plain step from
+    // a compressed one: the run's own word that it never compressed prices it plainly at 64
+    let d = dir("study_never_compressed_at_one_rank");
+    let out = d.to_str().unwrap();
+    let mut args = small(
+        "allreduce,powersgd:2@10",
+        &[
+            "--steps",
+            "4",
+            "--target-loss",
+            "0",
+            "--predict-world-sizes",
+            "64",
+            "--json",
+        ],
+        out,
+    );
+    for (flag, value) in [("--world-size", "1"), ("--net-gbps", "0.001")] {
+        let i = args.iter().position(|a| a == flag).unwrap();
+        args[i + 1] = value.into();
+    }
+    let json = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let results: Vec<Value> = serde_json::from_str(&json).unwrap();
+    let at_64 = |r: &Value| {
+        let p = r["predictions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["world_size"] == 64);
+        p.and_then(|p| p["step_s"].as_f64()).expect("predicted at 64")
+    };
+    let (plain, psgd) = (at_64(&results[0]), at_64(&results[1]));
+    // the link's bytes dominate both steps at 1 Mb/s: the same bytes, within the compute's noise
+    assert!(
+        psgd > 0.8 * plain && psgd < 1.25 * plain,
+        "powersgd {psgd} s, allreduce {plain} s"
+    );
+    let note = results[1]["note"].as_str().unwrap();
+    assert!(
+        note.contains("never compressed") && note.contains("plain all-reduce it ran"),
+        "{note}"
+    );
+}
