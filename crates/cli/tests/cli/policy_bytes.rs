@@ -432,3 +432,13 @@ fn a_sweep_s_out_holds_that_sweep_alone_whichever_kind_wrote_there_before() {
         assert!(init.exists(), "{kind:?}: the input was removed");
     }
 }
+
+#[test]
+fn a_sweep_whose_buckets_sent_nothing_prints_no_negative_zero() {
+    // DiLoCo sends nothing in its buckets: the recorded comm is 0, printed as 0.00
+    let out = dir("sweep_no_bucket_comm");
+    let mut args = vec!["sweep", "--policy", "diloco:2", "--bucket-mb", "1,5", "--steps", "3", "--out", s(&out)];
+    args.extend(mlp_flags());
+    let text = ok(&args);
+    assert!(text.contains(" 0.00 ") && !text.contains("-0.00"), "{text}");
+}
