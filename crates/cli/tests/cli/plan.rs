@@ -349,3 +349,12 @@ fn a_powersgd_profile_recorded_before_its_start_step_is_noted_as_predict_notes_i
     let predict_err = String::from_utf8_lossy(&predicted.stderr);
     assert!(predict_err.lines().any(|l| l == notes[0]), "{predict_err}");
 }
+
+#[test]
+fn plan_help_names_every_policy_a_plan_weighs() {
+    // the help's list is the one a plan's refusal of another policy names
+    let help = ok(&["plan", "--help"]);
+    for name in ["topk", "efsign", "diloco and streaming-diloco", "zero3", "powersgd"] {
+        assert!(help.contains(name), "{name} missing from plan --help:\n{help}");
+    }
+}
