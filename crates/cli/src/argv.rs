@@ -175,6 +175,7 @@ mod tests {
             winner: Some(0),
             precision: "f32".into(),
             command: command.split(' ').filter(|s| !s.is_empty()).map(String::from).collect(),
+            notes: vec![],
             link,
         }
     }

@@ -55,14 +55,16 @@ impl SentSummary {
         })
     }
 
-    /// One line for `brigade train`'s summary.
-    pub fn line(&self, world_size: usize) -> String {
+    /// One line for `brigade train`'s summary: the wire bytes labelled by `formula`, the
+    /// policy's collectives ([`brigade::policies::PolicySpec::wire_formula`]; `None`: unlabelled).
+    pub fn line(&self, formula: Option<String>) -> String {
         format!(
-            "sent per rank: {}/step (last step {}, run {}); ring wire bytes {}/step (all-reduce: 2({world_size}-1)/{world_size} x payload)",
+            "sent per rank: {}/step (last step {}, run {}); ring wire bytes {}/step{}",
             human_bytes(self.payload_per_step),
             human_bytes(self.payload_last_step as f64),
             human_bytes(self.payload_total as f64),
             human_bytes(self.wire_per_step),
+            formula.map_or_else(String::new, |f| format!(" ({f})")),
         )
     }
 }

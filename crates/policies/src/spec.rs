@@ -66,6 +66,24 @@ impl PolicySpec {
     pub fn is_built_in(&self) -> bool {
         !matches!(self, PolicySpec::User { .. })
     }
+
+    /// The ring collectives this policy's bytes go by and what a rank sends of their payload on
+    /// `n` ranks, in words for a summary (`all-gather: (4-1) x payload`: an all-gather's
+    /// payload is each rank's piece); `None` for a user policy, whose collectives are its own.
+    pub fn wire_formula(&self, n: usize) -> Option<String> {
+        use PolicySpec::*;
+        Some(match self {
+            AllReduce | Fp16 | Bf16 | PowerSgd { .. } | Diloco(_) | StreamingDiloco(_) => {
+                format!("all-reduce: 2({n}-1)/{n} x payload")
+            }
+            // an all-gather's payload is each rank's piece: the ring sends it to every other rank
+            Int8 | TopK { .. } | EfSign | Zero3Quantized(_) => format!("all-gather: ({n}-1) x payload"),
+            Zero1 | Zero2 | Zero3 => {
+                format!("reduce-scatter: ({n}-1)/{n} x its buffer, all-gather: ({n}-1) x its shard")
+            }
+            User { .. } => return None,
+        })
+    }
 }
 
 pub(crate) fn spec_error(spec: &str, reason: impl Into<String>) -> PolicyError {

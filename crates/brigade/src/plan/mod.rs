@@ -123,6 +123,10 @@ pub struct Plan {
     pub command: Vec<String>,
     /// The link the plan costed its candidates on.
     pub link: LinkCost,
+    /// How the overlap model priced a profile under another model than its policy's steady
+    /// one (a PowerSGD step before its start step, priced as the plain all-reduce it ran), one
+    /// line each, as `brigade predict` notes it; empty when none was.
+    pub notes: Vec<String>,
 }
 
 /// The policy family whose profiles a candidate of `spec` is predicted from: the spec a plan
@@ -321,6 +325,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
     }
     rank_candidates(&mut candidates);
     let winner = candidates.first().filter(|c| c.is_eligible()).map(|_| 0);
+    let notes = wire_notes(profiles, &family_of_profile, q.link, weighing.overhead);
     Ok(Plan {
         candidates,
         winner,
@@ -335,7 +340,34 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
             })
             .unwrap_or_default(),
         link: q.link,
+        notes,
     })
+}
+
+/// The overlap model's note on each profile of a weighed family that it prices under another
+/// model than its policy's steady one (replayed as recorded), each once.
+fn wire_notes(
+    profiles: &[StepProfile],
+    families: &[Option<PolicySpec>],
+    link: LinkCost,
+    overhead: LaunchOverhead,
+) -> Vec<String> {
+    let mut notes: Vec<String> = vec![];
+    for (p, _) in profiles.iter().zip(families).filter(|(_, f)| f.is_some()) {
+        let cfg = ReplayConfig {
+            bucket_cap_mb: p.bucket_cap_mb,
+            first_bucket_cap_mb: p.first_bucket_cap_mb,
+            link,
+            world_size: None,
+            order: BucketOrder::recorded(p),
+        };
+        if let Some(note) = replay_with(p, &cfg, overhead).ok().and_then(|r| r.wire_note) {
+            if !notes.contains(&note) {
+                notes.push(note);
+            }
+        }
+    }
+    notes
 }
 
 /// The query's bucket caps checked, and the world size it plans for (the profiles' unless it

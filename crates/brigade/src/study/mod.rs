@@ -334,7 +334,12 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
     let sent = outcome.sent();
     let per_step = |f: fn(&brigade_comm::CommBytes) -> f64| sent.iter().map(f).sum::<f64>() / sent.len().max(1) as f64;
     let reaching: &[f64] = if diverged_at.is_some() { &[] } else { &losses };
-    let predicted = predict::predict(&outcome.profiles, world, reaching, sc);
+    let ran_plainly = (outcome.policy_diagnostics.iter()).any(|d| d.code == "never-compressed");
+    let predicted = match ran_plainly {
+        true => predict::predict(&as_plain_all_reduce(&outcome.profiles), world, reaching, sc),
+        false => predict::predict(&outcome.profiles, world, reaching, sc),
+    };
+    let priced_plainly = ran_plainly.then(|| "its steps are predicted as the plain all-reduce it ran".to_string());
     PolicyStudy {
         policy,
         world_size: world,
@@ -347,6 +352,7 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
             .policy_diagnostics
             .iter()
             .map(|d| d.message.clone())
+            .chain(priced_plainly)
             .chain(Some(predicted.note).filter(|n| !n.is_empty()))
             .collect::<Vec<_>>()
             .join("; "),
@@ -354,6 +360,24 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
         diverged_at,
         tensorboard_failure: None,
     }
+}
+
+/// `profiles` of a low-rank policy whose run never compressed, each recorded as the plain f32
+/// all-reduce it ran: the overlap model prices them so at every world size, the trained one
+/// included (on one rank the recorded buckets send nothing, so they cannot tell it apart).
+fn as_plain_all_reduce(profiles: &[brigade_ddp::overlap::StepProfile]) -> Vec<brigade_ddp::overlap::StepProfile> {
+    use brigade_ddp::policy::WireModel;
+    let mut out = profiles.to_vec();
+    for w in out
+        .iter_mut()
+        .filter_map(|p| p.policy.as_mut())
+        .filter_map(|p| p.wire.as_mut())
+    {
+        if matches!(w, WireModel::LowRank { .. }) {
+            *w = WireModel::AllReduce { bytes_per_element: 4.0 };
+        }
+    }
+    out
 }
 
 /// One line naming what is wrong with a study's request: what [`study`] checks before its first

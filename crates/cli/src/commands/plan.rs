@@ -15,14 +15,23 @@ use crate::commands::predict::{check_caps_and_world, read_profiles, recorded_lin
 use crate::error::{Error, Result};
 use crate::report::stdout::outln;
 
+/// `--profile`'s help, naming the policies a plan weighs from the list its refusal names them
+/// by ([`brigade::policies::registry::planned_names`]).
+fn profile_help() -> String {
+    format!(
+        "Step profiles written by `brigade train --profile`, one run under each policy to weigh ({}; \
+         the default policy's run with --activation-checkpointing too, to measure the recompute). Repeat the flag or list the files; \
+         a file of several steps (--profile-steps) counts its median step.",
+        brigade::policies::registry::planned_names()
+    )
+}
+
 /// Options of `brigade plan`.
 #[derive(Args, Clone, Debug)]
 pub struct PlanArgs {
     /// Step profiles written by `brigade train --profile`, one run under each policy to weigh
-    /// (allreduce, fp16, bf16, powersgd:R, zero1, zero2, zero3; allreduce with
-    /// --activation-checkpointing to measure the recompute). Repeat the flag or list the files;
-    /// a file of several steps (--profile-steps) counts its median step.
-    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    /// (the help names them: [`profile_help`]).
+    #[arg(long, num_args = 1.., value_delimiter = ',', help = profile_help())]
     pub profile: Vec<PathBuf>,
     /// Most MB (MiB) one rank may hold at once during a step.
     #[arg(long, value_name = "MB", allow_negative_numbers = true)]
@@ -80,6 +89,9 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         });
         Error::Usage(crate::argv::in_flag_terms(&named))
     })?;
+    for note in &p.notes {
+        eprintln!("note: {note}");
+    }
     if a.json {
         outln!(
             "{}",

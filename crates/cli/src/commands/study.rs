@@ -68,8 +68,8 @@ pub struct StudyArgs {
     /// all, or one per link; default --net-latency-us).
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     pub predict_latency_us: Vec<f64>,
-    /// World sizes to predict each policy's step at beside --world-size (comma-separated),
-    /// from the same profiles.
+    /// World sizes to predict each policy's step at beside --world-size (comma-separated,
+    /// each once, --world-size itself refused: it is predicted already), from the same profiles.
     #[arg(long, value_delimiter = ',')]
     pub predict_world_sizes: Vec<usize>,
     /// Directory for study.csv, study_summary.csv and study.svg (created if missing).
@@ -232,6 +232,15 @@ fn check_flags(s: &StudyArgs, specs: &[PolicySpec]) -> Result<StudyConfig> {
     if let Some(n) = s.predict_world_sizes.iter().find(|n| !(1..=MAX_WORLD).contains(*n)) {
         return Err(Error::Usage(format!(
             "--predict-world-sizes must each be between 1 and {MAX_WORLD}, got {n}"
+        )));
+    }
+    // the trained world is predicted on every link already: listed again it would be one
+    // prediction twice, as a repeated link would
+    let trained = a.distributed.world_size;
+    if s.predict_world_sizes.contains(&trained) {
+        return Err(Error::Usage(format!(
+            "--predict-world-sizes {trained} is the world the study trains at (--world-size {trained}), predicted \
+             already: give the other world sizes"
         )));
     }
     a.check_no_policy_alias()?;

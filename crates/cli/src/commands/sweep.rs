@@ -180,7 +180,8 @@ impl CapRuns {
             buckets: report.outcome.buckets.len(),
             step_ms: median_step(&a, &report.outcome.ms()),
             compute_only_ms: compute_ms,
-            comm_ms: buckets.iter().map(|(_, d)| d).sum(),
+            // a fold from +0: an empty sum of floats is -0, printed `-0.00`
+            comm_ms: buckets.iter().fold(0.0, |sum, (_, d)| sum + d),
             last_bucket_ms: buckets.last().map(|(_, d)| *d).unwrap_or(0.0),
             profile: report.outcome.profile.clone(),
         };

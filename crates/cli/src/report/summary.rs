@@ -338,10 +338,11 @@ fn mib(b: usize) -> f64 {
     b as f64 / (1024.0 * 1024.0)
 }
 
-/// Without ZeRO: the gradients' memory in buckets, and the bytes sent a step.
+/// Without ZeRO: the gradients' memory in buckets; under every policy: the bytes sent a step.
 fn print_gradient_memory_lines(a: &RunArgs, world_size: usize, outcome: &TrainOutcome) {
     // (under ZeRO the measured line below is the account: shards are not whole buckets)
-    let (zero, _) = zero_and_hook(&a.hook_spec());
+    let spec = a.hook_spec();
+    let (zero, _) = zero_and_hook(&spec);
     if let (Some(m), 0) = (outcome.memory, zero) {
         let n = outcome.buckets.len();
         outln!(
@@ -350,9 +351,9 @@ fn print_gradient_memory_lines(a: &RunArgs, world_size: usize, outcome: &TrainOu
             if n == 1 { "bucket" } else { "buckets" },
             mib(m.gradients)
         );
-        if let Some(sent) = SentSummary::of(&outcome.sent()) {
-            outln!("{}", sent.line(world_size));
-        }
+    }
+    if let (Some(_), Some(sent)) = (outcome.memory, SentSummary::of(&outcome.sent())) {
+        outln!("{}", sent.line(spec.wire_formula(world_size)));
     }
 }
 

@@ -320,3 +320,41 @@ fn a_measured_link_plan_refuses_profiles_of_two_links_and_a_policy_profiled_twic
         );
     }
 }
+
+#[test]
+fn a_powersgd_profile_recorded_before_its_start_step_is_noted_as_predict_notes_it() {
+    // 3 steps, compression from step 10: its buckets sent the plain all-reduce's bytes, and
+    // the plan prices it so and says so on stderr, in `brigade predict`'s words
+    let psgd = record("plan-powersgd-late", &["--policy", "powersgd:2@10"]);
+    let args = [
+        "plan",
+        "--profile",
+        s(&profiles()[0]),
+        "--profile",
+        s(&psgd),
+        "--memory-budget",
+        "100",
+        "--net-gbps",
+        "1",
+    ];
+    let out = common::brigade(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let notes: Vec<&str> = err.lines().filter(|l| l.starts_with("note: ")).collect();
+    assert!(
+        notes.len() == 1 && notes[0].contains("start step (10)") && notes[0].contains("priced as a plain all-reduce"),
+        "{err}"
+    );
+    let predicted = common::brigade(&["predict", "--profile", s(&psgd), "--net-gbps", "1"]);
+    let predict_err = String::from_utf8_lossy(&predicted.stderr);
+    assert!(predict_err.lines().any(|l| l == notes[0]), "{predict_err}");
+}
+
+#[test]
+fn plan_help_names_every_policy_a_plan_weighs() {
+    // the help's list is the one a plan's refusal of another policy names
+    let help = ok(&["plan", "--help"]);
+    for name in ["topk", "efsign", "diloco and streaming-diloco", "zero3", "powersgd"] {
+        assert!(help.contains(name), "{name} missing from plan --help:\n{help}");
+    }
+}

@@ -1043,3 +1043,60 @@ fn a_refused_study_leaves_no_directory_it_made() {
     );
     assert!(d.join("was").is_dir());
 }
+
+#[test]
+fn a_powersgd_run_that_never_compressed_is_predicted_as_the_all_reduce_it_ran_at_every_world() {
+    // at one rank nothing crosses a link, so the profiled buckets cannot tell a plain step from
+    // a compressed one: the run's own word that it never compressed prices it plainly at 64
+    let d = dir("study_never_compressed_at_one_rank");
+    let out = d.to_str().unwrap();
+    let mut args = small(
+        "allreduce,powersgd:2@10",
+        &[
+            "--steps",
+            "4",
+            "--target-loss",
+            "0",
+            "--predict-world-sizes",
+            "64",
+            "--json",
+        ],
+        out,
+    );
+    for (flag, value) in [("--world-size", "1"), ("--net-gbps", "0.001")] {
+        let i = args.iter().position(|a| a == flag).unwrap();
+        args[i + 1] = value.into();
+    }
+    let json = ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let results: Vec<Value> = serde_json::from_str(&json).unwrap();
+    let at_64 = |r: &Value| {
+        let p = r["predictions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["world_size"] == 64);
+        p.and_then(|p| p["step_s"].as_f64()).expect("predicted at 64")
+    };
+    let (plain, psgd) = (at_64(&results[0]), at_64(&results[1]));
+    // the link's bytes dominate both steps at 1 Mb/s: the same bytes, within the compute's noise
+    assert!(
+        psgd > 0.8 * plain && psgd < 1.25 * plain,
+        "powersgd {psgd} s, allreduce {plain} s"
+    );
+    let note = results[1]["note"].as_str().unwrap();
+    assert!(
+        note.contains("never compressed") && note.contains("plain all-reduce it ran"),
+        "{note}"
+    );
+}
+
+#[test]
+fn the_trained_world_listed_among_the_worlds_to_predict_at_is_refused_as_a_repeated_link_is() {
+    let d = dir("study_trained_world_again");
+    let e = fails(&[RUN, LINK, &["--predict-world-sizes", "4,2", "--target-loss", "0.5", "--out", d.to_str().unwrap()]].concat());
+    assert!(
+        e.contains("--predict-world-sizes 2 is the world the study trains at (--world-size 2)"),
+        "{e}"
+    );
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+}
