@@ -104,10 +104,17 @@ fn own_links(profiles: &[StepProfile]) -> Result<Vec<LinkCost>, String> {
 pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc: &StudyConfig) -> Predicted {
     let overhead = LaunchOverhead::fit(&profiles.iter().collect::<Vec<_>>());
     let measured_step_s = mean(&profiles.iter().map(measured).collect::<Vec<_>>());
-    let mut note = String::new();
+    // every note the prediction leaves, each once, in the order they arose
+    let mut notes: Vec<String> = vec![];
+    let mut note = |n: String| {
+        if !notes.contains(&n) {
+            notes.push(n);
+        }
+    };
     let own_band = if world < 2 {
-        note =
-            "no error band: on one rank nothing crosses a link, so there is no link to replay its own steps on".into();
+        note(
+            "no error band: on one rank nothing crosses a link, so there is no link to replay its own steps on".into(),
+        );
         None
     } else if profiles.is_empty() {
         None
@@ -127,7 +134,7 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
                 high: e.iter().copied().fold(f64::NEG_INFINITY, f64::max),
             }),
             Err(e) => {
-                note = format!("no error band: {e}");
+                note(format!("no error band: {e}"));
                 None
             }
         }
@@ -142,7 +149,7 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
                 match replayed(profiles, overhead, LinkCost::Ring(*link), Some(w)) {
                     Ok(s) => Some(s),
                     Err(e) => {
-                        note = format!("not predicted: {e}");
+                        note(format!("not predicted: {e}"));
                         None
                     }
                 }
@@ -175,7 +182,7 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
         measured_step_s,
         own_band,
         predictions,
-        note,
+        note: notes.join("; "),
     }
 }
 
@@ -250,6 +257,21 @@ mod tests {
     fn a_run_with_no_profiled_step_has_no_measured_step() {
         let p = predict(&[], 2, &[], &StudyConfig::new(vec![], vec![]));
         assert_eq!(p.measured_step_s, None);
+    }
+
+    #[test]
+    fn every_note_the_prediction_leaves_is_kept_once() {
+        // one rank (no error band) and a profile the replay refuses at both links: the first
+        // note is kept beside the second, and the second, met twice, is said once
+        let mut broken = step(0.0);
+        broken.ranks.truncate(1);
+        let link = |gbps: f64| crate::launch::net_model(gbps, 20.0);
+        let sc = StudyConfig::new(vec![link(1.0), link(10.0)], vec![]);
+        let p = predict(&[broken], 1, &[], &sc);
+        let notes: Vec<&str> = p.note.split("; ").collect();
+        assert_eq!(notes.len(), 2, "{}", p.note);
+        assert!(notes[0].starts_with("no error band: "), "{}", p.note);
+        assert!(notes[1].starts_with("not predicted: "), "{}", p.note);
     }
 
     #[test]
