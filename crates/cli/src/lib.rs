@@ -159,6 +159,12 @@ fn one_line(e: &clap::Error) -> String {
     use clap::error::{ContextKind, ContextValue};
     let text = e.render().to_string();
     let mut line = text.lines().next().unwrap_or("error: bad arguments").to_string();
+    // the missing required flags, which clap lists on the lines below its first
+    if let (clap::error::ErrorKind::MissingRequiredArgument, Some(ContextValue::Strings(missing))) =
+        (e.kind(), e.get(ContextKind::InvalidArg))
+    {
+        line.push_str(&format!(" {}", missing.join(", ")));
+    }
     // (clap gives an empty list for a flag that takes any value)
     if let Some(ContextValue::Strings(values)) = e
         .get(ContextKind::ValidValue)

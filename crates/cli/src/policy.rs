@@ -48,11 +48,42 @@ pub fn listed_in_help(cmd: clap::Command) -> clap::Command {
 pub fn resolve(entry: &str, powersgd_rank: usize, powersgd_start_iter: usize) -> Result<PolicySpec> {
     let usage = |e: brigade::policies::PolicyError| Error::Usage(format!("--policy {entry}: {e}"));
     let spec = PolicySpec::parse_with_settings(entry, powersgd_rank, powersgd_start_iter).map_err(usage)?;
+    check_settings_agree(entry, &spec, [powersgd_rank, powersgd_start_iter])?;
     match &spec {
         // a user policy's name must be registered (a built-in one's settings are checked later)
         PolicySpec::User { .. } => registry().parse(&spec.to_string()).map_err(usage),
         _ => Ok(spec),
     }
+}
+
+/// Refuses a settings flag given beside an `entry` that names that setting otherwise
+/// (`--powersgd-rank 3` with `powersgd:2`, `--powersgd-start-iter 0` with `powersgd:2@5`): the
+/// entry's value would win without a word. `flags` holds the flags' values in the order of the
+/// spec's [`PolicySpec::settings`]; a flag left at its default fills in what the entry leaves out.
+fn check_settings_agree(entry: &str, spec: &PolicySpec, flags: [usize; 2]) -> Result<()> {
+    let defaults = PolicySpec::parse_with_settings(entry, 0, 0).ok();
+    let default_flags = brigade::policies::PowerSgdConfig::default();
+    let default_flags = [default_flags.rank, default_flags.start_iter];
+    let named = defaults.map(|d| d.settings()).unwrap_or_default();
+    for (((name, value), (_, when_unnamed)), (flag, default)) in spec
+        .settings()
+        .into_iter()
+        .zip(named)
+        .zip(flags.into_iter().zip(default_flags))
+    {
+        // the entry names this setting when reading it with the flag at 0 does not give 0
+        let entry_names_it = when_unnamed != 0 || value != flag;
+        if entry_names_it && flag != default && flag != value {
+            return Err(Error::Usage(format!(
+                "{} {flag} with --policy {entry}, whose {} is {value}: give the setting in one place",
+                crate::argv::flag_of(name),
+                name.split_once('_')
+                    .map_or(name, |(_, setting)| setting)
+                    .replace('_', " "),
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Checks one `--policy` entry against the registry (clap's value parser; the message is the

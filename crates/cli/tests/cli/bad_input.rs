@@ -441,3 +441,63 @@ fn a_flag_left_without_its_value_lists_no_empty_choice() {
     let e = fails(&["train", "--model"]);
     assert!(e.contains("(one of: mlp, gpt)"), "{e}");
 }
+
+#[test]
+fn a_powersgd_settings_flag_that_contradicts_the_policy_entry_is_refused() {
+    fn run<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        cat(&[&["train"], MLP, &["--steps", "1", "--world-size", "2"], extra])
+    }
+    let e = fails(&run(&["--policy", "powersgd:2", "--powersgd-rank", "3"]));
+    assert!(
+        e.contains("--powersgd-rank 3") && e.contains("powersgd:2") && e.contains("rank is 2"),
+        "{e}"
+    );
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    let e = fails(&run(&["--policy", "powersgd:2@5", "--powersgd-start-iter", "3"]));
+    assert!(
+        e.contains("--powersgd-start-iter 3") && e.contains("start iter is 5"),
+        "{e}"
+    );
+    // study's list is read by the same rule
+    let e = fails(&cat(&[
+        &["study"],
+        SWEEP_MLP,
+        &[
+            "--steps",
+            "4",
+            "--world-size",
+            "2",
+            "--target-loss",
+            "0.5",
+            "--net-gbps",
+            "1",
+        ],
+        &["--policy", "allreduce,powersgd:2@5", "--powersgd-start-iter", "0"],
+        &["--out", s(&dir("psgd_flag_study").join("out"))],
+    ]));
+    assert!(
+        e.contains("--powersgd-start-iter 0") && e.contains("start iter is 5"),
+        "{e}"
+    );
+    // a flag that fills in what the entry leaves out, or agrees with it, is taken
+    let out = ok(&run(&[
+        "--policy",
+        "powersgd:2",
+        "--powersgd-start-iter",
+        "0",
+        "--json",
+    ]));
+    assert!(out.contains("\"powersgd:2@0\""), "{out}");
+    ok(&run(&["--policy", "powersgd:2", "--powersgd-rank", "2"]));
+}
+
+#[test]
+fn a_missing_required_flag_is_named_on_the_one_error_line() {
+    let e = fails(&cat(&[
+        &["study"],
+        SWEEP_MLP,
+        &["--steps", "4", "--target-loss", "0.5", "--net-gbps", "1"],
+    ]));
+    assert!(e.contains("required") && e.contains("--out"), "{e}");
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+}
