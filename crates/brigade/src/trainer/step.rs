@@ -509,10 +509,10 @@ impl Trainer<'_> {
             .map(|j| j.next_slots(rank, world, self.at.next_step));
         mine.extend(next.iter().flatten());
         let expected = mine.len();
-        let (all, timing) = self
-            .ctx
-            .comm
-            .all_reduce_blocking_timed(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)?;
+        let (all, timing) =
+            self.ctx
+                .comm
+                .all_reduce_blocking_timed(Buffer::F32(mine), ReduceOp::Avg, STEP_STATUS_TAG)?;
         let Some((&[loss, nonfinite, stop], slots)) = all
             .as_f32()
             .filter(|v| v.len() == expected)

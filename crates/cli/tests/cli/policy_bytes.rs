@@ -153,14 +153,18 @@ fn the_text_summary_labels_the_wire_bytes_by_the_policys_collectives_zero_includ
         args[i + 1] = "4";
         let out = ok(&args);
         let line = out.lines().find(|l| l.starts_with("sent per rank:"));
-        line.unwrap_or_else(|| panic!("{policy}: no sent line in\n{out}")).to_string()
+        line.unwrap_or_else(|| panic!("{policy}: no sent line in\n{out}"))
+            .to_string()
     };
     for (policy, formula) in [
         ("topk:0.1", "(all-gather: (4-1) x payload)"),
         ("efsign", "(all-gather: (4-1) x payload)"),
         ("int8", "(all-gather: (4-1) x payload)"),
         ("allreduce", "(all-reduce: 2(4-1)/4 x payload)"),
-        ("zero2", "(reduce-scatter: (4-1)/4 x its buffer, all-gather: (4-1) x its shard)"),
+        (
+            "zero2",
+            "(reduce-scatter: (4-1)/4 x its buffer, all-gather: (4-1) x its shard)",
+        ),
     ] {
         let l = line(policy);
         assert!(l.ends_with(formula), "{policy}: {l}");
@@ -437,7 +441,17 @@ fn a_sweep_s_out_holds_that_sweep_alone_whichever_kind_wrote_there_before() {
 fn a_sweep_whose_buckets_sent_nothing_prints_no_negative_zero() {
     // DiLoCo sends nothing in its buckets: the recorded comm is 0, printed as 0.00
     let out = dir("sweep_no_bucket_comm");
-    let mut args = vec!["sweep", "--policy", "diloco:2", "--bucket-mb", "1,5", "--steps", "3", "--out", s(&out)];
+    let mut args = vec![
+        "sweep",
+        "--policy",
+        "diloco:2",
+        "--bucket-mb",
+        "1,5",
+        "--steps",
+        "3",
+        "--out",
+        s(&out),
+    ];
     args.extend(mlp_flags());
     let text = ok(&args);
     assert!(text.contains(" 0.00 ") && !text.contains("-0.00"), "{text}");

@@ -1093,7 +1093,21 @@ fn a_powersgd_run_that_never_compressed_is_predicted_as_the_all_reduce_it_ran_at
 #[test]
 fn the_trained_world_listed_among_the_worlds_to_predict_at_is_refused_as_a_repeated_link_is() {
     let d = dir("study_trained_world_again");
-    let e = fails(&[RUN, LINK, &["--predict-world-sizes", "4,2", "--target-loss", "0.5", "--out", d.to_str().unwrap()]].concat());
+    let e = fails(
+        &[
+            RUN,
+            LINK,
+            &[
+                "--predict-world-sizes",
+                "4,2",
+                "--target-loss",
+                "0.5",
+                "--out",
+                d.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
     assert!(
         e.contains("--predict-world-sizes 2 is the world the study trains at (--world-size 2)"),
         "{e}"
