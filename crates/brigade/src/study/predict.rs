@@ -99,6 +99,27 @@ fn own_links(profiles: &[StepProfile]) -> Result<Vec<LinkCost>, String> {
         .collect()
 }
 
+/// The band of the relative errors of replaying each of `profiles` (a run on `world` ranks) on
+/// its own link against its measured step (`None` without profiles); why there is none.
+fn own_band(profiles: &[StepProfile], world: usize, overhead: LaunchOverhead) -> Result<Option<OwnBand>, String> {
+    if world < 2 {
+        return Err("on one rank nothing crosses a link, so there is no link to replay its own steps on".into());
+    }
+    if profiles.is_empty() {
+        return Ok(None);
+    }
+    let links = own_links(profiles)?;
+    let errors = (profiles.iter().zip(links))
+        .map(|(p, link)| {
+            replayed(std::slice::from_ref(p), overhead, link, None).map(|s| (s - measured(p)) / measured(p))
+        })
+        .collect::<Result<Vec<f64>, String>>()?;
+    Ok(Some(OwnBand {
+        low: errors.iter().copied().fold(f64::INFINITY, f64::min),
+        high: errors.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    }))
+}
+
 /// Predicts from the profiled steps `profiles` of a run on `world` ranks whose losses were
 /// `losses`.
 pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc: &StudyConfig) -> Predicted {
@@ -111,32 +132,11 @@ pub(super) fn predict(profiles: &[StepProfile], world: usize, losses: &[f64], sc
             notes.push(n);
         }
     };
-    let own_band = if world < 2 {
-        note(
-            "no error band: on one rank nothing crosses a link, so there is no link to replay its own steps on".into(),
-        );
-        None
-    } else if profiles.is_empty() {
-        None
-    } else {
-        let errors: Result<Vec<f64>, String> = own_links(profiles).and_then(|links| {
-            profiles
-                .iter()
-                .zip(links)
-                .map(|(p, link)| {
-                    replayed(std::slice::from_ref(p), overhead, link, None).map(|s| (s - measured(p)) / measured(p))
-                })
-                .collect()
-        });
-        match errors {
-            Ok(e) => Some(OwnBand {
-                low: e.iter().copied().fold(f64::INFINITY, f64::min),
-                high: e.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-            }),
-            Err(e) => {
-                note(format!("no error band: {e}"));
-                None
-            }
+    let own_band = match own_band(profiles, world, overhead) {
+        Ok(band) => band,
+        Err(e) => {
+            note(format!("no error band: {e}"));
+            None
         }
     };
     let worlds = std::iter::once(world).chain(sc.other_worlds.iter().copied().filter(|&w| w != world));
