@@ -18,7 +18,7 @@
 
 pub mod memory;
 
-use brigade_ddp::overlap::{replay_with, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
+use brigade_ddp::overlap::{replay_with, wire_note, BucketOrder, LaunchOverhead, LinkCost, ReplayConfig, StepProfile};
 use brigade_models::ModelKind;
 use brigade_policies::PolicySpec;
 use serde::Serialize;
@@ -325,7 +325,7 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
     }
     rank_candidates(&mut candidates);
     let winner = candidates.first().filter(|c| c.is_eligible()).map(|_| 0);
-    let notes = wire_notes(profiles, &family_of_profile, q.link, weighing.overhead);
+    let notes = wire_notes(profiles, &family_of_profile);
     Ok(Plan {
         candidates,
         winner,
@@ -345,26 +345,12 @@ pub fn plan(profiles: &[StepProfile], q: &PlanQuery) -> Result<Plan> {
 }
 
 /// The overlap model's note on each profile of a weighed family that it prices under another
-/// model than its policy's steady one (replayed as recorded), each once.
-fn wire_notes(
-    profiles: &[StepProfile],
-    families: &[Option<PolicySpec>],
-    link: LinkCost,
-    overhead: LaunchOverhead,
-) -> Vec<String> {
+/// model than its policy's steady one ([`wire_note`]), each once.
+fn wire_notes(profiles: &[StepProfile], families: &[Option<PolicySpec>]) -> Vec<String> {
     let mut notes: Vec<String> = vec![];
     for (p, _) in profiles.iter().zip(families).filter(|(_, f)| f.is_some()) {
-        let cfg = ReplayConfig {
-            bucket_cap_mb: p.bucket_cap_mb,
-            first_bucket_cap_mb: p.first_bucket_cap_mb,
-            link,
-            world_size: None,
-            order: BucketOrder::recorded(p),
-        };
-        if let Some(note) = replay_with(p, &cfg, overhead).ok().and_then(|r| r.wire_note) {
-            if !notes.contains(&note) {
-                notes.push(note);
-            }
+        if let Some(note) = wire_note(p).filter(|n| !notes.contains(n)) {
+            notes.push(note);
         }
     }
     notes

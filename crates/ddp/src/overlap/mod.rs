@@ -28,6 +28,6 @@ pub use profile::{
 };
 pub use record::StepInstants;
 pub use replay::{
-    measured_link, replay, replay_with, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket, ReplayConfig,
-    ReplayGather, ReplayResult,
+    measured_link, replay, replay_with, wire_note, BucketOrder, LaunchCost, LaunchOverhead, LinkCost, ReplayBucket,
+    ReplayConfig, ReplayGather, ReplayResult,
 };

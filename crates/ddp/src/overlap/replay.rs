@@ -1143,6 +1143,12 @@ fn wire_model(profile: &StepProfile) -> Result<(String, WireModel, Option<String
     }
 }
 
+/// Why `profile` is priced under another model than its policy's steady one, as a replay of it
+/// notes it ([`ReplayResult::wire_note`]); `None` when it is not (or cannot be replayed).
+pub fn wire_note(profile: &StepProfile) -> Option<String> {
+    wire_model(profile).ok().and_then(|(_, _, note)| note)
+}
+
 /// Whether `profile`'s buckets recorded sending what a plain f32 all-reduce sends rather than
 /// what the low-rank model `wire` sends (a PowerSGD step before its start step).
 fn recorded_uncompressed(profile: &StepProfile, wire: &WireModel) -> bool {
