@@ -28,7 +28,7 @@ pub use diloco::{Diloco, DilocoConfig, OuterSgd, DEFAULT_OUTER_LR, DEFAULT_OUTER
 pub use efsign::EfSign;
 pub use error::{PolicyError, Result};
 pub use int8::Int8;
-pub use powersgd::{PowerSgd, PowerSgdConfig, POWERSGD_SETTINGS};
+pub use powersgd::{PowerSgd, PowerSgdConfig, NEVER_COMPRESSED, POWERSGD_SETTINGS};
 pub use profiled::{name_default_policy, profile_policy};
 pub use registry::{MakeUserPolicy, Registry};
 pub use spec::{PolicySpec, Ratio, DEFAULT_POWERSGD_START};

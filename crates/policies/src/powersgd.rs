@@ -173,6 +173,10 @@ pub(crate) fn build_spec(spec: &PolicySpec) -> Result<Box<dyn ReducerPolicy>, Po
     })?))
 }
 
+/// The code of the diagnostic a PowerSGD run that compressed nothing leaves
+/// ([`brigade_ddp::policy::PolicyDiagnostic::code`]): every byte went as a plain all-reduce.
+pub const NEVER_COMPRESSED: &str = "never-compressed";
+
 /// PowerSGD's settings as values of their own (a report's keys, an older command line's
 /// flags): its rank and its start iteration.
 pub const POWERSGD_SETTINGS: [&str; 2] = ["powersgd_rank", "powersgd_start_iter"];
@@ -469,7 +473,7 @@ impl ReducerPolicy for PowerSgd {
             )
         };
         vec![PolicyDiagnostic {
-            code: "never-compressed",
+            code: NEVER_COMPRESSED,
             message,
         }]
     }

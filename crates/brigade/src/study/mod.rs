@@ -334,7 +334,7 @@ pub fn of_run(policy: String, outcome: &TrainOutcome, world: usize, sc: &StudyCo
     let sent = outcome.sent();
     let per_step = |f: fn(&brigade_comm::CommBytes) -> f64| sent.iter().map(f).sum::<f64>() / sent.len().max(1) as f64;
     let reaching: &[f64] = if diverged_at.is_some() { &[] } else { &losses };
-    let ran_plainly = (outcome.policy_diagnostics.iter()).any(|d| d.code == "never-compressed");
+    let ran_plainly = (outcome.policy_diagnostics.iter()).any(|d| d.code == brigade_policies::NEVER_COMPRESSED);
     let predicted = match ran_plainly {
         true => predict::predict(&as_plain_all_reduce(&outcome.profiles), world, reaching, sc),
         false => predict::predict(&outcome.profiles, world, reaching, sc),
