@@ -415,6 +415,42 @@ impl OutputLocks {
     }
 }
 
+/// The directories a command is about to make for its outputs (the missing ones of a path and
+/// its parents, deepest first), removed again when this is dropped unless [`MadeDirs::keep`]:
+/// a refused or failed command leaves no directory it made. Only empty ones are removed: a
+/// directory that holds anything (an output written, a file put there meanwhile) stays.
+#[must_use = "the directories are removed when this is dropped"]
+pub struct MadeDirs(Vec<PathBuf>);
+
+impl MadeDirs {
+    /// The directories of `dirs` (each and its parents) that do not exist yet, deepest first;
+    /// call before making them.
+    pub fn missing<'a>(dirs: impl IntoIterator<Item = &'a Path>) -> MadeDirs {
+        let mut made: Vec<PathBuf> = dirs
+            .into_iter()
+            .flat_map(|dir| dir.ancestors().take_while(|p| !p.as_os_str().is_empty() && !p.exists()))
+            .map(Path::to_path_buf)
+            .collect();
+        made.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+        made.dedup();
+        MadeDirs(made)
+    }
+
+    /// Keeps them: the command wrote its outputs there.
+    pub fn keep(mut self) {
+        self.0.clear();
+    }
+}
+
+impl Drop for MadeDirs {
+    fn drop(&mut self) {
+        // deepest first, so that each parent is empty once its child is gone
+        for d in &self.0 {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,38 +485,5 @@ mod tests {
         );
         assert!(!e.contains("--losses") && !e.contains("--save"), "{e}");
         assert_eq!(e.lines().count(), 1, "{e}");
-    }
-}
-
-/// The directories a command is about to make for its outputs (the missing ones of a path and
-/// its parents, deepest first), removed again when this is dropped unless [`MadeDirs::keep`]:
-/// a refused or failed command leaves no directory it made. Only empty ones are removed: a
-/// directory that holds anything (an output written, a file put there meanwhile) stays.
-#[must_use = "the directories are removed when this is dropped"]
-pub struct MadeDirs(Vec<PathBuf>);
-
-impl MadeDirs {
-    /// The directories of `dir` (it and its parents) that do not exist yet; call before making it.
-    pub fn missing(dir: &Path) -> MadeDirs {
-        MadeDirs(
-            dir.ancestors()
-                .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
-                .map(Path::to_path_buf)
-                .collect(),
-        )
-    }
-
-    /// Keeps them: the command wrote its outputs there.
-    pub fn keep(mut self) {
-        self.0.clear();
-    }
-}
-
-impl Drop for MadeDirs {
-    fn drop(&mut self) {
-        // deepest first, so that each parent is empty once its child is gone
-        for d in &self.0 {
-            let _ = std::fs::remove_dir(d);
-        }
     }
 }

@@ -43,17 +43,11 @@ pub fn prepare_then(dir: &Path, outputs: &[Output], check: impl FnOnce() -> Resu
             o.path.display()
         )));
     }
-    let made: Vec<std::path::PathBuf> = dir
-        .ancestors()
-        .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
-        .map(Path::to_path_buf)
-        .collect();
+    // a directory that holds anything by then is not ours to remove
+    let made = crate::outputs::MadeDirs::missing([dir]);
     let checked = prepare(dir).and_then(|()| check());
-    if checked.is_err() {
-        // deepest first; a directory that holds anything now is not ours to remove
-        for d in &made {
-            let _ = std::fs::remove_dir(d);
-        }
+    if checked.is_ok() {
+        made.keep();
     }
     checked
 }

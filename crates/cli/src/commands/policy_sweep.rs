@@ -24,7 +24,7 @@ use serde::Serialize;
 use crate::args::{flag_name, RunArgs};
 use crate::commands::sweep_args::{finished, median_step, prepare_out, remove_stale, SweepArgs, POLICY_OUTPUTS};
 use crate::error::{Error, Result};
-use crate::outputs::{write_atomic, MadeDirs};
+use crate::outputs::write_atomic;
 use crate::policy::resolve;
 use crate::run::{run_config, train_config, LateHeldOut, RunOptions};
 use crate::sent::{human_bytes, SentSummary};
@@ -163,7 +163,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
     let plan = plan(s, &quiet, &late)?;
     // the directories made here are removed again when the sweep is refused or ends with
     // nothing written
-    let made = [Some(&s.out), s.tensorboard.as_ref()].map(|d| d.map(|d| MadeDirs::missing(d)));
+    let made = s.made_dirs();
     prepare_out(&s.out, &POLICY_OUTPUTS, &s.run)?;
     if let Some(dir) = &s.tensorboard {
         crate::tensorboard::prepare(dir)?;
@@ -199,7 +199,7 @@ pub fn sweep_policies(s: &SweepArgs, stop_on_signal: Arc<dyn TrainObserver>) -> 
         write_atomic(&s.out.join(POLICY_OUTPUTS[0]), csv(&rows).as_bytes())?;
         draw_chart(&s.out.join(POLICY_OUTPUTS[1]), &rows, &s.run, s.precisions.len())?;
         remove_stale(&s.out, &POLICY_OUTPUTS.map(String::from))?;
-        made.into_iter().flatten().for_each(MadeDirs::keep);
+        made.keep();
     }
     if let Some(e) = failed {
         return Err(e);

@@ -109,7 +109,7 @@ pub fn study(s: StudyArgs) -> Result<()> {
     let names: Vec<String> = specs.iter().map(|p| p.to_string()).collect();
     // --out (and its parents) made here are removed again when the study is refused or ends
     // with nothing written
-    let made = MadeDirs::missing(&s.out);
+    let made = MadeDirs::missing([s.out.as_path()]);
     // the library's own checks of the request last, so that --tensorboard's directories are
     // removed again when it refuses
     check_study_outputs(&s, &names, || Ok(brigade::study::check(&cfg, &names, &sc)?))?;

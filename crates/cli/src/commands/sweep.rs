@@ -20,7 +20,7 @@ use plotters::prelude::*;
 use crate::args::{compact, flag_name, BucketCap, RunArgs};
 use crate::commands::sweep_args::{finished, median_step, prepare_out, remove_stale, SweepArgs};
 use crate::error::{Error, Result};
-use crate::outputs::{write_atomic, MadeDirs};
+use crate::outputs::write_atomic;
 use crate::report::sweep_stats::{run_rounds, summarize, to_csv, Sample, SweepRow};
 use crate::report::timeline_svg::write_timeline;
 use crate::run::{run, RunOptions};
@@ -66,7 +66,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
     check_caps_sweep(&s, &caps)?;
     // the directories made here are removed again when the sweep is refused or ends with
     // nothing written
-    let made = [Some(&s.out), s.tensorboard.as_ref()].map(|d| d.map(|d| MadeDirs::missing(d)));
+    let made = s.made_dirs();
     prepare_out(&s.out, &["sweep.csv", "sweep.svg"], &s.run)?;
     if let Some(dir) = &s.tensorboard {
         crate::tensorboard::prepare(dir)?;
@@ -84,7 +84,7 @@ pub fn sweep(mut s: SweepArgs) -> Result<()> {
     };
     let samples = run_rounds(&caps, s.repeat, |round, b| runs.run_cap(&s, round, b))?;
     write_sweep(&s, &caps, &samples, runs)?;
-    made.into_iter().flatten().for_each(MadeDirs::keep);
+    made.keep();
     Ok(())
 }
 

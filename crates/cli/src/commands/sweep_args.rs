@@ -7,6 +7,7 @@ use clap::Args;
 
 use crate::args::RunArgs;
 use crate::error::{Error, Result};
+use crate::outputs::MadeDirs;
 use crate::policy::parse_entry;
 use crate::report::summary::median_min;
 use crate::run::RunReport;
@@ -50,6 +51,14 @@ pub struct SweepArgs {
     /// written. A directory an earlier sweep wrote and this one does not stays.
     #[arg(long, value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
+}
+
+impl SweepArgs {
+    /// The output directories the sweep is about to make (`--out`, `--tensorboard`), removed
+    /// again when it is refused or ends with nothing written.
+    pub fn made_dirs(&self) -> MadeDirs {
+        MadeDirs::missing(std::iter::once(self.out.as_path()).chain(self.tensorboard.as_deref()))
+    }
 }
 
 /// Makes `--out` a directory that takes files, creating it (and its parents) when missing;
