@@ -1343,6 +1343,17 @@ fn unlike_ranks_under_powersgd() -> StepProfile {
     under(p, "powersgd:1", Some(low_rank), &shapes)
 }
 
+/// The profile above with bucket 0's recorded start an earlier chain's (0 ms, before it was
+/// handed over at 10 ms) and each rank's `reduce` issuing it at `issued` (seconds, per rank).
+fn issued_after_an_earlier_chain(issued: [f64; 2]) -> StepProfile {
+    let mut p = unlike_ranks_under_powersgd();
+    for (r, issued) in p.ranks.iter_mut().zip(issued) {
+        r.buckets[0].start_s = 0.0;
+        r.buckets[0].issued_s = Some(issued);
+    }
+    p
+}
+
 #[test]
 fn on_the_measured_link_a_low_rank_bucket_waits_once_for_the_last_rank_to_issue_it() {
     // The profile above, with bucket 0's recorded start an earlier chain's (0 ms, before it was
@@ -1351,11 +1362,7 @@ fn on_the_measured_link_a_low_rank_bucket_waits_once_for_the_last_rank_to_issue_
     // 1: the replay starts the bucket at rank 1's issue, 10.3 ms, then 2 ms on the link fitted to
     // the recorded ones and 0.2 ms of compute, finishing at 12.5 ms as recorded (12.8 ms if the
     // wait were counted twice).
-    let mut p = unlike_ranks_under_powersgd();
-    for (r, issued) in p.ranks.iter_mut().zip([0.010, 0.0103]) {
-        r.buckets[0].start_s = 0.0;
-        r.buckets[0].issued_s = Some(issued);
-    }
+    let p = issued_after_an_earlier_chain([0.010, 0.0103]);
     let caps = ReplayConfig {
         order: BucketOrder::Reverse,
         link: LinkCost::Measured,
@@ -1374,11 +1381,7 @@ fn a_low_rank_bucket_waits_once_for_the_last_rank_to_issue_it_on_any_link() {
     // 0, rank 0's (12.5 − 10.3 − 2 = 0.2 ms) none: the replay starts the bucket at rank 0's
     // issue, 10.3 ms, then 4 ms + 4 KiB on the priced link and the slowest rank's compute less
     // its wait, 1.2 ms (1.5 ms if the wait were counted twice).
-    let mut p = unlike_ranks_under_powersgd();
-    for (r, issued) in p.ranks.iter_mut().zip([0.0103, 0.010]) {
-        r.buckets[0].start_s = 0.0;
-        r.buckets[0].issued_s = Some(issued);
-    }
+    let p = issued_after_an_earlier_chain([0.0103, 0.010]);
     let caps = ReplayConfig {
         order: BucketOrder::Reverse,
         ..cfg(1.0, 1.0)
